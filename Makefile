@@ -1,0 +1,62 @@
+# ctitan build. `make` builds build/ctitan and build/libctitan.so;
+# `make test` and `make run` first run scripts/setup.sh (apt + venv, idempotent).
+CC      ?= gcc
+OPT     ?= -O2
+CFLAGS  ?= $(OPT) -g
+CFLAGS  += -std=c11 -Wall -Wextra -fPIC -fopenmp -Isrc -I/usr/include/x86_64-linux-gnu/openblas-openmp -D_GNU_SOURCE
+BLASDIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
+LDLIBS  := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -lpcre2-8 -lutf8proc -lm -fopenmp
+BUILD   ?= build
+
+SRCS    := $(filter-out src/cli/main.c,$(wildcard src/*/*.c src/kernels/*/*.c))
+OBJS    := $(SRCS:%.c=$(BUILD)/obj/%.o)
+TESTS   := $(patsubst tests/c/%.c,$(BUILD)/tests/%,$(wildcard tests/c/test_*.c))
+PY      := .venv/bin/python
+
+.PHONY: all setup test test-c test-py sanitize run clean
+all: $(BUILD)/ctitan $(BUILD)/libctitan.so
+
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/libctitan.a: $(OBJS)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/libctitan.so: $(OBJS)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/ctitan: $(BUILD)/obj/src/cli/main.o $(BUILD)/libctitan.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/tests/%: tests/c/%.c $(BUILD)/libctitan.a tests/c/check.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests/c $(LDFLAGS) -o $@ $< $(BUILD)/libctitan.a $(LDLIBS)
+
+setup:
+	@bash scripts/setup.sh
+
+test-c: $(TESTS)
+	@bash scripts/run_c_tests.sh $(TESTS)
+
+# The C unit tests again under AddressSanitizer and UBSan, in their own build tree.
+sanitize:
+	@$(MAKE) --no-print-directory BUILD=build/san OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
+	  LDFLAGS="-fsanitize=address,undefined" test-c
+
+test-py: all
+	$(PY) -m pytest -q tests/py
+
+test: setup
+	@$(MAKE) --no-print-directory all test-c
+	@$(MAKE) --no-print-directory sanitize
+	@$(MAKE) --no-print-directory test-py
+
+run: setup all
+	@bash scripts/run_default.sh
+
+clean:
+	rm -rf build
+
+-include $(OBJS:.o=.d)

@@ -1,0 +1,50 @@
+/* api/ctitan.h: libctitan's narrow public API.
+ *
+ * The CLI is one user of the library; the Python parity tests (ctypes) are
+ * another. A session is one model with its optimizer, built from the same
+ * arguments `ctitan train` takes, so tests exercise the real config path.
+ * Tensors are addressed by their Hugging Face names and exchanged as fp32.
+ * Every function returns 0 on success; on failure the message is available
+ * from ctitan_last_error(s) (NULL session: the error went to `err` of open). */
+#ifndef CTITAN_H
+#define CTITAN_H
+
+#include <stdint.h>
+
+typedef struct ct_session ct_session;
+
+/* argv: the options of `ctitan train` ("--config", "f.toml", "--model.spec=hf", ...).
+ * Builds the model (random init from training.seed, or HF weights if
+ * checkpoint.initial_load_path is set) and the optimizer. Activations are
+ * planned for training.local_batch_size x training.seq_len. */
+ct_session *ctitan_open(int argc, const char **argv, char *err, int errlen);
+void ctitan_close(ct_session *s);
+const char *ctitan_last_error(const ct_session *s);
+
+int ctitan_vocab_size(const ct_session *s);
+int ctitan_num_tensors(const ct_session *s);
+const char *ctitan_tensor_name(const ct_session *s, int i);
+/* Writes up to 8 dims into shape, returns ndim (or -1 for a bad index). */
+int ctitan_tensor_shape(const ct_session *s, int i, int64_t *shape);
+int ctitan_get_param(ct_session *s, const char *name, float *out);
+int ctitan_set_param(ct_session *s, const char *name, const float *in);
+int ctitan_get_grad(ct_session *s, const char *name, float *out);
+
+/* logits[B,T,V] for tokens[B,T]; B <= local_batch_size, T <= seq_len. */
+int ctitan_logits(ct_session *s, const int32_t *tokens, int B, int T, float *logits);
+
+int ctitan_zero_grad(ct_session *s);
+/* Forward and backward of one micro-batch. labels == -100 are ignored. Gradients
+ * of (sum of CE over valid labels) / n_valid_total are ADDED to the gradient
+ * buffers, so calling it per micro-batch with the step's total count gives
+ * gradient accumulation. *loss_sum receives the micro-batch's CE sum. */
+int ctitan_forward_backward(ct_session *s, const int32_t *tokens, const int32_t *labels, int B, int T,
+                            long n_valid_total, double *loss_sum);
+/* Clip by training.max_norm, AdamW with the scheduled lr, advance the step.
+ * Outputs (may be NULL): the pre-clip global grad norm and the lr used. */
+int ctitan_optimizer_step(ct_session *s, double *grad_norm, double *lr);
+
+/* Writes a Hugging Face model directory (config.json + safetensors). */
+int ctitan_save_hf(ct_session *s, const char *dir, const char *dtype);
+
+#endif

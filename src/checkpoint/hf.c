@@ -1,0 +1,105 @@
+/* checkpoint/hf.c: load and save HF safetensors model directories. */
+#include "checkpoint/hf.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "formats/safetensors.h"
+
+int hf_dtype_from_name(const char *name) {
+    if (!strcmp(name, "float32")) return CT_F32;
+    if (!strcmp(name, "bfloat16")) return CT_BF16;
+    if (!strcmp(name, "float16")) return CT_F16;
+    return -1;
+}
+
+static const char *torch_dtype_name(ct_dtype t) {
+    return t == CT_BF16 ? "bfloat16" : t == CT_F16 ? "float16" : "float32";
+}
+
+int hf_mkdirs(const char *dir, ct_err *e) {
+    char buf[4096];
+    snprintf(buf, sizeof buf, "%s", dir);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+            return ct_fail(e, CT_ERR_IO, "%s: cannot create directory: %s", buf, strerror(errno));
+        *p = '/';
+    }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return ct_fail(e, CT_ERR_IO, "%s: cannot create directory: %s", buf, strerror(errno));
+    return 0;
+}
+
+static void shape_str(char *out, size_t cap, int ndim, const int64_t *shape) {
+    size_t k = (size_t)snprintf(out, cap, "[");
+    for (int i = 0; i < ndim && k < cap; i++) k += (size_t)snprintf(out + k, cap - k, "%s%lld", i ? ", " : "", (long long)shape[i]);
+    if (k < cap) snprintf(out + k, cap - k, "]");
+}
+
+int hf_load(qwen3_model *m, const char *dir, ct_err *e) {
+    st_set *s = st_set_open(dir, e);
+    if (!s) return e ? e->code : CT_ERR_IO;
+    int rc = 0;
+    for (int i = 0; i < m->n_tensors && !rc; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        const char *file = NULL;
+        const st_tensor *st = st_set_find(s, t->name, &file);
+        if (!st) {
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the model needs it)", dir, t->name);
+            break;
+        }
+        int same = st->ndim == t->ndim;
+        for (int d = 0; same && d < t->ndim; d++) same = st->shape[d] == t->shape[d];
+        if (!same) {
+            char got[128], want[128];
+            shape_str(got, sizeof got, st->ndim, st->shape);
+            shape_str(want, sizeof want, t->ndim, t->shape);
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has shape %s, the model expects %s", file, t->name, got,
+                         want);
+            break;
+        }
+        if (ct_convert_to_f32(m->params + t->offset, st->data, st->dtype, t->numel) != 0)
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64", file,
+                         t->name, ct_dtype_name(st->dtype));
+    }
+    for (int i = 0; i < st_set_count(s) && !rc; i++) {
+        const st_tensor *st = st_set_get(s, i);
+        if (qwen3_find(m, st->name)) continue;
+        if (m->cfg.tie_embeddings && strcmp(st->name, "lm_head.weight") == 0) continue; /* tied: the embedding wins */
+        const char *file = NULL;
+        st_set_find(s, st->name, &file);
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: unexpected tensor \"%s\" (not part of this model)", file ? file : dir,
+                     st->name);
+    }
+    st_set_close(s);
+    return rc;
+}
+
+int hf_save(const qwen3_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e) {
+    int rc = hf_mkdirs(dir, e);
+    if (rc) return rc;
+    st_wtensor *ts = ct_calloc((size_t)m->n_tensors, sizeof *ts);
+    for (int i = 0; i < m->n_tensors; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        ts[i].name = t->name;
+        ts[i].dtype = dtype;
+        ts[i].src_dtype = CT_F32;
+        ts[i].ndim = t->ndim;
+        ts[i].shape[0] = t->shape[0];
+        ts[i].shape[1] = t->shape[1];
+        ts[i].data = m->params + t->offset;
+    }
+    const char *meta[] = {"format", "pt", NULL};
+    if (max_shard_bytes == 0) max_shard_bytes = (size_t)5 << 30;
+    rc = st_write_dir(dir, ts, m->n_tensors, max_shard_bytes, meta, e);
+    free(ts);
+    if (rc) return rc;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    return qwen3_config_write_hf(&m->cfg, path, torch_dtype_name(dtype), e);
+}

@@ -1,0 +1,24 @@
+/* checkpoint/hf.h: Hugging Face model directories in and out.
+ *
+ * The model's tensor table already uses HF names, so loading is: open the
+ * safetensors set, check that the file holds exactly the model's tensors
+ * (missing, unexpected or mis-shaped ones are errors naming the tensor and
+ * the file), and convert each to fp32. A tied model accepts a file with or
+ * without lm_head.weight, as transformers does, and never writes it. */
+#ifndef CT_CHECKPOINT_HF_H
+#define CT_CHECKPOINT_HF_H
+
+#include "core/dtype.h"
+#include "core/err.h"
+#include "model/qwen3.h"
+
+int hf_load(qwen3_model *m, const char *dir, ct_err *e);
+/* Writes DIR/config.json and DIR/model.safetensors (sharded with an index
+ * above max_shard_bytes; 0 = default 5 GB). dtype: CT_F32, CT_BF16 or CT_F16. */
+int hf_save(const qwen3_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e);
+/* "float32" | "bfloat16" | "float16" -> dtype; -1 if unknown. */
+int hf_dtype_from_name(const char *name);
+/* Creates DIR and its parents. */
+int hf_mkdirs(const char *dir, ct_err *e);
+
+#endif

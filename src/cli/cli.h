@@ -1,0 +1,9 @@
+/* cli/cli.h: one function per subcommand; main.c only dispatches.
+ * Each returns the process exit status (0 ok, 2 bad config, 1 other). */
+#ifndef CT_CLI_CLI_H
+#define CT_CLI_CLI_H
+
+int cli_train(int argc, char **argv);
+void cli_train_help(void);
+
+#endif

@@ -1,0 +1,89 @@
+/* config/config.h: the run's configuration, from TOML plus CLI overrides.
+ *
+ * ONE table in config.c lists every option (section, key, type, default, range,
+ * help, and where it lives in ct_config). The TOML reader, the override
+ * parser, validation, `--help` and the resolved-config dump all walk that
+ * table, so adding an option is one line there plus one field here. Section
+ * and key names are torchtitan's. */
+#ifndef CT_CONFIG_CONFIG_H
+#define CT_CONFIG_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "core/err.h"
+
+typedef struct {
+    /* [job] */
+    char *dump_folder;        /* "./outputs" */
+    char *description;        /* "" */
+    /* [model] */
+    char *model_spec;         /* "qwen3" | "hf" */
+    char *model_flavor;       /* "debugmodel" */
+    char *hf_assets_path;     /* "" : directory with config.json (spec "hf") */
+    /* [optimizer] */
+    char *opt_name;           /* "AdamW" (only value for now) */
+    double lr;                /* 8e-4 */
+    double eps;               /* 1e-8 */
+    double weight_decay;      /* 0.1 */
+    double beta1;             /* 0.9 */
+    double beta2;             /* 0.95 */
+    /* [lr_scheduler] */
+    int warmup_steps;         /* 200 */
+    double decay_ratio;       /* -1 = unset: decay over every step after warmup */
+    char *decay_type;         /* "linear" | "sqrt" | "cosine" */
+    double min_lr_factor;     /* 0.0 */
+    /* [training] */
+    int local_batch_size;     /* 8 */
+    int global_batch_size;    /* -1 = local_batch_size (x data-parallel degree later) */
+    int seq_len;              /* 2048 */
+    double max_norm;          /* 1.0 ; 0 disables clipping */
+    int steps;                /* 10000 */
+    char *dataset;            /* "" */
+    char *dataset_path;       /* "" */
+    int64_t seed;             /* 0 */
+    int deterministic;        /* false */
+    int threads;              /* 0 = OMP_NUM_THREADS or all cores */
+    /* [checkpoint] */
+    int ckpt_enable;          /* false */
+    char *ckpt_folder;        /* "checkpoint" (relative to dump_folder) */
+    int ckpt_interval;        /* 500 */
+    char *initial_load_path;  /* "" */
+    int initial_load_in_hf;   /* false */
+    int last_save_in_hf;      /* false */
+    char *export_dtype;       /* "float32" | "bfloat16" | "float16" */
+    /* [metrics] */
+    int log_freq;             /* 10 */
+    char *metrics_file;       /* "metrics.jsonl" (relative to dump_folder); "" disables */
+    double peak_tflops;       /* 0 = measure once and cache */
+
+    char *config_path;        /* the --config file, or "" */
+} ct_config;
+
+/* Fills every field with its default. */
+void cfg_defaults(ct_config *c);
+void cfg_free(ct_config *c);
+
+/* Parses `args` (argv after the subcommand) on top of `c`, which must hold
+ * defaults (cfg_defaults) or an earlier parse: `--config FILE` first applies the
+ * TOML file, then every `--section.key=value`, `--section.key value` or bare
+ * `--section.key` (booleans: true) overrides it. Unknown section or key, wrong
+ * type, out-of-range value: returns CT_ERR_CONFIG with a message naming the key
+ * and the file (or "command line"). Any other argument is an error too. */
+int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e);
+
+/* Sets one option from text as if given on the command line, e.g.
+ * cfg_set(c, "training.steps", "20", e). For the library API and tests. */
+int cfg_set(ct_config *c, const char *name, const char *value, ct_err *e);
+
+/* Cross-field checks (global batch a multiple of local, ...). Called by
+ * cfg_parse_args too. */
+int cfg_validate(const ct_config *c, ct_err *e);
+
+/* Every option with its type, default and help, grouped by section. */
+void cfg_print_help(FILE *out);
+
+/* The resolved config as TOML (parseable back by cfg_parse_args). */
+void cfg_write_toml(const ct_config *c, FILE *out);
+
+#endif

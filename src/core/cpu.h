@@ -1,0 +1,26 @@
+/* core/cpu.h: what the CPU can do: thread count, peak FLOP/s, memory use.
+ *
+ * MFU needs the machine's peak. Datasheets do not know how many cores a
+ * container really gets or at what clock, so ctitan measures it: a loop of
+ * independent FMAs in registers on every thread (AVX-512, else AVX2, else
+ * scalar), once, cached under ~/.cache/ctitan keyed by CPU model and threads. */
+#ifndef CT_CORE_CPU_H
+#define CT_CORE_CPU_H
+
+typedef struct {
+    double flops;       /* fp32 FLOP/s across `threads` */
+    int threads;
+    const char *source; /* "config", "measured", "cached" */
+    const char *isa;    /* "avx512", "avx2", "scalar" */
+} cpu_peak;
+
+/* Measures (or reads the cache of) the fp32 FMA peak on `threads` threads. */
+void cpu_peak_flops(cpu_peak *out, int threads);
+/* Peak resident set size of this process in bytes (VmHWM), 0 if unknown. */
+double cpu_peak_rss_bytes(void);
+/* Threads OpenMP will use. */
+int cpu_threads(void);
+/* Sets OpenMP's and the BLAS's thread counts together (n > 0). */
+void cpu_set_threads(int n);
+
+#endif

@@ -1,0 +1,43 @@
+/* core/err.c: error reporting and checked allocation. */
+#include "core/err.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int ct_fail(ct_err *e, int code, const char *fmt, ...) {
+    if (!e) return code;
+    e->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+int ct_exit_code(int code) { return code == CT_ERR_CONFIG ? 2 : (code ? 1 : 0); }
+
+static void oom(size_t n) {
+    fprintf(stderr, "ctitan: error: out of memory allocating %zu bytes\n", n);
+    exit(1);
+}
+
+void *ct_malloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) oom(n);
+    return p;
+}
+
+void *ct_calloc(size_t n, size_t size) {
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) oom(n * size);
+    return p;
+}
+
+char *ct_strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *p = ct_malloc(n);
+    memcpy(p, s, n);
+    return p;
+}

@@ -1,0 +1,37 @@
+/* core/err.h: one error type for the whole program.
+ *
+ * Functions that can fail take a `ct_err *` and return 0 on success or the
+ * error's code. The message names the file, key, or tensor at fault, so the
+ * CLI only has to print it and exit with the code. No global "last error":
+ * the caller owns the struct (it usually lives in the run context). */
+#ifndef CT_CORE_ERR_H
+#define CT_CORE_ERR_H
+
+#include <stddef.h>
+
+enum {
+    CT_OK = 0,
+    CT_ERR_IO = 1,      /* runtime failure: file, memory, bad data file */
+    CT_ERR_CONFIG = 2,  /* bad config/CLI value: exit code 2 before any work */
+    CT_ERR_FORMAT = 3,  /* malformed input file (safetensors, JSON, npy) */
+};
+
+typedef struct {
+    int code;
+    char msg[1024];
+} ct_err;
+
+/* Sets e->code and e->msg (printf-style) and returns code. e may be NULL. */
+int ct_fail(ct_err *e, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Exit status for an error code: config errors exit 2, everything else 1. */
+int ct_exit_code(int code);
+
+/* Allocation that dies with a clear message instead of returning NULL:
+ * running out of memory mid-step leaves nothing to recover. */
+void *ct_malloc(size_t n);
+void *ct_calloc(size_t n, size_t size);
+char *ct_strdup(const char *s);
+
+#endif

@@ -1,0 +1,78 @@
+/* formats/safetensors.h: Hugging Face safetensors, read and write.
+ *
+ * Reading maps the file (mmap, read-only) and validates every field of the
+ * header before exposing a single tensor: the file is untrusted input. A
+ * tensor's `data` points into the mapping, in the file's dtype; callers
+ * convert with core/dtype.h. A "set" is a model directory: one
+ * model.safetensors, or shards listed by model.safetensors.index.json.
+ *
+ * Writing goes to PATH.tmp, fsyncs, then renames, so a crash never leaves a
+ * half-written file under the final name. */
+#ifndef CT_FORMATS_SAFETENSORS_H
+#define CT_FORMATS_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/dtype.h"
+#include "core/err.h"
+
+#define ST_MAX_DIMS 8
+
+typedef struct {
+    const char *name;
+    ct_dtype dtype;
+    int ndim;
+    int64_t shape[ST_MAX_DIMS];
+    int64_t numel;
+    const void *data; /* into the mapping; nbytes = numel * dtype size */
+    size_t nbytes;
+} st_tensor;
+
+typedef struct st_file st_file;
+
+st_file *st_open(const char *path, ct_err *e);
+void st_close(st_file *f);
+int st_count(const st_file *f);
+const st_tensor *st_get(const st_file *f, int i);
+const st_tensor *st_find(const st_file *f, const char *name);
+/* Value of __metadata__[key], or NULL. */
+const char *st_metadata(const st_file *f, const char *key);
+const char *st_path(const st_file *f);
+
+typedef struct st_set st_set;
+
+/* Opens DIR/model.safetensors.index.json (and every shard it names) if present,
+ * else DIR/model.safetensors. A tensor listed in two shards, a weight_map entry
+ * missing from its shard, or a shard tensor missing from the weight_map is an
+ * error naming it. */
+st_set *st_set_open(const char *dir, ct_err *e);
+void st_set_close(st_set *s);
+int st_set_count(const st_set *s);
+const st_tensor *st_set_get(const st_set *s, int i);
+/* NULL if absent. If file_out is given it receives the shard's path. */
+const st_tensor *st_set_find(const st_set *s, const char *name, const char **file_out);
+
+/* A tensor to write. `data` holds numel elements of `src_dtype`; they are stored
+ * as `dtype` (converted on the fly when src_dtype is F32 and dtype is BF16/F16). */
+typedef struct {
+    const char *name;
+    ct_dtype dtype;
+    ct_dtype src_dtype;
+    int ndim;
+    int64_t shape[ST_MAX_DIMS];
+    const void *data;
+} st_wtensor;
+
+/* Writes one file. meta: NULL-terminated list of key, value, key, value, ...
+ * (may be NULL). Tensors are written in the order given. */
+int st_write(const char *path, const st_wtensor *ts, int n, const char *const *meta, ct_err *e);
+
+/* Writes DIR/model.safetensors when the total is at most max_shard_bytes,
+ * else DIR/model-0000i-of-0000N.safetensors shards plus
+ * model.safetensors.index.json ({"metadata": {"total_size": N}, "weight_map": ...}).
+ * max_shard_bytes 0 means never shard. */
+int st_write_dir(const char *dir, const st_wtensor *ts, int n, size_t max_shard_bytes,
+                 const char *const *meta, ct_err *e);
+
+#endif

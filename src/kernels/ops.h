@@ -1,0 +1,68 @@
+/* kernels/ops.h: every op the model runs, forward and backward, declared once.
+ *
+ * Conventions (llm.c's): outputs first, inputs next, sizes last. Backward
+ * functions ACCUMULATE into their gradient outputs (+=), so a tensor used
+ * twice (tied embeddings, the residual stream) just receives two calls. All
+ * tensors are fp32, row-major, contiguous. Weights are [out, in] as in HF.
+ * These are the plain reference implementations (kernels/ref/); faster ones
+ * register beside them later and are checked against these. */
+#ifndef CT_KERNELS_OPS_H
+#define CT_KERNELS_OPS_H
+
+#include <stdint.h>
+
+/* out[M,N] = inp[M,K] @ w[N,K]^T        (accumulate=0 overwrites, 1 adds) */
+void op_matmul_fwd(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
+/* dinp[M,K] += dout[M,N] @ w[N,K];  dw[N,K] += dout[M,N]^T @ inp[M,K]
+ * Either output may be NULL to skip it. */
+void op_matmul_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                   int M, int K, int N);
+
+/* out[N,C] = wte[tokens[n], :]  (tokens must be in [0,V)) */
+void op_embedding_fwd(float *out, const int32_t *tokens, const float *wte, int N, int C);
+/* dwte[tokens[n], :] += dout[n, :] ; sequential over n so the result is deterministic */
+void op_embedding_bwd(float *dwte, const float *dout, const int32_t *tokens, int N, int C);
+
+/* RMSNorm over rows of C: out[N,C] = inp * rstd * w, rstd[N] = 1/sqrt(mean(inp^2) + eps) */
+void op_rmsnorm_fwd(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps);
+/* dinp[N,C] += ..., dw[C] += ... (dw may be NULL) */
+void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                    const float *rstd, int N, int C);
+
+/* Rotate-half RoPE, in place allowed (out may equal inp).
+ * x[B,T,nh,hd]; cos,sin [T, hd/2] (positions 0..T-1; HF's emb = cat(f, f) so
+ * both halves share angle i). out[..., i] = x_i c - x_{i+h} s, out[..., i+h] = x_{i+h} c + x_i s. */
+void op_rope_fwd(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh, int hd);
+/* dinp += R^T dout (also allowed in place on a zeroed-then-filled buffer: see impl) */
+void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh, int hd);
+/* cos/sin tables [T, hd/2] with inv_freq[i] = 1/theta^(2i/hd) computed in fp32 as HF does. */
+void op_rope_tables(float *cos, float *sin, int T, int hd, float theta);
+
+/* Causal GQA attention. q[B,T,nh,hd], k,v [B,T,nkv,hd] -> out[B,T,nh,hd];
+ * probs[B,nh,T,T] saved for backward (softmax of q k^T / sqrt(hd), rows
+ * above the diagonal zero). Query head h reads kv head h / (nh/nkv). */
+void op_attention_fwd(float *out, float *probs, const float *q, const float *k, const float *v,
+                      int B, int T, int nh, int nkv, int hd);
+/* dq, dk, dv += ... */
+void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *probs,
+                      const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd);
+
+/* out[N] = silu(gate) * up */
+void op_swiglu_fwd(float *out, const float *gate, const float *up, int N);
+/* dgate, dup += ... */
+void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+
+/* Cross-entropy on a block of logits, fused with its backward.
+ * logits[N,V] is overwritten with dlogits = (softmax - onehot(target)) * grad_scale
+ * for rows whose target != -100, and zeros for ignored rows.
+ * Returns the SUM over valid rows of -log softmax[target] (as double), and
+ * adds the count of valid rows to *n_valid if non-NULL. */
+double op_crossentropy_fwdbwd(float *logits, const int32_t *targets, int N, int V, float grad_scale,
+                              long *n_valid);
+/* Forward only: per-row losses (0 for ignored rows), logits untouched. Returns the sum. */
+double op_crossentropy_fwd(float *losses, const float *logits, const int32_t *targets, int N, int V);
+
+/* Residual add: out[N] = a + b (out may alias a). */
+void op_add(float *out, const float *a, const float *b, long N);
+
+#endif

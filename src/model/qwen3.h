@@ -1,0 +1,157 @@
+/* model/qwen3.h: the Qwen3 dense model: config, parameters, forward, backward.
+ *
+ * Two specs meet here and nowhere else: a native flavor table
+ * (`model.spec = "qwen3"`, `model.flavor`) and a Hugging Face config.json
+ * (`model.spec = "hf"`). Both produce a qwen3_config; everything after that
+ * is the same code.
+ *
+ * Parameters live in ONE flat fp32 buffer ordered by layer (embedding, layer
+ * 0 .. L-1, final norm, lm_head), with the same layout for gradients and the
+ * optimizer moments. Each tensor is named by its HF key, so checkpoint I/O
+ * is a loop over the tensor table. Activations are planned once for
+ * B x T and reused every step. Forward and backward are plain calls to the
+ * ops of kernels/ops.h in llm.c style: no autograd, no allocation per step. */
+#ifndef CT_MODEL_QWEN3_H
+#define CT_MODEL_QWEN3_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/err.h"
+
+typedef struct {
+    int vocab_size;    /* V */
+    int hidden;        /* H */
+    int intermediate;  /* I */
+    int n_layers;      /* L */
+    int n_heads;       /* nH */
+    int n_kv_heads;    /* nKV */
+    int head_dim;      /* hd (NOT H / nH in general) */
+    int max_pos;       /* max_position_embeddings, written back to config.json */
+    int tie_embeddings;
+    double rope_theta;
+    double rms_eps;
+    char name[64];     /* flavor name, or "hf" */
+} qwen3_config;
+
+/* Native flavors: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B. Unknown flavor:
+ * CT_ERR_CONFIG listing the known ones. */
+int qwen3_config_from_flavor(qwen3_config *c, const char *flavor, ct_err *e);
+/* Reads DIR/config.json (model_type "qwen3"). Missing required fields, wrong
+ * types, or unsupported features (attention bias, sliding window, rope
+ * scaling) are errors naming the file and the key. */
+int qwen3_config_from_hf(qwen3_config *c, const char *dir, ct_err *e);
+/* Writes an HF config.json that transformers loads as Qwen3ForCausalLM. */
+int qwen3_config_write_hf(const qwen3_config *c, const char *path, const char *dtype_name, ct_err *e);
+/* Checks a config for sizes the model cannot run (e.g. nH % nKV != 0). */
+int qwen3_config_check(const qwen3_config *c, const char *where, ct_err *e);
+
+#define QWEN3_NAME_MAX 96
+
+typedef struct {
+    char name[QWEN3_NAME_MAX]; /* HF key */
+    int ndim;
+    int64_t shape[2];
+    size_t offset;             /* in floats, into the flat buffers */
+    size_t numel;
+    int is_matrix;             /* init with normal(0, 0.02) rather than ones */
+} qwen3_tensor;
+
+/* Pointers to one layer's tensors inside a flat buffer (params or grads). */
+typedef struct {
+    float *ln1;   /* [H] input_layernorm */
+    float *wq;    /* [nH*hd, H] */
+    float *wk;    /* [nKV*hd, H] */
+    float *wv;    /* [nKV*hd, H] */
+    float *wo;    /* [H, nH*hd] */
+    float *qn;    /* [hd] q_norm */
+    float *kn;    /* [hd] k_norm */
+    float *ln2;   /* [H] post_attention_layernorm */
+    float *wg;    /* [I, H] gate_proj */
+    float *wu;    /* [I, H] up_proj */
+    float *wd;    /* [H, I] down_proj */
+} qwen3_layer_w;
+
+typedef struct {
+    float *wte;        /* [V, H] */
+    qwen3_layer_w *layer; /* [L] */
+    float *lnf;        /* [H] */
+    float *lm_head;    /* [V, H]; == wte when tied */
+} qwen3_weights;
+
+/* Activations saved by forward for backward, one set per layer. */
+typedef struct {
+    float *res;      /* [BT, H]   residual stream entering the layer */
+    float *ln1;      /* [BT, H]   */
+    float *ln1_rstd; /* [BT]      */
+    float *q;        /* [BT, nH*hd] q_proj output, before q_norm */
+    float *q_rstd;   /* [BT*nH]   */
+    float *qr;       /* [BT, nH*hd] after q_norm and RoPE */
+    float *k;        /* [BT, nKV*hd] */
+    float *k_rstd;   /* [BT*nKV]  */
+    float *kr;       /* [BT, nKV*hd] */
+    float *v;        /* [BT, nKV*hd] */
+    float *probs;    /* [B, nH, T, T] */
+    float *att;      /* [BT, nH*hd] attention output, o_proj input */
+    float *res_mid;  /* [BT, H]   residual after attention */
+    float *ln2;      /* [BT, H]   */
+    float *ln2_rstd; /* [BT]      */
+    float *gate;     /* [BT, I]   */
+    float *up;       /* [BT, I]   */
+    float *h;        /* [BT, I]   silu(gate) * up */
+} qwen3_layer_acts;
+
+typedef struct {
+    qwen3_config cfg;
+    int n_tensors;
+    qwen3_tensor *tensors;
+    size_t n_params;        /* floats in the flat buffer */
+    float *params;          /* [n_params] */
+    float *grads;           /* [n_params] */
+    qwen3_weights w, g;     /* views into params and grads */
+
+    /* planned activations for at most B x T */
+    int B, T;
+    float *act_mem;
+    size_t act_floats;
+    qwen3_layer_acts *acts; /* [L] */
+    float *res_out;         /* [BT, H] residual after the last layer */
+    float *lnf;             /* [BT, H] */
+    float *lnf_rstd;        /* [BT] */
+    float *rope_cos, *rope_sin; /* [T, hd/2] */
+    int logit_rows;         /* rows of logits materialised at once */
+    float *logits;          /* [logit_rows, V] */
+    /* backward scratch */
+    float *d_res, *d_ln, *d_att, *d_q, *d_q2, *d_k, *d_k2, *d_v, *d_h, *d_gate, *d_up; /* see qwen3.c */
+    const int32_t *tokens;  /* of the last forward, for the embedding backward */
+    int fwd_B, fwd_T;
+} qwen3_model;
+
+/* Builds the tensor table, allocates params/grads and the activation plan for
+ * B x T. Weights are NOT initialised. */
+int qwen3_create(qwen3_model *m, const qwen3_config *c, int B, int T, ct_err *e);
+void qwen3_free(qwen3_model *m);
+/* normal(0, 0.02) for matrices, 1 for norms; deterministic from seed. */
+void qwen3_init_random(qwen3_model *m, uint64_t seed);
+const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name);
+/* Bytes the plan allocates (params + grads + activations), for the log. */
+size_t qwen3_activation_bytes(const qwen3_model *m);
+/* Parameters, and FLOPs per token for one forward+backward at sequence T
+ * (6 * matmul params + 12 * L * nH * hd * T; the lm_head counted, the
+ * embedding lookup not). */
+size_t qwen3_num_params(const qwen3_model *m);
+double qwen3_flops_per_token(const qwen3_model *m, int T);
+
+/* Forward + fused lm_head/cross-entropy + backward for one micro-batch.
+ * tokens, labels [B, T]; labels == -100 are ignored. Gradients of
+ * (sum of CE) * grad_scale are ADDED to m->grads (grad_scale = 1 / number of
+ * valid labels in the whole optimizer step). Returns the CE sum, and the
+ * count of valid labels in *n_valid. */
+double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
+                              float grad_scale, long *n_valid);
+/* Forward only; writes logits[B, T, V]. */
+void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits);
+/* Forward only; returns the CE sum over valid labels (for evaluation). */
+double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid);
+
+#endif

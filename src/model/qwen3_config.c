@@ -1,0 +1,243 @@
+/* model/qwen3_config.c: where the two ways of naming a model meet.
+ *
+ * A native flavor is a row of the table below (the published
+ * hyperparameters); an HF directory is its config.json. Both fill the same
+ * qwen3_config. Reading config.json is strict about what we cannot compute
+ * (attention bias, sliding windows, RoPE scaling): silently training a
+ * different model than the checkpoint describes is the worst failure. RoPE
+ * theta is always taken from the file, never from a flavor. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "model/qwen3.h"
+
+typedef struct {
+    const char *name;
+    int V, H, I, L, nH, nKV, hd, tied;
+    double theta;
+} flavor_row;
+
+static const flavor_row flavors[] = {
+    {"debugmodel", 2048, 256, 3072, 8, 16, 8, 128, 0, 1e6f},
+    {"0.6B", 151936, 1024, 3072, 28, 16, 8, 128, 1, 1e6f},
+    {"1.7B", 151936, 2048, 6144, 28, 16, 8, 128, 1, 1e6f},
+    {"4B", 151936, 2560, 9728, 36, 32, 8, 128, 1, 1e6f},
+    {"8B", 151936, 4096, 12288, 36, 32, 8, 128, 0, 1e6f},
+    {"14B", 151936, 5120, 17408, 40, 40, 8, 128, 0, 1e6f},
+    {"32B", 151936, 5120, 25600, 64, 64, 8, 128, 0, 1e6f},
+};
+
+int qwen3_config_check(const qwen3_config *c, const char *where, ct_err *e) {
+    struct { const char *k; int v; } pos[] = {
+        {"vocab_size", c->vocab_size}, {"hidden_size", c->hidden}, {"intermediate_size", c->intermediate},
+        {"num_hidden_layers", c->n_layers}, {"num_attention_heads", c->n_heads},
+        {"num_key_value_heads", c->n_kv_heads}, {"head_dim", c->head_dim}};
+    for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
+        if (pos[i].v <= 0) return ct_fail(e, CT_ERR_CONFIG, "%s: %s must be positive, got %d", where, pos[i].k, pos[i].v);
+    if (c->n_heads % c->n_kv_heads)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: num_attention_heads (%d) is not a multiple of num_key_value_heads (%d)",
+                       where, c->n_heads, c->n_kv_heads);
+    if (c->head_dim % 2) return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim must be even for RoPE, got %d", where, c->head_dim);
+    if (!(c->rope_theta > 0)) return ct_fail(e, CT_ERR_CONFIG, "%s: rope_theta must be positive", where);
+    if (!(c->rms_eps > 0)) return ct_fail(e, CT_ERR_CONFIG, "%s: rms_norm_eps must be positive", where);
+    return 0;
+}
+
+int qwen3_config_from_flavor(qwen3_config *c, const char *flavor, ct_err *e) {
+    for (size_t i = 0; i < sizeof flavors / sizeof flavors[0]; i++) {
+        const flavor_row *f = &flavors[i];
+        if (strcmp(f->name, flavor) != 0) continue;
+        memset(c, 0, sizeof *c);
+        c->vocab_size = f->V;
+        c->hidden = f->H;
+        c->intermediate = f->I;
+        c->n_layers = f->L;
+        c->n_heads = f->nH;
+        c->n_kv_heads = f->nKV;
+        c->head_dim = f->hd;
+        c->tie_embeddings = f->tied;
+        c->rope_theta = f->theta;
+        c->rms_eps = 1e-6;
+        c->max_pos = 40960;
+        snprintf(c->name, sizeof c->name, "%s", f->name);
+        return 0;
+    }
+    char known[256] = "";
+    for (size_t i = 0; i < sizeof flavors / sizeof flavors[0]; i++) {
+        strcat(known, i ? ", " : "");
+        strcat(known, flavors[i].name);
+    }
+    return ct_fail(e, CT_ERR_CONFIG, "model.flavor: unknown flavor \"%s\" for model.spec \"qwen3\" (known: %s)",
+                   flavor, known);
+}
+
+static char *read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    if (n < 0) { fclose(f); return NULL; }
+    char *buf = malloc((size_t)n + 1);
+    if (!buf) { fclose(f); return NULL; }
+    size_t got = fread(buf, 1, (size_t)n, f);
+    fclose(f);
+    buf[got] = 0;
+    if (len) *len = got;
+    return buf;
+}
+
+/* An integer field: required unless def_ok, then *out keeps its default. */
+static int json_int(const cJSON *root, const char *key, int *out, int required, const char *path, ct_err *e) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!it || cJSON_IsNull(it)) {
+        if (required) return ct_fail(e, CT_ERR_CONFIG, "%s: missing required key \"%s\"", path, key);
+        return 0;
+    }
+    double v = it->valuedouble;
+    if (!cJSON_IsNumber(it) || v != floor(v) || v < -2147483648.0 || v > 2147483647.0)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an integer", path, key);
+    *out = (int)v;
+    return 0;
+}
+
+static int json_float(const cJSON *root, const char *key, double *out, const char *path, ct_err *e) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!it || cJSON_IsNull(it)) return 0;
+    if (!cJSON_IsNumber(it)) return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be a number", path, key);
+    *out = it->valuedouble;
+    return 0;
+}
+
+static int json_bool(const cJSON *root, const char *key, int *out, const char *path, ct_err *e) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!it || cJSON_IsNull(it)) return 0;
+    if (!cJSON_IsBool(it)) return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be true or false", path, key);
+    *out = cJSON_IsTrue(it);
+    return 0;
+}
+
+int qwen3_config_from_hf(qwen3_config *c, const char *dir, ct_err *e) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    size_t len = 0;
+    char *text = read_file(path, &len);
+    if (!text) return ct_fail(e, CT_ERR_CONFIG, "%s: cannot read (model.hf_assets_path = \"%s\")", path, dir);
+    cJSON *root = cJSON_ParseWithLength(text, len);
+    free(text);
+    if (!root || !cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return ct_fail(e, CT_ERR_CONFIG, "%s: not a valid JSON object", path);
+    }
+    int rc = 0;
+    memset(c, 0, sizeof *c);
+    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
+    if (!cJSON_IsString(mt)) {
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: missing \"model_type\"", path);
+        goto done;
+    }
+    if (strcmp(mt->valuestring, "qwen3") != 0) {
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: model_type \"%s\" is not supported here (expected \"qwen3\")", path,
+                     mt->valuestring);
+        goto done;
+    }
+    /* Defaults are Qwen3Config's for the optional keys. */
+    c->n_kv_heads = -1;
+    c->head_dim = 128;
+    c->max_pos = 32768;
+    c->rms_eps = 1e-6;
+    c->rope_theta = 10000.0;
+    c->tie_embeddings = 0;
+    if ((rc = json_int(root, "vocab_size", &c->vocab_size, 1, path, e)) ||
+        (rc = json_int(root, "hidden_size", &c->hidden, 1, path, e)) ||
+        (rc = json_int(root, "intermediate_size", &c->intermediate, 1, path, e)) ||
+        (rc = json_int(root, "num_hidden_layers", &c->n_layers, 1, path, e)) ||
+        (rc = json_int(root, "num_attention_heads", &c->n_heads, 1, path, e)) ||
+        (rc = json_int(root, "num_key_value_heads", &c->n_kv_heads, 0, path, e)) ||
+        (rc = json_int(root, "head_dim", &c->head_dim, 0, path, e)) ||
+        (rc = json_int(root, "max_position_embeddings", &c->max_pos, 0, path, e)) ||
+        (rc = json_float(root, "rms_norm_eps", &c->rms_eps, path, e)) ||
+        (rc = json_float(root, "rope_theta", &c->rope_theta, path, e)) ||
+        (rc = json_bool(root, "tie_word_embeddings", &c->tie_embeddings, path, e)))
+        goto done;
+    if (c->n_kv_heads == -1) c->n_kv_heads = c->n_heads;
+    /* transformers v5 moved theta into rope_parameters; it wins when present. */
+    const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
+    if (!rp || cJSON_IsNull(rp)) rp = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
+    if (rp && !cJSON_IsNull(rp)) {
+        if (!cJSON_IsObject(rp)) {
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an object", path, rp->string);
+            goto done;
+        }
+        if ((rc = json_float(rp, "rope_theta", &c->rope_theta, path, e))) goto done;
+        const cJSON *rt = cJSON_GetObjectItemCaseSensitive(rp, "rope_type");
+        if (!rt) rt = cJSON_GetObjectItemCaseSensitive(rp, "type");
+        if (rt && !(cJSON_IsString(rt) && strcmp(rt->valuestring, "default") == 0)) {
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: %s.rope_type \"%s\" is not supported (only \"default\")", path,
+                         rp->string, cJSON_IsString(rt) ? rt->valuestring : "?");
+            goto done;
+        }
+    }
+    int flag = 0;
+    if ((rc = json_bool(root, "attention_bias", &flag, path, e))) goto done;
+    if (flag) {
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: attention_bias = true is not supported", path);
+        goto done;
+    }
+    flag = 0;
+    if ((rc = json_bool(root, "use_sliding_window", &flag, path, e))) goto done;
+    if (flag) {
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: use_sliding_window = true is not supported", path);
+        goto done;
+    }
+    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
+    if (act && !(cJSON_IsString(act) && strcmp(act->valuestring, "silu") == 0)) {
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: hidden_act must be \"silu\"", path);
+        goto done;
+    }
+    snprintf(c->name, sizeof c->name, "hf");
+    rc = qwen3_config_check(c, path, e);
+done:
+    cJSON_Delete(root);
+    return rc;
+}
+
+int qwen3_config_write_hf(const qwen3_config *c, const char *path, const char *dtype_name, ct_err *e) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
+    cJSON_AddItemToArray(arch, cJSON_CreateString("Qwen3ForCausalLM"));
+    cJSON_AddStringToObject(o, "model_type", "qwen3");
+    cJSON_AddNumberToObject(o, "vocab_size", c->vocab_size);
+    cJSON_AddNumberToObject(o, "hidden_size", c->hidden);
+    cJSON_AddNumberToObject(o, "intermediate_size", c->intermediate);
+    cJSON_AddNumberToObject(o, "num_hidden_layers", c->n_layers);
+    cJSON_AddNumberToObject(o, "num_attention_heads", c->n_heads);
+    cJSON_AddNumberToObject(o, "num_key_value_heads", c->n_kv_heads);
+    cJSON_AddNumberToObject(o, "head_dim", c->head_dim);
+    cJSON_AddStringToObject(o, "hidden_act", "silu");
+    cJSON_AddNumberToObject(o, "max_position_embeddings", c->max_pos);
+    cJSON_AddNumberToObject(o, "rms_norm_eps", c->rms_eps);
+    cJSON_AddNumberToObject(o, "rope_theta", c->rope_theta);
+    cJSON *rp = cJSON_AddObjectToObject(o, "rope_parameters");
+    cJSON_AddStringToObject(rp, "rope_type", "default");
+    cJSON_AddNumberToObject(rp, "rope_theta", c->rope_theta);
+    cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
+    cJSON_AddBoolToObject(o, "attention_bias", 0);
+    cJSON_AddNumberToObject(o, "attention_dropout", 0);
+    cJSON_AddBoolToObject(o, "use_sliding_window", 0);
+    cJSON_AddBoolToObject(o, "use_cache", 1);
+    cJSON_AddNumberToObject(o, "initializer_range", 0.02);
+    cJSON_AddStringToObject(o, "dtype", dtype_name);
+    char *text = cJSON_Print(o);
+    cJSON_Delete(o);
+    int rc = 0;
+    FILE *f = fopen(path, "wb");
+    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot write", path);
+    if (f && fclose(f) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: cannot write", path);
+    free(text);
+    return rc;
+}

@@ -1,0 +1,113 @@
+/* optim/optim.c: AdamW, clipping and the LR schedule. */
+#include "optim/optim.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/err.h"
+
+void adamw_init(adamw_state *s, size_t n) {
+    s->n = n;
+    s->m = ct_calloc(n, sizeof(float));
+    s->v = ct_calloc(n, sizeof(float));
+    s->step = 0;
+}
+
+void adamw_free(adamw_state *s) {
+    free(s->m);
+    free(s->v);
+    memset(s, 0, sizeof *s);
+}
+
+void adamw_step(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h) {
+    s->step++;
+    /* scalars in double like torch's Python-side math, elementwise in fp32 */
+    const float decay = (float)(1.0 - lr * h->weight_decay);
+    const float b1 = (float)h->beta1, b2 = (float)h->beta2;
+    const double bc1 = 1.0 - pow(h->beta1, (double)s->step);
+    const double bc2 = 1.0 - pow(h->beta2, (double)s->step);
+    const float step_size = (float)(lr / bc1);
+    const float bc2_sqrt = (float)sqrt(bc2);
+    const float eps = (float)h->eps;
+    float *m = s->m, *v = s->v;
+    long n = (long)s->n;
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < n; i++) {
+        float g = grads[i];
+        float p = params[i] * decay;
+        m[i] = m[i] + (1.0f - b1) * (g - m[i]); /* lerp, as torch */
+        v[i] = v[i] * b2 + (1.0f - b2) * g * g;
+        float denom = sqrtf(v[i]) / bc2_sqrt + eps;
+        params[i] = p - step_size * (m[i] / denom);
+    }
+}
+
+double optim_grad_norm(const float *g, size_t n) {
+    /* fixed-size blocks summed in order keep the result independent of threads */
+    enum { BLOCK = 1 << 16 };
+    long nb = (long)((n + BLOCK - 1) / BLOCK);
+    double *part = ct_calloc((size_t)nb, sizeof(double));
+#pragma omp parallel for schedule(static)
+    for (long b = 0; b < nb; b++) {
+        size_t lo = (size_t)b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+        double acc = 0;
+        for (size_t i = lo; i < hi; i++) acc += (double)g[i] * g[i];
+        part[b] = acc;
+    }
+    double total = 0;
+    for (long b = 0; b < nb; b++) total += part[b];
+    free(part);
+    return sqrt(total);
+}
+
+double optim_clip_grad_norm(float *g, size_t n, double max_norm) {
+    double norm = optim_grad_norm(g, n);
+    if (max_norm <= 0) return norm;
+    double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) {
+        float c = (float)coef;
+        long nn = (long)n;
+#pragma omp parallel for schedule(static)
+        for (long i = 0; i < nn; i++) g[i] *= c;
+    }
+    return norm;
+}
+
+int lr_decay_type_from_name(const char *name) {
+    if (!strcmp(name, "linear")) return LR_DECAY_LINEAR;
+    if (!strcmp(name, "sqrt")) return LR_DECAY_SQRT;
+    if (!strcmp(name, "cosine")) return LR_DECAY_COSINE;
+    return -1;
+}
+
+void lr_schedule_init(lr_schedule *s, int training_steps, int warmup_steps, double decay_ratio,
+                      lr_decay_type type, double min_lr_factor) {
+    s->warmup_steps = warmup_steps;
+    if (decay_ratio < 0) {
+        s->decay_steps = training_steps - warmup_steps;
+    } else {
+        s->decay_steps = (int)lround(training_steps * decay_ratio);
+        if (warmup_steps + s->decay_steps > training_steps) s->decay_steps = training_steps - warmup_steps;
+    }
+    if (s->decay_steps < 0) s->decay_steps = 0;
+    /* the +1 is torchtitan's: step indices run 0..training_steps */
+    s->stable_steps = training_steps + 1 - warmup_steps - s->decay_steps;
+    s->type = type;
+    s->min_lr_factor = min_lr_factor;
+}
+
+double lr_schedule_factor(const lr_schedule *s, int step) {
+    int warm_stable = s->warmup_steps + s->stable_steps;
+    if (step < s->warmup_steps) return (double)(step + 1) / s->warmup_steps;
+    if (step < warm_stable) return 1.0;
+    if (s->decay_steps <= 0) return s->min_lr_factor;
+    double progress = (double)(step + 1 - warm_stable) / s->decay_steps;
+    double adj;
+    switch (s->type) {
+    case LR_DECAY_SQRT: adj = 1.0 - sqrt(progress); break;
+    case LR_DECAY_COSINE: adj = 0.5 * (1.0 + cos(M_PI * progress)); break;
+    default: adj = 1.0 - progress; break;
+    }
+    return s->min_lr_factor + (1.0 - s->min_lr_factor) * adj;
+}

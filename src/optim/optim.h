@@ -1,0 +1,52 @@
+/* optim/optim.h: AdamW, the learning-rate schedule, gradient clipping.
+ *
+ * AdamW follows torch.optim.AdamW step for step (decoupled weight decay
+ * applied first, bias-corrected moments, eps added after the sqrt), so the
+ * same hyperparameters give the same weights as a PyTorch loop. The schedule
+ * is torchtitan's linear warmup -> optional stable phase -> decay. The
+ * optimizer works on one flat buffer: the model keeps params, grads and both
+ * moments in the same layout. */
+#ifndef CT_OPTIM_OPTIM_H
+#define CT_OPTIM_OPTIM_H
+
+#include <stddef.h>
+
+typedef struct {
+    double lr, beta1, beta2, eps, weight_decay;
+} adamw_hparams;
+
+typedef struct {
+    size_t n;
+    float *m;   /* [n] first moment */
+    float *v;   /* [n] second moment */
+    long step;  /* optimizer steps taken */
+} adamw_state;
+
+void adamw_init(adamw_state *s, size_t n);
+void adamw_free(adamw_state *s);
+/* One step at learning rate lr (the schedule's value): increments s->step. */
+void adamw_step(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
+
+/* Global L2 norm of g[n] (double accumulation, fixed order). */
+double optim_grad_norm(const float *g, size_t n);
+/* torch.nn.utils.clip_grad_norm_: scales g by max_norm / (norm + 1e-6) when
+ * that is below 1. max_norm <= 0 disables. Returns the pre-clip norm. */
+double optim_clip_grad_norm(float *g, size_t n, double max_norm);
+
+typedef enum { LR_DECAY_LINEAR, LR_DECAY_SQRT, LR_DECAY_COSINE } lr_decay_type;
+
+typedef struct {
+    int warmup_steps, stable_steps, decay_steps;
+    lr_decay_type type;
+    double min_lr_factor;
+} lr_schedule;
+
+/* decay_ratio < 0 means unset: decay over every step after warmup. */
+void lr_schedule_init(lr_schedule *s, int training_steps, int warmup_steps, double decay_ratio,
+                      lr_decay_type type, double min_lr_factor);
+/* Multiplier for 0-based optimizer step `step` (torchtitan's LambdaLR index). */
+double lr_schedule_factor(const lr_schedule *s, int step);
+/* "linear" | "sqrt" | "cosine"; returns -1 if unknown. */
+int lr_decay_type_from_name(const char *name);
+
+#endif

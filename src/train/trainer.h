@@ -1,0 +1,38 @@
+/* train/trainer.h: one training run: config -> model -> data -> steps -> save.
+ *
+ * The trainer is the run context: it owns the config, the model, the
+ * optimizer state and the schedule; nothing lives in globals. The CLI's
+ * `train` runs trainer_run; the library API (api/ctitan.h) drives the same
+ * struct a micro-batch at a time, so tests and the CLI share one code path. */
+#ifndef CT_TRAIN_TRAINER_H
+#define CT_TRAIN_TRAINER_H
+
+#include <stdint.h>
+
+#include "config/config.h"
+#include "core/err.h"
+#include "model/qwen3.h"
+#include "optim/optim.h"
+
+typedef struct {
+    ct_config cfg;
+    qwen3_model model;
+    adamw_state opt;
+    adamw_hparams hp;
+    lr_schedule sched;
+    int grad_accum;   /* micro-batches per optimizer step */
+    int step;         /* optimizer steps done */
+} trainer;
+
+/* Takes ownership of *cfg (the caller must not free it). Builds the model from
+ * model.spec, loads or initialises weights, sets up AdamW and the schedule. */
+int trainer_init(trainer *t, ct_config *cfg, ct_err *e);
+void trainer_free(trainer *t);
+/* Clip, AdamW at the scheduled lr, zero the gradients, step++. */
+void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr);
+/* The full loop of `ctitan train`. */
+int trainer_run(trainer *t, ct_err *e);
+/* Builds the model config for cfg (flavor table or HF config.json). */
+int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e);
+
+#endif

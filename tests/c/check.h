@@ -1,0 +1,34 @@
+/* tests/c/check.h: the smallest test harness that can fail.
+ *
+ * CHECK(cond, fmt, ...) records a failure with file:line and goes on;
+ * CHECK_DONE() prints "N passed, M failed" for the file's checks and returns
+ * the exit status. Each tests/c/test_*.c is its own program. */
+#ifndef CT_TESTS_CHECK_H
+#define CT_TESTS_CHECK_H
+
+#include <math.h>
+#include <stdio.h>
+
+static int check_pass_, check_fail_;
+
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        if (cond) {                                                        \
+            check_pass_++;                                                 \
+        } else {                                                           \
+            check_fail_++;                                                 \
+            fprintf(stderr, "%s:%d: FAILED: %s: ", __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                  \
+            fputc('\n', stderr);                                           \
+        }                                                                  \
+    } while (0)
+
+#define CHECK_CLOSE(a, b, tol)                                                   \
+    CHECK(fabs((double)(a) - (double)(b)) <= (tol) * (1.0 + fabs((double)(b))), \
+          "%s = %.9g, %s = %.9g", #a, (double)(a), #b, (double)(b))
+
+#define CHECK_DONE()                                                          \
+    (printf("%s: %d checks passed, %d failed\n", __FILE__, check_pass_, check_fail_), \
+     check_fail_ ? 1 : (check_pass_ ? 0 : 1))
+
+#endif
