@@ -33,7 +33,7 @@ void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp,
  * x[B,T,nh,hd]; cos,sin [T, hd/2] (positions 0..T-1; HF's emb = cat(f, f) so
  * both halves share angle i). out[..., i] = x_i c - x_{i+h} s, out[..., i+h] = x_{i+h} c + x_i s. */
 void op_rope_fwd(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh, int hd);
-/* dinp += R^T dout (also allowed in place on a zeroed-then-filled buffer: see impl) */
+/* dinp += R^T dout. In place (dinp == dout) it overwrites: dout = R^T dout. */
 void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh, int hd);
 /* cos/sin tables [T, hd/2] with inv_freq[i] = 1/theta^(2i/hd) computed in fp32 as HF does. */
 void op_rope_tables(float *cos, float *sin, int T, int hd, float theta);
@@ -55,6 +55,7 @@ void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gat
 /* Cross-entropy on a block of logits, fused with its backward.
  * logits[N,V] is overwritten with dlogits = (softmax - onehot(target)) * grad_scale
  * for rows whose target != -100, and zeros for ignored rows.
+ * A target outside [0,V) other than -100 is a caller bug and aborts (check data first).
  * Returns the SUM over valid rows of -log softmax[target] (as double), and
  * adds the count of valid rows to *n_valid if non-NULL. */
 double op_crossentropy_fwdbwd(float *logits, const int32_t *targets, int N, int V, float grad_scale,

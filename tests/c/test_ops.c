@@ -1,0 +1,637 @@
+/* tests/c/test_ops.c: gradient and semantics checks of kernels/ref.
+ *
+ * Every backward is checked against central finite differences of a scalar
+ * objective L = sum(out * W) (W random, L summed in double) on tiny shapes.
+ * fp32 forwards with eps = 1e-3 leave FD noise around 1e-4, so gradients are
+ * compared with a tolerance of 1e-2 relative to the tensor's largest FD
+ * entry. Beside that: += semantics of every backward, ignored CE targets,
+ * GQA groupings, T = 1, odd sizes, in-place RoPE, and matmul against a naive
+ * loop, and bitwise equality of results across thread counts. One deliberately corrupted gradient must fail the comparison, so the
+ * checker itself is known to bite. */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "core/rng.h"
+#include "kernels/ops.h"
+
+#define FD_EPS 1e-3f
+#define FD_TOL 1e-2
+
+/* ----------------------------------------------------------------- helpers */
+
+static float *randn(ct_rng *r, size_t n, float scale) {
+    float *x = malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) x[i] = (float)ct_rng_normal(r) * scale;
+    return x;
+}
+
+static float *zeros(size_t n) { return calloc(n ? n : 1, sizeof(float)); }
+
+static float *copyf(const float *x, size_t n) {
+    float *y = malloc((n ? n : 1) * sizeof(float));
+    memcpy(y, x, n * sizeof(float));
+    return y;
+}
+
+static double max_abs(const float *x, size_t n) {
+    double m = 0.0;
+    for (size_t i = 0; i < n; i++)
+        if (fabs(x[i]) > m) m = fabs(x[i]);
+    return m;
+}
+
+/* max |a - b| relative to max |b| (with a floor so an all-zero b still works) */
+static double rel_err(const float *a, const float *b, size_t n) {
+    double e = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]);
+        if (d > e) e = d;
+    }
+    double m = max_abs(b, n);
+    return e / (m > 1e-3 ? m : 1e-3);
+}
+
+/* A forward under test: recomputes ctx's output into out[nout]. */
+typedef void (*fwd_fn)(void *ctx, float *out);
+
+static double objective(fwd_fn f, void *ctx, float *out, const float *W, size_t nout) {
+    f(ctx, out);
+    double L = 0.0;
+    for (size_t i = 0; i < nout; i++) L += (double)out[i] * (double)W[i];
+    return L;
+}
+
+/* Central differences of L w.r.t. every element of param[n] (param is one of
+ * ctx's inputs, perturbed in place and restored). */
+static void fd_grad(float *fd, float *param, size_t n, fwd_fn f, void *ctx, float *out,
+                    const float *W, size_t nout) {
+    for (size_t i = 0; i < n; i++) {
+        float orig = param[i];
+        param[i] = orig + FD_EPS;
+        double lp = objective(f, ctx, out, W, nout);
+        param[i] = orig - FD_EPS;
+        double lm = objective(f, ctx, out, W, nout);
+        param[i] = orig;
+        // divide by the step actually taken after float rounding
+        double h = (double)(orig + FD_EPS) - (double)(orig - FD_EPS);
+        fd[i] = (float)((lp - lm) / h);
+    }
+}
+
+static int grad_ok(const float *an, const float *fd, size_t n) { return rel_err(an, fd, n) <= FD_TOL; }
+
+#define CHECK_GRAD(an, fd, n, what)                                                        \
+    CHECK(grad_ok(an, fd, n), "%s: FD mismatch, rel err %.3g", what, rel_err(an, fd, n))
+
+/* g2 should be init + 2*(g1 - init) where g1 is one call, g2 two calls. */
+static void check_accum(const float *init, const float *once, const float *twice, size_t n, const char *what) {
+    float *expect = malloc(n * sizeof(float));
+    float *delta = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        delta[i] = once[i] - init[i];
+        expect[i] = init[i] + 2.0f * delta[i];
+    }
+    double e = rel_err(twice, expect, n);
+    CHECK(e <= 1e-5, "%s: second backward call does not accumulate (rel err %.3g)", what, e);
+    CHECK(max_abs(delta, n) > 0.0, "%s: backward added nothing", what);
+    free(expect);
+    free(delta);
+}
+
+/* ------------------------------------------------------------------ matmul */
+
+typedef struct {
+    float *inp, *w;
+    int M, K, N;
+} mm_ctx;
+
+static void mm_fwd(void *c_, float *out) {
+    mm_ctx *c = c_;
+    op_matmul_fwd(out, c->inp, c->w, c->M, c->K, c->N, 0);
+}
+
+static void test_matmul(ct_rng *r, int M, int K, int N) {
+    mm_ctx c = {randn(r, (size_t)M * K, 1), randn(r, (size_t)N * K, 1), M, K, N};
+    size_t no = (size_t)M * N, ni = (size_t)M * K, nw = (size_t)N * K;
+    float *out = zeros(no), *naive = zeros(no);
+    op_matmul_fwd(out, c.inp, c.w, M, K, N, 0);
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double s = 0;
+            for (int k = 0; k < K; k++) s += (double)c.inp[m * K + k] * c.w[n * K + k];
+            naive[m * N + n] = (float)s;
+        }
+    CHECK(rel_err(out, naive, no) < 1e-5, "matmul fwd M=%d K=%d N=%d vs naive", M, K, N);
+
+    // accumulate=1 adds onto what is there
+    float *acc = copyf(naive, no);
+    op_matmul_fwd(acc, c.inp, c.w, M, K, N, 1);
+    for (size_t i = 0; i < no; i++) naive[i] *= 2.0f;
+    CHECK(rel_err(acc, naive, no) < 1e-5, "matmul fwd accumulate M=%d K=%d N=%d", M, K, N);
+
+    float *W = randn(r, no, 1);
+    float *dinp = zeros(ni), *dw = zeros(nw), *fd = zeros(ni > nw ? ni : nw);
+    op_matmul_bwd(dinp, dw, W, c.inp, c.w, M, K, N);
+    fd_grad(fd, c.inp, ni, mm_fwd, &c, out, W, no);
+    CHECK_GRAD(dinp, fd, ni, "matmul dinp");
+    fd_grad(fd, c.w, nw, mm_fwd, &c, out, W, no);
+    CHECK_GRAD(dw, fd, nw, "matmul dw");
+
+    // += semantics, and NULL outputs are skipped
+    float *dinp0 = randn(r, ni, 1), *dinp1 = copyf(dinp0, ni), *dinp2 = copyf(dinp0, ni);
+    float *dw0 = randn(r, nw, 1), *dw1 = copyf(dw0, nw), *dw2 = copyf(dw0, nw);
+    op_matmul_bwd(dinp1, dw1, W, c.inp, c.w, M, K, N);
+    op_matmul_bwd(dinp2, NULL, W, c.inp, c.w, M, K, N);
+    op_matmul_bwd(NULL, dw2, W, c.inp, c.w, M, K, N);
+    op_matmul_bwd(dinp2, NULL, W, c.inp, c.w, M, K, N);
+    op_matmul_bwd(NULL, dw2, W, c.inp, c.w, M, K, N);
+    check_accum(dinp0, dinp1, dinp2, ni, "matmul dinp");
+    check_accum(dw0, dw1, dw2, nw, "matmul dw");
+
+    free(c.inp); free(c.w); free(out); free(naive); free(acc); free(W);
+    free(dinp); free(dw); free(fd);
+    free(dinp0); free(dinp1); free(dinp2); free(dw0); free(dw1); free(dw2);
+}
+
+/* --------------------------------------------------------------- embedding */
+
+typedef struct {
+    float *wte;
+    const int32_t *tok;
+    int N, C;
+} emb_ctx;
+
+static void emb_fwd(void *c_, float *out) {
+    emb_ctx *c = c_;
+    op_embedding_fwd(out, c->tok, c->wte, c->N, c->C);
+}
+
+static void test_embedding(ct_rng *r) {
+    enum { V = 5, N = 6, C = 7 };
+    const int32_t tok[N] = {3, 0, 3, 4, 3, 1}; // repeats must add up; row 2 untouched
+    emb_ctx c = {randn(r, V * C, 1), tok, N, C};
+    float *out = zeros(N * C);
+    op_embedding_fwd(out, tok, c.wte, N, C);
+    int same = 1;
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < C; j++) same &= out[n * C + j] == c.wte[tok[n] * C + j];
+    CHECK(same, "embedding fwd copies rows");
+
+    float *W = randn(r, N * C, 1), *fd = zeros(V * C);
+    float *d0 = randn(r, V * C, 1), *d1 = copyf(d0, V * C), *d2 = copyf(d0, V * C);
+    float *dz = zeros(V * C);
+    op_embedding_bwd(dz, W, tok, N, C);
+    fd_grad(fd, c.wte, V * C, emb_fwd, &c, out, W, N * C);
+    CHECK_GRAD(dz, fd, V * C, "embedding dwte");
+    CHECK(max_abs(dz + 2 * C, C) == 0.0, "embedding: unused row 2 got gradient");
+    op_embedding_bwd(d1, W, tok, N, C);
+    op_embedding_bwd(d2, W, tok, N, C);
+    op_embedding_bwd(d2, W, tok, N, C);
+    check_accum(d0, d1, d2, V * C, "embedding dwte");
+    free(c.wte); free(out); free(W); free(fd); free(d0); free(d1); free(d2); free(dz);
+}
+
+/* ----------------------------------------------------------------- rmsnorm */
+
+typedef struct {
+    float *inp, *w, *rstd;
+    int N, C;
+    float eps;
+} rms_ctx;
+
+static void rms_fwd(void *c_, float *out) {
+    rms_ctx *c = c_;
+    op_rmsnorm_fwd(out, c->rstd, c->inp, c->w, c->N, c->C, c->eps);
+}
+
+static void test_rmsnorm(ct_rng *r, int N, int C) {
+    size_t n = (size_t)N * C;
+    rms_ctx c = {randn(r, n, 1), randn(r, C, 1), zeros(N), N, C, 1e-6f};
+    float *out = zeros(n);
+    rms_fwd(&c, out);
+    // forward against a double-precision evaluation
+    double maxerr = 0;
+    for (int i = 0; i < N; i++) {
+        double ss = 0;
+        for (int j = 0; j < C; j++) ss += (double)c.inp[i * C + j] * c.inp[i * C + j];
+        double rs = 1.0 / sqrt(ss / C + 1e-6);
+        maxerr = fmax(maxerr, fabs(rs - c.rstd[i]) / rs);
+        for (int j = 0; j < C; j++)
+            maxerr = fmax(maxerr, fabs(c.inp[i * C + j] * rs * c.w[j] - out[i * C + j]));
+    }
+    CHECK(maxerr < 1e-5, "rmsnorm fwd N=%d C=%d err %.3g", N, C, maxerr);
+
+    float *W = randn(r, n, 1), *fd = zeros(n);
+    float *dinp = zeros(n), *dw = zeros(C);
+    rms_fwd(&c, out);
+    op_rmsnorm_bwd(dinp, dw, W, c.inp, c.w, c.rstd, N, C);
+    float *rstd_saved = copyf(c.rstd, N);
+    fd_grad(fd, c.inp, n, rms_fwd, &c, out, W, n);
+    CHECK_GRAD(dinp, fd, n, "rmsnorm dinp");
+    fd_grad(fd, c.w, C, rms_fwd, &c, out, W, n);
+    CHECK_GRAD(dw, fd, C, "rmsnorm dw");
+
+    float *a0 = randn(r, n, 1), *a1 = copyf(a0, n), *a2 = copyf(a0, n), *a3 = copyf(a0, n);
+    float *w0 = randn(r, C, 1), *w1 = copyf(w0, C), *w2 = copyf(w0, C);
+    op_rmsnorm_bwd(a1, w1, W, c.inp, c.w, rstd_saved, N, C);
+    op_rmsnorm_bwd(a2, w2, W, c.inp, c.w, rstd_saved, N, C);
+    op_rmsnorm_bwd(a2, w2, W, c.inp, c.w, rstd_saved, N, C);
+    check_accum(a0, a1, a2, n, "rmsnorm dinp");
+    check_accum(w0, w1, w2, C, "rmsnorm dw");
+    op_rmsnorm_bwd(a3, NULL, W, c.inp, c.w, rstd_saved, N, C); // dw may be NULL
+    CHECK(memcmp(a3, a1, n * sizeof(float)) == 0, "rmsnorm dinp same with dw NULL");
+
+    free(c.inp); free(c.w); free(c.rstd); free(out); free(W); free(fd); free(dinp); free(dw);
+    free(rstd_saved); free(a0); free(a1); free(a2); free(a3); free(w0); free(w1); free(w2);
+}
+
+/* -------------------------------------------------------------------- rope */
+
+typedef struct {
+    float *inp;
+    const float *cos, *sin;
+    int B, T, nh, hd;
+} rope_ctx;
+
+static void rope_fwd(void *c_, float *out) {
+    rope_ctx *c = c_;
+    op_rope_fwd(out, c->inp, c->cos, c->sin, c->B, c->T, c->nh, c->hd);
+}
+
+static void test_rope_tables(void) {
+    enum { T = 9, hd = 6 };
+    float cs[T * hd / 2], sn[T * hd / 2];
+    op_rope_tables(cs, sn, T, hd, 10000.0f);
+    double e = 0;
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < hd / 2; i++) {
+            double a = t * pow(10000.0, -(2.0 * i) / hd);
+            e = fmax(e, fabs(cos(a) - cs[t * hd / 2 + i]));
+            e = fmax(e, fabs(sin(a) - sn[t * hd / 2 + i]));
+        }
+    CHECK(e < 1e-5, "rope tables vs double: err %.3g", e);
+    CHECK(cs[0] == 1.0f && sn[0] == 0.0f, "rope tables: position 0 is the identity");
+    CHECK(cs[1 * hd / 2 + 0] == cosf(1.0f), "rope tables: inv_freq[0] is exactly 1");
+}
+
+static void test_rope(ct_rng *r, int B, int T, int nh, int hd) {
+    size_t n = (size_t)B * T * nh * hd, nt = (size_t)T * hd / 2;
+    float *cs = zeros(nt), *sn = zeros(nt);
+    op_rope_tables(cs, sn, T, hd, 1e6f);
+    rope_ctx c = {randn(r, n, 1), cs, sn, B, T, nh, hd};
+    float *out = zeros(n);
+    rope_fwd(&c, out);
+    // a rotation keeps the norm of each (i, i+hd/2) pair
+    double e = 0;
+    for (size_t row = 0; row < n / hd; row++)
+        for (int i = 0; i < hd / 2; i++) {
+            const float *x = c.inp + row * hd, *y = out + row * hd;
+            double nx = x[i] * x[i] + x[i + hd / 2] * x[i + hd / 2];
+            double ny = y[i] * y[i] + y[i + hd / 2] * y[i + hd / 2];
+            e = fmax(e, fabs(nx - ny));
+        }
+    CHECK(e < 1e-5, "rope preserves pair norms: err %.3g", e);
+    float *inplace = copyf(c.inp, n);
+    op_rope_fwd(inplace, inplace, cs, sn, B, T, nh, hd);
+    CHECK(memcmp(inplace, out, n * sizeof(float)) == 0, "rope fwd in place equals out of place");
+
+    float *W = randn(r, n, 1), *fd = zeros(n), *d = zeros(n);
+    op_rope_bwd(d, W, cs, sn, B, T, nh, hd);
+    fd_grad(fd, c.inp, n, rope_fwd, &c, out, W, n);
+    CHECK_GRAD(d, fd, n, "rope dinp");
+    float *d0 = randn(r, n, 1), *d1 = copyf(d0, n), *d2 = copyf(d0, n);
+    op_rope_bwd(d1, W, cs, sn, B, T, nh, hd);
+    op_rope_bwd(d2, W, cs, sn, B, T, nh, hd);
+    op_rope_bwd(d2, W, cs, sn, B, T, nh, hd);
+    check_accum(d0, d1, d2, n, "rope dinp");
+    // in place backward transforms the gradient (as if into a zeroed buffer)
+    float *dip = copyf(W, n);
+    op_rope_bwd(dip, dip, cs, sn, B, T, nh, hd);
+    CHECK(memcmp(dip, d, n * sizeof(float)) == 0, "rope bwd in place equals into zeros");
+    free(cs); free(sn); free(c.inp); free(out); free(inplace); free(W); free(fd); free(d);
+    free(d0); free(d1); free(d2); free(dip);
+}
+
+/* --------------------------------------------------------------- attention */
+
+typedef struct {
+    float *q, *k, *v, *probs;
+    int B, T, nh, nkv, hd;
+} attn_ctx;
+
+static void attn_fwd(void *c_, float *out) {
+    attn_ctx *c = c_;
+    op_attention_fwd(out, c->probs, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd);
+}
+
+static void test_attention(ct_rng *r, int B, int T, int nh, int nkv, int hd) {
+    size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd, np = (size_t)B * nh * T * T;
+    attn_ctx c = {randn(r, nq, 1), randn(r, nk, 1), randn(r, nk, 1), zeros(np), B, T, nh, nkv, hd};
+    float *out = zeros(nq);
+    attn_fwd(&c, out);
+
+    // probs: rows sum to 1, causal zeros, and out matches a double-precision reference
+    double rowerr = 0, outerr = 0;
+    int causal_ok = 1;
+    int group = nh / nkv;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < nh; h++)
+            for (int t = 0; t < T; t++) {
+                const float *p = c.probs + (((size_t)b * nh + h) * T + t) * T;
+                double s = 0;
+                for (int t2 = 0; t2 < T; t2++) {
+                    if (t2 > t) causal_ok &= p[t2] == 0.0f;
+                    s += p[t2];
+                }
+                rowerr = fmax(rowerr, fabs(s - 1.0));
+                double sc[64], mx = -1e300, z = 0;
+                const float *qt = c.q + (((size_t)b * T + t) * nh + h) * hd;
+                for (int t2 = 0; t2 <= t; t2++) {
+                    const float *kt = c.k + (((size_t)b * T + t2) * nkv + h / group) * hd;
+                    sc[t2] = 0;
+                    for (int i = 0; i < hd; i++) sc[t2] += (double)qt[i] * kt[i];
+                    sc[t2] /= sqrt((double)hd);
+                    mx = fmax(mx, sc[t2]);
+                }
+                for (int t2 = 0; t2 <= t; t2++) z += (sc[t2] = exp(sc[t2] - mx));
+                for (int i = 0; i < hd; i++) {
+                    double o = 0;
+                    for (int t2 = 0; t2 <= t; t2++)
+                        o += sc[t2] / z * c.v[(((size_t)b * T + t2) * nkv + h / group) * hd + i];
+                    outerr = fmax(outerr, fabs(o - out[(((size_t)b * T + t) * nh + h) * hd + i]));
+                }
+            }
+    CHECK(rowerr < 1e-5, "attention probs rows sum to 1 (err %.3g)", rowerr);
+    CHECK(causal_ok, "attention probs above the diagonal are zero");
+    CHECK(outerr < 1e-5, "attention out vs double reference B=%d T=%d nh=%d nkv=%d hd=%d: %.3g",
+          B, T, nh, nkv, hd, outerr);
+
+    float *W = randn(r, nq, 1);
+    float *dq = zeros(nq), *dk = zeros(nk), *dv = zeros(nk), *fd = zeros(nq > nk ? nq : nk);
+    attn_fwd(&c, out);
+    float *probs = copyf(c.probs, np);
+    op_attention_bwd(dq, dk, dv, W, probs, c.q, c.k, c.v, B, T, nh, nkv, hd);
+    fd_grad(fd, c.q, nq, attn_fwd, &c, out, W, nq);
+    CHECK_GRAD(dq, fd, nq, "attention dq");
+    fd_grad(fd, c.k, nk, attn_fwd, &c, out, W, nq);
+    CHECK_GRAD(dk, fd, nk, "attention dk");
+    fd_grad(fd, c.v, nk, attn_fwd, &c, out, W, nq);
+    CHECK_GRAD(dv, fd, nk, "attention dv");
+    if (T == 1) CHECK(max_abs(dq, nq) == 0.0 && max_abs(dk, nk) == 0.0, "T=1: q,k get no gradient");
+
+    float *q0 = randn(r, nq, 1), *q1 = copyf(q0, nq), *q2 = copyf(q0, nq);
+    float *k0 = randn(r, nk, 1), *k1 = copyf(k0, nk), *k2 = copyf(k0, nk);
+    float *v0 = randn(r, nk, 1), *v1 = copyf(v0, nk), *v2 = copyf(v0, nk);
+    op_attention_bwd(q1, k1, v1, W, probs, c.q, c.k, c.v, B, T, nh, nkv, hd);
+    op_attention_bwd(q2, k2, v2, W, probs, c.q, c.k, c.v, B, T, nh, nkv, hd);
+    op_attention_bwd(q2, k2, v2, W, probs, c.q, c.k, c.v, B, T, nh, nkv, hd);
+    check_accum(v0, v1, v2, nk, "attention dv");
+    if (T > 1) {
+        check_accum(q0, q1, q2, nq, "attention dq");
+        check_accum(k0, k1, k2, nk, "attention dk");
+    }
+
+    free(c.q); free(c.k); free(c.v); free(c.probs); free(out); free(W); free(dq); free(dk); free(dv);
+    free(fd); free(probs); free(q0); free(q1); free(q2); free(k0); free(k1); free(k2);
+    free(v0); free(v1); free(v2);
+}
+
+/* ------------------------------------------------------------------ swiglu */
+
+typedef struct {
+    float *gate, *up;
+    int N;
+} swi_ctx;
+
+static void swi_fwd(void *c_, float *out) {
+    swi_ctx *c = c_;
+    op_swiglu_fwd(out, c->gate, c->up, c->N);
+}
+
+static void test_swiglu(ct_rng *r) {
+    enum { N = 13 };
+    swi_ctx c = {randn(r, N, 2), randn(r, N, 1), N};
+    c.gate[0] = 30.0f;  // silu(x) ~ x
+    c.gate[1] = -30.0f; // silu(x) ~ 0
+    c.gate[2] = -200.0f; // expf overflows to inf: must still give 0, not NaN
+    float *out = zeros(N);
+    swi_fwd(&c, out);
+    double e = 0;
+    for (int i = 0; i < N; i++) {
+        double g = c.gate[i];
+        e = fmax(e, fabs(g / (1 + exp(-g)) * c.up[i] - out[i]));
+    }
+    CHECK(e < 1e-5, "swiglu fwd vs double: %.3g", e);
+    CHECK(out[2] == 0.0f, "swiglu fwd at gate=-200 is %g", out[2]);
+
+    float *W = randn(r, N, 1), *fd = zeros(N), *dg = zeros(N), *du = zeros(N);
+    op_swiglu_bwd(dg, du, W, c.gate, c.up, N);
+    c.gate[2] = -5.0f; // keep FD away from exp overflow, analytic done above
+    float *dg5 = zeros(N), *du5 = zeros(N);
+    op_swiglu_bwd(dg5, du5, W, c.gate, c.up, N);
+    CHECK(isfinite(dg[2]) && fabs(dg[2]) < 1e-30, "swiglu bwd at gate=-200 gives %g", dg[2]);
+    fd_grad(fd, c.gate, N, swi_fwd, &c, out, W, N);
+    CHECK_GRAD(dg5, fd, N, "swiglu dgate");
+    fd_grad(fd, c.up, N, swi_fwd, &c, out, W, N);
+    CHECK_GRAD(du5, fd, N, "swiglu dup");
+    float *g0 = randn(r, N, 1), *g1 = copyf(g0, N), *g2 = copyf(g0, N);
+    float *u0 = randn(r, N, 1), *u1 = copyf(u0, N), *u2 = copyf(u0, N);
+    op_swiglu_bwd(g1, u1, W, c.gate, c.up, N);
+    op_swiglu_bwd(g2, u2, W, c.gate, c.up, N);
+    op_swiglu_bwd(g2, u2, W, c.gate, c.up, N);
+    check_accum(g0, g1, g2, N, "swiglu dgate");
+    check_accum(u0, u1, u2, N, "swiglu dup");
+    free(c.gate); free(c.up); free(out); free(W); free(fd); free(dg); free(du); free(dg5); free(du5);
+    free(g0); free(g1); free(g2); free(u0); free(u1); free(u2);
+}
+
+/* ----------------------------------------------------------- cross entropy */
+
+typedef struct {
+    float *logits;
+    const int32_t *tgt;
+    int N, V;
+} ce_ctx;
+
+static void ce_fwd(void *c_, float *out) {
+    ce_ctx *c = c_;
+    op_crossentropy_fwd(out, c->logits, c->tgt, c->N, c->V);
+}
+
+static void test_crossentropy(ct_rng *r) {
+    enum { N = 5, V = 7 };
+    const int32_t tgt[N] = {2, -100, 0, 6, -100};
+    ce_ctx c = {randn(r, N * V, 2), tgt, N, V};
+    c.logits[0] = 80.0f; // large logit: max subtraction must keep it finite
+    float losses[N];
+    double sum = op_crossentropy_fwd(losses, c.logits, tgt, N, V);
+    double ref = 0, e = 0;
+    for (int n = 0; n < N; n++) {
+        double l = 0;
+        if (tgt[n] != -100) {
+            double mx = -1e300, z = 0;
+            for (int i = 0; i < V; i++) mx = fmax(mx, c.logits[n * V + i]);
+            for (int i = 0; i < V; i++) z += exp(c.logits[n * V + i] - mx);
+            l = mx + log(z) - c.logits[n * V + tgt[n]];
+        }
+        ref += l;
+        e = fmax(e, fabs(l - losses[n]));
+    }
+    CHECK(e < 1e-5, "ce per-row losses vs double: %.3g", e);
+    CHECK(losses[1] == 0.0f && losses[4] == 0.0f, "ce ignored rows have zero loss");
+    CHECK_CLOSE(sum, ref, 1e-6);
+
+    // fused: returns the same sum, counts valid rows, writes scaled dlogits
+    const float gs = 0.25f;
+    float *dl = copyf(c.logits, N * V);
+    long nv = 10;
+    double s2 = op_crossentropy_fwdbwd(dl, tgt, N, V, gs, &nv);
+    CHECK_CLOSE(s2, sum, 1e-6);
+    CHECK(nv == 13, "ce n_valid adds 3 valid rows: got %ld", nv);
+    CHECK(max_abs(dl + 1 * V, V) == 0.0 && max_abs(dl + 4 * V, V) == 0.0, "ce ignored rows zeroed");
+    double rs = 0;
+    for (int i = 0; i < V; i++) rs += dl[i];
+    CHECK(fabs(rs) < 1e-6, "ce dlogits row sums to 0: %.3g", rs);
+    CHECK(isfinite(dl[0]), "ce dlogits finite at logit 80");
+
+    float *W = zeros(N), *fd = zeros(N * V);
+    for (int n = 0; n < N; n++) W[n] = 1.0f;
+    fd_grad(fd, c.logits, N * V, ce_fwd, &c, losses, W, N);
+    for (int i = 0; i < N * V; i++) dl[i] /= gs;
+    CHECK_GRAD(dl, fd, (size_t)N * V, "ce dlogits");
+
+    // all ignored: nothing counted, loss 0, everything zeroed; NULL n_valid allowed
+    const int32_t none[2] = {-100, -100};
+    float *l2 = randn(r, 2 * V, 1);
+    nv = 0;
+    CHECK(op_crossentropy_fwdbwd(l2, none, 2, V, 1.0f, &nv) == 0.0 && nv == 0, "ce all ignored");
+    CHECK(max_abs(l2, 2 * V) == 0.0, "ce all ignored rows zeroed");
+    float *l3 = copyf(c.logits, N * V);
+    CHECK_CLOSE(op_crossentropy_fwdbwd(l3, tgt, N, V, 1.0f, NULL), sum, 1e-6);
+    free(c.logits); free(dl); free(W); free(fd); free(l2); free(l3);
+}
+
+/* --------------------------------------------------------------------- add */
+
+static void test_add(ct_rng *r) {
+    enum { N = 11 };
+    float *a = randn(r, N, 1), *b = randn(r, N, 1), *o = zeros(N);
+    op_add(o, a, b, N);
+    int ok = 1;
+    for (int i = 0; i < N; i++) ok &= o[i] == a[i] + b[i];
+    CHECK(ok, "add");
+    float *a2 = copyf(a, N);
+    op_add(a2, a2, b, N);
+    CHECK(memcmp(a2, o, sizeof(float) * N) == 0, "add with out aliasing a");
+    free(a); free(b); free(o); free(a2);
+}
+
+/* -------------------------------------------------------- checker bites */
+
+static void test_checker_can_fail(ct_rng *r) {
+    // A correct gradient with one element off by 5% must be rejected.
+    enum { M = 3, K = 4, N = 2 };
+    mm_ctx c = {randn(r, M * K, 1), randn(r, N * K, 1), M, K, N};
+    float *W = randn(r, M * N, 1), *out = zeros(M * N), *fd = zeros(M * K), *d = zeros(M * K);
+    op_matmul_bwd(d, NULL, W, c.inp, c.w, M, K, N);
+    fd_grad(fd, c.inp, M * K, mm_fwd, &c, out, W, M * N);
+    CHECK(grad_ok(d, fd, M * K), "checker accepts the right gradient");
+    int imax = 0;
+    for (int i = 0; i < M * K; i++)
+        if (fabsf(d[i]) > fabsf(d[imax])) imax = i;
+    d[imax] *= 1.05f;
+    CHECK(!grad_ok(d, fd, M * K), "checker rejects a 5%% error");
+    free(c.inp); free(c.w); free(W); free(out); free(fd); free(d);
+}
+
+/* ------------------------------------------------------------ determinism */
+
+/* Runs every reducing backward (and the CE sum) with `threads` threads. */
+static double run_reductions(int threads, float *dq, float *dk, float *dv, float *dx, float *dw,
+                             float *dwte, float *dl) {
+    enum { B = 2, T = 37, nh = 4, nkv = 2, hd = 8, N = 29, C = 150, V = 9 };
+    ct_rng r;
+    ct_rng_seed(&r, 77);
+    size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd;
+    float *q = randn(&r, nq, 1), *k = randn(&r, nk, 1), *v = randn(&r, nk, 1), *g = randn(&r, nq, 1);
+    float *probs = zeros((size_t)B * nh * T * T), *out = zeros(nq);
+    float *x = randn(&r, (size_t)N * C, 1), *w = randn(&r, C, 1), *gx = randn(&r, (size_t)N * C, 1);
+    float *y = zeros((size_t)N * C), *rstd = zeros(N);
+    int32_t tok[N], tgt[N];
+    for (int i = 0; i < N; i++) {
+        tok[i] = (int32_t)(ct_rng_u64(&r) % V);
+        tgt[i] = i % 5 == 0 ? -100 : (int32_t)(ct_rng_u64(&r) % C);
+    }
+    omp_set_num_threads(threads);
+    op_attention_fwd(out, probs, q, k, v, B, T, nh, nkv, hd);
+    op_attention_bwd(dq, dk, dv, g, probs, q, k, v, B, T, nh, nkv, hd);
+    op_rmsnorm_fwd(y, rstd, x, w, N, C, 1e-6f);
+    op_rmsnorm_bwd(dx, dw, gx, x, w, rstd, N, C);
+    op_embedding_bwd(dwte, gx, tok, N, C);
+    memcpy(dl, x, sizeof(float) * N * C);
+    double loss = op_crossentropy_fwdbwd(dl, tgt, N, C, 0.5f, NULL);
+    free(q); free(k); free(v); free(g); free(probs); free(out); free(x); free(w); free(gx); free(y); free(rstd);
+    return loss;
+}
+
+static void test_thread_count_independence(void) {
+    enum { B = 2, T = 37, nh = 4, nkv = 2, hd = 8, N = 29, C = 150, V = 9 };
+    size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd;
+    float *a[7], *b[7];
+    size_t sz[7] = {nq, nk, nk, (size_t)N * C, C, (size_t)V * C, (size_t)N * C};
+    for (int i = 0; i < 7; i++) {
+        a[i] = zeros(sz[i]);
+        b[i] = zeros(sz[i]);
+    }
+    int saved = omp_get_max_threads();
+    double la = run_reductions(1, a[0], a[1], a[2], a[3], a[4], a[5], a[6]);
+    double lb = run_reductions(3, b[0], b[1], b[2], b[3], b[4], b[5], b[6]);
+    omp_set_num_threads(saved);
+    const char *names[7] = {"dq", "dk", "dv", "rmsnorm dinp", "rmsnorm dw", "dwte", "dlogits"};
+    for (int i = 0; i < 7; i++)
+        CHECK(memcmp(a[i], b[i], sz[i] * sizeof(float)) == 0, "%s differs between 1 and 3 threads", names[i]);
+    CHECK(la == lb, "ce loss differs between 1 and 3 threads");
+    for (int i = 0; i < 7; i++) {
+        free(a[i]);
+        free(b[i]);
+    }
+}
+
+int main(void) {
+    ct_rng r;
+    ct_rng_seed(&r, 1234);
+
+    test_checker_can_fail(&r);
+
+    test_matmul(&r, 5, 3, 7);
+    test_matmul(&r, 1, 3, 7);
+    test_matmul(&r, 4, 9, 1);
+    test_matmul(&r, 17, 33, 12);
+
+    test_embedding(&r);
+
+    test_rmsnorm(&r, 3, 7);
+    test_rmsnorm(&r, 1, 6);
+    test_rmsnorm(&r, 2, 130); // more than one column chunk in dw
+
+    test_rope_tables();
+    test_rope(&r, 2, 3, 2, 6);
+    test_rope(&r, 1, 1, 3, 4);
+    test_rope(&r, 1, 5, 1, 8);
+
+    test_attention(&r, 2, 4, 4, 2, 6); // nh/nkv = 2 with 2 kv heads (h/2, not h%2)
+    test_attention(&r, 1, 5, 2, 2, 6); // nh/nkv = 1
+    test_attention(&r, 1, 3, 4, 1, 4); // nh/nkv = 4 (MQA)
+    test_attention(&r, 2, 1, 2, 1, 6); // T = 1
+    test_attention(&r, 1, 6, 3, 3, 5); // odd head_dim still works for attention
+
+    test_swiglu(&r);
+    test_crossentropy(&r);
+    test_add(&r);
+    test_thread_count_independence();
+
+    return CHECK_DONE();
+}

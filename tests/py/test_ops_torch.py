@@ -1,0 +1,309 @@
+"""tests/py/test_ops_torch.py: kernels/ref against torch, the independent oracle.
+
+The reference ops are compiled straight from src/kernels/ref/*.c and
+src/core/*.c into a throwaway shared library (so this test does not depend on
+the rest of the tree building) and called through ctypes. Each op's forward
+and backward is compared with torch fp32 autograd written the way HF writes
+the model (rotate_half RoPE with HF's inv_freq, explicit causal softmax
+attention with repeat_interleave for GQA, ...). Backward buffers start from
+random values so the += contract is checked at the same time.
+Tolerance: 1e-5 of the largest magnitude in the reference tensor.
+"""
+import ctypes
+import glob
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BLAS_INC = "/usr/include/x86_64-linux-gnu/openblas-openmp"
+BLAS_LIB = "/usr/lib/x86_64-linux-gnu/openblas-openmp"
+TOL = 1e-5
+
+F32P = ctypes.POINTER(ctypes.c_float)
+I32P = ctypes.POINTER(ctypes.c_int32)
+c_int, c_long, c_float = ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+SIGNATURES = {
+    "op_matmul_fwd": (None, [F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
+    "op_matmul_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int, c_int, c_int]),
+    "op_embedding_fwd": (None, [F32P, I32P, F32P, c_int, c_int]),
+    "op_embedding_bwd": (None, [F32P, F32P, I32P, c_int, c_int]),
+    "op_rmsnorm_fwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_float]),
+    "op_rmsnorm_bwd": (None, [F32P, F32P, F32P, F32P, F32P, F32P, c_int, c_int]),
+    "op_rope_fwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
+    "op_rope_bwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
+    "op_rope_tables": (None, [F32P, F32P, c_int, c_int, c_float]),
+    "op_attention_fwd": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5),
+    "op_attention_bwd": (None, [F32P] * 8 + [c_int] * 5),
+    "op_swiglu_fwd": (None, [F32P, F32P, F32P, c_int]),
+    "op_swiglu_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int]),
+    "op_crossentropy_fwdbwd": (ctypes.c_double, [F32P, I32P, c_int, c_int, c_float, ctypes.POINTER(c_long)]),
+    "op_crossentropy_fwd": (ctypes.c_double, [F32P, F32P, I32P, c_int, c_int]),
+    "op_add": (None, [F32P, F32P, F32P, c_long]),
+}
+
+
+@pytest.fixture(scope="session")
+def lib(tmp_path_factory):
+    out = tmp_path_factory.mktemp("opsref") / "libopsref.so"
+    srcs = sorted(glob.glob(os.path.join(ROOT, "src/kernels/ref/*.c")) + glob.glob(os.path.join(ROOT, "src/core/*.c")))
+    cmd = ["gcc", "-std=c11", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-fopenmp", "-D_GNU_SOURCE",
+           "-I" + os.path.join(ROOT, "src"), "-I" + BLAS_INC, *srcs, "-o", str(out),
+           "-L" + BLAS_LIB, "-Wl,-rpath," + BLAS_LIB, "-lopenblas", "-lm"]
+    subprocess.run(cmd, check=True)
+    so = ctypes.CDLL(str(out))
+    for name, (res, args) in SIGNATURES.items():
+        fn = getattr(so, name)
+        fn.restype, fn.argtypes = res, args
+    return so
+
+
+def P(a):
+    """ctypes pointer to a contiguous numpy array (float32 or int32); None passes NULL."""
+    if a is None:
+        return None
+    assert a.flags["C_CONTIGUOUS"]
+    return a.ctypes.data_as(I32P if a.dtype == np.int32 else F32P)
+
+
+def randn(gen, *shape, scale=1.0):
+    return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale)
+
+
+def np32(t):
+    return np.ascontiguousarray(t.detach().numpy().astype(np.float32))
+
+
+def assert_close(got, want, what):
+    want = want.detach().numpy() if isinstance(want, torch.Tensor) else np.asarray(want)
+    got = np.asarray(got, dtype=np.float64)
+    ref = max(float(np.abs(want).max()) if want.size else 0.0, 1e-30)
+    err = float(np.abs(got - want).max()) if want.size else 0.0
+    assert got.shape == want.shape, f"{what}: shape {got.shape} vs {want.shape}"
+    assert err <= TOL * ref, f"{what}: max err {err:.3g} vs max |ref| {ref:.3g} (rel {err / ref:.3g})"
+
+
+def backward(out, inputs, gen):
+    """Gradients of sum(out * g) w.r.t. inputs for a random upstream g."""
+    g = randn(gen, *out.shape)
+    grads = torch.autograd.grad(out, inputs, grad_outputs=g)
+    return g, grads
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+# ---------------------------------------------------------------------------- matmul
+
+@pytest.mark.parametrize("M,K,N", [(5, 3, 7), (1, 3, 7), (33, 64, 17), (64, 48, 80)])
+def test_matmul(lib, gen, M, K, N):
+    x = randn(gen, M, K).requires_grad_()
+    w = randn(gen, N, K).requires_grad_()
+    out_t = x @ w.T
+    out = np.zeros((M, N), np.float32)
+    lib.op_matmul_fwd(P(out), P(np32(x)), P(np32(w)), M, K, N, 0)
+    assert_close(out, out_t, "matmul fwd")
+    acc = np32(randn(gen, M, N))
+    acc0 = acc.copy()
+    lib.op_matmul_fwd(P(acc), P(np32(x)), P(np32(w)), M, K, N, 1)
+    assert_close(acc - acc0, out_t, "matmul fwd accumulate")
+
+    g, (dx_t, dw_t) = backward(out_t, (x, w), gen)
+    dx0, dw0 = np32(randn(gen, M, K)), np32(randn(gen, N, K))
+    dx, dw = dx0.copy(), dw0.copy()
+    lib.op_matmul_bwd(P(dx), P(dw), P(np32(g)), P(np32(x)), P(np32(w)), M, K, N)
+    assert_close(dx - dx0, dx_t, "matmul dinp")
+    assert_close(dw - dw0, dw_t, "matmul dw")
+
+
+# ------------------------------------------------------------------------- embedding
+
+def test_embedding(lib, gen):
+    V, N, C = 11, 20, 7
+    wte = randn(gen, V, C).requires_grad_()
+    tok = torch.randint(0, V, (N,), generator=gen)
+    tok[:4] = 3  # repeats
+    out_t = F.embedding(tok, wte)
+    tok32 = tok.numpy().astype(np.int32)
+    out = np.zeros((N, C), np.float32)
+    lib.op_embedding_fwd(P(out), P(tok32), P(np32(wte)), N, C)
+    assert_close(out, out_t, "embedding fwd")
+    g, (dw_t,) = backward(out_t, (wte,), gen)
+    d0 = np32(randn(gen, V, C))
+    d = d0.copy()
+    lib.op_embedding_bwd(P(d), P(np32(g)), P(tok32), N, C)
+    assert_close(d - d0, dw_t, "embedding dwte")
+
+
+# --------------------------------------------------------------------------- rmsnorm
+
+@pytest.mark.parametrize("N,C", [(6, 7), (1, 128), (9, 130)])
+def test_rmsnorm(lib, gen, N, C):
+    eps = 1e-6
+    x = randn(gen, N, C, scale=3.0).requires_grad_()
+    w = randn(gen, C).requires_grad_()
+    out_t = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    out, rstd = np.zeros((N, C), np.float32), np.zeros(N, np.float32)
+    lib.op_rmsnorm_fwd(P(out), P(rstd), P(np32(x)), P(np32(w)), N, C, eps)
+    assert_close(out, out_t, "rmsnorm fwd")
+    assert_close(rstd, torch.rsqrt(x.pow(2).mean(-1) + eps), "rmsnorm rstd")
+    g, (dx_t, dw_t) = backward(out_t, (x, w), gen)
+    dx0, dw0 = np32(randn(gen, N, C)), np32(randn(gen, C))
+    dx, dw = dx0.copy(), dw0.copy()
+    lib.op_rmsnorm_bwd(P(dx), P(dw), P(np32(g)), P(np32(x)), P(np32(w)), P(rstd), N, C)
+    assert_close(dx - dx0, dx_t, "rmsnorm dinp")
+    assert_close(dw - dw0, dw_t, "rmsnorm dw")
+
+
+# ------------------------------------------------------------------------------ rope
+
+def hf_cos_sin(T, hd, theta):
+    """HF's default RoPE init and forward, all fp32: cos/sin of shape [T, hd]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).to(dtype=torch.float) / hd))
+    pos = torch.arange(T, dtype=torch.int64)[None, :].float()
+    freqs = (inv_freq[None, :, None].float() @ pos[:, None, :]).transpose(1, 2)[0]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@pytest.mark.parametrize("T,hd,theta", [(16, 128, 1e6), (37, 6, 10000.0), (512, 128, 5e6)])
+def test_rope_tables(lib, T, hd, theta):
+    cos_t, sin_t = hf_cos_sin(T, hd, theta)
+    cos, sin = np.zeros((T, hd // 2), np.float32), np.zeros((T, hd // 2), np.float32)
+    lib.op_rope_tables(P(cos), P(sin), T, hd, theta)
+    assert_close(cos, cos_t[:, : hd // 2], "rope cos")
+    assert_close(sin, sin_t[:, : hd // 2], "rope sin")
+    # HF duplicates the angles for the second half
+    assert torch.equal(cos_t[:, : hd // 2], cos_t[:, hd // 2:])
+
+
+@pytest.mark.parametrize("B,T,nh,hd", [(2, 5, 3, 6), (1, 1, 2, 8), (2, 9, 4, 128)])
+def test_rope(lib, gen, B, T, nh, hd):
+    theta = 1e6
+    cos_t, sin_t = hf_cos_sin(T, hd, theta)
+    x = randn(gen, B, T, nh, hd).requires_grad_()
+    # HF: [B, nh, T, hd] with cos unsqueezed on the head axis; here heads sit after T.
+    out_t = x * cos_t[None, :, None, :] + rotate_half(x) * sin_t[None, :, None, :]
+    cos, sin = np.zeros((T, hd // 2), np.float32), np.zeros((T, hd // 2), np.float32)
+    lib.op_rope_tables(P(cos), P(sin), T, hd, theta)
+    out = np.zeros((B, T, nh, hd), np.float32)
+    lib.op_rope_fwd(P(out), P(np32(x)), P(cos), P(sin), B, T, nh, hd)
+    assert_close(out, out_t, "rope fwd")
+    g, (dx_t,) = backward(out_t, (x,), gen)
+    dx0 = np32(randn(gen, B, T, nh, hd))
+    dx = dx0.copy()
+    lib.op_rope_bwd(P(dx), P(np32(g)), P(cos), P(sin), B, T, nh, hd)
+    assert_close(dx - dx0, dx_t, "rope dinp")
+
+
+# ------------------------------------------------------------------------- attention
+
+def torch_attention(q, k, v):
+    """q [B,T,nh,hd], k/v [B,T,nkv,hd] -> out [B,T,nh,hd], probs [B,nh,T,T], as HF eager."""
+    B, T, nh, hd = q.shape
+    nkv = k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    kh = kh.repeat_interleave(nh // nkv, dim=1)
+    vh = vh.repeat_interleave(nh // nkv, dim=1)
+    scores = torch.matmul(qh, kh.transpose(2, 3)) * hd ** -0.5
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.matmul(probs, vh).transpose(1, 2), probs
+
+
+@pytest.mark.parametrize("B,T,nh,nkv,hd", [
+    (2, 7, 4, 2, 6),     # nh/nkv = 2
+    (1, 5, 3, 3, 6),     # nh/nkv = 1
+    (1, 6, 4, 1, 8),     # MQA
+    (2, 1, 2, 1, 6),     # T = 1
+    (1, 33, 4, 2, 128),  # real head_dim
+])
+def test_attention(lib, gen, B, T, nh, nkv, hd):
+    q = randn(gen, B, T, nh, hd).requires_grad_()
+    k = randn(gen, B, T, nkv, hd).requires_grad_()
+    v = randn(gen, B, T, nkv, hd).requires_grad_()
+    out_t, probs_t = torch_attention(q, k, v)
+    out, probs = np.zeros((B, T, nh, hd), np.float32), np.zeros((B, nh, T, T), np.float32)
+    lib.op_attention_fwd(P(out), P(probs), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd)
+    assert_close(out, out_t, "attention fwd")
+    assert_close(probs, probs_t, "attention probs")
+    g, (dq_t, dk_t, dv_t) = backward(out_t, (q, k, v), gen)
+    dq0, dk0, dv0 = np32(randn(gen, *q.shape)), np32(randn(gen, *k.shape)), np32(randn(gen, *v.shape))
+    dq, dk, dv = dq0.copy(), dk0.copy(), dv0.copy()
+    lib.op_attention_bwd(P(dq), P(dk), P(dv), P(np32(g)), P(probs), P(np32(q)), P(np32(k)), P(np32(v)),
+                         B, T, nh, nkv, hd)
+    assert_close(dq - dq0, dq_t, "attention dq")
+    assert_close(dk - dk0, dk_t, "attention dk")
+    assert_close(dv - dv0, dv_t, "attention dv")
+
+
+# ---------------------------------------------------------------------------- swiglu
+
+def test_swiglu(lib, gen):
+    N = 257
+    gate = randn(gen, N, scale=4.0)
+    gate[:3] = torch.tensor([30.0, -30.0, -100.0])
+    gate.requires_grad_()
+    up = randn(gen, N).requires_grad_()
+    out_t = F.silu(gate) * up
+    out = np.zeros(N, np.float32)
+    lib.op_swiglu_fwd(P(out), P(np32(gate)), P(np32(up)), N)
+    assert_close(out, out_t, "swiglu fwd")
+    g, (dg_t, du_t) = backward(out_t, (gate, up), gen)
+    dg0, du0 = np32(randn(gen, N)), np32(randn(gen, N))
+    dg, du = dg0.copy(), du0.copy()
+    lib.op_swiglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N)
+    assert_close(dg - dg0, dg_t, "swiglu dgate")
+    assert_close(du - du0, du_t, "swiglu dup")
+
+
+# --------------------------------------------------------------------- cross entropy
+
+@pytest.mark.parametrize("N,V,grad_scale", [(9, 13, 0.125), (4, 1000, 1.0), (3, 5, 2.0)])
+def test_crossentropy(lib, gen, N, V, grad_scale):
+    logits = randn(gen, N, V, scale=3.0)
+    logits[0, 0] = 90.0  # large logit: needs max subtraction
+    logits.requires_grad_()
+    tgt = torch.randint(0, V, (N,), generator=gen)
+    tgt[1] = -100
+    if N > 5:
+        tgt[N - 1] = -100
+    valid = int((tgt != -100).sum())
+    loss_t = F.cross_entropy(logits, tgt, ignore_index=-100, reduction="sum")
+    (dl_t,) = torch.autograd.grad(loss_t * grad_scale, (logits,))
+    rows_t = F.cross_entropy(logits, tgt, ignore_index=-100, reduction="none")
+    tgt32 = tgt.numpy().astype(np.int32)
+
+    losses = np.zeros(N, np.float32)
+    s = lib.op_crossentropy_fwd(P(losses), P(np32(logits)), P(tgt32), N, V)
+    assert_close(losses, rows_t, "ce per-row losses")
+    assert abs(s - loss_t.item()) <= TOL * max(abs(loss_t.item()), 1.0)
+
+    buf = np32(logits)
+    nv = c_long(5)
+    s2 = lib.op_crossentropy_fwdbwd(P(buf), P(tgt32), N, V, grad_scale, ctypes.byref(nv))
+    assert abs(s2 - loss_t.item()) <= TOL * max(abs(loss_t.item()), 1.0)
+    assert nv.value == 5 + valid
+    assert_close(buf, dl_t, "ce dlogits")
+    assert not buf[1].any(), "ignored row must be zero"
+
+
+def test_add(lib, gen):
+    N = 1001
+    a, b = np32(randn(gen, N)), np32(randn(gen, N))
+    out = np.zeros(N, np.float32)
+    lib.op_add(P(out), P(a), P(b), N)
+    np.testing.assert_array_equal(out, a + b)
