@@ -65,7 +65,9 @@ typedef struct {
 } st_wtensor;
 
 /* Writes one file. meta: NULL-terminated list of key, value, key, value, ...
- * (may be NULL). Tensors are written in the order given. */
+ * (may be NULL). Header entries (and so st_get's order on reading) follow the
+ * order given; the data buffer holds 8-byte types first, then 4, 2, 1 (stable),
+ * as the HF writer does, so every tensor is aligned to its element size. */
 int st_write(const char *path, const st_wtensor *ts, int n, const char *const *meta, ct_err *e);
 
 /* Writes DIR/model.safetensors when the total is at most max_shard_bytes,

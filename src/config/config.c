@@ -1,0 +1,731 @@
+/* config/config.c: every option in one table, and the code that walks it.
+ *
+ * Defaults are written in the table as the text a user would type on the
+ * command line and go through the same parser as CLI values, so the default,
+ * its range check and its --help text can never disagree; a default that
+ * fails its own range is a bug caught by cfg_defaults (and the tests).
+ * TOML values are checked against their TOML type (an integer where a
+ * string is expected is a mistake worth reporting), CLI values are parsed
+ * from text strictly. Both then meet in one range/enum check, so the rules
+ * live in exactly one place: the table. Errors name the file (and line) or
+ * "command line", plus section.key, because that is what the user edits. */
+#include "config/config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "formats/toml.h"
+
+typedef enum { CFG_STR, CFG_INT, CFG_I64, CFG_DBL, CFG_BOOL, CFG_ENUM } cfg_type;
+
+/* Range flags. CFG_UNSET: -1 is also accepted and means "not set". */
+enum { CFG_GE = 1, CFG_GT = 2, CFG_LE = 4, CFG_LT = 8, CFG_UNSET = 16 };
+
+typedef struct {
+    const char *section, *key;
+    cfg_type type;
+    size_t off;
+    const char *def; /* as typed on the command line */
+    unsigned range;
+    double lo, hi;
+    const char *const *choices; /* CFG_ENUM, NULL-terminated */
+    const char *help;
+} cfg_option;
+
+static const char *const cfg_specs[] = {"qwen3", "hf", NULL};
+static const char *const cfg_optimizers[] = {"AdamW", NULL};
+static const char *const cfg_decay_types[] = {"linear", "sqrt", "cosine", NULL};
+static const char *const cfg_export_dtypes[] = {"float32", "bfloat16", "float16", NULL};
+
+#define OPT(sec, k, ty, field, d, ...) \
+    {.section = sec, .key = k, .type = ty, .off = offsetof(ct_config, field), .def = d, __VA_ARGS__}
+
+static const cfg_option cfg_options[] = {
+    OPT("job", "dump_folder", CFG_STR, dump_folder, "./outputs",
+        .help = "folder for checkpoints, metrics and logs"),
+    OPT("job", "description", CFG_STR, description, "", .help = "free text describing the run"),
+
+    OPT("model", "spec", CFG_ENUM, model_spec, "qwen3", .choices = cfg_specs,
+        .help = "qwen3: built-in flavor table; hf: read config.json from hf_assets_path"),
+    OPT("model", "flavor", CFG_STR, model_flavor, "debugmodel",
+        .help = "model size for spec qwen3 (debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B, ...)"),
+    OPT("model", "hf_assets_path", CFG_STR, hf_assets_path, "",
+        .help = "Hugging Face model directory (config.json, tokenizer, weights)"),
+
+    OPT("optimizer", "name", CFG_ENUM, opt_name, "AdamW", .choices = cfg_optimizers,
+        .help = "optimizer"),
+    OPT("optimizer", "lr", CFG_DBL, lr, "8e-4", .range = CFG_GE, .lo = 0,
+        .help = "peak learning rate"),
+    OPT("optimizer", "eps", CFG_DBL, eps, "1e-8", .range = CFG_GT, .lo = 0,
+        .help = "AdamW epsilon"),
+    OPT("optimizer", "weight_decay", CFG_DBL, weight_decay, "0.1", .range = CFG_GE, .lo = 0,
+        .help = "decoupled weight decay"),
+    OPT("optimizer", "beta1", CFG_DBL, beta1, "0.9", .range = CFG_GE | CFG_LT, .lo = 0, .hi = 1,
+        .help = "AdamW first-moment decay"),
+    OPT("optimizer", "beta2", CFG_DBL, beta2, "0.95", .range = CFG_GE | CFG_LT, .lo = 0, .hi = 1,
+        .help = "AdamW second-moment decay"),
+
+    OPT("lr_scheduler", "warmup_steps", CFG_INT, warmup_steps, "200", .range = CFG_GE, .lo = 0,
+        .help = "linear warmup steps"),
+    OPT("lr_scheduler", "decay_ratio", CFG_DBL, decay_ratio, "-1",
+        .range = CFG_GE | CFG_LE | CFG_UNSET, .lo = 0, .hi = 1,
+        .help = "fraction of steps spent decaying, at the end; -1: all steps after warmup"),
+    OPT("lr_scheduler", "decay_type", CFG_ENUM, decay_type, "linear", .choices = cfg_decay_types,
+        .help = "shape of the decay"),
+    OPT("lr_scheduler", "min_lr_factor", CFG_DBL, min_lr_factor, "0.0",
+        .range = CFG_GE | CFG_LE, .lo = 0, .hi = 1, .help = "final lr as a fraction of lr"),
+
+    OPT("training", "local_batch_size", CFG_INT, local_batch_size, "8", .range = CFG_GE, .lo = 1,
+        .help = "sequences per micro-batch per rank"),
+    OPT("training", "global_batch_size", CFG_INT, global_batch_size, "-1",
+        .range = CFG_GE | CFG_UNSET, .lo = 1,
+        .help = "sequences per optimizer step, a multiple of local_batch_size (gradient "
+                "accumulation); -1: local_batch_size"),
+    OPT("training", "seq_len", CFG_INT, seq_len, "2048", .range = CFG_GE, .lo = 1,
+        .help = "tokens per sequence"),
+    OPT("training", "max_norm", CFG_DBL, max_norm, "1.0", .range = CFG_GE, .lo = 0,
+        .help = "gradient clipping norm; 0 disables clipping"),
+    OPT("training", "steps", CFG_INT, steps, "10000", .range = CFG_GE, .lo = 1,
+        .help = "optimizer steps to train"),
+    OPT("training", "dataset", CFG_STR, dataset, "", .help = "dataset name"),
+    OPT("training", "dataset_path", CFG_STR, dataset_path, "",
+        .help = "path to the dataset (e.g. a pre-tokenized .bin file)"),
+    OPT("training", "seed", CFG_I64, seed, "0", .help = "random seed for init and data order"),
+    OPT("training", "deterministic", CFG_BOOL, deterministic, "false",
+        .help = "bit-identical runs for the same config"),
+    OPT("training", "threads", CFG_INT, threads, "0", .range = CFG_GE, .lo = 0,
+        .help = "CPU threads; 0: OMP_NUM_THREADS or all cores"),
+
+    OPT("checkpoint", "enable", CFG_BOOL, ckpt_enable, "false", .help = "save checkpoints"),
+    OPT("checkpoint", "folder", CFG_STR, ckpt_folder, "checkpoint",
+        .help = "checkpoint folder, relative to job.dump_folder"),
+    OPT("checkpoint", "interval", CFG_INT, ckpt_interval, "500", .range = CFG_GE, .lo = 1,
+        .help = "steps between checkpoints"),
+    OPT("checkpoint", "initial_load_path", CFG_STR, initial_load_path, "",
+        .help = "checkpoint to start from when the folder has none"),
+    OPT("checkpoint", "initial_load_in_hf", CFG_BOOL, initial_load_in_hf, "false",
+        .help = "initial_load_path is a Hugging Face model directory"),
+    OPT("checkpoint", "last_save_in_hf", CFG_BOOL, last_save_in_hf, "false",
+        .help = "write the final checkpoint as a Hugging Face model directory"),
+    OPT("checkpoint", "export_dtype", CFG_ENUM, export_dtype, "float32",
+        .choices = cfg_export_dtypes, .help = "dtype of exported weights"),
+
+    OPT("metrics", "log_freq", CFG_INT, log_freq, "10", .range = CFG_GE, .lo = 1,
+        .help = "steps between metric lines"),
+    OPT("metrics", "file", CFG_STR, metrics_file, "metrics.jsonl",
+        .help = "JSON-lines metrics file, relative to job.dump_folder; \"\" disables"),
+    OPT("metrics", "peak_tflops", CFG_DBL, peak_tflops, "0.0", .range = CFG_GE, .lo = 0,
+        .help = "peak TFLOP/s for MFU; 0: measure once and cache"),
+};
+
+#define CFG_N_OPTIONS ((int)(sizeof cfg_options / sizeof cfg_options[0]))
+
+/* ---- small helpers ---- */
+
+static void *cfg_field(ct_config *c, const cfg_option *o) { return (char *)c + o->off; }
+static const void *cfg_cfield(const ct_config *c, const cfg_option *o) {
+    return (const char *)c + o->off;
+}
+
+static const cfg_option *cfg_lookup(const char *section, const char *key) {
+    for (int i = 0; i < CFG_N_OPTIONS; i++)
+        if (strcmp(cfg_options[i].section, section) == 0 && strcmp(cfg_options[i].key, key) == 0)
+            return &cfg_options[i];
+    return NULL;
+}
+
+static int cfg_section_known(const char *section) {
+    for (int i = 0; i < CFG_N_OPTIONS; i++)
+        if (strcmp(cfg_options[i].section, section) == 0) return 1;
+    return 0;
+}
+
+/* The first option of each section starts a new section (the table is
+ * grouped by section). */
+static int cfg_first_of_section(int i) {
+    return i == 0 || strcmp(cfg_options[i - 1].section, cfg_options[i].section) != 0;
+}
+
+static int cfg_edit_distance(const char *a, const char *b) {
+    size_t na = strlen(a), nb = strlen(b);
+    if (na > 63 || nb > 63) return 99;
+    int row[64], prev[64];
+    for (size_t j = 0; j <= nb; j++) prev[j] = (int)j;
+    for (size_t i = 1; i <= na; i++) {
+        row[0] = (int)i;
+        for (size_t j = 1; j <= nb; j++) {
+            int sub = prev[j - 1] + (a[i - 1] != b[j - 1]);
+            int del = prev[j] + 1, ins = row[j - 1] + 1;
+            row[j] = sub < del ? (sub < ins ? sub : ins) : (del < ins ? del : ins);
+        }
+        memcpy(prev, row, (nb + 1) * sizeof *row);
+    }
+    return prev[nb];
+}
+
+/* " (did you mean section.key?)" for a mistyped name, or "" if nothing is
+ * close. The same key in another section counts as close too: a user who
+ * writes training.lr means optimizer.lr. */
+static void cfg_suggest(const char *section, const char *key, char *out, size_t cap) {
+    char given[160], cand[160];
+    snprintf(given, sizeof given, "%s.%s", section, key);
+    int best = 3;
+    const cfg_option *bo = NULL;
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        const cfg_option *o = &cfg_options[i];
+        snprintf(cand, sizeof cand, "%s.%s", o->section, o->key);
+        int d = cfg_edit_distance(given, cand);
+        if (strcmp(o->key, key) == 0 && d > 2) d = 2;
+        if (d < best) best = d, bo = o;
+    }
+    if (bo) snprintf(out, cap, " (did you mean %s.%s?)", bo->section, bo->key);
+    else out[0] = '\0';
+}
+
+static void cfg_section_hint(const char *section, char *out, size_t cap) {
+    /* Short names are all within 2 edits of each other ("foo" vs "job"),
+     * so the allowed distance also scales with the length. */
+    int len = (int)strlen(section);
+    int best = (len / 3 < 2 ? len / 3 : 2) + 1;
+    const char *bs = NULL;
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        if (!cfg_first_of_section(i)) continue;
+        int d = cfg_edit_distance(section, cfg_options[i].section);
+        if (d < best) best = d, bs = cfg_options[i].section;
+    }
+    if (bs) {
+        snprintf(out, cap, " (did you mean [%s]?)", bs);
+        return;
+    }
+    size_t n = (size_t)snprintf(out, cap, " (known sections:");
+    for (int i = 0; i < CFG_N_OPTIONS && n < cap; i++)
+        if (cfg_first_of_section(i))
+            n += (size_t)snprintf(out + n, cap - n, "%s %s", i ? "," : "", cfg_options[i].section);
+    if (n < cap) snprintf(out + n, cap - n, ")");
+}
+
+static void cfg_choices_text(const cfg_option *o, const char *sep, char *out, size_t cap) {
+    size_t n = 0;
+    out[0] = '\0';
+    for (int k = 0; o->choices[k] && n < cap; k++)
+        n += (size_t)snprintf(out + n, cap - n, "%s%s", k ? sep : "", o->choices[k]);
+}
+
+static void cfg_range_text(const cfg_option *o, int with_unset, char *out, size_t cap) {
+    const char *pre = with_unset && (o->range & CFG_UNSET) ? "-1 (unset) or " : "";
+    int lo = o->range & (CFG_GE | CFG_GT), hi = o->range & (CFG_LE | CFG_LT);
+    if (lo && hi)
+        snprintf(out, cap, "%sin %c%g, %g%c", pre, (o->range & CFG_GE) ? '[' : '(', o->lo, o->hi,
+                 (o->range & CFG_LE) ? ']' : ')');
+    else if (lo)
+        snprintf(out, cap, "%s%s %g", pre, (o->range & CFG_GE) ? ">=" : ">", o->lo);
+    else if (hi)
+        snprintf(out, cap, "%s%s %g", pre, (o->range & CFG_LE) ? "<=" : "<", o->hi);
+    else
+        out[0] = '\0';
+}
+
+static int cfg_in_range(const cfg_option *o, double v) {
+    if ((o->range & CFG_UNSET) && v == -1) return 1;
+    if ((o->range & CFG_GE) && !(v >= o->lo)) return 0;
+    if ((o->range & CFG_GT) && !(v > o->lo)) return 0;
+    if ((o->range & CFG_LE) && !(v <= o->hi)) return 0;
+    if ((o->range & CFG_LT) && !(v < o->hi)) return 0;
+    return 1;
+}
+
+/* "FILE:LINE" for a TOML value, "FILE" or "command line" otherwise. */
+static void cfg_where(char *out, size_t cap, const char *src, int line) {
+    if (line > 0) snprintf(out, cap, "%s:%d", src, line);
+    else snprintf(out, cap, "%s", src);
+}
+
+/* ---- checking and storing one value ---- */
+
+/* Range check of a numeric value (dv for doubles, iv otherwise). */
+static int cfg_check_num(const cfg_option *o, double dv, int64_t iv, const char *where,
+                         ct_err *e) {
+    if (o->type == CFG_DBL && !isfinite(dv))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: must be a finite number (got %g)", where,
+                       o->section, o->key, dv);
+    if (o->type == CFG_INT && (iv < INT_MIN || iv > INT_MAX))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: %" PRId64 " does not fit in a 32-bit int",
+                       where, o->section, o->key, iv);
+    double v = o->type == CFG_DBL ? dv : (double)iv;
+    if (cfg_in_range(o, v)) return 0;
+    char r[96];
+    cfg_range_text(o, 1, r, sizeof r);
+    if (o->type == CFG_DBL)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: must be %s (got %g)", where, o->section,
+                       o->key, r, dv);
+    return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: must be %s (got %" PRId64 ")", where,
+                   o->section, o->key, r, iv);
+}
+
+static int cfg_store_num(ct_config *c, const cfg_option *o, double dv, int64_t iv,
+                         const char *where, ct_err *e) {
+    int rc = cfg_check_num(o, dv, iv, where, e);
+    if (rc) return rc;
+    void *f = cfg_field(c, o);
+    if (o->type == CFG_DBL) *(double *)f = dv;
+    else if (o->type == CFG_I64) *(int64_t *)f = iv;
+    else *(int *)f = (int)iv;
+    return 0;
+}
+
+static int cfg_check_str(const cfg_option *o, const char *s, const char *where, ct_err *e) {
+    if (o->type != CFG_ENUM) return 0;
+    for (int k = 0; o->choices[k]; k++)
+        if (strcmp(o->choices[k], s) == 0) return 0;
+    char ch[160];
+    cfg_choices_text(o, ", ", ch, sizeof ch);
+    return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: '%s' is not one of: %s", where, o->section,
+                   o->key, s, ch);
+}
+
+static int cfg_store_str(ct_config *c, const cfg_option *o, const char *s, const char *where,
+                         ct_err *e) {
+    int rc = cfg_check_str(o, s, where, e);
+    if (rc) return rc;
+    char **f = cfg_field(c, o);
+    char *old = *f;
+    *f = ct_strdup(s); /* copy before freeing: s may alias the old value */
+    free(old);
+    return 0;
+}
+
+static const char *cfg_type_name(cfg_type t) {
+    switch (t) {
+    case CFG_STR: return "string";
+    case CFG_INT: return "int";
+    case CFG_I64: return "int64";
+    case CFG_DBL: return "float";
+    case CFG_BOOL: return "bool";
+    case CFG_ENUM: return "enum";
+    }
+    return "?";
+}
+
+/* Parses a command-line value by the option's type. Strict: the whole text
+ * must be the value. */
+static int cfg_set_text(ct_config *c, const cfg_option *o, const char *text, const char *where,
+                        ct_err *e) {
+    switch (o->type) {
+    case CFG_STR:
+    case CFG_ENUM: return cfg_store_str(c, o, text, where, e);
+    case CFG_BOOL:
+        if (strcmp(text, "true") == 0 || strcmp(text, "false") == 0) {
+            *(int *)cfg_field(c, o) = text[0] == 't';
+            return 0;
+        }
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: expected true or false, got '%s'", where,
+                       o->section, o->key, text);
+    case CFG_INT:
+    case CFG_I64: {
+        char *end;
+        int sign_ok = text[0] == '-' || text[0] == '+' || (text[0] >= '0' && text[0] <= '9');
+        errno = 0;
+        long long v = sign_ok ? strtoll(text, &end, 10) : 0;
+        if (!sign_ok || end == text || *end != '\0')
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: expected an integer, got '%s'", where,
+                           o->section, o->key, text);
+        if (errno == ERANGE)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: '%s' does not fit in 64 bits", where,
+                           o->section, o->key, text);
+        return cfg_store_num(c, o, 0, (int64_t)v, where, e);
+    }
+    case CFG_DBL: {
+        char *end;
+        int start_ok = text[0] && text[0] != ' ' && text[0] != '\t';
+        errno = 0;
+        double v = start_ok ? strtod(text, &end) : 0;
+        if (!start_ok || end == text || *end != '\0')
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: expected a number, got '%s'", where,
+                           o->section, o->key, text);
+        if (errno == ERANGE && isinf(v))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: '%s' is out of range", where,
+                           o->section, o->key, text);
+        return cfg_store_num(c, o, v, 0, where, e);
+    }
+    }
+    return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: bad option type", where, o->section, o->key);
+}
+
+static void cfg_describe_toml(const toml_value *v, char *out, size_t cap) {
+    switch (v->kind) {
+    case TOML_STRING: snprintf(out, cap, "a string (\"%.60s\")", v->s); break;
+    case TOML_INT: snprintf(out, cap, "an integer (%" PRId64 ")", v->i); break;
+    case TOML_FLOAT: snprintf(out, cap, "a float (%g)", v->f); break;
+    case TOML_BOOL: snprintf(out, cap, "a boolean (%s)", v->i ? "true" : "false"); break;
+    case TOML_ARRAY: snprintf(out, cap, "an array"); break;
+    }
+}
+
+static int cfg_set_toml(ct_config *c, const cfg_option *o, const toml_value *v,
+                        const char *where, ct_err *e) {
+    const char *want = NULL;
+    switch (o->type) {
+    case CFG_STR:
+    case CFG_ENUM:
+        if (v->kind == TOML_STRING) return cfg_store_str(c, o, v->s, where, e);
+        want = o->type == CFG_ENUM ? "a string" : "a string (in quotes)";
+        break;
+    case CFG_BOOL:
+        if (v->kind == TOML_BOOL) {
+            *(int *)cfg_field(c, o) = (int)v->i;
+            return 0;
+        }
+        want = "a boolean (true or false)";
+        break;
+    case CFG_INT:
+    case CFG_I64:
+        if (v->kind == TOML_INT) return cfg_store_num(c, o, 0, v->i, where, e);
+        want = "an integer";
+        break;
+    case CFG_DBL:
+        if (v->kind == TOML_FLOAT) return cfg_store_num(c, o, v->f, 0, where, e);
+        if (v->kind == TOML_INT) return cfg_store_num(c, o, (double)v->i, 0, where, e);
+        want = "a number";
+        break;
+    }
+    char got[96];
+    cfg_describe_toml(v, got, sizeof got);
+    return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: expected %s, got %s", where, o->section, o->key,
+                   want, got);
+}
+
+/* ---- defaults and lifetime ---- */
+
+void cfg_defaults(ct_config *c) {
+    memset(c, 0, sizeof *c);
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        ct_err e;
+        if (cfg_set_text(c, &cfg_options[i], cfg_options[i].def, "built-in default", &e)) {
+            /* A broken table entry: nothing sensible can run. */
+            fprintf(stderr, "ctitan: internal error: %s\n", e.msg);
+            abort();
+        }
+    }
+    c->config_path = ct_strdup("");
+}
+
+void cfg_free(ct_config *c) {
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        const cfg_option *o = &cfg_options[i];
+        if (o->type != CFG_STR && o->type != CFG_ENUM) continue;
+        char **f = cfg_field(c, o);
+        free(*f);
+        *f = NULL;
+    }
+    free(c->config_path);
+    c->config_path = NULL;
+}
+
+int cfg_set(ct_config *c, const char *name, const char *value, ct_err *e) {
+    const char *dot = strchr(name, '.');
+    char section[64];
+    size_t n = dot ? (size_t)(dot - name) : 0;
+    if (!dot || n >= sizeof section)
+        return ct_fail(e, CT_ERR_CONFIG, "command line: unknown option '%s'", name);
+    memcpy(section, name, n);
+    section[n] = '\0';
+    const cfg_option *o = cfg_lookup(section, dot + 1);
+    if (!o) {
+        char hint[256];
+        if (!cfg_section_known(section)) {
+            cfg_suggest(section, dot + 1, hint, sizeof hint);
+            if (!hint[0]) cfg_section_hint(section, hint, sizeof hint);
+            return ct_fail(e, CT_ERR_CONFIG, "command line: %s: unknown section [%s]%s", name,
+                           section, hint);
+        }
+        cfg_suggest(section, dot + 1, hint, sizeof hint);
+        return ct_fail(e, CT_ERR_CONFIG, "command line: %s: unknown key%s", name, hint);
+    }
+    return cfg_set_text(c, o, value, "command line", e);
+}
+
+/* ---- the TOML file ---- */
+
+static int cfg_apply_doc(ct_config *c, const toml_doc *doc, ct_err *e) {
+    const char *path = doc->path;
+    char where[600], hint[256];
+    for (int s = 0; s < doc->n_sections; s++) {
+        const toml_section *sec = &doc->sections[s];
+        if (s == 0) {
+            /* Keys before any [section]. */
+            if (sec->n_kvs == 0) continue;
+            const toml_kv *kv = &sec->kvs[0];
+            cfg_suggest("", kv->key, hint, sizeof hint);
+            return ct_fail(e, CT_ERR_CONFIG, "%s:%d: %s: key outside any [section]%s", path,
+                           kv->line, kv->key, hint);
+        }
+        if (!cfg_section_known(sec->name)) {
+            cfg_section_hint(sec->name, hint, sizeof hint);
+            return ct_fail(e, CT_ERR_CONFIG, "%s:%d: unknown section [%s]%s", path, sec->line,
+                           sec->name, hint);
+        }
+        for (int k = 0; k < sec->n_kvs; k++) {
+            const toml_kv *kv = &sec->kvs[k];
+            const cfg_option *o = cfg_lookup(sec->name, kv->key);
+            if (!o) {
+                cfg_suggest(sec->name, kv->key, hint, sizeof hint);
+                return ct_fail(e, CT_ERR_CONFIG, "%s:%d: %s.%s: unknown key%s", path, kv->line,
+                               sec->name, kv->key, hint);
+            }
+            cfg_where(where, sizeof where, path, kv->line);
+            int rc = cfg_set_toml(c, o, &kv->val, where, e);
+            if (rc) return rc;
+        }
+    }
+    return 0;
+}
+
+static int cfg_load_file(ct_config *c, const char *path, ct_err *e) {
+    toml_doc doc;
+    int rc = toml_parse_file(path, &doc, e);
+    if (rc) {
+        /* A missing or malformed --config is the user's config, not a
+         * runtime failure: exit 2 before any work. */
+        if (e) e->code = CT_ERR_CONFIG;
+        return CT_ERR_CONFIG;
+    }
+    char *p = ct_strdup(path);
+    free(c->config_path);
+    c->config_path = p;
+    rc = cfg_apply_doc(c, &doc, e);
+    toml_free(&doc);
+    return rc;
+}
+
+/* ---- the command line ---- */
+
+static int cfg_is_config_flag(const char *name, size_t n) {
+    return (n == 6 && strncmp(name, "config", 6) == 0) ||
+           (n == 15 && strncmp(name, "job.config_file", 15) == 0);
+}
+
+int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e) {
+    /* Pass 1: the config file, wherever it appears, so that every override
+     * on the line wins over it regardless of order. */
+    const char *config = NULL;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (strncmp(a, "--", 2) != 0) continue;
+        const char *name = a + 2, *eq = strchr(name, '=');
+        size_t n = eq ? (size_t)(eq - name) : strlen(name);
+        if (!cfg_is_config_flag(name, n)) continue;
+        const char *val;
+        if (eq) {
+            val = eq + 1;
+        } else {
+            if (i + 1 >= argc || strncmp(argv[i + 1], "--", 2) == 0)
+                return ct_fail(e, CT_ERR_CONFIG, "command line: --%.*s: missing value (a TOML file)",
+                               (int)n, name);
+            val = argv[++i];
+        }
+        if (!val[0])
+            return ct_fail(e, CT_ERR_CONFIG, "command line: --%.*s: empty file name", (int)n, name);
+        if (config)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "command line: --config given twice ('%s' and '%s')", config, val);
+        config = val;
+    }
+    if (config) {
+        int rc = cfg_load_file(c, config, e);
+        if (rc) return rc;
+    }
+
+    /* Pass 2: overrides, in order. */
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (strncmp(a, "--", 2) != 0 || !a[2])
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "command line: unexpected argument '%s' (options look like "
+                           "--section.key=value)", a);
+        const char *name = a + 2, *eq = strchr(name, '=');
+        size_t n = eq ? (size_t)(eq - name) : strlen(name);
+        if (cfg_is_config_flag(name, n)) {
+            if (!eq) i++;
+            continue;
+        }
+        char full[160];
+        if (n >= sizeof full)
+            return ct_fail(e, CT_ERR_CONFIG, "command line: option name too long: '%.40s...'", a);
+        memcpy(full, name, n);
+        full[n] = '\0';
+        const char *dot = strchr(full, '.');
+        const cfg_option *o = NULL;
+        if (dot) {
+            char section[160];
+            memcpy(section, full, (size_t)(dot - full));
+            section[dot - full] = '\0';
+            o = cfg_lookup(section, dot + 1);
+        }
+        if (!o) {
+            if (!dot) {
+                char hint[256];
+                cfg_suggest("", full, hint, sizeof hint);
+                return ct_fail(e, CT_ERR_CONFIG, "command line: unknown option --%s%s", full,
+                               hint);
+            }
+            return cfg_set(c, full, "", e); /* reports the unknown section or key */
+        }
+        const char *val;
+        if (eq) {
+            val = eq + 1;
+        } else if (o->type == CFG_BOOL) {
+            /* A bare flag means true; the next argument is taken only if it
+             * is unmistakably a boolean, so `--x.flag --y.z=1` works. */
+            if (i + 1 < argc && (strcmp(argv[i + 1], "true") == 0 ||
+                                 strcmp(argv[i + 1], "false") == 0))
+                val = argv[++i];
+            else
+                val = "true";
+        } else {
+            if (i + 1 >= argc || strncmp(argv[i + 1], "--", 2) == 0)
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "command line: %s: missing value (--%s=<%s>)", full, full,
+                               cfg_type_name(o->type));
+            val = argv[++i];
+        }
+        int rc = cfg_set_text(c, o, val, "command line", e);
+        if (rc) return rc;
+    }
+    return cfg_validate(c, e);
+}
+
+/* ---- validation ---- */
+
+int cfg_validate(const ct_config *c, ct_err *e) {
+    const char *src = c->config_path && c->config_path[0] ? c->config_path : "command line";
+    /* Per-option checks again: the library API may have set fields directly. */
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        const cfg_option *o = &cfg_options[i];
+        const void *f = cfg_cfield(c, o);
+        int rc = 0;
+        switch (o->type) {
+        case CFG_STR:
+        case CFG_ENUM: {
+            const char *s = *(char *const *)f;
+            if (!s)
+                return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: not set", src, o->section, o->key);
+            rc = cfg_check_str(o, s, src, e);
+            break;
+        }
+        case CFG_BOOL: break;
+        case CFG_INT: rc = cfg_check_num(o, 0, *(const int *)f, src, e); break;
+        case CFG_I64: rc = cfg_check_num(o, 0, *(const int64_t *)f, src, e); break;
+        case CFG_DBL: rc = cfg_check_num(o, *(const double *)f, 0, src, e); break;
+        }
+        if (rc) return rc;
+    }
+    if (c->global_batch_size != -1 && c->global_batch_size % c->local_batch_size != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: training.global_batch_size (%d) must be -1 or a positive multiple "
+                       "of training.local_batch_size (%d)",
+                       src, c->global_batch_size, c->local_batch_size);
+    if (strcmp(c->model_spec, "hf") == 0 && !c->hf_assets_path[0])
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: model.hf_assets_path: required when model.spec is \"hf\" "
+                       "(the directory holding config.json)", src);
+    return 0;
+}
+
+/* ---- help and dump ---- */
+
+static void cfg_flag_text(const cfg_option *o, char *out, size_t cap) {
+    if (o->type == CFG_ENUM) {
+        char ch[160];
+        cfg_choices_text(o, "|", ch, sizeof ch);
+        snprintf(out, cap, "--%s.%s=<%s>", o->section, o->key, ch);
+    } else {
+        snprintf(out, cap, "--%s.%s=<%s>", o->section, o->key, cfg_type_name(o->type));
+    }
+}
+
+void cfg_print_help(FILE *out) {
+    char flag[256], r[96];
+    /* Align help texts, but let a few long enum flags wrap instead of
+     * pushing every line to the right. */
+    int width = 0;
+    const int max_width = 40;
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        cfg_flag_text(&cfg_options[i], flag, sizeof flag);
+        int n = (int)strlen(flag);
+        if (n > width && n <= max_width) width = n;
+    }
+    fprintf(out, "Options. `--config FILE` reads a TOML file first (sections as below), then\n"
+                 "each --section.key=value, --section.key value, or bare --section.key (booleans)\n"
+                 "overrides it, left to right.\n");
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        const cfg_option *o = &cfg_options[i];
+        if (cfg_first_of_section(i)) fprintf(out, "\n[%s]\n", o->section);
+        cfg_flag_text(o, flag, sizeof flag);
+        if ((int)strlen(flag) > width)
+            fprintf(out, "  %s\n  %-*s  %s", flag, width, "", o->help);
+        else
+            fprintf(out, "  %-*s  %s", width, flag, o->help);
+        cfg_range_text(o, 0, r, sizeof r);
+        if (r[0]) fprintf(out, "; %s", r);
+        if (o->type == CFG_STR || o->type == CFG_ENUM)
+            fprintf(out, " (default: \"%s\")\n", o->def);
+        else
+            fprintf(out, " (default: %s)\n", o->def);
+    }
+}
+
+/* A TOML basic string: escapes what TOML requires (and nothing else, so
+ * UTF-8 text stays readable). */
+static void cfg_write_string(const char *s, FILE *out) {
+    fputc('"', out);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\') fprintf(out, "\\%c", *p);
+        else if (*p == '\n') fputs("\\n", out);
+        else if (*p == '\t') fputs("\\t", out);
+        else if (*p < 0x20 || *p == 0x7f) fprintf(out, "\\u%04X", *p);
+        else fputc(*p, out);
+    }
+    fputc('"', out);
+}
+
+/* The shortest %g text that reads back to the same double, written so TOML
+ * sees a float (1.0, not 1). */
+static void cfg_write_double(double v, FILE *out) {
+    char buf[40];
+    for (int prec = 1; prec <= 17; prec++) {
+        snprintf(buf, sizeof buf, "%.*g", prec, v);
+        if (strtod(buf, NULL) == v) break;
+    }
+    if (!strpbrk(buf, ".eEn")) strcat(buf, ".0");
+    fputs(buf, out);
+}
+
+void cfg_write_toml(const ct_config *c, FILE *out) {
+    fprintf(out, "# ctitan resolved configuration");
+    if (c->config_path && c->config_path[0]) {
+        fprintf(out, " (from ");
+        cfg_write_string(c->config_path, out);
+        fprintf(out, " and the command line)");
+    }
+    fprintf(out, "\n");
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        const cfg_option *o = &cfg_options[i];
+        const void *f = cfg_cfield(c, o);
+        if (cfg_first_of_section(i)) fprintf(out, "%s[%s]\n", i ? "\n" : "", o->section);
+        fprintf(out, "%s = ", o->key);
+        switch (o->type) {
+        case CFG_STR:
+        case CFG_ENUM: cfg_write_string(*(char *const *)f ? *(char *const *)f : "", out); break;
+        case CFG_INT: fprintf(out, "%d", *(const int *)f); break;
+        case CFG_I64: fprintf(out, "%" PRId64, *(const int64_t *)f); break;
+        case CFG_DBL: cfg_write_double(*(const double *)f, out); break;
+        case CFG_BOOL: fputs(*(const int *)f ? "true" : "false", out); break;
+        }
+        fputc('\n', out);
+    }
+}
