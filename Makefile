@@ -53,7 +53,9 @@ test: setup
 	@$(MAKE) --no-print-directory sanitize
 	@$(MAKE) --no-print-directory test-py
 
-run: setup all
+run:
+	@bash scripts/setup.sh --no-venv
+	@$(MAKE) --no-print-directory all
 	@bash scripts/run_default.sh
 
 clean:

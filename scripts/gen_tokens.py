@@ -11,9 +11,9 @@ import sys
 
 out = sys.argv[1]
 n_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 400_000
-vocab = int(sys.argv[3]) if len(sys.argv) > 3 else 2048
+vocab = int(sys.argv[3]) if len(sys.argv) > 3 else 512
 rng = random.Random(1234)
-phrases = [[rng.randrange(vocab) for _ in range(16)] for _ in range(256)]
+phrases = [[rng.randrange(vocab) for _ in range(16)] for _ in range(64)]
 toks = []
 while len(toks) < n_tokens:
     toks.extend(phrases[rng.randrange(len(phrases))])

@@ -151,7 +151,7 @@ int trainer_run(trainer *t, ct_err *e) {
         double gnorm, lr;
         trainer_optimizer_step(t, &gnorm, &lr);
         tokens_since_log += (long)(mb * t->grad_accum);
-        if (step == 1 || step % c->log_freq == 0 || step == c->steps) {
+        if (step == 1 || step % c->log_freq == 0) { /* torchtitan's rule */
             double now = ct_now();
             double tps = tokens_since_log / (now - t_log);
             double tflops = fpt * tps / 1e12;

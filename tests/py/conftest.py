@@ -1,0 +1,229 @@
+"""Fixtures for ctitan's Python tests: the ctypes wrapper of build/libctitan.so, the CLI
+runner, paths. A missing build product makes the fixture FAIL (never skip)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "build"
+LIB = BUILD / "libctitan.so"
+BIN = BUILD / "ctitan"
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# ctitan subprocesses: two threads (the machine has two cores).
+CHILD_ENV = dict(os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2")
+
+
+class CtitanError(RuntimeError):
+    pass
+
+
+def _load_lib(path: Path):
+    lib = ctypes.CDLL(str(path))
+    P, I, F, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
+    I32 = ctypes.POINTER(ctypes.c_int32)
+    D = ctypes.POINTER(ctypes.c_double)
+    sig = {
+        "ctitan_open": (P, [I, ctypes.POINTER(ctypes.c_char_p), ctypes.c_char_p, I]),
+        "ctitan_close": (None, [P]),
+        "ctitan_last_error": (ctypes.c_char_p, [P]),
+        "ctitan_vocab_size": (I, [P]),
+        "ctitan_num_tensors": (I, [P]),
+        "ctitan_tensor_name": (ctypes.c_char_p, [P, I]),
+        "ctitan_tensor_shape": (I, [P, I, I64]),
+        "ctitan_get_param": (I, [P, ctypes.c_char_p, F]),
+        "ctitan_set_param": (I, [P, ctypes.c_char_p, F]),
+        "ctitan_get_grad": (I, [P, ctypes.c_char_p, F]),
+        "ctitan_logits": (I, [P, I32, I, I, F]),
+        "ctitan_zero_grad": (I, [P]),
+        "ctitan_forward_backward": (I, [P, I32, I32, I, I, ctypes.c_long, D]),
+        "ctitan_optimizer_step": (I, [P, D, D]),
+        "ctitan_save_hf": (I, [P, ctypes.c_char_p, ctypes.c_char_p]),
+    }
+    for name, (res, args) in sig.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    return lib
+
+
+def _fptr(a):
+    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+
+def _iptr(a):
+    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
+
+class Ctitan:
+    """One ctitan session (model + optimizer) through libctitan's C API, numpy in/out."""
+
+    def __init__(self, lib, args):
+        self.lib = lib
+        self.args = [str(a) for a in args]
+        argv = (ctypes.c_char_p * len(self.args))(*[a.encode() for a in self.args])
+        err = ctypes.create_string_buffer(4096)
+        self.s = lib.ctitan_open(len(self.args), argv, err, len(err))
+        if not self.s:
+            raise CtitanError(f"ctitan_open({self.args}) failed: {err.value.decode(errors='replace')}")
+        self.shapes = {}
+        for i in range(lib.ctitan_num_tensors(self.s)):
+            name = lib.ctitan_tensor_name(self.s, i).decode()
+            shape = (ctypes.c_int64 * 8)()
+            nd = lib.ctitan_tensor_shape(self.s, i, shape)
+            assert 0 <= nd <= 8, f"ctitan_tensor_shape({i}) returned {nd}"
+            self.shapes[name] = tuple(int(shape[k]) for k in range(nd))
+
+    # ----- helpers
+    def _check(self, rc, what):
+        if rc != 0:
+            msg = self.lib.ctitan_last_error(self.s)
+            raise CtitanError(f"{what} failed (rc={rc}): {msg.decode(errors='replace') if msg else '?'}")
+
+    def close(self):
+        if self.s:
+            self.lib.ctitan_close(self.s)
+            self.s = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ----- API
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lib.ctitan_vocab_size(self.s))
+
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def get_param(self, name) -> np.ndarray:
+        out = np.empty(self.shapes[name], dtype=np.float32)
+        self._check(self.lib.ctitan_get_param(self.s, name.encode(), _fptr(out)), f"get_param({name})")
+        return out
+
+    def set_param(self, name, value):
+        a = np.ascontiguousarray(value, dtype=np.float32)
+        assert a.shape == self.shapes[name], f"{name}: {a.shape} != {self.shapes[name]}"
+        self._check(self.lib.ctitan_set_param(self.s, name.encode(), _fptr(a)), f"set_param({name})")
+
+    def get_grad(self, name) -> np.ndarray:
+        out = np.empty(self.shapes[name], dtype=np.float32)
+        self._check(self.lib.ctitan_get_grad(self.s, name.encode(), _fptr(out)), f"get_grad({name})")
+        return out
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {n: self.get_param(n) for n in self.names()}
+
+    def logits(self, tokens) -> np.ndarray:
+        t = np.ascontiguousarray(tokens, dtype=np.int32)
+        B, T = t.shape
+        out = np.empty((B, T, self.vocab_size), dtype=np.float32)
+        self._check(self.lib.ctitan_logits(self.s, _iptr(t), B, T, _fptr(out)), "logits")
+        return out
+
+    def zero_grad(self):
+        self._check(self.lib.ctitan_zero_grad(self.s), "zero_grad")
+
+    def forward_backward(self, tokens, labels, n_valid_total) -> float:
+        t = np.ascontiguousarray(tokens, dtype=np.int32)
+        l = np.ascontiguousarray(labels, dtype=np.int32)
+        assert t.shape == l.shape
+        B, T = t.shape
+        loss = ctypes.c_double(float("nan"))
+        self._check(self.lib.ctitan_forward_backward(self.s, _iptr(t), _iptr(l), B, T, int(n_valid_total),
+                                                     ctypes.byref(loss)), "forward_backward")
+        return loss.value
+
+    def optimizer_step(self) -> tuple[float, float]:
+        gn, lr = ctypes.c_double(float("nan")), ctypes.c_double(float("nan"))
+        self._check(self.lib.ctitan_optimizer_step(self.s, ctypes.byref(gn), ctypes.byref(lr)), "optimizer_step")
+        return gn.value, lr.value
+
+    def save_hf(self, path, dtype="float32"):
+        self._check(self.lib.ctitan_save_hf(self.s, str(path).encode(), dtype.encode()), f"save_hf({path})")
+
+
+def hf_session_args(hf_dir, *, load=True, batch=2, seq_len=16, seed=3, dump=None, extra=()):
+    """ctitan_open arguments for a session from an HF directory (weights loaded iff `load`)."""
+    a = ["--model.spec=hf", f"--model.hf_assets_path={hf_dir}",
+         f"--training.local_batch_size={batch}", f"--training.seq_len={seq_len}",
+         f"--training.seed={seed}"]
+    if load:
+        a += [f"--checkpoint.initial_load_path={hf_dir}", "--checkpoint.initial_load_in_hf"]
+    if dump is not None:
+        a.append(f"--job.dump_folder={dump}")
+    return a + list(extra)
+
+
+@pytest.fixture(scope="session")
+def root() -> Path:
+    return ROOT
+
+
+@pytest.fixture(scope="session")
+def libctitan():
+    if not LIB.exists():
+        pytest.fail(f"{LIB} is missing: run `make all` first", pytrace=False)
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    return _load_lib(LIB)
+
+
+@pytest.fixture
+def open_session(libctitan, tmp_path):
+    """open_session(args) -> Ctitan; every session is closed at teardown."""
+    sessions = []
+
+    def _open(args):
+        args = list(args)
+        if not any(a.startswith("--job.dump_folder") for a in args):
+            args.append(f"--job.dump_folder={tmp_path / 'session_out'}")
+        s = Ctitan(libctitan, args)
+        sessions.append(s)
+        return s
+
+    yield _open
+    for s in sessions:
+        s.close()
+
+
+@pytest.fixture(scope="session")
+def ctitan_bin() -> Path:
+    if not BIN.exists():
+        pytest.fail(f"{BIN} is missing: run `make all` first", pytrace=False)
+    return BIN
+
+
+@pytest.fixture
+def run_ctitan(ctitan_bin):
+    """run_ctitan(args, check=True, timeout=180) -> (rc, stdout, stderr), run from the repo
+    root. check=True fails the test on a non-zero exit, showing stderr."""
+
+    def _run(args, check=True, timeout=180):
+        cmd = [str(ctitan_bin)] + [str(a) for a in args]
+        p = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            print(f"$ {' '.join(cmd)}\nexit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
+            if check:
+                pytest.fail(f"ctitan exited {p.returncode}: {' '.join(cmd)}\n--- stderr\n{p.stderr[-4000:]}",
+                            pytrace=False)
+        return p.returncode, p.stdout, p.stderr
+
+    return _run
+
+
+@pytest.fixture
+def hf_config():
+    """Factory of tiny Qwen3Config (see oracle.tiny_config for the parameters)."""
+    import oracle
+    return oracle.tiny_config

@@ -1,0 +1,171 @@
+"""`ctitan` on bad input: config errors (exit 2, key and file named), corrupt
+safetensors (non-zero, file named), too little data (file named); and --help."""
+import re
+import struct
+
+import pytest
+
+import oracle
+
+L = 16
+
+ALL_OPTIONS = [
+    "job.dump_folder", "job.description",
+    "model.spec", "model.flavor", "model.hf_assets_path",
+    "optimizer.name", "optimizer.lr", "optimizer.eps", "optimizer.weight_decay", "optimizer.beta1",
+    "optimizer.beta2",
+    "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio", "lr_scheduler.decay_type",
+    "lr_scheduler.min_lr_factor",
+    "training.local_batch_size", "training.global_batch_size", "training.seq_len", "training.max_norm",
+    "training.steps", "training.dataset", "training.dataset_path", "training.seed", "training.deterministic",
+    "training.threads",
+    "checkpoint.enable", "checkpoint.folder", "checkpoint.interval", "checkpoint.initial_load_path",
+    "checkpoint.initial_load_in_hf", "checkpoint.last_save_in_hf", "checkpoint.export_dtype",
+    "metrics.log_freq", "metrics.file", "metrics.peak_tflops",
+]
+
+
+@pytest.fixture
+def base(tmp_path):
+    """A valid setup: tiny HF model, data, and the sections of a config that trains."""
+    cfg = oracle.tiny_config(vocab=128, hidden=32, inter=64, layers=1, heads=4, kv_heads=2, head_dim=16)
+    hf_dir = tmp_path / "hf"
+    oracle.save_random_hf(hf_dir, cfg, seed=41)
+    data = oracle.write_bin(tmp_path / "d.bin", oracle.random_tokens(4 * (L + 1), 128, seed=7))
+    return {"hf": hf_dir, "data": data, "out": tmp_path / "out", "tmp": tmp_path,
+            "sections": oracle.train_sections(tmp_path / "out", data, hf_dir, steps=1)}
+
+
+def test_base_config_trains(base, run_ctitan):
+    conf = oracle.write_toml(base["tmp"] / "ok.toml", base["sections"])
+    run_ctitan(["train", "--config", conf])
+    assert oracle.read_metrics(base["out"] / "metrics.jsonl")[0]["step"] == 1
+
+
+CONFIG_ERRORS = [
+    # (id, {"section": {"key": value}} merged into the valid config, text stderr must contain)
+    ("unknown_section", {"bogus_section": {"x": 1}}, "bogus_section"),
+    ("unknown_key", {"training": {"bogus_key": 1}}, "training.bogus_key"),
+    ("wrong_type_string_for_int", {"training": {"seq_len": "sixteen"}}, "training.seq_len"),
+    ("wrong_type_float_for_int", {"training": {"steps": 1.5}}, "training.steps"),
+    ("wrong_type_int_for_bool", {"checkpoint": {"initial_load_in_hf": 3}}, "checkpoint.initial_load_in_hf"),
+    ("out_of_range_seq_len", {"training": {"seq_len": 0}}, "training.seq_len"),
+    ("out_of_range_beta1", {"optimizer": {"beta1": 1.5}}, "optimizer.beta1"),
+    ("bad_enum_decay_type", {"lr_scheduler": {"decay_type": "exp"}}, "lr_scheduler.decay_type"),
+    ("bad_enum_export_dtype", {"checkpoint": {"export_dtype": "float8"}}, "checkpoint.export_dtype"),
+    ("global_not_multiple_of_local", {"training": {"local_batch_size": 2, "global_batch_size": 3}},
+     "training.global_batch_size"),
+]
+
+
+@pytest.mark.parametrize("cid,change,key", CONFIG_ERRORS, ids=[c[0] for c in CONFIG_ERRORS])
+def test_config_error(cid, change, key, base, run_ctitan):
+    sections = {k: dict(v) for k, v in base["sections"].items()}
+    for sec, kv in change.items():
+        sections.setdefault(sec, {}).update(kv)
+    conf = oracle.write_toml(base["tmp"] / f"{cid}.toml", sections)
+    rc, out, err = run_ctitan(["train", "--config", conf], check=False)
+    assert rc == 2, f"exit {rc}, want 2; stderr:\n{err}"
+    assert key in err, f"stderr does not name {key}:\n{err}"
+    assert str(conf) in err, f"stderr does not name the config file {conf}:\n{err}"
+
+
+CLI_ERRORS = [
+    ("unknown_key", "--training.bogus_key=1", "training.bogus_key"),
+    ("unknown_section", "--bogus_section.x=1", "bogus_section"),
+    ("wrong_type", "--training.steps=abc", "training.steps"),
+    ("out_of_range", "--optimizer.beta2=-0.5", "optimizer.beta2"),
+]
+
+
+@pytest.mark.parametrize("cid,arg,key", CLI_ERRORS, ids=[c[0] for c in CLI_ERRORS])
+def test_cli_override_error(cid, arg, key, base, run_ctitan):
+    conf = oracle.write_toml(base["tmp"] / "ok.toml", base["sections"])
+    rc, out, err = run_ctitan(["train", "--config", conf, arg], check=False)
+    assert rc == 2, f"exit {rc}, want 2; stderr:\n{err}"
+    assert key in err, f"stderr does not name {key}:\n{err}"
+
+
+# ---------------------------------------------------------------------------- safetensors
+
+def _corrupt(kind, header, data):
+    """Returns (header, data, header_len_override) for one kind of corruption."""
+    tensors = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    if kind == "truncated":
+        return header, data[: len(data) // 2], None
+    if kind == "overlapping_offsets":
+        # The second tensor starts inside the first one (a hole is left behind it).
+        a, b = tensors[0], tensors[1]
+        a0, a1 = header[a]["data_offsets"]
+        b0, b1 = header[b]["data_offsets"]
+        start = a0 + (a1 - a0) // 2
+        start -= start % 4
+        header[b]["data_offsets"] = [start, start + (b1 - b0)]
+        return header, data, None
+    if kind == "header_len_past_end":
+        return header, data, 8 + len(data) + 10 ** 6
+    if kind == "unknown_dtype":
+        header[tensors[2]]["dtype"] = "Q7"
+        return header, data, None
+    if kind == "header_not_json":
+        return None, data, None
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "overlapping_offsets", "header_len_past_end", "unknown_dtype",
+                                  "header_not_json"])
+def test_corrupt_safetensors(kind, base, run_ctitan):
+    f = base["hf"] / "model.safetensors"
+    header, data = oracle.read_safetensors_raw(f)
+    header, data, n = _corrupt(kind, header, data)
+    if header is None:
+        body = b'{"model.norm.weight": {"dtype": "F32", "shape": [32], "data_offsets": [0, 128]'  # no closing
+        body += b" " * ((8 - len(body) % 8) % 8)
+        f.write_bytes(struct.pack("<Q", len(body)) + body + data)
+    else:
+        oracle.write_safetensors_raw(f, header, data, header_len_override=n)
+    conf = oracle.write_toml(base["tmp"] / "t.toml", base["sections"])
+    rc, out, err = run_ctitan(["train", "--config", conf], check=False)
+    assert rc != 0, f"ctitan accepted a safetensors file with {kind}"
+    assert str(f) in err.replace("//", "/"), f"stderr does not name {f}:\n{err}"
+
+
+def test_data_too_short(base, run_ctitan):
+    short = oracle.write_bin(base["tmp"] / "short.bin", oracle.random_tokens(L, 128, seed=1))  # < L+1 tokens
+    sections = base["sections"]
+    sections["training"]["dataset_path"] = str(short)
+    conf = oracle.write_toml(base["tmp"] / "t.toml", sections)
+    rc, out, err = run_ctitan(["train", "--config", conf], check=False)
+    assert rc != 0, "ctitan trained on a data file shorter than one window"
+    assert str(short) in err, f"stderr does not name {short}:\n{err}"
+
+
+# ---------------------------------------------------------------------------- help
+
+def _option_text(text, name):
+    """The line naming `name` (as a whole dotted option) and the line after it."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if re.search(r"(?<![\w.])" + re.escape(name) + r"(?![\w.])", line):
+            return line + "\n" + (lines[i + 1] if i + 1 < len(lines) else "")
+    return None
+
+
+def _numbers(s):
+    return [float(x) for x in re.findall(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?", s)]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"]], ids=["ctitan", "train"])
+def test_help(args, run_ctitan):
+    rc, out, err = run_ctitan(args, check=False)
+    assert rc == 0, f"{args}: exit {rc}\n{err}"
+    missing = [o for o in ALL_OPTIONS if _option_text(out, o) is None]
+    assert not missing, f"--help does not list {missing}"
+    t = _option_text(out, "training.seq_len")
+    assert 2048 in _numbers(t.replace("training.seq_len", "")), f"default 2048 not shown: {t}"
+    t = _option_text(out, "optimizer.lr")
+    assert any(abs(x - 8e-4) < 1e-12 for x in _numbers(t.replace("optimizer.lr", ""))), f"default 8e-4 not shown: {t}"
+    t = _option_text(out, "checkpoint.export_dtype")
+    assert "float32" in t, f"default float32 not shown: {t}"
+    t = _option_text(out, "optimizer.beta2")
+    assert 0.95 in _numbers(t.replace("optimizer.beta2", "")), f"default 0.95 not shown: {t}"

@@ -1,0 +1,161 @@
+"""Forward/backward parity of a ctitan session against HF Qwen3ForCausalLM (eager, fp32)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import oracle
+from conftest import hf_session_args
+
+TOL = 1e-4
+
+# (id, tiny_config kwargs, T). Together: head_dim != hidden/heads, GQA, MQA, MHA, tied,
+# untied, rope_theta 1e4 / 1e6 / 5e6, 1 to 3 layers, T < seq_len.
+CONFIGS = [
+    ("gqa_hd16_untied_theta1e4_L2",
+     dict(vocab=256, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=16, rope_theta=1e4, tied=False), 16),
+    ("mha_tied_theta1e6_L1",
+     dict(vocab=200, hidden=48, inter=40, layers=1, heads=4, kv_heads=4, head_dim=12, rope_theta=1e6, tied=True), 16),
+    ("gqa4_untied_theta5e6_L3",
+     dict(vocab=320, hidden=64, inter=96, layers=3, heads=8, kv_heads=2, head_dim=8, rope_theta=5e6, tied=False), 13),
+    ("mqa_hd8_tied_theta1e4_L2",
+     dict(vocab=512, hidden=32, inter=48, layers=2, heads=8, kv_heads=1, head_dim=8, rope_theta=1e4, tied=True), 16),
+]
+
+
+def make_batch(vocab, B, T, seed, n_ignore=5):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, size=(B, T)).astype(np.int64)
+    labels = rng.integers(0, vocab, size=(B, T)).astype(np.int64)
+    flat = labels.reshape(-1)
+    flat[rng.choice(B * T, size=n_ignore, replace=False)] = oracle.IGNORE
+    return tokens, labels
+
+
+@pytest.mark.parametrize("cid,kw,T", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_logits_loss_grads(cid, kw, T, tmp_path, open_session):
+    cfg = oracle.tiny_config(**kw)
+    hf_dir = tmp_path / "hf"
+    model = oracle.save_random_hf(hf_dir, cfg, seed=11)
+    B = 2
+    tokens, labels = make_batch(cfg.vocab_size, B, T, seed=5)
+
+    ref_loss, ref_logits, ref_grads = oracle.hf_loss_and_grads(model, tokens, labels)
+
+    s = open_session(hf_session_args(hf_dir, batch=B, seq_len=16))
+    assert s.vocab_size == cfg.vocab_size
+    # Same tensors, same names and shapes as HF (tied: no lm_head.weight).
+    expected = oracle.expected_tensor_names(model)
+    assert set(s.names()) == expected
+    sd = model.state_dict()
+    for n in expected:
+        assert s.shapes[n] == tuple(sd[n].shape), n
+        # The loaded weights are exactly the saved fp32 weights.
+        assert np.array_equal(s.get_param(n), sd[n].numpy()), f"{n} loaded != saved"
+
+    logits = s.logits(tokens)
+    err = oracle.rel_err(logits, ref_logits)
+    assert err <= TOL, f"logits rel err {err:.3g}"
+
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    loss_sum = s.forward_backward(tokens, labels, nv)
+    loss = loss_sum / nv
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"loss {loss} vs HF {ref_loss}"
+
+    bad = []
+    for n in expected:
+        g = s.get_grad(n)
+        e = oracle.rel_err(g, ref_grads[n])
+        if not e <= TOL:
+            bad.append(f"{n}: rel err {e:.3g}")
+    assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
+
+
+def test_grad_accumulation(tmp_path, open_session):
+    """Two micro-batches with the step's total valid count give the gradient of the whole
+    batch's mean; zero_grad resets."""
+    cfg = oracle.tiny_config(vocab=256, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=16)
+    hf_dir = tmp_path / "hf"
+    model = oracle.save_random_hf(hf_dir, cfg, seed=4)
+    tokens, labels = make_batch(cfg.vocab_size, 4, 16, seed=8, n_ignore=9)
+    ref_loss, _, ref_grads = oracle.hf_loss_and_grads(model, tokens, labels)
+
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=16))
+    nv = oracle.n_valid(labels)
+    for _ in range(2):  # the second round checks that zero_grad really zeroes
+        s.zero_grad()
+        l0 = s.forward_backward(tokens[:2], labels[:2], nv)
+        l1 = s.forward_backward(tokens[2:], labels[2:], nv)
+        loss = (l0 + l1) / nv
+        assert abs(loss - ref_loss) <= TOL * ref_loss, f"{loss} vs {ref_loss}"
+        for n in oracle.expected_tensor_names(model):
+            e = oracle.rel_err(s.get_grad(n), ref_grads[n])
+            assert e <= TOL, f"{n}: rel err {e:.3g}"
+    # zero_grad leaves exact zeros.
+    s.zero_grad()
+    for n in s.names():
+        assert not np.any(s.get_grad(n)), n
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_set_get_param_roundtrip(tied, tmp_path, open_session):
+    """set_param/get_param are exact, and the values set are the ones the model computes
+    with (logits equal HF's with the same new weights)."""
+    cfg = oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, head_dim=16,
+                             rope_theta=1e4, tied=tied)
+    hf_dir = tmp_path / "hf"
+    oracle.save_random_hf(hf_dir, cfg, seed=1)
+    other = oracle.build_model(cfg, seed=2)
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=16))
+    new = {n: p.detach().numpy().copy() for n, p in oracle.param_dict(other).items()}
+    assert set(s.names()) == oracle.expected_tensor_names(other)
+    for n in s.names():
+        s.set_param(n, new[n])
+    for n in s.names():
+        assert np.array_equal(s.get_param(n), new[n]), f"{n} round trip"
+    tokens, _ = make_batch(cfg.vocab_size, 2, 16, seed=3)
+    err = oracle.rel_err(s.logits(tokens), oracle.hf_logits(other, tokens))
+    assert err <= TOL, f"logits after set_param: rel err {err:.3g}"
+
+
+def test_random_init(tmp_path, open_session):
+    """No initial_load_path: N(0, 0.02) matrices, ones for norms, deterministic from the
+    seed; the loss on random tokens is then close to ln(vocab)."""
+    cfg = oracle.tiny_config(vocab=512, hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    cfg.save_pretrained(str(hf_dir))  # config.json only
+    a = open_session(hf_session_args(hf_dir, load=False, seed=7))
+    b = open_session(hf_session_args(hf_dir, load=False, seed=7))
+    c = open_session(hf_session_args(hf_dir, load=False, seed=8))
+    ref_names = oracle.expected_tensor_names(oracle.build_model(cfg))
+    assert set(a.names()) == ref_names
+    differs = False
+    for n in a.names():
+        pa = a.get_param(n)
+        assert np.array_equal(pa, b.get_param(n)), f"{n}: same seed, different init"
+        differs |= not np.array_equal(pa, c.get_param(n))
+        if pa.ndim == 1:
+            assert np.all(pa == 1.0), f"{n}: norm weights must start at 1"
+        else:
+            k = 5.0 / math.sqrt(pa.size)  # 5 standard errors
+            assert abs(float(pa.mean())) < 0.02 * k, f"{n}: mean {pa.mean()}"
+            assert abs(float(pa.std()) / 0.02 - 1) < k, f"{n}: std {pa.std()} (want 0.02)"
+    assert differs, "seeds 7 and 8 gave identical weights"
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, size=(2, 16))
+    labels = rng.integers(0, cfg.vocab_size, size=(2, 16))
+    a.zero_grad()
+    loss = a.forward_backward(tokens, labels, labels.size) / labels.size
+    lnv = math.log(cfg.vocab_size)
+    assert abs(loss - lnv) < 0.02 * lnv, f"random-init loss {loss} vs ln(V) {lnv}"
+    # And it is the loss HF computes with ctitan's random weights (set into an HF model).
+    m = oracle.build_model(cfg)
+    with torch.no_grad():
+        for n, p in oracle.param_dict(m).items():
+            p.copy_(torch.from_numpy(a.get_param(n)))
+    ref = oracle.hf_loss(m, tokens, labels)
+    assert abs(loss - ref) <= TOL * ref

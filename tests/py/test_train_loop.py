@@ -1,0 +1,159 @@
+"""Whole optimizer steps (packing, accumulation, clipping, AdamW, LR schedule, metrics,
+HF export) of `ctitan train` and of the session API against a PyTorch loop."""
+import re
+
+import numpy as np
+import pytest
+
+import oracle
+from conftest import hf_session_args
+
+L = 16            # seq_len
+LOCAL_BS = 2
+GLOBAL_BS = 4     # 2 micro-batches per step
+# eps 1e-4 (not 1e-8): with eps far below the smallest gradients, Adam divides fp32
+# rounding noise by ~eps, and a correct fp32 implementation differs from an fp64 one by
+# ~3e-4 of a weight's max after 10 steps (measured); at 1e-4 the same comparison gives
+# < 1e-5, so the 1e-4 tolerance below has a 10x margin and eps still shapes every update.
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-4, weight_decay=0.1, max_norm=1.5,
+          warmup_steps=2, decay_ratio=None, decay_type="cosine", min_lr_factor=0.1)
+TOL = 1e-4
+METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "elapsed_s"}
+
+
+def model_cfg(tied):
+    return oracle.tiny_config(vocab=256, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                              rope_theta=1e4, tied=tied)
+
+
+def train_sections(hf_dir, data, out, steps, log_freq=1, export_dtype="float32"):
+    return {
+        "job": {"dump_folder": str(out)},
+        "model": {"spec": "hf", "hf_assets_path": str(hf_dir)},
+        "optimizer": {"name": "AdamW", "lr": HP["lr"], "eps": HP["eps"], "weight_decay": HP["weight_decay"],
+                      "beta1": HP["betas"][0], "beta2": HP["betas"][1]},
+        "lr_scheduler": {"warmup_steps": HP["warmup_steps"], "decay_type": HP["decay_type"],
+                         "min_lr_factor": HP["min_lr_factor"]},
+        "training": {"local_batch_size": LOCAL_BS, "global_batch_size": GLOBAL_BS, "seq_len": L,
+                     "max_norm": HP["max_norm"], "steps": steps, "dataset_path": str(data), "seed": 0},
+        "checkpoint": {"enable": True, "folder": "checkpoint", "interval": 1000,
+                       "initial_load_path": str(hf_dir), "initial_load_in_hf": True,
+                       "last_save_in_hf": True, "export_dtype": export_dtype},
+        "metrics": {"log_freq": log_freq, "file": "metrics.jsonl"},
+    }
+
+
+def close(a, b, tol):
+    return abs(a - b) <= tol * max(abs(b), 1e-30)
+
+
+def check_run(out, ref, steps, logged, model, stdout):
+    rows = oracle.read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == logged, f"logged steps {[r['step'] for r in rows]}, want {logged}"
+    for r in rows:
+        assert METRIC_KEYS <= set(r), f"metrics row lacks {METRIC_KEYS - set(r)}"
+        i = r["step"] - 1
+        assert close(r["loss"], ref["losses"][i], TOL), f"step {r['step']} loss {r['loss']} vs {ref['losses'][i]}"
+        assert close(r["grad_norm"], ref["grad_norms"][i], TOL), \
+            f"step {r['step']} grad_norm {r['grad_norm']} vs {ref['grad_norms'][i]}"
+        assert close(r["lr"], ref["lrs"][i], 1e-5), f"step {r['step']} lr {r['lr']} vs {ref['lrs'][i]}"
+        assert r["tps"] > 0 and r["elapsed_s"] >= 0
+    assert [r["elapsed_s"] for r in rows] == sorted(r["elapsed_s"] for r in rows)
+
+    # torchtitan's console line (colour codes allowed), loss as in the metrics.
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", stdout)
+    m = re.search(r"step:\s*1\s+loss:\s*([-+0-9.eE]+)\s+grad_norm:\s*([-+0-9.eE]+)\s+memory:\s*[-+0-9.eE]+\s*GiB"
+                  r"(?:\([^)]*\))?\s+tps:\s*[-+0-9.eE,]+\s+tflops:\s*[-+0-9.eE,]+\s+mfu:\s*[-+0-9.eE]+%", plain)
+    assert m, f"no console line for step 1 in stdout:\n{stdout[-2000:]}"
+    assert abs(float(m.group(1)) - ref["losses"][0]) < 1e-3
+    assert abs(float(m.group(2)) - ref["grad_norms"][0]) < 1e-3 * max(1.0, ref["grad_norms"][0])
+
+    # The HF export of the last step.
+    exp_dir = out / "checkpoint" / f"step-{steps}"
+    assert (exp_dir / "config.json").exists(), f"{exp_dir}/config.json missing"
+    got = oracle.read_hf_tensors(exp_dir)
+    assert oracle.hf_dtypes(exp_dir) == {"F32"}
+    assert set(got) == set(oracle.param_dict(model)), \
+        f"exported tensors: extra {set(got) - set(oracle.param_dict(model))}, missing {set(oracle.param_dict(model)) - set(got)}"
+    bad = []
+    for n, want in ref["params"].items():
+        e = oracle.rel_err(got[n], want)
+        if not e <= TOL:
+            bad.append(f"{n}: rel err {e:.3g}")
+    assert not bad, "final weights differ from the PyTorch loop:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_ten_steps_bin(tied, tmp_path, run_ctitan):
+    steps = 10
+    cfg = model_cfg(tied)
+    hf_dir = tmp_path / "hf"
+    oracle.save_random_hf(hf_dir, cfg, seed=21)
+    # 20 whole windows (a multiple of the batch sizes, so the 40 windows of 10 steps wrap
+    # twice) plus 7 trailing tokens that do not make a window.
+    tokens = oracle.random_tokens(20 * (L + 1) + 7, cfg.vocab_size, seed=9)
+    data = oracle.write_bin(tmp_path / "tokens.bin", tokens)
+    out = tmp_path / "out"
+    conf = oracle.write_toml(tmp_path / "train.toml", train_sections(hf_dir, data, out, steps))
+
+    ref = oracle.reference_train(oracle.load_hf(hf_dir), tokens, seq_len=L, local_bs=LOCAL_BS,
+                                 global_bs=GLOBAL_BS, steps=steps, **HP)
+    # The run exercises both sides of clipping and the whole schedule.
+    assert any(g > HP["max_norm"] for g in ref["grad_norms"])
+    assert any(g < HP["max_norm"] for g in ref["grad_norms"])
+
+    _, stdout, _ = run_ctitan(["train", "--config", conf])
+    check_run(out, ref, steps, list(range(1, steps + 1)), oracle.load_hf(hf_dir), stdout)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32], ids=["int64", "int32"])
+def test_three_steps_npy(dtype, tmp_path, run_ctitan):
+    """.npy tokens; log_freq 2 logs steps 1 and 2 only; the LR schedule is laid out for
+    training.steps = 3."""
+    steps = 3
+    cfg = model_cfg(False)
+    hf_dir = tmp_path / "hf"
+    oracle.save_random_hf(hf_dir, cfg, seed=22)
+    tokens = oracle.random_tokens(12 * (L + 1), cfg.vocab_size, seed=10)
+    data = oracle.write_npy(tmp_path / "tokens.npy", tokens, dtype=dtype)
+    out = tmp_path / "out"
+    conf = oracle.write_toml(tmp_path / "train.toml", train_sections(hf_dir, data, out, steps, log_freq=2))
+    ref = oracle.reference_train(oracle.load_hf(hf_dir), tokens, seq_len=L, local_bs=LOCAL_BS,
+                                 global_bs=GLOBAL_BS, steps=steps, **HP)
+    _, stdout, _ = run_ctitan(["train", "--config", conf])
+    check_run(out, ref, steps, [1, 2], oracle.load_hf(hf_dir), stdout)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_session_loop(tied, tmp_path, open_session):
+    """The same loop through ctitan_forward_backward / ctitan_optimizer_step: 4 of the 10
+    scheduled steps, 2 micro-batches each."""
+    steps, run = 10, 4
+    cfg = model_cfg(tied)
+    hf_dir = tmp_path / "hf"
+    oracle.save_random_hf(hf_dir, cfg, seed=23)
+    tokens = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=11)
+    ref = oracle.reference_train(oracle.load_hf(hf_dir), tokens, seq_len=L, local_bs=LOCAL_BS,
+                                 global_bs=GLOBAL_BS, steps=steps, run_steps=run, **HP)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=[
+        f"--training.global_batch_size={GLOBAL_BS}", f"--training.steps={steps}",
+        f"--training.max_norm={HP['max_norm']}", f"--optimizer.lr={HP['lr']}", f"--optimizer.eps={HP['eps']}",
+        f"--optimizer.weight_decay={HP['weight_decay']}", f"--optimizer.beta1={HP['betas'][0]}",
+        f"--optimizer.beta2={HP['betas'][1]}", f"--lr_scheduler.warmup_steps={HP['warmup_steps']}",
+        f"--lr_scheduler.decay_type={HP['decay_type']}", f"--lr_scheduler.min_lr_factor={HP['min_lr_factor']}"]))
+    mbs = oracle.micro_batches(tokens, L, LOCAL_BS, run * 2)
+    for step in range(run):
+        pair = mbs[2 * step:2 * step + 2]
+        total = sum(oracle.n_valid(lab) for _, lab in pair)
+        s.zero_grad()
+        loss = sum(s.forward_backward(inp, lab, total) for inp, lab in pair) / total
+        gn, lr = s.optimizer_step()
+        assert close(loss, ref["losses"][step], TOL), f"step {step + 1}: loss {loss} vs {ref['losses'][step]}"
+        assert close(gn, ref["grad_norms"][step], TOL), f"step {step + 1}: grad norm {gn} vs {ref['grad_norms'][step]}"
+        assert close(lr, ref["lrs"][step], 1e-9), f"step {step + 1}: lr {lr} vs {ref['lrs'][step]}"
+    bad = []
+    for n in oracle.expected_tensor_names(oracle.load_hf(hf_dir)):
+        e = oracle.rel_err(s.get_param(n), ref["params"][n])
+        if not e <= TOL:
+            bad.append(f"{n}: rel err {e:.3g}")
+    assert not bad, "weights after 4 steps differ from the PyTorch loop:\n" + "\n".join(bad)
