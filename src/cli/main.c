@@ -1,8 +1,23 @@
 /* cli/main.c: `ctitan <command> ...`, dispatch only. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
+#include "core/cpu.h"
+
+/* OpenBLAS picks its kernels when it loads, before main: if the user has not
+ * chosen, choose for this CPU and start again with it in the environment.
+ * CTITAN_NO_REEXEC=1 keeps the library's own choice. */
+static void pick_blas_kernels(char **argv) {
+    if (getenv("OPENBLAS_CORETYPE") || getenv("CTITAN_NO_REEXEC")) return;
+    const char *core = cpu_openblas_coretype();
+    if (!core) return;
+    setenv("OPENBLAS_CORETYPE", core, 1);
+    execv("/proc/self/exe", argv);
+    /* exec failed: carry on with the generic kernels */
+}
 
 static void usage(FILE *out) {
     fprintf(out,
@@ -14,6 +29,7 @@ static void usage(FILE *out) {
 }
 
 int main(int argc, char **argv) {
+    pick_blas_kernels(argv);
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         usage(stdout);
         if (argc >= 2) {

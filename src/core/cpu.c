@@ -151,3 +151,12 @@ double cpu_peak_rss_bytes(void) {
     fclose(f);
     return kb * 1024.0;
 }
+
+const char *cpu_openblas_coretype(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        return "SKYLAKEX";
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "HASWELL";
+    return NULL;
+}

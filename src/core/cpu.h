@@ -23,4 +23,12 @@ int cpu_threads(void);
 /* Sets OpenMP's and the BLAS's thread counts together (n > 0). */
 void cpu_set_threads(int n);
 
+
+
+/* The OpenBLAS core type that suits this CPU ("SKYLAKEX", "HASWELL") or NULL.
+ * Debian's OpenBLAS 0.3.21 does not recognise recent CPUs and falls back to
+ * generic kernels about 5x slower; OPENBLAS_CORETYPE set before the library
+ * loads fixes that, so main() sets it and re-executes itself once. */
+const char *cpu_openblas_coretype(void);
+
 #endif

@@ -379,9 +379,9 @@ static void test_configs_dir(void) {
                                                  strcmp(c.decay_type, "cosine") == 0),
               "%s: size config shape", g.gl_pathv[i]);
         if (strcmp(g.gl_pathv[i], "configs/debug.toml") == 0) {
-            CHECK(strcmp(c.model_flavor, "debugmodel") == 0 && c.seq_len == 256 &&
-                      c.local_batch_size == 4 && c.steps == 50 && c.warmup_steps == 5 &&
-                      c.lr == 8e-4 && c.log_freq == 1 && c.max_norm == 1.0 &&
+            CHECK(strcmp(c.model_flavor, "debugmodel") == 0 && c.seq_len == 128 &&
+                      c.local_batch_size == 4 && c.steps == 40 && c.warmup_steps == 5 &&
+                      c.lr == 2e-3 && c.log_freq == 1 && c.max_norm == 1.0 &&
                       strcmp(c.dataset_path, "data/debug_tokens.bin") == 0 &&
                       strcmp(c.dump_folder, "./outputs/debug") == 0,
                   "debug.toml values");
