@@ -121,6 +121,19 @@ static const cfg_option cfg_options[] = {
         .help = "JSON-lines metrics file, relative to job.dump_folder; \"\" disables"),
     OPT("metrics", "peak_tflops", CFG_DBL, peak_tflops, "0.0", .range = CFG_GE, .lo = 0,
         .help = "peak TFLOP/s for MFU; 0: measure once and cache"),
+
+    OPT("validation", "enable", CFG_BOOL, val_enable, "false",
+        .help = "evaluate held-out loss and perplexity during training"),
+    OPT("validation", "freq", CFG_INT, val_freq, "100", .range = CFG_GE, .lo = 1,
+        .help = "optimizer steps between evaluations (and after the last step)"),
+    OPT("validation", "steps", CFG_INT, val_steps, "10", .range = CFG_GE, .lo = -1,
+        .help = "batches per evaluation; -1: one pass over the validation set"),
+    OPT("validation", "local_batch_size", CFG_INT, val_local_batch_size, "0", .range = CFG_GE, .lo = 0,
+        .help = "sequences per validation batch; 0: training.local_batch_size"),
+    OPT("validation", "dataset", CFG_STR, val_dataset, "",
+        .help = "validation data kind (as training.dataset)"),
+    OPT("validation", "dataset_path", CFG_STR, val_dataset_path, "",
+        .help = "held-out data (same formats as training.dataset_path)"),
 };
 
 #define CFG_N_OPTIONS ((int)(sizeof cfg_options / sizeof cfg_options[0]))
@@ -633,6 +646,11 @@ int cfg_validate(const ct_config *c, ct_err *e) {
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: model.hf_assets_path: required when model.spec is \"hf\" "
                        "(the directory holding config.json)", src);
+    if (c->val_steps == 0)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: validation.steps: must be positive or -1 (one pass)", src);
+    if (c->val_enable && !c->val_dataset_path[0])
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: validation.dataset_path: required when validation.enable is true", src);
     return 0;
 }
 

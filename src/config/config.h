@@ -57,6 +57,14 @@ typedef struct {
     char *metrics_file;       /* "metrics.jsonl" (relative to dump_folder); "" disables */
     double peak_tflops;       /* 0 = measure once and cache */
 
+    /* [validation] */
+    int val_enable;           /* false */
+    int val_freq;             /* 100 */
+    int val_steps;            /* 10; -1 = one pass */
+    int val_local_batch_size; /* 0 = training.local_batch_size */
+    char *val_dataset;        /* "" */
+    char *val_dataset_path;   /* "" */
+
     char *config_path;        /* the --config file, or "" */
 } ct_config;
 
