@@ -1,0 +1,109 @@
+/* tokenizer/tok_internal.h: the loaded tokenizer's tables, shared by the
+ * loader (tok_load.c), the encoder (tok_encode.c) and the decoder
+ * (tok_bytes.c). Not part of the public API. */
+#ifndef CT_TOKENIZER_INTERNAL_H
+#define CT_TOKENIZER_INTERNAL_H
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <stdint.h>
+
+#include "tokenizer/tokenizer.h"
+
+/* Open-addressing map from a byte string (in t->pool) to an id. */
+typedef struct {
+    uint64_t hash; /* 0 marks an empty slot */
+    uint32_t off, len;
+    int32_t id;
+} tok_str_slot;
+
+/* Open-addressing map from a pair of ids to the merge that joins them. */
+typedef struct {
+    uint64_t key; /* (left << 32) | right; TOK_EMPTY_KEY when empty */
+    int32_t rank, new_id;
+} tok_merge_slot;
+#define TOK_EMPTY_KEY UINT64_MAX
+
+typedef struct {
+    char *content; /* as written in the file */
+    char *match;   /* what is searched for: content, or NFC(content) if normalized */
+    size_t match_len;
+    int32_t id;
+    uint8_t special, lstrip, rstrip, single_word, normalized;
+    uint8_t from_config; /* only in tokenizer_config.json */
+} tok_added;
+
+/* Byte trie over added tokens; children are a sibling list (few tokens). */
+typedef struct {
+    int32_t child, sibling, added; /* added: index into t->added, -1 if none */
+    uint8_t byte;
+} tok_trie_node;
+
+typedef struct {
+    tok_trie_node *nodes;
+    int32_t n, cap;
+    uint8_t first[256]; /* bytes that can start a match: a cheap skip test */
+} tok_trie;
+
+struct tok {
+    /* model vocab (string -> id) and reverse */
+    char *pool;
+    size_t pool_len, pool_cap;
+    tok_str_slot *vocab;
+    uint32_t vocab_mask;
+    int32_t n_ids;         /* one past the largest id (vocab and added) */
+    int32_t *id_str;       /* id -> offset of its NUL-terminated string in pool, -1 */
+    /* decoded bytes of each id: offsets into dec (n_ids + 1 entries) */
+    char *dec;
+    uint32_t *dec_off;
+    uint8_t *is_special;   /* per id */
+    /* BPE */
+    tok_merge_slot *merges;
+    uint32_t merge_mask;
+    int32_t byte_id[256];  /* initial symbol of each byte, -1 if not in vocab */
+    uint32_t byte_char[256]; /* tok_byte_char, tabulated */
+    int32_t unk_id;        /* -1: bytes missing from vocab are dropped (HF) */
+    int fuse_unk;
+    int ignore_merges; /* a word found whole in the vocab skips BPE */
+    /* added tokens */
+    tok_added *added;
+    int32_t n_added;
+    tok_trie raw_trie, norm_trie;
+    /* pipeline */
+    int nfc;
+    /* The split regex as written (fast), and rewritten to agree with HF's
+     * Oniguruma on every code point (tok_regex.c); re_exact is NULL when
+     * the two cannot differ (a String pattern). */
+    pcre2_code *re, *re_exact;
+    int re_jit, re_exact_jit;
+    int32_t bos_id, eos_id, pad_id;
+};
+
+/* A growable byte buffer, always NUL-terminated once written. */
+typedef struct {
+    char *p;
+    size_t n, cap;
+} tok_buf;
+
+/* Shared helpers (tok_bytes.c). */
+void tok_buf_put(tok_buf *b, const void *p, size_t n);
+uint64_t tok_hash_bytes(const void *p, size_t n);
+/* Encodes code point cp as UTF-8 into out (>= 4 bytes); returns length. */
+int tok_utf8_put(uint32_t cp, char *out);
+/* Decodes one valid-or-not UTF-8 sequence at s[0..n): returns its length
+ * and sets *cp, or returns 0 for a maximal invalid subsequence whose length
+ * is stored in *bad (Python's "replace" unit). */
+size_t tok_utf8_next(const uint8_t *s, size_t n, uint32_t *cp, size_t *bad);
+/* Appends NFC(s[0..n)) to out; s must be valid UTF-8. */
+void tok_nfc(const char *s, size_t n, tok_buf *out);
+
+int32_t tok_vocab_get(const tok *t, const char *s, size_t n);
+
+/* tok_regex.c. Compiles t->re and t->re_exact; on error fills msg and the
+ * offset in the pattern and returns nonzero. */
+int tok_regex_compile(tok *t, const char *pattern, int literal, char *msg, size_t msg_size,
+                      size_t *err_off);
+/* 1 if s[0..n) holds a code point on which the two regexes may differ. */
+int tok_regex_needs_exact(const char *s, size_t n);
+
+#endif
