@@ -1,0 +1,261 @@
+/* cli/cmd_prepare.c: `ctitan prepare`: tokenize a corpus into shards.
+ *
+ * Thin: arguments -> ds_tokenize (every core, deterministic order) ->
+ * ds_writer (shard-NNNNN.bin / .mask + meta.json). The progress display is
+ * the only logic here: a bar redrawn in place with \r when stderr is a
+ * terminal, plain lines every few seconds otherwise (logs, CI), and one
+ * summary line at the end either way. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+#include "core/err.h"
+#include "core/timer.h"
+#include "data/dataset.h"
+#include "tokenizer/tokenizer.h"
+
+#define MAX_INPUTS 4096
+
+void cli_prepare_help(void) {
+    printf("usage: ctitan prepare --tokenizer DIR --input PATH [--input PATH ...] --out DIR [options]\n\n"
+           "Tokenizes text, JSONL or chat data into uint32 token shards that `ctitan train` reads\n"
+           "as training.dataset_path = DIR. Every document is followed by EOS. Output is identical\n"
+           "for any number of threads.\n\n"
+           "  --tokenizer DIR          Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json)\n"
+           "  --input PATH             a source file, in order; repeat for more\n"
+           "  --out DIR                output directory (created); meta.json is written last\n"
+           "  --kind KIND              auto | text | jsonl | chat (default auto: by extension and first line)\n"
+           "  --text-split HOW         text files: file | paragraph | line (default file: one document per file)\n"
+           "  --text-field NAME        jsonl: field holding the text (default text)\n"
+           "  --eos TOKEN              document separator (default: eos_token of tokenizer_config.json,\n"
+           "                           else <|endoftext|>)\n"
+           "  --encode-special-tokens  special tokens written in the data are tokenized as plain text\n"
+           "  --threads N              threads (default: every core / OMP_NUM_THREADS)\n"
+           "  --shard-tokens N         tokens per shard file (default 134217728 = 512 MiB)\n"
+           "  --overwrite              replace a prepared dataset already in --out\n"
+           "  --quiet                  no progress display, only the summary\n");
+}
+
+/* ------------------------------------------------------------ progress */
+
+typedef struct {
+    double t0, last;
+    int tty, quiet, drawn;
+} progress_view;
+
+static void human(char *buf, size_t cap, double x) {
+    const char *u[] = {"", "k", "M", "G", "T"};
+    int i = 0;
+    while (x >= 1000 && i < 4) x /= 1000, i++;
+    snprintf(buf, cap, i ? "%.1f%s" : "%.0f%s", x, u[i]);
+}
+
+static void clock_str(char *buf, size_t cap, double s) {
+    if (s < 0 || s > 1e7) {
+        snprintf(buf, cap, "--:--");
+        return;
+    }
+    long t = (long)(s + 0.5);
+    if (t >= 3600) snprintf(buf, cap, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+    else snprintf(buf, cap, "%ld:%02ld", t / 60, t % 60);
+}
+
+static void draw(progress_view *v, const ds_progress *p, double now) {
+    double dt = now - v->t0;
+    double frac = p->bytes_total ? (double)p->bytes_done / (double)p->bytes_total : 1.0;
+    double rate = dt > 0 ? p->bytes_done / dt : 0;
+    char docs[32], toks[32], eta[32];
+    human(docs, sizeof docs, dt > 0 ? p->docs / dt : 0);
+    human(toks, sizeof toks, dt > 0 ? p->tokens / dt : 0);
+    clock_str(eta, sizeof eta, rate > 0 ? (double)(p->bytes_total - p->bytes_done) / rate : -1);
+    if (v->tty) {
+        char bar[31];
+        int fill = (int)(frac * 30 + 0.5);
+        for (int i = 0; i < 30; i++) bar[i] = i < fill ? '#' : '.';
+        bar[30] = 0;
+        fprintf(stderr, "\r[%s] %5.1f%%  %s docs/s  %s tok/s  %.2f MB/s  ETA %s\033[K", bar, 100 * frac, docs, toks,
+                rate / 1e6, eta);
+        v->drawn = 1;
+    } else {
+        char nd[32], nt[32];
+        human(nd, sizeof nd, (double)p->docs);
+        human(nt, sizeof nt, (double)p->tokens);
+        fprintf(stderr,
+                "ctitan: prepare: %5.1f%% of %.1f MB, %s docs, %s tokens; %s docs/s, %s tok/s, %.2f MB/s, ETA %s\n",
+                100 * frac, p->bytes_total / 1e6, nd, nt, docs, toks, rate / 1e6, eta);
+    }
+    fflush(stderr);
+}
+
+/* ds_progress_fn: the bar at most 10 times a second, plain lines every 5 s;
+ * the final call completes the bar (the summary line follows). */
+static void on_progress(void *ctx, const ds_progress *p, int final) {
+    progress_view *v = ctx;
+    if (v->quiet) return;
+    double now = ct_now();
+    if (final) {
+        if (v->tty) {
+            draw(v, p, now);
+            fputc('\n', stderr);
+            v->drawn = 0;
+        }
+        return;
+    }
+    if (now - v->last < (v->tty ? 0.1 : 5.0)) return;
+    v->last = now;
+    draw(v, p, now);
+}
+
+/* ------------------------------------------------------------ arguments */
+
+typedef struct {
+    const char *tokenizer, *out, *kind, *split, *field, *eos;
+    const char *inputs[MAX_INPUTS];
+    int n_inputs, threads, overwrite, quiet, encode_special;
+    long long shard_tokens;
+} prep_args;
+
+/* A usage error: message, hint, exit status 2. */
+__attribute__((format(printf, 1, 2))) static int fail_usage(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "ctitan: error: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, " (ctitan prepare --help)\n");
+    va_end(ap);
+    return 2;
+}
+
+static int parse_int(const char *s, long long lo, long long hi, long long *out) {
+    char *end;
+    long long v = strtoll(s, &end, 10);
+    if (!*s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_args(prep_args *a, int argc, char **argv) {
+    memset(a, 0, sizeof *a);
+    a->shard_tokens = 1LL << 27;
+    for (int i = 0; i < argc; i++) {
+        const char *arg = argv[i], *val = NULL;
+        char name[64];
+        if (strncmp(arg, "--", 2)) return fail_usage("unexpected argument \"%s\"", arg);
+        const char *eq = strchr(arg, '=');
+        size_t n = eq ? (size_t)(eq - arg) : strlen(arg);
+        if (n >= sizeof name) return fail_usage("unknown option \"%s\"", arg);
+        memcpy(name, arg, n);
+        name[n] = 0;
+        int flag = !strcmp(name, "--overwrite") || !strcmp(name, "--quiet") || !strcmp(name, "--encode-special-tokens");
+        if (flag) {
+            if (eq) return fail_usage("%s takes no value", name);
+            if (!strcmp(name, "--overwrite")) a->overwrite = 1;
+            else if (!strcmp(name, "--quiet")) a->quiet = 1;
+            else a->encode_special = 1;
+            continue;
+        }
+        if (eq) val = eq + 1;
+        else if (i + 1 < argc) val = argv[++i];
+        else return fail_usage("%s needs a value", name);
+        long long v;
+        if (!strcmp(name, "--tokenizer")) a->tokenizer = val;
+        else if (!strcmp(name, "--out")) a->out = val;
+        else if (!strcmp(name, "--kind")) a->kind = val;
+        else if (!strcmp(name, "--text-split")) a->split = val;
+        else if (!strcmp(name, "--text-field")) a->field = val;
+        else if (!strcmp(name, "--eos")) a->eos = val;
+        else if (!strcmp(name, "--input")) {
+            if (a->n_inputs == MAX_INPUTS) return fail_usage("more than %d inputs", MAX_INPUTS);
+            a->inputs[a->n_inputs++] = val;
+        } else if (!strcmp(name, "--threads")) {
+            if (parse_int(val, 1, 4096, &v)) return fail_usage("--threads: expected an integer in [1, 4096], got \"%s\"", val);
+            a->threads = (int)v;
+        } else if (!strcmp(name, "--shard-tokens")) {
+            if (parse_int(val, 1, 1LL << 40, &v))
+                return fail_usage("--shard-tokens: expected a positive integer, got \"%s\"", val);
+            a->shard_tokens = v;
+        } else {
+            return fail_usage("unknown option \"%s\"", name);
+        }
+    }
+    if (!a->tokenizer) return fail_usage("%s is required", "--tokenizer DIR");
+    if (!a->n_inputs) return fail_usage("%s is required", "--input PATH");
+    if (!a->out) return fail_usage("%s is required", "--out DIR");
+    return 0;
+}
+
+int cli_prepare(int argc, char **argv) {
+    for (int i = 0; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            cli_prepare_help();
+            return 0;
+        }
+    prep_args a;
+    int rc = parse_args(&a, argc, argv);
+    if (rc) return rc;
+    ds_tok_opts o;
+    ds_tok_opts_default(&o);
+    if (a.kind && (ds_kind_parse(a.kind, &o.kind) || o.kind == DS_KIND_TOKENS))
+        return fail_usage("--kind: expected auto, text, jsonl or chat, got \"%s\"", a.kind);
+    if (a.split && ds_split_parse(a.split, &o.text_split))
+        return fail_usage("--text-split: expected file, paragraph or line, got \"%s\"", a.split);
+    o.text_field = a.field;
+    o.threads = a.threads;
+    o.encode_special = a.encode_special;
+
+    ct_err e = {0};
+    tok *t = NULL;
+    ds_writer *w = NULL;
+    /* the kind recorded in meta.json: the one shared by every input, else "mixed" */
+    const char *kind = NULL;
+    for (int i = 0; i < a.n_inputs && !rc; i++) {
+        ds_kind k = o.kind;
+        if (k == DS_KIND_AUTO) rc = ds_detect_kind(a.inputs[i], &k, &e);
+        if (!rc && k == DS_KIND_TOKENS)
+            rc = ct_fail(&e, CT_ERR_CONFIG, "%s: already tokenized (--input takes text, JSONL or chat data)", a.inputs[i]);
+        if (!rc) kind = !kind || !strcmp(kind, ds_kind_name(k)) ? ds_kind_name(k) : "mixed";
+    }
+    if (!rc) rc = tok_load(a.tokenizer, &t, &e);
+    if (!rc && a.eos) {
+        o.eos_id = tok_token_id(t, a.eos);
+        if (o.eos_id < 0) rc = ct_fail(&e, CT_ERR_CONFIG, "--eos: %s is not a token of %s", a.eos, a.tokenizer);
+    }
+    if (!rc) rc = ds_writer_open(&w, a.out, (uint64_t)a.shard_tokens, a.overwrite, &e);
+    ds_progress st = {0};
+    double t0 = ct_now();
+    if (!rc) {
+        progress_view v = {.t0 = t0, .last = t0, .tty = isatty(2), .quiet = a.quiet};
+        rc = ds_tokenize(a.inputs, a.n_inputs, t, &o, ds_writer_sink, w, on_progress, &v, &st, &e);
+        if (v.drawn && rc) fputc('\n', stderr);
+    }
+    int32_t eos = o.eos_id;
+    if (!rc && eos < 0) eos = tok_eos_id(t);
+    if (!rc && eos < 0) eos = tok_token_id(t, "<|endoftext|>");
+    /* meta.json records where the tokenizer was, absolute so it still
+     * means something when read from another directory */
+    char *tokdir = rc ? NULL : realpath(a.tokenizer, NULL);
+    if (!rc) rc = ds_writer_finish(w, kind, tokdir ? tokdir : a.tokenizer, eos, tok_vocab_size(t), a.inputs, a.n_inputs, &st, &e);
+    if (!rc) {
+        double dt = ct_now() - t0;
+        char docs[32], toks[32];
+        human(docs, sizeof docs, dt > 0 ? st.docs / dt : 0);
+        human(toks, sizeof toks, dt > 0 ? st.tokens / dt : 0);
+        fprintf(stderr,
+                "ctitan: prepare: %llu documents (%llu empty skipped), %llu tokens (%llu trainable) from %.2f MB in "
+                "%.1f s: %s docs/s, %s tok/s, %.2f MB/s on %d threads -> %d shard(s) in %s\n",
+                (unsigned long long)st.docs, (unsigned long long)st.skipped, (unsigned long long)st.tokens,
+                (unsigned long long)st.trainable, st.bytes_total / 1e6, dt, docs, toks,
+                dt > 0 ? st.bytes_total / dt / 1e6 : 0.0, st.threads, ds_writer_num_shards(w), a.out);
+    }
+    free(tokdir);
+    ds_writer_free(w);
+    if (t) tok_free(t);
+    if (rc) {
+        fprintf(stderr, "ctitan: error: %s\n", e.msg);
+        return ct_exit_code(rc);
+    }
+    return 0;
+}

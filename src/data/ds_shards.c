@@ -1,0 +1,217 @@
+/* data/ds_shards.c: writing a `ctitan prepare` shard directory.
+ *
+ * Layout (docs/data.md): shard-NNNNN.bin, raw little-endian uint32 tokens
+ * (the host's order; every platform ctitan targets is little-endian), and
+ * for chat data shard-NNNNN.mask, one byte per token (1 = trainable target).
+ * Shards are cut every shard_tokens tokens regardless of document
+ * boundaries: the loader concatenates them, so a document may straddle two.
+ * meta.json is written last, through a temporary file and rename(), so a
+ * crash never leaves a directory that looks complete. */
+#include "data/dataset.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+struct ds_writer {
+    char *dir;
+    uint64_t shard_tokens;
+    FILE *tf, *mf;       /* the open shard's token and mask files */
+    uint64_t cur_n;      /* tokens in the open shard */
+    uint64_t *shard_n;   /* tokens per finished or open shard */
+    int n_shards, cap;
+    int masked;          /* -1 until the first chunk says */
+    uint64_t total;
+};
+
+static int mkdirs(const char *dir, ct_err *e) {
+    char *p = ct_strdup(dir);
+    int rc = 0;
+    for (char *s = p + 1;; s++) {
+        if (*s == '/' || !*s) {
+            char c = *s;
+            *s = 0;
+            if (mkdir(p, 0777) != 0 && errno != EEXIST) {
+                rc = ct_fail(e, CT_ERR_IO, "%s: cannot create directory (%s)", p, strerror(errno));
+                break;
+            }
+            *s = c;
+            if (!c) break;
+        }
+    }
+    free(p);
+    if (!rc) {
+        struct stat st;
+        if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
+            rc = ct_fail(e, CT_ERR_IO, "%s: not a directory", dir);
+    }
+    return rc;
+}
+
+static char *join(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = ct_malloc(n);
+    snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+static int is_ours(const char *name) {
+    return !strcmp(name, "meta.json") || !strcmp(name, "meta.json.tmp") || !strncmp(name, "shard-", 6);
+}
+
+int ds_writer_open(ds_writer **out, const char *dir, uint64_t shard_tokens, int overwrite, ct_err *e) {
+    *out = NULL;
+    if (!dir || !*dir) return ct_fail(e, CT_ERR_CONFIG, "--out: no output directory given");
+    if (!shard_tokens) return ct_fail(e, CT_ERR_CONFIG, "--shard-tokens: must be positive");
+    if (mkdirs(dir, e)) return e->code;
+    DIR *d = opendir(dir);
+    if (!d) return ct_fail(e, CT_ERR_IO, "%s: cannot list (%s)", dir, strerror(errno));
+    struct dirent *de;
+    int rc = 0;
+    while ((de = readdir(d)) && !rc) {
+        if (!is_ours(de->d_name)) continue;
+        if (!overwrite) {
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: already holds a prepared dataset (%s); pass --overwrite or choose another --out", dir,
+                         de->d_name);
+            break;
+        }
+        char *p = join(dir, de->d_name);
+        if (unlink(p) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot remove (%s)", p, strerror(errno));
+        free(p);
+    }
+    closedir(d);
+    if (rc) return rc;
+    ds_writer *w = ct_calloc(1, sizeof *w);
+    w->dir = ct_strdup(dir);
+    w->shard_tokens = shard_tokens;
+    w->masked = -1;
+    *out = w;
+    return 0;
+}
+
+static int close_shard(ds_writer *w, ct_err *e) {
+    int rc = 0;
+    if (w->tf && fclose(w->tf) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: write failed (%s)", w->dir, strerror(errno));
+    if (w->mf && fclose(w->mf) != 0 && !rc)
+        rc = ct_fail(e, CT_ERR_IO, "%s: write failed (%s)", w->dir, strerror(errno));
+    w->tf = w->mf = NULL;
+    return rc;
+}
+
+static int open_shard(ds_writer *w, ct_err *e) {
+    if (w->n_shards == w->cap) {
+        w->cap = w->cap ? w->cap * 2 : 16;
+        uint64_t *p = realloc(w->shard_n, (size_t)w->cap * sizeof *p);
+        if (!p) return ct_fail(e, CT_ERR_IO, "out of memory");
+        w->shard_n = p;
+    }
+    int k = w->n_shards;
+    char name[64];
+    snprintf(name, sizeof name, "shard-%05d.bin", k);
+    char *p = join(w->dir, name);
+    w->tf = fopen(p, "wb");
+    int rc = w->tf ? 0 : ct_fail(e, CT_ERR_IO, "%s: cannot create (%s)", p, strerror(errno));
+    free(p);
+    if (!rc && w->masked == 1) {
+        snprintf(name, sizeof name, "shard-%05d.mask", k);
+        p = join(w->dir, name);
+        w->mf = fopen(p, "wb");
+        if (!w->mf) rc = ct_fail(e, CT_ERR_IO, "%s: cannot create (%s)", p, strerror(errno));
+        free(p);
+    }
+    if (rc) return rc;
+    w->shard_n[w->n_shards++] = 0;
+    w->cur_n = 0;
+    return 0;
+}
+
+int ds_writer_sink(void *ctx, const uint32_t *ids, const uint8_t *mask, size_t n, ct_err *e) {
+    ds_writer *w = ctx;
+    if (w->masked < 0) w->masked = mask != NULL;
+    if (w->masked != (mask != NULL)) return ct_fail(e, CT_ERR_IO, "%s: mask present in some chunks only", w->dir);
+    while (n) {
+        if (!w->tf || w->cur_n == w->shard_tokens) {
+            if (close_shard(w, e) || open_shard(w, e)) return e->code;
+        }
+        uint64_t room = w->shard_tokens - w->cur_n;
+        size_t take = n < room ? n : (size_t)room;
+        if (fwrite(ids, sizeof *ids, take, w->tf) != take || (mask && fwrite(mask, 1, take, w->mf) != take))
+            return ct_fail(e, CT_ERR_IO, "%s: shard-%05d: write failed (%s)", w->dir, w->n_shards - 1,
+                           strerror(errno));
+        ids += take;
+        if (mask) mask += take;
+        n -= take;
+        w->cur_n += take;
+        w->shard_n[w->n_shards - 1] += take;
+        w->total += take;
+    }
+    return 0;
+}
+
+int ds_writer_num_shards(const ds_writer *w) { return w->n_shards; }
+
+int ds_writer_finish(ds_writer *w, const char *kind, const char *tokenizer_dir, int32_t eos_id, int32_t vocab_size,
+                     const char *const *inputs, int n_inputs, const ds_progress *stats, ct_err *e) {
+    if (close_shard(w, e)) return e->code;
+    cJSON *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "format", "ctitan-tokens");
+    cJSON_AddNumberToObject(m, "version", 1);
+    cJSON_AddStringToObject(m, "kind", kind ? kind : "");
+    cJSON_AddStringToObject(m, "tokenizer", tokenizer_dir ? tokenizer_dir : "");
+    cJSON_AddNumberToObject(m, "eos_id", eos_id);
+    cJSON_AddNumberToObject(m, "vocab_size", vocab_size);
+    cJSON_AddStringToObject(m, "dtype", "uint32");
+    cJSON_AddNumberToObject(m, "total_tokens", (double)w->total);
+    if (stats) {
+        cJSON_AddNumberToObject(m, "trainable_tokens", (double)stats->trainable);
+        cJSON_AddNumberToObject(m, "documents", (double)stats->docs);
+        cJSON_AddNumberToObject(m, "skipped_documents", (double)stats->skipped);
+        cJSON_AddNumberToObject(m, "input_bytes", (double)stats->bytes_total);
+    }
+    cJSON_AddBoolToObject(m, "masked", w->masked == 1);
+    cJSON_AddNumberToObject(m, "shard_tokens", (double)w->shard_tokens);
+    cJSON *sh = cJSON_AddArrayToObject(m, "shards");
+    for (int k = 0; k < w->n_shards; k++) {
+        char name[64];
+        cJSON *o = cJSON_CreateObject();
+        snprintf(name, sizeof name, "shard-%05d.bin", k);
+        cJSON_AddStringToObject(o, "file", name);
+        if (w->masked == 1) {
+            snprintf(name, sizeof name, "shard-%05d.mask", k);
+            cJSON_AddStringToObject(o, "mask", name);
+        }
+        cJSON_AddNumberToObject(o, "tokens", (double)w->shard_n[k]);
+        cJSON_AddItemToArray(sh, o);
+    }
+    cJSON *in = cJSON_AddArrayToObject(m, "inputs");
+    for (int i = 0; i < n_inputs; i++) cJSON_AddItemToArray(in, cJSON_CreateString(inputs[i]));
+    char *text = cJSON_Print(m);
+    cJSON_Delete(m);
+    char *tmp = join(w->dir, "meta.json.tmp"), *fin = join(w->dir, "meta.json");
+    FILE *f = fopen(tmp, "w");
+    int rc = 0;
+    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0 || fflush(f) != 0 || fsync(fileno(f)) != 0)
+        rc = ct_fail(e, CT_ERR_IO, "%s: cannot write (%s)", tmp, strerror(errno));
+    if (f && fclose(f) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: cannot write (%s)", tmp, strerror(errno));
+    if (!rc && rename(tmp, fin) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename to meta.json (%s)", tmp, strerror(errno));
+    free(text);
+    free(tmp);
+    free(fin);
+    return rc;
+}
+
+void ds_writer_free(ds_writer *w) {
+    if (!w) return;
+    if (w->tf) fclose(w->tf);
+    if (w->mf) fclose(w->mf);
+    free(w->shard_n);
+    free(w->dir);
+    free(w);
+}

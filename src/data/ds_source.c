@@ -1,0 +1,595 @@
+/* data/ds_source.c: reading documents and tokenizing them with every core.
+ *
+ * Shape of a run: one OpenMP team. One thread, the reader, walks the inputs
+ * in order and cuts them into documents; JSON is parsed there too, because
+ * cJSON records parse errors in a process global and so is not safe to call
+ * from several threads. Documents are gathered into chunks of about
+ * chunk_bytes. A full chunk becomes tasks of a few documents each (each
+ * thread its own tok_enc, each document its own output slot) that the rest
+ * of the team runs while the reader gathers the next chunk; two chunks
+ * alternate. When the next chunk is full the reader waits for the one in
+ * flight (helping with its tasks), starts the new one, and writes the
+ * finished one (its documents in order, EOS after each) to the sink. Reading
+ * and writing thus overlap tokenization, and the output depends only on the
+ * inputs, never on the thread count, the task timing or the chunking.
+ *
+ * Inputs are mapped read-only; a document is a span of the mapping (text)
+ * or of a cJSON string (jsonl/chat) that lives until its chunk is written. */
+#include "data/dataset.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+#include <omp.h>
+
+#include "data/chat.h"
+
+#define DEFAULT_CHUNK_BYTES ((size_t)1 << 20)
+#define MAX_CHUNK_DOCS 16384
+
+/* ------------------------------------------------------------ names */
+
+static const char *const KIND_NAMES[] = {"auto", "text", "jsonl", "chat", "tokens"};
+static const char *const SPLIT_NAMES[] = {"file", "paragraph", "line"};
+
+const char *ds_kind_name(ds_kind k) {
+    return (unsigned)k < sizeof KIND_NAMES / sizeof *KIND_NAMES ? KIND_NAMES[k] : "?";
+}
+
+int ds_kind_parse(const char *name, ds_kind *out) {
+    for (int i = 0; i < (int)(sizeof KIND_NAMES / sizeof *KIND_NAMES); i++)
+        if (name && !strcmp(name, KIND_NAMES[i])) {
+            *out = (ds_kind)i;
+            return 0;
+        }
+    return -1;
+}
+
+const char *ds_split_name(ds_text_split s) {
+    return (unsigned)s < sizeof SPLIT_NAMES / sizeof *SPLIT_NAMES ? SPLIT_NAMES[s] : "?";
+}
+
+int ds_split_parse(const char *name, ds_text_split *out) {
+    for (int i = 0; i < (int)(sizeof SPLIT_NAMES / sizeof *SPLIT_NAMES); i++)
+        if (name && !strcmp(name, SPLIT_NAMES[i])) {
+            *out = (ds_text_split)i;
+            return 0;
+        }
+    return -1;
+}
+
+void ds_tok_opts_default(ds_tok_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->kind = DS_KIND_AUTO;
+    o->text_split = DS_SPLIT_FILE;
+    o->eos_id = -1;
+}
+
+/* ------------------------------------------------------------ detection */
+
+static int has_ext(const char *path, const char *ext) {
+    size_t a = strlen(path), b = strlen(ext);
+    return a >= b && !strcasecmp(path + a - b, ext);
+}
+
+static int is_blank(const char *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!strchr(" \t\r\f\v", p[i]) || !p[i]) return 0;
+    return 1;
+}
+
+/* The first non-blank line of the file without its line end, malloc'd;
+ * NULL when the file is empty or blank. */
+static int first_line(const char *path, char **out, size_t *len, ct_err *e) {
+    *out = NULL;
+    *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return ct_fail(e, CT_ERR_IO, "%s: cannot open (%s)", path, strerror(errno));
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t n;
+    while ((n = getline(&line, &cap, f)) >= 0) {
+        size_t m = (size_t)n;
+        while (m && (line[m - 1] == '\n' || line[m - 1] == '\r')) m--;
+        if (!is_blank(line, m)) {
+            *out = line;
+            *len = m;
+            fclose(f);
+            return 0;
+        }
+    }
+    free(line);
+    fclose(f);
+    return 0;
+}
+
+int ds_detect_kind(const char *path, ds_kind *out, ct_err *e) {
+    struct stat st;
+    if (stat(path, &st) != 0) return ct_fail(e, CT_ERR_IO, "%s: cannot open (%s)", path, strerror(errno));
+    if (S_ISDIR(st.st_mode) || has_ext(path, ".bin") || has_ext(path, ".npy")) {
+        *out = DS_KIND_TOKENS;
+        return 0;
+    }
+    if (has_ext(path, ".txt") || has_ext(path, ".text") || has_ext(path, ".md")) {
+        *out = DS_KIND_TEXT;
+        return 0;
+    }
+    int json_ext = has_ext(path, ".jsonl") || has_ext(path, ".json");
+    char *line = NULL;
+    size_t n = 0;
+    if (first_line(path, &line, &n, e)) return e->code;
+    if (!line) { /* empty: nothing to tell; the extension decides */
+        *out = json_ext ? DS_KIND_JSONL : DS_KIND_TEXT;
+        return 0;
+    }
+    cJSON *j = line[0] == '{' ? cJSON_ParseWithLength(line, n) : NULL;
+    int rc = 0;
+    if (cJSON_IsObject(j)) {
+        *out = cJSON_GetObjectItemCaseSensitive(j, "messages") ? DS_KIND_CHAT : DS_KIND_JSONL;
+    } else if (json_ext) {
+        rc = ct_fail(e, CT_ERR_FORMAT,
+                     line[0] == '['
+                         ? "%s: first line is a JSON array; expected JSON Lines (one object per line, e.g. "
+                           "{\"text\": ...})"
+                         : "%s: first line is not a JSON object; expected JSON Lines (one object per line)",
+                     path);
+    } else {
+        *out = DS_KIND_TEXT;
+    }
+    cJSON_Delete(j);
+    free(line);
+    return rc;
+}
+
+/* ------------------------------------------------------------ inputs */
+
+typedef struct {
+    const char *path;
+    ds_kind kind;
+    const char *data; /* mapping, NULL when empty */
+    size_t len;
+} src_file;
+
+static int map_file(src_file *s, ct_err *e) {
+    int fd = open(s->path, O_RDONLY);
+    if (fd < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot open (%s)", s->path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return ct_fail(e, CT_ERR_IO, "%s: not a regular file", s->path);
+    }
+    s->len = (size_t)st.st_size;
+    s->data = NULL;
+    if (s->len) {
+        void *p = mmap(NULL, s->len, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (p == MAP_FAILED) {
+            close(fd);
+            return ct_fail(e, CT_ERR_IO, "%s: cannot map (%s)", s->path, strerror(errno));
+        }
+        madvise(p, s->len, MADV_SEQUENTIAL);
+        s->data = p;
+    }
+    close(fd);
+    return 0;
+}
+
+/* ------------------------------------------------------------ run state */
+
+typedef struct {
+    const char *text; /* text/jsonl document */
+    size_t len;
+    chat_msg *msgs; /* chat document */
+    int n_msgs;
+    cJSON *json;
+    int src;
+    uint64_t line; /* 1-based; 0: the whole file */
+} item;
+
+typedef struct {
+    tok_ids ids;
+    chat_mask mask;
+} slot;
+
+/* A chunk of documents and, once tokenized, their tokens. */
+typedef struct {
+    item *items;
+    slot *slots;
+    size_t n, cap;
+    uint64_t first;   /* ordinal of items[0] among all documents */
+    uint64_t read_to; /* input bytes consumed up to its last document */
+    size_t bytes;     /* document bytes gathered */
+} batch;
+
+typedef struct {
+    const tok *t;
+    const ds_tok_opts *o;
+    src_file *src;
+    int n_src;
+    int32_t eos;
+    int masked;
+    int nt;
+    tok_enc **enc;     /* [nt] */
+    ct_err *terr;      /* [nt] each thread's error of lowest document ordinal */
+    uint64_t *terr_at; /* [nt] that ordinal (UINT64_MAX: none) */
+    batch b[2];        /* one being gathered while the other is tokenized */
+    int cur;           /* the one being gathered */
+    int inflight;      /* b[!cur] has tasks running or done, not yet emitted */
+    uint64_t next_doc;
+    size_t chunk_bytes;
+    uint64_t read_to;  /* input bytes consumed by the reader so far */
+    uint32_t *cat;     /* an emitted chunk, concatenated */
+    uint8_t *catm;
+    size_t cat_cap;
+    ds_sink_fn sink;
+    void *sink_ctx;
+    ds_progress_fn progress;
+    void *progress_ctx;
+    ds_progress st;
+} run;
+
+static void free_items(batch *b) {
+    for (size_t i = 0; i < b->n; i++) {
+        free(b->items[i].msgs);
+        cJSON_Delete(b->items[i].json);
+    }
+    b->n = 0;
+    b->bytes = 0;
+}
+
+static void free_batch(batch *b) {
+    free_items(b);
+    for (size_t i = 0; i < b->cap; i++) {
+        tok_ids_free(&b->slots[i].ids);
+        chat_mask_free(&b->slots[i].mask);
+    }
+    free(b->items);
+    free(b->slots);
+}
+
+static void where(char *buf, size_t cap, const run *r, const item *it) {
+    if (it->line)
+        snprintf(buf, cap, "%s:%llu", r->src[it->src].path, (unsigned long long)it->line);
+    else
+        snprintf(buf, cap, "%s", r->src[it->src].path);
+}
+
+static void grow_cat(run *r, size_t n) {
+    if (n <= r->cat_cap) return;
+    size_t cap = r->cat_cap ? r->cat_cap : 1 << 16;
+    while (cap < n) cap *= 2;
+    free(r->cat);
+    free(r->catm);
+    r->cat = ct_malloc(cap * sizeof *r->cat);
+    r->catm = ct_malloc(cap);
+    r->cat_cap = cap;
+}
+
+/* Tokenizes documents [lo, hi) of b on the calling thread. */
+static void encode_range(run *r, batch *b, size_t lo, size_t hi) {
+    int tid = omp_get_thread_num();
+    for (size_t i = lo; i < hi; i++) {
+        uint64_t ord = b->first + i;
+        /* a thread that failed only still looks for an earlier failure, so
+         * the error reported is the first one in input order */
+        if (ord > r->terr_at[tid]) continue;
+        const item *it = &b->items[i];
+        /* encode into local copies: the slots are adjacent in memory, and
+         * updating their counters in place token by token would make the
+         * threads fight over cache lines */
+        tok_ids ids = b->slots[i].ids;
+        chat_mask mask = b->slots[i].mask;
+        ids.n = mask.n = 0;
+        ct_err err = {0};
+        int rc = it->msgs ? chat_encode(r->enc[tid], r->t, it->msgs, it->n_msgs, &ids, &mask, &err)
+                          : tok_encode(r->enc[tid], it->text, it->len, &ids, &err);
+        b->slots[i].ids = ids;
+        b->slots[i].mask = mask;
+        if (rc) {
+            r->terr_at[tid] = ord;
+            r->terr[tid] = err;
+            if (!r->terr[tid].code) r->terr[tid].code = CT_ERR_IO;
+        }
+    }
+}
+
+/* Hands the gathered chunk to the team as tasks; returns at once. */
+static void spawn(run *r, batch *b) {
+    size_t n = b->n;
+    /* a few documents per task keeps the task overhead low with tiny
+     * documents; few enough that one long document cannot unbalance it */
+    size_t grain = n / ((size_t)r->nt * 32);
+    grain = grain < 1 ? 1 : grain > 64 ? 64 : grain;
+    for (size_t lo = 0; lo < n; lo += grain) {
+        size_t hi = lo + grain < n ? lo + grain : n;
+#pragma omp task firstprivate(r, b, lo, hi)
+        encode_range(r, b, lo, hi);
+    }
+}
+
+/* Writes a tokenized chunk: documents in order, EOS after each. */
+static int emit(run *r, batch *b, ct_err *e) {
+    uint64_t bad = UINT64_MAX;
+    int bt = -1;
+    for (int k = 0; k < r->nt; k++)
+        if (r->terr_at[k] < bad) bad = r->terr_at[k], bt = k;
+    if (bt >= 0 && bad < b->first + b->n) { /* earlier chunks were clean, so it is in this one */
+        char at[4200];
+        where(at, sizeof at, r, &b->items[bad - b->first]);
+        return ct_fail(e, r->terr[bt].code, "%s: %s", at, r->terr[bt].msg);
+    }
+    size_t total = 0;
+    for (size_t i = 0; i < b->n; i++) total += b->slots[i].ids.n + 1;
+    grow_cat(r, total);
+    size_t k = 0;
+    uint64_t trainable = 0;
+    for (size_t i = 0; i < b->n; i++) {
+        const slot *s = &b->slots[i];
+        for (size_t j = 0; j < s->ids.n; j++) r->cat[k + j] = (uint32_t)s->ids.v[j];
+        if (b->items[i].msgs) {
+            memcpy(r->catm + k, s->mask.v, s->ids.n);
+            for (size_t j = 0; j < s->ids.n; j++) trainable += s->mask.v[j] != 0;
+        } else {
+            memset(r->catm + k, 1, s->ids.n + 1);
+            trainable += s->ids.n + 1;
+        }
+        k += s->ids.n;
+        r->cat[k] = (uint32_t)r->eos;
+        /* after a conversation the EOS is no target: the assistant's reply
+         * already ended with <|im_end|>, and what follows is a new document */
+        if (b->items[i].msgs) r->catm[k] = 0;
+        k++;
+    }
+    /* slots keep their buffers for a later chunk, except outsized ones: a
+     * huge document landing in a different slot each time must not leave a
+     * huge buffer behind in every slot */
+    for (size_t i = 0; i < b->n; i++)
+        if (b->slots[i].ids.cap > ((size_t)1 << 20)) {
+            tok_ids_free(&b->slots[i].ids);
+            chat_mask_free(&b->slots[i].mask);
+        }
+    r->st.docs += b->n;
+    r->st.tokens += total;
+    r->st.trainable += trainable;
+    r->st.bytes_done = b->read_to;
+    free_items(b);
+    int rc = r->sink ? r->sink(r->sink_ctx, r->cat, r->masked ? r->catm : NULL, total, e) : 0;
+    if (!rc && r->progress) r->progress(r->progress_ctx, &r->st, 0);
+    return rc;
+}
+
+/* The pipeline step, on the reader thread: wait for the chunk in flight,
+ * start the one just gathered, and write the finished one while the team
+ * tokenizes the new one (and the reader gathers the next). */
+static int advance(run *r, ct_err *e) {
+    batch *fresh = &r->b[r->cur], *done = &r->b[!r->cur];
+#pragma omp taskwait
+    fresh->read_to = r->read_to;
+    spawn(r, fresh);
+    int rc = r->inflight ? emit(r, done, e) : 0;
+    r->inflight = 1;
+    r->cur = !r->cur;
+    r->b[r->cur].first = r->next_doc;
+    return rc;
+}
+
+/* At the end (or on an error): nothing may stay in flight. */
+static int drain(run *r, int rc, ct_err *e) {
+#pragma omp taskwait
+    if (!rc && r->b[r->cur].n) rc = advance(r, e);
+#pragma omp taskwait
+    if (!rc && r->inflight) rc = emit(r, &r->b[!r->cur], e);
+    r->inflight = 0;
+    return rc;
+}
+
+static int add_item(run *r, item it, size_t bytes, ct_err *e) {
+    batch *b = &r->b[r->cur];
+    if (b->n == b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 256;
+        item *ni = realloc(b->items, cap * sizeof *ni);
+        if (!ni) {
+            fprintf(stderr, "ctitan: error: out of memory gathering documents\n");
+            exit(1);
+        }
+        b->items = ni;
+        slot *ns = realloc(b->slots, cap * sizeof *ns);
+        if (!ns) {
+            fprintf(stderr, "ctitan: error: out of memory gathering documents\n");
+            exit(1);
+        }
+        memset(ns + b->cap, 0, (cap - b->cap) * sizeof *ns);
+        b->slots = ns;
+        b->cap = cap;
+    }
+    b->items[b->n++] = it;
+    b->bytes += bytes;
+    r->next_doc++;
+    if (b->bytes >= r->chunk_bytes || b->n >= MAX_CHUNK_DOCS) return advance(r, e);
+    return 0;
+}
+
+/* One JSONL line -> an item, or nothing for a blank line. */
+static int json_line(run *r, int si, const char *p, size_t n, uint64_t line, ct_err *e) {
+    const src_file *s = &r->src[si];
+    if (is_blank(p, n)) return 0;
+    const char *end = NULL;
+    cJSON *j = cJSON_ParseWithLengthOpts(p, n, &end, 0);
+    if (!j) {
+        size_t at = end && end >= p && end <= p + n ? (size_t)(end - p) : 0;
+        return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: invalid JSON (near byte %zu of the line)", s->path,
+                       (unsigned long long)line, at + 1);
+    }
+    if (end && !is_blank(end, (size_t)(p + n - end))) {
+        cJSON_Delete(j);
+        return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: extra characters after the JSON object (JSON Lines: one per line)",
+                       s->path, (unsigned long long)line);
+    }
+    item it = {.json = j, .src = si, .line = line};
+    if (s->kind == DS_KIND_CHAT) {
+        ct_err ce = {0};
+        if (chat_from_json(j, &it.msgs, &it.n_msgs, &ce)) {
+            cJSON_Delete(j);
+            return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: %s", s->path, (unsigned long long)line, ce.msg);
+        }
+    } else {
+        const char *field = r->o->text_field ? r->o->text_field : "text";
+        const cJSON *v = cJSON_IsObject(j) ? cJSON_GetObjectItemCaseSensitive(j, field) : NULL;
+        if (!cJSON_IsString(v)) {
+            char why[300];
+            if (!cJSON_IsObject(j))
+                snprintf(why, sizeof why, "expected a JSON object with a \"%s\" string", field);
+            else
+                snprintf(why, sizeof why, "\"%s\" %s", field, v ? "is not a string" : "field missing");
+            cJSON_Delete(j);
+            return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: %s", s->path, (unsigned long long)line, why);
+        }
+        it.text = v->valuestring;
+        it.len = strlen(v->valuestring);
+        if (!it.len) {
+            r->st.skipped++;
+            cJSON_Delete(j);
+            return 0;
+        }
+    }
+    return add_item(r, it, n + 1, e);
+}
+
+/* Length of the line at p (without its "\n"), and the offset of the next. */
+static size_t line_end(const char *p, size_t n, size_t at) {
+    const char *nl = memchr(p + at, '\n', n - at);
+    return nl ? (size_t)(nl - p) : n;
+}
+
+/* Cuts source si (starting at byte `base` of all inputs) into documents. */
+static int read_source(run *r, int si, uint64_t base, ct_err *e) {
+    src_file *s = &r->src[si];
+    const char *p = s->data;
+    size_t n = s->len, at = 0;
+    uint64_t line = 1;
+    int rc = 0;
+    if (s->kind == DS_KIND_TEXT && r->o->text_split == DS_SPLIT_FILE) {
+        r->read_to = base + n;
+        if (n) return add_item(r, (item){.text = p, .len = n, .src = si}, n, e);
+        r->st.skipped++;
+        return 0;
+    }
+    while (at < n && !rc) {
+        size_t le = line_end(p, n, at), next = le < n ? le + 1 : n;
+        size_t m = le - at;
+        if (m && p[le - 1] == '\r') m--;
+        if (s->kind != DS_KIND_TEXT) {
+            r->read_to = base + next;
+            rc = json_line(r, si, p + at, m, line, e);
+            at = next;
+            line++;
+        } else if (r->o->text_split == DS_SPLIT_LINE) {
+            r->read_to = base + next;
+            if (!is_blank(p + at, m)) rc = add_item(r, (item){.text = p + at, .len = m, .src = si, .line = line}, m, e);
+            at = next;
+            line++;
+        } else if (is_blank(p + at, m)) { /* paragraph separator */
+            at = next;
+            line++;
+        } else { /* paragraph: this non-blank line up to the last before a blank one */
+            size_t start = at, last = le;
+            uint64_t first = line;
+            while (at < n) {
+                le = line_end(p, n, at);
+                if (is_blank(p + at, le - at)) break;
+                last = le;
+                at = le < n ? le + 1 : n;
+                line++;
+            }
+            m = last - start;
+            if (m && p[start + m - 1] == '\r') m--;
+            r->read_to = base + at;
+            rc = add_item(r, (item){.text = p + start, .len = m, .src = si, .line = first}, m, e);
+        }
+    }
+    r->read_to = base + n;
+    return rc;
+}
+
+int ds_tokenize(const char *const *paths, int n_paths, const tok *t, const ds_tok_opts *o, ds_sink_fn sink,
+                void *sink_ctx, ds_progress_fn progress, void *progress_ctx, ds_progress *stats, ct_err *e) {
+    ds_tok_opts defaults;
+    if (!o) {
+        ds_tok_opts_default(&defaults);
+        o = &defaults;
+    }
+    if (stats) memset(stats, 0, sizeof *stats);
+    if (!t) return ct_fail(e, CT_ERR_CONFIG, "%s: text data needs a tokenizer", n_paths ? paths[0] : "dataset");
+    run r = {.t = t, .o = o, .n_src = n_paths, .sink = sink, .sink_ctx = sink_ctx, .progress = progress,
+             .progress_ctx = progress_ctx};
+    r.eos = o->eos_id >= 0 ? o->eos_id : tok_eos_id(t);
+    if (r.eos < 0) r.eos = tok_token_id(t, "<|endoftext|>");
+    if (r.eos < 0 || r.eos >= tok_vocab_size(t))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "tokenizer has no eos_token (tokenizer_config.json) and no <|endoftext|>: "
+                       "cannot separate documents");
+    r.src = ct_calloc((size_t)(n_paths ? n_paths : 1), sizeof *r.src);
+    int rc = 0;
+    for (int i = 0; i < n_paths && !rc; i++) {
+        r.src[i].path = paths[i];
+        r.src[i].kind = o->kind;
+        if (o->kind == DS_KIND_AUTO) rc = ds_detect_kind(paths[i], &r.src[i].kind, e);
+        if (rc) break;
+        if (r.src[i].kind == DS_KIND_TOKENS) {
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: already tokenized; use it as training data directly", paths[i]);
+            break;
+        }
+        if (r.src[i].kind == DS_KIND_CHAT) r.masked = 1;
+        rc = map_file(&r.src[i], e);
+        r.st.bytes_total += r.src[i].len;
+    }
+    r.st.masked = r.masked;
+    r.nt = o->threads > 0 ? o->threads : omp_get_max_threads();
+    if (r.nt < 1) r.nt = 1;
+    r.st.threads = r.nt;
+    r.chunk_bytes = o->chunk_bytes ? o->chunk_bytes : DEFAULT_CHUNK_BYTES * (size_t)(r.nt > 4 ? r.nt / 4 : 1);
+    if (!rc) {
+        r.enc = ct_calloc((size_t)r.nt, sizeof *r.enc);
+        r.terr = ct_calloc((size_t)r.nt, sizeof *r.terr);
+        r.terr_at = ct_calloc((size_t)r.nt, sizeof *r.terr_at);
+        for (int k = 0; k < r.nt; k++) {
+            r.enc[k] = tok_enc_new(t);
+            tok_enc_set_encode_special(r.enc[k], o->encode_special);
+            r.terr_at[k] = UINT64_MAX;
+        }
+        /* One thread reads (and parses JSON); the whole team, the reader
+         * included whenever it waits, runs the tokenization tasks. */
+#pragma omp parallel num_threads(r.nt) shared(r, rc)
+#pragma omp single
+        {
+            uint64_t base = 0;
+            for (int i = 0; i < n_paths && !rc; i++) {
+                rc = read_source(&r, i, base, e);
+                base += r.src[i].len;
+            }
+            rc = drain(&r, rc, e);
+        }
+        r.st.bytes_done = r.read_to;
+        if (!rc && progress) progress(progress_ctx, &r.st, 1);
+    }
+    free_batch(&r.b[0]);
+    free_batch(&r.b[1]);
+    if (r.enc)
+        for (int k = 0; k < r.nt; k++) tok_enc_free(r.enc[k]);
+    free(r.enc);
+    free(r.terr);
+    free(r.terr_at);
+    free(r.cat);
+    free(r.catm);
+    for (int i = 0; i < n_paths; i++)
+        if (r.src[i].data) munmap((void *)r.src[i].data, r.src[i].len);
+    free(r.src);
+    if (stats) *stats = r.st;
+    return rc;
+}
