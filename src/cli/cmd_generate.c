@@ -1,0 +1,380 @@
+/* cli/cmd_generate.c: `ctitan generate --checkpoint DIR --prompt TEXT ...`.
+ *
+ * Loads a Hugging Face model directory (config.json + safetensors) for
+ * inference only, encodes the prompt with the tokenizer found beside it (or
+ * in --tokenizer), and samples a continuation with model/generate.h, printing
+ * each piece as soon as it is chosen. `--prompt-ids` and `--ids` bypass the
+ * tokenizer on the way in and out, so tests and tokenizer-less checkpoints
+ * work too.
+ *
+ * Generation stops at --max-tokens or after a stop id: the tokenizer's EOS,
+ * <|im_end|> when the vocabulary has it, and every eos_token_id of the
+ * checkpoint's generation_config.json (config.json's when there is none, as
+ * transformers falls back to it).
+ *
+ * Exit codes as everywhere in ctitan: a bad option or value names the option
+ * and exits 2 before any work; a missing or malformed file exits 1. */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+#include "core/timer.h"
+#include "model/generate.h"
+#include "model/qwen3.h"
+#include "tokenizer/tokenizer.h"
+
+typedef struct {
+    const char *checkpoint; /* HF model directory */
+    const char *tokenizer;  /* tokenizer directory; NULL: the checkpoint's */
+    const char *prompt;     /* text */
+    const char *prompt_ids; /* "1 2 3" */
+    int max_tokens;
+    double temperature;
+    int top_k;
+    double top_p;
+    unsigned long long seed;
+    int chat, ids;
+} gen_cli_args;
+
+/* Every option once: --help prints this table, so it cannot drift from it. */
+static const struct {
+    const char *name, *arg, *def, *help;
+} gen_cli_options[] = {
+    {"--checkpoint", "DIR", "(required)", "Hugging Face model directory: config.json + *.safetensors"},
+    {"--prompt", "TEXT", "(none)", "prompt text, encoded with the tokenizer (one of --prompt, --prompt-ids)"},
+    {"--prompt-ids", "\"ID ID ...\"", "(none)", "prompt as token ids separated by spaces or commas; no tokenizer needed"},
+    {"--max-tokens", "N", "64", "new tokens at most (>= 1)"},
+    {"--temperature", "T", "0", "0: greedy; > 0: sample from softmax(logits / T)"},
+    {"--top-k", "K", "0", "sample among the K most likely tokens only (0: off)"},
+    {"--top-p", "P", "1.0", "nucleus sampling: smallest set with probability >= P, in (0, 1] (1: off)"},
+    {"--seed", "S", "0", "random seed of the sampler (same seed, same text)"},
+    {"--chat", "", "off", "wrap the prompt in the ChatML user turn and open the assistant turn"},
+    {"--tokenizer", "DIR", "--checkpoint", "directory with tokenizer.json (or vocab.json + merges.txt)"},
+    {"--ids", "", "off", "print the generated token ids (one line) instead of text"},
+    {"--help", "", "", "this text"},
+};
+
+void cli_generate_help(void) {
+    printf("usage: ctitan generate --checkpoint DIR (--prompt TEXT | --prompt-ids IDS) [options]\n\n"
+           "Continues a prompt with a Qwen3 model, using a KV cache. Stops at --max-tokens or at an end\n"
+           "token (the tokenizer's EOS, <|im_end|>, eos_token_id of generation_config.json).\n"
+           "Options (--name VALUE or --name=VALUE):\n\n");
+    for (size_t i = 0; i < sizeof gen_cli_options / sizeof gen_cli_options[0]; i++) {
+        char left[64];
+        snprintf(left, sizeof left, "%s %s", gen_cli_options[i].name, gen_cli_options[i].arg);
+        printf("  %-28s %s", left, gen_cli_options[i].help);
+        if (gen_cli_options[i].def[0]) printf(" [default: %s]", gen_cli_options[i].def);
+        printf("\n");
+    }
+}
+
+/* Prints "ctitan: error: ..." and returns the exit code. */
+static int gen_cli_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int gen_cli_fail(int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "ctitan: error: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    return code;
+}
+
+static int gen_parse_int(const char *opt, const char *s, long lo, long hi, int *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (!*s || *end || errno || v < lo || v > hi) {
+        fprintf(stderr, "ctitan: error: %s: \"%s\" is not an integer in [%ld, %ld]\n", opt, s, lo, hi);
+        return 2;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int gen_parse_double(const char *opt, const char *s, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (!*s || *end || errno || !isfinite(v)) {
+        fprintf(stderr, "ctitan: error: %s: \"%s\" is not a number\n", opt, s);
+        return 2;
+    }
+    *out = v;
+    return 0;
+}
+
+/* Fills a from argv; returns 0, 2 on a bad option, or -1 after --help. */
+static int gen_parse_args(gen_cli_args *a, int argc, char **argv) {
+    memset(a, 0, sizeof *a);
+    a->max_tokens = 64;
+    a->top_p = 1.0;
+    for (int i = 0; i < argc; i++) {
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            cli_generate_help();
+            return -1;
+        }
+        if (strncmp(arg, "--", 2) != 0) return gen_cli_fail(2, "generate: unexpected argument \"%s\"", arg);
+        char name[64];
+        const char *val = NULL, *eq = strchr(arg, '=');
+        size_t nl = eq ? (size_t)(eq - arg) : strlen(arg);
+        if (nl >= sizeof name) return gen_cli_fail(2, "generate: unknown option \"%s\" (see --help)", arg);
+        memcpy(name, arg, nl);
+        name[nl] = 0;
+        if (eq) val = eq + 1;
+        if (!strcmp(name, "--chat") || !strcmp(name, "--ids")) {
+            if (val) return gen_cli_fail(2, "%s: takes no value (got \"%s\")", name, val);
+            *(!strcmp(name, "--chat") ? &a->chat : &a->ids) = 1;
+            continue;
+        }
+        int known = 0;
+        for (size_t k = 0; k < sizeof gen_cli_options / sizeof gen_cli_options[0]; k++)
+            known |= !strcmp(name, gen_cli_options[k].name);
+        if (!known) return gen_cli_fail(2, "generate: unknown option \"%s\" (see --help)", name);
+        if (!val) {
+            if (i + 1 >= argc) return gen_cli_fail(2, "%s: missing value", name);
+            val = argv[++i];
+        }
+        int rc = 0;
+        if (!strcmp(name, "--checkpoint")) a->checkpoint = val;
+        else if (!strcmp(name, "--tokenizer")) a->tokenizer = val;
+        else if (!strcmp(name, "--prompt")) a->prompt = val;
+        else if (!strcmp(name, "--prompt-ids")) a->prompt_ids = val;
+        else if (!strcmp(name, "--max-tokens")) rc = gen_parse_int(name, val, 1, 1 << 24, &a->max_tokens);
+        else if (!strcmp(name, "--top-k")) rc = gen_parse_int(name, val, 0, 1 << 30, &a->top_k);
+        else if (!strcmp(name, "--temperature")) {
+            rc = gen_parse_double(name, val, &a->temperature);
+            if (!rc && a->temperature < 0) rc = gen_cli_fail(2, "%s: \"%s\" must be >= 0", name, val);
+        } else if (!strcmp(name, "--top-p")) {
+            rc = gen_parse_double(name, val, &a->top_p);
+            if (!rc && !(a->top_p > 0 && a->top_p <= 1)) rc = gen_cli_fail(2, "%s: \"%s\" must be in (0, 1]", name, val);
+        } else if (!strcmp(name, "--seed")) {
+            char *end;
+            errno = 0;
+            a->seed = strtoull(val, &end, 10);
+            if (!*val || *end || errno || val[0] == '-')
+                rc = gen_cli_fail(2, "%s: \"%s\" is not a non-negative integer", name, val);
+        }
+        if (rc) return rc;
+    }
+    if (!a->checkpoint) return gen_cli_fail(2, "generate: --checkpoint DIR is required");
+    if (!a->prompt == !a->prompt_ids)
+        return gen_cli_fail(2, "generate: give exactly one of --prompt TEXT and --prompt-ids IDS");
+    if (a->chat && !a->prompt) return gen_cli_fail(2, "--chat: needs --prompt TEXT (not --prompt-ids)");
+    return 0;
+}
+
+static int gen_is_dir(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+static int gen_file_exists(const char *dir, const char *name) {
+    char p[4096];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    return access(p, R_OK) == 0;
+}
+
+/* "1 2, 3" -> ids; 2 on anything that is not a non-negative integer. */
+static int gen_parse_ids(const char *s, tok_ids *out) {
+    const char *p = s;
+    for (;;) {
+        while (*p == ' ' || *p == ',' || *p == '\t' || *p == '\n') p++;
+        if (!*p) break;
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (end == p || errno || v < 0 || v > INT32_MAX || (*end && !strchr(" ,\t\n", *end))) {
+            fprintf(stderr, "ctitan: error: --prompt-ids: \"%s\" is not a list of token ids\n", s);
+            return 2;
+        }
+        tok_ids_push(out, (int32_t)v);
+        p = end;
+    }
+    if (out->n == 0) return gen_cli_fail(2, "--prompt-ids: no token ids in \"%s\"", s);
+    return 0;
+}
+
+static void gen_add_stop(tok_ids *stops, int32_t id) {
+    if (id < 0) return;
+    for (size_t i = 0; i < stops->n; i++)
+        if (stops->v[i] == id) return;
+    tok_ids_push(stops, id);
+}
+
+/* eos_token_id (an int or a list of ints) of DIR/generation_config.json, or
+ * of DIR/config.json when the former does not exist. */
+static int gen_read_eos(const char *dir, tok_ids *stops, ct_err *e) {
+    char path[4096];
+    const char *file = gen_file_exists(dir, "generation_config.json") ? "generation_config.json" : "config.json";
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    FILE *f = fopen(path, "rb");
+    if (!f) return ct_fail(e, CT_ERR_IO, "%s: cannot open", path);
+    char *text = NULL;
+    size_t len = 0, cap = 0;
+    for (;;) {
+        if (len + 4096 > cap) text = realloc(text, cap = 2 * cap + 4096);
+        if (!text) { fclose(f); return ct_fail(e, CT_ERR_IO, "%s: out of memory", path); }
+        size_t got = fread(text + len, 1, 4096, f);
+        len += got;
+        if (got < 4096) break;
+    }
+    fclose(f);
+    cJSON *root = cJSON_ParseWithLength(text, len);
+    free(text);
+    int rc = 0;
+    if (!cJSON_IsObject(root)) rc = ct_fail(e, CT_ERR_FORMAT, "%s: not a valid JSON object", path);
+    const cJSON *it = rc ? NULL : cJSON_GetObjectItemCaseSensitive(root, "eos_token_id");
+    if (it && !cJSON_IsNull(it)) {
+        const cJSON *one = NULL;
+        int is_list = cJSON_IsArray(it);
+        for (one = is_list ? it->child : it; one && !rc; one = is_list ? one->next : NULL) {
+            double v = one->valuedouble;
+            if (!cJSON_IsNumber(one) || v != floor(v) || v < 0 || v > INT32_MAX)
+                rc = ct_fail(e, CT_ERR_FORMAT, "%s: \"eos_token_id\" must be a token id or a list of them", path);
+            else gen_add_stop(stops, (int32_t)v);
+        }
+    }
+    cJSON_Delete(root);
+    return rc;
+}
+
+typedef struct {
+    const tok *t; /* NULL: print ids */
+    int ids;
+} gen_printer;
+
+/* Streams one id: its bytes (special tokens skipped) flushed right away, so
+ * a user sees the text grow; with --ids it is collected and printed at the end. */
+static void gen_print_token(int32_t id, void *ctx) {
+    gen_printer *p = ctx;
+    if (p->ids) return;
+    char *s = NULL;
+    size_t n = 0;
+    tok_decode(p->t, &id, 1, 1, &s, &n);
+    fwrite(s, 1, n, stdout);
+    fflush(stdout);
+    free(s);
+}
+
+int cli_generate(int argc, char **argv) {
+    gen_cli_args a;
+    int rc = gen_parse_args(&a, argc, argv);
+    if (rc) return rc < 0 ? 0 : rc;
+    if (!gen_is_dir(a.checkpoint)) return gen_cli_fail(2, "--checkpoint: \"%s\" is not a directory", a.checkpoint);
+    if (a.tokenizer && !gen_is_dir(a.tokenizer))
+        return gen_cli_fail(2, "--tokenizer: \"%s\" is not a directory", a.tokenizer);
+    tok_ids prompt = {0}, stops = {0};
+    if (a.prompt_ids && (rc = gen_parse_ids(a.prompt_ids, &prompt))) {
+        tok_ids_free(&prompt);
+        return rc;
+    }
+    if (!gen_file_exists(a.checkpoint, "config.json")) {
+        tok_ids_free(&prompt);
+        return gen_cli_fail(1, "%s/config.json: not found (--checkpoint must be a Hugging Face model directory)",
+                            a.checkpoint);
+    }
+
+    ct_err e = {0};
+    qwen3_config cfg;
+    gen_model *gm = NULL;
+    tok *t = NULL;
+    int32_t *out = NULL;
+    int n_out = 0;
+    double t0 = ct_now();
+
+    rc = qwen3_config_from_hf(&cfg, a.checkpoint, &e);
+    /* train reports config.json problems as config errors (exit 2); here the
+     * file is an input like the weights, so they exit 1 as file errors */
+    if (rc == CT_ERR_CONFIG) rc = CT_ERR_FORMAT;
+    /* the tokenizer is needed to encode --prompt or to print text; with
+     * --prompt-ids --ids it is only read, when present, for its end tokens */
+    const char *tdir = a.tokenizer ? a.tokenizer : a.checkpoint;
+    int have_tok = gen_file_exists(tdir, "tokenizer.json") || gen_file_exists(tdir, "vocab.json");
+    int need_tok = a.prompt || !a.ids || a.tokenizer;
+    if (!rc && need_tok && !have_tok) {
+        rc = ct_fail(&e, CT_ERR_IO, "%s: no tokenizer.json (or vocab.json + merges.txt)%s", tdir,
+                     a.prompt ? "; pass --tokenizer DIR, or --prompt-ids" : "; pass --tokenizer DIR, or --ids");
+    }
+    if (!rc && have_tok) rc = tok_load(tdir, &t, &e);
+    if (!rc && t) {
+        gen_add_stop(&stops, tok_eos_id(t));
+        gen_add_stop(&stops, tok_token_id(t, "<|im_end|>"));
+    }
+    if (!rc) rc = gen_read_eos(a.checkpoint, &stops, &e);
+    if (!rc && a.prompt) {
+        /* ChatML user turn + assistant header, as apply_chat_template(add_generation_prompt=True) */
+        const char *pre = a.chat ? "<|im_start|>user\n" : "", *post = a.chat ? "<|im_end|>\n<|im_start|>assistant\n" : "";
+        size_t len = strlen(pre) + strlen(a.prompt) + strlen(post);
+        char *text = ct_malloc(len + 1);
+        snprintf(text, len + 1, "%s%s%s", pre, a.prompt, post);
+        tok_enc *enc = tok_enc_new(t);
+        rc = tok_encode(enc, text, len, &prompt, &e);
+        tok_enc_free(enc);
+        free(text);
+        if (!rc && prompt.n == 0) rc = ct_fail(&e, CT_ERR_CONFIG, "--prompt: the text encodes to no tokens");
+    }
+    for (size_t i = 0; !rc && i < prompt.n; i++)
+        if (prompt.v[i] >= cfg.vocab_size)
+            rc = ct_fail(&e, CT_ERR_CONFIG, "%s: token id %d is outside the model's vocabulary [0, %d)",
+                         a.prompt_ids ? "--prompt-ids" : "--prompt", (int)prompt.v[i], cfg.vocab_size);
+    if (!rc && prompt.n + (size_t)a.max_tokens > (size_t)INT32_MAX)
+        rc = ct_fail(&e, CT_ERR_CONFIG, "--max-tokens: %zu prompt tokens + %d new ones are too many positions",
+                     prompt.n, a.max_tokens);
+    if (!rc && cfg.max_pos > 0 && prompt.n + (size_t)a.max_tokens > (size_t)cfg.max_pos)
+        /* transformers goes on too (RoPE is defined everywhere); only say so */
+        fprintf(stderr, "generate: warning: %zu positions exceed max_position_embeddings (%d) of %s/config.json\n",
+                prompt.n + (size_t)a.max_tokens, cfg.max_pos, a.checkpoint);
+    if (!rc) rc = gen_model_open(&gm, a.checkpoint, (int)prompt.n + a.max_tokens, &e);
+    double t_load = ct_now();
+    if (!rc) {
+        gen_printer pr = {t, a.ids};
+        if (!a.ids) {
+            fputs(a.prompt ? a.prompt : "", stdout);
+            if (!a.prompt) { /* --prompt-ids with a tokenizer: show the prompt's text */
+                char *s = NULL;
+                size_t n = 0;
+                tok_decode(t, prompt.v, prompt.n, 0, &s, &n);
+                fwrite(s, 1, n, stdout);
+                free(s);
+            }
+            if (a.chat) fputc('\n', stdout);
+            fflush(stdout);
+        }
+        gen_opts o = {.max_tokens = a.max_tokens,
+                      .sampler = {(float)a.temperature, a.top_k, (float)a.top_p},
+                      .seed = a.seed,
+                      .stop_ids = stops.v,
+                      .n_stop = (int)stops.n};
+        out = ct_malloc((size_t)a.max_tokens * sizeof *out);
+        rc = gen_generate(gen_model_state(gm), prompt.v, (int)prompt.n, &o, out, &n_out, gen_print_token, &pr, &e);
+        if (!rc && a.ids)
+            for (int i = 0; i < n_out; i++) printf("%d%s", (int)out[i], i + 1 < n_out ? " " : "");
+        if (!rc) printf("\n");
+        fflush(stdout);
+    }
+    if (!rc) {
+        double dt = ct_now() - t_load;
+        fprintf(stderr, "generate: %zu prompt tokens, %d new tokens in %.2f s (%.1f tok/s), load %.2f s\n", prompt.n,
+                n_out, dt, dt > 0 ? n_out / dt : 0.0, t_load - t0);
+    }
+    free(out);
+    gen_model_close(gm);
+    tok_free(t);
+    tok_ids_free(&prompt);
+    tok_ids_free(&stops);
+    if (rc) {
+        fprintf(stderr, "ctitan: error: %s\n", e.msg);
+        return ct_exit_code(rc);
+    }
+    return 0;
+}

@@ -1,0 +1,425 @@
+/* model/generate.c: KV-cache inference and sampling for Qwen3 (see generate.h).
+ *
+ * The layer math is the training forward's (model/qwen3.c) restricted to the
+ * rows being fed, with two differences: K and V of each row go straight into
+ * the cache at their absolute positions, and attention reads every cached
+ * position up to the query's own instead of a T x T causal block. Only the
+ * last row goes through the final norm and the lm_head, since generation
+ * needs one distribution per step. Everything runs through kernels/ops.h
+ * except the attention against the cache, which lives here: a prefill chunk
+ * still does its two attention products with op_matmul_fwd, a decode step
+ * (one query row) uses a direct loop over the cache. */
+#include "model/generate.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint/hf.h"
+#include "kernels/ops.h"
+
+/* Rows prefilled at once: large enough for GEMM efficiency, small enough that
+ * the scratch stays a few MB for published sizes (I = 3072..25600). */
+#define GEN_CHUNK 64
+/* Chunks of at least this many rows take the GEMM attention; decode steps
+ * (one row) read the cache directly, which moves each cached value once. */
+#define GEN_GEMM_ROWS 4
+
+/* Float offsets of the state's buffers inside one allocation (64-byte
+ * aligned); with base == NULL it only counts. */
+static float *gen_carve(float *base, size_t *used, size_t n) {
+    float *p = base ? base + *used : NULL;
+    *used += (n + 15) & ~(size_t)15;
+    return p;
+}
+
+static size_t gen_layout(gen_state *g, float *base) {
+    const qwen3_config *c = &g->m->cfg;
+    size_t L = (size_t)c->n_layers, H = (size_t)c->hidden, I = (size_t)c->intermediate, hd = (size_t)c->head_dim;
+    size_t qd = (size_t)c->n_heads * hd, kvd = (size_t)c->n_kv_heads * hd, T = (size_t)g->max_len;
+    size_t C = (size_t)g->chunk, used = 0;
+    g->k_cache = gen_carve(base, &used, L * T * kvd);
+    g->v_cache = gen_carve(base, &used, L * T * kvd);
+    g->rope_cos = gen_carve(base, &used, T * hd / 2);
+    g->rope_sin = gen_carve(base, &used, T * hd / 2);
+    g->x = gen_carve(base, &used, C * H);
+    g->xn = gen_carve(base, &used, C * H);
+    g->qraw = gen_carve(base, &used, C * qd);
+    g->q = gen_carve(base, &used, C * qd);
+    g->kraw = gen_carve(base, &used, C * kvd);
+    g->att = gen_carve(base, &used, C * qd);
+    g->gate = gen_carve(base, &used, C * I);
+    g->up = gen_carve(base, &used, C * I);
+    g->h = gen_carve(base, &used, C * I);
+    g->rstd = gen_carve(base, &used, C * (size_t)c->n_heads);
+    g->scores = gen_carve(base, &used, (size_t)g->n_threads * T);
+    g->kh = gen_carve(base, &used, T * hd);
+    g->vht = gen_carve(base, &used, hd * T);
+    g->qh = gen_carve(base, &used, C * hd);
+    g->oh = gen_carve(base, &used, C * hd);
+    g->probs = gen_carve(base, &used, C * T);
+    return used;
+}
+
+int gen_init(gen_state *g, const qwen3_model *m, int max_len, ct_err *e) {
+    memset(g, 0, sizeof *g);
+    if (max_len < 1) return ct_fail(e, CT_ERR_CONFIG, "generate: the KV cache needs at least 1 position, got %d", max_len);
+    g->m = m;
+    g->max_len = max_len;
+    g->chunk = max_len < GEN_CHUNK ? max_len : GEN_CHUNK;
+    g->n_threads = omp_get_max_threads();
+    if (g->n_threads < 1) g->n_threads = 1;
+    size_t n = gen_layout(g, NULL);
+    g->mem = ct_malloc(n * sizeof(float));
+    gen_layout(g, g->mem);
+    /* absolute positions 0 .. max_len-1, the same fp32 recipe as training */
+    op_rope_tables(g->rope_cos, g->rope_sin, max_len, m->cfg.head_dim, (float)m->cfg.rope_theta);
+    return 0;
+}
+
+void gen_free(gen_state *g) {
+    free(g->mem);
+    memset(g, 0, sizeof *g);
+}
+
+void gen_reset(gen_state *g) { g->pos = 0; }
+
+/* Causal GQA attention of n new queries against the cache.
+ * out[n, nH, hd], q[n, nH, hd] (after q_norm + RoPE); kc, vc [max_len, nKV, hd]
+ * hold positions 0 .. p0+n-1; query i sits at absolute position p0+i and sees
+ * keys 0 .. p0+i. scores [n_threads, max_len] is per-thread scratch. The order
+ * of operations is HF eager's: (q . k) * hd^-0.5, softmax with the row max
+ * subtracted, then probs @ v. */
+static void gen_attention(float *out, const float *q, const float *kc, const float *vc, float *scores, int n_threads,
+                          int p0, int n, int nH, int nKV, int hd, int max_len) {
+    int group = nH / nKV;
+    float scale = 1.0f / sqrtf((float)hd);
+    size_t kvd = (size_t)nKV * hd;
+#pragma omp parallel for collapse(2) num_threads(n_threads) schedule(static)
+    for (int i = 0; i < n; i++) {
+        for (int h = 0; h < nH; h++) {
+            float *s = scores + (size_t)omp_get_thread_num() * max_len;
+            int kh = h / group, last = p0 + i;
+            const float *qi = q + ((size_t)i * nH + h) * hd;
+            float maxv = -INFINITY;
+            for (int t = 0; t <= last; t++) {
+                const float *kt = kc + (size_t)t * kvd + (size_t)kh * hd;
+                float dot = 0.0f;
+                /* simd: lets the compiler split the sum into vector lanes (a
+                 * different fp32 rounding order, as BLAS has in HF's matmul) */
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < hd; d++) dot += qi[d] * kt[d];
+                s[t] = dot * scale;
+                if (s[t] > maxv) maxv = s[t];
+            }
+            float sum = 0.0f;
+            for (int t = 0; t <= last; t++) {
+                s[t] = expf(s[t] - maxv);
+                sum += s[t];
+            }
+            float inv = 1.0f / sum;
+            float *o = out + ((size_t)i * nH + h) * hd;
+            for (int d = 0; d < hd; d++) o[d] = 0.0f;
+            for (int t = 0; t <= last; t++) {
+                const float *vt = vc + (size_t)t * kvd + (size_t)kh * hd;
+                float p = s[t] * inv;
+#pragma omp simd /* o and vt never overlap (output vs cache) */
+                for (int d = 0; d < hd; d++) o[d] += p * vt[d];
+            }
+        }
+    }
+}
+
+/* The same attention for a prefill chunk, through op_matmul_fwd so that the
+ * n x (p0+n) scores of a long prompt cost GEMMs: per kv head, its cached K
+ * [p0+n, hd] and V^T [hd, p0+n] are gathered once, then for each query head
+ * of its group S = Q K^T, the causal softmax of each row, and O = S V. */
+static void gen_attention_prefill(gen_state *g, float *out, const float *q, const float *kc, const float *vc, int p0,
+                                  int n, int nH, int nKV, int hd) {
+    int group = nH / nKV, T = p0 + n;
+    float scale = 1.0f / sqrtf((float)hd);
+    size_t kvd = (size_t)nKV * hd;
+    float *kh = g->kh, *vht = g->vht, *qh = g->qh, *oh = g->oh, *S = g->probs; /* [T,hd] [hd,T] [n,hd] [n,hd] [n,T] */
+    for (int k = 0; k < nKV; k++) {
+        for (int t = 0; t < T; t++) {
+            memcpy(kh + (size_t)t * hd, kc + (size_t)t * kvd + (size_t)k * hd, (size_t)hd * sizeof(float));
+            for (int d = 0; d < hd; d++) vht[(size_t)d * T + t] = vc[(size_t)t * kvd + (size_t)k * hd + d];
+        }
+        for (int h = k * group; h < (k + 1) * group; h++) {
+            for (int i = 0; i < n; i++)
+                memcpy(qh + (size_t)i * hd, q + ((size_t)i * nH + h) * hd, (size_t)hd * sizeof(float));
+            op_matmul_fwd(S, qh, kh, n, hd, T, 0); /* S[n, T] = Q K^T */
+#pragma omp parallel for num_threads(g->n_threads) schedule(static)
+            for (int i = 0; i < n; i++) {
+                float *row = S + (size_t)i * T;
+                int last = p0 + i; /* keys after the query's own position are masked */
+                float maxv = -INFINITY, sum = 0.0f;
+                for (int t = 0; t <= last; t++) {
+                    row[t] *= scale;
+                    if (row[t] > maxv) maxv = row[t];
+                }
+                for (int t = 0; t <= last; t++) {
+                    row[t] = expf(row[t] - maxv);
+                    sum += row[t];
+                }
+                float inv = 1.0f / sum;
+                for (int t = 0; t <= last; t++) row[t] *= inv;
+                for (int t = last + 1; t < T; t++) row[t] = 0.0f;
+            }
+            op_matmul_fwd(oh, S, vht, n, T, hd, 0); /* O[n, hd] = P V */
+            for (int i = 0; i < n; i++)
+                memcpy(out + ((size_t)i * nH + h) * hd, oh + (size_t)i * hd, (size_t)hd * sizeof(float));
+        }
+    }
+}
+
+/* One chunk of n <= g->chunk rows at positions g->pos .. g->pos+n-1. Leaves
+ * the residual stream after the last layer in g->x [n, H]. */
+static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
+    const qwen3_model *m = g->m;
+    const qwen3_config *c = &m->cfg;
+    int H = c->hidden, I = c->intermediate, hd = c->head_dim, half = hd / 2;
+    int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
+    float eps = (float)c->rms_eps;
+    int p0 = g->pos;
+    const float *cs = g->rope_cos + (size_t)p0 * half, *sn = g->rope_sin + (size_t)p0 * half;
+
+    op_embedding_fwd(g->x, tokens, m->w.wte, n, H);
+    for (int l = 0; l < c->n_layers; l++) {
+        const qwen3_layer_w *w = &m->w.layer[l];
+        float *kc = g->k_cache + (size_t)l * g->max_len * kvd; /* [max_len, nKV, hd] */
+        float *vc = g->v_cache + (size_t)l * g->max_len * kvd;
+        float *k = kc + (size_t)p0 * kvd, *v = vc + (size_t)p0 * kvd; /* [n, nKV*hd] rows being added */
+        /* attention block: the normed, rotated K and the V of the new rows go
+         * straight into the cache (ops.h promises in-place only for RoPE, so
+         * the projections land in scratch first) */
+        op_rmsnorm_fwd(g->xn, g->rstd, g->x, w->ln1, n, H, eps);
+        op_matmul_fwd(g->qraw, g->xn, w->wq, n, H, qd, 0);
+        op_matmul_fwd(g->kraw, g->xn, w->wk, n, H, kvd, 0);
+        op_matmul_fwd(v, g->xn, w->wv, n, H, kvd, 0);
+        op_rmsnorm_fwd(g->q, g->rstd, g->qraw, w->qn, n * nH, hd, eps); /* per head */
+        op_rmsnorm_fwd(k, g->rstd, g->kraw, w->kn, n * nKV, hd, eps);
+        /* rope tables offset to p0: row t of the chunk is absolute position p0+t */
+        op_rope_fwd(g->q, g->q, cs, sn, 1, n, nH, hd);
+        op_rope_fwd(k, k, cs, sn, 1, n, nKV, hd);
+        if (n >= GEN_GEMM_ROWS) gen_attention_prefill(g, g->att, g->q, kc, vc, p0, n, nH, nKV, hd);
+        else gen_attention(g->att, g->q, kc, vc, g->scores, g->n_threads, p0, n, nH, nKV, hd, g->max_len);
+        op_matmul_fwd(g->x, g->att, w->wo, n, qd, H, 1); /* x += o_proj(att) */
+        /* MLP block */
+        op_rmsnorm_fwd(g->xn, g->rstd, g->x, w->ln2, n, H, eps);
+        op_matmul_fwd(g->gate, g->xn, w->wg, n, H, I, 0);
+        op_matmul_fwd(g->up, g->xn, w->wu, n, H, I, 0);
+        op_swiglu_fwd(g->h, g->gate, g->up, n * I);
+        op_matmul_fwd(g->x, g->h, w->wd, n, I, H, 1); /* x += down(h) */
+    }
+    g->pos += n;
+}
+
+int gen_forward(gen_state *g, const int32_t *tokens, int n, float *logits, ct_err *e) {
+    const qwen3_config *c = &g->m->cfg;
+    if (n < 1) return ct_fail(e, CT_ERR_CONFIG, "generate: nothing to run (0 tokens)");
+    if (n > g->max_len - g->pos)
+        return ct_fail(e, CT_ERR_CONFIG, "generate: %d more tokens overflow the KV cache (%d of %d positions used)", n,
+                       g->pos, g->max_len);
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= c->vocab_size)
+            return ct_fail(e, CT_ERR_CONFIG, "generate: token id %d is outside the vocabulary [0, %d)", (int)tokens[i],
+                           c->vocab_size);
+    int done = 0;
+    while (done < n) {
+        int k = n - done < g->chunk ? n - done : g->chunk;
+        gen_forward_chunk(g, tokens + done, k);
+        done += k;
+    }
+    if (logits) {
+        /* final norm and lm_head on the last row only */
+        int H = c->hidden;
+        int last = (n - 1) % g->chunk; /* row of the last token in the last chunk */
+        op_rmsnorm_fwd(g->xn, g->rstd, g->x + (size_t)last * H, g->m->w.lnf, 1, H, (float)c->rms_eps);
+        op_matmul_fwd(logits, g->xn, g->m->w.lm_head, 1, H, c->vocab_size, 0);
+    }
+    return 0;
+}
+
+/* --------------------------------------------------------------- sampling */
+
+void gen_sample_buf_init(gen_sample_buf *b, int V) {
+    b->V = V;
+    b->cand = ct_malloc((size_t)V * sizeof *b->cand);
+    b->prob = ct_malloc((size_t)V * sizeof *b->prob);
+}
+
+void gen_sample_buf_free(gen_sample_buf *b) {
+    free(b->cand);
+    free(b->prob);
+    memset(b, 0, sizeof *b);
+}
+
+/* The k-th largest (k >= 1) of a[n], by quickselect; a is reordered. */
+static float gen_kth_largest(float *a, int n, int k) {
+    int lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        float pivot = a[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) { /* descending: big values to the left */
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                float t = a[i];
+                a[i] = a[j];
+                a[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return a[want];
+    }
+    return a[want];
+}
+
+/* Total order on candidates so qsort (not stable) gives one answer. */
+static int gen_cand_cmp(const void *pa, const void *pb) {
+    const gen_cand *a = pa, *b = pb;
+    if (a->v != b->v) return a->v > b->v ? -1 : 1; /* most likely first */
+    return (a->id > b->id) - (a->id < b->id);      /* then lower id, so the order is total */
+}
+
+int32_t gen_sample(const float *logits, const gen_sampler *s, ct_rng *rng, gen_sample_buf *b) {
+    int V = b->V;
+    if (s->temperature <= 0.0f) {
+        int32_t best = 0; /* first index of the maximum, as torch.argmax */
+        for (int i = 1; i < V; i++)
+            if (logits[i] > logits[best]) best = i;
+        return best;
+    }
+    /* HF divides the logits by the temperature (not multiplies by 1/T) */
+    float thresh = -INFINITY;
+    if (s->top_k > 0 && s->top_k < V) {
+        for (int i = 0; i < V; i++) b->prob[i] = logits[i] / s->temperature;
+        thresh = gen_kth_largest(b->prob, V, s->top_k); /* ties at the k-th value stay, as in HF */
+    }
+    int n = 0;
+    gen_cand *cand = b->cand;
+    for (int i = 0; i < V; i++) {
+        float v = logits[i] / s->temperature;
+        if (v >= thresh) cand[n++] = (gen_cand){v, i};
+    }
+    if (n == 0) cand[n++] = (gen_cand){logits[0], 0}; /* all -inf or NaN: nothing sane to do */
+    int sorted = s->top_p < 1.0f; /* only top-p needs the order; a draw works in any */
+    if (sorted) qsort(cand, (size_t)n, sizeof *cand, gen_cand_cmp);
+    float maxv = cand[0].v;
+    if (!sorted)
+        for (int i = 1; i < n; i++)
+            if (cand[i].v > maxv) maxv = cand[i].v;
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) {
+        b->prob[i] = expf(cand[i].v - maxv);
+        sum += b->prob[i];
+    }
+    int keep = n;
+    if (s->top_p < 1.0f) {
+        /* HF: sort ascending, cumulative softmax, drop tokens whose cumulative
+         * mass (their own and every less likely one's) is <= 1 - top_p; the
+         * most likely token always stays. Here: tail sums from the end. */
+        double tail = 0.0, limit = 1.0 - (double)s->top_p;
+        for (int i = n - 1; i >= 1; i--) {
+            tail += b->prob[i] / sum;
+            if (tail <= limit) keep = i;
+            else break;
+        }
+    }
+    double kept = 0.0;
+    for (int i = 0; i < keep; i++) kept += b->prob[i];
+    double u = ct_rng_uniform(rng) * kept, acc = 0.0;
+    int32_t pick = cand[keep - 1].id;
+    for (int i = 0; i < keep; i++) {
+        acc += b->prob[i];
+        if (u < acc) {
+            pick = cand[i].id;
+            break;
+        }
+    }
+    return pick;
+}
+
+/* -------------------------------------------------------------- generate */
+
+static int gen_is_stop(const gen_opts *o, int32_t id) {
+    for (int i = 0; i < o->n_stop; i++)
+        if (o->stop_ids[i] == id) return 1;
+    return 0;
+}
+
+int gen_generate(gen_state *g, const int32_t *prompt, int n_prompt, const gen_opts *o, int32_t *out, int *n_out,
+                 gen_token_fn on_token, void *ctx, ct_err *e) {
+    *n_out = 0;
+    if (n_prompt < 1) return ct_fail(e, CT_ERR_CONFIG, "generate: the prompt has no tokens");
+    if (o->max_tokens < 1) return 0;
+    if ((long)n_prompt + o->max_tokens - 1 > g->max_len)
+        return ct_fail(e, CT_ERR_CONFIG, "generate: prompt (%d) + max tokens (%d) exceed the KV cache (%d positions)",
+                       n_prompt, o->max_tokens, g->max_len);
+    int V = g->m->cfg.vocab_size;
+    float *logits = ct_malloc((size_t)V * sizeof *logits); /* [V] of the newest position */
+    gen_sample_buf sb;
+    gen_sample_buf_init(&sb, V);
+    ct_rng rng;
+    ct_rng_seed(&rng, o->seed);
+    gen_reset(g);
+    int rc = gen_forward(g, prompt, n_prompt, logits, e);
+    for (int t = 0; !rc && t < o->max_tokens; t++) {
+        int32_t id = gen_sample(logits, &o->sampler, &rng, &sb);
+        out[(*n_out)++] = id;
+        if (on_token) on_token(id, ctx);
+        if (gen_is_stop(o, id) || t + 1 == o->max_tokens) break;
+        rc = gen_forward(g, &id, 1, logits, e);
+    }
+    gen_sample_buf_free(&sb);
+    free(logits);
+    return rc;
+}
+
+/* ------------------------------------------------------ inference model */
+
+struct gen_model {
+    qwen3_model m;
+    gen_state g;
+};
+
+int gen_model_open(gen_model **out, const char *dir, int max_len, ct_err *e) {
+    *out = NULL;
+    gen_model *gm = ct_calloc(1, sizeof *gm);
+    qwen3_config cfg;
+    int rc = qwen3_config_from_hf(&cfg, dir, e);
+    /* B = T = 1 keeps the training activation plan tiny */
+    if (!rc) rc = qwen3_create(&gm->m, &cfg, 1, 1, e);
+    if (!rc) {
+        /* the gradient buffer is as large as the weights and inference never
+         * touches it: release it and leave the gradient views NULL */
+        free(gm->m.grads);
+        gm->m.grads = NULL;
+        gm->m.g.wte = gm->m.g.lnf = gm->m.g.lm_head = NULL;
+        memset(gm->m.g.layer, 0, (size_t)cfg.n_layers * sizeof *gm->m.g.layer);
+        rc = hf_load(&gm->m, dir, e);
+    }
+    if (!rc) rc = gen_init(&gm->g, &gm->m, max_len, e);
+    if (rc) {
+        gen_model_close(gm);
+        return rc;
+    }
+    *out = gm;
+    return 0;
+}
+
+void gen_model_close(gen_model *gm) {
+    if (!gm) return;
+    gen_free(&gm->g);
+    qwen3_free(&gm->m);
+    free(gm);
+}
+
+const qwen3_config *gen_model_config(const gen_model *gm) { return &gm->m.cfg; }
+int gen_model_vocab(const gen_model *gm) { return gm->m.cfg.vocab_size; }
+gen_state *gen_model_state(gen_model *gm) { return &gm->g; }
