@@ -1,0 +1,922 @@
+/* checkpoint/ckpt.c: training checkpoints (see ckpt.h and docs/checkpoints.md).
+ *
+ * Design notes.
+ * - Atomicity comes from the directory, not the files: everything is written
+ *   into FOLDER/.step-N.tmp-PID, each file fsynced, manifest.json last, the
+ *   directory fsynced, and only then renamed to step-N and FOLDER fsynced. A
+ *   step-N directory therefore exists only once it is complete; a crash
+ *   leaves a temp dir that readers ignore and ckpt_prune removes.
+ * - Replacing an existing step-N uses renameat2(RENAME_EXCHANGE), one atomic
+ *   swap, and deletes the old contents afterwards. Where the filesystem lacks
+ *   it, the old dir is renamed aside (.step-N.old-PID) first; ckpt_prune puts
+ *   it back if a crash hit between the two renames.
+ * - Checksums are XXH3-64 (Debian's libxxhash-dev, inlined from its header so
+ *   the library needs no extra link flag) computed by reading each file back
+ *   after it is fsynced, in 1 MiB chunks: the manifest then describes what
+ *   the file holds, and no model-sized buffer is ever allocated. The
+ *   safetensors writer is reused unchanged (its own tmp + rename inside the
+ *   temp dir is harmless).
+ * - The manifest is written by hand, like the safetensors header, so byte
+ *   counts above 2^31 never come out in exponent form. It is read with cJSON
+ *   as untrusted input: size-capped, every field type-checked, file names
+ *   restricted to plain names inside the directory.
+ * - Every write, fsync, close and rename is checked; the first failure stops
+ *   the save, removes the temp dir and names the path. Earlier checkpoints
+ *   are never touched before the new one is complete.
+ * - No global state: the only process-wide thing consulted is the pid, which
+ *   names temp dirs so a live writer's dir is never pruned. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* renameat2, fsync, O_DIRECTORY under -std=c11 */
+#endif
+#include "checkpoint/ckpt.h"
+
+#include <cjson/cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "checkpoint/hf.h"
+#include "core/timer.h"
+#include "formats/safetensors.h"
+
+#define CKPT_PATH 4096
+#define CKPT_MAX_FILES 32
+#define CKPT_NAME_MAX 64
+#define CKPT_MANIFEST_MAX (1 << 20) /* a manifest lists a handful of files */
+#define CKPT_TEXT_MAX (256u << 20)  /* state.json sanity cap */
+#define CKPT_CHUNK (1 << 20)
+#define CKPT_SELF_KEY ",\n  \"manifest_xxh3_64\": \""
+
+typedef struct {
+    char name[CKPT_NAME_MAX];
+    uint64_t bytes;
+    uint64_t hash;
+} ckpt_file;
+
+typedef struct {
+    int step;
+    int model_only;
+    int n;
+    ckpt_file f[CKPT_MAX_FILES];
+} ckpt_manifest;
+
+/* ------------------------------------------------------------- helpers */
+
+static int ckpt_join(char *out, const char *dir, const char *name, ct_err *e) {
+    int k = snprintf(out, CKPT_PATH, "%s/%s", dir, name);
+    if (k < 0 || k >= CKPT_PATH) return ct_fail(e, CT_ERR_IO, "%s/%s: path too long", dir, name);
+    return 0;
+}
+
+static int ckpt_is_dir(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* Parses the digits of s (no sign, no spaces) as a non-negative int. */
+static int ckpt_parse_uint(const char *s, const char *end, long *out) {
+    if (s == end) return -1;
+    long v = 0;
+    for (const char *p = s; p < end; p++) {
+        if (*p < '0' || *p > '9') return -1;
+        if (v > (INT_MAX - (*p - '0')) / 10) return -1;
+        v = v * 10 + (*p - '0');
+    }
+    *out = v;
+    return 0;
+}
+
+/* "step-N" -> N, else -1. */
+static int ckpt_step_of(const char *name) {
+    if (strncmp(name, "step-", 5) != 0) return -1;
+    long v;
+    if (ckpt_parse_uint(name + 5, name + strlen(name), &v)) return -1;
+    return (int)v;
+}
+
+/* Temp-like entries: ".step-N.tmp-PID", ".step-N.old-PID", ".step-N.del-PID".
+ * Returns the kind letter ('t', 'o', 'd') and fills step and pid, else 0. */
+static int ckpt_temp_of(const char *name, int *step, long *pid) {
+    if (strncmp(name, ".step-", 6) != 0) return 0;
+    const char *dot = strchr(name + 6, '.');
+    if (!dot) return 0;
+    long s;
+    if (ckpt_parse_uint(name + 6, dot, &s)) return 0;
+    int kind = !strncmp(dot, ".tmp-", 5) ? 't' : !strncmp(dot, ".old-", 5) ? 'o' : !strncmp(dot, ".del-", 5) ? 'd' : 0;
+    if (!kind || ckpt_parse_uint(dot + 5, dot + strlen(dot), pid)) return 0;
+    *step = (int)s;
+    return kind;
+}
+
+/* fsync a file or directory by path. Directories that cannot be synced
+ * (some filesystems answer EINVAL) are not an error: nothing more can be done. */
+static int ckpt_fsync_path(const char *path, int is_dir, ct_err *e) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | (is_dir ? O_DIRECTORY : 0));
+    if (fd < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot open to sync: %s", path, strerror(errno));
+    int rc = 0;
+    if (fsync(fd) != 0 && !(is_dir && errno == EINVAL))
+        rc = ct_fail(e, CT_ERR_IO, "%s: cannot sync: %s", path, strerror(errno));
+    if (close(fd) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: cannot close: %s", path, strerror(errno));
+    return rc;
+}
+
+/* Writes len bytes to a new file PATH and fsyncs it; every call checked. */
+static int ckpt_write_file(const char *path, const char *text, size_t len, ct_err *e) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
+    size_t done = 0;
+    int rc = 0;
+    while (done < len && !rc) {
+        ssize_t k = write(fd, text + done, len - done);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) rc = ct_fail(e, CT_ERR_IO, "%s: write failed: %s", path, k < 0 ? strerror(errno) : "no progress");
+        else done += (size_t)k;
+    }
+    if (!rc && fsync(fd) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot sync: %s", path, strerror(errno));
+    if (close(fd) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: cannot close: %s", path, strerror(errno));
+    return rc;
+}
+
+/* Reads a whole file of at most `cap` bytes; *out malloc'd and NUL-terminated. */
+static int ckpt_read_text(const char *path, size_t cap, char **out, size_t *len, ct_err *e) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return ct_fail(e, CT_ERR_FORMAT, "%s: not a regular file", path);
+    }
+    if ((uint64_t)st.st_size > cap) {
+        close(fd);
+        return ct_fail(e, CT_ERR_FORMAT, "%s: %lld bytes, more than the %zu a valid one can have", path,
+                       (long long)st.st_size, cap);
+    }
+    size_t n = (size_t)st.st_size;
+    char *buf = ct_malloc(n + 1);
+    size_t done = 0;
+    while (done < n) {
+        ssize_t k = read(fd, buf + done, n - done);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            int err = errno;
+            close(fd);
+            free(buf);
+            return ct_fail(e, CT_ERR_IO, "%s: read failed: %s", path, k < 0 ? strerror(err) : "file shrank");
+        }
+        done += (size_t)k;
+    }
+    close(fd);
+    buf[n] = 0;
+    *out = buf;
+    if (len) *len = n;
+    return 0;
+}
+
+/* Streams a file through XXH3-64. */
+static int ckpt_hash_file(const char *path, uint64_t *bytes, uint64_t *hash, ct_err *e) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    XXH3_state_t *st = XXH3_createState();
+    if (!st) {
+        close(fd);
+        return ct_fail(e, CT_ERR_IO, "%s: out of memory for the checksum state", path);
+    }
+    XXH3_64bits_reset(st);
+    unsigned char *buf = ct_malloc(CKPT_CHUNK);
+    uint64_t total = 0;
+    int rc = 0;
+    for (;;) {
+        ssize_t k = read(fd, buf, CKPT_CHUNK);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) {
+            rc = ct_fail(e, CT_ERR_IO, "%s: read failed: %s", path, strerror(errno));
+            break;
+        }
+        if (k == 0) break;
+        XXH3_64bits_update(st, buf, (size_t)k);
+        total += (uint64_t)k;
+    }
+    close(fd);
+    free(buf);
+    if (!rc) {
+        *bytes = total;
+        *hash = XXH3_64bits_digest(st);
+    }
+    XXH3_freeState(st);
+    return rc;
+}
+
+/* Removes a file or a directory tree; a missing path is fine. */
+static int ckpt_rm_tree(const char *path, ct_err *e) {
+    struct stat st;
+    if (lstat(path, &st) != 0)
+        return errno == ENOENT ? 0 : ct_fail(e, CT_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
+    if (!S_ISDIR(st.st_mode)) {
+        if (unlink(path) != 0 && errno != ENOENT)
+            return ct_fail(e, CT_ERR_IO, "%s: cannot remove: %s", path, strerror(errno));
+        return 0;
+    }
+    DIR *d = opendir(path);
+    if (!d) return ct_fail(e, CT_ERR_IO, "%s: cannot list: %s", path, strerror(errno));
+    int rc = 0;
+    struct dirent *de;
+    char sub[CKPT_PATH];
+    while (!rc && (de = readdir(d))) {
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+        rc = ckpt_join(sub, path, de->d_name, e);
+        if (!rc) rc = ckpt_rm_tree(sub, e);
+    }
+    closedir(d);
+    if (!rc && rmdir(path) != 0 && errno != ENOENT)
+        rc = ct_fail(e, CT_ERR_IO, "%s: cannot remove: %s", path, strerror(errno));
+    return rc;
+}
+
+static int ckpt_mkdirs(const char *dir, ct_err *e) {
+    int rc = hf_mkdirs(dir, e);
+    if (!rc && !ckpt_is_dir(dir)) rc = ct_fail(e, CT_ERR_IO, "%s: not a directory", dir);
+    return rc;
+}
+
+/* ------------------------------------------------------------ manifest */
+
+static const char *ckpt_required(int model_only, int i) {
+    static const char *const full[] = {"model.safetensors", "config.json", "optim.safetensors", "state.json", NULL};
+    return i < (model_only ? 2 : 4) ? full[i] : NULL;
+}
+
+/* A file name the manifest may list: plain, inside the directory. */
+static int ckpt_name_ok(const char *s) {
+    size_t n = strlen(s);
+    if (n == 0 || n >= CKPT_NAME_MAX || s[0] == '.' || !strcmp(s, "manifest.json")) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (s[i] == '/' || s[i] == '\\' || (unsigned char)s[i] < 0x20) return 0;
+    return 1;
+}
+
+static int ckpt_json_uint(const cJSON *v, uint64_t *out) {
+    if (!cJSON_IsNumber(v)) return -1;
+    double d = v->valuedouble;
+    if (!(d >= 0.0) || d >= 9007199254740992.0 || d != floor(d)) return -1;
+    *out = (uint64_t)d;
+    return 0;
+}
+
+static int ckpt_parse_hex64(const char *s, uint64_t *out) {
+    if (strlen(s) != 16) return -1;
+    uint64_t v = 0;
+    for (int i = 0; i < 16; i++) {
+        char c = s[i];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0) return -1;
+        v = v << 4 | (uint64_t)d;
+    }
+    *out = v;
+    return 0;
+}
+
+/* The manifest ends with CKPT_SELF_KEY, 16 hex digits of the XXH3-64 of
+ * every byte up to and including the key, then "\"\n}\n". Checked on the raw
+ * bytes before any parsing (memmem: a flipped bit may have made a NUL). */
+static int ckpt_check_self(const char *mpath, const char *text, size_t len, ct_err *e) {
+    const size_t kl = strlen(CKPT_SELF_KEY), tail = 16 + 4;
+    const char *last = NULL;
+    for (const char *q = text; (q = memmem(q, len - (size_t)(q - text), CKPT_SELF_KEY, kl)); q++) last = q;
+    uint64_t want;
+    char hex[17];
+    if (!last || (size_t)(last - text) + kl + tail != len || memcmp(last + kl + 16, "\"\n}\n", 4) != 0)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: its checksum line is missing or damaged (truncated or corrupted)",
+                       mpath);
+    memcpy(hex, last + kl, 16);
+    hex[16] = 0;
+    if (ckpt_parse_hex64(hex, &want) || XXH3_64bits(text, (size_t)(last - text) + kl) != want)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: checksum mismatch (corrupted)", mpath);
+    return 0;
+}
+
+/* Reads and validates DIR/manifest.json (format, version, types, names,
+ * required files, step matching the directory name). */
+static int ckpt_read_manifest(const char *dir, ckpt_manifest *man, ct_err *e) {
+    char mpath[CKPT_PATH];
+    int rc = ckpt_join(mpath, dir, "manifest.json", e);
+    if (rc) return rc;
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
+        return ct_fail(e, CT_ERR_IO, "%s: not a checkpoint directory (%s)", dir,
+                       errno == ENOENT ? "missing" : "not a directory");
+    if (stat(mpath, &st) != 0)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: missing (an incomplete or damaged checkpoint)", mpath);
+    char *text = NULL;
+    size_t len = 0;
+    if ((rc = ckpt_read_text(mpath, CKPT_MANIFEST_MAX, &text, &len, e))) return rc;
+    if ((rc = ckpt_check_self(mpath, text, len, e))) {
+        free(text);
+        return rc;
+    }
+    cJSON *root = cJSON_ParseWithLength(text, len);
+    free(text);
+    if (!root) return ct_fail(e, CT_ERR_FORMAT, "%s: not valid JSON (truncated or corrupted)", mpath);
+    memset(man, 0, sizeof *man);
+    const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(root, "format");
+    const cJSON *ver = cJSON_GetObjectItemCaseSensitive(root, "version");
+    const cJSON *stp = cJSON_GetObjectItemCaseSensitive(root, "step");
+    const cJSON *mo = cJSON_GetObjectItemCaseSensitive(root, "model_only");
+    const cJSON *files = cJSON_GetObjectItemCaseSensitive(root, "files");
+    uint64_t u = 0;
+    if (!cJSON_IsObject(root)) {
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", mpath);
+    } else if (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, CKPT_FORMAT)) {
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: \"format\" is not \"%s\"", mpath, CKPT_FORMAT);
+    } else if (ckpt_json_uint(ver, &u) || u != CKPT_VERSION) {
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: \"version\" is not %d (written by another ctitan version?)", mpath,
+                     CKPT_VERSION);
+    } else if (ckpt_json_uint(stp, &u) || u > INT_MAX) {
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: \"step\" is not a non-negative integer", mpath);
+    } else if (!cJSON_IsBool(mo)) {
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: \"model_only\" is not a boolean", mpath);
+    } else if (!cJSON_IsObject(files)) {
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: \"files\" is not an object", mpath);
+    }
+    if (!rc) {
+        man->step = (int)u;
+        man->model_only = cJSON_IsTrue(mo);
+    }
+    for (const cJSON *f = rc ? NULL : files->child; f && !rc; f = f->next) {
+        if (!ckpt_name_ok(f->string)) {
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: file name \"%s\" is not a plain name inside the checkpoint", mpath,
+                         f->string);
+            break;
+        }
+        for (int i = 0; i < man->n; i++)
+            if (!strcmp(man->f[i].name, f->string))
+                rc = ct_fail(e, CT_ERR_FORMAT, "%s: \"%s\" is listed twice", mpath, f->string);
+        if (rc) break;
+        if (man->n == CKPT_MAX_FILES) {
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: more than %d files listed", mpath, CKPT_MAX_FILES);
+            break;
+        }
+        const cJSON *b = cJSON_GetObjectItemCaseSensitive(f, "bytes");
+        const cJSON *h = cJSON_GetObjectItemCaseSensitive(f, "xxh3_64");
+        ckpt_file *cf = &man->f[man->n];
+        if (!cJSON_IsObject(f) || ckpt_json_uint(b, &cf->bytes) || !cJSON_IsString(h) ||
+            ckpt_parse_hex64(h->valuestring, &cf->hash)) {
+            rc = ct_fail(e, CT_ERR_FORMAT,
+                         "%s: entry \"%s\" needs \"bytes\" (integer) and \"xxh3_64\" (16 lowercase hex digits)",
+                         mpath, f->string);
+            break;
+        }
+        snprintf(cf->name, sizeof cf->name, "%s", f->string);
+        man->n++;
+    }
+    for (int i = 0; !rc && ckpt_required(man->model_only, i); i++) {
+        const char *req = ckpt_required(man->model_only, i);
+        int found = 0;
+        for (int j = 0; j < man->n; j++) found |= !strcmp(man->f[j].name, req);
+        if (!found)
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: does not list %s, which a%s checkpoint needs", mpath, req,
+                         man->model_only ? " model-only" : " full");
+    }
+    cJSON_Delete(root);
+    if (rc) return rc;
+    /* A checkpoint moved under another step's name would resume at the wrong step. */
+    const char *base = strrchr(dir, '/');
+    base = base ? base + 1 : dir;
+    int dstep = ckpt_step_of(base);
+    if (dstep >= 0 && dstep != man->step)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: says step %d but the directory is %s", mpath, man->step, base);
+    return 0;
+}
+
+/* Checks every listed file: size always, checksum when `full`. */
+static int ckpt_check_files(const char *dir, const ckpt_manifest *man, int full, ct_err *e) {
+    char p[CKPT_PATH];
+    for (int i = 0; i < man->n; i++) {
+        const ckpt_file *f = &man->f[i];
+        int rc = ckpt_join(p, dir, f->name, e);
+        if (rc) return rc;
+        struct stat st;
+        if (stat(p, &st) != 0)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: missing (listed in the manifest)", p);
+        if (!S_ISREG(st.st_mode)) return ct_fail(e, CT_ERR_FORMAT, "%s: not a regular file", p);
+        if ((uint64_t)st.st_size != f->bytes)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: %lld bytes, the manifest says %llu (truncated or corrupted)", p,
+                           (long long)st.st_size, (unsigned long long)f->bytes);
+        if (!full) continue;
+        uint64_t bytes, hash;
+        if ((rc = ckpt_hash_file(p, &bytes, &hash, e))) return rc;
+        if (bytes != f->bytes)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: changed size while being read", p);
+        if (hash != f->hash)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: checksum mismatch (truncated or corrupted)", p);
+    }
+    return 0;
+}
+
+static int ckpt_verify_level(const char *dir, int full, ckpt_manifest *man, ct_err *e) {
+    int rc = ckpt_read_manifest(dir, man, e);
+    if (!rc) rc = ckpt_check_files(dir, man, full, e);
+    return rc;
+}
+
+int ckpt_verify(const char *dir, ct_err *e) {
+    ckpt_manifest man;
+    return ckpt_verify_level(dir, 1, &man, e);
+}
+
+int ckpt_is_model_only(const char *dir, ct_err *e) {
+    ckpt_manifest man;
+    if (ckpt_read_manifest(dir, &man, e)) return -1;
+    return man.model_only;
+}
+
+/* ---------------------------------------------------------------- save */
+
+static int ckpt_write_model(const char *path, const qwen3_model *m, ct_err *e) {
+    st_wtensor *ts = ct_calloc((size_t)m->n_tensors, sizeof *ts);
+    for (int i = 0; i < m->n_tensors; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        ts[i] = (st_wtensor){.name = t->name, .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim,
+                             .data = m->params + t->offset};
+        for (int d = 0; d < t->ndim; d++) ts[i].shape[d] = t->shape[d];
+    }
+    const char *meta[] = {"format", "pt", NULL};
+    int rc = st_write(path, ts, m->n_tensors, meta, e);
+    free(ts);
+    return rc;
+}
+
+static int ckpt_write_optim(const char *path, const qwen3_model *m, const float *exp_avg, const float *exp_avg_sq,
+                            ct_err *e) {
+    int n = m->n_tensors;
+    st_wtensor *ts = ct_calloc((size_t)2 * n, sizeof *ts);
+    char *names = ct_malloc((size_t)2 * n * (QWEN3_NAME_MAX + 16));
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < n; i++) {
+            const qwen3_tensor *t = &m->tensors[i];
+            char *nm = names + (size_t)(k * n + i) * (QWEN3_NAME_MAX + 16);
+            snprintf(nm, QWEN3_NAME_MAX + 16, "%s.%s", t->name, k ? "exp_avg_sq" : "exp_avg");
+            st_wtensor *w = &ts[k * n + i];
+            *w = (st_wtensor){.name = nm, .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim,
+                              .data = (k ? exp_avg_sq : exp_avg) + t->offset};
+            for (int d = 0; d < t->ndim; d++) w->shape[d] = t->shape[d];
+        }
+    const char *meta[] = {"format", "pt", NULL};
+    int rc = st_write(path, ts, 2 * n, meta, e);
+    free(names);
+    free(ts);
+    return rc;
+}
+
+/* Hashes the listed files of `tmp` and writes manifest.json. */
+static int ckpt_write_manifest(const char *tmp, int step, int model_only, const char *const *names, int n,
+                               uint64_t *total, ct_err *e) {
+    char p[CKPT_PATH];
+    size_t cap = 512 + (size_t)n * 160, k = 0;
+    char *buf = ct_malloc(cap);
+    k += (size_t)snprintf(buf + k, cap - k,
+                          "{\n  \"format\": \"%s\",\n  \"version\": %d,\n  \"step\": %d,\n  \"model_only\": %s,\n"
+                          "  \"files\": {",
+                          CKPT_FORMAT, CKPT_VERSION, step, model_only ? "true" : "false");
+    int rc = 0;
+    *total = 0;
+    for (int i = 0; i < n && !rc; i++) {
+        uint64_t bytes, hash;
+        rc = ckpt_join(p, tmp, names[i], e);
+        if (!rc) rc = ckpt_hash_file(p, &bytes, &hash, e);
+        if (rc) break;
+        *total += bytes;
+        k += (size_t)snprintf(buf + k, cap - k, "%s\n    \"%s\": {\"bytes\": %llu, \"xxh3_64\": \"%016llx\"}",
+                              i ? "," : "", names[i], (unsigned long long)bytes, (unsigned long long)hash);
+    }
+    /* the manifest's own checksum covers every byte before it, so damage to
+     * the manifest is reported as such, not as a mismatch of another file */
+    k += (size_t)snprintf(buf + k, cap - k, "\n  }%s", CKPT_SELF_KEY);
+    k += (size_t)snprintf(buf + k, cap - k, "%016llx\"\n}\n", (unsigned long long)XXH3_64bits(buf, k));
+    if (!rc) rc = ckpt_join(p, tmp, "manifest.json", e);
+    if (!rc) rc = ckpt_write_file(p, buf, k, e);
+    if (!rc) *total += k;
+    free(buf);
+    return rc;
+}
+
+/* Puts the complete dir `tmp` in place as `final`, replacing what is there. */
+static int ckpt_publish(const char *folder, const char *tmp, const char *final, int step, ct_err *e) {
+    if (rename(tmp, final) == 0) return ckpt_fsync_path(folder, 1, e);
+    if (errno != ENOTEMPTY && errno != EEXIST)
+        return ct_fail(e, CT_ERR_IO, "%s: cannot rename %s to it: %s", final, tmp, strerror(errno));
+    /* step-N exists: swap atomically, then the old contents sit in tmp */
+    if (renameat2(AT_FDCWD, tmp, AT_FDCWD, final, RENAME_EXCHANGE) == 0) {
+        int rc = ckpt_fsync_path(folder, 1, e);
+        if (!rc) rc = ckpt_rm_tree(tmp, e);
+        return rc;
+    }
+    if (errno != EINVAL && errno != ENOSYS)
+        return ct_fail(e, CT_ERR_IO, "%s: cannot replace it with %s: %s", final, tmp, strerror(errno));
+    char aside[CKPT_PATH], name[64];
+    snprintf(name, sizeof name, ".step-%d.old-%ld", step, (long)getpid());
+    int rc = ckpt_join(aside, folder, name, e);
+    if (rc) return rc;
+    if (rename(final, aside) != 0)
+        return ct_fail(e, CT_ERR_IO, "%s: cannot move it aside to %s: %s", final, aside, strerror(errno));
+    if (rename(tmp, final) != 0) {
+        int err = errno;
+        rename(aside, final); /* best effort: put the old one back */
+        return ct_fail(e, CT_ERR_IO, "%s: cannot rename %s to it: %s", final, tmp, strerror(err));
+    }
+    rc = ckpt_fsync_path(folder, 1, e);
+    if (!rc) rc = ckpt_rm_tree(aside, e);
+    return rc;
+}
+
+int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *exp_avg, const float *exp_avg_sq,
+              const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e) {
+    double t0 = ct_now();
+    if (step < 0) return ct_fail(e, CT_ERR_IO, "%s: checkpoint step %d is negative", folder, step);
+    if (!exp_avg != !exp_avg_sq)
+        return ct_fail(e, CT_ERR_IO, "%s: step %d: give both AdamW moments or neither", folder, step);
+    int model_only = exp_avg == NULL;
+    char tmp[CKPT_PATH], final[CKPT_PATH], p[CKPT_PATH], name[64];
+    snprintf(name, sizeof name, ".step-%d.tmp-%ld", step, (long)getpid());
+    int rc = ckpt_join(tmp, folder, name, e);
+    snprintf(name, sizeof name, "step-%d", step);
+    if (!rc) rc = ckpt_join(final, folder, name, e);
+    if (!rc) rc = ckpt_mkdirs(folder, e);
+    if (!rc) rc = ckpt_rm_tree(tmp, e); /* left by an earlier crash of a process with our pid */
+    if (rc) return rc;
+    if (mkdir(tmp, 0755) != 0)
+        return ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+
+    const char *names[8];
+    int n = 0;
+    uint64_t total = 0;
+    names[n++] = "model.safetensors";
+    if (!(rc = ckpt_join(p, tmp, "model.safetensors", e))) rc = ckpt_write_model(p, m, e);
+    if (!rc && !model_only) {
+        names[n++] = "optim.safetensors";
+        if (!(rc = ckpt_join(p, tmp, "optim.safetensors", e))) rc = ckpt_write_optim(p, m, exp_avg, exp_avg_sq, e);
+    }
+    if (!rc && !model_only && !state_json)
+        rc = ct_fail(e, CT_ERR_IO, "%s: a full checkpoint needs the trainer state (state.json)", final);
+    if (!rc && state_json) {
+        names[n++] = "state.json";
+        if (!(rc = ckpt_join(p, tmp, "state.json", e))) rc = ckpt_write_file(p, state_json, strlen(state_json), e);
+    }
+    if (!rc && config_toml) {
+        names[n++] = "config.toml";
+        if (!(rc = ckpt_join(p, tmp, "config.toml", e)))
+            rc = ckpt_write_file(p, config_toml, strlen(config_toml), e);
+    }
+    if (!rc) {
+        names[n++] = "config.json";
+        if (!(rc = ckpt_join(p, tmp, "config.json", e))) rc = qwen3_config_write_hf(&m->cfg, p, "float32", e);
+        if (!rc) rc = ckpt_fsync_path(p, 0, e);
+    }
+    if (!rc) rc = ckpt_write_manifest(tmp, step, model_only, names, n, &total, e);
+    if (!rc) rc = ckpt_fsync_path(tmp, 1, e);
+    if (!rc) rc = ckpt_publish(folder, tmp, final, step, e);
+    if (rc) {
+        ct_err ignore;
+        ckpt_rm_tree(tmp, &ignore); /* the error already names what failed */
+        return rc;
+    }
+    if (info) {
+        info->step = step;
+        snprintf(info->dir, sizeof info->dir, "%s", final);
+        info->bytes = total;
+        info->seconds = ct_now() - t0;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------- list/select */
+
+static int ckpt_cmp_int(const void *a, const void *b) {
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
+/* All step-N of folder, ascending, malloc'd; count in *n. -1 on error. */
+static int ckpt_list_all(const char *folder, int **out, int *n) {
+    *out = NULL;
+    *n = 0;
+    DIR *d = opendir(folder);
+    if (!d) return errno == ENOENT ? 0 : -1;
+    int cap = 16, cnt = 0;
+    int *v = ct_malloc((size_t)cap * sizeof *v);
+    struct dirent *de;
+    char p[CKPT_PATH];
+    while ((de = readdir(d))) {
+        int s = ckpt_step_of(de->d_name);
+        if (s < 0 || ckpt_join(p, folder, de->d_name, NULL) || !ckpt_is_dir(p)) continue;
+        if (cnt == cap) {
+            cap *= 2;
+            int *nv = realloc(v, (size_t)cap * sizeof *nv);
+            if (!nv) {
+                free(v);
+                closedir(d);
+                return -1;
+            }
+            v = nv;
+        }
+        v[cnt++] = s;
+    }
+    closedir(d);
+    qsort(v, (size_t)cnt, sizeof *v, ckpt_cmp_int);
+    *out = v;
+    *n = cnt;
+    return 0;
+}
+
+int ckpt_list(const char *folder, int *steps, int cap) {
+    int *v, n;
+    if (ckpt_list_all(folder, &v, &n)) return -1;
+    for (int i = 0; i < n && i < cap; i++) steps[i] = v[i];
+    free(v);
+    return n;
+}
+
+int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, int *out_step, ct_err *e) {
+    int *v, n;
+    if (ckpt_list_all(folder, &v, &n))
+        return ct_fail(e, CT_ERR_IO, "%s: cannot list the checkpoint folder: %s", folder, strerror(errno));
+    char p[CKPT_PATH], name[32];
+    int rc = 0, chosen = -1;
+    if (load_step >= 0) {
+        int present = 0;
+        for (int i = 0; i < n; i++) present |= v[i] == load_step;
+        snprintf(name, sizeof name, "step-%d", load_step);
+        rc = ckpt_join(p, folder, name, e);
+        if (!rc && !present) rc = ct_fail(e, CT_ERR_IO, "%s: no such checkpoint (load_step %d)", p, load_step);
+        if (!rc) {
+            ct_err ve = {0};
+            if (ckpt_verify(p, &ve))
+                rc = ct_fail(e, ve.code, "checkpoint step %d is damaged, not loading it: %s", load_step, ve.msg);
+        }
+        if (!rc) chosen = load_step;
+    } else if (n == 0) {
+        rc = CKPT_NONE;
+    } else {
+        int damaged = 0;
+        for (int i = n - 1; i >= 0 && chosen < 0 && !rc; i--) {
+            snprintf(name, sizeof name, "step-%d", v[i]);
+            if ((rc = ckpt_join(p, folder, name, e))) break;
+            ct_err ve = {0};
+            if (ckpt_verify(p, &ve) == 0) {
+                chosen = v[i];
+            } else {
+                damaged++;
+                fprintf(stderr, "ctitan: warning: skipping damaged checkpoint %s: %s\n", p, ve.msg);
+            }
+        }
+        if (!rc && chosen < 0)
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: none of its %d checkpoints is complete and intact (see warnings)",
+                         folder, damaged);
+    }
+    free(v);
+    if (rc) return rc;
+    if (out_dir) {
+        int k = snprintf(out_dir, cap, "%s", p);
+        if (k < 0 || (size_t)k >= cap) return ct_fail(e, CT_ERR_IO, "%s: path too long for the caller's buffer", p);
+    }
+    if (out_step) *out_step = chosen;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- load */
+
+static void ckpt_shape_str(char *out, size_t cap, int ndim, const int64_t *shape) {
+    size_t k = (size_t)snprintf(out, cap, "[");
+    for (int i = 0; i < ndim && k < cap; i++)
+        k += (size_t)snprintf(out + k, cap - k, "%s%lld", i ? ", " : "", (long long)shape[i]);
+    if (k < cap) snprintf(out + k, cap - k, "]");
+}
+
+/* Loads, for every model tensor T, the tensor "T" + suffix of file f into
+ * dst + T.offset, and checks that f holds nothing else. */
+static int ckpt_load_tensors(st_file *f, const qwen3_model *m, const char *suffix, float *dst, ct_err *e) {
+    const char *path = st_path(f);
+    char nm[QWEN3_NAME_MAX + 16];
+    for (int i = 0; i < m->n_tensors; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        snprintf(nm, sizeof nm, "%s%s", t->name, suffix);
+        const st_tensor *st = st_find(f, nm);
+        if (!st) return ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the model needs it)", path, nm);
+        int same = st->ndim == t->ndim;
+        for (int d = 0; same && d < t->ndim; d++) same = st->shape[d] == t->shape[d];
+        if (!same) {
+            char got[128], want[128];
+            ckpt_shape_str(got, sizeof got, st->ndim, st->shape);
+            ckpt_shape_str(want, sizeof want, t->ndim, t->shape);
+            return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has shape %s, the model expects %s", path, nm, got,
+                           want);
+        }
+        if (st->dtype != CT_F32)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" is %s; checkpoints hold F32", path, nm,
+                           ct_dtype_name(st->dtype));
+        memcpy(dst + t->offset, st->data, t->numel * sizeof(float));
+    }
+    if (st_count(f) != m->n_tensors) {
+        /* counts differ and every needed name was found: some name is extra */
+        for (int i = 0; i < st_count(f); i++) {
+            const char *sn = st_get(f, i)->name;
+            size_t ls = strlen(sn), lx = strlen(suffix);
+            int ok = ls > lx && !strcmp(sn + ls - lx, suffix);
+            if (ok) {
+                snprintf(nm, sizeof nm, "%.*s", (int)(ls - lx), sn);
+                ok = qwen3_find(m, nm) != NULL;
+            }
+            if (!ok) return ct_fail(e, CT_ERR_FORMAT, "%s: unexpected tensor \"%s\" (not part of this model)", path, sn);
+        }
+    }
+    return 0;
+}
+
+/* The checkpoint must be for the same architecture as the model. */
+static int ckpt_check_config(const char *dir, const qwen3_config *mc, ct_err *e) {
+    qwen3_config c;
+    int rc = qwen3_config_from_hf(&c, dir, e);
+    if (rc) return rc;
+    char p[CKPT_PATH];
+    if ((rc = ckpt_join(p, dir, "config.json", e))) return rc;
+#define CKPT_SAME(field, key)                                                                                     \
+    if (c.field != mc->field)                                                                                    \
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s is %.17g but the model being trained has %.17g", p, key,        \
+                       (double)c.field, (double)mc->field);
+    CKPT_SAME(vocab_size, "vocab_size")
+    CKPT_SAME(hidden, "hidden_size")
+    CKPT_SAME(intermediate, "intermediate_size")
+    CKPT_SAME(n_layers, "num_hidden_layers")
+    CKPT_SAME(n_heads, "num_attention_heads")
+    CKPT_SAME(n_kv_heads, "num_key_value_heads")
+    CKPT_SAME(head_dim, "head_dim")
+    CKPT_SAME(tie_embeddings, "tie_word_embeddings")
+    CKPT_SAME(rope_theta, "rope_theta")
+    CKPT_SAME(rms_eps, "rms_norm_eps")
+#undef CKPT_SAME
+    return 0;
+}
+
+int ckpt_load(const char *dir, qwen3_model *m, float *exp_avg, float *exp_avg_sq, char **state_json,
+              ckpt_info *info, ct_err *e) {
+    double t0 = ct_now();
+    if (state_json) *state_json = NULL;
+    ckpt_manifest man;
+    int rc = ckpt_verify_level(dir, 1, &man, e);
+    if (rc) return rc;
+    if ((exp_avg || exp_avg_sq) && man.model_only)
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s: a model-only checkpoint (no optim.safetensors): it can seed a run, not resume one", dir);
+    if ((rc = ckpt_check_config(dir, &m->cfg, e))) return rc;
+    char p[CKPT_PATH];
+    if ((rc = ckpt_join(p, dir, "model.safetensors", e))) return rc;
+    st_file *f = st_open(p, e);
+    if (!f) return e ? e->code : CT_ERR_FORMAT;
+    rc = ckpt_load_tensors(f, m, "", m->params, e);
+    st_close(f);
+    if (rc) return rc;
+    if (exp_avg || exp_avg_sq) {
+        if ((rc = ckpt_join(p, dir, "optim.safetensors", e))) return rc;
+        if (!(f = st_open(p, e))) return e ? e->code : CT_ERR_FORMAT;
+        /* the file holds both moments: check each half, then that nothing else is there */
+        float *dst[2] = {exp_avg, exp_avg_sq};
+        const char *sfx[2] = {".exp_avg", ".exp_avg_sq"};
+        char nm[QWEN3_NAME_MAX + 16];
+        for (int k = 0; k < 2 && !rc; k++)
+            for (int i = 0; i < m->n_tensors && !rc; i++) {
+                const qwen3_tensor *t = &m->tensors[i];
+                snprintf(nm, sizeof nm, "%s%s", t->name, sfx[k]);
+                const st_tensor *st = st_find(f, nm);
+                if (!st) {
+                    rc = ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the optimizer needs it)", p, nm);
+                    break;
+                }
+                int same = st->ndim == t->ndim && st->dtype == CT_F32;
+                for (int d = 0; same && d < t->ndim; d++) same = st->shape[d] == t->shape[d];
+                if (!same) {
+                    char got[128], want[128];
+                    ckpt_shape_str(got, sizeof got, st->ndim, st->shape);
+                    ckpt_shape_str(want, sizeof want, t->ndim, t->shape);
+                    rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" is %s %s, the optimizer expects F32 %s", p, nm,
+                                 ct_dtype_name(st->dtype), got, want);
+                    break;
+                }
+                if (dst[k]) memcpy(dst[k] + t->offset, st->data, t->numel * sizeof(float));
+            }
+        if (!rc && st_count(f) != 2 * m->n_tensors) {
+            for (int i = 0; i < st_count(f) && !rc; i++) {
+                const char *sn = st_get(f, i)->name;
+                int ok = 0;
+                for (int k = 0; k < 2 && !ok; k++) {
+                    size_t ls = strlen(sn), lx = strlen(sfx[k]);
+                    if (ls > lx && !strcmp(sn + ls - lx, sfx[k])) {
+                        snprintf(nm, sizeof nm, "%.*s", (int)(ls - lx), sn);
+                        ok = qwen3_find(m, nm) != NULL;
+                    }
+                }
+                if (!ok) rc = ct_fail(e, CT_ERR_FORMAT, "%s: unexpected tensor \"%s\" (not part of this model)", p, sn);
+            }
+        }
+        st_close(f);
+        if (rc) return rc;
+    }
+    if (state_json) {
+        int listed = 0;
+        for (int i = 0; i < man.n; i++) listed |= !strcmp(man.f[i].name, "state.json");
+        if (listed) {
+            if ((rc = ckpt_join(p, dir, "state.json", e))) return rc;
+            if ((rc = ckpt_read_text(p, CKPT_TEXT_MAX, state_json, NULL, e))) return rc;
+        }
+    }
+    if (info) {
+        info->step = man.step;
+        snprintf(info->dir, sizeof info->dir, "%s", dir);
+        info->bytes = 0;
+        for (int i = 0; i < man.n; i++) info->bytes += man.f[i].bytes;
+        info->seconds = ct_now() - t0;
+    }
+    return 0;
+}
+
+/* --------------------------------------------------------------- prune */
+
+/* Removes a step-N by renaming it aside first, so a crash mid-removal never
+ * leaves a half-deleted step-N that looks damaged. */
+static int ckpt_remove_step(const char *folder, int step, ct_err *e) {
+    char from[CKPT_PATH], aside[CKPT_PATH], name[64];
+    snprintf(name, sizeof name, "step-%d", step);
+    int rc = ckpt_join(from, folder, name, e);
+    snprintf(name, sizeof name, ".step-%d.del-%ld", step, (long)getpid());
+    if (!rc) rc = ckpt_join(aside, folder, name, e);
+    if (rc) return rc;
+    if (rename(from, aside) != 0)
+        return ct_fail(e, CT_ERR_IO, "%s: cannot move it aside for removal: %s", from, strerror(errno));
+    rc = ckpt_fsync_path(folder, 1, e);
+    if (!rc) rc = ckpt_rm_tree(aside, e);
+    return rc;
+}
+
+static int ckpt_pid_alive(long pid) {
+    if (pid <= 0 || pid == (long)getpid()) return 0; /* our own leftovers: we are not writing them now */
+    return kill((pid_t)pid, 0) == 0 || errno == EPERM;
+}
+
+int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e) {
+    if (!ckpt_is_dir(folder)) return 0;
+    char p[CKPT_PATH], q[CKPT_PATH], name[32];
+    int rc = 0;
+    /* temp dirs first: an ".old" left between the two renames of a fallback
+     * replace is the only copy of its step when step-N is missing */
+    DIR *d = opendir(folder);
+    if (!d) return ct_fail(e, CT_ERR_IO, "%s: cannot list: %s", folder, strerror(errno));
+    struct dirent *de;
+    while (!rc && (de = readdir(d))) {
+        int step;
+        long pid;
+        int kind = ckpt_temp_of(de->d_name, &step, &pid);
+        if (!kind || ckpt_pid_alive(pid)) continue;
+        if ((rc = ckpt_join(p, folder, de->d_name, e))) break;
+        if (kind == 'o') {
+            snprintf(name, sizeof name, "step-%d", step);
+            if ((rc = ckpt_join(q, folder, name, e))) break;
+            struct stat st;
+            if (stat(q, &st) != 0 && errno == ENOENT) {
+                if (rename(p, q) != 0)
+                    rc = ct_fail(e, CT_ERR_IO, "%s: cannot restore it as %s: %s", p, q, strerror(errno));
+                continue;
+            }
+        }
+        rc = ckpt_rm_tree(p, e);
+    }
+    closedir(d);
+    if (rc || keep_latest_k <= 0) return rc;
+
+    int *v, n;
+    if (ckpt_list_all(folder, &v, &n)) return ct_fail(e, CT_ERR_IO, "%s: cannot list: %s", folder, strerror(errno));
+    int kept = 0, oldest_kept = -1;
+    for (int i = n - 1; i >= 0 && kept < keep_latest_k; i--) {
+        snprintf(name, sizeof name, "step-%d", v[i]);
+        if ((rc = ckpt_join(p, folder, name, e))) break;
+        ckpt_manifest man;
+        ct_err ve = {0};
+        if (ckpt_verify_level(p, 0, &man, &ve) == 0) {
+            kept++;
+            oldest_kept = v[i];
+        }
+    }
+    if (!rc && kept == keep_latest_k)
+        for (int i = 0; i < n && v[i] < oldest_kept && !rc; i++) rc = ckpt_remove_step(folder, v[i], e);
+    free(v);
+    return rc;
+}

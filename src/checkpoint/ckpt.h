@@ -1,0 +1,88 @@
+/* checkpoint/ckpt.h: training checkpoints: save, list, verify, select, load, prune.
+ *
+ * A checkpoint is the directory FOLDER/step-N/ holding
+ *   model.safetensors   every parameter by HF name, fp32, whole tensors
+ *   optim.safetensors   AdamW moments "NAME.exp_avg", "NAME.exp_avg_sq", fp32
+ *                       (absent in a model-only checkpoint)
+ *   state.json          the trainer's state text (opaque here)
+ *   config.toml         the resolved run config text (opaque here)
+ *   config.json         the model's HF config
+ *   manifest.json       written last: step, model_only, and the size and
+ *                       XXH3-64 checksum of every other file
+ * The layout never depends on the parallel layout, so any run can load any
+ * checkpoint. A step-N directory only ever appears by renaming a complete,
+ * fsynced temporary directory, so a crash leaves either the old state or the
+ * new one; damage after the fact (truncation, bit flips) is caught by the
+ * manifest. docs/checkpoints.md has the full contract. */
+#ifndef CT_CHECKPOINT_CKPT_H
+#define CT_CHECKPOINT_CKPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/err.h"
+#include "model/qwen3.h"
+
+#define CKPT_FORMAT "ctitan-checkpoint"
+#define CKPT_VERSION 1
+/* ckpt_select's result when the folder holds no step-N directory at all
+ * (distinct from every ct_err code, which are positive). */
+#define CKPT_NONE (-1)
+
+typedef struct {
+    int step;
+    char dir[4096];  /* the checkpoint directory written or read */
+    uint64_t bytes;  /* bytes of every file in it, manifest included */
+    double seconds;  /* wall time of the save or load, verification included */
+} ckpt_info;
+
+/* Writes FOLDER/step-STEP atomically (temp dir, fsync, rename; an existing
+ * step-STEP is replaced only once the new one is complete). exp_avg and
+ * exp_avg_sq hold m->n_params floats each, or are both NULL for a model-only
+ * checkpoint. state_json and config_toml are stored verbatim when non-NULL.
+ * On any failure nothing under FOLDER but the temp dir changed, and the temp
+ * dir is removed; the error names the path. info may be NULL. */
+int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *exp_avg, const float *exp_avg_sq,
+              const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e);
+
+/* Step numbers of FOLDER's step-N directories (complete or not; temp dirs
+ * ignored), ascending. Returns how many exist (a missing folder has 0) and
+ * stores the first min(count, cap); -1 if FOLDER cannot be read. */
+int ckpt_list(const char *folder, int *steps, int cap);
+
+/* Checks DIR/manifest.json and every file it lists (size and checksum), and
+ * that the files a checkpoint needs are listed. The error names the damaged
+ * file. */
+int ckpt_verify(const char *dir, ct_err *e);
+
+/* load_step < 0: the newest step-N of FOLDER that verifies; each damaged newer
+ * one is reported on stderr by name and skipped. Returns CKPT_NONE (e
+ * untouched) when FOLDER has no step-N directory at all, and an error when
+ * there are some but none verifies. load_step >= 0: exactly step-load_step;
+ * missing or damaged is an error (never a fallback). On success out_dir gets
+ * FOLDER/step-N and out_step N (either may be NULL). */
+int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, int *out_step, ct_err *e);
+
+/* Verifies DIR, then loads every parameter of m by name (shape checked; a
+ * missing, extra or mis-shaped tensor is an error naming tensor and file),
+ * the moments when exp_avg/exp_avg_sq are non-NULL (an error for a model-only
+ * checkpoint), and state.json into *state_json (malloc'd; NULL when the
+ * checkpoint has none) when state_json is non-NULL. The checkpoint's
+ * config.json must describe the same architecture as m->cfg. info may be NULL. */
+int ckpt_load(const char *dir, qwen3_model *m, float *exp_avg, float *exp_avg_sq, char **state_json,
+              ckpt_info *info, ct_err *e);
+
+/* Keeps the newest keep_latest_k complete checkpoints (k <= 0: keeps all)
+ * and removes every step-N older than the oldest kept one; removes temp dirs
+ * left by crashed writers (never those of a live process). A checkpoint is
+ * removed by renaming it aside first, so a crash mid-removal never leaves a
+ * half-deleted step-N. "Complete" here means the manifest parses and every
+ * listed file has its size (checksums are left to select/load). */
+int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e);
+
+/* Model-only checkpoint's state (true/false) from DIR/manifest.json; -1 on
+ * error. For callers that must decide before loading (e.g. a trainer that
+ * treats an imported step-0 as an initial load). */
+int ckpt_is_model_only(const char *dir, ct_err *e);
+
+#endif

@@ -1,0 +1,292 @@
+/* cli/cmd_export.c: `ctitan export --checkpoint DIR --out HF_DIR ...`.
+ *
+ * Turns a training checkpoint (checkpoint/ckpt.h) into a Hugging Face model
+ * directory that transformers loads as it is: config.json, the weights in the
+ * chosen dtype (sharded with model.safetensors.index.json above
+ * --max-shard-size), and the tokenizer files, copied from --tokenizer or from
+ * the model.hf_assets_path recorded in the checkpoint's config.toml.
+ *
+ * --checkpoint may name one step-N directory or a checkpoint folder; a folder
+ * means its newest step that verifies (damaged newer ones are reported and
+ * skipped, as on resume). The checkpoint is verified (sizes, checksums)
+ * before a byte is exported, and the weights go through the model's tensor
+ * table, so the HF directory holds exactly the model's tensors (a tied model
+ * writes no lm_head.weight, as transformers does).
+ *
+ * Exit codes as everywhere in ctitan: a bad option or value names the option
+ * and exits 2 before any work; a missing, damaged or unwritable file exits 1. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "checkpoint/ckpt.h"
+#include "checkpoint/hf.h"
+#include "cli/cli.h"
+#include "core/timer.h"
+#include "formats/toml.h"
+#include "model/qwen3.h"
+
+#define EXP_DEFAULT_SHARD 5000000000ull /* "5GB" as transformers reads it */
+
+typedef struct {
+    const char *checkpoint, *out, *tokenizer, *dtype;
+    unsigned long long max_shard;
+} exp_args;
+
+/* Every option once: --help prints this table, so it cannot drift from it. */
+static const struct {
+    const char *name, *arg, *def, *help;
+} exp_options[] = {
+    {"--checkpoint", "DIR", "(required)", "a checkpoint step-N directory, or a folder of them (newest valid one)"},
+    {"--out", "HF_DIR", "(required)", "Hugging Face model directory to write (created if missing)"},
+    {"--dtype", "T", "float32", "float32 | bfloat16 | float16 (rounded to nearest even)"},
+    {"--max-shard-size", "BYTES", "5GB", "shard above this size; a number with optional KB/MB/GB or KiB/MiB/GiB"},
+    {"--tokenizer", "DIR", "model.hf_assets_path of the checkpoint's config.toml",
+     "where to copy tokenizer files from"},
+    {"--help", "", "", "this text"},
+};
+
+/* The files transformers' tokenizer and generation loaders look for. */
+static const char *const exp_tok_files[] = {"tokenizer.json",          "tokenizer_config.json",
+                                            "vocab.json",              "merges.txt",
+                                            "generation_config.json", "special_tokens_map.json",
+                                            "added_tokens.json",       "chat_template.jinja"};
+
+void cli_export_help(void) {
+    printf("usage: ctitan export --checkpoint DIR --out HF_DIR [options]\n\n"
+           "Writes a training checkpoint as a Hugging Face model directory (config.json, safetensors,\n"
+           "tokenizer files). The checkpoint is verified first; a damaged one is refused by name.\n"
+           "Options (--name VALUE or --name=VALUE):\n\n");
+    for (size_t i = 0; i < sizeof exp_options / sizeof exp_options[0]; i++) {
+        char left[64];
+        snprintf(left, sizeof left, "%s %s", exp_options[i].name, exp_options[i].arg);
+        printf("  %-26s %s", left, exp_options[i].help);
+        if (exp_options[i].def[0]) printf(" [default: %s]", exp_options[i].def);
+        printf("\n");
+    }
+}
+
+static int exp_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int exp_fail(int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "ctitan: error: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    return code;
+}
+
+/* "123", "20KB", "1.5GB", "64MiB" -> bytes; -1 if malformed. */
+static int exp_parse_size(const char *s, unsigned long long *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || errno || !(v > 0)) return -1;
+    static const struct {
+        const char *sfx;
+        double mul;
+    } units[] = {{"", 1},         {"B", 1},         {"KB", 1e3},          {"MB", 1e6},         {"GB", 1e9},
+                 {"TB", 1e12},    {"KiB", 1024.0},  {"MiB", 1048576.0},   {"GiB", 1073741824.0}};
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
+        if (!strcmp(end, units[i].sfx)) {
+            double b = v * units[i].mul;
+            if (b < 1 || b > 1e18) return -1;
+            *out = (unsigned long long)b;
+            return 0;
+        }
+    return -1;
+}
+
+/* Fills a from argv; returns 0, 2 on a bad option, or -1 after --help. */
+static int exp_parse_args(exp_args *a, int argc, char **argv) {
+    memset(a, 0, sizeof *a);
+    a->dtype = "float32";
+    a->max_shard = EXP_DEFAULT_SHARD;
+    for (int i = 0; i < argc; i++) {
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            cli_export_help();
+            return -1;
+        }
+        if (strncmp(arg, "--", 2) != 0) return exp_fail(2, "export: unexpected argument \"%s\"", arg);
+        char name[64];
+        const char *val = NULL, *eq = strchr(arg, '=');
+        size_t nl = eq ? (size_t)(eq - arg) : strlen(arg);
+        if (nl >= sizeof name) return exp_fail(2, "export: unknown option \"%s\" (see --help)", arg);
+        memcpy(name, arg, nl);
+        name[nl] = 0;
+        if (eq) val = eq + 1;
+        int known = 0;
+        for (size_t k = 0; k < sizeof exp_options / sizeof exp_options[0]; k++) known |= !strcmp(name, exp_options[k].name);
+        if (!known) return exp_fail(2, "export: unknown option \"%s\" (see --help)", name);
+        if (!val) {
+            if (i + 1 >= argc) return exp_fail(2, "%s: missing value", name);
+            val = argv[++i];
+        }
+        if (!*val) return exp_fail(2, "%s: empty value", name);
+        if (!strcmp(name, "--checkpoint")) a->checkpoint = val;
+        else if (!strcmp(name, "--out")) a->out = val;
+        else if (!strcmp(name, "--tokenizer")) a->tokenizer = val;
+        else if (!strcmp(name, "--dtype")) {
+            if (hf_dtype_from_name(val) < 0)
+                return exp_fail(2, "--dtype: \"%s\" is not one of float32, bfloat16, float16", val);
+            a->dtype = val;
+        } else if (!strcmp(name, "--max-shard-size")) {
+            if (exp_parse_size(val, &a->max_shard))
+                return exp_fail(2, "--max-shard-size: \"%s\" is not a positive size (e.g. 5GB, 500MB, 1000000)", val);
+        }
+    }
+    if (!a->checkpoint) return exp_fail(2, "export: --checkpoint DIR is required");
+    if (!a->out) return exp_fail(2, "export: --out HF_DIR is required");
+    return 0;
+}
+
+static int exp_is_dir(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+static int exp_same_file(const char *a, const char *b) {
+    struct stat x, y;
+    return stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+}
+
+/* Copies SRC to DST through DST.tmp (fsync, rename): a reader never sees half a file. */
+static int exp_copy_file(const char *src, const char *dst, ct_err *e) {
+    FILE *in = fopen(src, "rb");
+    if (!in) return ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", src, strerror(errno));
+    size_t dl = strlen(dst);
+    char *tmp = ct_malloc(dl + 5);
+    memcpy(tmp, dst, dl);
+    memcpy(tmp + dl, ".tmp", 5);
+    FILE *out = fopen(tmp, "wb");
+    if (!out) {
+        fclose(in);
+        int rc = ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+        free(tmp);
+        return rc;
+    }
+    char buf[65536];
+    size_t k;
+    int ok = 1;
+    while (ok && (k = fread(buf, 1, sizeof buf, in)) > 0) ok = fwrite(buf, 1, k, out) == k;
+    int rerr = ferror(in);
+    fclose(in);
+    if (ok) ok = fflush(out) == 0 && fsync(fileno(out)) == 0;
+    int err = errno;
+    if (fclose(out) != 0 && ok) {
+        ok = 0;
+        err = errno;
+    }
+    if (ok && !rerr && rename(tmp, dst) == 0) {
+        free(tmp);
+        return 0;
+    }
+    if (ok && !rerr) err = errno;
+    unlink(tmp);
+    free(tmp);
+    if (rerr) return ct_fail(e, CT_ERR_IO, "%s: read failed", src);
+    return ct_fail(e, CT_ERR_IO, "%s: write failed: %s", dst, strerror(err ? err : EIO));
+}
+
+/* model.hf_assets_path from DIR/config.toml, or "" (malloc'd). */
+static char *exp_assets_path(const char *ckdir) {
+    char p[4200];
+    snprintf(p, sizeof p, "%s/config.toml", ckdir);
+    if (access(p, R_OK) != 0) return ct_strdup("");
+    toml_doc doc = {0};
+    ct_err e = {0};
+    char *out;
+    if (toml_parse_file(p, &doc, &e) != 0) {
+        fprintf(stderr, "ctitan: warning: %s (tokenizer source unknown)\n", e.msg);
+        out = ct_strdup("");
+    } else {
+        const toml_kv *kv = toml_find(&doc, "model", "hf_assets_path");
+        out = ct_strdup(kv && kv->val.kind == TOML_STRING ? kv->val.s : "");
+    }
+    toml_free(&doc);
+    return out;
+}
+
+/* Copies the tokenizer files present in src to out; returns how many, or -1. */
+static int exp_copy_tokenizer(const char *src, const char *out, ct_err *e) {
+    int n = 0;
+    for (size_t i = 0; i < sizeof exp_tok_files / sizeof exp_tok_files[0]; i++) {
+        char s[4200], d[4200];
+        snprintf(s, sizeof s, "%s/%s", src, exp_tok_files[i]);
+        snprintf(d, sizeof d, "%s/%s", out, exp_tok_files[i]);
+        if (access(s, R_OK) != 0) continue;
+        if (exp_copy_file(s, d, e)) return -1;
+        printf("  copied %s\n", exp_tok_files[i]);
+        n++;
+    }
+    return n;
+}
+
+int cli_export(int argc, char **argv) {
+    exp_args a;
+    int rc = exp_parse_args(&a, argc, argv);
+    if (rc) return rc < 0 ? 0 : rc;
+    if (!exp_is_dir(a.checkpoint)) return exp_fail(1, "--checkpoint %s: no such directory", a.checkpoint);
+    if (a.tokenizer && !exp_is_dir(a.tokenizer)) return exp_fail(1, "--tokenizer %s: no such directory", a.tokenizer);
+    double t0 = ct_now();
+    ct_err e = {0};
+
+    /* a step-N directory, or a folder of them */
+    char ckdir[4096], mpath[4200];
+    snprintf(mpath, sizeof mpath, "%s/manifest.json", a.checkpoint);
+    if (access(mpath, F_OK) == 0 || ckpt_list(a.checkpoint, NULL, 0) <= 0) {
+        if (snprintf(ckdir, sizeof ckdir, "%s", a.checkpoint) >= (int)sizeof ckdir)
+            return exp_fail(1, "--checkpoint: path too long");
+        if (access(mpath, F_OK) != 0)
+            return exp_fail(1, "--checkpoint %s: not a checkpoint (no manifest.json) and holds no step-N checkpoints",
+                            a.checkpoint);
+    } else {
+        int step;
+        rc = ckpt_select(a.checkpoint, -1, ckdir, sizeof ckdir, &step, &e);
+        if (rc) return exp_fail(1, "%s", e.msg);
+    }
+    if (exp_same_file(ckdir, a.out)) return exp_fail(2, "--out %s: is the checkpoint directory itself", a.out);
+
+    qwen3_config c;
+    qwen3_model m = {0};
+    if ((rc = qwen3_config_from_hf(&c, ckdir, &e)) || (rc = qwen3_create(&m, &c, 1, 1, &e)))
+        return exp_fail(1, "%s", e.msg);
+    ckpt_info info = {0};
+    rc = ckpt_load(ckdir, &m, NULL, NULL, NULL, &info, &e); /* verifies sizes and checksums first */
+    if (!rc) rc = hf_save(&m, a.out, (ct_dtype)hf_dtype_from_name(a.dtype), (size_t)a.max_shard, &e);
+    size_t n_params = qwen3_num_params(&m);
+    qwen3_free(&m);
+    if (rc) return exp_fail(1, "%s", e.msg);
+    printf("ctitan export: %s (step %d, %zu parameters) -> %s as %s\n", ckdir, info.step, n_params, a.out, a.dtype);
+
+    char *assets = a.tokenizer ? ct_strdup(a.tokenizer) : exp_assets_path(ckdir);
+    int copied = 0;
+    if (!assets[0]) {
+        fprintf(stderr, "ctitan: warning: no tokenizer files copied: the checkpoint records no "
+                        "model.hf_assets_path (give --tokenizer DIR)\n");
+    } else if (!exp_is_dir(assets)) {
+        fprintf(stderr, "ctitan: warning: no tokenizer files copied: %s (model.hf_assets_path of %s/config.toml) "
+                        "is not a directory (give --tokenizer DIR)\n", assets, ckdir);
+    } else {
+        copied = exp_copy_tokenizer(assets, a.out, &e);
+        if (copied < 0) {
+            free(assets);
+            return exp_fail(1, "%s", e.msg);
+        }
+        if (copied == 0 && a.tokenizer) {
+            free(assets);
+            return exp_fail(1, "--tokenizer %s: holds none of tokenizer.json, vocab.json, merges.txt, ...", a.tokenizer);
+        }
+        if (copied == 0)
+            fprintf(stderr, "ctitan: warning: no tokenizer files found in %s (give --tokenizer DIR)\n", assets);
+    }
+    free(assets);
+    printf("ctitan export: done in %.2f s (%d tokenizer files)\n", ct_now() - t0, copied);
+    return 0;
+}
