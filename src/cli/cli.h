@@ -5,5 +5,13 @@
 
 int cli_train(int argc, char **argv);
 void cli_train_help(void);
+int cli_prepare(int argc, char **argv);
+void cli_prepare_help(void);
+int cli_generate(int argc, char **argv);
+void cli_generate_help(void);
+int cli_export(int argc, char **argv);
+void cli_export_help(void);
+int cli_import(int argc, char **argv);
+void cli_import_help(void);
 
 #endif

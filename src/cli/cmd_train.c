@@ -32,9 +32,6 @@ int cli_train(int argc, char **argv) {
     int rc = trainer_init(&t, &cfg, &e);
     if (!rc) rc = trainer_run(&t, &e);
     trainer_free(&t);
-    if (rc) {
-        fprintf(stderr, "ctitan: error: %s\n", e.msg);
-        return ct_exit_code(rc);
-    }
-    return 0;
+    if (rc && rc != CT_STOPPED) fprintf(stderr, "ctitan: error: %s\n", e.msg);
+    return ct_exit_code(rc);
 }

@@ -25,6 +25,10 @@ static void usage(FILE *out) {
             "usage: ctitan <command> [options]\n\n"
             "commands:\n"
             "  train     train or fine-tune a model (ctitan train --help lists every option)\n"
+            "  prepare   tokenize a corpus into shards with every core\n"
+            "  generate  sample text from a model directory (KV cache)\n"
+            "  export    write a training checkpoint as a Hugging Face model directory\n"
+            "  import    turn a Hugging Face model directory into a checkpoint (FOLDER/step-N)\n"
             "  help      this text\n\n");
 }
 
@@ -39,6 +43,10 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "train")) return cli_train(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "prepare")) return cli_prepare(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "generate")) return cli_generate(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "export")) return cli_export(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "import")) return cli_import(argc - 2, argv + 2);
     fprintf(stderr, "ctitan: error: unknown command \"%s\" (try ctitan --help)\n", argv[1]);
     return 2;
 }

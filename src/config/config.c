@@ -41,6 +41,8 @@ static const char *const cfg_specs[] = {"qwen3", "hf", NULL};
 static const char *const cfg_optimizers[] = {"AdamW", NULL};
 static const char *const cfg_decay_types[] = {"linear", "sqrt", "cosine", NULL};
 static const char *const cfg_export_dtypes[] = {"float32", "bfloat16", "float16", NULL};
+static const char *const cfg_dataset_kinds[] = {"auto", "text", "jsonl", "chat", "tokens", NULL};
+static const char *const cfg_text_splits[] = {"line", "paragraph", "file", NULL};
 
 #define OPT(sec, k, ty, field, d, ...) \
     {.section = sec, .key = k, .type = ty, .off = offsetof(ct_config, field), .def = d, __VA_ARGS__}
@@ -92,10 +94,17 @@ static const cfg_option cfg_options[] = {
         .help = "gradient clipping norm; 0 disables clipping"),
     OPT("training", "steps", CFG_INT, steps, "10000", .range = CFG_GE, .lo = 1,
         .help = "optimizer steps to train"),
-    OPT("training", "dataset", CFG_STR, dataset, "", .help = "dataset name"),
+    OPT("training", "dataset", CFG_ENUM, dataset, "auto", .choices = cfg_dataset_kinds,
+        .help = "kind of training.dataset_path; auto: from the extension / first line"),
     OPT("training", "dataset_path", CFG_STR, dataset_path, "",
         .help = "path to the dataset (e.g. a pre-tokenized .bin file)"),
     OPT("training", "seed", CFG_I64, seed, "0", .help = "random seed for init and data order"),
+    OPT("training", "shuffle", CFG_BOOL, shuffle, "false",
+        .help = "shuffle the windows of every epoch (deterministic from training.seed)"),
+    OPT("training", "text_split", CFG_ENUM, text_split, "line", .choices = cfg_text_splits,
+        .help = "plain text: one document per line (as HF's text loader), paragraph or file"),
+    OPT("training", "stop_at_step", CFG_INT, stop_at_step, "0", .range = CFG_GE, .lo = 0,
+        .help = "stop after this step with a checkpoint, as if preempted (job time limits, tests); 0: never"),
     OPT("training", "deterministic", CFG_BOOL, deterministic, "false",
         .help = "bit-identical runs for the same config"),
     OPT("training", "threads", CFG_INT, threads, "0", .range = CFG_GE, .lo = 0,
@@ -106,6 +115,14 @@ static const cfg_option cfg_options[] = {
         .help = "checkpoint folder, relative to job.dump_folder"),
     OPT("checkpoint", "interval", CFG_INT, ckpt_interval, "500", .range = CFG_GE, .lo = 1,
         .help = "steps between checkpoints"),
+    OPT("checkpoint", "keep_latest_k", CFG_INT, keep_latest_k, "10", .range = CFG_GE, .lo = 0,
+        .help = "checkpoints kept (older ones deleted); 0: keep all"),
+    OPT("checkpoint", "load_step", CFG_INT, load_step, "-1", .range = CFG_GE, .lo = -1,
+        .help = "step to resume from; -1: the newest complete checkpoint"),
+    OPT("checkpoint", "last_save_model_only", CFG_BOOL, last_save_model_only, "true",
+        .help = "the checkpoint after the last step holds the model only (no optimizer state)"),
+    OPT("checkpoint", "enable_first_step_checkpoint", CFG_BOOL, first_step_ckpt, "false",
+        .help = "also save a checkpoint after step 1"),
     OPT("checkpoint", "initial_load_path", CFG_STR, initial_load_path, "",
         .help = "checkpoint to start from when the folder has none"),
     OPT("checkpoint", "initial_load_in_hf", CFG_BOOL, initial_load_in_hf, "false",

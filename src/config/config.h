@@ -39,15 +39,22 @@ typedef struct {
     int seq_len;              /* 2048 */
     double max_norm;          /* 1.0 ; 0 disables clipping */
     int steps;                /* 10000 */
-    char *dataset;            /* "" */
+    char *dataset;            /* "auto" | "text" | "jsonl" | "chat" | "tokens" */
     char *dataset_path;       /* "" */
     int64_t seed;             /* 0 */
+    int shuffle;              /* false */
+    char *text_split;         /* "line" | "paragraph" | "file" */
+    int stop_at_step;         /* 0 = never */
     int deterministic;        /* false */
     int threads;              /* 0 = OMP_NUM_THREADS or all cores */
     /* [checkpoint] */
     int ckpt_enable;          /* false */
     char *ckpt_folder;        /* "checkpoint" (relative to dump_folder) */
     int ckpt_interval;        /* 500 */
+    int keep_latest_k;        /* 10 */
+    int load_step;            /* -1 = newest */
+    int last_save_model_only; /* true */
+    int first_step_ckpt;      /* false: enable_first_step_checkpoint */
     char *initial_load_path;  /* "" */
     int initial_load_in_hf;   /* false */
     int last_save_in_hf;      /* false */

@@ -16,7 +16,10 @@ int ct_fail(ct_err *e, int code, const char *fmt, ...) {
     return code;
 }
 
-int ct_exit_code(int code) { return code == CT_ERR_CONFIG ? 2 : (code ? 1 : 0); }
+int ct_exit_code(int code) {
+    if (code == CT_STOPPED) return CT_EXIT_PREEMPTED;
+    return code == CT_ERR_CONFIG ? 2 : (code ? 1 : 0);
+}
 
 static void oom(size_t n) {
     fprintf(stderr, "ctitan: error: out of memory allocating %zu bytes\n", n);

@@ -14,7 +14,12 @@ enum {
     CT_ERR_IO = 1,      /* runtime failure: file, memory, bad data file */
     CT_ERR_CONFIG = 2,  /* bad config/CLI value: exit code 2 before any work */
     CT_ERR_FORMAT = 3,  /* malformed input file (safetensors, JSON, npy) */
+    CT_STOPPED = 4,     /* not an error: stopped by a signal after saving a checkpoint */
 };
+
+/* Exit status after SIGTERM/SIGINT: the step finished and a checkpoint was
+ * written (EX_TEMPFAIL: a scheduler may requeue the job and it resumes). */
+#define CT_EXIT_PREEMPTED 75
 
 typedef struct {
     int code;

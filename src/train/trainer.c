@@ -1,37 +1,148 @@
-/* train/trainer.c: the training loop and its metrics.
+/* train/trainer.c: the training loop, validation, checkpoints and metrics.
  *
  * A step reads all of its micro-batches first so the number of valid
  * targets of the whole step is known before any backward: every
  * micro-batch's gradient is then scaled by 1 / (valid targets of the step),
  * which is what HF and torchtitan do under gradient accumulation. Metrics
  * follow torchtitan's console line and go, with lr and elapsed time, to a
- * JSONL file. */
+ * JSONL file.
+ *
+ * Resume is exact by construction: a checkpoint holds the fp32 parameters,
+ * both AdamW moments, the step (which fixes the LR schedule) and the data
+ * loader's (epoch, position); every kernel is deterministic at a given
+ * thread count, so the resumed run computes the same bits as an
+ * uninterrupted one. */
+#define _POSIX_C_SOURCE 200809L
 #include "train/trainer.h"
 
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include <cjson/cJSON.h>
+
+#include "checkpoint/ckpt.h"
 #include "checkpoint/hf.h"
 #include "core/cpu.h"
 #include "core/timer.h"
-#include "data/tokens.h"
+
+/* The one piece of process-wide state: a signal handler can reach nothing
+ * else. 0 = run, 1 = stop after this step. */
+static volatile sig_atomic_t stop_requested;
+
+static void on_signal(int sig) {
+    if (stop_requested) _exit(128 + sig); /* second signal: leave now; saves are atomic */
+    stop_requested = 1;
+}
+
+void trainer_install_signals(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+}
+
+static const char *cfg_src(const ct_config *c) { return c->config_path[0] ? c->config_path : "command line"; }
+
+/* dir/name, or name alone when it is absolute. Returns 0 if it fits. */
+static int join_path(char *out, size_t cap, const char *dir, const char *name) {
+    int n = (name[0] == '/' || !dir[0]) ? snprintf(out, cap, "%s", name) : snprintf(out, cap, "%s/%s", dir, name);
+    return n < 0 || (size_t)n >= cap;
+}
 
 int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e) {
     if (strcmp(cfg->model_spec, "hf") == 0) {
         if (!cfg->hf_assets_path[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: model.hf_assets_path: required when model.spec = \"hf\"",
-                           cfg->config_path[0] ? cfg->config_path : "command line");
+                           cfg_src(cfg));
         return qwen3_config_from_hf(mc, cfg->hf_assets_path, e);
     }
     int rc = qwen3_config_from_flavor(mc, cfg->model_flavor, e);
     if (rc && e) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
-        ct_fail(e, rc, "%s: %s", cfg->config_path[0] ? cfg->config_path : "command line", msg);
+        ct_fail(e, rc, "%s: %s", cfg_src(cfg), msg);
     }
     return rc;
+}
+
+/* state.json: what a checkpoint needs beyond tensors to continue exactly. */
+static char *state_to_json(const trainer *t, const ds *data) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "step", t->step);
+    cJSON_AddNumberToObject(o, "seed", (double)t->cfg.seed);
+    cJSON_AddNumberToObject(o, "lr_factor_next", lr_schedule_factor(&t->sched, t->step));
+    if (data) {
+        ds_state s;
+        ds_get_state(data, &s);
+        cJSON *d = cJSON_AddObjectToObject(o, "data");
+        cJSON_AddNumberToObject(d, "epoch", (double)s.epoch);
+        cJSON_AddNumberToObject(d, "pos", (double)s.pos);
+    }
+    char *txt = cJSON_Print(o);
+    cJSON_Delete(o);
+    return txt;
+}
+
+static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e) {
+    cJSON *o = txt ? cJSON_Parse(txt) : NULL;
+    const cJSON *st = o ? cJSON_GetObjectItemCaseSensitive(o, "step") : NULL;
+    if (!cJSON_IsNumber(st)) {
+        cJSON_Delete(o);
+        return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: missing or malformed \"step\"", dir);
+    }
+    t->step = (int)st->valuedouble;
+    const cJSON *d = cJSON_GetObjectItemCaseSensitive(o, "data");
+    if (d) {
+        const cJSON *ep = cJSON_GetObjectItemCaseSensitive(d, "epoch"), *pos = cJSON_GetObjectItemCaseSensitive(d, "pos");
+        if (!cJSON_IsNumber(ep) || !cJSON_IsNumber(pos)) {
+            cJSON_Delete(o);
+            return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: malformed \"data\"", dir);
+        }
+        t->resume_data.epoch = (int64_t)ep->valuedouble;
+        t->resume_data.pos = (int64_t)pos->valuedouble;
+        t->have_resume_data = 1;
+    }
+    cJSON_Delete(o);
+    return 0;
+}
+
+/* With checkpoint.enable, picks up the newest complete checkpoint (or
+ * load_step). Sets *resumed when weights came from one. */
+static int maybe_resume(trainer *t, int *resumed, ct_err *e) {
+    *resumed = 0;
+    ct_config *c = &t->cfg;
+    if (!c->ckpt_enable) return 0;
+    char dir[4096];
+    int step = 0;
+    int rc = ckpt_select(t->ckpt_folder, c->load_step, dir, sizeof dir, &step, e);
+    if (rc == CKPT_NONE) return 0;
+    if (rc) return rc;
+    ckpt_info info;
+    int model_only = ckpt_is_model_only(dir, e);
+    if (model_only < 0) return e ? e->code : CT_ERR_FORMAT;
+    if (model_only) {
+        /* a model-only checkpoint (an import, or a final save) seeds a new run at step 0 */
+        if ((rc = ckpt_load(dir, &t->model, NULL, NULL, NULL, &info, e))) return rc;
+        fprintf(stderr, "ctitan: loaded model-only checkpoint %s as initial weights (%.1f MiB in %.2f s)\n", dir,
+                info.bytes / 1048576.0, info.seconds);
+    } else {
+        char *state = NULL;
+        if ((rc = ckpt_load(dir, &t->model, t->opt.m, t->opt.v, &state, &info, e))) return rc;
+        rc = state_from_json(t, state, dir, e);
+        free(state);
+        if (rc) return rc;
+        t->opt.step = t->step;
+        fprintf(stderr, "ctitan: resuming from %s (step %d): %.1f MiB restored in %.2f s\n", dir, t->step,
+                info.bytes / 1048576.0, info.seconds);
+    }
+    *resumed = 1;
+    return 0;
 }
 
 int trainer_init(trainer *t, ct_config *cfg, ct_err *e) {
@@ -45,22 +156,29 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) {
     if (rc) return rc;
     int global = c->global_batch_size > 0 ? c->global_batch_size : c->local_batch_size;
     t->grad_accum = global / c->local_batch_size;
-    if ((rc = qwen3_create(&t->model, &mc, c->local_batch_size, c->seq_len, e))) return rc;
-    if (c->initial_load_path[0]) {
-        if (!c->initial_load_in_hf)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "checkpoint.initial_load_path = \"%s\": only Hugging Face safetensors directories can be "
-                           "loaded for now; set checkpoint.initial_load_in_hf = true",
-                           c->initial_load_path);
-        if ((rc = hf_load(&t->model, c->initial_load_path, e))) return rc;
-    } else {
-        qwen3_init_random(&t->model, (uint64_t)c->seed);
-    }
+    t->val_batch = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
+    int plan_b = t->val_batch > c->local_batch_size ? t->val_batch : c->local_batch_size;
+    if (join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", cfg_src(c));
+    if ((rc = qwen3_create(&t->model, &mc, plan_b, c->seq_len, e))) return rc;
     adamw_init(&t->opt, t->model.n_params);
     t->hp = (adamw_hparams){c->lr, c->beta1, c->beta2, c->eps, c->weight_decay};
     int dt = lr_decay_type_from_name(c->decay_type);
     lr_schedule_init(&t->sched, c->steps, c->warmup_steps, c->decay_ratio, dt < 0 ? LR_DECAY_LINEAR : dt,
                      c->min_lr_factor);
+
+    int resumed = 0;
+    if ((rc = maybe_resume(t, &resumed, e))) return rc;
+    if (resumed) return 0;
+    if (c->initial_load_path[0]) {
+        if (!c->initial_load_in_hf)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: checkpoint.initial_load_path = \"%s\": only Hugging Face safetensors directories "
+                           "can be loaded as initial weights; set checkpoint.initial_load_in_hf = true",
+                           cfg_src(c), c->initial_load_path);
+        return hf_load(&t->model, c->initial_load_path, e);
+    }
+    qwen3_init_random(&t->model, (uint64_t)c->seed);
     return 0;
 }
 
@@ -82,33 +200,132 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
     if (lr) *lr = cur_lr;
 }
 
-/* dir/name, or name alone when it is absolute. Returns 0 if it fits. */
-static int join_path(char *out, size_t cap, const char *dir, const char *name) {
-    int n = (name[0] == '/' || !dir[0]) ? snprintf(out, cap, "%s", name) : snprintf(out, cap, "%s/%s", dir, name);
-    return n < 0 || (size_t)n >= cap;
+int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
+    char *state = state_to_json(t, data);
+    char *toml = NULL;
+    size_t toml_len = 0;
+    FILE *mf = open_memstream(&toml, &toml_len);
+    if (mf) {
+        cfg_write_toml(&t->cfg, mf);
+        fclose(mf);
+    }
+    ckpt_info info;
+    int rc = ckpt_save(t->ckpt_folder, t->step, &t->model, model_only ? NULL : t->opt.m, model_only ? NULL : t->opt.v,
+                       state, toml, &info, e);
+    free(state);
+    free(toml);
+    if (rc) return rc;
+    fprintf(stderr, "ctitan: saved %scheckpoint %s: %.1f MiB in %.2f s\n", model_only ? "model-only " : "", info.dir,
+            info.bytes / 1048576.0, info.seconds);
+    return ckpt_prune(t->ckpt_folder, t->cfg.keep_latest_k, e);
+}
+
+/* The tokenizer, loaded only when a source needs one (text, jsonl, chat). */
+static int needs_tokenizer(const char *kind_name, const char *path, int *needs, ct_err *e) {
+    ds_kind k;
+    if (ds_kind_parse(kind_name, &k) != 0) k = DS_KIND_AUTO;
+    if (k == DS_KIND_AUTO) {
+        int rc = ds_detect_kind(path, &k, e);
+        if (rc) return rc;
+    }
+    *needs = k != DS_KIND_TOKENS;
+    return 0;
+}
+
+static int open_data(trainer *t, ds **out, const char *kind_name, const char *path, const char *key, int shuffle,
+                     tok **tk, ct_err *e) {
+    const ct_config *c = &t->cfg;
+    if (!path[0]) return ct_fail(e, CT_ERR_CONFIG, "%s: %s: no data given", cfg_src(c), key);
+    int need = 0, rc = needs_tokenizer(kind_name, path, &need, e);
+    if (rc) return rc;
+    if (need && !*tk) {
+        if (!c->hf_assets_path[0])
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: model.hf_assets_path: needed to tokenize %s (%s); point it at a directory with "
+                           "tokenizer.json",
+                           cfg_src(c), path, key);
+        if ((rc = tok_load(c->hf_assets_path, tk, e))) return rc;
+        if (tok_vocab_size(*tk) > t->model.cfg.vocab_size)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: the tokenizer has %d ids but the model's vocabulary is %d",
+                           c->hf_assets_path, tok_vocab_size(*tk), t->model.cfg.vocab_size);
+    }
+    ds_config dc;
+    ds_config_default(&dc);
+    dc.seq_len = c->seq_len;
+    dc.vocab_size = t->model.cfg.vocab_size;
+    dc.shuffle = shuffle;
+    dc.seed = (uint64_t)c->seed;
+    ds_kind k;
+    if (ds_kind_parse(kind_name, &k) == 0) dc.tok.kind = k;
+    ds_text_split sp;
+    if (ds_split_parse(c->text_split, &sp) == 0) dc.tok.text_split = sp;
+    const char *paths[1] = {path};
+    return ds_open(out, paths, 1, *tk, &dc, e);
+}
+
+/* Held-out loss over validation.steps batches from the start of the set. */
+static int validate(trainer *t, ds *val, int step, FILE *mf) {
+    const ct_config *c = &t->cfg;
+    qwen3_model *m = &t->model;
+    int B = t->val_batch, T = c->seq_len;
+    ds_state zero = {0, 0};
+    ds_set_state(val, &zero, NULL);
+    long batches = c->val_steps;
+    if (batches < 0) batches = (long)((ds_windows_per_rank(val) + B - 1) / B);
+    long full = (long)(ds_windows_per_rank(val) / B);
+    if (c->val_steps < 0 && full > 0) batches = full; /* one pass without wrapping around */
+    int32_t *x = ct_malloc((size_t)B * T * sizeof(int32_t)), *y = ct_malloc((size_t)B * T * sizeof(int32_t));
+    double sum = 0, t0 = ct_now();
+    long n = 0;
+    for (long i = 0; i < batches; i++) {
+        long nv = 0;
+        ds_next(val, x, y, B);
+        sum += qwen3_loss(m, x, y, B, T, &nv);
+        n += nv;
+    }
+    free(x);
+    free(y);
+    double loss = n ? sum / n : 0, ppl = exp(loss);
+    printf("validate step: %d  loss: %.4f  perplexity: %.3f  (%ld batches, %ld targets, %.1f s)\n", step, loss, ppl,
+           batches, n, ct_now() - t0);
+    fflush(stdout);
+    if (mf) {
+        fprintf(mf, "{\"step\": %d, \"val_loss\": %.9g, \"val_perplexity\": %.9g, \"val_targets\": %ld}\n", step, loss,
+                ppl, n);
+        fflush(mf);
+    }
+    return 0;
 }
 
 int trainer_run(trainer *t, ct_err *e) {
     ct_config *c = &t->cfg;
     qwen3_model *m = &t->model;
     int B = c->local_batch_size, T = c->seq_len;
-    data_loader dl;
-    int rc = data_open(&dl, c->dataset_path, T, m->cfg.vocab_size, e);
-    if (rc) return rc;
+    ds *data = NULL, *val = NULL;
+    tok *tk = NULL;
+    FILE *mf = NULL;
+    int32_t *tokens = NULL, *labels = NULL;
+    int rc = open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle, &tk, e);
+    if (rc) goto out;
+    if (t->have_resume_data && (rc = ds_set_state(data, &t->resume_data, e))) goto out;
+    if (c->val_enable &&
+        (rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &tk, e)))
+        goto out;
     if ((rc = hf_mkdirs(c->dump_folder, e))) goto out;
 
     /* the resolved config, so a run can be reproduced from its folder */
     char path[4096];
-    join_path(path, sizeof path, c->dump_folder, "config.toml");
-    FILE *cf = fopen(path, "w");
-    if (cf) {
-        cfg_write_toml(c, cf);
-        fclose(cf);
+    if (!join_path(path, sizeof path, c->dump_folder, "config.toml")) {
+        FILE *cf = fopen(path, "w");
+        if (cf) {
+            cfg_write_toml(c, cf);
+            fclose(cf);
+        }
     }
-    FILE *mf = NULL;
     if (c->metrics_file[0]) {
         join_path(path, sizeof path, c->dump_folder, c->metrics_file);
-        mf = fopen(path, "w");
+        /* a resumed run continues the file of the run it resumes */
+        mf = fopen(path, t->step > 0 ? "a" : "w");
         if (!mf) {
             rc = ct_fail(e, CT_ERR_IO, "%s: cannot open metrics file (metrics.file)", path);
             goto out;
@@ -116,31 +333,32 @@ int trainer_run(trainer *t, ct_err *e) {
     }
 
     cpu_peak peak;
-    if (c->peak_tflops > 0) {
-        peak = (cpu_peak){c->peak_tflops * 1e12, cpu_threads(), "config", "-"};
-    } else {
-        cpu_peak_flops(&peak, cpu_threads());
-    }
+    if (c->peak_tflops > 0) peak = (cpu_peak){c->peak_tflops * 1e12, cpu_threads(), "config", "-"};
+    else cpu_peak_flops(&peak, cpu_threads());
     double fpt = qwen3_flops_per_token(m, T);
     fprintf(stderr,
             "ctitan: model %s: %zu parameters, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
-            "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, %d steps; activations %.1f MiB\n"
+            "ctitan: data %s: %llu tokens, %llu windows of %d%s\n"
+            "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, steps %d..%d; activations %.1f MiB\n"
             "ctitan: %.3g FLOPs/token (6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s fp32 on %d "
             "threads (%s, %s)\n",
             m->cfg.name, m->n_params, m->cfg.n_layers, m->cfg.hidden, m->cfg.n_heads, m->cfg.n_kv_heads,
-            m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", B, T, t->grad_accum,
-            c->steps, qwen3_activation_bytes(m) / 1048576.0, fpt, peak.flops / 1e9, peak.threads, peak.source,
-            peak.isa);
+            m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", ds_name(data),
+            (unsigned long long)ds_num_tokens(data), (unsigned long long)ds_num_windows(data), T + 1,
+            c->shuffle ? ", shuffled" : "", B, T, t->grad_accum, t->step + 1, c->steps,
+            qwen3_activation_bytes(m) / 1048576.0, fpt, peak.flops / 1e9, peak.threads, peak.source, peak.isa);
 
+    trainer_install_signals();
     size_t mb = (size_t)B * T;
-    int32_t *tokens = ct_malloc(mb * t->grad_accum * sizeof(int32_t));
-    int32_t *labels = ct_malloc(mb * t->grad_accum * sizeof(int32_t));
+    tokens = ct_malloc(mb * t->grad_accum * sizeof(int32_t));
+    labels = ct_malloc(mb * t->grad_accum * sizeof(int32_t));
     double t_start = ct_now(), t_log = t_start;
     long tokens_since_log = 0;
-    for (int step = t->step + 1; step <= c->steps; step++) {
+    while (t->step < c->steps) {
+        int step = t->step + 1;
         long n_valid = 0;
         for (int a = 0; a < t->grad_accum; a++) {
-            data_next(&dl, tokens + a * mb, labels + a * mb, B);
+            ds_next(data, tokens + a * mb, labels + a * mb, B);
             for (size_t i = 0; i < mb; i++) n_valid += labels[a * mb + i] != -100;
         }
         float scale = n_valid ? 1.0f / (float)n_valid : 0.0f;
@@ -172,13 +390,28 @@ int trainer_run(trainer *t, ct_err *e) {
         }
         if (!isfinite(loss)) {
             rc = ct_fail(e, CT_ERR_IO, "training diverged: loss is %g at step %d", loss, step);
-            break;
+            goto out;
+        }
+        if (val && (step % c->val_freq == 0 || step == c->steps)) validate(t, val, step, mf);
+
+        int last = step == c->steps;
+        int stop = stop_requested || (c->stop_at_step > 0 && step == c->stop_at_step && !last);
+        if (stop) {
+            /* preemption: always a full checkpoint, whatever checkpoint.enable says */
+            if ((rc = trainer_save(t, data, 0, e))) goto out;
+            fprintf(stderr, "ctitan: stopped after step %d (%s); resume with the same command\n", step,
+                    stop_requested ? "signal" : "training.stop_at_step");
+            rc = CT_STOPPED;
+            goto out;
+        }
+        if (c->ckpt_enable) {
+            /* as torchtitan: with last_save_in_hf the final save is the HF directory below */
+            int due = (last && !c->last_save_in_hf) || (!last && step % c->ckpt_interval == 0) ||
+                      (step == 1 && c->first_step_ckpt);
+            if (due && (rc = trainer_save(t, data, last && c->last_save_model_only, e))) goto out;
         }
     }
-    free(tokens);
-    free(labels);
-    if (mf) fclose(mf);
-    if (!rc && c->last_save_in_hf) {
+    if (c->last_save_in_hf) {
         char dir[4096], sub[64];
         snprintf(sub, sizeof sub, "step-%d", t->step);
         if (join_path(path, sizeof path, c->dump_folder, c->ckpt_folder) || join_path(dir, sizeof dir, path, sub)) {
@@ -188,10 +421,16 @@ int trainer_run(trainer *t, ct_err *e) {
         int dtype = hf_dtype_from_name(c->export_dtype);
         double t0 = ct_now();
         rc = hf_save(m, dir, dtype < 0 ? CT_F32 : (ct_dtype)dtype, 0, e);
-        if (!rc) fprintf(stderr, "ctitan: saved Hugging Face model (%s) to %s in %.2f s\n", c->export_dtype, dir,
-                         ct_now() - t0);
+        if (!rc)
+            fprintf(stderr, "ctitan: saved Hugging Face model (%s) to %s in %.2f s\n", c->export_dtype, dir,
+                    ct_now() - t0);
     }
 out:
-    data_close(&dl);
+    free(tokens);
+    free(labels);
+    if (mf) fclose(mf);
+    ds_close(val);
+    ds_close(data);
+    tok_free(tk);
     return rc;
 }

@@ -11,8 +11,10 @@
 
 #include "config/config.h"
 #include "core/err.h"
+#include "data/dataset.h"
 #include "model/qwen3.h"
 #include "optim/optim.h"
+#include "tokenizer/tokenizer.h"
 
 typedef struct {
     ct_config cfg;
@@ -22,6 +24,10 @@ typedef struct {
     lr_schedule sched;
     int grad_accum;   /* micro-batches per optimizer step */
     int step;         /* optimizer steps done */
+    int val_batch;    /* sequences per validation batch */
+    ds_state resume_data; /* loader position restored from a checkpoint */
+    int have_resume_data;
+    char ckpt_folder[4096]; /* {dump_folder}/{checkpoint.folder} */
 } trainer;
 
 /* Takes ownership of *cfg (the caller must not free it). Builds the model from
@@ -30,8 +36,15 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e);
 void trainer_free(trainer *t);
 /* Clip, AdamW at the scheduled lr, zero the gradients, step++. */
 void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr);
-/* The full loop of `ctitan train`. */
+/* The full loop of `ctitan train`. Returns CT_STOPPED after SIGTERM/SIGINT
+ * (or training.stop_at_step) once a checkpoint is written. */
 int trainer_run(trainer *t, ct_err *e);
+/* Saves a full (or model-only) training checkpoint of the current step. */
+int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e);
+/* Installs the SIGTERM/SIGINT handlers of trainer_run: the first signal asks
+ * the loop to stop after the current step with a checkpoint; a second one
+ * exits at once (checkpoint writes are atomic, so nothing is left half done). */
+void trainer_install_signals(void);
 /* Builds the model config for cfg (flavor table or HF config.json). */
 int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e);
 

@@ -48,7 +48,7 @@ static void test_defaults(void) {
     CHECK(strcmp(c.decay_type, "linear") == 0, "decay_type");
     CHECK(c.local_batch_size == 8 && c.global_batch_size == -1 && c.seq_len == 2048, "batch");
     CHECK(c.max_norm == 1.0 && c.steps == 10000 && c.seed == 0, "training");
-    CHECK(strcmp(c.dataset, "") == 0 && strcmp(c.dataset_path, "") == 0, "dataset");
+    CHECK(strcmp(c.dataset, "auto") == 0 && strcmp(c.dataset_path, "") == 0, "dataset");
     CHECK(c.deterministic == 0 && c.threads == 0, "deterministic/threads");
     CHECK(c.ckpt_enable == 0 && strcmp(c.ckpt_folder, "checkpoint") == 0, "ckpt");
     CHECK(c.ckpt_interval == 500 && strcmp(c.initial_load_path, "") == 0, "ckpt 2");
