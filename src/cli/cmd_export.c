@@ -16,7 +16,6 @@
  * Exit codes as everywhere in ctitan: a bad option or value names the option
  * and exits 2 before any work; a missing, damaged or unwritable file exits 1. */
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +24,7 @@
 
 #include "checkpoint/ckpt.h"
 #include "checkpoint/hf.h"
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "core/timer.h"
 #include "formats/toml.h"
@@ -37,17 +37,19 @@ typedef struct {
     unsigned long long max_shard;
 } exp_args;
 
-/* Every option once: --help prints this table, so it cannot drift from it. */
-static const struct {
-    const char *name, *arg, *def, *help;
-} exp_options[] = {
-    {"--checkpoint", "DIR", "(required)", "a checkpoint step-N directory, or a folder of them (newest valid one)"},
-    {"--out", "HF_DIR", "(required)", "Hugging Face model directory to write (created if missing)"},
-    {"--dtype", "T", "float32", "float32 | bfloat16 | float16 (rounded to nearest even)"},
-    {"--max-shard-size", "BYTES", "5GB", "shard above this size; a number with optional KB/MB/GB or KiB/MiB/GiB"},
-    {"--tokenizer", "DIR", "model.hf_assets_path of the checkpoint's config.toml",
-     "where to copy tokenizer files from"},
-    {"--help", "", "", "this text"},
+/* Every option once: the parser and --help both read this table. */
+enum { EXP_CHECKPOINT, EXP_OUT, EXP_DTYPE, EXP_MAX_SHARD, EXP_TOKENIZER, EXP_HELP };
+static const cli_opt exp_options[] = {
+    [EXP_CHECKPOINT] = {"--checkpoint", "DIR", "(required)",
+                        "a checkpoint step-N directory, or a folder of them (newest valid one)", CLI_VALUE},
+    [EXP_OUT] = {"--out", "HF_DIR", "(required)", "Hugging Face model directory to write (created if missing)",
+                 CLI_VALUE},
+    [EXP_DTYPE] = {"--dtype", "T", "float32", "float32 | bfloat16 | float16 (rounded to nearest even)", CLI_VALUE},
+    [EXP_MAX_SHARD] = {"--max-shard-size", "BYTES", "5GB",
+                       "shard above this size; a number with optional KB/MB/GB or KiB/MiB/GiB", CLI_VALUE},
+    [EXP_TOKENIZER] = {"--tokenizer", "DIR", "model.hf_assets_path of the checkpoint's config.toml",
+                       "where to copy tokenizer files from", CLI_VALUE},
+    [EXP_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
 /* The files transformers' tokenizer and generation loaders look for. */
@@ -59,26 +61,8 @@ static const char *const exp_tok_files[] = {"tokenizer.json",          "tokenize
 void cli_export_help(void) {
     printf("usage: ctitan export --checkpoint DIR --out HF_DIR [options]\n\n"
            "Writes a training checkpoint as a Hugging Face model directory (config.json, safetensors,\n"
-           "tokenizer files). The checkpoint is verified first; a damaged one is refused by name.\n"
-           "Options (--name VALUE or --name=VALUE):\n\n");
-    for (size_t i = 0; i < sizeof exp_options / sizeof exp_options[0]; i++) {
-        char left[64];
-        snprintf(left, sizeof left, "%s %s", exp_options[i].name, exp_options[i].arg);
-        printf("  %-26s %s", left, exp_options[i].help);
-        if (exp_options[i].def[0]) printf(" [default: %s]", exp_options[i].def);
-        printf("\n");
-    }
-}
-
-static int exp_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int exp_fail(int code, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "ctitan: error: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-    return code;
+           "tokenizer files). The checkpoint is verified first; a damaged one is refused by name.\n");
+    cli_print_options(stdout, exp_options, CLI_NOPTS(exp_options));
 }
 
 /* "123", "20KB", "1.5GB", "64MiB" -> bytes; -1 if malformed. */
@@ -108,41 +92,28 @@ static int exp_parse_args(exp_args *a, int argc, char **argv) {
     a->dtype = "float32";
     a->max_shard = EXP_DEFAULT_SHARD;
     for (int i = 0; i < argc; i++) {
-        const char *arg = argv[i];
-        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
-            cli_export_help();
-            return -1;
-        }
-        if (strncmp(arg, "--", 2) != 0) return exp_fail(2, "export: unexpected argument \"%s\"", arg);
-        char name[64];
-        const char *val = NULL, *eq = strchr(arg, '=');
-        size_t nl = eq ? (size_t)(eq - arg) : strlen(arg);
-        if (nl >= sizeof name) return exp_fail(2, "export: unknown option \"%s\" (see --help)", arg);
-        memcpy(name, arg, nl);
-        name[nl] = 0;
-        if (eq) val = eq + 1;
-        int known = 0;
-        for (size_t k = 0; k < sizeof exp_options / sizeof exp_options[0]; k++) known |= !strcmp(name, exp_options[k].name);
-        if (!known) return exp_fail(2, "export: unknown option \"%s\" (see --help)", name);
-        if (!val) {
-            if (i + 1 >= argc) return exp_fail(2, "%s: missing value", name);
-            val = argv[++i];
-        }
-        if (!*val) return exp_fail(2, "%s: empty value", name);
-        if (!strcmp(name, "--checkpoint")) a->checkpoint = val;
-        else if (!strcmp(name, "--out")) a->out = val;
-        else if (!strcmp(name, "--tokenizer")) a->tokenizer = val;
-        else if (!strcmp(name, "--dtype")) {
+        int k;
+        const char *val;
+        int rc = cli_next_option("export", exp_options, CLI_NOPTS(exp_options), argc, argv, &i, &k, &val);
+        if (rc == CLI_HELP) cli_export_help();
+        if (rc) return rc;
+        switch (k) {
+        case EXP_CHECKPOINT: a->checkpoint = val; break;
+        case EXP_OUT: a->out = val; break;
+        case EXP_TOKENIZER: a->tokenizer = val; break;
+        case EXP_DTYPE:
             if (hf_dtype_from_name(val) < 0)
-                return exp_fail(2, "--dtype: \"%s\" is not one of float32, bfloat16, float16", val);
+                return cli_fail(2, "--dtype: \"%s\" is not one of float32, bfloat16, float16", val);
             a->dtype = val;
-        } else if (!strcmp(name, "--max-shard-size")) {
+            break;
+        case EXP_MAX_SHARD:
             if (exp_parse_size(val, &a->max_shard))
-                return exp_fail(2, "--max-shard-size: \"%s\" is not a positive size (e.g. 5GB, 500MB, 1000000)", val);
+                return cli_fail(2, "--max-shard-size: \"%s\" is not a positive size (e.g. 5GB, 500MB, 1000000)", val);
+            break;
         }
     }
-    if (!a->checkpoint) return exp_fail(2, "export: --checkpoint DIR is required");
-    if (!a->out) return exp_fail(2, "export: --out HF_DIR is required");
+    if (!a->checkpoint) return cli_fail(2, "export: --checkpoint DIR is required");
+    if (!a->out) return cli_fail(2, "export: --out HF_DIR is required");
     return 0;
 }
 
@@ -232,8 +203,8 @@ int cli_export(int argc, char **argv) {
     exp_args a;
     int rc = exp_parse_args(&a, argc, argv);
     if (rc) return rc < 0 ? 0 : rc;
-    if (!exp_is_dir(a.checkpoint)) return exp_fail(1, "--checkpoint %s: no such directory", a.checkpoint);
-    if (a.tokenizer && !exp_is_dir(a.tokenizer)) return exp_fail(1, "--tokenizer %s: no such directory", a.tokenizer);
+    if (!exp_is_dir(a.checkpoint)) return cli_fail(1, "--checkpoint %s: no such directory", a.checkpoint);
+    if (a.tokenizer && !exp_is_dir(a.tokenizer)) return cli_fail(1, "--tokenizer %s: no such directory", a.tokenizer);
     double t0 = ct_now();
     ct_err e = {0};
 
@@ -242,27 +213,27 @@ int cli_export(int argc, char **argv) {
     snprintf(mpath, sizeof mpath, "%s/manifest.json", a.checkpoint);
     if (access(mpath, F_OK) == 0 || ckpt_list(a.checkpoint, NULL, 0) <= 0) {
         if (snprintf(ckdir, sizeof ckdir, "%s", a.checkpoint) >= (int)sizeof ckdir)
-            return exp_fail(1, "--checkpoint: path too long");
+            return cli_fail(1, "--checkpoint: path too long");
         if (access(mpath, F_OK) != 0)
-            return exp_fail(1, "--checkpoint %s: not a checkpoint (no manifest.json) and holds no step-N checkpoints",
+            return cli_fail(1, "--checkpoint %s: not a checkpoint (no manifest.json) and holds no step-N checkpoints",
                             a.checkpoint);
     } else {
         int step;
         rc = ckpt_select(a.checkpoint, -1, ckdir, sizeof ckdir, &step, &e);
-        if (rc) return exp_fail(1, "%s", e.msg);
+        if (rc) return cli_fail(1, "%s", e.msg);
     }
-    if (exp_same_file(ckdir, a.out)) return exp_fail(2, "--out %s: is the checkpoint directory itself", a.out);
+    if (exp_same_file(ckdir, a.out)) return cli_fail(2, "--out %s: is the checkpoint directory itself", a.out);
 
     qwen3_config c;
     qwen3_model m = {0};
     if ((rc = qwen3_config_from_hf(&c, ckdir, &e)) || (rc = qwen3_create(&m, &c, 1, 1, &e)))
-        return exp_fail(1, "%s", e.msg);
+        return cli_fail(1, "%s", e.msg);
     ckpt_info info = {0};
     rc = ckpt_load(ckdir, &m, NULL, NULL, NULL, &info, &e); /* verifies sizes and checksums first */
     if (!rc) rc = hf_save(&m, a.out, (ct_dtype)hf_dtype_from_name(a.dtype), (size_t)a.max_shard, &e);
     size_t n_params = qwen3_num_params(&m);
     qwen3_free(&m);
-    if (rc) return exp_fail(1, "%s", e.msg);
+    if (rc) return cli_fail(1, "%s", e.msg);
     printf("ctitan export: %s (step %d, %zu parameters) -> %s as %s\n", ckdir, info.step, n_params, a.out, a.dtype);
 
     char *assets = a.tokenizer ? ct_strdup(a.tokenizer) : exp_assets_path(ckdir);
@@ -277,11 +248,11 @@ int cli_export(int argc, char **argv) {
         copied = exp_copy_tokenizer(assets, a.out, &e);
         if (copied < 0) {
             free(assets);
-            return exp_fail(1, "%s", e.msg);
+            return cli_fail(1, "%s", e.msg);
         }
         if (copied == 0 && a.tokenizer) {
             free(assets);
-            return exp_fail(1, "--tokenizer %s: holds none of tokenizer.json, vocab.json, merges.txt, ...", a.tokenizer);
+            return cli_fail(1, "--tokenizer %s: holds none of tokenizer.json, vocab.json, merges.txt, ...", a.tokenizer);
         }
         if (copied == 0)
             fprintf(stderr, "ctitan: warning: no tokenizer files found in %s (give --tokenizer DIR)\n", assets);

@@ -17,7 +17,6 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +24,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "core/timer.h"
 #include "model/generate.h"
@@ -44,58 +44,46 @@ typedef struct {
     int chat, ids;
 } gen_cli_args;
 
-/* Every option once: --help prints this table, so it cannot drift from it. */
-static const struct {
-    const char *name, *arg, *def, *help;
-} gen_cli_options[] = {
-    {"--checkpoint", "DIR", "(required)", "Hugging Face model directory: config.json + *.safetensors"},
-    {"--prompt", "TEXT", "(none)", "prompt text, encoded with the tokenizer (one of --prompt, --prompt-ids)"},
-    {"--prompt-ids", "\"ID ID ...\"", "(none)", "prompt as token ids separated by spaces or commas; no tokenizer needed"},
-    {"--max-tokens", "N", "64", "new tokens at most (>= 1)"},
-    {"--temperature", "T", "0", "0: greedy; > 0: sample from softmax(logits / T)"},
-    {"--top-k", "K", "0", "sample among the K most likely tokens only (0: off)"},
-    {"--top-p", "P", "1.0", "nucleus sampling: smallest set with probability >= P, in (0, 1] (1: off)"},
-    {"--seed", "S", "0", "random seed of the sampler (same seed, same text)"},
-    {"--chat", "", "off", "wrap the prompt in the ChatML user turn and open the assistant turn"},
-    {"--tokenizer", "DIR", "--checkpoint", "directory with tokenizer.json (or vocab.json + merges.txt)"},
-    {"--ids", "", "off", "print the generated token ids (one line) instead of text"},
-    {"--help", "", "", "this text"},
+/* Every option once: the parser and --help both read this table. */
+enum {
+    GEN_CHECKPOINT, GEN_PROMPT, GEN_PROMPT_IDS, GEN_MAX_TOKENS, GEN_TEMPERATURE, GEN_TOP_K,
+    GEN_TOP_P, GEN_SEED, GEN_CHAT, GEN_TOKENIZER, GEN_IDS, GEN_HELP
+};
+static const cli_opt gen_cli_options[] = {
+    [GEN_CHECKPOINT] = {"--checkpoint", "DIR", "(required)",
+                        "Hugging Face model directory: config.json + *.safetensors", CLI_VALUE},
+    /* may be empty: with --chat, "" is a real (empty) user turn */
+    [GEN_PROMPT] = {"--prompt", "TEXT", "(none)",
+                    "prompt text, encoded with the tokenizer (one of --prompt, --prompt-ids)", CLI_TEXT},
+    [GEN_PROMPT_IDS] = {"--prompt-ids", "\"ID ID ...\"", "(none)",
+                        "prompt as token ids separated by spaces or commas; no tokenizer needed", CLI_VALUE},
+    [GEN_MAX_TOKENS] = {"--max-tokens", "N", "64", "new tokens at most (>= 1)", CLI_VALUE},
+    [GEN_TEMPERATURE] = {"--temperature", "T", "0", "0: greedy; > 0: sample from softmax(logits / T)", CLI_VALUE},
+    [GEN_TOP_K] = {"--top-k", "K", "0", "sample among the K most likely tokens only (0: off)", CLI_VALUE},
+    [GEN_TOP_P] = {"--top-p", "P", "1.0",
+                   "nucleus sampling: smallest set with probability >= P, in (0, 1] (1: off)", CLI_VALUE},
+    [GEN_SEED] = {"--seed", "S", "0", "random seed of the sampler (same seed, same text)", CLI_VALUE},
+    [GEN_CHAT] = {"--chat", "", "off", "wrap the prompt in the ChatML user turn and open the assistant turn",
+                  CLI_FLAG},
+    [GEN_TOKENIZER] = {"--tokenizer", "DIR", "--checkpoint",
+                       "directory with tokenizer.json (or vocab.json + merges.txt)", CLI_VALUE},
+    [GEN_IDS] = {"--ids", "", "off", "print the generated token ids (one line) instead of text", CLI_FLAG},
+    [GEN_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
 void cli_generate_help(void) {
     printf("usage: ctitan generate --checkpoint DIR (--prompt TEXT | --prompt-ids IDS) [options]\n\n"
            "Continues a prompt with a Qwen3 model, using a KV cache. Stops at --max-tokens or at an end\n"
-           "token (the tokenizer's EOS, <|im_end|>, eos_token_id of generation_config.json).\n"
-           "Options (--name VALUE or --name=VALUE):\n\n");
-    for (size_t i = 0; i < sizeof gen_cli_options / sizeof gen_cli_options[0]; i++) {
-        char left[64];
-        snprintf(left, sizeof left, "%s %s", gen_cli_options[i].name, gen_cli_options[i].arg);
-        printf("  %-28s %s", left, gen_cli_options[i].help);
-        if (gen_cli_options[i].def[0]) printf(" [default: %s]", gen_cli_options[i].def);
-        printf("\n");
-    }
-}
-
-/* Prints "ctitan: error: ..." and returns the exit code. */
-static int gen_cli_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int gen_cli_fail(int code, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "ctitan: error: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-    return code;
+           "token (the tokenizer's EOS, <|im_end|>, eos_token_id of generation_config.json).\n");
+    cli_print_options(stdout, gen_cli_options, CLI_NOPTS(gen_cli_options));
 }
 
 static int gen_parse_int(const char *opt, const char *s, long lo, long hi, int *out) {
     char *end;
     errno = 0;
     long v = strtol(s, &end, 10);
-    if (!*s || *end || errno || v < lo || v > hi) {
-        fprintf(stderr, "ctitan: error: %s: \"%s\" is not an integer in [%ld, %ld]\n", opt, s, lo, hi);
-        return 2;
-    }
+    if (!*s || *end || errno || v < lo || v > hi)
+        return cli_fail(2, "%s: \"%s\" is not an integer in [%ld, %ld]", opt, s, lo, hi);
     *out = (int)v;
     return 0;
 }
@@ -104,10 +92,7 @@ static int gen_parse_double(const char *opt, const char *s, double *out) {
     char *end;
     errno = 0;
     double v = strtod(s, &end);
-    if (!*s || *end || errno || !isfinite(v)) {
-        fprintf(stderr, "ctitan: error: %s: \"%s\" is not a number\n", opt, s);
-        return 2;
-    }
+    if (!*s || *end || errno || !isfinite(v)) return cli_fail(2, "%s: \"%s\" is not a number", opt, s);
     *out = v;
     return 0;
 }
@@ -118,58 +103,43 @@ static int gen_parse_args(gen_cli_args *a, int argc, char **argv) {
     a->max_tokens = 64;
     a->top_p = 1.0;
     for (int i = 0; i < argc; i++) {
-        const char *arg = argv[i];
-        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
-            cli_generate_help();
-            return -1;
-        }
-        if (strncmp(arg, "--", 2) != 0) return gen_cli_fail(2, "generate: unexpected argument \"%s\"", arg);
-        char name[64];
-        const char *val = NULL, *eq = strchr(arg, '=');
-        size_t nl = eq ? (size_t)(eq - arg) : strlen(arg);
-        if (nl >= sizeof name) return gen_cli_fail(2, "generate: unknown option \"%s\" (see --help)", arg);
-        memcpy(name, arg, nl);
-        name[nl] = 0;
-        if (eq) val = eq + 1;
-        if (!strcmp(name, "--chat") || !strcmp(name, "--ids")) {
-            if (val) return gen_cli_fail(2, "%s: takes no value (got \"%s\")", name, val);
-            *(!strcmp(name, "--chat") ? &a->chat : &a->ids) = 1;
-            continue;
-        }
-        int known = 0;
-        for (size_t k = 0; k < sizeof gen_cli_options / sizeof gen_cli_options[0]; k++)
-            known |= !strcmp(name, gen_cli_options[k].name);
-        if (!known) return gen_cli_fail(2, "generate: unknown option \"%s\" (see --help)", name);
-        if (!val) {
-            if (i + 1 >= argc) return gen_cli_fail(2, "%s: missing value", name);
-            val = argv[++i];
-        }
-        int rc = 0;
-        if (!strcmp(name, "--checkpoint")) a->checkpoint = val;
-        else if (!strcmp(name, "--tokenizer")) a->tokenizer = val;
-        else if (!strcmp(name, "--prompt")) a->prompt = val;
-        else if (!strcmp(name, "--prompt-ids")) a->prompt_ids = val;
-        else if (!strcmp(name, "--max-tokens")) rc = gen_parse_int(name, val, 1, 1 << 24, &a->max_tokens);
-        else if (!strcmp(name, "--top-k")) rc = gen_parse_int(name, val, 0, 1 << 30, &a->top_k);
-        else if (!strcmp(name, "--temperature")) {
+        int k;
+        const char *val;
+        int rc = cli_next_option("generate", gen_cli_options, CLI_NOPTS(gen_cli_options), argc, argv, &i, &k, &val);
+        if (rc == CLI_HELP) cli_generate_help();
+        if (rc) return rc;
+        const char *name = gen_cli_options[k].name;
+        switch (k) {
+        case GEN_CHECKPOINT: a->checkpoint = val; break;
+        case GEN_TOKENIZER: a->tokenizer = val; break;
+        case GEN_PROMPT: a->prompt = val; break;
+        case GEN_PROMPT_IDS: a->prompt_ids = val; break;
+        case GEN_CHAT: a->chat = 1; break;
+        case GEN_IDS: a->ids = 1; break;
+        case GEN_MAX_TOKENS: rc = gen_parse_int(name, val, 1, 1 << 24, &a->max_tokens); break;
+        case GEN_TOP_K: rc = gen_parse_int(name, val, 0, 1 << 30, &a->top_k); break;
+        case GEN_TEMPERATURE:
             rc = gen_parse_double(name, val, &a->temperature);
-            if (!rc && a->temperature < 0) rc = gen_cli_fail(2, "%s: \"%s\" must be >= 0", name, val);
-        } else if (!strcmp(name, "--top-p")) {
+            if (!rc && a->temperature < 0) rc = cli_fail(2, "%s: \"%s\" must be >= 0", name, val);
+            break;
+        case GEN_TOP_P:
             rc = gen_parse_double(name, val, &a->top_p);
-            if (!rc && !(a->top_p > 0 && a->top_p <= 1)) rc = gen_cli_fail(2, "%s: \"%s\" must be in (0, 1]", name, val);
-        } else if (!strcmp(name, "--seed")) {
+            if (!rc && !(a->top_p > 0 && a->top_p <= 1)) rc = cli_fail(2, "%s: \"%s\" must be in (0, 1]", name, val);
+            break;
+        case GEN_SEED: {
             char *end;
             errno = 0;
             a->seed = strtoull(val, &end, 10);
-            if (!*val || *end || errno || val[0] == '-')
-                rc = gen_cli_fail(2, "%s: \"%s\" is not a non-negative integer", name, val);
+            if (*end || errno || val[0] == '-') rc = cli_fail(2, "%s: \"%s\" is not a non-negative integer", name, val);
+            break;
+        }
         }
         if (rc) return rc;
     }
-    if (!a->checkpoint) return gen_cli_fail(2, "generate: --checkpoint DIR is required");
+    if (!a->checkpoint) return cli_fail(2, "generate: --checkpoint DIR is required");
     if (!a->prompt == !a->prompt_ids)
-        return gen_cli_fail(2, "generate: give exactly one of --prompt TEXT and --prompt-ids IDS");
-    if (a->chat && !a->prompt) return gen_cli_fail(2, "--chat: needs --prompt TEXT (not --prompt-ids)");
+        return cli_fail(2, "generate: give exactly one of --prompt TEXT and --prompt-ids IDS");
+    if (a->chat && !a->prompt) return cli_fail(2, "--chat: needs --prompt TEXT (not --prompt-ids)");
     return 0;
 }
 
@@ -193,14 +163,12 @@ static int gen_parse_ids(const char *s, tok_ids *out) {
         char *end;
         errno = 0;
         long v = strtol(p, &end, 10);
-        if (end == p || errno || v < 0 || v > INT32_MAX || (*end && !strchr(" ,\t\n", *end))) {
-            fprintf(stderr, "ctitan: error: --prompt-ids: \"%s\" is not a list of token ids\n", s);
-            return 2;
-        }
+        if (end == p || errno || v < 0 || v > INT32_MAX || (*end && !strchr(" ,\t\n", *end)))
+            return cli_fail(2, "--prompt-ids: \"%s\" is not a list of token ids", s);
         tok_ids_push(out, (int32_t)v);
         p = end;
     }
-    if (out->n == 0) return gen_cli_fail(2, "--prompt-ids: no token ids in \"%s\"", s);
+    if (out->n == 0) return cli_fail(2, "--prompt-ids: no token ids in \"%s\"", s);
     return 0;
 }
 
@@ -270,9 +238,9 @@ int cli_generate(int argc, char **argv) {
     gen_cli_args a;
     int rc = gen_parse_args(&a, argc, argv);
     if (rc) return rc < 0 ? 0 : rc;
-    if (!gen_is_dir(a.checkpoint)) return gen_cli_fail(2, "--checkpoint: \"%s\" is not a directory", a.checkpoint);
+    if (!gen_is_dir(a.checkpoint)) return cli_fail(2, "--checkpoint: \"%s\" is not a directory", a.checkpoint);
     if (a.tokenizer && !gen_is_dir(a.tokenizer))
-        return gen_cli_fail(2, "--tokenizer: \"%s\" is not a directory", a.tokenizer);
+        return cli_fail(2, "--tokenizer: \"%s\" is not a directory", a.tokenizer);
     tok_ids prompt = {0}, stops = {0};
     if (a.prompt_ids && (rc = gen_parse_ids(a.prompt_ids, &prompt))) {
         tok_ids_free(&prompt);
@@ -280,7 +248,7 @@ int cli_generate(int argc, char **argv) {
     }
     if (!gen_file_exists(a.checkpoint, "config.json")) {
         tok_ids_free(&prompt);
-        return gen_cli_fail(1, "%s/config.json: not found (--checkpoint must be a Hugging Face model directory)",
+        return cli_fail(1, "%s/config.json: not found (--checkpoint must be a Hugging Face model directory)",
                             a.checkpoint);
     }
 

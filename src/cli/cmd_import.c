@@ -16,7 +16,6 @@
  * work; a missing, malformed or unwritable file exits 1. */
 #include <errno.h>
 #include <limits.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +24,7 @@
 
 #include "checkpoint/ckpt.h"
 #include "checkpoint/hf.h"
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "model/qwen3.h"
 
@@ -33,77 +33,47 @@ typedef struct {
     int step;
 } imp_args;
 
-static const struct {
-    const char *name, *arg, *def, *help;
-} imp_options[] = {
-    {"--hf", "HF_DIR", "(required)", "Hugging Face Qwen3 model directory: config.json + *.safetensors"},
-    {"--out", "FOLDER", "(required)", "checkpoint folder; the checkpoint is FOLDER/step-N"},
-    {"--step", "N", "0", "step number of the checkpoint (>= 0)"},
-    {"--help", "", "", "this text"},
+/* Every option once: the parser and --help both read this table. */
+enum { IMP_HF, IMP_OUT, IMP_STEP, IMP_HELP };
+static const cli_opt imp_options[] = {
+    [IMP_HF] = {"--hf", "HF_DIR", "(required)", "Hugging Face Qwen3 model directory: config.json + *.safetensors",
+                CLI_VALUE},
+    [IMP_OUT] = {"--out", "FOLDER", "(required)", "checkpoint folder; the checkpoint is FOLDER/step-N", CLI_VALUE},
+    [IMP_STEP] = {"--step", "N", "0", "step number of the checkpoint (>= 0)", CLI_VALUE},
+    [IMP_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
 void cli_import_help(void) {
     printf("usage: ctitan import --hf HF_DIR --out FOLDER [--step N]\n\n"
            "Writes a Hugging Face model directory as the model-only checkpoint FOLDER/step-N, which a\n"
-           "run can start from (checkpoint.folder) and `ctitan export` turns back into HF files.\n"
-           "Options (--name VALUE or --name=VALUE):\n\n");
-    for (size_t i = 0; i < sizeof imp_options / sizeof imp_options[0]; i++) {
-        char left[64];
-        snprintf(left, sizeof left, "%s %s", imp_options[i].name, imp_options[i].arg);
-        printf("  %-20s %s", left, imp_options[i].help);
-        if (imp_options[i].def[0]) printf(" [default: %s]", imp_options[i].def);
-        printf("\n");
-    }
-}
-
-static int imp_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int imp_fail(int code, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "ctitan: error: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-    return code;
+           "run can start from (checkpoint.folder) and `ctitan export` turns back into HF files.\n");
+    cli_print_options(stdout, imp_options, CLI_NOPTS(imp_options));
 }
 
 static int imp_parse_args(imp_args *a, int argc, char **argv) {
     memset(a, 0, sizeof *a);
     for (int i = 0; i < argc; i++) {
-        const char *arg = argv[i];
-        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
-            cli_import_help();
-            return -1;
-        }
-        if (strncmp(arg, "--", 2) != 0) return imp_fail(2, "import: unexpected argument \"%s\"", arg);
-        char name[64];
-        const char *val = NULL, *eq = strchr(arg, '=');
-        size_t nl = eq ? (size_t)(eq - arg) : strlen(arg);
-        if (nl >= sizeof name) return imp_fail(2, "import: unknown option \"%s\" (see --help)", arg);
-        memcpy(name, arg, nl);
-        name[nl] = 0;
-        if (eq) val = eq + 1;
-        int known = 0;
-        for (size_t k = 0; k < sizeof imp_options / sizeof imp_options[0]; k++) known |= !strcmp(name, imp_options[k].name);
-        if (!known) return imp_fail(2, "import: unknown option \"%s\" (see --help)", name);
-        if (!val) {
-            if (i + 1 >= argc) return imp_fail(2, "%s: missing value", name);
-            val = argv[++i];
-        }
-        if (!*val) return imp_fail(2, "%s: empty value", name);
-        if (!strcmp(name, "--hf")) a->hf = val;
-        else if (!strcmp(name, "--out")) a->out = val;
-        else if (!strcmp(name, "--step")) {
+        int k;
+        const char *val;
+        int rc = cli_next_option("import", imp_options, CLI_NOPTS(imp_options), argc, argv, &i, &k, &val);
+        if (rc == CLI_HELP) cli_import_help();
+        if (rc) return rc;
+        switch (k) {
+        case IMP_HF: a->hf = val; break;
+        case IMP_OUT: a->out = val; break;
+        case IMP_STEP: {
             char *end;
             errno = 0;
             long v = strtol(val, &end, 10);
             if (*end || errno || v < 0 || v > INT_MAX)
-                return imp_fail(2, "--step: \"%s\" is not a non-negative integer", val);
+                return cli_fail(2, "--step: \"%s\" is not a non-negative integer", val);
             a->step = (int)v;
+            break;
+        }
         }
     }
-    if (!a->hf) return imp_fail(2, "import: --hf HF_DIR is required");
-    if (!a->out) return imp_fail(2, "import: --out FOLDER is required");
+    if (!a->hf) return cli_fail(2, "import: --hf HF_DIR is required");
+    if (!a->out) return cli_fail(2, "import: --out FOLDER is required");
     return 0;
 }
 
@@ -128,11 +98,11 @@ int cli_import(int argc, char **argv) {
     int rc = imp_parse_args(&a, argc, argv);
     if (rc) return rc < 0 ? 0 : rc;
     struct stat st;
-    if (stat(a.hf, &st) != 0 || !S_ISDIR(st.st_mode)) return imp_fail(1, "--hf %s: no such directory", a.hf);
+    if (stat(a.hf, &st) != 0 || !S_ISDIR(st.st_mode)) return cli_fail(1, "--hf %s: no such directory", a.hf);
     char final[4200];
     snprintf(final, sizeof final, "%s/step-%d", a.out, a.step);
     if (stat(final, &st) == 0)
-        return imp_fail(1, "%s: already exists; not overwriting it (remove it or choose --step)", final);
+        return cli_fail(1, "%s: already exists; not overwriting it (remove it or choose --step)", final);
 
     ct_err e = {0};
     qwen3_config c;
@@ -140,13 +110,13 @@ int cli_import(int argc, char **argv) {
     char cfg_path[4200];
     snprintf(cfg_path, sizeof cfg_path, "%s/config.json", a.hf);
     if (access(cfg_path, R_OK) != 0)
-        return imp_fail(1, "--hf %s: no readable config.json (not a Hugging Face model directory)", a.hf);
+        return cli_fail(1, "--hf %s: no readable config.json (not a Hugging Face model directory)", a.hf);
     /* the file is the problem, not the command line: exit 1 whatever the code */
-    if ((rc = qwen3_config_from_hf(&c, a.hf, &e))) return imp_fail(1, "%s", e.msg);
-    if ((rc = qwen3_create(&m, &c, 1, 1, &e))) return imp_fail(1, "%s", e.msg);
+    if ((rc = qwen3_config_from_hf(&c, a.hf, &e))) return cli_fail(1, "%s", e.msg);
+    if ((rc = qwen3_create(&m, &c, 1, 1, &e))) return cli_fail(1, "%s", e.msg);
     if ((rc = hf_load(&m, a.hf, &e))) {
         qwen3_free(&m);
-        return imp_fail(1, "%s", e.msg);
+        return cli_fail(1, "%s", e.msg);
     }
     char abs[PATH_MAX], esc[3 * PATH_MAX], toml[4 * PATH_MAX];
     if (!realpath(a.hf, abs)) snprintf(abs, sizeof abs, "%s", a.hf);
@@ -159,7 +129,7 @@ int cli_import(int argc, char **argv) {
     rc = ckpt_save(a.out, a.step, &m, NULL, NULL, NULL, toml, &info, &e);
     size_t n_params = qwen3_num_params(&m);
     qwen3_free(&m);
-    if (rc) return imp_fail(1, "%s", e.msg);
+    if (rc) return cli_fail(1, "%s", e.msg);
     printf("ctitan import: %s (%zu parameters) -> %s (model only, %.1f MB, %.2f s)\n", a.hf, n_params, info.dir,
            (double)info.bytes / 1e6, info.seconds);
     return 0;
