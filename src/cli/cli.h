@@ -5,6 +5,8 @@
 
 int cli_train(int argc, char **argv);
 void cli_train_help(void);
+int cli_tokenize(int argc, char **argv);
+void cli_tokenize_help(void);
 int cli_prepare(int argc, char **argv);
 void cli_prepare_help(void);
 int cli_generate(int argc, char **argv);

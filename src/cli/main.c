@@ -25,6 +25,7 @@ static void usage(FILE *out) {
             "usage: ctitan <command> [options]\n\n"
             "commands:\n"
             "  train     train or fine-tune a model (ctitan train --help lists every option)\n"
+            "  tokenize  encode text to token ids, or decode ids to text\n"
             "  prepare   tokenize a corpus into shards with every core\n"
             "  generate  sample text from a model directory (KV cache)\n"
             "  export    write a training checkpoint as a Hugging Face model directory\n"
@@ -43,6 +44,7 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "train")) return cli_train(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "tokenize")) return cli_tokenize(argc - 2, argv + 2);
     if (!strcmp(argv[1], "prepare")) return cli_prepare(argc - 2, argv + 2);
     if (!strcmp(argv[1], "generate")) return cli_generate(argc - 2, argv + 2);
     if (!strcmp(argv[1], "export")) return cli_export(argc - 2, argv + 2);

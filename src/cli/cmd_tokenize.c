@@ -1,0 +1,125 @@
+/* cli/cmd_tokenize.c: `ctitan tokenize`: encode text to ids or decode ids to
+ * text from the command line, with a Hugging Face tokenizer directory.
+ *
+ * For checking what the model sees: `--text "Hello world"` prints the ids
+ * ("9707 1879" with Qwen3's tokenizer), `--decode --ids "9707 1879"` prints
+ * the text back. `--file F` encodes a whole file (bytes as they are: invalid
+ * UTF-8 is repaired as HF does). `--tokens` prints each id with its
+ * vocabulary string, one per line. Exit 2 for bad usage, 1 for file errors. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/args.h"
+#include "cli/cli.h"
+#include "tokenizer/tokenizer.h"
+
+enum { TK_TOKENIZER, TK_TEXT, TK_FILE, TK_IDS, TK_DECODE, TK_TOKENS, TK_SPECIAL, TK_HELP };
+static const cli_opt tk_options[] = {
+    [TK_TOKENIZER] = {"--tokenizer", "DIR", "(required)", "directory with tokenizer.json (or vocab.json + merges.txt)",
+                      CLI_VALUE},
+    [TK_TEXT] = {"--text", "TEXT", "", "text to encode", CLI_TEXT},
+    [TK_FILE] = {"--file", "PATH", "", "encode the bytes of a file", CLI_VALUE},
+    [TK_IDS] = {"--ids", "\"ID ID ...\"", "", "ids to decode (spaces or commas between them)", CLI_TEXT},
+    [TK_DECODE] = {"--decode", "", "off", "decode --ids instead of encoding", CLI_FLAG},
+    [TK_TOKENS] = {"--tokens", "", "off", "print each id with its vocabulary string, one per line", CLI_FLAG},
+    [TK_SPECIAL] = {"--skip-special", "", "off", "decode: leave special tokens out", CLI_FLAG},
+    [TK_HELP] = {"--help", "", "", "this text", CLI_FLAG},
+};
+
+void cli_tokenize_help(void) {
+    printf("usage: ctitan tokenize --tokenizer DIR (--text TEXT | --file PATH) [--tokens]\n"
+           "       ctitan tokenize --tokenizer DIR --decode --ids \"ID ID ...\" [--skip-special]\n\n"
+           "Encodes text with a Hugging Face tokenizer (ids on one line) or decodes ids back to text.\n");
+    cli_print_options(stdout, tk_options, CLI_NOPTS(tk_options));
+}
+
+static char *read_all(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    size_t got;
+    while (buf && (got = fread(buf + n, 1, cap - n, f)) > 0) {
+        n += got;
+        if (n == cap) buf = realloc(buf, cap *= 2);
+    }
+    fclose(f);
+    *len = n;
+    return buf;
+}
+
+int cli_tokenize(int argc, char **argv) {
+    const char *dir = NULL, *text = NULL, *file = NULL, *ids = NULL;
+    int decode = 0, tokens = 0, skip_special = 0;
+    for (int i = 0; i < argc; i++) {
+        int k;
+        const char *v;
+        int rc = cli_next_option("tokenize", tk_options, CLI_NOPTS(tk_options), argc, argv, &i, &k, &v);
+        if (rc == CLI_HELP) {
+            cli_tokenize_help();
+            return 0;
+        }
+        if (rc) return rc;
+        switch (k) {
+        case TK_TOKENIZER: dir = v; break;
+        case TK_TEXT: text = v; break;
+        case TK_FILE: file = v; break;
+        case TK_IDS: ids = v; break;
+        case TK_DECODE: decode = 1; break;
+        case TK_TOKENS: tokens = 1; break;
+        case TK_SPECIAL: skip_special = 1; break;
+        default: break;
+        }
+    }
+    if (!dir) return cli_fail(2, "tokenize: --tokenizer DIR is required");
+    if (decode ? !ids || text || file : (!text == !file) || ids)
+        return cli_fail(2, decode ? "tokenize: --decode takes --ids (and no --text/--file)"
+                                  : "tokenize: give exactly one of --text or --file (or --decode --ids)");
+    ct_err e = {0};
+    tok *t = NULL;
+    if (tok_load(dir, &t, &e)) return cli_fail(1, "%s", e.msg);
+    int rc = 0;
+    if (decode) {
+        tok_ids v = {0};
+        for (const char *p = ids; *p;) {
+            while (*p == ' ' || *p == ',' || *p == '\t' || *p == '\n') p++;
+            if (!*p) break;
+            char *end;
+            long id = strtol(p, &end, 10);
+            if (end == p || id < 0 || id >= tok_vocab_size(t)) {
+                rc = cli_fail(2, "--ids: \"%.20s\" is not an id of this tokenizer (0..%d)", p, tok_vocab_size(t) - 1);
+                break;
+            }
+            tok_ids_push(&v, (int32_t)id);
+            p = end;
+        }
+        if (!rc) {
+            char *out;
+            size_t len;
+            tok_decode(t, v.v, v.n, skip_special, &out, &len);
+            fwrite(out, 1, len, stdout);
+            putchar('\n');
+            free(out);
+        }
+        tok_ids_free(&v);
+    } else {
+        size_t len = 0;
+        char *buf = file ? read_all(file, &len) : NULL;
+        if (file && !buf) rc = cli_fail(1, "%s: cannot read (--file)", file);
+        tok_enc *enc = rc ? NULL : tok_enc_new(t);
+        tok_ids out = {0};
+        if (enc && tok_encode(enc, file ? buf : text, file ? len : strlen(text), &out, &e))
+            rc = cli_fail(1, "%s", e.msg);
+        for (size_t i = 0; enc && !rc && i < out.n; i++) {
+            if (tokens) printf("%d\t%s\n", out.v[i], tok_id_to_token(t, out.v[i]));
+            else printf(i ? " %d" : "%d", out.v[i]);
+        }
+        if (enc && !rc && !tokens) putchar('\n');
+        tok_ids_free(&out);
+        tok_enc_free(enc);
+        free(buf);
+    }
+    tok_free(t);
+    return rc;
+}
