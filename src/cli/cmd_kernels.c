@@ -1,0 +1,431 @@
+/* cli/cmd_kernels.c: `ctitan kernels list | check | bench`.
+ *
+ *   list    what is registered, what each implementation needs, what this
+ *           CPU has, and which one each op gets by default.
+ *   check   kern_check over the built-in table: every implementation the CPU
+ *           can run against "ref" on random and edge shapes; exit 1 on any
+ *           mismatch beyond the tolerance (part of `make test`).
+ *   bench   times each implementation on the model's shapes (debugmodel and
+ *           Qwen3-0.6B): GFLOP/s for matmul and attention, GB/s for the
+ *           memory-bound ops. Best of several runs: other processes share the
+ *           cores, and the best run is the one they disturbed least.
+ * Thin by design: the registry and the checker live in kernels/. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "core/cpu.h"
+#include "core/err.h"
+#include "core/timer.h"
+#include "kernels/ops.h"
+#include "kernels/registry.h"
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: ctitan kernels <list | check | bench> [options]\n\n"
+            "  list                         registered implementations, CPU features, defaults\n"
+            "  check [--op NAME] [--impl NAME] [--seed N] [--threads N]\n"
+            "                               every implementation against \"ref\"; exit 1 on a mismatch\n"
+            "  bench [--op NAME] [--impl NAME] [--threads N] [--reps N] [--quick] [--peak GFLOPS]\n"
+            "                               GFLOP/s (matmul, attention) or GB/s of each implementation\n"
+            "                               (--quick skips the Qwen3-0.6B lm_head shape; --peak gives the\n"
+            "                               FMA peak instead of the measured/cached one)\n");
+}
+
+typedef struct {
+    const char *op, *impl;
+    int threads, reps, quick;
+    uint64_t seed;
+    double peak_gflops; /* --peak: skip measuring the FMA peak */
+} kern_cli_opts;
+
+static int parse_opts(int argc, char **argv, kern_cli_opts *o) {
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        const char *val = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--quick")) {
+            o->quick = 1;
+            continue;
+        }
+        if (!val) {
+            fprintf(stderr, "ctitan: error: kernels: unknown or incomplete option \"%s\"\n", a);
+            return 2;
+        }
+        if (!strcmp(a, "--op")) {
+            if (kern_op_from_name(val) < 0) {
+                fprintf(stderr, "ctitan: error: kernels: unknown op \"%s\"\n", val);
+                return 2;
+            }
+            o->op = val;
+        } else if (!strcmp(a, "--impl")) {
+            o->impl = val;
+        } else if (!strcmp(a, "--threads")) {
+            o->threads = atoi(val);
+            if (o->threads <= 0) {
+                fprintf(stderr, "ctitan: error: kernels: --threads must be > 0, got \"%s\"\n", val);
+                return 2;
+            }
+        } else if (!strcmp(a, "--reps")) {
+            o->reps = atoi(val);
+            if (o->reps <= 0) {
+                fprintf(stderr, "ctitan: error: kernels: --reps must be > 0, got \"%s\"\n", val);
+                return 2;
+            }
+        } else if (!strcmp(a, "--peak")) {
+            o->peak_gflops = atof(val);
+            if (o->peak_gflops <= 0) {
+                fprintf(stderr, "ctitan: error: kernels: --peak must be > 0 GFLOP/s, got \"%s\"\n", val);
+                return 2;
+            }
+        } else if (!strcmp(a, "--seed")) {
+            o->seed = strtoull(val, NULL, 10);
+        } else {
+            fprintf(stderr, "ctitan: error: kernels: unknown option \"%s\"\n", a);
+            return 2;
+        }
+        i++;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- list */
+
+static int cmd_list(void) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    unsigned cpu = kern_cpu_features();
+    char have[256];
+    kern_features_str(cpu, have, sizeof have);
+    kern_ops k;
+    char log[512];
+    ct_err e = {0};
+    if (kern_select(&k, NULL, log, sizeof log, &e)) {
+        fprintf(stderr, "ctitan: error: %s\n", e.msg);
+        return 1;
+    }
+    printf("cpu features: %s\n", have);
+    printf("%s\n\n", log);
+    printf("%-12s %-9s %-6s %-8s %-38s %s\n", "op", "impl", "device", "runs", "needs", "about");
+    for (size_t i = 0; i < n; i++) {
+        char need[256];
+        if (t[i].features) kern_features_str(t[i].features, need, sizeof need);
+        else snprintf(need, sizeof need, "-");
+        const char *runs = (t[i].features & ~cpu) ? "no" : k.chosen[t[i].op] == &t[i] ? "default" : "yes";
+        printf("%-12s %-9s %-6s %-8s %-38s %s\n", kern_op_name(t[i].op), t[i].name, t[i].device, runs, need,
+               t[i].about ? t[i].about : "");
+    }
+    return 0;
+}
+
+/* --------------------------------------------------------------- check */
+
+static int cmd_check(const kern_cli_opts *o) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    kern_check_opts co = {.out = stdout, .op = o->op, .impl = o->impl, .features = kern_cpu_features(),
+                          .seed = o->seed};
+    printf("threads: %d\n", cpu_threads());
+    int failed = kern_check(t, n, &co);
+    return failed ? 1 : 0;
+}
+
+/* --------------------------------------------------------------- bench */
+
+/* A timed call: run(ctx) once per repetition. */
+typedef void (*bench_fn)(void *ctx);
+
+/* Best time of `reps` runs after one warm-up run (which faults pages in and
+ * lets malloc keep its workspace). Stops early once 2 s are spent. */
+static double best_time(bench_fn fn, void *ctx, int reps) {
+    fn(ctx);
+    double best = INFINITY, spent = 0;
+    for (int r = 0; r < reps && (r < 2 || spent < 2.0); r++) {
+        double t0 = ct_now();
+        fn(ctx);
+        double dt = ct_now() - t0;
+        spent += dt;
+        if (dt < best) best = dt;
+    }
+    return best;
+}
+
+static float *rand_buf(size_t n, uint64_t *s) {
+    float *p = ct_malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+        p[i] = (float)((*s >> 40) * (1.0 / 16777216.0)) - 0.5f;
+    }
+    return p;
+}
+
+typedef struct {
+    const kern_impl *im;
+    int M, K, N, which; /* 0 fwd, 1 dinp, 2 dw */
+    float *inp, *w, *out, *dout, *dinp, *dw;
+} mm_ctx;
+
+static void mm_run(void *p) {
+    mm_ctx *c = p;
+    if (c->which == 0) c->im->fn.matmul.fwd(c->out, c->inp, c->w, c->M, c->K, c->N, 0);
+    else if (c->which == 1) c->im->fn.matmul.bwd(c->dinp, NULL, c->dout, c->inp, c->w, c->M, c->K, c->N);
+    else c->im->fn.matmul.bwd(NULL, c->dw, c->dout, c->inp, c->w, c->M, c->K, c->N);
+}
+
+static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_opts *o, double peak) {
+    static const struct {
+        int M, K, N;
+        const char *what;
+    } shapes[] = {
+        {1024, 256, 2048, "debug q_proj, lm_head (V=2048)"},
+        {1024, 256, 3072, "debug gate/up"},
+        {1024, 3072, 256, "debug down"},
+        {1024, 1024, 2048, "0.6B q_proj"},
+        {1024, 1024, 3072, "0.6B gate/up"},
+        {1024, 3072, 1024, "0.6B down"},
+        {1024, 2048, 1024, "0.6B o_proj"},
+        {256, 1024, 151936, "0.6B lm_head, 256-row block"},
+    };
+    printf("matmul: fwd out=inp@w^T, dinp+=dout@w, dw+=dout^T@inp; GFLOP/s (2MKN / best time), %% of the "
+           "%.0f GFLOP/s FMA peak\n",
+           peak / 1e9);
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int M = shapes[s].M, K = shapes[s].K, N = shapes[s].N;
+        if (o->quick && N > 100000) continue;
+        uint64_t seed = 1;
+        mm_ctx c = {.M = M, .K = K, .N = N};
+        c.inp = rand_buf((size_t)M * K, &seed);
+        c.w = rand_buf((size_t)N * K, &seed);
+        c.dout = rand_buf((size_t)M * N, &seed);
+        c.out = rand_buf((size_t)M * N, &seed);
+        c.dinp = rand_buf((size_t)M * K, &seed);
+        c.dw = rand_buf((size_t)N * K, &seed);
+        double flops = 2.0 * M * (double)K * N;
+        printf("  M=%-5d K=%-5d N=%-6d (%s)\n", M, K, N, shapes[s].what);
+        for (size_t i = 0; i < n; i++) {
+            if (t[i].op != KERN_OP_MATMUL || (t[i].features & ~cpu)) continue;
+            if (o->impl && strcmp(o->impl, t[i].name)) continue;
+            c.im = &t[i];
+            double g[3];
+            for (int wch = 0; wch < 3; wch++) {
+                c.which = wch;
+                g[wch] = flops / best_time(mm_run, &c, o->reps) / 1e9;
+            }
+            printf("    %-9s fwd %6.1f  dinp %6.1f  dw %6.1f GFLOP/s   (%2.0f%% %2.0f%% %2.0f%% of peak)\n",
+                   t[i].name, g[0], g[1], g[2], 100e9 * g[0] / peak, 100e9 * g[1] / peak, 100e9 * g[2] / peak);
+            fflush(stdout);
+        }
+        free(c.inp), free(c.w), free(c.dout), free(c.out), free(c.dinp), free(c.dw);
+    }
+}
+
+/* The memory-bound ops: one context holding every buffer any of them needs. */
+typedef struct {
+    const kern_impl *im;
+    int fwd;
+    /* shapes */
+    int N, C, V, B, T, nh, nkv, hd;
+    long n;
+    float *a, *b, *c, *d, *e, *f, *g, *h;
+    int32_t *tok;
+    adamw_state st;
+    adamw_hparams hp;
+} op_ctx;
+
+static void op_run(void *p) {
+    op_ctx *x = p;
+    const kern_impl *im = x->im;
+    switch (im->op) {
+    case KERN_OP_EMBEDDING:
+        if (x->fwd) im->fn.embedding.fwd(x->a, x->tok, x->b, x->N, x->C);
+        else im->fn.embedding.bwd(x->b, x->a, x->tok, x->N, x->C);
+        break;
+    case KERN_OP_RMSNORM:
+        if (x->fwd) im->fn.rmsnorm.fwd(x->a, x->c, x->b, x->d, x->N, x->C, 1e-6f);
+        else im->fn.rmsnorm.bwd(x->e, x->f, x->a, x->b, x->d, x->c, x->N, x->C);
+        break;
+    case KERN_OP_ROPE:
+        if (x->fwd) im->fn.rope.fwd(x->a, x->b, x->c, x->d, x->B, x->T, x->nh, x->hd);
+        else im->fn.rope.bwd(x->e, x->b, x->c, x->d, x->B, x->T, x->nh, x->hd);
+        break;
+    case KERN_OP_ATTENTION:
+        if (x->fwd) im->fn.attention.fwd(x->a, x->b, x->c, x->d, x->e, x->B, x->T, x->nh, x->nkv, x->hd);
+        else im->fn.attention.bwd(x->f, x->g, x->h, x->a, x->b, x->c, x->d, x->e, x->B, x->T, x->nh, x->nkv, x->hd);
+        break;
+    case KERN_OP_SWIGLU:
+        if (x->fwd) im->fn.swiglu.fwd(x->a, x->b, x->c, x->N);
+        else im->fn.swiglu.bwd(x->d, x->e, x->a, x->b, x->c, x->N);
+        break;
+    case KERN_OP_CROSSENTROPY:
+        /* fwdbwd overwrites its input; refresh it from b first (counted in the bytes) */
+        if (x->fwd) im->fn.crossentropy.fwd(x->c, x->b, x->tok, x->N, x->V);
+        else {
+            memcpy(x->a, x->b, (size_t)x->N * x->V * sizeof(float));
+            im->fn.crossentropy.fwdbwd(x->a, x->tok, x->N, x->V, 1.0f / (float)x->N, NULL);
+        }
+        break;
+    case KERN_OP_ADD: im->fn.add.fwd(x->a, x->b, x->c, x->n); break;
+    case KERN_OP_ADAMW: im->fn.adamw.step(&x->st, x->a, x->b, 1e-4, &x->hp); break;
+    default: break;
+    }
+}
+
+static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_opts *o, kern_op op) {
+    uint64_t seed = 7;
+    op_ctx x;
+    memset(&x, 0, sizeof x);
+    /* Qwen3-0.6B sizes at 1024 tokens; bytes = compulsory traffic of the
+     * tensors each call reads and writes once */
+    double bytes_f = 0, bytes_b = 0, flops_f = 0, flops_b = 0;
+    const char *shape = "";
+    char sbuf[128];
+    switch (op) {
+    case KERN_OP_EMBEDDING:
+        x.N = 1024, x.C = 1024, x.V = 151936;
+        x.a = rand_buf((size_t)x.N * x.C, &seed);
+        x.b = rand_buf((size_t)x.V * x.C, &seed);
+        x.tok = ct_malloc((size_t)x.N * sizeof(int32_t));
+        for (int i = 0; i < x.N; i++) x.tok[i] = (int32_t)((i * 7919L) % x.V);
+        bytes_f = 2.0 * 4 * x.N * x.C, bytes_b = 3.0 * 4 * x.N * x.C;
+        shape = "N=1024 C=1024 V=151936";
+        break;
+    case KERN_OP_RMSNORM:
+        x.N = 1024, x.C = 1024;
+        x.a = rand_buf((size_t)x.N * x.C, &seed), x.b = rand_buf((size_t)x.N * x.C, &seed);
+        x.c = rand_buf((size_t)x.N, &seed), x.d = rand_buf((size_t)x.C, &seed);
+        x.e = rand_buf((size_t)x.N * x.C, &seed), x.f = rand_buf((size_t)x.C, &seed);
+        bytes_f = 2.0 * 4 * x.N * x.C, bytes_b = 4.0 * 4 * x.N * x.C;
+        shape = "N=1024 C=1024";
+        break;
+    case KERN_OP_ROPE:
+        x.B = 1, x.T = 1024, x.nh = 16, x.hd = 128;
+        x.n = (long)x.B * x.T * x.nh * x.hd;
+        x.a = rand_buf((size_t)x.n, &seed), x.b = rand_buf((size_t)x.n, &seed), x.e = rand_buf((size_t)x.n, &seed);
+        x.c = ct_malloc((size_t)x.T * x.hd / 2 * sizeof(float));
+        x.d = ct_malloc((size_t)x.T * x.hd / 2 * sizeof(float));
+        op_rope_tables(x.c, x.d, x.T, x.hd, 1e6f);
+        bytes_f = 2.0 * 4 * x.n, bytes_b = 3.0 * 4 * x.n;
+        shape = "B=1 T=1024 nh=16 hd=128";
+        break;
+    case KERN_OP_ATTENTION: {
+        x.B = 1, x.T = 512, x.nh = 16, x.nkv = 8, x.hd = 128;
+        size_t nq = (size_t)x.B * x.T * x.nh * x.hd, nk = (size_t)x.B * x.T * x.nkv * x.hd;
+        x.a = rand_buf(nq, &seed), x.b = rand_buf((size_t)x.B * x.nh * x.T * x.T, &seed);
+        x.c = rand_buf(nq, &seed), x.d = rand_buf(nk, &seed), x.e = rand_buf(nk, &seed);
+        x.f = rand_buf(nq, &seed), x.g = rand_buf(nk, &seed), x.h = rand_buf(nk, &seed);
+        /* causal: half of T x T scores; fwd q.k and p.v, bwd four such products */
+        flops_f = 2.0 * x.B * x.nh * (double)x.T * x.T * x.hd;
+        flops_b = 2.0 * flops_f;
+        shape = "B=1 T=512 nh=16 nkv=8 hd=128";
+        break;
+    }
+    case KERN_OP_SWIGLU:
+        x.N = 1024 * 3072;
+        x.a = rand_buf((size_t)x.N, &seed), x.b = rand_buf((size_t)x.N, &seed), x.c = rand_buf((size_t)x.N, &seed);
+        x.d = rand_buf((size_t)x.N, &seed), x.e = rand_buf((size_t)x.N, &seed);
+        bytes_f = 3.0 * 4 * x.N, bytes_b = 7.0 * 4 * x.N;
+        shape = "N=1024*3072";
+        break;
+    case KERN_OP_CROSSENTROPY:
+        x.N = 64, x.V = 151936;
+        x.a = rand_buf((size_t)x.N * x.V, &seed), x.b = rand_buf((size_t)x.N * x.V, &seed);
+        x.c = rand_buf((size_t)x.N, &seed);
+        x.tok = ct_malloc((size_t)x.N * sizeof(int32_t));
+        for (int i = 0; i < x.N; i++) x.tok[i] = (int32_t)((i * 7919L) % x.V);
+        bytes_f = 4.0 * x.N * x.V, bytes_b = 4.0 * 4 * x.N * x.V;
+        shape = "N=64 V=151936";
+        break;
+    case KERN_OP_ADD:
+        x.n = 1024L * 1024;
+        x.a = rand_buf((size_t)x.n, &seed), x.b = rand_buf((size_t)x.n, &seed), x.c = rand_buf((size_t)x.n, &seed);
+        bytes_f = 3.0 * 4 * x.n;
+        shape = "N=1024*1024";
+        break;
+    case KERN_OP_ADAMW:
+        x.n = 16L * 1024 * 1024;
+        x.a = rand_buf((size_t)x.n, &seed), x.b = rand_buf((size_t)x.n, &seed);
+        adamw_init(&x.st, (size_t)x.n);
+        x.hp = (adamw_hparams){.lr = 1e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+        bytes_f = 7.0 * 4 * x.n;
+        shape = "n=16M";
+        break;
+    default: return;
+    }
+    snprintf(sbuf, sizeof sbuf, "%s", shape);
+    for (size_t i = 0; i < n; i++) {
+        if ((int)t[i].op != (int)op || (t[i].features & ~cpu)) continue;
+        if (o->impl && strcmp(o->impl, t[i].name)) continue;
+        x.im = &t[i];
+        int has_bwd = op != KERN_OP_ADD && op != KERN_OP_ADAMW;
+        x.fwd = 1;
+        double tf = best_time(op_run, &x, o->reps);
+        double tb = 0;
+        if (has_bwd) {
+            x.fwd = 0;
+            tb = best_time(op_run, &x, o->reps);
+        }
+        if (flops_f > 0)
+            printf("%-12s %-9s %-30s fwd %7.1f  bwd %7.1f GFLOP/s  (%.2f / %.2f ms)\n", kern_op_name(op), t[i].name,
+                   sbuf, flops_f / tf / 1e9, flops_b / tb / 1e9, tf * 1e3, tb * 1e3);
+        else if (has_bwd)
+            printf("%-12s %-9s %-30s fwd %7.1f  bwd %7.1f GB/s     (%.2f / %.2f ms)\n", kern_op_name(op), t[i].name,
+                   sbuf, bytes_f / tf / 1e9, bytes_b / tb / 1e9, tf * 1e3, tb * 1e3);
+        else
+            printf("%-12s %-9s %-30s     %7.1f GB/s     (%.2f ms)\n", kern_op_name(op), t[i].name, sbuf,
+                   bytes_f / tf / 1e9, tf * 1e3);
+        fflush(stdout);
+    }
+    free(x.a), free(x.b), free(x.c), free(x.d), free(x.e), free(x.f), free(x.g), free(x.h), free(x.tok);
+    if (op == KERN_OP_ADAMW) adamw_free(&x.st);
+}
+
+static int cmd_bench(const kern_cli_opts *o) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    unsigned cpu = kern_cpu_features();
+    char have[256];
+    kern_features_str(cpu, have, sizeof have);
+    cpu_peak peak = {.flops = o->peak_gflops * 1e9, .threads = cpu_threads(), .source = "--peak"};
+    if (o->peak_gflops <= 0) cpu_peak_flops(&peak, cpu_threads());
+    const char *core = getenv("OPENBLAS_CORETYPE");
+    printf("threads %d, cpu features: %s, OPENBLAS_CORETYPE=%s, fp32 FMA peak %.0f GFLOP/s (%s)\n", cpu_threads(),
+           have, core ? core : "(unset)", peak.flops / 1e9, peak.source);
+    printf("best of %d runs after a warm-up (other processes share these cores)\n\n", o->reps);
+    for (int op = 0; op < KERN_N_OPS; op++) {
+        if (o->op && strcmp(o->op, kern_op_name(op))) continue;
+        if (op == KERN_OP_MATMUL) bench_matmul(t, n, cpu, o, peak.flops);
+        else bench_op(t, n, cpu, o, op);
+    }
+    return 0;
+}
+
+int cli_kernels(int argc, char **argv) {
+    if (argc < 1 || !strcmp(argv[0], "--help") || !strcmp(argv[0], "-h") || !strcmp(argv[0], "help")) {
+        usage(argc < 1 ? stderr : stdout);
+        return argc < 1 ? 2 : 0;
+    }
+    kern_cli_opts o = {.reps = 5, .seed = 1234};
+    int rc = parse_opts(argc - 1, argv + 1, &o);
+    if (rc) return rc;
+    if (o.impl) {
+        size_t n;
+        const kern_impl *t = kern_registry(&n);
+        int known = 0;
+        for (size_t i = 0; i < n; i++)
+            if (!strcmp(t[i].name, o.impl) && (!o.op || !strcmp(kern_op_name(t[i].op), o.op))) known = 1;
+        if (!known) {
+            fprintf(stderr,
+                    "ctitan: error: kernels: no implementation \"%s\"%s%s is registered (see ctitan kernels list)\n",
+                    o.impl, o.op ? " of " : "", o.op ? o.op : "");
+            return 2;
+        }
+    }
+    if (o.threads > 0) cpu_set_threads(o.threads);
+    if (!strcmp(argv[0], "list")) return cmd_list();
+    if (!strcmp(argv[0], "check")) return cmd_check(&o);
+    if (!strcmp(argv[0], "bench")) return cmd_bench(&o);
+    fprintf(stderr, "ctitan: error: kernels: unknown subcommand \"%s\"\n", argv[0]);
+    usage(stderr);
+    return 2;
+}

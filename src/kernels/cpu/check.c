@@ -1,0 +1,472 @@
+/* kernels/cpu/check.c: kern_check, every implementation against "ref".
+ *
+ * For each op, a list of shapes chosen to hit the edges of fast kernels:
+ * length 1 in every dimension, sizes just below/above the vector widths (8,
+ * 16) and register tiles (6, 14, 16, 32), odd sizes, and sizes that cross the
+ * GEMM's cache blocks (k blocks of 256, 1022-row A blocks, 2048-column B
+ * blocks) so edge tiles, several k blocks and several blocks per call all
+ * run. Every case feeds the same pseudo-random inputs to "ref" and to the
+ * implementation and compares each output tensor:
+ *     err = max |impl - ref| / max |ref|      must be <= tol
+ * with tol = the entry's tol or KERN_CHECK_TOL (1e-5). A NaN or Inf where ref
+ * is finite is an infinite error. Backward outputs are pre-filled with the
+ * same random values on both sides, so a lost "+=" shows; forward outputs
+ * that must be overwritten are pre-filled with NaN, so reading them shows.
+ *
+ * The checker runs on host memory ("cpu" device); a device backend would add
+ * copies around the calls here. It takes the table as a parameter so a test
+ * can check a table with a deliberately broken entry. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/err.h"
+#include "kernels/ops.h"
+#include "kernels/registry.h"
+
+/* ------------------------------------------------------------ helpers */
+
+typedef struct {
+    uint64_t s;
+} chk_rng;
+
+static uint64_t rng_next(chk_rng *r) {
+    /* splitmix64: fixed sequence per seed, no global state */
+    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* uniform in [lo, hi) */
+static float rng_uniform(chk_rng *r, float lo, float hi) {
+    return lo + (hi - lo) * (float)((rng_next(r) >> 40) * (1.0 / 16777216.0));
+}
+
+static float *fbuf(size_t n) { return ct_malloc((n ? n : 1) * sizeof(float)); }
+
+static void fill(float *p, size_t n, chk_rng *r, float lo, float hi) {
+    for (size_t i = 0; i < n; i++) p[i] = rng_uniform(r, lo, hi);
+}
+
+static void fill_nan(float *p, size_t n) {
+    for (size_t i = 0; i < n; i++) p[i] = NAN;
+}
+
+static float *dup(const float *src, size_t n) {
+    float *p = fbuf(n);
+    memcpy(p, src, (n ? n : 1) * sizeof(float));
+    return p;
+}
+
+/* max |x - ref| / max |ref|; infinite if x is not finite where ref is. */
+static double rel_err(const float *x, const float *ref, size_t n) {
+    double emax = 0, rmax = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(x[i]) && isfinite(ref[i])) return INFINITY;
+        double d = fabs((double)x[i] - (double)ref[i]);
+        if (d > emax) emax = d;
+        if (fabs((double)ref[i]) > rmax) rmax = fabs((double)ref[i]);
+    }
+    if (emax == 0) return 0;
+    return rmax > 0 ? emax / rmax : INFINITY;
+}
+
+/* Collects the parts of one case: "fwd 1.2e-07 dinp 3.0e-07 ..." and the worst. */
+typedef struct {
+    char detail[256];
+    size_t len;
+    double worst;
+} chk_case;
+
+static void part(chk_case *c, const char *name, double err) {
+    int w = snprintf(c->detail + c->len, sizeof c->detail > c->len ? sizeof c->detail - c->len : 0, "%s%s %.1e",
+                     c->len ? "  " : "", name, err);
+    if (w > 0) c->len += (size_t)w;
+    if (!(err <= c->worst)) c->worst = err; /* NaN counts as worst */
+}
+
+/* ------------------------------------------------------------- matmul */
+
+static void case_matmul(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    int M = s[0], K = s[1], N = s[2];
+    size_t nmk = (size_t)M * K, nnk = (size_t)N * K, nmn = (size_t)M * N;
+    float *inp = fbuf(nmk), *w = fbuf(nnk), *dout = fbuf(nmn);
+    fill(inp, nmk, r, -1, 1);
+    fill(w, nnk, r, -1, 1);
+    fill(dout, nmn, r, -1, 1);
+    /* forward, overwrite: outputs start as NaN, which must not leak through */
+    float *o1 = fbuf(nmn), *o2 = fbuf(nmn);
+    fill_nan(o1, nmn);
+    fill_nan(o2, nmn);
+    ref->fn.matmul.fwd(o1, inp, w, M, K, N, 0);
+    im->fn.matmul.fwd(o2, inp, w, M, K, N, 0);
+    part(c, "fwd", rel_err(o2, o1, nmn));
+    /* forward, accumulate */
+    fill(o1, nmn, r, -1, 1);
+    memcpy(o2, o1, nmn * sizeof(float));
+    ref->fn.matmul.fwd(o1, inp, w, M, K, N, 1);
+    im->fn.matmul.fwd(o2, inp, w, M, K, N, 1);
+    part(c, "fwd+=", rel_err(o2, o1, nmn));
+    /* backward, both outputs accumulated */
+    float *di1 = fbuf(nmk), *dw1 = fbuf(nnk);
+    fill(di1, nmk, r, -1, 1);
+    fill(dw1, nnk, r, -1, 1);
+    float *di2 = dup(di1, nmk), *dw2 = dup(dw1, nnk);
+    ref->fn.matmul.bwd(di1, dw1, dout, inp, w, M, K, N);
+    im->fn.matmul.bwd(di2, dw2, dout, inp, w, M, K, N);
+    part(c, "dinp+=", rel_err(di2, di1, nmk));
+    part(c, "dw+=", rel_err(dw2, dw1, nnk));
+    /* each output alone (the other NULL) */
+    ref->fn.matmul.bwd(di1, NULL, dout, inp, w, M, K, N);
+    im->fn.matmul.bwd(di2, NULL, dout, inp, w, M, K, N);
+    ref->fn.matmul.bwd(NULL, dw1, dout, inp, w, M, K, N);
+    im->fn.matmul.bwd(NULL, dw2, dout, inp, w, M, K, N);
+    double e1 = rel_err(di2, di1, nmk), e2 = rel_err(dw2, dw1, nnk);
+    part(c, "null", e1 > e2 ? e1 : e2);
+    free(inp), free(w), free(dout), free(o1), free(o2), free(di1), free(dw1), free(di2), free(dw2);
+}
+
+static const int shapes_matmul[][6] = {
+    {1, 1, 1},      {1, 17, 33},    {3, 1, 5},      {7, 5, 1},     {1, 1024, 3},  {4, 40, 7},
+    {2, 33, 100},   {5, 16, 9},     {6, 8, 16},
+    {14, 32, 32},   {15, 33, 31},   {13, 16, 17},   {29, 64, 47},  {77, 131, 45}, {64, 256, 96},
+    {33, 600, 65},  {20, 800, 40},  {130, 257, 70}, {5, 300, 2049}, {1030, 20, 2050},
+};
+
+/* ---------------------------------------------------------- embedding */
+
+static void case_embedding(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    int N = s[0], C = s[1], V = s[2];
+    size_t nc = (size_t)N * C, vc = (size_t)V * C;
+    int32_t *tok = ct_malloc((size_t)N * sizeof(int32_t));
+    for (int i = 0; i < N; i++) tok[i] = (int32_t)(rng_next(r) % (uint64_t)V); /* V small: repeats */
+    float *wte = fbuf(vc), *o1 = fbuf(nc), *o2 = fbuf(nc), *dout = fbuf(nc);
+    fill(wte, vc, r, -1, 1);
+    fill(dout, nc, r, -1, 1);
+    fill_nan(o1, nc);
+    fill_nan(o2, nc);
+    ref->fn.embedding.fwd(o1, tok, wte, N, C);
+    im->fn.embedding.fwd(o2, tok, wte, N, C);
+    part(c, "fwd", rel_err(o2, o1, nc));
+    float *d1 = fbuf(vc);
+    fill(d1, vc, r, -1, 1);
+    float *d2 = dup(d1, vc);
+    ref->fn.embedding.bwd(d1, dout, tok, N, C);
+    im->fn.embedding.bwd(d2, dout, tok, N, C);
+    part(c, "dwte+=", rel_err(d2, d1, vc));
+    free(tok), free(wte), free(o1), free(o2), free(dout), free(d1), free(d2);
+}
+
+static const int shapes_embedding[][6] = {{1, 1, 1}, {5, 7, 3}, {17, 16, 4}, {64, 33, 10}, {33, 256, 100}};
+
+/* ------------------------------------------------------------ rmsnorm */
+
+static void case_rmsnorm(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    int N = s[0], C = s[1];
+    size_t nc = (size_t)N * C;
+    float eps = 1e-6f;
+    float *x = fbuf(nc), *w = fbuf((size_t)C), *dout = fbuf(nc);
+    fill(x, nc, r, -2, 2);
+    fill(w, (size_t)C, r, 0.5f, 1.5f);
+    fill(dout, nc, r, -1, 1);
+    float *o1 = fbuf(nc), *o2 = fbuf(nc), *rs1 = fbuf((size_t)N), *rs2 = fbuf((size_t)N);
+    fill_nan(o1, nc);
+    fill_nan(o2, nc);
+    ref->fn.rmsnorm.fwd(o1, rs1, x, w, N, C, eps);
+    im->fn.rmsnorm.fwd(o2, rs2, x, w, N, C, eps);
+    part(c, "fwd", rel_err(o2, o1, nc));
+    part(c, "rstd", rel_err(rs2, rs1, (size_t)N));
+    float *di1 = fbuf(nc), *dw1 = fbuf((size_t)C);
+    fill(di1, nc, r, -1, 1);
+    fill(dw1, (size_t)C, r, -1, 1);
+    float *di2 = dup(di1, nc), *dw2 = dup(dw1, (size_t)C);
+    ref->fn.rmsnorm.bwd(di1, dw1, dout, x, w, rs1, N, C);
+    im->fn.rmsnorm.bwd(di2, dw2, dout, x, w, rs1, N, C);
+    part(c, "dinp+=", rel_err(di2, di1, nc));
+    part(c, "dw+=", rel_err(dw2, dw1, (size_t)C));
+    ref->fn.rmsnorm.bwd(di1, NULL, dout, x, w, rs1, N, C);
+    im->fn.rmsnorm.bwd(di2, NULL, dout, x, w, rs1, N, C);
+    part(c, "dw=NULL", rel_err(di2, di1, nc));
+    free(x), free(w), free(dout), free(o1), free(o2), free(rs1), free(rs2), free(di1), free(dw1), free(di2),
+        free(dw2);
+}
+
+static const int shapes_rmsnorm[][6] = {{1, 1}, {3, 7}, {5, 17}, {2, 15}, {16, 256}, {7, 1000}, {40, 128}};
+
+/* --------------------------------------------------------------- rope */
+
+static void case_rope(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    int B = s[0], T = s[1], nh = s[2], hd = s[3];
+    size_t n = (size_t)B * T * nh * hd, nt = (size_t)T * (hd / 2);
+    float *cs = fbuf(nt), *sn = fbuf(nt);
+    op_rope_tables(cs, sn, T, hd, 1e6f);
+    float *x = fbuf(n), *dout = fbuf(n);
+    fill(x, n, r, -1, 1);
+    fill(dout, n, r, -1, 1);
+    float *o1 = fbuf(n), *o2 = fbuf(n);
+    fill_nan(o1, n);
+    fill_nan(o2, n);
+    ref->fn.rope.fwd(o1, x, cs, sn, B, T, nh, hd);
+    im->fn.rope.fwd(o2, x, cs, sn, B, T, nh, hd);
+    part(c, "fwd", rel_err(o2, o1, n));
+    float *ip = dup(x, n);
+    im->fn.rope.fwd(ip, ip, cs, sn, B, T, nh, hd);
+    part(c, "fwd-inplace", rel_err(ip, o1, n));
+    float *d1 = fbuf(n);
+    fill(d1, n, r, -1, 1);
+    float *d2 = dup(d1, n);
+    ref->fn.rope.bwd(d1, dout, cs, sn, B, T, nh, hd);
+    im->fn.rope.bwd(d2, dout, cs, sn, B, T, nh, hd);
+    part(c, "dinp+=", rel_err(d2, d1, n));
+    memcpy(d1, dout, n * sizeof(float));
+    memcpy(d2, dout, n * sizeof(float));
+    ref->fn.rope.bwd(d1, d1, cs, sn, B, T, nh, hd);
+    im->fn.rope.bwd(d2, d2, cs, sn, B, T, nh, hd);
+    part(c, "bwd-inplace", rel_err(d2, d1, n));
+    free(cs), free(sn), free(x), free(dout), free(o1), free(o2), free(ip), free(d1), free(d2);
+}
+
+static const int shapes_rope[][6] = {{1, 1, 1, 2}, {2, 3, 2, 4}, {1, 5, 3, 34}, {2, 7, 4, 128}, {1, 17, 1, 30}};
+
+/* ---------------------------------------------------------- attention */
+
+static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    int B = s[0], T = s[1], nh = s[2], nkv = s[3], hd = s[4];
+    size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd, np = (size_t)B * nh * T * T;
+    float *q = fbuf(nq), *k = fbuf(nk), *v = fbuf(nk), *dout = fbuf(nq);
+    fill(q, nq, r, -2, 2);
+    fill(k, nk, r, -2, 2);
+    fill(v, nk, r, -1, 1);
+    fill(dout, nq, r, -1, 1);
+    float *o1 = fbuf(nq), *o2 = fbuf(nq), *p1 = fbuf(np), *p2 = fbuf(np);
+    fill_nan(o1, nq);
+    fill_nan(o2, nq);
+    fill_nan(p1, np);
+    fill_nan(p2, np);
+    ref->fn.attention.fwd(o1, p1, q, k, v, B, T, nh, nkv, hd);
+    im->fn.attention.fwd(o2, p2, q, k, v, B, T, nh, nkv, hd);
+    part(c, "fwd", rel_err(o2, o1, nq));
+    part(c, "probs", rel_err(p2, p1, np));
+    float *dq1 = fbuf(nq), *dk1 = fbuf(nk), *dv1 = fbuf(nk);
+    fill(dq1, nq, r, -1, 1);
+    fill(dk1, nk, r, -1, 1);
+    fill(dv1, nk, r, -1, 1);
+    float *dq2 = dup(dq1, nq), *dk2 = dup(dk1, nk), *dv2 = dup(dv1, nk);
+    ref->fn.attention.bwd(dq1, dk1, dv1, dout, p1, q, k, v, B, T, nh, nkv, hd);
+    im->fn.attention.bwd(dq2, dk2, dv2, dout, p2, q, k, v, B, T, nh, nkv, hd);
+    part(c, "dq+=", rel_err(dq2, dq1, nq));
+    part(c, "dk+=", rel_err(dk2, dk1, nk));
+    part(c, "dv+=", rel_err(dv2, dv1, nk));
+    free(q), free(k), free(v), free(dout), free(o1), free(o2), free(p1), free(p2);
+    free(dq1), free(dk1), free(dv1), free(dq2), free(dk2), free(dv2);
+}
+
+static const int shapes_attention[][6] = {
+    {1, 1, 1, 1, 1}, {1, 3, 2, 1, 4}, {2, 5, 4, 2, 17}, {1, 33, 4, 4, 16}, {1, 64, 16, 8, 128}, {2, 17, 3, 1, 8},
+};
+
+/* ------------------------------------------------------------- swiglu */
+
+static void case_swiglu(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    int N = s[0];
+    size_t n = (size_t)N;
+    float *g = fbuf(n), *u = fbuf(n), *dout = fbuf(n);
+    fill(g, n, r, -6, 6);
+    fill(u, n, r, -2, 2);
+    fill(dout, n, r, -1, 1);
+    float *o1 = fbuf(n), *o2 = fbuf(n);
+    fill_nan(o1, n);
+    fill_nan(o2, n);
+    ref->fn.swiglu.fwd(o1, g, u, N);
+    im->fn.swiglu.fwd(o2, g, u, N);
+    part(c, "fwd", rel_err(o2, o1, n));
+    float *dg1 = fbuf(n), *du1 = fbuf(n);
+    fill(dg1, n, r, -1, 1);
+    fill(du1, n, r, -1, 1);
+    float *dg2 = dup(dg1, n), *du2 = dup(du1, n);
+    ref->fn.swiglu.bwd(dg1, du1, dout, g, u, N);
+    im->fn.swiglu.bwd(dg2, du2, dout, g, u, N);
+    part(c, "dgate+=", rel_err(dg2, dg1, n));
+    part(c, "dup+=", rel_err(du2, du1, n));
+    free(g), free(u), free(dout), free(o1), free(o2), free(dg1), free(du1), free(dg2), free(du2);
+}
+
+static const int shapes_swiglu[][6] = {{1}, {7}, {15}, {16}, {17}, {33}, {1000}, {4099}};
+
+/* ------------------------------------------------------- crossentropy */
+
+static void case_crossentropy(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    int N = s[0], V = s[1];
+    size_t nv = (size_t)N * V;
+    int32_t *tgt = ct_malloc((size_t)N * sizeof(int32_t));
+    for (int i = 0; i < N; i++) tgt[i] = (i % 3 == 2) ? -100 : (int32_t)(rng_next(r) % (uint64_t)V);
+    float *logits = fbuf(nv);
+    fill(logits, nv, r, -4, 4);
+    float *l1 = dup(logits, nv), *l2 = dup(logits, nv);
+    long c1 = 0, c2 = 0;
+    float scale = 1.0f / (float)(N > 0 ? N : 1);
+    double s1 = ref->fn.crossentropy.fwdbwd(l1, tgt, N, V, scale, &c1);
+    double s2 = im->fn.crossentropy.fwdbwd(l2, tgt, N, V, scale, &c2);
+    part(c, "dlogits", rel_err(l2, l1, nv));
+    part(c, "loss", fabs(s2 - s1) / (fabs(s1) > 1 ? fabs(s1) : 1));
+    part(c, "n_valid", c1 == c2 ? 0.0 : INFINITY);
+    float *ls1 = fbuf((size_t)N), *ls2 = fbuf((size_t)N);
+    fill_nan(ls1, (size_t)N);
+    fill_nan(ls2, (size_t)N);
+    s1 = ref->fn.crossentropy.fwd(ls1, logits, tgt, N, V);
+    s2 = im->fn.crossentropy.fwd(ls2, logits, tgt, N, V);
+    part(c, "fwd-losses", rel_err(ls2, ls1, (size_t)N));
+    part(c, "fwd-sum", fabs(s2 - s1) / (fabs(s1) > 1 ? fabs(s1) : 1));
+    free(tgt), free(logits), free(l1), free(l2), free(ls1), free(ls2);
+}
+
+static const int shapes_crossentropy[][6] = {{1, 1}, {3, 5}, {4, 17}, {7, 16}, {8, 2048}, {3, 151936}};
+
+/* ---------------------------------------------------------------- add */
+
+static void case_add(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    long N = s[0];
+    size_t n = (size_t)N;
+    float *a = fbuf(n), *b = fbuf(n), *o1 = fbuf(n), *o2 = fbuf(n);
+    fill(a, n, r, -1, 1);
+    fill(b, n, r, -1, 1);
+    fill_nan(o1, n);
+    fill_nan(o2, n);
+    ref->fn.add.fwd(o1, a, b, N);
+    im->fn.add.fwd(o2, a, b, N);
+    part(c, "fwd", rel_err(o2, o1, n));
+    float *a2 = dup(a, n);
+    im->fn.add.fwd(a2, a2, b, N);
+    part(c, "inplace", rel_err(a2, o1, n));
+    free(a), free(b), free(o1), free(o2), free(a2);
+}
+
+static const int shapes_add[][6] = {{1}, {15}, {16}, {17}, {1000}, {65537}};
+
+/* -------------------------------------------------------------- adamw */
+
+static void case_adamw(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    size_t n = (size_t)s[0];
+    adamw_hparams h = {.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+    float *p1 = fbuf(n), *g = fbuf(n);
+    fill(p1, n, r, -1, 1);
+    float *p2 = dup(p1, n);
+    adamw_state s1, s2;
+    adamw_init(&s1, n);
+    adamw_init(&s2, n);
+    for (int step = 0; step < 3; step++) {
+        fill(g, n, r, -1, 1);
+        ref->fn.adamw.step(&s1, p1, g, h.lr, &h);
+        im->fn.adamw.step(&s2, p2, g, h.lr, &h);
+    }
+    part(c, "params", rel_err(p2, p1, n));
+    part(c, "m", rel_err(s2.m, s1.m, n));
+    part(c, "v", rel_err(s2.v, s1.v, n));
+    part(c, "step", s1.step == s2.step ? 0.0 : INFINITY);
+    adamw_free(&s1);
+    adamw_free(&s2);
+    free(p1), free(p2), free(g);
+}
+
+static const int shapes_adamw[][6] = {{1}, {15}, {17}, {1000}, {65537}};
+
+/* ------------------------------------------------------------- driver */
+
+typedef void (*case_fn)(chk_case *, const kern_impl *, const kern_impl *, const int *, chk_rng *);
+
+static const struct {
+    case_fn run;
+    const int (*shapes)[6];
+    int nshapes;
+    int ndims;
+    const char *dims; /* names of the shape fields */
+} op_cases[KERN_N_OPS] = {
+#define SHAPES(a) a, (int)(sizeof a / sizeof a[0])
+    [KERN_OP_MATMUL] = {case_matmul, SHAPES(shapes_matmul), 3, "M K N"},
+    [KERN_OP_EMBEDDING] = {case_embedding, SHAPES(shapes_embedding), 3, "N C V"},
+    [KERN_OP_RMSNORM] = {case_rmsnorm, SHAPES(shapes_rmsnorm), 2, "N C"},
+    [KERN_OP_ROPE] = {case_rope, SHAPES(shapes_rope), 4, "B T nh hd"},
+    [KERN_OP_ATTENTION] = {case_attention, SHAPES(shapes_attention), 5, "B T nh nkv hd"},
+    [KERN_OP_SWIGLU] = {case_swiglu, SHAPES(shapes_swiglu), 1, "N"},
+    [KERN_OP_CROSSENTROPY] = {case_crossentropy, SHAPES(shapes_crossentropy), 2, "N V"},
+    [KERN_OP_ADD] = {case_add, SHAPES(shapes_add), 1, "N"},
+    [KERN_OP_ADAMW] = {case_adamw, SHAPES(shapes_adamw), 1, "n"},
+#undef SHAPES
+};
+
+/* "M=77 K=131 N=45" */
+static void shape_str(char *buf, size_t cap, const char *dims, const int *s, int nd) {
+    char names[64];
+    snprintf(names, sizeof names, "%s", dims);
+    size_t len = 0;
+    char *save = NULL, *tok = strtok_r(names, " ", &save);
+    for (int d = 0; d < nd && tok; d++, tok = strtok_r(NULL, " ", &save)) {
+        int w = snprintf(buf + len, cap > len ? cap - len : 0, "%s%s=%d", d ? " " : "", tok, s[d]);
+        if (w > 0) len += (size_t)w;
+    }
+}
+
+int kern_check(const kern_impl *t, size_t n, const kern_check_opts *o) {
+    FILE *out = o ? o->out : NULL;
+    unsigned feats = o ? o->features : 0;
+    chk_rng rng = {o ? o->seed : 0};
+    int cases = 0, failed = 0, skipped = 0;
+    for (int op = 0; op < KERN_N_OPS; op++) {
+        if (o && o->op && strcmp(o->op, kern_op_name(op))) continue;
+        const kern_impl *ref = NULL;
+        int others = 0;
+        for (size_t i = 0; i < n; i++)
+            if ((int)t[i].op == op) {
+                if (!strcmp(t[i].name, "ref")) ref = &t[i];
+                else others++;
+            }
+        if (!ref) {
+            if (others) {
+                if (out) fprintf(out, "%-12s %-9s no \"ref\" entry to compare with  FAIL\n", kern_op_name(op), "-");
+                failed++;
+                cases++;
+            }
+            continue;
+        }
+        if (!others) {
+            if (out) fprintf(out, "%-12s %-9s the reference; nothing else registered\n", kern_op_name(op), "ref");
+            continue;
+        }
+        for (size_t i = 0; i < n; i++) {
+            const kern_impl *im = &t[i];
+            if ((int)im->op != op || im == ref) continue;
+            if (o && o->impl && strcmp(o->impl, im->name)) continue;
+            if (im->features & ~feats) {
+                char need[128];
+                kern_features_str(im->features & ~feats, need, sizeof need);
+                if (out)
+                    fprintf(out, "%-12s %-9s skipped: this CPU lacks %s\n", kern_op_name(op), im->name, need);
+                skipped++;
+                continue;
+            }
+            double tol = im->tol > 0 ? im->tol : KERN_CHECK_TOL;
+            for (int sh = 0; sh < op_cases[op].nshapes; sh++) {
+                const int *s = op_cases[op].shapes[sh];
+                chk_case c = {.len = 0, .worst = 0};
+                c.detail[0] = 0;
+                op_cases[op].run(&c, ref, im, s, &rng);
+                int ok = c.worst <= tol;
+                cases++;
+                if (!ok) failed++;
+                if (out) {
+                    char shape[96];
+                    shape_str(shape, sizeof shape, op_cases[op].dims, s, op_cases[op].ndims);
+                    fprintf(out, "%-12s %-9s %-22s %s  %s\n", kern_op_name(op), im->name, shape, c.detail,
+                            ok ? "ok" : "FAIL");
+                }
+            }
+        }
+    }
+    if (out)
+        fprintf(out,
+                "kernels check: %d cases, %d failed, %d implementations skipped "
+                "(pass: max|impl-ref| <= tol * max|ref| per output, tol %.0e unless the entry sets its own)\n",
+                cases, failed, skipped, KERN_CHECK_TOL);
+    return failed;
+}

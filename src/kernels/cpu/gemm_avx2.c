@@ -1,0 +1,256 @@
+/* kernels/cpu/gemm_avx2.c: the AVX2 + FMA micro-kernel and packers of gemm_f32,
+ * for x86-64 CPUs without AVX-512.
+ *
+ * Register tile 6 x 16: 12 ymm accumulators (6 rows x 2 vectors of 8
+ * columns), 2 ymm for the B row of the current k step, 1 for the broadcast A
+ * element: 15 of the 16 ymm registers. Per k step: 2 vector loads, 6
+ * broadcasts, 12 FMAs; 12 independent chains cover FMA latency (4-5 cycles)
+ * x 2 FMA ports. Packed A panels use row stride 8 (one aligned ymm per k,
+ * lanes 6 and 7 zero) so the packers store whole aligned vectors.
+ *
+ * Each function carries target("avx2,fma") so the file builds in the generic
+ * x86-64 build; the registry installs it only on CPUs with AVX2 and FMA.
+ * Blocking: kc = 256 (A micro-panel 6 x 256 x 4 = 6 KB in L1, B micro-panel
+ * 16 KB), ncb = 256 columns of B per A panel (256 KB in L2), nc = 2048,
+ * mc = 1026 rows (1024 rows make one block). */
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "kernels/cpu/kern_cpu.h"
+
+#define TAVX2 __attribute__((target("avx2,fma")))
+
+#define MR 6
+#define MRS 8
+#define NR 16
+
+/* Integer mask selecting the low n (clamped to 0..8) lanes, for maskload/maskstore. */
+TAVX2 static inline __m256i lanes8(long n) {
+    int c = n < 0 ? 0 : n > 8 ? 8 : (int)n;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* The micro-kernel for R (compile-time) rows; the row variants compute each
+ * element of C with the same FMA chain, so they agree bitwise. */
+TAVX2 __attribute__((always_inline)) static inline void uk_rows(const int R, long kc, const float *restrict A,
+                                                                const float *restrict B, float *C, long ldc, int mr,
+                                                                int nr, int add) {
+    __m256 c[MR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    for (long k = 0; k < kc; k++) {
+        __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            __m256 a = _mm256_broadcast_ss(A + i);
+            c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
+        }
+        A += MRS;
+        B += NR;
+    }
+    if (nr == NR) {
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            if (i >= mr) break;
+            float *cr = C + i * ldc;
+            __m256 v0 = c[i][0], v1 = c[i][1];
+            if (add) {
+                v0 = _mm256_add_ps(_mm256_loadu_ps(cr), v0);
+                v1 = _mm256_add_ps(_mm256_loadu_ps(cr + 8), v1);
+            }
+            _mm256_storeu_ps(cr, v0);
+            _mm256_storeu_ps(cr + 8, v1);
+        }
+        return;
+    }
+    __m256i m0 = lanes8(nr), m1 = lanes8(nr - 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) {
+        if (i >= mr) break;
+        float *cr = C + i * ldc;
+        __m256 v0 = c[i][0], v1 = c[i][1];
+        if (add) {
+            v0 = _mm256_add_ps(_mm256_maskload_ps(cr, m0), v0);
+            v1 = _mm256_add_ps(_mm256_maskload_ps(cr + 8, m1), v1);
+        }
+        _mm256_maskstore_ps(cr, m0, v0);
+        _mm256_maskstore_ps(cr + 8, m1, v1);
+    }
+}
+
+/* Full panels take the 6-row kernel, an edge panel the smallest that covers it. */
+TAVX2 static void uk_avx2(long kc, const float *restrict A, const float *restrict B, float *C, long ldc, int mr,
+                          int nr, int add) {
+    if (mr > 4) uk_rows(6, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 2) uk_rows(4, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 1) uk_rows(2, kc, A, B, C, ldc, mr, nr, add);
+    else uk_rows(1, kc, A, B, C, ldc, mr, nr, add);
+}
+
+/* In-register 8 x 8 transpose: lane j of r[i] becomes lane i of r[j]. */
+TAVX2 __attribute__((always_inline)) static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+#pragma GCC unroll 4
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    /* u[s] (rows 0..3) and u[4+s] (rows 4..7) hold columns s and 4+s in their two 128-bit halves */
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; s++) {
+        r[s] = _mm256_permute2f128_ps(u[s], u[4 + s], 0x20);
+        r[4 + s] = _mm256_permute2f128_ps(u[s], u[4 + s], 0x31);
+    }
+}
+
+/* Transposes a rows x kc slab (rows <= 8, row stride ld, contiguous in k)
+ * into dst[k * dstride + i] (aligned), 8 k at a time; rows beyond `rows` become zeros. */
+TAVX2 static void transpose_slab8(float *dst, long dstride, const float *src, long ld, int rows, long kc) {
+    /* constant r[] indices after unrolling keep the block in registers */
+    for (long k0 = 0; k0 < kc; k0 += 8) {
+        long kn = kc - k0 < 8 ? kc - k0 : 8;
+        __m256i mk = lanes8(kn), none = _mm256_setzero_si256();
+        __m256 r[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            const float *p = src + (i < rows ? i : 0) * ld + k0;
+            r[i] = _mm256_maskload_ps(p, i < rows ? mk : none);
+        }
+        transpose8(r);
+#pragma GCC unroll 8
+        for (int kk = 0; kk < 8; kk++)
+            if (kk < kn) _mm256_store_ps(dst + (k0 + kk) * dstride, r[kk]);
+    }
+}
+
+TAVX2 static void pack_a_avx2(float *dst, gemm_view a, long m, long kc) {
+    long np = (m + MR - 1) / MR;
+    if (a.rs == 1) {
+        /* A given transposed: walk each source row once, 6 values to each panel */
+        for (long k = 0; k < kc; k++) {
+            const float *src = a.p + k * a.cs;
+            for (long p = 0; p < np; p++)
+                _mm256_store_ps(dst + p * MRS * kc + k * MRS,
+                                _mm256_maskload_ps(src + p * MR, lanes8(m - p * MR < MR ? m - p * MR : MR)));
+        }
+        return;
+    }
+    if (a.cs == 1) {
+        for (long p = 0; p < np; p++) {
+            int rows = (int)(m - p * MR < MR ? m - p * MR : MR);
+            transpose_slab8(dst + p * MRS * kc, MRS, a.p + p * MR * a.rs, a.rs, rows, kc);
+        }
+        return;
+    }
+    for (long p = 0; p < np; p++)
+        for (long k = 0; k < kc; k++)
+            for (int i = 0; i < MRS; i++)
+                dst[p * MRS * kc + k * MRS + i] =
+                    i < MR && p * MR + i < m ? a.p[(p * MR + i) * a.rs + k * a.cs] : 0.0f;
+}
+
+TAVX2 static void pack_b_avx2(float *dst, gemm_view b, long kc, long n) {
+    long np = (n + NR - 1) / NR;
+    if (b.cs == 1) {
+        for (long k = 0; k < kc; k++) {
+            const float *src = b.p + k * b.rs;
+            for (long p = 0; p < np; p++) {
+                long cols = n - p * NR;
+                float *d = dst + p * NR * kc + k * NR;
+                if (cols >= NR) {
+                    _mm256_store_ps(d, _mm256_loadu_ps(src + p * NR));
+                    _mm256_store_ps(d + 8, _mm256_loadu_ps(src + p * NR + 8));
+                } else {
+                    _mm256_store_ps(d, _mm256_maskload_ps(src + p * NR, lanes8(cols)));
+                    _mm256_store_ps(d + 8, _mm256_maskload_ps(src + p * NR + 8, lanes8(cols - 8)));
+                }
+            }
+        }
+        return;
+    }
+    if (b.rs == 1) {
+        for (long p = 0; p < np; p++)
+            for (int h = 0; h < 2; h++) {
+                long cols = n - p * NR - 8 * h;
+                int c = (int)(cols > 8 ? 8 : cols < 0 ? 0 : cols);
+                transpose_slab8(dst + p * NR * kc + 8 * h, NR, b.p + (p * NR + 8 * h) * b.cs, b.cs, c, kc);
+            }
+        return;
+    }
+    for (long p = 0; p < np; p++)
+        for (long k = 0; k < kc; k++)
+            for (int j = 0; j < NR; j++)
+                dst[p * NR * kc + k * NR + j] = p * NR + j < n ? b.p[k * b.rs + (p * NR + j) * b.cs] : 0.0f;
+}
+
+/* Sum of the 8 lanes in a fixed order. */
+TAVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Few rows (M <= GEMM_SMALL_M): dot products along K without packing, as in
+ * gemm_avx512.c; 3 rows of w at a time so 12 partial sums + 3 w vectors + 1
+ * inp vector fit the 16 ymm registers. */
+TAVX2 static void nt_small_avx2(float *out, long ldo, const float *inp, const float *w, int M, long K, long n0,
+                               long n1, int accumulate) {
+    const __m256i none = _mm256_setzero_si256();
+    for (long n = n0; n < n1; n += 3) {
+        long nb = n1 - n < 3 ? n1 - n : 3;
+        __m256 acc[GEMM_SMALL_M][3];
+#pragma GCC unroll 4
+        for (int m = 0; m < GEMM_SMALL_M; m++)
+#pragma GCC unroll 3
+            for (int j = 0; j < 3; j++) acc[m][j] = _mm256_setzero_ps();
+        for (long k0 = 0; k0 < K; k0 += 8) {
+            __m256i mk = lanes8(K - k0);
+            __m256 wv[3];
+#pragma GCC unroll 3
+            for (int j = 0; j < 3; j++)
+                wv[j] = _mm256_maskload_ps(w + (n + (j < nb ? j : 0)) * K + k0, j < nb ? mk : none);
+#pragma GCC unroll 4
+            for (int m = 0; m < GEMM_SMALL_M; m++) {
+                if (m >= M) break;
+                __m256 x = _mm256_maskload_ps(inp + m * K + k0, mk);
+#pragma GCC unroll 3
+                for (int j = 0; j < 3; j++) acc[m][j] = _mm256_fmadd_ps(x, wv[j], acc[m][j]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < GEMM_SMALL_M; m++) {
+            if (m >= M) break;
+#pragma GCC unroll 3
+            for (int j = 0; j < 3; j++) {
+                if (j >= nb) break;
+                float v = hsum8(acc[m][j]);
+                float *o = out + m * ldo + n + j;
+                *o = accumulate ? *o + v : v;
+            }
+        }
+    }
+}
+
+const gemm_arch gemm_arch_avx2 = {
+    .name = "avx2",
+    .mr = MR,
+    .mrs = MRS,
+    .nr = NR,
+    .kc = 256,
+    .mc = 171 * MR,
+    .nc = 2048,
+    .ncb = 256,
+    .ukernel = uk_avx2,
+    .pack_a = pack_a_avx2,
+    .pack_b = pack_b_avx2,
+    .nt_small = nt_small_avx2,
+};

@@ -1,0 +1,268 @@
+/* kernels/cpu/gemm_avx512.c: the AVX-512 micro-kernel and packers of gemm_f32.
+ *
+ * Register tile 14 x 32: 28 zmm accumulators (14 rows x 2 vectors of 16
+ * columns), 2 zmm for the B row of the current k step and the A element
+ * broadcast straight from memory by the FMA ({1to16} embedded broadcast), 31
+ * of the 32 zmm registers. Per k step: 2 vector loads, 14 broadcast loads, 28
+ * FMAs. 28 independent accumulation chains cover the FMA latency (4 cycles)
+ * times the FMA issue width (1 zmm/cycle on AMD Zen 4, 2 on Intel server
+ * cores) with room to spare, and the load:FMA ratio stays under the load
+ * ports' rate. 14 is also the largest row count that leaves registers for B.
+ *
+ * Every function here carries its own target attribute so the file compiles
+ * in the generic x86-64 build; the registry only installs it when the CPU has
+ * AVX-512 F/BW/VL/DQ (kernels/registry.c).
+ *
+ * Blocking (tuned on a 32 KB L1 / 1 MB L2 core, docs/kernels.md): kc = 384
+ * (one packed A micro-panel, 16 x 384 x 4 = 24 KB, stays in L1; 256 and 512
+ * measured within noise of it), ncb = 512 columns (a B chunk of 384 x 512 x 4
+ * = 768 KB stays in L2), nc = 2048 columns per packed B block, mc = 1036 rows
+ * (74 micro-panels, so M = 1024 is one block) per packed A block. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "kernels/cpu/kern_cpu.h"
+
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+#define MR 14
+#define NR 32
+/* Panels of MR rows are stored with row stride MRS = 16: every k of a panel is
+ * one aligned 64-byte vector (the last two lanes zero), so the packers store
+ * whole aligned vectors and the kernel's broadcasts never split a cache line. */
+#define MRS 16
+
+/* Mask of the low n (0..16) lanes. */
+T512 static inline __mmask16 lanes(int n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+/* The micro-kernel for R rows (R a compile-time constant at each call site
+ * below, so c[][] is all registers and the loops unroll). Each element of C
+ * is one FMA chain over k whatever R is, so the row variants give bitwise
+ * the same results and only save the wasted rows of an edge panel. */
+T512 __attribute__((always_inline)) static inline void uk_rows(const int R, long kc, const float *restrict A,
+                                                               const float *restrict B, float *C, long ldc, int mr,
+                                                               int nr, int add) {
+    __m512 c[MR][2];
+#pragma GCC unroll 14
+    for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
+    /* touch the C tile early so its lines arrive while the k loop runs */
+    if (add)
+        for (int i = 0; i < mr; i++) {
+            _mm_prefetch((const char *)(C + i * ldc), _MM_HINT_T0);
+            _mm_prefetch((const char *)(C + i * ldc + NR - 1), _MM_HINT_T0);
+        }
+    for (long k = 0; k < kc; k++) {
+        __m512 b0 = _mm512_load_ps(B), b1 = _mm512_load_ps(B + 16);
+#pragma GCC unroll 14
+        for (int i = 0; i < R; i++) {
+            __m512 a = _mm512_set1_ps(A[i]);
+            c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
+            c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
+        }
+        A += MRS;
+        B += NR;
+    }
+    __mmask16 m0 = lanes(nr), m1 = lanes(nr - 16);
+#pragma GCC unroll 14
+    for (int i = 0; i < R; i++) {
+        if (i >= mr) break;
+        float *cr = C + i * ldc;
+        __m512 v0 = c[i][0], v1 = c[i][1];
+        if (add) {
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cr), v0);
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cr + 16), v1);
+        }
+        _mm512_mask_storeu_ps(cr, m0, v0);
+        _mm512_mask_storeu_ps(cr + 16, m1, v1);
+    }
+}
+
+/* Full panels take the 14-row kernel; an edge panel (M not a multiple of 14,
+ * e.g. 256 = 18 x 14 + 4) the smallest variant that covers its rows. */
+T512 static void uk_avx512(long kc, const float *restrict A, const float *restrict B, float *C, long ldc, int mr,
+                           int nr, int add) {
+    if (mr > 8) uk_rows(14, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 4) uk_rows(8, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 2) uk_rows(4, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 1) uk_rows(2, kc, A, B, C, ldc, mr, nr, add);
+    else uk_rows(1, kc, A, B, C, ldc, mr, nr, add);
+}
+
+/* In-register transpose of a 16 x 16 block: lane j of r[i] becomes lane i of
+ * r[j]. Four rounds of shuffles: pairs, quads, then 128-bit lanes twice. */
+T512 __attribute__((always_inline)) static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    /* r[4q + s] now holds, in 128-bit lane L, rows 4q..4q+3 of column 4L + s */
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; q++)
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) {
+            t[8 * q + s] = _mm512_shuffle_f32x4(r[8 * q + s], r[8 * q + 4 + s], 0x88);
+            t[8 * q + 4 + s] = _mm512_shuffle_f32x4(r[8 * q + s], r[8 * q + 4 + s], 0xDD);
+        }
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        r[s] = _mm512_shuffle_f32x4(t[s], t[8 + s], 0x88);
+        r[8 + s] = _mm512_shuffle_f32x4(t[s], t[8 + s], 0xDD);
+    }
+}
+
+/* Transposes a rows x kc slab (rows <= 16, row stride ld, contiguous in k)
+ * into dst[k * dstride + i], 16 k at a time; rows beyond `rows` become zeros. */
+T512 static void transpose_slab(float *dst, long dstride, const float *src, long ld, int rows, long kc) {
+    /* written so every r[] index is a constant after unrolling: the block then
+     * lives in registers (a runtime index would put it on the stack) */
+    for (long k0 = 0; k0 < kc; k0 += 16) {
+        long kn = kc - k0 < 16 ? kc - k0 : 16;
+        __mmask16 mk = lanes((int)kn);
+        __m512 r[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            /* rows past the slab load nothing (mask 0) from a valid address */
+            const float *p = src + (i < rows ? i : 0) * ld + k0;
+            r[i] = _mm512_maskz_loadu_ps(i < rows ? mk : (__mmask16)0, p);
+        }
+        transpose16(r);
+#pragma GCC unroll 16
+        for (int kk = 0; kk < 16; kk++)
+            if (kk < kn) _mm512_store_ps(dst + (k0 + kk) * dstride, r[kk]);
+    }
+}
+
+T512 static void pack_a_avx512(float *dst, gemm_view a, long m, long kc) {
+    long np = (m + MR - 1) / MR;
+    if (a.rs == 1) {
+        /* A given transposed (dw's dout^T): row k of the source holds the m
+         * values of one k contiguously; walk it once, dealing 14 to each panel */
+        for (long k = 0; k < kc; k++) {
+            const float *src = a.p + k * a.cs;
+            for (long p = 0; p < np; p++) {
+                long rows = m - p * MR < MR ? m - p * MR : MR;
+                __m512 v = _mm512_maskz_loadu_ps(lanes((int)rows), src + p * MR);
+                _mm512_store_ps(dst + p * MRS * kc + k * MRS, v);
+            }
+        }
+        return;
+    }
+    if (a.cs == 1) {
+        /* row-major A: transpose 14 rows x 16 k at a time */
+        for (long p = 0; p < np; p++) {
+            int rows = (int)(m - p * MR < MR ? m - p * MR : MR);
+            transpose_slab(dst + p * MRS * kc, MRS, a.p + p * MR * a.rs, a.rs, rows, kc);
+        }
+        return;
+    }
+    for (long p = 0; p < np; p++)
+        for (long k = 0; k < kc; k++)
+            for (int i = 0; i < MRS; i++)
+                dst[p * MRS * kc + k * MRS + i] =
+                    i < MR && p * MR + i < m ? a.p[(p * MR + i) * a.rs + k * a.cs] : 0.0f;
+}
+
+T512 static void pack_b_avx512(float *dst, gemm_view b, long kc, long n) {
+    long np = (n + NR - 1) / NR;
+    if (b.cs == 1) {
+        /* row-major B: walk each source row once, 32 columns to each panel */
+        for (long k = 0; k < kc; k++) {
+            const float *src = b.p + k * b.rs;
+            for (long p = 0; p < np; p++) {
+                long cols = n - p * NR;
+                float *d = dst + p * NR * kc + k * NR;
+                if (cols >= NR) {
+                    _mm512_store_ps(d, _mm512_loadu_ps(src + p * NR));
+                    _mm512_store_ps(d + 16, _mm512_loadu_ps(src + p * NR + 16));
+                } else {
+                    _mm512_store_ps(d, _mm512_maskz_loadu_ps(lanes((int)cols), src + p * NR));
+                    _mm512_store_ps(d + 16, _mm512_maskz_loadu_ps(lanes((int)cols - 16), src + p * NR + 16));
+                }
+            }
+        }
+        return;
+    }
+    if (b.rs == 1) {
+        /* B given transposed (the forward's w[N,K]): two 16-column transposes per panel */
+        for (long p = 0; p < np; p++)
+            for (int h = 0; h < 2; h++) {
+                long cols = n - p * NR - 16 * h;
+                int c = (int)(cols > 16 ? 16 : cols < 0 ? 0 : cols);
+                transpose_slab(dst + p * NR * kc + 16 * h, NR, b.p + (p * NR + 16 * h) * b.cs, b.cs, c, kc);
+            }
+        return;
+    }
+    for (long p = 0; p < np; p++)
+        for (long k = 0; k < kc; k++)
+            for (int j = 0; j < NR; j++)
+                dst[p * NR * kc + k * NR + j] = p * NR + j < n ? b.p[k * b.rs + (p * NR + j) * b.cs] : 0.0f;
+}
+
+/* Few rows (decode steps: M = 1): out[m, n] (+)= dot(inp[m, :], w[n, :]) for
+ * n in [n0, n1). Both operands are contiguous along K, so no packing: the
+ * GEMM would copy all of w to read it once, tripling the memory traffic of
+ * what is a matrix-vector product bound by reading w. 4 rows of w at a time,
+ * 16 k per step, one zmm partial sum per (row of inp, row of w), reduced in a
+ * fixed order at the end. */
+T512 static void nt_small_avx512(float *out, long ldo, const float *inp, const float *w, int M, long K, long n0,
+                                 long n1, int accumulate) {
+    for (long n = n0; n < n1; n += 4) {
+        long nb = n1 - n < 4 ? n1 - n : 4;
+        __m512 acc[GEMM_SMALL_M][4];
+#pragma GCC unroll 4
+        for (int m = 0; m < GEMM_SMALL_M; m++)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+        for (long k0 = 0; k0 < K; k0 += 16) {
+            __mmask16 mk = lanes(K - k0 < 16 ? (int)(K - k0) : 16);
+            __m512 wv[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+                wv[j] = _mm512_maskz_loadu_ps(j < nb ? mk : (__mmask16)0, w + (n + (j < nb ? j : 0)) * K + k0);
+#pragma GCC unroll 4
+            for (int m = 0; m < GEMM_SMALL_M; m++) {
+                if (m >= M) break;
+                __m512 x = _mm512_maskz_loadu_ps(mk, inp + m * K + k0);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(x, wv[j], acc[m][j]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < GEMM_SMALL_M; m++) {
+            if (m >= M) break;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                if (j >= nb) break;
+                float v = _mm512_reduce_add_ps(acc[m][j]);
+                float *o = out + m * ldo + n + j;
+                *o = accumulate ? *o + v : v;
+            }
+        }
+    }
+}
+
+const gemm_arch gemm_arch_avx512 = {
+    .name = "avx512",
+    .mr = MR,
+    .mrs = MRS,
+    .nr = NR,
+    .kc = 384,
+    .mc = 74 * MR,
+    .nc = 2048,
+    .ncb = 512,
+    .ukernel = uk_avx512,
+    .pack_a = pack_a_avx512,
+    .pack_b = pack_b_avx512,
+    .nt_small = nt_small_avx512,
+};

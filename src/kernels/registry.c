@@ -1,0 +1,197 @@
+/* kernels/registry.c: the table of implementations and the per-run choice.
+ *
+ * Design: a const array, nothing registers itself at start-up and nothing is
+ * mutable, so two runs in one process (the Python tests drive libctitan that
+ * way) can choose differently without interfering. Within an op, entries are
+ * listed in order of preference (fastest first, measured: docs/kernels.md);
+ * the default is the first one the CPU can run, and "ref" (features 0) is
+ * last, so there is always one. Adding an implementation is one entry here
+ * plus its functions (docs/kernels.md, "Adding an implementation"). */
+#include "kernels/registry.h"
+
+#include <string.h>
+
+#include "kernels/cpu/kern_cpu.h"
+#include "kernels/ops.h"
+
+static const char *const op_names[KERN_N_OPS] = {
+    [KERN_OP_MATMUL] = "matmul",       [KERN_OP_EMBEDDING] = "embedding", [KERN_OP_RMSNORM] = "rmsnorm",
+    [KERN_OP_ROPE] = "rope",           [KERN_OP_ATTENTION] = "attention", [KERN_OP_SWIGLU] = "swiglu",
+    [KERN_OP_CROSSENTROPY] = "crossentropy", [KERN_OP_ADD] = "add",     [KERN_OP_ADAMW] = "adamw",
+};
+
+static const kern_impl registry[] = {
+    /* matmul: own packed GEMM first (AVX-512, then AVX2), OpenBLAS, then the reference */
+    {KERN_OP_MATMUL, "avx512", "cpu", KERN_FEAT_AVX512, 0, "packed GEMM, 14x32 zmm micro-kernel, OpenMP tiles",
+     .fn.matmul = {kern_matmul_fwd_avx512, kern_matmul_bwd_avx512}},
+    {KERN_OP_MATMUL, "avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, 0,
+     "packed GEMM, 6x16 ymm micro-kernel, OpenMP tiles", .fn.matmul = {kern_matmul_fwd_avx2, kern_matmul_bwd_avx2}},
+    {KERN_OP_MATMUL, "openblas", "cpu", 0, 0, "cblas_sgemm (core type as OPENBLAS_CORETYPE / the library picks)",
+     .fn.matmul = {kern_matmul_fwd_openblas, kern_matmul_bwd_openblas}},
+    {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "kernels/ref (op_matmul_*)", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
+
+    {KERN_OP_EMBEDDING, "ref", "cpu", 0, 0, "kernels/ref", .fn.embedding = {op_embedding_fwd, op_embedding_bwd}},
+    {KERN_OP_RMSNORM, "ref", "cpu", 0, 0, "kernels/ref", .fn.rmsnorm = {op_rmsnorm_fwd, op_rmsnorm_bwd}},
+    {KERN_OP_ROPE, "ref", "cpu", 0, 0, "kernels/ref", .fn.rope = {op_rope_fwd, op_rope_bwd}},
+    {KERN_OP_ATTENTION, "ref", "cpu", 0, 0, "kernels/ref (saves probs [B,nh,T,T])",
+     .fn.attention = {op_attention_fwd, op_attention_bwd}},
+    {KERN_OP_SWIGLU, "ref", "cpu", 0, 0, "kernels/ref", .fn.swiglu = {op_swiglu_fwd, op_swiglu_bwd}},
+    {KERN_OP_CROSSENTROPY, "ref", "cpu", 0, 0, "kernels/ref",
+     .fn.crossentropy = {op_crossentropy_fwdbwd, op_crossentropy_fwd}},
+    {KERN_OP_ADD, "ref", "cpu", 0, 0, "kernels/ref", .fn.add = {op_add}},
+    {KERN_OP_ADAMW, "ref", "cpu", 0, 0, "optim/optim.c adamw_step", .fn.adamw = {adamw_step}},
+};
+
+const kern_impl *kern_registry(size_t *n) {
+    if (n) *n = sizeof registry / sizeof registry[0];
+    return registry;
+}
+
+const char *kern_op_name(kern_op op) { return op >= 0 && op < KERN_N_OPS ? op_names[op] : "?"; }
+
+int kern_op_from_name(const char *name) {
+    for (int i = 0; i < KERN_N_OPS; i++)
+        if (!strcmp(op_names[i], name)) return i;
+    return -1;
+}
+
+static const struct {
+    unsigned bit;
+    const char *name;
+} feature_names[] = {
+    {KERN_FEAT_AVX2, "avx2"},         {KERN_FEAT_FMA, "fma"},           {KERN_FEAT_AVX512F, "avx512f"},
+    {KERN_FEAT_AVX512BW, "avx512bw"}, {KERN_FEAT_AVX512VL, "avx512vl"}, {KERN_FEAT_AVX512DQ, "avx512dq"},
+    {KERN_FEAT_AVX512BF16, "avx512bf16"},
+};
+
+unsigned kern_cpu_features(void) {
+    /* __builtin_cpu_supports also checks that the OS saves the vector state
+     * (XCR0), so a feature reported here is one we may use. */
+    __builtin_cpu_init();
+    unsigned f = 0;
+    if (__builtin_cpu_supports("avx2")) f |= KERN_FEAT_AVX2;
+    if (__builtin_cpu_supports("fma")) f |= KERN_FEAT_FMA;
+    if (__builtin_cpu_supports("avx512f")) f |= KERN_FEAT_AVX512F;
+    if (__builtin_cpu_supports("avx512bw")) f |= KERN_FEAT_AVX512BW;
+    if (__builtin_cpu_supports("avx512vl")) f |= KERN_FEAT_AVX512VL;
+    if (__builtin_cpu_supports("avx512dq")) f |= KERN_FEAT_AVX512DQ;
+    if (__builtin_cpu_supports("avx512bf16")) f |= KERN_FEAT_AVX512BF16;
+    return f;
+}
+
+void kern_features_str(unsigned f, char *buf, size_t cap) {
+    size_t len = 0;
+    if (cap) buf[0] = 0;
+    for (size_t i = 0; i < sizeof feature_names / sizeof feature_names[0]; i++) {
+        if (!(f & feature_names[i].bit)) continue;
+        int w = snprintf(buf + len, cap > len ? cap - len : 0, "%s%s", len ? " " : "", feature_names[i].name);
+        if (w > 0) len += (size_t)w;
+    }
+    if (!len && cap) snprintf(buf, cap, "none");
+}
+
+/* Puts the functions of `im` (an entry of op im->op) into the ops table. */
+static void install(kern_ops *k, const kern_impl *im) {
+    k->chosen[im->op] = im;
+    switch (im->op) {
+    case KERN_OP_MATMUL: k->matmul_fwd = im->fn.matmul.fwd; k->matmul_bwd = im->fn.matmul.bwd; break;
+    case KERN_OP_EMBEDDING: k->embedding_fwd = im->fn.embedding.fwd; k->embedding_bwd = im->fn.embedding.bwd; break;
+    case KERN_OP_RMSNORM: k->rmsnorm_fwd = im->fn.rmsnorm.fwd; k->rmsnorm_bwd = im->fn.rmsnorm.bwd; break;
+    case KERN_OP_ROPE: k->rope_fwd = im->fn.rope.fwd; k->rope_bwd = im->fn.rope.bwd; break;
+    case KERN_OP_ATTENTION: k->attention_fwd = im->fn.attention.fwd; k->attention_bwd = im->fn.attention.bwd; break;
+    case KERN_OP_SWIGLU: k->swiglu_fwd = im->fn.swiglu.fwd; k->swiglu_bwd = im->fn.swiglu.bwd; break;
+    case KERN_OP_CROSSENTROPY:
+        k->crossentropy_fwdbwd = im->fn.crossentropy.fwdbwd;
+        k->crossentropy_fwd = im->fn.crossentropy.fwd;
+        break;
+    case KERN_OP_ADD: k->add = im->fn.add.fwd; break;
+    case KERN_OP_ADAMW: k->adamw_step = im->fn.adamw.step; break;
+    default: break;
+    }
+}
+
+/* Comma-separated names of op's entries, for error messages. */
+static void list_impls(const kern_impl *t, size_t n, int op, char *buf, size_t cap) {
+    size_t len = 0;
+    buf[0] = 0;
+    for (size_t i = 0; i < n; i++) {
+        if ((int)t[i].op != op) continue;
+        int w = snprintf(buf + len, cap > len ? cap - len : 0, "%s%s", len ? ", " : "", t[i].name);
+        if (w > 0) len += (size_t)w;
+    }
+}
+
+int kern_select_from(kern_ops *out, const kern_impl *t, size_t n, unsigned cpu, const char *const *overrides,
+                     char *log, size_t logcap, ct_err *e) {
+    kern_ops k;
+    memset(&k, 0, sizeof k);
+    /* defaults: the first runnable entry of each op */
+    for (int op = 0; op < KERN_N_OPS; op++) {
+        for (size_t i = 0; i < n && !k.chosen[op]; i++)
+            if ((int)t[i].op == op && !strcmp(t[i].device, "cpu") && (t[i].features & ~cpu) == 0) install(&k, &t[i]);
+        if (!k.chosen[op])
+            return ct_fail(e, CT_ERR_CONFIG, "kernels: no implementation of %s runs on this CPU", op_names[op]);
+    }
+    for (size_t j = 0; overrides && overrides[j]; j++) {
+        const char *s = overrides[j];
+        const char *eq = strchr(s, '=');
+        char opname[64], impl[64];
+        if (!eq || eq == s || (size_t)(eq - s) >= sizeof opname || strlen(eq + 1) >= sizeof impl || !eq[1])
+            return ct_fail(e, CT_ERR_CONFIG, "kernels: bad override \"%s\" (expected op=implementation)", s);
+        memcpy(opname, s, (size_t)(eq - s));
+        opname[eq - s] = 0;
+        strcpy(impl, eq + 1);
+        int op = kern_op_from_name(opname);
+        if (op < 0)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "kernels: unknown op \"%s\" in \"%s\" (ops: matmul, embedding, rmsnorm, rope, attention, "
+                           "swiglu, crossentropy, add, adamw)",
+                           opname, s);
+        if (!strcmp(impl, "auto")) continue; /* keep the default */
+        const kern_impl *found = NULL;
+        for (size_t i = 0; i < n && !found; i++)
+            if ((int)t[i].op == op && !strcmp(t[i].name, impl)) found = &t[i];
+        char names[256];
+        list_impls(t, n, op, names, sizeof names);
+        if (!found)
+            return ct_fail(e, CT_ERR_CONFIG, "kernels: no implementation \"%s\" of %s (registered: %s, or auto)", impl,
+                           opname, names);
+        if (found->features & ~cpu) {
+            char need[128], have[128];
+            kern_features_str(found->features & ~cpu, need, sizeof need);
+            kern_features_str(cpu, have, sizeof have);
+            return ct_fail(e, CT_ERR_CONFIG, "kernels: %s=%s needs CPU features this CPU lacks: %s (it has: %s)",
+                           opname, impl, need, have);
+        }
+        if (strcmp(found->device, "cpu"))
+            return ct_fail(e, CT_ERR_CONFIG, "kernels: %s=%s runs on device \"%s\", not this CPU", opname, impl,
+                           found->device);
+        install(&k, found);
+    }
+    if (log && logcap) {
+        size_t len = 0;
+        log[0] = 0;
+        int w = snprintf(log, logcap, "kernels:");
+        if (w > 0) len = (size_t)w;
+        for (int op = 0; op < KERN_N_OPS; op++) {
+            w = snprintf(log + len, logcap > len ? logcap - len : 0, " %s=%s", op_names[op], k.chosen[op]->name);
+            if (w > 0) len += (size_t)w;
+        }
+    }
+    *out = k;
+    return 0;
+}
+
+int kern_select(kern_ops *out, const char *const *overrides, char *log, size_t logcap, ct_err *e) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    return kern_select_from(out, t, n, kern_cpu_features(), overrides, log, logcap, e);
+}
+
+void kern_select_ref(kern_ops *out) {
+    static const char *const all_ref[] = {"matmul=ref", "embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref",
+                                          "swiglu=ref", "crossentropy=ref", "add=ref", "adamw=ref", NULL};
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    kern_select_from(out, t, n, 0, all_ref, NULL, 0, NULL);
+}

@@ -1,0 +1,178 @@
+/* kernels/registry.h: every implementation of every op, and the choice among them.
+ *
+ * The registry is one const table (registry.c) of implementations: the op
+ * ("matmul", "rmsnorm", ...), a name ("ref", "avx512", ...), the device, the
+ * CPU features it needs, and its forward/backward functions with exactly the
+ * signatures of kernels/ops.h. The plain reference of kernels/ref/ is
+ * registered as "ref" for every op.
+ *
+ * A run does not call ops through globals: kern_select() fills a kern_ops, a
+ * struct of function pointers owned by the caller's run context, with one
+ * implementation per op: by default the first entry of the table (entries
+ * are listed fastest first) whose features the CPU has, or the one named by
+ * the [kernels] config section ("matmul=avx2"). The model then calls
+ * k->matmul_fwd(...) where it called op_matmul_fwd(...).
+ *
+ * kern_check() runs every implementation against "ref" on random and edge
+ * shapes (`ctitan kernels check`, part of `make test`). It takes the table as
+ * a parameter, so a test can check a table of its own (say, with a broken
+ * implementation it expects to be caught) without touching global state. */
+#ifndef CT_KERNELS_REGISTRY_H
+#define CT_KERNELS_REGISTRY_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "core/err.h"
+#include "optim/optim.h"
+
+typedef enum {
+    KERN_OP_MATMUL,
+    KERN_OP_EMBEDDING,
+    KERN_OP_RMSNORM,
+    KERN_OP_ROPE,
+    KERN_OP_ATTENTION,
+    KERN_OP_SWIGLU,
+    KERN_OP_CROSSENTROPY,
+    KERN_OP_ADD,
+    KERN_OP_ADAMW,
+    KERN_N_OPS
+} kern_op;
+
+/* CPU features an implementation may require (a bit set). */
+enum {
+    KERN_FEAT_AVX2 = 1u << 0,
+    KERN_FEAT_FMA = 1u << 1,
+    KERN_FEAT_AVX512F = 1u << 2,
+    KERN_FEAT_AVX512BW = 1u << 3,
+    KERN_FEAT_AVX512VL = 1u << 4,
+    KERN_FEAT_AVX512DQ = 1u << 5,
+    KERN_FEAT_AVX512BF16 = 1u << 6,
+    KERN_FEAT_ALL = (1u << 7) - 1,
+};
+/* The AVX-512 subset the fp32 kernels use (Skylake-X and later, Zen 4 and later). */
+#define KERN_FEAT_AVX512 (KERN_FEAT_AVX512F | KERN_FEAT_AVX512BW | KERN_FEAT_AVX512VL | KERN_FEAT_AVX512DQ)
+
+/* One function type per entry point of kernels/ops.h (and optim.h's AdamW step). */
+typedef void (*kern_matmul_fwd_fn)(float *out, const float *inp, const float *w, int M, int K, int N,
+                                   int accumulate);
+typedef void (*kern_matmul_bwd_fn)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                                   int M, int K, int N);
+typedef void (*kern_embedding_fwd_fn)(float *out, const int32_t *tokens, const float *wte, int N, int C);
+typedef void (*kern_embedding_bwd_fn)(float *dwte, const float *dout, const int32_t *tokens, int N, int C);
+typedef void (*kern_rmsnorm_fwd_fn)(float *out, float *rstd, const float *inp, const float *w, int N, int C,
+                                    float eps);
+typedef void (*kern_rmsnorm_bwd_fn)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                                    const float *rstd, int N, int C);
+typedef void (*kern_rope_fn)(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
+                             int hd);
+typedef void (*kern_attention_fwd_fn)(float *out, float *probs, const float *q, const float *k, const float *v,
+                                      int B, int T, int nh, int nkv, int hd);
+typedef void (*kern_attention_bwd_fn)(float *dq, float *dk, float *dv, const float *dout, const float *probs,
+                                      const float *q, const float *k, const float *v, int B, int T, int nh,
+                                      int nkv, int hd);
+typedef void (*kern_swiglu_fwd_fn)(float *out, const float *gate, const float *up, int N);
+typedef void (*kern_swiglu_bwd_fn)(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
+                                   int N);
+typedef double (*kern_crossentropy_fwdbwd_fn)(float *logits, const int32_t *targets, int N, int V,
+                                              float grad_scale, long *n_valid);
+typedef double (*kern_crossentropy_fwd_fn)(float *losses, const float *logits, const int32_t *targets, int N,
+                                           int V);
+typedef void (*kern_add_fn)(float *out, const float *a, const float *b, long N);
+typedef void (*kern_adamw_step_fn)(adamw_state *s, float *params, const float *grads, double lr,
+                                   const adamw_hparams *h);
+
+/* One registered implementation. The member of `fn` that is used is the one
+ * of `op`; an op's entry must fill every function of its member. */
+typedef struct {
+    kern_op op;
+    const char *name;   /* unique per op: "ref", "avx512", "avx2", "openblas", ... */
+    const char *device; /* "cpu" (later "cuda", ...) */
+    unsigned features;  /* KERN_FEAT_* it needs; 0 runs anywhere */
+    double tol;         /* kern_check tolerance vs ref (relative to max |ref|); 0: KERN_CHECK_TOL */
+    const char *about;  /* one line for `ctitan kernels list` */
+    union {
+        struct { kern_matmul_fwd_fn fwd; kern_matmul_bwd_fn bwd; } matmul;
+        struct { kern_embedding_fwd_fn fwd; kern_embedding_bwd_fn bwd; } embedding;
+        struct { kern_rmsnorm_fwd_fn fwd; kern_rmsnorm_bwd_fn bwd; } rmsnorm;
+        struct { kern_rope_fn fwd; kern_rope_fn bwd; } rope;
+        struct { kern_attention_fwd_fn fwd; kern_attention_bwd_fn bwd; } attention;
+        struct { kern_swiglu_fwd_fn fwd; kern_swiglu_bwd_fn bwd; } swiglu;
+        struct { kern_crossentropy_fwdbwd_fn fwdbwd; kern_crossentropy_fwd_fn fwd; } crossentropy;
+        struct { kern_add_fn fwd; } add;
+        struct { kern_adamw_step_fn step; } adamw;
+    } fn;
+} kern_impl;
+
+/* The implementation chosen for each op of a run. Owned by the caller (the
+ * run context); read-only after kern_select. */
+typedef struct {
+    kern_matmul_fwd_fn matmul_fwd;
+    kern_matmul_bwd_fn matmul_bwd;
+    kern_embedding_fwd_fn embedding_fwd;
+    kern_embedding_bwd_fn embedding_bwd;
+    kern_rmsnorm_fwd_fn rmsnorm_fwd;
+    kern_rmsnorm_bwd_fn rmsnorm_bwd;
+    kern_rope_fn rope_fwd;
+    kern_rope_fn rope_bwd;
+    kern_attention_fwd_fn attention_fwd;
+    kern_attention_bwd_fn attention_bwd;
+    kern_swiglu_fwd_fn swiglu_fwd;
+    kern_swiglu_bwd_fn swiglu_bwd;
+    kern_crossentropy_fwdbwd_fn crossentropy_fwdbwd;
+    kern_crossentropy_fwd_fn crossentropy_fwd;
+    kern_add_fn add;
+    kern_adamw_step_fn adamw_step;
+    const kern_impl *chosen[KERN_N_OPS]; /* the entries behind the pointers above */
+} kern_ops;
+
+/* The built-in table (fastest first within each op); *n receives its length. */
+const kern_impl *kern_registry(size_t *n);
+
+/* "matmul" for KERN_OP_MATMUL; kern_op_from_name returns -1 if unknown. */
+const char *kern_op_name(kern_op op);
+int kern_op_from_name(const char *name);
+
+/* Features of the CPU this process runs on (KERN_FEAT_* bits, OS support included). */
+unsigned kern_cpu_features(void);
+/* "avx2 fma avx512f ..." for the bits of f ("none" if empty). */
+void kern_features_str(unsigned f, char *buf, size_t cap);
+
+/* Fills *out with the built-in table's defaults for this CPU, then applies
+ * `overrides`, a NULL-terminated list of "op=impl" strings (the [kernels]
+ * config section; NULL for none; impl "auto" keeps the default). An unknown
+ * op, an unknown impl name, or an impl this CPU cannot run is CT_ERR_CONFIG
+ * with a message naming it. On success `log` (if non-NULL) receives one line
+ * "kernels: matmul=avx512 embedding=ref ...". */
+int kern_select(kern_ops *out, const char *const *overrides, char *log, size_t logcap, ct_err *e);
+/* The same over any table and feature set (tests, `kernels list`). */
+int kern_select_from(kern_ops *out, const kern_impl *table, size_t n, unsigned cpu_features,
+                     const char *const *overrides, char *log, size_t logcap, ct_err *e);
+/* An ops table of the reference implementations only (never fails). */
+void kern_select_ref(kern_ops *out);
+
+/* ---------------------------------------------------------------- checking */
+
+/* Default tolerance of kern_check: max |impl - ref| <= tol * max |ref| over
+ * each output tensor (fp32 implementations; reduced-precision ones set their
+ * entry's tol). 1e-5 is ~100 fp32 ulps of the largest element: different
+ * summation orders and FMA contraction stay far below it (measured ~1e-6 at
+ * K = 1024), while a wrong index, a missed edge or a lost += is O(1). */
+#define KERN_CHECK_TOL 1e-5
+
+typedef struct {
+    FILE *out;           /* one line per (op, impl, shape) and a summary; NULL: silent */
+    const char *op;      /* only this op (NULL: all) */
+    const char *impl;    /* only this implementation name (NULL: all) */
+    unsigned features;   /* implementations needing more than this are skipped and said so */
+    uint64_t seed;       /* inputs are pseudo-random from this seed */
+} kern_check_opts;
+
+/* Runs every implementation of `table` other than "ref" against the "ref"
+ * entry of the same op, forward and backward (including the += accumulation,
+ * NULL optional outputs, in-place forms), on random and edge shapes. Returns
+ * the number of failed (op, impl, shape) cases; 0 means all passed. */
+int kern_check(const kern_impl *table, size_t n, const kern_check_opts *opts);
+
+#endif

@@ -1,0 +1,290 @@
+/* tests/c/test_kernels.c: the kernel registry and its checker.
+ *
+ * - kern_select picks a runnable default for every op, honours overrides, and
+ *   rejects bad ones with a message naming the op / implementation at fault;
+ * - the defaults follow the CPU features it is given (simulated CPUs);
+ * - kern_check passes on the built-in table (every implementation this CPU
+ *   runs, against ref);
+ * - kern_check catches deliberately broken matmuls (a table local to this
+ *   test: no global state is touched);
+ * - the fast GEMMs are bit-identical at 1 and 2 threads (determinism). */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "kernels/cpu/kern_cpu.h"
+#include "kernels/ops.h"
+#include "kernels/registry.h"
+
+static const kern_impl *find(const kern_impl *t, size_t n, kern_op op, const char *name) {
+    for (size_t i = 0; i < n; i++)
+        if (t[i].op == op && !strcmp(t[i].name, name)) return &t[i];
+    return NULL;
+}
+
+static void test_defaults(void) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    unsigned cpu = kern_cpu_features();
+    kern_ops k;
+    ct_err e = {0};
+    char log[512];
+    CHECK(kern_select(&k, NULL, log, sizeof log, &e) == 0, "kern_select failed: %s", e.msg);
+    for (int op = 0; op < KERN_N_OPS; op++) {
+        CHECK(k.chosen[op] != NULL, "no implementation chosen for %s", kern_op_name(op));
+        if (k.chosen[op]) {
+            CHECK((k.chosen[op]->features & ~cpu) == 0, "%s default %s needs features this CPU lacks",
+                  kern_op_name(op), k.chosen[op]->name);
+            CHECK(strstr(log, kern_op_name(op)) != NULL, "log \"%s\" does not mention %s", log, kern_op_name(op));
+        }
+    }
+    CHECK(k.matmul_fwd && k.matmul_bwd && k.embedding_fwd && k.embedding_bwd && k.rmsnorm_fwd && k.rmsnorm_bwd &&
+              k.rope_fwd && k.rope_bwd && k.attention_fwd && k.attention_bwd && k.swiglu_fwd && k.swiglu_bwd &&
+              k.crossentropy_fwdbwd && k.crossentropy_fwd && k.add && k.adamw_step,
+          "a function pointer was left NULL");
+    CHECK(!strncmp(log, "kernels:", 8), "log line \"%s\"", log);
+    /* the preferred matmul for this CPU */
+    const char *want = (cpu & KERN_FEAT_AVX512) == KERN_FEAT_AVX512                        ? "avx512"
+                       : (cpu & (KERN_FEAT_AVX2 | KERN_FEAT_FMA)) == (KERN_FEAT_AVX2 | KERN_FEAT_FMA) ? "avx2"
+                                                                                                     : "openblas";
+    CHECK(!strcmp(k.chosen[KERN_OP_MATMUL]->name, want), "matmul default %s, expected %s",
+          k.chosen[KERN_OP_MATMUL]->name, want);
+
+    /* simulated CPUs: the default follows the features */
+    static const struct {
+        unsigned feats;
+        const char *want;
+    } sims[] = {
+        {0, "openblas"},
+        {KERN_FEAT_AVX2 | KERN_FEAT_FMA, "avx2"},
+        {KERN_FEAT_AVX2 | KERN_FEAT_FMA | KERN_FEAT_AVX512, "avx512"},
+        {KERN_FEAT_AVX2 | KERN_FEAT_FMA | KERN_FEAT_AVX512F, "avx2"}, /* F alone is not enough */
+    };
+    for (size_t i = 0; i < sizeof sims / sizeof sims[0]; i++) {
+        CHECK(kern_select_from(&k, t, n, sims[i].feats, NULL, NULL, 0, &e) == 0, "%s", e.msg);
+        CHECK(!strcmp(k.chosen[KERN_OP_MATMUL]->name, sims[i].want), "features %#x: matmul %s, expected %s",
+              sims[i].feats, k.chosen[KERN_OP_MATMUL]->name, sims[i].want);
+    }
+
+    kern_select_ref(&k);
+    CHECK(k.matmul_fwd == op_matmul_fwd && k.matmul_bwd == op_matmul_bwd, "kern_select_ref matmul");
+    CHECK(k.rmsnorm_fwd == op_rmsnorm_fwd && k.add == op_add, "kern_select_ref others");
+}
+
+static void test_overrides(void) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    kern_ops k;
+    ct_err e = {0};
+    char log[512];
+
+    const char *const ov1[] = {"matmul=ref", "rmsnorm=ref", NULL};
+    CHECK(kern_select(&k, ov1, log, sizeof log, &e) == 0, "%s", e.msg);
+    CHECK(k.matmul_fwd == op_matmul_fwd && k.matmul_bwd == op_matmul_bwd, "matmul=ref not installed");
+    CHECK(strstr(log, "matmul=ref") != NULL, "log \"%s\"", log);
+
+    const char *const ov2[] = {"matmul=openblas", NULL};
+    CHECK(kern_select(&k, ov2, NULL, 0, &e) == 0, "%s", e.msg);
+    CHECK(!strcmp(k.chosen[KERN_OP_MATMUL]->name, "openblas"), "matmul=openblas not chosen");
+
+    /* auto keeps the default; the last override of an op wins */
+    kern_ops d;
+    CHECK(kern_select(&d, NULL, NULL, 0, &e) == 0, "%s", e.msg);
+    const char *const ov3[] = {"matmul=ref", "matmul=auto", NULL};
+    CHECK(kern_select(&k, ov3, NULL, 0, &e) == 0, "%s", e.msg);
+    CHECK(k.chosen[KERN_OP_MATMUL] == find(t, n, KERN_OP_MATMUL, "ref"), "ref then auto: ref stays");
+    const char *const ov4[] = {"matmul=auto", NULL};
+    CHECK(kern_select(&k, ov4, NULL, 0, &e) == 0, "%s", e.msg);
+    CHECK(k.chosen[KERN_OP_MATMUL] == d.chosen[KERN_OP_MATMUL], "auto is the default");
+
+    /* bad overrides fail with CT_ERR_CONFIG and a message naming the culprit */
+    static const struct {
+        const char *ov;
+        const char *needle1, *needle2;
+    } bad[] = {
+        {"matmul=nonesuch", "nonesuch", "matmul"},
+        {"flashmatmul=ref", "flashmatmul", "unknown op"},
+        {"matmul", "matmul", "op=implementation"},
+        {"=ref", "=ref", "op=implementation"},
+        {"matmul=", "matmul=", "op=implementation"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        const char *const ov[] = {bad[i].ov, NULL};
+        memset(&e, 0, sizeof e);
+        int rc = kern_select(&k, ov, NULL, 0, &e);
+        CHECK(rc == CT_ERR_CONFIG && e.code == CT_ERR_CONFIG, "\"%s\" gave rc %d", bad[i].ov, rc);
+        CHECK(strstr(e.msg, bad[i].needle1) && strstr(e.msg, bad[i].needle2), "\"%s\": message \"%s\"", bad[i].ov,
+              e.msg);
+    }
+    /* an implementation the CPU cannot run (simulated CPU without AVX-512) */
+    const char *const ov5[] = {"matmul=avx512", NULL};
+    memset(&e, 0, sizeof e);
+    int rc = kern_select_from(&k, t, n, KERN_FEAT_AVX2 | KERN_FEAT_FMA, ov5, NULL, 0, &e);
+    CHECK(rc == CT_ERR_CONFIG, "matmul=avx512 without AVX-512 gave %d", rc);
+    CHECK(strstr(e.msg, "matmul=avx512") && strstr(e.msg, "avx512f") && strstr(e.msg, "lacks"), "message \"%s\"",
+          e.msg);
+}
+
+static void test_check_builtin(void) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    kern_check_opts o = {.out = NULL, .features = kern_cpu_features(), .seed = 42};
+    int failed = kern_check(t, n, &o);
+    if (failed) {
+        o.out = stderr; /* show which */
+        kern_check(t, n, &o);
+    }
+    CHECK(failed == 0, "%d kernel check cases failed", failed);
+}
+
+/* ---- deliberately broken matmuls: each must be caught by kern_check ---- */
+
+/* drops the last k of the sum */
+static void bad_fwd_short_k(float *out, const float *inp, const float *w, int M, int K, int N, int acc) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            float s = 0;
+            for (int k = 0; k < K - 1; k++) s += inp[(size_t)i * K + k] * w[(size_t)j * K + k];
+            out[(size_t)i * N + j] = acc ? out[(size_t)i * N + j] + s : s;
+        }
+}
+/* a correct forward, to pair with broken backwards */
+static void good_fwd(float *out, const float *inp, const float *w, int M, int K, int N, int acc) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double s = 0;
+            for (int k = 0; k < K; k++) s += (double)inp[(size_t)i * K + k] * w[(size_t)j * K + k];
+            out[(size_t)i * N + j] = acc ? out[(size_t)i * N + j] + (float)s : (float)s;
+        }
+}
+/* ignores the accumulate flag (always overwrites) */
+static void bad_fwd_no_acc(float *out, const float *inp, const float *w, int M, int K, int N, int acc) {
+    (void)acc;
+    good_fwd(out, inp, w, M, K, N, 0);
+}
+/* reads C even when told to overwrite (garbage/NaN leaks through) */
+static void bad_fwd_reads_c(float *out, const float *inp, const float *w, int M, int K, int N, int acc) {
+    (void)acc;
+    good_fwd(out, inp, w, M, K, N, 1);
+}
+/* overwrites dinp instead of accumulating */
+static void bad_bwd_overwrite(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
+                              int K, int N) {
+    if (dinp) memset(dinp, 0, (size_t)M * K * sizeof(float));
+    op_matmul_bwd(dinp, dw, dout, inp, w, M, K, N);
+}
+/* misses the last row of dw when N is odd (an edge bug) */
+static void bad_bwd_edge(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
+                         int N) {
+    if (dinp) op_matmul_bwd(dinp, NULL, dout, inp, w, M, K, N);
+    if (dw) {
+        float *tmp = malloc((size_t)N * K * sizeof(float));
+        memcpy(tmp, dw, (size_t)N * K * sizeof(float));
+        op_matmul_bwd(NULL, dw, dout, inp, w, M, K, N);
+        if (N % 2) memcpy(dw + (size_t)(N - 1) * K, tmp + (size_t)(N - 1) * K, (size_t)K * sizeof(float));
+        free(tmp);
+    }
+}
+
+static void test_check_catches_bugs(void) {
+    static const struct {
+        const char *name;
+        kern_matmul_fwd_fn fwd;
+        kern_matmul_bwd_fn bwd;
+    } broken[] = {
+        {"short-k", bad_fwd_short_k, op_matmul_bwd},   {"no-acc", bad_fwd_no_acc, op_matmul_bwd},
+        {"reads-c", bad_fwd_reads_c, op_matmul_bwd},   {"bwd-overwrite", good_fwd, bad_bwd_overwrite},
+        {"bwd-edge", good_fwd, bad_bwd_edge},
+    };
+    for (size_t b = 0; b < sizeof broken / sizeof broken[0]; b++) {
+        kern_impl table[2] = {
+            {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "reference", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
+            {KERN_OP_MATMUL, broken[b].name, "cpu", 0, 0, "broken", .fn.matmul = {broken[b].fwd, broken[b].bwd}},
+        };
+        kern_check_opts o = {.out = NULL, .features = 0, .seed = 3};
+        int failed = kern_check(table, 2, &o);
+        CHECK(failed > 0, "broken matmul \"%s\" was not caught", broken[b].name);
+    }
+    /* and a correct (double-accumulating) one passes */
+    kern_impl ok[2] = {
+        {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "reference", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
+        {KERN_OP_MATMUL, "good", "cpu", 0, 0, "naive", .fn.matmul = {good_fwd, op_matmul_bwd}},
+    };
+    kern_check_opts o = {.out = NULL, .features = 0, .seed = 3};
+    CHECK(kern_check(ok, 2, &o) == 0, "a correct naive matmul failed the check");
+}
+
+/* Every op's check cases run (and pass) on a table where each reference is
+ * registered a second time under another name: exercises the case code of
+ * the ops that have no fast implementation yet. */
+static void test_check_every_op(void) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    kern_impl *table = calloc(2 * n, sizeof *table);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(t[i].name, "ref")) {
+            table[m++] = t[i];
+            table[m] = t[i];
+            table[m++].name = "copy";
+        }
+    kern_check_opts o = {.out = NULL, .features = 0, .seed = 9};
+    CHECK(kern_check(table, m, &o) == 0, "a reference differs from itself");
+    /* a copy that needs features nobody has is skipped, not failed */
+    for (size_t i = 0; i < m; i++)
+        if (!strcmp(table[i].name, "copy")) table[i].features = KERN_FEAT_AVX512BF16;
+    CHECK(kern_check(table, m, &o) == 0, "skipped implementations counted as failures");
+    free(table);
+}
+
+static void fill_lcg(float *p, size_t n, uint32_t *s) {
+    for (size_t i = 0; i < n; i++) {
+        *s = *s * 1664525u + 1013904223u;
+        p[i] = (float)(*s >> 8) / 16777216.0f - 0.5f;
+    }
+}
+
+/* Bit-identical results at 1 and 2 threads: k blocking depends on K only. */
+static void test_determinism(void) {
+    unsigned cpu = kern_cpu_features();
+    const int M = 203, K = 600, N = 301;
+    float *inp = malloc((size_t)M * K * 4), *w = malloc((size_t)N * K * 4), *dout = malloc((size_t)M * N * 4);
+    uint32_t s = 1;
+    fill_lcg(inp, (size_t)M * K, &s);
+    fill_lcg(w, (size_t)N * K, &s);
+    fill_lcg(dout, (size_t)M * N, &s);
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    const char *names[] = {"avx512", "avx2"};
+    int saved = omp_get_max_threads();
+    for (int v = 0; v < 2; v++) {
+        const kern_impl *im = find(t, n, KERN_OP_MATMUL, names[v]);
+        if (!im || (im->features & ~cpu)) continue;
+        float *o[2], *di[2], *dw[2];
+        for (int th = 0; th < 2; th++) {
+            omp_set_num_threads(th + 1);
+            o[th] = calloc((size_t)M * N, 4);
+            di[th] = calloc((size_t)M * K, 4);
+            dw[th] = calloc((size_t)N * K, 4);
+            im->fn.matmul.fwd(o[th], inp, w, M, K, N, 0);
+            im->fn.matmul.bwd(di[th], dw[th], dout, inp, w, M, K, N);
+        }
+        CHECK(!memcmp(o[0], o[1], (size_t)M * N * 4), "%s fwd differs between 1 and 2 threads", names[v]);
+        CHECK(!memcmp(di[0], di[1], (size_t)M * K * 4), "%s dinp differs between 1 and 2 threads", names[v]);
+        CHECK(!memcmp(dw[0], dw[1], (size_t)N * K * 4), "%s dw differs between 1 and 2 threads", names[v]);
+        for (int th = 0; th < 2; th++) free(o[th]), free(di[th]), free(dw[th]);
+    }
+    omp_set_num_threads(saved);
+    free(inp), free(w), free(dout);
+}
+
+int main(void) {
+    test_defaults();
+    test_overrides();
+    test_check_builtin();
+    test_check_catches_bugs();
+    test_check_every_op();
+    test_determinism();
+    return CHECK_DONE();
+}
