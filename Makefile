@@ -37,15 +37,21 @@ $(BUILD)/tests/%: tests/c/%.c $(BUILD)/libctitan.a tests/c/check.h
 setup:
 	@bash scripts/setup.sh
 
-test-c: $(TESTS)
+test-c: $(TESTS) $(BUILD)/ctitan
 	@bash scripts/run_c_tests.sh $(TESTS)
+	@$(BUILD)/ctitan kernels check > $(BUILD)/kernels-check.log || { cat $(BUILD)/kernels-check.log; exit 1; }
+	@tail -n 1 $(BUILD)/kernels-check.log
 
 # The C unit tests again under AddressSanitizer and UBSan, in their own build tree.
 sanitize:
 	@$(MAKE) --no-print-directory BUILD=build/san OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
 	  LDFLAGS="-fsanitize=address,undefined" test-c
 
+REF_KERNELS := matmul=ref,embedding=ref,rmsnorm=ref,rope=ref,attention=ref,swiglu=ref,crossentropy=ref,add=ref,adamw=ref
+
+# Parity against transformers once more with every op on its reference kernel.
 test-py: all
+	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py
 	$(PY) -m pytest -q tests/py
 
 test: setup

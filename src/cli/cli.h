@@ -11,6 +11,7 @@ int cli_prepare(int argc, char **argv);
 void cli_prepare_help(void);
 int cli_generate(int argc, char **argv);
 void cli_generate_help(void);
+int cli_kernels(int argc, char **argv);
 int cli_export(int argc, char **argv);
 void cli_export_help(void);
 int cli_import(int argc, char **argv);

@@ -28,6 +28,7 @@ static void usage(FILE *out) {
             "  tokenize  encode text to token ids, or decode ids to text\n"
             "  prepare   tokenize a corpus into shards with every core\n"
             "  generate  sample text from a model directory (KV cache)\n"
+            "  kernels   list, check (against the reference) or benchmark the kernel implementations\n"
             "  export    write a training checkpoint as a Hugging Face model directory\n"
             "  import    turn a Hugging Face model directory into a checkpoint (FOLDER/step-N)\n"
             "  help      this text\n\n");
@@ -47,6 +48,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "tokenize")) return cli_tokenize(argc - 2, argv + 2);
     if (!strcmp(argv[1], "prepare")) return cli_prepare(argc - 2, argv + 2);
     if (!strcmp(argv[1], "generate")) return cli_generate(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "kernels")) return cli_kernels(argc - 2, argv + 2);
     if (!strcmp(argv[1], "export")) return cli_export(argc - 2, argv + 2);
     if (!strcmp(argv[1], "import")) return cli_import(argc - 2, argv + 2);
     fprintf(stderr, "ctitan: error: unknown command \"%s\" (try ctitan --help)\n", argv[1]);

@@ -139,6 +139,16 @@ static const cfg_option cfg_options[] = {
     OPT("metrics", "peak_tflops", CFG_DBL, peak_tflops, "0.0", .range = CFG_GE, .lo = 0,
         .help = "peak TFLOP/s for MFU; 0: measure once and cache"),
 
+    OPT("kernels", "matmul", CFG_STR, kernels[0], "auto", .help = "matmul implementation (ctitan kernels list)"),
+    OPT("kernels", "embedding", CFG_STR, kernels[1], "auto", .help = "embedding implementation"),
+    OPT("kernels", "rmsnorm", CFG_STR, kernels[2], "auto", .help = "rmsnorm implementation"),
+    OPT("kernels", "rope", CFG_STR, kernels[3], "auto", .help = "rope implementation"),
+    OPT("kernels", "attention", CFG_STR, kernels[4], "auto", .help = "attention implementation"),
+    OPT("kernels", "swiglu", CFG_STR, kernels[5], "auto", .help = "swiglu implementation"),
+    OPT("kernels", "crossentropy", CFG_STR, kernels[6], "auto", .help = "cross-entropy implementation"),
+    OPT("kernels", "add", CFG_STR, kernels[7], "auto", .help = "residual add implementation"),
+    OPT("kernels", "adamw", CFG_STR, kernels[8], "auto", .help = "AdamW implementation"),
+
     OPT("validation", "enable", CFG_BOOL, val_enable, "false",
         .help = "evaluate held-out loss and perplexity during training"),
     OPT("validation", "freq", CFG_INT, val_freq, "100", .range = CFG_GE, .lo = 1,

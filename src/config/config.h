@@ -72,6 +72,9 @@ typedef struct {
     char *val_dataset;        /* "" */
     char *val_dataset_path;   /* "" */
 
+    /* [kernels]: implementation per op ("auto" = fastest this CPU runs); order of kern_op */
+    char *kernels[9];         /* matmul embedding rmsnorm rope attention swiglu crossentropy add adamw */
+
     char *config_path;        /* the --config file, or "" */
 } ct_config;
 

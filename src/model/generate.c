@@ -149,7 +149,7 @@ static void gen_attention_prefill(gen_state *g, float *out, const float *q, cons
         for (int h = k * group; h < (k + 1) * group; h++) {
             for (int i = 0; i < n; i++)
                 memcpy(qh + (size_t)i * hd, q + ((size_t)i * nH + h) * hd, (size_t)hd * sizeof(float));
-            op_matmul_fwd(S, qh, kh, n, hd, T, 0); /* S[n, T] = Q K^T */
+            g->m->k.matmul_fwd(S, qh, kh, n, hd, T, 0); /* S[n, T] = Q K^T */
 #pragma omp parallel for num_threads(g->n_threads) schedule(static)
             for (int i = 0; i < n; i++) {
                 float *row = S + (size_t)i * T;
@@ -167,7 +167,7 @@ static void gen_attention_prefill(gen_state *g, float *out, const float *q, cons
                 for (int t = 0; t <= last; t++) row[t] *= inv;
                 for (int t = last + 1; t < T; t++) row[t] = 0.0f;
             }
-            op_matmul_fwd(oh, S, vht, n, T, hd, 0); /* O[n, hd] = P V */
+            g->m->k.matmul_fwd(oh, S, vht, n, T, hd, 0); /* O[n, hd] = P V */
             for (int i = 0; i < n; i++)
                 memcpy(out + ((size_t)i * nH + h) * hd, oh + (size_t)i * hd, (size_t)hd * sizeof(float));
         }
@@ -185,7 +185,7 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
     int p0 = g->pos;
     const float *cs = g->rope_cos + (size_t)p0 * half, *sn = g->rope_sin + (size_t)p0 * half;
 
-    op_embedding_fwd(g->x, tokens, m->w.wte, n, H);
+    g->m->k.embedding_fwd(g->x, tokens, m->w.wte, n, H);
     for (int l = 0; l < c->n_layers; l++) {
         const qwen3_layer_w *w = &m->w.layer[l];
         float *kc = g->k_cache + (size_t)l * g->max_len * kvd; /* [max_len, nKV, hd] */
@@ -194,24 +194,24 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
         /* attention block: the normed, rotated K and the V of the new rows go
          * straight into the cache (ops.h promises in-place only for RoPE, so
          * the projections land in scratch first) */
-        op_rmsnorm_fwd(g->xn, g->rstd, g->x, w->ln1, n, H, eps);
-        op_matmul_fwd(g->qraw, g->xn, w->wq, n, H, qd, 0);
-        op_matmul_fwd(g->kraw, g->xn, w->wk, n, H, kvd, 0);
-        op_matmul_fwd(v, g->xn, w->wv, n, H, kvd, 0);
-        op_rmsnorm_fwd(g->q, g->rstd, g->qraw, w->qn, n * nH, hd, eps); /* per head */
-        op_rmsnorm_fwd(k, g->rstd, g->kraw, w->kn, n * nKV, hd, eps);
+        g->m->k.rmsnorm_fwd(g->xn, g->rstd, g->x, w->ln1, n, H, eps);
+        g->m->k.matmul_fwd(g->qraw, g->xn, w->wq, n, H, qd, 0);
+        g->m->k.matmul_fwd(g->kraw, g->xn, w->wk, n, H, kvd, 0);
+        g->m->k.matmul_fwd(v, g->xn, w->wv, n, H, kvd, 0);
+        g->m->k.rmsnorm_fwd(g->q, g->rstd, g->qraw, w->qn, n * nH, hd, eps); /* per head */
+        g->m->k.rmsnorm_fwd(k, g->rstd, g->kraw, w->kn, n * nKV, hd, eps);
         /* rope tables offset to p0: row t of the chunk is absolute position p0+t */
-        op_rope_fwd(g->q, g->q, cs, sn, 1, n, nH, hd);
-        op_rope_fwd(k, k, cs, sn, 1, n, nKV, hd);
+        g->m->k.rope_fwd(g->q, g->q, cs, sn, 1, n, nH, hd);
+        g->m->k.rope_fwd(k, k, cs, sn, 1, n, nKV, hd);
         if (n >= GEN_GEMM_ROWS) gen_attention_prefill(g, g->att, g->q, kc, vc, p0, n, nH, nKV, hd);
         else gen_attention(g->att, g->q, kc, vc, g->scores, g->n_threads, p0, n, nH, nKV, hd, g->max_len);
-        op_matmul_fwd(g->x, g->att, w->wo, n, qd, H, 1); /* x += o_proj(att) */
+        g->m->k.matmul_fwd(g->x, g->att, w->wo, n, qd, H, 1); /* x += o_proj(att) */
         /* MLP block */
-        op_rmsnorm_fwd(g->xn, g->rstd, g->x, w->ln2, n, H, eps);
-        op_matmul_fwd(g->gate, g->xn, w->wg, n, H, I, 0);
-        op_matmul_fwd(g->up, g->xn, w->wu, n, H, I, 0);
-        op_swiglu_fwd(g->h, g->gate, g->up, n * I);
-        op_matmul_fwd(g->x, g->h, w->wd, n, I, H, 1); /* x += down(h) */
+        g->m->k.rmsnorm_fwd(g->xn, g->rstd, g->x, w->ln2, n, H, eps);
+        g->m->k.matmul_fwd(g->gate, g->xn, w->wg, n, H, I, 0);
+        g->m->k.matmul_fwd(g->up, g->xn, w->wu, n, H, I, 0);
+        g->m->k.swiglu_fwd(g->h, g->gate, g->up, n * I);
+        g->m->k.matmul_fwd(g->x, g->h, w->wd, n, I, H, 1); /* x += down(h) */
     }
     g->pos += n;
 }
@@ -236,8 +236,8 @@ int gen_forward(gen_state *g, const int32_t *tokens, int n, float *logits, ct_er
         /* final norm and lm_head on the last row only */
         int H = c->hidden;
         int last = (n - 1) % g->chunk; /* row of the last token in the last chunk */
-        op_rmsnorm_fwd(g->xn, g->rstd, g->x + (size_t)last * H, g->m->w.lnf, 1, H, (float)c->rms_eps);
-        op_matmul_fwd(logits, g->xn, g->m->w.lm_head, 1, H, c->vocab_size, 0);
+        g->m->k.rmsnorm_fwd(g->xn, g->rstd, g->x + (size_t)last * H, g->m->w.lnf, 1, H, (float)c->rms_eps);
+        g->m->k.matmul_fwd(logits, g->xn, g->m->w.lm_head, 1, H, c->vocab_size, 0);
     }
     return 0;
 }
@@ -395,6 +395,7 @@ int gen_model_open(gen_model **out, const char *dir, int max_len, ct_err *e) {
     int rc = qwen3_config_from_hf(&cfg, dir, e);
     /* B = T = 1 keeps the training activation plan tiny */
     if (!rc) rc = qwen3_create(&gm->m, &cfg, 1, 1, e);
+    if (!rc) rc = kern_select(&gm->m.k, NULL, NULL, 0, e); /* the fastest kernels this CPU runs */
     if (!rc) {
         /* the gradient buffer is as large as the weights and inference never
          * touches it: release it and leave the gradient views NULL */

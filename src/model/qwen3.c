@@ -17,6 +17,7 @@
 
 #include "core/rng.h"
 #include "kernels/ops.h"
+#include "kernels/registry.h"
 
 /* ---------------------------------------------------------------- layout */
 
@@ -145,6 +146,7 @@ int qwen3_create(qwen3_model *m, const qwen3_config *c, int B, int T, ct_err *e)
     if (rc) return rc;
     if (B < 1 || T < 1) return ct_fail(e, CT_ERR_CONFIG, "model: batch %d x sequence %d is empty", B, T);
     m->cfg = *c;
+    kern_select_ref(&m->k);
     build_layout(m);
     m->params = ct_calloc(m->n_params, sizeof(float));
     m->grads = ct_calloc(m->n_params, sizeof(float));
@@ -219,37 +221,37 @@ static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
     /* cos/sin were tabulated for m->T positions; rows 0..T-1 serve any T <= m->T */
     const float *cs = m->rope_cos, *sn = m->rope_sin;
 
-    op_embedding_fwd(c->n_layers ? m->acts[0].res : m->res_out, tokens, m->w.wte, BT, H);
+    m->k.embedding_fwd(c->n_layers ? m->acts[0].res : m->res_out, tokens, m->w.wte, BT, H);
     for (int l = 0; l < c->n_layers; l++) {
         qwen3_layer_acts *a = &m->acts[l];
         const qwen3_layer_w *w = &m->w.layer[l];
         float *res_next = l + 1 < c->n_layers ? m->acts[l + 1].res : m->res_out;
         /* attention block */
-        op_rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, w->ln1, BT, H, eps);
-        op_matmul_fwd(a->q, a->ln1, w->wq, BT, H, qd, 0);
-        op_matmul_fwd(a->k, a->ln1, w->wk, BT, H, kvd, 0);
-        op_matmul_fwd(a->v, a->ln1, w->wv, BT, H, kvd, 0);
-        op_rmsnorm_fwd(a->qr, a->q_rstd, a->q, w->qn, BT * nH, hd, eps); /* per head */
-        op_rmsnorm_fwd(a->kr, a->k_rstd, a->k, w->kn, BT * nKV, hd, eps);
-        op_rope_fwd(a->qr, a->qr, cs, sn, B, T, nH, hd);
-        op_rope_fwd(a->kr, a->kr, cs, sn, B, T, nKV, hd);
-        op_attention_fwd(a->att, a->probs, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
+        m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, w->ln1, BT, H, eps);
+        m->k.matmul_fwd(a->q, a->ln1, w->wq, BT, H, qd, 0);
+        m->k.matmul_fwd(a->k, a->ln1, w->wk, BT, H, kvd, 0);
+        m->k.matmul_fwd(a->v, a->ln1, w->wv, BT, H, kvd, 0);
+        m->k.rmsnorm_fwd(a->qr, a->q_rstd, a->q, w->qn, BT * nH, hd, eps); /* per head */
+        m->k.rmsnorm_fwd(a->kr, a->k_rstd, a->k, w->kn, BT * nKV, hd, eps);
+        m->k.rope_fwd(a->qr, a->qr, cs, sn, B, T, nH, hd);
+        m->k.rope_fwd(a->kr, a->kr, cs, sn, B, T, nKV, hd);
+        m->k.attention_fwd(a->att, a->probs, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
         memcpy(a->res_mid, a->res, (size_t)BT * H * sizeof(float));
-        op_matmul_fwd(a->res_mid, a->att, w->wo, BT, qd, H, 1); /* res_mid = res + o_proj(att) */
+        m->k.matmul_fwd(a->res_mid, a->att, w->wo, BT, qd, H, 1); /* res_mid = res + o_proj(att) */
         /* MLP block */
-        op_rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
-        op_matmul_fwd(a->gate, a->ln2, w->wg, BT, H, I, 0);
-        op_matmul_fwd(a->up, a->ln2, w->wu, BT, H, I, 0);
-        op_swiglu_fwd(a->h, a->gate, a->up, BT * I);
+        m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
+        m->k.matmul_fwd(a->gate, a->ln2, w->wg, BT, H, I, 0);
+        m->k.matmul_fwd(a->up, a->ln2, w->wu, BT, H, I, 0);
+        m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
         memcpy(res_next, a->res_mid, (size_t)BT * H * sizeof(float));
-        op_matmul_fwd(res_next, a->h, w->wd, BT, I, H, 1);
+        m->k.matmul_fwd(res_next, a->h, w->wd, BT, I, H, 1);
     }
-    op_rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, m->w.lnf, BT, H, eps);
+    m->k.rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, m->w.lnf, BT, H, eps);
 }
 
 void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits) {
     forward_stack(m, tokens, B, T);
-    op_matmul_fwd(logits, m->lnf, m->w.lm_head, B * T, m->cfg.hidden, m->cfg.vocab_size, 0);
+    m->k.matmul_fwd(logits, m->lnf, m->w.lm_head, B * T, m->cfg.hidden, m->cfg.vocab_size, 0);
 }
 
 double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
@@ -259,8 +261,8 @@ double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, 
     long count = 0;
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
-        op_matmul_fwd(m->logits, m->lnf + (size_t)r0 * H, m->w.lm_head, n, H, V, 0);
-        sum += op_crossentropy_fwdbwd(m->logits, labels + r0, n, V, 0.0f, &count);
+        m->k.matmul_fwd(m->logits, m->lnf + (size_t)r0 * H, m->w.lm_head, n, H, V, 0);
+        sum += m->k.crossentropy_fwdbwd(m->logits, labels + r0, n, V, 0.0f, &count);
     }
     if (n_valid) *n_valid = count;
     return sum;
@@ -286,15 +288,15 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
         const float *x = m->lnf + (size_t)r0 * H;
-        op_matmul_fwd(m->logits, x, m->w.lm_head, n, H, V, 0);
-        loss_sum += op_crossentropy_fwdbwd(m->logits, labels + r0, n, V, grad_scale, &count);
-        op_matmul_bwd(m->d_ln + (size_t)r0 * H, m->g.lm_head, m->logits, x, m->w.lm_head, n, H, V);
+        m->k.matmul_fwd(m->logits, x, m->w.lm_head, n, H, V, 0);
+        loss_sum += m->k.crossentropy_fwdbwd(m->logits, labels + r0, n, V, grad_scale, &count);
+        m->k.matmul_bwd(m->d_ln + (size_t)r0 * H, m->g.lm_head, m->logits, x, m->w.lm_head, n, H, V);
     }
     if (n_valid) *n_valid = count;
 
     /* d_res carries d(residual stream) downwards */
     zero(m->d_res, (size_t)BT * H);
-    op_rmsnorm_bwd(m->d_res, m->g.lnf, m->d_ln, m->res_out, m->w.lnf, m->lnf_rstd, BT, H);
+    m->k.rmsnorm_bwd(m->d_res, m->g.lnf, m->d_ln, m->res_out, m->w.lnf, m->lnf_rstd, BT, H);
 
     for (int l = c->n_layers - 1; l >= 0; l--) {
         qwen3_layer_acts *a = &m->acts[l];
@@ -302,37 +304,37 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         qwen3_layer_w *g = &m->g.layer[l];
         /* res_next = res_mid + down(h): d_res flows to res_mid unchanged, plus the MLP path */
         zero(m->d_h, (size_t)BT * I);
-        op_matmul_bwd(m->d_h, g->wd, m->d_res, a->h, w->wd, BT, I, H);
+        m->k.matmul_bwd(m->d_h, g->wd, m->d_res, a->h, w->wd, BT, I, H);
         zero(m->d_gate, (size_t)BT * I);
         zero(m->d_up, (size_t)BT * I);
-        op_swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
+        m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
         zero(m->d_ln, (size_t)BT * H);
-        op_matmul_bwd(m->d_ln, g->wg, m->d_gate, a->ln2, w->wg, BT, H, I);
-        op_matmul_bwd(m->d_ln, g->wu, m->d_up, a->ln2, w->wu, BT, H, I);
-        op_rmsnorm_bwd(m->d_res, g->ln2, m->d_ln, a->res_mid, w->ln2, a->ln2_rstd, BT, H);
+        m->k.matmul_bwd(m->d_ln, g->wg, m->d_gate, a->ln2, w->wg, BT, H, I);
+        m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, a->ln2, w->wu, BT, H, I);
+        m->k.rmsnorm_bwd(m->d_res, g->ln2, m->d_ln, a->res_mid, w->ln2, a->ln2_rstd, BT, H);
 
         /* res_mid = res + o_proj(att) */
         zero(m->d_att, (size_t)BT * qd);
-        op_matmul_bwd(m->d_att, g->wo, m->d_res, a->att, w->wo, BT, qd, H);
+        m->k.matmul_bwd(m->d_att, g->wo, m->d_res, a->att, w->wo, BT, qd, H);
         zero(m->d_q, (size_t)BT * qd);
         zero(m->d_k, (size_t)BT * kvd);
         zero(m->d_v, (size_t)BT * kvd);
-        op_attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->probs, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
+        m->k.attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->probs, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
         /* through RoPE (d_q -> d_q2) and the per-head norms (d_q2 -> d_q) */
         zero(m->d_q2, (size_t)BT * qd);
-        op_rope_bwd(m->d_q2, m->d_q, cs, sn, B, T, nH, hd);
+        m->k.rope_bwd(m->d_q2, m->d_q, cs, sn, B, T, nH, hd);
         zero(m->d_q, (size_t)BT * qd);
-        op_rmsnorm_bwd(m->d_q, g->qn, m->d_q2, a->q, w->qn, a->q_rstd, BT * nH, hd);
+        m->k.rmsnorm_bwd(m->d_q, g->qn, m->d_q2, a->q, w->qn, a->q_rstd, BT * nH, hd);
         zero(m->d_k2, (size_t)BT * kvd);
-        op_rope_bwd(m->d_k2, m->d_k, cs, sn, B, T, nKV, hd);
+        m->k.rope_bwd(m->d_k2, m->d_k, cs, sn, B, T, nKV, hd);
         zero(m->d_k, (size_t)BT * kvd);
-        op_rmsnorm_bwd(m->d_k, g->kn, m->d_k2, a->k, w->kn, a->k_rstd, BT * nKV, hd);
+        m->k.rmsnorm_bwd(m->d_k, g->kn, m->d_k2, a->k, w->kn, a->k_rstd, BT * nKV, hd);
         zero(m->d_ln, (size_t)BT * H);
-        op_matmul_bwd(m->d_ln, g->wq, m->d_q, a->ln1, w->wq, BT, H, qd);
-        op_matmul_bwd(m->d_ln, g->wk, m->d_k, a->ln1, w->wk, BT, H, kvd);
-        op_matmul_bwd(m->d_ln, g->wv, m->d_v, a->ln1, w->wv, BT, H, kvd);
-        op_rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, w->ln1, a->ln1_rstd, BT, H);
+        m->k.matmul_bwd(m->d_ln, g->wq, m->d_q, a->ln1, w->wq, BT, H, qd);
+        m->k.matmul_bwd(m->d_ln, g->wk, m->d_k, a->ln1, w->wk, BT, H, kvd);
+        m->k.matmul_bwd(m->d_ln, g->wv, m->d_v, a->ln1, w->wv, BT, H, kvd);
+        m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, w->ln1, a->ln1_rstd, BT, H);
     }
-    op_embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);
+    m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);
     return loss_sum;
 }

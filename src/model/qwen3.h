@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "core/err.h"
+#include "kernels/registry.h"
 
 typedef struct {
     int vocab_size;    /* V */
@@ -103,6 +104,7 @@ typedef struct {
 
 typedef struct {
     qwen3_config cfg;
+    kern_ops k;             /* the kernels this model runs (reference until the run chooses) */
     int n_tensors;
     qwen3_tensor *tensors;
     size_t n_params;        /* floats in the flat buffer */
@@ -128,7 +130,8 @@ typedef struct {
 } qwen3_model;
 
 /* Builds the tensor table, allocates params/grads and the activation plan for
- * B x T. Weights are NOT initialised. */
+ * B x T. Weights are NOT initialised. Kernels start as the references; a run
+ * replaces m->k with its kern_select choice. */
 int qwen3_create(qwen3_model *m, const qwen3_config *c, int B, int T, ct_err *e);
 void qwen3_free(qwen3_model *m);
 /* normal(0, 0.02) for matrices, 1 for norms; deterministic from seed. */

@@ -71,6 +71,30 @@ int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e) {
     return rc;
 }
 
+_Static_assert(sizeof(((ct_config *)0)->kernels) / sizeof(char *) == KERN_N_OPS,
+               "config.h's kernels[] must have one entry per kern_op");
+
+/* [kernels]: the fastest implementation this CPU runs, unless the config names one. */
+static int select_kernels(trainer *t, ct_err *e) {
+    char spec[KERN_N_OPS][96];
+    const char *ov[KERN_N_OPS + 1];
+    int n = 0;
+    for (int i = 0; i < KERN_N_OPS; i++) {
+        snprintf(spec[i], sizeof spec[i], "%s=%s", kern_op_name((kern_op)i), t->cfg.kernels[i]);
+        ov[n++] = spec[i];
+    }
+    ov[n] = NULL;
+    char log[512];
+    int rc = kern_select(&t->model.k, ov, log, sizeof log, e);
+    if (rc) {
+        char msg[sizeof e->msg];
+        snprintf(msg, sizeof msg, "%s", e->msg);
+        return ct_fail(e, rc, "%s: [kernels]: %s", cfg_src(&t->cfg), msg);
+    }
+    fprintf(stderr, "ctitan: %s\n", log);
+    return 0;
+}
+
 /* state.json: what a checkpoint needs beyond tensors to continue exactly. */
 static char *state_to_json(const trainer *t, const ds *data) {
     cJSON *o = cJSON_CreateObject();
@@ -161,6 +185,7 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) {
     if (join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", cfg_src(c));
     if ((rc = qwen3_create(&t->model, &mc, plan_b, c->seq_len, e))) return rc;
+    if ((rc = select_kernels(t, e))) return rc;
     adamw_init(&t->opt, t->model.n_params);
     t->hp = (adamw_hparams){c->lr, c->beta1, c->beta2, c->eps, c->weight_decay};
     int dt = lr_decay_type_from_name(c->decay_type);
@@ -193,7 +218,7 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
     qwen3_model *m = &t->model;
     double cur_lr = t->cfg.lr * lr_schedule_factor(&t->sched, t->step);
     double norm = optim_clip_grad_norm(m->grads, m->n_params, t->cfg.max_norm);
-    adamw_step(&t->opt, m->params, m->grads, cur_lr, &t->hp);
+    m->k.adamw_step(&t->opt, m->params, m->grads, cur_lr, &t->hp);
     memset(m->grads, 0, m->n_params * sizeof(float));
     t->step++;
     if (grad_norm) *grad_norm = norm;

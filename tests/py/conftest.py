@@ -188,6 +188,10 @@ def open_session(libctitan, tmp_path):
         args = list(args)
         if not any(a.startswith("--job.dump_folder") for a in args):
             args.append(f"--job.dump_folder={tmp_path / 'session_out'}")
+        # CTITAN_TEST_KERNELS="matmul=ref,..." runs the sessions on chosen kernels (make test
+        # runs the parity tests once with the defaults and once with every op on "ref")
+        for kv in filter(None, os.environ.get("CTITAN_TEST_KERNELS", "").split(",")):
+            args.append(f"--kernels.{kv}")
         s = Ctitan(libctitan, args)
         sessions.append(s)
         return s
