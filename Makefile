@@ -13,7 +13,7 @@ OBJS    := $(SRCS:%.c=$(BUILD)/obj/%.o)
 TESTS   := $(patsubst tests/c/%.c,$(BUILD)/tests/%,$(wildcard tests/c/test_*.c))
 PY      := .venv/bin/python
 
-.PHONY: all setup test test-c test-py sanitize run clean
+.PHONY: all setup test test-c test-py sanitize run bench clean
 all: $(BUILD)/ctitan $(BUILD)/libctitan.so
 
 $(BUILD)/obj/%.o: %.c
@@ -63,6 +63,13 @@ run:
 	@bash scripts/setup.sh --no-venv
 	@$(MAKE) --no-print-directory all
 	@bash scripts/run_default.sh
+
+# Figures beside PyTorch (docs/benchmarks.md); not part of make test.
+bench: setup all
+	$(PY) bench/bench_train.py --shape debugmodel --batch 4 --seq 256 --steps 8
+	$(PY) bench/bench_train.py --shape small-151k --batch 8 --seq 128 --steps 8
+	$(PY) bench/bench_tokenizer.py
+	$(BUILD)/ctitan kernels bench --op matmul --quick
 
 clean:
 	rm -rf build
