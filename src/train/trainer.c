@@ -184,7 +184,7 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) {
     int plan_b = t->val_batch > c->local_batch_size ? t->val_batch : c->local_batch_size;
     if (join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", cfg_src(c));
-    if ((rc = qwen3_create(&t->model, &mc, plan_b, c->seq_len, e))) return rc;
+    if ((rc = qwen3_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     if ((rc = select_kernels(t, e))) return rc;
     adamw_init(&t->opt, t->model.n_params);
     t->hp = (adamw_hparams){c->lr, c->beta1, c->beta2, c->eps, c->weight_decay};
@@ -288,6 +288,30 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     return ds_open(out, paths, 1, *tk, &dc, e);
 }
 
+/* Keeps the metrics lines of steps <= last_step (every line starts with {"step": N). */
+static void truncate_metrics(const char *path, int last_step) {
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    char *keep = NULL, *line = NULL;
+    size_t keep_len = 0, cap = 0;
+    FILE *out = open_memstream(&keep, &keep_len);
+    while (out && getline(&line, &cap, f) > 0) {
+        int step;
+        if (sscanf(line, "{\"step\": %d", &step) == 1 && step > last_step) continue;
+        fputs(line, out);
+    }
+    fclose(f);
+    free(line);
+    if (!out) return;
+    fclose(out);
+    f = fopen(path, "w");
+    if (f) {
+        fwrite(keep, 1, keep_len, f);
+        fclose(f);
+    }
+    free(keep);
+}
+
 /* Held-out loss over validation.steps batches from the start of the set. */
 static int validate(trainer *t, ds *val, int step, FILE *mf) {
     const ct_config *c = &t->cfg;
@@ -349,7 +373,9 @@ int trainer_run(trainer *t, ct_err *e) {
     }
     if (c->metrics_file[0]) {
         join_path(path, sizeof path, c->dump_folder, c->metrics_file);
-        /* a resumed run continues the file of the run it resumes */
+        /* a resumed run continues the file of the run it resumes, minus the lines
+         * of steps after the checkpoint (they are about to be redone) */
+        if (t->step > 0) truncate_metrics(path, t->step);
         mf = fopen(path, t->step > 0 ? "a" : "w");
         if (!mf) {
             rc = ct_fail(e, CT_ERR_IO, "%s: cannot open metrics file (metrics.file)", path);

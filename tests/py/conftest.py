@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILD = ROOT / "build"
+BUILD = ROOT / os.environ.get("CTITAN_BUILD", "build")  # another build tree for the tests
 LIB = BUILD / "libctitan.so"
 BIN = BUILD / "ctitan"
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import oracle
-from conftest import CHILD_ENV, ROOT
+from conftest import BIN, CHILD_ENV, ROOT
 
 STEPS = 20
 
@@ -42,6 +42,9 @@ def args_for(model_dir, data, out, *extra):
 
 def losses(out):
     rows = [r for r in oracle.read_metrics(Path(out) / "metrics.jsonl") if "loss" in r]
+    steps = [r["step"] for r in rows]
+    # a resumed run drops the lines of steps it redoes: every step appears once, in order
+    assert steps == sorted(set(steps)), f"metrics steps repeat or go back: {steps}"
     return {r["step"]: r["loss"] for r in rows}
 
 
@@ -104,7 +107,7 @@ def test_sigkill_at_random_moments(setup, reference, run_ctitan):
     weights must equal the uninterrupted run's."""
     tmp, model_dir, data = setup
     out = tmp / "crash"
-    args = [str(ROOT / "build" / "ctitan")] + args_for(model_dir, data, out, "--checkpoint.interval=1")
+    args = [str(BIN)] + args_for(model_dir, data, out, "--checkpoint.interval=1")
     rng = random.Random(1)
     kills, starts = 0, 0
     while kills < 20 and starts < 200:
@@ -153,7 +156,7 @@ def test_sigterm_writes_checkpoint(setup, run_ctitan):
     out = tmp / "term"
     slow = args_for(model_dir, data, out, "--training.steps=100000", "--lr_scheduler.decay_ratio=0.001")
     slow = [a for a in slow if not a.startswith(f"--training.steps={STEPS}")]
-    p = subprocess.Popen([str(ROOT / "build" / "ctitan")] + slow, cwd=ROOT, env=CHILD_ENV,
+    p = subprocess.Popen([str(BIN)] + slow, cwd=ROOT, env=CHILD_ENV,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and not (out / "metrics.jsonl").exists():
