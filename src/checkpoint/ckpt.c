@@ -910,7 +910,9 @@ int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e) {
         if ((rc = ckpt_join(p, folder, name, e))) break;
         ckpt_manifest man;
         ct_err ve = {0};
-        if (ckpt_verify_level(p, 0, &man, &ve) == 0) {
+        /* only full checkpoints count: a final model-only save must not push out
+         * the last checkpoint a run can resume from */
+        if (ckpt_verify_level(p, 0, &man, &ve) == 0 && !man.model_only) {
             kept++;
             oldest_kept = v[i];
         }

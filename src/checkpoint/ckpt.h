@@ -72,8 +72,9 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
 int ckpt_load(const char *dir, qwen3_model *m, float *exp_avg, float *exp_avg_sq, char **state_json,
               ckpt_info *info, ct_err *e);
 
-/* Keeps the newest keep_latest_k complete checkpoints (k <= 0: keeps all)
- * and removes every step-N older than the oldest kept one; removes temp dirs
+/* Keeps the newest keep_latest_k complete full checkpoints (k <= 0: keeps
+ * all; model-only ones do not count) and removes every step-N older than the
+ * oldest kept one; removes temp dirs
  * left by crashed writers (never those of a live process). A checkpoint is
  * removed by renaming it aside first, so a crash mid-removal never leaves a
  * half-deleted step-N. "Complete" here means the manifest parses and every

@@ -251,7 +251,8 @@ static void op_run(void *p) {
         break;
     case KERN_OP_ATTENTION:
         if (x->fwd) im->fn.attention.fwd(x->a, x->b, x->c, x->d, x->e, x->B, x->T, x->nh, x->nkv, x->hd);
-        else im->fn.attention.bwd(x->f, x->g, x->h, x->a, x->b, x->c, x->d, x->e, x->B, x->T, x->nh, x->nkv, x->hd);
+        else im->fn.attention.bwd(x->f, x->g, x->h, x->a, x->c, x->b, x->c, x->d, x->e, x->B, x->T, x->nh, x->nkv,
+                                  x->hd); /* out: q stands in, any [B,T,nh,hd] input times the same */
         break;
     case KERN_OP_SWIGLU:
         if (x->fwd) im->fn.swiglu.fwd(x->a, x->b, x->c, x->N);
@@ -311,7 +312,7 @@ static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_
     case KERN_OP_ATTENTION: {
         x.B = 1, x.T = 512, x.nh = 16, x.nkv = 8, x.hd = 128;
         size_t nq = (size_t)x.B * x.T * x.nh * x.hd, nk = (size_t)x.B * x.T * x.nkv * x.hd;
-        x.a = rand_buf(nq, &seed), x.b = rand_buf((size_t)x.B * x.nh * x.T * x.T, &seed);
+        x.a = rand_buf(nq, &seed), x.b = rand_buf((size_t)x.B * x.nh * x.T, &seed); /* lse */
         x.c = rand_buf(nq, &seed), x.d = rand_buf(nk, &seed), x.e = rand_buf(nk, &seed);
         x.f = rand_buf(nq, &seed), x.g = rand_buf(nk, &seed), x.h = rand_buf(nk, &seed);
         /* causal: half of T x T scores; fwd q.k and p.v, bwd four such products */

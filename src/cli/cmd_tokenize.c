@@ -42,9 +42,18 @@ static char *read_all(const char *path, size_t *len) {
     size_t got;
     while (buf && (got = fread(buf + n, 1, cap - n, f)) > 0) {
         n += got;
-        if (n == cap) buf = realloc(buf, cap *= 2);
+        if (n == cap) {
+            char *bigger = realloc(buf, cap *= 2);
+            if (!bigger) free(buf);
+            buf = bigger;
+        }
     }
+    int bad = ferror(f); /* e.g. a directory: fopen succeeds, reading fails */
     fclose(f);
+    if (bad) {
+        free(buf);
+        return NULL;
+    }
     *len = n;
     return buf;
 }

@@ -43,6 +43,7 @@ static const char *const cfg_decay_types[] = {"linear", "sqrt", "cosine", NULL};
 static const char *const cfg_export_dtypes[] = {"float32", "bfloat16", "float16", NULL};
 static const char *const cfg_dataset_kinds[] = {"auto", "text", "jsonl", "chat", "tokens", NULL};
 static const char *const cfg_text_splits[] = {"line", "paragraph", "file", NULL};
+static const char *const cfg_ac_modes[] = {"none", "selective", "full", NULL};
 
 #define OPT(sec, k, ty, field, d, ...) \
     {.section = sec, .key = k, .type = ty, .off = offsetof(ct_config, field), .def = d, __VA_ARGS__}
@@ -139,6 +140,13 @@ static const cfg_option cfg_options[] = {
     OPT("metrics", "peak_tflops", CFG_DBL, peak_tflops, "0.0", .range = CFG_GE, .lo = 0,
         .help = "peak TFLOP/s for MFU; 0: measure once and cache"),
 
+    OPT("activation_checkpoint", "mode", CFG_ENUM, ac_mode, "none", .choices = cfg_ac_modes,
+        .help = "recompute activations in backward to save memory: none; full: keep only each layer's "
+                "input; selective: as selective_ac_option"),
+    OPT("activation_checkpoint", "selective_ac_option", CFG_STR, ac_selective_option, "2",
+        .help = "mode selective: a period N (every N-th layer recomputed in full, the others keep "
+                "everything) or \"op\" (keep matmul/attention outputs, rerun norms, RoPE, SwiGLU)"),
+
     OPT("kernels", "matmul", CFG_STR, kernels[0], "auto", .help = "matmul implementation (ctitan kernels list)"),
     OPT("kernels", "embedding", CFG_STR, kernels[1], "auto", .help = "embedding implementation"),
     OPT("kernels", "rmsnorm", CFG_STR, kernels[2], "auto", .help = "rmsnorm implementation"),
@@ -157,7 +165,7 @@ static const cfg_option cfg_options[] = {
         .help = "batches per evaluation; -1: one pass over the validation set"),
     OPT("validation", "local_batch_size", CFG_INT, val_local_batch_size, "0", .range = CFG_GE, .lo = 0,
         .help = "sequences per validation batch; 0: training.local_batch_size"),
-    OPT("validation", "dataset", CFG_STR, val_dataset, "",
+    OPT("validation", "dataset", CFG_ENUM, val_dataset, "auto", .choices = cfg_dataset_kinds,
         .help = "validation data kind (as training.dataset)"),
     OPT("validation", "dataset_path", CFG_STR, val_dataset_path, "",
         .help = "held-out data (same formats as training.dataset_path)"),
@@ -669,10 +677,26 @@ int cfg_validate(const ct_config *c, ct_err *e) {
                        "%s: training.global_batch_size (%d) must be -1 or a positive multiple "
                        "of training.local_batch_size (%d)",
                        src, c->global_batch_size, c->local_batch_size);
+    {
+        /* "op" or a whole number >= 1 (checked again by qwen3_create_ac) */
+        const char *o = c->ac_selective_option;
+        int ok = strcmp(o, "op") == 0 || (o[0] >= '1' && o[0] <= '9');
+        for (const char *p = o; ok && strcmp(o, "op") != 0 && *p; p++) ok = *p >= '0' && *p <= '9';
+        if (!ok || (strcmp(o, "op") != 0 && strlen(o) > 6))
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: activation_checkpoint.selective_ac_option: \"%s\" is neither \"op\" nor a "
+                           "layer period (1 to 999999)",
+                           src, o);
+    }
     if (strcmp(c->model_spec, "hf") == 0 && !c->hf_assets_path[0])
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: model.hf_assets_path: required when model.spec is \"hf\" "
                        "(the directory holding config.json)", src);
+    if (c->initial_load_path[0] && !c->initial_load_in_hf)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: checkpoint.initial_load_path: only Hugging Face safetensors directories can be loaded "
+                       "as initial weights; set checkpoint.initial_load_in_hf = true (training checkpoints "
+                       "resume through checkpoint.folder)", src);
     if (c->val_steps == 0)
         return ct_fail(e, CT_ERR_CONFIG, "%s: validation.steps: must be positive or -1 (one pass)", src);
     if (c->val_enable && !c->val_dataset_path[0])

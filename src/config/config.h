@@ -69,8 +69,12 @@ typedef struct {
     int val_freq;             /* 100 */
     int val_steps;            /* 10; -1 = one pass */
     int val_local_batch_size; /* 0 = training.local_batch_size */
-    char *val_dataset;        /* "" */
+    char *val_dataset;        /* "auto" (as training.dataset) */
     char *val_dataset_path;   /* "" */
+
+    /* [activation_checkpoint] */
+    char *ac_mode;            /* "none" | "selective" | "full" */
+    char *ac_selective_option; /* "2": every 2nd layer fully recomputed; "op": norms/RoPE/SwiGLU rerun */
 
     /* [kernels]: implementation per op ("auto" = fastest this CPU runs); order of kern_op */
     char *kernels[9];         /* matmul embedding rmsnorm rope attention swiglu crossentropy add adamw */

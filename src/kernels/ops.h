@@ -38,14 +38,32 @@ void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *
 /* cos/sin tables [T, hd/2] with inv_freq[i] = 1/theta^(2i/hd) computed in fp32 as HF does. */
 void op_rope_tables(float *cos, float *sin, int T, int hd, float theta);
 
-/* Causal GQA attention. q[B,T,nh,hd], k,v [B,T,nkv,hd] -> out[B,T,nh,hd];
- * probs[B,nh,T,T] saved for backward (softmax of q k^T / sqrt(hd), rows
- * above the diagonal zero). Query head h reads kv head h / (nh/nkv). */
-void op_attention_fwd(float *out, float *probs, const float *q, const float *k, const float *v,
+/* Causal GQA attention, never holding [T x T] scores: the forward saves only
+ * the log-sum-exp of each score row, lse = log sum_j exp(s_j), and the
+ * backward recomputes the probabilities p_j = exp(s_j - lse) from q, k, lse.
+ * q[B,T,nh,hd], k,v [B,T,nkv,hd] -> out[B,T,nh,hd], lse[B,nh,T] with
+ * s_j = q . k_j / sqrt(hd) over keys j <= t. Query head h reads kv head
+ * h / (nh/nkv). Two implementations share this contract: op_attention_*
+ * (one row at a time, the reference) and op_attention_*_tiled (query x key
+ * blocks, online softmax, blocks above the diagonal skipped). */
+void op_attention_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
                       int B, int T, int nh, int nkv, int hd);
-/* dq, dk, dv += ... */
-void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *probs,
+/* dq, dk, dv += ...; out and lse are the forward's (out gives the softmax
+ * backward's D = rowsum(dout * out) without the probabilities). */
+void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                       const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd);
+void op_attention_fwd_tiled(float *out, float *lse, const float *q, const float *k, const float *v,
+                            int B, int T, int nh, int nkv, int hd);
+void op_attention_bwd_tiled(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                            const float *lse, const float *q, const float *k, const float *v, int B, int T,
+                            int nh, int nkv, int hd);
+/* The tiled pair compiled for AVX-512 (call only where the CPU has it;
+ * the registry checks). Bit-identical to the generic tiled pair. */
+void op_attention_fwd_tiled_avx512(float *out, float *lse, const float *q, const float *k, const float *v,
+                                   int B, int T, int nh, int nkv, int hd);
+void op_attention_bwd_tiled_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                   const float *lse, const float *q, const float *k, const float *v, int B, int T,
+                                   int nh, int nkv, int hd);
 
 /* out[N] = silu(gate) * up */
 void op_swiglu_fwd(float *out, const float *gate, const float *up, int N);

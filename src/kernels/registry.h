@@ -67,11 +67,11 @@ typedef void (*kern_rmsnorm_bwd_fn)(float *dinp, float *dw, const float *dout, c
                                     const float *rstd, int N, int C);
 typedef void (*kern_rope_fn)(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
                              int hd);
-typedef void (*kern_attention_fwd_fn)(float *out, float *probs, const float *q, const float *k, const float *v,
+typedef void (*kern_attention_fwd_fn)(float *out, float *lse, const float *q, const float *k, const float *v,
                                       int B, int T, int nh, int nkv, int hd);
-typedef void (*kern_attention_bwd_fn)(float *dq, float *dk, float *dv, const float *dout, const float *probs,
-                                      const float *q, const float *k, const float *v, int B, int T, int nh,
-                                      int nkv, int hd);
+typedef void (*kern_attention_bwd_fn)(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                      const float *lse, const float *q, const float *k, const float *v, int B,
+                                      int T, int nh, int nkv, int hd);
 typedef void (*kern_swiglu_fwd_fn)(float *out, const float *gate, const float *up, int N);
 typedef void (*kern_swiglu_bwd_fn)(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
                                    int N);

@@ -7,7 +7,9 @@
  * `logit_rows` rows of them. Backward then walks the layers in reverse,
  * accumulating (+=) into the flat gradient buffer. Everything the backward
  * reads was saved in the per-layer activation plan allocated in
- * qwen3_create; nothing is allocated per step. */
+ * qwen3_create, or, for a layer under activation checkpointing, is rebuilt
+ * from the layer's saved input just before its backward (layer_recompute);
+ * nothing is allocated per step. */
 #include "model/qwen3.h"
 
 #include <math.h>
@@ -96,30 +98,37 @@ static float *carve(carver *cv, size_t n) {
     return p;
 }
 
-static void plan_activations(qwen3_model *m, carver *cv) {
+/* Every per-layer activation but res: name, floats, and whether QWEN3_AC_OP
+ * keeps it (1: a matmul or attention output, costly to rerun) or reruns it
+ * (0: a norm, RoPE or SwiGLU output, cheap elementwise work). */
+#define LAYER_ACTS(X)                                                          \
+    X(ln1, BT * H, 0) X(ln1_rstd, BT, 0) X(q, BT * qd, 1) X(q_rstd, BT * nH, 0) \
+    X(qr, BT * qd, 0) X(k, BT * kvd, 1) X(k_rstd, BT * nKV, 0) X(kr, BT * kvd, 0) \
+    X(v, BT * kvd, 1) X(lse, BT * nH, 1) X(att, BT * qd, 1) X(res_mid, BT * H, 1) \
+    X(ln2, BT * H, 0) X(ln2_rstd, BT, 0) X(gate, BT * I, 1) X(up, BT * I, 1) X(h, BT * I, 0)
+
+static void plan_activations(qwen3_model *m, carver *cv, const int *ac) {
+    // ac[L]: QWEN3_AC_* per layer
     const qwen3_config *c = &m->cfg;
     size_t BT = (size_t)m->B * m->T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
-    size_t qd = (size_t)c->n_heads * hd, kvd = (size_t)c->n_kv_heads * hd;
+    size_t nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
+    /* one scratch set that every checkpointed layer's forward, recomputation
+     * and backward use in turn (layers run one at a time) */
+    int any_ac = 0;
+    for (int l = 0; l < c->n_layers; l++) any_ac |= ac[l] != QWEN3_AC_NONE;
+    qwen3_layer_acts *sc = &m->ac_scratch;
+    memset(sc, 0, sizeof *sc);
+#define SCRATCH(name, n, keep) sc->name = carve(cv, n);
+    if (any_ac) { LAYER_ACTS(SCRATCH) }
+#undef SCRATCH
     for (int l = 0; l < c->n_layers; l++) {
         qwen3_layer_acts *a = &m->acts[l];
-        a->res = carve(cv, BT * H);
-        a->ln1 = carve(cv, BT * H);
-        a->ln1_rstd = carve(cv, BT);
-        a->q = carve(cv, BT * qd);
-        a->q_rstd = carve(cv, BT * c->n_heads);
-        a->qr = carve(cv, BT * qd);
-        a->k = carve(cv, BT * kvd);
-        a->k_rstd = carve(cv, BT * c->n_kv_heads);
-        a->kr = carve(cv, BT * kvd);
-        a->v = carve(cv, BT * kvd);
-        a->probs = carve(cv, (size_t)m->B * c->n_heads * m->T * m->T);
-        a->att = carve(cv, BT * qd);
-        a->res_mid = carve(cv, BT * H);
-        a->ln2 = carve(cv, BT * H);
-        a->ln2_rstd = carve(cv, BT);
-        a->gate = carve(cv, BT * I);
-        a->up = carve(cv, BT * I);
-        a->h = carve(cv, BT * I);
+        a->ac = ac[l];
+        a->res = carve(cv, BT * H); /* always kept: the layer's input, where recomputation starts */
+#define OWN(name, n, keep)                                                              \
+    a->name = ac[l] == QWEN3_AC_NONE || (ac[l] == QWEN3_AC_OP && (keep)) ? carve(cv, n) : sc->name;
+        LAYER_ACTS(OWN)
+#undef OWN
     }
     m->res_out = carve(cv, BT * H);
     m->lnf = carve(cv, BT * H);
@@ -140,11 +149,44 @@ static void plan_activations(qwen3_model *m, carver *cv) {
     m->d_up = carve(cv, BT * I);
 }
 
+int qwen3_ac_layer(const char *ac_mode, const char *ac_option, int l, ct_err *e) {
+    if (!ac_mode || strcmp(ac_mode, "none") == 0) return QWEN3_AC_NONE;
+    if (strcmp(ac_mode, "full") == 0) return QWEN3_AC_FULL;
+    if (strcmp(ac_mode, "selective") != 0) {
+        ct_fail(e, CT_ERR_CONFIG, "activation_checkpoint.mode: \"%s\" is not one of none, selective, full",
+                ac_mode);
+        return -1;
+    }
+    const char *o = ac_option ? ac_option : "";
+    if (strcmp(o, "op") == 0) return QWEN3_AC_OP;
+    char *end;
+    long n = o[0] >= '0' && o[0] <= '9' ? strtol(o, &end, 10) : 0;
+    if (n < 1 || n > 1000000 || *end) {
+        ct_fail(e, CT_ERR_CONFIG,
+                "activation_checkpoint.selective_ac_option: \"%s\" is neither \"op\" nor a layer period >= 1", o);
+        return -1;
+    }
+    /* torchtitan counts wrapped blocks from 1 and checkpoints when count % N == 0 */
+    return (l + 1) % n == 0 ? QWEN3_AC_FULL : QWEN3_AC_NONE;
+}
+
 int qwen3_create(qwen3_model *m, const qwen3_config *c, int B, int T, ct_err *e) {
+    return qwen3_create_ac(m, c, B, T, "none", NULL, e);
+}
+
+int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const char *ac_mode,
+                    const char *ac_option, ct_err *e) {
     memset(m, 0, sizeof *m);
     int rc = qwen3_config_check(c, "model", e);
     if (rc) return rc;
     if (B < 1 || T < 1) return ct_fail(e, CT_ERR_CONFIG, "model: batch %d x sequence %d is empty", B, T);
+    int *ac = ct_calloc((size_t)c->n_layers + 1, sizeof(int)); // [L] policy per layer
+    for (int l = 0; l < c->n_layers; l++) {
+        if ((ac[l] = qwen3_ac_layer(ac_mode, ac_option, l, e)) < 0) {
+            free(ac);
+            return CT_ERR_CONFIG;
+        }
+    }
     m->cfg = *c;
     kern_select_ref(&m->k);
     build_layout(m);
@@ -160,12 +202,14 @@ int qwen3_create(qwen3_model *m, const qwen3_config *c, int B, int T, ct_err *e)
     m->logit_rows = B * T < 256 ? B * T : 256;
     m->acts = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_acts));
     carver cv = {0};
-    plan_activations(m, &cv);
+    plan_activations(m, &cv, ac);
     m->act_floats = cv.used;
     m->act_mem = ct_calloc(cv.used, sizeof(float));
     cv.base = m->act_mem;
     cv.used = 0;
-    plan_activations(m, &cv);
+    plan_activations(m, &cv, ac);
+    free(ac);
+    m->ac_scratch_layer = -1;
     op_rope_tables(m->rope_cos, m->rope_sin, T, c->head_dim, (float)c->rope_theta);
     return 0;
 }
@@ -209,44 +253,78 @@ double qwen3_flops_per_token(const qwen3_model *m, int T) {
 
 /* ---------------------------------------------------------------- forward */
 
-/* The transformer stack up to the final norm: fills m->acts, m->lnf. */
-static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
+/* One layer's forward from a->res: fills the layer's activations and, unless
+ * res_next is NULL (recomputation before backward, where the next layer's
+ * input is already known), writes the residual leaving the layer. */
+static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer_w *w, float *res_next, int B,
+                          int T) {
     const qwen3_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     float eps = (float)c->rms_eps;
+    /* cos/sin were tabulated for m->T positions; rows 0..T-1 serve any T <= m->T */
+    const float *cs = m->rope_cos, *sn = m->rope_sin;
+    /* attention block */
+    m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, w->ln1, BT, H, eps);
+    m->k.matmul_fwd(a->q, a->ln1, w->wq, BT, H, qd, 0);
+    m->k.matmul_fwd(a->k, a->ln1, w->wk, BT, H, kvd, 0);
+    m->k.matmul_fwd(a->v, a->ln1, w->wv, BT, H, kvd, 0);
+    m->k.rmsnorm_fwd(a->qr, a->q_rstd, a->q, w->qn, BT * nH, hd, eps); /* per head */
+    m->k.rmsnorm_fwd(a->kr, a->k_rstd, a->k, w->kn, BT * nKV, hd, eps);
+    m->k.rope_fwd(a->qr, a->qr, cs, sn, B, T, nH, hd);
+    m->k.rope_fwd(a->kr, a->kr, cs, sn, B, T, nKV, hd);
+    m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
+    memcpy(a->res_mid, a->res, (size_t)BT * H * sizeof(float));
+    m->k.matmul_fwd(a->res_mid, a->att, w->wo, BT, qd, H, 1); /* res_mid = res + o_proj(att) */
+    /* MLP block */
+    m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
+    m->k.matmul_fwd(a->gate, a->ln2, w->wg, BT, H, I, 0);
+    m->k.matmul_fwd(a->up, a->ln2, w->wu, BT, H, I, 0);
+    m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
+    if (!res_next) return;
+    memcpy(res_next, a->res_mid, (size_t)BT * H * sizeof(float));
+    m->k.matmul_fwd(res_next, a->h, w->wd, BT, I, H, 1);
+}
+
+/* Before a checkpointed layer's backward: rebuild what it did not keep, with
+ * the forward's own kernels on the forward's own inputs (bit-identical). */
+static void layer_recompute(qwen3_model *m, int l, int B, int T) {
+    qwen3_layer_acts *a = &m->acts[l];
+    const qwen3_layer_w *w = &m->w.layer[l];
+    if (a->ac == QWEN3_AC_NONE || m->ac_scratch_layer == l) return; /* the scratch may still hold it */
+    m->ac_scratch_layer = l;
+    if (a->ac == QWEN3_AC_FULL) {
+        layer_forward(m, a, w, NULL, B, T);
+        return;
+    }
+    /* QWEN3_AC_OP: the elementwise ops only, from the kept matmul outputs */
+    const qwen3_config *c = &m->cfg;
+    int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim, nH = c->n_heads, nKV = c->n_kv_heads;
+    float eps = (float)c->rms_eps;
+    m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, w->ln1, BT, H, eps);
+    m->k.rmsnorm_fwd(a->qr, a->q_rstd, a->q, w->qn, BT * nH, hd, eps);
+    m->k.rmsnorm_fwd(a->kr, a->k_rstd, a->k, w->kn, BT * nKV, hd, eps);
+    m->k.rope_fwd(a->qr, a->qr, m->rope_cos, m->rope_sin, B, T, nH, hd);
+    m->k.rope_fwd(a->kr, a->kr, m->rope_cos, m->rope_sin, B, T, nKV, hd);
+    m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
+    m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
+}
+
+/* The transformer stack up to the final norm: fills m->acts, m->lnf. */
+static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
+    const qwen3_config *c = &m->cfg;
+    int BT = B * T, H = c->hidden;
     m->tokens = tokens;
     m->fwd_B = B;
     m->fwd_T = T;
-    /* cos/sin were tabulated for m->T positions; rows 0..T-1 serve any T <= m->T */
-    const float *cs = m->rope_cos, *sn = m->rope_sin;
 
     m->k.embedding_fwd(c->n_layers ? m->acts[0].res : m->res_out, tokens, m->w.wte, BT, H);
     for (int l = 0; l < c->n_layers; l++) {
-        qwen3_layer_acts *a = &m->acts[l];
-        const qwen3_layer_w *w = &m->w.layer[l];
         float *res_next = l + 1 < c->n_layers ? m->acts[l + 1].res : m->res_out;
-        /* attention block */
-        m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, w->ln1, BT, H, eps);
-        m->k.matmul_fwd(a->q, a->ln1, w->wq, BT, H, qd, 0);
-        m->k.matmul_fwd(a->k, a->ln1, w->wk, BT, H, kvd, 0);
-        m->k.matmul_fwd(a->v, a->ln1, w->wv, BT, H, kvd, 0);
-        m->k.rmsnorm_fwd(a->qr, a->q_rstd, a->q, w->qn, BT * nH, hd, eps); /* per head */
-        m->k.rmsnorm_fwd(a->kr, a->k_rstd, a->k, w->kn, BT * nKV, hd, eps);
-        m->k.rope_fwd(a->qr, a->qr, cs, sn, B, T, nH, hd);
-        m->k.rope_fwd(a->kr, a->kr, cs, sn, B, T, nKV, hd);
-        m->k.attention_fwd(a->att, a->probs, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
-        memcpy(a->res_mid, a->res, (size_t)BT * H * sizeof(float));
-        m->k.matmul_fwd(a->res_mid, a->att, w->wo, BT, qd, H, 1); /* res_mid = res + o_proj(att) */
-        /* MLP block */
-        m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
-        m->k.matmul_fwd(a->gate, a->ln2, w->wg, BT, H, I, 0);
-        m->k.matmul_fwd(a->up, a->ln2, w->wu, BT, H, I, 0);
-        m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
-        memcpy(res_next, a->res_mid, (size_t)BT * H * sizeof(float));
-        m->k.matmul_fwd(res_next, a->h, w->wd, BT, I, H, 1);
+        layer_forward(m, &m->acts[l], &m->w.layer[l], res_next, B, T);
+        if (m->acts[l].ac != QWEN3_AC_NONE) m->ac_scratch_layer = l;
     }
-    m->k.rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, m->w.lnf, BT, H, eps);
+    m->k.rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, m->w.lnf, BT, H, (float)c->rms_eps);
 }
 
 void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits) {
@@ -299,6 +377,7 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
     m->k.rmsnorm_bwd(m->d_res, m->g.lnf, m->d_ln, m->res_out, m->w.lnf, m->lnf_rstd, BT, H);
 
     for (int l = c->n_layers - 1; l >= 0; l--) {
+        layer_recompute(m, l, B, T);
         qwen3_layer_acts *a = &m->acts[l];
         const qwen3_layer_w *w = &m->w.layer[l];
         qwen3_layer_w *g = &m->g.layer[l];
@@ -319,7 +398,8 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         zero(m->d_q, (size_t)BT * qd);
         zero(m->d_k, (size_t)BT * kvd);
         zero(m->d_v, (size_t)BT * kvd);
-        m->k.attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->probs, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
+        m->k.attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
+                           hd);
         /* through RoPE (d_q -> d_q2) and the per-head norms (d_q2 -> d_q) */
         zero(m->d_q2, (size_t)BT * qd);
         m->k.rope_bwd(m->d_q2, m->d_q, cs, sn, B, T, nH, hd);

@@ -80,8 +80,22 @@ typedef struct {
     float *lm_head;    /* [V, H]; == wte when tied */
 } qwen3_weights;
 
-/* Activations saved by forward for backward, one set per layer. */
+/* Activation checkpointing ([activation_checkpoint]): what one layer keeps
+ * between its forward and its backward. Recomputation reruns the same
+ * deterministic kernels on the same inputs, so gradients are bit-identical
+ * to QWEN3_AC_NONE. */
+enum {
+    QWEN3_AC_NONE = 0, /* everything the backward reads */
+    QWEN3_AC_FULL = 1, /* only the input residual `res`; the layer's forward reruns before its backward */
+    QWEN3_AC_OP = 2,   /* res and the matmul/attention outputs (q, k, v, lse, att, res_mid, gate, up);
+                          the norms, RoPE and SwiGLU rerun (ln1, qr, kr, ln2, h and the rstds) */
+};
+
+/* Activations saved by forward for backward, one set per layer. Under
+ * checkpointing, the pointers of what a layer does not keep point into the
+ * model's one shared `ac_scratch` set instead. */
 typedef struct {
+    int ac;          /* QWEN3_AC_* of this layer */
     float *res;      /* [BT, H]   residual stream entering the layer */
     float *ln1;      /* [BT, H]   */
     float *ln1_rstd; /* [BT]      */
@@ -92,7 +106,7 @@ typedef struct {
     float *k_rstd;   /* [BT*nKV]  */
     float *kr;       /* [BT, nKV*hd] */
     float *v;        /* [BT, nKV*hd] */
-    float *probs;    /* [B, nH, T, T] */
+    float *lse;      /* [B, nH, T]  log-sum-exp of each score row (backward recomputes probs) */
     float *att;      /* [BT, nH*hd] attention output, o_proj input */
     float *res_mid;  /* [BT, H]   residual after attention */
     float *ln2;      /* [BT, H]   */
@@ -117,6 +131,8 @@ typedef struct {
     float *act_mem;
     size_t act_floats;
     qwen3_layer_acts *acts; /* [L] */
+    qwen3_layer_acts ac_scratch; /* shared by checkpointed layers (res unused); NULLs if none */
+    int ac_scratch_layer;   /* layer whose activations ac_scratch holds now; -1: none */
     float *res_out;         /* [BT, H] residual after the last layer */
     float *lnf;             /* [BT, H] */
     float *lnf_rstd;        /* [BT] */
@@ -131,13 +147,23 @@ typedef struct {
 
 /* Builds the tensor table, allocates params/grads and the activation plan for
  * B x T. Weights are NOT initialised. Kernels start as the references; a run
- * replaces m->k with its kern_select choice. */
+ * replaces m->k with its kern_select choice. No activation checkpointing. */
 int qwen3_create(qwen3_model *m, const qwen3_config *c, int B, int T, ct_err *e);
+/* The same with activation checkpointing, as torchtitan's [activation_checkpoint]:
+ * ac_mode "none" | "full" | "selective" (NULL: "none"); for "selective",
+ * ac_option "op" (QWEN3_AC_OP on every layer) or a period N >= 1 as text
+ * (QWEN3_AC_FULL on layers N-1, 2N-1, ...: every N-th, as torchtitan counts).
+ * Anything else is CT_ERR_CONFIG naming the key. */
+int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const char *ac_mode,
+                    const char *ac_option, ct_err *e);
+/* Only the policy: the QWEN3_AC_* of layer l (0 <= l < n_layers), or -1 with *e set. */
+int qwen3_ac_layer(const char *ac_mode, const char *ac_option, int l, ct_err *e);
 void qwen3_free(qwen3_model *m);
 /* normal(0, 0.02) for matrices, 1 for norms; deterministic from seed. */
 void qwen3_init_random(qwen3_model *m, uint64_t seed);
 const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name);
-/* Bytes the plan allocates (params + grads + activations), for the log. */
+/* Bytes of the activation plan (saved activations, checkpointing scratch,
+ * backward scratch, logits block), for the log; params/grads not included. */
 size_t qwen3_activation_bytes(const qwen3_model *m);
 /* Parameters, and FLOPs per token for one forward+backward at sequence T
  * (6 * matmul params + 12 * L * nH * hd * T; the lm_head counted, the

@@ -12,9 +12,11 @@
  * loader's (epoch, position); every kernel is deterministic at a given
  * thread count, so the resumed run computes the same bits as an
  * uninterrupted one. */
-#define _POSIX_C_SOURCE 200809L
+#define _XOPEN_SOURCE 700
 #include "train/trainer.h"
 
+#include <errno.h>
+#include <ftw.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -42,6 +44,7 @@ void trainer_install_signals(void) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESTART; /* a write to a slow stdout pipe must not fail with EINTR */
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
@@ -101,6 +104,11 @@ static char *state_to_json(const trainer *t, const ds *data) {
     cJSON_AddNumberToObject(o, "step", t->step);
     cJSON_AddNumberToObject(o, "seed", (double)t->cfg.seed);
     cJSON_AddNumberToObject(o, "lr_factor_next", lr_schedule_factor(&t->sched, t->step));
+    /* the data order depends on these: a resume with other values would repeat or skip data */
+    cJSON_AddNumberToObject(o, "seq_len", t->cfg.seq_len);
+    cJSON_AddNumberToObject(o, "global_batch", (double)t->grad_accum * t->cfg.local_batch_size);
+    cJSON_AddBoolToObject(o, "shuffle", t->cfg.shuffle);
+    cJSON_AddNumberToObject(o, "training_steps", t->cfg.steps);
     if (data) {
         ds_state s;
         ds_get_state(data, &s);
@@ -121,6 +129,28 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
         return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: missing or malformed \"step\"", dir);
     }
     t->step = (int)st->valuedouble;
+    /* the data stream must be the same one, or "exact resume" would silently not be */
+    const ct_config *c = &t->cfg;
+    struct { const char *json, *key; double now; } same[] = {
+        {"seq_len", "training.seq_len", c->seq_len},
+        {"global_batch", "training.global_batch_size", (double)t->grad_accum * c->local_batch_size},
+        {"seed", "training.seed", (double)c->seed},
+        {"shuffle", "training.shuffle", c->shuffle}};
+    for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, same[i].json);
+        double was = cJSON_IsBool(v) ? cJSON_IsTrue(v) : cJSON_IsNumber(v) ? v->valuedouble : same[i].now;
+        if (was != same[i].now) {
+            cJSON_Delete(o);
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: %s is %g but the checkpoint was written with %g; resuming would change the data "
+                           "order (use the same value, or a new checkpoint.folder)",
+                           dir, same[i].key, same[i].now, was);
+        }
+    }
+    const cJSON *ts = cJSON_GetObjectItemCaseSensitive(o, "training_steps");
+    if (cJSON_IsNumber(ts) && (int)ts->valuedouble != c->steps)
+        fprintf(stderr, "ctitan: warning: training.steps was %d and is now %d: the LR schedule changes from here\n",
+                (int)ts->valuedouble, c->steps);
     const cJSON *d = cJSON_GetObjectItemCaseSensitive(o, "data");
     if (d) {
         const cJSON *ep = cJSON_GetObjectItemCaseSensitive(d, "epoch"), *pos = cJSON_GetObjectItemCaseSensitive(d, "pos");
@@ -136,36 +166,93 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
     return 0;
 }
 
-/* With checkpoint.enable, picks up the newest complete checkpoint (or
- * load_step). Sets *resumed when weights came from one. */
+/* 1 if DIR is a Hugging Face export (config.json, no manifest): a run's
+ * last_save_in_hf output, not a training checkpoint. */
+static int is_hf_export(const char *dir) {
+    char p[4200];
+    snprintf(p, sizeof p, "%s/manifest.json", dir);
+    if (access(p, F_OK) == 0) return 0;
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    return access(p, F_OK) == 0;
+}
+
+static int load_checkpoint(trainer *t, const char *dir, int model_only, ct_err *e) {
+    ckpt_info info;
+    int rc;
+    if (model_only) {
+        /* a model-only checkpoint (an import) seeds a new run at step 0 */
+        if ((rc = ckpt_load(dir, &t->model, NULL, NULL, NULL, &info, e))) return rc;
+        fprintf(stderr, "ctitan: loaded model-only checkpoint %s as initial weights (%.1f MiB in %.2f s)\n", dir,
+                info.bytes / 1048576.0, info.seconds);
+        return 0;
+    }
+    char *state = NULL;
+    if ((rc = ckpt_load(dir, &t->model, t->opt.m, t->opt.v, &state, &info, e))) return rc;
+    rc = state_from_json(t, state, dir, e);
+    free(state);
+    if (rc) return rc;
+    t->opt.step = t->step;
+    fprintf(stderr, "ctitan: resuming from %s (step %d): %.1f MiB restored in %.2f s\n", dir, t->step,
+            info.bytes / 1048576.0, info.seconds);
+    return 0;
+}
+
+/* With checkpoint.enable, picks what to continue from. load_step N: exactly
+ * step-N (damaged is an error). load_step -1: the newest FULL checkpoint
+ * that verifies (damaged ones are named and skipped); a model-only one seeds
+ * the run only when it is step 0 (an import); a final save (model-only or
+ * HF) at or past training.steps means the run is complete. */
 static int maybe_resume(trainer *t, int *resumed, ct_err *e) {
     *resumed = 0;
     ct_config *c = &t->cfg;
     if (!c->ckpt_enable) return 0;
-    char dir[4096];
-    int step = 0;
-    int rc = ckpt_select(t->ckpt_folder, c->load_step, dir, sizeof dir, &step, e);
-    if (rc == CKPT_NONE) return 0;
-    if (rc) return rc;
-    ckpt_info info;
-    int model_only = ckpt_is_model_only(dir, e);
-    if (model_only < 0) return e ? e->code : CT_ERR_FORMAT;
-    if (model_only) {
-        /* a model-only checkpoint (an import, or a final save) seeds a new run at step 0 */
-        if ((rc = ckpt_load(dir, &t->model, NULL, NULL, NULL, &info, e))) return rc;
-        fprintf(stderr, "ctitan: loaded model-only checkpoint %s as initial weights (%.1f MiB in %.2f s)\n", dir,
-                info.bytes / 1048576.0, info.seconds);
-    } else {
-        char *state = NULL;
-        if ((rc = ckpt_load(dir, &t->model, t->opt.m, t->opt.v, &state, &info, e))) return rc;
-        rc = state_from_json(t, state, dir, e);
-        free(state);
-        if (rc) return rc;
-        t->opt.step = t->step;
-        fprintf(stderr, "ctitan: resuming from %s (step %d): %.1f MiB restored in %.2f s\n", dir, t->step,
-                info.bytes / 1048576.0, info.seconds);
+    char dir[4200];
+    if (c->load_step >= 0) {
+        int step = 0;
+        int rc = ckpt_select(t->ckpt_folder, c->load_step, dir, sizeof dir, &step, e);
+        if (rc) return rc == CKPT_NONE ? ct_fail(e, CT_ERR_CONFIG, "checkpoint.load_step = %d: %s has no checkpoints",
+                                                 c->load_step, t->ckpt_folder)
+                                       : rc;
+        int mo = ckpt_is_model_only(dir, e);
+        if (mo < 0) return e ? e->code : CT_ERR_FORMAT;
+        if ((rc = load_checkpoint(t, dir, mo, e))) return rc;
+        *resumed = 1;
+        return 0;
     }
-    *resumed = 1;
+    int steps[4096];
+    int n = ckpt_list(t->ckpt_folder, steps, 4096);
+    if (n < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot list checkpoints", t->ckpt_folder);
+    if (n > 4096) n = 4096;
+    for (int i = n - 1; i >= 0; i--) {
+        snprintf(dir, sizeof dir, "%s/step-%d", t->ckpt_folder, steps[i]);
+        if (is_hf_export(dir)) {
+            if (steps[i] >= c->steps) {
+                t->complete = 1;
+                fprintf(stderr, "ctitan: %s is this run's final save (step %d of %d): nothing to do\n", dir,
+                        steps[i], c->steps);
+                return 0;
+            }
+            continue;
+        }
+        ct_err ve = {0};
+        if (ckpt_verify(dir, &ve)) {
+            fprintf(stderr, "ctitan: warning: skipping damaged checkpoint: %s\n", ve.msg);
+            continue;
+        }
+        int mo = ckpt_is_model_only(dir, e);
+        if (mo < 0) return e ? e->code : CT_ERR_FORMAT;
+        if (mo && steps[i] >= c->steps && steps[i] > 0) {
+            t->complete = 1;
+            fprintf(stderr, "ctitan: %s is this run's final save (step %d of %d): nothing to do\n", dir, steps[i],
+                    c->steps);
+            return 0;
+        }
+        if (mo && steps[i] != 0) continue; /* a model-only save mid-run cannot be resumed */
+        int rc = load_checkpoint(t, dir, mo, e);
+        if (rc) return rc;
+        *resumed = 1;
+        return 0;
+    }
     return 0;
 }
 
@@ -242,7 +329,10 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     if (rc) return rc;
     fprintf(stderr, "ctitan: saved %scheckpoint %s: %.1f MiB in %.2f s\n", model_only ? "model-only " : "", info.dir,
             info.bytes / 1048576.0, info.seconds);
-    return ckpt_prune(t->ckpt_folder, t->cfg.keep_latest_k, e);
+    ct_err pe = {0};
+    if (ckpt_prune(t->ckpt_folder, t->cfg.keep_latest_k, &pe))
+        fprintf(stderr, "ctitan: warning: the checkpoint is saved but pruning old ones failed: %s\n", pe.msg);
+    return 0;
 }
 
 /* The tokenizer, loaded only when a source needs one (text, jsonl, chat). */
@@ -288,6 +378,37 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     return ds_open(out, paths, 1, *tk, &dc, e);
 }
 
+static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st, (void)flag, (void)ftw;
+    return remove(p);
+}
+
+/* The final HF save, written to a temp dir and renamed into place so a kill
+ * never leaves half an export. It never merges into a training checkpoint of
+ * the same step (that would break its manifest): then it goes to hf-step-N.
+ * An earlier HF export of the step is replaced. `dir` gets the final path. */
+static int save_hf_atomic(const qwen3_model *m, const char *folder, char *dir, int step, ct_dtype dtype, ct_err *e) {
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s/.hf-step-%d.tmp-%ld", folder, step, (long)getpid());
+    nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    int rc = hf_save(m, tmp, dtype, 0, e);
+    if (rc) {
+        nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        return rc;
+    }
+    if (access(dir, F_OK) == 0 && !is_hf_export(dir) &&
+        snprintf(dir, 4096, "%s/hf-step-%d", folder, step) >= 4096) {
+        nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        return ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
+    }
+    if (access(dir, F_OK) == 0) nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS); /* an older export of this step */
+    if (rename(tmp, dir) != 0) {
+        rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
+        nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    }
+    return rc;
+}
+
 /* Keeps the metrics lines of steps <= last_step (every line starts with {"step": N). */
 static void truncate_metrics(const char *path, int last_step) {
     FILE *f = fopen(path, "r");
@@ -295,8 +416,10 @@ static void truncate_metrics(const char *path, int last_step) {
     char *keep = NULL, *line = NULL;
     size_t keep_len = 0, cap = 0;
     FILE *out = open_memstream(&keep, &keep_len);
-    while (out && getline(&line, &cap, f) > 0) {
+    ssize_t got;
+    while (out && (got = getline(&line, &cap, f)) > 0) {
         int step;
+        if (line[got - 1] != '\n') continue; /* torn by a kill mid-write */
         if (sscanf(line, "{\"step\": %d", &step) == 1 && step > last_step) continue;
         fputs(line, out);
     }
@@ -304,10 +427,15 @@ static void truncate_metrics(const char *path, int last_step) {
     free(line);
     if (!out) return;
     fclose(out);
-    f = fopen(path, "w");
+    /* temp + rename: a kill here leaves the old file or the new one, never none */
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    f = fopen(tmp, "w");
     if (f) {
-        fwrite(keep, 1, keep_len, f);
-        fclose(f);
+        int ok = fwrite(keep, 1, keep_len, f) == keep_len;
+        ok &= fclose(f) == 0;
+        if (ok) rename(tmp, path);
+        else remove(tmp);
     }
     free(keep);
 }
@@ -354,6 +482,7 @@ int trainer_run(trainer *t, ct_err *e) {
     tok *tk = NULL;
     FILE *mf = NULL;
     int32_t *tokens = NULL, *labels = NULL;
+    if (t->complete) return 0;
     int rc = open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle, &tk, e);
     if (rc) goto out;
     if (t->have_resume_data && (rc = ds_set_state(data, &t->resume_data, e))) goto out;
@@ -443,18 +572,20 @@ int trainer_run(trainer *t, ct_err *e) {
             rc = ct_fail(e, CT_ERR_IO, "training diverged: loss is %g at step %d", loss, step);
             goto out;
         }
-        if (val && (step % c->val_freq == 0 || step == c->steps)) validate(t, val, step, mf);
-
         int last = step == c->steps;
-        int stop = stop_requested || (c->stop_at_step > 0 && step == c->stop_at_step && !last);
+        /* a stop on the last step is just the end of the run */
+        int stop = !last && (stop_requested || (c->stop_at_step > 0 && step == c->stop_at_step));
         if (stop) {
-            /* preemption: always a full checkpoint, whatever checkpoint.enable says */
+            /* preemption: save first (validation could outlast the grace period), and
+             * always a full checkpoint, whatever checkpoint.enable says */
             if ((rc = trainer_save(t, data, 0, e))) goto out;
-            fprintf(stderr, "ctitan: stopped after step %d (%s); resume with the same command\n", step,
-                    stop_requested ? "signal" : "training.stop_at_step");
+            fprintf(stderr, "ctitan: stopped after step %d (%s); resume with the same command%s\n", step,
+                    stop_requested ? "signal" : "training.stop_at_step",
+                    c->ckpt_enable ? "" : " and --checkpoint.enable=true");
             rc = CT_STOPPED;
             goto out;
         }
+        if (val && (step % c->val_freq == 0 || last)) validate(t, val, step, mf);
         if (c->ckpt_enable) {
             /* as torchtitan: with last_save_in_hf the final save is the HF directory below */
             int due = (last && !c->last_save_in_hf) || (!last && step % c->ckpt_interval == 0) ||
@@ -471,7 +602,7 @@ int trainer_run(trainer *t, ct_err *e) {
         }
         int dtype = hf_dtype_from_name(c->export_dtype);
         double t0 = ct_now();
-        rc = hf_save(m, dir, dtype < 0 ? CT_F32 : (ct_dtype)dtype, 0, e);
+        rc = save_hf_atomic(m, path, dir, t->step, dtype < 0 ? CT_F32 : (ct_dtype)dtype, e);
         if (!rc)
             fprintf(stderr, "ctitan: saved Hugging Face model (%s) to %s in %.2f s\n", c->export_dtype, dir,
                     ct_now() - t0);

@@ -24,6 +24,7 @@ typedef struct {
     lr_schedule sched;
     int grad_accum;   /* micro-batches per optimizer step */
     int step;         /* optimizer steps done */
+    int complete;     /* the checkpoint folder already holds this run's final save */
     int val_batch;    /* sequences per validation batch */
     ds_state resume_data; /* loader position restored from a checkpoint */
     int have_resume_data;

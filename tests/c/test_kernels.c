@@ -7,7 +7,9 @@
  *   runs, against ref);
  * - kern_check catches deliberately broken matmuls (a table local to this
  *   test: no global state is touched);
- * - the fast GEMMs are bit-identical at 1 and 2 threads (determinism). */
+ * - the fast GEMMs are bit-identical at 1 and 2 threads (determinism);
+ * - activation checkpointing (which reruns these kernels) shrinks the model's
+ *   activation plan and leaves its gradients bit-identical. */
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +18,7 @@
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
+#include "model/qwen3.h"
 
 static const kern_impl *find(const kern_impl *t, size_t n, kern_op op, const char *name) {
     for (size_t i = 0; i < n; i++)
@@ -279,6 +282,90 @@ static void test_determinism(void) {
     free(inp), free(w), free(dout);
 }
 
+/* A tiny Qwen3 (4 layers: period 2 then checkpoints two, more than the one
+ * scratch set they share; GQA; T crossing the attention tiles) in every
+ * checkpointing mode: the plan shrinks in the expected order and one
+ * forward+backward gives the same gradients, bit for bit, as mode none. */
+static void test_activation_checkpointing(void) {
+    qwen3_config c = {.vocab_size = 61, .hidden = 32, .intermediate = 48, .n_layers = 4, .n_heads = 4,
+                      .n_kv_heads = 2, .head_dim = 8, .max_pos = 128, .tie_embeddings = 0,
+                      .rope_theta = 1e4, .rms_eps = 1e-6};
+    enum { B = 2, T = 70 };
+    int32_t tok[B * T], lab[B * T];
+    for (int i = 0; i < B * T; i++) tok[i] = (i * 37 + 5) % 61, lab[i] = i % 11 == 0 ? -100 : (i * 13 + 2) % 61;
+    const char *modes[][2] = {{"none", NULL}, {"selective", "op"}, {"selective", "2"}, {"selective", "1"},
+                              {"full", NULL}};
+    size_t bytes[5];
+    float *ref = NULL;
+    double loss0 = 0;
+    for (int i = 0; i < 5; i++) {
+        qwen3_model m;
+        ct_err e = {0};
+        CHECK(qwen3_create_ac(&m, &c, B, T, modes[i][0], modes[i][1], &e) == 0, "create %s: %s", modes[i][0],
+              e.msg);
+        qwen3_init_random(&m, 9);
+        kern_select(&m.k, NULL, NULL, 0, &e);
+        bytes[i] = qwen3_activation_bytes(&m);
+        long nv = 0;
+        double loss = qwen3_forward_backward(&m, tok, lab, B, T, 1.0f / 100, &nv);
+        if (i == 0) {
+            ref = malloc(m.n_params * sizeof(float));
+            memcpy(ref, m.grads, m.n_params * sizeof(float));
+            loss0 = loss;
+        } else {
+            CHECK(loss == loss0, "ac %s %s: loss %.9g vs %.9g", modes[i][0], modes[i][1] ? modes[i][1] : "", loss,
+                  loss0);
+            CHECK(memcmp(ref, m.grads, m.n_params * sizeof(float)) == 0, "ac %s %s: grads not bit-identical",
+                  modes[i][0], modes[i][1] ? modes[i][1] : "");
+        }
+        qwen3_free(&m);
+    }
+    CHECK(bytes[1] < bytes[0] && bytes[2] < bytes[0] && bytes[4] < bytes[2] && bytes[4] < bytes[1],
+          "activation bytes none %zu op %zu every-2nd %zu full %zu", bytes[0], bytes[1], bytes[2], bytes[4]);
+    CHECK(bytes[3] == bytes[4], "selective period 1 plans as full (%zu vs %zu)", bytes[3], bytes[4]);
+    qwen3_model m;
+    ct_err e = {0};
+    CHECK(qwen3_create_ac(&m, &c, B, T, "selective", "0", &e) == CT_ERR_CONFIG &&
+              strstr(e.msg, "selective_ac_option"),
+          "period 0 rejected naming the key: %s", e.msg);
+    CHECK(qwen3_create_ac(&m, &c, B, T, "some", NULL, &e) == CT_ERR_CONFIG && strstr(e.msg, "mode"),
+          "unknown mode rejected: %s", e.msg);
+    free(ref);
+}
+
+/* The AVX-512 copy of the tiled attention rounds exactly as the generic one
+ * (element-wise vector loops only), at 1 and 2 threads. */
+static void test_attention_tiled_avx512(void) {
+    if ((kern_cpu_features() & KERN_FEAT_AVX512) != KERN_FEAT_AVX512) {
+        printf("skip: attention tiled_avx512 (no AVX-512)\n");
+        return;
+    }
+    enum { B = 2, T = 131, nh = 4, nkv = 2, hd = 24 };
+    size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd, nl = (size_t)B * nh * T;
+    float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4), *g = malloc(nq * 4);
+    uint32_t s = 5;
+    fill_lcg(q, nq, &s);
+    fill_lcg(k, nk, &s);
+    fill_lcg(v, nk, &s);
+    fill_lcg(g, nq, &s);
+    float *o[2], *l[2], *dq[2], *dk[2], *dv[2];
+    int saved = omp_get_max_threads();
+    for (int i = 0; i < 2; i++) {
+        omp_set_num_threads(i + 1);
+        o[i] = malloc(nq * 4), l[i] = malloc(nl * 4);
+        dq[i] = calloc(nq, 4), dk[i] = calloc(nk, 4), dv[i] = calloc(nk, 4);
+        (i ? op_attention_fwd_tiled_avx512 : op_attention_fwd_tiled)(o[i], l[i], q, k, v, B, T, nh, nkv, hd);
+        (i ? op_attention_bwd_tiled_avx512 : op_attention_bwd_tiled)(dq[i], dk[i], dv[i], g, o[i], l[i], q, k, v,
+                                                                      B, T, nh, nkv, hd);
+    }
+    omp_set_num_threads(saved);
+    CHECK(!memcmp(o[0], o[1], nq * 4) && !memcmp(l[0], l[1], nl * 4), "tiled_avx512 forward != tiled");
+    CHECK(!memcmp(dq[0], dq[1], nq * 4) && !memcmp(dk[0], dk[1], nk * 4) && !memcmp(dv[0], dv[1], nk * 4),
+          "tiled_avx512 backward != tiled");
+    for (int i = 0; i < 2; i++) free(o[i]), free(l[i]), free(dq[i]), free(dk[i]), free(dv[i]);
+    free(q), free(k), free(v), free(g);
+}
+
 int main(void) {
     test_defaults();
     test_overrides();
@@ -286,5 +373,7 @@ int main(void) {
     test_check_catches_bugs();
     test_check_every_op();
     test_determinism();
+    test_attention_tiled_avx512();
+    test_activation_checkpointing();
     return CHECK_DONE();
 }

@@ -39,7 +39,11 @@ SIGNATURES = {
     "op_rope_bwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
     "op_rope_tables": (None, [F32P, F32P, c_int, c_int, c_float]),
     "op_attention_fwd": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5),
-    "op_attention_bwd": (None, [F32P] * 8 + [c_int] * 5),
+    "op_attention_bwd": (None, [F32P] * 9 + [c_int] * 5),
+    "op_attention_fwd_tiled": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5),
+    "op_attention_bwd_tiled": (None, [F32P] * 9 + [c_int] * 5),
+    "op_attention_fwd_tiled_avx512": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5),
+    "op_attention_bwd_tiled_avx512": (None, [F32P] * 9 + [c_int] * 5),
     "op_swiglu_fwd": (None, [F32P, F32P, F32P, c_int]),
     "op_swiglu_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int]),
     "op_crossentropy_fwdbwd": (ctypes.c_double, [F32P, I32P, c_int, c_int, c_float, ctypes.POINTER(c_long)]),
@@ -211,7 +215,7 @@ def test_rope(lib, gen, B, T, nh, hd):
 # ------------------------------------------------------------------------- attention
 
 def torch_attention(q, k, v):
-    """q [B,T,nh,hd], k/v [B,T,nkv,hd] -> out [B,T,nh,hd], probs [B,nh,T,T], as HF eager."""
+    """q [B,T,nh,hd], k/v [B,T,nkv,hd] -> out [B,T,nh,hd], lse [B,nh,T], as HF eager."""
     B, T, nh, hd = q.shape
     nkv = k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -221,7 +225,15 @@ def torch_attention(q, k, v):
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
     scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    return torch.matmul(probs, vh).transpose(1, 2), probs
+    return torch.matmul(probs, vh).transpose(1, 2), torch.logsumexp(scores, dim=-1)
+
+
+def _has_avx512():
+    try:
+        flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
 
 
 @pytest.mark.parametrize("B,T,nh,nkv,hd", [
@@ -230,21 +242,25 @@ def torch_attention(q, k, v):
     (1, 6, 4, 1, 8),     # MQA
     (2, 1, 2, 1, 6),     # T = 1
     (1, 33, 4, 2, 128),  # real head_dim
+    (2, 150, 4, 2, 16),  # several 32 x 64 tiles of the tiled kernel, partial last ones
 ])
-def test_attention(lib, gen, B, T, nh, nkv, hd):
+@pytest.mark.parametrize("impl", ["", "_tiled", "_tiled_avx512"])
+def test_attention(lib, gen, impl, B, T, nh, nkv, hd):
+    if impl == "_tiled_avx512" and not _has_avx512():
+        pytest.skip("no AVX-512")
     q = randn(gen, B, T, nh, hd).requires_grad_()
     k = randn(gen, B, T, nkv, hd).requires_grad_()
     v = randn(gen, B, T, nkv, hd).requires_grad_()
-    out_t, probs_t = torch_attention(q, k, v)
-    out, probs = np.zeros((B, T, nh, hd), np.float32), np.zeros((B, nh, T, T), np.float32)
-    lib.op_attention_fwd(P(out), P(probs), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd)
+    fwd, bwd = getattr(lib, "op_attention_fwd" + impl), getattr(lib, "op_attention_bwd" + impl)
+    out_t, lse_t = torch_attention(q, k, v)
+    out, lse = np.zeros((B, T, nh, hd), np.float32), np.zeros((B, nh, T), np.float32)
+    fwd(P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd)
     assert_close(out, out_t, "attention fwd")
-    assert_close(probs, probs_t, "attention probs")
+    assert_close(lse, lse_t, "attention lse")
     g, (dq_t, dk_t, dv_t) = backward(out_t, (q, k, v), gen)
     dq0, dk0, dv0 = np32(randn(gen, *q.shape)), np32(randn(gen, *k.shape)), np32(randn(gen, *v.shape))
     dq, dk, dv = dq0.copy(), dk0.copy(), dv0.copy()
-    lib.op_attention_bwd(P(dq), P(dk), P(dv), P(np32(g)), P(probs), P(np32(q)), P(np32(k)), P(np32(v)),
-                         B, T, nh, nkv, hd)
+    bwd(P(dq), P(dk), P(dv), P(np32(g)), P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd)
     assert_close(dq - dq0, dq_t, "attention dq")
     assert_close(dk - dk0, dk_t, "attention dk")
     assert_close(dv - dv0, dv_t, "attention dv")

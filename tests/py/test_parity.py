@@ -159,3 +159,60 @@ def test_random_init(tmp_path, open_session):
             p.copy_(torch.from_numpy(a.get_param(n)))
     ref = oracle.hf_loss(m, tokens, labels)
     assert abs(loss - ref) <= TOL * ref
+
+
+AC_MODES = [
+    ("full", ["--activation_checkpoint.mode=full"]),
+    ("selective_every2", ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"]),
+    ("selective_every1", ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=1"]),
+    ("selective_op", ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]),
+]
+
+
+def test_activation_checkpointing_bitwise(tmp_path, open_session):
+    """Activation checkpointing only reruns the forward's own deterministic kernels: loss
+    and every gradient are bit-identical to mode none, and so match HF to TOL too. Two
+    micro-batches: the second backward must not reuse the first one's recomputed scratch."""
+    cfg = oracle.tiny_config(vocab=256, hidden=32, inter=64, layers=4, heads=4, kv_heads=2, head_dim=16,
+                             rope_theta=1e4, tied=False)
+    hf_dir = tmp_path / "hf"
+    model = oracle.save_random_hf(hf_dir, cfg, seed=21)
+    tokens, labels = make_batch(cfg.vocab_size, 4, 70, seed=6, n_ignore=9)  # T=70: several attention tiles
+    ref_loss, _, ref_grads = oracle.hf_loss_and_grads(model, tokens, labels)
+    nv = oracle.n_valid(labels)
+
+    def run(extra):
+        s = open_session(hf_session_args(hf_dir, batch=2, seq_len=70, extra=extra))
+        s.zero_grad()
+        loss = s.forward_backward(tokens[:2], labels[:2], nv) + s.forward_backward(tokens[2:], labels[2:], nv)
+        return loss, {n: s.get_grad(n) for n in s.names()}
+
+    base_loss, base = run([])
+    assert abs(base_loss / nv - ref_loss) <= TOL * ref_loss
+    for n, g in base.items():
+        e = oracle.rel_err(g, ref_grads[n])
+        assert e <= TOL, f"mode none {n}: rel err {e:.3g}"
+    for name, extra in AC_MODES:
+        loss, grads = run(extra)
+        assert loss == base_loss, f"{name}: loss {loss!r} vs {base_loss!r}"
+        bad = [n for n in base if not np.array_equal(grads[n], base[n])]
+        assert not bad, f"{name}: gradients not bit-identical to mode none: {bad}"
+        for n, g in grads.items():
+            e = oracle.rel_err(g, ref_grads[n])
+            assert e <= TOL, f"{name} {n}: rel err {e:.3g}"
+
+
+@pytest.mark.parametrize("extra,key", [
+    (["--activation_checkpoint.mode=partial"], "activation_checkpoint.mode"),
+    (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=0"],
+     "selective_ac_option"),
+    (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2x"],
+     "selective_ac_option"),
+])
+def test_activation_checkpointing_bad_config(tmp_path, open_session, extra, key):
+    cfg = oracle.tiny_config(vocab=64, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    cfg.save_pretrained(str(hf_dir))
+    with pytest.raises(Exception, match=key):
+        open_session(hf_session_args(hf_dir, load=False, extra=extra))

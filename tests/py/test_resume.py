@@ -193,3 +193,45 @@ def test_export_loss_equals_ctitan(setup, open_session, run_ctitan):
                       "--checkpoint.initial_load_in_hf", "--training.local_batch_size=2", "--training.seq_len=16"])
     loss = s.forward_backward(x, y, int(y.size)) / y.size
     assert abs(loss - ref) <= 1e-5 * ref, f"ctitan {loss} vs transformers {ref}"
+
+
+def test_rerunning_a_finished_run_does_nothing(setup, run_ctitan):
+    """The final save (model-only by default) marks the run complete: the same command
+    again must not retrain from step 0 (it would redo and overwrite everything)."""
+    tmp, model_dir, data = setup
+    out = tmp / "fin"
+    base = [a for a in args_for(model_dir, data, out, "--checkpoint.interval=5")
+            if a != "--checkpoint.last_save_model_only=false"]
+    run_ctitan(base)
+    before = (out / "metrics.jsonl").read_text()
+    _, stdout, err = run_ctitan(base)
+    assert "nothing to do" in err and "step:" not in stdout, err
+    assert (out / "metrics.jsonl").read_text() == before
+    # the full checkpoints before the final model-only save are still there (k counts full ones)
+    assert (out / "checkpoint" / "step-15" / "optim.safetensors").exists()
+
+
+def test_final_hf_save_never_breaks_a_checkpoint(setup, run_ctitan):
+    """Resumed at its last step with last_save_in_hf, the HF export must not be merged into
+    the training checkpoint of that step."""
+    tmp, model_dir, data = setup
+    out = tmp / "hfc"
+    rc, _, _ = run_ctitan(args_for(model_dir, data, out, "--training.stop_at_step=4"), check=False)
+    assert rc == 75
+    short = [a for a in args_for(model_dir, data, out, "--checkpoint.last_save_in_hf",
+                                 "--checkpoint.export_dtype=bfloat16") if not a.startswith("--training.steps=")]
+    run_ctitan(short + ["--training.steps=4"])
+    ck = out / "checkpoint"
+    run_ctitan(["export", "--checkpoint", ck / "step-4", "--out", tmp / "e4"])  # still verifies
+    assert oracle.hf_dtypes(ck / "hf-step-4") == {"BF16"}
+
+
+def test_resume_refuses_a_different_data_stream(setup, run_ctitan):
+    tmp, model_dir, data = setup
+    out = tmp / "chg"
+    rc, _, _ = run_ctitan(args_for(model_dir, data, out, "--training.stop_at_step=5"), check=False)
+    assert rc == 75
+    rc, _, err = run_ctitan(args_for(model_dir, data, out, "--training.seq_len=8"), check=False)
+    assert rc == 2 and "training.seq_len" in err and "step-5" in err, err
+    rc, _, err = run_ctitan(args_for(model_dir, data, out, "--training.seed=12"), check=False)
+    assert rc == 2 and "training.seed" in err, err

@@ -212,85 +212,96 @@ void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *
 
 /* --------------------------------------------------------------- attention */
 
-void op_attention_fwd(float *out, float *probs, const float *q, const float *k, const float *v,
+/* The plain form of the recompute-in-backward attention: one query row at a
+ * time, a two-pass softmax over its causal keys in a [T] scratch row, and
+ * the row's log-sum-exp kept instead of its probabilities. The tiled kernel
+ * (attention.c) runs the same algorithm a block at a time and is checked
+ * against this. */
+
+void op_attention_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
                       int B, int T, int nh, int nkv, int hd) {
-    // out[B,T,nh,hd], probs[B,nh,T,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
+    // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     int group = nh / nkv;
     float scale = 1.0f / sqrtf((float)hd);
-#pragma omp parallel for collapse(3)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < nh; h++) {
-            for (int t = 0; t < T; t++) {
-                int kh = h / group;
-                const float *qt = q + (((size_t)b * T + t) * nh + h) * hd;
-                float *p = probs + (((size_t)b * nh + h) * T + t) * T;
-                // scores, causal: keys 0..t only
-                float maxv = -INFINITY;
-                for (int t2 = 0; t2 <= t; t2++) {
-                    const float *kt = k + (((size_t)b * T + t2) * nkv + kh) * hd;
-                    float dot = 0.0f;
-                    for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
-                    float sc = dot * scale; // HF: (q @ k^T) * scaling
-                    p[t2] = sc;
-                    if (sc > maxv) maxv = sc;
-                }
-                float sum = 0.0f;
-                for (int t2 = 0; t2 <= t; t2++) {
-                    p[t2] = expf(p[t2] - maxv);
-                    sum += p[t2];
-                }
-                for (int t2 = 0; t2 <= t; t2++) p[t2] /= sum;
-                for (int t2 = t + 1; t2 < T; t2++) p[t2] = 0.0f;
-                // out = probs @ v
-                float *ot = out + (((size_t)b * T + t) * nh + h) * hd;
-                for (int i = 0; i < hd; i++) ot[i] = 0.0f;
-                for (int t2 = 0; t2 <= t; t2++) {
-                    const float *vt = v + (((size_t)b * T + t2) * nkv + kh) * hd;
-                    for (int i = 0; i < hd; i++) ot[i] += p[t2] * vt[i];
+#pragma omp parallel
+    {
+        float *p = ct_malloc((size_t)(T > 0 ? T : 1) * sizeof(float)); // [T] scores of one row
+#pragma omp for collapse(3)
+        for (int b = 0; b < B; b++) {
+            for (int h = 0; h < nh; h++) {
+                for (int t = 0; t < T; t++) {
+                    int kh = h / group;
+                    const float *qt = q + (((size_t)b * T + t) * nh + h) * hd;
+                    // scores, causal: keys 0..t only
+                    float maxv = -INFINITY;
+                    for (int t2 = 0; t2 <= t; t2++) {
+                        const float *kt = k + (((size_t)b * T + t2) * nkv + kh) * hd;
+                        float dot = 0.0f;
+                        for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
+                        float sc = dot * scale; // HF: (q @ k^T) * scaling
+                        p[t2] = sc;
+                        if (sc > maxv) maxv = sc;
+                    }
+                    float sum = 0.0f;
+                    for (int t2 = 0; t2 <= t; t2++) {
+                        p[t2] = expf(p[t2] - maxv);
+                        sum += p[t2];
+                    }
+                    lse[((size_t)b * nh + h) * T + t] = maxv + logf(sum);
+                    // out = softmax @ v
+                    float *ot = out + (((size_t)b * T + t) * nh + h) * hd;
+                    for (int i = 0; i < hd; i++) ot[i] = 0.0f;
+                    for (int t2 = 0; t2 <= t; t2++) {
+                        const float *vt = v + (((size_t)b * T + t2) * nkv + kh) * hd;
+                        float pt = p[t2] / sum;
+                        for (int i = 0; i < hd; i++) ot[i] += pt * vt[i];
+                    }
                 }
             }
         }
+        free(p);
     }
 }
 
-void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *probs,
+void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                       const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd) {
-    // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], probs[B,nh,T,T],
+    // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
     // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     // All query heads of a group and all query positions add into the same kv
-    // rows, so one thread owns a whole (b, kv head) and walks them in order.
+    // rows, so one thread owns a whole (b, kv head) and walks them in order;
+    // it then also owns the dq rows of the group's query heads.
     int group = nh / nkv;
     float scale = 1.0f / sqrtf((float)hd);
 #pragma omp parallel for collapse(2)
     for (int b = 0; b < B; b++) {
         for (int kh = 0; kh < nkv; kh++) {
-            float *ds = ct_malloc((size_t)(T > 0 ? T : 1) * sizeof(float)); // [T] scratch
             for (int h = kh * group; h < (kh + 1) * group; h++) {
                 for (int t = 0; t < T; t++) {
-                    const float *p = probs + (((size_t)b * nh + h) * T + t) * T;
                     const float *qt = q + (((size_t)b * T + t) * nh + h) * hd;
+                    const float *ot = out + (((size_t)b * T + t) * nh + h) * hd;
                     const float *dot_ = dout + (((size_t)b * T + t) * nh + h) * hd;
                     float *dqt = dq + (((size_t)b * T + t) * nh + h) * hd;
-                    // dp = dout . v ; dv += p * dout
+                    float L = lse[((size_t)b * nh + h) * T + t];
+                    // softmax backward needs sum_j p_j dp_j = dout . out (out = sum_j p_j v_j)
+                    float D = 0.0f;
+                    for (int i = 0; i < hd; i++) D += dot_[i] * ot[i];
                     for (int t2 = 0; t2 <= t; t2++) {
+                        const float *kt = k + (((size_t)b * T + t2) * nkv + kh) * hd;
                         const float *vt = v + (((size_t)b * T + t2) * nkv + kh) * hd;
+                        float *dkt = dk + (((size_t)b * T + t2) * nkv + kh) * hd;
                         float *dvt = dv + (((size_t)b * T + t2) * nkv + kh) * hd;
+                        // recompute p = exp(score - lse)
+                        float dot = 0.0f;
+                        for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
+                        float p = expf(dot * scale - L);
+                        // dp = dout . v ; dv += p * dout
                         float dp = 0.0f;
                         for (int i = 0; i < hd; i++) {
                             dp += dot_[i] * vt[i];
-                            dvt[i] += p[t2] * dot_[i];
+                            dvt[i] += p * dot_[i];
                         }
-                        ds[t2] = dp;
-                    }
-                    // softmax backward: ds = p * (dp - sum(p * dp))
-                    float pdp = 0.0f;
-                    for (int t2 = 0; t2 <= t; t2++) pdp += p[t2] * ds[t2];
-                    for (int t2 = 0; t2 <= t; t2++) ds[t2] = p[t2] * (ds[t2] - pdp);
-                    // scores = scale * q . k
-                    for (int t2 = 0; t2 <= t; t2++) {
-                        const float *kt = k + (((size_t)b * T + t2) * nkv + kh) * hd;
-                        float *dkt = dk + (((size_t)b * T + t2) * nkv + kh) * hd;
-                        float g = ds[t2] * scale;
+                        // ds = p * (dp - D); scores = scale * q . k
+                        float g = p * (dp - D) * scale;
                         for (int i = 0; i < hd; i++) {
                             dqt[i] += g * kt[i];
                             dkt[i] += g * qt[i];
@@ -298,7 +309,6 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
                     }
                 }
             }
-            free(ds);
         }
     }
 }
