@@ -214,6 +214,36 @@ int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const c
     return 0;
 }
 
+int qwen3_plan_memory(const qwen3_config *c, int B, int T, const char *ac_mode, const char *ac_option,
+                      size_t *n_params, size_t *act_bytes, ct_err *e) {
+    int rc = qwen3_config_check(c, "model", e);
+    if (rc) return rc;
+    if (B < 1 || T < 1) return ct_fail(e, CT_ERR_CONFIG, "model: batch %d x sequence %d is empty", B, T);
+    qwen3_model m;
+    memset(&m, 0, sizeof m);
+    int *ac = ct_calloc((size_t)c->n_layers + 1, sizeof(int));
+    for (int l = 0; l < c->n_layers; l++)
+        if ((ac[l] = qwen3_ac_layer(ac_mode, ac_option, l, e)) < 0) {
+            free(ac);
+            return CT_ERR_CONFIG;
+        }
+    /* the same layout and plan as qwen3_create_ac, counted with nothing allocated */
+    m.cfg = *c;
+    build_layout(&m);
+    m.B = B;
+    m.T = T;
+    m.logit_rows = B * T < 256 ? B * T : 256;
+    m.acts = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_acts));
+    carver cv = {0};
+    plan_activations(&m, &cv, ac);
+    *n_params = m.n_params;
+    *act_bytes = cv.used * sizeof(float);
+    free(ac);
+    free(m.acts);
+    free(m.tensors);
+    return 0;
+}
+
 void qwen3_free(qwen3_model *m) {
     free(m->tensors);
     free(m->params);

@@ -159,6 +159,10 @@ int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const c
 /* Only the policy: the QWEN3_AC_* of layer l (0 <= l < n_layers), or -1 with *e set. */
 int qwen3_ac_layer(const char *ac_mode, const char *ac_option, int l, ct_err *e);
 void qwen3_free(qwen3_model *m);
+/* What qwen3_create_ac would allocate, without allocating it (--dry-run):
+ * parameter count and bytes of the activation + workspace plan. */
+int qwen3_plan_memory(const qwen3_config *c, int B, int T, const char *ac_mode, const char *ac_option,
+                      size_t *n_params, size_t *act_bytes, ct_err *e);
 /* normal(0, 0.02) for matrices, 1 for norms; deterministic from seed. */
 void qwen3_init_random(qwen3_model *m, uint64_t seed);
 const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name);

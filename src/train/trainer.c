@@ -294,6 +294,27 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) {
     return 0;
 }
 
+int trainer_dry_run(const ct_config *c, ct_err *e) {
+    qwen3_config mc;
+    int rc = trainer_model_config(c, &mc, e);
+    if (rc) return rc;
+    int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
+    int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
+    size_t n = 0, act = 0;
+    if ((rc = qwen3_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    double p = 4.0 * n, g = 4.0 * n, o = 8.0 * n, a = (double)act;
+    printf("dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
+           n / 1e9, B, c->seq_len, c->ac_mode);
+    printf("  %-34s %10.3f GiB  %15.0f bytes\n", "parameters (fp32)", p / gib, p);
+    printf("  %-34s %10.3f GiB  %15.0f bytes\n", "gradients (fp32)", g / gib, g);
+    printf("  %-34s %10.3f GiB  %15.0f bytes\n", "AdamW moments (2 x fp32)", o / gib, o);
+    printf("  %-34s %10.3f GiB  %15.0f bytes\n", "activations + workspace (planned)", a / gib, a);
+    printf("  %-34s %10.3f GiB  %15.0f bytes\n", "total planned", (p + g + o + a) / gib, (p + g + o + a));
+    printf("(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
+    return 0;
+}
+
 void trainer_free(trainer *t) {
     qwen3_free(&t->model);
     adamw_free(&t->opt);

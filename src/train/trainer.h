@@ -46,6 +46,9 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e);
  * the loop to stop after the current step with a checkpoint; a second one
  * exits at once (checkpoint writes are atomic, so nothing is left half done). */
 void trainer_install_signals(void);
+/* `ctitan train --dry-run`: prints the memory the run would plan (parameters,
+ * gradients, AdamW moments, activations + workspace) and allocates none of it. */
+int trainer_dry_run(const ct_config *cfg, ct_err *e);
 /* Builds the model config for cfg (flavor table or HF config.json). */
 int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e);
 
