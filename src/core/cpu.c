@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "core/timer.h"
 
@@ -121,6 +122,17 @@ void cpu_peak_flops(cpu_peak *out, int threads) {
     }
     out->flops = best;
     out->source = "measured";
+    /* a figure taken while other work runs is low; keep it for this run only */
+    double load = 0;
+    FILE *lf = fopen("/proc/loadavg", "r");
+    if (lf) {
+        if (fscanf(lf, "%lf", &load) != 1) load = 0;
+        fclose(lf);
+    }
+    if (load > 0.5) {
+        out->source = "measured on a busy machine, not cached";
+        return;
+    }
     /* cache it; failure to write the cache is harmless */
     char dir[1024];
     snprintf(dir, sizeof dir, "%s", path);
@@ -131,10 +143,14 @@ void cpu_peak_flops(cpu_peak *out, int threads) {
         if (s2) { *s2 = 0; mkdir(dir, 0755); *s2 = '/'; }
         mkdir(dir, 0755);
     }
-    f = fopen(path, "w");
+    /* temp + rename: a concurrent run reads the old value or the new one, never half */
+    char tmp[1100];
+    snprintf(tmp, sizeof tmp, "%s.%ld", path, (long)getpid());
+    f = fopen(tmp, "w");
     if (f) {
-        fprintf(f, "%.6e\n", best);
-        fclose(f);
+        int ok = fprintf(f, "%.6e\n", best) > 0;
+        ok &= fclose(f) == 0;
+        if (!ok || rename(tmp, path) != 0) remove(tmp);
     }
 }
 

@@ -3,7 +3,8 @@
  * MFU needs the machine's peak. Datasheets do not know how many cores a
  * container really gets or at what clock, so ctitan measures it: a loop of
  * independent FMAs in registers on every thread (AVX-512, else AVX2, else
- * scalar), once, cached under ~/.cache/ctitan keyed by CPU model and threads. */
+ * scalar), once, cached under ~/.cache/ctitan keyed by CPU model and threads
+ * (not cached when the load average says other work shares the cores). */
 #ifndef CT_CORE_CPU_H
 #define CT_CORE_CPU_H
 
