@@ -29,6 +29,7 @@
 #define _GNU_SOURCE /* renameat2, fsync, O_DIRECTORY under -std=c11 */
 #endif
 #include "checkpoint/ckpt.h"
+#include "core/fs.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -241,12 +242,6 @@ static int ckpt_rm_tree(const char *path, ct_err *e) {
     closedir(d);
     if (!rc && rmdir(path) != 0 && errno != ENOENT)
         rc = ct_fail(e, CT_ERR_IO, "%s: cannot remove: %s", path, strerror(errno));
-    return rc;
-}
-
-static int ckpt_mkdirs(const char *dir, ct_err *e) {
-    int rc = hf_mkdirs(dir, e);
-    if (!rc && !ckpt_is_dir(dir)) rc = ct_fail(e, CT_ERR_IO, "%s: not a directory", dir);
     return rc;
 }
 
@@ -552,7 +547,7 @@ int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *e
     int rc = ckpt_join(tmp, folder, name, e);
     snprintf(name, sizeof name, "step-%d", step);
     if (!rc) rc = ckpt_join(final, folder, name, e);
-    if (!rc) rc = ckpt_mkdirs(folder, e);
+    if (!rc) rc = ct_mkdirs(folder, e);
     if (!rc) rc = ckpt_rm_tree(tmp, e); /* left by an earlier crash of a process with our pid */
     if (rc) return rc;
     if (mkdir(tmp, 0755) != 0)

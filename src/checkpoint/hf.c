@@ -1,5 +1,6 @@
 /* checkpoint/hf.c: load and save HF safetensors model directories. */
 #include "checkpoint/hf.h"
+#include "core/fs.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -18,21 +19,6 @@ int hf_dtype_from_name(const char *name) {
 
 static const char *torch_dtype_name(ct_dtype t) {
     return t == CT_BF16 ? "bfloat16" : t == CT_F16 ? "float16" : "float32";
-}
-
-int hf_mkdirs(const char *dir, ct_err *e) {
-    char buf[4096];
-    snprintf(buf, sizeof buf, "%s", dir);
-    for (char *p = buf + 1; *p; p++) {
-        if (*p != '/') continue;
-        *p = 0;
-        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-            return ct_fail(e, CT_ERR_IO, "%s: cannot create directory: %s", buf, strerror(errno));
-        *p = '/';
-    }
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-        return ct_fail(e, CT_ERR_IO, "%s: cannot create directory: %s", buf, strerror(errno));
-    return 0;
 }
 
 static void shape_str(char *out, size_t cap, int ndim, const int64_t *shape) {
@@ -81,7 +67,7 @@ int hf_load(qwen3_model *m, const char *dir, ct_err *e) {
 }
 
 int hf_save(const qwen3_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e) {
-    int rc = hf_mkdirs(dir, e);
+    int rc = ct_mkdirs(dir, e);
     if (rc) return rc;
     st_wtensor *ts = ct_calloc((size_t)m->n_tensors, sizeof *ts);
     for (int i = 0; i < m->n_tensors; i++) {

@@ -18,7 +18,5 @@ int hf_load(qwen3_model *m, const char *dir, ct_err *e);
 int hf_save(const qwen3_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e);
 /* "float32" | "bfloat16" | "float16" -> dtype; -1 if unknown. */
 int hf_dtype_from_name(const char *name);
-/* Creates DIR and its parents. */
-int hf_mkdirs(const char *dir, ct_err *e);
 
 #endif

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/fs.h"
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "tokenizer/tokenizer.h"
@@ -32,30 +33,6 @@ void cli_tokenize_help(void) {
            "       ctitan tokenize --tokenizer DIR --decode --ids \"ID ID ...\" [--skip-special]\n\n"
            "Encodes text with a Hugging Face tokenizer (ids on one line) or decodes ids back to text.\n");
     cli_print_options(stdout, tk_options, CLI_NOPTS(tk_options));
-}
-
-static char *read_all(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    size_t got;
-    while (buf && (got = fread(buf + n, 1, cap - n, f)) > 0) {
-        n += got;
-        if (n == cap) {
-            char *bigger = realloc(buf, cap *= 2);
-            if (!bigger) free(buf);
-            buf = bigger;
-        }
-    }
-    int bad = ferror(f); /* e.g. a directory: fopen succeeds, reading fails */
-    fclose(f);
-    if (bad) {
-        free(buf);
-        return NULL;
-    }
-    *len = n;
-    return buf;
 }
 
 int cli_tokenize(int argc, char **argv) {
@@ -114,7 +91,7 @@ int cli_tokenize(int argc, char **argv) {
         tok_ids_free(&v);
     } else {
         size_t len = 0;
-        char *buf = file ? read_all(file, &len) : NULL;
+        char *buf = file ? ct_read_file(file, &len, NULL) : NULL;
         if (file && !buf) rc = cli_fail(1, "%s: cannot read (--file)", file);
         tok_enc *enc = rc ? NULL : tok_enc_new(t);
         tok_ids out = {0};

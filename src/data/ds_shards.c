@@ -7,6 +7,7 @@
  * boundaries: the loader concatenates them, so a document may straddle two.
  * meta.json is written last, through a temporary file and rename(), so a
  * crash never leaves a directory that looks complete. */
+#include "core/fs.h"
 #include "data/dataset.h"
 
 #include <dirent.h>
@@ -30,30 +31,6 @@ struct ds_writer {
     uint64_t total;
 };
 
-static int mkdirs(const char *dir, ct_err *e) {
-    char *p = ct_strdup(dir);
-    int rc = 0;
-    for (char *s = p + 1;; s++) {
-        if (*s == '/' || !*s) {
-            char c = *s;
-            *s = 0;
-            if (mkdir(p, 0777) != 0 && errno != EEXIST) {
-                rc = ct_fail(e, CT_ERR_IO, "%s: cannot create directory (%s)", p, strerror(errno));
-                break;
-            }
-            *s = c;
-            if (!c) break;
-        }
-    }
-    free(p);
-    if (!rc) {
-        struct stat st;
-        if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
-            rc = ct_fail(e, CT_ERR_IO, "%s: not a directory", dir);
-    }
-    return rc;
-}
-
 static char *join(const char *dir, const char *name) {
     size_t n = strlen(dir) + strlen(name) + 2;
     char *p = ct_malloc(n);
@@ -69,7 +46,7 @@ int ds_writer_open(ds_writer **out, const char *dir, uint64_t shard_tokens, int 
     *out = NULL;
     if (!dir || !*dir) return ct_fail(e, CT_ERR_CONFIG, "--out: no output directory given");
     if (!shard_tokens) return ct_fail(e, CT_ERR_CONFIG, "--shard-tokens: must be positive");
-    if (mkdirs(dir, e)) return e->code;
+    if (ct_mkdirs(dir, e)) return e->code;
     DIR *d = opendir(dir);
     if (!d) return ct_fail(e, CT_ERR_IO, "%s: cannot list (%s)", dir, strerror(errno));
     struct dirent *de;

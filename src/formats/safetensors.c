@@ -32,6 +32,7 @@
 #define _GNU_SOURCE /* mmap, fsync, O_DIRECTORY under -std=c11 */
 #endif
 #include "formats/safetensors.h"
+#include "core/fs.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -882,26 +883,6 @@ int st_write(const char *path, const st_wtensor *ts, int n, const char *const *m
     return rc;
 }
 
-static int st_mkdir_p(const char *dir, ct_err *e) {
-    size_t len = strlen(dir);
-    char *p = ct_malloc(len + 1);
-    memcpy(p, dir, len + 1);
-    int rc = 0;
-    for (size_t i = 1; i <= len && !rc; i++) {
-        if (p[i] != '/' && p[i] != 0) continue;
-        char c = p[i];
-        p[i] = 0;
-        if (mkdir(p, 0755) != 0 && errno != EEXIST)
-            rc = ct_fail(e, CT_ERR_IO, "%s: cannot create directory %s: %s", dir, p, strerror(errno));
-        p[i] = c;
-    }
-    struct stat st;
-    if (!rc && (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)))
-        rc = ct_fail(e, CT_ERR_IO, "%s: not a directory", dir);
-    free(p);
-    return rc;
-}
-
 /* Is `name` an HF shard name model-AAAAA-of-BBBBB.safetensors? */
 static int st_shard_name(const char *name, unsigned *a, unsigned *b) {
     if (strlen(name) != strlen("model-00000-of-00000.safetensors")) return 0;
@@ -950,7 +931,7 @@ int st_write_dir(const char *dir, const st_wtensor *ts, int n, size_t max_shard_
     char *ipath = st_join(dir, "model.safetensors.index.json");
     char *fpath = st_join(dir, "model.safetensors");
     int rc = st_wvalidate(dir, ts, n, meta, sizes, e);
-    if (!rc) rc = st_mkdir_p(dir, e);
+    if (!rc) rc = ct_mkdirs(dir, e);
     if (rc) goto out;
     uint64_t total = 0;
     for (int i = 0; i < n; i++) total += sizes[i];

@@ -13,6 +13,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "core/fs.h"
 #include "model/qwen3.h"
 
 typedef struct {
@@ -75,22 +76,6 @@ int qwen3_config_from_flavor(qwen3_config *c, const char *flavor, ct_err *e) {
                    flavor, known);
 }
 
-static char *read_file(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    if (n < 0) { fclose(f); return NULL; }
-    char *buf = malloc((size_t)n + 1);
-    if (!buf) { fclose(f); return NULL; }
-    size_t got = fread(buf, 1, (size_t)n, f);
-    fclose(f);
-    buf[got] = 0;
-    if (len) *len = got;
-    return buf;
-}
-
 /* An integer field: required unless def_ok, then *out keeps its default. */
 static int json_int(const cJSON *root, const char *key, int *out, int required, const char *path, ct_err *e) {
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
@@ -125,7 +110,7 @@ int qwen3_config_from_hf(qwen3_config *c, const char *dir, ct_err *e) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     size_t len = 0;
-    char *text = read_file(path, &len);
+    char *text = ct_read_file(path, &len, NULL);
     if (!text) return ct_fail(e, CT_ERR_CONFIG, "%s: cannot read (model.hf_assets_path = \"%s\")", path, dir);
     cJSON *root = cJSON_ParseWithLength(text, len);
     free(text);

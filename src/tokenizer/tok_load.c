@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "tokenizer/tok_internal.h"
+#include "core/fs.h"
 
 #define TOK_MAX_ID (1 << 24) /* far above any real vocab; bounds allocations */
 
@@ -34,38 +35,6 @@ static const char GPT2_PATTERN[] =
 
 /* ---------------------------------------------------------------- files */
 
-static char *read_file(const char *path, size_t *len, ct_err *e) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-        return NULL;
-    }
-    size_t cap = 1 << 16, n = 0;
-    char *buf = ct_malloc(cap);
-    for (;;) {
-        if (n + 1 >= cap) {
-            char *b = ct_malloc(cap * 2);
-            memcpy(b, buf, n);
-            free(buf);
-            buf = b;
-            cap *= 2;
-        }
-        size_t k = fread(buf + n, 1, cap - n - 1, f);
-        n += k;
-        if (k == 0) break;
-    }
-    int bad = ferror(f);
-    fclose(f);
-    if (bad) {
-        free(buf);
-        ct_fail(e, CT_ERR_IO, "%s: read error", path);
-        return NULL;
-    }
-    buf[n] = 0;
-    *len = n;
-    return buf;
-}
-
 static int file_exists(const char *path) {
     FILE *f = fopen(path, "rb");
     if (f) fclose(f);
@@ -74,7 +43,7 @@ static int file_exists(const char *path) {
 
 static cJSON *parse_json(const char *path, ct_err *e) {
     size_t n;
-    char *buf = read_file(path, &n, e);
+    char *buf = ct_read_file(path, &n, e);
     if (!buf) return NULL;
     const char *end = NULL;
     cJSON *j = cJSON_ParseWithLengthOpts(buf, n, &end, 0);
@@ -650,7 +619,7 @@ static int load_vocab_merges(tok *t, const char *vocab_file, const char *merges_
     cJSON_Delete(j);
     if (rc) return rc;
     size_t n;
-    char *txt = read_file(merges_file, &n, e);
+    char *txt = ct_read_file(merges_file, &n, e);
     if (!txt) return e->code;
     size_t lines = 1;
     for (size_t i = 0; i < n; i++) lines += txt[i] == '\n';

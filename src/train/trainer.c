@@ -29,6 +29,7 @@
 #include "checkpoint/ckpt.h"
 #include "checkpoint/hf.h"
 #include "core/cpu.h"
+#include "core/fs.h"
 #include "core/timer.h"
 
 /* The one piece of process-wide state: a signal handler can reach nothing
@@ -510,7 +511,7 @@ int trainer_run(trainer *t, ct_err *e) {
     if (c->val_enable &&
         (rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &tk, e)))
         goto out;
-    if ((rc = hf_mkdirs(c->dump_folder, e))) goto out;
+    if ((rc = ct_mkdirs(c->dump_folder, e))) goto out;
 
     /* the resolved config, so a run can be reproduced from its folder */
     char path[4096];

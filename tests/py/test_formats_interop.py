@@ -116,7 +116,7 @@ def helper(tmp_path_factory) -> Path:
     src = d / "helper.c"
     src.write_text(HELPER_C)
     exe = d / "helper"
-    srcs = [ROOT / "src/core/err.c", ROOT / "src/core/dtype.c", ROOT / "src/formats/safetensors.c",
+    srcs = [ROOT / "src/core/err.c", ROOT / "src/core/dtype.c", ROOT / "src/core/fs.c", ROOT / "src/formats/safetensors.c",
             ROOT / "src/formats/npy.c"]
     cmd = [gcc, "-std=c11", "-O1", "-g", "-D_GNU_SOURCE", f"-I{ROOT / 'src'}", str(src), *map(str, srcs),
            "-o", str(exe), "-lcjson", "-lm"]
