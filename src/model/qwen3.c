@@ -174,39 +174,55 @@ int qwen3_create(qwen3_model *m, const qwen3_config *c, int B, int T, ct_err *e)
     return qwen3_create_ac(m, c, B, T, "none", NULL, e);
 }
 
-int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const char *ac_mode,
-                    const char *ac_option, ct_err *e) {
+/* The layout and the activation plan, counted but not allocated: m->tensors,
+ * m->n_params, m->acts (pointers still NULL) and m->act_floats. *ac gets the
+ * per-layer checkpointing policy [L] (the caller frees it). Shared by
+ * qwen3_create_ac and qwen3_plan_memory so --dry-run reports what a run
+ * allocates. */
+static int plan_model(qwen3_model *m, const qwen3_config *c, int B, int T, const char *ac_mode,
+                      const char *ac_option, int **ac, ct_err *e) {
     memset(m, 0, sizeof *m);
+    *ac = NULL;
     int rc = qwen3_config_check(c, "model", e);
     if (rc) return rc;
     if (B < 1 || T < 1) return ct_fail(e, CT_ERR_CONFIG, "model: batch %d x sequence %d is empty", B, T);
-    int *ac = ct_calloc((size_t)c->n_layers + 1, sizeof(int)); // [L] policy per layer
+    int *pol = ct_calloc((size_t)c->n_layers + 1, sizeof(int)); // [L] policy per layer
     for (int l = 0; l < c->n_layers; l++) {
-        if ((ac[l] = qwen3_ac_layer(ac_mode, ac_option, l, e)) < 0) {
-            free(ac);
+        if ((pol[l] = qwen3_ac_layer(ac_mode, ac_option, l, e)) < 0) {
+            free(pol);
             return CT_ERR_CONFIG;
         }
     }
     m->cfg = *c;
-    kern_select_ref(&m->k);
     build_layout(m);
+    m->B = B;
+    m->T = T;
+    m->logit_rows = B * T < 256 ? B * T : 256;
+    m->acts = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_acts));
+    carver cv = {0};
+    plan_activations(m, &cv, pol);
+    m->act_floats = cv.used;
+    *ac = pol;
+    return 0;
+}
+
+int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const char *ac_mode,
+                    const char *ac_option, ct_err *e) {
+    int *ac;
+    int rc = plan_model(m, c, B, T, ac_mode, ac_option, &ac, e);
+    if (rc) {
+        qwen3_free(m);
+        return rc;
+    }
+    kern_select_ref(&m->k);
     m->params = ct_calloc(m->n_params, sizeof(float));
     m->grads = ct_calloc(m->n_params, sizeof(float));
     m->w.layer = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_w));
     m->g.layer = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_w));
     bind_weights(&m->w, m, m->params);
     bind_weights(&m->g, m, m->grads);
-
-    m->B = B;
-    m->T = T;
-    m->logit_rows = B * T < 256 ? B * T : 256;
-    m->acts = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_acts));
-    carver cv = {0};
-    plan_activations(m, &cv, ac);
-    m->act_floats = cv.used;
-    m->act_mem = ct_calloc(cv.used, sizeof(float));
-    cv.base = m->act_mem;
-    cv.used = 0;
+    m->act_mem = ct_calloc(m->act_floats, sizeof(float));
+    carver cv = {m->act_mem, 0};
     plan_activations(m, &cv, ac);
     free(ac);
     m->ac_scratch_layer = -1;
@@ -216,32 +232,16 @@ int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const c
 
 int qwen3_plan_memory(const qwen3_config *c, int B, int T, const char *ac_mode, const char *ac_option,
                       size_t *n_params, size_t *act_bytes, ct_err *e) {
-    int rc = qwen3_config_check(c, "model", e);
-    if (rc) return rc;
-    if (B < 1 || T < 1) return ct_fail(e, CT_ERR_CONFIG, "model: batch %d x sequence %d is empty", B, T);
     qwen3_model m;
-    memset(&m, 0, sizeof m);
-    int *ac = ct_calloc((size_t)c->n_layers + 1, sizeof(int));
-    for (int l = 0; l < c->n_layers; l++)
-        if ((ac[l] = qwen3_ac_layer(ac_mode, ac_option, l, e)) < 0) {
-            free(ac);
-            return CT_ERR_CONFIG;
-        }
-    /* the same layout and plan as qwen3_create_ac, counted with nothing allocated */
-    m.cfg = *c;
-    build_layout(&m);
-    m.B = B;
-    m.T = T;
-    m.logit_rows = B * T < 256 ? B * T : 256;
-    m.acts = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_acts));
-    carver cv = {0};
-    plan_activations(&m, &cv, ac);
-    *n_params = m.n_params;
-    *act_bytes = cv.used * sizeof(float);
+    int *ac;
+    int rc = plan_model(&m, c, B, T, ac_mode, ac_option, &ac, e);
+    if (!rc) {
+        *n_params = m.n_params;
+        *act_bytes = m.act_floats * sizeof(float);
+    }
     free(ac);
-    free(m.acts);
-    free(m.tensors);
-    return 0;
+    qwen3_free(&m);
+    return rc;
 }
 
 void qwen3_free(qwen3_model *m) {
