@@ -219,32 +219,6 @@ static int ckpt_hash_file(const char *path, uint64_t *bytes, uint64_t *hash, ct_
     return rc;
 }
 
-/* Removes a file or a directory tree; a missing path is fine. */
-static int ckpt_rm_tree(const char *path, ct_err *e) {
-    struct stat st;
-    if (lstat(path, &st) != 0)
-        return errno == ENOENT ? 0 : ct_fail(e, CT_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
-    if (!S_ISDIR(st.st_mode)) {
-        if (unlink(path) != 0 && errno != ENOENT)
-            return ct_fail(e, CT_ERR_IO, "%s: cannot remove: %s", path, strerror(errno));
-        return 0;
-    }
-    DIR *d = opendir(path);
-    if (!d) return ct_fail(e, CT_ERR_IO, "%s: cannot list: %s", path, strerror(errno));
-    int rc = 0;
-    struct dirent *de;
-    char sub[CKPT_PATH];
-    while (!rc && (de = readdir(d))) {
-        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-        rc = ckpt_join(sub, path, de->d_name, e);
-        if (!rc) rc = ckpt_rm_tree(sub, e);
-    }
-    closedir(d);
-    if (!rc && rmdir(path) != 0 && errno != ENOENT)
-        rc = ct_fail(e, CT_ERR_IO, "%s: cannot remove: %s", path, strerror(errno));
-    return rc;
-}
-
 /* ------------------------------------------------------------ manifest */
 
 static const char *ckpt_required(int model_only, int i) {
@@ -514,7 +488,7 @@ static int ckpt_publish(const char *folder, const char *tmp, const char *final, 
     /* step-N exists: swap atomically, then the old contents sit in tmp */
     if (renameat2(AT_FDCWD, tmp, AT_FDCWD, final, RENAME_EXCHANGE) == 0) {
         int rc = ckpt_fsync_path(folder, 1, e);
-        if (!rc) rc = ckpt_rm_tree(tmp, e);
+        if (!rc) rc = ct_rm_tree(tmp, e);
         return rc;
     }
     if (errno != EINVAL && errno != ENOSYS)
@@ -531,7 +505,7 @@ static int ckpt_publish(const char *folder, const char *tmp, const char *final, 
         return ct_fail(e, CT_ERR_IO, "%s: cannot rename %s to it: %s", final, tmp, strerror(err));
     }
     rc = ckpt_fsync_path(folder, 1, e);
-    if (!rc) rc = ckpt_rm_tree(aside, e);
+    if (!rc) rc = ct_rm_tree(aside, e);
     return rc;
 }
 
@@ -548,7 +522,7 @@ int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *e
     snprintf(name, sizeof name, "step-%d", step);
     if (!rc) rc = ckpt_join(final, folder, name, e);
     if (!rc) rc = ct_mkdirs(folder, e);
-    if (!rc) rc = ckpt_rm_tree(tmp, e); /* left by an earlier crash of a process with our pid */
+    if (!rc) rc = ct_rm_tree(tmp, e); /* left by an earlier crash of a process with our pid */
     if (rc) return rc;
     if (mkdir(tmp, 0755) != 0)
         return ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
@@ -583,7 +557,7 @@ int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *e
     if (!rc) rc = ckpt_publish(folder, tmp, final, step, e);
     if (rc) {
         ct_err ignore;
-        ckpt_rm_tree(tmp, &ignore); /* the error already names what failed */
+        ct_rm_tree(tmp, &ignore); /* the error already names what failed */
         return rc;
     }
     if (info) {
@@ -858,7 +832,7 @@ static int ckpt_remove_step(const char *folder, int step, ct_err *e) {
     if (rename(from, aside) != 0)
         return ct_fail(e, CT_ERR_IO, "%s: cannot move it aside for removal: %s", from, strerror(errno));
     rc = ckpt_fsync_path(folder, 1, e);
-    if (!rc) rc = ckpt_rm_tree(aside, e);
+    if (!rc) rc = ct_rm_tree(aside, e);
     return rc;
 }
 
@@ -892,7 +866,7 @@ int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e) {
                 continue;
             }
         }
-        rc = ckpt_rm_tree(p, e);
+        rc = ct_rm_tree(p, e);
     }
     closedir(d);
     if (rc || keep_latest_k <= 0) return rc;

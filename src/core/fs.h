@@ -1,8 +1,8 @@
 /* core/fs.h: the two file-system chores every module needs, written once.
  *
- * Reading a whole small file (config.json, tokenizer.json, a text corpus) and
- * creating a directory with its parents (checkpoints, shard folders, HF
- * exports). Errors name the path. */
+ * Reading a whole small file (config.json, tokenizer.json, a text corpus),
+ * creating a directory with its parents and removing a tree (checkpoints,
+ * shard folders, HF exports). Errors name the path. */
 #ifndef CT_CORE_FS_H
 #define CT_CORE_FS_H
 
@@ -18,5 +18,9 @@ char *ct_read_file(const char *path, size_t *len, ct_err *e);
 /* mkdir -p: creates DIR and its missing parents; an error names the component
  * that failed, or DIR when it exists but is not a directory. */
 int ct_mkdirs(const char *dir, ct_err *e);
+
+/* rm -rf PATH (a file or a directory tree, links not followed); a missing
+ * path is fine. e may be NULL for best-effort cleanup. */
+int ct_rm_tree(const char *path, ct_err *e);
 
 #endif

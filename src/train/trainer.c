@@ -16,7 +16,6 @@
 #include "train/trainer.h"
 
 #include <errno.h>
-#include <ftw.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -400,11 +399,6 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     return ds_open(out, paths, 1, *tk, &dc, e);
 }
 
-static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw) {
-    (void)st, (void)flag, (void)ftw;
-    return remove(p);
-}
-
 /* The final HF save, written to a temp dir and renamed into place so a kill
  * never leaves half an export. It never merges into a training checkpoint of
  * the same step (that would break its manifest): then it goes to hf-step-N.
@@ -412,21 +406,21 @@ static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *
 static int save_hf_atomic(const qwen3_model *m, const char *folder, char *dir, int step, ct_dtype dtype, ct_err *e) {
     char tmp[4200];
     snprintf(tmp, sizeof tmp, "%s/.hf-step-%d.tmp-%ld", folder, step, (long)getpid());
-    nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    ct_rm_tree(tmp, NULL);
     int rc = hf_save(m, tmp, dtype, 0, e);
     if (rc) {
-        nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        ct_rm_tree(tmp, NULL);
         return rc;
     }
     if (access(dir, F_OK) == 0 && !is_hf_export(dir) &&
         snprintf(dir, 4096, "%s/hf-step-%d", folder, step) >= 4096) {
-        nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        ct_rm_tree(tmp, NULL);
         return ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
     }
-    if (access(dir, F_OK) == 0) nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS); /* an older export of this step */
+    if (access(dir, F_OK) == 0) ct_rm_tree(dir, NULL); /* an older export of this step */
     if (rename(tmp, dir) != 0) {
         rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
-        nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        ct_rm_tree(tmp, NULL);
     }
     return rc;
 }
