@@ -21,6 +21,10 @@ CONFIGS = [
      dict(vocab=320, hidden=64, inter=96, layers=3, heads=8, kv_heads=2, head_dim=8, rope_theta=5e6, tied=False), 13),
     ("mqa_hd8_tied_theta1e4_L2",
      dict(vocab=512, hidden=32, inter=48, layers=2, heads=8, kv_heads=1, head_dim=8, rope_theta=1e4, tied=True), 16),
+    # head_dim 64 takes the register-blocked attention (hd % 64 == 0); T = 70 crosses its
+    # 32-query and 64-key tiles and leaves partial 4-row micro-blocks
+    ("gqa_hd64_tied_theta1e6_L2_T70",
+     dict(vocab=256, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, head_dim=64, rope_theta=1e6, tied=True), 70),
 ]
 
 
@@ -43,7 +47,7 @@ def test_logits_loss_grads(cid, kw, T, tmp_path, open_session):
 
     ref_loss, ref_logits, ref_grads = oracle.hf_loss_and_grads(model, tokens, labels)
 
-    s = open_session(hf_session_args(hf_dir, batch=B, seq_len=16))
+    s = open_session(hf_session_args(hf_dir, batch=B, seq_len=max(16, T)))
     assert s.vocab_size == cfg.vocab_size
     # Same tensors, same names and shapes as HF (tied: no lm_head.weight).
     expected = oracle.expected_tensor_names(model)

@@ -64,7 +64,7 @@ void op_matmul_bwd(float *dinp, float *dw, const float *dout, const float *inp, 
 
 void op_embedding_fwd(float *out, const int32_t *tokens, const float *wte, int N, int C) {
     // out[N,C], tokens[N], wte[V,C]
-#pragma omp parallel for
+#pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         memcpy(out + (size_t)n * C, wte + (size_t)tokens[n] * C, (size_t)C * sizeof(float));
     }
@@ -75,7 +75,7 @@ void op_embedding_bwd(float *dwte, const float *dout, const int32_t *tokens, int
     // A token can repeat, so rows of dwte collide; split by columns instead and
     // keep n in order so each element sums in the same order as a serial loop.
     int nchunks = (C + COL_CHUNK - 1) / COL_CHUNK;
-#pragma omp parallel for
+#pragma omp parallel for schedule(static)
     for (int ch = 0; ch < nchunks; ch++) {
         int c0 = ch * COL_CHUNK;
         int c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
@@ -91,7 +91,7 @@ void op_embedding_bwd(float *dwte, const float *dout, const int32_t *tokens, int
 
 void op_rmsnorm_fwd(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps) {
     // out[N,C], rstd[N], inp[N,C], w[C]
-#pragma omp parallel for
+#pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *x = inp + (size_t)n * C;
         float *y = out + (size_t)n * C;
@@ -109,7 +109,7 @@ void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp,
     // dinp[N,C], dw[C], dout[N,C], inp[N,C], w[C], rstd[N]
     // y = x r w with r = (mean(x^2)+eps)^-1/2, so
     // dx_j = r w_j dy_j - (r^3 / C) x_j sum_i(dy_i w_i x_i).
-#pragma omp parallel for
+#pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *x = inp + (size_t)n * C;
         const float *dy = dout + (size_t)n * C;
@@ -123,7 +123,7 @@ void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp,
     if (!dw) return;
     // dw_j = sum_n dy_nj x_nj r_n: a reduction over rows, split by columns.
     int nchunks = (C + COL_CHUNK - 1) / COL_CHUNK;
-#pragma omp parallel for
+#pragma omp parallel for schedule(static)
     for (int ch = 0; ch < nchunks; ch++) {
         int c0 = ch * COL_CHUNK;
         int c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
@@ -156,7 +156,7 @@ void op_rope_tables(float *cos, float *sin, int T, int hd, float theta) {
 void op_rope_fwd(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh, int hd) {
     // out[B,T,nh,hd], inp[B,T,nh,hd], cos[T,hd/2], sin[T,hd/2]
     int half = hd / 2;
-#pragma omp parallel for collapse(2)
+#pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
             const float *c = cos + (size_t)t * half;
@@ -184,7 +184,7 @@ void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *
     // buffer being read would be meaningless.
     int half = hd / 2;
     int inplace = dinp == dout;
-#pragma omp parallel for collapse(2)
+#pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
             const float *c = cos + (size_t)t * half;
@@ -226,7 +226,7 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
 #pragma omp parallel
     {
         float *p = ct_malloc((size_t)(T > 0 ? T : 1) * sizeof(float)); // [T] scores of one row
-#pragma omp for collapse(3)
+#pragma omp for collapse(3) schedule(static)
         for (int b = 0; b < B; b++) {
             for (int h = 0; h < nh; h++) {
                 for (int t = 0; t < T; t++) {
@@ -272,7 +272,7 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
     // it then also owns the dq rows of the group's query heads.
     int group = nh / nkv;
     float scale = 1.0f / sqrtf((float)hd);
-#pragma omp parallel for collapse(2)
+#pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
         for (int kh = 0; kh < nkv; kh++) {
             for (int h = kh * group; h < (kh + 1) * group; h++) {
@@ -317,7 +317,7 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
 
 void op_swiglu_fwd(float *out, const float *gate, const float *up, int N) {
     // out[N], gate[N], up[N]
-#pragma omp parallel for
+#pragma omp parallel for schedule(static)
     for (int i = 0; i < N; i++) {
         float g = gate[i];
         float silu = g / (1.0f + expf(-g));
@@ -328,7 +328,7 @@ void op_swiglu_fwd(float *out, const float *gate, const float *up, int N) {
 void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N) {
     // dgate[N], dup[N], dout[N], gate[N], up[N]
     // silu'(g) = sig(g) (1 + g (1 - sig(g)))
-#pragma omp parallel for
+#pragma omp parallel for schedule(static)
     for (int i = 0; i < N; i++) {
         float g = gate[i];
         float sig = 1.0f / (1.0f + expf(-g));
@@ -369,7 +369,7 @@ double op_crossentropy_fwdbwd(float *logits, const int32_t *targets, int N, int 
     // logits[N,V] in: logits, out: dlogits * grad_scale; targets[N]
     for (int n = 0; n < N; n++) ce_check_target(targets[n], V);
     double *row_loss = ct_malloc((size_t)(N > 0 ? N : 1) * sizeof(double)); // [N]
-#pragma omp parallel for
+#pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         float *x = logits + (size_t)n * V;
         int32_t tgt = targets[n];
@@ -400,7 +400,7 @@ double op_crossentropy_fwdbwd(float *logits, const int32_t *targets, int N, int 
 double op_crossentropy_fwd(float *losses, const float *logits, const int32_t *targets, int N, int V) {
     // losses[N], logits[N,V], targets[N]
     for (int n = 0; n < N; n++) ce_check_target(targets[n], V);
-#pragma omp parallel for
+#pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         float maxv, sum;
         losses[n] = targets[n] == CE_IGNORE
@@ -416,6 +416,6 @@ double op_crossentropy_fwd(float *losses, const float *logits, const int32_t *ta
 
 void op_add(float *out, const float *a, const float *b, long N) {
     // out[N], a[N], b[N]
-#pragma omp parallel for
+#pragma omp parallel for schedule(static)
     for (long i = 0; i < N; i++) out[i] = a[i] + b[i];
 }

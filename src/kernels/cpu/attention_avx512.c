@@ -1,0 +1,398 @@
+/* kernels/cpu/attention_avx512.c: register-blocked flash attention for AVX-512
+ * ("blocked_avx512"), same contract as op_attention_fwd/bwd (kernels/ops.h).
+ *
+ * Design. The algorithm is the tiled one (kernels/ref/attention.c: 32-query x
+ * 64-key tiles up to the diagonal, online softmax, backward recomputing
+ * P = exp(S - lse)); what changes is that every product inside a tile is a
+ * small GEMM whose accumulators live in zmm registers instead of a row of
+ * memory updated once per element of hd:
+ *   scores   S[4 rows][64 keys] = Q K^T: 16 zmm accumulators; per element of
+ *            hd one 64-key row of the transposed K tile (4 loads) and 4 query
+ *            broadcasts feed 16 FMAs (the tiled kernel: 2 loads and a store
+ *            per FMA);
+ *   P V      acc[4 rows][64 of hd] += P V: 16 accumulators, per key 4 loads of
+ *            V and 4 broadcasts of P for 16 FMAs;
+ *   backward dP = dO V^T as the scores; dV[4 keys][64] += P^T dO and
+ *            dK[4 keys][64] += dS^T Q with the keys' accumulators held across
+ *            all query rows of the tile; dQ[4 rows][64] += dS K as P V.
+ * Masked lanes (keys past the diagonal or the end of the sequence) get
+ * p = 0 / dS = 0, so the blocked loops need no ragged edges inside a tile.
+ *
+ * Shapes: the register tiles cover hd in chunks of 64, so head dims that are
+ * multiples of 64 (64, 128, 256: every Qwen3) take this path; any other hd
+ * falls back to the tiled AVX-512 kernel, which has the same contract.
+ *
+ * Determinism: forward work is split by (b, head, query block), backward by
+ * (b, kv head) as in the tiled kernel, so each output element is summed by
+ * one thread in a fixed order; results do not depend on the thread count.
+ * They differ from "ref" by summation order and the vector exp (kern_check). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/err.h"
+#include "kernels/cpu/kern_cpu.h"
+#include "kernels/ops.h"
+
+#define A512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define A_INLINE A512 __attribute__((always_inline)) static inline
+
+#define BQ 32 /* query rows per tile (8 micro-blocks of 4) */
+#define BK 64 /* keys per tile: 4 zmm */
+#define HC 64 /* columns of hd per register tile: 4 zmm */
+
+/* e^x, 16 lanes: the vector exp of elementwise_avx512.c (accuracy argued there:
+ * <= 7.8e-8 relative; NaN propagates, -inf gives 0). */
+A_INLINE __m512 att_exp(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182464599609375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-1.904654299957768e-09f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lanes c (of 64, in 4 masks of 16) with c < n. */
+A_INLINE __mmask16 att_lanes(int n, int j) {
+    int m = n - 16 * j;
+    return m >= 16 ? (__mmask16)0xFFFF : m <= 0 ? (__mmask16)0 : (__mmask16)((1u << m) - 1u);
+}
+
+/* xt[(b * nkv + kh) * hd + i][j] = x[b, j, kh, i] for j < T, zero for T <= j < Tp:
+ * every K (or V) head transposed once per call, so the score products read a
+ * 64-key row of a tile with 4 aligned-stride loads, and each tile is not
+ * re-transposed for every query head and query block that reads it. */
+A512 static float *att_transpose(const float *x, int B, int T, int nkv, int hd, int Tp) {
+    // returns xt[B*nkv, hd, Tp]; x[B,T,nkv,hd]
+    float *xt = ct_malloc((size_t)B * nkv * hd * Tp * sizeof(float));
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < B; b++)
+        for (int kh = 0; kh < nkv; kh++) {
+            float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
+            for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys at a time: 16 source rows stay in L1 */
+                int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
+                for (int i = 0; i < hd; i++) {
+                    float *d = dst + (size_t)i * Tp + j0;
+                    for (int c = 0; c < n; c++) d[c] = x[(((size_t)b * T + j0 + c) * nkv + kh) * hd + i];
+                    for (int c = n; c < 16; c++) d[c] = 0.0f;
+                }
+            }
+        }
+    return xt;
+}
+
+/* s[r][j] (16 lanes each, 64 keys) = sum_i x_r[i] kt[i * ldk + 16 j + lane] for 4 rows x_r. */
+A_INLINE void att_dots4(__m512 s[4][4], const float *const x[4], const float *kt, long ldk, int hd) {
+    #pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) s[r][j] = _mm512_setzero_ps();
+    for (int i = 0; i < hd; i++) {
+        const float *kr = kt + (size_t)i * ldk;
+        __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
+               k3 = _mm512_loadu_ps(kr + 48);
+        #pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            __m512 b = _mm512_set1_ps(x[r][i]);
+            s[r][0] = _mm512_fmadd_ps(b, k0, s[r][0]);
+            s[r][1] = _mm512_fmadd_ps(b, k1, s[r][1]);
+            s[r][2] = _mm512_fmadd_ps(b, k2, s[r][2]);
+            s[r][3] = _mm512_fmadd_ps(b, k3, s[r][3]);
+        }
+    }
+}
+
+/* acc_r[0:HC] (+)= sum_{c < nc} w[r * BK + c] y_c[0:HC] for 4 rows r, y_c = y + c * ys:
+ * the P V and dS K products. acc rows at acc + r * as; `scale[r]` multiplies the
+ * old acc first (the online softmax's rescaling; NULL: plain +=). */
+A_INLINE void att_rows4_axpy(float *acc, long as, const float *scale, const float *w, const float *y, long ys,
+                             int nc) {
+    __m512 a[4][4];
+    #pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) {
+        __m512 f = scale ? _mm512_set1_ps(scale[r]) : _mm512_set1_ps(1.0f);
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            a[r][j] = _mm512_loadu_ps(acc + r * as + 16 * j);
+            if (scale) a[r][j] = _mm512_mul_ps(a[r][j], f);
+        }
+    }
+    for (int c = 0; c < nc; c++) {
+        const float *yr = y + (size_t)c * ys;
+        __m512 y0 = _mm512_loadu_ps(yr), y1 = _mm512_loadu_ps(yr + 16), y2 = _mm512_loadu_ps(yr + 32),
+               y3 = _mm512_loadu_ps(yr + 48);
+        #pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            __m512 b = _mm512_set1_ps(w[r * BK + c]);
+            a[r][0] = _mm512_fmadd_ps(b, y0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(b, y1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(b, y2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(b, y3, a[r][3]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + r * as + 16 * j, a[r][j]);
+}
+
+/* out_c[0:HC] += sum_{r < nr} w[r * BK + c] x_r[0:HC] for KEYS keys c = c0.., x_r = x + r * xs:
+ * the dV += P^T dO and dK += dS^T Q products, the keys' rows held in registers
+ * across all query rows of the tile. */
+A_INLINE void att_keys_axpy(float *out, long os, int keys, const float *w, int c0, const float *x, long xs, int nr) {
+    __m512 a[4][4];
+    #pragma GCC unroll 4
+    for (int c = 0; c < keys; c++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) a[c][j] = _mm512_loadu_ps(out + c * os + 16 * j);
+    for (int r = 0; r < nr; r++) {
+        const float *xr = x + (size_t)r * xs;
+        __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16), x2 = _mm512_loadu_ps(xr + 32),
+               x3 = _mm512_loadu_ps(xr + 48);
+        #pragma GCC unroll 4
+        for (int c = 0; c < keys; c++) {
+            __m512 b = _mm512_set1_ps(w[r * BK + c0 + c]);
+            a[c][0] = _mm512_fmadd_ps(b, x0, a[c][0]);
+            a[c][1] = _mm512_fmadd_ps(b, x1, a[c][1]);
+            a[c][2] = _mm512_fmadd_ps(b, x2, a[c][2]);
+            a[c][3] = _mm512_fmadd_ps(b, x3, a[c][3]);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int c = 0; c < keys; c++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + c * os + 16 * j, a[c][j]);
+}
+
+A_INLINE float att_dot(const float *x, const float *y, int n) {
+    __m512 a = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i), a);
+    return _mm512_reduce_add_ps(a);
+}
+
+A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                    int T, int nh, int nkv, int hd) {
+    // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
+    if (hd % HC) {
+        op_attention_fwd_tiled_avx512(out, lse, q, k, v, B, T, nh, nkv, hd);
+        return;
+    }
+    int group = nh / nkv;
+    int nqb = (T + BQ - 1) / BQ;
+    float scale = 1.0f / sqrtf((float)hd);
+    int qs = nh * hd, ks = nkv * hd; // row strides of q/out and k/v
+    int Tp = (T + BK - 1) / BK * BK;
+    float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
+#pragma omp parallel
+    {
+        float *acc = ct_malloc((size_t)BQ * hd * sizeof(float)); // [BQ, hd] unnormalised out
+        float P[4 * BK];                                         // [4, BK] probabilities of a micro-block
+        float m[BQ], l[BQ], alpha[4];                            // running max, sum; rescaling
+#pragma omp for collapse(3) schedule(static)
+        for (int b = 0; b < B; b++) {
+            for (int h = 0; h < nh; h++) {
+                for (int qb = 0; qb < nqb; qb++) {
+                    int kh = h / group, t0 = qb * BQ;
+                    int nq = T - t0 < BQ ? T - t0 : BQ;
+                    const float *qh = q + ((size_t)b * T * nh + h) * hd; // row t at qh + t*qs
+                    const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp; // [hd, Tp]
+                    const float *vh = v + ((size_t)b * T * nkv + kh) * hd;
+                    for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
+                    memset(acc, 0, (size_t)BQ * hd * sizeof(float));
+                    for (int j0 = 0; j0 < t0 + nq; j0 += BK) { // up to the diagonal only
+                        int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
+                        for (int r0 = 0; r0 < nq; r0 += 4) {
+                            const float *x[4];
+                            int ncr[4], ncmax = 0;
+                            #pragma GCC unroll 4
+                            for (int r = 0; r < 4; r++) {
+                                int rr = r0 + r < nq ? r0 + r : nq - 1; /* rows past T repeat the last */
+                                x[r] = qh + (size_t)(t0 + rr) * qs;
+                                int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk; // keys j0..t
+                                ncr[r] = nc > 0 ? nc : 0;
+                                if (ncr[r] > ncmax) ncmax = ncr[r];
+                            }
+                            if (!ncmax) continue;
+                            __m512 s[4][4];
+                            att_dots4(s, x, kth + j0, Tp, hd);
+                            #pragma GCC unroll 4
+                            for (int r = 0; r < 4; r++) {
+                                __m512 vs[4], mx = _mm512_set1_ps(-INFINITY);
+                                #pragma GCC unroll 4
+                                for (int j = 0; j < 4; j++) {
+                                    vs[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), att_lanes(ncr[r], j),
+                                                               s[r][j], _mm512_set1_ps(scale));
+                                    mx = _mm512_max_ps(mx, vs[j]);
+                                }
+                                float bmax = _mm512_reduce_max_ps(mx);
+                                float *mr = &m[r0 + r];
+                                if (bmax == -INFINITY) { /* no key of this block: nothing changes */
+                                    alpha[r] = 1.0f;
+                                    memset(P + r * BK, 0, BK * sizeof(float));
+                                    continue;
+                                }
+                                float mnew = bmax > *mr ? bmax : *mr;
+                                alpha[r] = expf(*mr - mnew); // 0 on the first block (m = -inf)
+                                __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+                                #pragma GCC unroll 4
+                                for (int j = 0; j < 4; j++) {
+                                    __m512 p = att_exp(_mm512_sub_ps(vs[j], vm)); // masked: e^-inf = 0
+                                    sum = _mm512_add_ps(sum, p);
+                                    _mm512_storeu_ps(P + r * BK + 16 * j, p);
+                                }
+                                l[r0 + r] = l[r0 + r] * alpha[r] + _mm512_reduce_add_ps(sum);
+                                *mr = mnew;
+                            }
+                            for (int c0 = 0; c0 < hd; c0 += HC)
+                                att_rows4_axpy(acc + (size_t)r0 * hd + c0, hd, alpha, P, vh + (size_t)j0 * ks + c0,
+                                               ks, ncmax);
+                        }
+                    }
+                    for (int r = 0; r < nq; r++) {
+                        int t = t0 + r;
+                        float *ot = out + ((size_t)b * T + t) * qs + (size_t)h * hd;
+                        __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+                        for (int i = 0; i < hd; i += 16)
+                            _mm512_storeu_ps(ot + i, _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)r * hd + i), inv));
+                        lse[((size_t)b * nh + h) * T + t] = m[r] + logf(l[r]);
+                    }
+                }
+            }
+        }
+        free(acc);
+    }
+    free(KT);
+}
+
+A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                    const float *lse, const float *q, const float *k, const float *v, int B, int T,
+                                    int nh, int nkv, int hd) {
+    // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
+    // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
+    if (hd % HC) {
+        op_attention_bwd_tiled_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd);
+        return;
+    }
+    int group = nh / nkv;
+    int nqb = (T + BQ - 1) / BQ;
+    float scale = 1.0f / sqrtf((float)hd);
+    int qs = nh * hd, ks = nkv * hd;
+    int Tp = (T + BK - 1) / BK * BK;
+    float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
+    float *VT = att_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
+#pragma omp parallel
+    {
+        float *P = ct_malloc((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
+        float *dS = ct_malloc((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
+        float D[BQ], L[BQ];
+        // One thread per (b, kv head): it owns the dk/dv rows of that head and
+        // the dq rows of the group's query heads, so every sum is its own.
+#pragma omp for collapse(2) schedule(static)
+        for (int b = 0; b < B; b++) {
+            for (int kh = 0; kh < nkv; kh++) {
+                const float *kh_ = k + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
+                const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp, *vth = VT + ((size_t)b * nkv + kh) * hd * Tp;
+                float *dkh = dk + ((size_t)b * T * nkv + kh) * hd;
+                float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
+                for (int h = kh * group; h < (kh + 1) * group; h++) {
+                    const float *qh = q + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
+                    const float *oh = out + ((size_t)b * T * nh + h) * hd;
+                    const float *gh = dout + ((size_t)b * T * nh + h) * hd;
+                    float *dqh = dq + ((size_t)b * T * nh + h) * hd;
+                    for (int qb = 0; qb < nqb; qb++) {
+                        int t0 = qb * BQ;
+                        int nq = T - t0 < BQ ? T - t0 : BQ;
+                        for (int r = 0; r < nq; r++) {
+                            // D = rowsum(dout * out) = sum_j p_j dp_j
+                            D[r] = att_dot(gh + (size_t)(t0 + r) * qs, oh + (size_t)(t0 + r) * qs, hd);
+                            L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
+                        }
+                        for (int j0 = 0; j0 < t0 + nq; j0 += BK) {
+                            int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
+                            for (int r0 = 0; r0 < nq; r0 += 4) {
+                                const float *xq[4], *xg[4];
+                                int ncr[4];
+                                #pragma GCC unroll 4
+                                for (int r = 0; r < 4; r++) {
+                                    int rr = r0 + r < nq ? r0 + r : nq - 1;
+                                    xq[r] = qh + (size_t)(t0 + rr) * qs;
+                                    xg[r] = gh + (size_t)(t0 + rr) * qs;
+                                    int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk;
+                                    ncr[r] = r0 + r < nq && nc > 0 ? nc : 0; /* padded rows: all masked */
+                                }
+                                __m512 s[4][4], dp[4][4];
+                                att_dots4(s, xq, kth + j0, Tp, hd);
+                                att_dots4(dp, xg, vth + j0, Tp, hd); // dP = dout . v
+                                #pragma GCC unroll 4
+                                for (int r = 0; r < 4; r++) {
+                                    int rr = r0 + r < nq ? r0 + r : nq - 1;
+                                    __m512 vl = _mm512_set1_ps(L[rr]), vd = _mm512_set1_ps(D[rr]);
+                                    __m512 vsc = _mm512_set1_ps(scale);
+                                    #pragma GCC unroll 4
+                                    for (int j = 0; j < 4; j++) {
+                                        __mmask16 mk = att_lanes(ncr[r], j);
+                                        __m512 p = _mm512_maskz_mov_ps(
+                                            mk, att_exp(_mm512_sub_ps(_mm512_mul_ps(s[r][j], vsc), vl)));
+                                        __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(dp[r][j], vd)), vsc);
+                                        _mm512_storeu_ps(P + (size_t)(r0 + r) * BK + 16 * j, p);
+                                        _mm512_storeu_ps(dS + (size_t)(r0 + r) * BK + 16 * j, ds);
+                                    }
+                                }
+                            }
+                            // dv[j] += sum_t P[t,j] dout[t]; dk[j] += sum_t dS[t,j] q[t]; 4 keys at a time
+                            for (int c0 = 0; c0 < hd; c0 += HC) {
+                                int c = 0;
+                                for (; c + 4 <= nk; c += 4) {
+                                    att_keys_axpy(dvh + (size_t)(j0 + c) * ks + c0, ks, 4, P, c,
+                                                  gh + (size_t)t0 * qs + c0, qs, nq);
+                                    att_keys_axpy(dkh + (size_t)(j0 + c) * ks + c0, ks, 4, dS, c,
+                                                  qh + (size_t)t0 * qs + c0, qs, nq);
+                                }
+                                for (; c < nk; c++) {
+                                    att_keys_axpy(dvh + (size_t)(j0 + c) * ks + c0, ks, 1, P, c,
+                                                  gh + (size_t)t0 * qs + c0, qs, nq);
+                                    att_keys_axpy(dkh + (size_t)(j0 + c) * ks + c0, ks, 1, dS, c,
+                                                  qh + (size_t)t0 * qs + c0, qs, nq);
+                                }
+                            }
+                            // dq[t] += sum_j dS[t,j] k[j]: 4 rows at a time (whole micro-blocks: the
+                            // rows past nq would write past T, so the last partial one runs row by row)
+                            for (int r0 = 0; r0 < nq; r0 += 4) {
+                                if (r0 + 4 <= nq) {
+                                    for (int c0 = 0; c0 < hd; c0 += HC)
+                                        att_rows4_axpy(dqh + (size_t)(t0 + r0) * qs + c0, qs, NULL,
+                                                       dS + (size_t)r0 * BK, kh_ + (size_t)j0 * ks + c0, ks, nk);
+                                    continue;
+                                }
+                                for (int r = r0; r < nq; r++) {
+                                    float *dqr = dqh + (size_t)(t0 + r) * qs;
+                                    const float *dr = dS + (size_t)r * BK;
+                                    for (int c0 = 0; c0 < hd; c0 += 16) {
+                                        __m512 a = _mm512_loadu_ps(dqr + c0);
+                                        for (int c = 0; c < nk; c++)
+                                            a = _mm512_fmadd_ps(_mm512_set1_ps(dr[c]),
+                                                                _mm512_loadu_ps(kh_ + (size_t)(j0 + c) * ks + c0), a);
+                                        _mm512_storeu_ps(dqr + c0, a);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        free(P);
+        free(dS);
+    }
+    free(KT);
+    free(VT);
+}
