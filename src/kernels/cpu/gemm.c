@@ -29,6 +29,10 @@
  * count, M or N), so results are bit-identical for any number of threads.
  * No float atomics, no reductions across threads.
  *
+ * Packed panels are kc deep in 32-bit lanes, or ceil(kc / kpack) when an
+ * arch packs several k per lane (bf16 pairs: gemm_bf16_avx512.c); the driver
+ * only needs that depth to find each panel.
+ *
  * Workspace: each thread allocates its packed blocks per call (malloc keeps
  * freed large blocks in its heap after the first call, so repeated calls of
  * the same shape do not fault pages in again); no global state. */
@@ -89,14 +93,16 @@ static void gemm_rect(const gemm_job *g, long i0, long i1, long j0, long j1) {
     const long K = g->K, kcb = g->kcb, ldc = g->ldc;
     if (i1 <= i0 || j1 <= j0) return;
     long mc = balanced_block(i1 - i0, ar->mc, MR), nc = balanced_block(j1 - j0, ar->nc, NR);
-    float *Ap = gemm_alloc((size_t)ceil_div(mc, MR) * MRS * kcb);
-    float *Bp = gemm_alloc((size_t)ceil_div(nc, NR) * NR * kcb);
+    const long kp = ar->kpack > 1 ? ar->kpack : 1;
+    float *Ap = gemm_alloc((size_t)ceil_div(mc, MR) * MRS * ceil_div(kcb, kp));
+    float *Bp = gemm_alloc((size_t)ceil_div(nc, NR) * NR * ceil_div(kcb, kp));
     long chunk = ar->ncb / NR > 0 ? ar->ncb / NR : 1;
     for (long jc = j0; jc < j1; jc += nc) {
         long ncur = j1 - jc < nc ? j1 - jc : nc;
         long nt = ceil_div(ncur, NR);
         for (long pc = 0; pc < K; pc += kcb) {
             long kc = K - pc < kcb ? K - pc : kcb;
+            long kd = ceil_div(kc, kp); /* depth of a packed panel in 32-bit lanes */
             gemm_view b = {B.p + pc * B.rs + jc * B.cs, B.rs, B.cs};
             ar->pack_b(Bp, b, kc, ncur);
             int add = g->accumulate || pc > 0;
@@ -110,11 +116,11 @@ static void gemm_rect(const gemm_job *g, long i0, long i1, long j0, long j1) {
                     for (long ip = 0; ip < mt; ip++) {
                         long r0 = ic + ip * MR;
                         int mr = (int)(i1 - r0 < MR ? i1 - r0 : MR);
-                        const float *ap = Ap + ip * MRS * kc;
+                        const float *ap = Ap + ip * MRS * kd;
                         for (long jp = jb; jp < jb1; jp++) {
                             long c0 = jc + jp * NR;
                             int nr = (int)(j1 - c0 < NR ? j1 - c0 : NR);
-                            ar->ukernel(kc, ap, Bp + jp * NR * kc, g->C + r0 * ldc + c0, ldc, mr, nr, add);
+                            ar->ukernel(kc, ap, Bp + jp * NR * kd, g->C + r0 * ldc + c0, ldc, mr, nr, add);
                         }
                     }
                 }

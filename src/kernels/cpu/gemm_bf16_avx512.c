@@ -1,0 +1,260 @@
+/* kernels/cpu/gemm_bf16_avx512.c: the bf16 micro-kernel and packers of gemm_f32.
+ *
+ * Design: the operands stay fp32 in memory (fp32 master weights and
+ * activations); they are rounded to bf16 while being packed, which the GEMM
+ * does anyway, so mixed precision costs no extra pass and no bf16 copy of
+ * any tensor. The packed panels hold bf16 PAIRS along k: one 32-bit lane =
+ * (x[k], x[k+1]), k even, element k in the low half, which is the layout
+ * vdpbf16ps (AVX512_BF16) multiplies:
+ *     c[j] += a.hi * b.hi + a.lo * b.lo        (products exact, fp32 sums)
+ * so one instruction does two k steps of 16 columns. An odd k count is
+ * padded with a zero pair half on both sides.
+ *
+ * Register tile 14 x 32 as the fp32 kernel (gemm_avx512.c): 28 zmm
+ * accumulators, 2 zmm of B pairs per k pair, the A pair of each row
+ * broadcast from memory; per k PAIR 2 loads, 14 broadcasts, 28 vdpbf16ps.
+ * Panels: A [ceil(kc/2)][16 lanes] (14 rows used), B [ceil(kc/2)][32 lanes]
+ * (gemm_arch.kpack = 2 tells the driver their depth). kc = 768 k values: the
+ * same bytes per A micro-panel (24 KB, L1) and per B chunk (768 KB, L2) as
+ * the fp32 kernel's 384.
+ *
+ * Rounding: nearest even with integer ops (add 0x7fff + the lowest kept
+ * bit, keep the high half; NaN stays a quiet NaN), bit-identical to torch's
+ * .to(bfloat16) and to core/dtype's ct_f32_to_bf16, so the reference and
+ * this kernel multiply the same bf16 values. The one difference from the
+ * reference beyond summation order: vdpbf16ps treats bf16 subnormals (below
+ * 1.2e-38) as zero and flushes subnormal results, irrelevant at the
+ * magnitudes of a model's activations and gradients.
+ *
+ * Summation order per element of C: k blocks ascending (as the fp32 GEMM),
+ * inside a block k pairs in order, the odd element of each pair first (the
+ * instruction's order). Fixed for a given K, so results are bit-identical
+ * for any thread count, like the fp32 GEMM.
+ *
+ * Also here: gemm_round_bf16_avx512, which rounds packed fp32 panels in
+ * place (the "avx512" and "avx2" implementations of matmul_bf16 for CPUs
+ * without AVX512_BF16: the fp32 micro-kernels on bf16 values give the same
+ * products, exact in fp32). */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "core/dtype.h"
+#include "kernels/cpu/avx512_util.h"
+#include "kernels/cpu/kern_cpu.h"
+
+#define TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+#define MR 14
+#define NR 32
+#define MRS 16
+
+/* x rounded to the nearest bf16 (ties to even), as fp32 bits: the bf16 is the
+ * high half, the low half is garbage. NaN: a quiet NaN with the same sign and
+ * payload (ct_f32_to_bf16's rule). */
+T512 static inline __m512i rne_hi(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                    _mm512_set1_epi32(0x7fff));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(_mm512_add_epi32(u, bias), nan, u, _mm512_set1_epi32(0x00400000));
+}
+
+/* Lanes (bf16(lo[j]), bf16(hi[j])): the k pair of two rows of k. */
+T512 static inline __m512i pair_rows(__m512 lo, __m512 hi) {
+    return _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(rne_hi(lo), 16), rne_hi(hi));
+}
+
+/* 32 consecutive k of one row (x0 = k 0..15, x1 = k 16..31) as 16 lanes of
+ * pairs: lane j = (bf16(x[2j]), bf16(x[2j+1])), i.e. the high halves of the
+ * rounded values in order. */
+T512 static inline __m512i pair_along(__m512 x0, __m512 x1) {
+    const __m512i idx = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
+                                         27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_permutex2var_epi16(rne_hi(x0), idx, rne_hi(x1));
+}
+
+/* Lane of a bf16 pair (lo = element k, hi = element k+1) from scalars. */
+static inline float pair_scalar(float lo, float hi) {
+    uint32_t u = (uint32_t)ct_f32_to_bf16(lo) | (uint32_t)ct_f32_to_bf16(hi) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The micro-kernel for R rows (compile-time R at each call site, so the
+ * accumulators are registers): kc k values = ceil(kc/2) pair steps. As in the
+ * fp32 kernel, each element of C is one chain whatever R is. */
+TBF16 __attribute__((always_inline)) static inline void uk_rows(const int R, long kc, const float *restrict A,
+                                                                const float *restrict B, float *C, long ldc, int mr,
+                                                                int nr, int add) {
+    __m512 c[MR][2];
+#pragma GCC unroll 14
+    for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
+    if (add)
+        for (int i = 0; i < mr; i++) {
+            _mm_prefetch((const char *)(C + i * ldc), _MM_HINT_T0);
+            _mm_prefetch((const char *)(C + i * ldc + NR - 1), _MM_HINT_T0);
+        }
+    long kd = (kc + 1) / 2;
+    for (long k = 0; k < kd; k++) {
+        __m512bh b0 = (__m512bh)_mm512_load_si512(B), b1 = (__m512bh)_mm512_load_si512(B + 16);
+#pragma GCC unroll 14
+        for (int i = 0; i < R; i++) {
+            /* broadcast the 32-bit pair as a float: a move, the bits are kept */
+            __m512bh a = (__m512bh)_mm512_castps_si512(_mm512_set1_ps(A[i]));
+            c[i][0] = _mm512_dpbf16_ps(c[i][0], a, b0);
+            c[i][1] = _mm512_dpbf16_ps(c[i][1], a, b1);
+        }
+        A += MRS;
+        B += NR;
+    }
+    __mmask16 m0 = lanes(nr), m1 = lanes(nr - 16);
+#pragma GCC unroll 14
+    for (int i = 0; i < R; i++) {
+        if (i >= mr) break;
+        float *cr = C + i * ldc;
+        __m512 v0 = c[i][0], v1 = c[i][1];
+        if (add) {
+            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cr), v0);
+            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cr + 16), v1);
+        }
+        _mm512_mask_storeu_ps(cr, m0, v0);
+        _mm512_mask_storeu_ps(cr + 16, m1, v1);
+    }
+}
+
+TBF16 static void uk_bf16(long kc, const float *restrict A, const float *restrict B, float *C, long ldc, int mr,
+                          int nr, int add) {
+    if (mr > 8) uk_rows(14, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 4) uk_rows(8, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 2) uk_rows(4, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 1) uk_rows(2, kc, A, B, C, ldc, mr, nr, add);
+    else uk_rows(1, kc, A, B, C, ldc, mr, nr, add);
+}
+
+/* A rows x kc slab (rows <= 16, row stride ld, contiguous in k) as pairs
+ * transposed: dst[k2 * dstride + i] = (x[i][2 k2], x[i][2 k2 + 1]), 32 k at a
+ * time (16 rows x 16 pair lanes, one 16 x 16 transpose); rows beyond `rows`
+ * and k beyond kc are zeros. */
+T512 static void pair_transpose_slab(float *dst, long dstride, const float *src, long ld, int rows, long kc) {
+    for (long k0 = 0; k0 < kc; k0 += 32) {
+        long kn = kc - k0 < 32 ? kc - k0 : 32;
+        __mmask16 m0 = lanes((int)kn), m1 = lanes((int)kn - 16);
+        __m512 r[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            const float *p = src + (i < rows ? i : 0) * ld + k0;
+            __m512 x0 = _mm512_maskz_loadu_ps(i < rows ? m0 : (__mmask16)0, p);
+            __m512 x1 = _mm512_maskz_loadu_ps(i < rows ? m1 : (__mmask16)0, p + 16);
+            r[i] = _mm512_castsi512_ps(pair_along(x0, x1));
+        }
+        transpose16(r);
+        long pn = (kn + 1) / 2;
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++)
+            if (j < pn) _mm512_store_ps(dst + (k0 / 2 + j) * dstride, r[j]);
+    }
+}
+
+T512 static void pack_a_bf16(float *dst, gemm_view a, long m, long kc) {
+    long np = (m + MR - 1) / MR, kd = (kc + 1) / 2;
+    if (a.rs == 1) {
+        /* A given transposed (dw's dout^T): rows k and k+1 of the source hold
+         * the m values of two k contiguously; pair them lane by lane */
+        for (long k2 = 0; k2 < kd; k2++) {
+            const float *s0 = a.p + 2 * k2 * a.cs, *s1 = s0 + a.cs;
+            int has1 = 2 * k2 + 1 < kc;
+            for (long p = 0; p < np; p++) {
+                long rows = m - p * MR < MR ? m - p * MR : MR;
+                __mmask16 mk = lanes((int)rows);
+                __m512 x0 = _mm512_maskz_loadu_ps(mk, s0 + p * MR);
+                __m512 x1 = _mm512_maskz_loadu_ps(has1 ? mk : (__mmask16)0, (has1 ? s1 : s0) + p * MR);
+                _mm512_store_si512(dst + p * MRS * kd + k2 * MRS, pair_rows(x0, x1));
+            }
+        }
+        return;
+    }
+    if (a.cs == 1) {
+        /* row-major A: each row's k pairs are adjacent; 14 rows x 32 k at a time */
+        for (long p = 0; p < np; p++) {
+            int rows = (int)(m - p * MR < MR ? m - p * MR : MR);
+            pair_transpose_slab(dst + p * MRS * kd, MRS, a.p + p * MR * a.rs, a.rs, rows, kc);
+        }
+        return;
+    }
+    for (long p = 0; p < np; p++)
+        for (long k2 = 0; k2 < kd; k2++)
+            for (int i = 0; i < MRS; i++) {
+                long r = p * MR + i, k = 2 * k2;
+                int in = i < MR && r < m;
+                float lo = in ? a.p[r * a.rs + k * a.cs] : 0.0f;
+                float hi = in && k + 1 < kc ? a.p[r * a.rs + (k + 1) * a.cs] : 0.0f;
+                dst[p * MRS * kd + k2 * MRS + i] = pair_scalar(lo, hi);
+            }
+}
+
+T512 static void pack_b_bf16(float *dst, gemm_view b, long kc, long n) {
+    long np = (n + NR - 1) / NR, kd = (kc + 1) / 2;
+    if (b.cs == 1) {
+        /* row-major B (dinp's w, dw's inp): pair source rows k and k+1 lane by lane */
+        for (long k2 = 0; k2 < kd; k2++) {
+            const float *s0 = b.p + 2 * k2 * b.rs, *s1 = s0 + b.rs;
+            int has1 = 2 * k2 + 1 < kc;
+            for (long p = 0; p < np; p++) {
+                long cols = n - p * NR;
+                float *d = dst + p * NR * kd + k2 * NR;
+                for (int h = 0; h < 2; h++) {
+                    __mmask16 mk = lanes((int)(cols - 16 * h));
+                    __m512 x0 = _mm512_maskz_loadu_ps(mk, s0 + p * NR + 16 * h);
+                    __m512 x1 = _mm512_maskz_loadu_ps(has1 ? mk : (__mmask16)0, (has1 ? s1 : s0) + p * NR + 16 * h);
+                    _mm512_store_si512(d + 16 * h, pair_rows(x0, x1));
+                }
+            }
+        }
+        return;
+    }
+    if (b.rs == 1) {
+        /* B given transposed (the forward's w[N,K]): pairs adjacent in each row of w */
+        for (long p = 0; p < np; p++)
+            for (int h = 0; h < 2; h++) {
+                long cols = n - p * NR - 16 * h;
+                int c = (int)(cols > 16 ? 16 : cols < 0 ? 0 : cols);
+                pair_transpose_slab(dst + p * NR * kd + 16 * h, NR, b.p + (p * NR + 16 * h) * b.cs, b.cs, c, kc);
+            }
+        return;
+    }
+    for (long p = 0; p < np; p++)
+        for (long k2 = 0; k2 < kd; k2++)
+            for (int j = 0; j < NR; j++) {
+                long col = p * NR + j, k = 2 * k2;
+                float lo = col < n ? b.p[k * b.rs + col * b.cs] : 0.0f;
+                float hi = col < n && k + 1 < kc ? b.p[(k + 1) * b.rs + col * b.cs] : 0.0f;
+                dst[p * NR * kd + k2 * NR + j] = pair_scalar(lo, hi);
+            }
+}
+
+const gemm_arch gemm_arch_avx512bf16 = {
+    .name = "avx512bf16",
+    .mr = MR,
+    .mrs = MRS,
+    .nr = NR,
+    .kc = 768,
+    .mc = 74 * MR,
+    .nc = 2048,
+    .ncb = 512,
+    .ukernel = uk_bf16,
+    .pack_a = pack_a_bf16,
+    .pack_b = pack_b_bf16,
+    .nt_small = NULL, /* matmul_bf16 always packs (see gemm_bf16.c) */
+    .kpack = 2,
+};
+
+T512 void gemm_round_bf16_avx512(float *p, size_t n) {
+    const __m512i keep = _mm512_set1_epi32((int)0xffff0000u);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_si512(p + i, _mm512_and_si512(rne_hi(_mm512_loadu_ps(p + i)), keep));
+    __mmask16 mk = lanes((int)(n - i));
+    if (mk) _mm512_mask_storeu_epi32(p + i, mk, _mm512_and_si512(rne_hi(_mm512_maskz_loadu_ps(mk, p + i)), keep));
+}
