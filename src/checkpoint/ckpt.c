@@ -733,6 +733,16 @@ static int ckpt_check_config(const char *dir, const qwen3_config *mc, ct_err *e)
     CKPT_SAME(tie_embeddings, "tie_word_embeddings")
     CKPT_SAME(rope_theta, "rope_theta")
     CKPT_SAME(rms_eps, "rms_norm_eps")
+    CKPT_SAME(n_experts, "num_experts")
+    CKPT_SAME(top_k, "num_experts_per_tok")
+    CKPT_SAME(moe_intermediate, "moe_intermediate_size")
+    CKPT_SAME(norm_topk_prob, "norm_topk_prob")
+    CKPT_SAME(decoder_sparse_step, "decoder_sparse_step")
+    for (int l = 0; l < c.n_layers; l++)
+        if (qwen3_layer_is_moe(&c, l) != qwen3_layer_is_moe(mc, l))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is %s there but %s in the model being trained "
+                           "(mlp_only_layers)", p, l, qwen3_layer_is_moe(&c, l) ? "sparse" : "dense",
+                           qwen3_layer_is_moe(mc, l) ? "sparse" : "dense");
 #undef CKPT_SAME
     return 0;
 }

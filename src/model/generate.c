@@ -39,6 +39,9 @@ static size_t gen_layout(gen_state *g, float *base) {
     size_t L = (size_t)c->n_layers, H = (size_t)c->hidden, I = (size_t)c->intermediate, hd = (size_t)c->head_dim;
     size_t qd = (size_t)c->n_heads * hd, kvd = (size_t)c->n_kv_heads * hd, T = (size_t)g->max_len;
     size_t C = (size_t)g->chunk, used = 0;
+    int moe = c->n_experts > 0;
+    size_t Ik = (size_t)c->top_k * c->moe_intermediate; /* a MoE layer's gate/up/h per token */
+    if (moe && Ik > I) I = Ik;
     g->k_cache = gen_carve(base, &used, L * T * kvd);
     g->v_cache = gen_carve(base, &used, L * T * kvd);
     g->rope_cos = gen_carve(base, &used, T * hd / 2);
@@ -59,6 +62,11 @@ static size_t gen_layout(gen_state *g, float *base) {
     g->qh = gen_carve(base, &used, C * hd);
     g->oh = gen_carve(base, &used, C * hd);
     g->probs = gen_carve(base, &used, C * T);
+    if (moe) {
+        float *r = gen_carve(base, &used, moe_route_floats(g->chunk, c->n_experts, c->top_k));
+        if (r) moe_route_bind(&g->route, r, g->chunk, c->n_experts, c->top_k);
+        g->moe_work = gen_carve(base, &used, KERN_MOE_WORK(C * c->top_k, H, c->moe_intermediate));
+    }
     return used;
 }
 
@@ -208,6 +216,14 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
         g->m->k.matmul_fwd(g->x, g->att, w->wo, n, qd, H, 1); /* x += o_proj(att) */
         /* MLP block */
         g->m->k.rmsnorm_fwd(g->xn, g->rstd, g->x, w->ln2, n, H, eps);
+        if (w->router) { /* sparse: x += sum_j w_j expert_j(xn), model/moe.h */
+            int E = c->n_experts, k = c->top_k;
+            moe_route_fwd(&g->m->k, &g->route, g->xn, w->router, m->moe_bias + (size_t)l * E, n, H, E, k,
+                          c->norm_topk_prob);
+            g->m->k.moe_fwd(g->x, g->gate, g->up, g->h, g->moe_work, g->xn, w->ewg, w->ewu, w->ewd, g->route.perm,
+                            g->route.pos, g->route.offsets, g->route.topw, n, H, c->moe_intermediate, E, k);
+            continue;
+        }
         g->m->k.matmul_fwd(g->gate, g->xn, w->wg, n, H, I, 0);
         g->m->k.matmul_fwd(g->up, g->xn, w->wu, n, H, I, 0);
         g->m->k.swiglu_fwd(g->h, g->gate, g->up, n * I);

@@ -55,6 +55,9 @@ typedef struct {
     float *qh;            /* [chunk, hd] one query head (prefill) */
     float *oh;            /* [chunk, hd] its attention output (prefill) */
     float *probs;         /* [chunk, max_len] its attention probabilities (prefill) */
+    /* MoE layers: gate/up/h above hold [chunk * k, Im] rows in expert order */
+    moe_route route;      /* the chunk's routing (one layer at a time) */
+    float *moe_work;      /* [KERN_MOE_WORK(chunk * k, H, Im)] */
 } gen_state;
 
 /* Sizes the cache for max_len positions (prompt + new tokens). The model must

@@ -20,17 +20,31 @@ typedef struct {
     const char *name;
     int V, H, I, L, nH, nKV, hd, tied;
     double theta;
+    int E, k, Im; /* MoE flavors (model/moe.h): experts, experts per token, expert MLP size; 0: dense */
 } flavor_row;
 
 static const flavor_row flavors[] = {
-    {"debugmodel", 2048, 256, 3072, 8, 16, 8, 128, 0, 1e6f},
-    {"0.6B", 151936, 1024, 3072, 28, 16, 8, 128, 1, 1e6f},
-    {"1.7B", 151936, 2048, 6144, 28, 16, 8, 128, 1, 1e6f},
-    {"4B", 151936, 2560, 9728, 36, 32, 8, 128, 1, 1e6f},
-    {"8B", 151936, 4096, 12288, 36, 32, 8, 128, 0, 1e6f},
-    {"14B", 151936, 5120, 17408, 40, 40, 8, 128, 0, 1e6f},
-    {"32B", 151936, 5120, 25600, 64, 64, 8, 128, 0, 1e6f},
+    {"debugmodel", 2048, 256, 3072, 8, 16, 8, 128, 0, 1e6f, 0, 0, 0},
+    {"0.6B", 151936, 1024, 3072, 28, 16, 8, 128, 1, 1e6f, 0, 0, 0},
+    {"1.7B", 151936, 2048, 6144, 28, 16, 8, 128, 1, 1e6f, 0, 0, 0},
+    {"4B", 151936, 2560, 9728, 36, 32, 8, 128, 1, 1e6f, 0, 0, 0},
+    {"8B", 151936, 4096, 12288, 36, 32, 8, 128, 0, 1e6f, 0, 0, 0},
+    {"14B", 151936, 5120, 17408, 40, 40, 8, 128, 0, 1e6f, 0, 0, 0},
+    {"32B", 151936, 5120, 25600, 64, 64, 8, 128, 0, 1e6f, 0, 0, 0},
+    /* MoE: the published Qwen3-30B-A3B / 235B-A22B config.json values (every
+     * layer sparse, norm_topk_prob true); debugmodel_moe is debugmodel with 8
+     * experts of 768, 2 per token */
+    {"debugmodel_moe", 2048, 256, 3072, 8, 16, 8, 128, 0, 1e6f, 8, 2, 768},
+    {"30B-A3B", 151936, 2048, 6144, 48, 32, 4, 128, 0, 1e6f, 128, 8, 768},
+    {"235B-A22B", 151936, 4096, 12288, 94, 64, 4, 128, 0, 1e6f, 128, 8, 1536},
 };
+
+int qwen3_layer_is_moe(const qwen3_config *c, int l) {
+    if (c->n_experts <= 0) return 0;
+    for (int i = 0; i < c->n_mlp_only; i++)
+        if (c->mlp_only_layers[i] == l) return 0;
+    return (l + 1) % c->decoder_sparse_step == 0;
+}
 
 int qwen3_config_check(const qwen3_config *c, const char *where, ct_err *e) {
     struct { const char *k; int v; } pos[] = {
@@ -45,6 +59,20 @@ int qwen3_config_check(const qwen3_config *c, const char *where, ct_err *e) {
     if (c->head_dim % 2) return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim must be even for RoPE, got %d", where, c->head_dim);
     if (!(c->rope_theta > 0)) return ct_fail(e, CT_ERR_CONFIG, "%s: rope_theta must be positive", where);
     if (!(c->rms_eps > 0)) return ct_fail(e, CT_ERR_CONFIG, "%s: rms_norm_eps must be positive", where);
+    if (c->n_experts < 0) return ct_fail(e, CT_ERR_CONFIG, "%s: num_experts must be >= 0, got %d", where, c->n_experts);
+    if (c->n_experts > 0) {
+        if (c->top_k < 1 || c->top_k > c->n_experts)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: num_experts_per_tok must be in [1, num_experts = %d], got %d", where,
+                           c->n_experts, c->top_k);
+        if (c->moe_intermediate <= 0)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: moe_intermediate_size must be positive, got %d", where,
+                           c->moe_intermediate);
+        if (c->decoder_sparse_step < 1)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: decoder_sparse_step must be >= 1, got %d", where,
+                           c->decoder_sparse_step);
+        if (!(c->router_aux_loss_coef >= 0))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: router_aux_loss_coef must be >= 0", where);
+    }
     return 0;
 }
 
@@ -64,10 +92,18 @@ int qwen3_config_from_flavor(qwen3_config *c, const char *flavor, ct_err *e) {
         c->rope_theta = f->theta;
         c->rms_eps = 1e-6;
         c->max_pos = 40960;
+        if (f->E) {
+            c->n_experts = f->E;
+            c->top_k = f->k;
+            c->moe_intermediate = f->Im;
+            c->norm_topk_prob = 1;
+            c->decoder_sparse_step = 1;
+            c->router_aux_loss_coef = 0.001;
+        }
         snprintf(c->name, sizeof c->name, "%s", f->name);
         return 0;
     }
-    char known[256] = "";
+    char known[512] = "";
     for (size_t i = 0; i < sizeof flavors / sizeof flavors[0]; i++) {
         strcat(known, i ? ", " : "");
         strcat(known, flavors[i].name);
@@ -106,6 +142,46 @@ static int json_bool(const cJSON *root, const char *key, int *out, const char *p
     return 0;
 }
 
+/* The qwen3_moe keys, with Qwen3MoeConfig's defaults. */
+static int moe_config_from_json(qwen3_config *c, const cJSON *root, const char *path, ct_err *e) {
+    int rc;
+    c->n_experts = 128;
+    c->top_k = 8;
+    c->moe_intermediate = 768;
+    c->norm_topk_prob = 0;
+    c->decoder_sparse_step = 1;
+    c->output_router_logits = 0;
+    c->router_aux_loss_coef = 0.001;
+    /* transformers writes num_local_experts (its attribute_map), Qwen's files num_experts */
+    const char *ek = cJSON_GetObjectItemCaseSensitive(root, "num_local_experts") ? "num_local_experts" : "num_experts";
+    if ((rc = json_int(root, ek, &c->n_experts, 0, path, e)) ||
+        (rc = json_int(root, "num_experts_per_tok", &c->top_k, 0, path, e)) ||
+        (rc = json_int(root, "moe_intermediate_size", &c->moe_intermediate, 0, path, e)) ||
+        (rc = json_bool(root, "norm_topk_prob", &c->norm_topk_prob, path, e)) ||
+        (rc = json_int(root, "decoder_sparse_step", &c->decoder_sparse_step, 0, path, e)) ||
+        (rc = json_bool(root, "output_router_logits", &c->output_router_logits, path, e)) ||
+        (rc = json_float(root, "router_aux_loss_coef", &c->router_aux_loss_coef, path, e)))
+        return rc;
+    if (c->n_experts < 1)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" = %d: a qwen3_moe model needs at least one expert", path, ek,
+                       c->n_experts);
+    const cJSON *mo = cJSON_GetObjectItemCaseSensitive(root, "mlp_only_layers");
+    if (mo && !cJSON_IsNull(mo)) {
+        if (!cJSON_IsArray(mo))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" must be a list of layer indices", path);
+        const cJSON *it;
+        cJSON_ArrayForEach(it, mo) {
+            if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble))
+                return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" must hold integers", path);
+            if (c->n_mlp_only == QWEN3_MAX_MLP_ONLY)
+                return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" has more than %d entries", path,
+                               QWEN3_MAX_MLP_ONLY);
+            c->mlp_only_layers[c->n_mlp_only++] = (int)it->valuedouble;
+        }
+    }
+    return 0;
+}
+
 int qwen3_config_from_hf(qwen3_config *c, const char *dir, ct_err *e) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -125,14 +201,20 @@ int qwen3_config_from_hf(qwen3_config *c, const char *dir, ct_err *e) {
         rc = ct_fail(e, CT_ERR_CONFIG, "%s: missing \"model_type\"", path);
         goto done;
     }
-    if (strcmp(mt->valuestring, "qwen3") != 0) {
-        rc = ct_fail(e, CT_ERR_CONFIG, "%s: model_type \"%s\" is not supported here (expected \"qwen3\")", path,
+    int moe = strcmp(mt->valuestring, "qwen3_moe") == 0;
+    if (strcmp(mt->valuestring, "qwen3") != 0 && !moe) {
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "%s: model_type \"%s\" is not supported here (expected \"qwen3\" or \"qwen3_moe\")", path,
                      mt->valuestring);
         goto done;
     }
-    /* Defaults are Qwen3Config's for the optional keys. */
-    c->n_kv_heads = -1;
-    c->head_dim = 128;
+    /* Defaults are Qwen3Config's (Qwen3MoeConfig's) for the optional keys.
+     * Qwen3MoeConfig has no head_dim of its own: its attention and RoPE take
+     * getattr(config, "head_dim", hidden_size // num_attention_heads), so an
+     * absent head_dim is hidden / heads there (-1 marks "absent" until the
+     * sizes are read). */
+    c->n_kv_heads = moe ? 4 : -1;
+    c->head_dim = moe ? -1 : 128;
     c->max_pos = 32768;
     c->rms_eps = 1e-6;
     c->rope_theta = 10000.0;
@@ -150,6 +232,8 @@ int qwen3_config_from_hf(qwen3_config *c, const char *dir, ct_err *e) {
         (rc = json_bool(root, "tie_word_embeddings", &c->tie_embeddings, path, e)))
         goto done;
     if (c->n_kv_heads == -1) c->n_kv_heads = c->n_heads;
+    if (c->head_dim == -1) c->head_dim = c->n_heads > 0 ? c->hidden / c->n_heads : 0;
+    if (moe && (rc = moe_config_from_json(c, root, path, e))) goto done;
     /* transformers v5 moved theta into rope_parameters; it wins when present. */
     const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
     if (!rp || cJSON_IsNull(rp)) rp = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
@@ -194,8 +278,9 @@ done:
 int qwen3_config_write_hf(const qwen3_config *c, const char *path, const char *dtype_name, ct_err *e) {
     cJSON *o = cJSON_CreateObject();
     cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
-    cJSON_AddItemToArray(arch, cJSON_CreateString("Qwen3ForCausalLM"));
-    cJSON_AddStringToObject(o, "model_type", "qwen3");
+    int moe = c->n_experts > 0;
+    cJSON_AddItemToArray(arch, cJSON_CreateString(moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"));
+    cJSON_AddStringToObject(o, "model_type", moe ? "qwen3_moe" : "qwen3");
     cJSON_AddNumberToObject(o, "vocab_size", c->vocab_size);
     cJSON_AddNumberToObject(o, "hidden_size", c->hidden);
     cJSON_AddNumberToObject(o, "intermediate_size", c->intermediate);
@@ -217,6 +302,17 @@ int qwen3_config_write_hf(const qwen3_config *c, const char *path, const char *d
     cJSON_AddBoolToObject(o, "use_cache", 1);
     cJSON_AddNumberToObject(o, "initializer_range", 0.02);
     cJSON_AddStringToObject(o, "dtype", dtype_name);
+    if (moe) {
+        cJSON_AddNumberToObject(o, "num_experts", c->n_experts);
+        cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);
+        cJSON_AddNumberToObject(o, "moe_intermediate_size", c->moe_intermediate);
+        cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk_prob);
+        cJSON_AddNumberToObject(o, "decoder_sparse_step", c->decoder_sparse_step);
+        cJSON *mo = cJSON_AddArrayToObject(o, "mlp_only_layers");
+        for (int i = 0; i < c->n_mlp_only; i++) cJSON_AddItemToArray(mo, cJSON_CreateNumber(c->mlp_only_layers[i]));
+        cJSON_AddBoolToObject(o, "output_router_logits", c->output_router_logits);
+        cJSON_AddNumberToObject(o, "router_aux_loss_coef", c->router_aux_loss_coef);
+    }
     char *text = cJSON_Print(o);
     cJSON_Delete(o);
     int rc = 0;

@@ -1,0 +1,281 @@
+/* kernels/cpu/moe_cpu.c: the grouped experts of a MoE layer on gemm_f32.
+ *
+ * The op_moe_experts_* contract (kernels/ops.h) computed as GEMMs on rows
+ * permuted by expert: the router's metadata (perm, offsets) says which rows
+ * of the gathered matrix belong to which expert, so each projection is one
+ * grouped GEMM, a gemm_f32 call per non-empty expert segment on contiguous
+ * rows, with the expert's weight matrix read in place (no copies: the views
+ * of matmul_cpu.c). Three forms occur:
+ *   NT  C[seg] (+)= A[seg] . W_e^T     forward projections
+ *   NN  C[seg] (+)= A[seg] . W_e       backward to the inputs
+ *   TN  C_e    +=   A[seg]^T . B[seg]  weight gradients
+ * Each grouped GEMM is one parallel region over pieces of the segments
+ * (grouped_gemm below); an output element is summed by one serial GEMM in a
+ * fixed order: bit-identical for any thread count.
+ *
+ * Memory: the gathered tokens and the expert outputs are [N*k, H], never
+ * [N, E, H]; gate/up/h [N*k, I] are the caller's saved activations. The
+ * combine (un-permute and weight) sums each token's k rows in choice order.
+ * The backward reuses the forward's perm/pos/offsets and gate/up/h, and gets
+ * d(topw) as (wd_e^T dout) . h, so the expert outputs need not be kept.
+ *
+ * bf16 (moe_experts_bf16, end of file): the same code on matmul_bf16's
+ * gemm_archs, whose packers round both factors to bf16; nothing else changes. */
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/avx512_util.h"
+#include "kernels/cpu/kern_cpu.h"
+#include "kernels/ops.h"
+
+enum { MOE_NT, MOE_NN, MOE_TN };
+
+/* Smallest piece of a grouped GEMM handed to a thread (packing and loop
+ * overheads stay small next to it). */
+#define MOE_PIECE_MIN_FLOPS 4.0e6
+
+/* One expert's GEMM of the given form on rows [p0, p0 + M) of the permuted
+ * operands, restricted to output rows [n0, n1) of W_e (NT) or of C_e (TN):
+ *   NT: C[M, n0:n1] (+)= A[M,K] W_e[n0:n1, K]^T    NN: C[M,K] (+)= A[M,N] W_e[N,K]
+ *   TN: C_e[n0:n1, K] += A[M, n0:n1]^T B[M,K]  (B passed as W, C indexed per expert) */
+static void expert_gemm(const gemm_arch *ar, int form, int e, long p0, int M, int N, int K, int n0, int n1,
+                        const float *A, const float *W, float *C, int accumulate) {
+    if (form == MOE_NT) {
+        gemm_view a = {A + p0 * K, K, 1}, b = {W + ((size_t)e * N + n0) * K, 1, K};
+        gemm_f32(ar, M, n1 - n0, K, a, b, C + p0 * N + n0, N, accumulate);
+    } else if (form == MOE_NN) {
+        gemm_view a = {A + p0 * N, N, 1}, b = {W + (size_t)e * N * K, K, 1};
+        gemm_f32(ar, M, K, N, a, b, C + p0 * K, K, accumulate);
+    } else {
+        gemm_view a = {A + p0 * N + n0, 1, N}, b = {W + p0 * K, K, 1};
+        gemm_f32(ar, n1 - n0, K, M, a, b, C + ((size_t)e * N + n0) * K, K, 1);
+    }
+}
+
+/* A piece of a grouped GEMM: job j, expert e, permuted rows [p0, p0 + M), output rows [n0, n1). */
+typedef struct {
+    int j, e, M, n0, n1;
+    long p0;
+} moe_item;
+
+/* One projection's operands (see expert_gemm). */
+typedef struct {
+    const float *A, *W;
+    float *C;
+    int accumulate;
+} moe_job;
+
+/* The grouped GEMM: every non-empty expert segment of offsets[E+1], in one
+ * parallel region. Each segment is cut into pieces with disjoint outputs
+ * (row blocks of the segment for NT/NN; blocks of the weight gradient's
+ * rows for TN, whose sum over the segment's rows must stay in one GEMM) of
+ * about total / (8 threads) flops, and threads take pieces dynamically, each
+ * a serial gemm_f32: many short parallel regions (one per expert) wait on
+ * every descheduled thread, measured 4x slower on a shared 2-core machine.
+ * The cut depends on the shapes only, and a piece's elements are summed by
+ * one GEMM in K-only blocking: bit-identical for any thread count. */
+static void grouped_gemm(const gemm_arch *ar, int form, const int32_t *offsets, int E, int N, int K,
+                         const moe_job *jobs, int njobs, int chain) {
+    long S = offsets[E];
+    if (S <= 0) return;
+    int T = omp_get_max_threads(), nj = chain ? 1 : njobs; /* chain: every piece runs all jobs, in order */
+    double total = 2.0 * (double)S * N * K * njobs, piece = total / (8.0 * (T > 0 ? T : 1));
+    if (piece < MOE_PIECE_MIN_FLOPS) piece = MOE_PIECE_MIN_FLOPS;
+    int rows = (int)(piece / (2.0 * N * K * (chain ? njobs : 1))); /* NT/NN: segment rows per piece; TN: weight rows */
+    rows = rows < 32 ? 32 : (rows + 31) / 32 * 32;
+    long cap = 0;
+    for (int e = 0; e < E; e++) {
+        long M = offsets[e + 1] - offsets[e];
+        if (M > 0) cap += form == MOE_TN ? (N + rows - 1) / rows : (M + rows - 1) / rows;
+    }
+    cap *= nj;
+    moe_item *it = malloc((size_t)cap * sizeof *it);
+    if (!it) {
+        fprintf(stderr, "ctitan: error: out of memory in the grouped MoE GEMM\n");
+        exit(1);
+    }
+    long n = 0;
+    for (int e = 0; e < E; e++) {
+        int M = offsets[e + 1] - offsets[e];
+        if (M <= 0) continue;
+        for (int j = 0; j < nj; j++) {
+            if (form == MOE_TN) {
+                for (int n0 = 0; n0 < N; n0 += rows)
+                    it[n++] = (moe_item){j, e, M, n0, n0 + rows < N ? n0 + rows : N, offsets[e]};
+            } else {
+                for (int r = 0; r < M; r += rows)
+                    it[n++] = (moe_item){j, e, M - r < rows ? M - r : rows, 0, N, (long)offsets[e] + r};
+            }
+        }
+    }
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && !omp_in_parallel())
+    for (long i = 0; i < n; i++) {
+        for (int j = chain ? 0 : it[i].j; j < (chain ? njobs : it[i].j + 1); j++) {
+            const moe_job *jb = &jobs[j];
+            expert_gemm(ar, form, it[i].e, it[i].p0, it[i].M, N, K, it[i].n0, it[i].n1, jb->A, jb->W, jb->C,
+                        jb->accumulate);
+        }
+    }
+    free(it);
+}
+
+/* dst[p,:] = src[perm[p] / k, :] for the S permuted rows of width C. */
+static void gather(float *dst, const float *src, const int32_t *perm, long S, int k, int C) {
+#pragma omp parallel for schedule(static)
+    for (long p = 0; p < S; p++) memcpy(dst + p * C, src + (size_t)(perm[p] / k) * C, (size_t)C * sizeof(float));
+}
+
+static void moe_fwd(const gemm_arch *ar, float *out, float *gate, float *up, float *h, float *work, const float *x,
+                    const float *wg, const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
+                    const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    long S = (long)N * k;
+    float *xg = work; /* [S, H] tokens in expert order, then the expert outputs */
+    gather(xg, x, perm, S, k, H);
+    moe_job gu[2] = {{xg, wg, gate, 0}, {xg, wu, up, 0}};
+    grouped_gemm(ar, MOE_NT, offsets, E, I, H, gu, 2, 0);
+    op_swiglu_fwd(h, gate, up, (int)(S * I));
+    if (!out) return;
+    float *y = work; /* [S, H] */
+    moe_job dn = {h, wd, y, 0};
+    grouped_gemm(ar, MOE_NT, offsets, E, H, I, &dn, 1, 0);
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < N; t++) {
+        float *o = out + (size_t)t * H;
+        for (int j = 0; j < k; j++) {
+            long s = (long)t * k + j;
+            const float *yr = y + (size_t)pos[s] * H;
+            float w = topw[s];
+            for (int c = 0; c < H; c++) o[c] += w * yr[c];
+        }
+    }
+}
+
+/* The SwiGLU backward of one permuted row, scaled by its routing weight w:
+ * on entry dg[I] = wd_e^T dout; on return dg = d gate, du[I] = d up. */
+typedef void (*moe_dact_fn)(float *dg, float *du, const float *gate, const float *up, float w, int I);
+
+static void dact_scalar(float *dg, float *du, const float *gate, const float *up, float w, int I) {
+    for (int i = 0; i < I; i++) {
+        float g = gate[i], sig = 1.0f / (1.0f + expf(-g)), d = w * dg[i];
+        dg[i] = d * up[i] * sig * (1.0f + g * (1.0f - sig));
+        du[i] = d * g * sig;
+    }
+}
+
+/* The same in zmm registers (e^-g from the AVX-512 kernels' vector exp): the
+ * scalar loop, libm's expf and its divisions were ~11% of the single-thread
+ * backward on the debugmodel_moe layer (perf). */
+T512 static void dact_avx512(float *dg, float *du, const float *gate, const float *up, float w, int I) {
+    for (int i = 0; i < I; i++) du[i] = -gate[i];
+    kern_exp_avx512(du, du, I);
+    const __m512 one = _mm512_set1_ps(1.0f), wv = _mm512_set1_ps(w);
+    for (int i = 0; i < I; i += 16) {
+        __mmask16 m = lanes(I - i);
+        __m512 g = _mm512_maskz_loadu_ps(m, gate + i), u = _mm512_maskz_loadu_ps(m, up + i);
+        __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, _mm512_maskz_loadu_ps(m, du + i)));
+        __m512 d = _mm512_mul_ps(wv, _mm512_maskz_loadu_ps(m, dg + i));
+        __m512 ds = _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, sig)));
+        _mm512_mask_storeu_ps(dg + i, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(d, u), sig), ds));
+        _mm512_mask_storeu_ps(du + i, m, _mm512_mul_ps(_mm512_mul_ps(d, g), sig));
+    }
+}
+
+static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg, float *dwu, float *dwd,
+                    float *dtopw, float *work,
+                    const float *dout, const float *x, const float *wg, const float *wu, const float *wd,
+                    const float *gate, const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                    const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    long S = (long)N * k;
+    float *G = work;              /* [S, H] dout in expert order, then w * dout, then the gathered x */
+    float *Pm = G + (size_t)S * H; /* [S, I] wd_e^T dout, then d gate */
+    float *du = Pm + (size_t)S * I; /* [S, I] d up */
+    float *dxg = du + (size_t)S * I; /* [S, H] d x in expert order */
+    gather(G, dout, perm, S, k, H);
+    moe_job p = {G, wd, Pm, 0};
+    grouped_gemm(ar, MOE_NN, offsets, E, H, I, &p, 1, 0);
+#pragma omp parallel for schedule(static)
+    for (long p = 0; p < S; p++) {
+        long s = perm[p];
+        float w = topw[s];
+        float *pr = Pm + (size_t)p * I, *dur = du + (size_t)p * I, *gr = G + (size_t)p * H;
+        const float *hr = h + (size_t)p * I, *gt = gate + (size_t)p * I, *ur = up + (size_t)p * I;
+        float dw = 0;
+        for (int i = 0; i < I; i++) dw += pr[i] * hr[i];
+        dtopw[s] = dw;
+        dact(pr, dur, gt, ur, w, I);
+        for (int c = 0; c < H; c++) gr[c] *= w;
+    }
+    moe_job dd = {G, h, dwd, 1};
+    grouped_gemm(ar, MOE_TN, offsets, E, H, I, &dd, 1, 0);
+    gather(G, x, perm, S, k, H);
+    moe_job dgu[2] = {{Pm, G, dwg, 1}, {du, G, dwu, 1}};
+    grouped_gemm(ar, MOE_TN, offsets, E, I, H, dgu, 2, 0);
+    moe_job dx2[2] = {{Pm, wg, dxg, 0}, {du, wu, dxg, 1}}; /* the same rows: one piece runs both, in order */
+    grouped_gemm(ar, MOE_NN, offsets, E, I, H, dx2, 2, 1);
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < N; t++) {
+        float *d = dx + (size_t)t * H;
+        for (int j = 0; j < k; j++) {
+            const float *r = dxg + (size_t)pos[(long)t * k + j] * H;
+            for (int c = 0; c < H; c++) d[c] += r[c];
+        }
+    }
+}
+
+void kern_moe_fwd_avx512(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
+                         const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
+                         const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    moe_fwd(&gemm_arch_avx512, out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k);
+}
+void kern_moe_bwd_avx512(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                         const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
+                         const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                         const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    moe_bwd(&gemm_arch_avx512, dact_avx512, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos,
+            offsets,
+            topw, N, H, I, E, k);
+}
+void kern_moe_fwd_avx2(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
+                       const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
+                       const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    moe_fwd(&gemm_arch_avx2, out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k);
+}
+void kern_moe_bwd_avx2(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                       const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
+                       const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                       const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    moe_bwd(&gemm_arch_avx2, dact_scalar, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos,
+            offsets,
+            topw, N, H, I, E, k);
+}
+
+/* moe_experts_bf16: the same grouped GEMMs on matmul_bf16's architectures,
+ * whose packers round both factors to bf16 (the sums stay fp32), so every
+ * expert projection, forward and both backward products, is a bf16 linear
+ * exactly as the dense ones; the elementwise parts are unchanged. */
+static gemm_arch bf16_arch(const gemm_arch *base) {
+    return base == &gemm_arch_avx512bf16 ? gemm_arch_avx512bf16 : gemm_arch_rounding_bf16(base);
+}
+#define MOE_BF16(SUF, BASE, DACT)                                                                                      \
+    void kern_moe_fwd_##SUF(float *out, float *gate, float *up, float *h, float *work, const float *x,                 \
+                            const float *wg, const float *wu, const float *wd, const int32_t *perm,                    \
+                            const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,        \
+                            int E, int k) {                                                                            \
+        gemm_arch ar = bf16_arch(&BASE);                                                                               \
+        moe_fwd(&ar, out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k);                  \
+    }                                                                                                                  \
+    void kern_moe_bwd_##SUF(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,                  \
+                            const float *dout, const float *x, const float *wg, const float *wu, const float *wd,      \
+                            const float *gate, const float *up, const float *h, const int32_t *perm,                   \
+                            const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,        \
+                            int E, int k) {                                                                            \
+        gemm_arch ar = bf16_arch(&BASE);                                                                               \
+        moe_bwd(&ar, DACT, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos, offsets, topw, \
+                N, H, I, E, k);                                                                                        \
+    }
+MOE_BF16(bf16_avx512bf16, gemm_arch_avx512bf16, dact_avx512)
+MOE_BF16(bf16_avx512, gemm_arch_avx512, dact_avx512)
+MOE_BF16(bf16_avx2, gemm_arch_avx2, dact_scalar)

@@ -1,0 +1,128 @@
+/* kernels/ref/moe.c: the reference experts of a MoE layer (op_moe_experts_*).
+ *
+ * The plain definition the grouped kernels are checked against: a loop over
+ * experts, and inside it over the rows of that expert (the routing metadata
+ * already lists them), each row a set of dot products. Nothing is gathered
+ * or packed, so it is slow and obviously right. The output is accumulated
+ * expert by expert, as transformers' Qwen3MoeExperts does (index_add_ in
+ * ascending expert order). The work buffer holds one row's temporaries.
+ *
+ * The bf16 reference (op_moe_experts_bf16_*) is the same loops with every
+ * factor of an expert projection's products rounded to bf16 (rb() below,
+ * bf = 1): the semantics of matmul_bf16 applied to the three projections,
+ * forward, d input and d weight, with fp32 sums. The routing weight, the
+ * SwiGLU and d topw stay fp32, as they do around every other linear. */
+#include <math.h>
+#include <stddef.h>
+
+#include "core/dtype.h"
+#include "kernels/ops.h"
+
+/* v, or v rounded to bf16 (nearest even) when bf. */
+static float rb(float v, int bf) { return bf ? ct_bf16_to_f32(ct_f32_to_bf16(v)) : v; }
+
+static float dot(const float *a, const float *b, int n, int bf) {
+    float s = 0;
+    for (int i = 0; i < n; i++) s += rb(a[i], bf) * rb(b[i], bf);
+    return s;
+}
+
+static void experts_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
+                        const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
+                        const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k, int bf) {
+    // out[N,H] (+=), gate/up/h [N*k, I], work [H], x[N,H], wg/wu [E,I,H], wd [E,H,I]
+    (void)pos;
+    (void)N;
+    float *y = work; /* [H] one expert output row */
+    for (int e = 0; e < E; e++) {
+        const float *g_e = wg + (size_t)e * I * H, *u_e = wu + (size_t)e * I * H, *d_e = wd + (size_t)e * H * I;
+        for (int p = offsets[e]; p < offsets[e + 1]; p++) {
+            int s = perm[p], t = s / k;
+            const float *xt = x + (size_t)t * H;
+            float *gp = gate + (size_t)p * I, *upp = up + (size_t)p * I, *hp = h + (size_t)p * I;
+            for (int i = 0; i < I; i++) {
+                gp[i] = dot(g_e + (size_t)i * H, xt, H, bf);
+                upp[i] = dot(u_e + (size_t)i * H, xt, H, bf);
+                hp[i] = gp[i] / (1.0f + expf(-gp[i])) * upp[i];
+            }
+            if (!out) continue;
+            for (int c = 0; c < H; c++) y[c] = dot(d_e + (size_t)c * I, hp, I, bf);
+            float w = topw[s];
+            float *ot = out + (size_t)t * H;
+            for (int c = 0; c < H; c++) ot[c] += w * y[c];
+        }
+    }
+}
+
+static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                        const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
+                        const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                        const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k, int bf) {
+    // dx[N,H] +=, dwg/dwu [E,I,H] +=, dwd [E,H,I] +=, dtopw[N*k] =, work [3I]
+    (void)pos;
+    (void)N;
+    float *dh = work, *dg = work + I, *du = work + 2 * (size_t)I; /* [I] each */
+    for (int e = 0; e < E; e++) {
+        const float *g_e = wg + (size_t)e * I * H, *u_e = wu + (size_t)e * I * H, *d_e = wd + (size_t)e * H * I;
+        float *dg_e = dwg + (size_t)e * I * H, *du_e = dwu + (size_t)e * I * H, *dd_e = dwd + (size_t)e * H * I;
+        for (int p = offsets[e]; p < offsets[e + 1]; p++) {
+            int s = perm[p], t = s / k;
+            const float *xt = x + (size_t)t * H, *dot_ = dout + (size_t)t * H;
+            const float *gp = gate + (size_t)p * I, *upp = up + (size_t)p * I, *hp = h + (size_t)p * I;
+            float w = topw[s];
+            /* y = wd_e h; out += w y: dy = w dout, dw = dout . y = (wd_e^T dout) . h */
+            for (int i = 0; i < I; i++) {
+                float a = 0;
+                for (int c = 0; c < H; c++) a += rb(dot_[c], bf) * rb(d_e[(size_t)c * I + i], bf);
+                dh[i] = a;
+            }
+            dtopw[s] = dot(dh, hp, I, 0);
+            for (int c = 0; c < H; c++) {
+                float dy = rb(w * dot_[c], bf); /* d y = w dout, the down projection's output gradient */
+                for (int i = 0; i < I; i++) dd_e[(size_t)c * I + i] += dy * rb(hp[i], bf);
+            }
+            for (int i = 0; i < I; i++) {
+                float g = gp[i], sig = 1.0f / (1.0f + expf(-g)), d = w * dh[i];
+                dg[i] = d * upp[i] * sig * (1.0f + g * (1.0f - sig));
+                du[i] = d * g * sig;
+            }
+            float *dxt = dx + (size_t)t * H;
+            for (int i = 0; i < I; i++) {
+                float dgi = rb(dg[i], bf), dui = rb(du[i], bf);
+                for (int c = 0; c < H; c++) {
+                    float xc = rb(xt[c], bf);
+                    dg_e[(size_t)i * H + c] += dgi * xc;
+                    du_e[(size_t)i * H + c] += dui * xc;
+                    dxt[c] += dgi * rb(g_e[(size_t)i * H + c], bf) + dui * rb(u_e[(size_t)i * H + c], bf);
+                }
+            }
+        }
+    }
+}
+
+void op_moe_experts_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
+                        const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
+                        const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    experts_fwd(out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k, 0);
+}
+void op_moe_experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                        const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
+                        const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                        const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    experts_bwd(dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos, offsets, topw, N, H, I, E,
+                k, 0);
+}
+void op_moe_experts_bf16_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x,
+                             const float *wg, const float *wu, const float *wd, const int32_t *perm,
+                             const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,
+                             int E, int k) {
+    experts_fwd(out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k, 1);
+}
+void op_moe_experts_bf16_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,
+                             const float *dout, const float *x, const float *wg, const float *wu, const float *wd,
+                             const float *gate, const float *up, const float *h, const int32_t *perm,
+                             const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,
+                             int E, int k) {
+    experts_bwd(dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos, offsets, topw, N, H, I, E,
+                k, 1);
+}
