@@ -1,12 +1,55 @@
 /* cli/cmd_train.c: `ctitan train --config FILE [--section.key=value ...]`.
  * Config errors are reported before any work (exit 2); everything else the
- * trainer reports with the file, key or tensor at fault (exit 1). */
+ * trainer reports with the file, key or tensor at fault (exit 1).
+ *
+ * Under mpirun (`mpirun -np N ctitan train ...`) every rank runs this. Only
+ * the ranks named by CTITAN_LOG_RANKS ("0" by default, "0,2" or "all";
+ * scripts/run_train.sh sets it from LOG_RANK as torchtitan's does) keep
+ * stdout and stderr; the others still report their own errors, prefixed
+ * with the rank. A failure that may be one rank's alone ends the whole job
+ * with MPI_Abort rather than leaving the others waiting in a collective;
+ * a config error is the same on every rank and exits 2 normally. */
+#define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
 #include "config/config.h"
+#include "dist/comm.h"
 #include "train/trainer.h"
+
+static int log_this_rank(int rank) {
+    const char *v = getenv("CTITAN_LOG_RANKS");
+    if (!v || !*v) v = "0";
+    if (!strcmp(v, "all")) return 1;
+    for (const char *p = v; *p;) {
+        char *end;
+        long r = strtol(p, &end, 10);
+        if (end == p) break;
+        if (r == rank) return 1;
+        p = *end == ',' ? end + 1 : end;
+    }
+    return 0;
+}
+
+/* Reports rc (if an error) and ends this process's part of the run. */
+static int finish(ct_comm *world, FILE *err, int rc, const ct_err *e) {
+    int code = ct_exit_code(rc), dist = world->size > 1;
+    if (rc && rc != CT_STOPPED) {
+        if (!dist) fprintf(err, "ctitan: error: %s\n", e->msg);
+        else if (rc != CT_ERR_CONFIG || world->rank == 0)
+            fprintf(err, "ctitan: error: [rank %d] %s\n", world->rank, e->msg);
+        if (dist && rc != CT_ERR_CONFIG) {
+            fprintf(err, "ctitan: [rank %d] ending the job: all %d ranks stop\n", world->rank, world->size);
+            comm_abort(world, code);
+        }
+    }
+    comm_free(world);
+    if (err != stderr) fclose(err);
+    return code;
+}
 
 void cli_train_help(void) {
     printf("usage: ctitan train --config FILE [--section.key=value | --section.key value | --flag] ... [--dry-run]\n\n"
@@ -30,23 +73,36 @@ int cli_train(int argc, char **argv) {
     }
     argc = n;
     ct_err e = {0};
+    ct_comm world;
+    if (comm_init_world(&world, NULL, NULL, &e)) {
+        fprintf(stderr, "ctitan: error: %s\n", e.msg);
+        return ct_exit_code(e.code);
+    }
+    FILE *err = stderr;
+    if (world.size > 1 && !log_this_rank(world.rank)) {
+        int fd = dup(2);
+        FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+        if (f) {
+            setvbuf(f, NULL, _IONBF, 0);
+            err = f;
+        }
+        if (!freopen("/dev/null", "w", stdout) || !freopen("/dev/null", "w", stderr)) err = f ? f : stderr;
+    }
     ct_config cfg;
     cfg_defaults(&cfg);
     if (cfg_parse_args(&cfg, argc, argv, &e)) {
         cfg_free(&cfg);
-        fprintf(stderr, "ctitan: error: %s\n", e.msg);
-        return ct_exit_code(e.code);
+        return finish(&world, err, e.code, &e);
     }
     if (dry) {
         int rc = trainer_dry_run(&cfg, &e);
         cfg_free(&cfg);
-        if (rc) fprintf(stderr, "ctitan: error: %s\n", e.msg);
-        return ct_exit_code(rc);
+        return finish(&world, err, rc, &e);
     }
     trainer t;
-    int rc = trainer_init(&t, &cfg, &e);
+    int rc = trainer_init_dist(&t, &cfg, &world, &e);
     if (!rc) rc = trainer_run(&t, &e);
+    if (rc && rc != CT_STOPPED && rc != CT_ERR_CONFIG && world.size > 1) return finish(&world, err, rc, &e);
     trainer_free(&t);
-    if (rc && rc != CT_STOPPED) fprintf(stderr, "ctitan: error: %s\n", e.msg);
-    return ct_exit_code(rc);
+    return finish(&world, err, rc, &e);
 }

@@ -48,6 +48,9 @@ void trainer_install_signals(void) {
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
+    /* mpirun forwards SIGUSR1 to every rank, while its own SIGTERM kills them
+     * a moment later: under MPI, SIGUSR1 to mpirun is the graceful stop */
+    sigaction(SIGUSR1, &sa, NULL);
 }
 
 static const char *cfg_src(const ct_config *c) { return c->config_path[0] ? c->config_path : "command line"; }
@@ -94,7 +97,13 @@ static int select_kernels(trainer *t, ct_err *e) {
         snprintf(msg, sizeof msg, "%s", e->msg);
         return ct_fail(e, rc, "%s: [kernels]: %s", cfg_src(&t->cfg), msg);
     }
-    fprintf(stderr, "ctitan: %s\n", log);
+    /* bf16 mixed precision changes which matmul every linear runs, nothing else */
+    int bf16 = !strcmp(t->cfg.mixed_precision_param, "bfloat16");
+    if (bf16) kern_use_bf16_matmuls(&t->model.k);
+    fprintf(stderr, "ctitan: %s; precision: %s\n", log,
+            bf16 ? "bfloat16 matmul inputs (linears: matmul_bf16), fp32 sums, weights, optimizer, norms, "
+                   "attention, loss"
+                 : "float32");
     return 0;
 }
 
@@ -106,7 +115,7 @@ static char *state_to_json(const trainer *t, const ds *data) {
     cJSON_AddNumberToObject(o, "lr_factor_next", lr_schedule_factor(&t->sched, t->step));
     /* the data order depends on these: a resume with other values would repeat or skip data */
     cJSON_AddNumberToObject(o, "seq_len", t->cfg.seq_len);
-    cJSON_AddNumberToObject(o, "global_batch", (double)t->grad_accum * t->cfg.local_batch_size);
+    cJSON_AddNumberToObject(o, "global_batch", (double)t->global_batch);
     cJSON_AddBoolToObject(o, "shuffle", t->cfg.shuffle);
     cJSON_AddNumberToObject(o, "training_steps", t->cfg.steps);
     if (data) {
@@ -115,6 +124,14 @@ static char *state_to_json(const trainer *t, const ds *data) {
         cJSON *d = cJSON_AddObjectToObject(o, "data");
         cJSON_AddNumberToObject(d, "epoch", (double)s.epoch);
         cJSON_AddNumberToObject(d, "pos", (double)s.pos);
+    }
+    const qwen3_model *m = &t->model;
+    if (m->n_moe_layers && t->cfg.load_balance_coeff > 0) {
+        /* the routing bias [L][E] (dense layers' rows stay 0); cJSON prints
+         * doubles round-trip exact, so floats come back bit-identical */
+        cJSON *b = cJSON_AddArrayToObject(o, "moe_expert_bias");
+        for (size_t i = 0; i < (size_t)m->cfg.n_layers * m->cfg.n_experts; i++)
+            cJSON_AddItemToArray(b, cJSON_CreateNumber(m->moe_bias[i]));
     }
     char *txt = cJSON_Print(o);
     cJSON_Delete(o);
@@ -133,7 +150,7 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
     const ct_config *c = &t->cfg;
     struct { const char *json, *key; double now; } same[] = {
         {"seq_len", "training.seq_len", c->seq_len},
-        {"global_batch", "training.global_batch_size", (double)t->grad_accum * c->local_batch_size},
+        {"global_batch", "training.global_batch_size", (double)t->global_batch},
         {"seed", "training.seed", (double)c->seed},
         {"shuffle", "training.shuffle", c->shuffle}};
     for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
@@ -161,6 +178,19 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
         t->resume_data.epoch = (int64_t)ep->valuedouble;
         t->resume_data.pos = (int64_t)pos->valuedouble;
         t->have_resume_data = 1;
+    }
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(o, "moe_expert_bias");
+    qwen3_model *m = &t->model;
+    size_t nb = (size_t)m->cfg.n_layers * m->cfg.n_experts;
+    if (b && m->n_moe_layers) {
+        if (!cJSON_IsArray(b) || (size_t)cJSON_GetArraySize(b) != nb) {
+            cJSON_Delete(o);
+            return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: \"moe_expert_bias\" must hold %zu numbers (layers x "
+                           "experts)", dir, nb);
+        }
+        size_t i = 0;
+        const cJSON *v;
+        cJSON_ArrayForEach(v, b) m->moe_bias[i++] = (float)v->valuedouble;
     }
     cJSON_Delete(o);
     return 0;
@@ -256,30 +286,141 @@ static int maybe_resume(trainer *t, int *resumed, ct_err *e) {
     return 0;
 }
 
-int trainer_init(trainer *t, ct_config *cfg, ct_err *e) {
+/* Threads per rank: several ranks on one machine share its cores. Without an
+ * explicit choice (training.threads or OMP_NUM_THREADS) each of the
+ * launcher's local ranks takes cores / local ranks, at least 1, so an
+ * oversubscribed run does not crawl with every rank spinning on every core. */
+static void pick_threads(const ct_config *c) {
+    if (c->threads > 0) {
+        cpu_set_threads(c->threads);
+        return;
+    }
+    const char *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    int local = ls ? atoi(ls) : 1;
+    if (getenv("OMP_NUM_THREADS") || local <= 1) return;
+    int n = cpu_threads() / local;
+    cpu_set_threads(n < 1 ? 1 : n);
+}
+
+int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_dist(t, cfg, NULL, e); }
+
+static int load_or_init_weights(trainer *t, ct_err *e);
+static int shard_state(trainer *t, ct_err *e);
+static int init_sharded(trainer *t, ct_err *e);
+
+int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     memset(t, 0, sizeof *t);
     t->cfg = *cfg;
     memset(cfg, 0, sizeof *cfg);
     ct_config *c = &t->cfg;
-    if (c->threads > 0) cpu_set_threads(c->threads);
+    if (!world) {
+        comm_init_single(&t->single);
+        world = &t->single;
+    }
+    t->world = world;
+    pick_threads(c);
     qwen3_config mc;
     int rc = trainer_model_config(c, &mc, e);
     if (rc) return rc;
-    int global = c->global_batch_size > 0 ? c->global_batch_size : c->local_batch_size;
-    t->grad_accum = global / c->local_batch_size;
+    /* the layout is checked before anything big is built */
+    if ((rc = mesh_init(&t->mesh, world, c, &mc, cfg_src(c), e))) return rc;
+    if (t->mesh.tp > 1) { /* the model this rank runs is its slice: fewer heads, a narrower MLP */
+        t->tp = ct_calloc(1, sizeof *t->tp);
+        tp_init(t->tp, &mc, &t->mesh.tpg);
+        mc = t->tp->local;
+    }
+    int dp = t->mesh.dp_size, per_step = c->local_batch_size * dp;
+    if (c->global_batch_size > 0 && c->global_batch_size % per_step != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: training.global_batch_size (%d) must be a multiple of training.local_batch_size (%d) x "
+                       "the data-parallel degree (%d = data_parallel_replicate_degree x data_parallel_shard_degree)",
+                       cfg_src(c), c->global_batch_size, c->local_batch_size, dp);
+    t->global_batch = c->global_batch_size > 0 ? c->global_batch_size : per_step;
+    t->grad_accum = t->global_batch / per_step;
     t->val_batch = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int plan_b = t->val_batch > c->local_batch_size ? t->val_batch : c->local_batch_size;
     if (join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", cfg_src(c));
     if ((rc = qwen3_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     if ((rc = select_kernels(t, e))) return rc;
+    /* MoE load-balancing loss: HF adds it per forward; a step is the mean of its micro-batches' */
+    t->model.aux_scale = (float)c->local_batch_size / (float)t->global_batch;
     adamw_init(&t->opt, t->model.n_params);
     t->hp = (adamw_hparams){c->lr, c->beta1, c->beta2, c->eps, c->weight_decay};
     int dt = lr_decay_type_from_name(c->decay_type);
     lr_schedule_init(&t->sched, c->steps, c->warmup_steps, c->decay_ratio, dt < 0 ? LR_DECAY_LINEAR : dt,
                      c->min_lr_factor);
 
-    int resumed = 0;
+    rc = t->mesh.dp_shard <= 1 ? load_or_init_weights(t, e) : init_sharded(t, e);
+    if (!rc && t->tp) tp_attach(t->tp, &t->model); /* after FSDP's hooks, which it wraps */
+    return rc;
+}
+
+/* Under FSDP every rank briefly holds the full weights before keeping its
+ * slices: 4 bytes per parameter from a random init, 12 (with the moments)
+ * from a checkpoint. Loading from files, the ranks of one machine take
+ * turns, so a machine needs that transient once rather than once per rank
+ * (machines proceed in parallel); a random init, cheaper in memory and
+ * slower to serialise, runs everywhere at once. After each turn every rank
+ * learns whether the one that had it failed, so none is left waiting in the
+ * next collective. */
+static int init_sharded(trainer *t, ct_err *e) {
+    const char *lr = getenv("OMPI_COMM_WORLD_LOCAL_RANK"), *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    int local_rank = lr ? atoi(lr) : 0, local_size = ls ? atoi(ls) : 1;
+    const ct_config *c = &t->cfg;
+    int from_files = c->initial_load_path[0] || (c->ckpt_enable && ckpt_list(t->ckpt_folder, NULL, 0) != 0);
+    if (!from_files) local_rank = 0, local_size = 1;
+    int32_t turns = local_size;
+    comm_allreduce(t->world, &turns, 1, COMM_I32, COMM_MAX);
+    for (int turn = 0; turn < turns; turn++) {
+        int32_t rc = 0;
+        if (turn == local_rank) {
+            rc = load_or_init_weights(t, e);
+            if (!rc) rc = shard_state(t, e);
+        }
+        int32_t worst = rc;
+        comm_allreduce(t->world, &worst, 1, COMM_I32, COMM_MAX);
+        if (rc) return rc;
+        if (worst)
+            return ct_fail(e, worst, "another rank failed to load or initialise the model (its error says why)");
+    }
+    return 0;
+}
+
+static int load_full_weights(trainer *t, ct_err *e);
+
+/* Every rank builds the same full weights (same seed, or the same files),
+ * then FSDP keeps its slices and frees the rest. Under tensor parallelism
+ * the whole model (and on resume its moments) is built first in t->model
+ * and t->opt, exactly as one process would, and this rank keeps its slices
+ * in the local model. */
+static int load_or_init_weights(trainer *t, ct_err *e) {
+    if (!t->tp) return load_full_weights(t, e);
+    qwen3_model local = t->model;
+    adamw_state lopt = t->opt;
+    int rc = qwen3_create(&t->model, &t->tp->full, 1, 1, e);
+    if (!rc) {
+        adamw_init(&t->opt, t->model.n_params);
+        rc = load_full_weights(t, e);
+        if (!rc) {
+            tp_take(t->tp, &local, local.params, &t->model, t->model.params);
+            if (t->opt.step > 0) { /* moments were loaded; before any step they are zeros already */
+                tp_take(t->tp, &local, lopt.m, &t->model, t->opt.m);
+                tp_take(t->tp, &local, lopt.v, &t->model, t->opt.v);
+            }
+            lopt.step = t->opt.step;
+        }
+        adamw_free(&t->opt);
+    }
+    qwen3_free(&t->model);
+    t->model = local;
+    t->opt = lopt;
+    return rc;
+}
+
+static int load_full_weights(trainer *t, ct_err *e) {
+    ct_config *c = &t->cfg;
+    int resumed = 0, rc;
     if ((rc = maybe_resume(t, &resumed, e))) return rc;
     if (resumed) return 0;
     if (c->initial_load_path[0]) {
@@ -291,6 +432,21 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) {
         return hf_load(&t->model, c->initial_load_path, e);
     }
     qwen3_init_random(&t->model, (uint64_t)c->seed);
+    return 0;
+}
+
+static int shard_state(trainer *t, ct_err *e) {
+    if (t->mesh.dp_shard <= 1) return 0;
+    t->fsdp = ct_calloc(1, sizeof *t->fsdp);
+    int rc = fsdp_init(t->fsdp, &t->model, &t->mesh.shard, strcmp(t->cfg.fsdp_reshard, "never") != 0, e);
+    if (rc) return rc;
+    /* the moments: full-size (loaded on resume, else untouched zero pages) -> this rank's slices */
+    adamw_state full = t->opt;
+    adamw_init(&t->opt, t->fsdp->shard_n);
+    fsdp_take_shard(t->fsdp, t->opt.m, full.m);
+    fsdp_take_shard(t->fsdp, t->opt.v, full.v);
+    t->opt.step = full.step;
+    adamw_free(&full);
     return 0;
 }
 
@@ -316,24 +472,169 @@ int trainer_dry_run(const ct_config *c, ct_err *e) {
 }
 
 void trainer_free(trainer *t) {
+    if (t->tp) tp_free(t->tp);
+    free(t->tp);
+    if (t->fsdp) fsdp_free(t->fsdp);
+    free(t->fsdp);
+    mesh_free(&t->mesh);
     qwen3_free(&t->model);
     adamw_free(&t->opt);
     cfg_free(&t->cfg);
     memset(t, 0, sizeof *t);
 }
 
+void trainer_reduce_grads(trainer *t) {
+    double t0 = ct_now();
+    if (t->tp) t->comm_s += tp_take_comm_time(t->tp);
+    if (t->fsdp) {
+        t->comm_s += fsdp_take_comm_time(t->fsdp);
+        t0 = ct_now();
+        /* HSDP: the replicas of one shard sum their shard gradients */
+        if (t->mesh.dp_replicate > 1) comm_allreduce(&t->mesh.rep, t->fsdp->grads, t->fsdp->shard_n, COMM_F32, COMM_SUM);
+    } else if (t->mesh.dp_replicate > 1) {
+        comm_allreduce(&t->mesh.rep, t->model.grads, t->model.n_params, COMM_F32, COMM_SUM);
+    }
+    t->comm_s += ct_now() - t0;
+}
+
+/* clip_grad_norm_ over gradients sharded across `group`: the squares are
+ * summed per rank in double and all-reduced, so every rank scales by the
+ * global norm, as the one-process optim_clip_grad_norm does. */
+static double clip_by(float *g, size_t n, double sq, double max_norm);
+static double clip_sharded(float *g, size_t n, double max_norm, ct_comm *group) {
+    double local = optim_grad_norm(g, n), sq = local * local;
+    comm_allreduce(group, &sq, 1, COMM_F64, COMM_SUM);
+    return clip_by(g, n, sq, max_norm);
+}
+
+/* The same under tensor parallelism: replicated tensors count once (tp.h),
+ * summed over the shard group (FSDP: per piece, the flat range of this
+ * rank's slice) and then over the TP group. */
+static double clip_tp(trainer *t, float *g, size_t n) {
+    double sq = 0;
+    fsdp *f = t->fsdp;
+    if (!f) {
+        sq = tp_sq_range(t->tp, g, 0, n);
+    } else {
+        for (int i = 0; i < f->n_pieces; i++) {
+            const fsdp_piece *p = &f->p[i];
+            size_t lo = (size_t)f->comm->rank * p->chunk;
+            size_t cnt = lo < p->n ? (p->n - lo < p->chunk ? p->n - lo : p->chunk) : 0;
+            if (cnt) sq += tp_sq_range(t->tp, g + p->shard_off, p->off + lo, cnt);
+        }
+        comm_allreduce(f->comm, &sq, 1, COMM_F64, COMM_SUM);
+    }
+    comm_allreduce(t->tp->comm, &sq, 1, COMM_F64, COMM_SUM);
+    return clip_by(g, n, sq, t->cfg.max_norm);
+}
+
+/* Scales g[n] so that its norm (sqrt(sq), the whole model's) is at most max_norm. */
+static double clip_by(float *g, size_t n, double sq, double max_norm) {
+    double norm = sqrt(sq);
+    if (max_norm > 0 && max_norm / (norm + 1e-6) < 1.0) {
+        float coef = (float)(max_norm / (norm + 1e-6));
+        long nn = (long)n;
+#pragma omp parallel for schedule(static)
+        for (long i = 0; i < nn; i++) g[i] *= coef;
+    }
+    return norm;
+}
+
+static int save_rank0(trainer *t, const ds *data, int model_only, const float *om, const float *ov, ct_err *e);
+
+/* Under tensor parallelism the whole model is put together on rank 0 for a
+ * save: the TP group of replica 0, shard 0 (which hold their whole local
+ * model, after FSDP's gather) sends its slices there. full is created on
+ * rank 0 and zeroed elsewhere; the ranks outside that group return at once.
+ * om, ov: the local moments to gather into *fm, *fv too (NULL: none). */
+static int tp_full_model(trainer *t, qwen3_model *full, const float *om, const float *ov, float **fm, float **fv,
+                         ct_err *e) {
+    memset(full, 0, sizeof *full);
+    if (t->mesh.rep_rank != 0 || t->mesh.shard_rank != 0) return 0;
+    int root = t->mesh.tp_rank == 0, rc;
+    if (root && (rc = qwen3_create(full, &t->tp->full, 1, 1, e))) return rc;
+    tp_gather(t->tp, full, full->params, &t->model, t->model.params);
+    if (om) {
+        if (root) {
+            *fm = ct_calloc(full->n_params, sizeof(float));
+            *fv = ct_calloc(full->n_params, sizeof(float));
+        }
+        tp_gather(t->tp, full, *fm, &t->model, om);
+        tp_gather(t->tp, full, *fv, &t->model, ov);
+    }
+    return 0;
+}
+
+static int save_tp(trainer *t, const ds *data, int model_only, const float *om, const float *ov, ct_err *e) {
+    qwen3_model full;
+    float *fm = NULL, *fv = NULL;
+    int rc = tp_full_model(t, &full, model_only ? NULL : om, ov, &fm, &fv, e);
+    if (!rc && t->world->rank == 0) { /* the save reads t->model: the whole one for the write */
+        qwen3_model local = t->model;
+        t->model = full;
+        rc = save_rank0(t, data, model_only, fm, fv, e);
+        t->model = local;
+    }
+    qwen3_free(&full);
+    free(fm);
+    free(fv);
+    return rc;
+}
+
 void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
     qwen3_model *m = &t->model;
     double cur_lr = t->cfg.lr * lr_schedule_factor(&t->sched, t->step);
-    double norm = optim_clip_grad_norm(m->grads, m->n_params, t->cfg.max_norm);
-    m->k.adamw_step(&t->opt, m->params, m->grads, cur_lr, &t->hp);
-    memset(m->grads, 0, m->n_params * sizeof(float));
+    double norm;
+    if (t->fsdp) { /* AdamW is elementwise: stepping the slices is stepping the model */
+        fsdp *f = t->fsdp;
+        norm = t->tp ? clip_tp(t, f->grads, f->shard_n)
+                     : clip_sharded(f->grads, f->shard_n, t->cfg.max_norm, &t->mesh.shard);
+        m->k.adamw_step(&t->opt, f->params, f->grads, cur_lr, &t->hp);
+        memset(f->grads, 0, f->shard_n * sizeof(float));
+    } else {
+        norm = t->tp ? clip_tp(t, m->grads, m->n_params) : optim_clip_grad_norm(m->grads, m->n_params, t->cfg.max_norm);
+        m->k.adamw_step(&t->opt, m->params, m->grads, cur_lr, &t->hp);
+        memset(m->grads, 0, m->n_params * sizeof(float));
+    }
+    if (t->cfg.load_balance_coeff > 0 && m->n_moe_layers) { /* torchtitan's step pre-hook; the step's counts */
+        int E = m->cfg.n_experts;
+        comm_allreduce(&t->mesh.dp, m->moe_tokens, (size_t)m->cfg.n_layers * E, COMM_F64, COMM_SUM);
+        for (int l = 0; l < m->cfg.n_layers; l++)
+            if (qwen3_layer_is_moe(&m->cfg, l))
+                moe_update_bias(m->moe_bias + (size_t)l * E, m->moe_tokens + (size_t)l * E, E, t->cfg.load_balance_coeff);
+    }
     t->step++;
     if (grad_norm) *grad_norm = norm;
     if (lr) *lr = cur_lr;
 }
 
+/* Checkpoints hold every tensor whole whatever the layout: under FSDP the
+ * parameters (and moments) of replica 0 are gathered to rank 0, which
+ * writes; the other ranks touch no full-size memory. (Rank 0 still holds
+ * the full state for the write: writing per-rank byte ranges would not.) */
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
+    float *fm = NULL, *fv = NULL, *om = t->opt.m, *ov = t->opt.v;
+    if (t->fsdp && t->mesh.rep_rank == 0) {
+        int root = t->mesh.shard_rank == 0; /* rank 0, or under TP each rank of its TP group */
+        fsdp_gather_full(t->fsdp, t->model.params, t->fsdp->params, 0);
+        if (!model_only) {
+            if (root) {
+                fm = om = ct_calloc(t->model.n_params, sizeof(float));
+                fv = ov = ct_calloc(t->model.n_params, sizeof(float));
+            }
+            fsdp_gather_full(t->fsdp, fm, t->opt.m, 0);
+            fsdp_gather_full(t->fsdp, fv, t->opt.v, 0);
+        }
+    }
+    int rc = t->tp ? save_tp(t, data, model_only, om, ov, e)
+                   : t->world->rank == 0 ? save_rank0(t, data, model_only, om, ov, e) : 0;
+    free(fm);
+    free(fv);
+    if (t->fsdp) fsdp_release_full(t->fsdp, t->model.params);
+    return rc;
+}
+
+static int save_rank0(trainer *t, const ds *data, int model_only, const float *om, const float *ov, ct_err *e) {
     char *state = state_to_json(t, data);
     char *toml = NULL;
     size_t toml_len = 0;
@@ -343,8 +644,8 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
         fclose(mf);
     }
     ckpt_info info;
-    int rc = ckpt_save(t->ckpt_folder, t->step, &t->model, model_only ? NULL : t->opt.m, model_only ? NULL : t->opt.v,
-                       state, toml, &info, e);
+    int rc = ckpt_save(t->ckpt_folder, t->step, &t->model, model_only ? NULL : om, model_only ? NULL : ov, state, toml,
+                       &info, e);
     free(state);
     free(toml);
     if (rc) return rc;
@@ -391,6 +692,9 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     dc.vocab_size = t->model.cfg.vocab_size;
     dc.shuffle = shuffle;
     dc.seed = (uint64_t)c->seed;
+    dc.rank = t->mesh.dp_rank; /* data-parallel ranks read disjoint windows */
+    dc.world = t->mesh.dp_size;
+    dc.quiet = t->world->rank != 0;
     ds_kind k;
     if (ds_kind_parse(kind_name, &k) == 0) dc.tok.kind = k;
     ds_text_split sp;
@@ -423,6 +727,23 @@ static int save_hf_atomic(const qwen3_model *m, const char *folder, char *dir, i
         ct_rm_tree(tmp, NULL);
     }
     return rc;
+}
+
+/* MoE: the step's load-balancing loss and, per MoE layer, the tokens of its least
+ * and most loaded expert (last micro-batch): console fields, or JSON members. */
+static void print_moe_load(FILE *f, const qwen3_model *m, double aux, int json) {
+    fprintf(f, json ? ", \"aux_loss\": %.9g, \"moe_load_min\": [" : "  aux_loss: %.4f  load(min/max):", aux);
+    for (int pass = 0; pass < (json ? 2 : 1); pass++) {
+        if (pass) fprintf(f, "], \"moe_load_max\": [");
+        int first = 1;
+        for (int l = 0; l < m->cfg.n_layers; l++) {
+            if (m->moe_load_min[l] < 0) continue;
+            if (json) fprintf(f, "%s%d", first ? "" : ", ", pass ? m->moe_load_max[l] : m->moe_load_min[l]);
+            else fprintf(f, " %d/%d", m->moe_load_min[l], m->moe_load_max[l]);
+            first = 0;
+        }
+    }
+    if (json) fprintf(f, "]");
 }
 
 /* Keeps the metrics lines of steps <= last_step (every line starts with {"step": N). */
@@ -470,12 +791,21 @@ static int validate(trainer *t, ds *val, int step, FILE *mf) {
     int32_t *x = ct_malloc((size_t)B * T * sizeof(int32_t)), *y = ct_malloc((size_t)B * T * sizeof(int32_t));
     double sum = 0, t0 = ct_now();
     long n = 0;
+    if (t->fsdp) t->fsdp->fwd_only = 1; /* forward only: every layer is freed right after its forward */
     for (long i = 0; i < batches; i++) {
         long nv = 0;
         ds_next(val, x, y, B);
+        if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
         sum += qwen3_loss(m, x, y, B, T, &nv);
+        if (t->fsdp) fsdp_microbatch_end(t->fsdp);
         n += nv;
     }
+    if (t->fsdp) t->fsdp->fwd_only = 0;
+    /* every data-parallel rank evaluated its own windows */
+    int64_t nn = n;
+    comm_allreduce(&t->mesh.dp, &sum, 1, COMM_F64, COMM_SUM);
+    comm_allreduce(&t->mesh.dp, &nn, 1, COMM_I64, COMM_SUM);
+    n = (long)nn;
     free(x);
     free(y);
     double loss = n ? sum / n : 0, ppl = exp(loss);
@@ -509,14 +839,15 @@ int trainer_run(trainer *t, ct_err *e) {
 
     /* the resolved config, so a run can be reproduced from its folder */
     char path[4096];
-    if (!join_path(path, sizeof path, c->dump_folder, "config.toml")) {
+    int rank0 = t->world->rank == 0; /* files of the run are written once */
+    if (rank0 && !join_path(path, sizeof path, c->dump_folder, "config.toml")) {
         FILE *cf = fopen(path, "w");
         if (cf) {
             cfg_write_toml(c, cf);
             fclose(cf);
         }
     }
-    if (c->metrics_file[0]) {
+    if (c->metrics_file[0] && rank0) {
         join_path(path, sizeof path, c->dump_folder, c->metrics_file);
         /* a resumed run continues the file of the run it resumes, minus the lines
          * of steps after the checkpoint (they are about to be redone) */
@@ -536,13 +867,16 @@ int trainer_run(trainer *t, ct_err *e) {
             "ctitan: model %s: %zu parameters, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
             "ctitan: data %s: %llu tokens, %llu windows of %d%s\n"
             "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, steps %d..%d; activations %.1f MiB\n"
+            "ctitan: parallelism: world %d = data_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d "
+            "(%s); global batch %d sequences; %d thread(s) per rank\n"
             "ctitan: %.3g FLOPs/token (6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s fp32 on %d "
             "threads (%s, %s)\n",
             m->cfg.name, m->n_params, m->cfg.n_layers, m->cfg.hidden, m->cfg.n_heads, m->cfg.n_kv_heads,
             m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", ds_name(data),
             (unsigned long long)ds_num_tokens(data), (unsigned long long)ds_num_windows(data), T + 1,
             c->shuffle ? ", shuffled" : "", B, T, t->grad_accum, t->step + 1, c->steps,
-            qwen3_activation_bytes(m) / 1048576.0, fpt, peak.flops / 1e9, peak.threads, peak.source, peak.isa);
+            qwen3_activation_bytes(m) / 1048576.0, t->world->size, t->mesh.dp_replicate, t->mesh.dp_shard,
+            t->mesh.tp, t->world->be->name, t->global_batch, cpu_threads(), fpt, peak.flops / 1e9, peak.threads, peak.source, peak.isa);
 
     trainer_install_signals();
     size_t mb = (size_t)B * T;
@@ -557,10 +891,28 @@ int trainer_run(trainer *t, ct_err *e) {
             ds_next(data, tokens + a * mb, labels + a * mb, B);
             for (size_t i = 0; i < mb; i++) n_valid += labels[a * mb + i] != -100;
         }
+        /* the scale is 1 / valid targets of the whole step on every rank, so the
+         * sum over ranks is the gradient of the one-process run's mean loss */
+        int64_t nv = n_valid;
+        double t_c = ct_now();
+        comm_allreduce(&t->mesh.dp, &nv, 1, COMM_I64, COMM_SUM);
+        t->comm_s += ct_now() - t_c;
+        n_valid = (long)nv;
         float scale = n_valid ? 1.0f / (float)n_valid : 0.0f;
         double loss_sum = 0;
-        for (int a = 0; a < t->grad_accum; a++)
+        double aux_sum = 0; /* MoE: HF's load-balancing loss, summed over micro-batches */
+        for (int a = 0; a < t->grad_accum; a++) {
+            if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
             loss_sum += qwen3_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
+            if (t->fsdp) fsdp_microbatch_end(t->fsdp);
+            aux_sum += m->aux_loss;
+        }
+        trainer_reduce_grads(t);
+        t_c = ct_now();
+        comm_allreduce(&t->mesh.dp, &loss_sum, 1, COMM_F64, COMM_SUM);
+        if (m->n_moe_layers) comm_allreduce(&t->mesh.dp, &aux_sum, 1, COMM_F64, COMM_SUM);
+        t->comm_s += ct_now() - t_c;
+        double aux = aux_sum * (double)c->local_batch_size / (double)t->global_batch; /* mean per micro-batch */
         double loss = n_valid ? loss_sum / n_valid : 0.0;
         double gnorm, lr;
         trainer_optimizer_step(t, &gnorm, &lr);
@@ -571,14 +923,25 @@ int trainer_run(trainer *t, ct_err *e) {
             double tflops = fpt * tps / 1e12;
             double mfu = 100.0 * fpt * tps / peak.flops;
             double mem = cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0);
-            printf("step: %d  loss: %.4f  grad_norm: %.4f  memory: %.2f GiB  tps: %.0f  tflops: %.3f  mfu: %.2f%%\n",
+            /* distributed: memory is the largest rank's peak, comm the share of the
+             * wall time rank 0 spent in collectives since the last line */
+            double comm_pct = 100.0 * t->comm_s / (now - t_log);
+            comm_allreduce(t->world, &mem, 1, COMM_F64, COMM_MAX);
+            t->comm_s = 0;
+            printf("step: %d  loss: %.4f  grad_norm: %.4f  memory: %.2f GiB  tps: %.0f  tflops: %.3f  mfu: %.2f%%",
                    step, loss, gnorm, mem, tps, tflops, mfu);
+            if (t->world->size > 1) printf("  comm: %.1f%%", comm_pct);
+            if (m->n_moe_layers) print_moe_load(stdout, m, aux, 0);
+            printf("\n");
             fflush(stdout);
             if (mf) {
                 fprintf(mf,
                         "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"memory_gib\": %.4f, "
-                        "\"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"elapsed_s\": %.3f, \"valid_targets\": %ld}\n",
-                        step, loss, gnorm, lr, mem, tps, tflops, mfu, now - t_start, n_valid);
+                        "\"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"elapsed_s\": %.3f, \"valid_targets\": %ld, "
+                        "\"world\": %d, \"comm_pct\": %.3f",
+                        step, loss, gnorm, lr, mem, tps, tflops, mfu, now - t_start, n_valid, t->world->size, comm_pct);
+                if (m->n_moe_layers) print_moe_load(mf, m, aux, 1);
+                fprintf(mf, "}\n");
                 fflush(mf);
             }
             t_log = now;
@@ -590,13 +953,16 @@ int trainer_run(trainer *t, ct_err *e) {
         }
         int last = step == c->steps;
         /* a stop on the last step is just the end of the run */
-        int stop = !last && (stop_requested || (c->stop_at_step > 0 && step == c->stop_at_step));
+        /* every rank must stop after the same step (a signal may reach them apart) */
+        int32_t sig = stop_requested;
+        comm_allreduce(t->world, &sig, 1, COMM_I32, COMM_MAX);
+        int stop = !last && (sig || (c->stop_at_step > 0 && step == c->stop_at_step));
         if (stop) {
             /* preemption: save first (validation could outlast the grace period), and
              * always a full checkpoint, whatever checkpoint.enable says */
             if ((rc = trainer_save(t, data, 0, e))) goto out;
             fprintf(stderr, "ctitan: stopped after step %d (%s); resume with the same command%s\n", step,
-                    stop_requested ? "signal" : "training.stop_at_step",
+                    sig ? "signal" : "training.stop_at_step",
                     c->ckpt_enable ? "" : " and --checkpoint.enable=true");
             rc = CT_STOPPED;
             goto out;
@@ -609,6 +975,9 @@ int trainer_run(trainer *t, ct_err *e) {
             if (due && (rc = trainer_save(t, data, last && c->last_save_model_only, e))) goto out;
         }
     }
+    if (t->world->size > 1) /* on the ranks CTITAN_LOG_RANKS shows: what each one needed */
+        fprintf(stderr, "ctitan: rank %d of %d: peak memory %.3f GiB\n", t->world->rank, t->world->size,
+                cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0));
     if (c->last_save_in_hf) {
         char dir[4096], sub[64];
         snprintf(sub, sizeof sub, "step-%d", t->step);
@@ -618,8 +987,17 @@ int trainer_run(trainer *t, ct_err *e) {
         }
         int dtype = hf_dtype_from_name(c->export_dtype);
         double t0 = ct_now();
-        rc = save_hf_atomic(m, path, dir, t->step, dtype < 0 ? CT_F32 : (ct_dtype)dtype, e);
-        if (!rc)
+        if (t->fsdp && t->mesh.rep_rank == 0) fsdp_gather_full(t->fsdp, m->params, t->fsdp->params, 0);
+        if (t->tp) {
+            qwen3_model full;
+            rc = tp_full_model(t, &full, NULL, NULL, NULL, NULL, e);
+            if (!rc && rank0) rc = save_hf_atomic(&full, path, dir, t->step, dtype < 0 ? CT_F32 : (ct_dtype)dtype, e);
+            qwen3_free(&full);
+        } else if (rank0) {
+            rc = save_hf_atomic(m, path, dir, t->step, dtype < 0 ? CT_F32 : (ct_dtype)dtype, e);
+        }
+        if (t->fsdp) fsdp_release_full(t->fsdp, m->params);
+        if (!rc && rank0)
             fprintf(stderr, "ctitan: saved Hugging Face model (%s) to %s in %.2f s\n", c->export_dtype, dir,
                     ct_now() - t0);
     }

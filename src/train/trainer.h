@@ -12,6 +12,10 @@
 #include "config/config.h"
 #include "core/err.h"
 #include "data/dataset.h"
+#include "dist/comm.h"
+#include "dist/fsdp.h"
+#include "dist/mesh.h"
+#include "dist/tp.h"
 #include "model/qwen3.h"
 #include "optim/optim.h"
 #include "tokenizer/tokenizer.h"
@@ -29,11 +33,28 @@ typedef struct {
     ds_state resume_data; /* loader position restored from a checkpoint */
     int have_resume_data;
     char ckpt_folder[4096]; /* {dump_folder}/{checkpoint.folder} */
+    /* distributed run (dist/): the world, the mesh over it, and the FSDP state */
+    ct_comm *world;   /* never NULL after init: &single when no world was given */
+    ct_comm single;
+    ct_mesh mesh;
+    fsdp *fsdp;       /* NULL unless data_parallel_shard_degree > 1 */
+    tp_layout *tp;    /* NULL unless tensor_parallel_degree > 1; then `model` is this rank's slice */
+    int global_batch; /* sequences per optimizer step over every data-parallel rank */
+    double comm_s;    /* seconds in collectives since the last metrics line */
 } trainer;
 
 /* Takes ownership of *cfg (the caller must not free it). Builds the model from
  * model.spec, loads or initialises weights, sets up AdamW and the schedule. */
 int trainer_init(trainer *t, ct_config *cfg, ct_err *e);
+/* The same on an MPI world (cli train): [parallelism] is checked against
+ * world->size before anything is built, the data is split by data-parallel
+ * rank, and FSDP shards the model state. world == NULL: one process. The
+ * caller keeps world alive until trainer_free. */
+int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e);
+/* After the micro-batches of a step: gradients summed over the
+ * data-parallel ranks (all-reduce, or FSDP's root reduce-scatter and the
+ * replicas' all-reduce). A no-op on one process. */
+void trainer_reduce_grads(trainer *t);
 void trainer_free(trainer *t);
 /* Clip, AdamW at the scheduled lr, zero the gradients, step++. */
 void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr);
@@ -42,7 +63,7 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr);
 int trainer_run(trainer *t, ct_err *e);
 /* Saves a full (or model-only) training checkpoint of the current step. */
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e);
-/* Installs the SIGTERM/SIGINT handlers of trainer_run: the first signal asks
+/* Installs the SIGTERM/SIGINT (and SIGUSR1, which mpirun forwards) handlers of trainer_run: the first signal asks
  * the loop to stop after the current step with a checkpoint; a second one
  * exits at once (checkpoint writes are atomic, so nothing is left half done). */
 void trainer_install_signals(void);

@@ -1,0 +1,304 @@
+/* dist/fsdp.c: ZeRO-3 over the flat buffers (see fsdp.h for the scheme).
+ *
+ * Pages are given back with MADV_DONTNEED, which on private anonymous
+ * memory (what calloc returns for the model's buffers) drops them and reads
+ * zeros next time. Only pages wholly inside a piece are released: a page
+ * shared with the neighbouring piece keeps its bytes, so releasing one piece
+ * never zeroes another that is in use. */
+#define _DEFAULT_SOURCE
+#include "dist/fsdp.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "core/timer.h"
+
+static void release_range(float *base, size_t off, size_t n) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)(base + off), hi = (uintptr_t)(base + off + n);
+    lo = (lo + page - 1) / page * page;
+    hi = hi / page * page;
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+/* full[piece] = the piece gathered from every rank's slice in shard. */
+static void gather_piece(fsdp *f, int i, float *full, const float *shard) {
+    const fsdp_piece *p = &f->p[i];
+    if (!p->n) return;
+    size_t N = (size_t)f->comm->size;
+    double t0 = ct_now();
+    if (p->chunk * N == p->n) {
+        comm_all_gather(f->comm, full + p->off, shard + p->shard_off, p->chunk, COMM_F32);
+    } else {
+        comm_all_gather(f->comm, f->stage, shard + p->shard_off, p->chunk, COMM_F32);
+        memcpy(full + p->off, f->stage, p->n * sizeof(float));
+    }
+    f->comm_s += ct_now() - t0;
+}
+
+/* f->grads slice += the piece's gradient summed over ranks (rank order). */
+static void reduce_piece(fsdp *f, int i) {
+    const fsdp_piece *p = &f->p[i];
+    if (!p->n) return;
+    size_t N = (size_t)f->comm->size;
+    float *in = f->m->grads + p->off;
+    if (p->chunk * N != p->n) {
+        memcpy(f->stage, in, p->n * sizeof(float));
+        memset(f->stage + p->n, 0, (p->chunk * N - p->n) * sizeof(float));
+        in = f->stage;
+    }
+    /* in place (comm.h allows it): the sum lands on this rank's own block of the input */
+    float *sum = in + (size_t)f->comm->rank * p->chunk;
+    double t0 = ct_now();
+    comm_reduce_scatter(f->comm, sum, in, p->chunk, COMM_F32);
+    f->comm_s += ct_now() - t0;
+    float *g = f->grads + p->shard_off;
+    for (size_t k = 0; k < p->chunk; k++) g[k] += sum[k];
+}
+
+/* Prefetch: piece i's all-gather starts before it is needed (layer l+1's
+ * during layer l's forward, l-1's during l's backward) and is waited for
+ * when it is. One at a time; MPI matches the collectives of one
+ * communicator in the order they are issued, the same on every rank, so
+ * the blocking ones may run while it is pending. */
+static void finish_prefetch(fsdp *f) {
+    int i = f->pf_piece;
+    if (i < 0) return;
+    double t0 = ct_now();
+    comm_wait(&f->pf_req);
+    const fsdp_piece *p = &f->p[i];
+    if (p->chunk * (size_t)f->comm->size != p->n) memcpy(f->m->params + p->off, f->pf_stage, p->n * sizeof(float));
+    f->comm_s += ct_now() - t0;
+    f->gathered[i] = 1;
+    f->pf_piece = -1;
+}
+
+static void start_prefetch(fsdp *f, int i) {
+    if (i < 0 || i >= f->n_pieces || f->gathered[i] || f->pf_piece == i || !f->p[i].n) return;
+    finish_prefetch(f);
+    const fsdp_piece *p = &f->p[i];
+    int direct = p->chunk * (size_t)f->comm->size == p->n;
+    if (!direct && !f->pf_stage) f->pf_stage = ct_malloc((size_t)f->comm->size * f->max_chunk * sizeof(float));
+    double t0 = ct_now();
+    comm_iall_gather(f->comm, direct ? f->m->params + p->off : f->pf_stage, f->params + p->shard_off, p->chunk,
+                     COMM_F32, &f->pf_req);
+    f->comm_s += ct_now() - t0;
+    f->pf_piece = i;
+}
+
+static void gather_params(fsdp *f, int i) {
+    if (f->pf_piece == i) finish_prefetch(f);
+    if (f->gathered[i]) return;
+    finish_prefetch(f); /* keep a single piece in flight */
+    gather_piece(f, i, f->m->params, f->params);
+    f->gathered[i] = 1;
+}
+
+static void release_params(fsdp *f, int i) {
+    if (f->pf_piece == i) finish_prefetch(f); /* never free pages an all-gather is writing */
+    release_range(f->m->params, f->p[i].off, f->p[i].n);
+    f->gathered[i] = 0;
+}
+
+static void zero_grads(fsdp *f, int i) { memset(f->m->grads + f->p[i].off, 0, f->p[i].n * sizeof(float)); }
+
+/* Piece 0 (the embedding) is needed by the embedding lookup before layer 0,
+ * and, when tied, again as the lm_head after the last layer; the head piece
+ * (final norm, untied lm_head) only from after the last layer's forward to
+ * the start of its backward. The edges of the layer loop are where they
+ * come and go, so an untied model never holds both whole at once. */
+static void hook_pre_forward(void *ctx, int l) {
+    fsdp *f = ctx;
+    if (l == 0 && !f->tied) release_params(f, 0); /* the lookup is done */
+    gather_params(f, 1 + l);
+    start_prefetch(f, 2 + l); /* the next layer, or the head after the last one */
+}
+static void hook_post_forward(void *ctx, int l) {
+    fsdp *f = ctx;
+    if (f->reshard || f->fwd_only) release_params(f, 1 + l);
+    if (l == f->n_pieces - 3) { /* the last layer: the head runs next */
+        gather_params(f, f->n_pieces - 1);
+        if (!f->fwd_only) zero_grads(f, f->n_pieces - 1);
+    }
+}
+static void hook_pre_backward(void *ctx, int l) {
+    fsdp *f = ctx;
+    if (l == f->n_pieces - 3) { /* the head's backward is complete */
+        int last = f->n_pieces - 1;
+        reduce_piece(f, last);
+        release_range(f->m->grads, f->p[last].off, f->p[last].n);
+        release_params(f, last);
+    }
+    gather_params(f, 1 + l);
+    if (l > 0) start_prefetch(f, l); /* layer l-1's parameters, unless still held */
+    zero_grads(f, 1 + l);
+}
+static void hook_post_backward(void *ctx, int l) {
+    fsdp *f = ctx;
+    reduce_piece(f, 1 + l);
+    release_range(f->m->grads, f->p[1 + l].off, f->p[1 + l].n);
+    release_params(f, 1 + l);
+    if (l == 0 && !f->tied) zero_grads(f, 0); /* the embedding's backward comes next */
+}
+
+/* [lo, hi) of layer l's tensors in the flat buffer; an error unless contiguous. */
+static int layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err *e) {
+    char prefix[64];
+    int n = snprintf(prefix, sizeof prefix, "model.layers.%d.", l);
+    size_t a = SIZE_MAX, b = 0, total = 0;
+    for (int i = 0; i < m->n_tensors; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        if (strncmp(t->name, prefix, (size_t)n) != 0) continue;
+        if (t->offset < a) a = t->offset;
+        if (t->offset + t->numel > b) b = t->offset + t->numel;
+        total += t->numel;
+    }
+    if (!total || b - a != total)
+        return ct_fail(e, CT_ERR_IO, "fsdp: the tensors of layer %d are %s in the flat buffer", l,
+                       total ? "not contiguous" : "missing");
+    *lo = a;
+    *hi = b;
+    return 0;
+}
+
+int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, int reshard, ct_err *e) {
+    memset(f, 0, sizeof *f);
+    int L = m->cfg.n_layers;
+    f->m = m;
+    f->comm = comm;
+    f->reshard = reshard;
+    f->tied = m->cfg.tie_embeddings;
+    f->n_pieces = L + 2;
+    f->p = ct_calloc((size_t)f->n_pieces, sizeof *f->p);
+    f->gathered = ct_calloc((size_t)f->n_pieces, sizeof(int));
+    size_t prev = 0;
+    for (int l = 0; l < L; l++) {
+        size_t lo = 0, hi = 0;
+        int rc = layer_range(m, l, &lo, &hi, e);
+        if (rc) return rc;
+        if (lo < prev) return ct_fail(e, CT_ERR_IO, "fsdp: layer %d overlaps the tensors before it", l);
+        if (l == 0) f->p[0] = (fsdp_piece){.off = 0, .n = lo};
+        else if (lo != prev) return ct_fail(e, CT_ERR_IO, "fsdp: tensors between layers %d and %d", l - 1, l);
+        f->p[1 + l] = (fsdp_piece){.off = lo, .n = hi - lo};
+        prev = hi;
+    }
+    if (L == 0) f->p[0] = (fsdp_piece){.off = 0, .n = 0};
+    f->p[L + 1] = (fsdp_piece){.off = prev, .n = m->n_params - prev};
+    size_t N = (size_t)comm->size, maxc = 1;
+    for (int i = 0; i < f->n_pieces; i++) {
+        fsdp_piece *p = &f->p[i];
+        p->chunk = (p->n + N - 1) / N;
+        p->shard_off = f->shard_n;
+        f->shard_n += p->chunk;
+        if (p->chunk > maxc) maxc = p->chunk;
+    }
+    f->params = ct_calloc(f->shard_n ? f->shard_n : 1, sizeof(float));
+    f->grads = ct_calloc(f->shard_n ? f->shard_n : 1, sizeof(float));
+    f->stage = ct_malloc(N * maxc * sizeof(float));
+    f->max_chunk = maxc;
+    f->pf_piece = -1;
+    fsdp_take_shard(f, f->params, m->params);
+    fsdp_release_full(f, m->params);
+    fsdp_release_full(f, m->grads);
+    f->hooks = (qwen3_hooks){f, hook_pre_forward, hook_post_forward, hook_pre_backward, hook_post_backward, NULL, NULL};
+    m->hooks = &f->hooks;
+    return 0;
+}
+
+void fsdp_free(fsdp *f) {
+    if (f->m && f->m->hooks == &f->hooks) f->m->hooks = NULL;
+    free(f->p);
+    free(f->gathered);
+    free(f->params);
+    free(f->grads);
+    finish_prefetch(f);
+    free(f->stage);
+    free(f->pf_stage);
+    memset(f, 0, sizeof *f);
+}
+
+void fsdp_take_shard(const fsdp *f, float *shard, const float *full) {
+    size_t r = (size_t)f->comm->rank;
+    for (int i = 0; i < f->n_pieces; i++) {
+        const fsdp_piece *p = &f->p[i];
+        size_t lo = r * p->chunk, cnt = lo < p->n ? (p->n - lo < p->chunk ? p->n - lo : p->chunk) : 0;
+        if (cnt) memcpy(shard + p->shard_off, full + p->off + lo, cnt * sizeof(float));
+        memset(shard + p->shard_off + cnt, 0, (p->chunk - cnt) * sizeof(float));
+    }
+}
+
+/* Piece i to `root` only: an all-to-all in which every rank sends its slice
+ * to root and only root receives, so the other ranks touch no full-size
+ * memory. */
+static void gather_piece_root(fsdp *f, int i, float *full, const float *shard, int root) {
+    const fsdp_piece *p = &f->p[i];
+    if (!p->n) return;
+    int N = f->comm->size, me = f->comm->rank;
+    int direct = p->chunk * (size_t)N == p->n;
+    size_t *v = ct_calloc(4 * (size_t)N, sizeof(size_t));
+    size_t *sc = v, *sd = v + N, *rc = v + 2 * N, *rd = v + 3 * N;
+    sc[root] = p->chunk;
+    for (int r = 0; r < N; r++) {
+        rc[r] = me == root ? p->chunk : 0;
+        rd[r] = (size_t)r * p->chunk;
+    }
+    float *dst = me == root ? (direct ? full + p->off : f->stage) : f->stage;
+    double t0 = ct_now();
+    comm_all_to_allv(f->comm, dst, rc, rd, shard + p->shard_off, sc, sd, COMM_F32);
+    f->comm_s += ct_now() - t0;
+    if (me == root && !direct) memcpy(full + p->off, f->stage, p->n * sizeof(float));
+    free(v);
+}
+
+void fsdp_gather_full(fsdp *f, float *full, const float *shard, int root) {
+    finish_prefetch(f);
+    for (int i = 0; i < f->n_pieces; i++) {
+        if (root < 0) gather_piece(f, i, full, shard);
+        else gather_piece_root(f, i, full, shard, root);
+    }
+    if (full == f->m->params && (root < 0 || root == f->comm->rank))
+        for (int i = 0; i < f->n_pieces; i++) f->gathered[i] = 1;
+}
+
+void fsdp_release_full(fsdp *f, float *full) {
+    finish_prefetch(f);
+    release_range(full, 0, f->m->n_params);
+    if (full == f->m->params)
+        for (int i = 0; i < f->n_pieces; i++) f->gathered[i] = 0;
+}
+
+void fsdp_microbatch_begin(fsdp *f) {
+    int last = f->n_pieces - 1, no_layers = f->n_pieces == 2;
+    gather_params(f, 0);
+    start_prefetch(f, 1);
+    /* tied: the lm_head's backward adds to piece 0 long before the embedding's */
+    if (!f->fwd_only && (f->tied || no_layers)) zero_grads(f, 0);
+    if (no_layers) { /* no layer hooks will run: the head is needed now */
+        gather_params(f, last);
+        if (!f->fwd_only) zero_grads(f, last);
+    }
+}
+
+void fsdp_microbatch_end(fsdp *f) {
+    int last = f->n_pieces - 1;
+    if (!f->fwd_only) {
+        reduce_piece(f, 0);
+        release_range(f->m->grads, f->p[0].off, f->p[0].n);
+        if (f->n_pieces == 2) {
+            reduce_piece(f, last);
+            release_range(f->m->grads, f->p[last].off, f->p[last].n);
+        }
+    }
+    release_params(f, 0);
+    release_params(f, last);
+}
+
+double fsdp_take_comm_time(fsdp *f) {
+    double s = f->comm_s;
+    f->comm_s = 0;
+    return s;
+}

@@ -1,0 +1,90 @@
+/* dist/fsdp.h: fully sharded data parallel (ZeRO-3) over the flat buffers.
+ *
+ * The flat parameter buffer splits into pieces: [0] everything before layer
+ * 0 (the embedding), [1 + l] layer l, [L + 1] everything after the last
+ * layer (final norm, lm_head). A layer is whatever contiguous range of the
+ * tensor table carries its "model.layers.{l}." names, so a MoE layer is
+ * sharded like a dense one without this file knowing its tensors. Each piece
+ * of n floats is cut in N slices of ceil(n / N) (the last zero-padded);
+ * rank r keeps slice r of every piece, concatenated, for the parameters,
+ * the gradients and both AdamW moments: 1/N of the model state each.
+ *
+ * The model's full-size params/grads buffers stay allocated but are only
+ * virtual memory: a piece is all-gathered into its place just before it is
+ * used and released afterwards with madvise(MADV_DONTNEED), which gives the
+ * pages back (they read as zeros when touched again). The model's pointers
+ * never change, so its code runs unmodified; qwen3_hooks say when a layer
+ * starts and ends:
+ *   before layer l forward  : gather its parameters
+ *   after layer l forward   : free them if reshard_after_forward (or forward only)
+ *   before layer l backward : gather them again if freed; zero its gradient range
+ *   after layer l backward  : reduce-scatter its gradients (+= into the shard), free both
+ * and the next layer's all-gather (l+1 forward, l-1 backward) is started
+ * non-blocking when layer l starts (prefetch).
+ * The root pieces follow the same rule at the edges of the layer loop: the
+ * embedding is gathered for the lookup and freed at layer 0's forward (kept
+ * for the whole micro-batch when tied to the lm_head), the head piece (final
+ * norm, lm_head) is gathered after the last layer's forward and its
+ * gradients reduce-scattered before the last layer's backward; the
+ * embedding's gradients are reduce-scattered after the micro-batch. Every
+ * gradient is reduce-scattered once per micro-batch and accumulated in the
+ * shard. */
+#ifndef CT_DIST_FSDP_H
+#define CT_DIST_FSDP_H
+
+#include <stddef.h>
+
+#include "core/err.h"
+#include "dist/comm.h"
+#include "model/qwen3.h"
+
+typedef struct {
+    size_t off, n;      /* range of the flat buffer */
+    size_t chunk;       /* floats per rank: ceil(n / N) */
+    size_t shard_off;   /* where this rank's slice starts in the shard buffers */
+} fsdp_piece;
+
+typedef struct {
+    qwen3_model *m;
+    ct_comm *comm;       /* the dp_shard group */
+    int n_pieces;        /* L + 2 */
+    fsdp_piece *p;       /* [n_pieces] */
+    int *gathered;       /* [n_pieces] parameters present in m->params */
+    size_t shard_n;      /* floats of this rank's shard */
+    float *params;       /* [shard_n] */
+    float *grads;        /* [shard_n] */
+    float *stage;        /* [N * max chunk] gather / reduce-scatter staging */
+    size_t max_chunk;
+    int pf_piece;        /* piece whose all-gather is in flight (-1: none) */
+    comm_req pf_req;
+    float *pf_stage;     /* [N * max chunk] its staging when the piece is padded; allocated on first use */
+    int reshard;         /* free a layer's parameters after its forward */
+    int fwd_only;        /* forward without backward follows (evaluation): always free */
+    int tied;            /* lm_head is the embedding: piece 0 stays for the whole micro-batch */
+    qwen3_hooks hooks;
+    double comm_s;       /* seconds in collectives since the last fsdp_take_comm_time */
+} fsdp;
+
+/* Builds the pieces (an error names a layer whose tensors are not
+ * contiguous), takes this rank's slices of m->params (which must hold the
+ * full initial or loaded weights), frees the full buffers and installs the
+ * hooks on m. */
+int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *shard_comm, int reshard_after_forward, ct_err *e);
+void fsdp_free(fsdp *f);
+/* shard[shard_n] = this rank's slices of full[n_params] (e.g. AdamW moments). */
+void fsdp_take_shard(const fsdp *f, float *shard, const float *full);
+/* full[n_params] = every piece gathered from the shards (collective), on
+ * every rank (root < 0) or on rank `root` of the shard group only (the
+ * others' `full` is neither written nor touched; it may be NULL there). */
+void fsdp_gather_full(fsdp *f, float *full, const float *shard, int root);
+/* Gives back the pages of full[n_params] (model params or grads). */
+void fsdp_release_full(fsdp *f, float *full);
+/* Around each micro-batch's forward + backward (or forward only, with
+ * fwd_only set): begin gathers the embedding piece; end reduce-scatters its
+ * gradients into f->grads and frees whatever of the root is still held. */
+void fsdp_microbatch_begin(fsdp *f);
+void fsdp_microbatch_end(fsdp *f);
+/* Seconds spent in collectives since the last call. */
+double fsdp_take_comm_time(fsdp *f);
+
+#endif

@@ -1,0 +1,81 @@
+/* dist/mesh.c: [parallelism] degrees -> checked mesh -> sub-communicators.
+ * Every check runs before the model is built, with the world size known,
+ * so a bad layout costs nothing and names the key to change. */
+#include "dist/mesh.h"
+
+#include <string.h>
+
+int mesh_resolve(const ct_config *c, int world, const qwen3_config *mc, const char *where, int *rep_out,
+                 int *shard_out, int *tp_out, ct_err *e) {
+    int rep = c->dp_replicate, tp = c->tp, shard = c->dp_shard;
+    /* the model's shape first: it does not depend on how many ranks were started */
+    struct { const char *what; int n; } split[] = {
+        {"attention heads", mc->n_heads}, {"kv heads", mc->n_kv_heads}, {"intermediate size", mc->intermediate},
+        {"vocabulary size (its lm_head is split by rows)", mc->vocab_size}};
+    for (int i = 0; i < 3 + !mc->tie_embeddings; i++)
+        if (split[i].n % tp != 0)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.tensor_parallel_degree = %d does not divide the model's %s (%d)", where,
+                           tp, split[i].what, split[i].n);
+    if (tp > 1 && mc->n_experts > 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.tensor_parallel_degree = %d: tensor parallelism is implemented for the dense "
+                       "model only, and %s has experts (use 1)",
+                       where, tp, mc->name);
+    if (c->ep > 1) {
+        if (mc->n_experts == 0)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.expert_parallel_degree = %d but the model %s has no experts", where,
+                           c->ep, mc->name);
+        if (mc->n_experts % c->ep != 0)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.expert_parallel_degree = %d does not divide the model's %d experts",
+                           where, c->ep, mc->n_experts);
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.expert_parallel_degree = %d: expert parallelism is not implemented yet "
+                       "(use 1)",
+                       where, c->ep);
+    }
+    if (world % (rep * tp) != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.data_parallel_replicate_degree (%d) x parallelism.tensor_parallel_degree "
+                       "(%d) = %d does not divide the world size %d (ranks started by mpirun -np)",
+                       where, rep, tp, rep * tp, world);
+    if (shard == -1) shard = world / (rep * tp);
+    if (rep * shard * tp != world)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.data_parallel_replicate_degree (%d) x parallelism.data_parallel_shard_degree "
+                       "(%d) x parallelism.tensor_parallel_degree (%d) = %d, but the world size is %d (ranks "
+                       "started by mpirun -np); set data_parallel_shard_degree = -1 to use the rest",
+                       where, rep, shard, tp, rep * shard * tp, world);
+    *rep_out = rep;
+    *shard_out = shard;
+    *tp_out = tp;
+    return 0;
+}
+
+int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const qwen3_config *mc, const char *where,
+              ct_err *e) {
+    memset(m, 0, sizeof *m);
+    m->world = world;
+    int rc = mesh_resolve(c, world->size, mc, where, &m->dp_replicate, &m->dp_shard, &m->tp, e);
+    if (rc) return rc;
+    int r = world->rank;
+    m->tp_rank = r % m->tp;
+    m->shard_rank = (r / m->tp) % m->dp_shard;
+    m->rep_rank = r / (m->tp * m->dp_shard);
+    m->dp_rank = m->rep_rank * m->dp_shard + m->shard_rank;
+    m->dp_size = m->dp_replicate * m->dp_shard;
+    if ((rc = comm_split(world, m->shard_rank * m->tp + m->tp_rank, m->rep_rank, &m->rep, e))) return rc;
+    if ((rc = comm_split(world, m->rep_rank * m->tp + m->tp_rank, m->shard_rank, &m->shard, e))) return rc;
+    if ((rc = comm_split(world, m->tp_rank, m->dp_rank, &m->dp, e))) return rc;
+    return comm_split(world, m->dp_rank, m->tp_rank, &m->tpg, e);
+}
+
+void mesh_free(ct_mesh *m) {
+    if (m->rep.be) comm_free(&m->rep);
+    if (m->shard.be) comm_free(&m->shard);
+    if (m->dp.be) comm_free(&m->dp);
+    if (m->tpg.be) comm_free(&m->tpg);
+    memset(m, 0, sizeof *m);
+}

@@ -1,0 +1,42 @@
+/* dist/mesh.h: the device mesh of a run: how the MPI world splits into
+ * data-parallel replicas, FSDP shard groups and tensor-parallel groups,
+ * from [parallelism].
+ *
+ * The order is torchtitan's ["dp_replicate", "dp_shard", "cp", "tp"] with the
+ * last dimension varying fastest, so a tensor-parallel group is made of
+ * consecutive ranks (on one machine when ranks are packed by node):
+ *   rank = (replicate_index * dp_shard + shard_index) * tp + tp_index.
+ * Data-parallel rank (which windows of data a rank reads) is
+ * replicate_index * dp_shard + shard_index, over dp_replicate * dp_shard. */
+#ifndef CT_DIST_MESH_H
+#define CT_DIST_MESH_H
+
+#include "config/config.h"
+#include "core/err.h"
+#include "dist/comm.h"
+#include "model/qwen3.h"
+
+typedef struct {
+    ct_comm *world;
+    int dp_replicate, dp_shard, tp;  /* degrees; their product is the world size */
+    int rep_rank, shard_rank, tp_rank;
+    int dp_rank, dp_size;            /* data-parallel coordinate over replicate x shard */
+    ct_comm rep;    /* same shard and tp index: the replicas of one shard (all-reduce of gradients) */
+    ct_comm shard;  /* same replica and tp index: one FSDP group */
+    ct_comm dp;     /* same tp index: every data-parallel rank (loss and token counts) */
+    ct_comm tpg;    /* same replica and shard index: one tensor-parallel group (consecutive ranks) */
+} ct_mesh;
+
+/* Resolves the degrees (data_parallel_shard_degree -1 = the rest) and checks
+ * them against the world size, the model's heads, kv heads, intermediate
+ * size and experts.
+ * Errors are CT_ERR_CONFIG naming the key and `where` (the config file).
+ * Out: replicate, shard and tp degrees. */
+int mesh_resolve(const ct_config *c, int world_size, const qwen3_config *mc, const char *where, int *dp_replicate,
+                 int *dp_shard, int *tp, ct_err *e);
+/* Resolves, then builds the sub-communicators (collective over the world). */
+int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const qwen3_config *mc, const char *where,
+              ct_err *e);
+void mesh_free(ct_mesh *m);
+
+#endif

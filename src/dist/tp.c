@@ -1,0 +1,174 @@
+/* dist/tp.c: tensor-parallel slicing, gathering and hooks (see tp.h).
+ *
+ * The group's float sums go through comm_allreduce, whose fixed rank order
+ * gives every rank the same bits: the replicated weights then take the same
+ * AdamW step everywhere and never drift apart. */
+#include "dist/tp.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/timer.h"
+
+void tp_local_config(qwen3_config *local, const qwen3_config *full, int t, int rank) {
+    *local = *full;
+    local->n_heads = full->n_heads / t;
+    local->n_kv_heads = full->n_kv_heads / t;
+    local->intermediate = full->intermediate / t;
+    if (!full->tie_embeddings && t > 1) { /* a tied lm_head is the embedding: replicated with it */
+        local->vocab_rows = full->vocab_size / t;
+        local->vocab_row0 = rank * local->vocab_rows;
+    }
+}
+
+static void reduce(tp_layout *p, float *x, size_t n) {
+    double t0 = ct_now();
+    comm_allreduce(p->comm, x, n, COMM_F32, COMM_SUM);
+    p->comm_s += ct_now() - t0;
+}
+
+static void hook_reduce_partial(void *ctx, float *x, size_t n) { reduce(ctx, x, n); }
+static void hook_reduce_max(void *ctx, float *x, size_t n) {
+    tp_layout *p = ctx;
+    double t0 = ct_now();
+    comm_allreduce(p->comm, x, n, COMM_F32, COMM_MAX);
+    p->comm_s += ct_now() - t0;
+}
+
+static void hook_pre_forward(void *ctx, int l) {
+    tp_layout *p = ctx;
+    if (p->inner) p->inner->pre_forward(p->inner->ctx, l);
+}
+static void hook_post_forward(void *ctx, int l) {
+    tp_layout *p = ctx;
+    if (p->inner) p->inner->post_forward(p->inner->ctx, l);
+}
+/* After FSDP's (which gathers and zeroes the layer's gradients): what the
+ * q/k norm gradients hold before this micro-batch's backward of the layer,
+ * so that only its own contribution is summed over the group. */
+static void hook_pre_backward(void *ctx, int l) {
+    tp_layout *p = ctx;
+    if (p->inner) p->inner->pre_backward(p->inner->ctx, l);
+    int hd = p->local.head_dim;
+    memcpy(p->qk_before, p->m->g.layer[l].qn, (size_t)hd * sizeof(float));
+    memcpy(p->qk_before + hd, p->m->g.layer[l].kn, (size_t)hd * sizeof(float));
+}
+/* Before FSDP's reduce-scatter: g = before + (sum over ranks of g - before). */
+static void hook_post_backward(void *ctx, int l) {
+    tp_layout *p = ctx;
+    int hd = p->local.head_dim;
+    float *qn = p->m->g.layer[l].qn, *kn = p->m->g.layer[l].kn, *d = p->qk_before, *delta = p->qk_before + 2 * hd;
+    for (int i = 0; i < hd; i++) {
+        delta[i] = qn[i] - d[i];
+        delta[hd + i] = kn[i] - d[hd + i];
+    }
+    reduce(p, delta, 2 * (size_t)hd);
+    for (int i = 0; i < hd; i++) {
+        qn[i] = d[i] + delta[i];
+        kn[i] = d[hd + i] + delta[hd + i];
+    }
+    if (p->inner) p->inner->post_backward(p->inner->ctx, l);
+}
+
+void tp_init(tp_layout *p, const qwen3_config *full, ct_comm *group) {
+    memset(p, 0, sizeof *p);
+    p->t = group->size;
+    p->rank = group->rank;
+    p->comm = group;
+    p->full = *full;
+    tp_local_config(&p->local, full, p->t, p->rank);
+    p->qk_before = ct_calloc(4 * (size_t)full->head_dim, sizeof(float));
+}
+
+void tp_free(tp_layout *p) {
+    if (p->m && p->m->hooks == &p->hooks) p->m->hooks = p->inner;
+    free(p->qk_before);
+    free(p->sharded);
+    memset(p, 0, sizeof *p);
+}
+
+void tp_attach(tp_layout *p, qwen3_model *m) {
+    p->m = m;
+    p->inner = m->hooks;
+    p->hooks = (qwen3_hooks){p, hook_pre_forward, hook_post_forward, hook_pre_backward, hook_post_backward,
+                             hook_reduce_partial, hook_reduce_max};
+    m->hooks = &p->hooks;
+}
+
+/* Rows and columns of a tensor (a vector is rows x 1). */
+static void dims(const qwen3_tensor *t, size_t *rows, size_t *cols) {
+    *rows = (size_t)t->shape[0];
+    *cols = t->ndim == 2 ? (size_t)t->shape[1] : 1;
+}
+
+/* Copies rank r's slice of one tensor between its whole form (w) and its
+ * local form (s): to_local 1 reads w, 0 writes it. */
+static void move_slice(const qwen3_tensor *lt, float *s, const qwen3_tensor *ft, float *w, int r, int to_local) {
+    size_t lr, lc, fr, fc;
+    dims(lt, &lr, &lc);
+    dims(ft, &fr, &fc);
+    if (lr < fr) { /* column-parallel: a block of rows */
+        float *a = s, *b = w + (size_t)r * lr * lc;
+        memcpy(to_local ? a : b, to_local ? b : a, lr * lc * sizeof(float));
+    } else if (lc < fc) { /* row-parallel: a block of columns in every row */
+        for (size_t i = 0; i < lr; i++) {
+            float *a = s + i * lc, *b = w + i * fc + (size_t)r * lc;
+            memcpy(to_local ? a : b, to_local ? b : a, lc * sizeof(float));
+        }
+    } else {
+        memcpy(to_local ? s : w, to_local ? w : s, lr * lc * sizeof(float));
+    }
+}
+
+void tp_take(tp_layout *p, const qwen3_model *lm, float *local, const qwen3_model *fm, const float *full) {
+    if (!p->sharded) p->sharded = ct_calloc((size_t)lm->n_tensors + 1, 1);
+    for (int i = 0; i < lm->n_tensors; i++) {
+        const qwen3_tensor *lt = &lm->tensors[i], *ft = &fm->tensors[i];
+        p->sharded[i] = lt->numel != ft->numel;
+        move_slice(lt, local + lt->offset, ft, (float *)full + ft->offset, p->rank, 1);
+    }
+}
+
+void tp_gather(tp_layout *p, const qwen3_model *fm, float *full, const qwen3_model *lm, const float *local) {
+    int t = p->t, root = p->rank == 0;
+    size_t n = lm->n_params;
+    float *all = root ? ct_malloc((size_t)t * n * sizeof(float)) : NULL;
+    size_t *v = ct_calloc(4 * (size_t)t, sizeof(size_t));
+    size_t *sc = v, *sd = v + t, *rc = v + 2 * t, *rd = v + 3 * t;
+    sc[0] = n; /* every rank sends its whole local buffer to rank 0 only */
+    for (int r = 0; r < t; r++) {
+        rc[r] = root ? n : 0;
+        rd[r] = (size_t)r * n;
+    }
+    double t0 = ct_now();
+    comm_all_to_allv(p->comm, all, rc, rd, local, sc, sd, COMM_F32);
+    p->comm_s += ct_now() - t0;
+    if (root)
+        for (int r = 0; r < t; r++)
+            for (int i = 0; i < lm->n_tensors; i++) {
+                const qwen3_tensor *lt = &lm->tensors[i], *ft = &fm->tensors[i];
+                move_slice(lt, all + (size_t)r * n + lt->offset, ft, full + ft->offset, r, 0);
+            }
+    free(all);
+    free(v);
+}
+
+double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n) {
+    const qwen3_model *m = p->m;
+    double sq = 0;
+    for (int i = 0; i < m->n_tensors; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        size_t a = t->offset > lo ? t->offset : lo, b = t->offset + t->numel < lo + n ? t->offset + t->numel : lo + n;
+        if (a >= b) continue;
+        if (!p->sharded[i] && p->rank != 0) continue; /* replicated: counted once */
+        for (size_t k = a; k < b; k++) sq += (double)x[k - lo] * x[k - lo];
+    }
+    return sq;
+}
+
+double tp_take_comm_time(tp_layout *p) {
+    double s = p->comm_s;
+    p->comm_s = 0;
+    return s;
+}

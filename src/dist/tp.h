@@ -1,0 +1,70 @@
+/* dist/tp.h: tensor parallelism for the dense model (torchtitan's Qwen3 plan).
+ *
+ * The model's math stays in model/qwen3.c, run on a LOCAL config: n_heads,
+ * n_kv_heads, intermediate and (untied) the lm_head's vocab_rows divided by
+ * the degree t. This file decides
+ * which slice of each whole tensor a rank holds and when a collective runs:
+ *   - column-parallel q/k/v_proj and gate/up_proj: rank r holds rows
+ *     [r * n / t, (r + 1) * n / t) (its heads, kv heads, intermediate slice);
+ *   - row-parallel o_proj and down_proj: the matching columns; their outputs
+ *     are partial sums, all-reduced over the group (hooks.reduce_partial)
+ *     before the residual is added once;
+ *   - the backward of a column-parallel layer all-reduces d(its input), so
+ *     the replicated RMSNorm weights and embedding (and a tied lm_head) get
+ *     the same gradient on every rank;
+ *   - the per-head q/k norm weights [hd] see only this rank's heads: their
+ *     gradient of each layer's backward is all-reduced (post_backward);
+ *   - lm_head (untied) is vocabulary-parallel: rank r holds rows
+ *     [r V/t, (r+1) V/t) and its logits only; the loss combines the row max,
+ *     sum of exponentials and target logit over the group (hooks.reduce_max,
+ *     reduce_partial) and d(final norm) is all-reduced. A tied lm_head is the
+ *     embedding, replicated with it.
+ * Which kind a tensor is follows from its shapes alone (local vs whole): a
+ * smaller first dimension is a row slice, a smaller second one a column
+ * slice, equal shapes replicated. The hooks wrap FSDP's (inner) when both
+ * layouts run, so FSDP shards the local flat buffer within a TP index. */
+#ifndef CT_DIST_TP_H
+#define CT_DIST_TP_H
+
+#include <stddef.h>
+
+#include "core/err.h"
+#include "dist/comm.h"
+#include "model/qwen3.h"
+
+typedef struct {
+    int t, rank;              /* degree, and this rank's index in the group */
+    ct_comm *comm;            /* the tensor-parallel group */
+    qwen3_config full;        /* the whole model */
+    qwen3_config local;       /* the slice this rank runs */
+    qwen3_model *m;           /* the local model, once attached */
+    const qwen3_hooks *inner; /* hooks installed before (FSDP's), called inside ours; NULL: none */
+    qwen3_hooks hooks;
+    char *sharded;            /* [n_tensors] 1: sliced over the group, 0: replicated (set by tp_take) */
+    float *qk_before;         /* [4 * hd] a layer's q_norm, k_norm gradients before its backward; their deltas */
+    double comm_s;            /* seconds in collectives since the last tp_take_comm_time */
+} tp_layout;
+
+/* local = full with n_heads, n_kv_heads, intermediate divided by t and, when
+ * lm_head is not tied, rank's 1/t of the vocabulary rows (the caller checked
+ * divisibility: mesh_resolve). */
+void tp_local_config(qwen3_config *local, const qwen3_config *full, int t, int rank);
+void tp_init(tp_layout *p, const qwen3_config *full, ct_comm *group);
+void tp_free(tp_layout *p);
+/* Installs the hooks on m (wrapping whatever m->hooks holds now). */
+void tp_attach(tp_layout *p, qwen3_model *m);
+/* local[lm->n_params] = this rank's slices of full[fm->n_params]; lm and fm
+ * give the two tensor tables (same tensors, same order). The first call
+ * also learns which tensors are sliced (for tp_sq_range). */
+void tp_take(tp_layout *p, const qwen3_model *lm, float *local, const qwen3_model *fm, const float *full);
+/* Collective over the group: full[fm->n_params] on group rank 0 = every
+ * rank's local[lm->n_params] put back in place. fm and full are only read
+ * on rank 0 (NULL elsewhere). */
+void tp_gather(tp_layout *p, const qwen3_model *fm, float *full, const qwen3_model *lm, const float *local);
+/* Sum of x[k]^2 over flat positions [lo, lo + n) of the local buffer,
+ * counting replicated tensors on group rank 0 only, so the sum over the
+ * group is the whole model's. */
+double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n);
+double tp_take_comm_time(tp_layout *p);
+
+#endif

@@ -1,0 +1,346 @@
+"""Many processes (issue 7): ctitan under mpirun on this 2-core machine, oversubscribed.
+
+Every layout must train like one process with the same global batch: the same loss
+for 10 steps to 1e-5 relative and the same final weights. The one-process run is
+itself checked against PyTorch by test_train_loop.py, so agreeing with it ties
+every layout to PyTorch. Checkpoints move between layouts; one rank's death ends
+the job quickly; bad degrees are config errors naming the key. The MPI backend of
+the communicator runs the C test tests/c/test_comm.c under mpirun.
+
+mpirun missing is a failure, not a skip: scripts/setup.sh installs openmpi-bin."""
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import oracle
+from conftest import BIN, BUILD, ROOT
+
+STEPS = 10
+GLOBAL = 8   # sequences per optimizer step, whatever the layout
+MICRO = 2    # sequences per micro-batch per rank
+
+# One OpenMP thread per rank: up to 4 ranks share 2 cores.
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+           OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+ENV.pop("CTITAN_LOG_RANKS", None)
+
+
+def mpirun():
+    exe = shutil.which("mpirun")
+    if not exe:
+        pytest.fail("mpirun not found: run scripts/setup.sh (installs openmpi-bin)", pytrace=False)
+    return [exe, "--oversubscribe", "--bind-to", "none"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist")
+    # sizes that no world size divides, so every FSDP piece has a padded last slice
+    for tied in (False, True):
+        cfg = oracle.tiny_config(vocab=251, hidden=30, inter=49, layers=3, heads=4, kv_heads=2, head_dim=8,
+                                 tied=tied)
+        cfg.save_pretrained(d / ("model_tied" if tied else "model"))
+    # MoE: layer 0 dense, layers 1-2 sparse, so FSDP pieces of both kinds; no aux loss in the
+    # gradient (it is a function of each micro-batch's own tokens, which differ by layout)
+    from transformers import Qwen3MoeConfig
+    Qwen3MoeConfig(vocab_size=251, hidden_size=30, intermediate_size=49, moe_intermediate_size=20, num_experts=4,
+                   num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
+                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   max_position_embeddings=256, tie_word_embeddings=False, output_router_logits=False,
+                   ).save_pretrained(d / "model_moe")
+    data = oracle.write_bin(d / "tokens.bin", oracle.learnable_stream(600 * 17, 251, seed=7))
+    return d, data
+
+
+def train_args(model_dir, data, out, *extra, dp=1):
+    # validation.local_batch_size is per rank (torchtitan's): 4 sequences over the data-parallel ranks
+    val = ["--validation.enable", f"--validation.dataset_path={data}", "--validation.freq=5", "--validation.steps=2",
+           f"--validation.local_batch_size={4 // dp}"]
+    return ["train", "--model.spec=hf", f"--model.hf_assets_path={model_dir}",
+            f"--training.dataset_path={data}", "--training.seq_len=16",
+            f"--training.local_batch_size={MICRO}", f"--training.global_batch_size={GLOBAL}",
+            f"--training.steps={STEPS}", "--training.shuffle", "--training.seed=5", "--optimizer.lr=3e-3",
+            "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1", "--metrics.peak_tflops=1",
+            f"--job.dump_folder={out}", "--checkpoint.enable", "--checkpoint.interval=1000",
+            *val, *extra]
+
+
+def run(np_, args, timeout=120, check=True):
+    cmd = ([str(BIN)] if np_ == 1 else mpirun() + ["-np", str(np_), str(BIN)]) + [str(a) for a in args]
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert p.returncode == 0, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p
+
+
+def losses(out):
+    rows = [r for r in oracle.read_metrics(Path(out) / "metrics.jsonl") if "loss" in r]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def val_losses(out):
+    return {r["step"]: r["val_loss"] for r in oracle.read_metrics(Path(out) / "metrics.jsonl") if "val_loss" in r}
+
+
+def weights(out, step=STEPS, file="model.safetensors"):
+    hdr, data = oracle.read_safetensors_raw(Path(out) / "checkpoint" / f"step-{step}" / file)
+    res = {}
+    for k, v in hdr.items():
+        if k != "__metadata__":
+            a, b = v["data_offsets"]
+            res[k] = np.frombuffer(data[a:b], dtype=np.float32)
+    return res
+
+
+def assert_same_run(out, ref, what, steps=range(1, STEPS + 1), weights_too=True):
+    got, want = losses(out), losses(ref)
+    for s in steps:
+        assert s in got, f"{what}: no loss for step {s}"
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), f"{what}: step {s} loss {got[s]!r} vs one rank {want[s]!r}"
+    got, want = val_losses(out), val_losses(ref)
+    assert set(want) == {5, 10} and set(got) == set(want), f"{what}: validation steps {sorted(got)} vs {sorted(want)}"
+    for s in want:
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), f"{what}: step {s} val_loss {got[s]!r} vs {want[s]!r}"
+    if weights_too:
+        a, b = weights(out), weights(ref)
+        assert a.keys() == b.keys(), f"{what}: tensor names differ"
+        for k in b:
+            err = np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(b[k])), 1e-12)
+            assert err <= 1e-5, f"{what}: final {k} differs from one rank by {err:.3g} (relative to its max)"
+
+
+@pytest.fixture(scope="module")
+def single(setup):
+    """The one-process runs every layout is compared with (untied and tied)."""
+    d, data = setup
+    outs = {}
+    for tied in (False, True):
+        out = d / ("single_tied" if tied else "single")
+        run(1, train_args(d / ("model_tied" if tied else "model"), data, out))
+        outs[tied] = out
+    outs["moe"] = d / "single_moe"
+    run(1, train_args(d / "model_moe", data, outs["moe"]))
+    return outs
+
+
+LAYOUTS = {  # name: (ranks, replicate, shard, extra)
+    "dp2": (2, 2, 1, []),
+    "fsdp2": (2, 1, 2, []),
+    "fsdp2_no_reshard": (2, 1, 2, ["--parallelism.fsdp_reshard_after_forward=never"]),
+    "dp4": (4, 4, 1, []),
+    "fsdp4": (4, 1, -1, []),
+    "hsdp2x2": (4, 2, 2, ["--activation_checkpoint.mode=full"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_one_rank(setup, single, name):
+    d, data = setup
+    n, rep, shard, extra = LAYOUTS[name]
+    out = d / name
+    p = run(n, train_args(d / "model", data, out, f"--parallelism.data_parallel_replicate_degree={rep}",
+                          f"--parallelism.data_parallel_shard_degree={shard}", *extra, dp=n))
+    # only rank 0 prints the metrics lines
+    assert len([l for l in p.stdout.splitlines() if l.startswith("step: 1 ")]) == 1, p.stdout
+    assert "comm:" in p.stdout
+    assert_same_run(out, single[False], name)
+
+
+def test_fsdp_tied_embeddings(setup, single):
+    d, data = setup
+    out = d / "fsdp4_tied"
+    run(4, train_args(d / "model_tied", data, out, "--activation_checkpoint.mode=selective",
+                      "--activation_checkpoint.selective_ac_option=op", dp=4))
+    assert_same_run(out, single[True], "fsdp4 tied")
+
+
+@pytest.mark.parametrize("rep,shard", [(2, 1), (1, 2)])
+def test_moe_layouts_match_one_rank(setup, single, rep, shard):
+    d, data = setup
+    out = d / f"moe_{rep}x{shard}"
+    run(2, train_args(d / "model_moe", data, out, f"--parallelism.data_parallel_replicate_degree={rep}",
+                      f"--parallelism.data_parallel_shard_degree={shard}", dp=2))
+    assert any(".mlp.experts." in k for k in weights(out)), "the MoE model has no expert tensors"
+    assert_same_run(out, single["moe"], f"MoE {rep}x{shard}")
+
+
+def test_checkpoint_moves_between_layouts(setup, single):
+    """Written by 2-rank FSDP, resumed on 1 rank (and 1 -> 2-rank FSDP): the steps after
+    the checkpoint equal the uninterrupted one-process run's, as do the final weights
+    and AdamW moments."""
+    d, data = setup
+    stop = ["--training.stop_at_step=4", "--checkpoint.last_save_model_only=false"]
+    for first, then in ((2, 1), (1, 2)):
+        out = d / f"move_{first}_to_{then}"
+        p = run(first, train_args(d / "model", data, out, *stop, dp=first), check=False)
+        assert p.returncode == 75, f"stop_at_step should exit 75 after saving\n{p.stderr[-3000:]}"
+        assert (out / "checkpoint" / "step-4" / "optim.safetensors").exists()
+        run(then, train_args(d / "model", data, out, "--checkpoint.last_save_model_only=false", dp=then))
+        assert_same_run(out, single[False], f"{first} -> {then} ranks", steps=range(5, STEPS + 1))
+    # optimizer state too: compare with a one-process run that saved its moments
+    ref = d / "single_full"
+    run(1, train_args(d / "model", data, ref, "--checkpoint.last_save_model_only=false"))
+    for first, then in ((2, 1), (1, 2)):
+        a, b = weights(d / f"move_{first}_to_{then}", file="optim.safetensors"), weights(ref, file="optim.safetensors")
+        for k in b:
+            err = np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(b[k])), 1e-12)
+            assert err <= 1e-4, f"{first} -> {then}: {k} differs by {err:.3g}"
+
+
+def test_fsdp_memory_per_rank_shrinks(tmp_path):
+    """The point of FSDP: with the model state dominant (27 M parameters, 16 bytes each:
+    0.41 GiB), 4 ranks need well under half the memory of one process each."""
+    cfg = oracle.tiny_config(vocab=2048, hidden=512, inter=1536, layers=8, heads=8, kv_heads=4, head_dim=64)
+    cfg.save_pretrained(tmp_path / "model")
+    data = oracle.write_bin(tmp_path / "tokens.bin", oracle.learnable_stream(4000, 2048, seed=1))
+    args = ["train", "--model.spec=hf", f"--model.hf_assets_path={tmp_path / 'model'}",
+            f"--training.dataset_path={data}", "--training.seq_len=16", "--training.local_batch_size=1",
+            "--training.steps=1", "--metrics.peak_tflops=1"]
+    peak = {}
+    for n in (1, 4):
+        run(n, args + [f"--job.dump_folder={tmp_path / str(n)}"])
+        peak[n] = oracle.read_metrics(tmp_path / str(n) / "metrics.jsonl")[0]["memory_gib"]  # largest rank's
+    assert peak[4] < 0.55 * peak[1], f"FSDP over 4 ranks: {peak[4]:.3f} GiB per rank vs {peak[1]:.3f} GiB alone"
+
+
+def rank_pids(mpirun_pid):
+    """{rank: pid} of mpirun's children, from their environment."""
+    out = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != mpirun_pid:
+                continue
+            env = (p / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        for kv in env:
+            if kv.startswith(b"OMPI_COMM_WORLD_RANK="):
+                out[int(kv.split(b"=", 1)[1])] = int(p.name)
+    return out
+
+
+def test_killed_rank_ends_the_job(setup, tmp_path):
+    d, data = setup
+    args = train_args(d / "model", data, tmp_path / "kill", "--training.steps=100000", "--training.global_batch_size=6")
+    cmd = mpirun() + ["-np", "3", str(BIN)] + [str(a) for a in args]
+    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in p.stdout:  # wait until training runs
+            seen.append(line)
+            if line.startswith("step: 3 "):
+                break
+        assert p.poll() is None, "".join(seen)[-2000:]
+        pids = rank_pids(p.pid)
+        assert 1 in pids, f"no rank 1 among mpirun's children: {pids}"
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        rest = p.stdout.read()
+        rc = p.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc != 0
+    assert took < 5, f"the job took {took:.1f} s to end after rank 1 was killed"
+    assert "rank 1" in rest and "signal 9" in rest, rest[-2000:]
+
+
+def test_error_on_one_rank_ends_the_job(setup, tmp_path):
+    """Rank 0 alone fails (its checkpoint folder is a dangling symlink; only rank 0 writes)
+    while rank 1 goes on into the next step's collectives: the job must end, with rank 0's
+    error, instead of rank 1 waiting forever."""
+    d, data = setup
+    out = tmp_path / "err"
+    out.mkdir()
+    (out / "checkpoint").symlink_to(tmp_path / "missing" / "dir")
+    t0 = time.monotonic()
+    p = run(2, train_args(d / "model", data, out, "--training.steps=100000", "--checkpoint.interval=2"),
+            check=False, timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "ctitan: error: [rank 0]" in p.stderr and "checkpoint" in p.stderr, p.stderr[-2000:]
+    assert "ending the job" in p.stderr
+    assert took < 30, f"{took:.1f} s"
+
+
+def test_sigusr1_to_mpirun_stops_every_rank_with_a_checkpoint(setup, tmp_path):
+    """mpirun forwards SIGUSR1 (its own SIGTERM kills the ranks at once): every rank stops
+    after the same step, rank 0 saves, the job exits 75, and the same command resumes from
+    that checkpoint. (That a resumed run equals an uninterrupted one is
+    test_checkpoint_moves_between_layouts'.)"""
+    d, data = setup
+    out = tmp_path / "usr1"
+    args = train_args(d / "model", data, out, "--training.steps=100000", "--parallelism.data_parallel_shard_degree=2",
+                      dp=2)
+    cmd = mpirun() + ["-np", "2", str(BIN)] + [str(a) for a in args]
+    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("step: 2 "):
+                break
+        p.send_signal(signal.SIGUSR1)
+        rest = p.stdout.read()
+        rc = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 75, rest[-2000:]
+    saved = sorted((out / "checkpoint").glob("step-*"))
+    assert len(saved) == 1, saved
+    k = int(saved[0].name.split("-")[1])
+    r = run(2, args + [f"--training.stop_at_step={k + 1}"], check=False)
+    assert r.returncode == 75, r.stderr[-2000:]
+    assert f"resuming from {saved[0]} (step {k})" in r.stderr, r.stderr[-2000:]
+    assert (out / "checkpoint" / f"step-{k + 1}").is_dir()
+
+
+@pytest.mark.parametrize("ranks,key,args,words", [
+    (2, "data_parallel_shard_degree", ["--parallelism.data_parallel_shard_degree=3"], "world size is 2"),
+    (2, "data_parallel_replicate_degree", ["--parallelism.data_parallel_replicate_degree=4"], "world size 2"),
+    (2, "tensor_parallel_degree", ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"],
+     "intermediate size"),
+    (1, "tensor_parallel_degree", ["--parallelism.tensor_parallel_degree=3"], "heads"),
+    (1, "expert_parallel_degree", ["--parallelism.expert_parallel_degree=2"], "no experts"),
+    (1, "data_parallel_replicate_degree", ["--parallelism.data_parallel_replicate_degree=2"], "world size 1"),
+    (2, "global_batch_size", ["--training.global_batch_size=6"], "data-parallel degree"),
+])
+def test_bad_degrees_exit_2(setup, tmp_path, ranks, key, args, words):
+    d, data = setup
+    p = run(ranks, train_args(d / "model", data, tmp_path / "bad", *args), check=False, timeout=60)
+    assert p.returncode == 2, f"exit {p.returncode}\n{p.stderr[-2000:]}"
+    err = [l for l in p.stderr.splitlines() if "ctitan: error" in l]
+    assert len(err) == 1, f"expected the error once (rank 0):\n{p.stderr[-2000:]}"
+    assert key in err[0] and words in err[0], err[0]
+
+
+def test_comm_backend_under_mpirun():
+    exe = BUILD / "tests" / "test_comm"
+    if not exe.exists():
+        pytest.fail(f"{exe} is missing: run `make test-c` first", pytrace=False)
+    for n in (2, 3):
+        p = subprocess.run(mpirun() + ["-np", str(n), str(exe)], env=ENV, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f"backend mpi, {n} rank(s)" in p.stdout and " 0 failed" in p.stdout, p.stdout
+
+
+def test_run_train_script(setup, tmp_path):
+    d, data = setup
+    env = dict(ENV, NPROC="2", CONFIG_FILE=str(ROOT / "configs" / "debug.toml"), CTITAN=str(BIN))
+    args = train_args(d / "model", data, tmp_path / "script")[1:] + ["--training.steps=2"]
+    p = subprocess.run([str(ROOT / "scripts" / "run_train.sh"), *args], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "world 2 = data_parallel_replicate 1 x data_parallel_shard 2" in p.stderr
+    assert [l for l in p.stdout.splitlines() if l.startswith("step: 2 ")] != [], p.stdout
+    assert len([l for l in p.stdout.splitlines() if l.startswith("step: ")]) == 2, p.stdout  # rank 0 only
