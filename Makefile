@@ -7,6 +7,11 @@ CFLAGS  += -std=c11 -Wall -Wextra -fPIC -fopenmp -Isrc -I/usr/include/x86_64-lin
 BLASDIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
 LDLIBS  := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -lpcre2-8 -lutf8proc -lm -fopenmp
 BUILD   ?= build
+# OpenMPI (Debian's libopenmpi-dev) for src/dist/comm_mpi.c; a run without mpirun never calls MPI_Init.
+MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null || mpicc --showme:compile 2>/dev/null)
+MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null || mpicc --showme:link 2>/dev/null)
+CFLAGS  += $(MPI_CFLAGS)
+LDLIBS  += $(MPI_LIBS)
 
 SRCS    := $(filter-out src/cli/main.c,$(wildcard src/*/*.c src/kernels/*/*.c))
 OBJS    := $(SRCS:%.c=$(BUILD)/obj/%.o)
@@ -47,11 +52,12 @@ sanitize:
 	@$(MAKE) --no-print-directory BUILD=build/san OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
 	  LDFLAGS="-fsanitize=address,undefined" test-c
 
-REF_KERNELS := matmul=ref,embedding=ref,rmsnorm=ref,rope=ref,attention=ref,swiglu=ref,crossentropy=ref,add=ref,adamw=ref
+REF_KERNELS := matmul=ref,matmul_bf16=ref,embedding=ref,rmsnorm=ref,rope=ref,attention=ref,swiglu=ref,crossentropy=ref,add=ref,adamw=ref,moe_experts=ref,moe_experts_bf16=ref
 
 # Parity against transformers once more with every op on its reference kernel.
 test-py: all
-	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py
+	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py tests/py/test_bf16.py \
+		tests/py/test_moe.py::test_logits_loss_grads
 	$(PY) -m pytest -q tests/py
 
 test: setup
@@ -66,8 +72,10 @@ run:
 
 # Figures beside PyTorch (docs/benchmarks.md); not part of make test.
 bench: setup all
-	$(PY) bench/bench_train.py --shape debugmodel --batch 4 --seq 256 --steps 8
-	$(PY) bench/bench_train.py --shape small-151k --batch 8 --seq 128 --steps 8
+	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W1
+	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W1 --precision bf16
+	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W2
+	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W3
 	$(PY) bench/bench_tokenizer.py
 	$(BUILD)/ctitan kernels bench --op matmul --quick
 

@@ -1,11 +1,29 @@
 #!/usr/bin/env python3
-"""Training throughput of ctitan beside PyTorch eager on the same model.
+"""Training throughput and peak memory of ctitan beside PyTorch eager on the same model.
 
-Both train the same Qwen3 (HF config -> random weights saved once, loaded by
-both) with the same batch, sequence length, AdamW and clipping, on the same
-thread count, in one invocation. Reports tokens/s (steady state: the first
-`--warmup` steps are excluded), model TFLOP/s and MFU against the measured
-fp32 peak, and the ratio. Run: .venv/bin/python bench/bench_train.py
+Both sides train the same Qwen3 (HF config -> random weights saved once, loaded by
+both) on the same token windows with the same batch, sequence length, AdamW
+(lr 1e-4, betas 0.9/0.95, eps 1e-8, wd 0.1), clipping at 1.0 and thread count,
+in one invocation. Each side runs in its own child process, so the peak RSS
+reported (ru_maxrss of a helper's only child) is that side's alone, and so is its
+CPU time (user + system, whole process incl. loading; useful when other processes
+load the machine); the parent only builds and saves the model.
+
+Reports per side: tokens/s over the steady-state steps (the first `--warmup`
+steps excluded), model GFLOP/s (6 x matmul parameters incl. the lm_head +
+12 x layers x heads x head_dim x T per token, PaLM's convention, which counts
+attention as non-causal), MFU against ctitan's measured fp32 FMA peak (cached in
+~/.cache/ctitan), peak RSS, and the ctitan/PyTorch ratios.
+
+Workloads (issue 5):
+  W1  Qwen3-0.6B shapes cut to 4 layers, seq 512, batch 1          (--precision fp32 | bf16)
+  W2  Qwen3-0.6B (28 layers), seq 2048, batch 1, a few steps: memory and speed;
+      ctitan with activation_checkpoint full; PyTorch with HF gradient checkpointing
+      (--no-torch to skip it). RSS target: params x 16 B + 2 GiB.
+  W3  torchtitan's debugmodel, batch 4 x 256
+Run:  .venv/bin/python bench/bench_train.py --workload W1 [--precision bf16]
+      .venv/bin/python bench/bench_train.py --shape debugmodel --batch 4 --seq 256 --steps 8
+CTITAN_BUILD=build/x selects the build directory (default build).
 """
 import argparse
 import json
@@ -15,12 +33,10 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
 SHAPES = {
     # torchtitan's debugmodel flavor
     "debugmodel": dict(vocab_size=2048, hidden_size=256, intermediate_size=3072, num_hidden_layers=8,
@@ -28,50 +44,137 @@ SHAPES = {
     # a small Qwen3-shaped model with the real vocabulary
     "small-151k": dict(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+    "qwen3-0.6b-4l": dict(QWEN3_06B, num_hidden_layers=4),
+    "qwen3-0.6b": QWEN3_06B,
+}
+
+# name -> (shape, batch, seq, steps, warmup, activation checkpointing)
+WORKLOADS = {
+    "W1": ("qwen3-0.6b-4l", 1, 512, 6, 2, "none"),
+    "W2": ("qwen3-0.6b", 1, 2048, 3, 1, "full"),
+    "W3": ("debugmodel", 4, 256, 8, 2, "none"),
 }
 
 
 def flops_per_token(cfg, n_params, T):
-    matmul = n_params - cfg.vocab_size * cfg.hidden_size
-    if cfg.tie_word_embeddings:
-        matmul += cfg.vocab_size * cfg.hidden_size
-    return 6 * matmul + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * T
+    matmul = n_params - cfg["vocab_size"] * cfg["hidden_size"]
+    if cfg["tie_word_embeddings"]:
+        matmul += cfg["vocab_size"] * cfg["hidden_size"]
+    return 6 * matmul + 12 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * T
 
 
-def bench_torch(model_dir, tokens, B, T, steps, warmup, threads):
-    torch.set_num_threads(threads)
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+def run_measured(cmd, env=None):
+    """Runs cmd as a child; returns (returncode, stdout, stderr)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    out, err = p.communicate()
+    return p.returncode, out, err
+
+
+def measured_child(cmd, env=None):
+    """cmd run under a fresh python helper that reports the child's own peak RSS and CPU seconds.
+
+    The helper forks nothing else, so RUSAGE_CHILDREN's ru_maxrss in it is exactly the
+    peak RSS of cmd (and of anything cmd exec()s: ctitan re-execs itself once)."""
+    helper = ("import resource,subprocess,sys,json;"
+              "r=subprocess.run(sys.argv[1:]);"
+              "u=resource.getrusage(resource.RUSAGE_CHILDREN);"
+              "sys.stderr.write('\\nBENCH_RSS_KIB %d %.3f\\n' % (u.ru_maxrss, u.ru_utime + u.ru_stime));"
+              "sys.exit(r.returncode)")
+    rc, out, err = run_measured([sys.executable, "-c", helper] + cmd, env)
+    rss = cpu = None
+    for line in err.splitlines():
+        if line.startswith("BENCH_RSS_KIB "):
+            rss = int(line.split()[1]) * 1024
+            cpu = float(line.split()[2])
+    return rc, out, err, (rss, cpu)
+
+
+def thread_env(threads):
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["OPENBLAS_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+# ------------------------------------------------------------------ PyTorch side (child)
+
+def torch_worker(a):
+    import numpy as np
+    import torch
+    from transformers import Qwen3ForCausalLM
+    torch.set_num_threads(a.threads)
+    model = Qwen3ForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
+    if a.ac != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    W = T + 1
-    t0 = None
-    for step in range(steps):
-        if step == warmup:
-            t0 = time.perf_counter()
+    tokens = np.fromfile(a.data, dtype=np.uint32)
+    B, T, W = a.batch, a.seq, a.seq + 1
+    stamps = []
+    t0 = time.perf_counter()
+    for step in range(a.steps):
         i = step * B
         win = np.stack([tokens[(i + b) * W:(i + b + 1) * W] for b in range(B)]).astype(np.int64)
         x, y = torch.from_numpy(win[:, :-1]), torch.from_numpy(win[:, 1:])
-        logits = model(input_ids=x).logits
+        if a.precision == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(input_ids=x).logits
+        else:
+            logits = model(input_ids=x).logits
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        del logits
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    dt = time.perf_counter() - t0
-    return B * T * (steps - warmup) / dt
+        stamps.append(time.perf_counter() - t0)
+        print(json.dumps({"step": step + 1, "loss": float(loss), "elapsed_s": stamps[-1]}), flush=True)
 
 
-def bench_ctitan(model_dir, data, out, B, T, steps, warmup, threads):
-    cmd = [os.path.join(ROOT, "build/ctitan"), "train", "--model.spec=hf", f"--model.hf_assets_path={model_dir}",
+def bench_torch(a, model_dir, data):
+    cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", "--model-dir", model_dir, "--data", data,
+           "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--threads", str(a.threads),
+           "--precision", a.precision, "--ac", a.ac]
+    rc, out, err, rss = measured_child(cmd, thread_env(a.threads))
+    rows = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    if rc != 0 or len(rows) < a.steps:
+        return None, rss, f"PyTorch failed (exit {rc}): {err.strip().splitlines()[-1] if err.strip() else ''}"
+    return rows, rss, None
+
+
+# ------------------------------------------------------------------- ctitan side (child)
+
+def bench_ctitan(a, model_dir, data, out):
+    build = os.environ.get("CTITAN_BUILD", "build")
+    cmd = [os.path.join(ROOT, build, "ctitan"), "train", "--model.spec=hf", f"--model.hf_assets_path={model_dir}",
            f"--checkpoint.initial_load_path={model_dir}", "--checkpoint.initial_load_in_hf",
-           f"--training.dataset_path={data}", f"--training.local_batch_size={B}", f"--training.seq_len={T}",
-           f"--training.steps={steps}", "--metrics.log_freq=1", f"--job.dump_folder={out}",
-           f"--training.threads={threads}", "--optimizer.lr=1e-4", "--lr_scheduler.warmup_steps=0"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-    t_a = rows[warmup - 1]["elapsed_s"]
+           f"--training.dataset_path={data}", f"--training.local_batch_size={a.batch}", f"--training.seq_len={a.seq}",
+           f"--training.steps={a.steps}", "--metrics.log_freq=1", f"--job.dump_folder={out}",
+           f"--training.threads={a.threads}", "--optimizer.lr=1e-4", "--optimizer.eps=1e-8",
+           "--optimizer.weight_decay=0.1", "--training.max_norm=1.0", "--lr_scheduler.warmup_steps=0",
+           "--lr_scheduler.decay_ratio=0",  # constant lr, as the PyTorch side
+           f"--activation_checkpoint.mode={a.ac}"]
+    if a.precision == "bf16":
+        cmd.append("--training.mixed_precision_param=bfloat16")
+    cmd += a.ctitan_arg
+    rc, _, err, rss = measured_child(cmd, thread_env(a.threads))
+    mpath = os.path.join(out, "metrics.jsonl")
+    if rc != 0 or not os.path.exists(mpath):
+        last = err.strip().splitlines()
+        last = [l for l in last if not l.startswith("BENCH_RSS_KIB")]
+        return None, rss, f"ctitan failed (exit {rc}): {last[-1] if last else ''}"
+    rows = [json.loads(l) for l in open(mpath)]
+    return rows, rss, None
+
+
+def steady_tps(rows, B, T, warmup):
+    if not rows:
+        return float("nan")
+    t_a = rows[warmup - 1]["elapsed_s"] if warmup > 0 else 0.0
     t_b = rows[-1]["elapsed_s"]
-    return B * T * (steps - warmup) / (t_b - t_a)
+    return B * T * (len(rows) - warmup) / (t_b - t_a)
 
 
 def peak_flops(threads):
@@ -82,18 +185,45 @@ def peak_flops(threads):
     return float("nan")
 
 
+def gib(x):
+    return f"{x / 2**30:6.2f}" if x else "   n/a"
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), help="preset: sets shape, batch, seq, steps, ac")
     ap.add_argument("--shape", default="debugmodel", choices=sorted(SHAPES))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--ac", default="none", choices=["none", "full"], help="activation checkpointing, both sides")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--no-torch", action="store_true", help="ctitan only")
+    ap.add_argument("--no-ctitan", action="store_true", help="PyTorch only")
+    ap.add_argument("--ctitan-arg", action="append", default=[], metavar="--SECTION.KEY=VALUE",
+                    help="extra ctitan train option (repeatable), e.g. --ctitan-arg=--kernels.adamw=ref")
+    # internal: the PyTorch child
+    ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    cfg = Qwen3Config(**SHAPES[a.shape], rope_theta=1e6, max_position_embeddings=4096)
+    if a.torch_worker:
+        return torch_worker(a)
+    if a.workload:
+        a.shape, a.batch, a.seq, a.steps, a.warmup, a.ac = WORKLOADS[a.workload]
+    if a.warmup >= a.steps:
+        ap.error(f"--warmup {a.warmup} must be below --steps {a.steps}")
+
+    import numpy as np
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    shape = SHAPES[a.shape]
+    cfg = Qwen3Config(**shape, rope_theta=1e6, max_position_embeddings=max(4096, a.seq))
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         model = Qwen3ForCausalLM(cfg)
         n_params = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp + "/model")
@@ -101,17 +231,41 @@ def main():
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, cfg.vocab_size, size=(a.steps * a.batch + 1) * (a.seq + 1), dtype=np.uint32)
         tokens.tofile(tmp + "/tokens.bin")
-        tps_c = bench_ctitan(tmp + "/model", tmp + "/tokens.bin", tmp + "/out", a.batch, a.seq, a.steps, a.warmup,
-                             a.threads)
-        tps_t = bench_torch(tmp + "/model", tokens, a.batch, a.seq, a.steps, a.warmup, a.threads)
-    fpt = flops_per_token(cfg, n_params, a.seq)
+        res = {}
+        if not a.no_ctitan:
+            res["ctitan"] = bench_ctitan(a, tmp + "/model", tmp + "/tokens.bin", tmp + "/out")
+        if not a.no_torch:
+            res["pytorch"] = bench_torch(a, tmp + "/model", tmp + "/tokens.bin")
+    load = os.getloadavg()[0]
+    fpt = flops_per_token(shape, n_params, a.seq)
     peak = peak_flops(a.threads)
-    print(f"model {a.shape}: {n_params/1e6:.1f} M params, batch {a.batch} x {a.seq}, {a.threads} threads, "
-          f"fp32, peak {peak/1e9:.0f} GFLOP/s")
-    print(f"{'':10s} {'tokens/s':>10s} {'GFLOP/s':>9s} {'MFU':>7s}")
-    for name, tps in (("ctitan", tps_c), ("pytorch", tps_t)):
-        print(f"{name:10s} {tps:10.0f} {fpt*tps/1e9:9.1f} {100*fpt*tps/peak:6.1f}%")
-    print(f"ratio ctitan/pytorch: {tps_c/tps_t:.2f}x")
+    name = f"{a.workload} " if a.workload else ""
+    print(f"{name}model {a.shape}: {n_params/1e6:.1f} M params, batch {a.batch} x {a.seq}, {a.threads} threads, "
+          f"{a.precision}, activation_checkpoint {a.ac}, {a.steps} steps ({a.warmup} warm-up), "
+          f"peak {peak/1e9:.0f} GFLOP/s fp32; load average {load0:.1f} before, {load:.1f} after "
+          f"(the run itself adds ~{a.threads}: more means other processes shared the cores)")
+    print(f"{'':10s} {'tokens/s':>10s} {'GFLOP/s':>9s} {'MFU':>7s} {'peak RSS GiB':>13s} {'CPU s':>7s}  "
+          f"first/last loss")
+    tps = {}
+    rss = {}
+    for side, (rows, (r, cpu), msg) in res.items():
+        rss[side] = r
+        if rows is None:
+            print(f"{side:10s} {msg}")
+            continue
+        tps[side] = steady_tps(rows, a.batch, a.seq, a.warmup)
+        print(f"{side:10s} {tps[side]:10.1f} {fpt*tps[side]/1e9:9.1f} {100*fpt*tps[side]/peak:6.1f}% "
+              f"{gib(r):>13s} {cpu or 0:7.1f}  {rows[0]['loss']:.4f} / {rows[-1]['loss']:.4f}")
+    if "ctitan" in tps and "pytorch" in tps:
+        print(f"ratio ctitan/pytorch: speed {tps['ctitan']/tps['pytorch']:.2f}x", end="")
+        if rss.get("ctitan") and rss.get("pytorch"):
+            print(f", peak RSS {rss['ctitan']/rss['pytorch']:.2f}x", end="")
+        print()
+    if a.workload == "W2" and rss.get("ctitan"):
+        target = n_params * 16 + 2 * 2**30
+        print(f"W2 ctitan peak RSS {rss['ctitan']/2**30:.2f} GiB vs target params x 16 B + 2 GiB = "
+              f"{target/2**30:.2f} GiB: {'ok' if rss['ctitan'] <= target else 'OVER'}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -119,6 +119,11 @@ int ctitan_forward_backward(ct_session *s, const int32_t *tokens, const int32_t 
     return 0;
 }
 
+int ctitan_aux_loss(const ct_session *s, double *aux) {
+    *aux = s->t.model.aux_loss;
+    return 0;
+}
+
 int ctitan_optimizer_step(ct_session *s, double *grad_norm, double *lr) {
     trainer_optimizer_step(&s->t, grad_norm, lr);
     return 0;

@@ -40,6 +40,11 @@ int ctitan_zero_grad(ct_session *s);
  * gradient accumulation. *loss_sum receives the micro-batch's CE sum. */
 int ctitan_forward_backward(ct_session *s, const int32_t *tokens, const int32_t *labels, int B, int T,
                             long n_valid_total, double *loss_sum);
+/* MoE models: transformers' load-balancing loss (load_balancing_loss_func, without
+ * router_aux_loss_coef) of the last forward; 0 for a dense model. With
+ * output_router_logits on, forward_backward also adds the gradient of
+ * router_aux_loss_coef * aux / (training.global_batch_size / local_batch_size). */
+int ctitan_aux_loss(const ct_session *s, double *aux);
 /* Clip by training.max_norm, AdamW with the scheduled lr, advance the step.
  * Outputs (may be NULL): the pre-clip global grad norm and the lr used. */
 int ctitan_optimizer_step(ct_session *s, double *grad_norm, double *lr);

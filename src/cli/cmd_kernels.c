@@ -173,6 +173,17 @@ static void mm_run(void *p) {
     else c->im->fn.matmul.bwd(NULL, c->dw, c->dout, c->inp, c->w, c->M, c->K, c->N);
 }
 
+/* Whether bench_matmul times entry `im`: with --op matmul the fp32 ones, with
+ * --op matmul_bf16 the bf16 ones and, for comparison on the same shapes, the
+ * default fp32 one; with no --op both. */
+static int bench_matmul_wants(const kern_impl *im, const kern_impl *fp32_default, const kern_cli_opts *o) {
+    if (im->op != KERN_OP_MATMUL && im->op != KERN_OP_MATMUL_BF16) return 0;
+    if (o->impl && strcmp(o->impl, im->name)) return 0;
+    if (!o->op) return 1;
+    if (!strcmp(o->op, "matmul")) return im->op == KERN_OP_MATMUL;
+    return im->op == KERN_OP_MATMUL_BF16 || im == fp32_default;
+}
+
 static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_opts *o, double peak) {
     static const struct {
         int M, K, N;
@@ -183,12 +194,16 @@ static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_
         {1024, 3072, 256, "debug down"},
         {1024, 1024, 2048, "0.6B q_proj"},
         {1024, 1024, 3072, "0.6B gate/up"},
+        {512, 1024, 3072, "0.6B gate/up, 512 tokens"},
         {1024, 3072, 1024, "0.6B down"},
         {1024, 2048, 1024, "0.6B o_proj"},
         {256, 1024, 151936, "0.6B lm_head, 256-row block"},
     };
+    const kern_impl *fp32_default = NULL;
+    for (size_t i = 0; i < n && !fp32_default; i++)
+        if (t[i].op == KERN_OP_MATMUL && !(t[i].features & ~cpu)) fp32_default = &t[i];
     printf("matmul: fwd out=inp@w^T, dinp+=dout@w, dw+=dout^T@inp; GFLOP/s (2MKN / best time), %% of the "
-           "%.0f GFLOP/s FMA peak\n",
+           "%.0f GFLOP/s fp32 FMA peak; bf16 = matmul_bf16 (inputs rounded to bf16, fp32 sums)\n",
            peak / 1e9);
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int M = shapes[s].M, K = shapes[s].K, N = shapes[s].N;
@@ -204,16 +219,17 @@ static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_
         double flops = 2.0 * M * (double)K * N;
         printf("  M=%-5d K=%-5d N=%-6d (%s)\n", M, K, N, shapes[s].what);
         for (size_t i = 0; i < n; i++) {
-            if (t[i].op != KERN_OP_MATMUL || (t[i].features & ~cpu)) continue;
-            if (o->impl && strcmp(o->impl, t[i].name)) continue;
+            if ((t[i].features & ~cpu) || !bench_matmul_wants(&t[i], fp32_default, o)) continue;
             c.im = &t[i];
             double g[3];
             for (int wch = 0; wch < 3; wch++) {
                 c.which = wch;
                 g[wch] = flops / best_time(mm_run, &c, o->reps) / 1e9;
             }
-            printf("    %-9s fwd %6.1f  dinp %6.1f  dw %6.1f GFLOP/s   (%2.0f%% %2.0f%% %2.0f%% of peak)\n",
-                   t[i].name, g[0], g[1], g[2], 100e9 * g[0] / peak, 100e9 * g[1] / peak, 100e9 * g[2] / peak);
+            char label[48];
+            snprintf(label, sizeof label, "%s%s", t[i].op == KERN_OP_MATMUL_BF16 ? "bf16 " : "", t[i].name);
+            printf("    %-15s fwd %6.1f  dinp %6.1f  dw %6.1f GFLOP/s   (%2.0f%% %2.0f%% %2.0f%% of peak)\n", label,
+                   g[0], g[1], g[2], 100e9 * g[0] / peak, 100e9 * g[1] / peak, 100e9 * g[2] / peak);
             fflush(stdout);
         }
         free(c.inp), free(c.w), free(c.dout), free(c.out), free(c.dinp), free(c.dw);
@@ -229,6 +245,9 @@ typedef struct {
     long n;
     float *a, *b, *c, *d, *e, *f, *g, *h;
     int32_t *tok;
+    int32_t *perm, *pos, *off; /* moe_experts routing */
+    float *dw;                 /* moe_experts weight gradients [3, E, Im, H] */
+    int Im, E, k;
     adamw_state st;
     adamw_hparams hp;
 } op_ctx;
@@ -268,6 +287,18 @@ static void op_run(void *p) {
         break;
     case KERN_OP_ADD: im->fn.add.fwd(x->a, x->b, x->c, x->n); break;
     case KERN_OP_ADAMW: im->fn.adamw.step(&x->st, x->a, x->b, 1e-4, &x->hp); break;
+    case KERN_OP_MOE:
+    case KERN_OP_MOE_BF16: { /* a: x, b/c/d: wg/wu/wd, e: out (dx), f/g: gate/up, h: [h | topw | dtopw | work] */
+        size_t S = (size_t)x->N * x->k, nw = (size_t)x->E * x->Im * x->C;
+        float *topw = x->h + S * x->Im, *dtopw = topw + S, *work = dtopw + S;
+        if (x->fwd)
+            im->fn.moe.fwd(x->e, x->f, x->g, x->h, work, x->a, x->b, x->c, x->d, x->perm, x->pos, x->off, topw, x->N,
+                           x->C, x->Im, x->E, x->k);
+        else
+            im->fn.moe.bwd(x->e, x->dw, x->dw + nw, x->dw + 2 * nw, dtopw, work, x->a, x->a, x->b, x->c, x->d, x->f,
+                           x->g, x->h, x->perm, x->pos, x->off, topw, x->N, x->C, x->Im, x->E, x->k);
+        break;
+    }
     default: break;
     }
 }
@@ -351,6 +382,34 @@ static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_
         bytes_f = 7.0 * 4 * x.n;
         shape = "n=16M";
         break;
+    case KERN_OP_MOE:
+    case KERN_OP_MOE_BF16: {
+        /* a debugmodel_moe layer at 1024 tokens: 8 experts of 768, top-2, balanced routing
+         * (token t picks experts t and t+1 mod E), 256 rows per expert */
+        x.N = 1024, x.C = 256, x.Im = 768, x.E = 8, x.k = 2;
+        size_t S = (size_t)x.N * x.k, nw = (size_t)x.E * x.Im * x.C;
+        x.a = rand_buf((size_t)x.N * x.C, &seed), x.e = rand_buf((size_t)x.N * x.C, &seed);
+        x.b = rand_buf(nw, &seed), x.c = rand_buf(nw, &seed), x.d = rand_buf(nw, &seed);
+        x.f = rand_buf(S * x.Im, &seed), x.g = rand_buf(S * x.Im, &seed);
+        x.h = rand_buf(S * (x.Im + 2) + KERN_MOE_WORK(S, x.C, x.Im), &seed); /* h, topw, dtopw, work */
+        x.dw = rand_buf(3 * nw, &seed);
+        x.perm = ct_malloc(S * sizeof(int32_t)), x.pos = ct_malloc(S * sizeof(int32_t));
+        x.off = ct_calloc((size_t)x.E + 1, sizeof(int32_t));
+        for (size_t s = 0; s < S; s++) x.off[(s / x.k + s % x.k) % x.E + 1]++;
+        for (int e = 0; e < x.E; e++) x.off[e + 1] += x.off[e];
+        int32_t *cur = ct_malloc((size_t)x.E * sizeof(int32_t));
+        memcpy(cur, x.off, (size_t)x.E * sizeof(int32_t));
+        for (size_t s = 0; s < S; s++) {
+            int e = (int)((s / x.k + s % x.k) % x.E);
+            x.perm[cur[e]] = (int32_t)s;
+            x.pos[s] = cur[e]++;
+        }
+        free(cur);
+        flops_f = 6.0 * S * x.C * x.Im; /* three projections */
+        flops_b = 2.0 * flops_f;
+        shape = "N=1024 H=256 I=768 E=8 k=2";
+        break;
+    }
     default: return;
     }
     snprintf(sbuf, sizeof sbuf, "%s", shape);
@@ -378,6 +437,7 @@ static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_
         fflush(stdout);
     }
     free(x.a), free(x.b), free(x.c), free(x.d), free(x.e), free(x.f), free(x.g), free(x.h), free(x.tok);
+    free(x.perm), free(x.pos), free(x.off), free(x.dw);
     if (op == KERN_OP_ADAMW) adamw_free(&x.st);
 }
 
@@ -395,8 +455,14 @@ static int cmd_bench(const kern_cli_opts *o) {
     printf("best of %d runs after a warm-up (other processes share these cores)\n\n", o->reps);
     for (int op = 0; op < KERN_N_OPS; op++) {
         if (o->op && strcmp(o->op, kern_op_name(op))) continue;
-        if (op == KERN_OP_MATMUL) bench_matmul(t, n, cpu, o, peak.flops);
-        else bench_op(t, n, cpu, o, op);
+        if (op == KERN_OP_MATMUL) {
+            /* one table for both matmul ops: the same shapes side by side */
+            if (!o->op || !strcmp(o->op, "matmul")) bench_matmul(t, n, cpu, o, peak.flops);
+        } else if (op == KERN_OP_MATMUL_BF16) {
+            if (o->op) bench_matmul(t, n, cpu, o, peak.flops);
+        } else if (op == KERN_OP_MOE || op == KERN_OP_MOE_BF16) {
+            if (o->op) bench_op(t, n, cpu, o, op); /* only when asked: the reference takes ~a minute */
+        } else bench_op(t, n, cpu, o, op);
     }
     return 0;
 }

@@ -44,6 +44,8 @@ static const char *const cfg_export_dtypes[] = {"float32", "bfloat16", "float16"
 static const char *const cfg_dataset_kinds[] = {"auto", "text", "jsonl", "chat", "tokens", NULL};
 static const char *const cfg_text_splits[] = {"line", "paragraph", "file", NULL};
 static const char *const cfg_ac_modes[] = {"none", "selective", "full", NULL};
+static const char *const cfg_reshard_modes[] = {"default", "always", "never", NULL};
+static const char *const cfg_mp_dtypes[] = {"float32", "bfloat16", NULL};
 
 #define OPT(sec, k, ty, field, d, ...) \
     {.section = sec, .key = k, .type = ty, .off = offsetof(ct_config, field), .def = d, __VA_ARGS__}
@@ -56,9 +58,13 @@ static const cfg_option cfg_options[] = {
     OPT("model", "spec", CFG_ENUM, model_spec, "qwen3", .choices = cfg_specs,
         .help = "qwen3: built-in flavor table; hf: read config.json from hf_assets_path"),
     OPT("model", "flavor", CFG_STR, model_flavor, "debugmodel",
-        .help = "model size for spec qwen3 (debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B, ...)"),
+        .help = "model size for spec qwen3 (debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B, debugmodel_moe, "
+                "30B-A3B, 235B-A22B)"),
     OPT("model", "hf_assets_path", CFG_STR, hf_assets_path, "",
         .help = "Hugging Face model directory (config.json, tokenizer, weights)"),
+    OPT("model", "load_balance_coeff", CFG_DBL, load_balance_coeff, "0", .range = CFG_GE, .lo = 0,
+        .help = "MoE: torchtitan's aux-loss-free balancing, a per-expert routing bias moved by this much "
+                "per step towards even load (0: off, HF's routing; torchtitan uses 1e-3)"),
 
     OPT("optimizer", "name", CFG_ENUM, opt_name, "AdamW", .choices = cfg_optimizers,
         .help = "optimizer"),
@@ -110,6 +116,10 @@ static const cfg_option cfg_options[] = {
         .help = "bit-identical runs for the same config"),
     OPT("training", "threads", CFG_INT, threads, "0", .range = CFG_GE, .lo = 0,
         .help = "CPU threads; 0: OMP_NUM_THREADS or all cores"),
+    OPT("training", "mixed_precision_param", CFG_ENUM, mixed_precision_param, "float32",
+        .choices = cfg_mp_dtypes,
+        .help = "bfloat16: every linear rounds its inputs to bf16 and sums in fp32; weights, AdamW "
+                "moments, norms, attention, softmax and loss stay fp32"),
 
     OPT("checkpoint", "enable", CFG_BOOL, ckpt_enable, "false", .help = "save checkpoints"),
     OPT("checkpoint", "folder", CFG_STR, ckpt_folder, "checkpoint",
@@ -147,6 +157,21 @@ static const cfg_option cfg_options[] = {
         .help = "mode selective: a period N (every N-th layer recomputed in full, the others keep "
                 "everything) or \"op\" (keep matmul/attention outputs, rerun norms, RoPE, SwiGLU)"),
 
+    OPT("parallelism", "data_parallel_replicate_degree", CFG_INT, dp_replicate, "1", .range = CFG_GE, .lo = 1,
+        .help = "ranks holding whole replicas; gradients all-reduced across them"),
+    OPT("parallelism", "data_parallel_shard_degree", CFG_INT, dp_shard, "-1", .range = CFG_GE | CFG_UNSET,
+        .lo = 1, .help = "ranks sharing one replica's parameters, gradients and AdamW moments (FSDP); -1: the "
+                         "world size divided by the other degrees"),
+    OPT("parallelism", "tensor_parallel_degree", CFG_INT, tp, "1", .range = CFG_GE, .lo = 1,
+        .help = "ranks splitting each layer's heads and MLP (dense models; must divide the heads, kv heads "
+                "and intermediate size)"),
+    OPT("parallelism", "expert_parallel_degree", CFG_INT, ep, "1", .range = CFG_GE, .lo = 1,
+        .help = "ranks splitting the MoE experts (not implemented yet: must be 1)"),
+    OPT("parallelism", "fsdp_reshard_after_forward", CFG_ENUM, fsdp_reshard, "default",
+        .choices = cfg_reshard_modes,
+        .help = "free a layer's gathered parameters after its forward and gather them again for its backward; "
+                "default: always"),
+
     OPT("kernels", "matmul", CFG_STR, kernels[0], "auto", .help = "matmul implementation (ctitan kernels list)"),
     OPT("kernels", "embedding", CFG_STR, kernels[1], "auto", .help = "embedding implementation"),
     OPT("kernels", "rmsnorm", CFG_STR, kernels[2], "auto", .help = "rmsnorm implementation"),
@@ -156,6 +181,11 @@ static const cfg_option cfg_options[] = {
     OPT("kernels", "crossentropy", CFG_STR, kernels[6], "auto", .help = "cross-entropy implementation"),
     OPT("kernels", "add", CFG_STR, kernels[7], "auto", .help = "residual add implementation"),
     OPT("kernels", "adamw", CFG_STR, kernels[8], "auto", .help = "AdamW implementation"),
+    OPT("kernels", "matmul_bf16", CFG_STR, kernels[9], "auto",
+        .help = "bf16 matmul implementation (training.mixed_precision_param = \"bfloat16\")"),
+    OPT("kernels", "moe_experts", CFG_STR, kernels[10], "auto", .help = "MoE experts implementation (MoE models)"),
+    OPT("kernels", "moe_experts_bf16", CFG_STR, kernels[11], "auto",
+        .help = "MoE experts implementation under bf16 mixed precision"),
 
     OPT("validation", "enable", CFG_BOOL, val_enable, "false",
         .help = "evaluate held-out loss and perplexity during training"),

@@ -21,6 +21,7 @@ typedef struct {
     char *model_spec;         /* "qwen3" | "hf" */
     char *model_flavor;       /* "debugmodel" */
     char *hf_assets_path;     /* "" : directory with config.json (spec "hf") */
+    double load_balance_coeff; /* 0: off; MoE expert-bias step (torchtitan's aux-loss-free balancing) */
     /* [optimizer] */
     char *opt_name;           /* "AdamW" (only value for now) */
     double lr;                /* 8e-4 */
@@ -47,6 +48,7 @@ typedef struct {
     int stop_at_step;         /* 0 = never */
     int deterministic;        /* false */
     int threads;              /* 0 = OMP_NUM_THREADS or all cores */
+    char *mixed_precision_param; /* "float32" | "bfloat16": dtype of the matmul inputs (fp32 sums, fp32 master weights) */
     /* [checkpoint] */
     int ckpt_enable;          /* false */
     char *ckpt_folder;        /* "checkpoint" (relative to dump_folder) */
@@ -76,8 +78,16 @@ typedef struct {
     char *ac_mode;            /* "none" | "selective" | "full" */
     char *ac_selective_option; /* "2": every 2nd layer fully recomputed; "op": norms/RoPE/SwiGLU rerun */
 
+    /* [parallelism]: degrees of the device mesh (dp_replicate, dp_shard, tp) over the MPI world */
+    int dp_replicate;         /* 1: data_parallel_replicate_degree */
+    int dp_shard;             /* -1: data_parallel_shard_degree; -1 = what the other degrees leave */
+    int tp;                   /* 1: tensor_parallel_degree */
+    int ep;                   /* 1: expert_parallel_degree */
+    char *fsdp_reshard;       /* "default" | "always" | "never": fsdp_reshard_after_forward */
+
     /* [kernels]: implementation per op ("auto" = fastest this CPU runs); order of kern_op */
-    char *kernels[9];         /* matmul embedding rmsnorm rope attention swiglu crossentropy add adamw */
+    char *kernels[12];        /* matmul embedding rmsnorm rope attention swiglu crossentropy add adamw matmul_bf16
+                                 moe_experts moe_experts_bf16 */
 
     char *config_path;        /* the --config file, or "" */
 } ct_config;

@@ -17,6 +17,13 @@ void op_matmul_fwd(float *out, const float *inp, const float *w, int M, int K, i
  * Either output may be NULL to skip it. */
 void op_matmul_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                    int M, int K, int N);
+/* The same products on inputs rounded to bf16 (nearest even, as torch's
+ * .to(bfloat16)), summed in fp32, outputs fp32: the reference of the
+ * matmul_bf16 op (bf16 mixed precision). Rounds copies of the inputs, then
+ * calls op_matmul_*. */
+void op_matmul_bf16_fwd(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
+void op_matmul_bf16_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                        int M, int K, int N);
 
 /* out[N,C] = wte[tokens[n], :]  (tokens must be in [0,V)) */
 void op_embedding_fwd(float *out, const int32_t *tokens, const float *wte, int N, int C);
@@ -37,6 +44,17 @@ void op_rope_fwd(float *out, const float *inp, const float *cos, const float *si
 void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh, int hd);
 /* cos/sin tables [T, hd/2] with inv_freq[i] = 1/theta^(2i/hd) computed in fp32 as HF does. */
 void op_rope_tables(float *cos, float *sin, int T, int hd, float theta);
+/* Qwen3's per-head q/k RMSNorm followed by RoPE, fused (registered with the
+ * rope op): out = rope(rmsnorm(x) * w), one norm per head row of hd.
+ * x[B,T,nh,hd] -> out[B,T,nh,hd] (must not alias x: the backward needs x),
+ * rstd[B*T*nh], w[hd], cos/sin [T,hd/2]. The reference is the composition
+ * op_rmsnorm_fwd + op_rope_fwd. */
+void op_qknorm_rope_fwd(float *out, float *rstd, const float *x, const float *w, const float *cos, const float *sin,
+                        int B, int T, int nh, int hd, float eps);
+/* dx[B,T,nh,hd] += and dw[hd] += (dw may be NULL), from dout = d(the rotated
+ * output): op_rope_bwd into a scratch row, then op_rmsnorm_bwd. */
+void op_qknorm_rope_bwd(float *dx, float *dw, const float *dout, const float *x, const float *w, const float *rstd,
+                        const float *cos, const float *sin, int B, int T, int nh, int hd);
 
 /* Causal GQA attention, never holding [T x T] scores: the forward saves only
  * the log-sum-exp of each score row, lse = log sum_j exp(s_j), and the
@@ -83,5 +101,42 @@ double op_crossentropy_fwd(float *losses, const float *logits, const int32_t *ta
 
 /* Residual add: out[N] = a + b (out may alias a). */
 void op_add(float *out, const float *a, const float *b, long N);
+
+/* The experts of a MoE layer (model/moe.h routes, this computes). Token t of
+ * x[N,H] chose k experts: slot s = t*k + j, with weight topw[s]. Routing
+ * metadata from the forward's router: offsets[E+1], perm[N*k] the slots in
+ * expert order (expert e's are perm[offsets[e] .. offsets[e+1]), tokens
+ * ascending), pos[N*k] its inverse (slot s sits at row pos[s]). Experts are
+ * stacked: wg, wu [E, Im, H] (gate_proj, up_proj), wd [E, H, Im] (down_proj).
+ * Forward: gate, up, h [N*k, Im] in expert order (row p is slot perm[p]):
+ *   gate[p] = wg_e x[t], up[p] = wu_e x[t], h[p] = silu(gate[p]) * up[p]
+ *   out[t,:] += sum_j topw[t*k+j] * wd_e h[pos[t*k+j]]
+ * out NULL: gate, up, h only (recomputation before the backward).
+ * h is silu(gate) * up exactly as op_swiglu_fwd computes it (recomputation
+ * under activation checkpointing rebuilds h with op_swiglu_fwd).
+ * work: KERN_MOE_WORK(N*k, H, Im) floats of scratch, contents undefined after. */
+#define KERN_MOE_WORK(S, H, Im) ((size_t)(S) * (2 * (size_t)(H) + 2 * (size_t)(Im)) + 64)
+void op_moe_experts_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
+                        const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
+                        const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+/* Backward from the forward's gate, up, h and metadata (no re-routing):
+ * dx[N,H], dwg, dwu, dwd += ...; dtopw[N*k] = d/d topw (overwritten). */
+void op_moe_experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                        const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
+                        const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                        const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+/* The same under bf16 mixed precision (the moe_experts_bf16 op): each expert
+ * projection's products (forward, d input, d weight) take both factors
+ * rounded to bf16 and sum in fp32, as op_matmul_bf16_*; routing weights,
+ * SwiGLU and d topw stay fp32. */
+void op_moe_experts_bf16_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x,
+                             const float *wg, const float *wu, const float *wd, const int32_t *perm,
+                             const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,
+                             int E, int k);
+void op_moe_experts_bf16_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,
+                             const float *dout, const float *x, const float *wg, const float *wu, const float *wd,
+                             const float *gate, const float *up, const float *h, const int32_t *perm,
+                             const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,
+                             int E, int k);
 
 #endif

@@ -37,6 +37,15 @@ typedef enum {
     KERN_OP_CROSSENTROPY,
     KERN_OP_ADD,
     KERN_OP_ADAMW,
+    /* C = round_bf16(A) round_bf16(B) with fp32 sums: the linears of a run with
+     * training.mixed_precision_param = "bfloat16" (kern_use_bf16_matmuls).
+     * Same signatures as matmul (fn.matmul); kept a separate op so that its
+     * implementations are checked against a reference with the same rounding. */
+    KERN_OP_MATMUL_BF16,
+    KERN_OP_MOE, /* "moe_experts": the experts of a MoE layer (model/moe.h) */
+    /* "moe_experts_bf16": the experts with matmul_bf16's rounding in every projection
+     * (op_moe_experts_bf16_*); installed over moe_experts by kern_use_bf16_matmuls. */
+    KERN_OP_MOE_BF16,
     KERN_N_OPS
 } kern_op;
 
@@ -67,6 +76,11 @@ typedef void (*kern_rmsnorm_bwd_fn)(float *dinp, float *dw, const float *dout, c
                                     const float *rstd, int N, int C);
 typedef void (*kern_rope_fn)(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
                              int hd);
+typedef void (*kern_qknorm_rope_fwd_fn)(float *out, float *rstd, const float *x, const float *w, const float *cos,
+                                        const float *sin, int B, int T, int nh, int hd, float eps);
+typedef void (*kern_qknorm_rope_bwd_fn)(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                                        const float *rstd, const float *cos, const float *sin, int B, int T, int nh,
+                                        int hd);
 typedef void (*kern_attention_fwd_fn)(float *out, float *lse, const float *q, const float *k, const float *v,
                                       int B, int T, int nh, int nkv, int hd);
 typedef void (*kern_attention_bwd_fn)(float *dq, float *dk, float *dv, const float *dout, const float *out,
@@ -82,6 +96,16 @@ typedef double (*kern_crossentropy_fwd_fn)(float *losses, const float *logits, c
 typedef void (*kern_add_fn)(float *out, const float *a, const float *b, long N);
 typedef void (*kern_adamw_step_fn)(adamw_state *s, float *params, const float *grads, double lr,
                                    const adamw_hparams *h);
+/* The experts of a MoE layer (contract in kernels/ops.h, op_moe_experts_*). */
+typedef void (*kern_moe_fwd_fn)(float *out, float *gate, float *up, float *h, float *work, const float *x,
+                                const float *wg, const float *wu, const float *wd, const int32_t *perm,
+                                const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,
+                                int E, int k);
+typedef void (*kern_moe_bwd_fn)(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,
+                                const float *dout, const float *x, const float *wg, const float *wu, const float *wd,
+                                const float *gate, const float *up, const float *h, const int32_t *perm,
+                                const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,
+                                int E, int k);
 
 /* One registered implementation. The member of `fn` that is used is the one
  * of `op`; an op's entry must fill every function of its member. */
@@ -93,15 +117,19 @@ typedef struct {
     double tol;         /* kern_check tolerance vs ref (relative to max |ref|); 0: KERN_CHECK_TOL */
     const char *about;  /* one line for `ctitan kernels list` */
     union {
-        struct { kern_matmul_fwd_fn fwd; kern_matmul_bwd_fn bwd; } matmul;
+        struct { kern_matmul_fwd_fn fwd; kern_matmul_bwd_fn bwd; } matmul; /* matmul and matmul_bf16 */
         struct { kern_embedding_fwd_fn fwd; kern_embedding_bwd_fn bwd; } embedding;
         struct { kern_rmsnorm_fwd_fn fwd; kern_rmsnorm_bwd_fn bwd; } rmsnorm;
-        struct { kern_rope_fn fwd; kern_rope_fn bwd; } rope;
+        struct { /* rope, and the fused per-head q/k RMSNorm + RoPE (op_qknorm_rope_*) */
+            kern_rope_fn fwd; kern_rope_fn bwd;
+            kern_qknorm_rope_fwd_fn qknorm_fwd; kern_qknorm_rope_bwd_fn qknorm_bwd;
+        } rope;
         struct { kern_attention_fwd_fn fwd; kern_attention_bwd_fn bwd; } attention;
         struct { kern_swiglu_fwd_fn fwd; kern_swiglu_bwd_fn bwd; } swiglu;
         struct { kern_crossentropy_fwdbwd_fn fwdbwd; kern_crossentropy_fwd_fn fwd; } crossentropy;
         struct { kern_add_fn fwd; } add;
         struct { kern_adamw_step_fn step; } adamw;
+        struct { kern_moe_fwd_fn fwd; kern_moe_bwd_fn bwd; } moe; /* moe_experts and moe_experts_bf16 */
     } fn;
 } kern_impl;
 
@@ -116,6 +144,8 @@ typedef struct {
     kern_rmsnorm_bwd_fn rmsnorm_bwd;
     kern_rope_fn rope_fwd;
     kern_rope_fn rope_bwd;
+    kern_qknorm_rope_fwd_fn qknorm_rope_fwd; /* from the rope op's entry */
+    kern_qknorm_rope_bwd_fn qknorm_rope_bwd;
     kern_attention_fwd_fn attention_fwd;
     kern_attention_bwd_fn attention_bwd;
     kern_swiglu_fwd_fn swiglu_fwd;
@@ -124,6 +154,12 @@ typedef struct {
     kern_crossentropy_fwd_fn crossentropy_fwd;
     kern_add_fn add;
     kern_adamw_step_fn adamw_step;
+    kern_matmul_fwd_fn matmul_bf16_fwd; /* not called by the model directly: see kern_use_bf16_matmuls */
+    kern_matmul_bwd_fn matmul_bf16_bwd;
+    kern_moe_fwd_fn moe_fwd;
+    kern_moe_bwd_fn moe_bwd;
+    kern_moe_fwd_fn moe_bf16_fwd; /* not called by the model directly: see kern_use_bf16_matmuls */
+    kern_moe_bwd_fn moe_bf16_bwd;
     const kern_impl *chosen[KERN_N_OPS]; /* the entries behind the pointers above */
 } kern_ops;
 
@@ -151,6 +187,11 @@ int kern_select_from(kern_ops *out, const kern_impl *table, size_t n, unsigned c
                      const char *const *overrides, char *log, size_t logcap, ct_err *e);
 /* An ops table of the reference implementations only (never fails). */
 void kern_select_ref(kern_ops *out);
+/* bf16 mixed precision: points matmul_fwd/bwd (every linear the model runs,
+ * forward and both backward products) at the matmul_bf16 op's choice, and
+ * moe_fwd/bwd (the MoE experts' projections) at moe_experts_bf16's, so the
+ * model itself needs no other change. Call after kern_select. */
+void kern_use_bf16_matmuls(kern_ops *k);
 
 /* ---------------------------------------------------------------- checking */
 

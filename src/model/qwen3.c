@@ -61,13 +61,27 @@ static void build_layout(qwen3_model *m) {
         T_("self_attn.q_norm.weight", hd, 0, 0);
         T_("self_attn.k_norm.weight", hd, 0, 0);
         T_("post_attention_layernorm.weight", H, 0, 0);
+        if (qwen3_layer_is_moe(c, l)) {
+            /* HF's per-expert keys, ordered so each projection's experts are
+             * one stacked [E, ., .] block for the grouped kernels */
+            int64_t E = c->n_experts, Im = c->moe_intermediate;
+            T_("mlp.gate.weight", E, H, 1);
+            static const char *const proj[3] = {"gate_proj", "up_proj", "down_proj"};
+            for (int p = 0; p < 3; p++)
+                for (int64_t x = 0; x < E; x++) {
+                    char sfx[64];
+                    snprintf(sfx, sizeof sfx, "mlp.experts.%lld.%s.weight", (long long)x, proj[p]);
+                    T_(sfx, p < 2 ? Im : H, p < 2 ? H : Im, 1);
+                }
+            continue;
+        }
         T_("mlp.gate_proj.weight", I, H, 1);
         T_("mlp.up_proj.weight", I, H, 1);
         T_("mlp.down_proj.weight", H, I, 1);
 #undef T_
     }
     add_tensor(m, &cap, "model.norm.weight", H, 0, 0);
-    if (!c->tie_embeddings) add_tensor(m, &cap, "lm_head.weight", c->vocab_size, H, 1);
+    if (!c->tie_embeddings) add_tensor(m, &cap, "lm_head.weight", c->vocab_rows ? c->vocab_rows : c->vocab_size, H, 1);
 }
 
 /* Points a weights view at a flat buffer; relies on build_layout's order. */
@@ -78,7 +92,17 @@ static void bind_weights(qwen3_weights *w, const qwen3_model *m, float *base) {
         qwen3_layer_w *lw = &w->layer[l];
         float **slots[] = {&lw->ln1, &lw->wq, &lw->wk, &lw->wv, &lw->wo, &lw->qn,
                            &lw->kn,  &lw->ln2, &lw->wg, &lw->wu, &lw->wd};
-        for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) *slots[i] = base + (t++)->offset;
+        int moe = qwen3_layer_is_moe(&m->cfg, l), E = m->cfg.n_experts;
+        for (size_t i = 0; i < (moe ? 8 : sizeof slots / sizeof slots[0]); i++) *slots[i] = base + (t++)->offset;
+        if (moe) {
+            lw->router = base + (t++)->offset;
+            lw->ewg = base + t->offset;
+            t += E;
+            lw->ewu = base + t->offset;
+            t += E;
+            lw->ewd = base + t->offset;
+            t += E;
+        }
     }
     w->lnf = base + (t++)->offset;
     w->lm_head = m->cfg.tie_embeddings ? w->wte : base + t->offset;
@@ -98,6 +122,13 @@ static float *carve(carver *cv, size_t n) {
     return p;
 }
 
+/* A MoE layer's routing arrays (moe.h); pointers only once memory exists. */
+static void carve_route(carver *cv, moe_route *r, int N, int E, int k) {
+    float *mem = carve(cv, moe_route_floats(N, E, k));
+    if (mem) moe_route_bind(r, mem, N, E, k);
+    else memset(r, 0, sizeof *r);
+}
+
 /* Every per-layer activation but res: name, floats, and whether QWEN3_AC_OP
  * keeps it (1: a matmul or attention output, costly to rerun) or reruns it
  * (0: a norm, RoPE or SwiGLU output, cheap elementwise work). */
@@ -110,32 +141,62 @@ static float *carve(carver *cv, size_t n) {
 static void plan_activations(qwen3_model *m, carver *cv, const int *ac) {
     // ac[L]: QWEN3_AC_* per layer
     const qwen3_config *c = &m->cfg;
-    size_t BT = (size_t)m->B * m->T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
+    size_t BT = (size_t)m->B * m->T, H = c->hidden, I, hd = c->head_dim;
     size_t nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
+    /* I below is the width of a layer's gate/up/h rows per token: the dense
+     * intermediate, or k * Im for a MoE layer (k expert rows per token) */
+    size_t I_moe = (size_t)c->top_k * c->moe_intermediate, I_max = 0, I_dense = 0;
+    int E = c->n_experts, Nk = m->B * m->T * c->top_k;
     /* one scratch set that every checkpointed layer's forward, recomputation
      * and backward use in turn (layers run one at a time) */
-    int any_ac = 0;
-    for (int l = 0; l < c->n_layers; l++) any_ac |= ac[l] != QWEN3_AC_NONE;
+    int any_ac = 0, full_moe = 0;
+    m->n_moe_layers = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        int moe = qwen3_layer_is_moe(c, l);
+        size_t Il = moe ? I_moe : (size_t)c->intermediate;
+        any_ac |= ac[l] != QWEN3_AC_NONE;
+        if (ac[l] != QWEN3_AC_NONE && Il > I_max) I_max = Il;
+        if (!moe) I_dense = (size_t)c->intermediate;
+        full_moe |= moe && ac[l] == QWEN3_AC_FULL;
+        m->n_moe_layers += moe;
+    }
     qwen3_layer_acts *sc = &m->ac_scratch;
     memset(sc, 0, sizeof *sc);
+    I = I_max;
 #define SCRATCH(name, n, keep) sc->name = carve(cv, n);
     if (any_ac) { LAYER_ACTS(SCRATCH) }
 #undef SCRATCH
+    if (full_moe) carve_route(cv, &sc->route, m->B * m->T, E, c->top_k);
     for (int l = 0; l < c->n_layers; l++) {
         qwen3_layer_acts *a = &m->acts[l];
         a->ac = ac[l];
+        a->moe = qwen3_layer_is_moe(c, l);
+        I = a->moe ? I_moe : (size_t)c->intermediate;
         a->res = carve(cv, BT * H); /* always kept: the layer's input, where recomputation starts */
 #define OWN(name, n, keep)                                                              \
     a->name = ac[l] == QWEN3_AC_NONE || (ac[l] == QWEN3_AC_OP && (keep)) ? carve(cv, n) : sc->name;
         LAYER_ACTS(OWN)
 #undef OWN
+        /* the routing is small next to the experts' activations: rerun only under full recomputation */
+        if (a->moe && ac[l] != QWEN3_AC_FULL)
+            carve_route(cv, &a->route, m->B * m->T, E, c->top_k);
+        else if (a->moe)
+            a->route = sc->route;
+    }
+    I = I_dense; /* the dense backward's scratch below */
+    if (m->n_moe_layers) {
+        m->moe_work = carve(cv, KERN_MOE_WORK(Nk, H, c->moe_intermediate));
+        m->moe_dtopw = carve(cv, (size_t)Nk);
+        m->moe_dprobs = carve(cv, BT * E);
+        m->moe_dprob_all = carve(cv, (size_t)E);
     }
     m->res_out = carve(cv, BT * H);
     m->lnf = carve(cv, BT * H);
     m->lnf_rstd = carve(cv, BT);
     m->rope_cos = carve(cv, (size_t)m->T * hd / 2);
     m->rope_sin = carve(cv, (size_t)m->T * hd / 2);
-    m->logits = carve(cv, (size_t)m->logit_rows * c->vocab_size);
+    m->logits = carve(cv, (size_t)m->logit_rows * (c->vocab_rows ? c->vocab_rows : c->vocab_size));
+    if (c->vocab_rows) m->ce_stats = carve(cv, 3 * (size_t)m->logit_rows);
     m->d_res = carve(cv, BT * H);
     m->d_ln = carve(cv, BT * H);
     m->d_att = carve(cv, BT * qd);
@@ -226,6 +287,14 @@ int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const c
     plan_activations(m, &cv, ac);
     free(ac);
     m->ac_scratch_layer = -1;
+    m->aux_scale = 1.0f;
+    m->moe_count = ct_calloc((size_t)c->n_experts + 1, sizeof(double));
+    m->moe_psum = ct_calloc((size_t)c->n_experts + 1, sizeof(double));
+    m->moe_load_min = ct_calloc((size_t)c->n_layers + 1, sizeof(int));
+    m->moe_load_max = ct_calloc((size_t)c->n_layers + 1, sizeof(int));
+    m->moe_bias = ct_calloc((size_t)c->n_layers * c->n_experts + 1, sizeof(float));
+    m->moe_tokens = ct_calloc((size_t)c->n_layers * c->n_experts + 1, sizeof(double));
+    for (int l = 0; l < c->n_layers; l++) m->moe_load_min[l] = m->moe_load_max[l] = -1;
     op_rope_tables(m->rope_cos, m->rope_sin, T, c->head_dim, (float)c->rope_theta);
     return 0;
 }
@@ -252,6 +321,12 @@ void qwen3_free(qwen3_model *m) {
     free(m->g.layer);
     free(m->acts);
     free(m->act_mem);
+    free(m->moe_count);
+    free(m->moe_psum);
+    free(m->moe_load_min);
+    free(m->moe_load_max);
+    free(m->moe_bias);
+    free(m->moe_tokens);
     memset(m, 0, sizeof *m);
 }
 
@@ -278,10 +353,35 @@ double qwen3_flops_per_token(const qwen3_model *m, int T) {
     const qwen3_config *c = &m->cfg;
     double matmul_params = (double)m->n_params - (double)c->vocab_size * c->hidden; /* no lookup */
     if (c->tie_embeddings) matmul_params += (double)c->vocab_size * c->hidden;      /* lm_head runs */
+    /* a token runs k of the E experts of each MoE layer */
+    matmul_params -= (double)m->n_moe_layers * (c->n_experts - c->top_k) * 3.0 * c->hidden * c->moe_intermediate;
     return 6.0 * matmul_params + 12.0 * c->n_layers * c->n_heads * c->head_dim * (double)T;
 }
 
 /* ---------------------------------------------------------------- forward */
+
+/* out[BT, N] = base + in[BT, K] @ w[N, K]^T, the residual add of o_proj and
+ * down_proj. Under tensor parallelism (hooks->reduce_partial) this rank's
+ * product covers only its slice of K: the partial products are summed over
+ * the ranks first and base is added once. */
+static void residual_matmul(qwen3_model *m, float *out, const float *base, const float *in, const float *w, int BT,
+                            int K, int N) {
+    size_t n = (size_t)BT * N;
+    if (!m->hooks || !m->hooks->reduce_partial) {
+        memcpy(out, base, n * sizeof(float));
+        m->k.matmul_fwd(out, in, w, BT, K, N, 1);
+        return;
+    }
+    m->k.matmul_fwd(out, in, w, BT, K, N, 0);
+    m->hooks->reduce_partial(m->hooks->ctx, out, n);
+    for (size_t i = 0; i < n; i++) out[i] += base[i];
+}
+
+/* After a column-parallel backward (q/k/v, gate/up): d of their common input
+ * is a partial sum under tensor parallelism. */
+static void reduce_d_input(qwen3_model *m, float *d, size_t n) {
+    if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, d, n);
+}
 
 /* One layer's forward from a->res: fills the layer's activations and, unless
  * res_next is NULL (recomputation before backward, where the next layer's
@@ -299,21 +399,29 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
     m->k.matmul_fwd(a->q, a->ln1, w->wq, BT, H, qd, 0);
     m->k.matmul_fwd(a->k, a->ln1, w->wk, BT, H, kvd, 0);
     m->k.matmul_fwd(a->v, a->ln1, w->wv, BT, H, kvd, 0);
-    m->k.rmsnorm_fwd(a->qr, a->q_rstd, a->q, w->qn, BT * nH, hd, eps); /* per head */
-    m->k.rmsnorm_fwd(a->kr, a->k_rstd, a->k, w->kn, BT * nKV, hd, eps);
-    m->k.rope_fwd(a->qr, a->qr, cs, sn, B, T, nH, hd);
-    m->k.rope_fwd(a->kr, a->kr, cs, sn, B, T, nKV, hd);
+    /* per-head q/k RMSNorm then RoPE, fused: one pass over q and k */
+    m->k.qknorm_rope_fwd(a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd, eps);
+    m->k.qknorm_rope_fwd(a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd, eps);
     m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
-    memcpy(a->res_mid, a->res, (size_t)BT * H * sizeof(float));
-    m->k.matmul_fwd(a->res_mid, a->att, w->wo, BT, qd, H, 1); /* res_mid = res + o_proj(att) */
+    residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H); /* res_mid = res + o_proj(att) */
     /* MLP block */
     m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
+    if (a->moe) {
+        /* sparse: route, then the experts kernel adds sum_j w_j expert_j(ln2) onto res_mid */
+        int E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
+        moe_route *r = &a->route;
+        int l = (int)(a - m->acts);
+        moe_route_fwd(&m->k, r, a->ln2, w->router, m->moe_bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
+        if (res_next) memcpy(res_next, a->res_mid, (size_t)BT * H * sizeof(float));
+        m->k.moe_fwd(res_next, a->gate, a->up, a->h, m->moe_work, a->ln2, w->ewg, w->ewu, w->ewd, r->perm, r->pos,
+                     r->offsets, r->topw, BT, H, Im, E, k);
+        return;
+    }
     m->k.matmul_fwd(a->gate, a->ln2, w->wg, BT, H, I, 0);
     m->k.matmul_fwd(a->up, a->ln2, w->wu, BT, H, I, 0);
     m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
     if (!res_next) return;
-    memcpy(res_next, a->res_mid, (size_t)BT * H * sizeof(float));
-    m->k.matmul_fwd(res_next, a->h, w->wd, BT, I, H, 1);
+    residual_matmul(m, res_next, a->res_mid, a->h, w->wd, BT, I, H);
 }
 
 /* Before a checkpointed layer's backward: rebuild what it did not keep, with
@@ -332,12 +440,28 @@ static void layer_recompute(qwen3_model *m, int l, int B, int T) {
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim, nH = c->n_heads, nKV = c->n_kv_heads;
     float eps = (float)c->rms_eps;
     m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, w->ln1, BT, H, eps);
-    m->k.rmsnorm_fwd(a->qr, a->q_rstd, a->q, w->qn, BT * nH, hd, eps);
-    m->k.rmsnorm_fwd(a->kr, a->k_rstd, a->k, w->kn, BT * nKV, hd, eps);
-    m->k.rope_fwd(a->qr, a->qr, m->rope_cos, m->rope_sin, B, T, nH, hd);
-    m->k.rope_fwd(a->kr, a->kr, m->rope_cos, m->rope_sin, B, T, nKV, hd);
+    m->k.qknorm_rope_fwd(a->qr, a->q_rstd, a->q, w->qn, m->rope_cos, m->rope_sin, B, T, nH, hd, eps);
+    m->k.qknorm_rope_fwd(a->kr, a->k_rstd, a->k, w->kn, m->rope_cos, m->rope_sin, B, T, nKV, hd, eps);
     m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
-    m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
+    if (a->moe) /* the experts kernels compute h with the reference SwiGLU (ops.h contract): so do we */
+        op_swiglu_fwd(a->h, a->gate, a->up, BT * c->top_k * c->moe_intermediate);
+    else
+        m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
+}
+
+/* After MoE layer l's forward, while a checkpointed layer's routing is still
+ * in the scratch: the load-balancing sums and the layer's min/max expert load. */
+static void moe_layer_stats(qwen3_model *m, int l, int BT) {
+    int E = m->cfg.n_experts;
+    const moe_route *r = &m->acts[l].route;
+    moe_route_stats(m->moe_count, m->moe_psum, r, BT, E);
+    if (m->moe_count_tokens)
+        for (int e = 0; e < E; e++) m->moe_tokens[(size_t)l * E + e] += r->offsets[e + 1] - r->offsets[e];
+    for (int e = 0; e < E; e++) {
+        int n = r->offsets[e + 1] - r->offsets[e];
+        if (e == 0 || n < m->moe_load_min[l]) m->moe_load_min[l] = n;
+        if (e == 0 || n > m->moe_load_max[l]) m->moe_load_max[l] = n;
+    }
 }
 
 /* The transformer stack up to the final norm: fills m->acts, m->lnf. */
@@ -349,28 +473,86 @@ static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
     m->fwd_T = T;
 
     m->k.embedding_fwd(c->n_layers ? m->acts[0].res : m->res_out, tokens, m->w.wte, BT, H);
+    int E = c->n_experts;
+    if (m->n_moe_layers) {
+        memset(m->moe_count, 0, (size_t)E * sizeof(double));
+        memset(m->moe_psum, 0, (size_t)E * sizeof(double));
+    }
     for (int l = 0; l < c->n_layers; l++) {
         float *res_next = l + 1 < c->n_layers ? m->acts[l + 1].res : m->res_out;
+        if (m->hooks) m->hooks->pre_forward(m->hooks->ctx, l);
         layer_forward(m, &m->acts[l], &m->w.layer[l], res_next, B, T);
+        if (m->hooks) m->hooks->post_forward(m->hooks->ctx, l);
         if (m->acts[l].ac != QWEN3_AC_NONE) m->ac_scratch_layer = l;
+        if (m->acts[l].moe) moe_layer_stats(m, l, BT);
     }
+    m->aux_loss = 0;
+    if (m->n_moe_layers)
+        m->aux_loss = moe_aux_loss(m->moe_dprob_all, m->moe_count, m->moe_psum, BT, m->n_moe_layers, E,
+                                   c->output_router_logits ? c->router_aux_loss_coef * m->aux_scale : 0.0);
     m->k.rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, m->w.lnf, BT, H, (float)c->rms_eps);
+}
+
+/* Cross-entropy of n rows of logits against labels, in place into
+ * d(logits) * grad_scale (the kernel's contract). Vocabulary-parallel, the
+ * rows hold this rank's columns [v0, v0 + V) only: the row max, the sum of
+ * exponentials and the target logit (from the rank that holds it) are
+ * combined over ranks by the hooks, then each rank writes the gradient of
+ * its own columns. Every rank returns the whole loss. */
+static double crossentropy(qwen3_model *m, float *logits, const int32_t *labels, int n, float grad_scale,
+                           long *count) {
+    const qwen3_config *c = &m->cfg;
+    if (!c->vocab_rows) return m->k.crossentropy_fwdbwd(logits, labels, n, c->vocab_size, grad_scale, count);
+    int V = c->vocab_rows, v0 = c->vocab_row0;
+    float *mx = m->ce_stats, *se = mx + n, *tl = se + n; /* [n] each, se and tl adjacent for one all-reduce */
+    for (int r = 0; r < n; r++) {
+        const float *x = logits + (size_t)r * V;
+        float v = -INFINITY;
+        for (int i = 0; i < V; i++) v = x[i] > v ? x[i] : v;
+        mx[r] = v;
+    }
+    m->hooks->reduce_max(m->hooks->ctx, mx, (size_t)n);
+    for (int r = 0; r < n; r++) {
+        const float *x = logits + (size_t)r * V;
+        float s = 0.0f;
+        for (int i = 0; i < V; i++) s += expf(x[i] - mx[r]);
+        se[r] = s;
+        int y = labels[r] - v0;
+        tl[r] = labels[r] != -100 && y >= 0 && y < V ? x[y] - mx[r] : 0.0f;
+    }
+    m->hooks->reduce_partial(m->hooks->ctx, se, 2 * (size_t)n); /* se and tl are adjacent */
+    double total = 0;
+    for (int r = 0; r < n; r++) {
+        float *x = logits + (size_t)r * V;
+        if (labels[r] == -100) {
+            memset(x, 0, (size_t)V * sizeof(float));
+            continue;
+        }
+        total += -(tl[r] - logf(se[r]));
+        (*count)++;
+        float inv = 1.0f / se[r];
+        for (int i = 0; i < V; i++) x[i] = expf(x[i] - mx[r]) * inv * grad_scale;
+        int y = labels[r] - v0;
+        if (y >= 0 && y < V) x[y] -= grad_scale;
+    }
+    return total;
 }
 
 void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits) {
     forward_stack(m, tokens, B, T);
-    m->k.matmul_fwd(logits, m->lnf, m->w.lm_head, B * T, m->cfg.hidden, m->cfg.vocab_size, 0);
+    int V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
+    m->k.matmul_fwd(logits, m->lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
 }
 
 double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
     forward_stack(m, tokens, B, T);
-    int BT = B * T, H = m->cfg.hidden, V = m->cfg.vocab_size;
+    int BT = B * T, H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
     double sum = 0;
     long count = 0;
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
         m->k.matmul_fwd(m->logits, m->lnf + (size_t)r0 * H, m->w.lm_head, n, H, V, 0);
-        sum += m->k.crossentropy_fwdbwd(m->logits, labels + r0, n, V, 0.0f, &count);
+        sum += crossentropy(m, m->logits, labels + r0, n, 0.0f, &count);
     }
     if (n_valid) *n_valid = count;
     return sum;
@@ -380,13 +562,35 @@ double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, 
 
 static void zero(float *p, size_t n) { memset(p, 0, n * sizeof(float)); }
 
+/* The sparse MLP's backward from d_res (d of the layer's output, the same as
+ * d of the MLP's output): d_ln = d(ln2), gradients of the experts and the
+ * router. Reuses the forward's routing; the load-balancing term, if on,
+ * enters d probs through moe_dprob_all. */
+static void moe_layer_bwd(qwen3_model *m, int l, int BT) {
+    const qwen3_config *c = &m->cfg;
+    qwen3_layer_acts *a = &m->acts[l];
+    const qwen3_layer_w *w = &m->w.layer[l];
+    qwen3_layer_w *g = &m->g.layer[l];
+    int H = c->hidden, E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
+    const moe_route *r = &a->route;
+    zero(m->d_ln, (size_t)BT * H);
+    m->k.moe_bwd(m->d_ln, g->ewg, g->ewu, g->ewd, m->moe_dtopw, m->moe_work, m->d_res, a->ln2, w->ewg, w->ewu,
+                 w->ewd, a->gate, a->up, a->h, r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
+    int aux = c->output_router_logits && c->router_aux_loss_coef > 0;
+    moe_route_bwd(&m->k, m->d_ln, g->router, m->moe_dprobs, m->moe_dtopw, aux ? m->moe_dprob_all : NULL, a->ln2,
+                  w->router, r, BT, H, E, k, c->norm_topk_prob);
+}
+
 double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
                               float grad_scale, long *n_valid) {
     const qwen3_config *c = &m->cfg;
-    int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim, V = c->vocab_size;
+    int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
+    int V = c->vocab_rows ? c->vocab_rows : c->vocab_size;
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     const float *cs = m->rope_cos, *sn = m->rope_sin;
+    m->moe_count_tokens = 1; /* training forwards feed load_balance_coeff's counts */
     forward_stack(m, tokens, B, T);
+    m->moe_count_tokens = 0;
 
     /* fused lm_head + cross-entropy + their backward, a block of rows at a time:
      * d_ln holds d(final norm output) [BT, H] */
@@ -397,9 +601,10 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
         const float *x = m->lnf + (size_t)r0 * H;
         m->k.matmul_fwd(m->logits, x, m->w.lm_head, n, H, V, 0);
-        loss_sum += m->k.crossentropy_fwdbwd(m->logits, labels + r0, n, V, grad_scale, &count);
+        loss_sum += crossentropy(m, m->logits, labels + r0, n, grad_scale, &count);
         m->k.matmul_bwd(m->d_ln + (size_t)r0 * H, m->g.lm_head, m->logits, x, m->w.lm_head, n, H, V);
     }
+    if (c->vocab_rows) reduce_d_input(m, m->d_ln, (size_t)BT * H); /* each rank's rows of lm_head: partial */
     if (n_valid) *n_valid = count;
 
     /* d_res carries d(residual stream) downwards */
@@ -407,19 +612,25 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
     m->k.rmsnorm_bwd(m->d_res, m->g.lnf, m->d_ln, m->res_out, m->w.lnf, m->lnf_rstd, BT, H);
 
     for (int l = c->n_layers - 1; l >= 0; l--) {
+        if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
         layer_recompute(m, l, B, T);
         qwen3_layer_acts *a = &m->acts[l];
         const qwen3_layer_w *w = &m->w.layer[l];
         qwen3_layer_w *g = &m->g.layer[l];
-        /* res_next = res_mid + down(h): d_res flows to res_mid unchanged, plus the MLP path */
-        zero(m->d_h, (size_t)BT * I);
-        m->k.matmul_bwd(m->d_h, g->wd, m->d_res, a->h, w->wd, BT, I, H);
-        zero(m->d_gate, (size_t)BT * I);
-        zero(m->d_up, (size_t)BT * I);
-        m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
-        zero(m->d_ln, (size_t)BT * H);
-        m->k.matmul_bwd(m->d_ln, g->wg, m->d_gate, a->ln2, w->wg, BT, H, I);
-        m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, a->ln2, w->wu, BT, H, I);
+        if (a->moe) {
+            moe_layer_bwd(m, l, BT);
+        } else {
+            /* res_next = res_mid + down(h): d_res flows to res_mid unchanged, plus the MLP path */
+            zero(m->d_h, (size_t)BT * I);
+            m->k.matmul_bwd(m->d_h, g->wd, m->d_res, a->h, w->wd, BT, I, H);
+            zero(m->d_gate, (size_t)BT * I);
+            zero(m->d_up, (size_t)BT * I);
+            m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
+            zero(m->d_ln, (size_t)BT * H);
+            m->k.matmul_bwd(m->d_ln, g->wg, m->d_gate, a->ln2, w->wg, BT, H, I);
+            m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, a->ln2, w->wu, BT, H, I);
+            reduce_d_input(m, m->d_ln, (size_t)BT * H);
+        }
         m->k.rmsnorm_bwd(m->d_res, g->ln2, m->d_ln, a->res_mid, w->ln2, a->ln2_rstd, BT, H);
 
         /* res_mid = res + o_proj(att) */
@@ -430,20 +641,19 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         zero(m->d_v, (size_t)BT * kvd);
         m->k.attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
                            hd);
-        /* through RoPE (d_q -> d_q2) and the per-head norms (d_q2 -> d_q) */
+        /* through RoPE and the per-head norms, fused: d_q, d_k (w.r.t. the rotated
+         * q, k) -> d_q2, d_k2 (w.r.t. the projections' outputs) */
         zero(m->d_q2, (size_t)BT * qd);
-        m->k.rope_bwd(m->d_q2, m->d_q, cs, sn, B, T, nH, hd);
-        zero(m->d_q, (size_t)BT * qd);
-        m->k.rmsnorm_bwd(m->d_q, g->qn, m->d_q2, a->q, w->qn, a->q_rstd, BT * nH, hd);
+        m->k.qknorm_rope_bwd(m->d_q2, g->qn, m->d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);
         zero(m->d_k2, (size_t)BT * kvd);
-        m->k.rope_bwd(m->d_k2, m->d_k, cs, sn, B, T, nKV, hd);
-        zero(m->d_k, (size_t)BT * kvd);
-        m->k.rmsnorm_bwd(m->d_k, g->kn, m->d_k2, a->k, w->kn, a->k_rstd, BT * nKV, hd);
+        m->k.qknorm_rope_bwd(m->d_k2, g->kn, m->d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
         zero(m->d_ln, (size_t)BT * H);
-        m->k.matmul_bwd(m->d_ln, g->wq, m->d_q, a->ln1, w->wq, BT, H, qd);
-        m->k.matmul_bwd(m->d_ln, g->wk, m->d_k, a->ln1, w->wk, BT, H, kvd);
+        m->k.matmul_bwd(m->d_ln, g->wq, m->d_q2, a->ln1, w->wq, BT, H, qd);
+        m->k.matmul_bwd(m->d_ln, g->wk, m->d_k2, a->ln1, w->wk, BT, H, kvd);
         m->k.matmul_bwd(m->d_ln, g->wv, m->d_v, a->ln1, w->wv, BT, H, kvd);
+        reduce_d_input(m, m->d_ln, (size_t)BT * H);
         m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, w->ln1, a->ln1_rstd, BT, H);
+        if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
     }
     m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);
     return loss_sum;

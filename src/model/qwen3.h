@@ -19,6 +19,9 @@
 
 #include "core/err.h"
 #include "kernels/registry.h"
+#include "model/moe.h"
+
+#define QWEN3_MAX_MLP_ONLY 256
 
 typedef struct {
     int vocab_size;    /* V */
@@ -33,16 +36,41 @@ typedef struct {
     double rope_theta;
     double rms_eps;
     char name[64];     /* flavor name, or "hf" */
+    /* Mixture of experts (HF model_type qwen3_moe; model/moe.h). n_experts == 0:
+     * the dense model. A layer l is sparse when it is not in mlp_only_layers and
+     * (l + 1) % decoder_sparse_step == 0, as Qwen3MoeDecoderLayer decides; the
+     * other layers keep the dense MLP of size `intermediate`. */
+    int n_experts;            /* E: num_experts */
+    int top_k;                /* k: num_experts_per_tok */
+    int moe_intermediate;     /* Im: moe_intermediate_size */
+    int norm_topk_prob;       /* renormalise the k chosen probabilities to sum 1 */
+    int decoder_sparse_step;  /* >= 1 */
+    int n_mlp_only;           /* entries of mlp_only_layers */
+    int mlp_only_layers[QWEN3_MAX_MLP_ONLY];
+    int output_router_logits; /* add router_aux_loss_coef * HF's load-balancing loss to the loss */
+    double router_aux_loss_coef;
+    /* Vocabulary-parallel lm_head (dist/tp.c; untied models): this model holds
+     * rows [vocab_row0, vocab_row0 + vocab_rows) of lm_head and computes only
+     * those logits, the loss's max, sum of exponentials and target logit being
+     * combined over ranks by hooks. vocab_rows == 0: the whole vocabulary. */
+    int vocab_rows, vocab_row0;
 } qwen3_config;
 
-/* Native flavors: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B. Unknown flavor:
+/* Whether layer l has the sparse MoE block (0 for every layer of a dense model). */
+int qwen3_layer_is_moe(const qwen3_config *c, int l);
+
+/* Native flavors: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B and the MoE
+ * debugmodel_moe, 30B-A3B, 235B-A22B. Unknown flavor:
  * CT_ERR_CONFIG listing the known ones. */
 int qwen3_config_from_flavor(qwen3_config *c, const char *flavor, ct_err *e);
-/* Reads DIR/config.json (model_type "qwen3"). Missing required fields, wrong
+/* Reads DIR/config.json (model_type "qwen3" or "qwen3_moe"; for qwen3_moe an
+ * absent head_dim is hidden_size / num_attention_heads, as transformers'
+ * Qwen3MoeAttention takes it). Missing required fields, wrong
  * types, or unsupported features (attention bias, sliding window, rope
  * scaling) are errors naming the file and the key. */
 int qwen3_config_from_hf(qwen3_config *c, const char *dir, ct_err *e);
-/* Writes an HF config.json that transformers loads as Qwen3ForCausalLM. */
+/* Writes an HF config.json that transformers loads as Qwen3ForCausalLM
+ * (Qwen3MoeForCausalLM when n_experts > 0). */
 int qwen3_config_write_hf(const qwen3_config *c, const char *path, const char *dtype_name, ct_err *e);
 /* Checks a config for sizes the model cannot run (e.g. nH % nKV != 0). */
 int qwen3_config_check(const qwen3_config *c, const char *where, ct_err *e);
@@ -71,6 +99,11 @@ typedef struct {
     float *wg;    /* [I, H] gate_proj */
     float *wu;    /* [I, H] up_proj */
     float *wd;    /* [H, I] down_proj */
+    /* MoE layers instead of wg, wu, wd (NULL otherwise): */
+    float *router; /* [E, H] mlp.gate */
+    float *ewg;    /* [E, Im, H] mlp.experts.{0..E-1}.gate_proj, stacked */
+    float *ewu;    /* [E, Im, H] up_proj */
+    float *ewd;    /* [E, H, Im] down_proj */
 } qwen3_layer_w;
 
 typedef struct {
@@ -114,7 +147,28 @@ typedef struct {
     float *gate;     /* [BT, I]   */
     float *up;       /* [BT, I]   */
     float *h;        /* [BT, I]   silu(gate) * up */
+    /* MoE layers: gate, up, h are [BT*k, Im] in expert order, and the routing: */
+    int moe;         /* 1: this layer is sparse */
+    moe_route route; /* kept under QWEN3_AC_NONE and _OP; rerun under _FULL */
 } qwen3_layer_acts;
+
+/* Calls around each layer for layouts that move parameters (FSDP gathers a
+ * layer's parameters before it runs and frees them after; dist/fsdp.c). The
+ * model stays unaware of ranks: it only says when a layer starts and ends. */
+typedef struct {
+    void *ctx;
+    void (*pre_forward)(void *ctx, int layer);
+    void (*post_forward)(void *ctx, int layer);
+    void (*pre_backward)(void *ctx, int layer);  /* before its recomputation and backward */
+    void (*post_backward)(void *ctx, int layer); /* its gradients are complete */
+    /* Tensor parallel (dist/tp.c; NULL otherwise): x[n] is a partial sum over
+     * this rank's heads or intermediate slice; make it the sum over ranks.
+     * Called on the o_proj and down_proj outputs before the residual is added,
+     * and on d(ln1), d(ln2) after the q/k/v and gate/up backward matmuls. */
+    void (*reduce_partial)(void *ctx, float *x, size_t n);
+    /* x[n] = the elementwise max over ranks (vocabulary-parallel loss). */
+    void (*reduce_max)(void *ctx, float *x, size_t n);
+} qwen3_hooks;
 
 typedef struct {
     qwen3_config cfg;
@@ -138,9 +192,29 @@ typedef struct {
     float *lnf_rstd;        /* [BT] */
     float *rope_cos, *rope_sin; /* [T, hd/2] */
     int logit_rows;         /* rows of logits materialised at once */
-    float *logits;          /* [logit_rows, V] */
+    float *logits;          /* [logit_rows, V] (V: vocab_rows when vocabulary-parallel) */
+    float *ce_stats;        /* [3, logit_rows] vocabulary-parallel loss: row max, sum of exp, target logit */
     /* backward scratch */
     float *d_res, *d_ln, *d_att, *d_q, *d_q2, *d_k, *d_k2, *d_v, *d_h, *d_gate, *d_up; /* see qwen3.c */
+    /* MoE (NULLs / 0 for a dense model) */
+    int n_moe_layers;
+    float *moe_work;        /* [KERN_MOE_WORK(BT*k, H, Im)] experts kernel scratch */
+    float *moe_dtopw;       /* [BT*k] */
+    float *moe_dprobs;      /* [BT, E] */
+    float *moe_dprob_all;   /* [E] d(aux term)/d probs, the same for every layer and token */
+    double *moe_count, *moe_psum; /* [E] load-balancing sums of the last forward */
+    int *moe_load_min, *moe_load_max; /* [L] tokens on the least / most loaded expert (-1: dense layer) */
+    double aux_loss;        /* HF's load_balancing_loss_func of the last forward (0 if dense) */
+    /* torchtitan's aux-loss-free balancing (model.load_balance_coeff > 0): experts
+     * are CHOSEN by probs + moe_bias, weighted by the probs alone; the trainer
+     * moves the bias after each step (moe_update_bias) and checkpoints it */
+    float *moe_bias;        /* [L, E] zeros: HF's routing */
+    double *moe_tokens;     /* [L, E] tokens per expert since the last update (training forwards) */
+    int moe_count_tokens;   /* set by forward_backward around its forward */
+    float aux_scale;        /* weight of router_aux_loss_coef * aux in the gradient (1 per optimizer
+                               step: a trainer with n micro-batches sets 1/n); used when
+                               cfg.output_router_logits */
+    const qwen3_hooks *hooks; /* NULL: none; set by a parallel layout (dist/fsdp.h) */
     const int32_t *tokens;  /* of the last forward, for the embedding backward */
     int fwd_B, fwd_T;
 } qwen3_model;
@@ -179,10 +253,13 @@ double qwen3_flops_per_token(const qwen3_model *m, int T);
  * tokens, labels [B, T]; labels == -100 are ignored. Gradients of
  * (sum of CE) * grad_scale are ADDED to m->grads (grad_scale = 1 / number of
  * valid labels in the whole optimizer step). Returns the CE sum, and the
- * count of valid labels in *n_valid. */
+ * count of valid labels in *n_valid. MoE: m->aux_loss receives HF's
+ * load-balancing loss of this forward and, when cfg.output_router_logits,
+ * the gradient of router_aux_loss_coef * aux_scale * aux_loss is added too. */
 double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
                               float grad_scale, long *n_valid);
-/* Forward only; writes logits[B, T, V]. */
+/* Forward only; writes logits[B, T, V] (vocabulary-parallel: this rank's
+ * columns only, [B, T, vocab_rows]). */
 void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits);
 /* Forward only; returns the CE sum over valid labels (for evaluation). */
 double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid);

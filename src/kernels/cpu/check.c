@@ -134,6 +134,19 @@ static const int shapes_matmul[][6] = {
     {33, 600, 65},  {20, 800, 40},  {130, 257, 70}, {5, 300, 2049}, {1030, 20, 2050},
 };
 
+/* matmul_bf16 runs case_matmul too: its reference rounds the inputs to bf16 and
+ * sums in fp32, so implementations differ from it only in summation order (fp32
+ * tolerance), while one that skipped the rounding is off by ~1e-3. K odd and
+ * K = 1 leave half a bf16 pair (vdpbf16ps multiplies pairs along k); 769 and
+ * 1537 cross the bf16 kernel's 768-deep k blocks with an odd remainder; M <= 4
+ * runs only the 1-, 2- and 4-row variants of the micro-kernel. */
+static const int shapes_matmul_bf16[][6] = {
+    {1, 1, 1},     {1, 17, 33},    {3, 1, 5},      {7, 5, 1},      {1, 1023, 3},    {4, 41, 7},   {2, 33, 100},
+    {5, 15, 9},    {6, 9, 16},     {14, 31, 32},   {15, 33, 31},   {13, 3, 17},     {29, 65, 47}, {77, 131, 45},
+    {64, 256, 96}, {33, 769, 65},  {20, 1537, 40}, {130, 257, 70}, {5, 301, 2049},  {1030, 21, 2050},
+    {100, 800, 64},
+};
+
 /* ---------------------------------------------------------- embedding */
 
 static void case_embedding(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
@@ -158,7 +171,8 @@ static void case_embedding(chk_case *c, const kern_impl *ref, const kern_impl *i
     free(tok), free(wte), free(o1), free(o2), free(dout), free(d1), free(d2);
 }
 
-static const int shapes_embedding[][6] = {{1, 1, 1}, {5, 7, 3}, {17, 16, 4}, {64, 33, 10}, {33, 256, 100}};
+static const int shapes_embedding[][6] = {{1, 1, 1}, {5, 7, 3}, {17, 16, 4}, {64, 33, 10}, {33, 256, 100},
+                                          {9, 130, 6}};
 
 /* ------------------------------------------------------------ rmsnorm */
 
@@ -224,10 +238,40 @@ static void case_rope(chk_case *c, const kern_impl *ref, const kern_impl *im, co
     ref->fn.rope.bwd(d1, d1, cs, sn, B, T, nh, hd);
     im->fn.rope.bwd(d2, d2, cs, sn, B, T, nh, hd);
     part(c, "bwd-inplace", rel_err(d2, d1, n));
+    /* the fused per-head q/k RMSNorm + RoPE of the same entry */
+    size_t rows = (size_t)B * T * nh;
+    float eps = 1e-6f;
+    float *w = fbuf((size_t)hd), *rs1 = fbuf(rows), *rs2 = fbuf(rows);
+    fill(w, (size_t)hd, r, 0.5f, 1.5f);
+    fill(x, n, r, -2, 2);
+    fill_nan(o1, n);
+    fill_nan(o2, n);
+    fill_nan(rs1, rows);
+    fill_nan(rs2, rows);
+    ref->fn.rope.qknorm_fwd(o1, rs1, x, w, cs, sn, B, T, nh, hd, eps);
+    im->fn.rope.qknorm_fwd(o2, rs2, x, w, cs, sn, B, T, nh, hd, eps);
+    part(c, "qkn", rel_err(o2, o1, n));
+    part(c, "qkn-rstd", rel_err(rs2, rs1, rows));
+    float *dw1 = fbuf((size_t)hd);
+    fill(d1, n, r, -1, 1);
+    fill(dw1, (size_t)hd, r, -1, 1);
+    memcpy(d2, d1, n * sizeof(float));
+    float *dw2 = dup(dw1, (size_t)hd);
+    ref->fn.rope.qknorm_bwd(d1, dw1, dout, x, w, rs1, cs, sn, B, T, nh, hd);
+    im->fn.rope.qknorm_bwd(d2, dw2, dout, x, w, rs1, cs, sn, B, T, nh, hd);
+    part(c, "qkn-dx+=", rel_err(d2, d1, n));
+    part(c, "qkn-dw+=", rel_err(dw2, dw1, (size_t)hd));
+    ref->fn.rope.qknorm_bwd(d1, NULL, dout, x, w, rs1, cs, sn, B, T, nh, hd);
+    im->fn.rope.qknorm_bwd(d2, NULL, dout, x, w, rs1, cs, sn, B, T, nh, hd);
+    part(c, "qkn-dw=NULL", rel_err(d2, d1, n));
     free(cs), free(sn), free(x), free(dout), free(o1), free(o2), free(ip), free(d1), free(d2);
+    free(w), free(rs1), free(rs2), free(dw1), free(dw2);
 }
 
-static const int shapes_rope[][6] = {{1, 1, 1, 2}, {2, 3, 2, 4}, {1, 5, 3, 34}, {2, 7, 4, 128}, {1, 17, 1, 30}};
+static const int shapes_rope[][6] = {{1, 1, 1, 2}, {2, 3, 2, 4},    {1, 5, 3, 34},
+                                     {2, 7, 4, 128}, {1, 17, 1, 30}, {3, 9, 5, 66},
+                                     /* several 64-row blocks of the fused backward's dw, the last partial */
+                                     {2, 40, 3, 16}};
 
 /* ---------------------------------------------------------- attention */
 
@@ -267,6 +311,9 @@ static const int shapes_attention[][6] = {
     {1, 1, 1, 1, 1}, {1, 3, 2, 1, 4}, {2, 5, 4, 2, 17}, {1, 33, 4, 4, 16}, {1, 64, 16, 8, 128}, {2, 17, 3, 1, 8},
     /* across the 32 x 64 tiles: partial blocks, several key blocks per row, diagonal inside a block */
     {1, 65, 2, 1, 8}, {1, 97, 2, 2, 5}, {2, 130, 4, 2, 16}, {1, 200, 1, 1, 3},
+    /* head dims of the register-blocked kernel (multiples of 64): partial 4-row micro-blocks, partial
+     * key tiles with fewer than 4 keys left, several query and key tiles */
+    {1, 97, 4, 2, 64}, {2, 70, 2, 1, 128}, {1, 130, 2, 2, 64}, {1, 5, 2, 1, 64}, {1, 66, 1, 1, 192},
 };
 
 /* ------------------------------------------------------------- swiglu */
@@ -324,7 +371,7 @@ static void case_crossentropy(chk_case *c, const kern_impl *ref, const kern_impl
     free(tgt), free(logits), free(l1), free(l2), free(ls1), free(ls2);
 }
 
-static const int shapes_crossentropy[][6] = {{1, 1}, {3, 5}, {4, 17}, {7, 16}, {8, 2048}, {3, 151936}};
+static const int shapes_crossentropy[][6] = {{1, 1}, {3, 5}, {4, 17}, {7, 16}, {5, 100}, {8, 2048}, {3, 151936}};
 
 /* ---------------------------------------------------------------- add */
 
@@ -374,6 +421,98 @@ static void case_adamw(chk_case *c, const kern_impl *ref, const kern_impl *im, c
 
 static const int shapes_adamw[][6] = {{1}, {15}, {17}, {1000}, {65537}};
 
+/* -------------------------------------------------------- moe_experts */
+
+/* Routing for the check: token t's k distinct experts drawn from the first
+ * `span` experts (mode 0: span E; 1: span k, so every token picks the same
+ * k experts and the rest are empty; 2: span max(k, E/2), the upper half
+ * empty), then the metadata as model/moe.c builds it (stable counting sort). */
+static void moe_check_route(int32_t *perm, int32_t *pos, int32_t *offsets, float *topw, int N, int E, int k, int mode,
+                            chk_rng *r) {
+    int span = mode == 1 ? k : mode == 2 ? (E / 2 > k ? E / 2 : k) : E;
+    int32_t *topi = ct_malloc(((size_t)N * k + 1) * sizeof(int32_t));
+    for (int t = 0; t < N; t++)
+        for (int j = 0; j < k; j++) {
+            int e, dup_;
+            do {
+                e = (int)(rng_next(r) % (uint64_t)span);
+                dup_ = 0;
+                for (int i = 0; i < j; i++) dup_ |= topi[t * k + i] == e;
+            } while (dup_);
+            topi[t * k + j] = e;
+            topw[t * k + j] = rng_uniform(r, 0.05f, 1);
+        }
+    memset(offsets, 0, ((size_t)E + 1) * sizeof(int32_t));
+    for (long s = 0; s < (long)N * k; s++) offsets[topi[s] + 1]++;
+    for (int e = 0; e < E; e++) offsets[e + 1] += offsets[e];
+    int32_t *cur = ct_malloc(((size_t)E + 1) * sizeof(int32_t));
+    memcpy(cur, offsets, (size_t)E * sizeof(int32_t));
+    for (long s = 0; s < (long)N * k; s++) {
+        perm[cur[topi[s]]] = (int32_t)s;
+        pos[s] = cur[topi[s]]++;
+    }
+    free(topi), free(cur);
+}
+
+static void case_moe(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *sh, chk_rng *r) {
+    int N = sh[0], H = sh[1], I = sh[2], E = sh[3], k = sh[4], mode = sh[5];
+    size_t S = (size_t)N * k, nx = (size_t)N * H, nw = (size_t)E * I * H, ns = S * I;
+    int32_t *perm = ct_malloc((S + 1) * sizeof(int32_t)), *pos = ct_malloc((S + 1) * sizeof(int32_t));
+    int32_t *off = ct_malloc(((size_t)E + 1) * sizeof(int32_t));
+    float *topw = fbuf(S);
+    moe_check_route(perm, pos, off, topw, N, E, k, mode, r);
+    float *x = fbuf(nx), *wg = fbuf(nw), *wu = fbuf(nw), *wd = fbuf(nw), *dout = fbuf(nx);
+    fill(x, nx, r, -1, 1);
+    fill(wg, nw, r, -0.2f, 0.2f);
+    fill(wu, nw, r, -0.2f, 0.2f);
+    fill(wd, nw, r, -0.2f, 0.2f);
+    fill(dout, nx, r, -1, 1);
+    float *work = fbuf(KERN_MOE_WORK(S, H, I));
+    float *o1 = fbuf(nx), *g1 = fbuf(ns), *u1 = fbuf(ns), *h1 = fbuf(ns);
+    float *g2 = fbuf(ns), *u2 = fbuf(ns), *h2 = fbuf(ns);
+    fill(o1, nx, r, -1, 1);
+    float *o2 = dup(o1, nx);
+    fill_nan(g1, ns), fill_nan(u1, ns), fill_nan(h1, ns), fill_nan(g2, ns), fill_nan(u2, ns), fill_nan(h2, ns);
+    ref->fn.moe.fwd(o1, g1, u1, h1, work, x, wg, wu, wd, perm, pos, off, topw, N, H, I, E, k);
+    im->fn.moe.fwd(o2, g2, u2, h2, work, x, wg, wu, wd, perm, pos, off, topw, N, H, I, E, k);
+    part(c, "out+=", rel_err(o2, o1, nx));
+    part(c, "gate", rel_err(g2, g1, ns));
+    part(c, "up", rel_err(u2, u1, ns));
+    part(c, "h", rel_err(h2, h1, ns));
+    /* out NULL (recomputation): the same saved activations */
+    fill_nan(g2, ns), fill_nan(u2, ns), fill_nan(h2, ns);
+    im->fn.moe.fwd(NULL, g2, u2, h2, work, x, wg, wu, wd, perm, pos, off, topw, N, H, I, E, k);
+    double e1 = rel_err(g2, g1, ns), e2 = rel_err(h2, h1, ns);
+    part(c, "out=NULL", e1 > e2 ? e1 : e2);
+    /* backward from the reference's saved activations: += into dx and the weights, = into dtopw */
+    float *dx1 = fbuf(nx), *dg1 = fbuf(nw), *du1 = fbuf(nw), *dd1 = fbuf(nw), *dt1 = fbuf(S), *dt2 = fbuf(S);
+    fill(dx1, nx, r, -1, 1), fill(dg1, nw, r, -1, 1), fill(du1, nw, r, -1, 1), fill(dd1, nw, r, -1, 1);
+    float *dx2 = dup(dx1, nx), *dg2 = dup(dg1, nw), *du2 = dup(du1, nw), *dd2 = dup(dd1, nw);
+    fill_nan(dt1, S), fill_nan(dt2, S);
+    ref->fn.moe.bwd(dx1, dg1, du1, dd1, dt1, work, dout, x, wg, wu, wd, g1, u1, h1, perm, pos, off, topw, N, H, I, E,
+                    k);
+    im->fn.moe.bwd(dx2, dg2, du2, dd2, dt2, work, dout, x, wg, wu, wd, g1, u1, h1, perm, pos, off, topw, N, H, I, E,
+                   k);
+    part(c, "dx+=", rel_err(dx2, dx1, nx));
+    part(c, "dwg+=", rel_err(dg2, dg1, nw));
+    part(c, "dwu+=", rel_err(du2, du1, nw));
+    part(c, "dwd+=", rel_err(dd2, dd1, nw));
+    part(c, "dtopw", rel_err(dt2, dt1, S));
+    free(perm), free(pos), free(off), free(topw), free(x), free(wg), free(wu), free(wd), free(dout), free(work);
+    free(o1), free(o2), free(g1), free(u1), free(h1), free(g2), free(u2), free(h2);
+    free(dx1), free(dg1), free(du1), free(dd1), free(dt1), free(dt2), free(dx2), free(dg2), free(du2), free(dd2);
+}
+
+/* mode 0 random, 1 all tokens on the same k experts (k = 1: one expert, the
+ * rest empty), 2 the upper half of the experts empty; small segments (experts
+ * spread over threads) and large ones (each GEMM split over threads, several
+ * k blocks) */
+static const int shapes_moe[][6] = {
+    {1, 1, 1, 1, 1, 0},    {5, 7, 3, 4, 2, 0},      {17, 16, 9, 8, 2, 2},  {33, 20, 14, 8, 1, 1},
+    {40, 33, 17, 4, 4, 0}, {64, 48, 32, 16, 2, 2},  {300, 64, 48, 4, 2, 0}, {300, 64, 48, 8, 3, 1},
+    {700, 300, 96, 2, 1, 1}, {1000, 256, 160, 2, 2, 0},
+};
+
 /* ------------------------------------------------------------- driver */
 
 typedef void (*case_fn)(chk_case *, const kern_impl *, const kern_impl *, const int *, chk_rng *);
@@ -395,6 +534,9 @@ static const struct {
     [KERN_OP_CROSSENTROPY] = {case_crossentropy, SHAPES(shapes_crossentropy), 2, "N V"},
     [KERN_OP_ADD] = {case_add, SHAPES(shapes_add), 1, "N"},
     [KERN_OP_ADAMW] = {case_adamw, SHAPES(shapes_adamw), 1, "n"},
+    [KERN_OP_MATMUL_BF16] = {case_matmul, SHAPES(shapes_matmul_bf16), 3, "M K N"},
+    [KERN_OP_MOE] = {case_moe, SHAPES(shapes_moe), 6, "N H I E k mode"},
+    [KERN_OP_MOE_BF16] = {case_moe, SHAPES(shapes_moe), 6, "N H I E k mode"},
 #undef SHAPES
 };
 

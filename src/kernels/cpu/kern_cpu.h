@@ -20,6 +20,9 @@
 #define CT_KERNELS_CPU_KERN_CPU_H
 
 #include <stddef.h>
+#include <stdint.h>
+
+#include "optim/optim.h"
 
 /* A strided view: element (i, j) lives at p[i * rs + j * cs]. One of rs, cs is
  * 1 for every operand the model passes; the packers have a fast path for each. */
@@ -65,10 +68,19 @@ typedef struct {
     gemm_pack_a_fn pack_a;
     gemm_pack_b_fn pack_b;
     gemm_nt_small_fn nt_small;
+    /* k values per 32-bit lane of a packed panel: 0 or 1 for fp32; 2 for bf16
+     * pairs (vdpbf16ps), whose panels are then ceil(kc / 2) lanes deep, so
+     * panel p of a packed block starts at p * MRS * ceil(kc / 2) (resp. NR). */
+    int kpack;
 } gemm_arch;
 
 extern const gemm_arch gemm_arch_avx512; /* 14 x 32 zmm tile; needs AVX-512 F/BW/VL/DQ */
 extern const gemm_arch gemm_arch_avx2;   /* 6 x 16 ymm tile; needs AVX2 + FMA */
+extern const gemm_arch gemm_arch_avx512bf16; /* 14 x 32 tile of bf16 pairs; needs AVX-512 + AVX512_BF16 */
+/* Rounds n floats in place to the nearest bf16 (ties to even, as torch's
+ * .to(bfloat16); NaN stays NaN), kept as fp32: the packed panels of the
+ * fp32 micro-kernels become those of bf16 inputs. Needs AVX-512 F/BW. */
+void gemm_round_bf16_avx512(float *p, size_t n);
 
 /* C[M,N] = (accumulate ? C : 0) + A[M,K] B[K,N], C row-major with leading
  * dimension ldc. Deterministic: each element of C is summed by one thread in
@@ -91,9 +103,88 @@ void kern_matmul_bwd_avx512(float *dinp, float *dw, const float *dout, const flo
 void kern_matmul_fwd_avx2(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                           int K, int N);
+/* matmul_bf16 (kernels/cpu/gemm_bf16*.c): inputs rounded to bf16 as they are
+ * packed, fp32 sums; avx512bf16 multiplies bf16 pairs with vdpbf16ps, the
+ * others run the fp32 micro-kernels on the rounded panels. */
+void kern_matmul_bf16_fwd_avx512bf16(float *out, const float *inp, const float *w, int M, int K, int N,
+                                     int accumulate);
+void kern_matmul_bf16_bwd_avx512bf16(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                                     int M, int K, int N);
+void kern_matmul_bf16_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
+void kern_matmul_bf16_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
+                                 int K, int N);
+void kern_matmul_bf16_fwd_avx2(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
+void kern_matmul_bf16_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
+                               int K, int N);
+/* gemm_arch_avx512 or gemm_arch_avx2 (base) with packers that round the
+ * packed panels to bf16: matmul_bf16's avx512/avx2 arch, for other callers
+ * of gemm_f32 (the grouped MoE experts). */
+gemm_arch gemm_arch_rounding_bf16(const gemm_arch *base);
 /* OpenBLAS's sgemm (whatever core type the library picked when it loaded). */
 void kern_matmul_fwd_openblas(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_openblas(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                               int K, int N);
+
+/* moe_experts, grouped (moe_cpu.c): the op_moe_experts_* contract of ops.h on gemm_f32. */
+void kern_moe_fwd_avx512(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
+                         const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
+                         const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+void kern_moe_bwd_avx512(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                         const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
+                         const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                         const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+void kern_moe_fwd_avx2(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
+                       const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
+                       const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+void kern_moe_bwd_avx2(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                       const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
+                       const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                       const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+
+/* moe_experts_bf16 (moe_cpu.c): the same on bf16-rounded GEMM inputs (matmul_bf16's archs). */
+#define KERN_MOE_DECL(SUF)                                                                                           \
+    void kern_moe_fwd_##SUF(float *out, float *gate, float *up, float *h, float *work, const float *x,             \
+                            const float *wg, const float *wu, const float *wd, const int32_t *perm,                  \
+                            const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,     \
+                            int E, int k);                                                                           \
+    void kern_moe_bwd_##SUF(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,              \
+                            const float *dout, const float *x, const float *wg, const float *wu, const float *wd,    \
+                            const float *gate, const float *up, const float *h, const int32_t *perm,                 \
+                            const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,     \
+                            int E, int k);
+KERN_MOE_DECL(bf16_avx512bf16)
+KERN_MOE_DECL(bf16_avx512)
+KERN_MOE_DECL(bf16_avx2)
+#undef KERN_MOE_DECL
+
+/* The memory-bound ops for AVX-512 (elementwise_avx512.c), ops.h signatures. */
+void kern_embedding_fwd_avx512(float *out, const int32_t *tokens, const float *wte, int N, int C);
+void kern_embedding_bwd_avx512(float *dwte, const float *dout, const int32_t *tokens, int N, int C);
+void kern_rmsnorm_fwd_avx512(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps);
+void kern_rmsnorm_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                             const float *rstd, int N, int C);
+void kern_rope_fwd_avx512(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
+                          int hd);
+void kern_rope_bwd_avx512(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh,
+                          int hd);
+void kern_qknorm_rope_fwd_avx512(float *out, float *rstd, const float *x, const float *w, const float *cos,
+                                 const float *sin, int B, int T, int nh, int hd, float eps);
+void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                                 const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
+void kern_swiglu_fwd_avx512(float *out, const float *gate, const float *up, int N);
+void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_add_avx512(float *out, const float *a, const float *b, long N);
+double kern_crossentropy_fwdbwd_avx512(float *logits, const int32_t *targets, int N, int V, float grad_scale,
+                                       long *n_valid);
+double kern_crossentropy_fwd_avx512(float *losses, const float *logits, const int32_t *targets, int N, int V);
+void kern_adamw_step_avx512(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
+/* Attention with register-blocked tiles (attention_avx512.c), ops.h's attention contract. */
+void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                               int nh, int nkv, int hd);
+void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                               const float *lse, const float *q, const float *k, const float *v, int B, int T, int nh,
+                               int nkv, int hd);
+/* out[i] = e^x[i] with the vector exp of the kernels above (for its accuracy test). */
+void kern_exp_avx512(float *out, const float *x, long n);
 
 #endif
