@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "core/err.h"
+#include "kernels/cpu/avx512_util.h"
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/ops.h"
 
@@ -41,25 +42,6 @@
 #define BQ 32 /* query rows per tile (8 micro-blocks of 4) */
 #define BK 64 /* keys per tile: 4 zmm */
 #define HC 64 /* columns of hd per register tile: 4 zmm */
-
-/* e^x, 16 lanes: the vector exp of elementwise_avx512.c (accuracy argued there:
- * <= 7.8e-8 relative; NaN propagates, -inf gives 0). */
-A_INLINE __m512 att_exp(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182464599609375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-1.904654299957768e-09f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* Lanes c (of 64, in 4 masks of 16) with c < n. */
 A_INLINE __mmask16 att_lanes(int n, int j) {
@@ -245,7 +227,7 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                                 __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
                                 #pragma GCC unroll 4
                                 for (int j = 0; j < 4; j++) {
-                                    __m512 p = att_exp(_mm512_sub_ps(vs[j], vm)); // masked: e^-inf = 0
+                                    __m512 p = exp16(_mm512_sub_ps(vs[j], vm)); // masked: e^-inf = 0
                                     sum = _mm512_add_ps(sum, p);
                                     _mm512_storeu_ps(P + r * BK + 16 * j, p);
                                 }
@@ -341,7 +323,7 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                     for (int j = 0; j < 4; j++) {
                                         __mmask16 mk = att_lanes(ncr[r], j);
                                         __m512 p = _mm512_maskz_mov_ps(
-                                            mk, att_exp(_mm512_sub_ps(_mm512_mul_ps(s[r][j], vsc), vl)));
+                                            mk, exp16(_mm512_sub_ps(_mm512_mul_ps(s[r][j], vsc), vl)));
                                         __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(dp[r][j], vd)), vsc);
                                         _mm512_storeu_ps(P + (size_t)(r0 + r) * BK + 16 * j, p);
                                         _mm512_storeu_ps(dS + (size_t)(r0 + r) * BK + 16 * j, ds);

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "core/err.h"
+#include "kernels/cpu/avx512_util.h"
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/ops.h"
 
@@ -45,40 +46,11 @@ EW_INLINE __mmask16 ew_mask(long n) { return n >= 16 ? (__mmask16)0xFFFF : (__mm
 EW_INLINE __m512 ew_load(const float *p, long n) { return _mm512_maskz_loadu_ps(ew_mask(n), p); }
 EW_INLINE void ew_store(float *p, __m512 v, long n) { _mm512_mask_storeu_ps(p, ew_mask(n), v); }
 
-/* e^x for 16 lanes.
- * x = n ln2 + r with n = round(x / ln2), |r| <= ln2/2 = 0.347 (Cody-Waite: ln2
- * split into the float nearest ln2 and the remainder, each product exact inside
- * the FMA), e^r by its Taylor polynomial to r^7 (truncation error
- * 0.347^8 / 8! = 5e-9 relative, below half an ulp of 2^-24 = 6e-8), then
- * scaled by 2^n with vscalefps, which handles overflow to +inf and gradual
- * underflow to 0 itself. Measured against double exp on 2^24 points of
- * [-103, 88.7]: max relative error 7.8e-8 where the result is normal (about
- * 1.3 ulp; the same bound as libm's expf on those points), at most one
- * denormal ulp below, i.e. over 100x inside kern_check's 1e-5 (and
- * tests/c/test_elementwise.c holds it to 1.2e-7). The clamp keeps n finite
- * (e^-104 is below the smallest denormal; e^89 overflows anyway) and is
- * written so that a NaN input stays NaN, as with expf. */
-EW_INLINE __m512 ew_exp(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x)); /* NaN passes */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182464599609375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-1.904654299957768e-09f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* Exposed for the accuracy test of the vector exp (tests/c/test_kernels.c):
- * out[i] = e^x[i] through ew_exp. */
+ * out[i] = e^x[i] through exp16 (avx512_util.h). */
 EW512 void kern_exp_avx512(float *out, const float *x, long n) {
-    for (long i = 0; i < n; i += 16) ew_store(out + i, ew_exp(ew_load(x + i, n - i)), n - i);
+    for (long i = 0; i < n; i += 16) ew_store(out + i, exp16(ew_load(x + i, n - i)), n - i);
 }
 
 /* --------------------------------------------------------------- embedding */
@@ -343,7 +315,7 @@ EW512 void kern_swiglu_fwd_avx512(float *out, const float *gate, const float *up
         long i1 = (b + 1) * EW_BLOCK < N ? (b + 1) * EW_BLOCK : N;
         for (long i = b * EW_BLOCK; i < i1; i += 16) {
             __m512 g = ew_load(gate + i, i1 - i);
-            __m512 e = ew_exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
             __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             ew_store(out + i, _mm512_mul_ps(silu, ew_load(up + i, i1 - i)), i1 - i);
         }
@@ -361,7 +333,7 @@ EW512 void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, c
         for (long i = b * EW_BLOCK; i < i1; i += 16) {
             long m = i1 - i;
             __m512 g = ew_load(gate + i, m), u = ew_load(up + i, m), d = ew_load(dout + i, m);
-            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, ew_exp(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
             __m512 dsilu = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, sig))));
             ew_store(dgate + i, _mm512_add_ps(ew_load(dgate + i, m), _mm512_mul_ps(_mm512_mul_ps(d, u), dsilu)), m);
             ew_store(dup + i, _mm512_add_ps(ew_load(dup + i, m), _mm512_mul_ps(d, _mm512_mul_ps(g, sig))), m);
@@ -416,10 +388,10 @@ EW_INLINE float ew_row_expsum(float *dst, const float *x, long V, float maxv, in
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     long i = 0;
     for (; i + 64 <= V; i += 64) {
-        __m512 e0 = ew_exp(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
-        __m512 e1 = ew_exp(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), vm));
-        __m512 e2 = ew_exp(_mm512_sub_ps(_mm512_loadu_ps(x + i + 32), vm));
-        __m512 e3 = ew_exp(_mm512_sub_ps(_mm512_loadu_ps(x + i + 48), vm));
+        __m512 e0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+        __m512 e1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), vm));
+        __m512 e2 = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i + 32), vm));
+        __m512 e3 = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i + 48), vm));
         s0 = _mm512_add_ps(s0, e0), s1 = _mm512_add_ps(s1, e1), s2 = _mm512_add_ps(s2, e2), s3 = _mm512_add_ps(s3, e3);
         if (store) {
             _mm512_storeu_ps(dst + i, e0), _mm512_storeu_ps(dst + i + 16, e1);
@@ -428,7 +400,7 @@ EW_INLINE float ew_row_expsum(float *dst, const float *x, long V, float maxv, in
     }
     for (; i < V; i += 16) {
         __mmask16 k = ew_mask(V - i);
-        __m512 e = _mm512_maskz_mov_ps(k, ew_exp(_mm512_sub_ps(ew_load(x + i, V - i), vm)));
+        __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(ew_load(x + i, V - i), vm)));
         s0 = _mm512_add_ps(s0, e);
         if (store) _mm512_mask_storeu_ps(dst + i, k, e);
     }
