@@ -122,6 +122,9 @@ void comm_iallreduce(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_req *r)
     r->active = 1;
     c->be->iallreduce(c, buf, n, t, r);
 }
+void comm_test(comm_req *r) {
+    if (r->active) r->c->be->test(r);
+}
 void comm_wait(comm_req *r) {
     if (!r->active) return;
     r->c->be->wait(r);

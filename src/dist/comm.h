@@ -50,6 +50,7 @@ typedef struct {
     void (*ireduce_scatter)(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t, comm_req *r);
     void (*iallreduce)(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_req *r);
     void (*wait)(comm_req *r);
+    void (*test)(comm_req *r); /* progress only; the request stays pending until wait */
     int (*split)(ct_comm *c, int color, int key, ct_comm *out, ct_err *e);
     void (*free)(ct_comm *c);
     void (*abort)(ct_comm *c, int code);
@@ -103,6 +104,11 @@ void comm_iall_gather(ct_comm *c, void *out, const void *in, size_t n, comm_dtyp
 void comm_ireduce_scatter(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t, comm_req *r);
 void comm_iallreduce(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_req *r);
 void comm_wait(comm_req *r);
+/* Lets a pending request progress without waiting for it; comm_wait must
+ * still complete it. OpenMPI (without a progress thread) moves a
+ * non-blocking collective forward only inside MPI calls, so code that
+ * overlaps one with computation calls this between pieces of work. */
+void comm_test(comm_req *r);
 
 size_t comm_dtype_size(comm_dtype t);
 /* Sums src[n] into dst[n] (dst += src) in dtype t; the one place the

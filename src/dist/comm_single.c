@@ -44,6 +44,7 @@ static void s_iallreduce(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_req
     (void)c, (void)buf, (void)n, (void)t, (void)r;
 }
 static void s_wait(comm_req *r) { (void)r; }
+static void s_test(comm_req *r) { (void)r; }
 static int s_split(ct_comm *c, int color, int key, ct_comm *out, ct_err *e) {
     (void)c, (void)color, (void)key, (void)e;
     comm_init_single(out);
@@ -67,6 +68,7 @@ const comm_backend comm_single_backend = {
     .ireduce_scatter = s_ireduce_scatter,
     .iallreduce = s_iallreduce,
     .wait = s_wait,
+    .test = s_test,
     .split = s_split,
     .free = s_free,
     .abort = s_abort,

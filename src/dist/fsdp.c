@@ -40,17 +40,24 @@ static void gather_piece(fsdp *f, int i, float *full, const float *shard) {
     f->comm_s += ct_now() - t0;
 }
 
+/* The piece's gradient as reduce-scatter input: in place when it divides
+ * evenly, else copied zero-padded into `stage`. */
+static float *rs_input(fsdp *f, int i, float *stage) {
+    const fsdp_piece *p = &f->p[i];
+    float *in = f->m->grads + p->off;
+    if (p->chunk * (size_t)f->comm->size != p->n) {
+        memcpy(stage, in, p->n * sizeof(float));
+        memset(stage + p->n, 0, (p->chunk * (size_t)f->comm->size - p->n) * sizeof(float));
+        in = stage;
+    }
+    return in;
+}
+
 /* f->grads slice += the piece's gradient summed over ranks (rank order). */
 static void reduce_piece(fsdp *f, int i) {
     const fsdp_piece *p = &f->p[i];
     if (!p->n) return;
-    size_t N = (size_t)f->comm->size;
-    float *in = f->m->grads + p->off;
-    if (p->chunk * N != p->n) {
-        memcpy(f->stage, in, p->n * sizeof(float));
-        memset(f->stage + p->n, 0, (p->chunk * N - p->n) * sizeof(float));
-        in = f->stage;
-    }
+    float *in = rs_input(f, i, f->stage);
     /* in place (comm.h allows it): the sum lands on this rank's own block of the input */
     float *sum = in + (size_t)f->comm->rank * p->chunk;
     double t0 = ct_now();
@@ -58,6 +65,38 @@ static void reduce_piece(fsdp *f, int i) {
     f->comm_s += ct_now() - t0;
     float *g = f->grads + p->shard_off;
     for (size_t k = 0; k < p->chunk; k++) g[k] += sum[k];
+}
+
+/* The non-blocking form of reduce_piece + releasing the gradient pages: a
+ * layer's reduce-scatter starts after its backward and completes while the
+ * layer below runs (one in flight). The same collective and the same
+ * rank-order sum as the blocking one, so the bits are the same. Without an
+ * MPI progress thread it advances only inside MPI calls (the blocking ones
+ * of the backward, the prefetch, comm_test in the hooks) and at the wait. */
+static void finish_reduce(fsdp *f) {
+    int i = f->rs_piece;
+    if (i < 0) return;
+    const fsdp_piece *p = &f->p[i];
+    double t0 = ct_now();
+    comm_wait(&f->rs_req);
+    f->comm_s += ct_now() - t0;
+    float *g = f->grads + p->shard_off;
+    for (size_t k = 0; k < p->chunk; k++) g[k] += f->rs_sum[k];
+    release_range(f->m->grads, p->off, p->n);
+    f->rs_piece = -1;
+}
+
+static void start_reduce(fsdp *f, int i) {
+    finish_reduce(f);
+    const fsdp_piece *p = &f->p[i];
+    if (!p->n) return;
+    if (!f->rs_stage) f->rs_stage = ct_malloc((size_t)f->comm->size * f->max_chunk * sizeof(float));
+    float *in = rs_input(f, i, f->rs_stage);
+    f->rs_sum = in + (size_t)f->comm->rank * p->chunk;
+    double t0 = ct_now();
+    comm_ireduce_scatter(f->comm, f->rs_sum, in, p->chunk, COMM_F32, &f->rs_req);
+    f->comm_s += ct_now() - t0;
+    f->rs_piece = i;
 }
 
 /* Prefetch: piece i's all-gather starts before it is needed (layer l+1's
@@ -133,20 +172,20 @@ static void hook_pre_backward(void *ctx, int l) {
         release_range(f->m->grads, f->p[last].off, f->p[last].n);
         release_params(f, last);
     }
+    comm_test(&f->rs_req); /* drives layer l+1's reduce-scatter (no MPI progress thread) */
     gather_params(f, 1 + l);
     if (l > 0) start_prefetch(f, l); /* layer l-1's parameters, unless still held */
     zero_grads(f, 1 + l);
 }
 static void hook_post_backward(void *ctx, int l) {
     fsdp *f = ctx;
-    reduce_piece(f, 1 + l);
-    release_range(f->m->grads, f->p[1 + l].off, f->p[1 + l].n);
+    start_reduce(f, 1 + l); /* completes layer l+1's first */
+    if (l > 0 && f->rs_piece == 1 + l) f->rs_overlapped++;
     release_params(f, 1 + l);
     if (l == 0 && !f->tied) zero_grads(f, 0); /* the embedding's backward comes next */
 }
 
-/* [lo, hi) of layer l's tensors in the flat buffer; an error unless contiguous. */
-static int layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err *e) {
+int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err *e) {
     char prefix[64];
     int n = snprintf(prefix, sizeof prefix, "model.layers.%d.", l);
     size_t a = SIZE_MAX, b = 0, total = 0;
@@ -178,7 +217,7 @@ int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, int reshard, ct_err *e) {
     size_t prev = 0;
     for (int l = 0; l < L; l++) {
         size_t lo = 0, hi = 0;
-        int rc = layer_range(m, l, &lo, &hi, e);
+        int rc = fsdp_layer_range(m, l, &lo, &hi, e);
         if (rc) return rc;
         if (lo < prev) return ct_fail(e, CT_ERR_IO, "fsdp: layer %d overlaps the tensors before it", l);
         if (l == 0) f->p[0] = (fsdp_piece){.off = 0, .n = lo};
@@ -201,6 +240,7 @@ int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, int reshard, ct_err *e) {
     f->stage = ct_malloc(N * maxc * sizeof(float));
     f->max_chunk = maxc;
     f->pf_piece = -1;
+    f->rs_piece = -1;
     fsdp_take_shard(f, f->params, m->params);
     fsdp_release_full(f, m->params);
     fsdp_release_full(f, m->grads);
@@ -213,9 +253,11 @@ void fsdp_free(fsdp *f) {
     if (f->m && f->m->hooks == &f->hooks) f->m->hooks = NULL;
     free(f->p);
     free(f->gathered);
+    finish_reduce(f);
     free(f->params);
     free(f->grads);
     finish_prefetch(f);
+    free(f->rs_stage);
     free(f->stage);
     free(f->pf_stage);
     memset(f, 0, sizeof *f);
@@ -285,6 +327,7 @@ void fsdp_microbatch_begin(fsdp *f) {
 
 void fsdp_microbatch_end(fsdp *f) {
     int last = f->n_pieces - 1;
+    finish_reduce(f);
     if (!f->fwd_only) {
         reduce_piece(f, 0);
         release_range(f->m->grads, f->p[0].off, f->p[0].n);

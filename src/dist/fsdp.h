@@ -18,9 +18,12 @@
  *   before layer l forward  : gather its parameters
  *   after layer l forward   : free them if reshard_after_forward (or forward only)
  *   before layer l backward : gather them again if freed; zero its gradient range
- *   after layer l backward  : reduce-scatter its gradients (+= into the shard), free both
+ *   after layer l backward  : start its gradients' reduce-scatter, free its parameters
  * and the next layer's all-gather (l+1 forward, l-1 backward) is started
- * non-blocking when layer l starts (prefetch).
+ * non-blocking when layer l starts (prefetch). The reduce-scatter of layer l
+ * is non-blocking too: it runs during layer l-1's backward and is completed
+ * (+= into the shard, gradient pages freed) when layer l-1's starts, or at
+ * the end of the micro-batch.
  * The root pieces follow the same rule at the edges of the layer loop: the
  * embedding is gathered for the lookup and freed at layer 0's forward (kept
  * for the whole micro-batch when tied to the lm_head), the head piece (final
@@ -56,6 +59,11 @@ typedef struct {
     float *stage;        /* [N * max chunk] gather / reduce-scatter staging */
     size_t max_chunk;
     int pf_piece;        /* piece whose all-gather is in flight (-1: none) */
+    int rs_piece;        /* piece whose gradient reduce-scatter is in flight (-1: none) */
+    comm_req rs_req;
+    float *rs_sum;       /* [chunk] where its sum lands (inside its input) */
+    float *rs_stage;     /* [N * max chunk] its input when the piece is padded; allocated on first use */
+    long rs_overlapped;  /* layer reductions started with another layer's backward still to run */
     comm_req pf_req;
     float *pf_stage;     /* [N * max chunk] its staging when the piece is padded; allocated on first use */
     int reshard;         /* free a layer's parameters after its forward */
@@ -65,6 +73,8 @@ typedef struct {
     double comm_s;       /* seconds in collectives since the last fsdp_take_comm_time */
 } fsdp;
 
+/* [lo, hi) of layer l's tensors in the flat buffer; an error unless contiguous. */
+int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err *e);
 /* Builds the pieces (an error names a layer whose tensors are not
  * contiguous), takes this rank's slices of m->params (which must hold the
  * full initial or loaded weights), frees the full buffers and installs the

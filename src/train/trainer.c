@@ -302,6 +302,79 @@ static void pick_threads(const ct_config *c) {
     cpu_set_threads(n < 1 ? 1 : n);
 }
 
+/* Data parallel replicate without FSDP: a layer's gradients are final after
+ * its backward in the step's last micro-batch, so their all-reduce starts
+ * there (non-blocking, one in flight) and runs during the backward of the
+ * layer below; trainer_reduce_grads waits for it and all-reduces what is
+ * outside the layers (embedding, final norm, lm_head). The collective sums
+ * each element over ranks in rank order whatever range it is part of, so the
+ * bits are those of one all-reduce of the whole buffer after the backward.
+ * Without an MPI progress thread the all-reduce advances only inside MPI
+ * calls, hence the comm_test before each layer's backward. */
+struct dp_overlap {
+    trainer *t;
+    qwen3_hooks hooks;
+    int armed;       /* the step's last micro-batch is running */
+    comm_req req;    /* the latest layer's all-reduce */
+    size_t lo, hi;   /* [lo, hi) of model.grads started this step (lo == hi: none) */
+    size_t *layer;   /* [n_layers + 1]: layer l is [layer[l], layer[l + 1]) */
+};
+
+static void dpo_nop(void *ctx, int l) { (void)ctx, (void)l; }
+static void dpo_pre_backward(void *ctx, int l) {
+    (void)l;
+    comm_test(&((struct dp_overlap *)ctx)->req);
+}
+static void dpo_post_backward(void *ctx, int l) {
+    struct dp_overlap *d = ctx;
+    if (!d->armed) return;
+    trainer *t = d->t;
+    double t0 = ct_now();
+    comm_wait(&d->req);
+    size_t lo = d->layer[l], hi = d->layer[l + 1];
+    comm_iallreduce(&t->mesh.rep, t->model.grads + lo, hi - lo, COMM_F32, &d->req);
+    t->comm_s += ct_now() - t0;
+    if (d->hi == d->lo) d->hi = hi;
+    d->lo = lo;
+    if (l > 0) t->overlapped++;
+}
+
+static int dp_overlap_init(trainer *t, ct_err *e) {
+    const qwen3_model *m = &t->model;
+    int L = m->cfg.n_layers;
+    if (L < 1) return 0;
+    struct dp_overlap *d = ct_calloc(1, sizeof *d);
+    d->t = t;
+    d->layer = ct_calloc((size_t)L + 1, sizeof(size_t));
+    for (int l = 0; l < L; l++) {
+        size_t lo = 0, hi = 0;
+        int rc = fsdp_layer_range(m, l, &lo, &hi, e);
+        if (!rc && l > 0 && lo != d->layer[l])
+            rc = ct_fail(e, CT_ERR_IO, "data parallel: tensors between layers %d and %d", l - 1, l);
+        if (rc) {
+            free(d->layer);
+            free(d);
+            return rc;
+        }
+        d->layer[l] = lo;
+        d->layer[l + 1] = hi;
+    }
+    d->hooks = (qwen3_hooks){d, dpo_nop, dpo_nop, dpo_pre_backward, dpo_post_backward, NULL, NULL};
+    t->model.hooks = &d->hooks;
+    t->dpo = d;
+    return 0;
+}
+
+static void dp_overlap_free(trainer *t) {
+    struct dp_overlap *d = t->dpo;
+    if (!d) return;
+    comm_wait(&d->req);
+    if (t->model.hooks == &d->hooks) t->model.hooks = NULL;
+    free(d->layer);
+    free(d);
+    t->dpo = NULL;
+}
+
 int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_dist(t, cfg, NULL, e); }
 
 static int load_or_init_weights(trainer *t, ct_err *e);
@@ -352,6 +425,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
                      c->min_lr_factor);
 
     rc = t->mesh.dp_shard <= 1 ? load_or_init_weights(t, e) : init_sharded(t, e);
+    if (!rc && !t->fsdp && t->mesh.dp_replicate > 1) rc = dp_overlap_init(t, e);
     if (!rc && t->tp) tp_attach(t->tp, &t->model); /* after FSDP's hooks, which it wraps */
     return rc;
 }
@@ -474,6 +548,7 @@ int trainer_dry_run(const ct_config *c, ct_err *e) {
 void trainer_free(trainer *t) {
     if (t->tp) tp_free(t->tp);
     free(t->tp);
+    dp_overlap_free(t);
     if (t->fsdp) fsdp_free(t->fsdp);
     free(t->fsdp);
     mesh_free(&t->mesh);
@@ -488,11 +563,22 @@ void trainer_reduce_grads(trainer *t) {
     if (t->tp) t->comm_s += tp_take_comm_time(t->tp);
     if (t->fsdp) {
         t->comm_s += fsdp_take_comm_time(t->fsdp);
+        t->overlapped += t->fsdp->rs_overlapped;
+        t->fsdp->rs_overlapped = 0;
         t0 = ct_now();
         /* HSDP: the replicas of one shard sum their shard gradients */
         if (t->mesh.dp_replicate > 1) comm_allreduce(&t->mesh.rep, t->fsdp->grads, t->fsdp->shard_n, COMM_F32, COMM_SUM);
     } else if (t->mesh.dp_replicate > 1) {
-        comm_allreduce(&t->mesh.rep, t->model.grads, t->model.n_params, COMM_F32, COMM_SUM);
+        struct dp_overlap *d = t->dpo;
+        if (d && d->hi > d->lo) { /* the layers were started during the backward: the rest */
+            comm_wait(&d->req);
+            size_t n = t->model.n_params;
+            if (d->lo) comm_allreduce(&t->mesh.rep, t->model.grads, d->lo, COMM_F32, COMM_SUM);
+            if (d->hi < n) comm_allreduce(&t->mesh.rep, t->model.grads + d->hi, n - d->hi, COMM_F32, COMM_SUM);
+            d->lo = d->hi = 0;
+        } else {
+            comm_allreduce(&t->mesh.rep, t->model.grads, t->model.n_params, COMM_F32, COMM_SUM);
+        }
     }
     t->comm_s += ct_now() - t0;
 }
@@ -903,7 +989,9 @@ int trainer_run(trainer *t, ct_err *e) {
         double aux_sum = 0; /* MoE: HF's load-balancing loss, summed over micro-batches */
         for (int a = 0; a < t->grad_accum; a++) {
             if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
+            if (t->dpo) t->dpo->armed = a == t->grad_accum - 1; /* the gradients are final in the last one */
             loss_sum += qwen3_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
+            if (t->dpo) t->dpo->armed = 0;
             if (t->fsdp) fsdp_microbatch_end(t->fsdp);
             aux_sum += m->aux_loss;
         }
@@ -938,14 +1026,16 @@ int trainer_run(trainer *t, ct_err *e) {
                 fprintf(mf,
                         "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"memory_gib\": %.4f, "
                         "\"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"elapsed_s\": %.3f, \"valid_targets\": %ld, "
-                        "\"world\": %d, \"comm_pct\": %.3f",
-                        step, loss, gnorm, lr, mem, tps, tflops, mfu, now - t_start, n_valid, t->world->size, comm_pct);
+                        "\"world\": %d, \"comm_pct\": %.3f, \"reductions_overlapped\": %ld",
+                        step, loss, gnorm, lr, mem, tps, tflops, mfu, now - t_start, n_valid, t->world->size, comm_pct,
+                        t->overlapped);
                 if (m->n_moe_layers) print_moe_load(mf, m, aux, 1);
                 fprintf(mf, "}\n");
                 fflush(mf);
             }
             t_log = now;
             tokens_since_log = 0;
+            t->overlapped = 0;
         }
         if (!isfinite(loss)) {
             rc = ct_fail(e, CT_ERR_IO, "training diverged: loss is %g at step %d", loss, step);

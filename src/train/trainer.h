@@ -41,6 +41,8 @@ typedef struct {
     tp_layout *tp;    /* NULL unless tensor_parallel_degree > 1; then `model` is this rank's slice */
     int global_batch; /* sequences per optimizer step over every data-parallel rank */
     double comm_s;    /* seconds in collectives since the last metrics line */
+    struct dp_overlap *dpo; /* NULL unless data parallel replicate without FSDP: per-layer all-reduce hooks */
+    long overlapped;  /* layer gradient reductions started before the backward ended, since the last metrics line */
 } trainer;
 
 /* Takes ownership of *cfg (the caller must not free it). Builds the model from
