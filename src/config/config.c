@@ -166,7 +166,7 @@ static const cfg_option cfg_options[] = {
         .help = "ranks splitting each layer's heads and MLP (dense models; must divide the heads, kv heads "
                 "and intermediate size)"),
     OPT("parallelism", "expert_parallel_degree", CFG_INT, ep, "1", .range = CFG_GE, .lo = 1,
-        .help = "ranks splitting the MoE experts (not implemented yet: must be 1)"),
+        .help = "data-parallel ranks splitting the MoE experts' work (docs/distributed.md)"),
     OPT("parallelism", "fsdp_reshard_after_forward", CFG_ENUM, fsdp_reshard, "default",
         .choices = cfg_reshard_modes,
         .help = "free a layer's gathered parameters after its forward and gather them again for its backward; "

@@ -31,10 +31,16 @@ int mesh_resolve(const ct_config *c, int world, const qwen3_config *mc, const ch
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: parallelism.expert_parallel_degree = %d does not divide the model's %d experts",
                            where, c->ep, mc->n_experts);
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.expert_parallel_degree = %d: expert parallelism is not implemented yet "
-                       "(use 1)",
-                       where, c->ep);
+        if (tp > 1)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.expert_parallel_degree = %d with parallelism.tensor_parallel_degree = "
+                           "%d: expert parallel runs over data-parallel ranks only (set one of them to 1)",
+                           where, c->ep, tp);
+        if (strcmp(c->ac_mode, "none") != 0)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.expert_parallel_degree = %d with activation_checkpoint.mode = \"%s\": "
+                           "not implemented (use \"none\")",
+                           where, c->ep, c->ac_mode);
     }
     if (world % (rep * tp) != 0)
         return ct_fail(e, CT_ERR_CONFIG,
@@ -48,6 +54,11 @@ int mesh_resolve(const ct_config *c, int world, const qwen3_config *mc, const ch
                        "(%d) x parallelism.tensor_parallel_degree (%d) = %d, but the world size is %d (ranks "
                        "started by mpirun -np); set data_parallel_shard_degree = -1 to use the rest",
                        where, rep, shard, tp, rep * shard * tp, world);
+    if (c->ep > 1 && (rep * shard) % c->ep != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.expert_parallel_degree = %d does not divide the data-parallel ranks "
+                       "(data_parallel_replicate_degree x data_parallel_shard_degree = %d)",
+                       where, c->ep, rep * shard);
     *rep_out = rep;
     *shard_out = shard;
     *tp_out = tp;
@@ -69,7 +80,12 @@ int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const qwen3_config
     if ((rc = comm_split(world, m->shard_rank * m->tp + m->tp_rank, m->rep_rank, &m->rep, e))) return rc;
     if ((rc = comm_split(world, m->rep_rank * m->tp + m->tp_rank, m->shard_rank, &m->shard, e))) return rc;
     if ((rc = comm_split(world, m->tp_rank, m->dp_rank, &m->dp, e))) return rc;
-    return comm_split(world, m->dp_rank, m->tp_rank, &m->tpg, e);
+    if ((rc = comm_split(world, m->dp_rank, m->tp_rank, &m->tpg, e))) return rc;
+    m->ep = c->ep;
+    if (m->ep <= 1) return 0;
+    /* consecutive data-parallel ranks (tp is 1 here) */
+    m->ep_rank = m->dp_rank % m->ep;
+    return comm_split(world, m->dp_rank / m->ep, m->ep_rank, &m->epg, e);
 }
 
 void mesh_free(ct_mesh *m) {
@@ -77,5 +93,6 @@ void mesh_free(ct_mesh *m) {
     if (m->shard.be) comm_free(&m->shard);
     if (m->dp.be) comm_free(&m->dp);
     if (m->tpg.be) comm_free(&m->tpg);
+    if (m->epg.be) comm_free(&m->epg);
     memset(m, 0, sizeof *m);
 }

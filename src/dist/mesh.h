@@ -7,7 +7,9 @@
  * consecutive ranks (on one machine when ranks are packed by node):
  *   rank = (replicate_index * dp_shard + shard_index) * tp + tp_index.
  * Data-parallel rank (which windows of data a rank reads) is
- * replicate_index * dp_shard + shard_index, over dp_replicate * dp_shard. */
+ * replicate_index * dp_shard + shard_index, over dp_replicate * dp_shard.
+ * An expert-parallel group is expert_parallel_degree consecutive
+ * data-parallel ranks (dist/ep.h). */
 #ifndef CT_DIST_MESH_H
 #define CT_DIST_MESH_H
 
@@ -25,6 +27,8 @@ typedef struct {
     ct_comm shard;  /* same replica and tp index: one FSDP group */
     ct_comm dp;     /* same tp index: every data-parallel rank (loss and token counts) */
     ct_comm tpg;    /* same replica and shard index: one tensor-parallel group (consecutive ranks) */
+    int ep, ep_rank; /* expert parallel degree (1: off) and this rank's index in its group */
+    ct_comm epg;    /* expert_parallel_degree consecutive data-parallel ranks (tp = 1) */
 } ct_mesh;
 
 /* Resolves the degrees (data_parallel_shard_degree -1 = the rest) and checks

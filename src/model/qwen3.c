@@ -413,6 +413,10 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
         int l = (int)(a - m->acts);
         moe_route_fwd(&m->k, r, a->ln2, w->router, m->moe_bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
         if (res_next) memcpy(res_next, a->res_mid, (size_t)BT * H * sizeof(float));
+        if (m->moe_ep) {
+            m->moe_ep->fwd(m->moe_ep->ctx, l, res_next, a->ln2, r, w, BT);
+            return;
+        }
         m->k.moe_fwd(res_next, a->gate, a->up, a->h, m->moe_work, a->ln2, w->ewg, w->ewu, w->ewd, r->perm, r->pos,
                      r->offsets, r->topw, BT, H, Im, E, k);
         return;
@@ -574,8 +578,11 @@ static void moe_layer_bwd(qwen3_model *m, int l, int BT) {
     int H = c->hidden, E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
     const moe_route *r = &a->route;
     zero(m->d_ln, (size_t)BT * H);
-    m->k.moe_bwd(m->d_ln, g->ewg, g->ewu, g->ewd, m->moe_dtopw, m->moe_work, m->d_res, a->ln2, w->ewg, w->ewu,
-                 w->ewd, a->gate, a->up, a->h, r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
+    if (m->moe_ep)
+        m->moe_ep->bwd(m->moe_ep->ctx, l, m->d_ln, g, m->moe_dtopw, m->d_res, r, w, BT);
+    else
+        m->k.moe_bwd(m->d_ln, g->ewg, g->ewu, g->ewd, m->moe_dtopw, m->moe_work, m->d_res, a->ln2, w->ewg, w->ewu,
+                     w->ewd, a->gate, a->up, a->h, r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
     int aux = c->output_router_logits && c->router_aux_loss_coef > 0;
     moe_route_bwd(&m->k, m->d_ln, g->router, m->moe_dprobs, m->moe_dtopw, aux ? m->moe_dprob_all : NULL, a->ln2,
                   w->router, r, BT, H, E, k, c->norm_topk_prob);

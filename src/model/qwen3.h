@@ -170,6 +170,20 @@ typedef struct {
     void (*reduce_max)(void *ctx, float *x, size_t n);
 } qwen3_hooks;
 
+/* Expert parallel (dist/ep.c; NULL otherwise): runs a MoE layer's experts
+ * on the ranks that hold them. fwd adds sum_j topw_j expert_j(x) onto out
+ * (NULL: keep the state only, for a recomputation), as the experts kernel
+ * does; bwd accumulates dx and the held experts' gradients into g and
+ * overwrites dtopw, as the kernel's backward. Every rank of the group must
+ * call them for the same layers in the same order (collectives). */
+typedef struct {
+    void *ctx;
+    void (*fwd)(void *ctx, int layer, float *out, const float *x, const moe_route *r, const qwen3_layer_w *w,
+                int N);
+    void (*bwd)(void *ctx, int layer, float *dx, qwen3_layer_w *g, float *dtopw, const float *dout,
+                const moe_route *r, const qwen3_layer_w *w, int N);
+} qwen3_moe_dispatch;
+
 typedef struct {
     qwen3_config cfg;
     kern_ops k;             /* the kernels this model runs (reference until the run chooses) */
@@ -215,6 +229,7 @@ typedef struct {
                                step: a trainer with n micro-batches sets 1/n); used when
                                cfg.output_router_logits */
     const qwen3_hooks *hooks; /* NULL: none; set by a parallel layout (dist/fsdp.h) */
+    const qwen3_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by dist/ep.h */
     const int32_t *tokens;  /* of the last forward, for the embedding backward */
     int fwd_B, fwd_T;
 } qwen3_model;

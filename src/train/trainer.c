@@ -427,6 +427,10 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     rc = t->mesh.dp_shard <= 1 ? load_or_init_weights(t, e) : init_sharded(t, e);
     if (!rc && !t->fsdp && t->mesh.dp_replicate > 1) rc = dp_overlap_init(t, e);
     if (!rc && t->tp) tp_attach(t->tp, &t->model); /* after FSDP's hooks, which it wraps */
+    if (!rc && t->mesh.ep > 1) {
+        t->ep = ct_calloc(1, sizeof *t->ep);
+        rc = ep_init(t->ep, &t->model, &t->mesh.epg, e);
+    }
     return rc;
 }
 
@@ -546,6 +550,8 @@ int trainer_dry_run(const ct_config *c, ct_err *e) {
 }
 
 void trainer_free(trainer *t) {
+    if (t->ep) ep_free(t->ep);
+    free(t->ep);
     if (t->tp) tp_free(t->tp);
     free(t->tp);
     dp_overlap_free(t);
@@ -963,6 +969,10 @@ int trainer_run(trainer *t, ct_err *e) {
             c->shuffle ? ", shuffled" : "", B, T, t->grad_accum, t->step + 1, c->steps,
             qwen3_activation_bytes(m) / 1048576.0, t->world->size, t->mesh.dp_replicate, t->mesh.dp_shard,
             t->mesh.tp, t->world->be->name, t->global_batch, cpu_threads(), fpt, peak.flops / 1e9, peak.threads, peak.source, peak.isa);
+    if (t->ep)
+        fprintf(stderr, "ctitan: expert_parallel %d: rank 0 runs experts 0..%d of %d, the others theirs, on every rank's "
+               "tokens\n",
+               t->mesh.ep, t->ep->El - 1, m->cfg.n_experts);
 
     trainer_install_signals();
     size_t mb = (size_t)B * T;

@@ -13,6 +13,7 @@
 #include "core/err.h"
 #include "data/dataset.h"
 #include "dist/comm.h"
+#include "dist/ep.h"
 #include "dist/fsdp.h"
 #include "dist/mesh.h"
 #include "dist/tp.h"
@@ -39,6 +40,7 @@ typedef struct {
     ct_mesh mesh;
     fsdp *fsdp;       /* NULL unless data_parallel_shard_degree > 1 */
     tp_layout *tp;    /* NULL unless tensor_parallel_degree > 1; then `model` is this rank's slice */
+    ep_layout *ep;    /* NULL unless expert_parallel_degree > 1 */
     int global_batch; /* sequences per optimizer step over every data-parallel rank */
     double comm_s;    /* seconds in collectives since the last metrics line */
     struct dp_overlap *dpo; /* NULL unless data parallel replicate without FSDP: per-layer all-reduce hooks */

@@ -1,0 +1,35 @@
+/* dist/ep.h: expert parallel over data-parallel ranks (expert_parallel_degree).
+ *
+ * EP rank p of a group of ep runs experts [p E/ep, (p+1) E/ep) for the whole
+ * group: each MoE layer routes its own tokens, sends every (token, choice)
+ * row to the rank running its expert (all-to-allv), that rank runs the
+ * grouped experts kernel on what it received (one choice per row, with its
+ * routing weight), and the weighted outputs come back to be summed as on
+ * one rank.
+ * The backward mirrors it. The expert weights stay whole on every rank in
+ * this version (see docs/distributed.md): a rank's gradient of the experts it
+ * does not run is zero, so the data-parallel sum of gradients already gives
+ * each expert its owner's gradient, and clipping, the optimizer and
+ * checkpoints need nothing new. */
+#ifndef CT_DIST_EP_H
+#define CT_DIST_EP_H
+
+#include "dist/comm.h"
+#include "model/qwen3.h"
+
+typedef struct ep_layer ep_layer;
+
+typedef struct {
+    qwen3_model *m;
+    ct_comm *c;       /* the EP group */
+    int El;           /* experts per rank */
+    int Nmax;         /* tokens of the largest forward (B x T) */
+    ep_layer *layers; /* [L] state a layer's backward needs */
+    float *work;      /* experts kernel scratch for the largest receive */
+    qwen3_moe_dispatch d;
+} ep_layout;
+
+int ep_init(ep_layout *p, qwen3_model *m, ct_comm *c, ct_err *e);
+void ep_free(ep_layout *p);
+
+#endif
