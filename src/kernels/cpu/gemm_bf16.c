@@ -80,26 +80,13 @@ static void mm_fwd(const gemm_arch *ar, float *out, const float *inp, const floa
     gemm_f32(ar, M, N, K, a, b, out, N, accumulate);
 }
 
-static void mm_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                   int M, int K, int N) {
-    if (M <= 0 || N <= 0 || K <= 0) return;
-    if (dinp) {
-        gemm_view a = {dout, N, 1}, b = {w, K, 1};
-        gemm_f32(ar, M, K, N, a, b, dinp, K, 1);
-    }
-    if (dw) {
-        gemm_view a = {dout, 1, N}, b = {inp, K, 1};
-        gemm_f32(ar, N, K, M, a, b, dw, K, 1);
-    }
-}
-
 void kern_matmul_bf16_fwd_avx512bf16(float *out, const float *inp, const float *w, int M, int K, int N,
                                      int accumulate) {
     mm_fwd(&gemm_arch_avx512bf16, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bf16_bwd_avx512bf16(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                                      int M, int K, int N) {
-    mm_bwd(&gemm_arch_avx512bf16, dinp, dw, dout, inp, w, M, K, N);
+    gemm_matmul_bwd(&gemm_arch_avx512bf16, dinp, dw, dout, inp, w, M, K, N);
 }
 void kern_matmul_bf16_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx512, pack_a_r512, pack_b_r512);
@@ -108,7 +95,7 @@ void kern_matmul_bf16_fwd_avx512(float *out, const float *inp, const float *w, i
 void kern_matmul_bf16_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                                  int K, int N) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx512, pack_a_r512, pack_b_r512);
-    mm_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
+    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
 }
 void kern_matmul_bf16_fwd_avx2(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
@@ -117,5 +104,5 @@ void kern_matmul_bf16_fwd_avx2(float *out, const float *inp, const float *w, int
 void kern_matmul_bf16_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                                int K, int N) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
-    mm_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
+    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
 }

@@ -96,6 +96,12 @@ void gemm_f32(const gemm_arch *arch, int M, int N, int K, gemm_view A, gemm_view
 void gemm_nt_small(const gemm_arch *arch, float *out, const float *inp, const float *w, int M, int K, int N,
                    int accumulate);
 
+/* op_matmul_bwd's two products (dinp += dout w, dw += dout^T inp) as gemm_f32
+ * calls on `ar`: shared by the fp32 matmuls and the bf16 ones (whose arch
+ * rounds while packing). */
+void gemm_matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *dout, const float *inp,
+                     const float *w, int M, int K, int N);
+
 /* The ops.h matmul signatures on top of gemm_f32 for each ISA. */
 void kern_matmul_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,

@@ -25,8 +25,8 @@ static void matmul_fwd(const gemm_arch *ar, float *out, const float *inp, const 
     gemm_f32(ar, M, N, K, a, b, out, N, accumulate);
 }
 
-static void matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *dout, const float *inp,
-                       const float *w, int M, int K, int N) {
+void gemm_matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *dout, const float *inp,
+                     const float *w, int M, int K, int N) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     if (dinp) {
         gemm_view a = {dout, N, 1}, b = {w, K, 1};
@@ -43,14 +43,14 @@ void kern_matmul_fwd_avx512(float *out, const float *inp, const float *w, int M,
 }
 void kern_matmul_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                             int K, int N) {
-    matmul_bwd(&gemm_arch_avx512, dinp, dw, dout, inp, w, M, K, N);
+    gemm_matmul_bwd(&gemm_arch_avx512, dinp, dw, dout, inp, w, M, K, N);
 }
 void kern_matmul_fwd_avx2(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     matmul_fwd(&gemm_arch_avx2, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                           int K, int N) {
-    matmul_bwd(&gemm_arch_avx2, dinp, dw, dout, inp, w, M, K, N);
+    gemm_matmul_bwd(&gemm_arch_avx2, dinp, dw, dout, inp, w, M, K, N);
 }
 
 void kern_matmul_fwd_openblas(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
