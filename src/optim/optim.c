@@ -20,16 +20,25 @@ void adamw_free(adamw_state *s) {
     memset(s, 0, sizeof *s);
 }
 
-void adamw_step(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h) {
+adamw_scalars adamw_begin_step(adamw_state *s, double lr, const adamw_hparams *h) {
     s->step++;
-    /* scalars in double like torch's Python-side math, elementwise in fp32 */
-    const float decay = (float)(1.0 - lr * h->weight_decay);
-    const float b1 = (float)h->beta1, b2 = (float)h->beta2;
     const double bc1 = 1.0 - pow(h->beta1, (double)s->step);
     const double bc2 = 1.0 - pow(h->beta2, (double)s->step);
-    const float step_size = (float)(lr / bc1);
-    const float bc2_sqrt = (float)sqrt(bc2);
-    const float eps = (float)h->eps;
+    return (adamw_scalars){
+        .decay = (float)(1.0 - lr * h->weight_decay),
+        .b1 = (float)h->beta1,
+        .b2 = (float)h->beta2,
+        .step_size = (float)(lr / bc1),
+        .bc2_sqrt = (float)sqrt(bc2),
+        .eps = (float)h->eps,
+    };
+}
+
+void adamw_step(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h) {
+    /* scalars in double like torch's Python-side math, elementwise in fp32 */
+    const adamw_scalars sc = adamw_begin_step(s, lr, h);
+    const float decay = sc.decay, b1 = sc.b1, b2 = sc.b2, step_size = sc.step_size, bc2_sqrt = sc.bc2_sqrt,
+                eps = sc.eps;
     float *m = s->m, *v = s->v;
     long n = (long)s->n;
 #pragma omp parallel for schedule(static)

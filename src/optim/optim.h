@@ -24,6 +24,18 @@ typedef struct {
 
 void adamw_init(adamw_state *s, size_t n);
 void adamw_free(adamw_state *s);
+/* The per-step scalars of an AdamW step, in double as torch computes them on
+ * the Python side, then rounded to fp32 for the element-wise update. */
+typedef struct {
+    float decay;     /* 1 - lr * weight_decay */
+    float b1, b2;    /* betas */
+    float step_size; /* lr / (1 - beta1^step) */
+    float bc2_sqrt;  /* sqrt(1 - beta2^step) */
+    float eps;
+} adamw_scalars;
+/* Increments s->step and returns that step's scalars: every AdamW kernel starts
+ * here, so all of them agree to the bit on these. */
+adamw_scalars adamw_begin_step(adamw_state *s, double lr, const adamw_hparams *h);
 /* One step at learning rate lr (the schedule's value): increments s->step. */
 void adamw_step(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
 

@@ -469,17 +469,12 @@ EW512 double kern_crossentropy_fwd_avx512(float *losses, const float *logits, co
 EW512 void kern_adamw_step_avx512(adamw_state *s, float *params, const float *grads, double lr,
                                   const adamw_hparams *h) {
     // params[n], grads[n], s->m[n], s->v[n]: one pass, each element read and written once.
-    // The scalars and the element-wise expression are optim.c's adamw_step, operation
-    // for operation and without FMAs (the reference is built without contraction),
+    // The scalars come from adamw_begin_step, as in optim.c's adamw_step, and the
+    // element-wise expression is that function's, operation for operation and without FMAs (the reference is built without contraction),
     // so the result is bit-identical to "ref".
-    s->step++;
-    const float decay = (float)(1.0 - lr * h->weight_decay);
-    const float b1 = (float)h->beta1, b2 = (float)h->beta2;
-    const double bc1 = 1.0 - pow(h->beta1, (double)s->step);
-    const double bc2 = 1.0 - pow(h->beta2, (double)s->step);
-    const float step_size = (float)(lr / bc1);
-    const float bc2_sqrt = (float)sqrt(bc2);
-    const float eps = (float)h->eps;
+    const adamw_scalars sc = adamw_begin_step(s, lr, h);
+    const float decay = sc.decay, b1 = sc.b1, b2 = sc.b2, step_size = sc.step_size, bc2_sqrt = sc.bc2_sqrt,
+                eps = sc.eps;
     const __m512 vdecay = _mm512_set1_ps(decay), vb2 = _mm512_set1_ps(b2);
     const __m512 omb1 = _mm512_set1_ps(1.0f - b1), omb2 = _mm512_set1_ps(1.0f - b2);
     const __m512 vstep = _mm512_set1_ps(step_size), vbc2 = _mm512_set1_ps(bc2_sqrt), veps = _mm512_set1_ps(eps);
