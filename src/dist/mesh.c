@@ -9,19 +9,22 @@ int mesh_resolve(const ct_config *c, int world, const qwen3_config *mc, const ch
                  int *shard_out, int *tp_out, ct_err *e) {
     int rep = c->dp_replicate, tp = c->tp, shard = c->dp_shard;
     /* the model's shape first: it does not depend on how many ranks were started */
-    struct { const char *what; int n; } split[] = {
-        {"attention heads", mc->n_heads}, {"kv heads", mc->n_kv_heads}, {"intermediate size", mc->intermediate},
-        {"vocabulary size (its lm_head is split by rows)", mc->vocab_size}};
-    for (int i = 0; i < 3 + !mc->tie_embeddings; i++)
-        if (split[i].n % tp != 0)
+    int dense = 0, sparse = 0; /* which MLP kinds the model has: only those are split */
+    for (int l = 0; l < mc->n_layers; l++) {
+        if (qwen3_layer_is_moe(mc, l)) sparse = 1;
+        else dense = 1;
+    }
+    struct { const char *what; int n, used; } split[] = {
+        {"attention heads", mc->n_heads, 1},
+        {"kv heads", mc->n_kv_heads, 1},
+        {"intermediate size", mc->intermediate, dense},
+        {"moe_intermediate_size", mc->moe_intermediate, sparse}, /* each expert is split like the MLP */
+        {"vocabulary size (its lm_head is split by rows)", mc->vocab_size, !mc->tie_embeddings}};
+    for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
+        if (split[i].used && split[i].n % tp != 0)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: parallelism.tensor_parallel_degree = %d does not divide the model's %s (%d)", where,
                            tp, split[i].what, split[i].n);
-    if (tp > 1 && mc->n_experts > 0)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.tensor_parallel_degree = %d: tensor parallelism is implemented for the dense "
-                       "model only, and %s has experts (use 1)",
-                       where, tp, mc->name);
     if (c->ep > 1) {
         if (mc->n_experts == 0)
             return ct_fail(e, CT_ERR_CONFIG,
@@ -31,11 +34,6 @@ int mesh_resolve(const ct_config *c, int world, const qwen3_config *mc, const ch
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: parallelism.expert_parallel_degree = %d does not divide the model's %d experts",
                            where, c->ep, mc->n_experts);
-        if (tp > 1)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: parallelism.expert_parallel_degree = %d with parallelism.tensor_parallel_degree = "
-                           "%d: expert parallel runs over data-parallel ranks only (set one of them to 1)",
-                           where, c->ep, tp);
         if (strcmp(c->ac_mode, "none") != 0)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: parallelism.expert_parallel_degree = %d with activation_checkpoint.mode = \"%s\": "
@@ -83,9 +81,10 @@ int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const qwen3_config
     if ((rc = comm_split(world, m->dp_rank, m->tp_rank, &m->tpg, e))) return rc;
     m->ep = c->ep;
     if (m->ep <= 1) return 0;
-    /* consecutive data-parallel ranks (tp is 1 here) */
+    /* consecutive data-parallel ranks with the same tp index: under TP each
+     * rank of the group holds the same tp slice of its experts */
     m->ep_rank = m->dp_rank % m->ep;
-    return comm_split(world, m->dp_rank / m->ep, m->ep_rank, &m->epg, e);
+    return comm_split(world, (m->dp_rank / m->ep) * m->tp + m->tp_rank, m->ep_rank, &m->epg, e);
 }
 
 void mesh_free(ct_mesh *m) {

@@ -28,7 +28,7 @@ typedef struct {
     ct_comm dp;     /* same tp index: every data-parallel rank (loss and token counts) */
     ct_comm tpg;    /* same replica and shard index: one tensor-parallel group (consecutive ranks) */
     int ep, ep_rank; /* expert parallel degree (1: off) and this rank's index in its group */
-    ct_comm epg;    /* expert_parallel_degree consecutive data-parallel ranks (tp = 1) */
+    ct_comm epg;    /* expert_parallel_degree consecutive data-parallel ranks with this tp index */
 } ct_mesh;
 
 /* Resolves the degrees (data_parallel_shard_degree -1 = the rest) and checks

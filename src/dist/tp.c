@@ -16,6 +16,7 @@ void tp_local_config(qwen3_config *local, const qwen3_config *full, int t, int r
     local->n_heads = full->n_heads / t;
     local->n_kv_heads = full->n_kv_heads / t;
     local->intermediate = full->intermediate / t;
+    local->moe_intermediate = full->moe_intermediate / t; /* every expert's gate/up rows, down columns */
     if (!full->tie_embeddings && t > 1) { /* a tied lm_head is the embedding: replicated with it */
         local->vocab_rows = full->vocab_size / t;
         local->vocab_row0 = rank * local->vocab_rows;

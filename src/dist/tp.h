@@ -1,4 +1,4 @@
-/* dist/tp.h: tensor parallelism for the dense model (torchtitan's Qwen3 plan).
+/* dist/tp.h: tensor parallelism (torchtitan's Qwen3 plan, dense and MoE).
  *
  * The model's math stays in model/qwen3.c, run on a LOCAL config: n_heads,
  * n_kv_heads, intermediate and (untied) the lm_head's vocab_rows divided by
@@ -12,6 +12,13 @@
  *   - the backward of a column-parallel layer all-reduces d(its input), so
  *     the replicated RMSNorm weights and embedding (and a tied lm_head) get
  *     the same gradient on every rank;
+ *   - MoE layers: the router is replicated (every rank routes the same
+ *     replicated ln2 identically); each expert is split like the dense MLP,
+ *     gate/up rows and down columns of moe_intermediate, so the experts'
+ *     output, d(ln2) and d(routing weights) are partial sums, all-reduced
+ *     before the residual add and before the router's backward. Under EP
+ *     too, a rank's tp slice of its experts serves its EP group's rows
+ *     (etp = tp in torchtitan's terms);
  *   - the per-head q/k norm weights [hd] see only this rank's heads: their
  *     gradient of each layer's backward is all-reduced (post_backward);
  *   - lm_head (untied) is vocabulary-parallel: rank r holds rows

@@ -360,6 +360,8 @@ double qwen3_flops_per_token(const qwen3_model *m, int T) {
 
 /* ---------------------------------------------------------------- forward */
 
+static void zero(float *p, size_t n) { memset(p, 0, n * sizeof(float)); }
+
 /* out[BT, N] = base + in[BT, K] @ w[N, K]^T, the residual add of o_proj and
  * down_proj. Under tensor parallelism (hooks->reduce_partial) this rank's
  * product covers only its slice of K: the partial products are summed over
@@ -412,13 +414,25 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
         moe_route *r = &a->route;
         int l = (int)(a - m->acts);
         moe_route_fwd(&m->k, r, a->ln2, w->router, m->moe_bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
-        if (res_next) memcpy(res_next, a->res_mid, (size_t)BT * H * sizeof(float));
-        if (m->moe_ep) {
-            m->moe_ep->fwd(m->moe_ep->ctx, l, res_next, a->ln2, r, w, BT);
-            return;
+        /* Under tensor parallelism every expert holds this rank's slice of
+         * moe_intermediate, so its output is a partial sum: it goes to a
+         * scratch (d_ln is free during a forward), is summed over the group
+         * and the residual is added once, as residual_matmul does. The router
+         * and its top-k run on the replicated ln2, identically on every rank. */
+        int tp = m->hooks && m->hooks->reduce_partial;
+        float *y = res_next && tp ? m->d_ln : res_next; /* [BT, H] */
+        size_t n = (size_t)BT * H;
+        if (y && tp) zero(y, n);
+        else if (y) memcpy(y, a->res_mid, n * sizeof(float));
+        if (m->moe_ep)
+            m->moe_ep->fwd(m->moe_ep->ctx, l, y, a->ln2, r, w, BT);
+        else
+            m->k.moe_fwd(y, a->gate, a->up, a->h, m->moe_work, a->ln2, w->ewg, w->ewu, w->ewd, r->perm, r->pos,
+                         r->offsets, r->topw, BT, H, Im, E, k);
+        if (y && tp) {
+            m->hooks->reduce_partial(m->hooks->ctx, y, n);
+            for (size_t i = 0; i < n; i++) res_next[i] = a->res_mid[i] + y[i];
         }
-        m->k.moe_fwd(res_next, a->gate, a->up, a->h, m->moe_work, a->ln2, w->ewg, w->ewu, w->ewd, r->perm, r->pos,
-                     r->offsets, r->topw, BT, H, Im, E, k);
         return;
     }
     m->k.matmul_fwd(a->gate, a->ln2, w->wg, BT, H, I, 0);
@@ -564,8 +578,6 @@ double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, 
 
 /* --------------------------------------------------------------- backward */
 
-static void zero(float *p, size_t n) { memset(p, 0, n * sizeof(float)); }
-
 /* The sparse MLP's backward from d_res (d of the layer's output, the same as
  * d of the MLP's output): d_ln = d(ln2), gradients of the experts and the
  * router. Reuses the forward's routing; the load-balancing term, if on,
@@ -583,6 +595,10 @@ static void moe_layer_bwd(qwen3_model *m, int l, int BT) {
     else
         m->k.moe_bwd(m->d_ln, g->ewg, g->ewu, g->ewd, m->moe_dtopw, m->moe_work, m->d_res, a->ln2, w->ewg, w->ewu,
                      w->ewd, a->gate, a->up, a->h, r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
+    /* under tensor parallelism both are partial sums over the experts'
+     * intermediate slices; the router's own d(ln2), added next, is not */
+    reduce_d_input(m, m->d_ln, (size_t)BT * H);
+    reduce_d_input(m, m->moe_dtopw, (size_t)BT * k);
     int aux = c->output_router_logits && c->router_aux_loss_coef > 0;
     moe_route_bwd(&m->k, m->d_ln, g->router, m->moe_dprobs, m->moe_dtopw, aux ? m->moe_dprob_all : NULL, a->ln2,
                   w->router, r, BT, H, E, k, c->norm_topk_prob);
