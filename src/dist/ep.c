@@ -88,7 +88,7 @@ static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route
     }
     for (int e = El - 1; e > 0; e--) L->off[e] = L->off[e - 1];
     L->off[0] = 0;
-    size_t eo = (size_t)me * El * Im * H; /* this rank's experts in the stacked [E, ...] tensors */
+    size_t eo = (size_t)(me * El - c->expert0) * Im * H; /* its experts in the stacked tensors (0: stored alone) */
     memset(s.yr, 0, R * H * sizeof(float));
     if (R)
         p->m->k.moe_fwd(s.yr, L->gate, L->up, L->h, p->work, L->xr, w->ewg + eo, w->ewu + eo, w->ewd + eo, L->perm,
@@ -117,7 +117,7 @@ static void ep_bwd(void *ctx, int l, float *dx, qwen3_layer_w *g, float *dtopw, 
     float *dxr = s.yr;
     ep_move(p, &s, s.dxs, s.xs, L, 0, (size_t)H); /* dxs: [R, H] d outputs received */
     memset(dxr, 0, R * H * sizeof(float));
-    size_t eo = (size_t)me * El * Im * H;
+    size_t eo = (size_t)(me * El - c->expert0) * Im * H;
     if (R)
         p->m->k.moe_bwd(dxr, g->ewg + eo, g->ewu + eo, g->ewd + eo, s.dtopw1, p->work, s.dxs, L->xr, w->ewg + eo,
                         w->ewu + eo, w->ewd + eo, L->gate, L->up, L->h, L->perm, L->pos, L->off, L->wr, (int)R, H,

@@ -6,11 +6,10 @@
  * grouped experts kernel on what it received (one choice per row, with its
  * routing weight), and the weighted outputs come back to be summed as on
  * one rank.
- * The backward mirrors it. The expert weights stay whole on every rank in
- * this version (see docs/distributed.md): a rank's gradient of the experts it
- * does not run is zero, so the data-parallel sum of gradients already gives
- * each expert its owner's gradient, and clipping, the optimizer and
- * checkpoints need nothing new. */
+ * The backward mirrors it. A rank stores only its experts' weights,
+ * gradients and moments (qwen3_config.expert_rows, set by dist/tp.h's local
+ * config); their gradients are summed over the ranks that hold the same
+ * experts only (mesh.edp), and a checkpoint gathers them (tp_gather). */
 #ifndef CT_DIST_EP_H
 #define CT_DIST_EP_H
 

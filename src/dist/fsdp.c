@@ -29,12 +29,12 @@ static void release_range(float *base, size_t off, size_t n) {
 static void gather_piece(fsdp *f, int i, float *full, const float *shard) {
     const fsdp_piece *p = &f->p[i];
     if (!p->n) return;
-    size_t N = (size_t)f->comm->size;
+    size_t N = (size_t)p->comm->size;
     double t0 = ct_now();
     if (p->chunk * N == p->n) {
-        comm_all_gather(f->comm, full + p->off, shard + p->shard_off, p->chunk, COMM_F32);
+        comm_all_gather(p->comm, full + p->off, shard + p->shard_off, p->chunk, COMM_F32);
     } else {
-        comm_all_gather(f->comm, f->stage, shard + p->shard_off, p->chunk, COMM_F32);
+        comm_all_gather(p->comm, f->stage, shard + p->shard_off, p->chunk, COMM_F32);
         memcpy(full + p->off, f->stage, p->n * sizeof(float));
     }
     f->comm_s += ct_now() - t0;
@@ -45,9 +45,9 @@ static void gather_piece(fsdp *f, int i, float *full, const float *shard) {
 static float *rs_input(fsdp *f, int i, float *stage) {
     const fsdp_piece *p = &f->p[i];
     float *in = f->m->grads + p->off;
-    if (p->chunk * (size_t)f->comm->size != p->n) {
+    if (p->chunk * (size_t)p->comm->size != p->n) {
         memcpy(stage, in, p->n * sizeof(float));
-        memset(stage + p->n, 0, (p->chunk * (size_t)f->comm->size - p->n) * sizeof(float));
+        memset(stage + p->n, 0, (p->chunk * (size_t)p->comm->size - p->n) * sizeof(float));
         in = stage;
     }
     return in;
@@ -59,9 +59,9 @@ static void reduce_piece(fsdp *f, int i) {
     if (!p->n) return;
     float *in = rs_input(f, i, f->stage);
     /* in place (comm.h allows it): the sum lands on this rank's own block of the input */
-    float *sum = in + (size_t)f->comm->rank * p->chunk;
+    float *sum = in + (size_t)p->comm->rank * p->chunk;
     double t0 = ct_now();
-    comm_reduce_scatter(f->comm, sum, in, p->chunk, COMM_F32);
+    comm_reduce_scatter(p->comm, sum, in, p->chunk, COMM_F32);
     f->comm_s += ct_now() - t0;
     float *g = f->grads + p->shard_off;
     for (size_t k = 0; k < p->chunk; k++) g[k] += sum[k];
@@ -90,11 +90,11 @@ static void start_reduce(fsdp *f, int i) {
     finish_reduce(f);
     const fsdp_piece *p = &f->p[i];
     if (!p->n) return;
-    if (!f->rs_stage) f->rs_stage = ct_malloc((size_t)f->comm->size * f->max_chunk * sizeof(float));
+    if (!f->rs_stage) f->rs_stage = ct_malloc(f->max_stage * sizeof(float));
     float *in = rs_input(f, i, f->rs_stage);
-    f->rs_sum = in + (size_t)f->comm->rank * p->chunk;
+    f->rs_sum = in + (size_t)p->comm->rank * p->chunk;
     double t0 = ct_now();
-    comm_ireduce_scatter(f->comm, f->rs_sum, in, p->chunk, COMM_F32, &f->rs_req);
+    comm_ireduce_scatter(p->comm, f->rs_sum, in, p->chunk, COMM_F32, &f->rs_req);
     f->comm_s += ct_now() - t0;
     f->rs_piece = i;
 }
@@ -110,7 +110,7 @@ static void finish_prefetch(fsdp *f) {
     double t0 = ct_now();
     comm_wait(&f->pf_req);
     const fsdp_piece *p = &f->p[i];
-    if (p->chunk * (size_t)f->comm->size != p->n) memcpy(f->m->params + p->off, f->pf_stage, p->n * sizeof(float));
+    if (p->chunk * (size_t)p->comm->size != p->n) memcpy(f->m->params + p->off, f->pf_stage, p->n * sizeof(float));
     f->comm_s += ct_now() - t0;
     f->gathered[i] = 1;
     f->pf_piece = -1;
@@ -120,10 +120,10 @@ static void start_prefetch(fsdp *f, int i) {
     if (i < 0 || i >= f->n_pieces || f->gathered[i] || f->pf_piece == i || !f->p[i].n) return;
     finish_prefetch(f);
     const fsdp_piece *p = &f->p[i];
-    int direct = p->chunk * (size_t)f->comm->size == p->n;
-    if (!direct && !f->pf_stage) f->pf_stage = ct_malloc((size_t)f->comm->size * f->max_chunk * sizeof(float));
+    int direct = p->chunk * (size_t)p->comm->size == p->n;
+    if (!direct && !f->pf_stage) f->pf_stage = ct_malloc(f->max_stage * sizeof(float));
     double t0 = ct_now();
-    comm_iall_gather(f->comm, direct ? f->m->params + p->off : f->pf_stage, f->params + p->shard_off, p->chunk,
+    comm_iall_gather(p->comm, direct ? f->m->params + p->off : f->pf_stage, f->params + p->shard_off, p->chunk,
                      COMM_F32, &f->pf_req);
     f->comm_s += ct_now() - t0;
     f->pf_piece = i;
@@ -145,43 +145,57 @@ static void release_params(fsdp *f, int i) {
 
 static void zero_grads(fsdp *f, int i) { memset(f->m->grads + f->p[i].off, 0, f->p[i].n * sizeof(float)); }
 
+/* A layer is one piece, or two under expert parallel (its experts last). */
+static void gather_layer(fsdp *f, int l) {
+    for (int i = f->lp[l]; i < f->lp[l + 1]; i++) gather_params(f, i);
+}
+static void release_layer(fsdp *f, int l) {
+    for (int i = f->lp[l]; i < f->lp[l + 1]; i++) release_params(f, i);
+}
+
 /* Piece 0 (the embedding) is needed by the embedding lookup before layer 0,
  * and, when tied, again as the lm_head after the last layer; the head piece
  * (final norm, untied lm_head) only from after the last layer's forward to
  * the start of its backward. The edges of the layer loop are where they
- * come and go, so an untied model never holds both whole at once. */
+ * come and go, so an untied model never holds both whole at once. The
+ * prefetch covers a layer's first piece; an experts piece is gathered and
+ * reduced when needed (its group is the FSDP group's 1/ep). */
 static void hook_pre_forward(void *ctx, int l) {
     fsdp *f = ctx;
     if (l == 0 && !f->tied) release_params(f, 0); /* the lookup is done */
-    gather_params(f, 1 + l);
-    start_prefetch(f, 2 + l); /* the next layer, or the head after the last one */
+    gather_layer(f, l);
+    start_prefetch(f, f->lp[l + 1]); /* the next layer, or the head after the last one */
 }
 static void hook_post_forward(void *ctx, int l) {
     fsdp *f = ctx;
-    if (f->reshard || f->fwd_only) release_params(f, 1 + l);
-    if (l == f->n_pieces - 3) { /* the last layer: the head runs next */
+    if (f->reshard || f->fwd_only) release_layer(f, l);
+    if (l == f->m->cfg.n_layers - 1) { /* the last layer: the head runs next */
         gather_params(f, f->n_pieces - 1);
         if (!f->fwd_only) zero_grads(f, f->n_pieces - 1);
     }
 }
 static void hook_pre_backward(void *ctx, int l) {
     fsdp *f = ctx;
-    if (l == f->n_pieces - 3) { /* the head's backward is complete */
+    if (l == f->m->cfg.n_layers - 1) { /* the head's backward is complete */
         int last = f->n_pieces - 1;
         reduce_piece(f, last);
         release_range(f->m->grads, f->p[last].off, f->p[last].n);
         release_params(f, last);
     }
     comm_test(&f->rs_req); /* drives layer l+1's reduce-scatter (no MPI progress thread) */
-    gather_params(f, 1 + l);
-    if (l > 0) start_prefetch(f, l); /* layer l-1's parameters, unless still held */
-    zero_grads(f, 1 + l);
+    gather_layer(f, l);
+    if (l > 0) start_prefetch(f, f->lp[l - 1]); /* layer l-1's parameters, unless still held */
+    for (int i = f->lp[l]; i < f->lp[l + 1]; i++) zero_grads(f, i);
 }
 static void hook_post_backward(void *ctx, int l) {
     fsdp *f = ctx;
-    start_reduce(f, 1 + l); /* completes layer l+1's first */
-    if (l > 0 && f->rs_piece == 1 + l) f->rs_overlapped++;
-    release_params(f, 1 + l);
+    for (int i = f->lp[l] + 1; i < f->lp[l + 1]; i++) { /* the experts: over their own group, now */
+        reduce_piece(f, i);
+        release_range(f->m->grads, f->p[i].off, f->p[i].n);
+    }
+    start_reduce(f, f->lp[l]); /* completes layer l+1's first */
+    if (l > 0 && f->rs_piece == f->lp[l]) f->rs_overlapped++;
+    release_layer(f, l);
     if (l == 0 && !f->tied) zero_grads(f, 0); /* the embedding's backward comes next */
 }
 
@@ -204,41 +218,68 @@ int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err
     return 0;
 }
 
-int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, int reshard, ct_err *e) {
+/* [a, b) of the experts' tensors of layer l; a == b: none. */
+static void expert_range(const qwen3_model *m, int l, size_t *a, size_t *b) {
+    char prefix[64];
+    int n = snprintf(prefix, sizeof prefix, "model.layers.%d.mlp.experts.", l);
+    *a = SIZE_MAX, *b = 0;
+    for (int i = 0; i < m->n_tensors; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        if (strncmp(t->name, prefix, (size_t)n) != 0) continue;
+        if (t->offset < *a) *a = t->offset;
+        if (t->offset + t->numel > *b) *b = t->offset + t->numel;
+    }
+    if (*a >= *b) *a = *b = 0;
+}
+
+int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, ct_comm *expert_comm, int reshard, ct_err *e) {
     memset(f, 0, sizeof *f);
     int L = m->cfg.n_layers;
     f->m = m;
     f->comm = comm;
     f->reshard = reshard;
     f->tied = m->cfg.tie_embeddings;
-    f->n_pieces = L + 2;
-    f->p = ct_calloc((size_t)f->n_pieces, sizeof *f->p);
-    f->gathered = ct_calloc((size_t)f->n_pieces, sizeof(int));
+    f->p = ct_calloc(2 * (size_t)L + 2, sizeof *f->p);
+    f->lp = ct_calloc((size_t)L + 1, sizeof(int));
+    int np = 1;
     size_t prev = 0;
     for (int l = 0; l < L; l++) {
-        size_t lo = 0, hi = 0;
+        size_t lo = 0, hi = 0, ea = 0, eb = 0;
         int rc = fsdp_layer_range(m, l, &lo, &hi, e);
         if (rc) return rc;
         if (lo < prev) return ct_fail(e, CT_ERR_IO, "fsdp: layer %d overlaps the tensors before it", l);
         if (l == 0) f->p[0] = (fsdp_piece){.off = 0, .n = lo};
         else if (lo != prev) return ct_fail(e, CT_ERR_IO, "fsdp: tensors between layers %d and %d", l - 1, l);
-        f->p[1 + l] = (fsdp_piece){.off = lo, .n = hi - lo};
+        if (expert_comm) expert_range(m, l, &ea, &eb);
+        if (eb > ea && eb != hi) return ct_fail(e, CT_ERR_IO, "fsdp: layer %d's experts are not its last tensors", l);
+        f->lp[l] = np;
+        if (eb > ea) {
+            f->p[np++] = (fsdp_piece){.off = lo, .n = ea - lo, .comm = comm};
+            f->p[np++] = (fsdp_piece){.off = ea, .n = eb - ea, .comm = expert_comm};
+        } else {
+            f->p[np++] = (fsdp_piece){.off = lo, .n = hi - lo, .comm = comm};
+        }
         prev = hi;
     }
     if (L == 0) f->p[0] = (fsdp_piece){.off = 0, .n = 0};
-    f->p[L + 1] = (fsdp_piece){.off = prev, .n = m->n_params - prev};
-    size_t N = (size_t)comm->size, maxc = 1;
+    f->p[0].comm = comm;
+    f->lp[L] = np;
+    f->p[np++] = (fsdp_piece){.off = prev, .n = m->n_params - prev, .comm = comm};
+    f->n_pieces = np;
+    size_t maxs = 1;
     for (int i = 0; i < f->n_pieces; i++) {
         fsdp_piece *p = &f->p[i];
+        size_t N = (size_t)p->comm->size;
         p->chunk = (p->n + N - 1) / N;
         p->shard_off = f->shard_n;
         f->shard_n += p->chunk;
-        if (p->chunk > maxc) maxc = p->chunk;
+        if (p->chunk * N > maxs) maxs = p->chunk * N;
     }
     f->params = ct_calloc(f->shard_n ? f->shard_n : 1, sizeof(float));
     f->grads = ct_calloc(f->shard_n ? f->shard_n : 1, sizeof(float));
-    f->stage = ct_malloc(N * maxc * sizeof(float));
-    f->max_chunk = maxc;
+    f->stage = ct_malloc(maxs * sizeof(float));
+    f->max_stage = maxs;
+    f->gathered = ct_calloc((size_t)f->n_pieces, sizeof(int));
     f->pf_piece = -1;
     f->rs_piece = -1;
     fsdp_take_shard(f, f->params, m->params);
@@ -249,14 +290,23 @@ int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, int reshard, ct_err *e) {
     return 0;
 }
 
+void fsdp_piece_held(const fsdp *f, int i, size_t *lo, size_t *cnt) {
+    const fsdp_piece *p = &f->p[i];
+    *lo = (size_t)p->comm->rank * p->chunk;
+    *cnt = *lo < p->n ? (p->n - *lo < p->chunk ? p->n - *lo : p->chunk) : 0;
+}
+
 void fsdp_free(fsdp *f) {
     if (f->m && f->m->hooks == &f->hooks) f->m->hooks = NULL;
+    if (f->p) { /* what is in flight reads the pieces and the shard buffers */
+        finish_reduce(f);
+        finish_prefetch(f);
+    }
     free(f->p);
+    free(f->lp);
     free(f->gathered);
-    finish_reduce(f);
     free(f->params);
     free(f->grads);
-    finish_prefetch(f);
     free(f->rs_stage);
     free(f->stage);
     free(f->pf_stage);
@@ -264,10 +314,10 @@ void fsdp_free(fsdp *f) {
 }
 
 void fsdp_take_shard(const fsdp *f, float *shard, const float *full) {
-    size_t r = (size_t)f->comm->rank;
     for (int i = 0; i < f->n_pieces; i++) {
         const fsdp_piece *p = &f->p[i];
-        size_t lo = r * p->chunk, cnt = lo < p->n ? (p->n - lo < p->chunk ? p->n - lo : p->chunk) : 0;
+        size_t lo, cnt;
+        fsdp_piece_held(f, i, &lo, &cnt);
         if (cnt) memcpy(shard + p->shard_off, full + p->off + lo, cnt * sizeof(float));
         memset(shard + p->shard_off + cnt, 0, (p->chunk - cnt) * sizeof(float));
     }
@@ -279,7 +329,7 @@ void fsdp_take_shard(const fsdp *f, float *shard, const float *full) {
 static void gather_piece_root(fsdp *f, int i, float *full, const float *shard, int root) {
     const fsdp_piece *p = &f->p[i];
     if (!p->n) return;
-    int N = f->comm->size, me = f->comm->rank;
+    int N = p->comm->size, me = p->comm->rank;
     int direct = p->chunk * (size_t)N == p->n;
     size_t *v = ct_calloc(4 * (size_t)N, sizeof(size_t));
     size_t *sc = v, *sd = v + N, *rc = v + 2 * N, *rd = v + 3 * N;
@@ -290,7 +340,7 @@ static void gather_piece_root(fsdp *f, int i, float *full, const float *shard, i
     }
     float *dst = me == root ? (direct ? full + p->off : f->stage) : f->stage;
     double t0 = ct_now();
-    comm_all_to_allv(f->comm, dst, rc, rd, shard + p->shard_off, sc, sd, COMM_F32);
+    comm_all_to_allv(p->comm, dst, rc, rd, shard + p->shard_off, sc, sd, COMM_F32);
     f->comm_s += ct_now() - t0;
     if (me == root && !direct) memcpy(full + p->off, f->stage, p->n * sizeof(float));
     free(v);
@@ -302,8 +352,9 @@ void fsdp_gather_full(fsdp *f, float *full, const float *shard, int root) {
         if (root < 0) gather_piece(f, i, full, shard);
         else gather_piece_root(f, i, full, shard, root);
     }
-    if (full == f->m->params && (root < 0 || root == f->comm->rank))
-        for (int i = 0; i < f->n_pieces; i++) f->gathered[i] = 1;
+    if (full == f->m->params)
+        for (int i = 0; i < f->n_pieces; i++)
+            if (root < 0 || root == f->p[i].comm->rank) f->gathered[i] = 1;
 }
 
 void fsdp_release_full(fsdp *f, float *full) {
@@ -314,7 +365,7 @@ void fsdp_release_full(fsdp *f, float *full) {
 }
 
 void fsdp_microbatch_begin(fsdp *f) {
-    int last = f->n_pieces - 1, no_layers = f->n_pieces == 2;
+    int last = f->n_pieces - 1, no_layers = f->m->cfg.n_layers == 0;
     gather_params(f, 0);
     start_prefetch(f, 1);
     /* tied: the lm_head's backward adds to piece 0 long before the embedding's */
@@ -331,7 +382,7 @@ void fsdp_microbatch_end(fsdp *f) {
     if (!f->fwd_only) {
         reduce_piece(f, 0);
         release_range(f->m->grads, f->p[0].off, f->p[0].n);
-        if (f->n_pieces == 2) {
+        if (f->m->cfg.n_layers == 0) {
             reduce_piece(f, last);
             release_range(f->m->grads, f->p[last].off, f->p[last].n);
         }

@@ -43,29 +43,31 @@
 
 typedef struct {
     size_t off, n;      /* range of the flat buffer */
-    size_t chunk;       /* floats per rank: ceil(n / N) */
+    size_t chunk;       /* floats per rank: ceil(n / N), N the size of comm */
     size_t shard_off;   /* where this rank's slice starts in the shard buffers */
+    ct_comm *comm;      /* the ranks sharing it: the FSDP group, or for experts its expert sub-group */
 } fsdp_piece;
 
 typedef struct {
     qwen3_model *m;
     ct_comm *comm;       /* the dp_shard group */
-    int n_pieces;        /* L + 2 */
+    int n_pieces;        /* L + 2, plus one per MoE layer under expert parallel */
     fsdp_piece *p;       /* [n_pieces] */
+    int *lp;             /* [L + 1] layer l is pieces [lp[l], lp[l + 1]); lp[L] is the head */
     int *gathered;       /* [n_pieces] parameters present in m->params */
     size_t shard_n;      /* floats of this rank's shard */
     float *params;       /* [shard_n] */
     float *grads;        /* [shard_n] */
-    float *stage;        /* [N * max chunk] gather / reduce-scatter staging */
-    size_t max_chunk;
+    float *stage;        /* [max_stage] gather / reduce-scatter staging */
+    size_t max_stage;    /* max over pieces of chunk x its comm's size */
     int pf_piece;        /* piece whose all-gather is in flight (-1: none) */
     int rs_piece;        /* piece whose gradient reduce-scatter is in flight (-1: none) */
     comm_req rs_req;
     float *rs_sum;       /* [chunk] where its sum lands (inside its input) */
-    float *rs_stage;     /* [N * max chunk] its input when the piece is padded; allocated on first use */
+    float *rs_stage;     /* [max_stage] its input when the piece is padded; allocated on first use */
     long rs_overlapped;  /* layer reductions started with another layer's backward still to run */
     comm_req pf_req;
-    float *pf_stage;     /* [N * max chunk] its staging when the piece is padded; allocated on first use */
+    float *pf_stage;     /* [max_stage] its staging when the piece is padded; allocated on first use */
     int reshard;         /* free a layer's parameters after its forward */
     int fwd_only;        /* forward without backward follows (evaluation): always free */
     int tied;            /* lm_head is the embedding: piece 0 stays for the whole micro-batch */
@@ -78,8 +80,15 @@ int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err
 /* Builds the pieces (an error names a layer whose tensors are not
  * contiguous), takes this rank's slices of m->params (which must hold the
  * full initial or loaded weights), frees the full buffers and installs the
- * hooks on m. */
-int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *shard_comm, int reshard_after_forward, ct_err *e);
+ * hooks on m. expert_comm (NULL: none) is given under expert parallel: the
+ * ranks of the FSDP group that hold the same experts. A MoE layer's experts
+ * (the end of its range) are then a piece of their own, sharded over
+ * expert_comm only, since the other ranks' ranges hold other experts. */
+int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *shard_comm, ct_comm *expert_comm, int reshard_after_forward,
+              ct_err *e);
+/* Of piece i, this rank's slice holds *cnt real (unpadded) floats from
+ * position *lo of the piece. */
+void fsdp_piece_held(const fsdp *f, int i, size_t *lo, size_t *cnt);
 void fsdp_free(fsdp *f);
 /* shard[shard_n] = this rank's slices of full[n_params] (e.g. AdamW moments). */
 void fsdp_take_shard(const fsdp *f, float *shard, const float *full);

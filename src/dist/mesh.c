@@ -52,11 +52,20 @@ int mesh_resolve(const ct_config *c, int world, const qwen3_config *mc, const ch
                        "(%d) x parallelism.tensor_parallel_degree (%d) = %d, but the world size is %d (ranks "
                        "started by mpirun -np); set data_parallel_shard_degree = -1 to use the rest",
                        where, rep, shard, tp, rep * shard * tp, world);
-    if (c->ep > 1 && (rep * shard) % c->ep != 0)
+    /* an EP group lies inside one FSDP group (or, without FSDP, among the
+     * replicas), so the ranks that hold the same experts form a regular
+     * sub-group of it (mesh.h: edp) */
+    if (c->ep > 1 && shard > 1 && shard % c->ep != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.expert_parallel_degree = %d does not divide "
+                       "parallelism.data_parallel_shard_degree = %d (expert parallel groups are carved from the "
+                       "FSDP ranks)",
+                       where, c->ep, shard);
+    if (c->ep > 1 && shard == 1 && rep % c->ep != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.expert_parallel_degree = %d does not divide the data-parallel ranks "
-                       "(data_parallel_replicate_degree x data_parallel_shard_degree = %d)",
-                       where, c->ep, rep * shard);
+                       "(data_parallel_replicate_degree = %d)",
+                       where, c->ep, rep);
     *rep_out = rep;
     *shard_out = shard;
     *tp_out = tp;
@@ -79,12 +88,17 @@ int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const qwen3_config
     if ((rc = comm_split(world, m->rep_rank * m->tp + m->tp_rank, m->shard_rank, &m->shard, e))) return rc;
     if ((rc = comm_split(world, m->tp_rank, m->dp_rank, &m->dp, e))) return rc;
     if ((rc = comm_split(world, m->dp_rank, m->tp_rank, &m->tpg, e))) return rc;
-    m->ep = c->ep;
+    m->ep = c->ep > 1 ? c->ep : 1;
+    int in = m->dp_rank < m->ep;
+    if ((rc = comm_split(world, in ? 0 : 1 + r, in ? m->dp_rank * m->tp + m->tp_rank : 0, &m->slices, e))) return rc;
     if (m->ep <= 1) return 0;
     /* consecutive data-parallel ranks with the same tp index: under TP each
      * rank of the group holds the same tp slice of its experts */
     m->ep_rank = m->dp_rank % m->ep;
-    return comm_split(world, (m->dp_rank / m->ep) * m->tp + m->tp_rank, m->ep_rank, &m->epg, e);
+    if ((rc = comm_split(world, (m->dp_rank / m->ep) * m->tp + m->tp_rank, m->ep_rank, &m->epg, e))) return rc;
+    if (m->dp_shard > 1)
+        return comm_split(world, (m->rep_rank * m->tp + m->tp_rank) * m->ep + m->ep_rank, m->shard_rank, &m->edp, e);
+    return comm_split(world, m->tp_rank * m->ep + m->ep_rank, m->rep_rank, &m->edp, e);
 }
 
 void mesh_free(ct_mesh *m) {
@@ -93,5 +107,7 @@ void mesh_free(ct_mesh *m) {
     if (m->dp.be) comm_free(&m->dp);
     if (m->tpg.be) comm_free(&m->tpg);
     if (m->epg.be) comm_free(&m->epg);
+    if (m->edp.be) comm_free(&m->edp);
+    if (m->slices.be) comm_free(&m->slices);
     memset(m, 0, sizeof *m);
 }

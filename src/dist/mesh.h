@@ -9,7 +9,9 @@
  * Data-parallel rank (which windows of data a rank reads) is
  * replicate_index * dp_shard + shard_index, over dp_replicate * dp_shard.
  * An expert-parallel group is expert_parallel_degree consecutive
- * data-parallel ranks (dist/ep.h). */
+ * data-parallel ranks with the same tp index (dist/ep.h), inside one FSDP
+ * group when dp_shard > 1 (ep must divide dp_shard), else among the replicas
+ * (ep must divide dp_replicate). */
 #ifndef CT_DIST_MESH_H
 #define CT_DIST_MESH_H
 
@@ -29,6 +31,12 @@ typedef struct {
     ct_comm tpg;    /* same replica and shard index: one tensor-parallel group (consecutive ranks) */
     int ep, ep_rank; /* expert parallel degree (1: off) and this rank's index in its group */
     ct_comm epg;    /* expert_parallel_degree consecutive data-parallel ranks with this tp index */
+    ct_comm edp;    /* the ranks holding the same experts (same ep_rank and tp index): within the
+                     * FSDP group when dp_shard > 1 (the experts' FSDP group; dp_shard / ep ranks),
+                     * else among the replicas (their gradients' all-reduce; dp_replicate / ep) */
+    ct_comm slices; /* data-parallel ranks 0 .. ep-1, every tp index: together they hold the whole
+                     * model (rank ep_rank * tp + tp_rank); a checkpoint is gathered over it.
+                     * A rank outside it gets a group of its own. */
 } ct_mesh;
 
 /* Resolves the degrees (data_parallel_shard_degree -1 = the rest) and checks

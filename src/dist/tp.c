@@ -11,8 +11,12 @@
 
 #include "core/timer.h"
 
-void tp_local_config(qwen3_config *local, const qwen3_config *full, int t, int rank) {
+void tp_local_config(qwen3_config *local, const qwen3_config *full, int t, int rank, int ep, int ep_rank) {
     *local = *full;
+    if (ep > 1) {
+        local->expert_rows = full->n_experts / ep;
+        local->expert0 = ep_rank * local->expert_rows;
+    }
     local->n_heads = full->n_heads / t;
     local->n_kv_heads = full->n_kv_heads / t;
     local->intermediate = full->intermediate / t;
@@ -72,13 +76,15 @@ static void hook_post_backward(void *ctx, int l) {
     if (p->inner) p->inner->post_backward(p->inner->ctx, l);
 }
 
-void tp_init(tp_layout *p, const qwen3_config *full, ct_comm *group) {
+void tp_init(tp_layout *p, const qwen3_config *full, ct_comm *group, int ep, int ep_rank) {
     memset(p, 0, sizeof *p);
     p->t = group->size;
     p->rank = group->rank;
+    p->ep = ep;
+    p->ep_rank = ep_rank;
     p->comm = group;
     p->full = *full;
-    tp_local_config(&p->local, full, p->t, p->rank);
+    tp_local_config(&p->local, full, p->t, p->rank, ep, ep_rank);
     p->qk_before = ct_calloc(4 * (size_t)full->head_dim, sizeof(float));
 }
 
@@ -86,11 +92,13 @@ void tp_free(tp_layout *p) {
     if (p->m && p->m->hooks == &p->hooks) p->m->hooks = p->inner;
     free(p->qk_before);
     free(p->sharded);
+    free(p->expert);
     memset(p, 0, sizeof *p);
 }
 
 void tp_attach(tp_layout *p, qwen3_model *m) {
     p->m = m;
+    if (p->t == 1) return; /* expert parallel storage only: no collectives inside the model */
     p->inner = m->hooks;
     p->hooks = (qwen3_hooks){p, hook_pre_forward, hook_post_forward, hook_pre_backward, hook_post_backward,
                              hook_reduce_partial, hook_reduce_max};
@@ -104,7 +112,8 @@ static void dims(const qwen3_tensor *t, size_t *rows, size_t *cols) {
 }
 
 /* Copies rank r's slice of one tensor between its whole form (w) and its
- * local form (s): to_local 1 reads w, 0 writes it. */
+ * local form (s): to_local 1 reads w, 0 writes it. An expert another EP
+ * rank holds has no rows here: nothing moves. */
 static void move_slice(const qwen3_tensor *lt, float *s, const qwen3_tensor *ft, float *w, int r, int to_local) {
     size_t lr, lc, fr, fc;
     dims(lt, &lr, &lc);
@@ -124,16 +133,19 @@ static void move_slice(const qwen3_tensor *lt, float *s, const qwen3_tensor *ft,
 
 void tp_take(tp_layout *p, const qwen3_model *lm, float *local, const qwen3_model *fm, const float *full) {
     if (!p->sharded) p->sharded = ct_calloc((size_t)lm->n_tensors + 1, 1);
+    if (!p->expert) p->expert = ct_calloc((size_t)lm->n_tensors + 1, 1);
     for (int i = 0; i < lm->n_tensors; i++) {
         const qwen3_tensor *lt = &lm->tensors[i], *ft = &fm->tensors[i];
         p->sharded[i] = lt->numel != ft->numel;
+        p->expert[i] = strstr(lt->name, ".mlp.experts.") != NULL;
         move_slice(lt, local + lt->offset, ft, (float *)full + ft->offset, p->rank, 1);
     }
 }
 
-void tp_gather(tp_layout *p, const qwen3_model *fm, float *full, const qwen3_model *lm, const float *local) {
-    int t = p->t, root = p->rank == 0;
-    size_t n = lm->n_params;
+void tp_gather(tp_layout *p, ct_comm *g, const qwen3_model *fm, float *full, const qwen3_model *lm,
+               const float *local) {
+    int t = g->size, root = g->rank == 0;
+    size_t n = lm->n_params; /* the same on every member: equal slices, equal expert counts */
     float *all = root ? ct_malloc((size_t)t * n * sizeof(float)) : NULL;
     size_t *v = ct_calloc(4 * (size_t)t, sizeof(size_t));
     size_t *sc = v, *sd = v + t, *rc = v + 2 * t, *rd = v + 3 * t;
@@ -143,23 +155,32 @@ void tp_gather(tp_layout *p, const qwen3_model *fm, float *full, const qwen3_mod
         rd[r] = (size_t)r * n;
     }
     double t0 = ct_now();
-    comm_all_to_allv(p->comm, all, rc, rd, local, sc, sd, COMM_F32);
+    comm_all_to_allv(g, all, rc, rd, local, sc, sd, COMM_F32);
     p->comm_s += ct_now() - t0;
     if (root)
-        for (int r = 0; r < t; r++)
-            for (int i = 0; i < lm->n_tensors; i++) {
-                const qwen3_tensor *lt = &lm->tensors[i], *ft = &fm->tensors[i];
-                move_slice(lt, all + (size_t)r * n + lt->offset, ft, full + ft->offset, r, 0);
+        for (int r = 0; r < t; r++) { /* member r's own table says where its tensors are */
+            qwen3_config rcfg;
+            qwen3_model rm;
+            tp_local_config(&rcfg, &p->full, p->t, r % p->t, p->ep, r / p->t);
+            qwen3_layout(&rm, &rcfg);
+            for (int i = 0; i < rm.n_tensors; i++) {
+                const qwen3_tensor *lt = &rm.tensors[i], *ft = &fm->tensors[i];
+                /* the rest is the same on every EP rank, and under FSDP gathered on EP index 0 only */
+                if (r >= p->t && !strstr(lt->name, ".mlp.experts.")) continue;
+                move_slice(lt, all + (size_t)r * n + lt->offset, ft, full + ft->offset, r % p->t, 0);
             }
+            qwen3_free(&rm);
+        }
     free(all);
     free(v);
 }
 
-double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n) {
+double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n, int which) {
     const qwen3_model *m = p->m;
     double sq = 0;
     for (int i = 0; i < m->n_tensors; i++) {
         const qwen3_tensor *t = &m->tensors[i];
+        if ((which == TP_SQ_DENSE && p->expert[i]) || (which == TP_SQ_EXPERTS && !p->expert[i])) continue;
         size_t a = t->offset > lo ? t->offset : lo, b = t->offset + t->numel < lo + n ? t->offset + t->numel : lo + n;
         if (a >= b) continue;
         if (!p->sharded[i] && p->rank != 0) continue; /* replicated: counted once */

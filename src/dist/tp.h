@@ -29,7 +29,13 @@
  * Which kind a tensor is follows from its shapes alone (local vs whole): a
  * smaller first dimension is a row slice, a smaller second one a column
  * slice, equal shapes replicated. The hooks wrap FSDP's (inner) when both
- * layouts run, so FSDP shards the local flat buffer within a TP index. */
+ * layouts run, so FSDP shards the local flat buffer within a TP index.
+ *
+ * Expert parallel storage uses the same slicing: under
+ * expert_parallel_degree ep the local config also holds only experts
+ * [ep_rank E/ep, (ep_rank + 1) E/ep) (qwen3_config.expert_rows); the other
+ * experts' tensors have no elements. So this layout exists whenever t > 1 or
+ * ep > 1; its hooks are installed only for t > 1. */
 #ifndef CT_DIST_TP_H
 #define CT_DIST_TP_H
 
@@ -41,6 +47,7 @@
 
 typedef struct {
     int t, rank;              /* degree, and this rank's index in the group */
+    int ep, ep_rank;          /* expert parallel degree and index (1, 0: every expert here) */
     ct_comm *comm;            /* the tensor-parallel group */
     qwen3_config full;        /* the whole model */
     qwen3_config local;       /* the slice this rank runs */
@@ -48,30 +55,38 @@ typedef struct {
     const qwen3_hooks *inner; /* hooks installed before (FSDP's), called inside ours; NULL: none */
     qwen3_hooks hooks;
     char *sharded;            /* [n_tensors] 1: sliced over the group, 0: replicated (set by tp_take) */
+    char *expert;             /* [n_tensors] 1: an expert's tensor (held by one EP rank) */
     float *qk_before;         /* [4 * hd] a layer's q_norm, k_norm gradients before its backward; their deltas */
     double comm_s;            /* seconds in collectives since the last tp_take_comm_time */
 } tp_layout;
 
-/* local = full with n_heads, n_kv_heads, intermediate divided by t and, when
- * lm_head is not tied, rank's 1/t of the vocabulary rows (the caller checked
+/* local = full with n_heads, n_kv_heads, intermediate, moe_intermediate
+ * divided by t and, when lm_head is not tied, rank's 1/t of the vocabulary
+ * rows; with ep > 1, only EP index ep_rank's experts (the caller checked
  * divisibility: mesh_resolve). */
-void tp_local_config(qwen3_config *local, const qwen3_config *full, int t, int rank);
-void tp_init(tp_layout *p, const qwen3_config *full, ct_comm *group);
+void tp_local_config(qwen3_config *local, const qwen3_config *full, int t, int rank, int ep, int ep_rank);
+void tp_init(tp_layout *p, const qwen3_config *full, ct_comm *group, int ep, int ep_rank);
 void tp_free(tp_layout *p);
-/* Installs the hooks on m (wrapping whatever m->hooks holds now). */
+/* Binds the local model m; for t > 1 installs the hooks on m (wrapping
+ * whatever m->hooks holds now). */
 void tp_attach(tp_layout *p, qwen3_model *m);
 /* local[lm->n_params] = this rank's slices of full[fm->n_params]; lm and fm
  * give the two tensor tables (same tensors, same order). The first call
  * also learns which tensors are sliced (for tp_sq_range). */
 void tp_take(tp_layout *p, const qwen3_model *lm, float *local, const qwen3_model *fm, const float *full);
-/* Collective over the group: full[fm->n_params] on group rank 0 = every
- * rank's local[lm->n_params] put back in place. fm and full are only read
- * on rank 0 (NULL elsewhere). */
-void tp_gather(tp_layout *p, const qwen3_model *fm, float *full, const qwen3_model *lm, const float *local);
-/* Sum of x[k]^2 over flat positions [lo, lo + n) of the local buffer,
+/* Collective over `g`, the ranks whose slices make up the whole model:
+ * g's rank r is TP index r % t and EP index r / t (the TP group of the
+ * first data-parallel rank, times the first EP group). full[fm->n_params]
+ * on g's rank 0 = every member's local[lm->n_params] put back in place. fm
+ * and full are only read on rank 0 (NULL elsewhere). */
+void tp_gather(tp_layout *p, ct_comm *g, const qwen3_model *fm, float *full, const qwen3_model *lm,
+               const float *local);
+enum { TP_SQ_ALL, TP_SQ_DENSE, TP_SQ_EXPERTS };
+/* Sum of x[k]^2 over flat positions [lo, lo + n) of the local buffer, of
+ * every tensor, or only the non-expert or the expert ones (`which`),
  * counting replicated tensors on group rank 0 only, so the sum over the
- * group is the whole model's. */
-double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n);
+ * TP group is the whole model's (over the EP group too, for the experts). */
+double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n, int which);
 double tp_take_comm_time(tp_layout *p);
 
 #endif

@@ -71,7 +71,8 @@ static void build_layout(qwen3_model *m) {
                 for (int64_t x = 0; x < E; x++) {
                     char sfx[64];
                     snprintf(sfx, sizeof sfx, "mlp.experts.%lld.%s.weight", (long long)x, proj[p]);
-                    T_(sfx, p < 2 ? Im : H, p < 2 ? H : Im, 1);
+                    int held = !c->expert_rows || (x >= c->expert0 && x < c->expert0 + c->expert_rows);
+                    T_(sfx, held ? (p < 2 ? Im : H) : 0, p < 2 ? H : Im, 1);
                 }
             continue;
         }
@@ -299,6 +300,13 @@ int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const c
     return 0;
 }
 
+int qwen3_layout(qwen3_model *m, const qwen3_config *c) {
+    memset(m, 0, sizeof *m);
+    m->cfg = *c;
+    build_layout(m);
+    return 0;
+}
+
 int qwen3_plan_memory(const qwen3_config *c, int B, int T, const char *ac_mode, const char *ac_option,
                       size_t *n_params, size_t *act_bytes, ct_err *e) {
     qwen3_model m;
@@ -353,8 +361,9 @@ double qwen3_flops_per_token(const qwen3_model *m, int T) {
     const qwen3_config *c = &m->cfg;
     double matmul_params = (double)m->n_params - (double)c->vocab_size * c->hidden; /* no lookup */
     if (c->tie_embeddings) matmul_params += (double)c->vocab_size * c->hidden;      /* lm_head runs */
-    /* a token runs k of the E experts of each MoE layer */
-    matmul_params -= (double)m->n_moe_layers * (c->n_experts - c->top_k) * 3.0 * c->hidden * c->moe_intermediate;
+    /* a token runs k of the E experts of each MoE layer (on some rank, under expert parallel) */
+    int held = c->expert_rows ? c->expert_rows : c->n_experts;
+    matmul_params -= (double)m->n_moe_layers * (held - c->top_k) * 3.0 * c->hidden * c->moe_intermediate;
     return 6.0 * matmul_params + 12.0 * c->n_layers * c->n_heads * c->head_dim * (double)T;
 }
 

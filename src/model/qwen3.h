@@ -54,6 +54,11 @@ typedef struct {
      * those logits, the loss's max, sum of exponentials and target logit being
      * combined over ranks by hooks. vocab_rows == 0: the whole vocabulary. */
     int vocab_rows, vocab_row0;
+    /* Expert parallel storage (dist/ep.h): this model holds experts
+     * [expert0, expert0 + expert_rows) of every MoE layer; the others' tensors
+     * keep their names in the table with no elements, so tables of every
+     * rank line up by index. The router stays whole. 0: every expert. */
+    int expert_rows, expert0;
 } qwen3_config;
 
 /* Whether layer l has the sparse MoE block (0 for every layer of a dense model). */
@@ -101,7 +106,7 @@ typedef struct {
     float *wd;    /* [H, I] down_proj */
     /* MoE layers instead of wg, wu, wd (NULL otherwise): */
     float *router; /* [E, H] mlp.gate */
-    float *ewg;    /* [E, Im, H] mlp.experts.{0..E-1}.gate_proj, stacked */
+    float *ewg;    /* [E, Im, H] mlp.experts.{0..E-1}.gate_proj, stacked (E: expert_rows if set) */
     float *ewu;    /* [E, Im, H] up_proj */
     float *ewd;    /* [E, H, Im] down_proj */
 } qwen3_layer_w;
@@ -252,6 +257,10 @@ void qwen3_free(qwen3_model *m);
  * parameter count and bytes of the activation + workspace plan. */
 int qwen3_plan_memory(const qwen3_config *c, int B, int T, const char *ac_mode, const char *ac_option,
                       size_t *n_params, size_t *act_bytes, ct_err *e);
+/* Only the tensor table (m->tensors, m->n_params) of config c, nothing
+ * allocated for a model to run: how another rank lays out its buffers.
+ * qwen3_free releases it. */
+int qwen3_layout(qwen3_model *m, const qwen3_config *c);
 /* normal(0, 0.02) for matrices, 1 for norms; deterministic from seed. */
 void qwen3_init_random(qwen3_model *m, uint64_t seed);
 const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name);

@@ -397,9 +397,10 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if (rc) return rc;
     /* the layout is checked before anything big is built */
     if ((rc = mesh_init(&t->mesh, world, c, &mc, cfg_src(c), e))) return rc;
-    if (t->mesh.tp > 1) { /* the model this rank runs is its slice: fewer heads, a narrower MLP */
+    if (t->mesh.tp > 1 || t->mesh.ep > 1) { /* the model this rank runs is its slice: fewer heads, a
+                                               * narrower MLP, its experts only */
         t->tp = ct_calloc(1, sizeof *t->tp);
-        tp_init(t->tp, &mc, &t->mesh.tpg);
+        tp_init(t->tp, &mc, &t->mesh.tpg, t->mesh.ep, t->mesh.ep_rank);
         mc = t->tp->local;
     }
     int dp = t->mesh.dp_size, per_step = c->local_batch_size * dp;
@@ -425,7 +426,8 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
                      c->min_lr_factor);
 
     rc = t->mesh.dp_shard <= 1 ? load_or_init_weights(t, e) : init_sharded(t, e);
-    if (!rc && !t->fsdp && t->mesh.dp_replicate > 1) rc = dp_overlap_init(t, e);
+    /* (under expert parallel the replicas hold different experts: trainer_reduce_grads splits the sum) */
+    if (!rc && !t->fsdp && t->mesh.dp_replicate > 1 && t->mesh.ep == 1) rc = dp_overlap_init(t, e);
     if (!rc && t->tp) tp_attach(t->tp, &t->model); /* after FSDP's hooks, which it wraps */
     if (!rc && t->mesh.ep > 1) {
         t->ep = ct_calloc(1, sizeof *t->ep);
@@ -516,7 +518,8 @@ static int load_full_weights(trainer *t, ct_err *e) {
 static int shard_state(trainer *t, ct_err *e) {
     if (t->mesh.dp_shard <= 1) return 0;
     t->fsdp = ct_calloc(1, sizeof *t->fsdp);
-    int rc = fsdp_init(t->fsdp, &t->model, &t->mesh.shard, strcmp(t->cfg.fsdp_reshard, "never") != 0, e);
+    int rc = fsdp_init(t->fsdp, &t->model, &t->mesh.shard, t->mesh.ep > 1 ? &t->mesh.edp : NULL,
+                       strcmp(t->cfg.fsdp_reshard, "never") != 0, e);
     if (rc) return rc;
     /* the moments: full-size (loaded on resume, else untouched zero pages) -> this rank's slices */
     adamw_state full = t->opt;
@@ -564,6 +567,20 @@ void trainer_free(trainer *t) {
     memset(t, 0, sizeof *t);
 }
 
+/* Data parallel replicate under expert parallel: the replicas hold
+ * different experts, so each run of expert tensors is summed over the
+ * replicas that hold the same ones (mesh.edp) and the rest over all. */
+static void reduce_dp_experts(trainer *t) {
+    const qwen3_model *m = &t->model;
+    for (int i = 0; i < m->n_tensors;) {
+        int ex = t->tp->expert[i], j = i;
+        size_t lo = m->tensors[i].offset, hi = lo;
+        for (; j < m->n_tensors && t->tp->expert[j] == ex; j++) hi = m->tensors[j].offset + m->tensors[j].numel;
+        if (hi > lo) comm_allreduce(ex ? &t->mesh.edp : &t->mesh.rep, m->grads + lo, hi - lo, COMM_F32, COMM_SUM);
+        i = j;
+    }
+}
+
 void trainer_reduce_grads(trainer *t) {
     double t0 = ct_now();
     if (t->tp) t->comm_s += tp_take_comm_time(t->tp);
@@ -582,6 +599,8 @@ void trainer_reduce_grads(trainer *t) {
             if (d->lo) comm_allreduce(&t->mesh.rep, t->model.grads, d->lo, COMM_F32, COMM_SUM);
             if (d->hi < n) comm_allreduce(&t->mesh.rep, t->model.grads + d->hi, n - d->hi, COMM_F32, COMM_SUM);
             d->lo = d->hi = 0;
+        } else if (t->mesh.ep > 1) {
+            reduce_dp_experts(t);
         } else {
             comm_allreduce(&t->mesh.rep, t->model.grads, t->model.n_params, COMM_F32, COMM_SUM);
         }
@@ -599,20 +618,24 @@ static double clip_sharded(float *g, size_t n, double max_norm, ct_comm *group) 
     return clip_by(g, n, sq, max_norm);
 }
 
-/* The same under tensor parallelism: replicated tensors count once (tp.h),
- * summed over the shard group (FSDP: per piece, the flat range of this
- * rank's slice) and then over the TP group. */
+/* The same under tensor or expert parallelism: replicated tensors count
+ * once (tp.h), summed over the shard group (FSDP: per piece, the flat range
+ * of this rank's slice; an EP group lies inside the shard group, so every
+ * expert is counted once) and then over the TP group. Without FSDP the
+ * experts' squares are summed over the EP group. */
 static double clip_tp(trainer *t, float *g, size_t n) {
     double sq = 0;
     fsdp *f = t->fsdp;
     if (!f) {
-        sq = tp_sq_range(t->tp, g, 0, n);
+        double se = tp_sq_range(t->tp, g, 0, n, TP_SQ_EXPERTS);
+        if (t->mesh.ep > 1) comm_allreduce(&t->mesh.epg, &se, 1, COMM_F64, COMM_SUM);
+        sq = tp_sq_range(t->tp, g, 0, n, TP_SQ_DENSE) + se;
     } else {
         for (int i = 0; i < f->n_pieces; i++) {
             const fsdp_piece *p = &f->p[i];
-            size_t lo = (size_t)f->comm->rank * p->chunk;
-            size_t cnt = lo < p->n ? (p->n - lo < p->chunk ? p->n - lo : p->chunk) : 0;
-            if (cnt) sq += tp_sq_range(t->tp, g + p->shard_off, p->off + lo, cnt);
+            size_t lo, cnt;
+            fsdp_piece_held(f, i, &lo, &cnt);
+            if (cnt) sq += tp_sq_range(t->tp, g + p->shard_off, p->off + lo, cnt, TP_SQ_ALL);
         }
         comm_allreduce(f->comm, &sq, 1, COMM_F64, COMM_SUM);
     }
@@ -642,17 +665,17 @@ static int save_rank0(trainer *t, const ds *data, int model_only, const float *o
 static int tp_full_model(trainer *t, qwen3_model *full, const float *om, const float *ov, float **fm, float **fv,
                          ct_err *e) {
     memset(full, 0, sizeof *full);
-    if (t->mesh.rep_rank != 0 || t->mesh.shard_rank != 0) return 0;
-    int root = t->mesh.tp_rank == 0, rc;
+    if (t->mesh.dp_rank >= t->mesh.ep) return 0; /* not one of mesh.slices */
+    int root = t->mesh.slices.rank == 0, rc;
     if (root && (rc = qwen3_create(full, &t->tp->full, 1, 1, e))) return rc;
-    tp_gather(t->tp, full, full->params, &t->model, t->model.params);
+    tp_gather(t->tp, &t->mesh.slices, full, full->params, &t->model, t->model.params);
     if (om) {
         if (root) {
             *fm = ct_calloc(full->n_params, sizeof(float));
             *fv = ct_calloc(full->n_params, sizeof(float));
         }
-        tp_gather(t->tp, full, *fm, &t->model, om);
-        tp_gather(t->tp, full, *fv, &t->model, ov);
+        tp_gather(t->tp, &t->mesh.slices, full, *fm, &t->model, om);
+        tp_gather(t->tp, &t->mesh.slices, full, *fv, &t->model, ov);
     }
     return 0;
 }
@@ -707,7 +730,9 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     float *fm = NULL, *fv = NULL, *om = t->opt.m, *ov = t->opt.v;
     if (t->fsdp && t->mesh.rep_rank == 0) {
-        int root = t->mesh.shard_rank == 0; /* rank 0, or under TP each rank of its TP group */
+        /* rank 0, or under TP each rank of its TP group; under EP the first ep
+         * shard ranks, which receive their experts' pieces */
+        int root = t->mesh.shard_rank < t->mesh.ep;
         fsdp_gather_full(t->fsdp, t->model.params, t->fsdp->params, 0);
         if (!model_only) {
             if (root) {
@@ -970,8 +995,8 @@ int trainer_run(trainer *t, ct_err *e) {
             qwen3_activation_bytes(m) / 1048576.0, t->world->size, t->mesh.dp_replicate, t->mesh.dp_shard,
             t->mesh.tp, t->world->be->name, t->global_batch, cpu_threads(), fpt, peak.flops / 1e9, peak.threads, peak.source, peak.isa);
     if (t->ep)
-        fprintf(stderr, "ctitan: expert_parallel %d: rank 0 runs experts 0..%d of %d, the others theirs, on every rank's "
-               "tokens\n",
+        fprintf(stderr, "ctitan: expert_parallel %d: rank 0 runs experts 0..%d of %d and stores only those, the others "
+               "theirs, on every rank's tokens\n",
                t->mesh.ep, t->ep->El - 1, m->cfg.n_experts);
 
     trainer_install_signals();

@@ -155,6 +155,8 @@ static void test_mesh_resolve(void) {
     qwen3_config mc = {0};
     mc.n_heads = 8;
     mc.n_kv_heads = 2;
+    mc.n_layers = 2;
+    mc.decoder_sparse_step = 1;
     snprintf(mc.name, sizeof mc.name, "test");
     int rep = 0, shard = 0, tp = 0;
     ct_err e = {0};
@@ -183,11 +185,54 @@ static void test_mesh_resolve(void) {
     mc.intermediate = 8;
     CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == 0 && rep == 1 && shard == 4 && tp == 2,
           "8 ranks, tp 2, shard -1: %d x %d x %d (%s)", rep, shard, tp, e.msg);
+    /* MoE: each expert is split like the MLP; the dense intermediate only matters with a dense layer */
     mc.n_experts = 4;
-    CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == CT_ERR_CONFIG && strstr(e.msg, "dense model only"),
-          "tp 2 on a MoE model: %s", e.msg);
+    mc.top_k = 2;
+    mc.moe_intermediate = 5;
+    mc.intermediate = 9;
+    CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == CT_ERR_CONFIG &&
+              strstr(e.msg, "tensor_parallel_degree = 2 does not divide the model's moe_intermediate_size (5)"),
+          "tp 2 with moe_intermediate 5: %s", e.msg);
+    mc.moe_intermediate = 6;
+    CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == 0 && tp == 2, "tp 2, every layer sparse: %s",
+          e.msg);
+    mc.n_mlp_only = 1; /* layer 0 dense: its intermediate 9 must divide */
+    CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == CT_ERR_CONFIG &&
+              strstr(e.msg, "intermediate size (9)"),
+          "tp 2 with a dense layer of intermediate 9: %s", e.msg);
+    mc.n_mlp_only = 0;
+    /* EP inside the FSDP group, or among the replicas */
+    c.tp = 1;
+    c.ep = 4;
+    c.dp_shard = 2;
+    c.dp_replicate = 4;
+    CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == CT_ERR_CONFIG &&
+              strstr(e.msg, "expert_parallel_degree = 4 does not divide parallelism.data_parallel_shard_degree = 2"),
+          "ep 4 over shard 2: %s", e.msg);
+    c.ep = 2;
+    CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == 0 && rep == 4 && shard == 2, "ep 2 in HSDP 4x2: %s",
+          e.msg);
+    c.dp_shard = 1;
+    c.dp_replicate = 8;
+    c.ep = 4;
+    CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == 0 && rep == 8, "ep 4 over 8 replicas: %s", e.msg);
+    c.dp_replicate = 4;
+    c.dp_shard = 1;
+    c.tp = 2;
+    CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == 0 && rep == 4 && tp == 2,
+          "ep 4 over 4 replicas x tp 2: %s", e.msg);
+    c.dp_replicate = 2;
+    c.tp = 4;
+    mc.n_kv_heads = 4;
+    mc.moe_intermediate = 8;
+    CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == CT_ERR_CONFIG &&
+              strstr(e.msg, "does not divide the data-parallel ranks (data_parallel_replicate_degree = 2)"),
+          "ep 4 over 2 replicas x tp 4: %s", e.msg);
+    mc.n_kv_heads = 2;
     mc.n_experts = 0;
     c.tp = 1;
+    c.dp_replicate = 1;
+    c.dp_shard = -1;
     c.ep = 2;
     CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == CT_ERR_CONFIG &&
               strstr(e.msg, "expert_parallel_degree") && strstr(e.msg, "no experts"),

@@ -38,7 +38,7 @@ def test_ep2_matches_one_rank(setup, single_moe, rep, shard):
     p = run(rep * shard, train_args(d / "model_moe", data, out, "--parallelism.expert_parallel_degree=2",
                                     f"--parallelism.data_parallel_replicate_degree={rep}",
                                     f"--parallelism.data_parallel_shard_degree={shard}", dp=rep * shard))
-    assert "expert_parallel 2: rank 0 runs experts 0..1 of 4" in p.stderr, p.stderr[-2000:]
+    assert "expert_parallel 2: rank 0 runs experts 0..1 of 4 and stores only those" in p.stderr, p.stderr[-2000:]
     assert any(".mlp.experts.3." in k for k in weights(out)), "every expert must be in the checkpoint"
     assert_same_run(out, single_moe, f"EP2 over DP {rep}x{shard}", weights_too=False)
 
@@ -69,7 +69,7 @@ def test_ep2_checkpoint_resumes_on_one_rank(setup, single_moe):
 
 @pytest.mark.parametrize("ranks,model,args,words", [
     (2, "model_moe", ["--parallelism.expert_parallel_degree=3"], "does not divide the model's 4 experts"),
-    (2, "model_moe", ["--parallelism.expert_parallel_degree=4"], "does not divide the data-parallel ranks"),
+    (2, "model_moe", ["--parallelism.expert_parallel_degree=4"], "does not divide parallelism.data_parallel_shard_degree"),
     (2, "model_moe", ["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=full"],
      "activation_checkpoint.mode"),
     (2, "model", ["--parallelism.expert_parallel_degree=2"], "no experts"),

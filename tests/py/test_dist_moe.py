@@ -1,6 +1,9 @@
 """The MoE debug model in every layout of issue 7 at 2 and 4 ranks: tensor parallel (each
 expert split like the dense MLP, the router replicated), TP x FSDP, TP x FSDP x EP, and
-DP 4, FSDP 4 and EP 4 (one expert per rank).
+DP 4, FSDP 4, EP 4 over FSDP 4 (one expert per rank), EP 2 over FSDP 4 (each expert
+sharded over the two FSDP ranks that hold it) and EP 2 over DP 4 (each expert's gradient
+summed over the two replicas that hold it). Under EP a rank stores only its own experts:
+the parameter count rank 0 reports is checked against the config's.
 
 Each layout trains like one process with the same global batch: the loss of 10 steps,
 the validation loss and the gradient norm to 1e-5 relative, and the first step's
@@ -17,6 +20,8 @@ sqrt(v) + eps: at step 1 one element of layer 1's expert 1 has the gradient -4.8
 and its update, about lr * g / (|g| + eps), by 0.3% of lr. Element-wise figures for
 every layout are in docs/distributed.md. No auxiliary loss in the gradient: it is a
 function of each micro-batch's tokens, which differ by layout."""
+import re
+
 import numpy as np
 import pytest
 
@@ -54,7 +59,16 @@ LAYOUTS = {  # name: (ranks, data-parallel degree, args)
     "dp4": (4, 4, [P + "data_parallel_replicate_degree=4"]),
     "fsdp4": (4, 4, [P + "data_parallel_shard_degree=4"]),
     "fsdp4_ep4": (4, 4, [P + "data_parallel_shard_degree=4", P + "expert_parallel_degree=4"]),
+    # experts sharded over the 2 FSDP ranks that hold them; summed over the 2 replicas that do
+    "fsdp4_ep2": (4, 4, [P + "data_parallel_shard_degree=4", P + "expert_parallel_degree=2"]),
+    "dp4_ep2": (4, 4, [P + "data_parallel_replicate_degree=4", P + "expert_parallel_degree=2"]),
 }
+
+# the model of moe_setup: every tensor's size, and how many of them are the experts'
+H, V, I, IM, E, NH, NKV, HD, MOE_LAYERS = 30, 256, 48, 20, 4, 4, 2, 8, 2
+EXPERT_PARAMS = MOE_LAYERS * E * 3 * H * IM
+ALL_PARAMS = (2 * V * H + H + 3 * (2 * H + 2 * HD + 2 * NH * HD * H + 2 * NKV * HD * H)
+              + 3 * I * H + MOE_LAYERS * E * H + EXPERT_PARAMS)
 
 
 def grad_norms(out):
@@ -77,8 +91,13 @@ def test_moe_layout_matches_one_rank(moe_setup, name):
     out = d / name
     p = run(n, train_args(d / "model_moe", data, out, *args, dp=dp))
     assert len([l for l in p.stdout.splitlines() if l.startswith("step: 1 ")]) == 1, p.stdout
-    if "ep" in name:
-        assert "expert_parallel" in p.stderr, p.stderr[-2000:]
+    held = int(re.search(r"ctitan: model \S+: (\d+) parameters", p.stderr).group(1))
+    ep = int(re.search(r"ep(\d)", name).group(1)) if "_ep" in name else 1
+    if "tp2" not in name:  # rank 0 stores its 1/ep of the experts and everything else
+        assert held == ALL_PARAMS - EXPERT_PARAMS + EXPERT_PARAMS // ep, f"{name}: rank 0 holds {held} parameters"
+    if ep > 1:
+        assert f"expert_parallel {ep}: rank 0 runs experts 0..{E // ep - 1} of {E} and stores only those" \
+            in p.stderr, p.stderr[-2000:]
     assert_same_run(out, ref, name, weights_too=False)
     got, want = grad_norms(out), grad_norms(ref)
     assert set(got) == set(want) == set(range(1, STEPS + 1))
