@@ -73,6 +73,27 @@ static void reduce_piece(fsdp *f, int i) {
  * rank-order sum as the blocking one, so the bits are the same. Without an
  * MPI progress thread it advances only inside MPI calls (the blocking ones
  * of the backward, the prefetch, comm_test in the hooks) and at the wait. */
+static void finish_replicas(fsdp *f) {
+    if (f->rep_piece < 0) return;
+    double t0 = ct_now();
+    comm_wait(&f->rep_req);
+    f->comm_s += ct_now() - t0;
+    f->rep_piece = -1;
+}
+
+/* HSDP: piece i's shard slice is final; its replicas' sum starts (one in flight). */
+static void start_replicas(fsdp *f, int i) {
+    if (!f->rep || !f->rep_armed || f->rep_done[i]) return;
+    finish_replicas(f);
+    const fsdp_piece *p = &f->p[i];
+    double t0 = ct_now();
+    comm_iallreduce(f->rep, f->grads + p->shard_off, p->chunk, COMM_F32, &f->rep_req);
+    f->comm_s += ct_now() - t0;
+    f->rep_piece = i;
+    f->rep_done[i] = 1;
+    if (f->in_layer) f->rs_overlapped++;
+}
+
 static void finish_reduce(fsdp *f) {
     int i = f->rs_piece;
     if (i < 0) return;
@@ -84,6 +105,7 @@ static void finish_reduce(fsdp *f) {
     for (size_t k = 0; k < p->chunk; k++) g[k] += f->rs_sum[k];
     release_range(f->m->grads, p->off, p->n);
     f->rs_piece = -1;
+    start_replicas(f, i);
 }
 
 static void start_reduce(fsdp *f, int i) {
@@ -183,6 +205,7 @@ static void hook_pre_backward(void *ctx, int l) {
         release_params(f, last);
     }
     comm_test(&f->rs_req); /* drives layer l+1's reduce-scatter (no MPI progress thread) */
+    if (f->rep_piece >= 0) comm_test(&f->rep_req);
     gather_layer(f, l);
     if (l > 0) start_prefetch(f, f->lp[l - 1]); /* layer l-1's parameters, unless still held */
     for (int i = f->lp[l]; i < f->lp[l + 1]; i++) zero_grads(f, i);
@@ -193,7 +216,9 @@ static void hook_post_backward(void *ctx, int l) {
         reduce_piece(f, i);
         release_range(f->m->grads, f->p[i].off, f->p[i].n);
     }
-    start_reduce(f, f->lp[l]); /* completes layer l+1's first */
+    f->in_layer = l > 0;
+    start_reduce(f, f->lp[l]); /* completes layer l+1's first (and starts its replicas' sum) */
+    f->in_layer = 0;
     if (l > 0 && f->rs_piece == f->lp[l]) f->rs_overlapped++;
     release_layer(f, l);
     if (l == 0 && !f->tied) zero_grads(f, 0); /* the embedding's backward comes next */
@@ -280,8 +305,10 @@ int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, ct_comm *expert_comm, int 
     f->stage = ct_malloc(maxs * sizeof(float));
     f->max_stage = maxs;
     f->gathered = ct_calloc((size_t)f->n_pieces, sizeof(int));
+    f->rep_done = ct_calloc((size_t)f->n_pieces, 1);
     f->pf_piece = -1;
     f->rs_piece = -1;
+    f->rep_piece = -1;
     fsdp_take_shard(f, f->params, m->params);
     fsdp_release_full(f, m->params);
     fsdp_release_full(f, m->grads);
@@ -301,7 +328,9 @@ void fsdp_free(fsdp *f) {
     if (f->p) { /* what is in flight reads the pieces and the shard buffers */
         finish_reduce(f);
         finish_prefetch(f);
+        finish_replicas(f);
     }
+    free(f->rep_done);
     free(f->p);
     free(f->lp);
     free(f->gathered);
@@ -389,6 +418,26 @@ void fsdp_microbatch_end(fsdp *f) {
     }
     release_params(f, 0);
     release_params(f, last);
+}
+
+void fsdp_reduce_replicas(fsdp *f) {
+    finish_reduce(f);
+    double t0 = ct_now();
+    for (int i = 0; i < f->n_pieces;) { /* the pieces left, as runs of adjacent slices */
+        if (f->rep_done[i]) {
+            i++;
+            continue;
+        }
+        int j = i;
+        size_t n = 0;
+        for (; j < f->n_pieces && !f->rep_done[j]; j++) n += f->p[j].chunk;
+        comm_allreduce(f->rep, f->grads + f->p[i].shard_off, n, COMM_F32, COMM_SUM);
+        i = j;
+    }
+    f->comm_s += ct_now() - t0;
+    finish_replicas(f);
+    memset(f->rep_done, 0, (size_t)f->n_pieces);
+    f->rep_armed = 0;
 }
 
 double fsdp_take_comm_time(fsdp *f) {

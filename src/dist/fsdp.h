@@ -71,6 +71,16 @@ typedef struct {
     int reshard;         /* free a layer's parameters after its forward */
     int fwd_only;        /* forward without backward follows (evaluation): always free */
     int tied;            /* lm_head is the embedding: piece 0 stays for the whole micro-batch */
+    /* HSDP: the replicas of this shard sum their shard gradients. In the
+     * step's last micro-batch (rep_armed) a layer's slice is all-reduced
+     * non-blocking as soon as its reduce-scatter has landed, during the
+     * backward of the layers below; fsdp_reduce_replicas does the rest. */
+    ct_comm *rep;        /* NULL: no replicas (set by the caller after fsdp_init) */
+    int rep_armed;
+    char *rep_done;      /* [n_pieces] slice already all-reduced this step */
+    int rep_piece;       /* piece whose all-reduce is in flight (-1: none) */
+    comm_req rep_req;
+    int in_layer;        /* the backward hook of a layer with layers below it is running */
     qwen3_hooks hooks;
     double comm_s;       /* seconds in collectives since the last fsdp_take_comm_time */
 } fsdp;
@@ -103,6 +113,10 @@ void fsdp_release_full(fsdp *f, float *full);
  * gradients into f->grads and frees whatever of the root is still held. */
 void fsdp_microbatch_begin(fsdp *f);
 void fsdp_microbatch_end(fsdp *f);
+/* HSDP, after the step's last micro-batch: completes the replicas' sum of
+ * every shard gradient (the pieces not started during the backward, then
+ * waits). The sums are the blocking all-reduce's, bit for bit. */
+void fsdp_reduce_replicas(fsdp *f);
 /* Seconds spent in collectives since the last call. */
 double fsdp_take_comm_time(fsdp *f);
 

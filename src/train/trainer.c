@@ -528,6 +528,7 @@ static int shard_state(trainer *t, ct_err *e) {
     fsdp_take_shard(t->fsdp, t->opt.v, full.v);
     t->opt.step = full.step;
     adamw_free(&full);
+    if (t->mesh.dp_replicate > 1) t->fsdp->rep = &t->mesh.rep;
     return 0;
 }
 
@@ -589,8 +590,9 @@ void trainer_reduce_grads(trainer *t) {
         t->overlapped += t->fsdp->rs_overlapped;
         t->fsdp->rs_overlapped = 0;
         t0 = ct_now();
-        /* HSDP: the replicas of one shard sum their shard gradients */
-        if (t->mesh.dp_replicate > 1) comm_allreduce(&t->mesh.rep, t->fsdp->grads, t->fsdp->shard_n, COMM_F32, COMM_SUM);
+        /* HSDP: the replicas of one shard sum their shard gradients (most layers' sums
+         * were started during the backward) */
+        if (t->fsdp->rep) fsdp_reduce_replicas(t->fsdp);
     } else if (t->mesh.dp_replicate > 1) {
         struct dp_overlap *d = t->dpo;
         if (d && d->hi > d->lo) { /* the layers were started during the backward: the rest */
@@ -1025,6 +1027,7 @@ int trainer_run(trainer *t, ct_err *e) {
         for (int a = 0; a < t->grad_accum; a++) {
             if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
             if (t->dpo) t->dpo->armed = a == t->grad_accum - 1; /* the gradients are final in the last one */
+            if (t->fsdp) t->fsdp->rep_armed = a == t->grad_accum - 1;
             loss_sum += qwen3_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
             if (t->dpo) t->dpo->armed = 0;
             if (t->fsdp) fsdp_microbatch_end(t->fsdp);

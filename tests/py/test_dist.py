@@ -160,21 +160,24 @@ def test_fsdp_tied_embeddings(setup, single):
     assert_same_run(out, single[True], "fsdp4 tied")
 
 
-@pytest.mark.parametrize("rep,shard", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("rep,shard", [(2, 1), (1, 2), (2, 2)])
 def test_gradient_reduction_overlaps_backward(setup, tmp_path, rep, shard):
     """A layer's gradient reduction starts in its post-backward hook, while the layers below
     still run their backward (docs/distributed.md, overlap). With 3 layers, layers 2 and 1
     start theirs before the backward ends: FSDP reduce-scatters every micro-batch (2 per rank
-    per step here), DP all-reduces once per step in the last micro-batch. A reduction left
-    to after the backward counts 0."""
+    per step with 2 ranks), DP all-reduces once per step in the last micro-batch. HSDP adds
+    the replicas' all-reduce of a layer's shard, started once its reduce-scatter has landed
+    (at the next layer's post-backward): layer 2's during layer 0's backward. A reduction
+    left to after the backward counts 0."""
     d, data = setup
+    n = rep * shard
     out = tmp_path / f"overlap_{rep}x{shard}"
-    run(2, train_args(d / "model", data, out, "--training.steps=2", f"--parallelism.data_parallel_replicate_degree={rep}",
-                      f"--parallelism.data_parallel_shard_degree={shard}", dp=2))
+    run(n, train_args(d / "model", data, out, "--training.steps=2", f"--parallelism.data_parallel_replicate_degree={rep}",
+                      f"--parallelism.data_parallel_shard_degree={shard}", dp=n))
     rows = [r for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
-    micro = GLOBAL // (MICRO * 2)
-    want = (3 - 1) * (micro if shard > 1 else 1)
+    micro = GLOBAL // (MICRO * n)
+    want = (3 - 1) * (micro if shard > 1 else 1) + (3 - 2 if rep > 1 and shard > 1 else 0)
     for r in rows:
         assert r["reductions_overlapped"] == want, f"step {r['step']}: {r['reductions_overlapped']} layer reductions " \
             f"started during the backward, want {want}"
