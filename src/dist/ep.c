@@ -1,13 +1,30 @@
-/* dist/ep.c: expert parallel dispatch (ep.h). Rows travel in the sender's
- * expert order (the routing's perm), so the rows for rank p are one
- * contiguous run and come back in the same places; the receiver sorts what
- * it got by local expert (stable: source rank, then the sender's order) and
- * runs the experts kernel with one choice per row and the row's routing
- * weight sent along, so w y and d topw are the kernel's own numbers; the
- * token's rank adds the weighted rows in expert order, as the kernel does. Buffers are sized for the worst
+/* dist/ep.c: expert parallel dispatch (ep.h).
+ *
+ * Rows travel in the sender's expert order (the routing's perm), so the rows
+ * for rank p are one contiguous run, already sorted by expert, and come back
+ * in the same places. The receiver runs the experts kernel once per source
+ * rank, on that rank's block as it arrived (one choice per row, identity
+ * perm, the row's routing weight sent along, so w y and d topw are the
+ * kernel's own numbers), in source-rank order. So each expert's weight
+ * gradient from one source is the very sum that rank's own kernel computes
+ * without EP (same rows, same order, same GEMM), and the partial sums of the
+ * ranks meet in the gradient as they do in a reduce-scatter of 2; a single
+ * kernel call over all sources would sum other ranks' rows into the same
+ * GEMM accumulator and round differently. The token's rank adds its k
+ * weighted rows in choice order, as the grouped kernel (moe_cpu.c) does:
+ * another order made every activation after the first MoE layer differ from
+ * one process in the last bit (measured: 5.2e-5 on the final embedding).
+ *
+ * Activation checkpointing (model/qwen3.h QWEN3_AC_*): the layers under
+ * QWEN3_AC_FULL share one set of dispatch buffers, refilled by the forward
+ * that the model reruns before the layer's backward (the rerun passes out =
+ * NULL: no down projection, nothing sent back); under QWEN3_AC_OP a layer
+ * keeps its received rows and gate/up and h is rebuilt from them before the
+ * backward, as the model does with its own h. Buffers are sized for the worst
  * case (every rank sends all its rows here): ep x the local rows. */
 #include "dist/ep.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,21 +32,20 @@
 
 struct ep_layer {
     size_t *scnt, *sdsp, *rcnt, *rdsp; /* [ep] rows sent to / received from each rank */
+    int32_t *off;                      /* [ep, El+1] each source's rows per local expert, as offsets in its block */
     int R;                             /* rows received */
+    int held;                          /* the layer whose rows these are (shared under QWEN3_AC_FULL) */
     float *xr;                         /* [Rmax, H] received inputs */
     float *gate, *up, *h;              /* [Rmax, Im] the experts' activations */
     float *wr;                         /* [Rmax] routing weight of each received row */
-    float *ys;                         /* [S, H] weighted outputs of this rank's rows, in its expert order */
-    int32_t *er, *perm, *pos, *off;    /* [Rmax] expert of each received row; its sort; [El+1] */
 };
 
-typedef struct {
-    float *xs, *yr, *dxs, *dtopw1, *ws; /* scratch */
-    int32_t *es;
-    size_t *a, *b, *c, *d;                /* [ep] counts and displacements in elements */
-} ep_scratch;
-
-static ep_scratch sc_of(ep_layout *p) { return *(ep_scratch *)(void *)(p->layers + p->m->cfg.n_layers); }
+struct ep_scratch {
+    float *xs, *yr, *ys, *dxs, *dtopw1, *ws; /* [S or Rmax, H or 1] */
+    int64_t *sc, *rc;                        /* [ep, El] rows per expert sent / received */
+    int32_t *iota;                           /* [Rmax] 0, 1, ...: a source block's perm and pos */
+    size_t *a, *b, *c, *d;                   /* [ep] counts and displacements in elements */
+};
 
 /* rows -> elements for a transfer in the direction (scnt -> rcnt) or back */
 static void ep_move(ep_layout *p, ep_scratch *s, float *out, const float *in, const ep_layer *L, int back,
@@ -46,85 +62,90 @@ static void ep_move(ep_layout *p, ep_scratch *s, float *out, const float *in, co
 
 static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route *r, const qwen3_layer_w *w, int N) {
     ep_layout *p = ctx;
-    ep_scratch s = sc_of(p);
-    ep_layer *L = &p->layers[l];
+    ep_scratch s = *p->s;
+    ep_layer *L = p->layers[l];
     const qwen3_config *c = &p->m->cfg;
     int H = c->hidden, Im = c->moe_intermediate, k = c->top_k, El = p->El, P = p->c->size, me = p->c->rank;
     long S = (long)N * k;
     for (long row = 0; row < S; row++) {
         int32_t slot = r->perm[row];
         memcpy(s.xs + (size_t)row * H, x + (size_t)(slot / k) * H, (size_t)H * sizeof(float));
-        s.es[row] = r->topi[slot];
         s.ws[row] = r->topw[slot];
     }
-    int64_t sc64[P], rc64[P];
+    for (int e = 0; e < P * El; e++) s.sc[e] = r->offsets[e + 1] - r->offsets[e];
+    comm_all_to_all(p->c, s.rc, s.sc, (size_t)El, COMM_I64);
+    size_t R = 0;
     for (int q = 0; q < P; q++) {
         L->sdsp[q] = (size_t)r->offsets[q * El];
         L->scnt[q] = (size_t)(r->offsets[(q + 1) * El] - r->offsets[q * El]);
-        sc64[q] = (int64_t)L->scnt[q];
-    }
-    comm_all_to_all(p->c, rc64, sc64, 1, COMM_I64);
-    size_t R = 0;
-    for (int q = 0; q < P; q++) {
-        L->rcnt[q] = (size_t)rc64[q];
+        int32_t *off = L->off + (size_t)q * (El + 1);
+        off[0] = 0;
+        for (int e = 0; e < El; e++) off[e + 1] = off[e] + (int32_t)s.rc[q * El + e];
+        L->rcnt[q] = (size_t)off[El];
         L->rdsp[q] = R;
         R += L->rcnt[q];
     }
     L->R = (int)R;
+    L->held = l;
     ep_move(p, &s, L->xr, s.xs, L, 0, (size_t)H);
     ep_move(p, &s, L->wr, s.ws, L, 0, 1);
-    for (int q = 0; q < P; q++) { /* the expert ids, as int32 */
-        s.a[q] = L->rcnt[q], s.b[q] = L->rdsp[q], s.c[q] = L->scnt[q], s.d[q] = L->sdsp[q];
+    /* this rank's experts in the stacked tensors (which start at expert0 when they hold only some) */
+    size_t eo = (size_t)(me * El - c->expert0) * Im * H;
+    if (out) memset(s.yr, 0, R * H * sizeof(float));
+    for (int q = 0; q < P; q++) {
+        size_t n = L->rcnt[q], o = L->rdsp[q];
+        if (n)
+            p->m->k.moe_fwd(out ? s.yr + o * H : NULL, L->gate + o * Im, L->up + o * Im, L->h + o * Im, p->work,
+                            L->xr + o * H, w->ewg + eo, w->ewu + eo, w->ewd + eo, s.iota, s.iota,
+                            L->off + (size_t)q * (El + 1), L->wr + o, (int)n, H, Im, El, 1);
     }
-    comm_all_to_allv(p->c, L->er, s.a, s.b, s.es, s.c, s.d, COMM_I32);
-    /* stable counting sort of the received rows by local expert */
-    memset(L->off, 0, ((size_t)El + 1) * sizeof(int32_t));
-    for (size_t i = 0; i < R; i++) L->off[L->er[i] - me * El + 1]++;
-    for (int e = 0; e < El; e++) L->off[e + 1] += L->off[e];
-    for (size_t i = 0; i < R; i++) {
-        int32_t at = L->off[L->er[i] - me * El]++;
-        L->perm[at] = (int32_t)i;
-        L->pos[i] = at;
-    }
-    for (int e = El - 1; e > 0; e--) L->off[e] = L->off[e - 1];
-    L->off[0] = 0;
-    size_t eo = (size_t)(me * El - c->expert0) * Im * H; /* its experts in the stacked tensors (0: stored alone) */
-    memset(s.yr, 0, R * H * sizeof(float));
-    if (R)
-        p->m->k.moe_fwd(s.yr, L->gate, L->up, L->h, p->work, L->xr, w->ewg + eo, w->ewu + eo, w->ewd + eo, L->perm,
-                        L->pos, L->off, L->wr, (int)R, H, Im, El, 1);
-    ep_move(p, &s, L->ys, s.yr, L, 1, (size_t)H);
-    if (!out) return;
-    /* in expert order, as the experts kernel adds them (w y came back already weighted) */
-    for (long row = 0; row < S; row++) {
-        float *o = out + (size_t)(r->perm[row] / k) * H;
-        const float *y = L->ys + (size_t)row * H;
-        for (int i = 0; i < H; i++) o[i] += y[i];
+    if (!out) return; /* recomputation before the backward: the owner's activations are all it needs */
+    ep_move(p, &s, s.ys, s.yr, L, 1, (size_t)H);
+    /* each token's k rows (w y came back already weighted) in choice order */
+    for (int t = 0; t < N; t++) {
+        float *o = out + (size_t)t * H;
+        for (int j = 0; j < k; j++) {
+            const float *y = s.ys + (size_t)r->pos[(long)t * k + j] * H;
+            for (int i = 0; i < H; i++) o[i] += y[i];
+        }
     }
 }
 
 static void ep_bwd(void *ctx, int l, float *dx, qwen3_layer_w *g, float *dtopw, const float *dout,
                    const moe_route *r, const qwen3_layer_w *w, int N) {
     ep_layout *p = ctx;
-    ep_scratch s = sc_of(p);
-    ep_layer *L = &p->layers[l];
+    ep_scratch s = *p->s;
+    ep_layer *L = p->layers[l];
     const qwen3_config *c = &p->m->cfg;
-    int H = c->hidden, Im = c->moe_intermediate, k = c->top_k, El = p->El, me = p->c->rank;
+    int H = c->hidden, Im = c->moe_intermediate, k = c->top_k, El = p->El, P = p->c->size, me = p->c->rank;
+    if (L->held != l) {
+        /* a checkpointed layer's backward without its rerun forward: a bug, not an input */
+        fprintf(stderr, "ctitan: error: expert parallel: layer %d's backward found layer %d's dispatch\n", l,
+                L->held);
+        exit(1);
+    }
     long S = (long)N * k;
+    size_t R = (size_t)L->R;
+    if (p->m->acts[l].ac == QWEN3_AC_OP) /* h was not kept: silu(gate) up, as the kernels compute it */
+        op_swiglu_fwd(L->h, L->gate, L->up, (int)(R * Im));
     for (long row = 0; row < S; row++) /* each row's token's d output; the owner weights it */
         memcpy(s.xs + (size_t)row * H, dout + (size_t)(r->perm[row] / k) * H, (size_t)H * sizeof(float));
-    size_t R = (size_t)L->R;
     float *dxr = s.yr;
     ep_move(p, &s, s.dxs, s.xs, L, 0, (size_t)H); /* dxs: [R, H] d outputs received */
     memset(dxr, 0, R * H * sizeof(float));
     size_t eo = (size_t)(me * El - c->expert0) * Im * H;
-    if (R)
-        p->m->k.moe_bwd(dxr, g->ewg + eo, g->ewu + eo, g->ewd + eo, s.dtopw1, p->work, s.dxs, L->xr, w->ewg + eo,
-                        w->ewu + eo, w->ewd + eo, L->gate, L->up, L->h, L->perm, L->pos, L->off, L->wr, (int)R, H,
-                        Im, El, 1);
+    for (int q = 0; q < P; q++) { /* in source order: see the top of the file */
+        size_t n = L->rcnt[q], o = L->rdsp[q];
+        if (n)
+            p->m->k.moe_bwd(dxr + o * H, g->ewg + eo, g->ewu + eo, g->ewd + eo, s.dtopw1 + o, p->work,
+                            s.dxs + o * H, L->xr + o * H, w->ewg + eo, w->ewu + eo, w->ewd + eo, L->gate + o * Im,
+                            L->up + o * Im, L->h + o * Im, s.iota, s.iota, L->off + (size_t)q * (El + 1),
+                            L->wr + o, (int)n, H, Im, El, 1);
+    }
     ep_move(p, &s, s.xs, dxr, L, 1, (size_t)H); /* d inputs back, in this rank's expert order */
     ep_move(p, &s, s.ws, s.dtopw1, L, 1, 1);
     for (long row = 0; row < S; row++) dtopw[r->perm[row]] = s.ws[row];
+    /* each token's k rows in choice order, as the grouped kernel adds them */
     for (int t = 0; t < N; t++) {
         float *o = dx + (size_t)t * H;
         for (int j = 0; j < k; j++) {
@@ -132,6 +153,28 @@ static void ep_bwd(void *ctx, int l, float *dx, qwen3_layer_w *g, float *dtopw, 
             for (int i = 0; i < H; i++) o[i] += d[i];
         }
     }
+}
+
+/* One layer's buffers for R rows: the received inputs and weights, the
+ * experts' gate and up, and h unless given (a shared one). */
+static void layer_alloc(ep_layer *y, int P, int El, size_t R, int H, int Im, float *h) {
+    y->scnt = ct_calloc(4 * (size_t)P, sizeof(size_t));
+    y->sdsp = y->scnt + P, y->rcnt = y->sdsp + P, y->rdsp = y->rcnt + P;
+    y->off = ct_calloc((size_t)P * (El + 1), sizeof(int32_t));
+    y->xr = ct_calloc(R * H + 1, sizeof(float));
+    y->gate = ct_calloc((h ? 2 : 3) * R * Im + 1, sizeof(float));
+    y->up = y->gate + R * Im;
+    y->h = h ? h : y->up + R * Im;
+    y->wr = ct_calloc(R + 1, sizeof(float));
+    y->held = -1;
+}
+
+static void layer_release(ep_layer *y) {
+    free(y->scnt);
+    free(y->off);
+    free(y->xr);
+    free(y->gate);
+    free(y->wr);
 }
 
 int ep_init(ep_layout *p, qwen3_model *m, ct_comm *c, ct_err *e) {
@@ -144,28 +187,30 @@ int ep_init(ep_layout *p, qwen3_model *m, ct_comm *c, ct_err *e) {
     p->El = cf->n_experts / P;
     p->Nmax = m->B * m->T;
     size_t S = (size_t)p->Nmax * cf->top_k, R = S * P;
-    /* the layers, then the scratch struct right after them */
-    p->layers = ct_calloc(1, (size_t)L * sizeof(ep_layer) + sizeof(ep_scratch));
+    p->layers = ct_calloc((size_t)L + 1, sizeof(ep_layer *));
+    p->sets = ct_calloc((size_t)L + 1, sizeof(ep_layer));
+    int any_op = 0;
+    for (int l = 0; l < L; l++) any_op |= qwen3_layer_is_moe(cf, l) && m->acts[l].ac == QWEN3_AC_OP;
+    if (any_op) p->h_op = ct_calloc(R * Im + 1, sizeof(float));
     for (int l = 0; l < L; l++) {
         if (!qwen3_layer_is_moe(cf, l)) continue;
-        ep_layer *y = &p->layers[l];
-        y->scnt = ct_calloc(4 * (size_t)P, sizeof(size_t));
-        y->sdsp = y->scnt + P, y->rcnt = y->sdsp + P, y->rdsp = y->rcnt + P;
-        y->xr = ct_calloc(R * H + 1, sizeof(float));
-        y->gate = ct_calloc(3 * R * Im + 1, sizeof(float));
-        y->up = y->gate + R * Im, y->h = y->up + R * Im;
-        y->ys = ct_calloc(S * H + 1, sizeof(float));
-        y->wr = ct_calloc(R + 1, sizeof(float));
-        y->er = ct_calloc(3 * R + cf->n_experts + 2, sizeof(int32_t));
-        y->perm = y->er + R, y->pos = y->perm + R, y->off = y->pos + R;
+        int ac = m->acts[l].ac;
+        /* QWEN3_AC_FULL: all rerun before their backward, so one set serves them in turn */
+        ep_layer *y = &p->sets[ac == QWEN3_AC_FULL ? L : l];
+        if (!y->scnt) layer_alloc(y, P, p->El, R, H, Im, ac == QWEN3_AC_OP ? p->h_op : NULL);
+        p->layers[l] = y;
     }
-    ep_scratch *s = (ep_scratch *)(void *)(p->layers + L);
+    ep_scratch *s = p->s = ct_calloc(1, sizeof(ep_scratch));
     s->xs = ct_calloc(S * H + 1, sizeof(float));
     s->yr = ct_calloc(R * H + 1, sizeof(float));
-    s->dxs = ct_calloc((R > S ? R : S) * H + 1, sizeof(float));
+    s->ys = ct_calloc(S * H + 1, sizeof(float));
+    s->dxs = ct_calloc(R * H + 1, sizeof(float));
     s->dtopw1 = ct_calloc(R + 1, sizeof(float));
     s->ws = ct_calloc(S + 1, sizeof(float));
-    s->es = ct_calloc(S + 1, sizeof(int32_t));
+    s->sc = ct_calloc(2 * (size_t)P * p->El, sizeof(int64_t));
+    s->rc = s->sc + (size_t)P * p->El;
+    s->iota = ct_calloc(R + 1, sizeof(int32_t));
+    for (size_t i = 0; i < R; i++) s->iota[i] = (int32_t)i;
     s->a = ct_calloc(4 * (size_t)P, sizeof(size_t));
     s->b = s->a + P, s->c = s->b + P, s->d = s->c + P;
     p->work = ct_calloc(KERN_MOE_WORK(R, H, Im), sizeof(float));
@@ -178,24 +223,22 @@ void ep_free(ep_layout *p) {
     if (!p->layers) return;
     if (p->m && p->m->moe_ep == &p->d) p->m->moe_ep = NULL;
     int L = p->m->cfg.n_layers;
-    for (int l = 0; l < L; l++) {
-        ep_layer *y = &p->layers[l];
-        free(y->scnt);
-        free(y->xr);
-        free(y->gate);
-        free(y->ys);
-        free(y->wr);
-        free(y->er);
-    }
-    ep_scratch *s = (ep_scratch *)(void *)(p->layers + L);
+    for (int l = 0; l <= L; l++)
+        if (p->sets[l].scnt) layer_release(&p->sets[l]);
+    free(p->h_op);
+    ep_scratch *s = p->s;
     free(s->xs);
     free(s->yr);
+    free(s->ys);
     free(s->dxs);
     free(s->dtopw1);
     free(s->ws);
-    free(s->es);
+    free(s->sc);
+    free(s->iota);
     free(s->a);
+    free(s);
     free(p->work);
     free(p->layers);
+    free(p->sets);
     memset(p, 0, sizeof *p);
 }

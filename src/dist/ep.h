@@ -17,14 +17,18 @@
 #include "model/qwen3.h"
 
 typedef struct ep_layer ep_layer;
+typedef struct ep_scratch ep_scratch;
 
 typedef struct {
     qwen3_model *m;
-    ct_comm *c;       /* the EP group */
-    int El;           /* experts per rank */
-    int Nmax;         /* tokens of the largest forward (B x T) */
-    ep_layer *layers; /* [L] state a layer's backward needs */
-    float *work;      /* experts kernel scratch for the largest receive */
+    ct_comm *c;        /* the EP group */
+    int El;            /* experts per rank */
+    int Nmax;          /* tokens of the largest forward (B x T) */
+    ep_layer **layers; /* [L] what a MoE layer's backward needs (one set for all QWEN3_AC_FULL layers) */
+    ep_layer *sets;    /* [L + 1] the sets: [l] layer l's own, [L] the QWEN3_AC_FULL layers' */
+    ep_scratch *s;     /* buffers used within one call */
+    float *h_op;       /* [Rmax, Im] h of the QWEN3_AC_OP layers, rebuilt before each backward */
+    float *work;       /* experts kernel scratch for the largest receive */
     qwen3_moe_dispatch d;
 } ep_layout;
 

@@ -34,11 +34,6 @@ int mesh_resolve(const ct_config *c, int world, const qwen3_config *mc, const ch
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: parallelism.expert_parallel_degree = %d does not divide the model's %d experts",
                            where, c->ep, mc->n_experts);
-        if (strcmp(c->ac_mode, "none") != 0)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: parallelism.expert_parallel_degree = %d with activation_checkpoint.mode = \"%s\": "
-                           "not implemented (use \"none\")",
-                           where, c->ep, c->ac_mode);
     }
     if (world % (rep * tp) != 0)
         return ct_fail(e, CT_ERR_CONFIG,

@@ -1,7 +1,8 @@
 """Many processes (issue 7): ctitan under mpirun on this 2-core machine, oversubscribed.
 
 Every layout must train like one process with the same global batch: the same loss
-for 10 steps to 1e-5 relative and the same final weights. The one-process run is
+for 10 steps to 1e-5 relative and the same final weights (norm-wise per tensor to 1e-5:
+assert_same_weights says why not element-wise). The one-process run is
 itself checked against PyTorch by test_train_loop.py, so agreeing with it ties
 every layout to PyTorch. Checkpoints move between layouts; one rank's death ends
 the job quickly; bad degrees are config errors naming the key. The MPI backend of
@@ -108,11 +109,23 @@ def assert_same_run(out, ref, what, steps=range(1, STEPS + 1), weights_too=True)
     for s in want:
         assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), f"{what}: step {s} val_loss {got[s]!r} vs {want[s]!r}"
     if weights_too:
-        a, b = weights(out), weights(ref)
-        assert a.keys() == b.keys(), f"{what}: tensor names differ"
-        for k in b:
-            err = np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(b[k])), 1e-12)
-            assert err <= 1e-5, f"{what}: final {k} differs from one rank by {err:.3g} (relative to its max)"
+        assert_same_weights(out, ref, what)
+
+
+def assert_same_weights(out, ref, what):
+    """Final weights per tensor: ||a - b|| / ||b|| <= 1e-5. Not element by element: one
+    process against itself with another micro-batch split (the same math, other fp32
+    sums) already differs by up to 6.4e-6 (dense test model) and 1.9e-5 (MoE) of a
+    tensor's largest element after 10 steps, because AdamW divides each element's step
+    by sqrt(v) + eps and so magnifies the last bits of gradients near zero; norm-wise
+    the same pair differs by 6.7e-7 and 2.5e-6 (docs/distributed.md, Numerics)."""
+    a, b = weights(out), weights(ref)
+    assert a.keys() == b.keys(), f"{what}: tensor names differ"
+    for k in b:
+        err = np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-30)
+        worst = np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(b[k])), 1e-30)
+        assert err <= 1e-5, f"{what}: final {k} differs from one rank by {err:.3g} norm-wise " \
+            f"({worst:.3g} of its largest element)"
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +185,8 @@ def test_gradient_reduction_overlaps_backward(setup, tmp_path, rep, shard):
     d, data = setup
     n = rep * shard
     out = tmp_path / f"overlap_{rep}x{shard}"
-    run(n, train_args(d / "model", data, out, "--training.steps=2", f"--parallelism.data_parallel_replicate_degree={rep}",
+    run(n, train_args(d / "model", data, out, "--training.steps=2",
+                      f"--parallelism.data_parallel_replicate_degree={rep}",
                       f"--parallelism.data_parallel_shard_degree={shard}", dp=n))
     rows = [r for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]

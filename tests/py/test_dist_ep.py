@@ -3,21 +3,22 @@ experts (all-to-allv) and come back to be weighted and summed on their own rank.
 
 EP 2 over 2 data-parallel ranks (with DP replicate, with FSDP, and twice within HSDP
 2x2 on 4 ranks) must train like one process with the same global batch: loss of 10
-steps and validation loss to 1e-5 relative, and the first step's gradients (AdamW's
-exp_avg after one step) to 1e-5 of each tensor's largest (the one-process run is tied
-to PyTorch by test_train_loop.py / test_moe.py). The final weights after 10 steps are
-not compared at 1e-5: an expert's d input comes back per (token, choice) row and is
-added to the token's other choices after, not accumulated in one buffer as one
-process does, and AdamW grows that rounding in elements whose gradient is near zero
-(measured: 5.2e-5 of the embedding's largest element, the other tensors <= 7.7e-6;
-docs/distributed.md). A checkpoint written under EP 2 resumes on one process with the
-uninterrupted run's later steps. Bad degrees exit 2 naming the key. No auxiliary loss
-in the gradient: it is a function of each micro-batch's own tokens, which differ by
-layout (docs/distributed.md), so it would not match any layout."""
+steps, validation loss and the final weights to 1e-5 (weights: of each tensor's
+largest), and the first step's gradients (AdamW's exp_avg after one step) to 1e-5 (the
+one-process run is tied to PyTorch by test_train_loop.py / test_moe.py). Beyond that,
+EP changes where an expert runs and nothing else: with 2 ranks of FSDP it is bit for
+bit the same run as FSDP 2 without EP (the owner runs each source rank's rows as that
+rank's own kernel would and adds the two partial sums as the reduce-scatter does;
+docs/distributed.md), and activation checkpointing (full, selective op, every 2nd
+layer), which reruns the dispatch before a layer's backward, changes no bit either.
+A checkpoint written under EP 2 resumes on one process with the uninterrupted run's
+later steps. Bad degrees exit 2 naming the key. No auxiliary loss in the gradient: it
+is a function of each micro-batch's own tokens, which differ by layout
+(docs/distributed.md), so it would not match any layout."""
 import numpy as np
 import pytest
 
-from test_dist import assert_same_run, run, setup, train_args, weights  # noqa: F401 (setup: fixture)
+from test_dist import assert_same_run, losses, run, setup, train_args, weights  # noqa: F401 (setup: fixture)
 
 EP2 = ["--parallelism.expert_parallel_degree=2"]
 
@@ -30,17 +31,71 @@ def single_moe(setup):
     return out
 
 
+def layout_run(d, data, out, rep, shard, *extra):
+    """EP 2 (unless extra says otherwise) over rep x shard data-parallel ranks."""
+    return run(rep * shard, train_args(d / "model_moe", data, out, *EP2,
+                                       f"--parallelism.data_parallel_replicate_degree={rep}",
+                                       f"--parallelism.data_parallel_shard_degree={shard}", *extra, dp=rep * shard))
+
+
+@pytest.fixture(scope="module")
+def ep_fsdp2(setup):
+    """EP 2 over FSDP 2, without activation checkpointing."""
+    d, data = setup
+    out = d / "ep2_1x2"
+    p = layout_run(d, data, out, 1, 2)
+    return out, p
+
+
 @pytest.mark.parametrize("rep,shard", [(2, 1), (1, 2), (2, 2)])
-def test_ep2_matches_one_rank(setup, single_moe, rep, shard):
+def test_ep2_matches_one_rank(setup, single_moe, ep_fsdp2, rep, shard):
     """EP 2 over DP 2, over FSDP 2, and as two EP groups of HSDP 2x2 (4 ranks)."""
     d, data = setup
-    out = d / f"ep2_{rep}x{shard}"
-    p = run(rep * shard, train_args(d / "model_moe", data, out, "--parallelism.expert_parallel_degree=2",
-                                    f"--parallelism.data_parallel_replicate_degree={rep}",
-                                    f"--parallelism.data_parallel_shard_degree={shard}", dp=rep * shard))
+    if (rep, shard) == (1, 2):
+        out, p = ep_fsdp2
+    else:
+        out = d / f"ep2_{rep}x{shard}"
+        p = layout_run(d, data, out, rep, shard)
     assert "expert_parallel 2: rank 0 runs experts 0..1 of 4 and stores only those" in p.stderr, p.stderr[-2000:]
     assert any(".mlp.experts.3." in k for k in weights(out)), "every expert must be in the checkpoint"
-    assert_same_run(out, single_moe, f"EP2 over DP {rep}x{shard}", weights_too=False)
+    assert_same_run(out, single_moe, f"EP2 over DP {rep}x{shard}")
+
+
+def assert_same_bits(out, ref, what):
+    assert losses(out) == losses(ref), f"{what}: losses differ"
+    a, b = weights(out), weights(ref)
+    assert a.keys() == b.keys(), f"{what}: tensor names differ"
+    for k in b:
+        n = int(np.sum(a[k] != b[k]))
+        assert n == 0, f"{what}: {n} elements of the final {k} differ (by up to {np.max(np.abs(a[k] - b[k])):.3g})"
+
+
+def test_ep2_over_fsdp2_is_fsdp2_bit_for_bit(setup, ep_fsdp2):
+    """Each source rank's rows are the GEMM that rank runs without EP, and the two
+    partial sums meet as in FSDP's reduce-scatter: nothing but the place changes."""
+    d, data = setup
+    out = d / "fsdp2_no_ep"
+    p = layout_run(d, data, out, 1, 2, "--parallelism.expert_parallel_degree=1")
+    assert "expert_parallel" not in p.stderr, "the later --parallelism.expert_parallel_degree=1 must win"
+    assert_same_bits(ep_fsdp2[0], out, "EP2 over FSDP 2 vs FSDP 2 without EP")
+
+
+@pytest.mark.parametrize("rep,shard,ac", [
+    (1, 2, ["--activation_checkpoint.mode=full"]),
+    (1, 2, ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]),
+    (2, 1, ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"]),
+])
+def test_ep2_with_activation_checkpointing(setup, single_moe, ep_fsdp2, rep, shard, ac):
+    """Full: both MoE layers share one dispatch, rerun before each backward (the last
+    layer's is still there). op: h is rebuilt from the kept gate/up. 2: layer 1 only
+    (full), layer 2 not checkpointed. Same as one rank; over FSDP 2 the same bits as
+    without checkpointing."""
+    d, data = setup
+    out = d / f"ep2_ac_{rep}x{shard}_{ac[-1].split('=')[1]}"
+    layout_run(d, data, out, rep, shard, *ac)
+    assert_same_run(out, single_moe, f"EP2 over DP {rep}x{shard} with {' '.join(ac)}")
+    if (rep, shard) == (1, 2):
+        assert_same_bits(out, ep_fsdp2[0], f"EP2 over FSDP 2 with {' '.join(ac)} vs without")
 
 
 def test_ep2_first_step_gradients_match_one_rank(setup):
@@ -64,14 +119,13 @@ def test_ep2_checkpoint_resumes_on_one_rank(setup, single_moe):
     assert p.returncode == 75, f"stop_at_step should exit 75 after saving\n{p.stderr[-3000:]}"
     run(1, train_args(d / "model_moe", data, out, "--checkpoint.last_save_model_only=false"))
     assert any("experts.3." in k and "exp_avg_sq" in k for k in weights(out, 4, "optim.safetensors"))
-    assert_same_run(out, single_moe, "EP2 -> 1 rank", steps=range(5, 11), weights_too=False)
+    assert_same_run(out, single_moe, "EP2 -> 1 rank", steps=range(5, 11))
 
 
 @pytest.mark.parametrize("ranks,model,args,words", [
     (2, "model_moe", ["--parallelism.expert_parallel_degree=3"], "does not divide the model's 4 experts"),
-    (2, "model_moe", ["--parallelism.expert_parallel_degree=4"], "does not divide parallelism.data_parallel_shard_degree"),
-    (2, "model_moe", ["--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=full"],
-     "activation_checkpoint.mode"),
+    (2, "model_moe", ["--parallelism.expert_parallel_degree=4"],
+     "does not divide parallelism.data_parallel_shard_degree"),
     (2, "model", ["--parallelism.expert_parallel_degree=2"], "no experts"),
 ])
 def test_ep_bad_degrees_exit_2(setup, tmp_path, ranks, model, args, words):
