@@ -99,6 +99,27 @@ double op_crossentropy_fwdbwd(float *logits, const int32_t *targets, int N, int 
 /* Forward only: per-row losses (0 for ignored rows), logits untouched. Returns the sum. */
 double op_crossentropy_fwd(float *losses, const float *logits, const int32_t *targets, int N, int V);
 
+/* Vocabulary-parallel cross-entropy (tensor parallelism; registered with the
+ * crossentropy op): logits[N,V] hold only this rank's columns [v0, v0 + V) of
+ * each row. Three local phases; the caller combines each one's outputs over
+ * the ranks before the next (max, then sums):
+ *   1. maxv[N]   = the row max over the local columns;
+ *   2. given the global maxv: sumexp[N] = sum_i exp(x_i - maxv) over the local
+ *      columns, and tlogit[N] = x[target - v0] - maxv where the target is a
+ *      local column, else 0 (also 0 for target -100). Sums over the ranks give
+ *      the global sum and the target's shifted logit from the rank holding it.
+ *   3. given the global maxv, sumexp, tlogit: logits[N,V] is overwritten with
+ *      (exp(x - maxv) / sumexp - onehot(target - v0)) * grad_scale, zeros for
+ *      rows whose target is -100. Returns the sum over the other rows of
+ *      -(tlogit - log sumexp) (as double, rows in order) and adds their count
+ *      to *n_valid if non-NULL; identical on every rank.
+ * Targets outside [v0, v0 + V) are other ranks' columns, not errors. */
+void op_crossentropy_vp_max(float *maxv, const float *logits, int N, int V);
+void op_crossentropy_vp_sums(float *sumexp, float *tlogit, const float *logits, const float *maxv,
+                             const int32_t *targets, int N, int V, int v0);
+double op_crossentropy_vp_grad(float *logits, const float *maxv, const float *sumexp, const float *tlogit,
+                               const int32_t *targets, int N, int V, int v0, float grad_scale, long *n_valid);
+
 /* Residual add: out[N] = a + b (out may alias a). */
 void op_add(float *out, const float *a, const float *b, long N);
 

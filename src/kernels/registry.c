@@ -55,10 +55,14 @@ static const kern_impl registry[] = {
     {KERN_OP_SWIGLU, "avx512", "cpu", KERN_FEAT_AVX512, 0, "zmm, vector exp (2 ulp)",
      .fn.swiglu = {kern_swiglu_fwd_avx512, kern_swiglu_bwd_avx512}},
     {KERN_OP_SWIGLU, "ref", "cpu", 0, 0, "kernels/ref", .fn.swiglu = {op_swiglu_fwd, op_swiglu_bwd}},
-    {KERN_OP_CROSSENTROPY, "avx512", "cpu", KERN_FEAT_AVX512, 0, "3 zmm passes per row, vector exp (2 ulp)",
-     .fn.crossentropy = {kern_crossentropy_fwdbwd_avx512, kern_crossentropy_fwd_avx512}},
-    {KERN_OP_CROSSENTROPY, "ref", "cpu", 0, 0, "kernels/ref",
-     .fn.crossentropy = {op_crossentropy_fwdbwd, op_crossentropy_fwd}},
+    {KERN_OP_CROSSENTROPY, "avx512", "cpu", KERN_FEAT_AVX512, 0,
+     "3 zmm passes per row, vector exp (2 ulp); vocabulary-parallel phases the same",
+     .fn.crossentropy = {kern_crossentropy_fwdbwd_avx512, kern_crossentropy_fwd_avx512,
+                         kern_crossentropy_vp_max_avx512, kern_crossentropy_vp_sums_avx512,
+                         kern_crossentropy_vp_grad_avx512}},
+    {KERN_OP_CROSSENTROPY, "ref", "cpu", 0, 0, "kernels/ref; vocabulary-parallel phases in ref/crossentropy_vp.c",
+     .fn.crossentropy = {op_crossentropy_fwdbwd, op_crossentropy_fwd, op_crossentropy_vp_max,
+                         op_crossentropy_vp_sums, op_crossentropy_vp_grad}},
     {KERN_OP_ADD, "avx512", "cpu", KERN_FEAT_AVX512, 0, "zmm (same results as ref)", .fn.add = {kern_add_avx512}},
     {KERN_OP_ADD, "ref", "cpu", 0, 0, "kernels/ref", .fn.add = {op_add}},
     {KERN_OP_ADAMW, "avx512", "cpu", KERN_FEAT_AVX512, 0, "one zmm pass per tensor (same results as ref)",
@@ -175,6 +179,9 @@ static void install(kern_ops *k, const kern_impl *im) {
     case KERN_OP_CROSSENTROPY:
         k->crossentropy_fwdbwd = im->fn.crossentropy.fwdbwd;
         k->crossentropy_fwd = im->fn.crossentropy.fwd;
+        k->crossentropy_vp_max = im->fn.crossentropy.vp_max;
+        k->crossentropy_vp_sums = im->fn.crossentropy.vp_sums;
+        k->crossentropy_vp_grad = im->fn.crossentropy.vp_grad;
         break;
     case KERN_OP_ADD: k->add = im->fn.add.fwd; break;
     case KERN_OP_ADAMW: k->adamw_step = im->fn.adamw.step; break;

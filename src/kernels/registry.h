@@ -93,6 +93,13 @@ typedef double (*kern_crossentropy_fwdbwd_fn)(float *logits, const int32_t *targ
                                               float grad_scale, long *n_valid);
 typedef double (*kern_crossentropy_fwd_fn)(float *losses, const float *logits, const int32_t *targets, int N,
                                            int V);
+/* The vocabulary-parallel phases (op_crossentropy_vp_* in ops.h). */
+typedef void (*kern_crossentropy_vp_max_fn)(float *maxv, const float *logits, int N, int V);
+typedef void (*kern_crossentropy_vp_sums_fn)(float *sumexp, float *tlogit, const float *logits, const float *maxv,
+                                             const int32_t *targets, int N, int V, int v0);
+typedef double (*kern_crossentropy_vp_grad_fn)(float *logits, const float *maxv, const float *sumexp,
+                                               const float *tlogit, const int32_t *targets, int N, int V, int v0,
+                                               float grad_scale, long *n_valid);
 typedef void (*kern_add_fn)(float *out, const float *a, const float *b, long N);
 typedef void (*kern_adamw_step_fn)(adamw_state *s, float *params, const float *grads, double lr,
                                    const adamw_hparams *h);
@@ -126,7 +133,11 @@ typedef struct {
         } rope;
         struct { kern_attention_fwd_fn fwd; kern_attention_bwd_fn bwd; } attention;
         struct { kern_swiglu_fwd_fn fwd; kern_swiglu_bwd_fn bwd; } swiglu;
-        struct { kern_crossentropy_fwdbwd_fn fwdbwd; kern_crossentropy_fwd_fn fwd; } crossentropy;
+        struct { /* whole rows, and the vocabulary-parallel phases (op_crossentropy_vp_*) */
+            kern_crossentropy_fwdbwd_fn fwdbwd; kern_crossentropy_fwd_fn fwd;
+            kern_crossentropy_vp_max_fn vp_max; kern_crossentropy_vp_sums_fn vp_sums;
+            kern_crossentropy_vp_grad_fn vp_grad;
+        } crossentropy;
         struct { kern_add_fn fwd; } add;
         struct { kern_adamw_step_fn step; } adamw;
         struct { kern_moe_fwd_fn fwd; kern_moe_bwd_fn bwd; } moe; /* moe_experts and moe_experts_bf16 */
@@ -152,6 +163,9 @@ typedef struct {
     kern_swiglu_bwd_fn swiglu_bwd;
     kern_crossentropy_fwdbwd_fn crossentropy_fwdbwd;
     kern_crossentropy_fwd_fn crossentropy_fwd;
+    kern_crossentropy_vp_max_fn crossentropy_vp_max; /* from the crossentropy op's entry */
+    kern_crossentropy_vp_sums_fn crossentropy_vp_sums;
+    kern_crossentropy_vp_grad_fn crossentropy_vp_grad;
     kern_add_fn add;
     kern_adamw_step_fn adamw_step;
     kern_matmul_fwd_fn matmul_bf16_fwd; /* not called by the model directly: see kern_use_bf16_matmuls */

@@ -532,37 +532,11 @@ static double crossentropy(qwen3_model *m, float *logits, const int32_t *labels,
     if (!c->vocab_rows) return m->k.crossentropy_fwdbwd(logits, labels, n, c->vocab_size, grad_scale, count);
     int V = c->vocab_rows, v0 = c->vocab_row0;
     float *mx = m->ce_stats, *se = mx + n, *tl = se + n; /* [n] each, se and tl adjacent for one all-reduce */
-    for (int r = 0; r < n; r++) {
-        const float *x = logits + (size_t)r * V;
-        float v = -INFINITY;
-        for (int i = 0; i < V; i++) v = x[i] > v ? x[i] : v;
-        mx[r] = v;
-    }
+    m->k.crossentropy_vp_max(mx, logits, n, V);
     m->hooks->reduce_max(m->hooks->ctx, mx, (size_t)n);
-    for (int r = 0; r < n; r++) {
-        const float *x = logits + (size_t)r * V;
-        float s = 0.0f;
-        for (int i = 0; i < V; i++) s += expf(x[i] - mx[r]);
-        se[r] = s;
-        int y = labels[r] - v0;
-        tl[r] = labels[r] != -100 && y >= 0 && y < V ? x[y] - mx[r] : 0.0f;
-    }
+    m->k.crossentropy_vp_sums(se, tl, logits, mx, labels, n, V, v0);
     m->hooks->reduce_partial(m->hooks->ctx, se, 2 * (size_t)n); /* se and tl are adjacent */
-    double total = 0;
-    for (int r = 0; r < n; r++) {
-        float *x = logits + (size_t)r * V;
-        if (labels[r] == -100) {
-            memset(x, 0, (size_t)V * sizeof(float));
-            continue;
-        }
-        total += -(tl[r] - logf(se[r]));
-        (*count)++;
-        float inv = 1.0f / se[r];
-        for (int i = 0; i < V; i++) x[i] = expf(x[i] - mx[r]) * inv * grad_scale;
-        int y = labels[r] - v0;
-        if (y >= 0 && y < V) x[y] -= grad_scale;
-    }
-    return total;
+    return m->k.crossentropy_vp_grad(logits, mx, se, tl, labels, n, V, v0, grad_scale, count);
 }
 
 void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits) {

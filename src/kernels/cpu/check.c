@@ -346,8 +346,74 @@ static const int shapes_swiglu[][6] = {{1}, {7}, {15}, {16}, {17}, {33}, {1000},
 
 /* ------------------------------------------------------- crossentropy */
 
+/* The vocabulary-parallel phases on this rank's columns [v0, v0 + V): each
+ * phase gets the same inputs on both sides (the reference's outputs of the
+ * phase before, made "global" as other ranks would: a larger max on odd
+ * rows, more exponentials in the sums, the target logit from another rank
+ * where this one does not hold the target). Targets cycle through this
+ * rank's columns, another rank's, -100, and anywhere in [v0 - V, v0 + 2V). */
+static void case_crossentropy_vp(chk_case *c, const kern_impl *ref, const kern_impl *im, const float *logits, int N,
+                                 int V, int v0, chk_rng *r) {
+    size_t nv = (size_t)N * V, n = (size_t)N;
+    int32_t *tgt = ct_malloc((n ? n : 1) * sizeof(int32_t));
+    int lo = v0 > V ? v0 - V : 0;
+    for (int i = 0; i < N; i++) {
+        uint64_t u = rng_next(r);
+        switch (i % 4) {
+        case 0: tgt[i] = v0 + (int32_t)(u % (uint64_t)V); break;
+        case 1: tgt[i] = v0 > 0 ? (int32_t)(u % (uint64_t)v0) : v0 + V + (int32_t)(u % (uint64_t)V); break;
+        case 2: tgt[i] = -100; break;
+        default: tgt[i] = lo + (int32_t)(u % (uint64_t)(v0 + 2 * V - lo)); break;
+        }
+    }
+    float *mx1 = fbuf(n), *mx2 = fbuf(n), *se1 = fbuf(n), *se2 = fbuf(n), *tl1 = fbuf(n), *tl2 = fbuf(n);
+    fill_nan(mx1, n), fill_nan(mx2, n), fill_nan(se1, n), fill_nan(se2, n), fill_nan(tl1, n), fill_nan(tl2, n);
+    ref->fn.crossentropy.vp_max(mx1, logits, N, V);
+    im->fn.crossentropy.vp_max(mx2, logits, N, V);
+    part(c, "vp-max", rel_err(mx2, mx1, n));
+    for (int i = 0; i < N; i++) mx1[i] += i % 2 ? 0.5f : 0.0f;
+    ref->fn.crossentropy.vp_sums(se1, tl1, logits, mx1, tgt, N, V, v0);
+    im->fn.crossentropy.vp_sums(se2, tl2, logits, mx1, tgt, N, V, v0);
+    /* The sum is judged by its distance from the exact sum of the reference's
+     * terms (summed in double), not from the reference's own fp32 sum: that
+     * one runs in column order with one accumulator and drifts from the exact
+     * value like sqrt(V) ulps (measured 4.3e-5 of it at V = 151936, 1.6e-5 at
+     * 75968), which would hide under any tolerance wide enough to pass it.
+     * Error: how much further from exact the implementation is than the
+     * reference, per row (0 when at least as accurate), relative to the
+     * largest sum; the default 1e-5 applies. The avx512 lane sums measured
+     * <= 1.6e-7 from exact over these shapes; 3 lost columns per row fail
+     * every shape but V = 151936, where the reference's own drift covers them. */
+    double emax = 0, rmax = 0;
+    for (int i = 0; i < N; i++) {
+        const float *x = logits + (size_t)i * V;
+        double exact = 0;
+        for (int j = 0; j < V; j++) exact += (double)expf(x[j] - mx1[i]);
+        double excess = fabs(se2[i] - exact) - fabs(se1[i] - exact);
+        if (!isfinite(se2[i])) emax = INFINITY;
+        else if (excess > emax) emax = excess;
+        if (exact > rmax) rmax = exact;
+    }
+    part(c, "vp-sumexp", emax == 0 ? 0 : emax / rmax);
+    part(c, "vp-tlogit", rel_err(tl2, tl1, n));
+    for (int i = 0; i < N; i++) {
+        se1[i] += i % 2 ? rng_uniform(r, 0.5f, 2.0f) : 0.0f;
+        int y = tgt[i] - v0;
+        if (tgt[i] != -100 && (y < 0 || y >= V)) tl1[i] = rng_uniform(r, -3.0f, 0.0f);
+    }
+    float *l1 = dup(logits, nv), *l2 = dup(logits, nv);
+    long c1 = 0, c2 = 0;
+    float scale = 1.0f / (float)(N > 0 ? N : 1);
+    double s1 = ref->fn.crossentropy.vp_grad(l1, mx1, se1, tl1, tgt, N, V, v0, scale, &c1);
+    double s2 = im->fn.crossentropy.vp_grad(l2, mx1, se1, tl1, tgt, N, V, v0, scale, &c2);
+    part(c, "vp-dlogits", rel_err(l2, l1, nv));
+    part(c, "vp-loss", fabs(s2 - s1) / (fabs(s1) > 1 ? fabs(s1) : 1));
+    part(c, "vp-n_valid", c1 == c2 ? 0.0 : INFINITY);
+    free(tgt), free(mx1), free(mx2), free(se1), free(se2), free(tl1), free(tl2), free(l1), free(l2);
+}
+
 static void case_crossentropy(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
-    int N = s[0], V = s[1];
+    int N = s[0], V = s[1], v0 = s[2];
     size_t nv = (size_t)N * V;
     int32_t *tgt = ct_malloc((size_t)N * sizeof(int32_t));
     for (int i = 0; i < N; i++) tgt[i] = (i % 3 == 2) ? -100 : (int32_t)(rng_next(r) % (uint64_t)V);
@@ -368,10 +434,15 @@ static void case_crossentropy(chk_case *c, const kern_impl *ref, const kern_impl
     s2 = im->fn.crossentropy.fwd(ls2, logits, tgt, N, V);
     part(c, "fwd-losses", rel_err(ls2, ls1, (size_t)N));
     part(c, "fwd-sum", fabs(s2 - s1) / (fabs(s1) > 1 ? fabs(s1) : 1));
+    case_crossentropy_vp(c, ref, im, logits, N, V, v0, r);
     free(tgt), free(logits), free(l1), free(l2), free(ls1), free(ls2);
 }
 
-static const int shapes_crossentropy[][6] = {{1, 1}, {3, 5}, {4, 17}, {7, 16}, {5, 100}, {8, 2048}, {3, 151936}};
+/* v0: the first column of the vocabulary-parallel case (the rank's offset);
+ * 75968 is Qwen3's 151936 over two ranks, the second rank's half. */
+static const int shapes_crossentropy[][6] = {{1, 1, 0},     {3, 5, 5},       {4, 17, 17},   {7, 16, 3},
+                                             {5, 100, 200}, {8, 2048, 1000}, {3, 151936, 0}, {1, 37, 74},
+                                             {9, 75968, 75968}};
 
 /* ---------------------------------------------------------------- add */
 
@@ -531,7 +602,7 @@ static const struct {
     [KERN_OP_ROPE] = {case_rope, SHAPES(shapes_rope), 4, "B T nh hd"},
     [KERN_OP_ATTENTION] = {case_attention, SHAPES(shapes_attention), 5, "B T nh nkv hd"},
     [KERN_OP_SWIGLU] = {case_swiglu, SHAPES(shapes_swiglu), 1, "N"},
-    [KERN_OP_CROSSENTROPY] = {case_crossentropy, SHAPES(shapes_crossentropy), 2, "N V"},
+    [KERN_OP_CROSSENTROPY] = {case_crossentropy, SHAPES(shapes_crossentropy), 3, "N V v0"},
     [KERN_OP_ADD] = {case_add, SHAPES(shapes_add), 1, "N"},
     [KERN_OP_ADAMW] = {case_adamw, SHAPES(shapes_adamw), 1, "n"},
     [KERN_OP_MATMUL_BF16] = {case_matmul, SHAPES(shapes_matmul_bf16), 3, "M K N"},

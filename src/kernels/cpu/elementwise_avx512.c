@@ -1,6 +1,7 @@
 /* kernels/cpu/elementwise_avx512.c: AVX-512 versions of the memory-bound ops
  * (embedding, rmsnorm, rope, the fused q/k-norm + RoPE, swiglu, add,
- * cross-entropy, AdamW), registered as "avx512" beside their references.
+ * cross-entropy and its vocabulary-parallel phases, AdamW), registered as
+ * "avx512" beside their references.
  *
  * Design. Each op is one pass (or as few as its data dependencies allow) over
  * its tensors with zmm loads, masked for the tails, so any size works and no
@@ -461,6 +462,60 @@ EW512 double kern_crossentropy_fwd_avx512(float *losses, const float *logits, co
     }
     double total = 0.0;
     for (int n = 0; n < N; n++) total += losses[n];
+    return total;
+}
+
+/* The vocabulary-parallel phases (op_crossentropy_vp_* in ops.h) on the row
+ * helpers above. The max is exact; the sums differ from the reference by the
+ * lane order and exp16; the target logit and the loss terms are the
+ * reference's scalar expressions, so they match it given the same stats. */
+
+EW512 void kern_crossentropy_vp_max_avx512(float *maxv, const float *logits, int N, int V) {
+    // maxv[N], logits[N,V]
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) maxv[n] = ew_row_max(logits + (size_t)n * V, V);
+}
+
+EW512 void kern_crossentropy_vp_sums_avx512(float *sumexp, float *tlogit, const float *logits, const float *maxv,
+                                            const int32_t *targets, int N, int V, int v0) {
+    // sumexp[N], tlogit[N], logits[N,V], maxv[N] (global), targets[N] (global column ids)
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = logits + (size_t)n * V;
+        sumexp[n] = ew_row_expsum(NULL, x, V, maxv[n], 0);
+        int y = targets[n] - v0;
+        tlogit[n] = targets[n] != CE_IGNORE && y >= 0 && y < V ? x[y] - maxv[n] : 0.0f;
+    }
+}
+
+EW512 double kern_crossentropy_vp_grad_avx512(float *logits, const float *maxv, const float *sumexp,
+                                              const float *tlogit, const int32_t *targets, int N, int V, int v0,
+                                              float grad_scale, long *n_valid) {
+    // logits[N,V] in: logits, out: dlogits * grad_scale; maxv, sumexp, tlogit [N] (global); targets[N]
+    double total = 0.0; /* serial, in row order, as the reference */
+    long count = 0;
+    for (int n = 0; n < N; n++) {
+        if (targets[n] == CE_IGNORE) continue;
+        total += -(tlogit[n] - logf(sumexp[n]));
+        count++;
+    }
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        float *x = logits + (size_t)n * V;
+        if (targets[n] == CE_IGNORE) {
+            memset(x, 0, (size_t)V * sizeof(float));
+            continue;
+        }
+        /* one pass: e^(x - max) (1/sum) scale, the reference's order */
+        __m512 vm = _mm512_set1_ps(maxv[n]), f = _mm512_set1_ps(1.0f / sumexp[n]), sc = _mm512_set1_ps(grad_scale);
+        for (long i = 0; i < V; i += 16) {
+            __m512 e = exp16(_mm512_sub_ps(ew_load(x + i, V - i), vm));
+            ew_store(x + i, _mm512_mul_ps(_mm512_mul_ps(e, f), sc), V - i);
+        }
+        int y = targets[n] - v0;
+        if (y >= 0 && y < V) x[y] -= grad_scale;
+    }
+    if (n_valid) *n_valid += count;
     return total;
 }
 

@@ -183,6 +183,12 @@ void kern_add_avx512(float *out, const float *a, const float *b, long N);
 double kern_crossentropy_fwdbwd_avx512(float *logits, const int32_t *targets, int N, int V, float grad_scale,
                                        long *n_valid);
 double kern_crossentropy_fwd_avx512(float *losses, const float *logits, const int32_t *targets, int N, int V);
+void kern_crossentropy_vp_max_avx512(float *maxv, const float *logits, int N, int V);
+void kern_crossentropy_vp_sums_avx512(float *sumexp, float *tlogit, const float *logits, const float *maxv,
+                                      const int32_t *targets, int N, int V, int v0);
+double kern_crossentropy_vp_grad_avx512(float *logits, const float *maxv, const float *sumexp, const float *tlogit,
+                                        const int32_t *targets, int N, int V, int v0, float grad_scale,
+                                        long *n_valid);
 void kern_adamw_step_avx512(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
 /* Attention with register-blocked tiles (attention_avx512.c), ops.h's attention contract. */
 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
