@@ -119,6 +119,11 @@ void op_crossentropy_vp_sums(float *sumexp, float *tlogit, const float *logits, 
                              const int32_t *targets, int N, int V, int v0);
 double op_crossentropy_vp_grad(float *logits, const float *maxv, const float *sumexp, const float *tlogit,
                                const int32_t *targets, int N, int V, int v0, float grad_scale, long *n_valid);
+/* The loss part of op_crossentropy_vp_grad, shared by its implementations:
+ * sum over rows not ignored of log(sumexp) - tlogit, serially in row order;
+ * *n_valid += those rows. */
+double op_crossentropy_vp_loss(const float *sumexp, const float *tlogit, const int32_t *targets, int N,
+                               long *n_valid);
 
 /* Residual add: out[N] = a + b (out may alias a). */
 void op_add(float *out, const float *a, const float *b, long N);

@@ -377,6 +377,18 @@ static void dp_overlap_free(trainer *t) {
 
 int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_dist(t, cfg, NULL, e); }
 
+/* A batch the data-parallel ranks cannot split evenly is a layout error:
+ * the run and the dry run reject it alike. */
+static int check_global_batch(const ct_config *c, int dp, ct_err *e) {
+    int per_step = c->local_batch_size * dp;
+    if (c->global_batch_size > 0 && c->global_batch_size % per_step != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: training.global_batch_size (%d) must be a multiple of training.local_batch_size (%d) x "
+                       "the data-parallel degree (%d = data_parallel_replicate_degree x data_parallel_shard_degree)",
+                       cfg_src(c), c->global_batch_size, c->local_batch_size, dp);
+    return 0;
+}
+
 static int load_or_init_weights(trainer *t, ct_err *e);
 static int shard_state(trainer *t, ct_err *e);
 static int init_sharded(trainer *t, ct_err *e);
@@ -404,11 +416,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
         mc = t->tp->local;
     }
     int dp = t->mesh.dp_size, per_step = c->local_batch_size * dp;
-    if (c->global_batch_size > 0 && c->global_batch_size % per_step != 0)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: training.global_batch_size (%d) must be a multiple of training.local_batch_size (%d) x "
-                       "the data-parallel degree (%d = data_parallel_replicate_degree x data_parallel_shard_degree)",
-                       cfg_src(c), c->global_batch_size, c->local_batch_size, dp);
+    if ((rc = check_global_batch(c, dp, e))) return rc;
     t->global_batch = c->global_batch_size > 0 ? c->global_batch_size : per_step;
     t->grad_accum = t->global_batch / per_step;
     t->val_batch = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;

@@ -492,13 +492,7 @@ EW512 double kern_crossentropy_vp_grad_avx512(float *logits, const float *maxv, 
                                               const float *tlogit, const int32_t *targets, int N, int V, int v0,
                                               float grad_scale, long *n_valid) {
     // logits[N,V] in: logits, out: dlogits * grad_scale; maxv, sumexp, tlogit [N] (global); targets[N]
-    double total = 0.0; /* serial, in row order, as the reference */
-    long count = 0;
-    for (int n = 0; n < N; n++) {
-        if (targets[n] == CE_IGNORE) continue;
-        total += -(tlogit[n] - logf(sumexp[n]));
-        count++;
-    }
+    double total = op_crossentropy_vp_loss(sumexp, tlogit, targets, N, n_valid); /* the reference's own */
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         float *x = logits + (size_t)n * V;
@@ -515,7 +509,6 @@ EW512 double kern_crossentropy_vp_grad_avx512(float *logits, const float *maxv, 
         int y = targets[n] - v0;
         if (y >= 0 && y < V) x[y] -= grad_scale;
     }
-    if (n_valid) *n_valid += count;
     return total;
 }
 

@@ -44,9 +44,9 @@ void op_crossentropy_vp_sums(float *sumexp, float *tlogit, const float *logits, 
     }
 }
 
-double op_crossentropy_vp_grad(float *logits, const float *maxv, const float *sumexp, const float *tlogit,
-                               const int32_t *targets, int N, int V, int v0, float grad_scale, long *n_valid) {
-    // logits[N,V] in: logits, out: dlogits * grad_scale; maxv, sumexp, tlogit [N] (global); targets[N]
+double op_crossentropy_vp_loss(const float *sumexp, const float *tlogit, const int32_t *targets, int N,
+                               long *n_valid) {
+    // sumexp, tlogit, targets [N]
     double total = 0.0;
     long count = 0;
     for (int n = 0; n < N; n++) {
@@ -54,6 +54,14 @@ double op_crossentropy_vp_grad(float *logits, const float *maxv, const float *su
         total += -(tlogit[n] - logf(sumexp[n]));
         count++;
     }
+    if (n_valid) *n_valid += count;
+    return total;
+}
+
+double op_crossentropy_vp_grad(float *logits, const float *maxv, const float *sumexp, const float *tlogit,
+                               const int32_t *targets, int N, int V, int v0, float grad_scale, long *n_valid) {
+    // logits[N,V] in: logits, out: dlogits * grad_scale; maxv, sumexp, tlogit [N] (global); targets[N]
+    double total = op_crossentropy_vp_loss(sumexp, tlogit, targets, N, n_valid);
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         float *x = logits + (size_t)n * V;
@@ -66,6 +74,5 @@ double op_crossentropy_vp_grad(float *logits, const float *maxv, const float *su
         int y = targets[n] - v0;
         if (y >= 0 && y < V) x[y] -= grad_scale;
     }
-    if (n_valid) *n_valid += count;
     return total;
 }
