@@ -54,7 +54,8 @@ static int finish(ct_comm *world, FILE *err, int rc, const ct_err *e) {
 void cli_train_help(void) {
     printf("usage: ctitan train --config FILE [--section.key=value | --section.key value | --flag] ... [--dry-run]\n\n"
            "--dry-run prints the memory the run would plan (parameters, gradients, AdamW moments,\n"
-           "activations) and exits without allocating it.\n\n"
+           "activations) and exits without allocating it. For several ranks (under mpirun, or\n"
+           "[parallelism] degrees all fixed) it checks the layout and adds what rank 0 plans.\n\n"
            "Trains a Qwen3 model. Options (TOML sections and keys as torchtitan's):\n\n");
     cfg_print_help(stdout);
 }
@@ -94,8 +95,9 @@ int cli_train(int argc, char **argv) {
         cfg_free(&cfg);
         return finish(&world, err, e.code, &e);
     }
-    if (dry) {
-        int rc = trainer_dry_run(&cfg, &e);
+    if (dry) { /* every rank checks the layout (a bad one exits 2 everywhere); rank 0 alone prints */
+        int launched = world.be != &comm_single_backend;
+        int rc = trainer_dry_run(&cfg, launched ? world.size : 0, world.rank == 0 ? stdout : NULL, &e);
         cfg_free(&cfg);
         return finish(&world, err, rc, &e);
     }

@@ -243,8 +243,7 @@ int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err
     return 0;
 }
 
-/* [a, b) of the experts' tensors of layer l; a == b: none. */
-static void expert_range(const qwen3_model *m, int l, size_t *a, size_t *b) {
+void fsdp_expert_range(const qwen3_model *m, int l, size_t *a, size_t *b) {
     char prefix[64];
     int n = snprintf(prefix, sizeof prefix, "model.layers.%d.mlp.experts.", l);
     *a = SIZE_MAX, *b = 0;
@@ -275,7 +274,7 @@ int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, ct_comm *expert_comm, int 
         if (lo < prev) return ct_fail(e, CT_ERR_IO, "fsdp: layer %d overlaps the tensors before it", l);
         if (l == 0) f->p[0] = (fsdp_piece){.off = 0, .n = lo};
         else if (lo != prev) return ct_fail(e, CT_ERR_IO, "fsdp: tensors between layers %d and %d", l - 1, l);
-        if (expert_comm) expert_range(m, l, &ea, &eb);
+        if (expert_comm) fsdp_expert_range(m, l, &ea, &eb);
         if (eb > ea && eb != hi) return ct_fail(e, CT_ERR_IO, "fsdp: layer %d's experts are not its last tensors", l);
         f->lp[l] = np;
         if (eb > ea) {

@@ -87,6 +87,8 @@ typedef struct {
 
 /* [lo, hi) of layer l's tensors in the flat buffer; an error unless contiguous. */
 int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err *e);
+/* [a, b) of layer l's experts' tensors (every expert's name, held or not); a == b: none. */
+void fsdp_expert_range(const qwen3_model *m, int l, size_t *a, size_t *b);
 /* Builds the pieces (an error names a layer whose tensors are not
  * contiguous), takes this rank's slices of m->params (which must hold the
  * full initial or loaded weights), frees the full buffers and installs the

@@ -540,25 +540,156 @@ static int shard_state(trainer *t, ct_err *e) {
     return 0;
 }
 
-int trainer_dry_run(const ct_config *c, ct_err *e) {
+/* --dry-run per rank: what FSDP keeps of a rank's local model, cut into
+ * pieces as fsdp_init cuts them (fsdp.h) from the same tensor table, with
+ * no communicator: the embedding, each layer (its experts a piece of their
+ * own under expert parallel, over n_exp ranks), the head; each piece in
+ * slices of ceil(n / its group). */
+typedef struct {
+    size_t shard;     /* floats of a rank's slices of every piece */
+    size_t layer_max; /* floats of the largest layer, its pieces together */
+    size_t layers;    /* floats of every layer */
+    size_t embed, head;
+} dry_fsdp;
+
+static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+static int dry_fsdp_plan(const qwen3_model *m, int n, int n_exp, dry_fsdp *d, ct_err *e) {
+    memset(d, 0, sizeof *d);
+    int L = m->cfg.n_layers;
+    size_t prev = 0;
+    for (int l = 0; l < L; l++) {
+        size_t lo, hi, ea = 0, eb = 0;
+        int rc = fsdp_layer_range(m, l, &lo, &hi, e);
+        if (rc) return rc;
+        if (l == 0) d->embed = lo;
+        if (n_exp > 0) fsdp_expert_range(m, l, &ea, &eb);
+        if (n_exp > 0 && ea < eb) d->shard += ceil_div(ea - lo, (size_t)n) + ceil_div(eb - ea, (size_t)n_exp);
+        else d->shard += ceil_div(hi - lo, (size_t)n);
+        if (hi - lo > d->layer_max) d->layer_max = hi - lo;
+        d->layers += hi - lo;
+        prev = hi;
+    }
+    d->head = m->n_params - prev;
+    d->shard += ceil_div(d->embed, (size_t)n) + ceil_div(d->head, (size_t)n);
+    return 0;
+}
+
+/* Bytes of whole pieces FSDP holds at once (fsdp.c's hooks), the most of:
+ * in a layer's backward its parameters and gradients, the next one's
+ * parameters being prefetched and the previous one's gradients being
+ * reduce-scattered (two layers' parameters and gradients); the head alone
+ * around the loss; an untied embedding with layer 0 prefetched. A tied
+ * embedding is held for the whole micro-batch; with reshard_after_forward
+ * "never" every layer's parameters from its forward to its backward. */
+static double dry_fsdp_gathered(const dry_fsdp *d, int tied, int reshard) {
+    double lm = (double)d->layer_max, g;
+    if (reshard) {
+        g = 2 * 8 * lm;
+        if (8.0 * d->head > g) g = 8.0 * d->head;
+        if (!tied && 4.0 * d->embed + 4 * lm > g) g = 4.0 * d->embed + 4 * lm; /* the lookup, layer 0 prefetched */
+    } else {
+        /* a layer's backward holds the parameters of it and every layer below, the gradients of
+         * it and the one above; the head's parameters and gradients come after every layer's */
+        g = 4.0 * d->layers + (8.0 * d->head > 4 * lm ? 8.0 * d->head : 4 * lm);
+    }
+    return tied ? g + 8.0 * d->embed : g;
+}
+
+static void dry_line(FILE *out, const char *what, double bytes) {
+    fprintf(out, "  %-34s %10.3f GiB  %15.0f bytes\n", what, bytes / (1024.0 * 1024.0 * 1024.0), bytes);
+}
+
+/* What rank 0 of the layout plans; the others' slices are the same size
+ * (equal heads, columns, experts per rank) up to FSDP's padding. */
+static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, int world, int rep, int shard,
+                        int tp, int B, size_t whole, ct_err *e) {
+    int ep = c->ep > 1 ? c->ep : 1;
+    qwen3_config lc;
+    tp_local_config(&lc, mc, tp, 0, ep, 0);
+    size_t n = 0, act = 0;
+    int rc = qwen3_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    if (rc) return rc;
+    double stored = (double)n, gathered = 0;
+    if (shard > 1) {
+        qwen3_model lm;
+        qwen3_layout(&lm, &lc);
+        dry_fsdp d;
+        rc = dry_fsdp_plan(&lm, shard, ep > 1 ? shard / ep : 0, &d, e);
+        qwen3_free(&lm);
+        if (rc) return rc;
+        stored = (double)d.shard;
+        gathered = dry_fsdp_gathered(&d, lc.tie_embeddings, strcmp(c->fsdp_reshard, "never") != 0);
+    }
+    if (!out) return 0; /* checked only */
+    fprintf(out,
+            "per rank: world %d = data_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d, "
+            "expert_parallel %d (rank 0's slice: TP rank 0, EP rank 0)\n",
+            world, rep, shard, tp, ep);
+    fprintf(out, "  model %s: %zu parameters run by this rank (heads %d/%d, intermediate %d", lc.name, n, lc.n_heads,
+            lc.n_kv_heads, lc.intermediate);
+    if (lc.n_experts) fprintf(out, ", experts %d of %d x moe_intermediate %d", lc.expert_rows ? lc.expert_rows : lc.n_experts,
+                              lc.n_experts, lc.moe_intermediate);
+    if (lc.vocab_rows) fprintf(out, ", lm_head rows %d of %d", lc.vocab_rows, lc.vocab_size);
+    fprintf(out, ")\n");
+    if (shard > 1 && ep > 1)
+        fprintf(out, "  FSDP over %d ranks, the experts over the %d holding the same ones: %.0f parameters stored\n",
+                shard, shard / ep, stored);
+    else if (shard > 1)
+        fprintf(out, "  FSDP over %d ranks: %.0f parameters stored\n", shard, stored);
+    double p = 4 * stored, g = 4 * stored, o = 8 * stored, a = (double)act;
+    double total = p + g + o + gathered + a;
+    dry_line(out, "parameters (fp32)", p);
+    dry_line(out, "gradients (fp32)", g);
+    dry_line(out, "AdamW moments (2 x fp32)", o);
+    if (shard > 1) dry_line(out, "FSDP gathered (params + grads)", gathered);
+    dry_line(out, "activations + workspace (planned)", a);
+    dry_line(out, "total planned per rank", total);
+    /* load_or_init_weights / init_sharded: every rank builds the whole
+     * model (and on resume its moments) before keeping its own part, which
+     * is then allocated next to it */
+    char folder[4096];
+    int resume = c->ckpt_enable && !join_path(folder, sizeof folder, c->dump_folder, c->ckpt_folder) &&
+                 ckpt_list(folder, NULL, 0) > 0;
+    double own = tp > 1 || ep > 1 ? (double)n : shard > 1 ? stored : 0, bpp = resume ? 12 : 4;
+    double transient = bpp * ((double)whole + own);
+    dry_line(out, resume ? "start-up transient (resume, 12 B/p)" : "start-up transient (4 B/param)", transient);
+    dry_line(out, "planned peak per rank", transient > total ? transient : total);
+    fprintf(out,
+            "(start-up: every rank builds the whole model's fp32 weights%s once, next to its own part; "
+            "not planned: the runtime (MPI, libraries), FSDP staging for pieces that do not divide evenly, "
+            "expert-parallel dispatch buffers, the token data)\n",
+            resume ? " and AdamW moments" : " (12 bytes per parameter on resume)");
+    return 0;
+}
+
+int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
     qwen3_config mc;
     int rc = trainer_model_config(c, &mc, e);
     if (rc) return rc;
+    /* the world: mpirun's, else what fixed degrees multiply to, else one process */
+    if (world <= 0) world = c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1;
+    int rep, shard, tp;
+    if ((rc = mesh_resolve(c, world, &mc, cfg_src(c), &rep, &shard, &tp, e))) return rc;
+    if ((rc = check_global_batch(c, rep * shard, e))) return rc;
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
     size_t n = 0, act = 0;
     if ((rc = qwen3_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
-    const double gib = 1024.0 * 1024.0 * 1024.0;
+    if (world > 1) { /* checked before anything prints, so an error comes alone */
+        if ((rc = dry_run_rank(NULL, c, &mc, world, rep, shard, tp, B, n, e))) return rc;
+    }
+    if (!out) return 0;
     double p = 4.0 * n, g = 4.0 * n, o = 8.0 * n, a = (double)act;
-    printf("dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
-           n / 1e9, B, c->seq_len, c->ac_mode);
-    printf("  %-34s %10.3f GiB  %15.0f bytes\n", "parameters (fp32)", p / gib, p);
-    printf("  %-34s %10.3f GiB  %15.0f bytes\n", "gradients (fp32)", g / gib, g);
-    printf("  %-34s %10.3f GiB  %15.0f bytes\n", "AdamW moments (2 x fp32)", o / gib, o);
-    printf("  %-34s %10.3f GiB  %15.0f bytes\n", "activations + workspace (planned)", a / gib, a);
-    printf("  %-34s %10.3f GiB  %15.0f bytes\n", "total planned", (p + g + o + a) / gib, (p + g + o + a));
-    printf("(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
-    return 0;
+    fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
+            n / 1e9, B, c->seq_len, c->ac_mode);
+    dry_line(out, "parameters (fp32)", p);
+    dry_line(out, "gradients (fp32)", g);
+    dry_line(out, "AdamW moments (2 x fp32)", o);
+    dry_line(out, "activations + workspace (planned)", a);
+    dry_line(out, "total planned", p + g + o + a);
+    fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
+    return world > 1 ? dry_run_rank(out, c, &mc, world, rep, shard, tp, B, n, e) : 0;
 }
 
 void trainer_free(trainer *t) {

@@ -8,6 +8,7 @@
 #define CT_TRAIN_TRAINER_H
 
 #include <stdint.h>
+#include <stdio.h>
 
 #include "config/config.h"
 #include "core/err.h"
@@ -72,8 +73,12 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e);
  * exits at once (checkpoint writes are atomic, so nothing is left half done). */
 void trainer_install_signals(void);
 /* `ctitan train --dry-run`: prints the memory the run would plan (parameters,
- * gradients, AdamW moments, activations + workspace) and allocates none of it. */
-int trainer_dry_run(const ct_config *cfg, ct_err *e);
+ * gradients, AdamW moments, activations + workspace) and allocates none of it;
+ * for a world of several ranks, also what rank 0 of the layout plans. world:
+ * mpirun's size, or 0 without mpirun (then the product of the degrees when
+ * [parallelism] fixes them all, else 1). The layout is checked as a run
+ * checks it (CT_ERR_CONFIG). out NULL: check only, print nothing. */
+int trainer_dry_run(const ct_config *cfg, int world, FILE *out, ct_err *e);
 /* Builds the model config for cfg (flavor table or HF config.json). */
 int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e);
 
