@@ -14,8 +14,9 @@
  *   the library needs no extra link flag) computed by reading each file back
  *   after it is fsynced, in 1 MiB chunks: the manifest then describes what
  *   the file holds, and no model-sized buffer is ever allocated. The
- *   safetensors writer is reused unchanged (its own tmp + rename inside the
- *   temp dir is harmless).
+ *   tensors go through the safetensors stream writer (its own tmp + rename
+ *   inside the temp dir is harmless), so a distributed save hands them over
+ *   piece by piece as they are gathered and no rank holds the whole state.
  * - The manifest is written by hand, like the safetensors header, so byte
  *   counts above 2^31 never come out in exponent form. It is read with cJSON
  *   as untrusted input: size-capped, every field type-checked, file names
@@ -412,37 +413,28 @@ int ckpt_is_model_only(const char *dir, ct_err *e) {
 
 /* ---------------------------------------------------------------- save */
 
-static int ckpt_write_model(const char *path, const qwen3_model *m, ct_err *e) {
-    st_wtensor *ts = ct_calloc((size_t)m->n_tensors, sizeof *ts);
-    for (int i = 0; i < m->n_tensors; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
-        ts[i] = (st_wtensor){.name = t->name, .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim,
-                             .data = m->params + t->offset};
-        for (int d = 0; d < t->ndim; d++) ts[i].shape[d] = t->shape[d];
-    }
-    const char *meta[] = {"format", "pt", NULL};
-    int rc = st_write(path, ts, m->n_tensors, meta, e);
-    free(ts);
-    return rc;
-}
-
-static int ckpt_write_optim(const char *path, const qwen3_model *m, const float *exp_avg, const float *exp_avg_sq,
-                            ct_err *e) {
+/* Opens the stream of model.safetensors (file 0: every parameter) or
+ * optim.safetensors (file 1: every "NAME.exp_avg", then every
+ * "NAME.exp_avg_sq"), fp32, in m's table order. */
+static int ckpt_open_file(st_stream **out, const char *path, const qwen3_model *m, int file, ct_err *e) {
     int n = m->n_tensors;
-    st_wtensor *ts = ct_calloc((size_t)2 * n, sizeof *ts);
-    char *names = ct_malloc((size_t)2 * n * (QWEN3_NAME_MAX + 16));
-    for (int k = 0; k < 2; k++)
+    int nt = file ? 2 * n : n;
+    st_wtensor *ts = ct_calloc((size_t)nt + 1, sizeof *ts);
+    char *names = file ? ct_malloc((size_t)nt * (QWEN3_NAME_MAX + 16)) : NULL;
+    for (int k = 0; k < (file ? 2 : 1); k++)
         for (int i = 0; i < n; i++) {
             const qwen3_tensor *t = &m->tensors[i];
-            char *nm = names + (size_t)(k * n + i) * (QWEN3_NAME_MAX + 16);
-            snprintf(nm, QWEN3_NAME_MAX + 16, "%s.%s", t->name, k ? "exp_avg_sq" : "exp_avg");
             st_wtensor *w = &ts[k * n + i];
-            *w = (st_wtensor){.name = nm, .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim,
-                              .data = (k ? exp_avg_sq : exp_avg) + t->offset};
+            *w = (st_wtensor){.name = t->name, .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim};
+            if (file) {
+                char *nm = names + (size_t)(k * n + i) * (QWEN3_NAME_MAX + 16);
+                snprintf(nm, QWEN3_NAME_MAX + 16, "%s.%s", t->name, k ? "exp_avg_sq" : "exp_avg");
+                w->name = nm;
+            }
             for (int d = 0; d < t->ndim; d++) w->shape[d] = t->shape[d];
         }
     const char *meta[] = {"format", "pt", NULL};
-    int rc = st_write(path, ts, 2 * n, meta, e);
+    int rc = st_stream_open(out, path, ts, nt, meta, e);
     free(names);
     free(ts);
     return rc;
@@ -509,64 +501,149 @@ static int ckpt_publish(const char *folder, const char *tmp, const char *final, 
     return rc;
 }
 
-int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *exp_avg, const float *exp_avg_sq,
-              const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e) {
+/* A save in progress: the temp dir, the file being streamed, what went in. */
+struct ckpt_stream {
+    char folder[CKPT_PATH], tmp[CKPT_PATH], final[CKPT_PATH];
+    int step, model_only;
+    const qwen3_model *m;
+    int file;        /* 0: model.safetensors, 1: optim.safetensors, 2: both done */
+    size_t put;      /* floats of the current file put so far */
+    st_stream *st;
+    double t0;
+};
+
+static void ckpt_stream_free(ckpt_stream *s, int remove_tmp) {
+    st_stream_abort(s->st);
+    if (remove_tmp) {
+        ct_err ignore;
+        ct_rm_tree(s->tmp, &ignore); /* the error already names what failed */
+    }
+    free(s);
+}
+
+int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const qwen3_model *m, int model_only,
+                      ct_err *e) {
+    *out = NULL;
     double t0 = ct_now();
     if (step < 0) return ct_fail(e, CT_ERR_IO, "%s: checkpoint step %d is negative", folder, step);
-    if (!exp_avg != !exp_avg_sq)
-        return ct_fail(e, CT_ERR_IO, "%s: step %d: give both AdamW moments or neither", folder, step);
-    int model_only = exp_avg == NULL;
-    char tmp[CKPT_PATH], final[CKPT_PATH], p[CKPT_PATH], name[64];
+    ckpt_stream *s = ct_calloc(1, sizeof *s);
+    s->step = step;
+    s->model_only = model_only;
+    s->m = m;
+    s->t0 = t0;
+    snprintf(s->folder, sizeof s->folder, "%s", folder);
+    char name[64], p[CKPT_PATH];
     snprintf(name, sizeof name, ".step-%d.tmp-%ld", step, (long)getpid());
-    int rc = ckpt_join(tmp, folder, name, e);
+    int rc = ckpt_join(s->tmp, folder, name, e);
     snprintf(name, sizeof name, "step-%d", step);
-    if (!rc) rc = ckpt_join(final, folder, name, e);
+    if (!rc) rc = ckpt_join(s->final, folder, name, e);
     if (!rc) rc = ct_mkdirs(folder, e);
-    if (!rc) rc = ct_rm_tree(tmp, e); /* left by an earlier crash of a process with our pid */
-    if (rc) return rc;
-    if (mkdir(tmp, 0755) != 0)
-        return ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-
-    const char *names[8];
-    int n = 0;
-    uint64_t total = 0;
-    names[n++] = "model.safetensors";
-    if (!(rc = ckpt_join(p, tmp, "model.safetensors", e))) rc = ckpt_write_model(p, m, e);
-    if (!rc && !model_only) {
-        names[n++] = "optim.safetensors";
-        if (!(rc = ckpt_join(p, tmp, "optim.safetensors", e))) rc = ckpt_write_optim(p, m, exp_avg, exp_avg_sq, e);
+    if (!rc) rc = ct_rm_tree(s->tmp, e); /* left by an earlier crash of a process with our pid */
+    if (rc) {
+        free(s);
+        return rc;
     }
-    if (!rc && !model_only && !state_json)
-        rc = ct_fail(e, CT_ERR_IO, "%s: a full checkpoint needs the trainer state (state.json)", final);
+    if (mkdir(s->tmp, 0755) != 0) {
+        rc = ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", s->tmp, strerror(errno));
+        free(s);
+        return rc;
+    }
+    if (!(rc = ckpt_join(p, s->tmp, "model.safetensors", e))) rc = ckpt_open_file(&s->st, p, m, 0, e);
+    if (rc) {
+        ckpt_stream_free(s, 1);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+int ckpt_stream_put(ckpt_stream *s, const float *x, size_t n, ct_err *e) {
+    while (n) {
+        size_t want = (s->file ? 2 : 1) * s->m->n_params;
+        if (s->file == 2 || (s->file == 1 && s->model_only))
+            return ct_fail(e, CT_ERR_IO, "%s: %zu floats more than a checkpoint of this model holds", s->final, n);
+        size_t k = n < want - s->put ? n : want - s->put;
+        int rc = st_stream_write(s->st, x, k, e);
+        if (rc) return rc;
+        x += k;
+        n -= k;
+        s->put += k;
+        if (s->put < want) continue;
+        rc = st_stream_close(s->st, e); /* frees it either way */
+        s->st = NULL;
+        s->put = 0;
+        s->file++;
+        if (!rc && s->file == 1 && !s->model_only) {
+            char p[CKPT_PATH];
+            if (!(rc = ckpt_join(p, s->tmp, "optim.safetensors", e))) rc = ckpt_open_file(&s->st, p, s->m, 1, e);
+        }
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+void ckpt_stream_abort(ckpt_stream *s) {
+    if (s) ckpt_stream_free(s, 1);
+}
+
+int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e) {
+    const char *names[8];
+    char p[CKPT_PATH];
+    int n = 0, rc = 0;
+    uint64_t total = 0;
+    if (s->file < (s->model_only ? 1 : 2))
+        rc = ct_fail(e, CT_ERR_IO, "%s: the %s got only part of its data", s->final,
+                     s->file ? "optim.safetensors" : "model.safetensors");
+    names[n++] = "model.safetensors";
+    if (!s->model_only) names[n++] = "optim.safetensors";
+    if (!rc && !s->model_only && !state_json)
+        rc = ct_fail(e, CT_ERR_IO, "%s: a full checkpoint needs the trainer state (state.json)", s->final);
     if (!rc && state_json) {
         names[n++] = "state.json";
-        if (!(rc = ckpt_join(p, tmp, "state.json", e))) rc = ckpt_write_file(p, state_json, strlen(state_json), e);
+        if (!(rc = ckpt_join(p, s->tmp, "state.json", e))) rc = ckpt_write_file(p, state_json, strlen(state_json), e);
     }
     if (!rc && config_toml) {
         names[n++] = "config.toml";
-        if (!(rc = ckpt_join(p, tmp, "config.toml", e)))
+        if (!(rc = ckpt_join(p, s->tmp, "config.toml", e)))
             rc = ckpt_write_file(p, config_toml, strlen(config_toml), e);
     }
     if (!rc) {
         names[n++] = "config.json";
-        if (!(rc = ckpt_join(p, tmp, "config.json", e))) rc = qwen3_config_write_hf(&m->cfg, p, "float32", e);
+        if (!(rc = ckpt_join(p, s->tmp, "config.json", e))) rc = qwen3_config_write_hf(&s->m->cfg, p, "float32", e);
         if (!rc) rc = ckpt_fsync_path(p, 0, e);
     }
-    if (!rc) rc = ckpt_write_manifest(tmp, step, model_only, names, n, &total, e);
-    if (!rc) rc = ckpt_fsync_path(tmp, 1, e);
-    if (!rc) rc = ckpt_publish(folder, tmp, final, step, e);
+    if (!rc) rc = ckpt_write_manifest(s->tmp, s->step, s->model_only, names, n, &total, e);
+    if (!rc) rc = ckpt_fsync_path(s->tmp, 1, e);
+    if (!rc) rc = ckpt_publish(s->folder, s->tmp, s->final, s->step, e);
     if (rc) {
-        ct_err ignore;
-        ct_rm_tree(tmp, &ignore); /* the error already names what failed */
+        ckpt_stream_free(s, 1);
         return rc;
     }
     if (info) {
-        info->step = step;
-        snprintf(info->dir, sizeof info->dir, "%s", final);
+        info->step = s->step;
+        snprintf(info->dir, sizeof info->dir, "%s", s->final);
         info->bytes = total;
-        info->seconds = ct_now() - t0;
+        info->seconds = ct_now() - s->t0;
     }
+    ckpt_stream_free(s, 0);
     return 0;
+}
+
+int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *exp_avg, const float *exp_avg_sq,
+              const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e) {
+    if (step < 0) return ct_fail(e, CT_ERR_IO, "%s: checkpoint step %d is negative", folder, step);
+    if (!exp_avg != !exp_avg_sq)
+        return ct_fail(e, CT_ERR_IO, "%s: step %d: give both AdamW moments or neither", folder, step);
+    ckpt_stream *s;
+    int rc = ckpt_stream_begin(&s, folder, step, m, exp_avg == NULL, e);
+    if (!rc) rc = ckpt_stream_put(s, m->params, m->n_params, e);
+    if (!rc && exp_avg) rc = ckpt_stream_put(s, exp_avg, m->n_params, e);
+    if (!rc && exp_avg) rc = ckpt_stream_put(s, exp_avg_sq, m->n_params, e);
+    if (rc) {
+        ckpt_stream_abort(s);
+        return rc;
+    }
+    return ckpt_stream_end(s, state_json, config_toml, info, e);
 }
 
 /* ---------------------------------------------------------- list/select */
@@ -672,9 +749,10 @@ static void ckpt_shape_str(char *out, size_t cap, int ndim, const int64_t *shape
     if (k < cap) snprintf(out + k, cap - k, "]");
 }
 
-/* Loads, for every model tensor T, the tensor "T" + suffix of file f into
- * dst + T.offset, and checks that f holds nothing else. */
-static int ckpt_load_tensors(st_file *f, const qwen3_model *m, const char *suffix, float *dst, ct_err *e) {
+/* Hands, for every model tensor T, the tensor "T" + suffix of file f to the
+ * sink as `kind`, and checks that f holds nothing else. */
+static int ckpt_load_tensors(st_file *f, const qwen3_model *m, const char *suffix, const qwen3_sink *s, int kind,
+                             ct_err *e) {
     const char *path = st_path(f);
     char nm[QWEN3_NAME_MAX + 16];
     for (int i = 0; i < m->n_tensors; i++) {
@@ -694,7 +772,8 @@ static int ckpt_load_tensors(st_file *f, const qwen3_model *m, const char *suffi
         if (st->dtype != CT_F32)
             return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" is %s; checkpoints hold F32", path, nm,
                            ct_dtype_name(st->dtype));
-        memcpy(dst + t->offset, st->data, t->numel * sizeof(float));
+        s->put(s->ctx, kind, i, st->data);
+        st_drop(st);
     }
     if (st_count(f) != m->n_tensors) {
         /* counts differ and every needed name was found: some name is extra */
@@ -749,12 +828,19 @@ static int ckpt_check_config(const char *dir, const qwen3_config *mc, ct_err *e)
 
 int ckpt_load(const char *dir, qwen3_model *m, float *exp_avg, float *exp_avg_sq, char **state_json,
               ckpt_info *info, ct_err *e) {
+    qwen3_copy_ctx cc;
+    qwen3_sink s = qwen3_copy_sink(&cc, m, exp_avg, exp_avg_sq);
+    return ckpt_load_each(dir, m, exp_avg || exp_avg_sq, state_json, info, &s, e);
+}
+
+int ckpt_load_each(const char *dir, const qwen3_model *m, int moments, char **state_json, ckpt_info *info,
+                   const qwen3_sink *sink, ct_err *e) {
     double t0 = ct_now();
     if (state_json) *state_json = NULL;
     ckpt_manifest man;
     int rc = ckpt_verify_level(dir, 1, &man, e);
     if (rc) return rc;
-    if ((exp_avg || exp_avg_sq) && man.model_only)
+    if (moments && man.model_only)
         return ct_fail(e, CT_ERR_FORMAT,
                        "%s: a model-only checkpoint (no optim.safetensors): it can seed a run, not resume one", dir);
     if ((rc = ckpt_check_config(dir, &m->cfg, e))) return rc;
@@ -762,14 +848,13 @@ int ckpt_load(const char *dir, qwen3_model *m, float *exp_avg, float *exp_avg_sq
     if ((rc = ckpt_join(p, dir, "model.safetensors", e))) return rc;
     st_file *f = st_open(p, e);
     if (!f) return e ? e->code : CT_ERR_FORMAT;
-    rc = ckpt_load_tensors(f, m, "", m->params, e);
+    rc = ckpt_load_tensors(f, m, "", sink, QWEN3_PARAMS, e);
     st_close(f);
     if (rc) return rc;
-    if (exp_avg || exp_avg_sq) {
+    if (moments) {
         if ((rc = ckpt_join(p, dir, "optim.safetensors", e))) return rc;
         if (!(f = st_open(p, e))) return e ? e->code : CT_ERR_FORMAT;
         /* the file holds both moments: check each half, then that nothing else is there */
-        float *dst[2] = {exp_avg, exp_avg_sq};
         const char *sfx[2] = {".exp_avg", ".exp_avg_sq"};
         char nm[QWEN3_NAME_MAX + 16];
         for (int k = 0; k < 2 && !rc; k++)
@@ -791,7 +876,8 @@ int ckpt_load(const char *dir, qwen3_model *m, float *exp_avg, float *exp_avg_sq
                                  ct_dtype_name(st->dtype), got, want);
                     break;
                 }
-                if (dst[k]) memcpy(dst[k] + t->offset, st->data, t->numel * sizeof(float));
+                sink->put(sink->ctx, k ? QWEN3_EXP_AVG_SQ : QWEN3_EXP_AVG, i, st->data);
+                st_drop(st);
             }
         if (!rc && st_count(f) != 2 * m->n_tensors) {
             for (int i = 0; i < st_count(f) && !rc; i++) {

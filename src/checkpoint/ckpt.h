@@ -45,6 +45,22 @@ typedef struct {
 int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *exp_avg, const float *exp_avg_sq,
               const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e);
 
+/* ckpt_save in steps, for callers that never hold the whole state: begin
+ * creates the temp dir and starts model.safetensors from m's tensor table
+ * and config (m->params is not read; m must outlive the stream); put appends
+ * n floats, in m's flat order: the parameters, then (unless model_only) every
+ * exp_avg, then every exp_avg_sq, in pieces of any size; end writes the
+ * other files and the manifest and publishes as ckpt_save does. The files are
+ * ckpt_save's, byte for byte (ckpt_save is this with three puts). After any
+ * error, or to give up, abort removes the temp dir; end frees the stream
+ * whatever it returns. */
+typedef struct ckpt_stream ckpt_stream;
+int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const qwen3_model *m, int model_only,
+                      ct_err *e);
+int ckpt_stream_put(ckpt_stream *s, const float *x, size_t n, ct_err *e);
+int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e);
+void ckpt_stream_abort(ckpt_stream *s);
+
 /* Step numbers of FOLDER's step-N directories (complete or not; temp dirs
  * ignored), ascending. Returns how many exist (a missing folder has 0) and
  * stores the first min(count, cap); -1 if FOLDER cannot be read. */
@@ -71,6 +87,13 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
  * config.json must describe the same architecture as m->cfg. info may be NULL. */
 int ckpt_load(const char *dir, qwen3_model *m, float *exp_avg, float *exp_avg_sq, char **state_json,
               ckpt_info *info, ct_err *e);
+/* The same checks, with every tensor handed to `sink` (tensor index of m's
+ * table, the whole model's; m's buffers are not touched, so m may be a bare
+ * qwen3_layout) instead of copied: the parameters, then, when `moments`, every
+ * exp_avg and every exp_avg_sq. Each tensor's data lives in the mapped file
+ * during the call, so nothing whole-model-sized is allocated. */
+int ckpt_load_each(const char *dir, const qwen3_model *m, int moments, char **state_json, ckpt_info *info,
+                   const qwen3_sink *sink, ct_err *e);
 
 /* Keeps the newest keep_latest_k complete full checkpoints (k <= 0: keeps
  * all; model-only ones do not count) and removes every step-N older than the

@@ -28,9 +28,18 @@ static void shape_str(char *out, size_t cap, int ndim, const int64_t *shape) {
 }
 
 int hf_load(qwen3_model *m, const char *dir, ct_err *e) {
+    qwen3_copy_ctx cc;
+    qwen3_sink sink = qwen3_copy_sink(&cc, m, NULL, NULL);
+    return hf_load_each(m, dir, &sink, e);
+}
+
+int hf_load_each(const qwen3_model *m, const char *dir, const qwen3_sink *sink, ct_err *e) {
     st_set *s = st_set_open(dir, e);
     if (!s) return e ? e->code : CT_ERR_IO;
     int rc = 0;
+    size_t most = 1;
+    for (int i = 0; i < m->n_tensors; i++) most = m->tensors[i].numel > most ? m->tensors[i].numel : most;
+    float *buf = ct_malloc(most * sizeof(float)); /* [largest tensor] each one converted to fp32 in turn */
     for (int i = 0; i < m->n_tensors && !rc; i++) {
         const qwen3_tensor *t = &m->tensors[i];
         const char *file = NULL;
@@ -49,10 +58,14 @@ int hf_load(qwen3_model *m, const char *dir, ct_err *e) {
                          want);
             break;
         }
-        if (ct_convert_to_f32(m->params + t->offset, st->data, st->dtype, t->numel) != 0)
+        if (ct_convert_to_f32(buf, st->data, st->dtype, t->numel) != 0)
             rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64", file,
                          t->name, ct_dtype_name(st->dtype));
+        else
+            sink->put(sink->ctx, QWEN3_PARAMS, i, buf);
+        st_drop(st);
     }
+    free(buf);
     for (int i = 0; i < st_set_count(s) && !rc; i++) {
         const st_tensor *st = st_set_get(s, i);
         if (qwen3_find(m, st->name)) continue;

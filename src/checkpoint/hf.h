@@ -13,6 +13,9 @@
 #include "model/qwen3.h"
 
 int hf_load(qwen3_model *m, const char *dir, ct_err *e);
+/* The same checks, each tensor converted to fp32 in turn and handed to sink
+ * (m's buffers untouched: m may be a bare qwen3_layout). */
+int hf_load_each(const qwen3_model *m, const char *dir, const qwen3_sink *sink, ct_err *e);
 /* Writes DIR/config.json and DIR/model.safetensors (sharded with an index
  * above max_shard_bytes; 0 = default 5 GB). dtype: CT_F32, CT_BF16 or CT_F16. */
 int hf_save(const qwen3_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e);

@@ -9,7 +9,7 @@
  * The backward mirrors it. A rank stores only its experts' weights,
  * gradients and moments (qwen3_config.expert_rows, set by dist/tp.h's local
  * config); their gradients are summed over the ranks that hold the same
- * experts only (mesh.edp), and a checkpoint gathers them (tp_gather). */
+ * experts only (mesh.edp), and a checkpoint gathers them (tp_gather_range). */
 #ifndef CT_DIST_EP_H
 #define CT_DIST_EP_H
 

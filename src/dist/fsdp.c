@@ -308,7 +308,6 @@ int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, ct_comm *expert_comm, int 
     f->pf_piece = -1;
     f->rs_piece = -1;
     f->rep_piece = -1;
-    fsdp_take_shard(f, f->params, m->params);
     fsdp_release_full(f, m->params);
     fsdp_release_full(f, m->grads);
     f->hooks = (qwen3_hooks){f, hook_pre_forward, hook_post_forward, hook_pre_backward, hook_post_backward, NULL, NULL};
@@ -341,21 +340,23 @@ void fsdp_free(fsdp *f) {
     memset(f, 0, sizeof *f);
 }
 
-void fsdp_take_shard(const fsdp *f, float *shard, const float *full) {
+void fsdp_take_range(const fsdp *f, float *shard, size_t off, const float *src, size_t n) {
     for (int i = 0; i < f->n_pieces; i++) {
         const fsdp_piece *p = &f->p[i];
         size_t lo, cnt;
         fsdp_piece_held(f, i, &lo, &cnt);
-        if (cnt) memcpy(shard + p->shard_off, full + p->off + lo, cnt * sizeof(float));
-        memset(shard + p->shard_off + cnt, 0, (p->chunk - cnt) * sizeof(float));
+        size_t a = p->off + lo, b = a + cnt; /* this rank's part of the flat buffer, in piece i */
+        size_t x = a > off ? a : off, y = b < off + n ? b : off + n;
+        if (x < y) memcpy(shard + p->shard_off + (x - a), src + (x - off), (y - x) * sizeof(float));
     }
 }
 
 /* Piece i to `root` only: an all-to-all in which every rank sends its slice
  * to root and only root receives, so the other ranks touch no full-size
  * memory. */
-static void gather_piece_root(fsdp *f, int i, float *full, const float *shard, int root) {
+void fsdp_gather_piece(fsdp *f, int i, float *dst, const float *shard, int root) {
     const fsdp_piece *p = &f->p[i];
+    finish_prefetch(f);
     if (!p->n) return;
     int N = p->comm->size, me = p->comm->rank;
     int direct = p->chunk * (size_t)N == p->n;
@@ -366,23 +367,12 @@ static void gather_piece_root(fsdp *f, int i, float *full, const float *shard, i
         rc[r] = me == root ? p->chunk : 0;
         rd[r] = (size_t)r * p->chunk;
     }
-    float *dst = me == root ? (direct ? full + p->off : f->stage) : f->stage;
+    float *to = me == root && direct ? dst : f->stage;
     double t0 = ct_now();
-    comm_all_to_allv(p->comm, dst, rc, rd, shard + p->shard_off, sc, sd, COMM_F32);
+    comm_all_to_allv(p->comm, to, rc, rd, shard + p->shard_off, sc, sd, COMM_F32);
     f->comm_s += ct_now() - t0;
-    if (me == root && !direct) memcpy(full + p->off, f->stage, p->n * sizeof(float));
+    if (me == root && !direct) memcpy(dst, f->stage, p->n * sizeof(float));
     free(v);
-}
-
-void fsdp_gather_full(fsdp *f, float *full, const float *shard, int root) {
-    finish_prefetch(f);
-    for (int i = 0; i < f->n_pieces; i++) {
-        if (root < 0) gather_piece(f, i, full, shard);
-        else gather_piece_root(f, i, full, shard, root);
-    }
-    if (full == f->m->params)
-        for (int i = 0; i < f->n_pieces; i++)
-            if (root < 0 || root == f->p[i].comm->rank) f->gathered[i] = 1;
 }
 
 void fsdp_release_full(fsdp *f, float *full) {

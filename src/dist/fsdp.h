@@ -90,10 +90,10 @@ int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err
 /* [a, b) of layer l's experts' tensors (every expert's name, held or not); a == b: none. */
 void fsdp_expert_range(const qwen3_model *m, int l, size_t *a, size_t *b);
 /* Builds the pieces (an error names a layer whose tensors are not
- * contiguous), takes this rank's slices of m->params (which must hold the
- * full initial or loaded weights), frees the full buffers and installs the
- * hooks on m. expert_comm (NULL: none) is given under expert parallel: the
- * ranks of the FSDP group that hold the same experts. A MoE layer's experts
+ * contiguous), allocates the shard buffers (zeros: the caller fills
+ * f->params with fsdp_take_range), gives back the pages of the full buffers
+ * and installs the hooks on m. expert_comm (NULL: none) is given under
+ * expert parallel: the ranks of the FSDP group that hold the same experts. A MoE layer's experts
  * (the end of its range) are then a piece of their own, sharded over
  * expert_comm only, since the other ranks' ranges hold other experts. */
 int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *shard_comm, ct_comm *expert_comm, int reshard_after_forward,
@@ -102,12 +102,15 @@ int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *shard_comm, ct_comm *expert_comm
  * position *lo of the piece. */
 void fsdp_piece_held(const fsdp *f, int i, size_t *lo, size_t *cnt);
 void fsdp_free(fsdp *f);
-/* shard[shard_n] = this rank's slices of full[n_params] (e.g. AdamW moments). */
-void fsdp_take_shard(const fsdp *f, float *shard, const float *full);
-/* full[n_params] = every piece gathered from the shards (collective), on
- * every rank (root < 0) or on rank `root` of the shard group only (the
- * others' `full` is neither written nor touched; it may be NULL there). */
-void fsdp_gather_full(fsdp *f, float *full, const float *shard, int root);
+/* Part of the whole flat buffer into this rank's shard (parameters or an
+ * AdamW moment): src[n] is positions [off, off + n) (e.g. one tensor); what
+ * of it this rank keeps goes to shard[shard_n]. */
+void fsdp_take_range(const fsdp *f, float *shard, size_t off, const float *src, size_t n);
+/* Piece i alone, to rank `root` of the piece's group (collective over it):
+ * dst[p[i].n] there = the piece gathered from the slices in shard; elsewhere
+ * dst is not touched (may be NULL). A streamed checkpoint save gathers one
+ * piece at a time so that no rank holds more than a piece. */
+void fsdp_gather_piece(fsdp *f, int i, float *dst, const float *shard, int root);
 /* Gives back the pages of full[n_params] (model params or grads). */
 void fsdp_release_full(fsdp *f, float *full);
 /* Around each micro-batch's forward + backward (or forward only, with

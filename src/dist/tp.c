@@ -131,25 +131,34 @@ static void move_slice(const qwen3_tensor *lt, float *s, const qwen3_tensor *ft,
     }
 }
 
-void tp_take(tp_layout *p, const qwen3_model *lm, float *local, const qwen3_model *fm, const float *full) {
+void tp_classify(tp_layout *p, const qwen3_model *lm, const qwen3_model *fm) {
     if (!p->sharded) p->sharded = ct_calloc((size_t)lm->n_tensors + 1, 1);
     if (!p->expert) p->expert = ct_calloc((size_t)lm->n_tensors + 1, 1);
     for (int i = 0; i < lm->n_tensors; i++) {
-        const qwen3_tensor *lt = &lm->tensors[i], *ft = &fm->tensors[i];
-        p->sharded[i] = lt->numel != ft->numel;
-        p->expert[i] = strstr(lt->name, ".mlp.experts.") != NULL;
-        move_slice(lt, local + lt->offset, ft, (float *)full + ft->offset, p->rank, 1);
+        p->sharded[i] = lm->tensors[i].numel != fm->tensors[i].numel;
+        p->expert[i] = strstr(lm->tensors[i].name, ".mlp.experts.") != NULL;
     }
 }
 
-void tp_gather(tp_layout *p, ct_comm *g, const qwen3_model *fm, float *full, const qwen3_model *lm,
-               const float *local) {
+void tp_take_tensor(const tp_layout *p, const qwen3_tensor *lt, float *local, const qwen3_tensor *ft,
+                    const float *whole) {
+    move_slice(lt, local, ft, (float *)whole, p->rank, 1);
+}
+
+/* Flat offset of tensor i of m's table; n_params for i == n_tensors. */
+static size_t tensor_start(const qwen3_model *m, int i) {
+    return i < m->n_tensors ? m->tensors[i].offset : m->n_params;
+}
+
+void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const qwen3_model *fm, float *full,
+                     const qwen3_model *lm, const float *local) {
     int t = g->size, root = g->rank == 0;
-    size_t n = lm->n_params; /* the same on every member: equal slices, equal expert counts */
-    float *all = root ? ct_malloc((size_t)t * n * sizeof(float)) : NULL;
+    size_t n = tensor_start(lm, tb) - tensor_start(lm, ta); /* the same on every member: equal slices and
+                                                             * expert counts */
+    float *all = root ? ct_malloc(((size_t)t * n + 1) * sizeof(float)) : NULL;
     size_t *v = ct_calloc(4 * (size_t)t, sizeof(size_t));
     size_t *sc = v, *sd = v + t, *rc = v + 2 * t, *rd = v + 3 * t;
-    sc[0] = n; /* every rank sends its whole local buffer to rank 0 only */
+    sc[0] = n;
     for (int r = 0; r < t; r++) {
         rc[r] = root ? n : 0;
         rd[r] = (size_t)r * n;
@@ -157,20 +166,24 @@ void tp_gather(tp_layout *p, ct_comm *g, const qwen3_model *fm, float *full, con
     double t0 = ct_now();
     comm_all_to_allv(g, all, rc, rd, local, sc, sd, COMM_F32);
     p->comm_s += ct_now() - t0;
-    if (root)
+    if (root) {
+        size_t fbase = tensor_start(fm, ta);
         for (int r = 0; r < t; r++) { /* member r's own table says where its tensors are */
             qwen3_config rcfg;
             qwen3_model rm;
             tp_local_config(&rcfg, &p->full, p->t, r % p->t, p->ep, r / p->t);
             qwen3_layout(&rm, &rcfg);
-            for (int i = 0; i < rm.n_tensors; i++) {
+            size_t rbase = tensor_start(&rm, ta);
+            for (int i = ta; i < tb; i++) {
                 const qwen3_tensor *lt = &rm.tensors[i], *ft = &fm->tensors[i];
                 /* the rest is the same on every EP rank, and under FSDP gathered on EP index 0 only */
                 if (r >= p->t && !strstr(lt->name, ".mlp.experts.")) continue;
-                move_slice(lt, all + (size_t)r * n + lt->offset, ft, full + ft->offset, r % p->t, 0);
+                move_slice(lt, all + (size_t)r * n + (lt->offset - rbase), ft, full + (ft->offset - fbase), r % p->t,
+                           0);
             }
             qwen3_free(&rm);
         }
+    }
     free(all);
     free(v);
 }

@@ -54,7 +54,7 @@ typedef struct {
     qwen3_model *m;           /* the local model, once attached */
     const qwen3_hooks *inner; /* hooks installed before (FSDP's), called inside ours; NULL: none */
     qwen3_hooks hooks;
-    char *sharded;            /* [n_tensors] 1: sliced over the group, 0: replicated (set by tp_take) */
+    char *sharded;            /* [n_tensors] 1: sliced over the group, 0: replicated (set by tp_classify) */
     char *expert;             /* [n_tensors] 1: an expert's tensor (held by one EP rank) */
     float *qk_before;         /* [4 * hd] a layer's q_norm, k_norm gradients before its backward; their deltas */
     double comm_s;            /* seconds in collectives since the last tp_take_comm_time */
@@ -70,17 +70,23 @@ void tp_free(tp_layout *p);
 /* Binds the local model m; for t > 1 installs the hooks on m (wrapping
  * whatever m->hooks holds now). */
 void tp_attach(tp_layout *p, qwen3_model *m);
-/* local[lm->n_params] = this rank's slices of full[fm->n_params]; lm and fm
- * give the two tensor tables (same tensors, same order). The first call
- * also learns which tensors are sliced (for tp_sq_range). */
-void tp_take(tp_layout *p, const qwen3_model *lm, float *local, const qwen3_model *fm, const float *full);
+/* Learns, once, which tensors of the local table lm are sliced (against the
+ * whole table fm) and which are experts' (for tp_sq_range). */
+void tp_classify(tp_layout *p, const qwen3_model *lm, const qwen3_model *fm);
+/* One tensor: local[lt->numel] = this rank's slice of whole[ft->numel]
+ * (nothing for another EP rank's expert). */
+void tp_take_tensor(const tp_layout *p, const qwen3_tensor *lt, float *local, const qwen3_tensor *ft,
+                    const float *whole);
 /* Collective over `g`, the ranks whose slices make up the whole model:
  * g's rank r is TP index r % t and EP index r / t (the TP group of the
- * first data-parallel rank, times the first EP group). full[fm->n_params]
- * on g's rank 0 = every member's local[lm->n_params] put back in place. fm
- * and full are only read on rank 0 (NULL elsewhere). */
-void tp_gather(tp_layout *p, ct_comm *g, const qwen3_model *fm, float *full, const qwen3_model *lm,
-               const float *local);
+ * first data-parallel rank, times the first EP group). Tensors [ta, tb) of
+ * the table (the same indices in every member's table and fm's): local
+ * holds this member's floats of those tensors (from its tensor ta's
+ * offset); full on g's rank 0 receives the whole tensors (from fm's tensor
+ * ta's offset; fm and full NULL elsewhere). A streamed checkpoint save
+ * moves one layer at a time this way. */
+void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const qwen3_model *fm, float *full,
+                     const qwen3_model *lm, const float *local);
 enum { TP_SQ_ALL, TP_SQ_DENSE, TP_SQ_EXPERTS };
 /* Sum of x[k]^2 over flat positions [lo, lo + n) of the local buffer, of
  * every tensor, or only the non-expert or the expert ones (`which`),

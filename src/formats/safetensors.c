@@ -358,6 +358,14 @@ fail:
 void st_close(st_file *f) { st_free_partial(f); }
 int st_count(const st_file *f) { return f->n; }
 const st_tensor *st_get(const st_file *f, int i) { return (i >= 0 && i < f->n) ? &f->ts[i] : NULL; }
+void st_drop(const st_tensor *t) {
+    if (!t->nbytes) return;
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)t->data / page * page, hi = (uintptr_t)t->data + t->nbytes;
+    /* a read-only file mapping: dropping a page shared with a neighbour only costs a re-read */
+    madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
 const char *st_path(const st_file *f) { return f->path; }
 
 const st_tensor *st_find(const st_file *f, const char *name) {
@@ -678,7 +686,7 @@ static int st_cmp_cstr(const void *a, const void *b) {
 
 /* Checks every tensor before any byte is written; sizes[i] gets stored bytes. */
 static int st_wvalidate(const char *path, const st_wtensor *ts, int n, const char *const *meta, uint64_t *sizes,
-                        ct_err *e) {
+                        int need_data, ct_err *e) {
     if (n < 0) return ct_fail(e, CT_ERR_IO, "%s: negative tensor count", path);
     if (meta)
         for (int i = 0; meta[i]; i += 2)
@@ -706,7 +714,7 @@ static int st_wvalidate(const char *path, const st_wtensor *ts, int n, const cha
         if (__builtin_mul_overflow(numel, (uint64_t)ct_dtype_size(t->dtype), &sizes[i]) ||
             sizes[i] >= (uint64_t)ST_EXACT_LIMIT)
             return ct_fail(e, CT_ERR_IO, "%s: tensor '%s': byte size overflows", path, t->name);
-        if (numel && !t->data) return ct_fail(e, CT_ERR_IO, "%s: tensor '%s': no data", path, t->name);
+        if (numel && need_data && !t->data) return ct_fail(e, CT_ERR_IO, "%s: tensor '%s': no data", path, t->name);
     }
     const char **names = ct_malloc(((size_t)n + 1) * sizeof *names);
     for (int i = 0; i < n; i++) names[i] = ts[i].name;
@@ -815,8 +823,10 @@ static int st_write_tensors(FILE *fp, const void *ctx) {
     return rc;
 }
 
-static int st_write_checked(const char *path, const st_wtensor *ts, int n, const char *const *meta,
-                            const uint64_t *sizes, ct_err *e) {
+/* The file's first bytes (8-byte length, then the header padded to 8) in
+ * *all (malloc'd, *all_len bytes); order[n] gets the data order. */
+static int st_header(const char *path, const st_wtensor *ts, int n, const char *const *meta, const uint64_t *sizes,
+                     int *order, char **all, size_t *all_len, ct_err *e) {
     st_buf h = {0};
     sb_puts(&h, "{");
     int first = 1;
@@ -835,7 +845,6 @@ static int st_write_checked(const char *path, const st_wtensor *ts, int n, const
      * does: with the header padded to 8 every tensor is then aligned to its
      * element size in the file and in the mapping. The header keeps the
      * caller's order. */
-    int *order = ct_malloc(((size_t)n + 1) * sizeof *order);
     uint64_t *offs = ct_malloc(((size_t)n + 1) * sizeof *offs);
     int k = 0;
     for (size_t es = 8; es >= 1; es /= 2)
@@ -860,24 +869,33 @@ static int st_write_checked(const char *path, const st_wtensor *ts, int n, const
     while (h.n % 8) sb_puts(&h, " ");
     if (h.n > ST_MAX_HEADER) {
         free(h.p);
-        free(order);
         return ct_fail(e, CT_ERR_IO, "%s: header of %zu bytes exceeds the safetensors limit", path, h.n);
     }
     /* prefix the 8-byte little-endian length */
-    char *all = ct_malloc(h.n + 8);
-    for (int i = 0; i < 8; i++) all[i] = (char)((uint64_t)h.n >> (8 * i));
-    memcpy(all + 8, h.p, h.n);
+    *all = ct_malloc(h.n + 8);
+    for (int i = 0; i < 8; i++) (*all)[i] = (char)((uint64_t)h.n >> (8 * i));
+    memcpy(*all + 8, h.p, h.n);
+    *all_len = h.n + 8;
+    free(h.p);
+    return 0;
+}
+
+static int st_write_checked(const char *path, const st_wtensor *ts, int n, const char *const *meta,
+                            const uint64_t *sizes, ct_err *e) {
+    int *order = ct_malloc(((size_t)n + 1) * sizeof *order);
+    char *all = NULL;
+    size_t all_len = 0;
+    int rc = st_header(path, ts, n, meta, sizes, order, &all, &all_len, e);
     st_body body = {ts, n, sizes, order};
-    int rc = st_atomic_write(path, all, h.n + 8, st_write_tensors, &body, e);
+    if (!rc) rc = st_atomic_write(path, all, all_len, st_write_tensors, &body, e);
     free(order);
     free(all);
-    free(h.p);
     return rc;
 }
 
 int st_write(const char *path, const st_wtensor *ts, int n, const char *const *meta, ct_err *e) {
     uint64_t *sizes = ct_malloc(((size_t)(n > 0 ? n : 0) + 1) * sizeof *sizes);
-    int rc = st_wvalidate(path, ts, n, meta, sizes, e);
+    int rc = st_wvalidate(path, ts, n, meta, sizes, 1, e);
     if (!rc) rc = st_write_checked(path, ts, n, meta, sizes, e);
     free(sizes);
     return rc;
@@ -924,13 +942,55 @@ static int st_unlink_if(const char *path, ct_err *e) {
     return 0;
 }
 
+/* Greedy: a shard takes tensors while they fit; a tensor larger than the
+ * limit gets a shard of its own. Shard s is tensors [first[s], first[s + 1]),
+ * first[n + 2]; *ns shards. */
+static int st_plan_shards(const char *dir, const uint64_t *sizes, int n, size_t max_shard_bytes, int *first, int *ns,
+                          ct_err *e) {
+    int k = 0;
+    uint64_t cur = 0;
+    for (int i = 0; i < n; i++) {
+        if (k == 0 || (cur > 0 && cur + sizes[i] > max_shard_bytes)) {
+            first[k++] = i;
+            cur = 0;
+        }
+        cur += sizes[i];
+    }
+    first[k] = n;
+    *ns = k;
+    if (k > 99999) return ct_fail(e, CT_ERR_IO, "%s: %d shards exceed HF's 5-digit shard naming", dir, k);
+    return 0;
+}
+
+/* model.safetensors.index.json of the shards planned in first[ns + 1]. */
+static int st_write_index(const char *ipath, const st_wtensor *ts, const int *first, int ns, uint64_t total,
+                          ct_err *e) {
+    st_buf idx = {0};
+    sb_printf(&idx, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
+              (unsigned long long)total);
+    for (int s = 0; s < ns; s++) {
+        char name[64];
+        snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, ns);
+        for (int i = first[s]; i < first[s + 1]; i++) {
+            sb_puts(&idx, i ? ",\n    " : "\n    ");
+            sb_json_str(&idx, ts[i].name);
+            sb_puts(&idx, ": ");
+            sb_json_str(&idx, name);
+        }
+    }
+    sb_puts(&idx, "\n  }\n}\n");
+    int rc = st_atomic_write(ipath, idx.p, idx.n, NULL, NULL, e);
+    free(idx.p);
+    return rc;
+}
+
 int st_write_dir(const char *dir, const st_wtensor *ts, int n, size_t max_shard_bytes, const char *const *meta,
                  ct_err *e) {
     uint64_t *sizes = ct_malloc(((size_t)(n > 0 ? n : 0) + 1) * sizeof *sizes);
     int *first = NULL;
     char *ipath = st_join(dir, "model.safetensors.index.json");
     char *fpath = st_join(dir, "model.safetensors");
-    int rc = st_wvalidate(dir, ts, n, meta, sizes, e);
+    int rc = st_wvalidate(dir, ts, n, meta, sizes, 1, e);
     if (!rc) rc = ct_mkdirs(dir, e);
     if (rc) goto out;
     uint64_t total = 0;
@@ -943,42 +1003,17 @@ int st_write_dir(const char *dir, const st_wtensor *ts, int n, size_t max_shard_
         rc = st_remove_stale(dir, 0, e);
         goto out;
     }
-    /* greedy: a shard takes tensors while they fit; a tensor larger than the
-     * limit gets a shard of its own */
     first = ct_malloc(((size_t)n + 2) * sizeof *first);
     int ns = 0;
-    uint64_t cur = 0;
-    for (int i = 0; i < n; i++) {
-        if (ns == 0 || (cur > 0 && cur + sizes[i] > max_shard_bytes)) {
-            first[ns++] = i;
-            cur = 0;
-        }
-        cur += sizes[i];
-    }
-    first[ns] = n;
-    if (ns > 99999) {
-        rc = ct_fail(e, CT_ERR_IO, "%s: %d shards exceed HF's 5-digit shard naming", dir, ns);
-        goto out;
-    }
-    st_buf idx = {0};
-    sb_printf(&idx, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
-              (unsigned long long)total);
+    if ((rc = st_plan_shards(dir, sizes, n, max_shard_bytes, first, &ns, e))) goto out;
     for (int s = 0; s < ns && !rc; s++) {
         char name[64];
         snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", s + 1, ns);
         char *sp = st_join(dir, name);
         rc = st_write_checked(sp, ts + first[s], first[s + 1] - first[s], meta, sizes + first[s], e);
         free(sp);
-        for (int i = first[s]; i < first[s + 1]; i++) {
-            sb_puts(&idx, i ? ",\n    " : "\n    ");
-            sb_json_str(&idx, ts[i].name);
-            sb_puts(&idx, ": ");
-            sb_json_str(&idx, name);
-        }
     }
-    sb_puts(&idx, "\n  }\n}\n");
-    if (!rc) rc = st_atomic_write(ipath, idx.p, idx.n, NULL, NULL, e);
-    free(idx.p);
+    if (!rc) rc = st_write_index(ipath, ts, first, ns, total, e);
     if (!rc) rc = st_unlink_if(fpath, e);
     if (!rc) rc = st_remove_stale(dir, (unsigned)ns, e);
 out:
@@ -987,4 +1022,289 @@ out:
     free(ipath);
     free(fpath);
     return rc;
+}
+
+/* ------------------------------------------------------- streamed writing */
+
+/* The header is known up front, so it is written first and the data follows
+ * as the caller produces it: no buffer the size of the file. The stream
+ * tracks which tensor (in data order) the next element belongs to, so a
+ * caller may hand over any run of elements, across tensor boundaries. */
+struct st_stream {
+    char *path, *tmp;
+    FILE *fp;
+    int n, j;         /* tensors; the one (in data order) being written */
+    int *order;       /* [n] data order */
+    uint64_t *sizes;  /* [n] stored bytes */
+    ct_dtype *dtype;  /* [2 n] stored, then source dtype of each tensor */
+    uint64_t done;    /* bytes of tensor order[j] written */
+    void *conv;       /* [ST_CHUNK] conversion scratch */
+};
+
+static void st_stream_free(st_stream *s) {
+    free(s->path);
+    free(s->tmp);
+    free(s->order);
+    free(s->sizes);
+    free(s->dtype);
+    free(s->conv);
+    free(s);
+}
+
+int st_stream_open(st_stream **out, const char *path, const st_wtensor *ts, int n, const char *const *meta,
+                   ct_err *e) {
+    *out = NULL;
+    uint64_t *sizes = ct_malloc(((size_t)(n > 0 ? n : 0) + 1) * sizeof *sizes);
+    int rc = st_wvalidate(path, ts, n, meta, sizes, 0, e);
+    if (rc) {
+        free(sizes);
+        return rc;
+    }
+    st_stream *s = ct_calloc(1, sizeof *s);
+    s->n = n;
+    s->sizes = sizes;
+    s->order = ct_malloc(((size_t)n + 1) * sizeof *s->order);
+    s->dtype = ct_malloc(((size_t)2 * n + 1) * sizeof *s->dtype);
+    for (int i = 0; i < n; i++) {
+        s->dtype[i] = ts[i].dtype;
+        s->dtype[n + i] = ts[i].src_dtype;
+    }
+    char *all = NULL;
+    size_t all_len = 0;
+    if ((rc = st_header(path, ts, n, meta, sizes, s->order, &all, &all_len, e))) {
+        st_stream_free(s);
+        return rc;
+    }
+    size_t pl = strlen(path);
+    s->path = ct_malloc(pl + 1);
+    memcpy(s->path, path, pl + 1);
+    s->tmp = ct_malloc(pl + 5);
+    memcpy(s->tmp, path, pl);
+    memcpy(s->tmp + pl, ".tmp", 5);
+    s->fp = fopen(s->tmp, "wb");
+    if (!s->fp) {
+        rc = ct_fail(e, CT_ERR_IO, "%s: cannot create %s: %s", path, s->tmp, strerror(errno));
+    } else if (fwrite(all, 1, all_len, s->fp) != all_len) {
+        rc = ct_fail(e, CT_ERR_IO, "%s: write failed: %s", path, strerror(errno ? errno : EIO));
+        st_stream_abort(s);
+        s = NULL;
+    }
+    free(all);
+    if (rc && s) st_stream_free(s);
+    else *out = s;
+    return rc;
+}
+
+/* Moves past finished (or empty) tensors. */
+static void st_stream_skip(st_stream *s) {
+    while (s->j < s->n && s->done == s->sizes[s->order[s->j]]) {
+        s->j++;
+        s->done = 0;
+    }
+}
+
+int st_stream_write(st_stream *s, const void *src, size_t numel, ct_err *e) {
+    const char *p = src;
+    while (numel) {
+        st_stream_skip(s);
+        if (s->j == s->n)
+            return ct_fail(e, CT_ERR_IO, "%s: %zu elements more than its header declares", s->path, numel);
+        int i = s->order[s->j];
+        ct_dtype dt = s->dtype[i], sdt = s->dtype[s->n + i];
+        size_t es = ct_dtype_size(dt), ses = ct_dtype_size(sdt);
+        size_t left = (size_t)((s->sizes[i] - s->done) / es), k = numel < left ? numel : left;
+        int ok = 1;
+        if (dt == sdt) {
+            ok = fwrite(p, es, k, s->fp) == k;
+        } else {
+            if (!s->conv) s->conv = ct_malloc(ST_CHUNK * 4);
+            for (size_t off = 0; off < k && ok; off += ST_CHUNK) {
+                size_t c = k - off < ST_CHUNK ? k - off : ST_CHUNK;
+                ct_convert_from_f32(s->conv, dt, (const float *)p + off, c);
+                ok = fwrite(s->conv, es, c, s->fp) == c;
+            }
+        }
+        if (!ok) return ct_fail(e, CT_ERR_IO, "%s: write failed: %s", s->tmp, strerror(errno ? errno : EIO));
+        s->done += (uint64_t)k * es;
+        p += k * ses;
+        numel -= k;
+    }
+    return 0;
+}
+
+int st_stream_close(st_stream *s, ct_err *e) {
+    st_stream_skip(s);
+    if (s->j < s->n) {
+        int rc = ct_fail(e, CT_ERR_IO, "%s: closed before tensor %d of %d had all its data", s->path, s->j + 1, s->n);
+        st_stream_abort(s);
+        return rc;
+    }
+    int ok = fflush(s->fp) == 0 && fsync(fileno(s->fp)) == 0;
+    int err = errno;
+    if (fclose(s->fp) != 0 && ok) {
+        ok = 0;
+        err = errno;
+    }
+    if (ok && rename(s->tmp, s->path) != 0) {
+        ok = 0;
+        err = errno;
+    }
+    int rc = 0;
+    if (!ok) {
+        unlink(s->tmp);
+        rc = ct_fail(e, CT_ERR_IO, "%s: write failed: %s", s->path, strerror(err ? err : EIO));
+    } else {
+        rc = st_fsync_dir(s->path, e);
+    }
+    st_stream_free(s);
+    return rc;
+}
+
+void st_stream_abort(st_stream *s) {
+    if (!s) return;
+    if (s->fp) fclose(s->fp);
+    unlink(s->tmp);
+    st_stream_free(s);
+}
+
+/* st_write_dir streamed: the shards are planned as st_write_dir plans them
+ * and written one after the other, each an st_stream. */
+struct st_dir_stream {
+    char *dir;
+    const char *const *meta;
+    st_wtensor *ts;   /* [n] names, dtypes, shapes (names copied into `names`) */
+    char *names;
+    uint64_t *sizes;  /* [n] stored bytes */
+    int n, ns, s;     /* tensors; shards (1 and !sharded: model.safetensors); the one being written */
+    int sharded;
+    int *first;       /* [ns + 1] first tensor of each shard */
+    uint64_t total;
+    size_t left;      /* elements of shard s still to come */
+    size_t src_es;    /* bytes per source element */
+    st_stream *cur;
+};
+
+static void st_dir_stream_free(st_dir_stream *d) {
+    st_stream_abort(d->cur);
+    free(d->dir);
+    free(d->ts);
+    free(d->names);
+    free(d->sizes);
+    free(d->first);
+    free(d);
+}
+
+/* Opens shard d->s, then closes and moves past shards that need no data. */
+static int st_dir_stream_next(st_dir_stream *d, ct_err *e) {
+    while (d->s < d->ns) {
+        if (!d->cur) {
+            int a = d->first[d->s], b = d->first[d->s + 1], rc;
+            char name[64];
+            if (d->sharded) snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", d->s + 1, d->ns);
+            else snprintf(name, sizeof name, "model.safetensors");
+            char *sp = st_join(d->dir, name);
+            rc = st_stream_open(&d->cur, sp, d->ts + a, b - a, d->meta, e);
+            free(sp);
+            if (rc) return rc;
+            d->left = 0;
+            for (int i = a; i < b; i++) d->left += (size_t)(d->sizes[i] / ct_dtype_size(d->ts[i].dtype));
+        }
+        if (d->left) return 0;
+        int rc = st_stream_close(d->cur, e);
+        d->cur = NULL;
+        d->s++;
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+int st_dir_stream_open(st_dir_stream **out, const char *dir, const st_wtensor *ts, int n, size_t max_shard_bytes,
+                       const char *const *meta, ct_err *e) {
+    *out = NULL;
+    st_dir_stream *d = ct_calloc(1, sizeof *d);
+    d->sizes = ct_malloc(((size_t)(n > 0 ? n : 0) + 1) * sizeof *d->sizes);
+    d->first = ct_malloc(((size_t)(n > 0 ? n : 0) + 2) * sizeof *d->first);
+    size_t dl = strlen(dir);
+    d->dir = ct_malloc(dl + 1);
+    memcpy(d->dir, dir, dl + 1);
+    d->meta = meta;
+    d->n = n;
+    int rc = st_wvalidate(dir, ts, n, meta, d->sizes, 0, e);
+    for (int i = 1; i < n && !rc; i++)
+        if (ct_dtype_size(ts[i].dtype) != ct_dtype_size(ts[0].dtype) || ts[i].src_dtype != ts[0].src_dtype)
+            rc = ct_fail(e, CT_ERR_IO, "%s: a streamed write needs tensors of one element size and source dtype ('%s')",
+                         dir, ts[i].name);
+    if (!rc) rc = ct_mkdirs(dir, e);
+    if (rc) {
+        st_dir_stream_free(d);
+        return rc;
+    }
+    size_t nl = 0;
+    for (int i = 0; i < n; i++) nl += strlen(ts[i].name) + 1;
+    d->ts = ct_malloc(((size_t)n + 1) * sizeof *d->ts);
+    d->names = ct_malloc(nl + 1);
+    d->src_es = n ? ct_dtype_size(ts[0].src_dtype) : 4;
+    nl = 0;
+    for (int i = 0; i < n; i++) {
+        size_t l = strlen(ts[i].name) + 1;
+        memcpy(d->names + nl, ts[i].name, l);
+        d->ts[i] = ts[i];
+        d->ts[i].name = d->names + nl;
+        d->ts[i].data = NULL;
+        d->total += d->sizes[i];
+        nl += l;
+    }
+    if (max_shard_bytes == 0 || d->total <= max_shard_bytes) {
+        d->ns = 1;
+        d->first[0] = 0;
+        d->first[1] = n;
+    } else {
+        d->sharded = 1;
+        rc = st_plan_shards(dir, d->sizes, n, max_shard_bytes, d->first, &d->ns, e);
+    }
+    if (!rc) rc = st_dir_stream_next(d, e);
+    if (rc) {
+        st_dir_stream_free(d);
+        return rc;
+    }
+    *out = d;
+    return 0;
+}
+
+int st_dir_stream_write(st_dir_stream *d, const void *src, size_t numel, ct_err *e) {
+    const char *p = src;
+    while (numel) {
+        if (!d->cur) return ct_fail(e, CT_ERR_IO, "%s: %zu elements more than its tensors hold", d->dir, numel);
+        size_t k = numel < d->left ? numel : d->left;
+        int rc = st_stream_write(d->cur, p, k, e);
+        if (rc) return rc;
+        p += k * d->src_es;
+        numel -= k;
+        d->left -= k;
+        if ((rc = st_dir_stream_next(d, e))) return rc;
+    }
+    return 0;
+}
+
+int st_dir_stream_close(st_dir_stream *d, ct_err *e) {
+    int rc = 0;
+    if (d->s < d->ns) rc = ct_fail(e, CT_ERR_IO, "%s: closed before every tensor had its data", d->dir);
+    char *ipath = st_join(d->dir, "model.safetensors.index.json");
+    char *fpath = st_join(d->dir, "model.safetensors");
+    if (!rc && d->sharded) { /* as st_write_dir: the new files, then drop what is stale */
+        rc = st_write_index(ipath, d->ts, d->first, d->ns, d->total, e);
+        if (!rc) rc = st_unlink_if(fpath, e);
+        if (!rc) rc = st_remove_stale(d->dir, (unsigned)d->ns, e);
+    } else if (!rc) {
+        rc = st_unlink_if(ipath, e);
+        if (!rc) rc = st_remove_stale(d->dir, 0, e);
+    }
+    free(ipath);
+    free(fpath);
+    st_dir_stream_free(d);
+    return rc;
+}
+
+void st_dir_stream_abort(st_dir_stream *d) {
+    if (d) st_dir_stream_free(d);
 }

@@ -39,6 +39,10 @@ const st_tensor *st_find(const st_file *f, const char *name);
 /* Value of __metadata__[key], or NULL. */
 const char *st_metadata(const st_file *f, const char *key);
 const char *st_path(const st_file *f);
+/* Done with a tensor's data for now: its pages leave this process's
+ * resident set (they stay in the page cache and read back on the next
+ * touch), so streaming through a large file does not grow RSS by its size. */
+void st_drop(const st_tensor *t);
 
 typedef struct st_set st_set;
 
@@ -76,5 +80,34 @@ int st_write(const char *path, const st_wtensor *ts, int n, const char *const *m
  * max_shard_bytes 0 means never shard. */
 int st_write_dir(const char *dir, const st_wtensor *ts, int n, size_t max_shard_bytes,
                  const char *const *meta, ct_err *e);
+
+/* The same file as st_write, its data supplied piece by piece, so no caller
+ * needs the whole file in memory: open writes PATH.tmp's header from ts
+ * (names, dtypes, shapes; `data` is not read); each write appends numel
+ * elements (of each tensor's src_dtype, converted like st_write's) in the
+ * file's data order (falling element size, stable: the given order when all
+ * tensors have one size), across tensor boundaries as needed; close checks
+ * that every byte came, fsyncs and renames to PATH. Any error (more data
+ * than declared, less at close, I/O) names the path. close and abort always
+ * free the stream and leave no PATH.tmp; after a failed write, abort. */
+typedef struct st_stream st_stream;
+int st_stream_open(st_stream **out, const char *path, const st_wtensor *ts, int n, const char *const *meta,
+                   ct_err *e);
+int st_stream_write(st_stream *s, const void *src, size_t numel, ct_err *e);
+int st_stream_close(st_stream *s, ct_err *e);
+void st_stream_abort(st_stream *s);
+
+/* st_write_dir streamed, for tensors of one element size and one source
+ * dtype (a model in one dtype): the same files (shards planned alike, the
+ * index, stale files removed at close), the data supplied in the given
+ * order across tensor and shard boundaries. meta must stay valid until
+ * close. close and abort free the stream; abort leaves the shards already
+ * complete in DIR (write into a temp dir to publish atomically). */
+typedef struct st_dir_stream st_dir_stream;
+int st_dir_stream_open(st_dir_stream **out, const char *dir, const st_wtensor *ts, int n, size_t max_shard_bytes,
+                       const char *const *meta, ct_err *e);
+int st_dir_stream_write(st_dir_stream *d, const void *src, size_t numel, ct_err *e);
+int st_dir_stream_close(st_dir_stream *d, ct_err *e);
+void st_dir_stream_abort(st_dir_stream *d);
 
 #endif

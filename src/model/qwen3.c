@@ -338,14 +338,35 @@ void qwen3_free(qwen3_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-void qwen3_init_random(qwen3_model *m, uint64_t seed) {
+static void copy_put(void *ctx, int kind, int i, const float *data) {
+    qwen3_copy_ctx *c = ctx;
+    const qwen3_tensor *t = &c->m->tensors[i];
+    if (c->dst[kind]) memcpy(c->dst[kind] + t->offset, data, t->numel * sizeof(float));
+}
+
+qwen3_sink qwen3_copy_sink(qwen3_copy_ctx *ctx, qwen3_model *m, float *exp_avg, float *exp_avg_sq) {
+    *ctx = (qwen3_copy_ctx){m, {m->params, exp_avg, exp_avg_sq}};
+    return (qwen3_sink){copy_put, ctx};
+}
+
+void qwen3_init_random_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s) {
     ct_rng r;
     ct_rng_seed(&r, seed);
-    for (int i = 0; i < m->n_tensors; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
-        float *p = m->params + t->offset;
-        for (size_t j = 0; j < t->numel; j++) p[j] = t->is_matrix ? (float)(0.02 * ct_rng_normal(&r)) : 1.0f;
+    size_t most = 1;
+    for (int i = 0; i < table->n_tensors; i++) most = table->tensors[i].numel > most ? table->tensors[i].numel : most;
+    float *buf = ct_malloc(most * sizeof(float)); /* [largest tensor] one tensor at a time, in table order */
+    for (int i = 0; i < table->n_tensors; i++) {
+        const qwen3_tensor *t = &table->tensors[i];
+        for (size_t j = 0; j < t->numel; j++) buf[j] = t->is_matrix ? (float)(0.02 * ct_rng_normal(&r)) : 1.0f;
+        s->put(s->ctx, QWEN3_PARAMS, i, buf);
     }
+    free(buf);
+}
+
+void qwen3_init_random(qwen3_model *m, uint64_t seed) {
+    qwen3_copy_ctx cc;
+    qwen3_sink s = qwen3_copy_sink(&cc, m, NULL, NULL);
+    qwen3_init_random_each(m, seed, &s);
 }
 
 const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name) {

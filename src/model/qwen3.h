@@ -263,6 +263,27 @@ int qwen3_plan_memory(const qwen3_config *c, int B, int T, const char *ac_mode, 
 int qwen3_layout(qwen3_model *m, const qwen3_config *c);
 /* normal(0, 0.02) for matrices, 1 for norms; deterministic from seed. */
 void qwen3_init_random(qwen3_model *m, uint64_t seed);
+
+/* Where a loader puts a whole model's tensors one at a time, so that no
+ * one holds the whole model: a rank keeps its slice of each (dist/tp.h,
+ * dist/fsdp.h). put gets tensor i of the loader's table (the whole model),
+ * as data[numel] fp32 valid only during the call, with kind saying which
+ * buffer it belongs to. */
+enum { QWEN3_PARAMS, QWEN3_EXP_AVG, QWEN3_EXP_AVG_SQ };
+typedef struct {
+    void (*put)(void *ctx, int kind, int i, const float *data);
+    void *ctx;
+} qwen3_sink;
+/* The sink that copies into m's params and the given moments (NULL: none)
+ * at each tensor's offset; ctx must outlive its use. */
+typedef struct {
+    const qwen3_model *m;
+    float *dst[3];
+} qwen3_copy_ctx;
+qwen3_sink qwen3_copy_sink(qwen3_copy_ctx *ctx, qwen3_model *m, float *exp_avg, float *exp_avg_sq);
+/* qwen3_init_random's values, tensor by tensor into s (table: any model
+ * with the whole model's tensor table, e.g. from qwen3_layout). */
+void qwen3_init_random_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s);
 const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name);
 /* Bytes of the activation plan (saved activations, checkpointing scratch,
  * backward scratch, logits block), for the log; params/grads not included. */

@@ -30,6 +30,7 @@
 #include "core/cpu.h"
 #include "core/fs.h"
 #include "core/timer.h"
+#include "formats/safetensors.h"
 
 /* The one piece of process-wide state: a signal handler can reach nothing
  * else. 0 = run, 1 = stop after this step. */
@@ -209,15 +210,16 @@ static int is_hf_export(const char *dir) {
 static int load_checkpoint(trainer *t, const char *dir, int model_only, ct_err *e) {
     ckpt_info info;
     int rc;
+    const qwen3_model *whole = t->load.whole;
     if (model_only) {
         /* a model-only checkpoint (an import) seeds a new run at step 0 */
-        if ((rc = ckpt_load(dir, &t->model, NULL, NULL, NULL, &info, e))) return rc;
+        if ((rc = ckpt_load_each(dir, whole, 0, NULL, &info, &t->load.sink, e))) return rc;
         fprintf(stderr, "ctitan: loaded model-only checkpoint %s as initial weights (%.1f MiB in %.2f s)\n", dir,
                 info.bytes / 1048576.0, info.seconds);
         return 0;
     }
     char *state = NULL;
-    if ((rc = ckpt_load(dir, &t->model, t->opt.m, t->opt.v, &state, &info, e))) return rc;
+    if ((rc = ckpt_load_each(dir, whole, 1, &state, &info, &t->load.sink, e))) return rc;
     rc = state_from_json(t, state, dir, e);
     free(state);
     if (rc) return rc;
@@ -389,9 +391,7 @@ static int check_global_batch(const ct_config *c, int dp, ct_err *e) {
     return 0;
 }
 
-static int load_or_init_weights(trainer *t, ct_err *e);
-static int shard_state(trainer *t, ct_err *e);
-static int init_sharded(trainer *t, ct_err *e);
+static int init_weights(trainer *t, ct_err *e);
 
 int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     memset(t, 0, sizeof *t);
@@ -433,7 +433,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     lr_schedule_init(&t->sched, c->steps, c->warmup_steps, c->decay_ratio, dt < 0 ? LR_DECAY_LINEAR : dt,
                      c->min_lr_factor);
 
-    rc = t->mesh.dp_shard <= 1 ? load_or_init_weights(t, e) : init_sharded(t, e);
+    rc = init_weights(t, e);
     /* (under expert parallel the replicas hold different experts: trainer_reduce_grads splits the sum) */
     if (!rc && !t->fsdp && t->mesh.dp_replicate > 1 && t->mesh.ep == 1) rc = dp_overlap_init(t, e);
     if (!rc && t->tp) tp_attach(t->tp, &t->model); /* after FSDP's hooks, which it wraps */
@@ -444,69 +444,79 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     return rc;
 }
 
-/* Under FSDP every rank briefly holds the full weights before keeping its
- * slices: 4 bytes per parameter from a random init, 12 (with the moments)
- * from a checkpoint. Loading from files, the ranks of one machine take
- * turns, so a machine needs that transient once rather than once per rank
- * (machines proceed in parallel); a random init, cheaper in memory and
- * slower to serialise, runs everywhere at once. After each turn every rank
- * learns whether the one that had it failed, so none is left waiting in the
- * next collective. */
-static int init_sharded(trainer *t, ct_err *e) {
-    const char *lr = getenv("OMPI_COMM_WORLD_LOCAL_RANK"), *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    int local_rank = lr ? atoi(lr) : 0, local_size = ls ? atoi(ls) : 1;
-    const ct_config *c = &t->cfg;
-    int from_files = c->initial_load_path[0] || (c->ckpt_enable && ckpt_list(t->ckpt_folder, NULL, 0) != 0);
-    if (!from_files) local_rank = 0, local_size = 1;
-    int32_t turns = local_size;
-    comm_allreduce(t->world, &turns, 1, COMM_I32, COMM_MAX);
-    for (int turn = 0; turn < turns; turn++) {
-        int32_t rc = 0;
-        if (turn == local_rank) {
-            rc = load_or_init_weights(t, e);
-            if (!rc) rc = shard_state(t, e);
-        }
-        int32_t worst = rc;
-        comm_allreduce(t->world, &worst, 1, COMM_I32, COMM_MAX);
-        if (rc) return rc;
-        if (worst)
-            return ct_fail(e, worst, "another rank failed to load or initialise the model (its error says why)");
+/* Where a loader's whole tensors go (qwen3_sink): this rank's TP/EP slice
+ * of each (tp_take_tensor), then, under FSDP, only what its shard keeps
+ * (fsdp_take_range), else the local model's buffers. The moments likewise. */
+static void load_put(void *ctx, int kind, int i, const float *data) {
+    trainer *t = ctx;
+    const qwen3_tensor *lt = &t->model.tensors[i];
+    if (!lt->numel) return; /* an expert another EP rank holds */
+    const float *src = data;
+    if (t->tp) {
+        tp_take_tensor(t->tp, lt, t->load.tmp, &t->load.whole->tensors[i], data);
+        src = t->load.tmp;
     }
-    return 0;
+    if (t->fsdp) {
+        float *shard = kind == QWEN3_PARAMS ? t->fsdp->params : kind == QWEN3_EXP_AVG ? t->opt.m : t->opt.v;
+        fsdp_take_range(t->fsdp, shard, lt->offset, src, lt->numel);
+    } else {
+        float *dst = kind == QWEN3_PARAMS ? t->model.params : kind == QWEN3_EXP_AVG ? t->opt.m : t->opt.v;
+        memcpy(dst + lt->offset, src, lt->numel * sizeof(float));
+    }
 }
 
-static int load_full_weights(trainer *t, ct_err *e);
+static int load_weights(trainer *t, ct_err *e);
 
-/* Every rank builds the same full weights (same seed, or the same files),
- * then FSDP keeps its slices and frees the rest. Under tensor parallelism
- * the whole model (and on resume its moments) is built first in t->model
- * and t->opt, exactly as one process would, and this rank keeps its slices
- * in the local model. */
-static int load_or_init_weights(trainer *t, ct_err *e) {
-    if (!t->tp) return load_full_weights(t, e);
-    qwen3_model local = t->model;
-    adamw_state lopt = t->opt;
-    int rc = qwen3_create(&t->model, &t->tp->full, 1, 1, e);
-    if (!rc) {
-        adamw_init(&t->opt, t->model.n_params);
-        rc = load_full_weights(t, e);
-        if (!rc) {
-            tp_take(t->tp, &local, local.params, &t->model, t->model.params);
-            if (t->opt.step > 0) { /* moments were loaded; before any step they are zeros already */
-                tp_take(t->tp, &local, lopt.m, &t->model, t->opt.m);
-                tp_take(t->tp, &local, lopt.v, &t->model, t->opt.v);
-            }
-            lopt.step = t->opt.step;
-        }
-        adamw_free(&t->opt);
+/* The weights (and on resume the moments) of this rank's part of the model,
+ * from a checkpoint, HF files or the seed, without anyone holding the whole
+ * model: the loaders hand over one whole tensor at a time in the whole
+ * model's table order (the random init draws every tensor's values in that
+ * order, so every layout starts from one process's weights), and each rank
+ * keeps its slice. Under FSDP the shard buffers exist first and receive
+ * their parts directly. Peak extra memory: the largest tensor, and its
+ * slice. Every rank then learns whether another one failed, so none is
+ * left waiting in the next collective. */
+static int init_weights(trainer *t, ct_err *e) {
+    int rc = 0;
+    qwen3_model whole_table;
+    t->load.whole = &t->model;
+    if (t->tp) {
+        qwen3_layout(&whole_table, &t->tp->full);
+        t->load.whole = &whole_table;
+        tp_classify(t->tp, &t->model, &whole_table);
+        size_t most = 1;
+        for (int i = 0; i < t->model.n_tensors; i++)
+            most = t->model.tensors[i].numel > most ? t->model.tensors[i].numel : most;
+        t->load.tmp = ct_malloc(most * sizeof(float));
     }
-    qwen3_free(&t->model);
-    t->model = local;
-    t->opt = lopt;
+    if (t->mesh.dp_shard > 1) {
+        t->fsdp = ct_calloc(1, sizeof *t->fsdp);
+        rc = fsdp_init(t->fsdp, &t->model, &t->mesh.shard, t->mesh.ep > 1 ? &t->mesh.edp : NULL,
+                       strcmp(t->cfg.fsdp_reshard, "never") != 0, e);
+        if (!rc) { /* the moments: this rank's slices only */
+            adamw_free(&t->opt);
+            adamw_init(&t->opt, t->fsdp->shard_n);
+            if (t->mesh.dp_replicate > 1) t->fsdp->rep = &t->mesh.rep;
+        }
+    }
+    t->load.sink = (qwen3_sink){load_put, t};
+    if (!rc) rc = load_weights(t, e);
+    free(t->load.tmp);
+    if (t->tp) qwen3_free(&whole_table);
+    memset(&t->load, 0, sizeof t->load);
+    if (t->world->size > 1) {
+        int32_t worst = rc;
+        comm_allreduce(t->world, &worst, 1, COMM_I32, COMM_MAX);
+        if (!rc && worst)
+            return ct_fail(e, worst, "another rank failed to load or initialise the model (its error says why)");
+        if (!rc) /* on the ranks CTITAN_LOG_RANKS shows; tests/py/test_dist.py checks it */
+            fprintf(stderr, "ctitan: rank %d of %d: %.3f GiB peak after loading the model\n", t->world->rank,
+                    t->world->size, cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0));
+    }
     return rc;
 }
 
-static int load_full_weights(trainer *t, ct_err *e) {
+static int load_weights(trainer *t, ct_err *e) {
     ct_config *c = &t->cfg;
     int resumed = 0, rc;
     if ((rc = maybe_resume(t, &resumed, e))) return rc;
@@ -517,26 +527,9 @@ static int load_full_weights(trainer *t, ct_err *e) {
                            "%s: checkpoint.initial_load_path = \"%s\": only Hugging Face safetensors directories "
                            "can be loaded as initial weights; set checkpoint.initial_load_in_hf = true",
                            cfg_src(c), c->initial_load_path);
-        return hf_load(&t->model, c->initial_load_path, e);
+        return hf_load_each(t->load.whole, c->initial_load_path, &t->load.sink, e);
     }
-    qwen3_init_random(&t->model, (uint64_t)c->seed);
-    return 0;
-}
-
-static int shard_state(trainer *t, ct_err *e) {
-    if (t->mesh.dp_shard <= 1) return 0;
-    t->fsdp = ct_calloc(1, sizeof *t->fsdp);
-    int rc = fsdp_init(t->fsdp, &t->model, &t->mesh.shard, t->mesh.ep > 1 ? &t->mesh.edp : NULL,
-                       strcmp(t->cfg.fsdp_reshard, "never") != 0, e);
-    if (rc) return rc;
-    /* the moments: full-size (loaded on resume, else untouched zero pages) -> this rank's slices */
-    adamw_state full = t->opt;
-    adamw_init(&t->opt, t->fsdp->shard_n);
-    fsdp_take_shard(t->fsdp, t->opt.m, full.m);
-    fsdp_take_shard(t->fsdp, t->opt.v, full.v);
-    t->opt.step = full.step;
-    adamw_free(&full);
-    if (t->mesh.dp_replicate > 1) t->fsdp->rep = &t->mesh.rep;
+    qwen3_init_random_each(t->load.whole, (uint64_t)c->seed, &t->load.sink);
     return 0;
 }
 
@@ -603,7 +596,7 @@ static void dry_line(FILE *out, const char *what, double bytes) {
 /* What rank 0 of the layout plans; the others' slices are the same size
  * (equal heads, columns, experts per rank) up to FSDP's padding. */
 static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, int world, int rep, int shard,
-                        int tp, int B, size_t whole, ct_err *e) {
+                        int tp, int B, ct_err *e) {
     int ep = c->ep > 1 ? c->ep : 1;
     qwen3_config lc;
     tp_local_config(&lc, mc, tp, 0, ep, 0);
@@ -645,21 +638,23 @@ static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, i
     if (shard > 1) dry_line(out, "FSDP gathered (params + grads)", gathered);
     dry_line(out, "activations + workspace (planned)", a);
     dry_line(out, "total planned per rank", total);
-    /* load_or_init_weights / init_sharded: every rank builds the whole
-     * model (and on resume its moments) before keeping its own part, which
-     * is then allocated next to it */
-    char folder[4096];
-    int resume = c->ckpt_enable && !join_path(folder, sizeof folder, c->dump_folder, c->ckpt_folder) &&
-                 ckpt_list(folder, NULL, 0) > 0;
-    double own = tp > 1 || ep > 1 ? (double)n : shard > 1 ? stored : 0, bpp = resume ? 12 : 4;
-    double transient = bpp * ((double)whole + own);
-    dry_line(out, resume ? "start-up transient (resume, 12 B/p)" : "start-up transient (4 B/param)", transient);
-    dry_line(out, "planned peak per rank", transient > total ? transient : total);
+    /* init_weights: the loaders hand over one whole tensor at a time and
+     * the rank keeps its slice, so loading adds the largest whole tensor
+     * and one slice of it to what the run holds anyway */
+    qwen3_model wt, lt;
+    qwen3_layout(&wt, mc);
+    qwen3_layout(&lt, &lc);
+    size_t big = 0, big_local = 0;
+    for (int i = 0; i < wt.n_tensors; i++) big = wt.tensors[i].numel > big ? wt.tensors[i].numel : big;
+    for (int i = 0; i < lt.n_tensors; i++) big_local = lt.tensors[i].numel > big_local ? lt.tensors[i].numel : big_local;
+    qwen3_free(&wt);
+    qwen3_free(&lt);
+    double load = 4.0 * (double)(big + (tp > 1 || ep > 1 ? big_local : 0));
+    dry_line(out, "loading (one whole tensor + slice)", load);
+    dry_line(out, "planned peak per rank", p + o + load > total ? p + o + load : total);
     fprintf(out,
-            "(start-up: every rank builds the whole model's fp32 weights%s once, next to its own part; "
-            "not planned: the runtime (MPI, libraries), FSDP staging for pieces that do not divide evenly, "
-            "expert-parallel dispatch buffers, the token data)\n",
-            resume ? " and AdamW moments" : " (12 bytes per parameter on resume)");
+            "(not planned: the runtime (MPI, libraries), FSDP staging for pieces that do not divide evenly, "
+            "expert-parallel dispatch buffers, the token data)\n");
     return 0;
 }
 
@@ -677,7 +672,7 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
     size_t n = 0, act = 0;
     if ((rc = qwen3_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
     if (world > 1) { /* checked before anything prints, so an error comes alone */
-        if ((rc = dry_run_rank(NULL, c, &mc, world, rep, shard, tp, B, n, e))) return rc;
+        if ((rc = dry_run_rank(NULL, c, &mc, world, rep, shard, tp, B, e))) return rc;
     }
     if (!out) return 0;
     double p = 4.0 * n, g = 4.0 * n, o = 8.0 * n, a = (double)act;
@@ -689,7 +684,7 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
     dry_line(out, "activations + workspace (planned)", a);
     dry_line(out, "total planned", p + g + o + a);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
-    return world > 1 ? dry_run_rank(out, c, &mc, world, rep, shard, tp, B, n, e) : 0;
+    return world > 1 ? dry_run_rank(out, c, &mc, world, rep, shard, tp, B, e) : 0;
 }
 
 void trainer_free(trainer *t) {
@@ -796,47 +791,6 @@ static double clip_by(float *g, size_t n, double sq, double max_norm) {
     return norm;
 }
 
-static int save_rank0(trainer *t, const ds *data, int model_only, const float *om, const float *ov, ct_err *e);
-
-/* Under tensor parallelism the whole model is put together on rank 0 for a
- * save: the TP group of replica 0, shard 0 (which hold their whole local
- * model, after FSDP's gather) sends its slices there. full is created on
- * rank 0 and zeroed elsewhere; the ranks outside that group return at once.
- * om, ov: the local moments to gather into *fm, *fv too (NULL: none). */
-static int tp_full_model(trainer *t, qwen3_model *full, const float *om, const float *ov, float **fm, float **fv,
-                         ct_err *e) {
-    memset(full, 0, sizeof *full);
-    if (t->mesh.dp_rank >= t->mesh.ep) return 0; /* not one of mesh.slices */
-    int root = t->mesh.slices.rank == 0, rc;
-    if (root && (rc = qwen3_create(full, &t->tp->full, 1, 1, e))) return rc;
-    tp_gather(t->tp, &t->mesh.slices, full, full->params, &t->model, t->model.params);
-    if (om) {
-        if (root) {
-            *fm = ct_calloc(full->n_params, sizeof(float));
-            *fv = ct_calloc(full->n_params, sizeof(float));
-        }
-        tp_gather(t->tp, &t->mesh.slices, full, *fm, &t->model, om);
-        tp_gather(t->tp, &t->mesh.slices, full, *fv, &t->model, ov);
-    }
-    return 0;
-}
-
-static int save_tp(trainer *t, const ds *data, int model_only, const float *om, const float *ov, ct_err *e) {
-    qwen3_model full;
-    float *fm = NULL, *fv = NULL;
-    int rc = tp_full_model(t, &full, model_only ? NULL : om, ov, &fm, &fv, e);
-    if (!rc && t->world->rank == 0) { /* the save reads t->model: the whole one for the write */
-        qwen3_model local = t->model;
-        t->model = full;
-        rc = save_rank0(t, data, model_only, fm, fv, e);
-        t->model = local;
-    }
-    qwen3_free(&full);
-    free(fm);
-    free(fv);
-    return rc;
-}
-
 void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
     qwen3_model *m = &t->model;
     double cur_lr = t->cfg.lr * lr_schedule_factor(&t->sched, t->step);
@@ -864,49 +818,125 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
     if (lr) *lr = cur_lr;
 }
 
-/* Checkpoints hold every tensor whole whatever the layout: under FSDP the
- * parameters (and moments) of replica 0 are gathered to rank 0, which
- * writes; the other ranks touch no full-size memory. (Rank 0 still holds
- * the full state for the write: writing per-rank byte ranges would not.) */
-int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
-    float *fm = NULL, *fv = NULL, *om = t->opt.m, *ov = t->opt.v;
-    if (t->fsdp && t->mesh.rep_rank == 0) {
-        /* rank 0, or under TP each rank of its TP group; under EP the first ep
-         * shard ranks, which receive their experts' pieces */
-        int root = t->mesh.shard_rank < t->mesh.ep;
-        fsdp_gather_full(t->fsdp, t->model.params, t->fsdp->params, 0);
-        if (!model_only) {
-            if (root) {
-                fm = om = ct_calloc(t->model.n_params, sizeof(float));
-                fv = ov = ct_calloc(t->model.n_params, sizeof(float));
+/* Flat offset of tensor i of m's table; n_params for i == n_tensors. */
+static size_t save_offset(const qwen3_model *m, int i) {
+    return i < m->n_tensors ? m->tensors[i].offset : m->n_params;
+}
+
+static int layer_of(const char *name) { return strncmp(name, "model.layers.", 13) ? -1 : atoi(name + 13); }
+
+/* The units of a streamed save, as tensor index ranges [u[k], u[k + 1]):
+ * k = 0 what comes before layer 0 (the embedding), 1 + l layer l, L + 1 the
+ * rest (final norm, lm_head): FSDP's pieces, grouped by layer. The same
+ * indices in every rank's table and the whole model's. */
+static void save_units(const qwen3_model *m, int *u) {
+    int L = m->cfg.n_layers, i = 0;
+    u[0] = 0;
+    while (i < m->n_tensors && layer_of(m->tensors[i].name) < 0) i++;
+    for (int l = 0; l < L; l++) {
+        u[1 + l] = i;
+        while (i < m->n_tensors && layer_of(m->tensors[i].name) == l) i++;
+    }
+    u[L + 1] = i;
+    u[L + 2] = m->n_tensors;
+}
+
+/* Where rank 0 sends the whole tensors of a streamed save, unit by unit. */
+typedef int (*save_put_fn)(void *ctx, const float *x, size_t n, ct_err *e);
+
+/* Saves hold every tensor whole whatever the layout. Rank 0 writes them as
+ * a stream, one unit (the embedding, a layer, the head) at a time: FSDP
+ * brings each piece of the unit to its group's root (replica 0, and under
+ * EP the first ep shard ranks for their experts), tensor/expert parallelism
+ * brings those roots' parts to rank 0 (tp_gather_range over mesh.slices),
+ * rank 0 hands the whole tensors to put and frees them. Beyond its own
+ * state a rank holds about one unit (three with TP: its part, the received
+ * parts, the assembled unit), where gathering the whole model and both
+ * moments first needed 12 bytes a parameter on rank 0. Every rank runs the
+ * same loop, so the collectives match; once put fails (*rc set on rank 0)
+ * rank 0 stops writing but not the loop. kinds: 1 the parameters, 3 also
+ * exp_avg then exp_avg_sq. fm: the whole model's table (rank 0). */
+static void save_gather(trainer *t, const qwen3_model *fm, int kinds, save_put_fn put, void *ctx, int *rc,
+                        ct_err *e) {
+    const qwen3_model *lm = &t->model;
+    int rank0 = t->world->rank == 0, L = lm->cfg.n_layers;
+    int fsdp_part = t->fsdp && t->mesh.rep_rank == 0;
+    int fsdp_root = fsdp_part && t->mesh.shard_rank < t->mesh.ep;
+    int in_slices = t->tp && t->mesh.dp_rank < t->mesh.ep;
+    int *u = ct_malloc(((size_t)L + 3) * sizeof *u);
+    save_units(lm, u);
+    for (int k = 0; k < kinds; k++) {
+        const float *src = k == 0 ? (t->fsdp ? t->fsdp->params : lm->params) : k == 1 ? t->opt.m : t->opt.v;
+        for (int x = 0; x < L + 2; x++) {
+            size_t lo = save_offset(lm, u[x]), hi = save_offset(lm, u[x + 1]);
+            size_t n = rank0 ? save_offset(fm, u[x + 1]) - save_offset(fm, u[x]) : 0;
+            const float *part = src + lo; /* this rank's floats of the unit */
+            float *got = NULL, *whole = NULL;
+            if (t->fsdp) { /* under FSDP src is the shard: gather the unit's pieces */
+                part = got = fsdp_root ? ct_calloc(hi - lo + 1, sizeof(float)) : NULL;
+                int a = x == 0 ? 0 : t->fsdp->lp[x - 1], b = x <= L ? t->fsdp->lp[x] : t->fsdp->n_pieces;
+                for (int i = a; fsdp_part && i < b; i++)
+                    fsdp_gather_piece(t->fsdp, i, got ? got + (t->fsdp->p[i].off - lo) : NULL, src, 0);
             }
-            fsdp_gather_full(t->fsdp, fm, t->opt.m, 0);
-            fsdp_gather_full(t->fsdp, fv, t->opt.v, 0);
+            if (in_slices) {
+                if (rank0) whole = ct_malloc((n + 1) * sizeof(float));
+                tp_gather_range(t->tp, &t->mesh.slices, u[x], u[x + 1], fm, whole, lm, part);
+                part = whole;
+            }
+            if (rank0 && !*rc) *rc = put(ctx, part, n, e);
+            free(whole);
+            free(got);
         }
     }
-    int rc = t->tp ? save_tp(t, data, model_only, om, ov, e)
-                   : t->world->rank == 0 ? save_rank0(t, data, model_only, om, ov, e) : 0;
-    free(fm);
-    free(fv);
-    if (t->fsdp) fsdp_release_full(t->fsdp, t->model.params);
+    free(u);
+}
+
+/* After a save: every rank learns whether rank 0's write failed. The others
+ * then give rank 0 a few seconds to report its own error first: its
+ * MPI_Abort (cli/cmd_train.c) ends them, where theirs could end rank 0
+ * before its message, the one that says what went wrong, is out. */
+static int save_outcome(trainer *t, int rc, const char *what, ct_err *e) {
+    int32_t bad = rc != 0;
+    comm_allreduce(t->world, &bad, 1, COMM_I32, COMM_MAX);
+    if (bad && !rc) {
+        sleep(5);
+        rc = ct_fail(e, CT_ERR_IO, "%s step %d: rank 0 could not write it (its error says why)", what, t->step);
+    }
     return rc;
 }
 
-static int save_rank0(trainer *t, const ds *data, int model_only, const float *om, const float *ov, ct_err *e) {
-    char *state = state_to_json(t, data);
-    char *toml = NULL;
-    size_t toml_len = 0;
-    FILE *mf = open_memstream(&toml, &toml_len);
-    if (mf) {
-        cfg_write_toml(&t->cfg, mf);
-        fclose(mf);
+static int put_ckpt(void *ctx, const float *x, size_t n, ct_err *e) { return ckpt_stream_put(ctx, x, n, e); }
+
+/* A checkpoint: save_gather into ckpt_stream (the file layout is ckpt_save's). */
+int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
+    qwen3_model ftab;
+    const qwen3_model *fm = &t->model; /* the whole model's table, on rank 0 */
+    int rank0 = t->world->rank == 0, rc = 0;
+    ckpt_stream *s = NULL;
+    if (rank0 && t->tp) {
+        qwen3_layout(&ftab, &t->tp->full);
+        fm = &ftab;
     }
+    if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, fm, model_only, e);
+    save_gather(t, fm, model_only ? 1 : 3, put_ckpt, s, &rc, e);
     ckpt_info info;
-    int rc = ckpt_save(t->ckpt_folder, t->step, &t->model, model_only ? NULL : om, model_only ? NULL : ov, state, toml,
-                       &info, e);
-    free(state);
-    free(toml);
-    if (rc) return rc;
+    if (rank0 && rc) ckpt_stream_abort(s);
+    if (rank0 && !rc) {
+        char *state = state_to_json(t, data);
+        char *toml = NULL;
+        size_t toml_len = 0;
+        FILE *mf = open_memstream(&toml, &toml_len);
+        if (mf) {
+            cfg_write_toml(&t->cfg, mf);
+            fclose(mf);
+        }
+        rc = ckpt_stream_end(s, state, toml, &info, e);
+        free(state);
+        free(toml);
+    }
+    if (rank0 && t->tp) qwen3_free(&ftab);
+    rc = save_outcome(t, rc, "checkpoint", e);
+    if (rc || !rank0) return rc;
     fprintf(stderr, "ctitan: saved %scheckpoint %s: %.1f MiB in %.2f s\n", model_only ? "model-only " : "", info.dir,
             info.bytes / 1048576.0, info.seconds);
     ct_err pe = {0};
@@ -965,26 +995,52 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
  * never leaves half an export. It never merges into a training checkpoint of
  * the same step (that would break its manifest): then it goes to hf-step-N.
  * An earlier HF export of the step is replaced. `dir` gets the final path. */
-static int save_hf_atomic(const qwen3_model *m, const char *folder, char *dir, int step, ct_dtype dtype, ct_err *e) {
+static int put_hf(void *ctx, const float *x, size_t n, ct_err *e) { return st_dir_stream_write(ctx, x, n, e); }
+
+/* Written like a checkpoint (save_gather: every rank takes part, rank 0
+ * writes unit by unit), the files hf_save's: the tensors as st_write_dir
+ * would shard them (5 GiB), then config.json with torch_dtype. */
+static int save_hf_atomic(trainer *t, const char *folder, char *dir, ct_dtype dtype, const char *torch_dtype,
+                          ct_err *e) {
+    int rank0 = t->world->rank == 0, step = t->step, rc = 0;
+    qwen3_model ftab;
+    const qwen3_model *fm = &t->model;
+    st_dir_stream *out = NULL;
     char tmp[4200];
     snprintf(tmp, sizeof tmp, "%s/.hf-step-%d.tmp-%ld", folder, step, (long)getpid());
-    ct_rm_tree(tmp, NULL);
-    int rc = hf_save(m, tmp, dtype, 0, e);
-    if (rc) {
+    if (rank0) {
+        if (t->tp) {
+            qwen3_layout(&ftab, &t->tp->full);
+            fm = &ftab;
+        }
         ct_rm_tree(tmp, NULL);
-        return rc;
+        st_wtensor *ts = ct_calloc((size_t)fm->n_tensors + 1, sizeof *ts);
+        for (int i = 0; i < fm->n_tensors; i++) {
+            const qwen3_tensor *q = &fm->tensors[i];
+            ts[i] = (st_wtensor){.name = q->name, .dtype = dtype, .src_dtype = CT_F32, .ndim = q->ndim};
+            for (int d = 0; d < q->ndim; d++) ts[i].shape[d] = q->shape[d];
+        }
+        static const char *const meta[] = {"format", "pt", NULL};
+        rc = st_dir_stream_open(&out, tmp, ts, fm->n_tensors, (size_t)5 << 30, meta, e);
+        free(ts);
     }
-    if (access(dir, F_OK) == 0 && !is_hf_export(dir) &&
-        snprintf(dir, 4096, "%s/hf-step-%d", folder, step) >= 4096) {
-        ct_rm_tree(tmp, NULL);
-        return ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
+    save_gather(t, fm, 1, put_hf, out, &rc, e);
+    if (rank0) {
+        char p[4300];
+        if (rc) st_dir_stream_abort(out);
+        else rc = st_dir_stream_close(out, e);
+        snprintf(p, sizeof p, "%s/config.json", tmp);
+        if (!rc) rc = qwen3_config_write_hf(&fm->cfg, p, torch_dtype, e);
+        if (!rc && access(dir, F_OK) == 0 && !is_hf_export(dir) &&
+            snprintf(dir, 4096, "%s/hf-step-%d", folder, step) >= 4096)
+            rc = ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
+        if (!rc && access(dir, F_OK) == 0) ct_rm_tree(dir, NULL); /* an older export of this step */
+        if (!rc && rename(tmp, dir) != 0)
+            rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
+        if (rc) ct_rm_tree(tmp, NULL);
+        if (t->tp) qwen3_free(&ftab);
     }
-    if (access(dir, F_OK) == 0) ct_rm_tree(dir, NULL); /* an older export of this step */
-    if (rename(tmp, dir) != 0) {
-        rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
-        ct_rm_tree(tmp, NULL);
-    }
-    return rc;
+    return save_outcome(t, rc, "Hugging Face export", e);
 }
 
 /* MoE: the step's load-balancing loss and, per MoE layer, the tokens of its least
@@ -1254,16 +1310,8 @@ int trainer_run(trainer *t, ct_err *e) {
         }
         int dtype = hf_dtype_from_name(c->export_dtype);
         double t0 = ct_now();
-        if (t->fsdp && t->mesh.rep_rank == 0) fsdp_gather_full(t->fsdp, m->params, t->fsdp->params, 0);
-        if (t->tp) {
-            qwen3_model full;
-            rc = tp_full_model(t, &full, NULL, NULL, NULL, NULL, e);
-            if (!rc && rank0) rc = save_hf_atomic(&full, path, dir, t->step, dtype < 0 ? CT_F32 : (ct_dtype)dtype, e);
-            qwen3_free(&full);
-        } else if (rank0) {
-            rc = save_hf_atomic(m, path, dir, t->step, dtype < 0 ? CT_F32 : (ct_dtype)dtype, e);
-        }
-        if (t->fsdp) fsdp_release_full(t->fsdp, m->params);
+        rc = save_hf_atomic(t, path, dir, dtype < 0 ? CT_F32 : (ct_dtype)dtype, dtype < 0 ? "float32" : c->export_dtype,
+                            e);
         if (!rc && rank0)
             fprintf(stderr, "ctitan: saved Hugging Face model (%s) to %s in %.2f s\n", c->export_dtype, dir,
                     ct_now() - t0);

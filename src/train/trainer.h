@@ -40,7 +40,13 @@ typedef struct {
     ct_comm single;
     ct_mesh mesh;
     fsdp *fsdp;       /* NULL unless data_parallel_shard_degree > 1 */
-    tp_layout *tp;    /* NULL unless tensor_parallel_degree > 1; then `model` is this rank's slice */
+    tp_layout *tp;    /* NULL unless tensor_parallel_degree > 1 or expert_parallel_degree > 1; then
+                       * `model` is this rank's slice (its heads, columns, experts) */
+    struct {          /* while the weights load (init_weights): where each whole tensor goes */
+        const qwen3_model *whole; /* the whole model's tensor table */
+        qwen3_sink sink;
+        float *tmp;               /* [largest local tensor] a slice being taken */
+    } load;
     ep_layout *ep;    /* NULL unless expert_parallel_degree > 1 */
     int global_batch; /* sequences per optimizer step over every data-parallel rank */
     double comm_s;    /* seconds in collectives since the last metrics line */

@@ -10,6 +10,7 @@ the communicator runs the C test tests/c/test_comm.c under mpirun.
 
 mpirun missing is a failure, not a skip: scripts/setup.sh installs openmpi-bin."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -244,6 +245,40 @@ def test_fsdp_memory_per_rank_shrinks(tmp_path):
         run(n, args + [f"--job.dump_folder={tmp_path / str(n)}"])
         peak[n] = oracle.read_metrics(tmp_path / str(n) / "metrics.jsonl")[0]["memory_gib"]  # largest rank's
     assert peak[4] < 0.55 * peak[1], f"FSDP over 4 ranks: {peak[4]:.3f} GiB per rank vs {peak[1]:.3f} GiB alone"
+
+
+@pytest.mark.parametrize("source", ["seed", "hf"])
+def test_no_rank_builds_the_whole_model(tmp_path, source):
+    """Loading hands over the whole model's tensors one at a time and each rank keeps its
+    slice, so no rank ever holds the whole model (which every rank used to build first:
+    4 bytes x 27 M parameters = 0.102 GiB). Under FSDP 4 and TP 2 x FSDP 2 a rank keeps
+    1 byte per parameter after loading (its fp32 quarter); the bound is the whole model's
+    fp32 size, which the old start-up alone exceeded. From HF files the mapped pages of
+    each tensor are dropped after it is taken (st_drop). The loaded weights are checked by
+    the layout tests (the same losses as one process)."""
+    cfg = oracle.tiny_config(vocab=2048, hidden=512, inter=1536, layers=8, heads=8, kv_heads=4, head_dim=64)
+    model = oracle.build_model(cfg, seed=3)
+    whole = 4 * sum(p.numel() for p in model.parameters())  # fp32 bytes of the whole model
+    if source == "hf":
+        model.save_pretrained(tmp_path / "model")
+    else:
+        cfg.save_pretrained(tmp_path / "model")
+    data = oracle.write_bin(tmp_path / "tokens.bin", oracle.learnable_stream(4000, 2048, seed=1))
+    args = ["train", "--model.spec=hf", f"--model.hf_assets_path={tmp_path / 'model'}",
+            f"--training.dataset_path={data}", "--training.seq_len=16", "--training.local_batch_size=1",
+            "--training.steps=1", "--metrics.peak_tflops=1"]
+    if source == "hf":
+        args += [f"--checkpoint.initial_load_path={tmp_path / 'model'}", "--checkpoint.initial_load_in_hf"]
+    env = dict(ENV, CTITAN_LOG_RANKS="all")
+    for name, layout in (("fsdp4", []), ("tp2_fsdp2", ["--parallelism.tensor_parallel_degree=2"])):
+        cmd = mpirun() + ["-np", "4", str(BIN)] + args + [f"--job.dump_folder={tmp_path / name}", *layout]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+        after = [float(x) * 2**30 for x in
+                 re.findall(r"rank \d of 4: ([0-9.]+) GiB peak after loading the model", p.stderr)]
+        assert len(after) == 4, p.stderr[-3000:]
+        assert max(after) < whole, f"{name} from {source}: a rank peaked at {max(after) / 2**30:.3f} GiB while " \
+            f"loading; the whole model is {whole / 2**30:.3f} GiB"
 
 
 def rank_pids(mpirun_pid):
