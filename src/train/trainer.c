@@ -1,4 +1,6 @@
-/* train/trainer.c: the training loop, validation, checkpoints and metrics.
+/* train/trainer.c: set-up, the optimizer step and the training loop, with
+ * validation and metrics (checkpoints: trainer_ckpt.c; --dry-run:
+ * trainer_plan.c).
  *
  * A step reads all of its micro-batches first so the number of valid
  * targets of the whole step is known before any backward: every
@@ -14,8 +16,8 @@
  * uninterrupted one. */
 #define _XOPEN_SOURCE 700
 #include "train/trainer.h"
+#include "train/trainer_priv.h"
 
-#include <errno.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -23,14 +25,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include <cjson/cJSON.h>
-
-#include "checkpoint/ckpt.h"
 #include "checkpoint/hf.h"
 #include "core/cpu.h"
 #include "core/fs.h"
 #include "core/timer.h"
-#include "formats/safetensors.h"
 
 /* The one piece of process-wide state: a signal handler can reach nothing
  * else. 0 = run, 1 = stop after this step. */
@@ -54,10 +52,10 @@ void trainer_install_signals(void) {
     sigaction(SIGUSR1, &sa, NULL);
 }
 
-static const char *cfg_src(const ct_config *c) { return c->config_path[0] ? c->config_path : "command line"; }
+const char *trainer_cfg_src(const ct_config *c) { return c->config_path[0] ? c->config_path : "command line"; }
 
 /* dir/name, or name alone when it is absolute. Returns 0 if it fits. */
-static int join_path(char *out, size_t cap, const char *dir, const char *name) {
+int trainer_join_path(char *out, size_t cap, const char *dir, const char *name) {
     int n = (name[0] == '/' || !dir[0]) ? snprintf(out, cap, "%s", name) : snprintf(out, cap, "%s/%s", dir, name);
     return n < 0 || (size_t)n >= cap;
 }
@@ -66,14 +64,14 @@ int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e) {
     if (strcmp(cfg->model_spec, "hf") == 0) {
         if (!cfg->hf_assets_path[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: model.hf_assets_path: required when model.spec = \"hf\"",
-                           cfg_src(cfg));
+                           trainer_cfg_src(cfg));
         return qwen3_config_from_hf(mc, cfg->hf_assets_path, e);
     }
     int rc = qwen3_config_from_flavor(mc, cfg->model_flavor, e);
     if (rc && e) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
-        ct_fail(e, rc, "%s: %s", cfg_src(cfg), msg);
+        ct_fail(e, rc, "%s: %s", trainer_cfg_src(cfg), msg);
     }
     return rc;
 }
@@ -96,7 +94,7 @@ static int select_kernels(trainer *t, ct_err *e) {
     if (rc) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
-        return ct_fail(e, rc, "%s: [kernels]: %s", cfg_src(&t->cfg), msg);
+        return ct_fail(e, rc, "%s: [kernels]: %s", trainer_cfg_src(&t->cfg), msg);
     }
     /* bf16 mixed precision changes which matmul every linear runs, nothing else */
     int bf16 = !strcmp(t->cfg.mixed_precision_param, "bfloat16");
@@ -105,186 +103,6 @@ static int select_kernels(trainer *t, ct_err *e) {
             bf16 ? "bfloat16 matmul inputs (linears: matmul_bf16), fp32 sums, weights, optimizer, norms, "
                    "attention, loss"
                  : "float32");
-    return 0;
-}
-
-/* state.json: what a checkpoint needs beyond tensors to continue exactly. */
-static char *state_to_json(const trainer *t, const ds *data) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddNumberToObject(o, "step", t->step);
-    cJSON_AddNumberToObject(o, "seed", (double)t->cfg.seed);
-    cJSON_AddNumberToObject(o, "lr_factor_next", lr_schedule_factor(&t->sched, t->step));
-    /* the data order depends on these: a resume with other values would repeat or skip data */
-    cJSON_AddNumberToObject(o, "seq_len", t->cfg.seq_len);
-    cJSON_AddNumberToObject(o, "global_batch", (double)t->global_batch);
-    cJSON_AddBoolToObject(o, "shuffle", t->cfg.shuffle);
-    cJSON_AddNumberToObject(o, "training_steps", t->cfg.steps);
-    if (data) {
-        ds_state s;
-        ds_get_state(data, &s);
-        cJSON *d = cJSON_AddObjectToObject(o, "data");
-        cJSON_AddNumberToObject(d, "epoch", (double)s.epoch);
-        cJSON_AddNumberToObject(d, "pos", (double)s.pos);
-    }
-    const qwen3_model *m = &t->model;
-    if (m->n_moe_layers && t->cfg.load_balance_coeff > 0) {
-        /* the routing bias [L][E] (dense layers' rows stay 0); cJSON prints
-         * doubles round-trip exact, so floats come back bit-identical */
-        cJSON *b = cJSON_AddArrayToObject(o, "moe_expert_bias");
-        for (size_t i = 0; i < (size_t)m->cfg.n_layers * m->cfg.n_experts; i++)
-            cJSON_AddItemToArray(b, cJSON_CreateNumber(m->moe_bias[i]));
-    }
-    char *txt = cJSON_Print(o);
-    cJSON_Delete(o);
-    return txt;
-}
-
-static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e) {
-    cJSON *o = txt ? cJSON_Parse(txt) : NULL;
-    const cJSON *st = o ? cJSON_GetObjectItemCaseSensitive(o, "step") : NULL;
-    if (!cJSON_IsNumber(st)) {
-        cJSON_Delete(o);
-        return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: missing or malformed \"step\"", dir);
-    }
-    t->step = (int)st->valuedouble;
-    /* the data stream must be the same one, or "exact resume" would silently not be */
-    const ct_config *c = &t->cfg;
-    struct { const char *json, *key; double now; } same[] = {
-        {"seq_len", "training.seq_len", c->seq_len},
-        {"global_batch", "training.global_batch_size", (double)t->global_batch},
-        {"seed", "training.seed", (double)c->seed},
-        {"shuffle", "training.shuffle", c->shuffle}};
-    for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
-        const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, same[i].json);
-        double was = cJSON_IsBool(v) ? cJSON_IsTrue(v) : cJSON_IsNumber(v) ? v->valuedouble : same[i].now;
-        if (was != same[i].now) {
-            cJSON_Delete(o);
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: %s is %g but the checkpoint was written with %g; resuming would change the data "
-                           "order (use the same value, or a new checkpoint.folder)",
-                           dir, same[i].key, same[i].now, was);
-        }
-    }
-    const cJSON *ts = cJSON_GetObjectItemCaseSensitive(o, "training_steps");
-    if (cJSON_IsNumber(ts) && (int)ts->valuedouble != c->steps)
-        fprintf(stderr, "ctitan: warning: training.steps was %d and is now %d: the LR schedule changes from here\n",
-                (int)ts->valuedouble, c->steps);
-    const cJSON *d = cJSON_GetObjectItemCaseSensitive(o, "data");
-    if (d) {
-        const cJSON *ep = cJSON_GetObjectItemCaseSensitive(d, "epoch"), *pos = cJSON_GetObjectItemCaseSensitive(d, "pos");
-        if (!cJSON_IsNumber(ep) || !cJSON_IsNumber(pos)) {
-            cJSON_Delete(o);
-            return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: malformed \"data\"", dir);
-        }
-        t->resume_data.epoch = (int64_t)ep->valuedouble;
-        t->resume_data.pos = (int64_t)pos->valuedouble;
-        t->have_resume_data = 1;
-    }
-    const cJSON *b = cJSON_GetObjectItemCaseSensitive(o, "moe_expert_bias");
-    qwen3_model *m = &t->model;
-    size_t nb = (size_t)m->cfg.n_layers * m->cfg.n_experts;
-    if (b && m->n_moe_layers) {
-        if (!cJSON_IsArray(b) || (size_t)cJSON_GetArraySize(b) != nb) {
-            cJSON_Delete(o);
-            return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: \"moe_expert_bias\" must hold %zu numbers (layers x "
-                           "experts)", dir, nb);
-        }
-        size_t i = 0;
-        const cJSON *v;
-        cJSON_ArrayForEach(v, b) m->moe_bias[i++] = (float)v->valuedouble;
-    }
-    cJSON_Delete(o);
-    return 0;
-}
-
-/* 1 if DIR is a Hugging Face export (config.json, no manifest): a run's
- * last_save_in_hf output, not a training checkpoint. */
-static int is_hf_export(const char *dir) {
-    char p[4200];
-    snprintf(p, sizeof p, "%s/manifest.json", dir);
-    if (access(p, F_OK) == 0) return 0;
-    snprintf(p, sizeof p, "%s/config.json", dir);
-    return access(p, F_OK) == 0;
-}
-
-static int load_checkpoint(trainer *t, const char *dir, int model_only, ct_err *e) {
-    ckpt_info info;
-    int rc;
-    const qwen3_model *whole = t->load.whole;
-    if (model_only) {
-        /* a model-only checkpoint (an import) seeds a new run at step 0 */
-        if ((rc = ckpt_load_each(dir, whole, 0, NULL, &info, &t->load.sink, e))) return rc;
-        fprintf(stderr, "ctitan: loaded model-only checkpoint %s as initial weights (%.1f MiB in %.2f s)\n", dir,
-                info.bytes / 1048576.0, info.seconds);
-        return 0;
-    }
-    char *state = NULL;
-    if ((rc = ckpt_load_each(dir, whole, 1, &state, &info, &t->load.sink, e))) return rc;
-    rc = state_from_json(t, state, dir, e);
-    free(state);
-    if (rc) return rc;
-    t->opt.step = t->step;
-    fprintf(stderr, "ctitan: resuming from %s (step %d): %.1f MiB restored in %.2f s\n", dir, t->step,
-            info.bytes / 1048576.0, info.seconds);
-    return 0;
-}
-
-/* With checkpoint.enable, picks what to continue from. load_step N: exactly
- * step-N (damaged is an error). load_step -1: the newest FULL checkpoint
- * that verifies (damaged ones are named and skipped); a model-only one seeds
- * the run only when it is step 0 (an import); a final save (model-only or
- * HF) at or past training.steps means the run is complete. */
-static int maybe_resume(trainer *t, int *resumed, ct_err *e) {
-    *resumed = 0;
-    ct_config *c = &t->cfg;
-    if (!c->ckpt_enable) return 0;
-    char dir[4200];
-    if (c->load_step >= 0) {
-        int step = 0;
-        int rc = ckpt_select(t->ckpt_folder, c->load_step, dir, sizeof dir, &step, e);
-        if (rc) return rc == CKPT_NONE ? ct_fail(e, CT_ERR_CONFIG, "checkpoint.load_step = %d: %s has no checkpoints",
-                                                 c->load_step, t->ckpt_folder)
-                                       : rc;
-        int mo = ckpt_is_model_only(dir, e);
-        if (mo < 0) return e ? e->code : CT_ERR_FORMAT;
-        if ((rc = load_checkpoint(t, dir, mo, e))) return rc;
-        *resumed = 1;
-        return 0;
-    }
-    int steps[4096];
-    int n = ckpt_list(t->ckpt_folder, steps, 4096);
-    if (n < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot list checkpoints", t->ckpt_folder);
-    if (n > 4096) n = 4096;
-    for (int i = n - 1; i >= 0; i--) {
-        snprintf(dir, sizeof dir, "%s/step-%d", t->ckpt_folder, steps[i]);
-        if (is_hf_export(dir)) {
-            if (steps[i] >= c->steps) {
-                t->complete = 1;
-                fprintf(stderr, "ctitan: %s is this run's final save (step %d of %d): nothing to do\n", dir,
-                        steps[i], c->steps);
-                return 0;
-            }
-            continue;
-        }
-        ct_err ve = {0};
-        if (ckpt_verify(dir, &ve)) {
-            fprintf(stderr, "ctitan: warning: skipping damaged checkpoint: %s\n", ve.msg);
-            continue;
-        }
-        int mo = ckpt_is_model_only(dir, e);
-        if (mo < 0) return e ? e->code : CT_ERR_FORMAT;
-        if (mo && steps[i] >= c->steps && steps[i] > 0) {
-            t->complete = 1;
-            fprintf(stderr, "ctitan: %s is this run's final save (step %d of %d): nothing to do\n", dir, steps[i],
-                    c->steps);
-            return 0;
-        }
-        if (mo && steps[i] != 0) continue; /* a model-only save mid-run cannot be resumed */
-        int rc = load_checkpoint(t, dir, mo, e);
-        if (rc) return rc;
-        *resumed = 1;
-        return 0;
-    }
     return 0;
 }
 
@@ -381,17 +199,15 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_di
 
 /* A batch the data-parallel ranks cannot split evenly is a layout error:
  * the run and the dry run reject it alike. */
-static int check_global_batch(const ct_config *c, int dp, ct_err *e) {
+int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
     int per_step = c->local_batch_size * dp;
     if (c->global_batch_size > 0 && c->global_batch_size % per_step != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: training.global_batch_size (%d) must be a multiple of training.local_batch_size (%d) x "
                        "the data-parallel degree (%d = data_parallel_replicate_degree x data_parallel_shard_degree)",
-                       cfg_src(c), c->global_batch_size, c->local_batch_size, dp);
+                       trainer_cfg_src(c), c->global_batch_size, c->local_batch_size, dp);
     return 0;
 }
-
-static int init_weights(trainer *t, ct_err *e);
 
 int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     memset(t, 0, sizeof *t);
@@ -408,7 +224,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     int rc = trainer_model_config(c, &mc, e);
     if (rc) return rc;
     /* the layout is checked before anything big is built */
-    if ((rc = mesh_init(&t->mesh, world, c, &mc, cfg_src(c), e))) return rc;
+    if ((rc = mesh_init(&t->mesh, world, c, &mc, trainer_cfg_src(c), e))) return rc;
     if (t->mesh.tp > 1 || t->mesh.ep > 1) { /* the model this rank runs is its slice: fewer heads, a
                                                * narrower MLP, its experts only */
         t->tp = ct_calloc(1, sizeof *t->tp);
@@ -416,13 +232,13 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
         mc = t->tp->local;
     }
     int dp = t->mesh.dp_size, per_step = c->local_batch_size * dp;
-    if ((rc = check_global_batch(c, dp, e))) return rc;
+    if ((rc = trainer_check_global_batch(c, dp, e))) return rc;
     t->global_batch = c->global_batch_size > 0 ? c->global_batch_size : per_step;
     t->grad_accum = t->global_batch / per_step;
     t->val_batch = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int plan_b = t->val_batch > c->local_batch_size ? t->val_batch : c->local_batch_size;
-    if (join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", cfg_src(c));
+    if (trainer_join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", trainer_cfg_src(c));
     if ((rc = qwen3_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     if ((rc = select_kernels(t, e))) return rc;
     /* MoE load-balancing loss: HF adds it per forward; a step is the mean of its micro-batches' */
@@ -433,7 +249,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     lr_schedule_init(&t->sched, c->steps, c->warmup_steps, c->decay_ratio, dt < 0 ? LR_DECAY_LINEAR : dt,
                      c->min_lr_factor);
 
-    rc = init_weights(t, e);
+    rc = trainer_init_weights(t, e);
     /* (under expert parallel the replicas hold different experts: trainer_reduce_grads splits the sum) */
     if (!rc && !t->fsdp && t->mesh.dp_replicate > 1 && t->mesh.ep == 1) rc = dp_overlap_init(t, e);
     if (!rc && t->tp) tp_attach(t->tp, &t->model); /* after FSDP's hooks, which it wraps */
@@ -442,249 +258,6 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
         rc = ep_init(t->ep, &t->model, &t->mesh.epg, e);
     }
     return rc;
-}
-
-/* Where a loader's whole tensors go (qwen3_sink): this rank's TP/EP slice
- * of each (tp_take_tensor), then, under FSDP, only what its shard keeps
- * (fsdp_take_range), else the local model's buffers. The moments likewise. */
-static void load_put(void *ctx, int kind, int i, const float *data) {
-    trainer *t = ctx;
-    const qwen3_tensor *lt = &t->model.tensors[i];
-    if (!lt->numel) return; /* an expert another EP rank holds */
-    const float *src = data;
-    if (t->tp) {
-        tp_take_tensor(t->tp, lt, t->load.tmp, &t->load.whole->tensors[i], data);
-        src = t->load.tmp;
-    }
-    if (t->fsdp) {
-        float *shard = kind == QWEN3_PARAMS ? t->fsdp->params : kind == QWEN3_EXP_AVG ? t->opt.m : t->opt.v;
-        fsdp_take_range(t->fsdp, shard, lt->offset, src, lt->numel);
-    } else {
-        float *dst = kind == QWEN3_PARAMS ? t->model.params : kind == QWEN3_EXP_AVG ? t->opt.m : t->opt.v;
-        memcpy(dst + lt->offset, src, lt->numel * sizeof(float));
-    }
-}
-
-static int load_weights(trainer *t, ct_err *e);
-
-/* The weights (and on resume the moments) of this rank's part of the model,
- * from a checkpoint, HF files or the seed, without anyone holding the whole
- * model: the loaders hand over one whole tensor at a time in the whole
- * model's table order (the random init draws every tensor's values in that
- * order, so every layout starts from one process's weights), and each rank
- * keeps its slice. Under FSDP the shard buffers exist first and receive
- * their parts directly. Peak extra memory: the largest tensor, and its
- * slice. Every rank then learns whether another one failed, so none is
- * left waiting in the next collective. */
-static int init_weights(trainer *t, ct_err *e) {
-    int rc = 0;
-    qwen3_model whole_table;
-    t->load.whole = &t->model;
-    if (t->tp) {
-        qwen3_layout(&whole_table, &t->tp->full);
-        t->load.whole = &whole_table;
-        tp_classify(t->tp, &t->model, &whole_table);
-        size_t most = 1;
-        for (int i = 0; i < t->model.n_tensors; i++)
-            most = t->model.tensors[i].numel > most ? t->model.tensors[i].numel : most;
-        t->load.tmp = ct_malloc(most * sizeof(float));
-    }
-    if (t->mesh.dp_shard > 1) {
-        t->fsdp = ct_calloc(1, sizeof *t->fsdp);
-        rc = fsdp_init(t->fsdp, &t->model, &t->mesh.shard, t->mesh.ep > 1 ? &t->mesh.edp : NULL,
-                       strcmp(t->cfg.fsdp_reshard, "never") != 0, e);
-        if (!rc) { /* the moments: this rank's slices only */
-            adamw_free(&t->opt);
-            adamw_init(&t->opt, t->fsdp->shard_n);
-            if (t->mesh.dp_replicate > 1) t->fsdp->rep = &t->mesh.rep;
-        }
-    }
-    t->load.sink = (qwen3_sink){load_put, t};
-    if (!rc) rc = load_weights(t, e);
-    free(t->load.tmp);
-    if (t->tp) qwen3_free(&whole_table);
-    memset(&t->load, 0, sizeof t->load);
-    if (t->world->size > 1) {
-        int32_t worst = rc;
-        comm_allreduce(t->world, &worst, 1, COMM_I32, COMM_MAX);
-        if (!rc && worst)
-            return ct_fail(e, worst, "another rank failed to load or initialise the model (its error says why)");
-        if (!rc) /* on the ranks CTITAN_LOG_RANKS shows; tests/py/test_dist.py checks it */
-            fprintf(stderr, "ctitan: rank %d of %d: %.3f GiB peak after loading the model\n", t->world->rank,
-                    t->world->size, cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0));
-    }
-    return rc;
-}
-
-static int load_weights(trainer *t, ct_err *e) {
-    ct_config *c = &t->cfg;
-    int resumed = 0, rc;
-    if ((rc = maybe_resume(t, &resumed, e))) return rc;
-    if (resumed) return 0;
-    if (c->initial_load_path[0]) {
-        if (!c->initial_load_in_hf)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: checkpoint.initial_load_path = \"%s\": only Hugging Face safetensors directories "
-                           "can be loaded as initial weights; set checkpoint.initial_load_in_hf = true",
-                           cfg_src(c), c->initial_load_path);
-        return hf_load_each(t->load.whole, c->initial_load_path, &t->load.sink, e);
-    }
-    qwen3_init_random_each(t->load.whole, (uint64_t)c->seed, &t->load.sink);
-    return 0;
-}
-
-/* --dry-run per rank: what FSDP keeps of a rank's local model, cut into
- * pieces as fsdp_init cuts them (fsdp.h) from the same tensor table, with
- * no communicator: the embedding, each layer (its experts a piece of their
- * own under expert parallel, over n_exp ranks), the head; each piece in
- * slices of ceil(n / its group). */
-typedef struct {
-    size_t shard;     /* floats of a rank's slices of every piece */
-    size_t layer_max; /* floats of the largest layer, its pieces together */
-    size_t layers;    /* floats of every layer */
-    size_t embed, head;
-} dry_fsdp;
-
-static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
-
-static int dry_fsdp_plan(const qwen3_model *m, int n, int n_exp, dry_fsdp *d, ct_err *e) {
-    memset(d, 0, sizeof *d);
-    int L = m->cfg.n_layers;
-    size_t prev = 0;
-    for (int l = 0; l < L; l++) {
-        size_t lo, hi, ea = 0, eb = 0;
-        int rc = fsdp_layer_range(m, l, &lo, &hi, e);
-        if (rc) return rc;
-        if (l == 0) d->embed = lo;
-        if (n_exp > 0) fsdp_expert_range(m, l, &ea, &eb);
-        if (n_exp > 0 && ea < eb) d->shard += ceil_div(ea - lo, (size_t)n) + ceil_div(eb - ea, (size_t)n_exp);
-        else d->shard += ceil_div(hi - lo, (size_t)n);
-        if (hi - lo > d->layer_max) d->layer_max = hi - lo;
-        d->layers += hi - lo;
-        prev = hi;
-    }
-    d->head = m->n_params - prev;
-    d->shard += ceil_div(d->embed, (size_t)n) + ceil_div(d->head, (size_t)n);
-    return 0;
-}
-
-/* Bytes of whole pieces FSDP holds at once (fsdp.c's hooks), the most of:
- * in a layer's backward its parameters and gradients, the next one's
- * parameters being prefetched and the previous one's gradients being
- * reduce-scattered (two layers' parameters and gradients); the head alone
- * around the loss; an untied embedding with layer 0 prefetched. A tied
- * embedding is held for the whole micro-batch; with reshard_after_forward
- * "never" every layer's parameters from its forward to its backward. */
-static double dry_fsdp_gathered(const dry_fsdp *d, int tied, int reshard) {
-    double lm = (double)d->layer_max, g;
-    if (reshard) {
-        g = 2 * 8 * lm;
-        if (8.0 * d->head > g) g = 8.0 * d->head;
-        if (!tied && 4.0 * d->embed + 4 * lm > g) g = 4.0 * d->embed + 4 * lm; /* the lookup, layer 0 prefetched */
-    } else {
-        /* a layer's backward holds the parameters of it and every layer below, the gradients of
-         * it and the one above; the head's parameters and gradients come after every layer's */
-        g = 4.0 * d->layers + (8.0 * d->head > 4 * lm ? 8.0 * d->head : 4 * lm);
-    }
-    return tied ? g + 8.0 * d->embed : g;
-}
-
-static void dry_line(FILE *out, const char *what, double bytes) {
-    fprintf(out, "  %-34s %10.3f GiB  %15.0f bytes\n", what, bytes / (1024.0 * 1024.0 * 1024.0), bytes);
-}
-
-/* What rank 0 of the layout plans; the others' slices are the same size
- * (equal heads, columns, experts per rank) up to FSDP's padding. */
-static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, int world, int rep, int shard,
-                        int tp, int B, ct_err *e) {
-    int ep = c->ep > 1 ? c->ep : 1;
-    qwen3_config lc;
-    tp_local_config(&lc, mc, tp, 0, ep, 0);
-    size_t n = 0, act = 0;
-    int rc = qwen3_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
-    if (rc) return rc;
-    double stored = (double)n, gathered = 0;
-    if (shard > 1) {
-        qwen3_model lm;
-        qwen3_layout(&lm, &lc);
-        dry_fsdp d;
-        rc = dry_fsdp_plan(&lm, shard, ep > 1 ? shard / ep : 0, &d, e);
-        qwen3_free(&lm);
-        if (rc) return rc;
-        stored = (double)d.shard;
-        gathered = dry_fsdp_gathered(&d, lc.tie_embeddings, strcmp(c->fsdp_reshard, "never") != 0);
-    }
-    if (!out) return 0; /* checked only */
-    fprintf(out,
-            "per rank: world %d = data_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d, "
-            "expert_parallel %d (rank 0's slice: TP rank 0, EP rank 0)\n",
-            world, rep, shard, tp, ep);
-    fprintf(out, "  model %s: %zu parameters run by this rank (heads %d/%d, intermediate %d", lc.name, n, lc.n_heads,
-            lc.n_kv_heads, lc.intermediate);
-    if (lc.n_experts) fprintf(out, ", experts %d of %d x moe_intermediate %d", lc.expert_rows ? lc.expert_rows : lc.n_experts,
-                              lc.n_experts, lc.moe_intermediate);
-    if (lc.vocab_rows) fprintf(out, ", lm_head rows %d of %d", lc.vocab_rows, lc.vocab_size);
-    fprintf(out, ")\n");
-    if (shard > 1 && ep > 1)
-        fprintf(out, "  FSDP over %d ranks, the experts over the %d holding the same ones: %.0f parameters stored\n",
-                shard, shard / ep, stored);
-    else if (shard > 1)
-        fprintf(out, "  FSDP over %d ranks: %.0f parameters stored\n", shard, stored);
-    double p = 4 * stored, g = 4 * stored, o = 8 * stored, a = (double)act;
-    double total = p + g + o + gathered + a;
-    dry_line(out, "parameters (fp32)", p);
-    dry_line(out, "gradients (fp32)", g);
-    dry_line(out, "AdamW moments (2 x fp32)", o);
-    if (shard > 1) dry_line(out, "FSDP gathered (params + grads)", gathered);
-    dry_line(out, "activations + workspace (planned)", a);
-    dry_line(out, "total planned per rank", total);
-    /* init_weights: the loaders hand over one whole tensor at a time and
-     * the rank keeps its slice, so loading adds the largest whole tensor
-     * and one slice of it to what the run holds anyway */
-    qwen3_model wt, lt;
-    qwen3_layout(&wt, mc);
-    qwen3_layout(&lt, &lc);
-    size_t big = 0, big_local = 0;
-    for (int i = 0; i < wt.n_tensors; i++) big = wt.tensors[i].numel > big ? wt.tensors[i].numel : big;
-    for (int i = 0; i < lt.n_tensors; i++) big_local = lt.tensors[i].numel > big_local ? lt.tensors[i].numel : big_local;
-    qwen3_free(&wt);
-    qwen3_free(&lt);
-    double load = 4.0 * (double)(big + (tp > 1 || ep > 1 ? big_local : 0));
-    dry_line(out, "loading (one whole tensor + slice)", load);
-    dry_line(out, "planned peak per rank", p + o + load > total ? p + o + load : total);
-    fprintf(out,
-            "(not planned: the runtime (MPI, libraries), FSDP staging for pieces that do not divide evenly, "
-            "expert-parallel dispatch buffers, the token data)\n");
-    return 0;
-}
-
-int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
-    qwen3_config mc;
-    int rc = trainer_model_config(c, &mc, e);
-    if (rc) return rc;
-    /* the world: mpirun's, else what fixed degrees multiply to, else one process */
-    if (world <= 0) world = c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1;
-    int rep, shard, tp;
-    if ((rc = mesh_resolve(c, world, &mc, cfg_src(c), &rep, &shard, &tp, e))) return rc;
-    if ((rc = check_global_batch(c, rep * shard, e))) return rc;
-    int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
-    int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
-    size_t n = 0, act = 0;
-    if ((rc = qwen3_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
-    if (world > 1) { /* checked before anything prints, so an error comes alone */
-        if ((rc = dry_run_rank(NULL, c, &mc, world, rep, shard, tp, B, e))) return rc;
-    }
-    if (!out) return 0;
-    double p = 4.0 * n, g = 4.0 * n, o = 8.0 * n, a = (double)act;
-    fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
-            n / 1e9, B, c->seq_len, c->ac_mode);
-    dry_line(out, "parameters (fp32)", p);
-    dry_line(out, "gradients (fp32)", g);
-    dry_line(out, "AdamW moments (2 x fp32)", o);
-    dry_line(out, "activations + workspace (planned)", a);
-    dry_line(out, "total planned", p + g + o + a);
-    fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
-    return world > 1 ? dry_run_rank(out, c, &mc, world, rep, shard, tp, B, e) : 0;
 }
 
 void trainer_free(trainer *t) {
@@ -818,133 +391,6 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
     if (lr) *lr = cur_lr;
 }
 
-/* Flat offset of tensor i of m's table; n_params for i == n_tensors. */
-static size_t save_offset(const qwen3_model *m, int i) {
-    return i < m->n_tensors ? m->tensors[i].offset : m->n_params;
-}
-
-static int layer_of(const char *name) { return strncmp(name, "model.layers.", 13) ? -1 : atoi(name + 13); }
-
-/* The units of a streamed save, as tensor index ranges [u[k], u[k + 1]):
- * k = 0 what comes before layer 0 (the embedding), 1 + l layer l, L + 1 the
- * rest (final norm, lm_head): FSDP's pieces, grouped by layer. The same
- * indices in every rank's table and the whole model's. */
-static void save_units(const qwen3_model *m, int *u) {
-    int L = m->cfg.n_layers, i = 0;
-    u[0] = 0;
-    while (i < m->n_tensors && layer_of(m->tensors[i].name) < 0) i++;
-    for (int l = 0; l < L; l++) {
-        u[1 + l] = i;
-        while (i < m->n_tensors && layer_of(m->tensors[i].name) == l) i++;
-    }
-    u[L + 1] = i;
-    u[L + 2] = m->n_tensors;
-}
-
-/* Where rank 0 sends the whole tensors of a streamed save, unit by unit. */
-typedef int (*save_put_fn)(void *ctx, const float *x, size_t n, ct_err *e);
-
-/* Saves hold every tensor whole whatever the layout. Rank 0 writes them as
- * a stream, one unit (the embedding, a layer, the head) at a time: FSDP
- * brings each piece of the unit to its group's root (replica 0, and under
- * EP the first ep shard ranks for their experts), tensor/expert parallelism
- * brings those roots' parts to rank 0 (tp_gather_range over mesh.slices),
- * rank 0 hands the whole tensors to put and frees them. Beyond its own
- * state a rank holds about one unit (three with TP: its part, the received
- * parts, the assembled unit), where gathering the whole model and both
- * moments first needed 12 bytes a parameter on rank 0. Every rank runs the
- * same loop, so the collectives match; once put fails (*rc set on rank 0)
- * rank 0 stops writing but not the loop. kinds: 1 the parameters, 3 also
- * exp_avg then exp_avg_sq. fm: the whole model's table (rank 0). */
-static void save_gather(trainer *t, const qwen3_model *fm, int kinds, save_put_fn put, void *ctx, int *rc,
-                        ct_err *e) {
-    const qwen3_model *lm = &t->model;
-    int rank0 = t->world->rank == 0, L = lm->cfg.n_layers;
-    int fsdp_part = t->fsdp && t->mesh.rep_rank == 0;
-    int fsdp_root = fsdp_part && t->mesh.shard_rank < t->mesh.ep;
-    int in_slices = t->tp && t->mesh.dp_rank < t->mesh.ep;
-    int *u = ct_malloc(((size_t)L + 3) * sizeof *u);
-    save_units(lm, u);
-    for (int k = 0; k < kinds; k++) {
-        const float *src = k == 0 ? (t->fsdp ? t->fsdp->params : lm->params) : k == 1 ? t->opt.m : t->opt.v;
-        for (int x = 0; x < L + 2; x++) {
-            size_t lo = save_offset(lm, u[x]), hi = save_offset(lm, u[x + 1]);
-            size_t n = rank0 ? save_offset(fm, u[x + 1]) - save_offset(fm, u[x]) : 0;
-            const float *part = src + lo; /* this rank's floats of the unit */
-            float *got = NULL, *whole = NULL;
-            if (t->fsdp) { /* under FSDP src is the shard: gather the unit's pieces */
-                part = got = fsdp_root ? ct_calloc(hi - lo + 1, sizeof(float)) : NULL;
-                int a = x == 0 ? 0 : t->fsdp->lp[x - 1], b = x <= L ? t->fsdp->lp[x] : t->fsdp->n_pieces;
-                for (int i = a; fsdp_part && i < b; i++)
-                    fsdp_gather_piece(t->fsdp, i, got ? got + (t->fsdp->p[i].off - lo) : NULL, src, 0);
-            }
-            if (in_slices) {
-                if (rank0) whole = ct_malloc((n + 1) * sizeof(float));
-                tp_gather_range(t->tp, &t->mesh.slices, u[x], u[x + 1], fm, whole, lm, part);
-                part = whole;
-            }
-            if (rank0 && !*rc) *rc = put(ctx, part, n, e);
-            free(whole);
-            free(got);
-        }
-    }
-    free(u);
-}
-
-/* After a save: every rank learns whether rank 0's write failed. The others
- * then give rank 0 a few seconds to report its own error first: its
- * MPI_Abort (cli/cmd_train.c) ends them, where theirs could end rank 0
- * before its message, the one that says what went wrong, is out. */
-static int save_outcome(trainer *t, int rc, const char *what, ct_err *e) {
-    int32_t bad = rc != 0;
-    comm_allreduce(t->world, &bad, 1, COMM_I32, COMM_MAX);
-    if (bad && !rc) {
-        sleep(5);
-        rc = ct_fail(e, CT_ERR_IO, "%s step %d: rank 0 could not write it (its error says why)", what, t->step);
-    }
-    return rc;
-}
-
-static int put_ckpt(void *ctx, const float *x, size_t n, ct_err *e) { return ckpt_stream_put(ctx, x, n, e); }
-
-/* A checkpoint: save_gather into ckpt_stream (the file layout is ckpt_save's). */
-int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
-    qwen3_model ftab;
-    const qwen3_model *fm = &t->model; /* the whole model's table, on rank 0 */
-    int rank0 = t->world->rank == 0, rc = 0;
-    ckpt_stream *s = NULL;
-    if (rank0 && t->tp) {
-        qwen3_layout(&ftab, &t->tp->full);
-        fm = &ftab;
-    }
-    if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, fm, model_only, e);
-    save_gather(t, fm, model_only ? 1 : 3, put_ckpt, s, &rc, e);
-    ckpt_info info;
-    if (rank0 && rc) ckpt_stream_abort(s);
-    if (rank0 && !rc) {
-        char *state = state_to_json(t, data);
-        char *toml = NULL;
-        size_t toml_len = 0;
-        FILE *mf = open_memstream(&toml, &toml_len);
-        if (mf) {
-            cfg_write_toml(&t->cfg, mf);
-            fclose(mf);
-        }
-        rc = ckpt_stream_end(s, state, toml, &info, e);
-        free(state);
-        free(toml);
-    }
-    if (rank0 && t->tp) qwen3_free(&ftab);
-    rc = save_outcome(t, rc, "checkpoint", e);
-    if (rc || !rank0) return rc;
-    fprintf(stderr, "ctitan: saved %scheckpoint %s: %.1f MiB in %.2f s\n", model_only ? "model-only " : "", info.dir,
-            info.bytes / 1048576.0, info.seconds);
-    ct_err pe = {0};
-    if (ckpt_prune(t->ckpt_folder, t->cfg.keep_latest_k, &pe))
-        fprintf(stderr, "ctitan: warning: the checkpoint is saved but pruning old ones failed: %s\n", pe.msg);
-    return 0;
-}
-
 /* The tokenizer, loaded only when a source needs one (text, jsonl, chat). */
 static int needs_tokenizer(const char *kind_name, const char *path, int *needs, ct_err *e) {
     ds_kind k;
@@ -960,7 +406,7 @@ static int needs_tokenizer(const char *kind_name, const char *path, int *needs, 
 static int open_data(trainer *t, ds **out, const char *kind_name, const char *path, const char *key, int shuffle,
                      tok **tk, ct_err *e) {
     const ct_config *c = &t->cfg;
-    if (!path[0]) return ct_fail(e, CT_ERR_CONFIG, "%s: %s: no data given", cfg_src(c), key);
+    if (!path[0]) return ct_fail(e, CT_ERR_CONFIG, "%s: %s: no data given", trainer_cfg_src(c), key);
     int need = 0, rc = needs_tokenizer(kind_name, path, &need, e);
     if (rc) return rc;
     if (need && !*tk) {
@@ -968,7 +414,7 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: model.hf_assets_path: needed to tokenize %s (%s); point it at a directory with "
                            "tokenizer.json",
-                           cfg_src(c), path, key);
+                           trainer_cfg_src(c), path, key);
         if ((rc = tok_load(c->hf_assets_path, tk, e))) return rc;
         if (tok_vocab_size(*tk) > t->model.cfg.vocab_size)
             return ct_fail(e, CT_ERR_CONFIG, "%s: the tokenizer has %d ids but the model's vocabulary is %d",
@@ -989,58 +435,6 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     if (ds_split_parse(c->text_split, &sp) == 0) dc.tok.text_split = sp;
     const char *paths[1] = {path};
     return ds_open(out, paths, 1, *tk, &dc, e);
-}
-
-/* The final HF save, written to a temp dir and renamed into place so a kill
- * never leaves half an export. It never merges into a training checkpoint of
- * the same step (that would break its manifest): then it goes to hf-step-N.
- * An earlier HF export of the step is replaced. `dir` gets the final path. */
-static int put_hf(void *ctx, const float *x, size_t n, ct_err *e) { return st_dir_stream_write(ctx, x, n, e); }
-
-/* Written like a checkpoint (save_gather: every rank takes part, rank 0
- * writes unit by unit), the files hf_save's: the tensors as st_write_dir
- * would shard them (5 GiB), then config.json with torch_dtype. */
-static int save_hf_atomic(trainer *t, const char *folder, char *dir, ct_dtype dtype, const char *torch_dtype,
-                          ct_err *e) {
-    int rank0 = t->world->rank == 0, step = t->step, rc = 0;
-    qwen3_model ftab;
-    const qwen3_model *fm = &t->model;
-    st_dir_stream *out = NULL;
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s/.hf-step-%d.tmp-%ld", folder, step, (long)getpid());
-    if (rank0) {
-        if (t->tp) {
-            qwen3_layout(&ftab, &t->tp->full);
-            fm = &ftab;
-        }
-        ct_rm_tree(tmp, NULL);
-        st_wtensor *ts = ct_calloc((size_t)fm->n_tensors + 1, sizeof *ts);
-        for (int i = 0; i < fm->n_tensors; i++) {
-            const qwen3_tensor *q = &fm->tensors[i];
-            ts[i] = (st_wtensor){.name = q->name, .dtype = dtype, .src_dtype = CT_F32, .ndim = q->ndim};
-            for (int d = 0; d < q->ndim; d++) ts[i].shape[d] = q->shape[d];
-        }
-        static const char *const meta[] = {"format", "pt", NULL};
-        rc = st_dir_stream_open(&out, tmp, ts, fm->n_tensors, (size_t)5 << 30, meta, e);
-        free(ts);
-    }
-    save_gather(t, fm, 1, put_hf, out, &rc, e);
-    if (rank0) {
-        char p[4300];
-        if (rc) st_dir_stream_abort(out);
-        else rc = st_dir_stream_close(out, e);
-        snprintf(p, sizeof p, "%s/config.json", tmp);
-        if (!rc) rc = qwen3_config_write_hf(&fm->cfg, p, torch_dtype, e);
-        if (!rc && access(dir, F_OK) == 0 && !is_hf_export(dir) &&
-            snprintf(dir, 4096, "%s/hf-step-%d", folder, step) >= 4096)
-            rc = ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
-        if (!rc && access(dir, F_OK) == 0) ct_rm_tree(dir, NULL); /* an older export of this step */
-        if (!rc && rename(tmp, dir) != 0)
-            rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
-        if (rc) ct_rm_tree(tmp, NULL);
-        if (t->tp) qwen3_free(&ftab);
-    }
-    return save_outcome(t, rc, "Hugging Face export", e);
 }
 
 /* MoE: the step's load-balancing loss and, per MoE layer, the tokens of its least
@@ -1154,7 +548,7 @@ int trainer_run(trainer *t, ct_err *e) {
     /* the resolved config, so a run can be reproduced from its folder */
     char path[4096];
     int rank0 = t->world->rank == 0; /* files of the run are written once */
-    if (rank0 && !join_path(path, sizeof path, c->dump_folder, "config.toml")) {
+    if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "config.toml")) {
         FILE *cf = fopen(path, "w");
         if (cf) {
             cfg_write_toml(c, cf);
@@ -1162,7 +556,7 @@ int trainer_run(trainer *t, ct_err *e) {
         }
     }
     if (c->metrics_file[0] && rank0) {
-        join_path(path, sizeof path, c->dump_folder, c->metrics_file);
+        trainer_join_path(path, sizeof path, c->dump_folder, c->metrics_file);
         /* a resumed run continues the file of the run it resumes, minus the lines
          * of steps after the checkpoint (they are about to be redone) */
         if (t->step > 0) truncate_metrics(path, t->step);
@@ -1304,13 +698,13 @@ int trainer_run(trainer *t, ct_err *e) {
     if (c->last_save_in_hf) {
         char dir[4096], sub[64];
         snprintf(sub, sizeof sub, "step-%d", t->step);
-        if (join_path(path, sizeof path, c->dump_folder, c->ckpt_folder) || join_path(dir, sizeof dir, path, sub)) {
+        if (trainer_join_path(path, sizeof path, c->dump_folder, c->ckpt_folder) || trainer_join_path(dir, sizeof dir, path, sub)) {
             rc = ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
             goto out;
         }
         int dtype = hf_dtype_from_name(c->export_dtype);
         double t0 = ct_now();
-        rc = save_hf_atomic(t, path, dir, dtype < 0 ? CT_F32 : (ct_dtype)dtype, dtype < 0 ? "float32" : c->export_dtype,
+        rc = trainer_save_hf(t, path, dir, dtype < 0 ? CT_F32 : (ct_dtype)dtype, dtype < 0 ? "float32" : c->export_dtype,
                             e);
         if (!rc && rank0)
             fprintf(stderr, "ctitan: saved Hugging Face model (%s) to %s in %.2f s\n", c->export_dtype, dir,

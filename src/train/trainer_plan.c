@@ -1,0 +1,168 @@
+/* train/trainer_plan.c: `ctitan train --dry-run`, the memory a run would
+ * plan, before anything is allocated: the whole model on one process, and,
+ * for a world of several ranks (mpirun's, or every [parallelism] degree
+ * fixed), what rank 0 of the layout plans, computed with the run's own code
+ * (tp_local_config, qwen3_plan_memory, FSDP's cut of the tensor table). */
+#include "train/trainer.h"
+#include "train/trainer_priv.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "dist/fsdp.h"
+#include "dist/mesh.h"
+#include "dist/tp.h"
+
+/* --dry-run per rank: what FSDP keeps of a rank's local model, cut into
+ * pieces as fsdp_init cuts them (fsdp.h) from the same tensor table, with
+ * no communicator: the embedding, each layer (its experts a piece of their
+ * own under expert parallel, over n_exp ranks), the head; each piece in
+ * slices of ceil(n / its group). */
+typedef struct {
+    size_t shard;     /* floats of a rank's slices of every piece */
+    size_t layer_max; /* floats of the largest layer, its pieces together */
+    size_t layers;    /* floats of every layer */
+    size_t embed, head;
+} dry_fsdp;
+
+static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+static int dry_fsdp_plan(const qwen3_model *m, int n, int n_exp, dry_fsdp *d, ct_err *e) {
+    memset(d, 0, sizeof *d);
+    int L = m->cfg.n_layers;
+    size_t prev = 0;
+    for (int l = 0; l < L; l++) {
+        size_t lo, hi, ea = 0, eb = 0;
+        int rc = fsdp_layer_range(m, l, &lo, &hi, e);
+        if (rc) return rc;
+        if (l == 0) d->embed = lo;
+        if (n_exp > 0) fsdp_expert_range(m, l, &ea, &eb);
+        if (n_exp > 0 && ea < eb) d->shard += ceil_div(ea - lo, (size_t)n) + ceil_div(eb - ea, (size_t)n_exp);
+        else d->shard += ceil_div(hi - lo, (size_t)n);
+        if (hi - lo > d->layer_max) d->layer_max = hi - lo;
+        d->layers += hi - lo;
+        prev = hi;
+    }
+    d->head = m->n_params - prev;
+    d->shard += ceil_div(d->embed, (size_t)n) + ceil_div(d->head, (size_t)n);
+    return 0;
+}
+
+/* Bytes of whole pieces FSDP holds at once (fsdp.c's hooks), the most of:
+ * in a layer's backward its parameters and gradients, the next one's
+ * parameters being prefetched and the previous one's gradients being
+ * reduce-scattered (two layers' parameters and gradients); the head alone
+ * around the loss; an untied embedding with layer 0 prefetched. A tied
+ * embedding is held for the whole micro-batch; with reshard_after_forward
+ * "never" every layer's parameters from its forward to its backward. */
+static double dry_fsdp_gathered(const dry_fsdp *d, int tied, int reshard) {
+    double lm = (double)d->layer_max, g;
+    if (reshard) {
+        g = 2 * 8 * lm;
+        if (8.0 * d->head > g) g = 8.0 * d->head;
+        if (!tied && 4.0 * d->embed + 4 * lm > g) g = 4.0 * d->embed + 4 * lm; /* the lookup, layer 0 prefetched */
+    } else {
+        /* a layer's backward holds the parameters of it and every layer below, the gradients of
+         * it and the one above; the head's parameters and gradients come after every layer's */
+        g = 4.0 * d->layers + (8.0 * d->head > 4 * lm ? 8.0 * d->head : 4 * lm);
+    }
+    return tied ? g + 8.0 * d->embed : g;
+}
+
+static void dry_line(FILE *out, const char *what, double bytes) {
+    fprintf(out, "  %-34s %10.3f GiB  %15.0f bytes\n", what, bytes / (1024.0 * 1024.0 * 1024.0), bytes);
+}
+
+/* What rank 0 of the layout plans; the others' slices are the same size
+ * (equal heads, columns, experts per rank) up to FSDP's padding. */
+static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, int world, int rep, int shard,
+                        int tp, int B, ct_err *e) {
+    int ep = c->ep > 1 ? c->ep : 1;
+    qwen3_config lc;
+    tp_local_config(&lc, mc, tp, 0, ep, 0);
+    size_t n = 0, act = 0;
+    int rc = qwen3_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    if (rc) return rc;
+    double stored = (double)n, gathered = 0;
+    if (shard > 1) {
+        qwen3_model lm;
+        qwen3_layout(&lm, &lc);
+        dry_fsdp d;
+        rc = dry_fsdp_plan(&lm, shard, ep > 1 ? shard / ep : 0, &d, e);
+        qwen3_free(&lm);
+        if (rc) return rc;
+        stored = (double)d.shard;
+        gathered = dry_fsdp_gathered(&d, lc.tie_embeddings, strcmp(c->fsdp_reshard, "never") != 0);
+    }
+    if (!out) return 0; /* checked only */
+    fprintf(out,
+            "per rank: world %d = data_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d, "
+            "expert_parallel %d (rank 0's slice: TP rank 0, EP rank 0)\n",
+            world, rep, shard, tp, ep);
+    fprintf(out, "  model %s: %zu parameters run by this rank (heads %d/%d, intermediate %d", lc.name, n, lc.n_heads,
+            lc.n_kv_heads, lc.intermediate);
+    if (lc.n_experts) fprintf(out, ", experts %d of %d x moe_intermediate %d", lc.expert_rows ? lc.expert_rows : lc.n_experts,
+                              lc.n_experts, lc.moe_intermediate);
+    if (lc.vocab_rows) fprintf(out, ", lm_head rows %d of %d", lc.vocab_rows, lc.vocab_size);
+    fprintf(out, ")\n");
+    if (shard > 1 && ep > 1)
+        fprintf(out, "  FSDP over %d ranks, the experts over the %d holding the same ones: %.0f parameters stored\n",
+                shard, shard / ep, stored);
+    else if (shard > 1)
+        fprintf(out, "  FSDP over %d ranks: %.0f parameters stored\n", shard, stored);
+    double p = 4 * stored, g = 4 * stored, o = 8 * stored, a = (double)act;
+    double total = p + g + o + gathered + a;
+    dry_line(out, "parameters (fp32)", p);
+    dry_line(out, "gradients (fp32)", g);
+    dry_line(out, "AdamW moments (2 x fp32)", o);
+    if (shard > 1) dry_line(out, "FSDP gathered (params + grads)", gathered);
+    dry_line(out, "activations + workspace (planned)", a);
+    dry_line(out, "total planned per rank", total);
+    /* init_weights: the loaders hand over one whole tensor at a time and
+     * the rank keeps its slice, so loading adds the largest whole tensor
+     * and one slice of it to what the run holds anyway */
+    qwen3_model wt, lt;
+    qwen3_layout(&wt, mc);
+    qwen3_layout(&lt, &lc);
+    size_t big = 0, big_local = 0;
+    for (int i = 0; i < wt.n_tensors; i++) big = wt.tensors[i].numel > big ? wt.tensors[i].numel : big;
+    for (int i = 0; i < lt.n_tensors; i++) big_local = lt.tensors[i].numel > big_local ? lt.tensors[i].numel : big_local;
+    qwen3_free(&wt);
+    qwen3_free(&lt);
+    double load = 4.0 * (double)(big + (tp > 1 || ep > 1 ? big_local : 0));
+    dry_line(out, "loading (one whole tensor + slice)", load);
+    dry_line(out, "planned peak per rank", p + o + load > total ? p + o + load : total);
+    fprintf(out,
+            "(not planned: the runtime (MPI, libraries), FSDP staging for pieces that do not divide evenly, "
+            "expert-parallel dispatch buffers, the token data)\n");
+    return 0;
+}
+
+int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
+    qwen3_config mc;
+    int rc = trainer_model_config(c, &mc, e);
+    if (rc) return rc;
+    /* the world: mpirun's, else what fixed degrees multiply to, else one process */
+    if (world <= 0) world = c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1;
+    int rep, shard, tp;
+    if ((rc = mesh_resolve(c, world, &mc, trainer_cfg_src(c), &rep, &shard, &tp, e))) return rc;
+    if ((rc = trainer_check_global_batch(c, rep * shard, e))) return rc;
+    int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
+    int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
+    size_t n = 0, act = 0;
+    if ((rc = qwen3_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
+    if (world > 1) { /* checked before anything prints, so an error comes alone */
+        if ((rc = dry_run_rank(NULL, c, &mc, world, rep, shard, tp, B, e))) return rc;
+    }
+    if (!out) return 0;
+    double p = 4.0 * n, g = 4.0 * n, o = 8.0 * n, a = (double)act;
+    fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
+            n / 1e9, B, c->seq_len, c->ac_mode);
+    dry_line(out, "parameters (fp32)", p);
+    dry_line(out, "gradients (fp32)", g);
+    dry_line(out, "AdamW moments (2 x fp32)", o);
+    dry_line(out, "activations + workspace (planned)", a);
+    dry_line(out, "total planned", p + g + o + a);
+    fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
+    return world > 1 ? dry_run_rank(out, c, &mc, world, rep, shard, tp, B, e) : 0;
+}

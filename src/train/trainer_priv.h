@@ -1,0 +1,29 @@
+/* train/trainer_priv.h: what the trainer's three files share; not part of
+ * the trainer's API (train/trainer.h).
+ *   trainer.c       set-up, the step (reductions, clipping, AdamW), the run loop
+ *   trainer_ckpt.c  the model state in and out: resume, loading, saving, HF export
+ *   trainer_plan.c  `ctitan train --dry-run`, whole model and per rank */
+#ifndef CT_TRAIN_TRAINER_PRIV_H
+#define CT_TRAIN_TRAINER_PRIV_H
+
+#include <stddef.h>
+
+#include "core/dtype.h"
+#include "train/trainer.h"
+
+/* The config file's path for error messages, or "command line". */
+const char *trainer_cfg_src(const ct_config *c);
+/* out = dir/name, or name alone when it is absolute. Returns 0 if it fits. */
+int trainer_join_path(char *out, size_t cap, const char *dir, const char *name);
+/* A global batch the data-parallel ranks cannot split evenly is a layout
+ * error: the run and the dry run reject it alike. */
+int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e);
+/* The weights (and on resume the moments and state) of this rank's part of
+ * the model, from a checkpoint, HF files or the seed (trainer_ckpt.c).
+ * Collective: every rank learns whether another failed. */
+int trainer_init_weights(trainer *t, ct_err *e);
+/* The final HF export of the run to folder/step-N (or hf-step-N beside a
+ * training checkpoint of the same step); dir gets the path. Collective. */
+int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, const char *torch_dtype, ct_err *e);
+
+#endif
