@@ -772,7 +772,7 @@ static int ckpt_load_tensors(st_file *f, const qwen3_model *m, const char *suffi
         if (st->dtype != CT_F32)
             return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" is %s; checkpoints hold F32", path, nm,
                            ct_dtype_name(st->dtype));
-        s->put(s->ctx, kind, i, st->data);
+        s->put(s->ctx, kind, i, 0, t->numel / qwen3_tensor_cols(t), st->data); /* mapped: all rows at once */
         st_drop(st);
     }
     if (st_count(f) != m->n_tensors) {
@@ -876,7 +876,8 @@ int ckpt_load_each(const char *dir, const qwen3_model *m, int moments, char **st
                                  ct_dtype_name(st->dtype), got, want);
                     break;
                 }
-                sink->put(sink->ctx, k ? QWEN3_EXP_AVG_SQ : QWEN3_EXP_AVG, i, st->data);
+                sink->put(sink->ctx, k ? QWEN3_EXP_AVG_SQ : QWEN3_EXP_AVG, i, 0, t->numel / qwen3_tensor_cols(t),
+                          st->data);
                 st_drop(st);
             }
         if (!rc && st_count(f) != 2 * m->n_tensors) {

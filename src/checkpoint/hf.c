@@ -38,8 +38,11 @@ int hf_load_each(const qwen3_model *m, const char *dir, const qwen3_sink *sink, 
     if (!s) return e ? e->code : CT_ERR_IO;
     int rc = 0;
     size_t most = 1;
-    for (int i = 0; i < m->n_tensors; i++) most = m->tensors[i].numel > most ? m->tensors[i].numel : most;
-    float *buf = ct_malloc(most * sizeof(float)); /* [largest tensor] each one converted to fp32 in turn */
+    for (int i = 0; i < m->n_tensors; i++) {
+        size_t b = qwen3_block_rows(&m->tensors[i]) * qwen3_tensor_cols(&m->tensors[i]);
+        most = b > most ? b : most;
+    }
+    float *buf = ct_malloc(most * sizeof(float)); /* [block] rows converted to fp32 a block at a time */
     for (int i = 0; i < m->n_tensors && !rc; i++) {
         const qwen3_tensor *t = &m->tensors[i];
         const char *file = NULL;
@@ -58,11 +61,16 @@ int hf_load_each(const qwen3_model *m, const char *dir, const qwen3_sink *sink, 
                          want);
             break;
         }
-        if (ct_convert_to_f32(buf, st->data, st->dtype, t->numel) != 0)
-            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64", file,
-                         t->name, ct_dtype_name(st->dtype));
-        else
-            sink->put(sink->ctx, QWEN3_PARAMS, i, buf);
+        size_t cols = qwen3_tensor_cols(t), rows = t->numel / cols, step = qwen3_block_rows(t);
+        size_t es = ct_dtype_size(st->dtype);
+        for (size_t r0 = 0; r0 < rows && !rc; r0 += step) {
+            size_t r1 = r0 + step < rows ? r0 + step : rows;
+            if (ct_convert_to_f32(buf, (const char *)st->data + r0 * cols * es, st->dtype, (r1 - r0) * cols) != 0)
+                rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64",
+                             file, t->name, ct_dtype_name(st->dtype));
+            else
+                sink->put(sink->ctx, QWEN3_PARAMS, i, r0, r1, buf);
+        }
         st_drop(st);
     }
     free(buf);

@@ -140,9 +140,28 @@ void tp_classify(tp_layout *p, const qwen3_model *lm, const qwen3_model *fm) {
     }
 }
 
-void tp_take_tensor(const tp_layout *p, const qwen3_tensor *lt, float *local, const qwen3_tensor *ft,
-                    const float *whole) {
-    move_slice(lt, local, ft, (float *)whole, p->rank, 1);
+size_t tp_take_rows(const tp_layout *p, const qwen3_tensor *lt, const qwen3_tensor *ft, size_t r0, size_t r1,
+                    const float *rows, float *tmp, const float **out, size_t *la) {
+    size_t lr, lc, fr, fc;
+    dims(lt, &lr, &lc);
+    dims(ft, &fr, &fc);
+    if (!lt->numel) return 0; /* an expert another EP rank holds */
+    if (lr < fr) { /* column-parallel: whole rows [R, R + lr) are this rank's */
+        size_t R = (size_t)p->rank * lr, a = r0 > R ? r0 : R, b = r1 < R + lr ? r1 : R + lr;
+        if (a >= b) return 0;
+        *out = rows + (a - r0) * fc;
+        *la = a - R;
+        return b - a;
+    }
+    if (lc < fc) { /* row-parallel: columns [rank lc, (rank + 1) lc) of every row */
+        for (size_t k = 0; k < r1 - r0; k++)
+            memcpy(tmp + k * lc, rows + k * fc + (size_t)p->rank * lc, lc * sizeof(float));
+        *out = tmp;
+    } else {
+        *out = rows;
+    }
+    *la = r0;
+    return r1 - r0;
 }
 
 /* Flat offset of tensor i of m's table; n_params for i == n_tensors. */

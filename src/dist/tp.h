@@ -73,10 +73,13 @@ void tp_attach(tp_layout *p, qwen3_model *m);
 /* Learns, once, which tensors of the local table lm are sliced (against the
  * whole table fm) and which are experts' (for tp_sq_range). */
 void tp_classify(tp_layout *p, const qwen3_model *lm, const qwen3_model *fm);
-/* One tensor: local[lt->numel] = this rank's slice of whole[ft->numel]
- * (nothing for another EP rank's expert). */
-void tp_take_tensor(const tp_layout *p, const qwen3_tensor *lt, float *local, const qwen3_tensor *ft,
-                    const float *whole);
+/* Rows [r0, r1) of whole tensor ft (rows[(r1 - r0) x its columns]) -> this
+ * rank's part of them: returns how many rows of the local tensor lt they
+ * give (0: none, e.g. another EP rank's expert), from local row *la, at
+ * *out (inside rows, or in tmp[(r1 - r0) x lt's columns] for a column
+ * slice). */
+size_t tp_take_rows(const tp_layout *p, const qwen3_tensor *lt, const qwen3_tensor *ft, size_t r0, size_t r1,
+                    const float *rows, float *tmp, const float **out, size_t *la);
 /* Collective over `g`, the ranks whose slices make up the whole model:
  * g's rank r is TP index r % t and EP index r / t (the TP group of the
  * first data-parallel rank, times the first EP group). Tensors [ta, tb) of

@@ -338,10 +338,18 @@ void qwen3_free(qwen3_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-static void copy_put(void *ctx, int kind, int i, const float *data) {
+size_t qwen3_tensor_cols(const qwen3_tensor *t) { return t->ndim == 2 ? (size_t)t->shape[1] : 1; }
+
+size_t qwen3_block_rows(const qwen3_tensor *t) {
+    size_t r = ((size_t)4 << 20) / qwen3_tensor_cols(t);
+    return r ? r : 1;
+}
+
+static void copy_put(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows) {
     qwen3_copy_ctx *c = ctx;
     const qwen3_tensor *t = &c->m->tensors[i];
-    if (c->dst[kind]) memcpy(c->dst[kind] + t->offset, data, t->numel * sizeof(float));
+    size_t cols = qwen3_tensor_cols(t);
+    if (c->dst[kind]) memcpy(c->dst[kind] + t->offset + r0 * cols, rows, (r1 - r0) * cols * sizeof(float));
 }
 
 qwen3_sink qwen3_copy_sink(qwen3_copy_ctx *ctx, qwen3_model *m, float *exp_avg, float *exp_avg_sq) {
@@ -353,12 +361,21 @@ void qwen3_init_random_each(const qwen3_model *table, uint64_t seed, const qwen3
     ct_rng r;
     ct_rng_seed(&r, seed);
     size_t most = 1;
-    for (int i = 0; i < table->n_tensors; i++) most = table->tensors[i].numel > most ? table->tensors[i].numel : most;
-    float *buf = ct_malloc(most * sizeof(float)); /* [largest tensor] one tensor at a time, in table order */
     for (int i = 0; i < table->n_tensors; i++) {
         const qwen3_tensor *t = &table->tensors[i];
-        for (size_t j = 0; j < t->numel; j++) buf[j] = t->is_matrix ? (float)(0.02 * ct_rng_normal(&r)) : 1.0f;
-        s->put(s->ctx, QWEN3_PARAMS, i, buf);
+        size_t b = qwen3_block_rows(t) * qwen3_tensor_cols(t);
+        most = b > most ? b : most;
+    }
+    float *buf = ct_malloc(most * sizeof(float)); /* [block] a block of rows at a time, in table order */
+    for (int i = 0; i < table->n_tensors; i++) {
+        const qwen3_tensor *t = &table->tensors[i];
+        size_t rows = t->numel / qwen3_tensor_cols(t), cols = qwen3_tensor_cols(t), step = qwen3_block_rows(t);
+        for (size_t r0 = 0; r0 < rows; r0 += step) { /* row-major: the same draws as one tensor at once */
+            size_t r1 = r0 + step < rows ? r0 + step : rows;
+            for (size_t j = 0; j < (r1 - r0) * cols; j++)
+                buf[j] = t->is_matrix ? (float)(0.02 * ct_rng_normal(&r)) : 1.0f;
+            s->put(s->ctx, QWEN3_PARAMS, i, r0, r1, buf);
+        }
     }
     free(buf);
 }

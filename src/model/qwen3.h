@@ -264,16 +264,23 @@ int qwen3_layout(qwen3_model *m, const qwen3_config *c);
 /* normal(0, 0.02) for matrices, 1 for norms; deterministic from seed. */
 void qwen3_init_random(qwen3_model *m, uint64_t seed);
 
-/* Where a loader puts a whole model's tensors one at a time, so that no
- * one holds the whole model: a rank keeps its slice of each (dist/tp.h,
- * dist/fsdp.h). put gets tensor i of the loader's table (the whole model),
- * as data[numel] fp32 valid only during the call, with kind saying which
- * buffer it belongs to. */
+/* Where a loader puts a whole model's tensors a block of rows at a time, so
+ * that no one holds the whole model, nor a whole large tensor when it can
+ * be avoided: a rank keeps its slice of each (dist/tp.h, dist/fsdp.h). put
+ * gets rows [r0, r1) of tensor i of the loader's table (the whole model) as
+ * rows[(r1 - r0) x cols] fp32, valid only during the call (cols: shape[1],
+ * or 1 for a vector), with kind saying which buffer it belongs to. Every
+ * tensor's rows come in order. */
 enum { QWEN3_PARAMS, QWEN3_EXP_AVG, QWEN3_EXP_AVG_SQ };
 typedef struct {
-    void (*put)(void *ctx, int kind, int i, const float *data);
+    void (*put)(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows);
     void *ctx;
 } qwen3_sink;
+/* Rows a loader converting or generating values hands over at once: about
+ * 16 MiB of fp32 (at least one row). */
+size_t qwen3_block_rows(const qwen3_tensor *t);
+/* Floats per row: shape[1], or 1 for a vector. */
+size_t qwen3_tensor_cols(const qwen3_tensor *t);
 /* The sink that copies into m's params and the given moments (NULL: none)
  * at each tensor's offset; ctx must outlive its use. */
 typedef struct {

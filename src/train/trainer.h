@@ -45,7 +45,7 @@ typedef struct {
     struct {          /* while the weights load (init_weights): where each whole tensor goes */
         const qwen3_model *whole; /* the whole model's tensor table */
         qwen3_sink sink;
-        float *tmp;               /* [largest local tensor] a slice being taken */
+        float *tmp;               /* [largest column-sliced local tensor] a slice being taken */
     } load;
     ep_layout *ep;    /* NULL unless expert_parallel_degree > 1 */
     int global_batch; /* sequences per optimizer step over every data-parallel rank */

@@ -6,9 +6,10 @@
  * computes the same bits as an uninterrupted one.
  *
  * Neither direction ever holds the whole model on one rank. Loading: the
- * loaders (checkpoint, HF safetensors, the seeded init) hand over one whole
- * tensor at a time in the whole model's table order (qwen3_sink) and each
- * rank keeps its TP/EP slice and, under FSDP, its shard's part of it.
+ * loaders (checkpoint, HF safetensors, the seeded init) hand over each
+ * tensor a block of rows at a time in the whole model's table order
+ * (qwen3_sink) and each rank keeps its TP/EP part and, under FSDP, its
+ * shard's part of it.
  * Saving: every rank runs one loop over units (embedding, each layer, head;
  * parameters, then each moment), the unit's parts are gathered to rank 0,
  * which appends them to files whose headers it wrote first. The files are
@@ -212,24 +213,23 @@ static int maybe_resume(trainer *t, int *resumed, ct_err *e) {
     return 0;
 }
 
-/* Where a loader's whole tensors go (qwen3_sink): this rank's TP/EP slice
- * of each (tp_take_tensor), then, under FSDP, only what its shard keeps
+/* Where a loader's rows go (qwen3_sink): this rank's TP/EP part of them
+ * (tp_take_rows), then, under FSDP, only what its shard keeps
  * (fsdp_take_range), else the local model's buffers. The moments likewise. */
-static void load_put(void *ctx, int kind, int i, const float *data) {
+static void load_put(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows) {
     trainer *t = ctx;
     const qwen3_tensor *lt = &t->model.tensors[i];
-    if (!lt->numel) return; /* an expert another EP rank holds */
-    const float *src = data;
-    if (t->tp) {
-        tp_take_tensor(t->tp, lt, t->load.tmp, &t->load.whole->tensors[i], data);
-        src = t->load.tmp;
-    }
+    const float *src = rows;
+    size_t la = r0, n = lt->numel ? r1 - r0 : 0;
+    if (t->tp) n = tp_take_rows(t->tp, lt, &t->load.whole->tensors[i], r0, r1, rows, t->load.tmp, &src, &la);
+    if (!n) return;
+    size_t cols = qwen3_tensor_cols(lt), off = lt->offset + la * cols;
     if (t->fsdp) {
         float *shard = kind == QWEN3_PARAMS ? t->fsdp->params : kind == QWEN3_EXP_AVG ? t->opt.m : t->opt.v;
-        fsdp_take_range(t->fsdp, shard, lt->offset, src, lt->numel);
+        fsdp_take_range(t->fsdp, shard, off, src, n * cols);
     } else {
         float *dst = kind == QWEN3_PARAMS ? t->model.params : kind == QWEN3_EXP_AVG ? t->opt.m : t->opt.v;
-        memcpy(dst + lt->offset, src, lt->numel * sizeof(float));
+        memcpy(dst + off, src, n * cols * sizeof(float));
     }
 }
 
@@ -237,13 +237,14 @@ static int load_weights(trainer *t, ct_err *e);
 
 /* The weights (and on resume the moments) of this rank's part of the model,
  * from a checkpoint, HF files or the seed, without anyone holding the whole
- * model: the loaders hand over one whole tensor at a time in the whole
+ * model: the loaders hand over a block of rows at a time in the whole
  * model's table order (the random init draws every tensor's values in that
  * order, so every layout starts from one process's weights), and each rank
  * keeps its slice. Under FSDP the shard buffers exist first and receive
- * their parts directly. Peak extra memory: the largest tensor, and its
- * slice. Every rank then learns whether another one failed, so none is
- * left waiting in the next collective. */
+ * their parts directly. Peak extra memory: a block of rows (a mapped
+ * tensor from a checkpoint), and under TP one tensor's column slice.
+ * Every rank then learns whether another one failed, so none is left
+ * waiting in the next collective. */
 int trainer_init_weights(trainer *t, ct_err *e) {
     int rc = 0;
     qwen3_model whole_table;
@@ -252,9 +253,11 @@ int trainer_init_weights(trainer *t, ct_err *e) {
         qwen3_layout(&whole_table, &t->tp->full);
         t->load.whole = &whole_table;
         tp_classify(t->tp, &t->model, &whole_table);
-        size_t most = 1;
-        for (int i = 0; i < t->model.n_tensors; i++)
-            most = t->model.tensors[i].numel > most ? t->model.tensors[i].numel : most;
+        size_t most = 1; /* tp_take_rows copies only the column slices (row-parallel tensors) */
+        for (int i = 0; i < t->model.n_tensors; i++) {
+            const qwen3_tensor *lt = &t->model.tensors[i], *ft = &whole_table.tensors[i];
+            if (qwen3_tensor_cols(lt) < qwen3_tensor_cols(ft) && lt->numel > most) most = lt->numel;
+        }
         t->load.tmp = ct_malloc(most * sizeof(float));
     }
     if (t->mesh.dp_shard > 1) {

@@ -118,23 +118,29 @@ static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, i
     if (shard > 1) dry_line(out, "FSDP gathered (params + grads)", gathered);
     dry_line(out, "activations + workspace (planned)", a);
     dry_line(out, "total planned per rank", total);
-    /* init_weights: the loaders hand over one whole tensor at a time and
-     * the rank keeps its slice, so loading adds the largest whole tensor
-     * and one slice of it to what the run holds anyway */
+    /* trainer_init_weights: the loaders hand over a block of rows at a time
+     * and the rank keeps its part, so loading adds one block (qwen3_block_rows)
+     * and, under TP, one tensor's column slice to what the run holds anyway */
     qwen3_model wt, lt;
     qwen3_layout(&wt, mc);
     qwen3_layout(&lt, &lc);
-    size_t big = 0, big_local = 0;
-    for (int i = 0; i < wt.n_tensors; i++) big = wt.tensors[i].numel > big ? wt.tensors[i].numel : big;
-    for (int i = 0; i < lt.n_tensors; i++) big_local = lt.tensors[i].numel > big_local ? lt.tensors[i].numel : big_local;
+    size_t block = 0, slice = 0;
+    for (int i = 0; i < wt.n_tensors; i++) {
+        const qwen3_tensor *w = &wt.tensors[i], *l = &lt.tensors[i];
+        size_t b = qwen3_block_rows(w) * qwen3_tensor_cols(w);
+        b = b < w->numel ? b : w->numel;
+        block = b > block ? b : block;
+        if (qwen3_tensor_cols(l) < qwen3_tensor_cols(w) && l->numel > slice) slice = l->numel;
+    }
     qwen3_free(&wt);
     qwen3_free(&lt);
-    double load = 4.0 * (double)(big + (tp > 1 || ep > 1 ? big_local : 0));
-    dry_line(out, "loading (one whole tensor + slice)", load);
+    double load = 4.0 * (double)(block + slice);
+    dry_line(out, "loading (row block + a slice)", load);
     dry_line(out, "planned peak per rank", p + o + load > total ? p + o + load : total);
     fprintf(out,
             "(not planned: the runtime (MPI, libraries), FSDP staging for pieces that do not divide evenly, "
-            "expert-parallel dispatch buffers, the token data)\n");
+            "expert-parallel dispatch buffers, the token data; on resume a checkpoint's tensor is read from the "
+            "mapped file, one at a time)\n");
     return 0;
 }
 
