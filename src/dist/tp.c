@@ -93,6 +93,8 @@ void tp_free(tp_layout *p) {
     free(p->qk_before);
     free(p->sharded);
     free(p->expert);
+    for (int i = 0; p->ep_tables && i < p->ep; i++) qwen3_free(&p->ep_tables[i]);
+    free(p->ep_tables);
     memset(p, 0, sizeof *p);
 }
 
@@ -187,20 +189,25 @@ void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const qwen3_model
     p->comm_s += ct_now() - t0;
     if (root) {
         size_t fbase = tensor_start(fm, ta);
-        for (int r = 0; r < t; r++) { /* member r's own table says where its tensors are */
-            qwen3_config rcfg;
-            qwen3_model rm;
-            tp_local_config(&rcfg, &p->full, p->t, r % p->t, p->ep, r / p->t);
-            qwen3_layout(&rm, &rcfg);
-            size_t rbase = tensor_start(&rm, ta);
+        if (!p->ep_tables) { /* member r's own table says where its tensors are; the TP slices of
+                              * one EP index have the same shapes, so one table per EP index */
+            p->ep_tables = ct_calloc((size_t)p->ep, sizeof *p->ep_tables);
+            for (int x = 0; x < p->ep; x++) {
+                qwen3_config rcfg;
+                tp_local_config(&rcfg, &p->full, p->t, 0, p->ep, x);
+                qwen3_layout(&p->ep_tables[x], &rcfg);
+            }
+        }
+        for (int r = 0; r < t; r++) {
+            const qwen3_model *rm = &p->ep_tables[r / p->t];
+            size_t rbase = tensor_start(rm, ta);
             for (int i = ta; i < tb; i++) {
-                const qwen3_tensor *lt = &rm.tensors[i], *ft = &fm->tensors[i];
+                const qwen3_tensor *lt = &rm->tensors[i], *ft = &fm->tensors[i];
                 /* the rest is the same on every EP rank, and under FSDP gathered on EP index 0 only */
-                if (r >= p->t && !strstr(lt->name, ".mlp.experts.")) continue;
+                if (r >= p->t && !p->expert[i]) continue;
                 move_slice(lt, all + (size_t)r * n + (lt->offset - rbase), ft, full + (ft->offset - fbase), r % p->t,
                            0);
             }
-            qwen3_free(&rm);
         }
     }
     free(all);

@@ -56,6 +56,8 @@ typedef struct {
     qwen3_hooks hooks;
     char *sharded;            /* [n_tensors] 1: sliced over the group, 0: replicated (set by tp_classify) */
     char *expert;             /* [n_tensors] 1: an expert's tensor (held by one EP rank) */
+    qwen3_model *ep_tables;   /* [ep] tensor table of each EP index's ranks (every TP index of one
+                               * has the same), built on the first tp_gather_range that needs them */
     float *qk_before;         /* [4 * hd] a layer's q_norm, k_norm gradients before its backward; their deltas */
     double comm_s;            /* seconds in collectives since the last tp_take_comm_time */
 } tp_layout;
