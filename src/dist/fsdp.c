@@ -256,6 +256,33 @@ void fsdp_expert_range(const qwen3_model *m, int l, size_t *a, size_t *b) {
     if (*a >= *b) *a = *b = 0;
 }
 
+int fsdp_cut(const qwen3_model *m, int split_experts, fsdp_piece *p, int *lp, ct_err *e) {
+    int L = m->cfg.n_layers, np = 1;
+    size_t prev = 0;
+    p[0] = (fsdp_piece){.off = 0, .n = 0};
+    for (int l = 0; l < L; l++) {
+        size_t lo = 0, hi = 0, ea = 0, eb = 0;
+        if (fsdp_layer_range(m, l, &lo, &hi, e)) return -1;
+        if (lo < prev) return ct_fail(e, CT_ERR_IO, "fsdp: layer %d overlaps the tensors before it", l), -1;
+        if (l == 0) p[0].n = lo;
+        else if (lo != prev) return ct_fail(e, CT_ERR_IO, "fsdp: tensors between layers %d and %d", l - 1, l), -1;
+        if (split_experts) fsdp_expert_range(m, l, &ea, &eb);
+        if (eb > ea && eb != hi)
+            return ct_fail(e, CT_ERR_IO, "fsdp: layer %d's experts are not its last tensors", l), -1;
+        lp[l] = np;
+        if (eb > ea) {
+            p[np++] = (fsdp_piece){.off = lo, .n = ea - lo};
+            p[np++] = (fsdp_piece){.off = ea, .n = eb - ea, .experts = 1};
+        } else {
+            p[np++] = (fsdp_piece){.off = lo, .n = hi - lo};
+        }
+        prev = hi;
+    }
+    lp[L] = np;
+    p[np++] = (fsdp_piece){.off = prev, .n = m->n_params - prev};
+    return np;
+}
+
 int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, ct_comm *expert_comm, int reshard, ct_err *e) {
     memset(f, 0, sizeof *f);
     int L = m->cfg.n_layers;
@@ -265,34 +292,12 @@ int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, ct_comm *expert_comm, int 
     f->tied = m->cfg.tie_embeddings;
     f->p = ct_calloc(2 * (size_t)L + 2, sizeof *f->p);
     f->lp = ct_calloc((size_t)L + 1, sizeof(int));
-    int np = 1;
-    size_t prev = 0;
-    for (int l = 0; l < L; l++) {
-        size_t lo = 0, hi = 0, ea = 0, eb = 0;
-        int rc = fsdp_layer_range(m, l, &lo, &hi, e);
-        if (rc) return rc;
-        if (lo < prev) return ct_fail(e, CT_ERR_IO, "fsdp: layer %d overlaps the tensors before it", l);
-        if (l == 0) f->p[0] = (fsdp_piece){.off = 0, .n = lo};
-        else if (lo != prev) return ct_fail(e, CT_ERR_IO, "fsdp: tensors between layers %d and %d", l - 1, l);
-        if (expert_comm) fsdp_expert_range(m, l, &ea, &eb);
-        if (eb > ea && eb != hi) return ct_fail(e, CT_ERR_IO, "fsdp: layer %d's experts are not its last tensors", l);
-        f->lp[l] = np;
-        if (eb > ea) {
-            f->p[np++] = (fsdp_piece){.off = lo, .n = ea - lo, .comm = comm};
-            f->p[np++] = (fsdp_piece){.off = ea, .n = eb - ea, .comm = expert_comm};
-        } else {
-            f->p[np++] = (fsdp_piece){.off = lo, .n = hi - lo, .comm = comm};
-        }
-        prev = hi;
-    }
-    if (L == 0) f->p[0] = (fsdp_piece){.off = 0, .n = 0};
-    f->p[0].comm = comm;
-    f->lp[L] = np;
-    f->p[np++] = (fsdp_piece){.off = prev, .n = m->n_params - prev, .comm = comm};
-    f->n_pieces = np;
+    f->n_pieces = fsdp_cut(m, expert_comm != NULL, f->p, f->lp, e);
+    if (f->n_pieces < 0) return e ? e->code : CT_ERR_IO;
     size_t maxs = 1;
     for (int i = 0; i < f->n_pieces; i++) {
         fsdp_piece *p = &f->p[i];
+        p->comm = p->experts ? expert_comm : comm;
         size_t N = (size_t)p->comm->size;
         p->chunk = (p->n + N - 1) / N;
         p->shard_off = f->shard_n;

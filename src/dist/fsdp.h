@@ -46,6 +46,7 @@ typedef struct {
     size_t chunk;       /* floats per rank: ceil(n / N), N the size of comm */
     size_t shard_off;   /* where this rank's slice starts in the shard buffers */
     ct_comm *comm;      /* the ranks sharing it: the FSDP group, or for experts its expert sub-group */
+    int experts;        /* a MoE layer's experts, split off under expert parallel (comm: the sub-group) */
 } fsdp_piece;
 
 typedef struct {
@@ -89,6 +90,13 @@ typedef struct {
 int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err *e);
 /* [a, b) of layer l's experts' tensors (every expert's name, held or not); a == b: none. */
 void fsdp_expert_range(const qwen3_model *m, int l, size_t *a, size_t *b);
+/* The pieces fsdp_init cuts m's flat buffer into, from its tensor table
+ * alone (no communicators; --dry-run plans with it): p[2 L + 2] gets off,
+ * n and experts (with split_experts, a MoE layer's experts are a piece of
+ * their own), lp[L + 1] each layer's first piece (lp[L]: the head).
+ * Returns the number of pieces, or -1 with *e set (tensors of a layer not
+ * contiguous, or its experts not last). */
+int fsdp_cut(const qwen3_model *m, int split_experts, fsdp_piece *p, int *lp, ct_err *e);
 /* Builds the pieces (an error names a layer whose tensors are not
  * contiguous), allocates the shard buffers (zeros: the caller fills
  * f->params with fsdp_take_range), gives back the pages of the full buffers

@@ -7,6 +7,7 @@
 #include "train/trainer_priv.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dist/fsdp.h"
@@ -14,7 +15,7 @@
 #include "dist/tp.h"
 
 /* --dry-run per rank: what FSDP keeps of a rank's local model, cut into
- * pieces as fsdp_init cuts them (fsdp.h) from the same tensor table, with
+ * pieces by fsdp_cut, as fsdp_init cuts them, from the same tensor table, with
  * no communicator: the embedding, each layer (its experts a piece of their
  * own under expert parallel, over n_exp ranks), the head; each piece in
  * slices of ceil(n / its group). */
@@ -30,22 +31,19 @@ static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 static int dry_fsdp_plan(const qwen3_model *m, int n, int n_exp, dry_fsdp *d, ct_err *e) {
     memset(d, 0, sizeof *d);
     int L = m->cfg.n_layers;
-    size_t prev = 0;
+    fsdp_piece *p = ct_calloc(2 * (size_t)L + 2, sizeof *p);
+    int *lp = ct_calloc((size_t)L + 1, sizeof(int));
+    int np = fsdp_cut(m, n_exp > 0, p, lp, e); /* fsdp_init's own cut */
+    for (int i = 0; i < np; i++) d->shard += ceil_div(p[i].n, (size_t)(p[i].experts ? n_exp : n));
     for (int l = 0; l < L; l++) {
-        size_t lo, hi, ea = 0, eb = 0;
-        int rc = fsdp_layer_range(m, l, &lo, &hi, e);
-        if (rc) return rc;
-        if (l == 0) d->embed = lo;
-        if (n_exp > 0) fsdp_expert_range(m, l, &ea, &eb);
-        if (n_exp > 0 && ea < eb) d->shard += ceil_div(ea - lo, (size_t)n) + ceil_div(eb - ea, (size_t)n_exp);
-        else d->shard += ceil_div(hi - lo, (size_t)n);
-        if (hi - lo > d->layer_max) d->layer_max = hi - lo;
-        d->layers += hi - lo;
-        prev = hi;
+        size_t layer = p[lp[l + 1]].off - p[lp[l]].off;
+        if (layer > d->layer_max) d->layer_max = layer;
+        d->layers += layer;
     }
-    d->head = m->n_params - prev;
-    d->shard += ceil_div(d->embed, (size_t)n) + ceil_div(d->head, (size_t)n);
-    return 0;
+    if (np > 0) d->embed = p[0].n, d->head = p[np - 1].n;
+    free(p);
+    free(lp);
+    return np < 0 ? (e ? e->code : CT_ERR_IO) : 0;
 }
 
 /* Bytes of whole pieces FSDP holds at once (fsdp.c's hooks), the most of:
