@@ -10,11 +10,13 @@
 #include <string.h>
 
 #include "checkpoint/hf.h"
+#include "model/lora.h"
 #include "train/trainer.h"
 
 struct ct_session {
     trainer t;
     ct_err err;
+    long microbatch; /* forward_backward calls since the last optimizer step */
 };
 
 ct_session *ctitan_open(int argc, const char **argv, char *err, int errlen) {
@@ -80,6 +82,7 @@ int ctitan_set_param(ct_session *s, const char *name, const float *in) {
 int ctitan_get_grad(ct_session *s, const char *name, float *out) {
     const qwen3_tensor *t = find(s, name);
     if (!t) return CT_ERR_CONFIG;
+    if (t->frozen) return ct_fail(&s->err, CT_ERR_CONFIG, "%s: frozen: it has no gradient", name);
     memcpy(out, s->t.model.grads + t->offset, t->numel * sizeof(float));
     return 0;
 }
@@ -114,6 +117,9 @@ int ctitan_forward_backward(ct_session *s, const int32_t *tokens, const int32_t 
     int rc = check_batch(s, tokens, labels, B, T);
     if (rc) return rc;
     if (n_valid_total < 1) return ct_fail(&s->err, CT_ERR_CONFIG, "n_valid_total must be positive");
+    /* LoRA dropout: one mask set per optimizer step and micro-batch of it, as the trainer draws them */
+    s->t.model.lora_seed = ((uint64_t)s->t.cfg.seed * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)(s->t.step + 1) << 20) ^
+                           (uint64_t)s->microbatch++;
     double l = qwen3_forward_backward(&s->t.model, tokens, labels, B, T, 1.0f / (float)n_valid_total, NULL);
     if (loss_sum) *loss_sum = l;
     return 0;
@@ -126,6 +132,7 @@ int ctitan_aux_loss(const ct_session *s, double *aux) {
 
 int ctitan_optimizer_step(ct_session *s, double *grad_norm, double *lr) {
     trainer_optimizer_step(&s->t, grad_norm, lr);
+    s->microbatch = 0;
     return 0;
 }
 
@@ -133,4 +140,15 @@ int ctitan_save_hf(ct_session *s, const char *dir, const char *dtype) {
     int dt = hf_dtype_from_name(dtype ? dtype : "float32");
     if (dt < 0) return ct_fail(&s->err, CT_ERR_CONFIG, "unknown dtype \"%s\" (float32, bfloat16, float16)", dtype);
     return hf_save(&s->t.model, dir, (ct_dtype)dt, 0, &s->err);
+}
+
+int ctitan_save_adapter(ct_session *s, const char *dir) {
+    if (s->t.cfg.lora_rank <= 0) return ct_fail(&s->err, CT_ERR_CONFIG, "save_adapter: the session has no LoRA (lora.rank = 0)");
+    return trainer_save_adapter(&s->t, dir, &s->err);
+}
+
+int ctitan_merge_adapter(ct_session *s) {
+    if (s->t.cfg.lora_rank <= 0) return ct_fail(&s->err, CT_ERR_CONFIG, "merge_adapter: the session has no LoRA (lora.rank = 0)");
+    lora_merge(&s->t.model);
+    return 0;
 }

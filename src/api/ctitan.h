@@ -49,7 +49,14 @@ int ctitan_aux_loss(const ct_session *s, double *aux);
  * Outputs (may be NULL): the pre-clip global grad norm and the lr used. */
 int ctitan_optimizer_step(ct_session *s, double *grad_norm, double *lr);
 
-/* Writes a Hugging Face model directory (config.json + safetensors). */
+/* Writes a Hugging Face model directory (config.json + safetensors): the
+ * base model alone; a LoRA session's adapters are not in it (merge first). */
 int ctitan_save_hf(ct_session *s, const char *dir, const char *dtype);
+/* LoRA sessions: writes a PEFT adapter directory (adapter_config.json +
+ * adapter_model.safetensors) that peft.PeftModel.from_pretrained loads. */
+int ctitan_save_adapter(ct_session *s, const char *dir);
+/* LoRA sessions: folds the adapters into the base weights (W += scale B A)
+ * and zeroes B, as PEFT's merge_and_unload; save_hf then writes the merged model. */
+int ctitan_merge_adapter(ct_session *s);
 
 #endif

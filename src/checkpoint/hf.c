@@ -45,6 +45,7 @@ int hf_load_each(const qwen3_model *m, const char *dir, const qwen3_sink *sink, 
     float *buf = ct_malloc(most * sizeof(float)); /* [block] rows converted to fp32 a block at a time */
     for (int i = 0; i < m->n_tensors && !rc; i++) {
         const qwen3_tensor *t = &m->tensors[i];
+        if (t->lora) continue; /* adapters are not part of an HF model (model/lora.h loads them) */
         const char *file = NULL;
         const st_tensor *st = st_set_find(s, t->name, &file);
         if (!st) {
@@ -91,8 +92,11 @@ int hf_save(const qwen3_model *m, const char *dir, ct_dtype dtype, size_t max_sh
     int rc = ct_mkdirs(dir, e);
     if (rc) return rc;
     st_wtensor *ts = ct_calloc((size_t)m->n_tensors, sizeof *ts);
-    for (int i = 0; i < m->n_tensors; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
+    int n = 0;
+    for (int j = 0; j < m->n_tensors; j++) {
+        const qwen3_tensor *t = &m->tensors[j];
+        if (t->lora) continue; /* an HF model has no adapters: the base alone (to fold them in: lora_merge first) */
+        int i = n++;
         ts[i].name = t->name;
         ts[i].dtype = dtype;
         ts[i].src_dtype = CT_F32;
@@ -103,7 +107,7 @@ int hf_save(const qwen3_model *m, const char *dir, ct_dtype dtype, size_t max_sh
     }
     const char *meta[] = {"format", "pt", NULL};
     if (max_shard_bytes == 0) max_shard_bytes = (size_t)5 << 30;
-    rc = st_write_dir(dir, ts, m->n_tensors, max_shard_bytes, meta, e);
+    rc = st_write_dir(dir, ts, n, max_shard_bytes, meta, e);
     free(ts);
     if (rc) return rc;
     char path[4096];

@@ -35,6 +35,8 @@ typedef struct {
     double lo, hi;
     const char *const *choices; /* CFG_ENUM, NULL-terminated */
     const char *help;
+    int list; /* CFG_STR holding a list: a TOML array of strings, or "a,b,c" on the command line,
+                 kept comma-joined (cfg_list_next walks it) */
 } cfg_option;
 
 static const char *const cfg_specs[] = {"qwen3", "hf", NULL};
@@ -46,6 +48,7 @@ static const char *const cfg_text_splits[] = {"line", "paragraph", "file", NULL}
 static const char *const cfg_ac_modes[] = {"none", "selective", "full", NULL};
 static const char *const cfg_reshard_modes[] = {"default", "always", "never", NULL};
 static const char *const cfg_mp_dtypes[] = {"float32", "bfloat16", NULL};
+static const char *const cfg_frozen_dtypes[] = {"float32", "bfloat16", NULL};
 
 #define OPT(sec, k, ty, field, d, ...) \
     {.section = sec, .key = k, .type = ty, .off = offsetof(ct_config, field), .def = d, __VA_ARGS__}
@@ -120,6 +123,30 @@ static const cfg_option cfg_options[] = {
         .choices = cfg_mp_dtypes,
         .help = "bfloat16: every linear rounds its inputs to bf16 and sums in fp32; weights, AdamW "
                 "moments, norms, attention, softmax and loss stay fp32"),
+    OPT("training", "freeze", CFG_STR, freeze, "", .list = 1,
+        .help = "tensors not to train: HF names with * wildcards (e.g. [\"model.embed_tokens.weight\", "
+                "\"model.layers.*.self_attn.*\"]); no gradient, no AdamW moments, no weight decay"),
+    OPT("training", "frozen_dtype", CFG_ENUM, frozen_dtype, "float32", .choices = cfg_frozen_dtypes,
+        .help = "storage of frozen tensors (bfloat16: not implemented yet, rejected)"),
+
+    OPT("lora", "rank", CFG_INT, lora_rank, "0", .range = CFG_GE, .lo = 0,
+        .help = "LoRA rank r; 0: no LoRA. With r > 0 the base model is frozen and only the adapters "
+                "(and lora.modules_to_save) train"),
+    OPT("lora", "alpha", CFG_DBL, lora_alpha, "8", .range = CFG_GT, .lo = 0,
+        .help = "LoRA alpha: the adapter's output is scaled by alpha / r (alpha / sqrt(r) with use_rslora)"),
+    OPT("lora", "dropout", CFG_DBL, lora_dropout, "0", .range = CFG_GE | CFG_LT, .lo = 0, .hi = 1,
+        .help = "dropout on the adapters' input (deterministic from training.seed, the step and the micro-batch)"),
+    OPT("lora", "target_modules", CFG_STR, lora_targets, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        .list = 1, .help = "HF module names that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj "
+                           "down_proj; MoE experts are not adapted)"),
+    OPT("lora", "use_rslora", CFG_BOOL, lora_rslora, "false",
+        .help = "rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r"),
+    OPT("lora", "modules_to_save", CFG_STR, lora_modules_to_save, "", .list = 1,
+        .help = "base modules trained in full beside the adapters and saved with them (embed_tokens, "
+                "lm_head, norm, input_layernorm, post_attention_layernorm, q_norm, k_norm)"),
+    OPT("lora", "adapter_path", CFG_STR, lora_adapter_path, "",
+        .help = "a PEFT adapter directory to start from (adapter_config.json + adapter_model.safetensors) "
+                "instead of the fresh initialisation"),
 
     OPT("checkpoint", "enable", CFG_BOOL, ckpt_enable, "false", .help = "save checkpoints"),
     OPT("checkpoint", "folder", CFG_STR, ckpt_folder, "checkpoint",
@@ -377,6 +404,37 @@ static int cfg_store_str(ct_config *c, const cfg_option *o, const char *s, const
     return 0;
 }
 
+/* A TOML array of strings into a list option, comma-joined; a comma inside
+ * an item could not be told from the separator, so it is refused. */
+static int cfg_store_list(ct_config *c, const cfg_option *o, const toml_value *v, const char *where, ct_err *e) {
+    size_t len = 1;
+    for (int i = 0; i < v->n_items; i++) {
+        const toml_value *it = &v->items[i];
+        if (it->kind != TOML_STRING || !it->s[0] || strchr(it->s, ','))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: item %d: expected a non-empty string without commas", where,
+                           o->section, o->key, i + 1);
+        len += strlen(it->s) + 1;
+    }
+    char *joined = ct_malloc(len), *p = joined;
+    *p = '\0';
+    for (int i = 0; i < v->n_items; i++) p += sprintf(p, "%s%s", i ? "," : "", v->items[i].s);
+    int rc = cfg_store_str(c, o, joined, where, e);
+    free(joined);
+    return rc;
+}
+
+const char *cfg_list_next(const char *list, char *item, size_t cap) {
+    if (!list) return NULL;
+    while (*list == ',' || *list == ' ') list++;
+    if (!*list) return NULL;
+    size_t n = strcspn(list, ",");
+    size_t k = n < cap - 1 ? n : cap - 1;
+    memcpy(item, list, k);
+    while (k > 0 && item[k - 1] == ' ') k--;
+    item[k] = '\0';
+    return list + n;
+}
+
 static const char *cfg_type_name(cfg_type t) {
     switch (t) {
     case CFG_STR: return "string";
@@ -451,6 +509,7 @@ static int cfg_set_toml(ct_config *c, const cfg_option *o, const toml_value *v,
     case CFG_STR:
     case CFG_ENUM:
         if (v->kind == TOML_STRING) return cfg_store_str(c, o, v->s, where, e);
+        if (o->list && v->kind == TOML_ARRAY) return cfg_store_list(c, o, v, where, e);
         want = o->type == CFG_ENUM ? "a string" : "a string (in quotes)";
         break;
     case CFG_BOOL:
@@ -819,6 +878,18 @@ void cfg_write_toml(const ct_config *c, FILE *out) {
         fprintf(out, "%s = ", o->key);
         switch (o->type) {
         case CFG_STR:
+            if (o->list) {
+                char item[512];
+                fputc('[', out);
+                int first = 1;
+                for (const char *p = *(char *const *)f; (p = cfg_list_next(p, item, sizeof item)); first = 0) {
+                    if (!first) fputs(", ", out);
+                    cfg_write_string(item, out);
+                }
+                fputc(']', out);
+                break;
+            }
+            /* fall through */
         case CFG_ENUM: cfg_write_string(*(char *const *)f ? *(char *const *)f : "", out); break;
         case CFG_INT: fprintf(out, "%d", *(const int *)f); break;
         case CFG_I64: fprintf(out, "%" PRId64, *(const int64_t *)f); break;

@@ -49,6 +49,16 @@ typedef struct {
     int deterministic;        /* false */
     int threads;              /* 0 = OMP_NUM_THREADS or all cores */
     char *mixed_precision_param; /* "float32" | "bfloat16": dtype of the matmul inputs (fp32 sums, fp32 master weights) */
+    char *freeze;             /* "": list (comma-joined) of HF tensor-name patterns with * not to train */
+    char *frozen_dtype;       /* "float32" | "bfloat16" (not implemented yet) */
+    /* [lora] (model/lora.h) */
+    int lora_rank;            /* 0: off */
+    double lora_alpha;        /* 8 */
+    double lora_dropout;      /* 0 */
+    char *lora_targets;       /* list: "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj" */
+    int lora_rslora;          /* false */
+    char *lora_modules_to_save; /* list: "" */
+    char *lora_adapter_path;  /* "": fresh initialisation */
     /* [checkpoint] */
     int ckpt_enable;          /* false */
     char *ckpt_folder;        /* "checkpoint" (relative to dump_folder) */
@@ -111,6 +121,10 @@ int cfg_set(ct_config *c, const char *name, const char *value, ct_err *e);
 /* Cross-field checks (global batch a multiple of local, ...). Called by
  * cfg_parse_args too. */
 int cfg_validate(const ct_config *c, ct_err *e);
+
+/* Walks a list option ("a,b,c"): copies the next item into item[cap] and
+ * returns where to continue, or NULL after the last one. */
+const char *cfg_list_next(const char *list, char *item, size_t cap);
 
 /* Every option with its type, default and help, grouped by section. */
 void cfg_print_help(FILE *out);

@@ -146,7 +146,8 @@ void op_moe_experts_fwd(float *out, float *gate, float *up, float *h, float *wor
                         const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
                         const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
 /* Backward from the forward's gate, up, h and metadata (no re-routing):
- * dx[N,H], dwg, dwu, dwd += ...; dtopw[N*k] = d/d topw (overwritten). */
+ * dx[N,H], dwg, dwu, dwd += ...; dtopw[N*k] = d/d topw (overwritten). A NULL
+ * weight gradient (frozen experts) is skipped, with its product. */
 void op_moe_experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
                         const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
                         const float *up, const float *h, const int32_t *perm, const int32_t *pos,

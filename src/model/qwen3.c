@@ -41,7 +41,27 @@ static void add_tensor(qwen3_model *m, int *cap, const char *name, int64_t d0, i
     m->n_params += t->numel;
 }
 
-/* The tensor table, in HF names, ordered by layer so each layer is contiguous. */
+/* Projection p's input and output widths, and its module path in a layer. */
+static void lora_dims(const qwen3_config *c, int p, int64_t *in, int64_t *out) {
+    int64_t H = c->hidden, I = c->intermediate, qd = (int64_t)c->n_heads * c->head_dim;
+    int64_t kvd = (int64_t)c->n_kv_heads * c->head_dim;
+    static const int in_kind[QWEN3_LORA_N] = {0, 0, 0, 1, 0, 0, 2}, out_kind[QWEN3_LORA_N] = {1, 3, 3, 0, 2, 2, 0};
+    const int64_t w[4] = {H, qd, I, kvd};
+    *in = w[in_kind[p]];
+    *out = w[out_kind[p]];
+}
+static const char *const lora_module[QWEN3_LORA_N] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                      "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                                      "mlp.down_proj"};
+
+int qwen3_lora_on(const qwen3_config *c, int l, int p) {
+    if (c->lora_rank <= 0 || !(c->lora_targets & (1u << p))) return 0;
+    return p <= QWEN3_LORA_O || !qwen3_layer_is_moe(c, l);
+}
+
+/* The tensor table, in HF names, ordered by layer so each layer is contiguous
+ * (a layer's LoRA adapters last among its tensors, PEFT's names without
+ * PEFT's "base_model.model." prefix). */
 static void build_layout(qwen3_model *m) {
     const qwen3_config *c = &m->cfg;
     int cap = 0;
@@ -74,39 +94,83 @@ static void build_layout(qwen3_model *m) {
                     int held = !c->expert_rows || (x >= c->expert0 && x < c->expert0 + c->expert_rows);
                     T_(sfx, held ? (p < 2 ? Im : H) : 0, p < 2 ? H : Im, 1);
                 }
-            continue;
+        } else {
+            T_("mlp.gate_proj.weight", I, H, 1);
+            T_("mlp.up_proj.weight", I, H, 1);
+            T_("mlp.down_proj.weight", H, I, 1);
         }
-        T_("mlp.gate_proj.weight", I, H, 1);
-        T_("mlp.up_proj.weight", I, H, 1);
-        T_("mlp.down_proj.weight", H, I, 1);
+        for (int p = 0; p < QWEN3_LORA_N; p++) {
+            if (!qwen3_lora_on(c, l, p)) continue;
+            int64_t in, out;
+            char sfx[64];
+            lora_dims(c, p, &in, &out);
+            snprintf(sfx, sizeof sfx, "%s.lora_A.weight", lora_module[p]);
+            T_(sfx, c->lora_rank, in, 1);
+            m->tensors[m->n_tensors - 1].lora = 1;
+            snprintf(sfx, sizeof sfx, "%s.lora_B.weight", lora_module[p]);
+            T_(sfx, out, c->lora_rank, 1);
+            m->tensors[m->n_tensors - 1].lora = 1;
+        }
 #undef T_
     }
     add_tensor(m, &cap, "model.norm.weight", H, 0, 0);
     if (!c->tie_embeddings) add_tensor(m, &cap, "lm_head.weight", c->vocab_rows ? c->vocab_rows : c->vocab_size, H, 1);
 }
 
-/* Points a weights view at a flat buffer; relies on build_layout's order. */
-static void bind_weights(qwen3_weights *w, const qwen3_model *m, float *base) {
+/* Points a weights view at a flat buffer; relies on build_layout's order.
+ * grads: the gradient view, where a frozen tensor has no pointer (NULL). */
+static void bind_weights(qwen3_weights *w, const qwen3_model *m, float *base, int grads) {
     const qwen3_tensor *t = m->tensors;
-    w->wte = base + (t++)->offset;
+#define AT(tt) (grads && (tt)->frozen ? NULL : base + (tt)->offset)
+    w->wte = AT(t);
+    t++;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         qwen3_layer_w *lw = &w->layer[l];
         float **slots[] = {&lw->ln1, &lw->wq, &lw->wk, &lw->wv, &lw->wo, &lw->qn,
                            &lw->kn,  &lw->ln2, &lw->wg, &lw->wu, &lw->wd};
         int moe = qwen3_layer_is_moe(&m->cfg, l), E = m->cfg.n_experts;
-        for (size_t i = 0; i < (moe ? 8 : sizeof slots / sizeof slots[0]); i++) *slots[i] = base + (t++)->offset;
+        for (size_t i = 0; i < (moe ? 8 : sizeof slots / sizeof slots[0]); i++, t++) *slots[i] = AT(t);
         if (moe) {
-            lw->router = base + (t++)->offset;
-            lw->ewg = base + t->offset;
+            lw->router = AT(t);
+            t++;
+            lw->ewg = AT(t);
             t += E;
-            lw->ewu = base + t->offset;
+            lw->ewu = AT(t);
             t += E;
-            lw->ewd = base + t->offset;
+            lw->ewd = AT(t);
             t += E;
         }
+        for (int p = 0; p < QWEN3_LORA_N; p++) {
+            lw->lora_a[p] = lw->lora_b[p] = NULL;
+            if (!qwen3_lora_on(&m->cfg, l, p)) continue;
+            lw->lora_a[p] = AT(t);
+            t++;
+            lw->lora_b[p] = AT(t);
+            t++;
+        }
     }
-    w->lnf = base + (t++)->offset;
-    w->lm_head = m->cfg.tie_embeddings ? w->wte : base + t->offset;
+    w->lnf = AT(t);
+    t++;
+    w->lm_head = m->cfg.tie_embeddings ? w->wte : AT(t);
+#undef AT
+}
+
+int qwen3_bind_frozen(qwen3_model *m, ct_err *e) {
+    m->n_frozen = 0;
+    for (int i = 0; i < m->n_tensors; i++) m->n_frozen += m->tensors[i].frozen != 0;
+    /* the grouped experts kernels take a projection's E experts as one block */
+    for (int i = 0; i < m->n_tensors; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        if (!strstr(t->name, ".mlp.experts.0.")) continue;
+        for (int j = i + 1; j < i + m->cfg.n_experts && j < m->n_tensors; j++)
+            if (m->tensors[j].frozen != t->frozen)
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: a MoE layer's experts of one projection are trained or frozen together, but %s "
+                               "is %s",
+                               m->tensors[j].name, t->name, t->frozen ? "frozen" : "trained");
+    }
+    if (m->g.layer) bind_weights(&m->g, m, m->grads, 1);
+    return 0;
 }
 
 /* ------------------------------------------------------ activation plan */
@@ -178,6 +242,9 @@ static void plan_activations(qwen3_model *m, carver *cv, const int *ac) {
     a->name = ac[l] == QWEN3_AC_NONE || (ac[l] == QWEN3_AC_OP && (keep)) ? carve(cv, n) : sc->name;
         LAYER_ACTS(OWN)
 #undef OWN
+        /* LoRA's [BT, r] products are small: every layer keeps its own (a recomputation rewrites the same bits) */
+        for (int p = 0; p < QWEN3_LORA_N; p++)
+            a->lora_u[p] = qwen3_lora_on(c, l, p) ? carve(cv, BT * (size_t)c->lora_rank) : NULL;
         /* the routing is small next to the experts' activations: rerun only under full recomputation */
         if (a->moe && ac[l] != QWEN3_AC_FULL)
             carve_route(cv, &a->route, m->B * m->T, E, c->top_k);
@@ -190,6 +257,13 @@ static void plan_activations(qwen3_model *m, carver *cv, const int *ac) {
         m->moe_dtopw = carve(cv, (size_t)Nk);
         m->moe_dprobs = carve(cv, BT * E);
         m->moe_dprob_all = carve(cv, (size_t)E);
+    }
+    if (c->lora_rank > 0) {
+        m->lora_du = carve(cv, BT * (size_t)c->lora_rank);
+        size_t kmax = H > qd ? H : qd;
+        kmax = kmax > (size_t)c->intermediate ? kmax : (size_t)c->intermediate;
+        m->lora_x = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
+        m->lora_dx = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
     }
     m->res_out = carve(cv, BT * H);
     m->lnf = carve(cv, BT * H);
@@ -281,8 +355,8 @@ int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const c
     m->grads = ct_calloc(m->n_params, sizeof(float));
     m->w.layer = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_w));
     m->g.layer = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_w));
-    bind_weights(&m->w, m, m->params);
-    bind_weights(&m->g, m, m->grads);
+    bind_weights(&m->w, m, m->params, 0);
+    bind_weights(&m->g, m, m->grads, 1);
     m->act_mem = ct_calloc(m->act_floats, sizeof(float));
     carver cv = {m->act_mem, 0};
     plan_activations(m, &cv, ac);
@@ -369,6 +443,7 @@ void qwen3_init_random_each(const qwen3_model *table, uint64_t seed, const qwen3
     float *buf = ct_malloc(most * sizeof(float)); /* [block] a block of rows at a time, in table order */
     for (int i = 0; i < table->n_tensors; i++) {
         const qwen3_tensor *t = &table->tensors[i];
+        if (t->lora) continue; /* adapters have PEFT's init (model/lora.h), and draw nothing from this stream */
         size_t rows = t->numel / qwen3_tensor_cols(t), cols = qwen3_tensor_cols(t), step = qwen3_block_rows(t);
         for (size_t r0 = 0; r0 < rows; r0 += step) { /* row-major: the same draws as one tensor at once */
             size_t r1 = r0 + step < rows ? r0 + step : rows;
@@ -432,6 +507,81 @@ static void reduce_d_input(qwen3_model *m, float *d, size_t n) {
     if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, d, n);
 }
 
+/* ------------------------------------------------------------------ LoRA */
+
+/* The adapter's input: x itself, or in a training forward with dropout,
+ * drop(x) = x * keep / (1 - p) in m->lora_x. The mask is a hash of
+ * (lora_seed, layer, projection, element), so a recomputation and the
+ * backward rebuild it without storing it, and a resumed run replays it. */
+static uint64_t lora_mix(uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static uint64_t lora_key(const qwen3_model *m, int l, int p) {
+    return lora_mix(m->lora_seed ^ lora_mix(((uint64_t)l << 8) | (uint64_t)p));
+}
+/* Element i survives when its hash's top 24 bits are at or above p 2^24. */
+static int lora_kept(uint64_t key, size_t i, uint32_t cut) { return (uint32_t)(lora_mix(key + i) >> 40) >= cut; }
+static uint32_t lora_cut(const qwen3_model *m) { return (uint32_t)((double)m->cfg.lora_dropout * 16777216.0); }
+
+static const float *lora_input(qwen3_model *m, int l, int p, const float *x, size_t n) {
+    if (!(m->cfg.lora_dropout > 0) || !m->lora_train) return x;
+    uint64_t key = lora_key(m, l, p);
+    uint32_t cut = lora_cut(m);
+    float keep = 1.0f / (1.0f - m->cfg.lora_dropout);
+    float *d = m->lora_x;
+    long nn = (long)n;
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < nn; i++) d[i] = lora_kept(key, (size_t)i, cut) ? x[i] * keep : 0.0f;
+    return d;
+}
+
+/* y[BT, N] += B (scale A drop(x[BT, K])): PEFT's LoRA branch beside the
+ * linear of projection p in layer l; u[BT, r] keeps scale A drop(x). */
+static void lora_fwd(qwen3_model *m, int l, int p, float *y, float *u, const float *x, const qwen3_layer_w *w, int BT,
+                     int K, int N) {
+    int r = m->cfg.lora_rank;
+    const float *xd = lora_input(m, l, p, x, (size_t)BT * K);
+    m->k.matmul_fwd(u, xd, w->lora_a[p], BT, K, r, 0);
+    float sc = m->cfg.lora_scale;
+    for (size_t i = 0; i < (size_t)BT * r; i++) u[i] *= sc;
+    m->k.matmul_fwd(y, u, w->lora_b[p], BT, r, N, 1);
+}
+
+/* Its backward from dy[BT, N]: dB += dy^T u, dA += du^T drop(x), dx += (du A)
+ * through the dropout, du = scale dy B. dA, dB NULL: frozen adapters. */
+static void lora_bwd(qwen3_model *m, int l, int p, float *dx, const float *dy, const float *u, const float *x, int BT,
+                     int K, int N) {
+    const qwen3_layer_w *w = &m->w.layer[l];
+    qwen3_layer_w *g = &m->g.layer[l];
+    int r = m->cfg.lora_rank;
+    size_t n = (size_t)BT * K;
+    float *du = m->lora_du; /* [BT, r] */
+    memset(du, 0, (size_t)BT * r * sizeof(float));
+    m->k.matmul_bwd(du, g->lora_b[p], dy, u, w->lora_b[p], BT, r, N);
+    float sc = m->cfg.lora_scale;
+    for (size_t i = 0; i < (size_t)BT * r; i++) du[i] *= sc;
+    const float *xd = lora_input(m, l, p, x, n);
+    if (xd == x) {
+        m->k.matmul_bwd(dx, g->lora_a[p], du, x, w->lora_a[p], BT, K, r);
+        return;
+    }
+    float *dxd = m->lora_dx, keep = 1.0f / (1.0f - m->cfg.lora_dropout);
+    memset(dxd, 0, n * sizeof(float));
+    m->k.matmul_bwd(dxd, g->lora_a[p], du, xd, w->lora_a[p], BT, K, r);
+    uint64_t key = lora_key(m, l, p);
+    uint32_t cut = lora_cut(m);
+    long nn = (long)n;
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < nn; i++) /* d drop(x) / dx: 1 / (1 - p) where the mask kept x, 0 where it dropped it */
+        if (lora_kept(key, (size_t)i, cut)) dx[i] += dxd[i] * keep;
+}
+
+/* Whether projection p of layer l has an adapter (its A is bound). */
+#define LORA(w, p) ((w)->lora_a[p] != NULL)
+
 /* One layer's forward from a->res: fills the layer's activations and, unless
  * res_next is NULL (recomputation before backward, where the next layer's
  * input is already known), writes the residual leaving the layer. */
@@ -448,18 +598,22 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
     m->k.matmul_fwd(a->q, a->ln1, w->wq, BT, H, qd, 0);
     m->k.matmul_fwd(a->k, a->ln1, w->wk, BT, H, kvd, 0);
     m->k.matmul_fwd(a->v, a->ln1, w->wv, BT, H, kvd, 0);
+    int l = (int)(a - m->acts);
+    if (LORA(w, QWEN3_LORA_Q)) lora_fwd(m, l, QWEN3_LORA_Q, a->q, a->lora_u[QWEN3_LORA_Q], a->ln1, w, BT, H, qd);
+    if (LORA(w, QWEN3_LORA_K)) lora_fwd(m, l, QWEN3_LORA_K, a->k, a->lora_u[QWEN3_LORA_K], a->ln1, w, BT, H, kvd);
+    if (LORA(w, QWEN3_LORA_V)) lora_fwd(m, l, QWEN3_LORA_V, a->v, a->lora_u[QWEN3_LORA_V], a->ln1, w, BT, H, kvd);
     /* per-head q/k RMSNorm then RoPE, fused: one pass over q and k */
     m->k.qknorm_rope_fwd(a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd, eps);
     m->k.qknorm_rope_fwd(a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd, eps);
     m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
     residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H); /* res_mid = res + o_proj(att) */
+    if (LORA(w, QWEN3_LORA_O)) lora_fwd(m, l, QWEN3_LORA_O, a->res_mid, a->lora_u[QWEN3_LORA_O], a->att, w, BT, qd, H);
     /* MLP block */
     m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
     if (a->moe) {
         /* sparse: route, then the experts kernel adds sum_j w_j expert_j(ln2) onto res_mid */
         int E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
         moe_route *r = &a->route;
-        int l = (int)(a - m->acts);
         moe_route_fwd(&m->k, r, a->ln2, w->router, m->moe_bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
         /* Under tensor parallelism every expert holds this rank's slice of
          * moe_intermediate, so its output is a partial sum: it goes to a
@@ -484,9 +638,14 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
     }
     m->k.matmul_fwd(a->gate, a->ln2, w->wg, BT, H, I, 0);
     m->k.matmul_fwd(a->up, a->ln2, w->wu, BT, H, I, 0);
+    if (LORA(w, QWEN3_LORA_GATE))
+        lora_fwd(m, l, QWEN3_LORA_GATE, a->gate, a->lora_u[QWEN3_LORA_GATE], a->ln2, w, BT, H, I);
+    if (LORA(w, QWEN3_LORA_UP)) lora_fwd(m, l, QWEN3_LORA_UP, a->up, a->lora_u[QWEN3_LORA_UP], a->ln2, w, BT, H, I);
     m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
-    if (!res_next) return;
+    if (!res_next) return; /* a recomputation: the down adapter's u was kept */
     residual_matmul(m, res_next, a->res_mid, a->h, w->wd, BT, I, H);
+    if (LORA(w, QWEN3_LORA_DOWN))
+        lora_fwd(m, l, QWEN3_LORA_DOWN, res_next, a->lora_u[QWEN3_LORA_DOWN], a->h, w, BT, I, H);
 }
 
 /* Before a checkpointed layer's backward: rebuild what it did not keep, with
@@ -633,6 +792,7 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     const float *cs = m->rope_cos, *sn = m->rope_sin;
     m->moe_count_tokens = 1; /* training forwards feed load_balance_coeff's counts */
+    m->lora_train = 1;       /* and LoRA's dropout */
     forward_stack(m, tokens, B, T);
     m->moe_count_tokens = 0;
 
@@ -667,12 +827,18 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
             /* res_next = res_mid + down(h): d_res flows to res_mid unchanged, plus the MLP path */
             zero(m->d_h, (size_t)BT * I);
             m->k.matmul_bwd(m->d_h, g->wd, m->d_res, a->h, w->wd, BT, I, H);
+            if (LORA(w, QWEN3_LORA_DOWN))
+                lora_bwd(m, l, QWEN3_LORA_DOWN, m->d_h, m->d_res, a->lora_u[QWEN3_LORA_DOWN], a->h, BT, I, H);
             zero(m->d_gate, (size_t)BT * I);
             zero(m->d_up, (size_t)BT * I);
             m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
             zero(m->d_ln, (size_t)BT * H);
             m->k.matmul_bwd(m->d_ln, g->wg, m->d_gate, a->ln2, w->wg, BT, H, I);
             m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, a->ln2, w->wu, BT, H, I);
+            if (LORA(w, QWEN3_LORA_GATE))
+                lora_bwd(m, l, QWEN3_LORA_GATE, m->d_ln, m->d_gate, a->lora_u[QWEN3_LORA_GATE], a->ln2, BT, H, I);
+            if (LORA(w, QWEN3_LORA_UP))
+                lora_bwd(m, l, QWEN3_LORA_UP, m->d_ln, m->d_up, a->lora_u[QWEN3_LORA_UP], a->ln2, BT, H, I);
             reduce_d_input(m, m->d_ln, (size_t)BT * H);
         }
         m->k.rmsnorm_bwd(m->d_res, g->ln2, m->d_ln, a->res_mid, w->ln2, a->ln2_rstd, BT, H);
@@ -680,6 +846,8 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         /* res_mid = res + o_proj(att) */
         zero(m->d_att, (size_t)BT * qd);
         m->k.matmul_bwd(m->d_att, g->wo, m->d_res, a->att, w->wo, BT, qd, H);
+        if (LORA(w, QWEN3_LORA_O))
+            lora_bwd(m, l, QWEN3_LORA_O, m->d_att, m->d_res, a->lora_u[QWEN3_LORA_O], a->att, BT, qd, H);
         zero(m->d_q, (size_t)BT * qd);
         zero(m->d_k, (size_t)BT * kvd);
         zero(m->d_v, (size_t)BT * kvd);
@@ -695,10 +863,17 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         m->k.matmul_bwd(m->d_ln, g->wq, m->d_q2, a->ln1, w->wq, BT, H, qd);
         m->k.matmul_bwd(m->d_ln, g->wk, m->d_k2, a->ln1, w->wk, BT, H, kvd);
         m->k.matmul_bwd(m->d_ln, g->wv, m->d_v, a->ln1, w->wv, BT, H, kvd);
+        if (LORA(w, QWEN3_LORA_Q))
+            lora_bwd(m, l, QWEN3_LORA_Q, m->d_ln, m->d_q2, a->lora_u[QWEN3_LORA_Q], a->ln1, BT, H, qd);
+        if (LORA(w, QWEN3_LORA_K))
+            lora_bwd(m, l, QWEN3_LORA_K, m->d_ln, m->d_k2, a->lora_u[QWEN3_LORA_K], a->ln1, BT, H, kvd);
+        if (LORA(w, QWEN3_LORA_V))
+            lora_bwd(m, l, QWEN3_LORA_V, m->d_ln, m->d_v, a->lora_u[QWEN3_LORA_V], a->ln1, BT, H, kvd);
         reduce_d_input(m, m->d_ln, (size_t)BT * H);
         m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, w->ln1, a->ln1_rstd, BT, H);
         if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
     }
-    m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);
+    if (m->g.wte) m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);
+    m->lora_train = 0;
     return loss_sum;
 }

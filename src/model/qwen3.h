@@ -59,7 +59,21 @@ typedef struct {
      * keep their names in the table with no elements, so tables of every
      * rank line up by index. The router stays whole. 0: every expert. */
     int expert_rows, expert0;
+    /* LoRA adapters (model/lora.h; PEFT's LoraLayer): the linears whose bit
+     * is set in lora_targets (1 << QWEN3_LORA_*) get y += scale B(A(drop(x))).
+     * lora_rank 0: none. Not written to config.json. */
+    int lora_rank;
+    unsigned lora_targets;
+    float lora_scale;   /* alpha / r, or alpha / sqrt(r) (use_rslora) */
+    float lora_dropout; /* probability; training forwards only */
 } qwen3_config;
+
+/* The projections LoRA can adapt, in the tensor table's order within a layer. */
+enum { QWEN3_LORA_Q, QWEN3_LORA_K, QWEN3_LORA_V, QWEN3_LORA_O, QWEN3_LORA_GATE, QWEN3_LORA_UP, QWEN3_LORA_DOWN,
+       QWEN3_LORA_N };
+/* Whether layer l has adapters on projection p (MoE layers: attention only,
+ * as PEFT finds no gate/up/down Linear among transformers' fused experts). */
+int qwen3_lora_on(const qwen3_config *c, int l, int p);
 
 /* Whether layer l has the sparse MoE block (0 for every layer of a dense model). */
 int qwen3_layer_is_moe(const qwen3_config *c, int l);
@@ -89,6 +103,8 @@ typedef struct {
     size_t offset;             /* in floats, into the flat buffers */
     size_t numel;
     int is_matrix;             /* init with normal(0, 0.02) rather than ones */
+    int lora;                  /* a LoRA adapter (lora_A / lora_B): not in HF model files, no random init */
+    int frozen;                /* no gradient, no optimizer update (qwen3_bind_frozen) */
 } qwen3_tensor;
 
 /* Pointers to one layer's tensors inside a flat buffer (params or grads). */
@@ -109,6 +125,8 @@ typedef struct {
     float *ewg;    /* [E, Im, H] mlp.experts.{0..E-1}.gate_proj, stacked (E: expert_rows if set) */
     float *ewu;    /* [E, Im, H] up_proj */
     float *ewd;    /* [E, H, Im] down_proj */
+    /* LoRA (NULL where a projection has none): A [r, in], B [out, r] per QWEN3_LORA_* */
+    float *lora_a[QWEN3_LORA_N], *lora_b[QWEN3_LORA_N];
 } qwen3_layer_w;
 
 typedef struct {
@@ -155,6 +173,7 @@ typedef struct {
     /* MoE layers: gate, up, h are [BT*k, Im] in expert order, and the routing: */
     int moe;         /* 1: this layer is sparse */
     moe_route route; /* kept under QWEN3_AC_NONE and _OP; rerun under _FULL */
+    float *lora_u[QWEN3_LORA_N]; /* [BT, r] scale * A drop(x) per adapted projection; always kept (small) */
 } qwen3_layer_acts;
 
 /* Calls around each layer for layouts that move parameters (FSDP gathers a
@@ -237,6 +256,13 @@ typedef struct {
     const qwen3_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by dist/ep.h */
     const int32_t *tokens;  /* of the last forward, for the embedding backward */
     int fwd_B, fwd_T;
+    /* LoRA scratch and dropout (cfg.lora_rank > 0) */
+    float *lora_du;         /* [BT, r] d of an adapter's A output */
+    float *lora_x, *lora_dx; /* [BT, max in] drop(x) and its gradient; only with dropout */
+    uint64_t lora_seed;     /* dropout masks: a hash of (this, layer, projection, element); the trainer
+                               sets it per micro-batch from training.seed and the step */
+    int lora_train;         /* set by forward_backward: dropout applies to training forwards only */
+    int n_frozen;           /* tensors with frozen set */
 } qwen3_model;
 
 /* Builds the tensor table, allocates params/grads and the activation plan for
@@ -292,6 +318,12 @@ qwen3_sink qwen3_copy_sink(qwen3_copy_ctx *ctx, qwen3_model *m, float *exp_avg, 
  * with the whole model's tensor table, e.g. from qwen3_layout). */
 void qwen3_init_random_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s);
 const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name);
+/* After setting tensors[i].frozen: checks the choice and rebinds the
+ * gradient views. A frozen tensor's gradient pointer is NULL, so the
+ * backward skips its weight-gradient product and never touches its part of
+ * m->grads. A MoE layer's experts of one projection freeze together (the
+ * grouped kernels take them as one block): a mix is CT_ERR_CONFIG. */
+int qwen3_bind_frozen(qwen3_model *m, ct_err *e);
 /* Bytes of the activation plan (saved activations, checkpointing scratch,
  * backward scratch, logits block), for the log; params/grads not included. */
 size_t qwen3_activation_bytes(const qwen3_model *m);

@@ -27,6 +27,7 @@
 
 #include "checkpoint/hf.h"
 #include "core/cpu.h"
+#include "model/lora.h"
 #include "core/fs.h"
 #include "core/timer.h"
 
@@ -197,6 +198,72 @@ static void dp_overlap_free(trainer *t) {
 
 int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_dist(t, cfg, NULL, e); }
 
+/* [lora] and training.freeze into the model config: which projections get
+ * adapters, their scale and dropout. Layouts that slice tensors (TP, EP)
+ * would have to slice the adapters with their base projections: not yet. */
+static int setup_finetune(trainer *t, qwen3_config *mc, ct_err *e) {
+    const ct_config *c = &t->cfg;
+    const char *src = trainer_cfg_src(c);
+    int partial = c->lora_rank > 0 || c->freeze[0];
+    if (!strcmp(c->frozen_dtype, "bfloat16"))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: training.frozen_dtype = \"bfloat16\": not implemented yet (frozen tensors are kept in "
+                       "float32)",
+                       src);
+    if (partial && (t->mesh.tp > 1 || t->mesh.ep > 1))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: lora / training.freeze with tensor_parallel_degree %d and expert_parallel_degree %d: "
+                       "not supported yet (data parallel and FSDP are)",
+                       src, t->mesh.tp, t->mesh.ep);
+    if (c->lora_rank <= 0) {
+        if (c->lora_adapter_path[0])
+            return ct_fail(e, CT_ERR_CONFIG, "%s: lora.adapter_path: needs lora.rank > 0", src);
+        return 0;
+    }
+    int rc = lora_parse_targets(c->lora_targets, &mc->lora_targets, src, e);
+    if (rc) return rc;
+    mc->lora_rank = c->lora_rank;
+    mc->lora_scale = lora_scaling(c->lora_alpha, c->lora_rank, c->lora_rslora);
+    mc->lora_dropout = (float)c->lora_dropout;
+    return 0;
+}
+
+/* The runs of trainable floats in the buffers AdamW steps: the model's flat
+ * buffer, or under FSDP this rank's shard (each piece's held part, at its
+ * shard offset), cut down to the tensors that are not frozen. */
+static void build_opt_ranges(trainer *t) {
+    const qwen3_model *m = &t->model;
+    t->n_opt_ranges = -1;
+    if (!m->n_frozen) return;
+    int cap = 16, n = 0;
+    struct trainer_range *r = ct_malloc((size_t)cap * sizeof *r);
+    int pieces = t->fsdp ? t->fsdp->n_pieces : 1;
+    for (int pi = 0; pi < pieces; pi++) {
+        size_t a = 0, b = m->n_params, base = 0; /* flat [a, b) at buffer offset base */
+        if (t->fsdp) {
+            size_t lo, cnt;
+            fsdp_piece_held(t->fsdp, pi, &lo, &cnt);
+            a = t->fsdp->p[pi].off + lo;
+            b = a + cnt;
+            base = t->fsdp->p[pi].shard_off;
+        }
+        for (int i = 0; i < m->n_tensors; i++) {
+            const qwen3_tensor *q = &m->tensors[i];
+            size_t x = q->offset > a ? q->offset : a, y = q->offset + q->numel < b ? q->offset + q->numel : b;
+            if (q->frozen || x >= y) continue;
+            size_t off = base + (x - a);
+            if (n && r[n - 1].off + r[n - 1].n == off) { /* adjacent trainable tensors: one run */
+                r[n - 1].n += y - x;
+                continue;
+            }
+            if (n == cap) r = realloc(r, (size_t)(cap *= 2) * sizeof *r);
+            r[n++] = (struct trainer_range){off, y - x};
+        }
+    }
+    t->opt_ranges = r;
+    t->n_opt_ranges = n;
+}
+
 /* A batch the data-parallel ranks cannot split evenly is a layout error:
  * the run and the dry run reject it alike. */
 int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
@@ -239,8 +306,12 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     int plan_b = t->val_batch > c->local_batch_size ? t->val_batch : c->local_batch_size;
     if (trainer_join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", trainer_cfg_src(c));
+    if ((rc = setup_finetune(t, &mc, e))) return rc;
     if ((rc = qwen3_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     if ((rc = select_kernels(t, e))) return rc;
+    if ((c->lora_rank > 0 || c->freeze[0] || c->lora_modules_to_save[0]) &&
+        (rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e)))
+        return rc;
     /* MoE load-balancing loss: HF adds it per forward; a step is the mean of its micro-batches' */
     t->model.aux_scale = (float)c->local_batch_size / (float)t->global_batch;
     adamw_init(&t->opt, t->model.n_params);
@@ -250,6 +321,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
                      c->min_lr_factor);
 
     rc = trainer_init_weights(t, e);
+    if (!rc) build_opt_ranges(t);
     /* (under expert parallel the replicas hold different experts: trainer_reduce_grads splits the sum) */
     if (!rc && !t->fsdp && t->mesh.dp_replicate > 1 && t->mesh.ep == 1) rc = dp_overlap_init(t, e);
     if (!rc && t->tp) tp_attach(t->tp, &t->model); /* after FSDP's hooks, which it wraps */
@@ -271,6 +343,7 @@ void trainer_free(trainer *t) {
     mesh_free(&t->mesh);
     qwen3_free(&t->model);
     adamw_free(&t->opt);
+    free(t->opt_ranges);
     cfg_free(&t->cfg);
     memset(t, 0, sizeof *t);
 }
@@ -364,11 +437,39 @@ static double clip_by(float *g, size_t n, double sq, double max_norm) {
     return norm;
 }
 
+/* With frozen tensors: clipping and AdamW over the trainable runs only, so
+ * the frozen ones keep their weights bit for bit (no weight decay either)
+ * and their untouched gradient and moment pages are never written. Every
+ * run steps with the same step count, as one AdamW over them all. */
+static double step_ranges(trainer *t, float *P, float *G, double lr) {
+    qwen3_model *m = &t->model;
+    double sq = 0;
+    for (int i = 0; i < t->n_opt_ranges; i++) {
+        double nrm = optim_grad_norm(G + t->opt_ranges[i].off, t->opt_ranges[i].n);
+        sq += nrm * nrm;
+    }
+    if (t->fsdp) comm_allreduce(&t->mesh.shard, &sq, 1, COMM_F64, COMM_SUM);
+    double norm = 0;
+    for (int i = 0; i < t->n_opt_ranges; i++) norm = clip_by(G + t->opt_ranges[i].off, t->opt_ranges[i].n, sq, t->cfg.max_norm);
+    if (!t->n_opt_ranges) norm = sqrt(sq);
+    long step0 = t->opt.step;
+    for (int i = 0; i < t->n_opt_ranges; i++) {
+        const struct trainer_range *r = &t->opt_ranges[i];
+        adamw_state s = {r->n, t->opt.m + r->off, t->opt.v + r->off, step0};
+        m->k.adamw_step(&s, P + r->off, G + r->off, lr, &t->hp);
+        memset(G + r->off, 0, r->n * sizeof(float));
+    }
+    t->opt.step = step0 + 1;
+    return norm;
+}
+
 void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
     qwen3_model *m = &t->model;
     double cur_lr = t->cfg.lr * lr_schedule_factor(&t->sched, t->step);
     double norm;
-    if (t->fsdp) { /* AdamW is elementwise: stepping the slices is stepping the model */
+    if (t->n_opt_ranges >= 0 && !t->tp) {
+        norm = step_ranges(t, t->fsdp ? t->fsdp->params : m->params, t->fsdp ? t->fsdp->grads : m->grads, cur_lr);
+    } else if (t->fsdp) { /* AdamW is elementwise: stepping the slices is stepping the model */
         fsdp *f = t->fsdp;
         norm = t->tp ? clip_tp(t, f->grads, f->shard_n)
                      : clip_sharded(f->grads, f->shard_n, t->cfg.max_norm, &t->mesh.shard);
@@ -617,6 +718,9 @@ int trainer_run(trainer *t, ct_err *e) {
             if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
             if (t->dpo) t->dpo->armed = a == t->grad_accum - 1; /* the gradients are final in the last one */
             if (t->fsdp) t->fsdp->rep_armed = a == t->grad_accum - 1;
+            /* LoRA dropout masks: fixed by (seed, step, data-parallel rank, micro-batch), so resume replays them */
+            m->lora_seed = ((uint64_t)c->seed * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)step << 20) ^
+                           ((uint64_t)t->mesh.dp_rank << 44) ^ (uint64_t)a;
             loss_sum += qwen3_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
             if (t->dpo) t->dpo->armed = 0;
             if (t->fsdp) fsdp_microbatch_end(t->fsdp);
@@ -695,7 +799,16 @@ int trainer_run(trainer *t, ct_err *e) {
     if (t->world->size > 1) /* on the ranks CTITAN_LOG_RANKS shows: what each one needed */
         fprintf(stderr, "ctitan: rank %d of %d: peak memory %.3f GiB\n", t->world->rank, t->world->size,
                 cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0));
-    if (c->last_save_in_hf) {
+    if (c->last_save_in_hf && c->lora_rank > 0) { /* a LoRA run's final output: its PEFT adapter */
+        char dir[4096], sub[64];
+        snprintf(sub, sizeof sub, "step-%d", t->step);
+        if (trainer_join_path(dir, sizeof dir, t->ckpt_folder, sub)) {
+            rc = ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
+            goto out;
+        }
+        rc = trainer_save_adapter(t, dir, e);
+        if (!rc && rank0) fprintf(stderr, "ctitan: saved PEFT adapter to %s\n", dir);
+    } else if (c->last_save_in_hf) {
         char dir[4096], sub[64];
         snprintf(sub, sizeof sub, "step-%d", t->step);
         if (trainer_join_path(path, sizeof path, c->dump_folder, c->ckpt_folder) || trainer_join_path(dir, sizeof dir, path, sub)) {

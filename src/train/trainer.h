@@ -52,6 +52,11 @@ typedef struct {
     double comm_s;    /* seconds in collectives since the last metrics line */
     struct dp_overlap *dpo; /* NULL unless data parallel replicate without FSDP: per-layer all-reduce hooks */
     long overlapped;  /* layer gradient reductions started before the backward ended, since the last metrics line */
+    /* frozen tensors (training.freeze, LoRA): the runs of trainable floats in
+     * the buffers AdamW steps (the model's, or FSDP's shard), built at the
+     * first step; n_opt_ranges -1: nothing frozen, the whole buffer */
+    struct trainer_range { size_t off, n; } *opt_ranges;
+    int n_opt_ranges;
 } trainer;
 
 /* Takes ownership of *cfg (the caller must not free it). Builds the model from
@@ -85,6 +90,10 @@ void trainer_install_signals(void);
  * [parallelism] fixes them all, else 1). The layout is checked as a run
  * checks it (CT_ERR_CONFIG). out NULL: check only, print nothing. */
 int trainer_dry_run(const ct_config *cfg, int world, FILE *out, ct_err *e);
+/* LoRA: the adapters' tensors (and modules_to_save) of the current model as
+ * a PEFT adapter directory (model/lora.h) at dir; files already there stay
+ * (a checkpoint can carry one). Collective. */
+int trainer_save_adapter(trainer *t, const char *dir, ct_err *e);
 /* Builds the model config for cfg (flavor table or HF config.json). */
 int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e);
 

@@ -32,6 +32,7 @@
 #include "core/fs.h"
 #include "core/timer.h"
 #include "formats/safetensors.h"
+#include "model/lora.h"
 
 /* state.json: what a checkpoint needs beyond tensors to continue exactly. */
 static char *state_to_json(const trainer *t, const ds *data) {
@@ -122,13 +123,16 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
     return 0;
 }
 
-/* 1 if DIR is a Hugging Face export (config.json, no manifest): a run's
+/* 1 if DIR is a Hugging Face export (config.json, no manifest) or a LoRA
+ * run's PEFT adapter (adapter_config.json, no manifest): a run's
  * last_save_in_hf output, not a training checkpoint. */
 static int is_hf_export(const char *dir) {
     char p[4200];
     snprintf(p, sizeof p, "%s/manifest.json", dir);
     if (access(p, F_OK) == 0) return 0;
     snprintf(p, sizeof p, "%s/config.json", dir);
+    if (access(p, F_OK) == 0) return 1;
+    snprintf(p, sizeof p, "%s/adapter_config.json", dir);
     return access(p, F_OK) == 0;
 }
 
@@ -298,9 +302,18 @@ static int load_weights(trainer *t, ct_err *e) {
                            "%s: checkpoint.initial_load_path = \"%s\": only Hugging Face safetensors directories "
                            "can be loaded as initial weights; set checkpoint.initial_load_in_hf = true",
                            trainer_cfg_src(c), c->initial_load_path);
-        return hf_load_each(t->load.whole, c->initial_load_path, &t->load.sink, e);
+        rc = hf_load_each(t->load.whole, c->initial_load_path, &t->load.sink, e);
+    } else {
+        qwen3_init_random_each(t->load.whole, (uint64_t)c->seed, &t->load.sink);
     }
-    qwen3_init_random_each(t->load.whole, (uint64_t)c->seed, &t->load.sink);
+    if (rc || c->lora_rank <= 0) return rc;
+    /* LoRA: the adapters start from a PEFT adapter directory, or as PEFT starts them */
+    if (c->lora_adapter_path[0]) {
+        if ((rc = lora_load_peft_each(t->load.whole, c->lora_adapter_path, &t->load.sink, e))) return rc;
+        if (t->world->rank == 0) fprintf(stderr, "ctitan: LoRA adapter loaded from %s\n", c->lora_adapter_path);
+        return 0;
+    }
+    lora_init_each(t->load.whole, (uint64_t)c->seed, &t->load.sink);
     return 0;
 }
 
@@ -422,13 +435,56 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     }
     if (rank0 && t->tp) qwen3_free(&ftab);
     rc = save_outcome(t, rc, "checkpoint", e);
+    if (!rc && t->cfg.lora_rank > 0) { /* a LoRA run's checkpoint is also a PEFT adapter directory; resume reads
+                                         * only the manifest's files */
+        char dir[4200];
+        snprintf(dir, sizeof dir, "%s/step-%d", t->ckpt_folder, t->step);
+        rc = trainer_save_adapter(t, dir, e);
+    }
     if (rc || !rank0) return rc;
     fprintf(stderr, "ctitan: saved %scheckpoint %s: %.1f MiB in %.2f s\n", model_only ? "model-only " : "", info.dir,
             info.bytes / 1048576.0, info.seconds);
+
     ct_err pe = {0};
     if (ckpt_prune(t->ckpt_folder, t->cfg.keep_latest_k, &pe))
         fprintf(stderr, "ctitan: warning: the checkpoint is saved but pruning old ones failed: %s\n", pe.msg);
     return 0;
+}
+
+/* save_gather's put for an adapter: the whole units arrive in table order,
+ * so a running offset finds the saved tensors in them (copied: small). */
+typedef struct {
+    const qwen3_model *fm;
+    size_t pos;
+    float **data; /* [n_tensors] */
+} adapter_ctx;
+
+static int put_adapter(void *ctx, const float *x, size_t n, ct_err *e) {
+    (void)e;
+    adapter_ctx *a = ctx;
+    for (int i = 0; i < a->fm->n_tensors; i++) {
+        const qwen3_tensor *q = &a->fm->tensors[i];
+        if (!lora_saved(q) || q->offset < a->pos || q->offset + q->numel > a->pos + n) continue;
+        a->data[i] = ct_malloc((q->numel ? q->numel : 1) * sizeof(float));
+        memcpy(a->data[i], x + (q->offset - a->pos), q->numel * sizeof(float));
+    }
+    a->pos += n;
+    return 0;
+}
+
+int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
+    const qwen3_model *fm = &t->model; /* TP and EP do not run LoRA: every rank's table is the whole model's */
+    int rank0 = t->world->rank == 0, rc = 0;
+    adapter_ctx a = {fm, 0, ct_calloc((size_t)fm->n_tensors + 1, sizeof(float *))};
+    save_gather(t, fm, 1, put_adapter, &a, &rc, e);
+    const ct_config *c = &t->cfg;
+    const char *base = c->initial_load_path[0] ? c->initial_load_path : c->hf_assets_path;
+    if (rank0 && !rc)
+        rc = lora_save_peft(fm, (const float *const *)a.data, dir, base, c->lora_alpha, c->lora_rslora, c->lora_dropout,
+                            c->lora_modules_to_save, e);
+    for (int i = 0; i < fm->n_tensors; i++) free(a.data[i]);
+    free(a.data);
+    return save_outcome(t, rc, "PEFT adapter", e);
 }
 
 /* The final HF save, written to a temp dir and renamed into place so a kill

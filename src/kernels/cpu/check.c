@@ -569,6 +569,17 @@ static void case_moe(chk_case *c, const kern_impl *ref, const kern_impl *im, con
     part(c, "dwu+=", rel_err(du2, du1, nw));
     part(c, "dwd+=", rel_err(dd2, dd1, nw));
     part(c, "dtopw", rel_err(dt2, dt1, S));
+    /* frozen experts: no weight gradients, the same dx and dtopw as with them */
+    float *dx3 = dup(dx2, nx), *dx0 = dup(dx2, nx), *dt3 = fbuf(S);
+    fill_nan(dt3, S);
+    im->fn.moe.bwd(dx3, NULL, NULL, NULL, dt3, work, dout, x, wg, wu, wd, g1, u1, h1, perm, pos, off, topw, N, H, I,
+                   E, k);
+    fill_nan(dt2, S);
+    im->fn.moe.bwd(dx0, dg2, du2, dd2, dt2, work, dout, x, wg, wu, wd, g1, u1, h1, perm, pos, off, topw, N, H, I, E,
+                   k);
+    part(c, "dw=NULL dx", rel_err(dx3, dx0, nx));
+    part(c, "dw=NULL dtopw", rel_err(dt3, dt2, S));
+    free(dx3), free(dt3), free(dx0);
     free(perm), free(pos), free(off), free(topw), free(x), free(wg), free(wu), free(wd), free(dout), free(work);
     free(o1), free(o2), free(g1), free(u1), free(h1), free(g2), free(u2), free(h2);
     free(dx1), free(dg1), free(du1), free(dd1), free(dt1), free(dt2), free(dx2), free(dg2), free(du2), free(dd2);

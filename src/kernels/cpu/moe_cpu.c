@@ -208,11 +208,13 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
         dact(pr, dur, gt, ur, w, I);
         for (int c = 0; c < H; c++) gr[c] *= w;
     }
+    /* NULL weight gradients: frozen experts, only dx and dtopw are wanted */
     moe_job dd = {G, h, dwd, 1};
-    grouped_gemm(ar, MOE_TN, offsets, E, H, I, &dd, 1, 0);
-    gather(G, x, perm, S, k, H);
+    if (dwd) grouped_gemm(ar, MOE_TN, offsets, E, H, I, &dd, 1, 0);
+    if (dwg || dwu) gather(G, x, perm, S, k, H);
     moe_job dgu[2] = {{Pm, G, dwg, 1}, {du, G, dwu, 1}};
-    grouped_gemm(ar, MOE_TN, offsets, E, I, H, dgu, 2, 0);
+    if (dwg && dwu) grouped_gemm(ar, MOE_TN, offsets, E, I, H, dgu, 2, 0);
+    else if (dwg || dwu) grouped_gemm(ar, MOE_TN, offsets, E, I, H, dwg ? &dgu[0] : &dgu[1], 1, 0);
     moe_job dx2[2] = {{Pm, wg, dxg, 0}, {du, wu, dxg, 1}}; /* the same rows: one piece runs both, in order */
     grouped_gemm(ar, MOE_NN, offsets, E, I, H, dx2, 2, 1);
 #pragma omp parallel for schedule(static)

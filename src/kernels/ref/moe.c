@@ -64,7 +64,9 @@ static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dt
     float *dh = work, *dg = work + I, *du = work + 2 * (size_t)I; /* [I] each */
     for (int e = 0; e < E; e++) {
         const float *g_e = wg + (size_t)e * I * H, *u_e = wu + (size_t)e * I * H, *d_e = wd + (size_t)e * H * I;
-        float *dg_e = dwg + (size_t)e * I * H, *du_e = dwu + (size_t)e * I * H, *dd_e = dwd + (size_t)e * H * I;
+        /* NULL weight gradients: frozen experts (only dx and dtopw are wanted) */
+        float *dg_e = dwg ? dwg + (size_t)e * I * H : NULL, *du_e = dwu ? dwu + (size_t)e * I * H : NULL;
+        float *dd_e = dwd ? dwd + (size_t)e * H * I : NULL;
         for (int p = offsets[e]; p < offsets[e + 1]; p++) {
             int s = perm[p], t = s / k;
             const float *xt = x + (size_t)t * H, *dot_ = dout + (size_t)t * H;
@@ -77,7 +79,7 @@ static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dt
                 dh[i] = a;
             }
             dtopw[s] = dot(dh, hp, I, 0);
-            for (int c = 0; c < H; c++) {
+            for (int c = 0; dd_e && c < H; c++) {
                 float dy = rb(w * dot_[c], bf); /* d y = w dout, the down projection's output gradient */
                 for (int i = 0; i < I; i++) dd_e[(size_t)c * I + i] += dy * rb(hp[i], bf);
             }
@@ -91,8 +93,8 @@ static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dt
                 float dgi = rb(dg[i], bf), dui = rb(du[i], bf);
                 for (int c = 0; c < H; c++) {
                     float xc = rb(xt[c], bf);
-                    dg_e[(size_t)i * H + c] += dgi * xc;
-                    du_e[(size_t)i * H + c] += dui * xc;
+                    if (dg_e) dg_e[(size_t)i * H + c] += dgi * xc;
+                    if (du_e) du_e[(size_t)i * H + c] += dui * xc;
                     dxt[c] += dgi * rb(g_e[(size_t)i * H + c], bf) + dui * rb(u_e[(size_t)i * H + c], bf);
                 }
             }

@@ -1,0 +1,342 @@
+/* model/lora.c: LoRA's choices, PEFT's initialisation and adapter files.
+ *
+ * The math (y += scale B A drop(x) beside a linear, and its backward) is in
+ * qwen3.c next to the linears it adapts; this file decides which tensors
+ * are adapters or frozen and moves adapters in and out of PEFT's format,
+ * through the same qwen3_sink the HF loader uses, so every parallel layout
+ * receives its part of them as it does any tensor. */
+#include "model/lora.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fnmatch.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config/config.h"
+#include "core/fs.h"
+#include "core/rng.h"
+#include "formats/safetensors.h"
+
+static const char *const target_names[QWEN3_LORA_N] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                                       "gate_proj", "up_proj", "down_proj"};
+#define PEFT_PREFIX "base_model.model."
+
+const char *lora_target_name(int p) { return p >= 0 && p < QWEN3_LORA_N ? target_names[p] : "?"; }
+
+static int target_index(const char *name) {
+    for (int p = 0; p < QWEN3_LORA_N; p++)
+        if (!strcmp(name, target_names[p])) return p;
+    return -1;
+}
+
+int lora_parse_targets(const char *list, unsigned *bits, const char *where, ct_err *e) {
+    char item[128];
+    *bits = 0;
+    for (const char *p = list; (p = cfg_list_next(p, item, sizeof item));) {
+        int i = target_index(item);
+        if (i < 0)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: lora.target_modules: \"%s\" is not a projection ctitan adapts (q_proj, k_proj, v_proj, "
+                           "o_proj, gate_proj, up_proj, down_proj)",
+                           where, item);
+        *bits |= 1u << i;
+    }
+    if (!*bits) return ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_modules: empty", where);
+    return 0;
+}
+
+float lora_scaling(double alpha, int r, int rslora) {
+    return (float)(rslora ? alpha / sqrt((double)r) : alpha / (double)r);
+}
+
+int lora_saved(const qwen3_tensor *t) { return t->lora || !t->frozen; }
+
+/* The module of an HF tensor name: the part before ".weight" after the last
+ * dot-separated prefix ("model.layers.3.input_layernorm.weight" ->
+ * "input_layernorm"; "lm_head.weight" -> "lm_head"). */
+static void module_of(const char *name, char *out, size_t cap) {
+    const char *end = strrchr(name, '.');
+    if (!end) end = name + strlen(name);
+    const char *b = end;
+    while (b > name && b[-1] != '.') b--;
+    size_t n = (size_t)(end - b) < cap - 1 ? (size_t)(end - b) : cap - 1;
+    memcpy(out, b, n);
+    out[n] = '\0';
+}
+
+int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to_save, const char *where,
+                      ct_err *e) {
+    char item[256], mod[128];
+    int lora = m->cfg.lora_rank > 0;
+    for (int i = 0; i < m->n_tensors; i++) m->tensors[i].frozen = lora && !m->tensors[i].lora;
+    for (const char *p = modules_to_save; p && (p = cfg_list_next(p, item, sizeof item));) {
+        if (!lora)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: lora.modules_to_save: needs lora.rank > 0", where);
+        int hit = 0;
+        for (int i = 0; i < m->n_tensors; i++) {
+            qwen3_tensor *t = &m->tensors[i];
+            module_of(t->name, mod, sizeof mod);
+            if (t->lora || strcmp(mod, item)) continue;
+            t->frozen = 0;
+            hit = 1;
+        }
+        if (!hit)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: lora.modules_to_save: \"%s\" names no module of this model (e.g. embed_tokens, "
+                           "lm_head, norm, input_layernorm)",
+                           where, item);
+    }
+    for (const char *p = freeze; p && (p = cfg_list_next(p, item, sizeof item));) {
+        int hit = 0;
+        for (int i = 0; i < m->n_tensors; i++)
+            if (fnmatch(item, m->tensors[i].name, 0) == 0) m->tensors[i].frozen = hit = 1;
+        if (!hit)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: training.freeze: \"%s\" matches no tensor of this model", where,
+                           item);
+    }
+    int trained = 0;
+    for (int i = 0; i < m->n_tensors; i++) trained += !m->tensors[i].frozen && m->tensors[i].numel;
+    if (!trained) return ct_fail(e, CT_ERR_CONFIG, "%s: training.freeze: every tensor is frozen", where);
+    return qwen3_bind_frozen(m, e);
+}
+
+void lora_init_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s) {
+    ct_rng r;
+    ct_rng_seed(&r, seed ^ 0x4c6f5241ull); /* "LoRA": a stream apart from the base init's */
+    size_t most = 1;
+    for (int i = 0; i < table->n_tensors; i++)
+        if (table->tensors[i].lora && table->tensors[i].numel > most) most = table->tensors[i].numel;
+    float *buf = ct_malloc(most * sizeof(float)); /* [r, in] or [out, r]: small */
+    for (int i = 0; i < table->n_tensors; i++) {
+        const qwen3_tensor *t = &table->tensors[i];
+        if (!t->lora) continue;
+        int is_a = strstr(t->name, ".lora_A.") != NULL;
+        double bound = 1.0 / sqrt((double)t->shape[1]); /* kaiming_uniform(a = sqrt(5)): 1 / sqrt(fan_in) */
+        for (size_t j = 0; j < t->numel; j++) buf[j] = is_a ? (float)((2.0 * ct_rng_uniform(&r) - 1.0) * bound) : 0.0f;
+        s->put(s->ctx, QWEN3_PARAMS, i, 0, (size_t)t->shape[0], buf);
+    }
+    free(buf);
+}
+
+/* ---------------------------------------------------------------- loading */
+
+static int check_config(const qwen3_model *table, const char *path, ct_err *e) {
+    size_t len;
+    char *txt = ct_read_file(path, &len, e);
+    if (!txt) return e ? e->code : CT_ERR_IO;
+    cJSON *o = cJSON_ParseWithLength(txt, len);
+    free(txt);
+    if (!o || !cJSON_IsObject(o)) {
+        cJSON_Delete(o);
+        return ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
+    }
+    const qwen3_config *c = &table->cfg;
+    int rc = 0;
+    const cJSON *pt = cJSON_GetObjectItemCaseSensitive(o, "peft_type");
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, "r");
+    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(o, "target_modules");
+    const cJSON *alpha = cJSON_GetObjectItemCaseSensitive(o, "lora_alpha");
+    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(o, "use_rslora");
+    const cJSON *ffo = cJSON_GetObjectItemCaseSensitive(o, "fan_in_fan_out");
+    const cJSON *dora = cJSON_GetObjectItemCaseSensitive(o, "use_dora");
+    if (!cJSON_IsString(pt) || strcmp(pt->valuestring, "LORA"))
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: peft_type: expected \"LORA\"", path);
+    else if (!cJSON_IsNumber(r) || r->valuedouble != c->lora_rank)
+        rc = cJSON_IsNumber(r) ? ct_fail(e, CT_ERR_CONFIG, "%s: r: the adapter's rank %g differs from lora.rank = %d",
+                                         path, r->valuedouble, c->lora_rank)
+                               : ct_fail(e, CT_ERR_FORMAT, "%s: r: missing or not a number", path);
+    else if (cJSON_IsNumber(alpha) &&
+             fabsf(lora_scaling(alpha->valuedouble, c->lora_rank, cJSON_IsTrue(rs)) - c->lora_scale) >
+                 1e-6f * c->lora_scale)
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "%s: lora_alpha %g (use_rslora %s) gives another scaling than lora.alpha and lora.use_rslora",
+                     path, alpha->valuedouble, cJSON_IsTrue(rs) ? "true" : "false");
+    else if (cJSON_IsTrue(ffo))
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: fan_in_fan_out: true is for Conv1D models, not Qwen3", path);
+    else if (cJSON_IsTrue(dora))
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: use_dora: DoRA adapters are not supported", path);
+    else if (cJSON_IsArray(tm)) {
+        const cJSON *it;
+        unsigned bits = 0;
+        cJSON_ArrayForEach(it, tm) {
+            int p = cJSON_IsString(it) ? target_index(it->valuestring) : -1;
+            if (p < 0) {
+                rc = ct_fail(e, CT_ERR_FORMAT,
+                             "%s: target_modules: %s is not a projection ctitan adapts (q_proj, k_proj, v_proj, "
+                             "o_proj, gate_proj, up_proj, down_proj)",
+                             path, cJSON_IsString(it) ? it->valuestring : "(not a string)");
+                break;
+            }
+            bits |= 1u << p;
+        }
+        if (!rc && bits != c->lora_targets)
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: target_modules: the adapter adapts other projections than "
+                                           "lora.target_modules",
+                         path);
+    } else if (cJSON_IsString(tm)) {
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: a regular expression is not supported; list the modules",
+                     path);
+    }
+    cJSON_Delete(o);
+    return rc;
+}
+
+int lora_load_peft_each(const qwen3_model *table, const char *dir, const qwen3_sink *s, ct_err *e) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    int rc = check_config(table, path, e);
+    if (rc) return rc;
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    st_file *f = st_open(path, e);
+    if (!f) return e ? e->code : CT_ERR_IO;
+    char key[QWEN3_NAME_MAX + 32];
+    float *buf = NULL;
+    for (int i = 0; i < table->n_tensors && !rc; i++) {
+        const qwen3_tensor *t = &table->tensors[i];
+        if (!lora_saved(t)) continue;
+        snprintf(key, sizeof key, PEFT_PREFIX "%s", t->name);
+        const st_tensor *st = st_find(f, key);
+        if (!st) {
+            if (!t->lora) continue; /* a module to save absent from the adapter: the base's value stays */
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the run's lora config needs it)", path, key);
+            break;
+        }
+        int same = st->ndim == t->ndim;
+        for (int d = 0; same && d < t->ndim; d++) same = st->shape[d] == t->shape[d];
+        if (!same) {
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has shape [%lld%s%lld], the model expects [%lld, %lld]",
+                         path, key, (long long)st->shape[0], st->ndim > 1 ? ", " : "",
+                         st->ndim > 1 ? (long long)st->shape[1] : 0LL, (long long)t->shape[0],
+                         (long long)(t->ndim > 1 ? t->shape[1] : 1));
+            break;
+        }
+        free(buf);
+        buf = ct_malloc((t->numel ? t->numel : 1) * sizeof(float));
+        if (ct_convert_to_f32(buf, st->data, st->dtype, t->numel) != 0) {
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64", path, key,
+                         ct_dtype_name(st->dtype));
+            break;
+        }
+        s->put(s->ctx, QWEN3_PARAMS, i, 0, t->numel / qwen3_tensor_cols(t), buf);
+    }
+    free(buf);
+    for (int j = 0; j < st_count(f) && !rc; j++) { /* nothing the run would silently drop */
+        const char *name = st_get(f, j)->name;
+        const qwen3_tensor *t = strncmp(name, PEFT_PREFIX, strlen(PEFT_PREFIX))
+                                    ? NULL
+                                    : qwen3_find(table, name + strlen(PEFT_PREFIX));
+        if (!t || !lora_saved(t))
+            rc = ct_fail(e, CT_ERR_FORMAT,
+                         "%s: tensor \"%s\" is not an adapter or module to save of this model and lora config", path,
+                         name);
+    }
+    st_close(f);
+    return rc;
+}
+
+/* ----------------------------------------------------------------- saving */
+
+static cJSON *string_list(const char *list) {
+    cJSON *a = cJSON_CreateArray();
+    char item[256];
+    for (const char *p = list; p && (p = cfg_list_next(p, item, sizeof item));) cJSON_AddItemToArray(a, cJSON_CreateString(item));
+    return a;
+}
+
+/* Writes text or a safetensors file to path through path.tmp and a rename. */
+static int write_text(const char *path, const char *txt, ct_err *e) {
+    char tmp[4400];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    int ok = f && fputs(txt, f) >= 0 && fputc('\n', f) != EOF;
+    if (f) ok &= fclose(f) == 0;
+    if (ok && rename(tmp, path) == 0) return 0;
+    int err = errno;
+    remove(tmp);
+    return ct_fail(e, CT_ERR_IO, "%s: cannot write: %s", path, strerror(err));
+}
+
+int lora_save_peft(const qwen3_model *table, const float *const *data, const char *dir, const char *base,
+                   double alpha, int rslora, double dropout, const char *modules_to_save, ct_err *e) {
+    const qwen3_config *c = &table->cfg;
+    char path[4300], tmp[4400];
+    int rc = ct_mkdirs(dir, e);
+    if (rc) return rc;
+    /* the tensors, by PEFT's keys; the config last, so a directory with
+     * adapter_config.json always has its tensors complete */
+    st_wtensor *ts = ct_calloc((size_t)table->n_tensors + 1, sizeof *ts);
+    char (*keys)[QWEN3_NAME_MAX + 32] = ct_calloc((size_t)table->n_tensors + 1, sizeof *keys);
+    int n = 0;
+    for (int i = 0; i < table->n_tensors; i++) {
+        const qwen3_tensor *t = &table->tensors[i];
+        if (!lora_saved(t) || !data[i]) continue;
+        snprintf(keys[n], sizeof keys[n], PEFT_PREFIX "%s", t->name);
+        ts[n] = (st_wtensor){.name = keys[n], .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim, .data = data[i]};
+        for (int d = 0; d < t->ndim; d++) ts[n].shape[d] = t->shape[d];
+        n++;
+    }
+    static const char *const meta[] = {"format", "pt", NULL};
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    rc = st_write(tmp, ts, n, meta, e);
+    if (!rc && rename(tmp, path) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename into place: %s", path, strerror(errno));
+    if (rc) remove(tmp);
+    free(ts);
+    free(keys);
+    if (rc) return rc;
+    /* adapter_config.json: LoraConfig's fields that say how the tensors apply */
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "peft_type", "LORA");
+    cJSON_AddStringToObject(o, "task_type", "CAUSAL_LM");
+    cJSON_AddStringToObject(o, "base_model_name_or_path", base ? base : "");
+    cJSON_AddNumberToObject(o, "r", c->lora_rank);
+    cJSON_AddNumberToObject(o, "lora_alpha", alpha);
+    cJSON_AddNumberToObject(o, "lora_dropout", dropout);
+    cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
+    for (int p = 0; p < QWEN3_LORA_N; p++)
+        if (c->lora_targets & (1u << p)) cJSON_AddItemToArray(tm, cJSON_CreateString(target_names[p]));
+    cJSON_AddBoolToObject(o, "use_rslora", rslora);
+    if (modules_to_save && modules_to_save[0]) cJSON_AddItemToObject(o, "modules_to_save", string_list(modules_to_save));
+    else cJSON_AddNullToObject(o, "modules_to_save");
+    cJSON_AddStringToObject(o, "bias", "none");
+    cJSON_AddBoolToObject(o, "fan_in_fan_out", 0);
+    cJSON_AddBoolToObject(o, "init_lora_weights", 1);
+    cJSON_AddBoolToObject(o, "inference_mode", 1);
+    cJSON_AddBoolToObject(o, "use_dora", 0);
+    char *txt = cJSON_Print(o);
+    cJSON_Delete(o);
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    rc = write_text(path, txt, e);
+    free(txt);
+    return rc;
+}
+
+void lora_merge(qwen3_model *m) {
+    const qwen3_config *c = &m->cfg;
+    for (int l = 0; l < c->n_layers; l++) {
+        qwen3_layer_w *w = &m->w.layer[l];
+        float *base[QWEN3_LORA_N] = {w->wq, w->wk, w->wv, w->wo, w->wg, w->wu, w->wd};
+        for (int p = 0; p < QWEN3_LORA_N; p++) {
+            if (!w->lora_a[p]) continue;
+            const qwen3_tensor *ta = NULL;
+            for (int i = 0; i < m->n_tensors && !ta; i++)
+                if (m->params + m->tensors[i].offset == w->lora_a[p]) ta = &m->tensors[i];
+            int r = c->lora_rank, K = (int)ta->shape[1];
+            const qwen3_tensor *tb = ta + 1; /* build_layout puts B right after A */
+            int N = (int)tb->shape[0];
+            /* W[N, K] += scale B[N, r] A[r, K], PEFT's merge (get_delta_weight), summed in double */
+            float *W = base[p], *A = w->lora_a[p], *B = w->lora_b[p];
+            for (int n = 0; n < N; n++)
+                for (int k = 0; k < K; k++) {
+                    double s = 0;
+                    for (int j = 0; j < r; j++) s += (double)B[(size_t)n * r + j] * A[(size_t)j * K + k];
+                    W[(size_t)n * K + k] += (float)(c->lora_scale * s);
+                }
+            memset(B, 0, (size_t)N * r * sizeof(float)); /* folded in: the adapter now adds nothing */
+        }
+    }
+}

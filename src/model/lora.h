@@ -1,0 +1,74 @@
+/* model/lora.h: LoRA adapters as PEFT defines them, and frozen tensors.
+ *
+ * The adapters live in the model's own tensor table (model/qwen3.h: each
+ * layer's lora_A [r, in] and lora_B [out, r] after its base tensors, named
+ * with PEFT's keys less "base_model.model."), so the optimizer, the
+ * checkpoints, FSDP and data parallel treat them as any other tensor. This
+ * module holds what is LoRA's own: which projections are adapted, the
+ * scale, PEFT's initialisation, the PEFT adapter directory in and out
+ * (adapter_config.json + adapter_model.safetensors, which
+ * peft.PeftModel.from_pretrained reads as it is), and the choice of what is
+ * frozen ([training] freeze patterns, or everything but the adapters and
+ * lora.modules_to_save). */
+#ifndef CT_MODEL_LORA_H
+#define CT_MODEL_LORA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/err.h"
+#include "model/qwen3.h"
+
+/* "q_proj,k_proj,..." (PEFT's target_modules, HF module names) -> 1 << QWEN3_LORA_* bits.
+ * An unknown name is CT_ERR_CONFIG naming `where` and the name. */
+int lora_parse_targets(const char *list, unsigned *bits, const char *where, ct_err *e);
+/* The module name of projection p ("q_proj", ...). */
+const char *lora_target_name(int p);
+/* alpha / r, or alpha / sqrt(r) with rslora (PEFT's LoraLayer.scaling). */
+float lora_scaling(double alpha, int r, int rslora);
+
+/* Sets tensors[i].frozen of m: with LoRA (cfg.lora_rank > 0) every base
+ * tensor except those of modules_to_save (module names: embed_tokens,
+ * lm_head, norm, input_layernorm, ...); then also every tensor matching one
+ * of the freeze patterns (HF names, * matches any run of characters).
+ * Lists are comma-joined. A pattern that matches nothing, or a module name
+ * that is nowhere in the model, is CT_ERR_CONFIG naming `where`: a typo must
+ * not leave a tensor silently trained. Rebinds the gradient views. */
+int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to_save, const char *where, ct_err *e);
+
+/* PEFT's fresh adapters, tensor by tensor into s (QWEN3_PARAMS): A as
+ * nn.Linear's default kaiming_uniform(a = sqrt(5)), i.e. uniform in
+ * +-1/sqrt(in), drawn from ct_rng seeded by `seed` (not torch's generator);
+ * B zero, so the adapted model starts equal to the base. table: the whole
+ * model's tensor table; only its lora tensors are put. */
+void lora_init_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s);
+
+/* A PEFT adapter directory into s: the adapters and any modules_to_save
+ * tensors it holds. adapter_config.json must say LORA with the configured
+ * rank, alpha and rslora and name only known target modules; every lora
+ * tensor of the table must be in adapter_model.safetensors with its shape,
+ * and every key of the file must be one of the table's. Errors name the file
+ * and the key (CT_ERR_FORMAT; a disagreement with the run's config
+ * CT_ERR_CONFIG). */
+int lora_load_peft_each(const qwen3_model *table, const char *dir, const qwen3_sink *s, ct_err *e);
+
+/* What an adapter directory saves: the lora tensors and the trainable base
+ * tensors (modules_to_save) of the table. */
+int lora_saved(const qwen3_tensor *t);
+
+/* Writes dir/adapter_model.safetensors (fp32) then dir/adapter_config.json
+ * for the saved tensors of table, whose values are data[i] (NULL for the
+ * others), each through a temporary file and a rename (dir is created if
+ * needed; other files in it stay, so a training checkpoint can carry an
+ * adapter). base: the base
+ * model's path for base_model_name_or_path. targets/modules_to_save as in
+ * the config (comma lists). */
+int lora_save_peft(const qwen3_model *table, const float *const *data, const char *dir, const char *base,
+                   double alpha, int rslora, double dropout, const char *modules_to_save, ct_err *e);
+
+/* Folds every adapter into its base weight, W += scale B A (PEFT's
+ * merge_and_unload), and zeroes B so the model computes the same. m: one
+ * process's whole model. */
+void lora_merge(qwen3_model *m);
+
+#endif
