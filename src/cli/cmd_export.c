@@ -28,17 +28,19 @@
 #include "cli/cli.h"
 #include "core/timer.h"
 #include "formats/toml.h"
+#include "model/lora.h"
 #include "model/qwen3.h"
 
 #define EXP_DEFAULT_SHARD 5000000000ull /* "5GB" as transformers reads it */
 
 typedef struct {
-    const char *checkpoint, *out, *tokenizer, *dtype;
+    const char *checkpoint, *out, *tokenizer, *dtype, *adapter;
     unsigned long long max_shard;
+    int merge;
 } exp_args;
 
 /* Every option once: the parser and --help both read this table. */
-enum { EXP_CHECKPOINT, EXP_OUT, EXP_DTYPE, EXP_MAX_SHARD, EXP_TOKENIZER, EXP_HELP };
+enum { EXP_CHECKPOINT, EXP_OUT, EXP_DTYPE, EXP_MAX_SHARD, EXP_TOKENIZER, EXP_ADAPTER, EXP_MERGE, EXP_HELP };
 static const cli_opt exp_options[] = {
     [EXP_CHECKPOINT] = {"--checkpoint", "DIR", "(required)",
                         "a checkpoint step-N directory, or a folder of them (newest valid one)", CLI_VALUE},
@@ -49,6 +51,12 @@ static const cli_opt exp_options[] = {
                        "shard above this size; a number with optional KB/MB/GB or KiB/MiB/GiB", CLI_VALUE},
     [EXP_TOKENIZER] = {"--tokenizer", "DIR", "model.hf_assets_path of the checkpoint's config.toml",
                        "where to copy tokenizer files from", CLI_VALUE},
+    [EXP_ADAPTER] = {"--adapter", "DIR", "the checkpoint's own adapter_config.json, if any",
+                     "a PEFT LoRA adapter directory; --checkpoint may then be the base HF model directory", CLI_VALUE},
+    [EXP_MERGE] = {"--merge", "", "off",
+                   "fold the LoRA adapter into the base weights (W + scale B A); without it a LoRA checkpoint "
+                   "exports its base alone",
+                   CLI_FLAG},
     [EXP_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
@@ -101,6 +109,8 @@ static int exp_parse_args(exp_args *a, int argc, char **argv) {
         case EXP_CHECKPOINT: a->checkpoint = val; break;
         case EXP_OUT: a->out = val; break;
         case EXP_TOKENIZER: a->tokenizer = val; break;
+        case EXP_ADAPTER: a->adapter = val; break;
+        case EXP_MERGE: a->merge = 1; break;
         case EXP_DTYPE:
             if (hf_dtype_from_name(val) < 0)
                 return cli_fail(2, "--dtype: \"%s\" is not one of float32, bfloat16, float16", val);
@@ -114,6 +124,7 @@ static int exp_parse_args(exp_args *a, int argc, char **argv) {
     }
     if (!a->checkpoint) return cli_fail(2, "export: --checkpoint DIR is required");
     if (!a->out) return cli_fail(2, "export: --out HF_DIR is required");
+    if (a->adapter && !a->merge) return cli_fail(2, "export: --adapter DIR is for --merge");
     return 0;
 }
 
@@ -208,10 +219,14 @@ int cli_export(int argc, char **argv) {
     double t0 = ct_now();
     ct_err e = {0};
 
-    /* a step-N directory, or a folder of them */
-    char ckdir[4096], mpath[4200];
+    /* a step-N directory, or a folder of them; with --adapter also a base HF model directory */
+    char ckdir[4096], mpath[4200], cpath[4200];
     snprintf(mpath, sizeof mpath, "%s/manifest.json", a.checkpoint);
-    if (access(mpath, F_OK) == 0 || ckpt_list(a.checkpoint, NULL, 0) <= 0) {
+    snprintf(cpath, sizeof cpath, "%s/config.json", a.checkpoint);
+    int hf_base = a.adapter && access(mpath, F_OK) != 0 && access(cpath, F_OK) == 0;
+    if (hf_base) {
+        snprintf(ckdir, sizeof ckdir, "%s", a.checkpoint);
+    } else if (access(mpath, F_OK) == 0 || ckpt_list(a.checkpoint, NULL, 0) <= 0) {
         if (snprintf(ckdir, sizeof ckdir, "%s", a.checkpoint) >= (int)sizeof ckdir)
             return cli_fail(1, "--checkpoint: path too long");
         if (access(mpath, F_OK) != 0)
@@ -226,15 +241,37 @@ int cli_export(int argc, char **argv) {
 
     qwen3_config c;
     qwen3_model m = {0};
-    if ((rc = qwen3_config_from_hf(&c, ckdir, &e)) || (rc = qwen3_create(&m, &c, 1, 1, &e)))
-        return cli_fail(1, "%s", e.msg);
+    /* a LoRA run's checkpoint holds its adapters (and says how in adapter_config.json) */
+    char apath[4200];
+    snprintf(apath, sizeof apath, "%s/adapter_config.json", ckdir);
+    const char *adapter = a.adapter ? a.adapter : access(apath, F_OK) == 0 ? ckdir : NULL;
+    double alpha;
+    int rslora;
+    if ((rc = qwen3_config_from_hf(&c, ckdir, &e)) || (adapter && (rc = lora_read_config(adapter, &c, &alpha, &rslora, &e))) ||
+        (rc = qwen3_create(&m, &c, 1, 1, &e)))
+        return cli_fail(rc == CT_ERR_CONFIG ? 2 : 1, "%s", e.msg);
+    if (a.merge && !adapter) {
+        qwen3_free(&m);
+        return cli_fail(2, "export --merge: %s has no adapter_config.json (give --adapter DIR)", ckdir);
+    }
     ckpt_info info = {0};
-    rc = ckpt_load(ckdir, &m, NULL, NULL, NULL, &info, &e); /* verifies sizes and checksums first */
+    if (hf_base) { /* the base from its HF files, the adapter from its PEFT directory */
+        rc = hf_load(&m, ckdir, &e);
+    } else {
+        rc = ckpt_load(ckdir, &m, NULL, NULL, NULL, &info, &e); /* verifies sizes and checksums first */
+    }
+    if (!rc && a.adapter) {
+        qwen3_copy_ctx cc;
+        qwen3_sink sink = qwen3_copy_sink(&cc, &m, NULL, NULL);
+        rc = lora_load_peft_each(&m, a.adapter, &sink, &e);
+    }
+    if (!rc && a.merge) lora_merge(&m);
     if (!rc) rc = hf_save(&m, a.out, (ct_dtype)hf_dtype_from_name(a.dtype), (size_t)a.max_shard, &e);
     size_t n_params = qwen3_num_params(&m);
     qwen3_free(&m);
     if (rc) return cli_fail(1, "%s", e.msg);
-    printf("ctitan export: %s (step %d, %zu parameters) -> %s as %s\n", ckdir, info.step, n_params, a.out, a.dtype);
+    printf("ctitan export: %s (step %d, %zu parameters%s) -> %s as %s\n", ckdir, info.step, n_params,
+           a.merge ? ", LoRA adapter merged" : adapter ? ", LoRA adapter left out" : "", a.out, a.dtype);
 
     char *assets = a.tokenizer ? ct_strdup(a.tokenizer) : exp_assets_path(ckdir);
     int copied = 0;

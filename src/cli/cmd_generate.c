@@ -33,6 +33,7 @@
 
 typedef struct {
     const char *checkpoint; /* HF model directory */
+    const char *adapter;    /* PEFT LoRA adapter directory, or NULL */
     const char *tokenizer;  /* tokenizer directory; NULL: the checkpoint's */
     const char *prompt;     /* text */
     const char *prompt_ids; /* "1 2 3" */
@@ -47,7 +48,7 @@ typedef struct {
 /* Every option once: the parser and --help both read this table. */
 enum {
     GEN_CHECKPOINT, GEN_PROMPT, GEN_PROMPT_IDS, GEN_MAX_TOKENS, GEN_TEMPERATURE, GEN_TOP_K,
-    GEN_TOP_P, GEN_SEED, GEN_CHAT, GEN_TOKENIZER, GEN_IDS, GEN_HELP
+    GEN_TOP_P, GEN_SEED, GEN_CHAT, GEN_TOKENIZER, GEN_IDS, GEN_ADAPTER, GEN_HELP
 };
 static const cli_opt gen_cli_options[] = {
     [GEN_CHECKPOINT] = {"--checkpoint", "DIR", "(required)",
@@ -68,6 +69,8 @@ static const cli_opt gen_cli_options[] = {
     [GEN_TOKENIZER] = {"--tokenizer", "DIR", "--checkpoint",
                        "directory with tokenizer.json (or vocab.json + merges.txt)", CLI_VALUE},
     [GEN_IDS] = {"--ids", "", "off", "print the generated token ids (one line) instead of text", CLI_FLAG},
+    [GEN_ADAPTER] = {"--adapter", "DIR", "(none)",
+                     "a PEFT LoRA adapter directory applied beside the weights (not merged)", CLI_VALUE},
     [GEN_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
@@ -112,6 +115,7 @@ static int gen_parse_args(gen_cli_args *a, int argc, char **argv) {
         switch (k) {
         case GEN_CHECKPOINT: a->checkpoint = val; break;
         case GEN_TOKENIZER: a->tokenizer = val; break;
+        case GEN_ADAPTER: a->adapter = val; break;
         case GEN_PROMPT: a->prompt = val; break;
         case GEN_PROMPT_IDS: a->prompt_ids = val; break;
         case GEN_CHAT: a->chat = 1; break;
@@ -302,7 +306,7 @@ int cli_generate(int argc, char **argv) {
         /* transformers goes on too (RoPE is defined everywhere); only say so */
         fprintf(stderr, "generate: warning: %zu positions exceed max_position_embeddings (%d) of %s/config.json\n",
                 prompt.n + (size_t)a.max_tokens, cfg.max_pos, a.checkpoint);
-    if (!rc) rc = gen_model_open(&gm, a.checkpoint, (int)prompt.n + a.max_tokens, &e);
+    if (!rc) rc = gen_model_open_adapter(&gm, a.checkpoint, a.adapter, (int)prompt.n + a.max_tokens, &e);
     double t_load = ct_now();
     if (!rc) {
         gen_printer pr = {t, a.ids};

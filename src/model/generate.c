@@ -10,6 +10,7 @@
  * still does its two attention products with op_matmul_fwd, a decode step
  * (one query row) uses a direct loop over the cache. */
 #include "model/generate.h"
+#include "model/lora.h"
 
 #include <math.h>
 #include <omp.h>
@@ -67,6 +68,7 @@ static size_t gen_layout(gen_state *g, float *base) {
         if (r) moe_route_bind(&g->route, r, g->chunk, c->n_experts, c->top_k);
         g->moe_work = gen_carve(base, &used, KERN_MOE_WORK(C * c->top_k, H, c->moe_intermediate));
     }
+    if (c->lora_rank > 0) g->lora_u = gen_carve(base, &used, C * (size_t)c->lora_rank);
     return used;
 }
 
@@ -182,6 +184,17 @@ static void gen_attention_prefill(gen_state *g, float *out, const float *q, cons
     }
 }
 
+/* y[n, N] += B (scale A x[n, K]): a LoRA adapter of projection p beside its
+ * base linear, unmerged as PEFT runs it (nothing when p has none). */
+static void gen_lora(const gen_state *g, const qwen3_layer_w *w, int p, float *y, const float *x, int n, int K, int N) {
+    if (!w->lora_a[p]) return;
+    int r = g->m->cfg.lora_rank;
+    g->m->k.matmul_fwd(g->lora_u, x, w->lora_a[p], n, K, r, 0);
+    float sc = g->m->cfg.lora_scale;
+    for (size_t i = 0; i < (size_t)n * r; i++) g->lora_u[i] *= sc;
+    g->m->k.matmul_fwd(y, g->lora_u, w->lora_b[p], n, r, N, 1);
+}
+
 /* One chunk of n <= g->chunk rows at positions g->pos .. g->pos+n-1. Leaves
  * the residual stream after the last layer in g->x [n, H]. */
 static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
@@ -206,6 +219,9 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
         g->m->k.matmul_fwd(g->qraw, g->xn, w->wq, n, H, qd, 0);
         g->m->k.matmul_fwd(g->kraw, g->xn, w->wk, n, H, kvd, 0);
         g->m->k.matmul_fwd(v, g->xn, w->wv, n, H, kvd, 0);
+        gen_lora(g, w, QWEN3_LORA_Q, g->qraw, g->xn, n, H, qd);
+        gen_lora(g, w, QWEN3_LORA_K, g->kraw, g->xn, n, H, kvd);
+        gen_lora(g, w, QWEN3_LORA_V, v, g->xn, n, H, kvd);
         g->m->k.rmsnorm_fwd(g->q, g->rstd, g->qraw, w->qn, n * nH, hd, eps); /* per head */
         g->m->k.rmsnorm_fwd(k, g->rstd, g->kraw, w->kn, n * nKV, hd, eps);
         /* rope tables offset to p0: row t of the chunk is absolute position p0+t */
@@ -214,6 +230,7 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
         if (n >= GEN_GEMM_ROWS) gen_attention_prefill(g, g->att, g->q, kc, vc, p0, n, nH, nKV, hd);
         else gen_attention(g->att, g->q, kc, vc, g->scores, g->n_threads, p0, n, nH, nKV, hd, g->max_len);
         g->m->k.matmul_fwd(g->x, g->att, w->wo, n, qd, H, 1); /* x += o_proj(att) */
+        gen_lora(g, w, QWEN3_LORA_O, g->x, g->att, n, qd, H);
         /* MLP block */
         g->m->k.rmsnorm_fwd(g->xn, g->rstd, g->x, w->ln2, n, H, eps);
         if (w->router) { /* sparse: x += sum_j w_j expert_j(xn), model/moe.h */
@@ -226,8 +243,11 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
         }
         g->m->k.matmul_fwd(g->gate, g->xn, w->wg, n, H, I, 0);
         g->m->k.matmul_fwd(g->up, g->xn, w->wu, n, H, I, 0);
+        gen_lora(g, w, QWEN3_LORA_GATE, g->gate, g->xn, n, H, I);
+        gen_lora(g, w, QWEN3_LORA_UP, g->up, g->xn, n, H, I);
         g->m->k.swiglu_fwd(g->h, g->gate, g->up, n * I);
         g->m->k.matmul_fwd(g->x, g->h, w->wd, n, I, H, 1); /* x += down(h) */
+        gen_lora(g, w, QWEN3_LORA_DOWN, g->x, g->h, n, I, H);
     }
     g->pos += n;
 }
@@ -405,10 +425,17 @@ struct gen_model {
 };
 
 int gen_model_open(gen_model **out, const char *dir, int max_len, ct_err *e) {
+    return gen_model_open_adapter(out, dir, NULL, max_len, e);
+}
+
+int gen_model_open_adapter(gen_model **out, const char *dir, const char *adapter, int max_len, ct_err *e) {
     *out = NULL;
     gen_model *gm = ct_calloc(1, sizeof *gm);
     qwen3_config cfg;
+    double alpha;
+    int rslora;
     int rc = qwen3_config_from_hf(&cfg, dir, e);
+    if (!rc && adapter) rc = lora_read_config(adapter, &cfg, &alpha, &rslora, e);
     /* B = T = 1 keeps the training activation plan tiny */
     if (!rc) rc = qwen3_create(&gm->m, &cfg, 1, 1, e);
     if (!rc) rc = kern_select(&gm->m.k, NULL, NULL, 0, e); /* the fastest kernels this CPU runs */
@@ -420,6 +447,11 @@ int gen_model_open(gen_model **out, const char *dir, int max_len, ct_err *e) {
         gm->m.g.wte = gm->m.g.lnf = gm->m.g.lm_head = NULL;
         memset(gm->m.g.layer, 0, (size_t)cfg.n_layers * sizeof *gm->m.g.layer);
         rc = hf_load(&gm->m, dir, e);
+    }
+    if (!rc && adapter) {
+        qwen3_copy_ctx cc;
+        qwen3_sink sink = qwen3_copy_sink(&cc, &gm->m, NULL, NULL);
+        rc = lora_load_peft_each(&gm->m, adapter, &sink, e);
     }
     if (!rc) rc = gen_init(&gm->g, &gm->m, max_len, e);
     if (rc) {

@@ -58,6 +58,7 @@ typedef struct {
     /* MoE layers: gate/up/h above hold [chunk * k, Im] rows in expert order */
     moe_route route;      /* the chunk's routing (one layer at a time) */
     float *moe_work;      /* [KERN_MOE_WORK(chunk * k, H, Im)] */
+    float *lora_u;        /* [chunk, r] LoRA: scale A x of one projection (adapters unmerged) */
 } gen_state;
 
 /* Sizes the cache for max_len positions (prompt + new tokens). The model must
@@ -122,6 +123,9 @@ int gen_generate(gen_state *g, const int32_t *prompt, int n_prompt, const gen_op
 typedef struct gen_model gen_model;
 
 int gen_model_open(gen_model **out, const char *dir, int max_len, ct_err *e);
+/* The same with a PEFT LoRA adapter directory (model/lora.h) applied beside
+ * the base weights, unmerged, as PeftModel runs it; adapter NULL: none. */
+int gen_model_open_adapter(gen_model **out, const char *dir, const char *adapter, int max_len, ct_err *e);
 void gen_model_close(gen_model *gm);
 const qwen3_config *gen_model_config(const gen_model *gm);
 int gen_model_vocab(const gen_model *gm);

@@ -185,6 +185,48 @@ static int check_config(const qwen3_model *table, const char *path, ct_err *e) {
     return rc;
 }
 
+int lora_read_config(const char *dir, qwen3_config *c, double *alpha, int *rslora, ct_err *e) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    size_t len;
+    char *txt = ct_read_file(path, &len, e);
+    if (!txt) return e ? e->code : CT_ERR_IO;
+    cJSON *o = cJSON_ParseWithLength(txt, len);
+    free(txt);
+    int rc = 0;
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, "r"), *a = cJSON_GetObjectItemCaseSensitive(o, "lora_alpha");
+    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(o, "target_modules");
+    if (!cJSON_IsObject(o)) rc = ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
+    else if (!cJSON_IsNumber(r) || r->valuedouble < 1 || r->valuedouble > 65536 || r->valuedouble != (int)r->valuedouble)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: r: expected a positive integer", path);
+    else if (!cJSON_IsNumber(a) || !(a->valuedouble > 0))
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: lora_alpha: expected a positive number", path);
+    else if (!cJSON_IsArray(tm))
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: expected a list of module names", path);
+    if (!rc) {
+        c->lora_rank = (int)r->valuedouble;
+        c->lora_targets = 0;
+        const cJSON *it;
+        cJSON_ArrayForEach(it, tm) {
+            int p = cJSON_IsString(it) ? target_index(it->valuestring) : -1;
+            if (p < 0) {
+                rc = ct_fail(e, CT_ERR_FORMAT,
+                             "%s: target_modules: %s is not a projection ctitan adapts (q_proj, k_proj, v_proj, "
+                             "o_proj, gate_proj, up_proj, down_proj)",
+                             path, cJSON_IsString(it) ? it->valuestring : "(not a string)");
+                break;
+            }
+            c->lora_targets |= 1u << p;
+        }
+        *alpha = a->valuedouble;
+        *rslora = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "use_rslora"));
+        c->lora_scale = lora_scaling(*alpha, c->lora_rank, *rslora);
+        c->lora_dropout = 0;
+    }
+    cJSON_Delete(o);
+    return rc;
+}
+
 int lora_load_peft_each(const qwen3_model *table, const char *dir, const qwen3_sink *s, ct_err *e) {
     char path[4200];
     snprintf(path, sizeof path, "%s/adapter_config.json", dir);

@@ -52,6 +52,10 @@ void lora_init_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s
  * CT_ERR_CONFIG). */
 int lora_load_peft_each(const qwen3_model *table, const char *dir, const qwen3_sink *s, ct_err *e);
 
+/* Reads DIR/adapter_config.json into c's LoRA fields (rank, targets, scale;
+ * no dropout: for evaluation and generation) and *alpha, *rslora. */
+int lora_read_config(const char *dir, qwen3_config *c, double *alpha, int *rslora, ct_err *e);
+
 /* What an adapter directory saves: the lora tensors and the trainable base
  * tensors (modules_to_save) of the table. */
 int lora_saved(const qwen3_tensor *t);

@@ -201,8 +201,7 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_di
 /* [lora] and training.freeze into the model config: which projections get
  * adapters, their scale and dropout. Layouts that slice tensors (TP, EP)
  * would have to slice the adapters with their base projections: not yet. */
-static int setup_finetune(trainer *t, qwen3_config *mc, ct_err *e) {
-    const ct_config *c = &t->cfg;
+int trainer_finetune_config(const ct_config *c, int tp, int ep, qwen3_config *mc, ct_err *e) {
     const char *src = trainer_cfg_src(c);
     int partial = c->lora_rank > 0 || c->freeze[0];
     if (!strcmp(c->frozen_dtype, "bfloat16"))
@@ -210,11 +209,11 @@ static int setup_finetune(trainer *t, qwen3_config *mc, ct_err *e) {
                        "%s: training.frozen_dtype = \"bfloat16\": not implemented yet (frozen tensors are kept in "
                        "float32)",
                        src);
-    if (partial && (t->mesh.tp > 1 || t->mesh.ep > 1))
+    if (partial && (tp > 1 || ep > 1))
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: lora / training.freeze with tensor_parallel_degree %d and expert_parallel_degree %d: "
                        "not supported yet (data parallel and FSDP are)",
-                       src, t->mesh.tp, t->mesh.ep);
+                       src, tp, ep);
     if (c->lora_rank <= 0) {
         if (c->lora_adapter_path[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.adapter_path: needs lora.rank > 0", src);
@@ -306,7 +305,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     int plan_b = t->val_batch > c->local_batch_size ? t->val_batch : c->local_batch_size;
     if (trainer_join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", trainer_cfg_src(c));
-    if ((rc = setup_finetune(t, &mc, e))) return rc;
+    if ((rc = trainer_finetune_config(c, t->mesh.tp, t->mesh.ep, &mc, e))) return rc;
     if ((rc = qwen3_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     if ((rc = select_kernels(t, e))) return rc;
     if ((c->lora_rank > 0 || c->freeze[0] || c->lora_modules_to_save[0]) &&

@@ -13,6 +13,7 @@
 #include "dist/fsdp.h"
 #include "dist/mesh.h"
 #include "dist/tp.h"
+#include "model/lora.h"
 
 /* --dry-run per rank: what FSDP keeps of a rank's local model, cut into
  * pieces by fsdp_cut, as fsdp_init cuts them, from the same tensor table, with
@@ -153,18 +154,33 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
     if ((rc = trainer_check_global_batch(c, rep * shard, e))) return rc;
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
+    if ((rc = trainer_finetune_config(c, tp, c->ep, &mc, e))) return rc;
     size_t n = 0, act = 0;
     if ((rc = qwen3_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
+    /* frozen tensors (LoRA's base, training.freeze): no gradient, no moments */
+    size_t trained = n;
+    if (c->lora_rank > 0 || c->freeze[0] || c->lora_modules_to_save[0]) {
+        qwen3_model lm;
+        qwen3_layout(&lm, &mc);
+        rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
+        trained = 0;
+        for (int i = 0; i < lm.n_tensors; i++) trained += lm.tensors[i].frozen ? 0 : lm.tensors[i].numel;
+        qwen3_free(&lm);
+        if (rc) return rc;
+    }
     if (world > 1) { /* checked before anything prints, so an error comes alone */
         if ((rc = dry_run_rank(NULL, c, &mc, world, rep, shard, tp, B, e))) return rc;
     }
     if (!out) return 0;
-    double p = 4.0 * n, g = 4.0 * n, o = 8.0 * n, a = (double)act;
+    double p = 4.0 * n, g = 4.0 * trained, o = 8.0 * trained, a = (double)act;
     fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
             n / 1e9, B, c->seq_len, c->ac_mode);
+    if (trained != n)
+        fprintf(out, "  trained: %zu parameters (%.3f%%%s), frozen: %zu (no gradient, no moments)\n", trained,
+                100.0 * trained / n, c->lora_rank > 0 ? ", LoRA adapters and modules_to_save" : "", n - trained);
     dry_line(out, "parameters (fp32)", p);
-    dry_line(out, "gradients (fp32)", g);
-    dry_line(out, "AdamW moments (2 x fp32)", o);
+    dry_line(out, "gradients (fp32, trained only)", g);
+    dry_line(out, "AdamW moments (2 x fp32, trained only)", o);
     dry_line(out, "activations + workspace (planned)", a);
     dry_line(out, "total planned", p + g + o + a);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
