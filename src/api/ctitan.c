@@ -68,14 +68,17 @@ static const qwen3_tensor *find(ct_session *s, const char *name) {
 int ctitan_get_param(ct_session *s, const char *name, float *out) {
     const qwen3_tensor *t = find(s, name);
     if (!t) return CT_ERR_CONFIG;
-    memcpy(out, s->t.model.params + t->offset, t->numel * sizeof(float));
+    if (t->store != QWEN3_NO_STORE) /* a frozen tensor kept in bf16 */
+        ct_convert_to_f32(out, s->t.model.fstore + t->store, CT_BF16, t->numel);
+    else
+        memcpy(out, s->t.model.params + t->offset, t->numel * sizeof(float));
     return 0;
 }
 
 int ctitan_set_param(ct_session *s, const char *name, const float *in) {
     const qwen3_tensor *t = find(s, name);
     if (!t) return CT_ERR_CONFIG;
-    memcpy(s->t.model.params + t->offset, in, t->numel * sizeof(float));
+    qwen3_put_rows(&s->t.model, (int)(t - s->t.model.tensors), 0, t->numel / qwen3_tensor_cols(t), in);
     return 0;
 }
 

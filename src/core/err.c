@@ -1,6 +1,8 @@
 /* core/err.c: error reporting and checked allocation. */
 #include "core/err.h"
 
+#include <sys/mman.h>
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,4 +45,15 @@ char *ct_strdup(const char *s) {
     char *p = ct_malloc(n);
     memcpy(p, s, n);
     return p;
+}
+
+void *ct_alloc_lazy(size_t n) {
+    if (!n) n = 1;
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) oom(n);
+    return p;
+}
+
+void ct_free_lazy(void *p, size_t n) {
+    if (p) munmap(p, n ? n : 1);
 }

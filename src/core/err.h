@@ -36,6 +36,12 @@ int ct_exit_code(int code);
 /* Allocation that dies with a clear message instead of returning NULL:
  * running out of memory mid-step leaves nothing to recover. */
 void *ct_malloc(size_t n);
+/* Zeroed memory whose pages exist only once written (mmap, MAP_NORESERVE):
+ * for buffers laid out over a whole model of which a run touches a part
+ * (the gradients and moments of frozen tensors), so a model larger than
+ * memory can still be addressed. Freed with ct_free_lazy and the same n. */
+void *ct_alloc_lazy(size_t n);
+void ct_free_lazy(void *p, size_t n);
 void *ct_calloc(size_t n, size_t size);
 char *ct_strdup(const char *s);
 

@@ -16,7 +16,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include "core/dtype.h"
 #include "core/rng.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
@@ -38,6 +41,7 @@ static void add_tensor(qwen3_model *m, int *cap, const char *name, int64_t d0, i
     t->numel = (size_t)d0 * (size_t)(d1 ? d1 : 1);
     t->offset = m->n_params;
     t->is_matrix = is_matrix;
+    t->store = QWEN3_NO_STORE;
     m->n_params += t->numel;
 }
 
@@ -351,8 +355,13 @@ int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const c
         return rc;
     }
     kern_select_ref(&m->k);
-    m->params = ct_calloc(m->n_params, sizeof(float));
-    m->grads = ct_calloc(m->n_params, sizeof(float));
+    if (c->lazy_buffers) {
+        m->params = ct_alloc_lazy(m->n_params * sizeof(float));
+        m->grads = ct_alloc_lazy(m->n_params * sizeof(float));
+    } else {
+        m->params = ct_calloc(m->n_params, sizeof(float));
+        m->grads = ct_calloc(m->n_params, sizeof(float));
+    }
     m->w.layer = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_w));
     m->g.layer = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_w));
     bind_weights(&m->w, m, m->params, 0);
@@ -397,8 +406,14 @@ int qwen3_plan_memory(const qwen3_config *c, int B, int T, const char *ac_mode, 
 
 void qwen3_free(qwen3_model *m) {
     free(m->tensors);
-    free(m->params);
-    free(m->grads);
+    if (m->cfg.lazy_buffers) {
+        ct_free_lazy(m->params, m->n_params * sizeof(float));
+        ct_free_lazy(m->grads, m->n_params * sizeof(float));
+    } else {
+        free(m->params);
+        free(m->grads);
+    }
+    free(m->fstore);
     free(m->w.layer);
     free(m->g.layer);
     free(m->acts);
@@ -423,6 +438,10 @@ static void copy_put(void *ctx, int kind, int i, size_t r0, size_t r1, const flo
     qwen3_copy_ctx *c = ctx;
     const qwen3_tensor *t = &c->m->tensors[i];
     size_t cols = qwen3_tensor_cols(t);
+    if (kind == QWEN3_PARAMS && t->store != QWEN3_NO_STORE) {
+        qwen3_put_rows(c->m, i, r0, r1, rows);
+        return;
+    }
     if (c->dst[kind]) memcpy(c->dst[kind] + t->offset + r0 * cols, rows, (r1 - r0) * cols * sizeof(float));
 }
 
@@ -459,6 +478,74 @@ void qwen3_init_random(qwen3_model *m, uint64_t seed) {
     qwen3_copy_ctx cc;
     qwen3_sink s = qwen3_copy_sink(&cc, m, NULL, NULL);
     qwen3_init_random_each(m, seed, &s);
+}
+
+/* ------------------------------------------------- frozen bf16 storage */
+
+size_t qwen3_store_frozen_bf16(qwen3_model *m) {
+    size_t n = 0;
+    for (int i = 0; i < m->n_tensors; i++) {
+        qwen3_tensor *t = &m->tensors[i];
+        t->store = QWEN3_NO_STORE;
+        if (!t->frozen || !t->is_matrix || !t->numel) continue; /* norms stay fp32: tiny */
+        t->store = n;
+        n += t->numel;
+    }
+    free(m->fstore);
+    m->fstore = n ? ct_malloc(n * sizeof(uint16_t)) : NULL;
+    m->n_store = n;
+    return n;
+}
+
+int qwen3_tensor_unit(const qwen3_model *m, int i) {
+    const char *name = m->tensors[i].name;
+    if (!strncmp(name, "model.layers.", 13)) return atoi(name + 13);
+    return i == 0 ? -1 : m->cfg.n_layers; /* the embedding comes first, the final norm and lm_head last */
+}
+
+void qwen3_put_rows(qwen3_model *m, int i, size_t r0, size_t r1, const float *rows) {
+    const qwen3_tensor *t = &m->tensors[i];
+    size_t cols = qwen3_tensor_cols(t), n = (r1 - r0) * cols;
+    if (t->store == QWEN3_NO_STORE) {
+        memcpy(m->params + t->offset + r0 * cols, rows, n * sizeof(float));
+        return;
+    }
+    ct_convert_from_f32(m->fstore + t->store + r0 * cols, CT_BF16, rows, n); /* round to nearest even */
+}
+
+/* Tensor index range [*a, *b) of unit u (the table is ordered by unit). */
+static void unit_range(const qwen3_model *m, int u, int *a, int *b) {
+    int i = 0;
+    while (i < m->n_tensors && qwen3_tensor_unit(m, i) != u) i++;
+    *a = i;
+    while (i < m->n_tensors && qwen3_tensor_unit(m, i) == u) i++;
+    *b = i;
+}
+
+void qwen3_frozen_in(qwen3_model *m, int u) {
+    if (!m->n_store) return;
+    int a, b;
+    unit_range(m, u, &a, &b);
+    for (int i = a; i < b; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        if (t->store != QWEN3_NO_STORE)
+            ct_convert_to_f32(m->params + t->offset, m->fstore + t->store, CT_BF16, t->numel);
+    }
+}
+
+void qwen3_frozen_out(qwen3_model *m, int u) {
+    if (!m->n_store) return;
+    int a, b;
+    unit_range(m, u, &a, &b);
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    for (int i = a; i < b; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        if (t->store == QWEN3_NO_STORE) continue;
+        uintptr_t lo = (uintptr_t)(m->params + t->offset), hi = (uintptr_t)(m->params + t->offset + t->numel);
+        lo = (lo + page - 1) / page * page; /* whole pages inside the tensor: its neighbours keep theirs */
+        hi = hi / page * page;
+        if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+    }
 }
 
 const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name) {
@@ -696,7 +783,9 @@ static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
     m->fwd_B = B;
     m->fwd_T = T;
 
+    qwen3_frozen_in(m, -1); /* bf16-stored frozen weights are widened a unit at a time */
     m->k.embedding_fwd(c->n_layers ? m->acts[0].res : m->res_out, tokens, m->w.wte, BT, H);
+    if (!c->tie_embeddings) qwen3_frozen_out(m, -1); /* tied: the head needs it again (head_out) */
     int E = c->n_experts;
     if (m->n_moe_layers) {
         memset(m->moe_count, 0, (size_t)E * sizeof(double));
@@ -705,7 +794,9 @@ static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
     for (int l = 0; l < c->n_layers; l++) {
         float *res_next = l + 1 < c->n_layers ? m->acts[l + 1].res : m->res_out;
         if (m->hooks) m->hooks->pre_forward(m->hooks->ctx, l);
+        qwen3_frozen_in(m, l);
         layer_forward(m, &m->acts[l], &m->w.layer[l], res_next, B, T);
+        qwen3_frozen_out(m, l);
         if (m->hooks) m->hooks->post_forward(m->hooks->ctx, l);
         if (m->acts[l].ac != QWEN3_AC_NONE) m->ac_scratch_layer = l;
         if (m->acts[l].moe) moe_layer_stats(m, l, BT);
@@ -736,10 +827,20 @@ static double crossentropy(qwen3_model *m, float *logits, const int32_t *labels,
     return m->k.crossentropy_vp_grad(logits, mx, se, tl, labels, n, V, v0, grad_scale, count);
 }
 
+/* The head's bf16-stored frozen weights in and out around the lm_head (the
+ * embedding's too when tied: forward_stack left it widened). */
+static void head_in(qwen3_model *m) { qwen3_frozen_in(m, m->cfg.n_layers); }
+static void head_out(qwen3_model *m) {
+    qwen3_frozen_out(m, m->cfg.n_layers);
+    if (m->cfg.tie_embeddings) qwen3_frozen_out(m, -1);
+}
+
 void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits) {
     forward_stack(m, tokens, B, T);
     int V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
+    head_in(m);
     m->k.matmul_fwd(logits, m->lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
+    head_out(m);
 }
 
 double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
@@ -747,11 +848,13 @@ double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, 
     int BT = B * T, H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
     double sum = 0;
     long count = 0;
+    head_in(m);
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
         m->k.matmul_fwd(m->logits, m->lnf + (size_t)r0 * H, m->w.lm_head, n, H, V, 0);
         sum += crossentropy(m, m->logits, labels + r0, n, 0.0f, &count);
     }
+    head_out(m);
     if (n_valid) *n_valid = count;
     return sum;
 }
@@ -801,6 +904,7 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
     zero(m->d_ln, (size_t)BT * H);
     double loss_sum = 0;
     long count = 0;
+    head_in(m);
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
         const float *x = m->lnf + (size_t)r0 * H;
@@ -808,6 +912,7 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         loss_sum += crossentropy(m, m->logits, labels + r0, n, grad_scale, &count);
         m->k.matmul_bwd(m->d_ln + (size_t)r0 * H, m->g.lm_head, m->logits, x, m->w.lm_head, n, H, V);
     }
+    head_out(m);
     if (c->vocab_rows) reduce_d_input(m, m->d_ln, (size_t)BT * H); /* each rank's rows of lm_head: partial */
     if (n_valid) *n_valid = count;
 
@@ -817,6 +922,7 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
 
     for (int l = c->n_layers - 1; l >= 0; l--) {
         if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
+        qwen3_frozen_in(m, l);
         layer_recompute(m, l, B, T);
         qwen3_layer_acts *a = &m->acts[l];
         const qwen3_layer_w *w = &m->w.layer[l];
@@ -871,6 +977,7 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
             lora_bwd(m, l, QWEN3_LORA_V, m->d_ln, m->d_v, a->lora_u[QWEN3_LORA_V], a->ln1, BT, H, kvd);
         reduce_d_input(m, m->d_ln, (size_t)BT * H);
         m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, w->ln1, a->ln1_rstd, BT, H);
+        qwen3_frozen_out(m, l);
         if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
     }
     if (m->g.wte) m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);

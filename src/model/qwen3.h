@@ -66,6 +66,10 @@ typedef struct {
     unsigned lora_targets;
     float lora_scale;   /* alpha / r, or alpha / sqrt(r) (use_rslora) */
     float lora_dropout; /* probability; training forwards only */
+    /* params and grads are addressed over the whole model but get pages only
+     * where written (ct_alloc_lazy): runs with frozen tensors, whose
+     * gradients are never written and whose weights may live in bf16 */
+    int lazy_buffers;
 } qwen3_config;
 
 /* The projections LoRA can adapt, in the tensor table's order within a layer. */
@@ -105,7 +109,9 @@ typedef struct {
     int is_matrix;             /* init with normal(0, 0.02) rather than ones */
     int lora;                  /* a LoRA adapter (lora_A / lora_B): not in HF model files, no random init */
     int frozen;                /* no gradient, no optimizer update (qwen3_bind_frozen) */
+    size_t store;              /* frozen bf16 storage: offset into m->fstore, or QWEN3_NO_STORE (fp32 in params) */
 } qwen3_tensor;
+#define QWEN3_NO_STORE ((size_t)-1)
 
 /* Pointers to one layer's tensors inside a flat buffer (params or grads). */
 typedef struct {
@@ -263,6 +269,11 @@ typedef struct {
                                sets it per micro-batch from training.seed and the step */
     int lora_train;         /* set by forward_backward: dropout applies to training forwards only */
     int n_frozen;           /* tensors with frozen set */
+    /* training.frozen_dtype = "bfloat16": the frozen matrices live here, and
+     * each unit's (the embedding, a layer, the head) are widened into params
+     * only while the unit runs (qwen3_frozen_in / _out) */
+    uint16_t *fstore;       /* [n_store] */
+    size_t n_store;
 } qwen3_model;
 
 /* Builds the tensor table, allocates params/grads and the activation plan for
@@ -310,7 +321,7 @@ size_t qwen3_tensor_cols(const qwen3_tensor *t);
 /* The sink that copies into m's params and the given moments (NULL: none)
  * at each tensor's offset; ctx must outlive its use. */
 typedef struct {
-    const qwen3_model *m;
+    qwen3_model *m;
     float *dst[3];
 } qwen3_copy_ctx;
 qwen3_sink qwen3_copy_sink(qwen3_copy_ctx *ctx, qwen3_model *m, float *exp_avg, float *exp_avg_sq);
@@ -324,6 +335,21 @@ const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name);
  * m->grads. A MoE layer's experts of one projection freeze together (the
  * grouped kernels take them as one block): a mix is CT_ERR_CONFIG. */
 int qwen3_bind_frozen(qwen3_model *m, ct_err *e);
+/* Moves every frozen matrix to bf16 storage (m->fstore; tensors[i].store):
+ * call before the weights load, which then writes them rounded to bf16
+ * (qwen3_put_rows). Their fp32 pages in params exist only while their unit
+ * runs. Returns the bf16 floats stored. */
+size_t qwen3_store_frozen_bf16(qwen3_model *m);
+/* The unit of tensor i: its layer, -1 before the layers (the embedding), or
+ * n_layers after them (final norm, lm_head). */
+int qwen3_tensor_unit(const qwen3_model *m, int i);
+/* Widens unit u's stored tensors into params / drops those pages again
+ * (no-ops without bf16 storage). */
+void qwen3_frozen_in(qwen3_model *m, int u);
+void qwen3_frozen_out(qwen3_model *m, int u);
+/* rows[r0, r1) of tensor i (cols floats each) into the model: params, or
+ * the bf16 store for a stored tensor. */
+void qwen3_put_rows(qwen3_model *m, int i, size_t r0, size_t r1, const float *rows);
 /* Bytes of the activation plan (saved activations, checkpointing scratch,
  * backward scratch, logits block), for the log; params/grads not included. */
 size_t qwen3_activation_bytes(const qwen3_model *m);

@@ -14,7 +14,21 @@ void adamw_init(adamw_state *s, size_t n) {
     s->step = 0;
 }
 
+void adamw_init_lazy(adamw_state *s, size_t n) {
+    s->n = n;
+    s->m = ct_alloc_lazy(n * sizeof(float));
+    s->v = ct_alloc_lazy(n * sizeof(float));
+    s->step = 0;
+    s->lazy = 1;
+}
+
 void adamw_free(adamw_state *s) {
+    if (s->lazy) {
+        ct_free_lazy(s->m, s->n * sizeof(float));
+        ct_free_lazy(s->v, s->n * sizeof(float));
+        memset(s, 0, sizeof *s);
+        return;
+    }
     free(s->m);
     free(s->v);
     memset(s, 0, sizeof *s);

@@ -20,9 +20,12 @@ typedef struct {
     float *m;   /* [n] first moment */
     float *v;   /* [n] second moment */
     long step;  /* optimizer steps taken */
+    int lazy;   /* m, v from ct_alloc_lazy: pages only where written (frozen tensors never are) */
 } adamw_state;
 
 void adamw_init(adamw_state *s, size_t n);
+/* The same over memory that gets pages only where written. */
+void adamw_init_lazy(adamw_state *s, size_t n);
 void adamw_free(adamw_state *s);
 /* The per-step scalars of an AdamW step, in double as torch computes them on
  * the Python side, then rounded to fp32 for the element-wise update. */

@@ -201,14 +201,16 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_di
 /* [lora] and training.freeze into the model config: which projections get
  * adapters, their scale and dropout. Layouts that slice tensors (TP, EP)
  * would have to slice the adapters with their base projections: not yet. */
-int trainer_finetune_config(const ct_config *c, int tp, int ep, qwen3_config *mc, ct_err *e) {
+int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, qwen3_config *mc, ct_err *e) {
     const char *src = trainer_cfg_src(c);
     int partial = c->lora_rank > 0 || c->freeze[0];
-    if (!strcmp(c->frozen_dtype, "bfloat16"))
+    if (!strcmp(c->frozen_dtype, "bfloat16") && shard > 1)
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: training.frozen_dtype = \"bfloat16\": not implemented yet (frozen tensors are kept in "
-                       "float32)",
-                       src);
+                       "%s: training.frozen_dtype = \"bfloat16\" with data_parallel_shard_degree %d: not supported "
+                       "yet (FSDP shards frozen tensors in float32; use frozen_dtype = \"float32\" or data parallel "
+                       "replicate)",
+                       src, shard);
+    mc->lazy_buffers = partial; /* the frozen tensors' gradients are never written: no pages for them */
     if (partial && (tp > 1 || ep > 1))
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: lora / training.freeze with tensor_parallel_degree %d and expert_parallel_degree %d: "
@@ -305,15 +307,22 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     int plan_b = t->val_batch > c->local_batch_size ? t->val_batch : c->local_batch_size;
     if (trainer_join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", trainer_cfg_src(c));
-    if ((rc = trainer_finetune_config(c, t->mesh.tp, t->mesh.ep, &mc, e))) return rc;
+    if ((rc = trainer_finetune_config(c, t->mesh.tp, t->mesh.ep, t->mesh.dp_shard, &mc, e))) return rc;
     if ((rc = qwen3_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     if ((rc = select_kernels(t, e))) return rc;
     if ((c->lora_rank > 0 || c->freeze[0] || c->lora_modules_to_save[0]) &&
         (rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e)))
         return rc;
+    if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
+        size_t n = qwen3_store_frozen_bf16(&t->model);
+        if (t->world->rank == 0)
+            fprintf(stderr, "ctitan: frozen weights in bfloat16: %.3f GiB (fp32 would be %.3f GiB)\n",
+                    n * 2.0 / (1 << 30), n * 4.0 / (1 << 30));
+    }
     /* MoE load-balancing loss: HF adds it per forward; a step is the mean of its micro-batches' */
     t->model.aux_scale = (float)c->local_batch_size / (float)t->global_batch;
-    adamw_init(&t->opt, t->model.n_params);
+    if (t->model.cfg.lazy_buffers) adamw_init_lazy(&t->opt, t->model.n_params);
+    else adamw_init(&t->opt, t->model.n_params);
     t->hp = (adamw_hparams){c->lr, c->beta1, c->beta2, c->eps, c->weight_decay};
     int dt = lr_decay_type_from_name(c->decay_type);
     lr_schedule_init(&t->sched, c->steps, c->warmup_steps, c->decay_ratio, dt < 0 ? LR_DECAY_LINEAR : dt,
@@ -322,7 +331,8 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     rc = trainer_init_weights(t, e);
     if (!rc) build_opt_ranges(t);
     /* (under expert parallel the replicas hold different experts: trainer_reduce_grads splits the sum) */
-    if (!rc && !t->fsdp && t->mesh.dp_replicate > 1 && t->mesh.ep == 1) rc = dp_overlap_init(t, e);
+    /* (with frozen tensors the replicas sum only the trained runs: trainer_reduce_grads) */
+    if (!rc && !t->fsdp && t->mesh.dp_replicate > 1 && t->mesh.ep == 1 && !t->model.n_frozen) rc = dp_overlap_init(t, e);
     if (!rc && t->tp) tp_attach(t->tp, &t->model); /* after FSDP's hooks, which it wraps */
     if (!rc && t->mesh.ep > 1) {
         t->ep = ct_calloc(1, sizeof *t->ep);
@@ -382,6 +392,10 @@ void trainer_reduce_grads(trainer *t) {
             d->lo = d->hi = 0;
         } else if (t->mesh.ep > 1) {
             reduce_dp_experts(t);
+        } else if (t->n_opt_ranges >= 0) { /* frozen tensors: their gradients are not written, nor summed */
+            for (int i = 0; i < t->n_opt_ranges; i++)
+                comm_allreduce(&t->mesh.rep, t->model.grads + t->opt_ranges[i].off, t->opt_ranges[i].n, COMM_F32,
+                               COMM_SUM);
         } else {
             comm_allreduce(&t->mesh.rep, t->model.grads, t->model.n_params, COMM_F32, COMM_SUM);
         }
@@ -454,7 +468,7 @@ static double step_ranges(trainer *t, float *P, float *G, double lr) {
     long step0 = t->opt.step;
     for (int i = 0; i < t->n_opt_ranges; i++) {
         const struct trainer_range *r = &t->opt_ranges[i];
-        adamw_state s = {r->n, t->opt.m + r->off, t->opt.v + r->off, step0};
+        adamw_state s = {r->n, t->opt.m + r->off, t->opt.v + r->off, step0, 0};
         m->k.adamw_step(&s, P + r->off, G + r->off, lr, &t->hp);
         memset(G + r->off, 0, r->n * sizeof(float));
     }

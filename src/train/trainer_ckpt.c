@@ -227,6 +227,10 @@ static void load_put(void *ctx, int kind, int i, size_t r0, size_t r1, const flo
     size_t la = r0, n = lt->numel ? r1 - r0 : 0;
     if (t->tp) n = tp_take_rows(t->tp, lt, &t->load.whole->tensors[i], r0, r1, rows, t->load.tmp, &src, &la);
     if (!n) return;
+    if (kind == QWEN3_PARAMS && lt->store != QWEN3_NO_STORE) { /* a frozen tensor kept in bf16 */
+        qwen3_put_rows(&t->model, i, la, la + n, src);
+        return;
+    }
     size_t cols = qwen3_tensor_cols(lt), off = lt->offset + la * cols;
     if (t->fsdp) {
         float *shard = kind == QWEN3_PARAMS ? t->fsdp->params : kind == QWEN3_EXP_AVG ? t->opt.m : t->opt.v;
@@ -357,7 +361,7 @@ typedef int (*save_put_fn)(void *ctx, const float *x, size_t n, ct_err *e);
  * exp_avg then exp_avg_sq. fm: the whole model's table (rank 0). */
 static void save_gather(trainer *t, const qwen3_model *fm, int kinds, save_put_fn put, void *ctx, int *rc,
                         ct_err *e) {
-    const qwen3_model *lm = &t->model;
+    qwen3_model *lm = &t->model; /* not changed: bf16-stored weights are only widened for the read */
     int rank0 = t->world->rank == 0, L = lm->cfg.n_layers;
     int fsdp_part = t->fsdp && t->mesh.rep_rank == 0;
     int fsdp_root = fsdp_part && t->mesh.shard_rank < t->mesh.ep;
@@ -369,6 +373,9 @@ static void save_gather(trainer *t, const qwen3_model *fm, int kinds, save_put_f
         for (int x = 0; x < L + 2; x++) {
             size_t lo = save_offset(lm, u[x]), hi = save_offset(lm, u[x + 1]);
             size_t n = rank0 ? save_offset(fm, u[x + 1]) - save_offset(fm, u[x]) : 0;
+            /* bf16-stored frozen weights: the unit widened into params while it is read */
+            int unit = x == 0 ? -1 : x - 1;
+            if (k == 0 && !t->fsdp) qwen3_frozen_in(lm, unit);
             const float *part = src + lo; /* this rank's floats of the unit */
             float *got = NULL, *whole = NULL;
             if (t->fsdp) { /* under FSDP src is the shard: gather the unit's pieces */
@@ -383,6 +390,7 @@ static void save_gather(trainer *t, const qwen3_model *fm, int kinds, save_put_f
                 part = whole;
             }
             if (rank0 && !*rc) *rc = put(ctx, part, n, e);
+            if (k == 0 && !t->fsdp) qwen3_frozen_out(lm, unit);
             free(whole);
             free(got);
         }

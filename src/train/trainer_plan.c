@@ -154,17 +154,18 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
     if ((rc = trainer_check_global_batch(c, rep * shard, e))) return rc;
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
-    if ((rc = trainer_finetune_config(c, tp, c->ep, &mc, e))) return rc;
+    if ((rc = trainer_finetune_config(c, tp, c->ep, shard, &mc, e))) return rc;
     size_t n = 0, act = 0;
     if ((rc = qwen3_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
     /* frozen tensors (LoRA's base, training.freeze): no gradient, no moments */
-    size_t trained = n;
+    size_t trained = n, in_bf16 = 0;
     if (c->lora_rank > 0 || c->freeze[0] || c->lora_modules_to_save[0]) {
         qwen3_model lm;
         qwen3_layout(&lm, &mc);
         rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
         trained = 0;
         for (int i = 0; i < lm.n_tensors; i++) trained += lm.tensors[i].frozen ? 0 : lm.tensors[i].numel;
+        if (!rc && !strcmp(c->frozen_dtype, "bfloat16")) in_bf16 = qwen3_store_frozen_bf16(&lm);
         qwen3_free(&lm);
         if (rc) return rc;
     }
@@ -172,13 +173,14 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
         if ((rc = dry_run_rank(NULL, c, &mc, world, rep, shard, tp, B, e))) return rc;
     }
     if (!out) return 0;
-    double p = 4.0 * n, g = 4.0 * trained, o = 8.0 * trained, a = (double)act;
+    /* bf16-stored frozen matrices: 2 bytes each, plus the largest unit widened while it runs */
+    double p = 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16, g = 4.0 * trained, o = 8.0 * trained, a = (double)act;
     fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
             n / 1e9, B, c->seq_len, c->ac_mode);
     if (trained != n)
         fprintf(out, "  trained: %zu parameters (%.3f%%%s), frozen: %zu (no gradient, no moments)\n", trained,
                 100.0 * trained / n, c->lora_rank > 0 ? ", LoRA adapters and modules_to_save" : "", n - trained);
-    dry_line(out, "parameters (fp32)", p);
+    dry_line(out, in_bf16 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
     dry_line(out, "gradients (fp32, trained only)", g);
     dry_line(out, "AdamW moments (2 x fp32, trained only)", o);
     dry_line(out, "activations + workspace (planned)", a);
