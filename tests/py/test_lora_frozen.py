@@ -1,0 +1,135 @@
+"""LoRA beyond the training step: bf16 storage of the frozen base, `generate --adapter`,
+`export --merge`, and the dry run's trained/frozen split.
+
+Expected values come from PEFT / transformers (generation, merged logits), from Python
+arithmetic on the config (the dry run's counts), or from ctitan's own fp32-storage run
+where the claim is bit-identity (bf16 storage of weights that are bf16 already must not
+change a single bit of the run)."""
+import re
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import oracle
+from conftest import hf_session_args
+
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny(tied):
+    return oracle.tiny_config(vocab=256, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                              rope_theta=1e4, tied=tied)
+
+
+def peft_adapter(tmp_path, tied=False, r=4, alpha=8):
+    """A random base saved as HF, and a PEFT adapter with random non-zero A and B."""
+    model = oracle.save_random_hf(tmp_path / "hf", tiny(tied), seed=11)
+    pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=SEVEN))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    pm.save_pretrained(tmp_path / "adapter")
+    pm.eval()
+    return pm
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bf16_frozen_storage_is_bit_identical(tied, tmp_path, open_session):
+    """A base whose weights are bf16 already: frozen_dtype bfloat16 (stored in bf16, widened per
+    unit) and float32 give the same bits for losses, adapter gradients, steps and logits."""
+    model = oracle.save_random_hf(tmp_path / "hf32", tiny(tied), seed=11)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, 256, (2, 16)).astype(np.int32)
+    lab = rng.integers(0, 256, (2, 16)).astype(np.int32)
+    runs = []
+    for fd in ("float32", "bfloat16"):
+        s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16,
+                                         extra=["--lora.rank=4", "--lora.alpha=8", "--lora.modules_to_save=norm",
+                                                f"--training.frozen_dtype={fd}"]))
+        out = []
+        for _ in range(3):
+            out.append(s.forward_backward(tok, lab, 32))
+            out.append(s.get_grad("model.layers.1.mlp.down_proj.lora_A.weight"))
+            out.append(s.get_grad("model.norm.weight"))
+            s.optimizer_step()
+        out.append(s.logits(tok))
+        out += [s.get_param(n) for n in s.names()]
+        runs.append(out)
+        s.close()
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), f"item {i} differs between fp32 and bf16 storage"
+    # and the frozen weights are the file's bf16 values, unchanged by training
+    sd = model.to(torch.bfloat16).float().state_dict()
+    s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16,
+                                     extra=["--lora.rank=4", "--training.frozen_dtype=bfloat16"]))
+    for n in ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+        assert np.array_equal(s.get_param(n), sd[n].numpy()), n
+
+
+def test_generate_with_adapter_matches_peft(tmp_path, run_ctitan):
+    pm = peft_adapter(tmp_path)
+    prompt = [5, 17, 200, 3, 99]
+    with torch.no_grad():
+        ref = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
+    _, out, _ = run_ctitan(["generate", "--checkpoint", tmp_path / "hf", "--adapter", tmp_path / "adapter",
+                            "--prompt-ids", " ".join(map(str, prompt)), "--max-tokens", "8", "--ids"])
+    got = [int(x) for x in out.split()]
+    assert got == ref
+    # without the adapter the base model generates something else (the adapter is not ignored)
+    _, base_out, _ = run_ctitan(["generate", "--checkpoint", tmp_path / "hf", "--prompt-ids",
+                                 " ".join(map(str, prompt)), "--max-tokens", "8", "--ids"])
+    with torch.no_grad(), pm.disable_adapter():
+        base_ids = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
+    assert [int(x) for x in base_out.split()] == base_ids
+    assert base_ids != ref, "the test adapter must change the greedy continuation"
+
+
+def test_export_merge_matches_peft_merge(tmp_path, run_ctitan):
+    from transformers import AutoModelForCausalLM
+    pm = peft_adapter(tmp_path, tied=True)
+    tok = torch.tensor(np.random.default_rng(1).integers(0, 256, (2, 12)))
+    with torch.no_grad():
+        want = pm(input_ids=tok).logits.numpy()
+    run_ctitan(["export", "--checkpoint", tmp_path / "hf", "--adapter", tmp_path / "adapter", "--merge",
+                "--out", tmp_path / "merged"])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        got = merged(input_ids=tok).logits.numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    # the merged weights are PEFT's merge_and_unload
+    ref = pm.merge_and_unload().state_dict()
+    sd = merged.state_dict()
+    for n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert np.abs(sd[n].numpy() - ref[n].numpy()).max() <= 1e-5 * np.abs(ref[n].numpy()).max(), n
+    # --adapter without --merge is a usage error
+    rc, _, err = run_ctitan(["export", "--checkpoint", tmp_path / "hf", "--adapter", tmp_path / "adapter",
+                             "--out", tmp_path / "x"], check=False)
+    assert rc == 2 and "--adapter" in err
+
+
+def test_dry_run_counts_trained_tensors(run_ctitan):
+    """The dry run's trained count, gradient and moment bytes against the LoRA sizes computed
+    here from the flavor's shape: r (in + out) per adapted projection per layer."""
+    r = 16
+    _, out, _ = run_ctitan(["train", "--dry-run", "--model.flavor=4B", "--training.seq_len=2048",
+                            "--training.local_batch_size=1", "--activation_checkpoint.mode=full", f"--lora.rank={r}",
+                            "--training.frozen_dtype=bfloat16"])
+    H, I, L, nH, nKV, hd, V = 2560, 9728, 36, 32, 8, 128, 151936  # Qwen3-4B (shared/REFERENCE.md)
+    qd, kvd = nH * hd, nKV * hd
+    dims = [(H, qd), (H, kvd), (H, kvd), (qd, H), (H, I), (H, I), (I, H)]
+    lora = L * sum(r * (i + o) for i, o in dims)
+    base = V * H + L * (2 * H + H * qd + 2 * H * kvd + qd * H + 2 * hd + 3 * H * I) + H
+    m = re.search(r"trained: (\d+) parameters .* frozen: (\d+)", out)
+    assert m, out
+    assert int(m.group(1)) == lora and int(m.group(2)) == base
+    grads = int(re.search(r"gradients \(fp32, trained only\)\s+[\d.]+ GiB\s+(\d+) bytes", out).group(1))
+    moments = int(re.search(r"AdamW moments \(2 x fp32, trained only\)\s+[\d.]+ GiB\s+(\d+) bytes", out).group(1))
+    params = int(re.search(r"parameters \(fp32; frozen matrices bf16\)\s+[\d.]+ GiB\s+(\d+) bytes", out).group(1))
+    norms = L * (2 * H + 2 * hd) + H  # frozen but kept fp32
+    assert grads == 4 * lora and moments == 8 * lora
+    assert params == 4 * lora + 4 * norms + 2 * (base - norms)
