@@ -414,6 +414,8 @@ void qwen3_free(qwen3_model *m) {
         free(m->grads);
     }
     free(m->fstore);
+    free(m->head_w);
+    free(m->head_tmp);
     free(m->w.layer);
     free(m->g.layer);
     free(m->acts);
@@ -783,9 +785,14 @@ static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
     m->fwd_B = B;
     m->fwd_T = T;
 
-    qwen3_frozen_in(m, -1); /* bf16-stored frozen weights are widened a unit at a time */
-    m->k.embedding_fwd(c->n_layers ? m->acts[0].res : m->res_out, tokens, m->w.wte, BT, H);
-    if (!c->tie_embeddings) qwen3_frozen_out(m, -1); /* tied: the head needs it again (head_out) */
+    float *x0 = c->n_layers ? m->acts[0].res : m->res_out; /* [BT, H] */
+    const qwen3_tensor *te = &m->tensors[0];
+    if (te->store != QWEN3_NO_STORE) { /* a bf16-stored embedding: its rows widened as they are looked up */
+        for (int n = 0; n < BT; n++)
+            ct_convert_to_f32(x0 + (size_t)n * H, m->fstore + te->store + (size_t)tokens[n] * H, CT_BF16, (size_t)H);
+    } else {
+        m->k.embedding_fwd(x0, tokens, m->w.wte, BT, H);
+    }
     int E = c->n_experts;
     if (m->n_moe_layers) {
         memset(m->moe_count, 0, (size_t)E * sizeof(double));
@@ -794,7 +801,7 @@ static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
     for (int l = 0; l < c->n_layers; l++) {
         float *res_next = l + 1 < c->n_layers ? m->acts[l + 1].res : m->res_out;
         if (m->hooks) m->hooks->pre_forward(m->hooks->ctx, l);
-        qwen3_frozen_in(m, l);
+        qwen3_frozen_in(m, l); /* bf16-stored frozen weights are widened a layer at a time */
         layer_forward(m, &m->acts[l], &m->w.layer[l], res_next, B, T);
         qwen3_frozen_out(m, l);
         if (m->hooks) m->hooks->post_forward(m->hooks->ctx, l);
@@ -827,34 +834,84 @@ static double crossentropy(qwen3_model *m, float *logits, const int32_t *labels,
     return m->k.crossentropy_vp_grad(logits, mx, se, tl, labels, n, V, v0, grad_scale, count);
 }
 
-/* The head's bf16-stored frozen weights in and out around the lm_head (the
- * embedding's too when tied: forward_stack left it widened). */
-static void head_in(qwen3_model *m) { qwen3_frozen_in(m, m->cfg.n_layers); }
-static void head_out(qwen3_model *m) {
-    qwen3_frozen_out(m, m->cfg.n_layers);
-    if (m->cfg.tie_embeddings) qwen3_frozen_out(m, -1);
+/* A bf16-stored (frozen) lm_head, tied or not, is never widened whole: the
+ * head products run over blocks of HEAD_VBLOCK vocabulary rows, each
+ * widened into m->head_w as it is used, so the largest tensor of the model
+ * costs 2 bytes a parameter and one block, not 4 bytes a parameter. */
+#define HEAD_VBLOCK 8192
+static const qwen3_tensor *head_stored(const qwen3_model *m) {
+    const qwen3_tensor *t = m->cfg.tie_embeddings ? &m->tensors[0] : &m->tensors[m->n_tensors - 1];
+    return t->store != QWEN3_NO_STORE ? t : NULL;
+}
+static void head_scratch(qwen3_model *m) {
+    int H = m->cfg.hidden;
+    if (!m->head_w) m->head_w = ct_malloc((size_t)HEAD_VBLOCK * H * sizeof(float));
+    if (!m->head_tmp) m->head_tmp = ct_malloc((size_t)m->logit_rows * HEAD_VBLOCK * sizeof(float));
+}
+
+/* logits[n, V] = x[n, H] @ lm_head^T */
+static void head_fwd(qwen3_model *m, float *logits, const float *x, int n) {
+    int H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
+    const qwen3_tensor *t = head_stored(m);
+    if (!t) {
+        m->k.matmul_fwd(logits, x, m->w.lm_head, n, H, V, 0);
+        return;
+    }
+    head_scratch(m);
+    for (int v0 = 0; v0 < V; v0 += HEAD_VBLOCK) {
+        int nv = V - v0 < HEAD_VBLOCK ? V - v0 : HEAD_VBLOCK;
+        ct_convert_to_f32(m->head_w, m->fstore + t->store + (size_t)v0 * H, CT_BF16, (size_t)nv * H);
+        float *o = nv == V ? logits : m->head_tmp; /* [n, nv] */
+        m->k.matmul_fwd(o, x, m->head_w, n, H, nv, 0);
+        if (o != logits)
+            for (int r = 0; r < n; r++) memcpy(logits + (size_t)r * V + v0, o + (size_t)r * nv, nv * sizeof(float));
+    }
+}
+
+/* dx[n, H] += dlogits[n, V] @ lm_head; d lm_head += dlogits^T x (not for a stored, frozen one) */
+static void head_bwd(qwen3_model *m, float *dx, const float *dlogits, const float *x, int n) {
+    int H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
+    const qwen3_tensor *t = head_stored(m);
+    if (!t) {
+        m->k.matmul_bwd(dx, m->g.lm_head, dlogits, x, m->w.lm_head, n, H, V);
+        return;
+    }
+    head_scratch(m);
+    for (int v0 = 0; v0 < V; v0 += HEAD_VBLOCK) {
+        int nv = V - v0 < HEAD_VBLOCK ? V - v0 : HEAD_VBLOCK;
+        ct_convert_to_f32(m->head_w, m->fstore + t->store + (size_t)v0 * H, CT_BF16, (size_t)nv * H);
+        const float *d = dlogits;
+        if (nv != V) {
+            for (int r = 0; r < n; r++) memcpy(m->head_tmp + (size_t)r * nv, dlogits + (size_t)r * V + v0, nv * sizeof(float));
+            d = m->head_tmp;
+        }
+        m->k.matmul_bwd(dx, NULL, d, x, m->head_w, n, H, nv);
+    }
 }
 
 void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits) {
     forward_stack(m, tokens, B, T);
     int V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
-    head_in(m);
-    m->k.matmul_fwd(logits, m->lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
-    head_out(m);
+    if (!head_stored(m)) {
+        m->k.matmul_fwd(logits, m->lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
+        return;
+    }
+    for (int r0 = 0; r0 < B * T; r0 += m->logit_rows) { /* head_fwd's scratch holds logit_rows rows */
+        int n = B * T - r0 < m->logit_rows ? B * T - r0 : m->logit_rows;
+        head_fwd(m, logits + (size_t)r0 * V, m->lnf + (size_t)r0 * m->cfg.hidden, n);
+    }
 }
 
 double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
     forward_stack(m, tokens, B, T);
-    int BT = B * T, H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
+    int BT = B * T, H = m->cfg.hidden;
     double sum = 0;
     long count = 0;
-    head_in(m);
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
-        m->k.matmul_fwd(m->logits, m->lnf + (size_t)r0 * H, m->w.lm_head, n, H, V, 0);
+        head_fwd(m, m->logits, m->lnf + (size_t)r0 * H, n);
         sum += crossentropy(m, m->logits, labels + r0, n, 0.0f, &count);
     }
-    head_out(m);
     if (n_valid) *n_valid = count;
     return sum;
 }
@@ -891,7 +948,6 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
                               float grad_scale, long *n_valid) {
     const qwen3_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
-    int V = c->vocab_rows ? c->vocab_rows : c->vocab_size;
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     const float *cs = m->rope_cos, *sn = m->rope_sin;
     m->moe_count_tokens = 1; /* training forwards feed load_balance_coeff's counts */
@@ -904,15 +960,13 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
     zero(m->d_ln, (size_t)BT * H);
     double loss_sum = 0;
     long count = 0;
-    head_in(m);
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
         const float *x = m->lnf + (size_t)r0 * H;
-        m->k.matmul_fwd(m->logits, x, m->w.lm_head, n, H, V, 0);
+        head_fwd(m, m->logits, x, n);
         loss_sum += crossentropy(m, m->logits, labels + r0, n, grad_scale, &count);
-        m->k.matmul_bwd(m->d_ln + (size_t)r0 * H, m->g.lm_head, m->logits, x, m->w.lm_head, n, H, V);
+        head_bwd(m, m->d_ln + (size_t)r0 * H, m->logits, x, n);
     }
-    head_out(m);
     if (c->vocab_rows) reduce_d_input(m, m->d_ln, (size_t)BT * H); /* each rank's rows of lm_head: partial */
     if (n_valid) *n_valid = count;
 

@@ -274,6 +274,7 @@ typedef struct {
      * only while the unit runs (qwen3_frozen_in / _out) */
     uint16_t *fstore;       /* [n_store] */
     size_t n_store;
+    float *head_w, *head_tmp; /* a bf16-stored lm_head: one block of its rows widened, and [logit_rows, block] */
 } qwen3_model;
 
 /* Builds the tensor table, allocates params/grads and the activation plan for

@@ -18,8 +18,8 @@ from conftest import hf_session_args
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def tiny(tied):
-    return oracle.tiny_config(vocab=256, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+def tiny(tied, vocab=256):
+    return oracle.tiny_config(vocab=vocab, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=16,
                               rope_theta=1e4, tied=tied)
 
 
@@ -37,15 +37,22 @@ def peft_adapter(tmp_path, tied=False, r=4, alpha=8):
     return pm
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_bf16_frozen_storage_is_bit_identical(tied, tmp_path, open_session):
+@pytest.mark.parametrize("tied,vocab", [(False, 256), (True, 256), (True, 9000), (False, 9000)],
+                         ids=["untied", "tied", "tied_v9000", "untied_v9000"])
+def test_bf16_frozen_storage_is_bit_identical(tied, vocab, tmp_path, open_session):
     """A base whose weights are bf16 already: frozen_dtype bfloat16 (stored in bf16, widened per
-    unit) and float32 give the same bits for losses, adapter gradients, steps and logits."""
-    model = oracle.save_random_hf(tmp_path / "hf32", tiny(tied), seed=11)
+    unit) and float32 give the same bits for losses, adapter gradients, steps and logits. The
+    stored lm_head runs in blocks of 8192 vocabulary rows: at vocab 9000 (two blocks) the first
+    forward is still bit-identical (each logit is the same dot product), while d(final norm
+    output) sums the two blocks' products one after the other instead of in one GEMM, so from
+    there on values agree to float32 rounding, not bits: 1e-5 of each tensor's largest value
+    (AdamW turns a last-bit gradient difference of a near-zero element into a step of up to
+    lr, as docs/distributed.md measures for the parallel layouts)."""
+    model = oracle.save_random_hf(tmp_path / "hf32", tiny(tied, vocab), seed=11)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
     rng = np.random.default_rng(0)
-    tok = rng.integers(0, 256, (2, 16)).astype(np.int32)
-    lab = rng.integers(0, 256, (2, 16)).astype(np.int32)
+    tok = rng.integers(0, vocab, (2, 16)).astype(np.int32)
+    lab = rng.integers(0, vocab, (2, 16)).astype(np.int32)
     runs = []
     for fd in ("float32", "bfloat16"):
         s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16,
@@ -62,7 +69,11 @@ def test_bf16_frozen_storage_is_bit_identical(tied, tmp_path, open_session):
         runs.append(out)
         s.close()
     for i, (a, b) in enumerate(zip(*runs)):
-        assert np.array_equal(np.asarray(a), np.asarray(b)), f"item {i} differs between fp32 and bf16 storage"
+        a, b = np.asarray(a), np.asarray(b)
+        if vocab <= 8192 or i == 0:
+            assert np.array_equal(a, b), f"item {i} differs between fp32 and bf16 storage"
+        else:
+            assert np.abs(a - b).max() <= 1e-5 * max(np.abs(a).max(), 1e-30), f"item {i}"
     # and the frozen weights are the file's bf16 values, unchanged by training
     sd = model.to(torch.bfloat16).float().state_dict()
     s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16,
