@@ -127,7 +127,8 @@ static const cfg_option cfg_options[] = {
         .help = "tensors not to train: HF names with * wildcards (e.g. [\"model.embed_tokens.weight\", "
                 "\"model.layers.*.self_attn.*\"]); no gradient, no AdamW moments, no weight decay"),
     OPT("training", "frozen_dtype", CFG_ENUM, frozen_dtype, "float32", .choices = cfg_frozen_dtypes,
-        .help = "storage of frozen tensors (bfloat16: not implemented yet, rejected)"),
+        .help = "storage of frozen matrices: bfloat16 halves them (widened a layer at a time while it runs; "
+                "an fp32 base is rounded to bf16); not yet with FSDP"),
 
     OPT("lora", "rank", CFG_INT, lora_rank, "0", .range = CFG_GE, .lo = 0,
         .help = "LoRA rank r; 0: no LoRA. With r > 0 the base model is frozen and only the adapters "

@@ -55,22 +55,24 @@ float lora_scaling(double alpha, int r, int rslora) {
 
 int lora_saved(const qwen3_tensor *t) { return t->lora || !t->frozen; }
 
-/* The module of an HF tensor name: the part before ".weight" after the last
- * dot-separated prefix ("model.layers.3.input_layernorm.weight" ->
- * "input_layernorm"; "lm_head.weight" -> "lm_head"). */
-static void module_of(const char *name, char *out, size_t cap) {
-    const char *end = strrchr(name, '.');
-    if (!end) end = name + strlen(name);
-    const char *b = end;
-    while (b > name && b[-1] != '.') b--;
-    size_t n = (size_t)(end - b) < cap - 1 ? (size_t)(end - b) : cap - 1;
-    memcpy(out, b, n);
-    out[n] = '\0';
+/* Whether tensor `name` lies in a module PEFT's modules_to_save entry
+ * `item` selects: PEFT (_set_trainable) takes every module whose path ends
+ * with the text, so "norm" is model.norm and every input_layernorm,
+ * post_attention_layernorm, q_norm and k_norm, and "mlp" a whole MLP. The
+ * module paths of "model.layers.0.mlp.up_proj.weight" are its prefixes that
+ * end before a dot. */
+static int in_saved_module(const char *name, const char *item) {
+    size_t k = strlen(item);
+    for (const char *d = strchr(name, '.'); d; d = strchr(d + 1, '.')) {
+        size_t n = (size_t)(d - name);
+        if (n >= k && !strncmp(d - k, item, k)) return 1;
+    }
+    return 0;
 }
 
 int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to_save, const char *where,
                       ct_err *e) {
-    char item[256], mod[128];
+    char item[256];
     int lora = m->cfg.lora_rank > 0;
     for (int i = 0; i < m->n_tensors; i++) m->tensors[i].frozen = lora && !m->tensors[i].lora;
     for (const char *p = modules_to_save; p && (p = cfg_list_next(p, item, sizeof item));) {
@@ -79,8 +81,7 @@ int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to
         int hit = 0;
         for (int i = 0; i < m->n_tensors; i++) {
             qwen3_tensor *t = &m->tensors[i];
-            module_of(t->name, mod, sizeof mod);
-            if (t->lora || strcmp(mod, item)) continue;
+            if (t->lora || !in_saved_module(t->name, item)) continue;
             t->frozen = 0;
             hit = 1;
         }
@@ -142,6 +143,7 @@ static int check_config(const qwen3_model *table, const char *path, ct_err *e) {
     const cJSON *alpha = cJSON_GetObjectItemCaseSensitive(o, "lora_alpha");
     const cJSON *rs = cJSON_GetObjectItemCaseSensitive(o, "use_rslora");
     const cJSON *ffo = cJSON_GetObjectItemCaseSensitive(o, "fan_in_fan_out");
+    const cJSON *tp = cJSON_GetObjectItemCaseSensitive(o, "target_parameters");
     const cJSON *dora = cJSON_GetObjectItemCaseSensitive(o, "use_dora");
     if (!cJSON_IsString(pt) || strcmp(pt->valuestring, "LORA"))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: peft_type: expected \"LORA\"", path);
@@ -159,6 +161,11 @@ static int check_config(const qwen3_model *table, const char *path, ct_err *e) {
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: fan_in_fan_out: true is for Conv1D models, not Qwen3", path);
     else if (cJSON_IsTrue(dora))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: use_dora: DoRA adapters are not supported", path);
+    else if (cJSON_GetArraySize(tp) > 0)
+        rc = ct_fail(e, CT_ERR_FORMAT,
+                     "%s: target_parameters: adapters on fused MoE expert weights (PEFT's form for Qwen3-MoE "
+                     "gate/up/down) are not supported; ctitan adapts the attention projections of MoE models",
+                     path);
     else if (cJSON_IsArray(tm)) {
         const cJSON *it;
         unsigned bits = 0;

@@ -28,8 +28,8 @@ const char *lora_target_name(int p);
 float lora_scaling(double alpha, int r, int rslora);
 
 /* Sets tensors[i].frozen of m: with LoRA (cfg.lora_rank > 0) every base
- * tensor except those of modules_to_save (module names: embed_tokens,
- * lm_head, norm, input_layernorm, ...); then also every tensor matching one
+ * tensor except those of modules_to_save (PEFT's rule: every module whose
+ * path ends with the text, so "norm" is every norm); then also every tensor matching one
  * of the freeze patterns (HF names, * matches any run of characters).
  * Lists are comma-joined. A pattern that matches nothing, or a module name
  * that is nowhere in the model, is CT_ERR_CONFIG naming `where`: a typo must

@@ -59,8 +59,8 @@ static const char *const lora_module[QWEN3_LORA_N] = {"self_attn.q_proj", "self_
                                                       "mlp.down_proj"};
 
 int qwen3_lora_on(const qwen3_config *c, int l, int p) {
-    if (c->lora_rank <= 0 || !(c->lora_targets & (1u << p))) return 0;
-    return p <= QWEN3_LORA_O || !qwen3_layer_is_moe(c, l);
+    (void)l; /* every layer alike: on MoE models the trainer keeps only the attention targets */
+    return c->lora_rank > 0 && (c->lora_targets & (1u << p));
 }
 
 /* The tensor table, in HF names, ordered by layer so each layer is contiguous

@@ -75,8 +75,7 @@ typedef struct {
 /* The projections LoRA can adapt, in the tensor table's order within a layer. */
 enum { QWEN3_LORA_Q, QWEN3_LORA_K, QWEN3_LORA_V, QWEN3_LORA_O, QWEN3_LORA_GATE, QWEN3_LORA_UP, QWEN3_LORA_DOWN,
        QWEN3_LORA_N };
-/* Whether layer l has adapters on projection p (MoE layers: attention only,
- * as PEFT finds no gate/up/down Linear among transformers' fused experts). */
+/* Whether layer l has adapters on projection p. */
 int qwen3_lora_on(const qwen3_config *c, int l, int p);
 
 /* Whether layer l has the sparse MoE block (0 for every layer of a dense model). */

@@ -223,6 +223,19 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, qwen3
     }
     int rc = lora_parse_targets(c->lora_targets, &mc->lora_targets, src, e);
     if (rc) return rc;
+    /* MoE models: transformers v5 fuses every MLP's projections and PEFT adapts
+     * them only as fused expert parameters (target_parameters), even in dense
+     * mlp_only_layers: an adapter on a gate/up/down Linear would be a file PEFT
+     * cannot read. The attention projections are adapted, as PEFT does. */
+    unsigned attn = (1u << QWEN3_LORA_Q) | (1u << QWEN3_LORA_K) | (1u << QWEN3_LORA_V) | (1u << QWEN3_LORA_O);
+    if (mc->n_experts > 0 && (mc->lora_targets & ~attn)) {
+        mc->lora_targets &= attn;
+        if (!mc->lora_targets)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: lora.target_modules: a MoE model's MLPs are fused experts, which ctitan does not "
+                           "adapt; name some of q_proj, k_proj, v_proj, o_proj",
+                           src);
+    }
     mc->lora_rank = c->lora_rank;
     mc->lora_scale = lora_scaling(c->lora_alpha, c->lora_rank, c->lora_rslora);
     mc->lora_dropout = (float)c->lora_dropout;

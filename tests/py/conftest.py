@@ -47,6 +47,7 @@ def _load_lib(path: Path):
         "ctitan_forward_backward": (I, [P, I32, I32, I, I, ctypes.c_long, D]),
         "ctitan_optimizer_step": (I, [P, D, D]),
         "ctitan_save_hf": (I, [P, ctypes.c_char_p, ctypes.c_char_p]),
+        "ctitan_save_adapter": (I, [P, ctypes.c_char_p]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -152,6 +153,9 @@ class Ctitan:
 
     def save_hf(self, path, dtype="float32"):
         self._check(self.lib.ctitan_save_hf(self.s, str(path).encode(), dtype.encode()), f"save_hf({path})")
+
+    def save_adapter(self, path):
+        self._check(self.lib.ctitan_save_adapter(self.s, str(path).encode()), f"save_adapter({path})")
 
 
 def hf_session_args(hf_dir, *, load=True, batch=2, seq_len=16, seed=3, dump=None, extra=()):

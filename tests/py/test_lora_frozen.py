@@ -44,10 +44,10 @@ def test_bf16_frozen_storage_is_bit_identical(tied, vocab, tmp_path, open_sessio
     unit) and float32 give the same bits for losses, adapter gradients, steps and logits. The
     stored lm_head runs in blocks of 8192 vocabulary rows: at vocab 9000 (two blocks) the first
     forward is still bit-identical (each logit is the same dot product), while d(final norm
-    output) sums the two blocks' products one after the other instead of in one GEMM, so from
-    there on values agree to float32 rounding, not bits: 1e-5 of each tensor's largest value
-    (AdamW turns a last-bit gradient difference of a near-zero element into a step of up to
-    lr, as docs/distributed.md measures for the parallel layouts)."""
+    output) sums the two blocks' products one after the other instead of in one GEMM: the
+    step-1 gradients then agree to float32 rounding (1e-5 of each tensor's largest value), and
+    the later steps are not compared (AdamW turns a last-bit gradient difference of a near-zero
+    element into a step of up to lr, as docs/distributed.md measures for the parallel layouts)."""
     model = oracle.save_random_hf(tmp_path / "hf32", tiny(tied, vocab), seed=11)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
     rng = np.random.default_rng(0)
@@ -72,8 +72,8 @@ def test_bf16_frozen_storage_is_bit_identical(tied, vocab, tmp_path, open_sessio
         a, b = np.asarray(a), np.asarray(b)
         if vocab <= 8192 or i == 0:
             assert np.array_equal(a, b), f"item {i} differs between fp32 and bf16 storage"
-        else:
-            assert np.abs(a - b).max() <= 1e-5 * max(np.abs(a).max(), 1e-30), f"item {i}"
+        elif i < 3:  # step 1's adapter and norm gradients
+            assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max(), f"item {i}"
     # and the frozen weights are the file's bf16 values, unchanged by training
     sd = model.to(torch.bfloat16).float().state_dict()
     s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16,
