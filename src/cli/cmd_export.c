@@ -245,6 +245,11 @@ int cli_export(int argc, char **argv) {
     char apath[4200];
     snprintf(apath, sizeof apath, "%s/adapter_config.json", ckdir);
     const char *adapter = a.adapter ? a.adapter : access(apath, F_OK) == 0 ? ckdir : NULL;
+    if (!hf_base && access(apath, F_OK) == 0)
+        return cli_fail(2,
+                        "export: %s is a LoRA run's checkpoint: it holds the trained tensors (the adapter), not the "
+                        "frozen base; give the base model: --checkpoint BASE_HF_DIR --adapter %s --merge",
+                        ckdir, ckdir);
     double alpha;
     int rslora;
     if ((rc = qwen3_config_from_hf(&c, ckdir, &e)) || (adapter && (rc = lora_read_config(adapter, &c, &alpha, &rslora, &e))) ||

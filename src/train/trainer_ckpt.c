@@ -136,10 +136,68 @@ static int is_hf_export(const char *dir) {
     return access(p, F_OK) == 0;
 }
 
+/* Runs with frozen tensors (LoRA, training.freeze) checkpoint the trained
+ * tensors only, with their moments: the frozen ones never change, so the run
+ * takes them from where it started (checkpoint.initial_load_path or the
+ * seed) on resume too, and a Qwen3-4B LoRA checkpoint is its adapters, not
+ * 48 GB of base weights and zero moments. This is the table of what such a
+ * checkpoint holds: the trained tensors of `whole`, packed, and full[i]
+ * the index in `whole` of its tensor i. */
+typedef struct {
+    qwen3_model tab;
+    int *full;
+    const qwen3_sink *inner; /* loading: where the whole model's tensors go */
+} trained_table;
+
+static void trained_table_init(trained_table *s, const qwen3_model *whole, const qwen3_model *flags) {
+    memset(s, 0, sizeof *s);
+    s->tab.cfg = whole->cfg;
+    s->tab.tensors = ct_calloc((size_t)whole->n_tensors + 1, sizeof *s->tab.tensors);
+    s->full = ct_calloc((size_t)whole->n_tensors + 1, sizeof *s->full);
+    for (int i = 0; i < whole->n_tensors; i++) {
+        if (flags->tensors[i].frozen) continue; /* flags: this rank's model, whose tensors line up with whole's */
+        qwen3_tensor *t = &s->tab.tensors[s->tab.n_tensors];
+        *t = whole->tensors[i];
+        t->offset = s->tab.n_params;
+        s->tab.n_params += t->numel;
+        s->full[s->tab.n_tensors++] = i;
+    }
+}
+
+static void trained_table_free(trained_table *s) {
+    free(s->tab.tensors);
+    free(s->full);
+}
+
+static void trained_put(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows) {
+    trained_table *s = ctx;
+    s->inner->put(s->inner->ctx, kind, s->full[i], r0, r1, rows);
+}
+
+static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const qwen3_model *whole, ct_err *e);
+
 static int load_checkpoint(trainer *t, const char *dir, int model_only, ct_err *e) {
-    ckpt_info info;
     int rc;
     const qwen3_model *whole = t->load.whole;
+    trained_table tt;
+    qwen3_sink outer = t->load.sink;
+    if (t->model.n_frozen) { /* the checkpoint holds the trained tensors only */
+        trained_table_init(&tt, whole, &t->model);
+        tt.inner = &outer;
+        whole = &tt.tab;
+        t->load.sink = (qwen3_sink){trained_put, &tt};
+    }
+    rc = load_checkpoint_of(t, dir, model_only, whole, e);
+    if (t->model.n_frozen) {
+        t->load.sink = outer;
+        trained_table_free(&tt);
+    }
+    return rc;
+}
+
+static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const qwen3_model *whole, ct_err *e) {
+    ckpt_info info;
+    int rc;
     if (model_only) {
         /* a model-only checkpoint (an import) seeds a new run at step 0 */
         if ((rc = ckpt_load_each(dir, whole, 0, NULL, &info, &t->load.sink, e))) return rc;
@@ -295,11 +353,22 @@ int trainer_init_weights(trainer *t, ct_err *e) {
     return rc;
 }
 
+static int initial_weights(trainer *t, ct_err *e);
+
 static int load_weights(trainer *t, ct_err *e) {
-    ct_config *c = &t->cfg;
     int resumed = 0, rc;
+    /* with frozen tensors a checkpoint holds the trained ones only: the rest
+     * come from where the run started, first */
+    if (t->model.n_frozen && (rc = initial_weights(t, e))) return rc;
     if ((rc = maybe_resume(t, &resumed, e))) return rc;
-    if (resumed) return 0;
+    if (resumed || t->model.n_frozen) return 0;
+    return initial_weights(t, e);
+}
+
+/* The weights a run starts from: HF files or the seed, and LoRA's adapters. */
+static int initial_weights(trainer *t, ct_err *e) {
+    ct_config *c = &t->cfg;
+    int rc = 0;
     if (c->initial_load_path[0]) {
         if (!c->initial_load_in_hf)
             return ct_fail(e, CT_ERR_CONFIG,
@@ -414,6 +483,28 @@ static int save_outcome(trainer *t, int rc, const char *what, ct_err *e) {
 
 static int put_ckpt(void *ctx, const float *x, size_t n, ct_err *e) { return ckpt_stream_put(ctx, x, n, e); }
 
+/* save_gather's put for a checkpoint of the trained tensors only: the whole
+ * units arrive in table order, parameters then each moment; only the
+ * trained tensors' floats go on to the stream. */
+typedef struct {
+    ckpt_stream *s;
+    const qwen3_model *fm;
+    size_t pos; /* into fm's flat buffer, for the kind being sent */
+} trained_put_ctx;
+
+static int put_trained(void *ctx, const float *x, size_t n, ct_err *e) {
+    trained_put_ctx *c = ctx;
+    int rc = 0;
+    for (int i = 0; i < c->fm->n_tensors && !rc; i++) {
+        const qwen3_tensor *q = &c->fm->tensors[i];
+        if (q->frozen || q->offset < c->pos || q->offset + q->numel > c->pos + n) continue;
+        rc = ckpt_stream_put(c->s, x + (q->offset - c->pos), q->numel, e);
+    }
+    c->pos += n;
+    if (c->pos == c->fm->n_params) c->pos = 0; /* the next kind starts */
+    return rc;
+}
+
 /* A checkpoint: save_gather into ckpt_stream (the file layout is ckpt_save's). */
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     qwen3_model ftab;
@@ -424,8 +515,14 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
         qwen3_layout(&ftab, &t->tp->full);
         fm = &ftab;
     }
-    if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, fm, model_only, e);
-    save_gather(t, fm, model_only ? 1 : 3, put_ckpt, s, &rc, e);
+    trained_table tt;
+    trained_put_ctx tc = {NULL, fm, 0};
+    int trained_only = t->model.n_frozen > 0; /* frozen tensors come from the run's start on resume */
+    if (trained_only) trained_table_init(&tt, fm, &t->model);
+    if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, trained_only ? &tt.tab : fm, model_only, e);
+    tc.s = s;
+    if (trained_only) save_gather(t, fm, model_only ? 1 : 3, put_trained, &tc, &rc, e);
+    else save_gather(t, fm, model_only ? 1 : 3, put_ckpt, s, &rc, e);
     ckpt_info info;
     if (rank0 && rc) ckpt_stream_abort(s);
     if (rank0 && !rc) {
@@ -442,6 +539,7 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
         free(toml);
     }
     if (rank0 && t->tp) qwen3_free(&ftab);
+    if (trained_only) trained_table_free(&tt); /* the stream read it until its end */
     rc = save_outcome(t, rc, "checkpoint", e);
     if (!rc && t->cfg.lora_rank > 0) { /* a LoRA run's checkpoint is also a PEFT adapter directory; resume reads
                                          * only the manifest's files */
