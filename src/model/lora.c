@@ -125,6 +125,22 @@ void lora_init_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s
 
 /* ---------------------------------------------------------------- loading */
 
+/* adapter_config.json's target_modules list -> 1 << QWEN3_LORA_* bits. */
+static int json_targets(const cJSON *tm, unsigned *bits, const char *path, ct_err *e) {
+    const cJSON *it;
+    *bits = 0;
+    cJSON_ArrayForEach(it, tm) {
+        int p = cJSON_IsString(it) ? target_index(it->valuestring) : -1;
+        if (p < 0)
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "%s: target_modules: %s is not a projection ctitan adapts (q_proj, k_proj, v_proj, o_proj, "
+                           "gate_proj, up_proj, down_proj)",
+                           path, cJSON_IsString(it) ? it->valuestring : "(not a string)");
+        *bits |= 1u << p;
+    }
+    return 0;
+}
+
 static int check_config(const qwen3_model *table, const char *path, ct_err *e) {
     size_t len;
     char *txt = ct_read_file(path, &len, e);
@@ -167,19 +183,8 @@ static int check_config(const qwen3_model *table, const char *path, ct_err *e) {
                      "gate/up/down) are not supported; ctitan adapts the attention projections of MoE models",
                      path);
     else if (cJSON_IsArray(tm)) {
-        const cJSON *it;
         unsigned bits = 0;
-        cJSON_ArrayForEach(it, tm) {
-            int p = cJSON_IsString(it) ? target_index(it->valuestring) : -1;
-            if (p < 0) {
-                rc = ct_fail(e, CT_ERR_FORMAT,
-                             "%s: target_modules: %s is not a projection ctitan adapts (q_proj, k_proj, v_proj, "
-                             "o_proj, gate_proj, up_proj, down_proj)",
-                             path, cJSON_IsString(it) ? it->valuestring : "(not a string)");
-                break;
-            }
-            bits |= 1u << p;
-        }
+        rc = json_targets(tm, &bits, path, e);
         if (!rc && bits != c->lora_targets)
             rc = ct_fail(e, CT_ERR_CONFIG, "%s: target_modules: the adapter adapts other projections than "
                                            "lora.target_modules",
@@ -212,19 +217,7 @@ int lora_read_config(const char *dir, qwen3_config *c, double *alpha, int *rslor
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: expected a list of module names", path);
     if (!rc) {
         c->lora_rank = (int)r->valuedouble;
-        c->lora_targets = 0;
-        const cJSON *it;
-        cJSON_ArrayForEach(it, tm) {
-            int p = cJSON_IsString(it) ? target_index(it->valuestring) : -1;
-            if (p < 0) {
-                rc = ct_fail(e, CT_ERR_FORMAT,
-                             "%s: target_modules: %s is not a projection ctitan adapts (q_proj, k_proj, v_proj, "
-                             "o_proj, gate_proj, up_proj, down_proj)",
-                             path, cJSON_IsString(it) ? it->valuestring : "(not a string)");
-                break;
-            }
-            c->lora_targets |= 1u << p;
-        }
+        rc = json_targets(tm, &c->lora_targets, path, e);
         *alpha = a->valuedouble;
         *rslora = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "use_rslora"));
         c->lora_scale = lora_scaling(*alpha, c->lora_rank, *rslora);
