@@ -144,3 +144,61 @@ def test_dry_run_counts_trained_tensors(run_ctitan):
     norms = L * (2 * H + 2 * hd) + H  # frozen but kept fp32
     assert grads == 4 * lora and moments == 8 * lora
     assert params == 4 * lora + 4 * norms + 2 * (base - norms)
+
+
+def test_lora_bf16_matches_emulated_peft(tmp_path, open_session):
+    """LoRA under training.mixed_precision_param = bfloat16 against PEFT with every nn.Linear
+    (base and lora_A / lora_B) replaced by test_bf16's emulation of ctitan's bf16 linears,
+    with the same criteria and tolerances as test_bf16.test_vs_emulation (measured there):
+    loss to 1e-4, logits at >= 75% of positions, and the bf16 effect on every adapter
+    gradient in the emulation's direction and size. alpha / r = 2, a power of two, so
+    scaling before or after lora_B rounds alike."""
+    import copy
+
+    from test_bf16 import BF16, emulate_ctitan_bf16
+
+    pm = peft_adapter(tmp_path)
+    pm.train()
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 256, (2, 16))
+    labels = rng.integers(0, 256, (2, 16))
+    labels[0, :3] = oracle.IGNORE
+
+    def peft_run(model):
+        model.zero_grad()
+        out = model(input_ids=torch.tensor(tokens))
+        logits = out.logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.tensor(labels).reshape(-1),
+                                                 ignore_index=oracle.IGNORE)
+        loss.backward()
+        grads = {n.replace("base_model.model.", "").replace(".default", ""): p.grad.numpy().copy()
+                 for n, p in model.named_parameters() if p.requires_grad}
+        return loss.item(), logits.detach().numpy(), grads
+
+    l32, lg32, g32 = peft_run(pm)
+    le, lge, ge = peft_run(emulate_ctitan_bf16(copy.deepcopy(pm)))
+    runs = {}
+    for mode, extra in (("fp32", []), ("bf16", [BF16])):
+        s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16,
+                                         extra=["--lora.rank=4", "--lora.alpha=8",
+                                                f"--lora.adapter_path={tmp_path / 'adapter'}"] + extra))
+        logits = s.logits(tokens)
+        nv = oracle.n_valid(labels)
+        loss = s.forward_backward(tokens, labels, nv) / nv
+        runs[mode] = (loss, logits, {n: s.get_grad(n) for n in g32})
+    assert set(g32) and all(".lora_" in n for n in g32)
+    assert abs(runs["fp32"][0] - l32) <= 1e-4 * l32, "fp32 LoRA loss vs PEFT"
+    loss, logits, grads = runs["bf16"]
+    assert abs(loss - le) <= 1e-4 * le, f"loss {loss} vs emulation {le} (fp32 {l32})"
+    scale = np.abs(lge).max()
+    pos_ok = float((np.abs(logits - lge).max(axis=2) <= 1e-4 * scale).mean())
+    assert pos_ok >= 0.75, f"logits agree with the emulation at only {pos_ok:.0%} of positions"
+    cos, ratio = {}, {}
+    for n, g in grads.items():
+        a = (g - runs["fp32"][2][n]).ravel().astype(np.float64)
+        b = (ge[n] - g32[n]).ravel().astype(np.float64)
+        cos[n] = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+        ratio[n] = float(np.linalg.norm(a) / np.linalg.norm(b))
+    assert np.median(list(cos.values())) >= 0.95 and min(cos.values()) >= 0.85, f"bf16 effect direction: {cos}"
+    assert 0.95 <= np.median(list(ratio.values())) <= 1.05 and \
+        all(0.75 <= r <= 1.3 for r in ratio.values()), f"bf16 effect size vs emulation: {ratio}"
