@@ -347,6 +347,55 @@ static void test_round_trip(void) {
     remove(path);
 }
 
+/* List options ([training] freeze, [lora] target_modules / modules_to_save): a TOML
+ * array of strings or "a,b" on the command line, kept comma-joined, dumped as an array
+ * that reads back the same; anything but non-empty strings without commas is refused. */
+static void test_lists(void) {
+    char path[64];
+    write_tmp(path, "[training]\nfreeze = [\"model.embed_tokens.weight\", \"model.layers.*.mlp.*\"]\n"
+                    "[lora]\nrank = 8\ntarget_modules = [\"q_proj\", \"v_proj\"]\nmodules_to_save = []\n");
+    const char *argv[] = {"--config", path, NULL};
+    ct_config a, b;
+    ct_err e;
+    CHECK(parse(&a, &e, argv) == 0, "lists: %s", e.msg);
+    CHECK(strcmp(a.freeze, "model.embed_tokens.weight,model.layers.*.mlp.*") == 0, "freeze [%s]", a.freeze);
+    CHECK(strcmp(a.lora_targets, "q_proj,v_proj") == 0 && a.lora_rank == 8, "targets [%s]", a.lora_targets);
+    CHECK(strcmp(a.lora_modules_to_save, "") == 0, "empty array [%s]", a.lora_modules_to_save);
+    char item[64];
+    const char *p = cfg_list_next(a.lora_targets, item, sizeof item);
+    CHECK(p && strcmp(item, "q_proj") == 0, "first item [%s]", item);
+    p = cfg_list_next(p, item, sizeof item);
+    CHECK(p && strcmp(item, "v_proj") == 0, "second item [%s]", item);
+    CHECK(cfg_list_next(p, item, sizeof item) == NULL, "end of list");
+    char *d = dump(&a);
+    CHECK(strstr(d, "freeze = [\"model.embed_tokens.weight\", \"model.layers.*.mlp.*\"]\n") != NULL &&
+              strstr(d, "modules_to_save = []\n") != NULL,
+          "dump:\n%s", d);
+    FILE *f = fopen(path, "w");
+    fputs(d, f);
+    fclose(f);
+    free(d);
+    CHECK(parse(&b, &e, argv) == 0 && strcmp(b.freeze, a.freeze) == 0 && strcmp(b.lora_targets, a.lora_targets) == 0,
+          "list round trip: %s", e.msg);
+    cfg_free(&a);
+    cfg_free(&b);
+    const char *cli[] = {"--lora.target_modules=k_proj,o_proj", NULL};
+    CHECK(parse(&a, &e, cli) == 0 && strcmp(a.lora_targets, "k_proj,o_proj") == 0, "cli list [%s]", a.lora_targets);
+    cfg_free(&a);
+    static const char *const bad[] = {"[training]\nfreeze = [1, 2]\n", "[training]\nfreeze = [\"a,b\"]\n",
+                                      "[training]\nfreeze = [\"\"]\n", "[lora]\nrank = [\"x\"]\n"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        f = fopen(path, "w");
+        fputs(bad[i], f);
+        fclose(f);
+        int rc = parse(&a, &e, argv);
+        CHECK(rc == CT_ERR_CONFIG && (strstr(e.msg, "training.freeze") || strstr(e.msg, "lora.rank")),
+              "bad list %zu: rc %d: %s", i, rc, e.msg);
+        cfg_free(&a);
+    }
+    remove(path);
+}
+
 static void test_help(void) {
     char *buf = NULL;
     size_t n = 0;
@@ -397,6 +446,7 @@ int main(void) {
     test_precedence_and_spellings();
     test_errors();
     test_round_trip();
+    test_lists();
     test_help();
     test_configs_dir();
     return CHECK_DONE();
