@@ -12,6 +12,7 @@ void adamw_init(adamw_state *s, size_t n) {
     s->m = ct_calloc(n, sizeof(float));
     s->v = ct_calloc(n, sizeof(float));
     s->step = 0;
+    s->lazy = 0;
 }
 
 void adamw_init_lazy(adamw_state *s, size_t n) {
