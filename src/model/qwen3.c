@@ -571,6 +571,36 @@ double qwen3_flops_per_token(const qwen3_model *m, int T) {
 
 /* ---------------------------------------------------------------- forward */
 
+/* bf16-stored frozen weights (qwen3_store_frozen_bf16) are widened into
+ * params right before the product that reads them and their pages dropped
+ * right after (on = 0): one matrix at a time, so a step holds the largest
+ * frozen matrix in fp32, not a whole layer. w[n]: a weight in m->params. */
+static void wide(qwen3_model *m, const float *w, size_t n, int on) {
+    if (!m->n_store || !w) return;
+    size_t off = (size_t)(w - m->params);
+    int lo = 0, hi = m->n_tensors; /* the first tensor ending after off */
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (m->tensors[mid].offset + m->tensors[mid].numel <= off) lo = mid + 1;
+        else hi = mid;
+    }
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    for (int i = lo; i < m->n_tensors && m->tensors[i].offset < off + n; i++) {
+        const qwen3_tensor *t = &m->tensors[i];
+        if (t->store == QWEN3_NO_STORE) continue;
+        if (on) {
+            ct_convert_to_f32(m->params + t->offset, m->fstore + t->store, CT_BF16, t->numel);
+            continue;
+        }
+        uintptr_t a = (uintptr_t)(m->params + t->offset), b = (uintptr_t)(m->params + t->offset + t->numel);
+        a = (a + page - 1) / page * page; /* whole pages inside the tensor: its neighbours keep theirs */
+        b = b / page * page;
+        if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
+    }
+}
+#define WIDE_IN(w, n) wide(m, (w), (size_t)(n), 1)
+#define WIDE_OUT(w, n) wide(m, (w), (size_t)(n), 0)
+
 static void zero(float *p, size_t n) { memset(p, 0, n * sizeof(float)); }
 
 /* out[BT, N] = base + in[BT, K] @ w[N, K]^T, the residual add of o_proj and
@@ -684,9 +714,11 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
     const float *cs = m->rope_cos, *sn = m->rope_sin;
     /* attention block */
     m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, w->ln1, BT, H, eps);
+    WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H); /* q, k, v: adjacent in the table */
     m->k.matmul_fwd(a->q, a->ln1, w->wq, BT, H, qd, 0);
     m->k.matmul_fwd(a->k, a->ln1, w->wk, BT, H, kvd, 0);
     m->k.matmul_fwd(a->v, a->ln1, w->wv, BT, H, kvd, 0);
+    WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
     int l = (int)(a - m->acts);
     if (LORA(w, QWEN3_LORA_Q)) lora_fwd(m, l, QWEN3_LORA_Q, a->q, a->lora_u[QWEN3_LORA_Q], a->ln1, w, BT, H, qd);
     if (LORA(w, QWEN3_LORA_K)) lora_fwd(m, l, QWEN3_LORA_K, a->k, a->lora_u[QWEN3_LORA_K], a->ln1, w, BT, H, kvd);
@@ -695,7 +727,9 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
     m->k.qknorm_rope_fwd(a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd, eps);
     m->k.qknorm_rope_fwd(a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd, eps);
     m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
+    WIDE_IN(w->wo, (size_t)H * qd);
     residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H); /* res_mid = res + o_proj(att) */
+    WIDE_OUT(w->wo, (size_t)H * qd);
     if (LORA(w, QWEN3_LORA_O)) lora_fwd(m, l, QWEN3_LORA_O, a->res_mid, a->lora_u[QWEN3_LORA_O], a->att, w, BT, qd, H);
     /* MLP block */
     m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
@@ -703,7 +737,10 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
         /* sparse: route, then the experts kernel adds sum_j w_j expert_j(ln2) onto res_mid */
         int E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
         moe_route *r = &a->route;
+        WIDE_IN(w->router, (size_t)E * H);
         moe_route_fwd(&m->k, r, a->ln2, w->router, m->moe_bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
+        WIDE_OUT(w->router, (size_t)E * H);
+        size_t ex = (size_t)(c->expert_rows ? c->expert_rows : E) * Im * H; /* one projection's held experts */
         /* Under tensor parallelism every expert holds this rank's slice of
          * moe_intermediate, so its output is a partial sum: it goes to a
          * scratch (d_ln is free during a forward), is summed over the group
@@ -714,25 +751,33 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
         size_t n = (size_t)BT * H;
         if (y && tp) zero(y, n);
         else if (y) memcpy(y, a->res_mid, n * sizeof(float));
+        WIDE_IN(w->ewg, 3 * ex); /* gate, up, down experts: adjacent in the table */
         if (m->moe_ep)
             m->moe_ep->fwd(m->moe_ep->ctx, l, y, a->ln2, r, w, BT);
         else
             m->k.moe_fwd(y, a->gate, a->up, a->h, m->moe_work, a->ln2, w->ewg, w->ewu, w->ewd, r->perm, r->pos,
                          r->offsets, r->topw, BT, H, Im, E, k);
+        WIDE_OUT(w->ewg, 3 * ex);
         if (y && tp) {
             m->hooks->reduce_partial(m->hooks->ctx, y, n);
             for (size_t i = 0; i < n; i++) res_next[i] = a->res_mid[i] + y[i];
         }
         return;
     }
+    WIDE_IN(w->wg, (size_t)I * H);
     m->k.matmul_fwd(a->gate, a->ln2, w->wg, BT, H, I, 0);
+    WIDE_OUT(w->wg, (size_t)I * H);
+    WIDE_IN(w->wu, (size_t)I * H);
     m->k.matmul_fwd(a->up, a->ln2, w->wu, BT, H, I, 0);
+    WIDE_OUT(w->wu, (size_t)I * H);
     if (LORA(w, QWEN3_LORA_GATE))
         lora_fwd(m, l, QWEN3_LORA_GATE, a->gate, a->lora_u[QWEN3_LORA_GATE], a->ln2, w, BT, H, I);
     if (LORA(w, QWEN3_LORA_UP)) lora_fwd(m, l, QWEN3_LORA_UP, a->up, a->lora_u[QWEN3_LORA_UP], a->ln2, w, BT, H, I);
     m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
     if (!res_next) return; /* a recomputation: the down adapter's u was kept */
+    WIDE_IN(w->wd, (size_t)H * I);
     residual_matmul(m, res_next, a->res_mid, a->h, w->wd, BT, I, H);
+    WIDE_OUT(w->wd, (size_t)H * I);
     if (LORA(w, QWEN3_LORA_DOWN))
         lora_fwd(m, l, QWEN3_LORA_DOWN, res_next, a->lora_u[QWEN3_LORA_DOWN], a->h, w, BT, I, H);
 }
@@ -801,9 +846,7 @@ static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
     for (int l = 0; l < c->n_layers; l++) {
         float *res_next = l + 1 < c->n_layers ? m->acts[l + 1].res : m->res_out;
         if (m->hooks) m->hooks->pre_forward(m->hooks->ctx, l);
-        qwen3_frozen_in(m, l); /* bf16-stored frozen weights are widened a layer at a time */
         layer_forward(m, &m->acts[l], &m->w.layer[l], res_next, B, T);
-        qwen3_frozen_out(m, l);
         if (m->hooks) m->hooks->post_forward(m->hooks->ctx, l);
         if (m->acts[l].ac != QWEN3_AC_NONE) m->ac_scratch_layer = l;
         if (m->acts[l].moe) moe_layer_stats(m, l, BT);
@@ -929,19 +972,24 @@ static void moe_layer_bwd(qwen3_model *m, int l, int BT) {
     qwen3_layer_w *g = &m->g.layer[l];
     int H = c->hidden, E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
     const moe_route *r = &a->route;
+    size_t ex = (size_t)(c->expert_rows ? c->expert_rows : E) * Im * H; /* one projection's held experts */
     zero(m->d_ln, (size_t)BT * H);
+    WIDE_IN(w->ewg, 3 * ex);
     if (m->moe_ep)
         m->moe_ep->bwd(m->moe_ep->ctx, l, m->d_ln, g, m->moe_dtopw, m->d_res, r, w, BT);
     else
         m->k.moe_bwd(m->d_ln, g->ewg, g->ewu, g->ewd, m->moe_dtopw, m->moe_work, m->d_res, a->ln2, w->ewg, w->ewu,
                      w->ewd, a->gate, a->up, a->h, r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
+    WIDE_OUT(w->ewg, 3 * ex);
     /* under tensor parallelism both are partial sums over the experts'
      * intermediate slices; the router's own d(ln2), added next, is not */
     reduce_d_input(m, m->d_ln, (size_t)BT * H);
     reduce_d_input(m, m->moe_dtopw, (size_t)BT * k);
     int aux = c->output_router_logits && c->router_aux_loss_coef > 0;
+    WIDE_IN(w->router, (size_t)E * H);
     moe_route_bwd(&m->k, m->d_ln, g->router, m->moe_dprobs, m->moe_dtopw, aux ? m->moe_dprob_all : NULL, a->ln2,
                   w->router, r, BT, H, E, k, c->norm_topk_prob);
+    WIDE_OUT(w->router, (size_t)E * H);
 }
 
 double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
@@ -976,7 +1024,6 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
 
     for (int l = c->n_layers - 1; l >= 0; l--) {
         if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
-        qwen3_frozen_in(m, l);
         layer_recompute(m, l, B, T);
         qwen3_layer_acts *a = &m->acts[l];
         const qwen3_layer_w *w = &m->w.layer[l];
@@ -986,15 +1033,21 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         } else {
             /* res_next = res_mid + down(h): d_res flows to res_mid unchanged, plus the MLP path */
             zero(m->d_h, (size_t)BT * I);
+            WIDE_IN(w->wd, (size_t)H * I);
             m->k.matmul_bwd(m->d_h, g->wd, m->d_res, a->h, w->wd, BT, I, H);
+            WIDE_OUT(w->wd, (size_t)H * I);
             if (LORA(w, QWEN3_LORA_DOWN))
                 lora_bwd(m, l, QWEN3_LORA_DOWN, m->d_h, m->d_res, a->lora_u[QWEN3_LORA_DOWN], a->h, BT, I, H);
             zero(m->d_gate, (size_t)BT * I);
             zero(m->d_up, (size_t)BT * I);
             m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
             zero(m->d_ln, (size_t)BT * H);
+            WIDE_IN(w->wg, (size_t)I * H);
             m->k.matmul_bwd(m->d_ln, g->wg, m->d_gate, a->ln2, w->wg, BT, H, I);
+            WIDE_OUT(w->wg, (size_t)I * H);
+            WIDE_IN(w->wu, (size_t)I * H);
             m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, a->ln2, w->wu, BT, H, I);
+            WIDE_OUT(w->wu, (size_t)I * H);
             if (LORA(w, QWEN3_LORA_GATE))
                 lora_bwd(m, l, QWEN3_LORA_GATE, m->d_ln, m->d_gate, a->lora_u[QWEN3_LORA_GATE], a->ln2, BT, H, I);
             if (LORA(w, QWEN3_LORA_UP))
@@ -1005,7 +1058,9 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
 
         /* res_mid = res + o_proj(att) */
         zero(m->d_att, (size_t)BT * qd);
+        WIDE_IN(w->wo, (size_t)H * qd);
         m->k.matmul_bwd(m->d_att, g->wo, m->d_res, a->att, w->wo, BT, qd, H);
+        WIDE_OUT(w->wo, (size_t)H * qd);
         if (LORA(w, QWEN3_LORA_O))
             lora_bwd(m, l, QWEN3_LORA_O, m->d_att, m->d_res, a->lora_u[QWEN3_LORA_O], a->att, BT, qd, H);
         zero(m->d_q, (size_t)BT * qd);
@@ -1020,9 +1075,11 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         zero(m->d_k2, (size_t)BT * kvd);
         m->k.qknorm_rope_bwd(m->d_k2, g->kn, m->d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
         zero(m->d_ln, (size_t)BT * H);
+        WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
         m->k.matmul_bwd(m->d_ln, g->wq, m->d_q2, a->ln1, w->wq, BT, H, qd);
         m->k.matmul_bwd(m->d_ln, g->wk, m->d_k2, a->ln1, w->wk, BT, H, kvd);
         m->k.matmul_bwd(m->d_ln, g->wv, m->d_v, a->ln1, w->wv, BT, H, kvd);
+        WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
         if (LORA(w, QWEN3_LORA_Q))
             lora_bwd(m, l, QWEN3_LORA_Q, m->d_ln, m->d_q2, a->lora_u[QWEN3_LORA_Q], a->ln1, BT, H, qd);
         if (LORA(w, QWEN3_LORA_K))
@@ -1031,7 +1088,6 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
             lora_bwd(m, l, QWEN3_LORA_V, m->d_ln, m->d_v, a->lora_u[QWEN3_LORA_V], a->ln1, BT, H, kvd);
         reduce_d_input(m, m->d_ln, (size_t)BT * H);
         m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, w->ln1, a->ln1_rstd, BT, H);
-        qwen3_frozen_out(m, l);
         if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
     }
     if (m->g.wte) m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);

@@ -37,9 +37,10 @@ def peft_adapter(tmp_path, tied=False, r=4, alpha=8):
     return pm
 
 
-@pytest.mark.parametrize("tied,vocab", [(False, 256), (True, 256), (True, 9000), (False, 9000)],
-                         ids=["untied", "tied", "tied_v9000", "untied_v9000"])
-def test_bf16_frozen_storage_is_bit_identical(tied, vocab, tmp_path, open_session):
+@pytest.mark.parametrize("tied,vocab,moe", [(False, 256, False), (True, 256, False), (True, 9000, False),
+                                            (False, 9000, False), (False, 256, True)],
+                         ids=["untied", "tied", "tied_v9000", "untied_v9000", "moe_dense_layer"])
+def test_bf16_frozen_storage_is_bit_identical(tied, vocab, moe, tmp_path, open_session):
     """A base whose weights are bf16 already: frozen_dtype bfloat16 (stored in bf16, widened per
     unit) and float32 give the same bits for losses, adapter gradients, steps and logits. The
     stored lm_head runs in blocks of 8192 vocabulary rows: at vocab 9000 (two blocks) the first
@@ -48,7 +49,11 @@ def test_bf16_frozen_storage_is_bit_identical(tied, vocab, tmp_path, open_sessio
     step-1 gradients then agree to float32 rounding (1e-5 of each tensor's largest value), and
     the later steps are not compared (AdamW turns a last-bit gradient difference of a near-zero
     element into a step of up to lr, as docs/distributed.md measures for the parallel layouts)."""
-    model = oracle.save_random_hf(tmp_path / "hf32", tiny(tied, vocab), seed=11)
+    if moe:  # frozen router and experts (and a dense MLP layer) widened around their kernels
+        import oracle_moe
+        model = oracle_moe.build_moe_model(oracle_moe.tiny_moe_config(vocab=vocab, layers=3, mlp_only=(1,)), seed=11)
+    else:
+        model = oracle.save_random_hf(tmp_path / "hf32", tiny(tied, vocab), seed=11)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
     rng = np.random.default_rng(0)
     tok = rng.integers(0, vocab, (2, 16)).astype(np.int32)
@@ -61,7 +66,7 @@ def test_bf16_frozen_storage_is_bit_identical(tied, vocab, tmp_path, open_sessio
         out = []
         for _ in range(3):
             out.append(s.forward_backward(tok, lab, 32))
-            out.append(s.get_grad("model.layers.1.mlp.down_proj.lora_A.weight"))
+            out.append(s.get_grad("model.layers.1.self_attn.o_proj.lora_A.weight"))
             out.append(s.get_grad("model.norm.weight"))
             s.optimizer_step()
         out.append(s.logits(tok))
