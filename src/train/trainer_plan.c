@@ -22,6 +22,8 @@
  * slices of ceil(n / its group). */
 typedef struct {
     size_t shard;     /* floats of a rank's slices of every piece */
+    size_t trained;   /* of those, the floats of tensors not frozen (gradients, moments) on the rank that
+                         holds the most of them (a layer's adapters come last, in its last ranks' slices) */
     size_t layer_max; /* floats of the largest layer, its pieces together */
     size_t layers;    /* floats of every layer */
     size_t embed, head;
@@ -35,7 +37,22 @@ static int dry_fsdp_plan(const qwen3_model *m, int n, int n_exp, dry_fsdp *d, ct
     fsdp_piece *p = ct_calloc(2 * (size_t)L + 2, sizeof *p);
     int *lp = ct_calloc((size_t)L + 1, sizeof(int));
     int np = fsdp_cut(m, n_exp > 0, p, lp, e); /* fsdp_init's own cut */
-    for (int i = 0; i < np; i++) d->shard += ceil_div(p[i].n, (size_t)(p[i].experts ? n_exp : n));
+    size_t *per = ct_calloc((size_t)n, sizeof *per); /* trained floats of each rank's slices */
+    for (int i = 0; i < np; i++) {
+        int g = p[i].experts ? n_exp : n;
+        size_t chunk = ceil_div(p[i].n, (size_t)g);
+        d->shard += chunk;
+        for (int r = 0; r < g; r++) {
+            size_t a = p[i].off + (size_t)r * chunk, b = a + chunk < p[i].off + p[i].n ? a + chunk : p[i].off + p[i].n;
+            for (int t = 0; t < m->n_tensors && a < b; t++) {
+                const qwen3_tensor *q = &m->tensors[t];
+                size_t x = q->offset > a ? q->offset : a, y = q->offset + q->numel < b ? q->offset + q->numel : b;
+                if (!q->frozen && x < y) per[r] += y - x;
+            }
+        }
+    }
+    for (int r = 0; r < n; r++) d->trained = per[r] > d->trained ? per[r] : d->trained;
+    free(per);
     for (int l = 0; l < L; l++) {
         size_t layer = p[lp[l + 1]].off - p[lp[l]].off;
         if (layer > d->layer_max) d->layer_max = layer;
@@ -82,17 +99,23 @@ static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, i
     size_t n = 0, act = 0;
     int rc = qwen3_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
-    double stored = (double)n, gathered = 0;
-    if (shard > 1) {
-        qwen3_model lm;
-        qwen3_layout(&lm, &lc);
+    double stored = (double)n, trained = (double)n, gathered = 0;
+    qwen3_model lm;
+    qwen3_layout(&lm, &lc);
+    if (c->lora_rank > 0 || c->freeze[0] || c->lora_modules_to_save[0]) { /* frozen: no gradient, no moments */
+        rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
+        trained = 0;
+        for (int i = 0; i < lm.n_tensors; i++) trained += lm.tensors[i].frozen ? 0 : (double)lm.tensors[i].numel;
+    }
+    if (!rc && shard > 1) {
         dry_fsdp d;
         rc = dry_fsdp_plan(&lm, shard, ep > 1 ? shard / ep : 0, &d, e);
-        qwen3_free(&lm);
-        if (rc) return rc;
         stored = (double)d.shard;
+        trained = (double)d.trained;
         gathered = dry_fsdp_gathered(&d, lc.tie_embeddings, strcmp(c->fsdp_reshard, "never") != 0);
     }
+    qwen3_free(&lm);
+    if (rc) return rc;
     if (!out) return 0; /* checked only */
     fprintf(out,
             "per rank: world %d = data_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d, "
@@ -109,11 +132,11 @@ static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, i
                 shard, shard / ep, stored);
     else if (shard > 1)
         fprintf(out, "  FSDP over %d ranks: %.0f parameters stored\n", shard, stored);
-    double p = 4 * stored, g = 4 * stored, o = 8 * stored, a = (double)act;
+    double p = 4 * stored, g = 4 * trained, o = 8 * trained, a = (double)act;
     double total = p + g + o + gathered + a;
     dry_line(out, "parameters (fp32)", p);
-    dry_line(out, "gradients (fp32)", g);
-    dry_line(out, "AdamW moments (2 x fp32)", o);
+    dry_line(out, trained < stored ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
+    dry_line(out, trained < stored ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);
     if (shard > 1) dry_line(out, "FSDP gathered (params + grads)", gathered);
     dry_line(out, "activations + workspace (planned)", a);
     dry_line(out, "total planned per rank", total);
@@ -181,8 +204,8 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
         fprintf(out, "  trained: %zu parameters (%.3f%%%s), frozen: %zu (no gradient, no moments)\n", trained,
                 100.0 * trained / n, c->lora_rank > 0 ? ", LoRA adapters and modules_to_save" : "", n - trained);
     dry_line(out, in_bf16 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
-    dry_line(out, "gradients (fp32, trained only)", g);
-    dry_line(out, "AdamW moments (2 x fp32, trained only)", o);
+    dry_line(out, trained < n ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
+    dry_line(out, trained < n ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);
     dry_line(out, "activations + workspace (planned)", a);
     dry_line(out, "total planned", p + g + o + a);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
