@@ -181,14 +181,28 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
     size_t n = 0, act = 0;
     if ((rc = qwen3_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
     /* frozen tensors (LoRA's base, training.freeze): no gradient, no moments */
-    size_t trained = n, in_bf16 = 0;
+    size_t trained = n, in_bf16 = 0, widened = 0;
     if (c->lora_rank > 0 || c->freeze[0] || c->lora_modules_to_save[0]) {
         qwen3_model lm;
         qwen3_layout(&lm, &mc);
         rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
         trained = 0;
         for (int i = 0; i < lm.n_tensors; i++) trained += lm.tensors[i].frozen ? 0 : lm.tensors[i].numel;
-        if (!rc && !strcmp(c->frozen_dtype, "bfloat16")) in_bf16 = qwen3_store_frozen_bf16(&lm);
+        if (!rc && !strcmp(c->frozen_dtype, "bfloat16")) {
+            in_bf16 = qwen3_store_frozen_bf16(&lm);
+            /* widened while they run: the largest stored layer matrix (qwen3.c's wide), and a stored
+             * lm_head's block of 8192 vocabulary rows with its [logit rows, 8192] products */
+            for (int i = 1; i < lm.n_tensors; i++) {
+                const qwen3_tensor *q = &lm.tensors[i];
+                if (q->store != QWEN3_NO_STORE && !strstr(q->name, "lm_head") && q->numel > widened) widened = q->numel;
+            }
+            if (lm.n_moe_layers || mc.n_experts) { /* a MoE layer's experts are widened together */
+                size_t ex = 3 * (size_t)mc.n_experts * mc.moe_intermediate * mc.hidden;
+                widened = ex > widened ? ex : widened;
+            }
+            const qwen3_tensor *head = mc.tie_embeddings ? &lm.tensors[0] : &lm.tensors[lm.n_tensors - 1];
+            if (head->store != QWEN3_NO_STORE) widened += 8192 * ((size_t)mc.hidden + 256);
+        }
         qwen3_free(&lm);
         if (rc) return rc;
     }
@@ -196,8 +210,9 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
         if ((rc = dry_run_rank(NULL, c, &mc, world, rep, shard, tp, B, e))) return rc;
     }
     if (!out) return 0;
-    /* bf16-stored frozen matrices: 2 bytes each, plus the largest unit widened while it runs */
+    /* bf16-stored frozen matrices: 2 bytes each, and what is widened to fp32 while it runs */
     double p = 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16, g = 4.0 * trained, o = 8.0 * trained, a = (double)act;
+    double w = 4.0 * (double)widened;
     fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
             n / 1e9, B, c->seq_len, c->ac_mode);
     if (trained != n)
@@ -207,7 +222,8 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
     dry_line(out, trained < n ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
     dry_line(out, trained < n ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);
     dry_line(out, "activations + workspace (planned)", a);
-    dry_line(out, "total planned", p + g + o + a);
+    if (w > 0) dry_line(out, "frozen bf16 widened while used", w);
+    dry_line(out, "total planned", p + g + o + a + w);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
     return world > 1 ? dry_run_rank(out, c, &mc, world, rep, shard, tp, B, e) : 0;
 }
