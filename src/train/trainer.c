@@ -27,9 +27,9 @@
 
 #include "checkpoint/hf.h"
 #include "core/cpu.h"
-#include "model/lora.h"
 #include "core/fs.h"
 #include "core/timer.h"
+#include "model/lora.h"
 
 /* The one piece of process-wide state: a signal handler can reach nothing
  * else. 0 = run, 1 = stop after this step. */
@@ -270,7 +270,12 @@ static void build_opt_ranges(trainer *t) {
                 r[n - 1].n += y - x;
                 continue;
             }
-            if (n == cap) r = realloc(r, (size_t)(cap *= 2) * sizeof *r);
+            if (n == cap) { /* grow: a model has at most a few runs per layer */
+                struct trainer_range *g = ct_malloc((size_t)(cap *= 2) * sizeof *g);
+                memcpy(g, r, (size_t)n * sizeof *r);
+                free(r);
+                r = g;
+            }
             r[n++] = (struct trainer_range){off, y - x};
         }
     }
