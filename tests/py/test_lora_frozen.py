@@ -207,3 +207,25 @@ def test_lora_bf16_matches_emulated_peft(tmp_path, open_session):
     assert np.median(list(cos.values())) >= 0.95 and min(cos.values()) >= 0.85, f"bf16 effect direction: {cos}"
     assert 0.95 <= np.median(list(ratio.values())) <= 1.05 and \
         all(0.75 <= r <= 1.3 for r in ratio.values()), f"bf16 effect size vs emulation: {ratio}"
+
+
+def test_adapter_of_another_model_family_is_refused(tmp_path, open_session, run_ctitan):
+    """A PEFT adapter trained on a Llama model of another width (its config.json says llama)
+    given to a Qwen3 base: refused at open, by the adapter file and the first key that does not
+    fit, never applied; and a Llama base directory is refused by generate --adapter naming
+    config.json's model_type."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    oracle.save_random_hf(tmp_path / "hf", tiny(False), seed=11)
+    lcfg = LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+    llama = LlamaForCausalLM(lcfg)
+    llama.save_pretrained(tmp_path / "llama")
+    get_peft_model(llama, LoraConfig(r=4, lora_alpha=8, target_modules=SEVEN)).save_pretrained(tmp_path / "ad")
+    with pytest.raises(Exception) as ei:
+        open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16,
+                                     extra=["--lora.rank=4", "--lora.alpha=8", f"--lora.adapter_path={tmp_path / 'ad'}"]))
+    msg = str(ei.value)
+    assert "adapter_model.safetensors" in msg and "has shape" in msg and "lora_A.weight" in msg, msg
+    rc, _, err = run_ctitan(["generate", "--checkpoint", tmp_path / "llama", "--adapter", tmp_path / "ad",
+                             "--prompt-ids", "1 2 3", "--max-tokens", "2"], check=False)
+    assert rc != 0 and "config.json" in err and "model_type" in err, err
