@@ -76,6 +76,8 @@ bench: setup all
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W1 --precision bf16
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W2
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W3
+	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W1 --lora 16
+	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W1 --lora 16 --frozen-bf16
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_moe.py --shape debugmodel_moe
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_moe.py --shape 30b-a3b-2l
 	$(PY) bench/bench_tokenizer.py

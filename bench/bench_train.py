@@ -21,7 +21,15 @@ Workloads (issue 5):
       ctitan with activation_checkpoint full; PyTorch with HF gradient checkpointing
       (--no-torch to skip it). RSS target: params x 16 B + 2 GiB.
   W3  torchtitan's debugmodel, batch 4 x 256
+LoRA (--lora R): both sides train rank-R adapters (alpha 2R, dropout 0) on q,k,v,o,gate,
+up,down_proj with the base frozen: ctitan with --lora.rank/--lora.alpha, PyTorch with
+peft.get_peft_model(LoraConfig(...)) and AdamW over the trainable tensors only. With
+--frozen-bf16 ctitan stores the frozen base in bf16 (training.frozen_dtype=bfloat16)
+and PyTorch loads its base in bf16 (adapters in fp32: PEFT's autocast_adapter_dtype).
+FLOPs per token with LoRA: 4 x frozen matmul params (no weight gradient) + 6 x adapter
+params + the attention term.
 Run:  .venv/bin/python bench/bench_train.py --workload W1 [--precision bf16]
+      .venv/bin/python bench/bench_train.py --workload W1 --lora 16 [--precision bf16] [--frozen-bf16]
       .venv/bin/python bench/bench_train.py --shape debugmodel --batch 4 --seq 256 --steps 8
 CTITAN_BUILD=build/x selects the build directory (default build).
 """
@@ -56,11 +64,25 @@ WORKLOADS = {
 }
 
 
-def flops_per_token(cfg, n_params, T):
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_params(cfg, r):
+    """Adapter parameters of rank r on the seven projections: r x (in + out) each."""
+    H, I, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    per_layer = (H + q) + 2 * (H + kv) + (q + H) + 2 * (H + I) + (I + H)
+    return cfg["num_hidden_layers"] * r * per_layer
+
+
+def flops_per_token(cfg, n_params, T, n_lora=0):
     matmul = n_params - cfg["vocab_size"] * cfg["hidden_size"]
     if cfg["tie_word_embeddings"]:
         matmul += cfg["vocab_size"] * cfg["hidden_size"]
-    return 6 * matmul + 12 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * T
+    attn = 12 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * T
+    if n_lora:  # frozen base: forward + input gradient only; adapters: all three
+        return 4 * matmul + 6 * n_lora + attn
+    return 6 * matmul + attn
 
 
 def run_measured(cmd, env=None):
@@ -89,6 +111,9 @@ def measured_child(cmd, env=None):
     return rc, out, err, (rss, cpu)
 
 
+NOTES = []  # lines of the children's stderr worth printing under the table (LoRA runs)
+
+
 def thread_env(threads):
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
@@ -104,12 +129,26 @@ def torch_worker(a):
     import torch
     from transformers import Qwen3ForCausalLM
     torch.set_num_threads(a.threads)
-    model = Qwen3ForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    # --frozen-bf16: the base is read straight into bf16 (what model.to(torch.bfloat16) after an fp32
+    # load gives, without an fp32 copy inflating the peak RSS)
+    base_dtype = torch.bfloat16 if a.frozen_bf16 else torch.float32
+    model = Qwen3ForCausalLM.from_pretrained(a.model_dir, dtype=base_dtype, attn_implementation="sdpa")
+    model.to(base_dtype)
     model.train()
     if a.ac != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    if a.lora:
+        from peft import LoraConfig, get_peft_model
+        # autocast_adapter_dtype=True (PEFT's default): the adapters are fp32 over a bf16 base
+        model = get_peft_model(model, LoraConfig(r=a.lora, lora_alpha=2 * a.lora, lora_dropout=0.0,
+                                                 target_modules=LORA_TARGETS, bias="none"))
+        model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    sys.stderr.write(f"BENCH_TORCH trainable {sum(p.numel() for p in params)} "
+                     f"dtypes {sorted({str(p.dtype) for p in params})} "
+                     f"frozen dtypes {sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad})}\n")
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     tokens = np.fromfile(a.data, dtype=np.uint32)
     B, T, W = a.batch, a.seq, a.seq + 1
     stamps = []
@@ -126,7 +165,7 @@ def torch_worker(a):
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         del logits
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         stamps.append(time.perf_counter() - t0)
@@ -136,8 +175,12 @@ def torch_worker(a):
 def bench_torch(a, model_dir, data):
     cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", "--model-dir", model_dir, "--data", data,
            "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--threads", str(a.threads),
-           "--precision", a.precision, "--ac", a.ac]
+           "--precision", a.precision, "--ac", a.ac, "--lora", str(a.lora)]
+    if a.frozen_bf16:
+        cmd.append("--frozen-bf16")
     rc, out, err, rss = measured_child(cmd, thread_env(a.threads))
+    if a.lora:
+        NOTES.extend("pytorch: " + l[len("BENCH_TORCH "):] for l in err.splitlines() if l.startswith("BENCH_TORCH "))
     rows = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
     if rc != 0 or len(rows) < a.steps:
         return None, rss, f"PyTorch failed (exit {rc}): {err.strip().splitlines()[-1] if err.strip() else ''}"
@@ -158,8 +201,16 @@ def bench_ctitan(a, model_dir, data, out):
            f"--activation_checkpoint.mode={a.ac}"]
     if a.precision == "bf16":
         cmd.append("--training.mixed_precision_param=bfloat16")
+    if a.lora:
+        cmd += [f"--lora.rank={a.lora}", f"--lora.alpha={2 * a.lora}", "--lora.dropout=0",
+                "--lora.target_modules=" + ",".join(LORA_TARGETS)]
+    if a.frozen_bf16:
+        cmd.append("--training.frozen_dtype=bfloat16")
     cmd += a.ctitan_arg
     rc, _, err, rss = measured_child(cmd, thread_env(a.threads))
+    if a.lora:
+        NOTES.extend("ctitan: " + l.strip().removeprefix("ctitan: ") for l in err.splitlines()
+                     if "trained:" in l or "frozen weights in" in l)
     mpath = os.path.join(out, "metrics.jsonl")
     if rc != 0 or not os.path.exists(mpath):
         last = err.strip().splitlines()
@@ -200,6 +251,10 @@ def main():
     ap.add_argument("--ac", default="none", choices=["none", "full"], help="activation checkpointing, both sides")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="LoRA rank R (alpha 2R, dropout 0, q/k/v/o/gate/up/down_proj) on both sides; 0: full training")
+    ap.add_argument("--frozen-bf16", action="store_true",
+                    help="with --lora: the frozen base in bf16 (ctitan training.frozen_dtype=bfloat16; PyTorch base in bf16)")
     ap.add_argument("--no-torch", action="store_true", help="ctitan only")
     ap.add_argument("--no-ctitan", action="store_true", help="PyTorch only")
     ap.add_argument("--ctitan-arg", action="append", default=[], metavar="--SECTION.KEY=VALUE",
@@ -215,6 +270,8 @@ def main():
         a.shape, a.batch, a.seq, a.steps, a.warmup, a.ac = WORKLOADS[a.workload]
     if a.warmup >= a.steps:
         ap.error(f"--warmup {a.warmup} must be below --steps {a.steps}")
+    if a.frozen_bf16 and not a.lora:
+        ap.error("--frozen-bf16 needs --lora (nothing is frozen otherwise)")
 
     import numpy as np
     import torch
@@ -237,11 +294,14 @@ def main():
         if not a.no_torch:
             res["pytorch"] = bench_torch(a, tmp + "/model", tmp + "/tokens.bin")
     load = os.getloadavg()[0]
-    fpt = flops_per_token(shape, n_params, a.seq)
+    n_lora = lora_params(shape, a.lora) if a.lora else 0
+    fpt = flops_per_token(shape, n_params, a.seq, n_lora)
     peak = peak_flops(a.threads)
     name = f"{a.workload} " if a.workload else ""
     print(f"{name}model {a.shape}: {n_params/1e6:.1f} M params, batch {a.batch} x {a.seq}, {a.threads} threads, "
           f"{a.precision}, activation_checkpoint {a.ac}, {a.steps} steps ({a.warmup} warm-up), "
+          + (f"LoRA r {a.lora} alpha {2 * a.lora} ({n_lora/1e6:.2f} M trainable), frozen base "
+             f"{'bf16' if a.frozen_bf16 else 'fp32'}, " if a.lora else "") +
           f"peak {peak/1e9:.0f} GFLOP/s fp32; load average {load0:.1f} before, {load:.1f} after "
           f"(the run itself adds ~{a.threads}: more means other processes shared the cores)")
     print(f"{'':10s} {'tokens/s':>10s} {'GFLOP/s':>9s} {'MFU':>7s} {'peak RSS GiB':>13s} {'CPU s':>7s}  "
@@ -261,7 +321,9 @@ def main():
         if rss.get("ctitan") and rss.get("pytorch"):
             print(f", peak RSS {rss['ctitan']/rss['pytorch']:.2f}x", end="")
         print()
-    if a.workload == "W2" and rss.get("ctitan"):
+    for note in NOTES:
+        print(note)
+    if a.workload == "W2" and rss.get("ctitan") and not a.lora:  # the full-training target
         target = n_params * 16 + 2 * 2**30
         print(f"W2 ctitan peak RSS {rss['ctitan']/2**30:.2f} GiB vs target params x 16 B + 2 GiB = "
               f"{target/2**30:.2f} GiB: {'ok' if rss['ctitan'] <= target else 'OVER'}")
