@@ -427,9 +427,10 @@ typedef int (*save_put_fn)(void *ctx, const float *x, size_t n, ct_err *e);
  * moments first needed 12 bytes a parameter on rank 0. Every rank runs the
  * same loop, so the collectives match; once put fails (*rc set on rank 0)
  * rank 0 stops writing but not the loop. kinds: 1 the parameters, 3 also
- * exp_avg then exp_avg_sq. fm: the whole model's table (rank 0). */
-static void save_gather(trainer *t, const qwen3_model *fm, int kinds, save_put_fn put, void *ctx, int *rc,
-                        ct_err *e) {
+ * exp_avg then exp_avg_sq. fm: the whole model's table (rank 0). frozen_too: bf16-stored
+ * frozen weights are widened for the read (0: the put takes trained tensors only). */
+static void save_gather(trainer *t, const qwen3_model *fm, int kinds, int frozen_too, save_put_fn put, void *ctx,
+                        int *rc, ct_err *e) {
     qwen3_model *lm = &t->model; /* not changed: bf16-stored weights are only widened for the read */
     int rank0 = t->world->rank == 0, L = lm->cfg.n_layers;
     int fsdp_part = t->fsdp && t->mesh.rep_rank == 0;
@@ -442,9 +443,10 @@ static void save_gather(trainer *t, const qwen3_model *fm, int kinds, save_put_f
         for (int x = 0; x < L + 2; x++) {
             size_t lo = save_offset(lm, u[x]), hi = save_offset(lm, u[x + 1]);
             size_t n = rank0 ? save_offset(fm, u[x + 1]) - save_offset(fm, u[x]) : 0;
-            /* bf16-stored frozen weights: the unit widened into params while it is read */
-            int unit = x == 0 ? -1 : x - 1;
-            if (k == 0 && !t->fsdp) qwen3_frozen_in(lm, unit);
+            /* bf16-stored frozen weights: the unit widened into params while it is read, when
+             * the put wants them (an HF export; not a checkpoint or an adapter of trained ones) */
+            int unit = x == 0 ? -1 : x - 1, widen = k == 0 && !t->fsdp && frozen_too;
+            if (widen) qwen3_frozen_in(lm, unit);
             const float *part = src + lo; /* this rank's floats of the unit */
             float *got = NULL, *whole = NULL;
             if (t->fsdp) { /* under FSDP src is the shard: gather the unit's pieces */
@@ -459,7 +461,7 @@ static void save_gather(trainer *t, const qwen3_model *fm, int kinds, save_put_f
                 part = whole;
             }
             if (rank0 && !*rc) *rc = put(ctx, part, n, e);
-            if (k == 0 && !t->fsdp) qwen3_frozen_out(lm, unit);
+            if (widen) qwen3_frozen_out(lm, unit);
             free(whole);
             free(got);
         }
@@ -521,8 +523,8 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     if (trained_only) trained_table_init(&tt, fm, &t->model);
     if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, trained_only ? &tt.tab : fm, model_only, e);
     tc.s = s;
-    if (trained_only) save_gather(t, fm, model_only ? 1 : 3, put_trained, &tc, &rc, e);
-    else save_gather(t, fm, model_only ? 1 : 3, put_ckpt, s, &rc, e);
+    if (trained_only) save_gather(t, fm, model_only ? 1 : 3, 0, put_trained, &tc, &rc, e);
+    else save_gather(t, fm, model_only ? 1 : 3, 1, put_ckpt, s, &rc, e);
     ckpt_info info;
     if (rank0 && rc) ckpt_stream_abort(s);
     if (rank0 && !rc) {
@@ -582,7 +584,7 @@ int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
     const qwen3_model *fm = &t->model; /* TP and EP do not run LoRA: every rank's table is the whole model's */
     int rank0 = t->world->rank == 0, rc = 0;
     adapter_ctx a = {fm, 0, ct_calloc((size_t)fm->n_tensors + 1, sizeof(float *))};
-    save_gather(t, fm, 1, put_adapter, &a, &rc, e);
+    save_gather(t, fm, 1, 0, put_adapter, &a, &rc, e); /* adapters and modules_to_save: trained, fp32 */
     const ct_config *c = &t->cfg;
     const char *base = c->initial_load_path[0] ? c->initial_load_path : c->hf_assets_path;
     if (rank0 && !rc)
@@ -626,7 +628,7 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
         rc = st_dir_stream_open(&out, tmp, ts, fm->n_tensors, (size_t)5 << 30, meta, e);
         free(ts);
     }
-    save_gather(t, fm, 1, put_hf, out, &rc, e);
+    save_gather(t, fm, 1, 1, put_hf, out, &rc, e);
     if (rank0) {
         char p[4300];
         if (rc) st_dir_stream_abort(out);

@@ -229,3 +229,39 @@ def test_adapter_of_another_model_family_is_refused(tmp_path, open_session, run_
     rc, _, err = run_ctitan(["generate", "--checkpoint", tmp_path / "llama", "--adapter", tmp_path / "ad",
                              "--prompt-ids", "1 2 3", "--max-tokens", "2"], check=False)
     assert rc != 0 and "config.json" in err and "model_type" in err, err
+
+
+def test_bf16_frozen_resume_and_export(tmp_path):
+    """Runs with frozen_dtype bfloat16 through the CLI, from an fp32 base (rounded on load):
+    a LoRA run stopped at step 2 and resumed to 4 equals the uninterrupted one bit for bit
+    (the checkpoint holds the adapters; the bf16 base is read again from the HF files), and a
+    run freezing layer 0 without LoRA exports, at its end, the frozen tensors as the base's
+    bf16-rounded values and the trained ones moved."""
+    from test_lora_runs import SEQ, VOCAB, losses, run, tensors, train_args
+    cfg = oracle.tiny_config(vocab=VOCAB, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8)
+    oracle.save_random_hf(tmp_path / "model", cfg, seed=21)
+    data = oracle.write_bin(tmp_path / "tokens.bin", oracle.learnable_stream(200 * (SEQ + 1), VOCAB, seed=7))
+    bf = ["--training.frozen_dtype=bfloat16"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(1, train_args(tmp_path / "model", data, straight, *bf, dropout=0.1, steps=4))
+    args = train_args(tmp_path / "model", data, resumed, *bf, dropout=0.1, steps=4)
+    assert run(1, args + ["--training.stop_at_step=2"], check=False).returncode == 75
+    p = run(1, args)
+    assert "resuming from" in p.stderr and "frozen weights in bfloat16" in p.stderr, p.stderr[-2000:]
+    assert losses(straight) == losses(resumed)
+    a, b = tensors(straight, step=4), tensors(resumed, step=4)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+    out = tmp_path / "freeze"
+    run(1, train_args(tmp_path / "model", data, out, "--training.freeze=model.layers.0.*",
+                      "--checkpoint.last_save_in_hf=true", *bf, lora=False, steps=2))
+    init = oracle.read_hf_tensors(tmp_path / "model")
+    got = {k.split(":", 1)[1]: v for k, v in tensors(out, step=2, files=("model.safetensors",)).items()}
+    for n, v in init.items():
+        if n.startswith("model.layers.0.") and v.ndim == 2:  # stored in bf16: the rounded base
+            want = torch.from_numpy(v).to(torch.bfloat16).float().numpy()
+            assert np.array_equal(got[n], want), n
+        elif n.startswith("model.layers.0."):  # frozen norms stay fp32
+            assert np.array_equal(got[n], v), n
+        else:
+            assert not np.array_equal(got[n], v), f"{n} did not train"
