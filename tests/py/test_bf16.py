@@ -139,6 +139,12 @@ def test_vs_emulation(cid, kw, seed, tmp_path, open_session):
     loss, logits, grads = ctitan_run(open_session, hf_dir, tokens, labels, [BF16])
     c32 = ctitan_run(open_session, hf_dir, tokens, labels, [])[2]
 
+    assert_like_emulation(loss, logits, grads, c32, l32, le, lge, ge, g32)
+
+
+def assert_like_emulation(loss, logits, grads, c32, l32, le, lge, ge, g32):
+    """ctitan-bf16 (loss, logits, grads; c32 its fp32 grads) against the emulation (le, lge,
+    ge; l32 and g32 the fp32 oracle's loss and grads)."""
     assert abs(loss - le) <= 1e-4 * le, f"loss {loss} vs emulation {le} (fp32 {l32})"
     scale = np.abs(lge).max()
     pos_ok = float((np.abs(logits - lge).max(axis=2) <= 1e-4 * scale).mean())

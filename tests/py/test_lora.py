@@ -18,7 +18,7 @@ import oracle_lora as OL
 import oracle_moe
 from conftest import CtitanError, hf_session_args
 from test_parity import make_batch
-from test_train_loop import GLOBAL_BS, HP, LOCAL_BS, L, close
+from test_train_loop import GLOBAL_BS, HP, LOCAL_BS, L, close, train_sections
 
 TOL = 1e-4
 R, ALPHA = 4, 8.0
@@ -568,22 +568,10 @@ def test_cli_train_writes_peft_adapters(tmp_path, run_ctitan):
     data = oracle.write_bin(tmp_path / "tokens.bin", stream)
     ref = OL.train(pm, params, stream, seq_len=L, local_bs=LOCAL_BS, global_bs=GLOBAL_BS, steps=2, run_steps=2, **HP)
 
-    sec = {
-        "job": {"dump_folder": str(out)},
-        "model": {"spec": "hf", "hf_assets_path": str(hf_dir)},
-        "optimizer": {"name": "AdamW", "lr": HP["lr"], "eps": HP["eps"], "weight_decay": HP["weight_decay"],
-                      "beta1": HP["betas"][0], "beta2": HP["betas"][1]},
-        "lr_scheduler": {"warmup_steps": HP["warmup_steps"], "decay_type": HP["decay_type"],
-                         "min_lr_factor": HP["min_lr_factor"]},
-        "training": {"local_batch_size": LOCAL_BS, "global_batch_size": GLOBAL_BS, "seq_len": L,
-                     "max_norm": HP["max_norm"], "steps": 2, "dataset_path": str(data), "seed": 0},
-        "lora": {"rank": R, "alpha": ALPHA, "adapter_path": str(ad),
-                 "target_modules": oracle.Raw(json.dumps(targets))},
-        "checkpoint": {"enable": True, "folder": "checkpoint", "interval": 1,
-                       "initial_load_path": str(hf_dir), "initial_load_in_hf": True,
-                       "last_save_in_hf": True, "keep_latest_k": 0},
-        "metrics": {"log_freq": 1, "file": "metrics.jsonl"},
-    }
+    sec = train_sections(hf_dir, data, out, 2)
+    sec["lora"] = {"rank": R, "alpha": ALPHA, "adapter_path": str(ad), "target_modules": oracle.Raw(json.dumps(targets))}
+    sec["checkpoint"].update(interval=1, keep_latest_k=0)
+    del sec["checkpoint"]["export_dtype"]
     run_ctitan(["train", "--config", oracle.write_toml(tmp_path / "lora.toml", sec)])
     rows = oracle.read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]

@@ -13,8 +13,6 @@ HF files, and PEFT / transformers (the adapter directory test).
 mpirun missing is a failure, not a skip: scripts/setup.sh installs openmpi-bin."""
 import json
 import logging
-import os
-import shutil
 import subprocess
 import warnings
 from pathlib import Path
@@ -34,16 +32,7 @@ SEQ = 16
 VOCAB = 251
 
 # one OpenMP thread per rank under mpirun: 2 ranks share 2 cores
-MPI_ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-MPI_ENV.pop("CTITAN_LOG_RANKS", None)
-
-
-def mpirun():
-    exe = shutil.which("mpirun")
-    if not exe:
-        pytest.fail("mpirun not found: run scripts/setup.sh (installs openmpi-bin)", pytrace=False)
-    return [exe, "--oversubscribe", "--bind-to", "none"]
+from test_dist import ENV as MPI_ENV, mpirun  # noqa: E402  (mpirun as the layout tests launch it)
 
 
 def run(np_, args, timeout=120, check=True):
