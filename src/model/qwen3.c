@@ -670,7 +670,8 @@ static void lora_fwd(qwen3_model *m, int l, int p, float *y, float *u, const flo
 }
 
 /* Its backward from dy[BT, N]: dB += dy^T u, dA += du^T drop(x), dx += (du A)
- * through the dropout, du = scale dy B. dA, dB NULL: frozen adapters. */
+ * through the dropout, du = scale dy B. dA, dB NULL: frozen adapters; dx NULL:
+ * nothing below wants it. */
 static void lora_bwd(qwen3_model *m, int l, int p, float *dx, const float *dy, const float *u, const float *x, int BT,
                      int K, int N) {
     const qwen3_layer_w *w = &m->w.layer[l];
@@ -687,9 +688,10 @@ static void lora_bwd(qwen3_model *m, int l, int p, float *dx, const float *dy, c
         m->k.matmul_bwd(dx, g->lora_a[p], du, x, w->lora_a[p], BT, K, r);
         return;
     }
-    float *dxd = m->lora_dx, keep = 1.0f / (1.0f - m->cfg.lora_dropout);
-    memset(dxd, 0, n * sizeof(float));
+    float *dxd = dx ? m->lora_dx : NULL, keep = 1.0f / (1.0f - m->cfg.lora_dropout);
+    if (dxd) memset(dxd, 0, n * sizeof(float));
     m->k.matmul_bwd(dxd, g->lora_a[p], du, xd, w->lora_a[p], BT, K, r);
+    if (!dx) return;
     uint64_t key = lora_key(m, l, p);
     uint32_t cut = lora_cut(m);
     long nn = (long)n;
@@ -1075,19 +1077,21 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         zero(m->d_k2, (size_t)BT * kvd);
         m->k.qknorm_rope_bwd(m->d_k2, g->kn, m->d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
         zero(m->d_ln, (size_t)BT * H);
+        /* the embedding and layer 0's input norm frozen: nothing below wants d(ln1) of
+         * layer 0 (autograd skips these input-gradient products too) */
+        float *dln = l > 0 || m->g.wte || g->ln1 ? m->d_ln : NULL; /* [BT, H] */
         WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-        m->k.matmul_bwd(m->d_ln, g->wq, m->d_q2, a->ln1, w->wq, BT, H, qd);
-        m->k.matmul_bwd(m->d_ln, g->wk, m->d_k2, a->ln1, w->wk, BT, H, kvd);
-        m->k.matmul_bwd(m->d_ln, g->wv, m->d_v, a->ln1, w->wv, BT, H, kvd);
+        m->k.matmul_bwd(dln, g->wq, m->d_q2, a->ln1, w->wq, BT, H, qd);
+        m->k.matmul_bwd(dln, g->wk, m->d_k2, a->ln1, w->wk, BT, H, kvd);
+        m->k.matmul_bwd(dln, g->wv, m->d_v, a->ln1, w->wv, BT, H, kvd);
         WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-        if (LORA(w, QWEN3_LORA_Q))
-            lora_bwd(m, l, QWEN3_LORA_Q, m->d_ln, m->d_q2, a->lora_u[QWEN3_LORA_Q], a->ln1, BT, H, qd);
-        if (LORA(w, QWEN3_LORA_K))
-            lora_bwd(m, l, QWEN3_LORA_K, m->d_ln, m->d_k2, a->lora_u[QWEN3_LORA_K], a->ln1, BT, H, kvd);
-        if (LORA(w, QWEN3_LORA_V))
-            lora_bwd(m, l, QWEN3_LORA_V, m->d_ln, m->d_v, a->lora_u[QWEN3_LORA_V], a->ln1, BT, H, kvd);
-        reduce_d_input(m, m->d_ln, (size_t)BT * H);
-        m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, w->ln1, a->ln1_rstd, BT, H);
+        if (LORA(w, QWEN3_LORA_Q)) lora_bwd(m, l, QWEN3_LORA_Q, dln, m->d_q2, a->lora_u[QWEN3_LORA_Q], a->ln1, BT, H, qd);
+        if (LORA(w, QWEN3_LORA_K)) lora_bwd(m, l, QWEN3_LORA_K, dln, m->d_k2, a->lora_u[QWEN3_LORA_K], a->ln1, BT, H, kvd);
+        if (LORA(w, QWEN3_LORA_V)) lora_bwd(m, l, QWEN3_LORA_V, dln, m->d_v, a->lora_u[QWEN3_LORA_V], a->ln1, BT, H, kvd);
+        if (dln) {
+            reduce_d_input(m, m->d_ln, (size_t)BT * H);
+            m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, w->ln1, a->ln1_rstd, BT, H);
+        }
         if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
     }
     if (m->g.wte) m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);
