@@ -127,8 +127,8 @@ static const cfg_option cfg_options[] = {
         .help = "tensors not to train: HF names with * wildcards (e.g. [\"model.embed_tokens.weight\", "
                 "\"model.layers.*.self_attn.*\"]); no gradient, no AdamW moments, no weight decay"),
     OPT("training", "frozen_dtype", CFG_ENUM, frozen_dtype, "float32", .choices = cfg_frozen_dtypes,
-        .help = "storage of frozen matrices: bfloat16 halves them (widened a layer at a time while it runs; "
-                "an fp32 base is rounded to bf16); not yet with FSDP"),
+        .help = "storage of frozen matrices: bfloat16 halves them (each widened to fp32 only around the "
+                "product that reads it; an fp32 base is rounded to bf16); not yet with FSDP"),
 
     OPT("lora", "rank", CFG_INT, lora_rank, "0", .range = CFG_GE, .lo = 0,
         .help = "LoRA rank r; 0: no LoRA. With r > 0 the base model is frozen and only the adapters "
@@ -139,12 +139,12 @@ static const cfg_option cfg_options[] = {
         .help = "dropout on the adapters' input (deterministic from training.seed, the step and the micro-batch)"),
     OPT("lora", "target_modules", CFG_STR, lora_targets, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
         .list = 1, .help = "HF module names that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj "
-                           "down_proj; MoE experts are not adapted)"),
+                           "down_proj; MoE models: the attention ones, as PEFT does)"),
     OPT("lora", "use_rslora", CFG_BOOL, lora_rslora, "false",
         .help = "rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r"),
     OPT("lora", "modules_to_save", CFG_STR, lora_modules_to_save, "", .list = 1,
-        .help = "base modules trained in full beside the adapters and saved with them (embed_tokens, "
-                "lm_head, norm, input_layernorm, post_attention_layernorm, q_norm, k_norm)"),
+        .help = "base modules trained in full beside the adapters and saved with them; PEFT's rule: every "
+                "module whose path ends with the text (lm_head, embed_tokens; norm: every norm)"),
     OPT("lora", "adapter_path", CFG_STR, lora_adapter_path, "",
         .help = "a PEFT adapter directory to start from (adapter_config.json + adapter_model.safetensors) "
                 "instead of the fresh initialisation"),
