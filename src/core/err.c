@@ -4,9 +4,11 @@
 #include <sys/mman.h>
 
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 int ct_fail(ct_err *e, int code, const char *fmt, ...) {
     if (!e) return code;
@@ -56,4 +58,12 @@ void *ct_alloc_lazy(size_t n) {
 
 void ct_free_lazy(void *p, size_t n) {
     if (p) munmap(p, n ? n : 1);
+}
+
+void ct_drop_pages(void *p, size_t n) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)p, hi = lo + n;
+    lo = (lo + page - 1) / page * page;
+    hi = hi / page * page;
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }

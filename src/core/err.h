@@ -42,6 +42,10 @@ void *ct_malloc(size_t n);
  * memory can still be addressed. Freed with ct_free_lazy and the same n. */
 void *ct_alloc_lazy(size_t n);
 void ct_free_lazy(void *p, size_t n);
+/* Gives back the whole pages inside [p, p + n bytes) (MADV_DONTNEED: they
+ * read as zeros until written again); the partial pages at either end,
+ * which neighbouring data may share, are kept. */
+void ct_drop_pages(void *p, size_t n);
 void *ct_calloc(size_t n, size_t size);
 char *ct_strdup(const char *s);
 

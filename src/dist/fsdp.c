@@ -12,18 +12,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include "core/timer.h"
 
-static void release_range(float *base, size_t off, size_t n) {
-    size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    uintptr_t lo = (uintptr_t)(base + off), hi = (uintptr_t)(base + off + n);
-    lo = (lo + page - 1) / page * page;
-    hi = hi / page * page;
-    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
-}
+static void release_range(float *base, size_t off, size_t n) { ct_drop_pages(base + off, n * sizeof(float)); }
 
 /* full[piece] = the piece gathered from every rank's slice in shard. */
 static void gather_piece(fsdp *f, int i, float *full, const float *shard) {

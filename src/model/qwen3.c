@@ -16,8 +16,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include "core/dtype.h"
 #include "core/rng.h"
@@ -499,12 +497,6 @@ size_t qwen3_store_frozen_bf16(qwen3_model *m) {
     return n;
 }
 
-int qwen3_tensor_unit(const qwen3_model *m, int i) {
-    const char *name = m->tensors[i].name;
-    if (!strncmp(name, "model.layers.", 13)) return atoi(name + 13);
-    return i == 0 ? -1 : m->cfg.n_layers; /* the embedding comes first, the final norm and lm_head last */
-}
-
 void qwen3_put_rows(qwen3_model *m, int i, size_t r0, size_t r1, const float *rows) {
     const qwen3_tensor *t = &m->tensors[i];
     size_t cols = qwen3_tensor_cols(t), n = (r1 - r0) * cols;
@@ -515,38 +507,19 @@ void qwen3_put_rows(qwen3_model *m, int i, size_t r0, size_t r1, const float *ro
     ct_convert_from_f32(m->fstore + t->store + r0 * cols, CT_BF16, rows, n); /* round to nearest even */
 }
 
-/* Tensor index range [*a, *b) of unit u (the table is ordered by unit). */
-static void unit_range(const qwen3_model *m, int u, int *a, int *b) {
-    int i = 0;
-    while (i < m->n_tensors && qwen3_tensor_unit(m, i) != u) i++;
-    *a = i;
-    while (i < m->n_tensors && qwen3_tensor_unit(m, i) == u) i++;
-    *b = i;
-}
-
-void qwen3_frozen_in(qwen3_model *m, int u) {
-    if (!m->n_store) return;
-    int a, b;
-    unit_range(m, u, &a, &b);
-    for (int i = a; i < b; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
-        if (t->store != QWEN3_NO_STORE)
-            ct_convert_to_f32(m->params + t->offset, m->fstore + t->store, CT_BF16, t->numel);
+void qwen3_frozen_widen(qwen3_model *m, size_t off, size_t n, int on) {
+    if (!m->n_store || !n) return;
+    int lo = 0, hi = m->n_tensors; /* the first tensor ending after off */
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (m->tensors[mid].offset + m->tensors[mid].numel <= off) lo = mid + 1;
+        else hi = mid;
     }
-}
-
-void qwen3_frozen_out(qwen3_model *m, int u) {
-    if (!m->n_store) return;
-    int a, b;
-    unit_range(m, u, &a, &b);
-    size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    for (int i = a; i < b; i++) {
+    for (int i = lo; i < m->n_tensors && m->tensors[i].offset < off + n; i++) {
         const qwen3_tensor *t = &m->tensors[i];
         if (t->store == QWEN3_NO_STORE) continue;
-        uintptr_t lo = (uintptr_t)(m->params + t->offset), hi = (uintptr_t)(m->params + t->offset + t->numel);
-        lo = (lo + page - 1) / page * page; /* whole pages inside the tensor: its neighbours keep theirs */
-        hi = hi / page * page;
-        if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+        if (on) ct_convert_to_f32(m->params + t->offset, m->fstore + t->store, CT_BF16, t->numel);
+        else ct_drop_pages(m->params + t->offset, t->numel * sizeof(float));
     }
 }
 
@@ -573,33 +546,11 @@ double qwen3_flops_per_token(const qwen3_model *m, int T) {
 
 /* bf16-stored frozen weights (qwen3_store_frozen_bf16) are widened into
  * params right before the product that reads them and their pages dropped
- * right after (on = 0): one matrix at a time, so a step holds the largest
- * frozen matrix in fp32, not a whole layer. w[n]: a weight in m->params. */
-static void wide(qwen3_model *m, const float *w, size_t n, int on) {
-    if (!m->n_store || !w) return;
-    size_t off = (size_t)(w - m->params);
-    int lo = 0, hi = m->n_tensors; /* the first tensor ending after off */
-    while (lo < hi) {
-        int mid = (lo + hi) / 2;
-        if (m->tensors[mid].offset + m->tensors[mid].numel <= off) lo = mid + 1;
-        else hi = mid;
-    }
-    size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    for (int i = lo; i < m->n_tensors && m->tensors[i].offset < off + n; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
-        if (t->store == QWEN3_NO_STORE) continue;
-        if (on) {
-            ct_convert_to_f32(m->params + t->offset, m->fstore + t->store, CT_BF16, t->numel);
-            continue;
-        }
-        uintptr_t a = (uintptr_t)(m->params + t->offset), b = (uintptr_t)(m->params + t->offset + t->numel);
-        a = (a + page - 1) / page * page; /* whole pages inside the tensor: its neighbours keep theirs */
-        b = b / page * page;
-        if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
-    }
-}
-#define WIDE_IN(w, n) wide(m, (w), (size_t)(n), 1)
-#define WIDE_OUT(w, n) wide(m, (w), (size_t)(n), 0)
+ * right after: one matrix at a time, so a step holds the largest frozen
+ * matrix in fp32, not a whole layer. w[n]: a weight in m->params (NULL: none). */
+#define WIDE(w, n, on) ((w) ? qwen3_frozen_widen(m, (size_t)((w) - m->params), (size_t)(n), (on)) : (void)0)
+#define WIDE_IN(w, n) WIDE(w, n, 1)
+#define WIDE_OUT(w, n) WIDE(w, n, 0)
 
 static void zero(float *p, size_t n) { memset(p, 0, n * sizeof(float)); }
 

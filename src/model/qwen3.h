@@ -268,9 +268,9 @@ typedef struct {
                                sets it per micro-batch from training.seed and the step */
     int lora_train;         /* set by forward_backward: dropout applies to training forwards only */
     int n_frozen;           /* tensors with frozen set */
-    /* training.frozen_dtype = "bfloat16": the frozen matrices live here, and
-     * each unit's (the embedding, a layer, the head) are widened into params
-     * only while the unit runs (qwen3_frozen_in / _out) */
+    /* training.frozen_dtype = "bfloat16": the frozen matrices live here and
+     * are widened into params only while a product reads them
+     * (qwen3_frozen_widen) */
     uint16_t *fstore;       /* [n_store] */
     size_t n_store;
     float *head_w, *head_tmp; /* a bf16-stored lm_head: one block of its rows widened, and [logit_rows, block] */
@@ -337,16 +337,13 @@ const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name);
 int qwen3_bind_frozen(qwen3_model *m, ct_err *e);
 /* Moves every frozen matrix to bf16 storage (m->fstore; tensors[i].store):
  * call before the weights load, which then writes them rounded to bf16
- * (qwen3_put_rows). Their fp32 pages in params exist only while their unit
- * runs. Returns the bf16 floats stored. */
+ * (qwen3_put_rows). Their fp32 pages in params exist only while a product
+ * reads them. Returns the bf16 floats stored. */
 size_t qwen3_store_frozen_bf16(qwen3_model *m);
-/* The unit of tensor i: its layer, -1 before the layers (the embedding), or
- * n_layers after them (final norm, lm_head). */
-int qwen3_tensor_unit(const qwen3_model *m, int i);
-/* Widens unit u's stored tensors into params / drops those pages again
- * (no-ops without bf16 storage). */
-void qwen3_frozen_in(qwen3_model *m, int u);
-void qwen3_frozen_out(qwen3_model *m, int u);
+/* on = 1: widens the bf16-stored tensors that overlap params[off, off + n)
+ * into params (whole tensors); on = 0: drops their pages again. A no-op
+ * without bf16 storage. */
+void qwen3_frozen_widen(qwen3_model *m, size_t off, size_t n, int on);
 /* rows[r0, r1) of tensor i (cols floats each) into the model: params, or
  * the bf16 store for a stored tensor. */
 void qwen3_put_rows(qwen3_model *m, int i, size_t r0, size_t r1, const float *rows);

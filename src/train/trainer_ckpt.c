@@ -445,8 +445,8 @@ static void save_gather(trainer *t, const qwen3_model *fm, int kinds, int frozen
             size_t n = rank0 ? save_offset(fm, u[x + 1]) - save_offset(fm, u[x]) : 0;
             /* bf16-stored frozen weights: the unit widened into params while it is read, when
              * the put wants them (an HF export; not a checkpoint or an adapter of trained ones) */
-            int unit = x == 0 ? -1 : x - 1, widen = k == 0 && !t->fsdp && frozen_too;
-            if (widen) qwen3_frozen_in(lm, unit);
+            int widen = k == 0 && !t->fsdp && frozen_too;
+            if (widen) qwen3_frozen_widen(lm, lo, hi - lo, 1);
             const float *part = src + lo; /* this rank's floats of the unit */
             float *got = NULL, *whole = NULL;
             if (t->fsdp) { /* under FSDP src is the shard: gather the unit's pieces */
@@ -461,7 +461,7 @@ static void save_gather(trainer *t, const qwen3_model *fm, int kinds, int frozen
                 part = whole;
             }
             if (rank0 && !*rc) *rc = put(ctx, part, n, e);
-            if (widen) qwen3_frozen_out(lm, unit);
+            if (widen) qwen3_frozen_widen(lm, lo, hi - lo, 0);
             free(whole);
             free(got);
         }
