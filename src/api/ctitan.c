@@ -121,8 +121,7 @@ int ctitan_forward_backward(ct_session *s, const int32_t *tokens, const int32_t 
     if (rc) return rc;
     if (n_valid_total < 1) return ct_fail(&s->err, CT_ERR_CONFIG, "n_valid_total must be positive");
     /* LoRA dropout: one mask set per optimizer step and micro-batch of it, as the trainer draws them */
-    s->t.model.lora_seed = ((uint64_t)s->t.cfg.seed * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)(s->t.step + 1) << 20) ^
-                           (uint64_t)s->microbatch++;
+    s->t.model.lora_seed = trainer_lora_seed(&s->t, s->t.step + 1, s->microbatch++);
     double l = qwen3_forward_backward(&s->t.model, tokens, labels, B, T, 1.0f / (float)n_valid_total, NULL);
     if (loss_sum) *loss_sum = l;
     return 0;

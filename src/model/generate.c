@@ -187,12 +187,9 @@ static void gen_attention_prefill(gen_state *g, float *out, const float *q, cons
 /* y[n, N] += B (scale A x[n, K]): a LoRA adapter of projection p beside its
  * base linear, unmerged as PEFT runs it (nothing when p has none). */
 static void gen_lora(const gen_state *g, const qwen3_layer_w *w, int p, float *y, const float *x, int n, int K, int N) {
-    if (!w->lora_a[p]) return;
-    int r = g->m->cfg.lora_rank;
-    g->m->k.matmul_fwd(g->lora_u, x, w->lora_a[p], n, K, r, 0);
-    float sc = g->m->cfg.lora_scale;
-    for (size_t i = 0; i < (size_t)n * r; i++) g->lora_u[i] *= sc;
-    g->m->k.matmul_fwd(y, g->lora_u, w->lora_b[p], n, r, N, 1);
+    if (w->lora_a[p])
+        lora_apply(&g->m->k, y, g->lora_u, x, w->lora_a[p], w->lora_b[p], n, K, N, g->m->cfg.lora_rank,
+                   g->m->cfg.lora_scale);
 }
 
 /* One chunk of n <= g->chunk rows at positions g->pos .. g->pos+n-1. Leaves

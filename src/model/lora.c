@@ -105,6 +105,13 @@ int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to
     return qwen3_bind_frozen(m, e);
 }
 
+void lora_apply(const kern_ops *k, float *y, float *u, const float *x, const float *A, const float *B, int n, int K,
+                int N, int r, float scale) {
+    k->matmul_fwd(u, x, A, n, K, r, 0);
+    for (size_t i = 0; i < (size_t)n * r; i++) u[i] *= scale;
+    k->matmul_fwd(y, u, B, n, r, N, 1);
+}
+
 void lora_init_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s) {
     ct_rng r;
     ct_rng_seed(&r, seed ^ 0x4c6f5241ull); /* "LoRA": a stream apart from the base init's */

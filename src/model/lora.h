@@ -36,6 +36,12 @@ float lora_scaling(double alpha, int r, int rslora);
  * not leave a tensor silently trained. Rebinds the gradient views. */
 int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to_save, const char *where, ct_err *e);
 
+/* y[n, N] += B (scale A x[n, K]): the adapter branch beside a linear, with
+ * A [r, K], B [N, r]; u[n, r] receives scale A x (the backward's input for
+ * B). The training forward (qwen3.c, after dropout) and generation share it. */
+void lora_apply(const kern_ops *k, float *y, float *u, const float *x, const float *A, const float *B, int n, int K,
+                int N, int r, float scale);
+
 /* PEFT's fresh adapters, tensor by tensor into s (QWEN3_PARAMS): A as
  * nn.Linear's default kaiming_uniform(a = sqrt(5)), i.e. uniform in
  * +-1/sqrt(in), drawn from ct_rng seeded by `seed` (not torch's generator);

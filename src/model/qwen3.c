@@ -21,6 +21,7 @@
 #include "core/rng.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
+#include "model/lora.h"
 
 /* ---------------------------------------------------------------- layout */
 
@@ -612,12 +613,8 @@ static const float *lora_input(qwen3_model *m, int l, int p, const float *x, siz
  * linear of projection p in layer l; u[BT, r] keeps scale A drop(x). */
 static void lora_fwd(qwen3_model *m, int l, int p, float *y, float *u, const float *x, const qwen3_layer_w *w, int BT,
                      int K, int N) {
-    int r = m->cfg.lora_rank;
     const float *xd = lora_input(m, l, p, x, (size_t)BT * K);
-    m->k.matmul_fwd(u, xd, w->lora_a[p], BT, K, r, 0);
-    float sc = m->cfg.lora_scale;
-    for (size_t i = 0; i < (size_t)BT * r; i++) u[i] *= sc;
-    m->k.matmul_fwd(y, u, w->lora_b[p], BT, r, N, 1);
+    lora_apply(&m->k, y, u, xd, w->lora_a[p], w->lora_b[p], BT, K, N, m->cfg.lora_rank, m->cfg.lora_scale);
 }
 
 /* Its backward from dy[BT, N]: dB += dy^T u, dA += du^T drop(x), dx += (du A)

@@ -242,6 +242,11 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, qwen3
     return 0;
 }
 
+uint64_t trainer_lora_seed(const trainer *t, int step, long micro) {
+    return ((uint64_t)t->cfg.seed * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)step << 20) ^
+           ((uint64_t)t->mesh.dp_rank << 44) ^ (uint64_t)micro;
+}
+
 /* The runs of trainable floats in the buffers AdamW steps: the model's flat
  * buffer, or under FSDP this rank's shard (each piece's held part, at its
  * shard offset), cut down to the tensors that are not frozen. */
@@ -749,9 +754,7 @@ int trainer_run(trainer *t, ct_err *e) {
             if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
             if (t->dpo) t->dpo->armed = a == t->grad_accum - 1; /* the gradients are final in the last one */
             if (t->fsdp) t->fsdp->rep_armed = a == t->grad_accum - 1;
-            /* LoRA dropout masks: fixed by (seed, step, data-parallel rank, micro-batch), so resume replays them */
-            m->lora_seed = ((uint64_t)c->seed * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)step << 20) ^
-                           ((uint64_t)t->mesh.dp_rank << 44) ^ (uint64_t)a;
+            m->lora_seed = trainer_lora_seed(t, step, a);
             loss_sum += qwen3_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
             if (t->dpo) t->dpo->armed = 0;
             if (t->fsdp) fsdp_microbatch_end(t->fsdp);

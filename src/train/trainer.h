@@ -90,6 +90,10 @@ void trainer_install_signals(void);
  * [parallelism] fixes them all, else 1). The layout is checked as a run
  * checks it (CT_ERR_CONFIG). out NULL: check only, print nothing. */
 int trainer_dry_run(const ct_config *cfg, int world, FILE *out, ct_err *e);
+/* The seed of LoRA's dropout masks (qwen3_model.lora_seed) for micro-batch
+ * `micro` of optimizer step `step` (1-based) on this data-parallel rank:
+ * a function of training.seed and the position alone, so resume replays them. */
+uint64_t trainer_lora_seed(const trainer *t, int step, long micro);
 /* LoRA: the adapters' tensors (and modules_to_save) of the current model as
  * a PEFT adapter directory (model/lora.h) at dir; files already there stay
  * (a checkpoint can carry one). Collective. */
