@@ -99,9 +99,8 @@ int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to
             return ct_fail(e, CT_ERR_CONFIG, "%s: training.freeze: \"%s\" matches no tensor of this model", where,
                            item);
     }
-    int trained = 0;
-    for (int i = 0; i < m->n_tensors; i++) trained += !m->tensors[i].frozen && m->tensors[i].numel;
-    if (!trained) return ct_fail(e, CT_ERR_CONFIG, "%s: training.freeze: every tensor is frozen", where);
+    if (!qwen3_trained_runs(m, 0, m->n_params, NULL, NULL))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: training.freeze: every tensor is frozen", where);
     return qwen3_bind_frozen(m, e);
 }
 

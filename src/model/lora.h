@@ -33,7 +33,8 @@ float lora_scaling(double alpha, int r, int rslora);
  * of the freeze patterns (HF names, * matches any run of characters).
  * Lists are comma-joined. A pattern that matches nothing, or a module name
  * that is nowhere in the model, is CT_ERR_CONFIG naming `where`: a typo must
- * not leave a tensor silently trained. Rebinds the gradient views. */
+ * not leave a tensor silently trained. Rebinds the gradient views. With no
+ * LoRA, freeze or modules_to_save nothing is frozen: callers need not check. */
 int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to_save, const char *where, ct_err *e);
 
 /* y[n, N] += B (scale A x[n, K]): the adapter branch beside a linear, with

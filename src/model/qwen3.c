@@ -481,6 +481,25 @@ void qwen3_init_random(qwen3_model *m, uint64_t seed) {
     qwen3_init_random_each(m, seed, &s);
 }
 
+size_t qwen3_trained_runs(const qwen3_model *m, size_t a, size_t b, void (*run)(void *ctx, size_t x, size_t y),
+                          void *ctx) {
+    size_t total = 0, rx = 0, ry = 0; /* the run being extended: [rx, ry) */
+    for (int i = 0; i < m->n_tensors && a < b; i++) {
+        const qwen3_tensor *q = &m->tensors[i];
+        size_t x = q->offset > a ? q->offset : a, y = q->offset + q->numel < b ? q->offset + q->numel : b;
+        if (q->frozen || x >= y) continue;
+        total += y - x;
+        if (ry == x && ry > rx) { /* adjacent trained tensors: one run */
+            ry = y;
+            continue;
+        }
+        if (run && ry > rx) run(ctx, rx, ry);
+        rx = x, ry = y;
+    }
+    if (run && ry > rx) run(ctx, rx, ry);
+    return total;
+}
+
 /* ------------------------------------------------- frozen bf16 storage */
 
 size_t qwen3_store_frozen_bf16(qwen3_model *m) {

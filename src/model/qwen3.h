@@ -335,6 +335,11 @@ const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name);
  * m->grads. A MoE layer's experts of one projection freeze together (the
  * grouped kernels take them as one block): a mix is CT_ERR_CONFIG. */
 int qwen3_bind_frozen(qwen3_model *m, ct_err *e);
+/* The floats of tensors not frozen inside the flat range [a, b), as maximal
+ * runs [x, y) handed to run(ctx, x, y) (run NULL: count only). Returns
+ * their total. What AdamW steps, data parallel sums and the dry run counts. */
+size_t qwen3_trained_runs(const qwen3_model *m, size_t a, size_t b, void (*run)(void *ctx, size_t x, size_t y),
+                          void *ctx);
 /* Moves every frozen matrix to bf16 storage (m->fstore; tensors[i].store):
  * call before the weights load, which then writes them rounded to bf16
  * (qwen3_put_rows). Their fp32 pages in params exist only while a product

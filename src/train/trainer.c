@@ -250,42 +250,49 @@ uint64_t trainer_lora_seed(const trainer *t, int step, long micro) {
 /* The runs of trainable floats in the buffers AdamW steps: the model's flat
  * buffer, or under FSDP this rank's shard (each piece's held part, at its
  * shard offset), cut down to the tensors that are not frozen. */
+typedef struct {
+    trainer *t;
+    size_t a, base; /* the flat range being cut starts at a; it lies at buffer offset base */
+    int cap;
+} opt_runs;
+
+static void add_opt_run(void *ctx, size_t x, size_t y) {
+    opt_runs *o = ctx;
+    trainer *t = o->t;
+    size_t off = o->base + (x - o->a);
+    struct trainer_range *r = t->opt_ranges;
+    int n = t->n_opt_ranges;
+    if (n && r[n - 1].off + r[n - 1].n == off) { /* continues in the buffer (FSDP: across pieces) */
+        r[n - 1].n += y - x;
+        return;
+    }
+    if (n == o->cap) { /* grow: a model has at most a few runs per layer */
+        struct trainer_range *g = ct_malloc((size_t)(o->cap *= 2) * sizeof *g);
+        memcpy(g, r, (size_t)n * sizeof *r);
+        free(r);
+        t->opt_ranges = r = g;
+    }
+    r[t->n_opt_ranges++] = (struct trainer_range){off, y - x};
+}
+
 static void build_opt_ranges(trainer *t) {
     const qwen3_model *m = &t->model;
     t->n_opt_ranges = -1;
     if (!m->n_frozen) return;
-    int cap = 16, n = 0;
-    struct trainer_range *r = ct_malloc((size_t)cap * sizeof *r);
-    int pieces = t->fsdp ? t->fsdp->n_pieces : 1;
-    for (int pi = 0; pi < pieces; pi++) {
-        size_t a = 0, b = m->n_params, base = 0; /* flat [a, b) at buffer offset base */
-        if (t->fsdp) {
-            size_t lo, cnt;
-            fsdp_piece_held(t->fsdp, pi, &lo, &cnt);
-            a = t->fsdp->p[pi].off + lo;
-            b = a + cnt;
-            base = t->fsdp->p[pi].shard_off;
-        }
-        for (int i = 0; i < m->n_tensors; i++) {
-            const qwen3_tensor *q = &m->tensors[i];
-            size_t x = q->offset > a ? q->offset : a, y = q->offset + q->numel < b ? q->offset + q->numel : b;
-            if (q->frozen || x >= y) continue;
-            size_t off = base + (x - a);
-            if (n && r[n - 1].off + r[n - 1].n == off) { /* adjacent trainable tensors: one run */
-                r[n - 1].n += y - x;
-                continue;
-            }
-            if (n == cap) { /* grow: a model has at most a few runs per layer */
-                struct trainer_range *g = ct_malloc((size_t)(cap *= 2) * sizeof *g);
-                memcpy(g, r, (size_t)n * sizeof *r);
-                free(r);
-                r = g;
-            }
-            r[n++] = (struct trainer_range){off, y - x};
-        }
+    opt_runs o = {t, 0, 0, 16};
+    t->opt_ranges = ct_malloc((size_t)o.cap * sizeof *t->opt_ranges);
+    t->n_opt_ranges = 0;
+    if (!t->fsdp) {
+        qwen3_trained_runs(m, 0, m->n_params, add_opt_run, &o);
+        return;
     }
-    t->opt_ranges = r;
-    t->n_opt_ranges = n;
+    for (int pi = 0; pi < t->fsdp->n_pieces; pi++) { /* each piece's held part, at its shard offset */
+        size_t lo, cnt;
+        fsdp_piece_held(t->fsdp, pi, &lo, &cnt);
+        o.a = t->fsdp->p[pi].off + lo;
+        o.base = t->fsdp->p[pi].shard_off;
+        qwen3_trained_runs(m, o.a, o.a + cnt, add_opt_run, &o);
+    }
 }
 
 /* A batch the data-parallel ranks cannot split evenly is a layout error:
@@ -333,9 +340,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if ((rc = trainer_finetune_config(c, t->mesh.tp, t->mesh.ep, t->mesh.dp_shard, &mc, e))) return rc;
     if ((rc = qwen3_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     if ((rc = select_kernels(t, e))) return rc;
-    if ((c->lora_rank > 0 || c->freeze[0] || c->lora_modules_to_save[0]) &&
-        (rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e)))
-        return rc;
+    if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e))) return rc;
     if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
         size_t n = qwen3_store_frozen_bf16(&t->model);
         if (t->world->rank == 0)

@@ -40,15 +40,11 @@ static int dry_fsdp_plan(const qwen3_model *m, int n, int n_exp, dry_fsdp *d, ct
     size_t *per = ct_calloc((size_t)n, sizeof *per); /* trained floats of each rank's slices */
     for (int i = 0; i < np; i++) {
         int g = p[i].experts ? n_exp : n;
-        size_t chunk = ceil_div(p[i].n, (size_t)g);
+        size_t chunk = ceil_div(p[i].n, (size_t)g), end = p[i].off + p[i].n;
         d->shard += chunk;
         for (int r = 0; r < g; r++) {
-            size_t a = p[i].off + (size_t)r * chunk, b = a + chunk < p[i].off + p[i].n ? a + chunk : p[i].off + p[i].n;
-            for (int t = 0; t < m->n_tensors && a < b; t++) {
-                const qwen3_tensor *q = &m->tensors[t];
-                size_t x = q->offset > a ? q->offset : a, y = q->offset + q->numel < b ? q->offset + q->numel : b;
-                if (!q->frozen && x < y) per[r] += y - x;
-            }
+            size_t a = p[i].off + (size_t)r * chunk;
+            if (a < end) per[r] += qwen3_trained_runs(m, a, a + chunk < end ? a + chunk : end, NULL, NULL);
         }
     }
     for (int r = 0; r < n; r++) d->trained = per[r] > d->trained ? per[r] : d->trained;
@@ -102,11 +98,9 @@ static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, i
     double stored = (double)n, trained = (double)n, gathered = 0;
     qwen3_model lm;
     qwen3_layout(&lm, &lc);
-    if (c->lora_rank > 0 || c->freeze[0] || c->lora_modules_to_save[0]) { /* frozen: no gradient, no moments */
-        rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
-        trained = 0;
-        for (int i = 0; i < lm.n_tensors; i++) trained += lm.tensors[i].frozen ? 0 : (double)lm.tensors[i].numel;
-    }
+    /* frozen tensors: no gradient, no moments */
+    rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
+    if (!rc) trained = (double)qwen3_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
     if (!rc && shard > 1) {
         dry_fsdp d;
         rc = dry_fsdp_plan(&lm, shard, ep > 1 ? shard / ep : 0, &d, e);
@@ -182,15 +176,14 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
     if ((rc = qwen3_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
     /* frozen tensors (LoRA's base, training.freeze): no gradient, no moments */
     size_t trained = n, in_bf16 = 0, widened = 0;
-    if (c->lora_rank > 0 || c->freeze[0] || c->lora_modules_to_save[0]) {
+    {
         qwen3_model lm;
         qwen3_layout(&lm, &mc);
         rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
-        trained = 0;
-        for (int i = 0; i < lm.n_tensors; i++) trained += lm.tensors[i].frozen ? 0 : lm.tensors[i].numel;
-        if (!rc && !strcmp(c->frozen_dtype, "bfloat16")) {
+        if (!rc) trained = qwen3_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
+        if (!rc && lm.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) {
             in_bf16 = qwen3_store_frozen_bf16(&lm);
-            /* widened while they run: the largest stored layer matrix (qwen3.c's wide), and a stored
+            /* widened while they run: the largest stored layer matrix (qwen3_frozen_widen), and a stored
              * lm_head's block of 8192 vocabulary rows with its [logit rows, 8192] products */
             for (int i = 1; i < lm.n_tensors; i++) {
                 const qwen3_tensor *q = &lm.tensors[i];
