@@ -413,8 +413,10 @@ static void save_units(const qwen3_model *m, int *u) {
     u[L + 2] = m->n_tensors;
 }
 
-/* Where rank 0 sends the whole tensors of a streamed save, unit by unit. */
-typedef int (*save_put_fn)(void *ctx, const float *x, size_t n, ct_err *e);
+/* Where rank 0 sends the whole tensors of a streamed save, unit by unit:
+ * x[n] holds tensors [i0, i1) of the whole model's table fm, from tensor
+ * i0's first float, so a put that keeps some tensors finds them there. */
+typedef int (*save_put_fn)(void *ctx, const qwen3_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e);
 
 /* Saves hold every tensor whole whatever the layout. Rank 0 writes them as
  * a stream, one unit (the embedding, a layer, the head) at a time: FSDP
@@ -460,7 +462,7 @@ static void save_gather(trainer *t, const qwen3_model *fm, int kinds, int frozen
                 tp_gather_range(t->tp, &t->mesh.slices, u[x], u[x + 1], fm, whole, lm, part);
                 part = whole;
             }
-            if (rank0 && !*rc) *rc = put(ctx, part, n, e);
+            if (rank0 && !*rc) *rc = put(ctx, fm, u[x], u[x + 1], part, n, e);
             if (widen) qwen3_frozen_widen(lm, lo, hi - lo, 0);
             free(whole);
             free(got);
@@ -483,27 +485,20 @@ static int save_outcome(trainer *t, int rc, const char *what, ct_err *e) {
     return rc;
 }
 
-static int put_ckpt(void *ctx, const float *x, size_t n, ct_err *e) { return ckpt_stream_put(ctx, x, n, e); }
+static int put_ckpt(void *ctx, const qwen3_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
+    (void)fm, (void)i0, (void)i1;
+    return ckpt_stream_put(ctx, x, n, e);
+}
 
-/* save_gather's put for a checkpoint of the trained tensors only: the whole
- * units arrive in table order, parameters then each moment; only the
- * trained tensors' floats go on to the stream. */
-typedef struct {
-    ckpt_stream *s;
-    const qwen3_model *fm;
-    size_t pos; /* into fm's flat buffer, for the kind being sent */
-} trained_put_ctx;
-
-static int put_trained(void *ctx, const float *x, size_t n, ct_err *e) {
-    trained_put_ctx *c = ctx;
+/* save_gather's put for a checkpoint of the trained tensors only: their
+ * floats, parameters then each moment, go on to the stream. */
+static int put_trained(void *ctx, const qwen3_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
+    (void)n;
     int rc = 0;
-    for (int i = 0; i < c->fm->n_tensors && !rc; i++) {
-        const qwen3_tensor *q = &c->fm->tensors[i];
-        if (q->frozen || q->offset < c->pos || q->offset + q->numel > c->pos + n) continue;
-        rc = ckpt_stream_put(c->s, x + (q->offset - c->pos), q->numel, e);
+    for (int i = i0; i < i1 && !rc; i++) {
+        const qwen3_tensor *q = &fm->tensors[i];
+        if (!q->frozen) rc = ckpt_stream_put(ctx, x + (q->offset - fm->tensors[i0].offset), q->numel, e);
     }
-    c->pos += n;
-    if (c->pos == c->fm->n_params) c->pos = 0; /* the next kind starts */
     return rc;
 }
 
@@ -518,12 +513,10 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
         fm = &ftab;
     }
     trained_table tt;
-    trained_put_ctx tc = {NULL, fm, 0};
     int trained_only = t->model.n_frozen > 0; /* frozen tensors come from the run's start on resume */
     if (trained_only) trained_table_init(&tt, fm, &t->model);
     if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, trained_only ? &tt.tab : fm, model_only, e);
-    tc.s = s;
-    if (trained_only) save_gather(t, fm, model_only ? 1 : 3, 0, put_trained, &tc, &rc, e);
+    if (trained_only) save_gather(t, fm, model_only ? 1 : 3, 0, put_trained, s, &rc, e);
     else save_gather(t, fm, model_only ? 1 : 3, 1, put_ckpt, s, &rc, e);
     ckpt_info info;
     if (rank0 && rc) ckpt_stream_abort(s);
@@ -559,39 +552,32 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     return 0;
 }
 
-/* save_gather's put for an adapter: the whole units arrive in table order,
- * so a running offset finds the saved tensors in them (copied: small). */
-typedef struct {
-    const qwen3_model *fm;
-    size_t pos;
-    float **data; /* [n_tensors] */
-} adapter_ctx;
-
-static int put_adapter(void *ctx, const float *x, size_t n, ct_err *e) {
-    (void)e;
-    adapter_ctx *a = ctx;
-    for (int i = 0; i < a->fm->n_tensors; i++) {
-        const qwen3_tensor *q = &a->fm->tensors[i];
-        if (!lora_saved(q) || q->offset < a->pos || q->offset + q->numel > a->pos + n) continue;
-        a->data[i] = ct_malloc((q->numel ? q->numel : 1) * sizeof(float));
-        memcpy(a->data[i], x + (q->offset - a->pos), q->numel * sizeof(float));
+/* save_gather's put for an adapter: copies of the saved tensors (small),
+ * into data[n_tensors] (ctx). */
+static int put_adapter(void *ctx, const qwen3_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
+    (void)n, (void)e;
+    float **data = ctx;
+    for (int i = i0; i < i1; i++) {
+        const qwen3_tensor *q = &fm->tensors[i];
+        if (!lora_saved(q)) continue;
+        data[i] = ct_malloc((q->numel ? q->numel : 1) * sizeof(float));
+        memcpy(data[i], x + (q->offset - fm->tensors[i0].offset), q->numel * sizeof(float));
     }
-    a->pos += n;
     return 0;
 }
 
 int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
     const qwen3_model *fm = &t->model; /* TP and EP do not run LoRA: every rank's table is the whole model's */
     int rank0 = t->world->rank == 0, rc = 0;
-    adapter_ctx a = {fm, 0, ct_calloc((size_t)fm->n_tensors + 1, sizeof(float *))};
-    save_gather(t, fm, 1, 0, put_adapter, &a, &rc, e); /* adapters and modules_to_save: trained, fp32 */
+    float **data = ct_calloc((size_t)fm->n_tensors + 1, sizeof(float *)); /* [n_tensors] */
+    save_gather(t, fm, 1, 0, put_adapter, data, &rc, e); /* adapters and modules_to_save: trained, fp32 */
     const ct_config *c = &t->cfg;
     const char *base = c->initial_load_path[0] ? c->initial_load_path : c->hf_assets_path;
     if (rank0 && !rc)
-        rc = lora_save_peft(fm, (const float *const *)a.data, dir, base, c->lora_alpha, c->lora_rslora, c->lora_dropout,
+        rc = lora_save_peft(fm, (const float *const *)data, dir, base, c->lora_alpha, c->lora_rslora, c->lora_dropout,
                             c->lora_modules_to_save, e);
-    for (int i = 0; i < fm->n_tensors; i++) free(a.data[i]);
-    free(a.data);
+    for (int i = 0; i < fm->n_tensors; i++) free(data[i]);
+    free(data);
     return save_outcome(t, rc, "PEFT adapter", e);
 }
 
@@ -599,7 +585,10 @@ int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
  * never leaves half an export. It never merges into a training checkpoint of
  * the same step (that would break its manifest): then it goes to hf-step-N.
  * An earlier HF export of the step is replaced. `dir` gets the final path. */
-static int put_hf(void *ctx, const float *x, size_t n, ct_err *e) { return st_dir_stream_write(ctx, x, n, e); }
+static int put_hf(void *ctx, const qwen3_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
+    (void)fm, (void)i0, (void)i1;
+    return st_dir_stream_write(ctx, x, n, e);
+}
 
 /* Written like a checkpoint (save_gather: every rank takes part, rank 0
  * writes unit by unit), the files hf_save's: the tensors as st_write_dir
