@@ -60,6 +60,20 @@ def lora_args(r=R, alpha=ALPHA, targets=None, rslora=False, adapter=None, module
     return a
 
 
+def assert_step_matches(s, tokens, labels, ref_loss, ref_logits, ref_grads, names):
+    """One micro-batch in session s against PEFT's: logits, loss and the gradient of each of
+    `names`, to TOL."""
+    err = oracle.rel_err(s.logits(tokens), ref_logits)
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    loss = s.forward_backward(tokens, labels, nv) / nv
+    assert close(loss, ref_loss, TOL), f"loss {loss} vs PEFT {ref_loss}"
+    bad = [f"{n}: rel err {oracle.rel_err(s.get_grad(n), ref_grads[n]):.3g}" for n in names
+           if not oracle.rel_err(s.get_grad(n), ref_grads[n]) <= TOL]
+    assert not bad, "adapter gradients differ from torch autograd:\n" + "\n".join(bad)
+
+
 def train_ref(pm, params, tokens, run=RUN, hp=HP):
     return OL.train(pm, params, tokens, seq_len=L, local_bs=LOCAL_BS, global_bs=GLOBAL_BS, steps=SCHED,
                     run_steps=run, **hp)
@@ -201,18 +215,7 @@ def test_dense_parity_from_peft_adapter(case, tmp_path, open_session):
     assert not bad, f"adapter tensors not loaded exactly: {bad}"
     assert_base_unchanged(s, hf_dir, trained=params)
 
-    err = oracle.rel_err(s.logits(tokens), ref_logits)
-    assert err <= TOL, f"logits rel err {err:.3g}"
-    s.zero_grad()
-    nv = oracle.n_valid(labels)
-    loss = s.forward_backward(tokens, labels, nv) / nv
-    assert close(loss, ref_loss, TOL), f"loss {loss} vs PEFT {ref_loss}"
-    bad = []
-    for n in params:
-        e = oracle.rel_err(s.get_grad(n), ref_grads[n])
-        if not e <= TOL:
-            bad.append(f"{n}: rel err {e:.3g}")
-    assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
+    assert_step_matches(s, tokens, labels, ref_loss, ref_logits, ref_grads, params)
 
     stream = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=11)
     ref = train_ref(pm, params, stream)
@@ -258,15 +261,7 @@ def test_moe_parity_from_peft_adapter(tmp_path, open_session):
     assert_table(s, base_names, cfg.num_hidden_layers, OL.ATTN, {n: tuple(p.shape) for n, p in params.items()})
     assert_base_unchanged(s, hf_dir)
 
-    err = oracle.rel_err(s.logits(tokens), ref_logits)
-    assert err <= TOL, f"logits rel err {err:.3g}"
-    s.zero_grad()
-    nv = oracle.n_valid(labels)
-    loss = s.forward_backward(tokens, labels, nv) / nv
-    assert close(loss, ref_loss, TOL), f"loss {loss} vs PEFT {ref_loss}"
-    bad = [f"{n}: rel err {oracle.rel_err(s.get_grad(n), ref_grads[n]):.3g}" for n in lora
-           if not oracle.rel_err(s.get_grad(n), ref_grads[n]) <= TOL]
-    assert not bad, "adapter gradients differ from torch autograd:\n" + "\n".join(bad)
+    assert_step_matches(s, tokens, labels, ref_loss, ref_logits, ref_grads, lora)
     trained = trained_in_session(s)
     assert trained == set(params), f"ctitan trains {sorted(trained - set(params))}, not {sorted(set(params) - trained)}"
 
