@@ -225,7 +225,8 @@ def test_bf16_frozen_resume_and_export(tmp_path):
     (the checkpoint holds the adapters; the bf16 base is read again from the HF files), and a
     run freezing layer 0 without LoRA exports, at its end, the frozen tensors as the base's
     bf16-rounded values and the trained ones moved."""
-    from test_lora_runs import SEQ, VOCAB, losses, run, tensors, train_args
+    from test_lora_runs import SEQ, VOCAB, run, tensors, train_args
+    from test_resume import losses
     cfg = oracle.tiny_config(vocab=VOCAB, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8)
     oracle.save_random_hf(tmp_path / "model", cfg, seed=21)
     data = oracle.write_bin(tmp_path / "tokens.bin", oracle.learnable_stream(200 * (SEQ + 1), VOCAB, seed=7))

@@ -33,6 +33,7 @@ VOCAB = 251
 
 # one OpenMP thread per rank under mpirun: 2 ranks share 2 cores
 from test_dist import ENV as MPI_ENV, mpirun  # noqa: E402  (mpirun as the layout tests launch it)
+from test_resume import losses  # noqa: E402  (each step once, in order: step -> loss)
 
 
 def run(np_, args, timeout=120, check=True):
@@ -78,13 +79,6 @@ def train_args(model_dir, data, out, *extra, ranks=1, accum=2, lora=True, dropou
     if lora:
         a += [f"--lora.rank={R}", f"--lora.alpha={ALPHA}", f"--lora.dropout={dropout}"]
     return a + list(extra)
-
-
-def losses(out):
-    rows = [r for r in oracle.read_metrics(Path(out) / "metrics.jsonl") if "loss" in r]
-    steps = [r["step"] for r in rows]
-    assert steps == sorted(set(steps)), f"metrics steps repeat or go back: {steps}"
-    return {r["step"]: r["loss"] for r in rows}
 
 
 def ckpt(out, step=STEPS):
