@@ -365,26 +365,23 @@ int lora_save_peft(const qwen3_model *table, const float *const *data, const cha
 
 void lora_merge(qwen3_model *m) {
     const qwen3_config *c = &m->cfg;
-    for (int l = 0; l < c->n_layers; l++) {
-        qwen3_layer_w *w = &m->w.layer[l];
-        float *base[QWEN3_LORA_N] = {w->wq, w->wk, w->wv, w->wo, w->wg, w->wu, w->wd};
-        for (int p = 0; p < QWEN3_LORA_N; p++) {
-            if (!w->lora_a[p]) continue;
-            const qwen3_tensor *ta = NULL;
-            for (int i = 0; i < m->n_tensors && !ta; i++)
-                if (m->params + m->tensors[i].offset == w->lora_a[p]) ta = &m->tensors[i];
-            int r = c->lora_rank, K = (int)ta->shape[1];
-            const qwen3_tensor *tb = ta + 1; /* build_layout puts B right after A */
-            int N = (int)tb->shape[0];
-            /* W[N, K] += scale B[N, r] A[r, K], PEFT's merge (get_delta_weight), summed in double */
-            float *W = base[p], *A = w->lora_a[p], *B = w->lora_b[p];
-            for (int n = 0; n < N; n++)
-                for (int k = 0; k < K; k++) {
-                    double s = 0;
-                    for (int j = 0; j < r; j++) s += (double)B[(size_t)n * r + j] * A[(size_t)j * K + k];
-                    W[(size_t)n * K + k] += (float)(c->lora_scale * s);
-                }
-            memset(B, 0, (size_t)N * r * sizeof(float)); /* folded in: the adapter now adds nothing */
-        }
+    int r = c->lora_rank;
+    for (int i = 0; i + 1 < m->n_tensors; i++) {
+        const qwen3_tensor *ta = &m->tensors[i], *tb = ta + 1; /* build_layout puts B right after A */
+        const char *suffix = strstr(ta->name, ".lora_A.weight");
+        if (!ta->lora || !suffix) continue;
+        char base[QWEN3_NAME_MAX];
+        snprintf(base, sizeof base, "%.*s.weight", (int)(suffix - ta->name), ta->name);
+        const qwen3_tensor *tw = qwen3_find(m, base);
+        int K = (int)ta->shape[1], N = (int)tb->shape[0];
+        /* W[N, K] += scale B[N, r] A[r, K], PEFT's merge (get_delta_weight), summed in double */
+        float *W = m->params + tw->offset, *A = m->params + ta->offset, *B = m->params + tb->offset;
+        for (int n = 0; n < N; n++)
+            for (int k = 0; k < K; k++) {
+                double sum = 0;
+                for (int j = 0; j < r; j++) sum += (double)B[(size_t)n * r + j] * A[(size_t)j * K + k];
+                W[(size_t)n * K + k] += (float)(c->lora_scale * sum);
+            }
+        memset(B, 0, (size_t)N * r * sizeof(float)); /* folded in: the adapter now adds nothing */
     }
 }
