@@ -51,12 +51,11 @@ static const cli_opt exp_options[] = {
                        "shard above this size; a number with optional KB/MB/GB or KiB/MiB/GiB", CLI_VALUE},
     [EXP_TOKENIZER] = {"--tokenizer", "DIR", "model.hf_assets_path of the checkpoint's config.toml",
                        "where to copy tokenizer files from", CLI_VALUE},
-    [EXP_ADAPTER] = {"--adapter", "DIR", "the checkpoint's own adapter_config.json, if any",
-                     "a PEFT LoRA adapter directory; --checkpoint may then be the base HF model directory", CLI_VALUE},
+    [EXP_ADAPTER] = {"--adapter", "DIR", "(none)",
+                     "a PEFT LoRA adapter directory (with --merge; --checkpoint is then the base HF model directory)",
+                     CLI_VALUE},
     [EXP_MERGE] = {"--merge", "", "off",
-                   "fold the LoRA adapter into the base weights (W + scale B A); without it a LoRA checkpoint "
-                   "exports its base alone",
-                   CLI_FLAG},
+                   "fold the --adapter into the base weights of --checkpoint (W + scale B A)", CLI_FLAG},
     [EXP_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
@@ -241,42 +240,40 @@ int cli_export(int argc, char **argv) {
 
     qwen3_config c;
     qwen3_model m = {0};
-    /* a LoRA run's checkpoint holds its adapters (and says how in adapter_config.json) */
+    /* a LoRA run's checkpoint holds the trained tensors (its adapter), not the frozen base: merging
+     * takes the base from its HF directory (hf_base) and the adapter from --adapter */
     char apath[4200];
     snprintf(apath, sizeof apath, "%s/adapter_config.json", ckdir);
-    const char *adapter = a.adapter ? a.adapter : access(apath, F_OK) == 0 ? ckdir : NULL;
     if (!hf_base && access(apath, F_OK) == 0)
         return cli_fail(2,
                         "export: %s is a LoRA run's checkpoint: it holds the trained tensors (the adapter), not the "
                         "frozen base; give the base model: --checkpoint BASE_HF_DIR --adapter %s --merge",
                         ckdir, ckdir);
+    if (a.merge && !hf_base)
+        return cli_fail(2, "export --merge: give the base model's Hugging Face directory as --checkpoint and the PEFT "
+                           "adapter as --adapter DIR");
     double alpha;
     int rslora;
-    if ((rc = qwen3_config_from_hf(&c, ckdir, &e)) || (adapter && (rc = lora_read_config(adapter, &c, &alpha, &rslora, &e))) ||
+    if ((rc = qwen3_config_from_hf(&c, ckdir, &e)) || (hf_base && (rc = lora_read_config(a.adapter, &c, &alpha, &rslora, &e))) ||
         (rc = qwen3_create(&m, &c, 1, 1, &e)))
         return cli_fail(rc == CT_ERR_CONFIG ? 2 : 1, "%s", e.msg);
-    if (a.merge && !adapter) {
-        qwen3_free(&m);
-        return cli_fail(2, "export --merge: %s has no adapter_config.json (give --adapter DIR)", ckdir);
-    }
     ckpt_info info = {0};
     if (hf_base) { /* the base from its HF files, the adapter from its PEFT directory */
         rc = hf_load(&m, ckdir, &e);
     } else {
         rc = ckpt_load(ckdir, &m, NULL, NULL, NULL, &info, &e); /* verifies sizes and checksums first */
     }
-    if (!rc && a.adapter) {
+    if (!rc && hf_base) {
         qwen3_copy_ctx cc;
         qwen3_sink sink = qwen3_copy_sink(&cc, &m, NULL, NULL);
-        rc = lora_load_peft_each(&m, a.adapter, &sink, &e);
+        if (!(rc = lora_load_peft_each(&m, a.adapter, &sink, &e))) lora_merge(&m);
     }
-    if (!rc && a.merge) lora_merge(&m);
     if (!rc) rc = hf_save(&m, a.out, (ct_dtype)hf_dtype_from_name(a.dtype), (size_t)a.max_shard, &e);
     size_t n_params = qwen3_num_params(&m);
     qwen3_free(&m);
     if (rc) return cli_fail(1, "%s", e.msg);
     printf("ctitan export: %s (step %d, %zu parameters%s) -> %s as %s\n", ckdir, info.step, n_params,
-           a.merge ? ", LoRA adapter merged" : adapter ? ", LoRA adapter left out" : "", a.out, a.dtype);
+           hf_base ? ", LoRA adapter merged" : "", a.out, a.dtype);
 
     char *assets = a.tokenizer ? ct_strdup(a.tokenizer) : exp_assets_path(ckdir);
     int copied = 0;
