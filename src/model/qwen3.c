@@ -901,6 +901,20 @@ static void head_bwd(qwen3_model *m, float *dx, const float *dlogits, const floa
     }
 }
 
+size_t qwen3_frozen_widened_floats(const qwen3_model *m) {
+    size_t most = 0;
+    for (int i = 1; i < m->n_tensors; i++) { /* the embedding (i = 0) is read a row at a time */
+        const qwen3_tensor *t = &m->tensors[i];
+        if (t->store == QWEN3_NO_STORE || !strcmp(t->name, "lm_head.weight")) continue;
+        size_t n = t->numel; /* WIDE_IN's groups: q, k and v together; a projection's experts with the others' */
+        int group = strstr(t->name, "q_proj.weight") ? 3 : strstr(t->name, ".experts.0.gate_proj.") ? 3 * m->cfg.n_experts : 1;
+        for (int j = 1; j < group && i + j < m->n_tensors; j++) n += m->tensors[i + j].numel;
+        most = n > most ? n : most;
+    }
+    if (head_stored(m)) most += (size_t)HEAD_VBLOCK * ((size_t)m->cfg.hidden + 256); /* head_w + head_tmp */
+    return most;
+}
+
 void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits) {
     forward_stack(m, tokens, B, T);
     int V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;

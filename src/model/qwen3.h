@@ -345,6 +345,10 @@ size_t qwen3_trained_runs(const qwen3_model *m, size_t a, size_t b, void (*run)(
  * (qwen3_put_rows). Their fp32 pages in params exist only while a product
  * reads them. Returns the bf16 floats stored. */
 size_t qwen3_store_frozen_bf16(qwen3_model *m);
+/* The most fp32 floats bf16 storage holds widened at once (the largest group
+ * of stored matrices one product reads, plus a stored lm_head's block and
+ * its products): for the dry run. m: a layout after qwen3_store_frozen_bf16. */
+size_t qwen3_frozen_widened_floats(const qwen3_model *m);
 /* on = 1: widens the bf16-stored tensors that overlap params[off, off + n)
  * into params (whole tensors); on = 0: drops their pages again. A no-op
  * without bf16 storage. */

@@ -183,18 +183,7 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
         if (!rc) trained = qwen3_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
         if (!rc && lm.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) {
             in_bf16 = qwen3_store_frozen_bf16(&lm);
-            /* widened while they run: the largest stored layer matrix (qwen3_frozen_widen), and a stored
-             * lm_head's block of 8192 vocabulary rows with its [logit rows, 8192] products */
-            for (int i = 1; i < lm.n_tensors; i++) {
-                const qwen3_tensor *q = &lm.tensors[i];
-                if (q->store != QWEN3_NO_STORE && !strstr(q->name, "lm_head") && q->numel > widened) widened = q->numel;
-            }
-            if (lm.n_moe_layers || mc.n_experts) { /* a MoE layer's experts are widened together */
-                size_t ex = 3 * (size_t)mc.n_experts * mc.moe_intermediate * mc.hidden;
-                widened = ex > widened ? ex : widened;
-            }
-            const qwen3_tensor *head = mc.tie_embeddings ? &lm.tensors[0] : &lm.tensors[lm.n_tensors - 1];
-            if (head->store != QWEN3_NO_STORE) widened += 8192 * ((size_t)mc.hidden + 256);
+            widened = qwen3_frozen_widened_floats(&lm);
         }
         qwen3_free(&lm);
         if (rc) return rc;
