@@ -75,6 +75,7 @@ void op_attention_fwd_tiled(float *out, float *lse, const float *q, const float 
 void op_attention_bwd_tiled(float *dq, float *dk, float *dv, const float *dout, const float *out,
                             const float *lse, const float *q, const float *k, const float *v, int B, int T,
                             int nh, int nkv, int hd);
+#if defined(__x86_64__)
 /* The tiled pair compiled for AVX-512 (call only where the CPU has it;
  * the registry checks). Bit-identical to the generic tiled pair. */
 void op_attention_fwd_tiled_avx512(float *out, float *lse, const float *q, const float *k, const float *v,
@@ -82,6 +83,21 @@ void op_attention_fwd_tiled_avx512(float *out, float *lse, const float *q, const
 void op_attention_bwd_tiled_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                    const float *lse, const float *q, const float *k, const float *v, int B, int T,
                                    int nh, int nkv, int hd);
+/* The same for AVX2 + FMA ("tiled_avx2"; bit-identical to the generic pair too). */
+void op_attention_fwd_tiled_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                 int T, int nh, int nkv, int hd);
+void op_attention_bwd_tiled_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                 const float *lse, const float *q, const float *k, const float *v, int B, int T,
+                                 int nh, int nkv, int hd);
+#elif defined(__aarch64__)
+/* The tiled pair compiled for SVE (call only where the CPU has it). Bit-identical
+ * to the generic tiled pair, which on aarch64 is the NEON build. */
+void op_attention_fwd_tiled_sve(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                int T, int nh, int nkv, int hd);
+void op_attention_bwd_tiled_sve(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                const float *lse, const float *q, const float *k, const float *v, int B, int T,
+                                int nh, int nkv, int hd);
+#endif
 
 /* out[N] = silu(gate) * up */
 void op_swiglu_fwd(float *out, const float *gate, const float *up, int N);

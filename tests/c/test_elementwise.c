@@ -23,19 +23,22 @@
 #include "kernels/registry.h"
 #include "model/qwen3.h"
 
+#if defined(__x86_64__) /* the AVX-512 tests below; on aarch64 only the vector exp (test_neon.c: the rest) */
 static void fill_lcg(float *p, size_t n, uint32_t *s, float lo, float hi) {
     for (size_t i = 0; i < n; i++) {
         *s = *s * 1664525u + 1013904223u;
         p[i] = lo + (hi - lo) * (float)(*s >> 8) * (1.0f / 16777216.0f);
     }
 }
+#endif
 
-static void test_exp(void) {
+/* vexp: kern_exp_avx512 or kern_exp_avx2 (the same algorithm for 16 / 8 lanes), named `isa` in messages */
+static void test_exp(void (*vexp)(float *, const float *, long), const char *isa) {
     enum { N = 1 << 21 };
     float *x = malloc(N * sizeof(float)), *y = malloc(N * sizeof(float));
     /* a dense grid over [-87, 88.7]: results in the normal range */
     for (int i = 0; i < N; i++) x[i] = -87.0f + (88.7f + 87.0f) * (float)i / (float)(N - 1);
-    kern_exp_avx512(y, x, N);
+    vexp(y, x, N);
     double worst = 0, at = 0;
     for (int i = 0; i < N; i++) {
         double ref = exp((double)x[i]);
@@ -43,21 +46,21 @@ static void test_exp(void) {
         if (!(e <= worst)) worst = e, at = x[i];
     }
     /* 2^-23, two half-ulps (elementwise_avx512.c's comment says 7.8e-8 measured) */
-    CHECK(worst <= 1.2e-7, "vector exp: max relative error %.3g at x = %.9g", worst, at);
+    CHECK(worst <= 1.2e-7, "%s vector exp: max relative error %.3g at x = %.9g", isa, worst, at);
     /* the CE / softmax range in detail: x - max in [-30, 0] */
     worst = 0;
     for (int i = 0; i < N; i++) x[i] = -30.0f * (float)i / (float)(N - 1);
-    kern_exp_avx512(y, x, N);
+    vexp(y, x, N);
     for (int i = 0; i < N; i++) {
         double ref = exp((double)x[i]);
         double e = fabs((double)y[i] - ref) / ref;
         if (!(e <= worst)) worst = e, at = x[i];
     }
-    CHECK(worst <= 1.2e-7, "vector exp on [-30, 0]: max relative error %.3g at x = %.9g", worst, at);
+    CHECK(worst <= 1.2e-7, "%s vector exp on [-30, 0]: max relative error %.3g at x = %.9g", isa, worst, at);
     float sx[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 89.0f, 1000.0f, -104.0f, -1000.0f, -100.0f, 1.0f};
     int ns = (int)(sizeof sx / sizeof sx[0]);
     float sy[sizeof sx / sizeof sx[0]];
-    kern_exp_avx512(sy, sx, ns); /* also the masked tail: 11 lanes */
+    vexp(sy, sx, ns); /* also the masked tail: 11 lanes (3 past a full ymm) */
     CHECK(sy[0] == 1.0f && sy[1] == 1.0f, "exp(+-0) = %g %g", sy[0], sy[1]);
     CHECK(isinf(sy[2]) && sy[2] > 0, "exp(inf) = %g", sy[2]);
     CHECK(sy[3] == 0.0f, "exp(-inf) = %g", sy[3]);
@@ -70,6 +73,7 @@ static void test_exp(void) {
     free(x), free(y);
 }
 
+#if defined(__x86_64__)
 /* Runs `f` at 1, 2 and 3 threads; each run fills out[run] (n floats) from the
  * same inputs; all three must be equal byte for byte. */
 typedef void (*run_fn)(void *ctx, float *out);
@@ -280,16 +284,29 @@ static void test_checkpointing_hd64(void) {
     free(ref);
 }
 
+#endif /* __x86_64__ */
+
 int main(void) {
+#if defined(__aarch64__)
+    test_exp(kern_exp_neon, "neon"); /* the other NEON kernels: test_neon.c */
+    return CHECK_DONE();
+#elif defined(__x86_64__)
+    /* the AVX2 exp (avx2_util.h's exp8) to the same bound; the other AVX2 kernels: test_elementwise_avx2.c */
+    if ((kern_cpu_features() & (KERN_FEAT_AVX2 | KERN_FEAT_FMA)) == (KERN_FEAT_AVX2 | KERN_FEAT_FMA))
+        test_exp(kern_exp_avx2, "avx2");
     if ((kern_cpu_features() & KERN_FEAT_AVX512) != KERN_FEAT_AVX512) {
         printf("skip: the AVX-512 kernels (this CPU lacks AVX-512)\n");
         CHECK(1, "nothing to test");
         return CHECK_DONE();
     }
-    test_exp();
+    test_exp(kern_exp_avx512, "avx512");
     test_thread_independence();
     test_exact_vs_ref();
     test_attention_blocked();
     test_checkpointing_hd64();
     return CHECK_DONE();
+#else
+    CHECK(1, "nothing to test");
+    return CHECK_DONE();
+#endif
 }

@@ -42,6 +42,23 @@
 #undef ATT_TARGET
 #undef ATT_NAME
 
+#if defined(__x86_64__)
 #define ATT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define ATT_NAME(x) x##_avx512
 #include "kernels/ref/attention_tiled.inc"
+#undef ATT_TARGET
+#undef ATT_NAME
+/* And for AVX2 + FMA ("tiled_avx2", the fallback of blocked_avx2 for head dims
+ * that are not multiples of 16): FMA is enabled but -std=c11 still forbids
+ * contraction, so this copy too rounds exactly as the generic one. */
+#define ATT_TARGET __attribute__((target("avx2,fma")))
+#define ATT_NAME(x) x##_avx2
+#include "kernels/ref/attention_tiled.inc"
+#elif defined(__aarch64__)
+/* On aarch64 the generic copy above is already NEON (ASIMD is part of the
+ * base architecture, and `omp simd` vectorises it); the second copy is for
+ * SVE's wider vectors where the CPU has them (Graviton 3: 256-bit). */
+#define ATT_TARGET __attribute__((target("+sve")))
+#define ATT_NAME(x) x##_sve
+#include "kernels/ref/attention_tiled.inc"
+#endif
