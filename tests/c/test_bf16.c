@@ -6,16 +6,23 @@
  *   registered as matmul_bf16 fails against the bf16 reference;
  * - the implementations are bit-identical at 1 and 2 threads, with K odd and
  *   several k blocks;
- * - [kernels] matmul_bf16 = ... overrides and kern_use_bf16_matmuls. */
+ * - [kernels] matmul_bf16 = ... overrides and kern_use_bf16_matmuls;
+ * - AMX (matmul_bf16=amx, moe_experts_bf16=grouped_amx) is chosen only with
+ *   KERN_FEAT_AMXBF16, and asking for it without the bit is a config error. */
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
+#include "core/cpu.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
 
-static const char *const bf16_impls[] = {"avx512bf16", "avx512", "avx2", "ref"};
+#if defined(__aarch64__)
+static const char *const bf16_impls[] = {"bfmmla", "neon", "ref"};
+#else
+static const char *const bf16_impls[] = {"amx", "avx512bf16", "avx512", "avx2", "ref"};
+#endif
 #define N_IMPLS (int)(sizeof bf16_impls / sizeof bf16_impls[0])
 
 static const kern_impl *find(const kern_impl *t, size_t n, kern_op op, const char *name) {
@@ -80,8 +87,8 @@ static void test_check_catches_fp32(void) {
     const kern_impl *t = kern_registry(&n);
     unsigned cpu = kern_cpu_features();
     const kern_impl *ref = find(t, n, KERN_OP_MATMUL_BF16, "ref");
-    const char *fp32[] = {"ref", "avx512", "avx2"};
-    for (int v = 0; v < 3; v++) {
+    const char *fp32[] = {"ref", "avx512", "avx2", "neon"};
+    for (int v = 0; v < 4; v++) {
         const kern_impl *f = find(t, n, KERN_OP_MATMUL, fp32[v]);
         if (!f || !ref || (f->features & ~cpu)) continue;
         kern_impl table[2] = {*ref, *f};
@@ -100,7 +107,8 @@ static void fill_lcg(float *p, size_t n, uint32_t *s) {
 }
 
 /* Bit-identical at 1 and 2 threads; K = 1601 is odd and spans three of the
- * bf16 kernel's 768-deep k blocks. */
+ * avx512bf16 kernel's 768-deep k blocks (two of amx's 1024-deep ones); M and
+ * N leave edge blocks in both. */
 static void test_determinism(void) {
     unsigned cpu = kern_cpu_features();
     const int M = 203, K = 1601, N = 301;
@@ -143,17 +151,34 @@ static void test_select(void) {
     CHECK(kern_select(&k, NULL, log, sizeof log, &e) == 0, "kern_select: %s", e.msg);
     CHECK(k.chosen[KERN_OP_MATMUL_BF16] && k.matmul_bf16_fwd && k.matmul_bf16_bwd, "no matmul_bf16 default");
     CHECK(strstr(log, " matmul_bf16=") != NULL, "log lacks matmul_bf16: %s", log);
-    if (cpu & KERN_FEAT_AVX512BF16)
-        CHECK(!strcmp(k.chosen[KERN_OP_MATMUL_BF16]->name, "avx512bf16"), "default %s on a CPU with avx512bf16",
-              k.chosen[KERN_OP_MATMUL_BF16]->name);
-    /* simulated CPUs: AVX-512 without BF16 gets the rounding avx512, AVX2 only the avx2, none the ref */
+    if ((cpu & KERN_FEAT_AVX512) == KERN_FEAT_AVX512)
+        CHECK(!strcmp(k.chosen[KERN_OP_MATMUL_BF16]->name, (cpu & KERN_FEAT_AMXBF16)      ? "amx"
+                                                           : (cpu & KERN_FEAT_AVX512BF16) ? "avx512bf16"
+                                                                                          : "avx512"),
+              "default %s on a CPU with features %#x", k.chosen[KERN_OP_MATMUL_BF16]->name, cpu);
+#if defined(__aarch64__)
+    /* simulated CPUs: BF16 (Graviton 3/4) gets bfmmla, plain NEON the rounding neon, nothing the ref */
     const struct {
         unsigned feats;
         const char *want;
-    } sims[] = {{KERN_FEAT_ALL, "avx512bf16"},
-                {KERN_FEAT_ALL & ~KERN_FEAT_AVX512BF16, "avx512"},
+    } sims[] = {{KERN_FEAT_ALL, "bfmmla"}, {KERN_FEAT_NEON | KERN_FEAT_ARM_BF16, "bfmmla"},
+                {KERN_FEAT_NEON | KERN_FEAT_SVE, "neon"}, {0, "ref"}};
+    if (cpu & KERN_FEAT_ARM_BF16)
+        CHECK(!strcmp(k.chosen[KERN_OP_MATMUL_BF16]->name, "bfmmla"), "default %s on a CPU with bf16",
+              k.chosen[KERN_OP_MATMUL_BF16]->name);
+#else
+    /* simulated CPUs: AMX gets amx; AVX512_BF16 without AMX (Zen 4, or Linux refusing the tile
+     * permission) avx512bf16; AVX-512 without BF16 the rounding avx512; AVX2 only avx2; none ref */
+    const struct {
+        unsigned feats;
+        const char *want;
+    } sims[] = {{KERN_FEAT_ALL, "amx"},
+                {KERN_FEAT_ALL & ~KERN_FEAT_AMXBF16, "avx512bf16"},
+                {KERN_FEAT_ALL & ~KERN_FEAT_AVX512BF16, "amx"}, /* tiles need no AVX512_BF16 */
+                {KERN_FEAT_ALL & ~(KERN_FEAT_AVX512BF16 | KERN_FEAT_AMXBF16), "avx512"},
                 {KERN_FEAT_AVX2 | KERN_FEAT_FMA, "avx2"},
                 {0, "ref"}};
+#endif
     for (size_t i = 0; i < sizeof sims / sizeof sims[0]; i++) {
         CHECK(kern_select_from(&k, t, n, sims[i].feats, NULL, NULL, 0, &e) == 0, "select: %s", e.msg);
         CHECK(!strcmp(k.chosen[KERN_OP_MATMUL_BF16]->name, sims[i].want), "features %#x: %s, expected %s",
@@ -169,17 +194,53 @@ static void test_select(void) {
     const char *bad[] = {"matmul_bf16=nonesuch", NULL};
     e.msg[0] = 0;
     CHECK(kern_select(&k, bad, NULL, 0, &e) == CT_ERR_CONFIG && strstr(e.msg, "nonesuch") &&
-              strstr(e.msg, "avx512bf16"),
+              strstr(e.msg, bf16_impls[0]),
           "bad override: %s", e.msg);
+#if defined(__aarch64__)
+    const char *need_bf16[] = {"matmul_bf16=bfmmla", NULL}, *need_moe_bf16[] = {"moe_experts_bf16=grouped_bfmmla", NULL};
+    e.msg[0] = 0;
+    CHECK(kern_select_from(&k, t, n, KERN_FEAT_ALL & ~KERN_FEAT_ARM_BF16, need_bf16, NULL, 0, &e) == CT_ERR_CONFIG &&
+              strstr(e.msg, "bfmmla") && strstr(e.msg, "lacks: bf16"),
+          "bfmmla on a CPU without BF16: %s", e.msg);
+    e.msg[0] = 0;
+    CHECK(kern_select_from(&k, t, n, KERN_FEAT_ALL & ~KERN_FEAT_ARM_BF16, need_moe_bf16, NULL, 0, &e) ==
+                  CT_ERR_CONFIG && strstr(e.msg, "lacks: bf16"),
+          "grouped_bfmmla on a CPU without BF16: %s", e.msg);
+#else
     const char *need[] = {"matmul_bf16=avx512bf16", NULL};
     CHECK(kern_select_from(&k, t, n, KERN_FEAT_ALL & ~KERN_FEAT_AVX512BF16, need, NULL, 0, &e) == CT_ERR_CONFIG &&
               strstr(e.msg, "avx512bf16"),
           "avx512bf16 on a CPU without it: %s", e.msg);
+    /* AMX where the tiles are missing (or Linux refused them): a config error naming the feature,
+     * never a selected kernel that would die of SIGILL */
+    const char *need_amx[][2] = {{"matmul_bf16=amx", NULL}, {"moe_experts_bf16=grouped_amx", NULL}};
+    for (int i = 0; i < 2; i++) {
+        e.msg[0] = 0;
+        CHECK(kern_select_from(&k, t, n, KERN_FEAT_ALL & ~KERN_FEAT_AMXBF16, need_amx[i], NULL, 0, &e) ==
+                      CT_ERR_CONFIG &&
+                  strstr(e.msg, need_amx[i][0]) && strstr(e.msg, "amx_bf16"),
+              "%s on a CPU without AMX: %s", need_amx[i][0], e.msg);
+    }
+    /* without the AMX bit, no default uses it (the moe op included) */
+    CHECK(kern_select_from(&k, t, n, KERN_FEAT_ALL & ~KERN_FEAT_AMXBF16, NULL, NULL, 0, &e) == 0 &&
+              !(k.chosen[KERN_OP_MATMUL_BF16]->features & KERN_FEAT_AMXBF16) &&
+              !(k.chosen[KERN_OP_MOE_BF16]->features & KERN_FEAT_AMXBF16),
+          "a default needs AMX on a CPU without it: %s / %s", k.chosen[KERN_OP_MATMUL_BF16]->name,
+          k.chosen[KERN_OP_MOE_BF16]->name);
+#endif
+    /* the feature bit agrees with the probe, whose reason is always set */
+    const char *why = NULL;
+    int ready = cpu_amx_bf16_ready(&why);
+    CHECK(why && *why && !!(cpu & KERN_FEAT_AMXBF16) == !!ready && (!ready || !strcmp(why, "usable")),
+          "cpu_amx_bf16_ready %d (%s) vs feature bit %d", ready, why ? why : "NULL", !!(cpu & KERN_FEAT_AMXBF16));
 }
 
 int main(void) {
     test_rounding();
-    test_check_catches_fp32();
+    if (getenv("CTITAN_EMULATED")) /* under qemu (scripts/test_aarch64.sh): the checker's logic, covered natively */
+        printf("skip under emulation: fp32 matmuls caught by the matmul_bf16 check\n");
+    else
+        test_check_catches_fp32();
     test_determinism();
     test_select();
     return CHECK_DONE();

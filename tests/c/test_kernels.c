@@ -6,7 +6,8 @@
  * - kern_check passes on the built-in table (every implementation this CPU
  *   runs, against ref);
  * - kern_check catches deliberately broken matmuls (a table local to this
- *   test: no global state is touched);
+ *   test: no global state is touched), and skips what the features it is
+ *   given lack (AMX masked: the amx entries are skipped, never run);
  * - the fast GEMMs are bit-identical at 1 and 2 threads (determinism);
  * - activation checkpointing (which reruns these kernels) shrinks the model's
  *   activation plan and leaves its gradients bit-identical. */
@@ -48,9 +49,13 @@ static void test_defaults(void) {
           "a function pointer was left NULL");
     CHECK(!strncmp(log, "kernels:", 8), "log line \"%s\"", log);
     /* the preferred matmul for this CPU */
+#if defined(__aarch64__)
+    const char *want = (cpu & KERN_FEAT_NEON) ? "neon" : "openblas";
+#else
     const char *want = (cpu & KERN_FEAT_AVX512) == KERN_FEAT_AVX512                        ? "avx512"
                        : (cpu & (KERN_FEAT_AVX2 | KERN_FEAT_FMA)) == (KERN_FEAT_AVX2 | KERN_FEAT_FMA) ? "avx2"
                                                                                                      : "openblas";
+#endif
     CHECK(!strcmp(k.chosen[KERN_OP_MATMUL]->name, want), "matmul default %s, expected %s",
           k.chosen[KERN_OP_MATMUL]->name, want);
 
@@ -60,9 +65,15 @@ static void test_defaults(void) {
         const char *want;
     } sims[] = {
         {0, "openblas"},
+#if defined(__aarch64__)
+        {KERN_FEAT_NEON, "neon"},
+        {KERN_FEAT_ALL, "neon"},
+        {KERN_FEAT_AVX2 | KERN_FEAT_FMA | KERN_FEAT_AVX512, "openblas"}, /* x86 bits mean nothing here */
+#else
         {KERN_FEAT_AVX2 | KERN_FEAT_FMA, "avx2"},
         {KERN_FEAT_AVX2 | KERN_FEAT_FMA | KERN_FEAT_AVX512, "avx512"},
         {KERN_FEAT_AVX2 | KERN_FEAT_FMA | KERN_FEAT_AVX512F, "avx2"}, /* F alone is not enough */
+#endif
     };
     for (size_t i = 0; i < sizeof sims / sizeof sims[0]; i++) {
         CHECK(kern_select_from(&k, t, n, sims[i].feats, NULL, NULL, 0, &e) == 0, "%s", e.msg);
@@ -120,13 +131,22 @@ static void test_overrides(void) {
         CHECK(strstr(e.msg, bad[i].needle1) && strstr(e.msg, bad[i].needle2), "\"%s\": message \"%s\"", bad[i].ov,
               e.msg);
     }
-    /* an implementation the CPU cannot run (simulated CPU without AVX-512) */
+    /* an implementation the CPU cannot run (simulated CPU without AVX-512 / without Arm BF16) */
+#if defined(__aarch64__)
+    const char *const ov5[] = {"matmul_bf16=bfmmla", NULL};
+    memset(&e, 0, sizeof e);
+    int rc = kern_select_from(&k, t, n, KERN_FEAT_NEON | KERN_FEAT_SVE, ov5, NULL, 0, &e);
+    CHECK(rc == CT_ERR_CONFIG, "matmul_bf16=bfmmla without BF16 gave %d", rc);
+    CHECK(strstr(e.msg, "matmul_bf16=bfmmla") && strstr(e.msg, "bf16") && strstr(e.msg, "lacks"),
+          "message \"%s\"", e.msg);
+#else
     const char *const ov5[] = {"matmul=avx512", NULL};
     memset(&e, 0, sizeof e);
     int rc = kern_select_from(&k, t, n, KERN_FEAT_AVX2 | KERN_FEAT_FMA, ov5, NULL, 0, &e);
     CHECK(rc == CT_ERR_CONFIG, "matmul=avx512 without AVX-512 gave %d", rc);
     CHECK(strstr(e.msg, "matmul=avx512") && strstr(e.msg, "avx512f") && strstr(e.msg, "lacks"), "message \"%s\"",
           e.msg);
+#endif
 }
 
 static void test_check_builtin(void) {
@@ -209,6 +229,19 @@ static void test_check_catches_bugs(void) {
         int failed = kern_check(table, 2, &o);
         CHECK(failed > 0, "broken matmul \"%s\" was not caught", broken[b].name);
     }
+    /* a bf16 MoE kernel that skips the rounding (the fp32 reference registered as bf16): caught
+     * by the mean-error bound even under a max-error tolerance of 1, i.e. whatever tolerance a
+     * bf16 entry sets for its summation order */
+    for (int wide = 0; wide < 2; wide++) {
+        kern_impl moe[2] = {
+            {KERN_OP_MOE_BF16, "ref", "cpu", 0, 0, "reference",
+             .fn.moe = {op_moe_experts_bf16_fwd, op_moe_experts_bf16_bwd}},
+            {KERN_OP_MOE_BF16, "unrounded", "cpu", 0, wide ? 1.0 : 2e-3, "fp32 products",
+             .fn.moe = {op_moe_experts_fwd, op_moe_experts_bwd}},
+        };
+        kern_check_opts o = {.out = NULL, .features = 0, .seed = 3};
+        CHECK(kern_check(moe, 2, &o) > 0, "a bf16 MoE kernel without rounding passed (max tol %g)", wide ? 1.0 : 2e-3);
+    }
     /* and a correct (double-accumulating) one passes */
     kern_impl ok[2] = {
         {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "reference", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
@@ -241,6 +274,31 @@ static void test_check_every_op(void) {
     free(table);
 }
 
+/* kernels check on a CPU without AMX (the bit masked): the AMX entries are
+ * skipped, said so, and never run (a tile instruction without Linux's
+ * permission would kill the process with SIGILL). */
+static void test_check_without_amx(void) {
+#if !defined(__x86_64__)
+    printf("skip: kernels check without AMX (not x86-64)\n");
+    return;
+#endif
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    const char *impls[] = {"amx", "grouped_amx"}, *ops[] = {"matmul_bf16", "moe_experts_bf16"};
+    for (int i = 0; i < 2; i++) {
+        char *log = NULL;
+        size_t len = 0;
+        FILE *f = open_memstream(&log, &len);
+        kern_check_opts o = {.out = f, .op = ops[i], .impl = impls[i],
+                             .features = kern_cpu_features() & ~KERN_FEAT_AMXBF16, .seed = 1};
+        int failed = kern_check(t, n, &o);
+        fclose(f);
+        CHECK(failed == 0 && strstr(log, "skipped: this CPU lacks amx_bf16") && strstr(log, "0 cases"),
+              "%s=%s without AMX: %d failed, log: %s", ops[i], impls[i], failed, log);
+        free(log);
+    }
+}
+
 static void fill_lcg(float *p, size_t n, uint32_t *s) {
     for (size_t i = 0; i < n; i++) {
         *s = *s * 1664525u + 1013904223u;
@@ -259,9 +317,9 @@ static void test_determinism(void) {
     fill_lcg(dout, (size_t)M * N, &s);
     size_t n;
     const kern_impl *t = kern_registry(&n);
-    const char *names[] = {"avx512", "avx2"};
+    const char *names[] = {"avx512", "avx2", "neon"};
     int saved = omp_get_max_threads();
-    for (int v = 0; v < 2; v++) {
+    for (int v = 0; v < 3; v++) {
         const kern_impl *im = find(t, n, KERN_OP_MATMUL, names[v]);
         if (!im || (im->features & ~cpu)) continue;
         float *o[2], *di[2], *dw[2];
@@ -336,8 +394,21 @@ static void test_activation_checkpointing(void) {
 /* The AVX-512 copy of the tiled attention rounds exactly as the generic one
  * (element-wise vector loops only), at 1 and 2 threads. */
 static void test_attention_tiled_avx512(void) {
-    if ((kern_cpu_features() & KERN_FEAT_AVX512) != KERN_FEAT_AVX512) {
-        printf("skip: attention tiled_avx512 (no AVX-512)\n");
+#if defined(__aarch64__) /* the same for the SVE copy */
+    const unsigned need = KERN_FEAT_SVE;
+    kern_attention_fwd_fn fwd = op_attention_fwd_tiled_sve;
+    kern_attention_bwd_fn bwd = op_attention_bwd_tiled_sve;
+#elif defined(__x86_64__)
+    const unsigned need = KERN_FEAT_AVX512;
+    kern_attention_fwd_fn fwd = op_attention_fwd_tiled_avx512;
+    kern_attention_bwd_fn bwd = op_attention_bwd_tiled_avx512;
+#else
+    const unsigned need = ~0u;
+    kern_attention_fwd_fn fwd = op_attention_fwd_tiled;
+    kern_attention_bwd_fn bwd = op_attention_bwd_tiled;
+#endif
+    if ((kern_cpu_features() & need) != need) {
+        printf("skip: attention tiled_avx512 / tiled_sve (this CPU lacks it)\n");
         return;
     }
     enum { B = 2, T = 131, nh = 4, nkv = 2, hd = 24 };
@@ -354,9 +425,8 @@ static void test_attention_tiled_avx512(void) {
         omp_set_num_threads(i + 1);
         o[i] = malloc(nq * 4), l[i] = malloc(nl * 4);
         dq[i] = calloc(nq, 4), dk[i] = calloc(nk, 4), dv[i] = calloc(nk, 4);
-        (i ? op_attention_fwd_tiled_avx512 : op_attention_fwd_tiled)(o[i], l[i], q, k, v, B, T, nh, nkv, hd);
-        (i ? op_attention_bwd_tiled_avx512 : op_attention_bwd_tiled)(dq[i], dk[i], dv[i], g, o[i], l[i], q, k, v,
-                                                                      B, T, nh, nkv, hd);
+        (i ? fwd : op_attention_fwd_tiled)(o[i], l[i], q, k, v, B, T, nh, nkv, hd);
+        (i ? bwd : op_attention_bwd_tiled)(dq[i], dk[i], dv[i], g, o[i], l[i], q, k, v, B, T, nh, nkv, hd);
     }
     omp_set_num_threads(saved);
     CHECK(!memcmp(o[0], o[1], nq * 4) && !memcmp(l[0], l[1], nl * 4), "tiled_avx512 forward != tiled");
@@ -369,9 +439,18 @@ static void test_attention_tiled_avx512(void) {
 int main(void) {
     test_defaults();
     test_overrides();
-    test_check_builtin();
-    test_check_catches_bugs();
-    test_check_every_op();
+    if (getenv("CTITAN_EMULATED")) {
+        /* under qemu (scripts/test_aarch64.sh): the built-in table's check is `ctitan kernels check`,
+         * which the script runs in full, and the checker's own logic is the same C as the native
+         * run's; each of these three adds a minute or more of emulation */
+        printf("skip under emulation: kern_check of the built-in table, of every op's reference copies, "
+               "and of the broken matmuls (`kernels check` and the native run cover them)\n");
+    } else {
+        test_check_builtin();
+        test_check_catches_bugs();
+        test_check_every_op();
+    }
+    test_check_without_amx();
     test_determinism();
     test_attention_tiled_avx512();
     test_activation_checkpointing();

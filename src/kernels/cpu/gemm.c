@@ -30,8 +30,11 @@
  * No float atomics, no reductions across threads.
  *
  * Packed panels are kc deep in 32-bit lanes, or ceil(kc / kpack) when an
- * arch packs several k per lane (bf16 pairs: gemm_bf16_avx512.c); the driver
- * only needs that depth to find each panel.
+ * arch packs several k per lane (bf16 pairs: gemm_bf16_avx512.c), rounded up
+ * to a multiple of kalign when the micro-kernel consumes k in fixed steps
+ * (AMX tiles: gemm_bf16_amx.c); the driver only needs that depth to find
+ * each panel. An arch with per-thread state (AMX's tile configuration) gets
+ * thread_begin / thread_end around each thread's rectangle.
  *
  * Workspace: each thread allocates its packed blocks per call (malloc keeps
  * freed large blocks in its heap after the first call, so repeated calls of
@@ -75,6 +78,13 @@ static long balanced_block(long n, long maxb, long unit) {
     return ceil_div(ceil_div(n, nb), unit) * unit;
 }
 
+/* Depth in 32-bit lanes of a packed panel of kc k values (kpack per lane,
+ * rounded up to a multiple of kalign). */
+static long panel_depth(const gemm_arch *ar, long kc) {
+    long kd = ceil_div(kc, ar->kpack > 1 ? ar->kpack : 1);
+    return ar->kalign > 1 ? ceil_div(kd, ar->kalign) * ar->kalign : kd;
+}
+
 /* One call's operands and blocking. */
 typedef struct {
     const gemm_arch *ar;
@@ -93,16 +103,16 @@ static void gemm_rect(const gemm_job *g, long i0, long i1, long j0, long j1) {
     const long K = g->K, kcb = g->kcb, ldc = g->ldc;
     if (i1 <= i0 || j1 <= j0) return;
     long mc = balanced_block(i1 - i0, ar->mc, MR), nc = balanced_block(j1 - j0, ar->nc, NR);
-    const long kp = ar->kpack > 1 ? ar->kpack : 1;
-    float *Ap = gemm_alloc((size_t)ceil_div(mc, MR) * MRS * ceil_div(kcb, kp));
-    float *Bp = gemm_alloc((size_t)ceil_div(nc, NR) * NR * ceil_div(kcb, kp));
+    float *Ap = gemm_alloc((size_t)ceil_div(mc, MR) * MRS * panel_depth(ar, kcb));
+    float *Bp = gemm_alloc((size_t)ceil_div(nc, NR) * NR * panel_depth(ar, kcb));
+    if (ar->thread_begin) ar->thread_begin();
     long chunk = ar->ncb / NR > 0 ? ar->ncb / NR : 1;
     for (long jc = j0; jc < j1; jc += nc) {
         long ncur = j1 - jc < nc ? j1 - jc : nc;
         long nt = ceil_div(ncur, NR);
         for (long pc = 0; pc < K; pc += kcb) {
             long kc = K - pc < kcb ? K - pc : kcb;
-            long kd = ceil_div(kc, kp); /* depth of a packed panel in 32-bit lanes */
+            long kd = panel_depth(ar, kc); /* depth of a packed panel in 32-bit lanes */
             gemm_view b = {B.p + pc * B.rs + jc * B.cs, B.rs, B.cs};
             ar->pack_b(Bp, b, kc, ncur);
             int add = g->accumulate || pc > 0;
@@ -127,6 +137,7 @@ static void gemm_rect(const gemm_job *g, long i0, long i1, long j0, long j1) {
             }
         }
     }
+    if (ar->thread_end) ar->thread_end();
     free(Ap);
     free(Bp);
 }
@@ -167,6 +178,11 @@ void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B
     long nkb = ceil_div(K, ar->kc);
     gemm_job g = {.ar = ar, .M = M, .N = N, .K = K, .accumulate = accumulate, .A = A, .B = B, .C = C, .ldc = ldc};
     g.kcb = ceil_div(K, nkb);
+    if (ar->kalign > 1) {
+        /* whole tile rows of k in every block but the last (still a function of K alone) */
+        long unit = (long)ar->kalign * (ar->kpack > 1 ? ar->kpack : 1);
+        g.kcb = ceil_div(g.kcb, unit) * unit;
+    }
 
     double flops = 2.0 * M * (double)N * K;
     long tiles = ceil_div(M, ar->mr) * ceil_div(N, ar->nr);

@@ -18,8 +18,10 @@
  * same bytes per A micro-panel (24 KB, L1) and per B chunk (768 KB, L2) as
  * the fp32 kernel's 384.
  *
- * Rounding: nearest even with integer ops (add 0x7fff + the lowest kept
- * bit, keep the high half; NaN stays a quiet NaN), bit-identical to torch's
+ * Rounding (bf16_pairs.h, shared with the AMX kernel gemm_bf16_amx.c, which
+ * also packs its B panels with gemm_pack_b_bf16 below): nearest even with
+ * integer ops (add 0x7fff + the lowest kept bit, keep the high half; NaN
+ * stays a quiet NaN), bit-identical to torch's
  * .to(bfloat16) and to core/dtype's ct_f32_to_bf16, so the reference and
  * this kernel multiply the same bf16 values. The one difference from the
  * reference beyond summation order: vdpbf16ps treats bf16 subnormals (below
@@ -35,12 +37,10 @@
  * place (the "avx512" and "avx2" implementations of matmul_bf16 for CPUs
  * without AVX512_BF16: the fp32 micro-kernels on bf16 values give the same
  * products, exact in fp32). */
+#if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
-
-#include "core/dtype.h"
 #include "kernels/cpu/avx512_util.h"
+#include "kernels/cpu/bf16_pairs.h"
 #include "kernels/cpu/kern_cpu.h"
 
 #define TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -48,39 +48,6 @@
 #define MR 14
 #define NR 32
 #define MRS 16
-
-/* x rounded to the nearest bf16 (ties to even), as fp32 bits: the bf16 is the
- * high half, the low half is garbage. NaN: a quiet NaN with the same sign and
- * payload (ct_f32_to_bf16's rule). */
-T512 static inline __m512i rne_hi(__m512 x) {
-    __m512i u = _mm512_castps_si512(x);
-    __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
-                                    _mm512_set1_epi32(0x7fff));
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    return _mm512_mask_or_epi32(_mm512_add_epi32(u, bias), nan, u, _mm512_set1_epi32(0x00400000));
-}
-
-/* Lanes (bf16(lo[j]), bf16(hi[j])): the k pair of two rows of k. */
-T512 static inline __m512i pair_rows(__m512 lo, __m512 hi) {
-    return _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(rne_hi(lo), 16), rne_hi(hi));
-}
-
-/* 32 consecutive k of one row (x0 = k 0..15, x1 = k 16..31) as 16 lanes of
- * pairs: lane j = (bf16(x[2j]), bf16(x[2j+1])), i.e. the high halves of the
- * rounded values in order. */
-T512 static inline __m512i pair_along(__m512 x0, __m512 x1) {
-    const __m512i idx = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
-                                         27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    return _mm512_permutex2var_epi16(rne_hi(x0), idx, rne_hi(x1));
-}
-
-/* Lane of a bf16 pair (lo = element k, hi = element k+1) from scalars. */
-static inline float pair_scalar(float lo, float hi) {
-    uint32_t u = (uint32_t)ct_f32_to_bf16(lo) | (uint32_t)ct_f32_to_bf16(hi) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* The micro-kernel for R rows (compile-time R at each call site, so the
  * accumulators are registers): kc k values = ceil(kc/2) pair steps. As in the
@@ -134,23 +101,24 @@ TBF16 static void uk_bf16(long kc, const float *restrict A, const float *restric
 }
 
 /* A rows x kc slab (rows <= 16, row stride ld, contiguous in k) as pairs
- * transposed: dst[k2 * dstride + i] = (x[i][2 k2], x[i][2 k2 + 1]), 32 k at a
- * time (16 rows x 16 pair lanes, one 16 x 16 transpose); rows beyond `rows`
- * and k beyond kc are zeros. */
-T512 static void pair_transpose_slab(float *dst, long dstride, const float *src, long ld, int rows, long kc) {
-    for (long k0 = 0; k0 < kc; k0 += 32) {
-        long kn = kc - k0 < 32 ? kc - k0 : 32;
+ * transposed: dst[k2 * dstride + i] = (x[i][2 k2], x[i][2 k2 + 1]) for k2 <
+ * kd (>= ceil(kc / 2)), 32 k at a time (16 rows x 16 pair lanes, one 16 x 16
+ * transpose); rows beyond `rows` and k beyond kc are zeros. */
+T512 static void pair_transpose_slab(float *dst, long dstride, const float *src, long ld, int rows, long kc,
+                                     long kd) {
+    for (long k0 = 0; k0 < 2 * kd; k0 += 32) {
+        long kn = kc - k0 < 32 ? kc - k0 : 32; /* <= 0 in padding past kc: zeros */
         __mmask16 m0 = lanes((int)kn), m1 = lanes((int)kn - 16);
         __m512 r[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) {
-            const float *p = src + (i < rows ? i : 0) * ld + k0;
+            const float *p = src + (i < rows ? i : 0) * ld + (kn > 0 ? k0 : 0);
             __m512 x0 = _mm512_maskz_loadu_ps(i < rows ? m0 : (__mmask16)0, p);
             __m512 x1 = _mm512_maskz_loadu_ps(i < rows ? m1 : (__mmask16)0, p + 16);
-            r[i] = _mm512_castsi512_ps(pair_along(x0, x1));
+            r[i] = _mm512_castsi512_ps(bf16_pair_along(x0, x1));
         }
         transpose16(r);
-        long pn = (kn + 1) / 2;
+        long pn = kd - k0 / 2;
 #pragma GCC unroll 16
         for (int j = 0; j < 16; j++)
             if (j < pn) _mm512_store_ps(dst + (k0 / 2 + j) * dstride, r[j]);
@@ -170,7 +138,7 @@ T512 static void pack_a_bf16(float *dst, gemm_view a, long m, long kc) {
                 __mmask16 mk = lanes((int)rows);
                 __m512 x0 = _mm512_maskz_loadu_ps(mk, s0 + p * MR);
                 __m512 x1 = _mm512_maskz_loadu_ps(has1 ? mk : (__mmask16)0, (has1 ? s1 : s0) + p * MR);
-                _mm512_store_si512(dst + p * MRS * kd + k2 * MRS, pair_rows(x0, x1));
+                _mm512_store_si512(dst + p * MRS * kd + k2 * MRS, bf16_pair_rows(x0, x1));
             }
         }
         return;
@@ -179,7 +147,7 @@ T512 static void pack_a_bf16(float *dst, gemm_view a, long m, long kc) {
         /* row-major A: each row's k pairs are adjacent; 14 rows x 32 k at a time */
         for (long p = 0; p < np; p++) {
             int rows = (int)(m - p * MR < MR ? m - p * MR : MR);
-            pair_transpose_slab(dst + p * MRS * kd, MRS, a.p + p * MR * a.rs, a.rs, rows, kc);
+            pair_transpose_slab(dst + p * MRS * kd, MRS, a.p + p * MR * a.rs, a.rs, rows, kc, kd);
         }
         return;
     }
@@ -190,25 +158,25 @@ T512 static void pack_a_bf16(float *dst, gemm_view a, long m, long kc) {
                 int in = i < MR && r < m;
                 float lo = in ? a.p[r * a.rs + k * a.cs] : 0.0f;
                 float hi = in && k + 1 < kc ? a.p[r * a.rs + (k + 1) * a.cs] : 0.0f;
-                dst[p * MRS * kd + k2 * MRS + i] = pair_scalar(lo, hi);
+                dst[p * MRS * kd + k2 * MRS + i] = bf16_pair_scalar(lo, hi);
             }
 }
 
-T512 static void pack_b_bf16(float *dst, gemm_view b, long kc, long n) {
-    long np = (n + NR - 1) / NR, kd = (kc + 1) / 2;
+T512 void gemm_pack_b_bf16(float *dst, gemm_view b, long kc, long n, long kd) {
+    long np = (n + NR - 1) / NR;
     if (b.cs == 1) {
         /* row-major B (dinp's w, dw's inp): pair source rows k and k+1 lane by lane */
         for (long k2 = 0; k2 < kd; k2++) {
-            const float *s0 = b.p + 2 * k2 * b.rs, *s1 = s0 + b.rs;
-            int has1 = 2 * k2 + 1 < kc;
+            int has0 = 2 * k2 < kc, has1 = 2 * k2 + 1 < kc;
+            const float *s0 = b.p + (has0 ? 2 * k2 : 0) * b.rs, *s1 = s0 + b.rs;
             for (long p = 0; p < np; p++) {
                 long cols = n - p * NR;
                 float *d = dst + p * NR * kd + k2 * NR;
                 for (int h = 0; h < 2; h++) {
                     __mmask16 mk = lanes((int)(cols - 16 * h));
-                    __m512 x0 = _mm512_maskz_loadu_ps(mk, s0 + p * NR + 16 * h);
+                    __m512 x0 = _mm512_maskz_loadu_ps(has0 ? mk : (__mmask16)0, s0 + p * NR + 16 * h);
                     __m512 x1 = _mm512_maskz_loadu_ps(has1 ? mk : (__mmask16)0, (has1 ? s1 : s0) + p * NR + 16 * h);
-                    _mm512_store_si512(d + 16 * h, pair_rows(x0, x1));
+                    _mm512_store_si512(d + 16 * h, bf16_pair_rows(x0, x1));
                 }
             }
         }
@@ -220,7 +188,8 @@ T512 static void pack_b_bf16(float *dst, gemm_view b, long kc, long n) {
             for (int h = 0; h < 2; h++) {
                 long cols = n - p * NR - 16 * h;
                 int c = (int)(cols > 16 ? 16 : cols < 0 ? 0 : cols);
-                pair_transpose_slab(dst + p * NR * kd + 16 * h, NR, b.p + (p * NR + 16 * h) * b.cs, b.cs, c, kc);
+                pair_transpose_slab(dst + p * NR * kd + 16 * h, NR, b.p + (p * NR + 16 * h) * b.cs, b.cs, c, kc,
+                                    kd);
             }
         return;
     }
@@ -228,10 +197,15 @@ T512 static void pack_b_bf16(float *dst, gemm_view b, long kc, long n) {
         for (long k2 = 0; k2 < kd; k2++)
             for (int j = 0; j < NR; j++) {
                 long col = p * NR + j, k = 2 * k2;
-                float lo = col < n ? b.p[k * b.rs + col * b.cs] : 0.0f;
+                float lo = col < n && k < kc ? b.p[k * b.rs + col * b.cs] : 0.0f;
                 float hi = col < n && k + 1 < kc ? b.p[(k + 1) * b.rs + col * b.cs] : 0.0f;
-                dst[p * NR * kd + k2 * NR + j] = pair_scalar(lo, hi);
+                dst[p * NR * kd + k2 * NR + j] = bf16_pair_scalar(lo, hi);
             }
+}
+
+/* The avx512bf16 arch's B panels: ceil(kc / 2) pairs deep (kpack = 2). */
+T512 static void pack_b_bf16(float *dst, gemm_view b, long kc, long n) {
+    gemm_pack_b_bf16(dst, b, kc, n, (kc + 1) / 2);
 }
 
 const gemm_arch gemm_arch_avx512bf16 = {
@@ -254,7 +228,8 @@ T512 void gemm_round_bf16_avx512(float *p, size_t n) {
     const __m512i keep = _mm512_set1_epi32((int)0xffff0000u);
     size_t i = 0;
     for (; i + 16 <= n; i += 16)
-        _mm512_storeu_si512(p + i, _mm512_and_si512(rne_hi(_mm512_loadu_ps(p + i)), keep));
+        _mm512_storeu_si512(p + i, _mm512_and_si512(bf16_rne_hi(_mm512_loadu_ps(p + i)), keep));
     __mmask16 mk = lanes((int)(n - i));
-    if (mk) _mm512_mask_storeu_epi32(p + i, mk, _mm512_and_si512(rne_hi(_mm512_maskz_loadu_ps(mk, p + i)), keep));
+    if (mk) _mm512_mask_storeu_epi32(p + i, mk, _mm512_and_si512(bf16_rne_hi(_mm512_maskz_loadu_ps(mk, p + i)), keep));
 }
+#endif /* __x86_64__ */

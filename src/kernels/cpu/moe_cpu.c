@@ -29,6 +29,7 @@
 
 #include "kernels/cpu/avx512_util.h"
 #include "kernels/cpu/kern_cpu.h"
+#include "kernels/cpu/neon_util.h"
 #include "kernels/ops.h"
 
 enum { MOE_NT, MOE_NN, MOE_TN };
@@ -157,6 +158,7 @@ static void moe_fwd(const gemm_arch *ar, float *out, float *gate, float *up, flo
  * on entry dg[I] = wd_e^T dout; on return dg = d gate, du[I] = d up. */
 typedef void (*moe_dact_fn)(float *dg, float *du, const float *gate, const float *up, float w, int I);
 
+#if defined(__x86_64__) /* the avx2 experts' (aarch64 has dact_neon) */
 static void dact_scalar(float *dg, float *du, const float *gate, const float *up, float w, int I) {
     for (int i = 0; i < I; i++) {
         float g = gate[i], sig = 1.0f / (1.0f + expf(-g)), d = w * dg[i];
@@ -164,7 +166,9 @@ static void dact_scalar(float *dg, float *du, const float *gate, const float *up
         du[i] = d * g * sig;
     }
 }
+#endif
 
+#if defined(__x86_64__)
 /* The same in zmm registers (e^-g from the AVX-512 kernels' vector exp): the
  * scalar loop, libm's expf and its divisions were ~11% of the single-thread
  * backward on the debugmodel_moe layer (perf). */
@@ -182,6 +186,21 @@ T512 static void dact_avx512(float *dg, float *du, const float *gate, const floa
         _mm512_mask_storeu_ps(du + i, m, _mm512_mul_ps(_mm512_mul_ps(d, g), sig));
     }
 }
+#elif defined(__aarch64__)
+/* The same with NEON (neon_util.h's vector exp). */
+static void dact_neon(float *dg, float *du, const float *gate, const float *up, float w, int I) {
+    const float32x4_t one = vdupq_n_f32(1.0f), wv = vdupq_n_f32(w);
+    for (int i = 0; i < I; i += 4) {
+        long n = I - i;
+        float32x4_t g = neon_loadn(gate + i, n), u = neon_loadn(up + i, n);
+        float32x4_t sig = vdivq_f32(one, vaddq_f32(one, neon_exp4(vnegq_f32(g))));
+        float32x4_t d = vmulq_f32(wv, neon_loadn(dg + i, n));
+        float32x4_t ds = vaddq_f32(one, vmulq_f32(g, vsubq_f32(one, sig)));
+        neon_storen(dg + i, vmulq_f32(vmulq_f32(vmulq_f32(d, u), sig), ds), n);
+        neon_storen(du + i, vmulq_f32(vmulq_f32(d, g), sig), n);
+    }
+}
+#endif
 
 static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg, float *dwu, float *dwd,
                     float *dtopw, float *work,
@@ -227,6 +246,7 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
     }
 }
 
+#if defined(__x86_64__)
 void kern_moe_fwd_avx512(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
                          const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
                          const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
@@ -254,13 +274,35 @@ void kern_moe_bwd_avx2(float *dx, float *dwg, float *dwu, float *dwd, float *dto
             topw, N, H, I, E, k);
 }
 
+#elif defined(__aarch64__)
+void kern_moe_fwd_neon(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
+                       const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
+                       const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    moe_fwd(&gemm_arch_neon, out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k);
+}
+void kern_moe_bwd_neon(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                       const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
+                       const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                       const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    moe_bwd(&gemm_arch_neon, dact_neon, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos,
+            offsets, topw, N, H, I, E, k);
+}
+#endif
+
 /* moe_experts_bf16: the same grouped GEMMs on matmul_bf16's architectures,
  * whose packers round both factors to bf16 (the sums stay fp32), so every
  * expert projection, forward and both backward products, is a bf16 linear
  * exactly as the dense ones; the elementwise parts are unchanged. */
+#if defined(__x86_64__)
 static gemm_arch bf16_arch(const gemm_arch *base) {
-    return base == &gemm_arch_avx512bf16 ? gemm_arch_avx512bf16 : gemm_arch_rounding_bf16(base);
+    /* the bf16-pair archs (vdpbf16ps, AMX) round in their own packers */
+    return base == &gemm_arch_avx512bf16 || base == &gemm_arch_amx ? *base : gemm_arch_rounding_bf16(base);
 }
+#elif defined(__aarch64__)
+static gemm_arch bf16_arch(const gemm_arch *base) {
+    return base == &gemm_arch_bfmmla ? *base : gemm_arch_rounding_bf16(base);
+}
+#endif
 #define MOE_BF16(SUF, BASE, DACT)                                                                                      \
     void kern_moe_fwd_##SUF(float *out, float *gate, float *up, float *h, float *work, const float *x,                 \
                             const float *wg, const float *wu, const float *wd, const int32_t *perm,                    \
@@ -278,6 +320,12 @@ static gemm_arch bf16_arch(const gemm_arch *base) {
         moe_bwd(&ar, DACT, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos, offsets, topw, \
                 N, H, I, E, k);                                                                                        \
     }
+#if defined(__x86_64__)
+MOE_BF16(bf16_amx, gemm_arch_amx, dact_avx512)
 MOE_BF16(bf16_avx512bf16, gemm_arch_avx512bf16, dact_avx512)
 MOE_BF16(bf16_avx512, gemm_arch_avx512, dact_avx512)
 MOE_BF16(bf16_avx2, gemm_arch_avx2, dact_scalar)
+#elif defined(__aarch64__)
+MOE_BF16(bf16_bfmmla, gemm_arch_bfmmla, dact_neon)
+MOE_BF16(bf16_neon, gemm_arch_neon, dact_neon)
+#endif
