@@ -24,8 +24,31 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# `make run` needs only the build; the venv is for the tests.
+# `make run` needs only the build; the cross toolchain and the venv are for the tests.
 [ "${1:-}" = "--no-venv" ] && exit 0
+
+# The aarch64 cross build and qemu-user for `make test-aarch64` (part of `make test`): the
+# arm64 libraries are Debian's multiarch packages beside the amd64 ones (OpenMPI is not
+# co-installable, so the cross build has none: CT_NO_MPI). Best effort: a failure here
+# is a warning, and test-aarch64 then says "aarch64: skipped". CTITAN_NO_CROSS=1 skips it.
+ARM_PKGS=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user libc6:arm64 libgomp1:arm64
+          libopenblas-openmp-dev:arm64 libcjson-dev:arm64 libpcre2-dev:arm64 libutf8proc-dev:arm64)
+if [ -z "${CTITAN_NO_CROSS:-}" ] && [ "$(dpkg --print-architecture 2>/dev/null)" = amd64 ]; then
+  arm_missing=()
+  for p in "${ARM_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || arm_missing+=("$p")
+  done
+  if [ ${#arm_missing[@]} -gt 0 ]; then
+    echo "setup: installing the aarch64 cross toolchain and qemu-user: ${arm_missing[*]}"
+    if [ "$(id -u)" -ne 0 ]; then
+      echo "setup: warning: need root for the aarch64 packages; make test-aarch64 will be skipped" >&2
+    elif ! ( export DEBIAN_FRONTEND=noninteractive
+             dpkg --print-foreign-architectures | grep -qx arm64 || dpkg --add-architecture arm64
+             apt-get update -qq && apt-get install -y -qq --no-install-recommends "${arm_missing[@]}" >/dev/null ); then
+      echo "setup: warning: the aarch64 cross packages did not install; make test-aarch64 will be skipped" >&2
+    fi
+  fi
+fi
 
 REQ=tests/requirements.txt
 STAMP=.venv/.ctitan-setup

@@ -8,7 +8,22 @@
  * with a message (the layouts call them per layer, far below that).
  *
  * MPI is called only from the main thread (OpenMP threads do the math), so
- * MPI_THREAD_FUNNELED is all this asks for. */
+ * MPI_THREAD_FUNNELED is all this asks for.
+ *
+ * Built with -DCT_NO_MPI (the aarch64 cross build: Debian's OpenMPI is not
+ * co-installable for two architectures), the file is only a stub whose
+ * comm_mpi_init_world fails with a message, so a run under mpirun stops
+ * cleanly and a single-process run never notices. */
+#ifdef CT_NO_MPI
+#include "dist/comm.h"
+
+int comm_mpi_init_world(ct_comm *c, int *argc, char ***argv, ct_err *e) {
+    (void)c, (void)argc, (void)argv;
+    return ct_fail(e, CT_ERR_CONFIG,
+                   "launched under an MPI launcher, but this ctitan was built without MPI (CT_NO_MPI); "
+                   "run it as a single process or set CTITAN_COMM=single");
+}
+#else
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -324,3 +339,4 @@ int comm_mpi_init_world(ct_comm *c, int *argc, char ***argv, ct_err *e) {
     c->be = &mpi_backend;
     return 0;
 }
+#endif /* CT_NO_MPI */

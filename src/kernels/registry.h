@@ -58,7 +58,14 @@ enum {
     KERN_FEAT_AVX512VL = 1u << 4,
     KERN_FEAT_AVX512DQ = 1u << 5,
     KERN_FEAT_AVX512BF16 = 1u << 6,
-    KERN_FEAT_ALL = (1u << 7) - 1,
+    /* AMX-TILE + AMX-BF16 in CPUID, tile state enabled in XCR0, and Linux's
+     * per-process tile permission granted (core/cpu.h: cpu_amx_bf16_ready) */
+    KERN_FEAT_AMXBF16 = 1u << 7,
+    /* aarch64 (getauxval HWCAP bits, so the kernel's support is included) */
+    KERN_FEAT_NEON = 1u << 8,     /* ASIMD: every aarch64 Linux CPU */
+    KERN_FEAT_ARM_BF16 = 1u << 9, /* BFMMLA / BFDOT (Armv8.6 BF16: Graviton 3/4, Neoverse V1/V2/N2) */
+    KERN_FEAT_SVE = 1u << 10,
+    KERN_FEAT_ALL = (1u << 11) - 1,
 };
 /* The AVX-512 subset the fp32 kernels use (Skylake-X and later, Zen 4 and later). */
 #define KERN_FEAT_AVX512 (KERN_FEAT_AVX512F | KERN_FEAT_AVX512BW | KERN_FEAT_AVX512VL | KERN_FEAT_AVX512DQ)
@@ -184,8 +191,17 @@ const kern_impl *kern_registry(size_t *n);
 const char *kern_op_name(kern_op op);
 int kern_op_from_name(const char *name);
 
-/* Features of the CPU this process runs on (KERN_FEAT_* bits, OS support included). */
+/* Features of the CPU this process runs on (KERN_FEAT_* bits, OS support
+ * included), limited by the environment variable CTITAN_ISA when set: "ref"
+ * (none: every op on its reference), "avx2", "avx512" (no AMX), "amx", "neon",
+ * "bf16", "sve", or "auto". It forces a lower path on a higher CPU, so every
+ * path is tested and benchmarked on whatever machine runs the suite. */
 unsigned kern_cpu_features(void);
+/* Without CTITAN_ISA's limit. */
+unsigned kern_cpu_hw_features(void);
+/* The feature bits the level `isa` keeps (KERN_FEAT_ALL for NULL, "" or
+ * "auto"); CT_ERR_CONFIG naming it if unknown. */
+int kern_isa_limit(const char *isa, unsigned *keep, ct_err *e);
 /* "avx2 fma avx512f ..." for the bits of f ("none" if empty). */
 void kern_features_str(unsigned f, char *buf, size_t cap);
 
@@ -215,6 +231,14 @@ void kern_use_bf16_matmuls(kern_ops *k);
  * summation orders and FMA contraction stay far below it (measured ~1e-6 at
  * K = 1024), while a wrong index, a missed edge or a lost += is O(1). */
 #define KERN_CHECK_TOL 1e-5
+/* A second bound for the ops whose implementations round intermediates to
+ * bf16 (moe_experts_bf16): mean |impl - ref| / max |ref| over each output.
+ * A different summation order flips a few roundings to the neighbouring bf16
+ * value, which moves the max error (their own tol) but hardly the mean; a
+ * kernel that skipped a rounding errs on every element. Measured over the
+ * check's shapes: <= 3.9e-7 for every registered bf16 MoE kernel (AMX
+ * included), 3.9e-4 to 4.2e-3 for the fp32 reference posing as one. */
+#define KERN_CHECK_MEAN_TOL 1e-5
 
 typedef struct {
     FILE *out;           /* one line per (op, impl, shape) and a summary; NULL: silent */
@@ -229,5 +253,60 @@ typedef struct {
  * NULL optional outputs, in-place forms), on random and edge shapes. Returns
  * the number of failed (op, impl, shape) cases; 0 means all passed. */
 int kern_check(const kern_impl *table, size_t n, const kern_check_opts *opts);
+
+/* ---------------------------------------------------------------- timing */
+
+/* The sizes one op is timed at; each op reads its own fields. */
+typedef struct {
+    int M, K, N;           /* matmul, matmul_bf16: out[M,N] = inp[M,K] w[N,K]^T */
+    int rows, C, V;        /* embedding [rows,C] from [V,C]; rmsnorm [rows,C]; crossentropy [rows,V];
+                            * moe_experts: rows tokens of width C */
+    int B, T, nh, nkv, hd; /* rope (the fused q/k norm + RoPE), attention */
+    long n;                /* swiglu, add, adamw: elements */
+    int I, E, k;           /* moe_experts: expert width, experts, top-k */
+} kern_shape;
+
+/* Every input of one op at one shape (kernels/timing.c), allocated once so
+ * that the implementations compared run on the same bytes. */
+typedef struct kern_bench kern_bench;
+kern_bench *kern_bench_new(kern_op op, const kern_shape *s);
+void kern_bench_free(kern_bench *b);
+/* 0 for the ops with a single entry point (add, adamw) */
+int kern_bench_has_bwd(kern_op op);
+/* Best seconds of `reps` calls (after one warm-up call) of im's forward
+ * (fwd = 1) or backward; stops after 2 s of calls, or after the warm-up when
+ * that alone took more than cutoff seconds (cutoff > 0): the caller already
+ * has a faster candidate. */
+double kern_bench_time(kern_bench *b, const kern_impl *im, int fwd, int reps, double cutoff);
+
+/* ---------------------------------------------------------------- tuning */
+
+/* What the tuner needs to know of a run: the sizes its ops will see. */
+typedef struct {
+    int B, T;                         /* micro-batch: B sequences of T tokens */
+    int hidden, inter, vocab;         /* inter: the dense MLP width (0: none) */
+    int n_heads, n_kv_heads, head_dim;
+    int n_experts, moe_inter, top_k;  /* MoE layers (0: dense model) */
+    int ce_rows;                      /* logits rows per cross-entropy block */
+    long n_params;                    /* AdamW's elements (timed on at most 4M) */
+    int bf16;                         /* bf16 matmuls: tune matmul_bf16 / moe_experts_bf16 too */
+} kern_run_sizes;
+
+/* Chooses by measurement: for each op the run uses whose implementation the
+ * overrides leave at "auto" and that has more than one candidate on this CPU,
+ * the fastest candidate (forward + backward on the run's sizes, best of a few
+ * calls) among those that pass kern_check on this CPU. Candidates are the
+ * entries `cpu` can run; "ref" only where it is the sole one or the op is
+ * memory-bound (a reference matmul on a model's sizes would take seconds to
+ * lose). Results are cached in `cache_path` (one line per op and shape, and
+ * one per checked implementation; NULL: no cache), keyed by the caller (CPU
+ * model, features, threads: kern_tune_cache_path), so a later run of the same
+ * sizes makes the same choice without timing. Starts from kern_select_from's
+ * choice, so forced ops stay forced. `log` receives one line per op: what
+ * was picked, and the timings or "cached". */
+int kern_tune(kern_ops *k, const kern_impl *table, size_t n, unsigned cpu, const char *const *overrides,
+              const kern_run_sizes *sizes, const char *cache_path, char *log, size_t logcap, ct_err *e);
+/* ~/.cache/ctitan/kernels-v1-<cpu model>-f<features>-t<threads>.txt */
+void kern_tune_cache_path(char *out, size_t cap, unsigned cpu, int threads);
 
 #endif

@@ -26,6 +26,7 @@
  * (b, kv head) as in the tiled kernel, so each output element is summed by
  * one thread in a fixed order; results do not depend on the thread count.
  * They differ from "ref" by summation order and the vector exp (kern_check). */
+#if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -378,3 +379,4 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
     free(KT);
     free(VT);
 }
+#endif /* __x86_64__ */

@@ -5,6 +5,7 @@
  * the generic x86-64 build. Include <immintrin.h> first. */
 #ifndef CT_KERNELS_CPU_AVX512_UTIL_H
 #define CT_KERNELS_CPU_AVX512_UTIL_H
+#if defined(__x86_64__)
 
 #include <immintrin.h>
 
@@ -76,4 +77,5 @@ T512 __attribute__((always_inline)) static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-#endif
+#endif /* __x86_64__ */
+#endif /* CT_KERNELS_CPU_AVX512_UTIL_H */

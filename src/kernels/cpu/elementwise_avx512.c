@@ -21,6 +21,7 @@
  * Functions carry a target attribute instead of per-file -m flags, so the
  * build stays generic x86-64; the registry only installs them where the CPU
  * has AVX-512 F/BW/VL/DQ. */
+#if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <math.h>
 #include <stdio.h>
@@ -546,3 +547,4 @@ EW512 void kern_adamw_step_avx512(adamw_state *s, float *params, const float *gr
         }
     }
 }
+#endif /* __x86_64__ */

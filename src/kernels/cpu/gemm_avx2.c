@@ -13,6 +13,7 @@
  * Blocking: kc = 256 (A micro-panel 6 x 256 x 4 = 6 KB in L1, B micro-panel
  * 16 KB), ncb = 256 columns of B per A panel (256 KB in L2), nc = 2048,
  * mc = 1026 rows (1024 rows make one block). */
+#if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -254,3 +255,4 @@ const gemm_arch gemm_arch_avx2 = {
     .pack_b = pack_b_avx2,
     .nt_small = nt_small_avx2,
 };
+#endif /* __x86_64__ */

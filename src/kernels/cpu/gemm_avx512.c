@@ -18,6 +18,7 @@
  * measured within noise of it), ncb = 512 columns (a B chunk of 384 x 512 x 4
  * = 768 KB stays in L2), nc = 2048 columns per packed B block, mc = 1036 rows
  * (74 micro-panels, so M = 1024 is one block) per packed A block. */
+#if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <string.h>
 
@@ -229,3 +230,4 @@ const gemm_arch gemm_arch_avx512 = {
     .pack_b = pack_b_avx512,
     .nt_small = nt_small_avx512,
 };
+#endif /* __x86_64__ */

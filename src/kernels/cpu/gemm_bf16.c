@@ -13,6 +13,7 @@
  * Unlike the fp32 matmul, the forward has no few-rows (decode) path: bf16
  * is a training setting, where M is batch x sequence; every M goes through
  * the packed GEMM, which handles any M correctly. */
+#if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 
 #include "core/dtype.h"
@@ -106,3 +107,4 @@ void kern_matmul_bf16_bwd_avx2(float *dinp, float *dw, const float *dout, const 
     gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
     gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
 }
+#endif /* __x86_64__ */

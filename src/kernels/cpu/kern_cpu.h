@@ -72,15 +72,30 @@ typedef struct {
      * pairs (vdpbf16ps), whose panels are then ceil(kc / 2) lanes deep, so
      * panel p of a packed block starts at p * MRS * ceil(kc / 2) (resp. NR). */
     int kpack;
+    /* 0 or 1: none. Else panel depths (ceil(kc / kpack) lanes) are rounded up
+     * to a multiple of kalign, the packers zero-fill the padding, and k blocks
+     * are multiples of kalign * kpack where K allows: AMX's tiles take 16 k
+     * pairs per row (gemm_bf16_amx.c). */
+    int kalign;
+    /* NULL, or called by each thread before / after its share of one gemm_f32
+     * call: per-thread state of the micro-kernel (AMX loads its tile
+     * configuration, then releases the tiles). */
+    void (*thread_begin)(void);
+    void (*thread_end)(void);
 } gemm_arch;
 
+#if defined(__x86_64__)
 extern const gemm_arch gemm_arch_avx512; /* 14 x 32 zmm tile; needs AVX-512 F/BW/VL/DQ */
 extern const gemm_arch gemm_arch_avx2;   /* 6 x 16 ymm tile; needs AVX2 + FMA */
 extern const gemm_arch gemm_arch_avx512bf16; /* 14 x 32 tile of bf16 pairs; needs AVX-512 + AVX512_BF16 */
+/* 32 x 32 block of 2 x 2 AMX tiles of bf16 pairs (gemm_bf16_amx.c); needs AVX-512 +
+ * KERN_FEAT_AMXBF16, i.e. cpu_amx_bf16_ready() (Linux's tile permission) */
+extern const gemm_arch gemm_arch_amx;
 /* Rounds n floats in place to the nearest bf16 (ties to even, as torch's
  * .to(bfloat16); NaN stays NaN), kept as fp32: the packed panels of the
  * fp32 micro-kernels become those of bf16 inputs. Needs AVX-512 F/BW. */
 void gemm_round_bf16_avx512(float *p, size_t n);
+#endif
 
 /* C[M,N] = (accumulate ? C : 0) + A[M,K] B[K,N], C row-major with leading
  * dimension ldc. Deterministic: each element of C is summed by one thread in
@@ -102,6 +117,7 @@ void gemm_nt_small(const gemm_arch *arch, float *out, const float *inp, const fl
 void gemm_matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *dout, const float *inp,
                      const float *w, int M, int K, int N);
 
+#if defined(__x86_64__)
 /* The ops.h matmul signatures on top of gemm_f32 for each ISA. */
 void kern_matmul_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
@@ -116,12 +132,16 @@ void kern_matmul_bf16_fwd_avx512bf16(float *out, const float *inp, const float *
                                      int accumulate);
 void kern_matmul_bf16_bwd_avx512bf16(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                                      int M, int K, int N);
+void kern_matmul_bf16_fwd_amx(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
+void kern_matmul_bf16_bwd_amx(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
+                              int K, int N);
 void kern_matmul_bf16_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                                  int K, int N);
 void kern_matmul_bf16_fwd_avx2(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                                int K, int N);
+#endif
 /* gemm_arch_avx512 or gemm_arch_avx2 (base) with packers that round the
  * packed panels to bf16: matmul_bf16's avx512/avx2 arch, for other callers
  * of gemm_f32 (the grouped MoE experts). */
@@ -131,6 +151,7 @@ void kern_matmul_fwd_openblas(float *out, const float *inp, const float *w, int 
 void kern_matmul_bwd_openblas(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                               int K, int N);
 
+#if defined(__x86_64__)
 /* moe_experts, grouped (moe_cpu.c): the op_moe_experts_* contract of ops.h on gemm_f32. */
 void kern_moe_fwd_avx512(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
                          const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
@@ -146,6 +167,7 @@ void kern_moe_bwd_avx2(float *dx, float *dwg, float *dwu, float *dwd, float *dto
                        const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
                        const float *up, const float *h, const int32_t *perm, const int32_t *pos,
                        const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+#endif
 
 /* moe_experts_bf16 (moe_cpu.c): the same on bf16-rounded GEMM inputs (matmul_bf16's archs). */
 #define KERN_MOE_DECL(SUF)                                                                                           \
@@ -158,11 +180,20 @@ void kern_moe_bwd_avx2(float *dx, float *dwg, float *dwu, float *dwd, float *dto
                             const float *gate, const float *up, const float *h, const int32_t *perm,                 \
                             const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,     \
                             int E, int k);
+#if defined(__x86_64__)
+KERN_MOE_DECL(bf16_amx)
 KERN_MOE_DECL(bf16_avx512bf16)
 KERN_MOE_DECL(bf16_avx512)
 KERN_MOE_DECL(bf16_avx2)
+#endif
+#if defined(__aarch64__)
+KERN_MOE_DECL(neon) /* moe_experts "grouped_neon" (fp32) */
+KERN_MOE_DECL(bf16_bfmmla)
+KERN_MOE_DECL(bf16_neon)
+#endif
 #undef KERN_MOE_DECL
 
+#if defined(__x86_64__)
 /* The memory-bound ops for AVX-512 (elementwise_avx512.c), ops.h signatures. */
 void kern_embedding_fwd_avx512(float *out, const int32_t *tokens, const float *wte, int N, int C);
 void kern_embedding_bwd_avx512(float *dwte, const float *dout, const int32_t *tokens, int N, int C);
@@ -198,5 +229,84 @@ void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dou
                                int nkv, int hd);
 /* out[i] = e^x[i] with the vector exp of the kernels above (for its accuracy test). */
 void kern_exp_avx512(float *out, const float *x, long n);
+
+/* The memory-bound ops for AVX2 + FMA (elementwise_avx2.c instantiating elementwise_vec.inc), ops.h signatures. */
+void kern_embedding_fwd_avx2(float *out, const int32_t *tokens, const float *wte, int N, int C);
+void kern_embedding_bwd_avx2(float *dwte, const float *dout, const int32_t *tokens, int N, int C);
+void kern_rmsnorm_fwd_avx2(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps);
+void kern_rmsnorm_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                           const float *rstd, int N, int C);
+void kern_rope_fwd_avx2(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
+                        int hd);
+void kern_rope_bwd_avx2(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh,
+                        int hd);
+void kern_qknorm_rope_fwd_avx2(float *out, float *rstd, const float *x, const float *w, const float *cos,
+                               const float *sin, int B, int T, int nh, int hd, float eps);
+void kern_qknorm_rope_bwd_avx2(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                               const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
+void kern_swiglu_fwd_avx2(float *out, const float *gate, const float *up, int N);
+void kern_swiglu_bwd_avx2(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_add_avx2(float *out, const float *a, const float *b, long N);
+double kern_crossentropy_fwdbwd_avx2(float *logits, const int32_t *targets, int N, int V, float grad_scale,
+                                     long *n_valid);
+double kern_crossentropy_fwd_avx2(float *losses, const float *logits, const int32_t *targets, int N, int V);
+void kern_crossentropy_vp_max_avx2(float *maxv, const float *logits, int N, int V);
+void kern_crossentropy_vp_sums_avx2(float *sumexp, float *tlogit, const float *logits, const float *maxv,
+                                    const int32_t *targets, int N, int V, int v0);
+double kern_crossentropy_vp_grad_avx2(float *logits, const float *maxv, const float *sumexp, const float *tlogit,
+                                      const int32_t *targets, int N, int V, int v0, float grad_scale,
+                                      long *n_valid);
+void kern_adamw_step_avx2(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
+/* Attention with 6 x 16 ymm register tiles (attention_avx2.c), ops.h's attention contract. */
+void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                             int nh, int nkv, int hd);
+void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                             const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd);
+/* out[i] = e^x[i] with the AVX2 vector exp (avx2_util.h's exp8; for its accuracy test). */
+void kern_exp_avx2(float *out, const float *x, long n);
+#endif
+
+
+#if defined(__aarch64__)
+/* aarch64 (gemm_neon.c, elementwise_neon.c, moe_cpu.c): NEON everywhere, BFMMLA where the CPU has BF16. */
+extern const gemm_arch gemm_arch_neon;   /* 8 x 12 fp32 tile, vfmaq_laneq_f32 */
+extern const gemm_arch gemm_arch_bfmmla; /* 8 x 8 tile of 2 x 2 BFMMLA blocks, bf16 pairs; needs BF16 */
+void kern_matmul_fwd_neon(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
+void kern_matmul_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
+                          int N);
+void kern_matmul_bf16_fwd_bfmmla(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
+void kern_matmul_bf16_bwd_bfmmla(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
+                                 int K, int N);
+void kern_matmul_bf16_fwd_neon(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
+void kern_matmul_bf16_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
+                               int K, int N);
+void kern_embedding_fwd_neon(float *out, const int32_t *tokens, const float *wte, int N, int C);
+void kern_embedding_bwd_neon(float *dwte, const float *dout, const int32_t *tokens, int N, int C);
+void kern_rmsnorm_fwd_neon(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps);
+void kern_rmsnorm_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                           const float *rstd, int N, int C);
+void kern_rope_fwd_neon(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
+                        int hd);
+void kern_rope_bwd_neon(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh,
+                        int hd);
+void kern_qknorm_rope_fwd_neon(float *out, float *rstd, const float *x, const float *w, const float *cos,
+                               const float *sin, int B, int T, int nh, int hd, float eps);
+void kern_qknorm_rope_bwd_neon(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                               const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
+void kern_swiglu_fwd_neon(float *out, const float *gate, const float *up, int N);
+void kern_swiglu_bwd_neon(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_add_neon(float *out, const float *a, const float *b, long N);
+double kern_crossentropy_fwdbwd_neon(float *logits, const int32_t *targets, int N, int V, float grad_scale,
+                                     long *n_valid);
+double kern_crossentropy_fwd_neon(float *losses, const float *logits, const int32_t *targets, int N, int V);
+void kern_crossentropy_vp_max_neon(float *maxv, const float *logits, int N, int V);
+void kern_crossentropy_vp_sums_neon(float *sumexp, float *tlogit, const float *logits, const float *maxv,
+                                    const int32_t *targets, int N, int V, int v0);
+double kern_crossentropy_vp_grad_neon(float *logits, const float *maxv, const float *sumexp, const float *tlogit,
+                                      const int32_t *targets, int N, int V, int v0, float grad_scale, long *n_valid);
+void kern_adamw_step_neon(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
+/* out[i] = e^x[i] with neon_util.h's neon_exp4 (for its accuracy test). */
+void kern_exp_neon(float *out, const float *x, long n);
+#endif
 
 #endif

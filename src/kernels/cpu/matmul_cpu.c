@@ -38,6 +38,7 @@ void gemm_matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *d
     }
 }
 
+#if defined(__x86_64__)
 void kern_matmul_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     matmul_fwd(&gemm_arch_avx512, out, inp, w, M, K, N, accumulate);
 }
@@ -52,6 +53,15 @@ void kern_matmul_bwd_avx2(float *dinp, float *dw, const float *dout, const float
                           int K, int N) {
     gemm_matmul_bwd(&gemm_arch_avx2, dinp, dw, dout, inp, w, M, K, N);
 }
+#elif defined(__aarch64__)
+void kern_matmul_fwd_neon(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
+    matmul_fwd(&gemm_arch_neon, out, inp, w, M, K, N, accumulate);
+}
+void kern_matmul_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
+                          int N) {
+    gemm_matmul_bwd(&gemm_arch_neon, dinp, dw, dout, inp, w, M, K, N);
+}
+#endif
 
 void kern_matmul_fwd_openblas(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     if (M <= 0 || N <= 0) return;

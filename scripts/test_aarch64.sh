@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# `make test-aarch64` (part of `make test`): the aarch64 cross build in build/aarch64
+# (CROSS=aarch64: Debian's gcc-aarch64-linux-gnu, the arm64 multiarch libraries, no MPI)
+# run under qemu-user: every C test, then `ctitan kernels check` over every op in full.
+# qemu runs with -cpu max (QEMU_CPU), which emulates NEON, SVE, BF16 (BFMMLA) and I8MM,
+# so every Arm kernel the registry has is checked against its reference. Emulation says
+# nothing about speed: timings under qemu mean nothing.
+#
+# Where the cross toolchain or qemu is missing (scripts/setup.sh installs them and only
+# warns if it cannot), this prints "aarch64: skipped (...)" and succeeds, so the x86
+# suite still runs.
+#
+# Runtime: the guest's libc is the multiarch one (libc6:arm64, /lib/ld-linux-aarch64.so.1),
+# not the cross toolchain's /usr/aarch64-linux-gnu (qemu -L): with that one, qemu 7.2 spins
+# forever in the first pthread_create, i.e. at the first OpenMP parallel region.
+set -u
+cd "$(dirname "$0")/.."
+B=build/aarch64
+T=/usr/lib/aarch64-linux-gnu
+
+missing=()
+command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || missing+=(gcc-aarch64-linux-gnu)
+command -v qemu-aarch64 >/dev/null 2>&1 || missing+=(qemu-user)
+[ -e /lib/ld-linux-aarch64.so.1 ] || missing+=(libc6:arm64)
+[ -e $T/openblas-openmp/libopenblas.so ] || missing+=(libopenblas-openmp-dev:arm64)
+[ -e $T/libcjson.so ] || missing+=(libcjson-dev:arm64)
+[ -e $T/libpcre2-8.so ] || missing+=(libpcre2-dev:arm64)
+[ -e $T/libutf8proc.so ] || missing+=(libutf8proc-dev:arm64)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "aarch64: skipped (cross toolchain not installed: ${missing[*]}; scripts/setup.sh installs them)"
+  exit 0
+fi
+
+t0=$SECONDS
+mkdir -p $B
+# a make of its own: nothing of the calling make's variables (BUILD, OPT, sanitizer flags) applies
+if ! env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory BUILD=$B CROSS=aarch64 -j"$(nproc)" test-bins \
+    >$B/build.log 2>&1; then
+  cat $B/build.log
+  echo "aarch64: the cross build FAILED"
+  exit 1
+fi
+tests=()
+for src in tests/c/test_*.c; do t=${src#tests/c/}; tests+=("$B/tests/${t%.c}"); done
+
+export QEMU_CPU=max
+export CTITAN_EMULATED=1 # tests skip what only costs emulation time, and say so
+ops=$(qemu-aarch64 $B/ctitan kernels list | awk '/^op +impl/ {h = 1; next} h && NF {print $1}' | uniq)
+[ -n "$ops" ] || { echo "aarch64: ctitan kernels list gave no ops"; exit 1; }
+
+# The bf16 MoE op's reference is serial and most of the emulated check time: it runs in a
+# process of its own beside the other ops and the C tests (2 cores or more: they overlap).
+slow=moe_experts_bf16
+rm -f $B/kernels-check-*.log
+qemu-aarch64 $B/ctitan kernels check --op $slow >$B/kernels-check-$slow.log 2>&1 &
+slow_pid=$!
+rc=0
+for op in $ops; do
+  [ "$op" = "$slow" ] && continue
+  qemu-aarch64 $B/ctitan kernels check --op "$op" >$B/kernels-check-$op.log 2>&1 || rc=1
+done
+CT_TEST_RUNNER=qemu-aarch64 CT_TEST_LABEL="aarch64 " bash scripts/run_c_tests.sh "${tests[@]}" >$B/c-tests.log 2>&1
+trc=$?
+wait $slow_pid || rc=1
+
+grep -h "skip" $B/c-tests.log | sed 's/^/aarch64 /'
+if [ $trc -ne 0 ]; then cat $B/c-tests.log; fi
+tail -n 1 $B/c-tests.log
+cat $B/kernels-check-*.log > $B/kernels-check.log
+if [ $rc -ne 0 ]; then grep -h "FAIL\|rror" $B/kernels-check-*.log | head -50; fi
+awk '/^kernels check:/ {c += $3; f += $5; s += $7} END {
+       printf "aarch64 kernels check: %d cases, %d failed, %d implementations skipped (log: %s)\n", c, f, s, lf }' \
+    lf=$B/kernels-check.log $B/kernels-check-*.log
+echo "aarch64: done in $((SECONDS - t0)) s under qemu-user -cpu max (emulated: correctness only, no timings)"
+[ $rc -eq 0 ] && [ $trc -eq 0 ]

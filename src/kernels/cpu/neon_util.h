@@ -1,0 +1,85 @@
+/* kernels/cpu/neon_util.h: small NEON helpers shared by the aarch64 kernels
+ * (gemm_neon.c, elementwise_neon.c, moe_cpu.c): partial loads and stores,
+ * a 4 x 4 transpose, round-to-nearest-even bf16 bits, and the vector exp.
+ *
+ * NEON (ASIMD) is part of the base aarch64 architecture, so these need no
+ * target attribute. NEON has no masked loads: a partial vector is copied
+ * through a small stack buffer, so no helper ever reads or writes past the
+ * n elements it is given (tensors need no padding). aarch64 only: the
+ * includers guard it. */
+#ifndef CT_KERNELS_CPU_NEON_UTIL_H
+#define CT_KERNELS_CPU_NEON_UTIL_H
+#if defined(__aarch64__)
+
+#include <arm_neon.h>
+
+#define NEON_INLINE __attribute__((always_inline)) static inline
+
+/* min(n, 4) floats from p, zeros in the other lanes (n <= 0: all zeros). */
+NEON_INLINE float32x4_t neon_loadn(const float *p, long n) {
+    if (n >= 4) return vld1q_f32(p);
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (long i = 0; i < n; i++) t[i] = p[i];
+    return vld1q_f32(t);
+}
+/* The low min(n, 4) lanes of v to p. */
+NEON_INLINE void neon_storen(float *p, float32x4_t v, long n) {
+    if (n >= 4) {
+        vst1q_f32(p, v);
+        return;
+    }
+    float t[4];
+    vst1q_f32(t, v);
+    for (long i = 0; i < n; i++) p[i] = t[i];
+}
+
+/* In-register 4 x 4 transpose: lane j of r[i] becomes lane i of r[j]. */
+NEON_INLINE void neon_transpose4(float32x4_t r[4]) {
+    float32x4_t t0 = vtrn1q_f32(r[0], r[1]), t1 = vtrn2q_f32(r[0], r[1]);
+    float32x4_t t2 = vtrn1q_f32(r[2], r[3]), t3 = vtrn2q_f32(r[2], r[3]);
+    r[0] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
+    r[1] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+    r[2] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
+    r[3] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+}
+
+/* x rounded to the nearest bf16 (ties to even) as fp32 bits: the bf16 is the
+ * high half. NaN: a quiet NaN with the same sign and payload, as
+ * core/dtype's ct_f32_to_bf16 and torch's .to(bfloat16). */
+NEON_INLINE uint32x4_t neon_rne_bf16_bits(float32x4_t x) {
+    uint32x4_t u = vreinterpretq_u32_f32(x);
+    uint32x4_t r = vaddq_u32(u, vaddq_u32(vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1)), vdupq_n_u32(0x7fff)));
+    return vbslq_u32(vceqq_f32(x, x), r, vorrq_u32(u, vdupq_n_u32(0x00400000)));
+}
+
+/* e^x for 4 lanes: exp16's algorithm (avx512_util.h). x = n ln2 + r with
+ * n = round(x / ln2), |r| <= ln2/2 (Cody-Waite split of ln2, each product
+ * exact inside the FMA), e^r by its Taylor polynomial to r^7 (truncation
+ * 5e-9 relative), then 2^n applied as two normal factors 2^(n >> 1) and
+ * 2^(n - (n >> 1)) (after the clamp n is in [-150, 129], outside the normal
+ * exponents at both ends), so gradual underflow rounds once and overflow
+ * gives +inf. NaN stays NaN (AArch64's FMIN/FMAX propagate it); -inf clamps
+ * to -104, which underflows to 0. Error: within 1.2e-7 relative of double
+ * exp where the result is normal (tests/c/test_elementwise.c). */
+NEON_INLINE float32x4_t neon_exp4(float32x4_t x) {
+    x = vmaxq_f32(vdupq_n_f32(-104.0f), vminq_f32(vdupq_n_f32(89.0f), x));
+    float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693147182464599609375f));
+    r = vfmsq_f32(r, n, vdupq_n_f32(-1.904654299957768e-09f));
+    float32x4_t p = vdupq_n_f32(1.0f / 5040.0f);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 720.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 120.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 24.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 6.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    int32x4_t ni = vcvtq_s32_f32(n); /* NaN converts to 0; p is NaN already */
+    int32x4_t n1 = vshrq_n_s32(ni, 1), n2 = vsubq_s32(ni, n1);
+    float32x4_t s1 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n1, vdupq_n_s32(127)), 23));
+    float32x4_t s2 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n2, vdupq_n_s32(127)), 23));
+    return vmulq_f32(vmulq_f32(p, s1), s2);
+}
+
+#endif /* __aarch64__ */
+#endif /* CT_KERNELS_CPU_NEON_UTIL_H */
