@@ -12,8 +12,8 @@ load the machine); the parent only builds and saves the model.
 Reports per side: tokens/s over the steady-state steps (the first `--warmup`
 steps excluded), model GFLOP/s (6 x matmul parameters incl. the lm_head +
 12 x layers x heads x head_dim x T per token, PaLM's convention, which counts
-attention as non-causal), MFU against ctitan's measured fp32 FMA peak (cached in
-~/.cache/ctitan), peak RSS, and the ctitan/PyTorch ratios.
+attention as non-causal), MFU against ctitan's FMA peak of the run's precision
+(`ctitan kernels peak`, as the trainer reads it), peak RSS, and the ctitan/PyTorch ratios.
 
 Workloads (issue 5):
   W1  Qwen3-0.6B shapes cut to 4 layers, seq 512, batch 1          (--precision fp32 | bf16)
@@ -229,11 +229,18 @@ def steady_tps(rows, B, T, warmup):
 
 
 def peak_flops(threads):
-    cache = os.path.expanduser("~/.cache/ctitan")
-    for f in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
-        if f.endswith(f"-t{threads}.txt"):
-            return float(open(os.path.join(cache, f)).read().split()[0])
-    return float("nan")
+    """ctitan's FMA peaks, read the way the trainer reads them (`ctitan kernels peak`:
+    measured and checked against clock x FMA width, or cached when that was stable):
+    (fp32 FLOP/s, bf16 FLOP/s, one-line description). Never nan: the command always
+    answers with a figure."""
+    build = os.environ.get("CTITAN_BUILD", "build")
+    out = subprocess.run([os.path.join(ROOT, build, "ctitan"), "kernels", "peak", "--json", "--threads",
+                          str(threads)], capture_output=True, text=True, check=True).stdout
+    p = json.loads(out)
+    desc = (f"{p['fp32_flops']/1e9:.0f} GFLOP/s fp32 ({p['isa']}, {p['clock_hz']/1e9:.2f} GHz x "
+            f"{p['fma_per_cycle']} FMA/cycle), {p['bf16_flops']/1e9:.0f} bf16 ({p['bf16_isa']}); {p['source']}"
+            + (f": {p['note']}" if p["note"] else ""))
+    return p["fp32_flops"], p["bf16_flops"], desc
 
 
 def gib(x):
@@ -296,13 +303,15 @@ def main():
     load = os.getloadavg()[0]
     n_lora = lora_params(shape, a.lora) if a.lora else 0
     fpt = flops_per_token(shape, n_params, a.seq, n_lora)
-    peak = peak_flops(a.threads)
+    peak32, peak16, peak_desc = peak_flops(a.threads)
+    # MFU against the peak of the arithmetic the run's matmuls use, as the trainer does
+    peak = peak16 if a.precision == "bf16" else peak32
     name = f"{a.workload} " if a.workload else ""
     print(f"{name}model {a.shape}: {n_params/1e6:.1f} M params, batch {a.batch} x {a.seq}, {a.threads} threads, "
           f"{a.precision}, activation_checkpoint {a.ac}, {a.steps} steps ({a.warmup} warm-up), "
           + (f"LoRA r {a.lora} alpha {2 * a.lora} ({n_lora/1e6:.2f} M trainable), frozen base "
              f"{'bf16' if a.frozen_bf16 else 'fp32'}, " if a.lora else "") +
-          f"peak {peak/1e9:.0f} GFLOP/s fp32; load average {load0:.1f} before, {load:.1f} after "
+          f"peak {peak_desc}; MFU vs {a.precision}; load average {load0:.1f} before, {load:.1f} after "
           f"(the run itself adds ~{a.threads}: more means other processes shared the cores)")
     print(f"{'':10s} {'tokens/s':>10s} {'GFLOP/s':>9s} {'MFU':>7s} {'peak RSS GiB':>13s} {'CPU s':>7s}  "
           f"first/last loss")
