@@ -9,6 +9,9 @@
  *           Qwen3-0.6B): GFLOP/s for matmul and attention, GB/s for the
  *           memory-bound ops. Best of several runs: other processes share the
  *           cores, and the best run is the one they disturbed least.
+ *   peak    the fp32 and bf16 FMA peaks behind MFU (core/cpu.h), with the
+ *           clock and the theoretical figure they were checked against;
+ *           --json for the benchmarks, which read the peak this way only.
  * Thin by design: the registry and the checker live in kernels/. */
 #include <math.h>
 #include <stdio.h>
@@ -24,19 +27,20 @@
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: ctitan kernels <list | check | bench> [options]\n\n"
+            "usage: ctitan kernels <list | check | bench | peak> [options]\n\n"
             "  list                         registered implementations, CPU features, defaults\n"
             "  check [--op NAME] [--impl NAME] [--seed N] [--threads N]\n"
             "                               every implementation against \"ref\"; exit 1 on a mismatch\n"
             "  bench [--op NAME] [--impl NAME] [--threads N] [--reps N] [--quick] [--peak GFLOPS]\n"
             "                               GFLOP/s (matmul, attention) or GB/s of each implementation\n"
             "                               (--quick skips the Qwen3-0.6B lm_head shape; --peak gives the\n"
-            "                               FMA peak instead of the measured/cached one)\n");
+            "                               FMA peak instead of the measured/cached one)\n"
+            "  peak [--threads N] [--json]  the fp32/bf16 FMA peaks MFU is measured against\n");
 }
 
 typedef struct {
     const char *op, *impl;
-    int threads, reps, quick;
+    int threads, reps, quick, json;
     uint64_t seed;
     double peak_gflops; /* --peak: skip measuring the FMA peak */
 } kern_cli_opts;
@@ -45,8 +49,8 @@ static int parse_opts(int argc, char **argv, kern_cli_opts *o) {
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--quick")) {
-            o->quick = 1;
+        if (!strcmp(a, "--quick") || !strcmp(a, "--json")) {
+            *(a[2] == 'q' ? &o->quick : &o->json) = 1;
             continue;
         }
         if (!val) {
@@ -106,6 +110,8 @@ static int cmd_list(void) {
         return 1;
     }
     printf("cpu features: %s\n", have);
+    const char *amx_why;
+    if (!cpu_amx_bf16_ready(&amx_why)) printf("amx_bf16: not usable: %s\n", amx_why); /* why, when absent */
     printf("%s\n\n", log);
     printf("%-12s %-9s %-6s %-8s %-38s %s\n", "op", "impl", "device", "runs", "needs", "about");
     for (size_t i = 0; i < n; i++) {
@@ -236,195 +242,75 @@ static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_
     }
 }
 
-/* The memory-bound ops: one context holding every buffer any of them needs. */
-typedef struct {
-    const kern_impl *im;
-    int fwd;
-    /* shapes */
-    int N, C, V, B, T, nh, nkv, hd;
-    long n;
-    float *a, *b, *c, *d, *e, *f, *g, *h;
-    int32_t *tok;
-    int32_t *perm, *pos, *off; /* moe_experts routing */
-    float *dw;                 /* moe_experts weight gradients [3, E, Im, H] */
-    int Im, E, k;
-    adamw_state st;
-    adamw_hparams hp;
-} op_ctx;
-
-static void op_run(void *p) {
-    op_ctx *x = p;
-    const kern_impl *im = x->im;
-    switch (im->op) {
-    case KERN_OP_EMBEDDING:
-        if (x->fwd) im->fn.embedding.fwd(x->a, x->tok, x->b, x->N, x->C);
-        else im->fn.embedding.bwd(x->b, x->a, x->tok, x->N, x->C);
-        break;
-    case KERN_OP_RMSNORM:
-        if (x->fwd) im->fn.rmsnorm.fwd(x->a, x->c, x->b, x->d, x->N, x->C, 1e-6f);
-        else im->fn.rmsnorm.bwd(x->e, x->f, x->a, x->b, x->d, x->c, x->N, x->C);
-        break;
-    case KERN_OP_ROPE:
-        if (x->fwd) im->fn.rope.fwd(x->a, x->b, x->c, x->d, x->B, x->T, x->nh, x->hd);
-        else im->fn.rope.bwd(x->e, x->b, x->c, x->d, x->B, x->T, x->nh, x->hd);
-        break;
-    case KERN_OP_ATTENTION:
-        if (x->fwd) im->fn.attention.fwd(x->a, x->b, x->c, x->d, x->e, x->B, x->T, x->nh, x->nkv, x->hd);
-        else im->fn.attention.bwd(x->f, x->g, x->h, x->a, x->c, x->b, x->c, x->d, x->e, x->B, x->T, x->nh, x->nkv,
-                                  x->hd); /* out: q stands in, any [B,T,nh,hd] input times the same */
-        break;
-    case KERN_OP_SWIGLU:
-        if (x->fwd) im->fn.swiglu.fwd(x->a, x->b, x->c, x->N);
-        else im->fn.swiglu.bwd(x->d, x->e, x->a, x->b, x->c, x->N);
-        break;
-    case KERN_OP_CROSSENTROPY:
-        /* fwdbwd overwrites its input; refresh it from b first (counted in the bytes) */
-        if (x->fwd) im->fn.crossentropy.fwd(x->c, x->b, x->tok, x->N, x->V);
-        else {
-            memcpy(x->a, x->b, (size_t)x->N * x->V * sizeof(float));
-            im->fn.crossentropy.fwdbwd(x->a, x->tok, x->N, x->V, 1.0f / (float)x->N, NULL);
-        }
-        break;
-    case KERN_OP_ADD: im->fn.add.fwd(x->a, x->b, x->c, x->n); break;
-    case KERN_OP_ADAMW: im->fn.adamw.step(&x->st, x->a, x->b, 1e-4, &x->hp); break;
-    case KERN_OP_MOE:
-    case KERN_OP_MOE_BF16: { /* a: x, b/c/d: wg/wu/wd, e: out (dx), f/g: gate/up, h: [h | topw | dtopw | work] */
-        size_t S = (size_t)x->N * x->k, nw = (size_t)x->E * x->Im * x->C;
-        float *topw = x->h + S * x->Im, *dtopw = topw + S, *work = dtopw + S;
-        if (x->fwd)
-            im->fn.moe.fwd(x->e, x->f, x->g, x->h, work, x->a, x->b, x->c, x->d, x->perm, x->pos, x->off, topw, x->N,
-                           x->C, x->Im, x->E, x->k);
-        else
-            im->fn.moe.bwd(x->e, x->dw, x->dw + nw, x->dw + 2 * nw, dtopw, work, x->a, x->a, x->b, x->c, x->d, x->f,
-                           x->g, x->h, x->perm, x->pos, x->off, topw, x->N, x->C, x->Im, x->E, x->k);
-        break;
-    }
-    default: break;
-    }
-}
-
+/* Every other op at Qwen3-0.6B sizes (1024 tokens), timed by kernels/timing.c
+ * (the tuner's harness). bytes = compulsory traffic of the tensors each call
+ * reads and writes once; flops for the compute-bound ones. */
 static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_opts *o, kern_op op) {
-    uint64_t seed = 7;
-    op_ctx x;
-    memset(&x, 0, sizeof x);
-    /* Qwen3-0.6B sizes at 1024 tokens; bytes = compulsory traffic of the
-     * tensors each call reads and writes once */
+    kern_shape s = {0};
     double bytes_f = 0, bytes_b = 0, flops_f = 0, flops_b = 0;
-    const char *shape = "";
     char sbuf[128];
     switch (op) {
     case KERN_OP_EMBEDDING:
-        x.N = 1024, x.C = 1024, x.V = 151936;
-        x.a = rand_buf((size_t)x.N * x.C, &seed);
-        x.b = rand_buf((size_t)x.V * x.C, &seed);
-        x.tok = ct_malloc((size_t)x.N * sizeof(int32_t));
-        for (int i = 0; i < x.N; i++) x.tok[i] = (int32_t)((i * 7919L) % x.V);
-        bytes_f = 2.0 * 4 * x.N * x.C, bytes_b = 3.0 * 4 * x.N * x.C;
-        shape = "N=1024 C=1024 V=151936";
+        s.rows = 1024, s.C = 1024, s.V = 151936;
+        bytes_f = 2.0 * 4 * s.rows * s.C, bytes_b = 3.0 * 4 * s.rows * s.C;
+        snprintf(sbuf, sizeof sbuf, "N=1024 C=1024 V=151936");
         break;
     case KERN_OP_RMSNORM:
-        x.N = 1024, x.C = 1024;
-        x.a = rand_buf((size_t)x.N * x.C, &seed), x.b = rand_buf((size_t)x.N * x.C, &seed);
-        x.c = rand_buf((size_t)x.N, &seed), x.d = rand_buf((size_t)x.C, &seed);
-        x.e = rand_buf((size_t)x.N * x.C, &seed), x.f = rand_buf((size_t)x.C, &seed);
-        bytes_f = 2.0 * 4 * x.N * x.C, bytes_b = 4.0 * 4 * x.N * x.C;
-        shape = "N=1024 C=1024";
+        s.rows = 1024, s.C = 1024;
+        bytes_f = 2.0 * 4 * s.rows * s.C, bytes_b = 4.0 * 4 * s.rows * s.C;
+        snprintf(sbuf, sizeof sbuf, "N=1024 C=1024");
         break;
-    case KERN_OP_ROPE:
-        x.B = 1, x.T = 1024, x.nh = 16, x.hd = 128;
-        x.n = (long)x.B * x.T * x.nh * x.hd;
-        x.a = rand_buf((size_t)x.n, &seed), x.b = rand_buf((size_t)x.n, &seed), x.e = rand_buf((size_t)x.n, &seed);
-        x.c = ct_malloc((size_t)x.T * x.hd / 2 * sizeof(float));
-        x.d = ct_malloc((size_t)x.T * x.hd / 2 * sizeof(float));
-        op_rope_tables(x.c, x.d, x.T, x.hd, 1e6f);
-        bytes_f = 2.0 * 4 * x.n, bytes_b = 3.0 * 4 * x.n;
-        shape = "B=1 T=1024 nh=16 hd=128";
-        break;
-    case KERN_OP_ATTENTION: {
-        x.B = 1, x.T = 512, x.nh = 16, x.nkv = 8, x.hd = 128;
-        size_t nq = (size_t)x.B * x.T * x.nh * x.hd, nk = (size_t)x.B * x.T * x.nkv * x.hd;
-        x.a = rand_buf(nq, &seed), x.b = rand_buf((size_t)x.B * x.nh * x.T, &seed); /* lse */
-        x.c = rand_buf(nq, &seed), x.d = rand_buf(nk, &seed), x.e = rand_buf(nk, &seed);
-        x.f = rand_buf(nq, &seed), x.g = rand_buf(nk, &seed), x.h = rand_buf(nk, &seed);
-        /* causal: half of T x T scores; fwd q.k and p.v, bwd four such products */
-        flops_f = 2.0 * x.B * x.nh * (double)x.T * x.T * x.hd;
-        flops_b = 2.0 * flops_f;
-        shape = "B=1 T=512 nh=16 nkv=8 hd=128";
+    case KERN_OP_ROPE: {
+        s.B = 1, s.T = 1024, s.nh = 16, s.hd = 128;
+        double nel = (double)s.B * s.T * s.nh * s.hd;
+        bytes_f = 2.0 * 4 * nel, bytes_b = 3.0 * 4 * nel;
+        snprintf(sbuf, sizeof sbuf, "q/k norm+RoPE T=1024 nh=16 hd=128");
         break;
     }
+    case KERN_OP_ATTENTION:
+        s.B = 1, s.T = 512, s.nh = 16, s.nkv = 8, s.hd = 128;
+        /* causal: half of T x T scores; fwd q.k and p.v, bwd four such products */
+        flops_f = 2.0 * s.B * s.nh * (double)s.T * s.T * s.hd;
+        flops_b = 2.0 * flops_f;
+        snprintf(sbuf, sizeof sbuf, "B=1 T=512 nh=16 nkv=8 hd=128");
+        break;
     case KERN_OP_SWIGLU:
-        x.N = 1024 * 3072;
-        x.a = rand_buf((size_t)x.N, &seed), x.b = rand_buf((size_t)x.N, &seed), x.c = rand_buf((size_t)x.N, &seed);
-        x.d = rand_buf((size_t)x.N, &seed), x.e = rand_buf((size_t)x.N, &seed);
-        bytes_f = 3.0 * 4 * x.N, bytes_b = 7.0 * 4 * x.N;
-        shape = "N=1024*3072";
+        s.n = 1024L * 3072;
+        bytes_f = 3.0 * 4 * s.n, bytes_b = 7.0 * 4 * s.n;
+        snprintf(sbuf, sizeof sbuf, "N=1024*3072");
         break;
     case KERN_OP_CROSSENTROPY:
-        x.N = 64, x.V = 151936;
-        x.a = rand_buf((size_t)x.N * x.V, &seed), x.b = rand_buf((size_t)x.N * x.V, &seed);
-        x.c = rand_buf((size_t)x.N, &seed);
-        x.tok = ct_malloc((size_t)x.N * sizeof(int32_t));
-        for (int i = 0; i < x.N; i++) x.tok[i] = (int32_t)((i * 7919L) % x.V);
-        bytes_f = 4.0 * x.N * x.V, bytes_b = 4.0 * 4 * x.N * x.V;
-        shape = "N=64 V=151936";
+        s.rows = 64, s.V = 151936;
+        bytes_f = 4.0 * s.rows * s.V, bytes_b = 4.0 * 4 * s.rows * s.V;
+        snprintf(sbuf, sizeof sbuf, "N=64 V=151936");
         break;
     case KERN_OP_ADD:
-        x.n = 1024L * 1024;
-        x.a = rand_buf((size_t)x.n, &seed), x.b = rand_buf((size_t)x.n, &seed), x.c = rand_buf((size_t)x.n, &seed);
-        bytes_f = 3.0 * 4 * x.n;
-        shape = "N=1024*1024";
+        s.n = 1024L * 1024;
+        bytes_f = 3.0 * 4 * s.n;
+        snprintf(sbuf, sizeof sbuf, "N=1024*1024");
         break;
     case KERN_OP_ADAMW:
-        x.n = 16L * 1024 * 1024;
-        x.a = rand_buf((size_t)x.n, &seed), x.b = rand_buf((size_t)x.n, &seed);
-        adamw_init(&x.st, (size_t)x.n);
-        x.hp = (adamw_hparams){.lr = 1e-4, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
-        bytes_f = 7.0 * 4 * x.n;
-        shape = "n=16M";
+        s.n = 16L * 1024 * 1024;
+        bytes_f = 7.0 * 4 * s.n;
+        snprintf(sbuf, sizeof sbuf, "n=16M");
         break;
     case KERN_OP_MOE:
-    case KERN_OP_MOE_BF16: {
-        /* a debugmodel_moe layer at 1024 tokens: 8 experts of 768, top-2, balanced routing
-         * (token t picks experts t and t+1 mod E), 256 rows per expert */
-        x.N = 1024, x.C = 256, x.Im = 768, x.E = 8, x.k = 2;
-        size_t S = (size_t)x.N * x.k, nw = (size_t)x.E * x.Im * x.C;
-        x.a = rand_buf((size_t)x.N * x.C, &seed), x.e = rand_buf((size_t)x.N * x.C, &seed);
-        x.b = rand_buf(nw, &seed), x.c = rand_buf(nw, &seed), x.d = rand_buf(nw, &seed);
-        x.f = rand_buf(S * x.Im, &seed), x.g = rand_buf(S * x.Im, &seed);
-        x.h = rand_buf(S * (x.Im + 2) + KERN_MOE_WORK(S, x.C, x.Im), &seed); /* h, topw, dtopw, work */
-        x.dw = rand_buf(3 * nw, &seed);
-        x.perm = ct_malloc(S * sizeof(int32_t)), x.pos = ct_malloc(S * sizeof(int32_t));
-        x.off = ct_calloc((size_t)x.E + 1, sizeof(int32_t));
-        for (size_t s = 0; s < S; s++) x.off[(s / x.k + s % x.k) % x.E + 1]++;
-        for (int e = 0; e < x.E; e++) x.off[e + 1] += x.off[e];
-        int32_t *cur = ct_malloc((size_t)x.E * sizeof(int32_t));
-        memcpy(cur, x.off, (size_t)x.E * sizeof(int32_t));
-        for (size_t s = 0; s < S; s++) {
-            int e = (int)((s / x.k + s % x.k) % x.E);
-            x.perm[cur[e]] = (int32_t)s;
-            x.pos[s] = cur[e]++;
-        }
-        free(cur);
-        flops_f = 6.0 * S * x.C * x.Im; /* three projections */
+    case KERN_OP_MOE_BF16:
+        /* a debugmodel_moe layer at 1024 tokens: 8 experts of 768, top-2, balanced routing */
+        s.rows = 1024, s.C = 256, s.I = 768, s.E = 8, s.k = 2;
+        flops_f = 6.0 * s.rows * s.k * s.C * s.I; /* three projections */
         flops_b = 2.0 * flops_f;
-        shape = "N=1024 H=256 I=768 E=8 k=2";
+        snprintf(sbuf, sizeof sbuf, "N=1024 H=256 I=768 E=8 k=2");
         break;
-    }
     default: return;
     }
-    snprintf(sbuf, sizeof sbuf, "%s", shape);
+    kern_bench *x = kern_bench_new(op, &s);
     for (size_t i = 0; i < n; i++) {
         if ((int)t[i].op != (int)op || (t[i].features & ~cpu)) continue;
         if (o->impl && strcmp(o->impl, t[i].name)) continue;
-        x.im = &t[i];
-        int has_bwd = op != KERN_OP_ADD && op != KERN_OP_ADAMW;
-        x.fwd = 1;
-        double tf = best_time(op_run, &x, o->reps);
-        double tb = 0;
-        if (has_bwd) {
-            x.fwd = 0;
-            tb = best_time(op_run, &x, o->reps);
-        }
+        int has_bwd = kern_bench_has_bwd(op);
+        double tf = kern_bench_time(x, &t[i], 1, o->reps, 0);
+        double tb = has_bwd ? kern_bench_time(x, &t[i], 0, o->reps, 0) : 0;
         if (flops_f > 0)
             printf("%-12s %-9s %-30s fwd %7.1f  bwd %7.1f GFLOP/s  (%.2f / %.2f ms)\n", kern_op_name(op), t[i].name,
                    sbuf, flops_f / tf / 1e9, flops_b / tb / 1e9, tf * 1e3, tb * 1e3);
@@ -436,9 +322,7 @@ static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_
                    bytes_f / tf / 1e9, tf * 1e3);
         fflush(stdout);
     }
-    free(x.a), free(x.b), free(x.c), free(x.d), free(x.e), free(x.f), free(x.g), free(x.h), free(x.tok);
-    free(x.perm), free(x.pos), free(x.off), free(x.dw);
-    if (op == KERN_OP_ADAMW) adamw_free(&x.st);
+    kern_bench_free(x);
 }
 
 static int cmd_bench(const kern_cli_opts *o) {
@@ -467,6 +351,29 @@ static int cmd_bench(const kern_cli_opts *o) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- peak */
+
+static int cmd_peak(const kern_cli_opts *o) {
+    cpu_peak p;
+    cpu_peak_flops(&p, cpu_threads());
+    if (o->json) {
+        printf("{\"fp32_flops\": %.6e, \"bf16_flops\": %.6e, \"measured_fp32_flops\": %.6e, "
+               "\"theory_fp32_flops\": %.6e, \"clock_hz\": %.6e, \"fma_per_cycle\": %d, \"threads\": %d, "
+               "\"isa\": \"%s\", \"bf16_isa\": \"%s\", \"source\": \"%s\", \"note\": \"%s\", \"cache\": \"%s\"}\n",
+               p.flops, p.bf16_flops, p.measured_flops, p.theory_flops, p.clock_hz, p.fma_per_cycle, p.threads, p.isa,
+               p.bf16_isa, p.source, p.note, p.cache);
+        return 0;
+    }
+    printf("fp32 peak %.1f GFLOP/s on %d thread(s), %s: theory %.2f GHz x %d FMA/cycle x %s lanes x 2 x %d = %.1f",
+           p.flops / 1e9, p.threads, p.isa, p.clock_hz / 1e9, p.fma_per_cycle,
+           !strcmp(p.isa, "avx512") ? "16" : !strcmp(p.isa, "avx2") ? "8" : !strcmp(p.isa, "neon") ? "4" : "1",
+           p.threads, p.theory_flops / 1e9);
+    if (p.measured_flops > 0) printf(", measured %.1f", p.measured_flops / 1e9);
+    printf("\nbf16 peak %.1f GFLOP/s (%s)\nsource: %s%s%s\ncache: %s\n", p.bf16_flops / 1e9, p.bf16_isa, p.source,
+           p.note[0] ? ": " : "", p.note, p.cache);
+    return 0;
+}
+
 int cli_kernels(int argc, char **argv) {
     if (argc < 1 || !strcmp(argv[0], "--help") || !strcmp(argv[0], "-h") || !strcmp(argv[0], "help")) {
         usage(argc < 1 ? stderr : stdout);
@@ -492,6 +399,7 @@ int cli_kernels(int argc, char **argv) {
     if (!strcmp(argv[0], "list")) return cmd_list();
     if (!strcmp(argv[0], "check")) return cmd_check(&o);
     if (!strcmp(argv[0], "bench")) return cmd_bench(&o);
+    if (!strcmp(argv[0], "peak")) return cmd_peak(&o);
     fprintf(stderr, "ctitan: error: kernels: unknown subcommand \"%s\"\n", argv[0]);
     usage(stderr);
     return 2;

@@ -200,6 +200,9 @@ static const cfg_option cfg_options[] = {
         .help = "free a layer's gathered parameters after its forward and gather them again for its backward; "
                 "default: always"),
 
+    OPT("kernels", "tune", CFG_BOOL, kernels_tune, "true",
+        .help = "choose each \"auto\" op's implementation by timing the candidates on this run's sizes at first "
+                "use (cached per CPU and threads in ~/.cache/ctitan); false: the registry's order"),
     OPT("kernels", "matmul", CFG_STR, kernels[0], "auto", .help = "matmul implementation (ctitan kernels list)"),
     OPT("kernels", "embedding", CFG_STR, kernels[1], "auto", .help = "embedding implementation"),
     OPT("kernels", "rmsnorm", CFG_STR, kernels[2], "auto", .help = "rmsnorm implementation"),

@@ -80,7 +80,11 @@ int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e) {
 _Static_assert(sizeof(((ct_config *)0)->kernels) / sizeof(char *) == KERN_N_OPS,
                "config.h's kernels[] must have one entry per kern_op");
 
-/* [kernels]: the fastest implementation this CPU runs, unless the config names one. */
+/* [kernels]: the fastest implementation this CPU runs, unless the config names
+ * one: measured on this run's sizes by rank 0 (kern_tune, cached per CPU and
+ * threads), whose choice every rank then installs, so that the ranks of one
+ * run compute with the same kernels (a rank whose CPU lacks one keeps its own
+ * default and says so); or, with kernels.tune = false, the registry's order. */
 static int select_kernels(trainer *t, ct_err *e) {
     char spec[KERN_N_OPS][96];
     const char *ov[KERN_N_OPS + 1];
@@ -90,16 +94,54 @@ static int select_kernels(trainer *t, ct_err *e) {
         ov[n++] = spec[i];
     }
     ov[n] = NULL;
-    char log[512];
-    int rc = kern_select(&t->model.k, ov, log, sizeof log, e);
+    char log[4096];
+    int rc = kern_select(&t->model.k, ov, log, sizeof log, e); /* validates the overrides on every rank */
     if (rc) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
         return ct_fail(e, rc, "%s: [kernels]: %s", trainer_cfg_src(&t->cfg), msg);
     }
-    /* bf16 mixed precision changes which matmul every linear runs, nothing else */
     int bf16 = !strcmp(t->cfg.mixed_precision_param, "bfloat16");
+    if (t->cfg.kernels_tune) {
+        size_t nt;
+        const kern_impl *tab = kern_registry(&nt);
+        unsigned cpu = kern_cpu_features();
+        const qwen3_config *mc = &t->model.cfg;
+        int32_t pick[KERN_N_OPS];
+        if (t->world->rank == 0) {
+            kern_run_sizes rs = {.B = t->cfg.local_batch_size, .T = t->cfg.seq_len, .hidden = mc->hidden,
+                                 .inter = mc->n_experts > 0 && mc->n_mlp_only == 0 && mc->decoder_sparse_step == 1
+                                              ? 0 : mc->intermediate,
+                                 .vocab = mc->vocab_size, .n_heads = mc->n_heads, .n_kv_heads = mc->n_kv_heads,
+                                 .head_dim = mc->head_dim, .n_experts = mc->n_experts,
+                                 .moe_inter = mc->moe_intermediate, .top_k = mc->top_k,
+                                 .ce_rows = t->model.logit_rows, .n_params = (long)t->model.n_params, .bf16 = bf16};
+            char path[1024];
+            kern_tune_cache_path(path, sizeof path, cpu, cpu_threads());
+            if ((rc = kern_tune(&t->model.k, tab, nt, cpu, ov, &rs, path, log, sizeof log, e))) return rc;
+            for (int op = 0; op < KERN_N_OPS; op++) pick[op] = (int32_t)(t->model.k.chosen[op] - tab);
+        }
+        if (t->world->size > 1) {
+            comm_broadcast(t->world, pick, KERN_N_OPS, COMM_I32, 0);
+            if (t->world->rank != 0) {
+                for (int op = 0; op < KERN_N_OPS; op++) {
+                    const kern_impl *im = pick[op] >= 0 && (size_t)pick[op] < nt ? &tab[pick[op]] : NULL;
+                    if (im && !(im->features & ~cpu)) snprintf(spec[op], sizeof spec[op], "%s=%s", kern_op_name((kern_op)op), im->name);
+                    else fprintf(stderr, "ctitan: rank %d: kernels: %s=%s of rank 0 does not run on this CPU; keeping %s\n",
+                                 t->world->rank, kern_op_name((kern_op)op), im ? im->name : "?", t->model.k.chosen[op]->name);
+                }
+                if ((rc = kern_select(&t->model.k, ov, log, sizeof log, e))) return rc;
+            }
+        }
+    }
+    /* bf16 mixed precision changes which matmul every linear runs, nothing else */
     if (bf16) kern_use_bf16_matmuls(&t->model.k);
+    const char *isa = getenv("CTITAN_ISA");
+    if (isa && *isa && strcmp(isa, "auto")) {
+        char have[256];
+        kern_features_str(kern_cpu_features(), have, sizeof have);
+        fprintf(stderr, "ctitan: CTITAN_ISA=%s: kernels limited to CPU features: %s\n", isa, have);
+    }
     fprintf(stderr, "ctitan: %s; precision: %s\n", log,
             bf16 ? "bfloat16 matmul inputs (linears: matmul_bf16), fp32 sums, weights, optimizer, norms, "
                    "attention, loss"
@@ -710,8 +752,15 @@ int trainer_run(trainer *t, ct_err *e) {
     }
 
     cpu_peak peak;
-    if (c->peak_tflops > 0) peak = (cpu_peak){c->peak_tflops * 1e12, cpu_threads(), "config", "-"};
+    if (c->peak_tflops > 0)
+        peak = (cpu_peak){.flops = c->peak_tflops * 1e12, .bf16_flops = c->peak_tflops * 1e12,
+                          .threads = cpu_threads(), .source = "config", .isa = "-", .bf16_isa = "-"};
     else cpu_peak_flops(&peak, cpu_threads());
+    /* MFU against the peak of the arithmetic the matmuls run in (torchtitan: the
+     * device's bf16 peak for bf16 training), so a bf16 run is not credited with
+     * fp32-unit utilisation it did not need */
+    int bf16_mm = !strcmp(c->mixed_precision_param, "bfloat16");
+    double peak_run = bf16_mm ? peak.bf16_flops : peak.flops;
     double fpt = qwen3_flops_per_token(m, T);
     fprintf(stderr,
             "ctitan: model %s: %zu parameters, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
@@ -719,14 +768,15 @@ int trainer_run(trainer *t, ct_err *e) {
             "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, steps %d..%d; activations %.1f MiB\n"
             "ctitan: parallelism: world %d = data_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d "
             "(%s); global batch %d sequences; %d thread(s) per rank\n"
-            "ctitan: %.3g FLOPs/token (6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s fp32 on %d "
-            "threads (%s, %s)\n",
+            "ctitan: %.3g FLOPs/token (6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s %s on %d "
+            "threads (%s, %s%s%s)\n",
             m->cfg.name, m->n_params, m->cfg.n_layers, m->cfg.hidden, m->cfg.n_heads, m->cfg.n_kv_heads,
             m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", ds_name(data),
             (unsigned long long)ds_num_tokens(data), (unsigned long long)ds_num_windows(data), T + 1,
             c->shuffle ? ", shuffled" : "", B, T, t->grad_accum, t->step + 1, c->steps,
             qwen3_activation_bytes(m) / 1048576.0, t->world->size, t->mesh.dp_replicate, t->mesh.dp_shard,
-            t->mesh.tp, t->world->be->name, t->global_batch, cpu_threads(), fpt, peak.flops / 1e9, peak.threads, peak.source, peak.isa);
+            t->mesh.tp, t->world->be->name, t->global_batch, cpu_threads(), fpt, peak_run / 1e9, bf16_mm ? "bf16" : "fp32", peak.threads,
+            bf16_mm ? peak.bf16_isa : peak.isa, peak.source, peak.note[0] ? ": " : "", peak.note);
     if (t->ep)
         fprintf(stderr, "ctitan: expert_parallel %d: rank 0 runs experts 0..%d of %d and stores only those, the others "
                "theirs, on every rank's tokens\n",
@@ -779,7 +829,7 @@ int trainer_run(trainer *t, ct_err *e) {
             double now = ct_now();
             double tps = tokens_since_log / (now - t_log);
             double tflops = fpt * tps / 1e12;
-            double mfu = 100.0 * fpt * tps / peak.flops;
+            double mfu = 100.0 * fpt * tps / peak_run;
             double mem = cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0);
             /* distributed: memory is the largest rank's peak, comm the share of the
              * wall time rank 0 spent in collectives since the last line */

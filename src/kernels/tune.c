@@ -1,0 +1,395 @@
+/* kernels/tune.c: the default implementation of each op, chosen by measurement.
+ *
+ * Why: the registry lists implementations in the order that was fastest on
+ * the machines they were written on, and the order is wrong elsewhere (an
+ * AVX2 GEMM that loses to OpenBLAS on one CPU, vdpbf16ps that loses to fp32
+ * FMAs on rounded panels on another). So at the first run of a given size on
+ * a given CPU, each op's candidates are timed on the run's own sizes and the
+ * fastest one that passes kern_check here is kept; the choice is cached, so
+ * later runs (a resume, the next rank, the next test) make the same choice
+ * without timing, and so give the same bits.
+ *
+ * The cache is a text file of lines, appended with one write() each (a
+ * concurrent reader sees whole lines; the last line for a key wins):
+ *     pick <op> <shape key> <impl> <seconds>
+ *     check <build id> <op> <impl> ok|fail
+ * Keyed by the file name (CPU model, feature bits, threads): the same sizes
+ * on another CPU kind, under CTITAN_ISA, or at another thread count are
+ * measured again. Deleting the file re-measures everything.
+ *
+ * Every pick is cached, including one timed while other processes used the
+ * CPUs: the cache is what makes a resumed run, the other ranks and the next
+ * run compute with the same kernels, bit for bit. Timings beside other work
+ * are not trusted, though: on a shared 2-core machine an OpenMP kernel that
+ * loses a thread for a time slice measures 10-100x slow (seen: cross-entropy's
+ * reference "winning" at load 3.6), so then the registry's first candidate
+ * is kept unless another beat it by TUNE_BUSY_MARGIN, and the log says the
+ * timing was taken beside other work. */
+#include <elf.h>
+#include <fcntl.h>
+#include <link.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "core/cpu.h"
+#include "kernels/registry.h"
+
+#define TUNE_ROUNDS 5
+/* Share of the CPUs other processes may use while an op is timed for the
+ * timings to be taken as they are (cpu_others_share); above it the registry's
+ * first candidate is kept unless another was TUNE_BUSY_MARGIN times faster. */
+#define TUNE_OTHERS 0.10
+#define TUNE_BUSY_MARGIN 2.0
+/* A candidate whose first call takes this many times the best one so far is
+ * not timed further: it cannot win, and a reference may take seconds. */
+#define TUNE_CUTOFF 3.0
+
+/* Ops whose reference is compute-bound (O(MKN), O(T^2)): never a candidate
+ * beside an optimised one (it cannot win and would take seconds to lose). */
+static int compute_bound(kern_op op) {
+    return op == KERN_OP_MATMUL || op == KERN_OP_MATMUL_BF16 || op == KERN_OP_ATTENTION || op == KERN_OP_MOE ||
+           op == KERN_OP_MOE_BF16;
+}
+
+/* The sizes op runs at in this run, and their cache key; 0 if the run does not
+ * call op. Timing sizes are capped where only the memory held would grow (the
+ * embedding table's unused rows, logits rows, experts beyond 8 with the rows
+ * per expert kept). */
+static int op_shape(kern_op op, const kern_run_sizes *r, kern_shape *s, char *key, size_t cap) {
+    memset(s, 0, sizeof *s);
+    int tokens = r->B * r->T;
+    switch (op) {
+    case KERN_OP_MATMUL:
+    case KERN_OP_MATMUL_BF16:
+        if ((op == KERN_OP_MATMUL_BF16) != (r->bf16 != 0)) return 0;
+        /* the MLP's up/gate projection: the most FLOPs of a layer */
+        s->M = tokens, s->K = r->hidden, s->N = r->inter > 0 ? r->inter : r->moe_inter > 0 ? r->moe_inter : r->hidden;
+        snprintf(key, cap, "M%dK%dN%d", s->M, s->K, s->N);
+        return 1;
+    case KERN_OP_EMBEDDING:
+        s->rows = tokens, s->C = r->hidden, s->V = r->vocab < 65536 ? r->vocab : 65536;
+        snprintf(key, cap, "N%dC%d", s->rows, s->C);
+        return 1;
+    case KERN_OP_RMSNORM:
+        s->rows = tokens, s->C = r->hidden;
+        snprintf(key, cap, "N%dC%d", s->rows, s->C);
+        return 1;
+    case KERN_OP_ROPE:
+        s->B = r->B, s->T = r->T, s->nh = r->n_heads, s->hd = r->head_dim;
+        snprintf(key, cap, "B%dT%dnh%dhd%d", s->B, s->T, s->nh, s->hd);
+        return 1;
+    case KERN_OP_ATTENTION:
+        s->B = r->B, s->T = r->T, s->nh = r->n_heads, s->nkv = r->n_kv_heads, s->hd = r->head_dim;
+        snprintf(key, cap, "B%dT%dnh%dnkv%dhd%d", s->B, s->T, s->nh, s->nkv, s->hd);
+        return 1;
+    case KERN_OP_SWIGLU:
+        s->n = (long)tokens * (r->inter > 0 ? r->inter : r->moe_inter);
+        if (s->n <= 0) return 0;
+        snprintf(key, cap, "n%ld", s->n);
+        return 1;
+    case KERN_OP_CROSSENTROPY: {
+        int rows = r->ce_rows > 0 && r->ce_rows < tokens ? r->ce_rows : tokens;
+        s->rows = rows < 64 ? rows : 64, s->V = r->vocab;
+        snprintf(key, cap, "N%dV%d", s->rows, s->V);
+        return 1;
+    }
+    case KERN_OP_ADD:
+        s->n = (long)tokens * r->hidden;
+        snprintf(key, cap, "n%ld", s->n);
+        return 1;
+    case KERN_OP_ADAMW:
+        s->n = r->n_params < (4L << 20) ? r->n_params : (4L << 20);
+        if (s->n <= 0) return 0;
+        snprintf(key, cap, "n%ld", s->n);
+        return 1;
+    case KERN_OP_MOE:
+    case KERN_OP_MOE_BF16:
+        if (r->n_experts <= 0 || (op == KERN_OP_MOE_BF16) != (r->bf16 != 0)) return 0;
+        s->E = r->n_experts < 8 ? r->n_experts : 8;
+        s->rows = (int)((long)tokens * s->E / r->n_experts);
+        if (s->rows < 1) s->rows = 1;
+        s->C = r->hidden, s->I = r->moe_inter, s->k = r->top_k < s->E ? r->top_k : s->E;
+        snprintf(key, cap, "N%dH%dI%dE%dk%d", tokens, s->C, s->I, r->n_experts, r->top_k);
+        return 1;
+    default: return 0;
+    }
+}
+
+/* ------------------------------------------------------------------ cache */
+
+typedef struct {
+    char *text; /* the whole file, NUL-terminated; NULL if none */
+} tune_cache;
+
+static void cache_load(tune_cache *c, const char *path) {
+    c->text = NULL;
+    if (!path) return;
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    size_t got;
+    while (buf && (got = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+        len += got;
+        if (len + 1 == cap) {
+            char *nb = realloc(buf, cap *= 2);
+            if (!nb) {
+                free(buf);
+                buf = NULL;
+            } else buf = nb;
+        }
+    }
+    fclose(f);
+    if (buf) buf[len] = 0;
+    c->text = buf;
+}
+
+/* The value field of the last whole line starting "<a> <b> <c> " (c may be
+ * NULL), copied to out; 0 if none. */
+static int cache_find(const tune_cache *c, const char *a, const char *b, const char *cc, char *out, size_t cap) {
+    if (!c->text) return 0;
+    char prefix[256];
+    snprintf(prefix, sizeof prefix, "%s %s %s%s", a, b, cc ? cc : "", cc ? " " : "");
+    size_t pl = strlen(prefix);
+    int found = 0;
+    for (const char *line = c->text; *line;) {
+        const char *nl = strchr(line, '\n');
+        if (!nl) break; /* a line still being written: ignore */
+        if ((size_t)(nl - line) > pl && !strncmp(line, prefix, pl)) {
+            size_t vl = strcspn(line + pl, " \n");
+            if (vl < cap) {
+                memcpy(out, line + pl, vl);
+                out[vl] = 0;
+                found = 1;
+            }
+        }
+        line = nl + 1;
+    }
+    return found;
+}
+
+static void mkdirs_for(const char *path) {
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s", path);
+    for (char *p = dir + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            mkdir(dir, 0755);
+            *p = '/';
+        }
+}
+
+/* Appends one line with a single write (O_APPEND): concurrent runs interleave
+ * whole lines. Failing to write the cache only costs a later re-measurement. */
+static void cache_append(const char *path, const char *line) {
+    if (!path) return;
+    mkdirs_for(path);
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd < 0) return;
+    ssize_t w = write(fd, line, strlen(line));
+    (void)w;
+    close(fd);
+}
+
+void kern_tune_cache_path(char *out, size_t cap, unsigned cpu, int threads) {
+    const char *home = getenv("HOME");
+    char model[256];
+    cpu_model_name(model, sizeof model);
+    snprintf(out, cap, "%s/.cache/ctitan/kernels-v1-%s-f%x-t%d.txt", home && *home ? home : "/tmp", model, cpu,
+             threads);
+}
+
+/* ------------------------------------------------------------------ tuning */
+
+/* Whether the overrides force op to an implementation (anything but "auto"). */
+static int forced(const char *const *ov, kern_op op) {
+    const char *name = kern_op_name(op);
+    size_t nl = strlen(name);
+    int f = 0;
+    for (size_t j = 0; ov && ov[j]; j++)
+        if (!strncmp(ov[j], name, nl) && ov[j][nl] == '=') f = strcmp(ov[j] + nl + 1, "auto") != 0;
+    return f;
+}
+
+__attribute__((format(printf, 4, 5))) static void logf_append(char *log, size_t cap, size_t *len, const char *fmt, ...) {
+    if (!log || *len >= cap) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int w = vsnprintf(log + *len, cap - *len, fmt, ap);
+    va_end(ap);
+    if (w > 0) *len += (size_t)w < cap - *len ? (size_t)w : cap - *len - 1;
+}
+
+/* The GNU build ID of the binary or library this code was linked into (hex),
+ * "nobuildid" if it has none: a kern_check verdict holds for one build only. */
+typedef struct {
+    const void *addr;
+    char *out;
+    size_t cap;
+} build_id_query;
+
+static int build_id_cb(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    build_id_query *q = data;
+    int mine = 0;
+    for (int i = 0; i < info->dlpi_phnum && !mine; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        uintptr_t lo = info->dlpi_addr + ph->p_vaddr;
+        mine = ph->p_type == PT_LOAD && (uintptr_t)q->addr >= lo && (uintptr_t)q->addr < lo + ph->p_memsz;
+    }
+    if (!mine) return 0;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        if (ph->p_type != PT_NOTE) continue;
+        const unsigned char *p = (const unsigned char *)(info->dlpi_addr + ph->p_vaddr), *end = p + ph->p_memsz;
+        while (p + sizeof(ElfW(Nhdr)) <= end) {
+            const ElfW(Nhdr) *nh = (const ElfW(Nhdr) *)p;
+            const unsigned char *name = p + sizeof *nh, *desc = name + ((nh->n_namesz + 3) & ~3u);
+            if (nh->n_type == NT_GNU_BUILD_ID && nh->n_namesz == 4 && !memcmp(name, "GNU", 4)) {
+                size_t len = 0;
+                for (unsigned j = 0; j < nh->n_descsz && len + 3 < q->cap; j++)
+                    len += (size_t)snprintf(q->out + len, q->cap - len, "%02x", desc[j]);
+                return 1;
+            }
+            p = desc + ((nh->n_descsz + 3) & ~3u);
+        }
+    }
+    return 1;
+}
+
+static void build_id(char *out, size_t cap) {
+    snprintf(out, cap, "nobuildid");
+    build_id_query q = {(const void *)&build_id, out, cap};
+    dl_iterate_phdr(build_id_cb, &q);
+}
+
+/* kern_check of one implementation on this CPU, through the cache (verdicts
+ * keyed by the build: a rebuilt kernel is checked again). */
+static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_impl *im, const tune_cache *c,
+                        const char *path) {
+    if (!strcmp(im->name, "ref")) return 1; /* the reference is what the others are checked against */
+    char v[16], bid[64], what[160];
+    build_id(bid, sizeof bid);
+    snprintf(what, sizeof what, "%s %s", kern_op_name(im->op), im->name);
+    if (cache_find(c, "check", bid, what, v, sizeof v)) return !strcmp(v, "ok");
+    kern_check_opts o = {.out = NULL, .op = kern_op_name(im->op), .impl = im->name, .features = cpu, .seed = 1};
+    int ok = kern_check(t, n, &o) == 0;
+    char line[256];
+    snprintf(line, sizeof line, "check %s %s %s\n", bid, what, ok ? "ok" : "fail");
+    cache_append(path, line);
+    return ok;
+}
+
+int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const char *const *ov,
+              const kern_run_sizes *r, const char *path, char *log, size_t logcap, ct_err *e) {
+    kern_ops sel;
+    int rc = kern_select_from(&sel, t, n, cpu, ov, NULL, 0, e);
+    if (rc) return rc;
+    tune_cache cache;
+    cache_load(&cache, path);
+    size_t len = 0;
+    if (log && logcap) log[0] = 0;
+    logf_append(log, logcap, &len, "kernels:");
+    for (int op = 0; op < KERN_N_OPS; op++) {
+        kern_shape s;
+        char key[96];
+        const char *why = "default";
+        if (forced(ov, (kern_op)op)) why = "forced";
+        else if (op_shape((kern_op)op, r, &s, key, sizeof key)) {
+            /* candidates: what this CPU runs, in the table's order */
+            const kern_impl *cand[32];
+            int nc = 0, n_opt = 0;
+            for (size_t i = 0; i < n && nc < 32; i++)
+                if ((int)t[i].op == op && !strcmp(t[i].device, "cpu") && !(t[i].features & ~cpu)) {
+                    cand[nc++] = &t[i];
+                    n_opt += strcmp(t[i].name, "ref") != 0;
+                }
+            if (n_opt > 0 && compute_bound((kern_op)op)) { /* drop ref */
+                int m = 0;
+                for (int i = 0; i < nc; i++)
+                    if (strcmp(cand[i]->name, "ref")) cand[m++] = cand[i];
+                nc = m;
+            }
+            char cached[64];
+            if (nc > 1 && cache_find(&cache, "pick", kern_op_name((kern_op)op), key, cached, sizeof cached)) {
+                for (int i = 0; i < nc; i++)
+                    if (!strcmp(cand[i]->name, cached) && passes_check(t, n, cpu, cand[i], &cache, path)) {
+                        sel.chosen[op] = cand[i];
+                        why = "cached";
+                    }
+            }
+            if (nc > 1 && strcmp(why, "cached")) {
+                kern_bench *b = kern_bench_new((kern_op)op, &s);
+                cpu_usage_mark mark;
+                cpu_usage_mark_now(&mark);
+                int bwd = kern_bench_has_bwd((kern_op)op);
+                double secs[32], first = INFINITY, best = INFINITY;
+                int alive[32];
+                const kern_impl *win = NULL;
+                /* one call each (pages faulted in, workspaces grown); hopeless ones stop here */
+                for (int i = 0; i < nc; i++) {
+                    secs[i] = NAN;
+                    alive[i] = passes_check(t, n, cpu, cand[i], &cache, path);
+                    if (!alive[i]) continue;
+                    double t1 = kern_bench_time(b, cand[i], 1, 0, 0) + (bwd ? kern_bench_time(b, cand[i], 0, 0, 0) : 0);
+                    secs[i] = t1;
+                    if (t1 > TUNE_CUTOFF * first) alive[i] = 0;
+                    if (t1 < first) first = t1;
+                }
+                /* then rounds that time every survivor once each, keeping each one's best:
+                 * a burst of other work then slows one round of every candidate rather
+                 * than every call of one */
+                for (int r = 0; r < TUNE_ROUNDS; r++)
+                    for (int i = 0; i < nc; i++) {
+                        if (!alive[i]) continue;
+                        double t1 = kern_bench_time(b, cand[i], 1, 0, 0) + (bwd ? kern_bench_time(b, cand[i], 0, 0, 0) : 0);
+                        if (r == 0 || t1 < secs[i]) secs[i] = t1;
+                    }
+                for (int i = 0; i < nc; i++)
+                    if (alive[i] && secs[i] < best) best = secs[i], win = cand[i];
+                double others = cpu_others_share(&mark);
+                if (others > TUNE_OTHERS) /* keep the registry's first unless another clearly beat it */
+                    for (int i = 0; i < nc; i++)
+                        if (alive[i]) {
+                            if (secs[i] <= TUNE_BUSY_MARGIN * best) best = secs[i], win = cand[i];
+                            break;
+                        }
+                kern_bench_free(b);
+                if (win) {
+                    sel.chosen[op] = win;
+                    char line[256];
+                    snprintf(line, sizeof line, "pick %s %s %s %.6g\n", kern_op_name((kern_op)op), key, win->name,
+                             best);
+                    cache_append(path, line);
+                    logf_append(log, logcap, &len, " %s=%s (measured %s%s: %.3g ms", kern_op_name((kern_op)op),
+                                win->name, key, others > TUNE_OTHERS ? " beside other work" : "", 1e3 * best);
+                    for (int i = 0; i < nc; i++)
+                        if (cand[i] != win)
+                            logf_append(log, logcap, &len, isnan(secs[i]) ? "; %s failed kern_check" : alive[i] ? "; %s %.3g" : "; %s %.3g (one call)",
+                                        cand[i]->name, 1e3 * secs[i]);
+                    logf_append(log, logcap, &len, ")");
+                    continue;
+                }
+                why = "default: no candidate passed";
+            }
+        }
+        logf_append(log, logcap, &len, " %s=%s%s%s%s", kern_op_name((kern_op)op), sel.chosen[op]->name,
+                    strcmp(why, "default") ? " (" : "", strcmp(why, "default") ? why : "",
+                    strcmp(why, "default") ? ")" : "");
+    }
+    free(cache.text);
+    /* rebuild the table from the chosen entries (install's single source of truth) */
+    const char *names[KERN_N_OPS + 1];
+    char spec[KERN_N_OPS][96];
+    for (int op = 0; op < KERN_N_OPS; op++) {
+        snprintf(spec[op], sizeof spec[op], "%s=%s", kern_op_name((kern_op)op), sel.chosen[op]->name);
+        names[op] = spec[op];
+    }
+    names[KERN_N_OPS] = NULL;
+    return kern_select_from(k, t, n, cpu, names, NULL, 0, e);
+}

@@ -1,0 +1,167 @@
+/* tests/c/test_tune.c: kernel choice by measurement (kernels/tune.c).
+ *
+ * A table of our own for the op "add" (the built-in entries of every other op
+ * are kept and forced to "ref" so that only add is timed):
+ *   "slow"    correct, 40x the reference's work, listed first (the registry's
+ *             hand-picked default);
+ *   "broken"  fast and wrong (out = a): must be dropped by kern_check;
+ *   "fast"    correct and as fast as the reference;
+ *   "ref"     the reference.
+ * The tuner must pick a fast correct one (fast or ref: they are the same
+ * code), never "broken"; cache the pick and reuse it ("cached") without
+ * timing; keep an op forced by the overrides; and say all of it in the log.
+ * Then the per-op sizes: a MoE model's experts and a bf16 run's matmul_bf16
+ * are tuned only when the run uses them. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "kernels/ops.h"
+#include "kernels/registry.h"
+
+static void add_slow(float *out, const float *a, const float *b, long N) {
+    /* 39 extra passes that read both inputs, then the sum (correct in place too) */
+    volatile float sink = 0;
+    for (int r = 0; r < 39; r++) {
+        float s = 0;
+        for (long i = 0; i < N; i++) s += a[i] * b[i];
+        sink += s;
+    }
+    op_add(out, a, b, N);
+}
+static void add_broken(float *out, const float *a, const float *b, long N) {
+    (void)b;
+    memcpy(out, a, (size_t)N * sizeof(float));
+}
+
+static const char *const force_others[] = {
+    "matmul=ref", "embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref", "swiglu=ref", "crossentropy=ref",
+    "adamw=ref", "matmul_bf16=ref", "moe_experts=ref", "moe_experts_bf16=ref", NULL};
+
+/* The registry without its add entries, plus ours. */
+static kern_impl *make_table(size_t *n_out) {
+    size_t n;
+    const kern_impl *reg = kern_registry(&n);
+    kern_impl *t = calloc(n + 4, sizeof *t);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (reg[i].op != KERN_OP_ADD) t[m++] = reg[i];
+    t[m++] = (kern_impl){KERN_OP_ADD, "slow", "cpu", 0, 0, "test: 40x the work", .fn.add = {add_slow}};
+    t[m++] = (kern_impl){KERN_OP_ADD, "broken", "cpu", 0, 0, "test: wrong", .fn.add = {add_broken}};
+    t[m++] = (kern_impl){KERN_OP_ADD, "fast", "cpu", 0, 0, "test: the reference", .fn.add = {op_add}};
+    t[m++] = (kern_impl){KERN_OP_ADD, "ref", "cpu", 0, 0, "reference", .fn.add = {op_add}};
+    *n_out = m;
+    return t;
+}
+
+static int count_lines(const char *path, const char *prefix) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char line[512];
+    int c = 0;
+    while (fgets(line, sizeof line, f)) c += !strncmp(line, prefix, strlen(prefix));
+    fclose(f);
+    return c;
+}
+
+static void test_pick_and_cache(void) {
+    size_t n;
+    kern_impl *t = make_table(&n);
+    char path[] = "/tmp/ctitan-tune-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    close(fd);
+    unlink(path); /* the tuner creates it */
+    kern_run_sizes rs = {.B = 2, .T = 64, .hidden = 4096, .inter = 64, .vocab = 256, .n_heads = 2,
+                         .n_kv_heads = 1, .head_dim = 16, .ce_rows = 16, .n_params = 1000};
+    kern_ops k;
+    char log[4096];
+    ct_err e = {0};
+    int rc = kern_tune(&k, t, n, 0, force_others, &rs, path, log, sizeof log, &e);
+    CHECK(rc == 0, "kern_tune: %s", e.msg);
+    const char *pick = k.chosen[KERN_OP_ADD]->name;
+    CHECK(!strcmp(pick, "fast") || !strcmp(pick, "ref"), "picked add=%s (log: %s)", pick, log);
+    CHECK(k.add == op_add, "the ops table calls the picked function");
+    CHECK(strstr(log, "add=") && strstr(log, "measured n524288"), "log says what was measured: %s", log);
+    CHECK(strstr(log, "broken failed kern_check"), "log says why broken was dropped: %s", log);
+    CHECK(strstr(log, "matmul=ref (forced)"), "forced ops stay forced and say so: %s", log);
+    CHECK(count_lines(path, "pick add n524288 ") == 1, "one pick line cached");
+    CHECK(count_lines(path, "check ") == 3, "the three checks run are cached (ref is not checked)");
+    FILE *cf = fopen(path, "r");
+    char all[4096] = {0};
+    size_t got = cf ? fread(all, 1, sizeof all - 1, cf) : 0;
+    if (cf) fclose(cf);
+    all[got] = 0;
+    CHECK(strstr(all, " add broken fail\n") && strstr(all, " add slow ok\n"), "verdicts cached: %s", all);
+    CHECK(!strstr(all, "check nobuildid "), "verdicts are keyed by the build id: %s", all);
+
+    /* second run: from the cache, nothing timed again */
+    kern_ops k2;
+    rc = kern_tune(&k2, t, n, 0, force_others, &rs, path, log, sizeof log, &e);
+    CHECK(rc == 0, "kern_tune again: %s", e.msg);
+    CHECK(k2.chosen[KERN_OP_ADD] == k.chosen[KERN_OP_ADD], "the cached pick is reused");
+    CHECK(strstr(log, "(cached)"), "log says cached: %s", log);
+    CHECK(count_lines(path, "pick ") == 1, "nothing appended on a cache hit");
+
+    /* a forced add is not tuned, even when the cache says otherwise */
+    const char *force_add[] = {"add=slow", NULL};
+    rc = kern_tune(&k2, t, n, 0, force_add, &rs, NULL, log, sizeof log, &e);
+    CHECK(rc == 0 && !strcmp(k2.chosen[KERN_OP_ADD]->name, "slow"), "add=slow forced");
+
+    /* a cache naming an implementation this table lacks is ignored, the op re-measured */
+    FILE *f = fopen(path, "w");
+    fprintf(f, "pick add n524288 vanished 1e-9\nhalf a line without newline");
+    fclose(f);
+    rc = kern_tune(&k2, t, n, 0, force_others, &rs, path, log, sizeof log, &e);
+    pick = k2.chosen[KERN_OP_ADD]->name;
+    CHECK(rc == 0 && (!strcmp(pick, "fast") || !strcmp(pick, "ref")), "re-measured: add=%s", pick);
+    unlink(path);
+    free(t);
+}
+
+static void test_ops_of_the_run(void) {
+    /* a dense fp32 run tunes matmul, not matmul_bf16 nor the MoE experts; a bf16 run the reverse */
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    unsigned cpu = kern_cpu_features();
+    int runnable[KERN_N_OPS] = {0};
+    for (size_t i = 0; i < n; i++)
+        if (!(t[i].features & ~cpu) && strcmp(t[i].name, "ref")) runnable[t[i].op]++;
+    kern_run_sizes rs = {.B = 1, .T = 8, .hidden = 32, .inter = 64, .vocab = 64, .n_heads = 2,
+                         .n_kv_heads = 1, .head_dim = 16, .ce_rows = 8, .n_params = 100};
+    const char *only_matmuls[] = {"embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref", "swiglu=ref",
+                                  "crossentropy=ref", "add=ref", "adamw=ref", NULL};
+    char path[] = "/tmp/ctitan-tune-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    close(fd);
+    kern_ops k;
+    char log[4096];
+    ct_err e = {0};
+    CHECK(kern_tune(&k, t, n, cpu, only_matmuls, &rs, path, log, sizeof log, &e) == 0, "%s", e.msg);
+    CHECK(count_lines(path, "pick matmul_bf16 ") == 0 && count_lines(path, "pick moe_experts") == 0,
+          "a dense fp32 run times neither matmul_bf16 nor the experts");
+    if (runnable[KERN_OP_MATMUL] > 1)
+        CHECK(count_lines(path, "pick matmul M8K32N64 ") == 1, "it times matmul on its sizes (M = B T, K = H, N = I)");
+    rs.bf16 = 1;
+    CHECK(kern_tune(&k, t, n, cpu, only_matmuls, &rs, path, log, sizeof log, &e) == 0, "%s", e.msg);
+    if (runnable[KERN_OP_MATMUL_BF16] > 1)
+        CHECK(count_lines(path, "pick matmul_bf16 M8K32N64 ") == 1, "a bf16 run times matmul_bf16");
+    CHECK(count_lines(path, "pick matmul ") == (runnable[KERN_OP_MATMUL] > 1), "and not the fp32 matmul again");
+    rs.bf16 = 0, rs.inter = 0, rs.n_experts = 4, rs.moe_inter = 16, rs.top_k = 2;
+    CHECK(kern_tune(&k, t, n, cpu, only_matmuls, &rs, path, log, sizeof log, &e) == 0, "%s", e.msg);
+    if (runnable[KERN_OP_MOE] > 1)
+        CHECK(count_lines(path, "pick moe_experts N8H32I16E4k2 ") == 1, "a MoE run times its experts");
+    unlink(path);
+}
+
+int main(void) {
+    test_pick_and_cache();
+    if (getenv("CTITAN_EMULATED")) /* under qemu (scripts/test_aarch64.sh): ~30 s of emulated GEMM timing */
+        printf("test_tune: skipped under emulation: test_ops_of_the_run (the same code is run natively)\n");
+    else
+        test_ops_of_the_run();
+    return CHECK_DONE();
+}
