@@ -3,22 +3,39 @@
 CC      ?= gcc
 OPT     ?= -O2
 CFLAGS  ?= $(OPT) -g
-CFLAGS  += -std=c11 -Wall -Wextra -fPIC -fopenmp -Isrc -I/usr/include/x86_64-linux-gnu/openblas-openmp -D_GNU_SOURCE
-BLASDIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
+# CROSS=aarch64: cross-build for 64-bit Arm with Debian's gcc-aarch64-linux-gnu and the
+# arm64 multiarch libraries (scripts/setup.sh installs them), without MPI (CT_NO_MPI: a
+# stub backend that says so if launched under mpirun). `make test-aarch64` runs it under qemu.
+CROSS   ?=
+ifeq ($(CROSS),aarch64)
+CC      := aarch64-linux-gnu-gcc
+TRIPLET := aarch64-linux-gnu
+NO_MPI  := 1
+# GCC 12's aarch64 vectoriser dies (internal compiler error) on a loop of tests/c/test_lora.c
+TEST_CFLAGS := -fno-tree-vectorize
+else
+TRIPLET := x86_64-linux-gnu
+endif
+CFLAGS  += -std=c11 -Wall -Wextra -fPIC -fopenmp -Isrc -I/usr/include/$(TRIPLET)/openblas-openmp -D_GNU_SOURCE
+BLASDIR := /usr/lib/$(TRIPLET)/openblas-openmp
 LDLIBS  := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -lpcre2-8 -lutf8proc -lm -fopenmp
 BUILD   ?= build
+ifeq ($(NO_MPI),1)
+CFLAGS  += -DCT_NO_MPI
+else
 # OpenMPI (Debian's libopenmpi-dev) for src/dist/comm_mpi.c; a run without mpirun never calls MPI_Init.
 MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null || mpicc --showme:compile 2>/dev/null)
 MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null || mpicc --showme:link 2>/dev/null)
 CFLAGS  += $(MPI_CFLAGS)
 LDLIBS  += $(MPI_LIBS)
+endif
 
 SRCS    := $(filter-out src/cli/main.c,$(wildcard src/*/*.c src/kernels/*/*.c))
 OBJS    := $(SRCS:%.c=$(BUILD)/obj/%.o)
 TESTS   := $(patsubst tests/c/%.c,$(BUILD)/tests/%,$(wildcard tests/c/test_*.c))
 PY      := .venv/bin/python
 
-.PHONY: all setup test test-c test-py sanitize run bench clean
+.PHONY: all setup test test-c test-py test-aarch64 test-bins sanitize run bench clean
 all: $(BUILD)/ctitan $(BUILD)/libctitan.so
 
 $(BUILD)/obj/%.o: %.c
@@ -37,7 +54,7 @@ $(BUILD)/ctitan: $(BUILD)/obj/src/cli/main.o $(BUILD)/libctitan.a
 
 $(BUILD)/tests/%: tests/c/%.c $(BUILD)/libctitan.a tests/c/check.h
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests/c $(LDFLAGS) -o $@ $< $(BUILD)/libctitan.a $(LDLIBS)
+	$(CC) $(CFLAGS) $(TEST_CFLAGS) -Itests/c $(LDFLAGS) -o $@ $< $(BUILD)/libctitan.a $(LDLIBS)
 
 setup:
 	@bash scripts/setup.sh
@@ -47,6 +64,13 @@ test-c: $(TESTS) $(BUILD)/ctitan
 	@$(BUILD)/ctitan kernels check > $(BUILD)/kernels-check.log || { cat $(BUILD)/kernels-check.log; exit 1; }
 	@tail -n 1 $(BUILD)/kernels-check.log
 
+# The C tests and `ctitan kernels check` of the aarch64 cross build (build/aarch64, CROSS=aarch64)
+# under qemu-user; "aarch64: skipped (...)" where the cross toolchain is not installed.
+test-aarch64:
+	@bash scripts/test_aarch64.sh
+
+test-bins: $(TESTS) $(BUILD)/ctitan
+
 # The C unit tests again under AddressSanitizer and UBSan, in their own build tree.
 sanitize:
 	@$(MAKE) --no-print-directory BUILD=build/san OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
@@ -54,14 +78,22 @@ sanitize:
 
 REF_KERNELS := matmul=ref,matmul_bf16=ref,embedding=ref,rmsnorm=ref,rope=ref,attention=ref,swiglu=ref,crossentropy=ref,add=ref,adamw=ref,moe_experts=ref,moe_experts_bf16=ref
 
-# Parity against transformers once more with every op on its reference kernel.
+PARITY_TESTS := tests/py/test_parity.py tests/py/test_bf16.py tests/py/test_moe.py::test_logits_loss_grads
+# The instruction-set levels below this CPU's best (CTITAN_ISA): avx2 on AVX-512 CPUs, avx512 on AMX ones.
+LOWER_ISAS := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo && echo avx2) \
+              $(shell grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null && echo avx512)
+
+# Parity against transformers once more with every op on its reference kernel, and
+# with the kernels limited to each lower instruction-set level this CPU can run.
 test-py: all
-	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py tests/py/test_bf16.py \
-		tests/py/test_moe.py::test_logits_loss_grads
+	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS)
+	@for isa in $(LOWER_ISAS); do echo "parity with CTITAN_ISA=$$isa"; \
+	  CTITAN_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS) || exit 1; done
 	$(PY) -m pytest -q tests/py
 
 test: setup
 	@$(MAKE) --no-print-directory all test-c
+	@$(MAKE) --no-print-directory test-aarch64
 	@$(MAKE) --no-print-directory sanitize
 	@$(MAKE) --no-print-directory test-py
 
@@ -79,6 +111,7 @@ bench: setup all
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W1 --lora 16
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W1 --lora 16 --frozen-bf16
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_moe.py --shape debugmodel_moe
+	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_moe.py --shape debugmodel_moe --precision bf16 --no-ref
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_moe.py --shape 30b-a3b-2l
 	$(PY) bench/bench_tokenizer.py
 	$(BUILD)/ctitan kernels bench --op matmul --quick

@@ -2,7 +2,9 @@
 """Qwen3-MoE training throughput and peak memory: ctitan's grouped experts kernel, its
 reference experts kernel ([kernels] moe_experts = "ref"; every other op at its default),
 and transformers' Qwen3MoeForCausalLM in PyTorch (fp32, its default "grouped_mm" experts,
-sdpa attention), same model, data, batch, AdamW and thread count.
+sdpa attention), same model, data, batch, AdamW and thread count. --precision bf16: ctitan
+with training.mixed_precision_param = "bfloat16" (the experts on moe_experts_bf16: AMX tiles
+where the CPU has them), PyTorch under torch.autocast("cpu", bfloat16).
 
 Each side runs in its own child process (bench_train.py's harness: peak RSS is the
 child's ru_maxrss; tokens/s over the steps after the first `--warmup`).
@@ -13,7 +15,7 @@ Shapes:
   30b-a3b-2l      Qwen3-30B-A3B's layer (hidden 2048, 32/4 heads x 128, experts of 768,
                   top-8, norm_topk_prob) cut to 2 layers, vocab 8192 and 32 of its 128
                   experts so parameters + grads + AdamW fit beside other work in 24 GiB
-Run:  .venv/bin/python bench/bench_moe.py --shape debugmodel_moe
+Run:  .venv/bin/python bench/bench_moe.py --shape debugmodel_moe [--precision bf16]
       .venv/bin/python bench/bench_moe.py --shape 30b-a3b-2l
 CTITAN_BUILD=build/x selects the build directory (default build).
 """
@@ -59,8 +61,9 @@ def torch_worker(a):
     for step in range(a.steps):
         win = np.stack([tokens[(step * B + b) * W:(step * B + b + 1) * W] for b in range(B)]).astype(np.int64)
         x, y = torch.from_numpy(win[:, :-1]), torch.from_numpy(win[:, 1:])
-        logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16"):
+            logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -76,7 +79,9 @@ def bench_ctitan(a, model_dir, data, out, impl, steps):
            f"--training.steps={steps}", "--metrics.log_freq=1", f"--job.dump_folder={out}",
            f"--training.threads={a.threads}", "--optimizer.lr=1e-4", "--optimizer.eps=1e-8",
            "--optimizer.weight_decay=0.1", "--training.max_norm=1.0", "--lr_scheduler.warmup_steps=0",
-           f"--kernels.moe_experts={impl}"]
+           f"--kernels.moe_experts{'_bf16' if a.precision == 'bf16' else ''}={impl}"]
+    if a.precision == "bf16":
+        cmd.append("--training.mixed_precision_param=bfloat16")
     rc, _, err, rss = measured(cmd, a.threads)
     mpath = os.path.join(out, "metrics.jsonl")
     if rc != 0 or not os.path.exists(mpath):
@@ -89,6 +94,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="debugmodel_moe", choices=sorted(SHAPES))
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--ref-steps", type=int, default=2, help="steps of the (slow) reference kernel")
     ap.add_argument("--no-ref", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
@@ -125,12 +131,12 @@ def main():
         if not a.no_torch:
             cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", "--model-dir", tmp + "/model",
                    "--data", tmp + "/tokens.bin", "--batch", str(a.batch), "--seq", str(a.seq), "--steps",
-                   str(a.steps), "--threads", str(a.threads)]
+                   str(a.steps), "--threads", str(a.threads), "--precision", a.precision]
             rc, out, err, rss = measured(cmd, a.threads)
             rows = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
             msg = None if rc == 0 and len(rows) == a.steps else f"PyTorch failed (exit {rc}): {err[-300:]}"
             res["pytorch (HF)"] = ((rows if not msg else None, rss, msg), warmup)
-    print(f"model {a.shape}: {n_params / 1e6:.1f} M params, batch {a.batch} x {a.seq}, {a.threads} threads, fp32, "
+    print(f"model {a.shape}: {n_params / 1e6:.1f} M params, batch {a.batch} x {a.seq}, {a.threads} threads, {a.precision}, "
           f"{a.steps} steps ({warmup} warm-up; reference kernel {a.ref_steps})")
     print(f"{'':16s} {'tokens/s':>10s} {'peak RSS GiB':>13s}  first loss")
     tps = {}
