@@ -89,6 +89,8 @@ test-py: all
 	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS)
 	@for isa in $(LOWER_ISAS); do echo "parity with CTITAN_ISA=$$isa"; \
 	  CTITAN_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS) || exit 1; done
+	@echo "parity with the kernels chosen by timing (the rest of the suite runs with CTITAN_KERNEL_TUNE=0)"
+	CTITAN_KERNEL_TUNE=1 $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py
 	$(PY) -m pytest -q tests/py
 
 test: setup

@@ -288,7 +288,7 @@ typedef struct {
     int n_heads, n_kv_heads, head_dim;
     int n_experts, moe_inter, top_k;  /* MoE layers (0: dense model) */
     int ce_rows;                      /* logits rows per cross-entropy block */
-    long n_params;                    /* AdamW's elements (timed on at most 4M) */
+    long n_params;                    /* AdamW's elements (timed on at most 1M) */
     int bf16;                         /* bf16 matmuls: tune matmul_bf16 / moe_experts_bf16 too */
 } kern_run_sizes;
 

@@ -56,6 +56,20 @@ static int compute_bound(kern_op op) {
            op == KERN_OP_MOE_BF16;
 }
 
+/* The memory-bound ops are timed on at most this many elements per tensor
+ * (4 MiB: twice this CPU kind's L2, so still a memory-bound pass): their speed
+ * per element does not change beyond, and the timing buffers must not raise the
+ * run's peak memory (they exist before the model's weights do; a small model's
+ * whole state can be smaller than a full-size AdamW bench). */
+#define TUNE_EW_MAX (1L << 20)
+
+/* Rows of width C that fit TUNE_EW_MAX elements (at least 1, at most rows). */
+static int cap_rows(int rows, int C) {
+    long fit = C > 0 ? TUNE_EW_MAX / C : rows;
+    if (fit < 1) fit = 1;
+    return rows < fit ? rows : (int)fit;
+}
+
 /* The sizes op runs at in this run, and their cache key; 0 if the run does not
  * call op. Timing sizes are capped where only the memory held would grow (the
  * embedding table's unused rows, logits rows, experts beyond 8 with the rows
@@ -72,11 +86,11 @@ static int op_shape(kern_op op, const kern_run_sizes *r, kern_shape *s, char *ke
         snprintf(key, cap, "M%dK%dN%d", s->M, s->K, s->N);
         return 1;
     case KERN_OP_EMBEDDING:
-        s->rows = tokens, s->C = r->hidden, s->V = r->vocab < 65536 ? r->vocab : 65536;
+        s->rows = cap_rows(tokens, r->hidden), s->C = r->hidden, s->V = r->vocab < 65536 ? r->vocab : 65536;
         snprintf(key, cap, "N%dC%d", s->rows, s->C);
         return 1;
     case KERN_OP_RMSNORM:
-        s->rows = tokens, s->C = r->hidden;
+        s->rows = cap_rows(tokens, r->hidden), s->C = r->hidden;
         snprintf(key, cap, "N%dC%d", s->rows, s->C);
         return 1;
     case KERN_OP_ROPE:
@@ -89,21 +103,23 @@ static int op_shape(kern_op op, const kern_run_sizes *r, kern_shape *s, char *ke
         return 1;
     case KERN_OP_SWIGLU:
         s->n = (long)tokens * (r->inter > 0 ? r->inter : r->moe_inter);
+        if (s->n > TUNE_EW_MAX) s->n = TUNE_EW_MAX;
         if (s->n <= 0) return 0;
         snprintf(key, cap, "n%ld", s->n);
         return 1;
     case KERN_OP_CROSSENTROPY: {
         int rows = r->ce_rows > 0 && r->ce_rows < tokens ? r->ce_rows : tokens;
-        s->rows = rows < 64 ? rows : 64, s->V = r->vocab;
+        s->rows = cap_rows(rows < 64 ? rows : 64, r->vocab), s->V = r->vocab;
         snprintf(key, cap, "N%dV%d", s->rows, s->V);
         return 1;
     }
     case KERN_OP_ADD:
         s->n = (long)tokens * r->hidden;
+        if (s->n > TUNE_EW_MAX) s->n = TUNE_EW_MAX;
         snprintf(key, cap, "n%ld", s->n);
         return 1;
     case KERN_OP_ADAMW:
-        s->n = r->n_params < (4L << 20) ? r->n_params : (4L << 20);
+        s->n = r->n_params < TUNE_EW_MAX ? r->n_params : TUNE_EW_MAX;
         if (s->n <= 0) return 0;
         snprintf(key, cap, "n%ld", s->n);
         return 1;

@@ -102,7 +102,12 @@ static int select_kernels(trainer *t, ct_err *e) {
         return ct_fail(e, rc, "%s: [kernels]: %s", trainer_cfg_src(&t->cfg), msg);
     }
     int bf16 = !strcmp(t->cfg.mixed_precision_param, "bfloat16");
-    if (t->cfg.kernels_tune) {
+    /* CTITAN_KERNEL_TUNE=0|1 overrides kernels.tune (a test suite, or a user who wants the same
+     * kernels at every thread count: the timed choice is per thread count and run sizes) */
+    int tune = t->cfg.kernels_tune;
+    const char *tune_env = getenv("CTITAN_KERNEL_TUNE");
+    if (tune_env && *tune_env) tune = strcmp(tune_env, "0") != 0;
+    if (tune) {
         size_t nt;
         const kern_impl *tab = kern_registry(&nt);
         unsigned cpu = kern_cpu_features();

@@ -35,9 +35,14 @@ def tiny_run(tmp_path, home, name="run", extra=(), env_extra=None, hidden=64):
     out = tmp_path / name
     conf = oracle.write_toml(tmp_path / f"{name}.toml", oracle.train_sections(
         out, tmp_path / "tokens.bin", hf, steps=3, options={"metrics.file": "metrics.jsonl"}))
-    env = dict(CHILD_ENV, HOME=str(home), **(env_extra or {}))
-    if not (env_extra and "CTITAN_ISA" in env_extra):
-        env.pop("CTITAN_ISA", None)
+    # the suite runs with CTITAN_KERNEL_TUNE=0 (conftest); these tests are about the timed choice
+    env = dict(CHILD_ENV, HOME=str(home), CTITAN_KERNEL_TUNE="1")
+    env.pop("CTITAN_ISA", None)
+    for k, v in (env_extra or {}).items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     p = subprocess.run([str(BIN), "train", "--config", str(conf), *extra], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     return p, out
@@ -76,13 +81,18 @@ def test_first_run_measures_then_the_cache_decides(tmp_path, home):
 def test_tune_false_and_forced_ops_time_nothing(tmp_path, home):
     caches = lambda: sorted(open(f).read() for f in glob.glob(str(home / ".cache/ctitan/kernels-v1-*")))
     before = caches()
-    p, _ = tiny_run(tmp_path, home, "c", extra=["--kernels.tune=false"], hidden=40)
+    p, _ = tiny_run(tmp_path, home, "c", extra=["--kernels.tune=false"], hidden=40,
+                    env_extra={"CTITAN_KERNEL_TUNE": None})
     assert p.returncode == 0, p.stderr
     assert "measured" not in kernels_line(p.stderr) and "cached" not in kernels_line(p.stderr)
     assert caches() == before, "kernels.tune=false wrote the cache"
     p, _ = tiny_run(tmp_path, home, "d", extra=["--kernels.attention=ref"])
     assert p.returncode == 0, p.stderr
     assert "attention=ref (forced)" in kernels_line(p.stderr)
+    # CTITAN_KERNEL_TUNE=0 wins over the config's default (on)
+    p, _ = tiny_run(tmp_path, home, "e", env_extra={"CTITAN_KERNEL_TUNE": "0"}, hidden=40)
+    assert p.returncode == 0, p.stderr
+    assert "measured" not in kernels_line(p.stderr) and "cached" not in kernels_line(p.stderr)
 
 
 def test_ctitan_isa_limits_the_kernels(tmp_path, home):
