@@ -27,6 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__)
+#include "kernels/cpu/avx2_util.h" /* x86-64 only (avx512_util.h guards itself) */
+#endif
 #include "kernels/cpu/avx512_util.h"
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/cpu/neon_util.h"
@@ -158,12 +161,19 @@ static void moe_fwd(const gemm_arch *ar, float *out, float *gate, float *up, flo
  * on entry dg[I] = wd_e^T dout; on return dg = d gate, du[I] = d up. */
 typedef void (*moe_dact_fn)(float *dg, float *du, const float *gate, const float *up, float w, int I);
 
-#if defined(__x86_64__) /* the avx2 experts' (aarch64 has dact_neon) */
-static void dact_scalar(float *dg, float *du, const float *gate, const float *up, float w, int I) {
-    for (int i = 0; i < I; i++) {
-        float g = gate[i], sig = 1.0f / (1.0f + expf(-g)), d = w * dg[i];
-        dg[i] = d * up[i] * sig * (1.0f + g * (1.0f - sig));
-        du[i] = d * g * sig;
+#if defined(__x86_64__)
+/* The avx2 experts' (ymm, avx2_util.h's exp8): the scalar loop with libm's expf
+ * it replaces was ~1.5% of a debugmodel_moe step on the AVX2 path (perf). */
+T256 static void dact_avx2(float *dg, float *du, const float *gate, const float *up, float w, int I) {
+    const __m256 one = _mm256_set1_ps(1.0f), wv = _mm256_set1_ps(w), zero = _mm256_setzero_ps();
+    for (int i = 0; i < I; i += 8) {
+        long n = I - i;
+        __m256 g = avx2_loadn(gate + i, n), u = avx2_loadn(up + i, n);
+        __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+        __m256 d = _mm256_mul_ps(wv, avx2_loadn(dg + i, n));
+        __m256 ds = _mm256_add_ps(one, _mm256_mul_ps(g, _mm256_sub_ps(one, sig)));
+        avx2_storen(dg + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(d, u), sig), ds), n);
+        avx2_storen(du + i, _mm256_mul_ps(_mm256_mul_ps(d, g), sig), n);
     }
 }
 #endif
@@ -269,7 +279,7 @@ void kern_moe_bwd_avx2(float *dx, float *dwg, float *dwu, float *dwd, float *dto
                        const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
                        const float *up, const float *h, const int32_t *perm, const int32_t *pos,
                        const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
-    moe_bwd(&gemm_arch_avx2, dact_scalar, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos,
+    moe_bwd(&gemm_arch_avx2, dact_avx2, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos,
             offsets,
             topw, N, H, I, E, k);
 }
@@ -324,7 +334,7 @@ static gemm_arch bf16_arch(const gemm_arch *base) {
 MOE_BF16(bf16_amx, gemm_arch_amx, dact_avx512)
 MOE_BF16(bf16_avx512bf16, gemm_arch_avx512bf16, dact_avx512)
 MOE_BF16(bf16_avx512, gemm_arch_avx512, dact_avx512)
-MOE_BF16(bf16_avx2, gemm_arch_avx2, dact_scalar)
+MOE_BF16(bf16_avx2, gemm_arch_avx2, dact_avx2)
 #elif defined(__aarch64__)
 MOE_BF16(bf16_bfmmla, gemm_arch_bfmmla, dact_neon)
 MOE_BF16(bf16_neon, gemm_arch_neon, dact_neon)
