@@ -17,10 +17,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "core/fs.h"
 #include "core/timer.h"
 
 void openblas_set_num_threads(int n); /* OpenBLAS's own knob; it keeps a pool apart from OpenMP's */
@@ -376,11 +376,19 @@ void cpu_model_name(char *out, size_t cap) {
     fclose(f);
 }
 
-static void cache_path(char *out, size_t cap, const char *isa, int threads) {
+void cpu_cache_path(char *out, size_t cap, const char *name) {
     const char *home = getenv("HOME");
-    char model[256];
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/.cache/ctitan", home && *home ? home : "/tmp");
+    ct_mkdirs(dir, NULL); /* best effort: a cache that cannot be written is measured again */
+    snprintf(out, cap, "%s/%s", dir, name);
+}
+
+static void cache_path(char *out, size_t cap, const char *isa, int threads) {
+    char model[256], name[512];
     cpu_model_name(model, sizeof model);
-    snprintf(out, cap, "%s/.cache/ctitan/peak-v3-%s-%s-t%d.txt", home ? home : "/tmp", model, isa, threads);
+    snprintf(name, sizeof name, "peak-v3-%s-%s-t%d.txt", model, isa, threads);
+    cpu_cache_path(out, cap, name);
 }
 
 static int read_cache(cpu_peak *out, const char *path) {
@@ -397,15 +405,6 @@ static int read_cache(cpu_peak *out, const char *path) {
 }
 
 static void write_cache(const cpu_peak *p, const char *path) {
-    char dir[1024];
-    snprintf(dir, sizeof dir, "%s", path);
-    char *slash = strrchr(dir, '/');
-    if (slash) {
-        *slash = 0;
-        char *s2 = strrchr(dir, '/');
-        if (s2) { *s2 = 0; mkdir(dir, 0755); *s2 = '/'; }
-        mkdir(dir, 0755);
-    }
     /* temp + rename: a concurrent run reads the old value or the new one, never half;
      * failing to write the cache is harmless */
     char tmp[1100];

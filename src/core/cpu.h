@@ -51,6 +51,11 @@ typedef struct {
 void cpu_usage_mark_now(cpu_usage_mark *m);
 double cpu_others_share(const cpu_usage_mark *since);
 
+/* <HOME>/.cache/ctitan/<name> (HOME unset: /tmp), the directory created if
+ * missing (best effort): the per-CPU caches of the peak and of the kernel
+ * choice (kernels/tune.c) live there. */
+void cpu_cache_path(char *out, size_t cap, const char *name);
+
 /* The CPU's model name from /proc/cpuinfo, spaces and slashes as '_' (a file
  * name part for the caches keyed by CPU), "unknown" if none. */
 void cpu_model_name(char *out, size_t cap);

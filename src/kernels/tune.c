@@ -33,10 +33,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "core/cpu.h"
+#include "core/fs.h"
 #include "kernels/registry.h"
 
 #define TUNE_ROUNDS 5
@@ -138,42 +138,15 @@ static int op_shape(kern_op op, const kern_run_sizes *r, kern_shape *s, char *ke
 
 /* ------------------------------------------------------------------ cache */
 
-typedef struct {
-    char *text; /* the whole file, NUL-terminated; NULL if none */
-} tune_cache;
-
-static void cache_load(tune_cache *c, const char *path) {
-    c->text = NULL;
-    if (!path) return;
-    FILE *f = fopen(path, "r");
-    if (!f) return;
-    size_t cap = 4096, len = 0;
-    char *buf = malloc(cap);
-    size_t got;
-    while (buf && (got = fread(buf + len, 1, cap - len - 1, f)) > 0) {
-        len += got;
-        if (len + 1 == cap) {
-            char *nb = realloc(buf, cap *= 2);
-            if (!nb) {
-                free(buf);
-                buf = NULL;
-            } else buf = nb;
-        }
-    }
-    fclose(f);
-    if (buf) buf[len] = 0;
-    c->text = buf;
-}
-
-/* The value field of the last whole line starting "<a> <b> <c> " (c may be
- * NULL), copied to out; 0 if none. */
-static int cache_find(const tune_cache *c, const char *a, const char *b, const char *cc, char *out, size_t cap) {
-    if (!c->text) return 0;
+/* The value field of the last whole line of the cache text (NULL: no cache)
+ * starting "<a> <b> <c> " (c may be NULL), copied to out; 0 if none. */
+static int cache_find(const char *text, const char *a, const char *b, const char *cc, char *out, size_t cap) {
+    if (!text) return 0;
     char prefix[256];
     snprintf(prefix, sizeof prefix, "%s %s %s%s", a, b, cc ? cc : "", cc ? " " : "");
     size_t pl = strlen(prefix);
     int found = 0;
-    for (const char *line = c->text; *line;) {
+    for (const char *line = text; *line;) {
         const char *nl = strchr(line, '\n');
         if (!nl) break; /* a line still being written: ignore */
         if ((size_t)(nl - line) > pl && !strncmp(line, prefix, pl)) {
@@ -189,22 +162,10 @@ static int cache_find(const tune_cache *c, const char *a, const char *b, const c
     return found;
 }
 
-static void mkdirs_for(const char *path) {
-    char dir[1024];
-    snprintf(dir, sizeof dir, "%s", path);
-    for (char *p = dir + 1; *p; p++)
-        if (*p == '/') {
-            *p = 0;
-            mkdir(dir, 0755);
-            *p = '/';
-        }
-}
-
 /* Appends one line with a single write (O_APPEND): concurrent runs interleave
  * whole lines. Failing to write the cache only costs a later re-measurement. */
 static void cache_append(const char *path, const char *line) {
     if (!path) return;
-    mkdirs_for(path);
     int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
     if (fd < 0) return;
     ssize_t w = write(fd, line, strlen(line));
@@ -213,11 +174,10 @@ static void cache_append(const char *path, const char *line) {
 }
 
 void kern_tune_cache_path(char *out, size_t cap, unsigned cpu, int threads) {
-    const char *home = getenv("HOME");
-    char model[256];
+    char model[256], name[512];
     cpu_model_name(model, sizeof model);
-    snprintf(out, cap, "%s/.cache/ctitan/kernels-v1-%s-f%x-t%d.txt", home && *home ? home : "/tmp", model, cpu,
-             threads);
+    snprintf(name, sizeof name, "kernels-v1-%s-f%x-t%d.txt", model, cpu, threads);
+    cpu_cache_path(out, cap, name);
 }
 
 /* ------------------------------------------------------------------ tuning */
@@ -286,13 +246,13 @@ static void build_id(char *out, size_t cap) {
 
 /* kern_check of one implementation on this CPU, through the cache (verdicts
  * keyed by the build: a rebuilt kernel is checked again). */
-static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_impl *im, const tune_cache *c,
+static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_impl *im, const char *cache,
                         const char *path) {
     if (!strcmp(im->name, "ref")) return 1; /* the reference is what the others are checked against */
     char v[16], bid[64], what[160];
     build_id(bid, sizeof bid);
     snprintf(what, sizeof what, "%s %s", kern_op_name(im->op), im->name);
-    if (cache_find(c, "check", bid, what, v, sizeof v)) return !strcmp(v, "ok");
+    if (cache_find(cache, "check", bid, what, v, sizeof v)) return !strcmp(v, "ok");
     kern_check_opts o = {.out = NULL, .op = kern_op_name(im->op), .impl = im->name, .features = cpu, .seed = 1};
     int ok = kern_check(t, n, &o) == 0;
     char line[256];
@@ -306,8 +266,7 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
     kern_ops sel;
     int rc = kern_select_from(&sel, t, n, cpu, ov, NULL, 0, e);
     if (rc) return rc;
-    tune_cache cache;
-    cache_load(&cache, path);
+    char *cache = path ? ct_read_file(path, NULL, NULL) : NULL; /* none yet: NULL */
     size_t len = 0;
     if (log && logcap) log[0] = 0;
     logf_append(log, logcap, &len, "kernels:");
@@ -332,9 +291,9 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 nc = m;
             }
             char cached[64];
-            if (nc > 1 && cache_find(&cache, "pick", kern_op_name((kern_op)op), key, cached, sizeof cached)) {
+            if (nc > 1 && cache_find(cache, "pick", kern_op_name((kern_op)op), key, cached, sizeof cached)) {
                 for (int i = 0; i < nc; i++)
-                    if (!strcmp(cand[i]->name, cached) && passes_check(t, n, cpu, cand[i], &cache, path)) {
+                    if (!strcmp(cand[i]->name, cached) && passes_check(t, n, cpu, cand[i], cache, path)) {
                         sel.chosen[op] = cand[i];
                         why = "cached";
                     }
@@ -350,7 +309,7 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 /* one call each (pages faulted in, workspaces grown); hopeless ones stop here */
                 for (int i = 0; i < nc; i++) {
                     secs[i] = NAN;
-                    alive[i] = passes_check(t, n, cpu, cand[i], &cache, path);
+                    alive[i] = passes_check(t, n, cpu, cand[i], cache, path);
                     if (!alive[i]) continue;
                     double t1 = kern_bench_time(b, cand[i], 1, 0, 0) + (bwd ? kern_bench_time(b, cand[i], 0, 0, 0) : 0);
                     secs[i] = t1;
@@ -398,7 +357,7 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                     strcmp(why, "default") ? " (" : "", strcmp(why, "default") ? why : "",
                     strcmp(why, "default") ? ")" : "");
     }
-    free(cache.text);
+    free(cache);
     /* rebuild the table from the chosen entries (install's single source of truth) */
     const char *names[KERN_N_OPS + 1];
     char spec[KERN_N_OPS][96];
