@@ -139,46 +139,6 @@ static int cmd_check(const kern_cli_opts *o) {
 
 /* --------------------------------------------------------------- bench */
 
-/* A timed call: run(ctx) once per repetition. */
-typedef void (*bench_fn)(void *ctx);
-
-/* Best time of `reps` runs after one warm-up run (which faults pages in and
- * lets malloc keep its workspace). Stops early once 2 s are spent. */
-static double best_time(bench_fn fn, void *ctx, int reps) {
-    fn(ctx);
-    double best = INFINITY, spent = 0;
-    for (int r = 0; r < reps && (r < 2 || spent < 2.0); r++) {
-        double t0 = ct_now();
-        fn(ctx);
-        double dt = ct_now() - t0;
-        spent += dt;
-        if (dt < best) best = dt;
-    }
-    return best;
-}
-
-static float *rand_buf(size_t n, uint64_t *s) {
-    float *p = ct_malloc((n ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) {
-        *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-        p[i] = (float)((*s >> 40) * (1.0 / 16777216.0)) - 0.5f;
-    }
-    return p;
-}
-
-typedef struct {
-    const kern_impl *im;
-    int M, K, N, which; /* 0 fwd, 1 dinp, 2 dw */
-    float *inp, *w, *out, *dout, *dinp, *dw;
-} mm_ctx;
-
-static void mm_run(void *p) {
-    mm_ctx *c = p;
-    if (c->which == 0) c->im->fn.matmul.fwd(c->out, c->inp, c->w, c->M, c->K, c->N, 0);
-    else if (c->which == 1) c->im->fn.matmul.bwd(c->dinp, NULL, c->dout, c->inp, c->w, c->M, c->K, c->N);
-    else c->im->fn.matmul.bwd(NULL, c->dw, c->dout, c->inp, c->w, c->M, c->K, c->N);
-}
-
 /* Whether bench_matmul times entry `im`: with --op matmul the fp32 ones, with
  * --op matmul_bf16 the bf16 ones and, for comparison on the same shapes, the
  * default fp32 one; with no --op both. */
@@ -214,31 +174,22 @@ static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int M = shapes[s].M, K = shapes[s].K, N = shapes[s].N;
         if (o->quick && N > 100000) continue;
-        uint64_t seed = 1;
-        mm_ctx c = {.M = M, .K = K, .N = N};
-        c.inp = rand_buf((size_t)M * K, &seed);
-        c.w = rand_buf((size_t)N * K, &seed);
-        c.dout = rand_buf((size_t)M * N, &seed);
-        c.out = rand_buf((size_t)M * N, &seed);
-        c.dinp = rand_buf((size_t)M * K, &seed);
-        c.dw = rand_buf((size_t)N * K, &seed);
+        kern_shape sh = {.M = M, .K = K, .N = N};
+        kern_bench *x = kern_bench_new(KERN_OP_MATMUL, &sh); /* the same inputs for matmul and matmul_bf16 */
         double flops = 2.0 * M * (double)K * N;
         printf("  M=%-5d K=%-5d N=%-6d (%s)\n", M, K, N, shapes[s].what);
         for (size_t i = 0; i < n; i++) {
             if ((t[i].features & ~cpu) || !bench_matmul_wants(&t[i], fp32_default, o)) continue;
-            c.im = &t[i];
+            static const kern_bench_part parts[3] = {KERN_BENCH_FWD, KERN_BENCH_DINP, KERN_BENCH_DW};
             double g[3];
-            for (int wch = 0; wch < 3; wch++) {
-                c.which = wch;
-                g[wch] = flops / best_time(mm_run, &c, o->reps) / 1e9;
-            }
+            for (int p = 0; p < 3; p++) g[p] = flops / kern_bench_time(x, &t[i], parts[p], o->reps, 0) / 1e9;
             char label[48];
             snprintf(label, sizeof label, "%s%s", t[i].op == KERN_OP_MATMUL_BF16 ? "bf16 " : "", t[i].name);
             printf("    %-15s fwd %6.1f  dinp %6.1f  dw %6.1f GFLOP/s   (%2.0f%% %2.0f%% %2.0f%% of peak)\n", label,
                    g[0], g[1], g[2], 100e9 * g[0] / peak, 100e9 * g[1] / peak, 100e9 * g[2] / peak);
             fflush(stdout);
         }
-        free(c.inp), free(c.w), free(c.dout), free(c.out), free(c.dinp), free(c.dw);
+        kern_bench_free(x);
     }
 }
 
@@ -309,8 +260,8 @@ static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_
         if ((int)t[i].op != (int)op || (t[i].features & ~cpu)) continue;
         if (o->impl && strcmp(o->impl, t[i].name)) continue;
         int has_bwd = kern_bench_has_bwd(op);
-        double tf = kern_bench_time(x, &t[i], 1, o->reps, 0);
-        double tb = has_bwd ? kern_bench_time(x, &t[i], 0, o->reps, 0) : 0;
+        double tf = kern_bench_time(x, &t[i], KERN_BENCH_FWD, o->reps, 0);
+        double tb = has_bwd ? kern_bench_time(x, &t[i], KERN_BENCH_BWD, o->reps, 0) : 0;
         if (flops_f > 0)
             printf("%-12s %-9s %-30s fwd %7.1f  bwd %7.1f GFLOP/s  (%.2f / %.2f ms)\n", kern_op_name(op), t[i].name,
                    sbuf, flops_f / tf / 1e9, flops_b / tb / 1e9, tf * 1e3, tb * 1e3);

@@ -273,11 +273,13 @@ kern_bench *kern_bench_new(kern_op op, const kern_shape *s);
 void kern_bench_free(kern_bench *b);
 /* 0 for the ops with a single entry point (add, adamw) */
 int kern_bench_has_bwd(kern_op op);
-/* Best seconds of `reps` calls (after one warm-up call) of im's forward
- * (fwd = 1) or backward; stops after 2 s of calls, or after the warm-up when
- * that alone took more than cutoff seconds (cutoff > 0): the caller already
- * has a faster candidate. */
-double kern_bench_time(kern_bench *b, const kern_impl *im, int fwd, int reps, double cutoff);
+/* What one timed call runs: the forward, the whole backward, or (matmul and
+ * matmul_bf16 only) one of the backward's two products. */
+typedef enum { KERN_BENCH_FWD, KERN_BENCH_BWD, KERN_BENCH_DINP, KERN_BENCH_DW } kern_bench_part;
+/* Best seconds of `reps` calls (after one warm-up call) of `part` of im;
+ * stops after 2 s of calls, or after the warm-up when that alone took more
+ * than cutoff seconds (cutoff > 0): the caller already has a faster candidate. */
+double kern_bench_time(kern_bench *b, const kern_impl *im, kern_bench_part part, int reps, double cutoff);
 
 /* ---------------------------------------------------------------- tuning */
 

@@ -142,14 +142,17 @@ void kern_bench_free(kern_bench *x) {
 
 int kern_bench_has_bwd(kern_op op) { return op != KERN_OP_ADD && op != KERN_OP_ADAMW; }
 
-/* One call of im: the forward (fwd = 1) or the backward. */
-static void run_once(kern_bench *x, const kern_impl *im, int fwd) {
+/* One call of `part` of im. */
+static void run_once(kern_bench *x, const kern_impl *im, kern_bench_part part) {
     const kern_shape *s = &x->s;
+    int fwd = part == KERN_BENCH_FWD;
     switch (im->op) {
     case KERN_OP_MATMUL:
     case KERN_OP_MATMUL_BF16:
         if (fwd) im->fn.matmul.fwd(x->c, x->a, x->b, s->M, s->K, s->N, 0);
-        else im->fn.matmul.bwd(x->e, x->dw, x->d, x->a, x->b, s->M, s->K, s->N);
+        else /* NULL output: that product is skipped (ops.h) */
+            im->fn.matmul.bwd(part == KERN_BENCH_DW ? NULL : x->e, part == KERN_BENCH_DINP ? NULL : x->dw, x->d,
+                              x->a, x->b, s->M, s->K, s->N);
         break;
     case KERN_OP_EMBEDDING:
         if (fwd) im->fn.embedding.fwd(x->a, x->tok, x->b, s->rows, s->C);
@@ -200,16 +203,16 @@ static void run_once(kern_bench *x, const kern_impl *im, int fwd) {
     }
 }
 
-double kern_bench_time(kern_bench *x, const kern_impl *im, int fwd, int reps, double cutoff) {
+double kern_bench_time(kern_bench *x, const kern_impl *im, kern_bench_part part, int reps, double cutoff) {
     /* warm-up: faults pages in and lets malloc keep its workspace; it also
      * tells a hopeless candidate (cutoff) without timing it further */
     double t0 = ct_now();
-    run_once(x, im, fwd);
+    run_once(x, im, part);
     double best = ct_now() - t0, spent = best;
     if (cutoff > 0 && best > cutoff) return best;
     for (int r = 0; r < reps && (r < 2 || spent < 2.0); r++) {
         t0 = ct_now();
-        run_once(x, im, fwd);
+        run_once(x, im, part);
         double dt = ct_now() - t0;
         spent += dt;
         if (dt < best) best = dt;

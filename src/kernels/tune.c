@@ -261,6 +261,11 @@ static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_i
     return ok;
 }
 
+/* One timed call of the forward and, where the op has one, the backward. */
+static double one_round(kern_bench *b, const kern_impl *im, int bwd) {
+    return kern_bench_time(b, im, KERN_BENCH_FWD, 0, 0) + (bwd ? kern_bench_time(b, im, KERN_BENCH_BWD, 0, 0) : 0);
+}
+
 int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const char *const *ov,
               const kern_run_sizes *r, const char *path, char *log, size_t logcap, ct_err *e) {
     kern_ops sel;
@@ -311,7 +316,7 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                     secs[i] = NAN;
                     alive[i] = passes_check(t, n, cpu, cand[i], cache, path);
                     if (!alive[i]) continue;
-                    double t1 = kern_bench_time(b, cand[i], 1, 0, 0) + (bwd ? kern_bench_time(b, cand[i], 0, 0, 0) : 0);
+                    double t1 = one_round(b, cand[i], bwd);
                     secs[i] = t1;
                     if (t1 > TUNE_CUTOFF * first) alive[i] = 0;
                     if (t1 < first) first = t1;
@@ -322,7 +327,7 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 for (int r = 0; r < TUNE_ROUNDS; r++)
                     for (int i = 0; i < nc; i++) {
                         if (!alive[i]) continue;
-                        double t1 = kern_bench_time(b, cand[i], 1, 0, 0) + (bwd ? kern_bench_time(b, cand[i], 0, 0, 0) : 0);
+                        double t1 = one_round(b, cand[i], bwd);
                         if (r == 0 || t1 < secs[i]) secs[i] = t1;
                     }
                 for (int i = 0; i < nc; i++)
