@@ -52,7 +52,7 @@ $(BUILD)/libctitan.so: $(OBJS)
 $(BUILD)/ctitan: $(BUILD)/obj/src/cli/main.o $(BUILD)/libctitan.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(BUILD)/tests/%: tests/c/%.c $(BUILD)/libctitan.a tests/c/check.h
+$(BUILD)/tests/%: tests/c/%.c $(BUILD)/libctitan.a tests/c/check.h tests/c/kern_test.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(TEST_CFLAGS) -Itests/c $(LDFLAGS) -o $@ $< $(BUILD)/libctitan.a $(LDLIBS)
 

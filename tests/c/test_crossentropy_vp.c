@@ -20,15 +20,10 @@
 #include <string.h>
 
 #include "check.h"
+#include "kern_test.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
 
-static void fill_lcg(float *p, size_t n, uint32_t *s, float lo, float hi) {
-    for (size_t i = 0; i < n; i++) {
-        *s = *s * 1664525u + 1013904223u;
-        p[i] = lo + (hi - lo) * (float)(*s >> 8) * (1.0f / 16777216.0f);
-    }
-}
 
 /* The R ranks of a tensor-parallel loss on logits[N, R*V]: grad[N, R*V]
  * receives the ranks' gradients side by side; returns rank 0's loss, and

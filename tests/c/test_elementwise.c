@@ -18,19 +18,11 @@
 #include <string.h>
 
 #include "check.h"
+#include "kern_test.h"
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
 #include "model/qwen3.h"
-
-#if defined(__x86_64__) /* the AVX-512 tests below; on aarch64 only the vector exp (test_neon.c: the rest) */
-static void fill_lcg(float *p, size_t n, uint32_t *s, float lo, float hi) {
-    for (size_t i = 0; i < n; i++) {
-        *s = *s * 1664525u + 1013904223u;
-        p[i] = lo + (hi - lo) * (float)(*s >> 8) * (1.0f / 16777216.0f);
-    }
-}
-#endif
 
 /* vexp: kern_exp_avx512 or kern_exp_avx2 (the same algorithm for 16 / 8 lanes), named `isa` in messages */
 static void test_exp(void (*vexp)(float *, const float *, long), const char *isa) {
@@ -73,25 +65,7 @@ static void test_exp(void (*vexp)(float *, const float *, long), const char *isa
     free(x), free(y);
 }
 
-#if defined(__x86_64__)
-/* Runs `f` at 1, 2 and 3 threads; each run fills out[run] (n floats) from the
- * same inputs; all three must be equal byte for byte. */
-typedef void (*run_fn)(void *ctx, float *out);
-
-static void same_at_any_threads(const char *what, run_fn f, void *ctx, size_t n) {
-    int saved = omp_get_max_threads();
-    float *out[3];
-    for (int th = 0; th < 3; th++) {
-        out[th] = malloc(n * sizeof(float));
-        omp_set_num_threads(th + 1);
-        f(ctx, out[th]);
-    }
-    omp_set_num_threads(saved);
-    CHECK(!memcmp(out[0], out[1], n * sizeof(float)) && !memcmp(out[0], out[2], n * sizeof(float)),
-          "%s differs between 1, 2 and 3 threads", what);
-    for (int th = 0; th < 3; th++) free(out[th]);
-}
-
+#if defined(__x86_64__) /* the AVX-512 tests below; on aarch64 only the vector exp (test_neon.c: the rest) */
 typedef struct {
     int B, T, nh, hd, N, C, V;
     float *x, *w, *dout, *cs, *sn, *g, *u;

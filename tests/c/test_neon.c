@@ -20,27 +20,12 @@
 #include <string.h>
 
 #include "check.h"
+#include "kern_test.h"
 #include "dist/comm.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
 
 #if defined(__aarch64__)
-static void fill_lcg(float *p, size_t n, uint32_t *s, float lo, float hi) {
-    for (size_t i = 0; i < n; i++) {
-        *s = *s * 1664525u + 1013904223u;
-        p[i] = lo + (hi - lo) * (float)(*s >> 8) * (1.0f / 16777216.0f);
-    }
-}
-
-static const kern_impl *impl_of(kern_op op, const char *name) {
-    size_t n;
-    const kern_impl *t = kern_registry(&n);
-    for (size_t i = 0; i < n; i++)
-        if (t[i].op == op && !strcmp(t[i].name, name)) return &t[i];
-    CHECK(0, "no %s=%s in the registry", kern_op_name(op), name);
-    return NULL;
-}
-
 static void test_features(void) {
     unsigned f = kern_cpu_features();
     CHECK(f & KERN_FEAT_NEON, "an aarch64 CPU without ASIMD? features %#x", f);
@@ -58,21 +43,6 @@ static void test_features(void) {
     printf("cpu features: %s\n", (kern_features_str(f, buf, sizeof buf), buf));
 }
 
-/* Runs f(ctx, out) at 1, 2 and 3 threads; the n floats must agree byte for byte. */
-static void same_at_any_threads(const char *what, void (*f)(void *, float *), void *ctx, size_t n) {
-    int saved = omp_get_max_threads();
-    float *out[3];
-    for (int th = 0; th < 3; th++) {
-        out[th] = calloc(n, sizeof(float));
-        omp_set_num_threads(th + 1);
-        f(ctx, out[th]);
-    }
-    omp_set_num_threads(saved);
-    CHECK(!memcmp(out[0], out[1], n * 4) && !memcmp(out[0], out[2], n * 4), "%s differs between 1, 2, 3 threads",
-          what);
-    for (int th = 0; th < 3; th++) free(out[th]);
-}
-
 typedef struct {
     int B, T, nh, hd, N, C, V;
     float *x, *w, *dout, *cs, *sn;
@@ -86,6 +56,8 @@ static void run_ew(void *c_, float *o) {
                     *sw = impl_of(KERN_OP_SWIGLU, "neon");
     size_t nc = (size_t)c->N * c->C, rows = (size_t)c->B * c->T * c->nh, nq = rows * c->hd;
     float *p = o;
+    memset(p + 2 * nc + c->N, 0, (size_t)c->C * 4); /* the dw of each norm accumulates (+=) */
+    memset(p + 2 * nc + c->N + c->C + 2 * nq + rows, 0, (size_t)c->hd * 4);
     rn->fn.rmsnorm.fwd(p, p + nc, c->x, c->w, c->N, c->C, 1e-6f);
     memcpy(p + nc + c->N, c->dout, nc * 4);
     rn->fn.rmsnorm.bwd(p + nc + c->N, p + 2 * nc + c->N, c->dout, c->x, c->w, p + nc, c->N, c->C);
@@ -167,6 +139,8 @@ static void run_moe(void *c_, float *o) {
     float *out = o, *gate = out + nx, *up = gate + ns, *h = up + ns, *dx = h + ns, *dwg = dx + nx, *dwu = dwg + nw,
           *dwd = dwu + nw, *dtopw = dwd + nw;
     float *work = malloc((2 * S * c->H + 2 * ns) * 4);
+    memset(out, 0, nx * 4); /* out, dx and the weight gradients accumulate (+=) */
+    memset(dx, 0, (nx + 3 * nw) * 4);
     c->im->fn.moe.fwd(out, gate, up, h, work, c->x, c->wg, c->wu, c->wd, c->perm, c->pos, c->offsets, c->topw, c->N,
                       c->H, c->I, c->E, c->k);
     c->im->fn.moe.bwd(dx, dwg, dwu, dwd, dtopw, work, c->dout, c->x, c->wg, c->wu, c->wd, gate, up, h, c->perm,
