@@ -54,21 +54,21 @@ const char *ctitan_tensor_name(const ct_session *s, int i) {
 
 int ctitan_tensor_shape(const ct_session *s, int i, int64_t *shape) {
     if (i < 0 || i >= s->t.model.n_tensors) return -1;
-    const qwen3_tensor *t = &s->t.model.tensors[i];
+    const lm_tensor *t = &s->t.model.tensors[i];
     for (int d = 0; d < t->ndim; d++) shape[d] = t->shape[d];
     return t->ndim;
 }
 
-static const qwen3_tensor *find(ct_session *s, const char *name) {
-    const qwen3_tensor *t = qwen3_find(&s->t.model, name);
+static const lm_tensor *find(ct_session *s, const char *name) {
+    const lm_tensor *t = lm_find(&s->t.model, name);
     if (!t) ct_fail(&s->err, CT_ERR_CONFIG, "no tensor named \"%s\" in this model", name);
     return t;
 }
 
 int ctitan_get_param(ct_session *s, const char *name, float *out) {
-    const qwen3_tensor *t = find(s, name);
+    const lm_tensor *t = find(s, name);
     if (!t) return CT_ERR_CONFIG;
-    if (t->store != QWEN3_NO_STORE) /* a frozen tensor kept in bf16 */
+    if (t->store != LM_NO_STORE) /* a frozen tensor kept in bf16 */
         ct_convert_to_f32(out, s->t.model.fstore + t->store, CT_BF16, t->numel);
     else
         memcpy(out, s->t.model.params + t->offset, t->numel * sizeof(float));
@@ -76,14 +76,14 @@ int ctitan_get_param(ct_session *s, const char *name, float *out) {
 }
 
 int ctitan_set_param(ct_session *s, const char *name, const float *in) {
-    const qwen3_tensor *t = find(s, name);
+    const lm_tensor *t = find(s, name);
     if (!t) return CT_ERR_CONFIG;
-    qwen3_put_rows(&s->t.model, (int)(t - s->t.model.tensors), 0, t->numel / qwen3_tensor_cols(t), in);
+    lm_put_rows(&s->t.model, (int)(t - s->t.model.tensors), 0, t->numel / lm_tensor_cols(t), in);
     return 0;
 }
 
 int ctitan_get_grad(ct_session *s, const char *name, float *out) {
-    const qwen3_tensor *t = find(s, name);
+    const lm_tensor *t = find(s, name);
     if (!t) return CT_ERR_CONFIG;
     if (t->frozen) return ct_fail(&s->err, CT_ERR_CONFIG, "%s: frozen: it has no gradient", name);
     memcpy(out, s->t.model.grads + t->offset, t->numel * sizeof(float));
@@ -91,7 +91,7 @@ int ctitan_get_grad(ct_session *s, const char *name, float *out) {
 }
 
 static int check_batch(ct_session *s, const int32_t *tokens, const int32_t *labels, int B, int T) {
-    const qwen3_model *m = &s->t.model;
+    const lm_model *m = &s->t.model;
     if (B < 1 || T < 1 || B > m->B || T > m->T)
         return ct_fail(&s->err, CT_ERR_CONFIG, "batch %d x %d does not fit the planned %d x %d", B, T, m->B, m->T);
     for (long i = 0; i < (long)B * T; i++) {
@@ -106,7 +106,7 @@ static int check_batch(ct_session *s, const int32_t *tokens, const int32_t *labe
 int ctitan_logits(ct_session *s, const int32_t *tokens, int B, int T, float *logits) {
     int rc = check_batch(s, tokens, NULL, B, T);
     if (rc) return rc;
-    qwen3_logits(&s->t.model, tokens, B, T, logits);
+    lm_logits(&s->t.model, tokens, B, T, logits);
     return 0;
 }
 
@@ -122,7 +122,7 @@ int ctitan_forward_backward(ct_session *s, const int32_t *tokens, const int32_t 
     if (n_valid_total < 1) return ct_fail(&s->err, CT_ERR_CONFIG, "n_valid_total must be positive");
     /* LoRA dropout: one mask set per optimizer step and micro-batch of it, as the trainer draws them */
     s->t.model.lora_seed = trainer_lora_seed(&s->t, s->t.step + 1, s->microbatch++);
-    double l = qwen3_forward_backward(&s->t.model, tokens, labels, B, T, 1.0f / (float)n_valid_total, NULL);
+    double l = lm_forward_backward(&s->t.model, tokens, labels, B, T, 1.0f / (float)n_valid_total, NULL);
     if (loss_sum) *loss_sum = l;
     return 0;
 }

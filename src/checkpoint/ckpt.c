@@ -416,19 +416,19 @@ int ckpt_is_model_only(const char *dir, ct_err *e) {
 /* Opens the stream of model.safetensors (file 0: every parameter) or
  * optim.safetensors (file 1: every "NAME.exp_avg", then every
  * "NAME.exp_avg_sq"), fp32, in m's table order. */
-static int ckpt_open_file(st_stream **out, const char *path, const qwen3_model *m, int file, ct_err *e) {
+static int ckpt_open_file(st_stream **out, const char *path, const lm_model *m, int file, ct_err *e) {
     int n = m->n_tensors;
     int nt = file ? 2 * n : n;
     st_wtensor *ts = ct_calloc((size_t)nt + 1, sizeof *ts);
-    char *names = file ? ct_malloc((size_t)nt * (QWEN3_NAME_MAX + 16)) : NULL;
+    char *names = file ? ct_malloc((size_t)nt * (LM_NAME_MAX + 16)) : NULL;
     for (int k = 0; k < (file ? 2 : 1); k++)
         for (int i = 0; i < n; i++) {
-            const qwen3_tensor *t = &m->tensors[i];
+            const lm_tensor *t = &m->tensors[i];
             st_wtensor *w = &ts[k * n + i];
             *w = (st_wtensor){.name = t->name, .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim};
             if (file) {
-                char *nm = names + (size_t)(k * n + i) * (QWEN3_NAME_MAX + 16);
-                snprintf(nm, QWEN3_NAME_MAX + 16, "%s.%s", t->name, k ? "exp_avg_sq" : "exp_avg");
+                char *nm = names + (size_t)(k * n + i) * (LM_NAME_MAX + 16);
+                snprintf(nm, LM_NAME_MAX + 16, "%s.%s", t->name, k ? "exp_avg_sq" : "exp_avg");
                 w->name = nm;
             }
             for (int d = 0; d < t->ndim; d++) w->shape[d] = t->shape[d];
@@ -505,7 +505,7 @@ static int ckpt_publish(const char *folder, const char *tmp, const char *final, 
 struct ckpt_stream {
     char folder[CKPT_PATH], tmp[CKPT_PATH], final[CKPT_PATH];
     int step, model_only;
-    const qwen3_model *m;
+    const lm_model *m;
     int file;        /* 0: model.safetensors, 1: optim.safetensors, 2: both done */
     size_t put;      /* floats of the current file put so far */
     st_stream *st;
@@ -521,7 +521,7 @@ static void ckpt_stream_free(ckpt_stream *s, int remove_tmp) {
     free(s);
 }
 
-int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const qwen3_model *m, int model_only,
+int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_model *m, int model_only,
                       ct_err *e) {
     *out = NULL;
     double t0 = ct_now();
@@ -609,7 +609,7 @@ int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_t
     }
     if (!rc) {
         names[n++] = "config.json";
-        if (!(rc = ckpt_join(p, s->tmp, "config.json", e))) rc = qwen3_config_write_hf(&s->m->cfg, p, "float32", e);
+        if (!(rc = ckpt_join(p, s->tmp, "config.json", e))) rc = lm_config_write_hf(&s->m->cfg, p, "float32", e);
         if (!rc) rc = ckpt_fsync_path(p, 0, e);
     }
     if (!rc) rc = ckpt_write_manifest(s->tmp, s->step, s->model_only, names, n, &total, e);
@@ -629,7 +629,7 @@ int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_t
     return 0;
 }
 
-int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *exp_avg, const float *exp_avg_sq,
+int ckpt_save(const char *folder, int step, const lm_model *m, const float *exp_avg, const float *exp_avg_sq,
               const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e) {
     if (step < 0) return ct_fail(e, CT_ERR_IO, "%s: checkpoint step %d is negative", folder, step);
     if (!exp_avg != !exp_avg_sq)
@@ -751,12 +751,12 @@ static void ckpt_shape_str(char *out, size_t cap, int ndim, const int64_t *shape
 
 /* Hands, for every model tensor T, the tensor "T" + suffix of file f to the
  * sink as `kind`, and checks that f holds nothing else. */
-static int ckpt_load_tensors(st_file *f, const qwen3_model *m, const char *suffix, const qwen3_sink *s, int kind,
+static int ckpt_load_tensors(st_file *f, const lm_model *m, const char *suffix, const lm_sink *s, int kind,
                              ct_err *e) {
     const char *path = st_path(f);
-    char nm[QWEN3_NAME_MAX + 16];
+    char nm[LM_NAME_MAX + 16];
     for (int i = 0; i < m->n_tensors; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
+        const lm_tensor *t = &m->tensors[i];
         snprintf(nm, sizeof nm, "%s%s", t->name, suffix);
         const st_tensor *st = st_find(f, nm);
         if (!st) return ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the model needs it)", path, nm);
@@ -772,7 +772,7 @@ static int ckpt_load_tensors(st_file *f, const qwen3_model *m, const char *suffi
         if (st->dtype != CT_F32)
             return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" is %s; checkpoints hold F32", path, nm,
                            ct_dtype_name(st->dtype));
-        s->put(s->ctx, kind, i, 0, t->numel / qwen3_tensor_cols(t), st->data); /* mapped: all rows at once */
+        s->put(s->ctx, kind, i, 0, t->numel / lm_tensor_cols(t), st->data); /* mapped: all rows at once */
         st_drop(st);
     }
     if (st_count(f) != m->n_tensors) {
@@ -783,7 +783,7 @@ static int ckpt_load_tensors(st_file *f, const qwen3_model *m, const char *suffi
             int ok = ls > lx && !strcmp(sn + ls - lx, suffix);
             if (ok) {
                 snprintf(nm, sizeof nm, "%.*s", (int)(ls - lx), sn);
-                ok = qwen3_find(m, nm) != NULL;
+                ok = lm_find(m, nm) != NULL;
             }
             if (!ok) return ct_fail(e, CT_ERR_FORMAT, "%s: unexpected tensor \"%s\" (not part of this model)", path, sn);
         }
@@ -792,9 +792,9 @@ static int ckpt_load_tensors(st_file *f, const qwen3_model *m, const char *suffi
 }
 
 /* The checkpoint must be for the same architecture as the model. */
-static int ckpt_check_config(const char *dir, const qwen3_config *mc, ct_err *e) {
-    qwen3_config c;
-    int rc = qwen3_config_from_hf(&c, dir, e);
+static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
+    lm_config c;
+    int rc = lm_config_from_hf(&c, dir, e);
     if (rc) return rc;
     char p[CKPT_PATH];
     if ((rc = ckpt_join(p, dir, "config.json", e))) return rc;
@@ -818,23 +818,23 @@ static int ckpt_check_config(const char *dir, const qwen3_config *mc, ct_err *e)
     CKPT_SAME(norm_topk_prob, "norm_topk_prob")
     CKPT_SAME(decoder_sparse_step, "decoder_sparse_step")
     for (int l = 0; l < c.n_layers; l++)
-        if (qwen3_layer_is_moe(&c, l) != qwen3_layer_is_moe(mc, l))
+        if (lm_layer_is_moe(&c, l) != lm_layer_is_moe(mc, l))
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is %s there but %s in the model being trained "
-                           "(mlp_only_layers)", p, l, qwen3_layer_is_moe(&c, l) ? "sparse" : "dense",
-                           qwen3_layer_is_moe(mc, l) ? "sparse" : "dense");
+                           "(mlp_only_layers)", p, l, lm_layer_is_moe(&c, l) ? "sparse" : "dense",
+                           lm_layer_is_moe(mc, l) ? "sparse" : "dense");
 #undef CKPT_SAME
     return 0;
 }
 
-int ckpt_load(const char *dir, qwen3_model *m, float *exp_avg, float *exp_avg_sq, char **state_json,
+int ckpt_load(const char *dir, lm_model *m, float *exp_avg, float *exp_avg_sq, char **state_json,
               ckpt_info *info, ct_err *e) {
-    qwen3_copy_ctx cc;
-    qwen3_sink s = qwen3_copy_sink(&cc, m, exp_avg, exp_avg_sq);
+    lm_copy_ctx cc;
+    lm_sink s = lm_copy_sink(&cc, m, exp_avg, exp_avg_sq);
     return ckpt_load_each(dir, m, exp_avg || exp_avg_sq, state_json, info, &s, e);
 }
 
-int ckpt_load_each(const char *dir, const qwen3_model *m, int moments, char **state_json, ckpt_info *info,
-                   const qwen3_sink *sink, ct_err *e) {
+int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state_json, ckpt_info *info,
+                   const lm_sink *sink, ct_err *e) {
     double t0 = ct_now();
     if (state_json) *state_json = NULL;
     ckpt_manifest man;
@@ -848,7 +848,7 @@ int ckpt_load_each(const char *dir, const qwen3_model *m, int moments, char **st
     if ((rc = ckpt_join(p, dir, "model.safetensors", e))) return rc;
     st_file *f = st_open(p, e);
     if (!f) return e ? e->code : CT_ERR_FORMAT;
-    rc = ckpt_load_tensors(f, m, "", sink, QWEN3_PARAMS, e);
+    rc = ckpt_load_tensors(f, m, "", sink, LM_PARAMS, e);
     st_close(f);
     if (rc) return rc;
     if (moments) {
@@ -856,10 +856,10 @@ int ckpt_load_each(const char *dir, const qwen3_model *m, int moments, char **st
         if (!(f = st_open(p, e))) return e ? e->code : CT_ERR_FORMAT;
         /* the file holds both moments: check each half, then that nothing else is there */
         const char *sfx[2] = {".exp_avg", ".exp_avg_sq"};
-        char nm[QWEN3_NAME_MAX + 16];
+        char nm[LM_NAME_MAX + 16];
         for (int k = 0; k < 2 && !rc; k++)
             for (int i = 0; i < m->n_tensors && !rc; i++) {
-                const qwen3_tensor *t = &m->tensors[i];
+                const lm_tensor *t = &m->tensors[i];
                 snprintf(nm, sizeof nm, "%s%s", t->name, sfx[k]);
                 const st_tensor *st = st_find(f, nm);
                 if (!st) {
@@ -876,7 +876,7 @@ int ckpt_load_each(const char *dir, const qwen3_model *m, int moments, char **st
                                  ct_dtype_name(st->dtype), got, want);
                     break;
                 }
-                sink->put(sink->ctx, k ? QWEN3_EXP_AVG_SQ : QWEN3_EXP_AVG, i, 0, t->numel / qwen3_tensor_cols(t),
+                sink->put(sink->ctx, k ? LM_EXP_AVG_SQ : LM_EXP_AVG, i, 0, t->numel / lm_tensor_cols(t),
                           st->data);
                 st_drop(st);
             }
@@ -888,7 +888,7 @@ int ckpt_load_each(const char *dir, const qwen3_model *m, int moments, char **st
                     size_t ls = strlen(sn), lx = strlen(sfx[k]);
                     if (ls > lx && !strcmp(sn + ls - lx, sfx[k])) {
                         snprintf(nm, sizeof nm, "%.*s", (int)(ls - lx), sn);
-                        ok = qwen3_find(m, nm) != NULL;
+                        ok = lm_find(m, nm) != NULL;
                     }
                 }
                 if (!ok) rc = ct_fail(e, CT_ERR_FORMAT, "%s: unexpected tensor \"%s\" (not part of this model)", p, sn);

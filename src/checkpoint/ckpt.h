@@ -21,7 +21,7 @@
 #include <stdint.h>
 
 #include "core/err.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 #define CKPT_FORMAT "ctitan-checkpoint"
 #define CKPT_VERSION 1
@@ -42,7 +42,7 @@ typedef struct {
  * checkpoint. state_json and config_toml are stored verbatim when non-NULL.
  * On any failure nothing under FOLDER but the temp dir changed, and the temp
  * dir is removed; the error names the path. info may be NULL. */
-int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *exp_avg, const float *exp_avg_sq,
+int ckpt_save(const char *folder, int step, const lm_model *m, const float *exp_avg, const float *exp_avg_sq,
               const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e);
 
 /* ckpt_save in steps, for callers that never hold the whole state: begin
@@ -55,7 +55,7 @@ int ckpt_save(const char *folder, int step, const qwen3_model *m, const float *e
  * error, or to give up, abort removes the temp dir; end frees the stream
  * whatever it returns. */
 typedef struct ckpt_stream ckpt_stream;
-int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const qwen3_model *m, int model_only,
+int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_model *m, int model_only,
                       ct_err *e);
 int ckpt_stream_put(ckpt_stream *s, const float *x, size_t n, ct_err *e);
 int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e);
@@ -85,15 +85,15 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
  * checkpoint), and state.json into *state_json (malloc'd; NULL when the
  * checkpoint has none) when state_json is non-NULL. The checkpoint's
  * config.json must describe the same architecture as m->cfg. info may be NULL. */
-int ckpt_load(const char *dir, qwen3_model *m, float *exp_avg, float *exp_avg_sq, char **state_json,
+int ckpt_load(const char *dir, lm_model *m, float *exp_avg, float *exp_avg_sq, char **state_json,
               ckpt_info *info, ct_err *e);
 /* The same checks, with every tensor handed to `sink` (tensor index of m's
  * table, the whole model's; m's buffers are not touched, so m may be a bare
- * qwen3_layout) instead of copied: the parameters, then, when `moments`, every
+ * lm_layout) instead of copied: the parameters, then, when `moments`, every
  * exp_avg and every exp_avg_sq. Each tensor's data lives in the mapped file
  * during the call, so nothing whole-model-sized is allocated. */
-int ckpt_load_each(const char *dir, const qwen3_model *m, int moments, char **state_json, ckpt_info *info,
-                   const qwen3_sink *sink, ct_err *e);
+int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state_json, ckpt_info *info,
+                   const lm_sink *sink, ct_err *e);
 
 /* Keeps the newest keep_latest_k complete full checkpoints (k <= 0: keeps
  * all; model-only ones do not count) and removes every step-N older than the

@@ -27,24 +27,24 @@ static void shape_str(char *out, size_t cap, int ndim, const int64_t *shape) {
     if (k < cap) snprintf(out + k, cap - k, "]");
 }
 
-int hf_load(qwen3_model *m, const char *dir, ct_err *e) {
-    qwen3_copy_ctx cc;
-    qwen3_sink sink = qwen3_copy_sink(&cc, m, NULL, NULL);
+int hf_load(lm_model *m, const char *dir, ct_err *e) {
+    lm_copy_ctx cc;
+    lm_sink sink = lm_copy_sink(&cc, m, NULL, NULL);
     return hf_load_each(m, dir, &sink, e);
 }
 
-int hf_load_each(const qwen3_model *m, const char *dir, const qwen3_sink *sink, ct_err *e) {
+int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err *e) {
     st_set *s = st_set_open(dir, e);
     if (!s) return e ? e->code : CT_ERR_IO;
     int rc = 0;
     size_t most = 1;
     for (int i = 0; i < m->n_tensors; i++) {
-        size_t b = qwen3_block_rows(&m->tensors[i]) * qwen3_tensor_cols(&m->tensors[i]);
+        size_t b = lm_block_rows(&m->tensors[i]) * lm_tensor_cols(&m->tensors[i]);
         most = b > most ? b : most;
     }
     float *buf = ct_malloc(most * sizeof(float)); /* [block] rows converted to fp32 a block at a time */
     for (int i = 0; i < m->n_tensors && !rc; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
+        const lm_tensor *t = &m->tensors[i];
         if (t->lora) continue; /* adapters are not part of an HF model (model/lora.h loads them) */
         const char *file = NULL;
         const st_tensor *st = st_set_find(s, t->name, &file);
@@ -62,7 +62,7 @@ int hf_load_each(const qwen3_model *m, const char *dir, const qwen3_sink *sink, 
                          want);
             break;
         }
-        size_t cols = qwen3_tensor_cols(t), rows = t->numel / cols, step = qwen3_block_rows(t);
+        size_t cols = lm_tensor_cols(t), rows = t->numel / cols, step = lm_block_rows(t);
         size_t es = ct_dtype_size(st->dtype);
         for (size_t r0 = 0; r0 < rows && !rc; r0 += step) {
             size_t r1 = r0 + step < rows ? r0 + step : rows;
@@ -70,14 +70,14 @@ int hf_load_each(const qwen3_model *m, const char *dir, const qwen3_sink *sink, 
                 rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64",
                              file, t->name, ct_dtype_name(st->dtype));
             else
-                sink->put(sink->ctx, QWEN3_PARAMS, i, r0, r1, buf);
+                sink->put(sink->ctx, LM_PARAMS, i, r0, r1, buf);
         }
         st_drop(st);
     }
     free(buf);
     for (int i = 0; i < st_set_count(s) && !rc; i++) {
         const st_tensor *st = st_set_get(s, i);
-        if (qwen3_find(m, st->name)) continue;
+        if (lm_find(m, st->name)) continue;
         if (m->cfg.tie_embeddings && strcmp(st->name, "lm_head.weight") == 0) continue; /* tied: the embedding wins */
         const char *file = NULL;
         st_set_find(s, st->name, &file);
@@ -88,13 +88,13 @@ int hf_load_each(const qwen3_model *m, const char *dir, const qwen3_sink *sink, 
     return rc;
 }
 
-int hf_save(const qwen3_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e) {
+int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e) {
     int rc = ct_mkdirs(dir, e);
     if (rc) return rc;
     st_wtensor *ts = ct_calloc((size_t)m->n_tensors, sizeof *ts);
     int n = 0;
     for (int j = 0; j < m->n_tensors; j++) {
-        const qwen3_tensor *t = &m->tensors[j];
+        const lm_tensor *t = &m->tensors[j];
         if (t->lora) continue; /* an HF model has no adapters: the base alone (to fold them in: lora_merge first) */
         int i = n++;
         ts[i].name = t->name;
@@ -112,5 +112,5 @@ int hf_save(const qwen3_model *m, const char *dir, ct_dtype dtype, size_t max_sh
     if (rc) return rc;
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
-    return qwen3_config_write_hf(&m->cfg, path, torch_dtype_name(dtype), e);
+    return lm_config_write_hf(&m->cfg, path, torch_dtype_name(dtype), e);
 }

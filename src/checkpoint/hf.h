@@ -10,15 +10,15 @@
 
 #include "core/dtype.h"
 #include "core/err.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
-int hf_load(qwen3_model *m, const char *dir, ct_err *e);
+int hf_load(lm_model *m, const char *dir, ct_err *e);
 /* The same checks, each tensor converted to fp32 in turn and handed to sink
- * (m's buffers untouched: m may be a bare qwen3_layout). */
-int hf_load_each(const qwen3_model *m, const char *dir, const qwen3_sink *sink, ct_err *e);
+ * (m's buffers untouched: m may be a bare lm_layout). */
+int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err *e);
 /* Writes DIR/config.json and DIR/model.safetensors (sharded with an index
  * above max_shard_bytes; 0 = default 5 GB). dtype: CT_F32, CT_BF16 or CT_F16. */
-int hf_save(const qwen3_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e);
+int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e);
 /* "float32" | "bfloat16" | "float16" -> dtype; -1 if unknown. */
 int hf_dtype_from_name(const char *name);
 

@@ -29,7 +29,7 @@
 #include "core/timer.h"
 #include "formats/toml.h"
 #include "model/lora.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 #define EXP_DEFAULT_SHARD 5000000000ull /* "5GB" as transformers reads it */
 
@@ -238,8 +238,8 @@ int cli_export(int argc, char **argv) {
     }
     if (exp_same_file(ckdir, a.out)) return cli_fail(2, "--out %s: is the checkpoint directory itself", a.out);
 
-    qwen3_config c;
-    qwen3_model m = {0};
+    lm_config c;
+    lm_model m = {0};
     /* a LoRA run's checkpoint holds the trained tensors (its adapter), not the frozen base: merging
      * takes the base from its HF directory (hf_base) and the adapter from --adapter */
     char apath[4200];
@@ -254,8 +254,8 @@ int cli_export(int argc, char **argv) {
                            "adapter as --adapter DIR");
     double alpha;
     int rslora;
-    if ((rc = qwen3_config_from_hf(&c, ckdir, &e)) || (hf_base && (rc = lora_read_config(a.adapter, &c, &alpha, &rslora, &e))) ||
-        (rc = qwen3_create(&m, &c, 1, 1, &e)))
+    if ((rc = lm_config_from_hf(&c, ckdir, &e)) || (hf_base && (rc = lora_read_config(a.adapter, &c, &alpha, &rslora, &e))) ||
+        (rc = lm_create(&m, &c, 1, 1, &e)))
         return cli_fail(rc == CT_ERR_CONFIG ? 2 : 1, "%s", e.msg);
     ckpt_info info = {0};
     if (hf_base) { /* the base from its HF files, the adapter from its PEFT directory */
@@ -264,13 +264,13 @@ int cli_export(int argc, char **argv) {
         rc = ckpt_load(ckdir, &m, NULL, NULL, NULL, &info, &e); /* verifies sizes and checksums first */
     }
     if (!rc && hf_base) {
-        qwen3_copy_ctx cc;
-        qwen3_sink sink = qwen3_copy_sink(&cc, &m, NULL, NULL);
+        lm_copy_ctx cc;
+        lm_sink sink = lm_copy_sink(&cc, &m, NULL, NULL);
         if (!(rc = lora_load_peft_each(&m, a.adapter, &sink, &e))) lora_merge(&m);
     }
     if (!rc) rc = hf_save(&m, a.out, (ct_dtype)hf_dtype_from_name(a.dtype), (size_t)a.max_shard, &e);
-    size_t n_params = qwen3_num_params(&m);
-    qwen3_free(&m);
+    size_t n_params = lm_num_params(&m);
+    lm_free(&m);
     if (rc) return cli_fail(1, "%s", e.msg);
     printf("ctitan export: %s (step %d, %zu parameters%s) -> %s as %s\n", ckdir, info.step, n_params,
            hf_base ? ", LoRA adapter merged" : "", a.out, a.dtype);

@@ -28,7 +28,7 @@
 #include "cli/cli.h"
 #include "core/timer.h"
 #include "model/generate.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 #include "tokenizer/tokenizer.h"
 
 typedef struct {
@@ -257,14 +257,14 @@ int cli_generate(int argc, char **argv) {
     }
 
     ct_err e = {0};
-    qwen3_config cfg;
+    lm_config cfg;
     gen_model *gm = NULL;
     tok *t = NULL;
     int32_t *out = NULL;
     int n_out = 0;
     double t0 = ct_now();
 
-    rc = qwen3_config_from_hf(&cfg, a.checkpoint, &e);
+    rc = lm_config_from_hf(&cfg, a.checkpoint, &e);
     /* train reports config.json problems as config errors (exit 2); here the
      * file is an input like the weights, so they exit 1 as file errors */
     if (rc == CT_ERR_CONFIG) rc = CT_ERR_FORMAT;

@@ -26,7 +26,7 @@
 #include "checkpoint/hf.h"
 #include "cli/args.h"
 #include "cli/cli.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 typedef struct {
     const char *hf, *out;
@@ -105,17 +105,17 @@ int cli_import(int argc, char **argv) {
         return cli_fail(1, "%s: already exists; not overwriting it (remove it or choose --step)", final);
 
     ct_err e = {0};
-    qwen3_config c;
-    qwen3_model m = {0};
+    lm_config c;
+    lm_model m = {0};
     char cfg_path[4200];
     snprintf(cfg_path, sizeof cfg_path, "%s/config.json", a.hf);
     if (access(cfg_path, R_OK) != 0)
         return cli_fail(1, "--hf %s: no readable config.json (not a Hugging Face model directory)", a.hf);
     /* the file is the problem, not the command line: exit 1 whatever the code */
-    if ((rc = qwen3_config_from_hf(&c, a.hf, &e))) return cli_fail(1, "%s", e.msg);
-    if ((rc = qwen3_create(&m, &c, 1, 1, &e))) return cli_fail(1, "%s", e.msg);
+    if ((rc = lm_config_from_hf(&c, a.hf, &e))) return cli_fail(1, "%s", e.msg);
+    if ((rc = lm_create(&m, &c, 1, 1, &e))) return cli_fail(1, "%s", e.msg);
     if ((rc = hf_load(&m, a.hf, &e))) {
-        qwen3_free(&m);
+        lm_free(&m);
         return cli_fail(1, "%s", e.msg);
     }
     char abs[PATH_MAX], esc[3 * PATH_MAX], toml[4 * PATH_MAX];
@@ -127,8 +127,8 @@ int cli_import(int argc, char **argv) {
              esc);
     ckpt_info info = {0};
     rc = ckpt_save(a.out, a.step, &m, NULL, NULL, NULL, toml, &info, &e);
-    size_t n_params = qwen3_num_params(&m);
-    qwen3_free(&m);
+    size_t n_params = lm_num_params(&m);
+    lm_free(&m);
     if (rc) return cli_fail(1, "%s", e.msg);
     printf("ctitan import: %s (%zu parameters) -> %s (model only, %.1f MB, %.2f s)\n", a.hf, n_params, info.dir,
            (double)info.bytes / 1e6, info.seconds);

@@ -771,7 +771,7 @@ int cfg_validate(const ct_config *c, ct_err *e) {
                        "of training.local_batch_size (%d)",
                        src, c->global_batch_size, c->local_batch_size);
     {
-        /* "op" or a whole number >= 1 (checked again by qwen3_create_ac) */
+        /* "op" or a whole number >= 1 (checked again by lm_create_ac) */
         const char *o = c->ac_selective_option;
         int ok = strcmp(o, "op") == 0 || (o[0] >= '1' && o[0] <= '9');
         for (const char *p = o; ok && strcmp(o, "op") != 0 && *p; p++) ok = *p >= '0' && *p <= '9';

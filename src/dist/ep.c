@@ -15,10 +15,10 @@
  * another order made every activation after the first MoE layer differ from
  * one process in the last bit (measured: 5.2e-5 on the final embedding).
  *
- * Activation checkpointing (model/qwen3.h QWEN3_AC_*): the layers under
- * QWEN3_AC_FULL share one set of dispatch buffers, refilled by the forward
+ * Activation checkpointing (model/lm.h LM_AC_*): the layers under
+ * LM_AC_FULL share one set of dispatch buffers, refilled by the forward
  * that the model reruns before the layer's backward (the rerun passes out =
- * NULL: no down projection, nothing sent back); under QWEN3_AC_OP a layer
+ * NULL: no down projection, nothing sent back); under LM_AC_OP a layer
  * keeps its received rows and gate/up and h is rebuilt from them before the
  * backward, as the model does with its own h. Buffers are sized for the worst
  * case (every rank sends all its rows here): ep x the local rows. */
@@ -34,7 +34,7 @@ struct ep_layer {
     size_t *scnt, *sdsp, *rcnt, *rdsp; /* [ep] rows sent to / received from each rank */
     int32_t *off;                      /* [ep, El+1] each source's rows per local expert, as offsets in its block */
     int R;                             /* rows received */
-    int held;                          /* the layer whose rows these are (shared under QWEN3_AC_FULL) */
+    int held;                          /* the layer whose rows these are (shared under LM_AC_FULL) */
     float *xr;                         /* [Rmax, H] received inputs */
     float *gate, *up, *h;              /* [Rmax, Im] the experts' activations */
     float *wr;                         /* [Rmax] routing weight of each received row */
@@ -60,11 +60,11 @@ static void ep_move(ep_layout *p, ep_scratch *s, float *out, const float *in, co
     comm_all_to_allv(p->c, out, s->a, s->b, in, s->c, s->d, COMM_F32);
 }
 
-static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route *r, const qwen3_layer_w *w, int N) {
+static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route *r, const lm_layer_w *w, int N) {
     ep_layout *p = ctx;
     ep_scratch s = *p->s;
     ep_layer *L = p->layers[l];
-    const qwen3_config *c = &p->m->cfg;
+    const lm_config *c = &p->m->cfg;
     int H = c->hidden, Im = c->moe_intermediate, k = c->top_k, El = p->El, P = p->c->size, me = p->c->rank;
     long S = (long)N * k;
     for (long row = 0; row < S; row++) {
@@ -111,12 +111,12 @@ static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route
     }
 }
 
-static void ep_bwd(void *ctx, int l, float *dx, qwen3_layer_w *g, float *dtopw, const float *dout,
-                   const moe_route *r, const qwen3_layer_w *w, int N) {
+static void ep_bwd(void *ctx, int l, float *dx, lm_layer_w *g, float *dtopw, const float *dout,
+                   const moe_route *r, const lm_layer_w *w, int N) {
     ep_layout *p = ctx;
     ep_scratch s = *p->s;
     ep_layer *L = p->layers[l];
-    const qwen3_config *c = &p->m->cfg;
+    const lm_config *c = &p->m->cfg;
     int H = c->hidden, Im = c->moe_intermediate, k = c->top_k, El = p->El, P = p->c->size, me = p->c->rank;
     if (L->held != l) {
         /* a checkpointed layer's backward without its rerun forward: a bug, not an input */
@@ -126,7 +126,7 @@ static void ep_bwd(void *ctx, int l, float *dx, qwen3_layer_w *g, float *dtopw, 
     }
     long S = (long)N * k;
     size_t R = (size_t)L->R;
-    if (p->m->acts[l].ac == QWEN3_AC_OP) /* h was not kept: silu(gate) up, as the kernels compute it */
+    if (p->m->acts[l].ac == LM_AC_OP) /* h was not kept: silu(gate) up, as the kernels compute it */
         op_swiglu_fwd(L->h, L->gate, L->up, (int)(R * Im));
     for (long row = 0; row < S; row++) /* each row's token's d output; the owner weights it */
         memcpy(s.xs + (size_t)row * H, dout + (size_t)(r->perm[row] / k) * H, (size_t)H * sizeof(float));
@@ -177,10 +177,10 @@ static void layer_release(ep_layer *y) {
     free(y->wr);
 }
 
-int ep_init(ep_layout *p, qwen3_model *m, ct_comm *c, ct_err *e) {
+int ep_init(ep_layout *p, lm_model *m, ct_comm *c, ct_err *e) {
     (void)e;
     memset(p, 0, sizeof *p);
-    const qwen3_config *cf = &m->cfg;
+    const lm_config *cf = &m->cfg;
     int P = c->size, L = cf->n_layers, H = cf->hidden, Im = cf->moe_intermediate;
     p->m = m;
     p->c = c;
@@ -190,14 +190,14 @@ int ep_init(ep_layout *p, qwen3_model *m, ct_comm *c, ct_err *e) {
     p->layers = ct_calloc((size_t)L + 1, sizeof(ep_layer *));
     p->sets = ct_calloc((size_t)L + 1, sizeof(ep_layer));
     int any_op = 0;
-    for (int l = 0; l < L; l++) any_op |= qwen3_layer_is_moe(cf, l) && m->acts[l].ac == QWEN3_AC_OP;
+    for (int l = 0; l < L; l++) any_op |= lm_layer_is_moe(cf, l) && m->acts[l].ac == LM_AC_OP;
     if (any_op) p->h_op = ct_calloc(R * Im + 1, sizeof(float));
     for (int l = 0; l < L; l++) {
-        if (!qwen3_layer_is_moe(cf, l)) continue;
+        if (!lm_layer_is_moe(cf, l)) continue;
         int ac = m->acts[l].ac;
-        /* QWEN3_AC_FULL: all rerun before their backward, so one set serves them in turn */
-        ep_layer *y = &p->sets[ac == QWEN3_AC_FULL ? L : l];
-        if (!y->scnt) layer_alloc(y, P, p->El, R, H, Im, ac == QWEN3_AC_OP ? p->h_op : NULL);
+        /* LM_AC_FULL: all rerun before their backward, so one set serves them in turn */
+        ep_layer *y = &p->sets[ac == LM_AC_FULL ? L : l];
+        if (!y->scnt) layer_alloc(y, P, p->El, R, H, Im, ac == LM_AC_OP ? p->h_op : NULL);
         p->layers[l] = y;
     }
     ep_scratch *s = p->s = ct_calloc(1, sizeof(ep_scratch));
@@ -214,7 +214,7 @@ int ep_init(ep_layout *p, qwen3_model *m, ct_comm *c, ct_err *e) {
     s->a = ct_calloc(4 * (size_t)P, sizeof(size_t));
     s->b = s->a + P, s->c = s->b + P, s->d = s->c + P;
     p->work = ct_calloc(KERN_MOE_WORK(R, H, Im), sizeof(float));
-    p->d = (qwen3_moe_dispatch){p, ep_fwd, ep_bwd};
+    p->d = (lm_moe_dispatch){p, ep_fwd, ep_bwd};
     m->moe_ep = &p->d;
     return 0;
 }

@@ -7,32 +7,32 @@
  * routing weight), and the weighted outputs come back to be summed as on
  * one rank.
  * The backward mirrors it. A rank stores only its experts' weights,
- * gradients and moments (qwen3_config.expert_rows, set by dist/tp.h's local
+ * gradients and moments (lm_config.expert_rows, set by dist/tp.h's local
  * config); their gradients are summed over the ranks that hold the same
  * experts only (mesh.edp), and a checkpoint gathers them (tp_gather_range). */
 #ifndef CT_DIST_EP_H
 #define CT_DIST_EP_H
 
 #include "dist/comm.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 typedef struct ep_layer ep_layer;
 typedef struct ep_scratch ep_scratch;
 
 typedef struct {
-    qwen3_model *m;
+    lm_model *m;
     ct_comm *c;        /* the EP group */
     int El;            /* experts per rank */
     int Nmax;          /* tokens of the largest forward (B x T) */
-    ep_layer **layers; /* [L] what a MoE layer's backward needs (one set for all QWEN3_AC_FULL layers) */
-    ep_layer *sets;    /* [L + 1] the sets: [l] layer l's own, [L] the QWEN3_AC_FULL layers' */
+    ep_layer **layers; /* [L] what a MoE layer's backward needs (one set for all LM_AC_FULL layers) */
+    ep_layer *sets;    /* [L + 1] the sets: [l] layer l's own, [L] the LM_AC_FULL layers' */
     ep_scratch *s;     /* buffers used within one call */
-    float *h_op;       /* [Rmax, Im] h of the QWEN3_AC_OP layers, rebuilt before each backward */
+    float *h_op;       /* [Rmax, Im] h of the LM_AC_OP layers, rebuilt before each backward */
     float *work;       /* experts kernel scratch for the largest receive */
-    qwen3_moe_dispatch d;
+    lm_moe_dispatch d;
 } ep_layout;
 
-int ep_init(ep_layout *p, qwen3_model *m, ct_comm *c, ct_err *e);
+int ep_init(ep_layout *p, lm_model *m, ct_comm *c, ct_err *e);
 void ep_free(ep_layout *p);
 
 #endif

@@ -216,12 +216,12 @@ static void hook_post_backward(void *ctx, int l) {
     if (l == 0 && !f->tied) zero_grads(f, 0); /* the embedding's backward comes next */
 }
 
-int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err *e) {
+int fsdp_layer_range(const lm_model *m, int l, size_t *lo, size_t *hi, ct_err *e) {
     char prefix[64];
     int n = snprintf(prefix, sizeof prefix, "model.layers.%d.", l);
     size_t a = SIZE_MAX, b = 0, total = 0;
     for (int i = 0; i < m->n_tensors; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
+        const lm_tensor *t = &m->tensors[i];
         if (strncmp(t->name, prefix, (size_t)n) != 0) continue;
         if (t->offset < a) a = t->offset;
         if (t->offset + t->numel > b) b = t->offset + t->numel;
@@ -235,12 +235,12 @@ int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err
     return 0;
 }
 
-void fsdp_expert_range(const qwen3_model *m, int l, size_t *a, size_t *b) {
+void fsdp_expert_range(const lm_model *m, int l, size_t *a, size_t *b) {
     char prefix[64];
     int n = snprintf(prefix, sizeof prefix, "model.layers.%d.mlp.experts.", l);
     *a = SIZE_MAX, *b = 0;
     for (int i = 0; i < m->n_tensors; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
+        const lm_tensor *t = &m->tensors[i];
         if (strncmp(t->name, prefix, (size_t)n) != 0) continue;
         if (t->offset < *a) *a = t->offset;
         if (t->offset + t->numel > *b) *b = t->offset + t->numel;
@@ -248,7 +248,7 @@ void fsdp_expert_range(const qwen3_model *m, int l, size_t *a, size_t *b) {
     if (*a >= *b) *a = *b = 0;
 }
 
-int fsdp_cut(const qwen3_model *m, int split_experts, fsdp_piece *p, int *lp, ct_err *e) {
+int fsdp_cut(const lm_model *m, int split_experts, fsdp_piece *p, int *lp, ct_err *e) {
     int L = m->cfg.n_layers, np = 1;
     size_t prev = 0;
     p[0] = (fsdp_piece){.off = 0, .n = 0};
@@ -275,7 +275,7 @@ int fsdp_cut(const qwen3_model *m, int split_experts, fsdp_piece *p, int *lp, ct
     return np;
 }
 
-int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, ct_comm *expert_comm, int reshard, ct_err *e) {
+int fsdp_init(fsdp *f, lm_model *m, ct_comm *comm, ct_comm *expert_comm, int reshard, ct_err *e) {
     memset(f, 0, sizeof *f);
     int L = m->cfg.n_layers;
     f->m = m;
@@ -307,7 +307,7 @@ int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *comm, ct_comm *expert_comm, int 
     f->rep_piece = -1;
     fsdp_release_full(f, m->params);
     fsdp_release_full(f, m->grads);
-    f->hooks = (qwen3_hooks){f, hook_pre_forward, hook_post_forward, hook_pre_backward, hook_post_backward, NULL, NULL};
+    f->hooks = (lm_hooks){f, hook_pre_forward, hook_post_forward, hook_pre_backward, hook_post_backward, NULL, NULL};
     m->hooks = &f->hooks;
     return 0;
 }

@@ -13,7 +13,7 @@
  * virtual memory: a piece is all-gathered into its place just before it is
  * used and released afterwards with madvise(MADV_DONTNEED), which gives the
  * pages back (they read as zeros when touched again). The model's pointers
- * never change, so its code runs unmodified; qwen3_hooks say when a layer
+ * never change, so its code runs unmodified; lm_hooks say when a layer
  * starts and ends:
  *   before layer l forward  : gather its parameters
  *   after layer l forward   : free them if reshard_after_forward (or forward only)
@@ -39,7 +39,7 @@
 
 #include "core/err.h"
 #include "dist/comm.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 typedef struct {
     size_t off, n;      /* range of the flat buffer */
@@ -50,7 +50,7 @@ typedef struct {
 } fsdp_piece;
 
 typedef struct {
-    qwen3_model *m;
+    lm_model *m;
     ct_comm *comm;       /* the dp_shard group */
     int n_pieces;        /* L + 2, plus one per MoE layer under expert parallel */
     fsdp_piece *p;       /* [n_pieces] */
@@ -82,21 +82,21 @@ typedef struct {
     int rep_piece;       /* piece whose all-reduce is in flight (-1: none) */
     comm_req rep_req;
     int in_layer;        /* the backward hook of a layer with layers below it is running */
-    qwen3_hooks hooks;
+    lm_hooks hooks;
     double comm_s;       /* seconds in collectives since the last fsdp_take_comm_time */
 } fsdp;
 
 /* [lo, hi) of layer l's tensors in the flat buffer; an error unless contiguous. */
-int fsdp_layer_range(const qwen3_model *m, int l, size_t *lo, size_t *hi, ct_err *e);
+int fsdp_layer_range(const lm_model *m, int l, size_t *lo, size_t *hi, ct_err *e);
 /* [a, b) of layer l's experts' tensors (every expert's name, held or not); a == b: none. */
-void fsdp_expert_range(const qwen3_model *m, int l, size_t *a, size_t *b);
+void fsdp_expert_range(const lm_model *m, int l, size_t *a, size_t *b);
 /* The pieces fsdp_init cuts m's flat buffer into, from its tensor table
  * alone (no communicators; --dry-run plans with it): p[2 L + 2] gets off,
  * n and experts (with split_experts, a MoE layer's experts are a piece of
  * their own), lp[L + 1] each layer's first piece (lp[L]: the head).
  * Returns the number of pieces, or -1 with *e set (tensors of a layer not
  * contiguous, or its experts not last). */
-int fsdp_cut(const qwen3_model *m, int split_experts, fsdp_piece *p, int *lp, ct_err *e);
+int fsdp_cut(const lm_model *m, int split_experts, fsdp_piece *p, int *lp, ct_err *e);
 /* Builds the pieces (an error names a layer whose tensors are not
  * contiguous), allocates the shard buffers (zeros: the caller fills
  * f->params with fsdp_take_range), gives back the pages of the full buffers
@@ -104,7 +104,7 @@ int fsdp_cut(const qwen3_model *m, int split_experts, fsdp_piece *p, int *lp, ct
  * expert parallel: the ranks of the FSDP group that hold the same experts. A MoE layer's experts
  * (the end of its range) are then a piece of their own, sharded over
  * expert_comm only, since the other ranks' ranges hold other experts. */
-int fsdp_init(fsdp *f, qwen3_model *m, ct_comm *shard_comm, ct_comm *expert_comm, int reshard_after_forward,
+int fsdp_init(fsdp *f, lm_model *m, ct_comm *shard_comm, ct_comm *expert_comm, int reshard_after_forward,
               ct_err *e);
 /* Of piece i, this rank's slice holds *cnt real (unpadded) floats from
  * position *lo of the piece. */

@@ -5,13 +5,13 @@
 
 #include <string.h>
 
-int mesh_resolve(const ct_config *c, int world, const qwen3_config *mc, const char *where, int *rep_out,
+int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char *where, int *rep_out,
                  int *shard_out, int *tp_out, ct_err *e) {
     int rep = c->dp_replicate, tp = c->tp, shard = c->dp_shard;
     /* the model's shape first: it does not depend on how many ranks were started */
     int dense = 0, sparse = 0; /* which MLP kinds the model has: only those are split */
     for (int l = 0; l < mc->n_layers; l++) {
-        if (qwen3_layer_is_moe(mc, l)) sparse = 1;
+        if (lm_layer_is_moe(mc, l)) sparse = 1;
         else dense = 1;
     }
     struct { const char *what; int n, used; } split[] = {
@@ -67,7 +67,7 @@ int mesh_resolve(const ct_config *c, int world, const qwen3_config *mc, const ch
     return 0;
 }
 
-int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const qwen3_config *mc, const char *where,
+int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const lm_config *mc, const char *where,
               ct_err *e) {
     memset(m, 0, sizeof *m);
     m->world = world;

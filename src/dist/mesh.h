@@ -18,7 +18,7 @@
 #include "config/config.h"
 #include "core/err.h"
 #include "dist/comm.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 typedef struct {
     ct_comm *world;
@@ -44,10 +44,10 @@ typedef struct {
  * size and experts.
  * Errors are CT_ERR_CONFIG naming the key and `where` (the config file).
  * Out: replicate, shard and tp degrees. */
-int mesh_resolve(const ct_config *c, int world_size, const qwen3_config *mc, const char *where, int *dp_replicate,
+int mesh_resolve(const ct_config *c, int world_size, const lm_config *mc, const char *where, int *dp_replicate,
                  int *dp_shard, int *tp, ct_err *e);
 /* Resolves, then builds the sub-communicators (collective over the world). */
-int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const qwen3_config *mc, const char *where,
+int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const lm_config *mc, const char *where,
               ct_err *e);
 void mesh_free(ct_mesh *m);
 

@@ -11,7 +11,7 @@
 
 #include "core/timer.h"
 
-void tp_local_config(qwen3_config *local, const qwen3_config *full, int t, int rank, int ep, int ep_rank) {
+void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, int ep, int ep_rank) {
     *local = *full;
     if (ep > 1) {
         local->expert_rows = full->n_experts / ep;
@@ -76,7 +76,7 @@ static void hook_post_backward(void *ctx, int l) {
     if (p->inner) p->inner->post_backward(p->inner->ctx, l);
 }
 
-void tp_init(tp_layout *p, const qwen3_config *full, ct_comm *group, int ep, int ep_rank) {
+void tp_init(tp_layout *p, const lm_config *full, ct_comm *group, int ep, int ep_rank) {
     memset(p, 0, sizeof *p);
     p->t = group->size;
     p->rank = group->rank;
@@ -93,22 +93,22 @@ void tp_free(tp_layout *p) {
     free(p->qk_before);
     free(p->sharded);
     free(p->expert);
-    for (int i = 0; p->ep_tables && i < p->ep; i++) qwen3_free(&p->ep_tables[i]);
+    for (int i = 0; p->ep_tables && i < p->ep; i++) lm_free(&p->ep_tables[i]);
     free(p->ep_tables);
     memset(p, 0, sizeof *p);
 }
 
-void tp_attach(tp_layout *p, qwen3_model *m) {
+void tp_attach(tp_layout *p, lm_model *m) {
     p->m = m;
     if (p->t == 1) return; /* expert parallel storage only: no collectives inside the model */
     p->inner = m->hooks;
-    p->hooks = (qwen3_hooks){p, hook_pre_forward, hook_post_forward, hook_pre_backward, hook_post_backward,
+    p->hooks = (lm_hooks){p, hook_pre_forward, hook_post_forward, hook_pre_backward, hook_post_backward,
                              hook_reduce_partial, hook_reduce_max};
     m->hooks = &p->hooks;
 }
 
 /* Rows and columns of a tensor (a vector is rows x 1). */
-static void dims(const qwen3_tensor *t, size_t *rows, size_t *cols) {
+static void dims(const lm_tensor *t, size_t *rows, size_t *cols) {
     *rows = (size_t)t->shape[0];
     *cols = t->ndim == 2 ? (size_t)t->shape[1] : 1;
 }
@@ -116,7 +116,7 @@ static void dims(const qwen3_tensor *t, size_t *rows, size_t *cols) {
 /* Copies rank r's slice of one tensor between its whole form (w) and its
  * local form (s): to_local 1 reads w, 0 writes it. An expert another EP
  * rank holds has no rows here: nothing moves. */
-static void move_slice(const qwen3_tensor *lt, float *s, const qwen3_tensor *ft, float *w, int r, int to_local) {
+static void move_slice(const lm_tensor *lt, float *s, const lm_tensor *ft, float *w, int r, int to_local) {
     size_t lr, lc, fr, fc;
     dims(lt, &lr, &lc);
     dims(ft, &fr, &fc);
@@ -133,7 +133,7 @@ static void move_slice(const qwen3_tensor *lt, float *s, const qwen3_tensor *ft,
     }
 }
 
-void tp_classify(tp_layout *p, const qwen3_model *lm, const qwen3_model *fm) {
+void tp_classify(tp_layout *p, const lm_model *lm, const lm_model *fm) {
     if (!p->sharded) p->sharded = ct_calloc((size_t)lm->n_tensors + 1, 1);
     if (!p->expert) p->expert = ct_calloc((size_t)lm->n_tensors + 1, 1);
     for (int i = 0; i < lm->n_tensors; i++) {
@@ -142,7 +142,7 @@ void tp_classify(tp_layout *p, const qwen3_model *lm, const qwen3_model *fm) {
     }
 }
 
-size_t tp_take_rows(const tp_layout *p, const qwen3_tensor *lt, const qwen3_tensor *ft, size_t r0, size_t r1,
+size_t tp_take_rows(const tp_layout *p, const lm_tensor *lt, const lm_tensor *ft, size_t r0, size_t r1,
                     const float *rows, float *tmp, const float **out, size_t *la) {
     size_t lr, lc, fr, fc;
     dims(lt, &lr, &lc);
@@ -167,12 +167,12 @@ size_t tp_take_rows(const tp_layout *p, const qwen3_tensor *lt, const qwen3_tens
 }
 
 /* Flat offset of tensor i of m's table; n_params for i == n_tensors. */
-static size_t tensor_start(const qwen3_model *m, int i) {
+static size_t tensor_start(const lm_model *m, int i) {
     return i < m->n_tensors ? m->tensors[i].offset : m->n_params;
 }
 
-void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const qwen3_model *fm, float *full,
-                     const qwen3_model *lm, const float *local) {
+void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const lm_model *fm, float *full,
+                     const lm_model *lm, const float *local) {
     int t = g->size, root = g->rank == 0;
     size_t n = tensor_start(lm, tb) - tensor_start(lm, ta); /* the same on every member: equal slices and
                                                              * expert counts */
@@ -193,16 +193,16 @@ void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const qwen3_model
                               * one EP index have the same shapes, so one table per EP index */
             p->ep_tables = ct_calloc((size_t)p->ep, sizeof *p->ep_tables);
             for (int x = 0; x < p->ep; x++) {
-                qwen3_config rcfg;
+                lm_config rcfg;
                 tp_local_config(&rcfg, &p->full, p->t, 0, p->ep, x);
-                qwen3_layout(&p->ep_tables[x], &rcfg);
+                lm_layout(&p->ep_tables[x], &rcfg);
             }
         }
         for (int r = 0; r < t; r++) {
-            const qwen3_model *rm = &p->ep_tables[r / p->t];
+            const lm_model *rm = &p->ep_tables[r / p->t];
             size_t rbase = tensor_start(rm, ta);
             for (int i = ta; i < tb; i++) {
-                const qwen3_tensor *lt = &rm->tensors[i], *ft = &fm->tensors[i];
+                const lm_tensor *lt = &rm->tensors[i], *ft = &fm->tensors[i];
                 /* the rest is the same on every EP rank, and under FSDP gathered on EP index 0 only */
                 if (r >= p->t && !p->expert[i]) continue;
                 move_slice(lt, all + (size_t)r * n + (lt->offset - rbase), ft, full + (ft->offset - fbase), r % p->t,
@@ -215,10 +215,10 @@ void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const qwen3_model
 }
 
 double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n, int which) {
-    const qwen3_model *m = p->m;
+    const lm_model *m = p->m;
     double sq = 0;
     for (int i = 0; i < m->n_tensors; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
+        const lm_tensor *t = &m->tensors[i];
         if ((which == TP_SQ_DENSE && p->expert[i]) || (which == TP_SQ_EXPERTS && !p->expert[i])) continue;
         size_t a = t->offset > lo ? t->offset : lo, b = t->offset + t->numel < lo + n ? t->offset + t->numel : lo + n;
         if (a >= b) continue;

@@ -1,6 +1,6 @@
 /* dist/tp.h: tensor parallelism (torchtitan's Qwen3 plan, dense and MoE).
  *
- * The model's math stays in model/qwen3.c, run on a LOCAL config: n_heads,
+ * The model's math stays in model/lm.c, run on a LOCAL config: n_heads,
  * n_kv_heads, intermediate and (untied) the lm_head's vocab_rows divided by
  * the degree t. This file decides
  * which slice of each whole tensor a rank holds and when a collective runs:
@@ -33,7 +33,7 @@
  *
  * Expert parallel storage uses the same slicing: under
  * expert_parallel_degree ep the local config also holds only experts
- * [ep_rank E/ep, (ep_rank + 1) E/ep) (qwen3_config.expert_rows); the other
+ * [ep_rank E/ep, (ep_rank + 1) E/ep) (lm_config.expert_rows); the other
  * experts' tensors have no elements. So this layout exists whenever t > 1 or
  * ep > 1; its hooks are installed only for t > 1. */
 #ifndef CT_DIST_TP_H
@@ -43,20 +43,20 @@
 
 #include "core/err.h"
 #include "dist/comm.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 typedef struct {
     int t, rank;              /* degree, and this rank's index in the group */
     int ep, ep_rank;          /* expert parallel degree and index (1, 0: every expert here) */
     ct_comm *comm;            /* the tensor-parallel group */
-    qwen3_config full;        /* the whole model */
-    qwen3_config local;       /* the slice this rank runs */
-    qwen3_model *m;           /* the local model, once attached */
-    const qwen3_hooks *inner; /* hooks installed before (FSDP's), called inside ours; NULL: none */
-    qwen3_hooks hooks;
+    lm_config full;        /* the whole model */
+    lm_config local;       /* the slice this rank runs */
+    lm_model *m;           /* the local model, once attached */
+    const lm_hooks *inner; /* hooks installed before (FSDP's), called inside ours; NULL: none */
+    lm_hooks hooks;
     char *sharded;            /* [n_tensors] 1: sliced over the group, 0: replicated (set by tp_classify) */
     char *expert;             /* [n_tensors] 1: an expert's tensor (held by one EP rank) */
-    qwen3_model *ep_tables;   /* [ep] tensor table of each EP index's ranks (every TP index of one
+    lm_model *ep_tables;   /* [ep] tensor table of each EP index's ranks (every TP index of one
                                * has the same), built on the first tp_gather_range that needs them */
     float *qk_before;         /* [4 * hd] a layer's q_norm, k_norm gradients before its backward; their deltas */
     double comm_s;            /* seconds in collectives since the last tp_take_comm_time */
@@ -66,21 +66,21 @@ typedef struct {
  * divided by t and, when lm_head is not tied, rank's 1/t of the vocabulary
  * rows; with ep > 1, only EP index ep_rank's experts (the caller checked
  * divisibility: mesh_resolve). */
-void tp_local_config(qwen3_config *local, const qwen3_config *full, int t, int rank, int ep, int ep_rank);
-void tp_init(tp_layout *p, const qwen3_config *full, ct_comm *group, int ep, int ep_rank);
+void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, int ep, int ep_rank);
+void tp_init(tp_layout *p, const lm_config *full, ct_comm *group, int ep, int ep_rank);
 void tp_free(tp_layout *p);
 /* Binds the local model m; for t > 1 installs the hooks on m (wrapping
  * whatever m->hooks holds now). */
-void tp_attach(tp_layout *p, qwen3_model *m);
+void tp_attach(tp_layout *p, lm_model *m);
 /* Learns, once, which tensors of the local table lm are sliced (against the
  * whole table fm) and which are experts' (for tp_sq_range). */
-void tp_classify(tp_layout *p, const qwen3_model *lm, const qwen3_model *fm);
+void tp_classify(tp_layout *p, const lm_model *lm, const lm_model *fm);
 /* Rows [r0, r1) of whole tensor ft (rows[(r1 - r0) x its columns]) -> this
  * rank's part of them: returns how many rows of the local tensor lt they
  * give (0: none, e.g. another EP rank's expert), from local row *la, at
  * *out (inside rows, or in tmp[(r1 - r0) x lt's columns] for a column
  * slice). */
-size_t tp_take_rows(const tp_layout *p, const qwen3_tensor *lt, const qwen3_tensor *ft, size_t r0, size_t r1,
+size_t tp_take_rows(const tp_layout *p, const lm_tensor *lt, const lm_tensor *ft, size_t r0, size_t r1,
                     const float *rows, float *tmp, const float **out, size_t *la);
 /* Collective over `g`, the ranks whose slices make up the whole model:
  * g's rank r is TP index r % t and EP index r / t (the TP group of the
@@ -90,8 +90,8 @@ size_t tp_take_rows(const tp_layout *p, const qwen3_tensor *lt, const qwen3_tens
  * offset); full on g's rank 0 receives the whole tensors (from fm's tensor
  * ta's offset; fm and full NULL elsewhere). A streamed checkpoint save
  * moves one layer at a time this way. */
-void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const qwen3_model *fm, float *full,
-                     const qwen3_model *lm, const float *local);
+void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const lm_model *fm, float *full,
+                     const lm_model *lm, const float *local);
 enum { TP_SQ_ALL, TP_SQ_DENSE, TP_SQ_EXPERTS };
 /* Sum of x[k]^2 over flat positions [lo, lo + n) of the local buffer, of
  * every tensor, or only the non-expert or the expert ones (`which`),

@@ -1,6 +1,6 @@
 /* model/generate.c: KV-cache inference and sampling for Qwen3 (see generate.h).
  *
- * The layer math is the training forward's (model/qwen3.c) restricted to the
+ * The layer math is the training forward's (model/lm.c) restricted to the
  * rows being fed, with two differences: K and V of each row go straight into
  * the cache at their absolute positions, and attention reads every cached
  * position up to the query's own instead of a T x T causal block. Only the
@@ -36,7 +36,7 @@ static float *gen_carve(float *base, size_t *used, size_t n) {
 }
 
 static size_t gen_layout(gen_state *g, float *base) {
-    const qwen3_config *c = &g->m->cfg;
+    const lm_config *c = &g->m->cfg;
     size_t L = (size_t)c->n_layers, H = (size_t)c->hidden, I = (size_t)c->intermediate, hd = (size_t)c->head_dim;
     size_t qd = (size_t)c->n_heads * hd, kvd = (size_t)c->n_kv_heads * hd, T = (size_t)g->max_len;
     size_t C = (size_t)g->chunk, used = 0;
@@ -72,7 +72,7 @@ static size_t gen_layout(gen_state *g, float *base) {
     return used;
 }
 
-int gen_init(gen_state *g, const qwen3_model *m, int max_len, ct_err *e) {
+int gen_init(gen_state *g, const lm_model *m, int max_len, ct_err *e) {
     memset(g, 0, sizeof *g);
     if (max_len < 1) return ct_fail(e, CT_ERR_CONFIG, "generate: the KV cache needs at least 1 position, got %d", max_len);
     g->m = m;
@@ -186,7 +186,7 @@ static void gen_attention_prefill(gen_state *g, float *out, const float *q, cons
 
 /* y[n, N] += B (scale A x[n, K]): a LoRA adapter of projection p beside its
  * base linear, unmerged as PEFT runs it (nothing when p has none). */
-static void gen_lora(const gen_state *g, const qwen3_layer_w *w, int p, float *y, const float *x, int n, int K, int N) {
+static void gen_lora(const gen_state *g, const lm_layer_w *w, int p, float *y, const float *x, int n, int K, int N) {
     if (w->lora_a[p])
         lora_apply(&g->m->k, y, g->lora_u, x, w->lora_a[p], w->lora_b[p], n, K, N, g->m->cfg.lora_rank,
                    g->m->cfg.lora_scale);
@@ -195,8 +195,8 @@ static void gen_lora(const gen_state *g, const qwen3_layer_w *w, int p, float *y
 /* One chunk of n <= g->chunk rows at positions g->pos .. g->pos+n-1. Leaves
  * the residual stream after the last layer in g->x [n, H]. */
 static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
-    const qwen3_model *m = g->m;
-    const qwen3_config *c = &m->cfg;
+    const lm_model *m = g->m;
+    const lm_config *c = &m->cfg;
     int H = c->hidden, I = c->intermediate, hd = c->head_dim, half = hd / 2;
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     float eps = (float)c->rms_eps;
@@ -205,7 +205,7 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
 
     g->m->k.embedding_fwd(g->x, tokens, m->w.wte, n, H);
     for (int l = 0; l < c->n_layers; l++) {
-        const qwen3_layer_w *w = &m->w.layer[l];
+        const lm_layer_w *w = &m->w.layer[l];
         float *kc = g->k_cache + (size_t)l * g->max_len * kvd; /* [max_len, nKV, hd] */
         float *vc = g->v_cache + (size_t)l * g->max_len * kvd;
         float *k = kc + (size_t)p0 * kvd, *v = vc + (size_t)p0 * kvd; /* [n, nKV*hd] rows being added */
@@ -216,9 +216,9 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
         g->m->k.matmul_fwd(g->qraw, g->xn, w->wq, n, H, qd, 0);
         g->m->k.matmul_fwd(g->kraw, g->xn, w->wk, n, H, kvd, 0);
         g->m->k.matmul_fwd(v, g->xn, w->wv, n, H, kvd, 0);
-        gen_lora(g, w, QWEN3_LORA_Q, g->qraw, g->xn, n, H, qd);
-        gen_lora(g, w, QWEN3_LORA_K, g->kraw, g->xn, n, H, kvd);
-        gen_lora(g, w, QWEN3_LORA_V, v, g->xn, n, H, kvd);
+        gen_lora(g, w, LM_LORA_Q, g->qraw, g->xn, n, H, qd);
+        gen_lora(g, w, LM_LORA_K, g->kraw, g->xn, n, H, kvd);
+        gen_lora(g, w, LM_LORA_V, v, g->xn, n, H, kvd);
         g->m->k.rmsnorm_fwd(g->q, g->rstd, g->qraw, w->qn, n * nH, hd, eps); /* per head */
         g->m->k.rmsnorm_fwd(k, g->rstd, g->kraw, w->kn, n * nKV, hd, eps);
         /* rope tables offset to p0: row t of the chunk is absolute position p0+t */
@@ -227,7 +227,7 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
         if (n >= GEN_GEMM_ROWS) gen_attention_prefill(g, g->att, g->q, kc, vc, p0, n, nH, nKV, hd);
         else gen_attention(g->att, g->q, kc, vc, g->scores, g->n_threads, p0, n, nH, nKV, hd, g->max_len);
         g->m->k.matmul_fwd(g->x, g->att, w->wo, n, qd, H, 1); /* x += o_proj(att) */
-        gen_lora(g, w, QWEN3_LORA_O, g->x, g->att, n, qd, H);
+        gen_lora(g, w, LM_LORA_O, g->x, g->att, n, qd, H);
         /* MLP block */
         g->m->k.rmsnorm_fwd(g->xn, g->rstd, g->x, w->ln2, n, H, eps);
         if (w->router) { /* sparse: x += sum_j w_j expert_j(xn), model/moe.h */
@@ -240,17 +240,17 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
         }
         g->m->k.matmul_fwd(g->gate, g->xn, w->wg, n, H, I, 0);
         g->m->k.matmul_fwd(g->up, g->xn, w->wu, n, H, I, 0);
-        gen_lora(g, w, QWEN3_LORA_GATE, g->gate, g->xn, n, H, I);
-        gen_lora(g, w, QWEN3_LORA_UP, g->up, g->xn, n, H, I);
+        gen_lora(g, w, LM_LORA_GATE, g->gate, g->xn, n, H, I);
+        gen_lora(g, w, LM_LORA_UP, g->up, g->xn, n, H, I);
         g->m->k.swiglu_fwd(g->h, g->gate, g->up, n * I);
         g->m->k.matmul_fwd(g->x, g->h, w->wd, n, I, H, 1); /* x += down(h) */
-        gen_lora(g, w, QWEN3_LORA_DOWN, g->x, g->h, n, I, H);
+        gen_lora(g, w, LM_LORA_DOWN, g->x, g->h, n, I, H);
     }
     g->pos += n;
 }
 
 int gen_forward(gen_state *g, const int32_t *tokens, int n, float *logits, ct_err *e) {
-    const qwen3_config *c = &g->m->cfg;
+    const lm_config *c = &g->m->cfg;
     if (n < 1) return ct_fail(e, CT_ERR_CONFIG, "generate: nothing to run (0 tokens)");
     if (n > g->max_len - g->pos)
         return ct_fail(e, CT_ERR_CONFIG, "generate: %d more tokens overflow the KV cache (%d of %d positions used)", n,
@@ -417,7 +417,7 @@ int gen_generate(gen_state *g, const int32_t *prompt, int n_prompt, const gen_op
 /* ------------------------------------------------------ inference model */
 
 struct gen_model {
-    qwen3_model m;
+    lm_model m;
     gen_state g;
 };
 
@@ -428,13 +428,13 @@ int gen_model_open(gen_model **out, const char *dir, int max_len, ct_err *e) {
 int gen_model_open_adapter(gen_model **out, const char *dir, const char *adapter, int max_len, ct_err *e) {
     *out = NULL;
     gen_model *gm = ct_calloc(1, sizeof *gm);
-    qwen3_config cfg;
+    lm_config cfg;
     double alpha;
     int rslora;
-    int rc = qwen3_config_from_hf(&cfg, dir, e);
+    int rc = lm_config_from_hf(&cfg, dir, e);
     if (!rc && adapter) rc = lora_read_config(adapter, &cfg, &alpha, &rslora, e);
     /* B = T = 1 keeps the training activation plan tiny */
-    if (!rc) rc = qwen3_create(&gm->m, &cfg, 1, 1, e);
+    if (!rc) rc = lm_create(&gm->m, &cfg, 1, 1, e);
     if (!rc) rc = kern_select(&gm->m.k, NULL, NULL, 0, e); /* the fastest kernels this CPU runs */
     if (!rc) {
         /* the gradient buffer is as large as the weights and inference never
@@ -446,8 +446,8 @@ int gen_model_open_adapter(gen_model **out, const char *dir, const char *adapter
         rc = hf_load(&gm->m, dir, e);
     }
     if (!rc && adapter) {
-        qwen3_copy_ctx cc;
-        qwen3_sink sink = qwen3_copy_sink(&cc, &gm->m, NULL, NULL);
+        lm_copy_ctx cc;
+        lm_sink sink = lm_copy_sink(&cc, &gm->m, NULL, NULL);
         rc = lora_load_peft_each(&gm->m, adapter, &sink, e);
     }
     if (!rc) rc = gen_init(&gm->g, &gm->m, max_len, e);
@@ -462,10 +462,10 @@ int gen_model_open_adapter(gen_model **out, const char *dir, const char *adapter
 void gen_model_close(gen_model *gm) {
     if (!gm) return;
     gen_free(&gm->g);
-    qwen3_free(&gm->m);
+    lm_free(&gm->m);
     free(gm);
 }
 
-const qwen3_config *gen_model_config(const gen_model *gm) { return &gm->m.cfg; }
+const lm_config *gen_model_config(const gen_model *gm) { return &gm->m.cfg; }
 int gen_model_vocab(const gen_model *gm) { return gm->m.cfg.vocab_size; }
 gen_state *gen_model_state(gen_model *gm) { return &gm->g; }

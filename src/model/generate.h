@@ -2,7 +2,7 @@
  *
  * Training plans activations for B x T and saves everything backward needs;
  * generation needs none of that. A gen_state borrows the weights of a
- * qwen3_model (read-only, fp32) and owns only what inference needs: the
+ * lm_model (read-only, fp32) and owns only what inference needs: the
  * per-layer K/V cache for max_len positions, RoPE tables for those absolute
  * positions, and scratch for one chunk of rows. The prompt is prefilled a
  * chunk of rows at a time through the same matmuls as training (so a long
@@ -26,10 +26,10 @@
 
 #include "core/err.h"
 #include "core/rng.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 typedef struct {
-    const qwen3_model *m; /* weights only; m->acts/grads are never used */
+    const lm_model *m; /* weights only; m->acts/grads are never used */
     int max_len;          /* positions the cache holds */
     int pos;              /* positions filled so far */
     int chunk;            /* rows processed at once by gen_forward */
@@ -63,7 +63,7 @@ typedef struct {
 
 /* Sizes the cache for max_len positions (prompt + new tokens). The model must
  * outlive the state. Fails (CT_ERR_CONFIG) on max_len < 1. */
-int gen_init(gen_state *g, const qwen3_model *m, int max_len, ct_err *e);
+int gen_init(gen_state *g, const lm_model *m, int max_len, ct_err *e);
 void gen_free(gen_state *g);
 /* Forgets the cached positions (a new sequence). */
 void gen_reset(gen_state *g);
@@ -127,7 +127,7 @@ int gen_model_open(gen_model **out, const char *dir, int max_len, ct_err *e);
  * the base weights, unmerged, as PeftModel runs it; adapter NULL: none. */
 int gen_model_open_adapter(gen_model **out, const char *dir, const char *adapter, int max_len, ct_err *e);
 void gen_model_close(gen_model *gm);
-const qwen3_config *gen_model_config(const gen_model *gm);
+const lm_config *gen_model_config(const gen_model *gm);
 int gen_model_vocab(const gen_model *gm);
 gen_state *gen_model_state(gen_model *gm);
 

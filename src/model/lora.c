@@ -1,9 +1,9 @@
 /* model/lora.c: LoRA's choices, PEFT's initialisation and adapter files.
  *
  * The math (y += scale B A drop(x) beside a linear, and its backward) is in
- * qwen3.c next to the linears it adapts; this file decides which tensors
+ * lm.c next to the linears it adapts; this file decides which tensors
  * are adapters or frozen and moves adapters in and out of PEFT's format,
- * through the same qwen3_sink the HF loader uses, so every parallel layout
+ * through the same lm_sink the HF loader uses, so every parallel layout
  * receives its part of them as it does any tensor. */
 #include "model/lora.h"
 
@@ -21,14 +21,14 @@
 #include "core/rng.h"
 #include "formats/safetensors.h"
 
-static const char *const target_names[QWEN3_LORA_N] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+static const char *const target_names[LM_LORA_N] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                                        "gate_proj", "up_proj", "down_proj"};
 #define PEFT_PREFIX "base_model.model."
 
-const char *lora_target_name(int p) { return p >= 0 && p < QWEN3_LORA_N ? target_names[p] : "?"; }
+const char *lora_target_name(int p) { return p >= 0 && p < LM_LORA_N ? target_names[p] : "?"; }
 
 static int target_index(const char *name) {
-    for (int p = 0; p < QWEN3_LORA_N; p++)
+    for (int p = 0; p < LM_LORA_N; p++)
         if (!strcmp(name, target_names[p])) return p;
     return -1;
 }
@@ -53,7 +53,7 @@ float lora_scaling(double alpha, int r, int rslora) {
     return (float)(rslora ? alpha / sqrt((double)r) : alpha / (double)r);
 }
 
-int lora_saved(const qwen3_tensor *t) { return t->lora || !t->frozen; }
+int lora_saved(const lm_tensor *t) { return t->lora || !t->frozen; }
 
 /* Whether tensor `name` lies in a module PEFT's modules_to_save entry
  * `item` selects: PEFT (_set_trainable) takes every module whose path ends
@@ -70,7 +70,7 @@ static int in_saved_module(const char *name, const char *item) {
     return 0;
 }
 
-int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to_save, const char *where,
+int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_save, const char *where,
                       ct_err *e) {
     char item[256];
     int lora = m->cfg.lora_rank > 0;
@@ -80,7 +80,7 @@ int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.modules_to_save: needs lora.rank > 0", where);
         int hit = 0;
         for (int i = 0; i < m->n_tensors; i++) {
-            qwen3_tensor *t = &m->tensors[i];
+            lm_tensor *t = &m->tensors[i];
             if (t->lora || !in_saved_module(t->name, item)) continue;
             t->frozen = 0;
             hit = 1;
@@ -99,9 +99,9 @@ int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to
             return ct_fail(e, CT_ERR_CONFIG, "%s: training.freeze: \"%s\" matches no tensor of this model", where,
                            item);
     }
-    if (!qwen3_trained_runs(m, 0, m->n_params, NULL, NULL))
+    if (!lm_trained_runs(m, 0, m->n_params, NULL, NULL))
         return ct_fail(e, CT_ERR_CONFIG, "%s: training.freeze: every tensor is frozen", where);
-    return qwen3_bind_frozen(m, e);
+    return lm_bind_frozen(m, e);
 }
 
 void lora_apply(const kern_ops *k, float *y, float *u, const float *x, const float *A, const float *B, int n, int K,
@@ -111,7 +111,7 @@ void lora_apply(const kern_ops *k, float *y, float *u, const float *x, const flo
     k->matmul_fwd(y, u, B, n, r, N, 1);
 }
 
-void lora_init_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s) {
+void lora_init_each(const lm_model *table, uint64_t seed, const lm_sink *s) {
     ct_rng r;
     ct_rng_seed(&r, seed ^ 0x4c6f5241ull); /* "LoRA": a stream apart from the base init's */
     size_t most = 1;
@@ -119,19 +119,19 @@ void lora_init_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s
         if (table->tensors[i].lora && table->tensors[i].numel > most) most = table->tensors[i].numel;
     float *buf = ct_malloc(most * sizeof(float)); /* [r, in] or [out, r]: small */
     for (int i = 0; i < table->n_tensors; i++) {
-        const qwen3_tensor *t = &table->tensors[i];
+        const lm_tensor *t = &table->tensors[i];
         if (!t->lora) continue;
         int is_a = strstr(t->name, ".lora_A.") != NULL;
         double bound = 1.0 / sqrt((double)t->shape[1]); /* kaiming_uniform(a = sqrt(5)): 1 / sqrt(fan_in) */
         for (size_t j = 0; j < t->numel; j++) buf[j] = is_a ? (float)((2.0 * ct_rng_uniform(&r) - 1.0) * bound) : 0.0f;
-        s->put(s->ctx, QWEN3_PARAMS, i, 0, (size_t)t->shape[0], buf);
+        s->put(s->ctx, LM_PARAMS, i, 0, (size_t)t->shape[0], buf);
     }
     free(buf);
 }
 
 /* ---------------------------------------------------------------- loading */
 
-/* adapter_config.json's target_modules list -> 1 << QWEN3_LORA_* bits. */
+/* adapter_config.json's target_modules list -> 1 << LM_LORA_* bits. */
 static int json_targets(const cJSON *tm, unsigned *bits, const char *path, ct_err *e) {
     const cJSON *it;
     *bits = 0;
@@ -147,7 +147,7 @@ static int json_targets(const cJSON *tm, unsigned *bits, const char *path, ct_er
     return 0;
 }
 
-static int check_config(const qwen3_model *table, const char *path, ct_err *e) {
+static int check_config(const lm_model *table, const char *path, ct_err *e) {
     size_t len;
     char *txt = ct_read_file(path, &len, e);
     if (!txt) return e ? e->code : CT_ERR_IO;
@@ -157,7 +157,7 @@ static int check_config(const qwen3_model *table, const char *path, ct_err *e) {
         cJSON_Delete(o);
         return ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
     }
-    const qwen3_config *c = &table->cfg;
+    const lm_config *c = &table->cfg;
     int rc = 0;
     const cJSON *pt = cJSON_GetObjectItemCaseSensitive(o, "peft_type");
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, "r");
@@ -203,7 +203,7 @@ static int check_config(const qwen3_model *table, const char *path, ct_err *e) {
     return rc;
 }
 
-int lora_read_config(const char *dir, qwen3_config *c, double *alpha, int *rslora, ct_err *e) {
+int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, ct_err *e) {
     char path[4200];
     snprintf(path, sizeof path, "%s/adapter_config.json", dir);
     size_t len;
@@ -233,7 +233,7 @@ int lora_read_config(const char *dir, qwen3_config *c, double *alpha, int *rslor
     return rc;
 }
 
-int lora_load_peft_each(const qwen3_model *table, const char *dir, const qwen3_sink *s, ct_err *e) {
+int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e) {
     char path[4200];
     snprintf(path, sizeof path, "%s/adapter_config.json", dir);
     int rc = check_config(table, path, e);
@@ -241,10 +241,10 @@ int lora_load_peft_each(const qwen3_model *table, const char *dir, const qwen3_s
     snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
     st_file *f = st_open(path, e);
     if (!f) return e ? e->code : CT_ERR_IO;
-    char key[QWEN3_NAME_MAX + 32];
+    char key[LM_NAME_MAX + 32];
     float *buf = NULL;
     for (int i = 0; i < table->n_tensors && !rc; i++) {
-        const qwen3_tensor *t = &table->tensors[i];
+        const lm_tensor *t = &table->tensors[i];
         if (!lora_saved(t)) continue;
         snprintf(key, sizeof key, PEFT_PREFIX "%s", t->name);
         const st_tensor *st = st_find(f, key);
@@ -269,14 +269,14 @@ int lora_load_peft_each(const qwen3_model *table, const char *dir, const qwen3_s
                          ct_dtype_name(st->dtype));
             break;
         }
-        s->put(s->ctx, QWEN3_PARAMS, i, 0, t->numel / qwen3_tensor_cols(t), buf);
+        s->put(s->ctx, LM_PARAMS, i, 0, t->numel / lm_tensor_cols(t), buf);
     }
     free(buf);
     for (int j = 0; j < st_count(f) && !rc; j++) { /* nothing the run would silently drop */
         const char *name = st_get(f, j)->name;
-        const qwen3_tensor *t = strncmp(name, PEFT_PREFIX, strlen(PEFT_PREFIX))
+        const lm_tensor *t = strncmp(name, PEFT_PREFIX, strlen(PEFT_PREFIX))
                                     ? NULL
-                                    : qwen3_find(table, name + strlen(PEFT_PREFIX));
+                                    : lm_find(table, name + strlen(PEFT_PREFIX));
         if (!t || !lora_saved(t))
             rc = ct_fail(e, CT_ERR_FORMAT,
                          "%s: tensor \"%s\" is not an adapter or module to save of this model and lora config", path,
@@ -308,19 +308,19 @@ static int write_text(const char *path, const char *txt, ct_err *e) {
     return ct_fail(e, CT_ERR_IO, "%s: cannot write: %s", path, strerror(err));
 }
 
-int lora_save_peft(const qwen3_model *table, const float *const *data, const char *dir, const char *base,
+int lora_save_peft(const lm_model *table, const float *const *data, const char *dir, const char *base,
                    double alpha, int rslora, double dropout, const char *modules_to_save, ct_err *e) {
-    const qwen3_config *c = &table->cfg;
+    const lm_config *c = &table->cfg;
     char path[4300], tmp[4400];
     int rc = ct_mkdirs(dir, e);
     if (rc) return rc;
     /* the tensors, by PEFT's keys; the config last, so a directory with
      * adapter_config.json always has its tensors complete */
     st_wtensor *ts = ct_calloc((size_t)table->n_tensors + 1, sizeof *ts);
-    char (*keys)[QWEN3_NAME_MAX + 32] = ct_calloc((size_t)table->n_tensors + 1, sizeof *keys);
+    char (*keys)[LM_NAME_MAX + 32] = ct_calloc((size_t)table->n_tensors + 1, sizeof *keys);
     int n = 0;
     for (int i = 0; i < table->n_tensors; i++) {
-        const qwen3_tensor *t = &table->tensors[i];
+        const lm_tensor *t = &table->tensors[i];
         if (!lora_saved(t) || !data[i]) continue;
         snprintf(keys[n], sizeof keys[n], PEFT_PREFIX "%s", t->name);
         ts[n] = (st_wtensor){.name = keys[n], .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim, .data = data[i]};
@@ -345,7 +345,7 @@ int lora_save_peft(const qwen3_model *table, const float *const *data, const cha
     cJSON_AddNumberToObject(o, "lora_alpha", alpha);
     cJSON_AddNumberToObject(o, "lora_dropout", dropout);
     cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
-    for (int p = 0; p < QWEN3_LORA_N; p++)
+    for (int p = 0; p < LM_LORA_N; p++)
         if (c->lora_targets & (1u << p)) cJSON_AddItemToArray(tm, cJSON_CreateString(target_names[p]));
     cJSON_AddBoolToObject(o, "use_rslora", rslora);
     if (modules_to_save && modules_to_save[0]) cJSON_AddItemToObject(o, "modules_to_save", string_list(modules_to_save));
@@ -363,16 +363,16 @@ int lora_save_peft(const qwen3_model *table, const float *const *data, const cha
     return rc;
 }
 
-void lora_merge(qwen3_model *m) {
-    const qwen3_config *c = &m->cfg;
+void lora_merge(lm_model *m) {
+    const lm_config *c = &m->cfg;
     int r = c->lora_rank;
     for (int i = 0; i + 1 < m->n_tensors; i++) {
-        const qwen3_tensor *ta = &m->tensors[i], *tb = ta + 1; /* build_layout puts B right after A */
+        const lm_tensor *ta = &m->tensors[i], *tb = ta + 1; /* build_layout puts B right after A */
         const char *suffix = strstr(ta->name, ".lora_A.weight");
         if (!ta->lora || !suffix) continue;
-        char base[QWEN3_NAME_MAX];
+        char base[LM_NAME_MAX];
         snprintf(base, sizeof base, "%.*s.weight", (int)(suffix - ta->name), ta->name);
-        const qwen3_tensor *tw = qwen3_find(m, base);
+        const lm_tensor *tw = lm_find(m, base);
         int K = (int)ta->shape[1], N = (int)tb->shape[0];
         /* W[N, K] += scale B[N, r] A[r, K], PEFT's merge (get_delta_weight), summed in double */
         float *W = m->params + tw->offset, *A = m->params + ta->offset, *B = m->params + tb->offset;

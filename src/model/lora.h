@@ -1,6 +1,6 @@
 /* model/lora.h: LoRA adapters as PEFT defines them, and frozen tensors.
  *
- * The adapters live in the model's own tensor table (model/qwen3.h: each
+ * The adapters live in the model's own tensor table (model/lm.h: each
  * layer's lora_A [r, in] and lora_B [out, r] after its base tensors, named
  * with PEFT's keys less "base_model.model."), so the optimizer, the
  * checkpoints, FSDP and data parallel treat them as any other tensor. This
@@ -17,9 +17,9 @@
 #include <stdint.h>
 
 #include "core/err.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
-/* "q_proj,k_proj,..." (PEFT's target_modules, HF module names) -> 1 << QWEN3_LORA_* bits.
+/* "q_proj,k_proj,..." (PEFT's target_modules, HF module names) -> 1 << LM_LORA_* bits.
  * An unknown name is CT_ERR_CONFIG naming `where` and the name. */
 int lora_parse_targets(const char *list, unsigned *bits, const char *where, ct_err *e);
 /* The module name of projection p ("q_proj", ...). */
@@ -35,20 +35,20 @@ float lora_scaling(double alpha, int r, int rslora);
  * that is nowhere in the model, is CT_ERR_CONFIG naming `where`: a typo must
  * not leave a tensor silently trained. Rebinds the gradient views. With no
  * LoRA, freeze or modules_to_save nothing is frozen: callers need not check. */
-int lora_apply_frozen(qwen3_model *m, const char *freeze, const char *modules_to_save, const char *where, ct_err *e);
+int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_save, const char *where, ct_err *e);
 
 /* y[n, N] += B (scale A x[n, K]): the adapter branch beside a linear, with
  * A [r, K], B [N, r]; u[n, r] receives scale A x (the backward's input for
- * B). The training forward (qwen3.c, after dropout) and generation share it. */
+ * B). The training forward (lm.c, after dropout) and generation share it. */
 void lora_apply(const kern_ops *k, float *y, float *u, const float *x, const float *A, const float *B, int n, int K,
                 int N, int r, float scale);
 
-/* PEFT's fresh adapters, tensor by tensor into s (QWEN3_PARAMS): A as
+/* PEFT's fresh adapters, tensor by tensor into s (LM_PARAMS): A as
  * nn.Linear's default kaiming_uniform(a = sqrt(5)), i.e. uniform in
  * +-1/sqrt(in), drawn from ct_rng seeded by `seed` (not torch's generator);
  * B zero, so the adapted model starts equal to the base. table: the whole
  * model's tensor table; only its lora tensors are put. */
-void lora_init_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s);
+void lora_init_each(const lm_model *table, uint64_t seed, const lm_sink *s);
 
 /* A PEFT adapter directory into s: the adapters and any modules_to_save
  * tensors it holds. adapter_config.json must say LORA with the configured
@@ -57,15 +57,15 @@ void lora_init_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s
  * and every key of the file must be one of the table's. Errors name the file
  * and the key (CT_ERR_FORMAT; a disagreement with the run's config
  * CT_ERR_CONFIG). */
-int lora_load_peft_each(const qwen3_model *table, const char *dir, const qwen3_sink *s, ct_err *e);
+int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e);
 
 /* Reads DIR/adapter_config.json into c's LoRA fields (rank, targets, scale;
  * no dropout: for evaluation and generation) and *alpha, *rslora. */
-int lora_read_config(const char *dir, qwen3_config *c, double *alpha, int *rslora, ct_err *e);
+int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, ct_err *e);
 
 /* What an adapter directory saves: the lora tensors and the trainable base
  * tensors (modules_to_save) of the table. */
-int lora_saved(const qwen3_tensor *t);
+int lora_saved(const lm_tensor *t);
 
 /* Writes dir/adapter_model.safetensors (fp32) then dir/adapter_config.json
  * for the saved tensors of table, whose values are data[i] (NULL for the
@@ -74,12 +74,12 @@ int lora_saved(const qwen3_tensor *t);
  * adapter). base: the base
  * model's path for base_model_name_or_path. targets/modules_to_save as in
  * the config (comma lists). */
-int lora_save_peft(const qwen3_model *table, const float *const *data, const char *dir, const char *base,
+int lora_save_peft(const lm_model *table, const float *const *data, const char *dir, const char *base,
                    double alpha, int rslora, double dropout, const char *modules_to_save, ct_err *e);
 
 /* Folds every adapter into its base weight, W += scale B A (PEFT's
  * merge_and_unload), and zeroes B so the model computes the same. m: one
  * process's whole model. */
-void lora_merge(qwen3_model *m);
+void lora_merge(lm_model *m);
 
 #endif

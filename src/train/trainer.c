@@ -61,14 +61,14 @@ int trainer_join_path(char *out, size_t cap, const char *dir, const char *name) 
     return n < 0 || (size_t)n >= cap;
 }
 
-int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e) {
+int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e) {
     if (strcmp(cfg->model_spec, "hf") == 0) {
         if (!cfg->hf_assets_path[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: model.hf_assets_path: required when model.spec = \"hf\"",
                            trainer_cfg_src(cfg));
-        return qwen3_config_from_hf(mc, cfg->hf_assets_path, e);
+        return lm_config_from_hf(mc, cfg->hf_assets_path, e);
     }
-    int rc = qwen3_config_from_flavor(mc, cfg->model_flavor, e);
+    int rc = lm_config_from_flavor(mc, cfg->model_flavor, e);
     if (rc && e) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
@@ -111,7 +111,7 @@ static int select_kernels(trainer *t, ct_err *e) {
         size_t nt;
         const kern_impl *tab = kern_registry(&nt);
         unsigned cpu = kern_cpu_features();
-        const qwen3_config *mc = &t->model.cfg;
+        const lm_config *mc = &t->model.cfg;
         int32_t pick[KERN_N_OPS];
         if (t->world->rank == 0) {
             kern_run_sizes rs = {.B = t->cfg.local_batch_size, .T = t->cfg.seq_len, .hidden = mc->hidden,
@@ -181,7 +181,7 @@ static void pick_threads(const ct_config *c) {
  * calls, hence the comm_test before each layer's backward. */
 struct dp_overlap {
     trainer *t;
-    qwen3_hooks hooks;
+    lm_hooks hooks;
     int armed;       /* the step's last micro-batch is running */
     comm_req req;    /* the latest layer's all-reduce */
     size_t lo, hi;   /* [lo, hi) of model.grads started this step (lo == hi: none) */
@@ -208,7 +208,7 @@ static void dpo_post_backward(void *ctx, int l) {
 }
 
 static int dp_overlap_init(trainer *t, ct_err *e) {
-    const qwen3_model *m = &t->model;
+    const lm_model *m = &t->model;
     int L = m->cfg.n_layers;
     if (L < 1) return 0;
     struct dp_overlap *d = ct_calloc(1, sizeof *d);
@@ -227,7 +227,7 @@ static int dp_overlap_init(trainer *t, ct_err *e) {
         d->layer[l] = lo;
         d->layer[l + 1] = hi;
     }
-    d->hooks = (qwen3_hooks){d, dpo_nop, dpo_nop, dpo_pre_backward, dpo_post_backward, NULL, NULL};
+    d->hooks = (lm_hooks){d, dpo_nop, dpo_nop, dpo_pre_backward, dpo_post_backward, NULL, NULL};
     t->model.hooks = &d->hooks;
     t->dpo = d;
     return 0;
@@ -248,7 +248,7 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_di
 /* [lora] and training.freeze into the model config: which projections get
  * adapters, their scale and dropout. Layouts that slice tensors (TP, EP)
  * would have to slice the adapters with their base projections: not yet. */
-int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, qwen3_config *mc, ct_err *e) {
+int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, lm_config *mc, ct_err *e) {
     const char *src = trainer_cfg_src(c);
     int partial = c->lora_rank > 0 || c->freeze[0];
     if (!strcmp(c->frozen_dtype, "bfloat16") && shard > 1)
@@ -274,7 +274,7 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, qwen3
      * them only as fused expert parameters (target_parameters), even in dense
      * mlp_only_layers: an adapter on a gate/up/down Linear would be a file PEFT
      * cannot read. The attention projections are adapted, as PEFT does. */
-    unsigned attn = (1u << QWEN3_LORA_Q) | (1u << QWEN3_LORA_K) | (1u << QWEN3_LORA_V) | (1u << QWEN3_LORA_O);
+    unsigned attn = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | (1u << LM_LORA_O);
     if (mc->n_experts > 0 && (mc->lora_targets & ~attn)) {
         mc->lora_targets &= attn;
         if (!mc->lora_targets)
@@ -323,14 +323,14 @@ static void add_opt_run(void *ctx, size_t x, size_t y) {
 }
 
 static void build_opt_ranges(trainer *t) {
-    const qwen3_model *m = &t->model;
+    const lm_model *m = &t->model;
     t->n_opt_ranges = -1;
     if (!m->n_frozen) return;
     opt_runs o = {t, 0, 0, 16};
     t->opt_ranges = ct_malloc((size_t)o.cap * sizeof *t->opt_ranges);
     t->n_opt_ranges = 0;
     if (!t->fsdp) {
-        qwen3_trained_runs(m, 0, m->n_params, add_opt_run, &o);
+        lm_trained_runs(m, 0, m->n_params, add_opt_run, &o);
         return;
     }
     for (int pi = 0; pi < t->fsdp->n_pieces; pi++) { /* each piece's held part, at its shard offset */
@@ -338,7 +338,7 @@ static void build_opt_ranges(trainer *t) {
         fsdp_piece_held(t->fsdp, pi, &lo, &cnt);
         o.a = t->fsdp->p[pi].off + lo;
         o.base = t->fsdp->p[pi].shard_off;
-        qwen3_trained_runs(m, o.a, o.a + cnt, add_opt_run, &o);
+        lm_trained_runs(m, o.a, o.a + cnt, add_opt_run, &o);
     }
 }
 
@@ -365,7 +365,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     }
     t->world = world;
     pick_threads(c);
-    qwen3_config mc;
+    lm_config mc;
     int rc = trainer_model_config(c, &mc, e);
     if (rc) return rc;
     /* the layout is checked before anything big is built */
@@ -385,11 +385,11 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if (trainer_join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", trainer_cfg_src(c));
     if ((rc = trainer_finetune_config(c, t->mesh.tp, t->mesh.ep, t->mesh.dp_shard, &mc, e))) return rc;
-    if ((rc = qwen3_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
+    if ((rc = lm_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     if ((rc = select_kernels(t, e))) return rc;
     if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e))) return rc;
     if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
-        size_t n = qwen3_store_frozen_bf16(&t->model);
+        size_t n = lm_store_frozen_bf16(&t->model);
         if (t->world->rank == 0)
             fprintf(stderr, "ctitan: frozen weights in bfloat16: %.3f GiB (fp32 would be %.3f GiB)\n",
                     n * 2.0 / (1 << 30), n * 4.0 / (1 << 30));
@@ -425,7 +425,7 @@ void trainer_free(trainer *t) {
     if (t->fsdp) fsdp_free(t->fsdp);
     free(t->fsdp);
     mesh_free(&t->mesh);
-    qwen3_free(&t->model);
+    lm_free(&t->model);
     adamw_free(&t->opt);
     free(t->opt_ranges);
     cfg_free(&t->cfg);
@@ -436,7 +436,7 @@ void trainer_free(trainer *t) {
  * different experts, so each run of expert tensors is summed over the
  * replicas that hold the same ones (mesh.edp) and the rest over all. */
 static void reduce_dp_experts(trainer *t) {
-    const qwen3_model *m = &t->model;
+    const lm_model *m = &t->model;
     for (int i = 0; i < m->n_tensors;) {
         int ex = t->tp->expert[i], j = i;
         size_t lo = m->tensors[i].offset, hi = lo;
@@ -530,7 +530,7 @@ static double clip_by(float *g, size_t n, double sq, double max_norm) {
  * and their untouched gradient and moment pages are never written. Every
  * run steps with the same step count, as one AdamW over them all. */
 static double step_ranges(trainer *t, float *P, float *G, double lr) {
-    qwen3_model *m = &t->model;
+    lm_model *m = &t->model;
     double sq = 0;
     for (int i = 0; i < t->n_opt_ranges; i++) {
         double nrm = optim_grad_norm(G + t->opt_ranges[i].off, t->opt_ranges[i].n);
@@ -552,7 +552,7 @@ static double step_ranges(trainer *t, float *P, float *G, double lr) {
 }
 
 void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
-    qwen3_model *m = &t->model;
+    lm_model *m = &t->model;
     double cur_lr = t->cfg.lr * lr_schedule_factor(&t->sched, t->step);
     double norm;
     if (t->n_opt_ranges >= 0 && !t->tp) {
@@ -572,7 +572,7 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
         int E = m->cfg.n_experts;
         comm_allreduce(&t->mesh.dp, m->moe_tokens, (size_t)m->cfg.n_layers * E, COMM_F64, COMM_SUM);
         for (int l = 0; l < m->cfg.n_layers; l++)
-            if (qwen3_layer_is_moe(&m->cfg, l))
+            if (lm_layer_is_moe(&m->cfg, l))
                 moe_update_bias(m->moe_bias + (size_t)l * E, m->moe_tokens + (size_t)l * E, E, t->cfg.load_balance_coeff);
     }
     t->step++;
@@ -628,7 +628,7 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
 
 /* MoE: the step's load-balancing loss and, per MoE layer, the tokens of its least
  * and most loaded expert (last micro-batch): console fields, or JSON members. */
-static void print_moe_load(FILE *f, const qwen3_model *m, double aux, int json) {
+static void print_moe_load(FILE *f, const lm_model *m, double aux, int json) {
     fprintf(f, json ? ", \"aux_loss\": %.9g, \"moe_load_min\": [" : "  aux_loss: %.4f  load(min/max):", aux);
     for (int pass = 0; pass < (json ? 2 : 1); pass++) {
         if (pass) fprintf(f, "], \"moe_load_max\": [");
@@ -677,7 +677,7 @@ static void truncate_metrics(const char *path, int last_step) {
 /* Held-out loss over validation.steps batches from the start of the set. */
 static int validate(trainer *t, ds *val, int step, FILE *mf) {
     const ct_config *c = &t->cfg;
-    qwen3_model *m = &t->model;
+    lm_model *m = &t->model;
     int B = t->val_batch, T = c->seq_len;
     ds_state zero = {0, 0};
     ds_set_state(val, &zero, NULL);
@@ -693,7 +693,7 @@ static int validate(trainer *t, ds *val, int step, FILE *mf) {
         long nv = 0;
         ds_next(val, x, y, B);
         if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
-        sum += qwen3_loss(m, x, y, B, T, &nv);
+        sum += lm_loss(m, x, y, B, T, &nv);
         if (t->fsdp) fsdp_microbatch_end(t->fsdp);
         n += nv;
     }
@@ -719,7 +719,7 @@ static int validate(trainer *t, ds *val, int step, FILE *mf) {
 
 int trainer_run(trainer *t, ct_err *e) {
     ct_config *c = &t->cfg;
-    qwen3_model *m = &t->model;
+    lm_model *m = &t->model;
     int B = c->local_batch_size, T = c->seq_len;
     ds *data = NULL, *val = NULL;
     tok *tk = NULL;
@@ -766,7 +766,7 @@ int trainer_run(trainer *t, ct_err *e) {
      * fp32-unit utilisation it did not need */
     int bf16_mm = !strcmp(c->mixed_precision_param, "bfloat16");
     double peak_run = bf16_mm ? peak.bf16_flops : peak.flops;
-    double fpt = qwen3_flops_per_token(m, T);
+    double fpt = lm_flops_per_token(m, T);
     fprintf(stderr,
             "ctitan: model %s: %zu parameters, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
             "ctitan: data %s: %llu tokens, %llu windows of %d%s\n"
@@ -779,7 +779,7 @@ int trainer_run(trainer *t, ct_err *e) {
             m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", ds_name(data),
             (unsigned long long)ds_num_tokens(data), (unsigned long long)ds_num_windows(data), T + 1,
             c->shuffle ? ", shuffled" : "", B, T, t->grad_accum, t->step + 1, c->steps,
-            qwen3_activation_bytes(m) / 1048576.0, t->world->size, t->mesh.dp_replicate, t->mesh.dp_shard,
+            lm_activation_bytes(m) / 1048576.0, t->world->size, t->mesh.dp_replicate, t->mesh.dp_shard,
             t->mesh.tp, t->world->be->name, t->global_batch, cpu_threads(), fpt, peak_run / 1e9, bf16_mm ? "bf16" : "fp32", peak.threads,
             bf16_mm ? peak.bf16_isa : peak.isa, peak.source, peak.note[0] ? ": " : "", peak.note);
     if (t->ep)
@@ -815,7 +815,7 @@ int trainer_run(trainer *t, ct_err *e) {
             if (t->dpo) t->dpo->armed = a == t->grad_accum - 1; /* the gradients are final in the last one */
             if (t->fsdp) t->fsdp->rep_armed = a == t->grad_accum - 1;
             m->lora_seed = trainer_lora_seed(t, step, a);
-            loss_sum += qwen3_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
+            loss_sum += lm_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
             if (t->dpo) t->dpo->armed = 0;
             if (t->fsdp) fsdp_microbatch_end(t->fsdp);
             aux_sum += m->aux_loss;

@@ -18,13 +18,13 @@
 #include "dist/fsdp.h"
 #include "dist/mesh.h"
 #include "dist/tp.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 #include "optim/optim.h"
 #include "tokenizer/tokenizer.h"
 
 typedef struct {
     ct_config cfg;
-    qwen3_model model;
+    lm_model model;
     adamw_state opt;
     adamw_hparams hp;
     lr_schedule sched;
@@ -43,8 +43,8 @@ typedef struct {
     tp_layout *tp;    /* NULL unless tensor_parallel_degree > 1 or expert_parallel_degree > 1; then
                        * `model` is this rank's slice (its heads, columns, experts) */
     struct {          /* while the weights load (init_weights): where each whole tensor goes */
-        const qwen3_model *whole; /* the whole model's tensor table */
-        qwen3_sink sink;
+        const lm_model *whole; /* the whole model's tensor table */
+        lm_sink sink;
         float *tmp;               /* [largest column-sliced local tensor] a slice being taken */
     } load;
     ep_layout *ep;    /* NULL unless expert_parallel_degree > 1 */
@@ -90,7 +90,7 @@ void trainer_install_signals(void);
  * [parallelism] fixes them all, else 1). The layout is checked as a run
  * checks it (CT_ERR_CONFIG). out NULL: check only, print nothing. */
 int trainer_dry_run(const ct_config *cfg, int world, FILE *out, ct_err *e);
-/* The seed of LoRA's dropout masks (qwen3_model.lora_seed) for micro-batch
+/* The seed of LoRA's dropout masks (lm_model.lora_seed) for micro-batch
  * `micro` of optimizer step `step` (1-based) on this data-parallel rank:
  * a function of training.seed and the position alone, so resume replays them. */
 uint64_t trainer_lora_seed(const trainer *t, int step, long micro);
@@ -99,6 +99,6 @@ uint64_t trainer_lora_seed(const trainer *t, int step, long micro);
  * (a checkpoint can carry one). Collective. */
 int trainer_save_adapter(trainer *t, const char *dir, ct_err *e);
 /* Builds the model config for cfg (flavor table or HF config.json). */
-int trainer_model_config(const ct_config *cfg, qwen3_config *mc, ct_err *e);
+int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e);
 
 #endif

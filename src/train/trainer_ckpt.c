@@ -8,7 +8,7 @@
  * Neither direction ever holds the whole model on one rank. Loading: the
  * loaders (checkpoint, HF safetensors, the seeded init) hand over each
  * tensor a block of rows at a time in the whole model's table order
- * (qwen3_sink) and each rank keeps its TP/EP part and, under FSDP, its
+ * (lm_sink) and each rank keeps its TP/EP part and, under FSDP, its
  * shard's part of it.
  * Saving: every rank runs one loop over units (embedding, each layer, head;
  * parameters, then each moment), the unit's parts are gathered to rank 0,
@@ -52,7 +52,7 @@ static char *state_to_json(const trainer *t, const ds *data) {
         cJSON_AddNumberToObject(d, "epoch", (double)s.epoch);
         cJSON_AddNumberToObject(d, "pos", (double)s.pos);
     }
-    const qwen3_model *m = &t->model;
+    const lm_model *m = &t->model;
     if (m->n_moe_layers && t->cfg.load_balance_coeff > 0) {
         /* the routing bias [L][E] (dense layers' rows stay 0); cJSON prints
          * doubles round-trip exact, so floats come back bit-identical */
@@ -107,7 +107,7 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
         t->have_resume_data = 1;
     }
     const cJSON *b = cJSON_GetObjectItemCaseSensitive(o, "moe_expert_bias");
-    qwen3_model *m = &t->model;
+    lm_model *m = &t->model;
     size_t nb = (size_t)m->cfg.n_layers * m->cfg.n_experts;
     if (b && m->n_moe_layers) {
         if (!cJSON_IsArray(b) || (size_t)cJSON_GetArraySize(b) != nb) {
@@ -144,19 +144,19 @@ static int is_hf_export(const char *dir) {
  * checkpoint holds: the trained tensors of `whole`, packed, and full[i]
  * the index in `whole` of its tensor i. */
 typedef struct {
-    qwen3_model tab;
+    lm_model tab;
     int *full;
-    const qwen3_sink *inner; /* loading: where the whole model's tensors go */
+    const lm_sink *inner; /* loading: where the whole model's tensors go */
 } trained_table;
 
-static void trained_table_init(trained_table *s, const qwen3_model *whole, const qwen3_model *flags) {
+static void trained_table_init(trained_table *s, const lm_model *whole, const lm_model *flags) {
     memset(s, 0, sizeof *s);
     s->tab.cfg = whole->cfg;
     s->tab.tensors = ct_calloc((size_t)whole->n_tensors + 1, sizeof *s->tab.tensors);
     s->full = ct_calloc((size_t)whole->n_tensors + 1, sizeof *s->full);
     for (int i = 0; i < whole->n_tensors; i++) {
         if (flags->tensors[i].frozen) continue; /* flags: this rank's model, whose tensors line up with whole's */
-        qwen3_tensor *t = &s->tab.tensors[s->tab.n_tensors];
+        lm_tensor *t = &s->tab.tensors[s->tab.n_tensors];
         *t = whole->tensors[i];
         t->offset = s->tab.n_params;
         s->tab.n_params += t->numel;
@@ -174,18 +174,18 @@ static void trained_put(void *ctx, int kind, int i, size_t r0, size_t r1, const 
     s->inner->put(s->inner->ctx, kind, s->full[i], r0, r1, rows);
 }
 
-static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const qwen3_model *whole, ct_err *e);
+static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const lm_model *whole, ct_err *e);
 
 static int load_checkpoint(trainer *t, const char *dir, int model_only, ct_err *e) {
     int rc;
-    const qwen3_model *whole = t->load.whole;
+    const lm_model *whole = t->load.whole;
     trained_table tt;
-    qwen3_sink outer = t->load.sink;
+    lm_sink outer = t->load.sink;
     if (t->model.n_frozen) { /* the checkpoint holds the trained tensors only */
         trained_table_init(&tt, whole, &t->model);
         tt.inner = &outer;
         whole = &tt.tab;
-        t->load.sink = (qwen3_sink){trained_put, &tt};
+        t->load.sink = (lm_sink){trained_put, &tt};
     }
     rc = load_checkpoint_of(t, dir, model_only, whole, e);
     if (t->model.n_frozen) {
@@ -195,7 +195,7 @@ static int load_checkpoint(trainer *t, const char *dir, int model_only, ct_err *
     return rc;
 }
 
-static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const qwen3_model *whole, ct_err *e) {
+static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const lm_model *whole, ct_err *e) {
     ckpt_info info;
     int rc;
     if (model_only) {
@@ -275,26 +275,26 @@ static int maybe_resume(trainer *t, int *resumed, ct_err *e) {
     return 0;
 }
 
-/* Where a loader's rows go (qwen3_sink): this rank's TP/EP part of them
+/* Where a loader's rows go (lm_sink): this rank's TP/EP part of them
  * (tp_take_rows), then, under FSDP, only what its shard keeps
  * (fsdp_take_range), else the local model's buffers. The moments likewise. */
 static void load_put(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows) {
     trainer *t = ctx;
-    const qwen3_tensor *lt = &t->model.tensors[i];
+    const lm_tensor *lt = &t->model.tensors[i];
     const float *src = rows;
     size_t la = r0, n = lt->numel ? r1 - r0 : 0;
     if (t->tp) n = tp_take_rows(t->tp, lt, &t->load.whole->tensors[i], r0, r1, rows, t->load.tmp, &src, &la);
     if (!n) return;
-    if (kind == QWEN3_PARAMS && lt->store != QWEN3_NO_STORE) { /* a frozen tensor kept in bf16 */
-        qwen3_put_rows(&t->model, i, la, la + n, src);
+    if (kind == LM_PARAMS && lt->store != LM_NO_STORE) { /* a frozen tensor kept in bf16 */
+        lm_put_rows(&t->model, i, la, la + n, src);
         return;
     }
-    size_t cols = qwen3_tensor_cols(lt), off = lt->offset + la * cols;
+    size_t cols = lm_tensor_cols(lt), off = lt->offset + la * cols;
     if (t->fsdp) {
-        float *shard = kind == QWEN3_PARAMS ? t->fsdp->params : kind == QWEN3_EXP_AVG ? t->opt.m : t->opt.v;
+        float *shard = kind == LM_PARAMS ? t->fsdp->params : kind == LM_EXP_AVG ? t->opt.m : t->opt.v;
         fsdp_take_range(t->fsdp, shard, off, src, n * cols);
     } else {
-        float *dst = kind == QWEN3_PARAMS ? t->model.params : kind == QWEN3_EXP_AVG ? t->opt.m : t->opt.v;
+        float *dst = kind == LM_PARAMS ? t->model.params : kind == LM_EXP_AVG ? t->opt.m : t->opt.v;
         memcpy(dst + off, src, n * cols * sizeof(float));
     }
 }
@@ -313,16 +313,16 @@ static int load_weights(trainer *t, ct_err *e);
  * waiting in the next collective. */
 int trainer_init_weights(trainer *t, ct_err *e) {
     int rc = 0;
-    qwen3_model whole_table;
+    lm_model whole_table;
     t->load.whole = &t->model;
     if (t->tp) {
-        qwen3_layout(&whole_table, &t->tp->full);
+        lm_layout(&whole_table, &t->tp->full);
         t->load.whole = &whole_table;
         tp_classify(t->tp, &t->model, &whole_table);
         size_t most = 1; /* tp_take_rows copies only the column slices (row-parallel tensors) */
         for (int i = 0; i < t->model.n_tensors; i++) {
-            const qwen3_tensor *lt = &t->model.tensors[i], *ft = &whole_table.tensors[i];
-            if (qwen3_tensor_cols(lt) < qwen3_tensor_cols(ft) && lt->numel > most) most = lt->numel;
+            const lm_tensor *lt = &t->model.tensors[i], *ft = &whole_table.tensors[i];
+            if (lm_tensor_cols(lt) < lm_tensor_cols(ft) && lt->numel > most) most = lt->numel;
         }
         t->load.tmp = ct_malloc(most * sizeof(float));
     }
@@ -336,10 +336,10 @@ int trainer_init_weights(trainer *t, ct_err *e) {
             if (t->mesh.dp_replicate > 1) t->fsdp->rep = &t->mesh.rep;
         }
     }
-    t->load.sink = (qwen3_sink){load_put, t};
+    t->load.sink = (lm_sink){load_put, t};
     if (!rc) rc = load_weights(t, e);
     free(t->load.tmp);
-    if (t->tp) qwen3_free(&whole_table);
+    if (t->tp) lm_free(&whole_table);
     memset(&t->load, 0, sizeof t->load);
     if (t->world->size > 1) {
         int32_t worst = rc;
@@ -377,7 +377,7 @@ static int initial_weights(trainer *t, ct_err *e) {
                            trainer_cfg_src(c), c->initial_load_path);
         rc = hf_load_each(t->load.whole, c->initial_load_path, &t->load.sink, e);
     } else {
-        qwen3_init_random_each(t->load.whole, (uint64_t)c->seed, &t->load.sink);
+        lm_init_random_each(t->load.whole, (uint64_t)c->seed, &t->load.sink);
     }
     if (rc || c->lora_rank <= 0) return rc;
     /* LoRA: the adapters start from a PEFT adapter directory, or as PEFT starts them */
@@ -391,7 +391,7 @@ static int initial_weights(trainer *t, ct_err *e) {
 }
 
 /* Flat offset of tensor i of m's table; n_params for i == n_tensors. */
-static size_t save_offset(const qwen3_model *m, int i) {
+static size_t save_offset(const lm_model *m, int i) {
     return i < m->n_tensors ? m->tensors[i].offset : m->n_params;
 }
 
@@ -401,7 +401,7 @@ static int layer_of(const char *name) { return strncmp(name, "model.layers.", 13
  * k = 0 what comes before layer 0 (the embedding), 1 + l layer l, L + 1 the
  * rest (final norm, lm_head): FSDP's pieces, grouped by layer. The same
  * indices in every rank's table and the whole model's. */
-static void save_units(const qwen3_model *m, int *u) {
+static void save_units(const lm_model *m, int *u) {
     int L = m->cfg.n_layers, i = 0;
     u[0] = 0;
     while (i < m->n_tensors && layer_of(m->tensors[i].name) < 0) i++;
@@ -416,7 +416,7 @@ static void save_units(const qwen3_model *m, int *u) {
 /* Where rank 0 sends the whole tensors of a streamed save, unit by unit:
  * x[n] holds tensors [i0, i1) of the whole model's table fm, from tensor
  * i0's first float, so a put that keeps some tensors finds them there. */
-typedef int (*save_put_fn)(void *ctx, const qwen3_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e);
+typedef int (*save_put_fn)(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e);
 
 /* Saves hold every tensor whole whatever the layout. Rank 0 writes them as
  * a stream, one unit (the embedding, a layer, the head) at a time: FSDP
@@ -431,9 +431,9 @@ typedef int (*save_put_fn)(void *ctx, const qwen3_model *fm, int i0, int i1, con
  * rank 0 stops writing but not the loop. kinds: 1 the parameters, 3 also
  * exp_avg then exp_avg_sq. fm: the whole model's table (rank 0). frozen_too: bf16-stored
  * frozen weights are widened for the read (0: the put takes trained tensors only). */
-static void save_gather(trainer *t, const qwen3_model *fm, int kinds, int frozen_too, save_put_fn put, void *ctx,
+static void save_gather(trainer *t, const lm_model *fm, int kinds, int frozen_too, save_put_fn put, void *ctx,
                         int *rc, ct_err *e) {
-    qwen3_model *lm = &t->model; /* not changed: bf16-stored weights are only widened for the read */
+    lm_model *lm = &t->model; /* not changed: bf16-stored weights are only widened for the read */
     int rank0 = t->world->rank == 0, L = lm->cfg.n_layers;
     int fsdp_part = t->fsdp && t->mesh.rep_rank == 0;
     int fsdp_root = fsdp_part && t->mesh.shard_rank < t->mesh.ep;
@@ -448,7 +448,7 @@ static void save_gather(trainer *t, const qwen3_model *fm, int kinds, int frozen
             /* bf16-stored frozen weights: the unit widened into params while it is read, when
              * the put wants them (an HF export; not a checkpoint or an adapter of trained ones) */
             int widen = k == 0 && !t->fsdp && frozen_too;
-            if (widen) qwen3_frozen_widen(lm, lo, hi - lo, 1);
+            if (widen) lm_frozen_widen(lm, lo, hi - lo, 1);
             const float *part = src + lo; /* this rank's floats of the unit */
             float *got = NULL, *whole = NULL;
             if (t->fsdp) { /* under FSDP src is the shard: gather the unit's pieces */
@@ -463,7 +463,7 @@ static void save_gather(trainer *t, const qwen3_model *fm, int kinds, int frozen
                 part = whole;
             }
             if (rank0 && !*rc) *rc = put(ctx, fm, u[x], u[x + 1], part, n, e);
-            if (widen) qwen3_frozen_widen(lm, lo, hi - lo, 0);
+            if (widen) lm_frozen_widen(lm, lo, hi - lo, 0);
             free(whole);
             free(got);
         }
@@ -485,18 +485,18 @@ static int save_outcome(trainer *t, int rc, const char *what, ct_err *e) {
     return rc;
 }
 
-static int put_ckpt(void *ctx, const qwen3_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
+static int put_ckpt(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
     (void)fm, (void)i0, (void)i1;
     return ckpt_stream_put(ctx, x, n, e);
 }
 
 /* save_gather's put for a checkpoint of the trained tensors only: their
  * floats, parameters then each moment, go on to the stream. */
-static int put_trained(void *ctx, const qwen3_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
+static int put_trained(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
     (void)n;
     int rc = 0;
     for (int i = i0; i < i1 && !rc; i++) {
-        const qwen3_tensor *q = &fm->tensors[i];
+        const lm_tensor *q = &fm->tensors[i];
         if (!q->frozen) rc = ckpt_stream_put(ctx, x + (q->offset - fm->tensors[i0].offset), q->numel, e);
     }
     return rc;
@@ -504,12 +504,12 @@ static int put_trained(void *ctx, const qwen3_model *fm, int i0, int i1, const f
 
 /* A checkpoint: save_gather into ckpt_stream (the file layout is ckpt_save's). */
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
-    qwen3_model ftab;
-    const qwen3_model *fm = &t->model; /* the whole model's table, on rank 0 */
+    lm_model ftab;
+    const lm_model *fm = &t->model; /* the whole model's table, on rank 0 */
     int rank0 = t->world->rank == 0, rc = 0;
     ckpt_stream *s = NULL;
     if (rank0 && t->tp) {
-        qwen3_layout(&ftab, &t->tp->full);
+        lm_layout(&ftab, &t->tp->full);
         fm = &ftab;
     }
     trained_table tt;
@@ -533,7 +533,7 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
         free(state);
         free(toml);
     }
-    if (rank0 && t->tp) qwen3_free(&ftab);
+    if (rank0 && t->tp) lm_free(&ftab);
     if (trained_only) trained_table_free(&tt); /* the stream read it until its end */
     rc = save_outcome(t, rc, "checkpoint", e);
     if (!rc && t->cfg.lora_rank > 0) { /* a LoRA run's checkpoint is also a PEFT adapter directory; resume reads
@@ -554,11 +554,11 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
 
 /* save_gather's put for an adapter: copies of the saved tensors (small),
  * into data[n_tensors] (ctx). */
-static int put_adapter(void *ctx, const qwen3_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
+static int put_adapter(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
     (void)n, (void)e;
     float **data = ctx;
     for (int i = i0; i < i1; i++) {
-        const qwen3_tensor *q = &fm->tensors[i];
+        const lm_tensor *q = &fm->tensors[i];
         if (!lora_saved(q)) continue;
         data[i] = ct_malloc((q->numel ? q->numel : 1) * sizeof(float));
         memcpy(data[i], x + (q->offset - fm->tensors[i0].offset), q->numel * sizeof(float));
@@ -567,7 +567,7 @@ static int put_adapter(void *ctx, const qwen3_model *fm, int i0, int i1, const f
 }
 
 int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
-    const qwen3_model *fm = &t->model; /* TP and EP do not run LoRA: every rank's table is the whole model's */
+    const lm_model *fm = &t->model; /* TP and EP do not run LoRA: every rank's table is the whole model's */
     int rank0 = t->world->rank == 0, rc = 0;
     float **data = ct_calloc((size_t)fm->n_tensors + 1, sizeof(float *)); /* [n_tensors] */
     save_gather(t, fm, 1, 0, put_adapter, data, &rc, e); /* adapters and modules_to_save: trained, fp32 */
@@ -585,7 +585,7 @@ int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
  * never leaves half an export. It never merges into a training checkpoint of
  * the same step (that would break its manifest): then it goes to hf-step-N.
  * An earlier HF export of the step is replaced. `dir` gets the final path. */
-static int put_hf(void *ctx, const qwen3_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
+static int put_hf(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
     (void)fm, (void)i0, (void)i1;
     return st_dir_stream_write(ctx, x, n, e);
 }
@@ -596,20 +596,20 @@ static int put_hf(void *ctx, const qwen3_model *fm, int i0, int i1, const float 
 int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, const char *torch_dtype,
                           ct_err *e) {
     int rank0 = t->world->rank == 0, step = t->step, rc = 0;
-    qwen3_model ftab;
-    const qwen3_model *fm = &t->model;
+    lm_model ftab;
+    const lm_model *fm = &t->model;
     st_dir_stream *out = NULL;
     char tmp[4200];
     snprintf(tmp, sizeof tmp, "%s/.hf-step-%d.tmp-%ld", folder, step, (long)getpid());
     if (rank0) {
         if (t->tp) {
-            qwen3_layout(&ftab, &t->tp->full);
+            lm_layout(&ftab, &t->tp->full);
             fm = &ftab;
         }
         ct_rm_tree(tmp, NULL);
         st_wtensor *ts = ct_calloc((size_t)fm->n_tensors + 1, sizeof *ts);
         for (int i = 0; i < fm->n_tensors; i++) {
-            const qwen3_tensor *q = &fm->tensors[i];
+            const lm_tensor *q = &fm->tensors[i];
             ts[i] = (st_wtensor){.name = q->name, .dtype = dtype, .src_dtype = CT_F32, .ndim = q->ndim};
             for (int d = 0; d < q->ndim; d++) ts[i].shape[d] = q->shape[d];
         }
@@ -623,7 +623,7 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
         if (rc) st_dir_stream_abort(out);
         else rc = st_dir_stream_close(out, e);
         snprintf(p, sizeof p, "%s/config.json", tmp);
-        if (!rc) rc = qwen3_config_write_hf(&fm->cfg, p, torch_dtype, e);
+        if (!rc) rc = lm_config_write_hf(&fm->cfg, p, torch_dtype, e);
         if (!rc && access(dir, F_OK) == 0 && !is_hf_export(dir) &&
             snprintf(dir, 4096, "%s/hf-step-%d", folder, step) >= 4096)
             rc = ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
@@ -631,7 +631,7 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
         if (!rc && rename(tmp, dir) != 0)
             rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
         if (rc) ct_rm_tree(tmp, NULL);
-        if (t->tp) qwen3_free(&ftab);
+        if (t->tp) lm_free(&ftab);
     }
     return save_outcome(t, rc, "Hugging Face export", e);
 }

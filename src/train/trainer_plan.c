@@ -2,7 +2,7 @@
  * plan, before anything is allocated: the whole model on one process, and,
  * for a world of several ranks (mpirun's, or every [parallelism] degree
  * fixed), what rank 0 of the layout plans, computed with the run's own code
- * (tp_local_config, qwen3_plan_memory, FSDP's cut of the tensor table). */
+ * (tp_local_config, lm_plan_memory, FSDP's cut of the tensor table). */
 #include "train/trainer.h"
 #include "train/trainer_priv.h"
 
@@ -31,7 +31,7 @@ typedef struct {
 
 static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
-static int dry_fsdp_plan(const qwen3_model *m, int n, int n_exp, dry_fsdp *d, ct_err *e) {
+static int dry_fsdp_plan(const lm_model *m, int n, int n_exp, dry_fsdp *d, ct_err *e) {
     memset(d, 0, sizeof *d);
     int L = m->cfg.n_layers;
     fsdp_piece *p = ct_calloc(2 * (size_t)L + 2, sizeof *p);
@@ -44,7 +44,7 @@ static int dry_fsdp_plan(const qwen3_model *m, int n, int n_exp, dry_fsdp *d, ct
         d->shard += chunk;
         for (int r = 0; r < g; r++) {
             size_t a = p[i].off + (size_t)r * chunk;
-            if (a < end) per[r] += qwen3_trained_runs(m, a, a + chunk < end ? a + chunk : end, NULL, NULL);
+            if (a < end) per[r] += lm_trained_runs(m, a, a + chunk < end ? a + chunk : end, NULL, NULL);
         }
     }
     for (int r = 0; r < n; r++) d->trained = per[r] > d->trained ? per[r] : d->trained;
@@ -87,20 +87,20 @@ static void dry_line(FILE *out, const char *what, double bytes) {
 
 /* What rank 0 of the layout plans; the others' slices are the same size
  * (equal heads, columns, experts per rank) up to FSDP's padding. */
-static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, int world, int rep, int shard,
+static int dry_run_rank(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard,
                         int tp, int B, ct_err *e) {
     int ep = c->ep > 1 ? c->ep : 1;
-    qwen3_config lc;
+    lm_config lc;
     tp_local_config(&lc, mc, tp, 0, ep, 0);
     size_t n = 0, act = 0;
-    int rc = qwen3_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    int rc = lm_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
     double stored = (double)n, trained = (double)n, gathered = 0;
-    qwen3_model lm;
-    qwen3_layout(&lm, &lc);
+    lm_model lm;
+    lm_layout(&lm, &lc);
     /* frozen tensors: no gradient, no moments */
     rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
-    if (!rc) trained = (double)qwen3_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
+    if (!rc) trained = (double)lm_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
     if (!rc && shard > 1) {
         dry_fsdp d;
         rc = dry_fsdp_plan(&lm, shard, ep > 1 ? shard / ep : 0, &d, e);
@@ -108,7 +108,7 @@ static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, i
         trained = (double)d.trained;
         gathered = dry_fsdp_gathered(&d, lc.tie_embeddings, strcmp(c->fsdp_reshard, "never") != 0);
     }
-    qwen3_free(&lm);
+    lm_free(&lm);
     if (rc) return rc;
     if (!out) return 0; /* checked only */
     fprintf(out,
@@ -135,21 +135,21 @@ static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, i
     dry_line(out, "activations + workspace (planned)", a);
     dry_line(out, "total planned per rank", total);
     /* trainer_init_weights: the loaders hand over a block of rows at a time
-     * and the rank keeps its part, so loading adds one block (qwen3_block_rows)
+     * and the rank keeps its part, so loading adds one block (lm_block_rows)
      * and, under TP, one tensor's column slice to what the run holds anyway */
-    qwen3_model wt, lt;
-    qwen3_layout(&wt, mc);
-    qwen3_layout(&lt, &lc);
+    lm_model wt, lt;
+    lm_layout(&wt, mc);
+    lm_layout(&lt, &lc);
     size_t block = 0, slice = 0;
     for (int i = 0; i < wt.n_tensors; i++) {
-        const qwen3_tensor *w = &wt.tensors[i], *l = &lt.tensors[i];
-        size_t b = qwen3_block_rows(w) * qwen3_tensor_cols(w);
+        const lm_tensor *w = &wt.tensors[i], *l = &lt.tensors[i];
+        size_t b = lm_block_rows(w) * lm_tensor_cols(w);
         b = b < w->numel ? b : w->numel;
         block = b > block ? b : block;
-        if (qwen3_tensor_cols(l) < qwen3_tensor_cols(w) && l->numel > slice) slice = l->numel;
+        if (lm_tensor_cols(l) < lm_tensor_cols(w) && l->numel > slice) slice = l->numel;
     }
-    qwen3_free(&wt);
-    qwen3_free(&lt);
+    lm_free(&wt);
+    lm_free(&lt);
     double load = 4.0 * (double)(block + slice);
     dry_line(out, "loading (row block + a slice)", load);
     dry_line(out, "planned peak per rank", p + o + load > total ? p + o + load : total);
@@ -161,7 +161,7 @@ static int dry_run_rank(FILE *out, const ct_config *c, const qwen3_config *mc, i
 }
 
 int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
-    qwen3_config mc;
+    lm_config mc;
     int rc = trainer_model_config(c, &mc, e);
     if (rc) return rc;
     /* the world: mpirun's, else what fixed degrees multiply to, else one process */
@@ -173,19 +173,19 @@ int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
     if ((rc = trainer_finetune_config(c, tp, c->ep, shard, &mc, e))) return rc;
     size_t n = 0, act = 0;
-    if ((rc = qwen3_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
+    if ((rc = lm_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
     /* frozen tensors (LoRA's base, training.freeze): no gradient, no moments */
     size_t trained = n, in_bf16 = 0, widened = 0;
     {
-        qwen3_model lm;
-        qwen3_layout(&lm, &mc);
+        lm_model lm;
+        lm_layout(&lm, &mc);
         rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
-        if (!rc) trained = qwen3_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
+        if (!rc) trained = lm_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
         if (!rc && lm.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) {
-            in_bf16 = qwen3_store_frozen_bf16(&lm);
-            widened = qwen3_frozen_widened_floats(&lm);
+            in_bf16 = lm_store_frozen_bf16(&lm);
+            widened = lm_frozen_widened_floats(&lm);
         }
-        qwen3_free(&lm);
+        lm_free(&lm);
         if (rc) return rc;
     }
     if (world > 1) { /* checked before anything prints, so an error comes alone */

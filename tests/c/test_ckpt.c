@@ -108,8 +108,8 @@ static float rnd(void) {
     return (float)((g_lcg >> 8) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
 }
 
-static qwen3_config tiny_cfg(int tied) {
-    qwen3_config c = {.vocab_size = 64, .hidden = 16, .intermediate = 32, .n_layers = 2, .n_heads = 2,
+static lm_config tiny_cfg(int tied) {
+    lm_config c = {.vocab_size = 64, .hidden = 16, .intermediate = 32, .n_layers = 2, .n_heads = 2,
                       .n_kv_heads = 1, .head_dim = 8, .max_pos = 64, .tie_embeddings = tied,
                       .rope_theta = 1e6, .rms_eps = 1e-6};
     snprintf(c.name, sizeof c.name, "hf");
@@ -117,15 +117,15 @@ static qwen3_config tiny_cfg(int tied) {
 }
 
 typedef struct {
-    qwen3_model m;
+    lm_model m;
     float *m1, *m2;
 } tiny;
 
 static void tiny_make(tiny *t, int tied, uint32_t seed) {
-    qwen3_config c = tiny_cfg(tied);
+    lm_config c = tiny_cfg(tied);
     ct_err e = {0};
-    if (qwen3_create(&t->m, &c, 1, 4, &e)) {
-        fprintf(stderr, "qwen3_create: %s\n", e.msg);
+    if (lm_create(&t->m, &c, 1, 4, &e)) {
+        fprintf(stderr, "lm_create: %s\n", e.msg);
         exit(1);
     }
     g_lcg = seed;
@@ -139,7 +139,7 @@ static void tiny_make(tiny *t, int tied, uint32_t seed) {
 }
 
 static void tiny_free(tiny *t) {
-    qwen3_free(&t->m);
+    lm_free(&t->m);
     free(t->m1);
     free(t->m2);
 }
@@ -278,7 +278,7 @@ static void test_round_trip(void) {
     CHECK(f && st_count(f) == 2 * a.m.n_tensors, "optim.safetensors: %d tensors", f ? st_count(f) : -1);
     if (f) {
         const st_tensor *t = st_find(f, "model.layers.1.mlp.down_proj.weight.exp_avg_sq");
-        const qwen3_tensor *q = qwen3_find(&a.m, "model.layers.1.mlp.down_proj.weight");
+        const lm_tensor *q = lm_find(&a.m, "model.layers.1.mlp.down_proj.weight");
         CHECK(t && q && t->dtype == CT_F32 && !memcmp(t->data, a.m2 + q->offset, q->numel * 4),
               "exp_avg_sq of down_proj differs");
         st_close(f);
@@ -302,13 +302,13 @@ static void test_round_trip(void) {
 
     /* a model of another architecture is refused, naming config.json and the key */
     tiny c;
-    qwen3_config cc = tiny_cfg(0);
+    lm_config cc = tiny_cfg(0);
     cc.rope_theta = 5e6;
     ct_err ce = {0};
-    qwen3_create(&c.m, &cc, 1, 4, &ce);
+    lm_create(&c.m, &cc, 1, 4, &ce);
     rc = ckpt_load(dir, &c.m, NULL, NULL, NULL, NULL, &ce);
     CHECK(rc != 0 && strstr(ce.msg, "config.json") && strstr(ce.msg, "rope_theta"), "theta mismatch: %s", ce.msg);
-    qwen3_free(&c.m);
+    lm_free(&c.m);
 
     /* saving the same step again replaces it with the new contents */
     for (size_t i = 0; i < b.m.n_params; i++) b.m.params[i] = -a.m.params[i];
@@ -337,7 +337,7 @@ static void test_model_only(void) {
     tiny_make(&a, 1, 3);
     tiny_make(&b, 1, 4);
     ct_err e = {0};
-    CHECK(qwen3_find(&a.m, "lm_head.weight") == NULL, "tied model has an lm_head tensor");
+    CHECK(lm_find(&a.m, "lm_head.weight") == NULL, "tied model has an lm_head tensor");
     int rc = save(folder, 0, &a, 0, &e);
     CHECK(rc == 0, "model-only save: %s", e.msg);
     pathf(dir, "%s/%s", folder, "step-0");

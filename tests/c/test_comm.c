@@ -152,7 +152,7 @@ static void test_misc(ct_comm *c) {
 static void test_mesh_resolve(void) {
     ct_config c;
     cfg_defaults(&c);
-    qwen3_config mc = {0};
+    lm_config mc = {0};
     mc.n_heads = 8;
     mc.n_kv_heads = 2;
     mc.n_layers = 2;

@@ -22,7 +22,7 @@
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 /* vexp: kern_exp_avx512 or kern_exp_avx2 (the same algorithm for 16 / 8 lanes), named `isa` in messages */
 static void test_exp(void (*vexp)(float *, const float *, long), const char *isa) {
@@ -225,7 +225,7 @@ static void test_attention_blocked(void) {
  * forward+backward per checkpointing mode must give mode none's loss and
  * gradients bit for bit (recomputation reruns the same kernels). */
 static void test_checkpointing_hd64(void) {
-    qwen3_config cf = {.vocab_size = 97, .hidden = 48, .intermediate = 40, .n_layers = 3, .n_heads = 4,
+    lm_config cf = {.vocab_size = 97, .hidden = 48, .intermediate = 40, .n_layers = 3, .n_heads = 4,
                        .n_kv_heads = 2, .head_dim = 64, .max_pos = 128, .tie_embeddings = 1,
                        .rope_theta = 1e6, .rms_eps = 1e-6};
     enum { B = 2, T = 70 };
@@ -235,15 +235,15 @@ static void test_checkpointing_hd64(void) {
     float *ref = NULL;
     double loss0 = 0;
     for (int i = 0; i < 4; i++) {
-        qwen3_model m;
+        lm_model m;
         ct_err e = {0};
-        CHECK(qwen3_create_ac(&m, &cf, B, T, modes[i][0], modes[i][1], &e) == 0, "create %s: %s", modes[i][0], e.msg);
-        qwen3_init_random(&m, 4);
+        CHECK(lm_create_ac(&m, &cf, B, T, modes[i][0], modes[i][1], &e) == 0, "create %s: %s", modes[i][0], e.msg);
+        lm_init_random(&m, 4);
         CHECK(kern_select(&m.k, NULL, NULL, 0, &e) == 0, "kern_select: %s", e.msg);
         CHECK(!strcmp(m.k.chosen[KERN_OP_ATTENTION]->name, "blocked_avx512") &&
                   !strcmp(m.k.chosen[KERN_OP_ROPE]->name, "avx512"),
               "defaults: attention=%s rope=%s", m.k.chosen[KERN_OP_ATTENTION]->name, m.k.chosen[KERN_OP_ROPE]->name);
-        double loss = qwen3_forward_backward(&m, tok, lab, B, T, 1.0f / 100, NULL);
+        double loss = lm_forward_backward(&m, tok, lab, B, T, 1.0f / 100, NULL);
         if (i == 0) {
             ref = malloc(m.n_params * sizeof(float));
             memcpy(ref, m.grads, m.n_params * sizeof(float));
@@ -253,7 +253,7 @@ static void test_checkpointing_hd64(void) {
                   "ac %s %s: loss %.9g vs %.9g or grads not bit-identical", modes[i][0],
                   modes[i][1] ? modes[i][1] : "", loss, loss0);
         }
-        qwen3_free(&m);
+        lm_free(&m);
     }
     free(ref);
 }

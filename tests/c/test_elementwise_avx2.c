@@ -25,7 +25,7 @@
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 #if defined(__x86_64__)
 typedef struct {
@@ -255,7 +255,7 @@ static void test_checkpointing_hd64(void) {
     static const char *const avx2_set[] = {"matmul=avx2",  "embedding=avx2",    "rmsnorm=avx2",
                                            "rope=avx2",    "attention=blocked_avx2", "swiglu=avx2",
                                            "crossentropy=avx2", "add=avx2", "adamw=avx2", NULL};
-    qwen3_config cf = {.vocab_size = 97, .hidden = 48, .intermediate = 40, .n_layers = 3, .n_heads = 4,
+    lm_config cf = {.vocab_size = 97, .hidden = 48, .intermediate = 40, .n_layers = 3, .n_heads = 4,
                        .n_kv_heads = 2, .head_dim = 64, .max_pos = 128, .tie_embeddings = 1,
                        .rope_theta = 1e6, .rms_eps = 1e-6};
     enum { B = 2, T = 70 };
@@ -265,12 +265,12 @@ static void test_checkpointing_hd64(void) {
     float *ref = NULL;
     double loss0 = 0;
     for (int i = 0; i < 4; i++) {
-        qwen3_model m;
+        lm_model m;
         ct_err e = {0};
-        CHECK(qwen3_create_ac(&m, &cf, B, T, modes[i][0], modes[i][1], &e) == 0, "create %s: %s", modes[i][0], e.msg);
-        qwen3_init_random(&m, 4);
+        CHECK(lm_create_ac(&m, &cf, B, T, modes[i][0], modes[i][1], &e) == 0, "create %s: %s", modes[i][0], e.msg);
+        lm_init_random(&m, 4);
         CHECK(kern_select(&m.k, avx2_set, NULL, 0, &e) == 0, "kern_select: %s", e.msg);
-        double loss = qwen3_forward_backward(&m, tok, lab, B, T, 1.0f / 100, NULL);
+        double loss = lm_forward_backward(&m, tok, lab, B, T, 1.0f / 100, NULL);
         if (i == 0) {
             ref = malloc(m.n_params * sizeof(float));
             memcpy(ref, m.grads, m.n_params * sizeof(float));
@@ -280,7 +280,7 @@ static void test_checkpointing_hd64(void) {
                   "ac %s %s: loss %.9g vs %.9g or grads not bit-identical", modes[i][0],
                   modes[i][1] ? modes[i][1] : "", loss, loss0);
         }
-        qwen3_free(&m);
+        lm_free(&m);
     }
     free(ref);
 }

@@ -19,7 +19,7 @@
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 static const kern_impl *find(const kern_impl *t, size_t n, kern_op op, const char *name) {
     for (size_t i = 0; i < n; i++)
@@ -345,7 +345,7 @@ static void test_determinism(void) {
  * checkpointing mode: the plan shrinks in the expected order and one
  * forward+backward gives the same gradients, bit for bit, as mode none. */
 static void test_activation_checkpointing(void) {
-    qwen3_config c = {.vocab_size = 61, .hidden = 32, .intermediate = 48, .n_layers = 4, .n_heads = 4,
+    lm_config c = {.vocab_size = 61, .hidden = 32, .intermediate = 48, .n_layers = 4, .n_heads = 4,
                       .n_kv_heads = 2, .head_dim = 8, .max_pos = 128, .tie_embeddings = 0,
                       .rope_theta = 1e4, .rms_eps = 1e-6};
     enum { B = 2, T = 70 };
@@ -357,15 +357,15 @@ static void test_activation_checkpointing(void) {
     float *ref = NULL;
     double loss0 = 0;
     for (int i = 0; i < 5; i++) {
-        qwen3_model m;
+        lm_model m;
         ct_err e = {0};
-        CHECK(qwen3_create_ac(&m, &c, B, T, modes[i][0], modes[i][1], &e) == 0, "create %s: %s", modes[i][0],
+        CHECK(lm_create_ac(&m, &c, B, T, modes[i][0], modes[i][1], &e) == 0, "create %s: %s", modes[i][0],
               e.msg);
-        qwen3_init_random(&m, 9);
+        lm_init_random(&m, 9);
         kern_select(&m.k, NULL, NULL, 0, &e);
-        bytes[i] = qwen3_activation_bytes(&m);
+        bytes[i] = lm_activation_bytes(&m);
         long nv = 0;
-        double loss = qwen3_forward_backward(&m, tok, lab, B, T, 1.0f / 100, &nv);
+        double loss = lm_forward_backward(&m, tok, lab, B, T, 1.0f / 100, &nv);
         if (i == 0) {
             ref = malloc(m.n_params * sizeof(float));
             memcpy(ref, m.grads, m.n_params * sizeof(float));
@@ -376,17 +376,17 @@ static void test_activation_checkpointing(void) {
             CHECK(memcmp(ref, m.grads, m.n_params * sizeof(float)) == 0, "ac %s %s: grads not bit-identical",
                   modes[i][0], modes[i][1] ? modes[i][1] : "");
         }
-        qwen3_free(&m);
+        lm_free(&m);
     }
     CHECK(bytes[1] < bytes[0] && bytes[2] < bytes[0] && bytes[4] < bytes[2] && bytes[4] < bytes[1],
           "activation bytes none %zu op %zu every-2nd %zu full %zu", bytes[0], bytes[1], bytes[2], bytes[4]);
     CHECK(bytes[3] == bytes[4], "selective period 1 plans as full (%zu vs %zu)", bytes[3], bytes[4]);
-    qwen3_model m;
+    lm_model m;
     ct_err e = {0};
-    CHECK(qwen3_create_ac(&m, &c, B, T, "selective", "0", &e) == CT_ERR_CONFIG &&
+    CHECK(lm_create_ac(&m, &c, B, T, "selective", "0", &e) == CT_ERR_CONFIG &&
               strstr(e.msg, "selective_ac_option"),
           "period 0 rejected naming the key: %s", e.msg);
-    CHECK(qwen3_create_ac(&m, &c, B, T, "some", NULL, &e) == CT_ERR_CONFIG && strstr(e.msg, "mode"),
+    CHECK(lm_create_ac(&m, &c, B, T, "some", NULL, &e) == CT_ERR_CONFIG && strstr(e.msg, "mode"),
           "unknown mode rejected: %s", e.msg);
     free(ref);
 }

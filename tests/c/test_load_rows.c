@@ -1,7 +1,7 @@
 /* tests/c/test_load_rows.c: loading in blocks of rows gives what loading
  * whole tensors gave.
  *
- * The loaders hand a tensor over a block of rows at a time (qwen3_sink) and
+ * The loaders hand a tensor over a block of rows at a time (lm_sink) and
  * a rank keeps its part of each block (tp_take_rows), so no one holds a whole
  * large tensor. The test models of the Python suite are too small to need a
  * second block, so here:
@@ -25,10 +25,10 @@
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "dist/tp.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
-static qwen3_tensor tensor(int64_t rows, int64_t cols) {
-    qwen3_tensor t = {0};
+static lm_tensor tensor(int64_t rows, int64_t cols) {
+    lm_tensor t = {0};
     t.ndim = 2;
     t.shape[0] = rows;
     t.shape[1] = cols;
@@ -38,7 +38,7 @@ static qwen3_tensor tensor(int64_t rows, int64_t cols) {
 
 /* Feeds whole[R x C] to tp_take_rows in blocks of `step` rows and checks the
  * assembled local tensor against want[lt->numel]. */
-static void take_case(const char *what, const tp_layout *p, const qwen3_tensor *lt, const qwen3_tensor *ft,
+static void take_case(const char *what, const tp_layout *p, const lm_tensor *lt, const lm_tensor *ft,
                       const float *whole, const float *want, size_t step) {
     size_t R = (size_t)ft->shape[0], C = (size_t)ft->shape[1], lc = lt->numel ? (size_t)lt->shape[1] : 0;
     float *got = calloc(lt->numel + 1, sizeof(float)), *tmp = calloc(R * C + 1, sizeof(float));
@@ -62,69 +62,69 @@ static void test_take_rows(void) {
     enum { R = 10, C = 6, T = 2 };
     float whole[R * C], want[R * C];
     for (int i = 0; i < R * C; i++) whole[i] = (float)i;
-    qwen3_tensor ft = tensor(R, C);
+    lm_tensor ft = tensor(R, C);
     size_t steps[] = {1, 3, 4, R};
     for (int rank = 0; rank < T; rank++) {
         tp_layout p = {0};
         p.t = T;
         p.rank = rank;
         for (size_t s = 0; s < sizeof steps / sizeof steps[0]; s++) {
-            qwen3_tensor rows = tensor(R / T, C); /* column-parallel: a block of whole rows */
+            lm_tensor rows = tensor(R / T, C); /* column-parallel: a block of whole rows */
             memcpy(want, whole + (size_t)rank * (R / T) * C, sizeof(float) * (R / T) * C);
             take_case("row slice", &p, &rows, &ft, whole, want, steps[s]);
-            qwen3_tensor cols = tensor(R, C / T); /* row-parallel: a block of columns in every row */
+            lm_tensor cols = tensor(R, C / T); /* row-parallel: a block of columns in every row */
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < C / T; c++) want[r * (C / T) + c] = whole[r * C + rank * (C / T) + c];
             take_case("column slice", &p, &cols, &ft, whole, want, steps[s]);
             take_case("replicated", &p, &ft, &ft, whole, whole, steps[s]);
-            qwen3_tensor none = tensor(0, C); /* an expert another EP rank holds */
+            lm_tensor none = tensor(0, C); /* an expert another EP rank holds */
             take_case("not held", &p, &none, &ft, whole, want, steps[s]);
         }
     }
 }
 
 typedef struct {
-    const qwen3_model *m;
+    const lm_model *m;
     float *dst;
     int calls, blocks_after_first;
 } rec_ctx;
 
 static void rec_put(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows) {
     rec_ctx *c = ctx;
-    const qwen3_tensor *t = &c->m->tensors[i];
-    size_t cols = qwen3_tensor_cols(t);
+    const lm_tensor *t = &c->m->tensors[i];
+    size_t cols = lm_tensor_cols(t);
     (void)kind;
     memcpy(c->dst + t->offset + r0 * cols, rows, (r1 - r0) * cols * sizeof(float));
     c->calls++;
     c->blocks_after_first += r0 > 0;
 }
 
-/* The embedding [V, H] is 3 blocks of 4096 rows (qwen3_block_rows: 16 MiB of fp32). */
+/* The embedding [V, H] is 3 blocks of 4096 rows (lm_block_rows: 16 MiB of fp32). */
 static void test_init_and_hf_in_blocks(void) {
-    qwen3_config c = {0};
+    lm_config c = {0};
     snprintf(c.name, sizeof c.name, "rows");
     c.vocab_size = 9000, c.hidden = 1024, c.intermediate = 64, c.n_layers = 1, c.n_heads = 2, c.n_kv_heads = 1;
     c.head_dim = 32, c.max_pos = 16, c.rope_theta = 1e6, c.rms_eps = 1e-6, c.tie_embeddings = 1;
-    qwen3_model m;
+    lm_model m;
     ct_err e = {0};
-    if (qwen3_create(&m, &c, 1, 1, &e)) {
-        CHECK(0, "qwen3_create: %s", e.msg);
+    if (lm_create(&m, &c, 1, 1, &e)) {
+        CHECK(0, "lm_create: %s", e.msg);
         return;
     }
-    CHECK(qwen3_block_rows(&m.tensors[0]) * 2 < (size_t)c.vocab_size, "the embedding should span 3 blocks");
+    CHECK(lm_block_rows(&m.tensors[0]) * 2 < (size_t)c.vocab_size, "the embedding should span 3 blocks");
     /* the values one tensor at a time, as the init drew them before it streamed */
     float *want = malloc(m.n_params * sizeof(float));
     ct_rng r;
     ct_rng_seed(&r, 7);
     for (int i = 0; i < m.n_tensors; i++) {
-        const qwen3_tensor *t = &m.tensors[i];
+        const lm_tensor *t = &m.tensors[i];
         for (size_t j = 0; j < t->numel; j++)
             want[t->offset + j] = t->is_matrix ? (float)(0.02 * ct_rng_normal(&r)) : 1.0f;
     }
     float *got = calloc(m.n_params, sizeof(float));
     rec_ctx rc = {&m, got, 0, 0};
-    qwen3_sink s = {rec_put, &rc};
-    qwen3_init_random_each(&m, 7, &s);
+    lm_sink s = {rec_put, &rc};
+    lm_init_random_each(&m, 7, &s);
     CHECK(rc.blocks_after_first == 2, "%d blocks after a tensor's first", rc.blocks_after_first);
     CHECK(!memcmp(got, want, m.n_params * sizeof(float)), "the seeded init in blocks differs from whole tensors");
 
@@ -146,7 +146,7 @@ static void test_init_and_hf_in_blocks(void) {
     }
     free(want);
     free(got);
-    qwen3_free(&m);
+    lm_free(&m);
 }
 
 int main(void) {

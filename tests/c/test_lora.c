@@ -1,4 +1,4 @@
-/* tests/c/test_lora.c: model/lora.c and the LoRA path of model/qwen3.c, in C
+/* tests/c/test_lora.c: model/lora.c and the LoRA path of model/lm.c, in C
  * so that `make sanitize` runs them under ASan/UBSan (the parity with PEFT is
  * tests/py/test_lora*.py):
  *   - target lists, the frozen choice (freeze patterns, PEFT's modules_to_save
@@ -21,16 +21,16 @@
 #include "check.h"
 #include "core/fs.h"
 #include "model/lora.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
-static qwen3_config tiny(int lora_rank, float dropout) {
-    qwen3_config c;
+static lm_config tiny(int lora_rank, float dropout) {
+    lm_config c;
     memset(&c, 0, sizeof c);
     c.vocab_size = 37, c.hidden = 16, c.intermediate = 24, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = 2;
     c.head_dim = 8, c.max_pos = 64, c.rope_theta = 1e4, c.rms_eps = 1e-6, c.decoder_sparse_step = 1;
     snprintf(c.name, sizeof c.name, "tiny");
     c.lora_rank = lora_rank;
-    c.lora_targets = (1u << QWEN3_LORA_N) - 1;
+    c.lora_targets = (1u << LM_LORA_N) - 1;
     c.lora_scale = lora_scaling(8.0, lora_rank > 0 ? lora_rank : 1, 0);
     c.lora_dropout = dropout;
     c.lazy_buffers = 1;
@@ -46,69 +46,69 @@ static void test_choices(void) {
     ct_err e;
     unsigned bits;
     CHECK(lora_parse_targets("q_proj,down_proj", &bits, "t", &e) == 0 &&
-              bits == ((1u << QWEN3_LORA_Q) | (1u << QWEN3_LORA_DOWN)),
+              bits == ((1u << LM_LORA_Q) | (1u << LM_LORA_DOWN)),
           "targets %x", bits);
     CHECK(lora_parse_targets("q_proj,c_attn", &bits, "t", &e) == CT_ERR_CONFIG && strstr(e.msg, "c_attn"), "%s",
           e.msg);
     CHECK(fabsf(lora_scaling(8, 4, 0) - 2.0f) < 1e-7f && fabsf(lora_scaling(8, 4, 1) - 4.0f) < 1e-7f, "scaling");
 
-    qwen3_model m;
-    qwen3_config c = tiny(2, 0);
-    qwen3_layout(&m, &c);
+    lm_model m;
+    lm_config c = tiny(2, 0);
+    lm_layout(&m, &c);
     CHECK(lora_apply_frozen(&m, "", "norm", "t", &e) == 0, "%s", e.msg);
     int norms = 0, bad = 0;
     for (int i = 0; i < m.n_tensors; i++) {
-        const qwen3_tensor *t = &m.tensors[i];
+        const lm_tensor *t = &m.tensors[i];
         int is_norm = strstr(t->name, "norm.weight") != NULL; /* model.norm, *_layernorm, q_norm, k_norm */
         norms += is_norm;
         bad += t->frozen != !(t->lora || is_norm);
     }
     CHECK(norms == 1 + 2 * 4 && !bad, "modules_to_save norm: %d norms, %d tensors wrong", norms, bad);
     CHECK(lora_apply_frozen(&m, "model.layers.1.*", "", "t", &e) == 0, "%s", e.msg);
-    const qwen3_tensor *a1 = qwen3_find(&m, "model.layers.1.self_attn.q_proj.lora_A.weight");
-    const qwen3_tensor *a0 = qwen3_find(&m, "model.layers.0.self_attn.q_proj.lora_A.weight");
+    const lm_tensor *a1 = lm_find(&m, "model.layers.1.self_attn.q_proj.lora_A.weight");
+    const lm_tensor *a0 = lm_find(&m, "model.layers.0.self_attn.q_proj.lora_A.weight");
     CHECK(a1 && a1->frozen && a0 && !a0->frozen, "freeze pattern on adapters");
     CHECK(lora_apply_frozen(&m, "model.nothing.*", "", "t", &e) == CT_ERR_CONFIG && strstr(e.msg, "model.nothing.*"),
           "%s", e.msg);
     CHECK(lora_apply_frozen(&m, "", "c_proj", "t", &e) == CT_ERR_CONFIG && strstr(e.msg, "c_proj"), "%s", e.msg);
     CHECK(lora_apply_frozen(&m, "*", "", "t", &e) == CT_ERR_CONFIG && strstr(e.msg, "every tensor"), "%s", e.msg);
-    qwen3_free(&m);
+    lm_free(&m);
 }
 
 /* A model with random weights and random (non-zero) adapters, the base frozen. */
-static void make(qwen3_model *m, int r, float dropout, ct_err *e) {
-    qwen3_config c = tiny(r, dropout);
-    CHECK(qwen3_create(m, &c, 2, 8, e) == 0, "%s", e->msg);
-    qwen3_init_random(m, 5);
+static void make(lm_model *m, int r, float dropout, ct_err *e) {
+    lm_config c = tiny(r, dropout);
+    CHECK(lm_create(m, &c, 2, 8, e) == 0, "%s", e->msg);
+    lm_init_random(m, 5);
     for (int i = 0; i < m->n_tensors; i++) { /* adapters: init draws nothing for them */
-        const qwen3_tensor *t = &m->tensors[i];
+        const lm_tensor *t = &m->tensors[i];
         for (size_t j = 0; t->lora && j < t->numel; j++) m->params[t->offset + j] = 0.05f * (float)sin(3.0 * j + i);
     }
     CHECK(lora_apply_frozen(m, "", "", "t", e) == 0, "%s", e->msg);
 }
 
-static double loss_of(qwen3_model *m, const int32_t *tok, const int32_t *lab) {
+static double loss_of(lm_model *m, const int32_t *tok, const int32_t *lab) {
     long nv = 0;
-    double s = qwen3_loss(m, tok, lab, 2, 8, &nv);
+    double s = lm_loss(m, tok, lab, 2, 8, &nv);
     return s / (double)nv;
 }
 
 static void test_gradient(void) {
     ct_err e;
-    qwen3_model m;
+    lm_model m;
     make(&m, 3, 0, &e);
     int32_t tok[16], lab[16];
     fill_tokens(tok, lab, 16, m.cfg.vocab_size);
     long nv = 0;
     for (int i = 0; i < 16; i++) nv += lab[i] != -100;
-    qwen3_forward_backward(&m, tok, lab, 2, 8, 1.0f / (float)nv, NULL);
-    CHECK(m.g.layer[0].wq == NULL && m.g.wte == NULL && m.g.layer[1].lora_a[QWEN3_LORA_V] != NULL,
+    lm_forward_backward(&m, tok, lab, 2, 8, 1.0f / (float)nv, NULL);
+    CHECK(m.g.layer[0].wq == NULL && m.g.wte == NULL && m.g.layer[1].lora_a[LM_LORA_V] != NULL,
           "frozen base: no gradient views; adapters: views");
     const char *names[] = {"model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.0.self_attn.q_proj.lora_B.weight",
                            "model.layers.1.mlp.down_proj.lora_A.weight", "model.layers.1.self_attn.o_proj.lora_B.weight",
                            "model.layers.0.mlp.up_proj.lora_A.weight"};
     for (size_t k = 0; k < sizeof names / sizeof names[0]; k++) {
-        const qwen3_tensor *t = qwen3_find(&m, names[k]);
+        const lm_tensor *t = lm_find(&m, names[k]);
         CHECK(t != NULL, "%s", names[k]);
         if (!t) continue;
         for (size_t j = 0; j < t->numel; j += t->numel / 3 + 1) {
@@ -123,36 +123,36 @@ static void test_gradient(void) {
                   an, fd);
         }
     }
-    qwen3_free(&m);
+    lm_free(&m);
 }
 
 static void test_zero_b_and_dropout(void) {
     ct_err e;
-    qwen3_model m, base;
+    lm_model m, base;
     make(&m, 2, 0.3f, &e);
-    qwen3_config c0 = tiny(0, 0);
-    CHECK(qwen3_create(&base, &c0, 2, 8, &e) == 0, "%s", e.msg);
-    qwen3_init_random(&base, 5);
+    lm_config c0 = tiny(0, 0);
+    CHECK(lm_create(&base, &c0, 2, 8, &e) == 0, "%s", e.msg);
+    lm_init_random(&base, 5);
     int32_t tok[16], lab[16];
     fill_tokens(tok, lab, 16, m.cfg.vocab_size);
     for (int i = 0; i < m.n_tensors; i++)
         if (strstr(m.tensors[i].name, "lora_B")) memset(m.params + m.tensors[i].offset, 0, m.tensors[i].numel * 4);
     size_t nl = 16 * (size_t)m.cfg.vocab_size;
     float *l1 = malloc(nl * 4), *l2 = malloc(nl * 4);
-    qwen3_logits(&m, tok, 2, 8, l1);
-    qwen3_logits(&base, tok, 2, 8, l2);
+    lm_logits(&m, tok, 2, 8, l1);
+    lm_logits(&base, tok, 2, 8, l2);
     double d = 0;
     for (size_t i = 0; i < nl; i++) d = fmax(d, fabs(l1[i] - l2[i]));
     CHECK(d <= 1e-6, "B = 0: logits differ from the base model's by %g", d);
     /* dropout: same seed, same gradient; another seed, another one */
-    const qwen3_tensor *a = qwen3_find(&m, "model.layers.0.self_attn.k_proj.lora_A.weight"); /* B != 0 needed */
+    const lm_tensor *a = lm_find(&m, "model.layers.0.self_attn.k_proj.lora_A.weight"); /* B != 0 needed */
     for (int i = 0; i < m.n_tensors; i++)
         if (m.tensors[i].lora) for (size_t j = 0; j < m.tensors[i].numel; j++) m.params[m.tensors[i].offset + j] = 0.05f;
     float *g[3];
     for (int run = 0; run < 3; run++) {
         memset(m.grads + a->offset, 0, a->numel * 4);
         m.lora_seed = run == 2 ? 99 : 7;
-        qwen3_forward_backward(&m, tok, lab, 2, 8, 0.1f, NULL);
+        lm_forward_backward(&m, tok, lab, 2, 8, 0.1f, NULL);
         g[run] = malloc(a->numel * 4);
         memcpy(g[run], m.grads + a->offset, a->numel * 4);
     }
@@ -161,13 +161,13 @@ static void test_zero_b_and_dropout(void) {
     for (int run = 0; run < 3; run++) free(g[run]);
     free(l1);
     free(l2);
-    qwen3_free(&m);
-    qwen3_free(&base);
+    lm_free(&m);
+    lm_free(&base);
 }
 
 static void test_files_and_merge(void) {
     ct_err e;
-    qwen3_model m, n;
+    lm_model m, n;
     make(&m, 2, 0, &e);
     make(&n, 2, 0, &e);
     char dir[] = "/tmp/ct_test_lora_XXXXXX";
@@ -177,8 +177,8 @@ static void test_files_and_merge(void) {
     CHECK(lora_save_peft(&m, data, dir, "base", 8.0, 0, 0.0, "", &e) == 0, "%s", e.msg);
     for (int i = 0; i < n.n_tensors; i++)
         if (n.tensors[i].lora) memset(n.params + n.tensors[i].offset, 0, n.tensors[i].numel * 4);
-    qwen3_copy_ctx cc;
-    qwen3_sink s = qwen3_copy_sink(&cc, &n, NULL, NULL);
+    lm_copy_ctx cc;
+    lm_sink s = lm_copy_sink(&cc, &n, NULL, NULL);
     CHECK(lora_load_peft_each(&n, dir, &s, &e) == 0, "%s", e.msg);
     int same = 1;
     for (int i = 0; i < m.n_tensors; i++)
@@ -186,19 +186,19 @@ static void test_files_and_merge(void) {
                                                m.tensors[i].numel * 4);
     CHECK(same, "adapter read back differs from the one written");
     /* a model of another rank refuses it by name */
-    qwen3_model o;
+    lm_model o;
     make(&o, 3, 0, &e);
-    qwen3_copy_ctx co;
-    qwen3_sink so = qwen3_copy_sink(&co, &o, NULL, NULL);
+    lm_copy_ctx co;
+    lm_sink so = lm_copy_sink(&co, &o, NULL, NULL);
     CHECK(lora_load_peft_each(&o, dir, &so, &e) == CT_ERR_CONFIG && strstr(e.msg, "adapter_config.json"), "%s", e.msg);
     /* merged weights give the unmerged logits */
     int32_t tok[16], lab[16];
     fill_tokens(tok, lab, 16, m.cfg.vocab_size);
     size_t nl = 16 * (size_t)m.cfg.vocab_size;
     float *l1 = malloc(nl * 4), *l2 = malloc(nl * 4);
-    qwen3_logits(&m, tok, 2, 8, l1);
+    lm_logits(&m, tok, 2, 8, l1);
     lora_merge(&m);
-    qwen3_logits(&m, tok, 2, 8, l2);
+    lm_logits(&m, tok, 2, 8, l2);
     double d = 0, mx = 0;
     for (size_t i = 0; i < nl; i++) d = fmax(d, fabs(l1[i] - l2[i])), mx = fmax(mx, fabs(l1[i]));
     CHECK(d <= 1e-5 * mx, "merged logits differ by %g (max %g)", d, mx);
@@ -206,9 +206,9 @@ static void test_files_and_merge(void) {
     free(data);
     free(l1);
     free(l2);
-    qwen3_free(&m);
-    qwen3_free(&n);
-    qwen3_free(&o);
+    lm_free(&m);
+    lm_free(&n);
+    lm_free(&o);
 }
 
 int main(void) {

@@ -22,7 +22,7 @@
 #include "check.h"
 #include "checkpoint/ckpt.h"
 #include "formats/safetensors.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 static char g_dir[256];
 
@@ -185,16 +185,16 @@ static void test_stream_dir(void) {
 /* ckpt_stream in uneven pieces == ckpt_save; too much or too little data is
  * an error that publishes nothing. */
 static void test_ckpt_stream(void) {
-    qwen3_config c = {.vocab_size = 13, .hidden = 8, .intermediate = 12, .n_layers = 2, .n_heads = 2,
+    lm_config c = {.vocab_size = 13, .hidden = 8, .intermediate = 12, .n_layers = 2, .n_heads = 2,
                       .n_kv_heads = 1, .head_dim = 4, .max_pos = 16, .rope_theta = 1e6, .rms_eps = 1e-6};
     snprintf(c.name, sizeof c.name, "hf");
-    qwen3_model m;
+    lm_model m;
     ct_err e = {0};
-    if (qwen3_create(&m, &c, 1, 4, &e)) {
-        CHECK(0, "qwen3_create: %s", e.msg);
+    if (lm_create(&m, &c, 1, 4, &e)) {
+        CHECK(0, "lm_create: %s", e.msg);
         return;
     }
-    qwen3_init_random(&m, 3);
+    lm_init_random(&m, 3);
     size_t n = m.n_params;
     float *ea = malloc(n * sizeof(float)), *eq = malloc(n * sizeof(float));
     fill(ea, (int)n, 0.5f), fill(eq, (int)n, 2.0f);
@@ -250,7 +250,7 @@ static void test_ckpt_stream(void) {
     }
     free(ea);
     free(eq);
-    qwen3_free(&m);
+    lm_free(&m);
 }
 
 int main(void) {

@@ -6,7 +6,7 @@
  * gradient as exp * (1/sum) * scale), so tensor-parallel runs on "ref" give
  * the numbers they always gave. The three phases exist because the row max
  * and the sums are global over ranks: the model all-reduces between them
- * (qwen3.c, crossentropy()). Rows are independent, so the row loops run in
+ * (lm.c, crossentropy()). Rows are independent, so the row loops run in
  * parallel; the loss is summed serially in row order, independent of the
  * thread count. Unlike op_crossentropy_*, a target outside this rank's
  * columns is normal (another rank holds it), so nothing is checked here:

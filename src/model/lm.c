@@ -1,4 +1,4 @@
-/* model/qwen3.c: Qwen3 dense forward and backward, llm.c style.
+/* model/lm.c: the decoder forward and backward, llm.c style.
  *
  * The forward of a training step runs straight into the fused
  * lm_head + cross-entropy, which already produces d(final norm output):
@@ -7,10 +7,10 @@
  * `logit_rows` rows of them. Backward then walks the layers in reverse,
  * accumulating (+=) into the flat gradient buffer. Everything the backward
  * reads was saved in the per-layer activation plan allocated in
- * qwen3_create, or, for a layer under activation checkpointing, is rebuilt
+ * lm_create, or, for a layer under activation checkpointing, is rebuilt
  * from the layer's saved input just before its backward (layer_recompute);
  * nothing is allocated per step. */
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -25,13 +25,13 @@
 
 /* ---------------------------------------------------------------- layout */
 
-static void add_tensor(qwen3_model *m, int *cap, const char *name, int64_t d0, int64_t d1, int is_matrix) {
+static void add_tensor(lm_model *m, int *cap, const char *name, int64_t d0, int64_t d1, int is_matrix) {
     if (m->n_tensors == *cap) {
         *cap = *cap ? *cap * 2 : 64;
         m->tensors = realloc(m->tensors, (size_t)*cap * sizeof *m->tensors);
         if (!m->tensors) { fprintf(stderr, "ctitan: error: out of memory\n"); exit(1); }
     }
-    qwen3_tensor *t = &m->tensors[m->n_tensors++];
+    lm_tensor *t = &m->tensors[m->n_tensors++];
     memset(t, 0, sizeof *t);
     snprintf(t->name, sizeof t->name, "%s", name);
     t->ndim = d1 ? 2 : 1;
@@ -40,24 +40,24 @@ static void add_tensor(qwen3_model *m, int *cap, const char *name, int64_t d0, i
     t->numel = (size_t)d0 * (size_t)(d1 ? d1 : 1);
     t->offset = m->n_params;
     t->is_matrix = is_matrix;
-    t->store = QWEN3_NO_STORE;
+    t->store = LM_NO_STORE;
     m->n_params += t->numel;
 }
 
 /* Projection p's input and output widths, and its module path in a layer. */
-static void lora_dims(const qwen3_config *c, int p, int64_t *in, int64_t *out) {
+static void lora_dims(const lm_config *c, int p, int64_t *in, int64_t *out) {
     int64_t H = c->hidden, I = c->intermediate, qd = (int64_t)c->n_heads * c->head_dim;
     int64_t kvd = (int64_t)c->n_kv_heads * c->head_dim;
-    static const int in_kind[QWEN3_LORA_N] = {0, 0, 0, 1, 0, 0, 2}, out_kind[QWEN3_LORA_N] = {1, 3, 3, 0, 2, 2, 0};
+    static const int in_kind[LM_LORA_N] = {0, 0, 0, 1, 0, 0, 2}, out_kind[LM_LORA_N] = {1, 3, 3, 0, 2, 2, 0};
     const int64_t w[4] = {H, qd, I, kvd};
     *in = w[in_kind[p]];
     *out = w[out_kind[p]];
 }
-static const char *const lora_module[QWEN3_LORA_N] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+static const char *const lora_module[LM_LORA_N] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                       "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
                                                       "mlp.down_proj"};
 
-int qwen3_lora_on(const qwen3_config *c, int l, int p) {
+int lm_lora_on(const lm_config *c, int l, int p) {
     (void)l; /* every layer alike: on MoE models the trainer keeps only the attention targets */
     return c->lora_rank > 0 && (c->lora_targets & (1u << p));
 }
@@ -65,10 +65,10 @@ int qwen3_lora_on(const qwen3_config *c, int l, int p) {
 /* The tensor table, in HF names, ordered by layer so each layer is contiguous
  * (a layer's LoRA adapters last among its tensors, PEFT's names without
  * PEFT's "base_model.model." prefix). */
-static void build_layout(qwen3_model *m) {
-    const qwen3_config *c = &m->cfg;
+static void build_layout(lm_model *m) {
+    const lm_config *c = &m->cfg;
     int cap = 0;
-    char n[QWEN3_NAME_MAX];
+    char n[LM_NAME_MAX];
     int64_t H = c->hidden, I = c->intermediate, hd = c->head_dim;
     int64_t qd = (int64_t)c->n_heads * hd, kvd = (int64_t)c->n_kv_heads * hd;
     add_tensor(m, &cap, "model.embed_tokens.weight", c->vocab_size, H, 1);
@@ -84,7 +84,7 @@ static void build_layout(qwen3_model *m) {
         T_("self_attn.q_norm.weight", hd, 0, 0);
         T_("self_attn.k_norm.weight", hd, 0, 0);
         T_("post_attention_layernorm.weight", H, 0, 0);
-        if (qwen3_layer_is_moe(c, l)) {
+        if (lm_layer_is_moe(c, l)) {
             /* HF's per-expert keys, ordered so each projection's experts are
              * one stacked [E, ., .] block for the grouped kernels */
             int64_t E = c->n_experts, Im = c->moe_intermediate;
@@ -102,8 +102,8 @@ static void build_layout(qwen3_model *m) {
             T_("mlp.up_proj.weight", I, H, 1);
             T_("mlp.down_proj.weight", H, I, 1);
         }
-        for (int p = 0; p < QWEN3_LORA_N; p++) {
-            if (!qwen3_lora_on(c, l, p)) continue;
+        for (int p = 0; p < LM_LORA_N; p++) {
+            if (!lm_lora_on(c, l, p)) continue;
             int64_t in, out;
             char sfx[64];
             lora_dims(c, p, &in, &out);
@@ -122,16 +122,16 @@ static void build_layout(qwen3_model *m) {
 
 /* Points a weights view at a flat buffer; relies on build_layout's order.
  * grads: the gradient view, where a frozen tensor has no pointer (NULL). */
-static void bind_weights(qwen3_weights *w, const qwen3_model *m, float *base, int grads) {
-    const qwen3_tensor *t = m->tensors;
+static void bind_weights(lm_weights *w, const lm_model *m, float *base, int grads) {
+    const lm_tensor *t = m->tensors;
 #define AT(tt) (grads && (tt)->frozen ? NULL : base + (tt)->offset)
     w->wte = AT(t);
     t++;
     for (int l = 0; l < m->cfg.n_layers; l++) {
-        qwen3_layer_w *lw = &w->layer[l];
+        lm_layer_w *lw = &w->layer[l];
         float **slots[] = {&lw->ln1, &lw->wq, &lw->wk, &lw->wv, &lw->wo, &lw->qn,
                            &lw->kn,  &lw->ln2, &lw->wg, &lw->wu, &lw->wd};
-        int moe = qwen3_layer_is_moe(&m->cfg, l), E = m->cfg.n_experts;
+        int moe = lm_layer_is_moe(&m->cfg, l), E = m->cfg.n_experts;
         for (size_t i = 0; i < (moe ? 8 : sizeof slots / sizeof slots[0]); i++, t++) *slots[i] = AT(t);
         if (moe) {
             lw->router = AT(t);
@@ -143,9 +143,9 @@ static void bind_weights(qwen3_weights *w, const qwen3_model *m, float *base, in
             lw->ewd = AT(t);
             t += E;
         }
-        for (int p = 0; p < QWEN3_LORA_N; p++) {
+        for (int p = 0; p < LM_LORA_N; p++) {
             lw->lora_a[p] = lw->lora_b[p] = NULL;
-            if (!qwen3_lora_on(&m->cfg, l, p)) continue;
+            if (!lm_lora_on(&m->cfg, l, p)) continue;
             lw->lora_a[p] = AT(t);
             t++;
             lw->lora_b[p] = AT(t);
@@ -158,12 +158,12 @@ static void bind_weights(qwen3_weights *w, const qwen3_model *m, float *base, in
 #undef AT
 }
 
-int qwen3_bind_frozen(qwen3_model *m, ct_err *e) {
+int lm_bind_frozen(lm_model *m, ct_err *e) {
     m->n_frozen = 0;
     for (int i = 0; i < m->n_tensors; i++) m->n_frozen += m->tensors[i].frozen != 0;
     /* the grouped experts kernels take a projection's E experts as one block */
     for (int i = 0; i < m->n_tensors; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
+        const lm_tensor *t = &m->tensors[i];
         if (!strstr(t->name, ".mlp.experts.0.")) continue;
         for (int j = i + 1; j < i + m->cfg.n_experts && j < m->n_tensors; j++)
             if (m->tensors[j].frozen != t->frozen)
@@ -197,7 +197,7 @@ static void carve_route(carver *cv, moe_route *r, int N, int E, int k) {
     else memset(r, 0, sizeof *r);
 }
 
-/* Every per-layer activation but res: name, floats, and whether QWEN3_AC_OP
+/* Every per-layer activation but res: name, floats, and whether LM_AC_OP
  * keeps it (1: a matmul or attention output, costly to rerun) or reruns it
  * (0: a norm, RoPE or SwiGLU output, cheap elementwise work). */
 #define LAYER_ACTS(X)                                                          \
@@ -206,9 +206,9 @@ static void carve_route(carver *cv, moe_route *r, int N, int E, int k) {
     X(v, BT * kvd, 1) X(lse, BT * nH, 1) X(att, BT * qd, 1) X(res_mid, BT * H, 1) \
     X(ln2, BT * H, 0) X(ln2_rstd, BT, 0) X(gate, BT * I, 1) X(up, BT * I, 1) X(h, BT * I, 0)
 
-static void plan_activations(qwen3_model *m, carver *cv, const int *ac) {
-    // ac[L]: QWEN3_AC_* per layer
-    const qwen3_config *c = &m->cfg;
+static void plan_activations(lm_model *m, carver *cv, const int *ac) {
+    // ac[L]: LM_AC_* per layer
+    const lm_config *c = &m->cfg;
     size_t BT = (size_t)m->B * m->T, H = c->hidden, I, hd = c->head_dim;
     size_t nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     /* I below is the width of a layer's gate/up/h rows per token: the dense
@@ -220,15 +220,15 @@ static void plan_activations(qwen3_model *m, carver *cv, const int *ac) {
     int any_ac = 0, full_moe = 0;
     m->n_moe_layers = 0;
     for (int l = 0; l < c->n_layers; l++) {
-        int moe = qwen3_layer_is_moe(c, l);
+        int moe = lm_layer_is_moe(c, l);
         size_t Il = moe ? I_moe : (size_t)c->intermediate;
-        any_ac |= ac[l] != QWEN3_AC_NONE;
-        if (ac[l] != QWEN3_AC_NONE && Il > I_max) I_max = Il;
+        any_ac |= ac[l] != LM_AC_NONE;
+        if (ac[l] != LM_AC_NONE && Il > I_max) I_max = Il;
         if (!moe) I_dense = (size_t)c->intermediate;
-        full_moe |= moe && ac[l] == QWEN3_AC_FULL;
+        full_moe |= moe && ac[l] == LM_AC_FULL;
         m->n_moe_layers += moe;
     }
-    qwen3_layer_acts *sc = &m->ac_scratch;
+    lm_layer_acts *sc = &m->ac_scratch;
     memset(sc, 0, sizeof *sc);
     I = I_max;
 #define SCRATCH(name, n, keep) sc->name = carve(cv, n);
@@ -236,20 +236,20 @@ static void plan_activations(qwen3_model *m, carver *cv, const int *ac) {
 #undef SCRATCH
     if (full_moe) carve_route(cv, &sc->route, m->B * m->T, E, c->top_k);
     for (int l = 0; l < c->n_layers; l++) {
-        qwen3_layer_acts *a = &m->acts[l];
+        lm_layer_acts *a = &m->acts[l];
         a->ac = ac[l];
-        a->moe = qwen3_layer_is_moe(c, l);
+        a->moe = lm_layer_is_moe(c, l);
         I = a->moe ? I_moe : (size_t)c->intermediate;
         a->res = carve(cv, BT * H); /* always kept: the layer's input, where recomputation starts */
 #define OWN(name, n, keep)                                                              \
-    a->name = ac[l] == QWEN3_AC_NONE || (ac[l] == QWEN3_AC_OP && (keep)) ? carve(cv, n) : sc->name;
+    a->name = ac[l] == LM_AC_NONE || (ac[l] == LM_AC_OP && (keep)) ? carve(cv, n) : sc->name;
         LAYER_ACTS(OWN)
 #undef OWN
         /* LoRA's [BT, r] products are small: every layer keeps its own (a recomputation rewrites the same bits) */
-        for (int p = 0; p < QWEN3_LORA_N; p++)
-            a->lora_u[p] = qwen3_lora_on(c, l, p) ? carve(cv, BT * (size_t)c->lora_rank) : NULL;
+        for (int p = 0; p < LM_LORA_N; p++)
+            a->lora_u[p] = lm_lora_on(c, l, p) ? carve(cv, BT * (size_t)c->lora_rank) : NULL;
         /* the routing is small next to the experts' activations: rerun only under full recomputation */
-        if (a->moe && ac[l] != QWEN3_AC_FULL)
+        if (a->moe && ac[l] != LM_AC_FULL)
             carve_route(cv, &a->route, m->B * m->T, E, c->top_k);
         else if (a->moe)
             a->route = sc->route;
@@ -288,16 +288,16 @@ static void plan_activations(qwen3_model *m, carver *cv, const int *ac) {
     m->d_up = carve(cv, BT * I);
 }
 
-int qwen3_ac_layer(const char *ac_mode, const char *ac_option, int l, ct_err *e) {
-    if (!ac_mode || strcmp(ac_mode, "none") == 0) return QWEN3_AC_NONE;
-    if (strcmp(ac_mode, "full") == 0) return QWEN3_AC_FULL;
+int lm_ac_layer(const char *ac_mode, const char *ac_option, int l, ct_err *e) {
+    if (!ac_mode || strcmp(ac_mode, "none") == 0) return LM_AC_NONE;
+    if (strcmp(ac_mode, "full") == 0) return LM_AC_FULL;
     if (strcmp(ac_mode, "selective") != 0) {
         ct_fail(e, CT_ERR_CONFIG, "activation_checkpoint.mode: \"%s\" is not one of none, selective, full",
                 ac_mode);
         return -1;
     }
     const char *o = ac_option ? ac_option : "";
-    if (strcmp(o, "op") == 0) return QWEN3_AC_OP;
+    if (strcmp(o, "op") == 0) return LM_AC_OP;
     char *end;
     long n = o[0] >= '0' && o[0] <= '9' ? strtol(o, &end, 10) : 0;
     if (n < 1 || n > 1000000 || *end) {
@@ -306,28 +306,28 @@ int qwen3_ac_layer(const char *ac_mode, const char *ac_option, int l, ct_err *e)
         return -1;
     }
     /* torchtitan counts wrapped blocks from 1 and checkpoints when count % N == 0 */
-    return (l + 1) % n == 0 ? QWEN3_AC_FULL : QWEN3_AC_NONE;
+    return (l + 1) % n == 0 ? LM_AC_FULL : LM_AC_NONE;
 }
 
-int qwen3_create(qwen3_model *m, const qwen3_config *c, int B, int T, ct_err *e) {
-    return qwen3_create_ac(m, c, B, T, "none", NULL, e);
+int lm_create(lm_model *m, const lm_config *c, int B, int T, ct_err *e) {
+    return lm_create_ac(m, c, B, T, "none", NULL, e);
 }
 
 /* The layout and the activation plan, counted but not allocated: m->tensors,
  * m->n_params, m->acts (pointers still NULL) and m->act_floats. *ac gets the
  * per-layer checkpointing policy [L] (the caller frees it). Shared by
- * qwen3_create_ac and qwen3_plan_memory so --dry-run reports what a run
+ * lm_create_ac and lm_plan_memory so --dry-run reports what a run
  * allocates. */
-static int plan_model(qwen3_model *m, const qwen3_config *c, int B, int T, const char *ac_mode,
+static int plan_model(lm_model *m, const lm_config *c, int B, int T, const char *ac_mode,
                       const char *ac_option, int **ac, ct_err *e) {
     memset(m, 0, sizeof *m);
     *ac = NULL;
-    int rc = qwen3_config_check(c, "model", e);
+    int rc = lm_config_check(c, "model", e);
     if (rc) return rc;
     if (B < 1 || T < 1) return ct_fail(e, CT_ERR_CONFIG, "model: batch %d x sequence %d is empty", B, T);
     int *pol = ct_calloc((size_t)c->n_layers + 1, sizeof(int)); // [L] policy per layer
     for (int l = 0; l < c->n_layers; l++) {
-        if ((pol[l] = qwen3_ac_layer(ac_mode, ac_option, l, e)) < 0) {
+        if ((pol[l] = lm_ac_layer(ac_mode, ac_option, l, e)) < 0) {
             free(pol);
             return CT_ERR_CONFIG;
         }
@@ -337,7 +337,7 @@ static int plan_model(qwen3_model *m, const qwen3_config *c, int B, int T, const
     m->B = B;
     m->T = T;
     m->logit_rows = B * T < 256 ? B * T : 256;
-    m->acts = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_acts));
+    m->acts = ct_calloc((size_t)c->n_layers, sizeof(lm_layer_acts));
     carver cv = {0};
     plan_activations(m, &cv, pol);
     m->act_floats = cv.used;
@@ -345,12 +345,12 @@ static int plan_model(qwen3_model *m, const qwen3_config *c, int B, int T, const
     return 0;
 }
 
-int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const char *ac_mode,
+int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_mode,
                     const char *ac_option, ct_err *e) {
     int *ac;
     int rc = plan_model(m, c, B, T, ac_mode, ac_option, &ac, e);
     if (rc) {
-        qwen3_free(m);
+        lm_free(m);
         return rc;
     }
     kern_select_ref(&m->k);
@@ -361,8 +361,8 @@ int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const c
         m->params = ct_calloc(m->n_params, sizeof(float));
         m->grads = ct_calloc(m->n_params, sizeof(float));
     }
-    m->w.layer = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_w));
-    m->g.layer = ct_calloc((size_t)c->n_layers, sizeof(qwen3_layer_w));
+    m->w.layer = ct_calloc((size_t)c->n_layers, sizeof(lm_layer_w));
+    m->g.layer = ct_calloc((size_t)c->n_layers, sizeof(lm_layer_w));
     bind_weights(&m->w, m, m->params, 0);
     bind_weights(&m->g, m, m->grads, 1);
     m->act_mem = ct_calloc(m->act_floats, sizeof(float));
@@ -382,16 +382,16 @@ int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const c
     return 0;
 }
 
-int qwen3_layout(qwen3_model *m, const qwen3_config *c) {
+int lm_layout(lm_model *m, const lm_config *c) {
     memset(m, 0, sizeof *m);
     m->cfg = *c;
     build_layout(m);
     return 0;
 }
 
-int qwen3_plan_memory(const qwen3_config *c, int B, int T, const char *ac_mode, const char *ac_option,
+int lm_plan_memory(const lm_config *c, int B, int T, const char *ac_mode, const char *ac_option,
                       size_t *n_params, size_t *act_bytes, ct_err *e) {
-    qwen3_model m;
+    lm_model m;
     int *ac;
     int rc = plan_model(&m, c, B, T, ac_mode, ac_option, &ac, e);
     if (!rc) {
@@ -399,11 +399,11 @@ int qwen3_plan_memory(const qwen3_config *c, int B, int T, const char *ac_mode, 
         *act_bytes = m.act_floats * sizeof(float);
     }
     free(ac);
-    qwen3_free(&m);
+    lm_free(&m);
     return rc;
 }
 
-void qwen3_free(qwen3_model *m) {
+void lm_free(lm_model *m) {
     free(m->tensors);
     if (m->cfg.lazy_buffers) {
         ct_free_lazy(m->params, m->n_params * sizeof(float));
@@ -428,64 +428,64 @@ void qwen3_free(qwen3_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-size_t qwen3_tensor_cols(const qwen3_tensor *t) { return t->ndim == 2 ? (size_t)t->shape[1] : 1; }
+size_t lm_tensor_cols(const lm_tensor *t) { return t->ndim == 2 ? (size_t)t->shape[1] : 1; }
 
-size_t qwen3_block_rows(const qwen3_tensor *t) {
-    size_t r = ((size_t)4 << 20) / qwen3_tensor_cols(t);
+size_t lm_block_rows(const lm_tensor *t) {
+    size_t r = ((size_t)4 << 20) / lm_tensor_cols(t);
     return r ? r : 1;
 }
 
 static void copy_put(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows) {
-    qwen3_copy_ctx *c = ctx;
-    const qwen3_tensor *t = &c->m->tensors[i];
-    size_t cols = qwen3_tensor_cols(t);
-    if (kind == QWEN3_PARAMS && t->store != QWEN3_NO_STORE) {
-        qwen3_put_rows(c->m, i, r0, r1, rows);
+    lm_copy_ctx *c = ctx;
+    const lm_tensor *t = &c->m->tensors[i];
+    size_t cols = lm_tensor_cols(t);
+    if (kind == LM_PARAMS && t->store != LM_NO_STORE) {
+        lm_put_rows(c->m, i, r0, r1, rows);
         return;
     }
     if (c->dst[kind]) memcpy(c->dst[kind] + t->offset + r0 * cols, rows, (r1 - r0) * cols * sizeof(float));
 }
 
-qwen3_sink qwen3_copy_sink(qwen3_copy_ctx *ctx, qwen3_model *m, float *exp_avg, float *exp_avg_sq) {
-    *ctx = (qwen3_copy_ctx){m, {m->params, exp_avg, exp_avg_sq}};
-    return (qwen3_sink){copy_put, ctx};
+lm_sink lm_copy_sink(lm_copy_ctx *ctx, lm_model *m, float *exp_avg, float *exp_avg_sq) {
+    *ctx = (lm_copy_ctx){m, {m->params, exp_avg, exp_avg_sq}};
+    return (lm_sink){copy_put, ctx};
 }
 
-void qwen3_init_random_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s) {
+void lm_init_random_each(const lm_model *table, uint64_t seed, const lm_sink *s) {
     ct_rng r;
     ct_rng_seed(&r, seed);
     size_t most = 1;
     for (int i = 0; i < table->n_tensors; i++) {
-        const qwen3_tensor *t = &table->tensors[i];
-        size_t b = qwen3_block_rows(t) * qwen3_tensor_cols(t);
+        const lm_tensor *t = &table->tensors[i];
+        size_t b = lm_block_rows(t) * lm_tensor_cols(t);
         most = b > most ? b : most;
     }
     float *buf = ct_malloc(most * sizeof(float)); /* [block] a block of rows at a time, in table order */
     for (int i = 0; i < table->n_tensors; i++) {
-        const qwen3_tensor *t = &table->tensors[i];
+        const lm_tensor *t = &table->tensors[i];
         if (t->lora) continue; /* adapters have PEFT's init (model/lora.h), and draw nothing from this stream */
-        size_t rows = t->numel / qwen3_tensor_cols(t), cols = qwen3_tensor_cols(t), step = qwen3_block_rows(t);
+        size_t rows = t->numel / lm_tensor_cols(t), cols = lm_tensor_cols(t), step = lm_block_rows(t);
         for (size_t r0 = 0; r0 < rows; r0 += step) { /* row-major: the same draws as one tensor at once */
             size_t r1 = r0 + step < rows ? r0 + step : rows;
             for (size_t j = 0; j < (r1 - r0) * cols; j++)
                 buf[j] = t->is_matrix ? (float)(0.02 * ct_rng_normal(&r)) : 1.0f;
-            s->put(s->ctx, QWEN3_PARAMS, i, r0, r1, buf);
+            s->put(s->ctx, LM_PARAMS, i, r0, r1, buf);
         }
     }
     free(buf);
 }
 
-void qwen3_init_random(qwen3_model *m, uint64_t seed) {
-    qwen3_copy_ctx cc;
-    qwen3_sink s = qwen3_copy_sink(&cc, m, NULL, NULL);
-    qwen3_init_random_each(m, seed, &s);
+void lm_init_random(lm_model *m, uint64_t seed) {
+    lm_copy_ctx cc;
+    lm_sink s = lm_copy_sink(&cc, m, NULL, NULL);
+    lm_init_random_each(m, seed, &s);
 }
 
-size_t qwen3_trained_runs(const qwen3_model *m, size_t a, size_t b, void (*run)(void *ctx, size_t x, size_t y),
+size_t lm_trained_runs(const lm_model *m, size_t a, size_t b, void (*run)(void *ctx, size_t x, size_t y),
                           void *ctx) {
     size_t total = 0, rx = 0, ry = 0; /* the run being extended: [rx, ry) */
     for (int i = 0; i < m->n_tensors && a < b; i++) {
-        const qwen3_tensor *q = &m->tensors[i];
+        const lm_tensor *q = &m->tensors[i];
         size_t x = q->offset > a ? q->offset : a, y = q->offset + q->numel < b ? q->offset + q->numel : b;
         if (q->frozen || x >= y) continue;
         total += y - x;
@@ -502,11 +502,11 @@ size_t qwen3_trained_runs(const qwen3_model *m, size_t a, size_t b, void (*run)(
 
 /* ------------------------------------------------- frozen bf16 storage */
 
-size_t qwen3_store_frozen_bf16(qwen3_model *m) {
+size_t lm_store_frozen_bf16(lm_model *m) {
     size_t n = 0;
     for (int i = 0; i < m->n_tensors; i++) {
-        qwen3_tensor *t = &m->tensors[i];
-        t->store = QWEN3_NO_STORE;
+        lm_tensor *t = &m->tensors[i];
+        t->store = LM_NO_STORE;
         if (!t->frozen || !t->is_matrix || !t->numel) continue; /* norms stay fp32: tiny */
         t->store = n;
         n += t->numel;
@@ -517,17 +517,17 @@ size_t qwen3_store_frozen_bf16(qwen3_model *m) {
     return n;
 }
 
-void qwen3_put_rows(qwen3_model *m, int i, size_t r0, size_t r1, const float *rows) {
-    const qwen3_tensor *t = &m->tensors[i];
-    size_t cols = qwen3_tensor_cols(t), n = (r1 - r0) * cols;
-    if (t->store == QWEN3_NO_STORE) {
+void lm_put_rows(lm_model *m, int i, size_t r0, size_t r1, const float *rows) {
+    const lm_tensor *t = &m->tensors[i];
+    size_t cols = lm_tensor_cols(t), n = (r1 - r0) * cols;
+    if (t->store == LM_NO_STORE) {
         memcpy(m->params + t->offset + r0 * cols, rows, n * sizeof(float));
         return;
     }
     ct_convert_from_f32(m->fstore + t->store + r0 * cols, CT_BF16, rows, n); /* round to nearest even */
 }
 
-void qwen3_frozen_widen(qwen3_model *m, size_t off, size_t n, int on) {
+void lm_frozen_widen(lm_model *m, size_t off, size_t n, int on) {
     if (!m->n_store || !n) return;
     int lo = 0, hi = m->n_tensors; /* the first tensor ending after off */
     while (lo < hi) {
@@ -536,24 +536,24 @@ void qwen3_frozen_widen(qwen3_model *m, size_t off, size_t n, int on) {
         else hi = mid;
     }
     for (int i = lo; i < m->n_tensors && m->tensors[i].offset < off + n; i++) {
-        const qwen3_tensor *t = &m->tensors[i];
-        if (t->store == QWEN3_NO_STORE) continue;
+        const lm_tensor *t = &m->tensors[i];
+        if (t->store == LM_NO_STORE) continue;
         if (on) ct_convert_to_f32(m->params + t->offset, m->fstore + t->store, CT_BF16, t->numel);
         else ct_drop_pages(m->params + t->offset, t->numel * sizeof(float));
     }
 }
 
-const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name) {
+const lm_tensor *lm_find(const lm_model *m, const char *name) {
     for (int i = 0; i < m->n_tensors; i++)
         if (strcmp(m->tensors[i].name, name) == 0) return &m->tensors[i];
     return NULL;
 }
 
-size_t qwen3_activation_bytes(const qwen3_model *m) { return m->act_floats * sizeof(float); }
-size_t qwen3_num_params(const qwen3_model *m) { return m->n_params; }
+size_t lm_activation_bytes(const lm_model *m) { return m->act_floats * sizeof(float); }
+size_t lm_num_params(const lm_model *m) { return m->n_params; }
 
-double qwen3_flops_per_token(const qwen3_model *m, int T) {
-    const qwen3_config *c = &m->cfg;
+double lm_flops_per_token(const lm_model *m, int T) {
+    const lm_config *c = &m->cfg;
     double matmul_params = (double)m->n_params - (double)c->vocab_size * c->hidden; /* no lookup */
     if (c->tie_embeddings) matmul_params += (double)c->vocab_size * c->hidden;      /* lm_head runs */
     /* a token runs k of the E experts of each MoE layer (on some rank, under expert parallel) */
@@ -564,11 +564,11 @@ double qwen3_flops_per_token(const qwen3_model *m, int T) {
 
 /* ---------------------------------------------------------------- forward */
 
-/* bf16-stored frozen weights (qwen3_store_frozen_bf16) are widened into
+/* bf16-stored frozen weights (lm_store_frozen_bf16) are widened into
  * params right before the product that reads them and their pages dropped
  * right after: one matrix at a time, so a step holds the largest frozen
  * matrix in fp32, not a whole layer. w[n]: a weight in m->params (NULL: none). */
-#define WIDE(w, n, on) ((w) ? qwen3_frozen_widen(m, (size_t)((w) - m->params), (size_t)(n), (on)) : (void)0)
+#define WIDE(w, n, on) ((w) ? lm_frozen_widen(m, (size_t)((w) - m->params), (size_t)(n), (on)) : (void)0)
 #define WIDE_IN(w, n) WIDE(w, n, 1)
 #define WIDE_OUT(w, n) WIDE(w, n, 0)
 
@@ -578,7 +578,7 @@ static void zero(float *p, size_t n) { memset(p, 0, n * sizeof(float)); }
  * down_proj. Under tensor parallelism (hooks->reduce_partial) this rank's
  * product covers only its slice of K: the partial products are summed over
  * the ranks first and base is added once. */
-static void residual_matmul(qwen3_model *m, float *out, const float *base, const float *in, const float *w, int BT,
+static void residual_matmul(lm_model *m, float *out, const float *base, const float *in, const float *w, int BT,
                             int K, int N) {
     size_t n = (size_t)BT * N;
     if (!m->hooks || !m->hooks->reduce_partial) {
@@ -593,7 +593,7 @@ static void residual_matmul(qwen3_model *m, float *out, const float *base, const
 
 /* After a column-parallel backward (q/k/v, gate/up): d of their common input
  * is a partial sum under tensor parallelism. */
-static void reduce_d_input(qwen3_model *m, float *d, size_t n) {
+static void reduce_d_input(lm_model *m, float *d, size_t n) {
     if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, d, n);
 }
 
@@ -609,14 +609,14 @@ static uint64_t lora_mix(uint64_t z) {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
-static uint64_t lora_key(const qwen3_model *m, int l, int p) {
+static uint64_t lora_key(const lm_model *m, int l, int p) {
     return lora_mix(m->lora_seed ^ lora_mix(((uint64_t)l << 8) | (uint64_t)p));
 }
 /* Element i survives when its hash's top 24 bits are at or above p 2^24. */
 static int lora_kept(uint64_t key, size_t i, uint32_t cut) { return (uint32_t)(lora_mix(key + i) >> 40) >= cut; }
-static uint32_t lora_cut(const qwen3_model *m) { return (uint32_t)((double)m->cfg.lora_dropout * 16777216.0); }
+static uint32_t lora_cut(const lm_model *m) { return (uint32_t)((double)m->cfg.lora_dropout * 16777216.0); }
 
-static const float *lora_input(qwen3_model *m, int l, int p, const float *x, size_t n) {
+static const float *lora_input(lm_model *m, int l, int p, const float *x, size_t n) {
     if (!(m->cfg.lora_dropout > 0) || !m->lora_train) return x;
     uint64_t key = lora_key(m, l, p);
     uint32_t cut = lora_cut(m);
@@ -630,7 +630,7 @@ static const float *lora_input(qwen3_model *m, int l, int p, const float *x, siz
 
 /* y[BT, N] += B (scale A drop(x[BT, K])): PEFT's LoRA branch beside the
  * linear of projection p in layer l; u[BT, r] keeps scale A drop(x). */
-static void lora_fwd(qwen3_model *m, int l, int p, float *y, float *u, const float *x, const qwen3_layer_w *w, int BT,
+static void lora_fwd(lm_model *m, int l, int p, float *y, float *u, const float *x, const lm_layer_w *w, int BT,
                      int K, int N) {
     const float *xd = lora_input(m, l, p, x, (size_t)BT * K);
     lora_apply(&m->k, y, u, xd, w->lora_a[p], w->lora_b[p], BT, K, N, m->cfg.lora_rank, m->cfg.lora_scale);
@@ -639,10 +639,10 @@ static void lora_fwd(qwen3_model *m, int l, int p, float *y, float *u, const flo
 /* Its backward from dy[BT, N]: dB += dy^T u, dA += du^T drop(x), dx += (du A)
  * through the dropout, du = scale dy B. dA, dB NULL: frozen adapters; dx NULL:
  * nothing below wants it. */
-static void lora_bwd(qwen3_model *m, int l, int p, float *dx, const float *dy, const float *u, const float *x, int BT,
+static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, const float *u, const float *x, int BT,
                      int K, int N) {
-    const qwen3_layer_w *w = &m->w.layer[l];
-    qwen3_layer_w *g = &m->g.layer[l];
+    const lm_layer_w *w = &m->w.layer[l];
+    lm_layer_w *g = &m->g.layer[l];
     int r = m->cfg.lora_rank;
     size_t n = (size_t)BT * K;
     float *du = m->lora_du; /* [BT, r] */
@@ -673,9 +673,9 @@ static void lora_bwd(qwen3_model *m, int l, int p, float *dx, const float *dy, c
 /* One layer's forward from a->res: fills the layer's activations and, unless
  * res_next is NULL (recomputation before backward, where the next layer's
  * input is already known), writes the residual leaving the layer. */
-static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer_w *w, float *res_next, int B,
+static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, float *res_next, int B,
                           int T) {
-    const qwen3_config *c = &m->cfg;
+    const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     float eps = (float)c->rms_eps;
@@ -689,9 +689,9 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
     m->k.matmul_fwd(a->v, a->ln1, w->wv, BT, H, kvd, 0);
     WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
     int l = (int)(a - m->acts);
-    if (LORA(w, QWEN3_LORA_Q)) lora_fwd(m, l, QWEN3_LORA_Q, a->q, a->lora_u[QWEN3_LORA_Q], a->ln1, w, BT, H, qd);
-    if (LORA(w, QWEN3_LORA_K)) lora_fwd(m, l, QWEN3_LORA_K, a->k, a->lora_u[QWEN3_LORA_K], a->ln1, w, BT, H, kvd);
-    if (LORA(w, QWEN3_LORA_V)) lora_fwd(m, l, QWEN3_LORA_V, a->v, a->lora_u[QWEN3_LORA_V], a->ln1, w, BT, H, kvd);
+    if (LORA(w, LM_LORA_Q)) lora_fwd(m, l, LM_LORA_Q, a->q, a->lora_u[LM_LORA_Q], a->ln1, w, BT, H, qd);
+    if (LORA(w, LM_LORA_K)) lora_fwd(m, l, LM_LORA_K, a->k, a->lora_u[LM_LORA_K], a->ln1, w, BT, H, kvd);
+    if (LORA(w, LM_LORA_V)) lora_fwd(m, l, LM_LORA_V, a->v, a->lora_u[LM_LORA_V], a->ln1, w, BT, H, kvd);
     /* per-head q/k RMSNorm then RoPE, fused: one pass over q and k */
     m->k.qknorm_rope_fwd(a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd, eps);
     m->k.qknorm_rope_fwd(a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd, eps);
@@ -699,7 +699,7 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
     WIDE_IN(w->wo, (size_t)H * qd);
     residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H); /* res_mid = res + o_proj(att) */
     WIDE_OUT(w->wo, (size_t)H * qd);
-    if (LORA(w, QWEN3_LORA_O)) lora_fwd(m, l, QWEN3_LORA_O, a->res_mid, a->lora_u[QWEN3_LORA_O], a->att, w, BT, qd, H);
+    if (LORA(w, LM_LORA_O)) lora_fwd(m, l, LM_LORA_O, a->res_mid, a->lora_u[LM_LORA_O], a->att, w, BT, qd, H);
     /* MLP block */
     m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
     if (a->moe) {
@@ -739,31 +739,31 @@ static void layer_forward(qwen3_model *m, qwen3_layer_acts *a, const qwen3_layer
     WIDE_IN(w->wu, (size_t)I * H);
     m->k.matmul_fwd(a->up, a->ln2, w->wu, BT, H, I, 0);
     WIDE_OUT(w->wu, (size_t)I * H);
-    if (LORA(w, QWEN3_LORA_GATE))
-        lora_fwd(m, l, QWEN3_LORA_GATE, a->gate, a->lora_u[QWEN3_LORA_GATE], a->ln2, w, BT, H, I);
-    if (LORA(w, QWEN3_LORA_UP)) lora_fwd(m, l, QWEN3_LORA_UP, a->up, a->lora_u[QWEN3_LORA_UP], a->ln2, w, BT, H, I);
+    if (LORA(w, LM_LORA_GATE))
+        lora_fwd(m, l, LM_LORA_GATE, a->gate, a->lora_u[LM_LORA_GATE], a->ln2, w, BT, H, I);
+    if (LORA(w, LM_LORA_UP)) lora_fwd(m, l, LM_LORA_UP, a->up, a->lora_u[LM_LORA_UP], a->ln2, w, BT, H, I);
     m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
     if (!res_next) return; /* a recomputation: the down adapter's u was kept */
     WIDE_IN(w->wd, (size_t)H * I);
     residual_matmul(m, res_next, a->res_mid, a->h, w->wd, BT, I, H);
     WIDE_OUT(w->wd, (size_t)H * I);
-    if (LORA(w, QWEN3_LORA_DOWN))
-        lora_fwd(m, l, QWEN3_LORA_DOWN, res_next, a->lora_u[QWEN3_LORA_DOWN], a->h, w, BT, I, H);
+    if (LORA(w, LM_LORA_DOWN))
+        lora_fwd(m, l, LM_LORA_DOWN, res_next, a->lora_u[LM_LORA_DOWN], a->h, w, BT, I, H);
 }
 
 /* Before a checkpointed layer's backward: rebuild what it did not keep, with
  * the forward's own kernels on the forward's own inputs (bit-identical). */
-static void layer_recompute(qwen3_model *m, int l, int B, int T) {
-    qwen3_layer_acts *a = &m->acts[l];
-    const qwen3_layer_w *w = &m->w.layer[l];
-    if (a->ac == QWEN3_AC_NONE || m->ac_scratch_layer == l) return; /* the scratch may still hold it */
+static void layer_recompute(lm_model *m, int l, int B, int T) {
+    lm_layer_acts *a = &m->acts[l];
+    const lm_layer_w *w = &m->w.layer[l];
+    if (a->ac == LM_AC_NONE || m->ac_scratch_layer == l) return; /* the scratch may still hold it */
     m->ac_scratch_layer = l;
-    if (a->ac == QWEN3_AC_FULL) {
+    if (a->ac == LM_AC_FULL) {
         layer_forward(m, a, w, NULL, B, T);
         return;
     }
-    /* QWEN3_AC_OP: the elementwise ops only, from the kept matmul outputs */
-    const qwen3_config *c = &m->cfg;
+    /* LM_AC_OP: the elementwise ops only, from the kept matmul outputs */
+    const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim, nH = c->n_heads, nKV = c->n_kv_heads;
     float eps = (float)c->rms_eps;
     m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, w->ln1, BT, H, eps);
@@ -778,7 +778,7 @@ static void layer_recompute(qwen3_model *m, int l, int B, int T) {
 
 /* After MoE layer l's forward, while a checkpointed layer's routing is still
  * in the scratch: the load-balancing sums and the layer's min/max expert load. */
-static void moe_layer_stats(qwen3_model *m, int l, int BT) {
+static void moe_layer_stats(lm_model *m, int l, int BT) {
     int E = m->cfg.n_experts;
     const moe_route *r = &m->acts[l].route;
     moe_route_stats(m->moe_count, m->moe_psum, r, BT, E);
@@ -792,16 +792,16 @@ static void moe_layer_stats(qwen3_model *m, int l, int BT) {
 }
 
 /* The transformer stack up to the final norm: fills m->acts, m->lnf. */
-static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
-    const qwen3_config *c = &m->cfg;
+static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
+    const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden;
     m->tokens = tokens;
     m->fwd_B = B;
     m->fwd_T = T;
 
     float *x0 = c->n_layers ? m->acts[0].res : m->res_out; /* [BT, H] */
-    const qwen3_tensor *te = &m->tensors[0];
-    if (te->store != QWEN3_NO_STORE) { /* a bf16-stored embedding: its rows widened as they are looked up */
+    const lm_tensor *te = &m->tensors[0];
+    if (te->store != LM_NO_STORE) { /* a bf16-stored embedding: its rows widened as they are looked up */
         for (int n = 0; n < BT; n++)
             ct_convert_to_f32(x0 + (size_t)n * H, m->fstore + te->store + (size_t)tokens[n] * H, CT_BF16, (size_t)H);
     } else {
@@ -817,7 +817,7 @@ static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
         if (m->hooks) m->hooks->pre_forward(m->hooks->ctx, l);
         layer_forward(m, &m->acts[l], &m->w.layer[l], res_next, B, T);
         if (m->hooks) m->hooks->post_forward(m->hooks->ctx, l);
-        if (m->acts[l].ac != QWEN3_AC_NONE) m->ac_scratch_layer = l;
+        if (m->acts[l].ac != LM_AC_NONE) m->ac_scratch_layer = l;
         if (m->acts[l].moe) moe_layer_stats(m, l, BT);
     }
     m->aux_loss = 0;
@@ -833,9 +833,9 @@ static void forward_stack(qwen3_model *m, const int32_t *tokens, int B, int T) {
  * exponentials and the target logit (from the rank that holds it) are
  * combined over ranks by the hooks, then each rank writes the gradient of
  * its own columns. Every rank returns the whole loss. */
-static double crossentropy(qwen3_model *m, float *logits, const int32_t *labels, int n, float grad_scale,
+static double crossentropy(lm_model *m, float *logits, const int32_t *labels, int n, float grad_scale,
                            long *count) {
-    const qwen3_config *c = &m->cfg;
+    const lm_config *c = &m->cfg;
     if (!c->vocab_rows) return m->k.crossentropy_fwdbwd(logits, labels, n, c->vocab_size, grad_scale, count);
     int V = c->vocab_rows, v0 = c->vocab_row0;
     float *mx = m->ce_stats, *se = mx + n, *tl = se + n; /* [n] each, se and tl adjacent for one all-reduce */
@@ -851,20 +851,20 @@ static double crossentropy(qwen3_model *m, float *logits, const int32_t *labels,
  * widened into m->head_w as it is used, so the largest tensor of the model
  * costs 2 bytes a parameter and one block, not 4 bytes a parameter. */
 #define HEAD_VBLOCK 8192
-static const qwen3_tensor *head_stored(const qwen3_model *m) {
-    const qwen3_tensor *t = m->cfg.tie_embeddings ? &m->tensors[0] : &m->tensors[m->n_tensors - 1];
-    return t->store != QWEN3_NO_STORE ? t : NULL;
+static const lm_tensor *head_stored(const lm_model *m) {
+    const lm_tensor *t = m->cfg.tie_embeddings ? &m->tensors[0] : &m->tensors[m->n_tensors - 1];
+    return t->store != LM_NO_STORE ? t : NULL;
 }
-static void head_scratch(qwen3_model *m) {
+static void head_scratch(lm_model *m) {
     int H = m->cfg.hidden;
     if (!m->head_w) m->head_w = ct_malloc((size_t)HEAD_VBLOCK * H * sizeof(float));
     if (!m->head_tmp) m->head_tmp = ct_malloc((size_t)m->logit_rows * HEAD_VBLOCK * sizeof(float));
 }
 
 /* logits[n, V] = x[n, H] @ lm_head^T */
-static void head_fwd(qwen3_model *m, float *logits, const float *x, int n) {
+static void head_fwd(lm_model *m, float *logits, const float *x, int n) {
     int H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
-    const qwen3_tensor *t = head_stored(m);
+    const lm_tensor *t = head_stored(m);
     if (!t) {
         m->k.matmul_fwd(logits, x, m->w.lm_head, n, H, V, 0);
         return;
@@ -881,9 +881,9 @@ static void head_fwd(qwen3_model *m, float *logits, const float *x, int n) {
 }
 
 /* dx[n, H] += dlogits[n, V] @ lm_head; d lm_head += dlogits^T x (not for a stored, frozen one) */
-static void head_bwd(qwen3_model *m, float *dx, const float *dlogits, const float *x, int n) {
+static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *x, int n) {
     int H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
-    const qwen3_tensor *t = head_stored(m);
+    const lm_tensor *t = head_stored(m);
     if (!t) {
         m->k.matmul_bwd(dx, m->g.lm_head, dlogits, x, m->w.lm_head, n, H, V);
         return;
@@ -901,11 +901,11 @@ static void head_bwd(qwen3_model *m, float *dx, const float *dlogits, const floa
     }
 }
 
-size_t qwen3_frozen_widened_floats(const qwen3_model *m) {
+size_t lm_frozen_widened_floats(const lm_model *m) {
     size_t most = 0;
     for (int i = 1; i < m->n_tensors; i++) { /* the embedding (i = 0) is read a row at a time */
-        const qwen3_tensor *t = &m->tensors[i];
-        if (t->store == QWEN3_NO_STORE || !strcmp(t->name, "lm_head.weight")) continue;
+        const lm_tensor *t = &m->tensors[i];
+        if (t->store == LM_NO_STORE || !strcmp(t->name, "lm_head.weight")) continue;
         size_t n = t->numel; /* WIDE_IN's groups: q, k and v together; a projection's experts with the others' */
         int group = strstr(t->name, "q_proj.weight") ? 3 : strstr(t->name, ".experts.0.gate_proj.") ? 3 * m->cfg.n_experts : 1;
         for (int j = 1; j < group && i + j < m->n_tensors; j++) n += m->tensors[i + j].numel;
@@ -915,7 +915,7 @@ size_t qwen3_frozen_widened_floats(const qwen3_model *m) {
     return most;
 }
 
-void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits) {
+void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) {
     forward_stack(m, tokens, B, T);
     int V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
     if (!head_stored(m)) {
@@ -928,7 +928,7 @@ void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *lo
     }
 }
 
-double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
+double lm_loss(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
     forward_stack(m, tokens, B, T);
     int BT = B * T, H = m->cfg.hidden;
     double sum = 0;
@@ -948,11 +948,11 @@ double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, 
  * d of the MLP's output): d_ln = d(ln2), gradients of the experts and the
  * router. Reuses the forward's routing; the load-balancing term, if on,
  * enters d probs through moe_dprob_all. */
-static void moe_layer_bwd(qwen3_model *m, int l, int BT) {
-    const qwen3_config *c = &m->cfg;
-    qwen3_layer_acts *a = &m->acts[l];
-    const qwen3_layer_w *w = &m->w.layer[l];
-    qwen3_layer_w *g = &m->g.layer[l];
+static void moe_layer_bwd(lm_model *m, int l, int BT) {
+    const lm_config *c = &m->cfg;
+    lm_layer_acts *a = &m->acts[l];
+    const lm_layer_w *w = &m->w.layer[l];
+    lm_layer_w *g = &m->g.layer[l];
     int H = c->hidden, E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
     const moe_route *r = &a->route;
     size_t ex = (size_t)(c->expert_rows ? c->expert_rows : E) * Im * H; /* one projection's held experts */
@@ -975,9 +975,9 @@ static void moe_layer_bwd(qwen3_model *m, int l, int BT) {
     WIDE_OUT(w->router, (size_t)E * H);
 }
 
-double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
+double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
                               float grad_scale, long *n_valid) {
-    const qwen3_config *c = &m->cfg;
+    const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     const float *cs = m->rope_cos, *sn = m->rope_sin;
@@ -1008,9 +1008,9 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
     for (int l = c->n_layers - 1; l >= 0; l--) {
         if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
         layer_recompute(m, l, B, T);
-        qwen3_layer_acts *a = &m->acts[l];
-        const qwen3_layer_w *w = &m->w.layer[l];
-        qwen3_layer_w *g = &m->g.layer[l];
+        lm_layer_acts *a = &m->acts[l];
+        const lm_layer_w *w = &m->w.layer[l];
+        lm_layer_w *g = &m->g.layer[l];
         if (a->moe) {
             moe_layer_bwd(m, l, BT);
         } else {
@@ -1019,8 +1019,8 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
             WIDE_IN(w->wd, (size_t)H * I);
             m->k.matmul_bwd(m->d_h, g->wd, m->d_res, a->h, w->wd, BT, I, H);
             WIDE_OUT(w->wd, (size_t)H * I);
-            if (LORA(w, QWEN3_LORA_DOWN))
-                lora_bwd(m, l, QWEN3_LORA_DOWN, m->d_h, m->d_res, a->lora_u[QWEN3_LORA_DOWN], a->h, BT, I, H);
+            if (LORA(w, LM_LORA_DOWN))
+                lora_bwd(m, l, LM_LORA_DOWN, m->d_h, m->d_res, a->lora_u[LM_LORA_DOWN], a->h, BT, I, H);
             zero(m->d_gate, (size_t)BT * I);
             zero(m->d_up, (size_t)BT * I);
             m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
@@ -1031,10 +1031,10 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
             WIDE_IN(w->wu, (size_t)I * H);
             m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, a->ln2, w->wu, BT, H, I);
             WIDE_OUT(w->wu, (size_t)I * H);
-            if (LORA(w, QWEN3_LORA_GATE))
-                lora_bwd(m, l, QWEN3_LORA_GATE, m->d_ln, m->d_gate, a->lora_u[QWEN3_LORA_GATE], a->ln2, BT, H, I);
-            if (LORA(w, QWEN3_LORA_UP))
-                lora_bwd(m, l, QWEN3_LORA_UP, m->d_ln, m->d_up, a->lora_u[QWEN3_LORA_UP], a->ln2, BT, H, I);
+            if (LORA(w, LM_LORA_GATE))
+                lora_bwd(m, l, LM_LORA_GATE, m->d_ln, m->d_gate, a->lora_u[LM_LORA_GATE], a->ln2, BT, H, I);
+            if (LORA(w, LM_LORA_UP))
+                lora_bwd(m, l, LM_LORA_UP, m->d_ln, m->d_up, a->lora_u[LM_LORA_UP], a->ln2, BT, H, I);
             reduce_d_input(m, m->d_ln, (size_t)BT * H);
         }
         m->k.rmsnorm_bwd(m->d_res, g->ln2, m->d_ln, a->res_mid, w->ln2, a->ln2_rstd, BT, H);
@@ -1044,8 +1044,8 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         WIDE_IN(w->wo, (size_t)H * qd);
         m->k.matmul_bwd(m->d_att, g->wo, m->d_res, a->att, w->wo, BT, qd, H);
         WIDE_OUT(w->wo, (size_t)H * qd);
-        if (LORA(w, QWEN3_LORA_O))
-            lora_bwd(m, l, QWEN3_LORA_O, m->d_att, m->d_res, a->lora_u[QWEN3_LORA_O], a->att, BT, qd, H);
+        if (LORA(w, LM_LORA_O))
+            lora_bwd(m, l, LM_LORA_O, m->d_att, m->d_res, a->lora_u[LM_LORA_O], a->att, BT, qd, H);
         zero(m->d_q, (size_t)BT * qd);
         zero(m->d_k, (size_t)BT * kvd);
         zero(m->d_v, (size_t)BT * kvd);
@@ -1066,9 +1066,9 @@ double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32
         m->k.matmul_bwd(dln, g->wk, m->d_k2, a->ln1, w->wk, BT, H, kvd);
         m->k.matmul_bwd(dln, g->wv, m->d_v, a->ln1, w->wv, BT, H, kvd);
         WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-        if (LORA(w, QWEN3_LORA_Q)) lora_bwd(m, l, QWEN3_LORA_Q, dln, m->d_q2, a->lora_u[QWEN3_LORA_Q], a->ln1, BT, H, qd);
-        if (LORA(w, QWEN3_LORA_K)) lora_bwd(m, l, QWEN3_LORA_K, dln, m->d_k2, a->lora_u[QWEN3_LORA_K], a->ln1, BT, H, kvd);
-        if (LORA(w, QWEN3_LORA_V)) lora_bwd(m, l, QWEN3_LORA_V, dln, m->d_v, a->lora_u[QWEN3_LORA_V], a->ln1, BT, H, kvd);
+        if (LORA(w, LM_LORA_Q)) lora_bwd(m, l, LM_LORA_Q, dln, m->d_q2, a->lora_u[LM_LORA_Q], a->ln1, BT, H, qd);
+        if (LORA(w, LM_LORA_K)) lora_bwd(m, l, LM_LORA_K, dln, m->d_k2, a->lora_u[LM_LORA_K], a->ln1, BT, H, kvd);
+        if (LORA(w, LM_LORA_V)) lora_bwd(m, l, LM_LORA_V, dln, m->d_v, a->lora_u[LM_LORA_V], a->ln1, BT, H, kvd);
         if (dln) {
             reduce_d_input(m, m->d_ln, (size_t)BT * H);
             m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, w->ln1, a->ln1_rstd, BT, H);

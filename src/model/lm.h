@@ -1,8 +1,8 @@
-/* model/qwen3.h: the Qwen3 dense model: config, parameters, forward, backward.
+/* model/lm.h: the decoder-only language model: config, parameters, forward, backward.
  *
  * Two specs meet here and nowhere else: a native flavor table
  * (`model.spec = "qwen3"`, `model.flavor`) and a Hugging Face config.json
- * (`model.spec = "hf"`). Both produce a qwen3_config; everything after that
+ * (`model.spec = "hf"`). Both produce a lm_config; everything after that
  * is the same code.
  *
  * Parameters live in ONE flat fp32 buffer ordered by layer (embedding, layer
@@ -11,8 +11,8 @@
  * is a loop over the tensor table. Activations are planned once for
  * B x T and reused every step. Forward and backward are plain calls to the
  * ops of kernels/ops.h in llm.c style: no autograd, no allocation per step. */
-#ifndef CT_MODEL_QWEN3_H
-#define CT_MODEL_QWEN3_H
+#ifndef CT_MODEL_LM_H
+#define CT_MODEL_LM_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -21,7 +21,7 @@
 #include "kernels/registry.h"
 #include "model/moe.h"
 
-#define QWEN3_MAX_MLP_ONLY 256
+#define LM_MAX_MLP_ONLY 256
 
 typedef struct {
     int vocab_size;    /* V */
@@ -46,7 +46,7 @@ typedef struct {
     int norm_topk_prob;       /* renormalise the k chosen probabilities to sum 1 */
     int decoder_sparse_step;  /* >= 1 */
     int n_mlp_only;           /* entries of mlp_only_layers */
-    int mlp_only_layers[QWEN3_MAX_MLP_ONLY];
+    int mlp_only_layers[LM_MAX_MLP_ONLY];
     int output_router_logits; /* add router_aux_loss_coef * HF's load-balancing loss to the loss */
     double router_aux_loss_coef;
     /* Vocabulary-parallel lm_head (dist/tp.c; untied models): this model holds
@@ -60,7 +60,7 @@ typedef struct {
      * rank line up by index. The router stays whole. 0: every expert. */
     int expert_rows, expert0;
     /* LoRA adapters (model/lora.h; PEFT's LoraLayer): the linears whose bit
-     * is set in lora_targets (1 << QWEN3_LORA_*) get y += scale B(A(drop(x))).
+     * is set in lora_targets (1 << LM_LORA_*) get y += scale B(A(drop(x))).
      * lora_rank 0: none. Not written to config.json. */
     int lora_rank;
     unsigned lora_targets;
@@ -70,47 +70,47 @@ typedef struct {
      * where written (ct_alloc_lazy): runs with frozen tensors, whose
      * gradients are never written and whose weights may live in bf16 */
     int lazy_buffers;
-} qwen3_config;
+} lm_config;
 
 /* The projections LoRA can adapt, in the tensor table's order within a layer. */
-enum { QWEN3_LORA_Q, QWEN3_LORA_K, QWEN3_LORA_V, QWEN3_LORA_O, QWEN3_LORA_GATE, QWEN3_LORA_UP, QWEN3_LORA_DOWN,
-       QWEN3_LORA_N };
+enum { LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_O, LM_LORA_GATE, LM_LORA_UP, LM_LORA_DOWN,
+       LM_LORA_N };
 /* Whether layer l has adapters on projection p. */
-int qwen3_lora_on(const qwen3_config *c, int l, int p);
+int lm_lora_on(const lm_config *c, int l, int p);
 
 /* Whether layer l has the sparse MoE block (0 for every layer of a dense model). */
-int qwen3_layer_is_moe(const qwen3_config *c, int l);
+int lm_layer_is_moe(const lm_config *c, int l);
 
 /* Native flavors: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B and the MoE
  * debugmodel_moe, 30B-A3B, 235B-A22B. Unknown flavor:
  * CT_ERR_CONFIG listing the known ones. */
-int qwen3_config_from_flavor(qwen3_config *c, const char *flavor, ct_err *e);
+int lm_config_from_flavor(lm_config *c, const char *flavor, ct_err *e);
 /* Reads DIR/config.json (model_type "qwen3" or "qwen3_moe"; for qwen3_moe an
  * absent head_dim is hidden_size / num_attention_heads, as transformers'
  * Qwen3MoeAttention takes it). Missing required fields, wrong
  * types, or unsupported features (attention bias, sliding window, rope
  * scaling) are errors naming the file and the key. */
-int qwen3_config_from_hf(qwen3_config *c, const char *dir, ct_err *e);
+int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e);
 /* Writes an HF config.json that transformers loads as Qwen3ForCausalLM
  * (Qwen3MoeForCausalLM when n_experts > 0). */
-int qwen3_config_write_hf(const qwen3_config *c, const char *path, const char *dtype_name, ct_err *e);
+int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_name, ct_err *e);
 /* Checks a config for sizes the model cannot run (e.g. nH % nKV != 0). */
-int qwen3_config_check(const qwen3_config *c, const char *where, ct_err *e);
+int lm_config_check(const lm_config *c, const char *where, ct_err *e);
 
-#define QWEN3_NAME_MAX 96
+#define LM_NAME_MAX 96
 
 typedef struct {
-    char name[QWEN3_NAME_MAX]; /* HF key */
+    char name[LM_NAME_MAX]; /* HF key */
     int ndim;
     int64_t shape[2];
     size_t offset;             /* in floats, into the flat buffers */
     size_t numel;
     int is_matrix;             /* init with normal(0, 0.02) rather than ones */
     int lora;                  /* a LoRA adapter (lora_A / lora_B): not in HF model files, no random init */
-    int frozen;                /* no gradient, no optimizer update (qwen3_bind_frozen) */
-    size_t store;              /* frozen bf16 storage: offset into m->fstore, or QWEN3_NO_STORE (fp32 in params) */
-} qwen3_tensor;
-#define QWEN3_NO_STORE ((size_t)-1)
+    int frozen;                /* no gradient, no optimizer update (lm_bind_frozen) */
+    size_t store;              /* frozen bf16 storage: offset into m->fstore, or LM_NO_STORE (fp32 in params) */
+} lm_tensor;
+#define LM_NO_STORE ((size_t)-1)
 
 /* Pointers to one layer's tensors inside a flat buffer (params or grads). */
 typedef struct {
@@ -130,25 +130,25 @@ typedef struct {
     float *ewg;    /* [E, Im, H] mlp.experts.{0..E-1}.gate_proj, stacked (E: expert_rows if set) */
     float *ewu;    /* [E, Im, H] up_proj */
     float *ewd;    /* [E, H, Im] down_proj */
-    /* LoRA (NULL where a projection has none): A [r, in], B [out, r] per QWEN3_LORA_* */
-    float *lora_a[QWEN3_LORA_N], *lora_b[QWEN3_LORA_N];
-} qwen3_layer_w;
+    /* LoRA (NULL where a projection has none): A [r, in], B [out, r] per LM_LORA_* */
+    float *lora_a[LM_LORA_N], *lora_b[LM_LORA_N];
+} lm_layer_w;
 
 typedef struct {
     float *wte;        /* [V, H] */
-    qwen3_layer_w *layer; /* [L] */
+    lm_layer_w *layer; /* [L] */
     float *lnf;        /* [H] */
     float *lm_head;    /* [V, H]; == wte when tied */
-} qwen3_weights;
+} lm_weights;
 
 /* Activation checkpointing ([activation_checkpoint]): what one layer keeps
  * between its forward and its backward. Recomputation reruns the same
  * deterministic kernels on the same inputs, so gradients are bit-identical
- * to QWEN3_AC_NONE. */
+ * to LM_AC_NONE. */
 enum {
-    QWEN3_AC_NONE = 0, /* everything the backward reads */
-    QWEN3_AC_FULL = 1, /* only the input residual `res`; the layer's forward reruns before its backward */
-    QWEN3_AC_OP = 2,   /* res and the matmul/attention outputs (q, k, v, lse, att, res_mid, gate, up);
+    LM_AC_NONE = 0, /* everything the backward reads */
+    LM_AC_FULL = 1, /* only the input residual `res`; the layer's forward reruns before its backward */
+    LM_AC_OP = 2,   /* res and the matmul/attention outputs (q, k, v, lse, att, res_mid, gate, up);
                           the norms, RoPE and SwiGLU rerun (ln1, qr, kr, ln2, h and the rstds) */
 };
 
@@ -156,7 +156,7 @@ enum {
  * checkpointing, the pointers of what a layer does not keep point into the
  * model's one shared `ac_scratch` set instead. */
 typedef struct {
-    int ac;          /* QWEN3_AC_* of this layer */
+    int ac;          /* LM_AC_* of this layer */
     float *res;      /* [BT, H]   residual stream entering the layer */
     float *ln1;      /* [BT, H]   */
     float *ln1_rstd; /* [BT]      */
@@ -177,9 +177,9 @@ typedef struct {
     float *h;        /* [BT, I]   silu(gate) * up */
     /* MoE layers: gate, up, h are [BT*k, Im] in expert order, and the routing: */
     int moe;         /* 1: this layer is sparse */
-    moe_route route; /* kept under QWEN3_AC_NONE and _OP; rerun under _FULL */
-    float *lora_u[QWEN3_LORA_N]; /* [BT, r] scale * A drop(x) per adapted projection; always kept (small) */
-} qwen3_layer_acts;
+    moe_route route; /* kept under LM_AC_NONE and _OP; rerun under _FULL */
+    float *lora_u[LM_LORA_N]; /* [BT, r] scale * A drop(x) per adapted projection; always kept (small) */
+} lm_layer_acts;
 
 /* Calls around each layer for layouts that move parameters (FSDP gathers a
  * layer's parameters before it runs and frees them after; dist/fsdp.c). The
@@ -197,7 +197,7 @@ typedef struct {
     void (*reduce_partial)(void *ctx, float *x, size_t n);
     /* x[n] = the elementwise max over ranks (vocabulary-parallel loss). */
     void (*reduce_max)(void *ctx, float *x, size_t n);
-} qwen3_hooks;
+} lm_hooks;
 
 /* Expert parallel (dist/ep.c; NULL otherwise): runs a MoE layer's experts
  * on the ranks that hold them. fwd adds sum_j topw_j expert_j(x) onto out
@@ -207,28 +207,28 @@ typedef struct {
  * call them for the same layers in the same order (collectives). */
 typedef struct {
     void *ctx;
-    void (*fwd)(void *ctx, int layer, float *out, const float *x, const moe_route *r, const qwen3_layer_w *w,
+    void (*fwd)(void *ctx, int layer, float *out, const float *x, const moe_route *r, const lm_layer_w *w,
                 int N);
-    void (*bwd)(void *ctx, int layer, float *dx, qwen3_layer_w *g, float *dtopw, const float *dout,
-                const moe_route *r, const qwen3_layer_w *w, int N);
-} qwen3_moe_dispatch;
+    void (*bwd)(void *ctx, int layer, float *dx, lm_layer_w *g, float *dtopw, const float *dout,
+                const moe_route *r, const lm_layer_w *w, int N);
+} lm_moe_dispatch;
 
 typedef struct {
-    qwen3_config cfg;
+    lm_config cfg;
     kern_ops k;             /* the kernels this model runs (reference until the run chooses) */
     int n_tensors;
-    qwen3_tensor *tensors;
+    lm_tensor *tensors;
     size_t n_params;        /* floats in the flat buffer */
     float *params;          /* [n_params] */
     float *grads;           /* [n_params] */
-    qwen3_weights w, g;     /* views into params and grads */
+    lm_weights w, g;     /* views into params and grads */
 
     /* planned activations for at most B x T */
     int B, T;
     float *act_mem;
     size_t act_floats;
-    qwen3_layer_acts *acts; /* [L] */
-    qwen3_layer_acts ac_scratch; /* shared by checkpointed layers (res unused); NULLs if none */
+    lm_layer_acts *acts; /* [L] */
+    lm_layer_acts ac_scratch; /* shared by checkpointed layers (res unused); NULLs if none */
     int ac_scratch_layer;   /* layer whose activations ac_scratch holds now; -1: none */
     float *res_out;         /* [BT, H] residual after the last layer */
     float *lnf;             /* [BT, H] */
@@ -238,7 +238,7 @@ typedef struct {
     float *logits;          /* [logit_rows, V] (V: vocab_rows when vocabulary-parallel) */
     float *ce_stats;        /* [3, logit_rows] vocabulary-parallel loss: row max, sum of exp, target logit */
     /* backward scratch */
-    float *d_res, *d_ln, *d_att, *d_q, *d_q2, *d_k, *d_k2, *d_v, *d_h, *d_gate, *d_up; /* see qwen3.c */
+    float *d_res, *d_ln, *d_att, *d_q, *d_q2, *d_k, *d_k2, *d_v, *d_h, *d_gate, *d_up; /* see lm.c */
     /* MoE (NULLs / 0 for a dense model) */
     int n_moe_layers;
     float *moe_work;        /* [KERN_MOE_WORK(BT*k, H, Im)] experts kernel scratch */
@@ -257,8 +257,8 @@ typedef struct {
     float aux_scale;        /* weight of router_aux_loss_coef * aux in the gradient (1 per optimizer
                                step: a trainer with n micro-batches sets 1/n); used when
                                cfg.output_router_logits */
-    const qwen3_hooks *hooks; /* NULL: none; set by a parallel layout (dist/fsdp.h) */
-    const qwen3_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by dist/ep.h */
+    const lm_hooks *hooks; /* NULL: none; set by a parallel layout (dist/fsdp.h) */
+    const lm_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by dist/ep.h */
     const int32_t *tokens;  /* of the last forward, for the embedding backward */
     int fwd_B, fwd_T;
     /* LoRA scratch and dropout (cfg.lora_rank > 0) */
@@ -270,36 +270,36 @@ typedef struct {
     int n_frozen;           /* tensors with frozen set */
     /* training.frozen_dtype = "bfloat16": the frozen matrices live here and
      * are widened into params only while a product reads them
-     * (qwen3_frozen_widen) */
+     * (lm_frozen_widen) */
     uint16_t *fstore;       /* [n_store] */
     size_t n_store;
     float *head_w, *head_tmp; /* a bf16-stored lm_head: one block of its rows widened, and [logit_rows, block] */
-} qwen3_model;
+} lm_model;
 
 /* Builds the tensor table, allocates params/grads and the activation plan for
  * B x T. Weights are NOT initialised. Kernels start as the references; a run
  * replaces m->k with its kern_select choice. No activation checkpointing. */
-int qwen3_create(qwen3_model *m, const qwen3_config *c, int B, int T, ct_err *e);
+int lm_create(lm_model *m, const lm_config *c, int B, int T, ct_err *e);
 /* The same with activation checkpointing, as torchtitan's [activation_checkpoint]:
  * ac_mode "none" | "full" | "selective" (NULL: "none"); for "selective",
- * ac_option "op" (QWEN3_AC_OP on every layer) or a period N >= 1 as text
- * (QWEN3_AC_FULL on layers N-1, 2N-1, ...: every N-th, as torchtitan counts).
+ * ac_option "op" (LM_AC_OP on every layer) or a period N >= 1 as text
+ * (LM_AC_FULL on layers N-1, 2N-1, ...: every N-th, as torchtitan counts).
  * Anything else is CT_ERR_CONFIG naming the key. */
-int qwen3_create_ac(qwen3_model *m, const qwen3_config *c, int B, int T, const char *ac_mode,
+int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_mode,
                     const char *ac_option, ct_err *e);
-/* Only the policy: the QWEN3_AC_* of layer l (0 <= l < n_layers), or -1 with *e set. */
-int qwen3_ac_layer(const char *ac_mode, const char *ac_option, int l, ct_err *e);
-void qwen3_free(qwen3_model *m);
-/* What qwen3_create_ac would allocate, without allocating it (--dry-run):
+/* Only the policy: the LM_AC_* of layer l (0 <= l < n_layers), or -1 with *e set. */
+int lm_ac_layer(const char *ac_mode, const char *ac_option, int l, ct_err *e);
+void lm_free(lm_model *m);
+/* What lm_create_ac would allocate, without allocating it (--dry-run):
  * parameter count and bytes of the activation + workspace plan. */
-int qwen3_plan_memory(const qwen3_config *c, int B, int T, const char *ac_mode, const char *ac_option,
+int lm_plan_memory(const lm_config *c, int B, int T, const char *ac_mode, const char *ac_option,
                       size_t *n_params, size_t *act_bytes, ct_err *e);
 /* Only the tensor table (m->tensors, m->n_params) of config c, nothing
  * allocated for a model to run: how another rank lays out its buffers.
- * qwen3_free releases it. */
-int qwen3_layout(qwen3_model *m, const qwen3_config *c);
+ * lm_free releases it. */
+int lm_layout(lm_model *m, const lm_config *c);
 /* normal(0, 0.02) for matrices, 1 for norms; deterministic from seed. */
-void qwen3_init_random(qwen3_model *m, uint64_t seed);
+void lm_init_random(lm_model *m, uint64_t seed);
 
 /* Where a loader puts a whole model's tensors a block of rows at a time, so
  * that no one holds the whole model, nor a whole large tensor when it can
@@ -308,62 +308,62 @@ void qwen3_init_random(qwen3_model *m, uint64_t seed);
  * rows[(r1 - r0) x cols] fp32, valid only during the call (cols: shape[1],
  * or 1 for a vector), with kind saying which buffer it belongs to. Every
  * tensor's rows come in order. */
-enum { QWEN3_PARAMS, QWEN3_EXP_AVG, QWEN3_EXP_AVG_SQ };
+enum { LM_PARAMS, LM_EXP_AVG, LM_EXP_AVG_SQ };
 typedef struct {
     void (*put)(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows);
     void *ctx;
-} qwen3_sink;
+} lm_sink;
 /* Rows a loader converting or generating values hands over at once: about
  * 16 MiB of fp32 (at least one row). */
-size_t qwen3_block_rows(const qwen3_tensor *t);
+size_t lm_block_rows(const lm_tensor *t);
 /* Floats per row: shape[1], or 1 for a vector. */
-size_t qwen3_tensor_cols(const qwen3_tensor *t);
+size_t lm_tensor_cols(const lm_tensor *t);
 /* The sink that copies into m's params and the given moments (NULL: none)
  * at each tensor's offset; ctx must outlive its use. */
 typedef struct {
-    qwen3_model *m;
+    lm_model *m;
     float *dst[3];
-} qwen3_copy_ctx;
-qwen3_sink qwen3_copy_sink(qwen3_copy_ctx *ctx, qwen3_model *m, float *exp_avg, float *exp_avg_sq);
-/* qwen3_init_random's values, tensor by tensor into s (table: any model
- * with the whole model's tensor table, e.g. from qwen3_layout). */
-void qwen3_init_random_each(const qwen3_model *table, uint64_t seed, const qwen3_sink *s);
-const qwen3_tensor *qwen3_find(const qwen3_model *m, const char *name);
+} lm_copy_ctx;
+lm_sink lm_copy_sink(lm_copy_ctx *ctx, lm_model *m, float *exp_avg, float *exp_avg_sq);
+/* lm_init_random's values, tensor by tensor into s (table: any model
+ * with the whole model's tensor table, e.g. from lm_layout). */
+void lm_init_random_each(const lm_model *table, uint64_t seed, const lm_sink *s);
+const lm_tensor *lm_find(const lm_model *m, const char *name);
 /* After setting tensors[i].frozen: checks the choice and rebinds the
  * gradient views. A frozen tensor's gradient pointer is NULL, so the
  * backward skips its weight-gradient product and never touches its part of
  * m->grads. A MoE layer's experts of one projection freeze together (the
  * grouped kernels take them as one block): a mix is CT_ERR_CONFIG. */
-int qwen3_bind_frozen(qwen3_model *m, ct_err *e);
+int lm_bind_frozen(lm_model *m, ct_err *e);
 /* The floats of tensors not frozen inside the flat range [a, b), as maximal
  * runs [x, y) handed to run(ctx, x, y) (run NULL: count only). Returns
  * their total. What AdamW steps, data parallel sums and the dry run counts. */
-size_t qwen3_trained_runs(const qwen3_model *m, size_t a, size_t b, void (*run)(void *ctx, size_t x, size_t y),
+size_t lm_trained_runs(const lm_model *m, size_t a, size_t b, void (*run)(void *ctx, size_t x, size_t y),
                           void *ctx);
 /* Moves every frozen matrix to bf16 storage (m->fstore; tensors[i].store):
  * call before the weights load, which then writes them rounded to bf16
- * (qwen3_put_rows). Their fp32 pages in params exist only while a product
+ * (lm_put_rows). Their fp32 pages in params exist only while a product
  * reads them. Returns the bf16 floats stored. */
-size_t qwen3_store_frozen_bf16(qwen3_model *m);
+size_t lm_store_frozen_bf16(lm_model *m);
 /* The most fp32 floats bf16 storage holds widened at once (the largest group
  * of stored matrices one product reads, plus a stored lm_head's block and
- * its products): for the dry run. m: a layout after qwen3_store_frozen_bf16. */
-size_t qwen3_frozen_widened_floats(const qwen3_model *m);
+ * its products): for the dry run. m: a layout after lm_store_frozen_bf16. */
+size_t lm_frozen_widened_floats(const lm_model *m);
 /* on = 1: widens the bf16-stored tensors that overlap params[off, off + n)
  * into params (whole tensors); on = 0: drops their pages again. A no-op
  * without bf16 storage. */
-void qwen3_frozen_widen(qwen3_model *m, size_t off, size_t n, int on);
+void lm_frozen_widen(lm_model *m, size_t off, size_t n, int on);
 /* rows[r0, r1) of tensor i (cols floats each) into the model: params, or
  * the bf16 store for a stored tensor. */
-void qwen3_put_rows(qwen3_model *m, int i, size_t r0, size_t r1, const float *rows);
+void lm_put_rows(lm_model *m, int i, size_t r0, size_t r1, const float *rows);
 /* Bytes of the activation plan (saved activations, checkpointing scratch,
  * backward scratch, logits block), for the log; params/grads not included. */
-size_t qwen3_activation_bytes(const qwen3_model *m);
+size_t lm_activation_bytes(const lm_model *m);
 /* Parameters, and FLOPs per token for one forward+backward at sequence T
  * (6 * matmul params + 12 * L * nH * hd * T; the lm_head counted, the
  * embedding lookup not). */
-size_t qwen3_num_params(const qwen3_model *m);
-double qwen3_flops_per_token(const qwen3_model *m, int T);
+size_t lm_num_params(const lm_model *m);
+double lm_flops_per_token(const lm_model *m, int T);
 
 /* Forward + fused lm_head/cross-entropy + backward for one micro-batch.
  * tokens, labels [B, T]; labels == -100 are ignored. Gradients of
@@ -372,12 +372,12 @@ double qwen3_flops_per_token(const qwen3_model *m, int T);
  * count of valid labels in *n_valid. MoE: m->aux_loss receives HF's
  * load-balancing loss of this forward and, when cfg.output_router_logits,
  * the gradient of router_aux_loss_coef * aux_scale * aux_loss is added too. */
-double qwen3_forward_backward(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
+double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
                               float grad_scale, long *n_valid);
 /* Forward only; writes logits[B, T, V] (vocabulary-parallel: this rank's
  * columns only, [B, T, vocab_rows]). */
-void qwen3_logits(qwen3_model *m, const int32_t *tokens, int B, int T, float *logits);
+void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits);
 /* Forward only; returns the CE sum over valid labels (for evaluation). */
-double qwen3_loss(qwen3_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid);
+double lm_loss(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid);
 
 #endif

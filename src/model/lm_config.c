@@ -1,8 +1,8 @@
-/* model/qwen3_config.c: where the two ways of naming a model meet.
+/* model/lm_config.c: where the ways of naming a model meet.
  *
  * A native flavor is a row of the table below (the published
  * hyperparameters); an HF directory is its config.json. Both fill the same
- * qwen3_config. Reading config.json is strict about what we cannot compute
+ * lm_config. Reading config.json is strict about what we cannot compute
  * (attention bias, sliding windows, RoPE scaling): silently training a
  * different model than the checkpoint describes is the worst failure. RoPE
  * theta is always taken from the file, never from a flavor. */
@@ -14,7 +14,7 @@
 #include <cjson/cJSON.h>
 
 #include "core/fs.h"
-#include "model/qwen3.h"
+#include "model/lm.h"
 
 typedef struct {
     const char *name;
@@ -39,14 +39,14 @@ static const flavor_row flavors[] = {
     {"235B-A22B", 151936, 4096, 12288, 94, 64, 4, 128, 0, 1e6f, 128, 8, 1536},
 };
 
-int qwen3_layer_is_moe(const qwen3_config *c, int l) {
+int lm_layer_is_moe(const lm_config *c, int l) {
     if (c->n_experts <= 0) return 0;
     for (int i = 0; i < c->n_mlp_only; i++)
         if (c->mlp_only_layers[i] == l) return 0;
     return (l + 1) % c->decoder_sparse_step == 0;
 }
 
-int qwen3_config_check(const qwen3_config *c, const char *where, ct_err *e) {
+int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     struct { const char *k; int v; } pos[] = {
         {"vocab_size", c->vocab_size}, {"hidden_size", c->hidden}, {"intermediate_size", c->intermediate},
         {"num_hidden_layers", c->n_layers}, {"num_attention_heads", c->n_heads},
@@ -76,7 +76,7 @@ int qwen3_config_check(const qwen3_config *c, const char *where, ct_err *e) {
     return 0;
 }
 
-int qwen3_config_from_flavor(qwen3_config *c, const char *flavor, ct_err *e) {
+int lm_config_from_flavor(lm_config *c, const char *flavor, ct_err *e) {
     for (size_t i = 0; i < sizeof flavors / sizeof flavors[0]; i++) {
         const flavor_row *f = &flavors[i];
         if (strcmp(f->name, flavor) != 0) continue;
@@ -143,7 +143,7 @@ static int json_bool(const cJSON *root, const char *key, int *out, const char *p
 }
 
 /* The qwen3_moe keys, with Qwen3MoeConfig's defaults. */
-static int moe_config_from_json(qwen3_config *c, const cJSON *root, const char *path, ct_err *e) {
+static int moe_config_from_json(lm_config *c, const cJSON *root, const char *path, ct_err *e) {
     int rc;
     c->n_experts = 128;
     c->top_k = 8;
@@ -173,16 +173,16 @@ static int moe_config_from_json(qwen3_config *c, const cJSON *root, const char *
         cJSON_ArrayForEach(it, mo) {
             if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble))
                 return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" must hold integers", path);
-            if (c->n_mlp_only == QWEN3_MAX_MLP_ONLY)
+            if (c->n_mlp_only == LM_MAX_MLP_ONLY)
                 return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" has more than %d entries", path,
-                               QWEN3_MAX_MLP_ONLY);
+                               LM_MAX_MLP_ONLY);
             c->mlp_only_layers[c->n_mlp_only++] = (int)it->valuedouble;
         }
     }
     return 0;
 }
 
-int qwen3_config_from_hf(qwen3_config *c, const char *dir, ct_err *e) {
+int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     size_t len = 0;
@@ -269,13 +269,13 @@ int qwen3_config_from_hf(qwen3_config *c, const char *dir, ct_err *e) {
         goto done;
     }
     snprintf(c->name, sizeof c->name, "hf");
-    rc = qwen3_config_check(c, path, e);
+    rc = lm_config_check(c, path, e);
 done:
     cJSON_Delete(root);
     return rc;
 }
 
-int qwen3_config_write_hf(const qwen3_config *c, const char *path, const char *dtype_name, ct_err *e) {
+int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_name, ct_err *e) {
     cJSON *o = cJSON_CreateObject();
     cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
     int moe = c->n_experts > 0;
