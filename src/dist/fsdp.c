@@ -217,12 +217,10 @@ static void hook_post_backward(void *ctx, int l) {
 }
 
 int fsdp_layer_range(const lm_model *m, int l, size_t *lo, size_t *hi, ct_err *e) {
-    char prefix[64];
-    int n = snprintf(prefix, sizeof prefix, "model.layers.%d.", l);
     size_t a = SIZE_MAX, b = 0, total = 0;
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_tensor *t = &m->tensors[i];
-        if (strncmp(t->name, prefix, (size_t)n) != 0) continue;
+        if (t->layer != l) continue;
         if (t->offset < a) a = t->offset;
         if (t->offset + t->numel > b) b = t->offset + t->numel;
         total += t->numel;
@@ -236,12 +234,10 @@ int fsdp_layer_range(const lm_model *m, int l, size_t *lo, size_t *hi, ct_err *e
 }
 
 void fsdp_expert_range(const lm_model *m, int l, size_t *a, size_t *b) {
-    char prefix[64];
-    int n = snprintf(prefix, sizeof prefix, "model.layers.%d.mlp.experts.", l);
     *a = SIZE_MAX, *b = 0;
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_tensor *t = &m->tensors[i];
-        if (strncmp(t->name, prefix, (size_t)n) != 0) continue;
+        if (t->layer != l || t->slot < LM_S_EXP_G || t->slot > LM_S_EXP_D) continue;
         if (t->offset < *a) *a = t->offset;
         if (t->offset + t->numel > *b) *b = t->offset + t->numel;
     }

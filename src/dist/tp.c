@@ -55,6 +55,7 @@ static void hook_post_forward(void *ctx, int l) {
 static void hook_pre_backward(void *ctx, int l) {
     tp_layout *p = ctx;
     if (p->inner) p->inner->pre_backward(p->inner->ctx, l);
+    if (!p->m->g.layer[l].qn) return; /* no q/k norms (or frozen): nothing replicated inside the heads */
     int hd = p->local.head_dim;
     memcpy(p->qk_before, p->m->g.layer[l].qn, (size_t)hd * sizeof(float));
     memcpy(p->qk_before + hd, p->m->g.layer[l].kn, (size_t)hd * sizeof(float));
@@ -62,6 +63,10 @@ static void hook_pre_backward(void *ctx, int l) {
 /* Before FSDP's reduce-scatter: g = before + (sum over ranks of g - before). */
 static void hook_post_backward(void *ctx, int l) {
     tp_layout *p = ctx;
+    if (!p->m->g.layer[l].qn) {
+        if (p->inner) p->inner->post_backward(p->inner->ctx, l);
+        return;
+    }
     int hd = p->local.head_dim;
     float *qn = p->m->g.layer[l].qn, *kn = p->m->g.layer[l].kn, *d = p->qk_before, *delta = p->qk_before + 2 * hd;
     for (int i = 0; i < hd; i++) {
@@ -138,7 +143,7 @@ void tp_classify(tp_layout *p, const lm_model *lm, const lm_model *fm) {
     if (!p->expert) p->expert = ct_calloc((size_t)lm->n_tensors + 1, 1);
     for (int i = 0; i < lm->n_tensors; i++) {
         p->sharded[i] = lm->tensors[i].numel != fm->tensors[i].numel;
-        p->expert[i] = strstr(lm->tensors[i].name, ".mlp.experts.") != NULL;
+        p->expert[i] = lm->tensors[i].slot >= LM_S_EXP_G && lm->tensors[i].slot <= LM_S_EXP_D;
     }
 }
 

@@ -143,6 +143,11 @@ double op_crossentropy_vp_loss(const float *sumexp, const float *tlogit, const i
 
 /* Residual add: out[N] = a + b (out may alias a). */
 void op_add(float *out, const float *a, const float *b, long N);
+/* Linear biases (Qwen2's q/k/v, Llama's optional ones): out[N,C] += b[C];
+ * db[C] += column sums of dout[N,C]. Small next to the matmuls they follow:
+ * a reference only. */
+void op_bias_add(float *out, const float *b, int N, int C);
+void op_bias_bwd(float *db, const float *dout, int N, int C);
 
 /* The experts of a MoE layer (model/moe.h routes, this computes). Token t of
  * x[N,H] chose k experts: slot s = t*k + j, with weight topw[s]. Routing

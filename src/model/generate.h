@@ -39,6 +39,9 @@ typedef struct {
     float *v_cache;       /* [L, max_len, nKV, hd] */
     float *rope_cos;      /* [max_len, hd/2] */
     float *rope_sin;      /* [max_len, hd/2] */
+    float *rope_cos_l, *rope_sin_l; /* [max_len, hd/2] sliding layers' (== the above when they share) */
+    float *y;             /* [chunk, H]   o_proj / down_proj output before a post-norm */
+    float *norm_w;        /* [max(H, nH*hd)] 1 + w of a Gemma norm */
     float *x;             /* [chunk, H]   residual stream */
     float *xn;            /* [chunk, H]   normed input of a block */
     float *qraw;          /* [chunk, nH*hd] q_proj output */
@@ -47,7 +50,7 @@ typedef struct {
     float *att;           /* [chunk, nH*hd] attention output */
     float *gate;          /* [chunk, I] */
     float *up;            /* [chunk, I] */
-    float *h;             /* [chunk, I] silu(gate) * up */
+    float *h;             /* [chunk, I] act(gate) * up */
     float *rstd;          /* [chunk * max(nH, 1)] rmsnorm scratch */
     float *scores;        /* [n_threads, max_len] attention row per thread (decode) */
     float *kh;            /* [max_len, hd] one kv head's cached K (prefill) */

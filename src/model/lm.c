@@ -25,7 +25,8 @@
 
 /* ---------------------------------------------------------------- layout */
 
-static void add_tensor(lm_model *m, int *cap, const char *name, int64_t d0, int64_t d1, int is_matrix) {
+static void add_tensor(lm_model *m, int *cap, const char *name, int64_t d0, int64_t d1, int is_matrix, int slot,
+                       int layer, int expert) {
     if (m->n_tensors == *cap) {
         *cap = *cap ? *cap * 2 : 64;
         m->tensors = realloc(m->tensors, (size_t)*cap * sizeof *m->tensors);
@@ -40,6 +41,9 @@ static void add_tensor(lm_model *m, int *cap, const char *name, int64_t d0, int6
     t->numel = (size_t)d0 * (size_t)(d1 ? d1 : 1);
     t->offset = m->n_params;
     t->is_matrix = is_matrix;
+    t->slot = slot;
+    t->layer = layer;
+    t->expert = expert;
     t->store = LM_NO_STORE;
     m->n_params += t->numel;
 }
@@ -62,100 +66,185 @@ int lm_lora_on(const lm_config *c, int l, int p) {
     return c->lora_rank > 0 && (c->lora_targets & (1u << p));
 }
 
+/* The HF names of a layer's norms, by placement: [0] before attention, [1]
+ * on its output, [2] before the MLP, [3] on its output (NULL: absent). */
+static void norm_names(const lm_config *c, const char *n[4]) {
+    n[0] = n[1] = n[2] = n[3] = NULL;
+    if (c->norm_place == LM_NORM_POST) {
+        n[1] = "post_attention_layernorm";
+        n[3] = "post_feedforward_layernorm";
+    } else if (c->norm_place == LM_NORM_SANDWICH) {
+        n[0] = "input_layernorm";
+        n[1] = "post_attention_layernorm";
+        n[2] = "pre_feedforward_layernorm";
+        n[3] = "post_feedforward_layernorm";
+    } else {
+        n[0] = "input_layernorm";
+        n[2] = "post_attention_layernorm";
+    }
+}
+
 /* The tensor table, in HF names, ordered by layer so each layer is contiguous
  * (a layer's LoRA adapters last among its tensors, PEFT's names without
- * PEFT's "base_model.model." prefix). */
+ * PEFT's "base_model.model." prefix). q, k and v are adjacent (one block:
+ * Phi3's qkv_proj is exactly their concatenation, and frozen bf16 storage
+ * widens them together), so are gate and up. A Qwen3 model's order is the
+ * one ctitan always had. */
 static void build_layout(lm_model *m) {
     const lm_config *c = &m->cfg;
     int cap = 0;
     char n[LM_NAME_MAX];
     int64_t H = c->hidden, I = c->intermediate, hd = c->head_dim;
     int64_t qd = (int64_t)c->n_heads * hd, kvd = (int64_t)c->n_kv_heads * hd;
-    add_tensor(m, &cap, "model.embed_tokens.weight", c->vocab_size, H, 1);
+    const char *nn[4];
+    norm_names(c, nn);
+    add_tensor(m, &cap, "model.embed_tokens.weight", c->vocab_size, H, 1, LM_S_EMBED, -1, -1);
     for (int l = 0; l < c->n_layers; l++) {
-#define T_(suffix, d0, d1, mat)                                              \
+#define T_(suffix, d0, d1, mat, slot)                                        \
     snprintf(n, sizeof n, "model.layers.%d.%s", l, suffix);                 \
-    add_tensor(m, &cap, n, d0, d1, mat)
-        T_("input_layernorm.weight", H, 0, 0);
-        T_("self_attn.q_proj.weight", qd, H, 1);
-        T_("self_attn.k_proj.weight", kvd, H, 1);
-        T_("self_attn.v_proj.weight", kvd, H, 1);
-        T_("self_attn.o_proj.weight", H, qd, 1);
-        T_("self_attn.q_norm.weight", hd, 0, 0);
-        T_("self_attn.k_norm.weight", hd, 0, 0);
-        T_("post_attention_layernorm.weight", H, 0, 0);
+    add_tensor(m, &cap, n, d0, d1, mat, slot, l, -1)
+        char sfx[64];
+        if (nn[0]) {
+            snprintf(sfx, sizeof sfx, "%s.weight", nn[0]);
+            T_(sfx, H, 0, 0, LM_S_LN_IN);
+        }
+        if (c->fused_qkv) {
+            T_("self_attn.qkv_proj.weight", qd + 2 * kvd, H, 1, LM_S_WQKV);
+        } else {
+            T_("self_attn.q_proj.weight", qd, H, 1, LM_S_WQ);
+            T_("self_attn.k_proj.weight", kvd, H, 1, LM_S_WK);
+            T_("self_attn.v_proj.weight", kvd, H, 1, LM_S_WV);
+        }
+        if (c->qkv_bias) {
+            T_("self_attn.q_proj.bias", qd, 0, 0, LM_S_BQ);
+            T_("self_attn.k_proj.bias", kvd, 0, 0, LM_S_BK);
+            T_("self_attn.v_proj.bias", kvd, 0, 0, LM_S_BV);
+        }
+        T_("self_attn.o_proj.weight", H, qd, 1, LM_S_WO);
+        if (c->o_bias) { T_("self_attn.o_proj.bias", H, 0, 0, LM_S_BO); }
+        if (c->qk_norm != LM_QK_NONE) {
+            int proj = c->qk_norm == LM_QK_PROJ;
+            T_("self_attn.q_norm.weight", proj ? qd : hd, 0, 0, LM_S_QN);
+            T_("self_attn.k_norm.weight", proj ? kvd : hd, 0, 0, LM_S_KN);
+        }
+        if (nn[1]) {
+            snprintf(sfx, sizeof sfx, "%s.weight", nn[1]);
+            T_(sfx, H, 0, 0, LM_S_LN_ATTN_OUT);
+        }
+        if (nn[2]) {
+            snprintf(sfx, sizeof sfx, "%s.weight", nn[2]);
+            T_(sfx, H, 0, 0, LM_S_LN_PRE_MLP);
+        }
         if (lm_layer_is_moe(c, l)) {
             /* HF's per-expert keys, ordered so each projection's experts are
              * one stacked [E, ., .] block for the grouped kernels */
             int64_t E = c->n_experts, Im = c->moe_intermediate;
-            T_("mlp.gate.weight", E, H, 1);
-            static const char *const proj[3] = {"gate_proj", "up_proj", "down_proj"};
+            int mx = c->moe_keys == LM_MOE_KEYS_MIXTRAL;
+            const char *blk = mx ? "block_sparse_moe" : "mlp";
+            snprintf(sfx, sizeof sfx, "%s.gate.weight", blk);
+            T_(sfx, E, H, 1, LM_S_ROUTER);
+            static const char *const proj[2][3] = {{"gate_proj", "up_proj", "down_proj"}, {"w1", "w3", "w2"}};
+            static const int slot[3] = {LM_S_EXP_G, LM_S_EXP_U, LM_S_EXP_D};
             for (int p = 0; p < 3; p++)
                 for (int64_t x = 0; x < E; x++) {
-                    char sfx[64];
-                    snprintf(sfx, sizeof sfx, "mlp.experts.%lld.%s.weight", (long long)x, proj[p]);
+                    snprintf(sfx, sizeof sfx, "%s.experts.%lld.%s.weight", blk, (long long)x, proj[mx][p]);
                     int held = !c->expert_rows || (x >= c->expert0 && x < c->expert0 + c->expert_rows);
-                    T_(sfx, held ? (p < 2 ? Im : H) : 0, p < 2 ? H : Im, 1);
+                    T_(sfx, held ? (p < 2 ? Im : H) : 0, p < 2 ? H : Im, 1, slot[p]);
+                    m->tensors[m->n_tensors - 1].expert = (int)x;
                 }
         } else {
-            T_("mlp.gate_proj.weight", I, H, 1);
-            T_("mlp.up_proj.weight", I, H, 1);
-            T_("mlp.down_proj.weight", H, I, 1);
+            if (c->fused_gate_up) {
+                T_("mlp.gate_up_proj.weight", 2 * I, H, 1, LM_S_WGU);
+            } else {
+                T_("mlp.gate_proj.weight", I, H, 1, LM_S_WG);
+                T_("mlp.up_proj.weight", I, H, 1, LM_S_WU);
+            }
+            T_("mlp.down_proj.weight", H, I, 1, LM_S_WD);
+            if (c->mlp_bias) {
+                T_("mlp.gate_proj.bias", I, 0, 0, LM_S_BG);
+                T_("mlp.up_proj.bias", I, 0, 0, LM_S_BU);
+                T_("mlp.down_proj.bias", H, 0, 0, LM_S_BD);
+            }
+        }
+        if (nn[3]) {
+            snprintf(sfx, sizeof sfx, "%s.weight", nn[3]);
+            T_(sfx, H, 0, 0, LM_S_LN_MLP_OUT);
         }
         for (int p = 0; p < LM_LORA_N; p++) {
             if (!lm_lora_on(c, l, p)) continue;
             int64_t in, out;
-            char sfx[64];
             lora_dims(c, p, &in, &out);
             snprintf(sfx, sizeof sfx, "%s.lora_A.weight", lora_module[p]);
-            T_(sfx, c->lora_rank, in, 1);
+            T_(sfx, c->lora_rank, in, 1, LM_S_LORA_A);
             m->tensors[m->n_tensors - 1].lora = 1;
+            m->tensors[m->n_tensors - 1].expert = p;
             snprintf(sfx, sizeof sfx, "%s.lora_B.weight", lora_module[p]);
-            T_(sfx, out, c->lora_rank, 1);
+            T_(sfx, out, c->lora_rank, 1, LM_S_LORA_B);
             m->tensors[m->n_tensors - 1].lora = 1;
+            m->tensors[m->n_tensors - 1].expert = p;
         }
 #undef T_
     }
-    add_tensor(m, &cap, "model.norm.weight", H, 0, 0);
-    if (!c->tie_embeddings) add_tensor(m, &cap, "lm_head.weight", c->vocab_rows ? c->vocab_rows : c->vocab_size, H, 1);
+    add_tensor(m, &cap, "model.norm.weight", H, 0, 0, LM_S_LNF, -1, -1);
+    if (!c->tie_embeddings)
+        add_tensor(m, &cap, "lm_head.weight", c->vocab_rows ? c->vocab_rows : c->vocab_size, H, 1, LM_S_HEAD, -1, -1);
 }
 
-/* Points a weights view at a flat buffer; relies on build_layout's order.
+/* Points a weights view at a flat buffer by each tensor's slot.
  * grads: the gradient view, where a frozen tensor has no pointer (NULL). */
 static void bind_weights(lm_weights *w, const lm_model *m, float *base, int grads) {
-    const lm_tensor *t = m->tensors;
-#define AT(tt) (grads && (tt)->frozen ? NULL : base + (tt)->offset)
-    w->wte = AT(t);
-    t++;
-    for (int l = 0; l < m->cfg.n_layers; l++) {
-        lm_layer_w *lw = &w->layer[l];
-        float **slots[] = {&lw->ln1, &lw->wq, &lw->wk, &lw->wv, &lw->wo, &lw->qn,
-                           &lw->kn,  &lw->ln2, &lw->wg, &lw->wu, &lw->wd};
-        int moe = lm_layer_is_moe(&m->cfg, l), E = m->cfg.n_experts;
-        for (size_t i = 0; i < (moe ? 8 : sizeof slots / sizeof slots[0]); i++, t++) *slots[i] = AT(t);
-        if (moe) {
-            lw->router = AT(t);
-            t++;
-            lw->ewg = AT(t);
-            t += E;
-            lw->ewu = AT(t);
-            t += E;
-            lw->ewd = AT(t);
-            t += E;
-        }
-        for (int p = 0; p < LM_LORA_N; p++) {
-            lw->lora_a[p] = lw->lora_b[p] = NULL;
-            if (!lm_lora_on(&m->cfg, l, p)) continue;
-            lw->lora_a[p] = AT(t);
-            t++;
-            lw->lora_b[p] = AT(t);
-            t++;
+    const lm_config *c = &m->cfg;
+    size_t H = c->hidden, qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    size_t I = c->intermediate;
+    for (int l = 0; l < c->n_layers; l++) memset(&w->layer[l], 0, sizeof w->layer[l]);
+    w->wte = w->lnf = w->lm_head = NULL;
+    for (int i = 0; i < m->n_tensors; i++) {
+        const lm_tensor *t = &m->tensors[i];
+        float *p = grads && t->frozen ? NULL : base + t->offset;
+        lm_layer_w *lw = t->layer >= 0 ? &w->layer[t->layer] : NULL;
+        switch (t->slot) {
+        case LM_S_EMBED: w->wte = p; break;
+        case LM_S_LNF: w->lnf = p; break;
+        case LM_S_HEAD: w->lm_head = p; break;
+        case LM_S_LN_IN: lw->ln1 = p; break;
+        case LM_S_WQ: lw->wq = p; break;
+        case LM_S_WK: lw->wk = p; break;
+        case LM_S_WV: lw->wv = p; break;
+        case LM_S_WQKV: /* q, k, v rows of one tensor */
+            lw->wq = p;
+            lw->wk = p ? p + qd * H : NULL;
+            lw->wv = p ? p + (qd + kvd) * H : NULL;
+            break;
+        case LM_S_BQ: lw->bq = p; break;
+        case LM_S_BK: lw->bk = p; break;
+        case LM_S_BV: lw->bv = p; break;
+        case LM_S_WO: lw->wo = p; break;
+        case LM_S_BO: lw->bo = p; break;
+        case LM_S_QN: lw->qn = p; break;
+        case LM_S_KN: lw->kn = p; break;
+        case LM_S_LN_ATTN_OUT: lw->ln_ao = p; break;
+        case LM_S_LN_PRE_MLP: lw->ln2 = p; break;
+        case LM_S_WG: lw->wg = p; break;
+        case LM_S_WU: lw->wu = p; break;
+        case LM_S_WGU: /* gate rows first, as Phi3MLP chunks them */
+            lw->wg = p;
+            lw->wu = p ? p + I * H : NULL;
+            break;
+        case LM_S_WD: lw->wd = p; break;
+        case LM_S_BG: lw->bg = p; break;
+        case LM_S_BU: lw->bu = p; break;
+        case LM_S_BD: lw->bd = p; break;
+        case LM_S_LN_MLP_OUT: lw->ln_mo = p; break;
+        case LM_S_ROUTER: lw->router = p; break;
+        /* a projection's experts are one stacked block from its first held expert */
+        case LM_S_EXP_G: if (!lw->ewg && t->numel) lw->ewg = p; break;
+        case LM_S_EXP_U: if (!lw->ewu && t->numel) lw->ewu = p; break;
+        case LM_S_EXP_D: if (!lw->ewd && t->numel) lw->ewd = p; break;
+        case LM_S_LORA_A: lw->lora_a[t->expert] = p; break;
+        case LM_S_LORA_B: lw->lora_b[t->expert] = p; break;
         }
     }
-    w->lnf = AT(t);
-    t++;
-    w->lm_head = m->cfg.tie_embeddings ? w->wte : AT(t);
-#undef AT
+    if (c->tie_embeddings) w->lm_head = w->wte;
 }
 
 int lm_bind_frozen(lm_model *m, ct_err *e) {
@@ -164,7 +253,7 @@ int lm_bind_frozen(lm_model *m, ct_err *e) {
     /* the grouped experts kernels take a projection's E experts as one block */
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_tensor *t = &m->tensors[i];
-        if (!strstr(t->name, ".mlp.experts.0.")) continue;
+        if (t->slot < LM_S_EXP_G || t->slot > LM_S_EXP_D || t->expert != 0) continue;
         for (int j = i + 1; j < i + m->cfg.n_experts && j < m->n_tensors; j++)
             if (m->tensors[j].frozen != t->frozen)
                 return ct_fail(e, CT_ERR_CONFIG,
@@ -204,13 +293,15 @@ static void carve_route(carver *cv, moe_route *r, int N, int E, int k) {
     X(ln1, BT * H, 0) X(ln1_rstd, BT, 0) X(q, BT * qd, 1) X(q_rstd, BT * nH, 0) \
     X(qr, BT * qd, 0) X(k, BT * kvd, 1) X(k_rstd, BT * nKV, 0) X(kr, BT * kvd, 0) \
     X(v, BT * kvd, 1) X(lse, BT * nH, 1) X(att, BT * qd, 1) X(res_mid, BT * H, 1) \
-    X(ln2, BT * H, 0) X(ln2_rstd, BT, 0) X(gate, BT * I, 1) X(up, BT * I, 1) X(h, BT * I, 0)
+    X(ln2, BT * H, 0) X(ln2_rstd, BT, 0) X(gate, BT * I, 1) X(up, BT * I, 1) X(h, BT * I, 0)             \
+    X(ao, BT * H * pa, 1) X(ao_rstd, BT * pa, 0) X(mo, BT * H * pa, 1) X(mo_rstd, BT * pa, 0)
 
 static void plan_activations(lm_model *m, carver *cv, const int *ac) {
     // ac[L]: LM_AC_* per layer
     const lm_config *c = &m->cfg;
     size_t BT = (size_t)m->B * m->T, H = c->hidden, I, hd = c->head_dim;
     size_t nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
+    size_t pa = c->norm_place != LM_NORM_PRE; /* the attention and MLP outputs have norms */
     /* I below is the width of a layer's gate/up/h rows per token: the dense
      * intermediate, or k * Im for a MoE layer (k expert rows per token) */
     size_t I_moe = (size_t)c->top_k * c->moe_intermediate, I_max = 0, I_dense = 0;
@@ -245,6 +336,7 @@ static void plan_activations(lm_model *m, carver *cv, const int *ac) {
     a->name = ac[l] == LM_AC_NONE || (ac[l] == LM_AC_OP && (keep)) ? carve(cv, n) : sc->name;
         LAYER_ACTS(OWN)
 #undef OWN
+        if (!pa) a->ao = a->ao_rstd = a->mo = a->mo_rstd = NULL;
         /* LoRA's [BT, r] products are small: every layer keeps its own (a recomputation rewrites the same bits) */
         for (int p = 0; p < LM_LORA_N; p++)
             a->lora_u[p] = lm_lora_on(c, l, p) ? carve(cv, BT * (size_t)c->lora_rank) : NULL;
@@ -273,7 +365,15 @@ static void plan_activations(lm_model *m, carver *cv, const int *ac) {
     m->lnf_rstd = carve(cv, BT);
     m->rope_cos = carve(cv, (size_t)m->T * hd / 2);
     m->rope_sin = carve(cv, (size_t)m->T * hd / 2);
-    m->logits = carve(cv, (size_t)m->logit_rows * (c->vocab_rows ? c->vocab_rows : c->vocab_size));
+    m->rope_cos_l = m->rope_cos, m->rope_sin_l = m->rope_sin;
+    if (c->rope_theta_local > 0 && c->rope_theta_local != c->rope_theta) {
+        m->rope_cos_l = carve(cv, (size_t)m->T * hd / 2);
+        m->rope_sin_l = carve(cv, (size_t)m->T * hd / 2);
+    }
+    m->norm_w = c->norm_plus_one ? carve(cv, H > qd ? H : qd) : NULL;
+    size_t Vr = c->vocab_rows ? c->vocab_rows : c->vocab_size;
+    m->cap_t = c->final_softcap > 0 ? carve(cv, (size_t)m->logit_rows * Vr) : NULL;
+    m->logits = carve(cv, (size_t)m->logit_rows * Vr);
     if (c->vocab_rows) m->ce_stats = carve(cv, 3 * (size_t)m->logit_rows);
     m->d_res = carve(cv, BT * H);
     m->d_ln = carve(cv, BT * H);
@@ -379,6 +479,8 @@ int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_m
     m->moe_tokens = ct_calloc((size_t)c->n_layers * c->n_experts + 1, sizeof(double));
     for (int l = 0; l < c->n_layers; l++) m->moe_load_min[l] = m->moe_load_max[l] = -1;
     op_rope_tables(m->rope_cos, m->rope_sin, T, c->head_dim, (float)c->rope_theta);
+    if (m->rope_cos_l != m->rope_cos)
+        op_rope_tables(m->rope_cos_l, m->rope_sin_l, T, c->head_dim, (float)c->rope_theta_local);
     return 0;
 }
 
@@ -670,38 +772,138 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
 /* Whether projection p of layer l has an adapter (its A is bound). */
 #define LORA(w, p) ((w)->lora_a[p] != NULL)
 
+/* ------------------------------------------------- family pieces */
+
+/* PENDING(kernels branch): shim until the attention options and geglu land */
+typedef struct { float scale; int window; float softcap; } kern_attn_opt;
+#define ATTN_FWD(M, o_, l_, q_, k_, v_, B_, T_, h_, kv_, d_, opt_) (M)->k.attention_fwd(o_, l_, q_, k_, v_, B_, T_, h_, kv_, d_)
+#define ATTN_BWD(M, a1, a2, a3, a4, a5, a6, a7, a8, a9, B_, T_, h_, kv_, d_, opt_) \
+    (M)->k.attention_bwd(a1, a2, a3, a4, a5, a6, a7, a8, a9, B_, T_, h_, kv_, d_)
+static void geglu_pending(void) { fprintf(stderr, "geglu pending\n"); abort(); }
+
+/* A norm's weight as the kernels read it: w itself, or 1 + w in m->norm_w
+ * (Gemma's RMSNorm). d/dw is the same either way, so backward kernels take
+ * the same pointer and accumulate the true gradient. */
+static const float *nw(lm_model *m, const float *w, int n) {
+    if (!m->cfg.norm_plus_one || !w) return w;
+    for (int i = 0; i < n; i++) m->norm_w[i] = 1.0f + w[i];
+    return m->norm_w;
+}
+
+/* Layer l's attention variant: its scale, window (sliding layers) and cap. */
+static kern_attn_opt attn_opt(const lm_model *m, int l) {
+    const lm_config *c = &m->cfg;
+    kern_attn_opt o = {(float)c->attn_scale, c->layer_sliding[l] ? c->sliding_window : 0, (float)c->attn_softcap};
+    return o;
+}
+
+/* Layer l's RoPE tables: the sliding layers' own base where a family has one. */
+static void rope_of(const lm_model *m, int l, const float **cs, const float **sn) {
+    int loc = m->cfg.layer_sliding[l];
+    *cs = loc ? m->rope_cos_l : m->rope_cos;
+    *sn = loc ? m->rope_sin_l : m->rope_sin;
+}
+
+/* The inputs of the attention and MLP projections: the pre-norms' outputs,
+ * or (OLMo2, no pre-norms) the residual stream itself. */
+static const float *attn_in(const lm_model *m, const lm_layer_acts *a) {
+    return m->cfg.norm_place == LM_NORM_POST ? a->res : a->ln1;
+}
+static const float *mlp_in(const lm_model *m, const lm_layer_acts *a) {
+    return m->cfg.norm_place == LM_NORM_POST ? a->res_mid : a->ln2;
+}
+
+/* out[BT, nh*hd] = RoPE(q/k norm(x)), by the family's q/k norm kind. */
+static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const float *w, const float *cs,
+                   const float *sn, int B, int T, int nh, int hd) {
+    float eps = (float)m->cfg.rms_eps;
+    switch (m->cfg.qk_norm) {
+    case LM_QK_HEAD: m->k.qknorm_rope_fwd(out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps); break;
+    case LM_QK_PROJ: /* one norm over all heads of a token, then RoPE in place */
+        m->k.rmsnorm_fwd(out, rstd, x, nw(m, w, nh * hd), B * T, nh * hd, eps);
+        m->k.rope_fwd(out, out, cs, sn, B, T, nh, hd);
+        break;
+    default: m->k.rope_fwd(out, x, cs, sn, B, T, nh, hd);
+    }
+}
+/* dx += d(x) from dout = d(out); dout is overwritten (scratch). */
+static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *x, const float *w, const float *rstd,
+                   const float *cs, const float *sn, int B, int T, int nh, int hd) {
+    switch (m->cfg.qk_norm) {
+    case LM_QK_HEAD: m->k.qknorm_rope_bwd(dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd); break;
+    case LM_QK_PROJ:
+        m->k.rope_bwd(dout, dout, cs, sn, B, T, nh, hd); /* in place: dout = R^T dout */
+        m->k.rmsnorm_bwd(dx, dw, dout, x, nw(m, w, nh * hd), rstd, B * T, nh * hd);
+        break;
+    default: m->k.rope_bwd(dx, dout, cs, sn, B, T, nh, hd);
+    }
+}
+
+/* out[BT, N] = in[BT, K] @ w^T (summed over tensor-parallel ranks) + b: a
+ * row-parallel projection whose output a norm reads before the residual. */
+static void proj_reduced(lm_model *m, float *out, const float *in, const float *w, const float *b, int BT, int K,
+                         int N) {
+    m->k.matmul_fwd(out, in, w, BT, K, N, 0);
+    if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, out, (size_t)BT * N);
+    if (b) op_bias_add(out, b, BT, N);
+}
+
+/* The gated MLP's activation: h = act(gate) * up. */
+static void glu_fwd(lm_model *m, float *h, const float *gate, const float *up, int n) {
+    if (m->cfg.act == LM_ACT_GELU_TANH) geglu_pending();
+    else m->k.swiglu_fwd(h, gate, up, n);
+}
+
 /* One layer's forward from a->res: fills the layer's activations and, unless
  * res_next is NULL (recomputation before backward, where the next layer's
  * input is already known), writes the residual leaving the layer. */
-static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, float *res_next, int B,
-                          int T) {
+static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, float *res_next, int B, int T) {
     const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     float eps = (float)c->rms_eps;
-    /* cos/sin were tabulated for m->T positions; rows 0..T-1 serve any T <= m->T */
-    const float *cs = m->rope_cos, *sn = m->rope_sin;
-    /* attention block */
-    m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, w->ln1, BT, H, eps);
-    WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H); /* q, k, v: adjacent in the table */
-    m->k.matmul_fwd(a->q, a->ln1, w->wq, BT, H, qd, 0);
-    m->k.matmul_fwd(a->k, a->ln1, w->wk, BT, H, kvd, 0);
-    m->k.matmul_fwd(a->v, a->ln1, w->wv, BT, H, kvd, 0);
-    WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
+    size_t n = (size_t)BT * H;
     int l = (int)(a - m->acts);
-    if (LORA(w, LM_LORA_Q)) lora_fwd(m, l, LM_LORA_Q, a->q, a->lora_u[LM_LORA_Q], a->ln1, w, BT, H, qd);
-    if (LORA(w, LM_LORA_K)) lora_fwd(m, l, LM_LORA_K, a->k, a->lora_u[LM_LORA_K], a->ln1, w, BT, H, kvd);
-    if (LORA(w, LM_LORA_V)) lora_fwd(m, l, LM_LORA_V, a->v, a->lora_u[LM_LORA_V], a->ln1, w, BT, H, kvd);
-    /* per-head q/k RMSNorm then RoPE, fused: one pass over q and k */
-    m->k.qknorm_rope_fwd(a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd, eps);
-    m->k.qknorm_rope_fwd(a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd, eps);
-    m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
+    /* cos/sin were tabulated for m->T positions; rows 0..T-1 serve any T <= m->T */
+    const float *cs, *sn;
+    rope_of(m, l, &cs, &sn);
+    /* attention block */
+    if (w->ln1) m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BT, H, eps);
+    const float *xa = attn_in(m, a); /* [BT, H] */
+    WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H); /* q, k, v: adjacent in the table */
+    m->k.matmul_fwd(a->q, xa, w->wq, BT, H, qd, 0);
+    m->k.matmul_fwd(a->k, xa, w->wk, BT, H, kvd, 0);
+    m->k.matmul_fwd(a->v, xa, w->wv, BT, H, kvd, 0);
+    WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
+    if (w->bq) {
+        op_bias_add(a->q, w->bq, BT, qd);
+        op_bias_add(a->k, w->bk, BT, kvd);
+        op_bias_add(a->v, w->bv, BT, kvd);
+    }
+    if (LORA(w, LM_LORA_Q)) lora_fwd(m, l, LM_LORA_Q, a->q, a->lora_u[LM_LORA_Q], xa, w, BT, H, qd);
+    if (LORA(w, LM_LORA_K)) lora_fwd(m, l, LM_LORA_K, a->k, a->lora_u[LM_LORA_K], xa, w, BT, H, kvd);
+    if (LORA(w, LM_LORA_V)) lora_fwd(m, l, LM_LORA_V, a->v, a->lora_u[LM_LORA_V], xa, w, BT, H, kvd);
+    /* q/k norms (per head: fused with RoPE, one pass) then RoPE */
+    qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
+    qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
+    kern_attn_opt ao = attn_opt(m, l);
+    ATTN_FWD(m, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
     WIDE_IN(w->wo, (size_t)H * qd);
-    residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H); /* res_mid = res + o_proj(att) */
-    WIDE_OUT(w->wo, (size_t)H * qd);
-    if (LORA(w, LM_LORA_O)) lora_fwd(m, l, LM_LORA_O, a->res_mid, a->lora_u[LM_LORA_O], a->att, w, BT, qd, H);
+    if (w->ln_ao) { /* res_mid = res + norm(o_proj(att)) */
+        proj_reduced(m, a->ao, a->att, w->wo, w->bo, BT, qd, H);
+        WIDE_OUT(w->wo, (size_t)H * qd);
+        if (LORA(w, LM_LORA_O)) lora_fwd(m, l, LM_LORA_O, a->ao, a->lora_u[LM_LORA_O], a->att, w, BT, qd, H);
+        m->k.rmsnorm_fwd(a->res_mid, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
+        m->k.add(a->res_mid, a->res_mid, a->res, (long)n);
+    } else { /* res_mid = res + o_proj(att) */
+        residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H);
+        WIDE_OUT(w->wo, (size_t)H * qd);
+        if (w->bo) op_bias_add(a->res_mid, w->bo, BT, H);
+        if (LORA(w, LM_LORA_O)) lora_fwd(m, l, LM_LORA_O, a->res_mid, a->lora_u[LM_LORA_O], a->att, w, BT, qd, H);
+    }
     /* MLP block */
-    m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
+    if (w->ln2) m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BT, H, eps);
+    const float *xm = mlp_in(m, a); /* [BT, H] */
     if (a->moe) {
         /* sparse: route, then the experts kernel adds sum_j w_j expert_j(ln2) onto res_mid */
         int E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
@@ -717,7 +919,6 @@ static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, fl
          * and its top-k run on the replicated ln2, identically on every rank. */
         int tp = m->hooks && m->hooks->reduce_partial;
         float *y = res_next && tp ? m->d_ln : res_next; /* [BT, H] */
-        size_t n = (size_t)BT * H;
         if (y && tp) zero(y, n);
         else if (y) memcpy(y, a->res_mid, n * sizeof(float));
         WIDE_IN(w->ewg, 3 * ex); /* gate, up, down experts: adjacent in the table */
@@ -734,19 +935,35 @@ static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, fl
         return;
     }
     WIDE_IN(w->wg, (size_t)I * H);
-    m->k.matmul_fwd(a->gate, a->ln2, w->wg, BT, H, I, 0);
+    m->k.matmul_fwd(a->gate, xm, w->wg, BT, H, I, 0);
     WIDE_OUT(w->wg, (size_t)I * H);
     WIDE_IN(w->wu, (size_t)I * H);
-    m->k.matmul_fwd(a->up, a->ln2, w->wu, BT, H, I, 0);
+    m->k.matmul_fwd(a->up, xm, w->wu, BT, H, I, 0);
     WIDE_OUT(w->wu, (size_t)I * H);
+    if (w->bg) {
+        op_bias_add(a->gate, w->bg, BT, I);
+        op_bias_add(a->up, w->bu, BT, I);
+    }
     if (LORA(w, LM_LORA_GATE))
-        lora_fwd(m, l, LM_LORA_GATE, a->gate, a->lora_u[LM_LORA_GATE], a->ln2, w, BT, H, I);
-    if (LORA(w, LM_LORA_UP)) lora_fwd(m, l, LM_LORA_UP, a->up, a->lora_u[LM_LORA_UP], a->ln2, w, BT, H, I);
-    m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
+        lora_fwd(m, l, LM_LORA_GATE, a->gate, a->lora_u[LM_LORA_GATE], xm, w, BT, H, I);
+    if (LORA(w, LM_LORA_UP)) lora_fwd(m, l, LM_LORA_UP, a->up, a->lora_u[LM_LORA_UP], xm, w, BT, H, I);
+    glu_fwd(m, a->h, a->gate, a->up, BT * I);
+    if (w->ln_mo) { /* res_next = res_mid + norm(down(h)); a recomputation needs mo and its rstd */
+        WIDE_IN(w->wd, (size_t)H * I);
+        proj_reduced(m, a->mo, a->h, w->wd, w->bd, BT, I, H);
+        WIDE_OUT(w->wd, (size_t)H * I);
+        if (LORA(w, LM_LORA_DOWN))
+            lora_fwd(m, l, LM_LORA_DOWN, a->mo, a->lora_u[LM_LORA_DOWN], a->h, w, BT, I, H);
+        float *y = res_next ? res_next : m->d_ln; /* d_ln: free scratch before this layer's backward */
+        m->k.rmsnorm_fwd(y, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
+        if (res_next) m->k.add(res_next, res_next, a->res_mid, (long)n);
+        return;
+    }
     if (!res_next) return; /* a recomputation: the down adapter's u was kept */
     WIDE_IN(w->wd, (size_t)H * I);
     residual_matmul(m, res_next, a->res_mid, a->h, w->wd, BT, I, H);
     WIDE_OUT(w->wd, (size_t)H * I);
+    if (w->bd) op_bias_add(res_next, w->bd, BT, H);
     if (LORA(w, LM_LORA_DOWN))
         lora_fwd(m, l, LM_LORA_DOWN, res_next, a->lora_u[LM_LORA_DOWN], a->h, w, BT, I, H);
 }
@@ -766,14 +983,19 @@ static void layer_recompute(lm_model *m, int l, int B, int T) {
     const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim, nH = c->n_heads, nKV = c->n_kv_heads;
     float eps = (float)c->rms_eps;
-    m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, w->ln1, BT, H, eps);
-    m->k.qknorm_rope_fwd(a->qr, a->q_rstd, a->q, w->qn, m->rope_cos, m->rope_sin, B, T, nH, hd, eps);
-    m->k.qknorm_rope_fwd(a->kr, a->k_rstd, a->k, w->kn, m->rope_cos, m->rope_sin, B, T, nKV, hd, eps);
-    m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, w->ln2, BT, H, eps);
+    const float *cs, *sn;
+    rope_of(m, l, &cs, &sn);
+    if (w->ln1) m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BT, H, eps);
+    qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
+    qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
+    /* the norms of kept outputs: only their rstd is read, the output goes to a free scratch */
+    if (w->ln_ao) m->k.rmsnorm_fwd(m->d_ln, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
+    if (w->ln2) m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BT, H, eps);
     if (a->moe) /* the experts kernels compute h with the reference SwiGLU (ops.h contract): so do we */
         op_swiglu_fwd(a->h, a->gate, a->up, BT * c->top_k * c->moe_intermediate);
     else
-        m->k.swiglu_fwd(a->h, a->gate, a->up, BT * I);
+        glu_fwd(m, a->h, a->gate, a->up, BT * I);
+    if (w->ln_mo) m->k.rmsnorm_fwd(m->d_ln, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
 }
 
 /* After MoE layer l's forward, while a checkpointed layer's routing is still
@@ -807,6 +1029,10 @@ static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
     } else {
         m->k.embedding_fwd(x0, tokens, m->w.wte, BT, H);
     }
+    if (c->embed_scaled) { /* Gemma: times sqrt(H), rounded to fp32 as transformers' buffer is */
+        float sc = (float)sqrt((double)H);
+        for (size_t i = 0; i < (size_t)BT * H; i++) x0[i] *= sc;
+    }
     int E = c->n_experts;
     if (m->n_moe_layers) {
         memset(m->moe_count, 0, (size_t)E * sizeof(double));
@@ -824,7 +1050,25 @@ static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
     if (m->n_moe_layers)
         m->aux_loss = moe_aux_loss(m->moe_dprob_all, m->moe_count, m->moe_psum, BT, m->n_moe_layers, E,
                                    c->output_router_logits ? c->router_aux_loss_coef * m->aux_scale : 0.0);
-    m->k.rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, m->w.lnf, BT, H, (float)c->rms_eps);
+    m->k.rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, nw(m, m->w.lnf, H), BT, H, (float)c->rms_eps);
+}
+
+/* Final-logit soft-capping (Gemma): logits[n, V] = cap tanh(logits / cap),
+ * keeping t = tanh(.) in m->cap_t for the backward when keep. */
+static void softcap_fwd(lm_model *m, float *logits, size_t n, int keep) {
+    double cap = m->cfg.final_softcap;
+    if (!(cap > 0)) return;
+    float fc = (float)cap;
+    for (size_t i = 0; i < n; i++) {
+        float t = tanhf(logits[i] / fc);
+        if (keep) m->cap_t[i] = t;
+        logits[i] = t * fc;
+    }
+}
+/* d(raw logits) = d(capped) (1 - t^2), in place. */
+static void softcap_bwd(lm_model *m, float *dlogits, size_t n) {
+    if (!(m->cfg.final_softcap > 0)) return;
+    for (size_t i = 0; i < n; i++) dlogits[i] *= 1.0f - m->cap_t[i] * m->cap_t[i];
 }
 
 /* Cross-entropy of n rows of logits against labels, in place into
@@ -905,9 +1149,9 @@ size_t lm_frozen_widened_floats(const lm_model *m) {
     size_t most = 0;
     for (int i = 1; i < m->n_tensors; i++) { /* the embedding (i = 0) is read a row at a time */
         const lm_tensor *t = &m->tensors[i];
-        if (t->store == LM_NO_STORE || !strcmp(t->name, "lm_head.weight")) continue;
+        if (t->store == LM_NO_STORE || t->slot == LM_S_HEAD) continue;
         size_t n = t->numel; /* WIDE_IN's groups: q, k and v together; a projection's experts with the others' */
-        int group = strstr(t->name, "q_proj.weight") ? 3 : strstr(t->name, ".experts.0.gate_proj.") ? 3 * m->cfg.n_experts : 1;
+        int group = t->slot == LM_S_WQ ? 3 : t->slot == LM_S_EXP_G && t->expert == 0 ? 3 * m->cfg.n_experts : 1;
         for (int j = 1; j < group && i + j < m->n_tensors; j++) n += m->tensors[i + j].numel;
         most = n > most ? n : most;
     }
@@ -920,12 +1164,13 @@ void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) 
     int V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
     if (!head_stored(m)) {
         m->k.matmul_fwd(logits, m->lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
-        return;
+    } else {
+        for (int r0 = 0; r0 < B * T; r0 += m->logit_rows) { /* head_fwd's scratch holds logit_rows rows */
+            int n = B * T - r0 < m->logit_rows ? B * T - r0 : m->logit_rows;
+            head_fwd(m, logits + (size_t)r0 * V, m->lnf + (size_t)r0 * m->cfg.hidden, n);
+        }
     }
-    for (int r0 = 0; r0 < B * T; r0 += m->logit_rows) { /* head_fwd's scratch holds logit_rows rows */
-        int n = B * T - r0 < m->logit_rows ? B * T - r0 : m->logit_rows;
-        head_fwd(m, logits + (size_t)r0 * V, m->lnf + (size_t)r0 * m->cfg.hidden, n);
-    }
+    softcap_fwd(m, logits, (size_t)B * T * V, 0);
 }
 
 double lm_loss(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
@@ -936,6 +1181,7 @@ double lm_loss(lm_model *m, const int32_t *tokens, const int32_t *labels, int B,
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
         head_fwd(m, m->logits, m->lnf + (size_t)r0 * H, n);
+        softcap_fwd(m, m->logits, (size_t)n * (m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size), 0);
         sum += crossentropy(m, m->logits, labels + r0, n, 0.0f, &count);
     }
     if (n_valid) *n_valid = count;
@@ -980,7 +1226,6 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
     const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
-    const float *cs = m->rope_cos, *sn = m->rope_sin;
     m->moe_count_tokens = 1; /* training forwards feed load_balance_coeff's counts */
     m->lora_train = 1;       /* and LoRA's dropout */
     forward_stack(m, tokens, B, T);
@@ -994,8 +1239,11 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
         const float *x = m->lnf + (size_t)r0 * H;
+        size_t nv = (size_t)n * (c->vocab_rows ? c->vocab_rows : c->vocab_size);
         head_fwd(m, m->logits, x, n);
+        softcap_fwd(m, m->logits, nv, 1);
         loss_sum += crossentropy(m, m->logits, labels + r0, n, grad_scale, &count);
+        softcap_bwd(m, m->logits, nv);
         head_bwd(m, m->d_ln + (size_t)r0 * H, m->logits, x, n);
     }
     if (c->vocab_rows) reduce_d_input(m, m->d_ln, (size_t)BT * H); /* each rank's rows of lm_head: partial */
@@ -1003,7 +1251,7 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
 
     /* d_res carries d(residual stream) downwards */
     zero(m->d_res, (size_t)BT * H);
-    m->k.rmsnorm_bwd(m->d_res, m->g.lnf, m->d_ln, m->res_out, m->w.lnf, m->lnf_rstd, BT, H);
+    m->k.rmsnorm_bwd(m->d_res, m->g.lnf, m->d_ln, m->res_out, nw(m, m->w.lnf, H), m->lnf_rstd, BT, H);
 
     for (int l = c->n_layers - 1; l >= 0; l--) {
         if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
@@ -1011,70 +1259,103 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
         lm_layer_acts *a = &m->acts[l];
         const lm_layer_w *w = &m->w.layer[l];
         lm_layer_w *g = &m->g.layer[l];
+        const float *cs, *sn;
+        rope_of(m, l, &cs, &sn);
         if (a->moe) {
             moe_layer_bwd(m, l, BT);
         } else {
-            /* res_next = res_mid + down(h): d_res flows to res_mid unchanged, plus the MLP path */
+            /* res_next = res_mid + [norm](down(h) + bd): d_res flows to res_mid unchanged, plus the MLP path */
+            const float *dy = m->d_res; /* [BT, H] d of down_proj's output */
+            if (w->ln_mo) {
+                zero(m->d_ln, (size_t)BT * H);
+                m->k.rmsnorm_bwd(m->d_ln, g->ln_mo, m->d_res, a->mo, nw(m, w->ln_mo, H), a->mo_rstd, BT, H);
+                dy = m->d_ln;
+            }
+            if (g->bd) op_bias_bwd(g->bd, dy, BT, H);
             zero(m->d_h, (size_t)BT * I);
             WIDE_IN(w->wd, (size_t)H * I);
-            m->k.matmul_bwd(m->d_h, g->wd, m->d_res, a->h, w->wd, BT, I, H);
+            m->k.matmul_bwd(m->d_h, g->wd, dy, a->h, w->wd, BT, I, H);
             WIDE_OUT(w->wd, (size_t)H * I);
             if (LORA(w, LM_LORA_DOWN))
-                lora_bwd(m, l, LM_LORA_DOWN, m->d_h, m->d_res, a->lora_u[LM_LORA_DOWN], a->h, BT, I, H);
+                lora_bwd(m, l, LM_LORA_DOWN, m->d_h, dy, a->lora_u[LM_LORA_DOWN], a->h, BT, I, H);
             zero(m->d_gate, (size_t)BT * I);
             zero(m->d_up, (size_t)BT * I);
-            m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
+            if (c->act == LM_ACT_GELU_TANH) geglu_pending();
+            else m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
+            if (g->bg) op_bias_bwd(g->bg, m->d_gate, BT, I);
+            if (g->bu) op_bias_bwd(g->bu, m->d_up, BT, I);
+            const float *xm = mlp_in(m, a);
             zero(m->d_ln, (size_t)BT * H);
             WIDE_IN(w->wg, (size_t)I * H);
-            m->k.matmul_bwd(m->d_ln, g->wg, m->d_gate, a->ln2, w->wg, BT, H, I);
+            m->k.matmul_bwd(m->d_ln, g->wg, m->d_gate, xm, w->wg, BT, H, I);
             WIDE_OUT(w->wg, (size_t)I * H);
             WIDE_IN(w->wu, (size_t)I * H);
-            m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, a->ln2, w->wu, BT, H, I);
+            m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, xm, w->wu, BT, H, I);
             WIDE_OUT(w->wu, (size_t)I * H);
             if (LORA(w, LM_LORA_GATE))
-                lora_bwd(m, l, LM_LORA_GATE, m->d_ln, m->d_gate, a->lora_u[LM_LORA_GATE], a->ln2, BT, H, I);
+                lora_bwd(m, l, LM_LORA_GATE, m->d_ln, m->d_gate, a->lora_u[LM_LORA_GATE], xm, BT, H, I);
             if (LORA(w, LM_LORA_UP))
-                lora_bwd(m, l, LM_LORA_UP, m->d_ln, m->d_up, a->lora_u[LM_LORA_UP], a->ln2, BT, H, I);
+                lora_bwd(m, l, LM_LORA_UP, m->d_ln, m->d_up, a->lora_u[LM_LORA_UP], xm, BT, H, I);
             reduce_d_input(m, m->d_ln, (size_t)BT * H);
         }
-        m->k.rmsnorm_bwd(m->d_res, g->ln2, m->d_ln, a->res_mid, w->ln2, a->ln2_rstd, BT, H);
+        if (w->ln2) m->k.rmsnorm_bwd(m->d_res, g->ln2, m->d_ln, a->res_mid, nw(m, w->ln2, H), a->ln2_rstd, BT, H);
+        else m->k.add(m->d_res, m->d_res, m->d_ln, (long)BT * H); /* the MLP read res_mid itself */
 
-        /* res_mid = res + o_proj(att) */
+        /* res_mid = res + [norm](o_proj(att) + bo) */
+        const float *dy = m->d_res; /* [BT, H] d of o_proj's output */
+        if (w->ln_ao) {
+            zero(m->d_ln, (size_t)BT * H);
+            m->k.rmsnorm_bwd(m->d_ln, g->ln_ao, m->d_res, a->ao, nw(m, w->ln_ao, H), a->ao_rstd, BT, H);
+            dy = m->d_ln;
+        }
+        if (g->bo) op_bias_bwd(g->bo, dy, BT, H);
         zero(m->d_att, (size_t)BT * qd);
         WIDE_IN(w->wo, (size_t)H * qd);
-        m->k.matmul_bwd(m->d_att, g->wo, m->d_res, a->att, w->wo, BT, qd, H);
+        m->k.matmul_bwd(m->d_att, g->wo, dy, a->att, w->wo, BT, qd, H);
         WIDE_OUT(w->wo, (size_t)H * qd);
         if (LORA(w, LM_LORA_O))
-            lora_bwd(m, l, LM_LORA_O, m->d_att, m->d_res, a->lora_u[LM_LORA_O], a->att, BT, qd, H);
+            lora_bwd(m, l, LM_LORA_O, m->d_att, dy, a->lora_u[LM_LORA_O], a->att, BT, qd, H);
         zero(m->d_q, (size_t)BT * qd);
         zero(m->d_k, (size_t)BT * kvd);
         zero(m->d_v, (size_t)BT * kvd);
-        m->k.attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
-                           hd);
-        /* through RoPE and the per-head norms, fused: d_q, d_k (w.r.t. the rotated
-         * q, k) -> d_q2, d_k2 (w.r.t. the projections' outputs) */
+        kern_attn_opt ao = attn_opt(m, l);
+        ATTN_BWD(m, m->d_q, m->d_k, m->d_v, m->d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
+        /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->
+         * d_q2, d_k2 (w.r.t. the projections' outputs) */
         zero(m->d_q2, (size_t)BT * qd);
-        m->k.qknorm_rope_bwd(m->d_q2, g->qn, m->d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);
+        qk_bwd(m, m->d_q2, g->qn, m->d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);
         zero(m->d_k2, (size_t)BT * kvd);
-        m->k.qknorm_rope_bwd(m->d_k2, g->kn, m->d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
+        qk_bwd(m, m->d_k2, g->kn, m->d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
+        if (g->bq) op_bias_bwd(g->bq, m->d_q2, BT, qd);
+        if (g->bk) op_bias_bwd(g->bk, m->d_k2, BT, kvd);
+        if (g->bv) op_bias_bwd(g->bv, m->d_v, BT, kvd);
         zero(m->d_ln, (size_t)BT * H);
         /* the embedding and layer 0's input norm frozen: nothing below wants d(ln1) of
          * layer 0 (autograd skips these input-gradient products too) */
         float *dln = l > 0 || m->g.wte || g->ln1 ? m->d_ln : NULL; /* [BT, H] */
+        const float *xa = attn_in(m, a);
         WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-        m->k.matmul_bwd(dln, g->wq, m->d_q2, a->ln1, w->wq, BT, H, qd);
-        m->k.matmul_bwd(dln, g->wk, m->d_k2, a->ln1, w->wk, BT, H, kvd);
-        m->k.matmul_bwd(dln, g->wv, m->d_v, a->ln1, w->wv, BT, H, kvd);
+        m->k.matmul_bwd(dln, g->wq, m->d_q2, xa, w->wq, BT, H, qd);
+        m->k.matmul_bwd(dln, g->wk, m->d_k2, xa, w->wk, BT, H, kvd);
+        m->k.matmul_bwd(dln, g->wv, m->d_v, xa, w->wv, BT, H, kvd);
         WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-        if (LORA(w, LM_LORA_Q)) lora_bwd(m, l, LM_LORA_Q, dln, m->d_q2, a->lora_u[LM_LORA_Q], a->ln1, BT, H, qd);
-        if (LORA(w, LM_LORA_K)) lora_bwd(m, l, LM_LORA_K, dln, m->d_k2, a->lora_u[LM_LORA_K], a->ln1, BT, H, kvd);
-        if (LORA(w, LM_LORA_V)) lora_bwd(m, l, LM_LORA_V, dln, m->d_v, a->lora_u[LM_LORA_V], a->ln1, BT, H, kvd);
+        if (LORA(w, LM_LORA_Q)) lora_bwd(m, l, LM_LORA_Q, dln, m->d_q2, a->lora_u[LM_LORA_Q], xa, BT, H, qd);
+        if (LORA(w, LM_LORA_K)) lora_bwd(m, l, LM_LORA_K, dln, m->d_k2, a->lora_u[LM_LORA_K], xa, BT, H, kvd);
+        if (LORA(w, LM_LORA_V)) lora_bwd(m, l, LM_LORA_V, dln, m->d_v, a->lora_u[LM_LORA_V], xa, BT, H, kvd);
         if (dln) {
             reduce_d_input(m, m->d_ln, (size_t)BT * H);
-            m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, w->ln1, a->ln1_rstd, BT, H);
+            if (w->ln1) m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, nw(m, w->ln1, H), a->ln1_rstd, BT, H);
+            else m->k.add(m->d_res, m->d_res, m->d_ln, (long)BT * H); /* attention read res itself */
         }
         if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
     }
+    if (m->g.wte && c->embed_scaled) {
+        float sc = (float)sqrt((double)H);
+        for (size_t i = 0; i < (size_t)BT * H; i++) m->d_res[i] *= sc;
+    }
+    if (m->g.wte && c->has_pad) /* torch's padding_idx: the lookup adds nothing to that row */
+        for (int i = 0; i < BT; i++)
+            if (tokens[i] == c->pad_token) zero(m->d_res + (size_t)i * H, (size_t)H);
     if (m->g.wte) m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);
     m->lora_train = 0;
     return loss_sum;

@@ -22,6 +22,19 @@
 #include "model/moe.h"
 
 #define LM_MAX_MLP_ONLY 256
+#define LM_MAX_LAYERS 1024
+
+/* The family descriptor's choices (issue 15). The zero of each is Qwen3's,
+ * so a config built field by field (tests, flavors) stays a Qwen3 model. */
+enum { LM_NORM_PRE = 0,      /* input_layernorm before attention, post_attention_layernorm before the MLP */
+       LM_NORM_POST = 1,     /* OLMo2: norms on the attention and MLP outputs, before the residual add */
+       LM_NORM_SANDWICH = 2  /* Gemma3: both, four norms a layer */ };
+enum { LM_QK_HEAD = 0,       /* q_norm/k_norm over each head's hd (Qwen3, Gemma3) */
+       LM_QK_NONE = 1,       /* none (Llama, Mistral, Qwen2, Mixtral, Phi3) */
+       LM_QK_PROJ = 2        /* over the whole projection, nH*hd and nKV*hd (OLMo2) */ };
+enum { LM_ACT_SILU = 0, LM_ACT_GELU_TANH = 1 /* gelu_pytorch_tanh */ };
+enum { LM_MOE_KEYS_QWEN = 0, /* mlp.gate, mlp.experts.N.{gate,up,down}_proj */
+       LM_MOE_KEYS_MIXTRAL = 1 /* block_sparse_moe.gate, block_sparse_moe.experts.N.{w1,w3,w2} */ };
 
 typedef struct {
     int vocab_size;    /* V */
@@ -36,6 +49,27 @@ typedef struct {
     double rope_theta;
     double rms_eps;
     char name[64];     /* flavor name, or "hf" */
+    /* ---- the family descriptor: what a layer computes and how its files
+     * name it. Read from config.json by lm_config_from_hf (model/lm_config.c
+     * holds the family table); native flavors are Qwen3 presets. */
+    char model_type[32];   /* config.json's model_type; "" is "qwen3" (or "qwen3_moe" with experts) */
+    int norm_place;        /* LM_NORM_* */
+    int norm_plus_one;     /* RMSNorms scale by (1 + w) (Gemma) */
+    int qk_norm;           /* LM_QK_* */
+    int qkv_bias, o_bias, mlp_bias; /* q/k/v_proj, o_proj, gate/up/down_proj have biases */
+    int act;               /* LM_ACT_*: the gated MLP's activation */
+    int fused_qkv;         /* the files hold self_attn.qkv_proj [(nH + 2 nKV) hd, H] (Phi3) */
+    int fused_gate_up;     /* the files hold mlp.gate_up_proj [2 I, H], gate rows first (Phi3) */
+    int moe_keys;          /* LM_MOE_KEYS_* */
+    int embed_scaled;      /* the embedding output is multiplied by sqrt(H) (Gemma) */
+    double attn_scale;     /* scores scale; 0: head_dim^-0.5 */
+    double attn_softcap;   /* > 0: scores = cap tanh(scores / cap) */
+    double final_softcap;  /* > 0: logits = cap tanh(logits / cap) */
+    int sliding_window;    /* keys a sliding layer's query sees, itself included */
+    unsigned char layer_sliding[LM_MAX_LAYERS]; /* 1: layer l uses the window and the local RoPE */
+    double rope_theta_local; /* sliding layers' RoPE base (Gemma3); 0: rope_theta */
+    int has_pad, pad_token; /* pad_token_id: nn.Embedding's padding_idx, whose row gets no gradient
+                               from the lookup (OLMo2, Phi3 and Gemma3 set one by default) */
     /* Mixture of experts (HF model_type qwen3_moe; model/moe.h). n_experts == 0:
      * the dense model. A layer l is sparse when it is not in mlp_only_layers and
      * (l + 1) % decoder_sparse_step == 0, as Qwen3MoeDecoderLayer decides; the
@@ -99,8 +133,17 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e);
 
 #define LM_NAME_MAX 96
 
+/* What a tensor is to the model (bind_weights points the views by it). */
+enum { LM_S_EMBED, LM_S_LN_IN, LM_S_WQ, LM_S_WK, LM_S_WV, LM_S_WQKV, LM_S_BQ, LM_S_BK, LM_S_BV, LM_S_WO, LM_S_BO,
+       LM_S_QN, LM_S_KN, LM_S_LN_ATTN_OUT, LM_S_LN_PRE_MLP, LM_S_WG, LM_S_WU, LM_S_WGU, LM_S_WD, LM_S_BG, LM_S_BU,
+       LM_S_BD, LM_S_ROUTER, LM_S_EXP_G, LM_S_EXP_U, LM_S_EXP_D, LM_S_LN_MLP_OUT, LM_S_LORA_A, LM_S_LORA_B, LM_S_LNF,
+       LM_S_HEAD };
+
 typedef struct {
     char name[LM_NAME_MAX]; /* HF key */
+    int slot;                  /* LM_S_* */
+    int layer;                 /* -1 outside the layers */
+    int expert;                /* expert index of an LM_S_EXP_* tensor; the projection of a LoRA one; else -1 */
     int ndim;
     int64_t shape[2];
     size_t offset;             /* in floats, into the flat buffers */
@@ -114,17 +157,22 @@ typedef struct {
 
 /* Pointers to one layer's tensors inside a flat buffer (params or grads). */
 typedef struct {
-    float *ln1;   /* [H] input_layernorm */
-    float *wq;    /* [nH*hd, H] */
+    float *ln1;   /* [H] input_layernorm (NULL: LM_NORM_POST) */
+    float *wq;    /* [nH*hd, H] (Phi3: rows of qkv_proj) */
     float *wk;    /* [nKV*hd, H] */
     float *wv;    /* [nKV*hd, H] */
+    float *bq, *bk, *bv; /* [nH*hd], [nKV*hd], [nKV*hd] biases (NULL: none) */
     float *wo;    /* [H, nH*hd] */
-    float *qn;    /* [hd] q_norm */
-    float *kn;    /* [hd] k_norm */
-    float *ln2;   /* [H] post_attention_layernorm */
-    float *wg;    /* [I, H] gate_proj */
+    float *bo;    /* [H] (NULL: none) */
+    float *qn;    /* [hd] q_norm ([nH*hd] under LM_QK_PROJ; NULL: LM_QK_NONE) */
+    float *kn;    /* [hd] k_norm ([nKV*hd]) */
+    float *ln_ao; /* [H] the norm of the attention output (OLMo2, Gemma3: post_attention_layernorm) */
+    float *ln2;   /* [H] the norm before the MLP (post_attention_layernorm; Gemma3 pre_feedforward_layernorm) */
+    float *wg;    /* [I, H] gate_proj (Phi3: rows of gate_up_proj) */
     float *wu;    /* [I, H] up_proj */
     float *wd;    /* [H, I] down_proj */
+    float *bg, *bu, *bd; /* [I], [I], [H] (NULL: none) */
+    float *ln_mo; /* [H] the norm of the MLP output (post_feedforward_layernorm) */
     /* MoE layers instead of wg, wu, wd (NULL otherwise): */
     float *router; /* [E, H] mlp.gate */
     float *ewg;    /* [E, Im, H] mlp.experts.{0..E-1}.gate_proj, stacked (E: expert_rows if set) */
@@ -169,12 +217,16 @@ typedef struct {
     float *v;        /* [BT, nKV*hd] */
     float *lse;      /* [B, nH, T]  log-sum-exp of each score row (backward recomputes probs) */
     float *att;      /* [BT, nH*hd] attention output, o_proj input */
+    float *ao;       /* [BT, H]   o_proj output before its norm (LM_NORM_POST/SANDWICH; else NULL) */
+    float *ao_rstd;  /* [BT]      */
     float *res_mid;  /* [BT, H]   residual after attention */
     float *ln2;      /* [BT, H]   */
     float *ln2_rstd; /* [BT]      */
     float *gate;     /* [BT, I]   */
     float *up;       /* [BT, I]   */
-    float *h;        /* [BT, I]   silu(gate) * up */
+    float *h;        /* [BT, I]   act(gate) * up */
+    float *mo;       /* [BT, H]   down_proj output before its norm (LM_NORM_POST/SANDWICH; else NULL) */
+    float *mo_rstd;  /* [BT]      */
     /* MoE layers: gate, up, h are [BT*k, Im] in expert order, and the routing: */
     int moe;         /* 1: this layer is sparse */
     moe_route route; /* kept under LM_AC_NONE and _OP; rerun under _FULL */
@@ -234,6 +286,9 @@ typedef struct {
     float *lnf;             /* [BT, H] */
     float *lnf_rstd;        /* [BT] */
     float *rope_cos, *rope_sin; /* [T, hd/2] */
+    float *rope_cos_l, *rope_sin_l; /* [T, hd/2] the sliding layers' (== rope_cos/sin when they share) */
+    float *norm_w;          /* [max(H, nH*hd)] 1 + w of a Gemma norm while a kernel reads it */
+    float *cap_t;           /* [logit_rows, V] tanh(logits / final_softcap) of the block in flight */
     int logit_rows;         /* rows of logits materialised at once */
     float *logits;          /* [logit_rows, V] (V: vocab_rows when vocabulary-parallel) */
     float *ce_stats;        /* [3, logit_rows] vocabulary-parallel loss: row max, sum of exp, target logit */

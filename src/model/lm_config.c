@@ -60,6 +60,12 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     if (!(c->rope_theta > 0)) return ct_fail(e, CT_ERR_CONFIG, "%s: rope_theta must be positive", where);
     if (!(c->rms_eps > 0)) return ct_fail(e, CT_ERR_CONFIG, "%s: rms_norm_eps must be positive", where);
     if (c->n_experts < 0) return ct_fail(e, CT_ERR_CONFIG, "%s: num_experts must be >= 0, got %d", where, c->n_experts);
+    if (c->n_layers > LM_MAX_LAYERS)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: num_hidden_layers = %d: at most %d are supported", where, c->n_layers,
+                       LM_MAX_LAYERS);
+    if (c->n_experts > 0 && (c->norm_place != LM_NORM_PRE || c->act != LM_ACT_SILU || c->mlp_bias))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: MoE layers are supported with pre-norms, SiLU and no MLP bias only",
+                       where);
     if (c->n_experts > 0) {
         if (c->top_k < 1 || c->top_k > c->n_experts)
             return ct_fail(e, CT_ERR_CONFIG, "%s: num_experts_per_tok must be in [1, num_experts = %d], got %d", where,
@@ -143,10 +149,10 @@ static int json_bool(const cJSON *root, const char *key, int *out, const char *p
 }
 
 /* The qwen3_moe keys, with Qwen3MoeConfig's defaults. */
-static int moe_config_from_json(lm_config *c, const cJSON *root, const char *path, ct_err *e) {
+static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, const char *path, ct_err *e) {
     int rc;
-    c->n_experts = 128;
-    c->top_k = 8;
+    c->n_experts = mixtral ? 8 : 128;
+    c->top_k = mixtral ? 2 : 8;
     c->moe_intermediate = 768;
     c->norm_topk_prob = 0;
     c->decoder_sparse_step = 1;
@@ -182,6 +188,172 @@ static int moe_config_from_json(lm_config *c, const cJSON *root, const char *pat
     return 0;
 }
 
+/* ------------------------------------------------------------ families
+ *
+ * One row per HF model_type: what its decoder layer computes and the
+ * defaults of its transformers config class (5.x) for keys a config.json may
+ * leave out. Adding a family is a row here plus whatever new op it needs in
+ * model/lm.c; nothing outside the model folder names a family. */
+enum { WIN_NONE, WIN_ALL, WIN_TYPES, WIN_GEMMA };
+
+typedef struct {
+    const char *type, *arch;
+    int moe;            /* 0 dense; 1 + LM_MOE_KEYS_* */
+    int norm_place, norm_plus_one, qk_norm, fused, embed_scaled;
+    int qkv_bias;       /* 1: always (Qwen2); 0: the attention_bias key (q, k, v and o) when has_attn_bias */
+    int has_attn_bias, has_mlp_bias;
+    int kv_default;     /* num_key_value_heads when absent; 0: num_attention_heads */
+    int hd_default;     /* head_dim when absent; 0: hidden_size / num_attention_heads */
+    double eps, theta, theta_local;
+    int tied;
+    int max_pos;
+    int pad;            /* pad_token_id when absent (-1: None) */
+    int win;            /* WIN_*: how layers get the sliding window */
+    int win_default;    /* sliding_window when absent (0: None) */
+    const char *win_gate; /* a bool key that must be true for the window to exist (use_sliding_window) */
+    const char *act_key;
+} lm_family;
+
+static const lm_family families[] = {
+    {"qwen3", "Qwen3ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_HEAD, 0, 0, 0, 1, 0, 0, 128, 1e-6, 1e4, 0, 0, 32768, -1,
+     WIN_TYPES, 4096, "use_sliding_window", "hidden_act"},
+    {"qwen3_moe", "Qwen3MoeForCausalLM", 1 + LM_MOE_KEYS_QWEN, LM_NORM_PRE, 0, LM_QK_HEAD, 0, 0, 0, 1, 0, 4, 0, 1e-6,
+     1e4, 0, 0, 32768, -1, WIN_ALL, 4096, "use_sliding_window", "hidden_act"},
+    {"llama", "LlamaForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 1, 1, 0, 0, 1e-6, 1e4, 0, 0, 2048, -1,
+     WIN_NONE, 0, NULL, "hidden_act"},
+    {"mistral", "MistralForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 0, 0, 8, 0, 1e-6, 1e4, 0, 0, 131072, -1,
+     WIN_ALL, 4096, NULL, "hidden_act"},
+    {"qwen2", "Qwen2ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 1, 0, 0, 32, 0, 1e-6, 1e4, 0, 0, 32768, -1,
+     WIN_TYPES, 4096, "use_sliding_window", "hidden_act"},
+    {"mixtral", "MixtralForCausalLM", 1 + LM_MOE_KEYS_MIXTRAL, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 0, 0, 8, 0, 1e-5,
+     1e6, 0, 0, 131072, -1, WIN_ALL, 0, NULL, "hidden_act"},
+    {"olmo2", "Olmo2ForCausalLM", 0, LM_NORM_POST, 0, LM_QK_PROJ, 0, 0, 0, 1, 0, 0, 0, 1e-5, 1e4, 0, 0, 2048, 1,
+     WIN_NONE, 0, NULL, "hidden_act"},
+    {"phi3", "Phi3ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 1, 0, 0, 0, 0, 0, 0, 1e-5, 1e4, 0, 0, 4096, 32000, WIN_ALL,
+     0, NULL, "hidden_act"},
+    {"gemma3_text", "Gemma3ForCausalLM", 0, LM_NORM_SANDWICH, 1, LM_QK_HEAD, 0, 1, 0, 1, 0, 4, 256, 1e-6, 1e6, 1e4,
+     1, 131072, 0, WIN_GEMMA, 4096, NULL, "hidden_activation"},
+};
+#define N_FAMILIES (sizeof families / sizeof families[0])
+
+static const lm_family *family_of(const char *type) {
+    for (size_t i = 0; i < N_FAMILIES; i++)
+        if (strcmp(families[i].type, type) == 0) return &families[i];
+    return NULL;
+}
+
+static const lm_family *family_of_config(const lm_config *c) {
+    const lm_family *f = c->model_type[0] ? family_of(c->model_type) : NULL;
+    return f ? f : &families[c->n_experts > 0 ? 1 : 0];
+}
+
+static void family_list(char *out, size_t n) {
+    out[0] = 0;
+    for (size_t i = 0; i < N_FAMILIES; i++) {
+        size_t k = strlen(out);
+        snprintf(out + k, n - k, "%s%s", i ? ", " : "", families[i].type);
+    }
+}
+
+/* A key that must be absent, null, false or 0 (training would differ). */
+static int refuse_nonzero(const cJSON *root, const char *key, const char *why, const char *path, ct_err *e) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!it || cJSON_IsNull(it) || cJSON_IsFalse(it) || (cJSON_IsNumber(it) && it->valuedouble == 0)) return 0;
+    char *v = cJSON_PrintUnformatted(it);
+    int rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" = %s is not supported (%s)", path, key, v ? v : "?", why);
+    free(v);
+    return rc;
+}
+
+/* Which layers slide, by the family's rule (transformers' config classes). */
+static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, const char *path, ct_err *e) {
+    int rc, win = f->win_default;
+    const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
+    if (sw && cJSON_IsNull(sw)) win = 0;
+    else if ((rc = json_int(root, "sliding_window", &win, 0, path, e))) return rc;
+    if (f->win_gate) { /* Qwen: sliding_window = sliding_window if use_sliding_window else None */
+        int on = 0;
+        if ((rc = json_bool(root, f->win_gate, &on, path, e))) return rc;
+        if (!on) win = 0;
+    }
+    if (f->win == WIN_NONE) win = 0;
+    if (win < 0) return ct_fail(e, CT_ERR_CONFIG, "%s: \"sliding_window\" must be positive, got %d", path, win);
+    c->sliding_window = win;
+    memset(c->layer_sliding, 0, sizeof c->layer_sliding);
+    if (f->win == WIN_NONE) return 0;
+    if (f->win == WIN_ALL) {
+        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = win > 0;
+        return 0;
+    }
+    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
+    if (lt && !cJSON_IsNull(lt)) {
+        if (!cJSON_IsArray(lt) || cJSON_GetArraySize(lt) != c->n_layers)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: \"layer_types\" must be a list of num_hidden_layers = %d entries",
+                           path, c->n_layers);
+        int l = 0;
+        const cJSON *it;
+        cJSON_ArrayForEach(it, lt) {
+            int sl = cJSON_IsString(it) && strcmp(it->valuestring, "sliding_attention") == 0;
+            if (!sl && !(cJSON_IsString(it) && strcmp(it->valuestring, "full_attention") == 0))
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: \"layer_types\"[%d] must be \"full_attention\" or \"sliding_attention\"", path, l);
+            c->layer_sliding[l++] = (unsigned char)sl;
+        }
+    } else if (f->win == WIN_GEMMA) { /* the legacy period: every pattern-th layer is global */
+        int pat = 6;
+        if ((rc = json_int(root, "sliding_window_pattern", &pat, 0, path, e))) return rc;
+        if (pat < 1) return ct_fail(e, CT_ERR_CONFIG, "%s: \"sliding_window_pattern\" must be >= 1", path);
+        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = (l + 1) % pat != 0;
+    } else { /* Qwen: layers from max_window_layers on slide, when a window exists */
+        int mw = 28;
+        if ((rc = json_int(root, "max_window_layers", &mw, 0, path, e))) return rc;
+        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = win > 0 && l >= mw;
+    }
+    for (int l = 0; l < c->n_layers; l++)
+        if (c->layer_sliding[l] && win <= 0)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is a sliding_attention layer but \"sliding_window\" is %s",
+                           path, l, f->win_gate ? "off (use_sliding_window false or sliding_window null)" : "null");
+    return 0;
+}
+
+/* RoPE: theta (and the sliding layers' own, Gemma3) from rope_parameters
+ * (transformers 5), else the legacy rope_theta / rope_local_base_freq. Only
+ * rope_type "default" so far. */
+static int read_rope_type(const cJSON *rp, const char *what, const char *path, ct_err *e) {
+    const cJSON *rt = cJSON_GetObjectItemCaseSensitive(rp, "rope_type");
+    if (!rt) rt = cJSON_GetObjectItemCaseSensitive(rp, "type");
+    if (rt && !(cJSON_IsString(rt) && strcmp(rt->valuestring, "default") == 0))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.rope_type \"%s\" is not supported (supported: default)", path, what,
+                       cJSON_IsString(rt) ? rt->valuestring : "?");
+    return 0;
+}
+static int read_rope(lm_config *c, const lm_family *f, const cJSON *root, const char *path, ct_err *e) {
+    int rc;
+    c->rope_theta = f->theta;
+    c->rope_theta_local = f->theta_local;
+    if ((rc = json_float(root, "rope_theta", &c->rope_theta, path, e))) return rc;
+    if ((rc = json_float(root, "rope_local_base_freq", &c->rope_theta_local, path, e))) return rc;
+    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
+    if (rs && !cJSON_IsNull(rs)) {
+        if (!cJSON_IsObject(rs)) return ct_fail(e, CT_ERR_CONFIG, "%s: \"rope_scaling\" must be an object", path);
+        if ((rc = read_rope_type(rs, "rope_scaling", path, e))) return rc;
+    }
+    const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
+    if (!rp || cJSON_IsNull(rp)) return 0;
+    if (!cJSON_IsObject(rp)) return ct_fail(e, CT_ERR_CONFIG, "%s: \"rope_parameters\" must be an object", path);
+    const cJSON *full = cJSON_GetObjectItemCaseSensitive(rp, "full_attention");
+    const cJSON *slid = cJSON_GetObjectItemCaseSensitive(rp, "sliding_attention");
+    if (full || slid) { /* per layer type (Gemma3) */
+        if (full && (rc = read_rope_type(full, "rope_parameters.full_attention", path, e))) return rc;
+        if (slid && (rc = read_rope_type(slid, "rope_parameters.sliding_attention", path, e))) return rc;
+        if (full && (rc = json_float(full, "rope_theta", &c->rope_theta, path, e))) return rc;
+        if (slid && (rc = json_float(slid, "rope_theta", &c->rope_theta_local, path, e))) return rc;
+        return 0;
+    }
+    if ((rc = read_rope_type(rp, "rope_parameters", path, e))) return rc;
+    return json_float(rp, "rope_theta", &c->rope_theta, path, e);
+}
+
 int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -201,24 +373,28 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         rc = ct_fail(e, CT_ERR_CONFIG, "%s: missing \"model_type\"", path);
         goto done;
     }
-    int moe = strcmp(mt->valuestring, "qwen3_moe") == 0;
-    if (strcmp(mt->valuestring, "qwen3") != 0 && !moe) {
-        rc = ct_fail(e, CT_ERR_CONFIG,
-                     "%s: model_type \"%s\" is not supported here (expected \"qwen3\" or \"qwen3_moe\")", path,
-                     mt->valuestring);
+    const lm_family *f = family_of(mt->valuestring);
+    if (!f) {
+        char known[256];
+        family_list(known, sizeof known);
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: model_type \"%s\" is not supported (supported: %s)", path,
+                     mt->valuestring, known);
         goto done;
     }
-    /* Defaults are Qwen3Config's (Qwen3MoeConfig's) for the optional keys.
-     * Qwen3MoeConfig has no head_dim of its own: its attention and RoPE take
-     * getattr(config, "head_dim", hidden_size // num_attention_heads), so an
-     * absent head_dim is hidden / heads there (-1 marks "absent" until the
-     * sizes are read). */
-    c->n_kv_heads = moe ? 4 : -1;
-    c->head_dim = moe ? -1 : 128;
-    c->max_pos = 32768;
-    c->rms_eps = 1e-6;
-    c->rope_theta = 10000.0;
-    c->tie_embeddings = 0;
+    snprintf(c->model_type, sizeof c->model_type, "%s", f->type);
+    c->norm_place = f->norm_place;
+    c->norm_plus_one = f->norm_plus_one;
+    c->qk_norm = f->qk_norm;
+    c->fused_qkv = c->fused_gate_up = f->fused;
+    c->embed_scaled = f->embed_scaled;
+    c->qkv_bias = f->qkv_bias;
+    c->moe_keys = f->moe ? f->moe - 1 : 0;
+    /* -1 marks "absent" until the sizes are read */
+    c->n_kv_heads = f->kv_default ? f->kv_default : -1;
+    c->head_dim = f->hd_default ? f->hd_default : -1;
+    c->max_pos = f->max_pos;
+    c->rms_eps = f->eps;
+    c->tie_embeddings = f->tied;
     if ((rc = json_int(root, "vocab_size", &c->vocab_size, 1, path, e)) ||
         (rc = json_int(root, "hidden_size", &c->hidden, 1, path, e)) ||
         (rc = json_int(root, "intermediate_size", &c->intermediate, 1, path, e)) ||
@@ -228,44 +404,83 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         (rc = json_int(root, "head_dim", &c->head_dim, 0, path, e)) ||
         (rc = json_int(root, "max_position_embeddings", &c->max_pos, 0, path, e)) ||
         (rc = json_float(root, "rms_norm_eps", &c->rms_eps, path, e)) ||
-        (rc = json_float(root, "rope_theta", &c->rope_theta, path, e)) ||
         (rc = json_bool(root, "tie_word_embeddings", &c->tie_embeddings, path, e)))
         goto done;
+    c->pad_token = f->pad;
+    const cJSON *pad = cJSON_GetObjectItemCaseSensitive(root, "pad_token_id");
+    if (pad && cJSON_IsNull(pad)) c->pad_token = -1;
+    else if ((rc = json_int(root, "pad_token_id", &c->pad_token, 0, path, e))) goto done;
+    c->has_pad = c->pad_token >= 0 && c->pad_token < c->vocab_size; /* nn.Embedding rejects others */
+    if (c->pad_token >= c->vocab_size) {
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"pad_token_id\" = %d is outside the vocabulary (vocab_size %d)", path,
+                     c->pad_token, c->vocab_size);
+        goto done;
+    }
     if (c->n_kv_heads == -1) c->n_kv_heads = c->n_heads;
     if (c->head_dim == -1) c->head_dim = c->n_heads > 0 ? c->hidden / c->n_heads : 0;
-    if (moe && (rc = moe_config_from_json(c, root, path, e))) goto done;
-    /* transformers v5 moved theta into rope_parameters; it wins when present. */
-    const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
-    if (!rp || cJSON_IsNull(rp)) rp = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
-    if (rp && !cJSON_IsNull(rp)) {
-        if (!cJSON_IsObject(rp)) {
-            rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an object", path, rp->string);
-            goto done;
-        }
-        if ((rc = json_float(rp, "rope_theta", &c->rope_theta, path, e))) goto done;
-        const cJSON *rt = cJSON_GetObjectItemCaseSensitive(rp, "rope_type");
-        if (!rt) rt = cJSON_GetObjectItemCaseSensitive(rp, "type");
-        if (rt && !(cJSON_IsString(rt) && strcmp(rt->valuestring, "default") == 0)) {
-            rc = ct_fail(e, CT_ERR_CONFIG, "%s: %s.rope_type \"%s\" is not supported (only \"default\")", path,
-                         rp->string, cJSON_IsString(rt) ? rt->valuestring : "?");
-            goto done;
-        }
-    }
-    int flag = 0;
-    if ((rc = json_bool(root, "attention_bias", &flag, path, e))) goto done;
-    if (flag) {
-        rc = ct_fail(e, CT_ERR_CONFIG, "%s: attention_bias = true is not supported", path);
+    if (c->n_layers > LM_MAX_LAYERS) {
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: num_hidden_layers = %d: at most %d are supported", path, c->n_layers,
+                     LM_MAX_LAYERS);
         goto done;
     }
-    flag = 0;
-    if ((rc = json_bool(root, "use_sliding_window", &flag, path, e))) goto done;
-    if (flag) {
-        rc = ct_fail(e, CT_ERR_CONFIG, "%s: use_sliding_window = true is not supported", path);
+    if (f->moe && (rc = moe_config_from_json(c, root, f->moe == 1 + LM_MOE_KEYS_MIXTRAL, path, e))) goto done;
+    if (f->moe == 1 + LM_MOE_KEYS_MIXTRAL) {
+        /* MixtralTopKRouter always renormalises the top k; its experts are intermediate_size wide */
+        c->norm_topk_prob = 1;
+        c->moe_intermediate = c->intermediate;
+        c->n_mlp_only = 0;
+        c->decoder_sparse_step = 1;
+        if ((rc = refuse_nonzero(root, "router_jitter_noise", "ctitan's router adds no noise", path, e))) goto done;
+    }
+    if (f->has_attn_bias) {
+        int b = 0;
+        if ((rc = json_bool(root, "attention_bias", &b, path, e))) goto done;
+        c->qkv_bias = c->o_bias = b;
+    } else if ((rc = refuse_nonzero(root, "attention_bias", "this family's attention has no biases", path, e))) {
         goto done;
     }
-    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
-    if (act && !(cJSON_IsString(act) && strcmp(act->valuestring, "silu") == 0)) {
-        rc = ct_fail(e, CT_ERR_CONFIG, "%s: hidden_act must be \"silu\"", path);
+    if (f->has_mlp_bias) {
+        if ((rc = json_bool(root, "mlp_bias", &c->mlp_bias, path, e))) goto done;
+    } else if ((rc = refuse_nonzero(root, "mlp_bias", "this family's MLP has no biases", path, e))) {
+        goto done;
+    }
+    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, f->act_key);
+    if (act && !cJSON_IsNull(act)) {
+        if (cJSON_IsString(act) && strcmp(act->valuestring, "silu") == 0) c->act = LM_ACT_SILU;
+        else if (cJSON_IsString(act) && strcmp(act->valuestring, "gelu_pytorch_tanh") == 0) c->act = LM_ACT_GELU_TANH;
+        else {
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" = \"%s\" is not supported (supported: silu, gelu_pytorch_tanh)",
+                         path, f->act_key, cJSON_IsString(act) ? act->valuestring : "?");
+            goto done;
+        }
+    } else {
+        c->act = strcmp(f->act_key, "hidden_activation") == 0 ? LM_ACT_GELU_TANH : LM_ACT_SILU;
+    }
+    if ((rc = read_windows(c, f, root, path, e)) || (rc = read_rope(c, f, root, path, e))) goto done;
+    if (f->win == WIN_GEMMA) {
+        double qs = 256;
+        if ((rc = json_float(root, "query_pre_attn_scalar", &qs, path, e))) goto done;
+        if (!(qs > 0)) {
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"query_pre_attn_scalar\" must be positive", path);
+            goto done;
+        }
+        c->attn_scale = 1.0 / sqrt(qs);
+        if ((rc = json_float(root, "final_logit_softcapping", &c->final_softcap, path, e)) ||
+            (rc = json_float(root, "attn_logit_softcapping", &c->attn_softcap, path, e)) ||
+            (rc = refuse_nonzero(root, "use_bidirectional_attention", "ctitan trains causal attention", path, e)))
+            goto done;
+    } else if ((rc = refuse_nonzero(root, "final_logit_softcapping", "not part of this family", path, e)) ||
+               (rc = refuse_nonzero(root, "attn_logit_softcapping", "not part of this family", path, e))) {
+        goto done;
+    }
+    /* dropout would change what a training step computes; ctitan has none */
+    if ((rc = refuse_nonzero(root, "attention_dropout", "ctitan trains without dropout", path, e)) ||
+        (rc = refuse_nonzero(root, "resid_pdrop", "ctitan trains without dropout", path, e)) ||
+        (rc = refuse_nonzero(root, "embd_pdrop", "ctitan trains without dropout", path, e)))
+        goto done;
+    const cJSON *prf = cJSON_GetObjectItemCaseSensitive(root, "partial_rotary_factor");
+    if (prf && !cJSON_IsNull(prf) && !(cJSON_IsNumber(prf) && prf->valuedouble == 1.0)) {
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"partial_rotary_factor\" other than 1 is not supported", path);
         goto done;
     }
     snprintf(c->name, sizeof c->name, "hf");
@@ -275,12 +490,25 @@ done:
     return rc;
 }
 
+/* A float field: transformers' strict config classes reject an integer
+ * literal where they declare float, and cJSON prints 0.0 as 0. */
+static void add_float(cJSON *o, const char *key, double v) {
+    char buf[64];
+    if (v == floor(v) && fabs(v) < 1e15) {
+        snprintf(buf, sizeof buf, "%.1f", v);
+        cJSON_AddRawToObject(o, key, buf);
+    } else {
+        cJSON_AddNumberToObject(o, key, v);
+    }
+}
+
 int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_name, ct_err *e) {
+    const lm_family *f = family_of_config(c);
     cJSON *o = cJSON_CreateObject();
     cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
-    int moe = c->n_experts > 0;
-    cJSON_AddItemToArray(arch, cJSON_CreateString(moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"));
-    cJSON_AddStringToObject(o, "model_type", moe ? "qwen3_moe" : "qwen3");
+    int moe = c->n_experts > 0, mixtral = c->moe_keys == LM_MOE_KEYS_MIXTRAL;
+    cJSON_AddItemToArray(arch, cJSON_CreateString(f->arch));
+    cJSON_AddStringToObject(o, "model_type", f->type);
     cJSON_AddNumberToObject(o, "vocab_size", c->vocab_size);
     cJSON_AddNumberToObject(o, "hidden_size", c->hidden);
     cJSON_AddNumberToObject(o, "intermediate_size", c->intermediate);
@@ -288,21 +516,65 @@ int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_n
     cJSON_AddNumberToObject(o, "num_attention_heads", c->n_heads);
     cJSON_AddNumberToObject(o, "num_key_value_heads", c->n_kv_heads);
     cJSON_AddNumberToObject(o, "head_dim", c->head_dim);
-    cJSON_AddStringToObject(o, "hidden_act", "silu");
+    cJSON_AddStringToObject(o, f->act_key, c->act == LM_ACT_GELU_TANH ? "gelu_pytorch_tanh" : "silu");
     cJSON_AddNumberToObject(o, "max_position_embeddings", c->max_pos);
-    cJSON_AddNumberToObject(o, "rms_norm_eps", c->rms_eps);
-    cJSON_AddNumberToObject(o, "rope_theta", c->rope_theta);
+    add_float(o, "rms_norm_eps", c->rms_eps);
+    double local = c->rope_theta_local > 0 ? c->rope_theta_local : c->rope_theta;
     cJSON *rp = cJSON_AddObjectToObject(o, "rope_parameters");
-    cJSON_AddStringToObject(rp, "rope_type", "default");
-    cJSON_AddNumberToObject(rp, "rope_theta", c->rope_theta);
+    if (f->win == WIN_GEMMA) {
+        cJSON *g = cJSON_AddObjectToObject(rp, "full_attention"), *s = cJSON_AddObjectToObject(rp, "sliding_attention");
+        cJSON_AddStringToObject(g, "rope_type", "default");
+        add_float(g, "rope_theta", c->rope_theta);
+        cJSON_AddStringToObject(s, "rope_type", "default");
+        add_float(s, "rope_theta", local);
+    } else {
+        add_float(o, "rope_theta", c->rope_theta);
+        cJSON_AddStringToObject(rp, "rope_type", "default");
+        add_float(rp, "rope_theta", c->rope_theta);
+    }
     cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
-    cJSON_AddBoolToObject(o, "attention_bias", 0);
-    cJSON_AddNumberToObject(o, "attention_dropout", 0);
-    cJSON_AddBoolToObject(o, "use_sliding_window", 0);
+    if (c->has_pad) cJSON_AddNumberToObject(o, "pad_token_id", c->pad_token);
+    else cJSON_AddNullToObject(o, "pad_token_id");
+    if (f->has_attn_bias) cJSON_AddBoolToObject(o, "attention_bias", c->o_bias);
+    if (f->has_mlp_bias) cJSON_AddBoolToObject(o, "mlp_bias", c->mlp_bias);
+    add_float(o, "attention_dropout", 0);
+    /* windows: the family's own keys, so that its config class derives the same layers */
+    int any = 0, first = c->n_layers;
+    for (int l = 0; l < c->n_layers; l++)
+        if (c->layer_sliding[l]) {
+            any = 1;
+            if (l < first) first = l;
+        }
+    if (f->win == WIN_ALL || f->win == WIN_TYPES || f->win == WIN_GEMMA) {
+        if (any) cJSON_AddNumberToObject(o, "sliding_window", c->sliding_window);
+        else if (f->win != WIN_GEMMA) cJSON_AddNullToObject(o, "sliding_window");
+        else cJSON_AddNumberToObject(o, "sliding_window", c->sliding_window > 0 ? c->sliding_window : 4096);
+    }
+    if (f->win_gate) cJSON_AddBoolToObject(o, f->win_gate, any);
+    if (f->win == WIN_TYPES) cJSON_AddNumberToObject(o, "max_window_layers", first);
+    if (f->win == WIN_TYPES || f->win == WIN_GEMMA) {
+        cJSON *lt = cJSON_AddArrayToObject(o, "layer_types");
+        for (int l = 0; l < c->n_layers; l++)
+            cJSON_AddItemToArray(lt, cJSON_CreateString(c->layer_sliding[l] ? "sliding_attention" : "full_attention"));
+    }
+    if (f->win == WIN_GEMMA) {
+        double sc = c->attn_scale > 0 ? c->attn_scale : 1.0 / sqrt((double)c->head_dim);
+        cJSON_AddNumberToObject(o, "query_pre_attn_scalar", round(1.0 / (sc * sc)));
+        if (c->final_softcap > 0) add_float(o, "final_logit_softcapping", c->final_softcap);
+        else cJSON_AddNullToObject(o, "final_logit_softcapping");
+        if (c->attn_softcap > 0) add_float(o, "attn_logit_softcapping", c->attn_softcap);
+        else cJSON_AddNullToObject(o, "attn_logit_softcapping");
+    }
     cJSON_AddBoolToObject(o, "use_cache", 1);
-    cJSON_AddNumberToObject(o, "initializer_range", 0.02);
+    add_float(o, "initializer_range", 0.02);
     cJSON_AddStringToObject(o, "dtype", dtype_name);
-    if (moe) {
+    if (moe && mixtral) {
+        cJSON_AddNumberToObject(o, "num_local_experts", c->n_experts);
+        cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);
+        cJSON_AddBoolToObject(o, "output_router_logits", c->output_router_logits);
+        add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
+        add_float(o, "router_jitter_noise", 0);
+    } else if (moe) {
         cJSON_AddNumberToObject(o, "num_experts", c->n_experts);
         cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);
         cJSON_AddNumberToObject(o, "moe_intermediate_size", c->moe_intermediate);
@@ -311,14 +583,14 @@ int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_n
         cJSON *mo = cJSON_AddArrayToObject(o, "mlp_only_layers");
         for (int i = 0; i < c->n_mlp_only; i++) cJSON_AddItemToArray(mo, cJSON_CreateNumber(c->mlp_only_layers[i]));
         cJSON_AddBoolToObject(o, "output_router_logits", c->output_router_logits);
-        cJSON_AddNumberToObject(o, "router_aux_loss_coef", c->router_aux_loss_coef);
+        add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
     }
     char *text = cJSON_Print(o);
     cJSON_Delete(o);
     int rc = 0;
-    FILE *f = fopen(path, "wb");
-    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot write", path);
-    if (f && fclose(f) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: cannot write", path);
+    FILE *out = fopen(path, "wb");
+    if (!out || fputs(text, out) < 0 || fputc('\n', out) < 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot write", path);
+    if (out && fclose(out) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: cannot write", path);
     free(text);
     return rc;
 }

@@ -5,6 +5,7 @@ Expected values come from PEFT / transformers (generation, merged logits), from 
 arithmetic on the config (the dry run's counts), or from ctitan's own fp32-storage run
 where the claim is bit-identity (bf16 storage of weights that are bf16 already must not
 change a single bit of the run)."""
+import json
 import re
 
 import numpy as np
@@ -200,8 +201,8 @@ def test_lora_bf16_matches_emulated_peft(tmp_path, open_session):
 def test_adapter_of_another_model_family_is_refused(tmp_path, open_session, run_ctitan):
     """A PEFT adapter trained on a Llama model of another width (its config.json says llama)
     given to a Qwen3 base: refused at open, by the adapter file and the first key that does not
-    fit, never applied; and a Llama base directory is refused by generate --adapter naming
-    config.json's model_type."""
+    fit, never applied; and a base directory of a family ctitan does not build is refused by
+    generate --adapter naming config.json's model_type."""
     from transformers import LlamaConfig, LlamaForCausalLM
     oracle.save_random_hf(tmp_path / "hf", tiny(False), seed=11)
     lcfg = LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
@@ -214,9 +215,13 @@ def test_adapter_of_another_model_family_is_refused(tmp_path, open_session, run_
                                      extra=["--lora.rank=4", "--lora.alpha=8", f"--lora.adapter_path={tmp_path / 'ad'}"]))
     msg = str(ei.value)
     assert "adapter_model.safetensors" in msg and "has shape" in msg and "lora_A.weight" in msg, msg
+    # a base of a family ctitan does not build (Llama is one it does since issue 15)
+    cfg = json.loads((tmp_path / "llama" / "config.json").read_text())
+    cfg["model_type"] = "falcon"
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(cfg))
     rc, _, err = run_ctitan(["generate", "--checkpoint", tmp_path / "llama", "--adapter", tmp_path / "ad",
                              "--prompt-ids", "1 2 3", "--max-tokens", "2"], check=False)
-    assert rc != 0 and "config.json" in err and "model_type" in err, err
+    assert rc != 0 and "config.json" in err and 'model_type "falcon"' in err, err
 
 
 def test_bf16_frozen_resume_and_export(tmp_path):

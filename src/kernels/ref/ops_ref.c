@@ -419,3 +419,21 @@ void op_add(float *out, const float *a, const float *b, long N) {
 #pragma omp parallel for schedule(static)
     for (long i = 0; i < N; i++) out[i] = a[i] + b[i];
 }
+
+void op_bias_add(float *out, const float *b, int N, int C) {
+    // out[N,C] += b[C]
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) out[(size_t)n * C + c] += b[c];
+}
+
+void op_bias_bwd(float *db, const float *dout, int N, int C) {
+    // db[C] += sum over rows of dout[N,C]; each column summed in row order by one
+    // thread, so the result does not depend on the thread count
+#pragma omp parallel for schedule(static)
+    for (int c = 0; c < C; c++) {
+        float acc = 0.0f;
+        for (int n = 0; n < N; n++) acc += dout[(size_t)n * C + c];
+        db[c] += acc;
+    }
+}
