@@ -1,0 +1,630 @@
+/* model/rope.c: RoPE parameters from config.json and their frequencies,
+ * exactly as transformers 5.24 resolves and computes them.
+ *
+ * Design. Resolution and arithmetic are split. rope_params_from_hf applies
+ * every config-time rule once (family defaults, legacy spellings, the
+ * precedence between rope_scaling and rope_parameters, the values
+ * transformers' standardize_rope_params fills in or overrides) and leaves a
+ * flat, pointer-free rope_params; rope_inv_freq is then pure arithmetic.
+ * Where transformers would accept a config only to fail (or to silently
+ * ignore what it says) when the model is built, we refuse it here, naming
+ * the key: a config we cannot reproduce must never train a different model.
+ *
+ * The rules, from transformers 5.24 (the file and function that hold each):
+ *
+ *  - Which dict (PreTrainedConfig.convert_rope_params_to_dict, Phi3Config's
+ *    override): `rope_scaling or rope_parameters`. A non-empty legacy
+ *    rope_scaling REPLACES rope_parameters wholesale, rope_theta inside
+ *    rope_parameters included; an empty or null one does not count.
+ *    Gemma3TextConfig instead keeps rope_parameters nested per layer type
+ *    and, when rope_scaling is not null, merges it into full_attention
+ *    (dict.update: rope_scaling's keys win, the others stay).
+ *  - rope_type: the dict's rope_type, else its legacy `type`, else "default"
+ *    (standardize_rope_params). Where both are given and differ, transformers
+ *    takes rope_type; we refuse (the Gemma3 case where that silently drops a
+ *    legacy {"type": "linear"} is the one that happens).
+ *  - rope_theta: the dict's, else the top-level rope_theta, else the
+ *    family's default_theta (1e6 for mixtral, 1e4 for the rest); Gemma3:
+ *    top-level rope_theta (default 1e6) for full_attention,
+ *    rope_local_base_freq (default 1e4) for sliding_attention.
+ *  - partial_rotary_factor: the dict's, else the top-level one, else 1. Only
+ *    Phi3's default RoPE reads it; the other families' default RoPE
+ *    (<Family>RotaryEmbedding.compute_default_rope_parameters) rotates the
+ *    whole head whatever it says, so it resolves to 1 there.
+ *  - original_max_position_embeddings (yarn, llama3, longrope): Phi3 always
+ *    takes its top-level attribute (default 4096), whatever the dict says;
+ *    the other families take a top-level one when config.json has it (the
+ *    rope init functions re-run standardize_rope_params once it is an
+ *    attribute), else the dict's, else max_position_embeddings.
+ *  - Phi3: legacy rope types "su" and "yarn" mean longrope; only default and
+ *    longrope pass its validate_rope; "su" must carry the key itself.
+ *  - yarn's `truncate` is read from config.rope_parameters, which for
+ *    Gemma3 is the nested dict: it is always true there.
+ *  - Validation raises only for missing required keys (and odd heads); a
+ *    factor below 1 or a wrong list length only warns, and the latter then
+ *    fails in the model. We refuse non-numbers, non-positive values, list
+ *    lengths other than rotary_dim / 2, odd rotary dims, and anything whose
+ *    frequencies are not finite.
+ *
+ * Rounding: transformers computes the frequencies in float32 tensors
+ * (arange in int64 or float32 -> float32, Python floats entering a float32
+ * op rounded to float32) and the scalar parts (YaRN's correction range,
+ * every attention factor, dynamic's theta when seq_len is a Python int) in
+ * Python doubles. rope_inv_freq mirrors that operation by operation; the
+ * values are float32 numbers returned as doubles, within an ulp or two of
+ * torch's (whose pow/exp kernels differ from libm's by that much).
+ * Dynamic NTK above the original length is the one place the rounding of
+ * the base matters: transformers computes it from a tensor seq_len, so in
+ * float32. */
+#include "model/rope.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+enum { FAM_GENERIC, FAM_PHI3, FAM_GEMMA3 };
+
+/* Each family's config-class defaults that RoPE reads. */
+typedef struct {
+    const char *model_type;
+    int max_pos;        /* max_position_embeddings */
+    double theta;       /* default_theta (Gemma3: full_attention's) */
+    double theta_local; /* Gemma3: sliding_attention's */
+    int style;
+    int head_dim_none;  /* head_dim stays None when absent: yarn, dynamic and longrope then fail */
+} rope_family;
+
+static const rope_family families[] = {
+    {"llama", 2048, 1e4, 0, FAM_GENERIC, 0},
+    {"mistral", 131072, 1e4, 0, FAM_GENERIC, 0},
+    {"qwen2", 32768, 1e4, 0, FAM_GENERIC, 0},
+    {"qwen3", 32768, 1e4, 0, FAM_GENERIC, 0},
+    {"qwen3_moe", 32768, 1e4, 0, FAM_GENERIC, 0},
+    {"mixtral", 131072, 1e6, 0, FAM_GENERIC, 1},
+    {"olmo2", 2048, 1e4, 0, FAM_GENERIC, 0},
+    {"phi3", 4096, 1e4, 0, FAM_PHI3, 0},
+    {"gemma3_text", 131072, 1e6, 1e4, FAM_GEMMA3, 0},
+};
+
+#define ROPE_TYPES "default, linear, dynamic, yarn, llama3, longrope"
+static const char *const type_names[] = {"default", "linear", "dynamic", "yarn", "llama3", "longrope"};
+
+const char *rope_type_name(int type) {
+    return type >= 0 && type < (int)(sizeof type_names / sizeof type_names[0]) ? type_names[type] : "?";
+}
+
+int rope_rotary_dim(const rope_params *p, int head_dim) {
+    return (int)(head_dim * p->partial_rotary_factor); /* Python's int(head_dim * factor) */
+}
+
+/* The RoPE dict being read: an overlay searched first (Gemma3's rope_scaling
+ * merged into full_attention), then the dict itself; either may be NULL. */
+typedef struct {
+    const cJSON *d[2];
+    const char *name[2];
+    const char *path;
+    ct_err *e;
+} rdict;
+
+static const cJSON *rd_get(const rdict *r, const char *key, const char **where) {
+    for (int i = 0; i < 2; i++) {
+        if (!r->d[i]) continue;
+        const cJSON *it = cJSON_GetObjectItemCaseSensitive(r->d[i], key);
+        if (it) {
+            if (where) *where = r->name[i];
+            return it;
+        }
+    }
+    return NULL;
+}
+
+/* A number from the dict: 0 with *found = 0 when absent, or null and
+ * null_ok (transformers' `.get(key)` is None there); else it must be a number. */
+static int rd_num(const rdict *r, const char *key, int null_ok, int *found, double *out) {
+    const char *where = "";
+    const cJSON *it = rd_get(r, key, &where);
+    *found = 0;
+    if (!it || (null_ok && cJSON_IsNull(it))) return 0;
+    if (!cJSON_IsNumber(it))
+        return ct_fail(r->e, CT_ERR_CONFIG, "%s: %s.%s must be a number", r->path, where, key);
+    *out = it->valuedouble;
+    *found = 1;
+    return 0;
+}
+
+/* A required key of the rope type, as _check_received_keys demands it. */
+static int rd_require(const rdict *r, const char *key, const char *type) {
+    if (rd_get(r, key, NULL)) return 0;
+    return ct_fail(r->e, CT_ERR_CONFIG, "%s: %s is missing \"%s\", required for rope_type \"%s\"", r->path,
+                   r->d[1] ? r->name[1] : r->name[0], key, type);
+}
+
+static int rd_positive(const rdict *r, const char *key, double v) {
+    if (v > 0 && isfinite(v)) return 0;
+    const char *where = "";
+    rd_get(r, key, &where);
+    return ct_fail(r->e, CT_ERR_CONFIG, "%s: %s.%s must be positive, got %g", r->path, where, key, v);
+}
+
+/* A top-level number: *found = 0 when absent or null. */
+static int top_num(const cJSON *root, const char *key, int null_ok, int *found, double *out, const char *path,
+                   ct_err *e) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    *found = 0;
+    if (!it || (null_ok && cJSON_IsNull(it))) return 0;
+    if (!cJSON_IsNumber(it)) return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be a number", path, key);
+    *out = it->valuedouble;
+    *found = 1;
+    return 0;
+}
+
+static int as_int(double v, int *out) {
+    if (!(v == floor(v)) || v < 1 || v > 2147483647.0) return 0;
+    *out = (int)v;
+    return 1;
+}
+
+/* A RoPE dict value: an object, or null / absent (NULL). */
+static int dict_item(const cJSON *root, const char *key, const cJSON **out, const char *path, ct_err *e) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    *out = NULL;
+    if (!it || cJSON_IsNull(it)) return 0;
+    if (!cJSON_IsObject(it)) return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an object or null", path, key);
+    *out = it;
+    return 0;
+}
+
+static int is_layer_key(const char *k) { return !strcmp(k, "full_attention") || !strcmp(k, "sliding_attention"); }
+
+static int read_factors(const rdict *r, const char *key, int n, double *out) {
+    const char *where = "";
+    const cJSON *a = rd_get(r, key, &where);
+    if (!cJSON_IsArray(a))
+        return ct_fail(r->e, CT_ERR_CONFIG, "%s: %s.%s must be a list of numbers", r->path, where, key);
+    int len = cJSON_GetArraySize(a);
+    if (len != n)
+        return ct_fail(r->e, CT_ERR_CONFIG, "%s: %s.%s must have rotary_dim / 2 = %d entries, got %d", r->path,
+                       where, key, n, len);
+    int i = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, a) {
+        if (!cJSON_IsNumber(it) || !(it->valuedouble > 0) || !isfinite(it->valuedouble))
+            return ct_fail(r->e, CT_ERR_CONFIG, "%s: %s.%s[%d] must be a positive number", r->path, where, key, i);
+        out[i++] = it->valuedouble;
+    }
+    return 0;
+}
+
+int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_type, int head_dim, const char *path,
+                        ct_err *e) {
+    int rc, found;
+    double v;
+    memset(p, 0, sizeof *p);
+    if (!cJSON_IsObject(root)) return ct_fail(e, CT_ERR_CONFIG, "%s: not a JSON object", path);
+
+    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
+    if (!cJSON_IsString(mt)) return ct_fail(e, CT_ERR_CONFIG, "%s: missing \"model_type\"", path);
+    const rope_family *fam = NULL;
+    for (size_t i = 0; i < sizeof families / sizeof families[0]; i++)
+        if (!strcmp(families[i].model_type, mt->valuestring)) fam = &families[i];
+    if (!fam)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: model_type \"%s\": no RoPE rules for it (known: llama, mistral, qwen2, qwen3, qwen3_moe, "
+                       "mixtral, olmo2, phi3, gemma3_text)",
+                       path, mt->valuestring);
+    if (layer_type && strcmp(layer_type, "full_attention") && strcmp(layer_type, "sliding_attention"))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: layer type \"%s\" has no RoPE (expected full_attention or sliding_attention)",
+                       path, layer_type);
+    if (fam->style == FAM_GEMMA3 && !layer_type)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: gemma3_text has one RoPE per layer type: ask for full_attention or sliding_attention", path);
+    if (head_dim < 2) return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim must be at least 2 for RoPE, got %d", path, head_dim);
+
+    /* max_position_embeddings: dynamic's reference length, the default original length */
+    p->max_pos = fam->max_pos;
+    if ((rc = top_num(root, "max_position_embeddings", 0, &found, &v, path, e))) return rc;
+    if (found && !as_int(v, &p->max_pos))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"max_position_embeddings\" must be a positive integer", path);
+
+    /* The dict, with its name for messages. */
+    const cJSON *rs, *rp;
+    if ((rc = dict_item(root, "rope_scaling", &rs, path, e)) || (rc = dict_item(root, "rope_parameters", &rp, path, e)))
+        return rc;
+    rdict r = {{NULL, NULL}, {"", ""}, path, e};
+    char entry_name[64];
+    int synth_default = 0; /* Gemma3: transformers' own {"rope_type": "default"} stands for the entry */
+    if (fam->style == FAM_GEMMA3) {
+        const cJSON *ent = NULL;
+        if (rp) {
+            const cJSON *it;
+            cJSON_ArrayForEach(it, rp) {
+                if (!is_layer_key(it->string) || !(cJSON_IsObject(it) || cJSON_IsNull(it)))
+                    return ct_fail(e, CT_ERR_CONFIG,
+                                   "%s: gemma3_text reads rope_parameters nested per layer type "
+                                   "({\"full_attention\": {...}, \"sliding_attention\": {...}}); key \"%s\" is not one "
+                                   "(transformers 5.24 ignores a flat dict here)",
+                                   path, it->string);
+            }
+            ent = cJSON_GetObjectItemCaseSensitive(rp, layer_type);
+            if (ent && cJSON_IsNull(ent)) ent = NULL;
+            /* Gemma3TextConfig: rope_parameters["full_attention"].update(rope_scaling) */
+            if (rs && !strcmp(layer_type, "full_attention") && !ent)
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: rope_scaling beside a rope_parameters without a full_attention entry "
+                               "(transformers 5.24 fails on it)",
+                               path);
+        }
+        snprintf(entry_name, sizeof entry_name, "rope_parameters.%s", layer_type);
+        r.d[1] = ent;
+        r.name[1] = entry_name;
+        synth_default = !ent;
+        if (rs && !strcmp(layer_type, "full_attention")) {
+            r.d[0] = rs;
+            r.name[0] = "rope_scaling";
+        }
+    } else {
+        /* `rope_scaling or rope_parameters`: a non-empty legacy dict wins wholesale */
+        if (rs && rs->child) {
+            r.d[1] = rs;
+            r.name[1] = "rope_scaling";
+        } else {
+            r.d[1] = rp;
+            r.name[1] = "rope_parameters";
+        }
+        if (r.d[1]) {
+            const cJSON *it;
+            cJSON_ArrayForEach(it, r.d[1]) {
+                if (is_layer_key(it->string) && cJSON_IsObject(it))
+                    return ct_fail(e, CT_ERR_CONFIG,
+                                   "%s: %s is nested per layer type (\"%s\"), but %s has one RoPE for all layers",
+                                   path, r.name[1], it->string, fam->model_type);
+            }
+        }
+    }
+    const char *dname = r.d[1] ? r.name[1] : (r.d[0] ? r.name[0] : "rope_parameters");
+
+    /* rope_type, else the legacy type, else default */
+    const char *rt_where = "", *ty_where = "";
+    const cJSON *rt = rd_get(&r, "rope_type", &rt_where), *ty = rd_get(&r, "type", &ty_where);
+    if (rt && !cJSON_IsString(rt))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.rope_type must be a string", path, rt_where);
+    if (ty && !cJSON_IsString(ty)) return ct_fail(e, CT_ERR_CONFIG, "%s: %s.type must be a string", path, ty_where);
+    const char *type = rt ? rt->valuestring : NULL;
+    if (!type && synth_default && ty) {
+        /* the entry transformers made up has rope_type "default": a legacy type is dropped */
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: %s.type \"%s\" is ignored by transformers 5.24 for gemma3_text (%s keeps its rope_type "
+                       "\"default\"); write rope_type instead",
+                       path, ty_where, ty->valuestring, entry_name);
+    }
+    if (type && ty && strcmp(type, ty->valuestring))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: %s.rope_type \"%s\" and %s.type \"%s\" disagree (transformers 5.24 takes rope_type); "
+                       "keep one",
+                       path, rt_where, type, ty_where, ty->valuestring);
+    if (!type) type = ty ? ty->valuestring : "default";
+    const char *type_where = rt ? rt_where : (ty ? ty_where : dname);
+    const char *type_key = rt ? "rope_type" : "type";
+
+    /* top-level original_max_position_embeddings (Phi3: always an attribute, default 4096) */
+    int top_orig = 0, has_top_orig = 0;
+    {
+        const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, "original_max_position_embeddings");
+        if (it) {
+            if (!cJSON_IsNumber(it) || !as_int(it->valuedouble, &top_orig))
+                return ct_fail(e, CT_ERR_CONFIG, "%s: \"original_max_position_embeddings\" must be a positive integer",
+                               path);
+            has_top_orig = 1;
+        } else if (fam->style == FAM_PHI3) {
+            top_orig = 4096, has_top_orig = 1;
+        }
+    }
+    int orig_from_top = 0; /* standardize_rope_params sets it from the attribute */
+    if (fam->style == FAM_PHI3) {
+        /* standardize runs before Phi3 renames su / yarn, so "su" keeps only its own key */
+        if (!strcmp(type, "yarn") || !strcmp(type, "longrope") || !strcmp(type, "llama3")) orig_from_top = 1;
+        if (!strcmp(type, "su")) {
+            if (!rd_get(&r, "original_max_position_embeddings", NULL))
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: %s is missing \"original_max_position_embeddings\", required for rope_type "
+                               "\"longrope\" (legacy \"su\")",
+                               path, dname);
+            orig_from_top = 1;
+        }
+        if (!strcmp(type, "su") || !strcmp(type, "yarn")) type = "longrope";
+        if (strcmp(type, "default") && strcmp(type, "longrope"))
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: %s.%s \"%s\" is not supported for phi3 (transformers 5.24 accepts default and "
+                           "longrope; su and yarn are legacy names of longrope)",
+                           path, type_where, type_key, type);
+    } else if (fam->style == FAM_GENERIC && has_top_orig) {
+        orig_from_top = 1;
+    }
+
+    p->type = -1;
+    for (int i = 0; i < (int)(sizeof type_names / sizeof type_names[0]); i++)
+        if (!strcmp(type, type_names[i])) p->type = i;
+    if (p->type < 0)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s \"%s\" is not supported (supported: " ROPE_TYPES ")", path,
+                       type_where, type_key, type);
+
+    if (fam->head_dim_none && (p->type == ROPE_DYNAMIC || p->type == ROPE_YARN || p->type == ROPE_LONGROPE)) {
+        const cJSON *hd = cJSON_GetObjectItemCaseSensitive(root, "head_dim");
+        if (!hd || cJSON_IsNull(hd))
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: %s RoPE reads config.head_dim, which %s leaves null without a \"head_dim\" key "
+                           "(transformers 5.24 fails on it); give head_dim",
+                           path, type, fam->model_type);
+    }
+
+    /* required keys (_validate_<type>_rope_parameters) */
+    switch (p->type) {
+    case ROPE_LINEAR:
+    case ROPE_DYNAMIC:
+    case ROPE_YARN:
+        if ((rc = rd_require(&r, "factor", type))) return rc;
+        break;
+    case ROPE_LLAMA3:
+        if ((rc = rd_require(&r, "factor", type)) || (rc = rd_require(&r, "low_freq_factor", type)) ||
+            (rc = rd_require(&r, "high_freq_factor", type)))
+            return rc;
+        break;
+    case ROPE_LONGROPE:
+        if ((rc = rd_require(&r, "short_factor", type)) || (rc = rd_require(&r, "long_factor", type))) return rc;
+        break;
+    }
+
+    /* rope_theta: the dict's, else the top-level one (Gemma3 sliding: rope_local_base_freq), else the default */
+    if ((rc = rd_num(&r, "rope_theta", 0, &found, &p->theta))) return rc;
+    if (found) {
+        if ((rc = rd_positive(&r, "rope_theta", p->theta))) return rc;
+    } else {
+        int local = fam->style == FAM_GEMMA3 && !strcmp(layer_type, "sliding_attention");
+        const char *theta_key = local ? "rope_local_base_freq" : "rope_theta";
+        p->theta = local ? fam->theta_local : fam->theta;
+        if ((rc = top_num(root, theta_key, 0, &found, &v, path, e))) return rc;
+        if (found) {
+            if (!(v > 0) || !isfinite(v))
+                return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be positive, got %g", path, theta_key, v);
+            p->theta = v;
+        }
+    }
+
+    /* partial_rotary_factor: the dict's, else the top-level one (null: absent), else 1 */
+    p->partial_rotary_factor = 1.0;
+    if (p->type != ROPE_DEFAULT || fam->style == FAM_PHI3) {
+        const char *pwhere = "";
+        if ((rc = rd_num(&r, "partial_rotary_factor", 0, &found, &p->partial_rotary_factor))) return rc;
+        if (found) {
+            rd_get(&r, "partial_rotary_factor", &pwhere);
+        } else {
+            if ((rc = top_num(root, "partial_rotary_factor", 1, &found, &v, path, e))) return rc;
+            if (found) p->partial_rotary_factor = v;
+        }
+        if (!(p->partial_rotary_factor > 0 && p->partial_rotary_factor <= 1))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s%spartial_rotary_factor must be in (0, 1], got %g", path, pwhere,
+                           *pwhere ? "." : "", p->partial_rotary_factor);
+    }
+    int dim = rope_rotary_dim(p, head_dim);
+    if (dim < 2 || dim % 2)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: the rotary dimension int(head_dim %d * partial_rotary_factor %g) = %d must be even and "
+                       "at least 2",
+                       path, head_dim, p->partial_rotary_factor, dim);
+    if (dim / 2 > ROPE_MAX_HALF)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: rotary dimension %d is over %d", path, dim, 2 * ROPE_MAX_HALF);
+    if (p->type == ROPE_DYNAMIC && dim == 2)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: dynamic RoPE needs a rotary dimension above 2 (it divides by dim - 2)",
+                       path);
+
+    /* original_max_position_embeddings */
+    p->original_max_pos = p->max_pos;
+    if (p->type == ROPE_YARN || p->type == ROPE_LLAMA3 || p->type == ROPE_LONGROPE) {
+        if (orig_from_top) {
+            p->original_max_pos = top_orig;
+        } else {
+            if ((rc = rd_num(&r, "original_max_position_embeddings", 0, &found, &v))) return rc;
+            if (found && !as_int(v, &p->original_max_pos)) {
+                const char *where = "";
+                rd_get(&r, "original_max_position_embeddings", &where);
+                return ct_fail(e, CT_ERR_CONFIG, "%s: %s.original_max_position_embeddings must be a positive integer",
+                               path, where);
+            }
+        }
+    }
+
+    /* factor: required for linear, dynamic, llama3; yarn's may be null and
+     * longrope's absent, both then max_position_embeddings / original */
+    p->factor = 1.0;
+    if (p->type != ROPE_DEFAULT) {
+        int null_ok = p->type == ROPE_YARN || p->type == ROPE_LONGROPE;
+        if ((rc = rd_num(&r, "factor", null_ok, &found, &p->factor))) return rc;
+        if (found) {
+            if ((rc = rd_positive(&r, "factor", p->factor))) return rc;
+        } else if (null_ok) {
+            p->factor = (double)p->max_pos / p->original_max_pos;
+        }
+    }
+
+    if (p->type == ROPE_YARN || p->type == ROPE_LONGROPE) {
+        if ((rc = rd_num(&r, "attention_factor", 1, &p->has_attention_factor, &p->attention_factor))) return rc;
+        if (p->has_attention_factor && (rc = rd_positive(&r, "attention_factor", p->attention_factor))) return rc;
+    }
+    if (p->type == ROPE_YARN) {
+        /* `get("beta_fast") or 32`: absent, null and 0 all mean the default */
+        p->beta_fast = 32, p->beta_slow = 1;
+        if ((rc = rd_num(&r, "beta_fast", 1, &found, &v))) return rc;
+        if (found && v != 0) p->beta_fast = v;
+        if ((rc = rd_num(&r, "beta_slow", 1, &found, &v))) return rc;
+        if (found && v != 0) p->beta_slow = v;
+        if ((rc = rd_positive(&r, "beta_fast", p->beta_fast)) || (rc = rd_positive(&r, "beta_slow", p->beta_slow)))
+            return rc;
+        if ((rc = rd_num(&r, "mscale", 1, &found, &p->mscale)) || (rc = rd_num(&r, "mscale_all_dim", 1, &found,
+                                                                                &p->mscale_all_dim)))
+            return rc;
+        p->truncate = 1;
+        const char *where = "";
+        const cJSON *tr = rd_get(&r, "truncate", &where);
+        if (tr && fam->style != FAM_GEMMA3) {
+            if (cJSON_IsNull(tr))
+                p->truncate = 0; /* `if truncate:` with None */
+            else if (cJSON_IsBool(tr))
+                p->truncate = cJSON_IsTrue(tr);
+            else
+                return ct_fail(e, CT_ERR_CONFIG, "%s: %s.truncate must be true or false", path, where);
+        }
+        if (p->theta == 1.0) return ct_fail(e, CT_ERR_CONFIG, "%s: yarn divides by log(rope_theta): it cannot be 1", path);
+    }
+    if (p->type == ROPE_LLAMA3) {
+        if ((rc = rd_num(&r, "low_freq_factor", 0, &found, &p->low_freq_factor)) ||
+            (rc = rd_num(&r, "high_freq_factor", 0, &found, &p->high_freq_factor)))
+            return rc;
+        if ((rc = rd_positive(&r, "low_freq_factor", p->low_freq_factor)) ||
+            (rc = rd_positive(&r, "high_freq_factor", p->high_freq_factor)))
+            return rc;
+        if (p->high_freq_factor == p->low_freq_factor)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: %s.high_freq_factor equals low_freq_factor (%g): llama3 RoPE divides by their difference",
+                           path, dname, p->low_freq_factor);
+    }
+    if (p->type == ROPE_LONGROPE) {
+        p->n_factors = dim / 2;
+        if ((rc = read_factors(&r, "short_factor", p->n_factors, p->short_factor)) ||
+            (rc = read_factors(&r, "long_factor", p->n_factors, p->long_factor)))
+            return rc;
+    }
+
+    /* Whatever got through must give finite, positive frequencies at both lengths that matter. */
+    double inv[ROPE_MAX_HALF], att;
+    int lens[2] = {1, (p->max_pos > p->original_max_pos ? p->max_pos : p->original_max_pos) + 1};
+    for (int k = 0; k < 2; k++) {
+        rope_inv_freq(p, head_dim, lens[k], inv, &att);
+        int ok = att > 0 && isfinite(att);
+        for (int i = 0; i < dim / 2 && ok; i++) ok = inv[i] > 0 && isfinite(inv[i]);
+        if (!ok)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: %s RoPE of %s gives non-finite or non-positive frequencies (rope_theta %g, factor %g)",
+                           path, type, dname, p->theta, p->factor);
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- frequencies */
+
+/* transformers' get_mscale (YaRN) */
+static double yarn_mscale(double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * log(scale) + 1.0; }
+
+/* find_correction_dim: the dimension at which `rotations` turns fit in the original length */
+static double yarn_dim(double rotations, int dim, double base, int orig) {
+    return (dim * log(orig / (rotations * 2 * M_PI))) / (2 * log(base));
+}
+
+void rope_inv_freq(const rope_params *p, int head_dim, int seq_len, double *inv_freq, double *attn_scale) {
+    int dim = rope_rotary_dim(p, head_dim), half = dim / 2;
+    float fdim = (float)dim;
+    double attn = 1.0;
+    switch (p->type) {
+    case ROPE_DEFAULT:
+    case ROPE_LINEAR: {
+        /* 1.0 / (base ** (arange(0, dim, 2).float() / dim)), then /= factor */
+        float b = (float)p->theta, f = (float)p->factor;
+        for (int i = 0; i < half; i++) {
+            float x = 1.0f / powf(b, (float)(2 * i) / fdim);
+            if (p->type == ROPE_LINEAR) x = x / f;
+            inv_freq[i] = x;
+        }
+        break;
+    }
+    case ROPE_DYNAMIC: {
+        /* base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2)), seq_len
+         * at least max_pos: a Python int at init (double arithmetic), the tensor
+         * max(position_ids) + 1 once a forward outgrows max_pos (float32 arithmetic) */
+        float b;
+        double ex = (double)dim / (dim - 2);
+        if (seq_len > p->max_pos) {
+            float a = (float)p->factor * (float)seq_len;
+            a = a / (float)p->max_pos;
+            a = a - (float)(p->factor - 1.0);
+            b = (float)p->theta * powf(a, (float)ex);
+        } else {
+            double s = p->max_pos;
+            b = (float)(p->theta * pow(p->factor * s / p->max_pos - (p->factor - 1.0), ex));
+        }
+        for (int i = 0; i < half; i++) inv_freq[i] = 1.0f / powf(b, (float)(2 * i) / fdim);
+        break;
+    }
+    case ROPE_YARN: {
+        float b = (float)p->theta, f = (float)p->factor;
+        double lo = yarn_dim(p->beta_fast, dim, p->theta, p->original_max_pos);
+        double hi = yarn_dim(p->beta_slow, dim, p->theta, p->original_max_pos);
+        if (p->truncate) lo = floor(lo), hi = ceil(hi);
+        if (lo < 0) lo = 0;
+        if (hi > dim - 1) hi = dim - 1;
+        if (lo == hi) hi += 0.001; /* linear_ramp_factor's guard */
+        float flo = (float)lo, span = (float)(hi - lo);
+        for (int i = 0; i < half; i++) {
+            float pos = powf(b, (float)(2 * i) / fdim);
+            float extra = 1.0f / pos, inter = 1.0f / (f * pos);
+            float ramp = ((float)i - flo) / span;
+            ramp = ramp < 0 ? 0 : (ramp > 1 ? 1 : ramp);
+            float ef = 1.0f - ramp; /* inv_freq_extrapolation_factor */
+            float a = inter * (1.0f - ef), c = extra * ef;
+            inv_freq[i] = a + c;
+        }
+        if (p->has_attention_factor)
+            attn = p->attention_factor;
+        else if (p->mscale != 0 && p->mscale_all_dim != 0)
+            attn = yarn_mscale(p->factor, p->mscale) / yarn_mscale(p->factor, p->mscale_all_dim);
+        else
+            attn = yarn_mscale(p->factor, 1.0);
+        break;
+    }
+    case ROPE_LLAMA3: {
+        float b = (float)p->theta, f = (float)p->factor;
+        double low_wl = p->original_max_pos / p->low_freq_factor, high_wl = p->original_max_pos / p->high_freq_factor;
+        float flow_wl = (float)low_wl, fhigh_wl = (float)high_wl; /* compared in float32 with the float32 tensor */
+        float two_pi = (float)(2 * M_PI), forig = (float)p->original_max_pos, flow = (float)p->low_freq_factor;
+        float fspan = (float)(p->high_freq_factor - p->low_freq_factor);
+        for (int i = 0; i < half; i++) {
+            float x = 1.0f / powf(b, (float)(2 * i) / fdim);
+            float wl = two_pi / x;
+            float xl = wl > flow_wl ? x / f : x;
+            float s = (forig / wl - flow) / fspan;
+            float a = (1.0f - s) * xl, sm = a / f, c = s * xl;
+            sm = sm + c;
+            int medium = !(wl < fhigh_wl) && !(wl > flow_wl);
+            inv_freq[i] = medium ? sm : xl;
+        }
+        break;
+    }
+    case ROPE_LONGROPE: {
+        float b = (float)p->theta;
+        const double *ext = seq_len > p->original_max_pos ? p->long_factor : p->short_factor;
+        for (int i = 0; i < half; i++) {
+            float x = (float)ext[i] * powf(b, (float)(2 * i) / fdim);
+            inv_freq[i] = 1.0f / x;
+        }
+        if (p->has_attention_factor)
+            attn = p->attention_factor;
+        else
+            attn = p->factor <= 1.0 ? 1.0 : sqrt(1 + log(p->factor) / log((double)p->original_max_pos));
+        break;
+    }
+    }
+    *attn_scale = attn;
+}
+
+void rope_tables(float *cos, float *sin, int T, int half, const double *inv_freq, double attn_scale) {
+    float s = (float)attn_scale; /* `emb.cos() * attention_scaling`, a float32 multiply */
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < half; i++) {
+            float angle = (float)t * (float)inv_freq[i];
+            float c = cosf(angle), sn = sinf(angle);
+            if (attn_scale != 1.0) c *= s, sn *= s;
+            cos[(size_t)t * half + i] = c;
+            sin[(size_t)t * half + i] = sn;
+        }
+    }
+}
