@@ -48,7 +48,7 @@ static size_t gen_layout(gen_state *g, float *base) {
     g->rope_cos = gen_carve(base, &used, T * hd / 2);
     g->rope_sin = gen_carve(base, &used, T * hd / 2);
     g->rope_cos_l = g->rope_cos, g->rope_sin_l = g->rope_sin;
-    if (c->rope_theta_local > 0 && c->rope_theta_local != c->rope_theta) {
+    if (lm_rope_local_differs(c)) {
         g->rope_cos_l = gen_carve(base, &used, T * hd / 2);
         g->rope_sin_l = gen_carve(base, &used, T * hd / 2);
     }
@@ -91,9 +91,9 @@ int gen_init(gen_state *g, const lm_model *m, int max_len, ct_err *e) {
     g->mem = ct_malloc(n * sizeof(float));
     gen_layout(g, g->mem);
     /* absolute positions 0 .. max_len-1, the same fp32 recipe as training */
-    op_rope_tables(g->rope_cos, g->rope_sin, max_len, m->cfg.head_dim, (float)m->cfg.rope_theta);
-    if (g->rope_cos_l != g->rope_cos)
-        op_rope_tables(g->rope_cos_l, g->rope_sin_l, max_len, m->cfg.head_dim, (float)m->cfg.rope_theta_local);
+    /* absolute positions 0 .. max_len-1 (length-dependent RoPE: per chunk, gen_forward_chunk) */
+    lm_rope_tables(&m->cfg, 0, max_len, 0, max_len, g->rope_cos, g->rope_sin);
+    if (g->rope_cos_l != g->rope_cos) lm_rope_tables(&m->cfg, 1, max_len, 0, max_len, g->rope_cos_l, g->rope_sin_l);
     return 0;
 }
 
@@ -270,6 +270,11 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     float eps = (float)c->rms_eps;
     int p0 = g->pos;
+    if (lm_rope_by_length(c)) { /* as transformers' forward of positions 0 .. p0+n-1 resolves them */
+        lm_rope_tables(c, 0, p0 + n, p0, n, g->rope_cos + (size_t)p0 * half, g->rope_sin + (size_t)p0 * half);
+        if (g->rope_cos_l != g->rope_cos)
+            lm_rope_tables(c, 1, p0 + n, p0, n, g->rope_cos_l + (size_t)p0 * half, g->rope_sin_l + (size_t)p0 * half);
+    }
 
     g->m->k.embedding_fwd(g->x, tokens, m->w.wte, n, H);
     if (c->embed_scaled) {

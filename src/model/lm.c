@@ -366,7 +366,7 @@ static void plan_activations(lm_model *m, carver *cv, const int *ac) {
     m->rope_cos = carve(cv, (size_t)m->T * hd / 2);
     m->rope_sin = carve(cv, (size_t)m->T * hd / 2);
     m->rope_cos_l = m->rope_cos, m->rope_sin_l = m->rope_sin;
-    if (c->rope_theta_local > 0 && c->rope_theta_local != c->rope_theta) {
+    if (lm_rope_local_differs(c)) {
         m->rope_cos_l = carve(cv, (size_t)m->T * hd / 2);
         m->rope_sin_l = carve(cv, (size_t)m->T * hd / 2);
     }
@@ -445,6 +445,53 @@ static int plan_model(lm_model *m, const lm_config *c, int B, int T, const char 
     return 0;
 }
 
+/* ------------------------------------------------------------------ RoPE */
+
+static rope_params rope_default(const lm_config *c) {
+    rope_params p;
+    memset(&p, 0, sizeof p);
+    p.type = ROPE_DEFAULT;
+    p.theta = c->rope_theta;
+    p.partial_rotary_factor = 1.0;
+    return p;
+}
+
+int lm_rope_by_length(const lm_config *c) {
+    return c->has_rope && (c->rope.type == ROPE_DYNAMIC || c->rope.type == ROPE_LONGROPE ||
+                           c->rope_local.type == ROPE_DYNAMIC || c->rope_local.type == ROPE_LONGROPE);
+}
+
+int lm_rope_local_differs(const lm_config *c) {
+    return c->has_rope && memcmp(&c->rope, &c->rope_local, sizeof c->rope) != 0;
+}
+
+void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T, float *cos, float *sin) {
+    int half = c->head_dim / 2;
+    if (!c->has_rope) { /* the fp32 recipe ctitan always had: equal to rope_tables' bit for bit */
+        if (p0 == 0) {
+            op_rope_tables(cos, sin, T, c->head_dim, (float)c->rope_theta);
+            return;
+        }
+    }
+    rope_params p = !c->has_rope ? rope_default(c) : sliding ? c->rope_local : c->rope;
+    double inv[ROPE_MAX_HALF], scale = 1.0;
+    rope_inv_freq(&p, c->head_dim, seq_len, inv, &scale);
+    /* positions p0 .. p0+T-1 are the last T rows of a table of p0+T rows */
+    float *cb = ct_malloc((size_t)(p0 + T) * half * sizeof(float)), *sb = ct_malloc((size_t)(p0 + T) * half * sizeof(float));
+    rope_tables(cb, sb, p0 + T, half, inv, scale);
+    memcpy(cos, cb + (size_t)p0 * half, (size_t)T * half * sizeof(float));
+    memcpy(sin, sb + (size_t)p0 * half, (size_t)T * half * sizeof(float));
+    free(cb);
+    free(sb);
+}
+
+/* The model's tables for a forward of T positions. */
+static void rope_build(lm_model *m, int T) {
+    lm_rope_tables(&m->cfg, 0, T, 0, T, m->rope_cos, m->rope_sin);
+    if (m->rope_cos_l != m->rope_cos) lm_rope_tables(&m->cfg, 1, T, 0, T, m->rope_cos_l, m->rope_sin_l);
+    m->rope_T = T;
+}
+
 int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_mode,
                     const char *ac_option, ct_err *e) {
     int *ac;
@@ -478,9 +525,7 @@ int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_m
     m->moe_bias = ct_calloc((size_t)c->n_layers * c->n_experts + 1, sizeof(float));
     m->moe_tokens = ct_calloc((size_t)c->n_layers * c->n_experts + 1, sizeof(double));
     for (int l = 0; l < c->n_layers; l++) m->moe_load_min[l] = m->moe_load_max[l] = -1;
-    op_rope_tables(m->rope_cos, m->rope_sin, T, c->head_dim, (float)c->rope_theta);
-    if (m->rope_cos_l != m->rope_cos)
-        op_rope_tables(m->rope_cos_l, m->rope_sin_l, T, c->head_dim, (float)c->rope_theta_local);
+    rope_build(m, T);
     return 0;
 }
 
@@ -1020,6 +1065,7 @@ static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
     m->tokens = tokens;
     m->fwd_B = B;
     m->fwd_T = T;
+    if (lm_rope_by_length(c) && m->rope_T != T) rope_build(m, T); /* transformers' dynamic_rope_update */
 
     float *x0 = c->n_layers ? m->acts[0].res : m->res_out; /* [BT, H] */
     const lm_tensor *te = &m->tensors[0];

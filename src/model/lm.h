@@ -20,6 +20,7 @@
 #include "core/err.h"
 #include "kernels/registry.h"
 #include "model/moe.h"
+#include "model/rope.h"
 
 #define LM_MAX_MLP_ONLY 256
 #define LM_MAX_LAYERS 1024
@@ -67,7 +68,10 @@ typedef struct {
     double final_softcap;  /* > 0: logits = cap tanh(logits / cap) */
     int sliding_window;    /* keys a sliding layer's query sees, itself included */
     unsigned char layer_sliding[LM_MAX_LAYERS]; /* 1: layer l uses the window and the local RoPE */
-    double rope_theta_local; /* sliding layers' RoPE base (Gemma3); 0: rope_theta */
+    int has_rope;          /* rope / rope_local hold config.json's resolved RoPE (model/rope.h);
+                              0: default RoPE with rope_theta (flavors, configs built field by field) */
+    rope_params rope;      /* full-attention layers */
+    rope_params rope_local; /* sliding layers (Gemma3's own base; a copy of rope elsewhere) */
     int has_pad, pad_token; /* pad_token_id: nn.Embedding's padding_idx, whose row gets no gradient
                                from the lookup (OLMo2, Phi3 and Gemma3 set one by default) */
     /* Mixture of experts (HF model_type qwen3_moe; model/moe.h). n_experts == 0:
@@ -111,6 +115,16 @@ enum { LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_O, LM_LORA_GATE, LM_LORA_UP, LM_
        LM_LORA_N };
 /* Whether layer l has adapters on projection p. */
 int lm_lora_on(const lm_config *c, int l, int p);
+
+/* RoPE cos/sin tables [T, hd/2] of full (sliding = 0) or sliding layers for
+ * a forward over positions 0 .. seq_len-1, rows p0 .. p0+T-1 (T <= seq_len - p0),
+ * as transformers' rotary embedding computes them for that forward
+ * (dynamic and longrope depend on seq_len). */
+void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T, float *cos, float *sin);
+/* Whether the tables depend on the forward's length (dynamic, longrope). */
+int lm_rope_by_length(const lm_config *c);
+/* Whether sliding layers have RoPE tables of their own. */
+int lm_rope_local_differs(const lm_config *c);
 
 /* Whether layer l has the sparse MoE block (0 for every layer of a dense model). */
 int lm_layer_is_moe(const lm_config *c, int l);
@@ -287,6 +301,7 @@ typedef struct {
     float *lnf_rstd;        /* [BT] */
     float *rope_cos, *rope_sin; /* [T, hd/2] */
     float *rope_cos_l, *rope_sin_l; /* [T, hd/2] the sliding layers' (== rope_cos/sin when they share) */
+    int rope_T;             /* the forward length the tables were built for (lm_rope_by_length) */
     float *norm_w;          /* [max(H, nH*hd)] 1 + w of a Gemma norm while a kernel reads it */
     float *cap_t;           /* [logit_rows, V] tanh(logits / final_softcap) of the block in flight */
     int logit_rows;         /* rows of logits materialised at once */

@@ -204,7 +204,7 @@ typedef struct {
     int has_attn_bias, has_mlp_bias;
     int kv_default;     /* num_key_value_heads when absent; 0: num_attention_heads */
     int hd_default;     /* head_dim when absent; 0: hidden_size / num_attention_heads */
-    double eps, theta, theta_local;
+    double eps;
     int tied;
     int max_pos;
     int pad;            /* pad_token_id when absent (-1: None) */
@@ -215,24 +215,24 @@ typedef struct {
 } lm_family;
 
 static const lm_family families[] = {
-    {"qwen3", "Qwen3ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_HEAD, 0, 0, 0, 1, 0, 0, 128, 1e-6, 1e4, 0, 0, 32768, -1,
+    {"qwen3", "Qwen3ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_HEAD, 0, 0, 0, 1, 0, 0, 128, 1e-6, 0, 32768, -1,
      WIN_TYPES, 4096, "use_sliding_window", "hidden_act"},
-    {"qwen3_moe", "Qwen3MoeForCausalLM", 1 + LM_MOE_KEYS_QWEN, LM_NORM_PRE, 0, LM_QK_HEAD, 0, 0, 0, 1, 0, 4, 0, 1e-6,
-     1e4, 0, 0, 32768, -1, WIN_ALL, 4096, "use_sliding_window", "hidden_act"},
-    {"llama", "LlamaForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 1, 1, 0, 0, 1e-6, 1e4, 0, 0, 2048, -1,
-     WIN_NONE, 0, NULL, "hidden_act"},
-    {"mistral", "MistralForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 0, 0, 8, 0, 1e-6, 1e4, 0, 0, 131072, -1,
-     WIN_ALL, 4096, NULL, "hidden_act"},
-    {"qwen2", "Qwen2ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 1, 0, 0, 32, 0, 1e-6, 1e4, 0, 0, 32768, -1,
-     WIN_TYPES, 4096, "use_sliding_window", "hidden_act"},
-    {"mixtral", "MixtralForCausalLM", 1 + LM_MOE_KEYS_MIXTRAL, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 0, 0, 8, 0, 1e-5,
-     1e6, 0, 0, 131072, -1, WIN_ALL, 0, NULL, "hidden_act"},
-    {"olmo2", "Olmo2ForCausalLM", 0, LM_NORM_POST, 0, LM_QK_PROJ, 0, 0, 0, 1, 0, 0, 0, 1e-5, 1e4, 0, 0, 2048, 1,
-     WIN_NONE, 0, NULL, "hidden_act"},
-    {"phi3", "Phi3ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 1, 0, 0, 0, 0, 0, 0, 1e-5, 1e4, 0, 0, 4096, 32000, WIN_ALL,
+    {"qwen3_moe", "Qwen3MoeForCausalLM", 1 + LM_MOE_KEYS_QWEN, LM_NORM_PRE, 0, LM_QK_HEAD, 0, 0, 0, 1, 0, 4, 0,
+     1e-6, 0, 32768, -1, WIN_ALL, 4096, "use_sliding_window", "hidden_act"},
+    {"llama", "LlamaForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 1, 1, 0, 0, 1e-6, 0, 2048, -1, WIN_NONE,
      0, NULL, "hidden_act"},
-    {"gemma3_text", "Gemma3ForCausalLM", 0, LM_NORM_SANDWICH, 1, LM_QK_HEAD, 0, 1, 0, 1, 0, 4, 256, 1e-6, 1e6, 1e4,
-     1, 131072, 0, WIN_GEMMA, 4096, NULL, "hidden_activation"},
+    {"mistral", "MistralForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 0, 0, 8, 0, 1e-6, 0, 131072, -1,
+     WIN_ALL, 4096, NULL, "hidden_act"},
+    {"qwen2", "Qwen2ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 1, 0, 0, 32, 0, 1e-6, 0, 32768, -1,
+     WIN_TYPES, 4096, "use_sliding_window", "hidden_act"},
+    {"mixtral", "MixtralForCausalLM", 1 + LM_MOE_KEYS_MIXTRAL, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 0, 0, 8, 0,
+     1e-5, 0, 131072, -1, WIN_ALL, 0, NULL, "hidden_act"},
+    {"olmo2", "Olmo2ForCausalLM", 0, LM_NORM_POST, 0, LM_QK_PROJ, 0, 0, 0, 1, 0, 0, 0, 1e-5, 0, 2048, 1, WIN_NONE,
+     0, NULL, "hidden_act"},
+    {"phi3", "Phi3ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 1, 0, 0, 0, 0, 0, 0, 1e-5, 0, 4096, 32000, WIN_ALL,
+     0, NULL, "hidden_act"},
+    {"gemma3_text", "Gemma3ForCausalLM", 0, LM_NORM_SANDWICH, 1, LM_QK_HEAD, 0, 1, 0, 1, 0, 4, 256, 1e-6, 1,
+     131072, 0, WIN_GEMMA, 4096, NULL, "hidden_activation"},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -316,42 +316,54 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
     return 0;
 }
 
-/* RoPE: theta (and the sliding layers' own, Gemma3) from rope_parameters
- * (transformers 5), else the legacy rope_theta / rope_local_base_freq. Only
- * rope_type "default" so far. */
-static int read_rope_type(const cJSON *rp, const char *what, const char *path, ct_err *e) {
-    const cJSON *rt = cJSON_GetObjectItemCaseSensitive(rp, "rope_type");
-    if (!rt) rt = cJSON_GetObjectItemCaseSensitive(rp, "type");
-    if (rt && !(cJSON_IsString(rt) && strcmp(rt->valuestring, "default") == 0))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.rope_type \"%s\" is not supported (supported: default)", path, what,
-                       cJSON_IsString(rt) ? rt->valuestring : "?");
+/* RoPE of the full-attention and the sliding layers (model/rope.h resolves
+ * rope_parameters, the legacy keys and transformers' precedence). */
+static int read_rope(lm_config *c, const lm_family *f, const cJSON *root, const char *path, ct_err *e) {
+    int rc, gemma = f->win == WIN_GEMMA;
+    if ((rc = rope_params_from_hf(&c->rope, root, gemma ? "full_attention" : NULL, c->head_dim, path, e))) return rc;
+    c->rope_local = c->rope;
+    if (gemma && (rc = rope_params_from_hf(&c->rope_local, root, "sliding_attention", c->head_dim, path, e)))
+        return rc;
+    const rope_params *ps[2] = {&c->rope, &c->rope_local};
+    for (int i = 0; i < 2; i++)
+        if (rope_rotary_dim(ps[i], c->head_dim) != c->head_dim)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: \"partial_rotary_factor\" = %g rotates %d of head_dim %d: partial RoPE is not supported",
+                           path, ps[i]->partial_rotary_factor, rope_rotary_dim(ps[i], c->head_dim), c->head_dim);
+    c->has_rope = 1;
+    c->rope_theta = c->rope.theta;
     return 0;
 }
-static int read_rope(lm_config *c, const lm_family *f, const cJSON *root, const char *path, ct_err *e) {
-    int rc;
-    c->rope_theta = f->theta;
-    c->rope_theta_local = f->theta_local;
-    if ((rc = json_float(root, "rope_theta", &c->rope_theta, path, e))) return rc;
-    if ((rc = json_float(root, "rope_local_base_freq", &c->rope_theta_local, path, e))) return rc;
-    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
-    if (rs && !cJSON_IsNull(rs)) {
-        if (!cJSON_IsObject(rs)) return ct_fail(e, CT_ERR_CONFIG, "%s: \"rope_scaling\" must be an object", path);
-        if ((rc = read_rope_type(rs, "rope_scaling", path, e))) return rc;
+
+/* rope_parameters as transformers 5 writes them, for one layer type. */
+static void add_float(cJSON *o, const char *key, double v);
+static void write_rope(cJSON *o, const rope_params *p) {
+    cJSON_AddStringToObject(o, "rope_type", rope_type_name(p->type));
+    add_float(o, "rope_theta", p->theta);
+    if (p->type == ROPE_DEFAULT) return;
+    if (p->type != ROPE_LONGROPE) add_float(o, "factor", p->factor);
+    if (p->type == ROPE_YARN || p->type == ROPE_LLAMA3 || p->type == ROPE_LONGROPE)
+        cJSON_AddNumberToObject(o, "original_max_position_embeddings", p->original_max_pos);
+    if (p->has_attention_factor) add_float(o, "attention_factor", p->attention_factor);
+    if (p->type == ROPE_YARN) {
+        /* what transformers assumes when a key is absent is left out, as a published file has it */
+        if (p->beta_fast != 32) add_float(o, "beta_fast", p->beta_fast);
+        if (p->beta_slow != 1) add_float(o, "beta_slow", p->beta_slow);
+        if (p->mscale != 0) add_float(o, "mscale", p->mscale);
+        if (p->mscale_all_dim != 0) add_float(o, "mscale_all_dim", p->mscale_all_dim);
+        if (!p->truncate) cJSON_AddBoolToObject(o, "truncate", 0);
     }
-    const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
-    if (!rp || cJSON_IsNull(rp)) return 0;
-    if (!cJSON_IsObject(rp)) return ct_fail(e, CT_ERR_CONFIG, "%s: \"rope_parameters\" must be an object", path);
-    const cJSON *full = cJSON_GetObjectItemCaseSensitive(rp, "full_attention");
-    const cJSON *slid = cJSON_GetObjectItemCaseSensitive(rp, "sliding_attention");
-    if (full || slid) { /* per layer type (Gemma3) */
-        if (full && (rc = read_rope_type(full, "rope_parameters.full_attention", path, e))) return rc;
-        if (slid && (rc = read_rope_type(slid, "rope_parameters.sliding_attention", path, e))) return rc;
-        if (full && (rc = json_float(full, "rope_theta", &c->rope_theta, path, e))) return rc;
-        if (slid && (rc = json_float(slid, "rope_theta", &c->rope_theta_local, path, e))) return rc;
-        return 0;
+    if (p->type == ROPE_LLAMA3) {
+        add_float(o, "low_freq_factor", p->low_freq_factor);
+        add_float(o, "high_freq_factor", p->high_freq_factor);
     }
-    if ((rc = read_rope_type(rp, "rope_parameters", path, e))) return rc;
-    return json_float(rp, "rope_theta", &c->rope_theta, path, e);
+    if (p->type == ROPE_LONGROPE) {
+        cJSON *sf = cJSON_AddArrayToObject(o, "short_factor"), *lf = cJSON_AddArrayToObject(o, "long_factor");
+        for (int i = 0; i < p->n_factors; i++) {
+            cJSON_AddItemToArray(sf, cJSON_CreateNumber(p->short_factor[i]));
+            cJSON_AddItemToArray(lf, cJSON_CreateNumber(p->long_factor[i]));
+        }
+    }
 }
 
 int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
@@ -466,7 +478,9 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         }
         c->attn_scale = 1.0 / sqrt(qs);
         if ((rc = json_float(root, "final_logit_softcapping", &c->final_softcap, path, e)) ||
-            (rc = json_float(root, "attn_logit_softcapping", &c->attn_softcap, path, e)) ||
+            /* attn_logit_softcapping: Gemma3Attention (transformers 5.24) keeps it but never
+             * hands it to the attention function, so it changes nothing there: nor here */
+
             (rc = refuse_nonzero(root, "use_bidirectional_attention", "ctitan trains causal attention", path, e)))
             goto done;
     } else if ((rc = refuse_nonzero(root, "final_logit_softcapping", "not part of this family", path, e)) ||
@@ -519,19 +533,25 @@ int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_n
     cJSON_AddStringToObject(o, f->act_key, c->act == LM_ACT_GELU_TANH ? "gelu_pytorch_tanh" : "silu");
     cJSON_AddNumberToObject(o, "max_position_embeddings", c->max_pos);
     add_float(o, "rms_norm_eps", c->rms_eps);
-    double local = c->rope_theta_local > 0 ? c->rope_theta_local : c->rope_theta;
+    rope_params rg, rl;
+    if (c->has_rope) {
+        rg = c->rope;
+        rl = c->rope_local;
+    } else { /* flavors: default RoPE, sliding layers alike */
+        memset(&rg, 0, sizeof rg);
+        rg.type = ROPE_DEFAULT;
+        rg.theta = c->rope_theta;
+        rl = rg;
+    }
     cJSON *rp = cJSON_AddObjectToObject(o, "rope_parameters");
     if (f->win == WIN_GEMMA) {
-        cJSON *g = cJSON_AddObjectToObject(rp, "full_attention"), *s = cJSON_AddObjectToObject(rp, "sliding_attention");
-        cJSON_AddStringToObject(g, "rope_type", "default");
-        add_float(g, "rope_theta", c->rope_theta);
-        cJSON_AddStringToObject(s, "rope_type", "default");
-        add_float(s, "rope_theta", local);
+        write_rope(cJSON_AddObjectToObject(rp, "full_attention"), &rg);
+        write_rope(cJSON_AddObjectToObject(rp, "sliding_attention"), &rl);
     } else {
-        add_float(o, "rope_theta", c->rope_theta);
-        cJSON_AddStringToObject(rp, "rope_type", "default");
-        add_float(rp, "rope_theta", c->rope_theta);
+        write_rope(rp, &rg);
     }
+    if (strcmp(f->type, "phi3") == 0 && rg.original_max_pos > 0) /* a Phi3Config attribute of its own */
+        cJSON_AddNumberToObject(o, "original_max_position_embeddings", rg.original_max_pos);
     cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
     if (c->has_pad) cJSON_AddNumberToObject(o, "pad_token_id", c->pad_token);
     else cJSON_AddNullToObject(o, "pad_token_id");
