@@ -65,6 +65,8 @@ typedef struct {
     int embed_scaled;      /* the embedding output is multiplied by sqrt(H) (Gemma) */
     double attn_scale;     /* scores scale; 0: head_dim^-0.5 */
     double attn_softcap;   /* > 0: scores = cap tanh(scores / cap) */
+    double attn_softcap_unused; /* Gemma3's attn_logit_softcapping, which transformers reads and never
+                                   applies: only written back to config.json */
     double final_softcap;  /* > 0: logits = cap tanh(logits / cap) */
     int sliding_window;    /* keys a sliding layer's query sees, itself included */
     unsigned char layer_sliding[LM_MAX_LAYERS]; /* 1: layer l uses the window and the local RoPE */

@@ -477,10 +477,11 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
             goto done;
         }
         c->attn_scale = 1.0 / sqrt(qs);
+        /* attn_logit_softcapping: Gemma3Attention (transformers 5.24) keeps it but never
+         * hands it to the attention function, so it changes nothing there, nor here; it
+         * is only carried to the exported config.json */
         if ((rc = json_float(root, "final_logit_softcapping", &c->final_softcap, path, e)) ||
-            /* attn_logit_softcapping: Gemma3Attention (transformers 5.24) keeps it but never
-             * hands it to the attention function, so it changes nothing there: nor here */
-
+            (rc = json_float(root, "attn_logit_softcapping", &c->attn_softcap_unused, path, e)) ||
             (rc = refuse_nonzero(root, "use_bidirectional_attention", "ctitan trains causal attention", path, e)))
             goto done;
     } else if ((rc = refuse_nonzero(root, "final_logit_softcapping", "not part of this family", path, e)) ||
@@ -582,7 +583,8 @@ int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_n
         cJSON_AddNumberToObject(o, "query_pre_attn_scalar", round(1.0 / (sc * sc)));
         if (c->final_softcap > 0) add_float(o, "final_logit_softcapping", c->final_softcap);
         else cJSON_AddNullToObject(o, "final_logit_softcapping");
-        if (c->attn_softcap > 0) add_float(o, "attn_logit_softcapping", c->attn_softcap);
+        double asc = c->attn_softcap > 0 ? c->attn_softcap : c->attn_softcap_unused;
+        if (asc > 0) add_float(o, "attn_logit_softcapping", asc);
         else cJSON_AddNullToObject(o, "attn_logit_softcapping");
     }
     cJSON_AddBoolToObject(o, "use_cache", 1);
