@@ -21,7 +21,7 @@ static void pick_blas_kernels(char **argv) {
 
 static void usage(FILE *out) {
     fprintf(out,
-            "ctitan: train Qwen3 language models in C\n\n"
+            "ctitan: train Qwen3 and other Hugging Face decoder models in C\n\n"
             "usage: ctitan <command> [options]\n\n"
             "commands:\n"
             "  train     train or fine-tune a model (ctitan train --help lists every option)\n"
@@ -31,6 +31,7 @@ static void usage(FILE *out) {
             "  kernels   list, check (against the reference) or benchmark the kernel implementations\n"
             "  export    write a training checkpoint as a Hugging Face model directory\n"
             "  import    turn a Hugging Face model directory into a checkpoint (FOLDER/step-N)\n"
+            "  describe  what ctitan derives from a model's config.json (family, sizes, attention, RoPE)\n"
             "  help      this text\n\n");
 }
 
@@ -51,6 +52,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "kernels")) return cli_kernels(argc - 2, argv + 2);
     if (!strcmp(argv[1], "export")) return cli_export(argc - 2, argv + 2);
     if (!strcmp(argv[1], "import")) return cli_import(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "describe")) return cli_describe(argc - 2, argv + 2);
     fprintf(stderr, "ctitan: error: unknown command \"%s\" (try ctitan --help)\n", argv[1]);
     return 2;
 }

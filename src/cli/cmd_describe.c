@@ -1,0 +1,113 @@
+/* cli/cmd_describe.c: `ctitan describe MODEL_DIR [--seq-len N] [--json]`.
+ *
+ * What ctitan derives from a config.json, without weights and without
+ * allocating a model: the family, the sizes, the parameter count (from the
+ * tensor table the loader would fill), each layer's attention (window,
+ * score scale) and its RoPE (inverse frequencies and the cos/sin multiplier
+ * for a forward of --seq-len positions). Users read it to check that ctitan
+ * understood their checkpoint; the tests compare it with what transformers
+ * derives from the same file (tests/py/test_published_configs.py).
+ *
+ * Exit codes: 2 for a bad option or a config.json ctitan refuses, 1 when the
+ * file cannot be read. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "model/lm.h"
+
+void cli_describe_help(void) {
+    printf("usage: ctitan describe MODEL_DIR [--seq-len N] [--json]\n\n"
+           "Prints what ctitan derives from MODEL_DIR/config.json: the family and sizes, the parameter\n"
+           "count, each layer's attention (sliding window, score scale) and RoPE (inverse frequencies and\n"
+           "attention scaling for a forward of N positions, default 16). --json: one JSON object.\n");
+}
+
+static void print_doubles(const double *x, int n) {
+    for (int i = 0; i < n; i++) printf("%s%.17g", i ? ", " : "", x[i]);
+}
+
+int cli_describe(int argc, char **argv) {
+    const char *dir = NULL;
+    int seq = 16, json = 0;
+    for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            cli_describe_help();
+            return 0;
+        } else if (!strcmp(argv[i], "--json")) {
+            json = 1;
+        } else if (!strcmp(argv[i], "--seq-len") && i + 1 < argc) {
+            char *end;
+            long v = strtol(argv[++i], &end, 10);
+            if (*end || v < 1 || v > 100000000) {
+                fprintf(stderr, "ctitan: error: describe: --seq-len must be a positive integer, got \"%s\"\n", argv[i]);
+                return 2;
+            }
+            seq = (int)v;
+        } else if (argv[i][0] == '-' || dir) {
+            fprintf(stderr, "ctitan: error: describe: unexpected argument \"%s\" (try ctitan describe --help)\n",
+                    argv[i]);
+            return 2;
+        } else {
+            dir = argv[i];
+        }
+    }
+    if (!dir) {
+        fprintf(stderr, "ctitan: error: describe: give a model directory (try ctitan describe --help)\n");
+        return 2;
+    }
+    lm_config c;
+    ct_err e = {0};
+    int rc = lm_config_from_hf(&c, dir, &e);
+    if (rc) {
+        fprintf(stderr, "ctitan: error: %s\n", e.msg);
+        return rc == CT_ERR_CONFIG ? 2 : 1;
+    }
+    lm_model table;
+    lm_layout(&table, &c);
+    size_t n_params = table.n_params;
+    lm_free(&table);
+    int half = c.head_dim / 2;
+    double inv[2][ROPE_MAX_HALF], scale[2];
+    for (int k = 0; k < 2; k++) {
+        rope_params p = c.rope;
+        if (k) p = c.rope_local;
+        rope_inv_freq(&p, c.head_dim, seq, inv[k], &scale[k]);
+    }
+    double attn = c.attn_scale > 0 ? c.attn_scale : 1.0 / sqrt((double)c.head_dim);
+    if (json) {
+        printf("{\"model_type\": \"%s\", \"head_dim\": %d, \"num_parameters\": %zu, \"seq_len\": %d, "
+               "\"tie_word_embeddings\": %s,\n \"layers\": [",
+               c.model_type, c.head_dim, n_params, seq, c.tie_embeddings ? "true" : "false");
+        for (int l = 0; l < c.n_layers; l++)
+            printf("%s{\"sliding_window\": %d, \"rope\": \"%s\", \"moe\": %s}", l ? ", " : "",
+                   c.layer_sliding[l] ? c.sliding_window : 0, c.layer_sliding[l] ? "sliding" : "full",
+                   lm_layer_is_moe(&c, l) ? "true" : "false");
+        printf("],\n \"scaling\": %.17g,\n \"rope\": {", attn);
+        for (int k = 0; k < 2; k++) {
+            printf("%s\"%s\": {\"type\": \"%s\", \"attention_scaling\": %.17g, \"inv_freq\": [", k ? ", " : "",
+                   k ? "sliding" : "full", rope_type_name(k ? c.rope_local.type : c.rope.type), scale[k]);
+            print_doubles(inv[k], half);
+            printf("]}");
+        }
+        printf("}}\n");
+        return 0;
+    }
+    printf("%s: model_type %s, %d layers, hidden %d, intermediate %d, %d heads of %d (%d kv), vocab %d%s\n", dir,
+           c.model_type, c.n_layers, c.hidden, c.intermediate, c.n_heads, c.head_dim, c.n_kv_heads, c.vocab_size,
+           c.tie_embeddings ? ", tied embeddings" : "");
+    printf("parameters: %zu (%.3f B)\n", n_params, n_params / 1e9);
+    if (c.n_experts)
+        printf("experts: %d of %d per token, %d wide\n", c.top_k, c.n_experts, c.moe_intermediate);
+    int sliding = 0;
+    for (int l = 0; l < c.n_layers; l++) sliding += c.layer_sliding[l];
+    printf("attention: scale %.6g, %d of %d layers slide over %d keys\n", attn, sliding, c.n_layers,
+           c.sliding_window);
+    for (int k = 0; k < (lm_rope_local_differs(&c) ? 2 : 1); k++)
+        printf("rope%s: %s, theta %g, attention scaling %.6g at %d positions\n", k ? " (sliding layers)" : "",
+               rope_type_name(k ? c.rope_local.type : c.rope.type), k ? c.rope_local.theta : c.rope.theta, scale[k],
+               seq);
+    return 0;
+}

@@ -1,0 +1,437 @@
+"""oracle_families.py: the transformers reference for ctitan's model families (issue 15).
+
+One tiny random model per case, built with transformers' OWN config and model classes
+(llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3, gemma3_text) with the
+family's distinctive options on, eager attention (and eager experts), fp32, seeded weights:
+matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (gemma3, whose RMSNorm scales
+by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
+torch.optim only; nothing here reads a number ctitan produced.
+
+Names: ctitan names its tensors as the safetensors files that save_pretrained writes.
+transformers 5 keeps some tensors differently in memory; `to_file_names` maps the in-memory
+parameters (and their gradients) to the file names:
+  qwen3_moe  mlp.experts.gate_up_proj [E, 2I, H] -> mlp.experts.e.{gate,up}_proj.weight
+             mlp.experts.down_proj [E, H, I]     -> mlp.experts.e.down_proj.weight
+  mixtral    mlp.gate.weight                      -> block_sparse_moe.gate.weight
+             mlp.experts.gate_up_proj [E, 2I, H]  -> block_sparse_moe.experts.e.{w1,w3}.weight
+             mlp.experts.down_proj [E, H, I]      -> block_sparse_moe.experts.e.w2.weight
+  (conversion_mapping.py: mixtral renames .block_sparse_moe. -> .mlp. and merges w1|w3 on load;
+  save_pretrained reverses both). Every other family: the same names in memory and in the file
+  (phi3's fused qkv_proj / gate_up_proj are fused in the file too). Tied models have no
+  lm_head.weight in memory (named_parameters de-duplicates) nor in the file.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import transformers as tf
+
+import oracle
+import oracle_moe
+
+IGNORE = oracle.IGNORE
+
+FAMILIES = {
+    # model_type: (config class, causal-LM class)
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+    "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+    "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+    "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+    "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+}
+MOE = {"qwen3_moe", "mixtral"}
+
+# sizes every case shares unless it overrides them
+BASE = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, use_cache=False, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2)
+# pad_token_id stays each family's default where that is inside the tiny vocabulary (gemma3 0,
+# olmo2 1; None for the others) and phi3 sets one (its default 32000 is outside): transformers
+# builds nn.Embedding(padding_idx=pad_token_id), whose backward gives the pad row no gradient from
+# the embedding lookup. `batch` puts the pad token into the inputs so that this shows.
+
+
+def _factors(n, seed, lo, hi):
+    rng = np.random.default_rng(seed)
+    return [round(float(x), 4) for x in rng.uniform(lo, hi, n)]
+
+
+@dataclass
+class Case:
+    id: str
+    family: str
+    kw: dict                       # config kwargs on top of BASE
+    T: int = 16
+    seed: int = 11                 # weights
+    # config attributes that the export must carry back (compared on the reloaded config)
+    keys: tuple = ()
+
+    @property
+    def moe(self) -> bool:
+        return self.family in MOE
+
+
+CASES = [
+    # ------------------------------------------------------------------ llama
+    Case("llama_rope3_attnbias_hd16", "llama", dict(
+        vocab_size=192, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        attention_bias=True, mlp_bias=False,
+        # head_dim 16, theta 1e4: wavelengths 6.3 (< 32/4: kept), 19.9 (between: smoothed), >= 63 (/ 8)
+        rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+        keys=("attention_bias", "mlp_bias", "head_dim", "rope_parameters", "tie_word_embeddings")),
+    Case("llama_mlpbias_tied", "llama", dict(
+        num_hidden_layers=3, mlp_bias=True, attention_bias=False, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+        keys=("attention_bias", "mlp_bias", "head_dim", "rope_parameters", "tie_word_embeddings")),
+    # ------------------------------------------------------------------ mistral
+    Case("mistral_swa5", "mistral", dict(
+        head_dim=16, sliding_window=5, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        keys=("sliding_window", "head_dim", "rope_parameters")),
+    # ------------------------------------------------------------------ qwen2 (q/k/v biases always)
+    Case("qwen2_bias_tied", "qwen2", dict(
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        keys=("tie_word_embeddings", "rope_parameters", "layer_types")),
+    # v5 still honours use_sliding_window: layers i >= max_window_layers slide (layer_types)
+    Case("qwen2_swa6_layers", "qwen2", dict(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        keys=("sliding_window", "layer_types", "use_sliding_window")),
+    # ------------------------------------------------------------------ qwen3 (supported before issue 15)
+    Case("qwen3_base", "qwen3", dict(
+        head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        keys=("head_dim", "rope_parameters")),
+    Case("qwen3_yarn", "qwen3", dict(
+        head_dim=16, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 32}),
+        keys=("head_dim", "rope_parameters", "tie_word_embeddings")),
+    Case("qwen3_moe_aux", "qwen3_moe", dict(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+        output_router_logits=True, router_aux_loss_coef=0.05,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=13,  # MoE seeds: every router top-k gap of the tests' batches and steps >= 1e-4
+        keys=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "output_router_logits", "router_aux_loss_coef")),
+    # ------------------------------------------------------------------ mixtral
+    Case("mixtral_e4k2", "mixtral", dict(
+        num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        keys=("num_local_experts", "num_experts_per_tok", "output_router_logits", "rope_parameters")),
+    Case("mixtral_e4k2_aux_hd16", "mixtral", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.05, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=22,
+        keys=("num_local_experts", "num_experts_per_tok", "output_router_logits", "router_aux_loss_coef",
+              "head_dim")),
+    # ------------------------------------------------------------------ olmo2
+    Case("olmo2", "olmo2", dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+        keys=("rms_norm_eps", "rope_parameters")),
+    # ------------------------------------------------------------------ phi3 (head_dim = 32 / 4 = 8)
+    # T = 16 <= original_max_position_embeddings 32: short_factor; attention factor
+    # sqrt(1 + ln(128 / 32) / ln 32) from max_position_embeddings / original
+    Case("phi3_longrope_short_swa7", "phi3", dict(
+        pad_token_id=3, sliding_window=7, original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 32,
+                         "short_factor": _factors(4, 1, 1.0, 3.0), "long_factor": _factors(4, 2, 2.0, 9.0)}),
+        keys=("sliding_window", "original_max_position_embeddings", "rope_parameters")),
+    # T = 16 > original_max_position_embeddings 8: long_factor
+    Case("phi3_longrope_long", "phi3", dict(
+        pad_token_id=3, max_position_embeddings=64, original_max_position_embeddings=8, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 8,
+                         "short_factor": _factors(4, 3, 1.0, 3.0), "long_factor": _factors(4, 4, 2.0, 9.0)}),
+        keys=("original_max_position_embeddings", "rope_parameters", "tie_word_embeddings")),
+    # ------------------------------------------------------------------ gemma3_text
+    # attn_logit_softcapping: transformers 5.24's Gemma3Attention keeps it but never passes
+    # softcap= to the attention function, so it changes nothing (test_families pins this); ctitan
+    # must compute as transformers does. final_logit_softcapping is applied (tanh on the logits).
+    Case("gemma3_text", "gemma3_text", dict(
+        hidden_size=48, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=4,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+        final_logit_softcapping=2.0, attn_logit_softcapping=5.0, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1),
+        keys=("layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar",
+              "final_logit_softcapping", "attn_logit_softcapping", "hidden_activation", "tie_word_embeddings",
+              "head_dim")),
+]
+CASE = {c.id: c for c in CASES}
+
+
+# --------------------------------------------------------------------------- refusals
+
+@dataclass
+class Refusal:
+    """A transformers-valid config that ctitan must refuse (it would compute something
+    else): ctitan_open fails and the message names config.json and `key`. `kw` goes on top of
+    the family's first case's config."""
+    id: str
+    family: str
+    kw: dict
+    key: str
+
+
+REFUSALS = [
+    Refusal("llama_attention_dropout", "llama", dict(attention_dropout=0.1), "attention_dropout"),
+    # exact (erf) GELU, not the tanh approximation gemma3 uses
+    Refusal("mistral_hidden_act_gelu", "mistral", dict(hidden_act="gelu"), "hidden_act"),
+    Refusal("qwen2_attention_dropout", "qwen2", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("qwen3_attention_dropout", "qwen3", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("qwen3_moe_hidden_act_relu2", "qwen3_moe", dict(hidden_act="relu2"), "hidden_act"),
+    Refusal("mixtral_router_jitter", "mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
+    Refusal("olmo2_attention_dropout", "olmo2", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("phi3_resid_pdrop", "phi3", dict(resid_pdrop=0.1), "resid_pdrop"),
+    # rotary on the first half of each head only (Phi3's apply_rotary_pos_emb passes the rest)
+    Refusal("phi3_partial_rotary", "phi3", dict(
+        sliding_window=None, original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor"),
+    # bidirectional attention (Gemma3 embedding models): the mask is not causal
+    Refusal("gemma3_bidirectional", "gemma3_text", dict(use_bidirectional_attention=True),
+            "use_bidirectional_attention"),
+]
+
+
+def refusal_config(r: Refusal):
+    base = next(c for c in CASES if c.family == r.family)
+    return make_config(Case(r.id, r.family, {**base.kw, **r.kw}))
+
+
+# --------------------------------------------------------------------------- models
+
+def make_config(case: Case):
+    C, _ = FAMILIES[case.family]
+    kw = {**BASE, **case.kw}
+    cfg = C(**kw, attn_implementation="eager")
+    cfg._attn_implementation = "eager"
+    if case.moe:
+        cfg._experts_implementation = "eager"
+    assert cfg.model_type == case.family, (cfg.model_type, case.family)
+    return cfg
+
+
+def init_weights(model, family: str, seed: int, std: float = 0.1, norm_jitter: float = 0.2):
+    """Matrices (and 3-D expert stacks) and biases N(0, std); norm weights 1 + U(-j, j),
+    gemma3's (which scale by 1 + w) U(-j, j)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or name.endswith(".bias"):
+                p.copy_(std * torch.randn(p.shape, generator=g))
+            else:
+                u = norm_jitter * (2 * torch.rand(p.shape, generator=g) - 1)
+                p.copy_(u if family == "gemma3_text" else 1.0 + u)
+
+
+def build(case: Case, seed: int | None = None):
+    cfg = make_config(case)
+    _, M = FAMILIES[case.family]
+    model = M(cfg).to(torch.float32)
+    init_weights(model, case.family, case.seed if seed is None else seed)
+    if cfg.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.eval()
+    return model
+
+
+def prepare_loaded(model, family):
+    """A model from from_pretrained, in the oracle's eager, fp32, eval settings."""
+    model.config._attn_implementation = "eager"
+    if family in MOE:
+        model.config._experts_implementation = "eager"
+    model.eval()
+    return model
+
+
+# --------------------------------------------------------------------------- names
+
+def _np(t):
+    return t.detach().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+
+
+def _mixtral_files(named: dict) -> dict[str, np.ndarray]:
+    out = {}
+    for n, t in named.items():
+        a = _np(t)
+        if n.endswith(".mlp.gate.weight"):
+            out[n.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")] = a
+        elif n.endswith(".mlp.experts.gate_up_proj"):
+            base = n[: -len("mlp.experts.gate_up_proj")] + "block_sparse_moe.experts."
+            im = a.shape[1] // 2
+            for e in range(a.shape[0]):
+                out[f"{base}{e}.w1.weight"] = a[e, :im]   # gate: the first half (chunk order)
+                out[f"{base}{e}.w3.weight"] = a[e, im:]   # up
+        elif n.endswith(".mlp.experts.down_proj"):
+            base = n[: -len("mlp.experts.down_proj")] + "block_sparse_moe.experts."
+            for e in range(a.shape[0]):
+                out[f"{base}{e}.w2.weight"] = a[e]
+        else:
+            assert ".mlp." not in n or "experts" not in n, n
+            out[n] = a
+    return out
+
+
+def to_file_names(family: str, named: dict) -> dict[str, np.ndarray]:
+    """{transformers in-memory name: tensor} -> {safetensors file (= ctitan) name: ndarray}."""
+    if family == "qwen3_moe":
+        return oracle_moe.per_expert(named)
+    if family == "mixtral":
+        return _mixtral_files(named)
+    return {n: _np(t) for n, t in named.items()}
+
+
+def file_params(model, family) -> dict[str, np.ndarray]:
+    return {n: a.copy() for n, a in to_file_names(family, dict(model.named_parameters())).items()}
+
+
+# --------------------------------------------------------------------------- data
+
+def batch(model, B, T, seed, n_ignore=5):
+    """(tokens, labels) [B, T] int64: random tokens, random labels with n_ignore of them -100
+    (as test_parity.make_batch), and the config's pad_token_id (if any) at two positions of
+    every row."""
+    rng = np.random.default_rng(seed)
+    V = model.config.vocab_size
+    tokens = rng.integers(0, V, size=(B, T)).astype(np.int64)
+    labels = rng.integers(0, V, size=(B, T)).astype(np.int64)
+    labels.reshape(-1)[rng.choice(B * T, size=n_ignore, replace=False)] = IGNORE
+    add_pad(model, tokens, rng)
+    return tokens, labels
+
+
+def add_pad(model, tokens, rng):
+    """The pad token at two random positions of every row (in place); no-op without one."""
+    pad = model.config.pad_token_id
+    if pad is not None:
+        for row in tokens.reshape(-1, tokens.shape[-1]):
+            row[rng.choice(row.size, size=2, replace=False)] = pad
+    return tokens
+
+
+# --------------------------------------------------------------------------- loss / grads
+
+def forward(model, family, tokens, labels):
+    """(CE sum over valid labels, aux loss or None, logits, router logits or ())."""
+    tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
+    labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    if family in MOE:
+        out = model(input_ids=tokens, output_router_logits=True)
+        router = out.router_logits
+        aux = out.aux_loss if model.config.output_router_logits else None
+    else:
+        out = model(input_ids=tokens)
+        router, aux = (), None
+    logits = out.logits.float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+                         reduction="sum")
+    return ce, aux, logits, router
+
+
+def _router_stats(router, k):
+    gaps = []
+    for rl in router:
+        p = torch.softmax(rl.detach().float(), dim=-1)
+        top = torch.topk(p, min(k + 1, p.shape[-1]), dim=-1).values
+        if top.shape[-1] > k:
+            gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+    return min(gaps) if gaps else 1.0
+
+
+def loss_and_grads(model, family, tokens, labels):
+    """As the family's ForCausalLM.forward adds it: mean CE (+ router_aux_loss_coef * aux when
+    output_router_logits is on), its gradient for every parameter in file names, the CE alone,
+    the aux loss alone, the logits and the smallest top-k gap of the routers (MoE)."""
+    model.zero_grad(set_to_none=True)
+    ce, aux, logits, router = forward(model, family, tokens, labels)
+    ce_mean = ce / oracle.n_valid(labels)
+    loss = ce_mean if aux is None else ce_mean + model.config.router_aux_loss_coef * aux
+    loss.backward()
+    grads = to_file_names(family, {n: p.grad for n, p in model.named_parameters()})
+    grads = {n: g.copy() for n, g in grads.items()}
+    model.zero_grad(set_to_none=True)
+    gap = _router_stats(router, model.config.num_experts_per_tok) if family in MOE else 1.0
+    return {"loss": loss.item(), "ce": ce_mean.item(), "aux": None if aux is None else float(aux.detach()),
+            "logits": logits.detach().numpy(), "grads": grads, "min_gap": gap}
+
+
+@torch.no_grad()
+def logits(model, family, tokens):
+    t = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
+    return model(input_ids=t).logits.float().numpy()
+
+
+# --------------------------------------------------------------------------- optimizer steps
+
+def reference_steps(model, family, mbs, *, accum, steps, run_steps, lr, betas, eps, weight_decay, max_norm,
+                    warmup_steps, decay_ratio=None, decay_type="linear", min_lr_factor=0.0):
+    """oracle.reference_train's loop over the given micro-batches (accum per step) with the
+    MoE aux term as ctitan's trainer weighs it: each micro-batch adds the gradient of
+    CE_sum / (step's valid labels) + coef * aux / accum. Returns per-step CE losses, pre-clip
+    grad norms, lrs, the smallest router gap seen, and the final weights in file names."""
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, oracle.make_lr_lambda(steps, warmup_steps, decay_ratio, decay_type, min_lr_factor))
+    losses, norms, lrs, gaps = [], [], [], []
+    model.train()
+    for s in range(run_steps):
+        step_mbs = mbs[s * accum:(s + 1) * accum]
+        total = sum(oracle.n_valid(lab) for _, lab in step_mbs)
+        opt.zero_grad(set_to_none=True)
+        ce_sum = 0.0
+        for inp, lab in step_mbs:
+            ce, aux, _, router = forward(model, family, inp, lab)
+            loss = ce / total
+            if aux is not None:
+                loss = loss + model.config.router_aux_loss_coef * aux / accum
+            loss.backward()
+            ce_sum += ce.item()
+            if family in MOE:
+                gaps.append(_router_stats(router, model.config.num_experts_per_tok))
+        gn = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        losses.append(ce_sum / total)
+        norms.append(float(gn))
+    model.eval()
+    return {"losses": losses, "grad_norms": norms, "lrs": lrs, "min_gap": min(gaps) if gaps else 1.0,
+            "params": file_params(model, family)}
+
+
+# --------------------------------------------------------------------------- files
+
+def save(model, path) -> Path:
+    path = Path(path)
+    model.save_pretrained(str(path))
+    return path
+
+
+def config_json(path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def load(path, family):
+    """from_pretrained (fp32, eager) asserting nothing missing / unexpected / mismatched."""
+    return prepare_loaded(oracle.load_hf(path), family)
+
+
+def scaled_copy(model, factor):
+    """A deep copy with every parameter multiplied by `factor` (exact in fp32 for 1.5)."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(factor)
+    return m

@@ -1,0 +1,254 @@
+"""Model families from config.json (issue 15): ctitan against transformers' own classes for
+llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3 and gemma3_text on tiny random
+models with each family's distinctive options on (the cases: oracle_families.CASES).
+
+Per case: tensor names / shapes / loaded weights as save_pretrained wrote them; logits, loss
+(some labels -100), aux loss and every gradient against torch autograd; three AdamW steps
+against torch.optim.AdamW; ctitan's HF export loaded by AutoModelForCausalLM (same class,
+config, weights, logits); activation checkpointing bit-identical to none. Per family: a
+config option ctitan cannot compute as transformers does is refused, naming config.json and
+the key (oracle_families.REFUSALS). Where a config sets pad_token_id (gemma3, olmo2, phi3
+here) the inputs hold the pad token: transformers' nn.Embedding(padding_idx=...) gives that
+row no gradient from the lookup."""
+import ctypes
+
+import numpy as np
+import pytest
+
+import oracle
+import oracle_families as of
+from conftest import CtitanError, hf_session_args
+
+TOL = 1e-4
+B = 2
+MIN_GAP = 1e-4  # router top-k ties closer than this: the case's seed must change
+
+# AdamW hyper-parameters (eps 1e-4: see test_train_loop.HP); 3 of 4 scheduled steps, two
+# micro-batches each: lr factors 1 (warmup), 1 (stable), cosine decay
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-4, weight_decay=0.1, max_norm=1.5, warmup_steps=1,
+          decay_type="cosine", min_lr_factor=0.1)
+STEPS, RUN, LOCAL_BS, GLOBAL_BS = 4, 3, 2, 4
+
+AC_MODES = [
+    ("full", ["--activation_checkpoint.mode=full"]),
+    ("selective_op", ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]),
+]
+
+IDS = [c.id for c in of.CASES]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """saved(case) -> (HF model, its save_pretrained directory), built once per module."""
+    cache = {}
+
+    def get(case):
+        if case.id not in cache:
+            model = of.build(case)
+            d = of.save(model, tmp_path_factory.mktemp(case.id) / "hf")
+            cache[case.id] = (model, d)
+        return cache[case.id]
+
+    return get
+
+
+def _aux(s):
+    fn = s.lib.ctitan_aux_loss
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double)]
+    v = ctypes.c_double(float("nan"))
+    assert fn(s.s, ctypes.byref(v)) == 0
+    return v.value
+
+
+def _close(a, b, tol=TOL):
+    return abs(a - b) <= tol * max(abs(b), 1e-30)
+
+
+def _bad(got: dict, want: dict, tol=TOL):
+    return [f"{n}: rel err {oracle.rel_err(got[n], want[n]):.3g}" for n in sorted(want)
+            if not oracle.rel_err(got[n], want[n]) <= tol]
+
+
+# --------------------------------------------------------------------------- 1. names, shapes, weights
+
+@pytest.mark.parametrize("case", of.CASES, ids=IDS)
+def test_names_shapes_weights(case, saved, open_session):
+    model, hf_dir = saved(case)
+    files = oracle.read_hf_tensors(hf_dir)
+    # the harness's own name mapping reproduces what save_pretrained wrote
+    mapped = of.file_params(model, case.family)
+    assert set(mapped) == set(files), f"oracle mapping vs file: {sorted(set(mapped) ^ set(files))}"
+    assert all(np.array_equal(mapped[n], files[n]) for n in files)
+
+    s = open_session(hf_session_args(hf_dir, batch=B, seq_len=case.T))
+    assert s.vocab_size == model.config.vocab_size
+    assert set(s.names()) == set(files), (f"ctitan lacks {sorted(set(files) - set(s.names()))}, "
+                                          f"has extra {sorted(set(s.names()) - set(files))}")
+    for n, a in files.items():
+        assert s.shapes[n] == a.shape, f"{n}: shape {s.shapes[n]} vs file {a.shape}"
+        assert np.array_equal(s.get_param(n), a), f"{n}: loaded != saved"
+
+
+# --------------------------------------------------------------------------- 2. logits, loss, gradients
+
+@pytest.mark.parametrize("case", of.CASES, ids=IDS)
+def test_logits_loss_grads(case, saved, open_session):
+    model, hf_dir = saved(case)
+    tokens, labels = of.batch(model, B, case.T, seed=5)
+    ref = of.loss_and_grads(model, case.family, tokens, labels)
+    assert ref["min_gap"] > MIN_GAP, f"near-tie in a router's top-k ({ref['min_gap']:.2g}): change the seed"
+
+    s = open_session(hf_session_args(hf_dir, batch=B, seq_len=case.T))
+    err = oracle.rel_err(s.logits(tokens), ref["logits"])
+    assert err <= TOL, f"logits rel err {err:.3g}"
+
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    ce = s.forward_backward(tokens, labels, nv) / nv
+    assert _close(ce, ref["ce"]), f"CE {ce} vs HF {ref['ce']}"
+    loss = ce
+    if ref["aux"] is not None:
+        a = _aux(s)
+        assert _close(a, ref["aux"]), f"aux loss {a} vs HF {ref['aux']}"
+        loss = ce + model.config.router_aux_loss_coef * a
+    assert _close(loss, ref["loss"]), f"loss {loss} vs HF {ref['loss']}"
+
+    assert set(s.names()) == set(ref["grads"])
+    bad = _bad({n: s.get_grad(n) for n in s.names()}, ref["grads"])
+    assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
+
+
+# --------------------------------------------------------------------------- 3. optimizer steps
+
+@pytest.mark.parametrize("case", of.CASES, ids=IDS)
+def test_three_adamw_steps(case, saved, open_session):
+    model, hf_dir = saved(case)
+    accum = GLOBAL_BS // LOCAL_BS
+    tokens = oracle.random_tokens(RUN * GLOBAL_BS * (case.T + 1), model.config.vocab_size, seed=13)
+    mbs = oracle.micro_batches(tokens, case.T, LOCAL_BS, RUN * accum)
+    rng = np.random.default_rng(2)
+    for inp, lab in mbs:  # a few ignored labels and the pad token (if any) in every micro-batch
+        lab.reshape(-1)[rng.choice(lab.size, size=3, replace=False)] = oracle.IGNORE
+        of.add_pad(model, inp, rng)
+    ref = of.reference_steps(of.load(hf_dir, case.family), case.family, mbs, accum=accum, steps=STEPS,
+                             run_steps=RUN, **HP)
+    assert ref["min_gap"] > MIN_GAP, f"near-tie in a router's top-k ({ref['min_gap']:.2g}): change the seed"
+
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=case.T, extra=[
+        f"--training.global_batch_size={GLOBAL_BS}", f"--training.steps={STEPS}",
+        f"--training.max_norm={HP['max_norm']}", f"--optimizer.lr={HP['lr']}", f"--optimizer.eps={HP['eps']}",
+        f"--optimizer.weight_decay={HP['weight_decay']}", f"--optimizer.beta1={HP['betas'][0]}",
+        f"--optimizer.beta2={HP['betas'][1]}", f"--lr_scheduler.warmup_steps={HP['warmup_steps']}",
+        f"--lr_scheduler.decay_type={HP['decay_type']}", f"--lr_scheduler.min_lr_factor={HP['min_lr_factor']}"]))
+    for step in range(RUN):
+        group = mbs[step * accum:(step + 1) * accum]
+        total = sum(oracle.n_valid(lab) for _, lab in group)
+        s.zero_grad()
+        loss = sum(s.forward_backward(inp, lab, total) for inp, lab in group) / total
+        gn, lr = s.optimizer_step()
+        assert _close(loss, ref["losses"][step]), f"step {step + 1}: loss {loss} vs {ref['losses'][step]}"
+        assert _close(gn, ref["grad_norms"][step]), f"step {step + 1}: grad norm {gn} vs {ref['grad_norms'][step]}"
+        assert _close(lr, ref["lrs"][step], 1e-9), f"step {step + 1}: lr {lr} vs {ref['lrs'][step]}"
+    assert set(s.names()) == set(ref["params"])
+    bad = _bad({n: s.get_param(n) for n in s.names()}, ref["params"])
+    assert not bad, f"weights after {RUN} steps differ from torch.optim.AdamW:\n" + "\n".join(bad)
+
+
+# --------------------------------------------------------------------------- 4. export
+
+@pytest.mark.parametrize("case", of.CASES, ids=IDS)
+def test_export_loads_in_transformers(case, saved, open_session, tmp_path):
+    """Every weight moved (x 1.5), save_hf, from_pretrained: the family's class, its
+    distinctive config values, the weights and the logits of the moved model."""
+    model, hf_dir = saved(case)
+    want = of.scaled_copy(model, 1.5)
+    s = open_session(hf_session_args(hf_dir, batch=B, seq_len=case.T))
+    for n in s.names():
+        s.set_param(n, s.get_param(n) * np.float32(1.5))
+    out = tmp_path / "export"
+    s.save_hf(out)
+
+    conf = of.config_json(out)
+    assert conf["model_type"] == case.family, conf.get("model_type")
+    assert conf["architectures"] == [type(model).__name__], conf.get("architectures")
+    back = of.load(out, case.family)
+    assert type(back) is type(model), f"{type(back).__name__} vs {type(model).__name__}"
+    diff = [f"{k}: {getattr(back.config, k, '<absent>')!r} vs {getattr(model.config, k)!r}" for k in case.keys
+            if getattr(back.config, k, None) != getattr(model.config, k)]
+    assert not diff, "exported config differs:\n" + "\n".join(diff)
+
+    assert set(oracle.read_hf_tensors(out)) == set(oracle.read_hf_tensors(hf_dir))
+    got, exp = of.file_params(back, case.family), of.file_params(want, case.family)
+    assert set(got) == set(exp)
+    bad = [n for n in exp if not np.array_equal(got[n], exp[n])]
+    assert not bad, f"exported weights differ: {bad}"
+
+    tokens, _ = of.batch(model, B, case.T, seed=8)
+    err = oracle.rel_err(of.logits(back, case.family, tokens), of.logits(want, case.family, tokens))
+    assert err <= TOL, f"logits of the reloaded export: rel err {err:.3g}"
+
+
+# --------------------------------------------------------------------------- 5. activation checkpointing
+
+@pytest.mark.parametrize("case", of.CASES, ids=IDS)
+def test_activation_checkpointing_bitwise(case, saved, open_session):
+    """full and selective op recompute the same deterministic forward: loss (and aux loss) and
+    every gradient bit-identical to no checkpointing, over two micro-batches."""
+    model, hf_dir = saved(case)
+    tokens, labels = of.batch(model, 2 * B, case.T, seed=6, n_ignore=9)
+    nv = oracle.n_valid(labels)
+
+    def run(extra):
+        s = open_session(hf_session_args(hf_dir, batch=B, seq_len=case.T, extra=extra))
+        s.zero_grad()
+        loss = s.forward_backward(tokens[:B], labels[:B], nv) + s.forward_backward(tokens[B:], labels[B:], nv)
+        return loss, (_aux(s) if case.moe else None), {n: s.get_grad(n) for n in s.names()}
+
+    base = run([])
+    ref = of.loss_and_grads(model, case.family, tokens, labels)  # the no-AC run is right to begin with
+    assert _close(base[0] / nv, ref["ce"]), f"mode none: CE {base[0] / nv} vs HF {ref['ce']}"
+    for name, extra in AC_MODES:
+        loss, aux, grads = run(extra)
+        assert loss == base[0], f"{name}: loss {loss!r} vs {base[0]!r}"
+        assert aux == base[1], f"{name}: aux loss {aux!r} vs {base[1]!r}"
+        bad = [n for n in base[2] if not np.array_equal(grads[n], base[2][n])]
+        assert not bad, f"{name}: gradients not bit-identical to mode none: {bad}"
+
+
+# --------------------------------------------------------------------------- 6. refusals
+
+@pytest.mark.parametrize("r", of.REFUSALS, ids=[r.id for r in of.REFUSALS])
+def test_unsupported_option_refused(r, tmp_path, open_session):
+    """The family itself opens (the same config without the option); with the option,
+    ctitan_open fails with a message naming config.json and the key."""
+    base = next(c for c in of.CASES if c.family == r.family)
+    ok = tmp_path / "ok"
+    of.make_config(base).save_pretrained(str(ok))
+    open_session(hf_session_args(ok, load=False, batch=B, seq_len=16)).close()
+
+    bad = tmp_path / "bad"
+    cfg = of.refusal_config(r)
+    cfg.save_pretrained(str(bad))
+    with pytest.raises(CtitanError) as ei:
+        open_session(hf_session_args(bad, load=False, batch=B, seq_len=16))
+    msg = str(ei.value).split("failed: ", 1)[-1]
+    path = str(bad / "config.json")
+    assert path in msg and r.key in msg.replace(path, ""), f"message must name {path} and {r.key!r}: {msg}"
+
+
+# --------------------------------------------------------------------------- the oracle's own assumptions
+
+def test_oracle_gemma3_attn_softcap_is_inert():
+    """transformers 5.24 ignores gemma3's attn_logit_softcapping (Gemma3Attention never passes
+    softcap= to the attention function), so the gemma3 case expects ctitan to ignore it too; if a
+    transformers update starts applying it, this fails and the case's expectation must follow."""
+    import dataclasses
+    case = of.CASE["gemma3_text"]
+    assert case.kw["attn_logit_softcapping"] is not None
+    a = of.build(case)
+    b = of.build(dataclasses.replace(case, kw={**case.kw, "attn_logit_softcapping": 0.5}))
+    c = of.build(dataclasses.replace(case, kw={**case.kw, "attn_logit_softcapping": None}))
+    tokens, _ = of.batch(a, B, case.T, seed=5)
+    la = of.logits(a, case.family, tokens)
+    assert np.array_equal(la, of.logits(b, case.family, tokens))
+    assert np.array_equal(la, of.logits(c, case.family, tokens))

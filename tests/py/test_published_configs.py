@@ -1,0 +1,81 @@
+"""Published config.json files (tests/data/hf_configs, sources in SOURCES.md): what ctitan
+derives from each (`ctitan describe --json`) equals what transformers derives from the same
+file: head_dim, the score scale, every layer's sliding window and MoE kind, the RoPE cos/sin
+of every layer type (inverse frequencies and attention scaling), and the parameter count of
+the model transformers builds (on the meta device: no weights)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from conftest import ROOT
+
+CONFIGS = sorted((ROOT / "tests" / "data" / "hf_configs").glob("*.json"))
+SEQ = 16
+
+
+def ctitan_describe(run_ctitan, d: Path) -> dict:
+    _, out, _ = run_ctitan(["describe", d, "--json", "--seq-len", str(SEQ)])
+    return json.loads(out)
+
+
+def hf_cos_sin(model, cfg, layer_type):
+    """transformers' cos/sin [SEQ, head_dim] for a forward over positions 0..SEQ-1."""
+    rot = type(model.model.rotary_emb)(config=cfg)
+    x = torch.zeros(1, SEQ, 1, dtype=torch.float32)
+    pos = torch.arange(SEQ)[None]
+    with torch.no_grad():
+        cos, sin = rot(x, pos, layer_type) if layer_type else rot(x, pos)
+    return cos[0].double().numpy(), sin[0].double().numpy()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_descriptor_matches_transformers(path, run_ctitan, tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    if path.name.endswith(".text_config.json"):
+        # the text part of a multimodal config lists only what differs from the config class's
+        # defaults: written out whole as transformers' save_pretrained does for that class
+        raw = json.loads(path.read_text())
+        AutoConfig.for_model(**raw).save_pretrained(d)
+    else:
+        shutil.copy(path, d / "config.json")
+    got = ctitan_describe(run_ctitan, d)
+
+    cfg = AutoConfig.from_pretrained(d)
+    cfg._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert got["model_type"] == cfg.model_type
+    assert got["num_parameters"] == sum(p.numel() for p in model.parameters())
+    attn0 = model.model.layers[0].self_attn
+    assert got["head_dim"] == attn0.head_dim
+    assert got["scaling"] == pytest.approx(attn0.scaling, rel=1e-12)
+    layer_types = getattr(cfg, "layer_types", None)
+    for i, layer in enumerate(model.model.layers):
+        a = layer.self_attn
+        # the window a layer's attention is called with: its own attribute where the family keeps
+        # one (Qwen2/3, Gemma3), else the config's for every layer (Mistral, Mixtral, Phi3, Qwen3-MoE)
+        sw = a.sliding_window if hasattr(a, "sliding_window") else getattr(cfg, "sliding_window", None)
+        assert got["layers"][i]["sliding_window"] == (sw or 0), f"layer {i}"
+        moe = hasattr(layer.mlp, "experts") or hasattr(layer, "block_sparse_moe")
+        assert got["layers"][i]["moe"] == moe, f"layer {i}"
+        if layer_types and cfg.model_type == "gemma3_text":
+            assert got["layers"][i]["rope"] == ("sliding" if layer_types[i] == "sliding_attention" else "full")
+    kinds = {"full": "full_attention", "sliding": "sliding_attention"} if cfg.model_type == "gemma3_text" else {"full": None}
+    t = np.arange(SEQ, dtype=np.float64)[:, None]
+    for kind, lt in kinds.items():
+        want_cos, want_sin = hf_cos_sin(model, cfg, lt)
+        r = got["rope"][kind]
+        ang = t * np.asarray(r["inv_freq"])[None, :]
+        cos = np.concatenate([np.cos(ang), np.cos(ang)], axis=1) * r["attention_scaling"]
+        sin = np.concatenate([np.sin(ang), np.sin(ang)], axis=1) * r["attention_scaling"]
+        # transformers forms the angles in fp32: about 1e-7 of a position-15 angle
+        np.testing.assert_allclose(cos, want_cos, atol=1e-5, err_msg=f"{path.stem} {kind} cos")
+        np.testing.assert_allclose(sin, want_sin, atol=1e-5, err_msg=f"{path.stem} {kind} sin")
