@@ -611,11 +611,15 @@ void lm_init_random_each(const lm_model *table, uint64_t seed, const lm_sink *s)
     for (int i = 0; i < table->n_tensors; i++) {
         const lm_tensor *t = &table->tensors[i];
         if (t->lora) continue; /* adapters have PEFT's init (model/lora.h), and draw nothing from this stream */
+        /* vectors as transformers initialises them: biases 0, norms 1 (Gemma's 1 + w norms: 0) */
+        int bias = t->slot == LM_S_BQ || t->slot == LM_S_BK || t->slot == LM_S_BV || t->slot == LM_S_BO ||
+                   t->slot == LM_S_BG || t->slot == LM_S_BU || t->slot == LM_S_BD;
+        float vec = bias || table->cfg.norm_plus_one ? 0.0f : 1.0f;
         size_t rows = t->numel / lm_tensor_cols(t), cols = lm_tensor_cols(t), step = lm_block_rows(t);
         for (size_t r0 = 0; r0 < rows; r0 += step) { /* row-major: the same draws as one tensor at once */
             size_t r1 = r0 + step < rows ? r0 + step : rows;
             for (size_t j = 0; j < (r1 - r0) * cols; j++)
-                buf[j] = t->is_matrix ? (float)(0.02 * ct_rng_normal(&r)) : 1.0f;
+                buf[j] = t->is_matrix ? (float)(0.02 * ct_rng_normal(&r)) : vec;
             s->put(s->ctx, LM_PARAMS, i, r0, r1, buf);
         }
     }

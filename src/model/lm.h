@@ -370,7 +370,7 @@ int lm_plan_memory(const lm_config *c, int B, int T, const char *ac_mode, const 
  * allocated for a model to run: how another rank lays out its buffers.
  * lm_free releases it. */
 int lm_layout(lm_model *m, const lm_config *c);
-/* normal(0, 0.02) for matrices, 1 for norms; deterministic from seed. */
+/* normal(0, 0.02) for matrices, 1 for norms (0 for Gemma's 1 + w norms), 0 for biases; deterministic from seed. */
 void lm_init_random(lm_model *m, uint64_t seed);
 
 /* Where a loader puts a whole model's tensors a block of rows at a time, so
