@@ -54,7 +54,41 @@ SHAPES = {
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
     "qwen3-0.6b-4l": dict(QWEN3_06B, num_hidden_layers=4),
     "qwen3-0.6b": QWEN3_06B,
+    # issue 15: one published model of each family at its real widths, cut to 4 layers (the
+    # 7B-wide Mistral to 2 and Mixtral to 1 layer of 8 experts of 14336 cut to 4 experts of
+    # 3584, so that both sides' fp32 AdamW state fits the machine's 24 GiB)
+    "llama-3.2-1b-4l": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                            num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                            tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 8192}),
+    "mistral-7b-2l": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                          num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                          tie_word_embeddings=False, sliding_window=None,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen2.5-0.5b-4l": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                            num_hidden_layers=4, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                            tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "mixtral-1l-e4": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=3584,
+                          num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                          num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "olmo2-1b-4l": dict(model_type="olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, head_dim=128,
+                        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "phi3-mini-4l": dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                         num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=32, head_dim=96,
+                         tie_word_embeddings=False, sliding_window=2047, pad_token_id=32000,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "gemma3-1b-4l": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                         tie_word_embeddings=True, sliding_window=512, query_pre_attn_scalar=256,
+                         layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
+FAMILY_SHAPES = [k for k, v in SHAPES.items() if "model_type" in v]
 
 # name -> (shape, batch, seq, steps, warmup, activation checkpointing)
 WORKLOADS = {
@@ -80,6 +114,9 @@ def flops_per_token(cfg, n_params, T, n_lora=0):
     if cfg["tie_word_embeddings"]:
         matmul += cfg["vocab_size"] * cfg["hidden_size"]
     attn = 12 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"] * T
+    E, k = cfg.get("num_local_experts", 0), cfg.get("num_experts_per_tok", 0)
+    if E:  # a token runs k of the E experts
+        matmul -= cfg["num_hidden_layers"] * (E - k) * 3 * cfg["hidden_size"] * cfg["intermediate_size"]
     if n_lora:  # frozen base: forward + input gradient only; adapters: all three
         return 4 * matmul + 6 * n_lora + attn
     return 6 * matmul + attn
@@ -127,7 +164,7 @@ def thread_env(threads):
 def torch_worker(a):
     import numpy as np
     import torch
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM as Qwen3ForCausalLM  # any family (issue 15)
     torch.set_num_threads(a.threads)
     # --frozen-bf16: the base is read straight into bf16 (what model.to(torch.bfloat16) after an fp32
     # load gives, without an fp32 copy inflating the peak RSS)
@@ -282,13 +319,16 @@ def main():
 
     import numpy as np
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    shape = SHAPES[a.shape]
-    cfg = Qwen3Config(**shape, rope_theta=1e6, max_position_embeddings=max(4096, a.seq))
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    shape = dict(SHAPES[a.shape])
+    if "model_type" in shape:
+        cfg = AutoConfig.for_model(shape.pop("model_type"), **shape, max_position_embeddings=max(4096, a.seq))
+    else:
+        cfg = Qwen3Config(**shape, rope_theta=1e6, max_position_embeddings=max(4096, a.seq))
     torch.manual_seed(0)
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-        model = Qwen3ForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(cfg) if "model_type" in SHAPES[a.shape] else Qwen3ForCausalLM(cfg)
         n_params = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp + "/model")
         del model
