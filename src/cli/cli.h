@@ -16,5 +16,7 @@ int cli_export(int argc, char **argv);
 void cli_export_help(void);
 int cli_import(int argc, char **argv);
 void cli_import_help(void);
+int cli_download(int argc, char **argv);
+void cli_download_help(void);
 
 #endif

@@ -31,6 +31,7 @@ static void usage(FILE *out) {
             "  kernels   list, check (against the reference) or benchmark the kernel implementations\n"
             "  export    write a training checkpoint as a Hugging Face model directory\n"
             "  import    turn a Hugging Face model directory into a checkpoint (FOLDER/step-N)\n"
+            "  download  fetch a Hugging Face Hub model into the Hugging Face cache (ctitan download Qwen/Qwen3-0.6B)\n"
             "  help      this text\n\n");
 }
 
@@ -51,6 +52,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "kernels")) return cli_kernels(argc - 2, argv + 2);
     if (!strcmp(argv[1], "export")) return cli_export(argc - 2, argv + 2);
     if (!strcmp(argv[1], "import")) return cli_import(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "download")) return cli_download(argc - 2, argv + 2);
     fprintf(stderr, "ctitan: error: unknown command \"%s\" (try ctitan --help)\n", argv[1]);
     return 2;
 }
