@@ -32,7 +32,9 @@ static void usage(FILE *out) {
             "  export    write a training checkpoint as a Hugging Face model directory\n"
             "  import    turn a Hugging Face model directory into a checkpoint (FOLDER/step-N)\n"
             "  download  fetch a Hugging Face Hub model into the Hugging Face cache (ctitan download Qwen/Qwen3-0.6B)\n"
-            "  help      this text\n\n");
+            "  help      this text\n\n"
+            "Where a command takes a model or tokenizer directory, a Hugging Face Hub id such as\n"
+            "Qwen/Qwen3-0.6B works too (cached in HF_HUB_CACHE, downloaded when missing; docs/hub.md).\n\n");
 }
 
 int main(int argc, char **argv) {

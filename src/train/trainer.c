@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "checkpoint/hf.h"
@@ -67,8 +68,11 @@ const char *trainer_initial_dir(const ct_config *c) {
     return c->initial_load_dir ? c->initial_load_dir : c->initial_load_path;
 }
 
-/* One option's path through hub_resolve, into *dir; the message names the option. */
+/* One option's Hub id through hub_resolve, into *dir; the message names the option. A
+ * directory, or a missing path that is no id, is left to the code that reads it (its errors). */
 static int resolve_one(const ct_config *c, const char *key, const char *path, unsigned what, char **dir, ct_err *e) {
+    struct stat st;
+    if (!hub_is_repo_id(path) || (stat(path, &st) == 0 && S_ISDIR(st.st_mode))) return 0;
     hub_local *loc = ct_malloc(sizeof *loc); /* 4 KB of path: not on the stack of every caller */
     int rc = hub_resolve(path, c->hf_revision, what, loc, e);
     if (rc && e) {
