@@ -607,7 +607,8 @@ def test_local_dir_wins_and_non_ids(tmp_path, fake_hub, models, ctitan):
     local.parent.mkdir()
     os.symlink(models["v2"], local)
     env = hub_env(tmp_path / "cache", fake_hub)
-    p = subprocess.run([str(ROOT / "build" / "ctitan"), "generate", "--checkpoint", "org/tiny", *GEN], cwd=tmp_path,
+    p = subprocess.run([str(ROOT / os.environ.get("CTITAN_BUILD", "build") / "ctitan"), "generate", "--checkpoint",
+                        "org/tiny", *GEN], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout == hf_greedy(models["v2"])
