@@ -6,6 +6,7 @@ CFLAGS  ?= $(OPT) -g
 # CROSS=aarch64: cross-build for 64-bit Arm with Debian's gcc-aarch64-linux-gnu and the
 # arm64 multiarch libraries (scripts/setup.sh installs them), without MPI (CT_NO_MPI: a
 # stub backend that says so if launched under mpirun). `make test-aarch64` runs it under qemu.
+# NO_CURL=1: no libcurl (CT_NO_CURL): Hub ids resolve from the local cache only (src/hub/hub.c).
 CROSS   ?=
 ifeq ($(CROSS),aarch64)
 CC      := aarch64-linux-gnu-gcc
@@ -20,6 +21,12 @@ CFLAGS  += -std=c11 -Wall -Wextra -fPIC -fopenmp -Isrc -I/usr/include/$(TRIPLET)
 BLASDIR := /usr/lib/$(TRIPLET)/openblas-openmp
 LDLIBS  := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -lpcre2-8 -lutf8proc -lm -fopenmp
 BUILD   ?= build
+ifeq ($(NO_CURL),1)
+CFLAGS  += -DCT_NO_CURL
+else
+# libcurl (Debian's libcurl4-openssl-dev; arm64 through multiarch) downloads Hub models
+LDLIBS  += -lcurl
+endif
 ifeq ($(NO_MPI),1)
 CFLAGS  += -DCT_NO_MPI
 else

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PKGS=(gcc make libc6-dev libcjson-dev libopenblas-openmp-dev libpcre2-dev libutf8proc-dev libxxhash-dev
-          openmpi-bin libopenmpi-dev
+          libcurl4-openssl-dev openmpi-bin libopenmpi-dev
           bible-kjv bible-kjv-text python3-pip
           python3 python3-venv)
 missing=()
@@ -32,7 +32,8 @@ fi
 # co-installable, so the cross build has none: CT_NO_MPI). Best effort: a failure here
 # is a warning, and test-aarch64 then says "aarch64: skipped". CTITAN_NO_CROSS=1 skips it.
 ARM_PKGS=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user libc6:arm64 libgomp1:arm64
-          libopenblas-openmp-dev:arm64 libcjson-dev:arm64 libpcre2-dev:arm64 libutf8proc-dev:arm64)
+          libopenblas-openmp-dev:arm64 libcjson-dev:arm64 libpcre2-dev:arm64 libutf8proc-dev:arm64
+          libcurl4-openssl-dev:arm64)
 if [ -z "${CTITAN_NO_CROSS:-}" ] && [ "$(dpkg --print-architecture 2>/dev/null)" = amd64 ]; then
   arm_missing=()
   for p in "${ARM_PKGS[@]}"; do

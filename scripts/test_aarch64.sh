@@ -26,6 +26,7 @@ command -v qemu-aarch64 >/dev/null 2>&1 || missing+=(qemu-user)
 [ -e $T/libcjson.so ] || missing+=(libcjson-dev:arm64)
 [ -e $T/libpcre2-8.so ] || missing+=(libpcre2-dev:arm64)
 [ -e $T/libutf8proc.so ] || missing+=(libutf8proc-dev:arm64)
+[ -e $T/libcurl.so ] || missing+=(libcurl4-openssl-dev:arm64)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "aarch64: skipped (cross toolchain not installed: ${missing[*]}; scripts/setup.sh installs them)"
   exit 0

@@ -18,5 +18,7 @@ int cli_import(int argc, char **argv);
 void cli_import_help(void);
 int cli_describe(int argc, char **argv);
 void cli_describe_help(void);
+int cli_download(int argc, char **argv);
+void cli_download_help(void);
 
 #endif

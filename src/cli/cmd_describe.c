@@ -16,11 +16,13 @@
 #include <string.h>
 
 #include "cli/cli.h"
+#include "hub/hub.h"
 #include "model/lm.h"
 
 void cli_describe_help(void) {
-    printf("usage: ctitan describe MODEL_DIR [--seq-len N] [--json]\n\n"
-           "Prints what ctitan derives from MODEL_DIR/config.json: the family and sizes, the parameter\n"
+    printf("usage: ctitan describe MODEL_DIR|HUB_ID [--revision R] [--seq-len N] [--json]\n\n"
+           "Prints what ctitan derives from MODEL_DIR/config.json (a Hub id fetches config.json only):\n"
+           "the family and sizes, the parameter\n"
            "count, each layer's attention (sliding window, score scale) and RoPE (inverse frequencies and\n"
            "attention scaling for a forward of N positions, default 16). --json: one JSON object.\n");
 }
@@ -30,7 +32,7 @@ static void print_doubles(const double *x, int n) {
 }
 
 int cli_describe(int argc, char **argv) {
-    const char *dir = NULL;
+    const char *dir = NULL, *revision = NULL;
     int seq = 16, json = 0;
     for (int i = 0; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
@@ -38,6 +40,8 @@ int cli_describe(int argc, char **argv) {
             return 0;
         } else if (!strcmp(argv[i], "--json")) {
             json = 1;
+        } else if (!strcmp(argv[i], "--revision") && i + 1 < argc) {
+            revision = argv[++i];
         } else if (!strcmp(argv[i], "--seq-len") && i + 1 < argc) {
             char *end;
             long v = strtol(argv[++i], &end, 10);
@@ -58,9 +62,16 @@ int cli_describe(int argc, char **argv) {
         fprintf(stderr, "ctitan: error: describe: give a model directory (try ctitan describe --help)\n");
         return 2;
     }
-    lm_config c;
+    static hub_local loc;
     ct_err e = {0};
-    int rc = lm_config_from_hf(&c, dir, &e);
+    int rc = hub_resolve(dir, revision, HUB_CONFIG, &loc, &e);
+    if (rc) {
+        fprintf(stderr, "ctitan: error: %s\n", e.msg);
+        return ct_exit_code(rc);
+    }
+    dir = loc.dir;
+    lm_config c;
+    rc = lm_config_from_hf(&c, dir, &e);
     if (rc) {
         fprintf(stderr, "ctitan: error: %s\n", e.msg);
         return rc == CT_ERR_CONFIG ? 2 : 1;

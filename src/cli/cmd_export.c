@@ -4,7 +4,9 @@
  * directory that transformers loads as it is: config.json, the weights in the
  * chosen dtype (sharded with model.safetensors.index.json above
  * --max-shard-size), and the tokenizer files, copied from --tokenizer or from
- * the model.hf_assets_path recorded in the checkpoint's config.toml.
+ * the model.hf_assets_path recorded in the checkpoint's config.toml. Those,
+ * and the base model of --merge, may be Hugging Face Hub ids (at --revision,
+ * or the recorded model.hf_revision), resolved in the Hub cache (hub/hub.h).
  *
  * --checkpoint may name one step-N directory or a checkpoint folder; a folder
  * means its newest step that verifies (damaged newer ones are reported and
@@ -28,19 +30,21 @@
 #include "cli/cli.h"
 #include "core/timer.h"
 #include "formats/toml.h"
+#include "hub/hub.h"
 #include "model/lora.h"
 #include "model/lm.h"
 
 #define EXP_DEFAULT_SHARD 5000000000ull /* "5GB" as transformers reads it */
 
 typedef struct {
-    const char *checkpoint, *out, *tokenizer, *dtype, *adapter;
+    const char *checkpoint, *out, *tokenizer, *dtype, *adapter, *revision;
     unsigned long long max_shard;
     int merge;
 } exp_args;
 
 /* Every option once: the parser and --help both read this table. */
-enum { EXP_CHECKPOINT, EXP_OUT, EXP_DTYPE, EXP_MAX_SHARD, EXP_TOKENIZER, EXP_ADAPTER, EXP_MERGE, EXP_HELP };
+enum { EXP_CHECKPOINT, EXP_OUT, EXP_DTYPE, EXP_MAX_SHARD, EXP_TOKENIZER, EXP_ADAPTER, EXP_MERGE, EXP_REVISION,
+       EXP_HELP };
 static const cli_opt exp_options[] = {
     [EXP_CHECKPOINT] = {"--checkpoint", "DIR", "(required)",
                         "a checkpoint step-N directory, or a folder of them (newest valid one)", CLI_VALUE},
@@ -50,12 +54,15 @@ static const cli_opt exp_options[] = {
     [EXP_MAX_SHARD] = {"--max-shard-size", "BYTES", "5GB",
                        "shard above this size; a number with optional KB/MB/GB or KiB/MiB/GiB", CLI_VALUE},
     [EXP_TOKENIZER] = {"--tokenizer", "DIR", "model.hf_assets_path of the checkpoint's config.toml",
-                       "where to copy tokenizer files from", CLI_VALUE},
+                       "where to copy tokenizer files from (a directory or a Hub id)", CLI_VALUE},
     [EXP_ADAPTER] = {"--adapter", "DIR", "(none)",
                      "a PEFT LoRA adapter directory (with --merge; --checkpoint is then the base HF model directory)",
                      CLI_VALUE},
     [EXP_MERGE] = {"--merge", "", "off",
                    "fold the --adapter into the base weights of --checkpoint (W + scale B A)", CLI_FLAG},
+    [EXP_REVISION] = {"--revision", "R", HUB_DEFAULT_REVISION,
+                      "branch, tag or commit of a Hub id given as --tokenizer or (with --merge) --checkpoint",
+                      CLI_VALUE},
     [EXP_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
@@ -110,6 +117,7 @@ static int exp_parse_args(exp_args *a, int argc, char **argv) {
         case EXP_TOKENIZER: a->tokenizer = val; break;
         case EXP_ADAPTER: a->adapter = val; break;
         case EXP_MERGE: a->merge = 1; break;
+        case EXP_REVISION: a->revision = val; break;
         case EXP_DTYPE:
             if (hf_dtype_from_name(val) < 0)
                 return cli_fail(2, "--dtype: \"%s\" is not one of float32, bfloat16, float16", val);
@@ -175,8 +183,10 @@ static int exp_copy_file(const char *src, const char *dst, ct_err *e) {
     return ct_fail(e, CT_ERR_IO, "%s: write failed: %s", dst, strerror(err ? err : EIO));
 }
 
-/* model.hf_assets_path from DIR/config.toml, or "" (malloc'd). */
-static char *exp_assets_path(const char *ckdir) {
+/* model.hf_assets_path from DIR/config.toml, or "" (malloc'd); *rev: its model.hf_revision
+ * (malloc'd, NULL when not recorded). */
+static char *exp_assets_path(const char *ckdir, char **rev) {
+    *rev = NULL;
     char p[4200];
     snprintf(p, sizeof p, "%s/config.toml", ckdir);
     if (access(p, R_OK) != 0) return ct_strdup("");
@@ -189,6 +199,8 @@ static char *exp_assets_path(const char *ckdir) {
     } else {
         const toml_kv *kv = toml_find(&doc, "model", "hf_assets_path");
         out = ct_strdup(kv && kv->val.kind == TOML_STRING ? kv->val.s : "");
+        kv = toml_find(&doc, "model", "hf_revision");
+        if (kv && kv->val.kind == TOML_STRING) *rev = ct_strdup(kv->val.s);
     }
     toml_free(&doc);
     return out;
@@ -213,10 +225,20 @@ int cli_export(int argc, char **argv) {
     exp_args a;
     int rc = exp_parse_args(&a, argc, argv);
     if (rc) return rc < 0 ? 0 : rc;
-    if (!exp_is_dir(a.checkpoint)) return cli_fail(1, "--checkpoint %s: no such directory", a.checkpoint);
-    if (a.tokenizer && !exp_is_dir(a.tokenizer)) return cli_fail(1, "--tokenizer %s: no such directory", a.tokenizer);
+    /* a Hub id is a model, so only the base of --merge may be one (a checkpoint is local) */
+    if (!exp_is_dir(a.checkpoint) && !(a.adapter && hub_is_repo_id(a.checkpoint)))
+        return cli_fail(1, "--checkpoint %s: no such directory", a.checkpoint);
+    if (a.tokenizer && !exp_is_dir(a.tokenizer) && !hub_is_repo_id(a.tokenizer))
+        return cli_fail(1, "--tokenizer %s: no such directory", a.tokenizer);
     double t0 = ct_now();
     ct_err e = {0};
+    static hub_local base_loc, tok_loc;
+    if (a.adapter && (rc = hub_resolve(a.checkpoint, a.revision, HUB_MODEL, &base_loc, &e)))
+        return cli_fail(ct_exit_code(rc), "%s", e.msg);
+    if (a.adapter) a.checkpoint = base_loc.dir;
+    if (a.tokenizer && (rc = hub_resolve(a.tokenizer, a.revision, HUB_TOKENIZER, &tok_loc, &e)))
+        return cli_fail(ct_exit_code(rc), "%s", e.msg);
+    if (a.tokenizer) a.tokenizer = tok_loc.dir;
 
     /* a step-N directory, or a folder of them; with --adapter also a base HF model directory */
     char ckdir[4096], mpath[4200], cpath[4200];
@@ -275,9 +297,25 @@ int cli_export(int argc, char **argv) {
     printf("ctitan export: %s (step %d, %zu parameters%s) -> %s as %s\n", ckdir, info.step, n_params,
            hf_base ? ", LoRA adapter merged" : "", a.out, a.dtype);
 
-    char *assets = a.tokenizer ? ct_strdup(a.tokenizer) : exp_assets_path(ckdir);
+    char *assets_rev = NULL;
+    char *assets = a.tokenizer ? ct_strdup(a.tokenizer) : exp_assets_path(ckdir, &assets_rev);
     int copied = 0;
-    if (!assets[0]) {
+    if (assets[0] && !a.tokenizer && !exp_is_dir(assets) && hub_is_repo_id(assets)) {
+        /* the Hub id the checkpoint came from: its tokenizer files, from the cache or the Hub */
+        ct_err he = {0};
+        if (hub_resolve(assets, assets_rev, HUB_TOKENIZER_IF_ANY, &tok_loc, &he)) {
+            fprintf(stderr, "ctitan: warning: no tokenizer files copied: %s (give --tokenizer DIR)\n", he.msg);
+            assets[0] = 0;
+            copied = -1;
+        } else {
+            free(assets);
+            assets = ct_strdup(tok_loc.dir);
+        }
+    }
+    free(assets_rev);
+    if (copied < 0) {
+        copied = 0;
+    } else if (!assets[0]) {
         fprintf(stderr, "ctitan: warning: no tokenizer files copied: the checkpoint records no "
                         "model.hf_assets_path (give --tokenizer DIR)\n");
     } else if (!exp_is_dir(assets)) {

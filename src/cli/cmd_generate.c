@@ -7,6 +7,10 @@
  * tokenizer on the way in and out, so tests and tokenizer-less checkpoints
  * work too.
  *
+ * --checkpoint and --tokenizer may also be Hugging Face Hub ids
+ * ("Qwen/Qwen3-0.6B", at --revision): hub/hub.h resolves them to the
+ * snapshot directory of huggingface_hub's cache, downloading what is missing.
+ *
  * Generation stops at --max-tokens or after a stop id: the tokenizer's EOS,
  * <|im_end|> when the vocabulary has it, and every eos_token_id of the
  * checkpoint's generation_config.json (config.json's when there is none, as
@@ -27,6 +31,7 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "core/timer.h"
+#include "hub/hub.h"
 #include "model/generate.h"
 #include "model/lm.h"
 #include "tokenizer/tokenizer.h"
@@ -37,6 +42,7 @@ typedef struct {
     const char *tokenizer;  /* tokenizer directory; NULL: the checkpoint's */
     const char *prompt;     /* text */
     const char *prompt_ids; /* "1 2 3" */
+    const char *revision;   /* of Hub ids */
     int max_tokens;
     double temperature;
     int top_k;
@@ -48,11 +54,12 @@ typedef struct {
 /* Every option once: the parser and --help both read this table. */
 enum {
     GEN_CHECKPOINT, GEN_PROMPT, GEN_PROMPT_IDS, GEN_MAX_TOKENS, GEN_TEMPERATURE, GEN_TOP_K,
-    GEN_TOP_P, GEN_SEED, GEN_CHAT, GEN_TOKENIZER, GEN_IDS, GEN_ADAPTER, GEN_HELP
+    GEN_TOP_P, GEN_SEED, GEN_CHAT, GEN_TOKENIZER, GEN_IDS, GEN_ADAPTER, GEN_REVISION, GEN_HELP
 };
 static const cli_opt gen_cli_options[] = {
     [GEN_CHECKPOINT] = {"--checkpoint", "DIR", "(required)",
-                        "Hugging Face model directory: config.json + *.safetensors", CLI_VALUE},
+                        "Hugging Face model directory (config.json + *.safetensors), or a Hub id (Qwen/Qwen3-0.6B)",
+                        CLI_VALUE},
     /* may be empty: with --chat, "" is a real (empty) user turn */
     [GEN_PROMPT] = {"--prompt", "TEXT", "(none)",
                     "prompt text, encoded with the tokenizer (one of --prompt, --prompt-ids)", CLI_TEXT},
@@ -67,10 +74,12 @@ static const cli_opt gen_cli_options[] = {
     [GEN_CHAT] = {"--chat", "", "off", "wrap the prompt in the ChatML user turn and open the assistant turn",
                   CLI_FLAG},
     [GEN_TOKENIZER] = {"--tokenizer", "DIR", "--checkpoint",
-                       "directory with tokenizer.json (or vocab.json + merges.txt)", CLI_VALUE},
+                       "directory with tokenizer.json (or vocab.json + merges.txt), or a Hub id", CLI_VALUE},
     [GEN_IDS] = {"--ids", "", "off", "print the generated token ids (one line) instead of text", CLI_FLAG},
     [GEN_ADAPTER] = {"--adapter", "DIR", "(none)",
                      "a PEFT LoRA adapter directory applied beside the weights (not merged)", CLI_VALUE},
+    [GEN_REVISION] = {"--revision", "R", HUB_DEFAULT_REVISION,
+                      "branch, tag or commit of the Hub ids given to --checkpoint / --tokenizer", CLI_VALUE},
     [GEN_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
@@ -116,6 +125,7 @@ static int gen_parse_args(gen_cli_args *a, int argc, char **argv) {
         case GEN_CHECKPOINT: a->checkpoint = val; break;
         case GEN_TOKENIZER: a->tokenizer = val; break;
         case GEN_ADAPTER: a->adapter = val; break;
+        case GEN_REVISION: a->revision = val; break;
         case GEN_PROMPT: a->prompt = val; break;
         case GEN_PROMPT_IDS: a->prompt_ids = val; break;
         case GEN_CHAT: a->chat = 1; break;
@@ -153,7 +163,7 @@ static int gen_is_dir(const char *p) {
 }
 
 static int gen_file_exists(const char *dir, const char *name) {
-    char p[4096];
+    char p[4200];
     snprintf(p, sizeof p, "%s/%s", dir, name);
     return access(p, R_OK) == 0;
 }
@@ -186,7 +196,7 @@ static void gen_add_stop(tok_ids *stops, int32_t id) {
 /* eos_token_id (an int or a list of ints) of DIR/generation_config.json, or
  * of DIR/config.json when the former does not exist. */
 static int gen_read_eos(const char *dir, tok_ids *stops, ct_err *e) {
-    char path[4096];
+    char path[4200];
     const char *file = gen_file_exists(dir, "generation_config.json") ? "generation_config.json" : "config.json";
     snprintf(path, sizeof path, "%s/%s", dir, file);
     FILE *f = fopen(path, "rb");
@@ -242,9 +252,20 @@ int cli_generate(int argc, char **argv) {
     gen_cli_args a;
     int rc = gen_parse_args(&a, argc, argv);
     if (rc) return rc < 0 ? 0 : rc;
-    if (!gen_is_dir(a.checkpoint)) return cli_fail(2, "--checkpoint: \"%s\" is not a directory", a.checkpoint);
-    if (a.tokenizer && !gen_is_dir(a.tokenizer))
-        return cli_fail(2, "--tokenizer: \"%s\" is not a directory", a.tokenizer);
+    if (!gen_is_dir(a.checkpoint) && !hub_is_repo_id(a.checkpoint))
+        return cli_fail(2, "--checkpoint: \"%s\" is not a directory (nor a Hub id such as Qwen/Qwen3-0.6B)",
+                        a.checkpoint);
+    if (a.tokenizer && !gen_is_dir(a.tokenizer) && !hub_is_repo_id(a.tokenizer))
+        return cli_fail(2, "--tokenizer: \"%s\" is not a directory (nor a Hub id)", a.tokenizer);
+    /* Hub ids -> the cache's snapshot directories (downloading what is missing) */
+    static hub_local ck_loc, tok_loc;
+    ct_err he = {0};
+    unsigned what = HUB_CONFIG | HUB_WEIGHTS | (a.tokenizer ? 0 : HUB_TOKENIZER_IF_ANY);
+    if ((rc = hub_resolve(a.checkpoint, a.revision, what, &ck_loc, &he)) ||
+        (a.tokenizer && (rc = hub_resolve(a.tokenizer, a.revision, HUB_TOKENIZER, &tok_loc, &he))))
+        return cli_fail(ct_exit_code(rc), "%s", he.msg);
+    a.checkpoint = ck_loc.dir;
+    if (a.tokenizer) a.tokenizer = tok_loc.dir;
     tok_ids prompt = {0}, stops = {0};
     if (a.prompt_ids && (rc = gen_parse_ids(a.prompt_ids, &prompt))) {
         tok_ids_free(&prompt);

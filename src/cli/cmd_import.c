@@ -6,8 +6,12 @@
  * atomically with a manifest like every checkpoint. A run can then start
  * from it, and `ctitan export` can turn it back into an HF directory.
  *
+ * HF_DIR may also be a Hugging Face Hub id ("Qwen/Qwen3-0.6B", at --revision),
+ * resolved in huggingface_hub's cache and downloaded when missing (hub/hub.h).
+ *
  * The checkpoint's config.toml records only `[model] spec = "hf"` and
- * hf_assets_path = the absolute HF_DIR, so a later export finds the
+ * hf_assets_path = the absolute HF_DIR (for a Hub id: the id, and
+ * hf_revision = the commit it resolved to), so a later export finds the
  * tokenizer files there. It has no state.json: it is weights, not a run.
  * An existing FOLDER/step-N is never overwritten: that could be a run's
  * checkpoint.
@@ -26,20 +30,23 @@
 #include "checkpoint/hf.h"
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "hub/hub.h"
 #include "model/lm.h"
 
 typedef struct {
-    const char *hf, *out;
+    const char *hf, *out, *revision;
     int step;
 } imp_args;
 
 /* Every option once: the parser and --help both read this table. */
-enum { IMP_HF, IMP_OUT, IMP_STEP, IMP_HELP };
+enum { IMP_HF, IMP_OUT, IMP_STEP, IMP_REVISION, IMP_HELP };
 static const cli_opt imp_options[] = {
-    [IMP_HF] = {"--hf", "HF_DIR", "(required)", "Hugging Face Qwen3 model directory: config.json + *.safetensors",
+    [IMP_HF] = {"--hf", "HF_DIR", "(required)",
+                "Hugging Face Qwen3 model directory (config.json + *.safetensors), or a Hub id (Qwen/Qwen3-0.6B)",
                 CLI_VALUE},
     [IMP_OUT] = {"--out", "FOLDER", "(required)", "checkpoint folder; the checkpoint is FOLDER/step-N", CLI_VALUE},
     [IMP_STEP] = {"--step", "N", "0", "step number of the checkpoint (>= 0)", CLI_VALUE},
+    [IMP_REVISION] = {"--revision", "R", HUB_DEFAULT_REVISION, "branch, tag or commit when --hf is a Hub id", CLI_VALUE},
     [IMP_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
@@ -61,6 +68,7 @@ static int imp_parse_args(imp_args *a, int argc, char **argv) {
         switch (k) {
         case IMP_HF: a->hf = val; break;
         case IMP_OUT: a->out = val; break;
+        case IMP_REVISION: a->revision = val; break;
         case IMP_STEP: {
             char *end;
             errno = 0;
@@ -98,13 +106,18 @@ int cli_import(int argc, char **argv) {
     int rc = imp_parse_args(&a, argc, argv);
     if (rc) return rc < 0 ? 0 : rc;
     struct stat st;
-    if (stat(a.hf, &st) != 0 || !S_ISDIR(st.st_mode)) return cli_fail(1, "--hf %s: no such directory", a.hf);
+    if ((stat(a.hf, &st) != 0 || !S_ISDIR(st.st_mode)) && !hub_is_repo_id(a.hf))
+        return cli_fail(1, "--hf %s: no such directory", a.hf);
     char final[4200];
     snprintf(final, sizeof final, "%s/step-%d", a.out, a.step);
     if (stat(final, &st) == 0)
         return cli_fail(1, "%s: already exists; not overwriting it (remove it or choose --step)", final);
 
     ct_err e = {0};
+    static hub_local loc; /* a Hub id -> its snapshot in the cache */
+    if ((rc = hub_resolve(a.hf, a.revision, HUB_MODEL, &loc, &e))) return cli_fail(ct_exit_code(rc), "%s", e.msg);
+    const char *id = a.hf;
+    a.hf = loc.dir;
     lm_config c;
     lm_model m = {0};
     char cfg_path[4200];
@@ -118,19 +131,25 @@ int cli_import(int argc, char **argv) {
         lm_free(&m);
         return cli_fail(1, "%s", e.msg);
     }
-    char abs[PATH_MAX], esc[3 * PATH_MAX], toml[4 * PATH_MAX];
-    if (!realpath(a.hf, abs)) snprintf(abs, sizeof abs, "%s", a.hf);
+    char abs[PATH_MAX], esc[3 * PATH_MAX], toml[4 * PATH_MAX], rev[128] = "";
+    if (loc.commit[0]) { /* the id, pinned to the commit it resolved to */
+        snprintf(abs, sizeof abs, "%s", id);
+        snprintf(rev, sizeof rev, "hf_revision = \"%s\"\n", loc.commit);
+    } else if (!realpath(a.hf, abs)) {
+        snprintf(abs, sizeof abs, "%s", a.hf);
+    }
     imp_toml_escape(esc, sizeof esc, abs);
     snprintf(toml, sizeof toml,
              "# written by `ctitan import`: the model's source, not a run's resolved config\n"
-             "[model]\nspec = \"hf\"\nhf_assets_path = \"%s\"\n",
-             esc);
+             "[model]\nspec = \"hf\"\nhf_assets_path = \"%s\"\n%s",
+             esc, rev);
     ckpt_info info = {0};
     rc = ckpt_save(a.out, a.step, &m, NULL, NULL, NULL, toml, &info, &e);
     size_t n_params = lm_num_params(&m);
     lm_free(&m);
     if (rc) return cli_fail(1, "%s", e.msg);
-    printf("ctitan import: %s (%zu parameters) -> %s (model only, %.1f MB, %.2f s)\n", a.hf, n_params, info.dir,
+    printf("ctitan import: %s%s%s (%zu parameters) -> %s (model only, %.1f MB, %.2f s)\n", id, loc.commit[0] ? " @ " : "",
+           loc.commit, n_params, info.dir,
            (double)info.bytes / 1e6, info.seconds);
     return 0;
 }

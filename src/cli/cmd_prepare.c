@@ -15,6 +15,7 @@
 #include "core/err.h"
 #include "core/timer.h"
 #include "data/dataset.h"
+#include "hub/hub.h"
 #include "tokenizer/tokenizer.h"
 
 #define MAX_INPUTS 4096
@@ -24,7 +25,9 @@ void cli_prepare_help(void) {
            "Tokenizes text, JSONL or chat data into uint32 token shards that `ctitan train` reads\n"
            "as training.dataset_path = DIR. Every document is followed by EOS. Output is identical\n"
            "for any number of threads.\n\n"
-           "  --tokenizer DIR          Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json)\n"
+           "  --tokenizer DIR          Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json),\n"
+           "                           or a Hub id such as Qwen/Qwen3-0.6B (docs/hub.md)\n"
+           "  --revision R             branch, tag or commit when --tokenizer is a Hub id (default main)\n"
            "  --input PATH             a source file, in order; repeat for more\n"
            "  --out DIR                output directory (created); meta.json is written last\n"
            "  --kind KIND              auto | text | jsonl | chat (default auto: by extension and first line)\n"
@@ -112,7 +115,7 @@ static void on_progress(void *ctx, const ds_progress *p, int final) {
 /* ------------------------------------------------------------ arguments */
 
 typedef struct {
-    const char *tokenizer, *out, *kind, *split, *field, *eos;
+    const char *tokenizer, *out, *kind, *split, *field, *eos, *revision;
     const char *inputs[MAX_INPUTS];
     int n_inputs, threads, overwrite, quiet, encode_special;
     long long shard_tokens;
@@ -167,6 +170,7 @@ static int parse_args(prep_args *a, int argc, char **argv) {
         else if (!strcmp(name, "--text-split")) a->split = val;
         else if (!strcmp(name, "--text-field")) a->field = val;
         else if (!strcmp(name, "--eos")) a->eos = val;
+        else if (!strcmp(name, "--revision")) a->revision = val;
         else if (!strcmp(name, "--input")) {
             if (a->n_inputs == MAX_INPUTS) return fail_usage("more than %d inputs", MAX_INPUTS);
             a->inputs[a->n_inputs++] = val;
@@ -218,6 +222,12 @@ int cli_prepare(int argc, char **argv) {
             rc = ct_fail(&e, CT_ERR_CONFIG, "%s: already tokenized (--input takes text, JSONL or chat data)", a.inputs[i]);
         if (!rc) kind = !kind || !strcmp(kind, ds_kind_name(k)) ? ds_kind_name(k) : "mixed";
     }
+    /* a Hub id -> its snapshot in the cache (meta.json records the id) */
+    static hub_local loc;
+    const char *tok_src = a.tokenizer;
+    if (!rc && hub_is_repo_id(a.tokenizer) && access(a.tokenizer, F_OK) != 0 &&
+        !(rc = hub_resolve(a.tokenizer, a.revision, HUB_TOKENIZER, &loc, &e)))
+        a.tokenizer = loc.dir;
     if (!rc) rc = tok_load(a.tokenizer, &t, &e);
     if (!rc && a.eos) {
         o.eos_id = tok_token_id(t, a.eos);
@@ -236,8 +246,8 @@ int cli_prepare(int argc, char **argv) {
     if (!rc && eos < 0) eos = tok_token_id(t, "<|endoftext|>");
     /* meta.json records where the tokenizer was, absolute so it still
      * means something when read from another directory */
-    char *tokdir = rc ? NULL : realpath(a.tokenizer, NULL);
-    if (!rc) rc = ds_writer_finish(w, kind, tokdir ? tokdir : a.tokenizer, eos, tok_vocab_size(t), a.inputs, a.n_inputs, &st, &e);
+    char *tokdir = rc || tok_src != a.tokenizer ? NULL : realpath(a.tokenizer, NULL);
+    if (!rc) rc = ds_writer_finish(w, kind, tokdir ? tokdir : tok_src, eos, tok_vocab_size(t), a.inputs, a.n_inputs, &st, &e);
     if (!rc) {
         double dt = ct_now() - t0;
         char docs[32], toks[32];

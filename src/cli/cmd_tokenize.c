@@ -5,19 +5,23 @@
  * ("9707 1879" with Qwen3's tokenizer), `--decode --ids "9707 1879"` prints
  * the text back. `--file F` encodes a whole file (bytes as they are: invalid
  * UTF-8 is repaired as HF does). `--tokens` prints each id with its
- * vocabulary string, one per line. Exit 2 for bad usage, 1 for file errors. */
+ * vocabulary string, one per line. --tokenizer may be a Hugging Face Hub id
+ * (at --revision; hub/hub.h). Exit 2 for bad usage, 1 for file errors. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core/fs.h"
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "hub/hub.h"
 #include "tokenizer/tokenizer.h"
 
-enum { TK_TOKENIZER, TK_TEXT, TK_FILE, TK_IDS, TK_DECODE, TK_TOKENS, TK_SPECIAL, TK_HELP };
+enum { TK_TOKENIZER, TK_TEXT, TK_FILE, TK_IDS, TK_DECODE, TK_TOKENS, TK_SPECIAL, TK_REVISION, TK_HELP };
 static const cli_opt tk_options[] = {
-    [TK_TOKENIZER] = {"--tokenizer", "DIR", "(required)", "directory with tokenizer.json (or vocab.json + merges.txt)",
+    [TK_TOKENIZER] = {"--tokenizer", "DIR", "(required)",
+                      "directory with tokenizer.json (or vocab.json + merges.txt), or a Hub id (Qwen/Qwen3-0.6B)",
                       CLI_VALUE},
     [TK_TEXT] = {"--text", "TEXT", "", "text to encode", CLI_TEXT},
     [TK_FILE] = {"--file", "PATH", "", "encode the bytes of a file", CLI_VALUE},
@@ -25,6 +29,8 @@ static const cli_opt tk_options[] = {
     [TK_DECODE] = {"--decode", "", "off", "decode --ids instead of encoding", CLI_FLAG},
     [TK_TOKENS] = {"--tokens", "", "off", "print each id with its vocabulary string, one per line", CLI_FLAG},
     [TK_SPECIAL] = {"--skip-special", "", "off", "decode: leave special tokens out", CLI_FLAG},
+    [TK_REVISION] = {"--revision", "R", HUB_DEFAULT_REVISION, "branch, tag or commit when --tokenizer is a Hub id",
+                     CLI_VALUE},
     [TK_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
@@ -36,7 +42,7 @@ void cli_tokenize_help(void) {
 }
 
 int cli_tokenize(int argc, char **argv) {
-    const char *dir = NULL, *text = NULL, *file = NULL, *ids = NULL;
+    const char *dir = NULL, *text = NULL, *file = NULL, *ids = NULL, *revision = NULL;
     int decode = 0, tokens = 0, skip_special = 0;
     for (int i = 0; i < argc; i++) {
         int k;
@@ -55,6 +61,7 @@ int cli_tokenize(int argc, char **argv) {
         case TK_DECODE: decode = 1; break;
         case TK_TOKENS: tokens = 1; break;
         case TK_SPECIAL: skip_special = 1; break;
+        case TK_REVISION: revision = v; break;
         default: break;
         }
     }
@@ -64,6 +71,12 @@ int cli_tokenize(int argc, char **argv) {
                                   : "tokenize: give exactly one of --text or --file (or --decode --ids)");
     ct_err e = {0};
     tok *t = NULL;
+    static hub_local loc; /* a Hub id -> its snapshot in the cache */
+    if (hub_is_repo_id(dir) && access(dir, F_OK) != 0) { /* else tok_load names what is wrong with the path */
+        int hrc = hub_resolve(dir, revision, HUB_TOKENIZER, &loc, &e);
+        if (hrc) return cli_fail(ct_exit_code(hrc), "%s", e.msg);
+        dir = loc.dir;
+    }
     if (tok_load(dir, &t, &e)) return cli_fail(1, "%s", e.msg);
     int rc = 0;
     if (decode) {

@@ -32,7 +32,10 @@ static void usage(FILE *out) {
             "  export    write a training checkpoint as a Hugging Face model directory\n"
             "  import    turn a Hugging Face model directory into a checkpoint (FOLDER/step-N)\n"
             "  describe  what ctitan derives from a model's config.json (family, sizes, attention, RoPE)\n"
-            "  help      this text\n\n");
+            "  download  fetch a Hugging Face Hub model into the Hugging Face cache (ctitan download Qwen/Qwen3-0.6B)\n"
+            "  help      this text\n\n"
+            "Where a command takes a model or tokenizer directory, a Hugging Face Hub id such as\n"
+            "Qwen/Qwen3-0.6B works too (cached in HF_HUB_CACHE, downloaded when missing; docs/hub.md).\n\n");
 }
 
 int main(int argc, char **argv) {
@@ -53,6 +56,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "export")) return cli_export(argc - 2, argv + 2);
     if (!strcmp(argv[1], "import")) return cli_import(argc - 2, argv + 2);
     if (!strcmp(argv[1], "describe")) return cli_describe(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "download")) return cli_download(argc - 2, argv + 2);
     fprintf(stderr, "ctitan: error: unknown command \"%s\" (try ctitan --help)\n", argv[1]);
     return 2;
 }

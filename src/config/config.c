@@ -64,7 +64,10 @@ static const cfg_option cfg_options[] = {
         .help = "model size for spec qwen3 (debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B, debugmodel_moe, "
                 "30B-A3B, 235B-A22B)"),
     OPT("model", "hf_assets_path", CFG_STR, hf_assets_path, "",
-        .help = "Hugging Face model directory (config.json, tokenizer, weights)"),
+        .help = "Hugging Face model directory (config.json, tokenizer, weights), or a Hub id such as "
+                "Qwen/Qwen3-0.6B (cached under HF_HUB_CACHE, downloaded when missing)"),
+    OPT("model", "hf_revision", CFG_STR, hf_revision, "main",
+        .help = "branch, tag or commit of the Hub ids in hf_assets_path and checkpoint.initial_load_path"),
     OPT("model", "load_balance_coeff", CFG_DBL, load_balance_coeff, "0", .range = CFG_GE, .lo = 0,
         .help = "MoE: torchtitan's aux-loss-free balancing, a per-expert routing bias moved by this much "
                 "per step towards even load (0: off, HF's routing; torchtitan uses 1e-3)"),
@@ -163,7 +166,8 @@ static const cfg_option cfg_options[] = {
     OPT("checkpoint", "enable_first_step_checkpoint", CFG_BOOL, first_step_ckpt, "false",
         .help = "also save a checkpoint after step 1"),
     OPT("checkpoint", "initial_load_path", CFG_STR, initial_load_path, "",
-        .help = "checkpoint to start from when the folder has none"),
+        .help = "checkpoint to start from when the folder has none (with initial_load_in_hf: an HF directory or "
+                "Hub id, at model.hf_revision)"),
     OPT("checkpoint", "initial_load_in_hf", CFG_BOOL, initial_load_in_hf, "false",
         .help = "initial_load_path is a Hugging Face model directory"),
     OPT("checkpoint", "last_save_in_hf", CFG_BOOL, last_save_in_hf, "false",
@@ -565,6 +569,9 @@ void cfg_free(ct_config *c) {
     }
     free(c->config_path);
     c->config_path = NULL;
+    free(c->hf_assets_dir);
+    free(c->initial_load_dir);
+    c->hf_assets_dir = c->initial_load_dir = NULL;
 }
 
 int cfg_set(ct_config *c, const char *name, const char *value, ct_err *e) {
@@ -785,6 +792,9 @@ int cfg_validate(const ct_config *c, ct_err *e) {
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: model.hf_assets_path: required when model.spec is \"hf\" "
                        "(the directory holding config.json)", src);
+    if (!c->hf_revision[0])
+        return ct_fail(e, CT_ERR_CONFIG, "%s: model.hf_revision: must name a branch, tag or commit (default \"main\")",
+                       src);
     if (c->initial_load_path[0] && !c->initial_load_in_hf)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: checkpoint.initial_load_path: only Hugging Face safetensors directories can be loaded "

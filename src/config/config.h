@@ -20,7 +20,8 @@ typedef struct {
     /* [model] */
     char *model_spec;         /* "qwen3" | "hf" */
     char *model_flavor;       /* "debugmodel" */
-    char *hf_assets_path;     /* "" : directory with config.json (spec "hf") */
+    char *hf_assets_path;     /* "" : directory with config.json (spec "hf"), or a Hub id (hub/hub.h) */
+    char *hf_revision;        /* "main": revision of the Hub ids (hf_assets_path, initial_load_path) */
     double load_balance_coeff; /* 0: off; MoE expert-bias step (torchtitan's aux-loss-free balancing) */
     /* [optimizer] */
     char *opt_name;           /* "AdamW" (only value for now) */
@@ -101,6 +102,12 @@ typedef struct {
     int kernels_tune;         /* [kernels] tune: "auto" ops chosen by timing them on the run's sizes (kernels/tune.c) */
 
     char *config_path;        /* the --config file, or "" */
+
+    /* Not options: the local directories hf_assets_path and initial_load_path name, their Hub ids
+     * resolved in the Hugging Face cache (trainer_resolve_hub, hub/hub.h); NULL until then. The
+     * options keep what the user wrote, so the run's config.toml records the id. */
+    char *hf_assets_dir;
+    char *initial_load_dir;
 } ct_config;
 
 /* Fills every field with its default. */

@@ -23,12 +23,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "checkpoint/hf.h"
 #include "core/cpu.h"
 #include "core/fs.h"
 #include "core/timer.h"
+#include "hub/hub.h"
 #include "model/lora.h"
 
 /* The one piece of process-wide state: a signal handler can reach nothing
@@ -61,12 +63,50 @@ int trainer_join_path(char *out, size_t cap, const char *dir, const char *name) 
     return n < 0 || (size_t)n >= cap;
 }
 
+const char *trainer_hf_dir(const ct_config *c) { return c->hf_assets_dir ? c->hf_assets_dir : c->hf_assets_path; }
+const char *trainer_initial_dir(const ct_config *c) {
+    return c->initial_load_dir ? c->initial_load_dir : c->initial_load_path;
+}
+
+/* One option's Hub id through hub_resolve, into *dir; the message names the option. A
+ * directory, or a missing path that is no id, is left to the code that reads it (its errors). */
+static int resolve_one(const ct_config *c, const char *key, const char *path, unsigned what, char **dir, ct_err *e) {
+    struct stat st;
+    if (!hub_is_repo_id(path) || (stat(path, &st) == 0 && S_ISDIR(st.st_mode))) return 0;
+    hub_local *loc = ct_malloc(sizeof *loc); /* 4 KB of path: not on the stack of every caller */
+    int rc = hub_resolve(path, c->hf_revision, what, loc, e);
+    if (rc && e) {
+        char msg[sizeof e->msg];
+        snprintf(msg, sizeof msg, "%s", e->msg);
+        ct_fail(e, rc, "%s: %s: %s", trainer_cfg_src(c), key, msg);
+    }
+    if (!rc) {
+        free(*dir);
+        *dir = ct_strdup(loc->dir);
+    }
+    free(loc);
+    return rc;
+}
+
+int trainer_resolve_hub(ct_config *c, int dry_run, ct_err *e) {
+    int hf = !strcmp(c->model_spec, "hf"), init = c->initial_load_path[0] && c->initial_load_in_hf;
+    int same = init && !strcmp(c->initial_load_path, c->hf_assets_path);
+    unsigned what = (hf ? HUB_CONFIG : 0) | (dry_run ? 0 : HUB_TOKENIZER_IF_ANY | (same ? HUB_WEIGHTS : 0));
+    int rc = 0;
+    if (c->hf_assets_path[0] && what) rc = resolve_one(c, "model.hf_assets_path", c->hf_assets_path, what,
+                                                       &c->hf_assets_dir, e);
+    if (!rc && init && !dry_run)
+        rc = resolve_one(c, "checkpoint.initial_load_path", c->initial_load_path, HUB_CONFIG | HUB_WEIGHTS,
+                         &c->initial_load_dir, e);
+    return rc;
+}
+
 int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e) {
     if (strcmp(cfg->model_spec, "hf") == 0) {
         if (!cfg->hf_assets_path[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: model.hf_assets_path: required when model.spec = \"hf\"",
                            trainer_cfg_src(cfg));
-        return lm_config_from_hf(mc, cfg->hf_assets_path, e);
+        return lm_config_from_hf(mc, trainer_hf_dir(cfg), e);
     }
     int rc = lm_config_from_flavor(mc, cfg->model_flavor, e);
     if (rc && e) {
@@ -376,7 +416,8 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     t->world = world;
     pick_threads(c);
     lm_config mc;
-    int rc = trainer_model_config(c, &mc, e);
+    int rc = trainer_resolve_hub(c, 0, e);
+    if (!rc) rc = trainer_model_config(c, &mc, e);
     if (rc) return rc;
     /* the layout is checked before anything big is built */
     if ((rc = mesh_init(&t->mesh, world, c, &mc, trainer_cfg_src(c), e))) return rc;
@@ -614,7 +655,7 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
                            "%s: model.hf_assets_path: needed to tokenize %s (%s); point it at a directory with "
                            "tokenizer.json",
                            trainer_cfg_src(c), path, key);
-        if ((rc = tok_load(c->hf_assets_path, tk, e))) return rc;
+        if ((rc = tok_load(trainer_hf_dir(c), tk, e))) return rc;
         if (tok_vocab_size(*tk) > t->model.cfg.vocab_size)
             return ct_fail(e, CT_ERR_CONFIG, "%s: the tokenizer has %d ids but the model's vocabulary is %d",
                            c->hf_assets_path, tok_vocab_size(*tk), t->model.cfg.vocab_size);

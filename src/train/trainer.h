@@ -100,5 +100,14 @@ uint64_t trainer_lora_seed(const trainer *t, int step, long micro);
 int trainer_save_adapter(trainer *t, const char *dir, ct_err *e);
 /* Builds the model config for cfg (flavor table or HF config.json). */
 int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e);
+/* model.hf_assets_path and checkpoint.initial_load_path as local directories into
+ * cfg->hf_assets_dir / initial_load_dir: a directory as it is, a Hugging Face Hub id
+ * (at model.hf_revision) as its snapshot in the Hub cache, fetched when missing: config.json
+ * (spec "hf"), the tokenizer files the repo has, and the weights for initial_load_path;
+ * config.json alone for a dry run. trainer_init does it; errors are hub_resolve's. */
+int trainer_resolve_hub(ct_config *cfg, int dry_run, ct_err *e);
+/* The resolved directories (the option itself before trainer_resolve_hub). */
+const char *trainer_hf_dir(const ct_config *cfg);
+const char *trainer_initial_dir(const ct_config *cfg);
 
 #endif

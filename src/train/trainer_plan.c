@@ -160,9 +160,15 @@ static int dry_run_rank(FILE *out, const ct_config *c, const lm_config *mc, int 
     return 0;
 }
 
-int trainer_dry_run(const ct_config *c, int world, FILE *out, ct_err *e) {
+int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
+    /* config.json of a Hub id, into a shallow copy (its resolved directory is the copy's own) */
+    ct_config cc = *c0, *c = &cc;
+    cc.hf_assets_dir = cc.initial_load_dir = NULL;
     lm_config mc;
-    int rc = trainer_model_config(c, &mc, e);
+    int rc = trainer_resolve_hub(&cc, 1, e);
+    if (!rc) rc = trainer_model_config(c, &mc, e);
+    free(cc.hf_assets_dir);
+    cc.hf_assets_dir = NULL;
     if (rc) return rc;
     /* the world: mpirun's, else what fixed degrees multiply to, else one process */
     if (world <= 0) world = c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1;

@@ -11,7 +11,7 @@ L = 16
 
 ALL_OPTIONS = [
     "job.dump_folder", "job.description",
-    "model.spec", "model.flavor", "model.hf_assets_path",
+    "model.spec", "model.flavor", "model.hf_assets_path", "model.hf_revision",
     "optimizer.name", "optimizer.lr", "optimizer.eps", "optimizer.weight_decay", "optimizer.beta1",
     "optimizer.beta2",
     "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio", "lr_scheduler.decay_type",

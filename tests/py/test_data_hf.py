@@ -119,7 +119,7 @@ def auto_tok(tokdir):
 
 DATA_SRCS = ["src/core/err.c", "src/core/fs.c", "src/core/rng.c", "src/core/timer.c", "src/formats/npy.c",
              "src/data/chat.c", "src/data/dataset.c", "src/data/ds_source.c", "src/data/ds_shards.c",
-             "src/cli/cmd_prepare.c"]
+             "src/cli/cmd_prepare.c", "src/hub/hub.c"]
 DRIVER = r"""
 #include <string.h>
 int cli_prepare(int argc, char **argv);
@@ -159,7 +159,7 @@ def built(tmp_path_factory):
     so = d / "libds_test.so"
     flags = ["-std=c11", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE", "-fPIC", "-fopenmp",
              "-I" + str(ROOT / "src")]
-    libs = ["-lcjson", "-lpcre2-8", "-lutf8proc", "-lm", "-fopenmp"]
+    libs = ["-lcjson", "-lpcre2-8", "-lutf8proc", "-lcurl", "-lm", "-fopenmp"]
     subprocess.run(["gcc", *flags, "-shared", *srcs, "-o", str(so), *libs], check=True)
     lib = ctypes.CDLL(str(so))
     vp = ctypes.c_void_p
