@@ -25,6 +25,7 @@
 #include <stdio.h>
 
 #include "core/err.h"
+#include "kernels/ops.h" /* kern_attn_opt */
 #include "optim/optim.h"
 
 typedef enum {
@@ -88,11 +89,12 @@ typedef void (*kern_qknorm_rope_fwd_fn)(float *out, float *rstd, const float *x,
 typedef void (*kern_qknorm_rope_bwd_fn)(float *dx, float *dw, const float *dout, const float *x, const float *w,
                                         const float *rstd, const float *cos, const float *sin, int B, int T, int nh,
                                         int hd);
+/* opt: the family's attention variant (kernels/ops.h, kern_attn_opt); NULL: Qwen3's */
 typedef void (*kern_attention_fwd_fn)(float *out, float *lse, const float *q, const float *k, const float *v,
-                                      int B, int T, int nh, int nkv, int hd);
+                                      int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 typedef void (*kern_attention_bwd_fn)(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                       const float *lse, const float *q, const float *k, const float *v, int B,
-                                      int T, int nh, int nkv, int hd);
+                                      int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 typedef void (*kern_swiglu_fwd_fn)(float *out, const float *gate, const float *up, int N);
 typedef void (*kern_swiglu_bwd_fn)(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
                                    int N);

@@ -695,7 +695,7 @@ static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, fl
     /* per-head q/k RMSNorm then RoPE, fused: one pass over q and k */
     m->k.qknorm_rope_fwd(a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd, eps);
     m->k.qknorm_rope_fwd(a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd, eps);
-    m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd);
+    m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, NULL);
     WIDE_IN(w->wo, (size_t)H * qd);
     residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H); /* res_mid = res + o_proj(att) */
     WIDE_OUT(w->wo, (size_t)H * qd);
@@ -1050,7 +1050,7 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
         zero(m->d_k, (size_t)BT * kvd);
         zero(m->d_v, (size_t)BT * kvd);
         m->k.attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
-                           hd);
+                           hd, NULL);
         /* through RoPE and the per-head norms, fused: d_q, d_k (w.r.t. the rotated
          * q, k) -> d_q2, d_k2 (w.r.t. the projections' outputs) */
         zero(m->d_q2, (size_t)BT * qd);

@@ -69,4 +69,9 @@ T256 void kern_exp_avx2(float *out, const float *x, long n) {
     for (long i = 0; i < n; i += 8) avx2_storen(out + i, exp8(avx2_loadn(x + i, n - i)), n - i);
 }
 
+/* The same for the vector tanh (avx2_util.h's tanh8: attention's soft cap). */
+T256 void kern_tanh_avx2(float *out, const float *x, long n) {
+    for (long i = 0; i < n; i += 8) avx2_storen(out + i, tanh8(avx2_loadn(x + i, n - i)), n - i);
+}
+
 #endif /* __x86_64__ */

@@ -55,6 +55,11 @@ EW512 void kern_exp_avx512(float *out, const float *x, long n) {
     for (long i = 0; i < n; i += 16) ew_store(out + i, exp16(ew_load(x + i, n - i)), n - i);
 }
 
+/* The same for the vector tanh (avx512_util.h's tanh16: attention's soft cap). */
+EW512 void kern_tanh_avx512(float *out, const float *x, long n) {
+    for (long i = 0; i < n; i += 16) ew_store(out + i, tanh16(ew_load(x + i, n - i)), n - i);
+}
+
 /* --------------------------------------------------------------- embedding */
 
 EW512 void kern_embedding_fwd_avx512(float *out, const int32_t *tokens, const float *wte, int N, int C) {

@@ -69,4 +69,9 @@ void kern_exp_neon(float *out, const float *x, long n) {
     for (long i = 0; i < n; i += 4) neon_storen(out + i, neon_exp4(neon_loadn(x + i, n - i)), n - i);
 }
 
+/* The same for the vector tanh (neon_util.h's neon_tanh4). */
+void kern_tanh_neon(float *out, const float *x, long n) {
+    for (long i = 0; i < n; i += 4) neon_storen(out + i, neon_tanh4(neon_loadn(x + i, n - i)), n - i);
+}
+
 #endif /* __aarch64__ */
