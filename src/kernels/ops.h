@@ -124,6 +124,12 @@ void op_swiglu_fwd(float *out, const float *gate, const float *up, int N);
 /* dgate, dup += ... */
 void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
 
+/* out[N] = gelu_tanh(gate) * up, gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))):
+ * torch's gelu(approximate="tanh"), transformers' gelu_pytorch_tanh (Gemma's MLP). */
+void op_geglu_fwd(float *out, const float *gate, const float *up, int N);
+/* dgate, dup += ... */
+void op_geglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+
 /* Cross-entropy on a block of logits, fused with its backward.
  * logits[N,V] is overwritten with dlogits = (softmax - onehot(target)) * grad_scale
  * for rows whose target != -100, and zeros for ignored rows.

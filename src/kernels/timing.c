@@ -85,6 +85,7 @@ kern_bench *kern_bench_new(kern_op op, const kern_shape *sh) {
         break;
     }
     case KERN_OP_SWIGLU:
+    case KERN_OP_GEGLU:
         x->a = rand_buf((size_t)s->n, &seed), x->b = rand_buf((size_t)s->n, &seed);
         x->c = rand_buf((size_t)s->n, &seed), x->d = rand_buf((size_t)s->n, &seed);
         x->e = rand_buf((size_t)s->n, &seed);
@@ -178,6 +179,10 @@ static void run_once(kern_bench *x, const kern_impl *im, kern_bench_part part) {
     case KERN_OP_SWIGLU:
         if (fwd) im->fn.swiglu.fwd(x->a, x->b, x->c, (int)s->n);
         else im->fn.swiglu.bwd(x->d, x->e, x->a, x->b, x->c, (int)s->n);
+        break;
+    case KERN_OP_GEGLU:
+        if (fwd) im->fn.geglu.fwd(x->a, x->b, x->c, (int)s->n);
+        else im->fn.geglu.bwd(x->d, x->e, x->a, x->b, x->c, (int)s->n);
         break;
     case KERN_OP_CROSSENTROPY:
         /* fwdbwd overwrites its input: refresh it from b first (as the model's logits are fresh) */

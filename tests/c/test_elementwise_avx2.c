@@ -69,6 +69,15 @@ static void run_swiglu(void *c_, float *o) {
     c->im->fn.swiglu.bwd(o + n, o + 2 * n, c->dout, c->g, c->u, c->N);
 }
 
+static void run_geglu(void *c_, float *o) {
+    ctx_t *c = c_;
+    size_t n = (size_t)c->N;
+    c->im->fn.geglu.fwd(o, c->g, c->u, c->N);
+    memcpy(o + n, c->dout, n * sizeof(float));
+    memcpy(o + 2 * n, c->dout, n * sizeof(float));
+    c->im->fn.geglu.bwd(o + n, o + 2 * n, c->dout, c->g, c->u, c->N);
+}
+
 /* [dlogits | loss hi, lo | losses | sum | vp: max | sumexp | tlogit | dlogits | loss] */
 static void run_ce(void *c_, float *o) {
     ctx_t *c = c_;
@@ -137,6 +146,7 @@ static void test_thread_independence(const char *isa) {
         same_at_any_threads("embedding bwd", run_embedding_bwd, &c, 13 * (size_t)c.C);
     c.N = 40000 - 3; /* several element blocks and a tail */
     if ((c.im = impl_of(KERN_OP_SWIGLU, isa))) same_at_any_threads("swiglu fwd+bwd", run_swiglu, &c, 3 * (size_t)c.N);
+    if ((c.im = impl_of(KERN_OP_GEGLU, isa))) same_at_any_threads("geglu fwd+bwd", run_geglu, &c, 3 * (size_t)c.N);
     if ((c.im = impl_of(KERN_OP_ADAMW, isa))) same_at_any_threads("adamw", run_adamw, &c, 3 * (size_t)c.N);
     c.N = 7; /* 7 x 5003 logits */
     int32_t tgt[7] = {0, 5002, -100, 17, 2500, 4999, 1};

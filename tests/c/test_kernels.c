@@ -45,6 +45,7 @@ static void test_defaults(void) {
     }
     CHECK(k.matmul_fwd && k.matmul_bwd && k.embedding_fwd && k.embedding_bwd && k.rmsnorm_fwd && k.rmsnorm_bwd &&
               k.rope_fwd && k.rope_bwd && k.attention_fwd && k.attention_bwd && k.swiglu_fwd && k.swiglu_bwd &&
+              k.geglu_fwd && k.geglu_bwd &&
               k.crossentropy_fwdbwd && k.crossentropy_fwd && k.add && k.adamw_step,
           "a function pointer was left NULL");
     CHECK(!strncmp(log, "kernels:", 8), "log line \"%s\"", log);

@@ -54,6 +54,8 @@ SIGNATURES = {
     "op_attention_bwd_tiled_avx512": (None, [F32P] * 9 + [c_int] * 5 + [OPTP]),
     "op_swiglu_fwd": (None, [F32P, F32P, F32P, c_int]),
     "op_swiglu_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int]),
+    "op_geglu_fwd": (None, [F32P, F32P, F32P, c_int]),
+    "op_geglu_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int]),
     "op_crossentropy_fwdbwd": (ctypes.c_double, [F32P, I32P, c_int, c_int, c_float, ctypes.POINTER(c_long)]),
     "op_crossentropy_fwd": (ctypes.c_double, [F32P, F32P, I32P, c_int, c_int]),
     "op_add": (None, [F32P, F32P, F32P, c_long]),
@@ -346,6 +348,26 @@ def test_swiglu(lib, gen):
     lib.op_swiglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N)
     assert_close(dg - dg0, dg_t, "swiglu dgate")
     assert_close(du - du0, du_t, "swiglu dup")
+
+
+# ----------------------------------------------------------------------------- geglu
+
+def test_geglu(lib, gen):
+    N = 1001
+    gate = randn(gen, N, scale=4.0)
+    gate[:5] = torch.tensor([30.0, -30.0, -100.0, 0.0, -3.0])
+    gate.requires_grad_()
+    up = randn(gen, N).requires_grad_()
+    out_t = F.gelu(gate, approximate="tanh") * up  # transformers' gelu_pytorch_tanh (Gemma)
+    out = np.zeros(N, np.float32)
+    lib.op_geglu_fwd(P(out), P(np32(gate)), P(np32(up)), N)
+    assert_close(out, out_t, "geglu fwd")
+    g, (dg_t, du_t) = backward(out_t, (gate, up), gen)
+    dg0, du0 = np32(randn(gen, N)), np32(randn(gen, N))
+    dg, du = dg0.copy(), du0.copy()
+    lib.op_geglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N)
+    assert_close(dg - dg0, dg_t, "geglu dgate")
+    assert_close(du - du0, du_t, "geglu dup")
 
 
 # --------------------------------------------------------------------- cross entropy

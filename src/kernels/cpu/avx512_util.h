@@ -77,7 +77,7 @@ T512 __attribute__((always_inline)) static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* tanh(x) for 16 lanes (attention's soft cap). tanh is odd: computed on
+/* tanh(x) for 16 lanes (attention's soft cap, geglu). tanh is odd: computed on
  * a = |x|, the sign of x put back (so -0 stays -0). For a < 0.625 the odd
  * polynomial a + a^3 P(a^2), P of degree 5 fitted to (tanh(a)/a - 1)/a^2 on
  * [0, 0.625] for relative error (no cancellation near 0, where 1 - e^-2a

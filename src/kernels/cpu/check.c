@@ -404,6 +404,39 @@ static void case_swiglu(chk_case *c, const kern_impl *ref, const kern_impl *im, 
 
 static const int shapes_swiglu[][6] = {{1}, {7}, {15}, {16}, {17}, {33}, {1000}, {4099}};
 
+/* -------------------------------------------------------------- geglu */
+
+static void case_geglu(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    int N = s[0];
+    size_t n = (size_t)N;
+    float *g = fbuf(n), *u = fbuf(n), *dout = fbuf(n);
+    /* gelu's knee and both tails: x^3 makes u = 0.8 (x + 0.045 x^3) large by |x| = 6; the first
+     * element keeps max |ref| away from 0 (the far negative tail is 0 in torch's formula, and a
+     * last-ulp difference of tanh there is no error worth an infinite relative one) */
+    fill(g, n, r, -7, 7);
+    fill(u, n, r, -2, 2);
+    g[0] = 1.5f, u[0] = 1.0f;
+    if (n > 4) g[1] = 12.0f, g[2] = -12.0f, g[3] = -30.0f, g[4] = 0.0f;
+    fill(dout, n, r, -1, 1);
+    float *o1 = fbuf(n), *o2 = fbuf(n);
+    fill_nan(o1, n);
+    fill_nan(o2, n);
+    ref->fn.geglu.fwd(o1, g, u, N);
+    im->fn.geglu.fwd(o2, g, u, N);
+    part(c, "fwd", rel_err(o2, o1, n));
+    float *dg1 = fbuf(n), *du1 = fbuf(n);
+    fill(dg1, n, r, -1, 1);
+    fill(du1, n, r, -1, 1);
+    float *dg2 = dup(dg1, n), *du2 = dup(du1, n);
+    ref->fn.geglu.bwd(dg1, du1, dout, g, u, N);
+    im->fn.geglu.bwd(dg2, du2, dout, g, u, N);
+    part(c, "dgate+=", rel_err(dg2, dg1, n));
+    part(c, "dup+=", rel_err(du2, du1, n));
+    free(g), free(u), free(dout), free(o1), free(o2), free(dg1), free(du1), free(dg2), free(du2);
+}
+
+static const int shapes_geglu[][6] = {{1}, {5}, {7}, {15}, {16}, {17}, {33}, {1000}, {4099}};
+
 /* ------------------------------------------------------- crossentropy */
 
 /* The vocabulary-parallel phases on this rank's columns [v0, v0 + V): each
@@ -692,6 +725,7 @@ static const struct {
     [KERN_OP_MATMUL_BF16] = {case_matmul, SHAPES(shapes_matmul_bf16), 3, "M K N"},
     [KERN_OP_MOE] = {case_moe, SHAPES(shapes_moe), 6, "N H I E k mode"},
     [KERN_OP_MOE_BF16] = {case_moe, SHAPES(shapes_moe), 6, "N H I E k mode"},
+    [KERN_OP_GEGLU] = {case_geglu, SHAPES(shapes_geglu), 1, "N"},
 #undef SHAPES
 };
 

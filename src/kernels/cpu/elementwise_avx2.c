@@ -1,5 +1,5 @@
 /* kernels/cpu/elementwise_avx2.c: AVX2 + FMA versions of the memory-bound ops
- * (embedding, rmsnorm, rope, the fused q/k-norm + RoPE, swiglu, add,
+ * (embedding, rmsnorm, rope, the fused q/k-norm + RoPE, swiglu, geglu, add,
  * cross-entropy and its vocabulary-parallel phases, AdamW), registered as
  * "avx2" after "avx512" and before "ref": CPUs without AVX-512 (Zen 3, older
  * Intel cores) run these instead of the scalar references.
@@ -58,6 +58,7 @@ T256_INLINE ewv_t ewv_max(ewv_t a, ewv_t b) { return _mm256_max_ps(a, b); }
 T256_INLINE ewv_t ewv_sqrt(ewv_t a) { return _mm256_sqrt_ps(a); }
 T256_INLINE ewv_t ewv_fma(ewv_t a, ewv_t b, ewv_t c) { return _mm256_fmadd_ps(a, b, c); }
 T256_INLINE ewv_t ewv_exp(ewv_t x) { return exp8(x); }
+T256_INLINE ewv_t ewv_tanh(ewv_t x) { return tanh8(x); }
 T256_INLINE float ewv_hsum(ewv_t v) { return avx2_hsum(v); }
 T256_INLINE float ewv_hmax(ewv_t v) { return avx2_hmax(v); }
 

@@ -211,6 +211,8 @@ void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, const 
                                  const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
 void kern_swiglu_fwd_avx512(float *out, const float *gate, const float *up, int N);
 void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_geglu_fwd_avx512(float *out, const float *gate, const float *up, int N);
+void kern_geglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
 void kern_add_avx512(float *out, const float *a, const float *b, long N);
 double kern_crossentropy_fwdbwd_avx512(float *logits, const int32_t *targets, int N, int V, float grad_scale,
                                        long *n_valid);
@@ -249,6 +251,8 @@ void kern_qknorm_rope_bwd_avx2(float *dx, float *dw, const float *dout, const fl
                                const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
 void kern_swiglu_fwd_avx2(float *out, const float *gate, const float *up, int N);
 void kern_swiglu_bwd_avx2(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_geglu_fwd_avx2(float *out, const float *gate, const float *up, int N);
+void kern_geglu_bwd_avx2(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
 void kern_add_avx2(float *out, const float *a, const float *b, long N);
 double kern_crossentropy_fwdbwd_avx2(float *logits, const int32_t *targets, int N, int V, float grad_scale,
                                      long *n_valid);
@@ -301,6 +305,8 @@ void kern_qknorm_rope_bwd_neon(float *dx, float *dw, const float *dout, const fl
                                const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
 void kern_swiglu_fwd_neon(float *out, const float *gate, const float *up, int N);
 void kern_swiglu_bwd_neon(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_geglu_fwd_neon(float *out, const float *gate, const float *up, int N);
+void kern_geglu_bwd_neon(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
 void kern_add_neon(float *out, const float *a, const float *b, long N);
 double kern_crossentropy_fwdbwd_neon(float *logits, const int32_t *targets, int N, int V, float grad_scale,
                                      long *n_valid);
@@ -313,7 +319,7 @@ double kern_crossentropy_vp_grad_neon(float *logits, const float *maxv, const fl
 void kern_adamw_step_neon(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
 /* out[i] = e^x[i] with neon_util.h's neon_exp4 (for its accuracy test). */
 void kern_exp_neon(float *out, const float *x, long n);
-/* out[i] = tanh(x[i]) with neon_util.h's neon_tanh4 (for its accuracy test). */
+/* out[i] = tanh(x[i]) with neon_util.h's neon_tanh4 (geglu; for its accuracy test). */
 void kern_tanh_neon(float *out, const float *x, long n);
 #endif
 

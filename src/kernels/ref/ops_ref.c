@@ -354,6 +354,37 @@ void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gat
     }
 }
 
+/* ------------------------------------------------------------------- geglu */
+
+/* torch's gelu(approximate="tanh") term by term (its CPU kernel and
+ * GeluBackward): beta = sqrt(2/pi), kappa = 0.044715. */
+#define GELU_BETA 0.7978845608028654f
+#define GELU_KAPPA 0.044715f
+
+void op_geglu_fwd(float *out, const float *gate, const float *up, int N) {
+    // out[N], gate[N], up[N]
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        float x = gate[i];
+        float inner = GELU_BETA * (x + GELU_KAPPA * (x * x * x));
+        out[i] = 0.5f * x * (1.0f + tanhf(inner)) * up[i];
+    }
+}
+
+void op_geglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N) {
+    // dgate[N], dup[N], dout[N], gate[N], up[N]
+    // gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) beta (1 + 3 kappa x^2), u = beta (x + kappa x^3)
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        float x = gate[i];
+        float th = tanhf(GELU_BETA * (x + GELU_KAPPA * (x * x * x)));
+        float gelu = 0.5f * x * (1.0f + th);
+        float dgelu = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_BETA * (1.0f + 3.0f * GELU_KAPPA * x * x);
+        dgate[i] += dout[i] * up[i] * dgelu;
+        dup[i] += dout[i] * gelu;
+    }
+}
+
 /* ----------------------------------------------------------- cross entropy */
 
 #define CE_IGNORE (-100)
