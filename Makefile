@@ -83,7 +83,7 @@ sanitize:
 	@$(MAKE) --no-print-directory BUILD=build/san OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
 	  LDFLAGS="-fsanitize=address,undefined" test-c
 
-REF_KERNELS := matmul=ref,matmul_bf16=ref,embedding=ref,rmsnorm=ref,rope=ref,attention=ref,swiglu=ref,crossentropy=ref,add=ref,adamw=ref,moe_experts=ref,moe_experts_bf16=ref
+REF_KERNELS := matmul=ref,matmul_bf16=ref,embedding=ref,rmsnorm=ref,rope=ref,attention=ref,swiglu=ref,crossentropy=ref,add=ref,adamw=ref,moe_experts=ref,moe_experts_bf16=ref,geglu=ref
 
 PARITY_TESTS := tests/py/test_parity.py tests/py/test_bf16.py tests/py/test_moe.py::test_logits_loss_grads
 # The instruction-set levels below this CPU's best (CTITAN_ISA): avx2 on AVX-512 CPUs, avx512 on AMX ones.

@@ -226,6 +226,7 @@ static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_
         snprintf(sbuf, sizeof sbuf, "B=1 T=512 nh=16 nkv=8 hd=128");
         break;
     case KERN_OP_SWIGLU:
+    case KERN_OP_GEGLU:
         s.n = 1024L * 3072;
         bytes_f = 3.0 * 4 * s.n, bytes_b = 7.0 * 4 * s.n;
         snprintf(sbuf, sizeof sbuf, "N=1024*3072");

@@ -221,6 +221,8 @@ static const cfg_option cfg_options[] = {
     OPT("kernels", "moe_experts", CFG_STR, kernels[10], "auto", .help = "MoE experts implementation (MoE models)"),
     OPT("kernels", "moe_experts_bf16", CFG_STR, kernels[11], "auto",
         .help = "MoE experts implementation under bf16 mixed precision"),
+    OPT("kernels", "geglu", CFG_STR, kernels[12], "auto",
+        .help = "GELU(tanh)-gated MLP activation implementation (Gemma families)"),
 
     OPT("validation", "enable", CFG_BOOL, val_enable, "false",
         .help = "evaluate held-out loss and perplexity during training"),

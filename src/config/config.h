@@ -97,8 +97,8 @@ typedef struct {
     char *fsdp_reshard;       /* "default" | "always" | "never": fsdp_reshard_after_forward */
 
     /* [kernels]: implementation per op ("auto" = fastest this CPU runs); order of kern_op */
-    char *kernels[12];        /* matmul embedding rmsnorm rope attention swiglu crossentropy add adamw matmul_bf16
-                                 moe_experts moe_experts_bf16 */
+    char *kernels[13];        /* matmul embedding rmsnorm rope attention swiglu crossentropy add adamw matmul_bf16
+                                 moe_experts moe_experts_bf16 geglu */
     int kernels_tune;         /* [kernels] tune: "auto" ops chosen by timing them on the run's sizes (kernels/tune.c) */
 
     char *config_path;        /* the --config file, or "" */

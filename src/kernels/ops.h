@@ -56,53 +56,79 @@ void op_qknorm_rope_fwd(float *out, float *rstd, const float *x, const float *w,
 void op_qknorm_rope_bwd(float *dx, float *dw, const float *dout, const float *x, const float *w, const float *rstd,
                         const float *cos, const float *sin, int B, int T, int nh, int hd);
 
+/* What a model family changes in attention (model/lm.h). Passed as the last
+ * argument of every attention implementation; NULL (or all fields 0) is
+ * Qwen3's attention: scale 1/sqrt(hd), causal, no cap, and then results are
+ * bit-identical to those before the options existed. */
+typedef struct {
+    float scale;   /* multiplies q.k; 0: 1/sqrt(hd) */
+    int window;    /* > 0: query t sees keys j with t - window < j <= t (transformers'
+                      sliding_window_overlay: kv_idx > q_idx - sliding_window); 0: all j <= t */
+    float softcap; /* > 0: s = softcap * tanh(scale * q.k / softcap) before the mask and softmax
+                      (gemma's eager_attention_forward); 0: none */
+} kern_attn_opt;
+/* The first key query t sees under a window (0 without one: window <= 0). */
+static inline int kern_attn_first_key(int t, int window) { return window > 0 && t >= window ? t - window + 1 : 0; }
+
 /* Causal GQA attention, never holding [T x T] scores: the forward saves only
  * the log-sum-exp of each score row, lse = log sum_j exp(s_j), and the
  * backward recomputes the probabilities p_j = exp(s_j - lse) from q, k, lse.
  * q[B,T,nh,hd], k,v [B,T,nkv,hd] -> out[B,T,nh,hd], lse[B,nh,T] with
- * s_j = q . k_j / sqrt(hd) over keys j <= t. Query head h reads kv head
- * h / (nh/nkv). Two implementations share this contract: op_attention_*
- * (one row at a time, the reference) and op_attention_*_tiled (query x key
- * blocks, online softmax, blocks above the diagonal skipped). */
+ * s_j = scale * q . k_j (softcapped if opt says so) over the keys j the row
+ * sees: j <= t, and j > t - window with a window. Query head h reads kv head
+ * h / (nh/nkv). lse is over the final (scaled, capped) scores of the row; the
+ * backward differentiates the cap (d tanh = 1 - tanh^2). A window skips whole
+ * key blocks left of it, so the cost grows with the window, not with T.
+ * Implementations share this contract: op_attention_* (one row at a time, the
+ * reference) and op_attention_*_tiled (query x key blocks, online softmax,
+ * blocks above the diagonal and left of the window skipped), and the CPU
+ * kernels of the registry. */
 void op_attention_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
-                      int B, int T, int nh, int nkv, int hd);
+                      int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 /* dq, dk, dv += ...; out and lse are the forward's (out gives the softmax
  * backward's D = rowsum(dout * out) without the probabilities). */
 void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
-                      const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd);
+                      const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
+                      const kern_attn_opt *opt);
 void op_attention_fwd_tiled(float *out, float *lse, const float *q, const float *k, const float *v,
-                            int B, int T, int nh, int nkv, int hd);
+                            int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled(float *dq, float *dk, float *dv, const float *dout, const float *out,
                             const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                            int nh, int nkv, int hd);
+                            int nh, int nkv, int hd, const kern_attn_opt *opt);
 #if defined(__x86_64__)
 /* The tiled pair compiled for AVX-512 (call only where the CPU has it;
  * the registry checks). Bit-identical to the generic tiled pair. */
 void op_attention_fwd_tiled_avx512(float *out, float *lse, const float *q, const float *k, const float *v,
-                                   int B, int T, int nh, int nkv, int hd);
+                                   int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                    const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                   int nh, int nkv, int hd);
+                                   int nh, int nkv, int hd, const kern_attn_opt *opt);
 /* The same for AVX2 + FMA ("tiled_avx2"; bit-identical to the generic pair too). */
 void op_attention_fwd_tiled_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
-                                 int T, int nh, int nkv, int hd);
+                                 int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                  const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                 int nh, int nkv, int hd);
+                                 int nh, int nkv, int hd, const kern_attn_opt *opt);
 #elif defined(__aarch64__)
 /* The tiled pair compiled for SVE (call only where the CPU has it). Bit-identical
  * to the generic tiled pair, which on aarch64 is the NEON build. */
 void op_attention_fwd_tiled_sve(float *out, float *lse, const float *q, const float *k, const float *v, int B,
-                                int T, int nh, int nkv, int hd);
+                                int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled_sve(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                 const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                int nh, int nkv, int hd);
+                                int nh, int nkv, int hd, const kern_attn_opt *opt);
 #endif
 
 /* out[N] = silu(gate) * up */
 void op_swiglu_fwd(float *out, const float *gate, const float *up, int N);
 /* dgate, dup += ... */
 void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+
+/* out[N] = gelu_tanh(gate) * up, gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))):
+ * torch's gelu(approximate="tanh"), transformers' gelu_pytorch_tanh (Gemma's MLP). */
+void op_geglu_fwd(float *out, const float *gate, const float *up, int N);
+/* dgate, dup += ... */
+void op_geglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
 
 /* Cross-entropy on a block of logits, fused with its backward.
  * logits[N,V] is overwritten with dlogits = (softmax - onehot(target)) * grad_scale

@@ -25,6 +25,7 @@ static const char *const op_names[KERN_N_OPS] = {
     [KERN_OP_ROPE] = "rope",           [KERN_OP_ATTENTION] = "attention", [KERN_OP_SWIGLU] = "swiglu",
     [KERN_OP_CROSSENTROPY] = "crossentropy", [KERN_OP_ADD] = "add",     [KERN_OP_ADAMW] = "adamw",
     [KERN_OP_MATMUL_BF16] = "matmul_bf16", [KERN_OP_MOE] = "moe_experts", [KERN_OP_MOE_BF16] = "moe_experts_bf16",
+    [KERN_OP_GEGLU] = "geglu",
 };
 
 static const kern_impl registry[] = {
@@ -107,6 +108,17 @@ static const kern_impl registry[] = {
      .fn.swiglu = {kern_swiglu_fwd_neon, kern_swiglu_bwd_neon}},
 #endif
     {KERN_OP_SWIGLU, "ref", "cpu", 0, 0, "kernels/ref", .fn.swiglu = {op_swiglu_fwd, op_swiglu_bwd}},
+#if defined(__x86_64__)
+    {KERN_OP_GEGLU, "avx512", "cpu", KERN_FEAT_AVX512, 0, "zmm, torch's gelu tanh formula with the vector tanh",
+     .fn.geglu = {kern_geglu_fwd_avx512, kern_geglu_bwd_avx512}},
+    {KERN_OP_GEGLU, "avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, 0, "ymm, torch's gelu tanh formula with the vector tanh",
+     .fn.geglu = {kern_geglu_fwd_avx2, kern_geglu_bwd_avx2}},
+#elif defined(__aarch64__)
+    {KERN_OP_GEGLU, "neon", "cpu", KERN_FEAT_NEON, 0, "NEON, torch's gelu tanh formula with the vector tanh",
+     .fn.geglu = {kern_geglu_fwd_neon, kern_geglu_bwd_neon}},
+#endif
+    {KERN_OP_GEGLU, "ref", "cpu", 0, 0, "kernels/ref (torch's gelu tanh formula, tanhf)",
+     .fn.geglu = {op_geglu_fwd, op_geglu_bwd}},
 #if defined(__x86_64__)
     {KERN_OP_CROSSENTROPY, "avx512", "cpu", KERN_FEAT_AVX512, 0,
      "3 zmm passes per row, vector exp (2 ulp); vocabulary-parallel phases the same",
@@ -344,6 +356,7 @@ static void install(kern_ops *k, const kern_impl *im) {
         break;
     case KERN_OP_ATTENTION: k->attention_fwd = im->fn.attention.fwd; k->attention_bwd = im->fn.attention.bwd; break;
     case KERN_OP_SWIGLU: k->swiglu_fwd = im->fn.swiglu.fwd; k->swiglu_bwd = im->fn.swiglu.bwd; break;
+    case KERN_OP_GEGLU: k->geglu_fwd = im->fn.geglu.fwd; k->geglu_bwd = im->fn.geglu.bwd; break;
     case KERN_OP_CROSSENTROPY:
         k->crossentropy_fwdbwd = im->fn.crossentropy.fwdbwd;
         k->crossentropy_fwd = im->fn.crossentropy.fwd;
@@ -395,7 +408,7 @@ int kern_select_from(kern_ops *out, const kern_impl *t, size_t n, unsigned cpu, 
         if (op < 0)
             return ct_fail(e, CT_ERR_CONFIG,
                            "kernels: unknown op \"%s\" in \"%s\" (ops: matmul, embedding, rmsnorm, rope, attention, "
-                           "swiglu, crossentropy, add, adamw, matmul_bf16, moe_experts, moe_experts_bf16)",
+                           "swiglu, crossentropy, add, adamw, matmul_bf16, moe_experts, moe_experts_bf16, geglu)",
                            opname, s);
         if (!strcmp(impl, "auto")) continue; /* keep the default */
         const kern_impl *found = NULL;
@@ -444,7 +457,8 @@ int kern_select(kern_ops *out, const char *const *overrides, char *log, size_t l
 void kern_select_ref(kern_ops *out) {
     static const char *const all_ref[] = {"matmul=ref", "embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref",
                                           "swiglu=ref", "crossentropy=ref", "add=ref", "adamw=ref",
-                                          "matmul_bf16=ref", "moe_experts=ref", "moe_experts_bf16=ref", NULL};
+                                          "matmul_bf16=ref", "moe_experts=ref", "moe_experts_bf16=ref", "geglu=ref",
+                                          NULL};
     size_t n;
     const kern_impl *t = kern_registry(&n);
     kern_select_from(out, t, n, 0, all_ref, NULL, 0, NULL);

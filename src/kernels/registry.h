@@ -25,6 +25,7 @@
 #include <stdio.h>
 
 #include "core/err.h"
+#include "kernels/ops.h" /* kern_attn_opt */
 #include "optim/optim.h"
 
 typedef enum {
@@ -46,6 +47,7 @@ typedef enum {
     /* "moe_experts_bf16": the experts with matmul_bf16's rounding in every projection
      * (op_moe_experts_bf16_*); installed over moe_experts by kern_use_bf16_matmuls. */
     KERN_OP_MOE_BF16,
+    KERN_OP_GEGLU, /* "geglu": gelu_tanh(gate) * up, the MLP of the Gemma families (op_geglu_*) */
     KERN_N_OPS
 } kern_op;
 
@@ -88,14 +90,18 @@ typedef void (*kern_qknorm_rope_fwd_fn)(float *out, float *rstd, const float *x,
 typedef void (*kern_qknorm_rope_bwd_fn)(float *dx, float *dw, const float *dout, const float *x, const float *w,
                                         const float *rstd, const float *cos, const float *sin, int B, int T, int nh,
                                         int hd);
+/* opt: the family's attention variant (kernels/ops.h, kern_attn_opt); NULL: Qwen3's */
 typedef void (*kern_attention_fwd_fn)(float *out, float *lse, const float *q, const float *k, const float *v,
-                                      int B, int T, int nh, int nkv, int hd);
+                                      int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 typedef void (*kern_attention_bwd_fn)(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                       const float *lse, const float *q, const float *k, const float *v, int B,
-                                      int T, int nh, int nkv, int hd);
+                                      int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 typedef void (*kern_swiglu_fwd_fn)(float *out, const float *gate, const float *up, int N);
 typedef void (*kern_swiglu_bwd_fn)(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
                                    int N);
+typedef void (*kern_geglu_fwd_fn)(float *out, const float *gate, const float *up, int N);
+typedef void (*kern_geglu_bwd_fn)(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
+                                  int N);
 typedef double (*kern_crossentropy_fwdbwd_fn)(float *logits, const int32_t *targets, int N, int V,
                                               float grad_scale, long *n_valid);
 typedef double (*kern_crossentropy_fwd_fn)(float *losses, const float *logits, const int32_t *targets, int N,
@@ -140,6 +146,7 @@ typedef struct {
         } rope;
         struct { kern_attention_fwd_fn fwd; kern_attention_bwd_fn bwd; } attention;
         struct { kern_swiglu_fwd_fn fwd; kern_swiglu_bwd_fn bwd; } swiglu;
+        struct { kern_geglu_fwd_fn fwd; kern_geglu_bwd_fn bwd; } geglu;
         struct { /* whole rows, and the vocabulary-parallel phases (op_crossentropy_vp_*) */
             kern_crossentropy_fwdbwd_fn fwdbwd; kern_crossentropy_fwd_fn fwd;
             kern_crossentropy_vp_max_fn vp_max; kern_crossentropy_vp_sums_fn vp_sums;
@@ -168,6 +175,8 @@ typedef struct {
     kern_attention_bwd_fn attention_bwd;
     kern_swiglu_fwd_fn swiglu_fwd;
     kern_swiglu_bwd_fn swiglu_bwd;
+    kern_geglu_fwd_fn geglu_fwd;
+    kern_geglu_bwd_fn geglu_bwd;
     kern_crossentropy_fwdbwd_fn crossentropy_fwdbwd;
     kern_crossentropy_fwd_fn crossentropy_fwd;
     kern_crossentropy_vp_max_fn crossentropy_vp_max; /* from the crossentropy op's entry */
@@ -262,7 +271,7 @@ typedef struct {
     int rows, C, V;        /* embedding [rows,C] from [V,C]; rmsnorm [rows,C]; crossentropy [rows,V];
                             * moe_experts: rows tokens of width C */
     int B, T, nh, nkv, hd; /* rope (the fused q/k norm + RoPE), attention */
-    long n;                /* swiglu, add, adamw: elements */
+    long n;                /* swiglu, geglu, add, adamw: elements */
     int I, E, k;           /* moe_experts: expert width, experts, top-k */
 } kern_shape;
 
@@ -292,6 +301,7 @@ typedef struct {
     int ce_rows;                      /* logits rows per cross-entropy block */
     long n_params;                    /* AdamW's elements (timed on at most 1M) */
     int bf16;                         /* bf16 matmuls: tune matmul_bf16 / moe_experts_bf16 too */
+    int geglu;                        /* the dense MLP is GELU(tanh)-gated (Gemma): tune geglu, not swiglu */
 } kern_run_sizes;
 
 /* Chooses by measurement: for each op the run uses whose implementation the

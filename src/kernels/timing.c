@@ -85,6 +85,7 @@ kern_bench *kern_bench_new(kern_op op, const kern_shape *sh) {
         break;
     }
     case KERN_OP_SWIGLU:
+    case KERN_OP_GEGLU:
         x->a = rand_buf((size_t)s->n, &seed), x->b = rand_buf((size_t)s->n, &seed);
         x->c = rand_buf((size_t)s->n, &seed), x->d = rand_buf((size_t)s->n, &seed);
         x->e = rand_buf((size_t)s->n, &seed);
@@ -168,14 +169,20 @@ static void run_once(kern_bench *x, const kern_impl *im, kern_bench_part part) {
         else im->fn.rope.qknorm_bwd(x->e, x->h, x->a, x->b, x->g, x->f, x->c, x->d, s->B, s->T, s->nh, s->hd);
         break;
     case KERN_OP_ATTENTION:
-        if (fwd) im->fn.attention.fwd(x->a, x->b, x->c, x->d, x->e, s->B, s->T, s->nh, s->nkv, s->hd);
+        /* Qwen3's attention (opt NULL): the options cost nothing without a window, and a window only
+         * takes work away */
+        if (fwd) im->fn.attention.fwd(x->a, x->b, x->c, x->d, x->e, s->B, s->T, s->nh, s->nkv, s->hd, NULL);
         else /* dout: q stands in, any [B,T,nh,hd] input times the same */
             im->fn.attention.bwd(x->f, x->g, x->h, x->c, x->a, x->b, x->c, x->d, x->e, s->B, s->T, s->nh, s->nkv,
-                                 s->hd);
+                                 s->hd, NULL);
         break;
     case KERN_OP_SWIGLU:
         if (fwd) im->fn.swiglu.fwd(x->a, x->b, x->c, (int)s->n);
         else im->fn.swiglu.bwd(x->d, x->e, x->a, x->b, x->c, (int)s->n);
+        break;
+    case KERN_OP_GEGLU:
+        if (fwd) im->fn.geglu.fwd(x->a, x->b, x->c, (int)s->n);
+        else im->fn.geglu.bwd(x->d, x->e, x->a, x->b, x->c, (int)s->n);
         break;
     case KERN_OP_CROSSENTROPY:
         /* fwdbwd overwrites its input: refresh it from b first (as the model's logits are fresh) */

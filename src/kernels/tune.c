@@ -102,6 +102,9 @@ static int op_shape(kern_op op, const kern_run_sizes *r, kern_shape *s, char *ke
         snprintf(key, cap, "B%dT%dnh%dnkv%dhd%d", s->B, s->T, s->nh, s->nkv, s->hd);
         return 1;
     case KERN_OP_SWIGLU:
+    case KERN_OP_GEGLU:
+        /* the dense MLP's activation: one of the two (MoE experts call op_swiglu_fwd themselves) */
+        if ((op == KERN_OP_GEGLU) != (r->geglu != 0)) return 0;
         s->n = (long)tokens * (r->inter > 0 ? r->inter : r->moe_inter);
         if (s->n > TUNE_EW_MAX) s->n = TUNE_EW_MAX;
         if (s->n <= 0) return 0;

@@ -339,7 +339,7 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
         }
         gen_lora(g, w, LM_LORA_GATE, g->gate, xm, n, H, I);
         gen_lora(g, w, LM_LORA_UP, g->up, xm, n, H, I);
-        if (c->act == LM_ACT_GELU_TANH) abort(); /* PENDING(kernels branch): geglu */
+        if (c->act == LM_ACT_GELU_TANH) g->m->k.geglu_fwd(g->h, g->gate, g->up, n * I);
         else g->m->k.swiglu_fwd(g->h, g->gate, g->up, n * I);
         gen_out_proj(g, w, LM_LORA_DOWN, w->wd, w->bd, w->ln_mo, g->h, n, I); /* x += [norm](down(h)) */
     }

@@ -823,13 +823,6 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
 
 /* ------------------------------------------------- family pieces */
 
-/* PENDING(kernels branch): shim until the attention options and geglu land */
-typedef struct { float scale; int window; float softcap; } kern_attn_opt;
-#define ATTN_FWD(M, o_, l_, q_, k_, v_, B_, T_, h_, kv_, d_, opt_) (M)->k.attention_fwd(o_, l_, q_, k_, v_, B_, T_, h_, kv_, d_)
-#define ATTN_BWD(M, a1, a2, a3, a4, a5, a6, a7, a8, a9, B_, T_, h_, kv_, d_, opt_) \
-    (M)->k.attention_bwd(a1, a2, a3, a4, a5, a6, a7, a8, a9, B_, T_, h_, kv_, d_)
-static void geglu_pending(void) { fprintf(stderr, "geglu pending\n"); abort(); }
-
 /* A norm's weight as the kernels read it: w itself, or 1 + w in m->norm_w
  * (Gemma's RMSNorm). d/dw is the same either way, so backward kernels take
  * the same pointer and accumulate the true gradient. */
@@ -899,7 +892,7 @@ static void proj_reduced(lm_model *m, float *out, const float *in, const float *
 
 /* The gated MLP's activation: h = act(gate) * up. */
 static void glu_fwd(lm_model *m, float *h, const float *gate, const float *up, int n) {
-    if (m->cfg.act == LM_ACT_GELU_TANH) geglu_pending();
+    if (m->cfg.act == LM_ACT_GELU_TANH) m->k.geglu_fwd(h, gate, up, n);
     else m->k.swiglu_fwd(h, gate, up, n);
 }
 
@@ -936,7 +929,7 @@ static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, fl
     qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
     kern_attn_opt ao = attn_opt(m, l);
-    ATTN_FWD(m, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
+    m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
     WIDE_IN(w->wo, (size_t)H * qd);
     if (w->ln_ao) { /* res_mid = res + norm(o_proj(att)) */
         proj_reduced(m, a->ao, a->att, w->wo, w->bo, BT, qd, H);
@@ -1330,7 +1323,7 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
                 lora_bwd(m, l, LM_LORA_DOWN, m->d_h, dy, a->lora_u[LM_LORA_DOWN], a->h, BT, I, H);
             zero(m->d_gate, (size_t)BT * I);
             zero(m->d_up, (size_t)BT * I);
-            if (c->act == LM_ACT_GELU_TANH) geglu_pending();
+            if (c->act == LM_ACT_GELU_TANH) m->k.geglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
             else m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
             if (g->bg) op_bias_bwd(g->bg, m->d_gate, BT, I);
             if (g->bu) op_bias_bwd(g->bu, m->d_up, BT, I);
@@ -1369,7 +1362,8 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
         zero(m->d_k, (size_t)BT * kvd);
         zero(m->d_v, (size_t)BT * kvd);
         kern_attn_opt ao = attn_opt(m, l);
-        ATTN_BWD(m, m->d_q, m->d_k, m->d_v, m->d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
+        m->k.attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
+                           hd, &ao);
         /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->
          * d_q2, d_k2 (w.r.t. the projections' outputs) */
         zero(m->d_q2, (size_t)BT * qd);

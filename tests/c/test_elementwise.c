@@ -3,6 +3,7 @@
  *
  * - the vector exp against double-precision exp over the whole float range
  *   it serves, and its special values (0, +-inf, NaN, overflow, underflow);
+ *   the vector tanh (attention's soft cap) likewise;
  * - every op gives bit-identical results at 1, 2 and 3 threads (the resume
  *   and activation-checkpointing tests rely on reruns matching bit for bit);
  * - AdamW, add and embedding round exactly as the reference (same operations
@@ -62,6 +63,45 @@ static void test_exp(void (*vexp)(float *, const float *, long), const char *isa
     CHECK(fabs(sy[9] - expf(-100.0f)) <= 2 * 1.4e-45, "exp(-100) = %g vs %g (gradual underflow)", sy[9],
           expf(-100.0f));
     CHECK(fabsf(sy[10] - 2.71828183f) <= 3e-7f, "exp(1) = %.9g", sy[10]);
+    free(x), free(y);
+}
+
+/* vtanh: kern_tanh_avx512, kern_tanh_avx2 or kern_tanh_neon (attention's soft cap, geglu): relative
+ * error against double tanh over [-12, 12] (both branches, the switch at 0.625 and saturation), near 0,
+ * and the special values. */
+static void test_tanh(void (*vtanh)(float *, const float *, long), const char *isa) {
+    enum { N = 1 << 21 };
+    float *x = malloc(N * sizeof(float)), *y = malloc(N * sizeof(float));
+    for (int i = 0; i < N; i++) x[i] = -12.0f + 24.0f * (float)i / (float)(N - 1);
+    vtanh(y, x, N);
+    double worst = 0, at = 0;
+    for (int i = 0; i < N; i++) {
+        double ref = tanh((double)x[i]);
+        double e = ref == 0 ? fabs((double)y[i]) : fabs((double)y[i] - ref) / fabs(ref);
+        if (!(e <= worst)) worst = e, at = x[i];
+    }
+    CHECK(worst <= 2.5e-7, "%s vector tanh: max relative error %.3g at x = %.9g", isa, worst, at);
+    /* tiny arguments: relative accuracy where 1 - e^-2a would cancel */
+    worst = 0;
+    for (int i = 0; i < N; i++) x[i] = ldexpf(1.0f + (float)(i % 1024) / 1024.0f, -40 + (i / 1024) % 40);
+    vtanh(y, x, N);
+    for (int i = 0; i < N; i++) {
+        double ref = tanh((double)x[i]);
+        double e = fabs((double)y[i] - ref) / ref;
+        if (!(e <= worst)) worst = e, at = x[i];
+    }
+    CHECK(worst <= 2.5e-7, "%s vector tanh near 0: max relative error %.3g at x = %.9g", isa, worst, at);
+    float sx[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 30.0f, -1000.0f, 0.625f, -0.625f, 1.0f, 1e-30f};
+    int ns = (int)(sizeof sx / sizeof sx[0]);
+    float sy[sizeof sx / sizeof sx[0]];
+    vtanh(sy, sx, ns);
+    CHECK(sy[0] == 0.0f && !signbit(sy[0]) && sy[1] == 0.0f && signbit(sy[1]), "tanh(+-0) = %g %g", sy[0], sy[1]);
+    CHECK(sy[2] == 1.0f && sy[3] == -1.0f, "tanh(+-inf) = %g %g", sy[2], sy[3]);
+    CHECK(isnan(sy[4]), "tanh(NaN) = %g", sy[4]);
+    CHECK(sy[5] == 1.0f && sy[6] == -1.0f, "tanh(30), tanh(-1000) = %g %g", sy[5], sy[6]);
+    CHECK(fabs(sy[7] - tanh(0.625)) <= 2e-7 && sy[8] == -sy[7], "tanh(+-0.625) = %.9g %.9g", sy[7], sy[8]);
+    CHECK(fabsf(sy[9] - 0.761594156f) <= 2e-7f && sy[10] == 1e-30f, "tanh(1), tanh(1e-30) = %.9g %g", sy[9],
+          sy[10]);
     free(x), free(y);
 }
 
@@ -196,6 +236,7 @@ static void test_exact_vs_ref(void) {
 typedef struct {
     int B, T, nh, nkv, hd;
     float *q, *k, *v, *g;
+    const kern_attn_opt *opt;
 } att_ctx;
 
 static void run_attention(void *c_, float *o) {
@@ -203,8 +244,9 @@ static void run_attention(void *c_, float *o) {
     size_t nq = (size_t)c->B * c->T * c->nh * c->hd, nk = (size_t)c->B * c->T * c->nkv * c->hd;
     float *out = o, *lse = o + nq, *dq = lse + (size_t)c->B * c->nh * c->T, *dk = dq + nq, *dv = dk + nk;
     memset(dq, 0, (nq + 2 * nk) * sizeof(float));
-    kern_attention_fwd_avx512(out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd);
-    kern_attention_bwd_avx512(dq, dk, dv, c->g, out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd);
+    kern_attention_fwd_avx512(out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd, c->opt);
+    kern_attention_bwd_avx512(dq, dk, dv, c->g, out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd,
+                              c->opt);
 }
 
 static void test_attention_blocked(void) {
@@ -217,6 +259,10 @@ static void test_attention_blocked(void) {
     fill_lcg(c.v, nk, &s, -1, 1);
     fill_lcg(c.g, nq, &s, -1, 1);
     same_at_any_threads("blocked attention fwd+bwd", run_attention, &c,
+                        2 * nq + (size_t)c.B * c.nh * c.T + 2 * nk);
+    const kern_attn_opt wcap = {0.2f, 37, 5.0f}; /* a family's window and soft cap */
+    c.opt = &wcap;
+    same_at_any_threads("blocked attention fwd+bwd, window + softcap", run_attention, &c,
                         2 * nq + (size_t)c.B * c.nh * c.T + 2 * nk);
     free(c.q), free(c.k), free(c.v), free(c.g);
 }
@@ -263,17 +309,19 @@ static void test_checkpointing_hd64(void) {
 int main(void) {
 #if defined(__aarch64__)
     test_exp(kern_exp_neon, "neon"); /* the other NEON kernels: test_neon.c */
+    test_tanh(kern_tanh_neon, "neon");
     return CHECK_DONE();
 #elif defined(__x86_64__)
     /* the AVX2 exp (avx2_util.h's exp8) to the same bound; the other AVX2 kernels: test_elementwise_avx2.c */
     if ((kern_cpu_features() & (KERN_FEAT_AVX2 | KERN_FEAT_FMA)) == (KERN_FEAT_AVX2 | KERN_FEAT_FMA))
-        test_exp(kern_exp_avx2, "avx2");
+        test_exp(kern_exp_avx2, "avx2"), test_tanh(kern_tanh_avx2, "avx2");
     if ((kern_cpu_features() & KERN_FEAT_AVX512) != KERN_FEAT_AVX512) {
         printf("skip: the AVX-512 kernels (this CPU lacks AVX-512)\n");
         CHECK(1, "nothing to test");
         return CHECK_DONE();
     }
     test_exp(kern_exp_avx512, "avx512");
+    test_tanh(kern_tanh_avx512, "avx512");
     test_thread_independence();
     test_exact_vs_ref();
     test_attention_blocked();

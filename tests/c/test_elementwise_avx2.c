@@ -69,6 +69,15 @@ static void run_swiglu(void *c_, float *o) {
     c->im->fn.swiglu.bwd(o + n, o + 2 * n, c->dout, c->g, c->u, c->N);
 }
 
+static void run_geglu(void *c_, float *o) {
+    ctx_t *c = c_;
+    size_t n = (size_t)c->N;
+    c->im->fn.geglu.fwd(o, c->g, c->u, c->N);
+    memcpy(o + n, c->dout, n * sizeof(float));
+    memcpy(o + 2 * n, c->dout, n * sizeof(float));
+    c->im->fn.geglu.bwd(o + n, o + 2 * n, c->dout, c->g, c->u, c->N);
+}
+
 /* [dlogits | loss hi, lo | losses | sum | vp: max | sumexp | tlogit | dlogits | loss] */
 static void run_ce(void *c_, float *o) {
     ctx_t *c = c_;
@@ -137,6 +146,7 @@ static void test_thread_independence(const char *isa) {
         same_at_any_threads("embedding bwd", run_embedding_bwd, &c, 13 * (size_t)c.C);
     c.N = 40000 - 3; /* several element blocks and a tail */
     if ((c.im = impl_of(KERN_OP_SWIGLU, isa))) same_at_any_threads("swiglu fwd+bwd", run_swiglu, &c, 3 * (size_t)c.N);
+    if ((c.im = impl_of(KERN_OP_GEGLU, isa))) same_at_any_threads("geglu fwd+bwd", run_geglu, &c, 3 * (size_t)c.N);
     if ((c.im = impl_of(KERN_OP_ADAMW, isa))) same_at_any_threads("adamw", run_adamw, &c, 3 * (size_t)c.N);
     c.N = 7; /* 7 x 5003 logits */
     int32_t tgt[7] = {0, 5002, -100, 17, 2500, 4999, 1};
@@ -190,6 +200,7 @@ typedef struct {
     const kern_impl *im;
     int B, T, nh, nkv, hd;
     float *q, *k, *v, *g;
+    const kern_attn_opt *opt;
 } att_ctx;
 
 static void run_attention(void *c_, float *o) {
@@ -197,8 +208,8 @@ static void run_attention(void *c_, float *o) {
     size_t nq = (size_t)c->B * c->T * c->nh * c->hd, nk = (size_t)c->B * c->T * c->nkv * c->hd;
     float *out = o, *lse = o + nq, *dq = lse + (size_t)c->B * c->nh * c->T, *dk = dq + nq, *dv = dk + nk;
     memset(dq, 0, (nq + 2 * nk) * sizeof(float));
-    c->im->fn.attention.fwd(out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd);
-    c->im->fn.attention.bwd(dq, dk, dv, c->g, out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd);
+    c->im->fn.attention.fwd(out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd, c->opt);
+    c->im->fn.attention.bwd(dq, dk, dv, c->g, out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd, c->opt);
 }
 
 /* blocked_avx2 at 1, 2, 3 threads (hd 64 and 128: its path; hd 40: its tiled_avx2 fallback),
@@ -216,17 +227,24 @@ static void test_attention(void) {
         fill_lcg(c.k, nk, &s, -2, 2);
         fill_lcg(c.v, nk, &s, -1, 1);
         fill_lcg(c.g, nq, &s, -1, 1);
-        if ((c.im = impl_of(KERN_OP_ATTENTION, "blocked_avx2")))
-            same_at_any_threads("blocked_avx2 attention fwd+bwd", run_attention, &c, n);
-        const kern_impl *t2 = impl_of(KERN_OP_ATTENTION, "tiled_avx2"), *t0 = impl_of(KERN_OP_ATTENTION, "tiled");
-        if (t2 && t0) {
-            float *o1 = malloc(n * 4), *o2 = malloc(n * 4);
-            c.im = t0;
-            run_attention(&c, o1);
-            c.im = t2;
-            run_attention(&c, o2);
-            CHECK(!memcmp(o1, o2, n * 4), "tiled_avx2 differs from tiled (hd %d)", c.hd);
-            free(o1), free(o2);
+        /* Qwen3's attention, then a family's window + scale + soft cap */
+        const kern_attn_opt wcap = {0.2f, 29, 5.0f}, *opts[2] = {NULL, &wcap};
+        for (int oi = 0; oi < 2; oi++) {
+            c.opt = opts[oi];
+            if ((c.im = impl_of(KERN_OP_ATTENTION, "blocked_avx2")))
+                same_at_any_threads(oi ? "blocked_avx2 attention fwd+bwd, window + softcap"
+                                       : "blocked_avx2 attention fwd+bwd",
+                                    run_attention, &c, n);
+            const kern_impl *t2 = impl_of(KERN_OP_ATTENTION, "tiled_avx2"), *t0 = impl_of(KERN_OP_ATTENTION, "tiled");
+            if (t2 && t0) {
+                float *o1 = malloc(n * 4), *o2 = malloc(n * 4);
+                c.im = t0;
+                run_attention(&c, o1);
+                c.im = t2;
+                run_attention(&c, o2);
+                CHECK(!memcmp(o1, o2, n * 4), "tiled_avx2 differs from tiled (hd %d, opt %d)", c.hd, oi);
+                free(o1), free(o2);
+            }
         }
         free(c.q), free(c.k), free(c.v), free(c.g);
     }

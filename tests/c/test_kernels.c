@@ -45,6 +45,7 @@ static void test_defaults(void) {
     }
     CHECK(k.matmul_fwd && k.matmul_bwd && k.embedding_fwd && k.embedding_bwd && k.rmsnorm_fwd && k.rmsnorm_bwd &&
               k.rope_fwd && k.rope_bwd && k.attention_fwd && k.attention_bwd && k.swiglu_fwd && k.swiglu_bwd &&
+              k.geglu_fwd && k.geglu_bwd &&
               k.crossentropy_fwdbwd && k.crossentropy_fwd && k.add && k.adamw_step,
           "a function pointer was left NULL");
     CHECK(!strncmp(log, "kernels:", 8), "log line \"%s\"", log);
@@ -419,20 +420,26 @@ static void test_attention_tiled_avx512(void) {
     fill_lcg(k, nk, &s);
     fill_lcg(v, nk, &s);
     fill_lcg(g, nq, &s);
-    float *o[2], *l[2], *dq[2], *dk[2], *dv[2];
-    int saved = omp_get_max_threads();
-    for (int i = 0; i < 2; i++) {
-        omp_set_num_threads(i + 1);
-        o[i] = malloc(nq * 4), l[i] = malloc(nl * 4);
-        dq[i] = calloc(nq, 4), dk[i] = calloc(nk, 4), dv[i] = calloc(nk, 4);
-        (i ? fwd : op_attention_fwd_tiled)(o[i], l[i], q, k, v, B, T, nh, nkv, hd);
-        (i ? bwd : op_attention_bwd_tiled)(dq[i], dk[i], dv[i], g, o[i], l[i], q, k, v, B, T, nh, nkv, hd);
+    /* Qwen3's attention, and a family's window + scale + soft cap (kern_attn_opt) */
+    const kern_attn_opt wcap = {0.3f, 37, 4.0f}, *opts[2] = {NULL, &wcap};
+    for (int oi = 0; oi < 2; oi++) {
+        float *o[2], *l[2], *dq[2], *dk[2], *dv[2];
+        int saved = omp_get_max_threads();
+        for (int i = 0; i < 2; i++) {
+            omp_set_num_threads(i + 1);
+            o[i] = malloc(nq * 4), l[i] = malloc(nl * 4);
+            dq[i] = calloc(nq, 4), dk[i] = calloc(nk, 4), dv[i] = calloc(nk, 4);
+            (i ? fwd : op_attention_fwd_tiled)(o[i], l[i], q, k, v, B, T, nh, nkv, hd, opts[oi]);
+            (i ? bwd : op_attention_bwd_tiled)(dq[i], dk[i], dv[i], g, o[i], l[i], q, k, v, B, T, nh, nkv, hd,
+                                               opts[oi]);
+        }
+        omp_set_num_threads(saved);
+        CHECK(!memcmp(o[0], o[1], nq * 4) && !memcmp(l[0], l[1], nl * 4), "tiled_avx512 forward != tiled (opt %d)",
+              oi);
+        CHECK(!memcmp(dq[0], dq[1], nq * 4) && !memcmp(dk[0], dk[1], nk * 4) && !memcmp(dv[0], dv[1], nk * 4),
+              "tiled_avx512 backward != tiled (opt %d)", oi);
+        for (int i = 0; i < 2; i++) free(o[i]), free(l[i]), free(dq[i]), free(dk[i]), free(dv[i]);
     }
-    omp_set_num_threads(saved);
-    CHECK(!memcmp(o[0], o[1], nq * 4) && !memcmp(l[0], l[1], nl * 4), "tiled_avx512 forward != tiled");
-    CHECK(!memcmp(dq[0], dq[1], nq * 4) && !memcmp(dk[0], dk[1], nk * 4) && !memcmp(dv[0], dv[1], nk * 4),
-          "tiled_avx512 backward != tiled");
-    for (int i = 0; i < 2; i++) free(o[i]), free(l[i]), free(dq[i]), free(dk[i]), free(dv[i]);
     free(q), free(k), free(v), free(g);
 }
 

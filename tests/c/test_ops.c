@@ -317,30 +317,38 @@ static void test_rope(ct_rng *r, int B, int T, int nh, int hd) {
 
 /* --------------------------------------------------------------- attention */
 
-typedef void (*attn_fwd_fn)(float *, float *, const float *, const float *, const float *, int, int, int, int, int);
+typedef void (*attn_fwd_fn)(float *, float *, const float *, const float *, const float *, int, int, int, int, int,
+                            const kern_attn_opt *);
 typedef void (*attn_bwd_fn)(float *, float *, float *, const float *, const float *, const float *, const float *,
-                            const float *, const float *, int, int, int, int, int);
+                            const float *, const float *, int, int, int, int, int, const kern_attn_opt *);
 
 typedef struct {
     float *q, *k, *v, *lse;
     int B, T, nh, nkv, hd;
     attn_fwd_fn fwd;
+    const kern_attn_opt *opt;
 } attn_ctx;
 
 static void attn_fwd(void *c_, float *out) {
     attn_ctx *c = c_;
-    c->fwd(out, c->lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd);
+    c->fwd(out, c->lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd, c->opt);
 }
 
-/* Runs for the reference (row at a time) and the tiled kernel alike. */
+/* Runs for the reference (row at a time) and the tiled kernel alike, with
+ * the options `opt` (NULL: Qwen3's attention), against a double-precision
+ * softmax written from the definition (scale, cap tanh(s / cap), keys
+ * t - window < j <= t) and finite differences. */
 static void test_attention_impl(ct_rng *r, const char *name, attn_fwd_fn fwd, attn_bwd_fn bwd, int B, int T, int nh,
-                                int nkv, int hd) {
+                                int nkv, int hd, const kern_attn_opt *opt) {
     size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd, nl = (size_t)B * nh * T;
-    attn_ctx c = {randn(r, nq, 1), randn(r, nk, 1), randn(r, nk, 1), zeros(nl), B, T, nh, nkv, hd, fwd};
+    attn_ctx c = {randn(r, nq, 1), randn(r, nk, 1), randn(r, nk, 1), zeros(nl), B, T, nh, nkv, hd, fwd, opt};
     float *out = zeros(nq);
     attn_fwd(&c, out);
 
     // lse and out against a double-precision softmax
+    double scale = opt && opt->scale != 0 ? opt->scale : 1.0 / sqrt((double)hd);
+    double cap = opt && opt->softcap > 0 ? opt->softcap : 0;
+    int window = opt && opt->window > 0 ? opt->window : 0;
     double lseerr = 0, outerr = 0;
     int group = nh / nkv;
     double *sc = malloc((size_t)T * sizeof(double)); // [T] scores of one row
@@ -348,33 +356,35 @@ static void test_attention_impl(ct_rng *r, const char *name, attn_fwd_fn fwd, at
         for (int h = 0; h < nh; h++)
             for (int t = 0; t < T; t++) {
                 double mx = -1e300, z = 0;
+                int lo = window && t - window + 1 > 0 ? t - window + 1 : 0;
                 const float *qt = c.q + (((size_t)b * T + t) * nh + h) * hd;
-                for (int t2 = 0; t2 <= t; t2++) {
+                for (int t2 = lo; t2 <= t; t2++) {
                     const float *kt = c.k + (((size_t)b * T + t2) * nkv + h / group) * hd;
                     sc[t2] = 0;
                     for (int i = 0; i < hd; i++) sc[t2] += (double)qt[i] * kt[i];
-                    sc[t2] /= sqrt((double)hd);
+                    sc[t2] *= scale;
+                    if (cap > 0) sc[t2] = cap * tanh(sc[t2] / cap);
                     mx = fmax(mx, sc[t2]);
                 }
-                for (int t2 = 0; t2 <= t; t2++) z += (sc[t2] = exp(sc[t2] - mx));
+                for (int t2 = lo; t2 <= t; t2++) z += (sc[t2] = exp(sc[t2] - mx));
                 lseerr = fmax(lseerr, fabs(mx + log(z) - c.lse[((size_t)b * nh + h) * T + t]));
                 for (int i = 0; i < hd; i++) {
                     double o = 0;
-                    for (int t2 = 0; t2 <= t; t2++)
+                    for (int t2 = lo; t2 <= t; t2++)
                         o += sc[t2] / z * c.v[(((size_t)b * T + t2) * nkv + h / group) * hd + i];
                     outerr = fmax(outerr, fabs(o - out[(((size_t)b * T + t) * nh + h) * hd + i]));
                 }
             }
     free(sc);
     CHECK(lseerr < 1e-5, "attention %s lse vs double reference (err %.3g)", name, lseerr);
-    CHECK(outerr < 1e-5, "attention %s out vs double reference B=%d T=%d nh=%d nkv=%d hd=%d: %.3g", name,
-          B, T, nh, nkv, hd, outerr);
+    CHECK(outerr < 1e-5, "attention %s out vs double reference B=%d T=%d nh=%d nkv=%d hd=%d w=%d cap=%g: %.3g",
+          name, B, T, nh, nkv, hd, window, cap, outerr);
 
     float *W = randn(r, nq, 1);
     float *dq = zeros(nq), *dk = zeros(nk), *dv = zeros(nk), *fd = zeros(nq > nk ? nq : nk);
     attn_fwd(&c, out);
     float *lse = copyf(c.lse, nl), *o = copyf(out, nq);
-    bwd(dq, dk, dv, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd);
+    bwd(dq, dk, dv, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt);
     fd_grad(fd, c.q, nq, attn_fwd, &c, out, W, nq);
     CHECK_GRAD(dq, fd, nq, "attention dq");
     fd_grad(fd, c.k, nk, attn_fwd, &c, out, W, nq);
@@ -386,11 +396,11 @@ static void test_attention_impl(ct_rng *r, const char *name, attn_fwd_fn fwd, at
     float *q0 = randn(r, nq, 1), *q1 = copyf(q0, nq), *q2 = copyf(q0, nq);
     float *k0 = randn(r, nk, 1), *k1 = copyf(k0, nk), *k2 = copyf(k0, nk);
     float *v0 = randn(r, nk, 1), *v1 = copyf(v0, nk), *v2 = copyf(v0, nk);
-    bwd(q1, k1, v1, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd);
-    bwd(q2, k2, v2, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd);
-    bwd(q2, k2, v2, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd);
+    bwd(q1, k1, v1, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt);
+    bwd(q2, k2, v2, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt);
+    bwd(q2, k2, v2, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt);
     check_accum(v0, v1, v2, nk, "attention dv");
-    if (T > 1) {
+    if (T > 1 && !(window == 1)) { /* a window of 1: each row sees only itself, no gradient to q, k */
         check_accum(q0, q1, q2, nq, "attention dq");
         check_accum(k0, k1, k2, nk, "attention dk");
     }
@@ -400,9 +410,28 @@ static void test_attention_impl(ct_rng *r, const char *name, attn_fwd_fn fwd, at
     free(v0); free(v1); free(v2);
 }
 
+static void test_attention_opt(ct_rng *r, int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    test_attention_impl(r, "ref", op_attention_fwd, op_attention_bwd, B, T, nh, nkv, hd, opt);
+    test_attention_impl(r, "tiled", op_attention_fwd_tiled, op_attention_bwd_tiled, B, T, nh, nkv, hd, opt);
+}
+
 static void test_attention(ct_rng *r, int B, int T, int nh, int nkv, int hd) {
-    test_attention_impl(r, "ref", op_attention_fwd, op_attention_bwd, B, T, nh, nkv, hd);
-    test_attention_impl(r, "tiled", op_attention_fwd_tiled, op_attention_bwd_tiled, B, T, nh, nkv, hd);
+    test_attention_opt(r, B, T, nh, nkv, hd, NULL);
+}
+
+/* The families' variants (kern_attn_opt): windows, scale, soft cap, alone and together. */
+static void test_attention_options(ct_rng *r) {
+    const kern_attn_opt w1 = {0, 1, 0}, w3 = {0, 3, 0}, w40 = {0, 40, 0}, wbig = {0, 1000, 0};
+    const kern_attn_opt sc = {0.7f, 0, 0}, cap = {0, 0, 1.5f}, all = {0.6f, 5, 2.0f}, all2 = {0.3f, 66, 1.0f};
+    test_attention_opt(r, 2, 6, 4, 2, 6, &w1);
+    test_attention_opt(r, 1, 9, 2, 1, 5, &w3);
+    test_attention_opt(r, 1, 70, 2, 1, 3, &w3);   // across the tiled kernel's blocks: tiles left of the window skipped
+    test_attention_opt(r, 1, 150, 2, 1, 3, &w40); // a window across two key tiles
+    test_attention_opt(r, 1, 7, 2, 2, 4, &wbig);  // a window larger than T: plain causal
+    test_attention_opt(r, 2, 5, 4, 2, 6, &sc);
+    test_attention_opt(r, 1, 8, 2, 1, 6, &cap);
+    test_attention_opt(r, 1, 11, 4, 2, 5, &all);
+    test_attention_opt(r, 1, 140, 2, 1, 3, &all2);
 }
 
 /* ------------------------------------------------------------------ swiglu */
@@ -572,11 +601,15 @@ static double run_reductions(int threads, float *dq, float *dk, float *dv, float
         tgt[i] = i % 5 == 0 ? -100 : (int32_t)(ct_rng_u64(&r) % C);
     }
     omp_set_num_threads(threads);
-    op_attention_fwd(out, lse, q, k, v, B, T, nh, nkv, hd);
-    op_attention_bwd(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd);
+    op_attention_fwd(out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
+    op_attention_bwd(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
     // the tiled kernel too, into the same gradients (both must be thread-count independent)
-    op_attention_fwd_tiled(out, lse, q, k, v, B, T, nh, nkv, hd);
-    op_attention_bwd_tiled(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd);
+    op_attention_fwd_tiled(out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
+    op_attention_bwd_tiled(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
+    // and with a window and a soft cap
+    const kern_attn_opt opt = {0.5f, 9, 3.0f};
+    op_attention_fwd_tiled(out, lse, q, k, v, B, T, nh, nkv, hd, &opt);
+    op_attention_bwd_tiled(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, &opt);
     op_rmsnorm_fwd(y, rstd, x, w, N, C, 1e-6f);
     op_rmsnorm_bwd(dx, dw, gx, x, w, rstd, N, C);
     op_embedding_bwd(dwte, gx, tok, N, C);
@@ -637,6 +670,7 @@ int main(void) {
     test_attention(&r, 2, 1, 2, 1, 6); // T = 1
     test_attention(&r, 1, 6, 3, 3, 5); // odd head_dim still works for attention
     test_attention(&r, 1, 70, 2, 1, 3); // crosses the tiled kernel's 32-query and 64-key blocks
+    test_attention_options(&r);
 
     test_swiglu(&r);
     test_crossentropy(&r);

@@ -38,7 +38,7 @@ static void add_broken(float *out, const float *a, const float *b, long N) {
 
 static const char *const force_others[] = {
     "matmul=ref", "embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref", "swiglu=ref", "crossentropy=ref",
-    "adamw=ref", "matmul_bf16=ref", "moe_experts=ref", "moe_experts_bf16=ref", NULL};
+    "adamw=ref", "matmul_bf16=ref", "moe_experts=ref", "moe_experts_bf16=ref", "geglu=ref", NULL};
 
 /* The registry without its add entries, plus ours. */
 static kern_impl *make_table(size_t *n_out) {
@@ -154,6 +154,18 @@ static void test_ops_of_the_run(void) {
     CHECK(kern_tune(&k, t, n, cpu, only_matmuls, &rs, path, log, sizeof log, &e) == 0, "%s", e.msg);
     if (runnable[KERN_OP_MOE] > 1)
         CHECK(count_lines(path, "pick moe_experts N8H32I16E4k2 ") == 1, "a MoE run times its experts");
+    /* the dense MLP's activation: swiglu, or geglu for a GELU-gated family, never both */
+    const char *only_acts[] = {"matmul=ref", "embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref",
+                               "crossentropy=ref", "add=ref", "adamw=ref", NULL};
+    unlink(path);
+    rs.inter = 64, rs.n_experts = 0, rs.moe_inter = 0, rs.top_k = 0;
+    CHECK(kern_tune(&k, t, n, cpu, only_acts, &rs, path, log, sizeof log, &e) == 0, "%s", e.msg);
+    CHECK(count_lines(path, "pick geglu ") == 0, "a SwiGLU run does not time geglu");
+    if (runnable[KERN_OP_SWIGLU] > 0) CHECK(count_lines(path, "pick swiglu n512 ") == 1, "it times swiglu");
+    rs.geglu = 1;
+    CHECK(kern_tune(&k, t, n, cpu, only_acts, &rs, path, log, sizeof log, &e) == 0, "%s", e.msg);
+    if (runnable[KERN_OP_GEGLU] > 0) CHECK(count_lines(path, "pick geglu n512 ") == 1, "a GeGLU run times geglu");
+    CHECK(count_lines(path, "pick swiglu ") == (runnable[KERN_OP_SWIGLU] > 0), "and not swiglu again");
     unlink(path);
 }
 

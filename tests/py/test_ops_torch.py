@@ -28,6 +28,14 @@ F32P = ctypes.POINTER(ctypes.c_float)
 I32P = ctypes.POINTER(ctypes.c_int32)
 c_int, c_long, c_float = ctypes.c_int, ctypes.c_long, ctypes.c_float
 
+
+class AttnOpt(ctypes.Structure):
+    """kernels/ops.h's kern_attn_opt: what a model family changes in attention."""
+    _fields_ = [("scale", c_float), ("window", c_int), ("softcap", c_float)]
+
+
+OPTP = ctypes.POINTER(AttnOpt)
+
 SIGNATURES = {
     "op_matmul_fwd": (None, [F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
     "op_matmul_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int, c_int, c_int]),
@@ -38,14 +46,16 @@ SIGNATURES = {
     "op_rope_fwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
     "op_rope_bwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
     "op_rope_tables": (None, [F32P, F32P, c_int, c_int, c_float]),
-    "op_attention_fwd": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5),
-    "op_attention_bwd": (None, [F32P] * 9 + [c_int] * 5),
-    "op_attention_fwd_tiled": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5),
-    "op_attention_bwd_tiled": (None, [F32P] * 9 + [c_int] * 5),
-    "op_attention_fwd_tiled_avx512": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5),
-    "op_attention_bwd_tiled_avx512": (None, [F32P] * 9 + [c_int] * 5),
+    "op_attention_fwd": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5 + [OPTP]),
+    "op_attention_bwd": (None, [F32P] * 9 + [c_int] * 5 + [OPTP]),
+    "op_attention_fwd_tiled": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5 + [OPTP]),
+    "op_attention_bwd_tiled": (None, [F32P] * 9 + [c_int] * 5 + [OPTP]),
+    "op_attention_fwd_tiled_avx512": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5 + [OPTP]),
+    "op_attention_bwd_tiled_avx512": (None, [F32P] * 9 + [c_int] * 5 + [OPTP]),
     "op_swiglu_fwd": (None, [F32P, F32P, F32P, c_int]),
     "op_swiglu_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int]),
+    "op_geglu_fwd": (None, [F32P, F32P, F32P, c_int]),
+    "op_geglu_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int]),
     "op_crossentropy_fwdbwd": (ctypes.c_double, [F32P, I32P, c_int, c_int, c_float, ctypes.POINTER(c_long)]),
     "op_crossentropy_fwd": (ctypes.c_double, [F32P, F32P, I32P, c_int, c_int]),
     "op_add": (None, [F32P, F32P, F32P, c_long]),
@@ -214,15 +224,23 @@ def test_rope(lib, gen, B, T, nh, hd):
 
 # ------------------------------------------------------------------------- attention
 
-def torch_attention(q, k, v):
-    """q [B,T,nh,hd], k/v [B,T,nkv,hd] -> out [B,T,nh,hd], lse [B,nh,T], as HF eager."""
+def torch_attention(q, k, v, scale=None, window=0, softcap=0.0):
+    """q [B,T,nh,hd], k/v [B,T,nkv,hd] -> out [B,T,nh,hd], lse [B,nh,T], as HF eager: scores times
+    `scale` (default hd^-0.5), then softcap * tanh(scores / softcap) (gemma), then the causal mask
+    and, with a window, transformers' sliding_window_overlay (keep kv_idx > q_idx - window)."""
     B, T, nh, hd = q.shape
     nkv = k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     kh = kh.repeat_interleave(nh // nkv, dim=1)
     vh = vh.repeat_interleave(nh // nkv, dim=1)
-    scores = torch.matmul(qh, kh.transpose(2, 3)) * hd ** -0.5
-    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    scores = torch.matmul(qh, kh.transpose(2, 3)) * (hd ** -0.5 if scale is None else scale)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_idx, kv_idx = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    visible = kv_idx <= q_idx
+    if window > 0:
+        visible &= kv_idx > q_idx - window
+    mask = ~visible
     scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     return torch.matmul(probs, vh).transpose(1, 2), torch.logsumexp(scores, dim=-1)
@@ -254,16 +272,62 @@ def test_attention(lib, gen, impl, B, T, nh, nkv, hd):
     fwd, bwd = getattr(lib, "op_attention_fwd" + impl), getattr(lib, "op_attention_bwd" + impl)
     out_t, lse_t = torch_attention(q, k, v)
     out, lse = np.zeros((B, T, nh, hd), np.float32), np.zeros((B, nh, T), np.float32)
-    fwd(P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd)
+    fwd(P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd, None)
     assert_close(out, out_t, "attention fwd")
     assert_close(lse, lse_t, "attention lse")
     g, (dq_t, dk_t, dv_t) = backward(out_t, (q, k, v), gen)
     dq0, dk0, dv0 = np32(randn(gen, *q.shape)), np32(randn(gen, *k.shape)), np32(randn(gen, *v.shape))
     dq, dk, dv = dq0.copy(), dk0.copy(), dv0.copy()
-    bwd(P(dq), P(dk), P(dv), P(np32(g)), P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd)
+    bwd(P(dq), P(dk), P(dv), P(np32(g)), P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd, None)
     assert_close(dq - dq0, dq_t, "attention dq")
     assert_close(dk - dk0, dk_t, "attention dk")
     assert_close(dv - dv0, dv_t, "attention dv")
+
+
+# The families' variants (kern_attn_opt): (scale, window, softcap); scale 0 is the default 1/sqrt(hd).
+ATTN_OPTS = [
+    (0.0, 1, 0.0),      # each query sees itself only
+    (0.0, 5, 0.0),      # a window inside one key tile
+    (0.0, 37, 0.0),     # not a multiple of the 32 x 64 tiles: partial tiles, whole tiles skipped
+    (0.0, 64, 0.0),
+    (0.0, 1000, 0.0),   # wider than T: plain causal
+    (0.3, 0, 0.0),      # Gemma's query_pre_attn_scalar instead of head_dim
+    (0.0, 0, 2.0),      # a cap that bites (scores reach ~10 here)
+    (0.0, 0, 50.0),     # Gemma 2's attention cap
+    (0.25, 7, 5.0),     # all three
+    (1.0, 70, 3.0),
+]
+
+
+@pytest.mark.parametrize("scale,window,softcap", ATTN_OPTS)
+@pytest.mark.parametrize("B,T,nh,nkv,hd", [
+    (2, 9, 4, 2, 6),
+    (1, 150, 4, 2, 16),  # several tiles, partial last ones
+    (1, 70, 2, 1, 64),
+])
+@pytest.mark.parametrize("impl", ["", "_tiled", "_tiled_avx512"])
+def test_attention_options(lib, gen, impl, B, T, nh, nkv, hd, scale, window, softcap):
+    if impl == "_tiled_avx512" and not _has_avx512():
+        pytest.skip("no AVX-512")
+    q = randn(gen, B, T, nh, hd, scale=1.5).requires_grad_()
+    k = randn(gen, B, T, nkv, hd, scale=1.5).requires_grad_()
+    v = randn(gen, B, T, nkv, hd).requires_grad_()
+    fwd, bwd = getattr(lib, "op_attention_fwd" + impl), getattr(lib, "op_attention_bwd" + impl)
+    out_t, lse_t = torch_attention(q, k, v, scale=scale or None, window=window, softcap=softcap)
+    opt = ctypes.byref(AttnOpt(scale, window, softcap))
+    out, lse = np.zeros((B, T, nh, hd), np.float32), np.zeros((B, nh, T), np.float32)
+    fwd(P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd, opt)
+    what = f"attention scale={scale} window={window} softcap={softcap}"
+    assert_close(out, out_t, what + " fwd")
+    assert_close(lse, lse_t, what + " lse")
+    g, (dq_t, dk_t, dv_t) = backward(out_t, (q, k, v), gen)
+    dq0, dk0, dv0 = np32(randn(gen, *q.shape)), np32(randn(gen, *k.shape)), np32(randn(gen, *v.shape))
+    dq, dk, dv = dq0.copy(), dk0.copy(), dv0.copy()
+    bwd(P(dq), P(dk), P(dv), P(np32(g)), P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd, opt)
+    # (window 1: no gradient reaches q and k, a softmax over one key; both sides give exact zeros)
+    assert_close(dq - dq0, dq_t, what + " dq")
+    assert_close(dk - dk0, dk_t, what + " dk")
+    assert_close(dv - dv0, dv_t, what + " dv")
 
 
 # ---------------------------------------------------------------------------- swiglu
@@ -284,6 +348,26 @@ def test_swiglu(lib, gen):
     lib.op_swiglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N)
     assert_close(dg - dg0, dg_t, "swiglu dgate")
     assert_close(du - du0, du_t, "swiglu dup")
+
+
+# ----------------------------------------------------------------------------- geglu
+
+def test_geglu(lib, gen):
+    N = 1001
+    gate = randn(gen, N, scale=4.0)
+    gate[:5] = torch.tensor([30.0, -30.0, -100.0, 0.0, -3.0])
+    gate.requires_grad_()
+    up = randn(gen, N).requires_grad_()
+    out_t = F.gelu(gate, approximate="tanh") * up  # transformers' gelu_pytorch_tanh (Gemma)
+    out = np.zeros(N, np.float32)
+    lib.op_geglu_fwd(P(out), P(np32(gate)), P(np32(up)), N)
+    assert_close(out, out_t, "geglu fwd")
+    g, (dg_t, du_t) = backward(out_t, (gate, up), gen)
+    dg0, du0 = np32(randn(gen, N)), np32(randn(gen, N))
+    dg, du = dg0.copy(), du0.copy()
+    lib.op_geglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N)
+    assert_close(dg - dg0, dg_t, "geglu dgate")
+    assert_close(du - du0, du_t, "geglu dup")
 
 
 # --------------------------------------------------------------------- cross entropy

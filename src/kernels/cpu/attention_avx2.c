@@ -23,6 +23,11 @@
  * tile; rows past the end of a partial block repeat the last row and are
  * never stored.
  *
+ * Options (kern_attn_opt) as in blocked_avx512: a window starts the key loop
+ * at the tile of the block's first visible key, masks lanes left of it,
+ * skips the score chunks no row of a micro-block sees and narrows the key
+ * products to the rows that see the keys; a soft cap uses tanh8 (avx2_util.h).
+ *
  * Shapes: the register tiles cover hd in chunks of 16, so head dims that are
  * multiples of 16 (every Qwen3: 128) take this path; any other falls back to
  * tiled_avx2 ("tiled" compiled for AVX2, kernels/ref/attention.c), which has
@@ -162,21 +167,25 @@ T256_INLINE float att2_dot(const float *x, const float *y, int n) {
     return avx2_hsum(a);
 }
 
-/* Lanes j of a 16-key chunk starting at key kc0 (of the tile) with kc0 + j < n, as a float blend mask. */
-T256_INLINE __m256 att2_keymask(int n, int kc0, int half) {
-    return _mm256_castsi256_ps(avx2_lanes((long)n - kc0 - 8 * half));
+/* Lanes j of a 16-key chunk starting at key kc0 (of the tile) with lo <= kc0 + j < n, as a float blend mask
+ * (lo = 0: the causal mask alone). */
+T256_INLINE __m256 att2_keymask(int lo, int n, int kc0, int half) {
+    return _mm256_castsi256_ps(_mm256_andnot_si256(avx2_lanes((long)lo - kc0 - 8 * half),
+                                                   avx2_lanes((long)n - kc0 - 8 * half)));
 }
 
 T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
-                                  int T, int nh, int nkv, int hd) {
+                                  int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
     // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     if (hd % KC) {
-        op_attention_fwd_tiled_avx2(out, lse, q, k, v, B, T, nh, nkv, hd);
+        op_attention_fwd_tiled_avx2(out, lse, q, k, v, B, T, nh, nkv, hd, opt);
         return;
     }
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
+    int window = opt && opt->window > 0 ? opt->window : 0;
+    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
     int qs = nh * hd, ks = nkv * hd; // row strides of q/out and k/v
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
@@ -196,29 +205,38 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
                     const float *vh = v + ((size_t)b * T * nkv + kh) * hd;
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
-                    for (int j0 = 0; j0 < t0 + nq; j0 += BK) { // up to the diagonal only
+                    // from the tile of the first key the block sees (the window) up to the diagonal
+                    for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                         int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
                         for (int r0 = 0; r0 < nq; r0 += MR) {
                             const float *x[MR];
-                            int ncr[MR], ncmax = 0;
+                            int ncr[MR], clo[MR], ncmax = 0, cmin = BK; /* row r sees keys clo[r] <= c < ncr[r] */
 #pragma GCC unroll 6
                             for (int r = 0; r < MR; r++) {
                                 int rr = r0 + r < nq ? r0 + r : nq - 1; /* rows past T repeat the last */
                                 x[r] = qh + (size_t)(t0 + rr) * qs;
                                 int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk; // keys j0..t
-                                ncr[r] = nc > 0 ? nc : 0;
+                                int c0 = kern_attn_first_key(t0 + rr, window) - j0;  // and from lo(t) on
+                                clo[r] = c0 > 0 ? c0 : 0;
+                                ncr[r] = nc > clo[r] ? nc : 0;
                                 if (ncr[r] > ncmax) ncmax = ncr[r];
+                                if (ncr[r] && clo[r] < cmin) cmin = clo[r];
                             }
                             if (!ncmax) continue;
-                            int nch = (ncmax + KC - 1) / KC; /* score chunks that hold a visible key */
-                            for (int ch = 0; ch < nch; ch++) att2_dots6(P + ch * KC, x, kth + j0 + ch * KC, Tp, hd);
+                            /* score chunks ch0 <= ch < nch hold the visible keys */
+                            int ch0 = cmin / KC, nch = (ncmax + KC - 1) / KC;
+                            for (int ch = ch0; ch < nch; ch++) att2_dots6(P + ch * KC, x, kth + j0 + ch * KC, Tp, hd);
                             for (int r = 0; r < MR; r++) {
                                 float *pr = P + r * BK;
                                 __m256 mx = _mm256_set1_ps(-INFINITY), vsc = _mm256_set1_ps(scale);
-                                for (int j = 0; j < 2 * nch; j++) {
+                                for (int j = 2 * ch0; j < 2 * nch; j++) {
+                                    __m256 mk = att2_keymask(clo[r], ncr[r], 0, j);
                                     __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                                                _mm256_mul_ps(_mm256_loadu_ps(pr + 8 * j), vsc),
-                                                                att2_keymask(ncr[r], 0, j));
+                                                                _mm256_mul_ps(_mm256_loadu_ps(pr + 8 * j), vsc), mk);
+                                    if (cap > 0.0f) { /* gemma: cap tanh(s / cap) */
+                                        __m256 vc = _mm256_set1_ps(cap);
+                                        s = _mm256_blendv_ps(s, _mm256_mul_ps(vc, tanh8(_mm256_div_ps(s, vc))), mk);
+                                    }
                                     _mm256_storeu_ps(pr + 8 * j, s);
                                     mx = _mm256_max_ps(mx, s);
                                 }
@@ -226,13 +244,13 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
                                 float *mr = &m[r0 + r];
                                 if (bmax == -INFINITY) { /* no key of this block: nothing changes */
                                     alpha[r] = 1.0f;
-                                    memset(pr, 0, (size_t)nch * KC * sizeof(float));
+                                    memset(pr + ch0 * KC, 0, (size_t)(nch - ch0) * KC * sizeof(float));
                                     continue;
                                 }
                                 float mnew = bmax > *mr ? bmax : *mr;
                                 alpha[r] = expf(*mr - mnew); // 0 on the first block (m = -inf)
                                 __m256 vm = _mm256_set1_ps(mnew), sum = _mm256_setzero_ps();
-                                for (int j = 0; j < 2 * nch; j++) {
+                                for (int j = 2 * ch0; j < 2 * nch; j++) {
                                     __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(pr + 8 * j), vm)); // masked: 0
                                     sum = _mm256_add_ps(sum, p);
                                     _mm256_storeu_ps(pr + 8 * j, p);
@@ -240,9 +258,10 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
                                 l[r0 + r] = l[r0 + r] * alpha[r] + avx2_hsum(sum);
                                 *mr = mnew;
                             }
+                            /* keys cmin.. only: the columns before it are masked in every row */
                             for (int c0 = 0; c0 < hd; c0 += KC)
-                                att2_rows6_axpy(acc + (size_t)r0 * hd + c0, hd, alpha, P, vh + (size_t)j0 * ks + c0,
-                                                ks, ncmax);
+                                att2_rows6_axpy(acc + (size_t)r0 * hd + c0, hd, alpha, P + cmin,
+                                                vh + (size_t)(j0 + cmin) * ks + c0, ks, ncmax - cmin);
                         }
                     }
                     for (int r = 0; r < nq; r++) {
@@ -263,16 +282,18 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
 
 T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                   const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                  int nh, int nkv, int hd) {
+                                  int nh, int nkv, int hd, const kern_attn_opt *opt) {
     // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
     // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     if (hd % KC) {
-        op_attention_bwd_tiled_avx2(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd);
+        op_attention_bwd_tiled_avx2(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt);
         return;
     }
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
+    int window = opt && opt->window > 0 ? opt->window : 0;
+    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
     int qs = nh * hd, ks = nkv * hd;
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
@@ -304,69 +325,92 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             D[r] = att2_dot(gh + (size_t)(t0 + r) * qs, oh + (size_t)(t0 + r) * qs, hd);
                             L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
                         }
-                        for (int j0 = 0; j0 < t0 + nq; j0 += BK) {
+                        // from the tile of the first key the block sees (the window) up to the diagonal
+                        for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                             int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
-                            int ncm[BQ / MR]; /* keys visible to each micro-block */
+                            /* keys cmm <= c < ncm visible to each micro-block (cmm = 0 without a window) */
+                            int ncm[BQ / MR], cmm[BQ / MR];
                             for (int r0 = 0; r0 < nq; r0 += MR) {
                                 const float *xq[MR], *xg[MR];
-                                int ncr[MR], ncmax = 0;
+                                int ncr[MR], clo[MR], ncmax = 0, cmin = BK; /* row r: keys clo[r] <= c < ncr[r] */
 #pragma GCC unroll 6
                                 for (int r = 0; r < MR; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1;
                                     xq[r] = qh + (size_t)(t0 + rr) * qs;
                                     xg[r] = gh + (size_t)(t0 + rr) * qs;
                                     int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk;
-                                    ncr[r] = r0 + r < nq && nc > 0 ? nc : 0; /* padded rows: all masked */
+                                    int c0 = kern_attn_first_key(t0 + rr, window) - j0;
+                                    clo[r] = c0 > 0 ? c0 : 0;
+                                    ncr[r] = r0 + r < nq && nc > clo[r] ? nc : 0; /* padded rows: all masked */
                                     if (ncr[r] > ncmax) ncmax = ncr[r];
+                                    if (ncr[r] && clo[r] < cmin) cmin = clo[r];
                                 }
                                 ncm[r0 / MR] = ncmax;
+                                cmm[r0 / MR] = window && ncmax ? cmin : 0;
                                 float *pb = P + (size_t)r0 * BK, *db = dS + (size_t)r0 * BK;
-                                int nch = (ncmax + KC - 1) / KC;
-                                for (int ch = 0; ch < nch; ch++) {
+                                int ch0 = cmm[r0 / MR] / KC, nch = (ncmax + KC - 1) / KC;
+                                for (int ch = ch0; ch < nch; ch++) {
                                     att2_dots6(pb + ch * KC, xq, kth + j0 + ch * KC, Tp, hd);
                                     att2_dots6(db + ch * KC, xg, vth + j0 + ch * KC, Tp, hd); // dP = dout . v
                                 }
-                                __m256 vsc = _mm256_set1_ps(scale);
+                                __m256 vsc = _mm256_set1_ps(scale), vc = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f);
                                 for (int r = 0; r < MR; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1;
                                     __m256 vl = _mm256_set1_ps(L[rr]), vd = _mm256_set1_ps(D[rr]);
                                     float *pr = pb + (size_t)r * BK, *dr = db + (size_t)r * BK;
-                                    for (int j = 0; j < 2 * nch; j++) {
-                                        __m256 p = _mm256_and_ps(
-                                            att2_keymask(ncr[r], 0, j),
-                                            exp8(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(pr + 8 * j), vsc), vl)));
-                                        __m256 ds = _mm256_mul_ps(
-                                            _mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(dr + 8 * j), vd)), vsc);
+                                    for (int j = 2 * ch0; j < 2 * nch; j++) {
+                                        __m256 mk = att2_keymask(clo[r], ncr[r], 0, j), p, ds;
+                                        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(pr + 8 * j), vsc);
+                                        if (cap > 0.0f) { /* s = cap tanh(x / cap), ds/dx = 1 - tanh^2 */
+                                            __m256 th = tanh8(_mm256_div_ps(x, vc));
+                                            p = _mm256_and_ps(mk, exp8(_mm256_sub_ps(_mm256_mul_ps(vc, th), vl)));
+                                            ds = _mm256_mul_ps(
+                                                _mm256_mul_ps(_mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(dr + 8 * j), vd)),
+                                                              _mm256_fnmadd_ps(th, th, one)),
+                                                vsc);
+                                        } else {
+                                            p = _mm256_and_ps(mk, exp8(_mm256_sub_ps(x, vl)));
+                                            ds = _mm256_mul_ps(
+                                                _mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(dr + 8 * j), vd)), vsc);
+                                        }
                                         _mm256_storeu_ps(pr + 8 * j, p);
                                         _mm256_storeu_ps(dr + 8 * j, ds);
                                     }
                                     /* chunks no row of the micro-block sees: zero for the key loops below */
+                                    memset(pr, 0, (size_t)ch0 * KC * sizeof(float));
+                                    memset(dr, 0, (size_t)ch0 * KC * sizeof(float));
                                     memset(pr + nch * KC, 0, (size_t)(BK - nch * KC) * sizeof(float));
                                     memset(dr + nch * KC, 0, (size_t)(BK - nch * KC) * sizeof(float));
                                 }
                             }
                             // dv[j] += sum_t P[t,j] dout[t]; dk[j] += sum_t dS[t,j] q[t]; 6 keys at a time,
-                            // each group from the first query row that sees its first key
+                            // each group over the query rows rs <= r < re that see one of its keys: from the
+                            // first row that sees its first key, to the last that sees its last (a window)
                             for (int c0 = 0; c0 < hd; c0 += KC) {
                                 const float *gx = gh + (size_t)t0 * qs + c0, *qx = qh + (size_t)t0 * qs + c0;
                                 int c = 0;
                                 while (c < nk) {
                                     int keys = nk - c >= 6 ? 6 : nk - c >= 4 ? 4 : nk - c >= 2 ? 2 : 1;
-                                    int rs = j0 + c - t0 > 0 ? j0 + c - t0 : 0;
+                                    int rs = j0 + c - t0 > 0 ? j0 + c - t0 : 0, re = nq;
+                                    if (window) { /* row t sees key j iff j <= t < j + window */
+                                        re = j0 + c + keys - 1 + window - t0;
+                                        re = re < nq ? re : nq;
+                                    }
                                     float *dvr = dvh + (size_t)(j0 + c) * ks + c0;
                                     float *dkr = dkh + (size_t)(j0 + c) * ks + c0;
-                                    if (keys == 6) {
-                                        att2_keys_axpy(dvr, ks, 6, P, c, gx, qs, rs, nq);
-                                        att2_keys_axpy(dkr, ks, 6, dS, c, qx, qs, rs, nq);
+                                    if (re <= rs) {
+                                    } else if (keys == 6) {
+                                        att2_keys_axpy(dvr, ks, 6, P, c, gx, qs, rs, re);
+                                        att2_keys_axpy(dkr, ks, 6, dS, c, qx, qs, rs, re);
                                     } else if (keys == 4) {
-                                        att2_keys_axpy(dvr, ks, 4, P, c, gx, qs, rs, nq);
-                                        att2_keys_axpy(dkr, ks, 4, dS, c, qx, qs, rs, nq);
+                                        att2_keys_axpy(dvr, ks, 4, P, c, gx, qs, rs, re);
+                                        att2_keys_axpy(dkr, ks, 4, dS, c, qx, qs, rs, re);
                                     } else if (keys == 2) {
-                                        att2_keys_axpy(dvr, ks, 2, P, c, gx, qs, rs, nq);
-                                        att2_keys_axpy(dkr, ks, 2, dS, c, qx, qs, rs, nq);
+                                        att2_keys_axpy(dvr, ks, 2, P, c, gx, qs, rs, re);
+                                        att2_keys_axpy(dkr, ks, 2, dS, c, qx, qs, rs, re);
                                     } else {
-                                        att2_keys_axpy(dvr, ks, 1, P, c, gx, qs, rs, nq);
-                                        att2_keys_axpy(dkr, ks, 1, dS, c, qx, qs, rs, nq);
+                                        att2_keys_axpy(dvr, ks, 1, P, c, gx, qs, rs, re);
+                                        att2_keys_axpy(dkr, ks, 1, dS, c, qx, qs, rs, re);
                                     }
                                     c += keys;
                                 }
@@ -375,12 +419,13 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             // sees (whole micro-blocks: the rows past nq would write past T, so the last
                             // partial one runs row by row)
                             for (int r0 = 0; r0 < nq; r0 += MR) {
-                                int ncmax = ncm[r0 / MR];
+                                int ncmax = ncm[r0 / MR], cm = cmm[r0 / MR];
                                 if (!ncmax) continue;
                                 if (r0 + MR <= nq) {
                                     for (int c0 = 0; c0 < hd; c0 += KC)
                                         att2_rows6_axpy(dqh + (size_t)(t0 + r0) * qs + c0, qs, NULL,
-                                                        dS + (size_t)r0 * BK, kh_ + (size_t)j0 * ks + c0, ks, ncmax);
+                                                        dS + (size_t)r0 * BK + cm, kh_ + (size_t)(j0 + cm) * ks + c0,
+                                                        ks, ncmax - cm);
                                     continue;
                                 }
                                 for (int r = r0; r < nq; r++) {
@@ -388,7 +433,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                     const float *dr = dS + (size_t)r * BK;
                                     for (int c0 = 0; c0 < hd; c0 += 8) {
                                         __m256 a = _mm256_loadu_ps(dqr + c0);
-                                        for (int c = 0; c < ncmax; c++)
+                                        for (int c = cm; c < ncmax; c++)
                                             a = _mm256_fmadd_ps(_mm256_broadcast_ss(dr + c),
                                                                 _mm256_loadu_ps(kh_ + (size_t)(j0 + c) * ks + c0), a);
                                         _mm256_storeu_ps(dqr + c0, a);

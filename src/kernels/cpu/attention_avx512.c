@@ -15,8 +15,16 @@
  *   backward dP = dO V^T as the scores; dV[4 keys][64] += P^T dO and
  *            dK[4 keys][64] += dS^T Q with the keys' accumulators held across
  *            all query rows of the tile; dQ[4 rows][64] += dS K as P V.
- * Masked lanes (keys past the diagonal or the end of the sequence) get
- * p = 0 / dS = 0, so the blocked loops need no ragged edges inside a tile.
+ * Masked lanes (keys past the diagonal or the end of the sequence, or left
+ * of a sliding window) get p = 0 / dS = 0, so the blocked loops need no
+ * ragged edges inside a tile.
+ *
+ * Options (kern_attn_opt): the scale; a window starts the key loop at the
+ * tile holding the block's first visible key (tiles left of it are never
+ * touched), masks the partial tiles, and narrows the P V / dS K products to
+ * the columns some row of a micro-block sees and the dV / dK products to the
+ * query rows that see the keys; a soft cap goes through the vector tanh
+ * (avx512_util.h) with d tanh = 1 - tanh^2 in the backward.
  *
  * Shapes: the register tiles cover hd in chunks of 64, so head dims that are
  * multiples of 64 (64, 128, 256: every Qwen3) take this path; any other hd
@@ -49,6 +57,8 @@ A_INLINE __mmask16 att_lanes(int n, int j) {
     int m = n - 16 * j;
     return m >= 16 ? (__mmask16)0xFFFF : m <= 0 ? (__mmask16)0 : (__mmask16)((1u << m) - 1u);
 }
+/* Lanes c with lo <= c < n (lo = 0: att_lanes). */
+A_INLINE __mmask16 att_lanes2(int lo, int n, int j) { return att_lanes(n, j) & (__mmask16)~att_lanes(lo, j); }
 
 /* xt[(b * nkv + kh) * hd + i][j] = x[b, j, kh, i] for j < T, zero for T <= j < Tp:
  * every K (or V) head transposed once per call, so the score products read a
@@ -163,15 +173,17 @@ A_INLINE float att_dot(const float *x, const float *y, int n) {
 }
 
 A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B,
-                                    int T, int nh, int nkv, int hd) {
+                                    int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
     // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     if (hd % HC) {
-        op_attention_fwd_tiled_avx512(out, lse, q, k, v, B, T, nh, nkv, hd);
+        op_attention_fwd_tiled_avx512(out, lse, q, k, v, B, T, nh, nkv, hd, opt);
         return;
     }
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
+    int window = opt && opt->window > 0 ? opt->window : 0;
+    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
     int qs = nh * hd, ks = nkv * hd; // row strides of q/out and k/v
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
@@ -191,18 +203,22 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                     const float *vh = v + ((size_t)b * T * nkv + kh) * hd;
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
-                    for (int j0 = 0; j0 < t0 + nq; j0 += BK) { // up to the diagonal only
+                    // from the tile of the first key the block sees (the window) up to the diagonal
+                    for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                         int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
                         for (int r0 = 0; r0 < nq; r0 += 4) {
                             const float *x[4];
-                            int ncr[4], ncmax = 0;
+                            int ncr[4], clo[4], ncmax = 0, cmin = BK; /* row r sees keys clo[r] <= c < ncr[r] */
                             #pragma GCC unroll 4
                             for (int r = 0; r < 4; r++) {
                                 int rr = r0 + r < nq ? r0 + r : nq - 1; /* rows past T repeat the last */
                                 x[r] = qh + (size_t)(t0 + rr) * qs;
                                 int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk; // keys j0..t
-                                ncr[r] = nc > 0 ? nc : 0;
+                                int c0 = kern_attn_first_key(t0 + rr, window) - j0;  // and from lo(t) on
+                                clo[r] = c0 > 0 ? c0 : 0;
+                                ncr[r] = nc > clo[r] ? nc : 0;
                                 if (ncr[r] > ncmax) ncmax = ncr[r];
+                                if (ncr[r] && clo[r] < cmin) cmin = clo[r];
                             }
                             if (!ncmax) continue;
                             __m512 s[4][4];
@@ -212,8 +228,13 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                                 __m512 vs[4], mx = _mm512_set1_ps(-INFINITY);
                                 #pragma GCC unroll 4
                                 for (int j = 0; j < 4; j++) {
-                                    vs[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), att_lanes(ncr[r], j),
-                                                               s[r][j], _mm512_set1_ps(scale));
+                                    __mmask16 mk = att_lanes2(clo[r], ncr[r], j);
+                                    vs[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk, s[r][j],
+                                                               _mm512_set1_ps(scale));
+                                    if (cap > 0.0f) { /* gemma: cap tanh(s / cap) */
+                                        __m512 vc = _mm512_set1_ps(cap);
+                                        vs[j] = _mm512_mask_mul_ps(vs[j], mk, vc, tanh16(_mm512_div_ps(vs[j], vc)));
+                                    }
                                     mx = _mm512_max_ps(mx, vs[j]);
                                 }
                                 float bmax = _mm512_reduce_max_ps(mx);
@@ -235,9 +256,10 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                                 l[r0 + r] = l[r0 + r] * alpha[r] + _mm512_reduce_add_ps(sum);
                                 *mr = mnew;
                             }
+                            /* keys cmin.. only: the columns before it are masked in every row */
                             for (int c0 = 0; c0 < hd; c0 += HC)
-                                att_rows4_axpy(acc + (size_t)r0 * hd + c0, hd, alpha, P, vh + (size_t)j0 * ks + c0,
-                                               ks, ncmax);
+                                att_rows4_axpy(acc + (size_t)r0 * hd + c0, hd, alpha, P + cmin,
+                                               vh + (size_t)(j0 + cmin) * ks + c0, ks, ncmax - cmin);
                         }
                     }
                     for (int r = 0; r < nq; r++) {
@@ -258,16 +280,18 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
 
 A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                     const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                    int nh, int nkv, int hd) {
+                                    int nh, int nkv, int hd, const kern_attn_opt *opt) {
     // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
     // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     if (hd % HC) {
-        op_attention_bwd_tiled_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd);
+        op_attention_bwd_tiled_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt);
         return;
     }
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
+    int window = opt && opt->window > 0 ? opt->window : 0;
+    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
     int qs = nh * hd, ks = nkv * hd;
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
@@ -299,18 +323,29 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                             D[r] = att_dot(gh + (size_t)(t0 + r) * qs, oh + (size_t)(t0 + r) * qs, hd);
                             L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
                         }
-                        for (int j0 = 0; j0 < t0 + nq; j0 += BK) {
+                        // from the tile of the first key the block sees (the window) up to the diagonal
+                        for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                             int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
+                            int cmb[BQ / 4]; /* first key column a micro-block sees (0 without a window) */
                             for (int r0 = 0; r0 < nq; r0 += 4) {
                                 const float *xq[4], *xg[4];
-                                int ncr[4];
+                                int ncr[4], clo[4], cmin = BK; /* row r sees keys clo[r] <= c < ncr[r] */
                                 #pragma GCC unroll 4
                                 for (int r = 0; r < 4; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1;
                                     xq[r] = qh + (size_t)(t0 + rr) * qs;
                                     xg[r] = gh + (size_t)(t0 + rr) * qs;
                                     int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk;
-                                    ncr[r] = r0 + r < nq && nc > 0 ? nc : 0; /* padded rows: all masked */
+                                    int c0 = kern_attn_first_key(t0 + rr, window) - j0;
+                                    clo[r] = c0 > 0 ? c0 : 0;
+                                    ncr[r] = r0 + r < nq && nc > clo[r] ? nc : 0; /* padded rows: all masked */
+                                    if (ncr[r] && clo[r] < cmin) cmin = clo[r];
+                                }
+                                cmb[r0 / 4] = window ? cmin : 0;
+                                if (cmin == BK) { /* no row sees a key of this tile (a window): P = dS = 0 */
+                                    memset(P + (size_t)r0 * BK, 0, 4 * BK * sizeof(float));
+                                    memset(dS + (size_t)r0 * BK, 0, 4 * BK * sizeof(float));
+                                    continue;
                                 }
                                 __m512 s[4][4], dp[4][4];
                                 att_dots4(s, xq, kth + j0, Tp, hd);
@@ -322,38 +357,64 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                     __m512 vsc = _mm512_set1_ps(scale);
                                     #pragma GCC unroll 4
                                     for (int j = 0; j < 4; j++) {
-                                        __mmask16 mk = att_lanes(ncr[r], j);
-                                        __m512 p = _mm512_maskz_mov_ps(
-                                            mk, exp16(_mm512_sub_ps(_mm512_mul_ps(s[r][j], vsc), vl)));
-                                        __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(dp[r][j], vd)), vsc);
+                                        __mmask16 mk = att_lanes2(clo[r], ncr[r], j);
+                                        __m512 p, ds;
+                                        if (cap > 0.0f) { /* s = cap tanh(x / cap), ds/dx = 1 - tanh^2 */
+                                            __m512 vc = _mm512_set1_ps(cap);
+                                            __m512 th = tanh16(_mm512_div_ps(_mm512_mul_ps(s[r][j], vsc), vc));
+                                            p = _mm512_maskz_mov_ps(mk, exp16(_mm512_sub_ps(_mm512_mul_ps(vc, th), vl)));
+                                            ds = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(dp[r][j], vd)),
+                                                                             _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f))),
+                                                               vsc);
+                                        } else {
+                                            p = _mm512_maskz_mov_ps(
+                                                mk, exp16(_mm512_sub_ps(_mm512_mul_ps(s[r][j], vsc), vl)));
+                                            ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(dp[r][j], vd)), vsc);
+                                        }
                                         _mm512_storeu_ps(P + (size_t)(r0 + r) * BK + 16 * j, p);
                                         _mm512_storeu_ps(dS + (size_t)(r0 + r) * BK + 16 * j, ds);
                                     }
                                 }
                             }
-                            // dv[j] += sum_t P[t,j] dout[t]; dk[j] += sum_t dS[t,j] q[t]; 4 keys at a time
+                            // dv[j] += sum_t P[t,j] dout[t]; dk[j] += sum_t dS[t,j] q[t]; 4 keys at a time,
+                            // over the query rows rs <= r < re that can see them (all rows without a window)
                             for (int c0 = 0; c0 < hd; c0 += HC) {
                                 int c = 0;
-                                for (; c + 4 <= nk; c += 4) {
-                                    att_keys_axpy(dvh + (size_t)(j0 + c) * ks + c0, ks, 4, P, c,
-                                                  gh + (size_t)t0 * qs + c0, qs, nq);
-                                    att_keys_axpy(dkh + (size_t)(j0 + c) * ks + c0, ks, 4, dS, c,
-                                                  qh + (size_t)t0 * qs + c0, qs, nq);
-                                }
-                                for (; c < nk; c++) {
-                                    att_keys_axpy(dvh + (size_t)(j0 + c) * ks + c0, ks, 1, P, c,
-                                                  gh + (size_t)t0 * qs + c0, qs, nq);
-                                    att_keys_axpy(dkh + (size_t)(j0 + c) * ks + c0, ks, 1, dS, c,
-                                                  qh + (size_t)t0 * qs + c0, qs, nq);
+                                for (; c < nk;) {
+                                    int keys = c + 4 <= nk ? 4 : 1;
+                                    int rs = 0, re = nq;
+                                    if (window) { /* row t sees key j iff j <= t < j + window */
+                                        rs = j0 + c - t0 > 0 ? j0 + c - t0 : 0;
+                                        re = j0 + c + keys - 1 + window - t0;
+                                        re = re < nq ? re : nq;
+                                    }
+                                    if (re > rs) {
+                                        const float *pw = P + (size_t)rs * BK, *sw = dS + (size_t)rs * BK;
+                                        const float *gx = gh + (size_t)(t0 + rs) * qs + c0;
+                                        const float *qx = qh + (size_t)(t0 + rs) * qs + c0;
+                                        float *dvr = dvh + (size_t)(j0 + c) * ks + c0, *dkr = dkh + (size_t)(j0 + c) * ks + c0;
+                                        if (keys == 4) {
+                                            att_keys_axpy(dvr, ks, 4, pw, c, gx, qs, re - rs);
+                                            att_keys_axpy(dkr, ks, 4, sw, c, qx, qs, re - rs);
+                                        } else {
+                                            att_keys_axpy(dvr, ks, 1, pw, c, gx, qs, re - rs);
+                                            att_keys_axpy(dkr, ks, 1, sw, c, qx, qs, re - rs);
+                                        }
+                                    }
+                                    c += keys;
                                 }
                             }
                             // dq[t] += sum_j dS[t,j] k[j]: 4 rows at a time (whole micro-blocks: the
-                            // rows past nq would write past T, so the last partial one runs row by row)
+                            // rows past nq would write past T, so the last partial one runs row by row),
+                            // over the keys cm.. some row of the micro-block sees
                             for (int r0 = 0; r0 < nq; r0 += 4) {
+                                int cm = cmb[r0 / 4];
+                                if (cm >= nk) continue;
                                 if (r0 + 4 <= nq) {
                                     for (int c0 = 0; c0 < hd; c0 += HC)
                                         att_rows4_axpy(dqh + (size_t)(t0 + r0) * qs + c0, qs, NULL,
-                                                       dS + (size_t)r0 * BK, kh_ + (size_t)j0 * ks + c0, ks, nk);
+                                                       dS + (size_t)r0 * BK + cm, kh_ + (size_t)(j0 + cm) * ks + c0,
+                                                       ks, nk - cm);
                                     continue;
                                 }
                                 for (int r = r0; r < nq; r++) {
@@ -361,7 +422,7 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                     const float *dr = dS + (size_t)r * BK;
                                     for (int c0 = 0; c0 < hd; c0 += 16) {
                                         __m512 a = _mm512_loadu_ps(dqr + c0);
-                                        for (int c = 0; c < nk; c++)
+                                        for (int c = cm; c < nk; c++)
                                             a = _mm512_fmadd_ps(_mm512_set1_ps(dr[c]),
                                                                 _mm512_loadu_ps(kh_ + (size_t)(j0 + c) * ks + c0), a);
                                         _mm512_storeu_ps(dqr + c0, a);

@@ -90,4 +90,22 @@ T256_INLINE __m256 exp8(__m256 x) {
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
+/* tanh(x) for 8 lanes: avx512_util.h's tanh16 (the same polynomial below
+ * 0.625, (1 - e)/(1 + e) with e = e^-2a above it, the sign of x put back). */
+T256_INLINE __m256 tanh8(__m256 x) {
+    const __m256 signbit = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    __m256 a = _mm256_andnot_ps(signbit, x), z = _mm256_mul_ps(a, a);
+    __m256 p = _mm256_set1_ps(0.002148957457393408f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-0.00818463321775198f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.021703990176320076f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-0.05394745245575905f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.13333211839199066f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-0.3333333134651184f));
+    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(a, z), p, a);
+    __m256 e = exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+    __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    __m256 t = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+    return _mm256_or_ps(t, _mm256_and_ps(signbit, x));
+}
+
 #endif

@@ -294,8 +294,33 @@ static const int shapes_rope[][6] = {{1, 1, 1, 2}, {2, 3, 2, 4},    {1, 5, 3, 34
 
 /* ---------------------------------------------------------- attention */
 
+/* The attention variants of the model families (kern_attn_opt), s[5] of a
+ * shape: 0 is NULL (Qwen3: 1/sqrt(hd), causal, no cap). Windows of 1 (only the
+ * diagonal), smaller than a key tile (64) and than a query block, not a
+ * multiple of either, about a tile, larger than the sequence; a scale other
+ * than 1/sqrt(hd) (Gemma's query_pre_attn_scalar); soft caps that bite
+ * (scores are up to ~|q||k| / sqrt(hd) ~ 10 on these inputs, so a cap of 2 or 5
+ * saturates tanh on many, and one of 50, Gemma 2's, hardly); and their
+ * combinations. */
+static const struct {
+    const char *name;
+    kern_attn_opt opt;
+} attn_opts[] = {
+    {"default", {0, 0, 0}},        {"w1", {0, 1, 0}},         {"w5", {0, 5, 0}},
+    {"w37", {0, 37, 0}},           {"w64", {0, 64, 0}},       {"w100", {0, 100, 0}},
+    {"w4096", {0, 4096, 0}},       {"sc0.3", {0.3f, 0, 0}},   {"cap2", {0, 0, 2.0f}},
+    {"cap50", {0, 0, 50.0f}},      {"w7+cap5", {0, 7, 5.0f}}, {"w70+sc0.2+cap3", {0.2f, 70, 3.0f}},
+    {"w3+sc1", {1.0f, 3, 0}},      {"allzero", {0, 0, 0}},
+};
+#define ATT_OPT_NULL 0    /* index of the NULL pointer case */
+
 static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
     int B = s[0], T = s[1], nh = s[2], nkv = s[3], hd = s[4];
+    const kern_attn_opt *opt = s[5] == ATT_OPT_NULL ? NULL : &attn_opts[s[5]].opt;
+    if (s[5] != ATT_OPT_NULL) { /* the options of the case, before the errors */
+        int w = snprintf(c->detail + c->len, sizeof c->detail - c->len, "[%s]", attn_opts[s[5]].name);
+        if (w > 0) c->len += (size_t)w;
+    }
     size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd, np = (size_t)B * nh * T; // np: lse
     float *q = fbuf(nq), *k = fbuf(nk), *v = fbuf(nk), *dout = fbuf(nq);
     fill(q, nq, r, -2, 2);
@@ -307,8 +332,8 @@ static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *i
     fill_nan(o2, nq);
     fill_nan(p1, np);
     fill_nan(p2, np);
-    ref->fn.attention.fwd(o1, p1, q, k, v, B, T, nh, nkv, hd);
-    im->fn.attention.fwd(o2, p2, q, k, v, B, T, nh, nkv, hd);
+    ref->fn.attention.fwd(o1, p1, q, k, v, B, T, nh, nkv, hd, opt);
+    im->fn.attention.fwd(o2, p2, q, k, v, B, T, nh, nkv, hd, opt);
     part(c, "fwd", rel_err(o2, o1, nq));
     part(c, "lse", rel_err(p2, p1, np));
     float *dq1 = fbuf(nq), *dk1 = fbuf(nk), *dv1 = fbuf(nk);
@@ -317,8 +342,8 @@ static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *i
     fill(dv1, nk, r, -1, 1);
     float *dq2 = dup(dq1, nq), *dk2 = dup(dk1, nk), *dv2 = dup(dv1, nk);
     /* both backwards read the reference's out and lse, so only the backward is compared */
-    ref->fn.attention.bwd(dq1, dk1, dv1, dout, o1, p1, q, k, v, B, T, nh, nkv, hd);
-    im->fn.attention.bwd(dq2, dk2, dv2, dout, o1, p1, q, k, v, B, T, nh, nkv, hd);
+    ref->fn.attention.bwd(dq1, dk1, dv1, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt);
+    im->fn.attention.bwd(dq2, dk2, dv2, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt);
     part(c, "dq+=", rel_err(dq2, dq1, nq));
     part(c, "dk+=", rel_err(dk2, dk1, nk));
     part(c, "dv+=", rel_err(dv2, dv1, nk));
@@ -326,6 +351,7 @@ static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *i
     free(dq1), free(dk1), free(dv1), free(dq2), free(dk2), free(dv2);
 }
 
+/* B T nh nkv hd opt (opt: attn_opts[]) */
 static const int shapes_attention[][6] = {
     {1, 1, 1, 1, 1}, {1, 3, 2, 1, 4}, {2, 5, 4, 2, 17}, {1, 33, 4, 4, 16}, {1, 64, 16, 8, 128}, {2, 17, 3, 1, 8},
     /* across the 32 x 64 tiles: partial blocks, several key blocks per row, diagonal inside a block */
@@ -333,6 +359,21 @@ static const int shapes_attention[][6] = {
     /* head dims of the register-blocked kernel (multiples of 64): partial 4-row micro-blocks, partial
      * key tiles with fewer than 4 keys left, several query and key tiles */
     {1, 97, 4, 2, 64}, {2, 70, 2, 1, 128}, {1, 130, 2, 2, 64}, {1, 5, 2, 1, 64}, {1, 66, 1, 1, 192},
+    /* the options, with GQA and T past whole tiles: hd 64/128 (blocked_avx512 and blocked_avx2),
+     * 16/48 (blocked_avx2, and the tiled fallback of blocked_avx512), 24/5 (the tiled fallbacks of both) */
+    {1, 200, 4, 2, 64, 1},   {2, 150, 4, 2, 16, 1},  {1, 9, 2, 1, 5, 1},
+    {1, 200, 4, 2, 64, 2},   {1, 97, 2, 1, 128, 2},  {2, 150, 4, 2, 48, 2},  {1, 70, 3, 1, 24, 2},
+    {1, 260, 2, 1, 64, 3},   {2, 150, 4, 2, 16, 3},  {1, 97, 2, 2, 5, 3},
+    {1, 200, 2, 1, 64, 4},   {1, 150, 4, 2, 32, 4},
+    {1, 260, 4, 2, 64, 5},   {2, 150, 4, 2, 16, 5},  {1, 150, 2, 1, 24, 5},  {1, 70, 2, 1, 128, 5},
+    {1, 97, 4, 2, 64, 6},    {1, 33, 2, 1, 16, 6},   {1, 3, 2, 1, 5, 6},
+    {1, 130, 4, 2, 64, 7},   {2, 97, 4, 2, 16, 7},   {1, 65, 2, 1, 24, 7},
+    {1, 130, 4, 2, 64, 8},   {2, 97, 4, 2, 16, 8},   {1, 65, 2, 1, 24, 8},   {1, 70, 2, 1, 128, 8},
+    {1, 130, 4, 2, 64, 9},   {2, 97, 4, 2, 16, 9},
+    {1, 200, 4, 2, 64, 10},  {2, 150, 4, 2, 16, 10}, {1, 97, 2, 1, 24, 10},  {1, 70, 2, 1, 128, 10},
+    {1, 260, 4, 2, 64, 11},  {2, 150, 4, 2, 16, 11}, {1, 150, 2, 1, 5, 11},  {1, 97, 2, 1, 128, 11},
+    {1, 97, 4, 2, 64, 12},   {2, 70, 4, 2, 16, 12},  {1, 40, 2, 1, 7, 12},
+    {1, 97, 4, 2, 64, 13},   {2, 70, 4, 2, 16, 13},  {1, 40, 2, 1, 7, 13},
 };
 
 /* ------------------------------------------------------------- swiglu */
@@ -362,6 +403,39 @@ static void case_swiglu(chk_case *c, const kern_impl *ref, const kern_impl *im, 
 }
 
 static const int shapes_swiglu[][6] = {{1}, {7}, {15}, {16}, {17}, {33}, {1000}, {4099}};
+
+/* -------------------------------------------------------------- geglu */
+
+static void case_geglu(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    int N = s[0];
+    size_t n = (size_t)N;
+    float *g = fbuf(n), *u = fbuf(n), *dout = fbuf(n);
+    /* gelu's knee and both tails: x^3 makes u = 0.8 (x + 0.045 x^3) large by |x| = 6; the first
+     * element keeps max |ref| away from 0 (the far negative tail is 0 in torch's formula, and a
+     * last-ulp difference of tanh there is no error worth an infinite relative one) */
+    fill(g, n, r, -7, 7);
+    fill(u, n, r, -2, 2);
+    g[0] = 1.5f, u[0] = 1.0f;
+    if (n > 4) g[1] = 12.0f, g[2] = -12.0f, g[3] = -30.0f, g[4] = 0.0f;
+    fill(dout, n, r, -1, 1);
+    float *o1 = fbuf(n), *o2 = fbuf(n);
+    fill_nan(o1, n);
+    fill_nan(o2, n);
+    ref->fn.geglu.fwd(o1, g, u, N);
+    im->fn.geglu.fwd(o2, g, u, N);
+    part(c, "fwd", rel_err(o2, o1, n));
+    float *dg1 = fbuf(n), *du1 = fbuf(n);
+    fill(dg1, n, r, -1, 1);
+    fill(du1, n, r, -1, 1);
+    float *dg2 = dup(dg1, n), *du2 = dup(du1, n);
+    ref->fn.geglu.bwd(dg1, du1, dout, g, u, N);
+    im->fn.geglu.bwd(dg2, du2, dout, g, u, N);
+    part(c, "dgate+=", rel_err(dg2, dg1, n));
+    part(c, "dup+=", rel_err(du2, du1, n));
+    free(g), free(u), free(dout), free(o1), free(o2), free(dg1), free(du1), free(dg2), free(du2);
+}
+
+static const int shapes_geglu[][6] = {{1}, {5}, {7}, {15}, {16}, {17}, {33}, {1000}, {4099}};
 
 /* ------------------------------------------------------- crossentropy */
 
@@ -643,7 +717,7 @@ static const struct {
     [KERN_OP_EMBEDDING] = {case_embedding, SHAPES(shapes_embedding), 3, "N C V"},
     [KERN_OP_RMSNORM] = {case_rmsnorm, SHAPES(shapes_rmsnorm), 2, "N C"},
     [KERN_OP_ROPE] = {case_rope, SHAPES(shapes_rope), 4, "B T nh hd"},
-    [KERN_OP_ATTENTION] = {case_attention, SHAPES(shapes_attention), 5, "B T nh nkv hd"},
+    [KERN_OP_ATTENTION] = {case_attention, SHAPES(shapes_attention), 5, "B T nh nkv hd"}, /* + [options] */
     [KERN_OP_SWIGLU] = {case_swiglu, SHAPES(shapes_swiglu), 1, "N"},
     [KERN_OP_CROSSENTROPY] = {case_crossentropy, SHAPES(shapes_crossentropy), 3, "N V v0"},
     [KERN_OP_ADD] = {case_add, SHAPES(shapes_add), 1, "N"},
@@ -651,6 +725,7 @@ static const struct {
     [KERN_OP_MATMUL_BF16] = {case_matmul, SHAPES(shapes_matmul_bf16), 3, "M K N"},
     [KERN_OP_MOE] = {case_moe, SHAPES(shapes_moe), 6, "N H I E k mode"},
     [KERN_OP_MOE_BF16] = {case_moe, SHAPES(shapes_moe), 6, "N H I E k mode"},
+    [KERN_OP_GEGLU] = {case_geglu, SHAPES(shapes_geglu), 1, "N"},
 #undef SHAPES
 };
 

@@ -1,5 +1,5 @@
 /* kernels/cpu/elementwise_avx2.c: AVX2 + FMA versions of the memory-bound ops
- * (embedding, rmsnorm, rope, the fused q/k-norm + RoPE, swiglu, add,
+ * (embedding, rmsnorm, rope, the fused q/k-norm + RoPE, swiglu, geglu, add,
  * cross-entropy and its vocabulary-parallel phases, AdamW), registered as
  * "avx2" after "avx512" and before "ref": CPUs without AVX-512 (Zen 3, older
  * Intel cores) run these instead of the scalar references.
@@ -58,6 +58,7 @@ T256_INLINE ewv_t ewv_max(ewv_t a, ewv_t b) { return _mm256_max_ps(a, b); }
 T256_INLINE ewv_t ewv_sqrt(ewv_t a) { return _mm256_sqrt_ps(a); }
 T256_INLINE ewv_t ewv_fma(ewv_t a, ewv_t b, ewv_t c) { return _mm256_fmadd_ps(a, b, c); }
 T256_INLINE ewv_t ewv_exp(ewv_t x) { return exp8(x); }
+T256_INLINE ewv_t ewv_tanh(ewv_t x) { return tanh8(x); }
 T256_INLINE float ewv_hsum(ewv_t v) { return avx2_hsum(v); }
 T256_INLINE float ewv_hmax(ewv_t v) { return avx2_hmax(v); }
 
@@ -67,6 +68,11 @@ T256_INLINE float ewv_hmax(ewv_t v) { return avx2_hmax(v); }
  * out[i] = e^x[i] through exp8 (avx2_util.h). */
 T256 void kern_exp_avx2(float *out, const float *x, long n) {
     for (long i = 0; i < n; i += 8) avx2_storen(out + i, exp8(avx2_loadn(x + i, n - i)), n - i);
+}
+
+/* The same for the vector tanh (avx2_util.h's tanh8: attention's soft cap). */
+T256 void kern_tanh_avx2(float *out, const float *x, long n) {
+    for (long i = 0; i < n; i += 8) avx2_storen(out + i, tanh8(avx2_loadn(x + i, n - i)), n - i);
 }
 
 #endif /* __x86_64__ */

@@ -1,5 +1,5 @@
 /* kernels/cpu/elementwise_avx512.c: AVX-512 versions of the memory-bound ops
- * (embedding, rmsnorm, rope, the fused q/k-norm + RoPE, swiglu, add,
+ * (embedding, rmsnorm, rope, the fused q/k-norm + RoPE, swiglu, geglu, add,
  * cross-entropy and its vocabulary-parallel phases, AdamW), registered as
  * "avx512" beside their references.
  *
@@ -53,6 +53,11 @@ EW_INLINE void ew_store(float *p, __m512 v, long n) { _mm512_mask_storeu_ps(p, e
  * out[i] = e^x[i] through exp16 (avx512_util.h). */
 EW512 void kern_exp_avx512(float *out, const float *x, long n) {
     for (long i = 0; i < n; i += 16) ew_store(out + i, exp16(ew_load(x + i, n - i)), n - i);
+}
+
+/* The same for the vector tanh (avx512_util.h's tanh16: attention's soft cap). */
+EW512 void kern_tanh_avx512(float *out, const float *x, long n) {
+    for (long i = 0; i < n; i += 16) ew_store(out + i, tanh16(ew_load(x + i, n - i)), n - i);
 }
 
 /* --------------------------------------------------------------- embedding */
@@ -342,6 +347,39 @@ EW512 void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, c
         }
     }
 }
+
+/* ------------------------------------------------------------------- geglu */
+
+/* geglu is written once for every instruction set (geglu_vec.inc, against
+ * elementwise_vec.inc's vector API); here that API for 16-lane zmm, masked
+ * tails as everywhere in this file. */
+#define EWV_FN EW512
+#define EWV_INLINE EW_INLINE
+#define EWV_NAME(x) x##_avx512
+#define EWV_W 16
+#define EWV_BLOCK EW_BLOCK
+typedef __m512 ewv_t;
+
+EW_INLINE ewv_t ewv_zero(void) { return _mm512_setzero_ps(); }
+EW_INLINE ewv_t ewv_set1(float f) { return _mm512_set1_ps(f); }
+EW_INLINE ewv_t ewv_load(const float *p) { return _mm512_loadu_ps(p); }
+EW_INLINE void ewv_store(float *p, ewv_t v) { _mm512_storeu_ps(p, v); }
+EW_INLINE ewv_t ewv_loadn(const float *p, long n) { return ew_load(p, n); }
+EW_INLINE void ewv_storen(float *p, ewv_t v, long n) { ew_store(p, v, n); }
+EW_INLINE ewv_t ewv_fill_tail(ewv_t v, long n, float f) { return _mm512_mask_blend_ps(ew_mask(n), _mm512_set1_ps(f), v); }
+EW_INLINE ewv_t ewv_add(ewv_t a, ewv_t b) { return _mm512_add_ps(a, b); }
+EW_INLINE ewv_t ewv_sub(ewv_t a, ewv_t b) { return _mm512_sub_ps(a, b); }
+EW_INLINE ewv_t ewv_mul(ewv_t a, ewv_t b) { return _mm512_mul_ps(a, b); }
+EW_INLINE ewv_t ewv_div(ewv_t a, ewv_t b) { return _mm512_div_ps(a, b); }
+EW_INLINE ewv_t ewv_max(ewv_t a, ewv_t b) { return _mm512_max_ps(a, b); }
+EW_INLINE ewv_t ewv_sqrt(ewv_t a) { return _mm512_sqrt_ps(a); }
+EW_INLINE ewv_t ewv_fma(ewv_t a, ewv_t b, ewv_t c) { return _mm512_fmadd_ps(a, b, c); }
+EW_INLINE ewv_t ewv_exp(ewv_t x) { return exp16(x); }
+EW_INLINE ewv_t ewv_tanh(ewv_t x) { return tanh16(x); }
+EW_INLINE float ewv_hsum(ewv_t v) { return _mm512_reduce_add_ps(v); }
+EW_INLINE float ewv_hmax(ewv_t v) { return _mm512_reduce_max_ps(v); }
+
+#include "kernels/cpu/geglu_vec.inc"
 
 /* --------------------------------------------------------------------- add */
 

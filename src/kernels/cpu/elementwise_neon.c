@@ -1,5 +1,5 @@
 /* kernels/cpu/elementwise_neon.c: NEON versions of the memory-bound ops
- * (embedding, rmsnorm, rope, the fused q/k-norm + RoPE, swiglu, add,
+ * (embedding, rmsnorm, rope, the fused q/k-norm + RoPE, swiglu, geglu, add,
  * cross-entropy and its vocabulary-parallel phases, AdamW), registered as
  * "neon" before "ref" on aarch64.
  *
@@ -58,6 +58,7 @@ NEON_INLINE ewv_t ewv_max(ewv_t a, ewv_t b) { return vmaxq_f32(a, b); }
 NEON_INLINE ewv_t ewv_sqrt(ewv_t a) { return vsqrtq_f32(a); }
 NEON_INLINE ewv_t ewv_fma(ewv_t a, ewv_t b, ewv_t c) { return vfmaq_f32(c, a, b); }
 NEON_INLINE ewv_t ewv_exp(ewv_t x) { return neon_exp4(x); }
+NEON_INLINE ewv_t ewv_tanh(ewv_t x) { return neon_tanh4(x); }
 NEON_INLINE float ewv_hsum(ewv_t v) { return vaddvq_f32(v); }
 NEON_INLINE float ewv_hmax(ewv_t v) { return vmaxvq_f32(v); }
 
@@ -67,6 +68,11 @@ NEON_INLINE float ewv_hmax(ewv_t v) { return vmaxvq_f32(v); }
  * out[i] = e^x[i] through neon_exp4. */
 void kern_exp_neon(float *out, const float *x, long n) {
     for (long i = 0; i < n; i += 4) neon_storen(out + i, neon_exp4(neon_loadn(x + i, n - i)), n - i);
+}
+
+/* The same for the vector tanh (neon_util.h's neon_tanh4). */
+void kern_tanh_neon(float *out, const float *x, long n) {
+    for (long i = 0; i < n; i += 4) neon_storen(out + i, neon_tanh4(neon_loadn(x + i, n - i)), n - i);
 }
 
 #endif /* __aarch64__ */

@@ -22,6 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/ops.h" /* kern_attn_opt */
 #include "optim/optim.h"
 
 /* A strided view: element (i, j) lives at p[i * rs + j * cs]. One of rs, cs is
@@ -210,6 +211,8 @@ void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, const 
                                  const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
 void kern_swiglu_fwd_avx512(float *out, const float *gate, const float *up, int N);
 void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_geglu_fwd_avx512(float *out, const float *gate, const float *up, int N);
+void kern_geglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
 void kern_add_avx512(float *out, const float *a, const float *b, long N);
 double kern_crossentropy_fwdbwd_avx512(float *logits, const int32_t *targets, int N, int V, float grad_scale,
                                        long *n_valid);
@@ -223,12 +226,14 @@ double kern_crossentropy_vp_grad_avx512(float *logits, const float *maxv, const 
 void kern_adamw_step_avx512(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
 /* Attention with register-blocked tiles (attention_avx512.c), ops.h's attention contract. */
 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
-                               int nh, int nkv, int hd);
+                               int nh, int nkv, int hd, const kern_attn_opt *opt);
 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                const float *lse, const float *q, const float *k, const float *v, int B, int T, int nh,
-                               int nkv, int hd);
+                               int nkv, int hd, const kern_attn_opt *opt);
 /* out[i] = e^x[i] with the vector exp of the kernels above (for its accuracy test). */
 void kern_exp_avx512(float *out, const float *x, long n);
+/* out[i] = tanh(x[i]) with avx512_util.h's tanh16 (attention's soft cap; for its accuracy test). */
+void kern_tanh_avx512(float *out, const float *x, long n);
 
 /* The memory-bound ops for AVX2 + FMA (elementwise_avx2.c instantiating elementwise_vec.inc), ops.h signatures. */
 void kern_embedding_fwd_avx2(float *out, const int32_t *tokens, const float *wte, int N, int C);
@@ -246,6 +251,8 @@ void kern_qknorm_rope_bwd_avx2(float *dx, float *dw, const float *dout, const fl
                                const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
 void kern_swiglu_fwd_avx2(float *out, const float *gate, const float *up, int N);
 void kern_swiglu_bwd_avx2(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_geglu_fwd_avx2(float *out, const float *gate, const float *up, int N);
+void kern_geglu_bwd_avx2(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
 void kern_add_avx2(float *out, const float *a, const float *b, long N);
 double kern_crossentropy_fwdbwd_avx2(float *logits, const int32_t *targets, int N, int V, float grad_scale,
                                      long *n_valid);
@@ -259,11 +266,14 @@ double kern_crossentropy_vp_grad_avx2(float *logits, const float *maxv, const fl
 void kern_adamw_step_avx2(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
 /* Attention with 6 x 16 ymm register tiles (attention_avx2.c), ops.h's attention contract. */
 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
-                             int nh, int nkv, int hd);
+                             int nh, int nkv, int hd, const kern_attn_opt *opt);
 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
-                             const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd);
+                             const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
+                             const kern_attn_opt *opt);
 /* out[i] = e^x[i] with the AVX2 vector exp (avx2_util.h's exp8; for its accuracy test). */
 void kern_exp_avx2(float *out, const float *x, long n);
+/* out[i] = tanh(x[i]) with avx2_util.h's tanh8 (for its accuracy test). */
+void kern_tanh_avx2(float *out, const float *x, long n);
 #endif
 
 
@@ -295,6 +305,8 @@ void kern_qknorm_rope_bwd_neon(float *dx, float *dw, const float *dout, const fl
                                const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
 void kern_swiglu_fwd_neon(float *out, const float *gate, const float *up, int N);
 void kern_swiglu_bwd_neon(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_geglu_fwd_neon(float *out, const float *gate, const float *up, int N);
+void kern_geglu_bwd_neon(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
 void kern_add_neon(float *out, const float *a, const float *b, long N);
 double kern_crossentropy_fwdbwd_neon(float *logits, const int32_t *targets, int N, int V, float grad_scale,
                                      long *n_valid);
@@ -307,6 +319,8 @@ double kern_crossentropy_vp_grad_neon(float *logits, const float *maxv, const fl
 void kern_adamw_step_neon(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
 /* out[i] = e^x[i] with neon_util.h's neon_exp4 (for its accuracy test). */
 void kern_exp_neon(float *out, const float *x, long n);
+/* out[i] = tanh(x[i]) with neon_util.h's neon_tanh4 (geglu; for its accuracy test). */
+void kern_tanh_neon(float *out, const float *x, long n);
 #endif
 
 #endif

@@ -1,6 +1,6 @@
 /* kernels/cpu/neon_util.h: small NEON helpers shared by the aarch64 kernels
  * (gemm_neon.c, elementwise_neon.c, moe_cpu.c): partial loads and stores,
- * a 4 x 4 transpose, round-to-nearest-even bf16 bits, and the vector exp.
+ * a 4 x 4 transpose, round-to-nearest-even bf16 bits, the vector exp and tanh.
  *
  * NEON (ASIMD) is part of the base aarch64 architecture, so these need no
  * target attribute. NEON has no masked loads: a partial vector is copied
@@ -79,6 +79,24 @@ NEON_INLINE float32x4_t neon_exp4(float32x4_t x) {
     float32x4_t s1 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n1, vdupq_n_s32(127)), 23));
     float32x4_t s2 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n2, vdupq_n_s32(127)), 23));
     return vmulq_f32(vmulq_f32(p, s1), s2);
+}
+
+/* tanh(x) for 4 lanes: avx512_util.h's tanh16 (the same polynomial below
+ * 0.625, (1 - e)/(1 + e) with e = e^-2a above it, the sign of x put back). */
+NEON_INLINE float32x4_t neon_tanh4(float32x4_t x) {
+    float32x4_t a = vabsq_f32(x), z = vmulq_f32(a, a), one = vdupq_n_f32(1.0f);
+    float32x4_t p = vdupq_n_f32(0.002148957457393408f);
+    p = vfmaq_f32(vdupq_n_f32(-0.00818463321775198f), p, z);
+    p = vfmaq_f32(vdupq_n_f32(0.021703990176320076f), p, z);
+    p = vfmaq_f32(vdupq_n_f32(-0.05394745245575905f), p, z);
+    p = vfmaq_f32(vdupq_n_f32(0.13333211839199066f), p, z);
+    p = vfmaq_f32(vdupq_n_f32(-0.3333333134651184f), p, z);
+    float32x4_t small = vfmaq_f32(a, vmulq_f32(a, z), p);
+    float32x4_t e = neon_exp4(vmulq_f32(a, vdupq_n_f32(-2.0f)));
+    float32x4_t big = vdivq_f32(vsubq_f32(one, e), vaddq_f32(one, e));
+    float32x4_t t = vbslq_f32(vcltq_f32(a, vdupq_n_f32(0.625f)), small, big);
+    uint32x4_t sign = vandq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32(0x80000000u));
+    return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(t), sign));
 }
 
 #endif /* __aarch64__ */

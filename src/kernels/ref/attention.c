@@ -17,6 +17,13 @@
  * group's query heads, are its own, so there are no atomics and each sum runs
  * in a fixed order (bit-identical at any thread count).
  *
+ * Options (kern_attn_opt): a window starts the key loop at the block holding
+ * the query block's first visible key (blocks left of the window are never
+ * touched) and each row's dots at its first visible column; a soft cap
+ * s = cap tanh(x / cap) is applied to the scaled scores, and its derivative
+ * 1 - tanh^2 to dS. The expressions are the reference's, so the backward
+ * stays bit-identical to it with options too.
+ *
  * The K and V tiles are transposed into [hd][ATT_BK] scratch so that the
  * score dot products run as row updates over contiguous keys, which the
  * compiler vectorises; the score of (t, j) still sums over i in order, as the

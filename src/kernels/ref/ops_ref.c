@@ -213,16 +213,22 @@ void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *
 /* --------------------------------------------------------------- attention */
 
 /* The plain form of the recompute-in-backward attention: one query row at a
- * time, a two-pass softmax over its causal keys in a [T] scratch row, and
+ * time, a two-pass softmax over the keys it sees in a [T] scratch row, and
  * the row's log-sum-exp kept instead of its probabilities. The tiled kernel
  * (attention.c) runs the same algorithm a block at a time and is checked
- * against this. */
+ * against this. Options (kern_attn_opt): the scale, a sliding window (keys
+ * lo..t, lo = kern_attn_first_key) and the soft cap s = cap tanh(x / cap) of
+ * the scaled score x, differentiated as cap tanh' = 1 - tanh^2 (the cap
+ * cancels). Without options every expression is the one of the plain causal
+ * attention, so results do not change. */
 
 void op_attention_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
-                      int B, int T, int nh, int nkv, int hd) {
+                      int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
     // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     int group = nh / nkv;
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
+    int window = opt && opt->window > 0 ? opt->window : 0;
+    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
 #pragma omp parallel
     {
         float *p = ct_malloc((size_t)(T > 0 ? T : 1) * sizeof(float)); // [T] scores of one row
@@ -230,20 +236,21 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
         for (int b = 0; b < B; b++) {
             for (int h = 0; h < nh; h++) {
                 for (int t = 0; t < T; t++) {
-                    int kh = h / group;
+                    int kh = h / group, lo = kern_attn_first_key(t, window);
                     const float *qt = q + (((size_t)b * T + t) * nh + h) * hd;
-                    // scores, causal: keys 0..t only
+                    // scores, causal: keys lo..t only
                     float maxv = -INFINITY;
-                    for (int t2 = 0; t2 <= t; t2++) {
+                    for (int t2 = lo; t2 <= t; t2++) {
                         const float *kt = k + (((size_t)b * T + t2) * nkv + kh) * hd;
                         float dot = 0.0f;
                         for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
                         float sc = dot * scale; // HF: (q @ k^T) * scaling
+                        if (cap > 0.0f) sc = cap * tanhf(sc / cap); // gemma: tanh(s / cap) * cap
                         p[t2] = sc;
                         if (sc > maxv) maxv = sc;
                     }
                     float sum = 0.0f;
-                    for (int t2 = 0; t2 <= t; t2++) {
+                    for (int t2 = lo; t2 <= t; t2++) {
                         p[t2] = expf(p[t2] - maxv);
                         sum += p[t2];
                     }
@@ -251,7 +258,7 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
                     // out = softmax @ v
                     float *ot = out + (((size_t)b * T + t) * nh + h) * hd;
                     for (int i = 0; i < hd; i++) ot[i] = 0.0f;
-                    for (int t2 = 0; t2 <= t; t2++) {
+                    for (int t2 = lo; t2 <= t; t2++) {
                         const float *vt = v + (((size_t)b * T + t2) * nkv + kh) * hd;
                         float pt = p[t2] / sum;
                         for (int i = 0; i < hd; i++) ot[i] += pt * vt[i];
@@ -264,14 +271,17 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
 }
 
 void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
-                      const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd) {
+                      const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
+                      const kern_attn_opt *opt) {
     // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
     // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     // All query heads of a group and all query positions add into the same kv
     // rows, so one thread owns a whole (b, kv head) and walks them in order;
     // it then also owns the dq rows of the group's query heads.
     int group = nh / nkv;
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
+    int window = opt && opt->window > 0 ? opt->window : 0;
+    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
         for (int kh = 0; kh < nkv; kh++) {
@@ -285,7 +295,7 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
                     // softmax backward needs sum_j p_j dp_j = dout . out (out = sum_j p_j v_j)
                     float D = 0.0f;
                     for (int i = 0; i < hd; i++) D += dot_[i] * ot[i];
-                    for (int t2 = 0; t2 <= t; t2++) {
+                    for (int t2 = kern_attn_first_key(t, window); t2 <= t; t2++) {
                         const float *kt = k + (((size_t)b * T + t2) * nkv + kh) * hd;
                         const float *vt = v + (((size_t)b * T + t2) * nkv + kh) * hd;
                         float *dkt = dk + (((size_t)b * T + t2) * nkv + kh) * hd;
@@ -293,15 +303,21 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
                         // recompute p = exp(score - lse)
                         float dot = 0.0f;
                         for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
-                        float p = expf(dot * scale - L);
+                        float th = 0.0f, p;
+                        if (cap > 0.0f) {
+                            th = tanhf(dot * scale / cap);
+                            p = expf(cap * th - L);
+                        } else {
+                            p = expf(dot * scale - L);
+                        }
                         // dp = dout . v ; dv += p * dout
                         float dp = 0.0f;
                         for (int i = 0; i < hd; i++) {
                             dp += dot_[i] * vt[i];
                             dvt[i] += p * dot_[i];
                         }
-                        // ds = p * (dp - D); scores = scale * q . k
-                        float g = p * (dp - D) * scale;
+                        // ds = p * (dp - D); scores = scale * q . k (capped: times 1 - tanh^2)
+                        float g = cap > 0.0f ? p * (dp - D) * (1.0f - th * th) * scale : p * (dp - D) * scale;
                         for (int i = 0; i < hd; i++) {
                             dqt[i] += g * kt[i];
                             dkt[i] += g * qt[i];
@@ -335,6 +351,37 @@ void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gat
         float silu = g * sig;
         dgate[i] += dout[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
         dup[i] += dout[i] * silu;
+    }
+}
+
+/* ------------------------------------------------------------------- geglu */
+
+/* torch's gelu(approximate="tanh") term by term (its CPU kernel and
+ * GeluBackward): beta = sqrt(2/pi), kappa = 0.044715. */
+#define GELU_BETA 0.7978845608028654f
+#define GELU_KAPPA 0.044715f
+
+void op_geglu_fwd(float *out, const float *gate, const float *up, int N) {
+    // out[N], gate[N], up[N]
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        float x = gate[i];
+        float inner = GELU_BETA * (x + GELU_KAPPA * (x * x * x));
+        out[i] = 0.5f * x * (1.0f + tanhf(inner)) * up[i];
+    }
+}
+
+void op_geglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N) {
+    // dgate[N], dup[N], dout[N], gate[N], up[N]
+    // gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) beta (1 + 3 kappa x^2), u = beta (x + kappa x^3)
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        float x = gate[i];
+        float th = tanhf(GELU_BETA * (x + GELU_KAPPA * (x * x * x)));
+        float gelu = 0.5f * x * (1.0f + th);
+        float dgelu = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_BETA * (1.0f + 3.0f * GELU_KAPPA * x * x);
+        dgate[i] += dout[i] * up[i] * dgelu;
+        dup[i] += dout[i] * gelu;
     }
 }
 
