@@ -160,7 +160,8 @@ static int select_kernels(trainer *t, ct_err *e) {
                                  .vocab = mc->vocab_size, .n_heads = mc->n_heads, .n_kv_heads = mc->n_kv_heads,
                                  .head_dim = mc->head_dim, .n_experts = mc->n_experts,
                                  .moe_inter = mc->moe_intermediate, .top_k = mc->top_k,
-                                 .ce_rows = t->model.logit_rows, .n_params = (long)t->model.n_params, .bf16 = bf16};
+                                 .ce_rows = t->model.logit_rows, .n_params = (long)t->model.n_params, .bf16 = bf16,
+                                 .geglu = mc->act == LM_ACT_GELU_TANH};
             char path[1024];
             kern_tune_cache_path(path, sizeof path, cpu, cpu_threads());
             if ((rc = kern_tune(&t->model.k, tab, nt, cpu, ov, &rs, path, log, sizeof log, e))) return rc;
