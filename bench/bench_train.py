@@ -59,7 +59,7 @@ SHAPES = {
     # 3584, so that both sides' fp32 AdamW state fits the machine's 24 GiB)
     "llama-3.2-1b-4l": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                             num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                            tie_word_embeddings=True,
+                            tie_word_embeddings=True, max_position_embeddings=131072,
                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                              "original_max_position_embeddings": 8192}),
@@ -322,7 +322,8 @@ def main():
     from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
     shape = dict(SHAPES[a.shape])
     if "model_type" in shape:
-        cfg = AutoConfig.for_model(shape.pop("model_type"), **shape, max_position_embeddings=max(4096, a.seq))
+        shape.setdefault("max_position_embeddings", max(4096, a.seq))
+        cfg = AutoConfig.for_model(shape.pop("model_type"), **shape)
     else:
         cfg = Qwen3Config(**shape, rope_theta=1e6, max_position_embeddings=max(4096, a.seq))
     torch.manual_seed(0)
