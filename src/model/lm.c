@@ -1264,6 +1264,28 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
     WIDE_OUT(w->router, (size_t)E * H);
 }
 
+/* The backward of x[BT, H] += [norm](in[BT, K] @ w^T + b) (+ LoRA adapter p):
+ * o_proj and down_proj. From d_res = d(x): din[BT, K] = d(in) (overwritten)
+ * and the weight, bias, norm and adapter gradients (NULL: frozen or absent).
+ * y, rstd: the forward's output before the norm and its rstd (ln NULL: no
+ * norm, d(output) is d_res itself). d_ln is the scratch for d(y). */
+static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in, const float *w, float *gw, float *gb,
+                         const float *ln, float *gln, const float *y, const float *rstd, int BT, int K) {
+    int H = m->cfg.hidden;
+    const float *dy = m->d_res; /* [BT, H] */
+    if (ln) {
+        zero(m->d_ln, (size_t)BT * H);
+        m->k.rmsnorm_bwd(m->d_ln, gln, m->d_res, y, nw(m, ln, H), rstd, BT, H);
+        dy = m->d_ln;
+    }
+    if (gb) op_bias_bwd(gb, dy, BT, H);
+    zero(din, (size_t)BT * K);
+    WIDE_IN(w, (size_t)H * K);
+    m->k.matmul_bwd(din, gw, dy, in, w, BT, K, H);
+    WIDE_OUT(w, (size_t)H * K);
+    if (LORA(&m->w.layer[l], p)) lora_bwd(m, l, p, din, dy, m->acts[l].lora_u[p], in, BT, K, H);
+}
+
 double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
                               float grad_scale, long *n_valid) {
     const lm_config *c = &m->cfg;
@@ -1308,19 +1330,8 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
             moe_layer_bwd(m, l, BT);
         } else {
             /* res_next = res_mid + [norm](down(h) + bd): d_res flows to res_mid unchanged, plus the MLP path */
-            const float *dy = m->d_res; /* [BT, H] d of down_proj's output */
-            if (w->ln_mo) {
-                zero(m->d_ln, (size_t)BT * H);
-                m->k.rmsnorm_bwd(m->d_ln, g->ln_mo, m->d_res, a->mo, nw(m, w->ln_mo, H), a->mo_rstd, BT, H);
-                dy = m->d_ln;
-            }
-            if (g->bd) op_bias_bwd(g->bd, dy, BT, H);
-            zero(m->d_h, (size_t)BT * I);
-            WIDE_IN(w->wd, (size_t)H * I);
-            m->k.matmul_bwd(m->d_h, g->wd, dy, a->h, w->wd, BT, I, H);
-            WIDE_OUT(w->wd, (size_t)H * I);
-            if (LORA(w, LM_LORA_DOWN))
-                lora_bwd(m, l, LM_LORA_DOWN, m->d_h, dy, a->lora_u[LM_LORA_DOWN], a->h, BT, I, H);
+            out_proj_bwd(m, l, LM_LORA_DOWN, m->d_h, a->h, w->wd, g->wd, g->bd, w->ln_mo, g->ln_mo, a->mo, a->mo_rstd,
+                         BT, I);
             zero(m->d_gate, (size_t)BT * I);
             zero(m->d_up, (size_t)BT * I);
             if (c->act == LM_ACT_GELU_TANH) m->k.geglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
@@ -1345,19 +1356,8 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
         else m->k.add(m->d_res, m->d_res, m->d_ln, (long)BT * H); /* the MLP read res_mid itself */
 
         /* res_mid = res + [norm](o_proj(att) + bo) */
-        const float *dy = m->d_res; /* [BT, H] d of o_proj's output */
-        if (w->ln_ao) {
-            zero(m->d_ln, (size_t)BT * H);
-            m->k.rmsnorm_bwd(m->d_ln, g->ln_ao, m->d_res, a->ao, nw(m, w->ln_ao, H), a->ao_rstd, BT, H);
-            dy = m->d_ln;
-        }
-        if (g->bo) op_bias_bwd(g->bo, dy, BT, H);
-        zero(m->d_att, (size_t)BT * qd);
-        WIDE_IN(w->wo, (size_t)H * qd);
-        m->k.matmul_bwd(m->d_att, g->wo, dy, a->att, w->wo, BT, qd, H);
-        WIDE_OUT(w->wo, (size_t)H * qd);
-        if (LORA(w, LM_LORA_O))
-            lora_bwd(m, l, LM_LORA_O, m->d_att, dy, a->lora_u[LM_LORA_O], a->att, BT, qd, H);
+        out_proj_bwd(m, l, LM_LORA_O, m->d_att, a->att, w->wo, g->wo, g->bo, w->ln_ao, g->ln_ao, a->ao, a->ao_rstd, BT,
+                     qd);
         zero(m->d_q, (size_t)BT * qd);
         zero(m->d_k, (size_t)BT * kvd);
         zero(m->d_v, (size_t)BT * kvd);

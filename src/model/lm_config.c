@@ -212,27 +212,35 @@ typedef struct {
     int win_default;    /* sliding_window when absent (0: None) */
     const char *win_gate; /* a bool key that must be true for the window to exist (use_sliding_window) */
     const char *act_key;
+    double theta, theta_local; /* RoPE (model/rope.h): default_theta; Gemma3's sliding layers' */
+    int rope_style, rope_head_dim_none;
 } lm_family;
 
 static const lm_family families[] = {
-    {"qwen3", "Qwen3ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_HEAD, 0, 0, 0, 1, 0, 0, 128, 1e-6, 0, 32768, -1,
-     WIN_TYPES, 4096, "use_sliding_window", "hidden_act"},
-    {"qwen3_moe", "Qwen3MoeForCausalLM", 1 + LM_MOE_KEYS_QWEN, LM_NORM_PRE, 0, LM_QK_HEAD, 0, 0, 0, 1, 0, 4, 0,
-     1e-6, 0, 32768, -1, WIN_ALL, 4096, "use_sliding_window", "hidden_act"},
-    {"llama", "LlamaForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 1, 1, 0, 0, 1e-6, 0, 2048, -1, WIN_NONE,
-     0, NULL, "hidden_act"},
-    {"mistral", "MistralForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 0, 0, 8, 0, 1e-6, 0, 131072, -1,
-     WIN_ALL, 4096, NULL, "hidden_act"},
-    {"qwen2", "Qwen2ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 1, 0, 0, 32, 0, 1e-6, 0, 32768, -1,
-     WIN_TYPES, 4096, "use_sliding_window", "hidden_act"},
-    {"mixtral", "MixtralForCausalLM", 1 + LM_MOE_KEYS_MIXTRAL, LM_NORM_PRE, 0, LM_QK_NONE, 0, 0, 0, 0, 0, 8, 0,
-     1e-5, 0, 131072, -1, WIN_ALL, 0, NULL, "hidden_act"},
-    {"olmo2", "Olmo2ForCausalLM", 0, LM_NORM_POST, 0, LM_QK_PROJ, 0, 0, 0, 1, 0, 0, 0, 1e-5, 0, 2048, 1, WIN_NONE,
-     0, NULL, "hidden_act"},
-    {"phi3", "Phi3ForCausalLM", 0, LM_NORM_PRE, 0, LM_QK_NONE, 1, 0, 0, 0, 0, 0, 0, 1e-5, 0, 4096, 32000, WIN_ALL,
-     0, NULL, "hidden_act"},
-    {"gemma3_text", "Gemma3ForCausalLM", 0, LM_NORM_SANDWICH, 1, LM_QK_HEAD, 0, 1, 0, 1, 0, 4, 256, 1e-6, 1,
-     131072, 0, WIN_GEMMA, 4096, NULL, "hidden_activation"},
+    {.type = "qwen3", .arch = "Qwen3ForCausalLM", .has_attn_bias = 1, .hd_default = 128, .eps = 1e-6,
+     .max_pos = 32768, .pad = -1, .win = WIN_TYPES, .win_default = 4096, .win_gate = "use_sliding_window",
+     .act_key = "hidden_act", .theta = 1e4},
+    {.type = "qwen3_moe", .arch = "Qwen3MoeForCausalLM", .moe = 1 + LM_MOE_KEYS_QWEN, .has_attn_bias = 1,
+     .kv_default = 4, .eps = 1e-6, .max_pos = 32768, .pad = -1, .win = WIN_ALL, .win_default = 4096,
+     .win_gate = "use_sliding_window", .act_key = "hidden_act", .theta = 1e4},
+    {.type = "llama", .arch = "LlamaForCausalLM", .qk_norm = LM_QK_NONE, .has_attn_bias = 1, .has_mlp_bias = 1,
+     .eps = 1e-6, .max_pos = 2048, .pad = -1, .act_key = "hidden_act", .theta = 1e4},
+    {.type = "mistral", .arch = "MistralForCausalLM", .qk_norm = LM_QK_NONE, .kv_default = 8, .eps = 1e-6,
+     .max_pos = 131072, .pad = -1, .win = WIN_ALL, .win_default = 4096, .act_key = "hidden_act", .theta = 1e4},
+    {.type = "qwen2", .arch = "Qwen2ForCausalLM", .qk_norm = LM_QK_NONE, .qkv_bias = 1, .kv_default = 32,
+     .eps = 1e-6, .max_pos = 32768, .pad = -1, .win = WIN_TYPES, .win_default = 4096,
+     .win_gate = "use_sliding_window", .act_key = "hidden_act", .theta = 1e4},
+    {.type = "mixtral", .arch = "MixtralForCausalLM", .moe = 1 + LM_MOE_KEYS_MIXTRAL, .qk_norm = LM_QK_NONE,
+     .kv_default = 8, .eps = 1e-5, .max_pos = 131072, .pad = -1, .win = WIN_ALL, .act_key = "hidden_act",
+     .theta = 1e6, .rope_head_dim_none = 1},
+    {.type = "olmo2", .arch = "Olmo2ForCausalLM", .norm_place = LM_NORM_POST, .qk_norm = LM_QK_PROJ,
+     .has_attn_bias = 1, .eps = 1e-5, .max_pos = 2048, .pad = 1, .act_key = "hidden_act", .theta = 1e4},
+    {.type = "phi3", .arch = "Phi3ForCausalLM", .qk_norm = LM_QK_NONE, .fused = 1, .eps = 1e-5, .max_pos = 4096,
+     .pad = 32000, .win = WIN_ALL, .act_key = "hidden_act", .theta = 1e4, .rope_style = ROPE_STYLE_PHI3},
+    {.type = "gemma3_text", .arch = "Gemma3ForCausalLM", .norm_place = LM_NORM_SANDWICH, .norm_plus_one = 1,
+     .embed_scaled = 1, .has_attn_bias = 1, .kv_default = 4, .hd_default = 256, .eps = 1e-6, .tied = 1,
+     .max_pos = 131072, .pad = 0, .win = WIN_GEMMA, .win_default = 4096, .act_key = "hidden_activation",
+     .theta = 1e6, .theta_local = 1e4, .rope_style = ROPE_STYLE_GEMMA3},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -240,6 +248,13 @@ static const lm_family *family_of(const char *type) {
     for (size_t i = 0; i < N_FAMILIES; i++)
         if (strcmp(families[i].type, type) == 0) return &families[i];
     return NULL;
+}
+
+int lm_family_rope(const char *model_type, rope_family *out) {
+    const lm_family *f = family_of(model_type);
+    if (!f) return -1;
+    *out = (rope_family){f->type, f->max_pos, f->theta, f->theta_local, f->rope_style, f->rope_head_dim_none};
+    return 0;
 }
 
 static const lm_family *family_of_config(const lm_config *c) {

@@ -64,30 +64,6 @@
 
 #include <cjson/cJSON.h>
 
-enum { FAM_GENERIC, FAM_PHI3, FAM_GEMMA3 };
-
-/* Each family's config-class defaults that RoPE reads. */
-typedef struct {
-    const char *model_type;
-    int max_pos;        /* max_position_embeddings */
-    double theta;       /* default_theta (Gemma3: full_attention's) */
-    double theta_local; /* Gemma3: sliding_attention's */
-    int style;
-    int head_dim_none;  /* head_dim stays None when absent: yarn, dynamic and longrope then fail */
-} rope_family;
-
-static const rope_family families[] = {
-    {"llama", 2048, 1e4, 0, FAM_GENERIC, 0},
-    {"mistral", 131072, 1e4, 0, FAM_GENERIC, 0},
-    {"qwen2", 32768, 1e4, 0, FAM_GENERIC, 0},
-    {"qwen3", 32768, 1e4, 0, FAM_GENERIC, 0},
-    {"qwen3_moe", 32768, 1e4, 0, FAM_GENERIC, 0},
-    {"mixtral", 131072, 1e6, 0, FAM_GENERIC, 1},
-    {"olmo2", 2048, 1e4, 0, FAM_GENERIC, 0},
-    {"phi3", 4096, 1e4, 0, FAM_PHI3, 0},
-    {"gemma3_text", 131072, 1e6, 1e4, FAM_GEMMA3, 0},
-};
-
 #define ROPE_TYPES "default, linear, dynamic, yarn, llama3, longrope"
 static const char *const type_names[] = {"default", "linear", "dynamic", "yarn", "llama3", "longrope"};
 
@@ -206,18 +182,15 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
 
     const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
     if (!cJSON_IsString(mt)) return ct_fail(e, CT_ERR_CONFIG, "%s: missing \"model_type\"", path);
-    const rope_family *fam = NULL;
-    for (size_t i = 0; i < sizeof families / sizeof families[0]; i++)
-        if (!strcmp(families[i].model_type, mt->valuestring)) fam = &families[i];
-    if (!fam)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: model_type \"%s\": no RoPE rules for it (known: llama, mistral, qwen2, qwen3, qwen3_moe, "
-                       "mixtral, olmo2, phi3, gemma3_text)",
-                       path, mt->valuestring);
+    rope_family famv;
+    const rope_family *fam = &famv;
+    if (lm_family_rope(mt->valuestring, &famv))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: model_type \"%s\": no RoPE rules for it (not a supported family)", path,
+                       mt->valuestring);
     if (layer_type && strcmp(layer_type, "full_attention") && strcmp(layer_type, "sliding_attention"))
         return ct_fail(e, CT_ERR_CONFIG, "%s: layer type \"%s\" has no RoPE (expected full_attention or sliding_attention)",
                        path, layer_type);
-    if (fam->style == FAM_GEMMA3 && !layer_type)
+    if (fam->style == ROPE_STYLE_GEMMA3 && !layer_type)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: gemma3_text has one RoPE per layer type: ask for full_attention or sliding_attention", path);
     if (head_dim < 2) return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim must be at least 2 for RoPE, got %d", path, head_dim);
@@ -235,7 +208,7 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
     rdict r = {{NULL, NULL}, {"", ""}, path, e};
     char entry_name[64];
     int synth_default = 0; /* Gemma3: transformers' own {"rope_type": "default"} stands for the entry */
-    if (fam->style == FAM_GEMMA3) {
+    if (fam->style == ROPE_STYLE_GEMMA3) {
         const cJSON *ent = NULL;
         if (rp) {
             const cJSON *it;
@@ -317,12 +290,12 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
                 return ct_fail(e, CT_ERR_CONFIG, "%s: \"original_max_position_embeddings\" must be a positive integer",
                                path);
             has_top_orig = 1;
-        } else if (fam->style == FAM_PHI3) {
+        } else if (fam->style == ROPE_STYLE_PHI3) {
             top_orig = 4096, has_top_orig = 1;
         }
     }
     int orig_from_top = 0; /* standardize_rope_params sets it from the attribute */
-    if (fam->style == FAM_PHI3) {
+    if (fam->style == ROPE_STYLE_PHI3) {
         /* standardize runs before Phi3 renames su / yarn, so "su" keeps only its own key */
         if (!strcmp(type, "yarn") || !strcmp(type, "longrope") || !strcmp(type, "llama3")) orig_from_top = 1;
         if (!strcmp(type, "su")) {
@@ -339,7 +312,7 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
                            "%s: %s.%s \"%s\" is not supported for phi3 (transformers 5.24 accepts default and "
                            "longrope; su and yarn are legacy names of longrope)",
                            path, type_where, type_key, type);
-    } else if (fam->style == FAM_GENERIC && has_top_orig) {
+    } else if (fam->style == ROPE_STYLE_GENERIC && has_top_orig) {
         orig_from_top = 1;
     }
 
@@ -381,7 +354,7 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
     if (found) {
         if ((rc = rd_positive(&r, "rope_theta", p->theta))) return rc;
     } else {
-        int local = fam->style == FAM_GEMMA3 && !strcmp(layer_type, "sliding_attention");
+        int local = fam->style == ROPE_STYLE_GEMMA3 && !strcmp(layer_type, "sliding_attention");
         const char *theta_key = local ? "rope_local_base_freq" : "rope_theta";
         p->theta = local ? fam->theta_local : fam->theta;
         if ((rc = top_num(root, theta_key, 0, &found, &v, path, e))) return rc;
@@ -394,7 +367,7 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
 
     /* partial_rotary_factor: the dict's, else the top-level one (null: absent), else 1 */
     p->partial_rotary_factor = 1.0;
-    if (p->type != ROPE_DEFAULT || fam->style == FAM_PHI3) {
+    if (p->type != ROPE_DEFAULT || fam->style == ROPE_STYLE_PHI3) {
         const char *pwhere = "";
         if ((rc = rd_num(&r, "partial_rotary_factor", 0, &found, &p->partial_rotary_factor))) return rc;
         if (found) {
@@ -467,7 +440,7 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
         p->truncate = 1;
         const char *where = "";
         const cJSON *tr = rd_get(&r, "truncate", &where);
-        if (tr && fam->style != FAM_GEMMA3) {
+        if (tr && fam->style != ROPE_STYLE_GEMMA3) {
             if (cJSON_IsNull(tr))
                 p->truncate = 0; /* `if truncate:` with None */
             else if (cJSON_IsBool(tr))

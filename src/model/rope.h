@@ -49,6 +49,21 @@ typedef struct {
                                      default RoPE outside phi3, whose default ignores it */
 } rope_params;
 
+/* What RoPE reads of a family's config class. The family table of
+ * model/lm_config.c holds it beside the rest of each family's description,
+ * so that adding a family stays one row there. */
+enum { ROPE_STYLE_GENERIC, ROPE_STYLE_PHI3, ROPE_STYLE_GEMMA3 };
+typedef struct {
+    const char *model_type;
+    int max_pos;        /* max_position_embeddings' default */
+    double theta;       /* default_theta (Gemma3: full_attention's) */
+    double theta_local; /* Gemma3: sliding_attention's */
+    int style;          /* ROPE_STYLE_*: Phi3's and Gemma3's own rules */
+    int head_dim_none;  /* head_dim stays None when absent: yarn, dynamic and longrope then fail */
+} rope_family;
+/* model_type's row (0), or -1 for a model_type no family has (model/lm_config.c). */
+int lm_family_rope(const char *model_type, rope_family *out);
+
 /* The RoPE of one layer type ("full_attention", "sliding_attention"; NULL for
  * a model with one RoPE for all layers, where either name is accepted too)
  * from a parsed config.json, resolved with transformers 5.24's rules for the

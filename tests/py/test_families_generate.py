@@ -15,33 +15,13 @@ import pytest
 import torch
 
 import oracle_families as fam
-from conftest import BUILD
+from test_generate import _Err, genlib  # noqa: F401 (the fixture: libctitan's model/generate.h entry points)
 
 # one case per family; the sequence is longer than every window and crosses a prefill chunk
 # (64 rows) so windows slide inside the cache and across chunks
 IDS = ["llama_rope3_attnbias_hd16", "llama_mlpbias_tied", "mistral_swa5", "qwen2_swa6_layers", "qwen3_yarn",
        "qwen3_moe_aux", "mixtral_e4k2_aux_hd16", "olmo2", "phi3_longrope_short_swa7", "gemma3_text"]
 PIECES = [70, 1, 1, 5, 1, 1]  # prefill (two chunks), decode, a warm 5-row prefill, decode
-
-
-class _Err(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024)]
-
-
-@pytest.fixture(scope="module")
-def genlib():
-    so = BUILD / "libctitan.so"
-    if not so.exists():
-        pytest.fail(f"{so} is missing: run `make all` first", pytrace=False)
-    lib = ctypes.CDLL(str(so))
-    vp, i32p, fp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float)
-    lib.gen_model_open.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_Err)]
-    lib.gen_model_close.argtypes = [vp]
-    lib.gen_model_state.argtypes = [vp]
-    lib.gen_model_state.restype = vp
-    lib.gen_model_vocab.argtypes = [vp]
-    lib.gen_forward.argtypes = [vp, i32p, ctypes.c_int, fp, ctypes.POINTER(_Err)]
-    return lib
 
 
 @pytest.mark.parametrize("cid", IDS)
