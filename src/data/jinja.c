@@ -809,7 +809,7 @@ static expr *parse_math1(parser *P) {
 }
 
 static expr *parse_compare(parser *P) {
-    expr *l = parse_math1(P);
+    expr *l = parse_math1(P), *last = NULL;
     for (;;) {
         bop op;
         if (is_op(P, "==")) op = B_EQ;
@@ -824,9 +824,16 @@ static expr *parse_compare(parser *P) {
             op = B_NOTIN;
         } else return l;
         advance(P);
-        /* a chain a < b < c means (a < b) and (b < c) in jinja2; templates do not use it */
-        if (l->k == E_BIN && l->op >= B_EQ) jfail(P->f, P->line, "chained comparisons are outside the supported Jinja subset");
-        l = bin(P, op, l, parse_math1(P));
+        expr *r = parse_math1(P);
+        if (!last) {
+            l = bin(P, op, l, r);
+        } else { /* a < b < c is (a < b) and (b < c) */
+            expr *e = mk(P, E_AND);
+            e->a = l;
+            e->b = bin(P, op, last, r);
+            l = e;
+        }
+        last = r;
     }
 }
 
@@ -1897,6 +1904,9 @@ static long long length_of(rctx *R, int line, jv *v) {
     }
 }
 
+static int apply_test(rctx *R, int line, const char *t, jv *x, jv **v, int nargs);
+static jv *iter_list(rctx *R, int line, jv *x);
+
 static jv *filter(rctx *R, expr *e) {
     jv *x = eval(R, e->a);
     jv **v = eval_args(R, e);
@@ -1994,6 +2004,28 @@ static jv *filter(rctx *R, expr *e) {
         }
         return l;
     }
+    if (!strcmp(f, "select") || !strcmp(f, "reject") || !strcmp(f, "selectattr") || !strcmp(f, "rejectattr")) {
+        /* select(test, args...), selectattr(attr, test, args...); no test: truthiness */
+        int by_attr = strstr(f, "attr") != NULL, rej = f[0] == 'r';
+        check_args(R, e, f, 8, NULL);
+        jv *attr = NULL;
+        int k = 0;
+        if (by_attr) {
+            attr = arg(R, e, k++, NULL, v);
+            if (!attr) jfail(R->f, line, "%s: needs an attribute name", f);
+            need_str(R, line, attr, f);
+        }
+        jv *tname = arg(R, e, k++, NULL, v);
+        if (tname) need_str(R, line, tname, f);
+        int nrest = e->nargs > k ? e->nargs - k : 0;
+        jv *lst = iter_list(R, line, x), *out = mk_val(R->a, JV_LIST);
+        for (int i = 0; i < lst->len; i++) {
+            jv *val = by_attr ? get_key(R, line, lst->items[i], attr->s, attr->n) : lst->items[i];
+            int ok = tname ? apply_test(R, line, tname->s, val, v + k, nrest) : truthy(val);
+            if (ok != rej) list_push(R->a, out, lst->items[i]);
+        }
+        return out;
+    }
     if (!strcmp(f, "int")) {
         check_args(R, e, f, 0, NULL);
         if (x->k == JV_INT || x->k == JV_BOOL) return mk_int(R->a, x->i);
@@ -2008,11 +2040,7 @@ static jv *filter(rctx *R, expr *e) {
     jfail(R->f, line, "the filter '%s' is outside the supported Jinja subset", f);
 }
 
-static int test(rctx *R, expr *e) {
-    jv *x = eval(R, e->a);
-    const char *t = e->name;
-    jv **v = eval_args(R, e);
-    int line = e->line;
+static int apply_test(rctx *R, int line, const char *t, jv *x, jv **v, int nargs) {
     if (!strcmp(t, "defined")) return x->k != JV_UNDEF;
     if (!strcmp(t, "undefined")) return x->k == JV_UNDEF;
     if (!strcmp(t, "none")) return x->k == JV_NONE;
@@ -2032,10 +2060,18 @@ static int test(rctx *R, expr *e) {
         return (i % 2 != 0) == (t[0] == 'o');
     }
     if (!strcmp(t, "eq") || !strcmp(t, "equalto") || !strcmp(t, "ne")) {
-        if (e->nargs != 1) jfail(R->f, line, "is %s: needs one argument", t);
+        if (nargs != 1) jfail(R->f, line, "is %s: needs one argument", t);
         return jv_eq(x, v[0]) == (t[0] != 'n');
     }
     jfail(R->f, line, "the test '%s' is outside the supported Jinja subset", t);
+}
+
+static int test(rctx *R, expr *e) {
+    jv *x = eval(R, e->a);
+    jv **v = eval_args(R, e);
+    for (int i = 0; i < e->nargs; i++)
+        if (e->kwnames[i]) jfail(R->f, e->line, "is %s: keyword arguments are outside the supported Jinja subset", e->name);
+    return apply_test(R, e->line, e->name, x, v, e->nargs);
 }
 
 static jv *eval(rctx *R, expr *e) {
