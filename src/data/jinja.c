@@ -132,7 +132,7 @@ struct stmt {
 struct jinja_tmpl {
     arena ar;
     body root;
-    char name[256];
+    char name[4400];
 };
 
 /* ---------------------------------------------------------------- errors */
@@ -2277,26 +2277,35 @@ int jinja_render(const jinja_tmpl *t, const void *vars_json, char **out, size_t 
                  ct_err *e) {
     *out = NULL;
     *len = 0;
-    arena a = {0};
-    failer f = {.e = e, .name = t->name};
-    rctx R = {.f = &f, .a = &a, .spans = spans};
     if (spans) spans->n = 0;
-    scope top = {0};
-    if (setjmp(f.jb)) {
-        free(R.out);
-        ar_free(&a);
+    /* everything a longjmp back here reads lives on the heap: locals changed
+     * after setjmp would be indeterminate */
+    struct {
+        arena a;
+        failer f;
+        rctx R;
+        scope top;
+    } *st = ct_calloc(1, sizeof *st);
+    st->f = (failer){.e = e, .name = t->name};
+    st->R = (rctx){.f = &st->f, .a = &st->a, .spans = spans};
+    if (setjmp(st->f.jb)) {
+        free(st->R.out);
+        ar_free(&st->a);
+        free(st);
         return CT_ERR_FORMAT;
     }
+    rctx *R = &st->R;
     const cJSON *vars = vars_json;
-    R.ctx = vars && cJSON_IsObject(vars) ? from_json(&a, vars) : mk_val(&a, JV_DICT);
-    top.vars = mk_val(&a, JV_DICT);
-    R.sc = &top;
-    exec_body(&R, &t->root);
-    out_put(&R, "", 0);
-    R.out[R.n] = 0;
-    *out = R.out;
-    *len = R.n;
-    ar_free(&a);
+    R->ctx = vars && cJSON_IsObject(vars) ? from_json(&st->a, vars) : mk_val(&st->a, JV_DICT);
+    st->top.vars = mk_val(&st->a, JV_DICT);
+    R->sc = &st->top;
+    exec_body(R, &t->root);
+    out_put(R, "", 0);
+    R->out[R->n] = 0;
+    *out = R->out;
+    *len = R->n;
+    ar_free(&st->a);
+    free(st);
     return 0;
 }
 
