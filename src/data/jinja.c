@@ -2349,9 +2349,10 @@ int jinja_chat_open(const char *dir, jinja_chat **out, ct_err *e) {
     size_t n = 0;
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
     char *cfg_text = read_file(path, &n);
-    cJSON *cfg = cfg_text ? cJSON_ParseWithLength(cfg_text, n) : NULL;
+    int have_cfg = cfg_text != NULL;
+    cJSON *cfg = have_cfg ? cJSON_ParseWithLength(cfg_text, n) : NULL;
     free(cfg_text);
-    if (cfg_text && !cJSON_IsObject(cfg)) {
+    if (have_cfg && !cJSON_IsObject(cfg)) {
         cJSON_Delete(cfg);
         return ct_fail(e, CT_ERR_FORMAT, "%s: not a valid JSON object", path);
     }
