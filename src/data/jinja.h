@@ -26,9 +26,10 @@
  *   - tests: defined undefined none string number integer float boolean
  *     true false mapping iterable sequence callable odd even eq/equalto ne;
  *   - filters: length count trim upper lower capitalize tojson string first
- *     last join default/d items list reverse int safe;
+ *     last join default/d items list reverse int safe select reject
+ *     selectattr rejectattr;
  *   - str methods startswith endswith split strip lstrip rstrip upper lower
- *     replace title-less capitalize; dict methods items keys values get;
+ *     capitalize replace join; dict methods items keys values get;
  *   - globals raise_exception(msg), namespace(...), range(...),
  *     strftime_now(fmt), dict(...).
  * Values are none/bool/int/string/list/dict (plus namespaces and jinja2's
