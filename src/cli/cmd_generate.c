@@ -11,6 +11,9 @@
  * ("Qwen/Qwen3-0.6B", at --revision): hub/hub.h resolves them to the
  * snapshot directory of huggingface_hub's cache, downloading what is missing.
  *
+ * --chat renders the prompt as one user turn with the tokenizer's own chat
+ * template (data/jinja.h; ChatML when tokenizer_config.json has none).
+ *
  * Generation stops at --max-tokens or after a stop id: the tokenizer's EOS,
  * <|im_end|> when the vocabulary has it, and every eos_token_id of the
  * checkpoint's generation_config.json (config.json's when there is none, as
@@ -31,6 +34,7 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "core/timer.h"
+#include "data/jinja.h"
 #include "hub/hub.h"
 #include "model/generate.h"
 #include "model/lm.h"
@@ -71,7 +75,8 @@ static const cli_opt gen_cli_options[] = {
     [GEN_TOP_P] = {"--top-p", "P", "1.0",
                    "nucleus sampling: smallest set with probability >= P, in (0, 1] (1: off)", CLI_VALUE},
     [GEN_SEED] = {"--seed", "S", "0", "random seed of the sampler (same seed, same text)", CLI_VALUE},
-    [GEN_CHAT] = {"--chat", "", "off", "wrap the prompt in the ChatML user turn and open the assistant turn",
+    [GEN_CHAT] = {"--chat", "", "off",
+                  "render the prompt as a user turn with the tokenizer's chat template (ChatML if it has none)",
                   CLI_FLAG},
     [GEN_TOKENIZER] = {"--tokenizer", "DIR", "--checkpoint",
                        "directory with tokenizer.json (or vocab.json + merges.txt), or a Hub id", CLI_VALUE},
@@ -248,6 +253,31 @@ static void gen_print_token(int32_t id, void *ctx) {
     free(s);
 }
 
+/* --chat: the prompt as one user turn, rendered with the tokenizer's own chat
+ * template (tokenizer_config.json's chat_template or chat_template.jinja, as
+ * apply_chat_template(add_generation_prompt=True) renders it); Qwen's ChatML
+ * when the tokenizer has no template. */
+static int gen_chat_text(const char *tdir, const char *prompt, char **text, size_t *len, ct_err *e) {
+    jinja_chat *c = NULL;
+    int rc = jinja_chat_open(tdir, &c, e);
+    if (rc) return rc;
+    if (!c) {
+        static const char pre[] = "<|im_start|>user\n", post[] = "<|im_end|>\n<|im_start|>assistant\n";
+        *len = strlen(pre) + strlen(prompt) + strlen(post);
+        *text = ct_malloc(*len + 1);
+        snprintf(*text, *len + 1, "%s%s%s", pre, prompt, post);
+        return 0;
+    }
+    cJSON *msgs = cJSON_CreateArray(), *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "role", "user");
+    cJSON_AddStringToObject(m, "content", prompt);
+    cJSON_AddItemToArray(msgs, m);
+    rc = jinja_chat_apply(c, msgs, 1, text, len, NULL, e);
+    cJSON_Delete(msgs);
+    jinja_chat_close(c);
+    return rc;
+}
+
 int cli_generate(int argc, char **argv) {
     gen_cli_args a;
     int rc = gen_parse_args(&a, argc, argv);
@@ -305,14 +335,17 @@ int cli_generate(int argc, char **argv) {
     }
     if (!rc) rc = gen_read_eos(a.checkpoint, &stops, &e);
     if (!rc && a.prompt) {
-        /* ChatML user turn + assistant header, as apply_chat_template(add_generation_prompt=True) */
-        const char *pre = a.chat ? "<|im_start|>user\n" : "", *post = a.chat ? "<|im_end|>\n<|im_start|>assistant\n" : "";
-        size_t len = strlen(pre) + strlen(a.prompt) + strlen(post);
-        char *text = ct_malloc(len + 1);
-        snprintf(text, len + 1, "%s%s%s", pre, a.prompt, post);
-        tok_enc *enc = tok_enc_new(t);
-        rc = tok_encode(enc, text, len, &prompt, &e);
-        tok_enc_free(enc);
+        char *text = NULL;
+        size_t len = 0;
+        if (a.chat) {
+            rc = gen_chat_text(tdir, a.prompt, &text, &len, &e);
+        } else {
+            text = ct_strdup(a.prompt);
+            len = strlen(text);
+        }
+        tok_enc *enc = rc ? NULL : tok_enc_new(t);
+        if (!rc) rc = tok_encode(enc, text, len, &prompt, &e);
+        if (enc) tok_enc_free(enc);
         free(text);
         if (!rc && prompt.n == 0) rc = ct_fail(&e, CT_ERR_CONFIG, "--prompt: the text encodes to no tokens");
     }

@@ -1423,6 +1423,8 @@ int hub_resolve(const char *path, const char *revision, unsigned what, hub_local
         if (!rc) rc = fetch(&h, "tokenizer.json", opt, &have, e);
         if (!rc) rc = fetch(&h, "tokenizer_config.json", opt, &have, e);
         if (!rc) rc = fetch(&h, "special_tokens_map.json", 1, &have, e);
+        /* recent transformers save the chat template beside the config, not in it */
+        if (!rc) rc = fetch(&h, "chat_template.jinja", 1, &have, e);
     }
     if (!rc && (what & HUB_WEIGHTS)) rc = fetch_weights(&h, e);
     if (rc) return rc;

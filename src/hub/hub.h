@@ -24,8 +24,8 @@
 /* What hub_resolve must have in the snapshot (bits). */
 enum {
     HUB_CONFIG = 1,           /* config.json; generation_config.json too when the repo has it */
-    HUB_TOKENIZER = 2,        /* tokenizer.json, tokenizer_config.json; special_tokens_map.json if any */
-    HUB_TOKENIZER_IF_ANY = 4, /* those three when the repo has them, none required */
+    HUB_TOKENIZER = 2,        /* tokenizer.json, tokenizer_config.json; special_tokens_map.json, chat_template.jinja if any */
+    HUB_TOKENIZER_IF_ANY = 4, /* those when the repo has them, none required */
     HUB_WEIGHTS = 8,          /* model.safetensors, or model.safetensors.index.json and every shard it lists */
     HUB_MODEL = HUB_CONFIG | HUB_TOKENIZER_IF_ANY | HUB_WEIGHTS,
     HUB_NO_LOCAL = 0x100,     /* a Hub id even where a local directory of that name exists (`ctitan download`) */

