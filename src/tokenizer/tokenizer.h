@@ -61,11 +61,21 @@ void tok_enc_free(tok_enc *enc);
  * not recognised in the text and are tokenized as plain text (use for raw
  * web text that may contain "<|im_end|>"). Off by default, as in HF. */
 void tok_enc_set_encode_special(tok_enc *enc, int on);
+/* HF's add_special_tokens: when on (the default, as in HF's encode), each
+ * tok_encode call adds the special tokens of the post-processor's
+ * TemplateProcessing `single` template around the text (Llama 3's
+ * <|begin_of_text|>, Mistral's <s>, Gemma's <bos>). Tokenizers without a
+ * template (Qwen) add nothing either way. Turn it off to encode a fragment
+ * of a larger text (a chat turn). */
+void tok_enc_set_add_special(tok_enc *enc, int on);
+int tok_enc_add_special(const tok_enc *enc);
 
 /* Encodes `len` bytes of `text` (need not be NUL-terminated; may contain
  * NUL) and APPENDS the ids to `out`. Invalid UTF-8 is read as Python's
  * bytes.decode("utf-8", "replace") reads it: each maximal invalid
- * subsequence becomes U+FFFD. Fails only on a regex engine error. */
+ * subsequence becomes U+FFFD. With add_special on, the template's special
+ * tokens are appended around the text's ids (even for empty text, as in
+ * HF). Fails only on a regex engine error. */
 int tok_encode(tok_enc *enc, const char *text, size_t len, tok_ids *out, ct_err *e);
 /* Debugging and test aid: the pre-tokenizer's words of `text` without
  * added-token matching. The text is repaired and normalized as tok_encode
