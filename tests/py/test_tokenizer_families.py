@@ -265,6 +265,9 @@ def test_tokenize_cli(family, ctitan_bin):
                              capture_output=True, text=True, check=True).stdout
         want = hf.encode(text).ids
         assert [int(x) for x in out.split()] == want, name
+        out = subprocess.run([str(ctitan_bin), "tokenize", "--tokenizer", str(d), "--text", text, "--no-add-special"],
+                             capture_output=True, text=True, check=True).stdout
+        assert [int(x) for x in out.split()] == hf.encode(text, add_special_tokens=False).ids, name
         out = subprocess.run([str(ctitan_bin), "tokenize", "--tokenizer", str(d), "--decode", "--ids",
                               " ".join(map(str, want))], capture_output=True, text=True, check=True).stdout
         assert out[:-1] == hf.decode(want, skip_special_tokens=False), name
