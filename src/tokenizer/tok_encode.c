@@ -5,17 +5,21 @@
  * 2. Added tokens with normalized=false are cut out of the raw text:
  *    leftmost-longest, non-overlapping, like HF's Aho-Corasick pass, with
  *    HF's single_word / lstrip / rstrip rules applied to each match.
- * 3. Each remaining piece is NFC-normalized, then added tokens with
- *    normalized=true are cut out of it the same way.
- * 4. The split regex (PCRE2, JIT when available) cuts pieces into words;
- *    text between matches is a word too (behaviour Isolated). Pieces with
- *    code points where PCRE2 and HF's Oniguruma disagree use the rewritten
- *    pattern (tok_regex.c).
+ * 3. Each remaining piece is normalized (NFC; Prepend / Replace), then added
+ *    tokens with normalized=true are cut out of it the same way.
+ * 4. Byte-level files: the split regex (PCRE2, JIT when available) cuts
+ *    pieces into words; text between matches is a word too (behaviour
+ *    Isolated). Pieces with code points where PCRE2 and HF's Oniguruma
+ *    disagree use the rewritten pattern (tok_regex.c). SentencePiece-style
+ *    files: each piece is one word (no pre-tokenizer), or Metaspace /
+ *    Split(String) cuts it.
  * 5. Each word's bytes start as one symbol per byte (ByteLevel maps each
- *    byte to one vocab char) and are merged lowest rank first, leftmost
- *    first among equal ranks: a linked list of symbols plus a binary heap
- *    of candidate pairs keyed (rank, position); stale heap entries are
- *    skipped when popped, as in HF's word.merge_all.
+ *    byte to one vocab char), or for SentencePiece-style files one symbol
+ *    per char with byte fallback and unk (bpe_chars), and are merged lowest
+ *    rank first, leftmost first among equal ranks: a linked list of symbols
+ *    plus a binary heap of candidate pairs keyed (rank, position); stale
+ *    heap entries are skipped when popped, as in HF's word.merge_all.
+ * 6. The template's special tokens go around the text's ids (add_special).
  * Words up to CACHE_MAX_WORD bytes are cached per encoder; the cache is
  *    dropped whole when full, which is cheap and keeps memory bounded. */
 #include <stdio.h>

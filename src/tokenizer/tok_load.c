@@ -7,12 +7,14 @@
  * the field. Refusing an unsupported stage is deliberate: silently skipping
  * it would give ids that differ from HF without any sign.
  *
- * Supported pipeline (what Qwen2/Qwen3 and similar byte-level BPE files use):
- * normalizer null | NFC | Sequence[NFC]; pre_tokenizer
- * Sequence[Split(Regex|String, Isolated), ByteLevel(use_regex=false)] or
- * ByteLevel(use_regex=true) alone (the GPT-2 pattern), add_prefix_space
- * false; model BPE without dropout, byte fallback, or subword affixes;
- * decoder ByteLevel; post_processor null | ByteLevel; no truncation/padding. */
+ * Supported pipelines (docs/tokenizer.md has the full table): byte-level
+ * BPE (normalizer null | NFC; Sequence[Split(Regex|String, Isolated),
+ * ByteLevel(use_regex=false)] or ByteLevel(use_regex=true); decoder
+ * ByteLevel), and SentencePiece-style BPE (normalizer Prepend / Replace(String)
+ * / NFC in sequence; pre-tokenizer null | Metaspace | Split(String); model
+ * byte_fallback, fuse_unk, unk; decoder Sequence of Replace, ByteFallback,
+ * Fuse, Strip). Post-processor null | ByteLevel | TemplateProcessing | a
+ * Sequence of those; no dropout, subword affixes, truncation or padding. */
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <stdio.h>

@@ -1,10 +1,14 @@
-/* tokenizer/tokenizer.h: Qwen2/Qwen3 byte-level BPE tokenizer.
+/* tokenizer/tokenizer.h: the BPE tokenizers of Hugging Face tokenizer.json
+ * files: byte-level (Qwen2/Qwen3, Llama 3, OLMo-2, tekken) and
+ * SentencePiece-style with byte fallback (Mistral 7B, Llama 2, Phi-3,
+ * Gemma 3).
  *
  * Reads a Hugging Face tokenizer directory (tokenizer.json, or
  * vocab.json + merges.txt, plus tokenizer_config.json when present) and
  * reproduces `tokenizers.Tokenizer.encode(text).ids` token for token:
- * added tokens matched on the raw text first, NFC, the Split(regex,
- * Isolated) + ByteLevel pre-tokenizer, then BPE merges lowest rank first.
+ * added tokens matched on the raw text first, the normalizer, the
+ * pre-tokenizer, BPE merges lowest rank first, then the template's special
+ * tokens. Stages it does not reproduce exactly are refused at load time.
  * See docs/tokenizer.md for what is supported and how HF edge cases map.
  *
  * Threading: a `tok` is immutable after tok_load and may be shared by any
