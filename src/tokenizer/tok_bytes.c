@@ -315,7 +315,7 @@ static void flush_bytes(strlist *o, tok_buf *bytes) {
 }
 
 /* HF's decoders.Sequence over token strings: Replace, ByteFallback, Fuse,
- * Strip, each applied to the whole list in turn. */
+ * Strip, Metaspace, each applied to the whole list in turn. */
 static void decode_chain(const tok *t, const int32_t *ids, size_t n, int skip_special, char **out,
                          size_t *len) {
     strlist a = {0}, b = {0};
@@ -337,6 +337,14 @@ static void decode_chain(const tok *t, const int32_t *ids, size_t n, int skip_sp
             if (d->kind == TOK_DEC_REPLACE) {
                 size_t start = b.b.n;
                 replace_all(s, sn, d->pat, d->npat, d->rep, d->nrep, &b.b);
+                sl_close(&b, start);
+            } else if (d->kind == TOK_DEC_METASPACE) {
+                /* HF (0.23): every replacement char becomes a space, except in the
+                 * first token, where they are all dropped unless prepend_scheme
+                 * is never */
+                size_t start = b.b.n;
+                int drop = i == 0 && d->start;
+                replace_all(s, sn, d->pat, d->npat, " ", drop ? 0 : 1, &b.b);
                 sl_close(&b, start);
             } else if (d->kind == TOK_DEC_BYTEFALLBACK) {
                 int v = fallback_byte(s, sn);

@@ -52,7 +52,7 @@ enum { TOK_NORM_NFC, TOK_NORM_PREPEND, TOK_NORM_REPLACE };
  * with MergedWithPrevious / MergedWithNext. */
 enum { TOK_PRE_REGEX, TOK_PRE_NONE, TOK_PRE_METASPACE, TOK_PRE_SPLIT_PREV, TOK_PRE_SPLIT_NEXT };
 /* Decoder steps for the non-byte-level decoder chain. */
-enum { TOK_DEC_REPLACE, TOK_DEC_BYTEFALLBACK, TOK_DEC_FUSE, TOK_DEC_STRIP };
+enum { TOK_DEC_REPLACE, TOK_DEC_BYTEFALLBACK, TOK_DEC_FUSE, TOK_DEC_STRIP, TOK_DEC_METASPACE };
 
 typedef struct {
     int kind;
@@ -64,7 +64,7 @@ typedef struct {
     int kind;
     char *pat, *rep; /* Replace: pat -> rep; Strip: pat is the char */
     size_t npat, nrep;
-    int start, stop; /* Strip */
+    int start, stop; /* Strip; Metaspace: start = prepend_scheme is not never */
 } tok_dec;
 
 struct tok {

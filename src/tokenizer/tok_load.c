@@ -438,6 +438,22 @@ static int parse_decoder_step(tok *t, const cJSON *o, const char *file, const ch
         d.kind = TOK_DEC_REPLACE;
         if (string_pattern(o, &d.pat, &d.npat, file, ctx, e)) return e->code;
         if (jstring(o, "content", 0, &d.rep, &d.nrep, file, ctx, e)) { free(d.pat); return e->code; }
+    } else if (!strcmp(ty, "Metaspace")) {
+        d.kind = TOK_DEC_METASPACE;
+        if (jstring(o, "replacement", 1, &d.pat, &d.npat, file, ctx, e)) return e->code;
+        const cJSON *ps = jget(o, "prepend_scheme");
+        int aps = 1;
+        if (jnull(ps)) {
+            if (jbool(o, "add_prefix_space", 1, &aps, file, ctx, e)) { free(d.pat); return e->code; }
+        } else if (cJSON_IsString(ps) && (!strcmp(ps->valuestring, "always") || !strcmp(ps->valuestring, "first") ||
+                                          !strcmp(ps->valuestring, "never"))) {
+            aps = strcmp(ps->valuestring, "never") != 0;
+        } else {
+            free(d.pat);
+            return ct_fail(e, CT_ERR_FORMAT, "%s: %s.prepend_scheme: expected \"always\", \"first\" or \"never\"",
+                           file, ctx);
+        }
+        d.start = aps;
     } else if (!strcmp(ty, "ByteFallback")) d.kind = TOK_DEC_BYTEFALLBACK;
     else if (!strcmp(ty, "Fuse")) d.kind = TOK_DEC_FUSE;
     else if (!strcmp(ty, "Strip")) {
@@ -459,7 +475,7 @@ static int parse_decoder_step(tok *t, const cJSON *o, const char *file, const ch
     } else {
         return ct_fail(e, CT_ERR_FORMAT,
                        "%s: %s.type: unsupported decoder '%s' (with a non-byte-level pre-tokenizer only "
-                       "Replace, ByteFallback, Fuse, Strip)", file, ctx, ty);
+                       "Replace, ByteFallback, Fuse, Strip, Metaspace)", file, ctx, ty);
     }
     tok_dec *v = ct_malloc((size_t)(t->n_dsteps + 1) * sizeof *v);
     if (t->n_dsteps) memcpy(v, t->dsteps, (size_t)t->n_dsteps * sizeof *v);

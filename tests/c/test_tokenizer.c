@@ -368,7 +368,7 @@ static void test_sentencepiece(void) {
 
     struct { const char *from, *to, *field; } bad[] = {
         {"{\"String\": \" \"}", "{\"Regex\": \" +\"}", "normalizer.normalizers[1].pattern"},
-        {"{\"type\": \"Fuse\"}", "{\"type\": \"Metaspace\"}", "decoder.decoders[2].type"},
+        {"{\"type\": \"Fuse\"}", "{\"type\": \"WordPiece\"}", "decoder.decoders[2].type"},
         {"\"Sequence\": {\"id\": \"A\"", "\"Sequence\": {\"id\": \"B\"", "post_processor.single[1]"},
         {"\"ids\": [1]", "\"ids\": [-1]", "post_processor.special_tokens"},
         {"\"pre_tokenizer\": null", "\"pre_tokenizer\": {\"type\": \"Whitespace\"}", "pre_tokenizer"},

@@ -21,6 +21,7 @@ characters are all exercised:
 - metaspace (non-legacy LlamaConverter): no normalizer, pre-tokenizer
   Metaspace("▁", prepend_scheme "first", split false); same model, decoder,
   template. metaspace_always: prepend_scheme "always", split true, no template.
+  metaspace_decoder: the older non-legacy conversion, a Metaspace decoder.
 - gemma3 (GemmaConverter / GemmaTokenizer): normalizer Replace(" ", "▁"),
   pre-tokenizer Split(" ", MergedWithPrevious), BPE byte_fallback + fuse_unk,
   decoder Sequence[Replace("▁", " "), ByteFallback, Fuse],
@@ -153,6 +154,15 @@ def build_metaspace_always(docs):
     return _spm_base(docs, None, pre, _llama_decoder(), ["<unk>", "<s>", "</s>"], None)
 
 
+def build_metaspace_decoder(docs):
+    """What transformers' non-legacy Llama conversion wrote before the decoder chain: a
+    Metaspace decoder (no ByteFallback, so byte tokens decode as their names)."""
+    from tokenizers import decoders, pre_tokenizers
+    pre = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    dec = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    return _spm_base(docs, None, pre, dec, ["<unk>", "<s>", "</s>"], "<s>")
+
+
 def build_gemma3(docs):
     from tokenizers import AddedToken, normalizers, pre_tokenizers
     pre = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
@@ -163,7 +173,8 @@ def build_gemma3(docs):
 
 
 BUILDERS = {"llama3": build_llama3, "mistral": build_mistral, "metaspace": build_metaspace,
-            "metaspace_always": build_metaspace_always, "gemma3": build_gemma3}
+            "metaspace_always": build_metaspace_always, "metaspace_decoder": build_metaspace_decoder,
+            "gemma3": build_gemma3}
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +214,8 @@ def test_published_stages(family):
         assert [p["type"] for p in j["post_processor"]["processors"]] == ["ByteLevel", "TemplateProcessing"]
     else:
         assert m["byte_fallback"] is True and m["fuse_unk"] is True and m["unk_token"] == "<unk>"
-        assert [s["type"] for s in j["decoder"]["decoders"]][:3] == ["Replace", "ByteFallback", "Fuse"]
+        if name != "metaspace_decoder":
+            assert [s["type"] for s in j["decoder"]["decoders"]][:3] == ["Replace", "ByteFallback", "Fuse"]
     if name == "mistral":
         assert [s["type"] for s in j["normalizer"]["normalizers"]] == ["Prepend", "Replace"]
         assert j["pre_tokenizer"] is None and j["decoder"]["decoders"][3] == {
@@ -228,7 +240,9 @@ def test_corpus_parity(family, docs):
             if c.decode(ids, True) != s.encode("utf-8"):
                 bad.append(f"doc {i}: round trip lost text")
     assert not bad, f"{name}: decode differs in {len(bad)} cases:\n" + "\n".join(bad[:10])
-    assert roundtrips >= 0.25 * len(docs), roundtrips  # enough of the corpus round-trips to matter
+    # enough of the corpus round-trips to matter (byte tokens decode as their names
+    # under a lone Metaspace decoder, so fewer documents do there)
+    assert roundtrips >= (0.1 if name == "metaspace_decoder" else 0.25) * len(docs), roundtrips
 
 
 def test_special_tokens_switch(family, toklib):
@@ -253,7 +267,7 @@ def test_features_are_exercised(family, docs):
     else:
         fb = {hf.token_to_id(b) for b in BYTE_TOKENS}
         assert sum(i in fb for i in ids) >= 100
-    if name in ("llama3", "mistral", "metaspace", "gemma3"):
+    if name != "metaspace_always":
         assert hf.encode("x").ids[0] == hf.token_to_id({"llama3": "<|begin_of_text|>", "gemma3": "<bos>"}.get(name, "<s>"))
 
 
@@ -291,7 +305,8 @@ REFUSED = [
                        "invert": False}, "pre_tokenizer.pattern"),
     ("pre_tokenizer", {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed",
                        "invert": False}, "pre_tokenizer.behavior"),
-    ("decoder", {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}, "decoder.type"),
+    ("decoder", {"type": "WordPiece", "prefix": "##", "cleanup": True}, "decoder.type"),
+    ("decoder", {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "sometimes"}, "decoder.prepend_scheme"),
     ("decoder", None, "decoder"),
     ("decoder", {"type": "ByteLevel"}, "decoder.type"),
     ("post_processor", {"type": "RobertaProcessing", "sep": ["</s>", 2], "cls": ["<s>", 1]}, "post_processor"),
