@@ -366,6 +366,35 @@ static void test_sentencepiece(void) {
     ENC(t, "a</s>b", 0, 1, 8, 2, 7);
     tok_free(t);
 
+    /* a template with tokens on both sides of $A, one of them spelt with two ids */
+    {
+        const char *from = "\"single\": [{\"SpecialToken\": {\"id\": \"<s>\", \"type_id\": 0}},"
+                           "   {\"Sequence\": {\"id\": \"A\", \"type_id\": 0}}]";
+        const char *to = "\"single\": [{\"SpecialToken\": {\"id\": \"<s>\", \"type_id\": 0}},"
+                         " {\"Sequence\": {\"id\": \"A\", \"type_id\": 0}}, {\"SpecialToken\": {\"id\": \"</s>\", \"type_id\": 0}}]";
+        const char *p = strstr(SPM_JSON, from);
+        const char *q = strstr(SPM_JSON, "\"special_tokens\": {");
+        if (!p || !q) { fprintf(stderr, "spm template edit not found\n"); exit(1); }
+        const char *sp = "\"special_tokens\": {\"</s>\": {\"id\": \"</s>\", \"ids\": [2, 0], \"tokens\": [\"</s>\", \"<unk>\"]}, ";
+        char *j = malloc(strlen(SPM_JSON) + strlen(to) + strlen(sp) + 1);
+        size_t k = (size_t)(p - SPM_JSON), mid = (size_t)(q - p) - strlen(from);
+        memcpy(j, SPM_JSON, k);
+        memcpy(j + k, to, strlen(to));
+        k += strlen(to);
+        memcpy(j + k, p + strlen(from), mid);
+        k += mid;
+        strcpy(j + k, sp);
+        strcat(j, q + strlen("\"special_tokens\": {"));
+        write_file("tokenizer.json", j);
+        free(j);
+        rc = tok_load(dir, &t, &e);
+        CHECK(rc == 0, "suffix template load: %s", e.msg);
+        if (rc) return;
+        ENC(t, "ab", 0, 1, 9, 2, 0);
+        ENC(t, "", 0, 1, 2, 0);
+        tok_free(t);
+    }
+
     struct { const char *from, *to, *field; } bad[] = {
         {"{\"String\": \" \"}", "{\"Regex\": \" +\"}", "normalizer.normalizers[1].pattern"},
         {"{\"type\": \"Fuse\"}", "{\"type\": \"WordPiece\"}", "decoder.decoders[2].type"},
