@@ -471,9 +471,8 @@ static void metaspace(const tok *t, const char *s, size_t n, int first, tok_buf 
     out->n = 0;
     const char *r = t->split_pat;
     size_t rn = t->split_len;
-    int starts = 1; /* replaced text starts with r */
-    if (n && s[0] == ' ') starts = 1;
-    else starts = n >= rn && !memcmp(s, r, rn);
+    /* does the text, spaces replaced, start with r? */
+    int starts = (n && s[0] == ' ') || (n >= rn && !memcmp(s, r, rn));
     if ((t->ms_prepend == 2 || (t->ms_prepend == 1 && first)) && !starts) tok_buf_put(out, r, rn);
     size_t done = 0;
     for (size_t i = 0; i < n; i++)
