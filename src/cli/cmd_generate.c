@@ -238,19 +238,42 @@ static int gen_read_eos(const char *dir, tok_ids *stops, ct_err *e) {
 typedef struct {
     const tok *t; /* NULL: print ids */
     int ids;
+    tok_ids seen;   /* generated ids */
+    size_t printed; /* ids [0, printed) are on stdout */
 } gen_printer;
 
-/* Streams one id: its bytes (special tokens skipped) flushed right away, so
- * a user sees the text grow; with --ids it is collected and printed at the end. */
+/* Prints the text of the ids not printed yet, as the difference between the
+ * decode of a few earlier ids with and without them: a decoder is not always
+ * a per-token concatenation (SentencePiece files strip the first space and
+ * join <0xNN> byte tokens into characters), and this keeps the output equal
+ * to decoding all ids at once. A character still being spelt in byte tokens
+ * (the text ends in U+FFFD) waits for the next token unless `final`. */
+static void gen_print_flush(gen_printer *p, int final) {
+    size_t n = p->seen.n, lo = p->printed > 8 ? p->printed - 8 : 0;
+    if (n == p->printed) return;
+    char *a = NULL, *b = NULL;
+    size_t na = 0, nb = 0;
+    tok_decode(p->t, p->seen.v + lo, p->printed - lo, 1, &a, &na);
+    tok_decode(p->t, p->seen.v + lo, n - lo, 1, &b, &nb);
+    int held = !final && nb >= 3 && !memcmp(b + nb - 3, "\xEF\xBF\xBD", 3);
+    if (!held) {
+        size_t k = 0; /* the common prefix: normally all of a */
+        while (k < na && k < nb && a[k] == b[k]) k++;
+        fwrite(b + k, 1, nb - k, stdout);
+        fflush(stdout);
+        p->printed = n;
+    }
+    free(a);
+    free(b);
+}
+
+/* Streams one id, flushed right away so a user sees the text grow (special
+ * tokens skipped); with --ids it is collected and printed at the end. */
 static void gen_print_token(int32_t id, void *ctx) {
     gen_printer *p = ctx;
     if (p->ids) return;
-    char *s = NULL;
-    size_t n = 0;
-    tok_decode(p->t, &id, 1, 1, &s, &n);
-    fwrite(s, 1, n, stdout);
-    fflush(stdout);
-    free(s);
+    tok_ids_push(&p->seen, id);
+    gen_print_flush(p, 0);
 }
 
 /* --chat: the prompt as one user turn, rendered with the tokenizer's own chat
@@ -363,7 +386,7 @@ int cli_generate(int argc, char **argv) {
     if (!rc) rc = gen_model_open_adapter(&gm, a.checkpoint, a.adapter, (int)prompt.n + a.max_tokens, &e);
     double t_load = ct_now();
     if (!rc) {
-        gen_printer pr = {t, a.ids};
+        gen_printer pr = {t, a.ids, {0}, 0};
         if (!a.ids) {
             fputs(a.prompt ? a.prompt : "", stdout);
             if (!a.prompt) { /* --prompt-ids with a tokenizer: show the prompt's text */
@@ -383,6 +406,8 @@ int cli_generate(int argc, char **argv) {
                       .n_stop = (int)stops.n};
         out = ct_malloc((size_t)a.max_tokens * sizeof *out);
         rc = gen_generate(gen_model_state(gm), prompt.v, (int)prompt.n, &o, out, &n_out, gen_print_token, &pr, &e);
+        if (!a.ids) gen_print_flush(&pr, 1);
+        tok_ids_free(&pr.seen);
         if (!rc && a.ids)
             for (int i = 0; i < n_out; i++) printf("%d%s", (int)out[i], i + 1 < n_out ? " " : "");
         if (!rc) printf("\n");

@@ -3,7 +3,9 @@
  *
  * For checking what the model sees: `--text "Hello world"` prints the ids
  * ("9707 1879" with Qwen3's tokenizer), `--decode --ids "9707 1879"` prints
- * the text back. `--file F` encodes a whole file (bytes as they are: invalid
+ * the text back. Encoding adds the special tokens of the tokenizer's
+ * template as HF's encode does (Llama 3's <|begin_of_text|>, Mistral's <s>;
+ * none for Qwen), unless --no-add-special. `--file F` encodes a whole file (bytes as they are: invalid
  * UTF-8 is repaired as HF does). `--tokens` prints each id with its
  * vocabulary string, one per line. --tokenizer may be a Hugging Face Hub id
  * (at --revision; hub/hub.h). Exit 2 for bad usage, 1 for file errors. */
@@ -18,7 +20,7 @@
 #include "hub/hub.h"
 #include "tokenizer/tokenizer.h"
 
-enum { TK_TOKENIZER, TK_TEXT, TK_FILE, TK_IDS, TK_DECODE, TK_TOKENS, TK_SPECIAL, TK_REVISION, TK_HELP };
+enum { TK_TOKENIZER, TK_TEXT, TK_FILE, TK_IDS, TK_DECODE, TK_TOKENS, TK_SPECIAL, TK_NO_ADD, TK_REVISION, TK_HELP };
 static const cli_opt tk_options[] = {
     [TK_TOKENIZER] = {"--tokenizer", "DIR", "(required)",
                       "directory with tokenizer.json (or vocab.json + merges.txt), or a Hub id (Qwen/Qwen3-0.6B)",
@@ -29,13 +31,16 @@ static const cli_opt tk_options[] = {
     [TK_DECODE] = {"--decode", "", "off", "decode --ids instead of encoding", CLI_FLAG},
     [TK_TOKENS] = {"--tokens", "", "off", "print each id with its vocabulary string, one per line", CLI_FLAG},
     [TK_SPECIAL] = {"--skip-special", "", "off", "decode: leave special tokens out", CLI_FLAG},
+    [TK_NO_ADD] = {"--no-add-special", "", "off",
+                   "encode: without the special tokens the tokenizer's template adds (<s>, <|begin_of_text|>)",
+                   CLI_FLAG},
     [TK_REVISION] = {"--revision", "R", HUB_DEFAULT_REVISION, "branch, tag or commit when --tokenizer is a Hub id",
                      CLI_VALUE},
     [TK_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
 void cli_tokenize_help(void) {
-    printf("usage: ctitan tokenize --tokenizer DIR (--text TEXT | --file PATH) [--tokens]\n"
+    printf("usage: ctitan tokenize --tokenizer DIR (--text TEXT | --file PATH) [--tokens] [--no-add-special]\n"
            "       ctitan tokenize --tokenizer DIR --decode --ids \"ID ID ...\" [--skip-special]\n\n"
            "Encodes text with a Hugging Face tokenizer (ids on one line) or decodes ids back to text.\n");
     cli_print_options(stdout, tk_options, CLI_NOPTS(tk_options));
@@ -43,7 +48,7 @@ void cli_tokenize_help(void) {
 
 int cli_tokenize(int argc, char **argv) {
     const char *dir = NULL, *text = NULL, *file = NULL, *ids = NULL, *revision = NULL;
-    int decode = 0, tokens = 0, skip_special = 0;
+    int decode = 0, tokens = 0, skip_special = 0, no_add = 0;
     for (int i = 0; i < argc; i++) {
         int k;
         const char *v;
@@ -61,6 +66,7 @@ int cli_tokenize(int argc, char **argv) {
         case TK_DECODE: decode = 1; break;
         case TK_TOKENS: tokens = 1; break;
         case TK_SPECIAL: skip_special = 1; break;
+        case TK_NO_ADD: no_add = 1; break;
         case TK_REVISION: revision = v; break;
         default: break;
         }
@@ -108,6 +114,7 @@ int cli_tokenize(int argc, char **argv) {
         if (file && !buf) rc = cli_fail(1, "%s: cannot read (--file)", file);
         tok_enc *enc = rc ? NULL : tok_enc_new(t);
         tok_ids out = {0};
+        if (enc) tok_enc_set_add_special(enc, !no_add);
         if (enc && tok_encode(enc, file ? buf : text, file ? len : strlen(text), &out, &e))
             rc = cli_fail(1, "%s", e.msg);
         for (size_t i = 0; enc && !rc && i < out.n; i++) {

@@ -77,6 +77,10 @@ int chat_encode(tok_enc *enc, const tok *t, const chat_msg *msgs, int n, tok_ids
     char *seg = NULL;
     size_t cap = 0;
     int rc = 0;
+    /* the turns are fragments of one rendered text: no BOS before each (as
+     * apply_chat_template, which tokenizes with add_special_tokens=False) */
+    int add_special = tok_enc_add_special(enc);
+    tok_enc_set_add_special(enc, 0);
     for (int i = 0; i < n && !rc; i++) {
         const chat_msg *m = &msgs[i];
         int train = chat_is_trainable_role(m);
@@ -122,6 +126,7 @@ int chat_encode(tok_enc *enc, const tok *t, const chat_msg *msgs, int n, tok_ids
         chat_mask_push(mask, 0, ids->n - n0);
     }
     free(seg);
+    tok_enc_set_add_special(enc, add_special);
     return rc;
 }
 

@@ -202,8 +202,194 @@ void tok_nfc(const char *s, size_t n, tok_buf *out) {
     tok_buf_put(out, s + copied, n - copied);
 }
 
+/* Appends s[0..n) to out with every non-overlapping occurrence of pat
+ * (leftmost first) replaced by rep. */
+static void replace_all(const char *s, size_t n, const char *pat, size_t np, const char *rep,
+                        size_t nr, tok_buf *out) {
+    size_t i = 0, done = 0;
+    while (np && i + np <= n) {
+        if (!memcmp(s + i, pat, np)) {
+            tok_buf_put(out, s + done, i - done);
+            tok_buf_put(out, rep, nr);
+            i += np;
+            done = i;
+        } else {
+            i++;
+        }
+    }
+    tok_buf_put(out, s + done, n - done);
+}
+
+void tok_normalize(const tok *t, const char *s, size_t n, tok_buf *out, tok_buf *tmp) {
+    out->n = 0;
+    if (t->nfc) { /* the common case: one NFC step */
+        tok_nfc(s, n, out);
+        return;
+    }
+    tok_buf_put(out, s, n);
+    for (int k = 0; k < t->n_norm; k++) {
+        const tok_norm *st = &t->norm[k];
+        tmp->n = 0;
+        if (st->kind == TOK_NORM_NFC) tok_nfc(out->p, out->n, tmp);
+        else if (st->kind == TOK_NORM_PREPEND) {
+            if (!out->n) continue; /* HF prepends to non-empty text only */
+            tok_buf_put(tmp, st->rep, st->nrep);
+            tok_buf_put(tmp, out->p, out->n);
+        } else {
+            replace_all(out->p, out->n, st->pat, st->npat, st->rep, st->nrep, tmp);
+        }
+        tok_buf t2 = *out;
+        *out = *tmp;
+        *tmp = t2;
+    }
+    if (!out->p) tok_buf_put(out, "", 0);
+}
+
+/* ------------------------------------------------------------ decoder chain */
+
+/* A list of token strings: token i is b.p[off[i] .. off[i+1]). */
+typedef struct {
+    tok_buf b;
+    size_t *off, n, cap;
+} strlist;
+
+/* Ends the token whose bytes were appended to l->b since `start`. */
+static void sl_close(strlist *l, size_t start) {
+    if (l->n + 2 > l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 64;
+        size_t *o = ct_malloc(cap * sizeof *o);
+        if (l->n) memcpy(o, l->off, (l->n + 1) * sizeof *o);
+        free(l->off);
+        l->off = o;
+        l->cap = cap;
+    }
+    l->off[l->n] = start;
+    l->off[++l->n] = l->b.n;
+}
+
+static void sl_push(strlist *l, const char *s, size_t n) {
+    size_t start = l->b.n;
+    tok_buf_put(&l->b, s, n);
+    sl_close(l, start);
+}
+
+static void sl_free(strlist *l) {
+    free(l->b.p);
+    free(l->off);
+}
+
+/* "<0xNN>" as HF's ByteFallback reads it (Rust u8::from_str_radix, which
+ * takes a leading '+'); -1 for any other token. */
+static int fallback_byte(const char *s, size_t n) {
+    if (n != 6 || memcmp(s, "<0x", 3) || s[5] != '>') return -1;
+    int v = 0;
+    for (int i = 3; i < 5; i++) {
+        char c = s[i];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+              : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (d < 0) {
+            if (i == 3 && c == '+') continue;
+            return -1;
+        }
+        v = v * 16 + d;
+    }
+    return s[3] == '+' && s[4] == '+' ? -1 : v;
+}
+
+static int valid_utf8_str(const uint8_t *s, size_t n) {
+    for (size_t i = 0; i < n;) {
+        uint32_t cp;
+        size_t bad, k = tok_utf8_next(s + i, n - i, &cp, &bad);
+        if (!k) return 0;
+        i += k;
+    }
+    return 1;
+}
+
+static void flush_bytes(strlist *o, tok_buf *bytes) {
+    if (!bytes->n) return;
+    if (valid_utf8_str((const uint8_t *)bytes->p, bytes->n)) sl_push(o, bytes->p, bytes->n);
+    else
+        for (size_t k = 0; k < bytes->n; k++) sl_push(o, "\xEF\xBF\xBD", 3);
+    bytes->n = 0;
+}
+
+/* HF's decoders.Sequence over token strings: Replace, ByteFallback, Fuse,
+ * Strip, Metaspace, each applied to the whole list in turn. */
+static void decode_chain(const tok *t, const int32_t *ids, size_t n, int skip_special, char **out,
+                         size_t *len) {
+    strlist a = {0}, b = {0};
+    for (size_t i = 0; i < n; i++) {
+        int32_t id = ids[i];
+        if (id < 0 || id >= t->n_ids || t->id_str[id] < 0 || (skip_special && t->is_special[id]))
+            continue;
+        const char *s = t->pool + t->id_str[id];
+        sl_push(&a, s, strlen(s));
+    }
+    for (int k = 0; k < t->n_dsteps; k++) {
+        const tok_dec *d = &t->dsteps[k];
+        b.n = 0;
+        b.b.n = 0;
+        tok_buf bytes = {0};
+        for (size_t i = 0; i < a.n; i++) {
+            const char *s = a.b.p + a.off[i];
+            size_t sn = a.off[i + 1] - a.off[i];
+            if (d->kind == TOK_DEC_REPLACE) {
+                size_t start = b.b.n;
+                replace_all(s, sn, d->pat, d->npat, d->rep, d->nrep, &b.b);
+                sl_close(&b, start);
+            } else if (d->kind == TOK_DEC_METASPACE) {
+                /* HF (0.23): every replacement char becomes a space, except in the
+                 * first token, where they are all dropped unless prepend_scheme
+                 * is never */
+                size_t start = b.b.n;
+                int drop = i == 0 && d->start;
+                replace_all(s, sn, d->pat, d->npat, " ", drop ? 0 : 1, &b.b);
+                sl_close(&b, start);
+            } else if (d->kind == TOK_DEC_BYTEFALLBACK) {
+                int v = fallback_byte(s, sn);
+                if (v >= 0) {
+                    uint8_t c = (uint8_t)v;
+                    tok_buf_put(&bytes, &c, 1);
+                } else {
+                    flush_bytes(&b, &bytes);
+                    sl_push(&b, s, sn);
+                }
+            } else if (d->kind == TOK_DEC_FUSE) {
+                if (i == 0) sl_push(&b, "", 0);
+                tok_buf_put(&b.b, s, sn);
+                b.off[1] = b.b.n;
+            } else { /* Strip: up to `start` leading and `stop` trailing chars */
+                size_t lo = 0, hi = sn;
+                for (int c = 0; c < d->start && lo + d->npat <= hi && !memcmp(s + lo, d->pat, d->npat); c++)
+                    lo += d->npat;
+                for (int c = 0; c < d->stop && hi >= lo + d->npat && !memcmp(s + hi - d->npat, d->pat, d->npat); c++)
+                    hi -= d->npat;
+                sl_push(&b, s + lo, hi - lo);
+            }
+        }
+        if (d->kind == TOK_DEC_BYTEFALLBACK) flush_bytes(&b, &bytes);
+        free(bytes.p);
+        strlist tmp = a;
+        a = b;
+        b = tmp;
+    }
+    size_t total = a.n ? a.off[a.n] - a.off[0] : 0;
+    char *p = ct_malloc(total + 1);
+    if (total) memcpy(p, a.b.p + a.off[0], total);
+    p[total] = 0;
+    *out = p;
+    *len = total;
+    sl_free(&a);
+    sl_free(&b);
+}
+
 void tok_decode(const tok *t, const int32_t *ids, size_t n, int skip_special, char **out,
                 size_t *len) {
+    if (!t->byte_level) {
+        decode_chain(t, ids, n, skip_special, out, len);
+        return;
+    }
     size_t total = 0;
     for (size_t i = 0; i < n; i++) {
         int32_t id = ids[i];

@@ -5,17 +5,21 @@
  * 2. Added tokens with normalized=false are cut out of the raw text:
  *    leftmost-longest, non-overlapping, like HF's Aho-Corasick pass, with
  *    HF's single_word / lstrip / rstrip rules applied to each match.
- * 3. Each remaining piece is NFC-normalized, then added tokens with
- *    normalized=true are cut out of it the same way.
- * 4. The split regex (PCRE2, JIT when available) cuts pieces into words;
- *    text between matches is a word too (behaviour Isolated). Pieces with
- *    code points where PCRE2 and HF's Oniguruma disagree use the rewritten
- *    pattern (tok_regex.c).
+ * 3. Each remaining piece is normalized (NFC; Prepend / Replace), then added
+ *    tokens with normalized=true are cut out of it the same way.
+ * 4. Byte-level files: the split regex (PCRE2, JIT when available) cuts
+ *    pieces into words; text between matches is a word too (behaviour
+ *    Isolated). Pieces with code points where PCRE2 and HF's Oniguruma
+ *    disagree use the rewritten pattern (tok_regex.c). SentencePiece-style
+ *    files: each piece is one word (no pre-tokenizer), or Metaspace /
+ *    Split(String) cuts it.
  * 5. Each word's bytes start as one symbol per byte (ByteLevel maps each
- *    byte to one vocab char) and are merged lowest rank first, leftmost
- *    first among equal ranks: a linked list of symbols plus a binary heap
- *    of candidate pairs keyed (rank, position); stale heap entries are
- *    skipped when popped, as in HF's word.merge_all.
+ *    byte to one vocab char), or for SentencePiece-style files one symbol
+ *    per char with byte fallback and unk (bpe_chars), and are merged lowest
+ *    rank first, leftmost first among equal ranks: a linked list of symbols
+ *    plus a binary heap of candidate pairs keyed (rank, position); stale
+ *    heap entries are skipped when popped, as in HF's word.merge_all.
+ * 6. The template's special tokens go around the text's ids (add_special).
  * Words up to CACHE_MAX_WORD bytes are cached per encoder; the cache is
  *    dropped whole when full, which is cheap and keeps memory bounded. */
 #include <stdio.h>
@@ -36,7 +40,10 @@ typedef struct {
 
 struct tok_enc {
     const tok *t;
-    int encode_special;
+    int encode_special, add_special;
+    const char *text_base, *norm_base; /* start of the input / of the normalized piece */
+    int piece_first;                   /* the piece starts at offset 0 of the input */
+    tok_buf ntmp, ms;
     pcre2_match_data *md;
     pcre2_match_context *mctx;
     pcre2_jit_stack *jstack;
@@ -55,6 +62,7 @@ struct tok_enc {
 tok_enc *tok_enc_new(const tok *t) {
     tok_enc *enc = ct_calloc(1, sizeof *enc);
     enc->t = t;
+    enc->add_special = 1;
     enc->md = pcre2_match_data_create(1, NULL);
     enc->mctx = pcre2_match_context_create(NULL);
     if (!enc->md || !enc->mctx) {
@@ -78,6 +86,8 @@ void tok_enc_free(tok_enc *enc) {
     free(enc->clean.p);
     free(enc->norm.p);
     free(enc->bl.p);
+    free(enc->ntmp.p);
+    free(enc->ms.p);
     free(enc->cache);
     free(enc->ckeys.p);
     tok_ids_free(&enc->cvals);
@@ -89,6 +99,8 @@ void tok_enc_free(tok_enc *enc) {
 }
 
 void tok_enc_set_encode_special(tok_enc *enc, int on) { enc->encode_special = on != 0; }
+void tok_enc_set_add_special(tok_enc *enc, int on) { enc->add_special = on != 0; }
+int tok_enc_add_special(const tok_enc *enc) { return enc->add_special; }
 
 /* ------------------------------------------------------------------ BPE */
 
@@ -155,11 +167,13 @@ static void try_push(const tok *t, tok_enc *enc, size_t *nh, int32_t p) {
     if (r >= 0) heap_push(enc->heap, nh, ((uint64_t)(uint32_t)r << 32) | (uint32_t)p);
 }
 
+static void bpe_merge(tok_enc *enc, int32_t m, tok_ids *out);
+
 /* BPE of one word, appended to out. */
 static void bpe(tok_enc *enc, const uint8_t *w, size_t n, tok_ids *out) {
     const tok *t = enc->t;
     scratch(enc, n);
-    int32_t *sym = enc->sym, *prev = enc->prev, *next = enc->next;
+    int32_t *sym = enc->sym;
     int32_t m = 0;
     int last_unk = 0;
     for (size_t i = 0; i < n; i++) {
@@ -173,6 +187,52 @@ static void bpe(tok_enc *enc, const uint8_t *w, size_t n, tok_ids *out) {
         }
         sym[m++] = id;
     }
+    bpe_merge(enc, m, out);
+}
+
+static size_t char_len(const char *s, size_t n) {
+    uint8_t b = (uint8_t)s[0];
+    size_t k = b < 0x80 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4;
+    return k < n ? k : n;
+}
+
+/* SentencePiece-style BPE of one word of UTF-8 text (HF's merge_word): one
+ * symbol per char found in the vocab; else its bytes as "<0xNN>" tokens
+ * (byte_fallback, when all of them exist); else unk, consecutive ones fused
+ * when fuse_unk. A pending unk is only written before the next char found
+ * in the vocab or at the end, so it can follow byte-fallback tokens, as in
+ * HF. */
+static void bpe_chars(tok_enc *enc, const uint8_t *w, size_t n, tok_ids *out) {
+    const tok *t = enc->t;
+    scratch(enc, n);
+    int32_t *sym = enc->sym, m = 0;
+    int unk = 0;
+    for (size_t i = 0; i < n;) {
+        size_t k = char_len((const char *)w + i, n - i);
+        int32_t id = tok_vocab_get(t, (const char *)w + i, k);
+        if (id >= 0) {
+            if (unk) sym[m++] = t->unk_id, unk = 0;
+            sym[m++] = id;
+        } else {
+            int ok = t->byte_fallback;
+            for (size_t j = 0; ok && j < k; j++) ok = t->fb_id[w[i + j]] >= 0;
+            if (ok)
+                for (size_t j = 0; j < k; j++) sym[m++] = t->fb_id[w[i + j]];
+            else if (t->unk_id >= 0) {
+                if (unk && !t->fuse_unk) sym[m++] = t->unk_id;
+                unk = 1;
+            }
+        }
+        i += k;
+    }
+    if (unk) sym[m++] = t->unk_id;
+    bpe_merge(enc, m, out);
+}
+
+/* Merges the m symbols in enc->sym and appends the result to out. */
+static void bpe_merge(tok_enc *enc, int32_t m, tok_ids *out) {
+    const tok *t = enc->t;
+    int32_t *sym = enc->sym, *prev = enc->prev, *next = enc->next;
     for (int32_t i = 0; i < m; i++) {
         prev[i] = i - 1;
         next[i] = i + 1 < m ? i + 1 : -1;
@@ -201,11 +261,17 @@ static void word(tok_enc *enc, const char *s, size_t n, tok_ids *out) {
         tok_ids_push(out, (int32_t)(s + n - enc->split_base));
         return;
     }
-    if (n == 1 && t->byte_id[w[0]] >= 0) { /* most punctuation, every digit */
+    if (!t->byte_level) {
+        int32_t id;
+        if (t->ignore_merges && (id = tok_vocab_get(t, s, n)) >= 0) {
+            tok_ids_push(out, id);
+            return;
+        }
+    } else if (n == 1 && t->byte_id[w[0]] >= 0) { /* most punctuation, every digit */
         tok_ids_push(out, t->byte_id[w[0]]);
         return;
     }
-    if (t->ignore_merges) { /* a word already in the vocab is one token */
+    if (t->ignore_merges && t->byte_level) { /* a word already in the vocab is one token */
         enc->bl.n = 0;
         for (size_t i = 0; i < n; i++) {
             char u[4];
@@ -217,8 +283,9 @@ static void word(tok_enc *enc, const char *s, size_t n, tok_ids *out) {
             return;
         }
     }
+    void (*run)(tok_enc *, const uint8_t *, size_t, tok_ids *) = t->byte_level ? bpe : bpe_chars;
     if (n > CACHE_MAX_WORD) {
-        bpe(enc, w, n, out);
+        run(enc, w, n, out);
         return;
     }
     uint64_t h = tok_hash_bytes(s, n);
@@ -233,7 +300,7 @@ static void word(tok_enc *enc, const char *s, size_t n, tok_ids *out) {
         i = (i + 1) & (CACHE_SLOTS - 1);
     }
     size_t before = out->n;
-    bpe(enc, w, n, out);
+    run(enc, w, n, out);
     if (enc->cache_used >= CACHE_SLOTS / 2 || enc->ckeys.n + n > CACHE_MAX_KEYS) {
         memset(enc->cache, 0, CACHE_SLOTS * sizeof *enc->cache);
         enc->cache_used = 0;
@@ -253,12 +320,6 @@ static void word(tok_enc *enc, const char *s, size_t n, tok_ids *out) {
 }
 
 /* ------------------------------------------------------------ pre-tokenizer */
-
-static size_t char_len(const char *s, size_t n) {
-    uint8_t b = (uint8_t)s[0];
-    size_t k = b < 0x80 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4;
-    return k < n ? k : n;
-}
 
 /* Splits a normalized piece with the regex (Isolated) and BPEs each part.
  * Empty matches split too, except one right after the previous match, as in
@@ -403,14 +464,69 @@ static int split_added(tok_enc *enc, const tok_trie *tr, const char *s, size_t n
     return done < n ? rest(enc, s + done, n - done, out, e) : 0;
 }
 
+/* HF's Metaspace pre-tokenizer on one piece, into out: ' ' becomes the
+ * replacement, which is prepended (always, or on the piece at the start of
+ * the input for "first") unless the piece starts with it. */
+static void metaspace(const tok *t, const char *s, size_t n, int first, tok_buf *out) {
+    out->n = 0;
+    const char *r = t->split_pat;
+    size_t rn = t->split_len;
+    /* does the text, spaces replaced, start with r? */
+    int starts = (n && s[0] == ' ') || (n >= rn && !memcmp(s, r, rn));
+    if ((t->ms_prepend == 2 || (t->ms_prepend == 1 && first)) && !starts) tok_buf_put(out, r, rn);
+    size_t done = 0;
+    for (size_t i = 0; i < n; i++)
+        if (s[i] == ' ') {
+            tok_buf_put(out, s + done, i - done);
+            tok_buf_put(out, r, rn);
+            done = i + 1;
+        }
+    tok_buf_put(out, s + done, n - done);
+}
+
+/* Words of s split at each occurrence of pat: it ends a word (after = 1,
+ * MergedWithPrevious) or starts one (MergedWithNext). */
+static void split_literal(tok_enc *enc, const char *s, size_t n, const char *pat, size_t pn, int after,
+                          tok_ids *out) {
+    size_t start = 0, i = 0;
+    while (i + pn <= n) {
+        if (memcmp(s + i, pat, pn)) { i++; continue; }
+        size_t cut = after ? i + pn : i;
+        if (cut > start) word(enc, s + start, cut - start, out);
+        start = cut;
+        i += pn;
+    }
+    if (n > start) word(enc, s + start, n - start, out);
+}
+
+/* The pre-tokenizer on one normalized piece, then BPE. */
+static int pre_piece(tok_enc *enc, const char *s, size_t n, tok_ids *out, ct_err *e) {
+    const tok *t = enc->t;
+    switch (t->pre) {
+    case TOK_PRE_REGEX: return pretokenize(enc, s, n, out, e);
+    case TOK_PRE_NONE: word(enc, s, n, out); return 0;
+    case TOK_PRE_SPLIT_PREV:
+    case TOK_PRE_SPLIT_NEXT:
+        split_literal(enc, s, n, t->split_pat, t->split_len, t->pre == TOK_PRE_SPLIT_PREV, out);
+        return 0;
+    default: {
+        metaspace(t, s, n, enc->piece_first && s == enc->norm_base, &enc->ms);
+        if (t->ms_split) split_literal(enc, enc->ms.p, enc->ms.n, t->split_pat, t->split_len, 0, out);
+        else word(enc, enc->ms.p, enc->ms.n, out);
+        return 0;
+    }
+    }
+}
+
 static int after_norm(tok_enc *enc, const char *s, size_t n, tok_ids *out, ct_err *e) {
-    return split_added(enc, &enc->t->norm_trie, s, n, out, pretokenize, e);
+    enc->norm_base = s;
+    return split_added(enc, &enc->t->norm_trie, s, n, out, pre_piece, e);
 }
 
 static int normalize_piece(tok_enc *enc, const char *s, size_t n, tok_ids *out, ct_err *e) {
-    if (!enc->t->nfc) return after_norm(enc, s, n, out, e);
-    enc->norm.n = 0;
-    tok_nfc(s, n, &enc->norm);
+    enc->piece_first = s == enc->text_base;
+    if (!enc->t->nfc && !enc->t->n_norm) return after_norm(enc, s, n, out, e);
+    tok_normalize(enc->t, s, n, &enc->norm, &enc->ntmp);
     return after_norm(enc, enc->norm.p, enc->norm.n, out, e);
 }
 
@@ -452,21 +568,45 @@ static const char *repair_utf8(tok_enc *enc, const char *text, size_t *len) {
 }
 
 int tok_encode(tok_enc *enc, const char *text, size_t len, tok_ids *out, ct_err *e) {
-    if (!len) return 0;
-    text = repair_utf8(enc, text, &len);
-    return split_added(enc, &enc->t->raw_trie, text, len, out, normalize_piece, e);
+    const tok *t = enc->t;
+    int rc = 0;
+    if (enc->add_special)
+        for (int i = 0; i < t->n_tpl_pre; i++) tok_ids_push(out, t->tpl_ids[i]);
+    if (len) {
+        text = repair_utf8(enc, text, &len);
+        enc->text_base = text;
+        rc = split_added(enc, &t->raw_trie, text, len, out, normalize_piece, e);
+    }
+    if (enc->add_special && !rc)
+        for (int i = 0; i < t->n_tpl_post; i++) tok_ids_push(out, t->tpl_ids[t->n_tpl_pre + i]);
+    return rc;
 }
 
 int tok_pretokenize(tok_enc *enc, const char *text, size_t len, tok_ids *ends, const char **norm,
                     size_t *norm_len, ct_err *e) {
     if (len >= (size_t)INT32_MAX) return ct_fail(e, CT_ERR_IO, "tok_pretokenize: text over 2 GiB");
     const char *s = repair_utf8(enc, text, &len);
+    const tok *t = enc->t;
     tok_buf *nb = &enc->norm;
     nb->n = 0;
-    if (enc->t->nfc) tok_nfc(s, len, nb);
+    if (t->nfc || t->n_norm) tok_normalize(t, s, len, nb, &enc->ntmp);
     else tok_buf_put(nb, s, len);
+    if (t->pre == TOK_PRE_METASPACE) { /* report the words of the replaced text */
+        metaspace(t, nb->p, nb->n, 1, &enc->ms);
+        tok_buf x = *nb;
+        *nb = enc->ms;
+        enc->ms = x;
+    }
     enc->split_base = nb->p;
-    int rc = pretokenize(enc, nb->p, nb->n, ends, e);
+    enc->piece_first = 1;
+    enc->norm_base = nb->p;
+    int rc = 0;
+    if (t->pre == TOK_PRE_METASPACE) {
+        if (t->ms_split) split_literal(enc, nb->p, nb->n, t->split_pat, t->split_len, 0, ends);
+        else word(enc, nb->p, nb->n, ends);
+    } else {
+        rc = pre_piece(enc, nb->p, nb->n, ends, e);
+    }
     enc->split_base = NULL;
     *norm = nb->p;
     *norm_len = nb->n;

@@ -45,6 +45,28 @@ typedef struct {
     uint8_t first[256]; /* bytes that can start a match: a cheap skip test */
 } tok_trie;
 
+/* Normalizer steps, applied in order (normalizer Sequence or a lone one). */
+enum { TOK_NORM_NFC, TOK_NORM_PREPEND, TOK_NORM_REPLACE };
+/* Pre-tokenizers: the split regex (+ ByteLevel when byte_level), none (the
+ * whole normalized piece is one word), Metaspace, Split on a literal string
+ * with MergedWithPrevious / MergedWithNext. */
+enum { TOK_PRE_REGEX, TOK_PRE_NONE, TOK_PRE_METASPACE, TOK_PRE_SPLIT_PREV, TOK_PRE_SPLIT_NEXT };
+/* Decoder steps for the non-byte-level decoder chain. */
+enum { TOK_DEC_REPLACE, TOK_DEC_BYTEFALLBACK, TOK_DEC_FUSE, TOK_DEC_STRIP, TOK_DEC_METASPACE };
+
+typedef struct {
+    int kind;
+    char *pat, *rep; /* Prepend: rep; Replace: pat -> rep */
+    size_t npat, nrep;
+} tok_norm;
+
+typedef struct {
+    int kind;
+    char *pat, *rep; /* Replace: pat -> rep; Strip: pat is the char */
+    size_t npat, nrep;
+    int start, stop; /* Strip; Metaspace: start = prepend_scheme is not never */
+} tok_dec;
+
 struct tok {
     /* model vocab (string -> id) and reverse */
     char *pool;
@@ -70,7 +92,23 @@ struct tok {
     int32_t n_added;
     tok_trie raw_trie, norm_trie;
     /* pipeline */
-    int nfc;
+    int nfc;          /* the normalizer is exactly NFC (the fast path) */
+    tok_norm *norm;   /* normalizer steps, in order */
+    int n_norm;
+    int byte_level;   /* ByteLevel pre-tokenizer and decoder (else the
+                         SentencePiece-style pipeline: words are UTF-8 text) */
+    int pre;          /* TOK_PRE_* */
+    char *split_pat;  /* Split pattern / Metaspace replacement (UTF-8) */
+    size_t split_len;
+    int ms_prepend;   /* Metaspace prepend_scheme: 0 never, 1 first, 2 always */
+    int ms_split;
+    int byte_fallback;
+    int32_t fb_id[256]; /* id of "<0xNN>", -1 if absent */
+    /* TemplateProcessing single: ids before and after $A */
+    int32_t *tpl_ids;
+    int n_tpl_pre, n_tpl_post;
+    tok_dec *dsteps;  /* decoder chain when !byte_level */
+    int n_dsteps;
     /* The split regex as written (fast), and rewritten to agree with HF's
      * Oniguruma on every code point (tok_regex.c); re_exact is NULL when
      * the two cannot differ (a String pattern). */
@@ -96,6 +134,9 @@ int tok_utf8_put(uint32_t cp, char *out);
 size_t tok_utf8_next(const uint8_t *s, size_t n, uint32_t *cp, size_t *bad);
 /* Appends NFC(s[0..n)) to out; s must be valid UTF-8. */
 void tok_nfc(const char *s, size_t n, tok_buf *out);
+/* Replaces out's content with t's normalizer applied to s[0..n); tmp is
+ * scratch. */
+void tok_normalize(const tok *t, const char *s, size_t n, tok_buf *out, tok_buf *tmp);
 
 int32_t tok_vocab_get(const tok *t, const char *s, size_t n);
 

@@ -7,12 +7,14 @@
  * the field. Refusing an unsupported stage is deliberate: silently skipping
  * it would give ids that differ from HF without any sign.
  *
- * Supported pipeline (what Qwen2/Qwen3 and similar byte-level BPE files use):
- * normalizer null | NFC | Sequence[NFC]; pre_tokenizer
- * Sequence[Split(Regex|String, Isolated), ByteLevel(use_regex=false)] or
- * ByteLevel(use_regex=true) alone (the GPT-2 pattern), add_prefix_space
- * false; model BPE without dropout, byte fallback, or subword affixes;
- * decoder ByteLevel; post_processor null | ByteLevel; no truncation/padding. */
+ * Supported pipelines (docs/tokenizer.md has the full table): byte-level
+ * BPE (normalizer null | NFC; Sequence[Split(Regex|String, Isolated),
+ * ByteLevel(use_regex=false)] or ByteLevel(use_regex=true); decoder
+ * ByteLevel), and SentencePiece-style BPE (normalizer Prepend / Replace(String)
+ * / NFC in sequence; pre-tokenizer null | Metaspace | Split(String); model
+ * byte_fallback, fuse_unk, unk; decoder Sequence of Replace, ByteFallback,
+ * Fuse, Strip). Post-processor null | ByteLevel | TemplateProcessing | a
+ * Sequence of those; no dropout, subword affixes, truncation or padding. */
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <stdio.h>
@@ -257,25 +259,76 @@ static void trie_insert(tok_trie *tr, const char *s, size_t n, int32_t added) {
 
 /* ------------------------------------------------------------ pipeline checks */
 
+/* A {"String": s} pattern (a Regex one is refused: ctitan does not run
+ * arbitrary regexes outside the split). */
+static int string_pattern(const cJSON *o, char **out, size_t *n, const char *file, const char *ctx,
+                          ct_err *e) {
+    const cJSON *pat = jget(o, "pattern"), *str = jget(pat, "String");
+    if (!cJSON_IsString(str) || !str->valuestring[0])
+        return ct_fail(e, CT_ERR_FORMAT, "%s: %s.pattern: only a non-empty {\"String\": ...} is supported",
+                       file, ctx);
+    *out = ct_strdup(str->valuestring);
+    *n = strlen(*out);
+    return 0;
+}
+
+static int jstring(const cJSON *o, const char *k, int nonempty, char **out, size_t *n,
+                   const char *file, const char *ctx, ct_err *e) {
+    const cJSON *v = jget(o, k);
+    if (!cJSON_IsString(v) || (nonempty && !v->valuestring[0]))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: %s.%s: expected a %sstring", file, ctx, k,
+                       nonempty ? "non-empty " : "");
+    *out = ct_strdup(v->valuestring);
+    *n = strlen(*out);
+    return 0;
+}
+
+static int add_norm_step(tok *t, const cJSON *o, const char *file, const char *ctx, ct_err *e) {
+    const char *ty = jtype(o);
+    tok_norm st = {0};
+    if (!strcmp(ty, "NFC")) st.kind = TOK_NORM_NFC;
+    else if (!strcmp(ty, "Prepend")) {
+        st.kind = TOK_NORM_PREPEND;
+        if (jstring(o, "prepend", 0, &st.rep, &st.nrep, file, ctx, e)) return e->code;
+    } else if (!strcmp(ty, "Replace")) {
+        st.kind = TOK_NORM_REPLACE;
+        if (string_pattern(o, &st.pat, &st.npat, file, ctx, e)) return e->code;
+        if (jstring(o, "content", 0, &st.rep, &st.nrep, file, ctx, e)) {
+            free(st.pat);
+            return e->code;
+        }
+    } else {
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s: %s.type: unsupported normalizer '%s' (only NFC, Prepend, Replace)", file, ctx, ty);
+    }
+    tok_norm *v = ct_malloc((size_t)(t->n_norm + 1) * sizeof *v);
+    if (t->n_norm) memcpy(v, t->norm, (size_t)t->n_norm * sizeof *v);
+    free(t->norm);
+    t->norm = v;
+    t->norm[t->n_norm++] = st;
+    return 0;
+}
+
 static int check_normalizer(tok *t, const cJSON *n, const char *file, ct_err *e) {
     if (jnull(n)) return 0;
-    const char *ty = jtype(n);
-    if (!strcmp(ty, "NFC")) { t->nfc = 1; return 0; }
-    if (!strcmp(ty, "Sequence")) {
+    if (!strcmp(jtype(n), "Sequence")) {
         const cJSON *list = jget(n, "normalizers"), *it;
         if (!cJSON_IsArray(list))
             return ct_fail(e, CT_ERR_FORMAT, "%s: normalizer.normalizers: expected an array", file);
+        int i = 0;
         cJSON_ArrayForEach(it, list) {
-            if (strcmp(jtype(it), "NFC"))
-                return ct_fail(e, CT_ERR_FORMAT,
-                               "%s: normalizer.normalizers: unsupported normalizer '%s' (only NFC)",
-                               file, jtype(it));
-            t->nfc = 1;
+            char ctx[64];
+            snprintf(ctx, sizeof ctx, "normalizer.normalizers[%d]", i++);
+            if (add_norm_step(t, it, file, ctx, e)) return e->code;
         }
-        return 0;
+    } else if (add_norm_step(t, n, file, "normalizer", e)) {
+        return e->code;
     }
-    return ct_fail(e, CT_ERR_FORMAT, "%s: normalizer.type: unsupported normalizer '%s' (only NFC)",
-                   file, ty);
+    /* NFC alone (or repeated: it is idempotent) takes the fast path */
+    t->nfc = t->n_norm > 0;
+    for (int k = 0; k < t->n_norm; k++)
+        if (t->norm[k].kind != TOK_NORM_NFC) t->nfc = 0;
+    return 0;
 }
 
 static int check_bytelevel(const cJSON *b, int want_regex, const char *file, const char *ctx,
@@ -302,6 +355,47 @@ static int compile_regex(tok *t, const char *pattern, int literal, const char *f
 
 static int check_pretokenizer(tok *t, const cJSON *p, const char *file, ct_err *e) {
     const char *ty = jtype(p);
+    t->byte_level = 1;
+    t->pre = TOK_PRE_REGEX;
+    if (jnull(p)) { /* SentencePiece-style BPE: each normalized piece is one word */
+        t->byte_level = 0;
+        t->pre = TOK_PRE_NONE;
+        return 0;
+    }
+    if (!strcmp(ty, "Metaspace")) {
+        t->byte_level = 0;
+        t->pre = TOK_PRE_METASPACE;
+        if (jstring(p, "replacement", 1, &t->split_pat, &t->split_len, file, "pre_tokenizer", e))
+            return e->code;
+        const cJSON *ps = jget(p, "prepend_scheme");
+        if (jnull(ps)) { /* files older than prepend_scheme: add_prefix_space */
+            int aps = 1;
+            if (jbool(p, "add_prefix_space", 1, &aps, file, "pre_tokenizer", e)) return e->code;
+            t->ms_prepend = aps ? 2 : 0;
+        } else if (cJSON_IsString(ps) && !strcmp(ps->valuestring, "always")) t->ms_prepend = 2;
+        else if (cJSON_IsString(ps) && !strcmp(ps->valuestring, "first")) t->ms_prepend = 1;
+        else if (cJSON_IsString(ps) && !strcmp(ps->valuestring, "never")) t->ms_prepend = 0;
+        else
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "%s: pre_tokenizer.prepend_scheme: expected \"always\", \"first\" or \"never\"", file);
+        return jbool(p, "split", 1, &t->ms_split, file, "pre_tokenizer", e);
+    }
+    if (!strcmp(ty, "Split")) { /* Gemma: Split(String, MergedWithPrevious) */
+        t->byte_level = 0;
+        const cJSON *beh = jget(p, "behavior");
+        int inv = 0;
+        if (jbool(p, "invert", 0, &inv, file, "pre_tokenizer", e)) return e->code;
+        if (inv) return ct_fail(e, CT_ERR_FORMAT, "%s: pre_tokenizer.invert: true is not supported", file);
+        if (cJSON_IsString(beh) && !strcmp(beh->valuestring, "MergedWithPrevious")) t->pre = TOK_PRE_SPLIT_PREV;
+        else if (cJSON_IsString(beh) && !strcmp(beh->valuestring, "MergedWithNext")) t->pre = TOK_PRE_SPLIT_NEXT;
+        else if (cJSON_IsString(beh) && !strcmp(beh->valuestring, "Isolated")) t->pre = TOK_PRE_REGEX;
+        else
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "%s: pre_tokenizer.behavior: only Isolated, MergedWithPrevious, MergedWithNext "
+                           "are supported", file);
+        if (string_pattern(p, &t->split_pat, &t->split_len, file, "pre_tokenizer", e)) return e->code;
+        return t->pre == TOK_PRE_REGEX ? compile_regex(t, t->split_pat, 1, file, e) : 0;
+    }
     if (!strcmp(ty, "ByteLevel")) {
         if (check_bytelevel(p, 1, file, "pre_tokenizer", e)) return e->code;
         return compile_regex(t, GPT2_PATTERN, 0, file, e);
@@ -309,8 +403,8 @@ static int check_pretokenizer(tok *t, const cJSON *p, const char *file, ct_err *
     const cJSON *list = jget(p, "pretokenizers");
     if (strcmp(ty, "Sequence") || !cJSON_IsArray(list) || cJSON_GetArraySize(list) != 2)
         return ct_fail(e, CT_ERR_FORMAT,
-                       "%s: pre_tokenizer: unsupported (expected Sequence[Split, ByteLevel] or "
-                       "ByteLevel, got '%s')", file, ty);
+                       "%s: pre_tokenizer: unsupported (expected Sequence[Split, ByteLevel], ByteLevel, "
+                       "Metaspace, Split(String) or null, got '%s')", file, ty);
     const cJSON *sp = cJSON_GetArrayItem(list, 0), *bl = cJSON_GetArrayItem(list, 1);
     if (strcmp(jtype(sp), "Split"))
         return ct_fail(e, CT_ERR_FORMAT, "%s: pre_tokenizer.pretokenizers[0].type: expected Split, got '%s'",
@@ -337,20 +431,159 @@ static int check_pretokenizer(tok *t, const cJSON *p, const char *file, ct_err *
                    file);
 }
 
+static int parse_decoder_step(tok *t, const cJSON *o, const char *file, const char *ctx, ct_err *e) {
+    const char *ty = jtype(o);
+    tok_dec d = {0};
+    if (!strcmp(ty, "Replace")) {
+        d.kind = TOK_DEC_REPLACE;
+        if (string_pattern(o, &d.pat, &d.npat, file, ctx, e)) return e->code;
+        if (jstring(o, "content", 0, &d.rep, &d.nrep, file, ctx, e)) { free(d.pat); return e->code; }
+    } else if (!strcmp(ty, "Metaspace")) {
+        d.kind = TOK_DEC_METASPACE;
+        if (jstring(o, "replacement", 1, &d.pat, &d.npat, file, ctx, e)) return e->code;
+        const cJSON *ps = jget(o, "prepend_scheme");
+        int aps = 1;
+        if (jnull(ps)) {
+            if (jbool(o, "add_prefix_space", 1, &aps, file, ctx, e)) { free(d.pat); return e->code; }
+        } else if (cJSON_IsString(ps) && (!strcmp(ps->valuestring, "always") || !strcmp(ps->valuestring, "first") ||
+                                          !strcmp(ps->valuestring, "never"))) {
+            aps = strcmp(ps->valuestring, "never") != 0;
+        } else {
+            free(d.pat);
+            return ct_fail(e, CT_ERR_FORMAT, "%s: %s.prepend_scheme: expected \"always\", \"first\" or \"never\"",
+                           file, ctx);
+        }
+        d.start = aps;
+    } else if (!strcmp(ty, "ByteFallback")) d.kind = TOK_DEC_BYTEFALLBACK;
+    else if (!strcmp(ty, "Fuse")) d.kind = TOK_DEC_FUSE;
+    else if (!strcmp(ty, "Strip")) {
+        d.kind = TOK_DEC_STRIP;
+        const cJSON *c = jget(o, "content"), *a = jget(o, "start"), *b = jget(o, "stop");
+        uint32_t cp;
+        size_t bad;
+        if (!cJSON_IsString(c) || !c->valuestring[0] ||
+            tok_utf8_next((const uint8_t *)c->valuestring, strlen(c->valuestring), &cp, &bad) !=
+                strlen(c->valuestring))
+            return ct_fail(e, CT_ERR_FORMAT, "%s: %s.content: expected one character", file, ctx);
+        if (!cJSON_IsNumber(a) || !cJSON_IsNumber(b) || a->valuedouble < 0 || b->valuedouble < 0 ||
+            a->valuedouble > 1e6 || b->valuedouble > 1e6)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: %s.start/stop: expected counts", file, ctx);
+        d.pat = ct_strdup(c->valuestring);
+        d.npat = strlen(d.pat);
+        d.start = (int)a->valuedouble;
+        d.stop = (int)b->valuedouble;
+    } else {
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s: %s.type: unsupported decoder '%s' (with a non-byte-level pre-tokenizer only "
+                       "Replace, ByteFallback, Fuse, Strip, Metaspace)", file, ctx, ty);
+    }
+    tok_dec *v = ct_malloc((size_t)(t->n_dsteps + 1) * sizeof *v);
+    if (t->n_dsteps) memcpy(v, t->dsteps, (size_t)t->n_dsteps * sizeof *v);
+    free(t->dsteps);
+    t->dsteps = v;
+    t->dsteps[t->n_dsteps++] = d;
+    return 0;
+}
+
+static int check_decoder(tok *t, const cJSON *d, const char *file, ct_err *e) {
+    if (t->byte_level) {
+        if (jnull(d) || strcmp(jtype(d), "ByteLevel"))
+            return ct_fail(e, CT_ERR_FORMAT, "%s: decoder: expected ByteLevel, got '%s'", file,
+                           jnull(d) ? "null" : jtype(d));
+        return 0;
+    }
+    if (jnull(d))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: decoder: null is not supported (expected a Sequence of "
+                       "Replace, ByteFallback, Fuse, Strip)", file);
+    if (strcmp(jtype(d), "Sequence")) return parse_decoder_step(t, d, file, "decoder", e);
+    const cJSON *list = jget(d, "decoders"), *it;
+    if (!cJSON_IsArray(list))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: decoder.decoders: expected an array", file);
+    int i = 0;
+    cJSON_ArrayForEach(it, list) {
+        char ctx[48];
+        snprintf(ctx, sizeof ctx, "decoder.decoders[%d]", i++);
+        if (parse_decoder_step(t, it, file, ctx, e)) return e->code;
+    }
+    return 0;
+}
+
+/* TemplateProcessing's `single` template: special tokens around $A. */
+static int parse_template(tok *t, const cJSON *tp, const char *file, const char *ctx, ct_err *e) {
+    if (t->tpl_ids || t->n_tpl_pre || t->n_tpl_post)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: %s: only one TemplateProcessing is supported", file, ctx);
+    const cJSON *single = jget(tp, "single"), *sp = jget(tp, "special_tokens"), *it;
+    if (!cJSON_IsArray(single))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: %s.single: expected an array", file, ctx);
+    tok_ids ids = {0};
+    int seen_a = 0, i = 0;
+    cJSON_ArrayForEach(it, single) {
+        const cJSON *seq = jget(it, "Sequence"), *st = jget(it, "SpecialToken");
+        if (cJSON_IsObject(seq)) {
+            const cJSON *id = jget(seq, "id");
+            if (!cJSON_IsString(id) || strcmp(id->valuestring, "A") || seen_a) {
+                tok_ids_free(&ids);
+                return ct_fail(e, CT_ERR_FORMAT, "%s: %s.single[%d]: expected one Sequence A", file, ctx, i);
+            }
+            seen_a = 1;
+            t->n_tpl_pre = (int)ids.n;
+        } else if (cJSON_IsObject(st)) {
+            const cJSON *id = jget(st, "id"), *ent = cJSON_IsString(id) ? jget(sp, id->valuestring) : NULL;
+            const cJSON *lst = jget(ent, "ids"), *x;
+            if (!cJSON_IsArray(lst)) {
+                tok_ids_free(&ids);
+                return ct_fail(e, CT_ERR_FORMAT, "%s: %s.single[%d]: special token '%s' has no ids in "
+                               "%s.special_tokens", file, ctx, i, cJSON_IsString(id) ? id->valuestring : "?", ctx);
+            }
+            cJSON_ArrayForEach(x, lst) {
+                int32_t v;
+                char c2[96];
+                snprintf(c2, sizeof c2, "%s.special_tokens[\"%.30s\"].ids", ctx, id->valuestring);
+                if (jid(x, &v, file, c2, e)) { tok_ids_free(&ids); return e->code; }
+                tok_ids_push(&ids, v);
+            }
+        } else {
+            tok_ids_free(&ids);
+            return ct_fail(e, CT_ERR_FORMAT, "%s: %s.single[%d]: expected Sequence or SpecialToken", file, ctx, i);
+        }
+        i++;
+    }
+    if (!seen_a) {
+        tok_ids_free(&ids);
+        return ct_fail(e, CT_ERR_FORMAT, "%s: %s.single: has no Sequence A", file, ctx);
+    }
+    t->n_tpl_post = (int)ids.n - t->n_tpl_pre;
+    t->tpl_ids = ids.v ? ids.v : ct_malloc(sizeof(int32_t));
+    return 0;
+}
+
+/* null, ByteLevel (offsets only), TemplateProcessing, or a Sequence of them. */
+static int check_post(tok *t, const cJSON *pp, const char *file, ct_err *e) {
+    if (jnull(pp) || !strcmp(jtype(pp), "ByteLevel")) return 0;
+    if (!strcmp(jtype(pp), "TemplateProcessing")) return parse_template(t, pp, file, "post_processor", e);
+    const cJSON *list = jget(pp, "processors"), *it;
+    if (strcmp(jtype(pp), "Sequence") || !cJSON_IsArray(list))
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s: post_processor: '%s' is not supported (only null, ByteLevel, TemplateProcessing "
+                       "or a Sequence of them)", file, jtype(pp));
+    int i = 0;
+    cJSON_ArrayForEach(it, list) {
+        char ctx[48];
+        snprintf(ctx, sizeof ctx, "post_processor.processors[%d]", i++);
+        if (!strcmp(jtype(it), "ByteLevel")) continue;
+        if (strcmp(jtype(it), "TemplateProcessing"))
+            return ct_fail(e, CT_ERR_FORMAT, "%s: %s: '%s' is not supported (only ByteLevel, TemplateProcessing)",
+                           file, ctx, jtype(it));
+        if (parse_template(t, it, file, ctx, e)) return e->code;
+    }
+    return 0;
+}
+
 static int check_pipeline(tok *t, const cJSON *j, const char *file, ct_err *e) {
     if (check_normalizer(t, jget(j, "normalizer"), file, e)) return e->code;
-    const cJSON *p = jget(j, "pre_tokenizer");
-    if (jnull(p)) return ct_fail(e, CT_ERR_FORMAT, "%s: pre_tokenizer: missing (a byte-level pre-tokenizer is required)", file);
-    if (check_pretokenizer(t, p, file, e)) return e->code;
-    const cJSON *d = jget(j, "decoder");
-    if (jnull(d) || strcmp(jtype(d), "ByteLevel"))
-        return ct_fail(e, CT_ERR_FORMAT, "%s: decoder: expected ByteLevel, got '%s'", file,
-                       jnull(d) ? "null" : jtype(d));
-    const cJSON *pp = jget(j, "post_processor");
-    if (!jnull(pp) && strcmp(jtype(pp), "ByteLevel"))
-        return ct_fail(e, CT_ERR_FORMAT,
-                       "%s: post_processor: '%s' is not supported (only null or ByteLevel, which add no tokens)",
-                       file, jtype(pp));
+    if (check_pretokenizer(t, jget(j, "pre_tokenizer"), file, e)) return e->code;
+    if (check_decoder(t, jget(j, "decoder"), file, e)) return e->code;
+    if (check_post(t, jget(j, "post_processor"), file, e)) return e->code;
     if (!jnull(jget(j, "truncation")))
         return ct_fail(e, CT_ERR_FORMAT, "%s: truncation: must be null", file);
     if (!jnull(jget(j, "padding")))
@@ -371,7 +604,10 @@ static int check_model_opts(tok *t, const cJSON *m, const char *file, ct_err *e)
         jbool(m, "ignore_merges", 0, &im, file, "model", e))
         return e->code;
     t->ignore_merges = im;
-    if (bf) return ct_fail(e, CT_ERR_FORMAT, "%s: model.byte_fallback: true is not supported", file);
+    if (bf && t->byte_level)
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s: model.byte_fallback: true is not supported with a ByteLevel pre-tokenizer", file);
+    t->byte_fallback = bf;
     t->fuse_unk = fu;
     const char *aff[] = {"continuing_subword_prefix", "end_of_word_suffix"};
     for (int i = 0; i < 2; i++) {
@@ -489,21 +725,28 @@ static void finish(tok *t) {
         if (t->vocab[i].hash) t->id_str[t->vocab[i].id] = (int32_t)t->vocab[i].off;
     for (int32_t i = 0; i < t->n_added; i++) {
         tok_added *a = &t->added[i];
-        t->id_str[a->id] = (int32_t)pool_add(t, a->content, strlen(a->content));
         t->is_special[a->id] = a->special;
-        /* normalized tokens are matched after NFC, so match their NFC form */
-        tok_buf m = {0};
-        if (a->normalized && t->nfc) tok_nfc(a->content, strlen(a->content), &m);
+        /* normalized tokens are matched after the normalizer, so match their
+         * normalized form; HF also stores them so (id_to_token and decode
+         * give "▁foo▁bar" for "foo bar" under Replace(" ", "▁")) */
+        tok_buf m = {0}, tmp = {0};
+        if (a->normalized) tok_normalize(t, a->content, strlen(a->content), &m, &tmp);
         else tok_buf_put(&m, a->content, strlen(a->content));
+        free(tmp.p);
         a->match = m.p;
         a->match_len = m.n;
+        t->id_str[a->id] = (int32_t)pool_add(t, a->match, a->match_len);
         trie_insert(a->normalized ? &t->norm_trie : &t->raw_trie, a->match, a->match_len, i);
     }
     for (int b = 0; b < 256; b++) {
         char u[4];
         t->byte_char[b] = tok_byte_char((uint8_t)b);
         t->byte_id[b] = tok_vocab_get(t, u, (size_t)tok_utf8_put(t->byte_char[b], u));
+        char fb[8];
+        snprintf(fb, sizeof fb, "<0x%02X>", b);
+        t->fb_id[b] = tok_vocab_get(t, fb, 6);
     }
+    if (!t->byte_level) return; /* decode runs the decoder chain on token strings */
     /* Decoded bytes: each char through the byte table; a token with a char
      * outside the table passes through as its UTF-8 (HF ByteLevel decoder). */
     int16_t char_byte[256 + 68];
@@ -544,7 +787,7 @@ static int load_tokenizer_json(tok *t, const char *file, ct_err *e) {
     int rc = 0;
     const cJSON *m = jget(j, "model"), *vocab = jget(m, "vocab"), *merges = jget(m, "merges"), *it;
     if (!cJSON_IsObject(m)) { rc = ct_fail(e, CT_ERR_FORMAT, "%s: model: expected an object", file); goto out; }
-    if ((rc = check_model_opts(t, m, file, e)) || (rc = check_pipeline(t, j, file, e))) goto out;
+    if ((rc = check_pipeline(t, j, file, e)) || (rc = check_model_opts(t, m, file, e))) goto out;
     if (!cJSON_IsObject(vocab)) { rc = ct_fail(e, CT_ERR_FORMAT, "%s: model.vocab: expected an object", file); goto out; }
     if (!cJSON_IsArray(merges)) { rc = ct_fail(e, CT_ERR_FORMAT, "%s: model.merges: expected an array", file); goto out; }
     vocab_init(t, (size_t)cJSON_GetArraySize(vocab));
@@ -650,6 +893,7 @@ static int load_vocab_merges(tok *t, const char *vocab_file, const char *merges_
     free(txt);
     if (rc) return rc;
     t->nfc = 1;
+    t->byte_level = 1;
     t->unk_id = -1;
     return compile_regex(t, QWEN2_PATTERN, 0, vocab_file, e);
 }
@@ -721,6 +965,18 @@ void tok_free(tok *t) {
     free(t->added);
     free(t->raw_trie.nodes);
     free(t->norm_trie.nodes);
+    for (int k = 0; k < t->n_norm; k++) {
+        free(t->norm[k].pat);
+        free(t->norm[k].rep);
+    }
+    free(t->norm);
+    for (int k = 0; k < t->n_dsteps; k++) {
+        free(t->dsteps[k].pat);
+        free(t->dsteps[k].rep);
+    }
+    free(t->dsteps);
+    free(t->split_pat);
+    free(t->tpl_ids);
     if (t->re) pcre2_code_free(t->re);
     if (t->re_exact) pcre2_code_free(t->re_exact);
     free(t);

@@ -1,10 +1,14 @@
-/* tokenizer/tokenizer.h: Qwen2/Qwen3 byte-level BPE tokenizer.
+/* tokenizer/tokenizer.h: the BPE tokenizers of Hugging Face tokenizer.json
+ * files: byte-level (Qwen2/Qwen3, Llama 3, OLMo-2, tekken) and
+ * SentencePiece-style with byte fallback (Mistral 7B, Llama 2, Phi-3,
+ * Gemma 3).
  *
  * Reads a Hugging Face tokenizer directory (tokenizer.json, or
  * vocab.json + merges.txt, plus tokenizer_config.json when present) and
  * reproduces `tokenizers.Tokenizer.encode(text).ids` token for token:
- * added tokens matched on the raw text first, NFC, the Split(regex,
- * Isolated) + ByteLevel pre-tokenizer, then BPE merges lowest rank first.
+ * added tokens matched on the raw text first, the normalizer, the
+ * pre-tokenizer, BPE merges lowest rank first, then the template's special
+ * tokens. Stages it does not reproduce exactly are refused at load time.
  * See docs/tokenizer.md for what is supported and how HF edge cases map.
  *
  * Threading: a `tok` is immutable after tok_load and may be shared by any
@@ -61,11 +65,21 @@ void tok_enc_free(tok_enc *enc);
  * not recognised in the text and are tokenized as plain text (use for raw
  * web text that may contain "<|im_end|>"). Off by default, as in HF. */
 void tok_enc_set_encode_special(tok_enc *enc, int on);
+/* HF's add_special_tokens: when on (the default, as in HF's encode), each
+ * tok_encode call adds the special tokens of the post-processor's
+ * TemplateProcessing `single` template around the text (Llama 3's
+ * <|begin_of_text|>, Mistral's <s>, Gemma's <bos>). Tokenizers without a
+ * template (Qwen) add nothing either way. Turn it off to encode a fragment
+ * of a larger text (a chat turn). */
+void tok_enc_set_add_special(tok_enc *enc, int on);
+int tok_enc_add_special(const tok_enc *enc);
 
 /* Encodes `len` bytes of `text` (need not be NUL-terminated; may contain
  * NUL) and APPENDS the ids to `out`. Invalid UTF-8 is read as Python's
  * bytes.decode("utf-8", "replace") reads it: each maximal invalid
- * subsequence becomes U+FFFD. Fails only on a regex engine error. */
+ * subsequence becomes U+FFFD. With add_special on, the template's special
+ * tokens are appended around the text's ids (even for empty text, as in
+ * HF). Fails only on a regex engine error. */
 int tok_encode(tok_enc *enc, const char *text, size_t len, tok_ids *out, ct_err *e);
 /* Debugging and test aid: the pre-tokenizer's words of `text` without
  * added-token matching. The text is repaired and normalized as tok_encode

@@ -280,6 +280,141 @@ static void test_malformed(void) {
     CHECK(rc == CT_ERR_IO && strstr(e.msg, "no tokenizer.json"), "empty dir: %s", e.msg);
 }
 
+/* A SentencePiece-style BPE as Mistral 7B / Llama 2 / Phi-3 publish it:
+ * normalizer Prepend + Replace, no pre-tokenizer, byte fallback, fused unk,
+ * the decoder chain with Strip, and a template adding <s>. Vocab <unk> <s>
+ * </s> (0-2), the byte tokens of U+00E9 (3, 4), then _ a b _a _ab ab (5-10)
+ * where _ is U+2581; merges (_ a) (_a b) (a b). */
+static const char *SPM_JSON =
+    "{\"version\": \"1.0\", \"truncation\": null, \"padding\": null,\n"
+    " \"added_tokens\": ["
+    "  {\"id\": 0, \"content\": \"<unk>\", \"normalized\": false, \"special\": true},"
+    "  {\"id\": 1, \"content\": \"<s>\", \"normalized\": false, \"special\": true},"
+    "  {\"id\": 2, \"content\": \"</s>\", \"normalized\": false, \"special\": true}],\n"
+    " \"normalizer\": {\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"Prepend\", \"prepend\": \"\\u2581\"},"
+    "   {\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"\\u2581\"}]},\n"
+    " \"pre_tokenizer\": null,\n"
+    " \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": [{\"SpecialToken\": {\"id\": \"<s>\", \"type_id\": 0}},"
+    "   {\"Sequence\": {\"id\": \"A\", \"type_id\": 0}}], \"pair\": [],"
+    "   \"special_tokens\": {\"<s>\": {\"id\": \"<s>\", \"ids\": [1], \"tokens\": [\"<s>\"]}}},\n"
+    " \"decoder\": {\"type\": \"Sequence\", \"decoders\": [{\"type\": \"Replace\", \"pattern\": {\"String\": \"\\u2581\"},"
+    "   \"content\": \" \"}, {\"type\": \"ByteFallback\"}, {\"type\": \"Fuse\"},"
+    "   {\"type\": \"Strip\", \"content\": \" \", \"start\": 1, \"stop\": 0}]},\n"
+    " \"model\": {\"type\": \"BPE\", \"dropout\": null, \"unk_token\": \"<unk>\", \"fuse_unk\": true, \"byte_fallback\": true,"
+    "   \"vocab\": {\"<unk>\": 0, \"<s>\": 1, \"</s>\": 2, \"<0xC3>\": 3, \"<0xA9>\": 4, \"\\u2581\": 5, \"a\": 6,"
+    "     \"b\": 7, \"\\u2581a\": 8, \"\\u2581ab\": 9, \"ab\": 10},\n"
+    "   \"merges\": [[\"\\u2581\", \"a\"], [\"\\u2581a\", \"b\"], [\"a\", \"b\"]]}}\n";
+
+#define DEC(t, skip, want, ...)                                                             \
+    do {                                                                                    \
+        int32_t ids_[] = {__VA_ARGS__};                                                     \
+        char *s_;                                                                           \
+        size_t n_;                                                                          \
+        tok_decode(t, ids_, sizeof ids_ / sizeof *ids_, skip, &s_, &n_);                    \
+        CHECK(n_ == sizeof(want) - 1 && !memcmp(s_, want, n_), "decode gave \"%s\"", s_);   \
+        free(s_);                                                                           \
+    } while (0)
+
+static void test_sentencepiece(void) {
+    tok *t;
+    ct_err e = {0};
+    write_file("tokenizer.json", SPM_JSON);
+    int rc = tok_load(dir, &t, &e);
+    CHECK(rc == 0, "load: %s", e.msg);
+    if (rc) return;
+    ENC(t, "ab", 0, 1, 9);            /* <s>, then _ab: (_ a) before (_a b) */
+    ENC(t, "ab ab", 0, 1, 9, 9);      /* one word: both (_ a) first, leftmost first */
+    ENC(t, " ab", 0, 1, 5, 9);        /* Prepend then Replace: two _ */
+    ENC(t, "bab", 0, 1, 5, 7, 10);    /* (a b) is the only merge */
+    ENC(t, "\xc3\xa9", 0, 1, 5, 3, 4); /* U+00E9 is not in the vocab: its bytes */
+    ENC(t, "z", 0, 1, 5, 0);          /* no <0x7A>: unk */
+    ENC(t, "zz", 0, 1, 5, 0);         /* fused */
+    ENC(t, "z\xc3\xa9z", 0, 1, 5, 3, 4, 0); /* HF writes a pending unk after byte fallback */
+    ENC(t, "<s>ab", 0, 1, 1, 9);      /* the piece after an added token is not at the start... */
+    ENC(t, "a</s>b", 0, 1, 8, 2, 5, 7); /* ...but Prepend applies to every piece */
+    ENC(t, "", 0, 1);                 /* the template even for empty text, as HF */
+    tok_enc *enc = tok_enc_new(t);
+    tok_enc_set_add_special(enc, 0);
+    tok_ids ids = {0};
+    rc = tok_encode(enc, "ab", 2, &ids, &e);
+    CHECK(rc == 0 && ids.n == 1 && ids.v[0] == 9, "add_special off");
+    tok_ids_free(&ids);
+    tok_enc_free(enc);
+    DEC(t, 0, "<s> ab ab", 1, 9, 9);  /* Strip takes one leading space of the whole text */
+    DEC(t, 1, "ab ab", 1, 9, 9);
+    DEC(t, 0, " a", 5, 5, 6);
+    DEC(t, 0, "\xc3\xa9", 3, 4);      /* byte tokens join into the character */
+    DEC(t, 0, "\xef\xbf\xbd\xef\xbf\xbd", 3, 3); /* an invalid run: U+FFFD per byte */
+    DEC(t, 0, "<unk>a", 0, 6);
+    tok_free(t);
+
+    /* Metaspace("first", no split) instead of the normalizer: a space is no
+     * longer doubled, and a piece after an added token gets no prefix */
+    char *s = malloc(strlen(SPM_JSON) + 256);
+    const char *a = strstr(SPM_JSON, " \"normalizer\""), *b = strstr(SPM_JSON, " \"post_processor\"");
+    memcpy(s, SPM_JSON, (size_t)(a - SPM_JSON));
+    strcpy(s + (a - SPM_JSON), " \"normalizer\": null, \"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\":"
+                               " \"\\u2581\", \"prepend_scheme\": \"first\", \"split\": false},\n");
+    strcat(s, b);
+    write_file("tokenizer.json", s);
+    free(s);
+    rc = tok_load(dir, &t, &e);
+    CHECK(rc == 0, "metaspace load: %s", e.msg);
+    if (rc) return;
+    ENC(t, "ab", 0, 1, 9);
+    ENC(t, " ab", 0, 1, 9);
+    ENC(t, "a</s>b", 0, 1, 8, 2, 7);
+    tok_free(t);
+
+    /* a template with tokens on both sides of $A, one of them spelt with two ids */
+    {
+        const char *from = "\"single\": [{\"SpecialToken\": {\"id\": \"<s>\", \"type_id\": 0}},"
+                           "   {\"Sequence\": {\"id\": \"A\", \"type_id\": 0}}]";
+        const char *to = "\"single\": [{\"SpecialToken\": {\"id\": \"<s>\", \"type_id\": 0}},"
+                         " {\"Sequence\": {\"id\": \"A\", \"type_id\": 0}}, {\"SpecialToken\": {\"id\": \"</s>\", \"type_id\": 0}}]";
+        const char *p = strstr(SPM_JSON, from);
+        const char *q = strstr(SPM_JSON, "\"special_tokens\": {");
+        if (!p || !q) { fprintf(stderr, "spm template edit not found\n"); exit(1); }
+        const char *sp = "\"special_tokens\": {\"</s>\": {\"id\": \"</s>\", \"ids\": [2, 0], \"tokens\": [\"</s>\", \"<unk>\"]}, ";
+        char *j = malloc(strlen(SPM_JSON) + strlen(to) + strlen(sp) + 1);
+        size_t k = (size_t)(p - SPM_JSON), mid = (size_t)(q - p) - strlen(from);
+        memcpy(j, SPM_JSON, k);
+        memcpy(j + k, to, strlen(to));
+        k += strlen(to);
+        memcpy(j + k, p + strlen(from), mid);
+        k += mid;
+        strcpy(j + k, sp);
+        strcat(j, q + strlen("\"special_tokens\": {"));
+        write_file("tokenizer.json", j);
+        free(j);
+        rc = tok_load(dir, &t, &e);
+        CHECK(rc == 0, "suffix template load: %s", e.msg);
+        if (rc) return;
+        ENC(t, "ab", 0, 1, 9, 2, 0);
+        ENC(t, "", 0, 1, 2, 0);
+        tok_free(t);
+    }
+
+    struct { const char *from, *to, *field; } bad[] = {
+        {"{\"String\": \" \"}", "{\"Regex\": \" +\"}", "normalizer.normalizers[1].pattern"},
+        {"{\"type\": \"Fuse\"}", "{\"type\": \"WordPiece\"}", "decoder.decoders[2].type"},
+        {"\"Sequence\": {\"id\": \"A\"", "\"Sequence\": {\"id\": \"B\"", "post_processor.single[1]"},
+        {"\"ids\": [1]", "\"ids\": [-1]", "post_processor.special_tokens"},
+        {"\"pre_tokenizer\": null", "\"pre_tokenizer\": {\"type\": \"Whitespace\"}", "pre_tokenizer"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        const char *p = strstr(SPM_JSON, bad[i].from);
+        if (!p) { fprintf(stderr, "spm edit: %s not found\n", bad[i].from); exit(1); }
+        char *j = malloc(strlen(SPM_JSON) + strlen(bad[i].to) + 1);
+        memcpy(j, SPM_JSON, (size_t)(p - SPM_JSON));
+        strcpy(j + (p - SPM_JSON), bad[i].to);
+        strcat(j, p + strlen(bad[i].from));
+        expect_error(j, bad[i].field);
+        free(j);
+    }
+    remove_file("tokenizer.json");
+}
+
 int main(void) {
     snprintf(dir, sizeof dir, "/tmp/ctitan_tok_XXXXXX");
     if (!mkdtemp(dir)) { perror("mkdtemp"); return 1; }
@@ -287,6 +422,7 @@ int main(void) {
     test_tiny();
     test_vocab_merges_fallback();
     test_malformed();
+    test_sentencepiece();
     rmdir(dir);
     return CHECK_DONE();
 }

@@ -458,3 +458,48 @@ def test_nfc_expectation_is_real(hf):
     s = "cafe\u0301"
     assert unicodedata.normalize("NFC", s) != s
     assert hf.encode(s).ids == hf.encode(unicodedata.normalize("NFC", s)).ids
+
+
+def test_template_tokenizer_documents_match_hf(built, corpus, tmp_path):
+    """A tokenizer whose template adds <s> (Mistral 7B / Llama 2 / Phi-3 pipeline): each
+    document is HF's encode(doc).ids (the <s> included), then EOS, for text and JSONL."""
+    from test_tokenizer_families import build_mistral
+    from tokenizer_corpus import corpus as tok_corpus
+    d, docs, _ = corpus
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    hf = build_mistral(tok_corpus(seed=2, target_bytes=150_000))
+    hf.save(str(tok / "tokenizer.json"))
+    (tok / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    sub = docs[:400]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in sub) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    prepare(built, tok, [tmp_path / "c.jsonl"], out)
+    eos = hf.token_to_id("</s>")
+    want = [i for t in sub for i in hf.encode(t).ids + [eos]]
+    assert want[0] == hf.token_to_id("<s>")
+    assert_stream(read_shards(out)[1], want, "c.jsonl with a <s> template")
+
+
+def test_chat_with_template_tokenizer_has_no_bos_per_turn(built, tmp_path):
+    """A ChatML conversation with a Llama 3-style tokenizer (template "<|begin_of_text|> $A"):
+    the rendered text is tokenized as apply_chat_template does it, add_special_tokens=False,
+    so no <|begin_of_text|> before each turn."""
+    from test_tokenizer_families import build_llama3
+    from tokenizer_corpus import corpus as tok_corpus
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    hf, _ = build_llama3(tok_corpus(seed=3, target_bytes=150_000))
+    hf.save(str(tok / "tokenizer.json"))
+    (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    out = tmp_path / "out"
+    prepare(built, tok, [path], out)
+    eos = hf.token_to_id("<|endoftext|>")
+    want = []
+    for conv in CONVERSATIONS:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in conv)
+        want += hf.encode(text, add_special_tokens=False).ids + [eos]
+    assert hf.token_to_id("<|begin_of_text|>") not in want
+    assert_stream(read_shards(out)[1], want, "chat tokens with a template tokenizer")

@@ -279,6 +279,38 @@ def test_text_prompt_matches_hf(tok_model, gen, chat):
     assert out.decode("utf-8", "replace") == text + sep + tk.decode(want, skip_special_tokens=True) + "\n"
 
 
+def test_sentencepiece_tokenizer_matches_hf(tmp_path, gen):
+    """A Mistral/Llama 2-style tokenizer.json (Prepend/Replace normalizer, byte-fallback BPE,
+    TemplateProcessing "<s> $A", decoder Replace/ByteFallback/Fuse/Strip): the prompt gets
+    HF's <s>, and the streamed text equals HF's decode of all new ids at once although
+    that decoder strips the first space and joins <0xNN> byte tokens into characters."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    tk = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(content=" ", left=1)])
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tk.train_from_iterator(CORPUS + ["数字 ünï 🎉"], trainers.BpeTrainer(vocab_size=700, special_tokens=special,
+                                                                     limit_alphabet=40, show_progress=False))
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    d = tmp_path / "spm"
+    d.mkdir()
+    model = make_model(d, vocab=tk.get_vocab_size(), seed=3)
+    tk.save(str(d / "tokenizer.json"))
+    text = "hello world 数字"
+    prompt = tk.encode(text).ids
+    assert prompt[0] == 1
+    want, margin = hf_greedy(model, prompt, new=24, eos=[2])
+    assert margin > MIN_MARGIN, f"test setup: near-tie in HF logits (margin {margin})"
+    _, out, _ = gen(["--checkpoint", d, "--prompt", text, "--ids", "--max-tokens", 24])
+    assert ids_of(out) == want
+    toks = [tk.id_to_token(i) for i in want]
+    # what a per-token decode gets wrong: a later word's space, a character spelt in bytes
+    assert any(t.startswith("\u2581") for t in toks[1:]), toks
+    _, out, _ = gen(["--checkpoint", d, "--prompt", text, "--max-tokens", 24])
+    assert out.decode() == text + tk.decode(want, skip_special_tokens=True) + "\n"
+
+
 def test_tokenizer_dir_option(tok_model, gen, tmp_path):
     """--tokenizer points at tokenizer files kept apart from the weights."""
     import shutil
