@@ -367,6 +367,10 @@ int cli_generate(int argc, char **argv) {
             len = strlen(text);
         }
         tok_enc *enc = rc ? NULL : tok_enc_new(t);
+        /* a rendered template carries its own BOS: apply_chat_template tokenizes it with
+         * add_special_tokens=False; a plain prompt gets the post-processor's tokens, as
+         * tokenizer(prompt) gives them */
+        if (enc && a.chat) tok_enc_set_add_special(enc, 0);
         if (!rc) rc = tok_encode(enc, text, len, &prompt, &e);
         if (enc) tok_enc_free(enc);
         free(text);

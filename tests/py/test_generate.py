@@ -332,7 +332,8 @@ def test_tokenizer_dir_option(tok_model, gen, tmp_path):
 def test_chat_uses_the_tokenizer_template(tok_model, gen, tmp_path, family):
     """--chat renders the tokenizer's own chat_template (here a published non-ChatML one, from
     tests/data/chat_templates), as apply_chat_template(add_generation_prompt=True) does, and
-    encodes it as transformers encodes the rendered chat (no special tokens added)."""
+    encodes it as transformers encodes the rendered chat (no special tokens added, though the
+    tokenizer's post-processor adds a BOS to plain text)."""
     import shutil
     from transformers import PreTrainedTokenizerFast
     d = tmp_path / "m"
@@ -342,6 +343,13 @@ def test_chat_uses_the_tokenizer_template(tok_model, gen, tmp_path, family):
     cfg["chat_template"] = src["chat_template"]
     cfg["bos_token"] = "<|im_start|>"  # a token this vocabulary has, so {{ bos_token }} encodes as one id
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    # a post-processor that adds a BOS (as Llama 3's and Gemma's tokenizers do): the rendered
+    # template already holds it, and apply_chat_template encodes without special tokens
+    from tokenizers import Tokenizer, processors
+    raw = Tokenizer.from_file(str(d / "tokenizer.json"))
+    bos = raw.token_to_id("<|im_start|>")
+    raw.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    raw.save(str(d / "tokenizer.json"))
     tk = PreTrainedTokenizerFast.from_pretrained(str(d))
     text = "The quick brown fox said: hello world 42!"
     rendered = tk.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
