@@ -85,7 +85,8 @@ sanitize:
 
 REF_KERNELS := matmul=ref,matmul_bf16=ref,embedding=ref,rmsnorm=ref,rope=ref,attention=ref,swiglu=ref,crossentropy=ref,add=ref,adamw=ref,moe_experts=ref,moe_experts_bf16=ref,geglu=ref
 
-PARITY_TESTS := tests/py/test_parity.py tests/py/test_bf16.py tests/py/test_moe.py::test_logits_loss_grads
+PARITY_TESTS := tests/py/test_parity.py tests/py/test_bf16.py tests/py/test_moe.py::test_logits_loss_grads \
+                tests/py/test_families.py::test_logits_loss_grads tests/py/test_families_bf16.py
 # The instruction-set levels below this CPU's best (CTITAN_ISA): avx2 on AVX-512 CPUs, avx512 on AMX ones.
 LOWER_ISAS := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo && echo avx2) \
               $(shell grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null && echo avx512)
@@ -97,7 +98,8 @@ test-py: all
 	@for isa in $(LOWER_ISAS); do echo "parity with CTITAN_ISA=$$isa"; \
 	  CTITAN_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS) || exit 1; done
 	@echo "parity with the kernels chosen by timing (the rest of the suite runs with CTITAN_KERNEL_TUNE=0)"
-	CTITAN_KERNEL_TUNE=1 $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py
+	CTITAN_KERNEL_TUNE=1 $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py \
+	  tests/py/test_families.py::test_logits_loss_grads
 	$(PY) -m pytest -q tests/py
 
 test: setup
