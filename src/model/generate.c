@@ -224,9 +224,7 @@ static void gen_lora(const gen_state *g, const lm_layer_w *w, int p, float *y, c
 
 /* A norm's weight as the kernels read it: w, or Gemma's 1 + w. */
 static const float *gen_nw(gen_state *g, const float *w, int n) {
-    if (!g->m->cfg.norm_plus_one || !w) return w;
-    for (int i = 0; i < n; i++) g->norm_w[i] = 1.0f + w[i];
-    return g->norm_w;
+    return lm_norm_weight(&g->m->cfg, g->norm_w, w, n);
 }
 
 /* out[n, nh*hd] = the family's q/k norm of x (per head, over the projection,
@@ -277,10 +275,7 @@ static void gen_forward_chunk(gen_state *g, const int32_t *tokens, int n) {
     }
 
     g->m->k.embedding_fwd(g->x, tokens, m->w.wte, n, H);
-    if (c->embed_scaled) {
-        float sc = (float)sqrt((double)H);
-        for (size_t i = 0; i < (size_t)n * H; i++) g->x[i] *= sc;
-    }
+    lm_embed_scale(c, g->x, (size_t)n * H);
     for (int l = 0; l < c->n_layers; l++) {
         const lm_layer_w *w = &m->w.layer[l];
         float *kc = g->k_cache + (size_t)l * g->max_len * kvd; /* [max_len, nKV, hd] */
@@ -369,10 +364,7 @@ int gen_forward(gen_state *g, const int32_t *tokens, int n, float *logits, ct_er
         g->m->k.rmsnorm_fwd(g->xn, g->rstd, g->x + (size_t)last * H, gen_nw(g, g->m->w.lnf, H), 1, H,
                             (float)c->rms_eps);
         g->m->k.matmul_fwd(logits, g->xn, g->m->w.lm_head, 1, H, c->vocab_size, 0);
-        if (c->final_softcap > 0) { /* Gemma: logits = cap tanh(logits / cap) */
-            float cap = (float)c->final_softcap;
-            for (int i = 0; i < c->vocab_size; i++) logits[i] = cap * tanhf(logits[i] / cap);
-        }
+        lm_final_softcap(c, logits, (size_t)c->vocab_size, NULL);
     }
     return 0;
 }

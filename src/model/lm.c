@@ -466,23 +466,11 @@ int lm_rope_local_differs(const lm_config *c) {
 }
 
 void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T, float *cos, float *sin) {
-    int half = c->head_dim / 2;
-    if (!c->has_rope) { /* the fp32 recipe ctitan always had: equal to rope_tables' bit for bit */
-        if (p0 == 0) {
-            op_rope_tables(cos, sin, T, c->head_dim, (float)c->rope_theta);
-            return;
-        }
-    }
+    /* without config.json's RoPE, default RoPE with rope_theta: rope_tables gives op_rope_tables' bits */
     rope_params p = !c->has_rope ? rope_default(c) : sliding ? c->rope_local : c->rope;
     double inv[ROPE_MAX_HALF], scale = 1.0;
     rope_inv_freq(&p, c->head_dim, seq_len, inv, &scale);
-    /* positions p0 .. p0+T-1 are the last T rows of a table of p0+T rows */
-    float *cb = ct_malloc((size_t)(p0 + T) * half * sizeof(float)), *sb = ct_malloc((size_t)(p0 + T) * half * sizeof(float));
-    rope_tables(cb, sb, p0 + T, half, inv, scale);
-    memcpy(cos, cb + (size_t)p0 * half, (size_t)T * half * sizeof(float));
-    memcpy(sin, sb + (size_t)p0 * half, (size_t)T * half * sizeof(float));
-    free(cb);
-    free(sb);
+    rope_tables(cos, sin, p0, T, c->head_dim / 2, inv, scale);
 }
 
 /* The model's tables for a forward of T positions. */
@@ -826,10 +814,27 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
 /* A norm's weight as the kernels read it: w itself, or 1 + w in m->norm_w
  * (Gemma's RMSNorm). d/dw is the same either way, so backward kernels take
  * the same pointer and accumulate the true gradient. */
-static const float *nw(lm_model *m, const float *w, int n) {
-    if (!m->cfg.norm_plus_one || !w) return w;
-    for (int i = 0; i < n; i++) m->norm_w[i] = 1.0f + w[i];
-    return m->norm_w;
+const float *lm_norm_weight(const lm_config *c, float *scratch, const float *w, int n) {
+    if (!c->norm_plus_one || !w) return w;
+    for (int i = 0; i < n; i++) scratch[i] = 1.0f + w[i];
+    return scratch;
+}
+static const float *nw(lm_model *m, const float *w, int n) { return lm_norm_weight(&m->cfg, m->norm_w, w, n); }
+
+void lm_embed_scale(const lm_config *c, float *x, size_t n) {
+    if (!c->embed_scaled) return;
+    float sc = (float)sqrt((double)c->hidden); /* transformers' fp32 buffer */
+    for (size_t i = 0; i < n; i++) x[i] *= sc;
+}
+
+void lm_final_softcap(const lm_config *c, float *x, size_t n, float *t) {
+    if (!(c->final_softcap > 0)) return;
+    float cap = (float)c->final_softcap;
+    for (size_t i = 0; i < n; i++) {
+        float th = tanhf(x[i] / cap);
+        if (t) t[i] = th;
+        x[i] = th * cap;
+    }
 }
 
 /* Layer l's attention variant: its scale, window (sliding layers) and cap. */
@@ -1072,10 +1077,7 @@ static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
     } else {
         m->k.embedding_fwd(x0, tokens, m->w.wte, BT, H);
     }
-    if (c->embed_scaled) { /* Gemma: times sqrt(H), rounded to fp32 as transformers' buffer is */
-        float sc = (float)sqrt((double)H);
-        for (size_t i = 0; i < (size_t)BT * H; i++) x0[i] *= sc;
-    }
+    lm_embed_scale(c, x0, (size_t)BT * H);
     int E = c->n_experts;
     if (m->n_moe_layers) {
         memset(m->moe_count, 0, (size_t)E * sizeof(double));
@@ -1096,18 +1098,6 @@ static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
     m->k.rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, nw(m, m->w.lnf, H), BT, H, (float)c->rms_eps);
 }
 
-/* Final-logit soft-capping (Gemma): logits[n, V] = cap tanh(logits / cap),
- * keeping t = tanh(.) in m->cap_t for the backward when keep. */
-static void softcap_fwd(lm_model *m, float *logits, size_t n, int keep) {
-    double cap = m->cfg.final_softcap;
-    if (!(cap > 0)) return;
-    float fc = (float)cap;
-    for (size_t i = 0; i < n; i++) {
-        float t = tanhf(logits[i] / fc);
-        if (keep) m->cap_t[i] = t;
-        logits[i] = t * fc;
-    }
-}
 /* d(raw logits) = d(capped) (1 - t^2), in place. */
 static void softcap_bwd(lm_model *m, float *dlogits, size_t n) {
     if (!(m->cfg.final_softcap > 0)) return;
@@ -1213,7 +1203,7 @@ void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) 
             head_fwd(m, logits + (size_t)r0 * V, m->lnf + (size_t)r0 * m->cfg.hidden, n);
         }
     }
-    softcap_fwd(m, logits, (size_t)B * T * V, 0);
+    lm_final_softcap(&m->cfg, logits, (size_t)B * T * V, NULL);
 }
 
 double lm_loss(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
@@ -1224,7 +1214,8 @@ double lm_loss(lm_model *m, const int32_t *tokens, const int32_t *labels, int B,
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
         head_fwd(m, m->logits, m->lnf + (size_t)r0 * H, n);
-        softcap_fwd(m, m->logits, (size_t)n * (m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size), 0);
+        lm_final_softcap(&m->cfg, m->logits, (size_t)n * (m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size),
+                         NULL);
         sum += crossentropy(m, m->logits, labels + r0, n, 0.0f, &count);
     }
     if (n_valid) *n_valid = count;
@@ -1306,7 +1297,7 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
         const float *x = m->lnf + (size_t)r0 * H;
         size_t nv = (size_t)n * (c->vocab_rows ? c->vocab_rows : c->vocab_size);
         head_fwd(m, m->logits, x, n);
-        softcap_fwd(m, m->logits, nv, 1);
+        lm_final_softcap(c, m->logits, nv, m->cap_t); /* tanh kept for softcap_bwd */
         loss_sum += crossentropy(m, m->logits, labels + r0, n, grad_scale, &count);
         softcap_bwd(m, m->logits, nv);
         head_bwd(m, m->d_ln + (size_t)r0 * H, m->logits, x, n);
@@ -1393,10 +1384,7 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
         }
         if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
     }
-    if (m->g.wte && c->embed_scaled) {
-        float sc = (float)sqrt((double)H);
-        for (size_t i = 0; i < (size_t)BT * H; i++) m->d_res[i] *= sc;
-    }
+    if (m->g.wte) lm_embed_scale(c, m->d_res, (size_t)BT * H); /* d(lookup) = sqrt(H) d(scaled) */
     if (m->g.wte && c->has_pad) /* torch's padding_idx: the lookup adds nothing to that row */
         for (int i = 0; i < BT; i++)
             if (tokens[i] == c->pad_token) zero(m->d_res + (size_t)i * H, (size_t)H);

@@ -128,6 +128,18 @@ int lm_rope_by_length(const lm_config *c);
 /* Whether sliding layers have RoPE tables of their own. */
 int lm_rope_local_differs(const lm_config *c);
 
+/* The family's small elementwise pieces, shared by training (lm.c) and
+ * generate's KV-cache forward (generate.c):
+ * lm_norm_weight: the weight a norm kernel reads: w, or (Gemma's 1 + w
+ *   norms) 1 + w written into scratch[n]; d/dw is the same either way.
+ * lm_embed_scale: x[n] *= sqrt(hidden) (rounded to fp32) where the family
+ *   scales its embeddings (Gemma); a no-op elsewhere.
+ * lm_final_softcap: x[n] = cap tanh(x / cap) where the family caps its
+ *   final logits, keeping tanh in t[n] (NULL: not kept); a no-op elsewhere. */
+const float *lm_norm_weight(const lm_config *c, float *scratch, const float *w, int n);
+void lm_embed_scale(const lm_config *c, float *x, size_t n);
+void lm_final_softcap(const lm_config *c, float *x, size_t n, float *t);
+
 /* Whether layer l has the sparse MoE block (0 for every layer of a dense model). */
 int lm_layer_is_moe(const lm_config *c, int l);
 

@@ -57,6 +57,9 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
         return ct_fail(e, CT_ERR_CONFIG, "%s: num_attention_heads (%d) is not a multiple of num_key_value_heads (%d)",
                        where, c->n_heads, c->n_kv_heads);
     if (c->head_dim % 2) return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim must be even for RoPE, got %d", where, c->head_dim);
+    if (c->head_dim > 2 * ROPE_MAX_HALF)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim = %d: at most %d is supported", where, c->head_dim,
+                       2 * ROPE_MAX_HALF);
     if (!(c->rope_theta > 0)) return ct_fail(e, CT_ERR_CONFIG, "%s: rope_theta must be positive", where);
     if (!(c->rms_eps > 0)) return ct_fail(e, CT_ERR_CONFIG, "%s: rms_norm_eps must be positive", where);
     if (c->n_experts < 0) return ct_fail(e, CT_ERR_CONFIG, "%s: num_experts must be >= 0, got %d", where, c->n_experts);

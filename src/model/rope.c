@@ -589,11 +589,11 @@ void rope_inv_freq(const rope_params *p, int head_dim, int seq_len, double *inv_
     *attn_scale = attn;
 }
 
-void rope_tables(float *cos, float *sin, int T, int half, const double *inv_freq, double attn_scale) {
+void rope_tables(float *cos, float *sin, int p0, int T, int half, const double *inv_freq, double attn_scale) {
     float s = (float)attn_scale; /* `emb.cos() * attention_scaling`, a float32 multiply */
     for (int t = 0; t < T; t++) {
         for (int i = 0; i < half; i++) {
-            float angle = (float)t * (float)inv_freq[i];
+            float angle = (float)(p0 + t) * (float)inv_freq[i];
             float c = cosf(angle), sn = sinf(angle);
             if (attn_scale != 1.0) c *= s, sn *= s;
             cos[(size_t)t * half + i] = c;

@@ -91,9 +91,10 @@ const char *rope_type_name(int type);
  * short_factor); the other types do not depend on seq_len. */
 void rope_inv_freq(const rope_params *p, int head_dim, int seq_len, double *inv_freq, double *attn_scale);
 
-/* cos/sin [T, half] for positions 0..T-1, times attn_scale: fp32 angle
+/* cos/sin [T, half] for positions p0..p0+T-1, times attn_scale: fp32 angle
  * (float)t * (float)inv_freq[i] as op_rope_tables, so that for default RoPE
- * the tables equal op_rope_tables' bit for bit. */
-void rope_tables(float *cos, float *sin, int T, int half, const double *inv_freq, double attn_scale);
+ * the tables equal op_rope_tables' bit for bit (rows of a later chunk equal
+ * the same rows of a table built from 0). */
+void rope_tables(float *cos, float *sin, int p0, int T, int half, const double *inv_freq, double attn_scale);
 
 #endif

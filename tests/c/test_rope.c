@@ -46,7 +46,7 @@ static void test_default_equals_op_rope_tables(void) {
         CHECK(attn == 1.0, "default attention scaling %g", attn);
         float *c1 = malloc(sizeof(float) * T * half), *s1 = malloc(sizeof(float) * T * half);
         float *c2 = malloc(sizeof(float) * T * half), *s2 = malloc(sizeof(float) * T * half);
-        rope_tables(c1, s1, T, half, inv, attn);
+        rope_tables(c1, s1, 0, T, half, inv, attn);
         op_rope_tables(c2, s2, T, cases[k].hd, (float)cases[k].theta);
         CHECK(memcmp(c1, c2, sizeof(float) * T * half) == 0, "cos table differs from op_rope_tables (theta %g)",
               cases[k].theta);
@@ -176,7 +176,7 @@ static void test_length_dependence(void) {
     CHECK(a[0] == 1.0 && b[0] == 0.25, "short %g, long %g", a[0], b[0]);
     /* the cos/sin multiplier reaches the tables */
     float c[2 * 32], s[2 * 32];
-    rope_tables(c, s, 2, 32, b, attn);
+    rope_tables(c, s, 0, 2, 32, b, attn);
     CHECK(c[0] == (float)attn && s[0] == 0.0f, "row 0: cos %g sin %g", c[0], s[0]);
 }
 

@@ -76,7 +76,7 @@ int main(int argc, char **argv) {
     printf("], \"rows\": {");
     if (seq_len <= 65536) {
         float *c = malloc(sizeof(float) * (size_t)seq_len * half), *s = malloc(sizeof(float) * (size_t)seq_len * half);
-        rope_tables(c, s, seq_len, half, inv, attn);
+        rope_tables(c, s, 0, seq_len, half, inv, attn);
         int ts[3] = {0, 1, seq_len - 1};
         for (int k = 0; k < 3; k++) {
             if (ts[k] >= seq_len || (k && ts[k] == ts[k - 1])) continue;
