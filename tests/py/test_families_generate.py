@@ -8,14 +8,12 @@ piece of a sequence equal HF's logits of the whole sequence at that position. Ex
 come from transformers only (oracle_families builds the models)."""
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 import torch
 
 import oracle_families as fam
-from test_generate import _Err, genlib  # noqa: F401 (the fixture: libctitan's model/generate.h entry points)
+from test_generate import cached_logits, gen_session, genlib  # noqa: F401 (genlib: the fixture)
 
 # one case per family; the sequence is longer than every window and crosses a prefill chunk
 # (64 rows) so windows slide inside the cache and across chunks
@@ -35,24 +33,10 @@ def test_cached_logits_match_hf(cid, genlib, tmp_path):
     seq = np.random.default_rng(5).integers(0, V, sum(PIECES)).tolist()
     with torch.no_grad():
         want = fam.logits(model, case.family, np.array([seq]))[0]  # [len(seq), V]
-    err = _Err()
-    h = ctypes.c_void_p()
-    assert genlib.gen_model_open(ctypes.byref(h), str(tmp_path / "m").encode(), len(seq), ctypes.byref(err)) == 0, \
-        err.msg.decode()
-    try:
-        st = genlib.gen_model_state(h)
-        assert genlib.gen_model_vocab(h) == V
-        pos = 0
-        for n in PIECES:
-            toks = np.ascontiguousarray(seq[pos:pos + n], dtype=np.int32)
-            got = np.empty(V, dtype=np.float32)
-            rc = genlib.gen_forward(st, toks.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n,
-                                    got.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ctypes.byref(err))
-            assert rc == 0, err.msg.decode()
-            pos += n
+    with gen_session(genlib, tmp_path / "m", len(seq)) as (st, V2):
+        assert V2 == V
+        for pos, n, got in cached_logits(genlib, st, V, seq, PIECES):
             ref = want[pos - 1]
             # fp32 against fp32; a window, RoPE base or norm slip moves logits by 1e-2 of their scale
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max(),
                                        err_msg=f"{cid}: logits after {pos} tokens (piece of {n})")
-    finally:
-        genlib.gen_model_close(h)

@@ -13,6 +13,7 @@ build/libctitan.a in a tmp dir (the same code either way).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -156,6 +157,34 @@ def genlib():
     return lib
 
 
+@contextlib.contextmanager
+def gen_session(genlib, model_dir, max_len):
+    """(state, vocabulary size) of a model opened through model/generate.h for max_len positions."""
+    err = _Err()
+    h = ctypes.c_void_p()
+    assert genlib.gen_model_open(ctypes.byref(h), str(model_dir).encode(), max_len, ctypes.byref(err)) == 0, \
+        err.msg.decode()
+    try:
+        yield genlib.gen_model_state(h), genlib.gen_model_vocab(h)
+    finally:
+        genlib.gen_model_close(h)
+
+
+def cached_logits(genlib, st, V, seq, pieces):
+    """Feeds seq piece by piece through gen_forward; yields (position after the piece, piece
+    length, the logits of its last token)."""
+    err = _Err()
+    pos = 0
+    for n in pieces:
+        toks = np.ascontiguousarray(seq[pos:pos + n], dtype=np.int32)
+        got = np.empty(V, dtype=np.float32)
+        rc = genlib.gen_forward(st, toks.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n,
+                                got.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ctypes.byref(err))
+        assert rc == 0, err.msg.decode()
+        pos += n
+        yield pos, n, got
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_cached_logits_match_hf(tmp_path, genlib, tied):
     """Logits at every step, not just the argmax: a 150-token prompt (three prefill chunks),
@@ -167,34 +196,20 @@ def test_cached_logits_match_hf(tmp_path, genlib, tied):
     seq = prompt + cont
     with torch.no_grad():
         want = model(torch.tensor([seq])).logits[0].float().numpy()  # [len(seq), V]
-    err = _Err()
-    h = ctypes.c_void_p()
-    assert genlib.gen_model_open(ctypes.byref(h), str(tmp_path / "m").encode(), len(seq), ctypes.byref(err)) == 0, \
-        err.msg.decode()
-    try:
-        st = genlib.gen_model_state(h)
-        V = genlib.gen_model_vocab(h)
+    with gen_session(genlib, tmp_path / "m", len(seq)) as (st, V):
         assert V == 300
         pieces = [150, 1, 1, 5, 1, 3, 1]  # sums to len(seq) - 0; the last logits of each piece are checked
         assert sum(pieces) == len(seq)
-        pos = 0
-        for n in pieces:
-            toks = np.ascontiguousarray(seq[pos:pos + n], dtype=np.int32)
-            got = np.empty(V, dtype=np.float32)
-            rc = genlib.gen_forward(st, toks.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n,
-                                    got.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ctypes.byref(err))
-            assert rc == 0, err.msg.decode()
-            pos += n
+        for pos, n, got in cached_logits(genlib, st, V, seq, pieces):
             ref = want[pos - 1]
             # fp32 vs fp32: about 1e-6 of the logit scale here; a masking or RoPE offset slip is 1e-2
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=3e-5 * np.abs(ref).max(),
                                        err_msg=f"logits after {pos} tokens (piece of {n})")
         # one more token overflows the cache: an error, not a crash
+        err = _Err()
         one = np.zeros(1, dtype=np.int32)
         rc = genlib.gen_forward(st, one.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), 1, None, ctypes.byref(err))
         assert rc != 0 and b"KV cache" in err.msg
-    finally:
-        genlib.gen_model_close(h)
 
 
 def test_eos_stops_like_hf(tmp_path, gen):
