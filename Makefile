@@ -30,7 +30,7 @@ endif
 ifeq ($(NO_MPI),1)
 CFLAGS  += -DCT_NO_MPI
 else
-# OpenMPI (Debian's libopenmpi-dev) for src/dist/comm_mpi.c; a run without mpirun never calls MPI_Init.
+# OpenMPI (Debian's libopenmpi-dev) for src/distributed/comm_mpi.c; a run without mpirun never calls MPI_Init.
 MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null || mpicc --showme:compile 2>/dev/null)
 MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null || mpicc --showme:link 2>/dev/null)
 CFLAGS  += $(MPI_CFLAGS)

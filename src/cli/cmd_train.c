@@ -17,7 +17,7 @@
 
 #include "cli/cli.h"
 #include "config/config.h"
-#include "dist/comm.h"
+#include "distributed/comm.h"
 #include "train/trainer.h"
 
 static int log_this_rank(int rank) {

@@ -89,12 +89,12 @@ typedef struct {
     int mlp_only_layers[LM_MAX_MLP_ONLY];
     int output_router_logits; /* add router_aux_loss_coef * HF's load-balancing loss to the loss */
     double router_aux_loss_coef;
-    /* Vocabulary-parallel lm_head (dist/tp.c; untied models): this model holds
+    /* Vocabulary-parallel lm_head (distributed/tp.c; untied models): this model holds
      * rows [vocab_row0, vocab_row0 + vocab_rows) of lm_head and computes only
      * those logits, the loss's max, sum of exponentials and target logit being
      * combined over ranks by hooks. vocab_rows == 0: the whole vocabulary. */
     int vocab_rows, vocab_row0;
-    /* Expert parallel storage (dist/ep.h): this model holds experts
+    /* Expert parallel storage (distributed/ep.h): this model holds experts
      * [expert0, expert0 + expert_rows) of every MoE layer; the others' tensors
      * keep their names in the table with no elements, so tables of every
      * rank line up by index. The router stays whole. 0: every expert. */
@@ -262,7 +262,7 @@ typedef struct {
 } lm_layer_acts;
 
 /* Calls around each layer for layouts that move parameters (FSDP gathers a
- * layer's parameters before it runs and frees them after; dist/fsdp.c). The
+ * layer's parameters before it runs and frees them after; distributed/fsdp.c). The
  * model stays unaware of ranks: it only says when a layer starts and ends. */
 typedef struct {
     void *ctx;
@@ -270,7 +270,7 @@ typedef struct {
     void (*post_forward)(void *ctx, int layer);
     void (*pre_backward)(void *ctx, int layer);  /* before its recomputation and backward */
     void (*post_backward)(void *ctx, int layer); /* its gradients are complete */
-    /* Tensor parallel (dist/tp.c; NULL otherwise): x[n] is a partial sum over
+    /* Tensor parallel (distributed/tp.c; NULL otherwise): x[n] is a partial sum over
      * this rank's heads or intermediate slice; make it the sum over ranks.
      * Called on the o_proj and down_proj outputs before the residual is added,
      * and on d(ln1), d(ln2) after the q/k/v and gate/up backward matmuls. */
@@ -279,7 +279,7 @@ typedef struct {
     void (*reduce_max)(void *ctx, float *x, size_t n);
 } lm_hooks;
 
-/* Expert parallel (dist/ep.c; NULL otherwise): runs a MoE layer's experts
+/* Expert parallel (distributed/ep.c; NULL otherwise): runs a MoE layer's experts
  * on the ranks that hold them. fwd adds sum_j topw_j expert_j(x) onto out
  * (NULL: keep the state only, for a recomputation), as the experts kernel
  * does; bwd accumulates dx and the held experts' gradients into g and
@@ -341,8 +341,8 @@ typedef struct {
     float aux_scale;        /* weight of router_aux_loss_coef * aux in the gradient (1 per optimizer
                                step: a trainer with n micro-batches sets 1/n); used when
                                cfg.output_router_logits */
-    const lm_hooks *hooks; /* NULL: none; set by a parallel layout (dist/fsdp.h) */
-    const lm_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by dist/ep.h */
+    const lm_hooks *hooks; /* NULL: none; set by a parallel layout (distributed/fsdp.h) */
+    const lm_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by distributed/ep.h */
     const int32_t *tokens;  /* of the last forward, for the embedding backward */
     int fwd_B, fwd_T;
     /* LoRA scratch and dropout (cfg.lora_rank > 0) */
@@ -387,7 +387,7 @@ void lm_init_random(lm_model *m, uint64_t seed);
 
 /* Where a loader puts a whole model's tensors a block of rows at a time, so
  * that no one holds the whole model, nor a whole large tensor when it can
- * be avoided: a rank keeps its slice of each (dist/tp.h, dist/fsdp.h). put
+ * be avoided: a rank keeps its slice of each (distributed/tp.h, distributed/fsdp.h). put
  * gets rows [r0, r1) of tensor i of the loader's table (the whole model) as
  * rows[(r1 - r0) x cols] fp32, valid only during the call (cols: shape[1],
  * or 1 for a vector), with kind saying which buffer it belongs to. Every

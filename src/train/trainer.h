@@ -13,11 +13,11 @@
 #include "config/config.h"
 #include "core/err.h"
 #include "data/dataset.h"
-#include "dist/comm.h"
-#include "dist/ep.h"
-#include "dist/fsdp.h"
-#include "dist/mesh.h"
-#include "dist/tp.h"
+#include "distributed/comm.h"
+#include "distributed/ep.h"
+#include "distributed/fsdp.h"
+#include "distributed/mesh.h"
+#include "distributed/tp.h"
 #include "model/lm.h"
 #include "optim/optim.h"
 #include "tokenizer/tokenizer.h"
@@ -35,7 +35,7 @@ typedef struct {
     ds_state resume_data; /* loader position restored from a checkpoint */
     int have_resume_data;
     char ckpt_folder[4096]; /* {dump_folder}/{checkpoint.folder} */
-    /* distributed run (dist/): the world, the mesh over it, and the FSDP state */
+    /* distributed run (distributed/): the world, the mesh over it, and the FSDP state */
     ct_comm *world;   /* never NULL after init: &single when no world was given */
     ct_comm single;
     ct_mesh mesh;

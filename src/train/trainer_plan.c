@@ -10,9 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dist/fsdp.h"
-#include "dist/mesh.h"
-#include "dist/tp.h"
+#include "distributed/fsdp.h"
+#include "distributed/mesh.h"
+#include "distributed/tp.h"
 #include "model/lora.h"
 
 /* --dry-run per rank: what FSDP keeps of a rank's local model, cut into

@@ -4,15 +4,15 @@
  * computed locally from what every rank is known to contribute. Float sums
  * are checked bit for bit against a left-to-right fold in rank order, with
  * contributions chosen so that any other order rounds differently. Rank 0
- * also checks dist/mesh.c's degree checks for made-up world sizes. */
+ * also checks distributed/mesh.c's degree checks for made-up world sizes. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
 #include "config/config.h"
-#include "dist/comm.h"
-#include "dist/mesh.h"
+#include "distributed/comm.h"
+#include "distributed/mesh.h"
 
 /* What rank r contributes at index i: large values that cancel, so the order
  * of the additions shows in the result. */

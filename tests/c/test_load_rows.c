@@ -24,7 +24,7 @@
 #include "checkpoint/hf.h"
 #include "core/dtype.h"
 #include "core/rng.h"
-#include "dist/tp.h"
+#include "distributed/tp.h"
 #include "model/lm.h"
 
 static lm_tensor tensor(int64_t rows, int64_t cols) {

@@ -21,7 +21,7 @@
 
 #include "check.h"
 #include "kern_test.h"
-#include "dist/comm.h"
+#include "distributed/comm.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
 

@@ -1,4 +1,4 @@
-/* dist/comm.h: one communicator interface over several backends.
+/* distributed/comm.h: one communicator interface over several backends.
  *
  * A ct_comm is a group of ranks with the collectives the layouts need:
  * all-reduce (sum, max), reduce-scatter (sum), all-gather, broadcast,
@@ -22,8 +22,8 @@
  * Failures inside a collective are fatal (MPI's default error handler): a
  * collective that cannot complete leaves no state worth recovering, and
  * comm_abort ends every rank of the job. */
-#ifndef CT_DIST_COMM_H
-#define CT_DIST_COMM_H
+#ifndef CT_DISTRIBUTED_COMM_H
+#define CT_DISTRIBUTED_COMM_H
 
 #include <stddef.h>
 

@@ -1,4 +1,4 @@
-/* dist/fsdp.h: fully sharded data parallel (ZeRO-3) over the flat buffers.
+/* distributed/fsdp.h: fully sharded data parallel (ZeRO-3) over the flat buffers.
  *
  * The flat parameter buffer splits into pieces: [0] everything before layer
  * 0 (the embedding), [1 + l] layer l, [L + 1] everything after the last
@@ -32,13 +32,13 @@
  * embedding's gradients are reduce-scattered after the micro-batch. Every
  * gradient is reduce-scattered once per micro-batch and accumulated in the
  * shard. */
-#ifndef CT_DIST_FSDP_H
-#define CT_DIST_FSDP_H
+#ifndef CT_DISTRIBUTED_FSDP_H
+#define CT_DISTRIBUTED_FSDP_H
 
 #include <stddef.h>
 
 #include "core/err.h"
-#include "dist/comm.h"
+#include "distributed/comm.h"
 #include "model/lm.h"
 
 typedef struct {

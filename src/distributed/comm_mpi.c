@@ -1,4 +1,4 @@
-/* dist/comm_mpi.c: the MPI backend (OpenMPI from Debian's packages).
+/* distributed/comm_mpi.c: the MPI backend (OpenMPI from Debian's packages).
  *
  * Float sums never use MPI_SUM: an all-to-all brings every rank's copy of
  * one chunk to the chunk's owner, which adds them in rank order (see
@@ -15,7 +15,7 @@
  * comm_mpi_init_world fails with a message, so a run under mpirun stops
  * cleanly and a single-process run never notices. */
 #ifdef CT_NO_MPI
-#include "dist/comm.h"
+#include "distributed/comm.h"
 
 int comm_mpi_init_world(ct_comm *c, int *argc, char ***argv, ct_err *e) {
     (void)c, (void)argc, (void)argv;
@@ -32,7 +32,7 @@ int comm_mpi_init_world(ct_comm *c, int *argc, char ***argv, ct_err *e) {
 
 #include <mpi.h>
 
-#include "dist/comm.h"
+#include "distributed/comm.h"
 
 /* Elements of the receive buffer of the blocking float sums: big buffers go
  * through in blocks of this many, so a 100M-parameter all-reduce does not

@@ -1,11 +1,11 @@
-/* dist/comm_single.c: the backend of a run without MPI: one rank, so every
+/* distributed/comm_single.c: the backend of a run without MPI: one rank, so every
  * reduction is the identity and every gather or exchange a copy. The
  * trainer calls the same collectives whatever the world size; this keeps
  * the one-process path free of `if (size > 1)`. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "dist/comm.h"
+#include "distributed/comm.h"
 
 static void copy(void *out, const void *in, size_t n, comm_dtype t) {
     if (out != in && n) memmove(out, in, n * comm_dtype_size(t));

@@ -1,4 +1,4 @@
-/* dist/ep.c: expert parallel dispatch (ep.h).
+/* distributed/ep.c: expert parallel dispatch (ep.h).
  *
  * Rows travel in the sender's expert order (the routing's perm), so the rows
  * for rank p are one contiguous run, already sorted by expert, and come back
@@ -22,7 +22,7 @@
  * keeps its received rows and gate/up and h is rebuilt from them before the
  * backward, as the model does with its own h. Buffers are sized for the worst
  * case (every rank sends all its rows here): ep x the local rows. */
-#include "dist/ep.h"
+#include "distributed/ep.h"
 
 #include <stdio.h>
 #include <stdlib.h>

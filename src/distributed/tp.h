@@ -1,4 +1,4 @@
-/* dist/tp.h: tensor parallelism (torchtitan's Qwen3 plan, dense and MoE).
+/* distributed/tp.h: tensor parallelism (torchtitan's Qwen3 plan, dense and MoE).
  *
  * The model's math stays in model/lm.c, run on a LOCAL config: n_heads,
  * n_kv_heads, intermediate and (untied) the lm_head's vocab_rows divided by
@@ -36,13 +36,13 @@
  * [ep_rank E/ep, (ep_rank + 1) E/ep) (lm_config.expert_rows); the other
  * experts' tensors have no elements. So this layout exists whenever t > 1 or
  * ep > 1; its hooks are installed only for t > 1. */
-#ifndef CT_DIST_TP_H
-#define CT_DIST_TP_H
+#ifndef CT_DISTRIBUTED_TP_H
+#define CT_DISTRIBUTED_TP_H
 
 #include <stddef.h>
 
 #include "core/err.h"
-#include "dist/comm.h"
+#include "distributed/comm.h"
 #include "model/lm.h"
 
 typedef struct {

@@ -1,4 +1,4 @@
-/* dist/ep.h: expert parallel over data-parallel ranks (expert_parallel_degree).
+/* distributed/ep.h: expert parallel over data-parallel ranks (expert_parallel_degree).
  *
  * EP rank p of a group of ep runs experts [p E/ep, (p+1) E/ep) for the whole
  * group: each MoE layer routes its own tokens, sends every (token, choice)
@@ -7,13 +7,13 @@
  * routing weight), and the weighted outputs come back to be summed as on
  * one rank.
  * The backward mirrors it. A rank stores only its experts' weights,
- * gradients and moments (lm_config.expert_rows, set by dist/tp.h's local
+ * gradients and moments (lm_config.expert_rows, set by distributed/tp.h's local
  * config); their gradients are summed over the ranks that hold the same
  * experts only (mesh.edp), and a checkpoint gathers them (tp_gather_range). */
-#ifndef CT_DIST_EP_H
-#define CT_DIST_EP_H
+#ifndef CT_DISTRIBUTED_EP_H
+#define CT_DISTRIBUTED_EP_H
 
-#include "dist/comm.h"
+#include "distributed/comm.h"
 #include "model/lm.h"
 
 typedef struct ep_layer ep_layer;

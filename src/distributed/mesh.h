@@ -1,4 +1,4 @@
-/* dist/mesh.h: the device mesh of a run: how the MPI world splits into
+/* distributed/mesh.h: the device mesh of a run: how the MPI world splits into
  * data-parallel replicas, FSDP shard groups and tensor-parallel groups,
  * from [parallelism].
  *
@@ -9,15 +9,15 @@
  * Data-parallel rank (which windows of data a rank reads) is
  * replicate_index * dp_shard + shard_index, over dp_replicate * dp_shard.
  * An expert-parallel group is expert_parallel_degree consecutive
- * data-parallel ranks with the same tp index (dist/ep.h), inside one FSDP
+ * data-parallel ranks with the same tp index (distributed/ep.h), inside one FSDP
  * group when dp_shard > 1 (ep must divide dp_shard), else among the replicas
  * (ep must divide dp_replicate). */
-#ifndef CT_DIST_MESH_H
-#define CT_DIST_MESH_H
+#ifndef CT_DISTRIBUTED_MESH_H
+#define CT_DISTRIBUTED_MESH_H
 
 #include "config/config.h"
 #include "core/err.h"
-#include "dist/comm.h"
+#include "distributed/comm.h"
 #include "model/lm.h"
 
 typedef struct {

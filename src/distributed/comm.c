@@ -1,7 +1,7 @@
-/* dist/comm.c: the backend-independent half of the communicator: choosing
+/* distributed/comm.c: the backend-independent half of the communicator: choosing
  * the world's backend, dispatch, and the rank-order sum every backend uses.
  * comm_single.c and comm_mpi.c hold the backends. */
-#include "dist/comm.h"
+#include "distributed/comm.h"
 
 #include <stdint.h>
 #include <stdlib.h>

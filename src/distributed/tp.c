@@ -1,9 +1,9 @@
-/* dist/tp.c: tensor-parallel slicing, gathering and hooks (see tp.h).
+/* distributed/tp.c: tensor-parallel slicing, gathering and hooks (see tp.h).
  *
  * The group's float sums go through comm_allreduce, whose fixed rank order
  * gives every rank the same bits: the replicated weights then take the same
  * AdamW step everywhere and never drift apart. */
-#include "dist/tp.h"
+#include "distributed/tp.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,7 +1,7 @@
-/* dist/mesh.c: [parallelism] degrees -> checked mesh -> sub-communicators.
+/* distributed/mesh.c: [parallelism] degrees -> checked mesh -> sub-communicators.
  * Every check runs before the model is built, with the world size known,
  * so a bad layout costs nothing and names the key to change. */
-#include "dist/mesh.h"
+#include "distributed/mesh.h"
 
 #include <string.h>
 

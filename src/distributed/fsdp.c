@@ -1,4 +1,4 @@
-/* dist/fsdp.c: ZeRO-3 over the flat buffers (see fsdp.h for the scheme).
+/* distributed/fsdp.c: ZeRO-3 over the flat buffers (see fsdp.h for the scheme).
  *
  * Pages are given back with MADV_DONTNEED, which on private anonymous
  * memory (what calloc returns for the model's buffers) drops them and reads
@@ -6,7 +6,7 @@
  * shared with the neighbouring piece keeps its bytes, so releasing one piece
  * never zeroes another that is in use. */
 #define _DEFAULT_SOURCE
-#include "dist/fsdp.h"
+#include "distributed/fsdp.h"
 
 #include <stdint.h>
 #include <stdio.h>
