@@ -122,6 +122,28 @@ void comm_iallreduce(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_req *r)
     r->active = 1;
     c->be->iallreduce(c, buf, n, t, r);
 }
+void comm_isend(ct_comm *c, const void *buf, size_t n, comm_dtype t, int dst, int tag, comm_req *r) {
+    memset(r, 0, sizeof *r);
+    r->c = c;
+    r->active = 1;
+    c->be->isend(c, buf, n, t, dst, tag, r);
+}
+void comm_irecv(ct_comm *c, void *buf, size_t n, comm_dtype t, int src, int tag, comm_req *r) {
+    memset(r, 0, sizeof *r);
+    r->c = c;
+    r->active = 1;
+    c->be->irecv(c, buf, n, t, src, tag, r);
+}
+void comm_send(ct_comm *c, const void *buf, size_t n, comm_dtype t, int dst, int tag) {
+    comm_req r;
+    comm_isend(c, buf, n, t, dst, tag, &r);
+    comm_wait(&r);
+}
+void comm_recv(ct_comm *c, void *buf, size_t n, comm_dtype t, int src, int tag) {
+    comm_req r;
+    comm_irecv(c, buf, n, t, src, tag, &r);
+    comm_wait(&r);
+}
 void comm_test(comm_req *r) {
     if (r->active) r->c->be->test(r);
 }

@@ -2,7 +2,7 @@
  *
  * A ct_comm is a group of ranks with the collectives the layouts need:
  * all-reduce (sum, max), reduce-scatter (sum), all-gather, broadcast,
- * all-to-all(v), barrier, and non-blocking all-gather / reduce-scatter /
+ * all-to-all(v), barrier, point-to-point send/receive, and non-blocking all-gather / reduce-scatter /
  * all-reduce completed by comm_wait. Backends sit behind a table of
  * functions: "single" (one process, no MPI: every collective is a copy or
  * nothing) and "mpi" (OpenMPI); an NCCL backend for GPUs would be a third
@@ -49,6 +49,9 @@ typedef struct {
     void (*iall_gather)(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t, comm_req *r);
     void (*ireduce_scatter)(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t, comm_req *r);
     void (*iallreduce)(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_req *r);
+    /* point to point (pipeline stages): tag tells apart messages between one pair */
+    void (*isend)(ct_comm *c, const void *buf, size_t n, comm_dtype t, int dst, int tag, comm_req *r);
+    void (*irecv)(ct_comm *c, void *buf, size_t n, comm_dtype t, int src, int tag, comm_req *r);
     void (*wait)(comm_req *r);
     void (*test)(comm_req *r); /* progress only; the request stays pending until wait */
     int (*split)(ct_comm *c, int color, int key, ct_comm *out, ct_err *e);
@@ -104,6 +107,13 @@ void comm_iall_gather(ct_comm *c, void *out, const void *in, size_t n, comm_dtyp
 void comm_ireduce_scatter(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t, comm_req *r);
 void comm_iallreduce(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_req *r);
 void comm_wait(comm_req *r);
+/* Point to point: n elements to / from one rank of c. A message is matched
+ * by (source, tag) in the order it was sent, so a pipeline stage may post
+ * every receive of a step up front. Blocking forms are isend/irecv + wait. */
+void comm_isend(ct_comm *c, const void *buf, size_t n, comm_dtype t, int dst, int tag, comm_req *r);
+void comm_irecv(ct_comm *c, void *buf, size_t n, comm_dtype t, int src, int tag, comm_req *r);
+void comm_send(ct_comm *c, const void *buf, size_t n, comm_dtype t, int dst, int tag);
+void comm_recv(ct_comm *c, void *buf, size_t n, comm_dtype t, int src, int tag);
 /* Lets a pending request progress without waiting for it; comm_wait must
  * still complete it. OpenMPI (without a progress thread) moves a
  * non-blocking collective forward only inside MPI calls, so code that

@@ -56,7 +56,7 @@ typedef struct {
     int *cnt, *dis;
 } mpi_req;
 
-enum { REQ_GATHER, REQ_RS, REQ_AR };
+enum { REQ_GATHER, REQ_RS, REQ_AR, REQ_P2P };
 
 static MPI_Comm mcomm(const ct_comm *c) { return ((const mpi_impl *)c->impl)->comm; }
 
@@ -245,6 +245,16 @@ static void m_iallreduce(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_req
     MPI_Ialltoallv(buf, q->cnt, q->dis, mtype(t), q->recv, rcnt, rdis, mtype(t), mcomm(c), &q->req);
 }
 
+static void m_isend(ct_comm *c, const void *buf, size_t n, comm_dtype t, int dst, int tag, comm_req *r) {
+    mpi_req *q = new_req(r, REQ_P2P, NULL, n, t);
+    MPI_Isend(buf, mcount(c, n, "send"), mtype(t), dst, tag, mcomm(c), &q->req);
+}
+
+static void m_irecv(ct_comm *c, void *buf, size_t n, comm_dtype t, int src, int tag, comm_req *r) {
+    mpi_req *q = new_req(r, REQ_P2P, buf, n, t);
+    MPI_Irecv(buf, mcount(c, n, "receive"), mtype(t), src, tag, mcomm(c), &q->req);
+}
+
 static void m_wait(comm_req *r) {
     mpi_req *q = r->impl;
     ct_comm *c = r->c;
@@ -323,6 +333,8 @@ static const comm_backend mpi_backend = {
     .iall_gather = m_iall_gather,
     .ireduce_scatter = m_ireduce_scatter,
     .iallreduce = m_iallreduce,
+    .isend = m_isend,
+    .irecv = m_irecv,
     .wait = m_wait,
     .test = m_test,
     .split = m_split,

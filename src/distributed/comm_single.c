@@ -2,6 +2,7 @@
  * reduction is the identity and every gather or exchange a copy. The
  * trainer calls the same collectives whatever the world size; this keeps
  * the one-process path free of `if (size > 1)`. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -43,6 +44,20 @@ static void s_ireduce_scatter(ct_comm *c, void *out, const void *in, size_t n, c
 static void s_iallreduce(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_req *r) {
     (void)c, (void)buf, (void)n, (void)t, (void)r;
 }
+/* one rank has no peer: a send to itself is a layout bug, not a message */
+static void s_p2p(ct_comm *c, int peer) {
+    fprintf(stderr, "ctitan: error: point-to-point message to rank %d of a single-process run\n", peer);
+    (void)c;
+    exit(1);
+}
+static void s_isend(ct_comm *c, const void *buf, size_t n, comm_dtype t, int dst, int tag, comm_req *r) {
+    (void)buf, (void)n, (void)t, (void)tag, (void)r;
+    s_p2p(c, dst);
+}
+static void s_irecv(ct_comm *c, void *buf, size_t n, comm_dtype t, int src, int tag, comm_req *r) {
+    (void)buf, (void)n, (void)t, (void)tag, (void)r;
+    s_p2p(c, src);
+}
 static void s_wait(comm_req *r) { (void)r; }
 static void s_test(comm_req *r) { (void)r; }
 static int s_split(ct_comm *c, int color, int key, ct_comm *out, ct_err *e) {
@@ -67,6 +82,8 @@ const comm_backend comm_single_backend = {
     .iall_gather = s_iall_gather,
     .ireduce_scatter = s_ireduce_scatter,
     .iallreduce = s_iallreduce,
+    .isend = s_isend,
+    .irecv = s_irecv,
     .wait = s_wait,
     .test = s_test,
     .split = s_split,

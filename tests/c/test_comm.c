@@ -148,6 +148,32 @@ static void test_misc(ct_comm *c) {
     comm_free(&sub);
 }
 
+/* Point to point around a ring, as pipeline stages pass activations: every
+ * rank posts its receives first, two messages per neighbour pair told apart
+ * by tag and, within a tag, by order. */
+static void test_p2p(ct_comm *c) {
+    int N = c->size;
+    if (N < 2) return;
+    int next = (c->rank + 1) % N, prev = (c->rank + N - 1) % N;
+    float got[3][5], out[3][5];
+    comm_req rq[3], sq[3];
+    for (int m = 0; m < 3; m++) comm_irecv(c, got[m], 5, COMM_F32, prev, m == 2 ? 7 : 3, &rq[m]);
+    for (int m = 0; m < 3; m++) {
+        for (int i = 0; i < 5; i++) out[m][i] = (float)(c->rank * 100 + m * 10 + i);
+        comm_isend(c, out[m], 5, COMM_F32, next, m == 2 ? 7 : 3, &sq[m]);
+    }
+    for (int m = 0; m < 3; m++) comm_wait(&rq[m]);
+    for (int m = 0; m < 3; m++) comm_wait(&sq[m]);
+    int bad = 0;
+    for (int m = 0; m < 3; m++)
+        for (int i = 0; i < 5; i++) bad += got[m][i] != (float)(prev * 100 + m * 10 + i);
+    CHECK(bad == 0, "p2p: %d values differ from the ring neighbour's", bad);
+    int64_t x = c->rank;
+    if (c->rank == 0) comm_send(c, &x, 1, COMM_I64, 1, 9);
+    if (c->rank == 1) comm_recv(c, &x, 1, COMM_I64, 0, 9);
+    CHECK(c->rank != 1 || x == 0, "blocking recv: %lld", (long long)x);
+}
+
 /* The degrees as mesh_resolve sees them for a given world size (no MPI needed). */
 static void test_mesh_resolve(void) {
     ct_config c;
@@ -258,6 +284,7 @@ int main(int argc, char **argv) {
     test_gathers(&c);
     test_all_to_all(&c);
     test_misc(&c);
+    test_p2p(&c);
     if (c.rank == 0) test_mesh_resolve();
     /* every rank must pass: rank 0 reports the failures of all, every rank exits with the verdict */
     int64_t fails = check_fail_;
