@@ -44,6 +44,7 @@ static const char *const cfg_optimizers[] = {"AdamW", NULL};
 static const char *const cfg_decay_types[] = {"linear", "sqrt", "cosine", NULL};
 static const char *const cfg_export_dtypes[] = {"float32", "bfloat16", "float16", NULL};
 static const char *const cfg_dataset_kinds[] = {"auto", "text", "jsonl", "chat", "tokens", NULL};
+static const char *const cfg_pp_schedules[] = {"1F1B", "GPipe", "Interleaved1F1B", NULL};
 static const char *const cfg_text_splits[] = {"line", "paragraph", "file", NULL};
 static const char *const cfg_ac_modes[] = {"none", "selective", "full", NULL};
 static const char *const cfg_reshard_modes[] = {"default", "always", "never", NULL};
@@ -199,6 +200,17 @@ static const cfg_option cfg_options[] = {
                 "and intermediate size)"),
     OPT("parallelism", "expert_parallel_degree", CFG_INT, ep, "1", .range = CFG_GE, .lo = 1,
         .help = "data-parallel ranks splitting the MoE experts' work (docs/distributed.md)"),
+    OPT("parallelism", "pipeline_parallel_degree", CFG_INT, pp, "1", .range = CFG_GE, .lo = 1,
+        .help = "pipeline stages: ranks each holding a range of layers, passing activations forward and "
+                "gradients back (docs/distributed.md)"),
+    OPT("parallelism", "pipeline_parallel_schedule", CFG_ENUM, pp_schedule, "1F1B", .choices = cfg_pp_schedules,
+        .help = "order of the micro-batches' forwards and backwards: 1F1B, GPipe, or Interleaved1F1B (several "
+                "stages per rank)"),
+    OPT("parallelism", "pipeline_parallel_microbatch_size", CFG_INT, pp_microbatch, "1", .range = CFG_GE, .lo = 1,
+        .help = "sequences per pipeline micro-batch; must divide training.local_batch_size"),
+    OPT("parallelism", "pipeline_parallel_split_points", CFG_STR, pp_split, "", .list = 1,
+        .help = "first layer of each stage after the first, as torchtitan names them (layers.4); empty: "
+                "split by each layer's cost"),
     OPT("parallelism", "fsdp_reshard_after_forward", CFG_ENUM, fsdp_reshard, "default",
         .choices = cfg_reshard_modes,
         .help = "free a layer's gathered parameters after its forward and gather them again for its backward; "

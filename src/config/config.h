@@ -95,6 +95,10 @@ typedef struct {
     int tp;                   /* 1: tensor_parallel_degree */
     int ep;                   /* 1: expert_parallel_degree */
     char *fsdp_reshard;       /* "default" | "always" | "never": fsdp_reshard_after_forward */
+    int pp;                   /* 1: pipeline_parallel_degree */
+    char *pp_schedule;        /* "1F1B" | "GPipe" | "Interleaved1F1B" */
+    int pp_microbatch;        /* 1: pipeline_parallel_microbatch_size */
+    char *pp_split;           /* "": pipeline_parallel_split_points, comma-joined ("layers.4,layers.8") */
 
     /* [kernels]: implementation per op ("auto" = fastest this CPU runs); order of kern_op */
     char *kernels[13];        /* matmul embedding rmsnorm rope attention swiglu crossentropy add adamw matmul_bf16

@@ -35,6 +35,11 @@ static void add_tensor(lm_model *m, int *cap, const char *name, int64_t d0, int6
     lm_tensor *t = &m->tensors[m->n_tensors++];
     memset(t, 0, sizeof *t);
     snprintf(t->name, sizeof t->name, "%s", name);
+    /* another pipeline stage's tensor: its name, no elements */
+    const lm_config *c = &m->cfg;
+    if (layer >= 0 ? !lm_holds_layer(c, layer)
+                   : slot == LM_S_EMBED ? !lm_holds_embed(c) : !lm_holds_head(c))
+        d0 = 0;
     t->ndim = d1 ? 2 : 1;
     t->shape[0] = d0;
     t->shape[1] = d1;
@@ -296,12 +301,52 @@ static void carve_route(carver *cv, moe_route *r, int N, int E, int k) {
     X(ln2, BT * H, 0) X(ln2_rstd, BT, 0) X(gate, BT * I, 1) X(up, BT * I, 1) X(h, BT * I, 0)             \
     X(ao, BT * H * pa, 1) X(ao_rstd, BT * pa, 0) X(mo, BT * H * pa, 1) X(mo_rstd, BT * pa, 0)
 
-static void plan_activations(lm_model *m, carver *cv, const int *ac) {
-    // ac[L]: LM_AC_* per layer
+/* One layer's saved activations (what a micro-batch in flight keeps until
+ * its backward): kept ones carved from cv, the others pointing into the
+ * shared checkpointing scratch (plan_activations carves it first). */
+static void plan_layer(const lm_model *m, carver *cv, lm_layer_acts *a, int l) {
     const lm_config *c = &m->cfg;
     size_t BT = (size_t)m->B * m->T, H = c->hidden, I, hd = c->head_dim;
     size_t nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     size_t pa = c->norm_place != LM_NORM_PRE; /* the attention and MLP outputs have norms */
+    const lm_layer_acts *sc = &m->ac_scratch;
+    int ac = m->ac_pol[l];
+    a->ac = ac;
+    a->moe = lm_layer_is_moe(c, l);
+    I = a->moe ? (size_t)c->top_k * c->moe_intermediate : (size_t)c->intermediate;
+    a->res = carve(cv, BT * H); /* always kept: the layer's input, where recomputation starts */
+#define OWN(name, n, keep) a->name = ac == LM_AC_NONE || (ac == LM_AC_OP && (keep)) ? carve(cv, n) : sc->name;
+    LAYER_ACTS(OWN)
+#undef OWN
+    if (!pa) a->ao = a->ao_rstd = a->mo = a->mo_rstd = NULL;
+    /* LoRA's [BT, r] products are small: every layer keeps its own (a recomputation rewrites the same bits) */
+    for (int p = 0; p < LM_LORA_N; p++) a->lora_u[p] = lm_lora_on(c, l, p) ? carve(cv, BT * (size_t)c->lora_rank) : NULL;
+    /* the routing is small next to the experts' activations: rerun only under full recomputation */
+    if (a->moe && ac != LM_AC_FULL) carve_route(cv, &a->route, m->B * m->T, c->n_experts, c->top_k);
+    else if (a->moe) a->route = sc->route;
+}
+
+/* What one micro-batch keeps between its forward and backward over layers
+ * [l0, l1): the layers' saved activations and, with the last layer, the
+ * final norm's input and output. */
+static void plan_range(const lm_model *m, carver *cv, lm_layer_acts *acts, int l0, int l1, float **res_out,
+                       float **lnf, float **lnf_rstd) {
+    const lm_config *c = &m->cfg;
+    size_t BT = (size_t)m->B * m->T, H = c->hidden;
+    for (int l = l0; l < l1; l++) plan_layer(m, cv, &acts[l - l0], l);
+    if (l1 == c->n_layers) {
+        *res_out = carve(cv, BT * H);
+        *lnf = carve(cv, BT * H);
+        *lnf_rstd = carve(cv, BT);
+    }
+}
+
+static void plan_activations(lm_model *m, carver *cv) {
+    const lm_config *c = &m->cfg;
+    const int *ac = m->ac_pol; /* [L] LM_AC_* per layer */
+    size_t BT = (size_t)m->B * m->T, H = c->hidden, I, hd = c->head_dim;
+    size_t nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
+    size_t pa = c->norm_place != LM_NORM_PRE;
     /* I below is the width of a layer's gate/up/h rows per token: the dense
      * intermediate, or k * Im for a MoE layer (k expert rows per token) */
     size_t I_moe = (size_t)c->top_k * c->moe_intermediate, I_max = 0, I_dense = 0;
@@ -313,11 +358,12 @@ static void plan_activations(lm_model *m, carver *cv, const int *ac) {
     for (int l = 0; l < c->n_layers; l++) {
         int moe = lm_layer_is_moe(c, l);
         size_t Il = moe ? I_moe : (size_t)c->intermediate;
+        m->n_moe_layers += moe; /* every stage's: HF's load-balancing loss averages over all of them */
+        if (!lm_holds_layer(c, l)) continue;
         any_ac |= ac[l] != LM_AC_NONE;
         if (ac[l] != LM_AC_NONE && Il > I_max) I_max = Il;
         if (!moe) I_dense = (size_t)c->intermediate;
         full_moe |= moe && ac[l] == LM_AC_FULL;
-        m->n_moe_layers += moe;
     }
     lm_layer_acts *sc = &m->ac_scratch;
     memset(sc, 0, sizeof *sc);
@@ -326,26 +372,8 @@ static void plan_activations(lm_model *m, carver *cv, const int *ac) {
     if (any_ac) { LAYER_ACTS(SCRATCH) }
 #undef SCRATCH
     if (full_moe) carve_route(cv, &sc->route, m->B * m->T, E, c->top_k);
-    for (int l = 0; l < c->n_layers; l++) {
-        lm_layer_acts *a = &m->acts[l];
-        a->ac = ac[l];
-        a->moe = lm_layer_is_moe(c, l);
-        I = a->moe ? I_moe : (size_t)c->intermediate;
-        a->res = carve(cv, BT * H); /* always kept: the layer's input, where recomputation starts */
-#define OWN(name, n, keep)                                                              \
-    a->name = ac[l] == LM_AC_NONE || (ac[l] == LM_AC_OP && (keep)) ? carve(cv, n) : sc->name;
-        LAYER_ACTS(OWN)
-#undef OWN
-        if (!pa) a->ao = a->ao_rstd = a->mo = a->mo_rstd = NULL;
-        /* LoRA's [BT, r] products are small: every layer keeps its own (a recomputation rewrites the same bits) */
-        for (int p = 0; p < LM_LORA_N; p++)
-            a->lora_u[p] = lm_lora_on(c, l, p) ? carve(cv, BT * (size_t)c->lora_rank) : NULL;
-        /* the routing is small next to the experts' activations: rerun only under full recomputation */
-        if (a->moe && ac[l] != LM_AC_FULL)
-            carve_route(cv, &a->route, m->B * m->T, E, c->top_k);
-        else if (a->moe)
-            a->route = sc->route;
-    }
+    /* a pipeline stage's micro-batches keep theirs in banks (lm_bank_new) */
+    if (!c->pp_stage) plan_range(m, cv, m->acts, 0, c->n_layers, &m->res_out, &m->lnf, &m->lnf_rstd);
     I = I_dense; /* the dense backward's scratch below */
     if (m->n_moe_layers) {
         m->moe_work = carve(cv, KERN_MOE_WORK(Nk, H, c->moe_intermediate));
@@ -360,9 +388,6 @@ static void plan_activations(lm_model *m, carver *cv, const int *ac) {
         m->lora_x = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
         m->lora_dx = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
     }
-    m->res_out = carve(cv, BT * H);
-    m->lnf = carve(cv, BT * H);
-    m->lnf_rstd = carve(cv, BT);
     m->rope_cos = carve(cv, (size_t)m->T * hd / 2);
     m->rope_sin = carve(cv, (size_t)m->T * hd / 2);
     m->rope_cos_l = m->rope_cos, m->rope_sin_l = m->rope_sin;
@@ -386,6 +411,44 @@ static void plan_activations(lm_model *m, carver *cv, const int *ac) {
     m->d_h = carve(cv, BT * I);
     m->d_gate = carve(cv, BT * I);
     m->d_up = carve(cv, BT * I);
+}
+
+size_t lm_bank_floats(const lm_model *m, int l0, int l1) {
+    carver cv = {0};
+    lm_layer_acts *tmp = ct_calloc((size_t)(l1 - l0) + 1, sizeof *tmp);
+    float *a, *b, *c;
+    plan_range(m, &cv, tmp, l0, l1, &a, &b, &c);
+    free(tmp);
+    return cv.used;
+}
+
+lm_bank *lm_bank_new(const lm_model *m, int l0, int l1) {
+    lm_bank *b = ct_calloc(1, sizeof *b);
+    b->l0 = l0;
+    b->l1 = l1;
+    b->acts = ct_calloc((size_t)(l1 - l0) + 1, sizeof *b->acts);
+    b->floats = lm_bank_floats(m, l0, l1);
+    b->mem = ct_calloc(b->floats + 1, sizeof(float));
+    carver cv = {b->mem, 0};
+    plan_range(m, &cv, b->acts, l0, l1, &b->res_out, &b->lnf, &b->lnf_rstd);
+    return b;
+}
+
+void lm_bank_use(lm_model *m, const lm_bank *b) {
+    memcpy(&m->acts[b->l0], b->acts, (size_t)(b->l1 - b->l0) * sizeof *b->acts);
+    if (b->l1 == m->cfg.n_layers) {
+        m->res_out = b->res_out;
+        m->lnf = b->lnf;
+        m->lnf_rstd = b->lnf_rstd;
+    }
+    m->ac_scratch_layer = -1; /* the scratch holds another micro-batch's recomputation, if any */
+}
+
+void lm_bank_free(lm_bank *b) {
+    if (!b) return;
+    free(b->acts);
+    free(b->mem);
+    free(b);
 }
 
 int lm_ac_layer(const char *ac_mode, const char *ac_option, int l, ct_err *e) {
@@ -414,14 +477,13 @@ int lm_create(lm_model *m, const lm_config *c, int B, int T, ct_err *e) {
 }
 
 /* The layout and the activation plan, counted but not allocated: m->tensors,
- * m->n_params, m->acts (pointers still NULL) and m->act_floats. *ac gets the
- * per-layer checkpointing policy [L] (the caller frees it). Shared by
+ * m->n_params, m->acts (pointers still NULL), m->act_floats and the
+ * per-layer checkpointing policy m->ac_pol [L]. Shared by
  * lm_create_ac and lm_plan_memory so --dry-run reports what a run
  * allocates. */
 static int plan_model(lm_model *m, const lm_config *c, int B, int T, const char *ac_mode,
-                      const char *ac_option, int **ac, ct_err *e) {
+                      const char *ac_option, ct_err *e) {
     memset(m, 0, sizeof *m);
-    *ac = NULL;
     int rc = lm_config_check(c, "model", e);
     if (rc) return rc;
     if (B < 1 || T < 1) return ct_fail(e, CT_ERR_CONFIG, "model: batch %d x sequence %d is empty", B, T);
@@ -437,11 +499,11 @@ static int plan_model(lm_model *m, const lm_config *c, int B, int T, const char 
     m->B = B;
     m->T = T;
     m->logit_rows = B * T < 256 ? B * T : 256;
-    m->acts = ct_calloc((size_t)c->n_layers, sizeof(lm_layer_acts));
+    m->acts = ct_calloc((size_t)c->n_layers + 1, sizeof(lm_layer_acts));
+    m->ac_pol = pol;
     carver cv = {0};
-    plan_activations(m, &cv, pol);
+    plan_activations(m, &cv);
     m->act_floats = cv.used;
-    *ac = pol;
     return 0;
 }
 
@@ -482,8 +544,7 @@ static void rope_build(lm_model *m, int T) {
 
 int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_mode,
                     const char *ac_option, ct_err *e) {
-    int *ac;
-    int rc = plan_model(m, c, B, T, ac_mode, ac_option, &ac, e);
+    int rc = plan_model(m, c, B, T, ac_mode, ac_option, e);
     if (rc) {
         lm_free(m);
         return rc;
@@ -502,8 +563,7 @@ int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_m
     bind_weights(&m->g, m, m->grads, 1);
     m->act_mem = ct_calloc(m->act_floats, sizeof(float));
     carver cv = {m->act_mem, 0};
-    plan_activations(m, &cv, ac);
-    free(ac);
+    plan_activations(m, &cv);
     m->ac_scratch_layer = -1;
     m->aux_scale = 1.0f;
     m->moe_count = ct_calloc((size_t)c->n_experts + 1, sizeof(double));
@@ -527,13 +587,11 @@ int lm_layout(lm_model *m, const lm_config *c) {
 int lm_plan_memory(const lm_config *c, int B, int T, const char *ac_mode, const char *ac_option,
                       size_t *n_params, size_t *act_bytes, ct_err *e) {
     lm_model m;
-    int *ac;
-    int rc = plan_model(&m, c, B, T, ac_mode, ac_option, &ac, e);
+    int rc = plan_model(&m, c, B, T, ac_mode, ac_option, e);
     if (!rc) {
         *n_params = m.n_params;
         *act_bytes = m.act_floats * sizeof(float);
     }
-    free(ac);
     lm_free(&m);
     return rc;
 }
@@ -553,6 +611,7 @@ void lm_free(lm_model *m) {
     free(m->w.layer);
     free(m->g.layer);
     free(m->acts);
+    free(m->ac_pol);
     free(m->act_mem);
     free(m->moe_count);
     free(m->moe_psum);
@@ -1060,16 +1119,9 @@ static void moe_layer_stats(lm_model *m, int l, int BT) {
     }
 }
 
-/* The transformer stack up to the final norm: fills m->acts, m->lnf. */
-static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
-    const lm_config *c = &m->cfg;
-    int BT = B * T, H = c->hidden;
-    m->tokens = tokens;
-    m->fwd_B = B;
-    m->fwd_T = T;
-    if (lm_rope_by_length(c) && m->rope_T != T) rope_build(m, T); /* transformers' dynamic_rope_update */
-
-    float *x0 = c->n_layers ? m->acts[0].res : m->res_out; /* [BT, H] */
+/* x0[BT, H] = the (scaled) embedding rows of tokens. */
+static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
+    int H = m->cfg.hidden;
     const lm_tensor *te = &m->tensors[0];
     if (te->store != LM_NO_STORE) { /* a bf16-stored embedding: its rows widened as they are looked up */
         for (int n = 0; n < BT; n++)
@@ -1077,25 +1129,55 @@ static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
     } else {
         m->k.embedding_fwd(x0, tokens, m->w.wte, BT, H);
     }
-    lm_embed_scale(c, x0, (size_t)BT * H);
-    int E = c->n_experts;
+    lm_embed_scale(&m->cfg, x0, (size_t)BT * H);
+}
+
+/* What every forward sets before its first layer. */
+static void forward_begin(lm_model *m, const int32_t *tokens, int B, int T) {
+    m->tokens = tokens;
+    m->fwd_B = B;
+    m->fwd_T = T;
+    if (lm_rope_by_length(&m->cfg) && m->rope_T != T) rope_build(m, T); /* transformers' dynamic_rope_update */
     if (m->n_moe_layers) {
-        memset(m->moe_count, 0, (size_t)E * sizeof(double));
-        memset(m->moe_psum, 0, (size_t)E * sizeof(double));
+        memset(m->moe_count, 0, (size_t)m->cfg.n_experts * sizeof(double));
+        memset(m->moe_psum, 0, (size_t)m->cfg.n_experts * sizeof(double));
     }
-    for (int l = 0; l < c->n_layers; l++) {
-        float *res_next = l + 1 < c->n_layers ? m->acts[l + 1].res : m->res_out;
+}
+
+/* Layers [l0, l1) from acts[l0].res; the last one writes out[BT, H]. */
+static void forward_layers(lm_model *m, int l0, int l1, float *out, int B, int T) {
+    for (int l = l0; l < l1; l++) {
+        float *res_next = l + 1 < l1 ? m->acts[l + 1].res : out;
         if (m->hooks) m->hooks->pre_forward(m->hooks->ctx, l);
         layer_forward(m, &m->acts[l], &m->w.layer[l], res_next, B, T);
         if (m->hooks) m->hooks->post_forward(m->hooks->ctx, l);
         if (m->acts[l].ac != LM_AC_NONE) m->ac_scratch_layer = l;
-        if (m->acts[l].moe) moe_layer_stats(m, l, BT);
+        if (m->acts[l].moe) moe_layer_stats(m, l, B * T);
     }
+}
+
+/* HF's load-balancing loss of this forward's routing sums (0 if dense). */
+static void forward_aux(lm_model *m, int BT) {
+    const lm_config *c = &m->cfg;
     m->aux_loss = 0;
     if (m->n_moe_layers)
-        m->aux_loss = moe_aux_loss(m->moe_dprob_all, m->moe_count, m->moe_psum, BT, m->n_moe_layers, E,
+        m->aux_loss = moe_aux_loss(m->moe_dprob_all, m->moe_count, m->moe_psum, BT, m->n_moe_layers, c->n_experts,
                                    c->output_router_logits ? c->router_aux_loss_coef * m->aux_scale : 0.0);
-    m->k.rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, nw(m, m->w.lnf, H), BT, H, (float)c->rms_eps);
+}
+
+static void final_norm_fwd(lm_model *m, int BT) {
+    int H = m->cfg.hidden;
+    m->k.rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, nw(m, m->w.lnf, H), BT, H, (float)m->cfg.rms_eps);
+}
+
+/* The transformer stack up to the final norm: fills m->acts, m->lnf. */
+static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
+    int L = m->cfg.n_layers, BT = B * T;
+    forward_begin(m, tokens, B, T);
+    embed_fwd(m, L ? m->acts[0].res : m->res_out, tokens, BT); /* [BT, H] */
+    forward_layers(m, 0, L, m->res_out, B, T);
+    forward_aux(m, BT);
+    final_norm_fwd(m, BT);
 }
 
 /* d(raw logits) = d(capped) (1 - t^2), in place. */
@@ -1208,18 +1290,7 @@ void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) 
 
 double lm_loss(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
     forward_stack(m, tokens, B, T);
-    int BT = B * T, H = m->cfg.hidden;
-    double sum = 0;
-    long count = 0;
-    for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
-        int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
-        head_fwd(m, m->logits, m->lnf + (size_t)r0 * H, n);
-        lm_final_softcap(&m->cfg, m->logits, (size_t)n * (m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size),
-                         NULL);
-        sum += crossentropy(m, m->logits, labels + r0, n, 0.0f, &count);
-    }
-    if (n_valid) *n_valid = count;
-    return sum;
+    return lm_stage_loss(m, labels, B, T, n_valid);
 }
 
 /* --------------------------------------------------------------- backward */
@@ -1277,118 +1348,187 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
     if (LORA(&m->w.layer[l], p)) lora_bwd(m, l, p, din, dy, m->acts[l].lora_u[p], in, BT, K, H);
 }
 
-double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
-                              float grad_scale, long *n_valid) {
+/* The fused lm_head + cross-entropy + their backward over m->lnf, a block
+ * of rows at a time, then the final norm's: d_res = d(res_out). Returns
+ * the CE sum; *count gets the valid labels. */
+static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float grad_scale, long *count) {
     const lm_config *c = &m->cfg;
-    int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
-    int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
-    m->moe_count_tokens = 1; /* training forwards feed load_balance_coeff's counts */
-    m->lora_train = 1;       /* and LoRA's dropout */
-    forward_stack(m, tokens, B, T);
-    m->moe_count_tokens = 0;
-
-    /* fused lm_head + cross-entropy + their backward, a block of rows at a time:
-     * d_ln holds d(final norm output) [BT, H] */
-    zero(m->d_ln, (size_t)BT * H);
+    int H = c->hidden;
+    zero(m->d_ln, (size_t)BT * H); /* d(final norm output) [BT, H] */
     double loss_sum = 0;
-    long count = 0;
     for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
         int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
         const float *x = m->lnf + (size_t)r0 * H;
         size_t nv = (size_t)n * (c->vocab_rows ? c->vocab_rows : c->vocab_size);
         head_fwd(m, m->logits, x, n);
         lm_final_softcap(c, m->logits, nv, m->cap_t); /* tanh kept for softcap_bwd */
-        loss_sum += crossentropy(m, m->logits, labels + r0, n, grad_scale, &count);
+        loss_sum += crossentropy(m, m->logits, labels + r0, n, grad_scale, count);
         softcap_bwd(m, m->logits, nv);
         head_bwd(m, m->d_ln + (size_t)r0 * H, m->logits, x, n);
     }
     if (c->vocab_rows) reduce_d_input(m, m->d_ln, (size_t)BT * H); /* each rank's rows of lm_head: partial */
-    if (n_valid) *n_valid = count;
-
     /* d_res carries d(residual stream) downwards */
     zero(m->d_res, (size_t)BT * H);
     m->k.rmsnorm_bwd(m->d_res, m->g.lnf, m->d_ln, m->res_out, nw(m, m->w.lnf, H), m->lnf_rstd, BT, H);
+    return loss_sum;
+}
 
-    for (int l = c->n_layers - 1; l >= 0; l--) {
-        if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
-        layer_recompute(m, l, B, T);
-        lm_layer_acts *a = &m->acts[l];
-        const lm_layer_w *w = &m->w.layer[l];
-        lm_layer_w *g = &m->g.layer[l];
-        const float *cs, *sn;
-        rope_of(m, l, &cs, &sn);
-        if (a->moe) {
-            moe_layer_bwd(m, l, BT);
-        } else {
-            /* res_next = res_mid + [norm](down(h) + bd): d_res flows to res_mid unchanged, plus the MLP path */
-            out_proj_bwd(m, l, LM_LORA_DOWN, m->d_h, a->h, w->wd, g->wd, g->bd, w->ln_mo, g->ln_mo, a->mo, a->mo_rstd,
-                         BT, I);
-            zero(m->d_gate, (size_t)BT * I);
-            zero(m->d_up, (size_t)BT * I);
-            if (c->act == LM_ACT_GELU_TANH) m->k.geglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
-            else m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
-            if (g->bg) op_bias_bwd(g->bg, m->d_gate, BT, I);
-            if (g->bu) op_bias_bwd(g->bu, m->d_up, BT, I);
-            const float *xm = mlp_in(m, a);
-            zero(m->d_ln, (size_t)BT * H);
-            WIDE_IN(w->wg, (size_t)I * H);
-            m->k.matmul_bwd(m->d_ln, g->wg, m->d_gate, xm, w->wg, BT, H, I);
-            WIDE_OUT(w->wg, (size_t)I * H);
-            WIDE_IN(w->wu, (size_t)I * H);
-            m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, xm, w->wu, BT, H, I);
-            WIDE_OUT(w->wu, (size_t)I * H);
-            if (LORA(w, LM_LORA_GATE))
-                lora_bwd(m, l, LM_LORA_GATE, m->d_ln, m->d_gate, a->lora_u[LM_LORA_GATE], xm, BT, H, I);
-            if (LORA(w, LM_LORA_UP))
-                lora_bwd(m, l, LM_LORA_UP, m->d_ln, m->d_up, a->lora_u[LM_LORA_UP], xm, BT, H, I);
-            reduce_d_input(m, m->d_ln, (size_t)BT * H);
-        }
-        if (w->ln2) m->k.rmsnorm_bwd(m->d_res, g->ln2, m->d_ln, a->res_mid, nw(m, w->ln2, H), a->ln2_rstd, BT, H);
-        else m->k.add(m->d_res, m->d_res, m->d_ln, (long)BT * H); /* the MLP read res_mid itself */
-
-        /* res_mid = res + [norm](o_proj(att) + bo) */
-        out_proj_bwd(m, l, LM_LORA_O, m->d_att, a->att, w->wo, g->wo, g->bo, w->ln_ao, g->ln_ao, a->ao, a->ao_rstd, BT,
-                     qd);
-        zero(m->d_q, (size_t)BT * qd);
-        zero(m->d_k, (size_t)BT * kvd);
-        zero(m->d_v, (size_t)BT * kvd);
-        kern_attn_opt ao = attn_opt(m, l);
-        m->k.attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
-                           hd, &ao);
-        /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->
-         * d_q2, d_k2 (w.r.t. the projections' outputs) */
-        zero(m->d_q2, (size_t)BT * qd);
-        qk_bwd(m, m->d_q2, g->qn, m->d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);
-        zero(m->d_k2, (size_t)BT * kvd);
-        qk_bwd(m, m->d_k2, g->kn, m->d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
-        if (g->bq) op_bias_bwd(g->bq, m->d_q2, BT, qd);
-        if (g->bk) op_bias_bwd(g->bk, m->d_k2, BT, kvd);
-        if (g->bv) op_bias_bwd(g->bv, m->d_v, BT, kvd);
+/* Layer l's backward from d_res = d(its output): d_res becomes d(its input). */
+static void layer_backward(lm_model *m, int l, int B, int T) {
+    const lm_config *c = &m->cfg;
+    int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
+    int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
+    layer_recompute(m, l, B, T);
+    lm_layer_acts *a = &m->acts[l];
+    const lm_layer_w *w = &m->w.layer[l];
+    lm_layer_w *g = &m->g.layer[l];
+    const float *cs, *sn;
+    rope_of(m, l, &cs, &sn);
+    if (a->moe) {
+        moe_layer_bwd(m, l, BT);
+    } else {
+        /* res_next = res_mid + [norm](down(h) + bd): d_res flows to res_mid unchanged, plus the MLP path */
+        out_proj_bwd(m, l, LM_LORA_DOWN, m->d_h, a->h, w->wd, g->wd, g->bd, w->ln_mo, g->ln_mo, a->mo, a->mo_rstd,
+                     BT, I);
+        zero(m->d_gate, (size_t)BT * I);
+        zero(m->d_up, (size_t)BT * I);
+        if (c->act == LM_ACT_GELU_TANH) m->k.geglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
+        else m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
+        if (g->bg) op_bias_bwd(g->bg, m->d_gate, BT, I);
+        if (g->bu) op_bias_bwd(g->bu, m->d_up, BT, I);
+        const float *xm = mlp_in(m, a);
         zero(m->d_ln, (size_t)BT * H);
-        /* the embedding and layer 0's input norm frozen: nothing below wants d(ln1) of
-         * layer 0 (autograd skips these input-gradient products too) */
-        float *dln = l > 0 || m->g.wte || g->ln1 ? m->d_ln : NULL; /* [BT, H] */
-        const float *xa = attn_in(m, a);
-        WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-        m->k.matmul_bwd(dln, g->wq, m->d_q2, xa, w->wq, BT, H, qd);
-        m->k.matmul_bwd(dln, g->wk, m->d_k2, xa, w->wk, BT, H, kvd);
-        m->k.matmul_bwd(dln, g->wv, m->d_v, xa, w->wv, BT, H, kvd);
-        WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-        if (LORA(w, LM_LORA_Q)) lora_bwd(m, l, LM_LORA_Q, dln, m->d_q2, a->lora_u[LM_LORA_Q], xa, BT, H, qd);
-        if (LORA(w, LM_LORA_K)) lora_bwd(m, l, LM_LORA_K, dln, m->d_k2, a->lora_u[LM_LORA_K], xa, BT, H, kvd);
-        if (LORA(w, LM_LORA_V)) lora_bwd(m, l, LM_LORA_V, dln, m->d_v, a->lora_u[LM_LORA_V], xa, BT, H, kvd);
-        if (dln) {
-            reduce_d_input(m, m->d_ln, (size_t)BT * H);
-            if (w->ln1) m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, nw(m, w->ln1, H), a->ln1_rstd, BT, H);
-            else m->k.add(m->d_res, m->d_res, m->d_ln, (long)BT * H); /* attention read res itself */
-        }
+        WIDE_IN(w->wg, (size_t)I * H);
+        m->k.matmul_bwd(m->d_ln, g->wg, m->d_gate, xm, w->wg, BT, H, I);
+        WIDE_OUT(w->wg, (size_t)I * H);
+        WIDE_IN(w->wu, (size_t)I * H);
+        m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, xm, w->wu, BT, H, I);
+        WIDE_OUT(w->wu, (size_t)I * H);
+        if (LORA(w, LM_LORA_GATE))
+            lora_bwd(m, l, LM_LORA_GATE, m->d_ln, m->d_gate, a->lora_u[LM_LORA_GATE], xm, BT, H, I);
+        if (LORA(w, LM_LORA_UP))
+            lora_bwd(m, l, LM_LORA_UP, m->d_ln, m->d_up, a->lora_u[LM_LORA_UP], xm, BT, H, I);
+        reduce_d_input(m, m->d_ln, (size_t)BT * H);
+    }
+    if (w->ln2) m->k.rmsnorm_bwd(m->d_res, g->ln2, m->d_ln, a->res_mid, nw(m, w->ln2, H), a->ln2_rstd, BT, H);
+    else m->k.add(m->d_res, m->d_res, m->d_ln, (long)BT * H); /* the MLP read res_mid itself */
+
+    /* res_mid = res + [norm](o_proj(att) + bo) */
+    out_proj_bwd(m, l, LM_LORA_O, m->d_att, a->att, w->wo, g->wo, g->bo, w->ln_ao, g->ln_ao, a->ao, a->ao_rstd, BT,
+                 qd);
+    zero(m->d_q, (size_t)BT * qd);
+    zero(m->d_k, (size_t)BT * kvd);
+    zero(m->d_v, (size_t)BT * kvd);
+    kern_attn_opt ao = attn_opt(m, l);
+    m->k.attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
+                       hd, &ao);
+    /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->
+     * d_q2, d_k2 (w.r.t. the projections' outputs) */
+    zero(m->d_q2, (size_t)BT * qd);
+    qk_bwd(m, m->d_q2, g->qn, m->d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);
+    zero(m->d_k2, (size_t)BT * kvd);
+    qk_bwd(m, m->d_k2, g->kn, m->d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
+    if (g->bq) op_bias_bwd(g->bq, m->d_q2, BT, qd);
+    if (g->bk) op_bias_bwd(g->bk, m->d_k2, BT, kvd);
+    if (g->bv) op_bias_bwd(g->bv, m->d_v, BT, kvd);
+    zero(m->d_ln, (size_t)BT * H);
+    /* the embedding and layer 0's input norm frozen: nothing below wants d(ln1) of
+     * layer 0 (autograd skips these input-gradient products too) */
+    float *dln = l > 0 || m->g.wte || g->ln1 ? m->d_ln : NULL; /* [BT, H] */
+    const float *xa = attn_in(m, a);
+    WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
+    m->k.matmul_bwd(dln, g->wq, m->d_q2, xa, w->wq, BT, H, qd);
+    m->k.matmul_bwd(dln, g->wk, m->d_k2, xa, w->wk, BT, H, kvd);
+    m->k.matmul_bwd(dln, g->wv, m->d_v, xa, w->wv, BT, H, kvd);
+    WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
+    if (LORA(w, LM_LORA_Q)) lora_bwd(m, l, LM_LORA_Q, dln, m->d_q2, a->lora_u[LM_LORA_Q], xa, BT, H, qd);
+    if (LORA(w, LM_LORA_K)) lora_bwd(m, l, LM_LORA_K, dln, m->d_k2, a->lora_u[LM_LORA_K], xa, BT, H, kvd);
+    if (LORA(w, LM_LORA_V)) lora_bwd(m, l, LM_LORA_V, dln, m->d_v, a->lora_u[LM_LORA_V], xa, BT, H, kvd);
+    if (dln) {
+        reduce_d_input(m, m->d_ln, (size_t)BT * H);
+        if (w->ln1) m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, nw(m, w->ln1, H), a->ln1_rstd, BT, H);
+        else m->k.add(m->d_res, m->d_res, m->d_ln, (long)BT * H); /* attention read res itself */
+    }
+}
+
+/* Layers l1-1 down to l0, from d_res = d(layer l1-1's output). */
+static void backward_layers(lm_model *m, int l0, int l1, int B, int T) {
+    for (int l = l1 - 1; l >= l0; l--) {
+        if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
+        layer_backward(m, l, B, T);
         if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
     }
-    if (m->g.wte) lm_embed_scale(c, m->d_res, (size_t)BT * H); /* d(lookup) = sqrt(H) d(scaled) */
-    if (m->g.wte && c->has_pad) /* torch's padding_idx: the lookup adds nothing to that row */
+}
+
+/* The embedding's gradient from d_res = d(layer 0's input). */
+static void embed_bwd(lm_model *m, const int32_t *tokens, int BT) {
+    const lm_config *c = &m->cfg;
+    int H = c->hidden;
+    if (!m->g.wte) return;
+    lm_embed_scale(c, m->d_res, (size_t)BT * H); /* d(lookup) = sqrt(H) d(scaled) */
+    if (c->has_pad) /* torch's padding_idx: the lookup adds nothing to that row */
         for (int i = 0; i < BT; i++)
             if (tokens[i] == c->pad_token) zero(m->d_res + (size_t)i * H, (size_t)H);
-    if (m->g.wte) m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);
+    m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);
+}
+
+double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
+                              float grad_scale, long *n_valid) {
+    int BT = B * T;
+    m->moe_count_tokens = 1; /* training forwards feed load_balance_coeff's counts */
+    m->lora_train = 1;       /* and LoRA's dropout */
+    forward_stack(m, tokens, B, T);
+    m->moe_count_tokens = 0;
+    long count = 0;
+    double loss_sum = head_loss_bwd(m, labels, BT, grad_scale, &count);
+    if (n_valid) *n_valid = count;
+    backward_layers(m, 0, m->cfg.n_layers, B, T);
+    embed_bwd(m, tokens, BT);
     m->lora_train = 0;
     return loss_sum;
+}
+
+void lm_stage_forward(lm_model *m, int l0, int l1, const int32_t *tokens, const float *x_in, float *x_out, int B,
+                      int T, int train) {
+    int L = m->cfg.n_layers, BT = B * T, H = m->cfg.hidden;
+    forward_begin(m, tokens, B, T);
+    m->moe_count_tokens = train;
+    m->lora_train = train;
+    if (l0 == 0) embed_fwd(m, L ? m->acts[0].res : m->res_out, tokens, BT);
+    else memcpy(m->acts[l0].res, x_in, (size_t)BT * H * sizeof(float));
+    forward_layers(m, l0, l1, l1 == L ? m->res_out : x_out, B, T);
+    if (l1 == L) final_norm_fwd(m, BT);
+    m->moe_count_tokens = 0;
+    m->lora_train = 0;
+}
+
+double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, const int32_t *labels,
+                         const float *d_out, float *d_in, int B, int T, float grad_scale, long *n_valid) {
+    int L = m->cfg.n_layers, BT = B * T, H = m->cfg.hidden;
+    double loss_sum = 0;
+    long count = 0;
+    m->lora_train = 1;
+    if (l1 == L) loss_sum = head_loss_bwd(m, labels, BT, grad_scale, &count);
+    else memcpy(m->d_res, d_out, (size_t)BT * H * sizeof(float));
+    if (n_valid) *n_valid = count;
+    backward_layers(m, l0, l1, B, T);
+    if (l0 == 0) embed_bwd(m, tokens, BT);
+    else memcpy(d_in, m->d_res, (size_t)BT * H * sizeof(float));
+    m->lora_train = 0;
+    return loss_sum;
+}
+
+double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_valid) {
+    int BT = B * T, H = m->cfg.hidden;
+    double sum = 0;
+    long count = 0;
+    for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
+        int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
+        head_fwd(m, m->logits, m->lnf + (size_t)r0 * H, n);
+        lm_final_softcap(&m->cfg, m->logits, (size_t)n * (m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size),
+                         NULL);
+        sum += crossentropy(m, m->logits, labels + r0, n, 0.0f, &count);
+    }
+    if (n_valid) *n_valid = count;
+    return sum;
 }

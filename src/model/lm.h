@@ -99,6 +99,14 @@ typedef struct {
      * keep their names in the table with no elements, so tables of every
      * rank line up by index. The router stays whole. 0: every expert. */
     int expert_rows, expert0;
+    /* Pipeline stage (distributed/pp.h): this model holds and runs only the
+     * layers with layer_held[l] set, the embedding where it holds layer 0
+     * (or, tied, the last layer: the lm_head), and the final norm and
+     * lm_head where it holds the last layer. The others' tensors keep their
+     * names in the table with no elements, as expert parallel does, so every
+     * stage's table lines up by index with the whole model's. 0: every layer. */
+    int pp_stage;
+    unsigned char layer_held[LM_MAX_LAYERS];
     /* LoRA adapters (model/lora.h; PEFT's LoraLayer): the linears whose bit
      * is set in lora_targets (1 << LM_LORA_*) get y += scale B(A(drop(x))).
      * lora_rank 0: none. Not written to config.json. */
@@ -139,6 +147,11 @@ int lm_rope_local_differs(const lm_config *c);
 const float *lm_norm_weight(const lm_config *c, float *scratch, const float *w, int n);
 void lm_embed_scale(const lm_config *c, float *x, size_t n);
 void lm_final_softcap(const lm_config *c, float *x, size_t n, float *t);
+
+/* What a pipeline stage holds (every piece when !c->pp_stage). */
+int lm_holds_layer(const lm_config *c, int l);
+int lm_holds_embed(const lm_config *c);
+int lm_holds_head(const lm_config *c); /* the final norm and lm_head */
 
 /* Whether layer l has the sparse MoE block (0 for every layer of a dense model). */
 int lm_layer_is_moe(const lm_config *c, int l);
@@ -307,7 +320,8 @@ typedef struct {
     int B, T;
     float *act_mem;
     size_t act_floats;
-    lm_layer_acts *acts; /* [L] */
+    lm_layer_acts *acts; /* [L] (a pipeline stage: its layers', pointed into the bank in use) */
+    int *ac_pol;            /* [L] LM_AC_* of each layer */
     lm_layer_acts ac_scratch; /* shared by checkpointed layers (res unused); NULLs if none */
     int ac_scratch_layer;   /* layer whose activations ac_scratch holds now; -1: none */
     float *res_out;         /* [BT, H] residual after the last layer */
@@ -359,6 +373,26 @@ typedef struct {
     size_t n_store;
     float *head_w, *head_tmp; /* a bf16-stored lm_head: one block of its rows widened, and [logit_rows, block] */
 } lm_model;
+
+/* A pipeline stage keeps one micro-batch's saved activations of a layer
+ * range [l0, l1) per forward in flight (1F1B keeps up to the number of
+ * stages, GPipe every micro-batch): a bank. lm_bank_use points the model's
+ * acts[l0 .. l1) (and, with the last layer, res_out and the final norm's
+ * buffers) at the bank, so the forward and backward below run on that
+ * micro-batch. A model with cfg.pp_stage plans no per-layer activations
+ * of its own; everything else (checkpointing scratch, backward scratch,
+ * logits) stays shared, since one range runs at a time. */
+typedef struct {
+    int l0, l1;
+    lm_layer_acts *acts;  /* [l1 - l0] */
+    float *res_out, *lnf, *lnf_rstd; /* [BT, H], [BT, H], [BT] with the last layer; else NULL */
+    float *mem;
+    size_t floats;
+} lm_bank;
+size_t lm_bank_floats(const lm_model *m, int l0, int l1);
+lm_bank *lm_bank_new(const lm_model *m, int l0, int l1);
+void lm_bank_use(lm_model *m, const lm_bank *b);
+void lm_bank_free(lm_bank *b);
 
 /* Builds the tensor table, allocates params/grads and the activation plan for
  * B x T. Weights are NOT initialised. Kernels start as the references; a run
@@ -463,5 +497,22 @@ double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *la
 void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits);
 /* Forward only; returns the CE sum over valid labels (for evaluation). */
 double lm_loss(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid);
+
+/* A pipeline stage's share of a micro-batch (distributed/pp.h), on the bank
+ * in use. Forward of layers [l0, l1): from tokens (l0 == 0: the embedding)
+ * or x_in[B*T, H] (the previous stage's output); x_out[B*T, H] gets the
+ * last layer's output unless l1 is the model's end, where the final norm
+ * runs and the bank keeps it for the loss. train: a training forward
+ * (LoRA dropout, load-balancing counts). */
+void lm_stage_forward(lm_model *m, int l0, int l1, const int32_t *tokens, const float *x_in, float *x_out, int B,
+                      int T, int train);
+/* Its backward: with the model's end, the fused lm_head + loss (as
+ * lm_forward_backward; returns the CE sum and *n_valid), else from
+ * d_out[B*T, H] = d(x_out); gradients ADDED to m->grads; d_in[B*T, H] gets
+ * d(x_in), or with l0 == 0 the embedding's gradient is added instead. */
+double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, const int32_t *labels,
+                         const float *d_out, float *d_in, int B, int T, float grad_scale, long *n_valid);
+/* After the forward of a range ending the model: the CE sum of labels (evaluation). */
+double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_valid);
 
 #endif

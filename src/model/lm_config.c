@@ -39,6 +39,12 @@ static const flavor_row flavors[] = {
     {"235B-A22B", 151936, 4096, 12288, 94, 64, 4, 128, 0, 1e6f, 128, 8, 1536},
 };
 
+int lm_holds_layer(const lm_config *c, int l) { return !c->pp_stage || (l >= 0 && l < c->n_layers && c->layer_held[l]); }
+int lm_holds_head(const lm_config *c) { return !c->pp_stage || c->n_layers == 0 || c->layer_held[c->n_layers - 1]; }
+int lm_holds_embed(const lm_config *c) {
+    return !c->pp_stage || c->n_layers == 0 || c->layer_held[0] || (c->tie_embeddings && lm_holds_head(c));
+}
+
 int lm_layer_is_moe(const lm_config *c, int l) {
     if (c->n_experts <= 0) return 0;
     for (int i = 0; i < c->n_mlp_only; i++)
