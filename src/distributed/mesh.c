@@ -7,7 +7,18 @@
 
 int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char *where, int *rep_out,
                  int *shard_out, int *tp_out, ct_err *e) {
-    int rep = c->dp_replicate, tp = c->tp, shard = c->dp_shard;
+    int rep = c->dp_replicate, tp = c->tp, shard = c->dp_shard, pp = c->pp > 1 ? c->pp : 1;
+    /* pipeline stages are the outermost dimension: the other degrees split each stage's ranks */
+    if (world % pp != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_degree = %d does not divide the world size %d (ranks "
+                       "started by mpirun -np)",
+                       where, pp, world);
+    if (pp > mc->n_layers)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_degree = %d: the model has only %d layers (a stage needs one)",
+                       where, pp, mc->n_layers);
+    world /= pp;
     /* the model's shape first: it does not depend on how many ranks were started */
     int dense = 0, sparse = 0; /* which MLP kinds the model has: only those are split */
     for (int l = 0; l < mc->n_layers; l++) {
@@ -45,15 +56,17 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
     if (world % (rep * tp) != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.data_parallel_replicate_degree (%d) x parallelism.tensor_parallel_degree "
-                       "(%d) = %d does not divide the world size %d (ranks started by mpirun -np)",
+                       "(%d) = %d does not divide the ranks of a pipeline stage, %d (world size / "
+                       "pipeline_parallel_degree)",
                        where, rep, tp, rep * tp, world);
     if (shard == -1) shard = world / (rep * tp);
     if (rep * shard * tp != world)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.data_parallel_replicate_degree (%d) x parallelism.data_parallel_shard_degree "
                        "(%d) x parallelism.tensor_parallel_degree (%d) = %d, but the world size is %d (ranks "
-                       "started by mpirun -np); set data_parallel_shard_degree = -1 to use the rest",
-                       where, rep, shard, tp, rep * shard * tp, world);
+                       "started by mpirun -np) / pipeline_parallel_degree %d; set data_parallel_shard_degree = -1 to "
+                       "use the rest",
+                       where, rep, shard, tp, rep * shard * tp, world * pp, pp);
     /* an EP group lies inside one FSDP group (or, without FSDP, among the
      * replicas), so the ranks that hold the same experts form a regular
      * sub-group of it (mesh.h: edp) */
@@ -80,27 +93,38 @@ int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const lm_config *m
     m->world = world;
     int rc = mesh_resolve(c, world->size, mc, where, &m->dp_replicate, &m->dp_shard, &m->tp, e);
     if (rc) return rc;
-    int r = world->rank;
+    /* rank = pp_rank * stage + r: every group below lies inside one stage
+     * (its colors carry pp_rank), the pipeline group across them */
+    m->pp = c->pp > 1 ? c->pp : 1;
+    m->stage = world->size / m->pp;
+    m->pp_rank = world->rank / m->stage;
+    int r = world->rank % m->stage, P = m->pp, pr = m->pp_rank;
+    if ((rc = comm_split(world, r, m->pp_rank, &m->ppg, e))) return rc;
     m->tp_rank = r % m->tp;
     m->shard_rank = (r / m->tp) % m->dp_shard;
     m->rep_rank = r / (m->tp * m->dp_shard);
     m->dp_rank = m->rep_rank * m->dp_shard + m->shard_rank;
     m->dp_size = m->dp_replicate * m->dp_shard;
-    if ((rc = comm_split(world, m->shard_rank * m->tp + m->tp_rank, m->rep_rank, &m->rep, e))) return rc;
-    if ((rc = comm_split(world, m->rep_rank * m->tp + m->tp_rank, m->shard_rank, &m->shard, e))) return rc;
-    if ((rc = comm_split(world, m->tp_rank, m->dp_rank, &m->dp, e))) return rc;
-    if ((rc = comm_split(world, m->dp_rank, m->tp_rank, &m->tpg, e))) return rc;
+#define IN_STAGE(color) ((color) * P + pr)
+    if ((rc = comm_split(world, IN_STAGE(m->shard_rank * m->tp + m->tp_rank), m->rep_rank, &m->rep, e))) return rc;
+    if ((rc = comm_split(world, IN_STAGE(m->rep_rank * m->tp + m->tp_rank), m->shard_rank, &m->shard, e))) return rc;
+    if ((rc = comm_split(world, IN_STAGE(m->tp_rank), m->dp_rank, &m->dp, e))) return rc;
+    if ((rc = comm_split(world, IN_STAGE(m->dp_rank), m->tp_rank, &m->tpg, e))) return rc;
     m->ep = c->ep > 1 ? c->ep : 1;
     int in = m->dp_rank < m->ep;
-    if ((rc = comm_split(world, in ? 0 : 1 + r, in ? m->dp_rank * m->tp + m->tp_rank : 0, &m->slices, e))) return rc;
+    if ((rc = comm_split(world, IN_STAGE(in ? 0 : 1 + r), in ? m->dp_rank * m->tp + m->tp_rank : 0, &m->slices, e)))
+        return rc;
     if (m->ep <= 1) return 0;
     /* consecutive data-parallel ranks with the same tp index: under TP each
      * rank of the group holds the same tp slice of its experts */
     m->ep_rank = m->dp_rank % m->ep;
-    if ((rc = comm_split(world, (m->dp_rank / m->ep) * m->tp + m->tp_rank, m->ep_rank, &m->epg, e))) return rc;
+    if ((rc = comm_split(world, IN_STAGE((m->dp_rank / m->ep) * m->tp + m->tp_rank), m->ep_rank, &m->epg, e)))
+        return rc;
     if (m->dp_shard > 1)
-        return comm_split(world, (m->rep_rank * m->tp + m->tp_rank) * m->ep + m->ep_rank, m->shard_rank, &m->edp, e);
-    return comm_split(world, m->tp_rank * m->ep + m->ep_rank, m->rep_rank, &m->edp, e);
+        return comm_split(world, IN_STAGE((m->rep_rank * m->tp + m->tp_rank) * m->ep + m->ep_rank), m->shard_rank,
+                          &m->edp, e);
+    return comm_split(world, IN_STAGE(m->tp_rank * m->ep + m->ep_rank), m->rep_rank, &m->edp, e);
+#undef IN_STAGE
 }
 
 void mesh_free(ct_mesh *m) {
@@ -111,5 +135,6 @@ void mesh_free(ct_mesh *m) {
     if (m->epg.be) comm_free(&m->epg);
     if (m->edp.be) comm_free(&m->edp);
     if (m->slices.be) comm_free(&m->slices);
+    if (m->ppg.be) comm_free(&m->ppg);
     memset(m, 0, sizeof *m);
 }

@@ -2,10 +2,11 @@
  * data-parallel replicas, FSDP shard groups and tensor-parallel groups,
  * from [parallelism].
  *
- * The order is torchtitan's ["dp_replicate", "dp_shard", "cp", "tp"] with the
+ * The order is torchtitan's ["pp", "dp_replicate", "dp_shard", "cp", "tp"] with the
  * last dimension varying fastest, so a tensor-parallel group is made of
  * consecutive ranks (on one machine when ranks are packed by node):
- *   rank = (replicate_index * dp_shard + shard_index) * tp + tp_index.
+ *   rank = pp_index * stage + (replicate_index * dp_shard + shard_index) * tp + tp_index,
+ * stage = dp_replicate * dp_shard * tp ranks holding one pipeline stage.
  * Data-parallel rank (which windows of data a rank reads) is
  * replicate_index * dp_shard + shard_index, over dp_replicate * dp_shard.
  * An expert-parallel group is expert_parallel_degree consecutive
@@ -22,6 +23,9 @@
 
 typedef struct {
     ct_comm *world;
+    int pp, pp_rank;  /* pipeline stages (1: off) and this rank's; the outermost dimension */
+    int stage;        /* ranks per stage: world size / pp; the degrees below split them */
+    ct_comm ppg;      /* the same place in every stage: one pipeline (its rank is pp_rank) */
     int dp_replicate, dp_shard, tp;  /* degrees; their product is the world size */
     int rep_rank, shard_rank, tp_rank;
     int dp_rank, dp_size;            /* data-parallel coordinate over replicate x shard */

@@ -752,12 +752,18 @@ size_t lm_num_params(const lm_model *m) { return m->n_params; }
 
 double lm_flops_per_token(const lm_model *m, int T) {
     const lm_config *c = &m->cfg;
-    double matmul_params = (double)m->n_params - (double)c->vocab_size * c->hidden; /* no lookup */
-    if (c->tie_embeddings) matmul_params += (double)c->vocab_size * c->hidden;      /* lm_head runs */
+    /* a pipeline stage counts what it runs: its layers, the lookup or the lm_head where it has them */
+    double VH = (double)m->tensors[0].numel; /* V x H, or 0 on a stage without the embedding */
+    double matmul_params = (double)m->n_params - VH;             /* no lookup */
+    if (c->tie_embeddings && lm_holds_head(c)) matmul_params += (double)c->vocab_size * c->hidden; /* lm_head runs */
     /* a token runs k of the E experts of each MoE layer (on some rank, under expert parallel) */
-    int held = c->expert_rows ? c->expert_rows : c->n_experts;
-    matmul_params -= (double)m->n_moe_layers * (held - c->top_k) * 3.0 * c->hidden * c->moe_intermediate;
-    return 6.0 * matmul_params + 12.0 * c->n_layers * c->n_heads * c->head_dim * (double)T;
+    int held = c->expert_rows ? c->expert_rows : c->n_experts, moe = 0, layers = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        layers += lm_holds_layer(c, l);
+        moe += lm_holds_layer(c, l) && lm_layer_is_moe(c, l);
+    }
+    matmul_params -= (double)moe * (held - c->top_k) * 3.0 * c->hidden * c->moe_intermediate;
+    return 6.0 * matmul_params + 12.0 * layers * c->n_heads * c->head_dim * (double)T;
 }
 
 /* ---------------------------------------------------------------- forward */

@@ -405,6 +405,33 @@ int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
     return 0;
 }
 
+int trainer_pp_check(const ct_config *c, const ct_mesh *mesh, const lm_config *mc, int val_batch, ct_err *e) {
+    const char *src = trainer_cfg_src(c);
+    if (c->local_batch_size % c->pp_microbatch != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_microbatch_size = %d does not divide training.local_batch_size "
+                       "= %d",
+                       src, c->pp_microbatch, c->local_batch_size);
+    if (c->val_enable && val_batch % c->pp_microbatch != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_microbatch_size = %d does not divide the validation batch %d "
+                       "(validation.local_batch_size)",
+                       src, c->pp_microbatch, val_batch);
+    if (mesh->dp_shard > 1 || mesh->tp > 1 || mesh->ep > 1)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_degree = %d with data_parallel_shard_degree %d, "
+                       "tensor_parallel_degree %d, expert_parallel_degree %d: pipeline stages compose with data "
+                       "parallel replicas only, so far",
+                       src, mesh->pp, mesh->dp_shard, mesh->tp, mesh->ep);
+    if (mc->n_experts > 0 && mc->output_router_logits && mc->router_aux_loss_coef > 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_degree = %d with the load-balancing loss in the gradient "
+                       "(config.json output_router_logits): its gradient needs every stage's routing before any "
+                       "backward; not supported yet",
+                       src, mesh->pp);
+    return 0;
+}
+
 int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     memset(t, 0, sizeof *t);
     t->cfg = *cfg;
@@ -422,12 +449,6 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if (rc) return rc;
     /* the layout is checked before anything big is built */
     if ((rc = mesh_init(&t->mesh, world, c, &mc, trainer_cfg_src(c), e))) return rc;
-    if (t->mesh.tp > 1 || t->mesh.ep > 1) { /* the model this rank runs is its slice: fewer heads, a
-                                               * narrower MLP, its experts only */
-        t->tp = ct_calloc(1, sizeof *t->tp);
-        tp_init(t->tp, &mc, &t->mesh.tpg, t->mesh.ep, t->mesh.ep_rank);
-        mc = t->tp->local;
-    }
     int dp = t->mesh.dp_size, per_step = c->local_batch_size * dp;
     if ((rc = trainer_check_global_batch(c, dp, e))) return rc;
     t->global_batch = c->global_batch_size > 0 ? c->global_batch_size : per_step;
@@ -437,7 +458,26 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if (trainer_join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", trainer_cfg_src(c));
     if ((rc = trainer_finetune_config(c, t->mesh.tp, t->mesh.ep, t->mesh.dp_shard, &mc, e))) return rc;
+    t->whole = mc;
+    if (t->mesh.pp > 1) { /* this rank's stages: their layers only, a micro-batch at a time */
+        if ((rc = trainer_pp_check(c, &t->mesh, &mc, t->val_batch, e))) return rc;
+        t->pp = ct_calloc(1, sizeof *t->pp);
+        int M = t->grad_accum * (c->local_batch_size / c->pp_microbatch);
+        if ((rc = pp_plan(t->pp, c, &mc, t->mesh.pp, t->mesh.pp_rank, M, trainer_cfg_src(c), e))) return rc;
+        pp_hold(t->pp, &mc);
+        plan_b = c->pp_microbatch;
+        t->pp_seeds = ct_calloc((size_t)M, sizeof *t->pp_seeds);
+        int P = t->mesh.pp, ends = t->mesh.pp_rank == 0 || t->mesh.pp_rank == P - 1;
+        if ((rc = comm_split(&t->mesh.ppg, ends ? 0 : 1 + t->mesh.pp_rank, t->mesh.pp_rank, &t->tie, e))) return rc;
+    }
+    if (t->mesh.tp > 1 || t->mesh.ep > 1) { /* the model this rank runs is its slice: fewer heads, a
+                                               * narrower MLP, its experts only */
+        t->tp = ct_calloc(1, sizeof *t->tp);
+        tp_init(t->tp, &mc, &t->mesh.tpg, t->mesh.ep, t->mesh.ep_rank);
+        mc = t->tp->local;
+    }
     if ((rc = lm_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
+    if (t->pp) pp_bind(t->pp, &t->mesh.ppg, plan_b, c->seq_len, mc.hidden, t->model.n_moe_layers ? mc.n_experts : 0);
     if ((rc = select_kernels(t, e))) return rc;
     if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e))) return rc;
     if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
@@ -459,7 +499,8 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if (!rc) build_opt_ranges(t);
     /* (under expert parallel the replicas hold different experts: trainer_reduce_grads splits the sum) */
     /* (with frozen tensors the replicas sum only the trained runs: trainer_reduce_grads) */
-    if (!rc && !t->fsdp && t->mesh.dp_replicate > 1 && t->mesh.ep == 1 && !t->model.n_frozen) rc = dp_overlap_init(t, e);
+    if (!rc && !t->fsdp && !t->pp && t->mesh.dp_replicate > 1 && t->mesh.ep == 1 && !t->model.n_frozen)
+        rc = dp_overlap_init(t, e);
     if (!rc && t->tp) tp_attach(t->tp, &t->model); /* after FSDP's hooks, which it wraps */
     if (!rc && t->mesh.ep > 1) {
         t->ep = ct_calloc(1, sizeof *t->ep);
@@ -469,6 +510,10 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
 }
 
 void trainer_free(trainer *t) {
+    if (t->pp) pp_free(t->pp);
+    free(t->pp);
+    free(t->pp_seeds);
+    if (t->tie.be) comm_free(&t->tie);
     if (t->ep) ep_free(t->ep);
     free(t->ep);
     if (t->tp) tp_free(t->tp);
@@ -527,7 +572,24 @@ void trainer_reduce_grads(trainer *t) {
             comm_allreduce(&t->mesh.rep, t->model.grads, t->model.n_params, COMM_F32, COMM_SUM);
         }
     }
+    if (t->pp && t->model.cfg.tie_embeddings && t->tie.size > 1 && t->model.g.wte) { /* the embedding's two copies: one gradient */
+        const lm_tensor *te = &t->model.tensors[0];
+        comm_allreduce(&t->tie, t->model.grads + te->offset, te->numel, COMM_F32, COMM_SUM);
+    }
     t->comm_s += ct_now() - t0;
+}
+
+/* Pipeline stages: the squares of every stage's gradients, the tied
+ * embedding's second copy (on the last stage) counted once. sq: this rank's. */
+static double pp_sq(trainer *t, const float *g, double sq) {
+    if (!t->pp) return sq;
+    const lm_model *m = &t->model;
+    if (m->cfg.tie_embeddings && t->tie.size > 1 && t->mesh.pp_rank != 0 && m->g.wte) {
+        double d = optim_grad_norm(g + m->tensors[0].offset, m->tensors[0].numel);
+        sq -= d * d;
+    }
+    comm_allreduce(&t->mesh.ppg, &sq, 1, COMM_F64, COMM_SUM);
+    return sq;
 }
 
 /* clip_grad_norm_ over gradients sharded across `group`: the squares are
@@ -589,6 +651,7 @@ static double step_ranges(trainer *t, float *P, float *G, double lr) {
         sq += nrm * nrm;
     }
     if (t->fsdp) comm_allreduce(&t->mesh.shard, &sq, 1, COMM_F64, COMM_SUM);
+    sq = pp_sq(t, G, sq);
     double norm = 0;
     for (int i = 0; i < t->n_opt_ranges; i++) norm = clip_by(G + t->opt_ranges[i].off, t->opt_ranges[i].n, sq, t->cfg.max_norm);
     if (!t->n_opt_ranges) norm = sqrt(sq);
@@ -616,7 +679,14 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
         m->k.adamw_step(&t->opt, f->params, f->grads, cur_lr, &t->hp);
         memset(f->grads, 0, f->shard_n * sizeof(float));
     } else {
-        norm = t->tp ? clip_tp(t, m->grads, m->n_params) : optim_clip_grad_norm(m->grads, m->n_params, t->cfg.max_norm);
+        if (t->tp) {
+            norm = clip_tp(t, m->grads, m->n_params);
+        } else if (t->pp) {
+            double local = optim_grad_norm(m->grads, m->n_params);
+            norm = clip_by(m->grads, m->n_params, pp_sq(t, m->grads, local * local), t->cfg.max_norm);
+        } else {
+            norm = optim_clip_grad_norm(m->grads, m->n_params, t->cfg.max_norm);
+        }
         m->k.adamw_step(&t->opt, m->params, m->grads, cur_lr, &t->hp);
         memset(m->grads, 0, m->n_params * sizeof(float));
     }
@@ -624,7 +694,7 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
         int E = m->cfg.n_experts;
         comm_allreduce(&t->mesh.dp, m->moe_tokens, (size_t)m->cfg.n_layers * E, COMM_F64, COMM_SUM);
         for (int l = 0; l < m->cfg.n_layers; l++)
-            if (lm_layer_is_moe(&m->cfg, l))
+            if (lm_layer_is_moe(&m->cfg, l) && lm_holds_layer(&m->cfg, l)) /* a stage: its layers' */
                 moe_update_bias(m->moe_bias + (size_t)l * E, m->moe_tokens + (size_t)l * E, E, t->cfg.load_balance_coeff);
     }
     t->step++;
@@ -726,6 +796,28 @@ static void truncate_metrics(const char *path, int last_step) {
     free(keep);
 }
 
+void trainer_pp_gather_bias(trainer *t) {
+    lm_model *m = &t->model;
+    if (!t->pp || !m->n_moe_layers || t->cfg.load_balance_coeff <= 0) return;
+    int E = m->cfg.n_experts;
+    for (int l = 0; l < m->cfg.n_layers; l++) /* others' rows: theirs win the sum */
+        if (!lm_holds_layer(&m->cfg, l)) memset(m->moe_bias + (size_t)l * E, 0, (size_t)E * sizeof(float));
+    comm_allreduce(&t->mesh.ppg, m->moe_bias, (size_t)m->cfg.n_layers * E, COMM_F32, COMM_SUM);
+}
+
+/* Pipeline: HF's load-balancing loss of each micro-batch from the sums of
+ * every stage's MoE layers (the loss is a function of their totals). */
+static double pp_aux_sum(trainer *t) {
+    pp_sched *p = t->pp;
+    int E = p->E;
+    comm_allreduce(&t->mesh.ppg, p->moe_stats, (size_t)p->M * 2 * E, COMM_F64, COMM_SUM);
+    double sum = 0;
+    for (int i = 0; i < p->M; i++)
+        sum += moe_aux_loss(NULL, p->moe_stats + (size_t)i * 2 * E, p->moe_stats + (size_t)i * 2 * E + E,
+                            p->mb_size * t->cfg.seq_len, t->model.n_moe_layers, E, 0.0);
+    return sum;
+}
+
 /* Held-out loss over validation.steps batches from the start of the set. */
 static int validate(trainer *t, ds *val, int step, FILE *mf) {
     const ct_config *c = &t->cfg;
@@ -745,13 +837,17 @@ static int validate(trainer *t, ds *val, int step, FILE *mf) {
         long nv = 0;
         ds_next(val, x, y, B);
         if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
-        sum += lm_loss(m, x, y, B, T, &nv);
+        sum += t->pp ? pp_eval(t->pp, m, x, y, B, T, &nv) : lm_loss(m, x, y, B, T, &nv);
         if (t->fsdp) fsdp_microbatch_end(t->fsdp);
         n += nv;
     }
     if (t->fsdp) t->fsdp->fwd_only = 0;
-    /* every data-parallel rank evaluated its own windows */
+    /* every data-parallel rank evaluated its own windows; a pipeline's last stage scored them */
     int64_t nn = n;
+    if (t->pp) {
+        comm_allreduce(&t->mesh.ppg, &sum, 1, COMM_F64, COMM_SUM);
+        comm_allreduce(&t->mesh.ppg, &nn, 1, COMM_I64, COMM_SUM);
+    }
     comm_allreduce(&t->mesh.dp, &sum, 1, COMM_F64, COMM_SUM);
     comm_allreduce(&t->mesh.dp, &nn, 1, COMM_I64, COMM_SUM);
     n = (long)nn;
@@ -862,7 +958,11 @@ int trainer_run(trainer *t, ct_err *e) {
         float scale = n_valid ? 1.0f / (float)n_valid : 0.0f;
         double loss_sum = 0;
         double aux_sum = 0; /* MoE: HF's load-balancing loss, summed over micro-batches */
-        for (int a = 0; a < t->grad_accum; a++) {
+        if (t->pp) { /* the schedule owns the step: every micro-batch through the stages */
+            for (int i = 0; i < t->pp->M; i++) t->pp_seeds[i] = trainer_lora_seed(t, step, i);
+            loss_sum = pp_step(t->pp, m, tokens, labels, t->pp_seeds, scale);
+        }
+        for (int a = 0; !t->pp && a < t->grad_accum; a++) {
             if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
             if (t->dpo) t->dpo->armed = a == t->grad_accum - 1; /* the gradients are final in the last one */
             if (t->fsdp) t->fsdp->rep_armed = a == t->grad_accum - 1;
@@ -874,10 +974,16 @@ int trainer_run(trainer *t, ct_err *e) {
         }
         trainer_reduce_grads(t);
         t_c = ct_now();
+        if (t->pp) { /* the loss is the last stage's; the routing sums every stage's */
+            comm_allreduce(&t->mesh.ppg, &loss_sum, 1, COMM_F64, COMM_SUM);
+            if (m->n_moe_layers) aux_sum = pp_aux_sum(t);
+        }
         comm_allreduce(&t->mesh.dp, &loss_sum, 1, COMM_F64, COMM_SUM);
         if (m->n_moe_layers) comm_allreduce(&t->mesh.dp, &aux_sum, 1, COMM_F64, COMM_SUM);
         t->comm_s += ct_now() - t_c;
-        double aux = aux_sum * (double)c->local_batch_size / (double)t->global_batch; /* mean per micro-batch */
+        /* mean per micro-batch */
+        double aux = t->pp ? aux_sum / (t->pp->M * t->mesh.dp_size)
+                           : aux_sum * (double)c->local_batch_size / (double)t->global_batch;
         double loss = n_valid ? loss_sum / n_valid : 0.0;
         double gnorm, lr;
         trainer_optimizer_step(t, &gnorm, &lr);

@@ -17,6 +17,7 @@
 #include "distributed/ep.h"
 #include "distributed/fsdp.h"
 #include "distributed/mesh.h"
+#include "distributed/pp.h"
 #include "distributed/tp.h"
 #include "model/lm.h"
 #include "optim/optim.h"
@@ -48,6 +49,11 @@ typedef struct {
         float *tmp;               /* [largest column-sliced local tensor] a slice being taken */
     } load;
     ep_layout *ep;    /* NULL unless expert_parallel_degree > 1 */
+    pp_sched *pp;     /* NULL unless pipeline_parallel_degree > 1: this rank's stages and schedule */
+    ct_comm tie;      /* pipeline with tied embeddings: the first and last stages' ranks of this place (the
+                       * embedding's two copies); a group of one elsewhere */
+    uint64_t *pp_seeds; /* [pp->M] LoRA dropout seed of each micro-batch of the step */
+    lm_config whole;  /* the whole model's config: no stage, slice or expert subset (checkpoints, loading) */
     int global_batch; /* sequences per optimizer step over every data-parallel rank */
     double comm_s;    /* seconds in collectives since the last metrics line */
     struct dp_overlap *dpo; /* NULL unless data parallel replicate without FSDP: per-layer all-reduce hooks */

@@ -315,9 +315,9 @@ int trainer_init_weights(trainer *t, ct_err *e) {
     int rc = 0;
     lm_model whole_table;
     t->load.whole = &t->model;
+    if (t->tp || t->pp) /* this rank holds part of the model: the loaders walk the whole one */
+        lm_layout(&whole_table, &t->whole), t->load.whole = &whole_table;
     if (t->tp) {
-        lm_layout(&whole_table, &t->tp->full);
-        t->load.whole = &whole_table;
         tp_classify(t->tp, &t->model, &whole_table);
         size_t most = 1; /* tp_take_rows copies only the column slices (row-parallel tensors) */
         for (int i = 0; i < t->model.n_tensors; i++) {
@@ -339,7 +339,7 @@ int trainer_init_weights(trainer *t, ct_err *e) {
     t->load.sink = (lm_sink){load_put, t};
     if (!rc) rc = load_weights(t, e);
     free(t->load.tmp);
-    if (t->tp) lm_free(&whole_table);
+    if (t->tp || t->pp) lm_free(&whole_table);
     memset(&t->load, 0, sizeof t->load);
     if (t->world->size > 1) {
         int32_t worst = rc;
@@ -435,6 +435,9 @@ static void save_gather(trainer *t, const lm_model *fm, int kinds, int frozen_to
                         int *rc, ct_err *e) {
     lm_model *lm = &t->model; /* not changed: bf16-stored weights are only widened for the read */
     int rank0 = t->world->rank == 0, L = lm->cfg.n_layers;
+    /* each pipeline stage gathers the units it holds to its own root, which
+     * passes them on to rank 0 (the root of stage 0) */
+    int sroot = t->pp ? t->world->rank % t->mesh.stage == 0 : rank0;
     int fsdp_part = t->fsdp && t->mesh.rep_rank == 0;
     int fsdp_root = fsdp_part && t->mesh.shard_rank < t->mesh.ep;
     int in_slices = t->tp && t->mesh.dp_rank < t->mesh.ep;
@@ -443,8 +446,18 @@ static void save_gather(trainer *t, const lm_model *fm, int kinds, int frozen_to
     for (int k = 0; k < kinds; k++) {
         const float *src = k == 0 ? (t->fsdp ? t->fsdp->params : lm->params) : k == 1 ? t->opt.m : t->opt.v;
         for (int x = 0; x < L + 2; x++) {
+            int holder = t->pp ? pp_unit_stage(t->pp, x, L) : 0, mine = holder == t->mesh.pp_rank;
+            size_t n = sroot || rank0 ? save_offset(fm, u[x + 1]) - save_offset(fm, u[x]) : 0;
+            if (!mine) { /* another stage's unit: rank 0 receives it from that stage's root */
+                if (rank0) {
+                    float *got = ct_malloc((n + 1) * sizeof(float));
+                    comm_recv(&t->mesh.ppg, got, n, COMM_F32, holder, 0);
+                    if (!*rc) *rc = put(ctx, fm, u[x], u[x + 1], got, n, e);
+                    free(got);
+                }
+                continue;
+            }
             size_t lo = save_offset(lm, u[x]), hi = save_offset(lm, u[x + 1]);
-            size_t n = rank0 ? save_offset(fm, u[x + 1]) - save_offset(fm, u[x]) : 0;
             /* bf16-stored frozen weights: the unit widened into params while it is read, when
              * the put wants them (an HF export; not a checkpoint or an adapter of trained ones) */
             int widen = k == 0 && !t->fsdp && frozen_too;
@@ -458,11 +471,12 @@ static void save_gather(trainer *t, const lm_model *fm, int kinds, int frozen_to
                     fsdp_gather_piece(t->fsdp, i, got ? got + (t->fsdp->p[i].off - lo) : NULL, src, 0);
             }
             if (in_slices) {
-                if (rank0) whole = ct_malloc((n + 1) * sizeof(float));
+                if (sroot) whole = ct_malloc((n + 1) * sizeof(float));
                 tp_gather_range(t->tp, &t->mesh.slices, u[x], u[x + 1], fm, whole, lm, part);
                 part = whole;
             }
             if (rank0 && !*rc) *rc = put(ctx, fm, u[x], u[x + 1], part, n, e);
+            else if (sroot && !rank0) comm_send(&t->mesh.ppg, part, n, COMM_F32, 0, 0);
             if (widen) lm_frozen_widen(lm, lo, hi - lo, 0);
             free(whole);
             free(got);
@@ -505,13 +519,15 @@ static int put_trained(void *ctx, const lm_model *fm, int i0, int i1, const floa
 /* A checkpoint: save_gather into ckpt_stream (the file layout is ckpt_save's). */
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     lm_model ftab;
-    const lm_model *fm = &t->model; /* the whole model's table, on rank 0 */
+    const lm_model *fm = &t->model; /* the whole model's table, on rank 0 and the stages' roots */
     int rank0 = t->world->rank == 0, rc = 0;
+    int sroot = t->pp ? t->world->rank % t->mesh.stage == 0 : rank0, whole_tab = sroot && (t->tp || t->pp);
     ckpt_stream *s = NULL;
-    if (rank0 && t->tp) {
-        lm_layout(&ftab, &t->tp->full);
+    if (whole_tab) {
+        lm_layout(&ftab, &t->whole);
         fm = &ftab;
     }
+    trainer_pp_gather_bias(t);
     trained_table tt;
     int trained_only = t->model.n_frozen > 0; /* frozen tensors come from the run's start on resume */
     if (trained_only) trained_table_init(&tt, fm, &t->model);
@@ -533,7 +549,7 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
         free(state);
         free(toml);
     }
-    if (rank0 && t->tp) lm_free(&ftab);
+    if (whole_tab) lm_free(&ftab);
     if (trained_only) trained_table_free(&tt); /* the stream read it until its end */
     rc = save_outcome(t, rc, "checkpoint", e);
     if (!rc && t->cfg.lora_rank > 0) { /* a LoRA run's checkpoint is also a PEFT adapter directory; resume reads
@@ -567,8 +583,15 @@ static int put_adapter(void *ctx, const lm_model *fm, int i0, int i1, const floa
 }
 
 int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
-    const lm_model *fm = &t->model; /* TP and EP do not run LoRA: every rank's table is the whole model's */
+    /* TP and EP do not run LoRA: the whole table is the model's, or (pipeline) its layout */
+    lm_model ftab;
+    const lm_model *fm = &t->model;
     int rank0 = t->world->rank == 0, rc = 0;
+    if (t->pp) {
+        lm_layout(&ftab, &t->whole);
+        for (int i = 0; i < ftab.n_tensors; i++) ftab.tensors[i].frozen = t->model.tensors[i].frozen; /* lora_saved */
+        fm = &ftab;
+    }
     float **data = ct_calloc((size_t)fm->n_tensors + 1, sizeof(float *)); /* [n_tensors] */
     save_gather(t, fm, 1, 0, put_adapter, data, &rc, e); /* adapters and modules_to_save: trained, fp32 */
     const ct_config *c = &t->cfg;
@@ -578,6 +601,7 @@ int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
                             c->lora_modules_to_save, e);
     for (int i = 0; i < fm->n_tensors; i++) free(data[i]);
     free(data);
+    if (t->pp) lm_free(&ftab);
     return save_outcome(t, rc, "PEFT adapter", e);
 }
 
@@ -601,11 +625,12 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
     st_dir_stream *out = NULL;
     char tmp[4200];
     snprintf(tmp, sizeof tmp, "%s/.hf-step-%d.tmp-%ld", folder, step, (long)getpid());
+    int sroot = t->pp ? t->world->rank % t->mesh.stage == 0 : rank0, whole_tab = sroot && (t->tp || t->pp);
+    if (whole_tab) { /* rank 0 and the stages' roots name the whole model's tensors */
+        lm_layout(&ftab, &t->whole);
+        fm = &ftab;
+    }
     if (rank0) {
-        if (t->tp) {
-            lm_layout(&ftab, &t->tp->full);
-            fm = &ftab;
-        }
         ct_rm_tree(tmp, NULL);
         st_wtensor *ts = ct_calloc((size_t)fm->n_tensors + 1, sizeof *ts);
         for (int i = 0; i < fm->n_tensors; i++) {
@@ -631,7 +656,7 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
         if (!rc && rename(tmp, dir) != 0)
             rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
         if (rc) ct_rm_tree(tmp, NULL);
-        if (t->tp) lm_free(&ftab);
     }
+    if (whole_tab) lm_free(&ftab);
     return save_outcome(t, rc, "Hugging Face export", e);
 }

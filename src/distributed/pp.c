@@ -1,0 +1,446 @@
+/* distributed/pp.c: stage split, schedules and their simulation, and the
+ * run-time executor of pipeline parallelism (see pp.h for the design). */
+#include "distributed/pp.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/timer.h"
+
+int pp_schedule_parse(const char *name, int *schedule, const char *where, ct_err *e) {
+    static const char *const names[] = {"1F1B", "GPipe", "Interleaved1F1B"};
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(name, names[i])) {
+            *schedule = i;
+            return 0;
+        }
+    return ct_fail(e, CT_ERR_CONFIG,
+                   "%s: parallelism.pipeline_parallel_schedule = \"%s\" is not one of 1F1B, GPipe, Interleaved1F1B",
+                   where, name);
+}
+
+/* ------------------------------------------------------------------ split */
+
+/* Forward FLOPs per token of layer l (x 2: multiply-add), attention scores at T. */
+static double layer_cost(const lm_config *c, int l, int T) {
+    double H = c->hidden, hd = c->head_dim, qd = (double)c->n_heads * hd, kvd = (double)c->n_kv_heads * hd;
+    double attn = H * (qd + 2 * kvd) + qd * H + 2.0 * qd * T; /* projections, then scores and values */
+    double mlp = lm_layer_is_moe(c, l) ? (double)c->top_k * 3.0 * H * c->moe_intermediate + (double)c->n_experts * H
+                                       : 3.0 * H * c->intermediate;
+    return 2.0 * (attn + mlp);
+}
+
+static double head_cost(const lm_config *c) { return 2.0 * (double)c->vocab_size * c->hidden; }
+
+/* The contiguous split of L layers into V stages minimising the most
+ * expensive stage (the last one carrying the head): dynamic programming
+ * over (stages, layers), ties broken towards earlier cuts. */
+static void split_by_cost(const lm_config *c, int V, int T, int *first) {
+    int L = c->n_layers;
+    double *pre = calloc((size_t)L + 1, sizeof *pre);
+    for (int l = 0; l < L; l++) pre[l + 1] = pre[l] + layer_cost(c, l, T);
+    /* best[v][l]: the least max cost of putting layers [0, l) into v stages */
+    double *best = malloc(((size_t)V + 1) * ((size_t)L + 1) * sizeof *best);
+    int *cut = calloc(((size_t)V + 1) * ((size_t)L + 1), sizeof *cut);
+#define BEST(v, l) best[(size_t)(v) * (L + 1) + (l)]
+#define CUT(v, l) cut[(size_t)(v) * (L + 1) + (l)]
+    for (int v = 0; v <= V; v++)
+        for (int l = 0; l <= L; l++) BEST(v, l) = INFINITY;
+    BEST(0, 0) = 0;
+    for (int v = 1; v <= V; v++)
+        for (int l = v; l <= L - (V - v); l++)
+            for (int k = v - 1; k < l; k++) {
+                double s = pre[l] - pre[k] + (v == V ? head_cost(c) : 0);
+                double m = BEST(v - 1, k) > s ? BEST(v - 1, k) : s;
+                if (m < BEST(v, l)) {
+                    BEST(v, l) = m;
+                    CUT(v, l) = k;
+                }
+            }
+    first[V] = L;
+    for (int v = V, l = L; v > 0; v--) {
+        first[v - 1] = CUT(v, l);
+        l = CUT(v, l);
+    }
+#undef BEST
+#undef CUT
+    free(pre);
+    free(best);
+    free(cut);
+}
+
+/* torchtitan names a split point by the module that starts the stage:
+ * "layers.4" (or the bare number). */
+static int parse_points(const char *list, int L, int *first, int max, const char *where, ct_err *e) {
+    int n = 0;
+    const char *s = list;
+    while (*s) {
+        while (*s == ' ' || *s == ',') s++;
+        if (!*s) break;
+        const char *t = s;
+        while (*t && *t != ',') t++;
+        char item[64];
+        snprintf(item, sizeof item, "%.*s", (int)(t - s), s);
+        const char *num = !strncmp(item, "layers.", 7) ? item + 7 : item;
+        char *end;
+        long l = strtol(num, &end, 10);
+        if (end == num || *end || l <= 0 || l >= L)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.pipeline_parallel_split_points: \"%s\" is not a layer \"layers.N\" with "
+                           "0 < N < %d",
+                           where, item, L);
+        if (n && l <= first[n])
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.pipeline_parallel_split_points: \"%s\" does not come after layers.%d", where,
+                           item, first[n]);
+        if (n + 1 >= max)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: parallelism.pipeline_parallel_split_points: too many (%d layers)",
+                           where, L);
+        first[++n] = (int)l;
+        s = t;
+    }
+    first[0] = 0;
+    return n + 1; /* stages */
+}
+
+/* -------------------------------------------------------------- schedules */
+
+/* This rank's forward order, backward order and warm-up count. */
+static void build_orders(pp_sched *p, pp_action *fwd, pp_action *bwd, int *warmup) {
+    int P = p->P, S = p->S, M = p->M, r = p->rank, nf = 0, nb = 0;
+    if (p->schedule == PP_INTERLEAVED) {
+        /* Megatron's interleaved order: groups of P micro-batches, chunk by
+         * chunk forwards (0 .. S-1) and backwards (S-1 .. 0) */
+        for (int g = 0; g < M; g += P)
+            for (int c = 0; c < S; c++)
+                for (int i = g; i < g + P && i < M; i++) fwd[nf++] = (pp_action){'F', c, i};
+        for (int g = 0; g < M; g += P)
+            for (int c = S - 1; c >= 0; c--)
+                for (int i = g; i < g + P && i < M; i++) bwd[nb++] = (pp_action){'B', c, i};
+        *warmup = 2 * (P - r - 1) + (S - 1) * P;
+    } else {
+        for (int i = 0; i < M; i++) {
+            fwd[nf++] = (pp_action){'F', 0, i};
+            bwd[nb++] = (pp_action){'B', 0, i};
+        }
+        *warmup = p->schedule == PP_GPIPE ? M : P - r - 1;
+    }
+    if (*warmup > S * M) *warmup = S * M;
+}
+
+static void interleave(pp_action *out, const pp_action *fwd, const pp_action *bwd, int n, int warmup) {
+    int k = 0, f = 0, b = 0;
+    while (f < warmup) out[k++] = fwd[f++];
+    while (f < n || b < n) {
+        if (f < n) out[k++] = fwd[f++];
+        if (b < n) out[k++] = bwd[b++];
+    }
+}
+
+/* Runs every rank's order with stage costs (B = 2 F), dependencies
+ * F(v, i) after F(v-1, i), B(v, i) after B(v+1, i) and F(v, i). Returns the
+ * bubble (idle share of P x makespan), or -1 when no rank can go on
+ * (an order that would deadlock). max_inflight: this rank's most forwards
+ * whose backward has not run. */
+static double simulate(const pp_sched *p0, const ct_config *c, const lm_config *mc, int *max_inflight) {
+    int P = p0->P, V = p0->V, M = p0->M, n = 2 * p0->S * M;
+    pp_action **ord = calloc((size_t)P, sizeof *ord);
+    int *pos = calloc((size_t)P, sizeof *pos);
+    double *clock = calloc((size_t)P, sizeof *clock), busy = 0;
+    double *fdone = malloc((size_t)V * M * sizeof *fdone), *bdone = malloc((size_t)V * M * sizeof *bdone);
+    for (size_t i = 0; i < (size_t)V * M; i++) fdone[i] = bdone[i] = -1;
+    pp_action *fw = malloc((size_t)n * sizeof *fw), *bw = malloc((size_t)n * sizeof *bw);
+    for (int r = 0; r < P; r++) {
+        pp_sched q = *p0;
+        q.rank = r;
+        int warm;
+        build_orders(&q, fw, bw, &warm);
+        ord[r] = malloc((size_t)n * sizeof **ord);
+        interleave(ord[r], fw, bw, n / 2, warm);
+    }
+    (void)c, (void)mc;
+    int left = P * n, inflight = 0, most = 0;
+    while (left) {
+        int moved = 0;
+        for (int r = 0; r < P; r++) {
+            while (pos[r] < n) {
+                pp_action a = ord[r][pos[r]];
+                int v = a.stage * P + r;
+                double ready;
+                if (a.kind == 'F') ready = v == 0 ? 0 : fdone[(size_t)(v - 1) * M + a.mb];
+                else {
+                    double x = fdone[(size_t)v * M + a.mb], y = v == V - 1 ? 0 : bdone[(size_t)(v + 1) * M + a.mb];
+                    ready = x < 0 || y < 0 ? -1 : (x > y ? x : y);
+                }
+                if (ready < 0) break;
+                double cost = p0->cost[v] * (a.kind == 'F' ? 1.0 : 2.0);
+                double start = clock[r] > ready ? clock[r] : ready;
+                clock[r] = start + cost;
+                busy += cost;
+                (a.kind == 'F' ? fdone : bdone)[(size_t)v * M + a.mb] = clock[r];
+                if (r == p0->rank) {
+                    inflight += a.kind == 'F' ? 1 : -1;
+                    if (inflight > most) most = inflight;
+                }
+                pos[r]++;
+                left--;
+                moved = 1;
+            }
+        }
+        if (!moved) break;
+    }
+    double span = 0;
+    for (int r = 0; r < P; r++) span = clock[r] > span ? clock[r] : span;
+    for (int r = 0; r < P; r++) free(ord[r]);
+    free(ord);
+    free(pos);
+    free(clock);
+    free(fdone);
+    free(bdone);
+    free(fw);
+    free(bw);
+    *max_inflight = most;
+    if (left) return -1;
+    return span > 0 ? 1.0 - busy / (P * span) : 0;
+}
+
+int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int rank, int M, const char *where,
+            ct_err *e) {
+    memset(p, 0, sizeof *p);
+    int rc = pp_schedule_parse(c->pp_schedule, &p->schedule, where, e);
+    if (rc) return rc;
+    int L = mc->n_layers;
+    p->P = P;
+    p->rank = rank;
+    p->M = M;
+    p->mb_size = c->pp_microbatch;
+    p->first = calloc((size_t)L + 2, sizeof *p->first);
+    int V;
+    if (c->pp_split[0]) {
+        V = parse_points(c->pp_split, L, p->first, L + 1, where, e);
+        if (V < 0) return CT_ERR_CONFIG;
+        p->first[V] = L;
+    } else {
+        V = p->schedule == PP_INTERLEAVED ? 2 * P : P;
+        if (V > L) V = P;
+    }
+    if (V % P != 0 || (p->schedule != PP_INTERLEAVED && V != P) || (p->schedule == PP_INTERLEAVED && V < 2 * P))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_schedule = \"%s\" with pipeline_parallel_degree %d needs %s "
+                       "stages, but %s gives %d",
+                       where, c->pp_schedule, P,
+                       p->schedule == PP_INTERLEAVED ? "a multiple of the degree, at least twice it," : "one stage a rank:",
+                       c->pp_split[0] ? "pipeline_parallel_split_points" : "the model's layers", V);
+    if (V > L)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %d pipeline stages need at least %d layers; the model has %d", where, V,
+                       V, L);
+    p->V = V;
+    p->S = V / P;
+    if (!c->pp_split[0]) split_by_cost(mc, V, c->seq_len, p->first);
+    if (p->schedule == PP_INTERLEAVED && M % P != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: Interleaved1F1B takes micro-batches in groups of pipeline_parallel_degree (%d), but a step "
+                       "has %d (local_batch_size / pipeline_parallel_microbatch_size x gradient accumulation)",
+                       where, P, M);
+    p->cost = calloc((size_t)V, sizeof *p->cost);
+    for (int v = 0; v < V; v++) {
+        for (int l = p->first[v]; l < p->first[v + 1]; l++) p->cost[v] += layer_cost(mc, l, c->seq_len);
+        if (v == V - 1) p->cost[v] += head_cost(mc);
+    }
+    int n = 2 * p->S * M, warm;
+    pp_action *fw = malloc((size_t)n * sizeof *fw), *bw = malloc((size_t)n * sizeof *bw);
+    build_orders(p, fw, bw, &warm);
+    p->act = malloc((size_t)n * sizeof *p->act);
+    p->n_act = n;
+    interleave(p->act, fw, bw, n / 2, warm);
+    free(fw);
+    free(bw);
+    p->bubble = simulate(p, c, mc, &p->max_banks);
+    if (p->bubble < 0)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: pipeline schedule %s with %d ranks and %d micro-batches would deadlock",
+                       where, c->pp_schedule, P, M);
+    return 0;
+}
+
+void pp_hold(const pp_sched *p, lm_config *mc) {
+    mc->pp_stage = 1;
+    memset(mc->layer_held, 0, sizeof mc->layer_held);
+    for (int c = 0; c < p->S; c++) {
+        int v = c * p->P + p->rank;
+        for (int l = p->first[v]; l < p->first[v + 1]; l++) mc->layer_held[l] = 1;
+    }
+}
+
+/* ---------------------------------------------------------------- run time */
+
+enum { BUF_AIN, BUF_GIN, BUF_AOUT, BUF_GOUT };
+
+static float *buf(pp_sched *p, int c, int i, int k) { return p->buf + (((size_t)c * p->M + i) * 4 + k) * p->n; }
+static comm_req *req(pp_sched *p, int c, int i, int k) { return &p->req[((size_t)c * p->M + i) * 4 + k]; }
+
+void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts) {
+    p->comm = comm;
+    p->n = (size_t)B * T * H;
+    size_t slots = (size_t)p->S * p->M * 4;
+    p->buf = ct_calloc(slots * p->n + 1, sizeof(float));
+    p->req = ct_calloc(slots, sizeof *p->req);
+    p->banks = ct_calloc((size_t)p->S * p->M, sizeof *p->banks);
+    p->pool = ct_calloc((size_t)p->S * (p->max_banks + 1), sizeof *p->pool);
+    p->n_pool = ct_calloc((size_t)p->S, sizeof *p->n_pool);
+    p->E = n_experts;
+    p->moe_stats = ct_calloc((size_t)p->M * 2 * (n_experts ? n_experts : 1), sizeof(double));
+}
+
+void pp_free(pp_sched *p) {
+    if (p->req)
+        for (size_t i = 0; i < (size_t)p->S * p->M * 4; i++) comm_wait(&p->req[i]);
+    if (p->pool)
+        for (int c = 0; c < p->S; c++)
+            for (int k = 0; k < p->n_pool[c]; k++) lm_bank_free(p->pool[(size_t)c * (p->max_banks + 1) + k]);
+    if (p->banks)
+        for (size_t i = 0; i < (size_t)p->S * p->M; i++) lm_bank_free(p->banks[i]);
+    free(p->banks);
+    free(p->pool);
+    free(p->n_pool);
+    free(p->buf);
+    free(p->req);
+    free(p->moe_stats);
+    free(p->first);
+    free(p->cost);
+    free(p->act);
+    memset(p, 0, sizeof *p);
+}
+
+static int vstage(const pp_sched *p, int c) { return c * p->P + p->rank; }
+static int owner(const pp_sched *p, int v) { return v % p->P; }
+
+/* A bank for a forward of local stage c: a free one, or a new one (the
+ * first steps grow the pool to the schedule's peak, then nothing is allocated). */
+static lm_bank *take_bank(pp_sched *p, const lm_model *m, int c) {
+    int v = vstage(p, c);
+    if (p->n_pool[c]) return p->pool[(size_t)c * (p->max_banks + 1) + --p->n_pool[c]];
+    return lm_bank_new(m, p->first[v], p->first[v + 1]);
+}
+static void give_bank(pp_sched *p, int c, lm_bank *b) {
+    if (p->n_pool[c] <= p->max_banks) p->pool[(size_t)c * (p->max_banks + 1) + p->n_pool[c]++] = b;
+    else lm_bank_free(b);
+}
+
+static void wait_input(pp_sched *p, comm_req *r) {
+    double t0 = ct_now();
+    comm_wait(r);
+    p->wait_s += ct_now() - t0;
+}
+
+double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, const uint64_t *seeds,
+               float grad_scale) {
+    double t_step = ct_now();
+    int B = p->mb_size, T = m->T, V = p->V, E = p->E;
+    size_t mbt = (size_t)B * T;
+    /* every receive of the step, up front */
+    for (int c = 0; c < p->S; c++) {
+        int v = vstage(p, c);
+        for (int i = 0; i < p->M; i++) {
+            if (v > 0) comm_irecv(p->comm, buf(p, c, i, BUF_AIN), p->n, COMM_F32, owner(p, v - 1), 2 * v, req(p, c, i, BUF_AIN));
+            if (v < V - 1)
+                comm_irecv(p->comm, buf(p, c, i, BUF_GIN), p->n, COMM_F32, owner(p, v + 1), 2 * v + 1, req(p, c, i, BUF_GIN));
+        }
+    }
+    if (E) memset(p->moe_stats, 0, (size_t)p->M * 2 * E * sizeof(double));
+    double loss = 0;
+    for (int k = 0; k < p->n_act; k++) {
+        pp_action a = p->act[k];
+        int c = a.stage, i = a.mb, v = vstage(p, c), l0 = p->first[v], l1 = p->first[v + 1];
+        const int32_t *tk = tokens + (size_t)i * mbt, *lb = labels + (size_t)i * mbt;
+        m->lora_seed = seeds[i];
+        if (a.kind == 'F') {
+            lm_bank *b = p->banks[(size_t)c * p->M + i] = take_bank(p, m, c);
+            lm_bank_use(m, b);
+            if (v > 0) wait_input(p, req(p, c, i, BUF_AIN));
+            lm_stage_forward(m, l0, l1, tk, buf(p, c, i, BUF_AIN), buf(p, c, i, BUF_AOUT), B, T, 1);
+            if (v < V - 1)
+                comm_isend(p->comm, buf(p, c, i, BUF_AOUT), p->n, COMM_F32, owner(p, v + 1), 2 * (v + 1),
+                           req(p, c, i, BUF_AOUT));
+            if (E) /* the routing sums of this stage's MoE layers: the trainer adds the stages' */
+                for (int x = 0; x < E; x++) {
+                    p->moe_stats[(size_t)i * 2 * E + x] += m->moe_count[x];
+                    p->moe_stats[(size_t)i * 2 * E + E + x] += m->moe_psum[x];
+                }
+        } else {
+            lm_bank *b = p->banks[(size_t)c * p->M + i];
+            lm_bank_use(m, b);
+            if (v < V - 1) wait_input(p, req(p, c, i, BUF_GIN));
+            loss += lm_stage_backward(m, l0, l1, tk, lb, buf(p, c, i, BUF_GIN), buf(p, c, i, BUF_GOUT), B, T,
+                                      grad_scale, NULL);
+            if (v > 0)
+                comm_isend(p->comm, buf(p, c, i, BUF_GOUT), p->n, COMM_F32, owner(p, v - 1), 2 * (v - 1) + 1,
+                           req(p, c, i, BUF_GOUT));
+            give_bank(p, c, b);
+            p->banks[(size_t)c * p->M + i] = NULL;
+        }
+        /* OpenMPI moves a message along only inside MPI calls: let the sends in flight progress */
+        for (int x = 0; x < p->S; x++) {
+            if (vstage(p, x) < V - 1) comm_test(req(p, x, i, BUF_AOUT));
+            if (vstage(p, x) > 0) comm_test(req(p, x, i, BUF_GOUT));
+        }
+    }
+    for (size_t x = 0; x < (size_t)p->S * p->M * 4; x++) comm_wait(&p->req[x]);
+    p->step_s += ct_now() - t_step;
+    return loss;
+}
+
+double pp_eval(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
+    int V = p->V, mb = p->mb_size;
+    size_t n = (size_t)mb * T * m->cfg.hidden;
+    float *in = ct_malloc(n * sizeof(float)), *out = ct_malloc(n * sizeof(float));
+    double sum = 0;
+    long count = 0;
+    /* one chunk of mb sequences at a time, stage after stage: evaluation is
+     * not the step, so no schedule, only the order the data flows in */
+    for (int s0 = 0; s0 < B; s0 += mb) {
+        const int32_t *tk = tokens + (size_t)s0 * T, *lb = labels + (size_t)s0 * T;
+        for (int v = 0; v < V; v++) {
+            if (owner(p, v) != p->rank) continue;
+            int c = v / p->P;
+            lm_bank *b = take_bank(p, m, c);
+            lm_bank_use(m, b);
+            if (v > 0) comm_recv(p->comm, in, n, COMM_F32, owner(p, v - 1), 2 * v);
+            lm_stage_forward(m, p->first[v], p->first[v + 1], tk, in, out, mb, T, 0);
+            if (v < V - 1) comm_send(p->comm, out, n, COMM_F32, owner(p, v + 1), 2 * (v + 1));
+            else {
+                long nv = 0;
+                sum += lm_stage_loss(m, lb, mb, T, &nv);
+                count += nv;
+            }
+            give_bank(p, c, b);
+        }
+    }
+    free(in);
+    free(out);
+    if (n_valid) *n_valid = count;
+    return sum;
+}
+
+int pp_unit_stage(const pp_sched *p, int x, int L) {
+    int l = x == 0 ? 0 : x > L ? L - 1 : x - 1, v = 0;
+    while (v + 1 < p->V && p->first[v + 1] <= l) v++;
+    return owner(p, v);
+}
+
+size_t pp_bank_bytes(const pp_sched *p, const lm_model *m) {
+    size_t most = 0;
+    for (int c = 0; c < p->S; c++) {
+        int v = vstage(p, c);
+        size_t f = lm_bank_floats(m, p->first[v], p->first[v + 1]);
+        most = f > most ? f : most;
+    }
+    return (size_t)p->max_banks * most * sizeof(float);
+}
+
+double pp_take_bubble(pp_sched *p) {
+    double b = p->step_s > 0 ? p->wait_s / p->step_s : -1;
+    p->wait_s = p->step_s = 0;
+    return b;
+}

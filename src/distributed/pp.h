@@ -1,0 +1,113 @@
+/* distributed/pp.h: pipeline parallelism: the layers split into stages,
+ * each held by one rank of a pipeline group, and a schedule that runs a
+ * step's micro-batches through them.
+ *
+ * A stage is a contiguous layer range [first[v], first[v + 1]); the first
+ * also holds the embedding, the last the final norm and lm_head (tied
+ * models: the embedding too, its gradient summed with the first stage's).
+ * With S stages per rank (Interleaved1F1B, S >= 2) there are V = P x S
+ * virtual stages and rank r holds v = r, r + P, ..., torchtitan's "loop"
+ * placement, so activations always go to the next rank.
+ *
+ * The split is torchtitan's pipeline_parallel_split_points when given,
+ * otherwise the one that minimises the most expensive stage, each layer
+ * costed by its forward+backward FLOPs per token (the lm_head counted on
+ * the last stage).
+ *
+ * A schedule is, per rank, one order of actions F(stage, micro-batch) and
+ * B(stage, micro-batch), built from a forward order, a backward order and
+ * a number of warm-up forwards (after which forwards and backwards
+ * alternate): GPipe runs every forward first; 1F1B warms up with P - r - 1
+ * forwards; Interleaved1F1B takes micro-batches in groups of P, chunk by
+ * chunk (Megatron's order), warming up with 2 (P - r - 1) + (S - 1) P.
+ * Every order is checked by simulating all ranks with each stage's cost
+ * (a backward costs two forwards), which also gives the schedule's bubble:
+ * the share of rank-time spent waiting.
+ *
+ * At run time a stage posts every receive of the step at its start (one
+ * buffer per stage and micro-batch) and sends without blocking, so a rank
+ * computes while its neighbours' messages travel; it waits only for an
+ * input it needs now. MPI matches messages between a pair of ranks by tag
+ * (2 v: activations into stage v, 2 v + 1: gradients into stage v) in
+ * send order, and every stage sends in micro-batch order.
+ *
+ * Gradient scaling is the one-rank run's: the trainer computes the step's
+ * valid-target count before any backward and every micro-batch's loss is
+ * scaled by its inverse, so the stages' gradients add up to the gradient
+ * of the mean loss, whatever the number of micro-batches. */
+#ifndef CT_DISTRIBUTED_PP_H
+#define CT_DISTRIBUTED_PP_H
+
+#include <stdint.h>
+
+#include "config/config.h"
+#include "core/err.h"
+#include "distributed/comm.h"
+#include "model/lm.h"
+
+enum { PP_1F1B, PP_GPIPE, PP_INTERLEAVED };
+
+typedef struct {
+    char kind;  /* 'F' or 'B' */
+    int stage;  /* local stage index c: virtual stage c * P + rank */
+    int mb;     /* micro-batch */
+} pp_action;
+
+typedef struct {
+    int P, rank;         /* pipeline degree and this rank's place in it */
+    int S, V;            /* stages per rank, virtual stages (P x S) */
+    int *first;          /* [V + 1] first layer of each virtual stage; first[V] = L */
+    double *cost;        /* [V] relative cost of a stage's forward (its layers, the lm_head on the last) */
+    int schedule;        /* PP_* */
+    int M;               /* micro-batches per optimizer step */
+    int mb_size;         /* sequences per micro-batch */
+    int n_act;           /* this rank's actions, 2 S M */
+    pp_action *act;
+    double bubble;       /* simulated share of idle rank-time in a step */
+    int max_banks;       /* most forwards of this rank in flight at once (activation banks) */
+    /* run time (pp_bind) */
+    ct_comm *comm;       /* one pipeline: rank v % P holds virtual stage v */
+    size_t n;            /* floats of one message: micro-batch rows x hidden */
+    float *buf;          /* [S][M][4][n]: activation in, gradient in, activation out, gradient out */
+    comm_req *req;       /* [S][M][4] */
+    lm_bank **banks;     /* [S][M] the bank of a forward in flight (NULL: none) */
+    lm_bank **pool;      /* [S][max_banks] free banks */
+    int *n_pool;         /* [S] */
+    double *moe_stats;   /* [M][2 E] this rank's routing sums of each micro-batch (E = 0: none) */
+    int E;
+    double wait_s, step_s; /* seconds waiting for inputs, and in pp_step, since pp_take_times */
+} pp_sched;
+
+/* Parses pipeline_parallel_schedule (CT_ERR_CONFIG naming the key). */
+int pp_schedule_parse(const char *name, int *schedule, const char *where, ct_err *e);
+/* The split and this rank's schedule for P ranks and a step of M
+ * micro-batches (no communication: the dry run plans every rank's with it).
+ * Errors (CT_ERR_CONFIG, naming the key): split points out of order or out
+ * of range, a stage without layers, a count of stages the schedule cannot
+ * use, micro-batches the schedule cannot group. */
+int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int rank, int M, const char *where,
+            ct_err *e);
+/* What this rank holds: mc->pp_stage and layer_held. */
+void pp_hold(const pp_sched *p, lm_config *mc);
+/* Run-time buffers for micro-batches of B x T tokens of width H. */
+void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts);
+void pp_free(pp_sched *p);
+/* One optimizer step's forwards and backwards: tokens, labels
+ * [M][mb_size x T]; seeds[M] LoRA's dropout seed of each micro-batch.
+ * Gradients of (CE sum) x grad_scale are added to m->grads. Returns this
+ * rank's CE sum (the last stage's: 0 elsewhere); p->moe_stats holds its
+ * routing sums per micro-batch. Collective over the pipeline. */
+double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, const uint64_t *seeds,
+               float grad_scale);
+/* Forward only of one batch of B x T (B = mb_size x any): the CE sum of
+ * labels on the last stage (0 elsewhere) and its valid labels in *n_valid. */
+double pp_eval(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid);
+/* The pipeline rank holding unit x of a streamed save (0: the embedding,
+ * 1 + l: layer l, L + 1: the final norm and lm_head). */
+int pp_unit_stage(const pp_sched *p, int x, int L);
+/* Bytes of activation banks this rank allocates at most (dry run). */
+size_t pp_bank_bytes(const pp_sched *p, const lm_model *m);
+/* The measured share of pp_step's time spent waiting for inputs since the last call (-1: no step). */
+double pp_take_bubble(pp_sched *p);
+
+#endif
