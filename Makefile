@@ -83,7 +83,9 @@ sanitize:
 	@$(MAKE) --no-print-directory BUILD=build/san OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
 	  LDFLAGS="-fsanitize=address,undefined" test-c
 
-REF_KERNELS := matmul=ref,matmul_bf16=ref,embedding=ref,rmsnorm=ref,rope=ref,attention=ref,swiglu=ref,crossentropy=ref,add=ref,adamw=ref,moe_experts=ref,moe_experts_bf16=ref,geglu=ref
+# Every op on its reference: "op=ref" for each X(ID, op, ...) line of src/kernels/ops_list.h
+# (X. matches its parenthesis: make counts the ones inside $(shell)).
+REF_KERNELS := $(shell sed -n 's/^ *X.[A-Z0-9_]*, *\([a-z0-9_]*\),.*/\1=ref/p' src/kernels/ops_list.h | paste -sd, -)
 
 PARITY_TESTS := tests/py/test_parity.py tests/py/test_bf16.py tests/py/test_moe.py::test_logits_loss_grads \
                 tests/py/test_families.py::test_logits_loss_grads tests/py/test_families_bf16.py

@@ -219,22 +219,11 @@ static const cfg_option cfg_options[] = {
     OPT("kernels", "tune", CFG_BOOL, kernels_tune, "true",
         .help = "choose each \"auto\" op's implementation by timing the candidates on this run's sizes at first "
                 "use (cached per CPU and threads in ~/.cache/ctitan); false: the registry's order"),
-    OPT("kernels", "matmul", CFG_STR, kernels[0], "auto", .help = "matmul implementation (ctitan kernels list)"),
-    OPT("kernels", "embedding", CFG_STR, kernels[1], "auto", .help = "embedding implementation"),
-    OPT("kernels", "rmsnorm", CFG_STR, kernels[2], "auto", .help = "rmsnorm implementation"),
-    OPT("kernels", "rope", CFG_STR, kernels[3], "auto", .help = "rope implementation"),
-    OPT("kernels", "attention", CFG_STR, kernels[4], "auto", .help = "attention implementation"),
-    OPT("kernels", "swiglu", CFG_STR, kernels[5], "auto", .help = "swiglu implementation"),
-    OPT("kernels", "crossentropy", CFG_STR, kernels[6], "auto", .help = "cross-entropy implementation"),
-    OPT("kernels", "add", CFG_STR, kernels[7], "auto", .help = "residual add implementation"),
-    OPT("kernels", "adamw", CFG_STR, kernels[8], "auto", .help = "AdamW implementation"),
-    OPT("kernels", "matmul_bf16", CFG_STR, kernels[9], "auto",
-        .help = "bf16 matmul implementation (training.mixed_precision_param = \"bfloat16\")"),
-    OPT("kernels", "moe_experts", CFG_STR, kernels[10], "auto", .help = "MoE experts implementation (MoE models)"),
-    OPT("kernels", "moe_experts_bf16", CFG_STR, kernels[11], "auto",
-        .help = "MoE experts implementation under bf16 mixed precision"),
-    OPT("kernels", "geglu", CFG_STR, kernels[12], "auto",
-        .help = "GELU(tanh)-gated MLP activation implementation (Gemma families)"),
+    /* one key per op, named as the op (kernels/ops_list.h) */
+#define KERN_OPT(ID, name, bwd, heavy, help_) \
+    OPT("kernels", #name, CFG_STR, kernels[KERN_OP_##ID], "auto", .help = help_),
+    KERN_OP_LIST(KERN_OPT)
+#undef KERN_OPT
 
     OPT("validation", "enable", CFG_BOOL, val_enable, "false",
         .help = "evaluate held-out loss and perplexity during training"),

@@ -12,6 +12,7 @@
 #include <stdio.h>
 
 #include "core/err.h"
+#include "kernels/ops_list.h" /* KERN_N_OPS */
 
 typedef struct {
     /* [job] */
@@ -100,9 +101,9 @@ typedef struct {
     int pp_microbatch;        /* 1: pipeline_parallel_microbatch_size */
     char *pp_split;           /* "": pipeline_parallel_split_points, comma-joined ("layers.4,layers.8") */
 
-    /* [kernels]: implementation per op ("auto" = fastest this CPU runs); order of kern_op */
-    char *kernels[13];        /* matmul embedding rmsnorm rope attention swiglu crossentropy add adamw matmul_bf16
-                                 moe_experts moe_experts_bf16 geglu */
+    /* [kernels]: implementation per op ("auto" = fastest this CPU runs); kernels[KERN_OP_x] is the key
+     * of op x, one per op of kernels/ops_list.h */
+    char *kernels[KERN_N_OPS];
     int kernels_tune;         /* [kernels] tune: "auto" ops chosen by timing them on the run's sizes (kernels/tune.c) */
 
     char *config_path;        /* the --config file, or "" */

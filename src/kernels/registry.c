@@ -21,11 +21,9 @@
 #include "kernels/ops.h"
 
 static const char *const op_names[KERN_N_OPS] = {
-    [KERN_OP_MATMUL] = "matmul",       [KERN_OP_EMBEDDING] = "embedding", [KERN_OP_RMSNORM] = "rmsnorm",
-    [KERN_OP_ROPE] = "rope",           [KERN_OP_ATTENTION] = "attention", [KERN_OP_SWIGLU] = "swiglu",
-    [KERN_OP_CROSSENTROPY] = "crossentropy", [KERN_OP_ADD] = "add",     [KERN_OP_ADAMW] = "adamw",
-    [KERN_OP_MATMUL_BF16] = "matmul_bf16", [KERN_OP_MOE] = "moe_experts", [KERN_OP_MOE_BF16] = "moe_experts_bf16",
-    [KERN_OP_GEGLU] = "geglu",
+#define OP_NAME(ID, name, bwd, heavy, help) [KERN_OP_##ID] = #name,
+    KERN_OP_LIST(OP_NAME)
+#undef OP_NAME
 };
 
 static const kern_impl registry[] = {
@@ -369,8 +367,7 @@ static void install(kern_ops *k, const kern_impl *im) {
     case KERN_OP_MATMUL_BF16: k->matmul_bf16_fwd = im->fn.matmul.fwd; k->matmul_bf16_bwd = im->fn.matmul.bwd; break;
     case KERN_OP_MOE: k->moe_fwd = im->fn.moe.fwd; k->moe_bwd = im->fn.moe.bwd; break;
     case KERN_OP_MOE_BF16: k->moe_bf16_fwd = im->fn.moe.fwd; k->moe_bf16_bwd = im->fn.moe.bwd; break;
-    default: break;
-    }
+    } /* no default: -Wswitch names an op of ops_list.h left out here */
 }
 
 /* Comma-separated names of op's entries, for error messages. */
@@ -405,11 +402,15 @@ int kern_select_from(kern_ops *out, const kern_impl *t, size_t n, unsigned cpu, 
         opname[eq - s] = 0;
         strcpy(impl, eq + 1);
         int op = kern_op_from_name(opname);
-        if (op < 0)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "kernels: unknown op \"%s\" in \"%s\" (ops: matmul, embedding, rmsnorm, rope, attention, "
-                           "swiglu, crossentropy, add, adamw, matmul_bf16, moe_experts, moe_experts_bf16, geglu)",
-                           opname, s);
+        if (op < 0) {
+            char ops[512];
+            size_t len = 0;
+            for (int i = 0; i < KERN_N_OPS; i++) {
+                int w = snprintf(ops + len, sizeof ops - len, "%s%s", i ? ", " : "", op_names[i]);
+                if (w > 0 && (size_t)w < sizeof ops - len) len += (size_t)w;
+            }
+            return ct_fail(e, CT_ERR_CONFIG, "kernels: unknown op \"%s\" in \"%s\" (ops: %s)", opname, s, ops);
+        }
         if (!strcmp(impl, "auto")) continue; /* keep the default */
         const kern_impl *found = NULL;
         for (size_t i = 0; i < n && !found; i++)
@@ -455,10 +456,11 @@ int kern_select(kern_ops *out, const char *const *overrides, char *log, size_t l
 }
 
 void kern_select_ref(kern_ops *out) {
-    static const char *const all_ref[] = {"matmul=ref", "embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref",
-                                          "swiglu=ref", "crossentropy=ref", "add=ref", "adamw=ref",
-                                          "matmul_bf16=ref", "moe_experts=ref", "moe_experts_bf16=ref", "geglu=ref",
-                                          NULL};
+    static const char *const all_ref[] = {
+#define OP_REF(ID, name, bwd, heavy, help) #name "=ref",
+        KERN_OP_LIST(OP_REF)
+#undef OP_REF
+        NULL};
     size_t n;
     const kern_impl *t = kern_registry(&n);
     kern_select_from(out, t, n, 0, all_ref, NULL, 0, NULL);

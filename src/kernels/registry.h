@@ -26,30 +26,10 @@
 
 #include "core/err.h"
 #include "kernels/ops.h" /* kern_attn_opt */
+#include "kernels/ops_list.h"
 #include "optim/optim.h"
 
-typedef enum {
-    KERN_OP_MATMUL,
-    KERN_OP_EMBEDDING,
-    KERN_OP_RMSNORM,
-    KERN_OP_ROPE,
-    KERN_OP_ATTENTION,
-    KERN_OP_SWIGLU,
-    KERN_OP_CROSSENTROPY,
-    KERN_OP_ADD,
-    KERN_OP_ADAMW,
-    /* C = round_bf16(A) round_bf16(B) with fp32 sums: the linears of a run with
-     * training.mixed_precision_param = "bfloat16" (kern_use_bf16_matmuls).
-     * Same signatures as matmul (fn.matmul); kept a separate op so that its
-     * implementations are checked against a reference with the same rounding. */
-    KERN_OP_MATMUL_BF16,
-    KERN_OP_MOE, /* "moe_experts": the experts of a MoE layer (model/moe.h) */
-    /* "moe_experts_bf16": the experts with matmul_bf16's rounding in every projection
-     * (op_moe_experts_bf16_*); installed over moe_experts by kern_use_bf16_matmuls. */
-    KERN_OP_MOE_BF16,
-    KERN_OP_GEGLU, /* "geglu": gelu_tanh(gate) * up, the MLP of the Gemma families (op_geglu_*) */
-    KERN_N_OPS
-} kern_op;
+/* kern_op (KERN_OP_MATMUL, ...) and KERN_N_OPS: the list of ops is kernels/ops_list.h */
 
 /* CPU features an implementation may require (a bit set). */
 enum {

@@ -1,5 +1,8 @@
 /* tests/c/test_kernels.c: the kernel registry and its checker.
  *
+ * - the op list (kernels/ops_list.h): names round-trip and are unique, every op
+ *   has a "ref" entry, kern_select_ref installs it, the unknown-op message and
+ *   the [kernels] config keys name every op;
  * - kern_select picks a runnable default for every op, honours overrides, and
  *   rejects bad ones with a message naming the op / implementation at fault;
  * - the defaults follow the CPU features it is given (simulated CPUs);
@@ -16,6 +19,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "config/config.h"
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
@@ -85,6 +89,38 @@ static void test_defaults(void) {
     kern_select_ref(&k);
     CHECK(k.matmul_fwd == op_matmul_fwd && k.matmul_bwd == op_matmul_bwd, "kern_select_ref matmul");
     CHECK(k.rmsnorm_fwd == op_rmsnorm_fwd && k.add == op_add, "kern_select_ref others");
+}
+
+/* Everything generated from the op list agrees with it. */
+static void test_op_list(void) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    kern_ops k;
+    ct_err e = {0};
+    const char *const bad[] = {"nonesuch=ref", NULL};
+    CHECK(kern_select(&k, bad, NULL, 0, &e) == CT_ERR_CONFIG, "an unknown op was accepted");
+    char msg[sizeof e.msg];
+    snprintf(msg, sizeof msg, "%s", e.msg);
+    kern_ops r;
+    kern_select_ref(&r);
+    ct_config c;
+    cfg_defaults(&c);
+    for (int op = 0; op < KERN_N_OPS; op++) {
+        const char *name = kern_op_name((kern_op)op);
+        CHECK(name && strcmp(name, "?") && kern_op_from_name(name) == op, "op %d: name \"%s\" does not round-trip",
+              op, name ? name : "(null)");
+        for (int o2 = 0; o2 < op; o2++) CHECK(strcmp(name, kern_op_name((kern_op)o2)), "two ops named %s", name);
+        CHECK(find(t, n, (kern_op)op, "ref") != NULL, "%s has no \"ref\" entry", name);
+        CHECK(r.chosen[op] && !strcmp(r.chosen[op]->name, "ref"), "kern_select_ref: %s=%s", name,
+              r.chosen[op] ? r.chosen[op]->name : "(none)");
+        CHECK(strstr(msg, name) != NULL, "the unknown-op message does not list %s: %s", name, msg);
+        char key[64];
+        snprintf(key, sizeof key, "kernels.%s", name);
+        memset(&e, 0, sizeof e);
+        CHECK(cfg_set(&c, key, "ref", &e) == 0 && !strcmp(c.kernels[op], "ref"), "config key %s: %s", key, e.msg);
+    }
+    CHECK(kern_op_from_name("nonesuch") < 0 && !strcmp(kern_op_name((kern_op)KERN_N_OPS), "?"), "out of range");
+    cfg_free(&c);
 }
 
 static void test_overrides(void) {
@@ -444,6 +480,7 @@ static void test_attention_tiled_avx512(void) {
 }
 
 int main(void) {
+    test_op_list();
     test_defaults();
     test_overrides();
     if (getenv("CTITAN_EMULATED")) {
