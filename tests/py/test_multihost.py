@@ -87,13 +87,18 @@ AGENT = """#!/bin/sh
 # OpenMPI's remote launch agent (plm_rsh_agent) in place of ssh: "agent HOST cmd..."
 # runs cmd inside the network namespace of HOST, under its host name, with a fresh
 # environment as an ssh login would give. Like ssh, the words of cmd are joined with
-# spaces and given to a shell.
+# spaces and given to a shell. With CTITAN_TEST_UNSHARED=DIR in mpirun's environment,
+# the host sees its own empty DIR (a tmpfs in the mount namespace of `ip netns exec`):
+# a folder that is not on a shared file system.
 host=$1; shift
 case "$host" in
 {cases}
   *) echo "agent: no host $host" >&2; exit 255;;
 esac
-exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$1" && exec env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/root sh -c "$2"' sh "$name" "$*"
+exec ip netns exec "$ns" unshare --uts sh -c '
+  if [ -n "$4" ]; then mount -t tmpfs none "$4" || exit 1; fi
+  hostname "$1" && exec env -i PATH=/usr/local/bin:/usr/bin:/bin HOME="$3" sh -c "$2"' \
+  sh "$name" "$*" "$HOME" "${{CTITAN_TEST_UNSHARED:-}}"
 """
 
 # Each rank records where it runs, then becomes ctitan (exec: same process, same namespaces).
@@ -144,7 +149,7 @@ def hosts(tmp_path_factory):
             ip("netns", "del", ns, check=False)  # takes the veth pair with it
 
 
-def mpirun_across(h, args, rankdir, timeout=120):
+def mpirun_across(h, args, rankdir, timeout=120, check=True, env=ENV):
     """mpirun in the first host's namespace (under its host name), WORLD ranks over the hostfile."""
     rank = rankdir / "rank.sh"
     rank.write_text(RANK.format(dir=rankdir))
@@ -156,8 +161,8 @@ def mpirun_across(h, args, rankdir, timeout=120):
            "--mca", "btl_tcp_if_include", NET, "--mca", "oob_tcp_if_include", NET,
            *[a for v in FORWARD if v in ENV for a in ("-x", v)],
            str(rank), str(BIN), *[str(a) for a in args]]
-    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0 or not check, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p
 
 
@@ -203,3 +208,32 @@ def test_two_hosts_match_one_process(hosts, recipe, name, overrides):
 
     assert len([l for l in p.stdout.splitlines() if l.startswith("step: 1 ")]) == 1, p.stdout
     assert_same_run(out, single, f"{name} over two hosts")
+
+
+def test_resume_across_hosts_needs_a_shared_checkpoint_folder(hosts, recipe):
+    """Stopped after step 4 (rank 0 saves into the dump folder, shared here as a network file
+    system would be), the job resumes across both hosts and the steps after the checkpoint
+    equal one process's. Where the second host does not see the folder (its own empty
+    directory there), every rank used to pick for itself: the first host's ranks resumed at
+    step 4 and the second's started from the initial weights, and the job trained on a mix of
+    the two without a word. Now the ranks compare what they found and stop, saying so."""
+    d, data, single = recipe
+    name, overrides = LAYOUTS[0]
+    out = hosts["dir"] / "resume"
+    args = train_args(d / "model", data, out, *overrides, "--checkpoint.last_save_model_only=false",
+                      dp=dp_degree(overrides))
+    ranks = hosts["dir"] / "resume_ranks"
+    ranks.mkdir()
+    p = mpirun_across(hosts, args + ["--training.stop_at_step=4"], ranks, check=False)
+    assert p.returncode == 75, f"stop_at_step should exit 75 after saving\n{p.stderr[-3000:]}"
+    assert (out / "checkpoint" / "step-4" / "optim.safetensors").exists()
+
+    p = mpirun_across(hosts, args, ranks, check=False, env=dict(ENV, CTITAN_TEST_UNSHARED=str(out)))
+    assert p.returncode != 0, "resumed with a checkpoint folder that only one host sees"
+    want = f"rank 0 of {WORLD} found {out / 'checkpoint' / 'step-4'}, another rank none"
+    assert want in p.stderr and "every rank sees" in p.stderr, p.stderr[-3000:]
+    assert not (out / "checkpoint" / f"step-{STEPS}").exists()
+
+    p = mpirun_across(hosts, args, ranks)
+    assert "resuming from" in p.stderr and "(step 4)" in p.stderr, p.stderr[-3000:]
+    assert_same_run(out, single, f"{name} over two hosts, resumed at step 4", steps=range(5, STEPS + 1))
