@@ -108,6 +108,25 @@ exec "$@"
 """
 
 
+def remove_namespace(ns):
+    # processes left in a namespace (an orted after a failed run) are this test's own
+    for pid in ip("netns", "pids", ns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), 9)
+        except (ProcessLookupError, ValueError):
+            pass
+    ip("netns", "del", ns, check=False)  # takes its end of the veth pair, and so the pair, with it
+
+
+def sweep_stale():
+    """Namespaces of an earlier run of this test that was killed before its clean-up
+    (ctmh<pid>a/b whose pid is gone)."""
+    for line in ip("netns", "list", check=False).stdout.splitlines():
+        ns = line.split()[0] if line.split() else ""
+        if ns.startswith("ctmh") and ns[4:-1].isdigit() and ns[-1] in "ab" and not Path(f"/proc/{ns[4:-1]}").exists():
+            remove_namespace(ns)
+
+
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     """Two network namespaces joined by a veth pair, as two hosts; removed afterwards."""
@@ -116,6 +135,7 @@ def hosts(tmp_path_factory):
     if shutil.which("mpirun") is None:
         pytest.fail("mpirun not found: run scripts/setup.sh (installs openmpi-bin)", pytrace=False)
     d = tmp_path_factory.mktemp("multihost")
+    sweep_stale()
     tag = f"ctmh{os.getpid()}"
     names = [f"{tag}{c}" for c in "ab"]  # namespaces; the veth ends take the same names (<= 15 chars)
     made = []
@@ -140,13 +160,7 @@ def hosts(tmp_path_factory):
         yield {"dir": d, "ns": names, "hostfile": d / "hosts", "agent": agent}
     finally:
         for ns in made:
-            # processes left in a namespace (an orted after a failed run) are this test's own
-            for pid in ip("netns", "pids", ns, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
-            ip("netns", "del", ns, check=False)  # takes the veth pair with it
+            remove_namespace(ns)
 
 
 def mpirun_across(h, args, rankdir, timeout=120, check=True, env=ENV):
