@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PKGS=(gcc make libc6-dev libcjson-dev libopenblas-openmp-dev libpcre2-dev libutf8proc-dev libxxhash-dev
-          libcurl4-openssl-dev openmpi-bin libopenmpi-dev
+          libcurl4-openssl-dev openmpi-bin libopenmpi-dev iproute2
           bible-kjv bible-kjv-text python3-pip
           python3 python3-venv)
 missing=()

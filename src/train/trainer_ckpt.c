@@ -220,59 +220,75 @@ static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const
  * step-N (damaged is an error). load_step -1: the newest FULL checkpoint
  * that verifies (damaged ones are named and skipped); a model-only one seeds
  * the run only when it is step 0 (an import); a final save (model-only or
- * HF) at or past training.steps means the run is complete. */
-static int maybe_resume(trainer *t, int *resumed, ct_err *e) {
-    *resumed = 0;
-    ct_config *c = &t->cfg;
-    if (!c->ckpt_enable) return 0;
+ * HF) at or past training.steps means the run is complete. Every rank looks
+ * at the folder itself and loads nothing yet: load_weights first checks that
+ * the ranks chose the same (agree_on_pick). */
+enum { PICK_NONE, PICK_LOAD, PICK_COMPLETE };
+typedef struct {
+    int kind, step, model_only;
     char dir[4200];
+} resume_pick;
+
+static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
+    ct_config *c = &t->cfg;
+    p->kind = PICK_NONE;
+    if (!c->ckpt_enable) return 0;
     if (c->load_step >= 0) {
-        int step = 0;
-        int rc = ckpt_select(t->ckpt_folder, c->load_step, dir, sizeof dir, &step, e);
-        if (rc) return rc == CKPT_NONE ? ct_fail(e, CT_ERR_CONFIG, "checkpoint.load_step = %d: %s has no checkpoints",
-                                                 c->load_step, t->ckpt_folder)
-                                       : rc;
-        int mo = ckpt_is_model_only(dir, e);
-        if (mo < 0) return e ? e->code : CT_ERR_FORMAT;
-        if ((rc = load_checkpoint(t, dir, mo, e))) return rc;
-        *resumed = 1;
+        int rc = ckpt_select(t->ckpt_folder, c->load_step, p->dir, sizeof p->dir, &p->step, e);
+        if (rc == CKPT_NONE) return 0; /* an error once the ranks agree that there is none */
+        if (rc) return rc;
+        if ((p->model_only = ckpt_is_model_only(p->dir, e)) < 0) return e ? e->code : CT_ERR_FORMAT;
+        p->kind = PICK_LOAD;
         return 0;
     }
     int steps[4096];
     int n = ckpt_list(t->ckpt_folder, steps, 4096);
     if (n < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot list checkpoints", t->ckpt_folder);
     if (n > 4096) n = 4096;
-    for (int i = n - 1; i >= 0; i--) {
-        snprintf(dir, sizeof dir, "%s/step-%d", t->ckpt_folder, steps[i]);
-        if (is_hf_export(dir)) {
-            if (steps[i] >= c->steps) {
-                t->complete = 1;
-                fprintf(stderr, "ctitan: %s is this run's final save (step %d of %d): nothing to do\n", dir,
-                        steps[i], c->steps);
-                return 0;
-            }
+    for (int i = n - 1; i >= 0 && p->kind == PICK_NONE; i--) {
+        snprintf(p->dir, sizeof p->dir, "%s/step-%d", t->ckpt_folder, steps[i]);
+        p->step = steps[i];
+        if (is_hf_export(p->dir)) {
+            if (steps[i] >= c->steps) p->kind = PICK_COMPLETE;
             continue;
         }
         ct_err ve = {0};
-        if (ckpt_verify(dir, &ve)) {
+        if (ckpt_verify(p->dir, &ve)) {
             fprintf(stderr, "ctitan: warning: skipping damaged checkpoint: %s\n", ve.msg);
             continue;
         }
-        int mo = ckpt_is_model_only(dir, e);
+        int mo = ckpt_is_model_only(p->dir, e);
         if (mo < 0) return e ? e->code : CT_ERR_FORMAT;
-        if (mo && steps[i] >= c->steps && steps[i] > 0) {
-            t->complete = 1;
-            fprintf(stderr, "ctitan: %s is this run's final save (step %d of %d): nothing to do\n", dir, steps[i],
-                    c->steps);
-            return 0;
-        }
-        if (mo && steps[i] != 0) continue; /* a model-only save mid-run cannot be resumed */
-        int rc = load_checkpoint(t, dir, mo, e);
-        if (rc) return rc;
-        *resumed = 1;
-        return 0;
+        p->model_only = mo;
+        if (mo && steps[i] >= c->steps && steps[i] > 0) p->kind = PICK_COMPLETE;
+        else if (!mo || steps[i] == 0) p->kind = PICK_LOAD; /* a model-only save mid-run cannot be resumed */
     }
     return 0;
+}
+
+/* Every rank must continue from the same checkpoint. On machines that do not
+ * share the checkpoint folder the ranks of one would resume while the others
+ * started afresh, and the collectives would mix the two states without a word:
+ * an error instead, on every rank. Every rank calls this, also one that has
+ * failed (rc), so that the collectives stay matched. */
+static int agree_on_pick(trainer *t, int rc, const resume_pick *p, ct_err *e) {
+    if (t->world->size <= 1) return rc;
+    /* one number per choice; MAX of it and of its negation give the range */
+    int64_t k = p->kind == PICK_NONE ? -1 : (int64_t)p->step * 2 + (p->kind == PICK_COMPLETE);
+    int64_t r[3] = {rc, k, -k};
+    comm_allreduce(t->world, r, 3, COMM_I64, COMM_MAX);
+    if (rc) return rc;
+    if (r[0]) return ct_fail(e, (int)r[0], "another rank failed to load or initialise the model (its error says why)");
+    if (r[1] == -r[2]) return 0;
+    int64_t other = k == r[1] ? -r[2] : r[1];
+    char theirs[64];
+    if (other < 0) snprintf(theirs, sizeof theirs, "none");
+    else snprintf(theirs, sizeof theirs, "step-%lld%s", (long long)(other / 2), other % 2 ? " (a final save)" : "");
+    return ct_fail(e, CT_ERR_IO,
+                   "%s: the ranks do not see the same checkpoints (rank %d of %d found %s, another rank %s): the "
+                   "checkpoint folder must be on a file system every rank sees (docs/distributed.md, \"Across "
+                   "machines\")",
+                   t->ckpt_folder, t->world->rank, t->world->size, p->kind == PICK_NONE ? "none" : p->dir, theirs);
 }
 
 /* Where a loader's rows go (lm_sink): this rank's TP/EP part of them
@@ -356,12 +372,23 @@ int trainer_init_weights(trainer *t, ct_err *e) {
 static int initial_weights(trainer *t, ct_err *e);
 
 static int load_weights(trainer *t, ct_err *e) {
-    int resumed = 0, rc;
+    resume_pick p = {0};
+    int rc = 0;
     /* with frozen tensors a checkpoint holds the trained ones only: the rest
      * come from where the run started, first */
-    if (t->model.n_frozen && (rc = initial_weights(t, e))) return rc;
-    if ((rc = maybe_resume(t, &resumed, e))) return rc;
-    if (resumed || t->model.n_frozen) return 0;
+    if (t->model.n_frozen) rc = initial_weights(t, e);
+    if (!rc) rc = pick_resume(t, &p, e);
+    if ((rc = agree_on_pick(t, rc, &p, e))) return rc;
+    if (p.kind == PICK_NONE && t->cfg.ckpt_enable && t->cfg.load_step >= 0)
+        return ct_fail(e, CT_ERR_CONFIG, "checkpoint.load_step = %d: %s has no checkpoints", t->cfg.load_step,
+                       t->ckpt_folder);
+    if (p.kind == PICK_COMPLETE) {
+        t->complete = 1;
+        fprintf(stderr, "ctitan: %s is this run's final save (step %d of %d): nothing to do\n", p.dir, p.step,
+                t->cfg.steps);
+    }
+    if (p.kind == PICK_LOAD) return load_checkpoint(t, p.dir, p.model_only, e);
+    if (t->model.n_frozen) return 0;
     return initial_weights(t, e);
 }
 
