@@ -225,6 +225,10 @@ int fsdp_layer_range(const lm_model *m, int l, size_t *lo, size_t *hi, ct_err *e
         if (t->offset + t->numel > b) b = t->offset + t->numel;
         total += t->numel;
     }
+    if (!total && m->cfg.pp_stage && !lm_holds_layer(&m->cfg, l) && a != SIZE_MAX) { /* another stage's: empty */
+        *lo = *hi = a;
+        return 0;
+    }
     if (!total || b - a != total)
         return ct_fail(e, CT_ERR_IO, "fsdp: the tensors of layer %d are %s in the flat buffer", l,
                        total ? "not contiguous" : "missing");
@@ -377,6 +381,10 @@ void fsdp_release_full(fsdp *f, float *full) {
 
 void fsdp_microbatch_begin(fsdp *f) {
     int last = f->n_pieces - 1, no_layers = f->m->cfg.n_layers == 0;
+    if (f->no_embed) { /* a pipeline action that reaches neither the lookup nor a tied lm_head */
+        start_prefetch(f, 1);
+        return;
+    }
     gather_params(f, 0);
     start_prefetch(f, 1);
     /* tied: the lm_head's backward adds to piece 0 long before the embedding's */
@@ -390,7 +398,7 @@ void fsdp_microbatch_begin(fsdp *f) {
 void fsdp_microbatch_end(fsdp *f) {
     int last = f->n_pieces - 1;
     finish_reduce(f);
-    if (!f->fwd_only) {
+    if (!f->fwd_only && !f->no_embed) {
         reduce_piece(f, 0);
         release_range(f->m->grads, f->p[0].off, f->p[0].n);
         if (f->m->cfg.n_layers == 0) {
@@ -400,6 +408,11 @@ void fsdp_microbatch_end(fsdp *f) {
     }
     release_params(f, 0);
     release_params(f, last);
+}
+
+void fsdp_gather_head(fsdp *f) {
+    gather_params(f, f->n_pieces - 1);
+    zero_grads(f, f->n_pieces - 1); /* dropped pages read as zeros, but a piece's edge pages are shared */
 }
 
 void fsdp_reduce_replicas(fsdp *f) {

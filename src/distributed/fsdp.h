@@ -72,6 +72,8 @@ typedef struct {
     int reshard;         /* free a layer's parameters after its forward */
     int fwd_only;        /* forward without backward follows (evaluation): always free */
     int tied;            /* lm_head is the embedding: piece 0 stays for the whole micro-batch */
+    int no_embed;        /* the micro-batch reaches neither the lookup nor a tied lm_head (a pipeline action of
+                          * a later stage): piece 0 is neither gathered nor reduced */
     /* HSDP: the replicas of this shard sum their shard gradients. In the
      * step's last micro-batch (rep_armed) a layer's slice is all-reduced
      * non-blocking as soon as its reduce-scatter has landed, during the
@@ -126,6 +128,11 @@ void fsdp_release_full(fsdp *f, float *full);
  * gradients into f->grads and frees whatever of the root is still held. */
 void fsdp_microbatch_begin(fsdp *f);
 void fsdp_microbatch_end(fsdp *f);
+/* The head piece (final norm, lm_head) gathered now and its gradient
+ * zeroed: a pipeline's last
+ * stage runs the head's forward inside a backward action (distributed/pp.c),
+ * after the forward that gathered it was closed by fsdp_microbatch_end. */
+void fsdp_gather_head(fsdp *f);
 /* HSDP, after the step's last micro-batch: completes the replicas' sum of
  * every shard gradient (the pieces not started during the backward, then
  * waits). The sums are the blocking all-reduce's, bit for bit. */

@@ -328,6 +328,20 @@ static void give_bank(pp_sched *p, int c, lm_bank *b) {
     else lm_bank_free(b);
 }
 
+/* FSDP around an action (pp.h): fwd 1 for a forward, and whether the head runs in it. */
+static void fsdp_open(pp_sched *p, int fwd, int head, int l0) {
+    if (!p->fsdp) return;
+    p->fsdp->fwd_only = fwd;
+    p->fsdp->no_embed = l0 > 0 && !(head && p->fsdp->tied);
+    fsdp_microbatch_begin(p->fsdp);
+    if (head && !fwd) fsdp_gather_head(p->fsdp); /* the last layer's forward gathers it otherwise */
+}
+static void fsdp_close(pp_sched *p) {
+    if (!p->fsdp) return;
+    fsdp_microbatch_end(p->fsdp);
+    p->fsdp->fwd_only = p->fsdp->no_embed = 0;
+}
+
 static void wait_input(pp_sched *p, comm_req *r) {
     double t0 = ct_now();
     comm_wait(r);
@@ -359,7 +373,9 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
             lm_bank *b = p->banks[(size_t)c * p->M + i] = take_bank(p, m, c);
             lm_bank_use(m, b);
             if (v > 0) wait_input(p, req(p, c, i, BUF_AIN));
+            fsdp_open(p, 1, 0, l0);
             lm_stage_forward(m, l0, l1, tk, buf(p, c, i, BUF_AIN), buf(p, c, i, BUF_AOUT), B, T, 1);
+            fsdp_close(p);
             if (v < V - 1)
                 comm_isend(p->comm, buf(p, c, i, BUF_AOUT), p->n, COMM_F32, owner(p, v + 1), 2 * (v + 1),
                            req(p, c, i, BUF_AOUT));
@@ -372,8 +388,10 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
             lm_bank *b = p->banks[(size_t)c * p->M + i];
             lm_bank_use(m, b);
             if (v < V - 1) wait_input(p, req(p, c, i, BUF_GIN));
+            fsdp_open(p, 0, v == V - 1, l0);
             loss += lm_stage_backward(m, l0, l1, tk, lb, buf(p, c, i, BUF_GIN), buf(p, c, i, BUF_GOUT), B, T,
                                       grad_scale, NULL);
+            fsdp_close(p);
             if (v > 0)
                 comm_isend(p->comm, buf(p, c, i, BUF_GOUT), p->n, COMM_F32, owner(p, v - 1), 2 * (v - 1) + 1,
                            req(p, c, i, BUF_GOUT));
@@ -407,13 +425,15 @@ double pp_eval(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
             lm_bank *b = take_bank(p, m, c);
             lm_bank_use(m, b);
             if (v > 0) comm_recv(p->comm, in, n, COMM_F32, owner(p, v - 1), 2 * v);
+            fsdp_open(p, 1, v == V - 1, p->first[v]);
             lm_stage_forward(m, p->first[v], p->first[v + 1], tk, in, out, mb, T, 0);
             if (v < V - 1) comm_send(p->comm, out, n, COMM_F32, owner(p, v + 1), 2 * (v + 1));
             else {
                 long nv = 0;
-                sum += lm_stage_loss(m, lb, mb, T, &nv);
+                sum += lm_stage_loss(m, lb, mb, T, &nv); /* the head: still gathered after the last layer */
                 count += nv;
             }
+            fsdp_close(p);
             give_bank(p, c, b);
         }
     }

@@ -24,6 +24,11 @@
  * (a backward costs two forwards), which also gives the schedule's bubble:
  * the share of rank-time spent waiting.
  *
+ * Under FSDP each action is one FSDP micro-batch of the stage's layers:
+ * a forward gathers and frees them as evaluation does, a backward reduces
+ * its gradients into the shard before the next action (the last stage's
+ * head, whose forward runs inside its backward, is gathered again there).
+ *
  * At run time a stage posts every receive of the step at its start (one
  * buffer per stage and micro-batch) and sends without blocking, so a rank
  * computes while its neighbours' messages travel; it waits only for an
@@ -43,6 +48,7 @@
 #include "config/config.h"
 #include "core/err.h"
 #include "distributed/comm.h"
+#include "distributed/fsdp.h"
 #include "model/lm.h"
 
 enum { PP_1F1B, PP_GPIPE, PP_INTERLEAVED };
@@ -67,6 +73,7 @@ typedef struct {
     int max_banks;       /* most forwards of this rank in flight at once (activation banks) */
     /* run time (pp_bind) */
     ct_comm *comm;       /* one pipeline: rank v % P holds virtual stage v */
+    fsdp *fsdp;          /* the stage's FSDP (NULL: none): each action is one of its micro-batches */
     size_t n;            /* floats of one message: micro-batch rows x hidden */
     float *buf;          /* [S][M][4][n]: activation in, gradient in, activation out, gradient out */
     comm_req *req;       /* [S][M][4] */

@@ -417,12 +417,11 @@ int trainer_pp_check(const ct_config *c, const ct_mesh *mesh, const lm_config *m
                        "%s: parallelism.pipeline_parallel_microbatch_size = %d does not divide the validation batch %d "
                        "(validation.local_batch_size)",
                        src, c->pp_microbatch, val_batch);
-    if (mesh->dp_shard > 1 || mesh->tp > 1 || mesh->ep > 1)
+    if (mesh->ep > 1)
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.pipeline_parallel_degree = %d with data_parallel_shard_degree %d, "
-                       "tensor_parallel_degree %d, expert_parallel_degree %d: pipeline stages compose with data "
-                       "parallel replicas only, so far",
-                       src, mesh->pp, mesh->dp_shard, mesh->tp, mesh->ep);
+                       "%s: parallelism.pipeline_parallel_degree = %d with expert_parallel_degree %d: not supported "
+                       "yet (pipeline stages compose with FSDP, tensor parallel and data parallel replicas)",
+                       src, mesh->pp, mesh->ep);
     if (mc->n_experts > 0 && mc->output_router_logits && mc->router_aux_loss_coef > 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.pipeline_parallel_degree = %d with the load-balancing loss in the gradient "
@@ -497,6 +496,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
 
     rc = trainer_init_weights(t, e);
     if (!rc) build_opt_ranges(t);
+    if (!rc && t->pp) t->pp->fsdp = t->fsdp;
     /* (under expert parallel the replicas hold different experts: trainer_reduce_grads splits the sum) */
     /* (with frozen tensors the replicas sum only the trained runs: trainer_reduce_grads) */
     if (!rc && !t->fsdp && !t->pp && t->mesh.dp_replicate > 1 && t->mesh.ep == 1 && !t->model.n_frozen)
@@ -572,9 +572,13 @@ void trainer_reduce_grads(trainer *t) {
             comm_allreduce(&t->mesh.rep, t->model.grads, t->model.n_params, COMM_F32, COMM_SUM);
         }
     }
-    if (t->pp && t->model.cfg.tie_embeddings && t->tie.size > 1 && t->model.g.wte) { /* the embedding's two copies: one gradient */
+    if (t->pp && t->model.cfg.tie_embeddings && t->tie.size > 1 && t->model.g.wte) { /* the embedding's two copies:
+                                                                                        * one gradient */
         const lm_tensor *te = &t->model.tensors[0];
-        comm_allreduce(&t->tie, t->model.grads + te->offset, te->numel, COMM_F32, COMM_SUM);
+        if (t->fsdp) /* the same slice of it on both stages' ranks of this place */
+            comm_allreduce(&t->tie, t->fsdp->grads + t->fsdp->p[0].shard_off, t->fsdp->p[0].chunk, COMM_F32, COMM_SUM);
+        else
+            comm_allreduce(&t->tie, t->model.grads + te->offset, te->numel, COMM_F32, COMM_SUM);
     }
     t->comm_s += ct_now() - t0;
 }
@@ -585,8 +589,11 @@ static double pp_sq(trainer *t, const float *g, double sq) {
     if (!t->pp) return sq;
     const lm_model *m = &t->model;
     if (m->cfg.tie_embeddings && t->tie.size > 1 && t->mesh.pp_rank != 0 && m->g.wte) {
-        double d = optim_grad_norm(g + m->tensors[0].offset, m->tensors[0].numel);
-        sq -= d * d;
+        size_t off = m->tensors[0].offset, n = m->tensors[0].numel;
+        if (t->fsdp) fsdp_piece_held(t->fsdp, 0, &off, &n), off = t->fsdp->p[0].shard_off; /* this rank's slice */
+        double d = optim_grad_norm(g + off, n), dq = d * d;
+        if (t->fsdp) comm_allreduce(&t->mesh.shard, &dq, 1, COMM_F64, COMM_SUM);
+        sq -= dq;
     }
     comm_allreduce(&t->mesh.ppg, &sq, 1, COMM_F64, COMM_SUM);
     return sq;
@@ -596,10 +603,11 @@ static double pp_sq(trainer *t, const float *g, double sq) {
  * summed per rank in double and all-reduced, so every rank scales by the
  * global norm, as the one-process optim_clip_grad_norm does. */
 static double clip_by(float *g, size_t n, double sq, double max_norm);
-static double clip_sharded(float *g, size_t n, double max_norm, ct_comm *group) {
+static double pp_sq(trainer *t, const float *g, double sq);
+static double clip_sharded(trainer *t, float *g, size_t n, double max_norm, ct_comm *group) {
     double local = optim_grad_norm(g, n), sq = local * local;
     comm_allreduce(group, &sq, 1, COMM_F64, COMM_SUM);
-    return clip_by(g, n, sq, max_norm);
+    return clip_by(g, n, pp_sq(t, g, sq), max_norm);
 }
 
 /* The same under tensor or expert parallelism: replicated tensors count
@@ -624,7 +632,7 @@ static double clip_tp(trainer *t, float *g, size_t n) {
         comm_allreduce(f->comm, &sq, 1, COMM_F64, COMM_SUM);
     }
     comm_allreduce(t->tp->comm, &sq, 1, COMM_F64, COMM_SUM);
-    return clip_by(g, n, sq, t->cfg.max_norm);
+    return clip_by(g, n, pp_sq(t, g, sq), t->cfg.max_norm);
 }
 
 /* Scales g[n] so that its norm (sqrt(sq), the whole model's) is at most max_norm. */
@@ -675,7 +683,7 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
     } else if (t->fsdp) { /* AdamW is elementwise: stepping the slices is stepping the model */
         fsdp *f = t->fsdp;
         norm = t->tp ? clip_tp(t, f->grads, f->shard_n)
-                     : clip_sharded(f->grads, f->shard_n, t->cfg.max_norm, &t->mesh.shard);
+                     : clip_sharded(t, f->grads, f->shard_n, t->cfg.max_norm, &t->mesh.shard);
         m->k.adamw_step(&t->opt, f->params, f->grads, cur_lr, &t->hp);
         memset(f->grads, 0, f->shard_n * sizeof(float));
     } else {
@@ -832,16 +840,17 @@ static int validate(trainer *t, ds *val, int step, FILE *mf) {
     int32_t *x = ct_malloc((size_t)B * T * sizeof(int32_t)), *y = ct_malloc((size_t)B * T * sizeof(int32_t));
     double sum = 0, t0 = ct_now();
     long n = 0;
-    if (t->fsdp) t->fsdp->fwd_only = 1; /* forward only: every layer is freed right after its forward */
+    fsdp *f = t->pp ? NULL : t->fsdp; /* a pipeline's stages open their own FSDP micro-batches */
+    if (f) f->fwd_only = 1; /* forward only: every layer is freed right after its forward */
     for (long i = 0; i < batches; i++) {
         long nv = 0;
         ds_next(val, x, y, B);
-        if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
+        if (f) fsdp_microbatch_begin(f);
         sum += t->pp ? pp_eval(t->pp, m, x, y, B, T, &nv) : lm_loss(m, x, y, B, T, &nv);
-        if (t->fsdp) fsdp_microbatch_end(t->fsdp);
+        if (f) fsdp_microbatch_end(f);
         n += nv;
     }
-    if (t->fsdp) t->fsdp->fwd_only = 0;
+    if (f) f->fwd_only = 0;
     /* every data-parallel rank evaluated its own windows; a pipeline's last stage scored them */
     int64_t nn = n;
     if (t->pp) {
