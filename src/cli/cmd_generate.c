@@ -33,6 +33,7 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/fs.h"
 #include "core/timer.h"
 #include "data/jinja.h"
 #include "hub/hub.h"
@@ -168,9 +169,10 @@ static int gen_is_dir(const char *p) {
 }
 
 static int gen_file_exists(const char *dir, const char *name) {
-    char p[4200];
-    snprintf(p, sizeof p, "%s/%s", dir, name);
-    return access(p, R_OK) == 0;
+    char *p = fs_join(dir, name);
+    int ok = access(p, R_OK) == 0;
+    free(p);
+    return ok;
 }
 
 /* "1 2, 3" -> ids; 2 on anything that is not a non-negative integer. */
@@ -201,21 +203,14 @@ static void gen_add_stop(tok_ids *stops, int32_t id) {
 /* eos_token_id (an int or a list of ints) of DIR/generation_config.json, or
  * of DIR/config.json when the former does not exist. */
 static int gen_read_eos(const char *dir, tok_ids *stops, ct_err *e) {
-    char path[4200];
     const char *file = gen_file_exists(dir, "generation_config.json") ? "generation_config.json" : "config.json";
-    snprintf(path, sizeof path, "%s/%s", dir, file);
-    FILE *f = fopen(path, "rb");
-    if (!f) return ct_fail(e, CT_ERR_IO, "%s: cannot open", path);
-    char *text = NULL;
-    size_t len = 0, cap = 0;
-    for (;;) {
-        if (len + 4096 > cap) text = realloc(text, cap = 2 * cap + 4096);
-        if (!text) { fclose(f); return ct_fail(e, CT_ERR_IO, "%s: out of memory", path); }
-        size_t got = fread(text + len, 1, 4096, f);
-        len += got;
-        if (got < 4096) break;
+    char *path = fs_join(dir, file);
+    size_t len = 0;
+    char *text = fs_read_file(path, 0, &len, e);
+    if (!text) {
+        free(path);
+        return e->code;
     }
-    fclose(f);
     cJSON *root = cJSON_ParseWithLength(text, len);
     free(text);
     int rc = 0;
@@ -232,6 +227,7 @@ static int gen_read_eos(const char *dir, tok_ids *stops, ct_err *e) {
         }
     }
     cJSON_Delete(root);
+    free(path);
     return rc;
 }
 
