@@ -31,6 +31,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checkpoint/hf.h"
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "core/fs.h"
@@ -91,8 +92,9 @@ static const cli_opt gen_cli_options[] = {
 
 void cli_generate_help(void) {
     printf("usage: ctitan generate --checkpoint DIR (--prompt TEXT | --prompt-ids IDS) [options]\n\n"
-           "Continues a prompt with a Qwen3 model, using a KV cache. Stops at --max-tokens or at an end\n"
-           "token (the tokenizer's EOS, <|im_end|>, eos_token_id of generation_config.json).\n");
+           "Continues a prompt with a model of any supported family (docs/families.md), using a KV\n"
+           "cache. Stops at --max-tokens or at an end token (the tokenizer's EOS, <|im_end|>,\n"
+           "eos_token_id of generation_config.json).\n");
     cli_print_options(stdout, gen_cli_options, CLI_NOPTS(gen_cli_options));
 }
 
@@ -383,7 +385,7 @@ int cli_generate(int argc, char **argv) {
         /* transformers goes on too (RoPE is defined everywhere); only say so */
         fprintf(stderr, "generate: warning: %zu positions exceed max_position_embeddings (%d) of %s/config.json\n",
                 prompt.n + (size_t)a.max_tokens, cfg.max_pos, a.checkpoint);
-    if (!rc) rc = gen_model_open_adapter(&gm, a.checkpoint, a.adapter, (int)prompt.n + a.max_tokens, &e);
+    if (!rc) rc = hf_gen_open(&gm, a.checkpoint, a.adapter, (int)prompt.n + a.max_tokens, &e);
     double t_load = ct_now();
     if (!rc) {
         gen_printer pr = {t, a.ids, {0}, 0};
