@@ -76,12 +76,6 @@ typedef struct {
 
 /* ------------------------------------------------------------- helpers */
 
-static int ckpt_join(char *out, const char *dir, const char *name, ct_err *e) {
-    int k = snprintf(out, CKPT_PATH, "%s/%s", dir, name);
-    if (k < 0 || k >= CKPT_PATH) return ct_fail(e, CT_ERR_IO, "%s/%s: path too long", dir, name);
-    return 0;
-}
-
 static int ckpt_is_dir(const char *p) {
     struct stat st;
     return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
@@ -122,18 +116,6 @@ static int ckpt_temp_of(const char *name, int *step, long *pid) {
     return kind;
 }
 
-/* fsync a file or directory by path. Directories that cannot be synced
- * (some filesystems answer EINVAL) are not an error: nothing more can be done. */
-static int ckpt_fsync_path(const char *path, int is_dir, ct_err *e) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | (is_dir ? O_DIRECTORY : 0));
-    if (fd < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot open to sync: %s", path, strerror(errno));
-    int rc = 0;
-    if (fsync(fd) != 0 && !(is_dir && errno == EINVAL))
-        rc = ct_fail(e, CT_ERR_IO, "%s: cannot sync: %s", path, strerror(errno));
-    if (close(fd) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: cannot close: %s", path, strerror(errno));
-    return rc;
-}
-
 /* Writes len bytes to a new file PATH and fsyncs it; every call checked. */
 static int ckpt_write_file(const char *path, const char *text, size_t len, ct_err *e) {
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -149,41 +131,6 @@ static int ckpt_write_file(const char *path, const char *text, size_t len, ct_er
     if (!rc && fsync(fd) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot sync: %s", path, strerror(errno));
     if (close(fd) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: cannot close: %s", path, strerror(errno));
     return rc;
-}
-
-/* Reads a whole file of at most `cap` bytes; *out malloc'd and NUL-terminated. */
-static int ckpt_read_text(const char *path, size_t cap, char **out, size_t *len, ct_err *e) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return ct_fail(e, CT_ERR_FORMAT, "%s: not a regular file", path);
-    }
-    if ((uint64_t)st.st_size > cap) {
-        close(fd);
-        return ct_fail(e, CT_ERR_FORMAT, "%s: %lld bytes, more than the %zu a valid one can have", path,
-                       (long long)st.st_size, cap);
-    }
-    size_t n = (size_t)st.st_size;
-    char *buf = ct_malloc(n + 1);
-    size_t done = 0;
-    while (done < n) {
-        ssize_t k = read(fd, buf + done, n - done);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) {
-            int err = errno;
-            close(fd);
-            free(buf);
-            return ct_fail(e, CT_ERR_IO, "%s: read failed: %s", path, k < 0 ? strerror(err) : "file shrank");
-        }
-        done += (size_t)k;
-    }
-    close(fd);
-    buf[n] = 0;
-    *out = buf;
-    if (len) *len = n;
-    return 0;
 }
 
 /* Streams a file through XXH3-64. */
@@ -280,7 +227,7 @@ static int ckpt_check_self(const char *mpath, const char *text, size_t len, ct_e
  * required files, step matching the directory name). */
 static int ckpt_read_manifest(const char *dir, ckpt_manifest *man, ct_err *e) {
     char mpath[CKPT_PATH];
-    int rc = ckpt_join(mpath, dir, "manifest.json", e);
+    int rc = fs_join_buf(mpath, CKPT_PATH, dir, "manifest.json", e);
     if (rc) return rc;
     struct stat st;
     if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
@@ -288,9 +235,9 @@ static int ckpt_read_manifest(const char *dir, ckpt_manifest *man, ct_err *e) {
                        errno == ENOENT ? "missing" : "not a directory");
     if (stat(mpath, &st) != 0)
         return ct_fail(e, CT_ERR_FORMAT, "%s: missing (an incomplete or damaged checkpoint)", mpath);
-    char *text = NULL;
     size_t len = 0;
-    if ((rc = ckpt_read_text(mpath, CKPT_MANIFEST_MAX, &text, &len, e))) return rc;
+    char *text = fs_read_file(mpath, CKPT_MANIFEST_MAX, &len, e);
+    if (!text) return e ? e->code : CT_ERR_IO;
     if ((rc = ckpt_check_self(mpath, text, len, e))) {
         free(text);
         return rc;
@@ -374,7 +321,7 @@ static int ckpt_check_files(const char *dir, const ckpt_manifest *man, int full,
     char p[CKPT_PATH];
     for (int i = 0; i < man->n; i++) {
         const ckpt_file *f = &man->f[i];
-        int rc = ckpt_join(p, dir, f->name, e);
+        int rc = fs_join_buf(p, CKPT_PATH, dir, f->name, e);
         if (rc) return rc;
         struct stat st;
         if (stat(p, &st) != 0)
@@ -454,7 +401,7 @@ static int ckpt_write_manifest(const char *tmp, int step, int model_only, const 
     *total = 0;
     for (int i = 0; i < n && !rc; i++) {
         uint64_t bytes, hash;
-        rc = ckpt_join(p, tmp, names[i], e);
+        rc = fs_join_buf(p, CKPT_PATH, tmp, names[i], e);
         if (!rc) rc = ckpt_hash_file(p, &bytes, &hash, e);
         if (rc) break;
         *total += bytes;
@@ -465,7 +412,7 @@ static int ckpt_write_manifest(const char *tmp, int step, int model_only, const 
      * the manifest is reported as such, not as a mismatch of another file */
     k += (size_t)snprintf(buf + k, cap - k, "\n  }%s", CKPT_SELF_KEY);
     k += (size_t)snprintf(buf + k, cap - k, "%016llx\"\n}\n", (unsigned long long)XXH3_64bits(buf, k));
-    if (!rc) rc = ckpt_join(p, tmp, "manifest.json", e);
+    if (!rc) rc = fs_join_buf(p, CKPT_PATH, tmp, "manifest.json", e);
     if (!rc) rc = ckpt_write_file(p, buf, k, e);
     if (!rc) *total += k;
     free(buf);
@@ -474,12 +421,12 @@ static int ckpt_write_manifest(const char *tmp, int step, int model_only, const 
 
 /* Puts the complete dir `tmp` in place as `final`, replacing what is there. */
 static int ckpt_publish(const char *folder, const char *tmp, const char *final, int step, ct_err *e) {
-    if (rename(tmp, final) == 0) return ckpt_fsync_path(folder, 1, e);
+    if (rename(tmp, final) == 0) return fs_fsync(folder, 1, e);
     if (errno != ENOTEMPTY && errno != EEXIST)
         return ct_fail(e, CT_ERR_IO, "%s: cannot rename %s to it: %s", final, tmp, strerror(errno));
     /* step-N exists: swap atomically, then the old contents sit in tmp */
     if (renameat2(AT_FDCWD, tmp, AT_FDCWD, final, RENAME_EXCHANGE) == 0) {
-        int rc = ckpt_fsync_path(folder, 1, e);
+        int rc = fs_fsync(folder, 1, e);
         if (!rc) rc = ct_rm_tree(tmp, e);
         return rc;
     }
@@ -487,7 +434,7 @@ static int ckpt_publish(const char *folder, const char *tmp, const char *final, 
         return ct_fail(e, CT_ERR_IO, "%s: cannot replace it with %s: %s", final, tmp, strerror(errno));
     char aside[CKPT_PATH], name[64];
     snprintf(name, sizeof name, ".step-%d.old-%ld", step, (long)getpid());
-    int rc = ckpt_join(aside, folder, name, e);
+    int rc = fs_join_buf(aside, CKPT_PATH, folder, name, e);
     if (rc) return rc;
     if (rename(final, aside) != 0)
         return ct_fail(e, CT_ERR_IO, "%s: cannot move it aside to %s: %s", final, aside, strerror(errno));
@@ -496,7 +443,7 @@ static int ckpt_publish(const char *folder, const char *tmp, const char *final, 
         rename(aside, final); /* best effort: put the old one back */
         return ct_fail(e, CT_ERR_IO, "%s: cannot rename %s to it: %s", final, tmp, strerror(err));
     }
-    rc = ckpt_fsync_path(folder, 1, e);
+    rc = fs_fsync(folder, 1, e);
     if (!rc) rc = ct_rm_tree(aside, e);
     return rc;
 }
@@ -534,9 +481,9 @@ int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_
     snprintf(s->folder, sizeof s->folder, "%s", folder);
     char name[64], p[CKPT_PATH];
     snprintf(name, sizeof name, ".step-%d.tmp-%ld", step, (long)getpid());
-    int rc = ckpt_join(s->tmp, folder, name, e);
+    int rc = fs_join_buf(s->tmp, CKPT_PATH, folder, name, e);
     snprintf(name, sizeof name, "step-%d", step);
-    if (!rc) rc = ckpt_join(s->final, folder, name, e);
+    if (!rc) rc = fs_join_buf(s->final, CKPT_PATH, folder, name, e);
     if (!rc) rc = ct_mkdirs(folder, e);
     if (!rc) rc = ct_rm_tree(s->tmp, e); /* left by an earlier crash of a process with our pid */
     if (rc) {
@@ -548,7 +495,7 @@ int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_
         free(s);
         return rc;
     }
-    if (!(rc = ckpt_join(p, s->tmp, "model.safetensors", e))) rc = ckpt_open_file(&s->st, p, m, 0, e);
+    if (!(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "model.safetensors", e))) rc = ckpt_open_file(&s->st, p, m, 0, e);
     if (rc) {
         ckpt_stream_free(s, 1);
         return rc;
@@ -575,7 +522,8 @@ int ckpt_stream_put(ckpt_stream *s, const float *x, size_t n, ct_err *e) {
         s->file++;
         if (!rc && s->file == 1 && !s->model_only) {
             char p[CKPT_PATH];
-            if (!(rc = ckpt_join(p, s->tmp, "optim.safetensors", e))) rc = ckpt_open_file(&s->st, p, s->m, 1, e);
+            if (!(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "optim.safetensors", e)))
+                rc = ckpt_open_file(&s->st, p, s->m, 1, e);
         }
         if (rc) return rc;
     }
@@ -600,20 +548,22 @@ int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_t
         rc = ct_fail(e, CT_ERR_IO, "%s: a full checkpoint needs the trainer state (state.json)", s->final);
     if (!rc && state_json) {
         names[n++] = "state.json";
-        if (!(rc = ckpt_join(p, s->tmp, "state.json", e))) rc = ckpt_write_file(p, state_json, strlen(state_json), e);
+        if (!(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "state.json", e)))
+            rc = ckpt_write_file(p, state_json, strlen(state_json), e);
     }
     if (!rc && config_toml) {
         names[n++] = "config.toml";
-        if (!(rc = ckpt_join(p, s->tmp, "config.toml", e)))
+        if (!(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "config.toml", e)))
             rc = ckpt_write_file(p, config_toml, strlen(config_toml), e);
     }
     if (!rc) {
         names[n++] = "config.json";
-        if (!(rc = ckpt_join(p, s->tmp, "config.json", e))) rc = lm_config_write_hf(&s->m->cfg, p, "float32", e);
-        if (!rc) rc = ckpt_fsync_path(p, 0, e);
+        if (!(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "config.json", e)))
+            rc = lm_config_write_hf(&s->m->cfg, p, "float32", e);
+        if (!rc) rc = fs_fsync(p, 0, e);
     }
     if (!rc) rc = ckpt_write_manifest(s->tmp, s->step, s->model_only, names, n, &total, e);
-    if (!rc) rc = ckpt_fsync_path(s->tmp, 1, e);
+    if (!rc) rc = fs_fsync(s->tmp, 1, e);
     if (!rc) rc = ckpt_publish(s->folder, s->tmp, s->final, s->step, e);
     if (rc) {
         ckpt_stream_free(s, 1);
@@ -665,7 +615,7 @@ static int ckpt_list_all(const char *folder, int **out, int *n) {
     char p[CKPT_PATH];
     while ((de = readdir(d))) {
         int s = ckpt_step_of(de->d_name);
-        if (s < 0 || ckpt_join(p, folder, de->d_name, NULL) || !ckpt_is_dir(p)) continue;
+        if (s < 0 || fs_join_buf(p, CKPT_PATH, folder, de->d_name, NULL) || !ckpt_is_dir(p)) continue;
         if (cnt == cap) {
             cap *= 2;
             int *nv = realloc(v, (size_t)cap * sizeof *nv);
@@ -703,7 +653,7 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
         int present = 0;
         for (int i = 0; i < n; i++) present |= v[i] == load_step;
         snprintf(name, sizeof name, "step-%d", load_step);
-        rc = ckpt_join(p, folder, name, e);
+        rc = fs_join_buf(p, CKPT_PATH, folder, name, e);
         if (!rc && !present) rc = ct_fail(e, CT_ERR_IO, "%s: no such checkpoint (load_step %d)", p, load_step);
         if (!rc) {
             ct_err ve = {0};
@@ -717,7 +667,7 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
         int damaged = 0;
         for (int i = n - 1; i >= 0 && chosen < 0 && !rc; i--) {
             snprintf(name, sizeof name, "step-%d", v[i]);
-            if ((rc = ckpt_join(p, folder, name, e))) break;
+            if ((rc = fs_join_buf(p, CKPT_PATH, folder, name, e))) break;
             ct_err ve = {0};
             if (ckpt_verify(p, &ve) == 0) {
                 chosen = v[i];
@@ -797,7 +747,7 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
     int rc = lm_config_from_hf(&c, dir, e);
     if (rc) return rc;
     char p[CKPT_PATH];
-    if ((rc = ckpt_join(p, dir, "config.json", e))) return rc;
+    if ((rc = fs_join_buf(p, CKPT_PATH, dir, "config.json", e))) return rc;
 #define CKPT_SAME(field, key)                                                                                     \
     if (c.field != mc->field)                                                                                    \
         return ct_fail(e, CT_ERR_CONFIG, "%s: %s is %.17g but the model being trained has %.17g", p, key,        \
@@ -845,14 +795,14 @@ int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state
                        "%s: a model-only checkpoint (no optim.safetensors): it can seed a run, not resume one", dir);
     if ((rc = ckpt_check_config(dir, &m->cfg, e))) return rc;
     char p[CKPT_PATH];
-    if ((rc = ckpt_join(p, dir, "model.safetensors", e))) return rc;
+    if ((rc = fs_join_buf(p, CKPT_PATH, dir, "model.safetensors", e))) return rc;
     st_file *f = st_open(p, e);
     if (!f) return e ? e->code : CT_ERR_FORMAT;
     rc = ckpt_load_tensors(f, m, "", sink, LM_PARAMS, e);
     st_close(f);
     if (rc) return rc;
     if (moments) {
-        if ((rc = ckpt_join(p, dir, "optim.safetensors", e))) return rc;
+        if ((rc = fs_join_buf(p, CKPT_PATH, dir, "optim.safetensors", e))) return rc;
         if (!(f = st_open(p, e))) return e ? e->code : CT_ERR_FORMAT;
         /* the file holds both moments: check each half, then that nothing else is there */
         const char *sfx[2] = {".exp_avg", ".exp_avg_sq"};
@@ -901,8 +851,8 @@ int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state
         int listed = 0;
         for (int i = 0; i < man.n; i++) listed |= !strcmp(man.f[i].name, "state.json");
         if (listed) {
-            if ((rc = ckpt_join(p, dir, "state.json", e))) return rc;
-            if ((rc = ckpt_read_text(p, CKPT_TEXT_MAX, state_json, NULL, e))) return rc;
+            if ((rc = fs_join_buf(p, CKPT_PATH, dir, "state.json", e))) return rc;
+            if (!(*state_json = fs_read_file(p, CKPT_TEXT_MAX, NULL, e))) return e ? e->code : CT_ERR_IO;
         }
     }
     if (info) {
@@ -922,13 +872,13 @@ int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state
 static int ckpt_remove_step(const char *folder, int step, ct_err *e) {
     char from[CKPT_PATH], aside[CKPT_PATH], name[64];
     snprintf(name, sizeof name, "step-%d", step);
-    int rc = ckpt_join(from, folder, name, e);
+    int rc = fs_join_buf(from, CKPT_PATH, folder, name, e);
     snprintf(name, sizeof name, ".step-%d.del-%ld", step, (long)getpid());
-    if (!rc) rc = ckpt_join(aside, folder, name, e);
+    if (!rc) rc = fs_join_buf(aside, CKPT_PATH, folder, name, e);
     if (rc) return rc;
     if (rename(from, aside) != 0)
         return ct_fail(e, CT_ERR_IO, "%s: cannot move it aside for removal: %s", from, strerror(errno));
-    rc = ckpt_fsync_path(folder, 1, e);
+    rc = fs_fsync(folder, 1, e);
     if (!rc) rc = ct_rm_tree(aside, e);
     return rc;
 }
@@ -952,10 +902,10 @@ int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e) {
         long pid;
         int kind = ckpt_temp_of(de->d_name, &step, &pid);
         if (!kind || ckpt_pid_alive(pid)) continue;
-        if ((rc = ckpt_join(p, folder, de->d_name, e))) break;
+        if ((rc = fs_join_buf(p, CKPT_PATH, folder, de->d_name, e))) break;
         if (kind == 'o') {
             snprintf(name, sizeof name, "step-%d", step);
-            if ((rc = ckpt_join(q, folder, name, e))) break;
+            if ((rc = fs_join_buf(q, CKPT_PATH, folder, name, e))) break;
             struct stat st;
             if (stat(q, &st) != 0 && errno == ENOENT) {
                 if (rename(p, q) != 0)
@@ -973,7 +923,7 @@ int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e) {
     int kept = 0, oldest_kept = -1;
     for (int i = n - 1; i >= 0 && kept < keep_latest_k; i--) {
         snprintf(name, sizeof name, "step-%d", v[i]);
-        if ((rc = ckpt_join(p, folder, name, e))) break;
+        if ((rc = fs_join_buf(p, CKPT_PATH, folder, name, e))) break;
         ckpt_manifest man;
         ct_err ve = {0};
         /* only full checkpoints count: a final model-only save must not push out

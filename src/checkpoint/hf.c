@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "formats/safetensors.h"
+#include "model/lora.h"
 
 int hf_dtype_from_name(const char *name) {
     if (!strcmp(name, "float32")) return CT_F32;
@@ -113,4 +114,33 @@ int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     return lm_config_write_hf(&m->cfg, path, torch_dtype_name(dtype), e);
+}
+
+/* ------------------------------------------------------------ generation */
+
+typedef struct {
+    const char *dir, *adapter;
+} hf_gen_src;
+
+static int hf_gen_load(lm_model *m, void *ctx, ct_err *e) {
+    const hf_gen_src *src = ctx;
+    int rc = hf_load(m, src->dir, e);
+    if (!rc && src->adapter) {
+        lm_copy_ctx cc;
+        lm_sink sink = lm_copy_sink(&cc, m, NULL, NULL);
+        rc = lora_load_peft_each(m, src->adapter, &sink, e);
+    }
+    return rc;
+}
+
+int hf_gen_open(gen_model **out, const char *dir, const char *adapter, int max_len, ct_err *e) {
+    *out = NULL;
+    lm_config cfg;
+    double alpha;
+    int rslora;
+    int rc = lm_config_from_hf(&cfg, dir, e);
+    if (!rc && adapter) rc = lora_read_config(adapter, &cfg, &alpha, &rslora, e);
+    hf_gen_src src = {dir, adapter};
+    if (!rc) rc = gen_model_new(out, &cfg, max_len, hf_gen_load, &src, e);
+    return rc;
 }

@@ -10,6 +10,7 @@
 
 #include "core/dtype.h"
 #include "core/err.h"
+#include "model/generate.h"
 #include "model/lm.h"
 
 int hf_load(lm_model *m, const char *dir, ct_err *e);
@@ -21,5 +22,12 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
 int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e);
 /* "float32" | "bfloat16" | "float16" -> dtype; -1 if unknown. */
 int hf_dtype_from_name(const char *name);
+
+/* DIR (config.json and its safetensors) as an inference model for max_len
+ * positions (model/generate.h), with the PEFT LoRA adapter directory
+ * (model/lora.h) applied beside the base weights, unmerged, as PeftModel runs
+ * it; adapter NULL: none. The file side of generation lives here, so
+ * model/generate.c reads no checkpoint. */
+int hf_gen_open(gen_model **out, const char *dir, const char *adapter, int max_len, ct_err *e);
 
 #endif

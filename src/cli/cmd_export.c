@@ -28,6 +28,7 @@
 #include "checkpoint/hf.h"
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/fs.h"
 #include "core/timer.h"
 #include "formats/toml.h"
 #include "hub/hub.h"
@@ -145,42 +146,24 @@ static int exp_same_file(const char *a, const char *b) {
     return stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
 }
 
-/* Copies SRC to DST through DST.tmp (fsync, rename): a reader never sees half a file. */
+/* Copies SRC to DST through DST.tmp (core/fs: fsync, rename): a reader never sees half a file. */
 static int exp_copy_file(const char *src, const char *dst, ct_err *e) {
     FILE *in = fopen(src, "rb");
     if (!in) return ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", src, strerror(errno));
-    size_t dl = strlen(dst);
-    char *tmp = ct_malloc(dl + 5);
-    memcpy(tmp, dst, dl);
-    memcpy(tmp + dl, ".tmp", 5);
-    FILE *out = fopen(tmp, "wb");
-    if (!out) {
-        fclose(in);
-        int rc = ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-        free(tmp);
-        return rc;
-    }
+    fs_atomic out;
+    int rc = fs_atomic_open(&out, dst, e);
     char buf[65536];
     size_t k;
     int ok = 1;
-    while (ok && (k = fread(buf, 1, sizeof buf, in)) > 0) ok = fwrite(buf, 1, k, out) == k;
+    while (!rc && ok && (k = fread(buf, 1, sizeof buf, in)) > 0) ok = fwrite(buf, 1, k, out.fp) == k;
     int rerr = ferror(in);
     fclose(in);
-    if (ok) ok = fflush(out) == 0 && fsync(fileno(out)) == 0;
-    int err = errno;
-    if (fclose(out) != 0 && ok) {
-        ok = 0;
-        err = errno;
+    if (rc) return rc;
+    if (rerr) {
+        fs_atomic_abort(&out);
+        return ct_fail(e, CT_ERR_IO, "%s: read failed", src);
     }
-    if (ok && !rerr && rename(tmp, dst) == 0) {
-        free(tmp);
-        return 0;
-    }
-    if (ok && !rerr) err = errno;
-    unlink(tmp);
-    free(tmp);
-    if (rerr) return ct_fail(e, CT_ERR_IO, "%s: read failed", src);
-    return ct_fail(e, CT_ERR_IO, "%s: write failed: %s", dst, strerror(err ? err : EIO));
+    return fs_atomic_commit(&out, e); /* a failed fwrite is "DST: write failed" */
 }
 
 /* model.hf_assets_path from DIR/config.toml, or "" (malloc'd); *rev: its model.hf_revision
@@ -210,11 +193,12 @@ static char *exp_assets_path(const char *ckdir, char **rev) {
 static int exp_copy_tokenizer(const char *src, const char *out, ct_err *e) {
     int n = 0;
     for (size_t i = 0; i < sizeof exp_tok_files / sizeof exp_tok_files[0]; i++) {
-        char s[4200], d[4200];
-        snprintf(s, sizeof s, "%s/%s", src, exp_tok_files[i]);
-        snprintf(d, sizeof d, "%s/%s", out, exp_tok_files[i]);
-        if (access(s, R_OK) != 0) continue;
-        if (exp_copy_file(s, d, e)) return -1;
+        char *s = fs_join(src, exp_tok_files[i]), *d = fs_join(out, exp_tok_files[i]);
+        int skip = access(s, R_OK) != 0, rc = skip ? 0 : exp_copy_file(s, d, e);
+        free(s);
+        free(d);
+        if (rc) return -1;
+        if (skip) continue;
         printf("  copied %s\n", exp_tok_files[i]);
         n++;
     }

@@ -31,8 +31,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checkpoint/hf.h"
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/fs.h"
 #include "core/timer.h"
 #include "data/jinja.h"
 #include "hub/hub.h"
@@ -90,8 +92,9 @@ static const cli_opt gen_cli_options[] = {
 
 void cli_generate_help(void) {
     printf("usage: ctitan generate --checkpoint DIR (--prompt TEXT | --prompt-ids IDS) [options]\n\n"
-           "Continues a prompt with a Qwen3 model, using a KV cache. Stops at --max-tokens or at an end\n"
-           "token (the tokenizer's EOS, <|im_end|>, eos_token_id of generation_config.json).\n");
+           "Continues a prompt with a model of any supported family (docs/families.md), using a KV\n"
+           "cache. Stops at --max-tokens or at an end token (the tokenizer's EOS, <|im_end|>,\n"
+           "eos_token_id of generation_config.json).\n");
     cli_print_options(stdout, gen_cli_options, CLI_NOPTS(gen_cli_options));
 }
 
@@ -168,9 +171,10 @@ static int gen_is_dir(const char *p) {
 }
 
 static int gen_file_exists(const char *dir, const char *name) {
-    char p[4200];
-    snprintf(p, sizeof p, "%s/%s", dir, name);
-    return access(p, R_OK) == 0;
+    char *p = fs_join(dir, name);
+    int ok = access(p, R_OK) == 0;
+    free(p);
+    return ok;
 }
 
 /* "1 2, 3" -> ids; 2 on anything that is not a non-negative integer. */
@@ -201,21 +205,14 @@ static void gen_add_stop(tok_ids *stops, int32_t id) {
 /* eos_token_id (an int or a list of ints) of DIR/generation_config.json, or
  * of DIR/config.json when the former does not exist. */
 static int gen_read_eos(const char *dir, tok_ids *stops, ct_err *e) {
-    char path[4200];
     const char *file = gen_file_exists(dir, "generation_config.json") ? "generation_config.json" : "config.json";
-    snprintf(path, sizeof path, "%s/%s", dir, file);
-    FILE *f = fopen(path, "rb");
-    if (!f) return ct_fail(e, CT_ERR_IO, "%s: cannot open", path);
-    char *text = NULL;
-    size_t len = 0, cap = 0;
-    for (;;) {
-        if (len + 4096 > cap) text = realloc(text, cap = 2 * cap + 4096);
-        if (!text) { fclose(f); return ct_fail(e, CT_ERR_IO, "%s: out of memory", path); }
-        size_t got = fread(text + len, 1, 4096, f);
-        len += got;
-        if (got < 4096) break;
+    char *path = fs_join(dir, file);
+    size_t len = 0;
+    char *text = fs_read_file(path, 0, &len, e);
+    if (!text) {
+        free(path);
+        return e->code;
     }
-    fclose(f);
     cJSON *root = cJSON_ParseWithLength(text, len);
     free(text);
     int rc = 0;
@@ -232,6 +229,7 @@ static int gen_read_eos(const char *dir, tok_ids *stops, ct_err *e) {
         }
     }
     cJSON_Delete(root);
+    free(path);
     return rc;
 }
 
@@ -387,7 +385,7 @@ int cli_generate(int argc, char **argv) {
         /* transformers goes on too (RoPE is defined everywhere); only say so */
         fprintf(stderr, "generate: warning: %zu positions exceed max_position_embeddings (%d) of %s/config.json\n",
                 prompt.n + (size_t)a.max_tokens, cfg.max_pos, a.checkpoint);
-    if (!rc) rc = gen_model_open_adapter(&gm, a.checkpoint, a.adapter, (int)prompt.n + a.max_tokens, &e);
+    if (!rc) rc = hf_gen_open(&gm, a.checkpoint, a.adapter, (int)prompt.n + a.max_tokens, &e);
     double t_load = ct_now();
     if (!rc) {
         gen_printer pr = {t, a.ids, {0}, 0};

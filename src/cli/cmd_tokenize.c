@@ -110,7 +110,7 @@ int cli_tokenize(int argc, char **argv) {
         tok_ids_free(&v);
     } else {
         size_t len = 0;
-        char *buf = file ? ct_read_file(file, &len, NULL) : NULL;
+        char *buf = file ? fs_read_file(file, 0, &len, NULL) : NULL;
         if (file && !buf) rc = cli_fail(1, "%s: cannot read (--file)", file);
         tok_enc *enc = rc ? NULL : tok_enc_new(t);
         tok_ids out = {0};

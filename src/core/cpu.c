@@ -381,7 +381,7 @@ void cpu_cache_path(char *out, size_t cap, const char *name) {
     char dir[1024];
     snprintf(dir, sizeof dir, "%s/.cache/ctitan", home && *home ? home : "/tmp");
     ct_mkdirs(dir, NULL); /* best effort: a cache that cannot be written is measured again */
-    snprintf(out, cap, "%s/%s", dir, name);
+    fs_join_buf(out, cap, dir, name, NULL); /* dir is at most 1 KiB: callers' buffers hold it */
 }
 
 static void cache_path(char *out, size_t cap, const char *isa, int threads) {

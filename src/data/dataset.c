@@ -19,6 +19,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "core/fs.h"
 #include "core/rng.h"
 #include "core/timer.h"
 #include "formats/npy.h"
@@ -145,28 +146,11 @@ static int add_token_file(ds *d, const char *path, const char *mask_path, ct_err
     return 0;
 }
 
-static char *join(const char *dir, const char *name) {
-    size_t n = strlen(dir) + strlen(name) + 2;
-    char *p = ct_malloc(n);
-    snprintf(p, n, "%s/%s", dir, name);
-    return p;
-}
-
 /* The shards of a meta.json, in its order, each checked against its count. */
 static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
-    FILE *f = fopen(meta, "rb");
-    if (!f) return ct_fail(e, CT_ERR_IO, "%s: cannot open (%s)", meta, strerror(errno));
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    if (size < 0 || size > (1L << 30)) {
-        fclose(f);
-        return ct_fail(e, CT_ERR_FORMAT, "%s: unreadable or too large", meta);
-    }
-    char *text = ct_malloc((size_t)size + 1);
-    size_t got = fread(text, 1, (size_t)size, f);
-    fclose(f);
-    text[got] = 0;
+    size_t got;
+    char *text = fs_read_file(meta, (size_t)1 << 30, &got, e);
+    if (!text) return e ? e->code : CT_ERR_IO;
     cJSON *j = cJSON_ParseWithLength(text, got);
     free(text);
     int rc = 0;
@@ -190,7 +174,7 @@ static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
                          meta, k);
             break;
         }
-        char *fp = join(dir, file->valuestring), *mp = mask ? join(dir, mask->valuestring) : NULL;
+        char *fp = fs_join(dir, file->valuestring), *mp = mask ? fs_join(dir, mask->valuestring) : NULL;
         rc = add_token_file(d, fp, mp, e);
         if (!rc && (double)d->segs[d->n_segs - 1].n != n->valuedouble)
             rc = ct_fail(e, CT_ERR_FORMAT, "%s: holds %llu tokens, %s says %.0f (truncated or replaced?)", fp,
@@ -208,7 +192,7 @@ static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *
 
 /* A directory: meta.json when present, else every .bin/.npy by name. */
 static int add_dir(ds *d, const char *dir, ct_err *e) {
-    char *meta = join(dir, "meta.json");
+    char *meta = fs_join(dir, "meta.json");
     struct stat st;
     if (stat(meta, &st) == 0) {
         int rc = add_meta_dir(d, dir, meta, e);
@@ -240,7 +224,7 @@ static int add_dir(ds *d, const char *dir, ct_err *e) {
     qsort(names, n, sizeof *names, cmp_str);
     for (size_t i = 0; i < n; i++) {
         if (!rc) {
-            char *fp = join(dir, names[i]);
+            char *fp = fs_join(dir, names[i]);
             /* shard-00000.bin pairs with shard-00000.mask */
             char *mp = ct_malloc(strlen(fp) + 6);
             strcpy(mp, fp);

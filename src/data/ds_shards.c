@@ -31,13 +31,6 @@ struct ds_writer {
     uint64_t total;
 };
 
-static char *join(const char *dir, const char *name) {
-    size_t n = strlen(dir) + strlen(name) + 2;
-    char *p = ct_malloc(n);
-    snprintf(p, n, "%s/%s", dir, name);
-    return p;
-}
-
 static int is_ours(const char *name) {
     return !strcmp(name, "meta.json") || !strcmp(name, "meta.json.tmp") || !strncmp(name, "shard-", 6);
 }
@@ -59,7 +52,7 @@ int ds_writer_open(ds_writer **out, const char *dir, uint64_t shard_tokens, int 
                          de->d_name);
             break;
         }
-        char *p = join(dir, de->d_name);
+        char *p = fs_join(dir, de->d_name);
         if (unlink(p) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot remove (%s)", p, strerror(errno));
         free(p);
     }
@@ -92,13 +85,13 @@ static int open_shard(ds_writer *w, ct_err *e) {
     int k = w->n_shards;
     char name[64];
     snprintf(name, sizeof name, "shard-%05d.bin", k);
-    char *p = join(w->dir, name);
+    char *p = fs_join(w->dir, name);
     w->tf = fopen(p, "wb");
     int rc = w->tf ? 0 : ct_fail(e, CT_ERR_IO, "%s: cannot create (%s)", p, strerror(errno));
     free(p);
     if (!rc && w->masked == 1) {
         snprintf(name, sizeof name, "shard-%05d.mask", k);
-        p = join(w->dir, name);
+        p = fs_join(w->dir, name);
         w->mf = fopen(p, "wb");
         if (!w->mf) rc = ct_fail(e, CT_ERR_IO, "%s: cannot create (%s)", p, strerror(errno));
         free(p);
@@ -171,15 +164,9 @@ int ds_writer_finish(ds_writer *w, const char *kind, const char *tokenizer_dir, 
     for (int i = 0; i < n_inputs; i++) cJSON_AddItemToArray(in, cJSON_CreateString(inputs[i]));
     char *text = cJSON_Print(m);
     cJSON_Delete(m);
-    char *tmp = join(w->dir, "meta.json.tmp"), *fin = join(w->dir, "meta.json");
-    FILE *f = fopen(tmp, "w");
-    int rc = 0;
-    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0 || fflush(f) != 0 || fsync(fileno(f)) != 0)
-        rc = ct_fail(e, CT_ERR_IO, "%s: cannot write (%s)", tmp, strerror(errno));
-    if (f && fclose(f) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: cannot write (%s)", tmp, strerror(errno));
-    if (!rc && rename(tmp, fin) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename to meta.json (%s)", tmp, strerror(errno));
+    char *fin = fs_join(w->dir, "meta.json");
+    int rc = fs_write_text(fin, text, e); /* meta.json.tmp, then the rename */
     free(text);
-    free(tmp);
     free(fin);
     return rc;
 }

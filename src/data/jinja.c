@@ -6,6 +6,7 @@
  * builds statement and expression trees; an evaluator walks them. Every
  * allocation of a parse or a render goes to an arena freed in one go. */
 #include "data/jinja.h"
+#include "core/fs.h"
 
 #include <cjson/cJSON.h>
 #include <setjmp.h>
@@ -2317,38 +2318,12 @@ struct jinja_chat {
     char file[4400];
 };
 
-static char *read_file(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
-    for (;;) {
-        if (len + 65536 > cap) {
-            cap = 2 * cap + 65536;
-            char *nb = realloc(buf, cap + 1);
-            if (!nb) {
-                free(buf);
-                fclose(f);
-                return NULL;
-            }
-            buf = nb;
-        }
-        size_t got = fread(buf + len, 1, 65536, f);
-        len += got;
-        if (got < 65536) break;
-    }
-    fclose(f);
-    buf[len] = 0;
-    *n = len;
-    return buf;
-}
-
 int jinja_chat_open(const char *dir, jinja_chat **out, ct_err *e) {
     *out = NULL;
     char path[4200];
     size_t n = 0;
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    char *cfg_text = read_file(path, &n);
+    char *cfg_text = fs_read_file(path, 0, &n, NULL);
     int have_cfg = cfg_text != NULL;
     cJSON *cfg = have_cfg ? cJSON_ParseWithLength(cfg_text, n) : NULL;
     free(cfg_text);
@@ -2360,7 +2335,7 @@ int jinja_chat_open(const char *dir, jinja_chat **out, ct_err *e) {
     size_t srcn = 0;
     char file[4400];
     snprintf(file, sizeof file, "%s/chat_template.jinja", dir);
-    src = read_file(file, &srcn);
+    src = fs_read_file(file, 0, &srcn, NULL);
     if (!src && cfg) {
         const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
         const char *s = NULL;

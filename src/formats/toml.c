@@ -9,6 +9,7 @@
  * with a message saying so instead of a generic syntax error, so a user who
  * copied a torchtitan file knows what to change. */
 #include "formats/toml.h"
+#include "core/fs.h"
 
 #include <errno.h>
 #include <math.h>
@@ -660,26 +661,9 @@ int toml_parse_string(const char *text, size_t len, const char *name, toml_doc *
 
 int toml_parse_file(const char *path, toml_doc *doc, ct_err *e) {
     memset(doc, 0, sizeof *doc);
-    FILE *f = fopen(path, "rb");
-    if (!f) return ct_fail(e, CT_ERR_IO, "%s: cannot read: %s", path, strerror(errno));
-    size_t n = 0, cap = 4096;
-    char *buf = ct_malloc(cap);
-    for (;;) {
-        if (n == cap) {
-            cap *= 2;
-            buf = toml_grow(buf, cap);
-        }
-        size_t got = fread(buf + n, 1, cap - n, f);
-        n += got;
-        if (got == 0) break;
-    }
-    int failed = ferror(f);
-    int err = errno;
-    fclose(f);
-    if (failed) {
-        free(buf);
-        return ct_fail(e, CT_ERR_IO, "%s: cannot read: %s", path, strerror(err));
-    }
+    size_t n;
+    char *buf = fs_read_file(path, 0, &n, NULL);
+    if (!buf) return ct_fail(e, CT_ERR_IO, "%s: cannot read: %s", path, strerror(errno));
     int rc = toml_parse_string(buf, n, path, doc, e);
     free(buf);
     return rc;

@@ -421,7 +421,7 @@ int hub_token(char *out, size_t cap, const char **from) {
             return 0;
     }
     size_t len;
-    char *text = ct_read_file(path, &len, NULL);
+    char *text = fs_read_file(path, 0, &len, NULL);
     if (!text) return 0;
     int ok = clean_token(text, out, cap);
     free(text);
@@ -559,7 +559,7 @@ static void cached_commit(const hub_ctx *h, char *out, size_t cap) {
     char p[HUB_PATH];
     if (put(p, sizeof p, "%s/refs/%s", h->storage, h->rev)) return;
     size_t len;
-    char *t = ct_read_file(p, &len, NULL);
+    char *t = fs_read_file(p, 0, &len, NULL);
     if (!t) return;
     size_t n = strlen(t);
     while (n && isspace((unsigned char)t[n - 1])) t[--n] = 0;
@@ -607,7 +607,7 @@ static int write_ref(const hub_ctx *h, ct_err *e) {
     char p[HUB_PATH], tmp[HUB_PATH + 32], dir[HUB_PATH];
     if (put(p, sizeof p, "%s/refs/%s", h->storage, h->rev)) return ct_fail(e, CT_ERR_IO, "%s: path too long", h->storage);
     size_t len;
-    char *old = ct_read_file(p, &len, NULL);
+    char *old = fs_read_file(p, 0, &len, NULL);
     int same = old && !strcmp(old, h->commit);
     free(old);
     if (same) return 0;
@@ -1375,7 +1375,7 @@ static int fetch_weights(hub_ctx *h, ct_err *e) {
     char p[HUB_PATH];
     snap_path(h, h->commit, "model.safetensors.index.json", p, sizeof p);
     size_t len;
-    char *text = ct_read_file(p, &len, e);
+    char *text = fs_read_file(p, 0, &len, e);
     if (!text) return CT_ERR_IO;
     char **names;
     int n;

@@ -278,7 +278,7 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
     kern_ops sel;
     int rc = kern_select_from(&sel, t, n, cpu, ov, NULL, 0, e);
     if (rc) return rc;
-    char *cache = path ? ct_read_file(path, NULL, NULL) : NULL; /* none yet: NULL */
+    char *cache = path ? fs_read_file(path, 0, NULL, NULL) : NULL; /* none yet: NULL */
     size_t len = 0;
     if (log && logcap) log[0] = 0;
     logf_append(log, logcap, &len, "kernels:");

@@ -1,4 +1,5 @@
-/* model/generate.c: KV-cache inference and sampling for Qwen3 (see generate.h).
+/* model/generate.c: KV-cache inference and sampling for every family of
+ * model/lm.h (see generate.h).
  *
  * The layer math is the training forward's (model/lm.c) restricted to the
  * rows being fed, with two differences: K and V of each row go straight into
@@ -17,7 +18,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "checkpoint/hf.h"
 #include "kernels/ops.h"
 
 /* Rows prefilled at once: large enough for GEMM efficiency, small enough that
@@ -515,20 +515,11 @@ struct gen_model {
     gen_state g;
 };
 
-int gen_model_open(gen_model **out, const char *dir, int max_len, ct_err *e) {
-    return gen_model_open_adapter(out, dir, NULL, max_len, e);
-}
-
-int gen_model_open_adapter(gen_model **out, const char *dir, const char *adapter, int max_len, ct_err *e) {
+int gen_model_new(gen_model **out, const lm_config *cfg, int max_len, gen_load_fn load, void *ctx, ct_err *e) {
     *out = NULL;
     gen_model *gm = ct_calloc(1, sizeof *gm);
-    lm_config cfg;
-    double alpha;
-    int rslora;
-    int rc = lm_config_from_hf(&cfg, dir, e);
-    if (!rc && adapter) rc = lora_read_config(adapter, &cfg, &alpha, &rslora, e);
     /* B = T = 1 keeps the training activation plan tiny */
-    if (!rc) rc = lm_create(&gm->m, &cfg, 1, 1, e);
+    int rc = lm_create(&gm->m, cfg, 1, 1, e);
     if (!rc) rc = kern_select(&gm->m.k, NULL, NULL, 0, e); /* the fastest kernels this CPU runs */
     if (!rc) {
         /* the gradient buffer is as large as the weights and inference never
@@ -536,13 +527,8 @@ int gen_model_open_adapter(gen_model **out, const char *dir, const char *adapter
         free(gm->m.grads);
         gm->m.grads = NULL;
         gm->m.g.wte = gm->m.g.lnf = gm->m.g.lm_head = NULL;
-        memset(gm->m.g.layer, 0, (size_t)cfg.n_layers * sizeof *gm->m.g.layer);
-        rc = hf_load(&gm->m, dir, e);
-    }
-    if (!rc && adapter) {
-        lm_copy_ctx cc;
-        lm_sink sink = lm_copy_sink(&cc, &gm->m, NULL, NULL);
-        rc = lora_load_peft_each(&gm->m, adapter, &sink, e);
+        memset(gm->m.g.layer, 0, (size_t)cfg->n_layers * sizeof *gm->m.g.layer);
+        rc = load(&gm->m, ctx, e);
     }
     if (!rc) rc = gen_init(&gm->g, &gm->m, max_len, e);
     if (rc) {

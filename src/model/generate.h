@@ -1,4 +1,5 @@
-/* model/generate.h: text generation with a KV cache over a loaded Qwen3.
+/* model/generate.h: text generation with a KV cache over a loaded model
+ * (any family of model/lm.h).
  *
  * Training plans activations for B x T and saves everything backward needs;
  * generation needs none of that. A gen_state borrows the weights of a
@@ -120,15 +121,16 @@ int gen_generate(gen_state *g, const int32_t *prompt, int n_prompt, const gen_op
                  gen_token_fn on_token, void *ctx, ct_err *e);
 
 /* A model loaded for inference only, with its state: what the CLI and
- * bindings (the tests drive it through ctypes) use. gen_model_open reads
- * DIR/config.json and the safetensors beside it; the weights stay fp32 and
- * no gradient or training activation memory is kept. */
+ * bindings (the tests drive it through ctypes) use. The weights stay fp32 and
+ * no gradient or training activation memory is kept. Generation reads no
+ * file: gen_model_new builds the model for cfg and has load fill its weights
+ * (the checkpoint side supplies it: checkpoint/hf.h hf_gen_open reads a
+ * Hugging Face directory, with a PEFT adapter or without). */
 typedef struct gen_model gen_model;
 
-int gen_model_open(gen_model **out, const char *dir, int max_len, ct_err *e);
-/* The same with a PEFT LoRA adapter directory (model/lora.h) applied beside
- * the base weights, unmerged, as PeftModel runs it; adapter NULL: none. */
-int gen_model_open_adapter(gen_model **out, const char *dir, const char *adapter, int max_len, ct_err *e);
+/* Fills m's weights (m->params; its gradients are NULL); 0 or the error's code. */
+typedef int (*gen_load_fn)(lm_model *m, void *ctx, ct_err *e);
+int gen_model_new(gen_model **out, const lm_config *cfg, int max_len, gen_load_fn load, void *ctx, ct_err *e);
 void gen_model_close(gen_model *gm);
 const lm_config *gen_model_config(const gen_model *gm);
 int gen_model_vocab(const gen_model *gm);

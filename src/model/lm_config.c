@@ -394,7 +394,7 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     size_t len = 0;
-    char *text = ct_read_file(path, &len, NULL);
+    char *text = fs_read_file(path, 0, &len, NULL);
     if (!text) return ct_fail(e, CT_ERR_CONFIG, "%s: cannot read (model.hf_assets_path = \"%s\")", path, dir);
     cJSON *root = cJSON_ParseWithLength(text, len);
     free(text);

@@ -149,7 +149,7 @@ static int json_targets(const cJSON *tm, unsigned *bits, const char *path, ct_er
 
 static int check_config(const lm_model *table, const char *path, ct_err *e) {
     size_t len;
-    char *txt = ct_read_file(path, &len, e);
+    char *txt = fs_read_file(path, 0, &len, e);
     if (!txt) return e ? e->code : CT_ERR_IO;
     cJSON *o = cJSON_ParseWithLength(txt, len);
     free(txt);
@@ -207,7 +207,7 @@ int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, 
     char path[4200];
     snprintf(path, sizeof path, "%s/adapter_config.json", dir);
     size_t len;
-    char *txt = ct_read_file(path, &len, e);
+    char *txt = fs_read_file(path, 0, &len, e);
     if (!txt) return e ? e->code : CT_ERR_IO;
     cJSON *o = cJSON_ParseWithLength(txt, len);
     free(txt);
@@ -295,23 +295,9 @@ static cJSON *string_list(const char *list) {
     return a;
 }
 
-/* Writes text or a safetensors file to path through path.tmp and a rename. */
-static int write_text(const char *path, const char *txt, ct_err *e) {
-    char tmp[4400];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "w");
-    int ok = f && fputs(txt, f) >= 0 && fputc('\n', f) != EOF;
-    if (f) ok &= fclose(f) == 0;
-    if (ok && rename(tmp, path) == 0) return 0;
-    int err = errno;
-    remove(tmp);
-    return ct_fail(e, CT_ERR_IO, "%s: cannot write: %s", path, strerror(err));
-}
-
 int lora_save_peft(const lm_model *table, const float *const *data, const char *dir, const char *base,
                    double alpha, int rslora, double dropout, const char *modules_to_save, ct_err *e) {
     const lm_config *c = &table->cfg;
-    char path[4300], tmp[4400];
     int rc = ct_mkdirs(dir, e);
     if (rc) return rc;
     /* the tensors, by PEFT's keys; the config last, so a directory with
@@ -328,11 +314,9 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
         n++;
     }
     static const char *const meta[] = {"format", "pt", NULL};
-    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    rc = st_write(tmp, ts, n, meta, e);
-    if (!rc && rename(tmp, path) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename into place: %s", path, strerror(errno));
-    if (rc) remove(tmp);
+    char *path = fs_join(dir, "adapter_model.safetensors");
+    rc = st_write(path, ts, n, meta, e); /* itself through path.tmp and a rename */
+    free(path);
     free(ts);
     free(keys);
     if (rc) return rc;
@@ -357,8 +341,9 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     cJSON_AddBoolToObject(o, "use_dora", 0);
     char *txt = cJSON_Print(o);
     cJSON_Delete(o);
-    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
-    rc = write_text(path, txt, e);
+    path = fs_join(dir, "adapter_config.json");
+    rc = fs_write_text(path, txt, e);
+    free(path);
     free(txt);
     return rc;
 }

@@ -45,7 +45,7 @@ static int file_exists(const char *path) {
 
 static cJSON *parse_json(const char *path, ct_err *e) {
     size_t n;
-    char *buf = ct_read_file(path, &n, e);
+    char *buf = fs_read_file(path, 0, &n, e);
     if (!buf) return NULL;
     const char *end = NULL;
     cJSON *j = cJSON_ParseWithLengthOpts(buf, n, &end, 0);
@@ -862,7 +862,7 @@ static int load_vocab_merges(tok *t, const char *vocab_file, const char *merges_
     cJSON_Delete(j);
     if (rc) return rc;
     size_t n;
-    char *txt = ct_read_file(merges_file, &n, e);
+    char *txt = fs_read_file(merges_file, 0, &n, e);
     if (!txt) return e->code;
     size_t lines = 1;
     for (size_t i = 0; i < n; i++) lines += txt[i] == '\n';

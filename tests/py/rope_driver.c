@@ -43,7 +43,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     size_t len = 0;
-    char *text = ct_read_file(argv[1], &len, NULL);
+    char *text = fs_read_file(argv[1], 0, &len, NULL);
     if (!text) {
         fprintf(stderr, "%s: cannot read\n", argv[1]);
         return 1;

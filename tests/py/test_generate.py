@@ -142,13 +142,14 @@ class _Err(ctypes.Structure):
 
 @pytest.fixture(scope="module")
 def genlib():
-    """libctitan.so with the inference entry points of model/generate.h."""
+    """libctitan.so with the inference entry points of model/generate.h (opened by checkpoint/hf.h)."""
     so = BUILD / "libctitan.so"
     if not so.exists():
         pytest.fail(f"{so} is missing: run `make all` first", pytrace=False)
     lib = ctypes.CDLL(str(so))
     vp, i32p, fp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float)
-    lib.gen_model_open.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(_Err)]
+    lib.hf_gen_open.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                ctypes.POINTER(_Err)]
     lib.gen_model_close.argtypes = [vp]
     lib.gen_model_state.argtypes = [vp]
     lib.gen_model_state.restype = vp
@@ -159,10 +160,10 @@ def genlib():
 
 @contextlib.contextmanager
 def gen_session(genlib, model_dir, max_len):
-    """(state, vocabulary size) of a model opened through model/generate.h for max_len positions."""
+    """(state, vocabulary size) of a model opened through hf_gen_open for max_len positions."""
     err = _Err()
     h = ctypes.c_void_p()
-    assert genlib.gen_model_open(ctypes.byref(h), str(model_dir).encode(), max_len, ctypes.byref(err)) == 0, \
+    assert genlib.hf_gen_open(ctypes.byref(h), str(model_dir).encode(), None, max_len, ctypes.byref(err)) == 0, \
         err.msg.decode()
     try:
         yield genlib.gen_model_state(h), genlib.gen_model_vocab(h)
