@@ -196,8 +196,8 @@ static const cfg_option cfg_options[] = {
         .lo = 1, .help = "ranks sharing one replica's parameters, gradients and AdamW moments (FSDP); -1: the "
                          "world size divided by the other degrees"),
     OPT("parallelism", "tensor_parallel_degree", CFG_INT, tp, "1", .range = CFG_GE, .lo = 1,
-        .help = "ranks splitting each layer's heads and MLP (dense models; must divide the heads, kv heads "
-                "and intermediate size)"),
+        .help = "ranks splitting each layer's heads and MLP (dense and MoE models; must divide the heads, kv "
+                "heads, intermediate size, moe_intermediate_size, and the vocabulary when lm_head is untied)"),
     OPT("parallelism", "expert_parallel_degree", CFG_INT, ep, "1", .range = CFG_GE, .lo = 1,
         .help = "data-parallel ranks splitting the MoE experts' work (docs/distributed.md)"),
     OPT("parallelism", "pipeline_parallel_degree", CFG_INT, pp, "1", .range = CFG_GE, .lo = 1,

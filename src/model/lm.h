@@ -10,7 +10,9 @@
  * optimizer moments. Each tensor is named by its HF key, so checkpoint I/O
  * is a loop over the tensor table. Activations are planned once for
  * B x T and reused every step. Forward and backward are plain calls to the
- * ops of kernels/ops.h in llm.c style: no autograd, no allocation per step. */
+ * ops of kernels/ops.h in llm.c style: no autograd; parameters, gradients,
+ * moments and activations are allocated once (kernels and the gradient norm
+ * take small per-call scratch). */
 #ifndef CT_MODEL_LM_H
 #define CT_MODEL_LM_H
 

@@ -791,16 +791,7 @@ static void truncate_metrics(const char *path, int last_step) {
     free(line);
     if (!out) return;
     fclose(out);
-    /* temp + rename: a kill here leaves the old file or the new one, never none */
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    f = fopen(tmp, "w");
-    if (f) {
-        int ok = fwrite(keep, 1, keep_len, f) == keep_len;
-        ok &= fclose(f) == 0;
-        if (ok) rename(tmp, path);
-        else remove(tmp);
-    }
+    fs_write_atomic(path, keep, keep_len, NULL); /* a kill leaves the old file or the new one, never none */
     free(keep);
 }
 
