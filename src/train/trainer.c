@@ -930,6 +930,14 @@ int trainer_run(trainer *t, ct_err *e) {
             lm_activation_bytes(m) / 1048576.0, t->world->size, t->mesh.dp_replicate, t->mesh.dp_shard,
             t->mesh.tp, t->world->be->name, t->global_batch, cpu_threads(), fpt, peak_run / 1e9, bf16_mm ? "bf16" : "fp32", peak.threads,
             bf16_mm ? peak.bf16_isa : peak.isa, peak.source, peak.note[0] ? ": " : "", peak.note);
+    if (t->pp && rank0) {
+        const pp_sched *p = t->pp;
+        fprintf(stderr, "ctitan: pipeline_parallel %d (%s): %d stage(s) per rank, %d micro-batches of %d per step, "
+                        "simulated bubble %.1f%%; stages' first layers:",
+                t->mesh.pp, c->pp_schedule, p->S, p->M, p->mb_size, 100.0 * p->bubble);
+        for (int v = 0; v < p->V; v++) fprintf(stderr, " %d", p->first[v]);
+        fprintf(stderr, "\n");
+    }
     if (t->ep)
         fprintf(stderr, "ctitan: expert_parallel %d: rank 0 runs experts 0..%d of %d and stores only those, the others "
                "theirs, on every rank's tokens\n",
@@ -1002,6 +1010,10 @@ int trainer_run(trainer *t, ct_err *e) {
             printf("step: %d  loss: %.4f  grad_norm: %.4f  memory: %.2f GiB  tps: %.0f  tflops: %.3f  mfu: %.2f%%",
                    step, loss, gnorm, mem, tps, tflops, mfu);
             if (t->world->size > 1) printf("  comm: %.1f%%", comm_pct);
+            /* the share of the schedule's time the stages spent waiting, the slowest stage's view */
+            double bubble = t->pp ? pp_take_bubble(t->pp) : 0;
+            if (t->pp) comm_allreduce(t->world, &bubble, 1, COMM_F64, COMM_MAX);
+            if (t->pp) printf("  bubble: %.1f%%", 100.0 * bubble);
             if (m->n_moe_layers) print_moe_load(stdout, m, aux, 0);
             printf("\n");
             fflush(stdout);
@@ -1012,6 +1024,7 @@ int trainer_run(trainer *t, ct_err *e) {
                         "\"world\": %d, \"comm_pct\": %.3f, \"reductions_overlapped\": %ld",
                         step, loss, gnorm, lr, mem, tps, tflops, mfu, now - t_start, n_valid, t->world->size, comm_pct,
                         t->overlapped);
+                if (t->pp) fprintf(mf, ", \"pp_bubble\": %.4f", bubble);
                 if (m->n_moe_layers) print_moe_load(mf, m, aux, 1);
                 fprintf(mf, "}\n");
                 fflush(mf);
