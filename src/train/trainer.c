@@ -211,79 +211,6 @@ static void pick_threads(const ct_config *c) {
     cpu_set_threads(n < 1 ? 1 : n);
 }
 
-/* Data parallel replicate without FSDP: a layer's gradients are final after
- * its backward in the step's last micro-batch, so their all-reduce starts
- * there (non-blocking, one in flight) and runs during the backward of the
- * layer below; trainer_reduce_grads waits for it and all-reduces what is
- * outside the layers (embedding, final norm, lm_head). The collective sums
- * each element over ranks in rank order whatever range it is part of, so the
- * bits are those of one all-reduce of the whole buffer after the backward.
- * Without an MPI progress thread the all-reduce advances only inside MPI
- * calls, hence the comm_test before each layer's backward. */
-struct dp_overlap {
-    trainer *t;
-    lm_hooks hooks;
-    int armed;       /* the step's last micro-batch is running */
-    comm_req req;    /* the latest layer's all-reduce */
-    size_t lo, hi;   /* [lo, hi) of model.grads started this step (lo == hi: none) */
-    size_t *layer;   /* [n_layers + 1]: layer l is [layer[l], layer[l + 1]) */
-};
-
-static void dpo_nop(void *ctx, int l) { (void)ctx, (void)l; }
-static void dpo_pre_backward(void *ctx, int l) {
-    (void)l;
-    comm_test(&((struct dp_overlap *)ctx)->req);
-}
-static void dpo_post_backward(void *ctx, int l) {
-    struct dp_overlap *d = ctx;
-    if (!d->armed) return;
-    trainer *t = d->t;
-    double t0 = ct_now();
-    comm_wait(&d->req);
-    size_t lo = d->layer[l], hi = d->layer[l + 1];
-    comm_iallreduce(&t->mesh.rep, t->model.grads + lo, hi - lo, COMM_F32, &d->req);
-    t->comm_s += ct_now() - t0;
-    if (d->hi == d->lo) d->hi = hi;
-    d->lo = lo;
-    if (l > 0) t->overlapped++;
-}
-
-static int dp_overlap_init(trainer *t, ct_err *e) {
-    const lm_model *m = &t->model;
-    int L = m->cfg.n_layers;
-    if (L < 1) return 0;
-    struct dp_overlap *d = ct_calloc(1, sizeof *d);
-    d->t = t;
-    d->layer = ct_calloc((size_t)L + 1, sizeof(size_t));
-    for (int l = 0; l < L; l++) {
-        size_t lo = 0, hi = 0;
-        int rc = fsdp_layer_range(m, l, &lo, &hi, e);
-        if (!rc && l > 0 && lo != d->layer[l])
-            rc = ct_fail(e, CT_ERR_IO, "data parallel: tensors between layers %d and %d", l - 1, l);
-        if (rc) {
-            free(d->layer);
-            free(d);
-            return rc;
-        }
-        d->layer[l] = lo;
-        d->layer[l + 1] = hi;
-    }
-    d->hooks = (lm_hooks){d, dpo_nop, dpo_nop, dpo_pre_backward, dpo_post_backward, NULL, NULL};
-    t->model.hooks = &d->hooks;
-    t->dpo = d;
-    return 0;
-}
-
-static void dp_overlap_free(trainer *t) {
-    struct dp_overlap *d = t->dpo;
-    if (!d) return;
-    comm_wait(&d->req);
-    if (t->model.hooks == &d->hooks) t->model.hooks = NULL;
-    free(d->layer);
-    free(d);
-    t->dpo = NULL;
-}
-
 int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_dist(t, cfg, NULL, e); }
 
 /* [lora] and training.freeze into the model config: which projections get
@@ -342,55 +269,7 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, lm_co
 
 uint64_t trainer_lora_seed(const trainer *t, int step, long micro) {
     return ((uint64_t)t->cfg.seed * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)step << 20) ^
-           ((uint64_t)t->mesh.dp_rank << 44) ^ (uint64_t)micro;
-}
-
-/* The runs of trainable floats in the buffers AdamW steps: the model's flat
- * buffer, or under FSDP this rank's shard (each piece's held part, at its
- * shard offset), cut down to the tensors that are not frozen. */
-typedef struct {
-    trainer *t;
-    size_t a, base; /* the flat range being cut starts at a; it lies at buffer offset base */
-    int cap;
-} opt_runs;
-
-static void add_opt_run(void *ctx, size_t x, size_t y) {
-    opt_runs *o = ctx;
-    trainer *t = o->t;
-    size_t off = o->base + (x - o->a);
-    struct trainer_range *r = t->opt_ranges;
-    int n = t->n_opt_ranges;
-    if (n && r[n - 1].off + r[n - 1].n == off) { /* continues in the buffer (FSDP: across pieces) */
-        r[n - 1].n += y - x;
-        return;
-    }
-    if (n == o->cap) { /* grow: a model has at most a few runs per layer */
-        struct trainer_range *g = ct_malloc((size_t)(o->cap *= 2) * sizeof *g);
-        memcpy(g, r, (size_t)n * sizeof *r);
-        free(r);
-        t->opt_ranges = r = g;
-    }
-    r[t->n_opt_ranges++] = (struct trainer_range){off, y - x};
-}
-
-static void build_opt_ranges(trainer *t) {
-    const lm_model *m = &t->model;
-    t->n_opt_ranges = -1;
-    if (!m->n_frozen) return;
-    opt_runs o = {t, 0, 0, 16};
-    t->opt_ranges = ct_malloc((size_t)o.cap * sizeof *t->opt_ranges);
-    t->n_opt_ranges = 0;
-    if (!t->fsdp) {
-        lm_trained_runs(m, 0, m->n_params, add_opt_run, &o);
-        return;
-    }
-    for (int pi = 0; pi < t->fsdp->n_pieces; pi++) { /* each piece's held part, at its shard offset */
-        size_t lo, cnt;
-        fsdp_piece_held(t->fsdp, pi, &lo, &cnt);
-        o.a = t->fsdp->p[pi].off + lo;
-        o.base = t->fsdp->p[pi].shard_off;
-        lm_trained_runs(m, o.a, o.a + cnt, add_opt_run, &o);
-    }
+           ((uint64_t)t->plan.mesh.dp_rank << 44) ^ (uint64_t)micro;
 }
 
 /* A batch the data-parallel ranks cannot split evenly is a layout error:
@@ -402,32 +281,6 @@ int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
                        "%s: training.global_batch_size (%d) must be a multiple of training.local_batch_size (%d) x "
                        "the data-parallel degree (%d = data_parallel_replicate_degree x data_parallel_shard_degree)",
                        trainer_cfg_src(c), c->global_batch_size, c->local_batch_size, dp);
-    return 0;
-}
-
-int trainer_pp_check(const ct_config *c, const ct_mesh *mesh, const lm_config *mc, int val_batch, ct_err *e) {
-    const char *src = trainer_cfg_src(c);
-    if (c->local_batch_size % c->pp_microbatch != 0)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.pipeline_parallel_microbatch_size = %d does not divide training.local_batch_size "
-                       "= %d",
-                       src, c->pp_microbatch, c->local_batch_size);
-    if (c->val_enable && val_batch % c->pp_microbatch != 0)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.pipeline_parallel_microbatch_size = %d does not divide the validation batch %d "
-                       "(validation.local_batch_size)",
-                       src, c->pp_microbatch, val_batch);
-    if (mesh->ep > 1)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.pipeline_parallel_degree = %d with expert_parallel_degree %d: not supported "
-                       "yet (pipeline stages compose with FSDP, tensor parallel and data parallel replicas)",
-                       src, mesh->pp, mesh->ep);
-    if (mc->n_experts > 0 && mc->output_router_logits && mc->router_aux_loss_coef > 0)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.pipeline_parallel_degree = %d with the load-balancing loss in the gradient "
-                       "(config.json output_router_logits): its gradient needs every stage's routing before any "
-                       "backward; not supported yet",
-                       src, mesh->pp);
     return 0;
 }
 
@@ -447,8 +300,8 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if (!rc) rc = trainer_model_config(c, &mc, e);
     if (rc) return rc;
     /* the layout is checked before anything big is built */
-    if ((rc = mesh_init(&t->mesh, world, c, &mc, trainer_cfg_src(c), e))) return rc;
-    int dp = t->mesh.dp_size, per_step = c->local_batch_size * dp;
+    if ((rc = plan_init(&t->plan, world, c, &mc, trainer_cfg_src(c), e))) return rc;
+    int dp = t->plan.mesh.dp_size, per_step = c->local_batch_size * dp;
     if ((rc = trainer_check_global_batch(c, dp, e))) return rc;
     t->global_batch = c->global_batch_size > 0 ? c->global_batch_size : per_step;
     t->grad_accum = t->global_batch / per_step;
@@ -456,27 +309,12 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     int plan_b = t->val_batch > c->local_batch_size ? t->val_batch : c->local_batch_size;
     if (trainer_join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", trainer_cfg_src(c));
-    if ((rc = trainer_finetune_config(c, t->mesh.tp, t->mesh.ep, t->mesh.dp_shard, &mc, e))) return rc;
-    t->whole = mc;
-    if (t->mesh.pp > 1) { /* this rank's stages: their layers only, a micro-batch at a time */
-        if ((rc = trainer_pp_check(c, &t->mesh, &mc, t->val_batch, e))) return rc;
-        t->pp = ct_calloc(1, sizeof *t->pp);
-        int M = t->grad_accum * (c->local_batch_size / c->pp_microbatch);
-        if ((rc = pp_plan(t->pp, c, &mc, t->mesh.pp, t->mesh.pp_rank, M, trainer_cfg_src(c), e))) return rc;
-        pp_hold(t->pp, &mc);
-        plan_b = c->pp_microbatch;
-        t->pp_seeds = ct_calloc((size_t)M, sizeof *t->pp_seeds);
-        int P = t->mesh.pp, ends = t->mesh.pp_rank == 0 || t->mesh.pp_rank == P - 1;
-        if ((rc = comm_split(&t->mesh.ppg, ends ? 0 : 1 + t->mesh.pp_rank, t->mesh.pp_rank, &t->tie, e))) return rc;
-    }
-    if (t->mesh.tp > 1 || t->mesh.ep > 1) { /* the model this rank runs is its slice: fewer heads, a
-                                               * narrower MLP, its experts only */
-        t->tp = ct_calloc(1, sizeof *t->tp);
-        tp_init(t->tp, &mc, &t->mesh.tpg, t->mesh.ep, t->mesh.ep_rank);
-        mc = t->tp->local;
-    }
+    const ct_mesh *ms = &t->plan.mesh;
+    if ((rc = trainer_finetune_config(c, ms->tp, ms->ep, ms->dp_shard, &mc, e))) return rc;
+    /* this rank's part of the model: its pipeline stages, its slice */
+    if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, trainer_cfg_src(c), e))) return rc;
     if ((rc = lm_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
-    if (t->pp) pp_bind(t->pp, &t->mesh.ppg, plan_b, c->seq_len, mc.hidden, t->model.n_moe_layers ? mc.n_experts : 0);
+    t->seeds = ct_calloc((size_t)plan_microbatches(&t->plan), sizeof *t->seeds);
     if ((rc = select_kernels(t, e))) return rc;
     if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e))) return rc;
     if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
@@ -495,214 +333,28 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
                      c->min_lr_factor);
 
     rc = trainer_init_weights(t, e);
-    if (!rc) build_opt_ranges(t);
-    if (!rc && t->pp) t->pp->fsdp = t->fsdp;
-    /* (under expert parallel the replicas hold different experts: trainer_reduce_grads splits the sum) */
-    /* (with frozen tensors the replicas sum only the trained runs: trainer_reduce_grads) */
-    if (!rc && !t->fsdp && !t->pp && t->mesh.dp_replicate > 1 && t->mesh.ep == 1 && !t->model.n_frozen)
-        rc = dp_overlap_init(t, e);
-    if (!rc && t->tp) tp_attach(t->tp, &t->model); /* after FSDP's hooks, which it wraps */
-    if (!rc && t->mesh.ep > 1) {
-        t->ep = ct_calloc(1, sizeof *t->ep);
-        rc = ep_init(t->ep, &t->model, &t->mesh.epg, e);
-    }
+    if (!rc) rc = plan_ready(&t->plan, e); /* the layouts' hooks on the model, the trained runs */
     return rc;
 }
 
 void trainer_free(trainer *t) {
-    if (t->pp) pp_free(t->pp);
-    free(t->pp);
-    free(t->pp_seeds);
-    if (t->tie.be) comm_free(&t->tie);
-    if (t->ep) ep_free(t->ep);
-    free(t->ep);
-    if (t->tp) tp_free(t->tp);
-    free(t->tp);
-    dp_overlap_free(t);
-    if (t->fsdp) fsdp_free(t->fsdp);
-    free(t->fsdp);
-    mesh_free(&t->mesh);
+    plan_free(&t->plan);
+    free(t->seeds);
     lm_free(&t->model);
     adamw_free(&t->opt);
-    free(t->opt_ranges);
     cfg_free(&t->cfg);
     memset(t, 0, sizeof *t);
-}
-
-/* Data parallel replicate under expert parallel: the replicas hold
- * different experts, so each run of expert tensors is summed over the
- * replicas that hold the same ones (mesh.edp) and the rest over all. */
-static void reduce_dp_experts(trainer *t) {
-    const lm_model *m = &t->model;
-    for (int i = 0; i < m->n_tensors;) {
-        int ex = t->tp->expert[i], j = i;
-        size_t lo = m->tensors[i].offset, hi = lo;
-        for (; j < m->n_tensors && t->tp->expert[j] == ex; j++) hi = m->tensors[j].offset + m->tensors[j].numel;
-        if (hi > lo) comm_allreduce(ex ? &t->mesh.edp : &t->mesh.rep, m->grads + lo, hi - lo, COMM_F32, COMM_SUM);
-        i = j;
-    }
-}
-
-void trainer_reduce_grads(trainer *t) {
-    double t0 = ct_now();
-    if (t->tp) t->comm_s += tp_take_comm_time(t->tp);
-    if (t->fsdp) {
-        t->comm_s += fsdp_take_comm_time(t->fsdp);
-        t->overlapped += t->fsdp->rs_overlapped;
-        t->fsdp->rs_overlapped = 0;
-        t0 = ct_now();
-        /* HSDP: the replicas of one shard sum their shard gradients (most layers' sums
-         * were started during the backward) */
-        if (t->fsdp->rep) fsdp_reduce_replicas(t->fsdp);
-    } else if (t->mesh.dp_replicate > 1) {
-        struct dp_overlap *d = t->dpo;
-        if (d && d->hi > d->lo) { /* the layers were started during the backward: the rest */
-            comm_wait(&d->req);
-            size_t n = t->model.n_params;
-            if (d->lo) comm_allreduce(&t->mesh.rep, t->model.grads, d->lo, COMM_F32, COMM_SUM);
-            if (d->hi < n) comm_allreduce(&t->mesh.rep, t->model.grads + d->hi, n - d->hi, COMM_F32, COMM_SUM);
-            d->lo = d->hi = 0;
-        } else if (t->mesh.ep > 1) {
-            reduce_dp_experts(t);
-        } else if (t->n_opt_ranges >= 0) { /* frozen tensors: their gradients are not written, nor summed */
-            for (int i = 0; i < t->n_opt_ranges; i++)
-                comm_allreduce(&t->mesh.rep, t->model.grads + t->opt_ranges[i].off, t->opt_ranges[i].n, COMM_F32,
-                               COMM_SUM);
-        } else {
-            comm_allreduce(&t->mesh.rep, t->model.grads, t->model.n_params, COMM_F32, COMM_SUM);
-        }
-    }
-    if (t->pp && t->model.cfg.tie_embeddings && t->tie.size > 1 && t->model.g.wte) { /* the embedding's two copies:
-                                                                                        * one gradient */
-        const lm_tensor *te = &t->model.tensors[0];
-        if (t->fsdp) /* the same slice of it on both stages' ranks of this place */
-            comm_allreduce(&t->tie, t->fsdp->grads + t->fsdp->p[0].shard_off, t->fsdp->p[0].chunk, COMM_F32, COMM_SUM);
-        else
-            comm_allreduce(&t->tie, t->model.grads + te->offset, te->numel, COMM_F32, COMM_SUM);
-    }
-    t->comm_s += ct_now() - t0;
-}
-
-/* Pipeline stages: the squares of every stage's gradients, the tied
- * embedding's second copy (on the last stage) counted once. sq: this rank's. */
-static double pp_sq(trainer *t, const float *g, double sq) {
-    if (!t->pp) return sq;
-    const lm_model *m = &t->model;
-    if (m->cfg.tie_embeddings && t->tie.size > 1 && t->mesh.pp_rank != 0 && m->g.wte) {
-        size_t off = m->tensors[0].offset, n = m->tensors[0].numel;
-        if (t->fsdp) fsdp_piece_held(t->fsdp, 0, &off, &n), off = t->fsdp->p[0].shard_off; /* this rank's slice */
-        double d = optim_grad_norm(g + off, n), dq = d * d;
-        if (t->fsdp) comm_allreduce(&t->mesh.shard, &dq, 1, COMM_F64, COMM_SUM);
-        sq -= dq;
-    }
-    comm_allreduce(&t->mesh.ppg, &sq, 1, COMM_F64, COMM_SUM);
-    return sq;
-}
-
-/* clip_grad_norm_ over gradients sharded across `group`: the squares are
- * summed per rank in double and all-reduced, so every rank scales by the
- * global norm, as the one-process optim_clip_grad_norm does. */
-static double clip_by(float *g, size_t n, double sq, double max_norm);
-static double pp_sq(trainer *t, const float *g, double sq);
-static double clip_sharded(trainer *t, float *g, size_t n, double max_norm, ct_comm *group) {
-    double local = optim_grad_norm(g, n), sq = local * local;
-    comm_allreduce(group, &sq, 1, COMM_F64, COMM_SUM);
-    return clip_by(g, n, pp_sq(t, g, sq), max_norm);
-}
-
-/* The same under tensor or expert parallelism: replicated tensors count
- * once (tp.h), summed over the shard group (FSDP: per piece, the flat range
- * of this rank's slice; an EP group lies inside the shard group, so every
- * expert is counted once) and then over the TP group. Without FSDP the
- * experts' squares are summed over the EP group. */
-static double clip_tp(trainer *t, float *g, size_t n) {
-    double sq = 0;
-    fsdp *f = t->fsdp;
-    if (!f) {
-        double se = tp_sq_range(t->tp, g, 0, n, TP_SQ_EXPERTS);
-        if (t->mesh.ep > 1) comm_allreduce(&t->mesh.epg, &se, 1, COMM_F64, COMM_SUM);
-        sq = tp_sq_range(t->tp, g, 0, n, TP_SQ_DENSE) + se;
-    } else {
-        for (int i = 0; i < f->n_pieces; i++) {
-            const fsdp_piece *p = &f->p[i];
-            size_t lo, cnt;
-            fsdp_piece_held(f, i, &lo, &cnt);
-            if (cnt) sq += tp_sq_range(t->tp, g + p->shard_off, p->off + lo, cnt, TP_SQ_ALL);
-        }
-        comm_allreduce(f->comm, &sq, 1, COMM_F64, COMM_SUM);
-    }
-    comm_allreduce(t->tp->comm, &sq, 1, COMM_F64, COMM_SUM);
-    return clip_by(g, n, pp_sq(t, g, sq), t->cfg.max_norm);
-}
-
-/* Scales g[n] so that its norm (sqrt(sq), the whole model's) is at most max_norm. */
-static double clip_by(float *g, size_t n, double sq, double max_norm) {
-    double norm = sqrt(sq);
-    if (max_norm > 0 && max_norm / (norm + 1e-6) < 1.0) {
-        float coef = (float)(max_norm / (norm + 1e-6));
-        long nn = (long)n;
-#pragma omp parallel for schedule(static)
-        for (long i = 0; i < nn; i++) g[i] *= coef;
-    }
-    return norm;
-}
-
-/* With frozen tensors: clipping and AdamW over the trainable runs only, so
- * the frozen ones keep their weights bit for bit (no weight decay either)
- * and their untouched gradient and moment pages are never written. Every
- * run steps with the same step count, as one AdamW over them all. */
-static double step_ranges(trainer *t, float *P, float *G, double lr) {
-    lm_model *m = &t->model;
-    double sq = 0;
-    for (int i = 0; i < t->n_opt_ranges; i++) {
-        double nrm = optim_grad_norm(G + t->opt_ranges[i].off, t->opt_ranges[i].n);
-        sq += nrm * nrm;
-    }
-    if (t->fsdp) comm_allreduce(&t->mesh.shard, &sq, 1, COMM_F64, COMM_SUM);
-    sq = pp_sq(t, G, sq);
-    double norm = 0;
-    for (int i = 0; i < t->n_opt_ranges; i++) norm = clip_by(G + t->opt_ranges[i].off, t->opt_ranges[i].n, sq, t->cfg.max_norm);
-    if (!t->n_opt_ranges) norm = sqrt(sq);
-    long step0 = t->opt.step;
-    for (int i = 0; i < t->n_opt_ranges; i++) {
-        const struct trainer_range *r = &t->opt_ranges[i];
-        adamw_state s = {r->n, t->opt.m + r->off, t->opt.v + r->off, step0, 0};
-        m->k.adamw_step(&s, P + r->off, G + r->off, lr, &t->hp);
-        memset(G + r->off, 0, r->n * sizeof(float));
-    }
-    t->opt.step = step0 + 1;
-    return norm;
 }
 
 void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
     lm_model *m = &t->model;
     double cur_lr = t->cfg.lr * lr_schedule_factor(&t->sched, t->step);
-    double norm;
-    if (t->n_opt_ranges >= 0 && !t->tp) {
-        norm = step_ranges(t, t->fsdp ? t->fsdp->params : m->params, t->fsdp ? t->fsdp->grads : m->grads, cur_lr);
-    } else if (t->fsdp) { /* AdamW is elementwise: stepping the slices is stepping the model */
-        fsdp *f = t->fsdp;
-        norm = t->tp ? clip_tp(t, f->grads, f->shard_n)
-                     : clip_sharded(t, f->grads, f->shard_n, t->cfg.max_norm, &t->mesh.shard);
-        m->k.adamw_step(&t->opt, f->params, f->grads, cur_lr, &t->hp);
-        memset(f->grads, 0, f->shard_n * sizeof(float));
-    } else {
-        if (t->tp) {
-            norm = clip_tp(t, m->grads, m->n_params);
-        } else if (t->pp) {
-            double local = optim_grad_norm(m->grads, m->n_params);
-            norm = clip_by(m->grads, m->n_params, pp_sq(t, m->grads, local * local), t->cfg.max_norm);
-        } else {
-            norm = optim_clip_grad_norm(m->grads, m->n_params, t->cfg.max_norm);
-        }
-        m->k.adamw_step(&t->opt, m->params, m->grads, cur_lr, &t->hp);
-        memset(m->grads, 0, m->n_params * sizeof(float));
-    }
+    double norm = plan_optimizer_step(&t->plan, cur_lr, &t->hp, t->cfg.max_norm);
     if (t->cfg.load_balance_coeff > 0 && m->n_moe_layers) { /* torchtitan's step pre-hook; the step's counts */
         int E = m->cfg.n_experts;
-        comm_allreduce(&t->mesh.dp, m->moe_tokens, (size_t)m->cfg.n_layers * E, COMM_F64, COMM_SUM);
+        plan_sum_dp(&t->plan, m->moe_tokens, (size_t)m->cfg.n_layers * E, COMM_F64);
         for (int l = 0; l < m->cfg.n_layers; l++)
-            if (lm_layer_is_moe(&m->cfg, l) && lm_holds_layer(&m->cfg, l)) /* a stage: its layers' */
+            if (lm_layer_is_moe(&m->cfg, l) && lm_holds_layer(&m->cfg, l)) /* a pipeline stage: its layers' */
                 moe_update_bias(m->moe_bias + (size_t)l * E, m->moe_tokens + (size_t)l * E, E, t->cfg.load_balance_coeff);
     }
     t->step++;
@@ -745,8 +397,8 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     dc.vocab_size = t->model.cfg.vocab_size;
     dc.shuffle = shuffle;
     dc.seed = (uint64_t)c->seed;
-    dc.rank = t->mesh.dp_rank; /* data-parallel ranks read disjoint windows */
-    dc.world = t->mesh.dp_size;
+    dc.rank = t->plan.mesh.dp_rank; /* data-parallel ranks read disjoint windows */
+    dc.world = t->plan.mesh.dp_size;
     dc.quiet = t->world->rank != 0;
     ds_kind k;
     if (ds_kind_parse(kind_name, &k) == 0) dc.tok.kind = k;
@@ -795,32 +447,9 @@ static void truncate_metrics(const char *path, int last_step) {
     free(keep);
 }
 
-void trainer_pp_gather_bias(trainer *t) {
-    lm_model *m = &t->model;
-    if (!t->pp || !m->n_moe_layers || t->cfg.load_balance_coeff <= 0) return;
-    int E = m->cfg.n_experts;
-    for (int l = 0; l < m->cfg.n_layers; l++) /* others' rows: theirs win the sum */
-        if (!lm_holds_layer(&m->cfg, l)) memset(m->moe_bias + (size_t)l * E, 0, (size_t)E * sizeof(float));
-    comm_allreduce(&t->mesh.ppg, m->moe_bias, (size_t)m->cfg.n_layers * E, COMM_F32, COMM_SUM);
-}
-
-/* Pipeline: HF's load-balancing loss of each micro-batch from the sums of
- * every stage's MoE layers (the loss is a function of their totals). */
-static double pp_aux_sum(trainer *t) {
-    pp_sched *p = t->pp;
-    int E = p->E;
-    comm_allreduce(&t->mesh.ppg, p->moe_stats, (size_t)p->M * 2 * E, COMM_F64, COMM_SUM);
-    double sum = 0;
-    for (int i = 0; i < p->M; i++)
-        sum += moe_aux_loss(NULL, p->moe_stats + (size_t)i * 2 * E, p->moe_stats + (size_t)i * 2 * E + E,
-                            p->mb_size * t->cfg.seq_len, t->model.n_moe_layers, E, 0.0);
-    return sum;
-}
-
 /* Held-out loss over validation.steps batches from the start of the set. */
 static int validate(trainer *t, ds *val, int step, FILE *mf) {
     const ct_config *c = &t->cfg;
-    lm_model *m = &t->model;
     int B = t->val_batch, T = c->seq_len;
     ds_state zero = {0, 0};
     ds_set_state(val, &zero, NULL);
@@ -831,26 +460,13 @@ static int validate(trainer *t, ds *val, int step, FILE *mf) {
     int32_t *x = ct_malloc((size_t)B * T * sizeof(int32_t)), *y = ct_malloc((size_t)B * T * sizeof(int32_t));
     double sum = 0, t0 = ct_now();
     long n = 0;
-    fsdp *f = t->pp ? NULL : t->fsdp; /* a pipeline's stages open their own FSDP micro-batches */
-    if (f) f->fwd_only = 1; /* forward only: every layer is freed right after its forward */
     for (long i = 0; i < batches; i++) {
         long nv = 0;
         ds_next(val, x, y, B);
-        if (f) fsdp_microbatch_begin(f);
-        sum += t->pp ? pp_eval(t->pp, m, x, y, B, T, &nv) : lm_loss(m, x, y, B, T, &nv);
-        if (f) fsdp_microbatch_end(f);
+        sum += plan_eval(&t->plan, x, y, B, T, &nv);
         n += nv;
     }
-    if (f) f->fwd_only = 0;
-    /* every data-parallel rank evaluated its own windows; a pipeline's last stage scored them */
-    int64_t nn = n;
-    if (t->pp) {
-        comm_allreduce(&t->mesh.ppg, &sum, 1, COMM_F64, COMM_SUM);
-        comm_allreduce(&t->mesh.ppg, &nn, 1, COMM_I64, COMM_SUM);
-    }
-    comm_allreduce(&t->mesh.dp, &sum, 1, COMM_F64, COMM_SUM);
-    comm_allreduce(&t->mesh.dp, &nn, 1, COMM_I64, COMM_SUM);
-    n = (long)nn;
+    plan_sum_eval(&t->plan, &sum, &n);
     free(x);
     free(y);
     double loss = n ? sum / n : 0, ppl = exp(loss);
@@ -927,21 +543,10 @@ int trainer_run(trainer *t, ct_err *e) {
             m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", ds_name(data),
             (unsigned long long)ds_num_tokens(data), (unsigned long long)ds_num_windows(data), T + 1,
             c->shuffle ? ", shuffled" : "", B, T, t->grad_accum, t->step + 1, c->steps,
-            lm_activation_bytes(m) / 1048576.0, t->world->size, t->mesh.dp_replicate, t->mesh.dp_shard,
-            t->mesh.tp, t->world->be->name, t->global_batch, cpu_threads(), fpt, peak_run / 1e9, bf16_mm ? "bf16" : "fp32", peak.threads,
+            lm_activation_bytes(m) / 1048576.0, t->world->size, t->plan.mesh.dp_replicate, t->plan.mesh.dp_shard,
+            t->plan.mesh.tp, t->world->be->name, t->global_batch, cpu_threads(), fpt, peak_run / 1e9, bf16_mm ? "bf16" : "fp32", peak.threads,
             bf16_mm ? peak.bf16_isa : peak.isa, peak.source, peak.note[0] ? ": " : "", peak.note);
-    if (t->pp && rank0) {
-        const pp_sched *p = t->pp;
-        fprintf(stderr, "ctitan: pipeline_parallel %d (%s): %d stage(s) per rank, %d micro-batches of %d per step, "
-                        "simulated bubble %.1f%%; stages' first layers:",
-                t->mesh.pp, c->pp_schedule, p->S, p->M, p->mb_size, 100.0 * p->bubble);
-        for (int v = 0; v < p->V; v++) fprintf(stderr, " %d", p->first[v]);
-        fprintf(stderr, "\n");
-    }
-    if (t->ep)
-        fprintf(stderr, "ctitan: expert_parallel %d: rank 0 runs experts 0..%d of %d and stores only those, the others "
-               "theirs, on every rank's tokens\n",
-               t->mesh.ep, t->ep->El - 1, m->cfg.n_experts);
+    if (rank0) plan_describe(&t->plan, stderr);
 
     trainer_install_signals();
     size_t mb = (size_t)B * T;
@@ -959,39 +564,15 @@ int trainer_run(trainer *t, ct_err *e) {
         /* the scale is 1 / valid targets of the whole step on every rank, so the
          * sum over ranks is the gradient of the one-process run's mean loss */
         int64_t nv = n_valid;
-        double t_c = ct_now();
-        comm_allreduce(&t->mesh.dp, &nv, 1, COMM_I64, COMM_SUM);
-        t->comm_s += ct_now() - t_c;
+        plan_sum_dp(&t->plan, &nv, 1, COMM_I64);
         n_valid = (long)nv;
         float scale = n_valid ? 1.0f / (float)n_valid : 0.0f;
-        double loss_sum = 0;
-        double aux_sum = 0; /* MoE: HF's load-balancing loss, summed over micro-batches */
-        if (t->pp) { /* the schedule owns the step: every micro-batch through the stages */
-            for (int i = 0; i < t->pp->M; i++) t->pp_seeds[i] = trainer_lora_seed(t, step, i);
-            loss_sum = pp_step(t->pp, m, tokens, labels, t->pp_seeds, scale);
-        }
-        for (int a = 0; !t->pp && a < t->grad_accum; a++) {
-            if (t->fsdp) fsdp_microbatch_begin(t->fsdp);
-            if (t->dpo) t->dpo->armed = a == t->grad_accum - 1; /* the gradients are final in the last one */
-            if (t->fsdp) t->fsdp->rep_armed = a == t->grad_accum - 1;
-            m->lora_seed = trainer_lora_seed(t, step, a);
-            loss_sum += lm_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
-            if (t->dpo) t->dpo->armed = 0;
-            if (t->fsdp) fsdp_microbatch_end(t->fsdp);
-            aux_sum += m->aux_loss;
-        }
-        trainer_reduce_grads(t);
-        t_c = ct_now();
-        if (t->pp) { /* the loss is the last stage's; the routing sums every stage's */
-            comm_allreduce(&t->mesh.ppg, &loss_sum, 1, COMM_F64, COMM_SUM);
-            if (m->n_moe_layers) aux_sum = pp_aux_sum(t);
-        }
-        comm_allreduce(&t->mesh.dp, &loss_sum, 1, COMM_F64, COMM_SUM);
-        if (m->n_moe_layers) comm_allreduce(&t->mesh.dp, &aux_sum, 1, COMM_F64, COMM_SUM);
-        t->comm_s += ct_now() - t_c;
-        /* mean per micro-batch */
-        double aux = t->pp ? aux_sum / (t->pp->M * t->mesh.dp_size)
-                           : aux_sum * (double)c->local_batch_size / (double)t->global_batch;
+        int n_micro = plan_microbatches(&t->plan);
+        for (int i = 0; i < n_micro; i++) t->seeds[i] = trainer_lora_seed(t, step, i);
+        double aux_sum = 0, aux; /* MoE: HF's load-balancing loss, summed over micro-batches; their mean */
+        double loss_sum = plan_forward_backward(&t->plan, tokens, labels, B, T, scale, t->seeds, &aux_sum);
+        plan_reduce_grads(&t->plan);
+        plan_sum_loss(&t->plan, &loss_sum, &aux_sum, &aux);
         double loss = n_valid ? loss_sum / n_valid : 0.0;
         double gnorm, lr;
         trainer_optimizer_step(t, &gnorm, &lr);
@@ -1004,16 +585,15 @@ int trainer_run(trainer *t, ct_err *e) {
             double mem = cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0);
             /* distributed: memory is the largest rank's peak, comm the share of the
              * wall time rank 0 spent in collectives since the last line */
-            double comm_pct = 100.0 * t->comm_s / (now - t_log);
+            double comm_pct = 100.0 * plan_take_comm_time(&t->plan) / (now - t_log);
             comm_allreduce(t->world, &mem, 1, COMM_F64, COMM_MAX);
-            t->comm_s = 0;
+            long overlapped = plan_take_overlapped(&t->plan);
             printf("step: %d  loss: %.4f  grad_norm: %.4f  memory: %.2f GiB  tps: %.0f  tflops: %.3f  mfu: %.2f%%",
                    step, loss, gnorm, mem, tps, tflops, mfu);
             if (t->world->size > 1) printf("  comm: %.1f%%", comm_pct);
             /* the share of the schedule's time the stages spent waiting, the slowest stage's view */
-            double bubble = t->pp ? pp_take_bubble(t->pp) : 0;
-            if (t->pp) comm_allreduce(t->world, &bubble, 1, COMM_F64, COMM_MAX);
-            if (t->pp) printf("  bubble: %.1f%%", 100.0 * bubble);
+            double bubble = plan_take_bubble(&t->plan); /* -1: no pipeline */
+            if (bubble >= 0) printf("  bubble: %.1f%%", 100.0 * bubble);
             if (m->n_moe_layers) print_moe_load(stdout, m, aux, 0);
             printf("\n");
             fflush(stdout);
@@ -1023,15 +603,14 @@ int trainer_run(trainer *t, ct_err *e) {
                         "\"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"elapsed_s\": %.3f, \"valid_targets\": %ld, "
                         "\"world\": %d, \"comm_pct\": %.3f, \"reductions_overlapped\": %ld",
                         step, loss, gnorm, lr, mem, tps, tflops, mfu, now - t_start, n_valid, t->world->size, comm_pct,
-                        t->overlapped);
-                if (t->pp) fprintf(mf, ", \"pp_bubble\": %.4f", bubble);
+                        overlapped);
+                if (bubble >= 0) fprintf(mf, ", \"pp_bubble\": %.4f", bubble);
                 if (m->n_moe_layers) print_moe_load(mf, m, aux, 1);
                 fprintf(mf, "}\n");
                 fflush(mf);
             }
             t_log = now;
             tokens_since_log = 0;
-            t->overlapped = 0;
         }
         if (!isfinite(loss)) {
             rc = ct_fail(e, CT_ERR_IO, "training diverged: loss is %g at step %d", loss, step);

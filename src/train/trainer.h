@@ -14,11 +14,7 @@
 #include "core/err.h"
 #include "data/dataset.h"
 #include "distributed/comm.h"
-#include "distributed/ep.h"
-#include "distributed/fsdp.h"
-#include "distributed/mesh.h"
-#include "distributed/pp.h"
-#include "distributed/tp.h"
+#include "distributed/plan.h"
 #include "model/lm.h"
 #include "optim/optim.h"
 #include "tokenizer/tokenizer.h"
@@ -36,33 +32,16 @@ typedef struct {
     ds_state resume_data; /* loader position restored from a checkpoint */
     int have_resume_data;
     char ckpt_folder[4096]; /* {dump_folder}/{checkpoint.folder} */
-    /* distributed run (distributed/): the world, the mesh over it, and the FSDP state */
+    /* distributed run: the world, and the plan of the layout over it (distributed/plan.h) */
     ct_comm *world;   /* never NULL after init: &single when no world was given */
     ct_comm single;
-    ct_mesh mesh;
-    fsdp *fsdp;       /* NULL unless data_parallel_shard_degree > 1 */
-    tp_layout *tp;    /* NULL unless tensor_parallel_degree > 1 or expert_parallel_degree > 1; then
-                       * `model` is this rank's slice (its heads, columns, experts) */
+    ct_plan plan;     /* every layout question goes to it; the model is this rank's part */
     struct {          /* while the weights load (init_weights): where each whole tensor goes */
         const lm_model *whole; /* the whole model's tensor table */
         lm_sink sink;
-        float *tmp;               /* [largest column-sliced local tensor] a slice being taken */
     } load;
-    ep_layout *ep;    /* NULL unless expert_parallel_degree > 1 */
-    pp_sched *pp;     /* NULL unless pipeline_parallel_degree > 1: this rank's stages and schedule */
-    ct_comm tie;      /* pipeline with tied embeddings: the first and last stages' ranks of this place (the
-                       * embedding's two copies); a group of one elsewhere */
-    uint64_t *pp_seeds; /* [pp->M] LoRA dropout seed of each micro-batch of the step */
-    lm_config whole;  /* the whole model's config: no stage, slice or expert subset (checkpoints, loading) */
     int global_batch; /* sequences per optimizer step over every data-parallel rank */
-    double comm_s;    /* seconds in collectives since the last metrics line */
-    struct dp_overlap *dpo; /* NULL unless data parallel replicate without FSDP: per-layer all-reduce hooks */
-    long overlapped;  /* layer gradient reductions started before the backward ended, since the last metrics line */
-    /* frozen tensors (training.freeze, LoRA): the runs of trainable floats in
-     * the buffers AdamW steps (the model's, or FSDP's shard), built at the
-     * first step; n_opt_ranges -1: nothing frozen, the whole buffer */
-    struct trainer_range { size_t off, n; } *opt_ranges;
-    int n_opt_ranges;
+    uint64_t *seeds;  /* [plan_microbatches] LoRA dropout seed of each micro-batch of the step */
 } trainer;
 
 /* Takes ownership of *cfg (the caller must not free it). Builds the model from
@@ -73,10 +52,6 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e);
  * rank, and FSDP shards the model state. world == NULL: one process. The
  * caller keeps world alive until trainer_free. */
 int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e);
-/* After the micro-batches of a step: gradients summed over the
- * data-parallel ranks (all-reduce, or FSDP's root reduce-scatter and the
- * replicas' all-reduce). A no-op on one process. */
-void trainer_reduce_grads(trainer *t);
 void trainer_free(trainer *t);
 /* Clip, AdamW at the scheduled lr, zero the gradients, step++. */
 void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr);

@@ -291,30 +291,6 @@ static int agree_on_pick(trainer *t, int rc, const resume_pick *p, ct_err *e) {
                    t->ckpt_folder, t->world->rank, t->world->size, p->kind == PICK_NONE ? "none" : p->dir, theirs);
 }
 
-/* Where a loader's rows go (lm_sink): this rank's TP/EP part of them
- * (tp_take_rows), then, under FSDP, only what its shard keeps
- * (fsdp_take_range), else the local model's buffers. The moments likewise. */
-static void load_put(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows) {
-    trainer *t = ctx;
-    const lm_tensor *lt = &t->model.tensors[i];
-    const float *src = rows;
-    size_t la = r0, n = lt->numel ? r1 - r0 : 0;
-    if (t->tp) n = tp_take_rows(t->tp, lt, &t->load.whole->tensors[i], r0, r1, rows, t->load.tmp, &src, &la);
-    if (!n) return;
-    if (kind == LM_PARAMS && lt->store != LM_NO_STORE) { /* a frozen tensor kept in bf16 */
-        lm_put_rows(&t->model, i, la, la + n, src);
-        return;
-    }
-    size_t cols = lm_tensor_cols(lt), off = lt->offset + la * cols;
-    if (t->fsdp) {
-        float *shard = kind == LM_PARAMS ? t->fsdp->params : kind == LM_EXP_AVG ? t->opt.m : t->opt.v;
-        fsdp_take_range(t->fsdp, shard, off, src, n * cols);
-    } else {
-        float *dst = kind == LM_PARAMS ? t->model.params : kind == LM_EXP_AVG ? t->opt.m : t->opt.v;
-        memcpy(dst + off, src, n * cols * sizeof(float));
-    }
-}
-
 static int load_weights(trainer *t, ct_err *e);
 
 /* The weights (and on resume the moments) of this rank's part of the model,
@@ -328,34 +304,12 @@ static int load_weights(trainer *t, ct_err *e);
  * Every rank then learns whether another one failed, so none is left
  * waiting in the next collective. */
 int trainer_init_weights(trainer *t, ct_err *e) {
-    int rc = 0;
-    lm_model whole_table;
-    t->load.whole = &t->model;
-    if (t->tp || t->pp) /* this rank holds part of the model: the loaders walk the whole one */
-        lm_layout(&whole_table, &t->whole), t->load.whole = &whole_table;
-    if (t->tp) {
-        tp_classify(t->tp, &t->model, &whole_table);
-        size_t most = 1; /* tp_take_rows copies only the column slices (row-parallel tensors) */
-        for (int i = 0; i < t->model.n_tensors; i++) {
-            const lm_tensor *lt = &t->model.tensors[i], *ft = &whole_table.tensors[i];
-            if (lm_tensor_cols(lt) < lm_tensor_cols(ft) && lt->numel > most) most = lt->numel;
-        }
-        t->load.tmp = ct_malloc(most * sizeof(float));
+    int rc = plan_attach(&t->plan, &t->model, &t->opt, e); /* FSDP's shards exist before they are filled */
+    if (!rc) {
+        t->load.sink = plan_load_begin(&t->plan, &t->load.whole);
+        rc = load_weights(t, e);
+        plan_load_end(&t->plan);
     }
-    if (t->mesh.dp_shard > 1) {
-        t->fsdp = ct_calloc(1, sizeof *t->fsdp);
-        rc = fsdp_init(t->fsdp, &t->model, &t->mesh.shard, t->mesh.ep > 1 ? &t->mesh.edp : NULL,
-                       strcmp(t->cfg.fsdp_reshard, "never") != 0, e);
-        if (!rc) { /* the moments: this rank's slices only */
-            adamw_free(&t->opt);
-            adamw_init(&t->opt, t->fsdp->shard_n);
-            if (t->mesh.dp_replicate > 1) t->fsdp->rep = &t->mesh.rep;
-        }
-    }
-    t->load.sink = (lm_sink){load_put, t};
-    if (!rc) rc = load_weights(t, e);
-    free(t->load.tmp);
-    if (t->tp || t->pp) lm_free(&whole_table);
     memset(&t->load, 0, sizeof t->load);
     if (t->world->size > 1) {
         int32_t worst = rc;
@@ -417,101 +371,6 @@ static int initial_weights(trainer *t, ct_err *e) {
     return 0;
 }
 
-/* Flat offset of tensor i of m's table; n_params for i == n_tensors. */
-static size_t save_offset(const lm_model *m, int i) {
-    return i < m->n_tensors ? m->tensors[i].offset : m->n_params;
-}
-
-static int layer_of(const char *name) { return strncmp(name, "model.layers.", 13) ? -1 : atoi(name + 13); }
-
-/* The units of a streamed save, as tensor index ranges [u[k], u[k + 1]):
- * k = 0 what comes before layer 0 (the embedding), 1 + l layer l, L + 1 the
- * rest (final norm, lm_head): FSDP's pieces, grouped by layer. The same
- * indices in every rank's table and the whole model's. */
-static void save_units(const lm_model *m, int *u) {
-    int L = m->cfg.n_layers, i = 0;
-    u[0] = 0;
-    while (i < m->n_tensors && layer_of(m->tensors[i].name) < 0) i++;
-    for (int l = 0; l < L; l++) {
-        u[1 + l] = i;
-        while (i < m->n_tensors && layer_of(m->tensors[i].name) == l) i++;
-    }
-    u[L + 1] = i;
-    u[L + 2] = m->n_tensors;
-}
-
-/* Where rank 0 sends the whole tensors of a streamed save, unit by unit:
- * x[n] holds tensors [i0, i1) of the whole model's table fm, from tensor
- * i0's first float, so a put that keeps some tensors finds them there. */
-typedef int (*save_put_fn)(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e);
-
-/* Saves hold every tensor whole whatever the layout. Rank 0 writes them as
- * a stream, one unit (the embedding, a layer, the head) at a time: FSDP
- * brings each piece of the unit to its group's root (replica 0, and under
- * EP the first ep shard ranks for their experts), tensor/expert parallelism
- * brings those roots' parts to rank 0 (tp_gather_range over mesh.slices),
- * rank 0 hands the whole tensors to put and frees them. Beyond its own
- * state a rank holds about one unit (three with TP: its part, the received
- * parts, the assembled unit), where gathering the whole model and both
- * moments first needed 12 bytes a parameter on rank 0. Every rank runs the
- * same loop, so the collectives match; once put fails (*rc set on rank 0)
- * rank 0 stops writing but not the loop. kinds: 1 the parameters, 3 also
- * exp_avg then exp_avg_sq. fm: the whole model's table (rank 0). frozen_too: bf16-stored
- * frozen weights are widened for the read (0: the put takes trained tensors only). */
-static void save_gather(trainer *t, const lm_model *fm, int kinds, int frozen_too, save_put_fn put, void *ctx,
-                        int *rc, ct_err *e) {
-    lm_model *lm = &t->model; /* not changed: bf16-stored weights are only widened for the read */
-    int rank0 = t->world->rank == 0, L = lm->cfg.n_layers;
-    /* each pipeline stage gathers the units it holds to its own root, which
-     * passes them on to rank 0 (the root of stage 0) */
-    int sroot = t->pp ? t->world->rank % t->mesh.stage == 0 : rank0;
-    int fsdp_part = t->fsdp && t->mesh.rep_rank == 0;
-    int fsdp_root = fsdp_part && t->mesh.shard_rank < t->mesh.ep;
-    int in_slices = t->tp && t->mesh.dp_rank < t->mesh.ep;
-    int *u = ct_malloc(((size_t)L + 3) * sizeof *u);
-    save_units(lm, u);
-    for (int k = 0; k < kinds; k++) {
-        const float *src = k == 0 ? (t->fsdp ? t->fsdp->params : lm->params) : k == 1 ? t->opt.m : t->opt.v;
-        for (int x = 0; x < L + 2; x++) {
-            int holder = t->pp ? pp_unit_stage(t->pp, x, L) : 0, mine = holder == t->mesh.pp_rank;
-            size_t n = sroot || rank0 ? save_offset(fm, u[x + 1]) - save_offset(fm, u[x]) : 0;
-            if (!mine) { /* another stage's unit: rank 0 receives it from that stage's root */
-                if (rank0) {
-                    float *got = ct_malloc((n + 1) * sizeof(float));
-                    comm_recv(&t->mesh.ppg, got, n, COMM_F32, holder, 0);
-                    if (!*rc) *rc = put(ctx, fm, u[x], u[x + 1], got, n, e);
-                    free(got);
-                }
-                continue;
-            }
-            size_t lo = save_offset(lm, u[x]), hi = save_offset(lm, u[x + 1]);
-            /* bf16-stored frozen weights: the unit widened into params while it is read, when
-             * the put wants them (an HF export; not a checkpoint or an adapter of trained ones) */
-            int widen = k == 0 && !t->fsdp && frozen_too;
-            if (widen) lm_frozen_widen(lm, lo, hi - lo, 1);
-            const float *part = src + lo; /* this rank's floats of the unit */
-            float *got = NULL, *whole = NULL;
-            if (t->fsdp) { /* under FSDP src is the shard: gather the unit's pieces */
-                part = got = fsdp_root ? ct_calloc(hi - lo + 1, sizeof(float)) : NULL;
-                int a = x == 0 ? 0 : t->fsdp->lp[x - 1], b = x <= L ? t->fsdp->lp[x] : t->fsdp->n_pieces;
-                for (int i = a; fsdp_part && i < b; i++)
-                    fsdp_gather_piece(t->fsdp, i, got ? got + (t->fsdp->p[i].off - lo) : NULL, src, 0);
-            }
-            if (in_slices) {
-                if (sroot) whole = ct_malloc((n + 1) * sizeof(float));
-                tp_gather_range(t->tp, &t->mesh.slices, u[x], u[x + 1], fm, whole, lm, part);
-                part = whole;
-            }
-            if (rank0 && !*rc) *rc = put(ctx, fm, u[x], u[x + 1], part, n, e);
-            else if (sroot && !rank0) comm_send(&t->mesh.ppg, part, n, COMM_F32, 0, 0);
-            if (widen) lm_frozen_widen(lm, lo, hi - lo, 0);
-            free(whole);
-            free(got);
-        }
-    }
-    free(u);
-}
-
 /* After a save: every rank learns whether rank 0's write failed. The others
  * then give rank 0 a few seconds to report its own error first: its
  * MPI_Abort (cli/cmd_train.c) ends them, where theirs could end rank 0
@@ -548,19 +407,19 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     lm_model ftab;
     const lm_model *fm = &t->model; /* the whole model's table, on rank 0 and the stages' roots */
     int rank0 = t->world->rank == 0, rc = 0;
-    int sroot = t->pp ? t->world->rank % t->mesh.stage == 0 : rank0, whole_tab = sroot && (t->tp || t->pp);
+    int whole_tab = plan_save_root(&t->plan) && plan_holds_part(&t->plan);
     ckpt_stream *s = NULL;
     if (whole_tab) {
-        lm_layout(&ftab, &t->whole);
+        lm_layout(&ftab, &t->plan.whole);
         fm = &ftab;
     }
-    trainer_pp_gather_bias(t);
+    plan_gather_bias(&t->plan);
     trained_table tt;
     int trained_only = t->model.n_frozen > 0; /* frozen tensors come from the run's start on resume */
     if (trained_only) trained_table_init(&tt, fm, &t->model);
     if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, trained_only ? &tt.tab : fm, model_only, e);
-    if (trained_only) save_gather(t, fm, model_only ? 1 : 3, 0, put_trained, s, &rc, e);
-    else save_gather(t, fm, model_only ? 1 : 3, 1, put_ckpt, s, &rc, e);
+    if (trained_only) plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 0, put_trained, s, &rc, e);
+    else plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 1, put_ckpt, s, &rc, e);
     ckpt_info info;
     if (rank0 && rc) ckpt_stream_abort(s);
     if (rank0 && !rc) {
@@ -610,17 +469,17 @@ static int put_adapter(void *ctx, const lm_model *fm, int i0, int i1, const floa
 }
 
 int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
-    /* TP and EP do not run LoRA: the whole table is the model's, or (pipeline) its layout */
+    /* TP and EP do not run LoRA: the whole table is the model's, or (a pipeline stage) its layout */
     lm_model ftab;
     const lm_model *fm = &t->model;
-    int rank0 = t->world->rank == 0, rc = 0;
-    if (t->pp) {
-        lm_layout(&ftab, &t->whole);
+    int rank0 = t->world->rank == 0, rc = 0, whole_tab = plan_holds_part(&t->plan);
+    if (whole_tab) {
+        lm_layout(&ftab, &t->plan.whole);
         for (int i = 0; i < ftab.n_tensors; i++) ftab.tensors[i].frozen = t->model.tensors[i].frozen; /* lora_saved */
         fm = &ftab;
     }
     float **data = ct_calloc((size_t)fm->n_tensors + 1, sizeof(float *)); /* [n_tensors] */
-    save_gather(t, fm, 1, 0, put_adapter, data, &rc, e); /* adapters and modules_to_save: trained, fp32 */
+    plan_save_gather(&t->plan, fm, 1, 0, put_adapter, data, &rc, e); /* adapters and modules_to_save: trained, fp32 */
     const ct_config *c = &t->cfg;
     const char *base = c->initial_load_path[0] ? c->initial_load_path : c->hf_assets_path;
     if (rank0 && !rc)
@@ -628,7 +487,7 @@ int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
                             c->lora_modules_to_save, e);
     for (int i = 0; i < fm->n_tensors; i++) free(data[i]);
     free(data);
-    if (t->pp) lm_free(&ftab);
+    if (whole_tab) lm_free(&ftab);
     return save_outcome(t, rc, "PEFT adapter", e);
 }
 
@@ -652,9 +511,9 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
     st_dir_stream *out = NULL;
     char tmp[4200];
     snprintf(tmp, sizeof tmp, "%s/.hf-step-%d.tmp-%ld", folder, step, (long)getpid());
-    int sroot = t->pp ? t->world->rank % t->mesh.stage == 0 : rank0, whole_tab = sroot && (t->tp || t->pp);
+    int whole_tab = plan_save_root(&t->plan) && plan_holds_part(&t->plan);
     if (whole_tab) { /* rank 0 and the stages' roots name the whole model's tensors */
-        lm_layout(&ftab, &t->whole);
+        lm_layout(&ftab, &t->plan.whole);
         fm = &ftab;
     }
     if (rank0) {
@@ -669,7 +528,7 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
         rc = st_dir_stream_open(&out, tmp, ts, fm->n_tensors, (size_t)5 << 30, meta, e);
         free(ts);
     }
-    save_gather(t, fm, 1, 1, put_hf, out, &rc, e);
+    plan_save_gather(&t->plan, fm, 1, 1, put_hf, out, &rc, e);
     if (rank0) {
         char p[4300];
         if (rc) st_dir_stream_abort(out);

@@ -22,13 +22,6 @@ int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e);
  * get adapters, their scale and dropout; what tp/ep cannot run yet is
  * CT_ERR_CONFIG. The run and the dry run share it. */
 int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, lm_config *mc, ct_err *e);
-/* What pipeline parallel cannot run with (yet), and the batch sizes its
- * micro-batches must divide: CT_ERR_CONFIG naming the key. */
-int trainer_pp_check(const ct_config *c, const ct_mesh *mesh, const lm_config *mc, int val_batch, ct_err *e);
-/* Pipeline stages with aux-loss-free MoE balancing: every stage's rows of
- * the routing bias onto every rank (a checkpoint's state is rank 0's).
- * Collective over the pipeline; a no-op elsewhere. */
-void trainer_pp_gather_bias(trainer *t);
 /* The weights (and on resume the moments and state) of this rank's part of
  * the model, from a checkpoint, HF files or the seed (trainer_ckpt.c).
  * Collective: every rank learns whether another failed. */

@@ -1,0 +1,742 @@
+/* distributed/plan.c: the parallel plan (see plan.h): the layouts built
+ * in their order, the hooks composed, and everything the trainer asks of
+ * the layout: the step's micro-batches, gradient reduction and clipping,
+ * the optimizer's slices, and where checkpoint ranges are read and written. */
+#define _XOPEN_SOURCE 700
+#include "distributed/plan.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/cpu.h"
+#include "core/timer.h"
+#include "model/moe.h"
+
+/* ------------------------------------------------------------ the mesh */
+
+int plan_init(ct_plan *p, ct_comm *world, const ct_config *c, const lm_config *mc, const char *where, ct_err *e) {
+    memset(p, 0, sizeof *p);
+    p->cfg = c;
+    p->n_opt_ranges = -1;
+    return mesh_init(&p->mesh, world, c, mc, where, e);
+}
+
+int plan_check_pipeline(const ct_config *c, const ct_mesh *mesh, const lm_config *mc, int val_batch, const char *src,
+                        ct_err *e) {
+    if (c->local_batch_size % c->pp_microbatch != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_microbatch_size = %d does not divide training.local_batch_size "
+                       "= %d",
+                       src, c->pp_microbatch, c->local_batch_size);
+    if (c->val_enable && val_batch % c->pp_microbatch != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_microbatch_size = %d does not divide the validation batch %d "
+                       "(validation.local_batch_size)",
+                       src, c->pp_microbatch, val_batch);
+    if (mesh->ep > 1)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_degree = %d with expert_parallel_degree %d: not supported "
+                       "yet (pipeline stages compose with FSDP, tensor parallel and data parallel replicas)",
+                       src, mesh->pp, mesh->ep);
+    if (mc->n_experts > 0 && mc->output_router_logits && mc->router_aux_loss_coef > 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_degree = %d with the load-balancing loss in the gradient "
+                       "(config.json output_router_logits): its gradient needs every stage's routing before any "
+                       "backward; not supported yet",
+                       src, mesh->pp);
+    return 0;
+}
+
+/* 1. pipeline: this rank's stages; 2. tensor / expert parallel: its slice. */
+int plan_local_model(ct_plan *p, lm_config *mc, int grad_accum, int val_batch, int *batch, const char *where,
+                     ct_err *e) {
+    const ct_config *c = p->cfg;
+    int rc;
+    p->grad_accum = grad_accum;
+    p->whole = *mc;
+    if (p->mesh.pp > 1) { /* its layers only, a micro-batch at a time */
+        if ((rc = plan_check_pipeline(c, &p->mesh, mc, val_batch, where, e))) return rc;
+        p->pp = ct_calloc(1, sizeof *p->pp);
+        int M = grad_accum * (c->local_batch_size / c->pp_microbatch);
+        if ((rc = pp_plan(p->pp, c, mc, p->mesh.pp, p->mesh.pp_rank, M, where, e))) return rc;
+        pp_hold(p->pp, mc);
+        *batch = c->pp_microbatch;
+        int P = p->mesh.pp, ends = p->mesh.pp_rank == 0 || p->mesh.pp_rank == P - 1;
+        if ((rc = comm_split(&p->mesh.ppg, ends ? 0 : 1 + p->mesh.pp_rank, p->mesh.pp_rank, &p->tie, e))) return rc;
+    }
+    if (p->mesh.tp > 1 || p->mesh.ep > 1) { /* fewer heads, a narrower MLP, its experts only */
+        p->tp = ct_calloc(1, sizeof *p->tp);
+        tp_init(p->tp, mc, &p->mesh.tpg, p->mesh.ep, p->mesh.ep_rank);
+        *mc = p->tp->local;
+    }
+    return 0;
+}
+
+/* 3. FSDP: the shard buffers exist before the weights load, which fill them. */
+int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e) {
+    p->m = m;
+    p->opt = opt;
+    int rc = 0;
+    if (p->pp)
+        pp_bind(p->pp, &p->mesh.ppg, p->cfg->pp_microbatch, p->cfg->seq_len, m->cfg.hidden,
+                m->n_moe_layers ? m->cfg.n_experts : 0);
+    if (p->mesh.dp_shard > 1) {
+        p->fsdp = ct_calloc(1, sizeof *p->fsdp);
+        rc = fsdp_init(p->fsdp, m, &p->mesh.shard, p->mesh.ep > 1 ? &p->mesh.edp : NULL,
+                       strcmp(p->cfg->fsdp_reshard, "never") != 0, e);
+        if (!rc) { /* the moments: this rank's slices only */
+            adamw_free(opt);
+            adamw_init(opt, p->fsdp->shard_n);
+            if (p->mesh.dp_replicate > 1) p->fsdp->rep = &p->mesh.rep;
+        }
+        if (p->pp) p->pp->fsdp = p->fsdp;
+    }
+    return rc;
+}
+
+/* Data parallel replicate without FSDP: a layer's gradients are final after
+ * its backward in the step's last micro-batch, so their all-reduce starts
+ * there (non-blocking, one in flight) and runs during the backward of the
+ * layer below; plan_reduce_grads waits for it and all-reduces what is
+ * outside the layers (embedding, final norm, lm_head). The collective sums
+ * each element over ranks in rank order whatever range it is part of, so the
+ * bits are those of one all-reduce of the whole buffer after the backward.
+ * Without an MPI progress thread the all-reduce advances only inside MPI
+ * calls, hence the comm_test before each layer's backward. */
+struct plan_dpo {
+    ct_plan *p;
+    lm_hooks hooks;
+    int armed;       /* the step's last micro-batch is running */
+    comm_req req;    /* the latest layer's all-reduce */
+    size_t lo, hi;   /* [lo, hi) of model.grads started this step (lo == hi: none) */
+    size_t *layer;   /* [n_layers + 1]: layer l is [layer[l], layer[l + 1]) */
+};
+
+static void dpo_nop(void *ctx, int l) { (void)ctx, (void)l; }
+static void dpo_pre_backward(void *ctx, int l) {
+    (void)l;
+    comm_test(&((struct plan_dpo *)ctx)->req);
+}
+static void dpo_post_backward(void *ctx, int l) {
+    struct plan_dpo *d = ctx;
+    if (!d->armed) return;
+    ct_plan *p = d->p;
+    double t0 = ct_now();
+    comm_wait(&d->req);
+    size_t lo = d->layer[l], hi = d->layer[l + 1];
+    comm_iallreduce(&p->mesh.rep, p->m->grads + lo, hi - lo, COMM_F32, &d->req);
+    p->comm_s += ct_now() - t0;
+    if (d->hi == d->lo) d->hi = hi;
+    d->lo = lo;
+    if (l > 0) p->overlapped++;
+}
+
+static int dp_overlap_init(ct_plan *p, ct_err *e) {
+    const lm_model *m = p->m;
+    int L = m->cfg.n_layers;
+    if (L < 1) return 0;
+    struct plan_dpo *d = ct_calloc(1, sizeof *d);
+    d->p = p;
+    d->layer = ct_calloc((size_t)L + 1, sizeof(size_t));
+    for (int l = 0; l < L; l++) {
+        size_t lo = 0, hi = 0;
+        int rc = fsdp_layer_range(m, l, &lo, &hi, e);
+        if (!rc && l > 0 && lo != d->layer[l])
+            rc = ct_fail(e, CT_ERR_IO, "data parallel: tensors between layers %d and %d", l - 1, l);
+        if (rc) {
+            free(d->layer);
+            free(d);
+            return rc;
+        }
+        d->layer[l] = lo;
+        d->layer[l + 1] = hi;
+    }
+    d->hooks = (lm_hooks){d, dpo_nop, dpo_nop, dpo_pre_backward, dpo_post_backward, NULL, NULL};
+    p->dpo = d;
+    return 0;
+}
+
+static void dp_overlap_free(ct_plan *p) {
+    struct plan_dpo *d = p->dpo;
+    if (!d) return;
+    comm_wait(&d->req);
+    free(d->layer);
+    free(d);
+    p->dpo = NULL;
+}
+
+
+/* The runs of trainable floats in the buffers AdamW steps: the model's flat
+ * buffer, or under FSDP this rank's shard (each piece's held part, at its
+ * shard offset), cut down to the tensors that are not frozen. */
+typedef struct {
+    ct_plan *p;
+    size_t a, base; /* the flat range being cut starts at a; it lies at buffer offset base */
+    int cap;
+} opt_runs;
+
+static void add_opt_run(void *ctx, size_t x, size_t y) {
+    opt_runs *o = ctx;
+    ct_plan *p = o->p;
+    size_t off = o->base + (x - o->a);
+    struct plan_range *r = p->opt_ranges;
+    int n = p->n_opt_ranges;
+    if (n && r[n - 1].off + r[n - 1].n == off) { /* continues in the buffer (FSDP: across pieces) */
+        r[n - 1].n += y - x;
+        return;
+    }
+    if (n == o->cap) { /* grow: a model has at most a few runs per layer */
+        struct plan_range *g = ct_malloc((size_t)(o->cap *= 2) * sizeof *g);
+        memcpy(g, r, (size_t)n * sizeof *r);
+        free(r);
+        p->opt_ranges = r = g;
+    }
+    r[p->n_opt_ranges++] = (struct plan_range){off, y - x};
+}
+
+static void build_opt_ranges(ct_plan *p) {
+    const lm_model *m = p->m;
+    p->n_opt_ranges = -1;
+    if (!m->n_frozen) return;
+    opt_runs o = {p, 0, 0, 16};
+    p->opt_ranges = ct_malloc((size_t)o.cap * sizeof *p->opt_ranges);
+    p->n_opt_ranges = 0;
+    if (!p->fsdp) {
+        lm_trained_runs(m, 0, m->n_params, add_opt_run, &o);
+        return;
+    }
+    for (int pi = 0; pi < p->fsdp->n_pieces; pi++) { /* each piece's held part, at its shard offset */
+        size_t lo, cnt;
+        fsdp_piece_held(p->fsdp, pi, &lo, &cnt);
+        o.a = p->fsdp->p[pi].off + lo;
+        o.base = p->fsdp->p[pi].shard_off;
+        lm_trained_runs(m, o.a, o.a + cnt, add_opt_run, &o);
+    }
+}
+
+/* Data parallel replicate under expert parallel: the replicas hold
+ * different experts, so each run of expert tensors is summed over the
+ * replicas that hold the same ones (mesh.edp) and the rest over all. */
+static void reduce_dp_experts(ct_plan *p) {
+    const lm_model *m = p->m;
+    for (int i = 0; i < m->n_tensors;) {
+        int ex = p->tp->expert[i], j = i;
+        size_t lo = m->tensors[i].offset, hi = lo;
+        for (; j < m->n_tensors && p->tp->expert[j] == ex; j++) hi = m->tensors[j].offset + m->tensors[j].numel;
+        if (hi > lo) comm_allreduce(ex ? &p->mesh.edp : &p->mesh.rep, m->grads + lo, hi - lo, COMM_F32, COMM_SUM);
+        i = j;
+    }
+}
+
+void plan_reduce_grads(ct_plan *p) {
+    double t0 = ct_now();
+    if (p->tp) p->comm_s += tp_take_comm_time(p->tp);
+    if (p->fsdp) {
+        p->comm_s += fsdp_take_comm_time(p->fsdp);
+        p->overlapped += p->fsdp->rs_overlapped;
+        p->fsdp->rs_overlapped = 0;
+        t0 = ct_now();
+        /* HSDP: the replicas of one shard sum their shard gradients (most layers' sums
+         * were started during the backward) */
+        if (p->fsdp->rep) fsdp_reduce_replicas(p->fsdp);
+    } else if (p->mesh.dp_replicate > 1) {
+        struct plan_dpo *d = p->dpo;
+        if (d && d->hi > d->lo) { /* the layers were started during the backward: the rest */
+            comm_wait(&d->req);
+            size_t n = p->m->n_params;
+            if (d->lo) comm_allreduce(&p->mesh.rep, p->m->grads, d->lo, COMM_F32, COMM_SUM);
+            if (d->hi < n) comm_allreduce(&p->mesh.rep, p->m->grads + d->hi, n - d->hi, COMM_F32, COMM_SUM);
+            d->lo = d->hi = 0;
+        } else if (p->mesh.ep > 1) {
+            reduce_dp_experts(p);
+        } else if (p->n_opt_ranges >= 0) { /* frozen tensors: their gradients are not written, nor summed */
+            for (int i = 0; i < p->n_opt_ranges; i++)
+                comm_allreduce(&p->mesh.rep, p->m->grads + p->opt_ranges[i].off, p->opt_ranges[i].n, COMM_F32,
+                               COMM_SUM);
+        } else {
+            comm_allreduce(&p->mesh.rep, p->m->grads, p->m->n_params, COMM_F32, COMM_SUM);
+        }
+    }
+    if (p->pp && p->m->cfg.tie_embeddings && p->tie.size > 1 && p->m->g.wte) { /* the embedding's two copies:
+                                                                                        * one gradient */
+        const lm_tensor *te = &p->m->tensors[0];
+        if (p->fsdp) /* the same slice of it on both stages' ranks of this place */
+            comm_allreduce(&p->tie, p->fsdp->grads + p->fsdp->p[0].shard_off, p->fsdp->p[0].chunk, COMM_F32, COMM_SUM);
+        else
+            comm_allreduce(&p->tie, p->m->grads + te->offset, te->numel, COMM_F32, COMM_SUM);
+    }
+    p->comm_s += ct_now() - t0;
+}
+
+/* Pipeline stages: the squares of every stage's gradients, the tied
+ * embedding's second copy (on the last stage) counted once. sq: this rank's. */
+static double pp_sq(ct_plan *p, const float *g, double sq) {
+    if (!p->pp) return sq;
+    const lm_model *m = p->m;
+    if (m->cfg.tie_embeddings && p->tie.size > 1 && p->mesh.pp_rank != 0 && m->g.wte) {
+        size_t off = m->tensors[0].offset, n = m->tensors[0].numel;
+        if (p->fsdp) fsdp_piece_held(p->fsdp, 0, &off, &n), off = p->fsdp->p[0].shard_off; /* this rank's slice */
+        double d = optim_grad_norm(g + off, n), dq = d * d;
+        if (p->fsdp) comm_allreduce(&p->mesh.shard, &dq, 1, COMM_F64, COMM_SUM);
+        sq -= dq;
+    }
+    comm_allreduce(&p->mesh.ppg, &sq, 1, COMM_F64, COMM_SUM);
+    return sq;
+}
+
+/* clip_grad_norm_ over gradients sharded across `group`: the squares are
+ * summed per rank in double and all-reduced, so every rank scales by the
+ * global norm, as the one-process optim_clip_grad_norm does. */
+static double clip_by(float *g, size_t n, double sq, double max_norm);
+static double pp_sq(ct_plan *p, const float *g, double sq);
+static double clip_sharded(ct_plan *p, float *g, size_t n, double max_norm, ct_comm *group) {
+    double local = optim_grad_norm(g, n), sq = local * local;
+    comm_allreduce(group, &sq, 1, COMM_F64, COMM_SUM);
+    return clip_by(g, n, pp_sq(p, g, sq), max_norm);
+}
+
+/* The same under tensor or expert parallelism: replicated tensors count
+ * once (tp.h), summed over the shard group (FSDP: per piece, the flat range
+ * of this rank's slice; an EP group lies inside the shard group, so every
+ * expert is counted once) and then over the TP group. Without FSDP the
+ * experts' squares are summed over the EP group. */
+static double clip_tp(ct_plan *p, float *g, size_t n, double max_norm) {
+    double sq = 0;
+    fsdp *f = p->fsdp;
+    if (!f) {
+        double se = tp_sq_range(p->tp, g, 0, n, TP_SQ_EXPERTS);
+        if (p->mesh.ep > 1) comm_allreduce(&p->mesh.epg, &se, 1, COMM_F64, COMM_SUM);
+        sq = tp_sq_range(p->tp, g, 0, n, TP_SQ_DENSE) + se;
+    } else {
+        for (int i = 0; i < f->n_pieces; i++) {
+            const fsdp_piece *q = &f->p[i];
+            size_t lo, cnt;
+            fsdp_piece_held(f, i, &lo, &cnt);
+            if (cnt) sq += tp_sq_range(p->tp, g + q->shard_off, q->off + lo, cnt, TP_SQ_ALL);
+        }
+        comm_allreduce(f->comm, &sq, 1, COMM_F64, COMM_SUM);
+    }
+    comm_allreduce(p->tp->comm, &sq, 1, COMM_F64, COMM_SUM);
+    return clip_by(g, n, pp_sq(p, g, sq), max_norm);
+}
+
+/* Scales g[n] so that its norm (sqrt(sq), the whole model's) is at most max_norm. */
+static double clip_by(float *g, size_t n, double sq, double max_norm) {
+    double norm = sqrt(sq);
+    if (max_norm > 0 && max_norm / (norm + 1e-6) < 1.0) {
+        float coef = (float)(max_norm / (norm + 1e-6));
+        long nn = (long)n;
+#pragma omp parallel for schedule(static)
+        for (long i = 0; i < nn; i++) g[i] *= coef;
+    }
+    return norm;
+}
+
+/* With frozen tensors: clipping and AdamW over the trainable runs only, so
+ * the frozen ones keep their weights bit for bit (no weight decay either)
+ * and their untouched gradient and moment pages are never written. Every
+ * run steps with the same step count, as one AdamW over them all. */
+static double step_ranges(ct_plan *p, float *P, float *G, double lr, const adamw_hparams *hp, double max_norm) {
+    lm_model *m = p->m;
+    double sq = 0;
+    for (int i = 0; i < p->n_opt_ranges; i++) {
+        double nrm = optim_grad_norm(G + p->opt_ranges[i].off, p->opt_ranges[i].n);
+        sq += nrm * nrm;
+    }
+    if (p->fsdp) comm_allreduce(&p->mesh.shard, &sq, 1, COMM_F64, COMM_SUM);
+    sq = pp_sq(p, G, sq);
+    double norm = 0;
+    for (int i = 0; i < p->n_opt_ranges; i++) norm = clip_by(G + p->opt_ranges[i].off, p->opt_ranges[i].n, sq, max_norm);
+    if (!p->n_opt_ranges) norm = sqrt(sq);
+    long step0 = p->opt->step;
+    for (int i = 0; i < p->n_opt_ranges; i++) {
+        const struct plan_range *r = &p->opt_ranges[i];
+        adamw_state s = {r->n, p->opt->m + r->off, p->opt->v + r->off, step0, 0};
+        m->k.adamw_step(&s, P + r->off, G + r->off, lr, hp);
+        memset(G + r->off, 0, r->n * sizeof(float));
+    }
+    p->opt->step = step0 + 1;
+    return norm;
+}
+
+double plan_optimizer_step(ct_plan *p, double lr, const adamw_hparams *hp, double max_norm) {
+    lm_model *m = p->m;
+    double norm;
+    if (p->n_opt_ranges >= 0 && !p->tp) {
+        norm = step_ranges(p, p->fsdp ? p->fsdp->params : m->params, p->fsdp ? p->fsdp->grads : m->grads, lr, hp,
+                           max_norm);
+    } else if (p->fsdp) { /* AdamW is elementwise: stepping the slices is stepping the model */
+        fsdp *f = p->fsdp;
+        norm = p->tp ? clip_tp(p, f->grads, f->shard_n, max_norm)
+                     : clip_sharded(p, f->grads, f->shard_n, max_norm, &p->mesh.shard);
+        m->k.adamw_step(p->opt, f->params, f->grads, lr, hp);
+        memset(f->grads, 0, f->shard_n * sizeof(float));
+    } else {
+        if (p->tp) {
+            norm = clip_tp(p, m->grads, m->n_params, max_norm);
+        } else if (p->pp) {
+            double local = optim_grad_norm(m->grads, m->n_params);
+            norm = clip_by(m->grads, m->n_params, pp_sq(p, m->grads, local * local), max_norm);
+        } else {
+            norm = optim_clip_grad_norm(m->grads, m->n_params, max_norm);
+        }
+        m->k.adamw_step(p->opt, m->params, m->grads, lr, hp);
+        memset(m->grads, 0, m->n_params * sizeof(float));
+    }
+    return norm;
+}
+
+/* Where a loader's rows go (lm_sink): this rank's stages and TP/EP part of them
+ * (tp_take_rows), then, under FSDP, only what its shard keeps
+ * (fsdp_take_range), else the local model's buffers. The moments likewise. */
+static void load_put(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows) {
+    ct_plan *p = ctx;
+    const lm_tensor *lt = &p->m->tensors[i];
+    const float *src = rows;
+    size_t la = r0, n = lt->numel ? r1 - r0 : 0;
+    if (p->tp) n = tp_take_rows(p->tp, lt, &p->load.whole->tensors[i], r0, r1, rows, p->load.tmp, &src, &la);
+    if (!n) return;
+    if (kind == LM_PARAMS && lt->store != LM_NO_STORE) { /* a frozen tensor kept in bf16 */
+        lm_put_rows(p->m, i, la, la + n, src);
+        return;
+    }
+    size_t cols = lm_tensor_cols(lt), off = lt->offset + la * cols;
+    if (p->fsdp) {
+        float *shard = kind == LM_PARAMS ? p->fsdp->params : kind == LM_EXP_AVG ? p->opt->m : p->opt->v;
+        fsdp_take_range(p->fsdp, shard, off, src, n * cols);
+    } else {
+        float *dst = kind == LM_PARAMS ? p->m->params : kind == LM_EXP_AVG ? p->opt->m : p->opt->v;
+        memcpy(dst + off, src, n * cols * sizeof(float));
+    }
+}
+
+
+/* ------------------------------------------------------------ the hooks */
+
+/* The composed per-layer hooks (plan.h): p->hk[0] the outer layout (FSDP, or
+ * the replicas' overlapped all-reduce), p->hk[1] the inner (tensor parallel).
+ * pre hooks outer first, post hooks inner first. */
+static void h_pre_forward(void *ctx, int l) {
+    ct_plan *p = ctx;
+    for (int i = 0; i < p->n_hk; i++) p->hk[i]->pre_forward(p->hk[i]->ctx, l);
+}
+static void h_post_forward(void *ctx, int l) {
+    ct_plan *p = ctx;
+    for (int i = p->n_hk - 1; i >= 0; i--) p->hk[i]->post_forward(p->hk[i]->ctx, l);
+}
+static void h_pre_backward(void *ctx, int l) {
+    ct_plan *p = ctx;
+    for (int i = 0; i < p->n_hk; i++) p->hk[i]->pre_backward(p->hk[i]->ctx, l);
+}
+static void h_post_backward(void *ctx, int l) {
+    ct_plan *p = ctx;
+    for (int i = p->n_hk - 1; i >= 0; i--) p->hk[i]->post_backward(p->hk[i]->ctx, l);
+}
+static void h_reduce_partial(void *ctx, float *x, size_t n) {
+    ct_plan *p = ctx;
+    p->hk[p->n_hk - 1]->reduce_partial(p->hk[p->n_hk - 1]->ctx, x, n);
+}
+static void h_reduce_max(void *ctx, float *x, size_t n) {
+    ct_plan *p = ctx;
+    p->hk[p->n_hk - 1]->reduce_max(p->hk[p->n_hk - 1]->ctx, x, n);
+}
+
+int plan_ready(ct_plan *p, ct_err *e) {
+    lm_model *m = p->m;
+    int rc = 0;
+    build_opt_ranges(p);
+    /* 4. replicas without FSDP: each layer's all-reduce during the backward (under expert parallel the
+     * replicas hold different experts, and with frozen tensors only the trained runs are summed: both
+     * after the backward, in plan_reduce_grads) */
+    if (!p->fsdp && !p->pp && p->mesh.dp_replicate > 1 && p->mesh.ep == 1 && !m->n_frozen) rc = dp_overlap_init(p, e);
+    m->hooks = NULL; /* composed below, not wrapped */
+    p->n_hk = 0;
+    if (p->fsdp) p->hk[p->n_hk++] = &p->fsdp->hooks;
+    else if (p->dpo) p->hk[p->n_hk++] = &p->dpo->hooks;
+    if (!rc && p->tp) {
+        tp_attach(p->tp, m); /* with no inner hooks: only its own */
+        if (m->hooks) p->hk[p->n_hk++] = m->hooks;
+    }
+    if (!rc && p->mesh.ep > 1) {
+        p->ep = ct_calloc(1, sizeof *p->ep);
+        rc = ep_init(p->ep, m, &p->mesh.epg, e);
+    }
+    p->hooks = (lm_hooks){p, h_pre_forward, h_post_forward, h_pre_backward, h_post_backward,
+                          p->tp && p->tp->t > 1 ? h_reduce_partial : NULL, p->tp && p->tp->t > 1 ? h_reduce_max : NULL};
+    m->hooks = p->n_hk ? &p->hooks : NULL;
+    return rc;
+}
+
+void plan_free(ct_plan *p) {
+    if (p->m) p->m->hooks = NULL;
+    if (p->pp) pp_free(p->pp);
+    free(p->pp);
+    if (p->ep) ep_free(p->ep);
+    free(p->ep);
+    if (p->tp) tp_free(p->tp);
+    free(p->tp);
+    dp_overlap_free(p);
+    if (p->fsdp) fsdp_free(p->fsdp);
+    free(p->fsdp);
+    if (p->tie.be) comm_free(&p->tie);
+    mesh_free(&p->mesh);
+    free(p->opt_ranges);
+    memset(p, 0, sizeof *p);
+}
+
+/* ------------------------------------------------------------ loading */
+
+lm_sink plan_load_begin(ct_plan *p, const lm_model **whole) {
+    lm_model *m = p->m;
+    p->load.whole = m;
+    if (p->tp || p->pp) { /* this rank holds part of the model: the loaders walk the whole one */
+        lm_layout(&p->load.table, &p->whole);
+        p->load.whole = &p->load.table;
+    }
+    if (p->tp) {
+        tp_classify(p->tp, m, &p->load.table);
+        size_t most = 1; /* tp_take_rows copies only the column slices (row-parallel tensors) */
+        for (int i = 0; i < m->n_tensors; i++) {
+            const lm_tensor *lt = &m->tensors[i], *ft = &p->load.table.tensors[i];
+            if (lm_tensor_cols(lt) < lm_tensor_cols(ft) && lt->numel > most) most = lt->numel;
+        }
+        p->load.tmp = ct_malloc(most * sizeof(float));
+    }
+    p->load.sink = (lm_sink){load_put, p};
+    *whole = p->load.whole;
+    return p->load.sink;
+}
+
+void plan_load_end(ct_plan *p) {
+    free(p->load.tmp);
+    if (p->load.whole == &p->load.table) lm_free(&p->load.table);
+    memset(&p->load, 0, sizeof p->load);
+}
+
+/* ------------------------------------------------------------ the step */
+
+int plan_microbatches(const ct_plan *p) { return p->pp ? p->pp->M : p->grad_accum; }
+
+double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *labels, int B, int T, float scale,
+                             const uint64_t *seeds, double *aux_sum) {
+    lm_model *m = p->m;
+    *aux_sum = 0;
+    if (p->pp) return pp_step(p->pp, m, tokens, labels, seeds, scale); /* the schedule owns the step */
+    size_t mb = (size_t)B * T;
+    double loss = 0;
+    for (int a = 0; a < p->grad_accum; a++) {
+        if (p->fsdp) fsdp_microbatch_begin(p->fsdp);
+        if (p->dpo) p->dpo->armed = a == p->grad_accum - 1; /* the gradients are final in the last one */
+        if (p->fsdp) p->fsdp->rep_armed = a == p->grad_accum - 1;
+        m->lora_seed = seeds[a];
+        loss += lm_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
+        if (p->dpo) p->dpo->armed = 0;
+        if (p->fsdp) fsdp_microbatch_end(p->fsdp);
+        *aux_sum += m->aux_loss;
+    }
+    return loss;
+}
+
+/* Pipeline: HF's load-balancing loss of each micro-batch from the sums of
+ * every stage's MoE layers (the loss is a function of their totals). */
+static double pp_aux_sum(ct_plan *p) {
+    pp_sched *s = p->pp;
+    int E = s->E;
+    comm_allreduce(&p->mesh.ppg, s->moe_stats, (size_t)s->M * 2 * E, COMM_F64, COMM_SUM);
+    double sum = 0;
+    for (int i = 0; i < s->M; i++)
+        sum += moe_aux_loss(NULL, s->moe_stats + (size_t)i * 2 * E, s->moe_stats + (size_t)i * 2 * E + E,
+                            s->mb_size * p->cfg->seq_len, p->m->n_moe_layers, E, 0.0);
+    return sum;
+}
+
+void plan_sum_loss(ct_plan *p, double *loss_sum, double *aux_sum, double *aux_mean) {
+    double t0 = ct_now();
+    int moe = p->m->n_moe_layers > 0;
+    if (p->pp) { /* the loss is the last stage's; the routing sums every stage's */
+        comm_allreduce(&p->mesh.ppg, loss_sum, 1, COMM_F64, COMM_SUM);
+        if (moe) *aux_sum = pp_aux_sum(p);
+    }
+    comm_allreduce(&p->mesh.dp, loss_sum, 1, COMM_F64, COMM_SUM);
+    if (moe) comm_allreduce(&p->mesh.dp, aux_sum, 1, COMM_F64, COMM_SUM);
+    *aux_mean = *aux_sum / ((double)plan_microbatches(p) * p->mesh.dp_size);
+    p->comm_s += ct_now() - t0;
+}
+
+void plan_sum_dp(ct_plan *p, void *x, size_t n, comm_dtype t) {
+    double t0 = ct_now();
+    comm_allreduce(&p->mesh.dp, x, n, t, COMM_SUM);
+    p->comm_s += ct_now() - t0;
+}
+
+double plan_eval(ct_plan *p, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
+    fsdp *f = p->pp ? NULL : p->fsdp; /* a pipeline's stages open their own FSDP micro-batches */
+    if (f) {
+        f->fwd_only = 1; /* forward only: every layer is freed right after its forward */
+        fsdp_microbatch_begin(f);
+    }
+    double sum = p->pp ? pp_eval(p->pp, p->m, tokens, labels, B, T, n_valid) : lm_loss(p->m, tokens, labels, B, T, n_valid);
+    if (f) {
+        fsdp_microbatch_end(f);
+        f->fwd_only = 0;
+    }
+    return sum;
+}
+
+void plan_sum_eval(ct_plan *p, double *sum, long *n) {
+    int64_t nn = *n;
+    if (p->pp) { /* a pipeline's last stage scored them */
+        comm_allreduce(&p->mesh.ppg, sum, 1, COMM_F64, COMM_SUM);
+        comm_allreduce(&p->mesh.ppg, &nn, 1, COMM_I64, COMM_SUM);
+    }
+    comm_allreduce(&p->mesh.dp, sum, 1, COMM_F64, COMM_SUM); /* every data-parallel rank its own windows */
+    comm_allreduce(&p->mesh.dp, &nn, 1, COMM_I64, COMM_SUM);
+    *n = (long)nn;
+}
+
+/* Flat offset of tensor i of m's table; n_params for i == n_tensors. */
+static size_t save_offset(const lm_model *m, int i) {
+    return i < m->n_tensors ? m->tensors[i].offset : m->n_params;
+}
+
+static int layer_of(const char *name) { return strncmp(name, "model.layers.", 13) ? -1 : atoi(name + 13); }
+
+/* The units of a streamed save, as tensor index ranges [u[k], u[k + 1]):
+ * k = 0 what comes before layer 0 (the embedding), 1 + l layer l, L + 1 the
+ * rest (final norm, lm_head): FSDP's pieces, grouped by layer. The same
+ * indices in every rank's table and the whole model's. */
+static void save_units(const lm_model *m, int *u) {
+    int L = m->cfg.n_layers, i = 0;
+    u[0] = 0;
+    while (i < m->n_tensors && layer_of(m->tensors[i].name) < 0) i++;
+    for (int l = 0; l < L; l++) {
+        u[1 + l] = i;
+        while (i < m->n_tensors && layer_of(m->tensors[i].name) == l) i++;
+    }
+    u[L + 1] = i;
+    u[L + 2] = m->n_tensors;
+}
+
+/* Saves hold every tensor whole whatever the layout. Rank 0 writes them as
+ * a stream, one unit (the embedding, a layer, the head) at a time: FSDP
+ * brings each piece of the unit to its group's root (replica 0, and under
+ * EP the first ep shard ranks for their experts), tensor/expert parallelism
+ * brings those roots' parts to rank 0 (tp_gather_range over mesh.slices),
+ * rank 0 hands the whole tensors to put and frees them. Beyond its own
+ * state a rank holds about one unit (three with TP: its part, the received
+ * parts, the assembled unit), where gathering the whole model and both
+ * moments first needed 12 bytes a parameter on rank 0. Every rank runs the
+ * same loop, so the collectives match; once put fails (*rc set on rank 0)
+ * rank 0 stops writing but not the loop. kinds: 1 the parameters, 3 also
+ * exp_avg then exp_avg_sq. fm: the whole model's table (rank 0). frozen_too: bf16-stored
+ * frozen weights are widened for the read (0: the put takes trained tensors only). */
+void plan_save_gather(ct_plan *p, const lm_model *fm, int kinds, int frozen_too, plan_put_fn put, void *ctx,
+                      int *rc, ct_err *e) {
+    lm_model *lm = p->m; /* not changed: bf16-stored weights are only widened for the read */
+    int rank0 = p->mesh.world->rank == 0, L = lm->cfg.n_layers;
+    /* each pipeline stage gathers the units it holds to its own root, which
+     * passes them on to rank 0 (the root of stage 0) */
+    int sroot = plan_save_root(p);
+    int fsdp_part = p->fsdp && p->mesh.rep_rank == 0;
+    int fsdp_root = fsdp_part && p->mesh.shard_rank < p->mesh.ep;
+    int in_slices = p->tp && p->mesh.dp_rank < p->mesh.ep;
+    int *u = ct_malloc(((size_t)L + 3) * sizeof *u);
+    save_units(lm, u);
+    for (int k = 0; k < kinds; k++) {
+        const float *src = k == 0 ? (p->fsdp ? p->fsdp->params : lm->params) : k == 1 ? p->opt->m : p->opt->v;
+        for (int x = 0; x < L + 2; x++) {
+            int holder = p->pp ? pp_unit_stage(p->pp, x, L) : 0, mine = holder == p->mesh.pp_rank;
+            size_t n = sroot || rank0 ? save_offset(fm, u[x + 1]) - save_offset(fm, u[x]) : 0;
+            if (!mine) { /* another stage's unit: rank 0 receives it from that stage's root */
+                if (rank0) {
+                    float *got = ct_malloc((n + 1) * sizeof(float));
+                    comm_recv(&p->mesh.ppg, got, n, COMM_F32, holder, 0);
+                    if (!*rc) *rc = put(ctx, fm, u[x], u[x + 1], got, n, e);
+                    free(got);
+                }
+                continue;
+            }
+            size_t lo = save_offset(lm, u[x]), hi = save_offset(lm, u[x + 1]);
+            /* bf16-stored frozen weights: the unit widened into params while it is read, when
+             * the put wants them (an HF export; not a checkpoint or an adapter of trained ones) */
+            int widen = k == 0 && !p->fsdp && frozen_too;
+            if (widen) lm_frozen_widen(lm, lo, hi - lo, 1);
+            const float *part = src + lo; /* this rank's floats of the unit */
+            float *got = NULL, *whole = NULL;
+            if (p->fsdp) { /* under FSDP src is the shard: gather the unit's pieces */
+                part = got = fsdp_root ? ct_calloc(hi - lo + 1, sizeof(float)) : NULL;
+                int a = x == 0 ? 0 : p->fsdp->lp[x - 1], b = x <= L ? p->fsdp->lp[x] : p->fsdp->n_pieces;
+                for (int i = a; fsdp_part && i < b; i++)
+                    fsdp_gather_piece(p->fsdp, i, got ? got + (p->fsdp->p[i].off - lo) : NULL, src, 0);
+            }
+            if (in_slices) {
+                if (sroot) whole = ct_malloc((n + 1) * sizeof(float));
+                tp_gather_range(p->tp, &p->mesh.slices, u[x], u[x + 1], fm, whole, lm, part);
+                part = whole;
+            }
+            if (rank0 && !*rc) *rc = put(ctx, fm, u[x], u[x + 1], part, n, e);
+            else if (sroot && !rank0) comm_send(&p->mesh.ppg, part, n, COMM_F32, 0, 0);
+            if (widen) lm_frozen_widen(lm, lo, hi - lo, 0);
+            free(whole);
+            free(got);
+        }
+    }
+    free(u);
+}
+
+
+/* ------------------------------------------------------------ saving */
+
+int plan_holds_part(const ct_plan *p) { return p->pp || p->tp; }
+
+int plan_save_root(const ct_plan *p) {
+    return p->pp ? p->mesh.world->rank % p->mesh.stage == 0 : p->mesh.world->rank == 0;
+}
+
+void plan_gather_bias(ct_plan *p) {
+    lm_model *m = p->m;
+    if (!p->pp || !m->n_moe_layers || p->cfg->load_balance_coeff <= 0) return;
+    int E = m->cfg.n_experts;
+    for (int l = 0; l < m->cfg.n_layers; l++) /* others' rows: theirs win the sum */
+        if (!lm_holds_layer(&m->cfg, l)) memset(m->moe_bias + (size_t)l * E, 0, (size_t)E * sizeof(float));
+    comm_allreduce(&p->mesh.ppg, m->moe_bias, (size_t)m->cfg.n_layers * E, COMM_F32, COMM_SUM);
+}
+
+/* ------------------------------------------------------------ the log */
+
+double plan_take_comm_time(ct_plan *p) {
+    double s = p->comm_s;
+    p->comm_s = 0;
+    return s;
+}
+
+long plan_take_overlapped(ct_plan *p) {
+    long n = p->overlapped;
+    p->overlapped = 0;
+    return n;
+}
+
+double plan_take_bubble(ct_plan *p) {
+    double b = p->pp ? pp_take_bubble(p->pp) : -1;
+    if (p->pp) comm_allreduce(p->mesh.world, &b, 1, COMM_F64, COMM_MAX); /* the slowest stage's view */
+    return b;
+}
+
+void plan_describe(const ct_plan *p, FILE *f) {
+    const ct_mesh *ms = &p->mesh;
+    const ct_config *c = p->cfg;
+    if (ms->pp > 1) {
+        const pp_sched *s = p->pp;
+        fprintf(f, "ctitan: pipeline_parallel %d (%s): %d stage(s) per rank, %d micro-batches of %d per step, "
+                   "simulated bubble %.1f%%; stages' first layers:",
+                ms->pp, c->pp_schedule, s->S, s->M, s->mb_size, 100.0 * s->bubble);
+        for (int v = 0; v < s->V; v++) fprintf(f, " %d", s->first[v]);
+        fprintf(f, "\n");
+    }
+    if (p->ep)
+        fprintf(f, "ctitan: expert_parallel %d: rank 0 runs experts 0..%d of %d and stores only those, the others "
+                   "theirs, on every rank's tokens\n",
+                ms->ep, p->ep->El - 1, p->whole.n_experts);
+}
