@@ -56,17 +56,16 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
     if (world % (rep * tp) != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.data_parallel_replicate_degree (%d) x parallelism.tensor_parallel_degree "
-                       "(%d) = %d does not divide the ranks of a pipeline stage, %d (world size / "
-                       "pipeline_parallel_degree)",
-                       where, rep, tp, rep * tp, world);
+                       "(%d) = %d does not divide the world size %d (ranks started by mpirun -np)%s",
+                       where, rep, tp, rep * tp, world * pp, pp > 1 ? " / pipeline_parallel_degree" : "");
     if (shard == -1) shard = world / (rep * tp);
     if (rep * shard * tp != world)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.data_parallel_replicate_degree (%d) x parallelism.data_parallel_shard_degree "
                        "(%d) x parallelism.tensor_parallel_degree (%d) = %d, but the world size is %d (ranks "
-                       "started by mpirun -np) / pipeline_parallel_degree %d; set data_parallel_shard_degree = -1 to "
-                       "use the rest",
-                       where, rep, shard, tp, rep * shard * tp, world * pp, pp);
+                       "started by mpirun -np)%s; set data_parallel_shard_degree = -1 to use the rest",
+                       where, rep, shard, tp, rep * shard * tp, world * pp,
+                       pp > 1 ? " / pipeline_parallel_degree" : "");
     /* an EP group lies inside one FSDP group (or, without FSDP, among the
      * replicas), so the ranks that hold the same experts form a regular
      * sub-group of it (mesh.h: edp) */

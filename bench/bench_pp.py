@@ -1,0 +1,98 @@
+"""Pipeline parallel on one machine (issue 16): step time, peak RSS per rank and the bubble
+of PP2 / PP4 against one rank, on W1 (Qwen3-0.6B shapes cut to 4 layers, seq 512).
+
+Every run trains the same recipe from the same random init: local batch 4 sequences
+(pipeline micro-batches of 1: 4 per step), a few steps; the first steps are warm-up.
+The one-rank run gets every core; a pipeline's ranks share them (one thread each, ranks
+oversubscribed past the core count), so on a 2-core machine a pipeline cannot be faster:
+what the table shows is the memory each stage holds (a stage keeps its layers, their
+gradients and AdamW moments, and one activation bank per micro-batch in flight) and the
+bubble, measured (the share of a step each stage spent waiting for an input, the slowest
+stage's view, from metrics.jsonl's pp_bubble) beside the schedule's simulated one (the
+run's log: every stage's cost, the lm_head's on the last, backward = 2 forwards) and the
+textbook (P - 1) / (M + P - 1) for equal stages.
+
+Run:  .venv/bin/python bench/bench_pp.py [--steps 6] [--seq 512]
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench_train import SHAPES  # noqa: E402
+
+RUNS = [  # name, ranks, extra flags
+    ("1 rank", 1, []),
+    ("PP2 1F1B", 2, ["--parallelism.pipeline_parallel_degree=2"]),
+    ("PP2 GPipe", 2, ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=GPipe"]),
+    ("PP2 Interleaved1F1B", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"]),
+    ("PP4 1F1B", 4, ["--parallelism.pipeline_parallel_degree=4"]),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--shape", default="qwen3-0.6b-4l", choices=sorted(SHAPES))
+    a = ap.parse_args()
+    from transformers import AutoConfig
+    tmp = tempfile.mkdtemp(prefix="bench_pp_")
+    shape = dict(SHAPES[a.shape])
+    mt = shape.pop("model_type", "qwen3")
+    AutoConfig.for_model(mt, **shape, max_position_embeddings=4096).save_pretrained(os.path.join(tmp, "model"))
+    import numpy as np
+    data = os.path.join(tmp, "tokens.bin")
+    np.random.default_rng(0).integers(0, shape["vocab_size"], size=(a.batch * (a.seq + 1) * (a.steps + 2) * 4,),
+                                      dtype=np.uint32).tofile(data)
+    cores = os.cpu_count()
+    print(f"W1-style bench: {a.shape}, batch {a.batch} x {a.seq}, {a.steps} steps ({a.warmup} warm-up), "
+          f"{cores} cores")
+    print(f"{'run':22s} {'step s':>8s} {'tok/s':>8s} {'peak RSS per rank (GiB)':>28s} {'bubble meas.':>12s} "
+          f"{'simulated':>10s} {'textbook':>9s}")
+    for name, ranks, extra in RUNS:
+        out = os.path.join(tmp, re.sub(r"\W+", "_", name))
+        threads = cores if ranks == 1 else 1
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+                   CTITAN_LOG_RANKS="all", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = [os.path.join(ROOT, "build", "ctitan"), "train", "--model.spec=hf",
+               f"--model.hf_assets_path={os.path.join(tmp, 'model')}", f"--training.dataset_path={data}",
+               f"--training.local_batch_size={a.batch}", f"--training.seq_len={a.seq}", f"--training.steps={a.steps}",
+               "--metrics.log_freq=1", f"--job.dump_folder={out}", f"--training.threads={threads}",
+               "--parallelism.pipeline_parallel_microbatch_size=1"] + extra
+        if ranks > 1:
+            cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks)] + cmd
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if p.returncode != 0:
+            print(f"{name:22s} failed: {p.stderr.strip().splitlines()[-1:]}")
+            continue
+        rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
+        t_a, t_b = rows[a.warmup - 1]["elapsed_s"], rows[-1]["elapsed_s"]
+        step_s = (t_b - t_a) / (len(rows) - a.warmup)
+        tps = a.batch * a.seq / step_s
+        rss = sorted((int(m.group(1)), float(m.group(2))) for m in
+                     re.finditer(r"rank (\d+) of \d+: peak memory ([\d.]+) GiB", p.stderr))
+        if ranks == 1:
+            rss_txt = f"{max(r['memory_gib'] for r in rows):.2f}"
+        else:
+            rss_txt = " ".join(f"{g:.2f}" for _, g in rss)
+        bub = [r["pp_bubble"] for r in rows[a.warmup:] if "pp_bubble" in r]
+        sim = re.search(r"simulated bubble ([\d.]+)%", p.stderr)
+        m = a.batch  # micro-batches per step
+        S = 2 if "Interleaved" in name else 1
+        book = (ranks - 1) / (S * m + ranks - 1) if ranks > 1 else 0
+        print(f"{name:22s} {step_s:8.3f} {tps:8.0f} {rss_txt:>28s} "
+              f"{(100 * sum(bub) / len(bub)) if bub else 0:11.1f}% {float(sim.group(1)) if sim else 0:9.1f}% "
+              f"{100 * book:8.1f}%")
+
+
+if __name__ == "__main__":
+    main()
