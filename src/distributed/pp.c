@@ -72,7 +72,7 @@ static void split_by_cost(const lm_config *c, int V, int T, int *first) {
 }
 
 /* torchtitan names a split point by the module that starts the stage:
- * "layers.4" (or the bare number). */
+ * "layers.4" (or the bare number). Returns the stages, or -1 with *e set. */
 static int parse_points(const char *list, int L, int *first, int max, const char *where, ct_err *e) {
     int n = 0;
     const char *s = list;
@@ -90,14 +90,14 @@ static int parse_points(const char *list, int L, int *first, int max, const char
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: parallelism.pipeline_parallel_split_points: \"%s\" is not a layer \"layers.N\" with "
                            "0 < N < %d",
-                           where, item, L);
+                           where, item, L), -1;
         if (n && l <= first[n])
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: parallelism.pipeline_parallel_split_points: \"%s\" does not come after layers.%d", where,
-                           item, first[n]);
+                           item, first[n]), -1;
         if (n + 1 >= max)
             return ct_fail(e, CT_ERR_CONFIG, "%s: parallelism.pipeline_parallel_split_points: too many (%d layers)",
-                           where, L);
+                           where, L), -1;
         first[++n] = (int)l;
         s = t;
     }
@@ -231,7 +231,7 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
                        "%s: parallelism.pipeline_parallel_schedule = \"%s\" with pipeline_parallel_degree %d needs %s "
                        "stages, but %s gives %d",
                        where, c->pp_schedule, P,
-                       p->schedule == PP_INTERLEAVED ? "a multiple of the degree, at least twice it," : "one stage a rank:",
+                       p->schedule == PP_INTERLEAVED ? "a multiple of the degree, at least twice it," : "one per rank, P",
                        c->pp_split[0] ? "pipeline_parallel_split_points" : "the model's layers", V);
     if (V > L)
         return ct_fail(e, CT_ERR_CONFIG, "%s: %d pipeline stages need at least %d layers; the model has %d", where, V,
@@ -450,13 +450,18 @@ int pp_unit_stage(const pp_sched *p, int x, int L) {
 }
 
 size_t pp_bank_bytes(const pp_sched *p, const lm_model *m) {
-    size_t most = 0;
+    /* each local stage keeps a pool of its own banks: its peak of forwards in flight */
+    size_t total = 0;
     for (int c = 0; c < p->S; c++) {
-        int v = vstage(p, c);
-        size_t f = lm_bank_floats(m, p->first[v], p->first[v + 1]);
-        most = f > most ? f : most;
+        int v = vstage(p, c), live = 0, most = 0;
+        for (int k = 0; k < p->n_act; k++) {
+            if (p->act[k].stage != c) continue;
+            live += p->act[k].kind == 'F' ? 1 : -1;
+            most = live > most ? live : most;
+        }
+        total += (size_t)most * lm_bank_floats(m, p->first[v], p->first[v + 1]) * sizeof(float);
     }
-    return (size_t)p->max_banks * most * sizeof(float);
+    return total;
 }
 
 double pp_take_bubble(pp_sched *p) {

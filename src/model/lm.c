@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device.h"
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "kernels/ops.h"
@@ -428,7 +429,8 @@ lm_bank *lm_bank_new(const lm_model *m, int l0, int l1) {
     b->l1 = l1;
     b->acts = ct_calloc((size_t)(l1 - l0) + 1, sizeof *b->acts);
     b->floats = lm_bank_floats(m, l0, l1);
-    b->mem = ct_calloc(b->floats + 1, sizeof(float));
+    b->dev = m->dev;
+    b->mem = b->dev->alloc((b->floats + 1) * sizeof(float));
     carver cv = {b->mem, 0};
     plan_range(m, &cv, b->acts, l0, l1, &b->res_out, &b->lnf, &b->lnf_rstd);
     return b;
@@ -447,7 +449,7 @@ void lm_bank_use(lm_model *m, const lm_bank *b) {
 void lm_bank_free(lm_bank *b) {
     if (!b) return;
     free(b->acts);
-    free(b->mem);
+    b->dev->free(b->mem, (b->floats + 1) * sizeof(float), 0);
     free(b);
 }
 
@@ -550,18 +552,15 @@ int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_m
         return rc;
     }
     kern_select_ref(&m->k);
-    if (c->lazy_buffers) {
-        m->params = ct_alloc_lazy(m->n_params * sizeof(float));
-        m->grads = ct_alloc_lazy(m->n_params * sizeof(float));
-    } else {
-        m->params = ct_calloc(m->n_params, sizeof(float));
-        m->grads = ct_calloc(m->n_params, sizeof(float));
-    }
+    m->dev = &ct_device_cpu; /* the memory kernels touch comes from the run's device */
+    void *(*alloc)(size_t) = c->lazy_buffers ? m->dev->alloc_lazy : m->dev->alloc;
+    m->params = alloc(m->n_params * sizeof(float));
+    m->grads = alloc(m->n_params * sizeof(float));
     m->w.layer = ct_calloc((size_t)c->n_layers, sizeof(lm_layer_w));
     m->g.layer = ct_calloc((size_t)c->n_layers, sizeof(lm_layer_w));
     bind_weights(&m->w, m, m->params, 0);
     bind_weights(&m->g, m, m->grads, 1);
-    m->act_mem = ct_calloc(m->act_floats, sizeof(float));
+    m->act_mem = m->dev->alloc(m->act_floats * sizeof(float));
     carver cv = {m->act_mem, 0};
     plan_activations(m, &cv);
     m->ac_scratch_layer = -1;
@@ -598,12 +597,10 @@ int lm_plan_memory(const lm_config *c, int B, int T, const char *ac_mode, const 
 
 void lm_free(lm_model *m) {
     free(m->tensors);
-    if (m->cfg.lazy_buffers) {
-        ct_free_lazy(m->params, m->n_params * sizeof(float));
-        ct_free_lazy(m->grads, m->n_params * sizeof(float));
-    } else {
-        free(m->params);
-        free(m->grads);
+    if (m->dev) {
+        m->dev->free(m->params, m->n_params * sizeof(float), m->cfg.lazy_buffers);
+        m->dev->free(m->grads, m->n_params * sizeof(float), m->cfg.lazy_buffers);
+        m->dev->free(m->act_mem, m->act_floats * sizeof(float), 0);
     }
     free(m->fstore);
     free(m->head_w);
@@ -612,7 +609,6 @@ void lm_free(lm_model *m) {
     free(m->g.layer);
     free(m->acts);
     free(m->ac_pol);
-    free(m->act_mem);
     free(m->moe_count);
     free(m->moe_psum);
     free(m->moe_load_min);

@@ -311,6 +311,7 @@ typedef struct {
 typedef struct {
     lm_config cfg;
     kern_ops k;             /* the kernels this model runs (reference until the run chooses) */
+    const struct ct_device *dev; /* where params, grads and the activation arena live (core/device.h) */
     int n_tensors;
     lm_tensor *tensors;
     size_t n_params;        /* floats in the flat buffer */
@@ -386,6 +387,7 @@ typedef struct {
  * logits) stays shared, since one range runs at a time. */
 typedef struct {
     int l0, l1;
+    const struct ct_device *dev; /* where mem lives */
     lm_layer_acts *acts;  /* [l1 - l0] */
     float *res_out, *lnf, *lnf_rstd; /* [BT, H], [BT, H], [BT] with the last layer; else NULL */
     float *mem;
