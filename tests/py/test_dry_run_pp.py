@@ -25,6 +25,8 @@ def pp_models(tmp_path_factory):
     shapes = dict(hidden=HIDDEN, inter=INTER, heads=HEADS, kv_heads=KV, head_dim=HD)
     oracle.tiny_config(vocab=254, layers=8, **shapes).save_pretrained(d / "untied")
     oracle.tiny_config(vocab=254, layers=8, tied=True, **shapes).save_pretrained(d / "tied")
+    oracle.tiny_config(vocab=2048, hidden=256, inter=768, layers=8, heads=4, kv_heads=2, head_dim=64
+                       ).save_pretrained(d / "medium")
     for L in (5, 7, 8):
         oracle.tiny_config(vocab=EQ_VOCAB, layers=L, **shapes).save_pretrained(d / f"eq{L}")
     data = oracle.write_bin(d / "t.bin", oracle.random_tokens(64 * 33, 254, seed=3))
@@ -242,6 +244,32 @@ def test_dry_run_pp_parameters_match_a_run(pp_models, tmp_path):
         err = ok(launch(2, args, env=dict(ENV, CTITAN_LOG_RANKS=str(r)))).stderr
         n_run = int(re.search(r"ctitan: model \S+: (\d+) parameters", err).group(1))
         assert n_run == plan["stages"][r]["n"], (r, n_run, plan["stages"][r])
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])
+def test_dry_run_pp_total_matches_a_runs_peak(pp_models, tmp_path, schedule):
+    """Each pipeline rank's planned total against its measured `peak memory` in a 2-step run
+    (the banks are allocated in the first step, reused in the second) of a medium model (7 M
+    parameters: the plan dominates): never above it, and the excess no more than a tiny model's
+    measured peak (the runtime: MPI, libraries) + 8 MiB, as test_dry_run.py's per-rank test."""
+    d, data = pp_models
+    peak, planned = {}, {}
+    for kind in ("untied", "medium"):
+        args = pp_args(d / kind, data, tmp_path / kind, 2, f"--parallelism.pipeline_parallel_schedule={schedule}",
+                       global_=8)
+        args[args.index("--training.steps=1")] = "--training.steps=2"
+        planned[kind] = [s["total"] for s in parse(ok(launch(0, args + ["--dry-run"])).stdout)["stages"]]
+        err = ok(launch(2, args, env=dict(ENV, CTITAN_LOG_RANKS="all"))).stderr
+        got = dict((int(r), float(g) * 2**30) for r, g in re.findall(r"rank (\d+) of 2: peak memory ([0-9.]+) GiB", err))
+        peak[kind] = [got[0], got[1]]
+    for r in range(2):
+        print(f"{schedule} rank {r}: planned {planned['medium'][r] / MIB:.1f} MiB, measured "
+              f"{peak['medium'][r] / MIB:.1f} MiB; runtime (tiny model) {peak['untied'][r] / MIB:.1f} MiB")
+        assert planned["medium"][r] <= peak["medium"][r], (r, planned, peak)
+        assert peak["medium"][r] - planned["medium"][r] <= peak["untied"][r] + 8 * MIB, (r, planned, peak)
 
 
 def test_dry_run_pp_under_mpirun(pp_models, tmp_path):
