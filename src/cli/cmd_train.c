@@ -55,7 +55,8 @@ void cli_train_help(void) {
     printf("usage: ctitan train --config FILE [--section.key=value | --section.key value | --flag] ... [--dry-run]\n\n"
            "--dry-run prints the memory the run would plan (parameters, gradients, AdamW moments,\n"
            "activations) and exits without allocating it. For several ranks (under mpirun, or\n"
-           "[parallelism] degrees all fixed) it checks the layout and adds what rank 0 plans.\n\n"
+           "[parallelism] degrees all fixed) it checks the layout and adds what rank 0 plans;\n"
+           "with pipeline_parallel_degree > 1, what every pipeline rank plans and the schedule's bubble.\n\n"
            "Trains a Qwen3 model. Options (TOML sections and keys as torchtitan's):\n\n");
     cfg_print_help(stdout);
 }

@@ -2,7 +2,9 @@
  * plan, before anything is allocated: the whole model on one process, and,
  * for a world of several ranks (mpirun's, or every [parallelism] degree
  * fixed), what rank 0 of the layout plans, computed with the run's own code
- * (tp_local_config, lm_plan_memory, FSDP's cut of the tensor table). */
+ * (tp_local_config, lm_plan_memory, FSDP's cut of the tensor table); with
+ * pipeline stages, what every stage's rank plans (pp_plan, pp_hold) and the
+ * schedule's bubble. */
 #include "train/trainer.h"
 #include "train/trainer_priv.h"
 
@@ -12,6 +14,7 @@
 
 #include "distributed/fsdp.h"
 #include "distributed/mesh.h"
+#include "distributed/pp.h"
 #include "distributed/tp.h"
 #include "model/lora.h"
 
@@ -160,6 +163,149 @@ static int dry_run_rank(FILE *out, const ct_config *c, const lm_config *mc, int 
     return 0;
 }
 
+/* ------------------------------------------------------------- pipeline */
+
+/* The layers of pipeline rank p->rank, its virtual stages' ranges in order: "0-3, 8-11" (a single layer: "5"). */
+static void dry_pp_layers(const pp_sched *p, char *out, size_t cap) {
+    size_t k = 0;
+    out[0] = 0;
+    for (int s = 0; s < p->S && k < cap; s++) {
+        int v = s * p->P + p->rank, a = p->first[v], b = p->first[v + 1] - 1;
+        int w = a == b ? snprintf(out + k, cap - k, "%s%d", s ? ", " : "", a)
+                       : snprintf(out + k, cap - k, "%s%d-%d", s ? ", " : "", a, b);
+        if (w < 0) break;
+        k += (size_t)w;
+    }
+}
+
+/* Floats of the activation banks pipeline rank p->rank allocates: pp_step keeps a pool of banks per local stage
+ * (take_bank, give_bank), so a stage ends up with as many as its forwards in flight at once at the schedule's
+ * peak for that stage, each lm_bank_floats of its layer range. table: the stage's model as the run builds it
+ * (B, T, ac_pol set). *n_banks: how many banks. */
+static size_t dry_pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks) {
+    int *in = ct_calloc((size_t)p->S, sizeof(int)), *most = ct_calloc((size_t)p->S, sizeof(int));
+    for (int k = 0; k < p->n_act; k++) {
+        int c = p->act[k].stage;
+        in[c] += p->act[k].kind == 'F' ? 1 : -1;
+        if (in[c] > most[c]) most[c] = in[c];
+    }
+    size_t f = 0;
+    *n_banks = 0;
+    for (int c = 0; c < p->S; c++) {
+        int v = c * p->P + p->rank;
+        f += (size_t)most[c] * lm_bank_floats(table, p->first[v], p->first[v + 1]);
+        *n_banks += most[c];
+    }
+    free(in);
+    free(most);
+    return f;
+}
+
+/* One pipeline rank's plan (the rank of the plan p): what trainer_init_dist builds for it, the stage's model
+ * (pp_hold) for a micro-batch, its activation banks and the point-to-point buffers of pp_bind. Prints its line
+ * when out. */
+static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, const pp_sched *p, ct_err *e) {
+    int mb = c->pp_microbatch, T = c->seq_len, L = mc->n_layers;
+    lm_config sc = *mc;
+    pp_hold(p, &sc);
+    size_t n = 0, act = 0;
+    int rc = lm_plan_memory(&sc, mb, T, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    if (rc) return rc;
+    lm_model lm;
+    lm_layout(&lm, &sc);
+    size_t trained = n, in_bf16 = 0, widened = 0;
+    rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
+    if (!rc) trained = lm_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
+    if (!rc && lm.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) {
+        in_bf16 = lm_store_frozen_bf16(&lm);
+        widened = lm_frozen_widened_floats(&lm);
+    }
+    /* the banks are planned on the run's model: a micro-batch of mb x T, each layer's checkpointing policy */
+    lm.B = mb;
+    lm.T = T;
+    lm.ac_pol = ct_calloc((size_t)L + 1, sizeof(int));
+    for (int l = 0; !rc && l < L; l++)
+        if ((lm.ac_pol[l] = lm_ac_layer(c->ac_mode, c->ac_selective_option, l, e)) < 0) rc = CT_ERR_CONFIG;
+    int n_banks = 0;
+    size_t bank_f = rc ? 0 : dry_pp_bank_floats(p, &lm, &n_banks);
+    lm_free(&lm);
+    if (rc || !out) return rc;
+    /* pp_bind: per local stage and micro-batch, 4 messages (activation in and out, gradient in and out) */
+    double p2p = 4.0 * p->S * p->M * 4 * ((double)mb * T * mc->hidden);
+    double w = 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16, go = 12.0 * (double)trained;
+    double banks = 4.0 * (double)bank_f, a = (double)act + banks, wide = 4.0 * (double)widened;
+    double total = w + go + a + p2p + wide;
+    char layers[512];
+    dry_pp_layers(p, layers, sizeof layers);
+    int embed = lm_holds_layer(&sc, 0), head = lm_holds_head(&sc);
+    const char *holds = embed && head ? ", embedding, final norm + lm_head"
+                        : embed       ? ", embedding"
+                        : head        ? (sc.tie_embeddings ? ", final norm + lm_head (the tied embedding's copy)"
+                                                           : ", final norm + lm_head")
+                                      : "";
+    fprintf(out,
+            "  pipeline rank %d: layers %s%s: %zu parameters; bytes: parameters %.0f, gradients + AdamW %.0f%s, "
+            "activations %.0f (shared %zu + %d bank%s %.0f), point-to-point %.0f",
+            p->rank, layers, holds, n, w, go, trained < n ? " (trained only)" : "", a, act, n_banks,
+            n_banks == 1 ? "" : "s", banks, p2p);
+    if (wide > 0) fprintf(out, ", frozen bf16 widened %.0f", wide);
+    fprintf(out, "; total %.0f (%.3f GiB)\n", total, total / (1024.0 * 1024.0 * 1024.0));
+    return 0;
+}
+
+/* Pipeline parallel: the checks a run makes (trainer_pp_check, then pp_plan's on every pipeline rank, in the
+ * run's order), and with out the schedule and every pipeline rank's plan (its replicas plan the same).
+ * mc: the whole model after [lora] (trainer_finetune_config). */
+static int dry_run_pp(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp,
+                      ct_err *e) {
+    int P = c->pp, dp = rep * shard;
+    ct_mesh mesh;
+    memset(&mesh, 0, sizeof mesh);
+    mesh.pp = P;
+    mesh.stage = world / P;
+    mesh.dp_replicate = rep;
+    mesh.dp_shard = shard;
+    mesh.tp = tp;
+    mesh.ep = c->ep > 1 ? c->ep : 1;
+    mesh.dp_size = dp;
+    int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
+    int rc = trainer_pp_check(c, &mesh, mc, val_b, e);
+    if (rc) return rc;
+    /* trainer_init_dist's micro-batches of a step */
+    int per_step = c->local_batch_size * dp, global = c->global_batch_size > 0 ? c->global_batch_size : per_step;
+    int accum = global / per_step, mb = c->pp_microbatch, M = accum * (c->local_batch_size / mb);
+    for (int r = 0; r < P; r++) {
+        pp_sched p;
+        rc = pp_plan(&p, c, mc, P, r, M, trainer_cfg_src(c), e);
+        if (!rc && out && r == 0) {
+            /* the simulation runs every rank: its bubble is the schedule's, the same in every plan */
+            int S = p.S, inter = p.schedule == PP_INTERLEAVED;
+            double book = (double)(P - 1) / ((inter ? (double)S * M : (double)M) + P - 1);
+            fprintf(out,
+                    "pipeline: world %d = pipeline_parallel %d x data_parallel_replicate %d x data_parallel_shard "
+                    "%d x tensor_parallel %d (each pipeline rank's plan; its replicas plan the same)\n",
+                    world, P, rep, shard, tp);
+            fprintf(out,
+                    "  schedule %s: %d stage%s per rank, %d micro-batches of %d sequence%s per step (gradient "
+                    "accumulation %d x local_batch_size %d / pipeline_parallel_microbatch_size %d)\n",
+                    c->pp_schedule, S, S == 1 ? "" : "s", M, mb, mb == 1 ? "" : "s", accum, c->local_batch_size, mb);
+            fprintf(out,
+                    "  bubble: simulated %.4f (stages costed by their FLOPs, the lm_head on the last), textbook "
+                    "%.4f = (P-1)/(%sM+P-1)\n",
+                    p.bubble, book, inter ? "S*" : "");
+        }
+        if (!rc) rc = dry_pp_stage(out, c, mc, &p, e);
+        pp_free(&p);
+        if (rc) return rc;
+    }
+    if (out)
+        fprintf(out,
+                "(per pipeline rank: the stage's model for one micro-batch, plus a bank of saved activations per "
+                "forward in flight; not planned: the runtime (MPI, libraries), validation's two messages, the "
+                "token data, loading's row block)\n");
+    return 0;
+}
+
 int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     /* config.json of a Hub id, into a shallow copy (its resolved directory is the copy's own) */
     ct_config cc = *c0, *c = &cc;
@@ -171,13 +317,16 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     cc.hf_assets_dir = NULL;
     if (rc) return rc;
     /* the world: mpirun's, else what fixed degrees multiply to, else one process */
-    if (world <= 0) world = c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1;
+    int pp = c->pp > 1 ? c->pp : 1;
+    if (world <= 0) world = (c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1) * pp;
     int rep, shard, tp;
     if ((rc = mesh_resolve(c, world, &mc, trainer_cfg_src(c), &rep, &shard, &tp, e))) return rc;
     if ((rc = trainer_check_global_batch(c, rep * shard, e))) return rc;
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
     if ((rc = trainer_finetune_config(c, tp, c->ep, shard, &mc, e))) return rc;
+    /* the run checks its pipeline before it builds the model: an error comes alone, before anything prints */
+    if (pp > 1 && (rc = dry_run_pp(NULL, c, &mc, world, rep, shard, tp, e))) return rc;
     size_t n = 0, act = 0;
     if ((rc = lm_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
     /* frozen tensors (LoRA's base, training.freeze): no gradient, no moments */
@@ -194,7 +343,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
         lm_free(&lm);
         if (rc) return rc;
     }
-    if (world > 1) { /* checked before anything prints, so an error comes alone */
+    if (world > 1 && pp == 1) { /* checked before anything prints, so an error comes alone */
         if ((rc = dry_run_rank(NULL, c, &mc, world, rep, shard, tp, B, e))) return rc;
     }
     if (!out) return 0;
@@ -213,5 +362,6 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     if (w > 0) dry_line(out, "frozen bf16 widened while used", w);
     dry_line(out, "total planned", p + g + o + a + w);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
+    if (pp > 1) return dry_run_pp(out, c, &mc, world, rep, shard, tp, e);
     return world > 1 ? dry_run_rank(out, c, &mc, world, rep, shard, tp, B, e) : 0;
 }
