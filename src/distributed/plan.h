@@ -147,6 +147,16 @@ void plan_gather_bias(ct_plan *p);
 double plan_take_comm_time(ct_plan *p);
 long plan_take_overlapped(ct_plan *p);
 double plan_take_bubble(ct_plan *p);
+/* --dry-run (distributed/plan_dry.c): what rank 0 of the layout plans
+ * (world of rep x shard x tp ranks, its TP/EP slice and FSDP shard, for
+ * micro-batches of B), or with pipeline stages every stage's rank and the
+ * schedule. mc: the whole model after [lora]. out NULL: check only. */
+int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp, int B,
+                  const char *where, ct_err *e);
+int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp,
+                      const char *where, ct_err *e);
+/* One "  what   x GiB   n bytes" line of the dry run. */
+void plan_dry_line(FILE *out, const char *what, double bytes);
 /* The run's layout in words (rank 0's log). */
 void plan_describe(const ct_plan *p, FILE *f);
 

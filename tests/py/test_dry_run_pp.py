@@ -316,9 +316,6 @@ def test_dry_run_pp_errors(pp_models, tmp_path, ranks, world, P, extra, words):
 
 @pytest.mark.parametrize("split,words", [("layers.9", "\"layers.9\" is not a layer"),
                                          ("layers.5,layers.3", "\"layers.3\" does not come after layers.5")])
-@pytest.mark.xfail(strict=True, reason="pp.c: pp_plan tests parse_points' result for < 0, but ct_fail returns "
-                   "CT_ERR_CONFIG (2): a bad split point is taken as 2 stages (the points parsed so far), so "
-                   "the run goes on (layers.5,layers.3: a 5 + 3 split) or a later error replaces the message")
 def test_dry_run_pp_bad_split_points(pp_models, tmp_path, split, words):
     d, data = pp_models
     p = launch(0, pp_args(d / "untied", data, tmp_path, 2, f"--parallelism.pipeline_parallel_split_points={split}")

@@ -1,0 +1,304 @@
+/* distributed/plan_dry.c: what one rank of a layout plans, for
+ * `ctitan train --dry-run` (train/trainer_plan.c prints the whole model
+ * first): its TP/EP slice and FSDP shard, computed with the run's own code
+ * (tp_local_config, lm_plan_memory, FSDP's cut of the tensor table), or with
+ * pipeline stages what every stage's rank plans (pp_plan, pp_hold) and the
+ * schedule's bubble. Nothing is allocated beyond tensor tables. */
+#include "distributed/plan.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/lora.h"
+
+void plan_dry_line(FILE *out, const char *what, double bytes) {
+    fprintf(out, "  %-34s %10.3f GiB  %15.0f bytes\n", what, bytes / (1024.0 * 1024.0 * 1024.0), bytes);
+}
+
+/* --dry-run per rank: what FSDP keeps of a rank's local model, cut into
+ * pieces by fsdp_cut, as fsdp_init cuts them, from the same tensor table, with
+ * no communicator: the embedding, each layer (its experts a piece of their
+ * own under expert parallel, over n_exp ranks), the head; each piece in
+ * slices of ceil(n / its group). */
+typedef struct {
+    size_t shard;     /* floats of a rank's slices of every piece */
+    size_t trained;   /* of those, the floats of tensors not frozen (gradients, moments) on the rank that
+                         holds the most of them (a layer's adapters come last, in its last ranks' slices) */
+    size_t layer_max; /* floats of the largest layer, its pieces together */
+    size_t layers;    /* floats of every layer */
+    size_t embed, head;
+} dry_fsdp;
+
+static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+static int dry_fsdp_plan(const lm_model *m, int n, int n_exp, dry_fsdp *d, ct_err *e) {
+    memset(d, 0, sizeof *d);
+    int L = m->cfg.n_layers;
+    fsdp_piece *p = ct_calloc(2 * (size_t)L + 2, sizeof *p);
+    int *lp = ct_calloc((size_t)L + 1, sizeof(int));
+    int np = fsdp_cut(m, n_exp > 0, p, lp, e); /* fsdp_init's own cut */
+    size_t *per = ct_calloc((size_t)n, sizeof *per); /* trained floats of each rank's slices */
+    for (int i = 0; i < np; i++) {
+        int g = p[i].experts ? n_exp : n;
+        size_t chunk = ceil_div(p[i].n, (size_t)g), end = p[i].off + p[i].n;
+        d->shard += chunk;
+        for (int r = 0; r < g; r++) {
+            size_t a = p[i].off + (size_t)r * chunk;
+            if (a < end) per[r] += lm_trained_runs(m, a, a + chunk < end ? a + chunk : end, NULL, NULL);
+        }
+    }
+    for (int r = 0; r < n; r++) d->trained = per[r] > d->trained ? per[r] : d->trained;
+    free(per);
+    for (int l = 0; l < L; l++) {
+        size_t layer = p[lp[l + 1]].off - p[lp[l]].off;
+        if (layer > d->layer_max) d->layer_max = layer;
+        d->layers += layer;
+    }
+    if (np > 0) d->embed = p[0].n, d->head = p[np - 1].n;
+    free(p);
+    free(lp);
+    return np < 0 ? (e ? e->code : CT_ERR_IO) : 0;
+}
+
+/* Bytes of whole pieces FSDP holds at once (fsdp.c's hooks), the most of:
+ * in a layer's backward its parameters and gradients, the next one's
+ * parameters being prefetched and the previous one's gradients being
+ * reduce-scattered (two layers' parameters and gradients); the head alone
+ * around the loss; an untied embedding with layer 0 prefetched. A tied
+ * embedding is held for the whole micro-batch; with reshard_after_forward
+ * "never" every layer's parameters from its forward to its backward. */
+static double dry_fsdp_gathered(const dry_fsdp *d, int tied, int reshard) {
+    double lm = (double)d->layer_max, g;
+    if (reshard) {
+        g = 2 * 8 * lm;
+        if (8.0 * d->head > g) g = 8.0 * d->head;
+        if (!tied && 4.0 * d->embed + 4 * lm > g) g = 4.0 * d->embed + 4 * lm; /* the lookup, layer 0 prefetched */
+    } else {
+        /* a layer's backward holds the parameters of it and every layer below, the gradients of
+         * it and the one above; the head's parameters and gradients come after every layer's */
+        g = 4.0 * d->layers + (8.0 * d->head > 4 * lm ? 8.0 * d->head : 4 * lm);
+    }
+    return tied ? g + 8.0 * d->embed : g;
+}
+
+
+/* What rank 0 of the layout plans; the others' slices are the same size
+ * (equal heads, columns, experts per rank) up to FSDP's padding. */
+int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp, int B,
+                  const char *where, ct_err *e) {
+    int ep = c->ep > 1 ? c->ep : 1;
+    lm_config lc;
+    tp_local_config(&lc, mc, tp, 0, ep, 0);
+    size_t n = 0, act = 0;
+    int rc = lm_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    if (rc) return rc;
+    double stored = (double)n, trained = (double)n, gathered = 0;
+    lm_model lm;
+    lm_layout(&lm, &lc);
+    /* frozen tensors: no gradient, no moments */
+    rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, where, e);
+    if (!rc) trained = (double)lm_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
+    if (!rc && shard > 1) {
+        dry_fsdp d;
+        rc = dry_fsdp_plan(&lm, shard, ep > 1 ? shard / ep : 0, &d, e);
+        stored = (double)d.shard;
+        trained = (double)d.trained;
+        gathered = dry_fsdp_gathered(&d, lc.tie_embeddings, strcmp(c->fsdp_reshard, "never") != 0);
+    }
+    lm_free(&lm);
+    if (rc) return rc;
+    if (!out) return 0; /* checked only */
+    fprintf(out,
+            "per rank: world %d = data_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d, "
+            "expert_parallel %d (rank 0's slice: TP rank 0, EP rank 0)\n",
+            world, rep, shard, tp, ep);
+    fprintf(out, "  model %s: %zu parameters run by this rank (heads %d/%d, intermediate %d", lc.name, n, lc.n_heads,
+            lc.n_kv_heads, lc.intermediate);
+    if (lc.n_experts) fprintf(out, ", experts %d of %d x moe_intermediate %d", lc.expert_rows ? lc.expert_rows : lc.n_experts,
+                              lc.n_experts, lc.moe_intermediate);
+    if (lc.vocab_rows) fprintf(out, ", lm_head rows %d of %d", lc.vocab_rows, lc.vocab_size);
+    fprintf(out, ")\n");
+    if (shard > 1 && ep > 1)
+        fprintf(out, "  FSDP over %d ranks, the experts over the %d holding the same ones: %.0f parameters stored\n",
+                shard, shard / ep, stored);
+    else if (shard > 1)
+        fprintf(out, "  FSDP over %d ranks: %.0f parameters stored\n", shard, stored);
+    double p = 4 * stored, g = 4 * trained, o = 8 * trained, a = (double)act;
+    double total = p + g + o + gathered + a;
+    plan_dry_line(out, "parameters (fp32)", p);
+    plan_dry_line(out, trained < stored ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
+    plan_dry_line(out, trained < stored ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);
+    if (shard > 1) plan_dry_line(out, "FSDP gathered (params + grads)", gathered);
+    plan_dry_line(out, "activations + workspace (planned)", a);
+    plan_dry_line(out, "total planned per rank", total);
+    /* trainer_init_weights: the loaders hand over a block of rows at a time
+     * and the rank keeps its part, so loading adds one block (lm_block_rows)
+     * and, under TP, one tensor's column slice to what the run holds anyway */
+    lm_model wt, lt;
+    lm_layout(&wt, mc);
+    lm_layout(&lt, &lc);
+    size_t block = 0, slice = 0;
+    for (int i = 0; i < wt.n_tensors; i++) {
+        const lm_tensor *w = &wt.tensors[i], *l = &lt.tensors[i];
+        size_t b = lm_block_rows(w) * lm_tensor_cols(w);
+        b = b < w->numel ? b : w->numel;
+        block = b > block ? b : block;
+        if (lm_tensor_cols(l) < lm_tensor_cols(w) && l->numel > slice) slice = l->numel;
+    }
+    lm_free(&wt);
+    lm_free(&lt);
+    double load = 4.0 * (double)(block + slice);
+    plan_dry_line(out, "loading (row block + a slice)", load);
+    plan_dry_line(out, "planned peak per rank", p + o + load > total ? p + o + load : total);
+    fprintf(out,
+            "(not planned: the runtime (MPI, libraries), FSDP staging for pieces that do not divide evenly, "
+            "expert-parallel dispatch buffers, the token data; on resume a checkpoint's tensor is read from the "
+            "mapped file, one at a time)\n");
+    return 0;
+}
+
+/* ------------------------------------------------------------- pipeline */
+
+/* The layers of pipeline rank p->rank, its virtual stages' ranges in order: "0-3, 8-11" (a single layer: "5"). */
+static void dry_pp_layers(const pp_sched *p, char *out, size_t cap) {
+    size_t k = 0;
+    out[0] = 0;
+    for (int s = 0; s < p->S && k < cap; s++) {
+        int v = s * p->P + p->rank, a = p->first[v], b = p->first[v + 1] - 1;
+        int w = a == b ? snprintf(out + k, cap - k, "%s%d", s ? ", " : "", a)
+                       : snprintf(out + k, cap - k, "%s%d-%d", s ? ", " : "", a, b);
+        if (w < 0) break;
+        k += (size_t)w;
+    }
+}
+
+/* Floats of the activation banks pipeline rank p->rank allocates: pp_step keeps a pool of banks per local stage
+ * (take_bank, give_bank), so a stage ends up with as many as its forwards in flight at once at the schedule's
+ * peak for that stage, each lm_bank_floats of its layer range. table: the stage's model as the run builds it
+ * (B, T, ac_pol set). *n_banks: how many banks. */
+static size_t dry_pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks) {
+    int *in = ct_calloc((size_t)p->S, sizeof(int)), *most = ct_calloc((size_t)p->S, sizeof(int));
+    for (int k = 0; k < p->n_act; k++) {
+        int c = p->act[k].stage;
+        in[c] += p->act[k].kind == 'F' ? 1 : -1;
+        if (in[c] > most[c]) most[c] = in[c];
+    }
+    size_t f = 0;
+    *n_banks = 0;
+    for (int c = 0; c < p->S; c++) {
+        int v = c * p->P + p->rank;
+        f += (size_t)most[c] * lm_bank_floats(table, p->first[v], p->first[v + 1]);
+        *n_banks += most[c];
+    }
+    free(in);
+    free(most);
+    return f;
+}
+
+/* One pipeline rank's plan (the rank of the plan p): what trainer_init_dist builds for it, the stage's model
+ * (pp_hold) for a micro-batch, its activation banks and the point-to-point buffers of pp_bind. Prints its line
+ * when out. */
+static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, const pp_sched *p, const char *where,
+                        ct_err *e) {
+    int mb = c->pp_microbatch, T = c->seq_len, L = mc->n_layers;
+    lm_config sc = *mc;
+    pp_hold(p, &sc);
+    size_t n = 0, act = 0;
+    int rc = lm_plan_memory(&sc, mb, T, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    if (rc) return rc;
+    lm_model lm;
+    lm_layout(&lm, &sc);
+    size_t trained = n, in_bf16 = 0, widened = 0;
+    rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, where, e);
+    if (!rc) trained = lm_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
+    if (!rc && lm.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) {
+        in_bf16 = lm_store_frozen_bf16(&lm);
+        widened = lm_frozen_widened_floats(&lm);
+    }
+    /* the banks are planned on the run's model: a micro-batch of mb x T, each layer's checkpointing policy */
+    lm.B = mb;
+    lm.T = T;
+    lm.ac_pol = ct_calloc((size_t)L + 1, sizeof(int));
+    for (int l = 0; !rc && l < L; l++)
+        if ((lm.ac_pol[l] = lm_ac_layer(c->ac_mode, c->ac_selective_option, l, e)) < 0) rc = CT_ERR_CONFIG;
+    int n_banks = 0;
+    size_t bank_f = rc ? 0 : dry_pp_bank_floats(p, &lm, &n_banks);
+    lm_free(&lm);
+    if (rc || !out) return rc;
+    /* pp_bind: per local stage and micro-batch, 4 messages (activation in and out, gradient in and out) */
+    double p2p = 4.0 * p->S * p->M * 4 * ((double)mb * T * mc->hidden);
+    double w = 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16, go = 12.0 * (double)trained;
+    double banks = 4.0 * (double)bank_f, a = (double)act + banks, wide = 4.0 * (double)widened;
+    double total = w + go + a + p2p + wide;
+    char layers[512];
+    dry_pp_layers(p, layers, sizeof layers);
+    int embed = lm_holds_layer(&sc, 0), head = lm_holds_head(&sc);
+    const char *holds = embed && head ? ", embedding, final norm + lm_head"
+                        : embed       ? ", embedding"
+                        : head        ? (sc.tie_embeddings ? ", final norm + lm_head (the tied embedding's copy)"
+                                                           : ", final norm + lm_head")
+                                      : "";
+    fprintf(out,
+            "  pipeline rank %d: layers %s%s: %zu parameters; bytes: parameters %.0f, gradients + AdamW %.0f%s, "
+            "activations %.0f (shared %zu + %d bank%s %.0f), point-to-point %.0f",
+            p->rank, layers, holds, n, w, go, trained < n ? " (trained only)" : "", a, act, n_banks,
+            n_banks == 1 ? "" : "s", banks, p2p);
+    if (wide > 0) fprintf(out, ", frozen bf16 widened %.0f", wide);
+    fprintf(out, "; total %.0f (%.3f GiB)\n", total, total / (1024.0 * 1024.0 * 1024.0));
+    return 0;
+}
+
+/* Pipeline parallel: the checks a run makes (plan_check_pipeline, then pp_plan's on every pipeline rank, in the
+ * run's order), and with out the schedule and every pipeline rank's plan (its replicas plan the same).
+ * mc: the whole model after [lora] (trainer_finetune_config). */
+int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp,
+                      const char *where, ct_err *e) {
+    int P = c->pp, dp = rep * shard;
+    ct_mesh mesh;
+    memset(&mesh, 0, sizeof mesh);
+    mesh.pp = P;
+    mesh.stage = world / P;
+    mesh.dp_replicate = rep;
+    mesh.dp_shard = shard;
+    mesh.tp = tp;
+    mesh.ep = c->ep > 1 ? c->ep : 1;
+    mesh.dp_size = dp;
+    int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
+    int rc = plan_check_pipeline(c, &mesh, mc, val_b, where, e);
+    if (rc) return rc;
+    /* trainer_init_dist's micro-batches of a step */
+    int per_step = c->local_batch_size * dp, global = c->global_batch_size > 0 ? c->global_batch_size : per_step;
+    int accum = global / per_step, mb = c->pp_microbatch, M = accum * (c->local_batch_size / mb);
+    for (int r = 0; r < P; r++) {
+        pp_sched p;
+        rc = pp_plan(&p, c, mc, P, r, M, where, e);
+        if (!rc && out && r == 0) {
+            /* the simulation runs every rank: its bubble is the schedule's, the same in every plan */
+            int S = p.S, inter = p.schedule == PP_INTERLEAVED;
+            double book = (double)(P - 1) / ((inter ? (double)S * M : (double)M) + P - 1);
+            fprintf(out,
+                    "pipeline: world %d = pipeline_parallel %d x data_parallel_replicate %d x data_parallel_shard "
+                    "%d x tensor_parallel %d (each pipeline rank's plan; its replicas plan the same)\n",
+                    world, P, rep, shard, tp);
+            fprintf(out,
+                    "  schedule %s: %d stage%s per rank, %d micro-batches of %d sequence%s per step (gradient "
+                    "accumulation %d x local_batch_size %d / pipeline_parallel_microbatch_size %d)\n",
+                    c->pp_schedule, S, S == 1 ? "" : "s", M, mb, mb == 1 ? "" : "s", accum, c->local_batch_size, mb);
+            fprintf(out,
+                    "  bubble: simulated %.4f (stages costed by their FLOPs, the lm_head on the last), textbook "
+                    "%.4f = (P-1)/(%sM+P-1)\n",
+                    p.bubble, book, inter ? "S*" : "");
+        }
+        if (!rc) rc = dry_pp_stage(out, c, mc, &p, where, e);
+        pp_free(&p);
+        if (rc) return rc;
+    }
+    if (out)
+        fprintf(out,
+                "(per pipeline rank: the stage's model for one micro-batch, plus a bank of saved activations per "
+                "forward in flight; not planned: the runtime (MPI, libraries), validation's two messages, the "
+                "token data, loading's row block)\n");
+    return 0;
+}
+
