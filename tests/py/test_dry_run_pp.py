@@ -284,8 +284,8 @@ def test_dry_run_pp_under_mpirun(pp_models, tmp_path):
 ERRORS = [  # (ranks of the dry run (0: no mpirun), ranks of the run, P, extra args, words)
     (0, 2, 2, ["--parallelism.pipeline_parallel_microbatch_size=3"],
      "pipeline_parallel_microbatch_size = 3 does not divide training.local_batch_size = 4"),
-    (0, 4, 2, ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"],
-     "pipeline stages compose with data parallel replicas only"),
+    (0, 2, 2, ["--parallelism.data_parallel_replicate_degree=3"],
+     "does not divide the world size 2 (ranks started by mpirun -np) / pipeline_parallel_degree"),
     (0, 2, 2, ["--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
                "--parallelism.pipeline_parallel_microbatch_size=4"],
      "Interleaved1F1B takes micro-batches in groups of pipeline_parallel_degree (2), but a step has 1"),

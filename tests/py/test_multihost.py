@@ -43,11 +43,12 @@ WORLD = SLOTS * len(HOSTS)
 # must train like one process. Ranks are numbered host by host (0, 1 on the first), and
 # the mesh's first dimension varies slowest, so in dp2_x_fsdp2 each FSDP group is on one
 # host and the replicas' gradient all-reduce crosses the network; fsdp4's all-gathers
-# and reduce-scatters all cross it. Pipeline parallel, when it exists, is one more line:
-#   ("pp2_x_fsdp2", ["--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2"]),
-# (the data-parallel degree, which sets the validation batch per rank, is derived from
-# the overrides by dp_degree below).
+# and reduce-scatters all cross it; in pp2_x_fsdp2 (issue 16's acceptance) each pipeline
+# stage is one host's FSDP group and the activations and their gradients cross it (point
+# to point). The first layout also runs the resume test. (The data-parallel degree, which
+# sets the validation batch per rank, is derived from the overrides by dp_degree below.)
 LAYOUTS = [
+    ("pp2_x_fsdp2", ["--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2"]),
     ("dp2_x_fsdp2", ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2"]),
     ("fsdp4", ["--parallelism.data_parallel_shard_degree=4"]),
 ]
