@@ -121,7 +121,13 @@ def test_pipeline_matches_one_process(setup, single, name, mb, tied):
     assert len([l for l in p.stdout.splitlines() if l.startswith("step: 1 ")]) == 1, p.stdout
     rows = [r for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert rows and all(r["world"] == n for r in rows), rows[:1]
-    assert_same_run(out, single(model), f"{name} mb {mb} {'tied' if tied else 'untied'}")
+    what = f"{name} mb {mb} {'tied' if tied else 'untied'}"
+    assert_same_run(out, single(model), what)
+    # the gradient norm (clipping's) sums every stage's part, a tied embedding's once
+    want = {r["step"]: r["grad_norm"] for r in oracle.read_metrics(single(model) / "metrics.jsonl") if "loss" in r}
+    for r in rows:
+        assert abs(r["grad_norm"] - want[r["step"]]) <= 1e-5 * want[r["step"]], \
+            f"{what}: step {r['step']} grad_norm {r['grad_norm']!r} vs one process {want[r['step']]!r}"
     if tied:
         assert not any("lm_head" in k for k in weights(out)), "a tied model's checkpoint holds an lm_head"
 
