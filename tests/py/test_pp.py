@@ -12,7 +12,7 @@ Covered: 1F1B, GPipe and Interleaved1F1B (2 stages a rank) over 2 and 4 ranks, s
 cost and at explicit split points, with data-parallel replicas (PP 2 x DP 2), micro-batches
 of 1 and 2 sequences, tied and untied embeddings; a Qwen3-MoE model (its aux_loss metric
 too); checkpoints moving between pipeline, FSDP and one-process layouts; activation
-checkpointing, bf16 and LoRA under PP 2; each stage holding its layers only (memory); the
+checkpointing, bf16 and LoRA (dropout 0 and 0.1) under PP 2; each stage holding its layers only (memory); the
 config errors (exit 2, naming the key); the dry run with the pipeline keys. PP x FSDP and
 PP x TP are expected failures while they are a config error (the composition is under way);
 they pass on their own once it lands.
@@ -276,31 +276,72 @@ def test_bf16_under_pp(setup, single, sched):
 
 # --------------------------------------------------------------------------- 5. LoRA
 
-def test_lora_under_pp(setup, tmp_path_factory):
-    """LoRA (rank 4, dropout 0) on HF weights under PP 2 (micro-batches of 1) against one
-    process: the same losses and validation losses, and the final PEFT adapter
-    (last_save_in_hf) equal to 1e-5 norm-wise per tensor."""
-    d, data = setup
+def lora_model(setup):
+    d, _ = setup
     model = d / "model_hf"
     if not model.exists():
         oracle.save_random_hf(model, oracle.tiny_config(vocab=251, hidden=30, inter=49, layers=LAYERS, heads=4,
                                                         kv_heads=2, head_dim=8), seed=21)
-    lora = ["--lora.rank=4", "--lora.alpha=8", "--lora.dropout=0", f"--checkpoint.initial_load_path={model}",
-            "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--optimizer.lr=1e-2"]
-    ref, out = d / "lora_single", d / "lora_pp2"
+    return model
+
+
+def lora_args(model, dropout):
+    return ["--lora.rank=4", "--lora.alpha=8", f"--lora.dropout={dropout}", f"--checkpoint.initial_load_path={model}",
+            "--checkpoint.initial_load_in_hf", "--optimizer.lr=1e-2"]
+
+
+def assert_same_tensors(out, ref, what, file, names=None):
+    a, b = weights(out, file=file), weights(ref, file=file)
+    assert a.keys() == b.keys(), f"{what}: {file} tensors differ: {sorted(a.keys() ^ b.keys())[:6]}"
+    assert len(b) == (names if names is not None else len(b)), sorted(b)[:8]
+    for k in b:
+        err = np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-30)
+        assert err <= 1e-5, f"{what}: final {k} differs from one process by {err:.3g} norm-wise"
+    return a
+
+
+@pytest.mark.parametrize("dropout,mb", [(0, 1), (0.1, 2)], ids=["dropout0_mb1", "dropout0.1_mb2"])
+def test_lora_under_pp(setup, dropout, mb):
+    """LoRA (rank 4) on HF weights under PP 2 against one process: the same losses and
+    validation losses, and the final PEFT adapter (last_save_in_hf) equal to 1e-5 norm-wise
+    per tensor. Dropout 0.1 with the one process's micro-batches (2 sequences): each
+    micro-batch draws the same masks whichever stage holds the layer."""
+    d, data = setup
+    model = lora_model(setup)
+    lora = lora_args(model, dropout) + ["--checkpoint.last_save_in_hf"]
+    ref, out = d / f"lora_single_{dropout}", d / f"lora_pp2_{dropout}"
     run(1, train_args(model, data, ref, *lora))
-    run(2, train_args(model, data, out, *lora, f"{PP}=2", f"{MB}=1"))
-    assert_same_run(out, ref, "LoRA PP 2", weights_too=False)
+    run(2, train_args(model, data, out, *lora, f"{PP}=2", f"{MB}={mb}"))
+    assert_same_run(out, ref, f"LoRA PP 2 dropout {dropout}", weights_too=False)
     final = out / "checkpoint" / f"step-{STEPS}"
     assert sorted(q.name for q in final.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"], \
         sorted(q.name for q in final.iterdir())
-    a, b = weights(out, file="adapter_model.safetensors"), weights(ref, file="adapter_model.safetensors")
-    assert a.keys() == b.keys(), f"adapter tensors differ: {sorted(a.keys() ^ b.keys())[:6]}"
-    assert len(a) == 2 * 7 * LAYERS, sorted(a)[:8]  # lora_A and lora_B of 7 projections per layer
+    # lora_A and lora_B of 7 projections per layer
+    a = assert_same_tensors(out, ref, "LoRA PP 2", "adapter_model.safetensors", 2 * 7 * LAYERS)
     assert any(np.any(v) for k, v in a.items() if ".lora_B." in k), "lora_B all zero: nothing trained"
-    for k in b:
-        err = np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-30)
-        assert err <= 1e-5, f"LoRA PP 2: final {k} differs from one process by {err:.3g} norm-wise"
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a LoRA run under PP cannot save a training-format checkpoint: rank 0 "
+                                       "fails with 'checkpoint/step-N: 282 floats more than a checkpoint of this "
+                                       "model holds' (860 with last_save_model_only=false; any split) and the job "
+                                       "ends with exit 1")
+def test_lora_training_checkpoint_under_pp(setup):
+    """The same with the training checkpoint (last_save_in_hf false, model and AdamW
+    moments): its adapters and moments equal one process's."""
+    d, data = setup
+    model = lora_model(setup)
+    lora = lora_args(model, 0) + ["--checkpoint.last_save_model_only=false"]
+    ref, out = d / "lora_single_ckpt", d / "lora_pp2_ckpt"
+    run(1, train_args(model, data, ref, *lora))
+    run(2, train_args(model, data, out, *lora, f"{PP}=2", f"{MB}=1"))
+    assert_same_run(out, ref, "LoRA PP 2", weights_too=False)
+    for f in ("model.safetensors", "adapter_model.safetensors"):
+        assert_same_tensors(out, ref, "LoRA PP 2", f)
+    a, b = weights(out, file="optim.safetensors"), weights(ref, file="optim.safetensors")
+    assert a.keys() == b.keys() and b, f"AdamW moments differ: {sorted(a.keys() ^ b.keys())[:6]}"
+    for k in b:  # test_dist's bound for the moments
+        err = np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(b[k])), 1e-12)
+        assert err <= 1e-4, f"LoRA PP 2: {k} differs by {err:.3g}"
 
 
 # --------------------------------------------------------------------------- 6. errors
