@@ -29,8 +29,7 @@ import pytest
 
 import oracle
 from conftest import BIN
-from test_dist import (ENV, GLOBAL, MICRO, STEPS, assert_same_run, assert_same_weights, losses, mpirun, run,
-                       train_args, val_losses, weights)
+from test_dist import ENV, STEPS, assert_same_run, mpirun, run, train_args, weights
 
 PP = "--parallelism.pipeline_parallel_degree"
 SCHED = "--parallelism.pipeline_parallel_schedule"
