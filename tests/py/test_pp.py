@@ -10,12 +10,18 @@ agreeing with it ties every pipeline layout to PyTorch.
 
 Covered: 1F1B, GPipe and Interleaved1F1B (2 stages a rank) over 2 and 4 ranks, split by
 cost and at explicit split points, with data-parallel replicas (PP 2 x DP 2), micro-batches
-of 1 and 2 sequences, tied and untied embeddings; a Qwen3-MoE model (its aux_loss metric
-too); checkpoints moving between pipeline, FSDP and one-process layouts; activation
-checkpointing, bf16 and LoRA (dropout 0 and 0.1) under PP 2; each stage holding its layers only (memory); the
-config errors (exit 2, naming the key); the dry run with the pipeline keys. PP x FSDP and
-PP x TP are expected failures while they are a config error (the composition is under way);
-they pass on their own once it lands.
+of 1 and 2 sequences, tied and untied embeddings, the gradient norm; a Qwen3-MoE model (its
+aux_loss metric too, and the load-balancing bias); checkpoints moving between pipeline, FSDP
+and one-process layouts, and a resume under the same pipeline bit for bit; activation
+checkpointing, bf16 and LoRA (dropout 0 and 0.1) under PP 2; each stage holding its layers
+only (memory); the config errors (exit 2, naming the key); the dry run with the pipeline
+keys. PP x FSDP and PP x TP are expected failures while they are the config error naming
+pipeline_parallel_degree (the composition is under way); they pass once it lands.
+
+Bugs found are strict xfails, each with its reason: split-point errors swallowed (pp_plan),
+the dry run without mpirun ignoring the pipeline degree, the MoE load metrics listing rank
+0's layers only, LoRA's training-format checkpoint under PP, the start-up parallelism line
+without the pipeline degree.
 
 mpirun missing is a failure, not a skip: scripts/setup.sh installs openmpi-bin."""
 import os
@@ -29,7 +35,7 @@ import pytest
 
 import oracle
 from conftest import BIN
-from test_dist import ENV, STEPS, assert_same_run, mpirun, run, train_args, weights
+from test_dist import ENV, STEPS, assert_same_run, losses, mpirun, run, train_args, weights
 
 PP = "--parallelism.pipeline_parallel_degree"
 SCHED = "--parallelism.pipeline_parallel_schedule"
@@ -250,6 +256,27 @@ def test_checkpoint_moves_between_pipeline_and_other_layouts(setup, single):
         for k in b:
             err = np.max(np.abs(a[k] - b[k])) / max(np.max(np.abs(b[k])), 1e-12)
             assert err <= 1e-4, f"{what}: {k} differs by {err:.3g}"
+
+
+def test_resume_under_the_same_pipeline_is_bit_identical(setup):
+    """PP 2 Interleaved1F1B (2 stages a rank), tied embeddings, micro-batches of 1: stopped at
+    step 4 and resumed to 10, every loss, the final weights and the AdamW moments equal the
+    uninterrupted PP run's bit for bit."""
+    d, data = setup
+    args = [f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{MB}=1", "--checkpoint.last_save_model_only=false"]
+    ref, out = d / "pp2_straight", d / "pp2_resumed"
+    run(2, train_args(d / "model_tied", data, ref, *args))
+    p = run(2, train_args(d / "model_tied", data, out, *args, "--training.stop_at_step=4"), check=False)
+    assert p.returncode == 75, f"stop_at_step should exit 75 after saving\n{p.stderr[-3000:]}"
+    run(2, train_args(d / "model_tied", data, out, *args))
+    want, got = losses(ref), losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    assert got == want, f"losses differ: {[(s, got[s], want[s]) for s in want if got[s] != want[s]]}"
+    for f in ("model.safetensors", "optim.safetensors"):
+        a, b = weights(out, file=f), weights(ref, file=f)
+        assert a.keys() == b.keys()
+        bad = [k for k in b if not np.array_equal(a[k], b[k])]
+        assert not bad, f"{f}: the resumed run's {bad[:4]} differ from the uninterrupted run's"
 
 
 # --------------------------------------------------------------------------- 4. activation checkpointing, bf16
