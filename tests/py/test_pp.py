@@ -189,22 +189,29 @@ def test_stages_hold_their_layers_only(tmp_path):
 
 # --------------------------------------------------------------------------- 2. MoE
 
-@pytest.mark.parametrize("mb,extra", [(2, []), (1, []), (2, ["--model.load_balance_coeff=1e-3"])],
-                         ids=["mb2", "mb1", "mb2_bias"])
-def test_moe_pipeline_matches_one_process(setup, single, mb, extra):
-    """Qwen3-MoE under PP 2 (1F1B), its routed layers on both stages. The aux_loss metric is
-    the mean over micro-batches of HF's load-balancing loss of each micro-batch's tokens, so it
-    is comparable with one process's only with the same micro-batches (2 sequences): then it
-    must be equal; with 1-sequence micro-batches it differs (another function of the tokens)
-    and only the training is compared. load_balance_coeff: torchtitan's bias update from the
-    step's expert counts, every stage's layers. With micro-batches of 1 the aux_loss is
-    compared with a one-process run of local_batch_size 1 (the same training otherwise)."""
-    ref = single("model_moe", *extra)
-    out, _ = pp_run(setup, f"moe_pp2_mb{mb}{'_bias' if extra else ''}", 2, f"{PP}=2", f"{MB}={mb}", *extra,
+BIAS = "--model.load_balance_coeff=1e-3"
+
+
+@pytest.mark.parametrize("n,mb,extra", [
+    (2, 2, []),
+    (2, 1, []),
+    (4, 2, [BIAS]),
+    (2, 1, [f"{SCHED}=Interleaved1F1B", BIAS]),
+], ids=["pp2_mb2", "pp2_mb1", "pp4_mb2_bias", "pp2_interleaved_mb1_bias"])
+def test_moe_pipeline_matches_one_process(setup, single, n, mb, extra):
+    """Qwen3-MoE under PP (layer 0 dense, 1-3 routed; under PP 4 stage 0 holds no routed
+    layer). The aux_loss metric is the mean over micro-batches of HF's load-balancing loss of
+    each micro-batch's tokens, so it equals one process's only with the same micro-batches:
+    with micro-batches of 1 it is compared with a one-process run of local_batch_size 1 (the
+    same training otherwise). load_balance_coeff: torchtitan's bias update from the step's
+    expert counts, of every stage's layers."""
+    train_extra = [a for a in extra if a == BIAS]
+    ref = single("model_moe", *train_extra)
+    out, _ = pp_run(setup, f"moe_pp{n}_mb{mb}_{len(extra)}", n, f"{PP}={n}", f"{MB}={mb}", *extra,
                     model="model_moe")
     assert any(".mlp.experts." in k for k in weights(out)), "the MoE model has no expert tensors"
-    assert_same_run(out, ref, f"MoE PP 2 mb {mb} {extra}")
-    aux_ref = ref if mb == 2 else single("model_moe", *extra, "--training.local_batch_size=1")
+    assert_same_run(out, ref, f"MoE PP {n} mb {mb} {extra}")
+    aux_ref = ref if mb == 2 else single("model_moe", *train_extra, "--training.local_batch_size=1")
     got = {r["step"]: r for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r}
     want = {r["step"]: r for r in oracle.read_metrics(aux_ref / "metrics.jsonl") if "loss" in r}
     assert sorted(want) == list(range(1, STEPS + 1))
