@@ -151,11 +151,13 @@ def test_startup_line_names_the_pipeline(setup):
 
 
 def test_whole_validation_set_with_a_partial_batch(setup):
-    """validation.steps = -1 (the whole set, 600 windows) in batches of 7 under PP 2 with
+    """validation.steps = -1 (the whole set, 60 windows) in batches of 7 under PP 2 with
     micro-batches of 1: the last stage scores the same windows as one process (its whole
     batches), with the same loss."""
     d, data = setup
-    v = ["--validation.steps=-1", "--validation.local_batch_size=7", "--training.steps=5"]
+    val = oracle.write_bin(d / "val.bin", oracle.learnable_stream(60 * 17, 251, seed=9))
+    v = [f"--validation.dataset_path={val}", "--validation.steps=-1", "--validation.local_batch_size=7",
+         "--training.steps=5"]
     ref, out = d / "val_single", d / "val_pp2"
     r = run(1, train_args(d / "model", data, ref, *v))
     p = run(2, train_args(d / "model", data, out, f"{PP}=2", f"{MB}=1", *v))
@@ -163,7 +165,7 @@ def test_whole_validation_set_with_a_partial_batch(setup):
     got = [l for l in p.stdout.splitlines() if l.startswith("validate step: 5")]
     assert len(want) == 1 and len(got) == 1, (want, got)
     counts = re.search(r"\((\d+ batches, \d+ targets)", want[0]).group(1)
-    assert counts.startswith("85 batches"), want[0]  # the whole batches (the ctitan rule; 600 = 85 x 7 + 5)
+    assert counts.startswith("8 batches"), want[0]  # the whole batches (the ctitan rule; 60 = 8 x 7 + 4)
     assert f"({counts}" in got[0], f"PP 2: {got[0]}; one process: {want[0]}"
     a, b = val_losses(out)[5], val_losses(ref)[5]
     assert abs(a - b) <= 1e-5 * abs(b), f"val_loss {a!r} vs one process {b!r}"
