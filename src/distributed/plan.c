@@ -559,6 +559,12 @@ void plan_sum_loss(ct_plan *p, double *loss_sum, double *aux_sum, double *aux_me
         comm_allreduce(&p->mesh.ppg, loss_sum, 1, COMM_F64, COMM_SUM);
         if (moe) *aux_sum = pp_aux_sum(p);
     }
+    if (p->pp && moe) { /* each stage measured the load of its own MoE layers (-1 elsewhere) */
+        for (int l = 0; l < p->m->cfg.n_layers; l++)
+            if (!lm_holds_layer(&p->m->cfg, l)) p->m->moe_load_min[l] = p->m->moe_load_max[l] = -1;
+        comm_allreduce(&p->mesh.ppg, p->m->moe_load_min, (size_t)p->m->cfg.n_layers, COMM_I32, COMM_MAX);
+        comm_allreduce(&p->mesh.ppg, p->m->moe_load_max, (size_t)p->m->cfg.n_layers, COMM_I32, COMM_MAX);
+    }
     comm_allreduce(&p->mesh.dp, loss_sum, 1, COMM_F64, COMM_SUM);
     if (moe) comm_allreduce(&p->mesh.dp, aux_sum, 1, COMM_F64, COMM_SUM);
     *aux_mean = *aux_sum / ((double)plan_microbatches(p) * p->mesh.dp_size);
@@ -722,6 +728,14 @@ double plan_take_bubble(ct_plan *p) {
     double b = p->pp ? pp_take_bubble(p->pp) : -1;
     if (p->pp) comm_allreduce(p->mesh.world, &b, 1, COMM_F64, COMM_MAX); /* the slowest stage's view */
     return b;
+}
+
+void plan_layout_str(const ct_plan *p, char *buf, size_t cap) {
+    const ct_mesh *ms = &p->mesh;
+    char pp[48] = "";
+    if (ms->pp > 1) snprintf(pp, sizeof pp, "pipeline_parallel %d x ", ms->pp);
+    snprintf(buf, cap, "world %d = %sdata_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d (%s)",
+             ms->world->size, pp, ms->dp_replicate, ms->dp_shard, ms->tp, ms->world->be->name);
 }
 
 void plan_describe(const ct_plan *p, FILE *f) {

@@ -157,6 +157,8 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
                       const char *where, ct_err *e);
 /* One "  what   x GiB   n bytes" line of the dry run. */
 void plan_dry_line(FILE *out, const char *what, double bytes);
+/* "world N = [pipeline_parallel P x ]data_parallel_replicate R x ... (backend)" for the start-up line. */
+void plan_layout_str(const ct_plan *p, char *buf, size_t cap);
 /* The run's layout in words (rank 0's log). */
 void plan_describe(const ct_plan *p, FILE *f);
 

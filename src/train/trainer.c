@@ -531,20 +531,20 @@ int trainer_run(trainer *t, ct_err *e) {
     int bf16_mm = !strcmp(c->mixed_precision_param, "bfloat16");
     double peak_run = bf16_mm ? peak.bf16_flops : peak.flops;
     double fpt = lm_flops_per_token(m, T);
+    char layout[256];
+    plan_layout_str(&t->plan, layout, sizeof layout);
     fprintf(stderr,
             "ctitan: model %s: %zu parameters, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
             "ctitan: data %s: %llu tokens, %llu windows of %d%s\n"
             "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, steps %d..%d; activations %.1f MiB\n"
-            "ctitan: parallelism: world %d = data_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d "
-            "(%s); global batch %d sequences; %d thread(s) per rank\n"
+            "ctitan: parallelism: %s; global batch %d sequences; %d thread(s) per rank\n"
             "ctitan: %.3g FLOPs/token (6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s %s on %d "
             "threads (%s, %s%s%s)\n",
             m->cfg.name, m->n_params, m->cfg.n_layers, m->cfg.hidden, m->cfg.n_heads, m->cfg.n_kv_heads,
             m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", ds_name(data),
             (unsigned long long)ds_num_tokens(data), (unsigned long long)ds_num_windows(data), T + 1,
             c->shuffle ? ", shuffled" : "", B, T, t->grad_accum, t->step + 1, c->steps,
-            lm_activation_bytes(m) / 1048576.0, t->world->size, t->plan.mesh.dp_replicate, t->plan.mesh.dp_shard,
-            t->plan.mesh.tp, t->world->be->name, t->global_batch, cpu_threads(), fpt, peak_run / 1e9, bf16_mm ? "bf16" : "fp32", peak.threads,
+            lm_activation_bytes(m) / 1048576.0, layout, t->global_batch, cpu_threads(), fpt, peak_run / 1e9, bf16_mm ? "bf16" : "fp32", peak.threads,
             bf16_mm ? peak.bf16_isa : peak.isa, peak.source, peak.note[0] ? ": " : "", peak.note);
     if (rank0) plan_describe(&t->plan, stderr);
 

@@ -411,6 +411,7 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     ckpt_stream *s = NULL;
     if (whole_tab) {
         lm_layout(&ftab, &t->plan.whole);
+        for (int i = 0; i < ftab.n_tensors; i++) ftab.tensors[i].frozen = t->model.tensors[i].frozen; /* trained only */
         fm = &ftab;
     }
     plan_gather_bias(&t->plan);

@@ -15,13 +15,12 @@ aux_loss metric too, and the load-balancing bias); checkpoints moving between pi
 and one-process layouts, and a resume under the same pipeline bit for bit; activation
 checkpointing, bf16 and LoRA (dropout 0 and 0.1) under PP 2; each stage holding its layers
 only (memory); the config errors (exit 2, naming the key); the dry run with the pipeline
-keys. PP x FSDP and PP x TP are expected failures while they are the config error naming
-pipeline_parallel_degree (the composition is under way); they pass once it lands.
+keys; PP x FSDP and PP x TP against one process.
 
-Bugs found are strict xfails, each with its reason: split-point errors swallowed (pp_plan),
-the dry run without mpirun ignoring the pipeline degree, the MoE load metrics listing rank
-0's layers only, LoRA's training-format checkpoint under PP, the start-up parallelism line
-without the pipeline degree.
+The bugs this file found when it was written (split-point errors swallowed, the dry run
+without mpirun ignoring the pipeline degree, the MoE load metrics listing rank 0's layers
+only, LoRA's training-format checkpoint under PP, the start-up parallelism line without
+the pipeline degree) are fixed; their tests are plain tests now.
 
 mpirun missing is a failure, not a skip: scripts/setup.sh installs openmpi-bin."""
 import os
@@ -137,9 +136,6 @@ def test_pipeline_matches_one_process(setup, single, name, mb, tied):
         assert not any("lm_head" in k for k in weights(out)), "a tied model's checkpoint holds an lm_head"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the start-up line 'parallelism: world 4 = data_parallel_replicate 2 x "
-                                       "data_parallel_shard 1 x tensor_parallel 1 (mpi)' leaves out the pipeline "
-                                       "degree, so its product is not the world size (trainer.c)")
 def test_startup_line_names_the_pipeline(setup):
     """The parallelism line of the start-up log multiplies to the world size: under PP 2 x
     DP 2 it must name the pipeline degree."""
@@ -224,9 +220,6 @@ def test_moe_pipeline_matches_one_process(setup, single, n, mb, extra):
             f"{want[s]['aux_loss']!r}"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: under PP the metrics' moe_load_min/moe_load_max list rank 0's MoE "
-                                       "layers only (layer 1's of 1..3 under PP 2 split at layers.2); one process "
-                                       "lists every MoE layer")
 def test_moe_load_lists_every_layer(setup, single):
     """metrics.jsonl's moe_load_min / moe_load_max: one entry per MoE layer (3 here), as one
     process writes them, whichever stage holds the layer."""
@@ -375,10 +368,6 @@ def test_lora_under_pp(setup, dropout, mb):
     assert any(np.any(v) for k, v in a.items() if ".lora_B." in k), "lora_B all zero: nothing trained"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a LoRA run under PP cannot save a training-format checkpoint: rank 0 "
-                                       "fails with 'checkpoint/step-N: 282 floats more than a checkpoint of this "
-                                       "model holds' (860 with last_save_model_only=false; any split) and the job "
-                                       "ends with exit 1")
 def test_lora_training_checkpoint_under_pp(setup):
     """The same with the training checkpoint (last_save_in_hf false, model and AdamW
     moments): its adapters and moments equal one process's."""
@@ -429,15 +418,6 @@ def run_bounded(n, args, timeout):
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
-SPLIT_BUG = ("bug: pp_plan (src/distributed/pp.c) tests parse_points' result with `V < 0`, but ct_fail returns "
-             "CT_ERR_CONFIG = 2, so every split-point error is swallowed and the run goes on with 2 stages and "
-             "whatever first[1] holds: ")
-
-
-def split_bug(what):
-    return pytest.mark.xfail(strict=True, reason=SPLIT_BUG + what)
-
-
 @pytest.mark.parametrize("ranks,model,args,words", [
     (2, "model", [f"{PP}=2", f"{MB}=3"], ["pipeline_parallel_microbatch_size", "local_batch_size"]),
     (2, "model", [f"{PP}=2", f"{MB}=2", "--validation.local_batch_size=3"],
@@ -445,19 +425,13 @@ def split_bug(what):
     (3, "model", [f"{PP}=2"], ["pipeline_parallel_degree", "world size 3"]),
     (4, "model_l3", [f"{PP}=4"], ["pipeline_parallel_degree", "3 layers"]),
     (4, "model", [f"{PP}=4", f"{SCHED}=Interleaved1F1B"], ["pipeline_parallel_schedule", "Interleaved1F1B"]),
-    pytest.param(2, "model", [f"{PP}=2", f"{SPLIT}=layers.3,layers.1"], ["pipeline_parallel_split_points", "layers.1"],
-                 marks=split_bug("trains split at layers.3 and exits 0")),
-    pytest.param(2, "model", [f"{PP}=2", f"{SPLIT}=layers.2,layers.2"], ["pipeline_parallel_split_points", "layers.2"],
-                 marks=split_bug("trains split at layers.2 and exits 0")),
-    # PP 2 with a bad first point hangs (first = {0, 0, 4}: stage 0 holds no layer): these
-    # inputs end quickly, exit 2 with a message about the count of stages (2 from the bug)
+    pytest.param(2, "model", [f"{PP}=2", f"{SPLIT}=layers.3,layers.1"], ["pipeline_parallel_split_points", "layers.1"]),
+    pytest.param(2, "model", [f"{PP}=2", f"{SPLIT}=layers.2,layers.2"], ["pipeline_parallel_split_points", "layers.2"]),
+    # points out of range or not layers ("layers.4" of a 4-layer model, "mlp.2")
     pytest.param(4, "model", [f"{PP}=4", f"{SPLIT}=layers.1,layers.2,layers.4"],
-                 ["pipeline_parallel_split_points", "layers.4"],
-                 marks=split_bug("exit 2 but 'needs one stage a rank: but pipeline_parallel_split_points gives 2'")),
+                 ["pipeline_parallel_split_points", "layers.4"]),
     pytest.param(2, "model", [f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{SPLIT}=layers.1,mlp.2,layers.3"],
-                 ["pipeline_parallel_split_points", "mlp.2"],
-                 marks=split_bug("exit 2 but 'needs a multiple of the degree, at least twice it, stages, but "
-                                 "pipeline_parallel_split_points gives 2'")),
+                 ["pipeline_parallel_split_points", "mlp.2"]),
     (2, "model", [f"{PP}=2", f"{SPLIT}=layers.1,layers.2"], ["pipeline_parallel_split_points", "1F1B"]),
     (2, "model", [f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{SPLIT}=layers.2"],
      ["pipeline_parallel_split_points", "Interleaved1F1B"]),
@@ -477,57 +451,31 @@ def test_pipeline_config_errors_exit_2(setup, tmp_path, ranks, model, args, word
     assert "step:" not in p.stdout, f"a config error must stop before training:\n{p.stdout[-2000:]}"
 
 
-# --------------------------------------------------------------------------- PP x FSDP, PP x TP (coming)
+# --------------------------------------------------------------------------- PP x FSDP, PP x TP
 
-class CompositionNotYet(Exception):
-    """The layout is the config error naming pipeline_parallel_degree ("compose with data
-    parallel replicas only"): expected until PP x FSDP / TP lands."""
-
-
-def run_or_not_yet(n, args):
-    p = run(n, args, check=False)
-    if p.returncode == 2:
-        err = [l for l in p.stderr.splitlines() if "ctitan: error" in l]
-        if err and "pipeline_parallel_degree" in err[0]:
-            raise CompositionNotYet(err[0])
-    assert p.returncode == 0, f"{' '.join(map(str, args))}\nexit {p.returncode}\n{p.stderr[-3000:]}"
-    return p
-
-
-@pytest.mark.xfail(strict=False, raises=CompositionNotYet,
-                   reason="PP x FSDP is a config error naming pipeline_parallel_degree until the composition lands")
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_pp2_x_fsdp2(setup, single, tied):
     d, data = setup
     model = "model_tied" if tied else "model"
     out = d / f"pp2_fsdp2_{model}"
-    run_or_not_yet(4, train_args(d / model, data, out, f"{PP}=2", f"{MB}=1",
-                                 "--parallelism.data_parallel_shard_degree=2", dp=2))
+    run(4, train_args(d / model, data, out, f"{PP}=2", f"{MB}=1", "--parallelism.data_parallel_shard_degree=2", dp=2))
     assert_same_run(out, single(model), f"PP 2 x FSDP 2 {model}")
 
 
-@pytest.mark.xfail(strict=False, raises=CompositionNotYet,
-                   reason="PP x TP is a config error naming pipeline_parallel_degree until the composition lands")
 def test_pp2_x_tp2(setup, single):
     d, data = setup
     out = d / "pp2_tp2"
-    run_or_not_yet(4, train_args(d / "model_tp", data, out, f"{PP}=2", f"{MB}=1",
-                                 "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"))
+    run(4, train_args(d / "model_tp", data, out, f"{PP}=2", f"{MB}=1", "--parallelism.tensor_parallel_degree=2",
+                      "--parallelism.data_parallel_shard_degree=1"))
     assert_same_run(out, single("model_tp"), "PP 2 x TP 2")
 
 
 # --------------------------------------------------------------------------- 7. dry run
 
-DRY_BUG = pytest.mark.xfail(strict=True, reason=(
-    "bug: without mpirun the dry run takes the world size to be data_parallel_replicate x data_parallel_shard x "
-    "tensor_parallel (trainer_dry_run, src/train/trainer_plan.c), leaving pipeline_parallel_degree out, and exits 2: "
-    "'pipeline_parallel_degree = 2 does not divide the world size 1'"))
-
-
 @pytest.mark.parametrize("ranks,args", [
-    pytest.param(0, [f"{PP}=2", f"{MB}=1"], marks=DRY_BUG),
-    pytest.param(0, [f"{PP}=2", f"{SPLIT}=layers.1", "--parallelism.data_parallel_replicate_degree=2",
-                     "--parallelism.data_parallel_shard_degree=1"], marks=DRY_BUG),
+    (0, [f"{PP}=2", f"{MB}=1"]),
+    (0, [f"{PP}=2", f"{SPLIT}=layers.1", "--parallelism.data_parallel_replicate_degree=2",
+         "--parallelism.data_parallel_shard_degree=1"]),
     (2, [f"{PP}=2", f"{MB}=1"]),
     (4, [f"{PP}=4", f"{SCHED}=GPipe", f"{MB}=2"]),
     (2, [f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{MB}=1"]),
