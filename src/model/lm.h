@@ -136,8 +136,8 @@ int lm_rope_by_length(const lm_config *c);
 /* Whether sliding layers have RoPE tables of their own. */
 int lm_rope_local_differs(const lm_config *c);
 
-/* The family's small elementwise pieces, shared by training (lm.c) and
- * generate's KV-cache forward (generate.c):
+/* The family's small elementwise pieces of the forward (training's and the
+ * KV-cache forward's, lm_kv_forward):
  * lm_norm_weight: the weight a norm kernel reads: w, or (Gemma's 1 + w
  *   norms) 1 + w written into scratch[n]; d/dw is the same either way.
  * lm_embed_scale: x[n] *= sqrt(hidden) (rounded to fp32) where the family
