@@ -1391,7 +1391,8 @@ static void kv_attention_prefill(const lm_model *m, lm_kv *kv, float *out, const
     int nH = c->n_heads, nKV = c->n_kv_heads, hd = c->head_dim, group = nH / nKV, p0 = kv->p0, T = p0 + n;
     size_t kvd = (size_t)nKV * hd;
     float scale = at->scale > 0 ? at->scale : 1.0f / sqrtf((float)hd), cap = at->softcap;
-    float *kh = kv->kh, *vht = kv->vht, *qh = kv->qh, *oh = kv->oh, *S = kv->probs; /* [T,hd] [hd,T] [n,hd] [n,hd] [n,T] */
+    /* [T, hd], [hd, T], [n, hd], [n, hd], [n, T] */
+    float *kh = kv->kh, *vht = kv->vht, *qh = kv->qh, *oh = kv->oh, *S = kv->probs;
     for (int k = 0; k < nKV; k++) {
         for (int t = 0; t < T; t++) {
             memcpy(kh + (size_t)t * hd, kc + (size_t)t * kvd + (size_t)k * hd, (size_t)hd * sizeof(float));
