@@ -3,11 +3,11 @@
  *
  * Training plans activations for B x T and saves everything backward needs;
  * generation needs none of that. A gen_state borrows the weights of a
- * lm_model (read-only, fp32) and owns only what inference needs: the
- * per-layer K/V cache for max_len positions, RoPE tables for those absolute
- * positions, and scratch for one chunk of rows. The prompt is prefilled a
- * chunk of rows at a time through the same matmuls as training (so a long
- * prompt costs GEMMs, not GEMVs); each new token is then one more row.
+ * lm_model and owns only what inference needs: the per-layer K/V cache for
+ * max_len positions and scratch for one chunk of rows (lm_kv, model/lm.h).
+ * The layers run through the training forward itself (lm_kv_forward), so a
+ * long prompt is prefilled a chunk of rows at a time with GEMMs, not GEMVs;
+ * each new token is then one more row.
  *
  * Cached K is stored AFTER k_norm and RoPE at its absolute position, so a
  * decode step never touches old rows again; V is stored as projected.
@@ -34,35 +34,8 @@ typedef struct {
     int max_len;          /* positions the cache holds */
     int pos;              /* positions filled so far */
     int chunk;            /* rows processed at once by gen_forward */
-    int n_threads;        /* attention scratch rows */
-    float *mem;           /* one allocation for everything below */
-    float *k_cache;       /* [L, max_len, nKV, hd] after k_norm + RoPE */
-    float *v_cache;       /* [L, max_len, nKV, hd] */
-    float *rope_cos;      /* [max_len, hd/2] */
-    float *rope_sin;      /* [max_len, hd/2] */
-    float *rope_cos_l, *rope_sin_l; /* [max_len, hd/2] sliding layers' (== the above when they share) */
-    float *y;             /* [chunk, H]   o_proj / down_proj output before a post-norm */
-    float *norm_w;        /* [max(H, nH*hd)] 1 + w of a Gemma norm */
-    float *x;             /* [chunk, H]   residual stream */
-    float *xn;            /* [chunk, H]   normed input of a block */
-    float *qraw;          /* [chunk, nH*hd] q_proj output */
-    float *q;             /* [chunk, nH*hd] after q_norm + RoPE */
-    float *kraw;          /* [chunk, nKV*hd] k_proj output (normed into the cache) */
-    float *att;           /* [chunk, nH*hd] attention output */
-    float *gate;          /* [chunk, I] */
-    float *up;            /* [chunk, I] */
-    float *h;             /* [chunk, I] act(gate) * up */
-    float *rstd;          /* [chunk * max(nH, 1)] rmsnorm scratch */
-    float *scores;        /* [n_threads, max_len] attention row per thread (decode) */
-    float *kh;            /* [max_len, hd] one kv head's cached K (prefill) */
-    float *vht;           /* [hd, max_len] its cached V, transposed (prefill) */
-    float *qh;            /* [chunk, hd] one query head (prefill) */
-    float *oh;            /* [chunk, hd] its attention output (prefill) */
-    float *probs;         /* [chunk, max_len] its attention probabilities (prefill) */
-    /* MoE layers: gate/up/h above hold [chunk * k, Im] rows in expert order */
-    moe_route route;      /* the chunk's routing (one layer at a time) */
-    float *moe_work;      /* [KERN_MOE_WORK(chunk * k, H, Im)] */
-    float *lora_u;        /* [chunk, r] LoRA: scale A x of one projection (adapters unmerged) */
+    float *mem;           /* one allocation for the cache and its scratch */
+    lm_kv kv;             /* the K/V cache and one chunk's scratch, laid out by model/lm.c */
 } gen_state;
 
 /* Sizes the cache for max_len positions (prompt + new tokens). The model must

@@ -13,6 +13,7 @@
 #include "model/lm.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -962,19 +963,31 @@ static void glu_fwd(lm_model *m, float *h, const float *gate, const float *up, i
     else m->k.swiglu_fwd(h, gate, up, n);
 }
 
+static void kv_attention(lm_model *m, lm_kv *kv, int l, float *out, const float *q, int n,
+                         const kern_attn_opt *at);
+
 /* One layer's forward from a->res: fills the layer's activations and, unless
  * res_next is NULL (recomputation before backward, where the next layer's
- * input is already known), writes the residual leaving the layer. */
-static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, float *res_next, int B, int T) {
+ * input is already known), writes the residual leaving the layer.
+ * kv: the KV-cache forward of generation (lm_kv_forward; B = 1, rows at
+ * kv->p0 ..), whose a->kr and a->v point into layer l's cache; NULL for
+ * training and validation. Checked once per layer, never per token. */
+static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, const lm_layer_w *w, float *res_next,
+                             int B, int T) {
     const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     float eps = (float)c->rms_eps;
     size_t n = (size_t)BT * H;
-    int l = (int)(a - m->acts);
-    /* cos/sin were tabulated for m->T positions; rows 0..T-1 serve any T <= m->T */
+    /* cos/sin were tabulated for m->T positions; rows 0..T-1 serve any T <= m->T
+     * (the cache's: the rows in flight, positions kv->p0 ..) */
     const float *cs, *sn;
-    rope_of(m, l, &cs, &sn);
+    if (kv) {
+        cs = c->layer_sliding[l] ? kv->rope_cos_l : kv->rope_cos;
+        sn = c->layer_sliding[l] ? kv->rope_sin_l : kv->rope_sin;
+    } else {
+        rope_of(m, l, &cs, &sn);
+    }
     /* attention block */
     if (w->ln1) m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BT, H, eps);
     const float *xa = attn_in(m, a); /* [BT, H] */
@@ -995,7 +1008,8 @@ static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, fl
     qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
     kern_attn_opt ao = attn_opt(m, l);
-    m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
+    if (kv) kv_attention(m, kv, l, a->att, a->qr, T, &ao); /* over the cache, positions 0 .. p0+T-1 */
+    else m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
     WIDE_IN(w->wo, (size_t)H * qd);
     if (w->ln_ao) { /* res_mid = res + norm(o_proj(att)) */
         proj_reduced(m, a->ao, a->att, w->wo, w->bo, BT, qd, H);
@@ -1033,8 +1047,8 @@ static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, fl
         if (m->moe_ep)
             m->moe_ep->fwd(m->moe_ep->ctx, l, y, a->ln2, r, w, BT);
         else
-            m->k.moe_fwd(y, a->gate, a->up, a->h, m->moe_work, a->ln2, w->ewg, w->ewu, w->ewd, r->perm, r->pos,
-                         r->offsets, r->topw, BT, H, Im, E, k);
+            m->k.moe_fwd(y, a->gate, a->up, a->h, kv ? kv->moe_work : m->moe_work, a->ln2, w->ewg, w->ewu, w->ewd,
+                         r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
         WIDE_OUT(w->ewg, 3 * ex);
         if (y && tp) {
             m->hooks->reduce_partial(m->hooks->ctx, y, n);
@@ -1074,6 +1088,10 @@ static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, fl
     if (w->bd) op_bias_add(res_next, w->bd, BT, H);
     if (LORA(w, LM_LORA_DOWN))
         lora_fwd(m, l, LM_LORA_DOWN, res_next, a->lora_u[LM_LORA_DOWN], a->h, w, BT, I, H);
+}
+
+static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, float *res_next, int B, int T) {
+    layer_forward_at(m, NULL, (int)(a - m->acts), a, w, res_next, B, T);
 }
 
 /* Before a checkpointed layer's backward: rebuild what it did not keep, with
@@ -1293,6 +1311,213 @@ void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) 
 double lm_loss(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T, long *n_valid) {
     forward_stack(m, tokens, B, T);
     return lm_stage_loss(m, labels, B, T, n_valid);
+}
+
+/* ------------------------------------------ KV-cache forward (generation) */
+
+/* lm_kv_forward runs layer_forward_at over the rows in flight with the
+ * layer's K and V going straight into the cache; what differs from
+ * training is only the attention, which reads the cache: a prefill chunk
+ * does its two products with matmul_fwd (the n x (p0+n) scores of a long
+ * prompt cost GEMMs), a decode step (fewer rows) a direct loop that moves
+ * each cached value once. */
+#define KV_GEMM_ROWS 4
+
+/* A score as HF eager forms it: (q . k) * scale, then cap tanh(s / cap). */
+static inline float kv_score(float dot, float scale, float cap) {
+    float s = dot * scale;
+    return cap > 0 ? cap * tanhf(s / cap) : s;
+}
+
+/* Causal GQA attention of n new queries against the cache, one row at a
+ * time. out[n, nH, hd], q[n, nH, hd] (after q_norm + RoPE); kc, vc
+ * [max_len, nKV, hd] hold positions 0 .. p0+n-1; query i sits at absolute
+ * position p0+i and sees keys first .. p0+i (first > 0 only in a sliding
+ * window). The order of operations is HF eager's: (q . k) * scale, soft cap,
+ * softmax with the row max subtracted, then probs @ v. */
+static void kv_attention_decode(const lm_model *m, lm_kv *kv, float *out, const float *q, const float *kc,
+                                const float *vc, int n, const kern_attn_opt *at) {
+    const lm_config *c = &m->cfg;
+    int nH = c->n_heads, nKV = c->n_kv_heads, hd = c->head_dim, group = nH / nKV, p0 = kv->p0, max_len = kv->max_len;
+    size_t kvd = (size_t)nKV * hd;
+    float scale = at->scale > 0 ? at->scale : 1.0f / sqrtf((float)hd), cap = at->softcap;
+    float *scores = kv->scores; /* [n_threads, max_len] */
+#pragma omp parallel for collapse(2) num_threads(kv->n_threads) schedule(static)
+    for (int i = 0; i < n; i++) {
+        for (int h = 0; h < nH; h++) {
+            float *s = scores + (size_t)omp_get_thread_num() * max_len;
+            int kh = h / group, last = p0 + i, t0 = kern_attn_first_key(last, at->window);
+            const float *qi = q + ((size_t)i * nH + h) * hd;
+            float maxv = -INFINITY;
+            for (int t = t0; t <= last; t++) {
+                const float *kt = kc + (size_t)t * kvd + (size_t)kh * hd;
+                float dot = 0.0f;
+                /* simd: lets the compiler split the sum into vector lanes (a
+                 * different fp32 rounding order, as BLAS has in HF's matmul) */
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < hd; d++) dot += qi[d] * kt[d];
+                s[t] = kv_score(dot, scale, cap);
+                if (s[t] > maxv) maxv = s[t];
+            }
+            float sum = 0.0f;
+            for (int t = t0; t <= last; t++) {
+                s[t] = expf(s[t] - maxv);
+                sum += s[t];
+            }
+            float inv = 1.0f / sum;
+            float *o = out + ((size_t)i * nH + h) * hd;
+            for (int d = 0; d < hd; d++) o[d] = 0.0f;
+            for (int t = t0; t <= last; t++) {
+                const float *vt = vc + (size_t)t * kvd + (size_t)kh * hd;
+                float p = s[t] * inv;
+#pragma omp simd /* o and vt never overlap (output vs cache) */
+                for (int d = 0; d < hd; d++) o[d] += p * vt[d];
+            }
+        }
+    }
+}
+
+/* The same attention for a prefill chunk through matmul_fwd: per kv head,
+ * its cached K [p0+n, hd] and V^T [hd, p0+n] are gathered once, then for
+ * each query head of its group S = Q K^T, the masked softmax of each row,
+ * and O = S V. */
+static void kv_attention_prefill(const lm_model *m, lm_kv *kv, float *out, const float *q, const float *kc,
+                                 const float *vc, int n, const kern_attn_opt *at) {
+    const lm_config *c = &m->cfg;
+    int nH = c->n_heads, nKV = c->n_kv_heads, hd = c->head_dim, group = nH / nKV, p0 = kv->p0, T = p0 + n;
+    size_t kvd = (size_t)nKV * hd;
+    float scale = at->scale > 0 ? at->scale : 1.0f / sqrtf((float)hd), cap = at->softcap;
+    /* [T, hd], [hd, T], [n, hd], [n, hd], [n, T] */
+    float *kh = kv->kh, *vht = kv->vht, *qh = kv->qh, *oh = kv->oh, *S = kv->probs;
+    for (int k = 0; k < nKV; k++) {
+        for (int t = 0; t < T; t++) {
+            memcpy(kh + (size_t)t * hd, kc + (size_t)t * kvd + (size_t)k * hd, (size_t)hd * sizeof(float));
+            for (int d = 0; d < hd; d++) vht[(size_t)d * T + t] = vc[(size_t)t * kvd + (size_t)k * hd + d];
+        }
+        for (int h = k * group; h < (k + 1) * group; h++) {
+            for (int i = 0; i < n; i++)
+                memcpy(qh + (size_t)i * hd, q + ((size_t)i * nH + h) * hd, (size_t)hd * sizeof(float));
+            m->k.matmul_fwd(S, qh, kh, n, hd, T, 0); /* S[n, T] = Q K^T */
+#pragma omp parallel for num_threads(kv->n_threads) schedule(static)
+            for (int i = 0; i < n; i++) {
+                float *row = S + (size_t)i * T;
+                /* keys after the query's own position, and before its window, are masked */
+                int last = p0 + i, t0 = kern_attn_first_key(last, at->window);
+                float maxv = -INFINITY, sum = 0.0f;
+                for (int t = t0; t <= last; t++) {
+                    row[t] = kv_score(row[t], scale, cap);
+                    if (row[t] > maxv) maxv = row[t];
+                }
+                for (int t = t0; t <= last; t++) {
+                    row[t] = expf(row[t] - maxv);
+                    sum += row[t];
+                }
+                float inv = 1.0f / sum;
+                for (int t = 0; t < t0; t++) row[t] = 0.0f;
+                for (int t = t0; t <= last; t++) row[t] *= inv;
+                for (int t = last + 1; t < T; t++) row[t] = 0.0f;
+            }
+            m->k.matmul_fwd(oh, S, vht, n, T, hd, 0); /* O[n, hd] = P V */
+            for (int i = 0; i < n; i++)
+                memcpy(out + ((size_t)i * nH + h) * hd, oh + (size_t)i * hd, (size_t)hd * sizeof(float));
+        }
+    }
+}
+
+/* out[n, nH*hd] = attention of the n rows in flight (q[n, nH*hd]) over
+ * layer l's cache, positions 0 .. kv->p0+n-1. */
+static void kv_attention(lm_model *m, lm_kv *kv, int l, float *out, const float *q, int n,
+                         const kern_attn_opt *at) {
+    size_t off = (size_t)l * kv->max_len * m->cfg.n_kv_heads * m->cfg.head_dim; /* layer l's [max_len, nKV*hd] */
+    if (n >= KV_GEMM_ROWS) kv_attention_prefill(m, kv, out, q, kv->k + off, kv->v + off, n, at);
+    else kv_attention_decode(m, kv, out, q, kv->k + off, kv->v + off, n, at);
+}
+
+size_t lm_kv_layout(lm_kv *kv, const lm_config *c, int max_len, int rows, int n_threads, float *base) {
+    carver cv = {base, 0};
+    size_t L = (size_t)c->n_layers, H = (size_t)c->hidden, I = (size_t)c->intermediate, hd = (size_t)c->head_dim;
+    size_t nH = (size_t)c->n_heads, nKV = (size_t)c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
+    size_t T = (size_t)max_len, R = (size_t)rows, pa = c->norm_place != LM_NORM_PRE;
+    int moe = c->n_experts > 0;
+    size_t Ik = (size_t)c->top_k * c->moe_intermediate; /* a MoE layer's gate/up/h per token */
+    if (moe && Ik > I) I = Ik;
+    memset(kv, 0, sizeof *kv);
+    kv->max_len = max_len;
+    kv->rows = rows;
+    kv->n_threads = n_threads;
+    kv->k = carve(&cv, L * T * kvd);
+    kv->v = carve(&cv, L * T * kvd);
+    kv->x[0] = carve(&cv, R * H);
+    kv->x[1] = carve(&cv, R * H);
+    lm_layer_acts *a = &kv->a; /* a.res, a.kr, a.v and a.moe: set per layer by lm_kv_forward */
+    a->ac = LM_AC_NONE;
+    a->ln1 = carve(&cv, R * H);
+    a->ln1_rstd = carve(&cv, R);
+    a->q = carve(&cv, R * qd);
+    a->q_rstd = carve(&cv, R * nH);
+    a->qr = carve(&cv, R * qd);
+    a->k = carve(&cv, R * kvd);
+    a->k_rstd = carve(&cv, R * nKV);
+    a->att = carve(&cv, R * qd);
+    a->ao = pa ? carve(&cv, R * H) : NULL;
+    a->ao_rstd = pa ? carve(&cv, R) : NULL;
+    a->res_mid = carve(&cv, R * H);
+    a->ln2 = carve(&cv, R * H);
+    a->ln2_rstd = carve(&cv, R);
+    a->gate = carve(&cv, R * I);
+    a->up = carve(&cv, R * I);
+    a->h = carve(&cv, R * I);
+    a->mo = pa ? carve(&cv, R * H) : NULL;
+    a->mo_rstd = pa ? carve(&cv, R) : NULL;
+    if (moe) {
+        carve_route(&cv, &a->route, rows, c->n_experts, c->top_k);
+        kv->moe_work = carve(&cv, KERN_MOE_WORK(R * c->top_k, H, c->moe_intermediate));
+    }
+    if (c->lora_rank > 0) { /* u = scale A x is read right after it is written: one buffer for every projection */
+        float *u = carve(&cv, R * (size_t)c->lora_rank);
+        for (int p = 0; p < LM_LORA_N; p++) a->lora_u[p] = u;
+    }
+    kv->rope_cos = carve(&cv, R * hd / 2);
+    kv->rope_sin = carve(&cv, R * hd / 2);
+    kv->rope_cos_l = kv->rope_cos, kv->rope_sin_l = kv->rope_sin;
+    if (lm_rope_local_differs(c)) {
+        kv->rope_cos_l = carve(&cv, R * hd / 2);
+        kv->rope_sin_l = carve(&cv, R * hd / 2);
+    }
+    kv->scores = carve(&cv, (size_t)n_threads * T);
+    kv->kh = carve(&cv, T * hd);
+    kv->vht = carve(&cv, hd * T);
+    kv->qh = carve(&cv, R * hd);
+    kv->oh = carve(&cv, R * hd);
+    kv->probs = carve(&cv, R * T);
+    return cv.used;
+}
+
+void lm_kv_forward(lm_model *m, lm_kv *kv, const int32_t *tokens, int p0, int n, float *logits) {
+    const lm_config *c = &m->cfg;
+    int H = c->hidden, kvd = c->n_kv_heads * c->head_dim;
+    lm_layer_acts *a = &kv->a;
+    kv->p0 = p0;
+    /* the rows' RoPE tables, as transformers' forward over positions
+     * 0 .. p0+n-1 resolves them (its length matters to dynamic and longrope) */
+    int len = lm_rope_by_length(c) ? p0 + n : kv->max_len;
+    lm_rope_tables(c, 0, len, p0, n, kv->rope_cos, kv->rope_sin);
+    if (kv->rope_cos_l != kv->rope_cos) lm_rope_tables(c, 1, len, p0, n, kv->rope_cos_l, kv->rope_sin_l);
+    embed_fwd(m, kv->x[0], tokens, n);
+    for (int l = 0; l < c->n_layers; l++) {
+        size_t rows0 = ((size_t)l * kv->max_len + p0) * kvd; /* layer l's cache rows p0 .. p0+n-1 */
+        a->res = kv->x[l & 1];
+        a->kr = kv->k + rows0;
+        a->v = kv->v + rows0;
+        a->moe = lm_layer_is_moe(c, l);
+        layer_forward_at(m, kv, l, a, &m->w.layer[l], kv->x[(l + 1) & 1], 1, n);
+    }
+    if (!logits) return;
+    /* the final norm and lm_head on the last row only: one distribution per step */
+    const float *x = kv->x[c->n_layers & 1] + (size_t)(n - 1) * H;
+    m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, x, nw(m, m->w.lnf, H), 1, H, (float)c->rms_eps);
+    head_fwd(m, logits, a->ln1, 1);
+    lm_final_softcap(c, logits, (size_t)c->vocab_size, NULL);
 }
 
 /* --------------------------------------------------------------- backward */

@@ -138,8 +138,8 @@ int lm_rope_by_length(const lm_config *c);
 /* Whether sliding layers have RoPE tables of their own. */
 int lm_rope_local_differs(const lm_config *c);
 
-/* The family's small elementwise pieces, shared by training (lm.c) and
- * generate's KV-cache forward (generate.c):
+/* The family's small elementwise pieces of the forward (training's and the
+ * KV-cache forward's, lm_kv_forward):
  * lm_norm_weight: the weight a norm kernel reads: w, or (Gemma's 1 + w
  *   norms) 1 + w written into scratch[n]; d/dw is the same either way.
  * lm_embed_scale: x[n] *= sqrt(hidden) (rounded to fp32) where the family
@@ -486,6 +486,40 @@ size_t lm_activation_bytes(const lm_model *m);
  * embedding lookup not). */
 size_t lm_num_params(const lm_model *m);
 double lm_flops_per_token(const lm_model *m, int T);
+
+/* The KV-cache forward that generation runs (model/generate.h): the SAME
+ * layer forward as training (layer_forward in lm.c), over n new rows of one
+ * sequence at absolute positions p0 .. p0+n-1. Each layer's K (after k_norm
+ * and RoPE) and V go into the cache at those positions, attention reads
+ * cache positions 0 .. p0+n-1 (query p0+i sees keys up to p0+i, within its
+ * window), RoPE uses the tables of those rows, and nothing is kept for a
+ * backward: one layer's activations for `rows` rows serve every layer in
+ * turn. The model's weights and its small scratch (norm_w, bf16 widening)
+ * are used; its training activation plan is not. */
+typedef struct {
+    int max_len;      /* positions the cache holds */
+    int rows;         /* most rows per lm_kv_forward */
+    int n_threads;    /* rows of the decode attention scratch */
+    int p0;           /* position of the first row in flight (set by lm_kv_forward) */
+    float *k, *v;     /* [L, max_len, nKV*hd] K after k_norm + RoPE, V as projected */
+    lm_layer_acts a;  /* one layer's activations for `rows` rows; a.kr and a.v point into the cache */
+    float *x[2];      /* [rows, H] residual stream entering / leaving a layer */
+    float *rope_cos, *rope_sin;     /* [rows, hd/2] tables of the rows in flight */
+    float *rope_cos_l, *rope_sin_l; /* the sliding layers' (== the above when they share) */
+    float *scores;    /* [n_threads, max_len] decode attention: one score row per thread */
+    float *kh, *vht;  /* [max_len, hd], [hd, max_len] prefill attention: one kv head's K and V^T */
+    float *qh, *oh;   /* [rows, hd] one query head and its output */
+    float *probs;     /* [rows, max_len] its probabilities */
+    float *moe_work;  /* [KERN_MOE_WORK(rows * k, H, Im)] (MoE models) */
+} lm_kv;
+/* Points kv's buffers into base (NULL: only counts) for max_len positions
+ * and at most `rows` rows a call; returns the floats needed. */
+size_t lm_kv_layout(lm_kv *kv, const lm_config *c, int max_len, int rows, int n_threads, float *base);
+/* Runs tokens[n] (1 <= n <= kv->rows, p0 + n <= kv->max_len, ids checked
+ * by the caller) at positions p0 .. p0+n-1 and, unless logits is NULL,
+ * writes the logits [V] of the last of them (final norm and lm_head on that
+ * row only). Positions >= p0 of the cache are overwritten. */
+void lm_kv_forward(lm_model *m, lm_kv *kv, const int32_t *tokens, int p0, int n, float *logits);
 
 /* Forward + fused lm_head/cross-entropy + backward for one micro-batch.
  * tokens, labels [B, T]; labels == -100 are ignored. Gradients of
