@@ -7,8 +7,8 @@ The one-rank run gets every core; a pipeline's ranks share them (one thread each
 oversubscribed past the core count), so on a 2-core machine a pipeline cannot be faster:
 what the table shows is the memory each stage holds (a stage keeps its layers, their
 gradients and AdamW moments, and one activation bank per micro-batch in flight) and the
-bubble, measured (the share of a step each stage spent waiting for an input, the slowest
-stage's view, from metrics.jsonl's pp_bubble) beside the schedule's simulated one (the
+bubble, measured (the share of a step the stages spent waiting for an input, their mean,
+from metrics.jsonl's pp_bubble) beside the schedule's simulated one (the
 run's log: every stage's cost, the lm_head's on the last, backward = 2 forwards) and the
 textbook (P - 1) / (M + P - 1) for equal stages.
 
@@ -56,6 +56,9 @@ def main():
     cores = os.cpu_count()
     print(f"W1-style bench: {a.shape}, batch {a.batch} x {a.seq}, {a.steps} steps ({a.warmup} warm-up), "
           f"{cores} cores")
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name"):
+            print("cpu:", line.split(":", 1)[1].strip())
     print(f"{'run':22s} {'step s':>8s} {'tok/s':>8s} {'peak RSS per rank (GiB)':>28s} {'bubble meas.':>12s} "
           f"{'simulated':>10s} {'textbook':>9s}")
     for name, ranks, extra in RUNS:
@@ -85,13 +88,13 @@ def main():
         else:
             rss_txt = " ".join(f"{g:.2f}" for _, g in rss)
         bub = [r["pp_bubble"] for r in rows[a.warmup:] if "pp_bubble" in r]
-        sim = re.search(r"simulated bubble ([\d.]+)%", p.stderr)
+        sim = re.search(r"simulated bubble ([\d.]+)%; stages' first layers:([\d ]+)", p.stderr)
         m = a.batch  # micro-batches per step
         S = 2 if "Interleaved" in name else 1
         book = (ranks - 1) / (S * m + ranks - 1) if ranks > 1 else 0
         print(f"{name:22s} {step_s:8.3f} {tps:8.0f} {rss_txt:>28s} "
               f"{(100 * sum(bub) / len(bub)) if bub else 0:11.1f}% {float(sim.group(1)) if sim else 0:9.1f}% "
-              f"{100 * book:8.1f}%")
+              f"{100 * book:8.1f}%" + (f"   stages start at layers{sim.group(2)}" if sim else ""))
 
 
 if __name__ == "__main__":

@@ -916,3 +916,9 @@ void cfg_write_toml(const ct_config *c, FILE *out) {
         fputc('\n', out);
     }
 }
+
+const char *cfg_source(const ct_config *c) { return c->config_path[0] ? c->config_path : "command line"; }
+const char *cfg_hf_dir(const ct_config *c) { return c->hf_assets_dir ? c->hf_assets_dir : c->hf_assets_path; }
+const char *cfg_initial_dir(const ct_config *c) {
+    return c->initial_load_dir ? c->initial_load_dir : c->initial_load_path;
+}

@@ -126,6 +126,12 @@ void cfg_free(ct_config *c);
  * type, out-of-range value: returns CT_ERR_CONFIG with a message naming the key
  * and the file (or "command line"). Any other argument is an error too. */
 int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e);
+/* The config file's path for error messages, or "command line". */
+const char *cfg_source(const ct_config *c);
+/* model.hf_assets_path and checkpoint.initial_load_path as local directories: the Hub
+ * snapshot they resolved to (hf_assets_dir / initial_load_dir), else the option as written. */
+const char *cfg_hf_dir(const ct_config *c);
+const char *cfg_initial_dir(const ct_config *c);
 
 /* Sets one option from text as if given on the command line, e.g.
  * cfg_set(c, "training.steps", "20", e). For the library API and tests. */

@@ -725,9 +725,12 @@ long plan_take_overlapped(ct_plan *p) {
 }
 
 double plan_take_bubble(ct_plan *p) {
-    double b = p->pp ? pp_take_bubble(p->pp) : -1;
-    if (p->pp) comm_allreduce(p->mesh.world, &b, 1, COMM_F64, COMM_MAX); /* the slowest stage's view */
-    return b;
+    if (!p->pp) return -1;
+    /* the mean over the stages of the share each spent waiting: the idle share of
+     * P x the step, as the schedule's simulated bubble counts it */
+    double b = pp_take_bubble(p->pp);
+    comm_allreduce(&p->mesh.ppg, &b, 1, COMM_F64, COMM_SUM);
+    return b / p->mesh.pp;
 }
 
 void plan_layout_str(const ct_plan *p, char *buf, size_t cap) {

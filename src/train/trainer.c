@@ -55,7 +55,6 @@ void trainer_install_signals(void) {
     sigaction(SIGUSR1, &sa, NULL);
 }
 
-const char *trainer_cfg_src(const ct_config *c) { return c->config_path[0] ? c->config_path : "command line"; }
 
 /* dir/name, or name alone when it is absolute. Returns 0 if it fits. */
 int trainer_join_path(char *out, size_t cap, const char *dir, const char *name) {
@@ -63,10 +62,6 @@ int trainer_join_path(char *out, size_t cap, const char *dir, const char *name) 
     return n < 0 || (size_t)n >= cap;
 }
 
-const char *trainer_hf_dir(const ct_config *c) { return c->hf_assets_dir ? c->hf_assets_dir : c->hf_assets_path; }
-const char *trainer_initial_dir(const ct_config *c) {
-    return c->initial_load_dir ? c->initial_load_dir : c->initial_load_path;
-}
 
 /* One option's Hub id through hub_resolve, into *dir; the message names the option. A
  * directory, or a missing path that is no id, is left to the code that reads it (its errors). */
@@ -78,7 +73,7 @@ static int resolve_one(const ct_config *c, const char *key, const char *path, un
     if (rc && e) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
-        ct_fail(e, rc, "%s: %s: %s", trainer_cfg_src(c), key, msg);
+        ct_fail(e, rc, "%s: %s: %s", cfg_source(c), key, msg);
     }
     if (!rc) {
         free(*dir);
@@ -105,14 +100,14 @@ int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e) {
     if (strcmp(cfg->model_spec, "hf") == 0) {
         if (!cfg->hf_assets_path[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: model.hf_assets_path: required when model.spec = \"hf\"",
-                           trainer_cfg_src(cfg));
-        return lm_config_from_hf(mc, trainer_hf_dir(cfg), e);
+                           cfg_source(cfg));
+        return lm_config_from_hf(mc, cfg_hf_dir(cfg), e);
     }
     int rc = lm_config_from_flavor(mc, cfg->model_flavor, e);
     if (rc && e) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
-        ct_fail(e, rc, "%s: %s", trainer_cfg_src(cfg), msg);
+        ct_fail(e, rc, "%s: %s", cfg_source(cfg), msg);
     }
     return rc;
 }
@@ -139,7 +134,7 @@ static int select_kernels(trainer *t, ct_err *e) {
     if (rc) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
-        return ct_fail(e, rc, "%s: [kernels]: %s", trainer_cfg_src(&t->cfg), msg);
+        return ct_fail(e, rc, "%s: [kernels]: %s", cfg_source(&t->cfg), msg);
     }
     int bf16 = !strcmp(t->cfg.mixed_precision_param, "bfloat16");
     /* CTITAN_KERNEL_TUNE=0|1 overrides kernels.tune (a test suite, or a user who wants the same
@@ -217,7 +212,7 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_di
  * adapters, their scale and dropout. Layouts that slice tensors (TP, EP)
  * would have to slice the adapters with their base projections: not yet. */
 int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, lm_config *mc, ct_err *e) {
-    const char *src = trainer_cfg_src(c);
+    const char *src = cfg_source(c);
     int partial = c->lora_rank > 0 || c->freeze[0];
     if (!strcmp(c->frozen_dtype, "bfloat16") && shard > 1)
         return ct_fail(e, CT_ERR_CONFIG,
@@ -280,7 +275,7 @@ int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: training.global_batch_size (%d) must be a multiple of training.local_batch_size (%d) x "
                        "the data-parallel degree (%d = data_parallel_replicate_degree x data_parallel_shard_degree)",
-                       trainer_cfg_src(c), c->global_batch_size, c->local_batch_size, dp);
+                       cfg_source(c), c->global_batch_size, c->local_batch_size, dp);
     return 0;
 }
 
@@ -300,7 +295,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if (!rc) rc = trainer_model_config(c, &mc, e);
     if (rc) return rc;
     /* the layout is checked before anything big is built */
-    if ((rc = plan_init(&t->plan, world, c, &mc, trainer_cfg_src(c), e))) return rc;
+    if ((rc = plan_init(&t->plan, world, c, &mc, cfg_source(c), e))) return rc;
     int dp = t->plan.mesh.dp_size, per_step = c->local_batch_size * dp;
     if ((rc = trainer_check_global_batch(c, dp, e))) return rc;
     t->global_batch = c->global_batch_size > 0 ? c->global_batch_size : per_step;
@@ -308,15 +303,15 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     t->val_batch = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int plan_b = t->val_batch > c->local_batch_size ? t->val_batch : c->local_batch_size;
     if (trainer_join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", trainer_cfg_src(c));
+        return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", cfg_source(c));
     const ct_mesh *ms = &t->plan.mesh;
     if ((rc = trainer_finetune_config(c, ms->tp, ms->ep, ms->dp_shard, &mc, e))) return rc;
     /* this rank's part of the model: its pipeline stages, its slice */
-    if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, trainer_cfg_src(c), e))) return rc;
+    if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, cfg_source(c), e))) return rc;
     if ((rc = lm_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     t->seeds = ct_calloc((size_t)plan_microbatches(&t->plan), sizeof *t->seeds);
     if ((rc = select_kernels(t, e))) return rc;
-    if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e))) return rc;
+    if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, cfg_source(c), e))) return rc;
     if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
         size_t n = lm_store_frozen_bf16(&t->model);
         if (t->world->rank == 0)
@@ -377,7 +372,7 @@ static int needs_tokenizer(const char *kind_name, const char *path, int *needs, 
 static int open_data(trainer *t, ds **out, const char *kind_name, const char *path, const char *key, int shuffle,
                      tok **tk, ct_err *e) {
     const ct_config *c = &t->cfg;
-    if (!path[0]) return ct_fail(e, CT_ERR_CONFIG, "%s: %s: no data given", trainer_cfg_src(c), key);
+    if (!path[0]) return ct_fail(e, CT_ERR_CONFIG, "%s: %s: no data given", cfg_source(c), key);
     int need = 0, rc = needs_tokenizer(kind_name, path, &need, e);
     if (rc) return rc;
     if (need && !*tk) {
@@ -385,8 +380,8 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: model.hf_assets_path: needed to tokenize %s (%s); point it at a directory with "
                            "tokenizer.json",
-                           trainer_cfg_src(c), path, key);
-        if ((rc = tok_load(trainer_hf_dir(c), tk, e))) return rc;
+                           cfg_source(c), path, key);
+        if ((rc = tok_load(cfg_hf_dir(c), tk, e))) return rc;
         if (tok_vocab_size(*tk) > t->model.cfg.vocab_size)
             return ct_fail(e, CT_ERR_CONFIG, "%s: the tokenizer has %d ids but the model's vocabulary is %d",
                            c->hf_assets_path, tok_vocab_size(*tk), t->model.cfg.vocab_size);
@@ -591,7 +586,7 @@ int trainer_run(trainer *t, ct_err *e) {
             printf("step: %d  loss: %.4f  grad_norm: %.4f  memory: %.2f GiB  tps: %.0f  tflops: %.3f  mfu: %.2f%%",
                    step, loss, gnorm, mem, tps, tflops, mfu);
             if (t->world->size > 1) printf("  comm: %.1f%%", comm_pct);
-            /* the share of the schedule's time the stages spent waiting, the slowest stage's view */
+            /* the share of the step the stages spent waiting for an input (their mean) */
             double bubble = plan_take_bubble(&t->plan); /* -1: no pipeline */
             if (bubble >= 0) printf("  bubble: %.1f%%", 100.0 * bubble);
             if (m->n_moe_layers) print_moe_load(stdout, m, aux, 0);

@@ -87,8 +87,5 @@ int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e);
  * (spec "hf"), the tokenizer files the repo has, and the weights for initial_load_path;
  * config.json alone for a dry run. trainer_init does it; errors are hub_resolve's. */
 int trainer_resolve_hub(ct_config *cfg, int dry_run, ct_err *e);
-/* The resolved directories (the option itself before trainer_resolve_hub). */
-const char *trainer_hf_dir(const ct_config *cfg);
-const char *trainer_initial_dir(const ct_config *cfg);
 
 #endif

@@ -355,8 +355,8 @@ static int initial_weights(trainer *t, ct_err *e) {
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: checkpoint.initial_load_path = \"%s\": only Hugging Face safetensors directories "
                            "can be loaded as initial weights; set checkpoint.initial_load_in_hf = true",
-                           trainer_cfg_src(c), c->initial_load_path);
-        rc = hf_load_each(t->load.whole, trainer_initial_dir(c), &t->load.sink, e);
+                           cfg_source(c), c->initial_load_path);
+        rc = hf_load_each(t->load.whole, cfg_initial_dir(c), &t->load.sink, e);
     } else {
         lm_init_random_each(t->load.whole, (uint64_t)c->seed, &t->load.sink);
     }

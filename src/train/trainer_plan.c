@@ -28,13 +28,13 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     int pp = c->pp > 1 ? c->pp : 1;
     if (world <= 0) world = (c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1) * pp;
     int rep, shard, tp;
-    if ((rc = mesh_resolve(c, world, &mc, trainer_cfg_src(c), &rep, &shard, &tp, e))) return rc;
+    if ((rc = mesh_resolve(c, world, &mc, cfg_source(c), &rep, &shard, &tp, e))) return rc;
     if ((rc = trainer_check_global_batch(c, rep * shard, e))) return rc;
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
     if ((rc = trainer_finetune_config(c, tp, c->ep, shard, &mc, e))) return rc;
     /* the run checks its pipeline before it builds the model: an error comes alone, before anything prints */
-    if (pp > 1 && (rc = plan_dry_pipeline(NULL, c, &mc, world, rep, shard, tp, trainer_cfg_src(c), e))) return rc;
+    if (pp > 1 && (rc = plan_dry_pipeline(NULL, c, &mc, world, rep, shard, tp, cfg_source(c), e))) return rc;
     size_t n = 0, act = 0;
     if ((rc = lm_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
     /* frozen tensors (LoRA's base, training.freeze): no gradient, no moments */
@@ -42,7 +42,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     {
         lm_model lm;
         lm_layout(&lm, &mc);
-        rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_cfg_src(c), e);
+        rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, cfg_source(c), e);
         if (!rc) trained = lm_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
         if (!rc && lm.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) {
             in_bf16 = lm_store_frozen_bf16(&lm);
@@ -52,7 +52,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
         if (rc) return rc;
     }
     if (world > 1 && pp == 1) { /* checked before anything prints, so an error comes alone */
-        if ((rc = plan_dry_rank(NULL, c, &mc, world, rep, shard, tp, B, trainer_cfg_src(c), e))) return rc;
+        if ((rc = plan_dry_rank(NULL, c, &mc, world, rep, shard, tp, B, cfg_source(c), e))) return rc;
     }
     if (!out) return 0;
     /* bf16-stored frozen matrices: 2 bytes each, and what is widened to fp32 while it runs */
@@ -70,6 +70,6 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     if (w > 0) plan_dry_line(out, "frozen bf16 widened while used", w);
     plan_dry_line(out, "total planned", p + g + o + a + w);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
-    if (pp > 1) return plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, trainer_cfg_src(c), e);
-    return world > 1 ? plan_dry_rank(out, c, &mc, world, rep, shard, tp, B, trainer_cfg_src(c), e) : 0;
+    if (pp > 1) return plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, cfg_source(c), e);
+    return world > 1 ? plan_dry_rank(out, c, &mc, world, rep, shard, tp, B, cfg_source(c), e) : 0;
 }

@@ -11,8 +11,6 @@
 #include "core/dtype.h"
 #include "train/trainer.h"
 
-/* The config file's path for error messages, or "command line". */
-const char *trainer_cfg_src(const ct_config *c);
 /* out = dir/name, or name alone when it is absolute. Returns 0 if it fits. */
 int trainer_join_path(char *out, size_t cap, const char *dir, const char *name);
 /* A global batch the data-parallel ranks cannot split evenly is a layout
