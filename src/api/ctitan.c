@@ -128,7 +128,7 @@ int ctitan_forward_backward(ct_session *s, const int32_t *tokens, const int32_t 
 }
 
 int ctitan_aux_loss(const ct_session *s, double *aux) {
-    *aux = s->t.model.aux_loss;
+    *aux = s->t.model.moe.aux_loss;
     return 0;
 }
 

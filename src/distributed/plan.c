@@ -81,7 +81,7 @@ int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e) {
     int rc = 0;
     if (p->pp)
         pp_bind(p->pp, &p->mesh.ppg, p->cfg->pp_microbatch, p->cfg->seq_len, m->cfg.hidden,
-                m->n_moe_layers ? m->cfg.n_experts : 0);
+                m->moe.n_layers ? m->cfg.n_experts : 0);
     if (p->mesh.dp_shard > 1) {
         p->fsdp = ct_calloc(1, sizeof *p->fsdp);
         rc = fsdp_init(p->fsdp, m, &p->mesh.shard, p->mesh.ep > 1 ? &p->mesh.edp : NULL,
@@ -534,7 +534,7 @@ double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *l
         loss += lm_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
         if (p->dpo) p->dpo->armed = 0;
         if (p->fsdp) fsdp_microbatch_end(p->fsdp);
-        *aux_sum += m->aux_loss;
+        *aux_sum += m->moe.aux_loss;
     }
     return loss;
 }
@@ -548,22 +548,22 @@ static double pp_aux_sum(ct_plan *p) {
     double sum = 0;
     for (int i = 0; i < s->M; i++)
         sum += moe_aux_loss(NULL, s->moe_stats + (size_t)i * 2 * E, s->moe_stats + (size_t)i * 2 * E + E,
-                            s->mb_size * p->cfg->seq_len, p->m->n_moe_layers, E, 0.0);
+                            s->mb_size * p->cfg->seq_len, p->m->moe.n_layers, E, 0.0);
     return sum;
 }
 
 void plan_sum_loss(ct_plan *p, double *loss_sum, double *aux_sum, double *aux_mean) {
     double t0 = ct_now();
-    int moe = p->m->n_moe_layers > 0;
+    int moe = p->m->moe.n_layers > 0;
     if (p->pp) { /* the loss is the last stage's; the routing sums every stage's */
         comm_allreduce(&p->mesh.ppg, loss_sum, 1, COMM_F64, COMM_SUM);
         if (moe) *aux_sum = pp_aux_sum(p);
     }
     if (p->pp && moe) { /* each stage measured the load of its own MoE layers (-1 elsewhere) */
         for (int l = 0; l < p->m->cfg.n_layers; l++)
-            if (!lm_holds_layer(&p->m->cfg, l)) p->m->moe_load_min[l] = p->m->moe_load_max[l] = -1;
-        comm_allreduce(&p->mesh.ppg, p->m->moe_load_min, (size_t)p->m->cfg.n_layers, COMM_I32, COMM_MAX);
-        comm_allreduce(&p->mesh.ppg, p->m->moe_load_max, (size_t)p->m->cfg.n_layers, COMM_I32, COMM_MAX);
+            if (!lm_holds_layer(&p->m->cfg, l)) p->m->moe.load_min[l] = p->m->moe.load_max[l] = -1;
+        comm_allreduce(&p->mesh.ppg, p->m->moe.load_min, (size_t)p->m->cfg.n_layers, COMM_I32, COMM_MAX);
+        comm_allreduce(&p->mesh.ppg, p->m->moe.load_max, (size_t)p->m->cfg.n_layers, COMM_I32, COMM_MAX);
     }
     comm_allreduce(&p->mesh.dp, loss_sum, 1, COMM_F64, COMM_SUM);
     if (moe) comm_allreduce(&p->mesh.dp, aux_sum, 1, COMM_F64, COMM_SUM);
@@ -703,11 +703,11 @@ int plan_save_root(const ct_plan *p) {
 
 void plan_gather_bias(ct_plan *p) {
     lm_model *m = p->m;
-    if (!p->pp || !m->n_moe_layers || p->cfg->load_balance_coeff <= 0) return;
+    if (!p->pp || !m->moe.n_layers || p->cfg->load_balance_coeff <= 0) return;
     int E = m->cfg.n_experts;
     for (int l = 0; l < m->cfg.n_layers; l++) /* others' rows: theirs win the sum */
-        if (!lm_holds_layer(&m->cfg, l)) memset(m->moe_bias + (size_t)l * E, 0, (size_t)E * sizeof(float));
-    comm_allreduce(&p->mesh.ppg, m->moe_bias, (size_t)m->cfg.n_layers * E, COMM_F32, COMM_SUM);
+        if (!lm_holds_layer(&m->cfg, l)) memset(m->moe.bias + (size_t)l * E, 0, (size_t)E * sizeof(float));
+    comm_allreduce(&p->mesh.ppg, m->moe.bias, (size_t)m->cfg.n_layers * E, COMM_F32, COMM_SUM);
 }
 
 /* ------------------------------------------------------------ the log */

@@ -381,8 +381,8 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
                            req(p, c, i, BUF_AOUT));
             if (E) /* the routing sums of this stage's MoE layers: the trainer adds the stages' */
                 for (int x = 0; x < E; x++) {
-                    p->moe_stats[(size_t)i * 2 * E + x] += m->moe_count[x];
-                    p->moe_stats[(size_t)i * 2 * E + E + x] += m->moe_psum[x];
+                    p->moe_stats[(size_t)i * 2 * E + x] += m->moe.count[x];
+                    p->moe_stats[(size_t)i * 2 * E + E + x] += m->moe.psum[x];
                 }
         } else {
             lm_bank *b = p->banks[(size_t)c * p->M + i];

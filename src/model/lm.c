@@ -356,11 +356,11 @@ static void plan_activations(lm_model *m, carver *cv) {
     /* one scratch set that every checkpointed layer's forward, recomputation
      * and backward use in turn (layers run one at a time) */
     int any_ac = 0, full_moe = 0;
-    m->n_moe_layers = 0;
+    m->moe.n_layers = 0;
     for (int l = 0; l < c->n_layers; l++) {
         int moe = lm_layer_is_moe(c, l);
         size_t Il = moe ? I_moe : (size_t)c->intermediate;
-        m->n_moe_layers += moe; /* every stage's: HF's load-balancing loss averages over all of them */
+        m->moe.n_layers += moe; /* every stage's: HF's load-balancing loss averages over all of them */
         if (!lm_holds_layer(c, l)) continue;
         any_ac |= ac[l] != LM_AC_NONE;
         if (ac[l] != LM_AC_NONE && Il > I_max) I_max = Il;
@@ -377,42 +377,42 @@ static void plan_activations(lm_model *m, carver *cv) {
     /* a pipeline stage's micro-batches keep theirs in banks (lm_bank_new) */
     if (!c->pp_stage) plan_range(m, cv, m->acts, 0, c->n_layers, &m->res_out, &m->lnf, &m->lnf_rstd);
     I = I_dense; /* the dense backward's scratch below */
-    if (m->n_moe_layers) {
-        m->moe_work = carve(cv, KERN_MOE_WORK(Nk, H, c->moe_intermediate));
-        m->moe_dtopw = carve(cv, (size_t)Nk);
-        m->moe_dprobs = carve(cv, BT * E);
-        m->moe_dprob_all = carve(cv, (size_t)E);
+    if (m->moe.n_layers) {
+        m->ws.moe_work = carve(cv, KERN_MOE_WORK(Nk, H, c->moe_intermediate));
+        m->ws.moe_dtopw = carve(cv, (size_t)Nk);
+        m->ws.moe_dprobs = carve(cv, BT * E);
+        m->ws.moe_dprob_all = carve(cv, (size_t)E);
     }
     if (c->lora_rank > 0) {
-        m->lora_du = carve(cv, BT * (size_t)c->lora_rank);
+        m->ws.lora_du = carve(cv, BT * (size_t)c->lora_rank);
         size_t kmax = H > qd ? H : qd;
         kmax = kmax > (size_t)c->intermediate ? kmax : (size_t)c->intermediate;
-        m->lora_x = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
-        m->lora_dx = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
+        m->ws.lora_x = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
+        m->ws.lora_dx = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
     }
-    m->rope_cos = carve(cv, (size_t)m->T * hd / 2);
-    m->rope_sin = carve(cv, (size_t)m->T * hd / 2);
-    m->rope_cos_l = m->rope_cos, m->rope_sin_l = m->rope_sin;
+    m->ws.rope_cos = carve(cv, (size_t)m->T * hd / 2);
+    m->ws.rope_sin = carve(cv, (size_t)m->T * hd / 2);
+    m->ws.rope_cos_l = m->ws.rope_cos, m->ws.rope_sin_l = m->ws.rope_sin;
     if (lm_rope_local_differs(c)) {
-        m->rope_cos_l = carve(cv, (size_t)m->T * hd / 2);
-        m->rope_sin_l = carve(cv, (size_t)m->T * hd / 2);
+        m->ws.rope_cos_l = carve(cv, (size_t)m->T * hd / 2);
+        m->ws.rope_sin_l = carve(cv, (size_t)m->T * hd / 2);
     }
-    m->norm_w = c->norm_plus_one ? carve(cv, H > qd ? H : qd) : NULL;
+    m->ws.norm_w = c->norm_plus_one ? carve(cv, H > qd ? H : qd) : NULL;
     size_t Vr = c->vocab_rows ? c->vocab_rows : c->vocab_size;
-    m->cap_t = c->final_softcap > 0 ? carve(cv, (size_t)m->logit_rows * Vr) : NULL;
-    m->logits = carve(cv, (size_t)m->logit_rows * Vr);
-    if (c->vocab_rows) m->ce_stats = carve(cv, 3 * (size_t)m->logit_rows);
-    m->d_res = carve(cv, BT * H);
-    m->d_ln = carve(cv, BT * H);
-    m->d_att = carve(cv, BT * qd);
-    m->d_q = carve(cv, BT * qd);
-    m->d_q2 = carve(cv, BT * qd);
-    m->d_k = carve(cv, BT * kvd);
-    m->d_k2 = carve(cv, BT * kvd);
-    m->d_v = carve(cv, BT * kvd);
-    m->d_h = carve(cv, BT * I);
-    m->d_gate = carve(cv, BT * I);
-    m->d_up = carve(cv, BT * I);
+    m->ws.cap_t = c->final_softcap > 0 ? carve(cv, (size_t)m->ws.logit_rows * Vr) : NULL;
+    m->ws.logits = carve(cv, (size_t)m->ws.logit_rows * Vr);
+    if (c->vocab_rows) m->ws.ce_stats = carve(cv, 3 * (size_t)m->ws.logit_rows);
+    m->ws.d_res = carve(cv, BT * H);
+    m->ws.d_ln = carve(cv, BT * H);
+    m->ws.d_att = carve(cv, BT * qd);
+    m->ws.d_q = carve(cv, BT * qd);
+    m->ws.d_q2 = carve(cv, BT * qd);
+    m->ws.d_k = carve(cv, BT * kvd);
+    m->ws.d_k2 = carve(cv, BT * kvd);
+    m->ws.d_v = carve(cv, BT * kvd);
+    m->ws.d_h = carve(cv, BT * I);
+    m->ws.d_gate = carve(cv, BT * I);
+    m->ws.d_up = carve(cv, BT * I);
 }
 
 size_t lm_bank_floats(const lm_model *m, int l0, int l1) {
@@ -501,7 +501,7 @@ static int plan_model(lm_model *m, const lm_config *c, int B, int T, const char 
     build_layout(m);
     m->B = B;
     m->T = T;
-    m->logit_rows = B * T < 256 ? B * T : 256;
+    m->ws.logit_rows = B * T < 256 ? B * T : 256;
     m->acts = ct_calloc((size_t)c->n_layers + 1, sizeof(lm_layer_acts));
     m->ac_pol = pol;
     carver cv = {0};
@@ -540,9 +540,9 @@ void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T,
 
 /* The model's tables for a forward of T positions. */
 static void rope_build(lm_model *m, int T) {
-    lm_rope_tables(&m->cfg, 0, T, 0, T, m->rope_cos, m->rope_sin);
-    if (m->rope_cos_l != m->rope_cos) lm_rope_tables(&m->cfg, 1, T, 0, T, m->rope_cos_l, m->rope_sin_l);
-    m->rope_T = T;
+    lm_rope_tables(&m->cfg, 0, T, 0, T, m->ws.rope_cos, m->ws.rope_sin);
+    if (m->ws.rope_cos_l != m->ws.rope_cos) lm_rope_tables(&m->cfg, 1, T, 0, T, m->ws.rope_cos_l, m->ws.rope_sin_l);
+    m->ws.rope_T = T;
 }
 
 int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_mode,
@@ -565,14 +565,14 @@ int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_m
     carver cv = {m->act_mem, 0};
     plan_activations(m, &cv);
     m->ac_scratch_layer = -1;
-    m->aux_scale = 1.0f;
-    m->moe_count = ct_calloc((size_t)c->n_experts + 1, sizeof(double));
-    m->moe_psum = ct_calloc((size_t)c->n_experts + 1, sizeof(double));
-    m->moe_load_min = ct_calloc((size_t)c->n_layers + 1, sizeof(int));
-    m->moe_load_max = ct_calloc((size_t)c->n_layers + 1, sizeof(int));
-    m->moe_bias = ct_calloc((size_t)c->n_layers * c->n_experts + 1, sizeof(float));
-    m->moe_tokens = ct_calloc((size_t)c->n_layers * c->n_experts + 1, sizeof(double));
-    for (int l = 0; l < c->n_layers; l++) m->moe_load_min[l] = m->moe_load_max[l] = -1;
+    m->moe.aux_scale = 1.0f;
+    m->moe.count = ct_calloc((size_t)c->n_experts + 1, sizeof(double));
+    m->moe.psum = ct_calloc((size_t)c->n_experts + 1, sizeof(double));
+    m->moe.load_min = ct_calloc((size_t)c->n_layers + 1, sizeof(int));
+    m->moe.load_max = ct_calloc((size_t)c->n_layers + 1, sizeof(int));
+    m->moe.bias = ct_calloc((size_t)c->n_layers * c->n_experts + 1, sizeof(float));
+    m->moe.tokens = ct_calloc((size_t)c->n_layers * c->n_experts + 1, sizeof(double));
+    for (int l = 0; l < c->n_layers; l++) m->moe.load_min[l] = m->moe.load_max[l] = -1;
     rope_build(m, T);
     return 0;
 }
@@ -604,18 +604,18 @@ void lm_free(lm_model *m) {
         m->dev->free(m->act_mem, m->act_floats * sizeof(float), 0);
     }
     free(m->fstore);
-    free(m->head_w);
-    free(m->head_tmp);
+    free(m->ws.head_w);
+    free(m->ws.head_tmp);
     free(m->w.layer);
     free(m->g.layer);
     free(m->acts);
     free(m->ac_pol);
-    free(m->moe_count);
-    free(m->moe_psum);
-    free(m->moe_load_min);
-    free(m->moe_load_max);
-    free(m->moe_bias);
-    free(m->moe_tokens);
+    free(m->moe.count);
+    free(m->moe.psum);
+    free(m->moe.load_min);
+    free(m->moe.load_max);
+    free(m->moe.bias);
+    free(m->moe.tokens);
     memset(m, 0, sizeof *m);
 }
 
@@ -801,7 +801,7 @@ static void reduce_d_input(lm_model *m, float *d, size_t n) {
 /* ------------------------------------------------------------------ LoRA */
 
 /* The adapter's input: x itself, or in a training forward with dropout,
- * drop(x) = x * keep / (1 - p) in m->lora_x. The mask is a hash of
+ * drop(x) = x * keep / (1 - p) in m->ws.lora_x. The mask is a hash of
  * (lora_seed, layer, projection, element), so a recomputation and the
  * backward rebuild it without storing it, and a resumed run replays it. */
 static uint64_t lora_mix(uint64_t z) {
@@ -822,7 +822,7 @@ static const float *lora_input(lm_model *m, int l, int p, const float *x, size_t
     uint64_t key = lora_key(m, l, p);
     uint32_t cut = lora_cut(m);
     float keep = 1.0f / (1.0f - m->cfg.lora_dropout);
-    float *d = m->lora_x;
+    float *d = m->ws.lora_x;
     long nn = (long)n;
 #pragma omp parallel for schedule(static)
     for (long i = 0; i < nn; i++) d[i] = lora_kept(key, (size_t)i, cut) ? x[i] * keep : 0.0f;
@@ -846,7 +846,7 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
     lm_layer_w *g = &m->g.layer[l];
     int r = m->cfg.lora_rank;
     size_t n = (size_t)BT * K;
-    float *du = m->lora_du; /* [BT, r] */
+    float *du = m->ws.lora_du; /* [BT, r] */
     memset(du, 0, (size_t)BT * r * sizeof(float));
     m->k.matmul_bwd(du, g->lora_b[p], dy, u, w->lora_b[p], BT, r, N);
     float sc = m->cfg.lora_scale;
@@ -856,7 +856,7 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
         m->k.matmul_bwd(dx, g->lora_a[p], du, x, w->lora_a[p], BT, K, r);
         return;
     }
-    float *dxd = dx ? m->lora_dx : NULL, keep = 1.0f / (1.0f - m->cfg.lora_dropout);
+    float *dxd = dx ? m->ws.lora_dx : NULL, keep = 1.0f / (1.0f - m->cfg.lora_dropout);
     if (dxd) memset(dxd, 0, n * sizeof(float));
     m->k.matmul_bwd(dxd, g->lora_a[p], du, xd, w->lora_a[p], BT, K, r);
     if (!dx) return;
@@ -873,7 +873,7 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
 
 /* ------------------------------------------------- family pieces */
 
-/* A norm's weight as the kernels read it: w itself, or 1 + w in m->norm_w
+/* A norm's weight as the kernels read it: w itself, or 1 + w in m->ws.norm_w
  * (Gemma's RMSNorm). d/dw is the same either way, so backward kernels take
  * the same pointer and accumulate the true gradient. */
 const float *lm_norm_weight(const lm_config *c, float *scratch, const float *w, int n) {
@@ -881,7 +881,7 @@ const float *lm_norm_weight(const lm_config *c, float *scratch, const float *w, 
     for (int i = 0; i < n; i++) scratch[i] = 1.0f + w[i];
     return scratch;
 }
-static const float *nw(lm_model *m, const float *w, int n) { return lm_norm_weight(&m->cfg, m->norm_w, w, n); }
+static const float *nw(lm_model *m, const float *w, int n) { return lm_norm_weight(&m->cfg, m->ws.norm_w, w, n); }
 
 void lm_embed_scale(const lm_config *c, float *x, size_t n) {
     if (!c->embed_scaled) return;
@@ -909,8 +909,8 @@ static kern_attn_opt attn_opt(const lm_model *m, int l) {
 /* Layer l's RoPE tables: the sliding layers' own base where a family has one. */
 static void rope_of(const lm_model *m, int l, const float **cs, const float **sn) {
     int loc = m->cfg.layer_sliding[l];
-    *cs = loc ? m->rope_cos_l : m->rope_cos;
-    *sn = loc ? m->rope_sin_l : m->rope_sin;
+    *cs = loc ? m->ws.rope_cos_l : m->ws.rope_cos;
+    *sn = loc ? m->ws.rope_sin_l : m->ws.rope_sin;
 }
 
 /* The inputs of the attention and MLP projections: the pre-norms' outputs,
@@ -1031,7 +1031,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         int E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
         moe_route *r = &a->route;
         WIDE_IN(w->router, (size_t)E * H);
-        moe_route_fwd(&m->k, r, a->ln2, w->router, m->moe_bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
+        moe_route_fwd(&m->k, r, a->ln2, w->router, m->moe.bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
         WIDE_OUT(w->router, (size_t)E * H);
         size_t ex = (size_t)(c->expert_rows ? c->expert_rows : E) * Im * H; /* one projection's held experts */
         /* Under tensor parallelism every expert holds this rank's slice of
@@ -1040,14 +1040,14 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
          * and the residual is added once, as residual_matmul does. The router
          * and its top-k run on the replicated ln2, identically on every rank. */
         int tp = m->hooks && m->hooks->reduce_partial;
-        float *y = res_next && tp ? m->d_ln : res_next; /* [BT, H] */
+        float *y = res_next && tp ? m->ws.d_ln : res_next; /* [BT, H] */
         if (y && tp) zero(y, n);
         else if (y) memcpy(y, a->res_mid, n * sizeof(float));
         WIDE_IN(w->ewg, 3 * ex); /* gate, up, down experts: adjacent in the table */
         if (m->moe_ep)
             m->moe_ep->fwd(m->moe_ep->ctx, l, y, a->ln2, r, w, BT);
         else
-            m->k.moe_fwd(y, a->gate, a->up, a->h, kv ? kv->moe_work : m->moe_work, a->ln2, w->ewg, w->ewu, w->ewd,
+            m->k.moe_fwd(y, a->gate, a->up, a->h, kv ? kv->moe_work : m->ws.moe_work, a->ln2, w->ewg, w->ewu, w->ewd,
                          r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
         WIDE_OUT(w->ewg, 3 * ex);
         if (y && tp) {
@@ -1076,7 +1076,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         WIDE_OUT(w->wd, (size_t)H * I);
         if (LORA(w, LM_LORA_DOWN))
             lora_fwd(m, l, LM_LORA_DOWN, a->mo, a->lora_u[LM_LORA_DOWN], a->h, w, BT, I, H);
-        float *y = res_next ? res_next : m->d_ln; /* d_ln: free scratch before this layer's backward */
+        float *y = res_next ? res_next : m->ws.d_ln; /* d_ln: free scratch before this layer's backward */
         m->k.rmsnorm_fwd(y, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
         if (res_next) m->k.add(res_next, res_next, a->res_mid, (long)n);
         return;
@@ -1115,13 +1115,13 @@ static void layer_recompute(lm_model *m, int l, int B, int T) {
     qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
     /* the norms of kept outputs: only their rstd is read, the output goes to a free scratch */
-    if (w->ln_ao) m->k.rmsnorm_fwd(m->d_ln, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
+    if (w->ln_ao) m->k.rmsnorm_fwd(m->ws.d_ln, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
     if (w->ln2) m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BT, H, eps);
     if (a->moe) /* the experts kernels compute h with the reference SwiGLU (ops.h contract): so do we */
         op_swiglu_fwd(a->h, a->gate, a->up, BT * c->top_k * c->moe_intermediate);
     else
         glu_fwd(m, a->h, a->gate, a->up, BT * I);
-    if (w->ln_mo) m->k.rmsnorm_fwd(m->d_ln, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
+    if (w->ln_mo) m->k.rmsnorm_fwd(m->ws.d_ln, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
 }
 
 /* After MoE layer l's forward, while a checkpointed layer's routing is still
@@ -1129,13 +1129,13 @@ static void layer_recompute(lm_model *m, int l, int B, int T) {
 static void moe_layer_stats(lm_model *m, int l, int BT) {
     int E = m->cfg.n_experts;
     const moe_route *r = &m->acts[l].route;
-    moe_route_stats(m->moe_count, m->moe_psum, r, BT, E);
-    if (m->moe_count_tokens)
-        for (int e = 0; e < E; e++) m->moe_tokens[(size_t)l * E + e] += r->offsets[e + 1] - r->offsets[e];
+    moe_route_stats(m->moe.count, m->moe.psum, r, BT, E);
+    if (m->moe.count_tokens)
+        for (int e = 0; e < E; e++) m->moe.tokens[(size_t)l * E + e] += r->offsets[e + 1] - r->offsets[e];
     for (int e = 0; e < E; e++) {
         int n = r->offsets[e + 1] - r->offsets[e];
-        if (e == 0 || n < m->moe_load_min[l]) m->moe_load_min[l] = n;
-        if (e == 0 || n > m->moe_load_max[l]) m->moe_load_max[l] = n;
+        if (e == 0 || n < m->moe.load_min[l]) m->moe.load_min[l] = n;
+        if (e == 0 || n > m->moe.load_max[l]) m->moe.load_max[l] = n;
     }
 }
 
@@ -1157,10 +1157,10 @@ static void forward_begin(lm_model *m, const int32_t *tokens, int B, int T) {
     m->tokens = tokens;
     m->fwd_B = B;
     m->fwd_T = T;
-    if (lm_rope_by_length(&m->cfg) && m->rope_T != T) rope_build(m, T); /* transformers' dynamic_rope_update */
-    if (m->n_moe_layers) {
-        memset(m->moe_count, 0, (size_t)m->cfg.n_experts * sizeof(double));
-        memset(m->moe_psum, 0, (size_t)m->cfg.n_experts * sizeof(double));
+    if (lm_rope_by_length(&m->cfg) && m->ws.rope_T != T) rope_build(m, T); /* transformers' dynamic_rope_update */
+    if (m->moe.n_layers) {
+        memset(m->moe.count, 0, (size_t)m->cfg.n_experts * sizeof(double));
+        memset(m->moe.psum, 0, (size_t)m->cfg.n_experts * sizeof(double));
     }
 }
 
@@ -1179,10 +1179,10 @@ static void forward_layers(lm_model *m, int l0, int l1, float *out, int B, int T
 /* HF's load-balancing loss of this forward's routing sums (0 if dense). */
 static void forward_aux(lm_model *m, int BT) {
     const lm_config *c = &m->cfg;
-    m->aux_loss = 0;
-    if (m->n_moe_layers)
-        m->aux_loss = moe_aux_loss(m->moe_dprob_all, m->moe_count, m->moe_psum, BT, m->n_moe_layers, c->n_experts,
-                                   c->output_router_logits ? c->router_aux_loss_coef * m->aux_scale : 0.0);
+    m->moe.aux_loss = 0;
+    if (m->moe.n_layers)
+        m->moe.aux_loss = moe_aux_loss(m->ws.moe_dprob_all, m->moe.count, m->moe.psum, BT, m->moe.n_layers, c->n_experts,
+                                   c->output_router_logits ? c->router_aux_loss_coef * m->moe.aux_scale : 0.0);
 }
 
 static void final_norm_fwd(lm_model *m, int BT) {
@@ -1203,7 +1203,7 @@ static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
 /* d(raw logits) = d(capped) (1 - t^2), in place. */
 static void softcap_bwd(lm_model *m, float *dlogits, size_t n) {
     if (!(m->cfg.final_softcap > 0)) return;
-    for (size_t i = 0; i < n; i++) dlogits[i] *= 1.0f - m->cap_t[i] * m->cap_t[i];
+    for (size_t i = 0; i < n; i++) dlogits[i] *= 1.0f - m->ws.cap_t[i] * m->ws.cap_t[i];
 }
 
 /* Cross-entropy of n rows of logits against labels, in place into
@@ -1217,7 +1217,7 @@ static double crossentropy(lm_model *m, float *logits, const int32_t *labels, in
     const lm_config *c = &m->cfg;
     if (!c->vocab_rows) return m->k.crossentropy_fwdbwd(logits, labels, n, c->vocab_size, grad_scale, count);
     int V = c->vocab_rows, v0 = c->vocab_row0;
-    float *mx = m->ce_stats, *se = mx + n, *tl = se + n; /* [n] each, se and tl adjacent for one all-reduce */
+    float *mx = m->ws.ce_stats, *se = mx + n, *tl = se + n; /* [n] each, se and tl adjacent for one all-reduce */
     m->k.crossentropy_vp_max(mx, logits, n, V);
     m->hooks->reduce_max(m->hooks->ctx, mx, (size_t)n);
     m->k.crossentropy_vp_sums(se, tl, logits, mx, labels, n, V, v0);
@@ -1227,7 +1227,7 @@ static double crossentropy(lm_model *m, float *logits, const int32_t *labels, in
 
 /* A bf16-stored (frozen) lm_head, tied or not, is never widened whole: the
  * head products run over blocks of HEAD_VBLOCK vocabulary rows, each
- * widened into m->head_w as it is used, so the largest tensor of the model
+ * widened into m->ws.head_w as it is used, so the largest tensor of the model
  * costs 2 bytes a parameter and one block, not 4 bytes a parameter. */
 #define HEAD_VBLOCK 8192
 static const lm_tensor *head_stored(const lm_model *m) {
@@ -1236,8 +1236,8 @@ static const lm_tensor *head_stored(const lm_model *m) {
 }
 static void head_scratch(lm_model *m) {
     int H = m->cfg.hidden;
-    if (!m->head_w) m->head_w = ct_malloc((size_t)HEAD_VBLOCK * H * sizeof(float));
-    if (!m->head_tmp) m->head_tmp = ct_malloc((size_t)m->logit_rows * HEAD_VBLOCK * sizeof(float));
+    if (!m->ws.head_w) m->ws.head_w = ct_malloc((size_t)HEAD_VBLOCK * H * sizeof(float));
+    if (!m->ws.head_tmp) m->ws.head_tmp = ct_malloc((size_t)m->ws.logit_rows * HEAD_VBLOCK * sizeof(float));
 }
 
 /* logits[n, V] = x[n, H] @ lm_head^T */
@@ -1251,9 +1251,9 @@ static void head_fwd(lm_model *m, float *logits, const float *x, int n) {
     head_scratch(m);
     for (int v0 = 0; v0 < V; v0 += HEAD_VBLOCK) {
         int nv = V - v0 < HEAD_VBLOCK ? V - v0 : HEAD_VBLOCK;
-        ct_convert_to_f32(m->head_w, m->fstore + t->store + (size_t)v0 * H, CT_BF16, (size_t)nv * H);
-        float *o = nv == V ? logits : m->head_tmp; /* [n, nv] */
-        m->k.matmul_fwd(o, x, m->head_w, n, H, nv, 0);
+        ct_convert_to_f32(m->ws.head_w, m->fstore + t->store + (size_t)v0 * H, CT_BF16, (size_t)nv * H);
+        float *o = nv == V ? logits : m->ws.head_tmp; /* [n, nv] */
+        m->k.matmul_fwd(o, x, m->ws.head_w, n, H, nv, 0);
         if (o != logits)
             for (int r = 0; r < n; r++) memcpy(logits + (size_t)r * V + v0, o + (size_t)r * nv, nv * sizeof(float));
     }
@@ -1270,13 +1270,13 @@ static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *
     head_scratch(m);
     for (int v0 = 0; v0 < V; v0 += HEAD_VBLOCK) {
         int nv = V - v0 < HEAD_VBLOCK ? V - v0 : HEAD_VBLOCK;
-        ct_convert_to_f32(m->head_w, m->fstore + t->store + (size_t)v0 * H, CT_BF16, (size_t)nv * H);
+        ct_convert_to_f32(m->ws.head_w, m->fstore + t->store + (size_t)v0 * H, CT_BF16, (size_t)nv * H);
         const float *d = dlogits;
         if (nv != V) {
-            for (int r = 0; r < n; r++) memcpy(m->head_tmp + (size_t)r * nv, dlogits + (size_t)r * V + v0, nv * sizeof(float));
-            d = m->head_tmp;
+            for (int r = 0; r < n; r++) memcpy(m->ws.head_tmp + (size_t)r * nv, dlogits + (size_t)r * V + v0, nv * sizeof(float));
+            d = m->ws.head_tmp;
         }
-        m->k.matmul_bwd(dx, NULL, d, x, m->head_w, n, H, nv);
+        m->k.matmul_bwd(dx, NULL, d, x, m->ws.head_w, n, H, nv);
     }
 }
 
@@ -1300,8 +1300,8 @@ void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) 
     if (!head_stored(m)) {
         m->k.matmul_fwd(logits, m->lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
     } else {
-        for (int r0 = 0; r0 < B * T; r0 += m->logit_rows) { /* head_fwd's scratch holds logit_rows rows */
-            int n = B * T - r0 < m->logit_rows ? B * T - r0 : m->logit_rows;
+        for (int r0 = 0; r0 < B * T; r0 += m->ws.logit_rows) { /* head_fwd's scratch holds logit_rows rows */
+            int n = B * T - r0 < m->ws.logit_rows ? B * T - r0 : m->ws.logit_rows;
             head_fwd(m, logits + (size_t)r0 * V, m->lnf + (size_t)r0 * m->cfg.hidden, n);
         }
     }
@@ -1534,21 +1534,21 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
     int H = c->hidden, E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
     const moe_route *r = &a->route;
     size_t ex = (size_t)(c->expert_rows ? c->expert_rows : E) * Im * H; /* one projection's held experts */
-    zero(m->d_ln, (size_t)BT * H);
+    zero(m->ws.d_ln, (size_t)BT * H);
     WIDE_IN(w->ewg, 3 * ex);
     if (m->moe_ep)
-        m->moe_ep->bwd(m->moe_ep->ctx, l, m->d_ln, g, m->moe_dtopw, m->d_res, r, w, BT);
+        m->moe_ep->bwd(m->moe_ep->ctx, l, m->ws.d_ln, g, m->ws.moe_dtopw, m->ws.d_res, r, w, BT);
     else
-        m->k.moe_bwd(m->d_ln, g->ewg, g->ewu, g->ewd, m->moe_dtopw, m->moe_work, m->d_res, a->ln2, w->ewg, w->ewu,
+        m->k.moe_bwd(m->ws.d_ln, g->ewg, g->ewu, g->ewd, m->ws.moe_dtopw, m->ws.moe_work, m->ws.d_res, a->ln2, w->ewg, w->ewu,
                      w->ewd, a->gate, a->up, a->h, r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
     WIDE_OUT(w->ewg, 3 * ex);
     /* under tensor parallelism both are partial sums over the experts'
      * intermediate slices; the router's own d(ln2), added next, is not */
-    reduce_d_input(m, m->d_ln, (size_t)BT * H);
-    reduce_d_input(m, m->moe_dtopw, (size_t)BT * k);
+    reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
+    reduce_d_input(m, m->ws.moe_dtopw, (size_t)BT * k);
     int aux = c->output_router_logits && c->router_aux_loss_coef > 0;
     WIDE_IN(w->router, (size_t)E * H);
-    moe_route_bwd(&m->k, m->d_ln, g->router, m->moe_dprobs, m->moe_dtopw, aux ? m->moe_dprob_all : NULL, a->ln2,
+    moe_route_bwd(&m->k, m->ws.d_ln, g->router, m->ws.moe_dprobs, m->ws.moe_dtopw, aux ? m->ws.moe_dprob_all : NULL, a->ln2,
                   w->router, r, BT, H, E, k, c->norm_topk_prob);
     WIDE_OUT(w->router, (size_t)E * H);
 }
@@ -1561,11 +1561,11 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
 static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in, const float *w, float *gw, float *gb,
                          const float *ln, float *gln, const float *y, const float *rstd, int BT, int K) {
     int H = m->cfg.hidden;
-    const float *dy = m->d_res; /* [BT, H] */
+    const float *dy = m->ws.d_res; /* [BT, H] */
     if (ln) {
-        zero(m->d_ln, (size_t)BT * H);
-        m->k.rmsnorm_bwd(m->d_ln, gln, m->d_res, y, nw(m, ln, H), rstd, BT, H);
-        dy = m->d_ln;
+        zero(m->ws.d_ln, (size_t)BT * H);
+        m->k.rmsnorm_bwd(m->ws.d_ln, gln, m->ws.d_res, y, nw(m, ln, H), rstd, BT, H);
+        dy = m->ws.d_ln;
     }
     if (gb) op_bias_bwd(gb, dy, BT, H);
     zero(din, (size_t)BT * K);
@@ -1581,22 +1581,22 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
 static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float grad_scale, long *count) {
     const lm_config *c = &m->cfg;
     int H = c->hidden;
-    zero(m->d_ln, (size_t)BT * H); /* d(final norm output) [BT, H] */
+    zero(m->ws.d_ln, (size_t)BT * H); /* d(final norm output) [BT, H] */
     double loss_sum = 0;
-    for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
-        int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
+    for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
+        int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
         const float *x = m->lnf + (size_t)r0 * H;
         size_t nv = (size_t)n * (c->vocab_rows ? c->vocab_rows : c->vocab_size);
-        head_fwd(m, m->logits, x, n);
-        lm_final_softcap(c, m->logits, nv, m->cap_t); /* tanh kept for softcap_bwd */
-        loss_sum += crossentropy(m, m->logits, labels + r0, n, grad_scale, count);
-        softcap_bwd(m, m->logits, nv);
-        head_bwd(m, m->d_ln + (size_t)r0 * H, m->logits, x, n);
+        head_fwd(m, m->ws.logits, x, n);
+        lm_final_softcap(c, m->ws.logits, nv, m->ws.cap_t); /* tanh kept for softcap_bwd */
+        loss_sum += crossentropy(m, m->ws.logits, labels + r0, n, grad_scale, count);
+        softcap_bwd(m, m->ws.logits, nv);
+        head_bwd(m, m->ws.d_ln + (size_t)r0 * H, m->ws.logits, x, n);
     }
-    if (c->vocab_rows) reduce_d_input(m, m->d_ln, (size_t)BT * H); /* each rank's rows of lm_head: partial */
+    if (c->vocab_rows) reduce_d_input(m, m->ws.d_ln, (size_t)BT * H); /* each rank's rows of lm_head: partial */
     /* d_res carries d(residual stream) downwards */
-    zero(m->d_res, (size_t)BT * H);
-    m->k.rmsnorm_bwd(m->d_res, m->g.lnf, m->d_ln, m->res_out, nw(m, m->w.lnf, H), m->lnf_rstd, BT, H);
+    zero(m->ws.d_res, (size_t)BT * H);
+    m->k.rmsnorm_bwd(m->ws.d_res, m->g.lnf, m->ws.d_ln, m->res_out, nw(m, m->w.lnf, H), m->lnf_rstd, BT, H);
     return loss_sum;
 }
 
@@ -1615,66 +1615,66 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
         moe_layer_bwd(m, l, BT);
     } else {
         /* res_next = res_mid + [norm](down(h) + bd): d_res flows to res_mid unchanged, plus the MLP path */
-        out_proj_bwd(m, l, LM_LORA_DOWN, m->d_h, a->h, w->wd, g->wd, g->bd, w->ln_mo, g->ln_mo, a->mo, a->mo_rstd,
+        out_proj_bwd(m, l, LM_LORA_DOWN, m->ws.d_h, a->h, w->wd, g->wd, g->bd, w->ln_mo, g->ln_mo, a->mo, a->mo_rstd,
                      BT, I);
-        zero(m->d_gate, (size_t)BT * I);
-        zero(m->d_up, (size_t)BT * I);
-        if (c->act == LM_ACT_GELU_TANH) m->k.geglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
-        else m->k.swiglu_bwd(m->d_gate, m->d_up, m->d_h, a->gate, a->up, BT * I);
-        if (g->bg) op_bias_bwd(g->bg, m->d_gate, BT, I);
-        if (g->bu) op_bias_bwd(g->bu, m->d_up, BT, I);
+        zero(m->ws.d_gate, (size_t)BT * I);
+        zero(m->ws.d_up, (size_t)BT * I);
+        if (c->act == LM_ACT_GELU_TANH) m->k.geglu_bwd(m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I);
+        else m->k.swiglu_bwd(m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I);
+        if (g->bg) op_bias_bwd(g->bg, m->ws.d_gate, BT, I);
+        if (g->bu) op_bias_bwd(g->bu, m->ws.d_up, BT, I);
         const float *xm = mlp_in(m, a);
-        zero(m->d_ln, (size_t)BT * H);
+        zero(m->ws.d_ln, (size_t)BT * H);
         WIDE_IN(w->wg, (size_t)I * H);
-        m->k.matmul_bwd(m->d_ln, g->wg, m->d_gate, xm, w->wg, BT, H, I);
+        m->k.matmul_bwd(m->ws.d_ln, g->wg, m->ws.d_gate, xm, w->wg, BT, H, I);
         WIDE_OUT(w->wg, (size_t)I * H);
         WIDE_IN(w->wu, (size_t)I * H);
-        m->k.matmul_bwd(m->d_ln, g->wu, m->d_up, xm, w->wu, BT, H, I);
+        m->k.matmul_bwd(m->ws.d_ln, g->wu, m->ws.d_up, xm, w->wu, BT, H, I);
         WIDE_OUT(w->wu, (size_t)I * H);
         if (LORA(w, LM_LORA_GATE))
-            lora_bwd(m, l, LM_LORA_GATE, m->d_ln, m->d_gate, a->lora_u[LM_LORA_GATE], xm, BT, H, I);
+            lora_bwd(m, l, LM_LORA_GATE, m->ws.d_ln, m->ws.d_gate, a->lora_u[LM_LORA_GATE], xm, BT, H, I);
         if (LORA(w, LM_LORA_UP))
-            lora_bwd(m, l, LM_LORA_UP, m->d_ln, m->d_up, a->lora_u[LM_LORA_UP], xm, BT, H, I);
-        reduce_d_input(m, m->d_ln, (size_t)BT * H);
+            lora_bwd(m, l, LM_LORA_UP, m->ws.d_ln, m->ws.d_up, a->lora_u[LM_LORA_UP], xm, BT, H, I);
+        reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
     }
-    if (w->ln2) m->k.rmsnorm_bwd(m->d_res, g->ln2, m->d_ln, a->res_mid, nw(m, w->ln2, H), a->ln2_rstd, BT, H);
-    else m->k.add(m->d_res, m->d_res, m->d_ln, (long)BT * H); /* the MLP read res_mid itself */
+    if (w->ln2) m->k.rmsnorm_bwd(m->ws.d_res, g->ln2, m->ws.d_ln, a->res_mid, nw(m, w->ln2, H), a->ln2_rstd, BT, H);
+    else m->k.add(m->ws.d_res, m->ws.d_res, m->ws.d_ln, (long)BT * H); /* the MLP read res_mid itself */
 
     /* res_mid = res + [norm](o_proj(att) + bo) */
-    out_proj_bwd(m, l, LM_LORA_O, m->d_att, a->att, w->wo, g->wo, g->bo, w->ln_ao, g->ln_ao, a->ao, a->ao_rstd, BT,
+    out_proj_bwd(m, l, LM_LORA_O, m->ws.d_att, a->att, w->wo, g->wo, g->bo, w->ln_ao, g->ln_ao, a->ao, a->ao_rstd, BT,
                  qd);
-    zero(m->d_q, (size_t)BT * qd);
-    zero(m->d_k, (size_t)BT * kvd);
-    zero(m->d_v, (size_t)BT * kvd);
+    zero(m->ws.d_q, (size_t)BT * qd);
+    zero(m->ws.d_k, (size_t)BT * kvd);
+    zero(m->ws.d_v, (size_t)BT * kvd);
     kern_attn_opt ao = attn_opt(m, l);
-    m->k.attention_bwd(m->d_q, m->d_k, m->d_v, m->d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
+    m->k.attention_bwd(m->ws.d_q, m->ws.d_k, m->ws.d_v, m->ws.d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
                        hd, &ao);
     /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->
      * d_q2, d_k2 (w.r.t. the projections' outputs) */
-    zero(m->d_q2, (size_t)BT * qd);
-    qk_bwd(m, m->d_q2, g->qn, m->d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);
-    zero(m->d_k2, (size_t)BT * kvd);
-    qk_bwd(m, m->d_k2, g->kn, m->d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
-    if (g->bq) op_bias_bwd(g->bq, m->d_q2, BT, qd);
-    if (g->bk) op_bias_bwd(g->bk, m->d_k2, BT, kvd);
-    if (g->bv) op_bias_bwd(g->bv, m->d_v, BT, kvd);
-    zero(m->d_ln, (size_t)BT * H);
+    zero(m->ws.d_q2, (size_t)BT * qd);
+    qk_bwd(m, m->ws.d_q2, g->qn, m->ws.d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);
+    zero(m->ws.d_k2, (size_t)BT * kvd);
+    qk_bwd(m, m->ws.d_k2, g->kn, m->ws.d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
+    if (g->bq) op_bias_bwd(g->bq, m->ws.d_q2, BT, qd);
+    if (g->bk) op_bias_bwd(g->bk, m->ws.d_k2, BT, kvd);
+    if (g->bv) op_bias_bwd(g->bv, m->ws.d_v, BT, kvd);
+    zero(m->ws.d_ln, (size_t)BT * H);
     /* the embedding and layer 0's input norm frozen: nothing below wants d(ln1) of
      * layer 0 (autograd skips these input-gradient products too) */
-    float *dln = l > 0 || m->g.wte || g->ln1 ? m->d_ln : NULL; /* [BT, H] */
+    float *dln = l > 0 || m->g.wte || g->ln1 ? m->ws.d_ln : NULL; /* [BT, H] */
     const float *xa = attn_in(m, a);
     WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-    m->k.matmul_bwd(dln, g->wq, m->d_q2, xa, w->wq, BT, H, qd);
-    m->k.matmul_bwd(dln, g->wk, m->d_k2, xa, w->wk, BT, H, kvd);
-    m->k.matmul_bwd(dln, g->wv, m->d_v, xa, w->wv, BT, H, kvd);
+    m->k.matmul_bwd(dln, g->wq, m->ws.d_q2, xa, w->wq, BT, H, qd);
+    m->k.matmul_bwd(dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd);
+    m->k.matmul_bwd(dln, g->wv, m->ws.d_v, xa, w->wv, BT, H, kvd);
     WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-    if (LORA(w, LM_LORA_Q)) lora_bwd(m, l, LM_LORA_Q, dln, m->d_q2, a->lora_u[LM_LORA_Q], xa, BT, H, qd);
-    if (LORA(w, LM_LORA_K)) lora_bwd(m, l, LM_LORA_K, dln, m->d_k2, a->lora_u[LM_LORA_K], xa, BT, H, kvd);
-    if (LORA(w, LM_LORA_V)) lora_bwd(m, l, LM_LORA_V, dln, m->d_v, a->lora_u[LM_LORA_V], xa, BT, H, kvd);
+    if (LORA(w, LM_LORA_Q)) lora_bwd(m, l, LM_LORA_Q, dln, m->ws.d_q2, a->lora_u[LM_LORA_Q], xa, BT, H, qd);
+    if (LORA(w, LM_LORA_K)) lora_bwd(m, l, LM_LORA_K, dln, m->ws.d_k2, a->lora_u[LM_LORA_K], xa, BT, H, kvd);
+    if (LORA(w, LM_LORA_V)) lora_bwd(m, l, LM_LORA_V, dln, m->ws.d_v, a->lora_u[LM_LORA_V], xa, BT, H, kvd);
     if (dln) {
-        reduce_d_input(m, m->d_ln, (size_t)BT * H);
-        if (w->ln1) m->k.rmsnorm_bwd(m->d_res, g->ln1, m->d_ln, a->res, nw(m, w->ln1, H), a->ln1_rstd, BT, H);
-        else m->k.add(m->d_res, m->d_res, m->d_ln, (long)BT * H); /* attention read res itself */
+        reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
+        if (w->ln1) m->k.rmsnorm_bwd(m->ws.d_res, g->ln1, m->ws.d_ln, a->res, nw(m, w->ln1, H), a->ln1_rstd, BT, H);
+        else m->k.add(m->ws.d_res, m->ws.d_res, m->ws.d_ln, (long)BT * H); /* attention read res itself */
     }
 }
 
@@ -1692,20 +1692,20 @@ static void embed_bwd(lm_model *m, const int32_t *tokens, int BT) {
     const lm_config *c = &m->cfg;
     int H = c->hidden;
     if (!m->g.wte) return;
-    lm_embed_scale(c, m->d_res, (size_t)BT * H); /* d(lookup) = sqrt(H) d(scaled) */
+    lm_embed_scale(c, m->ws.d_res, (size_t)BT * H); /* d(lookup) = sqrt(H) d(scaled) */
     if (c->has_pad) /* torch's padding_idx: the lookup adds nothing to that row */
         for (int i = 0; i < BT; i++)
-            if (tokens[i] == c->pad_token) zero(m->d_res + (size_t)i * H, (size_t)H);
-    m->k.embedding_bwd(m->g.wte, m->d_res, tokens, BT, H);
+            if (tokens[i] == c->pad_token) zero(m->ws.d_res + (size_t)i * H, (size_t)H);
+    m->k.embedding_bwd(m->g.wte, m->ws.d_res, tokens, BT, H);
 }
 
 double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
                               float grad_scale, long *n_valid) {
     int BT = B * T;
-    m->moe_count_tokens = 1; /* training forwards feed load_balance_coeff's counts */
+    m->moe.count_tokens = 1; /* training forwards feed load_balance_coeff's counts */
     m->lora_train = 1;       /* and LoRA's dropout */
     forward_stack(m, tokens, B, T);
-    m->moe_count_tokens = 0;
+    m->moe.count_tokens = 0;
     long count = 0;
     double loss_sum = head_loss_bwd(m, labels, BT, grad_scale, &count);
     if (n_valid) *n_valid = count;
@@ -1719,13 +1719,13 @@ void lm_stage_forward(lm_model *m, int l0, int l1, const int32_t *tokens, const 
                       int T, int train) {
     int L = m->cfg.n_layers, BT = B * T, H = m->cfg.hidden;
     forward_begin(m, tokens, B, T);
-    m->moe_count_tokens = train;
+    m->moe.count_tokens = train;
     m->lora_train = train;
     if (l0 == 0) embed_fwd(m, L ? m->acts[0].res : m->res_out, tokens, BT);
     else memcpy(m->acts[l0].res, x_in, (size_t)BT * H * sizeof(float));
     forward_layers(m, l0, l1, l1 == L ? m->res_out : x_out, B, T);
     if (l1 == L) final_norm_fwd(m, BT);
-    m->moe_count_tokens = 0;
+    m->moe.count_tokens = 0;
     m->lora_train = 0;
 }
 
@@ -1736,11 +1736,11 @@ double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, con
     long count = 0;
     m->lora_train = 1;
     if (l1 == L) loss_sum = head_loss_bwd(m, labels, BT, grad_scale, &count);
-    else memcpy(m->d_res, d_out, (size_t)BT * H * sizeof(float));
+    else memcpy(m->ws.d_res, d_out, (size_t)BT * H * sizeof(float));
     if (n_valid) *n_valid = count;
     backward_layers(m, l0, l1, B, T);
     if (l0 == 0) embed_bwd(m, tokens, BT);
-    else memcpy(d_in, m->d_res, (size_t)BT * H * sizeof(float));
+    else memcpy(d_in, m->ws.d_res, (size_t)BT * H * sizeof(float));
     m->lora_train = 0;
     return loss_sum;
 }
@@ -1749,12 +1749,12 @@ double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_v
     int BT = B * T, H = m->cfg.hidden;
     double sum = 0;
     long count = 0;
-    for (int r0 = 0; r0 < BT; r0 += m->logit_rows) {
-        int n = BT - r0 < m->logit_rows ? BT - r0 : m->logit_rows;
-        head_fwd(m, m->logits, m->lnf + (size_t)r0 * H, n);
-        lm_final_softcap(&m->cfg, m->logits, (size_t)n * (m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size),
+    for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
+        int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
+        head_fwd(m, m->ws.logits, m->lnf + (size_t)r0 * H, n);
+        lm_final_softcap(&m->cfg, m->ws.logits, (size_t)n * (m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size),
                          NULL);
-        sum += crossentropy(m, m->logits, labels + r0, n, 0.0f, &count);
+        sum += crossentropy(m, m->ws.logits, labels + r0, n, 0.0f, &count);
     }
     if (n_valid) *n_valid = count;
     return sum;

@@ -276,6 +276,51 @@ typedef struct {
     float *lora_u[LM_LORA_N]; /* [BT, r] scale * A drop(x) per adapted projection; always kept (small) */
 } lm_layer_acts;
 
+/* The per-step workspace: what one range of layers uses while it runs and
+ * leaves for the next (no micro-batch keeps anything here). Carved from
+ * the activation arena with the plan; owner: the model's forward/backward. */
+typedef struct {
+    float *rope_cos, *rope_sin; /* [T, hd/2] */
+    float *rope_cos_l, *rope_sin_l; /* [T, hd/2] the sliding layers' (== rope_cos/sin when they share) */
+    int rope_T;             /* the forward length the tables were built for (lm_rope_by_length) */
+    float *norm_w;          /* [max(H, nH*hd)] 1 + w of a Gemma norm while a kernel reads it */
+    float *cap_t;           /* [logit_rows, V] tanh(logits / final_softcap) of the block in flight */
+    int logit_rows;         /* rows of logits materialised at once */
+    float *logits;          /* [logit_rows, V] (V: vocab_rows when vocabulary-parallel) */
+    float *ce_stats;        /* [3, logit_rows] vocabulary-parallel loss: row max, sum of exp, target logit */
+    /* backward scratch */
+    float *d_res, *d_ln, *d_att, *d_q, *d_q2, *d_k, *d_k2, *d_v, *d_h, *d_gate, *d_up; /* see lm.c */
+    /* MoE layers (NULL for a dense model) */
+    float *moe_work;        /* [KERN_MOE_WORK(BT*k, H, Im)] experts kernel scratch */
+    float *moe_dtopw;       /* [BT*k] */
+    float *moe_dprobs;      /* [BT, E] */
+    float *moe_dprob_all;   /* [E] d(aux term)/d probs, the same for every layer and token */
+    /* LoRA (cfg.lora_rank > 0) */
+    float *lora_du;         /* [BT, r] d of an adapter's A output */
+    float *lora_x, *lora_dx; /* [BT, max in] drop(x) and its gradient; only with dropout */
+    float *head_w, *head_tmp; /* a bf16-stored lm_head: one block of its rows widened, and [logit_rows, block]
+                                 (allocated at first use) */
+} lm_work;
+
+/* MoE routing state (0 / NULL for a dense model): what the last forward's
+ * routing measured and what the next one routes by. Owner: the model's MoE
+ * layers; the trainer reads the statistics and moves the bias. */
+typedef struct {
+    int n_layers;           /* MoE layers of the whole model (every pipeline stage's) */
+    double *count, *psum;   /* [E] load-balancing sums of the last forward */
+    int *load_min, *load_max; /* [L] tokens on the least / most loaded expert (-1: dense layer) */
+    double aux_loss;        /* HF's load_balancing_loss_func of the last forward (0 if dense) */
+    /* torchtitan's aux-loss-free balancing (model.load_balance_coeff > 0): experts
+     * are CHOSEN by probs + bias, weighted by the probs alone; the trainer
+     * moves the bias after each step (moe_update_bias) and checkpoints it */
+    float *bias;            /* [L, E] zeros: HF's routing */
+    double *tokens;         /* [L, E] tokens per expert since the last update (training forwards) */
+    int count_tokens;       /* set by forward_backward around its forward */
+    float aux_scale;        /* weight of router_aux_loss_coef * aux in the gradient (1 per optimizer
+                               step: a trainer with n micro-batches sets 1/n); used when
+                               cfg.output_router_logits */
+} lm_moe_state;
+
 /* Calls around each layer for layouts that move parameters (FSDP gathers a
  * layer's parameters before it runs and frees them after; distributed/fsdp.c). The
  * model stays unaware of ranks: it only says when a layer starts and ends. */
@@ -330,41 +375,13 @@ typedef struct {
     float *res_out;         /* [BT, H] residual after the last layer */
     float *lnf;             /* [BT, H] */
     float *lnf_rstd;        /* [BT] */
-    float *rope_cos, *rope_sin; /* [T, hd/2] */
-    float *rope_cos_l, *rope_sin_l; /* [T, hd/2] the sliding layers' (== rope_cos/sin when they share) */
-    int rope_T;             /* the forward length the tables were built for (lm_rope_by_length) */
-    float *norm_w;          /* [max(H, nH*hd)] 1 + w of a Gemma norm while a kernel reads it */
-    float *cap_t;           /* [logit_rows, V] tanh(logits / final_softcap) of the block in flight */
-    int logit_rows;         /* rows of logits materialised at once */
-    float *logits;          /* [logit_rows, V] (V: vocab_rows when vocabulary-parallel) */
-    float *ce_stats;        /* [3, logit_rows] vocabulary-parallel loss: row max, sum of exp, target logit */
-    /* backward scratch */
-    float *d_res, *d_ln, *d_att, *d_q, *d_q2, *d_k, *d_k2, *d_v, *d_h, *d_gate, *d_up; /* see lm.c */
-    /* MoE (NULLs / 0 for a dense model) */
-    int n_moe_layers;
-    float *moe_work;        /* [KERN_MOE_WORK(BT*k, H, Im)] experts kernel scratch */
-    float *moe_dtopw;       /* [BT*k] */
-    float *moe_dprobs;      /* [BT, E] */
-    float *moe_dprob_all;   /* [E] d(aux term)/d probs, the same for every layer and token */
-    double *moe_count, *moe_psum; /* [E] load-balancing sums of the last forward */
-    int *moe_load_min, *moe_load_max; /* [L] tokens on the least / most loaded expert (-1: dense layer) */
-    double aux_loss;        /* HF's load_balancing_loss_func of the last forward (0 if dense) */
-    /* torchtitan's aux-loss-free balancing (model.load_balance_coeff > 0): experts
-     * are CHOSEN by probs + moe_bias, weighted by the probs alone; the trainer
-     * moves the bias after each step (moe_update_bias) and checkpoints it */
-    float *moe_bias;        /* [L, E] zeros: HF's routing */
-    double *moe_tokens;     /* [L, E] tokens per expert since the last update (training forwards) */
-    int moe_count_tokens;   /* set by forward_backward around its forward */
-    float aux_scale;        /* weight of router_aux_loss_coef * aux in the gradient (1 per optimizer
-                               step: a trainer with n micro-batches sets 1/n); used when
-                               cfg.output_router_logits */
+    lm_work ws;             /* the per-step workspace: scratch every range of layers reuses */
+    lm_moe_state moe;       /* MoE routing state: the last forward's sums, the balancing bias */
     const lm_hooks *hooks; /* NULL: none; set by a parallel layout (distributed/fsdp.h) */
     const lm_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by distributed/ep.h */
     const int32_t *tokens;  /* of the last forward, for the embedding backward */
     int fwd_B, fwd_T;
-    /* LoRA scratch and dropout (cfg.lora_rank > 0) */
-    float *lora_du;         /* [BT, r] d of an adapter's A output */
-    float *lora_x, *lora_dx; /* [BT, max in] drop(x) and its gradient; only with dropout */
+    /* LoRA dropout (cfg.lora_rank > 0) */
     uint64_t lora_seed;     /* dropout masks: a hash of (this, layer, projection, element); the trainer
                                sets it per micro-batch from training.seed and the step */
     int lora_train;         /* set by forward_backward: dropout applies to training forwards only */
@@ -374,7 +391,6 @@ typedef struct {
      * (lm_frozen_widen) */
     uint16_t *fstore;       /* [n_store] */
     size_t n_store;
-    float *head_w, *head_tmp; /* a bf16-stored lm_head: one block of its rows widened, and [logit_rows, block] */
 } lm_model;
 
 /* A pipeline stage keeps one micro-batch's saved activations of a layer

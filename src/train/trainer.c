@@ -155,7 +155,7 @@ static int select_kernels(trainer *t, ct_err *e) {
                                  .vocab = mc->vocab_size, .n_heads = mc->n_heads, .n_kv_heads = mc->n_kv_heads,
                                  .head_dim = mc->head_dim, .n_experts = mc->n_experts,
                                  .moe_inter = mc->moe_intermediate, .top_k = mc->top_k,
-                                 .ce_rows = t->model.logit_rows, .n_params = (long)t->model.n_params, .bf16 = bf16,
+                                 .ce_rows = t->model.ws.logit_rows, .n_params = (long)t->model.n_params, .bf16 = bf16,
                                  .geglu = mc->act == LM_ACT_GELU_TANH};
             char path[1024];
             kern_tune_cache_path(path, sizeof path, cpu, cpu_threads());
@@ -319,7 +319,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
                     n * 2.0 / (1 << 30), n * 4.0 / (1 << 30));
     }
     /* MoE load-balancing loss: HF adds it per forward; a step is the mean of its micro-batches' */
-    t->model.aux_scale = (float)c->local_batch_size / (float)t->global_batch;
+    t->model.moe.aux_scale = (float)c->local_batch_size / (float)t->global_batch;
     if (t->model.cfg.lazy_buffers) adamw_init_lazy(&t->opt, t->model.n_params);
     else adamw_init(&t->opt, t->model.n_params);
     t->hp = (adamw_hparams){c->lr, c->beta1, c->beta2, c->eps, c->weight_decay};
@@ -345,12 +345,12 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr) {
     lm_model *m = &t->model;
     double cur_lr = t->cfg.lr * lr_schedule_factor(&t->sched, t->step);
     double norm = plan_optimizer_step(&t->plan, cur_lr, &t->hp, t->cfg.max_norm);
-    if (t->cfg.load_balance_coeff > 0 && m->n_moe_layers) { /* torchtitan's step pre-hook; the step's counts */
+    if (t->cfg.load_balance_coeff > 0 && m->moe.n_layers) { /* torchtitan's step pre-hook; the step's counts */
         int E = m->cfg.n_experts;
-        plan_sum_dp(&t->plan, m->moe_tokens, (size_t)m->cfg.n_layers * E, COMM_F64);
+        plan_sum_dp(&t->plan, m->moe.tokens, (size_t)m->cfg.n_layers * E, COMM_F64);
         for (int l = 0; l < m->cfg.n_layers; l++)
             if (lm_layer_is_moe(&m->cfg, l) && lm_holds_layer(&m->cfg, l)) /* a pipeline stage: its layers' */
-                moe_update_bias(m->moe_bias + (size_t)l * E, m->moe_tokens + (size_t)l * E, E, t->cfg.load_balance_coeff);
+                moe_update_bias(m->moe.bias + (size_t)l * E, m->moe.tokens + (size_t)l * E, E, t->cfg.load_balance_coeff);
     }
     t->step++;
     if (grad_norm) *grad_norm = norm;
@@ -411,9 +411,9 @@ static void print_moe_load(FILE *f, const lm_model *m, double aux, int json) {
         if (pass) fprintf(f, "], \"moe_load_max\": [");
         int first = 1;
         for (int l = 0; l < m->cfg.n_layers; l++) {
-            if (m->moe_load_min[l] < 0) continue;
-            if (json) fprintf(f, "%s%d", first ? "" : ", ", pass ? m->moe_load_max[l] : m->moe_load_min[l]);
-            else fprintf(f, " %d/%d", m->moe_load_min[l], m->moe_load_max[l]);
+            if (m->moe.load_min[l] < 0) continue;
+            if (json) fprintf(f, "%s%d", first ? "" : ", ", pass ? m->moe.load_max[l] : m->moe.load_min[l]);
+            else fprintf(f, " %d/%d", m->moe.load_min[l], m->moe.load_max[l]);
             first = 0;
         }
     }
@@ -589,7 +589,7 @@ int trainer_run(trainer *t, ct_err *e) {
             /* the share of the step the stages spent waiting for an input (their mean) */
             double bubble = plan_take_bubble(&t->plan); /* -1: no pipeline */
             if (bubble >= 0) printf("  bubble: %.1f%%", 100.0 * bubble);
-            if (m->n_moe_layers) print_moe_load(stdout, m, aux, 0);
+            if (m->moe.n_layers) print_moe_load(stdout, m, aux, 0);
             printf("\n");
             fflush(stdout);
             if (mf) {
@@ -600,7 +600,7 @@ int trainer_run(trainer *t, ct_err *e) {
                         step, loss, gnorm, lr, mem, tps, tflops, mfu, now - t_start, n_valid, t->world->size, comm_pct,
                         overlapped);
                 if (bubble >= 0) fprintf(mf, ", \"pp_bubble\": %.4f", bubble);
-                if (m->n_moe_layers) print_moe_load(mf, m, aux, 1);
+                if (m->moe.n_layers) print_moe_load(mf, m, aux, 1);
                 fprintf(mf, "}\n");
                 fflush(mf);
             }

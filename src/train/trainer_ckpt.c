@@ -53,12 +53,12 @@ static char *state_to_json(const trainer *t, const ds *data) {
         cJSON_AddNumberToObject(d, "pos", (double)s.pos);
     }
     const lm_model *m = &t->model;
-    if (m->n_moe_layers && t->cfg.load_balance_coeff > 0) {
+    if (m->moe.n_layers && t->cfg.load_balance_coeff > 0) {
         /* the routing bias [L][E] (dense layers' rows stay 0); cJSON prints
          * doubles round-trip exact, so floats come back bit-identical */
         cJSON *b = cJSON_AddArrayToObject(o, "moe_expert_bias");
         for (size_t i = 0; i < (size_t)m->cfg.n_layers * m->cfg.n_experts; i++)
-            cJSON_AddItemToArray(b, cJSON_CreateNumber(m->moe_bias[i]));
+            cJSON_AddItemToArray(b, cJSON_CreateNumber(m->moe.bias[i]));
     }
     char *txt = cJSON_Print(o);
     cJSON_Delete(o);
@@ -109,7 +109,7 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
     const cJSON *b = cJSON_GetObjectItemCaseSensitive(o, "moe_expert_bias");
     lm_model *m = &t->model;
     size_t nb = (size_t)m->cfg.n_layers * m->cfg.n_experts;
-    if (b && m->n_moe_layers) {
+    if (b && m->moe.n_layers) {
         if (!cJSON_IsArray(b) || (size_t)cJSON_GetArraySize(b) != nb) {
             cJSON_Delete(o);
             return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: \"moe_expert_bias\" must hold %zu numbers (layers x "
@@ -117,7 +117,7 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
         }
         size_t i = 0;
         const cJSON *v;
-        cJSON_ArrayForEach(v, b) m->moe_bias[i++] = (float)v->valuedouble;
+        cJSON_ArrayForEach(v, b) m->moe.bias[i++] = (float)v->valuedouble;
     }
     cJSON_Delete(o);
     return 0;
