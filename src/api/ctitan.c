@@ -92,8 +92,8 @@ int ctitan_get_grad(ct_session *s, const char *name, float *out) {
 
 static int check_batch(ct_session *s, const int32_t *tokens, const int32_t *labels, int B, int T) {
     const lm_model *m = &s->t.model;
-    if (B < 1 || T < 1 || B > m->B || T > m->T)
-        return ct_fail(&s->err, CT_ERR_CONFIG, "batch %d x %d does not fit the planned %d x %d", B, T, m->B, m->T);
+    if (B < 1 || T < 1 || B > m->act.B || T > m->act.T)
+        return ct_fail(&s->err, CT_ERR_CONFIG, "batch %d x %d does not fit the planned %d x %d", B, T, m->act.B, m->act.T);
     for (long i = 0; i < (long)B * T; i++) {
         if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab_size)
             return ct_fail(&s->err, CT_ERR_CONFIG, "token %d at %ld is outside the vocabulary", tokens[i], i);

@@ -126,7 +126,7 @@ static void ep_bwd(void *ctx, int l, float *dx, lm_layer_w *g, float *dtopw, con
     }
     long S = (long)N * k;
     size_t R = (size_t)L->R;
-    if (p->m->acts[l].ac == LM_AC_OP) /* h was not kept: silu(gate) up, as the kernels compute it */
+    if (p->m->act.layer[l].ac == LM_AC_OP) /* h was not kept: silu(gate) up, as the kernels compute it */
         op_swiglu_fwd(L->h, L->gate, L->up, (int)(R * Im));
     for (long row = 0; row < S; row++) /* each row's token's d output; the owner weights it */
         memcpy(s.xs + (size_t)row * H, dout + (size_t)(r->perm[row] / k) * H, (size_t)H * sizeof(float));
@@ -185,16 +185,16 @@ int ep_init(ep_layout *p, lm_model *m, ct_comm *c, ct_err *e) {
     p->m = m;
     p->c = c;
     p->El = cf->n_experts / P;
-    p->Nmax = m->B * m->T;
+    p->Nmax = m->act.B * m->act.T;
     size_t S = (size_t)p->Nmax * cf->top_k, R = S * P;
     p->layers = ct_calloc((size_t)L + 1, sizeof(ep_layer *));
     p->sets = ct_calloc((size_t)L + 1, sizeof(ep_layer));
     int any_op = 0;
-    for (int l = 0; l < L; l++) any_op |= lm_layer_is_moe(cf, l) && m->acts[l].ac == LM_AC_OP;
+    for (int l = 0; l < L; l++) any_op |= lm_layer_is_moe(cf, l) && m->act.layer[l].ac == LM_AC_OP;
     if (any_op) p->h_op = ct_calloc(R * Im + 1, sizeof(float));
     for (int l = 0; l < L; l++) {
         if (!lm_layer_is_moe(cf, l)) continue;
-        int ac = m->acts[l].ac;
+        int ac = m->act.layer[l].ac;
         /* LM_AC_FULL: all rerun before their backward, so one set serves them in turn */
         ep_layer *y = &p->sets[ac == LM_AC_FULL ? L : l];
         if (!y->scnt) layer_alloc(y, P, p->El, R, H, Im, ac == LM_AC_OP ? p->h_op : NULL);

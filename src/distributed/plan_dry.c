@@ -217,11 +217,11 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
         widened = lm_frozen_widened_floats(&lm);
     }
     /* the banks are planned on the run's model: a micro-batch of mb x T, each layer's checkpointing policy */
-    lm.B = mb;
-    lm.T = T;
-    lm.ac_pol = ct_calloc((size_t)L + 1, sizeof(int));
+    lm.act.B = mb;
+    lm.act.T = T;
+    lm.act.pol = ct_calloc((size_t)L + 1, sizeof(int));
     for (int l = 0; !rc && l < L; l++)
-        if ((lm.ac_pol[l] = lm_ac_layer(c->ac_mode, c->ac_selective_option, l, e)) < 0) rc = CT_ERR_CONFIG;
+        if ((lm.act.pol[l] = lm_ac_layer(c->ac_mode, c->ac_selective_option, l, e)) < 0) rc = CT_ERR_CONFIG;
     int n_banks = 0;
     size_t bank_f = rc ? 0 : dry_pp_bank_floats(p, &lm, &n_banks);
     lm_free(&lm);

@@ -351,7 +351,7 @@ static void wait_input(pp_sched *p, comm_req *r) {
 double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, const uint64_t *seeds,
                float grad_scale) {
     double t_step = ct_now();
-    int B = p->mb_size, T = m->T, V = p->V, E = p->E;
+    int B = p->mb_size, T = m->act.T, V = p->V, E = p->E;
     size_t mbt = (size_t)B * T;
     /* every receive of the step, up front */
     for (int c = 0; c < p->S; c++) {

@@ -30,7 +30,7 @@
 #include "model/lm.h"
 
 typedef struct {
-    const lm_model *m; /* weights only; m->acts/grads are never used */
+    const lm_model *m; /* weights only; m->act.layer/grads are never used */
     int max_len;          /* positions the cache holds */
     int pos;              /* positions filled so far */
     int chunk;            /* rows processed at once by gen_forward */

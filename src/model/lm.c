@@ -308,11 +308,11 @@ static void carve_route(carver *cv, moe_route *r, int N, int E, int k) {
  * shared checkpointing scratch (plan_activations carves it first). */
 static void plan_layer(const lm_model *m, carver *cv, lm_layer_acts *a, int l) {
     const lm_config *c = &m->cfg;
-    size_t BT = (size_t)m->B * m->T, H = c->hidden, I, hd = c->head_dim;
+    size_t BT = (size_t)m->act.B * m->act.T, H = c->hidden, I, hd = c->head_dim;
     size_t nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     size_t pa = c->norm_place != LM_NORM_PRE; /* the attention and MLP outputs have norms */
-    const lm_layer_acts *sc = &m->ac_scratch;
-    int ac = m->ac_pol[l];
+    const lm_layer_acts *sc = &m->act.scratch;
+    int ac = m->act.pol[l];
     a->ac = ac;
     a->moe = lm_layer_is_moe(c, l);
     I = a->moe ? (size_t)c->top_k * c->moe_intermediate : (size_t)c->intermediate;
@@ -324,7 +324,7 @@ static void plan_layer(const lm_model *m, carver *cv, lm_layer_acts *a, int l) {
     /* LoRA's [BT, r] products are small: every layer keeps its own (a recomputation rewrites the same bits) */
     for (int p = 0; p < LM_LORA_N; p++) a->lora_u[p] = lm_lora_on(c, l, p) ? carve(cv, BT * (size_t)c->lora_rank) : NULL;
     /* the routing is small next to the experts' activations: rerun only under full recomputation */
-    if (a->moe && ac != LM_AC_FULL) carve_route(cv, &a->route, m->B * m->T, c->n_experts, c->top_k);
+    if (a->moe && ac != LM_AC_FULL) carve_route(cv, &a->route, m->act.B * m->act.T, c->n_experts, c->top_k);
     else if (a->moe) a->route = sc->route;
 }
 
@@ -334,7 +334,7 @@ static void plan_layer(const lm_model *m, carver *cv, lm_layer_acts *a, int l) {
 static void plan_range(const lm_model *m, carver *cv, lm_layer_acts *acts, int l0, int l1, float **res_out,
                        float **lnf, float **lnf_rstd) {
     const lm_config *c = &m->cfg;
-    size_t BT = (size_t)m->B * m->T, H = c->hidden;
+    size_t BT = (size_t)m->act.B * m->act.T, H = c->hidden;
     for (int l = l0; l < l1; l++) plan_layer(m, cv, &acts[l - l0], l);
     if (l1 == c->n_layers) {
         *res_out = carve(cv, BT * H);
@@ -345,14 +345,14 @@ static void plan_range(const lm_model *m, carver *cv, lm_layer_acts *acts, int l
 
 static void plan_activations(lm_model *m, carver *cv) {
     const lm_config *c = &m->cfg;
-    const int *ac = m->ac_pol; /* [L] LM_AC_* per layer */
-    size_t BT = (size_t)m->B * m->T, H = c->hidden, I, hd = c->head_dim;
+    const int *ac = m->act.pol; /* [L] LM_AC_* per layer */
+    size_t BT = (size_t)m->act.B * m->act.T, H = c->hidden, I, hd = c->head_dim;
     size_t nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     size_t pa = c->norm_place != LM_NORM_PRE;
     /* I below is the width of a layer's gate/up/h rows per token: the dense
      * intermediate, or k * Im for a MoE layer (k expert rows per token) */
     size_t I_moe = (size_t)c->top_k * c->moe_intermediate, I_max = 0, I_dense = 0;
-    int E = c->n_experts, Nk = m->B * m->T * c->top_k;
+    int E = c->n_experts, Nk = m->act.B * m->act.T * c->top_k;
     /* one scratch set that every checkpointed layer's forward, recomputation
      * and backward use in turn (layers run one at a time) */
     int any_ac = 0, full_moe = 0;
@@ -367,15 +367,15 @@ static void plan_activations(lm_model *m, carver *cv) {
         if (!moe) I_dense = (size_t)c->intermediate;
         full_moe |= moe && ac[l] == LM_AC_FULL;
     }
-    lm_layer_acts *sc = &m->ac_scratch;
+    lm_layer_acts *sc = &m->act.scratch;
     memset(sc, 0, sizeof *sc);
     I = I_max;
 #define SCRATCH(name, n, keep) sc->name = carve(cv, n);
     if (any_ac) { LAYER_ACTS(SCRATCH) }
 #undef SCRATCH
-    if (full_moe) carve_route(cv, &sc->route, m->B * m->T, E, c->top_k);
+    if (full_moe) carve_route(cv, &sc->route, m->act.B * m->act.T, E, c->top_k);
     /* a pipeline stage's micro-batches keep theirs in banks (lm_bank_new) */
-    if (!c->pp_stage) plan_range(m, cv, m->acts, 0, c->n_layers, &m->res_out, &m->lnf, &m->lnf_rstd);
+    if (!c->pp_stage) plan_range(m, cv, m->act.layer, 0, c->n_layers, &m->act.res_out, &m->act.lnf, &m->act.lnf_rstd);
     I = I_dense; /* the dense backward's scratch below */
     if (m->moe.n_layers) {
         m->ws.moe_work = carve(cv, KERN_MOE_WORK(Nk, H, c->moe_intermediate));
@@ -390,12 +390,12 @@ static void plan_activations(lm_model *m, carver *cv) {
         m->ws.lora_x = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
         m->ws.lora_dx = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
     }
-    m->ws.rope_cos = carve(cv, (size_t)m->T * hd / 2);
-    m->ws.rope_sin = carve(cv, (size_t)m->T * hd / 2);
+    m->ws.rope_cos = carve(cv, (size_t)m->act.T * hd / 2);
+    m->ws.rope_sin = carve(cv, (size_t)m->act.T * hd / 2);
     m->ws.rope_cos_l = m->ws.rope_cos, m->ws.rope_sin_l = m->ws.rope_sin;
     if (lm_rope_local_differs(c)) {
-        m->ws.rope_cos_l = carve(cv, (size_t)m->T * hd / 2);
-        m->ws.rope_sin_l = carve(cv, (size_t)m->T * hd / 2);
+        m->ws.rope_cos_l = carve(cv, (size_t)m->act.T * hd / 2);
+        m->ws.rope_sin_l = carve(cv, (size_t)m->act.T * hd / 2);
     }
     m->ws.norm_w = c->norm_plus_one ? carve(cv, H > qd ? H : qd) : NULL;
     size_t Vr = c->vocab_rows ? c->vocab_rows : c->vocab_size;
@@ -438,13 +438,13 @@ lm_bank *lm_bank_new(const lm_model *m, int l0, int l1) {
 }
 
 void lm_bank_use(lm_model *m, const lm_bank *b) {
-    memcpy(&m->acts[b->l0], b->acts, (size_t)(b->l1 - b->l0) * sizeof *b->acts);
+    memcpy(&m->act.layer[b->l0], b->acts, (size_t)(b->l1 - b->l0) * sizeof *b->acts);
     if (b->l1 == m->cfg.n_layers) {
-        m->res_out = b->res_out;
-        m->lnf = b->lnf;
-        m->lnf_rstd = b->lnf_rstd;
+        m->act.res_out = b->res_out;
+        m->act.lnf = b->lnf;
+        m->act.lnf_rstd = b->lnf_rstd;
     }
-    m->ac_scratch_layer = -1; /* the scratch holds another micro-batch's recomputation, if any */
+    m->act.scratch_layer = -1; /* the scratch holds another micro-batch's recomputation, if any */
 }
 
 void lm_bank_free(lm_bank *b) {
@@ -480,8 +480,8 @@ int lm_create(lm_model *m, const lm_config *c, int B, int T, ct_err *e) {
 }
 
 /* The layout and the activation plan, counted but not allocated: m->tensors,
- * m->n_params, m->acts (pointers still NULL), m->act_floats and the
- * per-layer checkpointing policy m->ac_pol [L]. Shared by
+ * m->n_params, m->act.layer (pointers still NULL), m->act.floats and the
+ * per-layer checkpointing policy m->act.pol [L]. Shared by
  * lm_create_ac and lm_plan_memory so --dry-run reports what a run
  * allocates. */
 static int plan_model(lm_model *m, const lm_config *c, int B, int T, const char *ac_mode,
@@ -499,14 +499,14 @@ static int plan_model(lm_model *m, const lm_config *c, int B, int T, const char 
     }
     m->cfg = *c;
     build_layout(m);
-    m->B = B;
-    m->T = T;
+    m->act.B = B;
+    m->act.T = T;
     m->ws.logit_rows = B * T < 256 ? B * T : 256;
-    m->acts = ct_calloc((size_t)c->n_layers + 1, sizeof(lm_layer_acts));
-    m->ac_pol = pol;
+    m->act.layer = ct_calloc((size_t)c->n_layers + 1, sizeof(lm_layer_acts));
+    m->act.pol = pol;
     carver cv = {0};
     plan_activations(m, &cv);
-    m->act_floats = cv.used;
+    m->act.floats = cv.used;
     return 0;
 }
 
@@ -561,10 +561,10 @@ int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_m
     m->g.layer = ct_calloc((size_t)c->n_layers, sizeof(lm_layer_w));
     bind_weights(&m->w, m, m->params, 0);
     bind_weights(&m->g, m, m->grads, 1);
-    m->act_mem = m->dev->alloc(m->act_floats * sizeof(float));
-    carver cv = {m->act_mem, 0};
+    m->act.mem = m->dev->alloc(m->act.floats * sizeof(float));
+    carver cv = {m->act.mem, 0};
     plan_activations(m, &cv);
-    m->ac_scratch_layer = -1;
+    m->act.scratch_layer = -1;
     m->moe.aux_scale = 1.0f;
     m->moe.count = ct_calloc((size_t)c->n_experts + 1, sizeof(double));
     m->moe.psum = ct_calloc((size_t)c->n_experts + 1, sizeof(double));
@@ -590,7 +590,7 @@ int lm_plan_memory(const lm_config *c, int B, int T, const char *ac_mode, const 
     int rc = plan_model(&m, c, B, T, ac_mode, ac_option, e);
     if (!rc) {
         *n_params = m.n_params;
-        *act_bytes = m.act_floats * sizeof(float);
+        *act_bytes = m.act.floats * sizeof(float);
     }
     lm_free(&m);
     return rc;
@@ -601,15 +601,15 @@ void lm_free(lm_model *m) {
     if (m->dev) {
         m->dev->free(m->params, m->n_params * sizeof(float), m->cfg.lazy_buffers);
         m->dev->free(m->grads, m->n_params * sizeof(float), m->cfg.lazy_buffers);
-        m->dev->free(m->act_mem, m->act_floats * sizeof(float), 0);
+        m->dev->free(m->act.mem, m->act.floats * sizeof(float), 0);
     }
     free(m->fstore);
     free(m->ws.head_w);
     free(m->ws.head_tmp);
     free(m->w.layer);
     free(m->g.layer);
-    free(m->acts);
-    free(m->ac_pol);
+    free(m->act.layer);
+    free(m->act.pol);
     free(m->moe.count);
     free(m->moe.psum);
     free(m->moe.load_min);
@@ -744,7 +744,7 @@ const lm_tensor *lm_find(const lm_model *m, const char *name) {
     return NULL;
 }
 
-size_t lm_activation_bytes(const lm_model *m) { return m->act_floats * sizeof(float); }
+size_t lm_activation_bytes(const lm_model *m) { return m->act.floats * sizeof(float); }
 size_t lm_num_params(const lm_model *m) { return m->n_params; }
 
 double lm_flops_per_token(const lm_model *m, int T) {
@@ -979,7 +979,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     float eps = (float)c->rms_eps;
     size_t n = (size_t)BT * H;
-    /* cos/sin were tabulated for m->T positions; rows 0..T-1 serve any T <= m->T
+    /* cos/sin were tabulated for m->act.T positions; rows 0..T-1 serve any T <= m->act.T
      * (the cache's: the rows in flight, positions kv->p0 ..) */
     const float *cs, *sn;
     if (kv) {
@@ -1091,16 +1091,16 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
 }
 
 static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, float *res_next, int B, int T) {
-    layer_forward_at(m, NULL, (int)(a - m->acts), a, w, res_next, B, T);
+    layer_forward_at(m, NULL, (int)(a - m->act.layer), a, w, res_next, B, T);
 }
 
 /* Before a checkpointed layer's backward: rebuild what it did not keep, with
  * the forward's own kernels on the forward's own inputs (bit-identical). */
 static void layer_recompute(lm_model *m, int l, int B, int T) {
-    lm_layer_acts *a = &m->acts[l];
+    lm_layer_acts *a = &m->act.layer[l];
     const lm_layer_w *w = &m->w.layer[l];
-    if (a->ac == LM_AC_NONE || m->ac_scratch_layer == l) return; /* the scratch may still hold it */
-    m->ac_scratch_layer = l;
+    if (a->ac == LM_AC_NONE || m->act.scratch_layer == l) return; /* the scratch may still hold it */
+    m->act.scratch_layer = l;
     if (a->ac == LM_AC_FULL) {
         layer_forward(m, a, w, NULL, B, T);
         return;
@@ -1128,7 +1128,7 @@ static void layer_recompute(lm_model *m, int l, int B, int T) {
  * in the scratch: the load-balancing sums and the layer's min/max expert load. */
 static void moe_layer_stats(lm_model *m, int l, int BT) {
     int E = m->cfg.n_experts;
-    const moe_route *r = &m->acts[l].route;
+    const moe_route *r = &m->act.layer[l].route;
     moe_route_stats(m->moe.count, m->moe.psum, r, BT, E);
     if (m->moe.count_tokens)
         for (int e = 0; e < E; e++) m->moe.tokens[(size_t)l * E + e] += r->offsets[e + 1] - r->offsets[e];
@@ -1154,9 +1154,9 @@ static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
 
 /* What every forward sets before its first layer. */
 static void forward_begin(lm_model *m, const int32_t *tokens, int B, int T) {
-    m->tokens = tokens;
-    m->fwd_B = B;
-    m->fwd_T = T;
+    m->act.tokens = tokens;
+    m->act.fwd_B = B;
+    m->act.fwd_T = T;
     if (lm_rope_by_length(&m->cfg) && m->ws.rope_T != T) rope_build(m, T); /* transformers' dynamic_rope_update */
     if (m->moe.n_layers) {
         memset(m->moe.count, 0, (size_t)m->cfg.n_experts * sizeof(double));
@@ -1164,15 +1164,15 @@ static void forward_begin(lm_model *m, const int32_t *tokens, int B, int T) {
     }
 }
 
-/* Layers [l0, l1) from acts[l0].res; the last one writes out[BT, H]. */
+/* Layers [l0, l1) from act.layer[l0].res; the last one writes out[BT, H]. */
 static void forward_layers(lm_model *m, int l0, int l1, float *out, int B, int T) {
     for (int l = l0; l < l1; l++) {
-        float *res_next = l + 1 < l1 ? m->acts[l + 1].res : out;
+        float *res_next = l + 1 < l1 ? m->act.layer[l + 1].res : out;
         if (m->hooks) m->hooks->pre_forward(m->hooks->ctx, l);
-        layer_forward(m, &m->acts[l], &m->w.layer[l], res_next, B, T);
+        layer_forward(m, &m->act.layer[l], &m->w.layer[l], res_next, B, T);
         if (m->hooks) m->hooks->post_forward(m->hooks->ctx, l);
-        if (m->acts[l].ac != LM_AC_NONE) m->ac_scratch_layer = l;
-        if (m->acts[l].moe) moe_layer_stats(m, l, B * T);
+        if (m->act.layer[l].ac != LM_AC_NONE) m->act.scratch_layer = l;
+        if (m->act.layer[l].moe) moe_layer_stats(m, l, B * T);
     }
 }
 
@@ -1187,15 +1187,15 @@ static void forward_aux(lm_model *m, int BT) {
 
 static void final_norm_fwd(lm_model *m, int BT) {
     int H = m->cfg.hidden;
-    m->k.rmsnorm_fwd(m->lnf, m->lnf_rstd, m->res_out, nw(m, m->w.lnf, H), BT, H, (float)m->cfg.rms_eps);
+    m->k.rmsnorm_fwd(m->act.lnf, m->act.lnf_rstd, m->act.res_out, nw(m, m->w.lnf, H), BT, H, (float)m->cfg.rms_eps);
 }
 
-/* The transformer stack up to the final norm: fills m->acts, m->lnf. */
+/* The transformer stack up to the final norm: fills m->act.layer, m->act.lnf. */
 static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
     int L = m->cfg.n_layers, BT = B * T;
     forward_begin(m, tokens, B, T);
-    embed_fwd(m, L ? m->acts[0].res : m->res_out, tokens, BT); /* [BT, H] */
-    forward_layers(m, 0, L, m->res_out, B, T);
+    embed_fwd(m, L ? m->act.layer[0].res : m->act.res_out, tokens, BT); /* [BT, H] */
+    forward_layers(m, 0, L, m->act.res_out, B, T);
     forward_aux(m, BT);
     final_norm_fwd(m, BT);
 }
@@ -1298,11 +1298,11 @@ void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) 
     forward_stack(m, tokens, B, T);
     int V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
     if (!head_stored(m)) {
-        m->k.matmul_fwd(logits, m->lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
+        m->k.matmul_fwd(logits, m->act.lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
     } else {
         for (int r0 = 0; r0 < B * T; r0 += m->ws.logit_rows) { /* head_fwd's scratch holds logit_rows rows */
             int n = B * T - r0 < m->ws.logit_rows ? B * T - r0 : m->ws.logit_rows;
-            head_fwd(m, logits + (size_t)r0 * V, m->lnf + (size_t)r0 * m->cfg.hidden, n);
+            head_fwd(m, logits + (size_t)r0 * V, m->act.lnf + (size_t)r0 * m->cfg.hidden, n);
         }
     }
     lm_final_softcap(&m->cfg, logits, (size_t)B * T * V, NULL);
@@ -1528,7 +1528,7 @@ void lm_kv_forward(lm_model *m, lm_kv *kv, const int32_t *tokens, int p0, int n,
  * enters d probs through moe_dprob_all. */
 static void moe_layer_bwd(lm_model *m, int l, int BT) {
     const lm_config *c = &m->cfg;
-    lm_layer_acts *a = &m->acts[l];
+    lm_layer_acts *a = &m->act.layer[l];
     const lm_layer_w *w = &m->w.layer[l];
     lm_layer_w *g = &m->g.layer[l];
     int H = c->hidden, E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
@@ -1572,10 +1572,10 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
     WIDE_IN(w, (size_t)H * K);
     m->k.matmul_bwd(din, gw, dy, in, w, BT, K, H);
     WIDE_OUT(w, (size_t)H * K);
-    if (LORA(&m->w.layer[l], p)) lora_bwd(m, l, p, din, dy, m->acts[l].lora_u[p], in, BT, K, H);
+    if (LORA(&m->w.layer[l], p)) lora_bwd(m, l, p, din, dy, m->act.layer[l].lora_u[p], in, BT, K, H);
 }
 
-/* The fused lm_head + cross-entropy + their backward over m->lnf, a block
+/* The fused lm_head + cross-entropy + their backward over m->act.lnf, a block
  * of rows at a time, then the final norm's: d_res = d(res_out). Returns
  * the CE sum; *count gets the valid labels. */
 static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float grad_scale, long *count) {
@@ -1585,7 +1585,7 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
     double loss_sum = 0;
     for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
         int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
-        const float *x = m->lnf + (size_t)r0 * H;
+        const float *x = m->act.lnf + (size_t)r0 * H;
         size_t nv = (size_t)n * (c->vocab_rows ? c->vocab_rows : c->vocab_size);
         head_fwd(m, m->ws.logits, x, n);
         lm_final_softcap(c, m->ws.logits, nv, m->ws.cap_t); /* tanh kept for softcap_bwd */
@@ -1596,7 +1596,7 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
     if (c->vocab_rows) reduce_d_input(m, m->ws.d_ln, (size_t)BT * H); /* each rank's rows of lm_head: partial */
     /* d_res carries d(residual stream) downwards */
     zero(m->ws.d_res, (size_t)BT * H);
-    m->k.rmsnorm_bwd(m->ws.d_res, m->g.lnf, m->ws.d_ln, m->res_out, nw(m, m->w.lnf, H), m->lnf_rstd, BT, H);
+    m->k.rmsnorm_bwd(m->ws.d_res, m->g.lnf, m->ws.d_ln, m->act.res_out, nw(m, m->w.lnf, H), m->act.lnf_rstd, BT, H);
     return loss_sum;
 }
 
@@ -1606,7 +1606,7 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     layer_recompute(m, l, B, T);
-    lm_layer_acts *a = &m->acts[l];
+    lm_layer_acts *a = &m->act.layer[l];
     const lm_layer_w *w = &m->w.layer[l];
     lm_layer_w *g = &m->g.layer[l];
     const float *cs, *sn;
@@ -1721,9 +1721,9 @@ void lm_stage_forward(lm_model *m, int l0, int l1, const int32_t *tokens, const 
     forward_begin(m, tokens, B, T);
     m->moe.count_tokens = train;
     m->lora_train = train;
-    if (l0 == 0) embed_fwd(m, L ? m->acts[0].res : m->res_out, tokens, BT);
-    else memcpy(m->acts[l0].res, x_in, (size_t)BT * H * sizeof(float));
-    forward_layers(m, l0, l1, l1 == L ? m->res_out : x_out, B, T);
+    if (l0 == 0) embed_fwd(m, L ? m->act.layer[0].res : m->act.res_out, tokens, BT);
+    else memcpy(m->act.layer[l0].res, x_in, (size_t)BT * H * sizeof(float));
+    forward_layers(m, l0, l1, l1 == L ? m->act.res_out : x_out, B, T);
     if (l1 == L) final_norm_fwd(m, BT);
     m->moe.count_tokens = 0;
     m->lora_train = 0;
@@ -1751,7 +1751,7 @@ double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_v
     long count = 0;
     for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
         int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
-        head_fwd(m, m->ws.logits, m->lnf + (size_t)r0 * H, n);
+        head_fwd(m, m->ws.logits, m->act.lnf + (size_t)r0 * H, n);
         lm_final_softcap(&m->cfg, m->ws.logits, (size_t)n * (m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size),
                          NULL);
         sum += crossentropy(m, m->ws.logits, labels + r0, n, 0.0f, &count);

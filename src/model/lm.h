@@ -245,7 +245,7 @@ enum {
 
 /* Activations saved by forward for backward, one set per layer. Under
  * checkpointing, the pointers of what a layer does not keep point into the
- * model's one shared `ac_scratch` set instead. */
+ * model's one shared checkpointing scratch set (act.scratch) instead. */
 typedef struct {
     int ac;          /* LM_AC_* of this layer */
     float *res;      /* [BT, H]   residual stream entering the layer */
@@ -275,6 +275,25 @@ typedef struct {
     moe_route route; /* kept under LM_AC_NONE and _OP; rerun under _FULL */
     float *lora_u[LM_LORA_N]; /* [BT, r] scale * A drop(x) per adapted projection; always kept (small) */
 } lm_layer_acts;
+
+/* The activation plan: what a forward saves for its backward, planned once
+ * for at most B x T. Owner: the model's forward/backward; a pipeline stage
+ * points layer[l0 .. l1) and the final norm's buffers at the bank of the
+ * micro-batch in flight (lm_bank_use). */
+typedef struct {
+    int B, T;               /* the planned batch */
+    float *mem;             /* the arena: every saved activation and the workspace */
+    size_t floats;
+    lm_layer_acts *layer;   /* [L] each layer's saved activations */
+    int *pol;               /* [L] LM_AC_* of each layer */
+    lm_layer_acts scratch;  /* shared by checkpointed layers (res unused); NULLs if none */
+    int scratch_layer;      /* layer whose activations scratch holds now; -1: none */
+    float *res_out;         /* [BT, H] residual after the last layer */
+    float *lnf;             /* [BT, H] */
+    float *lnf_rstd;        /* [BT] */
+    const int32_t *tokens;  /* of the last forward, for the embedding backward */
+    int fwd_B, fwd_T;
+} lm_act_plan;
 
 /* The per-step workspace: what one range of layers uses while it runs and
  * leaves for the next (no micro-batch keeps anything here). Carved from
@@ -364,23 +383,11 @@ typedef struct {
     float *grads;           /* [n_params] */
     lm_weights w, g;     /* views into params and grads */
 
-    /* planned activations for at most B x T */
-    int B, T;
-    float *act_mem;
-    size_t act_floats;
-    lm_layer_acts *acts; /* [L] (a pipeline stage: its layers', pointed into the bank in use) */
-    int *ac_pol;            /* [L] LM_AC_* of each layer */
-    lm_layer_acts ac_scratch; /* shared by checkpointed layers (res unused); NULLs if none */
-    int ac_scratch_layer;   /* layer whose activations ac_scratch holds now; -1: none */
-    float *res_out;         /* [BT, H] residual after the last layer */
-    float *lnf;             /* [BT, H] */
-    float *lnf_rstd;        /* [BT] */
+    lm_act_plan act;        /* saved activations for at most B x T (a pipeline stage's: the bank in use) */
     lm_work ws;             /* the per-step workspace: scratch every range of layers reuses */
     lm_moe_state moe;       /* MoE routing state: the last forward's sums, the balancing bias */
     const lm_hooks *hooks; /* NULL: none; set by a parallel layout (distributed/fsdp.h) */
     const lm_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by distributed/ep.h */
-    const int32_t *tokens;  /* of the last forward, for the embedding backward */
-    int fwd_B, fwd_T;
     /* LoRA dropout (cfg.lora_rank > 0) */
     uint64_t lora_seed;     /* dropout masks: a hash of (this, layer, projection, element); the trainer
                                sets it per micro-batch from training.seed and the step */
@@ -396,7 +403,7 @@ typedef struct {
 /* A pipeline stage keeps one micro-batch's saved activations of a layer
  * range [l0, l1) per forward in flight (1F1B keeps up to the number of
  * stages, GPipe every micro-batch): a bank. lm_bank_use points the model's
- * acts[l0 .. l1) (and, with the last layer, res_out and the final norm's
+ * act.layer[l0 .. l1) (and, with the last layer, res_out and the final norm's
  * buffers) at the bank, so the forward and backward below run on that
  * micro-batch. A model with cfg.pp_stage plans no per-layer activations
  * of its own; everything else (checkpointing scratch, backward scratch,
