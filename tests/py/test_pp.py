@@ -470,6 +470,17 @@ def test_pp2_x_tp2(setup, single):
     assert_same_run(out, single("model_tp"), "PP 2 x TP 2")
 
 
+def test_pp2_x_tp2_x_fsdp2(setup, single):
+    """3-D: 8 ranks, each pipeline stage's 4 ranks two FSDP groups of a TP pair; Interleaved
+    so that every rank holds two stages."""
+    d, data = setup
+    out = d / "pp2_tp2_fsdp2"
+    run(8, train_args(d / "model_tp", data, out, f"{PP}=2", f"{MB}=1", f"{SCHED}=Interleaved1F1B",
+                      "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2", dp=2),
+        timeout=240)
+    assert_same_run(out, single("model_tp"), "PP 2 x TP 2 x FSDP 2")
+
+
 # --------------------------------------------------------------------------- 7. dry run
 
 @pytest.mark.parametrize("ranks,args", [
