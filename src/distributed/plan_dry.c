@@ -173,29 +173,6 @@ static void dry_pp_layers(const pp_sched *p, char *out, size_t cap) {
     }
 }
 
-/* Floats of the activation banks pipeline rank p->rank allocates: pp_step keeps a pool of banks per local stage
- * (take_bank, give_bank), so a stage ends up with as many as its forwards in flight at once at the schedule's
- * peak for that stage, each lm_bank_floats of its layer range. table: the stage's model as the run builds it
- * (B, T, ac_pol set). *n_banks: how many banks. */
-static size_t dry_pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks) {
-    int *in = ct_calloc((size_t)p->S, sizeof(int)), *most = ct_calloc((size_t)p->S, sizeof(int));
-    for (int k = 0; k < p->n_act; k++) {
-        int c = p->act[k].stage;
-        in[c] += p->act[k].kind == 'F' ? 1 : -1;
-        if (in[c] > most[c]) most[c] = in[c];
-    }
-    size_t f = 0;
-    *n_banks = 0;
-    for (int c = 0; c < p->S; c++) {
-        int v = c * p->P + p->rank;
-        f += (size_t)most[c] * lm_bank_floats(table, p->first[v], p->first[v + 1]);
-        *n_banks += most[c];
-    }
-    free(in);
-    free(most);
-    return f;
-}
-
 /* One pipeline rank's plan (the rank of the plan p): what trainer_init_dist builds for it, the stage's model
  * (pp_hold) for a micro-batch, its activation banks and the point-to-point buffers of pp_bind. Prints its line
  * when out. */
@@ -223,7 +200,7 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     for (int l = 0; !rc && l < L; l++)
         if ((lm.act.pol[l] = lm_ac_layer(c->ac_mode, c->ac_selective_option, l, e)) < 0) rc = CT_ERR_CONFIG;
     int n_banks = 0;
-    size_t bank_f = rc ? 0 : dry_pp_bank_floats(p, &lm, &n_banks);
+    size_t bank_f = rc ? 0 : pp_bank_floats(p, &lm, &n_banks);
     lm_free(&lm);
     if (rc || !out) return rc;
     /* pp_bind: per local stage and micro-batch, 4 messages (activation in and out, gradient in and out) */

@@ -144,7 +144,7 @@ static void interleave(pp_action *out, const pp_action *fwd, const pp_action *bw
  * bubble (idle share of P x makespan), or -1 when no rank can go on
  * (an order that would deadlock). max_inflight: this rank's most forwards
  * whose backward has not run. */
-static double simulate(const pp_sched *p0, const ct_config *c, const lm_config *mc, int *max_inflight) {
+static double simulate(const pp_sched *p0, int *max_inflight) {
     int P = p0->P, V = p0->V, M = p0->M, n = 2 * p0->S * M;
     pp_action **ord = calloc((size_t)P, sizeof *ord);
     int *pos = calloc((size_t)P, sizeof *pos);
@@ -160,7 +160,6 @@ static double simulate(const pp_sched *p0, const ct_config *c, const lm_config *
         ord[r] = malloc((size_t)n * sizeof **ord);
         interleave(ord[r], fw, bw, n / 2, warm);
     }
-    (void)c, (void)mc;
     int left = P * n, inflight = 0, most = 0;
     while (left) {
         int moved = 0;
@@ -257,7 +256,7 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     interleave(p->act, fw, bw, n / 2, warm);
     free(fw);
     free(bw);
-    p->bubble = simulate(p, c, mc, &p->max_banks);
+    p->bubble = simulate(p, &p->max_banks);
     if (p->bubble < 0)
         return ct_fail(e, CT_ERR_CONFIG, "%s: pipeline schedule %s with %d ranks and %d micro-batches would deadlock",
                        where, c->pp_schedule, P, M);
@@ -449,9 +448,10 @@ int pp_unit_stage(const pp_sched *p, int x, int L) {
     return owner(p, v);
 }
 
-size_t pp_bank_bytes(const pp_sched *p, const lm_model *m) {
+size_t pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks) {
     /* each local stage keeps a pool of its own banks: its peak of forwards in flight */
     size_t total = 0;
+    *n_banks = 0;
     for (int c = 0; c < p->S; c++) {
         int v = vstage(p, c), live = 0, most = 0;
         for (int k = 0; k < p->n_act; k++) {
@@ -459,7 +459,8 @@ size_t pp_bank_bytes(const pp_sched *p, const lm_model *m) {
             live += p->act[k].kind == 'F' ? 1 : -1;
             most = live > most ? live : most;
         }
-        total += (size_t)most * lm_bank_floats(m, p->first[v], p->first[v + 1]) * sizeof(float);
+        total += (size_t)most * lm_bank_floats(table, p->first[v], p->first[v + 1]);
+        *n_banks += most;
     }
     return total;
 }

@@ -112,8 +112,11 @@ double pp_eval(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
 /* The pipeline rank holding unit x of a streamed save (0: the embedding,
  * 1 + l: layer l, L + 1: the final norm and lm_head). */
 int pp_unit_stage(const pp_sched *p, int x, int L);
-/* Bytes of activation banks this rank allocates at most (dry run). */
-size_t pp_bank_bytes(const pp_sched *p, const lm_model *m);
+/* Floats of the activation banks this rank holds at most (each local
+ * stage's peak of forwards in flight x its bank), and their count in
+ * *n_banks. table: the stage's model (plan or layout, with act.B, act.T
+ * and act.pol set), for the dry run. */
+size_t pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks);
 /* The measured share of pp_step's time spent waiting for inputs since the last call (-1: no step). */
 double pp_take_bubble(pp_sched *p);
 
