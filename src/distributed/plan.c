@@ -290,7 +290,6 @@ static double pp_sq(ct_plan *p, const float *g, double sq) {
  * summed per rank in double and all-reduced, so every rank scales by the
  * global norm, as the one-process optim_clip_grad_norm does. */
 static double clip_by(float *g, size_t n, double sq, double max_norm);
-static double pp_sq(ct_plan *p, const float *g, double sq);
 static double clip_sharded(ct_plan *p, float *g, size_t n, double max_norm, ct_comm *group) {
     double local = optim_grad_norm(g, n), sq = local * local;
     comm_allreduce(group, &sq, 1, COMM_F64, COMM_SUM);
