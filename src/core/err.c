@@ -22,7 +22,8 @@ int ct_fail(ct_err *e, int code, const char *fmt, ...) {
 
 int ct_exit_code(int code) {
     if (code == CT_STOPPED) return CT_EXIT_PREEMPTED;
-    return code == CT_ERR_CONFIG ? 2 : (code ? 1 : 0);
+    if (code == CT_ERR_CONFIG || code == CT_ERR_FORMAT) return code;
+    return code ? 1 : 0;
 }
 
 static void oom(size_t n) {

@@ -11,9 +11,9 @@
 
 enum {
     CT_OK = 0,
-    CT_ERR_IO = 1,      /* runtime failure: file, memory, bad data file */
-    CT_ERR_CONFIG = 2,  /* bad config/CLI value: exit code 2 before any work */
-    CT_ERR_FORMAT = 3,  /* malformed input file (safetensors, JSON, npy) */
+    CT_ERR_IO = 1,      /* runtime failure: a file missing or unwritable, memory, a diverged run: exit 1 */
+    CT_ERR_CONFIG = 2,  /* a bad value of the run's config (TOML, flags) or the model's config.json: exit 2 */
+    CT_ERR_FORMAT = 3,  /* a malformed input file (safetensors, JSON, npy, tokenizer, checkpoint): exit 3 */
     CT_STOPPED = 4,     /* not an error: stopped by a signal after saving a checkpoint */
 };
 
@@ -30,7 +30,8 @@ typedef struct {
 int ct_fail(ct_err *e, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* Exit status for an error code: config errors exit 2, everything else 1. */
+/* Exit status for an error code: 0 ok, 1 runtime, 2 config, 3 format, 75 stopped
+ * by a signal after saving (docs/reliability.md, "Exit codes"). */
 int ct_exit_code(int code);
 
 /* Allocation that dies with a clear message instead of returning NULL:

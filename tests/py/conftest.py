@@ -218,6 +218,22 @@ def ctitan_bin() -> Path:
     return BIN
 
 
+# What a crash leaves: a signal (negative status from subprocess, or 128+N from a shell),
+# abort()'s status, or a sanitizer's report (build/san runs the CLI tests under ASan+UBSan).
+CRASH_MARKERS = ("AddressSanitizer", "LeakSanitizer", "UndefinedBehaviorSanitizer", "runtime error:",
+                 "Segmentation fault", "core dumped")
+
+
+def crashed(rc, stderr, cmd):
+    """Fails the test when a ctitan process crashed, whatever exit the test expects: an
+    error test that only checked "non-zero" would pass on a segfault or a sanitizer report."""
+    err = stderr if isinstance(stderr, str) else (stderr or b"").decode(errors="replace")
+    hit = next((m for m in CRASH_MARKERS if m in err), None)
+    if rc < 0 or rc in (134, 139) or hit:
+        pytest.fail(f"ctitan crashed (exit {rc}{', ' + hit if hit else ''}): "
+                    f"{' '.join(str(c) for c in cmd)}\n--- stderr\n{err[-4000:]}", pytrace=False)
+
+
 @pytest.fixture
 def run_ctitan(ctitan_bin):
     """run_ctitan(args, check=True, timeout=180) -> (rc, stdout, stderr), run from the repo
@@ -226,6 +242,7 @@ def run_ctitan(ctitan_bin):
     def _run(args, check=True, timeout=180):
         cmd = [str(ctitan_bin)] + [str(a) for a in args]
         p = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=timeout)
+        crashed(p.returncode, p.stderr, cmd)
         if p.returncode != 0:
             print(f"$ {' '.join(cmd)}\nexit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
             if check:

@@ -406,13 +406,13 @@ def test_errors_name_file_and_line(built, tokdir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": "fine"\n')
     p = prepare(built, tokdir, [bad], tmp_path / "o1", check=False)
-    assert p.returncode == 1 and f"{bad}:2: invalid JSON" in p.stderr, p.stderr
+    assert p.returncode == 3 and f"{bad}:2: invalid JSON" in p.stderr, p.stderr
     chat = tmp_path / "c.jsonl"
     chat.write_text('{"messages": [{"role": "user", "content": "a"}]}\n{"messages": [{"role": "user"}]}\n')
     p = prepare(built, tokdir, [chat], tmp_path / "o2", check=False)
-    assert p.returncode == 1 and f"{chat}:2: messages[0].content: missing" in p.stderr, p.stderr
+    assert p.returncode == 3 and f"{chat}:2: messages[0].content: missing" in p.stderr, p.stderr
     p = prepare(built, tokdir, [chat], tmp_path / "o3", "--kind", "jsonl", check=False)
-    assert p.returncode == 1 and f'{chat}:1: "text" field missing' in p.stderr, p.stderr
+    assert p.returncode == 3 and f'{chat}:1: "text" field missing' in p.stderr, p.stderr
     p = prepare(built, tokdir, [tmp_path / "nope.txt"], tmp_path / "o4", check=False)
     assert p.returncode == 1 and "nope.txt" in p.stderr
     p = prepare(built, tokdir, [bad], tmp_path / "o5", "--bogus", "1", check=False)

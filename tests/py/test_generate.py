@@ -380,7 +380,7 @@ def test_chat_uses_the_tokenizer_template(tok_model, gen, tmp_path, family):
     cfg["chat_template"] = "{{ raise_exception('no chat here') }}"
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     rc, _, err = gen(["--checkpoint", d, "--prompt", text, "--chat"], check=False)
-    assert rc == 1 and "raise_exception: no chat here" in err and "tokenizer_config.json" in err, err
+    assert rc == 3 and "raise_exception: no chat here" in err and "tokenizer_config.json" in err, err
 
 
 def test_real_qwen3_tokenizer_chat(tmp_path, gen):
@@ -496,7 +496,7 @@ def test_dir_without_config_json(gen, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["config_json", "safetensors", "missing_weights"])
-def test_bad_files_exit_1(gen, tmp_path, damage):
+def test_bad_files_exit_codes(gen, tmp_path, damage):
     d = tmp_path / "m"
     make_model(d, seed=1)
     if damage == "config_json":
@@ -509,7 +509,8 @@ def test_bad_files_exit_1(gen, tmp_path, damage):
         (d / "model.safetensors").unlink()
         needle = str(d)
     rc, _, err = gen(["--checkpoint", d, "--prompt-ids", "1 2 3", "--ids"], check=False)
-    assert rc == 1, err
+    # a malformed file is a format error (3); a missing one a runtime error (1)
+    assert rc == (1 if damage == "missing_weights" else 3), err
     assert needle in err
 
 
