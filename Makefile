@@ -78,10 +78,21 @@ test-aarch64:
 
 test-bins: $(TESTS) $(BUILD)/ctitan
 
-# The C unit tests again under AddressSanitizer and UBSan, in their own build tree.
+# The C unit tests, `kernels check` and the CLI tests again under AddressSanitizer and UBSan,
+# in their own build tree: any report ends the process with an error (UBSan does not recover)
+# and the CLI test fixture fails a test whose ctitan printed one (tests/py/conftest.py).
+# LeakSanitizer reads tests/lsan.supp (Open MPI's and OpenBLAS's own allocations at start-up;
+# a full unwind so that their frames are seen through plugins without frame pointers).
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined
+SAN_ENV   := ASAN_OPTIONS=fast_unwind_on_malloc=0 LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
+             UBSAN_OPTIONS=print_stacktrace=1
+# The tests that drive only the CLI (a sanitized libctitan cannot be loaded into Python)
+SAN_CLI_TESTS := tests/py/test_cli_errors.py tests/py/test_tokenize_cli.py tests/py/test_dry_run.py \
+                 tests/py/test_validation.py
 sanitize:
-	@$(MAKE) --no-print-directory BUILD=build/san OPT="-O1 -fsanitize=address,undefined -fno-omit-frame-pointer" \
-	  LDFLAGS="-fsanitize=address,undefined" test-c
+	@$(SAN_ENV) $(MAKE) --no-print-directory BUILD=build/san OPT="-O1 $(SAN_FLAGS) -fno-omit-frame-pointer" \
+	  LDFLAGS="$(SAN_FLAGS)" test-c
+	$(SAN_ENV) CTITAN_BUILD=build/san $(PY) -m pytest -q -p no:cacheprovider $(SAN_CLI_TESTS)
 
 # Every op on its reference: "op=ref" for each X(ID, op, ...) line of src/kernels/ops_list.h
 # (X. matches its parenthesis: make counts the ones inside $(shell)).

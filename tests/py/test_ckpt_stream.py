@@ -27,7 +27,7 @@ import pytest
 
 import oracle
 from test_dist import ENV, mpirun, weights
-from conftest import BIN
+from conftest import BIN, crashed
 
 LAYOUTS = {  # name: (ranks, args)
     "fsdp4": (4, ["--parallelism.data_parallel_shard_degree=4"]),
@@ -86,6 +86,7 @@ def test_save_memory_on_rank0_is_not_the_whole_state(big, tmp_path, name):
 def run_env(ranks, a, env, check=True, **kw):
     cmd = ([str(BIN)] if ranks == 1 else mpirun() + ["-np", str(ranks), str(BIN)]) + [str(x) for x in a]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, **kw)
+    crashed(p.returncode, p.stderr, cmd)
     if check:
         assert p.returncode == 0, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     return p

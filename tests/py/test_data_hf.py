@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import crashed
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
@@ -193,6 +194,7 @@ def prepare(built, tokdir, inputs, out, *extra, check=True):
     for i in inputs:
         cmd += ["--input", str(i)]
     p = subprocess.run(cmd + [str(x) for x in extra], capture_output=True, text=True, env=ENV, timeout=120)
+    crashed(p.returncode, p.stderr, cmd)
     if check and p.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stderr}", pytrace=False)
     return p

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import oracle
-from conftest import BIN, BUILD, ROOT
+from conftest import BIN, BUILD, ROOT, crashed
 
 STEPS = 10
 GLOBAL = 8   # sequences per optimizer step, whatever the layout
@@ -76,6 +76,7 @@ def train_args(model_dir, data, out, *extra, dp=1):
 def run(np_, args, timeout=120, check=True):
     cmd = ([str(BIN)] if np_ == 1 else mpirun() + ["-np", str(np_), str(BIN)]) + [str(a) for a in args]
     p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    crashed(p.returncode, p.stderr, cmd)
     if check:
         assert p.returncode == 0, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p

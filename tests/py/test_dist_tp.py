@@ -13,7 +13,7 @@ import pytest
 
 import oracle
 from test_dist import ENV, STEPS, assert_same_run, mpirun, run, train_args, weights
-from conftest import BIN
+from conftest import BIN, crashed
 
 
 @pytest.fixture(scope="module")
@@ -113,5 +113,6 @@ def test_tp_degree_must_divide_the_model(tp_setup, model, tp, words):
     cmd = mpirun() + ["-np", str(tp), str(BIN)] + train_args(
         d / model, data, d / f"bad_tp{tp}_{model}", f"--parallelism.tensor_parallel_degree={tp}")
     p = subprocess.run([str(c) for c in cmd], env=ENV, capture_output=True, text=True, timeout=60)
+    crashed(p.returncode, p.stderr, cmd)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "tensor_parallel_degree = %d does not divide the model's %s" % (tp, words) in p.stderr, p.stderr[-2000:]

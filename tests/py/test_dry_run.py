@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
 
 import oracle
-from conftest import BIN
+from conftest import BIN, crashed
 from test_dist import ENV, mpirun
 
 
@@ -78,7 +78,9 @@ def layout_args(model_dir, data, out, degrees):
 
 def launch(np_, args, env=ENV, timeout=120):
     cmd = ([str(BIN)] if np_ == 0 else mpirun() + ["-np", str(np_), str(BIN)]) + [str(a) for a in args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    crashed(p.returncode, p.stderr, cmd)
+    return p
 
 
 def ok(p):

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import oracle
-from conftest import CHILD_ENV, ROOT
+from conftest import CHILD_ENV, ROOT, crashed
 
 BUILD = Path(os.environ.get("CTITAN_BUILD", ROOT / "build"))
 SHARD = "20KB"  # below the embedding's 32 KB: forces several shards
@@ -63,6 +63,7 @@ def run(ei_bin):
     def _run(args, expect=0):
         cmd = [str(ei_bin)] + [str(a) for a in args]
         p = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=120)
+        crashed(p.returncode, p.stderr, cmd)
         assert p.returncode == expect, (f"exit {p.returncode}, expected {expect}: {' '.join(cmd)}\n"
                                         f"--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
         return p.stdout, p.stderr

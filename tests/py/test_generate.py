@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import oracle  # noqa: E402
-from conftest import BUILD as DEFAULT_BUILD, CHILD_ENV, ROOT  # noqa: E402
+from conftest import BUILD as DEFAULT_BUILD, CHILD_ENV, ROOT, crashed  # noqa: E402
 
 # CTITAN_BUILD: test another build tree (e.g. `make BUILD=build/x all`); default build/.
 BUILD = Path(os.environ.get("CTITAN_BUILD", DEFAULT_BUILD)).resolve()
@@ -78,6 +78,7 @@ def gen(gen_cmd):
         cmd = gen_cmd + [str(a) for a in args]
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=120)
         err = p.stderr.decode(errors="replace")
+        crashed(p.returncode, err, cmd)
         if check and p.returncode != 0:
             pytest.fail(f"exit {p.returncode}: {' '.join(cmd)}\n--- stderr\n{err[-4000:]}", pytrace=False)
         return p.returncode, p.stdout, err

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import oracle
-from conftest import CHILD_ENV, ROOT
+from conftest import CHILD_ENV, ROOT, crashed
 from test_generate import CORPUS, QWEN_PATTERN, SPECIALS
 
 V = 300  # the model's vocabulary: the tokenizer's
@@ -283,6 +283,7 @@ def ctitan(ctitan_bin):
     def _run(args, env, expect=0, timeout=180):
         cmd = [str(ctitan_bin)] + [str(a) for a in args]
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        crashed(p.returncode, p.stderr, cmd)
         assert p.returncode == expect, (f"exit {p.returncode}, expected {expect}: {' '.join(cmd)}\n"
                                         f"--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
         return p.stdout, p.stderr

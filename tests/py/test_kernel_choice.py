@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 import oracle
-from conftest import BIN, CHILD_ENV, ROOT
+from conftest import BIN, CHILD_ENV, ROOT, crashed
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def tiny_run(tmp_path, home, name="run", extra=(), env_extra=None, hidden=64):
             env[k] = v
     p = subprocess.run([str(BIN), "train", "--config", str(conf), *extra], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
+    crashed(p.returncode, p.stderr, [BIN, "train", conf])
     return p, out
 
 

@@ -23,7 +23,7 @@ import torch
 from safetensors.numpy import load_file
 
 import oracle
-from conftest import BIN, CHILD_ENV, ROOT, hf_session_args
+from conftest import BIN, CHILD_ENV, ROOT, hf_session_args, crashed
 
 R, ALPHA = 4, 8.0
 STEPS = 6
@@ -46,6 +46,7 @@ def run(np_, args, timeout=120, check=True):
     if not BIN.exists():
         pytest.fail(f"{BIN} is missing: run `make all` first", pytrace=False)
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    crashed(p.returncode, p.stderr, cmd)
     if check and p.returncode != 0:
         pytest.fail(f"exit {p.returncode}: {' '.join(cmd)}\n--- stderr\n{p.stderr[-4000:]}", pytrace=False)
     return p

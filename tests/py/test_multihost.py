@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 import oracle
-from conftest import BIN
+from conftest import BIN, crashed
 from test_dist import STEPS, assert_same_run, train_args
 
 HOSTS = ("10.77.0.1", "10.77.0.2")
@@ -177,6 +177,7 @@ def mpirun_across(h, args, rankdir, timeout=120, check=True, env=ENV):
            *[a for v in FORWARD if v in ENV for a in ("-x", v)],
            str(rank), str(BIN), *[str(a) for a in args]]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    crashed(p.returncode, p.stderr, cmd)
     assert p.returncode == 0 or not check, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p
 
