@@ -3,6 +3,7 @@
 #include "core/fs.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,16 @@ static void shape_str(char *out, size_t cap, int ndim, const int64_t *shape) {
     size_t k = (size_t)snprintf(out, cap, "[");
     for (int i = 0; i < ndim && k < cap; i++) k += (size_t)snprintf(out + k, cap - k, "%s%lld", i ? ", " : "", (long long)shape[i]);
     if (k < cap) snprintf(out + k, cap - k, "]");
+}
+
+/* A NaN or Inf weight (a flipped exponent bit, a diverged run saved as HF) would train to
+ * a NaN loss or generate one token forever: refuse it where the file and tensor are known. */
+static int hf_check_finite(const float *x, size_t n, size_t first, const char *file, const char *name, ct_err *e) {
+    for (size_t j = 0; j < n; j++)
+        if (!isfinite(x[j]))
+            return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds a non-finite value (%g) at element %zu",
+                           file, name, (double)x[j], first + j);
+    return 0;
 }
 
 int hf_load(lm_model *m, const char *dir, ct_err *e) {
@@ -71,7 +82,8 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
                 rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64",
                              file, t->name, ct_dtype_name(st->dtype));
             else
-                sink->put(sink->ctx, LM_PARAMS, i, r0, r1, buf);
+                rc = hf_check_finite(buf, (r1 - r0) * cols, r0 * cols, file, t->name, e);
+            if (!rc) sink->put(sink->ctx, LM_PARAMS, i, r0, r1, buf);
         }
         st_drop(st);
     }
