@@ -347,7 +347,16 @@ def cfg_not_object(c):
 
 
 def cfg_tied_with_lm_head(c):
-    c.edit_config(tie_word_embeddings=True)  # lm_head.weight stays in the file
+    """tie_word_embeddings true, and the file's lm_head.weight (an untied model's) differs from
+    the embedding: transformers then loads them untied (test_transformers_unties_a_different_head)."""
+    c.edit_config(tie_word_embeddings=True)
+    return ["lm_head.weight", "tie_word_embeddings"]
+
+
+def cfg_tied_with_equal_lm_head(c):
+    """The same, but lm_head.weight is a copy of the embedding: one tied matrix either way."""
+    c.edit_config(tie_word_embeddings=True)
+    _resave(c, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
     return []
 
 
@@ -554,7 +563,9 @@ CASES = [
     ("cfg-head-dim-vs-tensors", cfg_head_dim_disagrees, "train", 3, [HF]),
     ("cfg-intermediate-vs-tensors", cfg_intermediate_disagrees, "generate", 3, [HF]),
     ("cfg-vocab-vs-tensors", cfg_vocab_disagrees, "import", 3, [HF]),
-    ("cfg-tied-with-lm-head", cfg_tied_with_lm_head, "train", 0, []),
+    ("cfg-tied-with-different-lm-head", cfg_tied_with_lm_head, "train", 3, [HF]),
+    ("cfg-tied-with-different-lm-head-gen", cfg_tied_with_lm_head, "generate", 3, [HF]),
+    ("cfg-tied-with-equal-lm-head", cfg_tied_with_equal_lm_head, "generate", 0, []),
     # sharded index
     ("idx-parent-dir", idx_parent_dir, "train", 3, []),
     ("idx-absolute-path", idx_absolute, "generate", 3, []),
@@ -662,3 +673,37 @@ def test_hostile(cid, mutate, cmd, code, needles, pristine, tmp_path, run_ctitan
     flat = err.replace("//", "/")
     for n in [x.format(**subst) for x in needles] + own:
         assert n in flat, f"{cid}: stderr does not name {n!r}\n--- stderr\n{err[-3000:]}"
+
+
+# --------------------------------------------------------------------------- the libraries' say
+
+TOKENIZER_MUTATIONS = [tok_merge_unknown_token, tok_merge_wrong_type, tok_merge_one_element, tok_regex_broken,
+                       tok_not_json]
+
+
+@pytest.mark.parametrize("mutate", TOKENIZER_MUTATIONS, ids=[f.__name__ for f in TOKENIZER_MUTATIONS])
+def test_hf_tokenizers_refuses_too(mutate, pristine, tmp_path):
+    """ctitan refuses these tokenizer.json files (exit 3 above); so does HF tokenizers, so a
+    refusal is the reference behaviour, not a ctitan choice."""
+    from tokenizers import Tokenizer
+    c = Case(pristine, tmp_path)
+    Tokenizer.from_file(str(c.tok / "tokenizer.json"))  # the unmutated file loads
+    mutate(c)
+    with pytest.raises(Exception):
+        Tokenizer.from_file(str(c.tok / "tokenizer.json"))
+
+
+def test_transformers_unties_a_different_head(pristine, tmp_path):
+    """Why ctitan refuses tie_word_embeddings = true beside a different lm_head.weight: the
+    installed transformers then keeps the two apart (an untied model), while with an equal
+    copy it ties them. ctitan builds one tied matrix, so it accepts only the equal copy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    c = Case(pristine, tmp_path)
+    cfg_tied_with_lm_head(c)
+    m = AutoModelForCausalLM.from_pretrained(str(c.hf), dtype=torch.float32)
+    assert not torch.equal(m.lm_head.weight, m.model.embed_tokens.weight), \
+        "transformers tied a different lm_head to the embedding: ctitan's refusal no longer matches it"
+    cfg_tied_with_equal_lm_head(c)
+    m = AutoModelForCausalLM.from_pretrained(str(c.hf), dtype=torch.float32)
+    assert torch.equal(m.lm_head.weight, m.model.embed_tokens.weight)
