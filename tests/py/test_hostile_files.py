@@ -18,7 +18,6 @@ import shutil
 import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import oracle
@@ -401,76 +400,52 @@ def tok_not_json(c):
 
 # ---- TOML
 
-def _toml(text: bytes):
-    def f(c):
-        base = (c.tmp / "base.toml")
-        oracle.write_toml(base, c.sections)
-        c.toml_text = base.read_bytes() + text
-        return []
-    return f
-
-
-def toml_edit(fn):
-    def f(c):
-        base = c.tmp / "base.toml"
-        oracle.write_toml(base, c.sections)
-        c.toml_text = fn(base.read_bytes())
-        return []
-    return f
-
-
 def _line_of(text: bytes, needle: bytes) -> int:
     return text[:text.index(needle)].count(b"\n") + 1
 
 
-def toml_nul_in_value(c):
+def _toml_text(c, old: bytes, new: bytes) -> bytes:
+    """The run's valid TOML with one exact piece replaced; it becomes the file the run reads."""
     base = c.tmp / "base.toml"
     oracle.write_toml(base, c.sections)
-    t = base.read_bytes().replace(b"seq_len = 16", b"seq_len = 3\x00 2")
-    c.toml_text = t
+    t = base.read_bytes()
+    assert t.count(old) == 1, f"test setup: {old!r} is not once in the TOML"
+    c.toml_text = t.replace(old, new)
+    return c.toml_text
+
+
+def toml_nul_in_value(c):
+    t = _toml_text(c, b"\nseq_len = 16\n", b"\nseq_len = 3\x00 2\n")
     return [f"run.toml:{_line_of(t, b'seq_len')}", "0x00"]
 
 
 def toml_nul_ends_value(c):
-    """`seq_len = 3<NUL>`: the NUL once ended the C string the number was read from (3)."""
-    base = c.tmp / "base.toml"
-    oracle.write_toml(base, c.sections)
-    t = base.read_bytes().replace(b"seq_len = 16", b"seq_len = 16\x00")
-    c.toml_text = t
+    """`seq_len = 16<NUL>`: the NUL once ended the C string the number was read from, so
+    the line read as 16 and the run went on."""
+    t = _toml_text(c, b"\nseq_len = 16\n", b"\nseq_len = 16\x00\n")
     return [f"run.toml:{_line_of(t, b'seq_len')}", "0x00"]
 
 
 def toml_ctrl_in_value(c):
-    base = c.tmp / "base.toml"
-    oracle.write_toml(base, c.sections)
-    t = base.read_bytes().replace(b"steps = 1", b"steps = 1\x01")
-    c.toml_text = t
-    return [f"run.toml:{_line_of(t, b'steps = ')}", "0x01"]
+    t = _toml_text(c, b"\nsteps = 1\n", b"\nsteps = 1\x01\n")
+    line = _line_of(t, b"\nsteps = ") + 1
+    return [f"run.toml:{line}", "0x01"]
 
 
 def toml_ctrl_in_string(c):
-    base = c.tmp / "base.toml"
-    oracle.write_toml(base, c.sections)
-    t = base.read_bytes().replace(b'[job]\ndump_folder = "', b'[job]\ndump_folder = "\x07')
-    c.toml_text = t
+    t = _toml_text(c, b'\ndump_folder = "', b'\ndump_folder = "\x07')
     return [f"run.toml:{_line_of(t, b'dump_folder')}", "0x07"]
 
 
 def toml_duplicate_key(c):
-    base = c.tmp / "base.toml"
-    oracle.write_toml(base, c.sections)
-    t = base.read_bytes().replace(b"\nsteps = 1\n", b"\nsteps = 1\nsteps = 2\n")
-    c.toml_text = t
+    t = _toml_text(c, b"\nsteps = 1\n", b"\nsteps = 1\nsteps = 2\n")
     line = _line_of(t, b"\nsteps = 2") + 1
     return [f"run.toml:{line}", "duplicate key 'steps'"]
 
 
 def toml_duplicate_table(c):
-    base = c.tmp / "base.toml"
-    oracle.write_toml(base, c.sections)
-    t = base.read_bytes() + b"\n[training]\nsteps = 2\n"
-    c.toml_text = t
-    return ["table [training] defined twice"]
+    t = _toml_text(c, b"\nsteps = 1\n", b"\nsteps = 1\n\n[training]\nsteps = 2\n")
+    return [f"run.toml:{_line_of(t, b'steps = 2') - 1}", "table [training] defined twice"]
 
 
 def opts(**kv):
@@ -615,6 +590,9 @@ CASES = [
     ("tok-merge-one-element", tok_merge_one_element, "tokenize", 3, [TOK]),
     ("tok-regex-broken", tok_regex_broken, "tokenize", 3, [TOK]),
     ("tok-not-json", tok_not_json, "tokenize", 3, [TOK]),
+    ("tok-merge-unknown-token-prepare", tok_merge_unknown_token, "prepare", 3, [TOK]),
+    ("tok-regex-broken-prepare", tok_regex_broken, "prepare", 3, [TOK]),
+    ("tok-merge-wrong-type-gen", tok_merge_wrong_type, "generate-text", 3, [TOK]),
     # TOML: duplicates, control characters, out-of-range values
     ("toml-duplicate-key", toml_duplicate_key, "train", 2, [RUN]),
     ("toml-duplicate-table", toml_duplicate_table, "train", 2, [RUN]),
@@ -659,6 +637,12 @@ def _command(c: Case, cmd: str):
         return ["import", "--hf", c.model, "--out", c.tmp / "imported"]
     if cmd == "tokenize":
         return ["tokenize", "--tokenizer", c.tok, "--text", "hello world, the quick fox"]
+    if cmd == "prepare":
+        src = c.tmp / "corpus.txt"
+        src.write_text("hello world, the quick fox\n")
+        return ["prepare", "--tokenizer", c.tok, "--input", src, "--out", c.tmp / "prepared", "--threads", "1"]
+    if cmd == "generate-text":
+        return ["generate", "--checkpoint", c.model, "--tokenizer", c.tok, "--prompt", "hello", "--max-tokens", "2"]
     raise ValueError(cmd)
 
 
