@@ -584,6 +584,8 @@ CASES = [
     ("cfg-not-json", cfg_not_json, "train", 3, [CFG]),
     ("cfg-not-json-gen", cfg_not_json, "generate", 3, [CFG]),
     ("cfg-not-object", cfg_not_object, "train", 3, [CFG]),
+    ("cfg-not-json-describe", cfg_not_json, "describe", 3, [CFG]),
+    ("cfg-hidden-beyond-int-describe", cfg(hidden_size=BIG), "describe", 2, [CFG, "hidden_size", "out of range"]),
     # tokenizer.json
     ("tok-merge-unknown-token", tok_merge_unknown_token, "tokenize", 3, [TOK]),
     ("tok-merge-wrong-type", tok_merge_wrong_type, "tokenize", 3, [TOK]),
@@ -635,6 +637,8 @@ def _command(c: Case, cmd: str):
         return ["generate", "--checkpoint", c.model, "--ids"] + c.gen_args
     if cmd == "import":
         return ["import", "--hf", c.model, "--out", c.tmp / "imported"]
+    if cmd == "describe":
+        return ["describe", c.model]
     if cmd == "tokenize":
         return ["tokenize", "--tokenizer", c.tok, "--text", "hello world, the quick fox"]
     if cmd == "prepare":
