@@ -3,6 +3,7 @@
 #include "core/fs.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,48 @@ static void shape_str(char *out, size_t cap, int ndim, const int64_t *shape) {
     size_t k = (size_t)snprintf(out, cap, "[");
     for (int i = 0; i < ndim && k < cap; i++) k += (size_t)snprintf(out + k, cap - k, "%s%lld", i ? ", " : "", (long long)shape[i]);
     if (k < cap) snprintf(out + k, cap - k, "]");
+}
+
+/* A NaN or Inf weight (a flipped exponent bit, a diverged run saved as HF) would train to
+ * a NaN loss or generate one token forever: refuse it where the file and tensor are known. */
+static int hf_check_finite(const float *x, size_t n, size_t first, const char *file, const char *name, ct_err *e) {
+    for (size_t j = 0; j < n; j++)
+        if (!isfinite(x[j]))
+            return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds a non-finite value (%g) at element %zu",
+                           file, name, (double)x[j], first + j);
+    return 0;
+}
+
+/* tie_word_embeddings with an lm_head.weight in the file as well: transformers (5.x)
+ * ties the two only when they hold the same values and otherwise loads the lm_head
+ * untied, a different model than config.json says. ctitan builds one tied matrix,
+ * so it takes an equal copy (what some exporters write) and refuses a different one
+ * rather than silently dropping it. */
+static int hf_check_tied_head(const st_set *s, const st_tensor *head, const char *file, ct_err *e) {
+    const st_tensor *emb = st_set_find(s, "model.embed_tokens.weight", NULL);
+    int same = emb && emb->ndim == head->ndim;
+    for (int d = 0; same && d < head->ndim; d++) same = emb->shape[d] == head->shape[d];
+    enum { CHUNK = 4096 };
+    float *a = ct_malloc(2 * CHUNK * sizeof(float)), *b = a + CHUNK;
+    size_t n = same ? (size_t)head->numel : 0, ha = ct_dtype_size(head->dtype), ea = same ? ct_dtype_size(emb->dtype) : 0;
+    int rc = 0;
+    for (size_t i = 0; same && i < n; i += CHUNK) {
+        size_t k = n - i < CHUNK ? n - i : CHUNK;
+        if (ct_convert_to_f32(a, (const char *)head->data + i * ha, head->dtype, k) != 0 ||
+            ct_convert_to_f32(b, (const char *)emb->data + i * ea, emb->dtype, k) != 0) {
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"lm_head.weight\" has dtype %s; expected F32, BF16, F16 or F64",
+                         file, ct_dtype_name(head->dtype));
+            break;
+        }
+        for (size_t j = 0; same && j < k; j++) same = a[j] == b[j];
+    }
+    free(a);
+    if (!rc && !same)
+        rc = ct_fail(e, CT_ERR_FORMAT,
+                     "%s: tensor \"lm_head.weight\" differs from model.embed_tokens.weight while config.json sets "
+                     "tie_word_embeddings = true (transformers would load them untied: a different model); set "
+                     "tie_word_embeddings to false, or drop the tensor to tie them", file);
+    return rc;
 }
 
 int hf_load(lm_model *m, const char *dir, ct_err *e) {
@@ -71,7 +114,8 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
                 rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64",
                              file, t->name, ct_dtype_name(st->dtype));
             else
-                sink->put(sink->ctx, LM_PARAMS, i, r0, r1, buf);
+                rc = hf_check_finite(buf, (r1 - r0) * cols, r0 * cols, file, t->name, e);
+            if (!rc) sink->put(sink->ctx, LM_PARAMS, i, r0, r1, buf);
         }
         st_drop(st);
     }
@@ -79,9 +123,12 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
     for (int i = 0; i < st_set_count(s) && !rc; i++) {
         const st_tensor *st = st_set_get(s, i);
         if (lm_find(m, st->name)) continue;
-        if (m->cfg.tie_embeddings && strcmp(st->name, "lm_head.weight") == 0) continue; /* tied: the embedding wins */
         const char *file = NULL;
         st_set_find(s, st->name, &file);
+        if (m->cfg.tie_embeddings && strcmp(st->name, "lm_head.weight") == 0) {
+            rc = hf_check_tied_head(s, st, file ? file : dir, e);
+            continue;
+        }
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: unexpected tensor \"%s\" (not part of this model)", file ? file : dir,
                      st->name);
     }

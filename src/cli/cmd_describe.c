@@ -74,7 +74,7 @@ int cli_describe(int argc, char **argv) {
     rc = lm_config_from_hf(&c, dir, &e);
     if (rc) {
         fprintf(stderr, "ctitan: error: %s\n", e.msg);
-        return rc == CT_ERR_CONFIG ? 2 : 1;
+        return ct_exit_code(rc); /* a value 2, a malformed config.json 3, as train gives them */
     }
     lm_model table;
     lm_layout(&table, &c);

@@ -299,6 +299,27 @@ static int gen_chat_text(const char *tdir, const char *prompt, char **text, size
     return rc;
 }
 
+/* The positions a model may be asked for. transformers generates past
+ * max_position_embeddings with at most a warning, but what comes out there is
+ * what the model never saw, so ctitan stops instead (docs/generate.md). A RoPE
+ * scaling that stretches the positions moves the limit as vLLM derives it:
+ * factor x original_max_position_embeddings (x max_position_embeddings for
+ * linear); dynamic NTK rescales by length, so it has none (0). */
+static double gen_position_limit(const lm_config *c) {
+    double limit = c->max_pos > 0 ? c->max_pos : 0;
+    if (!c->has_rope || limit == 0) return limit;
+    const rope_params *ps[2] = {&c->rope, &c->rope_local};
+    for (int i = 0; i < 2; i++) {
+        const rope_params *p = ps[i];
+        if (p->type == ROPE_DYNAMIC) return 0;
+        if (p->type == ROPE_LINEAR || p->type == ROPE_YARN || p->type == ROPE_LLAMA3) {
+            double ext = p->factor * (p->original_max_pos > 0 ? p->original_max_pos : c->max_pos);
+            if (ext > limit) limit = ext;
+        }
+    }
+    return limit;
+}
+
 int cli_generate(int argc, char **argv) {
     gen_cli_args a;
     int rc = gen_parse_args(&a, argc, argv);
@@ -336,10 +357,9 @@ int cli_generate(int argc, char **argv) {
     int n_out = 0;
     double t0 = ct_now();
 
+    /* as in train: a value of config.json ctitan cannot build a model from exits 2, a
+     * malformed file 3 (docs/reliability.md, "Exit codes") */
     rc = lm_config_from_hf(&cfg, a.checkpoint, &e);
-    /* train reports config.json problems as config errors (exit 2); here the
-     * file is an input like the weights, so they exit 1 as file errors */
-    if (rc == CT_ERR_CONFIG) rc = CT_ERR_FORMAT;
     /* the tokenizer is needed to encode --prompt or to print text; with
      * --prompt-ids --ids it is only read, when present, for its end tokens */
     const char *tdir = a.tokenizer ? a.tokenizer : a.checkpoint;
@@ -381,10 +401,13 @@ int cli_generate(int argc, char **argv) {
     if (!rc && prompt.n + (size_t)a.max_tokens > (size_t)INT32_MAX)
         rc = ct_fail(&e, CT_ERR_CONFIG, "--max-tokens: %zu prompt tokens + %d new ones are too many positions",
                      prompt.n, a.max_tokens);
-    if (!rc && cfg.max_pos > 0 && prompt.n + (size_t)a.max_tokens > (size_t)cfg.max_pos)
-        /* transformers goes on too (RoPE is defined everywhere); only say so */
-        fprintf(stderr, "generate: warning: %zu positions exceed max_position_embeddings (%d) of %s/config.json\n",
-                prompt.n + (size_t)a.max_tokens, cfg.max_pos, a.checkpoint);
+    double limit = rc ? 0 : gen_position_limit(&cfg);
+    if (!rc && limit > 0 && (double)(prompt.n + (size_t)a.max_tokens) > limit)
+        rc = ct_fail(&e, CT_ERR_CONFIG,
+                     "--max-tokens: %zu prompt tokens + %d new ones need %zu positions, more than the %.0f the model "
+                     "was trained for (max_position_embeddings of %s/config.json%s)",
+                     prompt.n, a.max_tokens, prompt.n + (size_t)a.max_tokens, limit, a.checkpoint,
+                     limit > cfg.max_pos ? ", extended by its RoPE scaling factor" : "");
     if (!rc) rc = hf_gen_open(&gm, a.checkpoint, a.adapter, (int)prompt.n + a.max_tokens, &e);
     double t_load = ct_now();
     if (!rc) {

@@ -124,12 +124,13 @@ int cli_import(int argc, char **argv) {
     snprintf(cfg_path, sizeof cfg_path, "%s/config.json", a.hf);
     if (access(cfg_path, R_OK) != 0)
         return cli_fail(1, "--hf %s: no readable config.json (not a Hugging Face model directory)", a.hf);
-    /* the file is the problem, not the command line: exit 1 whatever the code */
-    if ((rc = lm_config_from_hf(&c, a.hf, &e))) return cli_fail(1, "%s", e.msg);
-    if ((rc = lm_create(&m, &c, 1, 1, &e))) return cli_fail(1, "%s", e.msg);
+    /* the codes of train and generate: a config.json value 2, a malformed file 3, a
+     * missing one 1 (docs/reliability.md, "Exit codes") */
+    if ((rc = lm_config_from_hf(&c, a.hf, &e))) return cli_fail(ct_exit_code(rc), "%s", e.msg);
+    if ((rc = lm_create(&m, &c, 1, 1, &e))) return cli_fail(ct_exit_code(rc), "%s", e.msg);
     if ((rc = hf_load(&m, a.hf, &e))) {
         lm_free(&m);
-        return cli_fail(1, "%s", e.msg);
+        return cli_fail(ct_exit_code(rc), "%s", e.msg);
     }
     char abs[PATH_MAX], esc[3 * PATH_MAX], toml[4 * PATH_MAX], rev[128] = "";
     if (loc.commit[0]) { /* the id, pinned to the commit it resolved to */

@@ -221,7 +221,7 @@ static int add_dir(ds *d, const char *dir, ct_err *e) {
     closedir(dh);
     int rc = 0;
     if (!n) rc = ct_fail(e, CT_ERR_FORMAT, "%s: no meta.json and no .bin/.npy token shards in it", dir);
-    qsort(names, n, sizeof *names, cmp_str);
+    if (n) qsort(names, n, sizeof *names, cmp_str); /* names is NULL when n == 0: qsort's pointer is nonnull */
     for (size_t i = 0; i < n; i++) {
         if (!rc) {
             char *fp = fs_join(dir, names[i]);

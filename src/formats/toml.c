@@ -447,6 +447,10 @@ static int toml_parse_bare_value(toml_parser *t, toml_value *v) {
         if (c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == ',' || c == ']' ||
             c == '#')
             break;
+        /* a NUL inside the token would end the C string that numbers are read from, so
+         * `3<NUL>2` read as 3: TOML allows no control character in a value at all */
+        if (toml_is_ctrl((unsigned char)c))
+            return toml_fail(t, "control character 0x%02x in a value", (unsigned)(unsigned char)c);
         t->p++;
     }
     size_t n = (size_t)(t->p - start);

@@ -197,6 +197,14 @@ int gen_generate(gen_state *g, const int32_t *prompt, int n_prompt, const gen_op
     gen_reset(g);
     int rc = gen_forward(g, prompt, n_prompt, logits, e);
     for (int t = 0; !rc && t < o->max_tokens; t++) {
+        /* NaN logits make every comparison false, so sampling would pick token 0 forever
+         * and exit 0: stop instead, saying where */
+        for (int i = 0; i < V && !rc; i++)
+            if (!isfinite(logits[i]))
+                rc = ct_fail(e, CT_ERR_IO,
+                             "generate: non-finite logits (%g for token %d) at position %d: the weights overflow fp32",
+                             (double)logits[i], i, n_prompt + t - 1);
+        if (rc) break;
         int32_t id = gen_sample(logits, &o->sampler, &rng, &sb);
         out[(*n_out)++] = id;
         if (on_token) on_token(id, ctx);

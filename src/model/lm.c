@@ -12,6 +12,7 @@
  * nothing is allocated per step. */
 #include "model/lm.h"
 
+#include <limits.h>
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -490,6 +491,24 @@ static int plan_model(lm_model *m, const lm_config *c, int B, int T, const char 
     int rc = lm_config_check(c, "model", e);
     if (rc) return rc;
     if (B < 1 || T < 1) return ct_fail(e, CT_ERR_CONFIG, "model: batch %d x sequence %d is empty", B, T);
+    /* the layers count rows in an int (B x T): the product must fit one. The library API
+     * comes here without cfg_validate, which says the same about the TOML's keys */
+    if ((long long)B * T > INT_MAX)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "model: training.local_batch_size %d x training.seq_len %d = %lld rows, out of range (at most %d)",
+                       B, T, (long long)B * T, INT_MAX);
+    {
+        /* a layer's activations are ~20 buffers of B x T x a width: refuse before their
+         * size_t sums could wrap (see LM_MAX_PARAMS) */
+        double w = (double)c->hidden + ((double)c->n_heads + 2.0 * c->n_kv_heads) * c->head_dim +
+                   (c->n_experts > 0 ? (double)c->top_k * c->moe_intermediate : (double)c->intermediate);
+        double acts = (double)B * T * 8.0 * w * (c->n_layers + 1);
+        if (acts > LM_MAX_PARAMS)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "model: training.local_batch_size %d x training.seq_len %d x the layers' widths "
+                           "(hidden_size %d, intermediate_size %d) give about %.3g activation floats, out of range "
+                           "(at most 2^50)", B, T, c->hidden, c->intermediate, acts);
+    }
     int *pol = ct_calloc((size_t)c->n_layers + 1, sizeof(int)); // [L] policy per layer
     for (int l = 0; l < c->n_layers; l++) {
         if ((pol[l] = lm_ac_layer(ac_mode, ac_option, l, e)) < 0) {

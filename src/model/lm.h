@@ -26,6 +26,11 @@
 
 #define LM_MAX_MLP_ONLY 256
 #define LM_MAX_LAYERS 1024
+/* Parameters (or activation floats of one micro-batch) a model may plan: sizes are
+ * summed in size_t and allocated at 4 bytes or more each, so a config.json or batch
+ * whose product nears 2^64 must be refused before it wraps; 2^50 (4 PiB of fp32) is
+ * far beyond any machine and far below the wrap. */
+#define LM_MAX_PARAMS 1125899906842624.0
 
 /* The family descriptor's choices (issue 15). The zero of each is Qwen3's,
  * so a config built field by field (tests, flavors) stays a Qwen3 model. */

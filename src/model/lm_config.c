@@ -6,6 +6,7 @@
  * (attention bias, sliding windows, RoPE scaling): silently training a
  * different model than the checkpoint describes is the worst failure. RoPE
  * theta is always taken from the file, never from a flavor. */
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +63,27 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     if (c->n_heads % c->n_kv_heads)
         return ct_fail(e, CT_ERR_CONFIG, "%s: num_attention_heads (%d) is not a multiple of num_key_value_heads (%d)",
                        where, c->n_heads, c->n_kv_heads);
+    /* widths the layers hold in an int (a projection's rows, the fused q|k|v and gate|up
+     * rows): beyond INT_MAX they would wrap, so refuse them by the keys that multiply */
+    long long qkv = ((long long)c->n_heads + 2LL * c->n_kv_heads) * c->head_dim;
+    if ((long long)c->n_heads * c->head_dim > INT_MAX || qkv > INT_MAX)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: (num_attention_heads %d + 2 x num_key_value_heads %d) x head_dim %d = %lld is out of range "
+                       "(at most %d)", where, c->n_heads, c->n_kv_heads, c->head_dim, qkv, INT_MAX);
+    if (2LL * c->intermediate > INT_MAX)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: intermediate_size = %d is out of range (2 x intermediate_size must be "
+                       "at most %d)", where, c->intermediate, INT_MAX);
+    /* the parameter count is summed in size_t and allocated as 4 bytes each (more for
+     * gradients and moments): sizes whose product nears 2^64 would wrap into a small
+     * allocation, so refuse far below that (2^50 parameters is 4 PiB of fp32) */
+    double H = c->hidden, I = c->intermediate, E = c->n_experts > 0 ? c->n_experts : 0;
+    double layer = H * (2.0 * qkv) + 3.0 * H * I + E * (3.0 * H * (c->moe_intermediate > 0 ? c->moe_intermediate : 0) + H);
+    double total = 2.0 * (double)c->vocab_size * H + (double)c->n_layers * layer;
+    if (total > LM_MAX_PARAMS)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: vocab_size %d, hidden_size %d, intermediate_size %d, num_hidden_layers %d and the heads "
+                       "give about %.3g parameters, out of range (at most 2^50)", where, c->vocab_size, c->hidden,
+                       c->intermediate, c->n_layers, total);
     if (c->head_dim % 2) return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim must be even for RoPE, got %d", where, c->head_dim);
     if (c->head_dim > 2 * ROPE_MAX_HALF)
         return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim = %d: at most %d is supported", where, c->head_dim,
@@ -135,8 +157,12 @@ static int json_int(const cJSON *root, const char *key, int *out, int required, 
         return 0;
     }
     double v = it->valuedouble;
-    if (!cJSON_IsNumber(it) || v != floor(v) || v < -2147483648.0 || v > 2147483647.0)
+    if (!cJSON_IsNumber(it) || v != floor(v))
         return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an integer", path, key);
+    /* an integer the file states exactly but an int cannot hold: naming it a type error
+     * would send the reader looking for quotes or a decimal point */
+    if (v < -2147483648.0 || v > 2147483647.0)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" = %.0f is out of range [-2147483648, 2147483647]", path, key, v);
     *out = (int)v;
     return 0;
 }
@@ -400,7 +426,8 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     free(text);
     if (!root || !cJSON_IsObject(root)) {
         cJSON_Delete(root);
-        return ct_fail(e, CT_ERR_CONFIG, "%s: not a valid JSON object", path);
+        /* the file is malformed, not a value in it: a format error, like a broken safetensors header */
+        return ct_fail(e, CT_ERR_FORMAT, "%s: not a valid JSON object", path);
     }
     int rc = 0;
     memset(c, 0, sizeof *c);
