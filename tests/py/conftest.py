@@ -241,6 +241,11 @@ def run_ctitan(ctitan_bin):
 
     def _run(args, check=True, timeout=180):
         cmd = [str(ctitan_bin)] + [str(a) for a in args]
+        # CTITAN_TEST_KERNELS="matmul=ref,...": training runs on the chosen kernels too, as the
+        # sessions do (the CLI honours --kernels.*; CTITAN_ISA=ref would still pick openblas and
+        # the tiled attention, which need no instruction set)
+        if cmd[1:2] == ["train"]:
+            cmd += [f"--kernels.{kv}" for kv in filter(None, os.environ.get("CTITAN_TEST_KERNELS", "").split(","))]
         p = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=timeout)
         crashed(p.returncode, p.stderr, cmd)
         if p.returncode != 0:
