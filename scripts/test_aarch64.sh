@@ -54,7 +54,7 @@ ops=$(qemu-aarch64 $B/ctitan kernels list | awk '/^op +impl/ {h = 1; next} h && 
 slow=moe_experts_bf16
 # Emulation is slow, and qemu has hung before (see above): every process runs under a
 # limit, and one over it fails the suite with a TIMEOUT line naming it.
-limit=${CT_TEST_TIMEOUT:-1800}
+limit=${CT_TEST_TIMEOUT:-3600}
 check_op() {
   timeout -k 10 "$limit" qemu-aarch64 $B/ctitan kernels check --op "$1" >$B/kernels-check-$1.log 2>&1
   local r=$?
