@@ -244,8 +244,11 @@ def run_ctitan(ctitan_bin):
         # CTITAN_TEST_KERNELS="matmul=ref,...": training runs on the chosen kernels too, as the
         # sessions do (the CLI honours --kernels.*; CTITAN_ISA=ref would still pick openblas and
         # the tiled attention, which need no instruction set)
+        # the flags come last and so win: a test that chooses an op's kernel itself keeps its choice
         if cmd[1:2] == ["train"]:
-            cmd += [f"--kernels.{kv}" for kv in filter(None, os.environ.get("CTITAN_TEST_KERNELS", "").split(","))]
+            for kv in filter(None, os.environ.get("CTITAN_TEST_KERNELS", "").split(",")):
+                if not any(c.startswith(f"--kernels.{kv.split('=')[0]}=") for c in cmd):
+                    cmd.append(f"--kernels.{kv}")
         p = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=timeout)
         crashed(p.returncode, p.stderr, cmd)
         if p.returncode != 0:
