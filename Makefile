@@ -100,6 +100,10 @@ REF_KERNELS := $(shell sed -n 's/^ *X.[A-Z0-9_]*, *\([a-z0-9_]*\),.*/\1=ref/p' s
 
 PARITY_TESTS := tests/py/test_parity.py tests/py/test_bf16.py tests/py/test_moe.py::test_logits_loss_grads \
                 tests/py/test_families.py::test_logits_loss_grads tests/py/test_families_bf16.py
+# The session-API loop and the CLI (training runs, error paths) once more with every op on its
+# reference kernel: conftest passes CTITAN_TEST_KERNELS to sessions and to `ctitan train` as
+# --kernels.* (CTITAN_ISA=ref would keep openblas and the tiled attention). About 45 s.
+REF_CLI_TESTS := tests/py/test_train_loop.py tests/py/test_cli_errors.py
 # The instruction-set levels below this CPU's best (CTITAN_ISA): avx2 on AVX-512 CPUs, avx512 on AMX ones.
 LOWER_ISAS := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx2 /proc/cpuinfo && echo avx2) \
               $(shell grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null && echo avx512)
@@ -110,6 +114,8 @@ test-py: all
 	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS)
 	@for isa in $(LOWER_ISAS); do echo "parity with CTITAN_ISA=$$isa"; \
 	  CTITAN_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS) || exit 1; done
+	@echo "session API and CLI tests with every op on its reference kernel"
+	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(PY) -m pytest -q -p no:cacheprovider $(REF_CLI_TESTS)
 	@echo "parity with the kernels chosen by timing (the rest of the suite runs with CTITAN_KERNEL_TUNE=0)"
 	CTITAN_KERNEL_TUNE=1 $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py \
 	  tests/py/test_families.py::test_logits_loss_grads

@@ -52,15 +52,28 @@ ops=$(qemu-aarch64 $B/ctitan kernels list | awk '/^op +impl/ {h = 1; next} h && 
 # The bf16 MoE op's reference is serial and most of the emulated check time: it runs in a
 # process of its own beside the other ops and the C tests (2 cores or more: they overlap).
 slow=moe_experts_bf16
+# Emulation is slow, and qemu has hung before (see above): every process runs under a
+# limit, and one over it fails the suite with a TIMEOUT line naming it.
+limit=${CT_TEST_TIMEOUT:-3600}
+check_op() {
+  timeout -k 10 "$limit" qemu-aarch64 $B/ctitan kernels check --op "$1" >$B/kernels-check-$1.log 2>&1
+  local r=$?
+  if [ $r -eq 124 ] || [ $r -eq 137 ]; then
+    echo "TIMEOUT: aarch64 kernels check --op $1 ran over $limit s (CT_TEST_TIMEOUT) and was stopped" \
+      | tee -a $B/kernels-check-$1.log
+  fi
+  return $r
+}
 rm -f $B/kernels-check-*.log
-qemu-aarch64 $B/ctitan kernels check --op $slow >$B/kernels-check-$slow.log 2>&1 &
+check_op $slow &
 slow_pid=$!
 rc=0
 for op in $ops; do
   [ "$op" = "$slow" ] && continue
-  qemu-aarch64 $B/ctitan kernels check --op "$op" >$B/kernels-check-$op.log 2>&1 || rc=1
+  check_op "$op" || rc=1
 done
-CT_TEST_RUNNER=qemu-aarch64 CT_TEST_LABEL="aarch64 " bash scripts/run_c_tests.sh "${tests[@]}" >$B/c-tests.log 2>&1
+CT_TEST_TIMEOUT=$limit CT_TEST_RUNNER=qemu-aarch64 CT_TEST_LABEL="aarch64 " bash scripts/run_c_tests.sh "${tests[@]}" \
+  >$B/c-tests.log 2>&1
 trc=$?
 wait $slow_pid || rc=1
 
@@ -68,7 +81,7 @@ grep -h "skip" $B/c-tests.log | sed 's/^/aarch64 /'
 if [ $trc -ne 0 ]; then cat $B/c-tests.log; fi
 tail -n 1 $B/c-tests.log
 cat $B/kernels-check-*.log > $B/kernels-check.log
-if [ $rc -ne 0 ]; then grep -h "FAIL\|rror" $B/kernels-check-*.log | head -50; fi
+if [ $rc -ne 0 ]; then grep -h "FAIL\|rror\|TIMEOUT" $B/kernels-check-*.log | head -50; fi
 awk '/^kernels check:/ {c += $3; f += $5; s += $7} END {
        printf "aarch64 kernels check: %d cases, %d failed, %d implementations skipped (log: %s)\n", c, f, s, lf }' \
     lf=$B/kernels-check.log $B/kernels-check-*.log

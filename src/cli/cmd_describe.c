@@ -1,4 +1,5 @@
-/* cli/cmd_describe.c: `ctitan describe MODEL_DIR [--seq-len N] [--json]`.
+/* cli/cmd_describe.c: `ctitan describe MODEL_DIR|--flavor NAME [--seq-len N] [--json]
+ * [--config-out FILE]`.
  *
  * What ctitan derives from a config.json, without weights and without
  * allocating a model: the family, the sizes, the parameter count (from the
@@ -6,7 +7,10 @@
  * score scale) and its RoPE (inverse frequencies and the cos/sin multiplier
  * for a forward of --seq-len positions). Users read it to check that ctitan
  * understood their checkpoint; the tests compare it with what transformers
- * derives from the same file (tests/py/test_published_configs.py).
+ * derives from the same file (tests/py/test_published_configs.py). A native
+ * flavor (model.spec = "qwen3") is described the same way, and --config-out
+ * writes the config.json an export of it would carry, so the flavor table can
+ * be compared key by key with the published file of each size.
  *
  * Exit codes: 2 for a bad option or a config.json ctitan refuses, 1 when the
  * file cannot be read. */
@@ -20,11 +24,13 @@
 #include "model/lm.h"
 
 void cli_describe_help(void) {
-    printf("usage: ctitan describe MODEL_DIR|HUB_ID [--revision R] [--seq-len N] [--json]\n\n"
-           "Prints what ctitan derives from MODEL_DIR/config.json (a Hub id fetches config.json only):\n"
-           "the family and sizes, the parameter\n"
+    printf("usage: ctitan describe MODEL_DIR|HUB_ID|--flavor NAME [--revision R] [--seq-len N] [--json]\n"
+           "                       [--config-out FILE]\n\n"
+           "Prints what ctitan derives from MODEL_DIR/config.json (a Hub id fetches config.json only)\n"
+           "or from a native flavor (model.flavor of model.spec \"qwen3\"): the family and sizes, the parameter\n"
            "count, each layer's attention (sliding window, score scale) and RoPE (inverse frequencies and\n"
-           "attention scaling for a forward of N positions, default 16). --json: one JSON object.\n");
+           "attention scaling for a forward of N positions, default 16). --json: one JSON object.\n"
+           "--config-out FILE: also write the config.json ctitan writes for this model (an export's).\n");
 }
 
 static void print_doubles(const double *x, int n) {
@@ -32,7 +38,7 @@ static void print_doubles(const double *x, int n) {
 }
 
 int cli_describe(int argc, char **argv) {
-    const char *dir = NULL, *revision = NULL;
+    const char *dir = NULL, *revision = NULL, *flavor = NULL, *config_out = NULL;
     int seq = 16, json = 0;
     for (int i = 0; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
@@ -40,6 +46,10 @@ int cli_describe(int argc, char **argv) {
             return 0;
         } else if (!strcmp(argv[i], "--json")) {
             json = 1;
+        } else if (!strcmp(argv[i], "--flavor") && i + 1 < argc) {
+            flavor = argv[++i];
+        } else if (!strcmp(argv[i], "--config-out") && i + 1 < argc) {
+            config_out = argv[++i];
         } else if (!strcmp(argv[i], "--revision") && i + 1 < argc) {
             revision = argv[++i];
         } else if (!strcmp(argv[i], "--seq-len") && i + 1 < argc) {
@@ -58,23 +68,34 @@ int cli_describe(int argc, char **argv) {
             dir = argv[i];
         }
     }
-    if (!dir) {
-        fprintf(stderr, "ctitan: error: describe: give a model directory (try ctitan describe --help)\n");
+    if (!dir == !flavor) {
+        fprintf(stderr, "ctitan: error: describe: give a model directory or --flavor NAME, not both "
+                        "(try ctitan describe --help)\n");
         return 2;
     }
     static hub_local loc;
     ct_err e = {0};
-    int rc = hub_resolve(dir, revision, HUB_CONFIG, &loc, &e);
-    if (rc) {
-        fprintf(stderr, "ctitan: error: %s\n", e.msg);
-        return ct_exit_code(rc);
-    }
-    dir = loc.dir;
     lm_config c;
-    rc = lm_config_from_hf(&c, dir, &e);
+    int rc;
+    if (flavor) {
+        rc = lm_config_from_flavor(&c, flavor, &e);
+        dir = flavor;
+    } else {
+        rc = hub_resolve(dir, revision, HUB_CONFIG, &loc, &e);
+        if (rc) {
+            fprintf(stderr, "ctitan: error: %s\n", e.msg);
+            return ct_exit_code(rc);
+        }
+        dir = loc.dir;
+        rc = lm_config_from_hf(&c, dir, &e);
+    }
     if (rc) {
         fprintf(stderr, "ctitan: error: %s\n", e.msg);
         return ct_exit_code(rc); /* a value 2, a malformed config.json 3, as train gives them */
+    }
+    if (config_out && (rc = lm_config_write_hf(&c, config_out, "float32", &e))) {
+        fprintf(stderr, "ctitan: error: %s\n", e.msg);
+        return ct_exit_code(rc);
     }
     lm_model table;
     lm_layout(&table, &c);
@@ -83,15 +104,16 @@ int cli_describe(int argc, char **argv) {
     int half = c.head_dim / 2;
     double inv[2][ROPE_MAX_HALF], scale[2];
     for (int k = 0; k < 2; k++) {
-        rope_params p = c.rope;
-        if (k) p = c.rope_local;
+        rope_params p = lm_rope_params(&c, k);
         rope_inv_freq(&p, c.head_dim, seq, inv[k], &scale[k]);
     }
+    /* "" is the Qwen3 family (lm.h): a flavor's */
+    const char *type = c.model_type[0] ? c.model_type : c.n_experts > 0 ? "qwen3_moe" : "qwen3";
     double attn = c.attn_scale > 0 ? c.attn_scale : 1.0 / sqrt((double)c.head_dim);
     if (json) {
         printf("{\"model_type\": \"%s\", \"head_dim\": %d, \"num_parameters\": %zu, \"seq_len\": %d, "
                "\"tie_word_embeddings\": %s,\n \"layers\": [",
-               c.model_type, c.head_dim, n_params, seq, c.tie_embeddings ? "true" : "false");
+               type, c.head_dim, n_params, seq, c.tie_embeddings ? "true" : "false");
         for (int l = 0; l < c.n_layers; l++)
             printf("%s{\"sliding_window\": %d, \"rope\": \"%s\", \"moe\": %s}", l ? ", " : "",
                    c.layer_sliding[l] ? c.sliding_window : 0, c.layer_sliding[l] ? "sliding" : "full",
@@ -99,7 +121,7 @@ int cli_describe(int argc, char **argv) {
         printf("],\n \"scaling\": %.17g,\n \"rope\": {", attn);
         for (int k = 0; k < 2; k++) {
             printf("%s\"%s\": {\"type\": \"%s\", \"attention_scaling\": %.17g, \"inv_freq\": [", k ? ", " : "",
-                   k ? "sliding" : "full", rope_type_name(k ? c.rope_local.type : c.rope.type), scale[k]);
+                   k ? "sliding" : "full", rope_type_name(lm_rope_params(&c, k).type), scale[k]);
             print_doubles(inv[k], half);
             printf("]}");
         }
@@ -107,7 +129,7 @@ int cli_describe(int argc, char **argv) {
         return 0;
     }
     printf("%s: model_type %s, %d layers, hidden %d, intermediate %d, %d heads of %d (%d kv), vocab %d%s\n", dir,
-           c.model_type, c.n_layers, c.hidden, c.intermediate, c.n_heads, c.head_dim, c.n_kv_heads, c.vocab_size,
+           type, c.n_layers, c.hidden, c.intermediate, c.n_heads, c.head_dim, c.n_kv_heads, c.vocab_size,
            c.tie_embeddings ? ", tied embeddings" : "");
     printf("parameters: %zu (%.3f B)\n", n_params, n_params / 1e9);
     if (c.n_experts)
@@ -118,7 +140,7 @@ int cli_describe(int argc, char **argv) {
            c.sliding_window);
     for (int k = 0; k < (lm_rope_local_differs(&c) ? 2 : 1); k++)
         printf("rope%s: %s, theta %g, attention scaling %.6g at %d positions\n", k ? " (sliding layers)" : "",
-               rope_type_name(k ? c.rope_local.type : c.rope.type), k ? c.rope_local.theta : c.rope.theta, scale[k],
+               rope_type_name(lm_rope_params(&c, k).type), lm_rope_params(&c, k).theta, scale[k],
                seq);
     return 0;
 }

@@ -319,6 +319,13 @@ int kern_isa_limit(const char *isa, unsigned *keep, ct_err *e) {
                    isa);
 }
 
+const char *kern_features_level(unsigned f) {
+    if (!f) return "portable";
+    for (size_t i = 1; i < sizeof isa_levels / sizeof isa_levels[0]; i++)
+        if (!(f & ~isa_levels[i].keep)) return isa_levels[i].name;
+    return "other";
+}
+
 unsigned kern_cpu_features(void) {
     unsigned keep;
     /* an unknown CTITAN_ISA keeps everything here; kern_select reports it */

@@ -193,6 +193,9 @@ unsigned kern_cpu_hw_features(void);
 int kern_isa_limit(const char *isa, unsigned *keep, ct_err *e);
 /* "avx2 fma avx512f ..." for the bits of f ("none" if empty). */
 void kern_features_str(unsigned f, char *buf, size_t cap);
+/* The lowest CTITAN_ISA level whose bits include f ("portable" for 0): how
+ * a summary names the instruction set an implementation needs. */
+const char *kern_features_level(unsigned f);
 
 /* Fills *out with the built-in table's defaults for this CPU, then applies
  * `overrides`, a NULL-terminated list of "op=impl" strings (the [kernels]

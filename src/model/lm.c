@@ -549,9 +549,13 @@ int lm_rope_local_differs(const lm_config *c) {
     return c->has_rope && memcmp(&c->rope, &c->rope_local, sizeof c->rope) != 0;
 }
 
-void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T, float *cos, float *sin) {
+rope_params lm_rope_params(const lm_config *c, int sliding) {
     /* without config.json's RoPE, default RoPE with rope_theta: rope_tables gives op_rope_tables' bits */
-    rope_params p = !c->has_rope ? rope_default(c) : sliding ? c->rope_local : c->rope;
+    return !c->has_rope ? rope_default(c) : sliding ? c->rope_local : c->rope;
+}
+
+void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T, float *cos, float *sin) {
+    rope_params p = lm_rope_params(c, sliding);
     double inv[ROPE_MAX_HALF], scale = 1.0;
     rope_inv_freq(&p, c->head_dim, seq_len, inv, &scale);
     rope_tables(cos, sin, p0, T, c->head_dim / 2, inv, scale);

@@ -133,6 +133,9 @@ enum { LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_O, LM_LORA_GATE, LM_LORA_UP, LM_
 /* Whether layer l has adapters on projection p. */
 int lm_lora_on(const lm_config *c, int l, int p);
 
+/* The RoPE of full (sliding = 0) or sliding layers: config.json's, or for a
+ * flavor default RoPE with rope_theta. */
+rope_params lm_rope_params(const lm_config *c, int sliding);
 /* RoPE cos/sin tables [T, hd/2] of full (sliding = 0) or sliding layers for
  * a forward over positions 0 .. seq_len-1, rows p0 .. p0+T-1 (T <= seq_len - p0),
  * as transformers' rotary embedding computes them for that forward

@@ -241,6 +241,14 @@ def run_ctitan(ctitan_bin):
 
     def _run(args, check=True, timeout=180):
         cmd = [str(ctitan_bin)] + [str(a) for a in args]
+        # CTITAN_TEST_KERNELS="matmul=ref,...": training runs on the chosen kernels too, as the
+        # sessions do (the CLI honours --kernels.*; CTITAN_ISA=ref would still pick openblas and
+        # the tiled attention, which need no instruction set)
+        # the flags come last and so win: a test that chooses an op's kernel itself keeps its choice
+        if cmd[1:2] == ["train"]:
+            for kv in filter(None, os.environ.get("CTITAN_TEST_KERNELS", "").split(",")):
+                if not any(c.startswith(f"--kernels.{kv.split('=')[0]}=") for c in cmd):
+                    cmd.append(f"--kernels.{kv}")
         p = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=timeout)
         crashed(p.returncode, p.stderr, cmd)
         if p.returncode != 0:

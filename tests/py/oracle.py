@@ -232,11 +232,13 @@ def learnable_stream(n, vocab, seed, strides=(1, 2, 3), seg=(8, 24)) -> np.ndarr
 
 def reference_train(model, tokens, *, seq_len, local_bs, global_bs, steps, lr, betas=(0.9, 0.95),
                     eps=1e-8, weight_decay=0.1, max_norm=1.0, warmup_steps=0, decay_ratio=None,
-                    decay_type="linear", min_lr_factor=0.0, run_steps=None):
+                    decay_type="linear", min_lr_factor=0.0, run_steps=None, after_step=None):
     """torchtitan's loop in PyTorch: per step, global_bs/local_bs micro-batches, each adding
     the gradient of (its CE sum)/(valid targets of the whole step); clip_grad_norm_; AdamW
     (weight decay on every parameter); LambdaLR stepped after every optimizer step.
     Trains `run_steps` (default `steps`) steps; the schedule is laid out for `steps`.
+    after_step(step, model), if given, runs after each optimizer step (step counts from 1),
+    with the model in eval mode (a validation pass).
     Returns losses, pre-clip grad norms and lrs per step, and the final {name: ndarray}."""
     assert global_bs % local_bs == 0
     accum = global_bs // local_bs
@@ -266,6 +268,10 @@ def reference_train(model, tokens, *, seq_len, local_bs, global_bs, steps, lr, b
         sched.step()
         losses.append(loss_sum / total)
         norms.append(float(gn))
+        if after_step is not None:
+            model.eval()
+            after_step(s + 1, model)
+            model.train()
     model.eval()
     final = {n: p.detach().clone().numpy() for n, p in param_dict(model).items()}
     return {"losses": losses, "grad_norms": norms, "lrs": lrs, "params": final}

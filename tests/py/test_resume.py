@@ -1,9 +1,9 @@
 """Checkpoints that always restore (issue 4): exact resume, double resume, crash safety
 under SIGKILL, damage detection through the CLI, SIGTERM, and HF export.
 
-Every comparison is between ctitan runs: an interrupted run must reproduce the
-uninterrupted one bit for bit (the uninterrupted run itself is checked against
-PyTorch by test_train_loop.py)."""
+Every comparison but the export's is between ctitan runs: an interrupted run must
+reproduce the uninterrupted one bit for bit (the uninterrupted run itself is checked
+against PyTorch by test_train_loop.py). The export is checked against PyTorch directly."""
 import os
 import random
 import signal
@@ -178,21 +178,42 @@ def test_sigterm_writes_checkpoint(setup, run_ctitan):
 
 
 def test_export_loss_equals_ctitan(setup, open_session, run_ctitan):
-    """An exported training checkpoint loads in transformers and gives ctitan's loss."""
+    """An exported training checkpoint, loaded by transformers, gives the loss of the same
+    training done in PyTorch (oracle.reference_train from the same initial weights), and
+    holds its weights; ctitan reading the export gives that loss too. Against ctitan alone
+    (ctitan and transformers both reading the export) a wrong tensor written by the export
+    would pass, since both would read the same wrong tensor."""
     tmp, model_dir, data = setup
+    from transformers import AutoConfig
+    init = tmp / "init"
+    oracle.save_random_hf(init, AutoConfig.from_pretrained(model_dir), seed=23)
     out = tmp / "exp"
-    rc, _, _ = run_ctitan(args_for(model_dir, data, out, "--training.stop_at_step=4"), check=False)
+    # no shuffling: the reference takes the windows in file order
+    args = [a for a in args_for(init, data, out, "--training.stop_at_step=4", f"--checkpoint.initial_load_path={init}",
+                                "--checkpoint.initial_load_in_hf") if a != "--training.shuffle"]
+    rc, _, _ = run_ctitan(args, check=False)
     assert rc == 75
     hf = tmp / "hf"
     run_ctitan(["export", "--checkpoint", out / "checkpoint" / "step-4", "--out", hf])
+
+    tokens = np.fromfile(data, dtype="<u4").astype(np.int64)
+    ref_model = oracle.load_hf(init)
+    ref = oracle.reference_train(ref_model, tokens, seq_len=16, local_bs=2, global_bs=4, steps=STEPS, lr=3e-3,
+                                 warmup_steps=3, decay_type="cosine", decay_ratio=0.5, run_steps=4)
+    got = oracle.read_hf_tensors(hf)
+    assert set(got) == set(ref["params"]), f"exported tensors {sorted(got)} vs {sorted(ref['params'])}"
+    for n, want in ref["params"].items():
+        assert oracle.rel_err(got[n], want) <= 1e-4, f"exported {n} differs from PyTorch's step-4 weights"
+
     toks = oracle.random_tokens(2 * 17, 256, seed=9).reshape(2, 17)
     x, y = toks[:, :-1].astype(np.int32), toks[:, 1:].astype(np.int32)
-    model = oracle.load_hf(hf)
-    ref = oracle.hf_loss(model, x, y)
+    want = oracle.hf_loss(ref_model, x, y)
+    loss_hf = oracle.hf_loss(oracle.load_hf(hf), x, y)
+    assert abs(loss_hf - want) <= 1e-5 * want, f"transformers on the export {loss_hf} vs the PyTorch run {want}"
     s = open_session(["--model.spec=hf", f"--model.hf_assets_path={hf}", f"--checkpoint.initial_load_path={hf}",
                       "--checkpoint.initial_load_in_hf", "--training.local_batch_size=2", "--training.seq_len=16"])
     loss = s.forward_backward(x, y, int(y.size)) / y.size
-    assert abs(loss - ref) <= 1e-5 * ref, f"ctitan {loss} vs transformers {ref}"
+    assert abs(loss - want) <= 1e-5 * want, f"ctitan on the export {loss} vs the PyTorch run {want}"
 
 
 def test_rerunning_a_finished_run_does_nothing(setup, run_ctitan):

@@ -49,3 +49,36 @@ def test_validation_needs_a_path(tmp_path, run_ctitan):
     cfgf = oracle.write_toml(tmp_path / "c.toml", sec)
     rc, _, err = run_ctitan(["train", "--config", cfgf], check=False)
     assert rc == 2 and "validation.dataset_path" in err and "c.toml" in err, err
+
+
+def test_validation_loss_while_training_matches_pytorch(tmp_path, run_ctitan):
+    """lr > 0: each evaluation sees the weights of its step. The reference trains the same
+    steps in PyTorch (torch.optim.AdamW, clipping, ctitan's warmup + linear decay) and takes
+    transformers' loss on the held-out windows after every validation interval."""
+    _, _, val, val_tokens = _setup(tmp_path)
+    steps, freq, lr, warmup = 6, 2, 1e-2, 2
+    # text of the held-out kind, so that training moves the validation loss
+    train_tokens = oracle.learnable_stream(30 * 17, 200, seed=1)
+    train = oracle.write_bin(tmp_path / "train_learnable.bin", train_tokens)
+    ref = {}
+
+    def validate(step, model):
+        if step % freq == 0:
+            ref[step] = _hf_val_loss(model, val_tokens, 6)
+
+    oracle.reference_train(oracle.load_hf(tmp_path / "model"), train_tokens, seq_len=16, local_bs=2, global_bs=4,
+                           steps=steps, lr=lr, warmup_steps=warmup, after_step=validate)
+    out = tmp_path / "out"
+    sec = oracle.train_sections(out, train, tmp_path / "model", steps=steps, local_bs=2, global_bs=4, lr=lr,
+                                warmup_steps=warmup, options={
+                                    "optimizer.weight_decay": 0.1, "optimizer.eps": 1e-8, "optimizer.beta1": 0.9,
+                                    "optimizer.beta2": 0.95, "training.max_norm": 1.0,
+                                    "validation.enable": True, "validation.freq": freq, "validation.steps": 2,
+                                    "validation.local_batch_size": 3, "validation.dataset_path": str(val)})
+    run_ctitan(["train", "--config", oracle.write_toml(tmp_path / "c.toml", sec)])
+    rows = {r["step"]: r["val_loss"] for r in oracle.read_metrics(out / "metrics.jsonl") if "val_loss" in r}
+    assert sorted(rows) == sorted(ref) == [2, 4, 6], (rows, ref)
+    # the weights move: an evaluation of stale weights (or of the saved model) would pass at lr 0
+    assert abs(ref[6] - ref[2]) > 100 * 1e-4 * ref[2], ref
+    for s in ref:
+        assert abs(rows[s] - ref[s]) <= 1e-4 * ref[s], f"step {s}: val_loss {rows[s]!r} vs PyTorch {ref[s]!r}"

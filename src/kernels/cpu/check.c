@@ -746,6 +746,16 @@ int kern_check(const kern_impl *t, size_t n, const kern_check_opts *o) {
     unsigned feats = o ? o->features : 0;
     chk_rng rng = {o ? o->seed : 0};
     int cases = 0, failed = 0, skipped = 0;
+    /* Per instruction-set level: implementations run, and the names of those
+     * skipped, so the summary (the one line CI logs show) says what this CPU
+     * did not test instead of a bare count that reads like success. */
+    enum { MAX_LEVELS = 8 };
+    struct {
+        const char *name;
+        int ran, skipped;
+        char skipped_names[1024];
+    } lv[MAX_LEVELS];
+    int n_lv = 0;
     for (int op = 0; op < KERN_N_OPS; op++) {
         if (o && o->op && strcmp(o->op, kern_op_name(op))) continue;
         const kern_impl *ref = NULL;
@@ -777,7 +787,22 @@ int kern_check(const kern_impl *t, size_t n, const kern_check_opts *o) {
             const kern_impl *im = &t[i];
             if ((int)im->op != op || im == ref) continue;
             if (o && o->impl && strcmp(o->impl, im->name)) continue;
+            const char *level = kern_features_level(im->features);
+            int li = 0;
+            while (li < n_lv && strcmp(lv[li].name, level)) li++;
+            if (li == n_lv && n_lv < MAX_LEVELS) {
+                lv[n_lv].name = level;
+                lv[n_lv].ran = lv[n_lv].skipped = 0;
+                lv[n_lv].skipped_names[0] = 0;
+                n_lv++;
+            }
             if (im->features & ~feats) {
+                if (li < n_lv) {
+                    size_t len = strlen(lv[li].skipped_names);
+                    snprintf(lv[li].skipped_names + len, sizeof lv[li].skipped_names - len, "%s%s:%s",
+                             lv[li].skipped ? ", " : "", kern_op_name(op), im->name);
+                    lv[li].skipped++;
+                }
                 char need[128];
                 kern_features_str(im->features & ~feats, need, sizeof need);
                 if (out)
@@ -785,6 +810,7 @@ int kern_check(const kern_impl *t, size_t n, const kern_check_opts *o) {
                 skipped++;
                 continue;
             }
+            if (li < n_lv) lv[li].ran++;
             double tol = im->tol > 0 ? im->tol : KERN_CHECK_TOL;
             for (int sh = 0; sh < op_cases[op].nshapes; sh++) {
                 const int *s = op_cases[op].shapes[sh];
@@ -803,11 +829,33 @@ int kern_check(const kern_impl *t, size_t n, const kern_check_opts *o) {
             }
         }
     }
-    if (out)
+    if (out) {
         fprintf(out,
-                "kernels check: %d cases, %d failed, %d implementations skipped "
-                "(pass: max|impl-ref| <= tol * max|ref| per output, tol %.0e unless the entry sets its own; "
-                "bf16 MoE also mean|impl-ref| <= %.0e * max|ref|)\n",
-                cases, failed, skipped, KERN_CHECK_TOL, KERN_CHECK_MEAN_TOL);
+                "pass: max|impl-ref| <= tol * max|ref| per output, tol %.0e unless the entry sets its own; "
+                "bf16 MoE also mean|impl-ref| <= %.0e * max|ref|\n",
+                KERN_CHECK_TOL, KERN_CHECK_MEAN_TOL);
+        /* One line, last: the Makefile and scripts/test_aarch64.sh tail it and
+         * read its first numbers (cases, failed, skipped) by position. */
+        int ran = 0;
+        for (int i = 0; i < n_lv; i++) ran += lv[i].ran;
+        fprintf(out, "kernels check: %d cases, %d failed, %d implementations skipped; %d implementations run against ref "
+                "(every one this CPU can execute, lower instruction sets included):", cases, failed, skipped, ran);
+        for (int i = 0, first = 1; i < n_lv; i++)
+            if (lv[i].ran) {
+                fprintf(out, "%s %s %d", first ? "" : ",", lv[i].name, lv[i].ran);
+                first = 0;
+            }
+        if (skipped) {
+            const char *isa = getenv("CTITAN_ISA");
+            fprintf(out, "; %d implementations NOT RUN on this CPU%s%s%s:", skipped, isa && *isa ? " (CTITAN_ISA=" : "",
+                    isa && *isa ? isa : "", isa && *isa ? ")" : "");
+            for (int i = 0, first = 1; i < n_lv; i++)
+                if (lv[i].skipped) {
+                    fprintf(out, "%s %s %d (%s)", first ? "" : ",", lv[i].name, lv[i].skipped, lv[i].skipped_names);
+                    first = 0;
+                }
+        }
+        fprintf(out, "\n");
+    }
     return failed;
 }

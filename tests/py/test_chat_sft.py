@@ -1,0 +1,87 @@
+"""Chat SFT end to end (issue 17, part 4): conversations in JSONL, tokenized by `ctitan prepare`
+(or by the trainer at start-up), trained one step from a small HF model through the CLI; the
+step-1 loss and grad norm equal what transformers computes on the same batch, built here from
+transformers' own apply_chat_template with return_assistant_tokens_mask (the ChatML template
+with {% generation %} around each assistant reply) as the reference for which tokens are
+targets, packed as docs/data.md says (windows of seq_len + 1, the mask of the target token)."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import oracle
+from test_data_hf import CHATML_GEN, CONVERSATIONS, auto_tok, tokdir  # noqa: F401  (fixtures)
+
+L, MICRO, GLOBAL = 16, 2, 4
+MORE = [
+    [{"role": "system", "content": "Answer in one word."},
+     {"role": "user", "content": "Colour of the sky?"},
+     {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "And of grass, in the forest by the river?"},
+     {"role": "assistant", "content": "Green, mostly: the gradient of the loss says so."}],
+    [{"role": "user", "content": "Count: one two three"},
+     {"role": "assistant", "content": "four five six seven eight nine ten"}],
+]
+CONVS = CONVERSATIONS + MORE
+
+
+def reference_batch(tok):
+    """The first GLOBAL windows and their labels, from transformers alone."""
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    ids, mask = [], []
+    for conv in CONVS:
+        o = tok.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                    chat_template=CHATML_GEN)
+        ids += list(o["input_ids"]) + [eos]  # each conversation ends with one EOS, never a target
+        mask += list(o["assistant_masks"]) + [0]
+    n = GLOBAL * (L + 1)
+    assert len(ids) >= n, f"{len(ids)} tokens: too few for {GLOBAL} windows"
+    w = np.asarray(ids[:n], np.int64).reshape(GLOBAL, L + 1)
+    m = np.asarray(mask[:n]).reshape(GLOBAL, L + 1)
+    labels = np.where(m[:, 1:] == 1, w[:, 1:], oracle.IGNORE)
+    return np.asarray(ids), np.asarray(mask), w[:, :-1], labels
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokdir, auto_tok):  # noqa: F811
+    d = tmp_path_factory.mktemp("sft")
+    cfg = oracle.tiny_config(vocab=len(auto_tok), hidden=32, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8)
+    model_dir = d / "model"
+    oracle.save_random_hf(model_dir, cfg, seed=17)
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # the trainer tokenizes jsonl with hf_assets_path's
+        shutil.copy(tokdir / f, model_dir / f)
+    chat = d / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVS))
+    return d, model_dir, chat
+
+
+@pytest.mark.parametrize("source", ["prepared", "jsonl"])
+def test_chat_sft_step_matches_transformers(setup, auto_tok, run_ctitan, source):  # noqa: F811
+    d, model_dir, chat = setup
+    ids, mask, x, y = reference_batch(auto_tok)
+    assert 0 < oracle.n_valid(y) < y.size, "the batch must hold both targets and masked tokens"
+    data = chat
+    if source == "prepared":
+        data = d / "prepared"
+        run_ctitan(["prepare", "--tokenizer", model_dir, "--input", chat, "--out", data, "--overwrite", "--quiet"])
+        meta = json.loads((data / "meta.json").read_text())
+        tok = np.concatenate([np.fromfile(data / s["file"], dtype="<u4") for s in meta["shards"]])
+        msk = np.concatenate([np.fromfile(data / s["mask"], dtype=np.uint8) for s in meta["shards"]])
+        # where a difference would come from, if the losses differ
+        assert (tok.astype(np.int64) == ids).all() and (msk == mask).all(), "prepared tokens/mask differ from HF"
+
+    out = d / f"out_{source}"
+    sec = oracle.train_sections(out, data, model_dir, steps=1, seq_len=L, local_bs=MICRO, global_bs=GLOBAL,
+                                lr=1e-3)
+    run_ctitan(["train", "--config", oracle.write_toml(d / f"{source}.toml", sec)])
+    row = next(r for r in oracle.read_metrics(out / "metrics.jsonl") if r.get("step") == 1 and "loss" in r)
+
+    model = oracle.load_hf(model_dir)
+    loss, _, grads = oracle.hf_loss_and_grads(model, x, y)
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(torch.as_tensor(g))
+                                                       for g in grads.values()])))
+    assert abs(row["loss"] - loss) <= 1e-5 * loss, f"{source}: ctitan loss {row['loss']!r} vs transformers {loss!r}"
+    assert abs(row["grad_norm"] - norm) <= 1e-4 * norm, f"{source}: grad_norm {row['grad_norm']!r} vs {norm!r}"
+    assert row["valid_targets"] == oracle.n_valid(y)
