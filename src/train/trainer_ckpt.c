@@ -475,8 +475,18 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     fprintf(stderr, "ctitan: saved %scheckpoint %s: %.1f MiB in %.2f s\n", model_only ? "model-only " : "", info.dir,
             info.bytes / 1048576.0, info.seconds);
 
+    /* keep_latest_k counts from the newest step-N in the folder. After a
+     * fallback past a damaged checkpoint (or a load_step older than the
+     * newest) the folder holds steps beyond this one: counted as kept (pruning
+     * checks sizes, not checksums), they would push out the checkpoint just
+     * written and the intact ones before it, leaving only what the run fell
+     * back from. Until the run passes them (saving their step replaces
+     * them), only leftover temporary directories go. */
+    int k = t->cfg.keep_latest_k, steps[4096];
+    int n = ckpt_list(t->ckpt_folder, steps, 4096);
+    if (n > 4096 || (n > 0 && steps[n - 1] > t->step)) k = 0;
     ct_err pe = {0};
-    if (ckpt_prune(t->ckpt_folder, t->cfg.keep_latest_k, &pe))
+    if (ckpt_prune(t->ckpt_folder, k, &pe))
         fprintf(stderr, "ctitan: warning: the checkpoint is saved but pruning old ones failed: %s\n", pe.msg);
     return 0;
 }

@@ -176,6 +176,29 @@ def test_damaged_newest_falls_back_or_stops(setup, reference, stopped, tmp_path,
     assert_same_run(reference, out)
 
 
+def test_fallback_never_prunes_what_it_writes(setup, reference, stopped, tmp_path):
+    """keep_latest_k = 1 after a fallback from a damaged step-10 to step-5: the run stopped
+    at step 7 must keep step-7 (and step-5), not count the damaged step-10 as the one
+    to keep (pruning checks sizes, not checksums) and delete everything intact."""
+    tmp, model_dir, data = setup
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    ck = out / "checkpoint"
+    flip(ck / "step-10" / "model.safetensors")
+    good = intact(ck)
+    assert set(good) == {"step-5"}
+    args = fault_args(model_dir, data, out, "--checkpoint.keep_latest_k=1")
+    p = train(args + ["--training.stop_at_step=7"])
+    assert p.returncode == 75, p.stderr[-3000:]
+    assert steps_in(ck) == [5, 7, 10] and not verify(ck / "step-7"), (steps_in(ck), verify(ck / "step-7"))
+    assert_none_lost(good, ck)
+    p = train(args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.search(r"resuming from \S*/step-7 \(step 7\)", p.stderr), p.stderr[-3000:]
+    assert steps_in(ck) == [STEPS], f"keep_latest_k = 1 once past step 10: {steps_in(ck)}"
+    assert_same_run(reference, out)
+
+
 def test_every_checkpoint_damaged_is_an_error(setup, stopped, tmp_path):
     """Nothing intact to continue from: exit 3 naming each damaged one, never a fresh start
     that would overwrite them (checkpoints, metrics and all, byte for byte)."""
