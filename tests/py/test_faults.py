@@ -366,7 +366,7 @@ def test_killed_rank_ends_the_job_and_it_resumes(setup, mpi_reference, tmp_path)
             p.kill()
     crashed(rc, rest, cmd)
     assert rc != 0 and "rank 1" in rest and "signal 9" in rest, rest[-2000:]
-    assert took < 10, f"the job took {took:.1f} s to end after rank 1 was killed"
+    assert took < 5, f"the job took {took:.1f} s to end after rank 1 was killed"
     assert_none_lost(before, ck)
     newest = max(int(k[5:]) for k in intact(ck))  # rank 0 may have published one more after `before`
     p = run(cmd, env=MPI_ENV)
@@ -374,4 +374,4 @@ def test_killed_rank_ends_the_job_and_it_resumes(setup, mpi_reference, tmp_path)
     assert re.search(rf"resuming from \S*/step-{newest} \(step {newest}\)", p.stderr), p.stderr[-3000:]
     assert_none_lost(before, ck)
     assert_same_run(mpi_reference, out)
-    print(f"killed rank: the job ended {took:.2f} s after rank 1 was killed")
+    print(f"killed rank: the job ended {took:.2f} s after rank 1 was killed (mpirun exit {rc})")
