@@ -233,11 +233,26 @@ static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const
  * would replace them). Every rank looks at the folder itself and loads
  * nothing yet: load_weights first checks that the ranks chose the same
  * (agree_on_pick). */
+/* FOLDER's step-N numbers, ascending, malloc'd (*n of them; NULL and -1 if
+ * it cannot be read). All of them: a fixed buffer would keep the oldest and
+ * drop the newest ones. */
+static int *list_steps(const char *folder, int *n) {
+    int count = ckpt_list(folder, NULL, 0);
+    *n = count;
+    if (count < 0) return NULL;
+    int *v = ct_malloc(((size_t)count + 1) * sizeof *v);
+    int again = ckpt_list(folder, v, count);
+    *n = again < count ? again : count; /* one writer per folder: a difference is a removal */
+    return v;
+}
+
 enum { PICK_NONE, PICK_LOAD, PICK_COMPLETE };
 typedef struct {
     int kind, step, model_only;
     char dir[4200];
 } resume_pick;
+
+static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_err *e);
 
 static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
     ct_config *c = &t->cfg;
@@ -251,10 +266,16 @@ static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
         p->kind = PICK_LOAD;
         return 0;
     }
-    int steps[4096];
-    int n = ckpt_list(t->ckpt_folder, steps, 4096);
+    int n, *steps = list_steps(t->ckpt_folder, &n);
     if (n < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot list checkpoints", t->ckpt_folder);
-    if (n > 4096) n = 4096;
+    int rc = pick_newest(t, p, steps, n, e);
+    free(steps);
+    return rc;
+}
+
+/* load_step -1's choice among the folder's steps (ascending), newest first. */
+static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_err *e) {
+    const ct_config *c = &t->cfg;
     char damaged[512] = "";
     size_t dlen = 0;
     int n_damaged = 0;
@@ -482,9 +503,9 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
      * written and the intact ones before it, leaving only what the run fell
      * back from. Until the run passes them (saving their step replaces
      * them), only leftover temporary directories go. */
-    int k = t->cfg.keep_latest_k, steps[4096];
-    int n = ckpt_list(t->ckpt_folder, steps, 4096);
-    if (n > 4096 || (n > 0 && steps[n - 1] > t->step)) k = 0;
+    int k = t->cfg.keep_latest_k, n, *steps = list_steps(t->ckpt_folder, &n);
+    if (n > 0 && steps[n - 1] > t->step) k = 0;
+    free(steps);
     ct_err pe = {0};
     if (ckpt_prune(t->ckpt_folder, k, &pe))
         fprintf(stderr, "ctitan: warning: the checkpoint is saved but pruning old ones failed: %s\n", pe.msg);
