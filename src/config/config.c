@@ -162,6 +162,9 @@ static const cfg_option cfg_options[] = {
         .help = "checkpoints kept (older ones deleted); 0: keep all"),
     OPT("checkpoint", "load_step", CFG_INT, load_step, "-1", .range = CFG_GE, .lo = -1,
         .help = "step to resume from; -1: the newest complete checkpoint"),
+    OPT("checkpoint", "fallback", CFG_BOOL, ckpt_fallback, "true",
+        .help = "with load_step = -1, a damaged newest checkpoint is skipped (named on stderr) for the newest "
+                "intact one; false: it stops the run (exit 3)"),
     OPT("checkpoint", "last_save_model_only", CFG_BOOL, last_save_model_only, "true",
         .help = "the checkpoint after the last step holds the model only (no optimizer state)"),
     OPT("checkpoint", "enable_first_step_checkpoint", CFG_BOOL, first_step_ckpt, "false",

@@ -67,6 +67,7 @@ typedef struct {
     int ckpt_interval;        /* 500 */
     int keep_latest_k;        /* 10 */
     int load_step;            /* -1 = newest */
+    int ckpt_fallback;        /* true: a damaged newest checkpoint falls back to an older one */
     int last_save_model_only; /* true */
     int first_step_ckpt;      /* false: enable_first_step_checkpoint */
     char *initial_load_path;  /* "" */

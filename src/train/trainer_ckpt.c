@@ -125,10 +125,15 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
 
 /* 1 if DIR is a Hugging Face export (config.json, no manifest) or a LoRA
  * run's PEFT adapter (adapter_config.json, no manifest): a run's
- * last_save_in_hf output, not a training checkpoint. */
+ * last_save_in_hf output, not a training checkpoint. A training checkpoint
+ * always holds config.toml, which no export writes: one that lost its
+ * manifest is a damaged checkpoint, never an export to step over (nor, at
+ * the last step, the sign of a completed run). */
 static int is_hf_export(const char *dir) {
     char p[4200];
     snprintf(p, sizeof p, "%s/manifest.json", dir);
+    if (access(p, F_OK) == 0) return 0;
+    snprintf(p, sizeof p, "%s/config.toml", dir);
     if (access(p, F_OK) == 0) return 0;
     snprintf(p, sizeof p, "%s/config.json", dir);
     if (access(p, F_OK) == 0) return 1;
@@ -218,16 +223,36 @@ static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const
 
 /* With checkpoint.enable, picks what to continue from. load_step N: exactly
  * step-N (damaged is an error). load_step -1: the newest FULL checkpoint
- * that verifies (damaged ones are named and skipped); a model-only one seeds
- * the run only when it is step 0 (an import); a final save (model-only or
- * HF) at or past training.steps means the run is complete. Every rank looks
- * at the folder itself and loads nothing yet: load_weights first checks that
- * the ranks chose the same (agree_on_pick). */
+ * that verifies; a model-only one seeds the run only when it is step 0 (an
+ * import); a final save (model-only or HF) at or past training.steps means
+ * the run is complete. Damage follows ckpt_select's contract (which cannot
+ * be called as it is: it would take an HF export for a damaged checkpoint):
+ * each damaged newer one is named and skipped, or with checkpoint.fallback =
+ * false stops the run; when damaged ones leave nothing to continue from, the
+ * run stops naming them instead of starting afresh over them (its saves
+ * would replace them). Every rank looks at the folder itself and loads
+ * nothing yet: load_weights first checks that the ranks chose the same
+ * (agree_on_pick). */
+/* FOLDER's step-N numbers, ascending, malloc'd (*n of them; NULL and -1 if
+ * it cannot be read). All of them: a fixed buffer would keep the oldest and
+ * drop the newest ones. */
+static int *list_steps(const char *folder, int *n) {
+    int count = ckpt_list(folder, NULL, 0);
+    *n = count;
+    if (count < 0) return NULL;
+    int *v = ct_malloc(((size_t)count + 1) * sizeof *v);
+    int again = ckpt_list(folder, v, count);
+    *n = again < count ? again : count; /* one writer per folder: a difference is a removal */
+    return v;
+}
+
 enum { PICK_NONE, PICK_LOAD, PICK_COMPLETE };
 typedef struct {
     int kind, step, model_only;
     char dir[4200];
 } resume_pick;
+
+static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_err *e);
 
 static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
     ct_config *c = &t->cfg;
@@ -241,10 +266,19 @@ static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
         p->kind = PICK_LOAD;
         return 0;
     }
-    int steps[4096];
-    int n = ckpt_list(t->ckpt_folder, steps, 4096);
+    int n, *steps = list_steps(t->ckpt_folder, &n);
     if (n < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot list checkpoints", t->ckpt_folder);
-    if (n > 4096) n = 4096;
+    int rc = pick_newest(t, p, steps, n, e);
+    free(steps);
+    return rc;
+}
+
+/* load_step -1's choice among the folder's steps (ascending), newest first. */
+static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_err *e) {
+    const ct_config *c = &t->cfg;
+    char damaged[512] = "";
+    size_t dlen = 0;
+    int n_damaged = 0;
     for (int i = n - 1; i >= 0 && p->kind == PICK_NONE; i--) {
         snprintf(p->dir, sizeof p->dir, "%s/step-%d", t->ckpt_folder, steps[i]);
         p->step = steps[i];
@@ -254,7 +288,15 @@ static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
         }
         ct_err ve = {0};
         if (ckpt_verify(p->dir, &ve)) {
-            fprintf(stderr, "ctitan: warning: skipping damaged checkpoint: %s\n", ve.msg);
+            if (!c->ckpt_fallback)
+                return ct_fail(e, ve.code, "%s (checkpoint.fallback = false: not falling back to an older checkpoint)",
+                               ve.msg);
+            fprintf(stderr, "ctitan: warning: skipping damaged checkpoint %s: %s\n", p->dir, ve.msg);
+            n_damaged++;
+            if (dlen < sizeof damaged) {
+                int k = snprintf(damaged + dlen, sizeof damaged - dlen, "%sstep-%d", dlen ? ", " : "", steps[i]);
+                dlen += k > 0 ? (size_t)k : 0;
+            }
             continue;
         }
         int mo = ckpt_is_model_only(p->dir, e);
@@ -263,6 +305,11 @@ static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
         if (mo && steps[i] >= c->steps && steps[i] > 0) p->kind = PICK_COMPLETE;
         else if (!mo || steps[i] == 0) p->kind = PICK_LOAD; /* a model-only save mid-run cannot be resumed */
     }
+    if (p->kind == PICK_NONE && n_damaged)
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s: no checkpoint to resume from: %d damaged (%s; each file named above), none intact; not "
+                       "starting afresh over them (move them away, or use another checkpoint.folder)",
+                       t->ckpt_folder, n_damaged, damaged);
     return 0;
 }
 
@@ -449,8 +496,18 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     fprintf(stderr, "ctitan: saved %scheckpoint %s: %.1f MiB in %.2f s\n", model_only ? "model-only " : "", info.dir,
             info.bytes / 1048576.0, info.seconds);
 
+    /* keep_latest_k counts from the newest step-N in the folder. After a
+     * fallback past a damaged checkpoint (or a load_step older than the
+     * newest) the folder holds steps beyond this one: counted as kept (pruning
+     * checks sizes, not checksums), they would push out the checkpoint just
+     * written and the intact ones before it, leaving only what the run fell
+     * back from. Until the run passes them (saving their step replaces
+     * them), only leftover temporary directories go. */
+    int k = t->cfg.keep_latest_k, n, *steps = list_steps(t->ckpt_folder, &n);
+    if (n > 0 && steps[n - 1] > t->step) k = 0;
+    free(steps);
     ct_err pe = {0};
-    if (ckpt_prune(t->ckpt_folder, t->cfg.keep_latest_k, &pe))
+    if (ckpt_prune(t->ckpt_folder, k, &pe))
         fprintf(stderr, "ctitan: warning: the checkpoint is saved but pruning old ones failed: %s\n", pe.msg);
     return 0;
 }

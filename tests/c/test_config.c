@@ -53,6 +53,7 @@ static void test_defaults(void) {
     CHECK(c.ckpt_enable == 0 && strcmp(c.ckpt_folder, "checkpoint") == 0, "ckpt");
     CHECK(c.ckpt_interval == 500 && strcmp(c.initial_load_path, "") == 0, "ckpt 2");
     CHECK(c.initial_load_in_hf == 0 && c.last_save_in_hf == 0, "ckpt hf");
+    CHECK(c.load_step == -1 && c.ckpt_fallback == 1, "ckpt resume defaults");
     CHECK(strcmp(c.export_dtype, "float32") == 0, "export_dtype");
     CHECK(c.log_freq == 10 && strcmp(c.metrics_file, "metrics.jsonl") == 0, "metrics");
     CHECK(c.peak_tflops == 0.0, "peak_tflops");
