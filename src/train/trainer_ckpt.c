@@ -65,7 +65,7 @@ static char *state_to_json(const trainer *t, const ds *data) {
     return txt;
 }
 
-static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e) {
+int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e) {
     cJSON *o = txt ? cJSON_Parse(txt) : NULL;
     const cJSON *st = o ? cJSON_GetObjectItemCaseSensitive(o, "step") : NULL;
     if (!cJSON_IsNumber(st)) {
@@ -207,7 +207,7 @@ static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const
     }
     char *state = NULL;
     if ((rc = ckpt_load_each(dir, whole, 1, &state, &info, &t->load.sink, e))) return rc;
-    rc = state_from_json(t, state, dir, e);
+    rc = trainer_state_from_json(t, state, dir, e);
     free(state);
     if (rc) return rc;
     t->opt.step = t->step;
