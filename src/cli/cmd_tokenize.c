@@ -83,7 +83,8 @@ int cli_tokenize(int argc, char **argv) {
         if (hrc) return cli_fail(ct_exit_code(hrc), "%s", e.msg);
         dir = loc.dir;
     }
-    if (tok_load(dir, &t, &e)) return cli_fail(1, "%s", e.msg);
+    int lrc = tok_load(dir, &t, &e);
+    if (lrc) return cli_fail(ct_exit_code(lrc), "%s", e.msg);
     int rc = 0;
     if (decode) {
         tok_ids v = {0};

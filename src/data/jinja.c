@@ -7,6 +7,7 @@
  * allocation of a parse or a render goes to an arena freed in one go. */
 #include "data/jinja.h"
 #include "core/fs.h"
+#include "formats/json.h"
 
 #include <cjson/cJSON.h>
 #include <setjmp.h>
@@ -2325,8 +2326,9 @@ int jinja_chat_open(const char *dir, jinja_chat **out, ct_err *e) {
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
     char *cfg_text = fs_read_file(path, 0, &n, NULL);
     int have_cfg = cfg_text != NULL;
-    cJSON *cfg = have_cfg ? cJSON_ParseWithLength(cfg_text, n) : NULL;
+    cJSON *cfg = have_cfg ? json_parse(cfg_text, n, path, e) : NULL;
     free(cfg_text);
+    if (have_cfg && !cfg) return CT_ERR_FORMAT;
     if (have_cfg && !cJSON_IsObject(cfg)) {
         cJSON_Delete(cfg);
         return ct_fail(e, CT_ERR_FORMAT, "%s: not a valid JSON object", path);
