@@ -116,7 +116,7 @@ fuzz: $(FUZZ_BINS)
 fuzz-short: fuzz
 	@bash scripts/fuzz.sh short
 
-# At least a million executions per target, one after the other (hours: not part of make test).
+# A million executions per target, one after the other (most of an hour here: not in make test).
 fuzz-long: fuzz
 	@bash scripts/fuzz.sh long
 
