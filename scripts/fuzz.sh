@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The libFuzzer targets of tests/fuzz (docs/reliability.md, "Fuzzing"); `make fuzz` builds them.
 #   scripts/fuzz.sh seeds           seed corpora into build/fuzz/corpus/<target>/ (scripts/fuzz_seeds.py)
-#   scripts/fuzz.sh short           every target FUZZ_SHORT_RUNS executions (default 6000) over its seeds;
+#   scripts/fuzz.sh short           every target FUZZ_SHORT_RUNS executions (default 15000) over its seeds;
 #                                   exit 1 on the first crash, leak or UB report (make fuzz-short, make test)
 #   scripts/fuzz.sh long [T...]     FUZZ_LONG_RUNS executions (default 1000000) per target, one at a time,
 #                                   at nice 15; inputs it finds kept in build/fuzz/work/<target>/, the log in
@@ -62,7 +62,7 @@ case $mode in
 seeds) seeds ;;
 short)
     seeds
-    runs=${FUZZ_SHORT_RUNS:-6000}
+    runs=${FUZZ_SHORT_RUNS:-15000}
     mkdir -p "$B/logs"
     start=$(date +%s)
     for t in "${targets[@]}"; do
