@@ -84,7 +84,7 @@ int cli_tokenize(int argc, char **argv) {
         dir = loc.dir;
     }
     int lrc = tok_load(dir, &t, &e);
-    if (lrc) return cli_fail(ct_exit_code(lrc), "%s", e.msg);
+    if (lrc) return cli_fail(ct_exit_code(lrc), "%s", e.msg); /* a malformed tokenizer.json: 3 */
     int rc = 0;
     if (decode) {
         tok_ids v = {0};
