@@ -42,7 +42,7 @@ OBJS    := $(SRCS:%.c=$(BUILD)/obj/%.o)
 TESTS   := $(patsubst tests/c/%.c,$(BUILD)/tests/%,$(wildcard tests/c/test_*.c))
 PY      := .venv/bin/python
 
-.PHONY: all setup test test-c test-py test-aarch64 test-bins sanitize run bench clean
+.PHONY: all setup test test-c test-py test-aarch64 test-bins sanitize fuzz fuzz-short fuzz-long run bench clean
 all: $(BUILD)/ctitan $(BUILD)/libctitan.so
 
 $(BUILD)/obj/%.o: %.c
@@ -96,6 +96,43 @@ sanitize:
 	  LDFLAGS="$(SAN_FLAGS)" test-c
 	$(SAN_ENV) CTITAN_BUILD=build/san $(PY) -m pytest -q -p no:cacheprovider $(SAN_CLI_TESTS)
 
+# libFuzzer targets (tests/fuzz/fuzz_*.c, docs/reliability.md "Fuzzing"): clang with ASan and
+# UBSan over a separate object tree of the library, so a crash, leak or UB report in a parser of
+# outside data stops the fuzzer. UB aborts (-fno-sanitize-recover) so libFuzzer records it.
+FUZZ_CC     := clang
+FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+FUZZ_CFLAGS := -O1 -g -std=c11 -Wall -Wextra -fPIC -fopenmp -Isrc -I/usr/include/$(TRIPLET)/openblas-openmp \
+               -D_GNU_SOURCE $(MPI_CFLAGS) $(FUZZ_SAN) -fsanitize=fuzzer-no-link
+FUZZ_OBJS   := $(SRCS:%.c=build/fuzz/obj/%.o)
+FUZZ_BINS   := $(patsubst tests/fuzz/%.c,build/fuzz/%,$(wildcard tests/fuzz/fuzz_*.c))
+
+build/fuzz/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -MMD -MP -c $< -o $@
+
+# The SIMD kernels are no parser: clang cannot compile their target-attributed intrinsics inside
+# OpenMP regions, so they keep the main build's compiler and flags, uninstrumented.
+build/fuzz/obj/src/kernels/%.o: src/kernels/%.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+
+build/fuzz/libctitan.a: $(FUZZ_OBJS)
+	@rm -f $@
+	ar rcs $@ $^
+
+build/fuzz/fuzz_%: tests/fuzz/fuzz_%.c $(wildcard tests/fuzz/*.h) build/fuzz/libctitan.a
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -Itests/fuzz -fsanitize=fuzzer -o $@ $< build/fuzz/libctitan.a $(LDLIBS)
+
+fuzz: $(FUZZ_BINS)
+
+# Every target over its seed corpus for a fixed number of runs (all together well under a minute).
+fuzz-short: fuzz
+	@bash scripts/fuzz.sh short
+
+# A million executions per target, one after the other (most of an hour here: not in make test).
+fuzz-long: fuzz
+	@bash scripts/fuzz.sh long
+
 # Every op on its reference: "op=ref" for each X(ID, op, ...) line of src/kernels/ops_list.h
 # (X. matches its parenthesis: make counts the ones inside $(shell)).
 REF_KERNELS := $(shell sed -n 's/^ *X.[A-Z0-9_]*, *\([a-z0-9_]*\),.*/\1=ref/p' src/kernels/ops_list.h | paste -sd, -)
@@ -127,6 +164,7 @@ test: setup
 	@$(MAKE) --no-print-directory all test-c
 	@$(MAKE) --no-print-directory test-aarch64
 	@$(MAKE) --no-print-directory sanitize
+	@$(MAKE) --no-print-directory fuzz-short
 	@$(MAKE) --no-print-directory test-py
 
 run:
@@ -152,3 +190,4 @@ clean:
 	rm -rf build
 
 -include $(OBJS:.o=.d)
+-include $(FUZZ_OBJS:.o=.d)

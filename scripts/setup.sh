@@ -8,7 +8,10 @@ cd "$(dirname "$0")/.."
 APT_PKGS=(gcc make libc6-dev libcjson-dev libopenblas-openmp-dev libpcre2-dev libutf8proc-dev libxxhash-dev
           libcurl4-openssl-dev openmpi-bin libopenmpi-dev iproute2
           bible-kjv bible-kjv-text python3-pip
-          python3 python3-venv)
+          python3 python3-venv
+          clang libclang-rt-14-dev libomp-14-dev)
+# clang 14 builds the fuzz targets (make fuzz, tests/fuzz): libclang-rt-14-dev holds libFuzzer and
+# the sanitizer runtimes, libomp-14-dev the omp.h clang's -fopenmp needs.
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

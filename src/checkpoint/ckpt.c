@@ -31,6 +31,7 @@
 #endif
 #include "checkpoint/ckpt.h"
 #include "core/fs.h"
+#include "formats/json.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -242,9 +243,9 @@ static int ckpt_read_manifest(const char *dir, ckpt_manifest *man, ct_err *e) {
         free(text);
         return rc;
     }
-    cJSON *root = cJSON_ParseWithLength(text, len);
+    cJSON *root = json_parse(text, len, mpath, e);
     free(text);
-    if (!root) return ct_fail(e, CT_ERR_FORMAT, "%s: not valid JSON (truncated or corrupted)", mpath);
+    if (!root) return CT_ERR_FORMAT;
     memset(man, 0, sizeof *man);
     const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(root, "format");
     const cJSON *ver = cJSON_GetObjectItemCaseSensitive(root, "version");

@@ -35,6 +35,7 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "core/fs.h"
+#include "formats/json.h"
 #include "core/timer.h"
 #include "data/jinja.h"
 #include "hub/hub.h"
@@ -213,10 +214,10 @@ static int gen_read_eos(const char *dir, tok_ids *stops, ct_err *e) {
         free(path);
         return e->code;
     }
-    cJSON *root = cJSON_ParseWithLength(text, len);
+    cJSON *root = json_parse(text, len, path, e);
     free(text);
-    int rc = 0;
-    if (!cJSON_IsObject(root)) rc = ct_fail(e, CT_ERR_FORMAT, "%s: not a valid JSON object", path);
+    int rc = root ? 0 : CT_ERR_FORMAT;
+    if (root && !cJSON_IsObject(root)) rc = ct_fail(e, CT_ERR_FORMAT, "%s: not a valid JSON object", path);
     const cJSON *it = rc ? NULL : cJSON_GetObjectItemCaseSensitive(root, "eos_token_id");
     if (it && !cJSON_IsNull(it)) {
         const cJSON *one = NULL;

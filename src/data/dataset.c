@@ -20,6 +20,7 @@
 #include <cjson/cJSON.h>
 
 #include "core/fs.h"
+#include "formats/json.h"
 #include "core/rng.h"
 #include "core/timer.h"
 #include "formats/npy.h"
@@ -151,8 +152,9 @@ static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
     size_t got;
     char *text = fs_read_file(meta, (size_t)1 << 30, &got, e);
     if (!text) return e ? e->code : CT_ERR_IO;
-    cJSON *j = cJSON_ParseWithLength(text, got);
+    cJSON *j = json_parse(text, got, meta, e);
     free(text);
+    if (!j) return CT_ERR_FORMAT;
     int rc = 0;
     const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(j, "format");
     const cJSON *shards = cJSON_GetObjectItemCaseSensitive(j, "shards"), *it;

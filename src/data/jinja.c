@@ -7,6 +7,7 @@
  * allocation of a parse or a render goes to an arena freed in one go. */
 #include "data/jinja.h"
 #include "core/fs.h"
+#include "formats/json.h"
 
 #include <cjson/cJSON.h>
 #include <setjmp.h>
@@ -62,6 +63,10 @@ static char *ar_strndup(arena *a, const char *s, size_t n) {
 }
 
 /* ---------------------------------------------------------------- values */
+
+/* The longest string one repetition ('x' * n) may build: a chat prompt is far shorter, and a
+ * template that asks for more would only exhaust memory. */
+#define JINJA_MAX_STR (64 << 20)
 
 typedef enum { JV_UNDEF, JV_NONE, JV_BOOL, JV_INT, JV_FLOAT, JV_STR, JV_LIST, JV_DICT, JV_NS, JV_FUNC } jv_kind;
 
@@ -370,7 +375,8 @@ static void lex(parser *P, const char *s, size_t n, int line) {
             else {
                 long long v = 0;
                 for (const char *q = txt; *q; q++)
-                    if (*q != '_') v = v * 10 + (*q - '0');
+                    if (*q != '_' && (__builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, *q - '0', &v)))
+                        jfail(P->f, line, "integer literal %s is out of range", txt);
                 *t = (token){T_INT, txt, j - i, v, 0};
             }
             i = j;
@@ -1302,6 +1308,11 @@ static jv *str_case(rctx *R, const jv *s, int mode /* 0 lower 1 upper 2 capitali
     return mk_str(R->a, buf, o);
 }
 
+/* Python's ints do not overflow; an integer past 64 bits is an error here, never a wrapped value. */
+__attribute__((noreturn)) static void int_overflow(rctx *R, int line) {
+    jfail(R->f, line, "integer overflow: the result does not fit in 64 bits");
+}
+
 static jv *cat2(rctx *R, const jv *a, const jv *b) {
     char *buf = ar_alloc(R->a, a->n + b->n + 1);
     memcpy(buf, a->s, a->n);
@@ -1598,8 +1609,12 @@ static jv *binop(rctx *R, expr *e) {
     undefined_use(R, line, a, "arithmetic");
     undefined_use(R, line, b, "arithmetic");
     int ai = a->k == JV_INT || a->k == JV_BOOL, bi = b->k == JV_INT || b->k == JV_BOOL;
+    long long r;
     if (e->op == B_ADD) {
-        if (ai && bi) return mk_int(R->a, a->i + b->i);
+        if (ai && bi) {
+            if (__builtin_add_overflow(a->i, b->i, &r)) int_overflow(R, line);
+            return mk_int(R->a, r);
+        }
         if (a->k == JV_STR && b->k == JV_STR) return cat2(R, a, b);
         if (a->k == JV_LIST && b->k == JV_LIST) {
             jv *l = mk_val(R->a, JV_LIST);
@@ -1611,17 +1626,31 @@ static jv *binop(rctx *R, expr *e) {
     }
     if (ai && bi) {
         switch (e->op) {
-        case B_SUB: return mk_int(R->a, a->i - b->i);
-        case B_MUL: return mk_int(R->a, a->i * b->i);
+        case B_SUB:
+            if (__builtin_sub_overflow(a->i, b->i, &r)) int_overflow(R, line);
+            return mk_int(R->a, r);
+        case B_MUL:
+            if (__builtin_mul_overflow(a->i, b->i, &r)) int_overflow(R, line);
+            return mk_int(R->a, r);
         case B_FDIV:
         case B_MOD:
             if (b->i == 0) jfail(R->f, line, "integer division or modulo by zero");
+            if (b->i == -1) { /* LLONG_MIN // -1 does not fit; x % -1 is 0 */
+                if (e->op == B_MOD) return mk_int(R->a, 0);
+                if (__builtin_sub_overflow(0, a->i, &r)) int_overflow(R, line);
+                return mk_int(R->a, r);
+            }
             if (e->op == B_FDIV) return mk_int(R->a, floordiv(a->i, b->i));
             return mk_int(R->a, a->i - floordiv(a->i, b->i) * b->i);
         case B_POW:
-            if (b->i >= 0) {
-                long long r = 1;
-                for (long long k = 0; k < b->i; k++) r *= a->i;
+            if (b->i >= 0) { /* by squaring: a loop of b->i steps would not end for 1 ** 10**18 */
+                long long base = a->i, k = b->i;
+                r = 1;
+                while (k) {
+                    if ((k & 1) && __builtin_mul_overflow(r, base, &r)) int_overflow(R, line);
+                    k >>= 1;
+                    if (k && __builtin_mul_overflow(base, base, &base)) int_overflow(R, line);
+                }
                 return mk_int(R->a, r);
             }
             break;
@@ -1631,9 +1660,19 @@ static jv *binop(rctx *R, expr *e) {
     if (e->op == B_MUL && ((a->k == JV_STR && bi) || (ai && b->k == JV_STR))) {
         const jv *s = a->k == JV_STR ? a : b;
         long long k = a->k == JV_STR ? b->i : a->i;
-        jv *r = mk_str(R->a, "", 0);
-        for (long long i = 0; i < k; i++) r = cat2(R, r, s);
-        return r;
+        if (k <= 0 || s->n == 0) return mk_str(R->a, "", 0);
+        /* built at once: k concatenations would keep k growing copies in the arena */
+        if ((unsigned long long)k > JINJA_MAX_STR / s->n)
+            jfail(R->f, line, "string repetition: %lld copies of %zu bytes is beyond %d MiB", k, s->n,
+                  JINJA_MAX_STR >> 20);
+        size_t total = (size_t)k * s->n;
+        char *buf = ar_alloc(R->a, total + 1);
+        for (long long i = 0; i < k; i++) memcpy(buf + (size_t)i * s->n, s->s, s->n);
+        buf[total] = 0;
+        jv *out = mk_val(R->a, JV_STR);
+        out->s = buf;
+        out->n = total;
+        return out;
     }
     jfail(R->f, line, "this arithmetic on a %s and a %s is outside the supported Jinja subset", kind_name(a),
           kind_name(b));
@@ -1853,9 +1892,10 @@ static jv *call_func(rctx *R, expr *e, jv *fn) {
         } else jfail(R->f, line, "range: needs an argument");
         if (st == 0) jfail(R->f, line, "range: step must not be zero");
         jv *l = mk_val(R->a, JV_LIST);
-        for (long long i = a; st > 0 ? i < b : i > b; i += st) {
+        for (long long i = a; st > 0 ? i < b : i > b;) {
             if (l->len > 10000000) jfail(R->f, line, "range: too long");
             list_push(R->a, l, mk_int(R->a, i));
+            if (__builtin_add_overflow(i, st, &i)) break; /* past LLONG_MAX/MIN is past b too */
         }
         return l;
     }
@@ -2098,7 +2138,9 @@ static jv *eval(rctx *R, expr *e) {
             r->f = -x->f;
             return r;
         }
-        return mk_int(R->a, -need_int(R, e->line, x, "unary minus"));
+        long long r;
+        if (__builtin_sub_overflow(0, need_int(R, e->line, x, "unary minus"), &r)) int_overflow(R, e->line);
+        return mk_int(R->a, r);
     }
     case E_BIN: return binop(R, e);
     case E_AND: {
@@ -2325,8 +2367,9 @@ int jinja_chat_open(const char *dir, jinja_chat **out, ct_err *e) {
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
     char *cfg_text = fs_read_file(path, 0, &n, NULL);
     int have_cfg = cfg_text != NULL;
-    cJSON *cfg = have_cfg ? cJSON_ParseWithLength(cfg_text, n) : NULL;
+    cJSON *cfg = have_cfg ? json_parse(cfg_text, n, path, e) : NULL;
     free(cfg_text);
+    if (have_cfg && !cfg) return CT_ERR_FORMAT;
     if (have_cfg && !cJSON_IsObject(cfg)) {
         cJSON_Delete(cfg);
         return ct_fail(e, CT_ERR_FORMAT, "%s: not a valid JSON object", path);

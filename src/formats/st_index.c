@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "core/fs.h"
+#include "formats/json.h"
 
 #define ST_MAX_INDEX (100ull << 20) /* an index.json beyond 100 MiB is not an index */
 
@@ -118,8 +119,12 @@ static int st_set_open_index(st_set *s, const char *dir, const char *ipath, ct_e
     int rc = 0;
     st_wm *wm = NULL;
     const char **shards = NULL;
-    cJSON *root = cJSON_ParseWithLength(txt, len);
-    if (!root || !cJSON_IsObject(root)) {
+    cJSON *root = json_parse(txt, len, ipath, e);
+    if (!root) {
+        rc = CT_ERR_FORMAT;
+        goto out;
+    }
+    if (!cJSON_IsObject(root)) {
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: not a valid JSON object", ipath);
         goto out;
     }

@@ -29,6 +29,7 @@
 #endif
 #include "formats/safetensors.h"
 #include "formats/st_priv.h"
+#include "formats/json.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -234,9 +235,15 @@ static int st_parse_header(st_file *f, const char *hdr, size_t hlen, size_t bufs
     memcpy(buf, hdr, hlen);
     buf[hlen] = 0;
     const char *endp = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(buf, hlen, &endp, 0);
+    size_t bad = json_bad_byte(buf, hlen);
+    cJSON *root = bad < hlen ? NULL : cJSON_ParseWithLengthOpts(buf, hlen, &endp, 0);
     int rc = 0;
     uint64_t *begins = NULL, *ends = NULL;
+    if (bad < hlen) {
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: header is not valid JSON (control byte 0x%02x at header byte %zu)",
+                     f->path, (unsigned)(unsigned char)buf[bad], bad);
+        goto out;
+    }
     if (!root) {
         const char *ep = cJSON_GetErrorPtr();
         long at = (ep && ep >= buf && ep <= buf + hlen) ? (long)(ep - buf) : -1;

@@ -72,6 +72,7 @@
 #endif
 
 #include "core/fs.h"
+#include "formats/json.h"
 #include "core/timer.h"
 
 #define HUB_PATH 4096
@@ -479,7 +480,8 @@ int hub_blob_link(const char *file, const char *etag, char *out, size_t cap) {
 int hub_index_shards(const char *json, size_t len, const char *what, char ***names, int *n, ct_err *e) {
     *names = NULL;
     *n = 0;
-    cJSON *root = cJSON_ParseWithLength(json, len);
+    cJSON *root = json_parse(json, len, what, e);
+    if (!root) return CT_ERR_FORMAT;
     const cJSON *map = cJSON_IsObject(root) ? cJSON_GetObjectItemCaseSensitive(root, "weight_map") : NULL;
     if (!cJSON_IsObject(map)) {
         cJSON_Delete(root);

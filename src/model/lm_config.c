@@ -15,6 +15,7 @@
 #include <cjson/cJSON.h>
 
 #include "core/fs.h"
+#include "formats/json.h"
 #include "model/lm.h"
 
 typedef struct {
@@ -422,9 +423,10 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     size_t len = 0;
     char *text = fs_read_file(path, 0, &len, NULL);
     if (!text) return ct_fail(e, CT_ERR_CONFIG, "%s: cannot read (model.hf_assets_path = \"%s\")", path, dir);
-    cJSON *root = cJSON_ParseWithLength(text, len);
+    cJSON *root = json_parse(text, len, path, e);
     free(text);
-    if (!root || !cJSON_IsObject(root)) {
+    if (!root) return CT_ERR_FORMAT;
+    if (!cJSON_IsObject(root)) {
         cJSON_Delete(root);
         /* the file is malformed, not a value in it: a format error, like a broken safetensors header */
         return ct_fail(e, CT_ERR_FORMAT, "%s: not a valid JSON object", path);

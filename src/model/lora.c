@@ -18,6 +18,7 @@
 
 #include "config/config.h"
 #include "core/fs.h"
+#include "formats/json.h"
 #include "core/rng.h"
 #include "formats/safetensors.h"
 
@@ -148,12 +149,9 @@ static int json_targets(const cJSON *tm, unsigned *bits, const char *path, ct_er
 }
 
 static int check_config(const lm_model *table, const char *path, ct_err *e) {
-    size_t len;
-    char *txt = fs_read_file(path, 0, &len, e);
-    if (!txt) return e ? e->code : CT_ERR_IO;
-    cJSON *o = cJSON_ParseWithLength(txt, len);
-    free(txt);
-    if (!o || !cJSON_IsObject(o)) {
+    cJSON *o = json_parse_file(path, 0, e);
+    if (!o) return e ? e->code : CT_ERR_FORMAT;
+    if (!cJSON_IsObject(o)) {
         cJSON_Delete(o);
         return ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
     }
@@ -206,11 +204,8 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
 int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, ct_err *e) {
     char path[4200];
     snprintf(path, sizeof path, "%s/adapter_config.json", dir);
-    size_t len;
-    char *txt = fs_read_file(path, 0, &len, e);
-    if (!txt) return e ? e->code : CT_ERR_IO;
-    cJSON *o = cJSON_ParseWithLength(txt, len);
-    free(txt);
+    cJSON *o = json_parse_file(path, 0, e);
+    if (!o) return e ? e->code : CT_ERR_FORMAT;
     int rc = 0;
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, "r"), *a = cJSON_GetObjectItemCaseSensitive(o, "lora_alpha");
     const cJSON *tm = cJSON_GetObjectItemCaseSensitive(o, "target_modules");

@@ -23,6 +23,7 @@
 
 #include "tokenizer/tok_internal.h"
 #include "core/fs.h"
+#include "formats/json.h"
 
 #define TOK_MAX_ID (1 << 24) /* far above any real vocab; bounds allocations */
 
@@ -44,20 +45,12 @@ static int file_exists(const char *path) {
 }
 
 static cJSON *parse_json(const char *path, ct_err *e) {
-    size_t n;
-    char *buf = fs_read_file(path, 0, &n, e);
-    if (!buf) return NULL;
-    const char *end = NULL;
-    cJSON *j = cJSON_ParseWithLengthOpts(buf, n, &end, 0);
-    if (!j) {
-        size_t off = end && end >= buf && end <= buf + n ? (size_t)(end - buf) : 0;
-        ct_fail(e, CT_ERR_FORMAT, "%s: invalid JSON near byte %zu", path, off);
-    } else if (!cJSON_IsObject(j)) {
+    cJSON *j = json_parse_file(path, 0, e);
+    if (j && !cJSON_IsObject(j)) {
         ct_fail(e, CT_ERR_FORMAT, "%s: top level is not a JSON object", path);
         cJSON_Delete(j);
         j = NULL;
     }
-    free(buf);
     return j;
 }
 

@@ -19,6 +19,9 @@
 #include "train/trainer_priv.h"
 
 #include <errno.h>
+#include <float.h>
+#include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +34,7 @@
 #include "core/cpu.h"
 #include "core/fs.h"
 #include "core/timer.h"
+#include "formats/json.h"
 #include "formats/safetensors.h"
 #include "model/lora.h"
 
@@ -65,10 +69,20 @@ static char *state_to_json(const trainer *t, const ds *data) {
     return txt;
 }
 
-static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e) {
-    cJSON *o = txt ? cJSON_Parse(txt) : NULL;
+/* A JSON number that is an integer in [lo, hi]: a cast of anything else to
+ * an integer type is undefined (a state.json step of 1e20 or NaN). */
+static int state_int(const cJSON *v, double lo, double hi) {
+    return cJSON_IsNumber(v) && v->valuedouble >= lo && v->valuedouble <= hi &&
+           v->valuedouble == floor(v->valuedouble);
+}
+
+int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e) {
+    char what[4200];
+    snprintf(what, sizeof what, "%s/state.json", dir);
+    cJSON *o = txt ? json_parse(txt, strlen(txt), what, e) : NULL;
+    if (txt && !o) return CT_ERR_FORMAT;
     const cJSON *st = o ? cJSON_GetObjectItemCaseSensitive(o, "step") : NULL;
-    if (!cJSON_IsNumber(st)) {
+    if (!state_int(st, 0, INT_MAX)) {
         cJSON_Delete(o);
         return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: missing or malformed \"step\"", dir);
     }
@@ -92,13 +106,14 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
         }
     }
     const cJSON *ts = cJSON_GetObjectItemCaseSensitive(o, "training_steps");
-    if (cJSON_IsNumber(ts) && (int)ts->valuedouble != c->steps)
-        fprintf(stderr, "ctitan: warning: training.steps was %d and is now %d: the LR schedule changes from here\n",
-                (int)ts->valuedouble, c->steps);
+    if (cJSON_IsNumber(ts) && ts->valuedouble != c->steps)
+        fprintf(stderr, "ctitan: warning: training.steps was %g and is now %d: the LR schedule changes from here\n",
+                ts->valuedouble, c->steps);
     const cJSON *d = cJSON_GetObjectItemCaseSensitive(o, "data");
     if (d) {
+        /* 2^53: the largest count a JSON number holds exactly */
         const cJSON *ep = cJSON_GetObjectItemCaseSensitive(d, "epoch"), *pos = cJSON_GetObjectItemCaseSensitive(d, "pos");
-        if (!cJSON_IsNumber(ep) || !cJSON_IsNumber(pos)) {
+        if (!state_int(ep, 0, 9007199254740992.0) || !state_int(pos, 0, 9007199254740992.0)) {
             cJSON_Delete(o);
             return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: malformed \"data\"", dir);
         }
@@ -110,13 +125,16 @@ static int state_from_json(trainer *t, const char *txt, const char *dir, ct_err 
     lm_model *m = &t->model;
     size_t nb = (size_t)m->cfg.n_layers * m->cfg.n_experts;
     if (b && m->moe.n_layers) {
-        if (!cJSON_IsArray(b) || (size_t)cJSON_GetArraySize(b) != nb) {
+        int bad = !cJSON_IsArray(b) || (size_t)cJSON_GetArraySize(b) != nb;
+        const cJSON *v;
+        /* a double beyond float range does not convert (undefined behaviour) */
+        for (v = bad ? NULL : b->child; v; v = v->next) bad |= !cJSON_IsNumber(v) || !(fabs(v->valuedouble) <= FLT_MAX);
+        if (bad) {
             cJSON_Delete(o);
             return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: \"moe_expert_bias\" must hold %zu numbers (layers x "
                            "experts)", dir, nb);
         }
         size_t i = 0;
-        const cJSON *v;
         cJSON_ArrayForEach(v, b) m->moe.bias[i++] = (float)v->valuedouble;
     }
     cJSON_Delete(o);
@@ -212,7 +230,7 @@ static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const
     }
     char *state = NULL;
     if ((rc = ckpt_load_each(dir, whole, 1, &state, &info, &t->load.sink, e))) return rc;
-    rc = state_from_json(t, state, dir, e);
+    rc = trainer_state_from_json(t, state, dir, e);
     free(state);
     if (rc) return rc;
     t->opt.step = t->step;

@@ -24,6 +24,12 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, lm_co
  * the model, from a checkpoint, HF files or the seed (trainer_ckpt.c).
  * Collective: every rank learns whether another failed. */
 int trainer_init_weights(trainer *t, ct_err *e);
+/* Restores the step, the loader position and the MoE routing bias from a
+ * checkpoint's state.json text (txt NULL: missing), after checking it was
+ * written for the same data stream (seq_len, batch, seed, shuffle); dir
+ * names the checkpoint in errors. Non-static so the fuzz target
+ * (tests/fuzz/fuzz_train_state.c) can feed it. */
+int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e);
 /* The final HF export of the run to folder/step-N (or hf-step-N beside a
  * training checkpoint of the same step); dir gets the path. Collective. */
 int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, const char *torch_dtype, ct_err *e);

@@ -117,7 +117,8 @@ def helper(tmp_path_factory) -> Path:
     src.write_text(HELPER_C)
     exe = d / "helper"
     srcs = [ROOT / "src/core/err.c", ROOT / "src/core/dtype.c", ROOT / "src/core/fs.c",
-            *(ROOT / f"src/formats/{f}.c" for f in ("st_read", "st_write", "st_index")), ROOT / "src/formats/npy.c"]
+            *(ROOT / f"src/formats/{f}.c" for f in ("st_read", "st_write", "st_index")), ROOT / "src/formats/npy.c",
+            ROOT / "src/formats/json.c"]
     cmd = [gcc, "-std=c11", "-O1", "-g", "-D_GNU_SOURCE", f"-I{ROOT / 'src'}", str(src), *map(str, srcs),
            "-o", str(exe), "-lcjson", "-lm"]
     r = subprocess.run(cmd, capture_output=True, text=True)

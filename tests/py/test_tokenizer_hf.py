@@ -1,6 +1,6 @@
 """ctitan's C tokenizer against Hugging Face `tokenizers`, token for token.
 
-The C sources (src/core/err.c, src/core/fs.c, src/tokenizer/*.c) are compiled into a
+The C sources (src/core/err.c, src/core/fs.c, src/formats/json.c, src/tokenizer/*.c) are compiled into a
 shared library in a pytest tmp dir and driven through ctypes. Expected ids
 always come from HF: `Tokenizer.from_file(...).encode(text).ids`, with bytes
 turned into str by bytes.decode("utf-8", "replace") (HF only takes str; the C
@@ -49,7 +49,7 @@ class _Err(ctypes.Structure):
 
 
 def build_library(out_dir):
-    srcs = [str(ROOT / "src/core/err.c"), str(ROOT / "src/core/fs.c")] + sorted(str(p) for p in (ROOT / "src/tokenizer").glob("*.c"))
+    srcs = [str(ROOT / "src/core/err.c"), str(ROOT / "src/core/fs.c"), str(ROOT / "src/formats/json.c")] + sorted(str(p) for p in (ROOT / "src/tokenizer").glob("*.c"))
     so = Path(out_dir) / "libtok_test.so"
     cmd = ["gcc", "-std=c11", "-O2", "-g", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE", "-fPIC", "-shared",
            "-I" + str(ROOT / "src"), *srcs, "-o", str(so), "-lcjson", "-lpcre2-8", "-lutf8proc"]
