@@ -644,7 +644,7 @@ int trainer_run(trainer *t, ct_err *e) {
                 fprintf(mf, "}\n");
                 fflush(mf);
             }
-            if (tb) { /* tags are the metrics.jsonl keys (docs/reliability.md, "TensorBoard") */
+            if (tb) { /* tags are the metrics.jsonl keys (docs/formats.md, "TensorBoard") */
                 /* each with its format in the line above */
                 const char *tags[] = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu",
                                       "step_time_s", "tokens_seen"};
