@@ -73,6 +73,11 @@ def assert_matches(tb, want):
         assert not bad, f"{tag}: (step, tensorboard, metrics.jsonl) differ: {bad[:5]}"
 
 
+def crc_complaints(caplog):
+    return [r.getMessage() for r in caplog.records
+            if "DataLoss" in r.getMessage() or "crc" in r.getMessage().lower() or "Truncated" in r.getMessage()]
+
+
 def events_files(tb_dir):
     return sorted(p for p in tb_dir.iterdir() if "tfevents" in p.name)
 
@@ -91,7 +96,7 @@ def test_scalars_match_metrics(setup, run_ctitan):
     assert n == 2 + STEPS * len(TRAIN_TAGS) + 4 * len(VAL_TAGS), f"{n} records"
 
 
-def test_corrupted_crc_is_caught(setup, run_ctitan, tmp_path):
+def test_corrupted_crc_is_caught(setup, run_ctitan, tmp_path, caplog):
     out, args = setup
     run_ctitan([a if not a.startswith("--training.steps=") else "--training.steps=2" for a in args])
     src = events_files(out / "tb")[0]
@@ -106,8 +111,12 @@ def test_corrupted_crc_is_caught(setup, run_ctitan, tmp_path):
     (bad_dir / src.name).write_bytes(bytes(blob))
     with pytest.raises(tb_errors.DataLossError, match="crc32"):
         records(bad_dir / src.name)
-    # the accumulator stops at the bad record: one scalar fewer than the good file's
-    assert sum(len(v) for v in scalars(bad_dir).values()) == sum(len(v) for v in scalars(out / "tb").values()) - 1
+    # the accumulator stops at the bad record: one scalar fewer than the good file's, and
+    # its log says why (what test_resume_has_each_step_once looks for and must not find)
+    with caplog.at_level(logging.DEBUG):
+        n_bad = sum(len(v) for v in scalars(bad_dir).values())
+    assert crc_complaints(caplog), "the reader did not log the bad CRC"
+    assert n_bad == sum(len(v) for v in scalars(out / "tb").values()) - 1
     assert len(good) == 2 + 2 * len(TRAIN_TAGS) + len(VAL_TAGS)
 
 
@@ -127,9 +136,23 @@ def test_resume_has_each_step_once(setup, run_ctitan, caplog):
         records(f)  # every record of both files passes the CRC checks
     with caplog.at_level(logging.DEBUG):
         tb = scalars(out / "tb")
-    assert not [r for r in caplog.records if "DataLoss" in r.getMessage() or "crc" in r.getMessage().lower()]
+    assert not crc_complaints(caplog), crc_complaints(caplog)
     want = expected(out)  # metrics.jsonl: steps 1-4 of the first run, 5-10 of the second
     assert_matches(tb, want)
     # the redone steps carry the second run's values, not the first's: timings differ
     redone = [v for s, v in tb["step_time_s"] if s > 4]
     assert redone != [v for s, v in first["step_time_s"] if s > 4]
+
+
+def test_stop_and_resume(setup, run_ctitan):
+    """The preemption path (training.stop_at_step saves and exits 75, as SIGTERM does):
+    the rerun of the same command continues both files without a gap or a repeat."""
+    out, args = setup
+    rc, _, err = run_ctitan(args + ["--training.stop_at_step=6"], check=False)
+    assert rc == 75, err
+    assert max(s for s, _ in scalars(out / "tb")["loss"]) == 6
+    run_ctitan(args)
+    assert len(events_files(out / "tb")) == 2
+    tb, want = scalars(out / "tb"), expected(out)
+    assert [s for s, _ in tb["loss"]] == list(range(1, STEPS + 1))
+    assert_matches(tb, want)
