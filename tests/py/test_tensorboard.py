@@ -3,12 +3,15 @@ own reader as the oracle and compared with the same run's metrics.jsonl: every
 scalar at every step, including validation, once and in order after a resume, and
 every record passing the reader's CRC checks (which a flipped byte must fail)."""
 import logging
+import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
 
 import oracle
+from conftest import BIN, crashed
 
 from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.compat.tensorflow_stub import errors as tb_errors
@@ -156,3 +159,22 @@ def test_stop_and_resume(setup, run_ctitan):
     tb, want = scalars(out / "tb"), expected(out)
     assert [s for s, _ in tb["loss"]] == list(range(1, STEPS + 1))
     assert_matches(tb, want)
+
+
+def test_two_ranks_one_writer(setup):
+    """Data parallel over 2 ranks: only rank 0 writes, so one file, matching metrics.jsonl
+    (whose tokens_seen counts both ranks' sequences)."""
+    out, args = setup
+    mpirun = shutil.which("mpirun")
+    assert mpirun, "mpirun not found: run scripts/setup.sh (installs openmpi-bin)"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", str(BIN), *args,
+           "--training.global_batch_size=4", "--training.steps=3"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(events_files(out / "tb")) == 1, events_files(out / "tb")
+    want = expected(out)
+    assert [v for _, v in want["tokens_seen"]] == [4 * 16 * s for s in (1, 2, 3)]
+    assert_matches(scalars(out / "tb"), want)
