@@ -185,6 +185,10 @@ static const cfg_option cfg_options[] = {
         .help = "JSON-lines metrics file, relative to job.dump_folder; \"\" disables"),
     OPT("metrics", "peak_tflops", CFG_DBL, peak_tflops, "0.0", .range = CFG_GE, .lo = 0,
         .help = "peak TFLOP/s for MFU; 0: measure once and cache"),
+    OPT("metrics", "enable_tensorboard", CFG_BOOL, enable_tensorboard, "false",
+        .help = "rank 0 also writes TensorBoard event files (the scalars of metrics.file)"),
+    OPT("metrics", "save_tb_folder", CFG_STR, save_tb_folder, "tb",
+        .help = "TensorBoard folder, relative to job.dump_folder; a new events file per (re)start"),
 
     OPT("activation_checkpoint", "mode", CFG_ENUM, ac_mode, "none", .choices = cfg_ac_modes,
         .help = "recompute activations in backward to save memory: none; full: keep only each layer's "

@@ -78,6 +78,8 @@ typedef struct {
     int log_freq;             /* 10 */
     char *metrics_file;       /* "metrics.jsonl" (relative to dump_folder); "" disables */
     double peak_tflops;       /* 0 = measure once and cache */
+    int enable_tensorboard;   /* false */
+    char *save_tb_folder;     /* "tb" (relative to dump_folder) */
 
     /* [validation] */
     int val_enable;           /* false */

@@ -31,6 +31,7 @@
 #include "core/fs.h"
 #include "core/timer.h"
 #include "hub/hub.h"
+#include "metrics/tb.h"
 #include "model/lora.h"
 
 /* The one piece of process-wide state: a signal handler can reach nothing
@@ -442,8 +443,26 @@ static void truncate_metrics(const char *path, int last_step) {
     free(keep);
 }
 
+/* A failed TensorBoard write costs the curves, not the run (as metrics.file):
+ * said once, then the writer is dropped. */
+static void tb_flush_or_drop(tb_writer **tb) {
+    if (*tb && tb_flush(*tb)) {
+        fprintf(stderr, "ctitan: warning: %s: write failed; no more TensorBoard events\n", tb_path(*tb));
+        tb_close(*tb);
+        *tb = NULL;
+    }
+}
+
+/* V as metrics.file prints it with FMT, so both files hold the same numbers
+ * (TensorBoard's float32 aside) rather than the file's rounding of them. */
+static double as_logged(const char *fmt, double v) {
+    char buf[64];
+    snprintf(buf, sizeof buf, fmt, v);
+    return strtod(buf, NULL);
+}
+
 /* Held-out loss over validation.steps batches from the start of the set. */
-static int validate(trainer *t, ds *val, int step, FILE *mf) {
+static int validate(trainer *t, ds *val, int step, FILE *mf, tb_writer **tb) {
     const ct_config *c = &t->cfg;
     int B = t->val_batch, T = c->seq_len;
     ds_state zero = {0, 0};
@@ -473,6 +492,11 @@ static int validate(trainer *t, ds *val, int step, FILE *mf) {
                 ppl, n);
         fflush(mf);
     }
+    if (*tb) {
+        tb_scalar(*tb, step, "val_loss", as_logged("%.9g", loss));
+        tb_scalar(*tb, step, "val_perplexity", as_logged("%.9g", ppl));
+        tb_flush_or_drop(tb);
+    }
     return 0;
 }
 
@@ -483,6 +507,7 @@ int trainer_run(trainer *t, ct_err *e) {
     ds *data = NULL, *val = NULL;
     tok *tk = NULL;
     FILE *mf = NULL;
+    tb_writer *tb = NULL;
     int32_t *tokens = NULL, *labels = NULL;
     if (t->complete) return 0;
     int rc = open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle, &tk, e);
@@ -511,6 +536,16 @@ int trainer_run(trainer *t, ct_err *e) {
         mf = fopen(path, t->step > 0 ? "a" : "w");
         if (!mf) {
             rc = ct_fail(e, CT_ERR_IO, "%s: cannot open metrics file (metrics.file)", path);
+            goto out;
+        }
+    }
+
+    if (c->enable_tensorboard && rank0) {
+        trainer_join_path(path, sizeof path, c->dump_folder, c->save_tb_folder);
+        /* a new file per (re)start; its SessionLog START at the first step
+         * redone makes TensorBoard drop the earlier files' events from there */
+        if (!(tb = tb_open(path, t->step + 1, e))) {
+            rc = e->code;
             goto out;
         }
     }
@@ -549,6 +584,7 @@ int trainer_run(trainer *t, ct_err *e) {
     labels = ct_malloc(mb * t->grad_accum * sizeof(int32_t));
     double t_start = ct_now(), t_log = t_start;
     long tokens_since_log = 0;
+    int steps_since_log = 0;
     while (t->step < c->steps) {
         int step = t->step + 1;
         long n_valid = 0;
@@ -572,12 +608,15 @@ int trainer_run(trainer *t, ct_err *e) {
         double gnorm, lr;
         trainer_optimizer_step(t, &gnorm, &lr);
         tokens_since_log += (long)(mb * t->grad_accum);
+        steps_since_log++;
         if (step == 1 || step % c->log_freq == 0) { /* torchtitan's rule */
             double now = ct_now();
             double tps = tokens_since_log / (now - t_log);
             double tflops = fpt * tps / 1e12;
             double mfu = 100.0 * fpt * tps / peak_run;
             double mem = cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0);
+            double step_time = (now - t_log) / steps_since_log;
+            double tokens_seen = (double)step * t->global_batch * T; /* all ranks, as the global batch */
             /* distributed: memory is the largest rank's peak, comm the share of the
              * wall time rank 0 spent in collectives since the last line */
             double comm_pct = 100.0 * plan_take_comm_time(&t->plan) / (now - t_log);
@@ -596,16 +635,28 @@ int trainer_run(trainer *t, ct_err *e) {
                 fprintf(mf,
                         "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"memory_gib\": %.4f, "
                         "\"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"elapsed_s\": %.3f, \"valid_targets\": %ld, "
-                        "\"world\": %d, \"comm_pct\": %.3f, \"reductions_overlapped\": %ld",
+                        "\"world\": %d, \"comm_pct\": %.3f, \"reductions_overlapped\": %ld, \"step_time_s\": %.6f, "
+                        "\"tokens_seen\": %.0f",
                         step, loss, gnorm, lr, mem, tps, tflops, mfu, now - t_start, n_valid, t->world->size, comm_pct,
-                        overlapped);
+                        overlapped, step_time, tokens_seen);
                 if (bubble >= 0) fprintf(mf, ", \"pp_bubble\": %.4f", bubble);
                 if (m->moe.n_layers) print_moe_load(mf, m, aux, 1);
                 fprintf(mf, "}\n");
                 fflush(mf);
             }
+            if (tb) { /* tags are the metrics.jsonl keys (docs/formats.md, "TensorBoard") */
+                /* each with its format in the line above */
+                const char *tags[] = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu",
+                                      "step_time_s", "tokens_seen"};
+                const char *fmts[] = {"%.9g", "%.9g", "%.9g", "%.4f", "%.2f", "%.6f", "%.4f", "%.6f", "%.0f"};
+                double vals[] = {loss, gnorm, lr, mem, tps, tflops, mfu, step_time, tokens_seen};
+                for (size_t i = 0; i < sizeof vals / sizeof *vals; i++)
+                    tb_scalar(tb, step, tags[i], as_logged(fmts[i], vals[i]));
+                tb_flush_or_drop(&tb);
+            }
             t_log = now;
             tokens_since_log = 0;
+            steps_since_log = 0;
         }
         if (!isfinite(loss)) {
             rc = ct_fail(e, CT_ERR_IO, "training diverged: loss is %g at step %d", loss, step);
@@ -627,7 +678,7 @@ int trainer_run(trainer *t, ct_err *e) {
             rc = CT_STOPPED;
             goto out;
         }
-        if (val && (step % c->val_freq == 0 || last)) validate(t, val, step, mf);
+        if (val && (step % c->val_freq == 0 || last)) validate(t, val, step, mf, &tb);
         if (c->ckpt_enable) {
             /* as torchtitan: with last_save_in_hf the final save is the HF directory below */
             int due = (last && !c->last_save_in_hf) || (!last && step % c->ckpt_interval == 0) ||
@@ -666,6 +717,7 @@ out:
     free(tokens);
     free(labels);
     if (mf) fclose(mf);
+    if (tb && tb_close(tb)) fprintf(stderr, "ctitan: warning: %s: write failed\n", tb_path(tb));
     ds_close(val);
     ds_close(data);
     tok_free(tk);

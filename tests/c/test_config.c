@@ -57,6 +57,7 @@ static void test_defaults(void) {
     CHECK(strcmp(c.export_dtype, "float32") == 0, "export_dtype");
     CHECK(c.log_freq == 10 && strcmp(c.metrics_file, "metrics.jsonl") == 0, "metrics");
     CHECK(c.peak_tflops == 0.0, "peak_tflops");
+    CHECK(c.enable_tensorboard == 0 && strcmp(c.save_tb_folder, "tb") == 0, "tensorboard");
     CHECK(strcmp(c.config_path, "") == 0, "config_path");
     ct_err e;
     CHECK(cfg_validate(&c, &e) == 0, "defaults validate: %s", e.msg);

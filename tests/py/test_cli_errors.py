@@ -21,7 +21,8 @@ ALL_OPTIONS = [
     "training.threads",
     "checkpoint.enable", "checkpoint.folder", "checkpoint.interval", "checkpoint.initial_load_path",
     "checkpoint.initial_load_in_hf", "checkpoint.last_save_in_hf", "checkpoint.export_dtype",
-    "metrics.log_freq", "metrics.file", "metrics.peak_tflops",
+    "metrics.log_freq", "metrics.file", "metrics.peak_tflops", "metrics.enable_tensorboard",
+    "metrics.save_tb_folder",
 ]
 
 

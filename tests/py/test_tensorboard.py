@@ -1,0 +1,180 @@
+"""TensorBoard event files (issue 18, part 1), read with the `tensorboard` package's
+own reader as the oracle and compared with the same run's metrics.jsonl: every
+scalar at every step, including validation, once and in order after a resume, and
+every record passing the reader's CRC checks (which a flipped byte must fail)."""
+import logging
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import oracle
+from conftest import BIN, crashed
+
+from tensorboard.backend.event_processing import event_accumulator as ea
+from tensorboard.compat.tensorflow_stub import errors as tb_errors
+from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+
+STEPS = 10
+TRAIN_TAGS = ["loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "step_time_s", "tokens_seen"]
+VAL_TAGS = ["val_loss", "val_perplexity"]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    cfg = oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=1, heads=4, kv_heads=2, head_dim=8)
+    model = tmp_path / "model"
+    cfg.save_pretrained(model)  # config.json only: ctitan initialises from training.seed
+    data = oracle.write_bin(tmp_path / "d.bin", oracle.learnable_stream(40 * 17 + 5, 128, seed=3))
+    val = oracle.write_bin(tmp_path / "v.bin", oracle.random_tokens(8 * 17, 128, seed=4))
+    out = tmp_path / "out"
+    args = ["train", "--model.spec=hf", f"--model.hf_assets_path={model}", f"--training.dataset_path={data}",
+            "--training.seq_len=16", "--training.local_batch_size=2", f"--training.steps={STEPS}",
+            "--training.seed=5", "--metrics.log_freq=1", "--metrics.peak_tflops=1", "--metrics.enable_tensorboard",
+            f"--job.dump_folder={out}", "--validation.enable", "--validation.freq=3", "--validation.steps=2",
+            f"--validation.dataset_path={val}", "--checkpoint.enable", "--checkpoint.interval=4",
+            "--checkpoint.keep_latest_k=0", "--checkpoint.last_save_model_only=false"]
+    return out, args
+
+
+def records(path):
+    """Every record of an events file through TensorBoard's record reader, which
+    raises DataLossError on a bad CRC (the loader above it swallows that and stops)."""
+    r = pywrap_tensorflow.PyRecordReader_New(str(path).encode(), 0, b"", None)
+    got = []
+    while True:
+        try:
+            r.GetNext()
+        except tb_errors.OutOfRangeError:
+            return got
+        got.append(r.record())
+
+
+def scalars(tb_dir):
+    acc = ea.EventAccumulator(str(tb_dir), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def expected(out):
+    rows = oracle.read_metrics(out / "metrics.jsonl")
+    return {tag: [(r["step"], r[tag]) for r in rows if tag in r] for tag in TRAIN_TAGS + VAL_TAGS}
+
+
+def assert_matches(tb, want):
+    assert sorted(tb) == sorted(want), f"tags: {sorted(tb)} != {sorted(want)}"
+    for tag, rows in want.items():
+        got = tb[tag]
+        steps = [s for s, _ in got]
+        assert steps == [s for s, _ in rows], f"{tag}: steps {steps} != metrics.jsonl's {[s for s, _ in rows]}"
+        assert steps == sorted(set(steps)), f"{tag}: steps repeat or go back: {steps}"
+        # simple_value is a float32; metrics.jsonl has 9 significant digits or fewer
+        bad = [(s, v, w) for (s, v), (_, w) in zip(got, rows) if v != np.float32(w)
+               and abs(v - w) > 2 * np.finfo(np.float32).eps * abs(w)]
+        assert not bad, f"{tag}: (step, tensorboard, metrics.jsonl) differ: {bad[:5]}"
+
+
+def crc_complaints(caplog):
+    return [r.getMessage() for r in caplog.records
+            if "DataLoss" in r.getMessage() or "crc" in r.getMessage().lower() or "Truncated" in r.getMessage()]
+
+
+def events_files(tb_dir):
+    return sorted(p for p in tb_dir.iterdir() if "tfevents" in p.name)
+
+
+def test_scalars_match_metrics(setup, run_ctitan):
+    out, args = setup
+    run_ctitan(args)
+    tb_dir = out / "tb"
+    files = events_files(tb_dir)
+    assert len(files) == 1, files
+    want = expected(out)
+    assert [s for s, _ in want["val_loss"]] == [3, 6, 9, 10], want["val_loss"]  # validation ran
+    assert len(want["loss"]) == STEPS
+    assert_matches(scalars(tb_dir), want)
+    n = len(records(files[0]))
+    assert n == 2 + STEPS * len(TRAIN_TAGS) + 4 * len(VAL_TAGS), f"{n} records"
+
+
+def test_corrupted_crc_is_caught(setup, run_ctitan, tmp_path, caplog):
+    out, args = setup
+    run_ctitan([a if not a.startswith("--training.steps=") else "--training.steps=2" for a in args])
+    src = events_files(out / "tb")[0]
+    good = records(src)
+    blob = bytearray(src.read_bytes())
+    # a byte inside the last record's tag: only the data CRC can tell
+    tag = blob.rfind(b"val_perplexity")  # step 2 is the last: validation ran
+    assert tag > 0
+    blob[tag] ^= 0x20
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    (bad_dir / src.name).write_bytes(bytes(blob))
+    with pytest.raises(tb_errors.DataLossError, match="crc32"):
+        records(bad_dir / src.name)
+    # the accumulator stops at the bad record: one scalar fewer than the good file's, and
+    # its log says why (what test_resume_has_each_step_once looks for and must not find)
+    with caplog.at_level(logging.DEBUG):
+        n_bad = sum(len(v) for v in scalars(bad_dir).values())
+    assert crc_complaints(caplog), "the reader did not log the bad CRC"
+    assert n_bad == sum(len(v) for v in scalars(out / "tb").values()) - 1
+    assert len(good) == 2 + 2 * len(TRAIN_TAGS) + len(VAL_TAGS)
+
+
+def test_resume_has_each_step_once(setup, run_ctitan, caplog):
+    out, args = setup
+    run_ctitan(args)
+    first = scalars(out / "tb")
+    # as a run killed after step 10 whose newest checkpoints were lost: it resumes from
+    # step 4 and redoes 5..10, which the first file already logged
+    for step in (8, 10):
+        shutil.rmtree(out / "checkpoint" / f"step-{step}")
+    rc, _, err = run_ctitan(args)
+    assert "step 4" in err or "step-4" in err, err
+    files = events_files(out / "tb")
+    assert len(files) == 2, files
+    for f in files:
+        records(f)  # every record of both files passes the CRC checks
+    with caplog.at_level(logging.DEBUG):
+        tb = scalars(out / "tb")
+    assert not crc_complaints(caplog), crc_complaints(caplog)
+    want = expected(out)  # metrics.jsonl: steps 1-4 of the first run, 5-10 of the second
+    assert_matches(tb, want)
+    # the redone steps carry the second run's values, not the first's: timings differ
+    redone = [v for s, v in tb["step_time_s"] if s > 4]
+    assert redone != [v for s, v in first["step_time_s"] if s > 4]
+
+
+def test_stop_and_resume(setup, run_ctitan):
+    """The preemption path (training.stop_at_step saves and exits 75, as SIGTERM does):
+    the rerun of the same command continues both files without a gap or a repeat."""
+    out, args = setup
+    rc, _, err = run_ctitan(args + ["--training.stop_at_step=6"], check=False)
+    assert rc == 75, err
+    assert max(s for s, _ in scalars(out / "tb")["loss"]) == 6
+    run_ctitan(args)
+    assert len(events_files(out / "tb")) == 2
+    tb, want = scalars(out / "tb"), expected(out)
+    assert [s for s, _ in tb["loss"]] == list(range(1, STEPS + 1))
+    assert_matches(tb, want)
+
+
+def test_two_ranks_one_writer(setup):
+    """Data parallel over 2 ranks: only rank 0 writes, so one file, matching metrics.jsonl
+    (whose tokens_seen counts both ranks' sequences)."""
+    out, args = setup
+    mpirun = shutil.which("mpirun")
+    assert mpirun, "mpirun not found: run scripts/setup.sh (installs openmpi-bin)"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", str(BIN), *args,
+           "--training.global_batch_size=4", "--training.steps=3"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(events_files(out / "tb")) == 1, events_files(out / "tb")
+    want = expected(out)
+    assert [v for _, v in want["tokens_seen"]] == [4 * 16 * s for s in (1, 2, 3)]
+    assert_matches(scalars(out / "tb"), want)
