@@ -784,16 +784,14 @@ int cfg_validate(const ct_config *c, ct_err *e) {
     }
     /* a micro-batch's rows (batch x sequence) are counted in an int by the model: a
      * product past INT_MAX would wrap, and a --dry-run would plan from the wrapped value */
-    if ((long long)c->local_batch_size * c->seq_len > INT_MAX)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: training.local_batch_size (%d) x training.seq_len (%d) = %lld, out of range "
-                       "(at most %d)", src, c->local_batch_size, c->seq_len,
-                       (long long)c->local_batch_size * c->seq_len, INT_MAX);
-    if ((long long)c->val_local_batch_size * c->seq_len > INT_MAX)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: validation.local_batch_size (%d) x training.seq_len (%d) = %lld, out of range "
-                       "(at most %d)", src, c->val_local_batch_size, c->seq_len,
-                       (long long)c->val_local_batch_size * c->seq_len, INT_MAX);
+    const struct { const char *key; int batch; } rows[] = {{"training", c->local_batch_size},
+                                                           {"validation", c->val_local_batch_size}};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
+        if ((long long)rows[i].batch * c->seq_len > INT_MAX)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: %s.local_batch_size (%d) x training.seq_len (%d) = %lld, out of range (at most %d)",
+                           src, rows[i].key, rows[i].batch, c->seq_len, (long long)rows[i].batch * c->seq_len,
+                           INT_MAX);
     if (c->global_batch_size != -1 && c->global_batch_size % c->local_batch_size != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: training.global_batch_size (%d) must be -1 or a positive multiple "
