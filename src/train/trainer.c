@@ -26,6 +26,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
 #include "checkpoint/hf.h"
 #include "core/cpu.h"
 #include "core/fs.h"
@@ -282,6 +284,7 @@ int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
 
 int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     memset(t, 0, sizeof *t);
+    t->t_launch = ev_wall_time();
     t->cfg = *cfg;
     memset(cfg, 0, sizeof *cfg);
     ct_config *c = &t->cfg;
@@ -290,6 +293,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
         world = &t->single;
     }
     t->world = world;
+    if (world->rank == 0) ev_energy_start(&t->energy);
     pick_threads(c);
     lm_config mc;
     int rc = trainer_resolve_hub(c, 0, e);
@@ -500,6 +504,72 @@ static int validate(trainer *t, ds *val, int step, FILE *mf, tb_writer **tb) {
     return 0;
 }
 
+/* events.jsonl (metrics/events.h): the start of this process's part of the
+ * run. Collective (the machine count). */
+static void write_start_event(trainer *t) {
+    /* machines: distinct host names over the ranks, by a hash of each */
+    char host[256] = "";
+    gethostname(host, sizeof host - 1);
+    uint64_t h = 1469598103934665603ull, *all = ct_malloc(sizeof(uint64_t) * t->world->size);
+    for (const char *p = host; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;
+    comm_all_gather(t->world, all, &h, 1, COMM_I64);
+    int machines = 0;
+    for (int i = 0; i < t->world->size; i++) {
+        int seen = 0;
+        for (int j = 0; j < i; j++) seen |= all[j] == all[i];
+        machines += !seen;
+    }
+    free(all);
+    if (!t->events) return;
+    char cpu[256];
+    cpu_model_name(cpu, sizeof cpu);
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "step", t->step);
+    cJSON_AddNumberToObject(o, "steps", t->cfg.steps);
+    cJSON_AddNumberToObject(o, "launch_time", t->t_launch);
+    cJSON_AddNumberToObject(o, "startup_s", ev_wall_time() - t->t_launch);
+    cJSON_AddNumberToObject(o, "world", t->world->size);
+    cJSON_AddNumberToObject(o, "machines", machines);
+    cJSON_AddNumberToObject(o, "threads", cpu_threads());
+    cJSON_AddStringToObject(o, "host", host);
+    cJSON_AddStringToObject(o, "cpu", cpu);
+    if (t->loaded.dir[0]) {
+        cJSON_AddStringToObject(o, t->loaded.resumed ? "resumed_from" : "initial_load", t->loaded.dir);
+        cJSON_AddNumberToObject(o, "load_s", t->loaded.seconds);
+        cJSON_AddNumberToObject(o, "load_mib", t->loaded.mib);
+    }
+    ev_write(t->events, "start", o);
+}
+
+static void final_save_event(trainer *t, const char *kind, const char *dir, double seconds) {
+    if (!t->events) return;
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "step", t->step);
+    cJSON_AddStringToObject(o, "kind", kind);
+    cJSON_AddStringToObject(o, "path", dir);
+    cJSON_AddNumberToObject(o, "save_s", seconds);
+    ev_write(t->events, "checkpoint", o);
+}
+
+/* The end of this process's part of the run: why, and what it cost (rank 0's
+ * wall and CPU time; the energy of rank 0's machine when RAPL is readable). */
+static void write_exit_event(trainer *t, int rc, const ct_err *e) {
+    if (!t->events) return;
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "reason", !rc ? "done" : rc == CT_STOPPED ? "stopped" : "error");
+    cJSON_AddNumberToObject(o, "step", t->step);
+    if (rc && rc != CT_STOPPED) {
+        cJSON_AddNumberToObject(o, "code", rc);
+        cJSON_AddStringToObject(o, "message", e->msg);
+    }
+    cJSON_AddNumberToObject(o, "wall_s", ev_wall_time() - t->t_launch);
+    cJSON_AddNumberToObject(o, "cpu_s", ev_cpu_seconds());
+    double j = ev_energy_since(&t->energy);
+    if (j >= 0) cJSON_AddNumberToObject(o, "energy_j", j);
+    else cJSON_AddStringToObject(o, "energy_unavailable", t->energy.why);
+    ev_write(t->events, "exit", o);
+}
+
 int trainer_run(trainer *t, ct_err *e) {
     ct_config *c = &t->cfg;
     lm_model *m = &t->model;
@@ -548,6 +618,14 @@ int trainer_run(trainer *t, ct_err *e) {
             rc = e->code;
             goto out;
         }
+    }
+
+    if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "events.jsonl"))
+        t->events = ev_open(path, e);
+    write_start_event(t); /* collective: before rank 0 may leave */
+    if (rank0 && !t->events) {
+        rc = e->code;
+        goto out;
     }
 
     cpu_peak peak;
@@ -636,9 +714,9 @@ int trainer_run(trainer *t, ct_err *e) {
                         "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"memory_gib\": %.4f, "
                         "\"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"elapsed_s\": %.3f, \"valid_targets\": %ld, "
                         "\"world\": %d, \"comm_pct\": %.3f, \"reductions_overlapped\": %ld, \"step_time_s\": %.6f, "
-                        "\"tokens_seen\": %.0f",
+                        "\"tokens_seen\": %.0f, \"time\": %.3f",
                         step, loss, gnorm, lr, mem, tps, tflops, mfu, now - t_start, n_valid, t->world->size, comm_pct,
-                        overlapped, step_time, tokens_seen);
+                        overlapped, step_time, tokens_seen, ev_wall_time());
                 if (bubble >= 0) fprintf(mf, ", \"pp_bubble\": %.4f", bubble);
                 if (m->moe.n_layers) print_moe_load(mf, m, aux, 1);
                 fprintf(mf, "}\n");
@@ -696,8 +774,10 @@ int trainer_run(trainer *t, ct_err *e) {
             rc = ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
             goto out;
         }
+        double t0 = ct_now();
         rc = trainer_save_adapter(t, dir, e);
         if (!rc && rank0) fprintf(stderr, "ctitan: saved PEFT adapter to %s\n", dir);
+        if (!rc) final_save_event(t, "adapter", dir, ct_now() - t0);
     } else if (c->last_save_in_hf) {
         char dir[4096], sub[64];
         snprintf(sub, sizeof sub, "step-%d", t->step);
@@ -712,8 +792,12 @@ int trainer_run(trainer *t, ct_err *e) {
         if (!rc && rank0)
             fprintf(stderr, "ctitan: saved Hugging Face model (%s) to %s in %.2f s\n", c->export_dtype, dir,
                     ct_now() - t0);
+        if (!rc) final_save_event(t, "hf", dir, ct_now() - t0);
     }
 out:
+    write_exit_event(t, rc, e);
+    if (ev_close(t->events)) fprintf(stderr, "ctitan: warning: %s/events.jsonl: write failed\n", c->dump_folder);
+    t->events = NULL;
     free(tokens);
     free(labels);
     if (mf) fclose(mf);

@@ -15,6 +15,7 @@
 #include "data/dataset.h"
 #include "distributed/comm.h"
 #include "distributed/plan.h"
+#include "metrics/events.h"
 #include "model/lm.h"
 #include "optim/optim.h"
 #include "tokenizer/tokenizer.h"
@@ -42,6 +43,15 @@ typedef struct {
     } load;
     int global_batch; /* sequences per optimizer step over every data-parallel rank */
     uint64_t *seeds;  /* [plan_microbatches] LoRA dropout seed of each micro-batch of the step */
+    /* for events.jsonl (metrics/events.h) */
+    double t_launch;  /* Unix time trainer_init began */
+    struct {          /* what the weights came from, when a checkpoint */
+        char dir[4200];   /* a checkpoint's step-N under ckpt_folder */
+        double seconds, mib;
+        int resumed;  /* a full checkpoint (else a model-only one seeding step 0) */
+    } loaded;
+    struct ev_log *events; /* rank 0 during trainer_run; NULL elsewhere */
+    ev_energy energy;      /* RAPL reading at launch (rank 0) */
 } trainer;
 
 /* Takes ownership of *cfg (the caller must not free it). Builds the model from

@@ -218,12 +218,21 @@ static int load_checkpoint(trainer *t, const char *dir, int model_only, ct_err *
     return rc;
 }
 
+/* for the run's start event (events.jsonl) */
+static void note_loaded(trainer *t, const char *dir, const ckpt_info *info, int resumed) {
+    snprintf(t->loaded.dir, sizeof t->loaded.dir, "%s", dir);
+    t->loaded.seconds = info->seconds;
+    t->loaded.mib = info->bytes / 1048576.0;
+    t->loaded.resumed = resumed;
+}
+
 static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const lm_model *whole, ct_err *e) {
     ckpt_info info;
     int rc;
     if (model_only) {
         /* a model-only checkpoint (an import) seeds a new run at step 0 */
         if ((rc = ckpt_load_each(dir, whole, 0, NULL, &info, &t->load.sink, e))) return rc;
+        note_loaded(t, dir, &info, 0);
         fprintf(stderr, "ctitan: loaded model-only checkpoint %s as initial weights (%.1f MiB in %.2f s)\n", dir,
                 info.bytes / 1048576.0, info.seconds);
         return 0;
@@ -234,6 +243,7 @@ static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const
     free(state);
     if (rc) return rc;
     t->opt.step = t->step;
+    note_loaded(t, dir, &info, 1);
     fprintf(stderr, "ctitan: resuming from %s (step %d): %.1f MiB restored in %.2f s\n", dir, t->step,
             info.bytes / 1048576.0, info.seconds);
     return 0;
@@ -513,6 +523,13 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     if (rc || !rank0) return rc;
     fprintf(stderr, "ctitan: saved %scheckpoint %s: %.1f MiB in %.2f s\n", model_only ? "model-only " : "", info.dir,
             info.bytes / 1048576.0, info.seconds);
+    cJSON *ev = cJSON_CreateObject();
+    cJSON_AddNumberToObject(ev, "step", t->step);
+    cJSON_AddStringToObject(ev, "kind", model_only ? "model_only" : "full");
+    cJSON_AddStringToObject(ev, "path", info.dir);
+    cJSON_AddNumberToObject(ev, "mib", info.bytes / 1048576.0);
+    cJSON_AddNumberToObject(ev, "save_s", info.seconds);
+    ev_write(t->events, "checkpoint", ev);
 
     /* keep_latest_k counts from the newest step-N in the folder. After a
      * fallback past a damaged checkpoint (or a load_step older than the
