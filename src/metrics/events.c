@@ -81,22 +81,23 @@ static double read_uj(const char *path) {
     return ok ? (double)v : -1;
 }
 
-/* Sums energy_uj (or max_energy_range_uj) over the package domains,
- * intel-rapl:N (their subdomains intel-rapl:N:M are parts of them). The
- * powercap root may be moved by CTITAN_POWERCAP, so tests can give counters
- * to a machine without them. */
-static int rapl_sum(const char *file, double *joules, char *why, size_t cap) {
+static const char *powercap_root(void) {
     const char *root = getenv("CTITAN_POWERCAP");
-    if (!root || !*root) root = "/sys/class/powercap";
+    return root && *root ? root : "/sys/class/powercap";
+}
+
+/* file (energy_uj or max_energy_range_uj) of every package domain into
+ * out[] (joules), ids[] in directory order; the count, or -1. */
+static int read_domains(const char *file, unsigned *ids, double *out, char *why, size_t cap) {
+    const char *root = powercap_root();
     DIR *d = opendir(root);
     if (!d) {
-        snprintf(why, cap, "%s is missing (no RAPL power counters on this machine)", root);
+        snprintf(why, cap, "%.100s is missing (no RAPL power counters on this machine)", root);
         return -1;
     }
-    double sum = 0;
     int n = 0, bad = 0;
     struct dirent *de;
-    while ((de = readdir(d))) {
+    while ((de = readdir(d)) && n < EV_RAPL_MAX) {
         unsigned a;
         char rest;
         if (sscanf(de->d_name, "intel-rapl:%u%c", &a, &rest) != 1) continue;
@@ -108,35 +109,44 @@ static int rapl_sum(const char *file, double *joules, char *why, size_t cap) {
             bad = 1;
             continue;
         }
-        sum += v;
-        n++;
+        ids[n] = a;
+        out[n++] = v * 1e-6;
     }
     closedir(d);
     if (bad) return -1;
     if (!n) {
-        snprintf(why, cap, "%s has no intel-rapl package domains", root);
+        snprintf(why, cap, "%.100s has no intel-rapl package domains", root);
         return -1;
     }
-    *joules = sum * 1e-6;
-    return 0;
+    return n;
 }
-
-int ev_rapl_joules(double *joules, char *why, size_t cap) { return rapl_sum("energy_uj", joules, why, cap); }
 
 double ev_rapl_delta(double before, double after, double max_j) {
     return after >= before ? after - before : after + max_j - before;
 }
 
-void ev_energy_start(ev_energy *s) {
+int ev_energy_start(ev_energy *s) {
     memset(s, 0, sizeof *s);
-    if (ev_rapl_joules(&s->joules, s->why, sizeof s->why)) return;
-    if (rapl_sum("max_energy_range_uj", &s->max_j, s->why, sizeof s->why)) return;
+    unsigned ids[EV_RAPL_MAX];
+    if ((s->n = read_domains("energy_uj", s->id, s->joules, s->why, sizeof s->why)) < 0) return -1;
+    if (read_domains("max_energy_range_uj", ids, s->max_j, s->why, sizeof s->why) != s->n ||
+        memcmp(ids, s->id, sizeof(unsigned) * s->n)) {
+        if (!s->why[0]) snprintf(s->why, sizeof s->why, "%.100s: the RAPL domains changed while reading", powercap_root());
+        return -1;
+    }
     s->valid = 1;
+    return 0;
 }
 
 double ev_energy_since(ev_energy *s) {
-    double now;
     if (!s->valid) return -1;
-    if (ev_rapl_joules(&now, s->why, sizeof s->why)) return -1;
-    return ev_rapl_delta(s->joules, now, s->max_j);
+    unsigned ids[EV_RAPL_MAX];
+    double now[EV_RAPL_MAX];
+    if (read_domains("energy_uj", ids, now, s->why, sizeof s->why) != s->n || memcmp(ids, s->id, sizeof(unsigned) * s->n)) {
+        if (!s->why[0]) snprintf(s->why, sizeof s->why, "%.100s: the RAPL domains changed during the run", powercap_root());
+        return -1;
+    }
+    double sum = 0;
+    for (int i = 0; i < s->n; i++) sum += ev_rapl_delta(s->joules[i], now[i], s->max_j[i]);
+    return sum;
 }

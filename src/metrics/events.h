@@ -37,23 +37,27 @@ double ev_wall_time(void);
 /* CPU seconds (user + system, every thread) this process has used. */
 double ev_cpu_seconds(void);
 
-/* The energy counters of the CPU packages (Linux powercap, intel-rapl:N):
- * their sum in joules. 0 when readable; -1 with why[] saying what was
- * missing or unreadable (no powercap on a VM, root-only files...). */
-int ev_rapl_joules(double *joules, char *why, size_t cap);
-/* Joules used between two readings of one counter set, the counters having
- * wrapped at most once (max_j: their range); what ev_energy_since returns. */
-double ev_rapl_delta(double before, double after, double max_j);
-
-/* Energy since a reading: a (joules, valid) pair the trainer keeps. */
+/* The energy counters of the CPU packages (Linux powercap, intel-rapl:N;
+ * their subdomains intel-rapl:N:M are parts of them, not counted), in
+ * joules. Each wraps at its own max_energy_range_uj, so the energy used is
+ * summed domain by domain, each allowed one wrap between readings. The
+ * powercap root may be moved by CTITAN_POWERCAP (tests give counters to a
+ * machine without them). */
+#define EV_RAPL_MAX 16
 typedef struct {
-    int valid;       /* the start reading worked */
-    double joules;   /* the start reading */
-    double max_j;    /* the counters' summed range (their wrap point) */
-    char why[160];   /* when !valid: why not */
+    int valid;                  /* the start reading worked */
+    int n;                      /* package domains */
+    unsigned id[EV_RAPL_MAX];   /* N of intel-rapl:N */
+    double joules[EV_RAPL_MAX]; /* the start reading */
+    double max_j[EV_RAPL_MAX];  /* each counter's range (its wrap point) */
+    char why[160];              /* when !valid: why not */
 } ev_energy;
-void ev_energy_start(ev_energy *s);
+/* Reads every package counter. 0, or -1 with why[] saying what was missing
+ * or unreadable (no powercap on a VM, root-only files...). */
+int ev_energy_start(ev_energy *s);
 /* Joules used since ev_energy_start, or -1 (s->why says why). */
 double ev_energy_since(ev_energy *s);
+/* Joules between two readings of one counter that wraps at max_j. */
+double ev_rapl_delta(double before, double after, double max_j);
 
 #endif

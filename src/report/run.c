@@ -1,0 +1,207 @@
+/* report/run.c: run directories read back (see run.h). The JSON lines go
+ * through the strict reader (formats/json.h) like every file from outside;
+ * config.toml through the TOML reader, flattened to "section.key" pairs. */
+#include "report/run.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <sys/stat.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/fs.h"
+#include "formats/json.h"
+#include "formats/toml.h"
+
+static const char *const field_keys[RUN_N_FIELDS] = {
+    "loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "elapsed_s", "step_time_s", "tokens_seen",
+    "time", "world"};
+
+const char *run_field_key(run_field f) { return f >= 0 && f < RUN_N_FIELDS ? field_keys[f] : "?"; }
+
+static double num(const cJSON *o, const char *k) {
+    const cJSON *x = cJSON_GetObjectItemCaseSensitive(o, k);
+    return cJSON_IsNumber(x) ? x->valuedouble : NAN;
+}
+
+static void str(char *out, size_t cap, const cJSON *o, const char *k) {
+    const cJSON *x = cJSON_GetObjectItemCaseSensitive(o, k);
+    snprintf(out, cap, "%s", cJSON_IsString(x) ? x->valuestring : "");
+}
+
+static int step_of(const cJSON *o) {
+    double s = num(o, "step");
+    return isfinite(s) && s >= 0 && s <= 2e9 ? (int)s : -1;
+}
+
+/* Grows *arr (element size sz) to hold n + 1. */
+static void *grow(void *arr, int n, size_t sz) {
+    if (n & (n - 1) && n) return arr; /* capacity is the next power of two */
+    void *p = realloc(arr, (n ? 2 * (size_t)n : 8) * sz);
+    if (!p) abort();
+    return p;
+}
+
+typedef int (*line_fn)(run_data *r, const cJSON *o, const char *where, ct_err *e);
+
+static int add_metrics_line(run_data *r, const cJSON *o, const char *where, ct_err *e) {
+    int step = step_of(o);
+    if (step < 0) return ct_fail(e, CT_ERR_FORMAT, "%s: no valid \"step\"", where);
+    if (cJSON_GetObjectItemCaseSensitive(o, "val_loss")) {
+        r->vals = grow(r->vals, r->n_vals, sizeof *r->vals);
+        r->vals[r->n_vals++] = (run_val){step, num(o, "val_loss"), num(o, "val_perplexity")};
+        return 0;
+    }
+    r->points = grow(r->points, r->n_points, sizeof *r->points);
+    run_point *p = &r->points[r->n_points++];
+    p->step = step;
+    for (int f = 0; f < RUN_N_FIELDS; f++) p->v[f] = num(o, field_keys[f]);
+    return 0;
+}
+
+static int add_event_line(run_data *r, const cJSON *o, const char *where, ct_err *e) {
+    char name[32];
+    str(name, sizeof name, o, "event");
+    if (!name[0]) return ct_fail(e, CT_ERR_FORMAT, "%s: no \"event\"", where);
+    r->events = grow(r->events, r->n_events, sizeof *r->events);
+    run_event *v = &r->events[r->n_events++];
+    memset(v, 0, sizeof *v);
+    v->kind = !strcmp(name, "start")        ? RUN_EV_START
+              : !strcmp(name, "checkpoint") ? RUN_EV_CHECKPOINT
+              : !strcmp(name, "exit")       ? RUN_EV_EXIT
+                                            : RUN_EV_OTHER;
+    v->time = num(o, "time");
+    v->step = step_of(o);
+    double w = num(o, "world"), m = num(o, "machines"), th = num(o, "threads");
+    v->world = isfinite(w) && w >= 1 && w < 1e6 ? (int)w : 1;
+    v->machines = isfinite(m) && m >= 1 && m < 1e6 ? (int)m : 1;
+    v->threads = isfinite(th) && th >= 1 && th < 1e6 ? (int)th : 1;
+    v->launch_time = num(o, "launch_time");
+    v->startup_s = num(o, "startup_s");
+    v->load_s = num(o, "load_s");
+    str(v->resumed_from, sizeof v->resumed_from, o, "resumed_from");
+    str(v->cpu, sizeof v->cpu, o, "cpu");
+    str(v->host, sizeof v->host, o, "host");
+    str(v->ckpt_kind, sizeof v->ckpt_kind, o, "kind");
+    str(v->path, sizeof v->path, o, "path");
+    v->save_s = num(o, "save_s");
+    v->mib = num(o, "mib");
+    str(v->reason, sizeof v->reason, o, "reason");
+    v->wall_s = num(o, "wall_s");
+    v->cpu_s = num(o, "cpu_s");
+    v->energy_j = num(o, "energy_j");
+    str(v->energy_note, sizeof v->energy_note, o, "energy_unavailable");
+    return 0;
+}
+
+/* Every line of a JSONL file through fn. missing_ok: an absent file is an
+ * empty one. */
+static int read_jsonl(run_data *r, const char *dir, const char *name, int missing_ok, line_fn fn, ct_err *e) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    size_t len;
+    struct stat st;
+    if (missing_ok && stat(path, &st) && errno == ENOENT) return 0;
+    char *text = fs_read_file(path, 0, &len, e);
+    if (!text) return e->code;
+    int rc = 0, lineno = 0;
+    for (char *p = text, *end = text + len; p < end && !rc; lineno++) {
+        char *nl = memchr(p, '\n', (size_t)(end - p));
+        size_t n = nl ? (size_t)(nl - p) : (size_t)(end - p);
+        char where[4300];
+        snprintf(where, sizeof where, "%s:%d", path, lineno + 1);
+        if (n) {
+            cJSON *o = json_parse(p, n, where, e);
+            if (!o) {
+                rc = nl ? e->code : 0; /* an unfinished last line: the run was killed writing it */
+                if (!rc) *e = (ct_err){0};
+            } else {
+                rc = cJSON_IsObject(o) ? fn(r, o, where, e) : ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", where);
+                cJSON_Delete(o);
+            }
+        }
+        p += n + 1;
+    }
+    free(text);
+    return rc;
+}
+
+static char *value_str(const toml_value *v) {
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (!f) abort();
+    switch (v->kind) {
+    case TOML_STRING: fprintf(f, "\"%s\"", v->s); break;
+    case TOML_INT: fprintf(f, "%lld", (long long)v->i); break;
+    case TOML_FLOAT: fprintf(f, "%.9g", v->f); break;
+    case TOML_BOOL: fprintf(f, "%s", v->i ? "true" : "false"); break;
+    case TOML_ARRAY:
+        fputc('[', f);
+        for (int i = 0; i < v->n_items; i++) {
+            char *s = value_str(&v->items[i]);
+            fprintf(f, "%s%s", i ? ", " : "", s);
+            free(s);
+        }
+        fputc(']', f);
+        break;
+    }
+    fclose(f);
+    return buf;
+}
+
+static int read_config(run_data *r, const char *dir, ct_err *e) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/config.toml", dir);
+    struct stat st;
+    if (stat(path, &st) && errno == ENOENT) return 0;
+    toml_doc d;
+    int rc = toml_parse_file(path, &d, e);
+    if (rc) return rc;
+    for (int s = 0; s < d.n_sections; s++)
+        for (int k = 0; k < d.sections[s].n_kvs; k++) {
+            const toml_kv *kv = &d.sections[s].kvs[k];
+            r->config = grow(r->config, r->n_config, sizeof *r->config);
+            run_setting *st = &r->config[r->n_config++];
+            size_t n = strlen(d.sections[s].name) + strlen(kv->key) + 2;
+            st->key = malloc(n);
+            if (!st->key) abort();
+            snprintf(st->key, n, "%s%s%s", d.sections[s].name, d.sections[s].name[0] ? "." : "", kv->key);
+            st->value = value_str(&kv->val);
+        }
+    toml_free(&d);
+    return 0;
+}
+
+int run_load(run_data *r, const char *dir, ct_err *e) {
+    memset(r, 0, sizeof *r);
+    snprintf(r->dir, sizeof r->dir, "%s", dir);
+    struct stat st;
+    if (stat(dir, &st) || !S_ISDIR(st.st_mode)) return ct_fail(e, CT_ERR_IO, "%s: not a run directory (no such directory)", dir);
+    int rc = read_jsonl(r, dir, "metrics.jsonl", 0, add_metrics_line, e);
+    if (!rc) rc = read_jsonl(r, dir, "events.jsonl", 1, add_event_line, e);
+    if (!rc) rc = read_config(r, dir, e);
+    return rc;
+}
+
+void run_free(run_data *r) {
+    for (int i = 0; i < r->n_config; i++) {
+        free(r->config[i].key);
+        free(r->config[i].value);
+    }
+    free(r->config);
+    free(r->points);
+    free(r->vals);
+    free(r->events);
+    memset(r, 0, sizeof *r);
+}
+
+const char *run_setting_get(const run_data *r, const char *key) {
+    for (int i = 0; i < r->n_config; i++)
+        if (!strcmp(r->config[i].key, key)) return r->config[i].value;
+    return NULL;
+}
+
+int run_last_step(const run_data *r) { return r->n_points ? r->points[r->n_points - 1].step : 0; }
