@@ -105,7 +105,7 @@ static int read_domains(const char *file, unsigned *ids, double *out, char *why,
         snprintf(path, sizeof path, "%s/%s/%s", root, de->d_name, file);
         double v = read_uj(path);
         if (v < 0) {
-            if (!bad) snprintf(why, cap, "%s is not readable (RAPL counters are often root-only)", path);
+            if (!bad) snprintf(why, cap, "%.120s is not readable (RAPL counters are often root-only)", path);
             bad = 1;
             continue;
         }

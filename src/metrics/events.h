@@ -50,7 +50,7 @@ typedef struct {
     unsigned id[EV_RAPL_MAX];   /* N of intel-rapl:N */
     double joules[EV_RAPL_MAX]; /* the start reading */
     double max_j[EV_RAPL_MAX];  /* each counter's range (its wrap point) */
-    char why[160];              /* when !valid: why not */
+    char why[256];              /* when !valid: why not */
 } ev_energy;
 /* Reads every package counter. 0, or -1 with why[] saying what was missing
  * or unreadable (no powercap on a VM, root-only files...). */
