@@ -160,6 +160,14 @@ test-py: all
 	  tests/py/test_families.py::test_logits_loss_grads
 	$(PY) -m pytest -q tests/py
 
+# The tests' OpenMP threads sleep when they wait for work (OMP_WAIT_POLICY=passive) instead of
+# spinning (libgomp's default, and torch's): the tests run thousands of tiny parallel regions
+# (finite differences, small models, `kernels check` cases) and, on 2 shared cores with a
+# subprocess of 2 threads beside pytest, the spinning threads took the cores from the ones with
+# work: 2-4x the CPU time and up to 4x the wall time for the same computation. Same threads,
+# same code paths, same results; only how an idle thread waits. Not for `make run` or bench.
+test test-c test-py test-aarch64 sanitize fuzz-short: export OMP_WAIT_POLICY ?= passive
+
 test: setup
 	@$(MAKE) --no-print-directory all test-c
 	@$(MAKE) --no-print-directory test-aarch64
