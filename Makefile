@@ -103,18 +103,22 @@ FUZZ_CC     := clang
 FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 FUZZ_CFLAGS := -O1 -g -std=c11 -Wall -Wextra -fPIC -fopenmp -Isrc -I/usr/include/$(TRIPLET)/openblas-openmp \
                -D_GNU_SOURCE $(MPI_CFLAGS) $(FUZZ_SAN) -fsanitize=fuzzer-no-link
-FUZZ_OBJS   := $(SRCS:%.c=build/fuzz/obj/%.o)
+# The SIMD kernels are no parser: clang cannot compile their target-attributed intrinsics inside
+# OpenMP regions, so they keep the main build's compiler and flags, uninstrumented: the main
+# build's own objects (build/obj/src/kernels, the same command), not a second compile of them.
+FUZZ_OBJS   := $(patsubst %.c,build/fuzz/obj/%.o,$(filter-out src/kernels/%,$(SRCS))) \
+               $(patsubst %.c,build/obj/%.o,$(filter src/kernels/%,$(SRCS)))
 FUZZ_BINS   := $(patsubst tests/fuzz/%.c,build/fuzz/%,$(wildcard tests/fuzz/fuzz_*.c))
 
 build/fuzz/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -MMD -MP -c $< -o $@
 
-# The SIMD kernels are no parser: clang cannot compile their target-attributed intrinsics inside
-# OpenMP regions, so they keep the main build's compiler and flags, uninstrumented.
-build/fuzz/obj/src/kernels/%.o: src/kernels/%.c
+ifneq ($(BUILD),build)
+build/obj/src/kernels/%.o: src/kernels/%.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+endif
 
 build/fuzz/libctitan.a: $(FUZZ_OBJS)
 	@rm -f $@
