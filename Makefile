@@ -173,12 +173,16 @@ test-py: all
 # same code paths, same results; only how an idle thread waits. Not for `make run` or bench.
 test test-c test-py test-aarch64 sanitize fuzz-short: export OMP_WAIT_POLICY ?= passive
 
+# The three builds of make test (build, build/san, build/fuzz) on every core: `make test` alone
+# (.ci/run) compiled one file at a time. The test recipes still run one command at a time
+# (test-aarch64's cross build has its own -j).
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test: setup
-	@$(MAKE) --no-print-directory all test-c
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) all test-c
 	@$(MAKE) --no-print-directory test-aarch64
-	@$(MAKE) --no-print-directory sanitize
-	@$(MAKE) --no-print-directory fuzz-short
-	@$(MAKE) --no-print-directory test-py
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) sanitize
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) fuzz-short
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) test-py
 
 run:
 	@bash scripts/setup.sh --no-venv
