@@ -490,7 +490,13 @@ int main(void) {
         printf("skip under emulation: kern_check of the built-in table, of every op's reference copies, "
                "and of the broken matmuls (`kernels check` and the native run cover them)\n");
     } else {
-        test_check_builtin();
+        /* make test-c runs `ctitan kernels check` right after the C tests: the same kern_check over
+         * the same built-in table and CPU features (another seed), and says so (CT_KERNELS_CHECK=cli) */
+        const char *kc = getenv("CT_KERNELS_CHECK");
+        if (kc && !strcmp(kc, "cli"))
+            printf("skip: kern_check of the built-in table (`ctitan kernels check` runs it after the C tests)\n");
+        else
+            test_check_builtin();
         test_check_catches_bugs();
         test_check_every_op();
     }
