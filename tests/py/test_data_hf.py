@@ -118,7 +118,7 @@ def auto_tok(tokdir):
     return AutoTokenizer.from_pretrained(str(tokdir))
 
 
-DATA_SRCS = ["src/core/err.c", "src/core/fs.c", "src/core/rng.c", "src/core/timer.c", "src/formats/npy.c", "src/formats/json.c",
+DATA_SRCS = ["src/core/err.c", "src/core/fs.c", "src/core/progress.c", "src/core/rng.c", "src/core/timer.c", "src/formats/npy.c", "src/formats/json.c",
              "src/data/chat.c", "src/data/dataset.c", "src/data/ds_source.c", "src/data/ds_shards.c",
              "src/cli/cmd_prepare.c", "src/hub/hub.c"]
 DRIVER = r"""
