@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include "core/timer.h"
@@ -99,6 +100,11 @@ static void draw(prog_bar *b, double now, int final) {
     char line[512];
     prog_format(b, now, final, line, sizeof line);
     if (b->mode == PROG_TTY) {
+        /* a line wider than the terminal wraps, and \r then redraws only its last row;
+         * the final one may wrap (a newline follows), so it keeps its time */
+        struct winsize ws;
+        if (!final && ioctl(2, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 20 && strlen(line) >= ws.ws_col)
+            line[ws.ws_col - 1] = 0;
         fprintf(stderr, "\r%s\033[K", line);
         if (final) fputc('\n', stderr);
         b->drawn = !final;
