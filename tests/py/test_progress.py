@@ -283,3 +283,10 @@ def test_fuzz_lines(tmp_path):
     for i, (n, ln) in enumerate(zip(names, lines), 1):
         assert re.fullmatch(rf"fuzz: \[{i}/3\] {n}: {1000 * i} execs; elapsed \d+s, ETA \d+s", ln), ln
     assert p.stdout.splitlines()[1:] == [f"{n} {1000 * (i + 1)} ? 0 ? ? ok" for i, n in enumerate(names)], p.stdout
+    # short mode (make fuzz-short): the same lines, then its summary on stdout
+    p = subprocess.run(["bash", "scripts/fuzz.sh", "short", *names[:2]], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(CHILD_ENV, FUZZ_BUILD=str(b), FUZZ_BIN=str(bins)), timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("fuzz: [")]
+    assert [ln.split(":")[1] for ln in lines] == [" [1/2] fuzz_a", " [2/2] fuzz_b"], p.stderr
+    assert "ETA 0s" in lines[-1] and p.stdout.startswith("fuzz-short: 2 targets"), (p.stdout, p.stderr)
