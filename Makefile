@@ -186,9 +186,11 @@ test: setup
 	@$(MAKE) --no-print-directory -j$(TEST_JOBS) fuzz-short
 	@$(MAKE) --no-print-directory -j$(TEST_JOBS) test-py
 
+# The build on every core unless make was given -j itself: `make run` from a fresh clone
+# is timed (README), and a serial build is a third of it on a 2-core machine.
 run:
 	@bash scripts/setup.sh --no-venv
-	@$(MAKE) --no-print-directory all
+	@$(MAKE) --no-print-directory $(if $(findstring -j,$(MAKEFLAGS)),,-j$(shell nproc 2>/dev/null || echo 2)) all
 	@bash scripts/run_default.sh
 
 # Figures beside PyTorch (docs/benchmarks.md); not part of make test.

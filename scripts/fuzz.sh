@@ -10,7 +10,7 @@
 # A crashing input is written to build/fuzz/crashes/<target>-...; rerun it with build/fuzz/<target> FILE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-B=build/fuzz
+B=${FUZZ_BUILD:-build/fuzz} # FUZZ_BUILD: another tree (tests run stub targets in a temp dir)
 mode=${1:-short}
 shift || true
 
@@ -48,6 +48,24 @@ figures() {
     echo "${execs:-?} ${eps:-?} ${secs:-?} ${cov:-?} ${ft:-?}"
 }
 
+# 12s, 3m04s, 1h02m: the ETA form of core/progress.h
+fmt_s() {
+    local t=$1
+    if [ "$t" -ge 3600 ]; then printf '%dh%02dm' $((t / 3600)) $((t / 60 % 60))
+    elif [ "$t" -ge 60 ]; then printf '%dm%02ds' $((t / 60)) $((t % 60))
+    else printf '%ds' "$t"; fi
+}
+
+# One line per finished target on stderr (stdout of `long` is its figures table):
+# "[3/13] fuzz_x: N execs in 4s; elapsed 30s, ETA 1m40s", the ETA the mean time per
+# target so far times the targets left (targets differ, so it is a rough guide).
+progress() { # index count target log start
+    local i=$1 n=$2 t=$3 log=$4 start=$5 now el execs
+    now=$(date +%s); el=$((now - start))
+    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+    echo "fuzz: [$i/$n] $t: ${execs:-?} execs; elapsed $(fmt_s "$el"), ETA $(fmt_s $((el * (n - i) / i)))" >&2
+}
+
 run_one() { # target runs workdir log
     local t=$1 runs=$2 work=$3 log=$4 d
     d=$(dict_of "$t")
@@ -65,7 +83,9 @@ short)
     runs=${FUZZ_SHORT_RUNS:-15000}
     mkdir -p "$B/logs"
     start=$(date +%s)
+    i=0
     for t in "${targets[@]}"; do
+        i=$((i + 1))
         work=$(mktemp -d "${TMPDIR:-/tmp}/ctitan-fuzz-short.XXXXXX")
         if ! run_one "$t" "$runs" "$work" "$B/logs/$t-short.log"; then
             rm -rf "$work"
@@ -74,6 +94,7 @@ short)
             exit 1
         fi
         rm -rf "$work"
+        progress "$i" "${#targets[@]}" "$t" "$B/logs/$t-short.log" "$start"
     done
     echo "fuzz-short: ${#targets[@]} targets x $runs executions, 0 crashes, 0 leaks, 0 UB reports ($(( $(date +%s) - start )) s)"
     ;;
@@ -82,10 +103,14 @@ long)
     runs=${FUZZ_LONG_RUNS:-1000000}
     mkdir -p "$B/logs"
     echo "target executions exec/s seconds cov ft result"
+    start=$(date +%s)
+    i=0
     for t in "${targets[@]}"; do
+        i=$((i + 1))
         res=ok
         nice -n 15 bash -c "$(declare -f run_one dict_of); B=$B; FUZZ_BIN=${FUZZ_BIN:-}; run_one $t $runs $B/work/$t $B/logs/$t.log" || res=FAILED
         echo "$t $(figures "$B/logs/$t.log") $res"
+        progress "$i" "${#targets[@]}" "$t" "$B/logs/$t.log" "$start"
     done
     ;;
 *) echo "usage: scripts/fuzz.sh seeds | short | long [target...]" >&2; exit 2 ;;

@@ -51,9 +51,13 @@
 #include <xxhash.h>
 
 #include "checkpoint/hf.h"
+#include "core/progress.h"
 #include "core/timer.h"
 #include "formats/safetensors.h"
 
+/* Progress (core/progress.h) only for a save or load still running after a
+ * second: a real model's, never the tiny checkpoints of tests. */
+#define CKPT_PROG_MIN_S 1.0
 #define CKPT_PATH 4096
 #define CKPT_MAX_FILES 32
 #define CKPT_NAME_MAX 64
@@ -135,7 +139,7 @@ static int ckpt_write_file(const char *path, const char *text, size_t len, ct_er
 }
 
 /* Streams a file through XXH3-64. */
-static int ckpt_hash_file(const char *path, uint64_t *bytes, uint64_t *hash, ct_err *e) {
+static int ckpt_hash_file(const char *path, uint64_t *bytes, uint64_t *hash, prog_bar *bar, ct_err *e) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     XXH3_state_t *st = XXH3_createState();
@@ -157,6 +161,7 @@ static int ckpt_hash_file(const char *path, uint64_t *bytes, uint64_t *hash, ct_
         if (k == 0) break;
         XXH3_64bits_update(st, buf, (size_t)k);
         total += (uint64_t)k;
+        if (bar) prog_add(bar, (double)k);
     }
     close(fd);
     free(buf);
@@ -318,7 +323,7 @@ static int ckpt_read_manifest(const char *dir, ckpt_manifest *man, ct_err *e) {
 }
 
 /* Checks every listed file: size always, checksum when `full`. */
-static int ckpt_check_files(const char *dir, const ckpt_manifest *man, int full, ct_err *e) {
+static int ckpt_check_files(const char *dir, const ckpt_manifest *man, int full, prog_bar *bar, ct_err *e) {
     char p[CKPT_PATH];
     for (int i = 0; i < man->n; i++) {
         const ckpt_file *f = &man->f[i];
@@ -333,7 +338,7 @@ static int ckpt_check_files(const char *dir, const ckpt_manifest *man, int full,
                            (long long)st.st_size, (unsigned long long)f->bytes);
         if (!full) continue;
         uint64_t bytes, hash;
-        if ((rc = ckpt_hash_file(p, &bytes, &hash, e))) return rc;
+        if ((rc = ckpt_hash_file(p, &bytes, &hash, bar, e))) return rc;
         if (bytes != f->bytes)
             return ct_fail(e, CT_ERR_FORMAT, "%s: changed size while being read", p);
         if (hash != f->hash)
@@ -344,7 +349,7 @@ static int ckpt_check_files(const char *dir, const ckpt_manifest *man, int full,
 
 static int ckpt_verify_level(const char *dir, int full, ckpt_manifest *man, ct_err *e) {
     int rc = ckpt_read_manifest(dir, man, e);
-    if (!rc) rc = ckpt_check_files(dir, man, full, e);
+    if (!rc) rc = ckpt_check_files(dir, man, full, NULL, e);
     return rc;
 }
 
@@ -403,7 +408,7 @@ static int ckpt_write_manifest(const char *tmp, int step, int model_only, const 
     for (int i = 0; i < n && !rc; i++) {
         uint64_t bytes, hash;
         rc = fs_join_buf(p, CKPT_PATH, tmp, names[i], e);
-        if (!rc) rc = ckpt_hash_file(p, &bytes, &hash, e);
+        if (!rc) rc = ckpt_hash_file(p, &bytes, &hash, NULL, e);
         if (rc) break;
         *total += bytes;
         k += (size_t)snprintf(buf + k, cap - k, "%s\n    \"%s\": {\"bytes\": %llu, \"xxh3_64\": \"%016llx\"}",
@@ -458,9 +463,11 @@ struct ckpt_stream {
     size_t put;      /* floats of the current file put so far */
     st_stream *st;
     double t0;
+    prog_bar bar;    /* tensor bytes written */
 };
 
 static void ckpt_stream_free(ckpt_stream *s, int remove_tmp) {
+    prog_break(&s->bar);
     st_stream_abort(s->st);
     if (remove_tmp) {
         ct_err ignore;
@@ -480,6 +487,9 @@ int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_
     s->m = m;
     s->t0 = t0;
     snprintf(s->folder, sizeof s->folder, "%s", folder);
+    char label[64];
+    snprintf(label, sizeof label, "checkpoint save step-%d", step);
+    prog_begin(&s->bar, label, (double)m->n_params * sizeof(float) * (model_only ? 1 : 3), "B", CKPT_PROG_MIN_S);
     char name[64], p[CKPT_PATH];
     snprintf(name, sizeof name, ".step-%d.tmp-%ld", step, (long)getpid());
     int rc = fs_join_buf(s->tmp, CKPT_PATH, folder, name, e);
@@ -513,6 +523,7 @@ int ckpt_stream_put(ckpt_stream *s, const float *x, size_t n, ct_err *e) {
         size_t k = n < want - s->put ? n : want - s->put;
         int rc = st_stream_write(s->st, x, k, e);
         if (rc) return rc;
+        prog_add(&s->bar, (double)k * sizeof(float));
         x += k;
         n -= k;
         s->put += k;
@@ -576,6 +587,7 @@ int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_t
         info->bytes = total;
         info->seconds = ct_now() - s->t0;
     }
+    prog_end(&s->bar);
     ckpt_stream_free(s, 0);
     return 0;
 }
@@ -703,7 +715,7 @@ static void ckpt_shape_str(char *out, size_t cap, int ndim, const int64_t *shape
 /* Hands, for every model tensor T, the tensor "T" + suffix of file f to the
  * sink as `kind`, and checks that f holds nothing else. */
 static int ckpt_load_tensors(st_file *f, const lm_model *m, const char *suffix, const lm_sink *s, int kind,
-                             ct_err *e) {
+                             prog_bar *bar, ct_err *e) {
     const char *path = st_path(f);
     char nm[LM_NAME_MAX + 16];
     for (int i = 0; i < m->n_tensors; i++) {
@@ -725,6 +737,7 @@ static int ckpt_load_tensors(st_file *f, const lm_model *m, const char *suffix, 
                            ct_dtype_name(st->dtype));
         s->put(s->ctx, kind, i, 0, t->numel / lm_tensor_cols(t), st->data); /* mapped: all rows at once */
         st_drop(st);
+        if (bar) prog_add(bar, (double)t->numel * sizeof(float));
     }
     if (st_count(f) != m->n_tensors) {
         /* counts differ and every needed name was found: some name is extra */
@@ -784,12 +797,44 @@ int ckpt_load(const char *dir, lm_model *m, float *exp_avg, float *exp_avg_sq, c
     return ckpt_load_each(dir, m, exp_avg || exp_avg_sq, state_json, info, &s, e);
 }
 
+static int ckpt_load_checked(const char *dir, const ckpt_manifest *mp, const lm_model *m, int moments,
+                             char **state_json, const lm_sink *sink, prog_bar *bar, ct_err *e);
+
 int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state_json, ckpt_info *info,
                    const lm_sink *sink, ct_err *e) {
     double t0 = ct_now();
     if (state_json) *state_json = NULL;
     ckpt_manifest man;
-    int rc = ckpt_verify_level(dir, 1, &man, e);
+    int rc = ckpt_read_manifest(dir, &man, e);
+    if (rc) return rc;
+    /* one bar over both passes: every file read for its checksum, then the tensors copied */
+    double total = (double)m->n_params * sizeof(float) * (moments && !man.model_only ? 3 : 1);
+    for (int i = 0; i < man.n; i++) total += (double)man.f[i].bytes;
+    char label[64];
+    snprintf(label, sizeof label, "checkpoint load step-%d (verify + read)", man.step);
+    prog_bar bar;
+    prog_begin(&bar, label, total, "B", CKPT_PROG_MIN_S);
+    rc = ckpt_load_checked(dir, &man, m, moments, state_json, sink, &bar, e);
+    if (rc) {
+        prog_break(&bar);
+        return rc;
+    }
+    prog_end(&bar);
+    if (info) {
+        info->step = man.step;
+        snprintf(info->dir, sizeof info->dir, "%s", dir);
+        info->bytes = 0;
+        for (int i = 0; i < man.n; i++) info->bytes += man.f[i].bytes;
+        info->seconds = ct_now() - t0;
+    }
+    return 0;
+}
+
+/* ckpt_load_each once the manifest is read: checksums, config, tensors, state. */
+static int ckpt_load_checked(const char *dir, const ckpt_manifest *mp, const lm_model *m, int moments,
+                             char **state_json, const lm_sink *sink, prog_bar *bar, ct_err *e) {
+    const ckpt_manifest man = *mp;
+    int rc = ckpt_check_files(dir, &man, 1, bar, e);
     if (rc) return rc;
     if (moments && man.model_only)
         return ct_fail(e, CT_ERR_FORMAT,
@@ -799,7 +844,7 @@ int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state
     if ((rc = fs_join_buf(p, CKPT_PATH, dir, "model.safetensors", e))) return rc;
     st_file *f = st_open(p, e);
     if (!f) return e ? e->code : CT_ERR_FORMAT;
-    rc = ckpt_load_tensors(f, m, "", sink, LM_PARAMS, e);
+    rc = ckpt_load_tensors(f, m, "", sink, LM_PARAMS, bar, e);
     st_close(f);
     if (rc) return rc;
     if (moments) {
@@ -830,6 +875,7 @@ int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state
                 sink->put(sink->ctx, k ? LM_EXP_AVG_SQ : LM_EXP_AVG, i, 0, t->numel / lm_tensor_cols(t),
                           st->data);
                 st_drop(st);
+                prog_add(bar, (double)t->numel * sizeof(float));
             }
         if (!rc && st_count(f) != 2 * m->n_tensors) {
             for (int i = 0; i < st_count(f) && !rc; i++) {
@@ -855,13 +901,6 @@ int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state
             if ((rc = fs_join_buf(p, CKPT_PATH, dir, "state.json", e))) return rc;
             if (!(*state_json = fs_read_file(p, CKPT_TEXT_MAX, NULL, e))) return e ? e->code : CT_ERR_IO;
         }
-    }
-    if (info) {
-        info->step = man.step;
-        snprintf(info->dir, sizeof info->dir, "%s", dir);
-        info->bytes = 0;
-        for (int i = 0; i < man.n; i++) info->bytes += man.f[i].bytes;
-        info->seconds = ct_now() - t0;
     }
     return 0;
 }

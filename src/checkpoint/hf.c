@@ -9,8 +9,14 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "core/progress.h"
 #include "formats/safetensors.h"
 #include "model/lora.h"
+
+/* Progress (core/progress.h) only for loads and saves still running after a
+ * second: a real model's, not the tiny ones of tests and generate calls. */
+#define HF_PROG_MIN_S 1.0
+#define HF_SAVE_CHUNK ((size_t)1 << 22) /* elements per write: a bar step of 16 MiB of fp32 */
 
 int hf_dtype_from_name(const char *name) {
     if (!strcmp(name, "float32")) return CT_F32;
@@ -87,6 +93,14 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
         most = b > most ? b : most;
     }
     float *buf = ct_malloc(most * sizeof(float)); /* [block] rows converted to fp32 a block at a time */
+    /* bytes of the stored tensors drive the bar; shown only when loading takes over HF_PROG_MIN_S */
+    double total = 0;
+    for (int i = 0; i < m->n_tensors; i++) {
+        const st_tensor *st = m->tensors[i].lora ? NULL : st_set_find(s, m->tensors[i].name, NULL);
+        if (st) total += (double)st->numel * (double)ct_dtype_size(st->dtype);
+    }
+    prog_bar bar;
+    prog_begin(&bar, "load HF model", total, "B", HF_PROG_MIN_S);
     for (int i = 0; i < m->n_tensors && !rc; i++) {
         const lm_tensor *t = &m->tensors[i];
         if (t->lora) continue; /* adapters are not part of an HF model (model/lora.h loads them) */
@@ -116,10 +130,13 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
             else
                 rc = hf_check_finite(buf, (r1 - r0) * cols, r0 * cols, file, t->name, e);
             if (!rc) sink->put(sink->ctx, LM_PARAMS, i, r0, r1, buf);
+            prog_add(&bar, (double)((r1 - r0) * cols * es));
         }
         st_drop(st);
     }
     free(buf);
+    if (rc) prog_break(&bar);
+    else prog_end(&bar);
     for (int i = 0; i < st_set_count(s) && !rc; i++) {
         const st_tensor *st = st_set_get(s, i);
         if (lm_find(m, st->name)) continue;
@@ -134,6 +151,12 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
     }
     st_set_close(s);
     return rc;
+}
+
+static size_t hf_numel(const st_wtensor *t) {
+    size_t n = 1;
+    for (int d = 0; d < t->ndim; d++) n *= (size_t)t->shape[d];
+    return n;
 }
 
 int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e) {
@@ -155,7 +178,26 @@ int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard
     }
     const char *meta[] = {"format", "pt", NULL};
     if (max_shard_bytes == 0) max_shard_bytes = (size_t)5 << 30;
-    rc = st_write_dir(dir, ts, n, max_shard_bytes, meta, e);
+    /* streamed tensor by tensor (the files st_write_dir writes) so the bar can follow */
+    double total = 0;
+    for (int i = 0; i < n; i++) total += (double)hf_numel(&ts[i]);
+    prog_bar bar;
+    prog_begin(&bar, "save HF model", total * (double)ct_dtype_size(dtype), "B", HF_PROG_MIN_S);
+    st_dir_stream *d = NULL;
+    rc = st_dir_stream_open(&d, dir, ts, n, max_shard_bytes, meta, e);
+    for (int i = 0; i < n && !rc; i++) {
+        size_t numel = hf_numel(&ts[i]);
+        const float *x = ts[i].data;
+        for (size_t off = 0; off < numel && !rc; off += HF_SAVE_CHUNK) {
+            size_t k = numel - off < HF_SAVE_CHUNK ? numel - off : HF_SAVE_CHUNK;
+            rc = st_dir_stream_write(d, x + off, k, e);
+            prog_add(&bar, (double)(k * ct_dtype_size(dtype)));
+        }
+    }
+    if (!rc) rc = st_dir_stream_close(d, e);
+    else st_dir_stream_abort(d);
+    if (rc) prog_break(&bar);
+    else prog_end(&bar);
     free(ts);
     if (rc) return rc;
     char path[4096];

@@ -1,10 +1,8 @@
 /* cli/cmd_prepare.c: `ctitan prepare`: tokenize a corpus into shards.
  *
  * Thin: arguments -> ds_tokenize (every core, deterministic order) ->
- * ds_writer (shard-NNNNN.bin / .mask + meta.json). The progress display is
- * the only logic here: a bar redrawn in place with \r when stderr is a
- * terminal, plain lines every few seconds otherwise (logs, CI), and one
- * summary line at the end either way. */
+ * ds_writer (shard-NNNNN.bin / .mask + meta.json). Progress is core/progress.h's
+ * (bytes of input read); one summary line follows at the end either way. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +11,7 @@
 
 #include "cli/cli.h"
 #include "core/err.h"
+#include "core/progress.h"
 #include "core/timer.h"
 #include "data/dataset.h"
 #include "hub/hub.h"
@@ -44,11 +43,6 @@ void cli_prepare_help(void) {
 
 /* ------------------------------------------------------------ progress */
 
-typedef struct {
-    double t0, last;
-    int tty, quiet, drawn;
-} progress_view;
-
 static void human(char *buf, size_t cap, double x) {
     const char *u[] = {"", "k", "M", "G", "T"};
     int i = 0;
@@ -56,60 +50,22 @@ static void human(char *buf, size_t cap, double x) {
     snprintf(buf, cap, i ? "%.1f%s" : "%.0f%s", x, u[i]);
 }
 
-static void clock_str(char *buf, size_t cap, double s) {
-    if (s < 0 || s > 1e7) {
-        snprintf(buf, cap, "--:--");
-        return;
-    }
-    long t = (long)(s + 0.5);
-    if (t >= 3600) snprintf(buf, cap, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
-    else snprintf(buf, cap, "%ld:%02ld", t / 60, t % 60);
-}
-
-static void draw(progress_view *v, const ds_progress *p, double now) {
-    double dt = now - v->t0;
-    double frac = p->bytes_total ? (double)p->bytes_done / (double)p->bytes_total : 1.0;
-    double rate = dt > 0 ? p->bytes_done / dt : 0;
-    char docs[32], toks[32], eta[32];
+/* ds_progress_fn: bytes of input read drive the bar (core/progress.h); the
+ * document and token rates ride along, as they are what a user sizes a run by. */
+static void on_progress(void *ctx, const ds_progress *p, int final) {
+    prog_bar *b = ctx;
+    double dt = ct_now() - b->t0;
+    char docs[32], toks[32];
     human(docs, sizeof docs, dt > 0 ? p->docs / dt : 0);
     human(toks, sizeof toks, dt > 0 ? p->tokens / dt : 0);
-    clock_str(eta, sizeof eta, rate > 0 ? (double)(p->bytes_total - p->bytes_done) / rate : -1);
-    if (v->tty) {
-        char bar[31];
-        int fill = (int)(frac * 30 + 0.5);
-        for (int i = 0; i < 30; i++) bar[i] = i < fill ? '#' : '.';
-        bar[30] = 0;
-        fprintf(stderr, "\r[%s] %5.1f%%  %s docs/s  %s tok/s  %.2f MB/s  ETA %s\033[K", bar, 100 * frac, docs, toks,
-                rate / 1e6, eta);
-        v->drawn = 1;
-    } else {
-        char nd[32], nt[32];
-        human(nd, sizeof nd, (double)p->docs);
-        human(nt, sizeof nt, (double)p->tokens);
-        fprintf(stderr,
-                "ctitan: prepare: %5.1f%% of %.1f MB, %s docs, %s tokens; %s docs/s, %s tok/s, %.2f MB/s, ETA %s\n",
-                100 * frac, p->bytes_total / 1e6, nd, nt, docs, toks, rate / 1e6, eta);
-    }
-    fflush(stderr);
-}
-
-/* ds_progress_fn: the bar at most 10 times a second, plain lines every 5 s;
- * the final call completes the bar (the summary line follows). */
-static void on_progress(void *ctx, const ds_progress *p, int final) {
-    progress_view *v = ctx;
-    if (v->quiet) return;
-    double now = ct_now();
+    snprintf(b->extra, sizeof b->extra, "%s%s docs/s, %s tok/s", b->mode == PROG_TTY ? "  " : ", ", docs, toks);
+    b->total = (double)p->bytes_total;
     if (final) {
-        if (v->tty) {
-            draw(v, p, now);
-            fputc('\n', stderr);
-            v->drawn = 0;
-        }
-        return;
+        b->done = (double)p->bytes_done;
+        prog_end(b);
+    } else {
+        prog_update(b, (double)p->bytes_done);
     }
-    if (now - v->last < (v->tty ? 0.1 : 5.0)) return;
-    v->last = now;
-    draw(v, p, now);
 }
 
 /* ------------------------------------------------------------ arguments */
@@ -237,9 +193,11 @@ int cli_prepare(int argc, char **argv) {
     ds_progress st = {0};
     double t0 = ct_now();
     if (!rc) {
-        progress_view v = {.t0 = t0, .last = t0, .tty = isatty(2), .quiet = a.quiet};
+        prog_bar v;
+        prog_begin(&v, "prepare", 0, "B", 0);
+        if (a.quiet) v.mode = PROG_OFF;
         rc = ds_tokenize(a.inputs, a.n_inputs, t, &o, ds_writer_sink, w, on_progress, &v, &st, &e);
-        if (v.drawn && rc) fputc('\n', stderr);
+        prog_break(&v);
     }
     int32_t eos = o.eos_id;
     if (!rc && eos < 0) eos = tok_eos_id(t);

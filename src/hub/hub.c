@@ -73,6 +73,7 @@
 
 #include "core/fs.h"
 #include "formats/json.h"
+#include "core/progress.h"
 #include "core/timer.h"
 
 #define HUB_PATH 4096
@@ -846,49 +847,6 @@ static int head(const hub_ctx *h, const char *url, hub_headers *hd, char *final,
     return -1;
 }
 
-/* ---- progress on stderr: one redrawn line on a terminal, plain lines otherwise */
-
-typedef struct {
-    char label[512];
-    long long total, done, start;
-    double t0, last;
-    int tty, drawn;
-} hub_bar;
-
-static void bar_draw(hub_bar *b, int final) {
-    double now = ct_now(), dt = now - b->t0;
-    char d[32], t[32], r[32];
-    human_bytes(d, sizeof d, (double)b->done);
-    human_bytes(t, sizeof t, (double)b->total);
-    human_bytes(r, sizeof r, dt > 0 ? (double)(b->done - b->start) / dt : 0.0);
-    if (b->tty) {
-        if (b->total > 0)
-            fprintf(stderr, "\rctitan: hub: %s %5.1f%% %s / %s, %s/s\033[K", b->label, 100.0 * (double)b->done / (double)b->total,
-                    d, t, r);
-        else
-            fprintf(stderr, "\rctitan: hub: %s %s, %s/s\033[K", b->label, d, r);
-        if (final) fputc('\n', stderr);
-        b->drawn = !final;
-    } else if (final) {
-        fprintf(stderr, "ctitan: hub: %s: %s in %.1f s (%s/s)\n", b->label, d, dt, r);
-    } else if (b->total > 0) {
-        fprintf(stderr, "ctitan: hub: %s: %.0f%% (%s of %s)\n", b->label, 100.0 * (double)b->done / (double)b->total, d, t);
-    }
-    fflush(stderr);
-}
-
-static void bar_update(hub_bar *b) {
-    double now = ct_now();
-    if (now - b->last < (b->tty ? 0.1 : 10.0)) return;
-    b->last = now;
-    bar_draw(b, 0);
-}
-
-/* Breaks a redrawn line before a message. */
-static void bar_break(hub_bar *b) {
-    if (b->tty && b->drawn) fputc('\n', stderr), b->drawn = 0;
-}
-
 /* ---- one GET into the .incomplete file */
 
 typedef struct {
@@ -898,7 +856,7 @@ typedef struct {
     int checked, bad, restart, werr;
     hub_headers *hd;
     hub_sha256_ctx *sha; /* NULL: no streaming hash */
-    hub_bar *bar;
+    prog_bar *bar;
     char body[512];     /* an error response's start */
     size_t body_n;
 } hub_get;
@@ -948,8 +906,7 @@ static size_t on_data(char *p, size_t size, size_t nm, void *ud) {
     }
     if (g->sha) hub_sha256_update(g->sha, p, n);
     g->off += (long long)n;
-    g->bar->done = g->off;
-    bar_update(g->bar);
+    prog_update(g->bar, (double)g->off);
     return n;
 }
 
@@ -1021,11 +978,14 @@ static int download(hub_ctx *h, const char *file, const char *url, int auth, con
         human_bytes(have, sizeof have, (double)vfs.f_bavail * vfs.f_frsize);
         fprintf(stderr, "ctitan: hub: warning: %s needs %s more, %s free in %s\n", file, need, have, h->cache);
     }
-    hub_bar bar = {.total = size, .done = off, .start = off, .t0 = ct_now(), .tty = isatty(2) &&
-                   !env_true(getenv("HF_HUB_DISABLE_PROGRESS_BARS"))};
-    bar.last = bar.t0;
-    snprintf(bar.label, sizeof bar.label, "%s %s", h->repo, file);
-    if (!bar.tty) {
+    prog_bar bar;
+    char label[600];
+    snprintf(label, sizeof label, "hub: %s %s", h->repo, file);
+    prog_begin(&bar, label, (double)size, "B", 0);
+    bar.done = bar.start = (double)off;
+    /* huggingface_hub's switch: no bar, the plain lines still tell what happens */
+    if (bar.mode == PROG_TTY && env_true(getenv("HF_HUB_DISABLE_PROGRESS_BARS"))) bar.mode = PROG_PLAIN;
+    if (bar.mode == PROG_PLAIN) {
         char s[32];
         human_bytes(s, sizeof s, (double)size);
         fprintf(stderr, "ctitan: hub: downloading %s %s (%s%s)\n", h->repo, file, size >= 0 ? s : "size unknown",
@@ -1071,7 +1031,7 @@ static int download(hub_ctx *h, const char *file, const char *url, int auth, con
         attempts++;
         int retry = 0;
         if (g.werr) {
-            bar_break(&bar);
+            prog_break(&bar);
             rc = ct_fail(e, CT_ERR_IO, "%s: %s %s: cannot write %s: %s%s", h->repo, file,
                          g.werr == ENOSPC || g.werr == EDQUOT ? "disk full while downloading" : "download failed", part,
                          strerror(g.werr), disk_hint(g.werr));
@@ -1089,7 +1049,7 @@ static int download(hub_ctx *h, const char *file, const char *url, int auth, con
             snprintf(why, sizeof why, "HTTP %ld", code);
             retry = 1;
         } else if (cr == CURLE_OK && (g.bad || code < 200 || code >= 300)) {
-            bar_break(&bar);
+            prog_break(&bar);
             int denied = auth && (code == 401 || code == 403); /* on the Hub: the token; on a CDN: an expired link */
             rc = ct_fail(e, denied ? CT_ERR_CONFIG : CT_ERR_IO, "%s: %s: HTTP %ld%s%s from %s%s", h->repo, file, code,
                          hd.error_code[0] ? " " : "", hd.error_code, url,
@@ -1102,7 +1062,7 @@ static int download(hub_ctx *h, const char *file, const char *url, int auth, con
             snprintf(why, sizeof why, "the connection closed after %lld of %lld bytes", off, size);
             retry = off < size;
             if (!retry) {
-                bar_break(&bar);
+                prog_break(&bar);
                 rc = ct_fail(e, CT_ERR_IO, "%s: %s: the server sent %lld bytes, the Hub said %lld (X-Linked-Size / "
                              "Content-Length); nothing was cached", h->repo, file, off, size);
                 unlink(part);
@@ -1115,7 +1075,7 @@ static int download(hub_ctx *h, const char *file, const char *url, int auth, con
                 break;
             }
             if (off > before) retries = 5; /* progress: the count starts again, as http_get's */
-            bar_break(&bar);
+            prog_break(&bar);
             if (retries-- <= 0 || attempts >= 1000) {
                 char d[32], kept[HUB_PATH + 128] = "";
                 human_bytes(d, sizeof d, (double)off);
@@ -1132,8 +1092,9 @@ static int download(hub_ctx *h, const char *file, const char *url, int auth, con
             continue;
         }
         /* complete: verify, then make it a blob */
-        bar.total = off;
-        bar_draw(&bar, 1);
+        bar.total = (double)off;
+        bar.done = (double)off;
+        prog_end(&bar);
         if (fsync(fd) != 0) {
             int err = errno;
             rc = ct_fail(e, CT_ERR_IO, "%s: cannot write it out: %s%s", part, strerror(err), disk_hint(err));
@@ -1160,7 +1121,9 @@ static int download(hub_ctx *h, const char *file, const char *url, int auth, con
                 }
                 off = 0;
                 hub_sha256_init(&sha);
-                bar.done = bar.start = 0, bar.total = size, bar.t0 = ct_now();
+                prog_mode keep = bar.mode;
+                prog_begin(&bar, label, (double)size, "B", 0);
+                bar.mode = keep;
                 continue;
             }
             unlink(part);

@@ -31,6 +31,7 @@
 #include "checkpoint/hf.h"
 #include "core/cpu.h"
 #include "core/fs.h"
+#include "core/progress.h"
 #include "core/timer.h"
 #include "hub/hub.h"
 #include "metrics/tb.h"
@@ -661,6 +662,10 @@ int trainer_run(trainer *t, ct_err *e) {
     tokens = ct_malloc(mb * t->grad_accum * sizeof(int32_t));
     labels = ct_malloc(mb * t->grad_accum * sizeof(int32_t));
     double t_start = ct_now(), t_log = t_start;
+    /* ETA: the mean wall time per step of this session after its first step (which
+     * pays for first touches and, on a resume, the page cache), validation and saves included */
+    int first_step = t->step + 1;
+    double t_first_end = t_start;
     long tokens_since_log = 0;
     int steps_since_log = 0;
     while (t->step < c->steps) {
@@ -685,6 +690,7 @@ int trainer_run(trainer *t, ct_err *e) {
         double loss = n_valid ? loss_sum / n_valid : 0.0;
         double gnorm, lr;
         trainer_optimizer_step(t, &gnorm, &lr);
+        if (step == first_step) t_first_end = ct_now();
         tokens_since_log += (long)(mb * t->grad_accum);
         steps_since_log++;
         if (step == 1 || step % c->log_freq == 0) { /* torchtitan's rule */
@@ -707,7 +713,11 @@ int trainer_run(trainer *t, ct_err *e) {
             double bubble = plan_take_bubble(&t->plan); /* -1: no pipeline */
             if (bubble >= 0) printf("  bubble: %.1f%%", 100.0 * bubble);
             if (m->moe.n_layers) print_moe_load(stdout, m, aux, 0);
-            printf("\n");
+            double per_step = step > first_step ? (now - t_first_end) / (step - first_step) : t_first_end - t_start;
+            double eta = (c->steps - step) * per_step;
+            char eta_s[24];
+            prog_fmt_eta(eta_s, sizeof eta_s, eta);
+            printf("  eta: %s\n", eta_s);
             fflush(stdout);
             if (mf) {
                 fprintf(mf,
@@ -719,7 +729,7 @@ int trainer_run(trainer *t, ct_err *e) {
                         overlapped, step_time, tokens_seen, ev_wall_time());
                 if (bubble >= 0) fprintf(mf, ", \"pp_bubble\": %.4f", bubble);
                 if (m->moe.n_layers) print_moe_load(mf, m, aux, 1);
-                fprintf(mf, "}\n");
+                fprintf(mf, ", \"eta_s\": %.3f}\n", eta);
                 fflush(mf);
             }
             if (tb) { /* tags are the metrics.jsonl keys (docs/formats.md, "TensorBoard") */

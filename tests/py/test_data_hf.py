@@ -118,7 +118,7 @@ def auto_tok(tokdir):
     return AutoTokenizer.from_pretrained(str(tokdir))
 
 
-DATA_SRCS = ["src/core/err.c", "src/core/fs.c", "src/core/rng.c", "src/core/timer.c", "src/formats/npy.c", "src/formats/json.c",
+DATA_SRCS = ["src/core/err.c", "src/core/fs.c", "src/core/progress.c", "src/core/rng.c", "src/core/timer.c", "src/formats/npy.c", "src/formats/json.c",
              "src/data/chat.c", "src/data/dataset.c", "src/data/ds_source.c", "src/data/ds_shards.c",
              "src/cli/cmd_prepare.c", "src/hub/hub.c"]
 DRIVER = r"""
@@ -447,7 +447,9 @@ def test_progress_bar_on_a_terminal(built, tokdir, corpus, tmp_path):
     assert p.wait(timeout=60) == 0
     os.close(master)
     text = b"".join(chunks).decode(errors="replace")
-    assert re.search(r"\r\[#{30}\] 100\.0%\s+\S+ docs/s\s+\S+ tok/s\s+[\d.]+ MB/s\s+ETA", text), text
+    # core/progress.h's bar: bytes of input, then prepare's document and token rates
+    assert re.search(r"\rctitan: prepare \[#{24}\] 100\.0%\s+[\d.]+ \S*B / [\d.]+ \S*B\s+[\d.]+ \S*B/s\s+done in "
+                     r"[\d.]+s\s+\S+ docs/s, \S+ tok/s", text), text
     assert "documents" in text.splitlines()[-1]
     # and plain lines without a terminal: no carriage returns
     p = prepare(built, tokdir, [d / "c4.jsonl"], tmp_path / "o2")

@@ -635,6 +635,38 @@ def test_download_command_and_tokenizer_options(tmp_path, fake_hub, models, ctit
     assert "not a Hugging Face Hub model id" in err
 
 
+def test_download_progress(tmp_path, fake_hub, models, ctitan_bin, ctitan):
+    """core/progress.h on a download: plain lines in a pipe (every update with a 0 s period,
+    the last at 100% with the time), a redrawn bar on a pseudo-terminal."""
+    size = (models["main"] / "model.safetensors").stat().st_size
+    env = hub_env(tmp_path / "c1", fake_hub, CTITAN_PROGRESS="plain", CTITAN_PROGRESS_PERIOD="0")
+    _, err = ctitan(["download", "org/tiny"], env)
+    assert "\r" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("ctitan: hub: org/tiny model.safetensors: ")]
+    assert lines and re.search(r": 100\.0% [\d.]+ \S*B / [\d.]+ \S*B, [\d.]+ \S*B/s, done in [\d.]+s$", lines[-1]), err
+    assert all("% " in ln and ("ETA " in ln or "done in" in ln) for ln in lines), lines
+    import pty
+    master, slave = pty.openpty()
+    env = hub_env(tmp_path / "c2", fake_hub)
+    p = subprocess.Popen([str(ctitan_bin), "download", "org/tiny"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                         stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            b = os.read(master, 65536)
+        except OSError:
+            break
+        if not b:
+            break
+        chunks.append(b)
+    assert p.wait(timeout=180) == 0
+    os.close(master)
+    text = b"".join(chunks).decode(errors="replace")
+    assert re.search(r"\rctitan: hub: org/tiny model\.safetensors \[#+\] 100\.0%.*done in [\d.]+s\x1b\[K\r?\n", text), \
+        (size, text)
+
+
 ENV_CASES = [
     {},
     {"XDG_CACHE_HOME": "/xdg/"},
