@@ -3,9 +3,10 @@
  * Design. A prof is an object the trainer owns and lends, by pointer, to the
  * model (lm_model.prof), the communicators (ct_comm.prof) and the plan: NULL
  * when profiling is off, so every hook costs one predictable branch on a
- * pointer the call site already has in hand. With profiling on, nothing is
- * recorded outside a traced step (prof_step_begin .. prof_step_end): a hook
- * then costs the branch and one flag test.
+ * pointer the call site already has in hand. The trainer lends it only for
+ * a traced step (plan_profile before prof_step_begin, NULL again after), so
+ * the other steps of a profiled run cost the same; a hook that still holds
+ * it outside a step (a test's) records nothing.
  *
  * A span is timed at its call site (PROF_T0 before, prof_* after) and
  * appended to an in-memory array; nothing is written during the step, so the

@@ -629,7 +629,6 @@ int trainer_run(trainer *t, ct_err *e) {
         }
         pf = prof_new(t->world->rank, path);
         prof_set_kernels(pf, &m->k);
-        plan_profile(&t->plan, pf);
     }
 
     if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "events.jsonl"))
@@ -678,8 +677,12 @@ int trainer_run(trainer *t, ct_err *e) {
     while (t->step < c->steps) {
         int step = t->step + 1;
         int traced = pf && step % c->profile_freq == 0;
-        if (traced) prof_step_begin(pf, step);
-        int64_t t_step = PROF_T0(pf), t_data = t_step;
+        if (traced) { /* lent for this step only: the hooks of other steps see NULL */
+            plan_profile(&t->plan, pf);
+            prof_step_begin(pf, step);
+        }
+        prof *sp = traced ? pf : NULL;
+        int64_t t_step = PROF_T0(sp), t_data = t_step;
         long n_valid = 0;
         for (int a = 0; a < t->grad_accum; a++) {
             ds_next(data, tokens + a * mb, labels + a * mb, B);
@@ -691,18 +694,19 @@ int trainer_run(trainer *t, ct_err *e) {
         plan_sum_dp(&t->plan, &nv, 1, COMM_I64);
         n_valid = (long)nv;
         float scale = n_valid ? 1.0f / (float)n_valid : 0.0f;
-        if (pf) prof_span(pf, "phase", "data", t_data);
+        if (sp) prof_span(sp, "phase", "data", t_data);
         int n_micro = plan_microbatches(&t->plan);
         for (int i = 0; i < n_micro; i++) t->seeds[i] = trainer_lora_seed(t, step, i);
         double aux_sum = 0, aux; /* MoE: HF's load-balancing loss, summed over micro-batches; their mean */
         double loss_sum, gnorm, lr;
-        PROF_SPAN(pf, "phase", "forward_backward",
+        PROF_SPAN(sp, "phase", "forward_backward",
                   loss_sum = plan_forward_backward(&t->plan, tokens, labels, B, T, scale, t->seeds, &aux_sum));
-        PROF_SPAN(pf, "phase", "reduce", plan_reduce_grads(&t->plan); plan_sum_loss(&t->plan, &loss_sum, &aux_sum, &aux));
+        PROF_SPAN(sp, "phase", "reduce", plan_reduce_grads(&t->plan); plan_sum_loss(&t->plan, &loss_sum, &aux_sum, &aux));
         double loss = n_valid ? loss_sum / n_valid : 0.0;
-        PROF_SPAN(pf, "phase", "optimizer", trainer_optimizer_step(t, &gnorm, &lr));
+        PROF_SPAN(sp, "phase", "optimizer", trainer_optimizer_step(t, &gnorm, &lr));
         if (traced) {
             prof_span(pf, "step", "step", t_step);
+            plan_profile(&t->plan, NULL);
             if ((rc = prof_step_end(pf, e))) goto out;
         }
         if (c->enable_memory_snapshot && step % c->profile_freq == 0 &&
@@ -826,7 +830,7 @@ out:
     free(labels);
     if (mf) fclose(mf);
     if (tb && tb_close(tb)) fprintf(stderr, "ctitan: warning: %s: write failed\n", tb_path(tb));
-    if (pf) plan_profile(&t->plan, NULL);
+    if (pf) plan_profile(&t->plan, NULL); /* a step that failed while traced */
     prof_free(pf);
     ds_close(val);
     ds_close(data);
