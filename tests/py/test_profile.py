@@ -253,3 +253,14 @@ def test_profile_freq_must_be_positive(setup, run_ctitan):
     for key in ("enable_profiling", "save_traces_folder", "profile_freq", "enable_memory_snapshot",
                 "save_memory_snapshot_folder"):
         assert f"--profiling.{key}=" in help_out + help_err
+
+
+def test_bf16_matmuls_are_the_bf16_op(setup, run_ctitan):
+    """Under bf16 mixed precision the model's matmul calls run matmul_bf16's choice: their
+    spans say so, with the implementation the log names for matmul_bf16."""
+    _, out, args = setup
+    _, _, err = run_ctitan(args + ["--training.mixed_precision_param=bfloat16", f"--training.steps={FREQ}"])
+    chosen = kernels_line(err)
+    trace = load(out / "profile_trace" / f"iteration_{FREQ}" / "rank0_trace.json")
+    mm = [e for e in spans(trace, "op") if e["name"].startswith("matmul_")]
+    assert mm and all(e["args"]["op"] == "matmul_bf16" and e["args"]["impl"] == chosen["matmul_bf16"] for e in mm)
