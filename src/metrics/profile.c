@@ -291,8 +291,9 @@ void prof_summary(const prof *p, FILE *out) {
         char impl[32];
         if (!strcmp(r[i].cat, "collective")) snprintf(impl, sizeof impl, "%s/%d", r[i].impl, r[i].size);
         else snprintf(impl, sizeof impl, "%s", r[i].impl);
-        fprintf(out, "ctitan: profile: %-11s %-22s %-17s %-16s %8ld %12.6f %7.2f\n", r[i].cat, r[i].name, r[i].op,
-                impl, r[i].calls, r[i].ns / 1e6, p->step_ns ? 100.0 * r[i].ns / p->step_ns : 0.0);
+        double pct = p->step_ns ? 100.0 * r[i].ns / p->step_ns : 0.0;
+        fprintf(out, "ctitan: profile: %-11s %-22s %-17s %-16s %8ld %12.6f %7.2f\n", r[i].cat, r[i].name,
+                r[i].op[0] ? r[i].op : "-", impl, r[i].calls, r[i].ns / 1e6, pct);
     }
     free(r);
 }
