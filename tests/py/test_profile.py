@@ -148,7 +148,7 @@ def test_trace_single_rank(setup, run_ctitan):
     traced = sorted(int(d.name.split("_")[1]) for d in (out / "profile_trace").iterdir())
     assert traced == [s for s in range(1, STEPS + 1) if s % FREQ == 0], traced
     chosen = kernels_line(err)
-    per_op = {}
+    per_op, per_coll = {}, {}
     for step in traced:
         folder = out / "profile_trace" / f"iteration_{step}"
         assert sorted(p.name for p in folder.iterdir()) == ["rank0_trace.json"]  # no temporary file left
@@ -164,6 +164,10 @@ def test_trace_single_rank(setup, run_ctitan):
         for e in ops:
             assert e["args"]["impl"] == chosen[e["args"]["op"]], (e, chosen)
             per_op[e["name"]] = per_op.get(e["name"], Decimal(0)) + e["dur"]
+        for c in spans(trace, "collective"):
+            a = c["args"]
+            key = (c["name"], a["op"] or "-", f"{a['dtype']}/{a['comm_size']}")
+            per_coll[key] = per_coll.get(key, Decimal(0)) + c["dur"]
         # q, k, v, o, gate, up, down per layer and the lm_head
         assert sum(e["name"] == "matmul_fwd" for e in ops) == 7 * LAYERS + 1
         layers = spans(trace, "layer")
@@ -187,6 +191,10 @@ def test_trace_single_rank(setup, run_ctitan):
     assert set(got) == MODEL_OPS
     for name, total_us in per_op.items():
         assert got[name][1] == total_us / 1000, (name, got[name], total_us)
+    coll = {k[1:]: v for k, v in rows.items() if k[0] == "collective"}
+    assert per_coll and set(coll) == set(per_coll), (coll, per_coll)
+    for key, total_us in per_coll.items():
+        assert coll[key][1] == total_us / 1000, (key, coll[key], total_us)
 
 
 def test_two_ranks_fsdp(setup):
