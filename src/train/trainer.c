@@ -579,7 +579,7 @@ int trainer_run(trainer *t, ct_err *e) {
     tok *tk = NULL;
     FILE *mf = NULL;
     tb_writer *tb = NULL;
-    prof *pf = NULL; /* [profiling]: lent to the plan (model, communicators) for the run */
+    prof *pf = NULL; /* [profiling]: lent to the plan (model, communicators) for each traced step */
     int32_t *tokens = NULL, *labels = NULL;
     if (t->complete) return 0;
     int rc = open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle, &tk, e);
@@ -701,7 +701,8 @@ int trainer_run(trainer *t, ct_err *e) {
         double loss_sum, gnorm, lr;
         PROF_SPAN(sp, "phase", "forward_backward",
                   loss_sum = plan_forward_backward(&t->plan, tokens, labels, B, T, scale, t->seeds, &aux_sum));
-        PROF_SPAN(sp, "phase", "reduce", plan_reduce_grads(&t->plan); plan_sum_loss(&t->plan, &loss_sum, &aux_sum, &aux));
+        PROF_SPAN(sp, "phase", "reduce", plan_reduce_grads(&t->plan);
+                  plan_sum_loss(&t->plan, &loss_sum, &aux_sum, &aux));
         double loss = n_valid ? loss_sum / n_valid : 0.0;
         PROF_SPAN(sp, "phase", "optimizer", trainer_optimizer_step(t, &gnorm, &lr));
         if (traced) {
