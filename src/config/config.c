@@ -190,6 +190,17 @@ static const cfg_option cfg_options[] = {
     OPT("metrics", "save_tb_folder", CFG_STR, save_tb_folder, "tb",
         .help = "TensorBoard folder, relative to job.dump_folder; a new events file per (re)start"),
 
+    OPT("profiling", "enable_profiling", CFG_BOOL, enable_profiling, "false",
+        .help = "write a Chrome trace (Perfetto) of every profile_freq-th step: ops, layers, collectives"),
+    OPT("profiling", "save_traces_folder", CFG_STR, save_traces_folder, "profile_trace",
+        .help = "trace folder, relative to job.dump_folder: iteration_N/rankR_trace.json"),
+    OPT("profiling", "profile_freq", CFG_INT, profile_freq, "10", .range = CFG_GE, .lo = 1,
+        .help = "the steps that are multiples of this are traced (and memory-snapshotted)"),
+    OPT("profiling", "enable_memory_snapshot", CFG_BOOL, enable_memory_snapshot, "false",
+        .help = "write planned versus measured memory by category at the traced steps"),
+    OPT("profiling", "save_memory_snapshot_folder", CFG_STR, save_memory_snapshot_folder, "memory_snapshot",
+        .help = "snapshot folder, relative to job.dump_folder: iteration_N/rankR_memory_snapshot.json"),
+
     OPT("activation_checkpoint", "mode", CFG_ENUM, ac_mode, "none", .choices = cfg_ac_modes,
         .help = "recompute activations in backward to save memory: none; full: keep only each layer's "
                 "input; selective: as selective_ac_option"),

@@ -80,6 +80,12 @@ typedef struct {
     double peak_tflops;       /* 0 = measure once and cache */
     int enable_tensorboard;   /* false */
     char *save_tb_folder;     /* "tb" (relative to dump_folder) */
+    /* [profiling] (metrics/profile.h) */
+    int enable_profiling;              /* false */
+    char *save_traces_folder;          /* "profile_trace" (relative to dump_folder) */
+    int profile_freq;                  /* 10: steps that are multiples are traced */
+    int enable_memory_snapshot;        /* false */
+    char *save_memory_snapshot_folder; /* "memory_snapshot" (relative to dump_folder) */
 
     /* [validation] */
     int val_enable;           /* false */

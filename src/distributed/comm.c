@@ -7,6 +7,28 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "metrics/profile.h"
+
+/* A collective as a span of c's profiler, if it has one: name, the bytes of
+ * this rank's buffers it covers, elements, dtype, reduction. The figures are
+ * computed only when a profiler is attached. */
+#define COMM_SPAN(c, name, bytes, count, t, op, stmt)                                                            \
+    do {                                                                                                         \
+        int64_t cs_t0_ = PROF_T0((c)->prof);                                                                     \
+        stmt;                                                                                                    \
+        if ((c)->prof) prof_comm((c)->prof, name, cs_t0_, bytes, count, dtype_name(t), op, (c)->size);         \
+    } while (0)
+
+static const char *dtype_name(comm_dtype t) {
+    switch (t) {
+    case COMM_F32: return "f32";
+    case COMM_F64: return "f64";
+    case COMM_I32: return "i32";
+    case COMM_I64: return "i64";
+    }
+    return "?";
+}
+
 size_t comm_dtype_size(comm_dtype t) {
     switch (t) {
     case COMM_F32: return sizeof(float);
@@ -63,7 +85,11 @@ void comm_init_single(ct_comm *c) {
     c->size = 1;
 }
 
-int comm_split(ct_comm *c, int color, int key, ct_comm *out, ct_err *e) { return c->be->split(c, color, key, out, e); }
+int comm_split(ct_comm *c, int color, int key, ct_comm *out, ct_err *e) {
+    int rc = c->be->split(c, color, key, out, e);
+    if (!rc) out->prof = c->prof; /* a group of a profiled world is profiled */
+    return rc;
+}
 
 void comm_free(ct_comm *c) {
     if (c->be) c->be->free(c);
@@ -76,15 +102,21 @@ void comm_abort(ct_comm *c, int code) {
 }
 
 void comm_allreduce(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_op op) {
-    if (n) c->be->allreduce(c, buf, n, t, op);
+    if (n)
+        COMM_SPAN(c, "all_reduce", n * comm_dtype_size(t), n, t, op == COMM_MAX ? "max" : "sum",
+                  c->be->allreduce(c, buf, n, t, op));
 }
 void comm_reduce_scatter(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t) {
-    c->be->reduce_scatter(c, out, in, n, t);
+    COMM_SPAN(c, "reduce_scatter", (size_t)c->size * n * comm_dtype_size(t), n, t, "sum",
+              c->be->reduce_scatter(c, out, in, n, t));
 }
 void comm_all_gather(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t) {
-    c->be->all_gather(c, out, in, n, t);
+    COMM_SPAN(c, "all_gather", (size_t)c->size * n * comm_dtype_size(t), n, t, "",
+              c->be->all_gather(c, out, in, n, t));
 }
-void comm_broadcast(ct_comm *c, void *buf, size_t n, comm_dtype t, int root) { c->be->broadcast(c, buf, n, t, root); }
+void comm_broadcast(ct_comm *c, void *buf, size_t n, comm_dtype t, int root) {
+    COMM_SPAN(c, "broadcast", n * comm_dtype_size(t), n, t, "", c->be->broadcast(c, buf, n, t, root));
+}
 
 void comm_all_to_all(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t) {
     size_t *v = ct_malloc(4 * (size_t)c->size * sizeof(size_t));
@@ -93,46 +125,56 @@ void comm_all_to_all(ct_comm *c, void *out, const void *in, size_t n, comm_dtype
         cnt[r] = n;
         dis[r] = (size_t)r * n;
     }
-    c->be->all_to_allv(c, out, cnt, dis, in, cnt, dis, t);
+    COMM_SPAN(c, "all_to_all", (size_t)c->size * n * comm_dtype_size(t), (size_t)c->size * n, t, "",
+              c->be->all_to_allv(c, out, cnt, dis, in, cnt, dis, t));
     free(v);
+}
+
+static size_t sum_counts(const ct_comm *c, const size_t *counts) {
+    size_t n = 0;
+    for (int r = 0; r < c->size; r++) n += counts[r];
+    return n;
 }
 
 void comm_all_to_allv(ct_comm *c, void *out, const size_t *rcounts, const size_t *rdispls, const void *in,
                       const size_t *scounts, const size_t *sdispls, comm_dtype t) {
-    c->be->all_to_allv(c, out, rcounts, rdispls, in, scounts, sdispls, t);
+    COMM_SPAN(c, "all_to_allv", sum_counts(c, scounts) * comm_dtype_size(t), sum_counts(c, scounts), t, "",
+              c->be->all_to_allv(c, out, rcounts, rdispls, in, scounts, sdispls, t));
 }
 
-void comm_barrier(ct_comm *c) { c->be->barrier(c); }
+void comm_barrier(ct_comm *c) { COMM_SPAN(c, "barrier", 0, 0, COMM_I32, "", c->be->barrier(c)); }
 
 void comm_iall_gather(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t, comm_req *r) {
     memset(r, 0, sizeof *r);
     r->c = c;
     r->active = 1;
-    c->be->iall_gather(c, out, in, n, t, r);
+    COMM_SPAN(c, "iall_gather", (size_t)c->size * n * comm_dtype_size(t), n, t, "",
+              c->be->iall_gather(c, out, in, n, t, r));
 }
 void comm_ireduce_scatter(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t, comm_req *r) {
     memset(r, 0, sizeof *r);
     r->c = c;
     r->active = 1;
-    c->be->ireduce_scatter(c, out, in, n, t, r);
+    COMM_SPAN(c, "ireduce_scatter", (size_t)c->size * n * comm_dtype_size(t), n, t, "sum",
+              c->be->ireduce_scatter(c, out, in, n, t, r));
 }
 void comm_iallreduce(ct_comm *c, void *buf, size_t n, comm_dtype t, comm_req *r) {
     memset(r, 0, sizeof *r);
     r->c = c;
     r->active = 1;
-    c->be->iallreduce(c, buf, n, t, r);
+    COMM_SPAN(c, "iall_reduce", n * comm_dtype_size(t), n, t, "sum", c->be->iallreduce(c, buf, n, t, r));
 }
 void comm_isend(ct_comm *c, const void *buf, size_t n, comm_dtype t, int dst, int tag, comm_req *r) {
     memset(r, 0, sizeof *r);
     r->c = c;
     r->active = 1;
-    c->be->isend(c, buf, n, t, dst, tag, r);
+    COMM_SPAN(c, "isend", n * comm_dtype_size(t), n, t, "", c->be->isend(c, buf, n, t, dst, tag, r));
 }
 void comm_irecv(ct_comm *c, void *buf, size_t n, comm_dtype t, int src, int tag, comm_req *r) {
     memset(r, 0, sizeof *r);
     r->c = c;
     r->active = 1;
-    c->be->irecv(c, buf, n, t, src, tag, r);
+    COMM_SPAN(c, "irecv", n * comm_dtype_size(t), n, t, "", c->be->irecv(c, buf, n, t, src, tag, r));
 }
 void comm_send(ct_comm *c, const void *buf, size_t n, comm_dtype t, int dst, int tag) {
     comm_req r;
@@ -149,6 +191,7 @@ void comm_test(comm_req *r) {
 }
 void comm_wait(comm_req *r) {
     if (!r->active) return;
-    r->c->be->wait(r);
+    ct_comm *c = r->c;
+    COMM_SPAN(c, "wait", 0, 0, COMM_I32, "", c->be->wait(r));
     r->active = 0;
 }

@@ -64,6 +64,7 @@ struct ct_comm {
     int rank, size;
     void *impl;       /* backend state (MPI: the MPI_Comm) */
     int owns_runtime; /* the world communicator that started MPI and finalises it */
+    struct prof *prof; /* NULL: not profiled; else every call is a "collective" span (metrics/profile.h) */
 };
 
 /* A pending non-blocking collective; lives with the caller until comm_wait. */

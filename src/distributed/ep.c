@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "kernels/ops.h"
+#include "metrics/profile.h"
 
 struct ep_layer {
     size_t *scnt, *sdsp, *rcnt, *rdsp; /* [ep] rows sent to / received from each rank */
@@ -94,10 +95,12 @@ static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route
     if (out) memset(s.yr, 0, R * H * sizeof(float));
     for (int q = 0; q < P; q++) {
         size_t n = L->rcnt[q], o = L->rdsp[q];
-        if (n)
-            p->m->k.moe_fwd(out ? s.yr + o * H : NULL, L->gate + o * Im, L->up + o * Im, L->h + o * Im, p->work,
-                            L->xr + o * H, w->ewg + eo, w->ewu + eo, w->ewd + eo, s.iota, s.iota,
-                            L->off + (size_t)q * (El + 1), L->wr + o, (int)n, H, Im, El, 1);
+        if (!n) continue;
+        int64_t t0 = PROF_T0(p->m->prof); /* the experts kernel on the rows from rank q: an op span */
+        p->m->k.moe_fwd(out ? s.yr + o * H : NULL, L->gate + o * Im, L->up + o * Im, L->h + o * Im, p->work,
+                        L->xr + o * H, w->ewg + eo, w->ewu + eo, w->ewd + eo, s.iota, s.iota,
+                        L->off + (size_t)q * (El + 1), L->wr + o, (int)n, H, Im, El, 1);
+        if (p->m->prof) prof_kern(p->m->prof, KERN_OP_MOE, "moe_fwd", t0);
     }
     if (!out) return; /* recomputation before the backward: the owner's activations are all it needs */
     ep_move(p, &s, s.ys, s.yr, L, 1, (size_t)H);
@@ -136,11 +139,13 @@ static void ep_bwd(void *ctx, int l, float *dx, lm_layer_w *g, float *dtopw, con
     size_t eo = (size_t)(me * El - c->expert0) * Im * H;
     for (int q = 0; q < P; q++) { /* in source order: see the top of the file */
         size_t n = L->rcnt[q], o = L->rdsp[q];
-        if (n)
-            p->m->k.moe_bwd(dxr + o * H, g->ewg + eo, g->ewu + eo, g->ewd + eo, s.dtopw1 + o, p->work,
-                            s.dxs + o * H, L->xr + o * H, w->ewg + eo, w->ewu + eo, w->ewd + eo, L->gate + o * Im,
-                            L->up + o * Im, L->h + o * Im, s.iota, s.iota, L->off + (size_t)q * (El + 1),
-                            L->wr + o, (int)n, H, Im, El, 1);
+        if (!n) continue;
+        int64_t t0 = PROF_T0(p->m->prof);
+        p->m->k.moe_bwd(dxr + o * H, g->ewg + eo, g->ewu + eo, g->ewd + eo, s.dtopw1 + o, p->work, s.dxs + o * H,
+                        L->xr + o * H, w->ewg + eo, w->ewu + eo, w->ewd + eo, L->gate + o * Im, L->up + o * Im,
+                        L->h + o * Im, s.iota, s.iota, L->off + (size_t)q * (El + 1), L->wr + o, (int)n, H, Im, El,
+                        1);
+        if (p->m->prof) prof_kern(p->m->prof, KERN_OP_MOE, "moe_bwd", t0);
     }
     ep_move(p, &s, s.xs, dxr, L, 1, (size_t)H); /* d inputs back, in this rank's expert order */
     ep_move(p, &s, s.ws, s.dtopw1, L, 1, 1);

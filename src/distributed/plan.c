@@ -12,6 +12,7 @@
 
 #include "core/cpu.h"
 #include "core/timer.h"
+#include "metrics/profile.h"
 #include "model/moe.h"
 
 /* ------------------------------------------------------------ the mesh */
@@ -333,6 +334,14 @@ static double clip_by(float *g, size_t n, double sq, double max_norm) {
     return norm;
 }
 
+/* The AdamW kernel, an "op" span of the model's profiler when it has one. */
+#define ADAMW(m, ...)                                                                                            \
+    do {                                                                                                         \
+        int64_t a_t0_ = PROF_T0((m)->prof);                                                                      \
+        (m)->k.adamw_step(__VA_ARGS__);                                                                          \
+        if ((m)->prof) prof_kern((m)->prof, KERN_OP_ADAMW, "adamw_step", a_t0_);                                \
+    } while (0)
+
 /* With frozen tensors: clipping and AdamW over the trainable runs only, so
  * the frozen ones keep their weights bit for bit (no weight decay either)
  * and their untouched gradient and moment pages are never written. Every
@@ -353,7 +362,7 @@ static double step_ranges(ct_plan *p, float *P, float *G, double lr, const adamw
     for (int i = 0; i < p->n_opt_ranges; i++) {
         const struct plan_range *r = &p->opt_ranges[i];
         adamw_state s = {r->n, p->opt->m + r->off, p->opt->v + r->off, step0, 0};
-        m->k.adamw_step(&s, P + r->off, G + r->off, lr, hp);
+        ADAMW(m, &s, P + r->off, G + r->off, lr, hp);
         memset(G + r->off, 0, r->n * sizeof(float));
     }
     p->opt->step = step0 + 1;
@@ -370,7 +379,7 @@ double plan_optimizer_step(ct_plan *p, double lr, const adamw_hparams *hp, doubl
         fsdp *f = p->fsdp;
         norm = p->tp ? clip_tp(p, f->grads, f->shard_n, max_norm)
                      : clip_sharded(p, f->grads, f->shard_n, max_norm, &p->mesh.shard);
-        m->k.adamw_step(p->opt, f->params, f->grads, lr, hp);
+        ADAMW(m, p->opt, f->params, f->grads, lr, hp);
         memset(f->grads, 0, f->shard_n * sizeof(float));
     } else {
         if (p->tp) {
@@ -381,7 +390,7 @@ double plan_optimizer_step(ct_plan *p, double lr, const adamw_hparams *hp, doubl
         } else {
             norm = optim_clip_grad_norm(m->grads, m->n_params, max_norm);
         }
-        m->k.adamw_step(p->opt, m->params, m->grads, lr, hp);
+        ADAMW(m, p->opt, m->params, m->grads, lr, hp);
         memset(m->grads, 0, m->n_params * sizeof(float));
     }
     return norm;
@@ -466,6 +475,15 @@ int plan_ready(ct_plan *p, ct_err *e) {
                           p->tp && p->tp->t > 1 ? h_reduce_partial : NULL, p->tp && p->tp->t > 1 ? h_reduce_max : NULL};
     m->hooks = p->n_hk ? &p->hooks : NULL;
     return rc;
+}
+
+void plan_profile(ct_plan *p, struct prof *pf) {
+    ct_mesh *ms = &p->mesh;
+    ct_comm *all[] = {ms->world, &ms->ppg, &ms->rep, &ms->shard, &ms->dp, &ms->tpg, &ms->epg, &ms->edp, &ms->slices,
+                      &p->tie};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        if (all[i]) all[i]->prof = pf;
+    if (p->m) p->m->prof = pf;
 }
 
 void plan_free(ct_plan *p) {

@@ -93,6 +93,10 @@ void plan_load_end(ct_plan *p);
 /* After the weights are in: the trained runs AdamW steps, the hooks. */
 int plan_ready(ct_plan *p, ct_err *e);
 void plan_free(ct_plan *p);
+/* Lends the run's profiler (metrics/profile.h; NULL: none) to the model and
+ * to every communicator of the layout, so their kernels and collectives are
+ * spans of it. Call after plan_ready. */
+void plan_profile(ct_plan *p, struct prof *pf);
 
 /* Micro-batches of a step (the accumulation count, or the pipeline's). */
 int plan_microbatches(const ct_plan *p);

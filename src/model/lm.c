@@ -24,6 +24,7 @@
 #include "core/rng.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
+#include "metrics/profile.h"
 #include "model/lora.h"
 
 /* ---------------------------------------------------------------- layout */
@@ -796,6 +797,23 @@ double lm_flops_per_token(const lm_model *m, int T) {
 #define WIDE_IN(w, n) WIDE(w, n, 1)
 #define WIDE_OUT(w, n) WIDE(w, n, 0)
 
+/* A kernel call, timed as one "op" span (its kern_ops member, the op and the
+ * chosen implementation) when a profiler is attached (metrics/profile.h);
+ * without one it costs a test of m->prof. */
+#define K(ID, fn, ...)                                                                                           \
+    do {                                                                                                         \
+        int64_t k_t0_ = PROF_T0(m->prof);                                                                        \
+        m->k.fn(__VA_ARGS__);                                                                                    \
+        if (m->prof) prof_kern(m->prof, KERN_OP_##ID, #fn, k_t0_);                                               \
+    } while (0)
+/* The same for a kernel that returns a value, into dst. */
+#define K_RET(dst, ID, fn, ...)                                                                                  \
+    do {                                                                                                         \
+        int64_t k_t0_ = PROF_T0(m->prof);                                                                        \
+        (dst) = m->k.fn(__VA_ARGS__);                                                                            \
+        if (m->prof) prof_kern(m->prof, KERN_OP_##ID, #fn, k_t0_);                                               \
+    } while (0)
+
 static void zero(float *p, size_t n) { memset(p, 0, n * sizeof(float)); }
 
 /* out[BT, N] = base + in[BT, K] @ w[N, K]^T, the residual add of o_proj and
@@ -807,10 +825,10 @@ static void residual_matmul(lm_model *m, float *out, const float *base, const fl
     size_t n = (size_t)BT * N;
     if (!m->hooks || !m->hooks->reduce_partial) {
         memcpy(out, base, n * sizeof(float));
-        m->k.matmul_fwd(out, in, w, BT, K, N, 1);
+        K(MATMUL, matmul_fwd, out, in, w, BT, K, N, 1);
         return;
     }
-    m->k.matmul_fwd(out, in, w, BT, K, N, 0);
+    K(MATMUL, matmul_fwd, out, in, w, BT, K, N, 0);
     m->hooks->reduce_partial(m->hooks->ctx, out, n);
     for (size_t i = 0; i < n; i++) out[i] += base[i];
 }
@@ -871,17 +889,17 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
     size_t n = (size_t)BT * K;
     float *du = m->ws.lora_du; /* [BT, r] */
     memset(du, 0, (size_t)BT * r * sizeof(float));
-    m->k.matmul_bwd(du, g->lora_b[p], dy, u, w->lora_b[p], BT, r, N);
+    K(MATMUL, matmul_bwd, du, g->lora_b[p], dy, u, w->lora_b[p], BT, r, N);
     float sc = m->cfg.lora_scale;
     for (size_t i = 0; i < (size_t)BT * r; i++) du[i] *= sc;
     const float *xd = lora_input(m, l, p, x, n);
     if (xd == x) {
-        m->k.matmul_bwd(dx, g->lora_a[p], du, x, w->lora_a[p], BT, K, r);
+        K(MATMUL, matmul_bwd, dx, g->lora_a[p], du, x, w->lora_a[p], BT, K, r);
         return;
     }
     float *dxd = dx ? m->ws.lora_dx : NULL, keep = 1.0f / (1.0f - m->cfg.lora_dropout);
     if (dxd) memset(dxd, 0, n * sizeof(float));
-    m->k.matmul_bwd(dxd, g->lora_a[p], du, xd, w->lora_a[p], BT, K, r);
+    K(MATMUL, matmul_bwd, dxd, g->lora_a[p], du, xd, w->lora_a[p], BT, K, r);
     if (!dx) return;
     uint64_t key = lora_key(m, l, p);
     uint32_t cut = lora_cut(m);
@@ -950,24 +968,24 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
                    const float *sn, int B, int T, int nh, int hd) {
     float eps = (float)m->cfg.rms_eps;
     switch (m->cfg.qk_norm) {
-    case LM_QK_HEAD: m->k.qknorm_rope_fwd(out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps); break;
+    case LM_QK_HEAD: K(ROPE, qknorm_rope_fwd, out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps); break;
     case LM_QK_PROJ: /* one norm over all heads of a token, then RoPE in place */
-        m->k.rmsnorm_fwd(out, rstd, x, nw(m, w, nh * hd), B * T, nh * hd, eps);
-        m->k.rope_fwd(out, out, cs, sn, B, T, nh, hd);
+        K(RMSNORM, rmsnorm_fwd, out, rstd, x, nw(m, w, nh * hd), B * T, nh * hd, eps);
+        K(ROPE, rope_fwd, out, out, cs, sn, B, T, nh, hd);
         break;
-    default: m->k.rope_fwd(out, x, cs, sn, B, T, nh, hd);
+    default: K(ROPE, rope_fwd, out, x, cs, sn, B, T, nh, hd);
     }
 }
 /* dx += d(x) from dout = d(out); dout is overwritten (scratch). */
 static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *x, const float *w, const float *rstd,
                    const float *cs, const float *sn, int B, int T, int nh, int hd) {
     switch (m->cfg.qk_norm) {
-    case LM_QK_HEAD: m->k.qknorm_rope_bwd(dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd); break;
+    case LM_QK_HEAD: K(ROPE, qknorm_rope_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd); break;
     case LM_QK_PROJ:
-        m->k.rope_bwd(dout, dout, cs, sn, B, T, nh, hd); /* in place: dout = R^T dout */
-        m->k.rmsnorm_bwd(dx, dw, dout, x, nw(m, w, nh * hd), rstd, B * T, nh * hd);
+        K(ROPE, rope_bwd, dout, dout, cs, sn, B, T, nh, hd); /* in place: dout = R^T dout */
+        K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, nh * hd), rstd, B * T, nh * hd);
         break;
-    default: m->k.rope_bwd(dx, dout, cs, sn, B, T, nh, hd);
+    default: K(ROPE, rope_bwd, dx, dout, cs, sn, B, T, nh, hd);
     }
 }
 
@@ -975,15 +993,15 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
  * row-parallel projection whose output a norm reads before the residual. */
 static void proj_reduced(lm_model *m, float *out, const float *in, const float *w, const float *b, int BT, int K,
                          int N) {
-    m->k.matmul_fwd(out, in, w, BT, K, N, 0);
+    K(MATMUL, matmul_fwd, out, in, w, BT, K, N, 0);
     if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, out, (size_t)BT * N);
     if (b) op_bias_add(out, b, BT, N);
 }
 
 /* The gated MLP's activation: h = act(gate) * up. */
 static void glu_fwd(lm_model *m, float *h, const float *gate, const float *up, int n) {
-    if (m->cfg.act == LM_ACT_GELU_TANH) m->k.geglu_fwd(h, gate, up, n);
-    else m->k.swiglu_fwd(h, gate, up, n);
+    if (m->cfg.act == LM_ACT_GELU_TANH) K(GEGLU, geglu_fwd, h, gate, up, n);
+    else K(SWIGLU, swiglu_fwd, h, gate, up, n);
 }
 
 static void kv_attention(lm_model *m, lm_kv *kv, int l, float *out, const float *q, int n,
@@ -1012,12 +1030,12 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         rope_of(m, l, &cs, &sn);
     }
     /* attention block */
-    if (w->ln1) m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BT, H, eps);
+    if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BT, H, eps);
     const float *xa = attn_in(m, a); /* [BT, H] */
     WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H); /* q, k, v: adjacent in the table */
-    m->k.matmul_fwd(a->q, xa, w->wq, BT, H, qd, 0);
-    m->k.matmul_fwd(a->k, xa, w->wk, BT, H, kvd, 0);
-    m->k.matmul_fwd(a->v, xa, w->wv, BT, H, kvd, 0);
+    K(MATMUL, matmul_fwd, a->q, xa, w->wq, BT, H, qd, 0);
+    K(MATMUL, matmul_fwd, a->k, xa, w->wk, BT, H, kvd, 0);
+    K(MATMUL, matmul_fwd, a->v, xa, w->wv, BT, H, kvd, 0);
     WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
     if (w->bq) {
         op_bias_add(a->q, w->bq, BT, qd);
@@ -1032,14 +1050,14 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
     kern_attn_opt ao = attn_opt(m, l);
     if (kv) kv_attention(m, kv, l, a->att, a->qr, T, &ao); /* over the cache, positions 0 .. p0+T-1 */
-    else m->k.attention_fwd(a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
+    else K(ATTENTION, attention_fwd, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
     WIDE_IN(w->wo, (size_t)H * qd);
     if (w->ln_ao) { /* res_mid = res + norm(o_proj(att)) */
         proj_reduced(m, a->ao, a->att, w->wo, w->bo, BT, qd, H);
         WIDE_OUT(w->wo, (size_t)H * qd);
         if (LORA(w, LM_LORA_O)) lora_fwd(m, l, LM_LORA_O, a->ao, a->lora_u[LM_LORA_O], a->att, w, BT, qd, H);
-        m->k.rmsnorm_fwd(a->res_mid, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
-        m->k.add(a->res_mid, a->res_mid, a->res, (long)n);
+        K(RMSNORM, rmsnorm_fwd, a->res_mid, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
+        K(ADD, add, a->res_mid, a->res_mid, a->res, (long)n);
     } else { /* res_mid = res + o_proj(att) */
         residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H);
         WIDE_OUT(w->wo, (size_t)H * qd);
@@ -1047,7 +1065,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         if (LORA(w, LM_LORA_O)) lora_fwd(m, l, LM_LORA_O, a->res_mid, a->lora_u[LM_LORA_O], a->att, w, BT, qd, H);
     }
     /* MLP block */
-    if (w->ln2) m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BT, H, eps);
+    if (w->ln2) K(RMSNORM, rmsnorm_fwd, a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BT, H, eps);
     const float *xm = mlp_in(m, a); /* [BT, H] */
     if (a->moe) {
         /* sparse: route, then the experts kernel adds sum_j w_j expert_j(ln2) onto res_mid */
@@ -1070,7 +1088,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         if (m->moe_ep)
             m->moe_ep->fwd(m->moe_ep->ctx, l, y, a->ln2, r, w, BT);
         else
-            m->k.moe_fwd(y, a->gate, a->up, a->h, kv ? kv->moe_work : m->ws.moe_work, a->ln2, w->ewg, w->ewu, w->ewd,
+            K(MOE, moe_fwd, y, a->gate, a->up, a->h, kv ? kv->moe_work : m->ws.moe_work, a->ln2, w->ewg, w->ewu, w->ewd,
                          r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
         WIDE_OUT(w->ewg, 3 * ex);
         if (y && tp) {
@@ -1080,10 +1098,10 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         return;
     }
     WIDE_IN(w->wg, (size_t)I * H);
-    m->k.matmul_fwd(a->gate, xm, w->wg, BT, H, I, 0);
+    K(MATMUL, matmul_fwd, a->gate, xm, w->wg, BT, H, I, 0);
     WIDE_OUT(w->wg, (size_t)I * H);
     WIDE_IN(w->wu, (size_t)I * H);
-    m->k.matmul_fwd(a->up, xm, w->wu, BT, H, I, 0);
+    K(MATMUL, matmul_fwd, a->up, xm, w->wu, BT, H, I, 0);
     WIDE_OUT(w->wu, (size_t)I * H);
     if (w->bg) {
         op_bias_add(a->gate, w->bg, BT, I);
@@ -1100,8 +1118,8 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         if (LORA(w, LM_LORA_DOWN))
             lora_fwd(m, l, LM_LORA_DOWN, a->mo, a->lora_u[LM_LORA_DOWN], a->h, w, BT, I, H);
         float *y = res_next ? res_next : m->ws.d_ln; /* d_ln: free scratch before this layer's backward */
-        m->k.rmsnorm_fwd(y, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
-        if (res_next) m->k.add(res_next, res_next, a->res_mid, (long)n);
+        K(RMSNORM, rmsnorm_fwd, y, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
+        if (res_next) K(ADD, add, res_next, res_next, a->res_mid, (long)n);
         return;
     }
     if (!res_next) return; /* a recomputation: the down adapter's u was kept */
@@ -1134,17 +1152,17 @@ static void layer_recompute(lm_model *m, int l, int B, int T) {
     float eps = (float)c->rms_eps;
     const float *cs, *sn;
     rope_of(m, l, &cs, &sn);
-    if (w->ln1) m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BT, H, eps);
+    if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BT, H, eps);
     qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
     /* the norms of kept outputs: only their rstd is read, the output goes to a free scratch */
-    if (w->ln_ao) m->k.rmsnorm_fwd(m->ws.d_ln, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
-    if (w->ln2) m->k.rmsnorm_fwd(a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BT, H, eps);
+    if (w->ln_ao) K(RMSNORM, rmsnorm_fwd, m->ws.d_ln, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
+    if (w->ln2) K(RMSNORM, rmsnorm_fwd, a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BT, H, eps);
     if (a->moe) /* the experts kernels compute h with the reference SwiGLU (ops.h contract): so do we */
         op_swiglu_fwd(a->h, a->gate, a->up, BT * c->top_k * c->moe_intermediate);
     else
         glu_fwd(m, a->h, a->gate, a->up, BT * I);
-    if (w->ln_mo) m->k.rmsnorm_fwd(m->ws.d_ln, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
+    if (w->ln_mo) K(RMSNORM, rmsnorm_fwd, m->ws.d_ln, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
 }
 
 /* After MoE layer l's forward, while a checkpointed layer's routing is still
@@ -1170,7 +1188,7 @@ static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
         for (int n = 0; n < BT; n++)
             ct_convert_to_f32(x0 + (size_t)n * H, m->fstore + te->store + (size_t)tokens[n] * H, CT_BF16, (size_t)H);
     } else {
-        m->k.embedding_fwd(x0, tokens, m->w.wte, BT, H);
+        K(EMBEDDING, embedding_fwd, x0, tokens, m->w.wte, BT, H);
     }
     lm_embed_scale(&m->cfg, x0, (size_t)BT * H);
 }
@@ -1192,7 +1210,9 @@ static void forward_layers(lm_model *m, int l0, int l1, float *out, int B, int T
     for (int l = l0; l < l1; l++) {
         float *res_next = l + 1 < l1 ? m->act.layer[l + 1].res : out;
         if (m->hooks) m->hooks->pre_forward(m->hooks->ctx, l);
+        int64_t t0 = PROF_T0(m->prof);
         layer_forward(m, &m->act.layer[l], &m->w.layer[l], res_next, B, T);
+        if (m->prof) prof_layer(m->prof, "layer_fwd", l, t0);
         if (m->hooks) m->hooks->post_forward(m->hooks->ctx, l);
         if (m->act.layer[l].ac != LM_AC_NONE) m->act.scratch_layer = l;
         if (m->act.layer[l].moe) moe_layer_stats(m, l, B * T);
@@ -1210,7 +1230,7 @@ static void forward_aux(lm_model *m, int BT) {
 
 static void final_norm_fwd(lm_model *m, int BT) {
     int H = m->cfg.hidden;
-    m->k.rmsnorm_fwd(m->act.lnf, m->act.lnf_rstd, m->act.res_out, nw(m, m->w.lnf, H), BT, H, (float)m->cfg.rms_eps);
+    K(RMSNORM, rmsnorm_fwd, m->act.lnf, m->act.lnf_rstd, m->act.res_out, nw(m, m->w.lnf, H), BT, H, (float)m->cfg.rms_eps);
 }
 
 /* The transformer stack up to the final norm: fills m->act.layer, m->act.lnf. */
@@ -1238,14 +1258,19 @@ static void softcap_bwd(lm_model *m, float *dlogits, size_t n) {
 static double crossentropy(lm_model *m, float *logits, const int32_t *labels, int n, float grad_scale,
                            long *count) {
     const lm_config *c = &m->cfg;
-    if (!c->vocab_rows) return m->k.crossentropy_fwdbwd(logits, labels, n, c->vocab_size, grad_scale, count);
+    double loss;
+    if (!c->vocab_rows) {
+        K_RET(loss, CROSSENTROPY, crossentropy_fwdbwd, logits, labels, n, c->vocab_size, grad_scale, count);
+        return loss;
+    }
     int V = c->vocab_rows, v0 = c->vocab_row0;
     float *mx = m->ws.ce_stats, *se = mx + n, *tl = se + n; /* [n] each, se and tl adjacent for one all-reduce */
-    m->k.crossentropy_vp_max(mx, logits, n, V);
+    K(CROSSENTROPY, crossentropy_vp_max, mx, logits, n, V);
     m->hooks->reduce_max(m->hooks->ctx, mx, (size_t)n);
-    m->k.crossentropy_vp_sums(se, tl, logits, mx, labels, n, V, v0);
+    K(CROSSENTROPY, crossentropy_vp_sums, se, tl, logits, mx, labels, n, V, v0);
     m->hooks->reduce_partial(m->hooks->ctx, se, 2 * (size_t)n); /* se and tl are adjacent */
-    return m->k.crossentropy_vp_grad(logits, mx, se, tl, labels, n, V, v0, grad_scale, count);
+    K_RET(loss, CROSSENTROPY, crossentropy_vp_grad, logits, mx, se, tl, labels, n, V, v0, grad_scale, count);
+    return loss;
 }
 
 /* A bf16-stored (frozen) lm_head, tied or not, is never widened whole: the
@@ -1268,7 +1293,7 @@ static void head_fwd(lm_model *m, float *logits, const float *x, int n) {
     int H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
     const lm_tensor *t = head_stored(m);
     if (!t) {
-        m->k.matmul_fwd(logits, x, m->w.lm_head, n, H, V, 0);
+        K(MATMUL, matmul_fwd, logits, x, m->w.lm_head, n, H, V, 0);
         return;
     }
     head_scratch(m);
@@ -1276,7 +1301,7 @@ static void head_fwd(lm_model *m, float *logits, const float *x, int n) {
         int nv = V - v0 < HEAD_VBLOCK ? V - v0 : HEAD_VBLOCK;
         ct_convert_to_f32(m->ws.head_w, m->fstore + t->store + (size_t)v0 * H, CT_BF16, (size_t)nv * H);
         float *o = nv == V ? logits : m->ws.head_tmp; /* [n, nv] */
-        m->k.matmul_fwd(o, x, m->ws.head_w, n, H, nv, 0);
+        K(MATMUL, matmul_fwd, o, x, m->ws.head_w, n, H, nv, 0);
         if (o != logits)
             for (int r = 0; r < n; r++) memcpy(logits + (size_t)r * V + v0, o + (size_t)r * nv, nv * sizeof(float));
     }
@@ -1287,7 +1312,7 @@ static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *
     int H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
     const lm_tensor *t = head_stored(m);
     if (!t) {
-        m->k.matmul_bwd(dx, m->g.lm_head, dlogits, x, m->w.lm_head, n, H, V);
+        K(MATMUL, matmul_bwd, dx, m->g.lm_head, dlogits, x, m->w.lm_head, n, H, V);
         return;
     }
     head_scratch(m);
@@ -1299,7 +1324,7 @@ static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *
             for (int r = 0; r < n; r++) memcpy(m->ws.head_tmp + (size_t)r * nv, dlogits + (size_t)r * V + v0, nv * sizeof(float));
             d = m->ws.head_tmp;
         }
-        m->k.matmul_bwd(dx, NULL, d, x, m->ws.head_w, n, H, nv);
+        K(MATMUL, matmul_bwd, dx, NULL, d, x, m->ws.head_w, n, H, nv);
     }
 }
 
@@ -1321,7 +1346,7 @@ void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) 
     forward_stack(m, tokens, B, T);
     int V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
     if (!head_stored(m)) {
-        m->k.matmul_fwd(logits, m->act.lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
+        K(MATMUL, matmul_fwd, logits, m->act.lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
     } else {
         for (int r0 = 0; r0 < B * T; r0 += m->ws.logit_rows) { /* head_fwd's scratch holds logit_rows rows */
             int n = B * T - r0 < m->ws.logit_rows ? B * T - r0 : m->ws.logit_rows;
@@ -1420,7 +1445,7 @@ static void kv_attention_prefill(const lm_model *m, lm_kv *kv, float *out, const
         for (int h = k * group; h < (k + 1) * group; h++) {
             for (int i = 0; i < n; i++)
                 memcpy(qh + (size_t)i * hd, q + ((size_t)i * nH + h) * hd, (size_t)hd * sizeof(float));
-            m->k.matmul_fwd(S, qh, kh, n, hd, T, 0); /* S[n, T] = Q K^T */
+            K(MATMUL, matmul_fwd, S, qh, kh, n, hd, T, 0); /* S[n, T] = Q K^T */
 #pragma omp parallel for num_threads(kv->n_threads) schedule(static)
             for (int i = 0; i < n; i++) {
                 float *row = S + (size_t)i * T;
@@ -1440,7 +1465,7 @@ static void kv_attention_prefill(const lm_model *m, lm_kv *kv, float *out, const
                 for (int t = t0; t <= last; t++) row[t] *= inv;
                 for (int t = last + 1; t < T; t++) row[t] = 0.0f;
             }
-            m->k.matmul_fwd(oh, S, vht, n, T, hd, 0); /* O[n, hd] = P V */
+            K(MATMUL, matmul_fwd, oh, S, vht, n, T, hd, 0); /* O[n, hd] = P V */
             for (int i = 0; i < n; i++)
                 memcpy(out + ((size_t)i * nH + h) * hd, oh + (size_t)i * hd, (size_t)hd * sizeof(float));
         }
@@ -1538,7 +1563,7 @@ void lm_kv_forward(lm_model *m, lm_kv *kv, const int32_t *tokens, int p0, int n,
     if (!logits) return;
     /* the final norm and lm_head on the last row only: one distribution per step */
     const float *x = kv->x[c->n_layers & 1] + (size_t)(n - 1) * H;
-    m->k.rmsnorm_fwd(a->ln1, a->ln1_rstd, x, nw(m, m->w.lnf, H), 1, H, (float)c->rms_eps);
+    K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, x, nw(m, m->w.lnf, H), 1, H, (float)c->rms_eps);
     head_fwd(m, logits, a->ln1, 1);
     lm_final_softcap(c, logits, (size_t)c->vocab_size, NULL);
 }
@@ -1562,7 +1587,7 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
     if (m->moe_ep)
         m->moe_ep->bwd(m->moe_ep->ctx, l, m->ws.d_ln, g, m->ws.moe_dtopw, m->ws.d_res, r, w, BT);
     else
-        m->k.moe_bwd(m->ws.d_ln, g->ewg, g->ewu, g->ewd, m->ws.moe_dtopw, m->ws.moe_work, m->ws.d_res, a->ln2, w->ewg, w->ewu,
+        K(MOE, moe_bwd, m->ws.d_ln, g->ewg, g->ewu, g->ewd, m->ws.moe_dtopw, m->ws.moe_work, m->ws.d_res, a->ln2, w->ewg, w->ewu,
                      w->ewd, a->gate, a->up, a->h, r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
     WIDE_OUT(w->ewg, 3 * ex);
     /* under tensor parallelism both are partial sums over the experts'
@@ -1587,13 +1612,13 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
     const float *dy = m->ws.d_res; /* [BT, H] */
     if (ln) {
         zero(m->ws.d_ln, (size_t)BT * H);
-        m->k.rmsnorm_bwd(m->ws.d_ln, gln, m->ws.d_res, y, nw(m, ln, H), rstd, BT, H);
+        K(RMSNORM, rmsnorm_bwd, m->ws.d_ln, gln, m->ws.d_res, y, nw(m, ln, H), rstd, BT, H);
         dy = m->ws.d_ln;
     }
     if (gb) op_bias_bwd(gb, dy, BT, H);
     zero(din, (size_t)BT * K);
     WIDE_IN(w, (size_t)H * K);
-    m->k.matmul_bwd(din, gw, dy, in, w, BT, K, H);
+    K(MATMUL, matmul_bwd, din, gw, dy, in, w, BT, K, H);
     WIDE_OUT(w, (size_t)H * K);
     if (LORA(&m->w.layer[l], p)) lora_bwd(m, l, p, din, dy, m->act.layer[l].lora_u[p], in, BT, K, H);
 }
@@ -1619,7 +1644,7 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
     if (c->vocab_rows) reduce_d_input(m, m->ws.d_ln, (size_t)BT * H); /* each rank's rows of lm_head: partial */
     /* d_res carries d(residual stream) downwards */
     zero(m->ws.d_res, (size_t)BT * H);
-    m->k.rmsnorm_bwd(m->ws.d_res, m->g.lnf, m->ws.d_ln, m->act.res_out, nw(m, m->w.lnf, H), m->act.lnf_rstd, BT, H);
+    K(RMSNORM, rmsnorm_bwd, m->ws.d_res, m->g.lnf, m->ws.d_ln, m->act.res_out, nw(m, m->w.lnf, H), m->act.lnf_rstd, BT, H);
     return loss_sum;
 }
 
@@ -1642,17 +1667,17 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
                      BT, I);
         zero(m->ws.d_gate, (size_t)BT * I);
         zero(m->ws.d_up, (size_t)BT * I);
-        if (c->act == LM_ACT_GELU_TANH) m->k.geglu_bwd(m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I);
-        else m->k.swiglu_bwd(m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I);
+        if (c->act == LM_ACT_GELU_TANH) K(GEGLU, geglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I);
+        else K(SWIGLU, swiglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I);
         if (g->bg) op_bias_bwd(g->bg, m->ws.d_gate, BT, I);
         if (g->bu) op_bias_bwd(g->bu, m->ws.d_up, BT, I);
         const float *xm = mlp_in(m, a);
         zero(m->ws.d_ln, (size_t)BT * H);
         WIDE_IN(w->wg, (size_t)I * H);
-        m->k.matmul_bwd(m->ws.d_ln, g->wg, m->ws.d_gate, xm, w->wg, BT, H, I);
+        K(MATMUL, matmul_bwd, m->ws.d_ln, g->wg, m->ws.d_gate, xm, w->wg, BT, H, I);
         WIDE_OUT(w->wg, (size_t)I * H);
         WIDE_IN(w->wu, (size_t)I * H);
-        m->k.matmul_bwd(m->ws.d_ln, g->wu, m->ws.d_up, xm, w->wu, BT, H, I);
+        K(MATMUL, matmul_bwd, m->ws.d_ln, g->wu, m->ws.d_up, xm, w->wu, BT, H, I);
         WIDE_OUT(w->wu, (size_t)I * H);
         if (LORA(w, LM_LORA_GATE))
             lora_bwd(m, l, LM_LORA_GATE, m->ws.d_ln, m->ws.d_gate, a->lora_u[LM_LORA_GATE], xm, BT, H, I);
@@ -1660,8 +1685,8 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
             lora_bwd(m, l, LM_LORA_UP, m->ws.d_ln, m->ws.d_up, a->lora_u[LM_LORA_UP], xm, BT, H, I);
         reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
     }
-    if (w->ln2) m->k.rmsnorm_bwd(m->ws.d_res, g->ln2, m->ws.d_ln, a->res_mid, nw(m, w->ln2, H), a->ln2_rstd, BT, H);
-    else m->k.add(m->ws.d_res, m->ws.d_res, m->ws.d_ln, (long)BT * H); /* the MLP read res_mid itself */
+    if (w->ln2) K(RMSNORM, rmsnorm_bwd, m->ws.d_res, g->ln2, m->ws.d_ln, a->res_mid, nw(m, w->ln2, H), a->ln2_rstd, BT, H);
+    else K(ADD, add, m->ws.d_res, m->ws.d_res, m->ws.d_ln, (long)BT * H); /* the MLP read res_mid itself */
 
     /* res_mid = res + [norm](o_proj(att) + bo) */
     out_proj_bwd(m, l, LM_LORA_O, m->ws.d_att, a->att, w->wo, g->wo, g->bo, w->ln_ao, g->ln_ao, a->ao, a->ao_rstd, BT,
@@ -1670,7 +1695,7 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     zero(m->ws.d_k, (size_t)BT * kvd);
     zero(m->ws.d_v, (size_t)BT * kvd);
     kern_attn_opt ao = attn_opt(m, l);
-    m->k.attention_bwd(m->ws.d_q, m->ws.d_k, m->ws.d_v, m->ws.d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
+    K(ATTENTION, attention_bwd, m->ws.d_q, m->ws.d_k, m->ws.d_v, m->ws.d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
                        hd, &ao);
     /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->
      * d_q2, d_k2 (w.r.t. the projections' outputs) */
@@ -1687,17 +1712,17 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     float *dln = l > 0 || m->g.wte || g->ln1 ? m->ws.d_ln : NULL; /* [BT, H] */
     const float *xa = attn_in(m, a);
     WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-    m->k.matmul_bwd(dln, g->wq, m->ws.d_q2, xa, w->wq, BT, H, qd);
-    m->k.matmul_bwd(dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd);
-    m->k.matmul_bwd(dln, g->wv, m->ws.d_v, xa, w->wv, BT, H, kvd);
+    K(MATMUL, matmul_bwd, dln, g->wq, m->ws.d_q2, xa, w->wq, BT, H, qd);
+    K(MATMUL, matmul_bwd, dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd);
+    K(MATMUL, matmul_bwd, dln, g->wv, m->ws.d_v, xa, w->wv, BT, H, kvd);
     WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
     if (LORA(w, LM_LORA_Q)) lora_bwd(m, l, LM_LORA_Q, dln, m->ws.d_q2, a->lora_u[LM_LORA_Q], xa, BT, H, qd);
     if (LORA(w, LM_LORA_K)) lora_bwd(m, l, LM_LORA_K, dln, m->ws.d_k2, a->lora_u[LM_LORA_K], xa, BT, H, kvd);
     if (LORA(w, LM_LORA_V)) lora_bwd(m, l, LM_LORA_V, dln, m->ws.d_v, a->lora_u[LM_LORA_V], xa, BT, H, kvd);
     if (dln) {
         reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
-        if (w->ln1) m->k.rmsnorm_bwd(m->ws.d_res, g->ln1, m->ws.d_ln, a->res, nw(m, w->ln1, H), a->ln1_rstd, BT, H);
-        else m->k.add(m->ws.d_res, m->ws.d_res, m->ws.d_ln, (long)BT * H); /* attention read res itself */
+        if (w->ln1) K(RMSNORM, rmsnorm_bwd, m->ws.d_res, g->ln1, m->ws.d_ln, a->res, nw(m, w->ln1, H), a->ln1_rstd, BT, H);
+        else K(ADD, add, m->ws.d_res, m->ws.d_res, m->ws.d_ln, (long)BT * H); /* attention read res itself */
     }
 }
 
@@ -1705,7 +1730,9 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
 static void backward_layers(lm_model *m, int l0, int l1, int B, int T) {
     for (int l = l1 - 1; l >= l0; l--) {
         if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
+        int64_t t0 = PROF_T0(m->prof);
         layer_backward(m, l, B, T);
+        if (m->prof) prof_layer(m->prof, "layer_bwd", l, t0);
         if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
     }
 }
@@ -1719,7 +1746,7 @@ static void embed_bwd(lm_model *m, const int32_t *tokens, int BT) {
     if (c->has_pad) /* torch's padding_idx: the lookup adds nothing to that row */
         for (int i = 0; i < BT; i++)
             if (tokens[i] == c->pad_token) zero(m->ws.d_res + (size_t)i * H, (size_t)H);
-    m->k.embedding_bwd(m->g.wte, m->ws.d_res, tokens, BT, H);
+    K(EMBEDDING, embedding_bwd, m->g.wte, m->ws.d_res, tokens, BT, H);
 }
 
 double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,

@@ -396,6 +396,7 @@ typedef struct {
     lm_moe_state moe;       /* MoE routing state: the last forward's sums, the balancing bias */
     const lm_hooks *hooks; /* NULL: none; set by a parallel layout (distributed/fsdp.h) */
     const lm_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by distributed/ep.h */
+    struct prof *prof;      /* NULL: not profiled; else spans of ops and layers (metrics/profile.h, the trainer's) */
     /* LoRA dropout (cfg.lora_rank > 0) */
     uint64_t lora_seed;     /* dropout masks: a hash of (this, layer, projection, element); the trainer
                                sets it per micro-batch from training.seed and the step */

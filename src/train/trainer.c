@@ -34,6 +34,7 @@
 #include "core/progress.h"
 #include "core/timer.h"
 #include "hub/hub.h"
+#include "metrics/profile.h"
 #include "metrics/tb.h"
 #include "model/lora.h"
 
@@ -579,6 +580,7 @@ int trainer_run(trainer *t, ct_err *e) {
     tok *tk = NULL;
     FILE *mf = NULL;
     tb_writer *tb = NULL;
+    prof *pf = NULL; /* [profiling]: lent to the plan (model, communicators) for each traced step */
     int32_t *tokens = NULL, *labels = NULL;
     if (t->complete) return 0;
     int rc = open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle, &tk, e);
@@ -619,6 +621,15 @@ int trainer_run(trainer *t, ct_err *e) {
             rc = e->code;
             goto out;
         }
+    }
+
+    if (c->enable_profiling) {
+        if (trainer_join_path(path, sizeof path, c->dump_folder, c->save_traces_folder)) {
+            rc = ct_fail(e, CT_ERR_CONFIG, "profiling.save_traces_folder: path too long");
+            goto out;
+        }
+        pf = prof_new(t->world->rank, path);
+        prof_set_kernels(pf, &m->k);
     }
 
     if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "events.jsonl"))
@@ -670,6 +681,13 @@ int trainer_run(trainer *t, ct_err *e) {
     int steps_since_log = 0;
     while (t->step < c->steps) {
         int step = t->step + 1;
+        int traced = pf && step % c->profile_freq == 0;
+        if (traced) { /* lent for this step only: the hooks of other steps see NULL */
+            plan_profile(&t->plan, pf);
+            prof_step_begin(pf, step);
+        }
+        prof *sp = traced ? pf : NULL;
+        int64_t t_step = PROF_T0(sp), t_data = t_step;
         long n_valid = 0;
         for (int a = 0; a < t->grad_accum; a++) {
             ds_next(data, tokens + a * mb, labels + a * mb, B);
@@ -681,16 +699,26 @@ int trainer_run(trainer *t, ct_err *e) {
         plan_sum_dp(&t->plan, &nv, 1, COMM_I64);
         n_valid = (long)nv;
         float scale = n_valid ? 1.0f / (float)n_valid : 0.0f;
+        if (sp) prof_span(sp, "phase", "data", t_data);
         int n_micro = plan_microbatches(&t->plan);
         for (int i = 0; i < n_micro; i++) t->seeds[i] = trainer_lora_seed(t, step, i);
         double aux_sum = 0, aux; /* MoE: HF's load-balancing loss, summed over micro-batches; their mean */
-        double loss_sum = plan_forward_backward(&t->plan, tokens, labels, B, T, scale, t->seeds, &aux_sum);
-        plan_reduce_grads(&t->plan);
-        plan_sum_loss(&t->plan, &loss_sum, &aux_sum, &aux);
+        double loss_sum, gnorm, lr;
+        PROF_SPAN(sp, "phase", "forward_backward",
+                  loss_sum = plan_forward_backward(&t->plan, tokens, labels, B, T, scale, t->seeds, &aux_sum));
+        PROF_SPAN(sp, "phase", "reduce", plan_reduce_grads(&t->plan);
+                  plan_sum_loss(&t->plan, &loss_sum, &aux_sum, &aux));
         double loss = n_valid ? loss_sum / n_valid : 0.0;
-        double gnorm, lr;
-        trainer_optimizer_step(t, &gnorm, &lr);
+        PROF_SPAN(sp, "phase", "optimizer", trainer_optimizer_step(t, &gnorm, &lr));
         if (step == first_step) t_first_end = ct_now();
+        if (traced) {
+            prof_span(pf, "step", "step", t_step);
+            plan_profile(&t->plan, NULL);
+            if ((rc = prof_step_end(pf, e))) goto out;
+        }
+        if (c->enable_memory_snapshot && step % c->profile_freq == 0 &&
+            (rc = trainer_memory_snapshot(t, step, stderr, e)))
+            goto out;
         tokens_since_log += (long)(mb * t->grad_accum);
         steps_since_log++;
         if (step == 1 || step % c->log_freq == 0) { /* torchtitan's rule */
@@ -774,6 +802,7 @@ int trainer_run(trainer *t, ct_err *e) {
             if (due && (rc = trainer_save(t, data, last && c->last_save_model_only, e))) goto out;
         }
     }
+    if (pf) prof_summary(pf, stderr); /* on the ranks CTITAN_LOG_RANKS shows */
     if (t->world->size > 1) /* on the ranks CTITAN_LOG_RANKS shows: what each one needed */
         fprintf(stderr, "ctitan: rank %d of %d: peak memory %.3f GiB\n", t->world->rank, t->world->size,
                 cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0));
@@ -812,6 +841,8 @@ out:
     free(labels);
     if (mf) fclose(mf);
     if (tb && tb_close(tb)) fprintf(stderr, "ctitan: warning: %s: write failed\n", tb_path(tb));
+    if (pf) plan_profile(&t->plan, NULL); /* a step that failed while traced */
+    prof_free(pf);
     ds_close(val);
     ds_close(data);
     tok_free(tk);

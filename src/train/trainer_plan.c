@@ -10,8 +10,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include "core/cpu.h"
 #include "distributed/plan.h"
+#include "metrics/profile.h"
 #include "model/lora.h"
 
 int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
@@ -72,4 +76,56 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
     if (pp > 1) return plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, cfg_source(c), e);
     return world > 1 ? plan_dry_rank(out, c, &mc, world, rep, shard, tp, B, cfg_source(c), e) : 0;
+}
+
+/* Bytes of [p, p + n) resident in this process now (mincore): a buffer's
+ * measured size, which for the lazily mapped and FSDP-gathered buffers is
+ * less than its length. */
+static double resident(const void *p, size_t n) {
+    if (!p || !n) return 0;
+    long pg = sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)(pg - 1), b = (uintptr_t)p + n;
+    size_t pages = (b - a + pg - 1) / pg;
+    unsigned char *v = ct_malloc(pages);
+    double bytes = -1;
+    if (!mincore((void *)a, b - a, v)) {
+        size_t in = 0;
+        for (size_t i = 0; i < pages; i++) in += v[i] & 1;
+        bytes = (double)in * pg;
+        if (bytes > (double)n) bytes = (double)n; /* the partial pages at the ends */
+    }
+    free(v);
+    return bytes;
+}
+
+int trainer_memory_snapshot(trainer *t, int step, FILE *log, ct_err *e) {
+    const ct_config *c = &t->cfg;
+    lm_model *m = &t->model;
+    /* planned: trainer_dry_run's figures, for this rank's model */
+    int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
+    int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
+    size_t n = 0, act = 0;
+    int rc = lm_plan_memory(&m->cfg, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    if (rc) return rc;
+    size_t trained = lm_trained_runs(m, 0, m->n_params, NULL, NULL), in_bf16 = m->n_store;
+    const fsdp *f = t->plan.fsdp;
+    const adamw_state *o = t->plan.opt;
+    prof_mem cats[] = {
+        {"parameters", 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16,
+         resident(m->params, m->n_params * sizeof(float)) + resident(m->fstore, m->n_store * sizeof(uint16_t)) +
+             (f ? resident(f->params, f->shard_n * sizeof(float)) : 0)},
+        {"gradients", 4.0 * (double)trained,
+         resident(m->grads, m->n_params * sizeof(float)) + (f ? resident(f->grads, f->shard_n * sizeof(float)) : 0)},
+        {"adamw_moments", 8.0 * (double)trained,
+         o ? resident(o->m, o->n * sizeof(float)) + resident(o->v, o->n * sizeof(float)) : 0},
+        {"activations_workspace", (double)act, resident(m->act.mem, m->act.floats * sizeof(float))},
+    };
+    char dir[4096], sub[64];
+    snprintf(sub, sizeof sub, "/iteration_%d", step);
+    if (trainer_join_path(dir, sizeof dir, c->dump_folder, c->save_memory_snapshot_folder) ||
+        strlen(dir) + strlen(sub) >= sizeof dir)
+        return ct_fail(e, CT_ERR_CONFIG, "profiling.save_memory_snapshot_folder: path too long");
+    strcat(dir, sub);
+    return prof_memory_snapshot(dir, t->world->rank, step, cats, (int)(sizeof cats / sizeof *cats),
+                                cpu_peak_rss_bytes(), log, e);
 }

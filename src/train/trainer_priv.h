@@ -7,6 +7,7 @@
 #define CT_TRAIN_TRAINER_PRIV_H
 
 #include <stddef.h>
+#include <stdio.h>
 
 #include "core/dtype.h"
 #include "train/trainer.h"
@@ -33,5 +34,9 @@ int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err
 /* The final HF export of the run to folder/step-N (or hf-step-N beside a
  * training checkpoint of the same step); dir gets the path. Collective. */
 int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, const char *torch_dtype, ct_err *e);
+/* [profiling] enable_memory_snapshot at step `step`: what the dry run plans
+ * for this rank's model beside what its buffers hold resident now, written
+ * under save_memory_snapshot_folder/iteration_N (trainer_plan.c). */
+int trainer_memory_snapshot(trainer *t, int step, FILE *log, ct_err *e);
 
 #endif

@@ -23,6 +23,8 @@ ALL_OPTIONS = [
     "checkpoint.initial_load_in_hf", "checkpoint.last_save_in_hf", "checkpoint.export_dtype",
     "metrics.log_freq", "metrics.file", "metrics.peak_tflops", "metrics.enable_tensorboard",
     "metrics.save_tb_folder",
+    "profiling.enable_profiling", "profiling.save_traces_folder", "profiling.profile_freq",
+    "profiling.enable_memory_snapshot", "profiling.save_memory_snapshot_folder",
 ]
 
 
@@ -52,6 +54,7 @@ CONFIG_ERRORS = [
     ("wrong_type_int_for_bool", {"checkpoint": {"initial_load_in_hf": 3}}, "checkpoint.initial_load_in_hf"),
     ("out_of_range_seq_len", {"training": {"seq_len": 0}}, "training.seq_len"),
     ("out_of_range_beta1", {"optimizer": {"beta1": 1.5}}, "optimizer.beta1"),
+    ("out_of_range_profile_freq", {"profiling": {"profile_freq": 0}}, "profiling.profile_freq"),
     ("bad_enum_decay_type", {"lr_scheduler": {"decay_type": "exp"}}, "lr_scheduler.decay_type"),
     ("bad_enum_export_dtype", {"checkpoint": {"export_dtype": "float8"}}, "checkpoint.export_dtype"),
     ("global_not_multiple_of_local", {"training": {"local_batch_size": 2, "global_batch_size": 3}},
