@@ -44,16 +44,16 @@
 #define CMP_RESTORE_TOL 1e-5 /* float sums in another order (test_dist.py's bound) */
 
 void cli_compare_help(void) {
-    printf("usage: ctitan compare RUN_A RUN_B [--tolerance X] [--price-per-hour P] [--bill-downtime]\n"
-           "                      [--no-restore] [--steps] [--json]\n\n"
+    printf("usage: ctitan compare RUN_A RUN_B [--tolerance X] [--restore-tolerance X] [--price-per-hour P]\n"
+           "                      [--bill-downtime] [--no-restore] [--steps] [--json]\n\n"
            "Compares two runs (their job.dump_folder) of one recipe under different layouts, machines or\n"
            "kernels:\n"
            "  loss curves   per step both runs logged, r = |a - b| / max(|a|, |b|, 1e-12); the max (and its\n"
            "                step) and mean of r, steps only one run logged. --steps prints every step.\n"
            "  restore       each run's final checkpoint is loaded in the other run's layout (mpirun -np W of\n"
            "                this binary) and in its own, and scores one fixed batch without updating; it\n"
-           "                restores when both load and the losses agree within the tolerance (--tolerance,\n"
-           "                default %g). --no-restore skips it (it launches four probes).\n"
+           "                restores when both load and the two losses r-agree within --restore-tolerance\n"
+           "                (default %g: float sums in another order). --no-restore skips it (four probes).\n"
            "  tokens/s      mean of the logged tps after step 1 (warm-up), and B / A.\n"
            "  restarts      from events.jsonl: per restart the downtime (launch - previous exit or last sign\n"
            "                of life), start-up and checkpoint load, redone steps x mean step time.\n"
@@ -350,6 +350,9 @@ int cli_compare(int argc, char **argv) {
         } else if (!strncmp(a, "--tolerance", k) && k == 11) {
             if (parse_num("--tolerance", v, &o.tolerance)) return 2;
             takes = 1;
+        } else if (!strncmp(a, "--restore-tolerance", k) && k == 19) {
+            if (parse_num("--restore-tolerance", v, &o.restore_tol)) return 2;
+            takes = 1;
         } else if (!strncmp(a, "--price-per-hour", k) && k == 16) {
             if (parse_num("--price-per-hour", v, &o.price)) return 2;
             takes = 1;
@@ -376,7 +379,6 @@ int cli_compare(int argc, char **argv) {
         fprintf(stderr, "ctitan: error: compare: takes two run directories (RUN_A RUN_B), got %d\n", n_dirs);
         return 2;
     }
-    if (o.tolerance >= 0) o.restore_tol = o.tolerance;
     o.dir_a = dirs[0];
     o.dir_b = dirs[1];
     run_data ra, rb;

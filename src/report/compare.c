@@ -310,7 +310,8 @@ void cmp_print_text(FILE *f, const cmp_opts *o, const cmp_loss *l, const cmp_run
         for (int i = 0; i < l->n; i++)
             fprintf(f, "  %8d %16.9g %16.9g %12.3g\n", l->steps[i], l->a[i], l->b[i], cmp_rel_diff(l->a[i], l->b[i]));
     }
-    fprintf(f, "\nFinal checkpoints restored in the other run's layout (loss of one fixed batch, no update)\n");
+    fprintf(f, "\nFinal checkpoints restored in the other run's layout (loss of one fixed batch, no update; the same "
+               "when r <= %.3g)\n", o->restore_tol);
     restore_text(f, "A", "B", &rs[0]);
     restore_text(f, "B", "A", &rs[1]);
 
@@ -442,6 +443,7 @@ void cmp_print_json(FILE *f, const cmp_opts *o, const cmp_loss *l, const cmp_run
     cJSON_AddItemToObject(j, "b", run_json(o, o->dir_b, rb));
     cJSON_AddItemToObject(j, "price_per_hour", o->price >= 0 ? cJSON_CreateNumber(o->price) : cJSON_CreateNull());
     cJSON_AddBoolToObject(j, "bill_downtime", o->bill_downtime);
+    cJSON_AddNumberToObject(j, "restore_tolerance", o->restore_tol);
     char *s = cJSON_Print(j);
     fprintf(f, "%s\n", s ? s : "{}");
     free(s);
