@@ -19,7 +19,7 @@ STEPS = 8
 TOL = 1e-4
 
 
-def base_args(d, out, *extra, lr="1e-3"):
+def base_args(d, out, *extra, lr="1e-2"):
     return ["train", "--model.spec=hf", f"--model.hf_assets_path={d / 'model'}", f"--training.dataset_path={d / 'd.bin'}",
             "--training.seq_len=16", "--training.local_batch_size=2", "--training.global_batch_size=4",
             f"--training.steps={STEPS}", "--training.seed=5", f"--optimizer.lr={lr}", "--metrics.log_freq=1",
@@ -67,7 +67,7 @@ def runs(tmp_path_factory):
     r["fsdp"] = d / "fsdp"  # 2 ranks, FSDP over both, the same global batch
     train(base_args(d, r["fsdp"]), ranks=2)
     r["lr"] = d / "lr"  # the recipe perturbed: another learning rate
-    train(base_args(d, r["lr"], lr="3e-3"))
+    train(base_args(d, r["lr"], lr="2e-2"))
     # stopped at step 4 then resumed after a pause
     r["stop"] = d / "stop"
     p = train(base_args(d, r["stop"], "--training.stop_at_step=4"), check=False)
@@ -101,7 +101,7 @@ def test_layouts_agree_and_restore_both_ways(runs):
     for x, own, other in ((ra, 1, 2), (rb, 2, 1)):
         assert x["checked"] and x["ok"], x
         assert x["step"] == final and x["own_world"] == own and x["other_world"] == other, x
-        assert x["rel"] <= TOL and math.isfinite(x["own_loss"]), x
+        assert x["rel"] <= j["restore_tolerance"] == 1e-5 and math.isfinite(x["own_loss"]), x
     # the text says the same
     p = compare(a, b, "--tolerance", TOL)
     assert p.returncode == 0
