@@ -293,12 +293,14 @@ static void restore_check(const probe_env *pe, const run_data *x, const run_data
     r->own_loss = r->other_loss = r->rel = NAN;
     r->own_world = run_world(x);
     r->other_world = run_world(y);
+    /* the folder under the directory given, not the events' paths: a run
+     * folder copied or moved elsewhere is compared where it is now */
     char folder[5200], cv[1024];
     const char *fv = run_setting_get(x, "checkpoint.folder");
     flag_value(cv, sizeof cv, fv ? fv : "\"checkpoint\"");
     if (cv[0] == '/') snprintf(folder, sizeof folder, "%s", cv);
     else snprintf(folder, sizeof folder, "%s/%s", x->dir, cv);
-    if (!run_setting_get(x, "job.dump_folder")) {
+    if (!x->n_config) {
         snprintf(r->why, sizeof r->why, "no config.toml in %.400s", x->dir);
         return;
     }

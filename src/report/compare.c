@@ -113,6 +113,23 @@ static double mean_after_first(const run_data *r, run_field f) {
     return n ? s / n : n1 ? s1 / n1 : NAN;
 }
 
+/* The job's tokens/s: "tps" is per rank (torchtitan's), which under data
+ * parallel understates a layout's throughput by the rank count and under
+ * tensor parallel counts shared tokens once per rank; tokens_seen / step is
+ * the global batch's tokens whatever the layout. */
+static double job_tps(const run_data *r) {
+    double s = 0, s1 = 0;
+    int n = 0, n1 = 0;
+    for (int i = 0; i < r->n_points; i++) {
+        const run_point *p = &r->points[i];
+        double v = p->step > 0 ? p->v[RUN_TOKENS_SEEN] / p->step / p->v[RUN_STEP_TIME_S] : NAN;
+        if (!isfinite(v)) continue;
+        if (p->step > 1) s += v, n++;
+        else s1 += v, n1++;
+    }
+    return n ? s / n : n1 ? s1 / n1 : NAN;
+}
+
 static void session_from_events(const run_data *r, int i, cmp_session *s) {
     const run_event *st = &r->events[i];
     memset(s, 0, sizeof *s);
@@ -148,6 +165,7 @@ static void session_from_events(const run_data *r, int i, cmp_session *s) {
 void cmp_run_analyse(const run_data *r, cmp_run *c) {
     memset(c, 0, sizeof *c);
     c->tps_mean = mean_after_first(r, RUN_TPS);
+    c->job_tps_mean = job_tps(r);
     c->step_time_mean = mean_after_first(r, RUN_STEP_TIME_S);
     int n = 0;
     for (int i = 0; i < r->n_events; i++) n += r->events[i].kind == RUN_EV_START;
@@ -316,9 +334,10 @@ void cmp_print_text(FILE *f, const cmp_opts *o, const cmp_loss *l, const cmp_run
     restore_text(f, "B", "A", &rs[1]);
 
     fprintf(f, "\n  %-44s %16s %16s\n", "", "A", "B");
-    row(f, "tokens/s (mean of logged steps after step 1)", ra->tps_mean, rb->tps_mean, "%.1f");
-    if (isfinite(ra->tps_mean) && isfinite(rb->tps_mean) && ra->tps_mean > 0)
-        fprintf(f, "  %-44s %33.3f\n", "tokens/s B / A", rb->tps_mean / ra->tps_mean);
+    row(f, "tokens/s of the job (mean after step 1)", ra->job_tps_mean, rb->job_tps_mean, "%.1f");
+    if (isfinite(ra->job_tps_mean) && isfinite(rb->job_tps_mean) && ra->job_tps_mean > 0)
+        fprintf(f, "  %-44s %33.3f\n", "tokens/s of the job B / A", rb->job_tps_mean / ra->job_tps_mean);
+    row(f, "tokens/s per rank (metrics tps)", ra->tps_mean, rb->tps_mean, "%.1f");
     row(f, "step time s (mean, after step 1)", ra->step_time_mean, rb->step_time_mean, "%.4f");
     row(f, "sessions (launches)", ra->n_sessions, rb->n_sessions, "%.0f");
     row(f, "restarts", ra->restarts, rb->restarts, "%.0f");
@@ -360,6 +379,7 @@ static cJSON *run_json(const cmp_opts *o, const char *dir, const cmp_run *r) {
     cJSON_AddStringToObject(j, "dir", dir);
     cJSON_AddItemToObject(j, "tps_mean", num_or_null(r->tps_mean));
     cJSON_AddItemToObject(j, "step_time_mean", num_or_null(r->step_time_mean));
+    cJSON_AddItemToObject(j, "job_tps_mean", num_or_null(r->job_tps_mean));
     cJSON_AddNumberToObject(j, "restarts", r->restarts);
     cJSON_AddNumberToObject(j, "downtime_s", r->downtime_s);
     cJSON_AddNumberToObject(j, "startup_s", r->startup_s);

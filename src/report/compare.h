@@ -49,7 +49,8 @@ typedef struct {
 typedef struct {
     int n_sessions;
     cmp_session *s;
-    double tps_mean;      /* mean tokens/s of the logged steps after step 1 (NaN: none) */
+    double tps_mean;      /* mean tokens/s per rank (metrics "tps") of the logged steps after step 1 (NaN: none) */
+    double job_tps_mean;  /* the whole job's: global tokens per step / step_time_s, likewise */
     double step_time_mean; /* mean step_time_s, likewise */
     int restarts;         /* n_sessions - 1 */
     double downtime_s, startup_s, load_s, redone_s, lost_s; /* restart totals; lost = the three */

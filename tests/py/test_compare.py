@@ -106,10 +106,14 @@ def test_layouts_agree_and_restore_both_ways(runs):
     p = compare(a, b, "--tolerance", TOL)
     assert p.returncode == 0
     assert p.stdout.count(": restores") == 2 and "tolerance 0.0001: within" in p.stdout, p.stdout
-    # tokens/s: mean over the logged steps after step 1, and their ratio
+    # tokens/s: per rank (tps) and of the job (global batch tokens / step time), mean over
+    # the logged steps after step 1
     for key, run in (("a", a), ("b", b)):
-        tps = [m["tps"] for m in read_jsonl(run / "metrics.jsonl") if "tps" in m and m["step"] > 1]
-        assert math.isclose(j[key]["tps_mean"], sum(tps) / len(tps), rel_tol=1e-9)
+        rows = [m for m in read_jsonl(run / "metrics.jsonl") if "tps" in m and m["step"] > 1]
+        assert math.isclose(j[key]["tps_mean"], sum(m["tps"] for m in rows) / len(rows), rel_tol=1e-9)
+        job = [4 * 16 / m["step_time_s"] for m in rows]  # global batch 4 x seq_len 16
+        assert math.isclose(j[key]["job_tps_mean"], sum(job) / len(job), rel_tol=1e-6), (j[key], job)
+    assert "tokens/s of the job B / A" in p.stdout
 
 
 def test_perturbed_recipe_exceeds_tolerance(runs):
