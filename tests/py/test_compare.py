@@ -246,7 +246,8 @@ def test_killed_then_resumed(runs, tmp_path):
     assert pj.returncode == 0, pj.stderr
     s, down, redone = check_restarts(j["a"], out, raw)
     assert len(s) == 2 and s[0]["exit"] is None and j["a"]["sessions"][0]["reason"] == "killed"
-    assert redone[0] == max(m["step"] for m in raw) - s[1]["start_step"] and redone[0] > 0, redone
+    # (0 when the kill came right after a save)
+    assert redone[0] == max(m["step"] for m in raw) - s[1]["start_step"], redone
     assert down[0] >= 0.2 - 0.05
     text = compare(out, out, "--no-restore").stdout
     assert f"redone {redone[0]} step(s)" in text and "was killed" in text, text
