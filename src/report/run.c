@@ -81,6 +81,9 @@ static int add_event_line(run_data *r, const cJSON *o, const char *where, ct_err
     v->launch_time = num(o, "launch_time");
     v->startup_s = num(o, "startup_s");
     v->load_s = num(o, "load_s");
+    double ls = num(o, "metrics_last_step");
+    v->metrics_last_step = isfinite(ls) && ls >= 0 && ls <= 2e9 ? (int)ls : -1;
+    v->metrics_last_time = num(o, "metrics_last_time");
     str(v->resumed_from, sizeof v->resumed_from, o, "resumed_from");
     str(v->cpu, sizeof v->cpu, o, "cpu");
     str(v->host, sizeof v->host, o, "host");

@@ -53,6 +53,10 @@ typedef struct {
     double launch_time, startup_s, load_s;
     char resumed_from[512]; /* "" for a fresh start */
     char cpu[128], host[128];
+    /* a resume's: the furthest step and latest time metrics.jsonl held
+     * before the resume cut it back (-1 and NaN when absent) */
+    int metrics_last_step;
+    double metrics_last_time;
     /* checkpoint */
     char ckpt_kind[16]; /* full, model_only, hf, adapter */
     char path[512];

@@ -427,8 +427,11 @@ static void print_moe_load(FILE *f, const lm_model *m, double aux, int json) {
     if (json) fprintf(f, "]");
 }
 
-/* Keeps the metrics lines of steps <= last_step (every line starts with {"step": N). */
-static void truncate_metrics(const char *path, int last_step) {
+/* Keeps the metrics lines of steps <= last_step (every line starts with {"step": N).
+ * *seen_step and *seen_time get the furthest step and latest "time" of the
+ * lines before the cut: a killed session's last sign of life, which the cut
+ * would otherwise erase (ctitan compare counts the work it redoes from them). */
+static void truncate_metrics(const char *path, int last_step, int *seen_step, double *seen_time) {
     FILE *f = fopen(path, "r");
     if (!f) return;
     char *keep = NULL, *line = NULL;
@@ -438,7 +441,11 @@ static void truncate_metrics(const char *path, int last_step) {
     while (out && (got = getline(&line, &cap, f)) > 0) {
         int step;
         if (line[got - 1] != '\n') continue; /* torn by a kill mid-write */
-        if (sscanf(line, "{\"step\": %d", &step) == 1 && step > last_step) continue;
+        int has_step = sscanf(line, "{\"step\": %d", &step) == 1;
+        const char *tm = strstr(line, "\"time\": ");
+        if (has_step && step > *seen_step) *seen_step = step;
+        if (tm && !(strtod(tm + 8, NULL) <= *seen_time)) *seen_time = strtod(tm + 8, NULL);
+        if (has_step && step > last_step) continue;
         fputs(line, out);
     }
     fclose(f);
@@ -508,7 +515,7 @@ static int validate(trainer *t, ds *val, int step, FILE *mf, tb_writer **tb) {
 
 /* events.jsonl (metrics/events.h): the start of this process's part of the
  * run. Collective (the machine count). */
-static void write_start_event(trainer *t) {
+static void write_start_event(trainer *t, int seen_step, double seen_time) {
     /* machines: distinct host names over the ranks, by a hash of each */
     char host[256] = "";
     gethostname(host, sizeof host - 1);
@@ -540,6 +547,8 @@ static void write_start_event(trainer *t) {
         cJSON_AddNumberToObject(o, "load_s", t->loaded.seconds);
         cJSON_AddNumberToObject(o, "load_mib", t->loaded.mib);
     }
+    if (seen_step >= 0) cJSON_AddNumberToObject(o, "metrics_last_step", seen_step);
+    if (isfinite(seen_time)) cJSON_AddNumberToObject(o, "metrics_last_time", seen_time);
     ev_write(t->events, "start", o);
 }
 
@@ -594,6 +603,8 @@ int trainer_run(trainer *t, ct_err *e) {
     /* the resolved config, so a run can be reproduced from its folder */
     char path[4096];
     int rank0 = t->world->rank == 0; /* files of the run are written once */
+    int seen_step = -1;    /* what a resume cuts from metrics.jsonl (truncate_metrics) */
+    double seen_time = NAN;
     if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "config.toml")) {
         FILE *cf = fopen(path, "w");
         if (cf) {
@@ -605,7 +616,7 @@ int trainer_run(trainer *t, ct_err *e) {
         trainer_join_path(path, sizeof path, c->dump_folder, c->metrics_file);
         /* a resumed run continues the file of the run it resumes, minus the lines
          * of steps after the checkpoint (they are about to be redone) */
-        if (t->step > 0) truncate_metrics(path, t->step);
+        if (t->step > 0) truncate_metrics(path, t->step, &seen_step, &seen_time);
         mf = fopen(path, t->step > 0 ? "a" : "w");
         if (!mf) {
             rc = ct_fail(e, CT_ERR_IO, "%s: cannot open metrics file (metrics.file)", path);
@@ -634,7 +645,7 @@ int trainer_run(trainer *t, ct_err *e) {
 
     if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "events.jsonl"))
         t->events = ev_open(path, e);
-    write_start_event(t); /* collective: before rank 0 may leave */
+    write_start_event(t, seen_step, seen_time); /* collective: before rank 0 may leave */
     if (rank0 && !t->events) {
         rc = e->code;
         goto out;

@@ -1,0 +1,310 @@
+"""`ctitan compare` (issue 18, part 3) on real tiny runs. Every expected number is computed
+here from the raw files (metrics.jsonl, events.jsonl, and the raw metrics.jsonl saved
+before a resume cut it back), never from ctitan's own output; the JSON report is checked
+against them and the text report for the same verdicts."""
+import json
+import math
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+import oracle
+from conftest import BIN, CHILD_ENV, ROOT, crashed
+from test_dist import ENV as MPI_ENV, mpirun
+
+STEPS = 8
+TOL = 1e-4
+
+
+def base_args(d, out, *extra, lr="1e-2"):
+    return ["train", "--model.spec=hf", f"--model.hf_assets_path={d / 'model'}", f"--training.dataset_path={d / 'd.bin'}",
+            "--training.seq_len=16", "--training.local_batch_size=2", "--training.global_batch_size=4",
+            f"--training.steps={STEPS}", "--training.seed=5", f"--optimizer.lr={lr}", "--metrics.log_freq=1",
+            "--metrics.peak_tflops=1", f"--job.dump_folder={out}", "--checkpoint.enable",
+            "--checkpoint.interval=3", *extra]
+
+
+def train(args, ranks=1, env=None, check=True):
+    cmd = ([str(BIN)] if ranks == 1 else mpirun() + ["-np", str(ranks), str(BIN)]) + [str(a) for a in args]
+    p = subprocess.run(cmd, cwd=ROOT, env=env or MPI_ENV, capture_output=True, text=True, timeout=300)
+    crashed(p.returncode, p.stderr, cmd)
+    if check:
+        assert p.returncode == 0, f"{' '.join(cmd)}\n{p.stderr[-3000:]}"
+    return p
+
+
+def compare(*args, env=None):
+    cmd = [str(BIN), "compare", *[str(a) for a in args]]
+    p = subprocess.run(cmd, cwd=ROOT, env=env or MPI_ENV, capture_output=True, text=True, timeout=300)
+    crashed(p.returncode, p.stderr, cmd)
+    return p
+
+
+def read_jsonl(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def losses(run):
+    return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cmp")
+    oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=2, heads=4, kv_heads=2,
+                       head_dim=8).save_pretrained(d / "model")
+    oracle.write_bin(d / "d.bin", oracle.learnable_stream(80 * 17 + 5, 128, seed=3))
+    r = {"d": d}
+    r["one"] = d / "one"  # one process, 2 micro-batches of 2 per step
+    train(base_args(d, r["one"]))
+    r["fsdp"] = d / "fsdp"  # 2 ranks, FSDP over both, the same global batch
+    train(base_args(d, r["fsdp"]), ranks=2)
+    r["lr"] = d / "lr"  # the recipe perturbed: another learning rate
+    train(base_args(d, r["lr"], lr="2e-2"))
+    # stopped at step 4 then resumed after a pause
+    r["stop"] = d / "stop"
+    p = train(base_args(d, r["stop"], "--training.stop_at_step=4"), check=False)
+    assert p.returncode == 75, p.stderr[-2000:]
+    time.sleep(0.3)
+    train(base_args(d, r["stop"]))
+    return r
+
+
+def report(*args):
+    p = compare(*args, "--json")
+    return p, json.loads(p.stdout) if p.stdout.strip() else None
+
+
+def test_layouts_agree_and_restore_both_ways(runs):
+    a, b = runs["one"], runs["fsdp"]
+    p, j = report(a, b, "--tolerance", TOL)
+    assert p.returncode == 0, p.stdout + p.stderr
+    la, lb = losses(a), losses(b)
+    common = sorted(set(la) & set(lb))
+    assert common == list(range(1, STEPS + 1))
+    r = [rel(la[s], lb[s]) for s in common]
+    L = j["loss"]
+    assert L["n"] == len(common) and L["n_only_a"] == 0 and L["n_only_b"] == 0
+    assert math.isclose(L["max_rel"], max(r), rel_tol=1e-9, abs_tol=1e-15), (L["max_rel"], max(r))
+    assert math.isclose(L["mean_rel"], sum(r) / len(r), rel_tol=1e-9, abs_tol=1e-15)
+    assert L["max_step"] == common[r.index(max(r))]
+    assert L["max_rel"] <= TOL and L["within_tolerance"]
+    ra, rb = j["restore"]
+    final = max(int(x.name[5:]) for x in (a / "checkpoint").iterdir())
+    for x, own, other in ((ra, 1, 2), (rb, 2, 1)):
+        assert x["checked"] and x["ok"], x
+        assert x["step"] == final and x["own_world"] == own and x["other_world"] == other, x
+        assert x["rel"] <= j["restore_tolerance"] == 1e-5 and math.isfinite(x["own_loss"]), x
+    # the text says the same
+    p = compare(a, b, "--tolerance", TOL)
+    assert p.returncode == 0
+    assert p.stdout.count(": restores") == 2 and "tolerance 0.0001: within" in p.stdout, p.stdout
+    # tokens/s: per rank (tps) and of the job (global batch tokens / step time), mean over
+    # the logged steps after step 1
+    for key, run in (("a", a), ("b", b)):
+        rows = [m for m in read_jsonl(run / "metrics.jsonl") if "tps" in m and m["step"] > 1]
+        assert math.isclose(j[key]["tps_mean"], sum(m["tps"] for m in rows) / len(rows), rel_tol=1e-9)
+        job = [4 * 16 / m["step_time_s"] for m in rows]  # global batch 4 x seq_len 16
+        assert math.isclose(j[key]["job_tps_mean"], sum(job) / len(job), rel_tol=1e-6), (j[key], job)
+    assert "tokens/s of the job B / A" in p.stdout
+
+
+def test_perturbed_recipe_exceeds_tolerance(runs):
+    a, c = runs["one"], runs["lr"]
+    p, j = report(a, c, "--tolerance", TOL, "--no-restore")
+    assert p.returncode == 4, p.stdout + p.stderr  # "differ" (docs/reliability.md)
+    la, lc = losses(a), losses(c)
+    r = {s: rel(la[s], lc[s]) for s in la}
+    worst = max(r, key=r.get)
+    assert j["loss"]["max_step"] == worst and math.isclose(j["loss"]["max_rel"], r[worst], rel_tol=1e-9)
+    assert r[worst] > TOL and not j["loss"]["within_tolerance"]
+    assert not j["restore"][0]["checked"] and not j["restore"][1]["checked"]
+    p = compare(a, c, "--tolerance", TOL, "--no-restore", "--steps")
+    assert p.returncode == 4
+    assert f"at step {worst} " in p.stdout and "EXCEEDED" in p.stdout, p.stdout
+    assert p.stdout.count("not checked (--no-restore)") == 2
+    rows = [ln.split() for ln in p.stdout.splitlines() if ln.strip()[:1].isdigit() and len(ln.split()) == 4]
+    assert [int(x[0]) for x in rows] == sorted(la), rows  # the per-step table
+    # without --tolerance a difference is reported, not an error
+    assert compare(a, c, "--no-restore").returncode == 0
+
+
+def test_restore_failure_is_reported(runs, tmp_path):
+    """A layout the checkpoint cannot be loaded in (3-way tensor parallel over 2 ranks):
+    "does not restore", with the probe's error, and the "differ" exit."""
+    bad = tmp_path / "bad"
+    shutil.copytree(runs["fsdp"], bad)
+    cfg = (bad / "config.toml").read_text()
+    assert "tensor_parallel_degree = 1" in cfg
+    (bad / "config.toml").write_text(cfg.replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 3"))
+    p, j = report(runs["one"], bad)
+    assert p.returncode == 4, p.stdout + p.stderr
+    x = j["restore"][0]
+    assert x["checked"] and not x["ok"] and "tensor_parallel_degree" in x["why"], x
+
+
+def sessions(run, raw_before=None):
+    """(launch, end, start step, end step, machines, world, threads, startup, load) per launch,
+    from events.jsonl, and for a killed one from the raw metrics saved before its resume."""
+    ev = read_jsonl(run / "events.jsonl")
+    out = []
+    for i, e in enumerate(ev):
+        if e["event"] != "start":
+            continue
+        nxt = next((k for k in range(i + 1, len(ev)) if ev[k]["event"] == "start"), len(ev))
+        part = ev[i + 1:nxt]
+        ex = [x for x in part if x["event"] == "exit"]
+        if ex:
+            end, end_step = ex[0]["time"], ex[0]["step"]
+        else:  # killed: its last sign of life
+            raw = raw_before or []
+            end = max([x["time"] for x in part] + [m["time"] for m in raw] + [e["time"]])
+            end_step = max([x["step"] for x in part] + [m["step"] for m in raw] + [e["step"]])
+        out.append(dict(launch=e["launch_time"], end=end, start_step=e["step"], end_step=end_step,
+                        machines=e["machines"], world=e["world"], threads=e["threads"], startup=e["startup_s"],
+                        load=e.get("load_s", 0), exit=ex[0] if ex else None))
+    return out
+
+
+def check_restarts(j, run, raw_before=None):
+    s = sessions(run, raw_before)
+    down = [s[k]["launch"] - s[k - 1]["end"] for k in range(1, len(s))]
+    redone = [max(0, s[k - 1]["end_step"] - s[k]["start_step"]) for k in range(1, len(s))]
+    st = [m["step_time_s"] for m in read_jsonl(run / "metrics.jsonl") if "step_time_s" in m and m["step"] > 1]
+    mean_st = sum(st) / len(st)
+    assert j["restarts"] == len(s) - 1
+    assert math.isclose(j["downtime_s"], sum(down), abs_tol=1e-6), (j["downtime_s"], down)
+    assert j["redone_steps"] == sum(redone), (j["redone_steps"], redone)
+    assert math.isclose(j["redone_s"], sum(redone) * mean_st, rel_tol=1e-9, abs_tol=1e-12)
+    startup = sum(x["startup"] for x in s[1:])
+    assert math.isclose(j["startup_s"], startup, abs_tol=1e-9)
+    assert math.isclose(j["load_s"], sum(x["load"] for x in s[1:]), abs_tol=1e-9)
+    assert math.isclose(j["lost_s"], sum(down) + startup + sum(redone) * mean_st, abs_tol=1e-6)
+    wall = [x["end"] - x["launch"] for x in s]
+    assert math.isclose(j["wall_s"], sum(wall), abs_tol=1e-6)
+    assert math.isclose(j["machine_hours"], sum(x["machines"] * w for x, w in zip(s, wall)) / 3600, abs_tol=1e-9)
+    assert math.isclose(j["core_hours"],
+                        sum(x["world"] * x["threads"] * w for x, w in zip(s, wall)) / 3600, abs_tol=1e-9)
+    return s, down, redone
+
+
+def test_stop_and_resume_restarts_and_cost(runs):
+    run = runs["stop"]
+    p, j = report(run, runs["one"], "--no-restore", "--price-per-hour", "3.5")
+    assert p.returncode == 0, p.stderr
+    s, down, redone = check_restarts(j["a"], run)
+    assert len(s) == 2 and s[0]["exit"]["reason"] == "stopped" and redone == [0]
+    assert down[0] >= 0.3 - 0.05  # the test slept 0.3 s between the two launches
+    wall = [x["end"] - x["launch"] for x in s]
+    cost = 3.5 * sum(x["machines"] * w for x, w in zip(s, wall)) / 3600
+    assert math.isclose(j["a"]["cost"], cost, rel_tol=1e-9), (j["a"]["cost"], cost)
+    p2, j2 = report(run, runs["one"], "--no-restore", "--price-per-hour", "3.5", "--bill-downtime")
+    assert math.isclose(j2["a"]["cost"], cost + 3.5 * s[1]["machines"] * down[0] / 3600, rel_tol=1e-9)
+    # CPU time: rank 0's cpu_s x world over the exits
+    est = sum(x["exit"]["cpu_s"] * x["world"] for x in s) / 3600
+    assert math.isclose(j["a"]["cpu_hours_est"], est, rel_tol=1e-9)
+    text = compare(run, runs["one"], "--no-restore", "--price-per-hour", "3.5").stdout
+    assert "A restart 1: from step 4 after the previous session stopped at step 4" in text, text
+    assert "cost at 3.5 per machine-hour" in text
+
+
+def test_killed_then_resumed(runs, tmp_path):
+    d = tmp_path
+    oracle.tiny_config(vocab=512, hidden=128, inter=256, layers=4, heads=4, kv_heads=2,
+                       head_dim=32).save_pretrained(d / "model")
+    oracle.write_bin(d / "d.bin", oracle.learnable_stream(400 * 65 + 5, 512, seed=3))
+    out = d / "out"
+    args = [str(BIN), "train", "--model.spec=hf", f"--model.hf_assets_path={d / 'model'}",
+            f"--training.dataset_path={d / 'd.bin'}", "--training.seq_len=64", "--training.local_batch_size=4",
+            "--training.seed=5", "--metrics.log_freq=1", "--metrics.peak_tflops=1", f"--job.dump_folder={out}",
+            "--checkpoint.enable", "--checkpoint.interval=3", "--checkpoint.keep_latest_k=0"]
+    p = subprocess.Popen(args + ["--training.steps=400"], cwd=ROOT, env=CHILD_ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if metrics.exists() and sum(1 for _ in metrics.open()) >= 8:
+            break
+        time.sleep(0.005)
+    assert p.poll() is None, "the run ended before it could be killed"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    raw = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
+    time.sleep(0.2)
+    q = subprocess.run(args + [f"--training.steps={max(m['step'] for m in raw) + 2}"], cwd=ROOT, env=CHILD_ENV,
+                       capture_output=True, text=True, timeout=300)
+    crashed(q.returncode, q.stderr, args)
+    assert q.returncode == 0, q.stderr[-2000:]
+    pj, j = report(out, out, "--no-restore")
+    assert pj.returncode == 0, pj.stderr
+    s, down, redone = check_restarts(j["a"], out, raw)
+    assert len(s) == 2 and s[0]["exit"] is None and j["a"]["sessions"][0]["reason"] == "killed"
+    # (0 when the kill came right after a save)
+    assert redone[0] == max(m["step"] for m in raw) - s[1]["start_step"], redone
+    assert down[0] >= 0.2 - 0.05
+    text = compare(out, out, "--no-restore").stdout
+    assert f"redone {redone[0]} step(s)" in text and "was killed" in text, text
+    # the killed session has no exit: CPU time unknown for it
+    assert j["a"]["cpu_unknown_sessions"] == 1
+
+
+def test_energy(runs, tmp_path):
+    a = runs["one"]
+    ex = [e for e in read_jsonl(a / "events.jsonl") if e["event"] == "exit"]
+    p, j = report(a, a, "--no-restore")
+    if "energy_unavailable" in ex[-1]:  # this VM: no RAPL
+        assert j["a"]["energy_j"] is None and j["a"]["energy_unavailable"] == ex[-1]["energy_unavailable"]
+        assert f"not measured: {ex[-1]['energy_unavailable']}" in compare(a, a, "--no-restore").stdout
+    # a run that read counters (a fake powercap tree): its joules summed over the sessions
+    pc = tmp_path / "powercap"
+    for n in (0, 1):
+        (pc / f"intel-rapl:{n}").mkdir(parents=True)
+        (pc / f"intel-rapl:{n}" / "energy_uj").write_text("5000000\n")
+        (pc / f"intel-rapl:{n}" / "max_energy_range_uj").write_text("262143328850\n")
+    out = tmp_path / "e"
+    d = runs["d"]
+    env = dict(MPI_ENV, CTITAN_POWERCAP=str(pc))
+    p = train(base_args(d, out, "--training.stop_at_step=3"), env=env, check=False)
+    assert p.returncode == 75
+    train(base_args(d, out), env=env)
+    ev = read_jsonl(out / "events.jsonl")
+    assert [e["energy_j"] for e in ev if e["event"] == "exit"] == [0, 0]
+    # the counters here do not move; give the exits joules as a real machine would
+    lines = [json.dumps(e) for e in ev]
+    k = 0
+    for i, e in enumerate(ev):
+        if e["event"] == "exit":
+            lines[i] = json.dumps(dict(e, energy_j=[1000.0, 234.5][k]))
+            k += 1
+    (out / "events.jsonl").write_text("\n".join(lines) + "\n")
+    p, j = report(out, a, "--no-restore")
+    assert j["a"]["energy_j"] == 1234.5 and j["a"]["energy_all_machines_j"] == 1234.5
+    assert "1234.5 J" in compare(out, a, "--no-restore").stdout
+
+
+def test_errors(runs, tmp_path):
+    a = runs["one"]
+    for args in (["--bogus", a, a], [a], [a, a, a], [a, a, "--tolerance", "abc"], [a, a, "--tolerance"],
+                 [a, a, "--price-per-hour=-1"]):
+        p = compare(*args)
+        assert p.returncode == 2 and "error" in p.stderr, (args, p.returncode, p.stderr)
+    p = compare(a, tmp_path / "nope")
+    assert p.returncode == 1 and "nope" in p.stderr, p.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = compare(a, empty)
+    assert p.returncode == 1 and "metrics.jsonl" in p.stderr, p.stderr
+    bad = tmp_path / "bad"
+    shutil.copytree(a, bad)
+    lines = (bad / "metrics.jsonl").read_text().splitlines()
+    lines[2] = lines[2][:-5]
+    (bad / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    p = compare(a, bad)
+    assert p.returncode == 3 and "metrics.jsonl:3" in p.stderr, p.stderr
