@@ -20,5 +20,7 @@ int cli_describe(int argc, char **argv);
 void cli_describe_help(void);
 int cli_download(int argc, char **argv);
 void cli_download_help(void);
+int cli_report(int argc, char **argv);
+void cli_report_help(void);
 
 #endif
