@@ -31,7 +31,8 @@ int report_nice_ticks(double *lo, double *hi, int want, double *ticks, int cap) 
     }
     if (want < 2) want = 2;
     double raw = (b - a) / (want - 1), mag = pow(10, floor(log10(raw))), f = raw / mag;
-    double step = (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag;
+    /* the nearest of 1, 2, 5 (not the next above), so the count stays near `want` */
+    double step = (f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10) * mag;
     double first = floor(a / step + 1e-9), last = ceil(b / step - 1e-9);
     int n = 0;
     for (double k = first; k <= last + 0.5 && n < cap; k++) {
