@@ -238,6 +238,9 @@ void report_chart_build(report_chart *c, report_chart_kind kind, const run_data 
     snprintf(c->unit, sizeof c->unit, "%s", kinds[kind].unit);
     c->n_runs = n;
     c->run_names = names;
+    if (kind == REPORT_CHART_LOSS)
+        snprintf(c->key, sizeof c->key, smoothing > 0 ? "thick: smoothed (%.2g), faint: logged, dashed: validation"
+                                                      : "dashed: validation", smoothing);
     c->width = 960;
     c->height = kind == REPORT_CHART_LOSS ? 420 : 260;
     c->left = 72, c->top = 52;

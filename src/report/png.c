@@ -91,6 +91,12 @@ int report_png(const report_chart *c, unsigned char **data, size_t *len, ct_err 
         set_rgb(cr, 0x000000, 1);
         text_at(cr, lx + 19, 40, c->run_names[r], 0);
     }
+    if (c->key[0]) {
+        cairo_set_font_size(cr, 11);
+        set_rgb(cr, 0x555555, 1);
+        text_at(cr, c->left + c->plot_w, 40, c->key, 2);
+        cairo_set_font_size(cr, 12);
+    }
     cairo_set_line_width(cr, 1);
     set_rgb(cr, 0xbbbbbb, 1);
     cairo_rectangle(cr, c->left, c->top, c->plot_w, c->plot_h);

@@ -65,6 +65,7 @@ typedef struct {
 
 typedef struct {
     char id[24], title[64], unit[24];
+    char key[96];                      /* how to read the lines, right of the legend ("" none) */
     int width, height;                 /* pixels */
     double left, top, plot_w, plot_h;  /* the plot area inside */
     double x0, x1, y0, y1;             /* data range shown */

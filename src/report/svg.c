@@ -43,6 +43,11 @@ void report_svg(FILE *f, const report_chart *c) {
         report_html_escape(f, c->run_names[r]);
         fputs("</text></g>\n", f);
     }
+    if (c->key[0]) {
+        fprintf(f, "<text x=\"%g\" y=\"40\" text-anchor=\"end\" font-size=\"11\" fill=\"#555555\">", c->left + c->plot_w);
+        report_html_escape(f, c->key);
+        fputs("</text>\n", f);
+    }
     fprintf(f, "<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" stroke=\"#bbbbbb\"/>\n", c->left, c->top,
             c->plot_w, c->plot_h);
     double ys = c->n_yticks > 1 ? c->yticks[1] - c->yticks[0] : 1, xs = c->n_xticks > 1 ? c->xticks[1] - c->xticks[0] : 1;
