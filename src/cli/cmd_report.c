@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "report/report.h"
 
@@ -26,16 +27,11 @@ void cli_report_help(void) {
            REPORT_DEFAULT_SMOOTHING);
 }
 
+#define HINT " (try ctitan report --help)"
+
 static int ends_with(const char *s, const char *tail) {
     size_t n = strlen(s), m = strlen(tail);
     return n >= m && !strcmp(s + n - m, tail);
-}
-
-static int bad(const char *fmt, const char *arg) {
-    fprintf(stderr, "ctitan: error: report: ");
-    fprintf(stderr, fmt, arg);
-    fprintf(stderr, " (try ctitan report --help)\n");
-    return 2;
 }
 
 int cli_report(int argc, char **argv) {
@@ -52,37 +48,34 @@ int cli_report(int argc, char **argv) {
             free(dirs);
             return 0;
         } else if (!strcmp(a, "-o") || !strcmp(a, "--output")) {
-            if (i + 1 >= argc || !argv[i + 1][0]) rc = bad("%s needs a file name", a);
+            if (i + 1 >= argc || !argv[i + 1][0]) rc = cli_fail(2, "report: %s needs a file name" HINT, a);
             else out = argv[++i];
         } else if (!strncmp(a, "--output=", 9)) {
             out = a + 9;
-            if (!out[0]) rc = bad("%s needs a file name", "--output");
+            if (!out[0]) rc = cli_fail(2, "report: --output= needs a file name" HINT);
         } else if (!strcmp(a, "--png")) {
             want_png = 1;
             if (i + 1 < argc && ends_with(argv[i + 1], ".png")) png = argv[++i];
         } else if (!strncmp(a, "--png=", 6)) {
             want_png = 1;
             png = a + 6;
-            if (!png[0]) rc = bad("%s needs a file name", "--png=");
+            if (!png[0]) rc = cli_fail(2, "report: --png= needs a file name" HINT);
         } else if (!strcmp(a, "--smoothing") || !strncmp(a, "--smoothing=", 12)) {
             const char *v = a[11] == '=' ? a + 12 : i + 1 < argc ? argv[++i] : "";
             char *end;
             smoothing = strtod(v, &end);
             if (!v[0] || *end || !(smoothing >= 0 && smoothing < 1))
-                rc = bad("--smoothing must be a number in [0, 1), got \"%s\"", v);
+                rc = cli_fail(2, "report: --smoothing must be a number in [0, 1), got \"%s\"" HINT, v);
         } else if (a[0] == '-' && a[1]) {
-            rc = bad("unknown option \"%s\"", a);
+            rc = cli_fail(2, "report: unknown option \"%s\"" HINT, a);
         } else {
             dirs[ndirs++] = argv[i];
         }
     }
-    if (!rc && !ndirs) rc = bad("%sgive at least one run directory", "");
-    if (!rc && ndirs > 1 && !out) rc = bad("%s-o FILE is required with several run directories", "");
-    if (!rc && want_png && !report_png_available()) {
-        fprintf(stderr, "ctitan: error: report: PNG output not built in (this ctitan was built without cairo: "
-                        "libcairo2-dev)\n");
-        rc = 1;
-    }
+    if (!rc && !ndirs) rc = cli_fail(2, "report: give at least one run directory" HINT);
+    if (!rc && ndirs > 1 && !out) rc = cli_fail(2, "report: -o FILE is required with several run directories" HINT);
+    if (!rc && want_png && !report_png_available())
+        rc = cli_fail(1, "report: PNG output not built in (this ctitan was built without cairo: libcairo2-dev)");
     if (rc) {
         free(dirs);
         return rc;

@@ -101,11 +101,14 @@ static const char *base_of(const char *dir, char *buf, size_t cap, int parents) 
 }
 
 void report_run_names(const run_data *runs, int n, char **names) {
-    char buf[4096];
+    static char buf[4096], other[4096];
     for (int i = 0; i < n; i++) names[i] = strdup(base_of(runs[i].dir, buf, sizeof buf, 0));
     for (int i = 0; i < n; i++) {
         int dup = 0;
-        for (int j = 0; j < n; j++) dup |= j != i && !strcmp(base_of(runs[i].dir, buf, sizeof buf, 0), base_of(runs[j].dir, buf + 2048, 2048, 0));
+        for (int j = 0; j < n; j++) {
+            const char *mine = base_of(runs[i].dir, buf, sizeof buf, 0);
+            dup |= j != i && !strcmp(mine, base_of(runs[j].dir, other, sizeof other, 0));
+        }
         if (!dup) continue;
         free(names[i]);
         names[i] = strdup(base_of(runs[i].dir, buf, sizeof buf, 1));

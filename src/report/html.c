@@ -42,7 +42,7 @@ static void field_stats(const run_data *r, run_field fld, double *last, double *
     if (n) *mean = s / n;
 }
 
-static void figures(FILE *f, const run_data *runs, char **names, int n, double smoothing) {
+static void figures(FILE *f, const run_data *runs, char **names, int n, double smoothing, const report_chart *loss) {
     fputs("<h2 id=\"figures\">Final figures</h2>\n<table class=\"figures\"><tr><th></th>", f);
     for (int r = 0; r < n; r++) {
         fprintf(f, "<th><span class=\"swatch\" style=\"background:#%06x\"></span>", report_run_color(r));
@@ -61,20 +61,17 @@ static void figures(FILE *f, const run_data *runs, char **names, int n, double s
         num_cell(f, "%.4f", last);
     }
     fputs("</tr>\n", f);
-    fprintf(f, "<tr><th>final smoothed loss (%.2g)</th>", smoothing);
-    for (int r = 0; r < n; r++) {
-        const run_data *d = &runs[r];
-        double *y = malloc((size_t)(d->n_points + 1) * sizeof *y), *sm = malloc((size_t)(d->n_points + 1) * sizeof *sm);
-        if (!y || !sm) abort();
-        for (int i = 0; i < d->n_points; i++) y[i] = d->points[i].v[RUN_LOSS];
-        report_smooth(y, d->n_points, smoothing, sm);
-        double last = NAN;
-        for (int i = 0; i < d->n_points; i++)
-            if (isfinite(sm[i])) last = sm[i];
-        num_cell(f, "%.4f", last);
-        free(y), free(sm);
+    if (smoothing > 0) { /* the end of the thick curve, from the chart itself */
+        fprintf(f, "<tr><th>final smoothed loss (%.2g)</th>", smoothing);
+        for (int r = 0; r < n; r++) {
+            double last = NAN;
+            for (int i = 0; i < loss->n_series; i++)
+                if (loss->series[i].run == r && !strcmp(loss->series[i].name, "loss_smoothed") && loss->series[i].n)
+                    last = loss->series[i].y[loss->series[i].n - 1];
+            num_cell(f, "%.4f", last);
+        }
+        fputs("</tr>\n", f);
     }
-    fputs("</tr>\n", f);
     ROW("final validation loss");
     for (int r = 0; r < n; r++) num_cell(f, "%.4f", runs[r].n_vals ? runs[r].vals[runs[r].n_vals - 1].loss : NAN);
     fputs("</tr>\n", f);
@@ -258,7 +255,7 @@ int report_write(const run_data *runs, int n, const report_opts *o, ct_err *e) {
         fprintf(f, "</td><td>%d</td><td>%d</td></tr>\n", runs[r].n_points, runs[r].n_vals);
     }
     fputs("</table>\n", f);
-    figures(f, runs, names, n, o->smoothing);
+    figures(f, runs, names, n, o->smoothing, &charts[REPORT_CHART_LOSS]);
     fputs("<h2 id=\"charts\">Curves</h2>\n<p class=\"note\">", f);
     if (o->smoothing > 0)
         fprintf(f, "Thick lines: loss smoothed as TensorBoard does (debiased exponential moving average, weight %.2g); "
