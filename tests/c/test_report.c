@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "core/fs.h"
 #include "report/report.h"
 
 static void check_ticks(double lo, double hi, int want, double wlo, double whi, double wstep, int wn) {
@@ -122,6 +123,24 @@ static void test_chart(void) {
     report_chart_build(&c, REPORT_CHART_LOSS, &r, names, 1, 0);
     CHECK(c.n_series == 2 && c.series[0].opacity == 1, "smoothing 0: raw curves only, opaque (%d series)", c.n_series);
     report_chart_free(&c);
+
+    /* the whole page, so the sanitized build (make sanitize) runs html.c and svg.c too */
+    char dir[] = "/tmp/ct-test-report-XXXXXX", page[64], png_path[64];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(page, sizeof page, "%s/r.html", dir);
+    snprintf(png_path, sizeof png_path, "%s/r.png", dir);
+    report_opts o = {0.6, page, report_png_available() ? png_path : NULL};
+    rc = report_write(&r, 1, &o, &e);
+    CHECK(rc == 0, "report_write: %s", e.msg);
+    size_t n = 0;
+    char *text = fs_read_file(page, 0, &n, &e);
+    CHECK(text && !strncmp(text, "<!DOCTYPE html>", 15) && strstr(text, "data-series=\"loss\" data-points=\"6\"") &&
+              strstr(text, "data-kind=\"resume\" data-step=\"3\"") && strstr(text, "</html>"),
+          "the page lacks its loss curve or resume marker");
+    free(text);
+    remove(page);
+    remove(png_path);
+    remove(dir);
     run_free(&r);
 }
 
