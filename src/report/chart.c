@@ -59,18 +59,19 @@ void report_smooth(const double *y, int n, double w, double *out) {
 
 void report_tick_label(char *out, size_t cap, double v, double spacing) {
     /* as many decimals as the spacing needs, so neighbours differ and a column
-     * of labels lines up; exponents only for the very small or very large
-     * (learning rates) */
+     * of labels lines up (learning rates read 0.0005, 0.0010); exponents only
+     * below a spacing of 1e-6 or above 1e7 */
     spacing = fabs(spacing);
-    if (spacing >= 1e-3 && fabs(v) < 1e7) {
-        int d = spacing >= 1 ? 0 : (int)ceil(-log10(spacing) - 1e-9);
+    int d = spacing >= 1 || spacing <= 0 ? 0 : (int)ceil(-log10(spacing) - 1e-9);
+    if (v == 0) {
+        snprintf(out, cap, "0");
+    } else if (fabs(v) < 1e7 && d <= 6) {
         snprintf(out, cap, "%.*f", d, v);
-        if (!strcmp(out, "-0") || (out[0] == '-' && strtod(out, NULL) == 0)) memmove(out, out + 1, strlen(out));
-        return;
+    } else {
+        double mag = floor(log10(fabs(v)));
+        int m = spacing > 0 ? (int)fmax(0, mag - floor(log10(spacing) + 1e-9)) : 2;
+        snprintf(out, cap, "%.*e", m > 6 ? 6 : m, v);
     }
-    double mag = v != 0 ? floor(log10(fabs(v))) : 0;
-    int d = spacing > 0 ? (int)fmax(0, mag - floor(log10(spacing) + 1e-9)) : 2;
-    snprintf(out, cap, "%.*e", d > 6 ? 6 : d, v);
 }
 
 void report_html_escape(FILE *f, const char *s) {
@@ -167,8 +168,8 @@ static void add_smoothed(report_chart *c, const report_series *raw, const char *
     s->n = raw->n;
 }
 
-/* Line looks: raw curves faint under their smoothed ones, which are what one
- * reads; validation dashed with dots, as it has few points. */
+/* Line looks: logged curves faint under their smoothed ones, which are what
+ * one reads; validation dashed, its logged points as dots (it has few). */
 static void style_series(report_chart *c) {
     for (int i = 0; i < c->n_series; i++) {
         report_series *s = &c->series[i];
@@ -180,7 +181,7 @@ static void style_series(report_chart *c) {
         s->dashed = !strncmp(s->name, "val_", 4);
         s->dots = s->style == REPORT_LINE_VAL;
         s->width = s->style == REPORT_LINE_SMOOTH ? 2.2 : s->dashed ? 1.6 : 1.2;
-        s->opacity = s->style == REPORT_LINE_RAW && has_smooth ? 0.35 : 1;
+        s->opacity = s->style != REPORT_LINE_SMOOTH && has_smooth ? 0.35 : 1; /* its dots stay opaque */
     }
 }
 
@@ -192,6 +193,7 @@ static void add_markers(report_chart *c, const run_data *r, int run, const char 
         if (!c->markers) abort();
         report_marker *m = &c->markers[c->n_markers++];
         memset(m, 0, sizeof *m);
+        char mib[48] = "";
         m->run = run, m->step = v->step, m->kind = v->kind;
         m->color = v->kind == RUN_EV_CHECKPOINT ? 0x999999 : v->kind == RUN_EV_START ? 0x2e7d32 : 0xc62828;
         m->dash_on = v->kind == RUN_EV_CHECKPOINT ? 2 : 5;
@@ -209,8 +211,10 @@ static void add_markers(report_chart *c, const run_data *r, int run, const char 
             break;
         case RUN_EV_CHECKPOINT:
             snprintf(m->label, sizeof m->label, "ckpt");
-            snprintf(m->title, sizeof m->title, "%s: %.15s checkpoint at step %d, %.300s (%.1f MiB, saved in %.2f s)", name,
-                     v->ckpt_kind, v->step, v->path, v->mib, v->save_s);
+            if (isfinite(v->mib)) snprintf(mib, sizeof mib, "%.1f MiB, ", v->mib);
+            /* an HF or adapter save has no mib */
+            snprintf(m->title, sizeof m->title, "%s: %.15s checkpoint at step %d, %.300s (%s%.2f s to save)", name,
+                     v->ckpt_kind, v->step, v->path, mib, isfinite(v->save_s) ? v->save_s : 0.0);
             break;
         default:
             snprintf(m->label, sizeof m->label, "%s", !strcmp(v->reason, "stopped") ? "stop" : v->reason[0] ? v->reason : "exit");

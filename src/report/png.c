@@ -149,6 +149,7 @@ int report_png(const report_chart *c, unsigned char **data, size_t *len, ct_err 
                 (k ? cairo_line_to : cairo_move_to)(cr, report_px_x(c, s->x[k]), report_px_y(c, s->y[k]));
             cairo_stroke(cr);
             dash(cr, 0, 0);
+            set_rgb(cr, s->color, 1);
             for (int k = 0; s->dots && k < s->n; k++) {
                 cairo_arc(cr, report_px_x(c, s->x[k]), report_px_y(c, s->y[k]), 3, 0, 6.283185307179586);
                 cairo_fill(cr);

@@ -171,8 +171,11 @@ int main(void) {
     check_label(10, 2, "10");
     check_label(60000, 20000, "60000");
     check_label(0.5, 0.1, "0.5");
-    check_label(-0.0, 0.2, "0.0");
-    check_label(1e-4, 2e-5, "1.0e-04");
+    check_label(-0.0, 0.2, "0");
+    check_label(0.90024, 2e-5, "0.90024");
+    check_label(1e-4, 2e-5, "0.00010");
+    check_label(5e-4, 5e-4, "0.0005");
+    check_label(3e7, 1e7, "3e+07");
     check_label(2.5e-8, 5e-9, "2.5e-08");
 
     char *s = escaped("<a href=\"x\">&'ok\x01");
