@@ -102,7 +102,7 @@ static const char *base_of(const char *dir, char *buf, size_t cap, int parents) 
 }
 
 void report_run_names(const run_data *runs, int n, char **names) {
-    static char buf[4096], other[4096];
+    char buf[4096], other[4096];
     for (int i = 0; i < n; i++) names[i] = strdup(base_of(runs[i].dir, buf, sizeof buf, 0));
     for (int i = 0; i < n; i++) {
         int dup = 0;
@@ -119,6 +119,7 @@ void report_run_names(const run_data *runs, int n, char **names) {
             if (!strcmp(names[i], names[j])) {
                 size_t len = strlen(names[i]) + 16;
                 char *s = malloc(len);
+                if (!s) abort();
                 snprintf(s, len, "%s #%d", names[i], i + 1);
                 free(names[i]);
                 names[i] = s;
