@@ -261,7 +261,7 @@ int report_write(const run_data *runs, int n, const report_opts *o, ct_err *e) {
         fprintf(f, "Thick lines: loss smoothed as TensorBoard does (debiased exponential moving average, weight %.2g); "
                    "faint lines: the logged values. ",
                 o->smoothing);
-    fputs("Dashed with dots: validation loss. Vertical lines: starts and resumes (green), checkpoints (grey), "
+    fputs("Dashed: validation loss, its logged values as dots. Vertical lines: starts and resumes (green), checkpoints (grey), "
           "exits (red); hover one for details.</p>\n",
           f);
     for (int k = 0; k < REPORT_N_CHARTS; k++) {
