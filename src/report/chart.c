@@ -30,6 +30,13 @@ int report_nice_ticks(double *lo, double *hi, int want, double *ticks, int cap) 
         a -= pad, b += pad;
     }
     if (want < 2) want = 2;
+    if (!isfinite(b - a) || cap < 2) { /* a range past DBL_MAX (a diverged run's 1e308): its ends only */
+        int n = 0;
+        if (cap > 0) ticks[n++] = a;
+        if (cap > 1) ticks[n++] = b;
+        *lo = a, *hi = b;
+        return n;
+    }
     double raw = (b - a) / (want - 1), mag = pow(10, floor(log10(raw))), f = raw / mag;
     /* the nearest of 1, 2, 5 (not the next above), so the count stays near `want` */
     double step = (f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10) * mag;
@@ -129,8 +136,13 @@ void report_run_names(const run_data *runs, int n, char **names) {
         if (!names[i]) abort();
 }
 
-double report_px_x(const report_chart *c, double x) { return c->left + (x - c->x0) / (c->x1 - c->x0) * c->plot_w; }
-double report_px_y(const report_chart *c, double y) { return c->top + (c->y1 - y) / (c->y1 - c->y0) * c->plot_h; }
+/* in halves, so a range of +-1e308 does not overflow to inf and draw NaN */
+double report_px_x(const report_chart *c, double x) {
+    return c->left + (x / 2 - c->x0 / 2) / (c->x1 / 2 - c->x0 / 2) * c->plot_w;
+}
+double report_px_y(const report_chart *c, double y) {
+    return c->top + (c->y1 / 2 - y / 2) / (c->y1 / 2 - c->y0 / 2) * c->plot_h;
+}
 
 double report_legend_x(const report_chart *c, int r) {
     double x = c->left;

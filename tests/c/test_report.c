@@ -153,6 +153,8 @@ int main(void) {
     check_ticks(7.9, -3.2, 5, -4, 8, 2, 7);  /* given backwards */
     double t[3], lo = 0, hi = 100;
     CHECK(report_nice_ticks(&lo, &hi, 20, t, 3) == 3, "the cap holds");
+    lo = -1e308, hi = 1e308;
+    CHECK(report_nice_ticks(&lo, &hi, 5, t, 3) == 2 && lo == -1e308 && hi == 1e308, "a range past DBL_MAX: its ends");
 
     /* by hand, w = 0.5: EMA 0.5, 1.25, 2.125 over debias 0.5, 0.75, 0.875 */
     double y[] = {1, 2, 3}, out[3];

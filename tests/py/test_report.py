@@ -305,6 +305,21 @@ def test_hostile_strings_escaped(runs, tmp_path):
     assert row, "the hostile key is missing from the config table"
 
 
+def test_extreme_values(tmp_path):
+    """A diverged run's +-1e308 (a range past DBL_MAX) and a denormal draw finite coordinates."""
+    run = tmp_path / "huge"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step":1,"loss":1e308}\n{"step":2,"loss":-1e308}\n{"step":3,"loss":1e-320}\n'
+                                       '{"step":4,"lr":0.001}\n')
+    rc, _, err = ctitan(["report", run])
+    assert rc == 0, err
+    page = read(run / "report.html")
+    line = page.find("polyline", svg="chart-loss", data_series="loss")[0]
+    assert line["data-points"] == "3"
+    assert all(math.isfinite(float(v)) for p in line["points"].split() for v in p.split(",")), line["points"]
+    assert "nan" not in (run / "report.html").read_text().lower()
+
+
 def test_errors(runs, tmp_path):
     _, a, b = runs
     for args in (["--bogus", a], [a, "--smoothing", "1.5"], [a, "--smoothing=x"], [], [a, b], [a, "-o"]):
