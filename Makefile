@@ -37,6 +37,18 @@ CFLAGS  += $(MPI_CFLAGS)
 LDLIBS  += $(MPI_LIBS)
 endif
 
+# cairo (Debian's libcairo2-dev) renders `ctitan report --png` (src/report/png.c). Where it is
+# missing (the aarch64 cross build: no arm64 cairo is installed) png.c is built as a stub
+# (CT_NO_CAIRO) that says "PNG output not built in"; only that file sees cairo's headers.
+ifneq ($(CROSS),aarch64)
+CAIRO_CFLAGS := $(shell pkg-config --cflags cairo 2>/dev/null)
+CAIRO_LIBS   := $(shell pkg-config --libs cairo 2>/dev/null)
+endif
+ifeq ($(CAIRO_LIBS),)
+CAIRO_CFLAGS := -DCT_NO_CAIRO
+endif
+LDLIBS  += $(CAIRO_LIBS)
+
 SRCS    := $(filter-out src/cli/main.c,$(wildcard src/*/*.c src/kernels/*/*.c))
 OBJS    := $(SRCS:%.c=$(BUILD)/obj/%.o)
 TESTS   := $(patsubst tests/c/%.c,$(BUILD)/tests/%,$(wildcard tests/c/test_*.c))
@@ -48,6 +60,8 @@ all: $(BUILD)/ctitan $(BUILD)/libctitan.so
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/obj/src/report/png.o: CFLAGS += $(CAIRO_CFLAGS)
 
 $(BUILD)/libctitan.a: $(OBJS)
 	@rm -f $@
@@ -120,6 +134,8 @@ build/obj/src/kernels/%.o: src/kernels/%.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
 endif
+
+build/fuzz/obj/src/report/png.o: FUZZ_CFLAGS += $(CAIRO_CFLAGS)
 
 build/fuzz/libctitan.a: $(FUZZ_OBJS)
 	@rm -f $@

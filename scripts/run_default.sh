@@ -62,3 +62,7 @@ if va:
     print(f"run: validation loss {va[0]['val_loss']:.3f} (step {va[0]['step']}) -> {va[-1]['val_loss']:.3f}"
           f" (step {va[-1]['step']}), perplexity {va[-1]['val_perplexity']:.1f}")
 PY
+echo
+# the run as a page (curves, events, config) and its loss chart as a PNG (README's screenshot)
+$CT report outputs/kjv -o outputs/kjv/report.html --png
+echo "run: open outputs/kjv/report.html in a browser (outputs/kjv/report.png is its loss chart)"

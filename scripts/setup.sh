@@ -9,7 +9,9 @@ APT_PKGS=(gcc make libc6-dev libcjson-dev libopenblas-openmp-dev libpcre2-dev li
           libcurl4-openssl-dev openmpi-bin libopenmpi-dev iproute2
           bible-kjv bible-kjv-text python3-pip
           python3 python3-venv
-          clang libclang-rt-14-dev libomp-14-dev)
+          clang libclang-rt-14-dev libomp-14-dev
+          libcairo2-dev fonts-dejavu-core)
+# cairo renders `ctitan report --png` (src/report/png.c), its text in DejaVu Sans.
 # clang 14 builds the fuzz targets (make fuzz, tests/fuzz): libclang-rt-14-dev holds libFuzzer and
 # the sanitizer runtimes, libomp-14-dev the omp.h clang's -fopenmp needs.
 missing=()
@@ -29,6 +31,24 @@ fi
 
 # `make run` needs only the build; the cross toolchain and the venv are for the tests.
 [ "${1:-}" = "--no-venv" ] && exit 0
+
+# Headless Chromium opens `ctitan report`'s page in tests/py/test_report.py (the browser is
+# the oracle that the page draws; the test fails without it). Tests only: not for `make run`.
+TEST_PKGS=(chromium)
+test_missing=()
+for p in "${TEST_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || test_missing+=("$p")
+done
+if [ ${#test_missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages for the tests: ${test_missing[*]}"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: error: need root to apt-get install ${test_missing[*]}" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${test_missing[@]}" >/dev/null
+fi
 
 # The aarch64 cross build and qemu-user for `make test-aarch64` (part of `make test`): the
 # arm64 libraries are Debian's multiarch packages beside the amd64 ones (OpenMPI is not

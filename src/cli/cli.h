@@ -22,5 +22,7 @@ int cli_download(int argc, char **argv);
 void cli_download_help(void);
 int cli_compare(int argc, char **argv);
 void cli_compare_help(void);
+int cli_report(int argc, char **argv);
+void cli_report_help(void);
 
 #endif

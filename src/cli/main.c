@@ -34,6 +34,7 @@ static void usage(FILE *out) {
             "  describe  what ctitan derives from a model's config.json (family, sizes, attention, RoPE)\n"
             "  download  fetch a Hugging Face Hub model into the Hugging Face cache (ctitan download Qwen/Qwen3-0.6B)\n"
             "  compare   two runs of one recipe: loss curves, restore across layouts, speed, restarts, cost\n"
+            "  report    an HTML page (and PNG) of runs' curves, events and configs (ctitan report RUN_DIR)\n"
             "  help      this text\n\n"
             "Where a command takes a model or tokenizer directory, a Hugging Face Hub id such as\n"
             "Qwen/Qwen3-0.6B works too (cached in HF_HUB_CACHE, downloaded when missing; docs/hub.md).\n\n");
@@ -59,6 +60,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "describe")) return cli_describe(argc - 2, argv + 2);
     if (!strcmp(argv[1], "download")) return cli_download(argc - 2, argv + 2);
     if (!strcmp(argv[1], "compare")) return cli_compare(argc - 2, argv + 2);
+    if (!strcmp(argv[1], "report")) return cli_report(argc - 2, argv + 2);
     fprintf(stderr, "ctitan: error: unknown command \"%s\" (try ctitan --help)\n", argv[1]);
     return 2;
 }
