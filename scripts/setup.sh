@@ -14,12 +14,15 @@ APT_PKGS=(gcc make libc6-dev libcjson-dev libopenblas-openmp-dev libpcre2-dev li
 # cairo renders `ctitan report --png` (src/report/png.c), its text in DejaVu Sans.
 # clang 14 builds the fuzz targets (make fuzz, tests/fuzz): libclang-rt-14-dev holds libFuzzer and
 # the sanitizer runtimes, libomp-14-dev the omp.h clang's -fopenmp needs.
-missing=()
-for p in "${APT_PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "setup: installing Debian packages: ${missing[*]}"
+# Installs those of the named packages that are missing (root only); $1 names them in messages.
+apt_ensure() {
+  local what="$1"; shift
+  local p missing=()
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "setup: installing Debian packages$what: ${missing[*]}"
   if [ "$(id -u)" -ne 0 ]; then
     echo "setup: error: need root to apt-get install ${missing[*]}" >&2
     exit 1
@@ -27,28 +30,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+}
+apt_ensure "" "${APT_PKGS[@]}"
 
 # `make run` needs only the build; the cross toolchain and the venv are for the tests.
 [ "${1:-}" = "--no-venv" ] && exit 0
 
 # Headless Chromium opens `ctitan report`'s page in tests/py/test_report.py (the browser is
 # the oracle that the page draws; the test fails without it). Tests only: not for `make run`.
-TEST_PKGS=(chromium)
-test_missing=()
-for p in "${TEST_PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || test_missing+=("$p")
-done
-if [ ${#test_missing[@]} -gt 0 ]; then
-  echo "setup: installing Debian packages for the tests: ${test_missing[*]}"
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "setup: error: need root to apt-get install ${test_missing[*]}" >&2
-    exit 1
-  fi
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${test_missing[@]}" >/dev/null
-fi
+apt_ensure " for the tests" chromium
 
 # The aarch64 cross build and qemu-user for `make test-aarch64` (part of `make test`): the
 # arm64 libraries are Debian's multiarch packages beside the amd64 ones (OpenMPI is not
