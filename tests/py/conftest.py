@@ -234,6 +234,31 @@ def crashed(rc, stderr, cmd):
                     f"{' '.join(str(c) for c in cmd)}\n--- stderr\n{err[-4000:]}", pytrace=False)
 
 
+def run_on_pty(cmd, env=None, cwd=None, timeout=300):
+    """Runs cmd with stderr on a pseudo-terminal (stdout discarded), so the program's
+    isatty(2) is true as in a user's shell: (exit status, everything the terminal got).
+    A crash fails the test, as everywhere."""
+    import pty
+    cmd = [str(c) for c in cmd]
+    master, slave = pty.openpty()
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            b = os.read(master, 65536)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not b:
+            break
+        chunks.append(b)
+    rc = p.wait(timeout=timeout)
+    os.close(master)
+    text = b"".join(chunks).decode(errors="replace")
+    crashed(rc, text, cmd)
+    return rc, text
+
+
 @pytest.fixture
 def run_ctitan(ctitan_bin):
     """run_ctitan(args, check=True, timeout=180) -> (rc, stdout, stderr), run from the repo

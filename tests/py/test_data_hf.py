@@ -19,7 +19,6 @@ sources in a tmp dir (as tests/py/test_tokenizer_hf.py does).
 import ctypes
 import json
 import os
-import pty
 import random
 import re
 import subprocess
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import crashed
+from conftest import crashed, run_on_pty
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
@@ -431,22 +430,9 @@ def test_errors_name_file_and_line(built, tokdir, tmp_path):
 
 def test_progress_bar_on_a_terminal(built, tokdir, corpus, tmp_path):
     d, _, _ = corpus
-    master, slave = pty.openpty()
     cmd = built[1] + ["--tokenizer", str(tokdir), "--input", str(d / "c4.jsonl"), "--out", str(tmp_path / "o")]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=slave, env=ENV)
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            b = os.read(master, 4096)
-        except OSError:
-            break
-        if not b:
-            break
-        chunks.append(b)
-    assert p.wait(timeout=60) == 0
-    os.close(master)
-    text = b"".join(chunks).decode(errors="replace")
+    rc, text = run_on_pty(cmd, env=ENV, timeout=60)
+    assert rc == 0, text
     # core/progress.h's bar: bytes of input, then prepare's document and token rates
     assert re.search(r"\rctitan: prepare \[#{24}\] 100\.0%\s+[\d.]+ \S*B / [\d.]+ \S*B\s+[\d.]+ \S*B/s\s+done in "
                      r"[\d.]+s\s+\S+ docs/s, \S+ tok/s", text), text

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import oracle
-from conftest import CHILD_ENV, ROOT, crashed
+from conftest import CHILD_ENV, ROOT, crashed, run_on_pty
 from test_generate import CORPUS, QWEN_PATTERN, SPECIALS
 
 V = 300  # the model's vocabulary: the tokenizer's
@@ -645,24 +645,9 @@ def test_download_progress(tmp_path, fake_hub, models, ctitan_bin, ctitan):
     lines = [ln for ln in err.splitlines() if ln.startswith("ctitan: hub: org/tiny model.safetensors: ")]
     assert lines and re.search(r": 100\.0% [\d.]+ \S*B / [\d.]+ \S*B, [\d.]+ \S*B/s, done in [\d.]+s$", lines[-1]), err
     assert all("% " in ln and ("ETA " in ln or "done in" in ln) for ln in lines), lines
-    import pty
-    master, slave = pty.openpty()
-    env = hub_env(tmp_path / "c2", fake_hub)
-    p = subprocess.Popen([str(ctitan_bin), "download", "org/tiny"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                         stderr=slave)
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            b = os.read(master, 65536)
-        except OSError:
-            break
-        if not b:
-            break
-        chunks.append(b)
-    assert p.wait(timeout=180) == 0
-    os.close(master)
-    text = b"".join(chunks).decode(errors="replace")
+    rc, text = run_on_pty([ctitan_bin, "download", "org/tiny"], env=hub_env(tmp_path / "c2", fake_hub), cwd=ROOT,
+                          timeout=180)
+    assert rc == 0, text
     assert re.search(r"\rctitan: hub: org/tiny model\.safetensors \[#+\] 100\.0%.*done in [\d.]+s\x1b\[K\r?\n", text), \
         (size, text)
 

@@ -9,7 +9,6 @@ CTITAN_PROGRESS_PERIOD=0 makes plain mode print on every update instead of every
 import importlib.util
 import json
 import os
-import pty
 import re
 import subprocess
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BIN, CHILD_ENV, ROOT, crashed
+from conftest import BIN, CHILD_ENV, ROOT, crashed, run_on_pty
 
 VOCAB = 2048
 STEPS = 8
@@ -44,24 +43,9 @@ def run(args, check=True, **kw):
 
 
 def run_pty(args, **kw):
-    """stderr on a pseudo-terminal (stdout a pipe): (exit status, what the terminal got)."""
-    master, slave = pty.openpty()
+    """ctitan ARGS with stderr on a pseudo-terminal: what the terminal got (a failed exit fails)."""
     cmd = [str(BIN)] + [str(a) for a in args]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env(**kw), stdout=subprocess.DEVNULL, stderr=slave)
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            b = os.read(master, 65536)
-        except OSError:  # EIO: the child closed its end
-            break
-        if not b:
-            break
-        chunks.append(b)
-    rc = p.wait(timeout=300)
-    os.close(master)
-    text = b"".join(chunks).decode(errors="replace")
-    crashed(rc, text, cmd)
+    rc, text = run_on_pty(cmd, env=env(**kw), cwd=ROOT)
     assert rc == 0, f"{' '.join(cmd)}\n--- terminal\n{text[-4000:]}"
     return text
 
