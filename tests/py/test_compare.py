@@ -5,7 +5,6 @@ against them and the text report for the same verdicts."""
 import json
 import math
 import shutil
-import signal
 import subprocess
 import time
 
@@ -14,6 +13,7 @@ import pytest
 import oracle
 from conftest import BIN, CHILD_ENV, ROOT, crashed
 from test_dist import ENV as MPI_ENV, mpirun
+from test_events import killed_run
 
 STEPS = 8
 TOL = 1e-4
@@ -216,27 +216,7 @@ def test_stop_and_resume_restarts_and_cost(runs):
 
 
 def test_killed_then_resumed(runs, tmp_path):
-    d = tmp_path
-    oracle.tiny_config(vocab=512, hidden=128, inter=256, layers=4, heads=4, kv_heads=2,
-                       head_dim=32).save_pretrained(d / "model")
-    oracle.write_bin(d / "d.bin", oracle.learnable_stream(400 * 65 + 5, 512, seed=3))
-    out = d / "out"
-    args = [str(BIN), "train", "--model.spec=hf", f"--model.hf_assets_path={d / 'model'}",
-            f"--training.dataset_path={d / 'd.bin'}", "--training.seq_len=64", "--training.local_batch_size=4",
-            "--training.seed=5", "--metrics.log_freq=1", "--metrics.peak_tflops=1", f"--job.dump_folder={out}",
-            "--checkpoint.enable", "--checkpoint.interval=3", "--checkpoint.keep_latest_k=0"]
-    p = subprocess.Popen(args + ["--training.steps=400"], cwd=ROOT, env=CHILD_ENV, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and p.poll() is None:
-        if metrics.exists() and sum(1 for _ in metrics.open()) >= 8:
-            break
-        time.sleep(0.005)
-    assert p.poll() is None, "the run ended before it could be killed"
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    raw = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
+    args, out, raw, _ = killed_run(tmp_path)
     time.sleep(0.2)
     q = subprocess.run(args + [f"--training.steps={max(m['step'] for m in raw) + 2}"], cwd=ROOT, env=CHILD_ENV,
                        capture_output=True, text=True, timeout=300)

@@ -112,20 +112,21 @@ def test_error_exit(setup):
     assert 1 <= x["step"] < STEPS
 
 
-def test_sigkill_keeps_lines_and_resume_appends(tmp_path):
-    """A killed run leaves no exit but every line before the kill; the resume appends a
-    start whose metrics_last_* are the raw metrics.jsonl's furthest step and latest time
-    (the lines the resume then removes)."""
-    cfg = oracle.tiny_config(vocab=512, hidden=128, inter=256, layers=4, heads=4, kv_heads=2, head_dim=32)
-    cfg.save_pretrained(tmp_path / "model")
-    data = oracle.write_bin(tmp_path / "d.bin", oracle.learnable_stream(400 * 65 + 5, 512, seed=3))
-    out = tmp_path / "out"
-    args = [str(BIN), "train", "--model.spec=hf", f"--model.hf_assets_path={tmp_path / 'model'}",
+def killed_run(d):
+    """A run in d/out SIGKILLed once metrics.jsonl has 8 lines (checkpoints every 3 steps):
+    (its train command without training.steps, the dump folder, the raw metrics lines left,
+    its stderr). test_compare.py resumes one too."""
+    oracle.tiny_config(vocab=512, hidden=128, inter=256, layers=4, heads=4, kv_heads=2,
+                       head_dim=32).save_pretrained(d / "model")
+    data = oracle.write_bin(d / "d.bin", oracle.learnable_stream(400 * 65 + 5, 512, seed=3))
+    out = d / "out"
+    args = [str(BIN), "train", "--model.spec=hf", f"--model.hf_assets_path={d / 'model'}",
             f"--training.dataset_path={data}", "--training.seq_len=64", "--training.local_batch_size=4",
             "--training.seed=5", "--metrics.log_freq=1", "--metrics.peak_tflops=1",
             f"--job.dump_folder={out}", "--checkpoint.enable", "--checkpoint.interval=3",
             "--checkpoint.keep_latest_k=0"]
-    p = subprocess.Popen(args + ["--training.steps=400"], cwd=ROOT, env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(args + ["--training.steps=400"], cwd=ROOT, env=CHILD_ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and p.poll() is None:
@@ -136,12 +137,20 @@ def test_sigkill_keeps_lines_and_resume_appends(tmp_path):
     p.send_signal(signal.SIGKILL)
     _, err = p.communicate()
     assert p.returncode == -signal.SIGKILL
+    raw = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
+    return args, out, raw, err
+
+
+def test_sigkill_keeps_lines_and_resume_appends(tmp_path):
+    """A killed run leaves no exit but every line before the kill; the resume appends a
+    start whose metrics_last_* are the raw metrics.jsonl's furthest step and latest time
+    (the lines the resume then removes)."""
+    args, out, raw, _ = killed_run(tmp_path)
     before = (out / "events.jsonl").read_text()
     ev = [json.loads(x) for x in before.splitlines()]  # every line whole
     assert ev[0]["event"] == "start" and all(e["event"] != "exit" for e in ev), ev
     ck = [e["step"] for e in ev if e["event"] == "checkpoint"]
     assert ck and ck == ckpt_dirs(out)[:len(ck)], (ck, ckpt_dirs(out))
-    raw = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
     last_step = max(r["step"] for r in raw)
     last_time = max(r["time"] for r in raw)
     # resume with fewer steps so it ends soon
