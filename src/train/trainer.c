@@ -552,12 +552,13 @@ static void write_start_event(trainer *t, int seen_step, double seen_time) {
     ev_write(t->events, "start", o);
 }
 
-static void final_save_event(trainer *t, const char *kind, const char *dir, double seconds) {
+void trainer_checkpoint_event(trainer *t, const char *kind, const char *dir, double mib, double seconds) {
     if (!t->events) return;
     cJSON *o = cJSON_CreateObject();
     cJSON_AddNumberToObject(o, "step", t->step);
     cJSON_AddStringToObject(o, "kind", kind);
     cJSON_AddStringToObject(o, "path", dir);
+    if (mib >= 0) cJSON_AddNumberToObject(o, "mib", mib);
     cJSON_AddNumberToObject(o, "save_s", seconds);
     ev_write(t->events, "checkpoint", o);
 }
@@ -827,7 +828,7 @@ int trainer_run(trainer *t, ct_err *e) {
         double t0 = ct_now();
         rc = trainer_save_adapter(t, dir, e);
         if (!rc && rank0) fprintf(stderr, "ctitan: saved PEFT adapter to %s\n", dir);
-        if (!rc) final_save_event(t, "adapter", dir, ct_now() - t0);
+        if (!rc) trainer_checkpoint_event(t, "adapter", dir, -1, ct_now() - t0);
     } else if (c->last_save_in_hf) {
         char dir[4096], sub[64];
         snprintf(sub, sizeof sub, "step-%d", t->step);
@@ -842,7 +843,7 @@ int trainer_run(trainer *t, ct_err *e) {
         if (!rc && rank0)
             fprintf(stderr, "ctitan: saved Hugging Face model (%s) to %s in %.2f s\n", c->export_dtype, dir,
                     ct_now() - t0);
-        if (!rc) final_save_event(t, "hf", dir, ct_now() - t0);
+        if (!rc) trainer_checkpoint_event(t, "hf", dir, -1, ct_now() - t0);
     }
 out:
     write_exit_event(t, rc, e);

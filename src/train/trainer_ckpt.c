@@ -523,13 +523,7 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     if (rc || !rank0) return rc;
     fprintf(stderr, "ctitan: saved %scheckpoint %s: %.1f MiB in %.2f s\n", model_only ? "model-only " : "", info.dir,
             info.bytes / 1048576.0, info.seconds);
-    cJSON *ev = cJSON_CreateObject();
-    cJSON_AddNumberToObject(ev, "step", t->step);
-    cJSON_AddStringToObject(ev, "kind", model_only ? "model_only" : "full");
-    cJSON_AddStringToObject(ev, "path", info.dir);
-    cJSON_AddNumberToObject(ev, "mib", info.bytes / 1048576.0);
-    cJSON_AddNumberToObject(ev, "save_s", info.seconds);
-    ev_write(t->events, "checkpoint", ev);
+    trainer_checkpoint_event(t, model_only ? "model_only" : "full", info.dir, info.bytes / 1048576.0, info.seconds);
 
     /* keep_latest_k counts from the newest step-N in the folder. After a
      * fallback past a damaged checkpoint (or a load_step older than the

@@ -31,6 +31,10 @@ int trainer_init_weights(trainer *t, ct_err *e);
  * names the checkpoint in errors. Non-static so the fuzz target
  * (tests/fuzz/fuzz_train_state.c) can feed it. */
 int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e);
+/* events.jsonl's "checkpoint" line for a save of the current step (rank 0's
+ * log; nothing elsewhere): kind full, model_only, hf or adapter; mib < 0 when
+ * the save does not count its bytes. */
+void trainer_checkpoint_event(trainer *t, const char *kind, const char *dir, double mib, double seconds);
 /* The final HF export of the run to folder/step-N (or hf-step-N beside a
  * training checkpoint of the same step); dir gets the path. Collective. */
 int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, const char *torch_dtype, ct_err *e);
