@@ -98,33 +98,27 @@ void cmp_loss_free(cmp_loss *l) {
     memset(l, 0, sizeof *l);
 }
 
-/* Mean of field f over the logged steps after step 1 (its time includes the
- * warm-up: first-touch of the buffers, kernel choice), or over all when the
- * run logged step 1 alone. */
-static double mean_after_first(const run_data *r, run_field f) {
-    double s = 0, s1 = 0;
-    int n = 0, n1 = 0;
-    for (int i = 0; i < r->n_points; i++) {
-        double v = r->points[i].v[f];
-        if (!isfinite(v)) continue;
-        if (r->points[i].step > 1) s += v, n++;
-        else s1 += v, n1++;
-    }
-    return n ? s / n : n1 ? s1 / n1 : NAN;
-}
-
-/* The job's tokens/s: "tps" is per rank (torchtitan's), which under data
+/* A logged step's value: one of metrics.jsonl's fields, or (JOB_TPS) the
+ * job's tokens/s. "tps" is per rank (torchtitan's), which under data
  * parallel understates a layout's throughput by the rank count and under
  * tensor parallel counts shared tokens once per rank; tokens_seen / step is
  * the global batch's tokens whatever the layout. */
-static double job_tps(const run_data *r) {
+#define JOB_TPS RUN_N_FIELDS
+static double point_value(const run_point *p, int f) {
+    if (f != JOB_TPS) return p->v[f];
+    return p->step > 0 ? p->v[RUN_TOKENS_SEEN] / p->step / p->v[RUN_STEP_TIME_S] : NAN;
+}
+
+/* Mean of point_value(f) over the logged steps after step 1 (its time
+ * includes the warm-up: first-touch of the buffers, kernel choice), or over
+ * all when the run logged step 1 alone. */
+static double mean_after_first(const run_data *r, int f) {
     double s = 0, s1 = 0;
     int n = 0, n1 = 0;
     for (int i = 0; i < r->n_points; i++) {
-        const run_point *p = &r->points[i];
-        double v = p->step > 0 ? p->v[RUN_TOKENS_SEEN] / p->step / p->v[RUN_STEP_TIME_S] : NAN;
+        double v = point_value(&r->points[i], f);
         if (!isfinite(v)) continue;
-        if (p->step > 1) s += v, n++;
+        if (r->points[i].step > 1) s += v, n++;
         else s1 += v, n1++;
     }
     return n ? s / n : n1 ? s1 / n1 : NAN;
@@ -165,7 +159,7 @@ static void session_from_events(const run_data *r, int i, cmp_session *s) {
 void cmp_run_analyse(const run_data *r, cmp_run *c) {
     memset(c, 0, sizeof *c);
     c->tps_mean = mean_after_first(r, RUN_TPS);
-    c->job_tps_mean = job_tps(r);
+    c->job_tps_mean = mean_after_first(r, JOB_TPS);
     c->step_time_mean = mean_after_first(r, RUN_STEP_TIME_S);
     int n = 0;
     for (int i = 0; i < r->n_events; i++) n += r->events[i].kind == RUN_EV_START;
