@@ -53,6 +53,9 @@ SRCS    := $(filter-out src/cli/main.c,$(wildcard src/*/*.c src/kernels/*/*.c))
 OBJS    := $(SRCS:%.c=$(BUILD)/obj/%.o)
 TESTS   := $(patsubst tests/c/%.c,$(BUILD)/tests/%,$(wildcard tests/c/test_*.c))
 PY      := .venv/bin/python
+# Each part of make test says its wall and CPU time (scripts/timed.sh; build/test-times.txt,
+# printed again at the end): the suite has a time budget and this says where it goes.
+T       := bash scripts/timed.sh
 
 .PHONY: all setup test test-c test-py test-aarch64 test-bins sanitize fuzz fuzz-short fuzz-long run bench clean
 all: $(BUILD)/ctitan $(BUILD)/libctitan.so
@@ -107,9 +110,9 @@ SAN_ENV   := ASAN_OPTIONS=fast_unwind_on_malloc=0 LSAN_OPTIONS=suppressions=$(CU
 SAN_CLI_TESTS := tests/py/test_cli_errors.py tests/py/test_tokenize_cli.py tests/py/test_hostile_files.py \
                  tests/py/test_fuzz_regressions.py tests/py/test_dist_masked.py tests/py/test_profile.py
 sanitize:
-	@$(SAN_ENV) $(MAKE) --no-print-directory BUILD=build/san OPT="-O1 $(SAN_FLAGS) -fno-omit-frame-pointer" \
+	@$(SAN_ENV) $(T) san-c $(MAKE) --no-print-directory BUILD=build/san OPT="-O1 $(SAN_FLAGS) -fno-omit-frame-pointer" \
 	  LDFLAGS="$(SAN_FLAGS)" test-c
-	$(SAN_ENV) CTITAN_BUILD=build/san $(PY) -m pytest -q -p no:cacheprovider $(SAN_CLI_TESTS)
+	$(SAN_ENV) CTITAN_BUILD=build/san $(T) san-py $(PY) -m pytest -q -p no:cacheprovider $(SAN_CLI_TESTS)
 
 # libFuzzer targets (tests/fuzz/fuzz_*.c, docs/reliability.md "Fuzzing"): clang with ASan and
 # UBSan over a separate object tree of the library, so a crash, leak or UB report in a parser of
@@ -171,15 +174,15 @@ LOWER_ISAS := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx
 # Parity against transformers once more with every op on its reference kernel, and
 # with the kernels limited to each lower instruction-set level this CPU can run.
 test-py: all
-	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS)
+	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(T) py-parity-ref $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS)
 	@for isa in $(LOWER_ISAS); do echo "parity with CTITAN_ISA=$$isa"; \
-	  CTITAN_ISA=$$isa $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS) || exit 1; done
+	  CTITAN_ISA=$$isa $(T) py-parity-$$isa $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS) || exit 1; done
 	@echo "session API and CLI tests with every op on its reference kernel"
-	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(PY) -m pytest -q -p no:cacheprovider $(REF_CLI_TESTS)
+	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(T) py-cli-ref $(PY) -m pytest -q -p no:cacheprovider $(REF_CLI_TESTS)
 	@echo "parity with the kernels chosen by timing (the rest of the suite runs with CTITAN_KERNEL_TUNE=0)"
-	CTITAN_KERNEL_TUNE=1 $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py \
+	CTITAN_KERNEL_TUNE=1 $(T) py-parity-tune $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py \
 	  tests/py/test_families.py::test_logits_loss_grads
-	$(PY) -m pytest -q tests/py
+	$(T) py-all $(PY) -m pytest -q --durations=30 tests/py
 
 # The tests' OpenMP threads sleep when they wait for work (OMP_WAIT_POLICY=passive) instead of
 # spinning (libgomp's default, and torch's): the tests run thousands of tiny parallel regions
@@ -196,11 +199,13 @@ test test-c test-py test-aarch64 sanitize fuzz-short: export OMP_WAIT_POLICY ?= 
 # (test-aarch64's cross build has its own -j).
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test: setup
-	@$(MAKE) --no-print-directory -j$(TEST_JOBS) all test-c
-	@$(MAKE) --no-print-directory test-aarch64
-	@$(MAKE) --no-print-directory -j$(TEST_JOBS) sanitize
-	@$(MAKE) --no-print-directory -j$(TEST_JOBS) fuzz-short
-	@$(MAKE) --no-print-directory -j$(TEST_JOBS) test-py
+	@mkdir -p build && rm -f build/test-times.txt
+	@$(T) build+test-c $(MAKE) --no-print-directory -j$(TEST_JOBS) all test-c
+	@$(T) aarch64 $(MAKE) --no-print-directory test-aarch64
+	@$(T) sanitize $(MAKE) --no-print-directory -j$(TEST_JOBS) sanitize
+	@$(T) fuzz-short $(MAKE) --no-print-directory -j$(TEST_JOBS) fuzz-short
+	@$(T) test-py $(MAKE) --no-print-directory -j$(TEST_JOBS) test-py
+	@cat build/test-times.txt
 
 # The build on every core unless make was given -j itself: `make run` from a fresh clone
 # is timed (README), and a serial build is a third of it on a 2-core machine.
