@@ -395,10 +395,10 @@ int cli_compare(int argc, char **argv) {
         return ct_exit_code(rc);
     }
     cmp_loss l;
-    cmp_run ca, cb;
+    run_summary ca, cb;
     cmp_loss_diff(&ra, &rb, &l);
-    cmp_run_analyse(&ra, &ca);
-    cmp_run_analyse(&rb, &cb);
+    run_summarise(&ra, &ca);
+    run_summarise(&rb, &cb);
     cmp_restore rs[2];
     memset(rs, 0, sizeof rs);
     rs[0].own_loss = rs[0].other_loss = rs[0].rel = rs[1].own_loss = rs[1].other_loss = rs[1].rel = NAN;
@@ -433,8 +433,8 @@ int cli_compare(int argc, char **argv) {
     int differ = (o.tolerance >= 0 && l.n && l.max_rel > o.tolerance) || (rs[0].checked && !rs[0].ok) ||
                  (rs[1].checked && !rs[1].ok);
     cmp_loss_free(&l);
-    cmp_run_free(&ca);
-    cmp_run_free(&cb);
+    run_summary_free(&ca);
+    run_summary_free(&cb);
     run_free(&ra);
     run_free(&rb);
     return rc ? ct_exit_code(rc) : differ ? CMP_EXIT_DIFFER : 0;

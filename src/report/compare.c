@@ -1,13 +1,7 @@
-/* report/compare.c: the figures of `ctitan compare` (see compare.h).
- *
- * A run is cut into sessions at its start events. A session that exited
- * ends at its exit; one that was killed ends at its last sign of life: the
- * latest of its checkpoint events and its metrics lines, and the lines the
- * next launch cut from metrics.jsonl when it resumed (its start event keeps
- * their furthest step and latest time, metrics_last_step/_time, because the
- * cut erases exactly the steps the restart redoes). Times are the files'
- * Unix seconds, so sessions on one machine line up; across machines they are
- * as good as the clocks' agreement. */
+/* report/compare.c: the figures of `ctitan compare` (see compare.h). The
+ * accounting of each run (sessions, restarts, wall, CPU, energy, the means
+ * after step 1) is run_summarise's (report/run.c), the one `ctitan report`
+ * prints too, so the two commands cannot disagree on a run. */
 #include "report/compare.h"
 
 #include <math.h>
@@ -98,139 +92,7 @@ void cmp_loss_free(cmp_loss *l) {
     memset(l, 0, sizeof *l);
 }
 
-/* A logged step's value: one of metrics.jsonl's fields, or (JOB_TPS) the
- * job's tokens/s. "tps" is per rank (torchtitan's), which under data
- * parallel understates a layout's throughput by the rank count and under
- * tensor parallel counts shared tokens once per rank; tokens_seen / step is
- * the global batch's tokens whatever the layout. */
-#define JOB_TPS RUN_N_FIELDS
-static double point_value(const run_point *p, int f) {
-    if (f != JOB_TPS) return p->v[f];
-    return p->step > 0 ? p->v[RUN_TOKENS_SEEN] / p->step / p->v[RUN_STEP_TIME_S] : NAN;
-}
-
-/* Mean of point_value(f) over the logged steps after step 1 (its time
- * includes the warm-up: first-touch of the buffers, kernel choice), or over
- * all when the run logged step 1 alone. */
-static double mean_after_first(const run_data *r, int f) {
-    double s = 0, s1 = 0;
-    int n = 0, n1 = 0;
-    for (int i = 0; i < r->n_points; i++) {
-        double v = point_value(&r->points[i], f);
-        if (!isfinite(v)) continue;
-        if (r->points[i].step > 1) s += v, n++;
-        else s1 += v, n1++;
-    }
-    return n ? s / n : n1 ? s1 / n1 : NAN;
-}
-
-static void session_from_events(const run_data *r, int i, cmp_session *s) {
-    const run_event *st = &r->events[i];
-    memset(s, 0, sizeof *s);
-    s->launch = isfinite(st->launch_time)                        ? st->launch_time
-                : isfinite(st->startup_s) && isfinite(st->time) ? st->time - st->startup_s
-                                                                 : st->time;
-    s->end = st->time;
-    s->killed = 1;
-    snprintf(s->reason, sizeof s->reason, "killed");
-    s->world = st->world;
-    s->machines = st->machines;
-    s->threads = st->threads;
-    s->start_step = s->end_step = st->step > 0 ? st->step : 0;
-    s->startup_s = isfinite(st->startup_s) ? st->startup_s : 0;
-    s->load_s = isfinite(st->load_s) ? st->load_s : 0;
-    s->cpu_s = s->energy_j = NAN;
-    for (int k = i + 1; k < r->n_events && r->events[k].kind != RUN_EV_START; k++) {
-        const run_event *v = &r->events[k];
-        if (v->kind == RUN_EV_CHECKPOINT) {
-            if (isfinite(v->time) && v->time > s->end) s->end = v->time;
-            if (v->step > s->end_step) s->end_step = v->step;
-        } else if (v->kind == RUN_EV_EXIT && s->killed) {
-            s->killed = 0;
-            snprintf(s->reason, sizeof s->reason, "%s", v->reason[0] ? v->reason : "?");
-            if (isfinite(v->time)) s->end = v->time;
-            if (v->step >= 0) s->end_step = v->step;
-            s->cpu_s = v->cpu_s;
-            s->energy_j = v->energy_j;
-        }
-    }
-}
-
-void cmp_run_analyse(const run_data *r, cmp_run *c) {
-    memset(c, 0, sizeof *c);
-    c->tps_mean = mean_after_first(r, RUN_TPS);
-    c->job_tps_mean = mean_after_first(r, JOB_TPS);
-    c->step_time_mean = mean_after_first(r, RUN_STEP_TIME_S);
-    int n = 0;
-    for (int i = 0; i < r->n_events; i++) n += r->events[i].kind == RUN_EV_START;
-    c->s = ct_calloc((size_t)n + 1, sizeof *c->s);
-    int *at = ct_malloc(((size_t)n + 1) * sizeof *at); /* event index of each session's start */
-    for (int i = 0; i < r->n_events; i++)
-        if (r->events[i].kind == RUN_EV_START) {
-            at[c->n_sessions] = i;
-            session_from_events(r, i, &c->s[c->n_sessions++]);
-        }
-    for (int k = 0; k < n; k++) {
-        cmp_session *s = &c->s[k];
-        if (!s->killed) continue;
-        double next = k + 1 < n ? c->s[k + 1].launch : INFINITY;
-        for (int i = 0; i < r->n_points; i++) { /* its metrics lines that survived */
-            double t = r->points[i].v[RUN_TIME];
-            if (!(t >= s->launch && t < next)) continue;
-            if (t > s->end) s->end = t;
-            if (r->points[i].step > s->end_step) s->end_step = r->points[i].step;
-        }
-        if (k + 1 < n) { /* and those the next launch cut */
-            const run_event *nx = &r->events[at[k + 1]];
-            if (nx->metrics_last_time >= s->launch && nx->metrics_last_time < next) {
-                if (nx->metrics_last_time > s->end) s->end = nx->metrics_last_time;
-                if (nx->metrics_last_step > s->end_step) s->end_step = nx->metrics_last_step;
-            }
-        }
-    }
-    free(at);
-    c->restarts = n > 0 ? n - 1 : 0;
-    c->energy_note[0] = 0;
-    for (int k = 0; k < n; k++) {
-        cmp_session *s = &c->s[k];
-        if (!(s->end >= s->launch)) s->end = s->launch;
-        double wall = s->end - s->launch;
-        c->wall_s += wall;
-        c->machine_s += s->machines * wall;
-        c->core_s += (double)s->world * s->threads * wall;
-        if (isfinite(s->cpu_s)) c->cpu_est_s += s->cpu_s * s->world;
-        else c->cpu_unknown++;
-        if (isfinite(s->energy_j)) {
-            c->energy_j += s->energy_j;
-            c->energy_est_j += s->energy_j * s->machines;
-            c->energy_n++;
-        } else {
-            c->energy_unknown++;
-        }
-        if (k == 0) continue;
-        const cmp_session *p = &c->s[k - 1];
-        s->downtime_s = fmax(0, s->launch - p->end);
-        s->redone_steps = p->end_step > s->start_step ? p->end_step - s->start_step : 0;
-        c->downtime_s += s->downtime_s;
-        c->downtime_machine_s += s->machines * s->downtime_s;
-        c->startup_s += s->startup_s;
-        c->load_s += s->load_s;
-        c->redone_steps += s->redone_steps;
-    }
-    /* the reason RAPL was not read, from the exits that said one */
-    for (int i = 0; i < r->n_events; i++)
-        if (r->events[i].kind == RUN_EV_EXIT && r->events[i].energy_note[0])
-            snprintf(c->energy_note, sizeof c->energy_note, "%s", r->events[i].energy_note);
-    c->redone_s = c->redone_steps * (isfinite(c->step_time_mean) ? c->step_time_mean : 0);
-    c->lost_s = c->downtime_s + c->startup_s + c->redone_s;
-}
-
-void cmp_run_free(cmp_run *c) {
-    free(c->s);
-    memset(c, 0, sizeof *c);
-}
-
-double cmp_cost(const cmp_opts *o, const cmp_run *r) {
+double cmp_cost(const cmp_opts *o, const run_summary *r) {
     if (o->price < 0) return NAN;
     return o->price * (r->machine_s + (o->bill_downtime ? r->downtime_machine_s : 0)) / 3600.0;
 }
@@ -259,7 +121,7 @@ static void row(FILE *f, const char *what, double a, double b, const char *fmt) 
     fprintf(f, "  %-44s %16s %16s\n", what, x, y);
 }
 
-static void energy_line(FILE *f, const char *name, const cmp_run *r) {
+static void energy_line(FILE *f, const char *name, const run_summary *r) {
     if (!r->n_sessions) {
         fprintf(f, "  energy %s: unknown (no events.jsonl)\n", name);
     } else if (!r->energy_n) {
@@ -273,9 +135,9 @@ static void energy_line(FILE *f, const char *name, const cmp_run *r) {
     }
 }
 
-static void restarts_text(FILE *f, const char *name, const cmp_run *r) {
+static void restarts_text(FILE *f, const char *name, const run_summary *r) {
     for (int k = 1; k < r->n_sessions; k++) {
-        const cmp_session *s = &r->s[k], *p = &r->s[k - 1];
+        const run_session *s = &r->s[k], *p = &r->s[k - 1];
         fprintf(f,
                 "  %s restart %d: from step %d after the previous session %s at step %d; downtime %.2f s, start-up "
                 "%.2f s (checkpoint load %.2f s), redone %d step(s)\n",
@@ -298,7 +160,7 @@ static void restore_text(FILE *f, const char *x, const char *y, const cmp_restor
     fputc('\n', f);
 }
 
-void cmp_print_text(FILE *f, const cmp_opts *o, const cmp_loss *l, const cmp_run *ra, const cmp_run *rb,
+void cmp_print_text(FILE *f, const cmp_opts *o, const cmp_loss *l, const run_summary *ra, const run_summary *rb,
                     const cmp_restore rs[2]) {
     fprintf(f, "A: %s\nB: %s\n\n", o->dir_a, o->dir_b);
     fprintf(f, "Loss curves (metrics.jsonl \"loss\"; per step |a - b| / max(|a|, |b|, 1e-12))\n");
@@ -368,7 +230,7 @@ void cmp_print_text(FILE *f, const cmp_opts *o, const cmp_loss *l, const cmp_run
 
 static cJSON *num_or_null(double v) { return isfinite(v) ? cJSON_CreateNumber(v) : cJSON_CreateNull(); }
 
-static cJSON *run_json(const cmp_opts *o, const char *dir, const cmp_run *r) {
+static cJSON *run_json(const cmp_opts *o, const char *dir, const run_summary *r) {
     cJSON *j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "dir", dir);
     cJSON_AddItemToObject(j, "tps_mean", num_or_null(r->tps_mean));
@@ -395,7 +257,7 @@ static cJSON *run_json(const cmp_opts *o, const char *dir, const cmp_run *r) {
     cJSON_AddStringToObject(j, "energy_unavailable", r->energy_n ? "" : r->energy_note);
     cJSON *ss = cJSON_AddArrayToObject(j, "sessions");
     for (int k = 0; k < r->n_sessions; k++) {
-        const cmp_session *s = &r->s[k];
+        const run_session *s = &r->s[k];
         cJSON *x = cJSON_CreateObject();
         cJSON_AddNumberToObject(x, "launch", s->launch);
         cJSON_AddNumberToObject(x, "end", s->end);
@@ -430,7 +292,7 @@ static cJSON *restore_json(const cmp_restore *r) {
     return j;
 }
 
-void cmp_print_json(FILE *f, const cmp_opts *o, const cmp_loss *l, const cmp_run *ra, const cmp_run *rb,
+void cmp_print_json(FILE *f, const cmp_opts *o, const cmp_loss *l, const run_summary *ra, const run_summary *rb,
                     const cmp_restore rs[2]) {
     cJSON *j = cJSON_CreateObject();
     cJSON *lj = cJSON_AddObjectToObject(j, "loss");

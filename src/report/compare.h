@@ -4,10 +4,10 @@
  * (machines, kernels) give the same loss curve, how fast was each, how much
  * time did restarts cost, and what did the whole run cost. Everything here is
  * computed from the run directories alone (report/run.h): metrics.jsonl for
- * the curve and the speed, events.jsonl for the sessions of a run (each launch,
- * its exit or its last sign of life). The restore check, which has to launch
- * ctitan, lives in the CLI (cli/cmd_compare.c); docs/compare.md has the
- * formulas. */
+ * the curve, and each run's accounting (speed, sessions, restarts, wall, CPU,
+ * energy) is run_summarise's, which `ctitan report` prints as well. The
+ * restore check, which has to launch ctitan, lives in the CLI
+ * (cli/cmd_compare.c); docs/compare.md has the formulas. */
 #ifndef CT_REPORT_COMPARE_H
 #define CT_REPORT_COMPARE_H
 
@@ -31,46 +31,6 @@ double cmp_rel_diff(double a, double b);
 void cmp_loss_diff(const run_data *a, const run_data *b, cmp_loss *out);
 void cmp_loss_free(cmp_loss *l);
 
-/* One launch of the process: from its start event to its exit event or,
- * when it was killed, its last sign of life. */
-typedef struct {
-    double launch, end;   /* Unix seconds */
-    int killed;           /* no exit event: end is the last sign of life */
-    char reason[16];      /* the exit's reason, or "killed" */
-    int world, machines, threads;
-    int start_step, end_step; /* the step it began from and the furthest it reached */
-    double cpu_s, energy_j;   /* its exit's (NaN when unknown) */
-    /* a restart (every session but the first) */
-    double downtime_s;    /* launch - the previous session's end */
-    double startup_s, load_s; /* launch to the loop, of which loading the checkpoint */
-    int redone_steps;     /* previous end_step - start_step (steps done again) */
-} cmp_session;
-
-typedef struct {
-    int n_sessions;
-    cmp_session *s;
-    double tps_mean;      /* mean tokens/s per rank (metrics "tps") of the logged steps after step 1 (NaN: none) */
-    double job_tps_mean;  /* the whole job's: global tokens per step / step_time_s, likewise */
-    double step_time_mean; /* mean step_time_s, likewise */
-    int restarts;         /* n_sessions - 1 */
-    double downtime_s, startup_s, load_s, redone_s, lost_s; /* restart totals; lost = the three */
-    int redone_steps;
-    double wall_s;        /* sum of the sessions' launch..end (what a machine was held) */
-    double machine_s;     /* sum of machines x session wall */
-    double downtime_machine_s; /* sum of the next session's machines x downtime */
-    double core_s;        /* sum of ranks x threads x session wall (CPU time allocated) */
-    double cpu_est_s;     /* sum of rank 0's cpu_s x world over the sessions with an exit */
-    int cpu_unknown;      /* sessions without an exit (no cpu_s) */
-    double energy_j;      /* sum of energy_j (rank 0's machine) */
-    int energy_n;         /* exits that had energy_j */
-    int energy_unknown;   /* sessions without energy_j */
-    char energy_note[160]; /* the last energy_unavailable reason */
-    double energy_est_j;  /* sum of each session's energy_j x machines */
-} cmp_run;
-
-void cmp_run_analyse(const run_data *r, cmp_run *out);
-void cmp_run_free(cmp_run *c);
-
 /* One direction of the restore check: run X's final checkpoint loaded in
  * run Y's layout, its loss on a fixed batch against the same in X's own. */
 typedef struct {
@@ -92,11 +52,11 @@ typedef struct {
 } cmp_opts;
 
 /* The report as text (the table a person reads) and as one JSON object. */
-void cmp_print_text(FILE *f, const cmp_opts *o, const cmp_loss *l, const cmp_run *ra, const cmp_run *rb,
+void cmp_print_text(FILE *f, const cmp_opts *o, const cmp_loss *l, const run_summary *ra, const run_summary *rb,
                     const cmp_restore rs[2]);
-void cmp_print_json(FILE *f, const cmp_opts *o, const cmp_loss *l, const cmp_run *ra, const cmp_run *rb,
+void cmp_print_json(FILE *f, const cmp_opts *o, const cmp_loss *l, const run_summary *ra, const run_summary *rb,
                     const cmp_restore rs[2]);
 /* The cost of a run at o->price per machine-hour (NaN without a price). */
-double cmp_cost(const cmp_opts *o, const cmp_run *r);
+double cmp_cost(const cmp_opts *o, const run_summary *r);
 
 #endif

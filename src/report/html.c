@@ -78,14 +78,20 @@ static void figures(FILE *f, const run_data *runs, char **names, int n, double s
     ROW("final validation perplexity");
     for (int r = 0; r < n; r++) num_cell(f, "%.2f", runs[r].n_vals ? runs[r].vals[runs[r].n_vals - 1].perplexity : NAN);
     fputs("</tr>\n", f);
+    /* the figures of a run as a whole, from run_summarise: the accounting
+     * `ctitan compare` prints, so the page and compare cannot disagree on a
+     * run (a killed session counts to its last sign of life; the means leave
+     * out step 1, whose time includes the warm-up) */
+    run_summary *sum = ct_calloc((size_t)n, sizeof *sum);
+    for (int r = 0; r < n; r++) run_summarise(&runs[r], &sum[r]);
     static const struct {
         const char *label, *fmt;
         run_field fld;
-        int what; /* 0 last, 1 mean, 2 max */
+        int what; /* 0 last, 2 max */
     } rows[] = {
-        {"tokens seen", "%.0f", RUN_TOKENS_SEEN, 0},   {"mean tokens/s", "%.1f", RUN_TPS, 1},
-        {"mean MFU (%)", "%.2f", RUN_MFU, 1},          {"mean TFLOP/s", "%.3f", RUN_TFLOPS, 1},
-        {"peak memory (GiB)", "%.3f", RUN_MEMORY_GIB, 2}, {"loop time, last launch (s)", "%.1f", RUN_ELAPSED_S, 0},
+        {"tokens seen", "%.0f", RUN_TOKENS_SEEN, 0},
+        {"peak memory (GiB)", "%.3f", RUN_MEMORY_GIB, 2},
+        {"loop time, last launch (s)", "%.1f", RUN_ELAPSED_S, 0},
     };
     for (size_t k = 0; k < sizeof rows / sizeof rows[0]; k++) {
         fprintf(f, "<tr><th>%s</th>", rows[k].label);
@@ -96,44 +102,62 @@ static void figures(FILE *f, const run_data *runs, char **names, int n, double s
         }
         fputs("</tr>\n", f);
     }
+    static const struct {
+        const char *label, *fmt;
+        int fld; /* a run_field or RUN_JOB_TPS */
+    } means[] = {
+        {"mean tokens/s per rank (after step 1)", "%.1f", RUN_TPS},
+        {"mean tokens/s of the job (after step 1)", "%.1f", RUN_JOB_TPS},
+        {"mean MFU (%, after step 1)", "%.2f", RUN_MFU},
+        {"mean TFLOP/s (after step 1)", "%.3f", RUN_TFLOPS},
+    };
+    for (size_t k = 0; k < sizeof means / sizeof means[0]; k++) {
+        fprintf(f, "<tr><th>%s</th>", means[k].label);
+        for (int r = 0; r < n; r++) num_cell(f, means[k].fmt, run_mean_after_first(&runs[r], means[k].fld));
+        fputs("</tr>\n", f);
+    }
     /* from events.jsonl: what the metrics cannot say (restarts, whole-process time) */
-    static const char *const ev_rows[] = {"starts (resumes)", "checkpoints saved", "wall time, all launches (s)",
-                                          "CPU time, rank 0 (s)", "energy, RAPL (kJ)", "last exit"};
-    for (int k = 0; k < 6; k++) {
+    static const char *const ev_rows[] = {"launches (restarts)",
+                                          "checkpoints saved",
+                                          "wall time, all launches (s)",
+                                          "time lost to restarts (s)",
+                                          "CPU time, rank 0 x world (s)",
+                                          "energy, RAPL, rank 0's machine (kJ)",
+                                          "last exit"};
+    for (int k = 0; k < 7; k++) {
         fprintf(f, "<tr><th>%s</th>", ev_rows[k]);
         for (int r = 0; r < n; r++) {
             const run_data *d = &runs[r];
-            int starts = 0, resumes = 0, ckpts = 0, exits = 0;
-            double wall = 0, cpu = 0, energy = 0;
-            const char *last_exit = "";
-            for (int i = 0; i < d->n_events; i++) {
-                const run_event *v = &d->events[i];
-                starts += v->kind == RUN_EV_START;
-                resumes += v->kind == RUN_EV_START && v->resumed_from[0];
-                ckpts += v->kind == RUN_EV_CHECKPOINT;
-                if (v->kind == RUN_EV_EXIT) {
-                    exits++;
-                    wall += v->wall_s, cpu += v->cpu_s, energy += v->energy_j;
-                    last_exit = v->reason;
-                }
-            }
-            if (!d->n_events) {
+            const run_summary *c = &sum[r];
+            if (!c->n_sessions) {
                 fputs("<td>&ndash;</td>", f); /* an older run without events.jsonl */
                 continue;
             }
-            if (k == 0) fprintf(f, "<td>%d (%d)</td>", starts, resumes);
+            int ckpts = 0;
+            for (int i = 0; i < d->n_events; i++) ckpts += d->events[i].kind == RUN_EV_CHECKPOINT;
+            const run_session *last = &c->s[c->n_sessions - 1];
+            if (k == 0) fprintf(f, "<td>%d (%d)</td>", c->n_sessions, c->restarts);
             else if (k == 1) fprintf(f, "<td>%d</td>", ckpts);
-            else if (k == 2) num_cell(f, "%.1f", exits ? wall : NAN);
-            else if (k == 3) num_cell(f, "%.1f", exits ? cpu : NAN);
-            else if (k == 4) num_cell(f, "%.3f", exits ? energy / 1000 : NAN);
-            else {
+            else if (k == 2) num_cell(f, "%.1f", c->wall_s);
+            else if (k == 3) num_cell(f, "%.1f", c->lost_s);
+            else if (k == 4) {
                 fputs("<td>", f);
-                esc(f, last_exit[0] ? last_exit : starts > exits ? "none (running, or killed)" : "");
+                if (c->cpu_unknown < c->n_sessions) fprintf(f, "%.1f", c->cpu_est_s);
+                else fputs("&ndash;", f);
+                if (c->cpu_unknown) fprintf(f, " (%d session%s without an exit)", c->cpu_unknown, c->cpu_unknown == 1 ? "" : "s");
+                fputs("</td>", f);
+            } else if (k == 5) {
+                num_cell(f, "%.3f", c->energy_n ? c->energy_j / 1000 : NAN);
+            } else {
+                fputs("<td>", f);
+                esc(f, last->killed ? "none (running, or killed)" : last->reason);
                 fputs("</td>", f);
             }
         }
         fputs("</tr>\n", f);
     }
+    for (int r = 0; r < n; r++) run_summary_free(&sum[r]);
+    free(sum);
 #undef ROW
     fputs("</table>\n", f);
 }

@@ -1,6 +1,15 @@
 /* report/run.c: run directories read back (see run.h). The JSON lines go
  * through the strict reader (formats/json.h) like every file from outside;
- * config.toml through the TOML reader, flattened to "section.key" pairs. */
+ * config.toml through the TOML reader, flattened to "section.key" pairs.
+ *
+ * run_summarise cuts a run into sessions at its start events. A session
+ * that exited ends at its exit; one that was killed ends at its last sign of
+ * life: the latest of its checkpoint events and its metrics lines, and the
+ * lines the next launch cut from metrics.jsonl when it resumed (its start
+ * event keeps their furthest step and latest time, metrics_last_step/_time,
+ * because the cut erases exactly the steps the restart redoes). Times are
+ * the files' Unix seconds, so sessions on one machine line up; across
+ * machines they are as good as the clocks' agreement. */
 #include "report/run.h"
 
 #include <cjson/cJSON.h>
@@ -208,3 +217,136 @@ const char *run_setting_get(const run_data *r, const char *key) {
 }
 
 int run_last_step(const run_data *r) { return r->n_points ? r->points[r->n_points - 1].step : 0; }
+
+/* ---- the accounting of a run (run_summarise) */
+
+/* A logged step's value: one of metrics.jsonl's fields, or (RUN_JOB_TPS) the
+ * job's tokens/s. "tps" is per rank (torchtitan's), which under data
+ * parallel understates a layout's throughput by the rank count and under
+ * tensor parallel counts shared tokens once per rank; tokens_seen / step is
+ * the global batch's tokens whatever the layout. */
+static double point_value(const run_point *p, int f) {
+    if (f != RUN_JOB_TPS) return p->v[f];
+    return p->step > 0 ? p->v[RUN_TOKENS_SEEN] / p->step / p->v[RUN_STEP_TIME_S] : NAN;
+}
+
+/* Mean of point_value(f) over the logged steps after step 1 (its time
+ * includes the warm-up: first-touch of the buffers, kernel choice), or over
+ * all when the run logged step 1 alone. */
+double run_mean_after_first(const run_data *r, int f) {
+    double s = 0, s1 = 0;
+    int n = 0, n1 = 0;
+    for (int i = 0; i < r->n_points; i++) {
+        double v = point_value(&r->points[i], f);
+        if (!isfinite(v)) continue;
+        if (r->points[i].step > 1) s += v, n++;
+        else s1 += v, n1++;
+    }
+    return n ? s / n : n1 ? s1 / n1 : NAN;
+}
+
+static void session_from_events(const run_data *r, int i, run_session *s) {
+    const run_event *st = &r->events[i];
+    memset(s, 0, sizeof *s);
+    s->launch = isfinite(st->launch_time)                        ? st->launch_time
+                : isfinite(st->startup_s) && isfinite(st->time) ? st->time - st->startup_s
+                                                                 : st->time;
+    s->end = st->time;
+    s->killed = 1;
+    snprintf(s->reason, sizeof s->reason, "killed");
+    s->world = st->world;
+    s->machines = st->machines;
+    s->threads = st->threads;
+    s->start_step = s->end_step = st->step > 0 ? st->step : 0;
+    s->startup_s = isfinite(st->startup_s) ? st->startup_s : 0;
+    s->load_s = isfinite(st->load_s) ? st->load_s : 0;
+    s->cpu_s = s->energy_j = NAN;
+    for (int k = i + 1; k < r->n_events && r->events[k].kind != RUN_EV_START; k++) {
+        const run_event *v = &r->events[k];
+        if (v->kind == RUN_EV_CHECKPOINT) {
+            if (isfinite(v->time) && v->time > s->end) s->end = v->time;
+            if (v->step > s->end_step) s->end_step = v->step;
+        } else if (v->kind == RUN_EV_EXIT && s->killed) {
+            s->killed = 0;
+            snprintf(s->reason, sizeof s->reason, "%s", v->reason[0] ? v->reason : "?");
+            if (isfinite(v->time)) s->end = v->time;
+            if (v->step >= 0) s->end_step = v->step;
+            s->cpu_s = v->cpu_s;
+            s->energy_j = v->energy_j;
+        }
+    }
+}
+
+void run_summarise(const run_data *r, run_summary *c) {
+    memset(c, 0, sizeof *c);
+    c->tps_mean = run_mean_after_first(r, RUN_TPS);
+    c->job_tps_mean = run_mean_after_first(r, RUN_JOB_TPS);
+    c->step_time_mean = run_mean_after_first(r, RUN_STEP_TIME_S);
+    int n = 0;
+    for (int i = 0; i < r->n_events; i++) n += r->events[i].kind == RUN_EV_START;
+    c->s = ct_calloc((size_t)n + 1, sizeof *c->s);
+    int *at = ct_malloc(((size_t)n + 1) * sizeof *at); /* event index of each session's start */
+    for (int i = 0; i < r->n_events; i++)
+        if (r->events[i].kind == RUN_EV_START) {
+            at[c->n_sessions] = i;
+            session_from_events(r, i, &c->s[c->n_sessions++]);
+        }
+    for (int k = 0; k < n; k++) {
+        run_session *s = &c->s[k];
+        if (!s->killed) continue;
+        double next = k + 1 < n ? c->s[k + 1].launch : INFINITY;
+        for (int i = 0; i < r->n_points; i++) { /* its metrics lines that survived */
+            double t = r->points[i].v[RUN_TIME];
+            if (!(t >= s->launch && t < next)) continue;
+            if (t > s->end) s->end = t;
+            if (r->points[i].step > s->end_step) s->end_step = r->points[i].step;
+        }
+        if (k + 1 < n) { /* and those the next launch cut */
+            const run_event *nx = &r->events[at[k + 1]];
+            if (nx->metrics_last_time >= s->launch && nx->metrics_last_time < next) {
+                if (nx->metrics_last_time > s->end) s->end = nx->metrics_last_time;
+                if (nx->metrics_last_step > s->end_step) s->end_step = nx->metrics_last_step;
+            }
+        }
+    }
+    free(at);
+    c->restarts = n > 0 ? n - 1 : 0;
+    c->energy_note[0] = 0;
+    for (int k = 0; k < n; k++) {
+        run_session *s = &c->s[k];
+        if (!(s->end >= s->launch)) s->end = s->launch;
+        double wall = s->end - s->launch;
+        c->wall_s += wall;
+        c->machine_s += s->machines * wall;
+        c->core_s += (double)s->world * s->threads * wall;
+        if (isfinite(s->cpu_s)) c->cpu_est_s += s->cpu_s * s->world;
+        else c->cpu_unknown++;
+        if (isfinite(s->energy_j)) {
+            c->energy_j += s->energy_j;
+            c->energy_est_j += s->energy_j * s->machines;
+            c->energy_n++;
+        } else {
+            c->energy_unknown++;
+        }
+        if (k == 0) continue;
+        const run_session *p = &c->s[k - 1];
+        s->downtime_s = fmax(0, s->launch - p->end);
+        s->redone_steps = p->end_step > s->start_step ? p->end_step - s->start_step : 0;
+        c->downtime_s += s->downtime_s;
+        c->downtime_machine_s += s->machines * s->downtime_s;
+        c->startup_s += s->startup_s;
+        c->load_s += s->load_s;
+        c->redone_steps += s->redone_steps;
+    }
+    /* the reason RAPL was not read, from the exits that said one */
+    for (int i = 0; i < r->n_events; i++)
+        if (r->events[i].kind == RUN_EV_EXIT && r->events[i].energy_note[0])
+            snprintf(c->energy_note, sizeof c->energy_note, "%s", r->events[i].energy_note);
+    c->redone_s = c->redone_steps * (isfinite(c->step_time_mean) ? c->step_time_mean : 0);
+    c->lost_s = c->downtime_s + c->startup_s + c->redone_s;
+}
+
+void run_summary_free(run_summary *c) {
+    free(c->s);
+    memset(c, 0, sizeof *c);
+}

@@ -96,4 +96,55 @@ const char *run_setting_get(const run_data *r, const char *key);
 /* The last point's step (0 when none). */
 int run_last_step(const run_data *r);
 
+/* One launch of the process: from its start event to its exit event or,
+ * when it was killed, its last sign of life. */
+typedef struct {
+    double launch, end;   /* Unix seconds */
+    int killed;           /* no exit event: end is the last sign of life */
+    char reason[16];      /* the exit's reason, or "killed" */
+    int world, machines, threads;
+    int start_step, end_step; /* the step it began from and the furthest it reached */
+    double cpu_s, energy_j;   /* its exit's (NaN when unknown) */
+    /* a restart (every session but the first) */
+    double downtime_s;    /* launch - the previous session's end */
+    double startup_s, load_s; /* launch to the loop, of which loading the checkpoint */
+    int redone_steps;     /* previous end_step - start_step (steps done again) */
+} run_session;
+
+typedef struct {
+    int n_sessions;
+    run_session *s;
+    double tps_mean;      /* mean tokens/s per rank (metrics "tps") of the logged steps after step 1 (NaN: none) */
+    double job_tps_mean;  /* the whole job's: global tokens per step / step_time_s, likewise */
+    double step_time_mean; /* mean step_time_s, likewise */
+    int restarts;         /* n_sessions - 1 */
+    double downtime_s, startup_s, load_s, redone_s, lost_s; /* restart totals; lost = the three */
+    int redone_steps;
+    double wall_s;        /* sum of the sessions' launch..end (what a machine was held) */
+    double machine_s;     /* sum of machines x session wall */
+    double downtime_machine_s; /* sum of the next session's machines x downtime */
+    double core_s;        /* sum of ranks x threads x session wall (CPU time allocated) */
+    double cpu_est_s;     /* sum of rank 0's cpu_s x world over the sessions with an exit */
+    int cpu_unknown;      /* sessions without an exit (no cpu_s) */
+    double energy_j;      /* sum of energy_j (rank 0's machine) */
+    int energy_n;         /* exits that had energy_j */
+    int energy_unknown;   /* sessions without energy_j */
+    char energy_note[160]; /* the last energy_unavailable reason */
+    double energy_est_j;  /* sum of each session's energy_j x machines */
+} run_summary;
+
+/* The accounting of r, the one `ctitan report` and `ctitan compare` both
+ * print (docs/compare.md, "Sessions and restarts" and "Cost"); free with
+ * run_summary_free. */
+void run_summarise(const run_data *r, run_summary *out);
+void run_summary_free(run_summary *s);
+
+/* With run_mean_after_first: the job's tokens/s of a logged step, global
+ * batch tokens (tokens_seen / step) over step_time_s. */
+#define RUN_JOB_TPS RUN_N_FIELDS
+/* Mean of field f (a run_field or RUN_JOB_TPS) over the logged steps after
+ * step 1 (its time includes the warm-up: first touch of the buffers, kernel
+ * choice), or over all when the run logged step 1 alone; NaN when none. */
+double run_mean_after_first(const run_data *r, int f);
+
 #endif

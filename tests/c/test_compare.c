@@ -52,8 +52,8 @@ static void test_sessions(void) {
     run_data r;
     ct_err e = {0};
     CHECK(run_load(&r, dir, &e) == 0, "load: %s", e.msg);
-    cmp_run c;
-    cmp_run_analyse(&r, &c);
+    run_summary c;
+    run_summarise(&r, &c);
     CHECK(c.n_sessions == 2 && c.restarts == 1, "sessions %d", c.n_sessions);
     if (c.n_sessions == 2) {
         CHECK(c.s[0].killed && NEAR(c.s[0].end, 1006) && c.s[0].end_step == 4, "killed: end %f step %d", c.s[0].end,
@@ -94,12 +94,12 @@ static void test_sessions(void) {
           "loss: n %d step %d max %f mean %f", l.n, l.max_step, l.max_rel, l.mean_rel);
     CHECK(l.n_only_a == 0 && l.n_only_b == 1 && l.only_b[0] == 7, "only");
     CHECK(cmp_rel_diff(0, 0) == 0 && NEAR(cmp_rel_diff(-1, 1), 2), "rel diff");
-    cmp_run cb;
-    cmp_run_analyse(&rb, &cb);
+    run_summary cb;
+    run_summarise(&rb, &cb);
     CHECK(cb.n_sessions == 0 && cb.restarts == 0 && cb.wall_s == 0, "no events: no sessions");
     cmp_loss_free(&l);
-    cmp_run_free(&cb);
-    cmp_run_free(&c);
+    run_summary_free(&cb);
+    run_summary_free(&c);
     run_free(&rb);
     run_free(&r);
 }

@@ -2,8 +2,10 @@
 here from the raw files (metrics.jsonl, events.jsonl, and the raw metrics.jsonl saved
 before a resume cut it back), never from ctitan's own output; the JSON report is checked
 against them and the text report for the same verdicts."""
+import html
 import json
 import math
+import re
 import shutil
 import subprocess
 import time
@@ -215,13 +217,21 @@ def test_stop_and_resume_restarts_and_cost(runs):
     assert "cost at 3.5 per machine-hour" in text
 
 
-def test_killed_then_resumed(runs, tmp_path):
-    args, out, raw, _ = killed_run(tmp_path)
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A run SIGKILLed after 8 metrics lines, resumed 0.2 s later to 2 steps past the kill:
+    (its dump folder, the raw metrics lines the resume cut back)."""
+    args, out, raw, _ = killed_run(tmp_path_factory.mktemp("killed"))
     time.sleep(0.2)
     q = subprocess.run(args + [f"--training.steps={max(m['step'] for m in raw) + 2}"], cwd=ROOT, env=CHILD_ENV,
                        capture_output=True, text=True, timeout=300)
     crashed(q.returncode, q.stderr, args)
     assert q.returncode == 0, q.stderr[-2000:]
+    return out, raw
+
+
+def test_killed_then_resumed(killed):
+    out, raw = killed
     pj, j = report(out, out, "--no-restore")
     assert pj.returncode == 0, pj.stderr
     s, down, redone = check_restarts(j["a"], out, raw)
@@ -233,6 +243,58 @@ def test_killed_then_resumed(runs, tmp_path):
     assert f"redone {redone[0]} step(s)" in text and "was killed" in text, text
     # the killed session has no exit: CPU time unknown for it
     assert j["a"]["cpu_unknown_sessions"] == 1
+
+
+def report_figures(page):
+    """The rows of `ctitan report`'s final-figures table: {label: first cell's text}."""
+    table = page[page.index('<table class="figures">'):]
+    table = table[:table.index("</table>")]
+    rows = re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td>", table)
+    return {html.unescape(k): html.unescape(v) for k, v in rows}
+
+
+def figure(rows, prefix):
+    hit = [v for k, v in rows.items() if k.startswith(prefix)]
+    assert len(hit) == 1, (prefix, rows)
+    m = re.match(r"-?[0-9.]+", hit[0])
+    return float(m.group()) if m else None  # "–": no figure
+
+
+def test_report_and_compare_agree(killed, tmp_path):
+    """One accounting of a run: `ctitan report`'s final figures and `ctitan compare`'s of a
+    killed-then-resumed run are the same numbers, and both are the ones computed here from
+    events.jsonl and metrics.jsonl (the killed session counted from its start to its last
+    sign of life, the means after step 1)."""
+    out, raw = killed
+    s = sessions(out, raw)
+    wall = sum(x["end"] - x["launch"] for x in s)
+    cpu = sum(x["exit"]["cpu_s"] * x["world"] for x in s if x["exit"])
+    energy = [x["exit"]["energy_j"] for x in s if x["exit"] and x["exit"].get("energy_j") is not None]
+    rows = [m for m in read_jsonl(out / "metrics.jsonl") if "tps" in m and m["step"] > 1]
+    tps = sum(m["tps"] for m in rows) / len(rows)
+    job = sum(m["tokens_seen"] / m["step"] / m["step_time_s"] for m in rows) / len(rows)
+    p, j = report(out, out, "--no-restore")
+    assert p.returncode == 0, p.stderr
+    a = j["a"]
+    assert math.isclose(a["wall_s"], wall, abs_tol=1e-6), (a["wall_s"], wall)
+    assert math.isclose(a["cpu_hours_est"] * 3600, cpu, rel_tol=1e-9), (a["cpu_hours_est"], cpu)
+    assert math.isclose(a["tps_mean"], tps, rel_tol=1e-9), (a["tps_mean"], tps)
+    assert a["restarts"] == len(s) - 1 == 1
+    assert (a["energy_j"] is None) == (not energy) and (not energy or math.isclose(a["energy_j"], sum(energy)))
+    page = tmp_path / "r.html"
+    q = subprocess.run([str(BIN), "report", str(out), "-o", str(page)], cwd=ROOT, env=CHILD_ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0, q.stderr
+    f = report_figures(page.read_text())
+    # the page prints 1 decimal (3 for kJ): equal to that
+    assert abs(figure(f, "wall time") - wall) <= 0.05 + 1e-9, (f, wall)
+    assert abs(figure(f, "CPU time") - cpu) <= 0.05 + 1e-9, (f, cpu)
+    assert abs(figure(f, "mean tokens/s per rank") - tps) <= 0.05 + 1e-9, (f, tps)
+    assert abs(figure(f, "mean tokens/s of the job") - job) <= 0.05 + 1e-9, (f, job)
+    e = figure(f, "energy")
+    assert (e is None) == (not energy) and (not energy or abs(e - sum(energy) / 1000) <= 5e-4 + 1e-9), (f, energy)
+    launches = [v for k, v in f.items() if k.startswith(("launches", "starts"))]
+    assert launches == [f"{len(s)} ({len(s) - 1})"], f
 
 
 def test_energy(runs, tmp_path):
