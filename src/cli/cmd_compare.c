@@ -27,8 +27,11 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <poll.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "checkpoint/ckpt.h"
@@ -42,10 +45,16 @@
 
 #define CMP_EXIT_DIFFER 4
 #define CMP_RESTORE_TOL 1e-5 /* float sums in another order (test_dist.py's bound) */
+/* A probe loads one checkpoint and scores 8 sequences: seconds for the
+ * tiny models, minutes for a big one on a slow disk. Past this, something
+ * hangs (a rank stuck in a collective, a filesystem that does not answer)
+ * and compare would otherwise wait forever. */
+#define CMP_PROBE_TIMEOUT_S 600.0
+#define CMP_PROBE_GRACE_S 2.0 /* SIGTERM (mpirun takes its ranks down) before SIGKILL */
 
 void cli_compare_help(void) {
     printf("usage: ctitan compare RUN_A RUN_B [--tolerance X] [--restore-tolerance X] [--price-per-hour P]\n"
-           "                      [--bill-downtime] [--no-restore] [--steps] [--json]\n\n"
+           "                      [--bill-downtime] [--no-restore] [--probe-timeout S] [--steps] [--json]\n\n"
            "Compares two runs (their job.dump_folder) of one recipe under different layouts, machines or\n"
            "kernels:\n"
            "  loss curves   per step both runs logged, r = |a - b| / max(|a|, |b|, 1e-12); the max (and its\n"
@@ -54,6 +63,8 @@ void cli_compare_help(void) {
            "                this binary) and in its own, and scores one fixed batch without updating; it\n"
            "                restores when both load and the two losses r-agree within --restore-tolerance\n"
            "                (default %g: float sums in another order). --no-restore skips it (four probes).\n"
+           "                --probe-timeout S kills a probe still running after S seconds (default %g, 0:\n"
+           "                no limit) and exits 1 naming it.\n"
            "  tokens/s      mean of the logged tps after step 1 (warm-up), and B / A.\n"
            "  restarts      from events.jsonl: per restart the downtime (launch - previous exit or last sign\n"
            "                of life), start-up and checkpoint load, redone steps x mean step time.\n"
@@ -64,8 +75,8 @@ void cli_compare_help(void) {
            "--json prints the same as one JSON object.\n"
            "Exit status: 0 the runs agree, 4 they differ (max r above --tolerance, or a checkpoint that\n"
            "does not restore), 1 a run directory or its metrics.jsonl missing, 2 bad flags, 3 a malformed\n"
-           "file.\n",
-           CMP_RESTORE_TOL);
+           "file, or 1 when a probe timed out.\n",
+           CMP_RESTORE_TOL, CMP_PROBE_TIMEOUT_S);
 }
 
 /* ---- the probe (one layout, one checkpoint): `ctitan compare --probe
@@ -181,7 +192,55 @@ static int final_checkpoint(const run_data *r, const char *folder) {
 typedef struct {
     char self[PATH_MAX], tmp[64];
     long sequences;
+    double timeout_s; /* per probe; 0: none */
 } probe_env;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Reads the probe's stdout (fd) to its end into out[cap] (the last cap - 1
+ * bytes when longer; the loss is the last line), waiting until `deadline`
+ * (now_s; INFINITY: none). 0 at the end of the output, 1 past the deadline. */
+static int read_until(int fd, double deadline, char *out, size_t cap) {
+    size_t len = 0;
+    out[0] = 0;
+    for (;;) {
+        double left = deadline - now_s();
+        if (left <= 0) return 1;
+        struct pollfd pf = {.fd = fd, .events = POLLIN};
+        int r = poll(&pf, 1, isfinite(left) ? (int)fmin(left * 1000 + 1, 60000) : -1);
+        if (r < 0 && errno == EINTR) continue;
+        if (r == 0) continue;
+        if (r < 0) return 0;
+        if (len + 1 >= cap) { /* keep the newer half */
+            memmove(out, out + len / 2, len - len / 2);
+            len -= len / 2;
+        }
+        ssize_t n = read(fd, out + len, cap - 1 - len);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return 0;
+        len += (size_t)n;
+        out[len] = 0;
+    }
+}
+
+/* Stops a probe that ran past its time: SIGTERM first, on which mpirun
+ * takes its ranks down with it (SIGKILL to mpirun would leave them
+ * running), SIGKILL after the grace. Reaps it. */
+static void stop_probe(pid_t pid, int *status) {
+    kill(pid, SIGTERM);
+    double until = now_s() + CMP_PROBE_GRACE_S;
+    while (now_s() < until) {
+        if (waitpid(pid, status, WNOHANG) == pid) return;
+        nanosleep(&(struct timespec){0, 20 * 1000 * 1000}, NULL);
+    }
+    kill(pid, SIGKILL);
+    while (waitpid(pid, status, 0) < 0 && errno == EINTR) {
+    }
+}
 
 /* The last line of stderr that says "error", else the last line. */
 static void last_error(const char *path, char *why, size_t cap) {
@@ -198,9 +257,10 @@ static void last_error(const char *path, char *why, size_t cap) {
 }
 
 /* Run X's checkpoint `step` in layout L (whose world is `world`): its loss, or
- * NaN with why[] saying what went wrong. */
+ * NaN with why[] saying what went wrong; *timed_out set when it ran past
+ * pe->timeout_s and was killed. */
 static double probe_launch(const probe_env *pe, const run_data *x, const char *xfolder, int step, const run_data *l,
-                           int world, char *why, size_t cap) {
+                           int world, char *why, size_t cap, int *timed_out) {
     char **argv = ct_calloc((size_t)l->n_config + 32, sizeof *argv);
     int n = 0;
     char np[16], seq[48], cfgf[4200], folder[5300], load[48], dump[128], steps[48], err_path[128];
@@ -237,6 +297,7 @@ static double probe_launch(const probe_env *pe, const run_data *x, const char *x
 
     double loss = NAN;
     int fd[2];
+    *timed_out = 0;
     if (pipe(fd)) {
         snprintf(why, cap, "pipe: %s", strerror(errno));
         goto done;
@@ -259,14 +320,19 @@ static double probe_launch(const probe_env *pe, const run_data *x, const char *x
         snprintf(why, cap, "fork: %s", strerror(errno));
         goto done;
     }
-    FILE *out = fdopen(fd[0], "r");
-    char line[256];
-    while (out && fgets(line, sizeof line, out)) {
-        double v;
-        if (sscanf(line, "ctitan-probe loss=%lf", &v) == 1) loss = v;
-    }
-    if (out) fclose(out);
+    char text[4096];
     int status = 0;
+    *timed_out = read_until(fd[0], pe->timeout_s > 0 ? now_s() + pe->timeout_s : INFINITY, text, sizeof text);
+    close(fd[0]);
+    if (*timed_out) {
+        stop_probe(pid, &status);
+        snprintf(why, cap, "timed out after %g s (--probe-timeout)", pe->timeout_s);
+        goto done;
+    }
+    for (const char *p = text; p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
+        double v;
+        if (sscanf(p, "ctitan-probe loss=%lf", &v) == 1) loss = v;
+    }
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || !isfinite(loss)) {
@@ -287,8 +353,10 @@ done:
 
 static long gcd(long a, long b) { return b ? gcd(b, a % b) : a; }
 
-/* The restore check of X's final checkpoint in Y's layout (and X's own). */
-static void restore_check(const probe_env *pe, const run_data *x, const run_data *y, double tol, cmp_restore *r) {
+/* The restore check of X's final checkpoint in Y's layout (and X's own).
+ * 1 when a probe timed out (r->why says which), else 0. */
+static int restore_check(const probe_env *pe, const char *xn, const char *yn, const run_data *x, const run_data *y,
+                         double tol, cmp_restore *r) {
     memset(r, 0, sizeof *r);
     r->own_loss = r->other_loss = r->rel = NAN;
     r->own_world = run_world(x);
@@ -302,17 +370,28 @@ static void restore_check(const probe_env *pe, const run_data *x, const run_data
     else snprintf(folder, sizeof folder, "%s/%s", x->dir, cv);
     if (!x->n_config) {
         snprintf(r->why, sizeof r->why, "no config.toml in %.400s", x->dir);
-        return;
+        return 0;
     }
     r->step = final_checkpoint(x, folder);
     if (r->step < 0) {
         snprintf(r->why, sizeof r->why, "no checkpoint in %.400s", folder);
-        return;
+        return 0;
     }
     r->checked = 1;
     char why_own[512] = "", why_other[512] = "";
-    r->own_loss = probe_launch(pe, x, folder, r->step, x, r->own_world, why_own, sizeof why_own);
-    r->other_loss = probe_launch(pe, x, folder, r->step, y, r->other_world, why_other, sizeof why_other);
+    int late = 0;
+    r->own_loss = probe_launch(pe, x, folder, r->step, x, r->own_world, why_own, sizeof why_own, &late);
+    if (late) { /* the next would likely hang the same way: stop here */
+        snprintf(r->why, sizeof r->why, "the probe of %s's step-%d in %s's own layout (%d rank%s) %s", xn, r->step, xn,
+                 r->own_world, r->own_world == 1 ? "" : "s", why_own);
+        return 1;
+    }
+    r->other_loss = probe_launch(pe, x, folder, r->step, y, r->other_world, why_other, sizeof why_other, &late);
+    if (late) {
+        snprintf(r->why, sizeof r->why, "the probe of %s's step-%d in %s's layout (%d rank%s) %s", xn, r->step, yn,
+                 r->other_world, r->other_world == 1 ? "" : "s", why_other);
+        return 1;
+    }
     if (!isfinite(r->other_loss)) {
         snprintf(r->why, sizeof r->why, "fails to load in the other layout: %.440s", why_other);
     } else if (!isfinite(r->own_loss)) {
@@ -322,6 +401,7 @@ static void restore_check(const probe_env *pe, const run_data *x, const run_data
         r->ok = r->rel <= tol;
         if (!r->ok) snprintf(r->why, sizeof r->why, "loss differs by %.3g > tolerance %.3g", r->rel, tol);
     }
+    return 0;
 }
 
 static int parse_num(const char *flag, const char *v, double *out) {
@@ -341,6 +421,7 @@ int cli_compare(int argc, char **argv) {
     cmp_opts o = {.tolerance = -1, .restore_tol = CMP_RESTORE_TOL, .price = -1};
     const char *dirs[2] = {0};
     int n_dirs = 0, json = 0, restore = 1;
+    double probe_timeout = CMP_PROBE_TIMEOUT_S;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *eq = strchr(a, '=');
         size_t k = eq ? (size_t)(eq - a) : strlen(a);
@@ -357,6 +438,9 @@ int cli_compare(int argc, char **argv) {
             takes = 1;
         } else if (!strncmp(a, "--price-per-hour", k) && k == 16) {
             if (parse_num("--price-per-hour", v, &o.price)) return 2;
+            takes = 1;
+        } else if (!strncmp(a, "--probe-timeout", k) && k == 15) {
+            if (parse_num("--probe-timeout", v, &probe_timeout)) return 2;
             takes = 1;
         } else if (!strcmp(a, "--bill-downtime")) {
             o.bill_downtime = 1;
@@ -414,6 +498,7 @@ int cli_compare(int argc, char **argv) {
             rc = CT_ERR_IO;
         } else {
             pe.self[m] = 0;
+            pe.timeout_s = probe_timeout;
             /* a batch every data-parallel degree of either layout splits evenly */
             long wa = run_world(&ra), wb = run_world(&rb), lcm = wa / gcd(wa, wb) * wb;
             pe.sequences = lcm * ((8 + lcm - 1) / lcm);
@@ -421,8 +506,14 @@ int cli_compare(int argc, char **argv) {
             /* the probes must find the checkpoint wherever they run: absolute paths */
             if (realpath(dirs[0], abs_a)) snprintf(ra.dir, sizeof ra.dir, "%s", abs_a);
             if (realpath(dirs[1], abs_b)) snprintf(rb.dir, sizeof rb.dir, "%s", abs_b);
-            restore_check(&pe, &ra, &rb, o.restore_tol, &rs[0]);
-            restore_check(&pe, &rb, &ra, o.restore_tol, &rs[1]);
+            const cmp_restore *late = restore_check(&pe, "A", "B", &ra, &rb, o.restore_tol, &rs[0])   ? &rs[0]
+                                      : restore_check(&pe, "B", "A", &rb, &ra, o.restore_tol, &rs[1]) ? &rs[1]
+                                                                                                       : NULL;
+            if (late) {
+                fprintf(stderr, "ctitan: error: compare: %s; the restore check is incomplete (a larger "
+                                "--probe-timeout, or --no-restore)\n", late->why);
+                rc = CT_ERR_IO;
+            }
             ct_rm_tree(pe.tmp, NULL);
         }
     }

@@ -152,6 +152,21 @@ def test_restore_failure_is_reported(runs, tmp_path):
     assert x["checked"] and not x["ok"] and "tensor_parallel_degree" in x["why"], x
 
 
+def test_probe_timeout(runs):
+    """A probe still running after --probe-timeout is killed; compare names it and exits 1
+    (trouble, not a finding: the check could not be made), before starting the next."""
+    a, b = runs["one"], runs["fsdp"]
+    t = time.time()
+    p = compare(a, b, "--probe-timeout", "0.001", "--json")
+    assert p.returncode == 1 and not p.stdout, (p.returncode, p.stdout, p.stderr)
+    final = max(int(x.name[5:]) for x in (a / "checkpoint").iterdir())
+    assert (f"the probe of A's step-{final} in A's own layout (1 rank) timed out after 0.001 s (--probe-timeout)"
+            in p.stderr), p.stderr
+    assert time.time() - t < 10  # one probe, stopped at once, not four
+    p = compare(a, b, "--probe-timeout", "-1")
+    assert p.returncode == 2 and "--probe-timeout needs a number" in p.stderr, p.stderr
+
+
 def sessions(run, raw_before=None):
     """(launch, end, start step, end step, machines, world, threads, startup, load) per launch,
     from events.jsonl, and for a killed one from the raw metrics saved before its resume."""
