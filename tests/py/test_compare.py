@@ -84,8 +84,10 @@ def report(*args):
     return p, json.loads(p.stdout) if p.stdout.strip() else None
 
 
-def test_layouts_agree_and_restore_both_ways(runs):
-    a, b = runs["one"], runs["fsdp"]
+def check_layouts_agree(a, b, worlds):
+    """compare of runs a and b (of worlds[0] and worlds[1] ranks): the loss curves' figures
+    are those computed here and within TOL, each final checkpoint restores in the other's
+    layout. Returns the JSON report."""
     p, j = report(a, b, "--tolerance", TOL)
     assert p.returncode == 0, p.stdout + p.stderr
     la, lb = losses(a), losses(b)
@@ -100,10 +102,16 @@ def test_layouts_agree_and_restore_both_ways(runs):
     assert L["max_rel"] <= TOL and L["within_tolerance"]
     ra, rb = j["restore"]
     final = max(int(x.name[5:]) for x in (a / "checkpoint").iterdir())
-    for x, own, other in ((ra, 1, 2), (rb, 2, 1)):
+    for x, own, other in ((ra, *worlds), (rb, *worlds[::-1])):
         assert x["checked"] and x["ok"], x
         assert x["step"] == final and x["own_world"] == own and x["other_world"] == other, x
         assert x["rel"] <= j["restore_tolerance"] == 1e-5 and math.isfinite(x["own_loss"]), x
+    return j
+
+
+def test_layouts_agree_and_restore_both_ways(runs):
+    a, b = runs["one"], runs["fsdp"]
+    j = check_layouts_agree(a, b, (1, 2))
     # the text says the same
     p = compare(a, b, "--tolerance", TOL)
     assert p.returncode == 0
@@ -116,6 +124,16 @@ def test_layouts_agree_and_restore_both_ways(runs):
         job = [4 * 16 / m["step_time_s"] for m in rows]  # global batch 4 x seq_len 16
         assert math.isclose(j[key]["job_tps_mean"], sum(job) / len(job), rel_tol=1e-6), (j[key], job)
     assert "tokens/s of the job B / A" in p.stdout
+
+
+def test_tensor_parallel_layout(runs):
+    """The recipe on 2 tensor-parallel ranks (each holds half of every layer's heads and MLP
+    columns, a layout that slices tensors rather than whole ones) against one process."""
+    tp = runs["d"] / "tp"
+    train(base_args(runs["d"], tp, "--parallelism.tensor_parallel_degree=2"), ranks=2)
+    j = check_layouts_agree(runs["one"], tp, (1, 2))
+    assert "tensor_parallel_degree = 2" in (tp / "config.toml").read_text()
+    assert j["restore"][1]["why"] == ""
 
 
 def test_perturbed_recipe_exceeds_tolerance(runs):
