@@ -8,6 +8,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 static int check_pass_, check_fail_;
 
@@ -30,5 +31,20 @@ static int check_pass_, check_fail_;
 #define CHECK_DONE()                                                          \
     (printf("%s: %d checks passed, %d failed\n", __FILE__, check_pass_, check_fail_), \
      check_fail_ ? 1 : (check_pass_ ? 0 : 1))
+
+/* Writes text to dir/name (to name alone when dir is NULL): the hand-made
+ * input files of a test. A test cannot go on without its input, so a
+ * failure aborts. */
+static inline void check_put(const char *dir, const char *name, const char *text) {
+    char path[4400];
+    snprintf(path, sizeof path, "%s%s%s", dir ? dir : "", dir ? "/" : "", name);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        perror(path);
+        abort();
+    }
+    fputs(text, f);
+    fclose(f);
+}
 
 #endif

@@ -17,15 +17,6 @@
 
 static char tmp[] = "/tmp/ct_test_compare_XXXXXX";
 
-static void put(const char *name, const char *text) {
-    char path[512];
-    snprintf(path, sizeof path, "%s/%s", tmp, name);
-    FILE *f = fopen(path, "w");
-    if (!f) abort();
-    fputs(text, f);
-    fclose(f);
-}
-
 #define NEAR(a, b) (fabs((a) - (b)) < 1e-9)
 
 static void test_sessions(void) {
@@ -34,14 +25,14 @@ static void test_sessions(void) {
     ct_mkdirs(dir, NULL);
     /* session 1 (launch 1000) logs steps 1-4, saves step 3, is killed; the
      * resume (launch 1018) cut step 4 from the file and kept its step/time */
-    put("a/metrics.jsonl",
+    check_put(tmp, "a/metrics.jsonl",
         "{\"step\": 1, \"loss\": 4.0, \"tps\": 10, \"step_time_s\": 3.0, \"tokens_seen\": 64, \"time\": 1003}\n"
         "{\"step\": 2, \"loss\": 3.0, \"tps\": 20, \"step_time_s\": 1.0, \"tokens_seen\": 128, \"time\": 1004}\n"
         "{\"step\": 3, \"loss\": 2.0, \"tps\": 20, \"step_time_s\": 1.0, \"tokens_seen\": 192, \"time\": 1005}\n"
         "{\"step\": 4, \"loss\": 2.0, \"tps\": 40, \"step_time_s\": 0.5, \"tokens_seen\": 256, \"time\": 1021}\n"
         "{\"step\": 5, \"loss\": 1.0, \"tps\": 40, \"step_time_s\": 0.5, \"tokens_seen\": 320, \"time\": 1022}\n"
         "{\"step\": 6, \"loss\": 1.0, \"tps\": 40, \"step_time_s\": 0.5, \"tokens_seen\": 384, \"time\": 1023}\n");
-    put("a/events.jsonl",
+    check_put(tmp, "a/events.jsonl",
         "{\"event\":\"start\",\"time\":1002,\"step\":0,\"launch_time\":1000,\"startup_s\":2,\"world\":4,"
         "\"machines\":2,\"threads\":3}\n"
         "{\"event\":\"checkpoint\",\"time\":1005.5,\"step\":3,\"kind\":\"full\",\"path\":\"x\"}\n"
@@ -82,7 +73,7 @@ static void test_sessions(void) {
     /* B: the same steps 1-6 but two losses off, and a step 7 A lacks; no events */
     snprintf(dir, sizeof dir, "%s/b", tmp);
     ct_mkdirs(dir, NULL);
-    put("b/metrics.jsonl", "{\"step\": 1, \"loss\": 4.0}\n{\"step\": 2, \"loss\": 3.3}\n{\"step\": 3, \"loss\": 2.0}\n"
+    check_put(tmp, "b/metrics.jsonl", "{\"step\": 1, \"loss\": 4.0}\n{\"step\": 2, \"loss\": 3.3}\n{\"step\": 3, \"loss\": 2.0}\n"
                            "{\"step\": 4, \"loss\": 1.5}\n{\"step\": 5, \"loss\": 1.0}\n{\"step\": 6, \"loss\": 1.0}\n"
                            "{\"step\": 7, \"loss\": 0.5}\n");
     run_data rb;

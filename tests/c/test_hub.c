@@ -222,11 +222,6 @@ static void test_sha(void) {
     CHECK(!strcmp(h, "ce013625030ba8dba906f756967f9e9ca394464a"), "%s", h);
 }
 
-static void write_file(const char *path, const char *text) {
-    FILE *f = fopen(path, "w");
-    if (f) fputs(text, f), fclose(f);
-}
-
 static void test_resolve_offline(const char *tmp) {
     clear_env();
     char cache[4096], p[4300], q[4300];
@@ -255,9 +250,9 @@ static void test_resolve_offline(const char *tmp) {
     snprintf(p, sizeof p, "%s/refs", root);
     ct_mkdirs(p, NULL);
     snprintf(p, sizeof p, "%s/refs/main", root);
-    write_file(p, commit);
+    check_put(NULL, p, commit);
     snprintf(p, sizeof p, "%s/blobs/aaaa", root);
-    write_file(p, "{}");
+    check_put(NULL, p, "{}");
     snprintf(p, sizeof p, "%s/snapshots/%s/config.json", root, commit);
     CHECK(symlink("../../blobs/aaaa", p) == 0, "symlink");
     CHECK(hub_resolve("org/tiny", NULL, HUB_CONFIG, &loc, &e) == 0, "%s", e.msg);

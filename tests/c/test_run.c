@@ -20,15 +20,6 @@
 
 static char tmp[] = "/tmp/ct_test_run_XXXXXX";
 
-static void put(const char *name, const char *text) {
-    char path[512];
-    snprintf(path, sizeof path, "%s/%s", tmp, name);
-    FILE *f = fopen(path, "w");
-    if (!f) abort();
-    fputs(text, f);
-    fclose(f);
-}
-
 static void test_events(void) {
     char path[512];
     snprintf(path, sizeof path, "%s/ev/events.jsonl", tmp);
@@ -79,16 +70,16 @@ static void test_rapl(void) {
     mk("powercap/intel-rapl:0/intel-rapl:0:0");
     mk("powercap/intel-rapl:1");
     mk("powercap/intel-rapl:0:0"); /* a subdomain linked at the top, as Linux does: not counted */
-    put("powercap/intel-rapl:0/energy_uj", "1500000\n");
-    put("powercap/intel-rapl:0/max_energy_range_uj", "10000000\n");
-    put("powercap/intel-rapl:1/max_energy_range_uj", "10000000\n");
-    put("powercap/intel-rapl:0:0/energy_uj", "999000000\n");
+    check_put(tmp, "powercap/intel-rapl:0/energy_uj", "1500000\n");
+    check_put(tmp, "powercap/intel-rapl:0/max_energy_range_uj", "10000000\n");
+    check_put(tmp, "powercap/intel-rapl:1/max_energy_range_uj", "10000000\n");
+    check_put(tmp, "powercap/intel-rapl:0:0/energy_uj", "999000000\n");
     CHECK(ev_energy_start(&s) == -1 && strstr(s.why, "intel-rapl:1"), "unreadable domain: %s", s.why);
-    put("powercap/intel-rapl:1/energy_uj", "2500000\n");
+    check_put(tmp, "powercap/intel-rapl:1/energy_uj", "2500000\n");
     CHECK(ev_energy_start(&s) == 0 && s.valid && s.n == 2, "start: %s", s.why);
     CHECK(fabs(ev_energy_since(&s)) < 1e-9, "nothing used yet: %g", ev_energy_since(&s));
-    put("powercap/intel-rapl:0/energy_uj", "500000\n"); /* wrapped: 1.5 -> 10 -> 0.5 is 9 J */
-    put("powercap/intel-rapl:1/energy_uj", "3500000\n");
+    check_put(tmp, "powercap/intel-rapl:0/energy_uj", "500000\n"); /* wrapped: 1.5 -> 10 -> 0.5 is 9 J */
+    check_put(tmp, "powercap/intel-rapl:1/energy_uj", "3500000\n");
     CHECK(fabs(ev_energy_since(&s) - 10.0) < 1e-9, "9 J + 1 J over a wrap: %g", ev_energy_since(&s));
     CHECK(fabs(ev_rapl_delta(5, 7, 20) - 2) < 1e-12 && fabs(ev_rapl_delta(19, 1, 20) - 2) < 1e-12, "delta");
     unsetenv("CTITAN_POWERCAP");
@@ -98,17 +89,17 @@ static void test_reader(void) {
     char dir[512];
     snprintf(dir, sizeof dir, "%s/run", tmp);
     ct_mkdirs(dir, NULL);
-    put("run/metrics.jsonl",
+    check_put(tmp, "run/metrics.jsonl",
         "{\"step\": 1, \"loss\": 11.5, \"grad_norm\": 2, \"lr\": 0.001, \"tps\": 100, \"time\": 1000.5}\n"
         "{\"step\": 2, \"loss\": 10.25, \"lr\": 0.002}\n"
         "{\"step\": 2, \"val_loss\": 10.5, \"val_perplexity\": 36315.5}\n"
         "{\"step\": 3, \"loss\": 9");
-    put("run/events.jsonl",
+    check_put(tmp, "run/events.jsonl",
         "{\"event\":\"start\",\"time\":999,\"step\":0,\"world\":4,\"machines\":2,\"threads\":8,\"cpu\":\"X\"}\n"
         "{\"event\":\"checkpoint\",\"time\":1001,\"step\":2,\"kind\":\"full\",\"save_s\":0.5,\"mib\":3}\n"
         "{\"event\":\"exit\",\"time\":1002,\"step\":2,\"reason\":\"stopped\",\"wall_s\":3,\"cpu_s\":5.5,"
         "\"energy_unavailable\":\"no RAPL\"}\n");
-    put("run/config.toml", "[job]\ndump_folder = \"x\"\n[training]\nsteps = 3\nlr = 0.5\nfreeze = [\"a\", \"b\"]\n");
+    check_put(tmp, "run/config.toml", "[job]\ndump_folder = \"x\"\n[training]\nsteps = 3\nlr = 0.5\nfreeze = [\"a\", \"b\"]\n");
     run_data r;
     ct_err e = {0};
     CHECK(run_load(&r, dir, &e) == 0, "load: %s", e.msg);
@@ -135,10 +126,10 @@ static void test_reader(void) {
     CHECK(run_setting_get(&r, "training.nope") == NULL, "absent setting");
     run_free(&r);
 
-    put("run/metrics.jsonl", "{\"step\": 1, \"loss\": 1}\n{\"step\": 2, \"loss\": }\n{\"step\": 3}\n");
+    check_put(tmp, "run/metrics.jsonl", "{\"step\": 1, \"loss\": 1}\n{\"step\": 2, \"loss\": }\n{\"step\": 3}\n");
     CHECK(run_load(&r, dir, &e) == CT_ERR_FORMAT && strstr(e.msg, "metrics.jsonl:2"), "bad line: %s", e.msg);
     run_free(&r);
-    put("run/metrics.jsonl", "{\"loss\": 1}\n");
+    check_put(tmp, "run/metrics.jsonl", "{\"loss\": 1}\n");
     CHECK(run_load(&r, dir, &e) == CT_ERR_FORMAT && strstr(e.msg, "metrics.jsonl:1") && strstr(e.msg, "step"),
           "no step: %s", e.msg);
     run_free(&r);
