@@ -176,6 +176,35 @@ def hf_session_args(hf_dir, *, load=True, batch=2, seq_len=16, seed=3, dump=None
     return a + list(extra)
 
 
+# a tiny run's checkpoints: every 4 steps, all kept, the last one full (a resume's input)
+TINY_CKPT = ["--checkpoint.enable", "--checkpoint.interval=4", "--checkpoint.keep_latest_k=0",
+             "--checkpoint.last_save_model_only=false"]
+
+
+def tiny_run(d, *flags, layers=1, steps=10, out=None, val=False):
+    """The seconds-long training run of the CLI tests (TensorBoard, events, profiler, report):
+    a config.json-only Qwen3 of vocab 128, hidden 32 and `layers` layers (initialised from
+    training.seed), a learnable token stream in d, log_freq 1, and `flags` added; with `val`,
+    validation every 3 steps on 2 batches of random tokens. The model and data are written
+    once per d, so several runs (`out`, default d/out) share them.
+    Returns (config, dump folder, the `train` arguments)."""
+    import oracle  # torch and transformers: only for the tests that ask
+    cfg = oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=layers, heads=4, kv_heads=2, head_dim=8)
+    model, data, out = d / "model", d / "d.bin", out or d / "out"
+    if not (model / "config.json").exists():
+        cfg.save_pretrained(model)
+        oracle.write_bin(data, oracle.learnable_stream(40 * 17 + 5, 128, seed=3))
+    args = ["train", "--model.spec=hf", f"--model.hf_assets_path={model}", f"--training.dataset_path={data}",
+            "--training.seq_len=16", "--training.local_batch_size=2", f"--training.steps={steps}",
+            "--training.seed=5", "--metrics.log_freq=1", "--metrics.peak_tflops=1", f"--job.dump_folder={out}"]
+    if val:
+        v = d / "v.bin"
+        if not v.exists():
+            oracle.write_bin(v, oracle.random_tokens(8 * 17, 128, seed=4))
+        args += ["--validation.enable", "--validation.freq=3", "--validation.steps=2", f"--validation.dataset_path={v}"]
+    return cfg, out, args + list(flags)
+
+
 @pytest.fixture(scope="session")
 def root() -> Path:
     return ROOT

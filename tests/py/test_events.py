@@ -12,7 +12,7 @@ import time
 import pytest
 
 import oracle
-from conftest import BIN, CHILD_ENV, ROOT, crashed
+from conftest import BIN, CHILD_ENV, ROOT, TINY_CKPT, crashed, tiny_run
 from test_dist import ENV as MPI_ENV, mpirun
 
 STEPS = 10
@@ -20,16 +20,7 @@ STEPS = 10
 
 @pytest.fixture
 def setup(tmp_path):
-    cfg = oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=1, heads=4, kv_heads=2, head_dim=8)
-    model = tmp_path / "model"
-    cfg.save_pretrained(model)
-    data = oracle.write_bin(tmp_path / "d.bin", oracle.learnable_stream(40 * 17 + 5, 128, seed=3))
-    out = tmp_path / "out"
-    args = ["train", "--model.spec=hf", f"--model.hf_assets_path={model}", f"--training.dataset_path={data}",
-            "--training.seq_len=16", "--training.local_batch_size=2", f"--training.steps={STEPS}",
-            "--training.seed=5", "--metrics.log_freq=1", "--metrics.peak_tflops=1", f"--job.dump_folder={out}",
-            "--checkpoint.enable", "--checkpoint.interval=4", "--checkpoint.keep_latest_k=0",
-            "--checkpoint.last_save_model_only=false"]
+    _, out, args = tiny_run(tmp_path, *TINY_CKPT, steps=STEPS)
     return out, args
 
 

@@ -20,8 +20,7 @@ from decimal import Decimal
 import jsonschema
 import pytest
 
-import oracle
-from conftest import BIN, crashed
+from conftest import BIN, crashed, tiny_run
 
 LAYERS = 2
 STEPS = 6
@@ -73,16 +72,8 @@ MODEL_OPS = {"embedding_fwd", "embedding_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "ma
 
 @pytest.fixture
 def setup(tmp_path):
-    cfg = oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=LAYERS, heads=4, kv_heads=2, head_dim=8)
-    model = tmp_path / "model"
-    cfg.save_pretrained(model)
-    data = oracle.write_bin(tmp_path / "d.bin", oracle.learnable_stream(40 * 17 + 5, 128, seed=3))
-    out = tmp_path / "out"
-    args = ["train", "--model.spec=hf", f"--model.hf_assets_path={model}", f"--training.dataset_path={data}",
-            "--training.seq_len=16", "--training.local_batch_size=2", f"--training.steps={STEPS}",
-            "--training.seed=5", "--metrics.log_freq=1", "--metrics.peak_tflops=1", f"--job.dump_folder={out}",
-            "--profiling.enable_profiling", f"--profiling.profile_freq={FREQ}"]
-    return cfg, out, args
+    return tiny_run(tmp_path, "--profiling.enable_profiling", f"--profiling.profile_freq={FREQ}", layers=LAYERS,
+                    steps=STEPS)
 
 
 def load(path):

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 import oracle
-from conftest import BIN, CHILD_ENV, crashed
+from conftest import BIN, CHILD_ENV, crashed, tiny_run
 
 STEPS = 10
 RUN_COLORS = [(0x00, 0x72, 0xB2), (0xD5, 0x5E, 0x00)]  # report_run_color(0), (1): src/report/chart.c
@@ -36,19 +36,10 @@ def runs(tmp_path_factory):
     """Two runs of one recipe: `a` stopped at step 6 (training.stop_at_step) and resumed to
     10, `b` straight through with another learning rate."""
     tmp = tmp_path_factory.mktemp("report")
-    cfg = oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=1, heads=4, kv_heads=2, head_dim=8)
-    model = tmp / "model"
-    cfg.save_pretrained(model)
-    data = oracle.write_bin(tmp / "d.bin", oracle.learnable_stream(40 * 17 + 5, 128, seed=3))
-    val = oracle.write_bin(tmp / "v.bin", oracle.random_tokens(8 * 17, 128, seed=4))
 
     def args(out, lr):
-        return ["train", "--model.spec=hf", f"--model.hf_assets_path={model}", f"--training.dataset_path={data}",
-                "--training.seq_len=16", "--training.local_batch_size=2", f"--training.steps={STEPS}",
-                "--training.seed=5", "--metrics.log_freq=1", "--metrics.peak_tflops=1", f"--job.dump_folder={out}",
-                "--validation.enable", "--validation.freq=3", "--validation.steps=2",
-                f"--validation.dataset_path={val}", "--checkpoint.enable", "--checkpoint.interval=4",
-                "--checkpoint.keep_latest_k=0", f"--optimizer.lr={lr}"]
+        return tiny_run(tmp, "--checkpoint.enable", "--checkpoint.interval=4", "--checkpoint.keep_latest_k=0",
+                        f"--optimizer.lr={lr}", steps=STEPS, out=out, val=True)[2]
 
     a, b = tmp / "a", tmp / "b"
     rc, _, err = ctitan(args(a, 2e-3) + ["--training.stop_at_step=6"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import oracle
-from conftest import BIN, crashed
+from conftest import BIN, TINY_CKPT, crashed, tiny_run
 
 from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.compat.tensorflow_stub import errors as tb_errors
@@ -24,18 +24,7 @@ VAL_TAGS = ["val_loss", "val_perplexity"]
 
 @pytest.fixture
 def setup(tmp_path):
-    cfg = oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=1, heads=4, kv_heads=2, head_dim=8)
-    model = tmp_path / "model"
-    cfg.save_pretrained(model)  # config.json only: ctitan initialises from training.seed
-    data = oracle.write_bin(tmp_path / "d.bin", oracle.learnable_stream(40 * 17 + 5, 128, seed=3))
-    val = oracle.write_bin(tmp_path / "v.bin", oracle.random_tokens(8 * 17, 128, seed=4))
-    out = tmp_path / "out"
-    args = ["train", "--model.spec=hf", f"--model.hf_assets_path={model}", f"--training.dataset_path={data}",
-            "--training.seq_len=16", "--training.local_batch_size=2", f"--training.steps={STEPS}",
-            "--training.seed=5", "--metrics.log_freq=1", "--metrics.peak_tflops=1", "--metrics.enable_tensorboard",
-            f"--job.dump_folder={out}", "--validation.enable", "--validation.freq=3", "--validation.steps=2",
-            f"--validation.dataset_path={val}", "--checkpoint.enable", "--checkpoint.interval=4",
-            "--checkpoint.keep_latest_k=0", "--checkpoint.last_save_model_only=false"]
+    _, out, args = tiny_run(tmp_path, "--metrics.enable_tensorboard", *TINY_CKPT, steps=STEPS, val=True)
     return out, args
 
 
