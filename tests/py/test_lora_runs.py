@@ -437,12 +437,13 @@ def bf16_fsdp(setup):
 
 @pytest.fixture(scope="module")
 def bf16_base(setup):
-    """The setup's model with its weights rounded to bf16 (a bf16 file, as published Qwen3
-    weights are): frozen_dtype bfloat16 then rounds nothing, and fp32 storage holds the same
-    values."""
+    """A model with bf16 weights (a bf16 file, as published Qwen3 weights are): frozen_dtype
+    bfloat16 then rounds nothing, and fp32 storage holds the same values. Hidden 31: the
+    embedding and lm_head (251 x 31) are bf16 pieces that 2 ranks do not divide evenly, so
+    their gathers go through staging, the head's as a prefetch."""
     d, model, data = setup
-    from transformers import Qwen3ForCausalLM
-    Qwen3ForCausalLM.from_pretrained(model).to(torch.bfloat16).save_pretrained(d / "model_bf16")
+    cfg = oracle.tiny_config(vocab=VOCAB, hidden=31, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8)
+    oracle.save_random_hf(d / "model_h31", cfg, seed=22).to(torch.bfloat16).save_pretrained(d / "model_bf16")
     return d / "model_bf16"
 
 
