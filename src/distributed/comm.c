@@ -25,6 +25,7 @@ static const char *dtype_name(comm_dtype t) {
     case COMM_F64: return "f64";
     case COMM_I32: return "i32";
     case COMM_I64: return "i64";
+    case COMM_BF16: return "bf16";
     }
     return "?";
 }
@@ -35,6 +36,7 @@ size_t comm_dtype_size(comm_dtype t) {
     case COMM_F64: return sizeof(double);
     case COMM_I32: return sizeof(int32_t);
     case COMM_I64: return sizeof(int64_t);
+    case COMM_BF16: return sizeof(uint16_t);
     }
     return 0;
 }
@@ -65,6 +67,7 @@ void comm_sum_into(void *dst, const void *src, size_t n, comm_dtype t) {
         for (size_t i = 0; i < n; i++) d[i] += s[i];
         break;
     }
+    case COMM_BF16: break; /* moved only, never summed */
     }
 }
 

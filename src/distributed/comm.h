@@ -29,7 +29,9 @@
 
 #include "core/err.h"
 
-typedef enum { COMM_F32, COMM_F64, COMM_I32, COMM_I64 } comm_dtype;
+/* COMM_BF16: 16-bit bfloat16 words, only moved (gathers, all-to-all), never summed:
+ * FSDP's bf16-stored frozen weights (distributed/fsdp.h). */
+typedef enum { COMM_F32, COMM_F64, COMM_I32, COMM_I64, COMM_BF16 } comm_dtype;
 typedef enum { COMM_SUM, COMM_MAX } comm_op;
 
 typedef struct ct_comm ct_comm;

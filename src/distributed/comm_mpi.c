@@ -66,6 +66,7 @@ static MPI_Datatype mtype(comm_dtype t) {
     case COMM_F64: return MPI_DOUBLE;
     case COMM_I32: return MPI_INT32_T;
     case COMM_I64: return MPI_INT64_T;
+    case COMM_BF16: return MPI_UINT16_T; /* moved, never reduced */
     }
     return MPI_BYTE;
 }

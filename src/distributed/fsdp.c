@@ -13,33 +13,78 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/dtype.h"
 #include "core/timer.h"
 
 static void release_range(float *base, size_t off, size_t n) { ct_drop_pages(base + off, n * sizeof(float)); }
 
-/* full[piece] = the piece gathered from every rank's slice in shard. */
+/* Piece i's fp32 floats between the flat buffer and their packed order in
+ * the shard: piece[n] is the flat buffer from p->off, packed[n32] the
+ * piece less its bf16-stored matrices. Without stored matrices the two
+ * are the same range. */
+static void pack(const fsdp *f, int i, float *packed, const float *piece) {
+    const fsdp_piece *p = &f->p[i];
+    if (!p->sn) {
+        memcpy(packed, piece, p->n * sizeof(float));
+        return;
+    }
+    size_t k = 0;
+    for (int t = p->t0; t < p->t1; t++) {
+        const lm_tensor *q = &f->m->tensors[t];
+        if (q->store != LM_NO_STORE) continue;
+        memcpy(packed + k, piece + (q->offset - p->off), q->numel * sizeof(float));
+        k += q->numel;
+    }
+}
+static void unpack(const fsdp *f, int i, float *piece, const float *packed) {
+    const fsdp_piece *p = &f->p[i];
+    if (!p->sn) {
+        memcpy(piece, packed, p->n * sizeof(float));
+        return;
+    }
+    size_t k = 0;
+    for (int t = p->t0; t < p->t1; t++) {
+        const lm_tensor *q = &f->m->tensors[t];
+        if (q->store != LM_NO_STORE) continue;
+        memcpy(piece + (q->offset - p->off), packed + k, q->numel * sizeof(float));
+        k += q->numel;
+    }
+}
+
+/* The fp32 all-gather lands in place when the piece is its own packed
+ * order and divides evenly; else in staging, unpacked after. */
+static int direct(const fsdp_piece *p) { return !p->sn && p->chunk * (size_t)p->comm->size == p->n; }
+static int sdirect(const fsdp_piece *p) { return p->schunk * (size_t)p->comm->size == p->sn; }
+
+/* full[piece] = the piece gathered from every rank's slice in shard, and
+ * its bf16-stored matrices into m->fstore from f->sparams. */
 static void gather_piece(fsdp *f, int i, float *full, const float *shard) {
     const fsdp_piece *p = &f->p[i];
     if (!p->n) return;
-    size_t N = (size_t)p->comm->size;
     double t0 = ct_now();
-    if (p->chunk * N == p->n) {
+    if (p->chunk && direct(p)) {
         comm_all_gather(p->comm, full + p->off, shard + p->shard_off, p->chunk, COMM_F32);
-    } else {
+    } else if (p->chunk) {
         comm_all_gather(p->comm, f->stage, shard + p->shard_off, p->chunk, COMM_F32);
-        memcpy(full + p->off, f->stage, p->n * sizeof(float));
+        unpack(f, i, full + p->off, f->stage);
+    }
+    if (p->sn) { /* in bf16: half the bytes of the fp32 gather */
+        uint16_t *to = sdirect(p) ? f->m->fstore + p->soff : f->sstage;
+        comm_all_gather(p->comm, to, f->sparams + p->sshard_off, p->schunk, COMM_BF16);
+        if (to != f->m->fstore + p->soff) memcpy(f->m->fstore + p->soff, to, p->sn * sizeof(uint16_t));
     }
     f->comm_s += ct_now() - t0;
 }
 
 /* The piece's gradient as reduce-scatter input: in place when it divides
- * evenly, else copied zero-padded into `stage`. */
+ * evenly, else packed (without the bf16-stored matrices, which have none)
+ * and zero-padded into `stage`. */
 static float *rs_input(fsdp *f, int i, float *stage) {
     const fsdp_piece *p = &f->p[i];
     float *in = f->m->grads + p->off;
-    if (p->chunk * (size_t)p->comm->size != p->n) {
-        memcpy(stage, in, p->n * sizeof(float));
-        memset(stage + p->n, 0, (p->chunk * (size_t)p->comm->size - p->n) * sizeof(float));
+    if (!direct(p)) {
+        pack(f, i, stage, in);
+        memset(stage + p->n32, 0, (p->chunk * (size_t)p->comm->size - p->n32) * sizeof(float));
         in = stage;
     }
     return in;
@@ -48,7 +93,7 @@ static float *rs_input(fsdp *f, int i, float *stage) {
 /* f->grads slice += the piece's gradient summed over ranks (rank order). */
 static void reduce_piece(fsdp *f, int i) {
     const fsdp_piece *p = &f->p[i];
-    if (!p->n) return;
+    if (!p->chunk) return; /* nothing but bf16-stored matrices: no gradient */
     float *in = rs_input(f, i, f->stage);
     /* in place (comm.h allows it): the sum lands on this rank's own block of the input */
     float *sum = in + (size_t)p->comm->rank * p->chunk;
@@ -103,7 +148,7 @@ static void finish_reduce(fsdp *f) {
 static void start_reduce(fsdp *f, int i) {
     finish_reduce(f);
     const fsdp_piece *p = &f->p[i];
-    if (!p->n) return;
+    if (!p->chunk) return;
     if (!f->rs_stage) f->rs_stage = ct_malloc(f->max_stage * sizeof(float));
     float *in = rs_input(f, i, f->rs_stage);
     f->rs_sum = in + (size_t)p->comm->rank * p->chunk;
@@ -123,8 +168,10 @@ static void finish_prefetch(fsdp *f) {
     if (i < 0) return;
     double t0 = ct_now();
     comm_wait(&f->pf_req);
+    comm_wait(&f->pf_sreq);
     const fsdp_piece *p = &f->p[i];
-    if (p->chunk * (size_t)p->comm->size != p->n) memcpy(f->m->params + p->off, f->pf_stage, p->n * sizeof(float));
+    if (p->chunk && !direct(p)) unpack(f, i, f->m->params + p->off, f->pf_stage);
+    if (p->sn && !sdirect(p)) memcpy(f->m->fstore + p->soff, f->pf_sstage, p->sn * sizeof(uint16_t));
     f->comm_s += ct_now() - t0;
     f->gathered[i] = 1;
     f->pf_piece = -1;
@@ -134,11 +181,15 @@ static void start_prefetch(fsdp *f, int i) {
     if (i < 0 || i >= f->n_pieces || f->gathered[i] || f->pf_piece == i || !f->p[i].n) return;
     finish_prefetch(f);
     const fsdp_piece *p = &f->p[i];
-    int direct = p->chunk * (size_t)p->comm->size == p->n;
-    if (!direct && !f->pf_stage) f->pf_stage = ct_malloc(f->max_stage * sizeof(float));
+    if (!direct(p) && !f->pf_stage) f->pf_stage = ct_malloc(f->max_stage * sizeof(float));
+    if (p->sn && !sdirect(p) && !f->pf_sstage) f->pf_sstage = ct_malloc(f->max_sstage * sizeof(uint16_t));
     double t0 = ct_now();
-    comm_iall_gather(p->comm, direct ? f->m->params + p->off : f->pf_stage, f->params + p->shard_off, p->chunk,
-                     COMM_F32, &f->pf_req);
+    if (p->chunk)
+        comm_iall_gather(p->comm, direct(p) ? f->m->params + p->off : f->pf_stage, f->params + p->shard_off,
+                         p->chunk, COMM_F32, &f->pf_req);
+    if (p->sn) /* the bf16-stored matrices beside it, in bf16 */
+        comm_iall_gather(p->comm, sdirect(p) ? f->m->fstore + p->soff : f->pf_sstage, f->sparams + p->sshard_off,
+                         p->schunk, COMM_BF16, &f->pf_sreq);
     f->comm_s += ct_now() - t0;
     f->pf_piece = i;
 }
@@ -154,10 +205,22 @@ static void gather_params(fsdp *f, int i) {
 static void release_params(fsdp *f, int i) {
     if (f->pf_piece == i) finish_prefetch(f); /* never free pages an all-gather is writing */
     release_range(f->m->params, f->p[i].off, f->p[i].n);
+    if (f->p[i].sn) ct_drop_pages(f->m->fstore + f->p[i].soff, f->p[i].sn * sizeof(uint16_t));
     f->gathered[i] = 0;
 }
 
-static void zero_grads(fsdp *f, int i) { memset(f->m->grads + f->p[i].off, 0, f->p[i].n * sizeof(float)); }
+/* The bf16-stored matrices have no gradient: their pages are never touched. */
+static void zero_grads(fsdp *f, int i) {
+    const fsdp_piece *p = &f->p[i];
+    if (!p->sn) {
+        memset(f->m->grads + p->off, 0, p->n * sizeof(float));
+        return;
+    }
+    for (int t = p->t0; t < p->t1; t++) {
+        const lm_tensor *q = &f->m->tensors[t];
+        if (q->store == LM_NO_STORE) memset(f->m->grads + q->offset, 0, q->numel * sizeof(float));
+    }
+}
 
 /* A layer is one piece, or two under expert parallel (its experts last). */
 static void gather_layer(fsdp *f, int l) {
@@ -272,6 +335,25 @@ int fsdp_cut(const lm_model *m, int split_experts, fsdp_piece *p, int *lp, ct_er
     }
     lp[L] = np;
     p[np++] = (fsdp_piece){.off = prev, .n = m->n_params - prev};
+    /* each piece's tensors (the table is in flat order) and its bf16-stored
+     * matrices: consecutive in m->fstore too, since stores are given in
+     * table order */
+    int t = 0;
+    for (int i = 0; i < np; i++) {
+        p[i].t0 = t;
+        while (t < m->n_tensors && (i == np - 1 || m->tensors[t].offset < p[i].off + p[i].n)) t++;
+        p[i].t1 = t;
+        p[i].sn = 0;
+        for (int k = p[i].t0; k < p[i].t1; k++) {
+            const lm_tensor *q = &m->tensors[k];
+            if (q->store == LM_NO_STORE || !q->numel) continue;
+            if (!p[i].sn) p[i].soff = q->store;
+            if (q->store != p[i].soff + p[i].sn)
+                return ct_fail(e, CT_ERR_IO, "fsdp: the bf16-stored tensors of %s are not contiguous", q->name), -1;
+            p[i].sn += q->numel;
+        }
+        p[i].n32 = p[i].n - p[i].sn;
+    }
     return np;
 }
 
@@ -286,16 +368,23 @@ int fsdp_init(fsdp *f, lm_model *m, ct_comm *comm, ct_comm *expert_comm, int res
     f->lp = ct_calloc((size_t)L + 1, sizeof(int));
     f->n_pieces = fsdp_cut(m, expert_comm != NULL, f->p, f->lp, e);
     if (f->n_pieces < 0) return e ? e->code : CT_ERR_IO;
-    size_t maxs = 1;
+    size_t maxs = 1, maxss = 1;
     for (int i = 0; i < f->n_pieces; i++) {
         fsdp_piece *p = &f->p[i];
         p->comm = p->experts ? expert_comm : comm;
         size_t N = (size_t)p->comm->size;
-        p->chunk = (p->n + N - 1) / N;
+        p->chunk = (p->n32 + N - 1) / N;
         p->shard_off = f->shard_n;
         f->shard_n += p->chunk;
         if (p->chunk * N > maxs) maxs = p->chunk * N;
+        p->schunk = (p->sn + N - 1) / N;
+        p->sshard_off = f->sshard_n;
+        f->sshard_n += p->schunk;
+        if (p->schunk * N > maxss) maxss = p->schunk * N;
     }
+    f->sparams = ct_calloc(f->sshard_n ? f->sshard_n : 1, sizeof(uint16_t));
+    f->sstage = f->sshard_n ? ct_malloc(maxss * sizeof(uint16_t)) : NULL;
+    f->max_sstage = maxss;
     f->params = ct_calloc(f->shard_n ? f->shard_n : 1, sizeof(float));
     f->grads = ct_calloc(f->shard_n ? f->shard_n : 1, sizeof(float));
     f->stage = ct_malloc(maxs * sizeof(float));
@@ -315,7 +404,26 @@ int fsdp_init(fsdp *f, lm_model *m, ct_comm *comm, ct_comm *expert_comm, int res
 void fsdp_piece_held(const fsdp *f, int i, size_t *lo, size_t *cnt) {
     const fsdp_piece *p = &f->p[i];
     *lo = (size_t)p->comm->rank * p->chunk;
-    *cnt = *lo < p->n ? (p->n - *lo < p->chunk ? p->n - *lo : p->chunk) : 0;
+    *cnt = *lo < p->n32 ? (p->n32 - *lo < p->chunk ? p->n32 - *lo : p->chunk) : 0;
+}
+
+void fsdp_held_runs(const fsdp *f, int i, void (*run)(void *ctx, size_t x, size_t n, size_t s), void *ctx) {
+    const fsdp_piece *p = &f->p[i];
+    size_t lo, cnt;
+    fsdp_piece_held(f, i, &lo, &cnt);
+    if (!cnt) return;
+    if (!p->sn) {
+        run(ctx, p->off + lo, cnt, p->shard_off);
+        return;
+    }
+    size_t k = 0; /* packed position of tensor t */
+    for (int t = p->t0; t < p->t1; t++) {
+        const lm_tensor *q = &f->m->tensors[t];
+        if (q->store != LM_NO_STORE) continue;
+        size_t a = k > lo ? k : lo, b = k + q->numel < lo + cnt ? k + q->numel : lo + cnt;
+        if (a < b) run(ctx, q->offset + (a - k), b - a, p->shard_off + (a - lo));
+        k += q->numel;
+    }
 }
 
 void fsdp_free(fsdp *f) {
@@ -334,49 +442,89 @@ void fsdp_free(fsdp *f) {
     free(f->rs_stage);
     free(f->stage);
     free(f->pf_stage);
+    free(f->sparams);
+    free(f->sstage);
+    free(f->pf_sstage);
     memset(f, 0, sizeof *f);
 }
 
+typedef struct {
+    float *shard;
+    size_t off, n;
+    const float *src;
+} take_ctx;
+
+/* A held run [a, a + cnt) at shard position s: what of src it covers. */
+static void take_run(void *ctx, size_t a, size_t cnt, size_t s) {
+    take_ctx *c = ctx;
+    size_t b = a + cnt, x = a > c->off ? a : c->off, y = b < c->off + c->n ? b : c->off + c->n;
+    if (x < y) memcpy(c->shard + s + (x - a), c->src + (x - c->off), (y - x) * sizeof(float));
+}
+
 void fsdp_take_range(const fsdp *f, float *shard, size_t off, const float *src, size_t n) {
+    take_ctx c = {shard, off, n, src};
     for (int i = 0; i < f->n_pieces; i++) {
         const fsdp_piece *p = &f->p[i];
-        size_t lo, cnt;
-        fsdp_piece_held(f, i, &lo, &cnt);
-        size_t a = p->off + lo, b = a + cnt; /* this rank's part of the flat buffer, in piece i */
-        size_t x = a > off ? a : off, y = b < off + n ? b : off + n;
-        if (x < y) memcpy(shard + p->shard_off + (x - a), src + (x - off), (y - x) * sizeof(float));
+        if (p->off >= off + n || p->off + p->n <= off) continue;
+        fsdp_held_runs(f, i, take_run, &c);
+    }
+}
+
+void fsdp_take_store(fsdp *f, size_t soff, const float *src, size_t n) {
+    for (int i = 0; i < f->n_pieces; i++) {
+        const fsdp_piece *p = &f->p[i];
+        if (!p->sn) continue;
+        size_t a = p->soff + (size_t)p->comm->rank * p->schunk, b = a + p->schunk;
+        if (b > p->soff + p->sn) b = p->soff + p->sn;
+        size_t x = a > soff ? a : soff, y = b < soff + n ? b : soff + n;
+        if (x < y) ct_convert_from_f32(f->sparams + p->sshard_off + (x - a), CT_BF16, src + (x - soff), y - x);
     }
 }
 
 /* Piece i to `root` only: an all-to-all in which every rank sends its slice
  * to root and only root receives, so the other ranks touch no full-size
  * memory. */
-void fsdp_gather_piece(fsdp *f, int i, float *dst, const float *shard, int root) {
+void fsdp_gather_piece(fsdp *f, int i, float *dst, const float *shard, int root, int stored) {
     const fsdp_piece *p = &f->p[i];
     finish_prefetch(f);
     if (!p->n) return;
     int N = p->comm->size, me = p->comm->rank;
-    int direct = p->chunk * (size_t)N == p->n;
     size_t *v = ct_calloc(4 * (size_t)N, sizeof(size_t));
     size_t *sc = v, *sd = v + N, *rc = v + 2 * N, *rd = v + 3 * N;
-    sc[root] = p->chunk;
-    for (int r = 0; r < N; r++) {
-        rc[r] = me == root ? p->chunk : 0;
-        rd[r] = (size_t)r * p->chunk;
-    }
-    float *to = me == root && direct ? dst : f->stage;
     double t0 = ct_now();
-    comm_all_to_allv(p->comm, to, rc, rd, shard + p->shard_off, sc, sd, COMM_F32);
+    if (p->chunk) {
+        sc[root] = p->chunk;
+        for (int r = 0; r < N; r++) {
+            rc[r] = me == root ? p->chunk : 0;
+            rd[r] = (size_t)r * p->chunk;
+        }
+        float *to = me == root && direct(p) ? dst : f->stage;
+        comm_all_to_allv(p->comm, to, rc, rd, shard + p->shard_off, sc, sd, COMM_F32);
+        if (me == root && !direct(p)) unpack(f, i, dst, f->stage);
+    }
+    if (stored && p->sn) { /* the bf16 slices to root, widened there into their places */
+        sc[root] = p->schunk;
+        for (int r = 0; r < N; r++) {
+            rc[r] = me == root ? p->schunk : 0;
+            rd[r] = (size_t)r * p->schunk;
+        }
+        comm_all_to_allv(p->comm, f->sstage, rc, rd, f->sparams + p->sshard_off, sc, sd, COMM_BF16);
+        for (int t = p->t0; me == root && t < p->t1; t++) {
+            const lm_tensor *q = &f->m->tensors[t];
+            if (q->store != LM_NO_STORE)
+                ct_convert_to_f32(dst + (q->offset - p->off), f->sstage + (q->store - p->soff), CT_BF16, q->numel);
+        }
+    }
     f->comm_s += ct_now() - t0;
-    if (me == root && !direct) memcpy(dst, f->stage, p->n * sizeof(float));
     free(v);
 }
 
 void fsdp_release_full(fsdp *f, float *full) {
     finish_prefetch(f);
     release_range(full, 0, f->m->n_params);
-    if (full == f->m->params)
-        for (int i = 0; i < f->n_pieces; i++) f->gathered[i] = 0;
+    if (full != f->m->params) return;
+    if (f->m->n_store) ct_drop_pages(f->m->fstore, f->m->n_store * sizeof(uint16_t)); /* the bf16 store likewise */
+    for (int i = 0; i < f->n_pieces; i++) f->gathered[i] = 0;
 }
 
 void fsdp_microbatch_begin(fsdp *f) {

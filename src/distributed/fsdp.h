@@ -31,11 +31,24 @@
  * gradients reduce-scattered before the last layer's backward; the
  * embedding's gradients are reduce-scattered after the micro-batch. Every
  * gradient is reduce-scattered once per micro-batch and accumulated in the
- * shard. */
+ * shard.
+ *
+ * Frozen matrices stored in bf16 (training.frozen_dtype = "bfloat16",
+ * lm_store_frozen_bf16) are sharded apart, in bf16: a piece's stored
+ * matrices are one contiguous range of the model's m->fstore, cut in N
+ * slices of ceil(sn / N) 16-bit words like the fp32 part, all-gathered as
+ * bf16 (half the bytes) into m->fstore, where the model reads them as the
+ * one-process path does (widened per product, or row by row), and released
+ * with the rest of the piece. They have no gradient, so nothing of them is
+ * zeroed or reduce-scattered and they are not in the fp32 shard: a piece's
+ * fp32 slices carry its other tensors only, packed in flat order (n32
+ * floats), and a rank holds 2/N bytes per frozen matrix element instead of
+ * 4/N. */
 #ifndef CT_DISTRIBUTED_FSDP_H
 #define CT_DISTRIBUTED_FSDP_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "core/err.h"
 #include "distributed/comm.h"
@@ -47,6 +60,11 @@ typedef struct {
     size_t shard_off;   /* where this rank's slice starts in the shard buffers */
     ct_comm *comm;      /* the ranks sharing it: the FSDP group, or for experts its expert sub-group */
     int experts;        /* a MoE layer's experts, split off under expert parallel (comm: the sub-group) */
+    int t0, t1;         /* its tensors: tensors[t0 .. t1) of the model */
+    size_t n32;         /* floats of the fp32 shard's slices: n less the bf16-stored matrices */
+    size_t soff, sn;    /* its bf16-stored matrices: m->fstore[soff, soff + sn) (sn 0: none) */
+    size_t schunk;      /* 16-bit words per rank: ceil(sn / N) */
+    size_t sshard_off;  /* where this rank's bf16 slice starts in fsdp.sparams */
 } fsdp_piece;
 
 typedef struct {
@@ -59,6 +77,11 @@ typedef struct {
     size_t shard_n;      /* floats of this rank's shard */
     float *params;       /* [shard_n] */
     float *grads;        /* [shard_n] */
+    size_t sshard_n;     /* 16-bit words of this rank's bf16 shard (bf16-stored frozen matrices) */
+    uint16_t *sparams;   /* [sshard_n] */
+    uint16_t *sstage;    /* [max_sstage] gather staging of a bf16 part that does not divide evenly */
+    size_t max_sstage;
+    comm_req pf_sreq;    /* the prefetch's bf16 all-gather */
     float *stage;        /* [max_stage] gather / reduce-scatter staging */
     size_t max_stage;    /* max over pieces of chunk x its comm's size */
     int pf_piece;        /* piece whose all-gather is in flight (-1: none) */
@@ -69,6 +92,7 @@ typedef struct {
     long rs_overlapped;  /* layer reductions started with another layer's backward still to run */
     comm_req pf_req;
     float *pf_stage;     /* [max_stage] its staging when the piece is padded; allocated on first use */
+    uint16_t *pf_sstage; /* [max_sstage] the same for its bf16 part; allocated on first use */
     int reshard;         /* free a layer's parameters after its forward */
     int fwd_only;        /* forward without backward follows (evaluation): always free */
     int tied;            /* lm_head is the embedding: piece 0 stays for the whole micro-batch */
@@ -94,8 +118,9 @@ int fsdp_layer_range(const lm_model *m, int l, size_t *lo, size_t *hi, ct_err *e
 void fsdp_expert_range(const lm_model *m, int l, size_t *a, size_t *b);
 /* The pieces fsdp_init cuts m's flat buffer into, from its tensor table
  * alone (no communicators; --dry-run plans with it): p[2 L + 2] gets off,
- * n and experts (with split_experts, a MoE layer's experts are a piece of
- * their own), lp[L + 1] each layer's first piece (lp[L]: the head).
+ * n, experts (with split_experts, a MoE layer's experts are a piece of
+ * their own), t0, t1, n32, soff and sn (m after lm_store_frozen_bf16, if
+ * any), lp[L + 1] each layer's first piece (lp[L]: the head).
  * Returns the number of pieces, or -1 with *e set (tensors of a layer not
  * contiguous, or its experts not last). */
 int fsdp_cut(const lm_model *m, int split_experts, fsdp_piece *p, int *lp, ct_err *e);
@@ -108,19 +133,31 @@ int fsdp_cut(const lm_model *m, int split_experts, fsdp_piece *p, int *lp, ct_er
  * expert_comm only, since the other ranks' ranges hold other experts. */
 int fsdp_init(fsdp *f, lm_model *m, ct_comm *shard_comm, ct_comm *expert_comm, int reshard_after_forward,
               ct_err *e);
-/* Of piece i, this rank's slice holds *cnt real (unpadded) floats from
- * position *lo of the piece. */
+/* Of piece i, this rank's fp32 slice holds *cnt real (unpadded) floats from
+ * position *lo of the piece's fp32 floats (its floats, less the bf16-stored
+ * matrices, in flat order). */
 void fsdp_piece_held(const fsdp *f, int i, size_t *lo, size_t *cnt);
+/* This rank's fp32 slice of piece i as runs of the flat buffer: run(ctx, x,
+ * n, s) for flat floats [x, x + n) held at shard position s, in order. One
+ * run unless the piece has bf16-stored matrices. */
+void fsdp_held_runs(const fsdp *f, int i, void (*run)(void *ctx, size_t x, size_t n, size_t s), void *ctx);
 void fsdp_free(fsdp *f);
 /* Part of the whole flat buffer into this rank's shard (parameters or an
  * AdamW moment): src[n] is positions [off, off + n) (e.g. one tensor); what
  * of it this rank keeps goes to shard[shard_n]. */
 void fsdp_take_range(const fsdp *f, float *shard, size_t off, const float *src, size_t n);
+/* The same for bf16-stored matrices: src[n] fp32 is m->fstore positions
+ * [soff, soff + n); what this rank keeps goes to f->sparams, rounded to
+ * bf16 as lm_put_rows rounds. */
+void fsdp_take_store(fsdp *f, size_t soff, const float *src, size_t n);
 /* Piece i alone, to rank `root` of the piece's group (collective over it):
  * dst[p[i].n] there = the piece gathered from the slices in shard; elsewhere
  * dst is not touched (may be NULL). A streamed checkpoint save gathers one
- * piece at a time so that no rank holds more than a piece. */
-void fsdp_gather_piece(fsdp *f, int i, float *dst, const float *shard, int root);
+ * piece at a time so that no rank holds more than a piece. The
+ * bf16-stored matrices' places in dst stay as they are unless stored is set
+ * (a save of the parameters that wants them): then they are gathered in
+ * bf16 too and widened into dst. */
+void fsdp_gather_piece(fsdp *f, int i, float *dst, const float *shard, int root, int stored);
 /* Gives back the pages of full[n_params] (model params or grads). */
 void fsdp_release_full(fsdp *f, float *full);
 /* Around each micro-batch's forward + backward (or forward only, with

@@ -197,6 +197,14 @@ static void add_opt_run(void *ctx, size_t x, size_t y) {
     r[p->n_opt_ranges++] = (struct plan_range){off, y - x};
 }
 
+/* A held run of an FSDP shard (fsdp_held_runs): flat [x, x + n) at shard position s. */
+static void held_opt_runs(void *ctx, size_t x, size_t n, size_t s) {
+    opt_runs *o = ctx;
+    o->a = x;
+    o->base = s;
+    lm_trained_runs(o->p->m, x, x + n, add_opt_run, o);
+}
+
 static void build_opt_ranges(ct_plan *p) {
     const lm_model *m = p->m;
     p->n_opt_ranges = -1;
@@ -208,13 +216,8 @@ static void build_opt_ranges(ct_plan *p) {
         lm_trained_runs(m, 0, m->n_params, add_opt_run, &o);
         return;
     }
-    for (int pi = 0; pi < p->fsdp->n_pieces; pi++) { /* each piece's held part, at its shard offset */
-        size_t lo, cnt;
-        fsdp_piece_held(p->fsdp, pi, &lo, &cnt);
-        o.a = p->fsdp->p[pi].off + lo;
-        o.base = p->fsdp->p[pi].shard_off;
-        lm_trained_runs(m, o.a, o.a + cnt, add_opt_run, &o);
-    }
+    for (int pi = 0; pi < p->fsdp->n_pieces; pi++) /* each piece's held part, at its shard offset */
+        fsdp_held_runs(p->fsdp, pi, held_opt_runs, &o);
 }
 
 /* Data parallel replicate under expert parallel: the replicas hold
@@ -406,8 +409,10 @@ static void load_put(void *ctx, int kind, int i, size_t r0, size_t r1, const flo
     size_t la = r0, n = lt->numel ? r1 - r0 : 0;
     if (p->tp) n = tp_take_rows(p->tp, lt, &p->load.whole->tensors[i], r0, r1, rows, p->load.tmp, &src, &la);
     if (!n) return;
-    if (kind == LM_PARAMS && lt->store != LM_NO_STORE) { /* a frozen tensor kept in bf16 */
-        lm_put_rows(p->m, i, la, la + n, src);
+    if (kind == LM_PARAMS && lt->store != LM_NO_STORE) { /* a frozen tensor kept in bf16: FSDP's bf16 shard */
+        size_t cols = lm_tensor_cols(lt);
+        if (p->fsdp) fsdp_take_store(p->fsdp, lt->store + la * cols, src, n * cols);
+        else lm_put_rows(p->m, i, la, la + n, src);
         return;
     }
     size_t cols = lm_tensor_cols(lt), off = lt->offset + la * cols;
@@ -683,7 +688,8 @@ void plan_save_gather(ct_plan *p, const lm_model *fm, int kinds, int frozen_too,
             }
             size_t lo = save_offset(lm, u[x]), hi = save_offset(lm, u[x + 1]);
             /* bf16-stored frozen weights: the unit widened into params while it is read, when
-             * the put wants them (an HF export; not a checkpoint or an adapter of trained ones) */
+             * the put wants them (an HF export; not a checkpoint or an adapter of trained ones);
+             * under FSDP the gather widens them from the bf16 shard */
             int widen = k == 0 && !p->fsdp && frozen_too;
             if (widen) lm_frozen_widen(lm, lo, hi - lo, 1);
             const float *part = src + lo; /* this rank's floats of the unit */
@@ -692,7 +698,8 @@ void plan_save_gather(ct_plan *p, const lm_model *fm, int kinds, int frozen_too,
                 part = got = fsdp_root ? ct_calloc(hi - lo + 1, sizeof(float)) : NULL;
                 int a = x == 0 ? 0 : p->fsdp->lp[x - 1], b = x <= L ? p->fsdp->lp[x] : p->fsdp->n_pieces;
                 for (int i = a; fsdp_part && i < b; i++)
-                    fsdp_gather_piece(p->fsdp, i, got ? got + (p->fsdp->p[i].off - lo) : NULL, src, 0);
+                    fsdp_gather_piece(p->fsdp, i, got ? got + (p->fsdp->p[i].off - lo) : NULL, src, 0,
+                                      k == 0 && frozen_too);
             }
             if (in_slices) {
                 if (sroot) whole = ct_malloc((n + 1) * sizeof(float));

@@ -22,12 +22,15 @@ void plan_dry_line(FILE *out, const char *what, double bytes) {
  * own under expert parallel, over n_exp ranks), the head; each piece in
  * slices of ceil(n / its group). */
 typedef struct {
-    size_t shard;     /* floats of a rank's slices of every piece */
-    size_t trained;   /* of those, the floats of tensors not frozen (gradients, moments) on the rank that
+    size_t shard;     /* fp32 floats of a rank's slices of every piece (the bf16-stored matrices apart) */
+    size_t sshard;    /* bf16 words of a rank's slices of the bf16-stored frozen matrices */
+    size_t trained;   /* of shard, the floats of tensors not frozen (gradients, moments) on the rank that
                          holds the most of them (a layer's adapters come last, in its last ranks' slices) */
-    size_t layer_max; /* floats of the largest layer, its pieces together */
-    size_t layers;    /* floats of every layer */
-    size_t embed, head;
+    /* bytes of a gathered piece: parameters (fp32, and bf16 for the stored matrices), gradients
+     * (fp32, none for the stored matrices) */
+    double layer_p, layer_g; /* the largest layer, its pieces together */
+    double layers_p;         /* every layer's parameters */
+    double embed_p, embed_g, head_p, head_g;
 } dry_fsdp;
 
 static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
@@ -41,21 +44,35 @@ static int dry_fsdp_plan(const lm_model *m, int n, int n_exp, dry_fsdp *d, ct_er
     size_t *per = ct_calloc((size_t)n, sizeof *per); /* trained floats of each rank's slices */
     for (int i = 0; i < np; i++) {
         int g = p[i].experts ? n_exp : n;
-        size_t chunk = ceil_div(p[i].n, (size_t)g), end = p[i].off + p[i].n;
+        size_t chunk = ceil_div(p[i].n32, (size_t)g);
         d->shard += chunk;
-        for (int r = 0; r < g; r++) {
-            size_t a = p[i].off + (size_t)r * chunk;
-            if (a < end) per[r] += lm_trained_runs(m, a, a + chunk < end ? a + chunk : end, NULL, NULL);
+        d->sshard += ceil_div(p[i].sn, (size_t)g);
+        /* rank r holds packed positions [r chunk, (r + 1) chunk) of the piece's fp32 tensors */
+        size_t k = 0;
+        for (int t = p[i].t0; t < p[i].t1; t++) {
+            const lm_tensor *q = &m->tensors[t];
+            if (q->store != LM_NO_STORE) continue;
+            for (int r = 0; !q->frozen && r < g; r++) {
+                size_t a = (size_t)r * chunk, b = a + chunk;
+                a = a > k ? a : k;
+                b = b < k + q->numel ? b : k + q->numel;
+                if (a < b) per[r] += b - a;
+            }
+            k += q->numel;
         }
     }
     for (int r = 0; r < n; r++) d->trained = per[r] > d->trained ? per[r] : d->trained;
     free(per);
     for (int l = 0; l < L; l++) {
-        size_t layer = p[lp[l + 1]].off - p[lp[l]].off;
-        if (layer > d->layer_max) d->layer_max = layer;
-        d->layers += layer;
+        double lpb = 0, lgb = 0;
+        for (int i = lp[l]; i < lp[l + 1]; i++) lpb += 4.0 * p[i].n32 + 2.0 * p[i].sn, lgb += 4.0 * p[i].n32;
+        if (lpb + lgb > d->layer_p + d->layer_g) d->layer_p = lpb, d->layer_g = lgb;
+        d->layers_p += lpb;
     }
-    if (np > 0) d->embed = p[0].n, d->head = p[np - 1].n;
+    if (np > 0) {
+        d->embed_p = 4.0 * p[0].n32 + 2.0 * p[0].sn, d->embed_g = 4.0 * p[0].n32;
+        d->head_p = 4.0 * p[np - 1].n32 + 2.0 * p[np - 1].sn, d->head_g = 4.0 * p[np - 1].n32;
+    }
     free(p);
     free(lp);
     return np < 0 ? (e ? e->code : CT_ERR_IO) : 0;
@@ -67,19 +84,20 @@ static int dry_fsdp_plan(const lm_model *m, int n, int n_exp, dry_fsdp *d, ct_er
  * reduce-scattered (two layers' parameters and gradients); the head alone
  * around the loss; an untied embedding with layer 0 prefetched. A tied
  * embedding is held for the whole micro-batch; with reshard_after_forward
- * "never" every layer's parameters from its forward to its backward. */
+ * "never" every layer's parameters from its forward to its backward.
+ * bf16-stored matrices count 2 bytes gathered and no gradient. */
 static double dry_fsdp_gathered(const dry_fsdp *d, int tied, int reshard) {
-    double lm = (double)d->layer_max, g;
+    double lpg = d->layer_p + d->layer_g, head = d->head_p + d->head_g, g;
     if (reshard) {
-        g = 2 * 8 * lm;
-        if (8.0 * d->head > g) g = 8.0 * d->head;
-        if (!tied && 4.0 * d->embed + 4 * lm > g) g = 4.0 * d->embed + 4 * lm; /* the lookup, layer 0 prefetched */
+        g = 2 * lpg;
+        if (head > g) g = head;
+        if (!tied && d->embed_p + d->layer_p > g) g = d->embed_p + d->layer_p; /* the lookup, layer 0 prefetched */
     } else {
         /* a layer's backward holds the parameters of it and every layer below, the gradients of
          * it and the one above; the head's parameters and gradients come after every layer's */
-        g = 4.0 * d->layers + (8.0 * d->head > 4 * lm ? 8.0 * d->head : 4 * lm);
+        g = d->layers_p + (head > d->layer_g ? head : d->layer_g);
     }
-    return tied ? g + 8.0 * d->embed : g;
+    return tied ? g + d->embed_p + d->embed_g : g;
 }
 
 
@@ -93,16 +111,22 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     size_t n = 0, act = 0;
     int rc = lm_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
-    double stored = (double)n, trained = (double)n, gathered = 0;
+    double stored = (double)n, in_bf16 = 0, trained = (double)n, gathered = 0, widened = 0;
     lm_model lm;
     lm_layout(&lm, &lc);
-    /* frozen tensors: no gradient, no moments */
+    /* frozen tensors: no gradient, no moments; frozen_dtype bfloat16 stores their matrices in bf16 */
     rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, where, e);
     if (!rc) trained = (double)lm_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
+    if (!rc && lm.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) {
+        in_bf16 = (double)lm_store_frozen_bf16(&lm);
+        stored -= in_bf16;
+        widened = (double)lm_frozen_widened_floats(&lm);
+    }
     if (!rc && shard > 1) {
         dry_fsdp d;
         rc = dry_fsdp_plan(&lm, shard, ep > 1 ? shard / ep : 0, &d, e);
         stored = (double)d.shard;
+        in_bf16 = (double)d.sshard;
         trained = (double)d.trained;
         gathered = dry_fsdp_gathered(&d, lc.tie_embeddings, strcmp(c->fsdp_reshard, "never") != 0);
     }
@@ -122,15 +146,20 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     if (shard > 1 && ep > 1)
         fprintf(out, "  FSDP over %d ranks, the experts over the %d holding the same ones: %.0f parameters stored\n",
                 shard, shard / ep, stored);
+    else if (shard > 1 && in_bf16 > 0)
+        fprintf(out, "  FSDP over %d ranks: %.0f parameters stored (%.0f fp32, %.0f frozen in bf16)\n", shard,
+                stored + in_bf16, stored, in_bf16);
     else if (shard > 1)
         fprintf(out, "  FSDP over %d ranks: %.0f parameters stored\n", shard, stored);
-    double p = 4 * stored, g = 4 * trained, o = 8 * trained, a = (double)act;
-    double total = p + g + o + gathered + a;
-    plan_dry_line(out, "parameters (fp32)", p);
-    plan_dry_line(out, trained < stored ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
-    plan_dry_line(out, trained < stored ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);
+    double p = 4 * stored + 2 * in_bf16, g = 4 * trained, o = 8 * trained, a = (double)act, w = 4 * widened;
+    double total = p + g + o + gathered + a + w;
+    plan_dry_line(out, in_bf16 > 0 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
+    plan_dry_line(out, trained < stored + in_bf16 ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
+    plan_dry_line(out,
+                  trained < stored + in_bf16 ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);
     if (shard > 1) plan_dry_line(out, "FSDP gathered (params + grads)", gathered);
     plan_dry_line(out, "activations + workspace (planned)", a);
+    if (w > 0) plan_dry_line(out, "frozen bf16 widened while used", w);
     plan_dry_line(out, "total planned per rank", total);
     /* trainer_init_weights: the loaders hand over a block of rows at a time
      * and the rank keeps its part, so loading adds one block (lm_block_rows)

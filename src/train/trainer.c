@@ -216,15 +216,9 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_di
 /* [lora] and training.freeze into the model config: which projections get
  * adapters, their scale and dropout. Layouts that slice tensors (TP, EP)
  * would have to slice the adapters with their base projections: not yet. */
-int trainer_finetune_config(const ct_config *c, int tp, int ep, int shard, lm_config *mc, ct_err *e) {
+int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, ct_err *e) {
     const char *src = cfg_source(c);
     int partial = c->lora_rank > 0 || c->freeze[0];
-    if (!strcmp(c->frozen_dtype, "bfloat16") && shard > 1)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: training.frozen_dtype = \"bfloat16\" with data_parallel_shard_degree %d: not supported "
-                       "yet (FSDP shards frozen tensors in float32; use frozen_dtype = \"float32\" or data parallel "
-                       "replicate)",
-                       src, shard);
     mc->lazy_buffers = partial; /* the frozen tensors' gradients are never written: no pages for them */
     if (partial && (tp > 1 || ep > 1))
         return ct_fail(e, CT_ERR_CONFIG,
@@ -312,7 +306,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if (trainer_join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", cfg_source(c));
     const ct_mesh *ms = &t->plan.mesh;
-    if ((rc = trainer_finetune_config(c, ms->tp, ms->ep, ms->dp_shard, &mc, e))) return rc;
+    if ((rc = trainer_finetune_config(c, ms->tp, ms->ep, &mc, e))) return rc;
     /* this rank's part of the model: its pipeline stages, its slice */
     if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, cfg_source(c), e))) return rc;
     if ((rc = lm_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
@@ -321,7 +315,13 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, cfg_source(c), e))) return rc;
     if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
         size_t n = lm_store_frozen_bf16(&t->model);
-        if (t->world->rank == 0)
+        int N = ms->dp_shard > 1 ? ms->dp_shard : 1; /* FSDP shards them in bf16 too (distributed/fsdp.h) */
+        if (t->world->rank == 0 && N > 1)
+            fprintf(stderr,
+                    "ctitan: frozen weights in bfloat16: %.3f GiB (fp32 would be %.3f GiB), FSDP-sharded over %d "
+                    "ranks: about %.3f GiB per rank\n",
+                    n * 2.0 / (1 << 30), n * 4.0 / (1 << 30), N, n * 2.0 / N / (1 << 30));
+        else if (t->world->rank == 0)
             fprintf(stderr, "ctitan: frozen weights in bfloat16: %.3f GiB (fp32 would be %.3f GiB)\n",
                     n * 2.0 / (1 << 30), n * 4.0 / (1 << 30));
     }

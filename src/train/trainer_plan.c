@@ -36,7 +36,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     if ((rc = trainer_check_global_batch(c, rep * shard, e))) return rc;
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
-    if ((rc = trainer_finetune_config(c, tp, c->ep, shard, &mc, e))) return rc;
+    if ((rc = trainer_finetune_config(c, tp, c->ep, &mc, e))) return rc;
     /* the run checks its pipeline before it builds the model: an error comes alone, before anything prints */
     if (pp > 1 && (rc = plan_dry_pipeline(NULL, c, &mc, world, rep, shard, tp, cfg_source(c), e))) return rc;
     size_t n = 0, act = 0;
@@ -113,7 +113,8 @@ int trainer_memory_snapshot(trainer *t, int step, FILE *log, ct_err *e) {
     prof_mem cats[] = {
         {"parameters", 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16,
          resident(m->params, m->n_params * sizeof(float)) + resident(m->fstore, m->n_store * sizeof(uint16_t)) +
-             (f ? resident(f->params, f->shard_n * sizeof(float)) : 0)},
+             (f ? resident(f->params, f->shard_n * sizeof(float)) + resident(f->sparams, f->sshard_n * sizeof(uint16_t))
+                : 0)},
         {"gradients", 4.0 * (double)trained,
          resident(m->grads, m->n_params * sizeof(float)) + (f ? resident(f->grads, f->shard_n * sizeof(float)) : 0)},
         {"adamw_moments", 8.0 * (double)trained,

@@ -3,9 +3,11 @@ an interrupted LoRA run resumes bit for bit (dropout masks replayed, gradient ac
 also under FSDP 2; the frozen base never moves; FSDP 2 and DP 2 train the adapters like one
 process with the same global batch; the final last_save_in_hf save is a PEFT adapter
 directory that peft.PeftModel.from_pretrained loads and that gives ctitan's own logits;
-config errors exit 2 naming the key (LoRA with TP or EP, bf16 frozen storage under FSDP,
-unknown target or module, a freeze pattern matching nothing, an adapter without a rank);
-training.freeze without LoRA keeps the frozen tensors bit for bit while the others train.
+config errors exit 2 naming the key (LoRA with TP or EP, unknown target or module, a freeze
+pattern matching nothing, an adapter without a rank); training.freeze without LoRA keeps the
+frozen tensors bit for bit while the others train; a bf16-stored frozen base under FSDP 2
+(frozen_dtype bfloat16) trains like one process with bf16 storage, resumes bit for bit,
+exports the rounded base, and the dry run's per-rank parameter bytes count it at 2 bytes.
 
 Expected values are ctitan against itself (an uninterrupted run, one process), the initial
 HF files, and PEFT / transformers (the adapter directory test).
@@ -342,14 +344,6 @@ def test_lora_config_errors_exit_2(setup, tmp_path, extra, words):
     assert "step:" not in p.stdout, f"a config error must stop before training:\n{p.stdout[-2000:]}"
 
 
-def test_bf16_frozen_storage_under_fsdp_exits_2(setup, tmp_path):
-    """training.frozen_dtype = "bfloat16" is refused under FSDP (mpirun -np 2, shard 2)."""
-    d, model, data = setup
-    p = run(2, train_args(model, data, tmp_path / "bad", "--training.frozen_dtype=bfloat16", ranks=2),
-            check=False, timeout=60)
-    assert_config_error(p, "training.frozen_dtype", "data_parallel_shard_degree")
-
-
 def test_freeze_matching_nothing_without_lora_exits_2(setup, tmp_path):
     d, model, data = setup
     p = run(1, train_args(model, data, tmp_path / "bad", "--training.freeze=model.nothing.*", lora=False),
@@ -422,3 +416,162 @@ def test_freeze_without_lora(setup, tmp_path):
     assert held == set(init) - frozen, f"checkpoint tensors {sorted(held ^ (set(init) - frozen))}"
     moments = {k.split(":", 1)[1] for k in c if k.startswith("optim.safetensors:")}
     assert moments == {f"{n}.{m}" for n in held for m in ("exp_avg", "exp_avg_sq")}
+
+
+# --------------------------------------------------------------------------- 7. bf16 frozen base under FSDP
+
+BF16 = "--training.frozen_dtype=bfloat16"
+FREEZE = "--training.freeze=model.embed_tokens.weight,model.layers.0.*"
+
+
+@pytest.fixture(scope="module")
+def bf16_fsdp(setup):
+    """LoRA (dropout 0) with frozen_dtype bfloat16 under FSDP 2 from the fp32 base: the frozen
+    matrices rounded to bf16 and sharded in bf16."""
+    d, model, data = setup
+    out = d / "bf16_fsdp2"
+    p = run(2, train_args(model, data, out, BF16, ranks=2))
+    assert "FSDP-sharded over 2 ranks" in p.stderr, p.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_base(setup):
+    """A model with bf16 weights (a bf16 file, as published Qwen3 weights are): frozen_dtype
+    bfloat16 then rounds nothing, and fp32 storage holds the same values. Hidden 31: the
+    embedding and lm_head (251 x 31) are bf16 pieces that 2 ranks do not divide evenly, so
+    their gathers go through staging, the head's as a prefetch."""
+    d, model, data = setup
+    cfg = oracle.tiny_config(vocab=VOCAB, hidden=31, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8)
+    oracle.save_random_hf(d / "model_h31", cfg, seed=22).to(torch.bfloat16).save_pretrained(d / "model_bf16")
+    return d / "model_bf16"
+
+
+def test_bf16_frozen_under_fsdp_matches_one_process(setup, bf16_base):
+    """On the bf16 base, FSDP 2 with frozen_dtype bfloat16 (each rank holds half of each
+    frozen matrix in bf16, all-gathered in bf16):
+    - against one process with frozen_dtype bfloat16 and the same global batch: the same
+      losses to 1e-5 relative and the same final adapters to 1e-5 of each tensor's largest
+      element (test_lora_layout_matches_one_process's tolerances), with AdamW's eps 1e-4.
+      At the default 1e-8 one lora_A element whose first gradient nearly cancels takes a
+      step of lr g / (|g| + eps) that turns the 2-rank sum's last bits into 2e-5 of the
+      tensor (docs/distributed.md), with fp32 storage as with bf16 (and with data parallel
+      replicate 2, 8e-6 on the fp32 base); eps 1e-4 keeps such steps proportional to g;
+    - against FSDP 2 with frozen_dtype float32 (the same values in fp32 shards): the same
+      losses, adapters and AdamW moments bit for bit: the storage only changes where the
+      frozen bytes live."""
+    d, model, data = setup
+    runs = {}
+    for name, n, fd, accum in (("one_bf16", 1, "bfloat16", 4), ("fsdp_bf16", 2, "bfloat16", 2),
+                               ("fsdp_fp32", 2, "float32", 2)):
+        runs[name] = d / f"bf16base_{name}"
+        p = run(n, train_args(bf16_base, data, runs[name], f"--training.frozen_dtype={fd}", "--optimizer.eps=1e-4",
+                              ranks=n, accum=accum))
+        if name == "fsdp_bf16":
+            assert "FSDP-sharded over 2 ranks" in p.stderr, p.stderr[-2000:]
+    want, got = losses(runs["one_bf16"]), losses(runs["fsdp_bf16"])
+    assert sorted(got) == list(range(1, STEPS + 1)), f"steps logged {sorted(got)}"
+    bad = [(s, got[s], want[s]) for s in want if not abs(got[s] - want[s]) <= 1e-5 * abs(want[s])]
+    assert not bad, f"(step, FSDP 2 loss, one process's loss) beyond 1e-5 relative: {bad}"
+    a = tensors(runs["fsdp_bf16"], files=("adapter_model.safetensors", "model.safetensors"))
+    b = tensors(runs["one_bf16"], files=("adapter_model.safetensors", "model.safetensors"))
+    assert a.keys() == b.keys(), f"tensor names differ: {sorted(a.keys() ^ b.keys())[:6]}"
+    assert lora_names(b), "no lora tensors"
+    for k in lora_names(b):
+        err = np.max(np.abs(a[k] - b[k])) / max(float(np.max(np.abs(b[k]))), 1e-30)
+        assert err <= 1e-5, f"final {k} differs from one process by {err:.3g} of its largest element"
+
+    assert losses(runs["fsdp_fp32"]) == got, "FSDP 2 losses: fp32 and bf16 storage of a bf16 base differ"
+    a, c = tensors(runs["fsdp_bf16"]), tensors(runs["fsdp_fp32"])
+    assert a.keys() == c.keys(), f"tensor names differ: {sorted(a.keys() ^ c.keys())[:6]}"
+    bad = [k for k in a if not np.array_equal(a[k], c[k])]
+    assert not bad, f"FSDP 2, bf16 vs fp32 storage of a bf16 base: not bit-identical: {bad[:6]}"
+
+
+def test_bf16_frozen_under_fsdp_resume_is_bit_identical(setup, bf16_fsdp):
+    """Stopped at step 3 and resumed to 6 under FSDP 2 with the fp32 base rounded to bf16
+    (taken again from the HF files, which checkpoints do not hold): losses, adapters and
+    moments bit for bit."""
+    d, model, data = setup
+    out = d / "bf16_fsdp2_resumed"
+    args = train_args(model, data, out, BF16, ranks=2)
+    p = run(2, args + ["--training.stop_at_step=3"], check=False)
+    assert p.returncode == 75, f"stop_at_step must exit 75 after saving, got {p.returncode}\n{p.stderr[-3000:]}"
+    p = run(2, args)
+    assert "resuming from" in p.stderr and "step-3" in p.stderr, p.stderr[-3000:]
+    ref, got = losses(bf16_fsdp), losses(out)
+    diff = [(s, ref[s], got[s]) for s in ref if ref.get(s) != got.get(s)]
+    assert not diff, f"losses differ (step, uninterrupted, resumed): {diff}"
+    a, b = tensors(bf16_fsdp), tensors(out)
+    assert a.keys() == b.keys() and lora_names(a), sorted(a.keys() ^ b.keys())[:6]
+    bad = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not bad, f"resumed run not bit-identical to the uninterrupted one: {bad[:6]}"
+
+
+def test_bf16_frozen_freeze_under_fsdp_exports_the_rounded_base(setup, tmp_path):
+    """training.freeze (the embedding, all of layer 0; no LoRA) with frozen_dtype bfloat16, 3
+    steps, final HF export, under FSDP 2 and on one process (same global batch): the frozen
+    matrices of both exports are the initial ones rounded to bf16 (FSDP gathers them in bf16
+    for the save) and the frozen norms the initial ones, the trained ones agree to 1e-5 of their largest element. The embedding is
+    a piece with nothing in fp32 and layer 0 one with only its norms."""
+    d, model, data = setup
+    init = oracle.read_hf_tensors(model)
+    frozen = {n for n in init if n == "model.embed_tokens.weight" or n.startswith("model.layers.0.")}
+    got = {}
+    for n, accum in ((1, 4), (2, 2)):
+        out = tmp_path / f"freeze_bf16_{n}"
+        run(n, train_args(model, data, out, FREEZE, BF16, "--checkpoint.last_save_in_hf=true", ranks=n,
+                          accum=accum, lora=False, steps=3))
+        t = tensors(out, step=3, files=("model.safetensors",))
+        got[n] = {k.split(":", 1)[1]: v for k, v in t.items()}
+        assert set(got[n]) == set(init), f"{n} ranks: tensor names {sorted(set(got[n]) ^ set(init))}"
+        for k in sorted(frozen):  # the matrices in bf16; the norms (small) stay fp32
+            want = torch.from_numpy(init[k]).to(torch.bfloat16).float().numpy() if init[k].ndim == 2 else init[k]
+            assert np.array_equal(got[n][k], want), f"{n} ranks: frozen {k} is not the initial one, as stored"
+    for k in sorted(set(init) - frozen):
+        assert not np.array_equal(got[2][k], init[k]), f"trainable {k} did not move"
+        err = np.max(np.abs(got[2][k] - got[1][k])) / max(float(np.max(np.abs(got[1][k]))), 1e-30)
+        assert err <= 1e-5, f"final {k} under FSDP 2 differs from one process by {err:.3g} of its largest element"
+
+
+def fsdp_param_bytes(cfg, r, bf16, n=2):
+    """Bytes of one rank's FSDP shard of parameters (the largest rank's, padding included),
+    from the parameter counts: fsdp.h's pieces (the embedding, each layer, the final norm +
+    lm_head), each cut in n slices of ceil(size / n). With frozen_dtype bfloat16 a piece's
+    frozen matrices (the LoRA base: embedding, lm_head, the seven projections) are sliced
+    apart in bf16 and its other tensors (norms, adapters) in fp32."""
+    H, I, V, hd, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim, cfg.num_hidden_layers
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    mats = [(q, H), (kv, H), (kv, H), (H, q), (I, H), (I, H), (H, I)]  # [out, in] of q k v o gate up down
+    base = sum(o * i for o, i in mats)
+    lora = sum(r * i + o * r for o, i in mats)  # A [r, in], B [out, r]
+    norms = 2 * H + 2 * hd  # input_layernorm, post_attention_layernorm, q_norm, k_norm
+    pieces = [(0, V * H)] + [(norms + lora, base)] * L + [(H, V * H)]  # (fp32 floats, frozen matrix floats)
+    ceil = lambda x: -(-x // n)  # noqa: E731
+    if bf16:
+        return sum(4 * ceil(a) + 2 * ceil(b) for a, b in pieces)
+    return sum(4 * ceil(a + b) for a, b in pieces)
+
+
+def test_dry_run_bf16_frozen_under_fsdp(setup, run_ctitan):
+    """--dry-run of the LoRA run with data_parallel_shard_degree 2: the per-rank parameter
+    bytes are the fsdp_param_bytes of the parameter counts, fp32 frozen storage and bf16,
+    and with bf16 the frozen matrices' share is half (2 bytes for every 4)."""
+    d, model, data = setup
+    cfg = oracle.tiny_config(vocab=VOCAB, hidden=30, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8)
+    got = {}
+    for fd in ("float32", "bfloat16"):
+        _, out, _ = run_ctitan(train_args(model, data, d / "dry", f"--training.frozen_dtype={fd}", "--dry-run",
+                                          ranks=2))
+        rank = out[out.index("per rank:"):]
+        line = next(x for x in rank.splitlines() if x.strip().startswith("parameters ("))
+        got[fd] = int(line.split()[-2])
+    want = {fd: fsdp_param_bytes(cfg, R, fd == "bfloat16") for fd in got}
+    assert got == want, f"per-rank parameter bytes {got}, from the parameter counts {want}"
+    # the frozen matrices (embedding, lm_head, 7 projections a layer): 4 / 2 bytes each in fp32,
+    # 2 / 2 in bf16, so the rank saves one byte per matrix element (up to the slices' padding)
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    frozen = 2 * V * H + cfg.num_hidden_layers * (2 * q * H + 2 * kv * H + 3 * I * H)
+    saved = got["float32"] - got["bfloat16"]
+    assert abs(saved - frozen) <= 8 * (cfg.num_hidden_layers + 2), f"saved {saved} bytes per rank, want ~{frozen}"
