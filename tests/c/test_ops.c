@@ -253,12 +253,12 @@ static void test_rmsnorm(ct_rng *r, int N, int C) {
 typedef struct {
     float *inp;
     const float *cos, *sin;
-    int B, T, nh, hd;
+    int B, T, nh, hd, rd;
 } rope_ctx;
 
 static void rope_fwd(void *c_, float *out) {
     rope_ctx *c = c_;
-    op_rope_fwd(out, c->inp, c->cos, c->sin, c->B, c->T, c->nh, c->hd);
+    op_rope_fwd(out, c->inp, c->cos, c->sin, c->B, c->T, c->nh, c->hd, c->rd);
 }
 
 static void test_rope_tables(void) {
@@ -277,39 +277,45 @@ static void test_rope_tables(void) {
     CHECK(cs[1 * hd / 2 + 0] == cosf(1.0f), "rope tables: inv_freq[0] is exactly 1");
 }
 
-static void test_rope(ct_rng *r, int B, int T, int nh, int hd) {
-    size_t n = (size_t)B * T * nh * hd, nt = (size_t)T * hd / 2;
+/* rd: the rotated features of each head (rd < hd: partial_rotary_factor, the rest pass through) */
+static void test_rope(ct_rng *r, int B, int T, int nh, int hd, int rd) {
+    size_t n = (size_t)B * T * nh * hd, nt = (size_t)T * rd / 2;
+    int h = rd / 2;
     float *cs = zeros(nt), *sn = zeros(nt);
-    op_rope_tables(cs, sn, T, hd, 1e6f);
-    rope_ctx c = {randn(r, n, 1), cs, sn, B, T, nh, hd};
+    op_rope_tables(cs, sn, T, rd, 1e6f);
+    rope_ctx c = {randn(r, n, 1), cs, sn, B, T, nh, hd, rd};
     float *out = zeros(n);
     rope_fwd(&c, out);
-    // a rotation keeps the norm of each (i, i+hd/2) pair
+    // a rotation keeps the norm of each (i, i+rd/2) pair; features rd.. are copied
     double e = 0;
-    for (size_t row = 0; row < n / hd; row++)
-        for (int i = 0; i < hd / 2; i++) {
-            const float *x = c.inp + row * hd, *y = out + row * hd;
-            double nx = x[i] * x[i] + x[i + hd / 2] * x[i + hd / 2];
-            double ny = y[i] * y[i] + y[i + hd / 2] * y[i + hd / 2];
+    int tail_same = 1;
+    for (size_t row = 0; row < n / hd; row++) {
+        const float *x = c.inp + row * hd, *y = out + row * hd;
+        for (int i = 0; i < h; i++) {
+            double nx = x[i] * x[i] + x[i + h] * x[i + h];
+            double ny = y[i] * y[i] + y[i + h] * y[i + h];
             e = fmax(e, fabs(nx - ny));
         }
-    CHECK(e < 1e-5, "rope preserves pair norms: err %.3g", e);
+        for (int i = rd; i < hd; i++) tail_same &= x[i] == y[i];
+    }
+    CHECK(e < 1e-5, "rope (hd %d rd %d) preserves pair norms: err %.3g", hd, rd, e);
+    CHECK(tail_same, "rope (hd %d rd %d) passes features rd.. through", hd, rd);
     float *inplace = copyf(c.inp, n);
-    op_rope_fwd(inplace, inplace, cs, sn, B, T, nh, hd);
+    op_rope_fwd(inplace, inplace, cs, sn, B, T, nh, hd, rd);
     CHECK(memcmp(inplace, out, n * sizeof(float)) == 0, "rope fwd in place equals out of place");
 
     float *W = randn(r, n, 1), *fd = zeros(n), *d = zeros(n);
-    op_rope_bwd(d, W, cs, sn, B, T, nh, hd);
+    op_rope_bwd(d, W, cs, sn, B, T, nh, hd, rd);
     fd_grad(fd, c.inp, n, rope_fwd, &c, out, W, n);
     CHECK_GRAD(d, fd, n, "rope dinp");
     float *d0 = randn(r, n, 1), *d1 = copyf(d0, n), *d2 = copyf(d0, n);
-    op_rope_bwd(d1, W, cs, sn, B, T, nh, hd);
-    op_rope_bwd(d2, W, cs, sn, B, T, nh, hd);
-    op_rope_bwd(d2, W, cs, sn, B, T, nh, hd);
+    op_rope_bwd(d1, W, cs, sn, B, T, nh, hd, rd);
+    op_rope_bwd(d2, W, cs, sn, B, T, nh, hd, rd);
+    op_rope_bwd(d2, W, cs, sn, B, T, nh, hd, rd);
     check_accum(d0, d1, d2, n, "rope dinp");
     // in place backward transforms the gradient (as if into a zeroed buffer)
     float *dip = copyf(W, n);
-    op_rope_bwd(dip, dip, cs, sn, B, T, nh, hd);
+    op_rope_bwd(dip, dip, cs, sn, B, T, nh, hd, rd);
     CHECK(memcmp(dip, d, n * sizeof(float)) == 0, "rope bwd in place equals into zeros");
     free(cs); free(sn); free(c.inp); free(out); free(inplace); free(W); free(fd); free(d);
     free(d0); free(d1); free(d2); free(dip);
@@ -660,9 +666,11 @@ int main(void) {
     test_rmsnorm(&r, 2, 130); // more than one column chunk in dw
 
     test_rope_tables();
-    test_rope(&r, 2, 3, 2, 6);
-    test_rope(&r, 1, 1, 3, 4);
-    test_rope(&r, 1, 5, 1, 8);
+    test_rope(&r, 2, 3, 2, 6, 6);
+    test_rope(&r, 1, 1, 3, 4, 4);
+    test_rope(&r, 1, 5, 1, 8, 8);
+    test_rope(&r, 2, 3, 2, 8, 6); /* partial_rotary_factor 0.75 */
+    test_rope(&r, 1, 4, 2, 10, 2);
 
     test_attention(&r, 2, 4, 4, 2, 6); // nh/nkv = 2 with 2 kv heads (h/2, not h%2)
     test_attention(&r, 1, 5, 2, 2, 6); // nh/nkv = 1

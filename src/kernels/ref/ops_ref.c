@@ -153,9 +153,10 @@ void op_rope_tables(float *cos, float *sin, int T, int hd, float theta) {
     }
 }
 
-void op_rope_fwd(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh, int hd) {
-    // out[B,T,nh,hd], inp[B,T,nh,hd], cos[T,hd/2], sin[T,hd/2]
-    int half = hd / 2;
+void op_rope_fwd(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh, int hd,
+                 int rd) {
+    // out[B,T,nh,hd], inp[B,T,nh,hd], cos[T,rd/2], sin[T,rd/2]; features rd.. pass through
+    int half = rd / 2;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
@@ -171,18 +172,21 @@ void op_rope_fwd(float *out, const float *inp, const float *cos, const float *si
                     y[i] = x1 * c[i] - x2 * s[i];
                     y[i + half] = x2 * c[i] + x1 * s[i];
                 }
+                if (y != x)
+                    for (int i = rd; i < hd; i++) y[i] = x[i];
             }
         }
     }
 }
 
-void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh, int hd) {
-    // dinp[B,T,nh,hd], dout[B,T,nh,hd], cos[T,hd/2], sin[T,hd/2]
+void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh, int hd,
+                 int rd) {
+    // dinp[B,T,nh,hd], dout[B,T,nh,hd], cos[T,rd/2], sin[T,rd/2]; features rd.. pass through
     // The rotation R acts on each pair (i, i+half); backward applies R^T.
     // When dinp == dout the gradient is transformed in place (dinp = R^T dout),
     // which is what accumulating into a zeroed buffer would give; adding to the
     // buffer being read would be meaningless.
-    int half = hd / 2;
+    int half = rd / 2;
     int inplace = dinp == dout;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
@@ -205,6 +209,8 @@ void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *
                         dx[i + half] += g2;
                     }
                 }
+                if (!inplace) /* the identity's gradient; in place it is already there */
+                    for (int i = rd; i < hd; i++) dx[i] += dy[i];
             }
         }
     }
