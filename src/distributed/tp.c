@@ -17,6 +17,7 @@ void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, i
         local->expert_rows = full->n_experts / ep;
         local->expert0 = ep_rank * local->expert_rows;
     }
+    local->tp_degree = t;
     local->n_heads = full->n_heads / t;
     local->n_kv_heads = full->n_kv_heads / t;
     local->intermediate = full->intermediate / t;
@@ -55,7 +56,8 @@ static void hook_post_forward(void *ctx, int l) {
 static void hook_pre_backward(void *ctx, int l) {
     tp_layout *p = ctx;
     if (p->inner) p->inner->pre_backward(p->inner->ctx, l);
-    if (!p->m->g.layer[l].qn) return; /* no q/k norms (or frozen): nothing replicated inside the heads */
+    /* no q/k norms (or frozen), or OLMo2's over the projection (sliced with the heads): nothing replicated */
+    if (!p->m->g.layer[l].qn || p->local.qk_norm != LM_QK_HEAD) return;
     int hd = p->local.head_dim;
     memcpy(p->qk_before, p->m->g.layer[l].qn, (size_t)hd * sizeof(float));
     memcpy(p->qk_before + hd, p->m->g.layer[l].kn, (size_t)hd * sizeof(float));
@@ -63,7 +65,7 @@ static void hook_pre_backward(void *ctx, int l) {
 /* Before FSDP's reduce-scatter: g = before + (sum over ranks of g - before). */
 static void hook_post_backward(void *ctx, int l) {
     tp_layout *p = ctx;
-    if (!p->m->g.layer[l].qn) {
+    if (!p->m->g.layer[l].qn || p->local.qk_norm != LM_QK_HEAD) {
         if (p->inner) p->inner->post_backward(p->inner->ctx, l);
         return;
     }

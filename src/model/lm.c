@@ -968,6 +968,12 @@ static const float *mlp_in(const lm_model *m, const lm_layer_acts *a) {
     return m->cfg.norm_place == LM_NORM_POST ? a->res_mid : a->ln2;
 }
 
+/* Under tensor parallelism a q/k norm over the whole projection (OLMo2) sees
+ * only this rank's heads: its row sums are summed over the group. */
+static int qk_norm_split(const lm_model *m) {
+    return m->cfg.tp_degree > 1 && m->hooks && m->hooks->reduce_partial;
+}
+
 /* out[BT, nh*hd] = RoPE(q/k norm(x)), by the family's q/k norm kind. */
 static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const float *w, const float *cs,
                    const float *sn, int B, int T, int nh, int hd) {
@@ -976,7 +982,15 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
     switch (m->cfg.qk_norm) {
     case LM_QK_HEAD: K(ROPE, qknorm_rope_fwd, out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps); break;
     case LM_QK_PROJ: /* one norm over all heads of a token, then RoPE in place */
-        K(RMSNORM, rmsnorm_fwd, out, rstd, x, nw(m, w, nh * hd), B * T, nh * hd, eps);
+        if (qk_norm_split(m)) { /* this rank's heads are 1/tp of the row: sum the squares over ranks */
+            int C = nh * hd, Cw = C * m->cfg.tp_degree;
+            op_rmsnorm_sumsq(rstd, x, B * T, C);
+            m->hooks->reduce_partial(m->hooks->ctx, rstd, (size_t)B * T);
+            for (int i = 0; i < B * T; i++) rstd[i] = 1.0f / sqrtf(rstd[i] / (float)Cw + eps);
+            op_rmsnorm_scale(out, x, nw(m, w, C), rstd, B * T, C);
+        } else {
+            K(RMSNORM, rmsnorm_fwd, out, rstd, x, nw(m, w, nh * hd), B * T, nh * hd, eps);
+        }
         K(ROPE, rope_fwd, out, out, cs, sn, B, T, nh, hd, rd);
         break;
     default: K(ROPE, rope_fwd, out, x, cs, sn, B, T, nh, hd, rd);
@@ -990,7 +1004,16 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
     case LM_QK_HEAD: K(ROPE, qknorm_rope_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd); break;
     case LM_QK_PROJ:
         K(ROPE, rope_bwd, dout, dout, cs, sn, B, T, nh, hd, rd); /* in place: dout = R^T dout */
-        K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, nh * hd), rstd, B * T, nh * hd);
+        if (qk_norm_split(m)) { /* the row's dot(dout, w x) spans the ranks' heads: summed over them */
+            int C = nh * hd;
+            float *dot = ct_malloc((size_t)B * T * sizeof(float)); /* [BT] */
+            op_rmsnorm_bwd_dot(dot, dout, x, nw(m, w, C), B * T, C);
+            m->hooks->reduce_partial(m->hooks->ctx, dot, (size_t)B * T);
+            op_rmsnorm_bwd_given(dx, dw, dout, x, nw(m, w, C), rstd, dot, B * T, C, C * m->cfg.tp_degree);
+            free(dot);
+        } else {
+            K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, nh * hd), rstd, B * T, nh * hd);
+        }
         break;
     default: K(ROPE, rope_bwd, dx, dout, cs, sn, B, T, nh, hd, rd);
     }

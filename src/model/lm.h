@@ -101,6 +101,10 @@ typedef struct {
      * those logits, the loss's max, sum of exponentials and target logit being
      * combined over ranks by hooks. vocab_rows == 0: the whole vocabulary. */
     int vocab_rows, vocab_row0;
+    /* Tensor-parallel degree this local config's heads were divided by
+     * (distributed/tp.c; 0 or 1: whole). A q/k norm over the whole projection
+     * (LM_QK_PROJ) then spans tp_degree ranks: its row sums go through hooks. */
+    int tp_degree;
     /* Expert parallel storage (distributed/ep.h): this model holds experts
      * [expert0, expert0 + expert_rows) of every MoE layer; the others' tensors
      * keep their names in the table with no elements, so tables of every

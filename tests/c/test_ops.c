@@ -248,6 +248,54 @@ static void test_rmsnorm(ct_rng *r, int N, int C) {
     free(rstd_saved); free(a0); free(a1); free(a2); free(a3); free(w0); free(w1); free(w2);
 }
 
+/* The RMSNorm of rows split over ranks (OLMo2's q/k norm under TP): the row
+ * [N, 2C] cut into two column halves as two ranks hold it, the phases run on
+ * each half and the row sums added between them as the all-reduce does, give
+ * op_rmsnorm_fwd/bwd of the whole row (dinp and each half of dw). */
+static void test_rmsnorm_split(ct_rng *r, int N, int C) {
+    int W2 = 2 * C;
+    size_t n = (size_t)N * W2;
+    float eps = 1e-6f;
+    float *x = randn(r, n, 1), *w = randn(r, W2, 1), *dy = randn(r, n, 1);
+    float *rs = zeros(N), *y = zeros(n), *dx = zeros(n), *dw = zeros(W2);
+    op_rmsnorm_fwd(y, rs, x, w, N, W2, eps);
+    op_rmsnorm_bwd(dx, dw, dy, x, w, rs, N, W2);
+    float *xh[2], *dyh[2], *ss[2], *dot[2], *yh[2], *dxh[2], *dwh[2];
+    for (int h = 0; h < 2; h++) { /* rank h's columns [h C, (h + 1) C) */
+        xh[h] = zeros((size_t)N * C), dyh[h] = zeros((size_t)N * C), yh[h] = zeros((size_t)N * C);
+        dxh[h] = zeros((size_t)N * C), dwh[h] = zeros(C), ss[h] = zeros(N), dot[h] = zeros(N);
+        for (int i = 0; i < N; i++) {
+            memcpy(xh[h] + (size_t)i * C, x + (size_t)i * W2 + h * C, C * sizeof(float));
+            memcpy(dyh[h] + (size_t)i * C, dy + (size_t)i * W2 + h * C, C * sizeof(float));
+        }
+        op_rmsnorm_sumsq(ss[h], xh[h], N, C);
+        op_rmsnorm_bwd_dot(dot[h], dyh[h], xh[h], w + h * C, N, C);
+    }
+    float *rsum = zeros(N), *dsum = zeros(N);
+    for (int i = 0; i < N; i++) {
+        rsum[i] = 1.0f / sqrtf((ss[0][i] + ss[1][i]) / (float)W2 + eps);
+        dsum[i] = dot[0][i] + dot[1][i];
+    }
+    double ey = 0, edx = 0, edw = 0;
+    for (int h = 0; h < 2; h++) {
+        op_rmsnorm_scale(yh[h], xh[h], w + h * C, rsum, N, C);
+        op_rmsnorm_bwd_given(dxh[h], dwh[h], dyh[h], xh[h], w + h * C, rsum, dsum, N, C, W2);
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < C; j++) {
+                size_t a = (size_t)i * W2 + h * C + j, b = (size_t)i * C + j;
+                ey = fmax(ey, fabs(yh[h][b] - y[a]));
+                edx = fmax(edx, fabs(dxh[h][b] - dx[a]));
+            }
+        for (int j = 0; j < C; j++) edw = fmax(edw, fabs(dwh[h][j] - dw[h * C + j]) / (1 + fabs(dw[h * C + j])));
+    }
+    CHECK(ey < 1e-5 && edx < 1e-5 && edw < 1e-5, "rmsnorm split over 2 ranks N=%d C=%d: out %.3g dinp %.3g dw %.3g",
+          N, C, ey, edx, edw);
+    for (int h = 0; h < 2; h++) {
+        free(xh[h]); free(dyh[h]); free(yh[h]); free(dxh[h]); free(dwh[h]); free(ss[h]); free(dot[h]);
+    }
+    free(x); free(w); free(dy); free(rs); free(y); free(dx); free(dw); free(rsum); free(dsum);
+}
+
 /* -------------------------------------------------------------------- rope */
 
 typedef struct {
@@ -664,6 +712,8 @@ int main(void) {
     test_rmsnorm(&r, 3, 7);
     test_rmsnorm(&r, 1, 6);
     test_rmsnorm(&r, 2, 130); // more than one column chunk in dw
+    test_rmsnorm_split(&r, 5, 12);
+    test_rmsnorm_split(&r, 3, 70);
 
     test_rope_tables();
     test_rope(&r, 2, 3, 2, 6, 6);

@@ -136,6 +136,63 @@ void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp,
     }
 }
 
+/* The RMSNorm of rows split over ranks, in phases (ops.h): the same sums as
+ * op_rmsnorm_fwd/bwd, with the row sums handed out and back. */
+void op_rmsnorm_sumsq(float *ss, const float *inp, int N, int C) {
+    // ss[N], inp[N,C]
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C;
+        float s = 0.0f;
+        for (int c = 0; c < C; c++) s += x[c] * x[c];
+        ss[n] = s;
+    }
+}
+
+void op_rmsnorm_scale(float *out, const float *inp, const float *w, const float *rstd, int N, int C) {
+    // out[N,C] = inp[N,C] * rstd[N] * w[C]
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C;
+        float *y = out + (size_t)n * C, r = rstd[n];
+        for (int c = 0; c < C; c++) y[c] = (x[c] * r) * w[c];
+    }
+}
+
+void op_rmsnorm_bwd_dot(float *dot, const float *dout, const float *inp, const float *w, int N, int C) {
+    // dot[N] = sum_c dout[N,C] * w[C] * inp[N,C]
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+        float s = 0.0f;
+        for (int c = 0; c < C; c++) s += dy[c] * w[c] * x[c];
+        dot[n] = s;
+    }
+}
+
+void op_rmsnorm_bwd_given(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                          const float *rstd, const float *dot, int N, int C, int Cw) {
+    // dinp[N,C] +=, dw[C] +=, dout/inp [N,C], w[C], rstd[N], dot[N] (summed over the whole row of Cw)
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+        float *dx = dinp + (size_t)n * C;
+        float r = rstd[n], k = dot[n] * r * r * r / (float)Cw;
+        for (int c = 0; c < C; c++) dx[c] += r * w[c] * dy[c] - k * x[c];
+    }
+    if (!dw) return;
+    int nchunks = (C + COL_CHUNK - 1) / COL_CHUNK; /* a reduction over rows, split by columns */
+#pragma omp parallel for schedule(static)
+    for (int ch = 0; ch < nchunks; ch++) {
+        int c0 = ch * COL_CHUNK, c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
+        for (int n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+            float r = rstd[n];
+            for (int c = c0; c < c1; c++) dw[c] += dy[c] * (x[c] * r);
+        }
+    }
+}
+
 /* -------------------------------------------------------------------- rope */
 
 void op_rope_tables(float *cos, float *sin, int T, int hd, float theta) {
