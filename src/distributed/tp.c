@@ -150,6 +150,7 @@ static void move_slice(const tp_layout *p, const lm_tensor *lt, float *s, const 
     size_t lr, lc, fr, fc, fb[3];
     dims(lt, &lr, &lc);
     dims(ft, &fr, &fc);
+    if (!lt->numel) return; /* an expert another EP rank holds (fewer rows, but not a TP slice) */
     if (lr < fr) { /* column-parallel: a block of rows of each row block */
         int nb = tp_row_blocks(p, ft, fb);
         size_t f0 = 0, l0 = 0;
