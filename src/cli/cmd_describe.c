@@ -101,7 +101,7 @@ int cli_describe(int argc, char **argv) {
     lm_layout(&table, &c);
     size_t n_params = table.n_params;
     lm_free(&table);
-    int half = c.head_dim / 2;
+    int rd = lm_rotary_dim(&c), half = rd / 2; /* partial_rotary_factor (Phi3): inv_freq over rd features */
     double inv[2][ROPE_MAX_HALF], scale[2];
     for (int k = 0; k < 2; k++) {
         rope_params p = lm_rope_params(&c, k);
@@ -111,9 +111,9 @@ int cli_describe(int argc, char **argv) {
     const char *type = c.model_type[0] ? c.model_type : c.n_experts > 0 ? "qwen3_moe" : "qwen3";
     double attn = c.attn_scale > 0 ? c.attn_scale : 1.0 / sqrt((double)c.head_dim);
     if (json) {
-        printf("{\"model_type\": \"%s\", \"head_dim\": %d, \"num_parameters\": %zu, \"seq_len\": %d, "
-               "\"tie_word_embeddings\": %s,\n \"layers\": [",
-               type, c.head_dim, n_params, seq, c.tie_embeddings ? "true" : "false");
+        printf("{\"model_type\": \"%s\", \"head_dim\": %d, \"rotary_dim\": %d, \"num_parameters\": %zu, "
+               "\"seq_len\": %d, \"tie_word_embeddings\": %s,\n \"layers\": [",
+               type, c.head_dim, rd, n_params, seq, c.tie_embeddings ? "true" : "false");
         for (int l = 0; l < c.n_layers; l++)
             printf("%s{\"sliding_window\": %d, \"rope\": \"%s\", \"moe\": %s}", l ? ", " : "",
                    c.layer_sliding[l] ? c.sliding_window : 0, c.layer_sliding[l] ? "sliding" : "full",
@@ -139,8 +139,8 @@ int cli_describe(int argc, char **argv) {
     printf("attention: scale %.6g, %d of %d layers slide over %d keys\n", attn, sliding, c.n_layers,
            c.sliding_window);
     for (int k = 0; k < (lm_rope_local_differs(&c) ? 2 : 1); k++)
-        printf("rope%s: %s, theta %g, attention scaling %.6g at %d positions\n", k ? " (sliding layers)" : "",
-               rope_type_name(lm_rope_params(&c, k).type), lm_rope_params(&c, k).theta, scale[k],
-               seq);
+        printf("rope%s: %s, theta %g, attention scaling %.6g at %d positions, rotates %d of %d features\n",
+               k ? " (sliding layers)" : "", rope_type_name(lm_rope_params(&c, k).type), lm_rope_params(&c, k).theta,
+               scale[k], seq, rd, c.head_dim);
     return 0;
 }

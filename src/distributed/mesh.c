@@ -36,13 +36,6 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: parallelism.tensor_parallel_degree = %d does not divide the model's %s (%d)", where,
                            tp, split[i].what, split[i].n);
-    if (tp > 1 && (mc->qk_norm == LM_QK_PROJ || mc->fused_qkv))
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.tensor_parallel_degree = %d is not supported for model_type \"%s\" (%s); use "
-                       "data_parallel_shard_degree (FSDP) instead",
-                       where, tp, mc->model_type,
-                       mc->fused_qkv ? "fused qkv_proj/gate_up_proj tensors"
-                                     : "its q/k norms span every head of a token");
     if (c->ep > 1) {
         if (mc->n_experts == 0)
             return ct_fail(e, CT_ERR_CONFIG,

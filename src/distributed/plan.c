@@ -405,23 +405,28 @@ double plan_optimizer_step(ct_plan *p, double lr, const adamw_hparams *hp, doubl
 static void load_put(void *ctx, int kind, int i, size_t r0, size_t r1, const float *rows) {
     ct_plan *p = ctx;
     const lm_tensor *lt = &p->m->tensors[i];
-    const float *src = rows;
-    size_t la = r0, n = lt->numel ? r1 - r0 : 0;
-    if (p->tp) n = tp_take_rows(p->tp, lt, &p->load.whole->tensors[i], r0, r1, rows, p->load.tmp, &src, &la);
-    if (!n) return;
-    if (kind == LM_PARAMS && lt->store != LM_NO_STORE) { /* a frozen tensor kept in bf16: FSDP's bf16 shard */
+    size_t fb[3];
+    /* a fused tensor's TP slice is one run of rows per block (tp_row_blocks) */
+    int nb = p->tp ? tp_row_blocks(p->tp, &p->load.whole->tensors[i], fb) : 1;
+    for (int k = 0; k < nb; k++) {
+        const float *src = rows;
+        size_t la = r0, n = lt->numel ? r1 - r0 : 0;
+        if (p->tp) n = tp_take_rows(p->tp, lt, &p->load.whole->tensors[i], k, r0, r1, rows, p->load.tmp, &src, &la);
+        if (!n) continue;
         size_t cols = lm_tensor_cols(lt);
-        if (p->fsdp) fsdp_take_store(p->fsdp, lt->store + la * cols, src, n * cols);
-        else lm_put_rows(p->m, i, la, la + n, src);
-        return;
-    }
-    size_t cols = lm_tensor_cols(lt), off = lt->offset + la * cols;
-    if (p->fsdp) {
-        float *shard = kind == LM_PARAMS ? p->fsdp->params : kind == LM_EXP_AVG ? p->opt->m : p->opt->v;
-        fsdp_take_range(p->fsdp, shard, off, src, n * cols);
-    } else {
-        float *dst = kind == LM_PARAMS ? p->m->params : kind == LM_EXP_AVG ? p->opt->m : p->opt->v;
-        memcpy(dst + off, src, n * cols * sizeof(float));
+        if (kind == LM_PARAMS && lt->store != LM_NO_STORE) { /* a frozen tensor kept in bf16: FSDP's bf16 shard */
+            if (p->fsdp) fsdp_take_store(p->fsdp, lt->store + la * cols, src, n * cols);
+            else lm_put_rows(p->m, i, la, la + n, src);
+            continue;
+        }
+        size_t off = lt->offset + la * cols;
+        if (p->fsdp) {
+            float *shard = kind == LM_PARAMS ? p->fsdp->params : kind == LM_EXP_AVG ? p->opt->m : p->opt->v;
+            fsdp_take_range(p->fsdp, shard, off, src, n * cols);
+        } else {
+            float *dst = kind == LM_PARAMS ? p->m->params : kind == LM_EXP_AVG ? p->opt->m : p->opt->v;
+            memcpy(dst + off, src, n * cols * sizeof(float));
+        }
     }
 }
 

@@ -17,6 +17,7 @@ void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, i
         local->expert_rows = full->n_experts / ep;
         local->expert0 = ep_rank * local->expert_rows;
     }
+    local->tp_degree = t;
     local->n_heads = full->n_heads / t;
     local->n_kv_heads = full->n_kv_heads / t;
     local->intermediate = full->intermediate / t;
@@ -55,7 +56,8 @@ static void hook_post_forward(void *ctx, int l) {
 static void hook_pre_backward(void *ctx, int l) {
     tp_layout *p = ctx;
     if (p->inner) p->inner->pre_backward(p->inner->ctx, l);
-    if (!p->m->g.layer[l].qn) return; /* no q/k norms (or frozen): nothing replicated inside the heads */
+    /* no q/k norms (or frozen), or OLMo2's over the projection (sliced with the heads): nothing replicated */
+    if (!p->m->g.layer[l].qn || p->local.qk_norm != LM_QK_HEAD) return;
     int hd = p->local.head_dim;
     memcpy(p->qk_before, p->m->g.layer[l].qn, (size_t)hd * sizeof(float));
     memcpy(p->qk_before + hd, p->m->g.layer[l].kn, (size_t)hd * sizeof(float));
@@ -63,7 +65,7 @@ static void hook_pre_backward(void *ctx, int l) {
 /* Before FSDP's reduce-scatter: g = before + (sum over ranks of g - before). */
 static void hook_post_backward(void *ctx, int l) {
     tp_layout *p = ctx;
-    if (!p->m->g.layer[l].qn) {
+    if (!p->m->g.layer[l].qn || p->local.qk_norm != LM_QK_HEAD) {
         if (p->inner) p->inner->post_backward(p->inner->ctx, l);
         return;
     }
@@ -118,16 +120,47 @@ static void dims(const lm_tensor *t, size_t *rows, size_t *cols) {
     *cols = t->ndim == 2 ? (size_t)t->shape[1] : 1;
 }
 
+/* The row blocks of a whole tensor that are column-parallel each on their
+ * own: Phi3's fused qkv_proj is q, k and v stacked (rank r holds its heads'
+ * rows of each: [q_r; k_r; v_r] is its local qkv_proj, the layout the local
+ * model reads), gate_up_proj gate and up; any other tensor is one block.
+ * Fills fb[] with the whole blocks' row counts; returns how many. */
+int tp_row_blocks(const tp_layout *p, const lm_tensor *ft, size_t fb[3]) {
+    size_t fr, fc;
+    dims(ft, &fr, &fc);
+    if (ft->slot == LM_S_WQKV) {
+        size_t hd = (size_t)p->full.head_dim;
+        fb[0] = (size_t)p->full.n_heads * hd;
+        fb[1] = fb[2] = (size_t)p->full.n_kv_heads * hd;
+        return 3;
+    }
+    if (ft->slot == LM_S_WGU) {
+        fb[0] = fb[1] = fr / 2;
+        return 2;
+    }
+    fb[0] = fr;
+    return 1;
+}
+
 /* Copies rank r's slice of one tensor between its whole form (w) and its
  * local form (s): to_local 1 reads w, 0 writes it. An expert another EP
  * rank holds has no rows here: nothing moves. */
-static void move_slice(const lm_tensor *lt, float *s, const lm_tensor *ft, float *w, int r, int to_local) {
-    size_t lr, lc, fr, fc;
+static void move_slice(const tp_layout *p, const lm_tensor *lt, float *s, const lm_tensor *ft, float *w, int r,
+                       int to_local) {
+    size_t lr, lc, fr, fc, fb[3];
     dims(lt, &lr, &lc);
     dims(ft, &fr, &fc);
-    if (lr < fr) { /* column-parallel: a block of rows */
-        float *a = s, *b = w + (size_t)r * lr * lc;
-        memcpy(to_local ? a : b, to_local ? b : a, lr * lc * sizeof(float));
+    if (!lt->numel) return; /* an expert another EP rank holds (fewer rows, but not a TP slice) */
+    if (lr < fr) { /* column-parallel: a block of rows of each row block */
+        int nb = tp_row_blocks(p, ft, fb);
+        size_t f0 = 0, l0 = 0;
+        for (int k = 0; k < nb; k++) {
+            size_t n = fb[k] / (size_t)p->t; /* this rank's rows of block k */
+            float *a = s + l0 * lc, *b = w + (f0 + (size_t)r * n) * lc;
+            memcpy(to_local ? a : b, to_local ? b : a, n * lc * sizeof(float));
+            f0 += fb[k];
+            l0 += n;
+        }
     } else if (lc < fc) { /* row-parallel: a block of columns in every row */
         for (size_t i = 0; i < lr; i++) {
             float *a = s + i * lc, *b = w + i * fc + (size_t)r * lc;
@@ -147,19 +180,28 @@ void tp_classify(tp_layout *p, const lm_model *lm, const lm_model *fm) {
     }
 }
 
-size_t tp_take_rows(const tp_layout *p, const lm_tensor *lt, const lm_tensor *ft, size_t r0, size_t r1,
+size_t tp_take_rows(const tp_layout *p, const lm_tensor *lt, const lm_tensor *ft, int blk, size_t r0, size_t r1,
                     const float *rows, float *tmp, const float **out, size_t *la) {
-    size_t lr, lc, fr, fc;
+    size_t lr, lc, fr, fc, fb[3];
     dims(lt, &lr, &lc);
     dims(ft, &fr, &fc);
     if (!lt->numel) return 0; /* an expert another EP rank holds */
-    if (lr < fr) { /* column-parallel: whole rows [R, R + lr) are this rank's */
-        size_t R = (size_t)p->rank * lr, a = r0 > R ? r0 : R, b = r1 < R + lr ? r1 : R + lr;
+    if (lr < fr) { /* column-parallel: whole rows [R, R + n) of row block blk are this rank's */
+        int nb = tp_row_blocks(p, ft, fb);
+        if (blk >= nb) return 0;
+        size_t f0 = 0, l0 = 0;
+        for (int k = 0; k < blk; k++) {
+            f0 += fb[k];
+            l0 += fb[k] / (size_t)p->t;
+        }
+        size_t n = fb[blk] / (size_t)p->t, R = f0 + (size_t)p->rank * n;
+        size_t a = r0 > R ? r0 : R, b = r1 < R + n ? r1 : R + n;
         if (a >= b) return 0;
         *out = rows + (a - r0) * fc;
-        *la = a - R;
+        *la = l0 + (a - R);
         return b - a;
     }
+    if (blk > 0) return 0; /* one block */
     if (lc < fc) { /* row-parallel: columns [rank lc, (rank + 1) lc) of every row */
         for (size_t k = 0; k < r1 - r0; k++)
             memcpy(tmp + k * lc, rows + k * fc + (size_t)p->rank * lc, lc * sizeof(float));
@@ -210,8 +252,8 @@ void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const lm_model *f
                 const lm_tensor *lt = &rm->tensors[i], *ft = &fm->tensors[i];
                 /* the rest is the same on every EP rank, and under FSDP gathered on EP index 0 only */
                 if (r >= p->t && !p->expert[i]) continue;
-                move_slice(lt, all + (size_t)r * n + (lt->offset - rbase), ft, full + (ft->offset - fbase), r % p->t,
-                           0);
+                move_slice(p, lt, all + (size_t)r * n + (lt->offset - rbase), ft, full + (ft->offset - fbase),
+                           r % p->t, 0);
             }
         }
     }

@@ -6,6 +6,8 @@
  * which slice of each whole tensor a rank holds and when a collective runs:
  *   - column-parallel q/k/v_proj and gate/up_proj: rank r holds rows
  *     [r * n / t, (r + 1) * n / t) (its heads, kv heads, intermediate slice);
+ *     Phi3's fused qkv_proj and gate_up_proj are sliced block by block
+ *     (tp_row_blocks), so the local one is [q_r; k_r; v_r] / [gate_r; up_r];
  *   - row-parallel o_proj and down_proj: the matching columns; their outputs
  *     are partial sums, all-reduced over the group (hooks.reduce_partial)
  *     before the residual is added once;
@@ -75,12 +77,17 @@ void tp_attach(tp_layout *p, lm_model *m);
 /* Learns, once, which tensors of the local table lm are sliced (against the
  * whole table fm) and which are experts' (for tp_sq_range). */
 void tp_classify(tp_layout *p, const lm_model *lm, const lm_model *fm);
+/* Row blocks of whole tensor ft that are sliced each on their own (Phi3's
+ * fused qkv_proj: q, k, v; gate_up_proj: gate, up; else the whole tensor):
+ * fb[] their row counts; returns how many (1..3). */
+int tp_row_blocks(const tp_layout *p, const lm_tensor *ft, size_t fb[3]);
 /* Rows [r0, r1) of whole tensor ft (rows[(r1 - r0) x its columns]) -> this
- * rank's part of them: returns how many rows of the local tensor lt they
- * give (0: none, e.g. another EP rank's expert), from local row *la, at
- * *out (inside rows, or in tmp[(r1 - r0) x lt's columns] for a column
- * slice). */
-size_t tp_take_rows(const tp_layout *p, const lm_tensor *lt, const lm_tensor *ft, size_t r0, size_t r1,
+ * rank's part of them inside row block blk (0 .. tp_row_blocks - 1; a fused
+ * tensor's slice is one run of rows per block): returns how many rows of the
+ * local tensor lt they give (0: none, e.g. another EP rank's expert), from
+ * local row *la, at *out (inside rows, or in tmp[(r1 - r0) x lt's columns]
+ * for a column slice). */
+size_t tp_take_rows(const tp_layout *p, const lm_tensor *lt, const lm_tensor *ft, int blk, size_t r0, size_t r1,
                     const float *rows, float *tmp, const float **out, size_t *la);
 /* Collective over `g`, the ranks whose slices make up the whole model:
  * g's rank r is TP index r % t and EP index r / t (the TP group of the

@@ -36,12 +36,31 @@ void op_rmsnorm_fwd(float *out, float *rstd, const float *inp, const float *w, i
 void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                     const float *rstd, int N, int C);
 
-/* Rotate-half RoPE, in place allowed (out may equal inp).
- * x[B,T,nh,hd]; cos,sin [T, hd/2] (positions 0..T-1; HF's emb = cat(f, f) so
- * both halves share angle i). out[..., i] = x_i c - x_{i+h} s, out[..., i+h] = x_{i+h} c + x_i s. */
-void op_rope_fwd(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh, int hd);
-/* dinp += R^T dout. In place (dinp == dout) it overwrites: dout = R^T dout. */
-void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh, int hd);
+/* RMSNorm whose rows are split over ranks (OLMo2's q/k norm over the whole
+ * projection under tensor parallelism: each rank holds C of the row's Cw
+ * features). The caller sums the per-row partials over the ranks between
+ * the phases; nothing here communicates. Forward: ss[N] = sum_c inp^2, then
+ * (after the sum) rstd = 1/sqrt(ss/Cw + eps) and out = inp * rstd * w. */
+void op_rmsnorm_sumsq(float *ss, const float *inp, int N, int C);
+void op_rmsnorm_scale(float *out, const float *inp, const float *w, const float *rstd, int N, int C);
+/* Backward: dot[N] = sum_c dout * w * inp, then (after the sum)
+ * dinp += r w dout - (r^3 / Cw) inp dot, dw[C] += sum_n dout inp r (dw may be NULL). */
+void op_rmsnorm_bwd_dot(float *dot, const float *dout, const float *inp, const float *w, int N, int C);
+void op_rmsnorm_bwd_given(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                          const float *rstd, const float *dot, int N, int C, int Cw);
+
+/* Rotate-half RoPE over the first rd (even, <= hd) features of each head, in
+ * place allowed (out may equal inp). x[B,T,nh,hd]; cos,sin [T, rd/2]
+ * (positions 0..T-1; HF's emb = cat(f, f) so both halves share angle i).
+ * With h = rd/2, for i < h: out[..., i] = x_i c - x_{i+h} s, out[..., i+h] = x_{i+h} c + x_i s;
+ * features rd..hd-1 pass through unchanged (partial_rotary_factor: transformers'
+ * Phi3 apply_rotary_pos_emb rotates q[..., :rotary_dim] and concatenates the rest). */
+void op_rope_fwd(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh, int hd,
+                 int rd);
+/* dinp += R^T dout (the pass-through features: dinp += dout). In place
+ * (dinp == dout) it overwrites: dout = R^T dout. */
+void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh, int hd,
+                 int rd);
 /* cos/sin tables [T, hd/2] with inv_freq[i] = 1/theta^(2i/hd) computed in fp32 as HF does. */
 void op_rope_tables(float *cos, float *sin, int T, int hd, float theta);
 /* Qwen3's per-head q/k RMSNorm followed by RoPE, fused (registered with the

@@ -64,7 +64,7 @@ typedef void (*kern_rmsnorm_fwd_fn)(float *out, float *rstd, const float *inp, c
 typedef void (*kern_rmsnorm_bwd_fn)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                                     const float *rstd, int N, int C);
 typedef void (*kern_rope_fn)(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
-                             int hd);
+                             int hd, int rd);
 typedef void (*kern_qknorm_rope_fwd_fn)(float *out, float *rstd, const float *x, const float *w, const float *cos,
                                         const float *sin, int B, int T, int nh, int hd, float eps);
 typedef void (*kern_qknorm_rope_bwd_fn)(float *dx, float *dw, const float *dout, const float *x, const float *w,

@@ -559,7 +559,12 @@ void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T,
     rope_params p = lm_rope_params(c, sliding);
     double inv[ROPE_MAX_HALF], scale = 1.0;
     rope_inv_freq(&p, c->head_dim, seq_len, inv, &scale);
-    rope_tables(cos, sin, p0, T, c->head_dim / 2, inv, scale);
+    rope_tables(cos, sin, p0, T, rope_rotary_dim(&p, c->head_dim) / 2, inv, scale);
+}
+
+int lm_rotary_dim(const lm_config *c) {
+    /* lm_config_from_hf refuses a sliding-layer RoPE that rotates another width */
+    return c->has_rope ? rope_rotary_dim(&c->rope, c->head_dim) : c->head_dim;
 }
 
 /* The model's tables for a forward of T positions. */
@@ -963,29 +968,54 @@ static const float *mlp_in(const lm_model *m, const lm_layer_acts *a) {
     return m->cfg.norm_place == LM_NORM_POST ? a->res_mid : a->ln2;
 }
 
+/* Under tensor parallelism a q/k norm over the whole projection (OLMo2) sees
+ * only this rank's heads: its row sums are summed over the group. */
+static int qk_norm_split(const lm_model *m) {
+    return m->cfg.tp_degree > 1 && m->hooks && m->hooks->reduce_partial;
+}
+
 /* out[BT, nh*hd] = RoPE(q/k norm(x)), by the family's q/k norm kind. */
 static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const float *w, const float *cs,
                    const float *sn, int B, int T, int nh, int hd) {
     float eps = (float)m->cfg.rms_eps;
+    int rd = lm_rotary_dim(&m->cfg); /* the fused per-head op rotates whole heads: read_rope refuses rd < hd with it */
     switch (m->cfg.qk_norm) {
     case LM_QK_HEAD: K(ROPE, qknorm_rope_fwd, out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps); break;
     case LM_QK_PROJ: /* one norm over all heads of a token, then RoPE in place */
-        K(RMSNORM, rmsnorm_fwd, out, rstd, x, nw(m, w, nh * hd), B * T, nh * hd, eps);
-        K(ROPE, rope_fwd, out, out, cs, sn, B, T, nh, hd);
+        if (qk_norm_split(m)) { /* this rank's heads are 1/tp of the row: sum the squares over ranks */
+            int C = nh * hd, Cw = C * m->cfg.tp_degree;
+            op_rmsnorm_sumsq(rstd, x, B * T, C);
+            m->hooks->reduce_partial(m->hooks->ctx, rstd, (size_t)B * T);
+            for (int i = 0; i < B * T; i++) rstd[i] = 1.0f / sqrtf(rstd[i] / (float)Cw + eps);
+            op_rmsnorm_scale(out, x, nw(m, w, C), rstd, B * T, C);
+        } else {
+            K(RMSNORM, rmsnorm_fwd, out, rstd, x, nw(m, w, nh * hd), B * T, nh * hd, eps);
+        }
+        K(ROPE, rope_fwd, out, out, cs, sn, B, T, nh, hd, rd);
         break;
-    default: K(ROPE, rope_fwd, out, x, cs, sn, B, T, nh, hd);
+    default: K(ROPE, rope_fwd, out, x, cs, sn, B, T, nh, hd, rd);
     }
 }
 /* dx += d(x) from dout = d(out); dout is overwritten (scratch). */
 static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *x, const float *w, const float *rstd,
                    const float *cs, const float *sn, int B, int T, int nh, int hd) {
+    int rd = lm_rotary_dim(&m->cfg);
     switch (m->cfg.qk_norm) {
     case LM_QK_HEAD: K(ROPE, qknorm_rope_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd); break;
     case LM_QK_PROJ:
-        K(ROPE, rope_bwd, dout, dout, cs, sn, B, T, nh, hd); /* in place: dout = R^T dout */
-        K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, nh * hd), rstd, B * T, nh * hd);
+        K(ROPE, rope_bwd, dout, dout, cs, sn, B, T, nh, hd, rd); /* in place: dout = R^T dout */
+        if (qk_norm_split(m)) { /* the row's dot(dout, w x) spans the ranks' heads: summed over them */
+            int C = nh * hd;
+            float *dot = ct_malloc((size_t)B * T * sizeof(float)); /* [BT] */
+            op_rmsnorm_bwd_dot(dot, dout, x, nw(m, w, C), B * T, C);
+            m->hooks->reduce_partial(m->hooks->ctx, dot, (size_t)B * T);
+            op_rmsnorm_bwd_given(dx, dw, dout, x, nw(m, w, C), rstd, dot, B * T, C, C * m->cfg.tp_degree);
+            free(dot);
+        } else {
+            K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, nh * hd), rstd, B * T, nh * hd);
+        }
         break;
-    default: K(ROPE, rope_bwd, dx, dout, cs, sn, B, T, nh, hd);
+    default: K(ROPE, rope_bwd, dx, dout, cs, sn, B, T, nh, hd, rd);
     }
 }
 

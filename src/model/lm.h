@@ -101,6 +101,10 @@ typedef struct {
      * those logits, the loss's max, sum of exponentials and target logit being
      * combined over ranks by hooks. vocab_rows == 0: the whole vocabulary. */
     int vocab_rows, vocab_row0;
+    /* Tensor-parallel degree this local config's heads were divided by
+     * (distributed/tp.c; 0 or 1: whole). A q/k norm over the whole projection
+     * (LM_QK_PROJ) then spans tp_degree ranks: its row sums go through hooks. */
+    int tp_degree;
     /* Expert parallel storage (distributed/ep.h): this model holds experts
      * [expert0, expert0 + expert_rows) of every MoE layer; the others' tensors
      * keep their names in the table with no elements, so tables of every
@@ -136,11 +140,14 @@ int lm_lora_on(const lm_config *c, int l, int p);
 /* The RoPE of full (sliding = 0) or sliding layers: config.json's, or for a
  * flavor default RoPE with rope_theta. */
 rope_params lm_rope_params(const lm_config *c, int sliding);
-/* RoPE cos/sin tables [T, hd/2] of full (sliding = 0) or sliding layers for
+/* RoPE cos/sin tables [T, lm_rotary_dim/2] of full (sliding = 0) or sliding layers for
  * a forward over positions 0 .. seq_len-1, rows p0 .. p0+T-1 (T <= seq_len - p0),
  * as transformers' rotary embedding computes them for that forward
  * (dynamic and longrope depend on seq_len). */
 void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T, float *cos, float *sin);
+/* The features of each head RoPE rotates (int(head_dim * partial_rotary_factor),
+ * Phi3 only; the rest pass through): the width of the cos/sin tables is half of it. */
+int lm_rotary_dim(const lm_config *c);
 /* Whether the tables depend on the forward's length (dynamic, longrope). */
 int lm_rope_by_length(const lm_config *c);
 /* Whether sliding layers have RoPE tables of their own. */

@@ -55,9 +55,9 @@ static void run_rope(void *c_, float *o) {
     memcpy(dx, c->dout, n * sizeof(float));
     memcpy(dw, c->w, (size_t)c->hd * sizeof(float));
     c->im->fn.rope.qknorm_bwd(dx, dw, c->dout, c->x, c->w, rs, c->cs, c->sn, c->B, c->T, c->nh, c->hd);
-    c->im->fn.rope.fwd(ry, c->x, c->cs, c->sn, c->B, c->T, c->nh, c->hd);
+    c->im->fn.rope.fwd(ry, c->x, c->cs, c->sn, c->B, c->T, c->nh, c->hd, c->hd);
     memcpy(rd, c->x, n * sizeof(float));
-    c->im->fn.rope.bwd(rd, c->dout, c->cs, c->sn, c->B, c->T, c->nh, c->hd);
+    c->im->fn.rope.bwd(rd, c->dout, c->cs, c->sn, c->B, c->T, c->nh, c->hd, c->hd);
 }
 
 static void run_swiglu(void *c_, float *o) {

@@ -6,8 +6,9 @@
  * large tensor. The test models of the Python suite are too small to need a
  * second block, so here:
  *   - tp_take_rows against the slice taken from the whole tensor, for a row
- *     slice, a column slice, a replicated tensor and an expert another rank
- *     holds, at every rank and with blocks of 1, 3, 4 and all rows;
+ *     slice, a column slice, a replicated tensor, an expert another rank
+ *     holds and Phi3's fused qkv_proj (a row slice of each of q, k, v), at
+ *     every rank and with blocks of 1, 3, 4 and all rows;
  *   - the seeded init of a model whose embedding spans three blocks, against
  *     the same values drawn one tensor at a time (they must be bit-identical:
  *     every layout starts from one process's weights);
@@ -43,12 +44,17 @@ static void take_case(const char *what, const tp_layout *p, const lm_tensor *lt,
     size_t R = (size_t)ft->shape[0], C = (size_t)ft->shape[1], lc = lt->numel ? (size_t)lt->shape[1] : 0;
     float *got = calloc(lt->numel + 1, sizeof(float)), *tmp = calloc(R * C + 1, sizeof(float));
     size_t rows_got = 0;
+    size_t fb[3];
+    int nb = tp_row_blocks(p, ft, fb);
     for (size_t r0 = 0; r0 < R; r0 += step) {
-        size_t r1 = r0 + step < R ? r0 + step : R, la = 0;
-        const float *out = NULL;
-        size_t n = tp_take_rows(p, lt, ft, r0, r1, whole + r0 * C, tmp, &out, &la);
-        if (n) memcpy(got + la * lc, out, n * lc * sizeof(float));
-        rows_got += n;
+        size_t r1 = r0 + step < R ? r0 + step : R;
+        for (int k = 0; k < nb; k++) { /* as plan.c's load_put */
+            size_t la = 0;
+            const float *out = NULL;
+            size_t n = tp_take_rows(p, lt, ft, k, r0, r1, whole + r0 * C, tmp, &out, &la);
+            if (n) memcpy(got + la * lc, out, n * lc * sizeof(float));
+            rows_got += n;
+        }
     }
     CHECK(rows_got == (lt->numel ? (size_t)lt->shape[0] : 0), "%s, rank %d, blocks of %zu: %zu rows", what, p->rank,
           step, rows_got);
@@ -80,6 +86,23 @@ static void test_take_rows(void) {
             lm_tensor none = tensor(0, C); /* an expert another EP rank holds */
             take_case("not held", &p, &none, &ft, whole, want, steps[s]);
         }
+    }
+    /* fused qkv_proj of 4 heads and 2 kv heads of 1 feature: rows q0 q1 q2 q3 k0 k1 v0 v1;
+     * rank r holds [q_2r q_2r+1 k_r v_r] */
+    enum { QR = 8 };
+    float qkv[QR * C], wq[QR * C];
+    for (int i = 0; i < QR * C; i++) qkv[i] = (float)i;
+    lm_tensor fq = tensor(QR, C), lq = tensor(QR / T, C);
+    fq.slot = lq.slot = LM_S_WQKV;
+    for (int rank = 0; rank < T; rank++) {
+        tp_layout p = {0};
+        p.t = T;
+        p.rank = rank;
+        p.full.n_heads = 4, p.full.n_kv_heads = 2, p.full.head_dim = 1;
+        static const int rows_of[T][4] = {{0, 1, 4, 6}, {2, 3, 5, 7}};
+        for (int k = 0; k < 4; k++) memcpy(wq + k * C, qkv + rows_of[rank][k] * C, sizeof(float) * C);
+        for (size_t s = 0; s < sizeof steps / sizeof steps[0]; s++)
+            take_case("fused qkv", &p, &lq, &fq, qkv, wq, steps[s]);
     }
 }
 

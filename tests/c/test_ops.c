@@ -248,17 +248,65 @@ static void test_rmsnorm(ct_rng *r, int N, int C) {
     free(rstd_saved); free(a0); free(a1); free(a2); free(a3); free(w0); free(w1); free(w2);
 }
 
+/* The RMSNorm of rows split over ranks (OLMo2's q/k norm under TP): the row
+ * [N, 2C] cut into two column halves as two ranks hold it, the phases run on
+ * each half and the row sums added between them as the all-reduce does, give
+ * op_rmsnorm_fwd/bwd of the whole row (dinp and each half of dw). */
+static void test_rmsnorm_split(ct_rng *r, int N, int C) {
+    int W2 = 2 * C;
+    size_t n = (size_t)N * W2;
+    float eps = 1e-6f;
+    float *x = randn(r, n, 1), *w = randn(r, W2, 1), *dy = randn(r, n, 1);
+    float *rs = zeros(N), *y = zeros(n), *dx = zeros(n), *dw = zeros(W2);
+    op_rmsnorm_fwd(y, rs, x, w, N, W2, eps);
+    op_rmsnorm_bwd(dx, dw, dy, x, w, rs, N, W2);
+    float *xh[2], *dyh[2], *ss[2], *dot[2], *yh[2], *dxh[2], *dwh[2];
+    for (int h = 0; h < 2; h++) { /* rank h's columns [h C, (h + 1) C) */
+        xh[h] = zeros((size_t)N * C), dyh[h] = zeros((size_t)N * C), yh[h] = zeros((size_t)N * C);
+        dxh[h] = zeros((size_t)N * C), dwh[h] = zeros(C), ss[h] = zeros(N), dot[h] = zeros(N);
+        for (int i = 0; i < N; i++) {
+            memcpy(xh[h] + (size_t)i * C, x + (size_t)i * W2 + h * C, C * sizeof(float));
+            memcpy(dyh[h] + (size_t)i * C, dy + (size_t)i * W2 + h * C, C * sizeof(float));
+        }
+        op_rmsnorm_sumsq(ss[h], xh[h], N, C);
+        op_rmsnorm_bwd_dot(dot[h], dyh[h], xh[h], w + h * C, N, C);
+    }
+    float *rsum = zeros(N), *dsum = zeros(N);
+    for (int i = 0; i < N; i++) {
+        rsum[i] = 1.0f / sqrtf((ss[0][i] + ss[1][i]) / (float)W2 + eps);
+        dsum[i] = dot[0][i] + dot[1][i];
+    }
+    double ey = 0, edx = 0, edw = 0;
+    for (int h = 0; h < 2; h++) {
+        op_rmsnorm_scale(yh[h], xh[h], w + h * C, rsum, N, C);
+        op_rmsnorm_bwd_given(dxh[h], dwh[h], dyh[h], xh[h], w + h * C, rsum, dsum, N, C, W2);
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < C; j++) {
+                size_t a = (size_t)i * W2 + h * C + j, b = (size_t)i * C + j;
+                ey = fmax(ey, fabs(yh[h][b] - y[a]));
+                edx = fmax(edx, fabs(dxh[h][b] - dx[a]));
+            }
+        for (int j = 0; j < C; j++) edw = fmax(edw, fabs(dwh[h][j] - dw[h * C + j]) / (1 + fabs(dw[h * C + j])));
+    }
+    CHECK(ey < 1e-5 && edx < 1e-5 && edw < 1e-5, "rmsnorm split over 2 ranks N=%d C=%d: out %.3g dinp %.3g dw %.3g",
+          N, C, ey, edx, edw);
+    for (int h = 0; h < 2; h++) {
+        free(xh[h]); free(dyh[h]); free(yh[h]); free(dxh[h]); free(dwh[h]); free(ss[h]); free(dot[h]);
+    }
+    free(x); free(w); free(dy); free(rs); free(y); free(dx); free(dw); free(rsum); free(dsum);
+}
+
 /* -------------------------------------------------------------------- rope */
 
 typedef struct {
     float *inp;
     const float *cos, *sin;
-    int B, T, nh, hd;
+    int B, T, nh, hd, rd;
 } rope_ctx;
 
 static void rope_fwd(void *c_, float *out) {
     rope_ctx *c = c_;
-    op_rope_fwd(out, c->inp, c->cos, c->sin, c->B, c->T, c->nh, c->hd);
+    op_rope_fwd(out, c->inp, c->cos, c->sin, c->B, c->T, c->nh, c->hd, c->rd);
 }
 
 static void test_rope_tables(void) {
@@ -277,39 +325,45 @@ static void test_rope_tables(void) {
     CHECK(cs[1 * hd / 2 + 0] == cosf(1.0f), "rope tables: inv_freq[0] is exactly 1");
 }
 
-static void test_rope(ct_rng *r, int B, int T, int nh, int hd) {
-    size_t n = (size_t)B * T * nh * hd, nt = (size_t)T * hd / 2;
+/* rd: the rotated features of each head (rd < hd: partial_rotary_factor, the rest pass through) */
+static void test_rope(ct_rng *r, int B, int T, int nh, int hd, int rd) {
+    size_t n = (size_t)B * T * nh * hd, nt = (size_t)T * rd / 2;
+    int h = rd / 2;
     float *cs = zeros(nt), *sn = zeros(nt);
-    op_rope_tables(cs, sn, T, hd, 1e6f);
-    rope_ctx c = {randn(r, n, 1), cs, sn, B, T, nh, hd};
+    op_rope_tables(cs, sn, T, rd, 1e6f);
+    rope_ctx c = {randn(r, n, 1), cs, sn, B, T, nh, hd, rd};
     float *out = zeros(n);
     rope_fwd(&c, out);
-    // a rotation keeps the norm of each (i, i+hd/2) pair
+    // a rotation keeps the norm of each (i, i+rd/2) pair; features rd.. are copied
     double e = 0;
-    for (size_t row = 0; row < n / hd; row++)
-        for (int i = 0; i < hd / 2; i++) {
-            const float *x = c.inp + row * hd, *y = out + row * hd;
-            double nx = x[i] * x[i] + x[i + hd / 2] * x[i + hd / 2];
-            double ny = y[i] * y[i] + y[i + hd / 2] * y[i + hd / 2];
+    int tail_same = 1;
+    for (size_t row = 0; row < n / hd; row++) {
+        const float *x = c.inp + row * hd, *y = out + row * hd;
+        for (int i = 0; i < h; i++) {
+            double nx = x[i] * x[i] + x[i + h] * x[i + h];
+            double ny = y[i] * y[i] + y[i + h] * y[i + h];
             e = fmax(e, fabs(nx - ny));
         }
-    CHECK(e < 1e-5, "rope preserves pair norms: err %.3g", e);
+        for (int i = rd; i < hd; i++) tail_same &= x[i] == y[i];
+    }
+    CHECK(e < 1e-5, "rope (hd %d rd %d) preserves pair norms: err %.3g", hd, rd, e);
+    CHECK(tail_same, "rope (hd %d rd %d) passes features rd.. through", hd, rd);
     float *inplace = copyf(c.inp, n);
-    op_rope_fwd(inplace, inplace, cs, sn, B, T, nh, hd);
+    op_rope_fwd(inplace, inplace, cs, sn, B, T, nh, hd, rd);
     CHECK(memcmp(inplace, out, n * sizeof(float)) == 0, "rope fwd in place equals out of place");
 
     float *W = randn(r, n, 1), *fd = zeros(n), *d = zeros(n);
-    op_rope_bwd(d, W, cs, sn, B, T, nh, hd);
+    op_rope_bwd(d, W, cs, sn, B, T, nh, hd, rd);
     fd_grad(fd, c.inp, n, rope_fwd, &c, out, W, n);
     CHECK_GRAD(d, fd, n, "rope dinp");
     float *d0 = randn(r, n, 1), *d1 = copyf(d0, n), *d2 = copyf(d0, n);
-    op_rope_bwd(d1, W, cs, sn, B, T, nh, hd);
-    op_rope_bwd(d2, W, cs, sn, B, T, nh, hd);
-    op_rope_bwd(d2, W, cs, sn, B, T, nh, hd);
+    op_rope_bwd(d1, W, cs, sn, B, T, nh, hd, rd);
+    op_rope_bwd(d2, W, cs, sn, B, T, nh, hd, rd);
+    op_rope_bwd(d2, W, cs, sn, B, T, nh, hd, rd);
     check_accum(d0, d1, d2, n, "rope dinp");
     // in place backward transforms the gradient (as if into a zeroed buffer)
     float *dip = copyf(W, n);
-    op_rope_bwd(dip, dip, cs, sn, B, T, nh, hd);
+    op_rope_bwd(dip, dip, cs, sn, B, T, nh, hd, rd);
     CHECK(memcmp(dip, d, n * sizeof(float)) == 0, "rope bwd in place equals into zeros");
     free(cs); free(sn); free(c.inp); free(out); free(inplace); free(W); free(fd); free(d);
     free(d0); free(d1); free(d2); free(dip);
@@ -658,11 +712,15 @@ int main(void) {
     test_rmsnorm(&r, 3, 7);
     test_rmsnorm(&r, 1, 6);
     test_rmsnorm(&r, 2, 130); // more than one column chunk in dw
+    test_rmsnorm_split(&r, 5, 12);
+    test_rmsnorm_split(&r, 3, 70);
 
     test_rope_tables();
-    test_rope(&r, 2, 3, 2, 6);
-    test_rope(&r, 1, 1, 3, 4);
-    test_rope(&r, 1, 5, 1, 8);
+    test_rope(&r, 2, 3, 2, 6, 6);
+    test_rope(&r, 1, 1, 3, 4, 4);
+    test_rope(&r, 1, 5, 1, 8, 8);
+    test_rope(&r, 2, 3, 2, 8, 6); /* partial_rotary_factor 0.75 */
+    test_rope(&r, 1, 4, 2, 10, 2);
 
     test_attention(&r, 2, 4, 4, 2, 6); // nh/nkv = 2 with 2 kv heads (h/2, not h%2)
     test_attention(&r, 1, 5, 2, 2, 6); // nh/nkv = 1

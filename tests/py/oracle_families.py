@@ -152,6 +152,20 @@ CASES = [
         rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 8,
                          "short_factor": _factors(4, 3, 1.0, 3.0), "long_factor": _factors(4, 4, 2.0, 9.0)}),
         keys=("original_max_position_embeddings", "rope_parameters", "tie_word_embeddings")),
+    # partial_rotary_factor (Phi-4-mini: 0.75 with longrope): head_dim 64 / 4 = 16, RoPE on the
+    # first int(16 * 0.75) = 12 features (pairs (i, i + 6)), the last 4 passed through; the
+    # longrope factors have 12 / 2 entries. T = 16 > 8: long_factor
+    Case("phi3_partial075_longrope", "phi3", dict(
+        hidden_size=64, pad_token_id=3, max_position_embeddings=64, original_max_position_embeddings=8,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 8,
+                         "partial_rotary_factor": 0.75,
+                         "short_factor": _factors(6, 5, 1.0, 3.0), "long_factor": _factors(6, 6, 2.0, 9.0)}),
+        keys=("original_max_position_embeddings", "rope_parameters")),
+    # default RoPE on half of each head of 8 (int(8 * 0.5) = 4), a sliding window on top
+    Case("phi3_partial05_swa5", "phi3", dict(
+        pad_token_id=3, sliding_window=5, original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+        keys=("sliding_window", "rope_parameters")),
     # ------------------------------------------------------------------ gemma3_text
     # attn_logit_softcapping: transformers 5.24's Gemma3Attention keeps it but never passes
     # softcap= to the attention function, so it changes nothing (test_families pins this); ctitan
@@ -193,10 +207,12 @@ REFUSALS = [
     Refusal("mixtral_router_jitter", "mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
     Refusal("olmo2_attention_dropout", "olmo2", dict(attention_dropout=0.1), "attention_dropout"),
     Refusal("phi3_resid_pdrop", "phi3", dict(resid_pdrop=0.1), "resid_pdrop"),
-    # rotary on the first half of each head only (Phi3's apply_rotary_pos_emb passes the rest)
-    Refusal("phi3_partial_rotary", "phi3", dict(
-        sliding_window=None, original_max_position_embeddings=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+    # llama's yarn init reads partial_rotary_factor (inv_freq over half of each head) but its
+    # attention rotates whole heads by those cos/sin: transformers fails, ctitan refuses (only
+    # Phi3 passes the rest of each head through; its cases above)
+    Refusal("llama_yarn_partial_rotary", "llama", dict(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5}),
         "partial_rotary_factor"),
     # bidirectional attention (Gemma3 embedding models): the mask is not causal
     Refusal("gemma3_bidirectional", "gemma3_text", dict(use_bidirectional_attention=True),

@@ -230,34 +230,37 @@ static const int shapes_rmsnorm[][6] = {{1, 1}, {3, 7}, {5, 17}, {2, 15}, {16, 2
 /* --------------------------------------------------------------- rope */
 
 static void case_rope(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
-    int B = s[0], T = s[1], nh = s[2], hd = s[3];
+    /* s[4]: the rotated features rd (partial_rotary_factor); 0 is the whole head */
+    int B = s[0], T = s[1], nh = s[2], hd = s[3], rd = s[4] ? s[4] : s[3];
     size_t n = (size_t)B * T * nh * hd, nt = (size_t)T * (hd / 2);
     float *cs = fbuf(nt), *sn = fbuf(nt);
-    op_rope_tables(cs, sn, T, hd, 1e6f);
+    op_rope_tables(cs, sn, T, rd, 1e6f); /* [T, rd/2] */
     float *x = fbuf(n), *dout = fbuf(n);
     fill(x, n, r, -1, 1);
     fill(dout, n, r, -1, 1);
     float *o1 = fbuf(n), *o2 = fbuf(n);
     fill_nan(o1, n);
     fill_nan(o2, n);
-    ref->fn.rope.fwd(o1, x, cs, sn, B, T, nh, hd);
-    im->fn.rope.fwd(o2, x, cs, sn, B, T, nh, hd);
+    ref->fn.rope.fwd(o1, x, cs, sn, B, T, nh, hd, rd);
+    im->fn.rope.fwd(o2, x, cs, sn, B, T, nh, hd, rd);
     part(c, "fwd", rel_err(o2, o1, n));
     float *ip = dup(x, n);
-    im->fn.rope.fwd(ip, ip, cs, sn, B, T, nh, hd);
+    im->fn.rope.fwd(ip, ip, cs, sn, B, T, nh, hd, rd);
     part(c, "fwd-inplace", rel_err(ip, o1, n));
     float *d1 = fbuf(n);
     fill(d1, n, r, -1, 1);
     float *d2 = dup(d1, n);
-    ref->fn.rope.bwd(d1, dout, cs, sn, B, T, nh, hd);
-    im->fn.rope.bwd(d2, dout, cs, sn, B, T, nh, hd);
+    ref->fn.rope.bwd(d1, dout, cs, sn, B, T, nh, hd, rd);
+    im->fn.rope.bwd(d2, dout, cs, sn, B, T, nh, hd, rd);
     part(c, "dinp+=", rel_err(d2, d1, n));
     memcpy(d1, dout, n * sizeof(float));
     memcpy(d2, dout, n * sizeof(float));
-    ref->fn.rope.bwd(d1, d1, cs, sn, B, T, nh, hd);
-    im->fn.rope.bwd(d2, d2, cs, sn, B, T, nh, hd);
+    ref->fn.rope.bwd(d1, d1, cs, sn, B, T, nh, hd, rd);
+    im->fn.rope.bwd(d2, d2, cs, sn, B, T, nh, hd, rd);
     part(c, "bwd-inplace", rel_err(d2, d1, n));
-    /* the fused per-head q/k RMSNorm + RoPE of the same entry */
+    /* the fused per-head q/k RMSNorm + RoPE of the same entry: whole heads only
+     * (no family with a per-head q/k norm honours partial_rotary_factor) */
+    op_rope_tables(cs, sn, T, hd, 1e6f);
     size_t rows = (size_t)B * T * nh;
     float eps = 1e-6f;
     float *w = fbuf((size_t)hd), *rs1 = fbuf(rows), *rs2 = fbuf(rows);
@@ -290,7 +293,12 @@ static void case_rope(chk_case *c, const kern_impl *ref, const kern_impl *im, co
 static const int shapes_rope[][6] = {{1, 1, 1, 2}, {2, 3, 2, 4},    {1, 5, 3, 34},
                                      {2, 7, 4, 128}, {1, 17, 1, 30}, {3, 9, 5, 66},
                                      /* several 64-row blocks of the fused backward's dw, the last partial */
-                                     {2, 40, 3, 16}};
+                                     {2, 40, 3, 16},
+                                     /* partial rotation (s[4] = rd < hd): Phi-4-mini's 96 of 128, a
+                                      * pass-through tail shorter and longer than a vector, rd/2 not
+                                      * a multiple of the vector width, rd = 2 */
+                                     {2, 7, 4, 128, 96}, {1, 5, 3, 34, 24}, {1, 17, 1, 30, 16},
+                                     {2, 3, 2, 40, 20}, {3, 9, 5, 66, 2}, {1, 4, 2, 64, 32}};
 
 /* ---------------------------------------------------------- attention */
 
@@ -716,7 +724,7 @@ static const struct {
     [KERN_OP_MATMUL] = {case_matmul, SHAPES(shapes_matmul), 3, "M K N"},
     [KERN_OP_EMBEDDING] = {case_embedding, SHAPES(shapes_embedding), 3, "N C V"},
     [KERN_OP_RMSNORM] = {case_rmsnorm, SHAPES(shapes_rmsnorm), 2, "N C"},
-    [KERN_OP_ROPE] = {case_rope, SHAPES(shapes_rope), 4, "B T nh hd"},
+    [KERN_OP_ROPE] = {case_rope, SHAPES(shapes_rope), 5, "B T nh hd rd"},
     [KERN_OP_ATTENTION] = {case_attention, SHAPES(shapes_attention), 5, "B T nh nkv hd"}, /* + [options] */
     [KERN_OP_SWIGLU] = {case_swiglu, SHAPES(shapes_swiglu), 1, "N"},
     [KERN_OP_CROSSENTROPY] = {case_crossentropy, SHAPES(shapes_crossentropy), 3, "N V v0"},

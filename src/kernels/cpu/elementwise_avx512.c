@@ -171,9 +171,9 @@ EW_INLINE void ew_rope_row(float *y, const float *x, const float *c, const float
 }
 
 EW512 void kern_rope_fwd_avx512(float *out, const float *inp, const float *cos, const float *sin, int B, int T,
-                                int nh, int hd) {
-    // out[B,T,nh,hd], inp[B,T,nh,hd], cos[T,hd/2], sin[T,hd/2]
-    int half = hd / 2;
+                                int nh, int hd, int rd) {
+    // out[B,T,nh,hd], inp[B,T,nh,hd], cos[T,rd/2], sin[T,rd/2]; features rd.. pass through
+    int half = rd / 2;
     long BT = (long)B * T;
 #pragma omp parallel for schedule(static)
     for (long bt = 0; bt < BT; bt++) {
@@ -181,14 +181,16 @@ EW512 void kern_rope_fwd_avx512(float *out, const float *inp, const float *cos, 
         for (int h = 0; h < nh; h++) {
             size_t off = ((size_t)bt * nh + h) * hd;
             ew_rope_row(out + off, inp + off, cos + t * half, sin + t * half, half);
+            if (rd < hd && out != inp) memcpy(out + off + rd, inp + off + rd, (size_t)(hd - rd) * sizeof(float));
         }
     }
 }
 
 EW512 void kern_rope_bwd_avx512(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T,
-                                int nh, int hd) {
-    // dinp[B,T,nh,hd], dout[B,T,nh,hd], cos/sin [T,hd/2]: dinp += R^T dout (= when dinp == dout)
-    int half = hd / 2;
+                                int nh, int hd, int rd) {
+    // dinp[B,T,nh,hd], dout[B,T,nh,hd], cos/sin [T,rd/2]: dinp += R^T dout (= when dinp == dout);
+    // features rd.. pass through (dinp += dout there)
+    int half = rd / 2;
     int inplace = dinp == dout;
     long BT = (long)B * T;
 #pragma omp parallel for schedule(static)
@@ -212,6 +214,11 @@ EW512 void kern_rope_bwd_avx512(float *dinp, const float *dout, const float *cos
                 ew_store(dx + i, g1, m);
                 ew_store(dx + half + i, g2, m);
             }
+            if (!inplace)
+                for (int i = rd; i < hd; i += 16) {
+                    long m = hd - i;
+                    ew_store(dx + i, _mm512_add_ps(ew_load(dx + i, m), ew_load(dy + i, m)), m);
+                }
         }
     }
 }

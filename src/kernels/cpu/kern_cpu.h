@@ -202,9 +202,9 @@ void kern_rmsnorm_fwd_avx512(float *out, float *rstd, const float *inp, const fl
 void kern_rmsnorm_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                              const float *rstd, int N, int C);
 void kern_rope_fwd_avx512(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
-                          int hd);
+                          int hd, int rd);
 void kern_rope_bwd_avx512(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh,
-                          int hd);
+                          int hd, int rd);
 void kern_qknorm_rope_fwd_avx512(float *out, float *rstd, const float *x, const float *w, const float *cos,
                                  const float *sin, int B, int T, int nh, int hd, float eps);
 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, const float *x, const float *w,
@@ -242,9 +242,9 @@ void kern_rmsnorm_fwd_avx2(float *out, float *rstd, const float *inp, const floa
 void kern_rmsnorm_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                            const float *rstd, int N, int C);
 void kern_rope_fwd_avx2(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
-                        int hd);
+                        int hd, int rd);
 void kern_rope_bwd_avx2(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh,
-                        int hd);
+                        int hd, int rd);
 void kern_qknorm_rope_fwd_avx2(float *out, float *rstd, const float *x, const float *w, const float *cos,
                                const float *sin, int B, int T, int nh, int hd, float eps);
 void kern_qknorm_rope_bwd_avx2(float *dx, float *dw, const float *dout, const float *x, const float *w,
@@ -296,9 +296,9 @@ void kern_rmsnorm_fwd_neon(float *out, float *rstd, const float *inp, const floa
 void kern_rmsnorm_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                            const float *rstd, int N, int C);
 void kern_rope_fwd_neon(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
-                        int hd);
+                        int hd, int rd);
 void kern_rope_bwd_neon(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh,
-                        int hd);
+                        int hd, int rd);
 void kern_qknorm_rope_fwd_neon(float *out, float *rstd, const float *x, const float *w, const float *cos,
                                const float *sin, int B, int T, int nh, int hd, float eps);
 void kern_qknorm_rope_bwd_neon(float *dx, float *dw, const float *dout, const float *x, const float *w,

@@ -136,6 +136,63 @@ void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp,
     }
 }
 
+/* The RMSNorm of rows split over ranks, in phases (ops.h): the same sums as
+ * op_rmsnorm_fwd/bwd, with the row sums handed out and back. */
+void op_rmsnorm_sumsq(float *ss, const float *inp, int N, int C) {
+    // ss[N], inp[N,C]
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C;
+        float s = 0.0f;
+        for (int c = 0; c < C; c++) s += x[c] * x[c];
+        ss[n] = s;
+    }
+}
+
+void op_rmsnorm_scale(float *out, const float *inp, const float *w, const float *rstd, int N, int C) {
+    // out[N,C] = inp[N,C] * rstd[N] * w[C]
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C;
+        float *y = out + (size_t)n * C, r = rstd[n];
+        for (int c = 0; c < C; c++) y[c] = (x[c] * r) * w[c];
+    }
+}
+
+void op_rmsnorm_bwd_dot(float *dot, const float *dout, const float *inp, const float *w, int N, int C) {
+    // dot[N] = sum_c dout[N,C] * w[C] * inp[N,C]
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+        float s = 0.0f;
+        for (int c = 0; c < C; c++) s += dy[c] * w[c] * x[c];
+        dot[n] = s;
+    }
+}
+
+void op_rmsnorm_bwd_given(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                          const float *rstd, const float *dot, int N, int C, int Cw) {
+    // dinp[N,C] +=, dw[C] +=, dout/inp [N,C], w[C], rstd[N], dot[N] (summed over the whole row of Cw)
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+        float *dx = dinp + (size_t)n * C;
+        float r = rstd[n], k = dot[n] * r * r * r / (float)Cw;
+        for (int c = 0; c < C; c++) dx[c] += r * w[c] * dy[c] - k * x[c];
+    }
+    if (!dw) return;
+    int nchunks = (C + COL_CHUNK - 1) / COL_CHUNK; /* a reduction over rows, split by columns */
+#pragma omp parallel for schedule(static)
+    for (int ch = 0; ch < nchunks; ch++) {
+        int c0 = ch * COL_CHUNK, c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
+        for (int n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+            float r = rstd[n];
+            for (int c = c0; c < c1; c++) dw[c] += dy[c] * (x[c] * r);
+        }
+    }
+}
+
 /* -------------------------------------------------------------------- rope */
 
 void op_rope_tables(float *cos, float *sin, int T, int hd, float theta) {
@@ -153,9 +210,10 @@ void op_rope_tables(float *cos, float *sin, int T, int hd, float theta) {
     }
 }
 
-void op_rope_fwd(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh, int hd) {
-    // out[B,T,nh,hd], inp[B,T,nh,hd], cos[T,hd/2], sin[T,hd/2]
-    int half = hd / 2;
+void op_rope_fwd(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh, int hd,
+                 int rd) {
+    // out[B,T,nh,hd], inp[B,T,nh,hd], cos[T,rd/2], sin[T,rd/2]; features rd.. pass through
+    int half = rd / 2;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
@@ -171,18 +229,21 @@ void op_rope_fwd(float *out, const float *inp, const float *cos, const float *si
                     y[i] = x1 * c[i] - x2 * s[i];
                     y[i + half] = x2 * c[i] + x1 * s[i];
                 }
+                if (y != x)
+                    for (int i = rd; i < hd; i++) y[i] = x[i];
             }
         }
     }
 }
 
-void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh, int hd) {
-    // dinp[B,T,nh,hd], dout[B,T,nh,hd], cos[T,hd/2], sin[T,hd/2]
+void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh, int hd,
+                 int rd) {
+    // dinp[B,T,nh,hd], dout[B,T,nh,hd], cos[T,rd/2], sin[T,rd/2]; features rd.. pass through
     // The rotation R acts on each pair (i, i+half); backward applies R^T.
     // When dinp == dout the gradient is transformed in place (dinp = R^T dout),
     // which is what accumulating into a zeroed buffer would give; adding to the
     // buffer being read would be meaningless.
-    int half = hd / 2;
+    int half = rd / 2;
     int inplace = dinp == dout;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
@@ -205,6 +266,8 @@ void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *
                         dx[i + half] += g2;
                     }
                 }
+                if (!inplace) /* the identity's gradient; in place it is already there */
+                    for (int i = rd; i < hd; i++) dx[i] += dy[i];
             }
         }
     }

@@ -16,7 +16,7 @@ void op_qknorm_rope_fwd(float *out, float *rstd, const float *x, const float *w,
                         int B, int T, int nh, int hd, float eps) {
     // out[B,T,nh,hd], rstd[B*T*nh], x[B,T,nh,hd], w[hd], cos/sin [T,hd/2]
     op_rmsnorm_fwd(out, rstd, x, w, B * T * nh, hd, eps);
-    op_rope_fwd(out, out, cos, sin, B, T, nh, hd);
+    op_rope_fwd(out, out, cos, sin, B, T, nh, hd, hd);
 }
 
 void op_qknorm_rope_bwd(float *dx, float *dw, const float *dout, const float *x, const float *w, const float *rstd,
@@ -24,7 +24,7 @@ void op_qknorm_rope_bwd(float *dx, float *dw, const float *dout, const float *x,
     // dx[B,T,nh,hd] +=, dw[hd] +=, dout[B,T,nh,hd], x[B,T,nh,hd], w[hd], rstd[B*T*nh], cos/sin [T,hd/2]
     size_t n = (size_t)B * T * nh * hd;
     float *g = ct_calloc(n ? n : 1, sizeof(float)); // [B,T,nh,hd] gradient w.r.t. the norm's output
-    op_rope_bwd(g, dout, cos, sin, B, T, nh, hd);
+    op_rope_bwd(g, dout, cos, sin, B, T, nh, hd, hd);
     op_rmsnorm_bwd(dx, dw, g, x, w, rstd, B * T * nh, hd);
     free(g);
 }
