@@ -43,8 +43,8 @@ SIGNATURES = {
     "op_embedding_bwd": (None, [F32P, F32P, I32P, c_int, c_int]),
     "op_rmsnorm_fwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_float]),
     "op_rmsnorm_bwd": (None, [F32P, F32P, F32P, F32P, F32P, F32P, c_int, c_int]),
-    "op_rope_fwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
-    "op_rope_bwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
+    "op_rope_fwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int, c_int]),
+    "op_rope_bwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int, c_int]),
     "op_rope_tables": (None, [F32P, F32P, c_int, c_int, c_float]),
     "op_attention_fwd": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5 + [OPTP]),
     "op_attention_bwd": (None, [F32P] * 9 + [c_int] * 5 + [OPTP]),
@@ -203,22 +203,26 @@ def test_rope_tables(lib, T, hd, theta):
     assert torch.equal(cos_t[:, : hd // 2], cos_t[:, hd // 2:])
 
 
-@pytest.mark.parametrize("B,T,nh,hd", [(2, 5, 3, 6), (1, 1, 2, 8), (2, 9, 4, 128)])
-def test_rope(lib, gen, B, T, nh, hd):
+# rd < hd: partial_rotary_factor as transformers' Phi3 applies it (rotate q[..., :rd], the
+# rest passes through), with the tables over rd.
+@pytest.mark.parametrize("B,T,nh,hd,rd", [(2, 5, 3, 6, 6), (1, 1, 2, 8, 8), (2, 9, 4, 128, 128),
+                                          (2, 5, 3, 8, 4), (1, 7, 2, 128, 96)])
+def test_rope(lib, gen, B, T, nh, hd, rd):
     theta = 1e6
-    cos_t, sin_t = hf_cos_sin(T, hd, theta)
+    cos_t, sin_t = hf_cos_sin(T, rd, theta)
     x = randn(gen, B, T, nh, hd).requires_grad_()
     # HF: [B, nh, T, hd] with cos unsqueezed on the head axis; here heads sit after T.
-    out_t = x * cos_t[None, :, None, :] + rotate_half(x) * sin_t[None, :, None, :]
-    cos, sin = np.zeros((T, hd // 2), np.float32), np.zeros((T, hd // 2), np.float32)
-    lib.op_rope_tables(P(cos), P(sin), T, hd, theta)
+    xr = x[..., :rd]
+    out_t = torch.cat([xr * cos_t[None, :, None, :] + rotate_half(xr) * sin_t[None, :, None, :], x[..., rd:]], -1)
+    cos, sin = np.zeros((T, rd // 2), np.float32), np.zeros((T, rd // 2), np.float32)
+    lib.op_rope_tables(P(cos), P(sin), T, rd, theta)
     out = np.zeros((B, T, nh, hd), np.float32)
-    lib.op_rope_fwd(P(out), P(np32(x)), P(cos), P(sin), B, T, nh, hd)
+    lib.op_rope_fwd(P(out), P(np32(x)), P(cos), P(sin), B, T, nh, hd, rd)
     assert_close(out, out_t, "rope fwd")
     g, (dx_t,) = backward(out_t, (x,), gen)
     dx0 = np32(randn(gen, B, T, nh, hd))
     dx = dx0.copy()
-    lib.op_rope_bwd(P(dx), P(np32(g)), P(cos), P(sin), B, T, nh, hd)
+    lib.op_rope_bwd(P(dx), P(np32(g)), P(cos), P(sin), B, T, nh, hd, rd)
     assert_close(dx - dx0, dx_t, "rope dinp")
 
 
