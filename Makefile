@@ -86,7 +86,7 @@ setup:
 # CT_KERNELS_CHECK=cli: test_kernels leaves the built-in table's kern_check to `kernels check` here.
 test-c: $(TESTS) $(BUILD)/ctitan
 	@CT_KERNELS_CHECK=cli bash scripts/run_c_tests.sh $(TESTS)
-	@$(BUILD)/ctitan kernels check > $(BUILD)/kernels-check.log || { cat $(BUILD)/kernels-check.log; exit 1; }
+	@$(BUILD)/ctitan kernels check $(KCHECK_FLAGS) > $(BUILD)/kernels-check.log || { cat $(BUILD)/kernels-check.log; exit 1; }
 	@tail -n 1 $(BUILD)/kernels-check.log
 
 # The C tests and `ctitan kernels check` of the aarch64 cross build (build/aarch64, CROSS=aarch64)
@@ -96,7 +96,8 @@ test-aarch64:
 
 test-bins: $(TESTS) $(BUILD)/ctitan
 
-# The C unit tests, `kernels check` and the CLI tests again under AddressSanitizer and UBSan,
+# The C unit tests, `kernels check --quick` (every case, the longest capped: ASan at -O1 runs the
+# kernels ~10x slower, and the edges it must see stay) and the CLI tests again under AddressSanitizer and UBSan,
 # in their own build tree: any report ends the process with an error (UBSan does not recover)
 # and the CLI test fixture fails a test whose ctitan printed one (tests/py/conftest.py).
 # LeakSanitizer reads tests/lsan.supp (Open MPI's and OpenBLAS's own allocations at start-up;
@@ -111,7 +112,7 @@ SAN_CLI_TESTS := tests/py/test_cli_errors.py tests/py/test_tokenize_cli.py tests
                  tests/py/test_fuzz_regressions.py tests/py/test_dist_masked.py tests/py/test_profile.py
 sanitize:
 	@$(SAN_ENV) $(T) san-c $(MAKE) --no-print-directory BUILD=build/san OPT="-O1 $(SAN_FLAGS) -fno-omit-frame-pointer" \
-	  LDFLAGS="$(SAN_FLAGS)" test-c
+	  LDFLAGS="$(SAN_FLAGS)" KCHECK_FLAGS=--quick test-c
 	$(SAN_ENV) CTITAN_BUILD=build/san $(T) san-py $(PY) -m pytest -q -p no:cacheprovider $(SAN_CLI_TESTS)
 
 # libFuzzer targets (tests/fuzz/fuzz_*.c, docs/reliability.md "Fuzzing"): clang with ASan and
@@ -194,17 +195,20 @@ test-py: all
 # Not for `make run` or bench.
 test test-c test-py test-aarch64 sanitize fuzz-short: export OMP_WAIT_POLICY ?= passive
 
-# The three builds of make test (build, build/san, build/fuzz) on every core: `make test` alone
-# (.ci/run) compiled one file at a time. The test recipes still run one command at a time
-# (test-aarch64's cross build has its own -j).
+# The builds of make test (build, build/san, build/fuzz, build/aarch64) on every core: `make test`
+# alone (.ci/run) compiled one file at a time. After the first build and its C tests, three
+# lanes run side by side (scripts/lanes.sh says why): the pytest passes, the sanitized build
+# then the fuzzers, and the aarch64 build under qemu. Each lane's log is printed whole when it
+# ends; build/test-times.txt has each part's wall and CPU time.
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test: setup
 	@mkdir -p build && rm -f build/test-times.txt
 	@$(T) build+test-c $(MAKE) --no-print-directory -j$(TEST_JOBS) all test-c
-	@$(T) aarch64 $(MAKE) --no-print-directory test-aarch64
-	@$(T) sanitize $(MAKE) --no-print-directory -j$(TEST_JOBS) sanitize
-	@$(T) fuzz-short $(MAKE) --no-print-directory -j$(TEST_JOBS) fuzz-short
-	@$(T) test-py $(MAKE) --no-print-directory -j$(TEST_JOBS) test-py
+	@$(T) lanes bash scripts/lanes.sh \
+	  "test-py=$(T) test-py $(MAKE) --no-print-directory -j$(TEST_JOBS) test-py" \
+	  "sanitize+fuzz=$(T) sanitize $(MAKE) --no-print-directory -j$(TEST_JOBS) sanitize && \
+	     $(T) fuzz-short $(MAKE) --no-print-directory -j$(TEST_JOBS) fuzz-short" \
+	  "aarch64=$(T) aarch64 $(MAKE) --no-print-directory test-aarch64"
 	@cat build/test-times.txt
 
 # The build on every core unless make was given -j itself: `make run` from a fresh clone

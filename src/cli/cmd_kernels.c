@@ -29,8 +29,10 @@ static void usage(FILE *f) {
     fprintf(f,
             "usage: ctitan kernels <list | check | bench | peak> [options]\n\n"
             "  list                         registered implementations, CPU features, defaults\n"
-            "  check [--op NAME] [--impl NAME] [--seed N] [--threads N]\n"
+            "  check [--op NAME] [--impl NAME] [--seed N] [--threads N] [--quick]\n"
             "                               every implementation against \"ref\"; exit 1 on a mismatch\n"
+            "                               (--quick caps the long side of the largest cases: for qemu and\n"
+            "                               the sanitizers)\n"
             "  bench [--op NAME] [--impl NAME] [--threads N] [--reps N] [--quick] [--peak GFLOPS]\n"
             "                               GFLOP/s (matmul, attention) or GB/s of each implementation\n"
             "                               (--quick skips the Qwen3-0.6B lm_head shape; --peak gives the\n"
@@ -131,8 +133,8 @@ static int cmd_check(const kern_cli_opts *o) {
     size_t n;
     const kern_impl *t = kern_registry(&n);
     kern_check_opts co = {.out = stdout, .op = o->op, .impl = o->impl, .features = kern_cpu_features(),
-                          .seed = o->seed};
-    printf("threads: %d\n", cpu_threads());
+                          .seed = o->seed, .quick = o->quick};
+    printf("threads: %d%s\n", cpu_threads(), o->quick ? " (--quick: the largest cases capped)" : "");
     int failed = kern_check(t, n, &co);
     return failed ? 1 : 0;
 }

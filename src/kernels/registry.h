@@ -238,6 +238,7 @@ typedef struct {
     const char *impl;    /* only this implementation name (NULL: all) */
     unsigned features;   /* implementations needing more than this are skipped and said so */
     uint64_t seed;       /* inputs are pseudo-random from this seed */
+    int quick;           /* cap the long dimension of the largest cases (kern_check's quick_cap) */
 } kern_check_opts;
 
 /* Runs every implementation of `table` other than "ref" against the "ref"

@@ -247,6 +247,8 @@ static void bad_bwd_edge(float *dinp, float *dw, const float *dout, const float 
     }
 }
 
+/* The checker's own logic: every case here runs with .quick (the largest cases capped), which
+ * keeps each bug's shapes (odd N, K = 1, accumulation) and costs a fraction under the sanitizers. */
 static void test_check_catches_bugs(void) {
     static const struct {
         const char *name;
@@ -262,7 +264,7 @@ static void test_check_catches_bugs(void) {
             {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "reference", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
             {KERN_OP_MATMUL, broken[b].name, "cpu", 0, 0, "broken", .fn.matmul = {broken[b].fwd, broken[b].bwd}},
         };
-        kern_check_opts o = {.out = NULL, .features = 0, .seed = 3};
+        kern_check_opts o = {.out = NULL, .features = 0, .seed = 3, .quick = 1};
         int failed = kern_check(table, 2, &o);
         CHECK(failed > 0, "broken matmul \"%s\" was not caught", broken[b].name);
     }
@@ -276,7 +278,7 @@ static void test_check_catches_bugs(void) {
             {KERN_OP_MOE_BF16, "unrounded", "cpu", 0, wide ? 1.0 : 2e-3, "fp32 products",
              .fn.moe = {op_moe_experts_fwd, op_moe_experts_bwd}},
         };
-        kern_check_opts o = {.out = NULL, .features = 0, .seed = 3};
+        kern_check_opts o = {.out = NULL, .features = 0, .seed = 3, .quick = 1};
         CHECK(kern_check(moe, 2, &o) > 0, "a bf16 MoE kernel without rounding passed (max tol %g)", wide ? 1.0 : 2e-3);
     }
     /* and a correct (double-accumulating) one passes */
@@ -284,7 +286,7 @@ static void test_check_catches_bugs(void) {
         {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "reference", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
         {KERN_OP_MATMUL, "good", "cpu", 0, 0, "naive", .fn.matmul = {good_fwd, op_matmul_bwd}},
     };
-    kern_check_opts o = {.out = NULL, .features = 0, .seed = 3};
+    kern_check_opts o = {.out = NULL, .features = 0, .seed = 3, .quick = 1};
     CHECK(kern_check(ok, 2, &o) == 0, "a correct naive matmul failed the check");
 }
 
@@ -302,13 +304,41 @@ static void test_check_every_op(void) {
             table[m] = t[i];
             table[m++].name = "copy";
         }
-    kern_check_opts o = {.out = NULL, .features = 0, .seed = 9};
+    kern_check_opts o = {.out = NULL, .features = 0, .seed = 9, .quick = 1};
     CHECK(kern_check(table, m, &o) == 0, "a reference differs from itself");
     /* a copy that needs features nobody has is skipped, not failed */
     for (size_t i = 0; i < m; i++)
         if (!strcmp(table[i].name, "copy")) table[i].features = KERN_FEAT_AVX512BF16;
     CHECK(kern_check(table, m, &o) == 0, "skipped implementations counted as failures");
     free(table);
+}
+
+/* --quick caps the long side of the largest cases and drops none: the matmul
+ * case with M = 1030 runs at M = 130, and every shape still gives a line. */
+static void test_check_quick(void) {
+    kern_impl table[2] = {
+        {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "reference", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
+        {KERN_OP_MATMUL, "copy", "cpu", 0, 0, "reference again", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
+    };
+    char *log = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&log, &len);
+    kern_check_opts o = {.out = f, .features = 0, .seed = 4, .quick = 1};
+    int failed = kern_check(table, 2, &o);
+    fclose(f);
+    CHECK(failed == 0, "the reference differs from itself under --quick");
+    int lines = 0, max_m = 0, m;
+    for (const char *p = log; (p = strstr(p, " M=")); p += 3)
+        if (sscanf(p, " M=%d", &m) == 1) {
+            lines++;
+            if (m > max_m) max_m = m;
+        }
+    CHECK(max_m == 130, "--quick: the largest matmul case ran at M=%d, not the cap 130", max_m);
+    const char *sum = strstr(log, "kernels check: ");
+    int cases = -1;
+    CHECK(sum && sscanf(sum, "kernels check: %d cases", &cases) == 1 && cases == lines && cases >= 20,
+          "--quick: %d cases in the summary for %d case lines (every shape must still run)", cases, lines);
+    free(log);
 }
 
 /* kernels check on a CPU without AMX (the bit masked): the AMX entries are
@@ -485,7 +515,7 @@ int main(void) {
     test_overrides();
     if (getenv("CTITAN_EMULATED")) {
         /* under qemu (scripts/test_aarch64.sh): the built-in table's check is `ctitan kernels check`,
-         * which the script runs in full, and the checker's own logic is the same C as the native
+         * which the script runs (--quick), and the checker's own logic is the same C as the native
          * run's; each of these three adds a minute or more of emulation */
         printf("skip under emulation: kern_check of the built-in table, of every op's reference copies, "
                "and of the broken matmuls (`kernels check` and the native run cover them)\n");
@@ -499,6 +529,7 @@ int main(void) {
             test_check_builtin();
         test_check_catches_bugs();
         test_check_every_op();
+        test_check_quick();
     }
     test_check_without_amx();
     test_determinism();

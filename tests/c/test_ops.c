@@ -480,11 +480,19 @@ static void test_attention_options(ct_rng *r) {
     test_attention_opt(r, 2, 6, 4, 2, 6, &w1);
     test_attention_opt(r, 1, 9, 2, 1, 5, &w3);
     test_attention_opt(r, 1, 70, 2, 1, 3, &w3);   // across the tiled kernel's blocks: tiles left of the window skipped
-    test_attention_opt(r, 1, 150, 2, 1, 3, &w40); // a window across two key tiles
     test_attention_opt(r, 1, 7, 2, 2, 4, &wbig);  // a window larger than T: plain causal
     test_attention_opt(r, 2, 5, 4, 2, 6, &sc);
     test_attention_opt(r, 1, 8, 2, 1, 6, &cap);
     test_attention_opt(r, 1, 11, 4, 2, 5, &all);
+    if (getenv("CTITAN_EMULATED")) {
+        /* under qemu (scripts/test_aarch64.sh) these two finite-difference checks were ~80% of the
+         * emulated run (~9 min of 10): the Arm attention kernels are checked against the reference
+         * at these windows and lengths by `kernels check`, and this portable C runs natively */
+        printf("test_ops: skip under emulation: attention finite differences at T=150 (window 40) and "
+               "T=140 (window 66, scale, cap)\n");
+        return;
+    }
+    test_attention_opt(r, 1, 150, 2, 1, 3, &w40); // a window across two key tiles
     test_attention_opt(r, 1, 140, 2, 1, 3, &all2);
 }
 

@@ -737,6 +737,20 @@ static const struct {
 #undef SHAPES
 };
 
+/* --quick (qemu-user, sanitizers: 10-50x slower than native) caps one dimension
+ * of each op's largest cases: the cost of the check is a few cases that are
+ * long in M, T or N (under qemu the MoE ones with N 700-1000 and attention's
+ * T 150-260 were ~80% of its time). The caps keep what those cases are there
+ * for: several 32-row and 64-key tiles with partial edges, MoE segments large
+ * enough that a GEMM is split over threads (MOE_PIECE_MIN_FLOPS) over several
+ * k blocks. The other dimensions stay as they are. */
+static const struct {
+    int dim, cap;
+} quick_cap[KERN_N_OPS] = {
+    [KERN_OP_MATMUL] = {0, 130},    [KERN_OP_MATMUL_BF16] = {0, 130}, [KERN_OP_ATTENTION] = {1, 130},
+    [KERN_OP_MOE] = {0, 300},       [KERN_OP_MOE_BF16] = {0, 300},
+};
+
 /* "M=77 K=131 N=45" */
 static void shape_str(char *buf, size_t cap, const char *dims, const int *s, int nd) {
     char names[64];
@@ -821,7 +835,10 @@ int kern_check(const kern_impl *t, size_t n, const kern_check_opts *o) {
             if (li < n_lv) lv[li].ran++;
             double tol = im->tol > 0 ? im->tol : KERN_CHECK_TOL;
             for (int sh = 0; sh < op_cases[op].nshapes; sh++) {
-                const int *s = op_cases[op].shapes[sh];
+                int s[6];
+                memcpy(s, op_cases[op].shapes[sh], sizeof s);
+                if (o && o->quick && quick_cap[op].cap && s[quick_cap[op].dim] > quick_cap[op].cap)
+                    s[quick_cap[op].dim] = quick_cap[op].cap;
                 chk_case c = {.len = 0, .worst = 0, .worst_mean = 0};
                 c.detail[0] = 0;
                 op_cases[op].run(&c, ref, im, s, &rng);
