@@ -192,3 +192,85 @@ def test_expert_lora_dropout_refused(tmp_path, open_session):
     msg = open_error(open_session, hf_session_args(hf_dir, extra=[f"--lora.rank={R}", "--lora.dropout=0.1",
                                                                   EXP_ARG]), tmp_path)
     assert "lora.dropout" in msg and "target_parameters" in msg, msg
+
+
+def test_expert_lora_bf16_vs_peft_autocast(tmp_path, open_session):
+    """bf16 mixed precision against PEFT under torch.autocast("cpu", bfloat16), with
+    test_bf16.py's measured yardstick: d_amp = |autocast - fp32| per tensor (PEFT's fold
+    W + scale B A runs in fp32 with autocast off, then the experts' products in bf16, as
+    ctitan's). The loss within 1e-3 of autocast's; each trained tensor's gradient within
+    4 d_amp of autocast's (median ratio <= 1.5), and away from ctitan's fp32 one (the mode
+    applies to the experts too)."""
+    import torch
+    from test_bf16 import BF16
+
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ad = tmp_path / "adapter"
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=OL.EXPERTS, seed=6)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=7)
+    l32, _, g32 = OL.loss_logits_grads(pm, params, tokens, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lam, _, gam = OL.loss_logits_grads(pm, params, tokens, labels)
+    assert abs(lam - l32) <= 1e-3 * l32, "the yardstick itself moved"
+    res = {}
+    for mode in ("fp32", "bf16"):
+        s = open_session(hf_session_args(hf_dir, batch=2, seq_len=L, extra=lora_args(
+            targets=["q_proj"], adapter=ad) + [EXP_ARG] + ([BF16] if mode == "bf16" else [])))
+        s.zero_grad()
+        nv = oracle.n_valid(labels)
+        res[mode] = (s.forward_backward(tokens, labels, nv) / nv, {n: s.get_grad(n) for n in params})
+        s.close()
+    assert abs(res["bf16"][0] - lam) <= 1e-3 * lam, f"ctitan bf16 loss {res['bf16'][0]} vs autocast {lam}"
+    bad, ratios = [], []
+    for n in params:
+        d_amp = oracle.rel_err(gam[n], g32[n])
+        d_ct = oracle.rel_err(res["bf16"][1][n], gam[n])
+        d_mode = oracle.rel_err(res["bf16"][1][n], res["fp32"][1][n])
+        ratios.append(d_ct / d_amp)
+        if not d_ct <= 4 * d_amp:
+            bad.append(f"{n}: ctitan-bf16 vs autocast {d_ct:.2e} > 4 x {d_amp:.2e}")
+        if not (d_mode >= 1e-3 and d_mode >= 0.1 * d_amp):
+            bad.append(f"{n}: ctitan-bf16 vs fp32 only {d_mode:.2e}: bf16 not applied?")
+    assert not bad, "\n".join(bad)
+    assert np.median(ratios) <= 1.5, f"median ratio {np.median(ratios):.2f}"
+
+
+def test_expert_lora_per_layer_names_both_ways(tmp_path, open_session):
+    """PEFT's suffix rule picks layers: "layers.2.mlp.experts.gate_up_proj" adapts layer
+    2's gate_up_proj only, "experts.down_proj" every MoE layer's down_proj, so layer 1
+    has one wrapper (down_proj's keys without base_layer) and layer 2 two. PEFT's adapter
+    loads in ctitan with PEFT's logits; ctitan's save lists every layer's full parameter
+    name and loads back in PEFT with ctitan's logits."""
+    cfg = oracle_moe.tiny_moe_config(vocab=128, layers=3, experts=4, top_k=2, mlp_only=(0,))
+    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
+    oracle_moe.build_moe_model(cfg, seed=5).save_pretrained(str(hf_dir))
+
+    def base():
+        m = oracle.load_hf(hf_dir)
+        m.config._experts_implementation = "eager"
+        return m
+
+    tp = ["layers.2.mlp.experts.gate_up_proj", "experts.down_proj"]
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=["v_proj"], target_parameters=tp, seed=4)
+    pm.save_pretrained(str(ad))
+    lora = OL.lora_names([0], ["v_proj"]) + OL.lora_names([1], ["v_proj"]) + OL.expert_lora_names(1, ["down_proj"]) \
+        + OL.lora_names([2], ["v_proj"]) + OL.expert_lora_names(2, ["gate_up_proj", "down_proj"])
+    assert sorted(OL.trainable(pm)) == sorted(lora), f"test setup: PEFT trains {sorted(OL.trainable(pm))}"
+    tokens, _ = make_batch(cfg.vocab_size, 2, L, seed=2)
+    want = oracle.hf_logits(pm, tokens)
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=L, extra=lora_args(targets=["v_proj"], adapter=ad) + [
+        "--lora.target_parameters=" + ",".join(tp)]))
+    assert [n for n in s.names() if ".lora_" in n] == lora
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"ctitan logits from PEFT's adapter: rel err {err:.3g}"
+    out = tmp_path / "saved"
+    s.save_adapter(out)
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(conf["target_parameters"]) == ["model.layers.1.mlp.experts.down_proj",
+                                                 "model.layers.2.mlp.experts.down_proj",
+                                                 "model.layers.2.mlp.experts.gate_up_proj"], conf
+    pm2 = OL.load_adapter_strict(base(), out)
+    err = oracle.rel_err(oracle.hf_logits(pm2, tokens), want)
+    assert err <= TOL, f"PEFT logits with ctitan's saved adapter: rel err {err:.3g}"
