@@ -951,8 +951,8 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
  * run on the adapted weights W + scale B A, formed per layer and pass in
  * m->ws.lora_ew [3, E, Im, H] (gate, up, down), exactly what PEFT's
  * parametrization computes; *eg, *eu, *ed point there, or at the base
- * experts when layer l has no expert adapter. Costs one copy of the layer's
- * experts and 2 r / Im of their forward FLOPs per pass (docs/lora.md). */
+ * experts when layer l has no expert adapter. Costs a copy of the layer's
+ * experts and the delta's 6 r E Im H FLOPs per pass (docs/lora.md). */
 static void experts_adapted(lm_model *m, const lm_layer_w *w, const float **eg, const float **eu, const float **ed) {
     const lm_config *c = &m->cfg;
     *eg = w->ewg, *eu = w->ewu, *ed = w->ewd;

@@ -304,6 +304,44 @@ static int json_target_params(const cJSON *tp, lm_config *c, const char *path, c
     return rc ? CT_ERR_FORMAT : 0;
 }
 
+/* The adapter's target_modules against the run's lora.target_modules */
+static int check_target_modules(const cJSON *tm, const lm_config *c, const char *path, ct_err *e) {
+    if (cJSON_IsString(tm))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: a regular expression is not supported; list the modules",
+                       path);
+    if (!cJSON_IsArray(tm))
+        return c->lora_targets ? ct_fail(e, CT_ERR_CONFIG,
+                                         "%s: target_modules: none in the adapter, but lora.target_modules names some",
+                                         path)
+                               : 0;
+    unsigned bits = 0;
+    int rc = json_targets(tm, &bits, path, e);
+    if (!rc && bits != c->lora_targets)
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: target_modules: the adapter adapts other projections than "
+                                       "lora.target_modules",
+                     path);
+    return rc;
+}
+
+/* The adapter's target_parameters against the run's lora.target_parameters */
+static int check_target_params(const cJSON *tp, const lm_config *c, const char *path, ct_err *e) {
+    if (!tp || cJSON_IsNull(tp))
+        return lora_any_expert(c) ? ct_fail(e, CT_ERR_CONFIG,
+                                            "%s: target_parameters: none in the adapter, but lora.target_parameters "
+                                            "names some",
+                                            path)
+                                  : 0;
+    lm_config *own = ct_malloc(sizeof *own);
+    *own = *c;
+    int rc = json_target_params(tp, own, path, e);
+    if (!rc && memcmp(own->lora_experts, c->lora_experts, sizeof own->lora_experts))
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "%s: target_parameters: the adapter adapts other expert parameters than lora.target_parameters",
+                     path);
+    free(own);
+    return rc;
+}
+
 static int check_config(const lm_model *table, const char *path, ct_err *e) {
     cJSON *o = json_parse_file(path, 0, e);
     if (!o) return e ? e->code : CT_ERR_FORMAT;
@@ -312,7 +350,6 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
         return ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
     }
     const lm_config *c = &table->cfg;
-    lm_config own = *c;
     int rc = 0;
     const cJSON *pt = cJSON_GetObjectItemCaseSensitive(o, "peft_type");
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, "r");
@@ -341,29 +378,9 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
     else if (pattern_set(o, "rank_pattern") || pattern_set(o, "alpha_pattern"))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: %s: per-module ranks or alphas are not supported", path,
                      pattern_set(o, "rank_pattern") ? "rank_pattern" : "alpha_pattern");
-    else if (tp && !cJSON_IsNull(tp) && !(rc = json_target_params(tp, &own, path, e)) &&
-             memcmp(own.lora_experts, c->lora_experts, sizeof own.lora_experts))
-        rc = ct_fail(e, CT_ERR_CONFIG,
-                     "%s: target_parameters: the adapter adapts other expert parameters than lora.target_parameters",
-                     path);
-    else if (!rc && (!tp || cJSON_IsNull(tp)) && lora_any_expert(c))
-        rc = ct_fail(e, CT_ERR_CONFIG, "%s: target_parameters: none in the adapter, but lora.target_parameters names some",
-                     path);
-    else if (rc) {
-    } else if (cJSON_IsArray(tm)) {
-        unsigned bits = 0;
-        rc = json_targets(tm, &bits, path, e);
-        if (!rc && bits != c->lora_targets)
-            rc = ct_fail(e, CT_ERR_CONFIG, "%s: target_modules: the adapter adapts other projections than "
-                                           "lora.target_modules",
-                         path);
-    } else if (cJSON_IsString(tm)) {
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: a regular expression is not supported; list the modules",
-                     path);
-    } else if (c->lora_targets) {
-        rc = ct_fail(e, CT_ERR_CONFIG, "%s: target_modules: none in the adapter, but lora.target_modules names some",
-                     path);
-    }
+    else
+        rc = check_target_params(tp, c, path, e);
+    if (!rc) rc = check_target_modules(tm, c, path, e);
     cJSON_Delete(o);
     return rc;
 }
