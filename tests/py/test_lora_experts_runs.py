@@ -129,20 +129,22 @@ def test_expert_lora_bf16_mixed_precision_trains(setup, straight):
 
 # --------------------------------------------------------------------------- generate, merge
 
-def peft_expert_adapter(tmp_path):
-    """A tiny Qwen3-MoE and a PEFT adapter on q_proj and both expert parameters with
+def peft_expert_adapter(tmp_path, targets=("q_proj",)):
+    """A tiny Qwen3-MoE and a PEFT adapter on `targets` and both expert parameters with
     random A, B -> the PeftModel (eval)."""
     cfg = oracle_moe.tiny_moe_config(vocab=256, layers=2, experts=4, top_k=2, mlp_only=(0,))
     oracle_moe.build_moe_model(cfg, seed=3).save_pretrained(str(tmp_path / "hf"))
     base = oracle.load_hf(tmp_path / "hf")
     base.config._experts_implementation = "eager"
-    pm = OL.make_peft(base, r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=OL.EXPERTS, seed=9, std=0.3)
+    pm = OL.make_peft(base, r=R, alpha=ALPHA, targets=list(targets), target_parameters=OL.EXPERTS, seed=9,
+                      std=0.3)
     pm.save_pretrained(str(tmp_path / "adapter"))
     return pm
 
 
-def test_generate_with_expert_adapter_matches_peft(tmp_path, run_ctitan):
-    pm = peft_expert_adapter(tmp_path)
+@pytest.mark.parametrize("targets", [("q_proj",), ()], ids=["q_and_experts", "experts_only"])
+def test_generate_with_expert_adapter_matches_peft(targets, tmp_path, run_ctitan):
+    pm = peft_expert_adapter(tmp_path, targets)
     prompt = [5, 17, 200, 3, 99]
     with torch.no_grad():
         ref = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
