@@ -144,6 +144,10 @@ static const cfg_option cfg_options[] = {
     OPT("lora", "target_modules", CFG_STR, lora_targets, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
         .list = 1, .help = "HF module names that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj "
                            "down_proj; MoE models: the attention ones, as PEFT does)"),
+    OPT("lora", "target_parameters", CFG_STR, lora_target_params, "", .list = 1,
+        .help = "PEFT's target_parameters: fused MoE expert parameters that get adapters (Qwen3-MoE: "
+                "mlp.experts.gate_up_proj, mlp.experts.down_proj; any suffix of model.layers.N.mlp.experts.X, "
+                "as PEFT matches)"),
     OPT("lora", "use_rslora", CFG_BOOL, lora_rslora, "false",
         .help = "rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r"),
     OPT("lora", "modules_to_save", CFG_STR, lora_modules_to_save, "", .list = 1,

@@ -60,6 +60,7 @@ typedef struct {
     char *lora_targets;       /* list: "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj" */
     int lora_rslora;          /* false */
     char *lora_modules_to_save; /* list: "" */
+    char *lora_target_params; /* list: "" (PEFT's target_parameters) */
     char *lora_adapter_path;  /* "": fresh initialisation */
     /* [checkpoint] */
     int ckpt_enable;          /* false */

@@ -75,6 +75,31 @@ int lm_lora_on(const lm_config *c, int l, int p) {
     return c->lora_rank > 0 && (c->lora_targets & (1u << p));
 }
 
+int lm_lora_expert_on(const lm_config *c, int l, int p) {
+    return c->lora_rank > 0 && l >= 0 && l < c->n_layers && lm_layer_is_moe(c, l) && (c->lora_experts[l] >> p & 1);
+}
+
+/* Layer l's adapters on its fused experts, PEFT's ParamWrapper keys: one
+ * wrapper per parameter, nested in the experts' declaration order, so with
+ * both adapted gate_up_proj's lies under the outer wrapper's base_layer. */
+static void add_expert_lora(lm_model *m, int *cap, int l) {
+    const lm_config *c = &m->cfg;
+    int64_t r = c->lora_rank, E = c->n_experts, H = c->hidden, Im = c->moe_intermediate;
+    int both = lm_lora_expert_on(c, l, LM_LORA_EXP_GU) && lm_lora_expert_on(c, l, LM_LORA_EXP_D);
+    for (int p = 0; p < LM_LORA_EXP_N; p++) {
+        if (!lm_lora_expert_on(c, l, p)) continue;
+        int64_t in = p == LM_LORA_EXP_GU ? H : Im, out = p == LM_LORA_EXP_GU ? 2 * Im : H;
+        const char *nest = both && p == LM_LORA_EXP_GU ? "base_layer." : "";
+        char n[LM_NAME_MAX];
+        snprintf(n, sizeof n, "model.layers.%d.mlp.experts.%slora_A.weight", l, nest);
+        add_tensor(m, cap, n, r * E, in, 1, LM_S_LORA_EA, l, p);
+        m->tensors[m->n_tensors - 1].lora = 1;
+        snprintf(n, sizeof n, "model.layers.%d.mlp.experts.%slora_B.weight", l, nest);
+        add_tensor(m, cap, n, out, r * E, 1, LM_S_LORA_EB, l, p);
+        m->tensors[m->n_tensors - 1].lora = 1;
+    }
+}
+
 /* The HF names of a layer's norms, by placement: [0] before attention, [1]
  * on its output, [2] before the MLP, [3] on its output (NULL: absent). */
 static void norm_names(const lm_config *c, const char *n[4]) {
@@ -192,6 +217,7 @@ static void build_layout(lm_model *m) {
             m->tensors[m->n_tensors - 1].lora = 1;
             m->tensors[m->n_tensors - 1].expert = p;
         }
+        add_expert_lora(m, &cap, l);
 #undef T_
     }
     add_tensor(m, &cap, "model.norm.weight", H, 0, 0, LM_S_LNF, -1, -1);
@@ -251,6 +277,8 @@ static void bind_weights(lm_weights *w, const lm_model *m, float *base, int grad
         case LM_S_EXP_D: if (!lw->ewd && t->numel) lw->ewd = p; break;
         case LM_S_LORA_A: lw->lora_a[t->expert] = p; break;
         case LM_S_LORA_B: lw->lora_b[t->expert] = p; break;
+        case LM_S_LORA_EA: lw->lora_ea[t->expert] = p; break;
+        case LM_S_LORA_EB: lw->lora_eb[t->expert] = p; break;
         }
     }
     if (c->tie_embeddings) w->lm_head = w->wte;
@@ -634,6 +662,8 @@ void lm_free(lm_model *m) {
     }
     free(m->fstore);
     free(m->ws.head_w);
+    free(m->ws.lora_ew);
+    free(m->ws.lora_dew);
     free(m->ws.head_tmp);
     free(m->w.layer);
     free(m->g.layer);
@@ -917,6 +947,66 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
 /* Whether projection p of layer l has an adapter (its A is bound). */
 #define LORA(w, p) ((w)->lora_a[p] != NULL)
 
+/* Expert LoRA (target_parameters, PEFT's ParamWrapper): the experts kernels
+ * run on the adapted weights W + scale B A, formed per layer and pass in
+ * m->ws.lora_ew [3, E, Im, H] (gate, up, down), exactly what PEFT's
+ * parametrization computes; *eg, *eu, *ed point there, or at the base
+ * experts when layer l has no expert adapter. Costs a copy of the layer's
+ * experts and the delta's 6 r E Im H FLOPs per pass (docs/lora.md). */
+static void experts_adapted(lm_model *m, const lm_layer_w *w, const float **eg, const float **eu, const float **ed) {
+    const lm_config *c = &m->cfg;
+    *eg = w->ewg, *eu = w->ewu, *ed = w->ewd;
+    if (!w->lora_ea[LM_LORA_EXP_GU] && !w->lora_ea[LM_LORA_EXP_D]) return;
+    int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate, r = c->lora_rank;
+    size_t ex = (size_t)E * Im * H;
+    if (!m->ws.lora_ew) m->ws.lora_ew = ct_malloc(3 * ex * sizeof(float));
+    float *ew = m->ws.lora_ew;
+    memcpy(ew, w->ewg, ex * sizeof(float));
+    memcpy(ew + ex, w->ewu, ex * sizeof(float));
+    memcpy(ew + 2 * ex, w->ewd, ex * sizeof(float));
+    if (w->lora_ea[LM_LORA_EXP_GU]) /* gate_up_proj [E, 2 Im, H]: gate rows first */
+        lora_experts_delta(&m->k, ew, ew + ex, w->lora_ea[LM_LORA_EXP_GU], w->lora_eb[LM_LORA_EXP_GU], E, r, H, 2 * Im,
+                           Im, c->lora_scale);
+    if (w->lora_ea[LM_LORA_EXP_D]) /* down_proj [E, H, Im] */
+        lora_experts_delta(&m->k, ew + 2 * ex, NULL, w->lora_ea[LM_LORA_EXP_D], w->lora_eb[LM_LORA_EXP_D], E, r, Im, H,
+                           H, c->lora_scale);
+    *eg = ew, *eu = ew + ex, *ed = ew + 2 * ex;
+}
+
+/* The backward's side of it: where the experts kernel writes d(W + scale B A).
+ * Without expert adapters the base experts' gradient views (NULL when
+ * frozen); with them a zeroed m->ws.lora_dew [3, E, Im, H], which
+ * experts_adapted_grad then reduces to dA, dB (and adds to trained base
+ * experts, if any). */
+static void experts_adapted_dw(lm_model *m, const lm_layer_w *w, const lm_layer_w *g, float **dg, float **du,
+                               float **dd) {
+    const lm_config *c = &m->cfg;
+    *dg = g->ewg, *du = g->ewu, *dd = g->ewd;
+    if (!w->lora_ea[LM_LORA_EXP_GU] && !w->lora_ea[LM_LORA_EXP_D]) return;
+    size_t ex = (size_t)c->n_experts * c->moe_intermediate * c->hidden;
+    if (!m->ws.lora_dew) m->ws.lora_dew = ct_malloc(3 * ex * sizeof(float));
+    zero(m->ws.lora_dew, 3 * ex);
+    *dg = m->ws.lora_dew, *du = m->ws.lora_dew + ex, *dd = m->ws.lora_dew + 2 * ex;
+}
+
+static void experts_adapted_grad(lm_model *m, const lm_layer_w *w, lm_layer_w *g) {
+    const lm_config *c = &m->cfg;
+    if (!w->lora_ea[LM_LORA_EXP_GU] && !w->lora_ea[LM_LORA_EXP_D]) return;
+    int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate, r = c->lora_rank;
+    size_t ex = (size_t)E * Im * H;
+    const float *dew = m->ws.lora_dew;
+    if (w->lora_ea[LM_LORA_EXP_GU])
+        lora_experts_grad(&m->k, g->lora_ea[LM_LORA_EXP_GU], g->lora_eb[LM_LORA_EXP_GU], dew, dew + ex,
+                          w->lora_ea[LM_LORA_EXP_GU], w->lora_eb[LM_LORA_EXP_GU], E, r, H, 2 * Im, Im, c->lora_scale);
+    if (w->lora_ea[LM_LORA_EXP_D])
+        lora_experts_grad(&m->k, g->lora_ea[LM_LORA_EXP_D], g->lora_eb[LM_LORA_EXP_D], dew + 2 * ex, NULL,
+                          w->lora_ea[LM_LORA_EXP_D], w->lora_eb[LM_LORA_EXP_D], E, r, Im, H, H, c->lora_scale);
+    float *base[3] = {g->ewg, g->ewu, g->ewd}; /* d(W + scale B A) / dW = 1 */
+    for (int x = 0; x < 3; x++)
+        if (base[x])
+            for (size_t i = 0; i < ex; i++) base[x][i] += dew[(size_t)x * ex + i];
+}
+
 /* ------------------------------------------------- family pieces */
 
 /* A norm's weight as the kernels read it: w itself, or 1 + w in m->ws.norm_w
@@ -1115,10 +1205,12 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         if (y && tp) zero(y, n);
         else if (y) memcpy(y, a->res_mid, n * sizeof(float));
         WIDE_IN(w->ewg, 3 * ex); /* gate, up, down experts: adjacent in the table */
+        const float *eg, *eu, *ed;
+        experts_adapted(m, w, &eg, &eu, &ed);
         if (m->moe_ep)
             m->moe_ep->fwd(m->moe_ep->ctx, l, y, a->ln2, r, w, BT);
         else
-            K(MOE, moe_fwd, y, a->gate, a->up, a->h, kv ? kv->moe_work : m->ws.moe_work, a->ln2, w->ewg, w->ewu, w->ewd,
+            K(MOE, moe_fwd, y, a->gate, a->up, a->h, kv ? kv->moe_work : m->ws.moe_work, a->ln2, eg, eu, ed,
                          r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
         WIDE_OUT(w->ewg, 3 * ex);
         if (y && tp) {
@@ -1614,11 +1706,16 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
     size_t ex = (size_t)(c->expert_rows ? c->expert_rows : E) * Im * H; /* one projection's held experts */
     zero(m->ws.d_ln, (size_t)BT * H);
     WIDE_IN(w->ewg, 3 * ex);
+    const float *eg, *eu, *ed;
+    float *dg, *du, *dd;
+    experts_adapted(m, w, &eg, &eu, &ed);
+    experts_adapted_dw(m, w, g, &dg, &du, &dd);
     if (m->moe_ep)
         m->moe_ep->bwd(m->moe_ep->ctx, l, m->ws.d_ln, g, m->ws.moe_dtopw, m->ws.d_res, r, w, BT);
     else
-        K(MOE, moe_bwd, m->ws.d_ln, g->ewg, g->ewu, g->ewd, m->ws.moe_dtopw, m->ws.moe_work, m->ws.d_res, a->ln2, w->ewg, w->ewu,
-                     w->ewd, a->gate, a->up, a->h, r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
+        K(MOE, moe_bwd, m->ws.d_ln, dg, du, dd, m->ws.moe_dtopw, m->ws.moe_work, m->ws.d_res, a->ln2, eg, eu, ed, a->gate,
+                     a->up, a->h, r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
+    experts_adapted_grad(m, w, g);
     WIDE_OUT(w->ewg, 3 * ex);
     /* under tensor parallelism both are partial sums over the experts'
      * intermediate slices; the router's own d(ln2), added next, is not */

@@ -125,6 +125,11 @@ typedef struct {
     unsigned lora_targets;
     float lora_scale;   /* alpha / r, or alpha / sqrt(r) (use_rslora) */
     float lora_dropout; /* probability; training forwards only */
+    /* PEFT's target_parameters on a MoE layer's fused experts (ParamWrapper):
+     * bit 1 << LM_LORA_EXP_* of lora_experts[l] adapts layer l's
+     * mlp.experts.gate_up_proj [E, 2 Im, H] / down_proj [E, H, Im] with
+     * A [r E, in] and B [out, r E] (lora.h: lora_experts_delta). */
+    unsigned char lora_experts[LM_MAX_LAYERS];
     /* params and grads are addressed over the whole model but get pages only
      * where written (ct_alloc_lazy): runs with frozen tensors, whose
      * gradients are never written and whose weights may live in bf16 */
@@ -136,6 +141,10 @@ enum { LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_O, LM_LORA_GATE, LM_LORA_UP, LM_
        LM_LORA_N };
 /* Whether layer l has adapters on projection p. */
 int lm_lora_on(const lm_config *c, int l, int p);
+/* The fused expert parameters LoRA can adapt (target_parameters), in table order. */
+enum { LM_LORA_EXP_GU, LM_LORA_EXP_D, LM_LORA_EXP_N };
+/* Whether layer l (a MoE layer) has adapters on its fused experts p (LM_LORA_EXP_*). */
+int lm_lora_expert_on(const lm_config *c, int l, int p);
 
 /* The RoPE of full (sliding = 0) or sliding layers: config.json's, or for a
  * flavor default RoPE with rope_theta. */
@@ -195,7 +204,7 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e);
 enum { LM_S_EMBED, LM_S_LN_IN, LM_S_WQ, LM_S_WK, LM_S_WV, LM_S_WQKV, LM_S_BQ, LM_S_BK, LM_S_BV, LM_S_WO, LM_S_BO,
        LM_S_QN, LM_S_KN, LM_S_LN_ATTN_OUT, LM_S_LN_PRE_MLP, LM_S_WG, LM_S_WU, LM_S_WGU, LM_S_WD, LM_S_BG, LM_S_BU,
        LM_S_BD, LM_S_ROUTER, LM_S_EXP_G, LM_S_EXP_U, LM_S_EXP_D, LM_S_LN_MLP_OUT, LM_S_LORA_A, LM_S_LORA_B, LM_S_LNF,
-       LM_S_HEAD };
+       LM_S_HEAD, LM_S_LORA_EA, LM_S_LORA_EB /* an expert adapter (lm_tensor.expert: its LM_LORA_EXP_*) */ };
 
 typedef struct {
     char name[LM_NAME_MAX]; /* HF key */
@@ -238,6 +247,8 @@ typedef struct {
     float *ewd;    /* [E, H, Im] down_proj */
     /* LoRA (NULL where a projection has none): A [r, in], B [out, r] per LM_LORA_* */
     float *lora_a[LM_LORA_N], *lora_b[LM_LORA_N];
+    /* expert LoRA (NULL where none): A [r E, in], B [out, r E] per LM_LORA_EXP_* */
+    float *lora_ea[LM_LORA_EXP_N], *lora_eb[LM_LORA_EXP_N];
 } lm_layer_w;
 
 typedef struct {
@@ -332,6 +343,8 @@ typedef struct {
     /* LoRA (cfg.lora_rank > 0) */
     float *lora_du;         /* [BT, r] d of an adapter's A output */
     float *lora_x, *lora_dx; /* [BT, max in] drop(x) and its gradient; only with dropout */
+    float *lora_ew, *lora_dew; /* [3 E Im H] each: a layer's adapted expert weights W + scale B A and their
+                                  gradient, with expert LoRA (allocated at first use) */
     float *head_w, *head_tmp; /* a bf16-stored lm_head: one block of its rows widened, and [logit_rows, block]
                                  (allocated at first use) */
 } lm_work;

@@ -21,6 +21,7 @@
 #include "formats/json.h"
 #include "core/rng.h"
 #include "formats/safetensors.h"
+#include "kernels/ops.h"
 
 static const char *const target_names[LM_LORA_N] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                                        "gate_proj", "up_proj", "down_proj"};
@@ -48,6 +49,126 @@ int lora_parse_targets(const char *list, unsigned *bits, const char *where, ct_e
     }
     if (!*bits) return ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_modules: empty", where);
     return 0;
+}
+
+/* ------------------------------------------- experts (target_parameters) */
+
+static const char *const exp_param[LM_LORA_EXP_N] = {"gate_up_proj", "down_proj"};
+
+/* PEFT's _inject_parameters: the key equals the target or ends with "." + target */
+static int key_matches(const char *key, const char *target) {
+    size_t nk = strlen(key), nt = strlen(target);
+    return !strcmp(key, target) || (nk > nt && key[nk - nt - 1] == '.' && !strcmp(key + nk - nt, target));
+}
+
+int lora_parse_target_params(const char *list, lm_config *c, const char *where, const char *key, ct_err *e) {
+    char item[256], full[128];
+    memset(c->lora_experts, 0, sizeof c->lora_experts);
+    int experts = c->n_experts > 0 && c->moe_keys == LM_MOE_KEYS_QWEN;
+    for (const char *p = list; p && (p = cfg_list_next(p, item, sizeof item));) {
+        int hit = 0;
+        for (int l = 0; experts && l < c->n_layers; l++) {
+            if (!lm_layer_is_moe(c, l)) continue;
+            for (int x = 0; x < LM_LORA_EXP_N; x++) {
+                snprintf(full, sizeof full, "model.layers.%d.mlp.experts.%s", l, exp_param[x]);
+                if (key_matches(full, item)) {
+                    c->lora_experts[l] |= (unsigned char)(1u << x);
+                    hit = 1;
+                }
+            }
+        }
+        if (!hit && !experts)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: %s: \"%s\": this model has no fused Qwen3-MoE experts (target_parameters adapts "
+                           "mlp.experts.gate_up_proj and mlp.experts.down_proj of qwen3_moe models)",
+                           where, key, item);
+        if (!hit)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: %s: \"%s\" names no parameter ctitan adapts; target_parameters may name the fused "
+                           "experts mlp.experts.gate_up_proj and mlp.experts.down_proj (or a suffix of "
+                           "model.layers.N.mlp.experts.X, as PEFT matches)",
+                           where, key, item);
+    }
+    return 0;
+}
+
+char *lora_target_params_text(const lm_config *c) {
+    int uniform = 1, ref = -1;
+    for (int l = 0; l < c->n_layers; l++) {
+        if (!lm_layer_is_moe(c, l)) continue;
+        int bits = c->lora_rank > 0 ? c->lora_experts[l] : 0;
+        if (ref < 0) ref = bits;
+        else if (bits != ref) uniform = 0;
+    }
+    size_t cap = 64 + (size_t)c->n_layers * 2 * 64, n = 0;
+    char *s = ct_malloc(cap);
+    s[0] = 0;
+    int layers = uniform ? 1 : c->n_layers; /* uniform: one pass of the short names */
+    for (int l = 0; l < layers; l++)
+        for (int x = 0; x < LM_LORA_EXP_N; x++) {
+            int on = uniform ? ref > 0 && (ref >> x & 1) : lm_lora_expert_on(c, l, x);
+            if (!on) continue;
+            if (uniform) n += (size_t)snprintf(s + n, cap - n, "%smlp.experts.%s", n ? "," : "", exp_param[x]);
+            else n += (size_t)snprintf(s + n, cap - n, "%smodel.layers.%d.mlp.experts.%s", n ? "," : "", l, exp_param[x]);
+        }
+    return s;
+}
+
+/* the run's fp32 matmul even under bf16 mixed precision (kern_use_bf16_matmuls) */
+static kern_matmul_fwd_fn fp32_fwd(const kern_ops *k) {
+    const kern_impl *c = k ? k->chosen[KERN_OP_MATMUL] : NULL;
+    return c && c->fn.matmul.fwd ? c->fn.matmul.fwd : op_matmul_fwd;
+}
+static kern_matmul_bwd_fn fp32_bwd(const kern_ops *k) {
+    const kern_impl *c = k ? k->chosen[KERN_OP_MATMUL] : NULL;
+    return c && c->fn.matmul.bwd ? c->fn.matmul.bwd : op_matmul_bwd;
+}
+
+/* expert e's scale B_e [N, r] (contiguous) out of B [N, r E] */
+static void gather_b(float *bt, const float *B, int e, int E, int r, int N, float scale) {
+    for (size_t o = 0; o < (size_t)N; o++)
+        for (int j = 0; j < r; j++) bt[o * r + j] = scale * B[o * ((size_t)r * E) + (size_t)j * E + e];
+}
+
+void lora_experts_delta(const kern_ops *k, float *w0, float *w1, const float *A, const float *B, int E, int r, int K,
+                        int N, int n0, float scale) {
+    kern_matmul_fwd_fn mm = fp32_fwd(k);
+    float *bt = ct_malloc((size_t)N * r * sizeof(float)), *at = ct_malloc((size_t)K * r * sizeof(float));
+    for (int e = 0; e < E; e++) {
+        gather_b(bt, B, e, E, r, N, scale);
+        const float *ae = A + (size_t)e * r * K; /* [r, K] */
+        for (int j = 0; j < r; j++)
+            for (size_t i = 0; i < (size_t)K; i++) at[i * r + j] = ae[(size_t)j * K + i];
+        /* W_e[n, K] += (scale B_e)[n, r] A_e[r, K], i.e. with A_e^T [K, r] as the matmul's weight */
+        mm(w0 + (size_t)e * n0 * K, bt, at, n0, r, K, 1);
+        if (w1 && N > n0) mm(w1 + (size_t)e * (N - n0) * K, bt + (size_t)n0 * r, at, N - n0, r, K, 1);
+    }
+    free(bt);
+    free(at);
+}
+
+void lora_experts_grad(const kern_ops *k, float *dA, float *dB, const float *dw0, const float *dw1, const float *A,
+                       const float *B, int E, int r, int K, int N, int n0, float scale) {
+    kern_matmul_fwd_fn mm = fp32_fwd(k);
+    kern_matmul_bwd_fn mb = fp32_bwd(k);
+    float *bt = ct_malloc((size_t)N * r * sizeof(float)), *t = ct_malloc((size_t)N * r * sizeof(float));
+    for (int e = 0; e < E; e++) {
+        const float *ae = A + (size_t)e * r * K;
+        const float *d0 = dw0 + (size_t)e * n0 * K, *d1 = dw1 ? dw1 + (size_t)e * (N - n0) * K : NULL;
+        if (dA) { /* dA_e[r, K] += (scale B_e)^T dW_e */
+            gather_b(bt, B, e, E, r, N, scale);
+            mb(NULL, dA + (size_t)e * r * K, bt, d0, ae, n0, K, r);
+            if (d1 && N > n0) mb(NULL, dA + (size_t)e * r * K, bt + (size_t)n0 * r, d1, ae, N - n0, K, r);
+        }
+        if (dB) { /* dB_e[N, r] += scale dW_e A_e^T, scattered back to B's interleaved columns */
+            mm(t, d0, ae, n0, K, r, 0);
+            if (d1 && N > n0) mm(t + (size_t)n0 * r, d1, ae, N - n0, K, r, 0);
+            for (size_t o = 0; o < (size_t)N; o++)
+                for (int j = 0; j < r; j++) dB[o * ((size_t)r * E) + (size_t)j * E + e] += scale * t[o * r + j];
+        }
+    }
+    free(bt);
+    free(t);
 }
 
 float lora_scaling(double alpha, int r, int rslora) {
@@ -148,6 +269,79 @@ static int json_targets(const cJSON *tm, unsigned *bits, const char *path, ct_er
     return 0;
 }
 
+static int pattern_set(const cJSON *o, const char *key) {
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsObject(p) && p->child;
+}
+
+static int lora_any_expert(const lm_config *c) {
+    for (int l = 0; l < c->n_layers; l++)
+        if (lm_lora_expert_on(c, l, LM_LORA_EXP_GU) || lm_lora_expert_on(c, l, LM_LORA_EXP_D)) return 1;
+    return 0;
+}
+
+/* adapter_config.json's target_parameters (absent, null or a list of
+ * strings) into c->lora_experts[] */
+static int json_target_params(const cJSON *tp, lm_config *c, const char *path, ct_err *e) {
+    memset(c->lora_experts, 0, sizeof c->lora_experts);
+    if (!tp || cJSON_IsNull(tp)) return 0;
+    if (!cJSON_IsArray(tp))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: target_parameters: expected a list of parameter names", path);
+    size_t cap = 1, n = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, tp) {
+        if (!cJSON_IsString(it) || strchr(it->valuestring, ','))
+            return ct_fail(e, CT_ERR_FORMAT, "%s: target_parameters: %s is not a parameter name", path,
+                           cJSON_IsString(it) ? it->valuestring : "(not a string)");
+        cap += strlen(it->valuestring) + 1;
+    }
+    char *list = ct_malloc(cap);
+    list[0] = 0;
+    cJSON_ArrayForEach(it, tp) n += (size_t)snprintf(list + n, cap - n, "%s%s", n ? "," : "", it->valuestring);
+    int rc = lora_parse_target_params(list, c, path, "target_parameters", e);
+    free(list);
+    if (rc && e) e->code = CT_ERR_FORMAT;
+    return rc ? CT_ERR_FORMAT : 0;
+}
+
+/* The adapter's target_modules against the run's lora.target_modules */
+static int check_target_modules(const cJSON *tm, const lm_config *c, const char *path, ct_err *e) {
+    if (cJSON_IsString(tm))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: a regular expression is not supported; list the modules",
+                       path);
+    if (!cJSON_IsArray(tm))
+        return c->lora_targets ? ct_fail(e, CT_ERR_CONFIG,
+                                         "%s: target_modules: none in the adapter, but lora.target_modules names some",
+                                         path)
+                               : 0;
+    unsigned bits = 0;
+    int rc = json_targets(tm, &bits, path, e);
+    if (!rc && bits != c->lora_targets)
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: target_modules: the adapter adapts other projections than "
+                                       "lora.target_modules",
+                     path);
+    return rc;
+}
+
+/* The adapter's target_parameters against the run's lora.target_parameters */
+static int check_target_params(const cJSON *tp, const lm_config *c, const char *path, ct_err *e) {
+    if (!tp || cJSON_IsNull(tp))
+        return lora_any_expert(c) ? ct_fail(e, CT_ERR_CONFIG,
+                                            "%s: target_parameters: none in the adapter, but lora.target_parameters "
+                                            "names some",
+                                            path)
+                                  : 0;
+    lm_config *own = ct_malloc(sizeof *own);
+    *own = *c;
+    int rc = json_target_params(tp, own, path, e);
+    if (!rc && memcmp(own->lora_experts, c->lora_experts, sizeof own->lora_experts))
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "%s: target_parameters: the adapter adapts other expert parameters than lora.target_parameters",
+                     path);
+    free(own);
+    return rc;
+}
+
 static int check_config(const lm_model *table, const char *path, ct_err *e) {
     cJSON *o = json_parse_file(path, 0, e);
     if (!o) return e ? e->code : CT_ERR_FORMAT;
@@ -181,22 +375,12 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: fan_in_fan_out: true is for Conv1D models, not Qwen3", path);
     else if (cJSON_IsTrue(dora))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: use_dora: DoRA adapters are not supported", path);
-    else if (cJSON_GetArraySize(tp) > 0)
-        rc = ct_fail(e, CT_ERR_FORMAT,
-                     "%s: target_parameters: adapters on fused MoE expert weights (PEFT's form for Qwen3-MoE "
-                     "gate/up/down) are not supported; ctitan adapts the attention projections of MoE models",
-                     path);
-    else if (cJSON_IsArray(tm)) {
-        unsigned bits = 0;
-        rc = json_targets(tm, &bits, path, e);
-        if (!rc && bits != c->lora_targets)
-            rc = ct_fail(e, CT_ERR_CONFIG, "%s: target_modules: the adapter adapts other projections than "
-                                           "lora.target_modules",
-                         path);
-    } else if (cJSON_IsString(tm)) {
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: a regular expression is not supported; list the modules",
-                     path);
-    }
+    else if (pattern_set(o, "rank_pattern") || pattern_set(o, "alpha_pattern"))
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: %s: per-module ranks or alphas are not supported", path,
+                     pattern_set(o, "rank_pattern") ? "rank_pattern" : "alpha_pattern");
+    else
+        rc = check_target_params(tp, c, path, e);
+    if (!rc) rc = check_target_modules(tm, c, path, e);
     cJSON_Delete(o);
     return rc;
 }
@@ -209,16 +393,19 @@ int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, 
     int rc = 0;
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, "r"), *a = cJSON_GetObjectItemCaseSensitive(o, "lora_alpha");
     const cJSON *tm = cJSON_GetObjectItemCaseSensitive(o, "target_modules");
+    const cJSON *tp = cJSON_GetObjectItemCaseSensitive(o, "target_parameters");
+    int has_tp = cJSON_GetArraySize(tp) > 0;
     if (!cJSON_IsObject(o)) rc = ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
     else if (!cJSON_IsNumber(r) || r->valuedouble < 1 || r->valuedouble > 65536 || r->valuedouble != (int)r->valuedouble)
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: r: expected a positive integer", path);
     else if (!cJSON_IsNumber(a) || !(a->valuedouble > 0))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: lora_alpha: expected a positive number", path);
-    else if (!cJSON_IsArray(tm))
+    else if (!cJSON_IsArray(tm) && !(has_tp && (!tm || cJSON_IsNull(tm))))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: expected a list of module names", path);
     if (!rc) {
         c->lora_rank = (int)r->valuedouble;
         rc = json_targets(tm, &c->lora_targets, path, e);
+        if (!rc) rc = json_target_params(tp, c, path, e);
         *alpha = a->valuedouble;
         *rslora = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "use_rslora"));
         c->lora_scale = lora_scaling(*alpha, c->lora_rank, *rslora);
@@ -250,6 +437,15 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
         }
         int same = st->ndim == t->ndim;
         for (int d = 0; same && d < t->ndim; d++) same = st->shape[d] == t->shape[d];
+        if (!same && (t->slot == LM_S_LORA_EA || t->slot == LM_S_LORA_EB)) {
+            rc = ct_fail(e, CT_ERR_FORMAT,
+                         "%s: tensor \"%s\" has shape [%lld%s%lld], the model expects [%lld, %lld] (an expert adapter: "
+                         "r x num_experts = %d x %d rows of lora_A, columns of lora_B)",
+                         path, key, (long long)st->shape[0], st->ndim > 1 ? ", " : "",
+                         st->ndim > 1 ? (long long)st->shape[1] : 0LL, (long long)t->shape[0], (long long)t->shape[1],
+                         table->cfg.lora_rank, table->cfg.n_experts);
+            break;
+        }
         if (!same) {
             rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has shape [%lld%s%lld], the model expects [%lld, %lld]",
                          path, key, (long long)st->shape[0], st->ndim > 1 ? ", " : "",
@@ -323,9 +519,16 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     cJSON_AddNumberToObject(o, "r", c->lora_rank);
     cJSON_AddNumberToObject(o, "lora_alpha", alpha);
     cJSON_AddNumberToObject(o, "lora_dropout", dropout);
-    cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
-    for (int p = 0; p < LM_LORA_N; p++)
-        if (c->lora_targets & (1u << p)) cJSON_AddItemToArray(tm, cJSON_CreateString(target_names[p]));
+    if (c->lora_targets) {
+        cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
+        for (int p = 0; p < LM_LORA_N; p++)
+            if (c->lora_targets & (1u << p)) cJSON_AddItemToArray(tm, cJSON_CreateString(target_names[p]));
+    } else {
+        cJSON_AddNullToObject(o, "target_modules"); /* adapters on expert parameters only */
+    }
+    char *params = lora_target_params_text(c);
+    if (params[0]) cJSON_AddItemToObject(o, "target_parameters", string_list(params));
+    free(params);
     cJSON_AddBoolToObject(o, "use_rslora", rslora);
     if (modules_to_save && modules_to_save[0]) cJSON_AddItemToObject(o, "modules_to_save", string_list(modules_to_save));
     else cJSON_AddNullToObject(o, "modules_to_save");
@@ -343,13 +546,34 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     return rc;
 }
 
+/* W_e += scale B_e A_e on a layer's stacked experts (PEFT's ParamWrapper.merge) */
+static void merge_experts(lm_model *m, const lm_tensor *ta, const lm_tensor *tb) {
+    const lm_config *c = &m->cfg;
+    int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate, gu = ta->expert == LM_LORA_EXP_GU;
+    char name[LM_NAME_MAX];
+    float *w[2] = {NULL, NULL};
+    for (int x = 0; x < (gu ? 2 : 1); x++) { /* each projection's experts are one stacked block from expert 0 */
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.0.%s.weight", ta->layer,
+                 gu ? (x ? "up_proj" : "gate_proj") : "down_proj");
+        w[x] = m->params + lm_find(m, name)->offset;
+    }
+    float *A = m->params + ta->offset, *B = m->params + tb->offset;
+    lora_experts_delta(&m->k, w[0], w[1], A, B, E, c->lora_rank, gu ? H : Im, gu ? 2 * Im : H, gu ? Im : H,
+                       c->lora_scale);
+    memset(B, 0, tb->numel * sizeof(float)); /* folded in: the adapter now adds nothing */
+}
+
 void lora_merge(lm_model *m) {
     const lm_config *c = &m->cfg;
     int r = c->lora_rank;
     for (int i = 0; i + 1 < m->n_tensors; i++) {
         const lm_tensor *ta = &m->tensors[i], *tb = ta + 1; /* build_layout puts B right after A */
         const char *suffix = strstr(ta->name, ".lora_A.weight");
-        if (!ta->lora || !suffix) continue;
+        if (ta->slot == LM_S_LORA_EA) {
+            merge_experts(m, ta, tb);
+            continue;
+        }
+        if (!ta->lora || ta->slot != LM_S_LORA_A || !suffix) continue;
         char base[LM_NAME_MAX];
         snprintf(base, sizeof base, "%.*s.weight", (int)(suffix - ta->name), ta->name);
         const lm_tensor *tw = lm_find(m, base);

@@ -27,6 +27,33 @@ const char *lora_target_name(int p);
 /* alpha / r, or alpha / sqrt(r) with rslora (PEFT's LoraLayer.scaling). */
 float lora_scaling(double alpha, int r, int rslora);
 
+/* PEFT's target_parameters (comma list) -> c->lora_experts[]: a name
+ * selects layer l's fused experts parameter "model.layers.l.mlp.experts.X"
+ * (X gate_up_proj or down_proj) when it equals it or ends with "." + it,
+ * PEFT's rule, so "mlp.experts.down_proj" is every MoE layer's and
+ * "layers.3.mlp.experts.down_proj" layer 3's. A name that selects no expert
+ * parameter of this model (or any name on a model without Qwen3-MoE
+ * experts) is CT_ERR_CONFIG naming `where`, `key` and the name. */
+int lora_parse_target_params(const char *list, lm_config *c, const char *where, const char *key, ct_err *e);
+/* c->lora_experts[] back as a target_parameters list (comma-joined, to
+ * free): the short names when every MoE layer has the same, else every
+ * layer's full parameter name. "" when none. */
+char *lora_target_params_text(const lm_config *c);
+
+/* PEFT's ParamWrapper on E stacked experts (lora/layer.py,
+ * get_delta_weight): expert e's A_e is rows [e r, e r + r) of A [E r, K] and
+ * B_e column j is B[:, j E + e] of B [N, r E]; W_e[N, K] += scale B_e A_e.
+ * The N rows of an expert are split over two stacked blocks as ctitan
+ * stores gate_up_proj: rows [0, n0) in w0 [E, n0, K], the rest in w1
+ * [E, N - n0, K] (down_proj: n0 = N, w1 NULL). Products in fp32 with the
+ * run's fp32 matmul, as PEFT folds in W's dtype with autocast off. */
+void lora_experts_delta(const kern_ops *k, float *w0, float *w1, const float *A, const float *B, int E, int r, int K,
+                        int N, int n0, float scale);
+/* Its backward from dW (dw0, dw1 as w0, w1): dA += scale B_e^T dW_e,
+ * dB_e += scale dW_e A_e^T per expert. */
+void lora_experts_grad(const kern_ops *k, float *dA, float *dB, const float *dw0, const float *dw1, const float *A,
+                       const float *B, int E, int r, int K, int N, int n0, float scale);
+
 /* Sets tensors[i].frozen of m: with LoRA (cfg.lora_rank > 0) every base
  * tensor except those of modules_to_save (PEFT's rule: every module whose
  * path ends with the text, so "norm" is every norm); then also every tensor matching one

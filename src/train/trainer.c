@@ -228,10 +228,21 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
     if (c->lora_rank <= 0) {
         if (c->lora_adapter_path[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.adapter_path: needs lora.rank > 0", src);
+        if (c->lora_target_params && c->lora_target_params[0])
+            return ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_parameters: needs lora.rank > 0", src);
         return 0;
     }
-    int rc = lora_parse_targets(c->lora_targets, &mc->lora_targets, src, e);
+    int experts = c->lora_target_params && c->lora_target_params[0];
+    int rc = experts && !c->lora_targets[0] ? 0 : lora_parse_targets(c->lora_targets, &mc->lora_targets, src, e);
     if (rc) return rc;
+    if (experts && (rc = lora_parse_target_params(c->lora_target_params, mc, src, "lora.target_parameters", e)))
+        return rc;
+    /* PEFT's ParamWrapper refuses dropout: B A drop(x) has no W' x form */
+    if (experts && c->lora_dropout > 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: lora.dropout = %g with lora.target_parameters: PEFT's adapters on parameters do not "
+                       "work with dropout (lora_dropout != 0 is refused there); set lora.dropout = 0",
+                       src, c->lora_dropout);
     /* MoE models: transformers v5 fuses every MLP's projections and PEFT adapts
      * them only as fused expert parameters (target_parameters), even in dense
      * mlp_only_layers: an adapter on a gate/up/down Linear would be a file PEFT
@@ -239,7 +250,7 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
     unsigned attn = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | (1u << LM_LORA_O);
     if (mc->n_experts > 0 && (mc->lora_targets & ~attn)) {
         mc->lora_targets &= attn;
-        if (!mc->lora_targets)
+        if (!mc->lora_targets && !experts)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: lora.target_modules: a MoE model's MLPs are fused experts, which ctitan does not "
                            "adapt; name some of q_proj, k_proj, v_proj, o_proj",

@@ -37,6 +37,23 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 ALL7 = ATTN + MLP
 
 
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # PEFT's target_parameters on Qwen3-MoE
+
+
+def expert_lora_names(layer: int, params) -> list[str]:
+    """The keys (less PREFIX) PEFT's ParamWrapper gives the adapters of `params` (subset of
+    "gate_up_proj", "down_proj") on one MoE layer, in ctitan's table order (gate_up, down;
+    A then B): one wrapper per parameter, nested in the experts' declaration order, so with
+    both the gate_up_proj wrapper is the inner one, under base_layer."""
+    both = "gate_up_proj" in params and "down_proj" in params
+    out = []
+    for p in ("gate_up_proj", "down_proj"):
+        if p in params:
+            nest = "base_layer." if both and p == "gate_up_proj" else ""
+            out += [f"model.layers.{layer}.mlp.experts.{nest}lora_{x}.weight" for x in "AB"]
+    return out
+
+
 def module_path(layer: int, mod: str) -> str:
     sub = "self_attn" if mod in ATTN else "mlp"
     return f"model.layers.{layer}.{sub}.{mod}"
@@ -65,13 +82,15 @@ def ctitan_name(peft_name: str) -> str:
     return n
 
 
-def make_peft(base, *, r, alpha, targets, rslora=False, modules_to_save=None, seed=None, std=0.1):
+def make_peft(base, *, r, alpha, targets, rslora=False, modules_to_save=None, seed=None, std=0.1,
+              target_parameters=None):
     """A LoRA PeftModel on `base` (fp32, eval mode, dropout 0). With `seed`, every lora_A
     and lora_B gets N(0, std) values (non-zero B: the adapter changes the logits and
     every gradient is non-trivial) and every modules_to_save copy gets N(0, std) added
     (so that it differs from the base tensor it copies)."""
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets),
                      use_rslora=rslora, modules_to_save=list(modules_to_save) if modules_to_save else None,
+                     target_parameters=list(target_parameters) if target_parameters else None,
                      task_type="CAUSAL_LM")
     pm = get_peft_model(base, cfg)
     if seed is not None:

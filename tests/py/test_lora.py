@@ -294,7 +294,8 @@ def test_moe_default_targets_saved_adapter_loads_in_peft(tmp_path, open_session)
 def test_moe_peft_expert_adapter_refused(tmp_path, open_session):
     """PEFT's adapter for all seven targets on a Qwen3-MoE adapts the fused experts
     (target_parameters gate_up_proj / down_proj; keys ...mlp.experts.lora_A.weight,
-    ...mlp.experts.base_layer.lora_A.weight), which ctitan does not: ctitan_open must
+    ...mlp.experts.base_layer.lora_A.weight) with gate_up_proj at rank 2r (rank_pattern),
+    which ctitan does not (test_lora_experts.py has the form it reads): ctitan_open must
     refuse it (naming the file, the experts' key or target_parameters), not load the rest."""
     cfg, hf_dir, base = moe_dense_layer0(tmp_path)
     ad = tmp_path / "adapter"

@@ -1,0 +1,276 @@
+"""LoRA on Qwen3-MoE experts in PEFT's target_parameters form (lora.target_parameters):
+ctitan against PEFT 0.21.2's ParamWrapper on transformers' fused experts
+(mlp.experts.gate_up_proj [E, 2 Im, H], mlp.experts.down_proj [E, H, Im]) together with
+adapters on the attention projections: logits, loss, every adapter gradient and AdamW steps
+(fp32, to 1e-4; alpha / r and rsLoRA), the base bit-unchanged, adapter directories both
+ways (PEFT -> ctitan through lora.adapter_path, ctitan -> PEFT through save_adapter, which
+PeftModel.from_pretrained loads without a warning), the fresh init, and the refusals
+(a wrong expert-adapter shape, an unknown parameter name, dropout, as PEFT refuses it).
+
+Every expected number comes from PEFT / torch (oracle_lora.py)."""
+import json
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+import oracle
+import oracle_lora as OL
+import oracle_moe
+from conftest import hf_session_args
+from test_lora import (ALPHA, OPT_ARGS, R, TOL, assert_base_unchanged, assert_step_matches, compare_steps,
+                       lora_args, moe_dense_layer0, open_error, session_steps, train_ref, trained_in_session)
+from test_parity import make_batch
+from test_train_loop import LOCAL_BS, L
+
+EXP_ARG = "--lora.target_parameters=" + ",".join(OL.EXPERTS)
+
+
+def expected_lora(cfg, attn, experts=("gate_up_proj", "down_proj")):
+    """ctitan's adapter names in table order: per layer the attention ones, then (MoE
+    layers) the experts'."""
+    out = []
+    for l in range(cfg.num_hidden_layers):
+        out += OL.lora_names([l], attn)
+        if l not in cfg.mlp_only_layers:
+            out += OL.expert_lora_names(l, experts)
+    return out
+
+
+CASES = [("alpha_over_r", False), ("rslora", True)]
+
+
+@pytest.mark.parametrize("rslora", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_expert_parity_from_peft_adapter(rslora, tmp_path, open_session):
+    """A PEFT adapter with random non-zero A and B on q/v and on both fused expert
+    parameters of a Qwen3-MoE (layer 0 dense, layer 1 sparse): ctitan loads it, has PEFT's
+    tensors (names, shapes, order), trains exactly them, gives PEFT's logits, loss and
+    every adapter gradient, and 3 AdamW steps equal torch's; the base stays bit-identical."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ad = tmp_path / "adapter"
+    attn = ["q_proj", "v_proj"]
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=attn, rslora=rslora, target_parameters=OL.EXPERTS, seed=6)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    lora = expected_lora(cfg, attn)
+    assert sorted(params) == sorted(lora), f"test setup: PEFT trains {sorted(params)}"
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=7)
+    ref_loss, ref_logits, ref_grads = OL.loss_logits_grads(pm, params, tokens, labels)
+    assert oracle.rel_err(ref_logits, oracle.hf_logits(base(), tokens)) > 100 * TOL, \
+        "test setup: the adapter hardly changes the logits"
+
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=OPT_ARGS + lora_args(
+        targets=attn, rslora=rslora, adapter=ad) + [EXP_ARG]))
+    names = s.names()
+    assert [n for n in names if ".lora_" in n] == lora, f"adapters: {[n for n in names if '.lora_' in n]}"
+    bad = [n for n in lora if s.shapes[n] != tuple(params[n].shape)]
+    assert not bad, f"shapes differ from PEFT's: {[(n, s.shapes[n], tuple(params[n].shape)) for n in bad]}"
+    assert trained_in_session(s) == set(params)
+    saved = OL.saved_state(pm)
+    bad = [n for n in saved if not np.array_equal(s.get_param(n), saved[n])]
+    assert not bad, f"adapter tensors not loaded exactly: {bad}"
+    assert_base_unchanged(s, hf_dir)
+
+    assert_step_matches(s, tokens, labels, ref_loss, ref_logits, ref_grads, lora)
+    stream = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=12)
+    compare_steps(session_steps(s, stream, lora), train_ref(pm, params, stream))
+    assert_base_unchanged(s, hf_dir)
+
+
+def test_expert_adapter_saved_loads_in_peft(tmp_path, open_session):
+    """From ctitan's fresh init (B zero, A uniform in +-1/sqrt(in) as PEFT inits lora_A),
+    2 training steps, save_adapter: adapter_config.json names the target_parameters,
+    PeftModel.from_pretrained loads the directory without a warning, every tensor lands in
+    the model, and PEFT's logits are ctitan's. Only the experts are adapted here
+    (target_modules []), one parameter, so its keys are the outer wrapper's."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, seed=4, extra=OPT_ARGS + [
+        f"--lora.rank={R}", f"--lora.alpha={ALPHA}", "--lora.target_modules=",
+        "--lora.target_parameters=experts.down_proj"]))
+    lora = [n for n in s.names() if ".lora_" in n]
+    assert lora == OL.expert_lora_names(1, ["down_proj"]), lora
+    a, b = lora
+    assert s.shapes[a] == (R * cfg.num_experts, cfg.moe_intermediate_size), s.shapes[a]
+    A0 = s.get_param(a)
+    bound = 1 / np.sqrt(cfg.moe_intermediate_size)
+    assert not np.any(s.get_param(b)) and np.all(np.abs(A0) <= bound) and np.abs(A0).max() > 0.8 * bound, \
+        "fresh init: B must be zero and A uniform in +-1/sqrt(in)"
+    stream = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=3)
+    session_steps(s, stream, [], run=2)
+    ad = tmp_path / "saved"
+    s.save_adapter(ad)
+    conf = json.loads((ad / "adapter_config.json").read_text())
+    assert conf.get("target_parameters") == ["mlp.experts.down_proj"] and not conf.get("target_modules"), conf
+    tokens, _ = make_batch(cfg.vocab_size, 2, L, seed=9)
+    logits = s.logits(tokens)
+    pm = OL.load_adapter_strict(base(), ad)
+    ref = oracle.hf_logits(pm, tokens)
+    assert oracle.rel_err(ref, oracle.hf_logits(base(), tokens)) > 10 * TOL, "test setup: 2 steps changed nothing"
+    err = oracle.rel_err(logits, ref)
+    assert err <= TOL, f"ctitan logits vs PEFT with ctitan's adapter: rel err {err:.3g}"
+
+
+def test_expert_adapter_both_params_saved_loads_in_peft(tmp_path, open_session):
+    """Attention and both expert parameters, adapters set to random values through the
+    session: the saved directory loads in PEFT (nested wrappers: gate_up_proj's under
+    base_layer) and gives ctitan's logits."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=[
+        f"--lora.rank={R}", f"--lora.alpha={ALPHA}", "--lora.use_rslora=true", EXP_ARG]))
+    rng = np.random.default_rng(3)
+    for n in s.names():
+        if ".lora_" in n:
+            s.set_param(n, rng.normal(0, 0.1, s.shapes[n]).astype(np.float32))
+    ad = tmp_path / "saved"
+    s.save_adapter(ad)
+    tokens, _ = make_batch(cfg.vocab_size, 2, L, seed=9)
+    pm = OL.load_adapter_strict(base(), ad)
+    err = oracle.rel_err(s.logits(tokens), oracle.hf_logits(pm, tokens))
+    assert err <= TOL, f"ctitan logits vs PEFT with ctitan's adapter: rel err {err:.3g}"
+
+
+# --------------------------------------------------------------------------- refusals
+
+def _peft_adapter(tmp_path, base):
+    ad = tmp_path / "adapter"
+    OL.make_peft(base(), r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=OL.EXPERTS,
+                 seed=1).save_pretrained(str(ad))
+    return ad
+
+
+def _fewer_experts(ad):
+    f = ad / "adapter_model.safetensors"
+    t = load_file(str(f))
+    k = OL.PREFIX + "model.layers.1.mlp.experts.lora_A.weight"
+    t[k] = t[k][: R * 3].contiguous()  # 3 experts' rows of 4
+    save_file(t, str(f), metadata={"format": "pt"})
+    return "model.layers.1.mlp.experts.lora_A.weight"
+
+
+def _unknown_param(ad):
+    f = ad / "adapter_config.json"
+    c = json.loads(f.read_text())
+    c["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.gate.weight"]
+    f.write_text(json.dumps(c))
+    return "mlp.gate.weight"
+
+
+@pytest.mark.parametrize("damage", [None, _fewer_experts, _unknown_param], ids=["intact", "fewer_experts",
+                                                                                 "unknown_param"])
+def test_damaged_expert_adapter_rejected(damage, tmp_path, open_session):
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ad = _peft_adapter(tmp_path, base)
+    args = hf_session_args(hf_dir, extra=lora_args(targets=["q_proj"], adapter=ad) + [EXP_ARG])
+    if damage is None:
+        open_session(args).close()
+        return
+    needle = damage(ad)
+    msg = open_error(open_session, args, tmp_path)
+    assert needle in msg and "adapter_" in msg, f"the error names neither {needle!r} nor the file: {msg}"
+
+
+@pytest.mark.parametrize("value,needle", [("mlp.experts.up_proj", "mlp.experts.up_proj"),
+                                          ("self_attn.q_proj.weight", "self_attn.q_proj.weight")])
+def test_unknown_target_parameter_refused(value, needle, tmp_path, open_session):
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    msg = open_error(open_session, hf_session_args(hf_dir, extra=[f"--lora.rank={R}",
+                                                                  f"--lora.target_parameters={value}"]), tmp_path)
+    assert needle in msg and "lora.target_parameters" in msg, msg
+
+
+def test_expert_lora_on_dense_model_refused(tmp_path, open_session):
+    hf_dir = tmp_path / "hf"
+    oracle.save_random_hf(hf_dir, oracle.tiny_config(vocab=64, hidden=32, inter=64, layers=1, heads=4,
+                                                      kv_heads=2, head_dim=16), seed=1)
+    msg = open_error(open_session, hf_session_args(hf_dir, extra=[f"--lora.rank={R}", EXP_ARG]), tmp_path)
+    assert "no fused Qwen3-MoE experts" in msg and "lora.target_parameters" in msg, msg
+
+
+def test_expert_lora_dropout_refused(tmp_path, open_session):
+    """PEFT's ParamWrapper raises on lora_dropout != 0; so does ctitan."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    msg = open_error(open_session, hf_session_args(hf_dir, extra=[f"--lora.rank={R}", "--lora.dropout=0.1",
+                                                                  EXP_ARG]), tmp_path)
+    assert "lora.dropout" in msg and "target_parameters" in msg, msg
+
+
+def test_expert_lora_bf16_vs_peft_autocast(tmp_path, open_session):
+    """bf16 mixed precision against PEFT under torch.autocast("cpu", bfloat16), with
+    test_bf16.py's measured yardstick: d_amp = |autocast - fp32| per tensor (PEFT's fold
+    W + scale B A runs in fp32 with autocast off, then the experts' products in bf16, as
+    ctitan's). The loss within 1e-3 of autocast's; each trained tensor's gradient within
+    4 d_amp of autocast's (median ratio <= 1.5), and away from ctitan's fp32 one (the mode
+    applies to the experts too)."""
+    import torch
+    from test_bf16 import BF16
+
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ad = tmp_path / "adapter"
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=OL.EXPERTS, seed=6)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=7)
+    l32, _, g32 = OL.loss_logits_grads(pm, params, tokens, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lam, _, gam = OL.loss_logits_grads(pm, params, tokens, labels)
+    assert abs(lam - l32) <= 1e-3 * l32, "the yardstick itself moved"
+    res = {}
+    for mode in ("fp32", "bf16"):
+        s = open_session(hf_session_args(hf_dir, batch=2, seq_len=L, extra=lora_args(
+            targets=["q_proj"], adapter=ad) + [EXP_ARG] + ([BF16] if mode == "bf16" else [])))
+        s.zero_grad()
+        nv = oracle.n_valid(labels)
+        res[mode] = (s.forward_backward(tokens, labels, nv) / nv, {n: s.get_grad(n) for n in params})
+        s.close()
+    assert abs(res["bf16"][0] - lam) <= 1e-3 * lam, f"ctitan bf16 loss {res['bf16'][0]} vs autocast {lam}"
+    bad, ratios = [], []
+    for n in params:
+        d_amp = oracle.rel_err(gam[n], g32[n])
+        d_ct = oracle.rel_err(res["bf16"][1][n], gam[n])
+        d_mode = oracle.rel_err(res["bf16"][1][n], res["fp32"][1][n])
+        ratios.append(d_ct / d_amp)
+        if not d_ct <= 4 * d_amp:
+            bad.append(f"{n}: ctitan-bf16 vs autocast {d_ct:.2e} > 4 x {d_amp:.2e}")
+        if not (d_mode >= 1e-3 and d_mode >= 0.1 * d_amp):
+            bad.append(f"{n}: ctitan-bf16 vs fp32 only {d_mode:.2e}: bf16 not applied?")
+    assert not bad, "\n".join(bad)
+    assert np.median(ratios) <= 1.5, f"median ratio {np.median(ratios):.2f}"
+
+
+def test_expert_lora_per_layer_names_both_ways(tmp_path, open_session):
+    """PEFT's suffix rule picks layers: "layers.2.mlp.experts.gate_up_proj" adapts layer
+    2's gate_up_proj only, "experts.down_proj" every MoE layer's down_proj, so layer 1
+    has one wrapper (down_proj's keys without base_layer) and layer 2 two. PEFT's adapter
+    loads in ctitan with PEFT's logits; ctitan's save lists every layer's full parameter
+    name and loads back in PEFT with ctitan's logits."""
+    cfg = oracle_moe.tiny_moe_config(vocab=128, layers=3, experts=4, top_k=2, mlp_only=(0,))
+    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
+    oracle_moe.build_moe_model(cfg, seed=5).save_pretrained(str(hf_dir))
+
+    def base():
+        m = oracle.load_hf(hf_dir)
+        m.config._experts_implementation = "eager"
+        return m
+
+    tp = ["layers.2.mlp.experts.gate_up_proj", "experts.down_proj"]
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=["v_proj"], target_parameters=tp, seed=4)
+    pm.save_pretrained(str(ad))
+    lora = OL.lora_names([0], ["v_proj"]) + OL.lora_names([1], ["v_proj"]) + OL.expert_lora_names(1, ["down_proj"]) \
+        + OL.lora_names([2], ["v_proj"]) + OL.expert_lora_names(2, ["gate_up_proj", "down_proj"])
+    assert sorted(OL.trainable(pm)) == sorted(lora), f"test setup: PEFT trains {sorted(OL.trainable(pm))}"
+    tokens, _ = make_batch(cfg.vocab_size, 2, L, seed=2)
+    want = oracle.hf_logits(pm, tokens)
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=L, extra=lora_args(targets=["v_proj"], adapter=ad) + [
+        "--lora.target_parameters=" + ",".join(tp)]))
+    assert [n for n in s.names() if ".lora_" in n] == lora
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"ctitan logits from PEFT's adapter: rel err {err:.3g}"
+    out = tmp_path / "saved"
+    s.save_adapter(out)
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(conf["target_parameters"]) == ["model.layers.1.mlp.experts.down_proj",
+                                                 "model.layers.2.mlp.experts.down_proj",
+                                                 "model.layers.2.mlp.experts.gate_up_proj"], conf
+    pm2 = OL.load_adapter_strict(base(), out)
+    err = oracle.rel_err(oracle.hf_logits(pm2, tokens), want)
+    assert err <= TOL, f"PEFT logits with ctitan's saved adapter: rel err {err:.3g}"
