@@ -117,6 +117,9 @@ static const cfg_option cfg_options[] = {
         .help = "shuffle the windows of every epoch (deterministic from training.seed)"),
     OPT("training", "text_split", CFG_ENUM, text_split, "line", .choices = cfg_text_splits,
         .help = "plain text: one document per line (as HF's text loader), paragraph or file"),
+    OPT("training", "chat_template", CFG_STR, chat_template, "auto",
+        .help = "chat data: auto (the tokenizer's own chat template unless it is ChatML or absent, then "
+                "ChatML), chatml, tokenizer (its template, required), or a .jinja file / tokenizer directory"),
     OPT("training", "stop_at_step", CFG_INT, stop_at_step, "0", .range = CFG_GE, .lo = 0,
         .help = "stop after this step with a checkpoint, as if preempted (job time limits, tests); 0: never"),
     OPT("training", "deterministic", CFG_BOOL, deterministic, "false",

@@ -47,6 +47,7 @@ typedef struct {
     int64_t seed;             /* 0 */
     int shuffle;              /* false */
     char *text_split;         /* "line" | "paragraph" | "file" */
+    char *chat_template;      /* "auto" | "chatml" | "tokenizer" | a path (data/chat.h) */
     int stop_at_step;         /* 0 = never */
     int deterministic;        /* false */
     int threads;              /* 0 = OMP_NUM_THREADS or all cores */

@@ -406,6 +406,8 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     if (ds_kind_parse(kind_name, &k) == 0) dc.tok.kind = k;
     ds_text_split sp;
     if (ds_split_parse(c->text_split, &sp) == 0) dc.tok.text_split = sp;
+    dc.tok.chat_template = c->chat_template;
+    dc.tok.tokenizer_dir = c->hf_assets_path[0] ? cfg_hf_dir(c) : NULL;
     const char *paths[1] = {path};
     return ds_open(out, paths, 1, *tk, &dc, e);
 }
