@@ -70,11 +70,12 @@ int trainer_join_path(char *out, size_t cap, const char *dir, const char *name) 
 
 /* One option's Hub id through hub_resolve, into *dir; the message names the option. A
  * directory, or a missing path that is no id, is left to the code that reads it (its errors). */
-static int resolve_one(const ct_config *c, const char *key, const char *path, unsigned what, char **dir, ct_err *e) {
+static int resolve_one(const ct_config *c, const char *key, const char *path, const char *rev, unsigned what,
+                       char **dir, ct_err *e) {
     struct stat st;
     if (!hub_is_repo_id(path) || (stat(path, &st) == 0 && S_ISDIR(st.st_mode))) return 0;
     hub_local *loc = ct_malloc(sizeof *loc); /* 4 KB of path: not on the stack of every caller */
-    int rc = hub_resolve(path, c->hf_revision, what, loc, e);
+    int rc = hub_resolve(path, rev, what, loc, e);
     if (rc && e) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
@@ -93,11 +94,15 @@ int trainer_resolve_hub(ct_config *c, int dry_run, ct_err *e) {
     int same = init && !strcmp(c->initial_load_path, c->hf_assets_path);
     unsigned what = (hf ? HUB_CONFIG : 0) | (dry_run ? 0 : HUB_TOKENIZER_IF_ANY | (same ? HUB_WEIGHTS : 0));
     int rc = 0;
-    if (c->hf_assets_path[0] && what) rc = resolve_one(c, "model.hf_assets_path", c->hf_assets_path, what,
-                                                       &c->hf_assets_dir, e);
+    if (c->hf_assets_path[0] && what)
+        rc = resolve_one(c, "model.hf_assets_path", c->hf_assets_path, c->hf_revision, what, &c->hf_assets_dir, e);
     if (!rc && init && !dry_run)
-        rc = resolve_one(c, "checkpoint.initial_load_path", c->initial_load_path, HUB_CONFIG | HUB_WEIGHTS,
-                         &c->initial_load_dir, e);
+        rc = resolve_one(c, "checkpoint.initial_load_path", c->initial_load_path, c->hf_revision,
+                         HUB_CONFIG | HUB_WEIGHTS, &c->initial_load_dir, e);
+    /* a PEFT adapter published on the Hub, at its own revision (another repo than the base) */
+    if (!rc && c->lora_adapter_path[0] && c->lora_rank > 0 && !dry_run)
+        rc = resolve_one(c, "lora.adapter_path", c->lora_adapter_path, c->lora_adapter_revision, HUB_ADAPTER,
+                         &c->lora_adapter_dir, e);
     return rc;
 }
 
