@@ -236,6 +236,9 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
         return 0;
     }
     int rc = lora_parse_targets(c->lora_targets, &mc->lora_targets, src, e);
+    /* fused projections in the files (Phi3's qkv_proj, gate_up_proj) are named
+     * and adapted as PEFT does: one adapter over the fused Linear */
+    if (!rc) rc = lora_check_fused(mc, src, "lora.target_modules", e);
     if (rc) return rc;
     /* MoE models: transformers v5 fuses every MLP's projections and PEFT adapts
      * them only as fused expert parameters (target_parameters), even in dense
@@ -250,16 +253,6 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
                            "adapt; name some of q_proj, k_proj, v_proj, o_proj",
                            src);
     }
-    /* fused projections in the files (Phi3's qkv_proj, gate_up_proj): PEFT
-     * adapts the fused Linear with one A shared by q, k and v, which is not
-     * three adapters; ctitan adapts o_proj and down_proj there */
-    unsigned fused = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | (1u << LM_LORA_GATE) |
-                     (1u << LM_LORA_UP);
-    if (mc->fused_qkv && (mc->lora_targets & fused))
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: lora.target_modules: model_type \"%s\" fuses q/k/v (qkv_proj) and gate/up (gate_up_proj), "
-                       "which ctitan does not adapt yet; name o_proj and/or down_proj",
-                       src, mc->model_type);
     mc->lora_rank = c->lora_rank;
     mc->lora_scale = lora_scaling(c->lora_alpha, c->lora_rank, c->lora_rslora);
     mc->lora_dropout = (float)c->lora_dropout;
