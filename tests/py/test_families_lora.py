@@ -111,3 +111,39 @@ def test_fused_names_follow_the_files(tmp_path, open_session):
                                      extra=lora_args(["qkv_proj", "o_proj"])))
     msg = str(ei.value)
     assert "lora.target_modules" in msg and "has no qkv_proj" in msg, msg
+
+
+def test_phi3_fused_adapter_generate_and_merge(tmp_path, run_ctitan):
+    """The fused adapter outside training: `generate --adapter` continues as greedy decoding
+    with PEFT's model does, and `export --merge` writes PEFT's merge_and_unload (loaded by
+    transformers: the adapted model's logits)."""
+    from transformers import AutoModelForCausalLM
+    case, targets = fam.CASE["phi3_longrope_short_swa7"], CASES["phi3_longrope_short_swa7"]
+    base = fam.build(case)
+    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
+    fam.save(base, hf_dir)
+    pm = OL.make_peft(fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), r=R, alpha=ALPHA,
+                      targets=targets, seed=9, std=0.3)
+    pm.save_pretrained(str(ad))
+    prompt = [5, 17, 20, 3, 9]
+
+    def greedy(model, n=6):  # full forwards (HF's cached generate has its own window/longrope quirks)
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        return seq[len(prompt):]
+    ref = greedy(pm)
+    assert greedy(base) != ref, "the test adapter must change the greedy continuation"
+    _, out, _ = run_ctitan(["generate", "--checkpoint", hf_dir, "--adapter", ad, "--prompt-ids",
+                            " ".join(map(str, prompt)), "--max-tokens", "6", "--ids"])
+    assert [int(x) for x in out.split()] == ref
+    tokens, _ = fam.batch(base, 2, case.T, seed=6)
+    with torch.no_grad():
+        want = pm(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    run_ctitan(["export", "--checkpoint", hf_dir, "--adapter", ad, "--merge", "--out", tmp_path / "merged"])
+    merged = fam.prepare_loaded(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32),
+                                case.family)
+    with torch.no_grad():
+        got = merged(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    assert oracle.rel_err(got, want) <= TOL
