@@ -295,9 +295,12 @@ static void span_push(jinja_spans *s, size_t a, size_t b) {
  * template whose rendering up to a reply is no prefix of the one with it
  * (Mistral's places the system prompt in the last user turn only) has the
  * reply start where Q parts from the same conversation with the reply's
- * content emptied. Where T does not start with Q (earlier turns render
- * differently once later ones follow), the reply's text is looked up in T
- * after the previous reply. */
+ * content emptied. Text a template writes only at the end of the whole
+ * conversation (Phi-3's eos_token without the generation prompt) is no part
+ * of a reply that other turns follow: where Q and the rendering through the
+ * next message part, Q's rest is cut when T ends with it too. Where T does
+ * not start with Q (earlier turns render differently once later ones
+ * follow), the reply's text is looked up in T after the previous reply. */
 static int locate_replies(const chat_tmpl *c, const cJSON *msgs, const char *T, size_t TN, jinja_spans *sp,
                           ct_err *e) {
     size_t cursor = 0;
@@ -321,6 +324,17 @@ static int locate_replies(const chat_tmpl *c, const cJSON *msgs, const char *T, 
                              i, chat_tmpl_file(c));
                 goto next;
             }
+        }
+        if (m->next) { /* the conversation's closer, if Q ends with one */
+            char *N = NULL;
+            size_t NN = 0, k = 0;
+            ct_err ne = {0}; /* a template that cannot stop there just cuts nothing */
+            if (!render_prefix(c, msgs, i + 2, 0, &N, &NN, &ne)) {
+                while (k < QN && k < NN && Q[k] == N[k]) k++;
+                while (k > at && k < QN && ((uint8_t)Q[k] & 0xC0) == 0x80) k--;
+                if (k > at && k < QN && QN - k <= TN && !memcmp(T + TN - (QN - k), Q + k, QN - k)) QN = k;
+            }
+            free(N);
         }
         if (at >= cursor && QN <= TN && !memcmp(T, Q, QN)) {
             span_push(sp, at, QN);

@@ -1,6 +1,7 @@
 """Chat data in a family's own chat template (training.chat_template / prepare --chat-template;
 issue 15): `ctitan prepare` on conversations for tiny Llama-3, Gemma-3 and Mistral tokenizers
-(built as test_tokenizer_families builds them) carrying the published templates of
+(built as test_tokenizer_families builds them; Phi-3's template on the Mistral-style one)
+carrying the published templates of
 tests/data/chat_templates. The oracle is transformers alone:
 
 - ids: the HF tokenization (add_special_tokens=False, as apply_chat_template tokenizes) of
@@ -8,7 +9,8 @@ tests/data/chat_templates. The oracle is transformers alone:
 - mask: the assistant spans computed here in Python from apply_chat_template renderings
   (the reply is what rendering the conversation up to it with the generation prompt, then
   with it, differ by; where the former is no prefix of the latter, where the rendering with
-  the reply's content emptied departs from it), every token whose HF offsets overlap a span;
+  the reply's content emptied departs from it; less what only the conversation's end gets,
+  Phi-3's eos), every token whose HF offsets overlap a span;
 - with a template that has {% generation %} markers: transformers' own
   return_assistant_tokens_mask.
 Each conversation is followed by EOS (mask 0), as docs/data.md packs chat data."""
@@ -23,7 +25,9 @@ from tokenizer_corpus import corpus
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "chat_templates"
-FAMILIES = {"llama3": "llama-3.1-instruct", "gemma3": "gemma-3-it", "mistral": "mistral-7b-instruct-v0.3"}
+FAMILIES = {"llama3": "llama-3.1-instruct", "gemma3": "gemma-3-it", "mistral": "mistral-7b-instruct-v0.3",
+            "phi3": "phi-3-mini-4k-instruct"}
+BUILT_BY = {"phi3": "mistral"}  # Phi-3's tokenizer is a Llama-2-style SentencePiece BPE, as Mistral's
 CONVS = [
     [{"role": "user", "content": "What is a shard?"}, {"role": "assistant", "content": "A piece of the dataset file."}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a river."},
@@ -49,7 +53,7 @@ def docs():
 def family(request, docs, tmp_path_factory):
     from transformers import AutoTokenizer
     d = tmp_path_factory.mktemp(request.param)
-    built = BUILDERS[request.param](docs)
+    built = BUILDERS[BUILT_BY.get(request.param, request.param)](docs)
     (built[0] if isinstance(built, tuple) else built).save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text((DATA / FAMILIES[request.param] / "tokenizer_config.json").read_text())
     return request.param, d, AutoTokenizer.from_pretrained(str(d))
@@ -83,6 +87,13 @@ def reply_spans(tok, conv, text):
             at = 0
             while at < min(len(upto), len(empty)) and upto[at] == empty[at]:
                 at += 1
+        if i + 1 < len(conv):  # text only the conversation's end gets (Phi-3's eos) is no part of the reply
+            after = tok.apply_chat_template(conv[:i + 2], tokenize=False)
+            k = 0
+            while k < min(len(upto), len(after)) and upto[k] == after[k]:
+                k += 1
+            if at < k < len(upto) and text.endswith(upto[k:]):
+                upto = upto[:k]
         if text.startswith(upto) and at >= cur:
             s, e = at, len(upto)
         else:
