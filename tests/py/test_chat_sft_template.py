@@ -178,12 +178,12 @@ def test_train_step_with_family_template(family, run_ctitan, tmp_path):
     """training.chat_template (default auto) through the trainer: the step-1 loss equals
     transformers' on windows of the HF-built stream above (seq_len + 1 tokens, the mask of the
     target token)."""
-    import oracle
-    import shutil
-    import torch  # noqa: F401  (oracle's HF model)
     name, tokdir, tok = family
     if name != "gemma3":
         pytest.skip("one family through the trainer is enough; prepare covers the rest")
+    import shutil
+
+    import oracle
     L, B = 16, 4
     ids, mask = expected(tok, CONVS)
     n = B * (L + 1)
