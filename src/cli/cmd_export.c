@@ -38,14 +38,14 @@
 #define EXP_DEFAULT_SHARD 5000000000ull /* "5GB" as transformers reads it */
 
 typedef struct {
-    const char *checkpoint, *out, *tokenizer, *dtype, *adapter, *revision;
+    const char *checkpoint, *out, *tokenizer, *dtype, *adapter, *revision, *adapter_revision;
     unsigned long long max_shard;
     int merge;
 } exp_args;
 
 /* Every option once: the parser and --help both read this table. */
 enum { EXP_CHECKPOINT, EXP_OUT, EXP_DTYPE, EXP_MAX_SHARD, EXP_TOKENIZER, EXP_ADAPTER, EXP_MERGE, EXP_REVISION,
-       EXP_HELP };
+       EXP_ADAPTER_REVISION, EXP_HELP };
 static const cli_opt exp_options[] = {
     [EXP_CHECKPOINT] = {"--checkpoint", "DIR", "(required)",
                         "a checkpoint step-N directory, or a folder of them (newest valid one)", CLI_VALUE},
@@ -57,13 +57,16 @@ static const cli_opt exp_options[] = {
     [EXP_TOKENIZER] = {"--tokenizer", "DIR", "model.hf_assets_path of the checkpoint's config.toml",
                        "where to copy tokenizer files from (a directory or a Hub id)", CLI_VALUE},
     [EXP_ADAPTER] = {"--adapter", "DIR", "(none)",
-                     "a PEFT LoRA adapter directory (with --merge; --checkpoint is then the base HF model directory)",
+                     "a PEFT LoRA adapter directory or Hub id (with --merge; --checkpoint is then the base HF model "
+                     "directory)",
                      CLI_VALUE},
     [EXP_MERGE] = {"--merge", "", "off",
                    "fold the --adapter into the base weights of --checkpoint (W + scale B A)", CLI_FLAG},
     [EXP_REVISION] = {"--revision", "R", HUB_DEFAULT_REVISION,
                       "branch, tag or commit of a Hub id given as --tokenizer or (with --merge) --checkpoint",
                       CLI_VALUE},
+    [EXP_ADAPTER_REVISION] = {"--adapter-revision", "R", HUB_DEFAULT_REVISION,
+                              "branch, tag or commit of a Hub id given to --adapter", CLI_VALUE},
     [EXP_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
@@ -119,6 +122,7 @@ static int exp_parse_args(exp_args *a, int argc, char **argv) {
         case EXP_ADAPTER: a->adapter = val; break;
         case EXP_MERGE: a->merge = 1; break;
         case EXP_REVISION: a->revision = val; break;
+        case EXP_ADAPTER_REVISION: a->adapter_revision = val; break;
         case EXP_DTYPE:
             if (hf_dtype_from_name(val) < 0)
                 return cli_fail(2, "--dtype: \"%s\" is not one of float32, bfloat16, float16", val);
@@ -216,10 +220,15 @@ int cli_export(int argc, char **argv) {
         return cli_fail(1, "--tokenizer %s: no such directory", a.tokenizer);
     double t0 = ct_now();
     ct_err e = {0};
-    static hub_local base_loc, tok_loc;
+    static hub_local base_loc, tok_loc, ad_loc;
     if (a.adapter && (rc = hub_resolve(a.checkpoint, a.revision, HUB_MODEL, &base_loc, &e)))
         return cli_fail(ct_exit_code(rc), "%s", e.msg);
     if (a.adapter) a.checkpoint = base_loc.dir;
+    if (a.adapter && !exp_is_dir(a.adapter) && hub_is_repo_id(a.adapter)) {
+        if ((rc = hub_resolve(a.adapter, a.adapter_revision, HUB_ADAPTER, &ad_loc, &e)))
+            return cli_fail(ct_exit_code(rc), "--adapter: %s", e.msg);
+        a.adapter = ad_loc.dir;
+    }
     if (a.tokenizer && (rc = hub_resolve(a.tokenizer, a.revision, HUB_TOKENIZER, &tok_loc, &e)))
         return cli_fail(ct_exit_code(rc), "%s", e.msg);
     if (a.tokenizer) a.tokenizer = tok_loc.dir;

@@ -50,6 +50,7 @@ typedef struct {
     const char *prompt;     /* text */
     const char *prompt_ids; /* "1 2 3" */
     const char *revision;   /* of Hub ids */
+    const char *adapter_revision; /* of a Hub id in adapter */
     int max_tokens;
     double temperature;
     int top_k;
@@ -61,7 +62,8 @@ typedef struct {
 /* Every option once: the parser and --help both read this table. */
 enum {
     GEN_CHECKPOINT, GEN_PROMPT, GEN_PROMPT_IDS, GEN_MAX_TOKENS, GEN_TEMPERATURE, GEN_TOP_K,
-    GEN_TOP_P, GEN_SEED, GEN_CHAT, GEN_TOKENIZER, GEN_IDS, GEN_ADAPTER, GEN_REVISION, GEN_HELP
+    GEN_TOP_P, GEN_SEED, GEN_CHAT, GEN_TOKENIZER, GEN_IDS, GEN_ADAPTER, GEN_REVISION, GEN_ADAPTER_REVISION,
+    GEN_HELP
 };
 static const cli_opt gen_cli_options[] = {
     [GEN_CHECKPOINT] = {"--checkpoint", "DIR", "(required)",
@@ -85,9 +87,12 @@ static const cli_opt gen_cli_options[] = {
                        "directory with tokenizer.json (or vocab.json + merges.txt), or a Hub id", CLI_VALUE},
     [GEN_IDS] = {"--ids", "", "off", "print the generated token ids (one line) instead of text", CLI_FLAG},
     [GEN_ADAPTER] = {"--adapter", "DIR", "(none)",
-                     "a PEFT LoRA adapter directory applied beside the weights (not merged)", CLI_VALUE},
+                     "a PEFT LoRA adapter directory, or its Hub id, applied beside the weights (not merged)",
+                     CLI_VALUE},
     [GEN_REVISION] = {"--revision", "R", HUB_DEFAULT_REVISION,
                       "branch, tag or commit of the Hub ids given to --checkpoint / --tokenizer", CLI_VALUE},
+    [GEN_ADAPTER_REVISION] = {"--adapter-revision", "R", HUB_DEFAULT_REVISION,
+                              "branch, tag or commit of a Hub id given to --adapter", CLI_VALUE},
     [GEN_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
@@ -135,6 +140,7 @@ static int gen_parse_args(gen_cli_args *a, int argc, char **argv) {
         case GEN_TOKENIZER: a->tokenizer = val; break;
         case GEN_ADAPTER: a->adapter = val; break;
         case GEN_REVISION: a->revision = val; break;
+        case GEN_ADAPTER_REVISION: a->adapter_revision = val; break;
         case GEN_PROMPT: a->prompt = val; break;
         case GEN_PROMPT_IDS: a->prompt_ids = val; break;
         case GEN_CHAT: a->chat = 1; break;
@@ -331,12 +337,17 @@ int cli_generate(int argc, char **argv) {
     if (a.tokenizer && !gen_is_dir(a.tokenizer) && !hub_is_repo_id(a.tokenizer))
         return cli_fail(2, "--tokenizer: \"%s\" is not a directory (nor a Hub id)", a.tokenizer);
     /* Hub ids -> the cache's snapshot directories (downloading what is missing) */
-    static hub_local ck_loc, tok_loc;
+    static hub_local ck_loc, tok_loc, ad_loc;
     ct_err he = {0};
     unsigned what = HUB_CONFIG | HUB_WEIGHTS | (a.tokenizer ? 0 : HUB_TOKENIZER_IF_ANY);
     if ((rc = hub_resolve(a.checkpoint, a.revision, what, &ck_loc, &he)) ||
         (a.tokenizer && (rc = hub_resolve(a.tokenizer, a.revision, HUB_TOKENIZER, &tok_loc, &he))))
         return cli_fail(ct_exit_code(rc), "%s", he.msg);
+    if (a.adapter && !gen_is_dir(a.adapter) && hub_is_repo_id(a.adapter)) {
+        if ((rc = hub_resolve(a.adapter, a.adapter_revision, HUB_ADAPTER, &ad_loc, &he)))
+            return cli_fail(ct_exit_code(rc), "--adapter: %s", he.msg);
+        a.adapter = ad_loc.dir;
+    }
     a.checkpoint = ck_loc.dir;
     if (a.tokenizer) a.tokenizer = tok_loc.dir;
     tok_ids prompt = {0}, stops = {0};

@@ -32,6 +32,8 @@ void cli_prepare_help(void) {
            "  --kind KIND              auto | text | jsonl | chat (default auto: by extension and first line)\n"
            "  --text-split HOW         text files: file | paragraph | line (default file: one document per file)\n"
            "  --text-field NAME        jsonl: field holding the text (default text)\n"
+           "  --chat-template T        chat: auto | chatml | tokenizer | FILE.jinja | DIR (default auto: the\n"
+           "                           tokenizer's own template unless it is ChatML or absent; docs/data.md)\n"
            "  --eos TOKEN              document separator (default: eos_token of tokenizer_config.json,\n"
            "                           else <|endoftext|>)\n"
            "  --encode-special-tokens  special tokens written in the data are tokenized as plain text\n"
@@ -71,7 +73,7 @@ static void on_progress(void *ctx, const ds_progress *p, int final) {
 /* ------------------------------------------------------------ arguments */
 
 typedef struct {
-    const char *tokenizer, *out, *kind, *split, *field, *eos, *revision;
+    const char *tokenizer, *out, *kind, *split, *field, *eos, *revision, *chat_template;
     const char *inputs[MAX_INPUTS];
     int n_inputs, threads, overwrite, quiet, encode_special;
     long long shard_tokens;
@@ -127,6 +129,7 @@ static int parse_args(prep_args *a, int argc, char **argv) {
         else if (!strcmp(name, "--text-field")) a->field = val;
         else if (!strcmp(name, "--eos")) a->eos = val;
         else if (!strcmp(name, "--revision")) a->revision = val;
+        else if (!strcmp(name, "--chat-template")) a->chat_template = val;
         else if (!strcmp(name, "--input")) {
             if (a->n_inputs == MAX_INPUTS) return fail_usage("more than %d inputs", MAX_INPUTS);
             a->inputs[a->n_inputs++] = val;
@@ -185,6 +188,8 @@ int cli_prepare(int argc, char **argv) {
         !(rc = hub_resolve(a.tokenizer, a.revision, HUB_TOKENIZER, &loc, &e)))
         a.tokenizer = loc.dir;
     if (!rc) rc = tok_load(a.tokenizer, &t, &e);
+    o.chat_template = a.chat_template;
+    o.tokenizer_dir = a.tokenizer;
     if (!rc && a.eos) {
         o.eos_id = tok_token_id(t, a.eos);
         if (o.eos_id < 0) rc = ct_fail(&e, CT_ERR_CONFIG, "--eos: %s is not a token of %s", a.eos, a.tokenizer);

@@ -117,6 +117,9 @@ static const cfg_option cfg_options[] = {
         .help = "shuffle the windows of every epoch (deterministic from training.seed)"),
     OPT("training", "text_split", CFG_ENUM, text_split, "line", .choices = cfg_text_splits,
         .help = "plain text: one document per line (as HF's text loader), paragraph or file"),
+    OPT("training", "chat_template", CFG_STR, chat_template, "auto",
+        .help = "chat data: auto (the tokenizer's own chat template unless it is ChatML or absent, then "
+                "ChatML), chatml, tokenizer (its template, required), or a .jinja file / tokenizer directory"),
     OPT("training", "stop_at_step", CFG_INT, stop_at_step, "0", .range = CFG_GE, .lo = 0,
         .help = "stop after this step with a checkpoint, as if preempted (job time limits, tests); 0: never"),
     OPT("training", "deterministic", CFG_BOOL, deterministic, "false",
@@ -154,8 +157,10 @@ static const cfg_option cfg_options[] = {
         .help = "base modules trained in full beside the adapters and saved with them; PEFT's rule: every "
                 "module whose path ends with the text (lm_head, embed_tokens; norm: every norm)"),
     OPT("lora", "adapter_path", CFG_STR, lora_adapter_path, "",
-        .help = "a PEFT adapter directory to start from (adapter_config.json + adapter_model.safetensors) "
-                "instead of the fresh initialisation"),
+        .help = "a PEFT adapter directory or Hub id to start from (adapter_config.json + "
+                "adapter_model.safetensors) instead of the fresh initialisation"),
+    OPT("lora", "adapter_revision", CFG_STR, lora_adapter_revision, "main",
+        .help = "branch, tag or commit when lora.adapter_path is a Hub id"),
 
     OPT("checkpoint", "enable", CFG_BOOL, ckpt_enable, "false", .help = "save checkpoints"),
     OPT("checkpoint", "folder", CFG_STR, ckpt_folder, "checkpoint",
@@ -596,7 +601,8 @@ void cfg_free(ct_config *c) {
     c->config_path = NULL;
     free(c->hf_assets_dir);
     free(c->initial_load_dir);
-    c->hf_assets_dir = c->initial_load_dir = NULL;
+    free(c->lora_adapter_dir);
+    c->hf_assets_dir = c->initial_load_dir = c->lora_adapter_dir = NULL;
 }
 
 int cfg_set(ct_config *c, const char *name, const char *value, ct_err *e) {
@@ -950,6 +956,9 @@ void cfg_write_toml(const ct_config *c, FILE *out) {
 }
 
 const char *cfg_source(const ct_config *c) { return c->config_path[0] ? c->config_path : "command line"; }
+const char *cfg_adapter_dir(const ct_config *c) {
+    return c->lora_adapter_dir ? c->lora_adapter_dir : c->lora_adapter_path;
+}
 const char *cfg_hf_dir(const ct_config *c) { return c->hf_assets_dir ? c->hf_assets_dir : c->hf_assets_path; }
 const char *cfg_initial_dir(const ct_config *c) {
     return c->initial_load_dir ? c->initial_load_dir : c->initial_load_path;

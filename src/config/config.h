@@ -47,6 +47,7 @@ typedef struct {
     int64_t seed;             /* 0 */
     int shuffle;              /* false */
     char *text_split;         /* "line" | "paragraph" | "file" */
+    char *chat_template;      /* "auto" | "chatml" | "tokenizer" | a path (data/chat.h) */
     int stop_at_step;         /* 0 = never */
     int deterministic;        /* false */
     int threads;              /* 0 = OMP_NUM_THREADS or all cores */
@@ -61,7 +62,8 @@ typedef struct {
     int lora_rslora;          /* false */
     char *lora_modules_to_save; /* list: "" */
     char *lora_target_params; /* list: "" (PEFT's target_parameters) */
-    char *lora_adapter_path;  /* "": fresh initialisation */
+    char *lora_adapter_path;  /* "": fresh initialisation; a directory or a Hub id */
+    char *lora_adapter_revision; /* "main": revision of a Hub id in lora_adapter_path */
     /* [checkpoint] */
     int ckpt_enable;          /* false */
     char *ckpt_folder;        /* "checkpoint" (relative to dump_folder) */
@@ -123,6 +125,7 @@ typedef struct {
      * options keep what the user wrote, so the run's config.toml records the id. */
     char *hf_assets_dir;
     char *initial_load_dir;
+    char *lora_adapter_dir; /* lora.adapter_path's snapshot when it is a Hub id */
 } ct_config;
 
 /* Fills every field with its default. */
@@ -142,6 +145,8 @@ const char *cfg_source(const ct_config *c);
  * snapshot they resolved to (hf_assets_dir / initial_load_dir), else the option as written. */
 const char *cfg_hf_dir(const ct_config *c);
 const char *cfg_initial_dir(const ct_config *c);
+/* lora.adapter_path as a local directory, the same way. */
+const char *cfg_adapter_dir(const ct_config *c);
 
 /* Sets one option from text as if given on the command line, e.g.
  * cfg_set(c, "training.steps", "20", e). For the library API and tests. */

@@ -5,7 +5,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/stat.h>
+
 #include <cjson/cJSON.h>
+
+#include "data/jinja.h"
 
 static const char IM_START[] = "<|im_start|>";
 static const char IM_END[] = "<|im_end|>";
@@ -164,4 +168,237 @@ int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e) 
     *msgs = out;
     *n = count;
     return 0;
+}
+
+/* ------------------------------------------------------------ templates */
+
+struct chat_tmpl {
+    jinja_chat *jc;
+    int gen; /* the template marks replies with {% generation %} */
+};
+
+void chat_tmpl_close(chat_tmpl *c) {
+    if (!c) return;
+    jinja_chat_close(c->jc);
+    free(c);
+}
+
+const char *chat_tmpl_file(const chat_tmpl *c) { return jinja_chat_file(c->jc); }
+
+/* A template is ChatML when a user turn renders with <|im_start|>: the
+ * built-in path already renders that format exactly, without a system prompt
+ * a template may inject. */
+static int renders_chatml(const jinja_chat *jc) {
+    cJSON *m = cJSON_CreateArray(), *u = cJSON_CreateObject();
+    cJSON_AddStringToObject(u, "role", "user");
+    cJSON_AddStringToObject(u, "content", "x");
+    cJSON_AddItemToArray(m, u);
+    char *out = NULL;
+    size_t n = 0;
+    ct_err e = {0};
+    int chatml = !jinja_chat_apply(jc, m, 0, &out, &n, NULL, &e) && strstr(out, IM_START);
+    free(out);
+    cJSON_Delete(m);
+    return chatml;
+}
+
+int chat_tmpl_open(const char *spec, const char *tokenizer_dir, chat_tmpl **out, ct_err *e) {
+    *out = NULL;
+    if (!spec || !spec[0]) spec = "auto";
+    if (!strcmp(spec, "chatml")) return 0;
+    int own = !strcmp(spec, "auto") || !strcmp(spec, "tokenizer");
+    jinja_chat *jc = NULL;
+    int rc;
+    if (own) {
+        if (!tokenizer_dir || !tokenizer_dir[0]) {
+            if (spec[0] == 'a') return 0;
+            return ct_fail(e, CT_ERR_CONFIG, "chat_template = \"tokenizer\": no tokenizer directory to take it from");
+        }
+        rc = jinja_chat_open(tokenizer_dir, &jc, e);
+    } else {
+        struct stat st;
+        if (stat(spec, &st))
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "chat_template = \"%s\": no such file or directory (expected auto, chatml, tokenizer, a "
+                           ".jinja file or a tokenizer directory)",
+                           spec);
+        rc = S_ISDIR(st.st_mode) ? jinja_chat_open(spec, &jc, e) : jinja_chat_open_file(spec, tokenizer_dir, &jc, e);
+        own = S_ISDIR(st.st_mode);
+    }
+    if (rc) return rc;
+    if (!jc) {
+        if (!strcmp(spec, "auto")) return 0; /* no template: ChatML, as before */
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "chat_template = \"%s\": %s has no chat template (chat_template.jinja, or \"chat_template\" in "
+                       "tokenizer_config.json)",
+                       spec, own && strcmp(spec, "tokenizer") ? spec : tokenizer_dir);
+    }
+    if (!strcmp(spec, "auto") && renders_chatml(jc)) {
+        jinja_chat_close(jc);
+        return 0;
+    }
+    chat_tmpl *c = ct_calloc(1, sizeof *c);
+    c->jc = jc;
+    c->gen = jinja_chat_has_generation(jc);
+    *out = c;
+    return 0;
+}
+
+static int is_assistant(const cJSON *m) {
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(m, "role");
+    return cJSON_IsString(r) && !strcmp(r->valuestring, "assistant");
+}
+
+/* Renders messages [0, k) (references into msgs; nothing is copied twice). */
+static int render_prefix(const chat_tmpl *c, const cJSON *msgs, int k, int gen_prompt, char **out, size_t *n,
+                         ct_err *e) {
+    cJSON *pre = cJSON_CreateArray();
+    const cJSON *it = msgs->child;
+    for (int i = 0; i < k && it; i++, it = it->next) cJSON_AddItemReferenceToArray(pre, (cJSON *)it);
+    int rc = jinja_chat_apply(c->jc, pre, gen_prompt, out, n, NULL, e);
+    cJSON_Delete(pre);
+    return rc;
+}
+
+/* Renders messages [0, i] with message i's content emptied. */
+static int render_emptied(const chat_tmpl *c, const cJSON *msgs, int i, char **out, size_t *n, ct_err *e) {
+    cJSON *pre = cJSON_CreateArray();
+    const cJSON *it = msgs->child;
+    for (int k = 0; k < i && it; k++, it = it->next) cJSON_AddItemReferenceToArray(pre, (cJSON *)it);
+    cJSON *m = cJSON_Duplicate(it, 1);
+    cJSON_ReplaceItemInObjectCaseSensitive(m, "content", cJSON_CreateString(""));
+    cJSON_AddItemToArray(pre, m);
+    int rc = jinja_chat_apply(c->jc, pre, 0, out, n, NULL, e);
+    cJSON_Delete(pre);
+    return rc;
+}
+
+static void span_push(jinja_spans *s, size_t a, size_t b) {
+    if (s->n == s->cap) {
+        s->cap = s->cap ? s->cap * 2 : 8;
+        size_t *x = realloc(s->start, (size_t)s->cap * sizeof *x), *y = x ? realloc(s->end, (size_t)s->cap * sizeof *y) : NULL;
+        if (!x || !y) {
+            fprintf(stderr, "ctitan: error: out of memory locating assistant replies\n");
+            exit(1);
+        }
+        s->start = x;
+        s->end = y;
+    }
+    s->start[s->n] = a;
+    s->end[s->n++] = b;
+}
+
+/* The byte ranges of the assistant replies in the rendered text T, found as
+ * TRL's prefix rule finds a completion: the conversation up to a reply
+ * rendered with the generation prompt (P), then with the reply (Q), differ by
+ * the reply as the template writes it, its end-of-turn text included. A
+ * template whose rendering up to a reply is no prefix of the one with it
+ * (Mistral's places the system prompt in the last user turn only) has the
+ * reply start where Q parts from the same conversation with the reply's
+ * content emptied. Text a template writes only at the end of the whole
+ * conversation (Phi-3's eos_token without the generation prompt) is no part
+ * of a reply that other turns follow: where Q and the rendering through the
+ * next message part, Q's rest is cut when T ends with it too. Where T does
+ * not start with Q (earlier turns render differently once later ones
+ * follow), the reply's text is looked up in T after the previous reply. */
+static int locate_replies(const chat_tmpl *c, const cJSON *msgs, const char *T, size_t TN, jinja_spans *sp,
+                          ct_err *e) {
+    size_t cursor = 0;
+    int i = 0, rc = 0;
+    for (const cJSON *m = msgs->child; m && !rc; m = m->next, i++) {
+        if (!is_assistant(m)) continue;
+        char *P = NULL, *Q = NULL, *Q0 = NULL;
+        size_t PN = 0, QN = 0, Q0N = 0, at = 0;
+        if ((rc = render_prefix(c, msgs, i, 1, &P, &PN, e)) || (rc = render_prefix(c, msgs, i + 1, 0, &Q, &QN, e)))
+            goto next;
+        if (PN < QN && !memcmp(Q, P, PN)) {
+            at = PN;
+        } else {
+            if ((rc = render_emptied(c, msgs, i, &Q0, &Q0N, e))) goto next;
+            while (at < QN && at < Q0N && Q[at] == Q0[at]) at++;
+            while (at > 0 && at < QN && ((uint8_t)Q[at] & 0xC0) == 0x80) at--; /* a whole character */
+            if (at >= QN) {
+                rc = ct_fail(e, CT_ERR_FORMAT,
+                             "messages[%d]: %s renders nothing for this reply: it cannot be located (give the "
+                             "template {%% generation %%} markers, or use chat_template = \"chatml\")",
+                             i, chat_tmpl_file(c));
+                goto next;
+            }
+        }
+        if (m->next) { /* the conversation's closer, if Q ends with one */
+            char *N = NULL;
+            size_t NN = 0, k = 0;
+            ct_err ne = {0}; /* a template that cannot stop there just cuts nothing */
+            if (!render_prefix(c, msgs, i + 2, 0, &N, &NN, &ne)) {
+                while (k < QN && k < NN && Q[k] == N[k]) k++;
+                while (k > at && k < QN && ((uint8_t)Q[k] & 0xC0) == 0x80) k--;
+                if (k > at && k < QN && QN - k <= TN && !memcmp(T + TN - (QN - k), Q + k, QN - k)) QN = k;
+            }
+            free(N);
+        }
+        if (at >= cursor && QN <= TN && !memcmp(T, Q, QN)) {
+            span_push(sp, at, QN);
+            cursor = QN;
+        } else {
+            const char *hit = cursor <= TN ? memmem(T + cursor, TN - cursor, Q + at, QN - at) : NULL;
+            if (!hit) {
+                rc = ct_fail(e, CT_ERR_FORMAT,
+                             "messages[%d]: %s renders this reply differently once later turns follow: it cannot "
+                             "be located in the rendered conversation (give the template {%% generation %%} "
+                             "markers, or use chat_template = \"chatml\")",
+                             i, chat_tmpl_file(c));
+                goto next;
+            }
+            span_push(sp, (size_t)(hit - T), (size_t)(hit - T) + QN - at);
+            cursor = (size_t)(hit - T) + QN - at;
+        }
+    next:
+        free(P);
+        free(Q);
+        free(Q0);
+    }
+    return rc;
+}
+
+int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *messages_json, tok_ids *ids,
+                     chat_mask *mask, ct_err *e) {
+    const cJSON *msgs = messages_json;
+    char *T = NULL;
+    size_t TN = 0;
+    jinja_spans sp = {0};
+    int rc = jinja_chat_apply(c->jc, msgs, 0, &T, &TN, c->gen ? &sp : NULL, e);
+    if (!rc && !c->gen) rc = locate_replies(c, msgs, T, TN, &sp, e);
+    size_t n0 = ids->n;
+    if (!rc) {
+        /* apply_chat_template tokenizes the rendered text without the
+         * post-processor's specials: the template writes its own BOS */
+        int add_special = tok_enc_add_special(enc);
+        tok_enc_set_add_special(enc, 0);
+        rc = tok_encode(enc, T, TN, ids, e);
+        tok_enc_set_add_special(enc, add_special);
+    }
+    size_t n = ids->n - n0;
+    size_t *start = NULL, *end = NULL;
+    if (!rc) {
+        start = ct_malloc((n ? n : 1) * sizeof *start);
+        end = ct_malloc((n ? n : 1) * sizeof *end);
+        rc = tok_offsets(t, T, TN, ids->v + n0, n, start, end, e);
+    }
+    if (!rc) {
+        /* transformers' rule: every token overlapping a span is a target */
+        size_t m0 = mask->n;
+        chat_mask_push(mask, 0, n);
+        int k = 0;
+        for (size_t j = 0; j < n; j++) {
+            while (k < sp.n && start[j] >= sp.end[k]) k++;
+            if (k == sp.n) break;
+            if (end[j] > sp.start[k]) mask->v[m0 + j] = 1;
+        }
+    }
+    if (rc) ids->n = n0;
+    free(start);
+    free(end);
+    free(T);
+    jinja_spans_free(&sp);
+    return rc;
 }

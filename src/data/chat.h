@@ -74,4 +74,37 @@ int chat_encode(tok_enc *enc, const tok *t, const chat_msg *msgs, int n, tok_ids
  * string"); the caller prefixes the file and line. */
 int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e);
 
+/* ---------------------------------------------------------- templates
+ *
+ * Chat data in the model's own format: the conversation rendered by a Jinja
+ * chat template (data/jinja.h) exactly as transformers' apply_chat_template
+ * renders it, tokenized as it tokenizes it (the whole text, no added BOS),
+ * and the mask transformers' return_assistant_tokens_mask gives: every token
+ * overlapping an assistant reply is a target. A template with
+ * {% generation %} blocks says where the replies are; a published template
+ * without them has each reply located as the text its rendering adds to the
+ * conversation before it with the generation prompt (TRL's prefix rule),
+ * which covers the reply and the end-of-turn text the template writes after
+ * it. */
+typedef struct chat_tmpl chat_tmpl;
+
+/* spec (training.chat_template, prepare --chat-template):
+ *   "auto" (also NULL, ""): tokenizer_dir's template, unless it has none or it
+ *           renders ChatML (writes <|im_start|>): then *out = NULL, the
+ *           built-in ChatML above;
+ *   "chatml": *out = NULL;
+ *   "tokenizer": tokenizer_dir's template, an error when it has none;
+ *   a path: a .jinja file (special tokens from tokenizer_dir's
+ *           tokenizer_config.json), or a directory holding the template. */
+int chat_tmpl_open(const char *spec, const char *tokenizer_dir, chat_tmpl **out, ct_err *e);
+void chat_tmpl_close(chat_tmpl *c);
+const char *chat_tmpl_file(const chat_tmpl *c);
+
+/* Like chat_encode, for messages_json (the cJSON "messages" array, passed as
+ * void *). Errors: the template fails to render (its message), a reply that
+ * cannot be located, tokens that cannot be aligned with the text. Nothing is
+ * appended on error. Safe to call from many threads on one chat_tmpl. */
+int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *messages_json, tok_ids *ids,
+                     chat_mask *mask, ct_err *e);
+
 #endif

@@ -286,7 +286,9 @@ static int add_text_run(ds *d, const char *const *paths, int n, const tok *t, ct
     mem_sink m = {0};
     ds_progress st;
     double t0 = ct_now();
-    int rc = ds_tokenize(paths, n, t, &d->cfg.tok, mem_sink_fn, &m, NULL, NULL, &st, e);
+    ds_tok_opts o = d->cfg.tok;
+    if (!o.tokenizer_dir) o.tokenizer_dir = d->cfg.tokenizer_dir; /* where "auto" finds the chat template */
+    int rc = ds_tokenize(paths, n, t, &o, mem_sink_fn, &m, NULL, NULL, &st, e);
     ds_seg *s = new_seg(d, name);
     s->owned[0] = m.tok;
     s->owned[1] = m.mask;

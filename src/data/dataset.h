@@ -5,7 +5,8 @@
  *           per paragraph (blank-line separated) or per line (ds_text_split)
  *   jsonl   one JSON object per line with a "text" string (c4's layout)
  *   chat    JSONL with "messages": [{role, content}, ...] rendered as ChatML
- *           (data/chat.h), loss only on the assistant replies
+ *           or with the tokenizer's own chat template (data/chat.h,
+ *           ds_tok_opts.chat_template), loss only on the assistant replies
  *   tokens  pre-tokenized: a raw little-endian uint32 `.bin`, an integer
  *           `.npy`, or a directory written by `ctitan prepare` (shards in
  *           meta.json's order, or every *.bin / *.npy in sorted name order)
@@ -80,6 +81,9 @@ typedef struct {
                                   text (HF encode_special_tokens / sanitize) */
     int threads;               /* <= 0: every core (omp_get_max_threads) */
     size_t chunk_bytes;        /* documents tokenized together; 0: default */
+    const char *chat_template; /* chat sources: "auto" (NULL), "chatml", "tokenizer" or a
+                                  path (data/chat.h chat_tmpl_open) */
+    const char *tokenizer_dir; /* where "auto" / "tokenizer" find the template; NULL: ChatML */
 } ds_tok_opts;
 
 void ds_tok_opts_default(ds_tok_opts *o);

@@ -214,6 +214,7 @@ typedef struct {
     int n_src;
     int32_t eos;
     int masked;
+    chat_tmpl *chat; /* chat sources in the tokenizer's own format; NULL: ChatML */
     int nt;
     tok_enc **enc;     /* [nt] */
     ct_err *terr;      /* [nt] each thread's error of lowest document ordinal */
@@ -287,8 +288,10 @@ static void encode_range(run *r, batch *b, size_t lo, size_t hi) {
         chat_mask mask = b->slots[i].mask;
         ids.n = mask.n = 0;
         ct_err err = {0};
-        int rc = it->msgs ? chat_encode(r->enc[tid], r->t, it->msgs, it->n_msgs, &ids, &mask, &err)
-                          : tok_encode(r->enc[tid], it->text, it->len, &ids, &err);
+        int rc = !it->msgs ? tok_encode(r->enc[tid], it->text, it->len, &ids, &err)
+                 : r->chat ? chat_encode_tmpl(r->chat, r->enc[tid], r->t,
+                                              cJSON_GetObjectItemCaseSensitive(it->json, "messages"), &ids, &mask, &err)
+                           : chat_encode(r->enc[tid], r->t, it->msgs, it->n_msgs, &ids, &mask, &err);
         b->slots[i].ids = ids;
         b->slots[i].mask = mask;
         if (rc) {
@@ -550,6 +553,12 @@ int ds_tokenize(const char *const *paths, int n_paths, const tok *t, const ds_to
         r.st.bytes_total += r.src[i].len;
     }
     r.st.masked = r.masked;
+    if (!rc && r.masked) rc = chat_tmpl_open(o->chat_template, o->tokenizer_dir, &r.chat, e);
+    if (!rc && r.chat && o->encode_special)
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "chat data rendered with %s: encoding special tokens as text would also break the template's "
+                     "own (use chat_template = \"chatml\", or leave encode_special_tokens off)",
+                     chat_tmpl_file(r.chat));
     r.nt = o->threads > 0 ? o->threads : omp_get_max_threads();
     if (r.nt < 1) r.nt = 1;
     r.st.threads = r.nt;
@@ -587,6 +596,7 @@ int ds_tokenize(const char *const *paths, int n_paths, const tok *t, const ds_to
     free(r.terr_at);
     free(r.cat);
     free(r.catm);
+    chat_tmpl_close(r.chat);
     for (int i = 0; i < n_paths; i++)
         if (r.src[i].data) munmap((void *)r.src[i].data, r.src[i].len);
     free(r.src);

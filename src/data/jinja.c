@@ -138,6 +138,7 @@ struct stmt {
 struct jinja_tmpl {
     arena ar;
     body root;
+    int has_gen;
     char name[4400];
 };
 
@@ -304,6 +305,7 @@ typedef struct {
     /* template-level */
     pieces *ps;
     int pi;
+    int has_gen; /* a {% generation %} block was parsed */
 } parser;
 
 static void push_utf8(char *buf, size_t *n, uint32_t cp) {
@@ -1015,6 +1017,7 @@ static stmt *parse_block(parser *P, const char *w) {
     }
     if (!strcmp(w, "generation")) {
         stmt *s = mk_stmt(P, S_GEN);
+        P->has_gen = 1;
         expect_end(P);
         parse_body(P, &s->b, "endgeneration", "generation", line);
         expect_end(P);
@@ -1085,9 +1088,12 @@ int jinja_parse(const char *src, size_t len, const char *name, jinja_tmpl **out,
     scan(&f, &t->ar, s, n, &ps);
     parser P = {.f = &f, .a = &t->ar, .ps = &ps};
     parse_body(&P, &t->root, NULL, NULL, 0);
+    t->has_gen = P.has_gen;
     *out = t;
     return 0;
 }
+
+int jinja_has_generation(const jinja_tmpl *t) { return t->has_gen; }
 
 void jinja_free(jinja_tmpl *t) {
     if (!t) return;
@@ -2360,12 +2366,12 @@ struct jinja_chat {
     char file[4400];
 };
 
-int jinja_chat_open(const char *dir, jinja_chat **out, ct_err *e) {
+static int chat_open(const char *dir, const char *tmpl_file, jinja_chat **out, ct_err *e) {
     *out = NULL;
     char path[4200];
     size_t n = 0;
-    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    char *cfg_text = fs_read_file(path, 0, &n, NULL);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir ? dir : ".");
+    char *cfg_text = dir ? fs_read_file(path, 0, &n, NULL) : NULL;
     int have_cfg = cfg_text != NULL;
     cJSON *cfg = have_cfg ? json_parse(cfg_text, n, path, e) : NULL;
     free(cfg_text);
@@ -2377,8 +2383,17 @@ int jinja_chat_open(const char *dir, jinja_chat **out, ct_err *e) {
     char *src = NULL;
     size_t srcn = 0;
     char file[4400];
-    snprintf(file, sizeof file, "%s/chat_template.jinja", dir);
-    src = fs_read_file(file, 0, &srcn, NULL);
+    if (tmpl_file) {
+        snprintf(file, sizeof file, "%s", tmpl_file);
+        src = fs_read_file(file, 0, &srcn, NULL);
+        if (!src) {
+            cJSON_Delete(cfg);
+            return ct_fail(e, CT_ERR_IO, "%s: cannot read the chat template", file);
+        }
+    } else {
+        snprintf(file, sizeof file, "%s/chat_template.jinja", dir);
+        src = fs_read_file(file, 0, &srcn, NULL);
+    }
     if (!src && cfg) {
         const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
         const char *s = NULL;
@@ -2429,6 +2444,14 @@ int jinja_chat_open(const char *dir, jinja_chat **out, ct_err *e) {
     *out = c;
     return 0;
 }
+
+int jinja_chat_open(const char *dir, jinja_chat **out, ct_err *e) { return chat_open(dir, NULL, out, e); }
+
+int jinja_chat_open_file(const char *file, const char *dir, jinja_chat **out, ct_err *e) {
+    return chat_open(dir, file, out, e);
+}
+
+int jinja_chat_has_generation(const jinja_chat *c) { return c->t->has_gen; }
 
 void jinja_chat_close(jinja_chat *c) {
     if (!c) return;

@@ -59,6 +59,9 @@ void jinja_spans_free(jinja_spans *s);
  * error message. */
 int jinja_parse(const char *src, size_t len, const char *name, jinja_tmpl **out, ct_err *e);
 void jinja_free(jinja_tmpl *t);
+/* 1 when the template has a {% generation %} block (its spans then say what
+ * the assistant generated, as transformers' return_assistant_tokens_mask). */
+int jinja_has_generation(const jinja_tmpl *t);
 
 /* Renders with the variables of vars_json (a cJSON object, passed as void * so
  * this header does not pull in cJSON; NULL: none) into a malloc'd,
@@ -76,7 +79,11 @@ typedef struct jinja_chat jinja_chat;
  * sep_token, pad_token, cls_token, mask_token) become template variables,
  * as transformers passes them. */
 int jinja_chat_open(const char *dir, jinja_chat **out, ct_err *e);
+/* The template of FILE (a .jinja file) with the special tokens of DIR's
+ * tokenizer_config.json, when there is one. */
+int jinja_chat_open_file(const char *file, const char *dir, jinja_chat **out, ct_err *e);
 void jinja_chat_close(jinja_chat *c);
+int jinja_chat_has_generation(const jinja_chat *c);
 
 /* Renders messages_json (a cJSON array of {role, content, ...}) as
  * apply_chat_template(messages, tokenize=False, add_generation_prompt=...). */

@@ -1392,6 +1392,8 @@ int hub_resolve(const char *path, const char *revision, unsigned what, hub_local
         if (!rc) rc = fetch(&h, "chat_template.jinja", 1, &have, e);
     }
     if (!rc && (what & HUB_WEIGHTS)) rc = fetch_weights(&h, e);
+    if (!rc && (what & HUB_ADAPTER)) rc = fetch(&h, "adapter_config.json", 0, &have, e);
+    if (!rc && (what & HUB_ADAPTER)) rc = fetch(&h, "adapter_model.safetensors", 0, &have, e);
     if (rc) return rc;
     if (!h.commit[0]) { /* only optional files asked for, and none of them known */
         cached_commit(&h, h.commit, sizeof h.commit);

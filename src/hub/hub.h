@@ -27,6 +27,7 @@ enum {
     HUB_TOKENIZER = 2,        /* tokenizer.json, tokenizer_config.json; special_tokens_map.json, chat_template.jinja if any */
     HUB_TOKENIZER_IF_ANY = 4, /* those when the repo has them, none required */
     HUB_WEIGHTS = 8,          /* model.safetensors, or model.safetensors.index.json and every shard it lists */
+    HUB_ADAPTER = 16,         /* a PEFT adapter repo: adapter_config.json, adapter_model.safetensors */
     HUB_MODEL = HUB_CONFIG | HUB_TOKENIZER_IF_ANY | HUB_WEIGHTS,
     HUB_NO_LOCAL = 0x100,     /* a Hub id even where a local directory of that name exists (`ctitan download`) */
 };

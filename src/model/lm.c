@@ -70,6 +70,35 @@ static const char *const lora_module[LM_LORA_N] = {"self_attn.q_proj", "self_att
                                                       "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
                                                       "mlp.down_proj"};
 
+/* A projection whose adapter is part of a fused module's (Phi3's k, v under
+ * qkv_proj; up under gate_up_proj): the module's one A and B are listed at
+ * its first projection, and bind_weights gives this one views of them. */
+static int lora_fused_member(const lm_config *c, int p) {
+    return ((c->lora_targets & LORA_FUSED_QKV) && (p == LM_LORA_K || p == LM_LORA_V)) ||
+           ((c->lora_targets & LORA_FUSED_GATE_UP) && p == LM_LORA_UP);
+}
+
+/* The projection whose dropout mask p shares: PEFT drops the fused Linear's
+ * one input once for all its outputs. */
+static int lora_fused_head(const lm_config *c, int p) {
+    if (!lora_fused_member(c, p)) return p;
+    return p == LM_LORA_UP ? LM_LORA_GATE : LM_LORA_Q;
+}
+
+/* bind_weights for the adapters of a fused module (tensor t at pointer p):
+ * A is shared, B's row blocks are q|k|v or gate|up, as the base's rows. */
+static void lora_bind_fused(const lm_config *c, lm_layer_w *lw, const lm_tensor *t, float *p) {
+    size_t r = (size_t)c->lora_rank, qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    int b = t->slot == LM_S_LORA_B;
+    float **v = b ? lw->lora_b : lw->lora_a;
+    if ((c->lora_targets & LORA_FUSED_QKV) && t->expert == LM_LORA_Q) {
+        v[LM_LORA_K] = p && b ? p + qd * r : p;
+        v[LM_LORA_V] = p && b ? p + (qd + kvd) * r : p;
+    }
+    if ((c->lora_targets & LORA_FUSED_GATE_UP) && t->expert == LM_LORA_GATE)
+        v[LM_LORA_UP] = p && b ? p + (size_t)c->intermediate * r : p;
+}
+
 int lm_lora_on(const lm_config *c, int l, int p) {
     (void)l; /* every layer alike: on MoE models the trainer keeps only the attention targets */
     return c->lora_rank > 0 && (c->lora_targets & (1u << p));
@@ -205,14 +234,17 @@ static void build_layout(lm_model *m) {
             T_(sfx, H, 0, 0, LM_S_LN_MLP_OUT);
         }
         for (int p = 0; p < LM_LORA_N; p++) {
-            if (!lm_lora_on(c, l, p)) continue;
+            if (!lm_lora_on(c, l, p) || lora_fused_member(c, p)) continue;
             int64_t in, out;
             lora_dims(c, p, &in, &out);
-            snprintf(sfx, sizeof sfx, "%s.lora_A.weight", lora_module[p]);
+            const char *mod = lora_module[p];
+            if ((c->lora_targets & LORA_FUSED_QKV) && p == LM_LORA_Q) mod = "self_attn.qkv_proj", out = qd + 2 * kvd;
+            if ((c->lora_targets & LORA_FUSED_GATE_UP) && p == LM_LORA_GATE) mod = "mlp.gate_up_proj", out = 2 * I;
+            snprintf(sfx, sizeof sfx, "%s.lora_A.weight", mod);
             T_(sfx, c->lora_rank, in, 1, LM_S_LORA_A);
             m->tensors[m->n_tensors - 1].lora = 1;
             m->tensors[m->n_tensors - 1].expert = p;
-            snprintf(sfx, sizeof sfx, "%s.lora_B.weight", lora_module[p]);
+            snprintf(sfx, sizeof sfx, "%s.lora_B.weight", mod);
             T_(sfx, out, c->lora_rank, 1, LM_S_LORA_B);
             m->tensors[m->n_tensors - 1].lora = 1;
             m->tensors[m->n_tensors - 1].expert = p;
@@ -275,8 +307,8 @@ static void bind_weights(lm_weights *w, const lm_model *m, float *base, int grad
         case LM_S_EXP_G: if (!lw->ewg && t->numel) lw->ewg = p; break;
         case LM_S_EXP_U: if (!lw->ewu && t->numel) lw->ewu = p; break;
         case LM_S_EXP_D: if (!lw->ewd && t->numel) lw->ewd = p; break;
-        case LM_S_LORA_A: lw->lora_a[t->expert] = p; break;
-        case LM_S_LORA_B: lw->lora_b[t->expert] = p; break;
+        case LM_S_LORA_A: lw->lora_a[t->expert] = p; lora_bind_fused(c, lw, t, p); break;
+        case LM_S_LORA_B: lw->lora_b[t->expert] = p; lora_bind_fused(c, lw, t, p); break;
         case LM_S_LORA_EA: lw->lora_ea[t->expert] = p; break;
         case LM_S_LORA_EB: lw->lora_eb[t->expert] = p; break;
         }
@@ -887,6 +919,7 @@ static uint64_t lora_mix(uint64_t z) {
     return z ^ (z >> 31);
 }
 static uint64_t lora_key(const lm_model *m, int l, int p) {
+    p = lora_fused_head(&m->cfg, p);
     return lora_mix(m->lora_seed ^ lora_mix(((uint64_t)l << 8) | (uint64_t)p));
 }
 /* Element i survives when its hash's top 24 bits are at or above p 2^24. */

@@ -35,17 +35,50 @@ static int target_index(const char *name) {
     return -1;
 }
 
+/* A target_modules name -> its bits: one projection, or the fused module of
+ * the files (Phi3's qkv_proj, gate_up_proj), which PEFT adapts as one Linear.
+ * 0: not a module ctitan adapts. */
+static unsigned target_bits(const char *name) {
+    if (!strcmp(name, "qkv_proj"))
+        return (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | LORA_FUSED_QKV;
+    if (!strcmp(name, "gate_up_proj")) return (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | LORA_FUSED_GATE_UP;
+    int p = target_index(name);
+    return p < 0 ? 0 : 1u << p;
+}
+
+int lora_check_fused(const lm_config *c, const char *where, const char *key, ct_err *e) {
+    unsigned qkv = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V);
+    unsigned gu = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP);
+    unsigned t = c->lora_targets;
+    if (c->fused_qkv && (t & qkv) && !(t & LORA_FUSED_QKV))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: %s: model_type \"%s\" holds q, k and v as one qkv_proj: name qkv_proj "
+                       "(one adapter over the fused projection, as PEFT adapts it)",
+                       where, key, c->model_type);
+    if (c->fused_gate_up && (t & gu) && !(t & LORA_FUSED_GATE_UP))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: %s: model_type \"%s\" holds gate and up as one gate_up_proj: name "
+                       "gate_up_proj",
+                       where, key, c->model_type);
+    if ((!c->fused_qkv && (t & LORA_FUSED_QKV)) || (!c->fused_gate_up && (t & LORA_FUSED_GATE_UP)))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: %s: model_type \"%s\" has no %s: name %s",
+                       where, key, c->model_type, !c->fused_qkv && (t & LORA_FUSED_QKV) ? "qkv_proj" : "gate_up_proj",
+                       !c->fused_qkv && (t & LORA_FUSED_QKV) ? "q_proj, k_proj, v_proj" : "gate_proj, up_proj");
+    return 0;
+}
+
 int lora_parse_targets(const char *list, unsigned *bits, const char *where, ct_err *e) {
     char item[128];
     *bits = 0;
     for (const char *p = list; (p = cfg_list_next(p, item, sizeof item));) {
-        int i = target_index(item);
-        if (i < 0)
+        unsigned b = target_bits(item);
+        if (!b)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: lora.target_modules: \"%s\" is not a projection ctitan adapts (q_proj, k_proj, v_proj, "
-                           "o_proj, gate_proj, up_proj, down_proj)",
+                           "o_proj, gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj)",
                            where, item);
-        *bits |= 1u << i;
+        *bits |= b;
     }
     if (!*bits) return ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_modules: empty", where);
     return 0;
@@ -258,13 +291,13 @@ static int json_targets(const cJSON *tm, unsigned *bits, const char *path, ct_er
     const cJSON *it;
     *bits = 0;
     cJSON_ArrayForEach(it, tm) {
-        int p = cJSON_IsString(it) ? target_index(it->valuestring) : -1;
-        if (p < 0)
+        unsigned b = cJSON_IsString(it) ? target_bits(it->valuestring) : 0;
+        if (!b)
             return ct_fail(e, CT_ERR_FORMAT,
                            "%s: target_modules: %s is not a projection ctitan adapts (q_proj, k_proj, v_proj, o_proj, "
-                           "gate_proj, up_proj, down_proj)",
+                           "gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj)",
                            path, cJSON_IsString(it) ? it->valuestring : "(not a string)");
-        *bits |= 1u << p;
+        *bits |= b;
     }
     return 0;
 }
@@ -410,6 +443,7 @@ int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, 
         *rslora = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "use_rslora"));
         c->lora_scale = lora_scaling(*alpha, c->lora_rank, *rslora);
         c->lora_dropout = 0;
+        if (!rc) rc = lora_check_fused(c, path, "target_modules", e);
     }
     cJSON_Delete(o);
     return rc;
@@ -521,8 +555,14 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     cJSON_AddNumberToObject(o, "lora_dropout", dropout);
     if (c->lora_targets) {
         cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
-        for (int p = 0; p < LM_LORA_N; p++)
-            if (c->lora_targets & (1u << p)) cJSON_AddItemToArray(tm, cJSON_CreateString(target_names[p]));
+        for (int p = 0; p < LM_LORA_N; p++) {
+            if (!(c->lora_targets & (1u << p))) continue;
+            /* a fused module is one entry, at its first projection */
+            int fq = (c->lora_targets & LORA_FUSED_QKV) && p <= LM_LORA_V;
+            int fg = (c->lora_targets & LORA_FUSED_GATE_UP) && (p == LM_LORA_GATE || p == LM_LORA_UP);
+            if ((fq && p != LM_LORA_Q) || (fg && p != LM_LORA_GATE)) continue;
+            cJSON_AddItemToArray(tm, cJSON_CreateString(fq ? "qkv_proj" : fg ? "gate_up_proj" : target_names[p]));
+        }
     } else {
         cJSON_AddNullToObject(o, "target_modules"); /* adapters on expert parameters only */
     }

@@ -19,6 +19,19 @@
 #include "core/err.h"
 #include "model/lm.h"
 
+/* Bits of lm_config.lora_targets beyond the projections: the target named the
+ * fused module of the files (Phi3's qkv_proj = q|k|v, gate_up_proj =
+ * gate|up), which PEFT adapts as one Linear: one A [r, in] and one B
+ * [out_fused, r], whose row blocks are the projections' B (model/lm.c binds
+ * them so). */
+#define LORA_FUSED_QKV (1u << 16)
+#define LORA_FUSED_GATE_UP (1u << 17)
+
+/* Whether c's targets name its modules as its files hold them: a fused
+ * model's q/k/v (gate/up) only as qkv_proj (gate_up_proj), and the fused
+ * names only on such a model. CT_ERR_CONFIG naming `where`, `key` and the module. */
+int lora_check_fused(const lm_config *c, const char *where, const char *key, ct_err *e);
+
 /* "q_proj,k_proj,..." (PEFT's target_modules, HF module names) -> 1 << LM_LORA_* bits.
  * An unknown name is CT_ERR_CONFIG naming `where` and the name. */
 int lora_parse_targets(const char *list, unsigned *bits, const char *where, ct_err *e);

@@ -79,6 +79,7 @@ struct tok {
     char *dec;
     uint32_t *dec_off;
     uint8_t *is_special;   /* per id */
+    int32_t *added_of;     /* per id: its index in added, -1 (tok_offsets) */
     /* BPE */
     tok_merge_slot *merges;
     uint32_t merge_mask;

@@ -714,11 +714,14 @@ static void finish(tok *t) {
     t->id_str = ct_malloc((size_t)n * sizeof *t->id_str);
     for (int32_t i = 0; i < n; i++) t->id_str[i] = -1;
     t->is_special = ct_calloc((size_t)n, 1);
+    t->added_of = ct_malloc((size_t)n * sizeof *t->added_of);
+    for (int32_t i = 0; i < n; i++) t->added_of[i] = -1;
     for (uint32_t i = 0; i <= t->vocab_mask; i++)
         if (t->vocab[i].hash) t->id_str[t->vocab[i].id] = (int32_t)t->vocab[i].off;
     for (int32_t i = 0; i < t->n_added; i++) {
         tok_added *a = &t->added[i];
         t->is_special[a->id] = a->special;
+        t->added_of[a->id] = i;
         /* normalized tokens are matched after the normalizer, so match their
          * normalized form; HF also stores them so (id_to_token and decode
          * give "▁foo▁bar" for "foo bar" under Replace(" ", "▁")) */
@@ -950,6 +953,7 @@ void tok_free(tok *t) {
     free(t->dec);
     free(t->dec_off);
     free(t->is_special);
+    free(t->added_of);
     free(t->merges);
     for (int32_t i = 0; i < t->n_added; i++) {
         free(t->added[i].content);

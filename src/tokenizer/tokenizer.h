@@ -88,6 +88,15 @@ int tok_encode(tok_enc *enc, const char *text, size_t len, tok_ids *out, ct_err 
 int tok_pretokenize(tok_enc *enc, const char *text, size_t len, tok_ids *ends, const char **norm,
                     size_t *norm_len, ct_err *e);
 
+/* The byte range [start[i], end[i]) of `text` that token ids[i] covers, for
+ * the n ids tok_encode gave for text with add_special off (an added token's
+ * range excludes whitespace its lstrip/rstrip swallowed; a marker the
+ * normalizer prepended covers nothing). Fails, naming the token, where a
+ * token's string does not map back onto the text (an NFC normalizer that
+ * changed it, an unknown token), rather than guess. */
+int tok_offsets(const tok *t, const char *text, size_t len, const int32_t *ids, size_t n, size_t *start,
+                size_t *end, ct_err *e);
+
 /* One-shot convenience: fresh encoder, result in a new malloc'd array. */
 int tok_encode_once(const tok *t, const char *text, size_t len, int32_t **ids, size_t *n,
                     ct_err *e);

@@ -70,11 +70,12 @@ int trainer_join_path(char *out, size_t cap, const char *dir, const char *name) 
 
 /* One option's Hub id through hub_resolve, into *dir; the message names the option. A
  * directory, or a missing path that is no id, is left to the code that reads it (its errors). */
-static int resolve_one(const ct_config *c, const char *key, const char *path, unsigned what, char **dir, ct_err *e) {
+static int resolve_one(const ct_config *c, const char *key, const char *path, const char *rev, unsigned what,
+                       char **dir, ct_err *e) {
     struct stat st;
     if (!hub_is_repo_id(path) || (stat(path, &st) == 0 && S_ISDIR(st.st_mode))) return 0;
     hub_local *loc = ct_malloc(sizeof *loc); /* 4 KB of path: not on the stack of every caller */
-    int rc = hub_resolve(path, c->hf_revision, what, loc, e);
+    int rc = hub_resolve(path, rev, what, loc, e);
     if (rc && e) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
@@ -93,11 +94,15 @@ int trainer_resolve_hub(ct_config *c, int dry_run, ct_err *e) {
     int same = init && !strcmp(c->initial_load_path, c->hf_assets_path);
     unsigned what = (hf ? HUB_CONFIG : 0) | (dry_run ? 0 : HUB_TOKENIZER_IF_ANY | (same ? HUB_WEIGHTS : 0));
     int rc = 0;
-    if (c->hf_assets_path[0] && what) rc = resolve_one(c, "model.hf_assets_path", c->hf_assets_path, what,
-                                                       &c->hf_assets_dir, e);
+    if (c->hf_assets_path[0] && what)
+        rc = resolve_one(c, "model.hf_assets_path", c->hf_assets_path, c->hf_revision, what, &c->hf_assets_dir, e);
     if (!rc && init && !dry_run)
-        rc = resolve_one(c, "checkpoint.initial_load_path", c->initial_load_path, HUB_CONFIG | HUB_WEIGHTS,
-                         &c->initial_load_dir, e);
+        rc = resolve_one(c, "checkpoint.initial_load_path", c->initial_load_path, c->hf_revision,
+                         HUB_CONFIG | HUB_WEIGHTS, &c->initial_load_dir, e);
+    /* a PEFT adapter published on the Hub, at its own revision (another repo than the base) */
+    if (!rc && c->lora_adapter_path[0] && c->lora_rank > 0 && !dry_run)
+        rc = resolve_one(c, "lora.adapter_path", c->lora_adapter_path, c->lora_adapter_revision, HUB_ADAPTER,
+                         &c->lora_adapter_dir, e);
     return rc;
 }
 
@@ -234,6 +239,9 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
     }
     int experts = c->lora_target_params && c->lora_target_params[0];
     int rc = experts && !c->lora_targets[0] ? 0 : lora_parse_targets(c->lora_targets, &mc->lora_targets, src, e);
+    /* fused projections in the files (Phi3's qkv_proj, gate_up_proj) are named
+     * and adapted as PEFT does: one adapter over the fused Linear */
+    if (!rc) rc = lora_check_fused(mc, src, "lora.target_modules", e);
     if (rc) return rc;
     if (experts && (rc = lora_parse_target_params(c->lora_target_params, mc, src, "lora.target_parameters", e)))
         return rc;
@@ -256,16 +264,6 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
                            "adapt; name some of q_proj, k_proj, v_proj, o_proj",
                            src);
     }
-    /* fused projections in the files (Phi3's qkv_proj, gate_up_proj): PEFT
-     * adapts the fused Linear with one A shared by q, k and v, which is not
-     * three adapters; ctitan adapts o_proj and down_proj there */
-    unsigned fused = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | (1u << LM_LORA_GATE) |
-                     (1u << LM_LORA_UP);
-    if (mc->fused_qkv && (mc->lora_targets & fused))
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: lora.target_modules: model_type \"%s\" fuses q/k/v (qkv_proj) and gate/up (gate_up_proj), "
-                       "which ctitan does not adapt yet; name o_proj and/or down_proj",
-                       src, mc->model_type);
     mc->lora_rank = c->lora_rank;
     mc->lora_scale = lora_scaling(c->lora_alpha, c->lora_rank, c->lora_rslora);
     mc->lora_dropout = (float)c->lora_dropout;
@@ -417,6 +415,8 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     if (ds_kind_parse(kind_name, &k) == 0) dc.tok.kind = k;
     ds_text_split sp;
     if (ds_split_parse(c->text_split, &sp) == 0) dc.tok.text_split = sp;
+    dc.tok.chat_template = c->chat_template;
+    dc.tok.tokenizer_dir = c->hf_assets_path[0] ? cfg_hf_dir(c) : NULL;
     const char *paths[1] = {path};
     return ds_open(out, paths, 1, *tk, &dc, e);
 }

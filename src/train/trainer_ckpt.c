@@ -438,7 +438,7 @@ static int initial_weights(trainer *t, ct_err *e) {
     if (rc || c->lora_rank <= 0) return rc;
     /* LoRA: the adapters start from a PEFT adapter directory, or as PEFT starts them */
     if (c->lora_adapter_path[0]) {
-        if ((rc = lora_load_peft_each(t->load.whole, c->lora_adapter_path, &t->load.sink, e))) return rc;
+        if ((rc = lora_load_peft_each(t->load.whole, cfg_adapter_dir(c), &t->load.sink, e))) return rc;
         if (t->world->rank == 0) fprintf(stderr, "ctitan: LoRA adapter loaded from %s\n", c->lora_adapter_path);
         return 0;
     }

@@ -118,7 +118,7 @@ def auto_tok(tokdir):
 
 
 DATA_SRCS = ["src/core/err.c", "src/core/fs.c", "src/core/progress.c", "src/core/rng.c", "src/core/timer.c", "src/formats/npy.c", "src/formats/json.c",
-             "src/data/chat.c", "src/data/dataset.c", "src/data/ds_source.c", "src/data/ds_shards.c",
+             "src/data/chat.c", "src/data/jinja.c", "src/data/dataset.c", "src/data/ds_source.c", "src/data/ds_shards.c",
              "src/cli/cmd_prepare.c", "src/hub/hub.c"]
 DRIVER = r"""
 #include <string.h>
@@ -133,7 +133,8 @@ int main(int argc, char **argv) {
 class TokOpts(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("text_split", ctypes.c_int), ("text_field", ctypes.c_char_p),
                 ("eos_id", ctypes.c_int32), ("encode_special", ctypes.c_int), ("threads", ctypes.c_int),
-                ("chunk_bytes", ctypes.c_size_t)]
+                ("chunk_bytes", ctypes.c_size_t), ("chat_template", ctypes.c_char_p),
+                ("tokenizer_dir", ctypes.c_char_p)]
 
 
 class DsConfig(ctypes.Structure):

@@ -3,9 +3,10 @@
 A PEFT adapter with random non-zero A and B on each family's tiny model: ctitan loads it
 (lora.adapter_path) and gives PEFT's logits, loss and adapter gradients; the adapter
 ctitan saves loads back into PEFT with the same logits. Phi3 fuses q/k/v and gate/up in
-one Linear each, which ctitan refuses to adapt (by name); its o_proj and down_proj are
-adapted. MoE models adapt the attention (issue 13). Expected values come from peft and
-transformers only."""
+one Linear each (qkv_proj, gate_up_proj), which PEFT adapts as ordinary Linears (one A
+[r, in], one B [out_fused, r]): ctitan adapts them so, trains them through AdamW steps as
+PEFT + torch do, and refuses the unfused names there. MoE models adapt the attention
+(issue 13). Expected values come from peft and transformers only."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,7 +27,7 @@ CASES = {  # case id: target modules
     "qwen2_swa6_layers": ["q_proj", "k_proj", "v_proj", "down_proj"],
     "olmo2": OL.ALL7,
     "gemma3_text": OL.ALL7,
-    "phi3_longrope_short_swa7": ["o_proj", "down_proj"],
+    "phi3_longrope_short_swa7": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "mixtral_e4k2": OL.ATTN,
 }
 
@@ -72,10 +73,77 @@ def test_peft_adapter_parity_and_round_trip(cid, tmp_path, open_session):
     assert err <= TOL, f"{cid}: PEFT with ctitan's adapter: logits rel err {err:.3g}"
 
 
-def test_phi3_fused_projections_refused(tmp_path, open_session):
+def test_phi3_fused_adapter_adamw_steps(tmp_path, open_session):
+    """A PEFT adapter on Phi3's fused qkv_proj and gate_up_proj (plus o_proj, down_proj)
+    loaded by ctitan: three AdamW steps (accumulation, clipping, weight decay, warmup) equal
+    PEFT + torch's loop over the adapters: loss, grad norm, every adapter tensor."""
+    from test_lora import SCHED, compare_steps, opt_args, session_steps
+    from test_train_loop import GLOBAL_BS, HP, LOCAL_BS, L
+    case, targets = fam.CASE["phi3_longrope_short_swa7"], CASES["phi3_longrope_short_swa7"]
+    base = fam.build(case)
+    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
+    fam.save(base, hf_dir)
+    pm = OL.make_peft(fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), r=R, alpha=ALPHA,
+                      targets=targets, seed=7)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    assert any("qkv_proj.lora_B" in n for n in params) and any("gate_up_proj.lora_A" in n for n in params)
+    stream = oracle.random_tokens(8 * (L + 1), base.config.vocab_size, seed=16)
+    ref = OL.train(pm, params, stream, seq_len=L, local_bs=LOCAL_BS, global_bs=GLOBAL_BS, steps=SCHED, run_steps=3,
+                   **HP)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=lora_args(targets, ad) + opt_args()))
+    compare_steps(session_steps(s, stream, list(params), run=3), ref)
+
+
+def test_fused_names_follow_the_files(tmp_path, open_session):
+    """Phi3's files fuse q/k/v and gate/up: the unfused names are refused there (naming the
+    fused module); the fused names are refused on a family whose files do not fuse them."""
     case = fam.CASE["phi3_longrope_short_swa7"]
     fam.save(fam.build(case), tmp_path / "hf")
     with pytest.raises(CtitanError) as ei:
         open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=case.T, extra=lora_args(OL.ALL7)))
     msg = str(ei.value)
     assert "lora.target_modules" in msg and "qkv_proj" in msg and "phi3" in msg, msg
+    case = fam.CASE["llama_rope3_attnbias_hd16"]
+    fam.save(fam.build(case), tmp_path / "llama")
+    with pytest.raises(CtitanError) as ei:
+        open_session(hf_session_args(tmp_path / "llama", batch=2, seq_len=case.T,
+                                     extra=lora_args(["qkv_proj", "o_proj"])))
+    msg = str(ei.value)
+    assert "lora.target_modules" in msg and "has no qkv_proj" in msg, msg
+
+
+def test_phi3_fused_adapter_generate_and_merge(tmp_path, run_ctitan):
+    """The fused adapter outside training: `generate --adapter` continues as greedy decoding
+    with PEFT's model does, and `export --merge` writes PEFT's merge_and_unload (loaded by
+    transformers: the adapted model's logits)."""
+    from transformers import AutoModelForCausalLM
+    case, targets = fam.CASE["phi3_longrope_short_swa7"], CASES["phi3_longrope_short_swa7"]
+    base = fam.build(case)
+    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
+    fam.save(base, hf_dir)
+    pm = OL.make_peft(fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), r=R, alpha=ALPHA,
+                      targets=targets, seed=9, std=0.3)
+    pm.save_pretrained(str(ad))
+    prompt = [5, 17, 20, 3, 9]
+
+    def greedy(model, n=6):  # full forwards (HF's cached generate has its own window/longrope quirks)
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        return seq[len(prompt):]
+    ref = greedy(pm)
+    assert greedy(base) != ref, "the test adapter must change the greedy continuation"
+    _, out, _ = run_ctitan(["generate", "--checkpoint", hf_dir, "--adapter", ad, "--prompt-ids",
+                            " ".join(map(str, prompt)), "--max-tokens", "6", "--ids"])
+    assert [int(x) for x in out.split()] == ref
+    tokens, _ = fam.batch(base, 2, case.T, seed=6)
+    with torch.no_grad():
+        want = pm(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    run_ctitan(["export", "--checkpoint", hf_dir, "--adapter", ad, "--merge", "--out", tmp_path / "merged"])
+    merged = fam.prepare_loaded(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32),
+                                case.family)
+    with torch.no_grad():
+        got = merged(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    assert oracle.rel_err(got, want) <= TOL

@@ -708,3 +708,54 @@ def test_env_rules_match_huggingface_hub(case, tmp_path, libctitan):
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["ctitan"] == got["hf"], (ENV_CASES[case], got)
+
+
+@pytest.fixture(scope="module")
+def adapters(models, tmp_path_factory):
+    """Two PEFT adapters (random, non-zero B) on the main model, saved by peft itself."""
+    from oracle_lora import make_peft
+    out = {}
+    for name, seed in (("a1", 11), ("a2", 12)):
+        pm = make_peft(oracle.load_hf(models["main"]), r=4, alpha=8, targets=["q_proj", "v_proj"], seed=seed)
+        out[name] = tmp_path_factory.mktemp(name)
+        pm.save_pretrained(str(out[name]))
+    return out
+
+
+def test_adapter_by_hub_id(tmp_path, fake_hub, models, adapters, ctitan):
+    """generate --adapter, lora.adapter_path (and export --merge --adapter) take a PEFT adapter's Hub
+    id, at --adapter-revision / lora.adapter_revision: the same result as its local directory."""
+    fake_hub.add_dir("org/tiny-lora", adapters["a1"])
+    v2 = fake_hub.add_dir("org/tiny-lora", adapters["a2"], branch="v2")
+    cache = tmp_path / "cache"
+    env = hub_env(cache, fake_hub)
+    want, _ = ctitan(["generate", "--checkpoint", models["main"], "--adapter", adapters["a1"], *GEN], env)
+    got, _ = ctitan(["generate", "--checkpoint", models["main"], "--adapter", "org/tiny-lora", *GEN], env)
+    assert got == want
+    assert_cache_valid(cache, "org/tiny-lora", "main", fake_hub.repos["org/tiny-lora"].refs["main"],
+                       {"adapter_config.json", "adapter_model.safetensors"})
+    # training from the v2 adapter: its step-1 loss is the local v2 adapter's, not main's
+    data = oracle.write_bin(tmp_path / "d.bin", oracle.random_tokens(4 * 17, V, seed=5))
+    losses = {}
+    for name, src, rev in (("a1", adapters["a1"], None), ("a2", adapters["a2"], None), ("hub", "org/tiny-lora", "v2")):
+        opts = {"lora.rank": 4, "lora.alpha": 8, "lora.target_modules": "q_proj,v_proj", "lora.adapter_path": str(src)}
+        if rev:
+            opts["lora.adapter_revision"] = rev
+        sections = oracle.train_sections(tmp_path / f"o_{name}", data, models["main"], steps=1, options=opts)
+        ctitan(["train", "--config", oracle.write_toml(tmp_path / f"{name}.toml", sections)], env)
+        losses[name] = oracle.read_metrics(tmp_path / f"o_{name}" / "metrics.jsonl")[0]["loss"]
+    assert losses["hub"] == losses["a2"] != losses["a1"], losses
+    assert (cache / "models--org--tiny-lora" / "refs" / "v2").read_text() == v2
+    # export --merge: the merged weights are the same bytes
+    for name, ad in (("local", adapters["a1"]), ("hub", "org/tiny-lora")):
+        ctitan(["export", "--checkpoint", models["main"], "--adapter", ad, "--merge", "--out", tmp_path / f"m_{name}"],
+               env)
+    assert (tmp_path / "m_local" / "model.safetensors").read_bytes() == \
+        (tmp_path / "m_hub" / "model.safetensors").read_bytes()
+    # an adapter repo the Hub does not have: the error names the option and the id
+    _, err = ctitan(["generate", "--checkpoint", models["main"], "--adapter", "org/no-such-lora", *GEN], env, expect=2)
+    assert "--adapter" in err and "org/no-such-lora" in err, err
+    sections = oracle.train_sections(tmp_path / "o_bad", data, models["main"], steps=1,
+                                     options={"lora.rank": 4, "lora.adapter_path": "org/no-such-lora"})
+    _, err = ctitan(["train", "--config", oracle.write_toml(tmp_path / "bad.toml", sections)], env, expect=2)
+    assert "lora.adapter_path" in err and "org/no-such-lora" in err, err

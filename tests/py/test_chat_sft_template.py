@@ -1,0 +1,207 @@
+"""Chat data in a family's own chat template (training.chat_template / prepare --chat-template;
+issue 15): `ctitan prepare` on conversations for tiny Llama-3, Gemma-3 and Mistral tokenizers
+(built as test_tokenizer_families builds them; Phi-3's template on the Mistral-style one,
+OLMo-2's on the Llama-3-style one)
+carrying the published templates of
+tests/data/chat_templates. The oracle is transformers alone:
+
+- ids: the HF tokenization (add_special_tokens=False, as apply_chat_template tokenizes) of
+  apply_chat_template(conversation, tokenize=False);
+- mask: the assistant spans computed here in Python from apply_chat_template renderings
+  (the reply is what rendering the conversation up to it with the generation prompt, then
+  with it, differ by; where the former is no prefix of the latter, where the rendering with
+  the reply's content emptied departs from it; less what only the conversation's end gets,
+  Phi-3's eos), every token whose HF offsets overlap a span;
+- with a template that has {% generation %} markers: transformers' own
+  return_assistant_tokens_mask.
+Each conversation is followed by EOS (mask 0), as docs/data.md packs chat data."""
+import json
+
+import numpy as np
+import pytest
+
+from test_tokenizer_families import BUILDERS
+from tokenizer_corpus import corpus
+
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "chat_templates"
+FAMILIES = {"llama3": "llama-3.1-instruct", "gemma3": "gemma-3-it", "mistral": "mistral-7b-instruct-v0.3",
+            "phi3": "phi-3-mini-4k-instruct", "olmo2": "olmo-2-instruct"}
+# Phi-3's tokenizer is a Llama-2-style SentencePiece BPE, as Mistral's; OLMo-2's a byte-level BPE
+BUILT_BY = {"phi3": "mistral", "olmo2": "llama3"}
+CONVS = [
+    [{"role": "user", "content": "What is a shard?"}, {"role": "assistant", "content": "A piece of the dataset file."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a river."},
+     {"role": "assistant", "content": "\n\nThe river Thames."}, {"role": "user", "content": "Another?"},
+     {"role": "assistant", "content": "東京 🙂 café  done "}],
+    [{"role": "user", "content": "Count"}, {"role": "assistant", "content": " one two"},
+     {"role": "user", "content": "more"}, {"role": "assistant", "content": " one two"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello there."}],
+]
+# A Llama-3-style template with generation markers: transformers' own assistant mask applies.
+LLAMA_GEN = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+             "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim + '<|eot_id|>' }}"
+             "{% endgeneration %}{% else %}{{ m['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return corpus(seed=1)[:120]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, docs, tmp_path_factory):
+    from transformers import AutoTokenizer
+    d = tmp_path_factory.mktemp(request.param)
+    built = BUILDERS[BUILT_BY.get(request.param, request.param)](docs)
+    (built[0] if isinstance(built, tuple) else built).save(str(d / "tokenizer.json"))
+    cfg = json.loads((DATA / FAMILIES[request.param] / "tokenizer_config.json").read_text())
+    t = built[0] if isinstance(built, tuple) else built
+    for k in [k for k, v in cfg.items() if k.endswith("_token") and t.token_to_id(v) is None]:
+        del cfg[k]  # a special token this tiny tokenizer lacks (OLMo-2's <|pad|>): neither side reads it
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return request.param, d, AutoTokenizer.from_pretrained(str(d))
+
+
+def prepare(run_ctitan, tokdir, convs, out, *extra, check=True):
+    src = out.parent / (out.name + ".jsonl")
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    rc, _, err = run_ctitan(["prepare", "--tokenizer", tokdir, "--input", src, "--out", out, "--overwrite", "--quiet",
+                             *extra], check=check)
+    if rc:
+        return rc, err, None, None
+    meta = json.loads((out / "meta.json").read_text())
+    ids = np.concatenate([np.fromfile(out / s["file"], dtype="<u4") for s in meta["shards"]])
+    msk = np.concatenate([np.fromfile(out / s["mask"], dtype=np.uint8) for s in meta["shards"]])
+    return rc, err, ids, msk
+
+
+def reply_spans(tok, conv, text):
+    """Character spans of the assistant replies in text, from apply_chat_template renderings."""
+    spans, cur = [], 0
+    for i, m in enumerate(conv):
+        if m["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True)
+        upto = tok.apply_chat_template(conv[:i + 1], tokenize=False)
+        if upto.startswith(before) and len(upto) > len(before):
+            at = len(before)
+        else:
+            empty = tok.apply_chat_template(conv[:i] + [dict(m, content="")], tokenize=False)
+            at = 0
+            while at < min(len(upto), len(empty)) and upto[at] == empty[at]:
+                at += 1
+        if i + 1 < len(conv):  # text only the conversation's end gets (Phi-3's eos) is no part of the reply
+            after = tok.apply_chat_template(conv[:i + 2], tokenize=False)
+            k = 0
+            while k < min(len(upto), len(after)) and upto[k] == after[k]:
+                k += 1
+            if at < k < len(upto) and text.endswith(upto[k:]):
+                upto = upto[:k]
+        if text.startswith(upto) and at >= cur:
+            s, e = at, len(upto)
+        else:
+            s = text.index(upto[at:], cur)
+            e = s + len(upto) - at
+        spans.append((s, e))
+        cur = e
+    return spans
+
+
+def expected(tok, convs):
+    ids, mask = [], []
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    for conv in convs:
+        text = tok.apply_chat_template(conv, tokenize=False)
+        spans = reply_spans(tok, conv, text)
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids += enc["input_ids"] + [eos]
+        mask += [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]] + [0]
+    return np.asarray(ids), np.asarray(mask)
+
+
+def test_family_template_tokens_and_mask(family, run_ctitan, tmp_path):
+    name, tokdir, tok = family
+    want_ids, want_mask = expected(tok, CONVS)
+    assert 0 < want_mask.sum() < len(want_mask) // 2
+    _, _, ids, msk = prepare(run_ctitan, tokdir, CONVS, tmp_path / "auto")  # chat_template "auto"
+    assert len(ids) == len(want_ids) and (ids == want_ids).all(), f"{name}: ids differ from HF's"
+    bad = np.nonzero(msk != want_mask)[0]
+    assert not len(bad), f"{name}: mask differs at {bad[:10]} " + \
+        str([tok.convert_ids_to_tokens(int(ids[b])) for b in bad[:10]])
+    # "chatml" keeps the built-in format (refused where the tokenizer has no <|im_start|>)
+    rc, err, ids, _ = prepare(run_ctitan, tokdir, CONVS, tmp_path / "chatml", "--chat-template", "chatml", check=False)
+    assert ("<|im_start|>" in err) if rc else ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_generation_markers_match_transformers_mask(family, run_ctitan, tmp_path):
+    name, tokdir, tok = family
+    if name != "llama3":
+        pytest.skip("the marker template is written in Llama-3's tokens")
+    tmpl = tmp_path / "gen.jinja"
+    tmpl.write_text(LLAMA_GEN)
+    ids, mask = [], []
+    for conv in CONVS:
+        o = tok.apply_chat_template(conv, chat_template=LLAMA_GEN, tokenize=True, return_dict=True,
+                                    return_assistant_tokens_mask=True)
+        ids += list(o["input_ids"]) + [tok.convert_tokens_to_ids(tok.eos_token)]
+        mask += list(o["assistant_masks"]) + [0]
+    assert 0 < sum(mask)
+    _, _, got, msk = prepare(run_ctitan, tokdir, CONVS, tmp_path / "gen", "--chat-template", tmpl)
+    assert (got == np.asarray(ids)).all() and (msk == np.asarray(mask)).all()
+
+
+def test_template_errors(family, run_ctitan, tmp_path):
+    name, tokdir, _ = family
+    if name != "mistral":
+        pytest.skip("one tokenizer is enough for the error paths")
+    # the template itself refuses (raise_exception): its message, with the file and line of the data
+    bad = [[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]]
+    rc, err, _, _ = prepare(run_ctitan, tokdir, CONVS[:1] + bad, tmp_path / "alt", check=False)
+    assert rc != 0 and "alt.jsonl:2" in err and "roles must alternate" in err, err
+    # a reply the template renders differently once later turns follow cannot be located
+    odd = tmp_path / "odd.jinja"
+    odd.write_text("{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}[earlier]"
+                   "{% else %}{{ m.role + ': ' + m.content + '\\n' }}{% endif %}{% endfor %}")
+    two = [[{"role": "user", "content": "Count"}, {"role": "assistant", "content": "first"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "second"}]]
+    rc, err, _, _ = prepare(run_ctitan, tokdir, two, tmp_path / "odd", "--chat-template", odd, check=False)
+    assert rc != 0 and "messages[1]" in err and "cannot be located" in err, err
+    rc, err, _, _ = prepare(run_ctitan, tokdir, CONVS[:1], tmp_path / "none", "--chat-template",
+                            tmp_path / "missing.jinja", check=False)
+    assert rc != 0 and "missing.jinja" in err, err
+
+
+def test_train_step_with_family_template(family, run_ctitan, tmp_path):
+    """training.chat_template (default auto) through the trainer: the step-1 loss equals
+    transformers' on windows of the HF-built stream above (seq_len + 1 tokens, the mask of the
+    target token)."""
+    name, tokdir, tok = family
+    if name != "gemma3":
+        pytest.skip("one family through the trainer is enough; prepare covers the rest")
+    import shutil
+
+    import oracle
+    L, B = 16, 4
+    ids, mask = expected(tok, CONVS)
+    n = B * (L + 1)
+    w = ids[:n].reshape(B, L + 1)
+    m = mask[:n].reshape(B, L + 1)
+    y = np.where(m[:, 1:] == 1, w[:, 1:], oracle.IGNORE)
+    assert 0 < oracle.n_valid(y) < y.size
+    model_dir = tmp_path / "model"
+    cfg = oracle.tiny_config(vocab=len(tok), hidden=32, inter=48, layers=1, heads=4, kv_heads=2, head_dim=8)
+    oracle.save_random_hf(model_dir, cfg, seed=5)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokdir / f, model_dir / f)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVS))
+    out = tmp_path / "out"
+    sec = oracle.train_sections(out, data, model_dir, steps=1, seq_len=L, local_bs=B, global_bs=B, lr=1e-3)
+    run_ctitan(["train", "--config", oracle.write_toml(tmp_path / "t.toml", sec)])
+    row = next(r for r in oracle.read_metrics(out / "metrics.jsonl") if r.get("step") == 1 and "loss" in r)
+    loss, _, _ = oracle.hf_loss_and_grads(oracle.load_hf(model_dir), w[:, :-1], y)
+    assert row["valid_targets"] == oracle.n_valid(y)
+    assert abs(row["loss"] - loss) <= 1e-5 * loss, f"ctitan loss {row['loss']!r} vs transformers {loss!r}"
