@@ -15,7 +15,7 @@
 
 #include "core/fs.h"
 
-enum { ARG_NONE, ARG_KERN, ARG_LAYER, ARG_COMM };
+enum { ARG_NONE, ARG_KERN, ARG_LAYER, ARG_COMM, ARG_MODEL };
 
 typedef struct {
     const char *cat, *name;
@@ -23,6 +23,7 @@ typedef struct {
     int kind;
     union {
         int op;    /* ARG_KERN: kern_op */
+        struct { const char *op; int kern; } m; /* ARG_MODEL: the op's name, the registry op it runs */
         int layer; /* ARG_LAYER */
         struct { size_t bytes, count; const char *dtype, *op; int size; } c;
     } a;
@@ -42,6 +43,7 @@ struct prof {
     span *spans;
     size_t n, cap;
     const char *op_name[KERN_N_OPS], *impl[KERN_N_OPS]; /* what each kern_op's calls resolve to */
+    char model_impl[KERN_N_OPS][48];                     /* "matmul:<impl>": a model op's kernel */
     sum_row *rows;
     int n_rows, cap_rows;
     int64_t step_ns; /* the traced steps' own time, for the summary's percentages */
@@ -98,6 +100,7 @@ void prof_set_kernels(prof *p, const kern_ops *k) {
         p->op_name[KERN_OP_MOE] = kern_op_name(KERN_OP_MOE_BF16);
         p->impl[KERN_OP_MOE] = b->name;
     }
+    for (int i = 0; i < KERN_N_OPS; i++) snprintf(p->model_impl[i], sizeof p->model_impl[i], "%s:%s", p->op_name[i], p->impl[i]);
 }
 
 void prof_step_begin(prof *p, int step) {
@@ -134,6 +137,15 @@ void prof_kern(prof *p, int op, const char *name, int64_t t0) {
     if (s) {
         s->kind = ARG_KERN;
         s->a.op = op;
+    }
+}
+
+void prof_model_op(prof *p, const char *name, const char *op, int kern_op, int64_t t0) {
+    span *s = push(p, "op", name, t0);
+    if (s) {
+        s->kind = ARG_MODEL;
+        s->a.m.op = op;
+        s->a.m.kern = kern_op;
     }
 }
 
@@ -195,6 +207,12 @@ static void put_span(FILE *f, const prof *p, const span *s) {
         fputs(",\"impl\":", f);
         put_str(f, p->impl[s->a.op]);
         break;
+    case ARG_MODEL:
+        fputs("\"op\":", f);
+        put_str(f, s->a.m.op);
+        fputs(",\"impl\":", f);
+        put_str(f, p->model_impl[s->a.m.kern]);
+        break;
     case ARG_LAYER: fprintf(f, "\"layer\":%d", s->a.layer); break;
     case ARG_COMM:
         fprintf(f, "\"bytes\":%zu,\"count\":%zu,\"dtype\":", s->a.c.bytes, s->a.c.count);
@@ -209,9 +227,11 @@ static void put_span(FILE *f, const prof *p, const span *s) {
 }
 
 static void summarize(prof *p, const span *s) {
-    int is_op = s->kind == ARG_KERN;
-    const char *op = is_op ? p->op_name[s->a.op] : s->kind == ARG_COMM ? s->a.c.op : "";
-    const char *impl = is_op ? p->impl[s->a.op] : s->kind == ARG_COMM ? s->a.c.dtype : "";
+    int is_op = s->kind == ARG_KERN, is_model = s->kind == ARG_MODEL;
+    const char *op = is_op ? p->op_name[s->a.op] : is_model ? s->a.m.op : s->kind == ARG_COMM ? s->a.c.op : "";
+    const char *impl = is_op      ? p->impl[s->a.op]
+                       : is_model ? p->model_impl[s->a.m.kern]
+                       : s->kind == ARG_COMM ? s->a.c.dtype : "";
     int size = s->kind == ARG_COMM ? s->a.c.size : 0;
     sum_row *r = NULL;
     for (int i = 0; i < p->n_rows && !r; i++) {
@@ -237,7 +257,7 @@ int prof_step_end(prof *p, ct_err *e) {
     p->on = 0;
     for (size_t i = 0; i < p->n; i++) {
         const span *s = &p->spans[i];
-        if (s->kind == ARG_KERN || s->kind == ARG_COMM) summarize(p, s);
+        if (s->kind == ARG_KERN || s->kind == ARG_MODEL || s->kind == ARG_COMM) summarize(p, s);
         else if (!strcmp(s->cat, "step")) p->step_ns += s->dur;
     }
     p->steps++;

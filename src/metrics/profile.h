@@ -19,7 +19,9 @@
  * the thread. Categories: "step", "phase" (forward_backward, reduce,
  * optimizer), "layer" (one per layer and direction, args.layer), "op" (one
  * per kernel call, args.op and args.impl: the registry's op and chosen
- * implementation, as `ctitan: kernels:` names them), "collective" (args.bytes,
+ * implementation, as `ctitan: kernels:` names them; the MoE router, which is
+ * model code around a registry matmul, as op "moe_route", impl "matmul:<impl>"),
+ * "collective" (args.bytes,
  * count, dtype, op, comm).
  *
  * Recording is single-threaded: spans come from the thread that runs the
@@ -68,6 +70,11 @@ int64_t prof_t0(const prof *p);
 void prof_span(prof *p, const char *cat, const char *name, int64_t t0);
 /* kernel `op` (a kern_op) called through its kern_ops member `name` */
 void prof_kern(prof *p, int op, const char *name, int64_t t0);
+/* a model op outside the kernel registry, `name` (e.g. "moe_route_fwd") of op
+ * `op`, whose matmul runs the registry's kernel `kern_op`: the span's impl says
+ * so ("matmul:avx512"). The MoE router is one: its small [N, E] matmul goes
+ * through the kernels, its softmax and top-k are plain code in model/moe.c. */
+void prof_model_op(prof *p, const char *name, const char *op, int kern_op, int64_t t0);
 /* layer l's forward ("layer_fwd") or backward ("layer_bwd") */
 void prof_layer(prof *p, const char *name, int l, int64_t t0);
 /* a collective of `bytes` (what this rank's buffers hold of it: the whole

@@ -1225,7 +1225,9 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         int E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
         moe_route *r = &a->route;
         WIDE_IN(w->router, (size_t)E * H);
+        int64_t rt0 = PROF_T0(m->prof);
         moe_route_fwd(&m->k, r, a->ln2, w->router, m->moe.bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
+        if (m->prof) prof_model_op(m->prof, "moe_route_fwd", "moe_route", KERN_OP_MATMUL, rt0);
         WIDE_OUT(w->router, (size_t)E * H);
         size_t ex = (size_t)(c->expert_rows ? c->expert_rows : E) * Im * H; /* one projection's held experts */
         /* Under tensor parallelism every expert holds this rank's slice of
@@ -1756,8 +1758,10 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
     reduce_d_input(m, m->ws.moe_dtopw, (size_t)BT * k);
     int aux = c->output_router_logits && c->router_aux_loss_coef > 0;
     WIDE_IN(w->router, (size_t)E * H);
+    int64_t rt0 = PROF_T0(m->prof);
     moe_route_bwd(&m->k, m->ws.d_ln, g->router, m->ws.moe_dprobs, m->ws.moe_dtopw, aux ? m->ws.moe_dprob_all : NULL, a->ln2,
                   w->router, r, BT, H, E, k, c->norm_topk_prob);
+    if (m->prof) prof_model_op(m->prof, "moe_route_bwd", "moe_route", KERN_OP_MATMUL, rt0);
     WIDE_OUT(w->router, (size_t)E * H);
 }
 

@@ -263,3 +263,37 @@ def test_bf16_matmuls_are_the_bf16_op(setup, run_ctitan):
     trace = load(out / "profile_trace" / f"iteration_{FREQ}" / "rank0_trace.json")
     mm = [e for e in spans(trace, "op") if e["name"].startswith("matmul_")]
     assert mm and all(e["args"]["op"] == "matmul_bf16" and e["args"]["impl"] == chosen["matmul_bf16"] for e in mm)
+
+
+def test_moe_router_spans(tmp_path, run_ctitan):
+    """A Qwen3-MoE run: each MoE layer's router (model code around a registry matmul) is an
+    op span of its own, moe_route_fwd and moe_route_bwd, inside that layer's span, named with
+    the matmul implementation it runs; the experts are the moe_experts op; the summary has
+    the router's rows with the trace's totals."""
+    import oracle_moe
+    cfg, out, args = tiny_run(tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq=2", steps=2)
+    moe_dir = tmp_path / "moe_model"
+    oracle_moe.tiny_moe_config(vocab=128, hidden=32, layers=2, mlp_only=(1,)).save_pretrained(moe_dir)
+    args = [f"--model.hf_assets_path={moe_dir}" if a.startswith("--model.hf_assets_path=") else a for a in args]
+    _, _, err = run_ctitan(args)
+    chosen = kernels_line(err)
+    trace = load(out / "profile_trace" / "iteration_2" / "rank0_trace.json")
+    validate(trace)
+    check_nesting(trace)
+    ops = spans(trace, "op")
+    layers = spans(trace, "layer")
+    per_dir = {"fwd": [], "bwd": []}
+    for d in per_dir:
+        per_dir[d] = [e for e in ops if e["name"] == f"moe_route_{d}"]
+        # layer 0 is MoE, layer 1 dense (mlp_only_layers): one router call per direction
+        assert len(per_dir[d]) == 1, [e["name"] for e in ops]
+        (r,) = per_dir[d]
+        assert r["args"] == {"op": "moe_route", "impl": f"matmul:{chosen['matmul']}"}, r["args"]
+        (lay,) = [l for l in layers if inside(r, l)]
+        assert lay["name"] == f"layer_{d}" and lay["args"]["layer"] == 0, lay
+        assert any(e["name"] == f"moe_{d}" and e["args"]["op"] == "moe_experts" and inside(e, lay) for e in ops), \
+            sorted({e["name"] for e in ops if inside(e, lay)})
+    rows = summary_rows(err)
+    for d, (r,) in per_dir.items():
+        calls, ms = rows[("op", f"moe_route_{d}", "moe_route", f"matmul:{chosen['matmul']}")]
+        assert calls == 1 and ms == r["dur"] / 1000, (calls, ms, r["dur"])
