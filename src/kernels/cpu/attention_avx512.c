@@ -75,13 +75,18 @@ A512 static float *att_transpose(const float *x, int B, int T, int nkv, int hd, 
     for (int b = 0; b < B; b++)
         for (int kh = 0; kh < nkv; kh++) {
             float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
-            for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys at a time: 16 source rows stay in L1 */
+            for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys x 16 of hd: one in-register transpose */
                 int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
                 float *tile = dst + (size_t)(j0 / BK) * BK * hd + j0 % BK;
-                for (int i = 0; i < hd; i++) {
-                    float *d = tile + (size_t)i * BK;
-                    for (int c = 0; c < n; c++) d[c] = x[(((size_t)b * T + j0 + c) * nkv + kh) * hd + i];
-                    for (int c = n; c < 16; c++) d[c] = 0.0f;
+                for (int i0 = 0; i0 < hd; i0 += 16) { /* hd is a multiple of HC here */
+                    __m512 r[16];
+                    #pragma GCC unroll 16
+                    for (int c = 0; c < 16; c++) /* keys past T: zeros, read from a valid address */
+                        r[c] = _mm512_maskz_loadu_ps(c < n ? (__mmask16)0xFFFF : (__mmask16)0,
+                                                     x + (((size_t)b * T + (c < n ? j0 + c : 0)) * nkv + kh) * hd + i0);
+                    transpose16(r);
+                    #pragma GCC unroll 16
+                    for (int i = 0; i < 16; i++) _mm512_storeu_ps(tile + (size_t)(i0 + i) * BK, r[i]);
                 }
             }
         }
