@@ -115,23 +115,35 @@ A512 static float *att_heads(const float *v, int B, int T, int nkv, int hd) {
 }
 
 /* s[r][j] (16 lanes each, 64 keys) = sum_i x_r[i] kt[i * ldk + 16 j + lane] for 4 rows x_r. */
-A_INLINE void att_dots4(__m512 s[4][4], const float *const x[4], const float *kt, long ldk, int hd) {
+A_INLINE void att_dots4_n(__m512 s[4][4], const float *const x[4], const float *kt, long ldk, int hd, int nch) {
     #pragma GCC unroll 4
     for (int r = 0; r < 4; r++)
         #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) s[r][j] = _mm512_setzero_ps();
     for (int i = 0; i < hd; i++) {
         const float *kr = kt + (size_t)i * ldk;
-        __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
-               k3 = _mm512_loadu_ps(kr + 48);
+        __m512 k[4];
+        #pragma GCC unroll 4
+        for (int j = 0; j < nch; j++) k[j] = _mm512_loadu_ps(kr + 16 * j);
         #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
             __m512 b = _mm512_set1_ps(x[r][i]);
-            s[r][0] = _mm512_fmadd_ps(b, k0, s[r][0]);
-            s[r][1] = _mm512_fmadd_ps(b, k1, s[r][1]);
-            s[r][2] = _mm512_fmadd_ps(b, k2, s[r][2]);
-            s[r][3] = _mm512_fmadd_ps(b, k3, s[r][3]);
+            #pragma GCC unroll 4
+            for (int j = 0; j < nch; j++) s[r][j] = _mm512_fmadd_ps(b, k[j], s[r][j]);
         }
+    }
+}
+/* The same over the first `keys` of the 64 (rounded up to 16): on the diagonal a
+ * micro-block sees 4-64 keys of its tile, and the lanes past them are masked
+ * whatever their scores, so the chunks past them are left at zero (T = 256:
+ * ~20% of the score products were of such lanes). Each call is a constant
+ * chunk count, so the loops unroll into registers. */
+A_INLINE void att_dots4(__m512 s[4][4], const float *const x[4], const float *kt, long ldk, int hd, int keys) {
+    switch ((keys + 15) / 16) {
+    case 1: att_dots4_n(s, x, kt, ldk, hd, 1); break;
+    case 2: att_dots4_n(s, x, kt, ldk, hd, 2); break;
+    case 3: att_dots4_n(s, x, kt, ldk, hd, 3); break;
+    default: att_dots4_n(s, x, kt, ldk, hd, 4); break;
     }
 }
 
@@ -261,7 +273,7 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                             mbc[r0 / 4][1] = ncmax;
                             if (!ncmax) continue;
                             __m512 s[4][4];
-                            att_dots4(s, x, kth + (size_t)j0 * hd, BK, hd);
+                            att_dots4(s, x, kth + (size_t)j0 * hd, BK, hd, ncmax);
                             #pragma GCC unroll 4
                             for (int r = 0; r < 4; r++) {
                                 __m512 vs[4], mx = _mm512_set1_ps(-INFINITY);
@@ -379,6 +391,7 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                         for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                             int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
                             int cmb[BQ / 4]; /* first key column a micro-block sees (0 without a window) */
+                            int ceb[BQ / 4]; /* and the end of the columns it sees (the diagonal) */
                             for (int r0 = 0; r0 < nq; r0 += 4) {
                                 const float *xq[4], *xg[4];
                                 int ncr[4], clo[4], cmin = BK; /* row r sees keys clo[r] <= c < ncr[r] */
@@ -394,14 +407,19 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                     if (ncr[r] && clo[r] < cmin) cmin = clo[r];
                                 }
                                 cmb[r0 / 4] = window ? cmin : 0;
+                                ceb[r0 / 4] = 0;
                                 if (cmin == BK) { /* no row sees a key of this tile (a window): P = dS = 0 */
                                     memset(P + (size_t)r0 * BK, 0, 4 * BK * sizeof(float));
                                     memset(dS + (size_t)r0 * BK, 0, 4 * BK * sizeof(float));
                                     continue;
                                 }
                                 __m512 s[4][4], dp[4][4];
-                                att_dots4(s, xq, kth + (size_t)j0 * hd, BK, hd);
-                                att_dots4(dp, xg, vth + (size_t)j0 * hd, BK, hd); // dP = dout . v
+                                int ncm = 0; /* keys any row of the micro-block sees */
+                                #pragma GCC unroll 4
+                                for (int r = 0; r < 4; r++) ncm = ncr[r] > ncm ? ncr[r] : ncm;
+                                ceb[r0 / 4] = ncm;
+                                att_dots4(s, xq, kth + (size_t)j0 * hd, BK, hd, ncm);
+                                att_dots4(dp, xg, vth + (size_t)j0 * hd, BK, hd, ncm); // dP = dout . v
                                 #pragma GCC unroll 4
                                 for (int r = 0; r < 4; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1;
@@ -434,9 +452,10 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                 int c = 0;
                                 for (; c < nk;) {
                                     int keys = c + 4 <= nk ? 4 : 1;
-                                    int rs = 0, re = nq;
-                                    if (window) { /* row t sees key j iff j <= t < j + window */
-                                        rs = j0 + c - t0 > 0 ? j0 + c - t0 : 0;
+                                    /* row t sees key j iff j <= t (< j + window): the rows above the
+                                     * diagonal hold P = dS = 0 and are skipped */
+                                    int rs = j0 + c - t0 > 0 ? j0 + c - t0 : 0, re = nq;
+                                    if (window) {
                                         re = j0 + c + keys - 1 + window - t0;
                                         re = re < nq ? re : nq;
                                     }
@@ -460,13 +479,13 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                             // rows past nq would write past T, so the last partial one runs row by row),
                             // over the keys cm.. some row of the micro-block sees
                             for (int r0 = 0; r0 < nq; r0 += 4) {
-                                int cm = cmb[r0 / 4];
-                                if (cm >= nk) continue;
+                                int cm = cmb[r0 / 4], ce = ceb[r0 / 4]; /* keys past ce: dS = 0 */
+                                if (cm >= ce) continue;
                                 if (r0 + 4 <= nq) {
                                     for (int c0 = 0; c0 < hd; c0 += HC)
                                         att_rows4_axpy(dqh + (size_t)(t0 + r0) * qs + c0, qs, NULL,
                                                        dS + (size_t)r0 * BK + cm, kh_ + (size_t)(j0 + cm) * hd + c0,
-                                                       hd, nk - cm);
+                                                       hd, ce - cm);
                                     continue;
                                 }
                                 for (int r = r0; r < nq; r++) {
@@ -474,7 +493,7 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                     const float *dr = dS + (size_t)r * BK;
                                     for (int c0 = 0; c0 < hd; c0 += 16) {
                                         __m512 a = _mm512_loadu_ps(dqr + c0);
-                                        for (int c = cm; c < nk; c++)
+                                        for (int c = cm; c < ce; c++)
                                             a = _mm512_fmadd_ps(_mm512_set1_ps(dr[c]),
                                                                 _mm512_loadu_ps(kh_ + (size_t)(j0 + c) * hd + c0), a);
                                         _mm512_storeu_ps(dqr + c0, a);
