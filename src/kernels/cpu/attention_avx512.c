@@ -60,47 +60,90 @@ A_INLINE __mmask16 att_lanes(int n, int j) {
 /* Lanes c with lo <= c < n (lo = 0: att_lanes). */
 A_INLINE __mmask16 att_lanes2(int lo, int n, int j) { return att_lanes(n, j) & (__mmask16)~att_lanes(lo, j); }
 
-/* xt[(b * nkv + kh) * hd + i][j] = x[b, j, kh, i] for j < T, zero for T <= j < Tp:
- * every K (or V) head transposed once per call, so the score products read a
- * 64-key row of a tile with 4 aligned-stride loads, and each tile is not
- * re-transposed for every query head and query block that reads it. */
+/* Every K (or V) head transposed once per call, tile by tile: tile jt of head
+ * (b, kh) is [hd][BK] at xt + ((b * nkv + kh) * Tp + jt * BK) * hd, element
+ * [i][c] = x[b, jt * BK + c, kh, i] for keys < T, zero past T. The score products
+ * read a 64-key row of a tile with 4 loads, and no tile is re-transposed for every
+ * query head and block that reads it. Tile-major, so a tile is 32 KB in one piece
+ * (hd 128): with rows Tp floats apart (1 KB at T = 256) its 128 rows fell into 16
+ * of L1's 64 sets, 32 rows for 12 ways, and the tile was re-read from L2 by every
+ * micro-block. */
 A512 static float *att_transpose(const float *x, int B, int T, int nkv, int hd, int Tp) {
-    // returns xt[B*nkv, hd, Tp]; x[B,T,nkv,hd]
+    // returns xt[B*nkv, Tp/BK, hd, BK]; x[B,T,nkv,hd]
     float *xt = ct_malloc((size_t)B * nkv * hd * Tp * sizeof(float));
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
         for (int kh = 0; kh < nkv; kh++) {
             float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
-            for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys at a time: 16 source rows stay in L1 */
+            for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys x 16 of hd: one in-register transpose */
                 int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
-                for (int i = 0; i < hd; i++) {
-                    float *d = dst + (size_t)i * Tp + j0;
-                    for (int c = 0; c < n; c++) d[c] = x[(((size_t)b * T + j0 + c) * nkv + kh) * hd + i];
-                    for (int c = n; c < 16; c++) d[c] = 0.0f;
+                float *tile = dst + (size_t)(j0 / BK) * BK * hd + j0 % BK;
+                for (int i0 = 0; i0 < hd; i0 += 16) { /* hd is a multiple of HC here */
+                    __m512 r[16];
+                    #pragma GCC unroll 16
+                    for (int c = 0; c < 16; c++) /* keys past T: zeros, read from a valid address */
+                        r[c] = _mm512_maskz_loadu_ps(c < n ? (__mmask16)0xFFFF : (__mmask16)0,
+                                                     x + (((size_t)b * T + (c < n ? j0 + c : 0)) * nkv + kh) * hd + i0);
+                    transpose16(r);
+                    #pragma GCC unroll 16
+                    for (int i = 0; i < 16; i++) _mm512_storeu_ps(tile + (size_t)(i0 + i) * BK, r[i]);
                 }
             }
         }
     return xt;
 }
 
+/* dst[t * hd + i] = x[t * xs + i] for t < T: one head's rows, contiguous.
+ * The model's layout puts a head's consecutive rows nkv * hd or nh * hd
+ * floats apart (4 or 8 KB for Qwen3's hd 128), so the 32-64 rows a tile
+ * walks all fall in the same few L1 sets and thrash the 12 ways; read from a
+ * contiguous copy they stay in L1. */
+A512 static void att_rows_in(float *dst, const float *x, long xs, int T, int hd) {
+    for (int t = 0; t < T; t++) memcpy(dst + (size_t)t * hd, x + (size_t)t * xs, (size_t)hd * sizeof(float));
+}
+
+/* vh[(b * nkv + kh) * T + j][i] = v[b, j, kh, i]: every V head's rows contiguous
+ * (att_rows_in), for the forward's P V product. */
+A512 static float *att_heads(const float *v, int B, int T, int nkv, int hd) {
+    float *vh = ct_malloc((size_t)B * nkv * T * hd * sizeof(float));
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < B; b++)
+        for (int kh = 0; kh < nkv; kh++)
+            att_rows_in(vh + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * T * nkv + kh) * hd, (long)nkv * hd,
+                        T, hd);
+    return vh;
+}
+
 /* s[r][j] (16 lanes each, 64 keys) = sum_i x_r[i] kt[i * ldk + 16 j + lane] for 4 rows x_r. */
-A_INLINE void att_dots4(__m512 s[4][4], const float *const x[4], const float *kt, long ldk, int hd) {
+A_INLINE void att_dots4_n(__m512 s[4][4], const float *const x[4], const float *kt, long ldk, int hd, int nch) {
     #pragma GCC unroll 4
     for (int r = 0; r < 4; r++)
         #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) s[r][j] = _mm512_setzero_ps();
     for (int i = 0; i < hd; i++) {
         const float *kr = kt + (size_t)i * ldk;
-        __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
-               k3 = _mm512_loadu_ps(kr + 48);
+        __m512 k[4];
+        #pragma GCC unroll 4
+        for (int j = 0; j < nch; j++) k[j] = _mm512_loadu_ps(kr + 16 * j);
         #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
             __m512 b = _mm512_set1_ps(x[r][i]);
-            s[r][0] = _mm512_fmadd_ps(b, k0, s[r][0]);
-            s[r][1] = _mm512_fmadd_ps(b, k1, s[r][1]);
-            s[r][2] = _mm512_fmadd_ps(b, k2, s[r][2]);
-            s[r][3] = _mm512_fmadd_ps(b, k3, s[r][3]);
+            #pragma GCC unroll 4
+            for (int j = 0; j < nch; j++) s[r][j] = _mm512_fmadd_ps(b, k[j], s[r][j]);
         }
+    }
+}
+/* The same over the first `keys` of the 64 (rounded up to 16): on the diagonal a
+ * micro-block sees 4-64 keys of its tile, and the lanes past them are masked
+ * whatever their scores, so the chunks past them are left at zero (T = 256:
+ * ~20% of the score products were of such lanes). Each call is a constant
+ * chunk count, so the loops unroll into registers. */
+A_INLINE void att_dots4(__m512 s[4][4], const float *const x[4], const float *kt, long ldk, int hd, int keys) {
+    switch ((keys + 15) / 16) {
+    case 1: att_dots4_n(s, x, kt, ldk, hd, 1); break;
+    case 2: att_dots4_n(s, x, kt, ldk, hd, 2); break;
+    case 3: att_dots4_n(s, x, kt, ldk, hd, 3); break;
+    default: att_dots4_n(s, x, kt, ldk, hd, 4); break;
     }
 }
 
@@ -184,14 +227,16 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
     float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
     int window = opt && opt->window > 0 ? opt->window : 0;
     float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
-    int qs = nh * hd, ks = nkv * hd; // row strides of q/out and k/v
+    int qs = nh * hd; // row stride of q and out
     int Tp = (T + BK - 1) / BK * BK;
-    float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
+    float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
+    float *VH = att_heads(v, B, T, nkv, hd);         // [B*nkv, T, hd]
 #pragma omp parallel
     {
         float *acc = ct_malloc((size_t)BQ * hd * sizeof(float)); // [BQ, hd] unnormalised out
-        float P[4 * BK];                                         // [4, BK] probabilities of a micro-block
-        float m[BQ], l[BQ], alpha[4];                            // running max, sum; rescaling
+        float P[BQ * BK];                                        // [BQ, BK] probabilities of the tile
+        float m[BQ], l[BQ], alpha[BQ];                           // running max, sum; rescaling
+        int mbc[BQ / 4][2];                                      // per micro-block: first, end key column
 #pragma omp for collapse(3) schedule(static)
         for (int b = 0; b < B; b++) {
             for (int h = 0; h < nh; h++) {
@@ -199,13 +244,17 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                     int kh = h / group, t0 = qb * BQ;
                     int nq = T - t0 < BQ ? T - t0 : BQ;
                     const float *qh = q + ((size_t)b * T * nh + h) * hd; // row t at qh + t*qs
-                    const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp; // [hd, Tp]
-                    const float *vh = v + ((size_t)b * T * nkv + kh) * hd;
+                    const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp; // tile at + j0*hd
+                    const float *vh = VH + ((size_t)b * nkv + kh) * T * hd; // row j at vh + j*hd
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
                     // from the tile of the first key the block sees (the window) up to the diagonal
                     for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                         int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
+                        /* Two passes over the tile's micro-blocks: every score row first (the
+                         * K tile, 32 KB at hd 128, stays in L1 across them), then every P V
+                         * (the V tile stays in L1). One pass per micro-block needed both
+                         * tiles at once, more than L1's 48 KB, and re-read them from L2. */
                         for (int r0 = 0; r0 < nq; r0 += 4) {
                             const float *x[4];
                             int ncr[4], clo[4], ncmax = 0, cmin = BK; /* row r sees keys clo[r] <= c < ncr[r] */
@@ -220,9 +269,11 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                                 if (ncr[r] > ncmax) ncmax = ncr[r];
                                 if (ncr[r] && clo[r] < cmin) cmin = clo[r];
                             }
+                            mbc[r0 / 4][0] = cmin;
+                            mbc[r0 / 4][1] = ncmax;
                             if (!ncmax) continue;
                             __m512 s[4][4];
-                            att_dots4(s, x, kth + j0, Tp, hd);
+                            att_dots4(s, x, kth + (size_t)j0 * hd, BK, hd, ncmax);
                             #pragma GCC unroll 4
                             for (int r = 0; r < 4; r++) {
                                 __m512 vs[4], mx = _mm512_set1_ps(-INFINITY);
@@ -240,26 +291,30 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                                 float bmax = _mm512_reduce_max_ps(mx);
                                 float *mr = &m[r0 + r];
                                 if (bmax == -INFINITY) { /* no key of this block: nothing changes */
-                                    alpha[r] = 1.0f;
-                                    memset(P + r * BK, 0, BK * sizeof(float));
+                                    alpha[r0 + r] = 1.0f;
+                                    memset(P + (r0 + r) * BK, 0, BK * sizeof(float));
                                     continue;
                                 }
                                 float mnew = bmax > *mr ? bmax : *mr;
-                                alpha[r] = expf(*mr - mnew); // 0 on the first block (m = -inf)
+                                alpha[r0 + r] = expf(*mr - mnew); // 0 on the first block (m = -inf)
                                 __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
                                 #pragma GCC unroll 4
                                 for (int j = 0; j < 4; j++) {
                                     __m512 p = exp16(_mm512_sub_ps(vs[j], vm)); // masked: e^-inf = 0
                                     sum = _mm512_add_ps(sum, p);
-                                    _mm512_storeu_ps(P + r * BK + 16 * j, p);
+                                    _mm512_storeu_ps(P + (r0 + r) * BK + 16 * j, p);
                                 }
-                                l[r0 + r] = l[r0 + r] * alpha[r] + _mm512_reduce_add_ps(sum);
+                                l[r0 + r] = l[r0 + r] * alpha[r0 + r] + _mm512_reduce_add_ps(sum);
                                 *mr = mnew;
                             }
+                        }
+                        for (int r0 = 0; r0 < nq; r0 += 4) {
+                            int cmin = mbc[r0 / 4][0], ncmax = mbc[r0 / 4][1];
+                            if (!ncmax) continue;
                             /* keys cmin.. only: the columns before it are masked in every row */
                             for (int c0 = 0; c0 < hd; c0 += HC)
-                                att_rows4_axpy(acc + (size_t)r0 * hd + c0, hd, alpha, P + cmin,
-                                               vh + (size_t)(j0 + cmin) * ks + c0, ks, ncmax - cmin);
+                                att_rows4_axpy(acc + (size_t)r0 * hd + c0, hd, alpha + r0, P + (size_t)r0 * BK + cmin,
+                                               vh + (size_t)(j0 + cmin) * hd + c0, hd, ncmax - cmin);
                         }
                     }
                     for (int r = 0; r < nq; r++) {
@@ -276,6 +331,7 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
         free(acc);
     }
     free(KT);
+    free(VH);
 }
 
 A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
@@ -294,47 +350,56 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
     float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
     int qs = nh * hd, ks = nkv * hd;
     int Tp = (T + BK - 1) / BK * BK;
-    float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
-    float *VT = att_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
+    float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
+    float *VT = att_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
 #pragma omp parallel
     {
         float *P = ct_malloc((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
         float *dS = ct_malloc((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
         float D[BQ], L[BQ];
+        /* the rows the products stream, contiguous (att_rows_in): k of the kv
+         * head (dS K reads 64 of them per tile), q and dout of the query head
+         * (dV and dK read 32 per tile). The outputs are 4 rows at a time and stay
+         * in place. */
+        float *KS = ct_malloc((size_t)3 * T * hd * sizeof(float));
+        float *QS = KS + (size_t)T * hd, *GS = QS + (size_t)T * hd;
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
         // the dq rows of the group's query heads, so every sum is its own.
 #pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < B; b++) {
             for (int kh = 0; kh < nkv; kh++) {
-                const float *kh_ = k + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
                 const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp, *vth = VT + ((size_t)b * nkv + kh) * hd * Tp;
-                float *dkh = dk + ((size_t)b * T * nkv + kh) * hd;
+                const float *kh_ = KS; // row j at + j*hd
+                float *dkh = dk + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
                 float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
+                att_rows_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
-                    const float *qh = q + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
-                    const float *oh = out + ((size_t)b * T * nh + h) * hd;
-                    const float *gh = dout + ((size_t)b * T * nh + h) * hd;
-                    float *dqh = dq + ((size_t)b * T * nh + h) * hd;
+                    const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
+                    const float *qh = QS, *gh = GS; // row t at + t*hd
+                    float *dqh = dq + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
+                    att_rows_in(QS, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    att_rows_in(GS, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     for (int qb = 0; qb < nqb; qb++) {
                         int t0 = qb * BQ;
                         int nq = T - t0 < BQ ? T - t0 : BQ;
                         for (int r = 0; r < nq; r++) {
                             // D = rowsum(dout * out) = sum_j p_j dp_j
-                            D[r] = att_dot(gh + (size_t)(t0 + r) * qs, oh + (size_t)(t0 + r) * qs, hd);
+                            D[r] = att_dot(gh + (size_t)(t0 + r) * hd, oh + (size_t)(t0 + r) * qs, hd);
                             L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
                         }
                         // from the tile of the first key the block sees (the window) up to the diagonal
                         for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                             int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
                             int cmb[BQ / 4]; /* first key column a micro-block sees (0 without a window) */
+                            int ceb[BQ / 4]; /* and the end of the columns it sees (the diagonal) */
                             for (int r0 = 0; r0 < nq; r0 += 4) {
                                 const float *xq[4], *xg[4];
                                 int ncr[4], clo[4], cmin = BK; /* row r sees keys clo[r] <= c < ncr[r] */
                                 #pragma GCC unroll 4
                                 for (int r = 0; r < 4; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1;
-                                    xq[r] = qh + (size_t)(t0 + rr) * qs;
-                                    xg[r] = gh + (size_t)(t0 + rr) * qs;
+                                    xq[r] = qh + (size_t)(t0 + rr) * hd;
+                                    xg[r] = gh + (size_t)(t0 + rr) * hd;
                                     int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk;
                                     int c0 = kern_attn_first_key(t0 + rr, window) - j0;
                                     clo[r] = c0 > 0 ? c0 : 0;
@@ -342,14 +407,19 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                     if (ncr[r] && clo[r] < cmin) cmin = clo[r];
                                 }
                                 cmb[r0 / 4] = window ? cmin : 0;
+                                ceb[r0 / 4] = 0;
                                 if (cmin == BK) { /* no row sees a key of this tile (a window): P = dS = 0 */
                                     memset(P + (size_t)r0 * BK, 0, 4 * BK * sizeof(float));
                                     memset(dS + (size_t)r0 * BK, 0, 4 * BK * sizeof(float));
                                     continue;
                                 }
                                 __m512 s[4][4], dp[4][4];
-                                att_dots4(s, xq, kth + j0, Tp, hd);
-                                att_dots4(dp, xg, vth + j0, Tp, hd); // dP = dout . v
+                                int ncm = 0; /* keys any row of the micro-block sees */
+                                #pragma GCC unroll 4
+                                for (int r = 0; r < 4; r++) ncm = ncr[r] > ncm ? ncr[r] : ncm;
+                                ceb[r0 / 4] = ncm;
+                                att_dots4(s, xq, kth + (size_t)j0 * hd, BK, hd, ncm);
+                                att_dots4(dp, xg, vth + (size_t)j0 * hd, BK, hd, ncm); // dP = dout . v
                                 #pragma GCC unroll 4
                                 for (int r = 0; r < 4; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1;
@@ -382,23 +452,24 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                 int c = 0;
                                 for (; c < nk;) {
                                     int keys = c + 4 <= nk ? 4 : 1;
-                                    int rs = 0, re = nq;
-                                    if (window) { /* row t sees key j iff j <= t < j + window */
-                                        rs = j0 + c - t0 > 0 ? j0 + c - t0 : 0;
+                                    /* row t sees key j iff j <= t (< j + window): the rows above the
+                                     * diagonal hold P = dS = 0 and are skipped */
+                                    int rs = j0 + c - t0 > 0 ? j0 + c - t0 : 0, re = nq;
+                                    if (window) {
                                         re = j0 + c + keys - 1 + window - t0;
                                         re = re < nq ? re : nq;
                                     }
                                     if (re > rs) {
                                         const float *pw = P + (size_t)rs * BK, *sw = dS + (size_t)rs * BK;
-                                        const float *gx = gh + (size_t)(t0 + rs) * qs + c0;
-                                        const float *qx = qh + (size_t)(t0 + rs) * qs + c0;
+                                        const float *gx = gh + (size_t)(t0 + rs) * hd + c0;
+                                        const float *qx = qh + (size_t)(t0 + rs) * hd + c0;
                                         float *dvr = dvh + (size_t)(j0 + c) * ks + c0, *dkr = dkh + (size_t)(j0 + c) * ks + c0;
                                         if (keys == 4) {
-                                            att_keys_axpy(dvr, ks, 4, pw, c, gx, qs, re - rs);
-                                            att_keys_axpy(dkr, ks, 4, sw, c, qx, qs, re - rs);
+                                            att_keys_axpy(dvr, ks, 4, pw, c, gx, hd, re - rs);
+                                            att_keys_axpy(dkr, ks, 4, sw, c, qx, hd, re - rs);
                                         } else {
-                                            att_keys_axpy(dvr, ks, 1, pw, c, gx, qs, re - rs);
-                                            att_keys_axpy(dkr, ks, 1, sw, c, qx, qs, re - rs);
+                                            att_keys_axpy(dvr, ks, 1, pw, c, gx, hd, re - rs);
+                                            att_keys_axpy(dkr, ks, 1, sw, c, qx, hd, re - rs);
                                         }
                                     }
                                     c += keys;
@@ -408,13 +479,13 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                             // rows past nq would write past T, so the last partial one runs row by row),
                             // over the keys cm.. some row of the micro-block sees
                             for (int r0 = 0; r0 < nq; r0 += 4) {
-                                int cm = cmb[r0 / 4];
-                                if (cm >= nk) continue;
+                                int cm = cmb[r0 / 4], ce = ceb[r0 / 4]; /* keys past ce: dS = 0 */
+                                if (cm >= ce) continue;
                                 if (r0 + 4 <= nq) {
                                     for (int c0 = 0; c0 < hd; c0 += HC)
                                         att_rows4_axpy(dqh + (size_t)(t0 + r0) * qs + c0, qs, NULL,
-                                                       dS + (size_t)r0 * BK + cm, kh_ + (size_t)(j0 + cm) * ks + c0,
-                                                       ks, nk - cm);
+                                                       dS + (size_t)r0 * BK + cm, kh_ + (size_t)(j0 + cm) * hd + c0,
+                                                       hd, ce - cm);
                                     continue;
                                 }
                                 for (int r = r0; r < nq; r++) {
@@ -422,9 +493,9 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                     const float *dr = dS + (size_t)r * BK;
                                     for (int c0 = 0; c0 < hd; c0 += 16) {
                                         __m512 a = _mm512_loadu_ps(dqr + c0);
-                                        for (int c = cm; c < nk; c++)
+                                        for (int c = cm; c < ce; c++)
                                             a = _mm512_fmadd_ps(_mm512_set1_ps(dr[c]),
-                                                                _mm512_loadu_ps(kh_ + (size_t)(j0 + c) * ks + c0), a);
+                                                                _mm512_loadu_ps(kh_ + (size_t)(j0 + c) * hd + c0), a);
                                         _mm512_storeu_ps(dqr + c0, a);
                                     }
                                 }
@@ -436,6 +507,7 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
         }
         free(P);
         free(dS);
+        free(KS);
     }
     free(KT);
     free(VT);
