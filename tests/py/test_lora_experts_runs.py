@@ -177,3 +177,30 @@ def test_export_merge_expert_adapter_matches_peft(tmp_path, run_ctitan):
     sd = merged.state_dict()
     for n in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
         assert np.abs(sd[n].numpy() - ref[n].numpy()).max() <= 1e-5 * np.abs(ref[n].numpy()).max(), n
+
+
+@pytest.mark.parametrize("shard", [1, 2], ids=["1proc", "fsdp2"])
+def test_dry_run_counts_expert_lora_scratch(setup, run_ctitan, shard):
+    """--dry-run counts expert LoRA's two transient buffers (the adapted experts and their
+    weight gradient, 3 E Im H floats each, computed here from config.json) in its total,
+    for one process and per rank of FSDP 2; a run without expert adapters has no such line."""
+    import re
+    d, model, data = setup
+    cfg = json.loads((model / "config.json").read_text())
+    want = 4 * 2 * 3 * cfg["num_local_experts"] * cfg["moe_intermediate_size"] * cfg["hidden_size"]
+    line = r"^\s+(.+?)\s+[\d.]+ GiB\s+(\d+) bytes$"
+    _, out, _ = run_ctitan(args(setup, d / f"dry{shard}", "--dry-run", ranks=shard))
+    blocks = out.split("per rank:") if shard > 1 else [out]
+    for b in blocks[-1:] if shard > 1 else blocks:
+        lines = re.findall(line, b, re.M)
+        got = [int(v) for k, v in lines if k == "expert LoRA fold + weight gradient"]
+        assert got == [want], f"expert LoRA scratch {got}, want {want}:\n{b}"
+        total = next(int(v) for k, v in lines if k.startswith("total planned"))
+        parts = 0
+        for k, v in lines:
+            if k.startswith("total planned"):
+                break
+            parts += int(v)
+        assert total == parts, f"the total {total} is not the sum of its lines {parts}:\n{b}"
+    _, out, _ = run_ctitan(train_args(model, data, d / "dry_attn", ATTN, "--dry-run"))
+    assert "expert LoRA" not in out, out
