@@ -64,7 +64,9 @@ static int key_matches(const char *key, const char *target) {
 int lora_parse_target_params(const char *list, lm_config *c, const char *where, const char *key, ct_err *e) {
     char item[256], full[128];
     memset(c->lora_experts, 0, sizeof c->lora_experts);
-    int experts = c->n_experts > 0 && c->moe_keys == LM_MOE_KEYS_QWEN;
+    /* transformers v5 stacks Mixtral's w1|w3 and w2 into the same
+     * mlp.experts.gate_up_proj / down_proj as Qwen3-MoE's, PEFT's keys alike */
+    int experts = c->n_experts > 0;
     for (const char *p = list; p && (p = cfg_list_next(p, item, sizeof item));) {
         int hit = 0;
         for (int l = 0; experts && l < c->n_layers; l++) {
@@ -79,8 +81,8 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
         }
         if (!hit && !experts)
             return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: %s: \"%s\": this model has no fused Qwen3-MoE experts (target_parameters adapts "
-                           "mlp.experts.gate_up_proj and mlp.experts.down_proj of qwen3_moe models)",
+                           "%s: %s: \"%s\": this model has no fused MoE experts (target_parameters adapts "
+                           "mlp.experts.gate_up_proj and mlp.experts.down_proj of qwen3_moe and mixtral models)",
                            where, key, item);
         if (!hit)
             return ct_fail(e, CT_ERR_CONFIG,
@@ -302,7 +304,7 @@ static int pattern_param(const char *key) {
 static int json_patterns(const cJSON *o, lm_config *c, double alpha, int rslora, const char *path, ct_err *e) {
     int rank[LM_LORA_EXP_N] = {0};
     double al[LM_LORA_EXP_N] = {0};
-    int experts = c->n_experts > 0 && c->moe_keys == LM_MOE_KEYS_QWEN;
+    int experts = c->n_experts > 0;
     for (int w = 0; w < 2; w++) {
         const char *name = w ? "alpha_pattern" : "rank_pattern";
         const cJSON *p = cJSON_GetObjectItemCaseSensitive(o, name), *it;
@@ -313,7 +315,7 @@ static int json_patterns(const cJSON *o, lm_config *c, double alpha, int rslora,
             if (x < 0)
                 return ct_fail(e, CT_ERR_FORMAT,
                                "%s: %s: key \"%s\": ctitan takes per-parameter ranks and alphas only for a fused "
-                               "Qwen3-MoE expert parameter of every MoE layer (\".*\\\\.gate_up_proj\", "
+                               "MoE expert parameter of every MoE layer (\".*\\\\.gate_up_proj\", "
                                "\".*\\\\.down_proj\", as PEFT writes them for target_modules gate_proj, up_proj, "
                                "down_proj); not per module",
                                path, name, it->string);
@@ -647,9 +649,11 @@ static void merge_experts(lm_model *m, const lm_tensor *ta, const lm_tensor *tb)
     int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate, gu = ta->expert == LM_LORA_EXP_GU;
     char name[LM_NAME_MAX];
     float *w[2] = {NULL, NULL};
+    static const char *const proj[2][3] = {{"gate_proj", "up_proj", "down_proj"}, {"w1", "w3", "w2"}};
+    int mx = c->moe_keys == LM_MOE_KEYS_MIXTRAL;
     for (int x = 0; x < (gu ? 2 : 1); x++) { /* each projection's experts are one stacked block from expert 0 */
-        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.0.%s.weight", ta->layer,
-                 gu ? (x ? "up_proj" : "gate_proj") : "down_proj");
+        snprintf(name, sizeof name, "model.layers.%d.%s.experts.0.%s.weight", ta->layer,
+                 mx ? "block_sparse_moe" : "mlp", proj[mx][gu ? x : 2]);
         w[x] = m->params + lm_find(m, name)->offset;
     }
     float *A = m->params + ta->offset, *B = m->params + tb->offset;

@@ -79,3 +79,51 @@ def test_phi3_fused_projections_refused(tmp_path, open_session):
         open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=case.T, extra=lora_args(OL.ALL7)))
     msg = str(ei.value)
     assert "lora.target_modules" in msg and "qkv_proj" in msg and "phi3" in msg, msg
+
+
+def test_mixtral_expert_adapters_parity_and_round_trip(tmp_path, open_session):
+    """transformers v5 stacks Mixtral's experts (w1|w3, w2) into mlp.experts.gate_up_proj /
+    down_proj as Qwen3-MoE's, and PEFT's target_parameters adapts them the same way: a
+    PEFT adapter on q_proj and both expert parameters (random A, B) gives ctitan PEFT's
+    logits, loss and every adapter gradient; the adapter ctitan saves loads in PEFT
+    strictly with ctitan's logits, and `merge` (PEFT's merge_and_unload) keeps them."""
+    case = fam.CASE["mixtral_e4k2"]
+    base = fam.build(case)
+    hf_dir, ad, out = tmp_path / "hf", tmp_path / "adapter", tmp_path / "saved"
+    fam.save(base, hf_dir)
+
+    def loaded():
+        return fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
+
+    exp = "--lora.target_parameters=" + ",".join(OL.EXPERTS)
+    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=OL.EXPERTS, seed=5)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    assert any(".mlp.experts." in n for n in params), f"test setup: PEFT trains {sorted(params)}"
+    tokens, labels = fam.batch(base, 2, case.T, seed=5)
+    ref_loss, ref_logits, ref_grads = OL.loss_logits_grads(pm, params, tokens, labels)
+    with torch.no_grad():
+        plain = loaded()(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    assert oracle.rel_err(ref_logits, plain) > 100 * TOL, "test setup: the adapter hardly changes the logits"
+
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=lora_args(["q_proj"], ad) + [exp]))
+    assert set(n for n in s.names() if ".lora_" in n) == set(params)
+    err = oracle.rel_err(s.logits(tokens), ref_logits)
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    loss = s.forward_backward(tokens, labels, nv) / nv
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"loss {loss} vs PEFT {ref_loss}"
+    bad = [f"{n}: rel err {oracle.rel_err(s.get_grad(n), ref_grads[n]):.3g}" for n in params
+           if not oracle.rel_err(s.get_grad(n), ref_grads[n]) <= TOL]
+    assert not bad, "adapter gradients differ from PEFT's:\n" + "\n".join(bad)
+
+    s.save_adapter(out)
+    back = OL.load_adapter_strict(loaded(), out)
+    with torch.no_grad():
+        want = back(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"PEFT with ctitan's adapter: logits rel err {err:.3g}"
+    s.merge_adapter()
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"after merge: logits rel err {err:.3g}"
