@@ -233,7 +233,21 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
         return 0;
     }
     int experts = c->lora_target_params && c->lora_target_params[0];
-    int rc = experts && !c->lora_targets[0] ? 0 : lora_parse_targets(c->lora_targets, &mc->lora_targets, src, e);
+    /* Mixtral: PEFT's rewrite knows its v4 expert names, w1 + w3 -> gate_up_proj
+     * and w2 -> down_proj; gate_proj / up_proj / down_proj name no Mixtral
+     * module, which PEFT skips as long as another target matches */
+    int mx = mc->n_experts > 0 && mc->moe_keys == LM_MOE_KEYS_MIXTRAL;
+    unsigned mx_named = 0;
+    char *rest = ct_malloc(strlen(c->lora_targets) + 1), item[128];
+    rest[0] = 0;
+    for (const char *p = c->lora_targets; (p = cfg_list_next(p, item, sizeof item));) {
+        int w = !mx ? -1 : !strcmp(item, "w1") ? LM_LORA_GATE : !strcmp(item, "w3") ? LM_LORA_UP
+                         : !strcmp(item, "w2") ? LM_LORA_DOWN : -1;
+        if (w >= 0) mx_named |= 1u << w;
+        else strcat(strcat(rest, rest[0] ? "," : ""), item);
+    }
+    int rc = (experts || mx_named) && !rest[0] ? 0 : lora_parse_targets(rest, &mc->lora_targets, src, e);
+    free(rest);
     if (rc) return rc;
     if (experts && (rc = lora_parse_target_params(c->lora_target_params, mc, src, "lora.target_parameters", e)))
         return rc;
@@ -244,35 +258,35 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
      * 2 alpha (rank_pattern / alpha_pattern; one alone is refused),
      * down_proj -> mlp.experts.down_proj, and removes the names from
      * target_modules, so the dense mlp_only_layers' MLPs (plain nn.Linear)
-     * get no adapter either. The attention projections stay Linear adapters. */
+     * get no adapter either. The attention projections stay Linear adapters.
+     * Mixtral the same with w1 + w3 and w2 (above). */
     unsigned mlp = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN);
-    if (mc->n_experts > 0 && (mc->lora_targets & mlp)) {
-        unsigned named = mc->lora_targets;
+    if (mc->n_experts > 0 && ((mc->lora_targets & mlp) || mx_named)) {
+        unsigned named = mx ? mx_named : mc->lora_targets;
         mc->lora_targets &= ~mlp;
         int gate = named >> LM_LORA_GATE & 1, up = named >> LM_LORA_UP & 1, down = named >> LM_LORA_DOWN & 1;
-        if (mc->moe_keys != LM_MOE_KEYS_QWEN) {
-            if (!mc->lora_targets && !experts)
-                return ct_fail(e, CT_ERR_CONFIG,
-                               "%s: lora.target_modules: model_type \"%s\" keeps its MLPs as experts ctitan does not "
-                               "adapt; name some of q_proj, k_proj, v_proj, o_proj",
-                               src, mc->model_type);
-        } else if (gate != up) {
+        const char *gn = mx ? "w1" : "gate_proj", *un = mx ? "w3" : "up_proj";
+        if (gate != up)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: lora.target_modules: %s without %s on a MoE model: PEFT fuses both into "
                            "mlp.experts.gate_up_proj and refuses one alone; name both or neither",
-                           src, gate ? "gate_proj" : "up_proj", gate ? "up_proj" : "gate_proj");
-        } else {
-            for (int l = 0; l < mc->n_layers; l++)
-                if (lm_layer_is_moe(mc, l))
-                    mc->lora_experts[l] |= (unsigned char)((gate ? 1u << LM_LORA_EXP_GU : 0) |
-                                                           (down ? 1u << LM_LORA_EXP_D : 0));
-            if (gate) {
-                mc->lora_exp_rank[LM_LORA_EXP_GU] = 2 * c->lora_rank;
-                mc->lora_exp_alpha[LM_LORA_EXP_GU] = 2 * c->lora_alpha;
-                mc->lora_exp_scale[LM_LORA_EXP_GU] = lora_scaling(2 * c->lora_alpha, 2 * c->lora_rank, c->lora_rslora);
-            }
-            experts = 1;
+                           src, gate ? gn : un, gate ? un : gn);
+        for (int l = 0; l < mc->n_layers; l++)
+            if (lm_layer_is_moe(mc, l))
+                mc->lora_experts[l] |=
+                    (unsigned char)((gate ? 1u << LM_LORA_EXP_GU : 0) | (down ? 1u << LM_LORA_EXP_D : 0));
+        if (gate) {
+            mc->lora_exp_rank[LM_LORA_EXP_GU] = 2 * c->lora_rank;
+            mc->lora_exp_alpha[LM_LORA_EXP_GU] = 2 * c->lora_alpha;
+            mc->lora_exp_scale[LM_LORA_EXP_GU] = lora_scaling(2 * c->lora_alpha, 2 * c->lora_rank, c->lora_rslora);
         }
+        experts |= gate || down;
+        if (!mc->lora_targets && !experts)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: lora.target_modules: model_type \"%s\" names its expert projections w1, w3, w2 "
+                           "(PEFT adapts them as mlp.experts parameters); name those or some of q_proj, k_proj, "
+                           "v_proj, o_proj",
+                           src, mc->model_type);
     }
     /* PEFT's ParamWrapper refuses dropout: B A drop(x) has no W' x form */
     if (experts && c->lora_dropout > 0)
