@@ -129,22 +129,29 @@ def test_expert_lora_bf16_mixed_precision_trains(setup, straight):
 
 # --------------------------------------------------------------------------- generate, merge
 
-def peft_expert_adapter(tmp_path, targets=("q_proj",)):
+def peft_expert_adapter(tmp_path, targets=("q_proj",), rewrite=False):
     """A tiny Qwen3-MoE and a PEFT adapter on `targets` and both expert parameters with
-    random A, B -> the PeftModel (eval)."""
+    random A, B -> the PeftModel (eval). rewrite: the experts through target_modules
+    gate_proj, up_proj, down_proj and rsLoRA (PEFT's rank_pattern / alpha_pattern give
+    gate_up_proj 2r, 2 alpha, so another scale than down_proj's)."""
     cfg = oracle_moe.tiny_moe_config(vocab=256, layers=2, experts=4, top_k=2, mlp_only=(0,))
     oracle_moe.build_moe_model(cfg, seed=3).save_pretrained(str(tmp_path / "hf"))
     base = oracle.load_hf(tmp_path / "hf")
     base.config._experts_implementation = "eager"
-    pm = OL.make_peft(base, r=R, alpha=ALPHA, targets=list(targets), target_parameters=OL.EXPERTS, seed=9,
-                      std=0.3)
+    if rewrite:
+        pm = OL.make_peft(base, r=R, alpha=ALPHA, targets=list(targets) + OL.MLP, rslora=True, seed=9, std=0.3)
+        assert pm.peft_config["default"].rank_pattern, "test setup: no rank_pattern"
+    else:
+        pm = OL.make_peft(base, r=R, alpha=ALPHA, targets=list(targets), target_parameters=OL.EXPERTS, seed=9,
+                          std=0.3)
     pm.save_pretrained(str(tmp_path / "adapter"))
     return pm
 
 
-@pytest.mark.parametrize("targets", [("q_proj",), ()], ids=["q_and_experts", "experts_only"])
-def test_generate_with_expert_adapter_matches_peft(targets, tmp_path, run_ctitan):
-    pm = peft_expert_adapter(tmp_path, targets)
+@pytest.mark.parametrize("targets,rewrite", [(("q_proj",), False), ((), False), (("q_proj",), True)],
+                         ids=["q_and_experts", "experts_only", "rewritten_mlp_targets_rslora"])
+def test_generate_with_expert_adapter_matches_peft(targets, rewrite, tmp_path, run_ctitan):
+    pm = peft_expert_adapter(tmp_path, targets, rewrite)
     prompt = [5, 17, 200, 3, 99]
     with torch.no_grad():
         ref = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
@@ -156,9 +163,10 @@ def test_generate_with_expert_adapter_matches_peft(targets, tmp_path, run_ctitan
     assert [int(x) for x in out.split()] == ref
 
 
-def test_export_merge_expert_adapter_matches_peft(tmp_path, run_ctitan):
+@pytest.mark.parametrize("rewrite", [False, True], ids=["target_parameters", "rewritten_mlp_targets_rslora"])
+def test_export_merge_expert_adapter_matches_peft(rewrite, tmp_path, run_ctitan):
     from transformers import AutoModelForCausalLM
-    pm = peft_expert_adapter(tmp_path)
+    pm = peft_expert_adapter(tmp_path, rewrite=rewrite)
     tok = torch.tensor(np.random.default_rng(1).integers(0, 256, (2, 12)))
     with torch.no_grad():
         want = pm(input_ids=tok).logits.numpy()
