@@ -323,6 +323,9 @@ static int json_patterns(const cJSON *o, lm_config *c, double alpha, int rslora,
             if (!(v > 0) || (!w && (v != (int)v || v > 65536)))
                 return ct_fail(e, CT_ERR_FORMAT, "%s: %s: \"%s\": expected a positive %s", path, name, it->string,
                                w ? "number" : "integer");
+            if (w ? al[x] > 0 : rank[x] > 0) /* PEFT takes the first that matches: an order ctitan need not keep */
+                return ct_fail(e, CT_ERR_FORMAT, "%s: %s: \"%s\": a second key for mlp.experts.%s", path, name,
+                               it->string, exp_param[x]);
             if (w) al[x] = v;
             else rank[x] = (int)v;
         }

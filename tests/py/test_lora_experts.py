@@ -383,12 +383,21 @@ def _no_pattern(ad):
     return "rank_pattern"
 
 
-@pytest.mark.parametrize("damage", [None, _pattern_on_linear, _no_pattern], ids=["intact", "pattern_on_linear",
-                                                                                  "no_pattern"])
+def _two_keys(ad):
+    f = ad / "adapter_config.json"
+    c = json.loads(f.read_text())
+    c["rank_pattern"] = {PAT: 2 * R, "mlp.experts.gate_up_proj": 2 * R}
+    f.write_text(json.dumps(c))
+    return "second key"
+
+
+@pytest.mark.parametrize("damage", [None, _pattern_on_linear, _no_pattern, _two_keys],
+                         ids=["intact", "pattern_on_linear", "no_pattern", "two_keys"])
 def test_rewritten_adapter_patterns_checked(damage, tmp_path, open_session):
     """PEFT's rewritten adapter loads; a rank_pattern key on a Linear module is refused
-    naming it, and one without its patterns (gate_up_proj's tensors at 2r, config r)
-    is refused naming rank_pattern."""
+    naming it, one without its patterns (gate_up_proj's tensors at 2r, config r) is
+    refused naming rank_pattern, and two keys for one parameter (PEFT would take the
+    first that matches) are refused."""
     cfg, hf_dir, base = moe_dense_layer0(tmp_path)
     ad = tmp_path / "adapter"
     OL.make_peft(base(), r=R, alpha=ALPHA, targets=REWRITE, seed=1).save_pretrained(str(ad))
