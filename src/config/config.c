@@ -146,9 +146,10 @@ static const cfg_option cfg_options[] = {
         .help = "dropout on the adapters' input (deterministic from training.seed, the step and the micro-batch)"),
     OPT("lora", "target_modules", CFG_STR, lora_targets, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
         .list = 1, .help = "HF module names that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj "
-                           "down_proj; MoE models: the attention ones, as PEFT does)"),
+                           "down_proj; on MoE models gate/up/down (Mixtral: w1 w3 w2) adapt the fused experts, "
+                           "gate_up_proj at 2 r and 2 alpha, as PEFT rewrites them)"),
     OPT("lora", "target_parameters", CFG_STR, lora_target_params, "", .list = 1,
-        .help = "PEFT's target_parameters: fused MoE expert parameters that get adapters (Qwen3-MoE: "
+        .help = "PEFT's target_parameters: fused MoE expert parameters that get adapters (Qwen3-MoE, Mixtral: "
                 "mlp.experts.gate_up_proj, mlp.experts.down_proj; any suffix of model.layers.N.mlp.experts.X, "
                 "as PEFT matches)"),
     OPT("lora", "use_rslora", CFG_BOOL, lora_rslora, "false",

@@ -152,7 +152,8 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     else if (shard > 1)
         fprintf(out, "  FSDP over %d ranks: %.0f parameters stored\n", shard, stored);
     double p = 4 * stored + 2 * in_bf16, g = 4 * trained, o = 8 * trained, a = (double)act, w = 4 * widened;
-    double total = p + g + o + gathered + a + w;
+    double x = 4.0 * (double)lm_expert_lora_scratch_floats(&lc);
+    double total = p + g + o + gathered + a + w + x;
     plan_dry_line(out, in_bf16 > 0 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
     plan_dry_line(out, trained < stored + in_bf16 ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
     plan_dry_line(out,
@@ -160,6 +161,7 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     if (shard > 1) plan_dry_line(out, "FSDP gathered (params + grads)", gathered);
     plan_dry_line(out, "activations + workspace (planned)", a);
     if (w > 0) plan_dry_line(out, "frozen bf16 widened while used", w);
+    if (x > 0) plan_dry_line(out, "expert LoRA fold + weight gradient", x);
     plan_dry_line(out, "total planned per rank", total);
     /* trainer_init_weights: the loaders hand over a block of rows at a time
      * and the rank keeps its part, so loading adds one block (lm_block_rows)
@@ -236,7 +238,8 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     double p2p = 4.0 * p->S * p->M * 4 * ((double)mb * T * mc->hidden);
     double w = 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16, go = 12.0 * (double)trained;
     double banks = 4.0 * (double)bank_f, a = (double)act + banks, wide = 4.0 * (double)widened;
-    double total = w + go + a + p2p + wide;
+    double x = 4.0 * (double)lm_expert_lora_scratch_floats(&sc);
+    double total = w + go + a + p2p + wide + x;
     char layers[512];
     dry_pp_layers(p, layers, sizeof layers);
     int embed = lm_holds_layer(&sc, 0), head = lm_holds_head(&sc);
@@ -251,6 +254,7 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
             p->rank, layers, holds, n, w, go, trained < n ? " (trained only)" : "", a, act, n_banks,
             n_banks == 1 ? "" : "s", banks, p2p);
     if (wide > 0) fprintf(out, ", frozen bf16 widened %.0f", wide);
+    if (x > 0) fprintf(out, ", expert LoRA fold + weight gradient %.0f", x);
     fprintf(out, "; total %.0f (%.3f GiB)\n", total, total / (1024.0 * 1024.0 * 1024.0));
     return 0;
 }

@@ -108,15 +108,26 @@ int lm_lora_expert_on(const lm_config *c, int l, int p) {
     return c->lora_rank > 0 && l >= 0 && l < c->n_layers && lm_layer_is_moe(c, l) && (c->lora_experts[l] >> p & 1);
 }
 
+size_t lm_expert_lora_scratch_floats(const lm_config *c) {
+    for (int l = 0; l < c->n_layers; l++)
+        if (lm_holds_layer(c, l) && (lm_lora_expert_on(c, l, LM_LORA_EXP_GU) || lm_lora_expert_on(c, l, LM_LORA_EXP_D)))
+            return 2 * 3 * (size_t)c->n_experts * c->moe_intermediate * c->hidden;
+    return 0;
+}
+
+int lm_lora_exp_rank(const lm_config *c, int p) { return c->lora_exp_rank[p] ? c->lora_exp_rank[p] : c->lora_rank; }
+float lm_lora_exp_scale(const lm_config *c, int p) { return c->lora_exp_rank[p] ? c->lora_exp_scale[p] : c->lora_scale; }
+
 /* Layer l's adapters on its fused experts, PEFT's ParamWrapper keys: one
  * wrapper per parameter, nested in the experts' declaration order, so with
  * both adapted gate_up_proj's lies under the outer wrapper's base_layer. */
 static void add_expert_lora(lm_model *m, int *cap, int l) {
     const lm_config *c = &m->cfg;
-    int64_t r = c->lora_rank, E = c->n_experts, H = c->hidden, Im = c->moe_intermediate;
+    int64_t E = c->n_experts, H = c->hidden, Im = c->moe_intermediate;
     int both = lm_lora_expert_on(c, l, LM_LORA_EXP_GU) && lm_lora_expert_on(c, l, LM_LORA_EXP_D);
     for (int p = 0; p < LM_LORA_EXP_N; p++) {
         if (!lm_lora_expert_on(c, l, p)) continue;
+        int64_t r = lm_lora_exp_rank(c, p);
         int64_t in = p == LM_LORA_EXP_GU ? H : Im, out = p == LM_LORA_EXP_GU ? 2 * Im : H;
         const char *nest = both && p == LM_LORA_EXP_GU ? "base_layer." : "";
         char n[LM_NAME_MAX];
@@ -990,7 +1001,8 @@ static void experts_adapted(lm_model *m, const lm_layer_w *w, const float **eg, 
     const lm_config *c = &m->cfg;
     *eg = w->ewg, *eu = w->ewu, *ed = w->ewd;
     if (!w->lora_ea[LM_LORA_EXP_GU] && !w->lora_ea[LM_LORA_EXP_D]) return;
-    int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate, r = c->lora_rank;
+    int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate;
+    int rg = lm_lora_exp_rank(c, LM_LORA_EXP_GU), rd = lm_lora_exp_rank(c, LM_LORA_EXP_D);
     size_t ex = (size_t)E * Im * H;
     if (!m->ws.lora_ew) m->ws.lora_ew = ct_malloc(3 * ex * sizeof(float));
     float *ew = m->ws.lora_ew;
@@ -998,11 +1010,11 @@ static void experts_adapted(lm_model *m, const lm_layer_w *w, const float **eg, 
     memcpy(ew + ex, w->ewu, ex * sizeof(float));
     memcpy(ew + 2 * ex, w->ewd, ex * sizeof(float));
     if (w->lora_ea[LM_LORA_EXP_GU]) /* gate_up_proj [E, 2 Im, H]: gate rows first */
-        lora_experts_delta(&m->k, ew, ew + ex, w->lora_ea[LM_LORA_EXP_GU], w->lora_eb[LM_LORA_EXP_GU], E, r, H, 2 * Im,
-                           Im, c->lora_scale);
+        lora_experts_delta(&m->k, ew, ew + ex, w->lora_ea[LM_LORA_EXP_GU], w->lora_eb[LM_LORA_EXP_GU], E, rg, H, 2 * Im,
+                           Im, lm_lora_exp_scale(c, LM_LORA_EXP_GU));
     if (w->lora_ea[LM_LORA_EXP_D]) /* down_proj [E, H, Im] */
-        lora_experts_delta(&m->k, ew + 2 * ex, NULL, w->lora_ea[LM_LORA_EXP_D], w->lora_eb[LM_LORA_EXP_D], E, r, Im, H,
-                           H, c->lora_scale);
+        lora_experts_delta(&m->k, ew + 2 * ex, NULL, w->lora_ea[LM_LORA_EXP_D], w->lora_eb[LM_LORA_EXP_D], E, rd, Im, H,
+                           H, lm_lora_exp_scale(c, LM_LORA_EXP_D));
     *eg = ew, *eu = ew + ex, *ed = ew + 2 * ex;
 }
 
@@ -1025,15 +1037,18 @@ static void experts_adapted_dw(lm_model *m, const lm_layer_w *w, const lm_layer_
 static void experts_adapted_grad(lm_model *m, const lm_layer_w *w, lm_layer_w *g) {
     const lm_config *c = &m->cfg;
     if (!w->lora_ea[LM_LORA_EXP_GU] && !w->lora_ea[LM_LORA_EXP_D]) return;
-    int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate, r = c->lora_rank;
+    int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate;
+    int rg = lm_lora_exp_rank(c, LM_LORA_EXP_GU), rd = lm_lora_exp_rank(c, LM_LORA_EXP_D);
     size_t ex = (size_t)E * Im * H;
     const float *dew = m->ws.lora_dew;
     if (w->lora_ea[LM_LORA_EXP_GU])
         lora_experts_grad(&m->k, g->lora_ea[LM_LORA_EXP_GU], g->lora_eb[LM_LORA_EXP_GU], dew, dew + ex,
-                          w->lora_ea[LM_LORA_EXP_GU], w->lora_eb[LM_LORA_EXP_GU], E, r, H, 2 * Im, Im, c->lora_scale);
+                          w->lora_ea[LM_LORA_EXP_GU], w->lora_eb[LM_LORA_EXP_GU], E, rg, H, 2 * Im, Im,
+                          lm_lora_exp_scale(c, LM_LORA_EXP_GU));
     if (w->lora_ea[LM_LORA_EXP_D])
         lora_experts_grad(&m->k, g->lora_ea[LM_LORA_EXP_D], g->lora_eb[LM_LORA_EXP_D], dew + 2 * ex, NULL,
-                          w->lora_ea[LM_LORA_EXP_D], w->lora_eb[LM_LORA_EXP_D], E, r, Im, H, H, c->lora_scale);
+                          w->lora_ea[LM_LORA_EXP_D], w->lora_eb[LM_LORA_EXP_D], E, rd, Im, H, H,
+                          lm_lora_exp_scale(c, LM_LORA_EXP_D));
     float *base[3] = {g->ewg, g->ewu, g->ewd}; /* d(W + scale B A) / dW = 1 */
     for (int x = 0; x < 3; x++)
         if (base[x])

@@ -130,6 +130,13 @@ typedef struct {
      * mlp.experts.gate_up_proj [E, 2 Im, H] / down_proj [E, H, Im] with
      * A [r E, in] and B [out, r E] (lora.h: lora_experts_delta). */
     unsigned char lora_experts[LM_MAX_LAYERS];
+    /* Per expert parameter (LM_LORA_EXP_*), PEFT's rank_pattern /
+     * alpha_pattern: its rewrite of target_modules gate_proj + up_proj on a
+     * MoE model gives gate_up_proj rank 2 r and alpha 2 alpha. 0: lora_rank
+     * and lora_scale apply (read through lm_lora_exp_rank / _scale). */
+    int lora_exp_rank[2];
+    float lora_exp_scale[2];
+    double lora_exp_alpha[2]; /* the pattern's alpha, for adapter_config.json */
     /* params and grads are addressed over the whole model but get pages only
      * where written (ct_alloc_lazy): runs with frozen tensors, whose
      * gradients are never written and whose weights may live in bf16 */
@@ -145,6 +152,13 @@ int lm_lora_on(const lm_config *c, int l, int p);
 enum { LM_LORA_EXP_GU, LM_LORA_EXP_D, LM_LORA_EXP_N };
 /* Whether layer l (a MoE layer) has adapters on its fused experts p (LM_LORA_EXP_*). */
 int lm_lora_expert_on(const lm_config *c, int l, int p);
+/* Floats of the two transient buffers expert LoRA keeps (lm.c:
+ * experts_adapted and experts_adapted_dw, 3 E Im H each: the adapted experts
+ * and their weight gradient) when a layer c holds has expert adapters, else 0. */
+size_t lm_expert_lora_scratch_floats(const lm_config *c);
+/* The rank and scale of expert parameter p's adapters (lora_exp_rank). */
+int lm_lora_exp_rank(const lm_config *c, int p);
+float lm_lora_exp_scale(const lm_config *c, int p);
 
 /* The RoPE of full (sliding = 0) or sliding layers: config.json's, or for a
  * flavor default RoPE with rope_theta. */

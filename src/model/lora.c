@@ -97,7 +97,9 @@ static int key_matches(const char *key, const char *target) {
 int lora_parse_target_params(const char *list, lm_config *c, const char *where, const char *key, ct_err *e) {
     char item[256], full[128];
     memset(c->lora_experts, 0, sizeof c->lora_experts);
-    int experts = c->n_experts > 0 && c->moe_keys == LM_MOE_KEYS_QWEN;
+    /* transformers v5 stacks Mixtral's w1|w3 and w2 into the same
+     * mlp.experts.gate_up_proj / down_proj as Qwen3-MoE's, PEFT's keys alike */
+    int experts = c->n_experts > 0;
     for (const char *p = list; p && (p = cfg_list_next(p, item, sizeof item));) {
         int hit = 0;
         for (int l = 0; experts && l < c->n_layers; l++) {
@@ -112,8 +114,8 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
         }
         if (!hit && !experts)
             return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: %s: \"%s\": this model has no fused Qwen3-MoE experts (target_parameters adapts "
-                           "mlp.experts.gate_up_proj and mlp.experts.down_proj of qwen3_moe models)",
+                           "%s: %s: \"%s\": this model has no fused MoE experts (target_parameters adapts "
+                           "mlp.experts.gate_up_proj and mlp.experts.down_proj of qwen3_moe and mixtral models)",
                            where, key, item);
         if (!hit)
             return ct_fail(e, CT_ERR_CONFIG,
@@ -302,9 +304,98 @@ static int json_targets(const cJSON *tm, unsigned *bits, const char *path, ct_er
     return 0;
 }
 
-static int pattern_set(const cJSON *o, const char *key) {
-    const cJSON *p = cJSON_GetObjectItemCaseSensitive(o, key);
-    return cJSON_IsObject(p) && p->child;
+/* A rank_pattern / alpha_pattern key that selects one fused expert
+ * parameter (LM_LORA_EXP_*) in every MoE layer, as PEFT matches keys
+ * (re.match("(.*\.)?(KEY)$", name)): ".*\.X", which its rewrite of
+ * gate_proj / up_proj / down_proj writes, or the literal X, experts.X,
+ * mlp.experts.X (dots escaped or not). -1: any other key. */
+static int pattern_param(const char *key) {
+    char lit[128];
+    size_t n = 0;
+    const char *p = key;
+    if (!strncmp(p, ".*\\.", 4)) p += 4;
+    for (; *p; p++) {
+        if (n + 1 >= sizeof lit) return -1;
+        if (p[0] == '\\' && p[1] == '.') p++;
+        else if (strchr("*+?[](){}|^$\\", *p)) return -1;
+        lit[n++] = *p;
+    }
+    lit[n] = 0;
+    for (int x = 0; x < LM_LORA_EXP_N; x++) {
+        char a[64], b[64];
+        snprintf(a, sizeof a, "experts.%s", exp_param[x]);
+        snprintf(b, sizeof b, "mlp.experts.%s", exp_param[x]);
+        if (!strcmp(lit, exp_param[x]) || !strcmp(lit, a) || !strcmp(lit, b)) return x;
+    }
+    return -1;
+}
+
+/* adapter_config.json's rank_pattern and alpha_pattern into c->lora_exp_*
+ * (c->lora_rank set; alpha, rslora the adapter's). Only keys that select an
+ * expert parameter are taken: a pattern on a Linear would be a per-module
+ * rank the tensor table does not have. */
+static int json_patterns(const cJSON *o, lm_config *c, double alpha, int rslora, const char *path, ct_err *e) {
+    int rank[LM_LORA_EXP_N] = {0};
+    double al[LM_LORA_EXP_N] = {0};
+    int experts = c->n_experts > 0;
+    for (int w = 0; w < 2; w++) {
+        const char *name = w ? "alpha_pattern" : "rank_pattern";
+        const cJSON *p = cJSON_GetObjectItemCaseSensitive(o, name), *it;
+        if (!p || cJSON_IsNull(p)) continue;
+        if (!cJSON_IsObject(p)) return ct_fail(e, CT_ERR_FORMAT, "%s: %s: expected an object {pattern: value}", path, name);
+        cJSON_ArrayForEach(it, p) {
+            int x = experts ? pattern_param(it->string) : -1;
+            if (x < 0)
+                return ct_fail(e, CT_ERR_FORMAT,
+                               "%s: %s: key \"%s\": ctitan takes per-parameter ranks and alphas only for a fused "
+                               "MoE expert parameter of every MoE layer (\".*\\\\.gate_up_proj\", "
+                               "\".*\\\\.down_proj\", as PEFT writes them for target_modules gate_proj, up_proj, "
+                               "down_proj); not per module",
+                               path, name, it->string);
+            double v = cJSON_IsNumber(it) ? it->valuedouble : -1;
+            if (!(v > 0) || (!w && (v != (int)v || v > 65536)))
+                return ct_fail(e, CT_ERR_FORMAT, "%s: %s: \"%s\": expected a positive %s", path, name, it->string,
+                               w ? "number" : "integer");
+            if (w ? al[x] > 0 : rank[x] > 0) /* PEFT takes the first that matches: an order ctitan need not keep */
+                return ct_fail(e, CT_ERR_FORMAT, "%s: %s: \"%s\": a second key for mlp.experts.%s", path, name,
+                               it->string, exp_param[x]);
+            if (w) al[x] = v;
+            else rank[x] = (int)v;
+        }
+    }
+    for (int x = 0; x < LM_LORA_EXP_N; x++) {
+        c->lora_exp_rank[x] = 0;
+        if (!rank[x] && !al[x]) continue;
+        c->lora_exp_rank[x] = rank[x] ? rank[x] : c->lora_rank;
+        c->lora_exp_alpha[x] = al[x] ? al[x] : alpha;
+        c->lora_exp_scale[x] = lora_scaling(c->lora_exp_alpha[x], c->lora_exp_rank[x], rslora);
+    }
+    return 0;
+}
+
+/* The adapter's per-parameter ranks and scales against the run's, for the
+ * expert parameters the run adapts */
+static int check_patterns(const cJSON *o, const lm_config *c, double alpha, int rslora, const char *path,
+                          ct_err *e) {
+    lm_config *own = ct_malloc(sizeof *own);
+    *own = *c;
+    int rc = json_patterns(o, own, alpha, rslora, path, e);
+    for (int x = 0; x < LM_LORA_EXP_N && !rc; x++) {
+        int on = 0;
+        for (int l = 0; l < c->n_layers; l++) on |= lm_lora_expert_on(c, l, x);
+        if (!on) continue;
+        int ra = lm_lora_exp_rank(own, x), rr = lm_lora_exp_rank(c, x);
+        float sa = lm_lora_exp_scale(own, x), sr = lm_lora_exp_scale(c, x);
+        if (ra != rr || fabsf(sa - sr) > 1e-6f * sr)
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: rank_pattern / alpha_pattern: the adapter's mlp.experts.%s has rank %d and scaling %g, "
+                         "the run's %d and %g (gate_proj + up_proj in lora.target_modules of a MoE model give "
+                         "gate_up_proj rank 2 r and alpha 2 alpha, as PEFT's rewrite; lora.target_parameters alone r "
+                         "and alpha)",
+                         path, exp_param[x], ra, (double)sa, rr, (double)sr);
+    }
+    free(own);
+    return rc;
 }
 
 static int lora_any_expert(const lm_config *c) {
@@ -408,11 +499,10 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: fan_in_fan_out: true is for Conv1D models, not Qwen3", path);
     else if (cJSON_IsTrue(dora))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: use_dora: DoRA adapters are not supported", path);
-    else if (pattern_set(o, "rank_pattern") || pattern_set(o, "alpha_pattern"))
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: %s: per-module ranks or alphas are not supported", path,
-                     pattern_set(o, "rank_pattern") ? "rank_pattern" : "alpha_pattern");
     else
         rc = check_target_params(tp, c, path, e);
+    if (!rc)
+        rc = check_patterns(o, c, cJSON_IsNumber(alpha) ? alpha->valuedouble : 8.0, cJSON_IsTrue(rs), path, e);
     if (!rc) rc = check_target_modules(tm, c, path, e);
     cJSON_Delete(o);
     return rc;
@@ -444,6 +534,7 @@ int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, 
         c->lora_scale = lora_scaling(*alpha, c->lora_rank, *rslora);
         c->lora_dropout = 0;
         if (!rc) rc = lora_check_fused(c, path, "target_modules", e);
+        if (!rc) rc = json_patterns(o, c, *alpha, *rslora, path, e);
     }
     cJSON_Delete(o);
     return rc;
@@ -570,6 +661,15 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     if (params[0]) cJSON_AddItemToObject(o, "target_parameters", string_list(params));
     free(params);
     cJSON_AddBoolToObject(o, "use_rslora", rslora);
+    /* gate_up_proj at 2 r (PEFT's rewrite of gate_proj + up_proj): its patterns */
+    cJSON *rp = cJSON_AddObjectToObject(o, "rank_pattern"), *ap = cJSON_AddObjectToObject(o, "alpha_pattern");
+    for (int x = 0; x < LM_LORA_EXP_N; x++) {
+        if (!c->lora_exp_rank[x]) continue;
+        char key[64];
+        snprintf(key, sizeof key, ".*\\.%s", exp_param[x]);
+        cJSON_AddNumberToObject(rp, key, c->lora_exp_rank[x]);
+        cJSON_AddNumberToObject(ap, key, c->lora_exp_alpha[x]);
+    }
     if (modules_to_save && modules_to_save[0]) cJSON_AddItemToObject(o, "modules_to_save", string_list(modules_to_save));
     else cJSON_AddNullToObject(o, "modules_to_save");
     cJSON_AddStringToObject(o, "bias", "none");
@@ -592,14 +692,16 @@ static void merge_experts(lm_model *m, const lm_tensor *ta, const lm_tensor *tb)
     int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate, gu = ta->expert == LM_LORA_EXP_GU;
     char name[LM_NAME_MAX];
     float *w[2] = {NULL, NULL};
+    static const char *const proj[2][3] = {{"gate_proj", "up_proj", "down_proj"}, {"w1", "w3", "w2"}};
+    int mx = c->moe_keys == LM_MOE_KEYS_MIXTRAL;
     for (int x = 0; x < (gu ? 2 : 1); x++) { /* each projection's experts are one stacked block from expert 0 */
-        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.0.%s.weight", ta->layer,
-                 gu ? (x ? "up_proj" : "gate_proj") : "down_proj");
+        snprintf(name, sizeof name, "model.layers.%d.%s.experts.0.%s.weight", ta->layer,
+                 mx ? "block_sparse_moe" : "mlp", proj[mx][gu ? x : 2]);
         w[x] = m->params + lm_find(m, name)->offset;
     }
     float *A = m->params + ta->offset, *B = m->params + tb->offset;
-    lora_experts_delta(&m->k, w[0], w[1], A, B, E, c->lora_rank, gu ? H : Im, gu ? 2 * Im : H, gu ? Im : H,
-                       c->lora_scale);
+    lora_experts_delta(&m->k, w[0], w[1], A, B, E, lm_lora_exp_rank(c, ta->expert), gu ? H : Im, gu ? 2 * Im : H,
+                       gu ? Im : H, lm_lora_exp_scale(c, ta->expert));
     memset(B, 0, tb->numel * sizeof(float)); /* folded in: the adapter now adds nothing */
 }
 

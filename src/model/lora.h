@@ -92,15 +92,18 @@ void lora_init_each(const lm_model *table, uint64_t seed, const lm_sink *s);
 
 /* A PEFT adapter directory into s: the adapters and any modules_to_save
  * tensors it holds. adapter_config.json must say LORA with the configured
- * rank, alpha and rslora and name only known target modules; every lora
+ * rank, alpha and rslora (and the run's rank and scale per expert parameter:
+ * rank_pattern / alpha_pattern, whose only keys may select one) and name
+ * only known target modules; every lora
  * tensor of the table must be in adapter_model.safetensors with its shape,
  * and every key of the file must be one of the table's. Errors name the file
  * and the key (CT_ERR_FORMAT; a disagreement with the run's config
  * CT_ERR_CONFIG). */
 int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e);
 
-/* Reads DIR/adapter_config.json into c's LoRA fields (rank, targets, scale;
- * no dropout: for evaluation and generation) and *alpha, *rslora. */
+/* Reads DIR/adapter_config.json into c's LoRA fields (rank, targets, scale,
+ * the expert parameters' rank_pattern / alpha_pattern; no dropout: for
+ * evaluation and generation) and *alpha, *rslora. */
 int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, ct_err *e);
 
 /* What an adapter directory saves: the lora tensors and the trainable base

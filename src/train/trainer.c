@@ -238,32 +238,71 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
         return 0;
     }
     int experts = c->lora_target_params && c->lora_target_params[0];
-    int rc = experts && !c->lora_targets[0] ? 0 : lora_parse_targets(c->lora_targets, &mc->lora_targets, src, e);
+    /* Mixtral: PEFT's rewrite knows its v4 expert names, w1 + w3 -> gate_up_proj
+     * and w2 -> down_proj; gate_proj / up_proj / down_proj name no Mixtral
+     * module, which PEFT skips as long as another target matches */
+    int mx = mc->n_experts > 0 && mc->moe_keys == LM_MOE_KEYS_MIXTRAL;
+    unsigned mx_named = 0;
+    char *rest = ct_malloc(strlen(c->lora_targets) + 1), item[128];
+    rest[0] = 0;
+    for (const char *p = c->lora_targets; (p = cfg_list_next(p, item, sizeof item));) {
+        int w = !mx ? -1 : !strcmp(item, "w1") ? LM_LORA_GATE : !strcmp(item, "w3") ? LM_LORA_UP
+                         : !strcmp(item, "w2") ? LM_LORA_DOWN : -1;
+        if (w >= 0) mx_named |= 1u << w;
+        else strcat(strcat(rest, rest[0] ? "," : ""), item);
+    }
+    int rc = (experts || mx_named) && !rest[0] ? 0 : lora_parse_targets(rest, &mc->lora_targets, src, e);
+    free(rest);
     /* fused projections in the files (Phi3's qkv_proj, gate_up_proj) are named
      * and adapted as PEFT does: one adapter over the fused Linear */
     if (!rc) rc = lora_check_fused(mc, src, "lora.target_modules", e);
     if (rc) return rc;
     if (experts && (rc = lora_parse_target_params(c->lora_target_params, mc, src, "lora.target_parameters", e)))
         return rc;
+    /* MoE models: PEFT 0.21 on transformers v5 rewrites target_modules
+     * gate_proj / up_proj / down_proj of a qwen3_moe model into
+     * target_parameters of the fused experts (_convert_peft_config_moe):
+     * gate_proj + up_proj -> mlp.experts.gate_up_proj at rank 2 r and alpha
+     * 2 alpha (rank_pattern / alpha_pattern; one alone is refused),
+     * down_proj -> mlp.experts.down_proj, and removes the names from
+     * target_modules, so the dense mlp_only_layers' MLPs (plain nn.Linear)
+     * get no adapter either. The attention projections stay Linear adapters.
+     * Mixtral the same with w1 + w3 and w2 (above). */
+    unsigned mlp = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN);
+    if (mc->n_experts > 0 && ((mc->lora_targets & mlp) || mx_named)) {
+        unsigned named = mx ? mx_named : mc->lora_targets;
+        mc->lora_targets &= ~mlp;
+        int gate = named >> LM_LORA_GATE & 1, up = named >> LM_LORA_UP & 1, down = named >> LM_LORA_DOWN & 1;
+        const char *gn = mx ? "w1" : "gate_proj", *un = mx ? "w3" : "up_proj";
+        if (gate != up)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: lora.target_modules: %s without %s on a MoE model: PEFT fuses both into "
+                           "mlp.experts.gate_up_proj and refuses one alone; name both or neither",
+                           src, gate ? gn : un, gate ? un : gn);
+        for (int l = 0; l < mc->n_layers; l++)
+            if (lm_layer_is_moe(mc, l))
+                mc->lora_experts[l] |=
+                    (unsigned char)((gate ? 1u << LM_LORA_EXP_GU : 0) | (down ? 1u << LM_LORA_EXP_D : 0));
+        if (gate) {
+            mc->lora_exp_rank[LM_LORA_EXP_GU] = 2 * c->lora_rank;
+            mc->lora_exp_alpha[LM_LORA_EXP_GU] = 2 * c->lora_alpha;
+            mc->lora_exp_scale[LM_LORA_EXP_GU] = lora_scaling(2 * c->lora_alpha, 2 * c->lora_rank, c->lora_rslora);
+        }
+        experts |= gate || down;
+        if (!mc->lora_targets && !experts)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: lora.target_modules: model_type \"%s\" names its expert projections w1, w3, w2 "
+                           "(PEFT adapts them as mlp.experts parameters); name those or some of q_proj, k_proj, "
+                           "v_proj, o_proj",
+                           src, mc->model_type);
+    }
     /* PEFT's ParamWrapper refuses dropout: B A drop(x) has no W' x form */
     if (experts && c->lora_dropout > 0)
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: lora.dropout = %g with lora.target_parameters: PEFT's adapters on parameters do not "
-                       "work with dropout (lora_dropout != 0 is refused there); set lora.dropout = 0",
+                       "%s: lora.dropout = %g with adapters on the fused experts (lora.target_parameters, or "
+                       "gate_proj / up_proj / down_proj in lora.target_modules of a MoE model): PEFT's adapters on "
+                       "parameters do not work with dropout (lora_dropout != 0 is refused there); set lora.dropout = 0",
                        src, c->lora_dropout);
-    /* MoE models: transformers v5 fuses every MLP's projections and PEFT adapts
-     * them only as fused expert parameters (target_parameters), even in dense
-     * mlp_only_layers: an adapter on a gate/up/down Linear would be a file PEFT
-     * cannot read. The attention projections are adapted, as PEFT does. */
-    unsigned attn = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | (1u << LM_LORA_O);
-    if (mc->n_experts > 0 && (mc->lora_targets & ~attn)) {
-        mc->lora_targets &= attn;
-        if (!mc->lora_targets && !experts)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: lora.target_modules: a MoE model's MLPs are fused experts, which ctitan does not "
-                           "adapt; name some of q_proj, k_proj, v_proj, o_proj",
-                           src);
-    }
     mc->lora_rank = c->lora_rank;
     mc->lora_scale = lora_scaling(c->lora_alpha, c->lora_rank, c->lora_rslora);
     mc->lora_dropout = (float)c->lora_dropout;

@@ -61,7 +61,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     if (!out) return 0;
     /* bf16-stored frozen matrices: 2 bytes each, and what is widened to fp32 while it runs */
     double p = 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16, g = 4.0 * trained, o = 8.0 * trained, a = (double)act;
-    double w = 4.0 * (double)widened;
+    double w = 4.0 * (double)widened, x = 4.0 * (double)lm_expert_lora_scratch_floats(&mc);
     fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
             n / 1e9, B, c->seq_len, c->ac_mode);
     if (trained != n)
@@ -72,7 +72,8 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     plan_dry_line(out, trained < n ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);
     plan_dry_line(out, "activations + workspace (planned)", a);
     if (w > 0) plan_dry_line(out, "frozen bf16 widened while used", w);
-    plan_dry_line(out, "total planned", p + g + o + a + w);
+    if (x > 0) plan_dry_line(out, "expert LoRA fold + weight gradient", x);
+    plan_dry_line(out, "total planned", p + g + o + a + w + x);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
     if (pp > 1) return plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, cfg_source(c), e);
     return world > 1 ? plan_dry_rank(out, c, &mc, world, rep, shard, tp, B, cfg_source(c), e) : 0;

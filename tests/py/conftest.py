@@ -54,6 +54,7 @@ def _load_lib(path: Path):
         "ctitan_optimizer_step": (I, [P, D, D]),
         "ctitan_save_hf": (I, [P, ctypes.c_char_p, ctypes.c_char_p]),
         "ctitan_save_adapter": (I, [P, ctypes.c_char_p]),
+        "ctitan_merge_adapter": (I, [P]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -162,6 +163,9 @@ class Ctitan:
 
     def save_adapter(self, path):
         self._check(self.lib.ctitan_save_adapter(self.s, str(path).encode()), f"save_adapter({path})")
+
+    def merge_adapter(self):
+        self._check(self.lib.ctitan_merge_adapter(self.s), "merge_adapter")
 
 
 def hf_session_args(hf_dir, *, load=True, batch=2, seq_len=16, seed=3, dump=None, extra=()):

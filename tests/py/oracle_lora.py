@@ -210,6 +210,12 @@ def load_adapter_strict(base, adapter_dir):
             warnings.simplefilter("error")
             # transformers 5.24 deprecates the attribute that PeftModel.__init__ reads: not about the adapter
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            # PEFT 0.21.2 says this on its own adapters for target_modules gate_proj + up_proj on a MoE model:
+            # the check looks at the Linear targets only, while the ParamWrapper does take gate_up_proj's rank
+            # and alpha from the pattern (its tensors are 2 r wide: loading them at r would fail)
+            warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any "
+                                    r"targeted module and were ignored: \['\.\*\\\\\.gate_up_proj'\]\.$",
+                                    category=RuntimeWarning)
             pm = PeftModel.from_pretrained(base, str(adapter_dir))
     finally:
         for lg in loggers:

@@ -5,9 +5,11 @@ A PEFT adapter with random non-zero A and B on each family's tiny model: ctitan 
 ctitan saves loads back into PEFT with the same logits. Phi3 fuses q/k/v and gate/up in
 one Linear each (qkv_proj, gate_up_proj), which PEFT adapts as ordinary Linears (one A
 [r, in], one B [out_fused, r]): ctitan adapts them so, trains them through AdamW steps as
-PEFT + torch do, and refuses the unfused names there. MoE models adapt the attention
-(issue 13). Expected values come from peft and transformers only."""
+PEFT + torch do, and refuses the unfused names there. MoE models adapt the attention and,
+through PEFT's target_parameters, the stacked experts (Mixtral below; issue 13). Expected values come from peft and transformers only."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -147,3 +149,104 @@ def test_phi3_fused_adapter_generate_and_merge(tmp_path, run_ctitan):
     with torch.no_grad():
         got = merged(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
     assert oracle.rel_err(got, want) <= TOL
+
+
+def test_mixtral_expert_adapters_parity_and_round_trip(tmp_path, open_session):
+    """transformers v5 stacks Mixtral's experts (w1|w3, w2) into mlp.experts.gate_up_proj /
+    down_proj as Qwen3-MoE's, and PEFT's target_parameters adapts them the same way: a
+    PEFT adapter on q_proj and both expert parameters (random A, B) gives ctitan PEFT's
+    logits, loss and every adapter gradient; the adapter ctitan saves loads in PEFT
+    strictly with ctitan's logits, and `merge` (PEFT's merge_and_unload) keeps them."""
+    case = fam.CASE["mixtral_e4k2"]
+    base = fam.build(case)
+    hf_dir, ad, out = tmp_path / "hf", tmp_path / "adapter", tmp_path / "saved"
+    fam.save(base, hf_dir)
+
+    def loaded():
+        return fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
+
+    exp = "--lora.target_parameters=" + ",".join(OL.EXPERTS)
+    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=OL.EXPERTS, seed=5)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    assert any(".mlp.experts." in n for n in params), f"test setup: PEFT trains {sorted(params)}"
+    tokens, labels = fam.batch(base, 2, case.T, seed=5)
+    ref_loss, ref_logits, ref_grads = OL.loss_logits_grads(pm, params, tokens, labels)
+    with torch.no_grad():
+        plain = loaded()(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    assert oracle.rel_err(ref_logits, plain) > 100 * TOL, "test setup: the adapter hardly changes the logits"
+
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=lora_args(["q_proj"], ad) + [exp]))
+    assert set(n for n in s.names() if ".lora_" in n) == set(params)
+    err = oracle.rel_err(s.logits(tokens), ref_logits)
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    loss = s.forward_backward(tokens, labels, nv) / nv
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"loss {loss} vs PEFT {ref_loss}"
+    bad = [f"{n}: rel err {oracle.rel_err(s.get_grad(n), ref_grads[n]):.3g}" for n in params
+           if not oracle.rel_err(s.get_grad(n), ref_grads[n]) <= TOL]
+    assert not bad, "adapter gradients differ from PEFT's:\n" + "\n".join(bad)
+
+    s.save_adapter(out)
+    back = OL.load_adapter_strict(loaded(), out)
+    with torch.no_grad():
+        want = back(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"PEFT with ctitan's adapter: logits rel err {err:.3g}"
+    s.merge_adapter()
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"after merge: logits rel err {err:.3g}"
+
+
+def test_mixtral_rewritten_expert_targets(tmp_path, open_session):
+    """LoraConfig(target_modules=[q_proj, w1, w3, w2], use_rslora) on Mixtral: PEFT rewrites
+    w1 + w3 into mlp.experts.gate_up_proj at rank 2r, alpha 2 alpha (rank_pattern /
+    alpha_pattern: scale 2 alpha / sqrt(2 r) under rsLoRA) and w2 into down_proj. ctitan
+    with the same target_modules loads PEFT's adapter and gives its logits, loss and
+    adapter gradients; its saved adapter loads in PEFT strictly with its logits. w1
+    without w3 is refused by both."""
+    case = fam.CASE["mixtral_e4k2"]
+    base = fam.build(case)
+    hf_dir, ad, out = tmp_path / "hf", tmp_path / "adapter", tmp_path / "saved"
+    fam.save(base, hf_dir)
+
+    def loaded():
+        return fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
+
+    targets = ["q_proj", "w1", "w3", "w2"]
+    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=targets, rslora=True, seed=5)
+    pm.save_pretrained(str(ad))
+    conf = json.loads((ad / "adapter_config.json").read_text())
+    assert conf["rank_pattern"] == {r".*\.gate_up_proj": 2 * R}, f"test setup: {conf['rank_pattern']}"
+    params = OL.trainable(pm)
+    tokens, labels = fam.batch(base, 2, case.T, seed=5)
+    ref_loss, ref_logits, ref_grads = OL.loss_logits_grads(pm, params, tokens, labels)
+
+    args = [f"--lora.rank={R}", f"--lora.alpha={ALPHA}", "--lora.use_rslora=true",
+            f"--lora.target_modules={','.join(targets)}"]
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=args + [f"--lora.adapter_path={ad}"]))
+    assert set(n for n in s.names() if ".lora_" in n) == set(params)
+    assert all(s.shapes[n] == tuple(params[n].shape) for n in params)
+    err = oracle.rel_err(s.logits(tokens), ref_logits)
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    loss = s.forward_backward(tokens, labels, nv) / nv
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"loss {loss} vs PEFT {ref_loss}"
+    bad = [f"{n}: rel err {oracle.rel_err(s.get_grad(n), ref_grads[n]):.3g}" for n in params
+           if not oracle.rel_err(s.get_grad(n), ref_grads[n]) <= TOL]
+    assert not bad, "adapter gradients differ from PEFT's:\n" + "\n".join(bad)
+    s.save_adapter(out)
+    back = OL.load_adapter_strict(loaded(), out)
+    with torch.no_grad():
+        want = back(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"PEFT with ctitan's adapter: logits rel err {err:.3g}"
+    s.close()
+
+    with pytest.raises(ValueError, match="w3"):
+        OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=["q_proj", "w1"])
+    with pytest.raises(CtitanError) as ei:
+        open_session(hf_session_args(hf_dir, extra=[f"--lora.rank={R}", "--lora.target_modules=q_proj,w1"]))
+    assert "lora.target_modules" in str(ei.value) and "w3" in str(ei.value), str(ei.value)

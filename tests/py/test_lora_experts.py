@@ -183,7 +183,7 @@ def test_expert_lora_on_dense_model_refused(tmp_path, open_session):
     oracle.save_random_hf(hf_dir, oracle.tiny_config(vocab=64, hidden=32, inter=64, layers=1, heads=4,
                                                       kv_heads=2, head_dim=16), seed=1)
     msg = open_error(open_session, hf_session_args(hf_dir, extra=[f"--lora.rank={R}", EXP_ARG]), tmp_path)
-    assert "no fused Qwen3-MoE experts" in msg and "lora.target_parameters" in msg, msg
+    assert "no fused MoE experts" in msg and "lora.target_parameters" in msg, msg
 
 
 def test_expert_lora_dropout_refused(tmp_path, open_session):
@@ -274,3 +274,137 @@ def test_expert_lora_per_layer_names_both_ways(tmp_path, open_session):
     pm2 = OL.load_adapter_strict(base(), out)
     err = oracle.rel_err(oracle.hf_logits(pm2, tokens), want)
     assert err <= TOL, f"PEFT logits with ctitan's saved adapter: rel err {err:.3g}"
+
+
+# --------------------------------------------------------------------------- PEFT's rewrite of MLP target_modules
+
+REWRITE = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+PAT = r".*\.gate_up_proj"
+
+
+@pytest.mark.parametrize("rslora", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_rewritten_mlp_targets_parity_from_peft_adapter(rslora, tmp_path, open_session):
+    """LoraConfig(target_modules=[q_proj, gate_proj, up_proj, down_proj]) on a Qwen3-MoE:
+    PEFT rewrites the MLP names into target_parameters gate_up_proj (rank 2r, alpha 2 alpha
+    through rank_pattern / alpha_pattern) and down_proj (r), the dense layer 0's MLP
+    unadapted. ctitan with the same lora.target_modules has PEFT's tensors, loads its
+    adapter exactly, and gives its logits, loss, gradients and 3 AdamW steps (rsLoRA: the
+    fused parameter's scale is 2 alpha / sqrt(2 r), not alpha / sqrt(r))."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ad = tmp_path / "adapter"
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=REWRITE, rslora=rslora, seed=6)
+    pm.save_pretrained(str(ad))
+    conf = json.loads((ad / "adapter_config.json").read_text())
+    assert conf["rank_pattern"] == {PAT: 2 * R} and conf["alpha_pattern"] == {PAT: 2 * ALPHA}, \
+        f"test setup: PEFT's rewrite changed: {conf['rank_pattern']} {conf['alpha_pattern']}"
+    params = OL.trainable(pm)
+    lora = expected_lora(cfg, ["q_proj"])
+    assert sorted(params) == sorted(lora), f"test setup: PEFT trains {sorted(params)}"
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=7)
+    ref_loss, ref_logits, ref_grads = OL.loss_logits_grads(pm, params, tokens, labels)
+
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=OPT_ARGS + lora_args(
+        targets=REWRITE, rslora=rslora, adapter=ad)))
+    assert [n for n in s.names() if ".lora_" in n] == lora
+    bad = [n for n in lora if s.shapes[n] != tuple(params[n].shape)]
+    assert not bad, f"shapes differ from PEFT's: {[(n, s.shapes[n], tuple(params[n].shape)) for n in bad]}"
+    saved = OL.saved_state(pm)
+    bad = [n for n in saved if not np.array_equal(s.get_param(n), saved[n])]
+    assert not bad, f"adapter tensors not loaded exactly: {bad}"
+    assert_step_matches(s, tokens, labels, ref_loss, ref_logits, ref_grads, lora)
+    stream = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=12)
+    compare_steps(session_steps(s, stream, lora), train_ref(pm, params, stream))
+    assert_base_unchanged(s, hf_dir)
+
+
+def test_default_targets_on_moe_as_peft_rewrites_them(tmp_path, open_session):
+    """lora.rank alone (target_modules all seven) on a Qwen3-MoE from ctitan's fresh init:
+    the tensors PEFT's get_peft_model gives for the seven names (shapes: gate_up_proj at
+    2r), A uniform in +-1/sqrt(in) and B zero; after 2 steps the saved directory has
+    PEFT's rank_pattern / alpha_pattern and target_parameters, loads in PEFT strictly and
+    gives ctitan's logits."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, seed=4, extra=OPT_ARGS + [
+        f"--lora.rank={R}", f"--lora.alpha={ALPHA}"]))
+    ref_pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=OL.ALL7)
+    ref = {n: tuple(p.shape) for n, p in OL.trainable(ref_pm).items()}
+    lora = [n for n in s.names() if ".lora_" in n]
+    assert sorted(lora) == sorted(ref) and all(s.shapes[n] == ref[n] for n in lora), \
+        f"ctitan {[(n, s.shapes[n]) for n in lora]} vs PEFT {ref}"
+    for n in lora:
+        v = s.get_param(n)
+        if ".lora_B." in n:
+            assert not np.any(v), n
+        else:
+            bound = 1 / np.sqrt(s.shapes[n][1])
+            assert np.all(np.abs(v) <= bound) and np.abs(v).max() > 0.8 * bound, n
+    stream = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=3)
+    session_steps(s, stream, [], run=2)
+    ad = tmp_path / "saved"
+    s.save_adapter(ad)
+    ref_pm.save_pretrained(str(tmp_path / "peft"))
+    want = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    conf = json.loads((ad / "adapter_config.json").read_text())
+    for k in ("rank_pattern", "alpha_pattern", "r", "lora_alpha"):
+        assert conf[k] == want[k], f"{k}: ctitan {conf[k]} vs PEFT {want[k]}"
+    assert sorted(conf["target_modules"]) == sorted(want["target_modules"]), conf
+    tokens, _ = make_batch(cfg.vocab_size, 2, L, seed=9)
+    pm = OL.load_adapter_strict(base(), ad)
+    want_logits = oracle.hf_logits(pm, tokens)
+    assert oracle.rel_err(want_logits, oracle.hf_logits(base(), tokens)) > 10 * TOL, "test setup: 2 steps changed nothing"
+    err = oracle.rel_err(s.logits(tokens), want_logits)
+    assert err <= TOL, f"ctitan logits vs PEFT with ctitan's adapter: rel err {err:.3g}"
+
+
+def test_gate_without_up_refused_as_peft(tmp_path, open_session):
+    """PEFT refuses gate_proj without up_proj on a Qwen3-MoE (both are in gate_up_proj);
+    so does ctitan, naming the key and the missing name."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    with pytest.raises(ValueError, match="up_proj"):
+        OL.make_peft(base(), r=R, alpha=ALPHA, targets=["q_proj", "gate_proj"])
+    msg = open_error(open_session, hf_session_args(hf_dir, extra=lora_args(targets=["q_proj", "gate_proj"])),
+                     tmp_path)
+    assert "lora.target_modules" in msg and "up_proj" in msg, msg
+
+
+def _pattern_on_linear(ad):
+    f = ad / "adapter_config.json"
+    c = json.loads(f.read_text())
+    c["rank_pattern"] = {PAT: 2 * R, "q_proj": 8}
+    f.write_text(json.dumps(c))
+    return "q_proj"
+
+
+def _no_pattern(ad):
+    f = ad / "adapter_config.json"
+    c = json.loads(f.read_text())
+    c["rank_pattern"], c["alpha_pattern"] = {}, {}
+    f.write_text(json.dumps(c))
+    return "rank_pattern"
+
+
+def _two_keys(ad):
+    f = ad / "adapter_config.json"
+    c = json.loads(f.read_text())
+    c["rank_pattern"] = {PAT: 2 * R, "mlp.experts.gate_up_proj": 2 * R}
+    f.write_text(json.dumps(c))
+    return "second key"
+
+
+@pytest.mark.parametrize("damage", [None, _pattern_on_linear, _no_pattern, _two_keys],
+                         ids=["intact", "pattern_on_linear", "no_pattern", "two_keys"])
+def test_rewritten_adapter_patterns_checked(damage, tmp_path, open_session):
+    """PEFT's rewritten adapter loads; a rank_pattern key on a Linear module is refused
+    naming it, one without its patterns (gate_up_proj's tensors at 2r, config r) is
+    refused naming rank_pattern, and two keys for one parameter (PEFT would take the
+    first that matches) are refused."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ad = tmp_path / "adapter"
+    OL.make_peft(base(), r=R, alpha=ALPHA, targets=REWRITE, seed=1).save_pretrained(str(ad))
+    args = hf_session_args(hf_dir, extra=lora_args(targets=REWRITE, adapter=ad))
+    if damage is None:
+        open_session(args).close()
+        return
+    needle = damage(ad)
+    msg = open_error(open_session, args, tmp_path)
+    assert needle in msg and "adapter_config.json" in msg, f"the error names neither {needle!r} nor the file: {msg}"
