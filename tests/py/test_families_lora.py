@@ -54,25 +54,10 @@ def test_peft_adapter_parity_and_round_trip(cid, tmp_path, open_session):
     ref_loss, ref_logits, ref_grads = OL.loss_logits_grads(pm, params, tokens, labels)
 
     s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=lora_args(targets, ad)))
-    assert set(n for n in s.names() if ".lora_" in n) == set(params)
-    err = oracle.rel_err(s.logits(tokens), ref_logits)
-    assert err <= TOL, f"{cid}: logits rel err {err:.3g}"
-    s.zero_grad()
-    nv = oracle.n_valid(labels)
-    loss = s.forward_backward(tokens, labels, nv) / nv
-    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{cid}: loss {loss} vs PEFT {ref_loss}"
-    bad = [f"{n}: rel err {oracle.rel_err(s.get_grad(n), ref_grads[n]):.3g}" for n in params
-           if not oracle.rel_err(s.get_grad(n), ref_grads[n]) <= TOL]
-    assert not bad, f"{cid}: adapter gradients differ from PEFT's:\n" + "\n".join(bad)
-
-    # ctitan's adapter file, read by PEFT, gives ctitan's logits
-    s.save_adapter(out)
-    back = PeftModel.from_pretrained(fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), str(out))
-    back.eval()
-    with torch.no_grad():
-        want = back(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
-    err = oracle.rel_err(s.logits(tokens), want)
-    assert err <= TOL, f"{cid}: PEFT with ctitan's adapter: logits rel err {err:.3g}"
+    # and ctitan's adapter file, read by PEFT, gives ctitan's logits
+    session_matches_peft(s, params, tokens, labels, (ref_loss, ref_logits, ref_grads),
+                         lambda: fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), out,
+                         load=lambda base_model, d: PeftModel.from_pretrained(base_model, str(d)).eval())
 
 
 def test_phi3_fused_adapter_adamw_steps(tmp_path, open_session):
@@ -151,6 +136,31 @@ def test_phi3_fused_adapter_generate_and_merge(tmp_path, run_ctitan):
     assert oracle.rel_err(got, want) <= TOL
 
 
+def session_matches_peft(s, params, tokens, labels, ref, loaded, out, load=OL.load_adapter_strict):
+    """Session s holds PEFT's adapter: its adapter tensors are PEFT's trainable ones, and its
+    logits, loss and every adapter gradient are PEFT's (ref = loss, logits, grads); the
+    adapter it saves to `out` loads in PEFT (`load`, strictly by default, over loaded(), a
+    fresh base) with s's logits, which are returned."""
+    ref_loss, ref_logits, ref_grads = ref
+    assert set(n for n in s.names() if ".lora_" in n) == set(params)
+    err = oracle.rel_err(s.logits(tokens), ref_logits)
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    loss = s.forward_backward(tokens, labels, nv) / nv
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"loss {loss} vs PEFT {ref_loss}"
+    bad = [f"{n}: rel err {oracle.rel_err(s.get_grad(n), ref_grads[n]):.3g}" for n in params
+           if not oracle.rel_err(s.get_grad(n), ref_grads[n]) <= TOL]
+    assert not bad, "adapter gradients differ from PEFT's:\n" + "\n".join(bad)
+    s.save_adapter(out)
+    back = load(loaded(), out)
+    with torch.no_grad():
+        want = back(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"PEFT with ctitan's adapter: logits rel err {err:.3g}"
+    return want
+
+
 def test_mixtral_expert_adapters_parity_and_round_trip(tmp_path, open_session):
     """transformers v5 stacks Mixtral's experts (w1|w3, w2) into mlp.experts.gate_up_proj /
     down_proj as Qwen3-MoE's, and PEFT's target_parameters adapts them the same way: a
@@ -177,23 +187,7 @@ def test_mixtral_expert_adapters_parity_and_round_trip(tmp_path, open_session):
     assert oracle.rel_err(ref_logits, plain) > 100 * TOL, "test setup: the adapter hardly changes the logits"
 
     s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=lora_args(["q_proj"], ad) + [exp]))
-    assert set(n for n in s.names() if ".lora_" in n) == set(params)
-    err = oracle.rel_err(s.logits(tokens), ref_logits)
-    assert err <= TOL, f"logits rel err {err:.3g}"
-    s.zero_grad()
-    nv = oracle.n_valid(labels)
-    loss = s.forward_backward(tokens, labels, nv) / nv
-    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"loss {loss} vs PEFT {ref_loss}"
-    bad = [f"{n}: rel err {oracle.rel_err(s.get_grad(n), ref_grads[n]):.3g}" for n in params
-           if not oracle.rel_err(s.get_grad(n), ref_grads[n]) <= TOL]
-    assert not bad, "adapter gradients differ from PEFT's:\n" + "\n".join(bad)
-
-    s.save_adapter(out)
-    back = OL.load_adapter_strict(loaded(), out)
-    with torch.no_grad():
-        want = back(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
-    err = oracle.rel_err(s.logits(tokens), want)
-    assert err <= TOL, f"PEFT with ctitan's adapter: logits rel err {err:.3g}"
+    want = session_matches_peft(s, params, tokens, labels, (ref_loss, ref_logits, ref_grads), loaded, out)
     s.merge_adapter()
     err = oracle.rel_err(s.logits(tokens), want)
     assert err <= TOL, f"after merge: logits rel err {err:.3g}"
@@ -226,23 +220,8 @@ def test_mixtral_rewritten_expert_targets(tmp_path, open_session):
     args = [f"--lora.rank={R}", f"--lora.alpha={ALPHA}", "--lora.use_rslora=true",
             f"--lora.target_modules={','.join(targets)}"]
     s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=args + [f"--lora.adapter_path={ad}"]))
-    assert set(n for n in s.names() if ".lora_" in n) == set(params)
     assert all(s.shapes[n] == tuple(params[n].shape) for n in params)
-    err = oracle.rel_err(s.logits(tokens), ref_logits)
-    assert err <= TOL, f"logits rel err {err:.3g}"
-    s.zero_grad()
-    nv = oracle.n_valid(labels)
-    loss = s.forward_backward(tokens, labels, nv) / nv
-    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"loss {loss} vs PEFT {ref_loss}"
-    bad = [f"{n}: rel err {oracle.rel_err(s.get_grad(n), ref_grads[n]):.3g}" for n in params
-           if not oracle.rel_err(s.get_grad(n), ref_grads[n]) <= TOL]
-    assert not bad, "adapter gradients differ from PEFT's:\n" + "\n".join(bad)
-    s.save_adapter(out)
-    back = OL.load_adapter_strict(loaded(), out)
-    with torch.no_grad():
-        want = back(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
-    err = oracle.rel_err(s.logits(tokens), want)
-    assert err <= TOL, f"PEFT with ctitan's adapter: logits rel err {err:.3g}"
+    session_matches_peft(s, params, tokens, labels, (ref_loss, ref_logits, ref_grads), loaded, out)
     s.close()
 
     with pytest.raises(ValueError, match="w3"):

@@ -278,11 +278,17 @@ def test_moe_default_targets_saved_adapter_loads_in_peft(tmp_path, open_session)
     adapter's MLP part must be something PEFT reads the same way."""
     cfg, hf_dir, base = moe_dense_layer0(tmp_path)
     s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=[f"--lora.rank={R}"]))
+    random_adapters_load_in_peft(s, cfg, base, tmp_path / "saved_adapter", ".lora_B.")
+
+
+def random_adapters_load_in_peft(s, cfg, base, ad, which):
+    """Session s's adapter tensors whose names hold `which` set to random values (non-zero B:
+    every adapter shows in the logits), saved to ad: the directory loads in PEFT strictly over
+    base() and gives s's logits."""
     rng = np.random.default_rng(3)
     for n in s.names():
-        if ".lora_B." in n:  # non-zero B: every adapter shows in the logits
+        if which in n:
             s.set_param(n, rng.normal(0, 0.1, s.shapes[n]).astype(np.float32))
-    ad = tmp_path / "saved_adapter"
     s.save_adapter(ad)
     tokens, _ = make_batch(cfg.vocab_size, 2, L, seed=9)
     pm = OL.load_adapter_strict(base(), ad)

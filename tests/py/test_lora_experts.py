@@ -19,7 +19,8 @@ import oracle_lora as OL
 import oracle_moe
 from conftest import hf_session_args
 from test_lora import (ALPHA, OPT_ARGS, R, TOL, assert_base_unchanged, assert_step_matches, compare_steps,
-                       lora_args, moe_dense_layer0, open_error, session_steps, train_ref, trained_in_session)
+                       lora_args, moe_dense_layer0, open_error, random_adapters_load_in_peft, session_steps, train_ref,
+                       trained_in_session)
 from test_parity import make_batch
 from test_train_loop import LOCAL_BS, L
 
@@ -117,16 +118,7 @@ def test_expert_adapter_both_params_saved_loads_in_peft(tmp_path, open_session):
     cfg, hf_dir, base = moe_dense_layer0(tmp_path)
     s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=[
         f"--lora.rank={R}", f"--lora.alpha={ALPHA}", "--lora.use_rslora=true", EXP_ARG]))
-    rng = np.random.default_rng(3)
-    for n in s.names():
-        if ".lora_" in n:
-            s.set_param(n, rng.normal(0, 0.1, s.shapes[n]).astype(np.float32))
-    ad = tmp_path / "saved"
-    s.save_adapter(ad)
-    tokens, _ = make_batch(cfg.vocab_size, 2, L, seed=9)
-    pm = OL.load_adapter_strict(base(), ad)
-    err = oracle.rel_err(s.logits(tokens), oracle.hf_logits(pm, tokens))
-    assert err <= TOL, f"ctitan logits vs PEFT with ctitan's adapter: rel err {err:.3g}"
+    random_adapters_load_in_peft(s, cfg, base, tmp_path / "saved", ".lora_")
 
 
 # --------------------------------------------------------------------------- refusals
