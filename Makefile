@@ -183,7 +183,7 @@ test-py: all
 	@echo "parity with the kernels chosen by timing (the rest of the suite runs with CTITAN_KERNEL_TUNE=0)"
 	CTITAN_KERNEL_TUNE=1 $(T) py-parity-tune $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py \
 	  tests/py/test_families.py::test_logits_loss_grads
-	$(T) py-all $(PY) -m pytest -q --durations=30 tests/py
+	$(T) py-all $(PY) -m pytest -q --durations=30 $(PY_ALL_IGNORE) tests/py
 
 # The tests' OpenMP threads sleep when they wait for work (OMP_WAIT_POLICY=passive) instead of
 # spinning (libgomp's default, and torch's): the tests run thousands of tiny parallel regions
@@ -196,16 +196,21 @@ test-py: all
 test test-c test-py test-aarch64 sanitize fuzz-short: export OMP_WAIT_POLICY ?= passive
 
 # The builds of make test (build, build/san, build/fuzz, build/aarch64) on every core: `make test`
-# alone (.ci/run) compiled one file at a time. After the first build and its C tests, three
-# lanes run side by side (scripts/lanes.sh says why): the pytest passes, the sanitized build
-# then the fuzzers, and the aarch64 build under qemu. Each lane's log is printed whole when it
-# ends; build/test-times.txt has each part's wall and CPU time.
+# alone (.ci/run) compiled one file at a time. After the first build and its C tests, four
+# lanes run side by side (scripts/lanes.sh says why): the pytest passes, the two multi-rank
+# pytest files that are a third of the suite's time (PY_DIST_TESTS: mpirun at 2 and 4 ranks
+# of the debug models), the sanitized build then the fuzzers, and the aarch64 build under
+# qemu. Each lane's log is printed whole when it ends; build/test-times.txt has each part's
+# wall and CPU time.
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+PY_DIST_TESTS := tests/py/test_dist_debugmodel.py tests/py/test_dist.py
 test: setup
 	@mkdir -p build && rm -f build/test-times.txt
 	@$(T) build+test-c $(MAKE) --no-print-directory -j$(TEST_JOBS) all test-c
 	@$(T) lanes bash scripts/lanes.sh \
-	  "test-py=$(T) test-py $(MAKE) --no-print-directory -j$(TEST_JOBS) test-py" \
+	  "test-py=$(T) test-py $(MAKE) --no-print-directory -j$(TEST_JOBS) test-py \
+	     PY_ALL_IGNORE='$(addprefix --ignore=,$(PY_DIST_TESTS))'" \
+	  "py-dist=$(T) py-dist $(PY) -m pytest -q -p no:cacheprovider --durations=10 $(PY_DIST_TESTS)" \
 	  "sanitize+fuzz=$(T) sanitize $(MAKE) --no-print-directory -j$(TEST_JOBS) sanitize && \
 	     $(T) fuzz-short $(MAKE) --no-print-directory -j$(TEST_JOBS) fuzz-short" \
 	  "aarch64=$(T) aarch64 $(MAKE) --no-print-directory test-aarch64"
