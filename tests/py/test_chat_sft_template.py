@@ -136,10 +136,10 @@ def test_family_template_tokens_and_mask(family, run_ctitan, tmp_path):
     assert ("<|im_start|>" in err) if rc else ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
 
 
+# the marker template is written in Llama-3's tokens
+@pytest.mark.parametrize("family", ["llama3"], indirect=True)
 def test_generation_markers_match_transformers_mask(family, run_ctitan, tmp_path):
     name, tokdir, tok = family
-    if name != "llama3":
-        pytest.skip("the marker template is written in Llama-3's tokens")
     tmpl = tmp_path / "gen.jinja"
     tmpl.write_text(LLAMA_GEN)
     ids, mask = [], []
@@ -153,10 +153,10 @@ def test_generation_markers_match_transformers_mask(family, run_ctitan, tmp_path
     assert (got == np.asarray(ids)).all() and (msk == np.asarray(mask)).all()
 
 
+# one tokenizer is enough for the error paths
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
 def test_template_errors(family, run_ctitan, tmp_path):
     name, tokdir, _ = family
-    if name != "mistral":
-        pytest.skip("one tokenizer is enough for the error paths")
     # the template itself refuses (raise_exception): its message, with the file and line of the data
     bad = [[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]]
     rc, err, _, _ = prepare(run_ctitan, tokdir, CONVS[:1] + bad, tmp_path / "alt", check=False)
@@ -174,13 +174,13 @@ def test_template_errors(family, run_ctitan, tmp_path):
     assert rc != 0 and "missing.jinja" in err, err
 
 
+# one family through the trainer is enough; prepare covers the rest
+@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
 def test_train_step_with_family_template(family, run_ctitan, tmp_path):
     """training.chat_template (default auto) through the trainer: the step-1 loss equals
     transformers' on windows of the HF-built stream above (seq_len + 1 tokens, the mask of the
     target token)."""
     name, tokdir, tok = family
-    if name != "gemma3":
-        pytest.skip("one family through the trainer is enough; prepare covers the rest")
     import shutil
 
     import oracle
