@@ -1006,16 +1006,20 @@ static void experts_adapted(lm_model *m, const lm_layer_w *w, const float **eg, 
     size_t ex = (size_t)E * Im * H;
     if (!m->ws.lora_ew) m->ws.lora_ew = ct_malloc(3 * ex * sizeof(float));
     float *ew = m->ws.lora_ew;
-    memcpy(ew, w->ewg, ex * sizeof(float));
-    memcpy(ew + ex, w->ewu, ex * sizeof(float));
-    memcpy(ew + 2 * ex, w->ewd, ex * sizeof(float));
-    if (w->lora_ea[LM_LORA_EXP_GU]) /* gate_up_proj [E, 2 Im, H]: gate rows first */
+    /* only an adapted parameter is copied and folded; the other stays the base's */
+    if (w->lora_ea[LM_LORA_EXP_GU]) { /* gate_up_proj [E, 2 Im, H]: gate rows first */
+        memcpy(ew, w->ewg, ex * sizeof(float));
+        memcpy(ew + ex, w->ewu, ex * sizeof(float));
         lora_experts_delta(&m->k, ew, ew + ex, w->lora_ea[LM_LORA_EXP_GU], w->lora_eb[LM_LORA_EXP_GU], E, rg, H, 2 * Im,
                            Im, lm_lora_exp_scale(c, LM_LORA_EXP_GU));
-    if (w->lora_ea[LM_LORA_EXP_D]) /* down_proj [E, H, Im] */
+        *eg = ew, *eu = ew + ex;
+    }
+    if (w->lora_ea[LM_LORA_EXP_D]) { /* down_proj [E, H, Im] */
+        memcpy(ew + 2 * ex, w->ewd, ex * sizeof(float));
         lora_experts_delta(&m->k, ew + 2 * ex, NULL, w->lora_ea[LM_LORA_EXP_D], w->lora_eb[LM_LORA_EXP_D], E, rd, Im, H,
                            H, lm_lora_exp_scale(c, LM_LORA_EXP_D));
-    *eg = ew, *eu = ew + ex, *ed = ew + 2 * ex;
+        *ed = ew + 2 * ex;
+    }
 }
 
 /* The backward's side of it: where the experts kernel writes d(W + scale B A).
