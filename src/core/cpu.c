@@ -56,7 +56,10 @@ void cpu_set_threads(int n) {
  *     repeats agree to 3%, the measured and theoretical figures agree to 10%,
  *     no burst was preempted, /proc/stat shows no other process (nor the
  *     hypervisor's steal) used the CPUs during the measurement, and the load
- *     average says the machine was quiet before it.
+ *     average says the machine was quiet before it;
+ *   - a cached figure is used only while the clock measured now is within
+ *     15% of the one it was measured at (a VM keeps its CPU model name when
+ *     it moves to a host that clocks differently).
  * bf16 (products of bf16 pairs, fp32 sums) is measured the same way on the
  * best bf16 instruction the CPU has, else equals the fp32 peak. */
 
@@ -66,6 +69,7 @@ void cpu_set_threads(int n) {
 #define PEAK_AGREE 0.10     /* measured vs theoretical within 10% */
 #define PEAK_QUIET_LOAD 0.5 /* 1-minute load average above which we do not cache */
 #define PEAK_OTHERS 0.05    /* share of the CPUs others may use during the measurement */
+#define PEAK_CLOCK_DRIFT 0.15 /* a cache whose clock is further than this from the clock now is stale */
 
 static double thread_cpu_now(void) {
     struct timespec ts;
@@ -480,9 +484,22 @@ void cpu_peak_flops(cpu_peak *out, int threads) {
     char path[1024];
     cache_path(path, sizeof path, fp32.isa, out->threads);
     snprintf(out->cache, sizeof out->cache, "%s", path);
+    /* A cached peak is only as good as the clock it was measured at: a VM
+     * that lands on another host (seen here: 2.2 GHz one day, 3.7 the next)
+     * keeps its CPU model name. So the clock, a ~50 ms measurement, is taken
+     * again and a cache more than PEAK_CLOCK_DRIFT away is measured anew. */
+    double stale_hz = 0, now_hz = 0;
     if (read_cache(out, path)) {
-        out->source = "cached";
-        return;
+        double sp;
+        int pre;
+        now_hz = peak_measure(NULL, PEAK_CLOCK, out->threads, &sp, &pre) / out->threads;
+        if (fabs(now_hz / out->clock_hz - 1.0) <= PEAK_CLOCK_DRIFT) {
+            out->source = "cached";
+            return;
+        }
+        stale_hz = out->clock_hz;
+        out->flops = out->bf16_flops = out->theory_flops = out->clock_hz = 0;
+        out->fma_per_cycle = 0;
     }
     double load0 = load_average();
     cpu_usage_mark mark;
@@ -522,6 +539,12 @@ void cpu_peak_flops(cpu_peak *out, int threads) {
     if (out->note[0]) {
         out->source = "measured, not cached";
         return;
+    }
+    if (stale_hz > 0) {
+        out->source = "measured again";
+        snprintf(out->note, sizeof out->note,
+                 "the cached peak was measured at %.2f GHz, the clock read %.2f GHz now: replaced", stale_hz / 1e9,
+                 now_hz / 1e9);
     }
     write_cache(out, path);
 }

@@ -22,10 +22,11 @@ typedef struct {
     double clock_hz;       /* core clock measured by a dependent-add chain */
     int fma_per_cycle;     /* vector FMAs per cycle per thread, rounded from the measurement */
     int threads;
-    const char *source;    /* "config", "measured", "cached", "measured, not cached" (see note) */
+    const char *source;    /* "config", "measured", "cached", "measured again" (the cache was for
+                            * another clock), "measured, not cached" (see note) */
     const char *isa;       /* fp32: "avx512", "avx2", "scalar" */
     const char *bf16_isa;  /* "amx", "avx512bf16", "bfmmla", or "fp32" where bf16 runs on the fp32 units */
-    char note[160];        /* why a measurement was not cached; "" otherwise */
+    char note[160];        /* why a measurement was not cached, or why the cache was replaced; "" otherwise */
     char cache[1024];      /* the cache file read or (to be) written */
 } cpu_peak;
 

@@ -65,8 +65,8 @@ def test_cache_is_read_and_a_broken_one_ignored(tmp_path):
     p = peak_json(tmp_path)
     cache = p["cache"]
     os.makedirs(os.path.dirname(cache), exist_ok=True)
-    with open(cache, "w") as f:
-        f.write("fp32 1.234e+11\nbf16 5.0e+11\ntheory 1.2e+11\nclock 3.0e+09\nfma_per_cycle 2\n")
+    with open(cache, "w") as f:  # at this machine's clock: a cache for another clock is not used (below)
+        f.write(f"fp32 1.234e+11\nbf16 5.0e+11\ntheory 1.2e+11\nclock {p['clock_hz']:.6e}\nfma_per_cycle 2\n")
     q = peak_json(tmp_path)
     assert q["source"] == "cached"
     assert q["fp32_flops"] == 1.234e11 and q["bf16_flops"] == 5.0e11 and q["fma_per_cycle"] == 2
@@ -76,6 +76,26 @@ def test_cache_is_read_and_a_broken_one_ignored(tmp_path):
     assert r["source"] != "cached" and np.isfinite(r["fp32_flops"]) and r["fp32_flops"] > 0
 
 
+def test_cache_for_another_clock_is_measured_again(tmp_path):
+    """A VM keeps its CPU model name when it moves to a host that clocks
+    differently: a cache whose clock is far from the clock now is not used."""
+    p = peak_json(tmp_path)
+    cache = p["cache"]
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    for factor in (0.5, 1.6):
+        with open(cache, "w") as f:
+            f.write(f"fp32 1.234e+11\nbf16 5.0e+11\ntheory 1.2e+11\nclock {factor * p['clock_hz']:.6e}\n"
+                    "fma_per_cycle 2\n")
+        q = peak_json(tmp_path)
+        assert q["source"] in ("measured again", "measured, not cached"), (factor, q)
+        assert q["fp32_flops"] != 1.234e11 and 0.5e9 < q["clock_hz"] < 7e9, (factor, q)
+        assert abs(q["clock_hz"] / p["clock_hz"] - 1) < 0.5, (factor, q, p)
+        if q["source"] == "measured again":  # a quiet machine: the stale figure was replaced and its clocks named
+            assert "GHz" in q["note"], q
+            with open(cache) as f:
+                assert "1.234e+11" not in f.read()
+
+
 def test_trainer_mfu_uses_the_peak_of_its_precision(tmp_path, run_ctitan):
     """The train log's MFU is tflops / the peak it names, and that peak is the bf16
     one for a bf16 run (as `kernels peak` reports it from the same cache)."""
@@ -83,10 +103,11 @@ def test_trainer_mfu_uses_the_peak_of_its_precision(tmp_path, run_ctitan):
     hf = tmp_path / "hf"
     oracle.save_random_hf(hf, cfg)
     data = oracle.write_bin(tmp_path / "tokens.bin", oracle.random_tokens(2000, 256, 0))
-    cache = peak_json(tmp_path)["cache"]
+    p0 = peak_json(tmp_path)
+    cache = p0["cache"]
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     with open(cache, "w") as f:  # known, distinct figures: which one the trainer divided by is then plain
-        f.write("fp32 2.0e+11\nbf16 8.0e+11\ntheory 2.0e+11\nclock 3.0e+09\nfma_per_cycle 2\n")
+        f.write(f"fp32 2.0e+11\nbf16 8.0e+11\ntheory 2.0e+11\nclock {p0['clock_hz']:.6e}\nfma_per_cycle 2\n")
     for prec, peak in (("float32", 2.0e11), ("bfloat16", 8.0e11)):
         out = tmp_path / prec
         conf = oracle.write_toml(tmp_path / f"{prec}.toml", oracle.train_sections(
