@@ -253,7 +253,7 @@ static void last_error(const char *path, char *why, size_t cap) {
         if (strstr(line, "error")) snprintf(err, sizeof err, "%s", line);
     }
     if (f) fclose(f);
-    snprintf(why, cap, "%s", err[0] ? err : last);
+    snprintf(why, cap, "%.*s", (int)(cap - 1), err[0] ? err : last); /* a long line is cut, on purpose */
 }
 
 /* Run X's checkpoint `step` in layout L (whose world is `world`): its loss, or
@@ -382,13 +382,13 @@ static int restore_check(const probe_env *pe, const char *xn, const char *yn, co
     int late = 0;
     r->own_loss = probe_launch(pe, x, folder, r->step, x, r->own_world, why_own, sizeof why_own, &late);
     if (late) { /* the next would likely hang the same way: stop here */
-        snprintf(r->why, sizeof r->why, "the probe of %s's step-%d in %s's own layout (%d rank%s) %s", xn, r->step, xn,
+        snprintf(r->why, sizeof r->why, "the probe of %s's step-%d in %s's own layout (%d rank%s) %.400s", xn, r->step, xn,
                  r->own_world, r->own_world == 1 ? "" : "s", why_own);
         return 1;
     }
     r->other_loss = probe_launch(pe, x, folder, r->step, y, r->other_world, why_other, sizeof why_other, &late);
     if (late) {
-        snprintf(r->why, sizeof r->why, "the probe of %s's step-%d in %s's layout (%d rank%s) %s", xn, r->step, yn,
+        snprintf(r->why, sizeof r->why, "the probe of %s's step-%d in %s's layout (%d rank%s) %.400s", xn, r->step, yn,
                  r->other_world, r->other_world == 1 ? "" : "s", why_other);
         return 1;
     }
