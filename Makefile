@@ -109,7 +109,8 @@ SAN_ENV   := ASAN_OPTIONS=fast_unwind_on_malloc=0 LSAN_OPTIONS=suppressions=$(CU
 # and the masked-loss runs under mpirun (DP, FSDP, TP); not the memory figures of the dry-run
 # tests, which ASan's shadow memory and redzones inflate.
 SAN_CLI_TESTS := tests/py/test_cli_errors.py tests/py/test_tokenize_cli.py tests/py/test_hostile_files.py \
-                 tests/py/test_fuzz_regressions.py tests/py/test_dist_masked.py tests/py/test_profile.py
+                 tests/py/test_fuzz_regressions.py tests/py/test_dist_masked.py tests/py/test_profile.py \
+                 tests/py/test_events.py
 sanitize:
 	@$(SAN_ENV) $(T) san-c $(MAKE) --no-print-directory BUILD=build/san OPT="-O1 $(SAN_FLAGS) -fno-omit-frame-pointer" \
 	  LDFLAGS="$(SAN_FLAGS)" KCHECK_FLAGS=--quick test-c
