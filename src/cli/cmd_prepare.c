@@ -174,12 +174,14 @@ int cli_prepare(int argc, char **argv) {
     ds_writer *w = NULL;
     /* the kind recorded in meta.json: the one shared by every input, else "mixed" */
     const char *kind = NULL;
+    int has_chat = 0;
     for (int i = 0; i < a.n_inputs && !rc; i++) {
         ds_kind k = o.kind;
         if (k == DS_KIND_AUTO) rc = ds_detect_kind(a.inputs[i], &k, &e);
         if (!rc && k == DS_KIND_TOKENS)
             rc = ct_fail(&e, CT_ERR_CONFIG, "%s: already tokenized (--input takes text, JSONL or chat data)", a.inputs[i]);
         if (!rc) kind = !kind || !strcmp(kind, ds_kind_name(k)) ? ds_kind_name(k) : "mixed";
+        if (!rc && k == DS_KIND_CHAT) has_chat = 1;
     }
     /* a Hub id -> its snapshot in the cache (meta.json records the id) */
     static hub_local loc;
@@ -195,6 +197,14 @@ int cli_prepare(int argc, char **argv) {
         if (o.eos_id < 0) rc = ct_fail(&e, CT_ERR_CONFIG, "--eos: %s is not a token of %s", a.eos, a.tokenizer);
     }
     if (!rc) rc = ds_writer_open(&w, a.out, (uint64_t)a.shard_tokens, a.overwrite, &e);
+    /* meta.json records the template the chat sources are rendered with (the
+     * same resolution ds_tokenize makes), so that a trainer naming another
+     * one for this data is told rather than silently ignored */
+    if (!rc && has_chat) {
+        chat_tmpl_id *chat_id = ct_calloc(1, sizeof *chat_id);
+        if (!(rc = chat_tmpl_identify(o.chat_template, o.tokenizer_dir, chat_id, &e))) ds_writer_chat_template(w, chat_id);
+        free(chat_id);
+    }
     ds_progress st = {0};
     double t0 = ct_now();
     if (!rc) {

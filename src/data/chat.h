@@ -107,4 +107,24 @@ const char *chat_tmpl_file(const chat_tmpl *c);
 int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *messages_json, tok_ids *ids,
                      chat_mask *mask, ct_err *e);
 
+/* Which template a spec renders with, recorded by `ctitan prepare` in
+ * meta.json ("chat_template") and compared by the loader when a trainer
+ * names a template explicitly for prepared data: a prepared dataset's
+ * tokens and masks already follow the template it was prepared with, so a
+ * different one named at train time would silently not apply. The identity
+ * is the template text (sha256); the special tokens it is rendered with
+ * come from the tokenizer, which meta.json records on its own. */
+typedef struct {
+    char mode[16];    /* the spec's kind: "auto", "chatml", "tokenizer" or "path" */
+    char path[4096];  /* mode "path": the spec */
+    int builtin;      /* the built-in ChatML renders (no template text) */
+    char file[4400];  /* else where the text was read ("<dir>/tokenizer_config.json (chat_template)") */
+    char sha256[65];  /* else the text's sha256, lowercase hex; "" for the built-in ChatML */
+} chat_tmpl_id;
+
+/* The spec as chat_tmpl_open resolves it (its errors). */
+int chat_tmpl_identify(const char *spec, const char *tokenizer_dir, chat_tmpl_id *out, ct_err *e);
+/* "the built-in ChatML" or "FILE (sha256 HEX)", for messages. */
+void chat_tmpl_id_describe(const chat_tmpl_id *id, char *buf, size_t n);
+
 #endif

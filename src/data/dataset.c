@@ -147,6 +147,43 @@ static int add_token_file(ds *d, const char *path, const char *mask_path, ct_err
     return 0;
 }
 
+/* A prepared dataset's tokens and masks follow the chat template `ctitan
+ * prepare` rendered it with (meta.json's "chat_template"); a template named
+ * at train time is not applied to them. So when the trainer names one
+ * explicitly (anything but "auto", the default) and it is not the recorded
+ * one (compared by what each resolves to: the built-in ChatML, or the
+ * template text's sha256), refuse rather than train on data the user
+ * believes rendered otherwise. Data without the record (no chat source, or
+ * prepared before it existed) has nothing to compare. */
+static int check_chat_template(const ds *d, const cJSON *rec, const char *meta, ct_err *e) {
+    const char *spec = d->cfg.tok.chat_template;
+    if (!rec || !spec || !spec[0] || !strcmp(spec, "auto")) return 0;
+    const cJSON *mode = cJSON_GetObjectItemCaseSensitive(rec, "mode");
+    const cJSON *tmpl = cJSON_GetObjectItemCaseSensitive(rec, "template");
+    const cJSON *sha = cJSON_GetObjectItemCaseSensitive(rec, "sha256");
+    const cJSON *path = cJSON_GetObjectItemCaseSensitive(rec, "path");
+    if (!cJSON_IsObject(rec) || !cJSON_IsString(mode) || !cJSON_IsString(tmpl) ||
+        !(cJSON_IsString(sha) || cJSON_IsNull(sha)))
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s: chat_template: expected {\"mode\": ..., \"template\": ..., \"sha256\": hex or null}", meta);
+    chat_tmpl_id *id = ct_calloc(1, sizeof *id);
+    int rc = chat_tmpl_identify(spec, d->cfg.tok.tokenizer_dir, id, e);
+    int same = !rc && (cJSON_IsNull(sha) ? id->builtin : !id->builtin && !strcmp(id->sha256, sha->valuestring));
+    if (!rc && !same) {
+        char want[4600], had[4600];
+        chat_tmpl_id_describe(id, want, sizeof want);
+        if (cJSON_IsNull(sha)) snprintf(had, sizeof had, "the built-in ChatML");
+        else snprintf(had, sizeof had, "%s (sha256 %s)", tmpl->valuestring, sha->valuestring);
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "training.chat_template = \"%s\" renders with %s, but %s was prepared with chat template "
+                     "\"%s\", which rendered with %s: prepared tokens and masks keep the template they were made "
+                     "with; prepare the data again with --chat-template %s, or leave training.chat_template unset",
+                     spec, want, meta, cJSON_IsString(path) ? path->valuestring : mode->valuestring, had, spec);
+    }
+    free(id);
+    return rc;
+}
+
 /* The shards of a meta.json, in its order, each checked against its count. */
 static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
     size_t got;
@@ -164,6 +201,8 @@ static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: format: expected \"ctitan-tokens\"", meta);
     else if (!cJSON_IsArray(shards))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: shards: expected a list", meta);
+    else
+        rc = check_chat_template(d, cJSON_GetObjectItemCaseSensitive(j, "chat_template"), meta, e);
     int k = 0;
     const cJSON *list = rc ? NULL : shards;
     cJSON_ArrayForEach(it, list) {

@@ -49,6 +49,7 @@
 #include <stdint.h>
 
 #include "core/err.h"
+#include "data/chat.h"
 #include "tokenizer/tokenizer.h"
 
 typedef enum { DS_KIND_AUTO = 0, DS_KIND_TEXT, DS_KIND_JSONL, DS_KIND_CHAT, DS_KIND_TOKENS } ds_kind;
@@ -184,6 +185,12 @@ int ds_writer_sink(void *ctx, const uint32_t *ids, const uint8_t *mask, size_t n
  * (any string may be NULL). */
 int ds_writer_finish(ds_writer *w, const char *kind, const char *tokenizer_dir, int32_t eos_id, int32_t vocab_size,
                      const char *const *inputs, int n_inputs, const ds_progress *stats, ct_err *e);
+/* The chat template the chat sources were rendered with, recorded in
+ * meta.json as "chat_template": {"mode", ["path",] "template", "sha256"}
+ * ("template": the file it was read from, or "built-in ChatML" with sha256
+ * null). Call before ds_writer_finish; without it meta.json has no such key
+ * (no chat source). */
+void ds_writer_chat_template(ds_writer *w, const chat_tmpl_id *id);
 /* Frees; after an error (no finish) the partial shards are left in place. */
 void ds_writer_free(ds_writer *w);
 /* Shards written so far. */

@@ -29,6 +29,8 @@ struct ds_writer {
     int n_shards, cap;
     int masked;          /* -1 until the first chunk says */
     uint64_t total;
+    int has_chat;        /* chat: the template the chat sources were rendered with */
+    chat_tmpl_id chat;
 };
 
 static int is_ours(const char *name) {
@@ -127,6 +129,11 @@ int ds_writer_sink(void *ctx, const uint32_t *ids, const uint8_t *mask, size_t n
 
 int ds_writer_num_shards(const ds_writer *w) { return w->n_shards; }
 
+void ds_writer_chat_template(ds_writer *w, const chat_tmpl_id *id) {
+    w->chat = *id;
+    w->has_chat = 1;
+}
+
 int ds_writer_finish(ds_writer *w, const char *kind, const char *tokenizer_dir, int32_t eos_id, int32_t vocab_size,
                      const char *const *inputs, int n_inputs, const ds_progress *stats, ct_err *e) {
     if (close_shard(w, e)) return e->code;
@@ -159,6 +166,15 @@ int ds_writer_finish(ds_writer *w, const char *kind, const char *tokenizer_dir, 
         }
         cJSON_AddNumberToObject(o, "tokens", (double)w->shard_n[k]);
         cJSON_AddItemToArray(sh, o);
+    }
+    if (w->has_chat) {
+        /* the trainer compares it with an explicit training.chat_template (dataset.c) */
+        cJSON *ct = cJSON_AddObjectToObject(m, "chat_template");
+        cJSON_AddStringToObject(ct, "mode", w->chat.mode);
+        if (w->chat.path[0]) cJSON_AddStringToObject(ct, "path", w->chat.path);
+        cJSON_AddStringToObject(ct, "template", w->chat.builtin ? "built-in ChatML" : w->chat.file);
+        if (w->chat.builtin) cJSON_AddNullToObject(ct, "sha256");
+        else cJSON_AddStringToObject(ct, "sha256", w->chat.sha256);
     }
     cJSON *in = cJSON_AddArrayToObject(m, "inputs");
     for (int i = 0; i < n_inputs; i++) cJSON_AddItemToArray(in, cJSON_CreateString(inputs[i]));

@@ -376,20 +376,24 @@ static int read_rope(lm_config *c, const lm_family *f, const cJSON *root, const 
     if (gemma && (rc = rope_params_from_hf(&c->rope_local, root, "sliding_attention", c->head_dim, path, e)))
         return rc;
     /* Only Phi3's apply_rotary_pos_emb rotates the first rotary_dim features and
-     * passes the rest through (lm_rotary_dim). The other families' rope init
-     * functions (yarn, llama3, ...) also read the factor, but their attention
-     * multiplies whole heads by cos/sin of rotary_dim features, so transformers
-     * fails there: refused. The fused per-head q/k norm + RoPE op rotates whole
-     * heads, so a family with per-head q/k norms must rotate whole heads. */
+     * passes the rest through (lm_rotary_dim). The other families' default RoPE
+     * ignores the factor (rope.c resolves it to 1 there, as transformers does),
+     * but their scaled types' init functions (linear, dynamic, yarn, llama3,
+     * longrope) do read it, and their apply_rotary_pos_emb then multiplies whole
+     * heads by cos/sin of rotary_dim features: transformers 5.24 fails with a
+     * shape error on the first forward, so there is nothing to reproduce. The
+     * fused per-head q/k norm + RoPE op rotates whole heads too. */
     const rope_params *ps[2] = {&c->rope, &c->rope_local};
     for (int i = 0; i < 2; i++)
         if (rope_rotary_dim(ps[i], c->head_dim) != c->head_dim &&
             (f->rope_style != ROPE_STYLE_PHI3 || gemma || c->qk_norm == LM_QK_HEAD))
             return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: \"partial_rotary_factor\" = %g rotates %d of head_dim %d: partial RoPE is supported "
-                           "for model_type phi3 only (transformers' %s attention rotates whole heads)",
-                           path, ps[i]->partial_rotary_factor, rope_rotary_dim(ps[i], c->head_dim), c->head_dim,
-                           f->type);
+                           "%s: \"partial_rotary_factor\" = %g with rope_type \"%s\" is not supported for model_type %s: "
+                           "it rotates %d of head_dim %d, and transformers' %s attention rotates whole heads (its "
+                           "forward fails); partial RoPE is supported for model_type phi3 (default, longrope), and "
+                           "the default RoPE of the other families ignores the factor",
+                           path, ps[i]->partial_rotary_factor, rope_type_name(ps[i]->type), f->type,
+                           rope_rotary_dim(ps[i], c->head_dim), c->head_dim, f->type);
     c->has_rope = 1;
     c->rope_theta = c->rope.theta;
     return 0;
@@ -400,8 +404,10 @@ static void add_float(cJSON *o, const char *key, double v);
 static void write_rope(cJSON *o, const rope_params *p) {
     cJSON_AddStringToObject(o, "rope_type", rope_type_name(p->type));
     add_float(o, "rope_theta", p->theta);
-    /* Phi3 only (read_rope); Phi3Config takes it from rope_parameters before the top-level key */
-    if (p->partial_rotary_factor != 1.0) add_float(o, "partial_rotary_factor", p->partial_rotary_factor);
+    /* as config.json gave it (also where the default RoPE ignores it), so that the
+     * export reads back as the same config; transformers takes it from
+     * rope_parameters before the top-level key */
+    if (p->partial_rotary_factor_given > 0) add_float(o, "partial_rotary_factor", p->partial_rotary_factor_given);
     if (p->type == ROPE_DEFAULT) return;
     if (p->type != ROPE_LONGROPE) add_float(o, "factor", p->factor);
     if (p->type == ROPE_YARN || p->type == ROPE_LLAMA3 || p->type == ROPE_LONGROPE)
@@ -557,14 +563,6 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         (rc = refuse_nonzero(root, "resid_pdrop", "ctitan trains without dropout", path, e)) ||
         (rc = refuse_nonzero(root, "embd_pdrop", "ctitan trains without dropout", path, e)))
         goto done;
-    /* Phi3's RoPE reads it (read_rope); the other families' default RoPE ignores it */
-    const cJSON *prf = cJSON_GetObjectItemCaseSensitive(root, "partial_rotary_factor");
-    if (f->rope_style != ROPE_STYLE_PHI3 && prf && !cJSON_IsNull(prf) &&
-        !(cJSON_IsNumber(prf) && prf->valuedouble == 1.0)) {
-        rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"partial_rotary_factor\" other than 1 is supported for model_type phi3 only",
-                     path);
-        goto done;
-    }
     snprintf(c->name, sizeof c->name, "hf");
     rc = lm_config_check(c, path, e);
 done:

@@ -27,10 +27,12 @@
  *    family's default_theta (1e6 for mixtral, 1e4 for the rest); Gemma3:
  *    top-level rope_theta (default 1e6) for full_attention,
  *    rope_local_base_freq (default 1e4) for sliding_attention.
- *  - partial_rotary_factor: the dict's, else the top-level one, else 1. Only
- *    Phi3's default RoPE reads it; the other families' default RoPE
+ *  - partial_rotary_factor: the dict's, else the top-level one, else 1.
+ *    Phi3's default RoPE and every scaled type's init function read it; the
+ *    other families' default RoPE
  *    (<Family>RotaryEmbedding.compute_default_rope_parameters) rotates the
- *    whole head whatever it says, so it resolves to 1 there.
+ *    whole head whatever it says, so it resolves to 1 there (the value
+ *    given is kept in partial_rotary_factor_given for the export).
  *  - original_max_position_embeddings (yarn, llama3, longrope): Phi3 always
  *    takes its top-level attribute (default 4096), whatever the dict says;
  *    the other families take a top-level one when config.json has it (the
@@ -365,27 +367,39 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
         }
     }
 
-    /* partial_rotary_factor: the dict's, else the top-level one (null: absent), else 1 */
+    /* partial_rotary_factor: the dict's, else the top-level one (null: absent), else 1.
+     * Read and checked for every family and type, and kept as given for the
+     * export; only Phi3's RoPE and the scaled types read it (the other
+     * families' default RoPE rotates whole heads whatever it says, so there it
+     * resolves to 1; lm_config refuses the scaled types outside Phi3). A
+     * null inside the dict is refused where the factor is read: transformers'
+     * int(head_dim * None) fails there. */
+    int prf_read = p->type != ROPE_DEFAULT || fam->style == ROPE_STYLE_PHI3;
     p->partial_rotary_factor = 1.0;
-    if (p->type != ROPE_DEFAULT || fam->style == ROPE_STYLE_PHI3) {
+    {
         const char *pwhere = "";
-        if ((rc = rd_num(&r, "partial_rotary_factor", 0, &found, &p->partial_rotary_factor))) return rc;
+        double prf = 1.0;
+        if ((rc = rd_num(&r, "partial_rotary_factor", !prf_read, &found, &prf))) return rc;
         if (found) {
             rd_get(&r, "partial_rotary_factor", &pwhere);
         } else {
             if ((rc = top_num(root, "partial_rotary_factor", 1, &found, &v, path, e))) return rc;
-            if (found) p->partial_rotary_factor = v;
+            if (found) prf = v;
         }
-        if (!(p->partial_rotary_factor > 0 && p->partial_rotary_factor <= 1))
-            return ct_fail(e, CT_ERR_CONFIG, "%s: %s%spartial_rotary_factor must be in (0, 1], got %g", path, pwhere,
-                           *pwhere ? "." : "", p->partial_rotary_factor);
+        if (found) {
+            if (!(prf > 0 && prf <= 1))
+                return ct_fail(e, CT_ERR_CONFIG, "%s: %s%spartial_rotary_factor must be in (0, 1], got %g (model_type %s)",
+                               path, pwhere, *pwhere ? "." : "", prf, fam->model_type);
+            p->partial_rotary_factor_given = prf;
+            if (prf_read) p->partial_rotary_factor = prf;
+        }
     }
     int dim = rope_rotary_dim(p, head_dim);
     if (dim < 2 || dim % 2)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: the rotary dimension int(head_dim %d * partial_rotary_factor %g) = %d must be even and "
-                       "at least 2",
-                       path, head_dim, p->partial_rotary_factor, dim);
+                       "at least 2 (model_type %s)",
+                       path, head_dim, p->partial_rotary_factor, dim, fam->model_type);
     if (dim / 2 > ROPE_MAX_HALF)
         return ct_fail(e, CT_ERR_CONFIG, "%s: rotary dimension %d is over %d", path, dim, 2 * ROPE_MAX_HALF);
     if (p->type == ROPE_DYNAMIC && dim == 2)

@@ -47,6 +47,9 @@ typedef struct {
     double short_factor[ROPE_MAX_HALF], long_factor[ROPE_MAX_HALF];
     double partial_rotary_factor; /* partial_rotary_factor as the frequencies use it: 1 for
                                      default RoPE outside phi3, whose default ignores it */
+    double partial_rotary_factor_given; /* as config.json gives it for this layer type (0: absent):
+                                           what an export writes back, so that transformers
+                                           reads the same config (and ignores it where it did) */
 } rope_params;
 
 /* What RoPE reads of a family's config class. The family table of

@@ -133,6 +133,9 @@ static void test_family_defaults(void) {
     /* partial_rotary_factor: ignored by default RoPE outside phi3 */
     CHECK(parse(&p, "{\"model_type\": \"llama\", \"partial_rotary_factor\": 0.5}", NULL, 64, &e) == 0, "%s", e.msg);
     CHECK(p.partial_rotary_factor == 1.0 && rope_rotary_dim(&p, 64) == 64, "llama default rotates the whole head");
+    CHECK(p.partial_rotary_factor_given == 0.5, "the value given is kept for the export: %g", p.partial_rotary_factor_given);
+    CHECK(parse(&p, "{\"model_type\": \"qwen3\"}", NULL, 64, &e) == 0 && p.partial_rotary_factor_given == 0,
+          "absent: nothing to carry");
     CHECK(parse(&p, "{\"model_type\": \"phi3\", \"partial_rotary_factor\": 0.5}", NULL, 64, &e) == 0, "%s", e.msg);
     CHECK(rope_rotary_dim(&p, 64) == 32, "phi3 default reads partial_rotary_factor");
 }
@@ -190,6 +193,10 @@ static void expect_error(const char *json, const char *lt, const char *needle) {
 }
 
 static void test_errors(void) {
+    /* read and checked even where ignored: a factor outside (0, 1] is no model */
+    expect_error("{\"model_type\": \"mistral\", \"rope_parameters\": {\"rope_type\": \"default\", "
+                 "\"partial_rotary_factor\": 0}}",
+                 NULL, "rope_parameters.partial_rotary_factor must be in (0, 1], got 0 (model_type mistral)");
     expect_error("{\"model_type\": \"llama\", \"rope_parameters\": {\"rope_type\": \"linear\"}}", NULL,
                  "rope_parameters is missing \"factor\", required for rope_type \"linear\"");
     expect_error("{\"model_type\": \"llama\", \"rope_scaling\": {\"type\": \"ntk\", \"factor\": 2}}", NULL,

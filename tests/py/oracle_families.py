@@ -183,6 +183,42 @@ CASES = [
 ]
 CASE = {c.id: c for c in CASES}
 
+# partial_rotary_factor outside phi3 (transformers 5.24): every other family's default RoPE
+# (<Family>RotaryEmbedding.compute_default_rope_parameters) never reads it and rotates whole
+# heads, so the model is the one without the factor (test_families pins that on transformers
+# itself). One case per family, on top of the family's first case, with the factor in
+# rope_parameters or at the top level (convert_rope_params_to_dict moves it into the dict):
+# ctitan must compute the same model and carry the key to its export. The scaled types do read
+# it and then fail in transformers' forward: REFUSALS below.
+def _partial_default(family, cid, factor, top_level):
+    def default_rope(c):
+        rp = c.kw["rope_parameters"]
+        return all(d["rope_type"] == "default" for d in (rp.values() if family == "gemma3_text" else [rp]))
+    base = next(c for c in CASES if c.family == family and default_rope(c))
+    kw = copy.deepcopy(base.kw)
+    if family == "gemma3_text":
+        for d in kw["rope_parameters"].values():
+            if not top_level:
+                d["partial_rotary_factor"] = factor
+    elif not top_level:
+        kw["rope_parameters"]["partial_rotary_factor"] = factor
+    if top_level:
+        kw["partial_rotary_factor"] = factor
+    return Case(cid, family, kw, seed=base.seed, keys=tuple(dict.fromkeys(base.keys + ("rope_parameters",))))
+
+
+PARTIAL_DEFAULT_CASES = [
+    _partial_default("llama", "llama_default_partial05_ignored", 0.5, top_level=True),
+    _partial_default("mistral", "mistral_default_partial075_ignored", 0.75, top_level=False),
+    _partial_default("qwen2", "qwen2_default_partial05_ignored", 0.5, top_level=False),
+    _partial_default("qwen3", "qwen3_default_partial05_ignored", 0.5, top_level=True),
+    _partial_default("qwen3_moe", "qwen3_moe_default_partial05_ignored", 0.5, top_level=False),
+    _partial_default("mixtral", "mixtral_default_partial025_ignored", 0.25, top_level=True),
+    _partial_default("olmo2", "olmo2_default_partial05_ignored", 0.5, top_level=False),
+    _partial_default("gemma3_text", "gemma3_default_partial05_ignored", 0.5, top_level=False),
+]
+CASE.update({c.id: c for c in PARTIAL_DEFAULT_CASES})
+
 
 # --------------------------------------------------------------------------- refusals
 
@@ -195,6 +231,7 @@ class Refusal:
     family: str
     kw: dict
     key: str
+    also: tuple = ()  # further text the message must hold (the value, the family)
 
 
 REFUSALS = [
@@ -207,13 +244,49 @@ REFUSALS = [
     Refusal("mixtral_router_jitter", "mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
     Refusal("olmo2_attention_dropout", "olmo2", dict(attention_dropout=0.1), "attention_dropout"),
     Refusal("phi3_resid_pdrop", "phi3", dict(resid_pdrop=0.1), "resid_pdrop"),
-    # llama's yarn init reads partial_rotary_factor (inv_freq over half of each head) but its
-    # attention rotates whole heads by those cos/sin: transformers fails, ctitan refuses (only
-    # Phi3 passes the rest of each head through; its cases above)
+    # partial_rotary_factor with a scaled RoPE type outside phi3: the type's init function
+    # (modeling_rope_utils) reads the factor and returns inv_freq for int(head_dim * factor)
+    # features, but the family's apply_rotary_pos_emb multiplies whole heads by those cos/sin:
+    # transformers' forward fails (test_oracle_partial_rotary_scaled_fails pins it), ctitan
+    # refuses naming the key, the value and the family. One per family, every scaled type once.
     Refusal("llama_yarn_partial_rotary", "llama", dict(
         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                          "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5}),
-        "partial_rotary_factor"),
+        "partial_rotary_factor", ("0.5", "llama", "yarn")),
+    Refusal("mistral_linear_partial_rotary", "mistral", dict(
+        rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.75}),
+        "partial_rotary_factor", ("0.75", "mistral", "linear")),
+    Refusal("qwen2_dynamic_partial_rotary", "qwen2", dict(
+        partial_rotary_factor=0.5, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+        "partial_rotary_factor", ("0.5", "qwen2", "dynamic")),
+    Refusal("qwen3_yarn_partial_rotary", "qwen3", dict(
+        partial_rotary_factor=0.5, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                     "original_max_position_embeddings": 32}),
+        "partial_rotary_factor", ("0.5", "qwen3", "yarn")),
+    Refusal("qwen3_moe_llama3_partial_rotary", "qwen3_moe", dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                         "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor", ("0.5", "qwen3_moe", "llama3")),
+    Refusal("mixtral_longrope_partial_rotary", "mixtral", dict(
+        head_dim=8,  # longrope reads config.head_dim, which MixtralConfig leaves None
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 32,
+                         "short_factor": [1.0] * 2, "long_factor": [2.0] * 2, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor", ("0.5", "mixtral", "longrope")),
+    Refusal("olmo2_linear_partial_rotary", "olmo2", dict(
+        partial_rotary_factor=0.25, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
+        "partial_rotary_factor", ("0.25", "olmo2", "linear")),
+    Refusal("gemma3_yarn_partial_rotary", "gemma3_text", dict(
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                            "original_max_position_embeddings": 32,
+                                            "partial_rotary_factor": 0.5}}),
+        "partial_rotary_factor", ("0.5", "gemma3_text", "yarn")),
+    # phi3 rotates int(head_dim * factor) features; an odd count (8 * 0.625 = 5) gives
+    # transformers an inv_freq of ceil(5 / 2) = 3 and frequencies over 5: no published model
+    Refusal("phi3_partial_rotary_odd", "phi3", dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.625}),
+        "partial_rotary_factor", ("0.625", "phi3")),
     # bidirectional attention (Gemma3 embedding models): the mask is not causal
     Refusal("gemma3_bidirectional", "gemma3_text", dict(use_bidirectional_attention=True),
             "use_bidirectional_attention"),

@@ -205,3 +205,79 @@ def test_train_step_with_family_template(family, run_ctitan, tmp_path):
     loss, _, _ = oracle.hf_loss_and_grads(oracle.load_hf(model_dir), w[:, :-1], y)
     assert row["valid_targets"] == oracle.n_valid(y)
     assert abs(row["loss"] - loss) <= 1e-5 * loss, f"ctitan loss {row['loss']!r} vs transformers {loss!r}"
+
+
+# --------------------------------------------------------------------------- the template's record
+
+def _sha(text: str | bytes) -> str:
+    import hashlib
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+
+
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
+def test_prepare_records_chat_template(family, run_ctitan, tmp_path):
+    """meta.json's "chat_template": the spec's mode (auto, chatml, tokenizer, path), where the
+    text came from and its sha256 (hashlib over the text as tokenizer_config.json / the .jinja
+    file hold it); the built-in ChatML has no text (null); data without chat has no record."""
+    name, tokdir, _ = family
+    text = json.loads((tokdir / "tokenizer_config.json").read_text())["chat_template"]
+    assert isinstance(text, str) and "[INST]" in text
+
+    def meta(out, *extra):
+        prepare(run_ctitan, tokdir, CONVS, tmp_path / out, *extra)
+        return json.loads((tmp_path / out / "meta.json").read_text())["chat_template"]
+
+    src = f"{tokdir}/tokenizer_config.json (chat_template)"
+    assert meta("auto") == {"mode": "auto", "template": src, "sha256": _sha(text)}
+    assert meta("tok", "--chat-template", "tokenizer") == {"mode": "tokenizer", "template": src, "sha256": _sha(text)}
+    assert meta("chatml", "--chat-template", "chatml") == {"mode": "chatml", "template": "built-in ChatML",
+                                                           "sha256": None}
+    own = tmp_path / "own.jinja"
+    own.write_bytes(LLAMA_GEN.replace("<|start_header_id|>", "[H]").replace("<|end_header_id|>", "[/H]")
+                    .replace("<|eot_id|>", "</s>").encode())
+    assert meta("path", "--chat-template", own) == {"mode": "path", "path": str(own), "template": str(own),
+                                                    "sha256": _sha(own.read_bytes())}
+    # no chat source: nothing rendered, nothing recorded
+    txt = tmp_path / "plain.txt"
+    txt.write_text("Some text.\n\nMore text.\n")
+    run_ctitan(["prepare", "--tokenizer", tokdir, "--input", txt, "--out", tmp_path / "plain", "--quiet"])
+    assert "chat_template" not in json.loads((tmp_path / "plain" / "meta.json").read_text())
+
+
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
+def test_trainer_refuses_another_template_for_prepared_data(family, run_ctitan, tmp_path):
+    """Prepared data keeps the template it was prepared with. training.chat_template left at auto,
+    or naming the same template (tokenizer, which auto resolved to), trains; naming another one
+    (the built-in ChatML, a .jinja file) is refused before any step, the message naming both the
+    setting with what it resolves to and meta.json's record."""
+    import shutil
+
+    import oracle
+    name, tokdir, tok = family
+    data = tmp_path / "data"
+    prepare(run_ctitan, tokdir, CONVS * 4, data)
+    rec = json.loads((data / "meta.json").read_text())["chat_template"]
+    model_dir = tmp_path / "model"
+    oracle.save_random_hf(model_dir, oracle.tiny_config(vocab=len(tok), hidden=32, inter=48, layers=1, heads=4,
+                                                       kv_heads=2, head_dim=8), seed=5)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokdir / f, model_dir / f)
+
+    def train(tag, template):
+        opts = {} if template is None else {"training.chat_template": str(template)}
+        sec = oracle.train_sections(tmp_path / tag, data, model_dir, steps=1, seq_len=8, local_bs=2, options=opts)
+        return run_ctitan(["train", "--config", oracle.write_toml(tmp_path / f"{tag}.toml", sec)], check=False)
+
+    for tag, template in (("default", None), ("same", "tokenizer")):
+        rc, _, err = train(tag, template)
+        assert rc == 0, f"{tag}: {err}"
+    own = tmp_path / "own.jinja"
+    own.write_text("{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}")
+    for tag, template, resolved in (("chatml", "chatml", "the built-in ChatML"),
+                                    ("file", own, f"{own} (sha256 {_sha(own.read_bytes())})")):
+        rc, _, err = train(tag, template)
+        assert rc != 0, f"{tag}: trained on data prepared with another template"
+        for want in (f'training.chat_template = "{template}"', resolved, str(data / "meta.json"),
+                     f'"{rec["mode"]}"', rec["template"], rec["sha256"]):
+            assert want in err, f"{tag}: the message must name {want!r}: {err}"
+        assert not (tmp_path / tag / "metrics.jsonl").exists() or "loss" not in (tmp_path / tag / "metrics.jsonl").read_text()

@@ -35,6 +35,11 @@ AC_MODES = [
 ]
 
 IDS = [c.id for c in of.CASES]
+# the cases plus partial_rotary_factor on every family's default RoPE (which ignores it outside
+# phi3): names, logits / loss / gradients and the export; the AdamW and checkpointing tests
+# exercise nothing a config key changes and stay on CASES
+WITH_PARTIAL = of.CASES + of.PARTIAL_DEFAULT_CASES
+WITH_PARTIAL_IDS = [c.id for c in WITH_PARTIAL]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +76,7 @@ def _bad(got: dict, want: dict, tol=TOL):
 
 # --------------------------------------------------------------------------- 1. names, shapes, weights
 
-@pytest.mark.parametrize("case", of.CASES, ids=IDS)
+@pytest.mark.parametrize("case", WITH_PARTIAL, ids=WITH_PARTIAL_IDS)
 def test_names_shapes_weights(case, saved, open_session):
     model, hf_dir = saved(case)
     files = oracle.read_hf_tensors(hf_dir)
@@ -91,7 +96,7 @@ def test_names_shapes_weights(case, saved, open_session):
 
 # --------------------------------------------------------------------------- 2. logits, loss, gradients
 
-@pytest.mark.parametrize("case", of.CASES, ids=IDS)
+@pytest.mark.parametrize("case", WITH_PARTIAL, ids=WITH_PARTIAL_IDS)
 def test_logits_loss_grads(case, saved, open_session):
     model, hf_dir = saved(case)
     tokens, labels = of.batch(model, B, case.T, seed=5)
@@ -156,7 +161,7 @@ def test_three_adamw_steps(case, saved, open_session):
 
 # --------------------------------------------------------------------------- 4. export
 
-@pytest.mark.parametrize("case", of.CASES, ids=IDS)
+@pytest.mark.parametrize("case", WITH_PARTIAL, ids=WITH_PARTIAL_IDS)
 def test_export_loads_in_transformers(case, saved, open_session, tmp_path):
     """Every weight moved (x 1.5), save_hf, from_pretrained: the family's class, its
     distinctive config values, the weights and the logits of the moved model."""
@@ -234,6 +239,9 @@ def test_unsupported_option_refused(r, tmp_path, open_session):
     msg = str(ei.value).split("failed: ", 1)[-1]
     path = str(bad / "config.json")
     assert path in msg and r.key in msg.replace(path, ""), f"message must name {path} and {r.key!r}: {msg}"
+    rest = msg.replace(path, "")
+    missing = [t for t in r.also if t not in rest]
+    assert not missing, f"message must also name {missing}: {msg}"
 
 
 # --------------------------------------------------------------------------- the oracle's own assumptions
@@ -252,3 +260,40 @@ def test_oracle_gemma3_attn_softcap_is_inert():
     la = of.logits(a, case.family, tokens)
     assert np.array_equal(la, of.logits(b, case.family, tokens))
     assert np.array_equal(la, of.logits(c, case.family, tokens))
+
+
+PARTIAL_SCALED = [r for r in of.REFUSALS if r.key == "partial_rotary_factor" and r.family != "phi3"]
+
+
+@pytest.mark.parametrize("case", of.PARTIAL_DEFAULT_CASES, ids=[c.id for c in of.PARTIAL_DEFAULT_CASES])
+def test_oracle_default_rope_ignores_partial_rotary(case):
+    """Outside phi3, transformers 5.24's default RoPE never reads partial_rotary_factor: the model
+    with the factor gives the logits of the same model without it, bit for bit (so the cases
+    expect ctitan to ignore it too, and a transformers that starts honouring it fails here)."""
+    import dataclasses
+    kw = {k: v for k, v in case.kw.items() if k != "partial_rotary_factor"}
+    kw["rope_parameters"] = of.copy.deepcopy(kw["rope_parameters"])
+    for d in (kw["rope_parameters"].values() if case.family == "gemma3_text" else [kw["rope_parameters"]]):
+        d.pop("partial_rotary_factor", None)
+    a = of.build(case)
+    b = of.build(dataclasses.replace(case, kw=kw))
+    rp = a.config.rope_parameters
+    assert any(d.get("partial_rotary_factor", 1.0) < 1.0
+               for d in (rp.values() if case.family == "gemma3_text" else [rp])), "the factor must reach the config"
+    tokens, _ = of.batch(a, B, case.T, seed=5)
+    assert np.array_equal(of.logits(a, case.family, tokens), of.logits(b, case.family, tokens))
+
+
+@pytest.mark.parametrize("r", PARTIAL_SCALED, ids=[r.id for r in PARTIAL_SCALED])
+def test_oracle_partial_rotary_scaled_fails(r):
+    """The refused partial_rotary_factor configs: transformers builds the model, and its forward
+    fails (whole heads times cos/sin of int(head_dim * factor) features), so ctitan has nothing to
+    reproduce. If a transformers update makes them compute, this fails and the refusal must go."""
+    import torch
+    cfg = of.refusal_config(r)
+    _, M = of.FAMILIES[r.family]
+    model = M(cfg).to(torch.float32)
+    tokens = torch.tensor(oracle.random_tokens(16, cfg.vocab_size, seed=1).reshape(1, 16))
+    with pytest.raises(RuntimeError, match="must match the size"):
+        with torch.no_grad():
+            model(input_ids=tokens)
