@@ -22,13 +22,14 @@
  * p = 0 and dS = 0, so the loops have no ragged edges inside a tile; rows
  * past the end of a partial block repeat the last row and are never stored.
  *
- * Memory. Every operand a product streams is a contiguous piece of at most
- * 8 KB at hd 128, read by all micro-blocks of the block while it stays in L1
- * (sized for Zen 3's 32 KB L1d, not only this Sapphire Rapids' 48 KB): K^T
- * and V^T (backward) as 16-key chunks [hd][16] built with 8 x 8 in-register
- * transposes; V (forward P V) and k (backward dS K) as 16-column slabs
- * [hd/16][T][16] of the head's rows; the block's q rows (forward) and the
- * query head's q and dout rows (backward) copied contiguous. Each product
+ * Memory. The operand each product re-reads for every micro-block is a
+ * contiguous piece of at most 8 KB at hd 128, read by all micro-blocks of the
+ * block while it stays in L1 (sized for Zen 3's 32 KB L1d, not only this
+ * Sapphire Rapids' 48 KB): K^T and V^T (backward) as 16-key chunks [hd][16]
+ * built with 8 x 8 in-register transposes; V (forward P V) and k (backward
+ * dS K) as 16-column slabs [hd/16][T][16] of the head's rows; the block's q
+ * rows (forward) and the query head's q and dout rows (backward) copied
+ * contiguous. Each product
  * loops over the micro-blocks inside the loop over its operand's pieces, so
  * the forward computes every micro-block's scores of a tile before the P V
  * products. The model's layout puts a head's rows 4-8 KB apart, all in a few
