@@ -16,12 +16,25 @@
  *            dK[6 keys][16] += dS^T Q with the keys' accumulators held across
  *            the tile's query rows (from the first row that sees the keys);
  *            dQ[6 rows][16] += dS K as P V.
- * Scores and probabilities of a micro-block go through a small L1 buffer
- * (6 x 64), since 6 rows x 64 keys do not fit in 16 registers. Query blocks
- * are 48 rows (8 micro-blocks of 6). Masked lanes (past the diagonal or the
- * sequence) get p = 0 and dS = 0, so the loops have no ragged edges inside a
- * tile; rows past the end of a partial block repeat the last row and are
- * never stored.
+ * Scores and probabilities go through a [48 x 64] buffer in L1, since 6 rows
+ * x 64 keys do not fit in 16 registers. Query blocks are 48 rows (8
+ * micro-blocks of 6). Masked lanes (past the diagonal or the sequence) get
+ * p = 0 and dS = 0, so the loops have no ragged edges inside a tile; rows
+ * past the end of a partial block repeat the last row and are never stored.
+ *
+ * Memory. The operand each product re-reads for every micro-block is a
+ * contiguous piece of at most 8 KB at hd 128, read by all micro-blocks of the
+ * block while it stays in L1 (sized for Zen 3's 32 KB L1d, not only this
+ * Sapphire Rapids' 48 KB): K^T and V^T (backward) as 16-key chunks [hd][16]
+ * built with 8 x 8 in-register transposes; V (forward P V) and k (backward
+ * dS K) as 16-column slabs [hd/16][T][16] of the head's rows; the block's q
+ * rows (forward) and the query head's q and dout rows (backward) copied
+ * contiguous. Each product
+ * loops over the micro-blocks inside the loop over its operand's pieces, so
+ * the forward computes every micro-block's scores of a tile before the P V
+ * products. The model's layout puts a head's rows 4-8 KB apart, all in a few
+ * L1 sets. These only move values: the results are bit-identical to the
+ * earlier one-micro-block-at-a-time kernel on [hd][Tp] and strided rows.
  *
  * Options (kern_attn_opt) as in blocked_avx512: a window starts the key loop
  * at the tile of the block's first visible key, masks lanes left of it,
@@ -54,27 +67,71 @@
 #define BK 64           /* keys per tile (4 chunks of 16) */
 #define KC 16           /* keys per score chunk, columns of hd per register tile: 2 ymm */
 
-/* xt[(b * nkv + kh) * hd + i][j] = x[b, j, kh, i] for j < T, zero for T <= j < Tp:
- * every K (or V) head transposed once per call, so the score products read a
- * 16-key row of K^T with 2 loads, and no tile is re-transposed for every query
- * head and block that reads it. */
+/* Every K (or V) head transposed once per call, 16-key chunk by chunk: chunk
+ * jc of head (b, kh) is [hd][KC] at xt + ((b * nkv + kh) * Tp + jc * KC) * hd,
+ * element [i][c] = x[b, jc * KC + c, kh, i] for keys < T, zero past T. The
+ * score products read a chunk's 16-key row with 2 loads, and no chunk is
+ * re-transposed for every query head and block that reads it. Chunk-major, so
+ * the 16 x hd operand of a score chunk is one piece (8 KB at hd 128, a quarter
+ * of Zen 3's 32 KB L1d) read front to back; with rows Tp floats apart (1 KB at
+ * T = 256) the rows of a chunk fell into a few L1 sets and were re-read from
+ * L2 by every micro-block. The transposes are 8 x 8 in registers (a scalar
+ * gather before: the same values moved, so results do not change). */
 T256 static float *att2_transpose(const float *x, int B, int T, int nkv, int hd, int Tp) {
-    // returns xt[B*nkv, hd, Tp]; x[B,T,nkv,hd]
+    // returns xt[B*nkv, Tp/KC, hd, KC]; x[B,T,nkv,hd]
     float *xt = ct_malloc((size_t)B * nkv * hd * Tp * sizeof(float));
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
         for (int kh = 0; kh < nkv; kh++) {
             float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
-            for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys at a time: 16 source rows stay in L1 */
-                int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
-                for (int i = 0; i < hd; i++) {
-                    float *d = dst + (size_t)i * Tp + j0;
-                    for (int c = 0; c < n; c++) d[c] = x[(((size_t)b * T + j0 + c) * nkv + kh) * hd + i];
-                    for (int c = n; c < 16; c++) d[c] = 0.0f;
+            for (int j0 = 0; j0 < Tp; j0 += 8) { /* 8 keys x 8 of hd per transpose */
+                int n = T - j0 < 8 ? (T - j0 > 0 ? T - j0 : 0) : 8;
+                const float *src = x + (((size_t)b * T + j0) * nkv + kh) * hd; // key j0 + c at + c*nkv*hd
+                float *ch = dst + (size_t)(j0 / KC) * KC * hd + j0 % KC;
+                for (int i0 = 0; i0 < hd; i0 += 8) { /* hd is a multiple of KC here */
+                    __m256 r[8];
+#pragma GCC unroll 8
+                    for (int c = 0; c < 8; c++) /* keys past T: zeros */
+                        r[c] = c < n ? _mm256_loadu_ps(src + (size_t)c * nkv * hd + i0) : _mm256_setzero_ps();
+                    avx2_transpose8(r);
+#pragma GCC unroll 8
+                    for (int i = 0; i < 8; i++) _mm256_storeu_ps(ch + (size_t)(i0 + i) * KC, r[i]);
                 }
             }
         }
     return xt;
+}
+
+/* dst[t * hd + i] = x[t * xs + i] for t < T: rows of one head, contiguous.
+ * The model's layout puts a head's consecutive rows nkv * hd or nh * hd
+ * floats apart (4 or 8 KB for Qwen3's hd 128), so the 48-64 rows a tile
+ * walks all fall into the same 8 of L1's 64 sets and thrash their 8 (Zen 3)
+ * or 12 (Sapphire Rapids) ways; read from a contiguous copy they spread over
+ * all sets. */
+T256 static void att2_rows_in(float *dst, const float *x, long xs, int T, int hd) {
+    for (int t = 0; t < T; t++) memcpy(dst + (size_t)t * hd, x + (size_t)t * xs, (size_t)hd * sizeof(float));
+}
+
+/* dst[(i / KC) * T * KC + t * KC + i % KC] = x[t * xs + i] for t < T: rows of
+ * one head as KC-column slabs [hd/KC][T][KC]. A product over 16 columns of hd
+ * (P V, dS K) then reads its keys' rows as one contiguous piece (4 KB for a
+ * 64-key tile), which stays in L1 while every micro-block of the block uses it;
+ * from [T][hd] rows its 64 B per row fell 512 B apart, 8 of L1's 64 sets. */
+T256 static void att2_slabs_in(float *dst, const float *x, long xs, int T, int hd) {
+    for (int t = 0; t < T; t++)
+        for (int c0 = 0; c0 < hd; c0 += KC)
+            memcpy(dst + (size_t)c0 * T + (size_t)t * KC, x + (size_t)t * xs + c0, KC * sizeof(float));
+}
+
+/* vh[b * nkv + kh] = v[b, :, kh, :] as slabs (att2_slabs_in), for the forward's P V. */
+T256 static float *att2_heads(const float *v, int B, int T, int nkv, int hd) {
+    float *vh = ct_malloc((size_t)B * nkv * T * hd * sizeof(float));
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < B; b++)
+        for (int kh = 0; kh < nkv; kh++)
+            att2_slabs_in(vh + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * T * nkv + kh) * hd, (long)nkv * hd,
+                          T, hd);
+    return vh;
 }
 
 /* s[r*BK + 0:16] = sum_i x_r[i] kt[i * ldk + 0:16] for 6 rows x_r: one 6 x 16 score chunk,
@@ -186,48 +243,71 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
     float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
     int window = opt && opt->window > 0 ? opt->window : 0;
     float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
-    int qs = nh * hd, ks = nkv * hd; // row strides of q/out and k/v
+    int qs = nh * hd; // row stride of q and out
     int Tp = (T + BK - 1) / BK * BK;
-    float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
+    float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
+    float *VH = att2_heads(v, B, T, nkv, hd);          // [B*nkv, hd/KC, T, KC]
 #pragma omp parallel
     {
-        float *acc = ct_malloc((size_t)BQ * hd * sizeof(float)); // [BQ, hd] unnormalised out
-        float P[MR * BK];                                        // [MR, BK] scores, then probabilities
-        float m[BQ], l[BQ], alpha[MR];                           // running max, sum; rescaling
+        float *acc = ct_malloc((size_t)BQ * hd * sizeof(float)); // [hd/KC, BQ, KC] unnormalised out
+        float *QB = ct_malloc((size_t)BQ * hd * sizeof(float));  // [BQ, hd] the block's q rows (att2_rows_in)
+        float P[BQ * BK];                                        // [BQ, BK] scores, then probabilities
+        float m[BQ], l[BQ], alpha[BQ];                           // running max, sum; rescaling
+        int clo[BQ], ncr[BQ];                                    // row r sees keys clo[r] <= c < ncr[r] of the tile
+        int mbc[BQ / MR][2];                                     // per micro-block: first, end key column
 #pragma omp for collapse(3) schedule(static)
         for (int b = 0; b < B; b++) {
             for (int h = 0; h < nh; h++) {
                 for (int qb = 0; qb < nqb; qb++) {
                     int kh = h / group, t0 = qb * BQ;
-                    int nq = T - t0 < BQ ? T - t0 : BQ;
-                    const float *qh = q + ((size_t)b * T * nh + h) * hd;      // row t at qh + t*qs
-                    const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp; // [hd, Tp]
-                    const float *vh = v + ((size_t)b * T * nkv + kh) * hd;
+                    int nq = T - t0 < BQ ? T - t0 : BQ, nmb = (nq + MR - 1) / MR;
+                    const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp; // chunk of key j0 at + j0*hd
+                    const float *vh = VH + ((size_t)b * nkv + kh) * T * hd;  // slab c0, row j at + c0*T + j*KC
+                    att2_rows_in(QB, q + (((size_t)b * T + t0) * nh + h) * hd, qs, nq, hd); // row r at + r*hd
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
                     // from the tile of the first key the block sees (the window) up to the diagonal
                     for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                         int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
-                        for (int r0 = 0; r0 < nq; r0 += MR) {
-                            const float *x[MR];
-                            int ncr[MR], clo[MR], ncmax = 0, cmin = BK; /* row r sees keys clo[r] <= c < ncr[r] */
-#pragma GCC unroll 6
-                            for (int r = 0; r < MR; r++) {
-                                int rr = r0 + r < nq ? r0 + r : nq - 1; /* rows past T repeat the last */
-                                x[r] = qh + (size_t)(t0 + rr) * qs;
+                        /* Each product loops over the block's micro-blocks inside the loop over
+                         * its operand's pieces: a 16-key chunk of K (8 KB at hd 128), a 16-column
+                         * slab of the tile's V rows (4 KB), so the piece stays in L1 (Zen 3:
+                         * 32 KB) while the 8 micro-blocks read it, beside the block's q rows
+                         * (24 KB) or its P (12 KB) and acc slab (3 KB). One micro-block at a time
+                         * read the whole K and V tile (64 KB) each, from L2. */
+                        for (int mb = 0; mb < nmb; mb++) {
+                            int ncmax = 0, cmin = BK;
+                            for (int r = mb * MR; r < (mb + 1) * MR; r++) {
+                                int rr = r < nq ? r : nq - 1;                           /* rows past T repeat the last */
                                 int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk; // keys j0..t
-                                int c0 = kern_attn_first_key(t0 + rr, window) - j0;  // and from lo(t) on
+                                int c0 = kern_attn_first_key(t0 + rr, window) - j0;    // and from lo(t) on
                                 clo[r] = c0 > 0 ? c0 : 0;
                                 ncr[r] = nc > clo[r] ? nc : 0;
                                 if (ncr[r] > ncmax) ncmax = ncr[r];
                                 if (ncr[r] && clo[r] < cmin) cmin = clo[r];
                             }
-                            if (!ncmax) continue;
-                            /* score chunks ch0 <= ch < nch hold the visible keys */
-                            int ch0 = cmin / KC, nch = (ncmax + KC - 1) / KC;
-                            for (int ch = ch0; ch < nch; ch++) att2_dots6(P + ch * KC, x, kth + j0 + ch * KC, Tp, hd);
-                            for (int r = 0; r < MR; r++) {
-                                float *pr = P + r * BK;
+                            mbc[mb][0] = cmin;
+                            mbc[mb][1] = ncmax;
+                        }
+                        /* scores: chunk ch of micro-block mb if it holds a visible key */
+                        for (int ch = 0; ch < BK / KC; ch++) {
+                            for (int mb = 0; mb < nmb; mb++) {
+                                if (!mbc[mb][1] || ch < mbc[mb][0] / KC || ch >= (mbc[mb][1] + KC - 1) / KC) continue;
+                                const float *x[MR];
+#pragma GCC unroll 6
+                                for (int r = 0; r < MR; r++) {
+                                    int rr = mb * MR + r < nq ? mb * MR + r : nq - 1;
+                                    x[r] = QB + (size_t)rr * hd;
+                                }
+                                att2_dots6(P + (size_t)mb * MR * BK + ch * KC, x, kth + (size_t)(j0 + ch * KC) * hd, KC,
+                                           hd);
+                            }
+                        }
+                        for (int mb = 0; mb < nmb; mb++) {
+                            if (!mbc[mb][1]) continue;
+                            int ch0 = mbc[mb][0] / KC, nch = (mbc[mb][1] + KC - 1) / KC;
+                            for (int r = mb * MR; r < (mb + 1) * MR; r++) {
+                                float *pr = P + (size_t)r * BK;
                                 __m256 mx = _mm256_set1_ps(-INFINITY), vsc = _mm256_set1_ps(scale);
                                 for (int j = 2 * ch0; j < 2 * nch; j++) {
                                     __m256 mk = att2_keymask(clo[r], ncr[r], 0, j);
@@ -241,7 +321,7 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
                                     mx = _mm256_max_ps(mx, s);
                                 }
                                 float bmax = avx2_hmax(mx);
-                                float *mr = &m[r0 + r];
+                                float *mr = &m[r];
                                 if (bmax == -INFINITY) { /* no key of this block: nothing changes */
                                     alpha[r] = 1.0f;
                                     memset(pr + ch0 * KC, 0, (size_t)(nch - ch0) * KC * sizeof(float));
@@ -255,29 +335,38 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
                                     sum = _mm256_add_ps(sum, p);
                                     _mm256_storeu_ps(pr + 8 * j, p);
                                 }
-                                l[r0 + r] = l[r0 + r] * alpha[r] + avx2_hsum(sum);
+                                l[r] = l[r] * alpha[r] + avx2_hsum(sum);
                                 *mr = mnew;
                             }
-                            /* keys cmin.. only: the columns before it are masked in every row */
-                            for (int c0 = 0; c0 < hd; c0 += KC)
-                                att2_rows6_axpy(acc + (size_t)r0 * hd + c0, hd, alpha, P + cmin,
-                                                vh + (size_t)(j0 + cmin) * ks + c0, ks, ncmax - cmin);
                         }
+                        /* P V over keys cmin.. only: the columns before it are masked in every row */
+                        for (int c0 = 0; c0 < hd; c0 += KC)
+                            for (int mb = 0; mb < nmb; mb++) {
+                                int cmin = mbc[mb][0], ncmax = mbc[mb][1];
+                                if (!ncmax) continue;
+                                att2_rows6_axpy(acc + (size_t)c0 * BQ + (size_t)mb * MR * KC, KC, alpha + mb * MR,
+                                                P + (size_t)mb * MR * BK + cmin, vh + (size_t)c0 * T + (size_t)(j0 + cmin) * KC,
+                                                KC, ncmax - cmin);
+                            }
                     }
                     for (int r = 0; r < nq; r++) {
                         int t = t0 + r;
                         float *ot = out + ((size_t)b * T + t) * qs + (size_t)h * hd;
                         __m256 inv = _mm256_set1_ps(1.0f / l[r]);
-                        for (int i = 0; i < hd; i += 8)
-                            _mm256_storeu_ps(ot + i, _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)r * hd + i), inv));
+                        for (int i = 0; i < hd; i += 8) {
+                            const float *ar = acc + (size_t)(i / KC) * KC * BQ + (size_t)r * KC + i % KC;
+                            _mm256_storeu_ps(ot + i, _mm256_mul_ps(_mm256_loadu_ps(ar), inv));
+                        }
                         lse[((size_t)b * nh + h) * T + t] = m[r] + logf(l[r]);
                     }
                 }
             }
         }
         free(acc);
+        free(QB);
     }
     free(KT);
+    free(VH);
 }
 
 T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
@@ -296,33 +385,42 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
     float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
     int qs = nh * hd, ks = nkv * hd;
     int Tp = (T + BK - 1) / BK * BK;
-    float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
-    float *VT = att2_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
+    float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
+    float *VT = att2_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
 #pragma omp parallel
     {
         float *P = ct_malloc((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
         float *dS = ct_malloc((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
         float D[BQ], L[BQ];
+        /* the rows the products stream, contiguous: k of the kv head as slabs
+         * (att2_slabs_in; dS K reads a 4 KB slab of a tile per 16 columns), q and
+         * dout of the query head as rows (att2_rows_in; the scores, dP, dV and dK
+         * read the block's 48). The outputs are read and written once per tile
+         * and stay in place. */
+        float *KS = ct_malloc((size_t)3 * T * hd * sizeof(float));
+        float *QS = KS + (size_t)T * hd, *GS = QS + (size_t)T * hd;
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
         // the dq rows of the group's query heads, so every sum is its own.
 #pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < B; b++) {
             for (int kh = 0; kh < nkv; kh++) {
-                const float *kh_ = k + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
                 const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp, *vth = VT + ((size_t)b * nkv + kh) * hd * Tp;
-                float *dkh = dk + ((size_t)b * T * nkv + kh) * hd;
+                const float *kh_ = KS; // slabs [hd/KC][T][KC] (att2_slabs_in)
+                float *dkh = dk + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
                 float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
+                att2_slabs_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
-                    const float *qh = q + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
-                    const float *oh = out + ((size_t)b * T * nh + h) * hd;
-                    const float *gh = dout + ((size_t)b * T * nh + h) * hd;
-                    float *dqh = dq + ((size_t)b * T * nh + h) * hd;
+                    const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
+                    const float *qh = QS, *gh = GS;                        // row t at + t*hd
+                    float *dqh = dq + ((size_t)b * T * nh + h) * hd;       // row t at + t*qs
+                    att2_rows_in(QS, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    att2_rows_in(GS, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     for (int qb = 0; qb < nqb; qb++) {
                         int t0 = qb * BQ;
-                        int nq = T - t0 < BQ ? T - t0 : BQ;
+                        int nq = T - t0 < BQ ? T - t0 : BQ, nmb = (nq + MR - 1) / MR;
                         for (int r = 0; r < nq; r++) {
                             // D = rowsum(dout * out) = sum_j p_j dp_j
-                            D[r] = att2_dot(gh + (size_t)(t0 + r) * qs, oh + (size_t)(t0 + r) * qs, hd);
+                            D[r] = att2_dot(gh + (size_t)(t0 + r) * hd, oh + (size_t)(t0 + r) * qs, hd);
                             L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
                         }
                         // from the tile of the first key the block sees (the window) up to the diagonal
@@ -330,36 +428,51 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
                             /* keys cmm <= c < ncm visible to each micro-block (cmm = 0 without a window) */
                             int ncm[BQ / MR], cmm[BQ / MR];
-                            for (int r0 = 0; r0 < nq; r0 += MR) {
-                                const float *xq[MR], *xg[MR];
-                                int ncr[MR], clo[MR], ncmax = 0, cmin = BK; /* row r: keys clo[r] <= c < ncr[r] */
-#pragma GCC unroll 6
-                                for (int r = 0; r < MR; r++) {
-                                    int rr = r0 + r < nq ? r0 + r : nq - 1;
-                                    xq[r] = qh + (size_t)(t0 + rr) * qs;
-                                    xg[r] = gh + (size_t)(t0 + rr) * qs;
+                            int ncr[BQ], clo[BQ]; /* row r: keys clo[r] <= c < ncr[r] */
+                            for (int mb = 0; mb < nmb; mb++) {
+                                int ncmax = 0, cmin = BK;
+                                for (int r = mb * MR; r < (mb + 1) * MR; r++) {
+                                    int rr = r < nq ? r : nq - 1;
                                     int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk;
                                     int c0 = kern_attn_first_key(t0 + rr, window) - j0;
                                     clo[r] = c0 > 0 ? c0 : 0;
-                                    ncr[r] = r0 + r < nq && nc > clo[r] ? nc : 0; /* padded rows: all masked */
+                                    ncr[r] = r < nq && nc > clo[r] ? nc : 0; /* padded rows: all masked */
                                     if (ncr[r] > ncmax) ncmax = ncr[r];
                                     if (ncr[r] && clo[r] < cmin) cmin = clo[r];
                                 }
-                                ncm[r0 / MR] = ncmax;
-                                cmm[r0 / MR] = window && ncmax ? cmin : 0;
+                                ncm[mb] = ncmax;
+                                cmm[mb] = window && ncmax ? cmin : 0;
+                            }
+                            /* S = Q K^T, then dP = dO V^T, each a chunk of K (V) at a time across the
+                             * micro-blocks that see it (the forward's order: the 8 KB chunk stays in L1
+                             * beside the block's 24 KB of q, then of dout, rows) */
+                            for (int pass = 0; pass < 2; pass++) {
+                                const float *xh = pass ? gh : qh, *yt = pass ? vth : kth;
+                                float *sb = pass ? dS : P;
+                                for (int ch = 0; ch < BK / KC; ch++)
+                                    for (int mb = 0; mb < nmb; mb++) {
+                                        if (ch < cmm[mb] / KC || ch >= (ncm[mb] + KC - 1) / KC) continue;
+                                        const float *x[MR];
+#pragma GCC unroll 6
+                                        for (int r = 0; r < MR; r++) {
+                                            int rr = mb * MR + r < nq ? mb * MR + r : nq - 1;
+                                            x[r] = xh + (size_t)(t0 + rr) * hd;
+                                        }
+                                        att2_dots6(sb + (size_t)mb * MR * BK + ch * KC, x,
+                                                   yt + (size_t)(j0 + ch * KC) * hd, KC, hd);
+                                    }
+                            }
+                            for (int mb = 0; mb < nmb; mb++) {
+                                int r0 = mb * MR;
                                 float *pb = P + (size_t)r0 * BK, *db = dS + (size_t)r0 * BK;
-                                int ch0 = cmm[r0 / MR] / KC, nch = (ncmax + KC - 1) / KC;
-                                for (int ch = ch0; ch < nch; ch++) {
-                                    att2_dots6(pb + ch * KC, xq, kth + j0 + ch * KC, Tp, hd);
-                                    att2_dots6(db + ch * KC, xg, vth + j0 + ch * KC, Tp, hd); // dP = dout . v
-                                }
+                                int ch0 = cmm[mb] / KC, nch = (ncm[mb] + KC - 1) / KC;
                                 __m256 vsc = _mm256_set1_ps(scale), vc = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f);
                                 for (int r = 0; r < MR; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1;
                                     __m256 vl = _mm256_set1_ps(L[rr]), vd = _mm256_set1_ps(D[rr]);
                                     float *pr = pb + (size_t)r * BK, *dr = db + (size_t)r * BK;
                                     for (int j = 2 * ch0; j < 2 * nch; j++) {
-                                        __m256 mk = att2_keymask(clo[r], ncr[r], 0, j), p, ds;
+                                        __m256 mk = att2_keymask(clo[r0 + r], ncr[r0 + r], 0, j), p, ds;
                                         __m256 x = _mm256_mul_ps(_mm256_loadu_ps(pr + 8 * j), vsc);
                                         if (cap > 0.0f) { /* s = cap tanh(x / cap), ds/dx = 1 - tanh^2 */
                                             __m256 th = tanh8(_mm256_div_ps(x, vc));
@@ -387,7 +500,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             // each group over the query rows rs <= r < re that see one of its keys: from the
                             // first row that sees its first key, to the last that sees its last (a window)
                             for (int c0 = 0; c0 < hd; c0 += KC) {
-                                const float *gx = gh + (size_t)t0 * qs + c0, *qx = qh + (size_t)t0 * qs + c0;
+                                const float *gx = gh + (size_t)t0 * hd + c0, *qx = qh + (size_t)t0 * hd + c0;
                                 int c = 0;
                                 while (c < nk) {
                                     int keys = nk - c >= 6 ? 6 : nk - c >= 4 ? 4 : nk - c >= 2 ? 2 : 1;
@@ -400,43 +513,46 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                     float *dkr = dkh + (size_t)(j0 + c) * ks + c0;
                                     if (re <= rs) {
                                     } else if (keys == 6) {
-                                        att2_keys_axpy(dvr, ks, 6, P, c, gx, qs, rs, re);
-                                        att2_keys_axpy(dkr, ks, 6, dS, c, qx, qs, rs, re);
+                                        att2_keys_axpy(dvr, ks, 6, P, c, gx, hd, rs, re);
+                                        att2_keys_axpy(dkr, ks, 6, dS, c, qx, hd, rs, re);
                                     } else if (keys == 4) {
-                                        att2_keys_axpy(dvr, ks, 4, P, c, gx, qs, rs, re);
-                                        att2_keys_axpy(dkr, ks, 4, dS, c, qx, qs, rs, re);
+                                        att2_keys_axpy(dvr, ks, 4, P, c, gx, hd, rs, re);
+                                        att2_keys_axpy(dkr, ks, 4, dS, c, qx, hd, rs, re);
                                     } else if (keys == 2) {
-                                        att2_keys_axpy(dvr, ks, 2, P, c, gx, qs, rs, re);
-                                        att2_keys_axpy(dkr, ks, 2, dS, c, qx, qs, rs, re);
+                                        att2_keys_axpy(dvr, ks, 2, P, c, gx, hd, rs, re);
+                                        att2_keys_axpy(dkr, ks, 2, dS, c, qx, hd, rs, re);
                                     } else {
-                                        att2_keys_axpy(dvr, ks, 1, P, c, gx, qs, rs, re);
-                                        att2_keys_axpy(dkr, ks, 1, dS, c, qx, qs, rs, re);
+                                        att2_keys_axpy(dvr, ks, 1, P, c, gx, hd, rs, re);
+                                        att2_keys_axpy(dkr, ks, 1, dS, c, qx, hd, rs, re);
                                     }
                                     c += keys;
                                 }
                             }
                             // dq[t] += sum_j dS[t,j] k[j]: 6 rows at a time over the keys the micro-block
-                            // sees (whole micro-blocks: the rows past nq would write past T, so the last
-                            // partial one runs row by row)
-                            for (int r0 = 0; r0 < nq; r0 += MR) {
-                                int ncmax = ncm[r0 / MR], cm = cmm[r0 / MR];
-                                if (!ncmax) continue;
-                                if (r0 + MR <= nq) {
-                                    for (int c0 = 0; c0 < hd; c0 += KC)
+                            // sees, a 16-column slab of the tile's k rows (4 KB, in L1) across the
+                            // micro-blocks (whole ones: the rows past nq would write past T, so the
+                            // last partial one runs row by row)
+                            for (int c0 = 0; c0 < hd; c0 += KC) {
+                                const float *ks_ = kh_ + (size_t)c0 * T; // key j's 16 at + j*KC
+                                for (int mb = 0; mb < nmb; mb++) {
+                                    int r0 = mb * MR, ncmax = ncm[mb], cm = cmm[mb];
+                                    if (!ncmax) continue;
+                                    if (r0 + MR <= nq) {
                                         att2_rows6_axpy(dqh + (size_t)(t0 + r0) * qs + c0, qs, NULL,
-                                                        dS + (size_t)r0 * BK + cm, kh_ + (size_t)(j0 + cm) * ks + c0,
-                                                        ks, ncmax - cm);
-                                    continue;
-                                }
-                                for (int r = r0; r < nq; r++) {
-                                    float *dqr = dqh + (size_t)(t0 + r) * qs;
-                                    const float *dr = dS + (size_t)r * BK;
-                                    for (int c0 = 0; c0 < hd; c0 += 8) {
-                                        __m256 a = _mm256_loadu_ps(dqr + c0);
-                                        for (int c = cm; c < ncmax; c++)
-                                            a = _mm256_fmadd_ps(_mm256_broadcast_ss(dr + c),
-                                                                _mm256_loadu_ps(kh_ + (size_t)(j0 + c) * ks + c0), a);
-                                        _mm256_storeu_ps(dqr + c0, a);
+                                                        dS + (size_t)r0 * BK + cm, ks_ + (size_t)(j0 + cm) * KC, KC,
+                                                        ncmax - cm);
+                                        continue;
+                                    }
+                                    for (int r = r0; r < nq; r++) {
+                                        float *dqr = dqh + (size_t)(t0 + r) * qs + c0;
+                                        const float *dr = dS + (size_t)r * BK;
+                                        for (int c8 = 0; c8 < KC; c8 += 8) {
+                                            __m256 a = _mm256_loadu_ps(dqr + c8);
+                                            for (int c = cm; c < ncmax; c++)
+                                                a = _mm256_fmadd_ps(_mm256_broadcast_ss(dr + c),
+                                                                    _mm256_loadu_ps(ks_ + (size_t)(j0 + c) * KC + c8), a);
+                                            _mm256_storeu_ps(dqr + c8, a);
+                                        }
                                     }
                                 }
                             }
@@ -447,6 +563,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
         }
         free(P);
         free(dS);
+        free(KS);
     }
     free(KT);
     free(VT);

@@ -1,7 +1,8 @@
 /* kernels/cpu/avx2_util.h: small AVX2 + FMA helpers shared by the AVX2
  * element-wise kernels (elementwise_avx2.c) and the register-blocked AVX2
- * attention (attention_avx2.c): tail masks, fixed-order horizontal reductions
- * and the 8-lane vector exp. The AVX2 counterpart of avx512_util.h.
+ * attention (attention_avx2.c): tail masks, fixed-order horizontal reductions,
+ * the 8-lane vector exp and an 8 x 8 transpose. The AVX2 counterpart of
+ * avx512_util.h.
  *
  * Static inline with the target attribute of their callers (T256), so
  * including this costs nothing in the generic x86-64 build. Include
@@ -106,6 +107,30 @@ T256_INLINE __m256 tanh8(__m256 x) {
     __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
     __m256 t = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
     return _mm256_or_ps(t, _mm256_and_ps(signbit, x));
+}
+
+/* In-register 8 x 8 transpose: lane j of r[i] becomes lane i of r[j] (the
+ * transposes of attention_avx2.c's K and V; moves values, rounds nothing). */
+T256_INLINE void avx2_transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+#pragma GCC unroll 4
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    /* u[s] (rows 0..3) and u[4 + s] (rows 4..7) hold columns s and 4 + s in their 128-bit halves */
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; s++) {
+        r[s] = _mm256_permute2f128_ps(u[s], u[4 + s], 0x20);
+        r[4 + s] = _mm256_permute2f128_ps(u[s], u[4 + s], 0x31);
+    }
 }
 
 #endif
