@@ -216,8 +216,10 @@ def load_adapter_strict(base, adapter_dir):
             # PEFT 0.21.2 says this on its own adapters for target_modules gate_proj + up_proj on a MoE model:
             # the check looks at the Linear targets only, while the ParamWrapper does take gate_up_proj's rank
             # and alpha from the pattern (its tensors are 2 r wide: loading them at r would fail)
+            # (and so on ctitan's expert patterns, gate_up_proj's and down_proj's, which the ParamWrapper takes)
             warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any "
-                                    r"targeted module and were ignored: \['\.\*\\\\\.gate_up_proj'\]\.$",
+                                    r"targeted module and were ignored: "
+                                    r"\[('\.\*\\\\\.(gate_up_proj|down_proj)'(, )?){1,2}\]\.$",
                                     category=RuntimeWarning)
             pm = PeftModel.from_pretrained(base, str(adapter_dir))
     finally:

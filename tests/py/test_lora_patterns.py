@@ -120,3 +120,105 @@ def test_per_layer_targets_as_peft(tmp_path, open_session):
     msg = open_error(open_session, hf_session_args(hf_dir, extra=lora_args(targets=["q_proj", "down_proj"],
                                                                            adapter=ad)), tmp_path)
     assert "model.layers.0.mlp.down_proj" in msg, msg
+
+
+# --------------------------------------------------------------------------- 2. rank_pattern / alpha_pattern
+
+# two keys select layer 1's down_proj: the first (8) counts, layer 0's gets the second (6).
+# PEFT writes adapter_config.json with sorted keys (config.py: json.dumps(sort_keys=True)),
+# so its own adapter keeps the first-match meaning only where the order is sorted already.
+RANKS = {r"layers\.1\.mlp\.down_proj": 8, r"mlp\.down_proj": 6, "q_proj": 2}
+ALPHAS = {"k_proj": 3.0, "layers.0.mlp.up_proj": 20.0}
+PATTERN_CASES = [("alpha_over_r", False), ("rslora", True)]
+
+
+def pattern_args(ranks, alphas):
+    return [f"--lora.rank_pattern={json.dumps(ranks)}", f"--lora.alpha_pattern={json.dumps(alphas)}"]
+
+
+@pytest.mark.parametrize("rslora", [c[1] for c in PATTERN_CASES], ids=[c[0] for c in PATTERN_CASES])
+def test_patterns_parity_from_peft_adapter(rslora, tmp_path, open_session):
+    """A PEFT adapter made with rank_pattern / alpha_pattern on all seven projections: ctitan
+    given the same patterns (lora.rank_pattern / lora.alpha_pattern, JSON text) has PEFT's
+    ranks, loads the adapter, gives PEFT's logits, loss and adapter gradients, then 3 AdamW
+    steps equal torch's; the adapter it saves loads in PEFT strictly with its logits."""
+    cfg = dense_cfg()
+    hf_dir, ad, pm = peft_adapter(tmp_path, cfg, seed=51, targets=OL.ALL7, rslora=rslora, rank_pattern=RANKS,
+                                  alpha_pattern=ALPHAS)
+    params = OL.trainable(pm)
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    assert shapes["model.layers.1.mlp.down_proj.lora_A.weight"][0] == 8, "test setup: PEFT's first match"
+    assert shapes["model.layers.0.mlp.down_proj.lora_A.weight"][0] == 6
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=6)
+    ref = OL.loss_logits_grads(pm, params, tokens, labels)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=OPT_ARGS + lora_args(
+        targets=OL.ALL7, rslora=rslora, adapter=ad) + pattern_args(RANKS, ALPHAS)))
+    assert trained_in_session(s) == set(params)
+    assert {n: s.shapes[n] for n in params} == shapes, "ranks differ from PEFT's"
+    assert_step_matches(s, tokens, labels, *ref, params)
+    stream = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=52)
+    compare_steps(session_steps(s, stream, list(params)), train_ref(pm, params, stream))
+    random_adapters_load_in_peft(s, cfg, lambda: oracle.load_hf(hf_dir), tmp_path / "saved", ".lora_")
+
+
+def test_patterns_adapter_generate_and_merge(tmp_path, run_ctitan):
+    """Outside training the patterns come from the adapter alone: `export --merge` folds each
+    module at its own rank and scale (transformers loads the result with PEFT's logits), and
+    `generate --adapter` continues as PEFT's model does."""
+    from transformers import AutoModelForCausalLM
+    import torch
+    cfg = dense_cfg()
+    hf_dir, ad, pm = peft_adapter(tmp_path, cfg, seed=53, targets=OL.ALL7, rank_pattern=RANKS,
+                                  alpha_pattern=ALPHAS)
+    tokens, _ = make_batch(cfg.vocab_size, 2, L, seed=7)
+    want = oracle.hf_logits(pm, tokens)
+    assert oracle.rel_err(want, oracle.hf_logits(oracle.load_hf(hf_dir), tokens)) > 100 * TOL, \
+        "test setup: the adapter hardly changes the logits"
+    run_ctitan(["export", "--checkpoint", hf_dir, "--adapter", ad, "--merge", "--out", tmp_path / "merged"])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    err = oracle.rel_err(oracle.hf_logits(merged, tokens), want)
+    assert err <= TOL, f"merged model vs PEFT: rel err {err:.3g}"
+    prompt = [int(t) for t in tokens[0, :5]]
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            seq.append(int(pm(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    _, out, _ = run_ctitan(["generate", "--checkpoint", hf_dir, "--adapter", ad, "--prompt-ids",
+                            " ".join(map(str, prompt)), "--max-tokens", "6", "--ids"])
+    assert [int(x) for x in out.split()] == seq[len(prompt):]
+
+
+def test_moe_user_pattern_before_rewrite(tmp_path, open_session):
+    """On Qwen3-MoE PEFT's rewrite of gate_proj + up_proj sets ".*\\.gate_up_proj" to 2 r
+    after the user's keys, so a user key that also matches the experts (".*proj") wins: the
+    experts' gate_up_proj gets rank 2 with the rewrite's alpha. ctitan's fresh adapters have
+    PEFT's shapes, and its saved adapter (random values) loads in PEFT strictly with its
+    logits."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ranks = {".*proj": 2}
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=OL.ALL7, rank_pattern=ranks)
+    shapes = {n: tuple(p.shape) for n, p in OL.trainable(pm).items()}
+    gu = "model.layers.1.mlp.experts.base_layer.lora_A.weight"
+    assert shapes[gu][0] == 2 * cfg.num_experts, f"test setup: PEFT's gate_up_proj A is {shapes[gu]}"
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=[
+        f"--lora.rank={R}", f"--lora.alpha={ALPHA}", f"--lora.rank_pattern={json.dumps(ranks)}"]))
+    assert {n: v for n, v in s.shapes.items() if ".lora_" in n} == shapes
+    random_adapters_load_in_peft(s, cfg, base, tmp_path / "saved", ".lora_")
+
+
+PATTERN_ERRORS = [
+    ("not_json", ["--lora.rank_pattern=q_proj: 2"], "lora.rank_pattern"),
+    ("selects_nothing", ['--lora.rank_pattern={"c_attn": 2}'], "c_attn"),
+    ("not_a_regex", ['--lora.alpha_pattern={"q_proj(": 2}'], "q_proj("),
+    ("rank_not_integer", ['--lora.rank_pattern={"q_proj": 2.5}'], "q_proj"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", [c[1:] for c in PATTERN_ERRORS], ids=[c[0] for c in PATTERN_ERRORS])
+def test_pattern_config_errors(extra, needle, tmp_path, open_session):
+    cfg = dense_cfg()
+    hf_dir = tmp_path / "hf"
+    oracle.save_random_hf(hf_dir, cfg, seed=2)
+    msg = open_error(open_session, hf_session_args(hf_dir, extra=lora_args() + extra), tmp_path)
+    assert needle in msg, msg
