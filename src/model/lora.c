@@ -338,7 +338,7 @@ int lora_all_linear(const lm_config *c, unsigned *bits, const char *where, const
  * LM_LORA_LP_OFF. PEFT's rule: a module is targeted when its full name
  * equals a name or ends with "." + it. */
 static int targets_from_list(const char *list, lm_config *c, const char *where, const char *key, int code,
-                             ct_err *e) {
+                             unsigned *exact, ct_err *e) {
     memset(c->lora_lp, 0, sizeof c->lora_lp);
     c->n_lora_kinds = 0;
     c->lora_targets = 0;
@@ -359,6 +359,7 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
                 snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
                 if (!key_matches(full, name)) continue;
                 unsigned mb = target_bits(strrchr(full, '.') + 1);
+                if (exact && !strcmp(full, name)) exact[l] |= mb; /* layers_to_transform spares it */
                 bits[l] |= mb;
                 all |= mb;
                 hit = 1;
@@ -384,13 +385,107 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
 }
 
 int lora_parse_targets(const char *list, lm_config *c, const char *where, ct_err *e) {
-    return targets_from_list(list, c, where, "lora.target_modules", CT_ERR_CONFIG, e);
+    return targets_from_list(list, c, where, "lora.target_modules", CT_ERR_CONFIG, NULL, e);
+}
+
+/* Whether layer index `l` is in PEFT's layers_to_transform (an int or a list) */
+static int in_layers(const cJSON *lt, int l) {
+    if (cJSON_IsNumber(lt)) return lt->valuedouble == l;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, lt) if (cJSON_IsNumber(it) && it->valuedouble == l) return 1;
+    return 0;
+}
+
+/* PEFT's layers_to_transform / layers_pattern (check_target_module_exists):
+ * a module selected by a list entry other than its own full name is kept
+ * only if the layer index its name holds is listed; the index is the first
+ * numbered segment (".*?\.[^.]*\.(\d+)\.") or, with layers_pattern, the
+ * one after a pattern ("(?:^|.*?\.)PAT\.(\d+)\."); no index: not kept.
+ * Expert parameters are not filtered (PEFT's _inject_parameters is not).
+ * ctitan then holds and saves the result per layer (full module names). */
+static int apply_layers(const cJSON *o, const cJSON *tm, lm_config *c, const unsigned *exact, const char *path,
+                        ct_err *e) {
+    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(o, "layers_to_transform");
+    const cJSON *lp = cJSON_GetObjectItemCaseSensitive(o, "layers_pattern");
+    int using = cJSON_IsNumber(lt) || cJSON_GetArraySize(lt) > 0;
+    if (lt && !cJSON_IsNull(lt) && !cJSON_IsNumber(lt) && !cJSON_IsArray(lt))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: layers_to_transform: expected an integer or a list of integers", path);
+    const cJSON *it;
+    const cJSON *arr = cJSON_IsArray(lt) ? lt : NULL;
+    cJSON_ArrayForEach(it, arr) {
+        if (!cJSON_IsNumber(it) || it->valuedouble != (int)it->valuedouble)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: layers_to_transform: expected an integer or a list of integers",
+                           path);
+    }
+    int n_pat = cJSON_IsString(lp) ? (lp->valuestring[0] != 0) : cJSON_GetArraySize(lp);
+    if (lp && !cJSON_IsNull(lp) && !cJSON_IsString(lp) && !cJSON_IsArray(lp))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: layers_pattern: expected a string or a list of strings", path);
+    if (n_pat && !using) /* LoraConfig refuses it so */
+        return ct_fail(e, CT_ERR_FORMAT, "%s: layers_pattern: given without layers_to_transform", path);
+    if (!using) return 0;
+    if (!cJSON_IsArray(tm))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: layers_to_transform: needs target_modules as a list (PEFT refuses it "
+                                         "with a string)",
+                       path);
+    int np = n_pat ? n_pat : 1, rc = 0;
+    pcre2_code **re = ct_calloc((size_t)np, sizeof *re);
+    for (int i = 0; i < np && !rc; i++) {
+        const cJSON *pi = cJSON_IsString(lp) ? lp : cJSON_GetArrayItem(lp, i);
+        if (n_pat && !cJSON_IsString(pi)) {
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: layers_pattern: expected a string or a list of strings", path);
+            break;
+        }
+        char pat[512];
+        if (n_pat) snprintf(pat, sizeof pat, "(?:^|.*?\\.)%s\\.(?P<idx>\\d+)\\.", pi->valuestring);
+        else snprintf(pat, sizeof pat, ".*?\\.[^.]*\\.(?P<idx>\\d+)\\.");
+        int code;
+        PCRE2_SIZE off;
+        re[i] = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_ANCHORED, &code, &off, NULL);
+        if (!re[i])
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: layers_pattern: \"%s\" is not a regular expression", path,
+                         pi->valuestring);
+    }
+    pcre2_match_data *md = pcre2_match_data_create(4, NULL);
+    char full[LM_NAME_MAX];
+    int any = 0;
+    for (int l = 0; l < c->n_layers && !rc; l++)
+        for (int p = 0; p < LM_LORA_N; p++) {
+            if (!lm_lora_on(c, l, p)) continue;
+            if (exact[l] >> p & 1) {
+                any = 1;
+                continue;
+            }
+            snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
+            long idx = -1;
+            for (int i = 0; i < np && idx < 0; i++) /* the first pattern that matches gives the index */
+                if (pcre2_match(re[i], (PCRE2_SPTR)full, strlen(full), 0, 0, md, NULL) >= 0) {
+                    PCRE2_UCHAR *v;
+                    PCRE2_SIZE len;
+                    if (!pcre2_substring_get_byname(md, (PCRE2_SPTR) "idx", &v, &len)) {
+                        idx = strtol((const char *)v, NULL, 10);
+                        pcre2_substring_free(v);
+                    }
+                }
+            if (idx >= 0 && idx <= INT32_MAX && in_layers(lt, (int)idx)) any = 1;
+            else c->lora_lp[l][p] = LM_LORA_LP_OFF;
+        }
+    pcre2_match_data_free(md);
+    for (int i = 0; i < np; i++) pcre2_code_free(re[i]);
+    free(re);
+    if (!rc && !any && c->lora_targets)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: layers_to_transform: selects no layer of the targeted modules", path);
+    return rc;
 }
 
 /* adapter_config.json's target_modules: a list, or "all-linear" */
-static int json_targets(const cJSON *tm, lm_config *c, const char *path, ct_err *e) {
+static int json_targets(const cJSON *o, const cJSON *tm, lm_config *c, const char *path, ct_err *e) {
     if (cJSON_IsString(tm)) {
         memset(c->lora_lp, 0, sizeof c->lora_lp);
+        const cJSON *lt = cJSON_GetObjectItemCaseSensitive(o, "layers_to_transform");
+        if (cJSON_IsNumber(lt) || cJSON_GetArraySize(lt) > 0)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: layers_to_transform: needs target_modules as a list (PEFT refuses "
+                                             "it with a string)",
+                           path);
         if (!lora_is_all_linear(tm->valuestring))
             return ct_fail(e, CT_ERR_FORMAT,
                            "%s: target_modules: \"%s\": a regular expression is not supported; list the modules",
@@ -408,7 +503,10 @@ static int json_targets(const cJSON *tm, lm_config *c, const char *path, ct_err 
     char *list = ct_malloc(cap);
     list[0] = 0;
     cJSON_ArrayForEach(it, tm) n += (size_t)snprintf(list + n, cap - n, "%s%s", n ? "," : "", it->valuestring);
-    int rc = targets_from_list(list, c, path, "target_modules", CT_ERR_FORMAT, e);
+    unsigned *exact = ct_calloc((size_t)c->n_layers + 1, sizeof *exact);
+    int rc = targets_from_list(list, c, path, "target_modules", CT_ERR_FORMAT, exact, e);
+    if (!rc) rc = apply_layers(o, tm, c, exact, path, e);
+    free(exact);
     free(list);
     return rc;
 }
@@ -661,6 +759,89 @@ static int check_target_params(const cJSON *tp, const lm_config *c, const char *
 }
 
 
+/* adapter_config.json keys with which PEFT computes something ctitan does
+ * not (LoraConfig, peft 0.21.2): each must be absent or hold its default.
+ * need: 0 null or empty, 1 false, 2 "none", 3 true / false / "gaussian"
+ * (initialisations of fresh adapters only; pissa, olora, corda, loftq, eva,
+ * lora_ga and the like also rewrite the base weights). */
+static const struct {
+    const char *key;
+    int need;
+    const char *what;
+} plain_keys[] = {
+    {"use_dora", 1, "DoRA adapters are not supported"},
+    {"fan_in_fan_out", 1, "true is for Conv1D models, not Qwen3"},
+    {"lora_bias", 1, "a bias on lora_B is not supported"},
+    {"bias", 2, "training the base model's biases is not supported"},
+    {"init_lora_weights", 3, "this initialisation also changes the base weights, which ctitan does not"},
+    {"exclude_modules", 0, "not supported: list the modules to adapt in target_modules"},
+    {"layer_replication", 0, "replicated layers are not supported"},
+    {"trainable_token_indices", 0, "trainable tokens are not supported"},
+    {"alora_invocation_tokens", 0, "activated LoRA (aLoRA) is not supported"},
+    {"use_qalora", 1, "QA-LoRA is not supported"},
+    {"use_bdlora", 0, "not supported"},
+    {"arrow_config", 0, "Arrow routing is not supported"},
+    {"kasa_config", 0, "KaSA is not supported"},
+    {"monteclora_config", 0, "MonteCLoRA is not supported"},
+    {"velora_config", 0, "not supported"},
+    {"ensure_weight_tying", 1, "not supported"},
+    {"megatron_config", 0, "Megatron layers are not supported"},
+};
+
+static int plain_lora(const cJSON *o, const char *path, ct_err *e) {
+    for (size_t i = 0; i < sizeof plain_keys / sizeof *plain_keys; i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, plain_keys[i].key);
+        if (!v || cJSON_IsNull(v)) continue;
+        int ok;
+        switch (plain_keys[i].need) {
+        case 0: ok = (cJSON_IsArray(v) || cJSON_IsObject(v)) && !cJSON_GetArraySize(v); break;
+        case 1: ok = cJSON_IsFalse(v); break;
+        case 2: ok = cJSON_IsString(v) && !strcmp(v->valuestring, "none"); break;
+        default: ok = cJSON_IsBool(v) || (cJSON_IsString(v) && !strcmp(v->valuestring, "gaussian")); break;
+        }
+        if (ok) continue;
+        char *txt = cJSON_PrintUnformatted(v);
+        int rc = ct_fail(e, CT_ERR_FORMAT, "%s: %s: %.200s: %s", path, plain_keys[i].key, txt ? txt : "?",
+                         plain_keys[i].what);
+        free(txt);
+        return rc;
+    }
+    return 0;
+}
+
+/* PEFT never puts an adapter inside a module of modules_to_save
+ * (check_target_module_exists: re.match(rf"(^|.*\.){m}($|\..*)", key)):
+ * where ctitan's targets and modules_to_save overlap so, it is refused
+ * rather than computed otherwise. list: comma-joined. */
+static int saved_vs_targets(const lm_config *c, const char *list, const char *where, const char *key, ct_err *e) {
+    char item[256], pat[320], full[LM_NAME_MAX];
+    pcre2_match_data *md = pcre2_match_data_create(4, NULL);
+    int rc = 0;
+    for (const char *q = list; !rc && q && (q = cfg_list_next(q, item, sizeof item));) {
+        snprintf(pat, sizeof pat, "(^|.*\\.)%s($|\\..*)", item);
+        int code;
+        PCRE2_SIZE off;
+        pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_ANCHORED, &code, &off, NULL);
+        for (int l = 0; re && !rc && l < c->n_layers; l++)
+            for (int p = 0; p < LM_LORA_N && !rc; p++) {
+                if (!lm_lora_on(c, l, p) || module_head(c, p) != p) continue;
+                snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
+                if (pcre2_match(re, (PCRE2_SPTR)full, strlen(full), 0, 0, md, NULL) >= 0)
+                    rc = ct_fail(e, CT_ERR_CONFIG,
+                                 "%s: %s: \"%s\" holds the adapted module %s: PEFT puts no adapter inside a module "
+                                 "to save (it would train the module in full instead); adapt or save it, not both",
+                                 where, key, item, full);
+            }
+        pcre2_code_free(re);
+    }
+    pcre2_match_data_free(md);
+    return rc;
+}
+
+int lora_check_saved_targets(const lm_config *c, const char *modules_to_save, const char *where, ct_err *e) {
+    return saved_vs_targets(c, modules_to_save, where, "lora.modules_to_save", e);
+}
+
 /* adapter_config.json into c's LoRA fields: rank, targets, expert
  * parameters, scale, the per-module rank_pattern / alpha_pattern (no
  * dropout: the caller's). */
@@ -675,9 +856,11 @@ static int read_adapter(const cJSON *o, lm_config *c, double *alpha, int *rslora
         return ct_fail(e, CT_ERR_FORMAT, "%s: lora_alpha: expected a positive number", path);
     if (!cJSON_IsArray(tm) && !cJSON_IsString(tm) && !(has_tp && (!tm || cJSON_IsNull(tm))))
         return ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: expected a list of module names", path);
+    int rc = plain_lora(o, path, e);
+    if (rc) return rc;
     c->lora_rank = (int)r->valuedouble;
-    int rc = cJSON_IsNull(tm) || !tm ? (c->lora_targets = 0, memset(c->lora_lp, 0, sizeof c->lora_lp), 0)
-                                     : json_targets(tm, c, path, e);
+    rc = cJSON_IsNull(tm) || !tm ? (c->lora_targets = 0, memset(c->lora_lp, 0, sizeof c->lora_lp), 0)
+                                     : json_targets(o, tm, c, path, e);
     if (!rc) rc = json_target_params(tp, c, path, e);
     if (rc) return rc;
     *alpha = a->valuedouble;
@@ -685,6 +868,11 @@ static int read_adapter(const cJSON *o, lm_config *c, double *alpha, int *rslora
     c->lora_scale = lora_scaling(*alpha, c->lora_rank, *rslora);
     c->lora_dropout = 0;
     if ((rc = lora_check_fused(c, path, "target_modules", e))) return rc;
+    const cJSON *mts = cJSON_GetObjectItemCaseSensitive(o, "modules_to_save"), *it;
+    if (!cJSON_IsArray(mts)) mts = NULL;
+    cJSON_ArrayForEach(it, mts) {
+        if (cJSON_IsString(it) && (rc = saved_vs_targets(c, it->valuestring, path, "modules_to_save", e))) return rc;
+    }
     return set_patterns(c, cJSON_GetObjectItemCaseSensitive(o, "rank_pattern"),
                         cJSON_GetObjectItemCaseSensitive(o, "alpha_pattern"), *alpha, *rslora, path, e);
 }
@@ -740,9 +928,7 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, "r");
     const cJSON *alpha = cJSON_GetObjectItemCaseSensitive(o, "lora_alpha");
     const cJSON *rs = cJSON_GetObjectItemCaseSensitive(o, "use_rslora");
-    const cJSON *ffo = cJSON_GetObjectItemCaseSensitive(o, "fan_in_fan_out");
     const cJSON *tp = cJSON_GetObjectItemCaseSensitive(o, "target_parameters");
-    const cJSON *dora = cJSON_GetObjectItemCaseSensitive(o, "use_dora");
     if (!cJSON_IsString(pt) || strcmp(pt->valuestring, "LORA"))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: peft_type: expected \"LORA\"", path);
     else if (!cJSON_IsNumber(r) || r->valuedouble != c->lora_rank)
@@ -755,11 +941,7 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
         rc = ct_fail(e, CT_ERR_CONFIG,
                      "%s: lora_alpha %g (use_rslora %s) gives another scaling than lora.alpha and lora.use_rslora",
                      path, alpha->valuedouble, cJSON_IsTrue(rs) ? "true" : "false");
-    else if (cJSON_IsTrue(ffo))
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: fan_in_fan_out: true is for Conv1D models, not Qwen3", path);
-    else if (cJSON_IsTrue(dora))
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: use_dora: DoRA adapters are not supported", path);
-    else
+    else if (!(rc = plain_lora(o, path, e)))
         rc = check_target_params(tp, c, path, e);
     if (!rc) { /* the adapter read as generation reads it, module by module against the run */
         lm_config *own = ct_malloc(sizeof *own);

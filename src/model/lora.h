@@ -59,6 +59,11 @@ const char *lora_module_path(const lm_config *c, int p);
 int lora_config_patterns(lm_config *c, const char *rank_pattern, const char *alpha_pattern, double alpha, int rslora,
                          int gate_up_fused, const char *where, ct_err *e);
 
+/* PEFT puts no adapter inside a module of modules_to_save (comma list; its
+ * rule re.match(rf"(^|.*\.){m}($|\..*)", module)): an adapted module of c
+ * there is CT_ERR_CONFIG naming `where`, the entry and the module. */
+int lora_check_saved_targets(const lm_config *c, const char *modules_to_save, const char *where, ct_err *e);
+
 /* "q_proj,k_proj,..." (PEFT's target_modules: HF module names, or a module's
  * full name or a suffix of it, "model.layers.1.mlp.down_proj", PEFT's rule)
  * -> c->lora_targets (1 << LM_LORA_* bits) and per-layer lora_lp

@@ -311,6 +311,7 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
     mc->lora_dropout = (float)c->lora_dropout;
     /* per-module ranks and alphas, PEFT's rank_pattern / alpha_pattern (with
      * the MoE rewrite's gate_up_proj at 2 r and 2 alpha) */
+    if ((rc = lora_check_saved_targets(mc, c->lora_modules_to_save, src, e))) return rc;
     return lora_config_patterns(mc, c->lora_rank_pattern, c->lora_alpha_pattern, c->lora_alpha, c->lora_rslora,
                                 gate_up_fused, src, e);
 }

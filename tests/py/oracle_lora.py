@@ -83,9 +83,9 @@ def ctitan_name(peft_name: str) -> str:
 
 
 def make_peft(base, *, r, alpha, targets, rslora=False, modules_to_save=None, seed=None, std=0.1,
-              target_parameters=None, rank_pattern=None, alpha_pattern=None):
+              target_parameters=None, rank_pattern=None, alpha_pattern=None, **lora_kw):
     """A LoRA PeftModel on `base` (fp32, eval mode, dropout 0; targets a list of names or
-    PEFT's string form, e.g. "all-linear"). With `seed`, every lora_A
+    PEFT's string form, e.g. "all-linear"; lora_kw: more LoraConfig fields). With `seed`, every lora_A
     and lora_B gets N(0, std) values (non-zero B: the adapter changes the logits and
     every gradient is non-trivial) and every modules_to_save copy gets N(0, std) added
     (so that it differs from the base tensor it copies)."""
@@ -94,7 +94,7 @@ def make_peft(base, *, r, alpha, targets, rslora=False, modules_to_save=None, se
                      rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}),
                      use_rslora=rslora, modules_to_save=list(modules_to_save) if modules_to_save else None,
                      target_parameters=list(target_parameters) if target_parameters else None,
-                     task_type="CAUSAL_LM")
+                     task_type="CAUSAL_LM", **lora_kw)
     pm = get_peft_model(base, cfg)
     if seed is not None:
         g = torch.Generator().manual_seed(seed)

@@ -222,3 +222,101 @@ def test_pattern_config_errors(extra, needle, tmp_path, open_session):
     oracle.save_random_hf(hf_dir, cfg, seed=2)
     msg = open_error(open_session, hf_session_args(hf_dir, extra=lora_args() + extra), tmp_path)
     assert needle in msg, msg
+
+
+# --------------------------------------------------------------------------- 3. layers and other keys
+
+LAYER_CASES = [
+    ("list", dict(layers_to_transform=[1])),
+    ("int_and_pattern", dict(layers_to_transform=1, layers_pattern="layers")),
+]
+
+
+@pytest.mark.parametrize("kw", [c[1] for c in LAYER_CASES], ids=[c[0] for c in LAYER_CASES])
+def test_layers_to_transform_as_peft(kw, tmp_path, open_session):
+    """PEFT's layers_to_transform (and layers_pattern) adapt the named modules of the listed
+    layers only: ctitan reads them so (the run names the same modules per layer), gives
+    PEFT's logits and gradients, and saves the adapters by their full names, which PEFT
+    loads strictly; a run adapting every layer's is refused, naming layer 0's module."""
+    cfg = dense_cfg()
+    hf_dir, ad, pm = peft_adapter(tmp_path, cfg, seed=61, targets=["q_proj", "down_proj"], **kw)
+    params = OL.trainable(pm)
+    assert sorted(params) == sorted(OL.lora_names([1], ["q_proj", "down_proj"])), \
+        f"test setup: PEFT adapts {sorted(params)}"
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=8)
+    ref = OL.loss_logits_grads(pm, params, tokens, labels)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=lora_args(
+        targets=["layers.1.self_attn.q_proj", "layers.1.mlp.down_proj"], adapter=ad)))
+    assert trained_in_session(s) == set(params)
+    assert_step_matches(s, tokens, labels, *ref, params)
+    random_adapters_load_in_peft(s, cfg, lambda: oracle.load_hf(hf_dir), tmp_path / "saved", ".lora_")
+    msg = open_error(open_session, hf_session_args(hf_dir, extra=lora_args(targets=["q_proj", "down_proj"],
+                                                                           adapter=ad)), tmp_path)
+    assert "model.layers.0.self_attn.q_proj" in msg, msg
+
+
+# adapter_config.json values with which PEFT computes something else than plain LoRA
+REFUSED_KEYS = [
+    ("use_dora", True), ("fan_in_fan_out", True), ("lora_bias", True), ("bias", "all"), ("bias", "lora_only"),
+    ("init_lora_weights", "pissa"), ("exclude_modules", ["q_proj"]), ("layer_replication", [[0, 2]]),
+    ("trainable_token_indices", [1, 2]), ("alora_invocation_tokens", [5]), ("use_qalora", True),
+    ("layers_pattern", "layers"),  # without layers_to_transform
+    ("layers_to_transform", [7]),  # no such layer: nothing adapted
+    ("target_modules", ".*q_proj"),  # a regex
+]
+
+
+@pytest.mark.parametrize("key,value", REFUSED_KEYS, ids=[f"{k}={v}" for k, v in REFUSED_KEYS])
+def test_adapter_keys_refused(key, value, tmp_path, open_session):
+    """Each key that changes what PEFT computes, at a value ctitan does not compute, is
+    refused naming the key (a training session with lora.adapter_path)."""
+    cfg = dense_cfg()
+    hf_dir, ad, _ = peft_adapter(tmp_path, cfg, seed=71, targets=OL.ALL7)
+    args = hf_session_args(hf_dir, extra=lora_args(adapter=ad))
+    open_session(args).close()
+    rewrite_config(ad, **{key: value})
+    msg = open_error(open_session, args, tmp_path)
+    assert key in msg and "adapter_config.json" in msg, msg
+
+
+def test_generate_refuses_dora(tmp_path, run_ctitan):
+    """generate --adapter reads the adapter on its own path: a DoRA adapter is refused there
+    too (it used to run as plain LoRA)."""
+    cfg = dense_cfg()
+    hf_dir, ad, _ = peft_adapter(tmp_path, cfg, seed=72, targets=OL.ALL7)
+    args = ["generate", "--checkpoint", hf_dir, "--adapter", ad, "--prompt-ids", "1 2 3", "--max-tokens", "2",
+            "--ids"]
+    run_ctitan(args)
+    rewrite_config(ad, use_dora=True)
+    rc, _, err = run_ctitan(args, check=False)
+    assert rc != 0 and "use_dora" in err, err
+
+
+def test_modules_to_save_holding_a_target_refused(tmp_path, open_session):
+    """PEFT puts no adapter inside a module to save (modules_to_save ["mlp"] leaves down_proj
+    without one and trains the whole MLP): ctitan refuses the overlap, naming both."""
+    cfg = dense_cfg()
+    hf_dir = tmp_path / "hf"
+    oracle.save_random_hf(hf_dir, cfg, seed=73)
+    pm = OL.make_peft(oracle.load_hf(hf_dir), r=R, alpha=ALPHA, targets=["q_proj", "down_proj"],
+                      modules_to_save=["mlp"])
+    assert not any(".down_proj.lora_" in n for n in OL.trainable(pm)), "test setup: PEFT adapts down_proj"
+    msg = open_error(open_session, hf_session_args(hf_dir, extra=lora_args(
+        targets=["q_proj", "down_proj"], modules_to_save=["mlp"])), tmp_path)
+    assert "lora.modules_to_save" in msg and "mlp.down_proj" in msg, msg
+
+
+def test_layers_pattern_matching_nothing_refused(tmp_path, open_session):
+    """A layers_pattern that names no segment of the module names ("h": GPT-2's) leaves PEFT
+    nothing to adapt (it raises); ctitan refuses such an adapter naming layers_to_transform."""
+    cfg = dense_cfg()
+    hf_dir, ad, _ = peft_adapter(tmp_path, cfg, seed=74, targets=["q_proj"], layers_to_transform=[1],
+                                 layers_pattern="layers")
+    with pytest.raises(ValueError):
+        OL.make_peft(oracle.load_hf(hf_dir), r=R, alpha=ALPHA, targets=["q_proj"], layers_to_transform=[1],
+                     layers_pattern="h")
+    args = hf_session_args(hf_dir, extra=lora_args(targets=["layers.1.self_attn.q_proj"], adapter=ad))
+    open_session(args).close()
+    rewrite_config(ad, layers_pattern="h")
+    msg = open_error(open_session, args, tmp_path)
+    assert "layers_to_transform" in msg and "adapter_config.json" in msg, msg
