@@ -373,7 +373,6 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
             break;
         }
     }
-    if (!rc && !all) rc = ct_fail(e, code, "%s: %s: empty", where, key);
     if (!rc) {
         c->lora_targets = all;
         for (int l = 0; l < c->n_layers; l++)
@@ -385,7 +384,10 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
 }
 
 int lora_parse_targets(const char *list, lm_config *c, const char *where, ct_err *e) {
-    return targets_from_list(list, c, where, "lora.target_modules", CT_ERR_CONFIG, NULL, e);
+    int rc = targets_from_list(list, c, where, "lora.target_modules", CT_ERR_CONFIG, NULL, e);
+    if (!rc && !c->lora_targets) /* an adapter's may be [] (target_parameters only): a config's says so by omission */
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_modules: empty", where);
+    return rc;
 }
 
 /* Whether layer index `l` is in PEFT's layers_to_transform (an int or a list) */
