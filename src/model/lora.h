@@ -4,8 +4,10 @@
  * layer's lora_A [r, in] and lora_B [out, r] after its base tensors, named
  * with PEFT's keys less "base_model.model."), so the optimizer, the
  * checkpoints, FSDP and data parallel treat them as any other tensor. This
- * module holds what is LoRA's own: which projections are adapted, the
- * scale, PEFT's initialisation, the PEFT adapter directory in and out
+ * module holds what is LoRA's own: which projections of which layers are
+ * adapted and at which rank and scale (PEFT's target_modules, "all-linear",
+ * rank_pattern / alpha_pattern, layers_to_transform, resolved as PEFT does
+ * into lm_config.lora_lp), PEFT's initialisation, the PEFT adapter directory in and out
  * (adapter_config.json + adapter_model.safetensors, which
  * peft.PeftModel.from_pretrained reads as it is), and the choice of what is
  * frozen ([training] freeze patterns, or everything but the adapters and
