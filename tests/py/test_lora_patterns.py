@@ -320,3 +320,19 @@ def test_layers_pattern_matching_nothing_refused(tmp_path, open_session):
     rewrite_config(ad, layers_pattern="h")
     msg = open_error(open_session, args, tmp_path)
     assert "layers_to_transform" in msg and "adapter_config.json" in msg, msg
+
+
+def test_layers_to_transform_spares_exact_names(tmp_path, open_session):
+    """PEFT applies layers_to_transform only to modules a target_modules entry selects by
+    suffix: an entry that is a module's full name keeps it whatever its layer."""
+    cfg = dense_cfg()
+    hf_dir, ad, pm = peft_adapter(tmp_path, cfg, seed=75, targets=["q_proj", "model.layers.0.mlp.down_proj"],
+                                  layers_to_transform=[1])
+    params = OL.trainable(pm)
+    assert sorted(params) == sorted(OL.lora_names([1], ["q_proj"]) + OL.lora_names([0], ["down_proj"])), \
+        f"test setup: PEFT adapts {sorted(params)}"
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=9)
+    ref = OL.loss_logits_grads(pm, params, tokens, labels)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=lora_args(
+        targets=["layers.1.self_attn.q_proj", "layers.0.mlp.down_proj"], adapter=ad)))
+    assert_step_matches(s, tokens, labels, *ref, params)
