@@ -152,6 +152,11 @@ static const cfg_option cfg_options[] = {
         .help = "PEFT's target_parameters: fused MoE expert parameters that get adapters (Qwen3-MoE, Mixtral: "
                 "mlp.experts.gate_up_proj, mlp.experts.down_proj; any suffix of model.layers.N.mlp.experts.X, "
                 "as PEFT matches)"),
+    OPT("lora", "rank_pattern", CFG_STR, lora_rank_pattern, "",
+        .help = "PEFT's rank_pattern as JSON text, e.g. '{\"q_proj\": 2, \"layers.1.mlp.down_proj\": 8}': "
+                "the first key (a regex) matching the end of a module's full name gives its rank"),
+    OPT("lora", "alpha_pattern", CFG_STR, lora_alpha_pattern, "",
+        .help = "PEFT's alpha_pattern as JSON text {\"regex\": alpha}, matched as rank_pattern"),
     OPT("lora", "use_rslora", CFG_BOOL, lora_rslora, "false",
         .help = "rank-stabilised LoRA: scale by alpha / sqrt(r) instead of alpha / r"),
     OPT("lora", "modules_to_save", CFG_STR, lora_modules_to_save, "", .list = 1,

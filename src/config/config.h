@@ -62,6 +62,8 @@ typedef struct {
     int lora_rslora;          /* false */
     char *lora_modules_to_save; /* list: "" */
     char *lora_target_params; /* list: "" (PEFT's target_parameters) */
+    char *lora_rank_pattern;  /* "": none; PEFT's rank_pattern as JSON text {"regex": rank} */
+    char *lora_alpha_pattern; /* "": none; PEFT's alpha_pattern as JSON text {"regex": alpha} */
     char *lora_adapter_path;  /* "": fresh initialisation; a directory or a Hub id */
     char *lora_adapter_revision; /* "main": revision of a Hub id in lora_adapter_path */
     /* [checkpoint] */

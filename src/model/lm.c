@@ -88,7 +88,8 @@ static int lora_fused_head(const lm_config *c, int p) {
 /* bind_weights for the adapters of a fused module (tensor t at pointer p):
  * A is shared, B's row blocks are q|k|v or gate|up, as the base's rows. */
 static void lora_bind_fused(const lm_config *c, lm_layer_w *lw, const lm_tensor *t, float *p) {
-    size_t r = (size_t)c->lora_rank, qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    size_t r = (size_t)lm_lora_rank(c, t->layer, t->expert), qd = (size_t)c->n_heads * c->head_dim;
+    size_t kvd = (size_t)c->n_kv_heads * c->head_dim;
     int b = t->slot == LM_S_LORA_B;
     float **v = b ? lw->lora_b : lw->lora_a;
     if ((c->lora_targets & LORA_FUSED_QKV) && t->expert == LM_LORA_Q) {
@@ -100,8 +101,27 @@ static void lora_bind_fused(const lm_config *c, lm_layer_w *lw, const lm_tensor 
 }
 
 int lm_lora_on(const lm_config *c, int l, int p) {
-    (void)l; /* every layer alike: on MoE models the trainer keeps only the attention targets */
-    return c->lora_rank > 0 && (c->lora_targets & (1u << p));
+    /* on MoE models the trainer keeps only the attention targets */
+    return c->lora_rank > 0 && (c->lora_targets & (1u << p)) &&
+           !(l >= 0 && l < c->n_layers && c->lora_lp[l][p] == LM_LORA_LP_OFF);
+}
+
+int lm_lora_rank(const lm_config *c, int l, int p) {
+    int k = l >= 0 && l < c->n_layers && p >= 0 && p < LM_LORA_N ? c->lora_lp[l][p] : 0;
+    return k && k != LM_LORA_LP_OFF ? c->lora_kind[k - 1].rank : c->lora_rank;
+}
+
+float lm_lora_scale(const lm_config *c, int l, int p) {
+    int k = l >= 0 && l < c->n_layers && p >= 0 && p < LM_LORA_N ? c->lora_lp[l][p] : 0;
+    return k && k != LM_LORA_LP_OFF ? c->lora_kind[k - 1].scale : c->lora_scale;
+}
+
+int lm_lora_max_rank(const lm_config *c) {
+    int r = c->lora_rank;
+    for (int l = 0; l < c->n_layers; l++)
+        for (int p = 0; p < LM_LORA_N; p++)
+            if (lm_lora_on(c, l, p) && lm_lora_rank(c, l, p) > r) r = lm_lora_rank(c, l, p);
+    return r;
 }
 
 int lm_lora_expert_on(const lm_config *c, int l, int p) {
@@ -252,11 +272,11 @@ static void build_layout(lm_model *m) {
             if ((c->lora_targets & LORA_FUSED_QKV) && p == LM_LORA_Q) mod = "self_attn.qkv_proj", out = qd + 2 * kvd;
             if ((c->lora_targets & LORA_FUSED_GATE_UP) && p == LM_LORA_GATE) mod = "mlp.gate_up_proj", out = 2 * I;
             snprintf(sfx, sizeof sfx, "%s.lora_A.weight", mod);
-            T_(sfx, c->lora_rank, in, 1, LM_S_LORA_A);
+            T_(sfx, lm_lora_rank(c, l, p), in, 1, LM_S_LORA_A);
             m->tensors[m->n_tensors - 1].lora = 1;
             m->tensors[m->n_tensors - 1].expert = p;
             snprintf(sfx, sizeof sfx, "%s.lora_B.weight", mod);
-            T_(sfx, out, c->lora_rank, 1, LM_S_LORA_B);
+            T_(sfx, out, lm_lora_rank(c, l, p), 1, LM_S_LORA_B);
             m->tensors[m->n_tensors - 1].lora = 1;
             m->tensors[m->n_tensors - 1].expert = p;
         }
@@ -395,7 +415,8 @@ static void plan_layer(const lm_model *m, carver *cv, lm_layer_acts *a, int l) {
 #undef OWN
     if (!pa) a->ao = a->ao_rstd = a->mo = a->mo_rstd = NULL;
     /* LoRA's [BT, r] products are small: every layer keeps its own (a recomputation rewrites the same bits) */
-    for (int p = 0; p < LM_LORA_N; p++) a->lora_u[p] = lm_lora_on(c, l, p) ? carve(cv, BT * (size_t)c->lora_rank) : NULL;
+    for (int p = 0; p < LM_LORA_N; p++)
+        a->lora_u[p] = lm_lora_on(c, l, p) ? carve(cv, BT * (size_t)lm_lora_rank(c, l, p)) : NULL;
     /* the routing is small next to the experts' activations: rerun only under full recomputation */
     if (a->moe && ac != LM_AC_FULL) carve_route(cv, &a->route, m->act.B * m->act.T, c->n_experts, c->top_k);
     else if (a->moe) a->route = sc->route;
@@ -457,7 +478,7 @@ static void plan_activations(lm_model *m, carver *cv) {
         m->ws.moe_dprob_all = carve(cv, (size_t)E);
     }
     if (c->lora_rank > 0) {
-        m->ws.lora_du = carve(cv, BT * (size_t)c->lora_rank);
+        m->ws.lora_du = carve(cv, BT * (size_t)lm_lora_max_rank(c));
         size_t kmax = H > qd ? H : qd;
         kmax = kmax > (size_t)c->intermediate ? kmax : (size_t)c->intermediate;
         m->ws.lora_x = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
@@ -954,7 +975,8 @@ static const float *lora_input(lm_model *m, int l, int p, const float *x, size_t
 static void lora_fwd(lm_model *m, int l, int p, float *y, float *u, const float *x, const lm_layer_w *w, int BT,
                      int K, int N) {
     const float *xd = lora_input(m, l, p, x, (size_t)BT * K);
-    lora_apply(&m->k, y, u, xd, w->lora_a[p], w->lora_b[p], BT, K, N, m->cfg.lora_rank, m->cfg.lora_scale);
+    lora_apply(&m->k, y, u, xd, w->lora_a[p], w->lora_b[p], BT, K, N, lm_lora_rank(&m->cfg, l, p),
+               lm_lora_scale(&m->cfg, l, p));
 }
 
 /* Its backward from dy[BT, N]: dB += dy^T u, dA += du^T drop(x), dx += (du A)
@@ -964,12 +986,12 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
                      int K, int N) {
     const lm_layer_w *w = &m->w.layer[l];
     lm_layer_w *g = &m->g.layer[l];
-    int r = m->cfg.lora_rank;
+    int r = lm_lora_rank(&m->cfg, l, p);
     size_t n = (size_t)BT * K;
     float *du = m->ws.lora_du; /* [BT, r] */
     memset(du, 0, (size_t)BT * r * sizeof(float));
     K(MATMUL, matmul_bwd, du, g->lora_b[p], dy, u, w->lora_b[p], BT, r, N);
-    float sc = m->cfg.lora_scale;
+    float sc = lm_lora_scale(&m->cfg, l, p);
     for (size_t i = 0; i < (size_t)BT * r; i++) du[i] *= sc;
     const float *xd = lora_input(m, l, p, x, n);
     if (xd == x) {
@@ -1698,7 +1720,7 @@ size_t lm_kv_layout(lm_kv *kv, const lm_config *c, int max_len, int rows, int n_
         kv->moe_work = carve(&cv, KERN_MOE_WORK(R * c->top_k, H, c->moe_intermediate));
     }
     if (c->lora_rank > 0) { /* u = scale A x is read right after it is written: one buffer for every projection */
-        float *u = carve(&cv, R * (size_t)c->lora_rank);
+        float *u = carve(&cv, R * (size_t)lm_lora_max_rank(c));
         for (int p = 0; p < LM_LORA_N; p++) a->lora_u[p] = u;
     }
     kv->rope_cos = carve(&cv, R * hd / 2);

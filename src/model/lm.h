@@ -44,6 +44,14 @@ enum { LM_ACT_SILU = 0, LM_ACT_GELU_TANH = 1 /* gelu_pytorch_tanh */ };
 enum { LM_MOE_KEYS_QWEN = 0, /* mlp.gate, mlp.experts.N.{gate,up,down}_proj */
        LM_MOE_KEYS_MIXTRAL = 1 /* block_sparse_moe.gate, block_sparse_moe.experts.N.{w1,w3,w2} */ };
 
+/* The projections LoRA can adapt, in the tensor table's order within a layer. */
+enum { LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_O, LM_LORA_GATE, LM_LORA_UP, LM_LORA_DOWN,
+       LM_LORA_N };
+/* lm_config.lora_lp: no adapter on that projection of that layer */
+#define LM_LORA_LP_OFF 255
+/* distinct (rank, alpha) pairs a rank_pattern / alpha_pattern may give */
+#define LM_LORA_MAX_KINDS 64
+
 typedef struct {
     int vocab_size;    /* V */
     int hidden;        /* H */
@@ -125,6 +133,19 @@ typedef struct {
     unsigned lora_targets;
     float lora_scale;   /* alpha / r, or alpha / sqrt(r) (use_rslora) */
     float lora_dropout; /* probability; training forwards only */
+    /* Per (layer, projection) exceptions to lora_rank, lora_scale and
+     * lora_targets: PEFT's rank_pattern / alpha_pattern, and target_modules
+     * naming single modules (PEFT saves "all-linear" of a small model as
+     * every module's full name). lora_lp[l][p]: 0 lora_rank and lora_scale,
+     * LM_LORA_LP_OFF no adapter, k lora_kind[k - 1]. All zero (the default)
+     * is every layer alike. Read through lm_lora_on / _rank / _scale. */
+    unsigned char lora_lp[LM_MAX_LAYERS][LM_LORA_N];
+    int n_lora_kinds;
+    struct {
+        int rank;
+        float scale;
+        double alpha; /* for adapter_config.json's alpha_pattern */
+    } lora_kind[LM_LORA_MAX_KINDS];
     /* PEFT's target_parameters on a MoE layer's fused experts (ParamWrapper):
      * bit 1 << LM_LORA_EXP_* of lora_experts[l] adapts layer l's
      * mlp.experts.gate_up_proj [E, 2 Im, H] / down_proj [E, H, Im] with
@@ -143,11 +164,13 @@ typedef struct {
     int lazy_buffers;
 } lm_config;
 
-/* The projections LoRA can adapt, in the tensor table's order within a layer. */
-enum { LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_O, LM_LORA_GATE, LM_LORA_UP, LM_LORA_DOWN,
-       LM_LORA_N };
 /* Whether layer l has adapters on projection p. */
 int lm_lora_on(const lm_config *c, int l, int p);
+/* The rank and scale of layer l's adapter on projection p (lora_lp), and the
+ * largest rank of any Linear adapter (the [BT, r] buffers' width). */
+int lm_lora_rank(const lm_config *c, int l, int p);
+float lm_lora_scale(const lm_config *c, int l, int p);
+int lm_lora_max_rank(const lm_config *c);
 /* The fused expert parameters LoRA can adapt (target_parameters), in table order. */
 enum { LM_LORA_EXP_GU, LM_LORA_EXP_D, LM_LORA_EXP_N };
 /* Whether layer l (a MoE layer) has adapters on its fused experts p (LM_LORA_EXP_*). */

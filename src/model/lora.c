@@ -14,7 +14,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
 
 #include "config/config.h"
 #include "core/fs.h"
@@ -68,22 +71,6 @@ int lora_check_fused(const lm_config *c, const char *where, const char *key, ct_
     return 0;
 }
 
-int lora_parse_targets(const char *list, unsigned *bits, const char *where, ct_err *e) {
-    char item[128];
-    *bits = 0;
-    for (const char *p = list; (p = cfg_list_next(p, item, sizeof item));) {
-        unsigned b = target_bits(item);
-        if (!b)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: lora.target_modules: \"%s\" is not a projection ctitan adapts (q_proj, k_proj, v_proj, "
-                           "o_proj, gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj)",
-                           where, item);
-        *bits |= b;
-    }
-    if (!*bits) return ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_modules: empty", where);
-    return 0;
-}
-
 /* ------------------------------------------- experts (target_parameters) */
 
 static const char *const exp_param[LM_LORA_EXP_N] = {"gate_up_proj", "down_proj"};
@@ -116,6 +103,11 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: %s: \"%s\": this model has no fused MoE experts (target_parameters adapts "
                            "mlp.experts.gate_up_proj and mlp.experts.down_proj of qwen3_moe and mixtral models)",
+                           where, key, item);
+        size_t n = strlen(item);
+        if (!hit && n >= 11 && !strcmp(item + n - 11, "gate.weight")) /* PEFT's all-linear on a MoE model */
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: %s: \"%s\" is the MoE router's weight (mlp.gate), which ctitan cannot adapt",
                            where, key, item);
         if (!hit)
             return ct_fail(e, CT_ERR_CONFIG,
@@ -288,113 +280,434 @@ void lora_init_each(const lm_model *table, uint64_t seed, const lm_sink *s) {
 
 /* ---------------------------------------------------------------- loading */
 
-/* adapter_config.json's target_modules list -> 1 << LM_LORA_* bits. */
-static int json_targets(const cJSON *tm, unsigned *bits, const char *path, ct_err *e) {
-    const cJSON *it;
+static const char *const module_paths[LM_LORA_N] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                                       "mlp.down_proj"};
+
+const char *lora_module_path(const lm_config *c, int p) {
+    if (p < 0 || p >= LM_LORA_N) return "?";
+    if (c->fused_qkv && p <= LM_LORA_V) return "self_attn.qkv_proj";
+    if (c->fused_gate_up && (p == LM_LORA_GATE || p == LM_LORA_UP)) return "mlp.gate_up_proj";
+    return module_paths[p];
+}
+
+/* The projection whose adapter p's is (a fused module's: its first), as the
+ * tensor table lists them; p itself otherwise. */
+static int module_head(const lm_config *c, int p) {
+    if (c->fused_qkv && (p == LM_LORA_K || p == LM_LORA_V)) return LM_LORA_Q;
+    if (c->fused_gate_up && p == LM_LORA_UP) return LM_LORA_GATE;
+    return p;
+}
+
+/* Whether layer l has the module of projection p in its files: a MoE
+ * layer's MLP is its experts (target_parameters), not Linears. */
+static int module_exists(const lm_config *c, int l, int p) {
+    return p < LM_LORA_GATE || !lm_layer_is_moe(c, l);
+}
+
+int lora_is_all_linear(const char *targets) {
+    char item[64];
+    const char *p = cfg_list_next(targets, item, sizeof item);
+    return p && !strcasecmp(item, "all-linear") && !cfg_list_next(p, item, sizeof item);
+}
+
+int lora_all_linear(const lm_config *c, unsigned *bits, const char *where, const char *key, ct_err *e) {
+    /* PEFT 0.21 on transformers v5 resolves all-linear of a MoE model to leaf
+     * names and then adds the router "gate" (-> target_parameters
+     * gate.weight) with the experts (_resolve_string_target_modules,
+     * _convert_peft_config_moe): ctitan has no adapter on a router */
+    if (c->n_experts > 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: %s: \"all-linear\" on model_type \"%s\": PEFT then also adapts every MoE layer's router "
+                       "mlp.gate (target_parameters gate.weight), which ctitan cannot adapt; list the modules "
+                       "instead (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj adapt the attention "
+                       "and the experts as PEFT does)",
+                       where, key, c->model_type);
+    /* every nn.Linear of a decoder layer but the output layer (lm_head), which
+     * PEFT's _maybe_include_all_linear_layers leaves out: the projections */
     *bits = 0;
-    cJSON_ArrayForEach(it, tm) {
-        unsigned b = cJSON_IsString(it) ? target_bits(it->valuestring) : 0;
-        if (!b)
-            return ct_fail(e, CT_ERR_FORMAT,
-                           "%s: target_modules: %s is not a projection ctitan adapts (q_proj, k_proj, v_proj, o_proj, "
-                           "gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj)",
-                           path, cJSON_IsString(it) ? it->valuestring : "(not a string)");
-        *bits |= b;
-    }
+    for (int p = 0; p < LM_LORA_N; p++) *bits |= 1u << p;
+    if (c->fused_qkv) *bits |= LORA_FUSED_QKV;
+    if (c->fused_gate_up) *bits |= LORA_FUSED_GATE_UP;
     return 0;
 }
 
-/* A rank_pattern / alpha_pattern key that selects one fused expert
- * parameter (LM_LORA_EXP_*) in every MoE layer, as PEFT matches keys
- * (re.match("(.*\.)?(KEY)$", name)): ".*\.X", which its rewrite of
- * gate_proj / up_proj / down_proj writes, or the literal X, experts.X,
- * mlp.experts.X (dots escaped or not). -1: any other key. */
-static int pattern_param(const char *key) {
-    char lit[128];
-    size_t n = 0;
-    const char *p = key;
-    if (!strncmp(p, ".*\\.", 4)) p += 4;
-    for (; *p; p++) {
-        if (n + 1 >= sizeof lit) return -1;
-        if (p[0] == '\\' && p[1] == '.') p++;
-        else if (strchr("*+?[](){}|^$\\", *p)) return -1;
-        lit[n++] = *p;
-    }
-    lit[n] = 0;
-    for (int x = 0; x < LM_LORA_EXP_N; x++) {
-        char a[64], b[64];
-        snprintf(a, sizeof a, "experts.%s", exp_param[x]);
-        snprintf(b, sizeof b, "mlp.experts.%s", exp_param[x]);
-        if (!strcmp(lit, exp_param[x]) || !strcmp(lit, a) || !strcmp(lit, b)) return x;
-    }
-    return -1;
-}
-
-/* adapter_config.json's rank_pattern and alpha_pattern into c->lora_exp_*
- * (c->lora_rank set; alpha, rslora the adapter's). Only keys that select an
- * expert parameter are taken: a pattern on a Linear would be a per-module
- * rank the tensor table does not have. */
-static int json_patterns(const cJSON *o, lm_config *c, double alpha, int rslora, const char *path, ct_err *e) {
-    int rank[LM_LORA_EXP_N] = {0};
-    double al[LM_LORA_EXP_N] = {0};
-    int experts = c->n_experts > 0;
-    for (int w = 0; w < 2; w++) {
-        const char *name = w ? "alpha_pattern" : "rank_pattern";
-        const cJSON *p = cJSON_GetObjectItemCaseSensitive(o, name), *it;
-        if (!p || cJSON_IsNull(p)) continue;
-        if (!cJSON_IsObject(p)) return ct_fail(e, CT_ERR_FORMAT, "%s: %s: expected an object {pattern: value}", path, name);
-        cJSON_ArrayForEach(it, p) {
-            int x = experts ? pattern_param(it->string) : -1;
-            if (x < 0)
-                return ct_fail(e, CT_ERR_FORMAT,
-                               "%s: %s: key \"%s\": ctitan takes per-parameter ranks and alphas only for a fused "
-                               "MoE expert parameter of every MoE layer (\".*\\\\.gate_up_proj\", "
-                               "\".*\\\\.down_proj\", as PEFT writes them for target_modules gate_proj, up_proj, "
-                               "down_proj); not per module",
-                               path, name, it->string);
-            double v = cJSON_IsNumber(it) ? it->valuedouble : -1;
-            if (!(v > 0) || (!w && (v != (int)v || v > 65536)))
-                return ct_fail(e, CT_ERR_FORMAT, "%s: %s: \"%s\": expected a positive %s", path, name, it->string,
-                               w ? "number" : "integer");
-            if (w ? al[x] > 0 : rank[x] > 0) /* PEFT takes the first that matches: an order ctitan need not keep */
-                return ct_fail(e, CT_ERR_FORMAT, "%s: %s: \"%s\": a second key for mlp.experts.%s", path, name,
-                               it->string, exp_param[x]);
-            if (w) al[x] = v;
-            else rank[x] = (int)v;
+/* target_modules names (comma list) into c->lora_targets and, where they
+ * name single modules ("model.layers.0.self_attn.q_proj", as PEFT saves
+ * "all-linear" of a model with fewer than 20 Linears), per-layer lora_lp
+ * LM_LORA_LP_OFF. PEFT's rule: a module is targeted when its full name
+ * equals a name or ends with "." + it. */
+static int targets_from_list(const char *list, lm_config *c, const char *where, const char *key, int code,
+                             unsigned *exact, ct_err *e) {
+    memset(c->lora_lp, 0, sizeof c->lora_lp);
+    c->n_lora_kinds = 0;
+    c->lora_targets = 0;
+    unsigned *bits = ct_calloc((size_t)c->n_layers + 1, sizeof *bits), all = 0;
+    char name[256], full[LM_NAME_MAX];
+    int rc = 0;
+    for (const char *q = list; q && (q = cfg_list_next(q, name, sizeof name));) {
+        unsigned b = target_bits(name);
+        int hit = 0;
+        if (b) { /* a module name: every layer's (the trainer strips a MoE model's MLP names) */
+            for (int l = 0; l < c->n_layers; l++) bits[l] |= b;
+            all |= b;
+            continue;
+        }
+        for (int l = 0; l < c->n_layers; l++)
+            for (int p = 0; p < LM_LORA_N; p++) {
+                if (module_head(c, p) != p || !module_exists(c, l, p)) continue;
+                snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
+                if (!key_matches(full, name)) continue;
+                unsigned mb = target_bits(strrchr(full, '.') + 1);
+                if (exact && !strcmp(full, name)) exact[l] |= mb; /* layers_to_transform spares it */
+                bits[l] |= mb;
+                all |= mb;
+                hit = 1;
+            }
+        if (!hit) {
+            rc = ct_fail(e, code,
+                         "%s: %s: \"%s\" is not a projection ctitan adapts (q_proj, k_proj, v_proj, o_proj, "
+                         "gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj; or one layer's, "
+                         "model.layers.N.self_attn.q_proj)",
+                         where, key, name);
+            break;
         }
     }
-    for (int x = 0; x < LM_LORA_EXP_N; x++) {
-        c->lora_exp_rank[x] = 0;
-        if (!rank[x] && !al[x]) continue;
-        c->lora_exp_rank[x] = rank[x] ? rank[x] : c->lora_rank;
-        c->lora_exp_alpha[x] = al[x] ? al[x] : alpha;
-        c->lora_exp_scale[x] = lora_scaling(c->lora_exp_alpha[x], c->lora_exp_rank[x], rslora);
+    if (!rc) {
+        c->lora_targets = all;
+        for (int l = 0; l < c->n_layers; l++)
+            for (int p = 0; p < LM_LORA_N; p++)
+                if ((all >> p & 1) && !(bits[l] >> p & 1)) c->lora_lp[l][p] = LM_LORA_LP_OFF;
+    }
+    free(bits);
+    return rc;
+}
+
+int lora_parse_targets(const char *list, lm_config *c, const char *where, ct_err *e) {
+    int rc = targets_from_list(list, c, where, "lora.target_modules", CT_ERR_CONFIG, NULL, e);
+    if (!rc && !c->lora_targets) /* an adapter's may be [] (target_parameters only): a config's says so by omission */
+        rc = ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_modules: empty", where);
+    return rc;
+}
+
+/* Whether layer index `l` is in PEFT's layers_to_transform (an int or a list) */
+static int in_layers(const cJSON *lt, int l) {
+    if (cJSON_IsNumber(lt)) return lt->valuedouble == l;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, lt) if (cJSON_IsNumber(it) && it->valuedouble == l) return 1;
+    return 0;
+}
+
+/* PEFT's layers_to_transform / layers_pattern (check_target_module_exists):
+ * a module selected by a list entry other than its own full name is kept
+ * only if the layer index its name holds is listed; the index is the first
+ * numbered segment (".*?\.[^.]*\.(\d+)\.") or, with layers_pattern, the
+ * one after a pattern ("(?:^|.*?\.)PAT\.(\d+)\."); no index: not kept.
+ * Expert parameters are not filtered (PEFT's _inject_parameters is not).
+ * ctitan then holds and saves the result per layer (full module names). */
+static int apply_layers(const cJSON *o, const cJSON *tm, lm_config *c, const unsigned *exact, const char *path,
+                        ct_err *e) {
+    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(o, "layers_to_transform");
+    const cJSON *lp = cJSON_GetObjectItemCaseSensitive(o, "layers_pattern");
+    int using = cJSON_IsNumber(lt) || cJSON_GetArraySize(lt) > 0;
+    if (lt && !cJSON_IsNull(lt) && !cJSON_IsNumber(lt) && !cJSON_IsArray(lt))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: layers_to_transform: expected an integer or a list of integers", path);
+    const cJSON *it;
+    const cJSON *arr = cJSON_IsArray(lt) ? lt : NULL;
+    cJSON_ArrayForEach(it, arr) {
+        if (!cJSON_IsNumber(it) || it->valuedouble != (int)it->valuedouble)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: layers_to_transform: expected an integer or a list of integers",
+                           path);
+    }
+    int n_pat = cJSON_IsString(lp) ? (lp->valuestring[0] != 0) : cJSON_GetArraySize(lp);
+    if (lp && !cJSON_IsNull(lp) && !cJSON_IsString(lp) && !cJSON_IsArray(lp))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: layers_pattern: expected a string or a list of strings", path);
+    if (n_pat && !using) /* LoraConfig refuses it so */
+        return ct_fail(e, CT_ERR_FORMAT, "%s: layers_pattern: given without layers_to_transform", path);
+    if (!using) return 0;
+    if (!cJSON_IsArray(tm))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: layers_to_transform: needs target_modules as a list (PEFT refuses it "
+                                         "with a string)",
+                       path);
+    int np = n_pat ? n_pat : 1, rc = 0;
+    pcre2_code **re = ct_calloc((size_t)np, sizeof *re);
+    for (int i = 0; i < np && !rc; i++) {
+        const cJSON *pi = cJSON_IsString(lp) ? lp : cJSON_GetArrayItem(lp, i);
+        if (n_pat && !cJSON_IsString(pi)) {
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: layers_pattern: expected a string or a list of strings", path);
+            break;
+        }
+        char pat[512];
+        if (n_pat) snprintf(pat, sizeof pat, "(?:^|.*?\\.)%s\\.(?P<idx>\\d+)\\.", pi->valuestring);
+        else snprintf(pat, sizeof pat, ".*?\\.[^.]*\\.(?P<idx>\\d+)\\.");
+        int code;
+        PCRE2_SIZE off;
+        re[i] = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_ANCHORED, &code, &off, NULL);
+        if (!re[i])
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: layers_pattern: \"%s\" is not a regular expression", path,
+                         pi->valuestring);
+    }
+    pcre2_match_data *md = pcre2_match_data_create(4, NULL);
+    char full[LM_NAME_MAX];
+    int any = 0;
+    for (int l = 0; l < c->n_layers && !rc; l++)
+        for (int p = 0; p < LM_LORA_N; p++) {
+            if (!lm_lora_on(c, l, p)) continue;
+            if (exact[l] >> p & 1) {
+                any = 1;
+                continue;
+            }
+            snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
+            long idx = -1;
+            for (int i = 0; i < np && idx < 0; i++) /* the first pattern that matches gives the index */
+                if (pcre2_match(re[i], (PCRE2_SPTR)full, strlen(full), 0, 0, md, NULL) >= 0) {
+                    PCRE2_UCHAR *v;
+                    PCRE2_SIZE len;
+                    if (!pcre2_substring_get_byname(md, (PCRE2_SPTR) "idx", &v, &len)) {
+                        idx = strtol((const char *)v, NULL, 10);
+                        pcre2_substring_free(v);
+                    }
+                }
+            if (idx >= 0 && idx <= INT32_MAX && in_layers(lt, (int)idx)) any = 1;
+            else c->lora_lp[l][p] = LM_LORA_LP_OFF;
+        }
+    pcre2_match_data_free(md);
+    for (int i = 0; i < np; i++) pcre2_code_free(re[i]);
+    free(re);
+    if (!rc && !any && c->lora_targets)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: layers_to_transform: selects no layer of the targeted modules", path);
+    return rc;
+}
+
+/* adapter_config.json's target_modules: a list, or "all-linear" */
+static int json_targets(const cJSON *o, const cJSON *tm, lm_config *c, const char *path, ct_err *e) {
+    if (cJSON_IsString(tm)) {
+        memset(c->lora_lp, 0, sizeof c->lora_lp);
+        const cJSON *lt = cJSON_GetObjectItemCaseSensitive(o, "layers_to_transform");
+        if (cJSON_IsNumber(lt) || cJSON_GetArraySize(lt) > 0)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: layers_to_transform: needs target_modules as a list (PEFT refuses "
+                                             "it with a string)",
+                           path);
+        if (!lora_is_all_linear(tm->valuestring))
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "%s: target_modules: \"%s\": a regular expression is not supported; list the modules",
+                           path, tm->valuestring);
+        return lora_all_linear(c, &c->lora_targets, path, "target_modules", e);
+    }
+    size_t cap = 1, n = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, tm) {
+        if (!cJSON_IsString(it) || strchr(it->valuestring, ','))
+            return ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: %s is not a module name", path,
+                           cJSON_IsString(it) ? it->valuestring : "(not a string)");
+        cap += strlen(it->valuestring) + 1;
+    }
+    char *list = ct_malloc(cap);
+    list[0] = 0;
+    cJSON_ArrayForEach(it, tm) n += (size_t)snprintf(list + n, cap - n, "%s%s", n ? "," : "", it->valuestring);
+    unsigned *exact = ct_calloc((size_t)c->n_layers + 1, sizeof *exact);
+    int rc = targets_from_list(list, c, path, "target_modules", CT_ERR_FORMAT, exact, e);
+    if (!rc) rc = apply_layers(o, tm, c, exact, path, e);
+    free(exact);
+    free(list);
+    return rc;
+}
+
+/* PEFT's rank_pattern / alpha_pattern: {regex: value}, tried in order
+ * against a module's (or parameter's) full name as
+ * re.match(rf"(.*\.)?({key})$", name), the first match giving the value
+ * (peft/utils/other.py, get_pattern_key). */
+typedef struct {
+    const char *key;
+    double val;
+    pcre2_code *re;
+    int used;
+} lora_pat;
+
+static int pats_compile(const cJSON *o, const char *what, int integer, lora_pat **out, int *n, const char *where,
+                        ct_err *e) {
+    *out = NULL;
+    *n = 0;
+    if (!o || cJSON_IsNull(o)) return 0;
+    if (!cJSON_IsObject(o))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s: expected an object {pattern: value}", where, what);
+    int cap = cJSON_GetArraySize(o);
+    lora_pat *p = ct_calloc((size_t)cap + 1, sizeof *p);
+    const cJSON *it;
+    int rc = 0;
+    cJSON_ArrayForEach(it, o) {
+        double v = cJSON_IsNumber(it) ? it->valuedouble : -1;
+        if (!(v > 0) || (integer && (v != (int)v || v > 65536))) {
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: %s: \"%s\": expected a positive %s", where, what, it->string,
+                         integer ? "integer" : "number");
+            break;
+        }
+        size_t len = strlen(it->string) + 16;
+        char *re = ct_malloc(len);
+        snprintf(re, len, "(.*\\.)?(%s)$", it->string);
+        int code;
+        PCRE2_SIZE off;
+        p[*n].re = pcre2_compile((PCRE2_SPTR)re, PCRE2_ZERO_TERMINATED, PCRE2_ANCHORED, &code, &off, NULL);
+        free(re);
+        if (!p[*n].re) {
+            PCRE2_UCHAR msg[160];
+            pcre2_get_error_message(code, msg, sizeof msg);
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: %s: key \"%s\" is not a regular expression: %s", where, what,
+                         it->string, (const char *)msg);
+            break;
+        }
+        p[*n].key = it->string;
+        p[(*n)++].val = v;
+    }
+    *out = p;
+    return rc;
+}
+
+static void pats_free(lora_pat *p, int n) {
+    for (int i = 0; i < n; i++) pcre2_code_free(p[i].re);
+    free(p);
+}
+
+/* The first key that matches `name`; every key that does is marked used
+ * (PEFT warns only on a key that matches no targeted module). */
+static lora_pat *pats_first(lora_pat *p, int n, const char *name, pcre2_match_data *md) {
+    lora_pat *first = NULL;
+    for (int i = 0; i < n; i++)
+        if (pcre2_match(p[i].re, (PCRE2_SPTR)name, strlen(name), 0, 0, md, NULL) >= 0) {
+            p[i].used = 1;
+            if (!first) first = &p[i];
+        }
+    return first;
+}
+
+/* The rank and alpha PEFT gives module or parameter `name`. */
+static void pats_pick(lora_pat *R, int nr, lora_pat *A, int na, const char *name, pcre2_match_data *md, int r0,
+                      double a0, int *r, double *a) {
+    lora_pat *pr = pats_first(R, nr, name, md), *pa = pats_first(A, na, name, md);
+    *r = pr ? (int)pr->val : r0;
+    *a = pa ? pa->val : a0;
+}
+
+/* rank_pattern / alpha_pattern into c (lora_lp, lora_kind, lora_exp_*): its
+ * targets, rank and scale set, alpha the default. */
+static int set_patterns(lm_config *c, const cJSON *rank_pattern, const cJSON *alpha_pattern, double alpha, int rslora,
+                        const char *where, ct_err *e) {
+    lora_pat *R = NULL, *A = NULL;
+    int nr = 0, na = 0;
+    int rc = pats_compile(rank_pattern, "rank_pattern", 1, &R, &nr, where, e);
+    if (!rc) rc = pats_compile(alpha_pattern, "alpha_pattern", 0, &A, &na, where, e);
+    c->n_lora_kinds = 0;
+    for (int l = 0; l < c->n_layers; l++)
+        for (int p = 0; p < LM_LORA_N; p++)
+            if (c->lora_lp[l][p] != LM_LORA_LP_OFF) c->lora_lp[l][p] = 0;
+    memset(c->lora_exp_rank, 0, sizeof c->lora_exp_rank);
+    pcre2_match_data *md = pcre2_match_data_create(4, NULL);
+    char name[LM_NAME_MAX];
+    for (int l = 0; !rc && l < c->n_layers; l++)
+        for (int p = 0; p < LM_LORA_N && !rc; p++) {
+            if (!lm_lora_on(c, l, p) || module_head(c, p) != p) continue;
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, lora_module_path(c, p));
+            int r;
+            double a;
+            pats_pick(R, nr, A, na, name, md, c->lora_rank, alpha, &r, &a);
+            if (r == c->lora_rank && a == alpha) continue;
+            int k = 0;
+            while (k < c->n_lora_kinds && (c->lora_kind[k].rank != r || c->lora_kind[k].alpha != a)) k++;
+            if (k == LM_LORA_MAX_KINDS) {
+                rc = ct_fail(e, CT_ERR_CONFIG, "%s: rank_pattern / alpha_pattern: more than %d distinct (rank, alpha)",
+                             where, LM_LORA_MAX_KINDS);
+                break;
+            }
+            if (k == c->n_lora_kinds) {
+                c->lora_kind[k].rank = r;
+                c->lora_kind[k].alpha = a;
+                c->lora_kind[k].scale = lora_scaling(a, r, rslora);
+                c->n_lora_kinds++;
+            }
+            for (int q = 0; q < LM_LORA_N; q++) /* a fused module's projections share its one adapter */
+                if (module_head(c, q) == p && lm_lora_on(c, l, q)) c->lora_lp[l][q] = (unsigned char)(k + 1);
+        }
+    /* an expert parameter keeps one rank and scale over the MoE layers
+     * (lora_exp_rank): PEFT's own patterns (.*\.gate_up_proj) select all */
+    for (int x = 0; x < LM_LORA_EXP_N && !rc; x++) {
+        int seen = -1, r0 = 0;
+        double a0 = 0;
+        for (int l = 0; l < c->n_layers && !rc; l++) {
+            if (!lm_lora_expert_on(c, l, x)) continue;
+            snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%s", l, exp_param[x]);
+            int r;
+            double a;
+            pats_pick(R, nr, A, na, name, md, c->lora_rank, alpha, &r, &a);
+            if (seen < 0) seen = l, r0 = r, a0 = a;
+            else if (r != r0 || a != a0)
+                rc = ct_fail(e, CT_ERR_CONFIG,
+                             "%s: rank_pattern / alpha_pattern: mlp.experts.%s gets rank %d, alpha %g in layer %d but "
+                             "rank %d, alpha %g in layer %d; ctitan keeps one rank and alpha per expert parameter",
+                             where, exp_param[x], r0, a0, seen, r, a, l);
+        }
+        if (!rc && seen >= 0 && (r0 != c->lora_rank || a0 != alpha)) {
+            c->lora_exp_rank[x] = r0;
+            c->lora_exp_alpha[x] = a0;
+            c->lora_exp_scale[x] = lora_scaling(a0, r0, rslora);
+        }
+    }
+    /* PEFT warns on a key that selects no adapted module and ignores it: a
+     * typo here would silently leave the rank of the module it meant */
+    for (int w = 0; w < 2 && !rc; w++)
+        for (int i = 0; i < (w ? na : nr) && !rc; i++)
+            if (!(w ? A : R)[i].used)
+                rc = ct_fail(e, CT_ERR_CONFIG,
+                             "%s: %s: key \"%s\" selects no adapted module or parameter of this model (PEFT matches "
+                             "it as (.*\\.)?(KEY)$ against names like model.layers.0.self_attn.q_proj)",
+                             where, w ? "alpha_pattern" : "rank_pattern", (w ? A : R)[i].key);
+    pcre2_match_data_free(md);
+    pats_free(R, nr);
+    pats_free(A, na);
+    return rc;
+}
+
+/* A config's pattern text ("" or a JSON object) -> a cJSON object (NULL: "") */
+static int pattern_text(const char *text, const char *what, cJSON **out, const char *where, ct_err *e) {
+    *out = NULL;
+    if (!text || !text[strspn(text, " \t\n")]) return 0;
+    *out = cJSON_Parse(text);
+    if (!cJSON_IsObject(*out)) {
+        cJSON_Delete(*out);
+        *out = NULL;
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: lora.%s: \"%s\" is not a JSON object {\"pattern\": value} (PEFT's LoraConfig.%s)", where,
+                       what, text, what);
     }
     return 0;
 }
 
-/* The adapter's per-parameter ranks and scales against the run's, for the
- * expert parameters the run adapts */
-static int check_patterns(const cJSON *o, const lm_config *c, double alpha, int rslora, const char *path,
-                          ct_err *e) {
-    lm_config *own = ct_malloc(sizeof *own);
-    *own = *c;
-    int rc = json_patterns(o, own, alpha, rslora, path, e);
-    for (int x = 0; x < LM_LORA_EXP_N && !rc; x++) {
-        int on = 0;
-        for (int l = 0; l < c->n_layers; l++) on |= lm_lora_expert_on(c, l, x);
-        if (!on) continue;
-        int ra = lm_lora_exp_rank(own, x), rr = lm_lora_exp_rank(c, x);
-        float sa = lm_lora_exp_scale(own, x), sr = lm_lora_exp_scale(c, x);
-        if (ra != rr || fabsf(sa - sr) > 1e-6f * sr)
-            rc = ct_fail(e, CT_ERR_CONFIG,
-                         "%s: rank_pattern / alpha_pattern: the adapter's mlp.experts.%s has rank %d and scaling %g, "
-                         "the run's %d and %g (gate_proj + up_proj in lora.target_modules of a MoE model give "
-                         "gate_up_proj rank 2 r and alpha 2 alpha, as PEFT's rewrite; lora.target_parameters alone r "
-                         "and alpha)",
-                         path, exp_param[x], ra, (double)sa, rr, (double)sr);
+int lora_config_patterns(lm_config *c, const char *rank_pattern, const char *alpha_pattern, double alpha, int rslora,
+                         int gate_up_fused, const char *where, ct_err *e) {
+    cJSON *rp, *ap;
+    int rc = pattern_text(rank_pattern, "rank_pattern", &rp, where, e);
+    if (!rc) rc = pattern_text(alpha_pattern, "alpha_pattern", &ap, where, e);
+    if (rc) {
+        cJSON_Delete(rp);
+        return rc;
     }
-    free(own);
+    if (gate_up_fused) {
+        /* PEFT's _convert_peft_config_moe: rank_pattern[".*\.gate_up_proj"] =
+         * 2 r, alpha_pattern[...] = 2 alpha, a Python dict assignment: the
+         * value of an existing key is replaced where it stands, a new key goes
+         * last (so a user's earlier key that also matches still wins) */
+        const char *key = ".*\\.gate_up_proj";
+        cJSON **d[2] = {&rp, &ap};
+        double v[2] = {2.0 * c->lora_rank, 2.0 * alpha};
+        for (int w = 0; w < 2; w++) {
+            if (!*d[w]) *d[w] = cJSON_CreateObject();
+            if (cJSON_GetObjectItemCaseSensitive(*d[w], key))
+                cJSON_ReplaceItemInObjectCaseSensitive(*d[w], key, cJSON_CreateNumber(v[w]));
+            else cJSON_AddNumberToObject(*d[w], key, v[w]);
+        }
+    }
+    rc = set_patterns(c, rp, ap, alpha, rslora, where, e);
+    cJSON_Delete(rp);
+    cJSON_Delete(ap);
     return rc;
 }
 
@@ -428,25 +741,6 @@ static int json_target_params(const cJSON *tp, lm_config *c, const char *path, c
     return rc ? CT_ERR_FORMAT : 0;
 }
 
-/* The adapter's target_modules against the run's lora.target_modules */
-static int check_target_modules(const cJSON *tm, const lm_config *c, const char *path, ct_err *e) {
-    if (cJSON_IsString(tm))
-        return ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: a regular expression is not supported; list the modules",
-                       path);
-    if (!cJSON_IsArray(tm))
-        return c->lora_targets ? ct_fail(e, CT_ERR_CONFIG,
-                                         "%s: target_modules: none in the adapter, but lora.target_modules names some",
-                                         path)
-                               : 0;
-    unsigned bits = 0;
-    int rc = json_targets(tm, &bits, path, e);
-    if (!rc && bits != c->lora_targets)
-        rc = ct_fail(e, CT_ERR_CONFIG, "%s: target_modules: the adapter adapts other projections than "
-                                       "lora.target_modules",
-                     path);
-    return rc;
-}
-
 /* The adapter's target_parameters against the run's lora.target_parameters */
 static int check_target_params(const cJSON *tp, const lm_config *c, const char *path, ct_err *e) {
     if (!tp || cJSON_IsNull(tp))
@@ -466,6 +760,163 @@ static int check_target_params(const cJSON *tp, const lm_config *c, const char *
     return rc;
 }
 
+
+/* adapter_config.json keys with which PEFT computes something ctitan does
+ * not (LoraConfig, peft 0.21.2): each must be absent or hold its default.
+ * need: 0 null or empty, 1 false, 2 "none", 3 true / false / "gaussian"
+ * (initialisations of fresh adapters only; pissa, olora, corda, loftq, eva,
+ * lora_ga and the like also rewrite the base weights). */
+static const struct {
+    const char *key;
+    int need;
+    const char *what;
+} plain_keys[] = {
+    {"use_dora", 1, "DoRA adapters are not supported"},
+    {"fan_in_fan_out", 1, "true is for Conv1D models, not Qwen3"},
+    {"lora_bias", 1, "a bias on lora_B is not supported"},
+    {"bias", 2, "training the base model's biases is not supported"},
+    {"init_lora_weights", 3, "this initialisation also changes the base weights, which ctitan does not"},
+    {"exclude_modules", 0, "not supported: list the modules to adapt in target_modules"},
+    {"layer_replication", 0, "replicated layers are not supported"},
+    {"trainable_token_indices", 0, "trainable tokens are not supported"},
+    {"alora_invocation_tokens", 0, "activated LoRA (aLoRA) is not supported"},
+    {"use_qalora", 1, "QA-LoRA is not supported"},
+    {"use_bdlora", 0, "not supported"},
+    {"arrow_config", 0, "Arrow routing is not supported"},
+    {"kasa_config", 0, "KaSA is not supported"},
+    {"monteclora_config", 0, "MonteCLoRA is not supported"},
+    {"velora_config", 0, "not supported"},
+    {"ensure_weight_tying", 1, "not supported"},
+    {"megatron_config", 0, "Megatron layers are not supported"},
+};
+
+static int plain_lora(const cJSON *o, const char *path, ct_err *e) {
+    for (size_t i = 0; i < sizeof plain_keys / sizeof *plain_keys; i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, plain_keys[i].key);
+        if (!v || cJSON_IsNull(v)) continue;
+        int ok;
+        switch (plain_keys[i].need) {
+        case 0: ok = (cJSON_IsArray(v) || cJSON_IsObject(v)) && !cJSON_GetArraySize(v); break;
+        case 1: ok = cJSON_IsFalse(v); break;
+        case 2: ok = cJSON_IsString(v) && !strcmp(v->valuestring, "none"); break;
+        default: ok = cJSON_IsBool(v) || (cJSON_IsString(v) && !strcmp(v->valuestring, "gaussian")); break;
+        }
+        if (ok) continue;
+        char *txt = cJSON_PrintUnformatted(v);
+        int rc = ct_fail(e, CT_ERR_FORMAT, "%s: %s: %.200s: %s", path, plain_keys[i].key, txt ? txt : "?",
+                         plain_keys[i].what);
+        free(txt);
+        return rc;
+    }
+    return 0;
+}
+
+/* PEFT never puts an adapter inside a module of modules_to_save
+ * (check_target_module_exists: re.match(rf"(^|.*\.){m}($|\..*)", key)):
+ * where ctitan's targets and modules_to_save overlap so, it is refused
+ * rather than computed otherwise. list: comma-joined. */
+static int saved_vs_targets(const lm_config *c, const char *list, const char *where, const char *key, ct_err *e) {
+    char item[256], pat[320], full[LM_NAME_MAX];
+    pcre2_match_data *md = pcre2_match_data_create(4, NULL);
+    int rc = 0;
+    for (const char *q = list; !rc && q && (q = cfg_list_next(q, item, sizeof item));) {
+        snprintf(pat, sizeof pat, "(^|.*\\.)%s($|\\..*)", item);
+        int code;
+        PCRE2_SIZE off;
+        pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, PCRE2_ZERO_TERMINATED, PCRE2_ANCHORED, &code, &off, NULL);
+        for (int l = 0; re && !rc && l < c->n_layers; l++)
+            for (int p = 0; p < LM_LORA_N && !rc; p++) {
+                if (!lm_lora_on(c, l, p) || module_head(c, p) != p) continue;
+                snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
+                if (pcre2_match(re, (PCRE2_SPTR)full, strlen(full), 0, 0, md, NULL) >= 0)
+                    rc = ct_fail(e, CT_ERR_CONFIG,
+                                 "%s: %s: \"%s\" holds the adapted module %s: PEFT puts no adapter inside a module "
+                                 "to save (it would train the module in full instead); adapt or save it, not both",
+                                 where, key, item, full);
+            }
+        pcre2_code_free(re);
+    }
+    pcre2_match_data_free(md);
+    return rc;
+}
+
+int lora_check_saved_targets(const lm_config *c, const char *modules_to_save, const char *where, ct_err *e) {
+    return saved_vs_targets(c, modules_to_save, where, "lora.modules_to_save", e);
+}
+
+/* adapter_config.json into c's LoRA fields: rank, targets, expert
+ * parameters, scale, the per-module rank_pattern / alpha_pattern (no
+ * dropout: the caller's). */
+static int read_adapter(const cJSON *o, lm_config *c, double *alpha, int *rslora, const char *path, ct_err *e) {
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, "r"), *a = cJSON_GetObjectItemCaseSensitive(o, "lora_alpha");
+    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(o, "target_modules");
+    const cJSON *tp = cJSON_GetObjectItemCaseSensitive(o, "target_parameters");
+    int has_tp = cJSON_GetArraySize(tp) > 0;
+    if (!cJSON_IsNumber(r) || r->valuedouble < 1 || r->valuedouble > 65536 || r->valuedouble != (int)r->valuedouble)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: r: expected a positive integer", path);
+    if (!cJSON_IsNumber(a) || !(a->valuedouble > 0))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: lora_alpha: expected a positive number", path);
+    if (!cJSON_IsArray(tm) && !cJSON_IsString(tm) && !(has_tp && (!tm || cJSON_IsNull(tm))))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: expected a list of module names", path);
+    int rc = plain_lora(o, path, e);
+    if (rc) return rc;
+    c->lora_rank = (int)r->valuedouble;
+    rc = cJSON_IsNull(tm) || !tm ? (c->lora_targets = 0, memset(c->lora_lp, 0, sizeof c->lora_lp), 0)
+                                     : json_targets(o, tm, c, path, e);
+    if (!rc) rc = json_target_params(tp, c, path, e);
+    if (rc) return rc;
+    *alpha = a->valuedouble;
+    *rslora = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "use_rslora"));
+    c->lora_scale = lora_scaling(*alpha, c->lora_rank, *rslora);
+    c->lora_dropout = 0;
+    if ((rc = lora_check_fused(c, path, "target_modules", e))) return rc;
+    const cJSON *mts = cJSON_GetObjectItemCaseSensitive(o, "modules_to_save"), *it;
+    if (!cJSON_IsArray(mts)) mts = NULL;
+    cJSON_ArrayForEach(it, mts) {
+        if (cJSON_IsString(it) && (rc = saved_vs_targets(c, it->valuestring, path, "modules_to_save", e))) return rc;
+    }
+    return set_patterns(c, cJSON_GetObjectItemCaseSensitive(o, "rank_pattern"),
+                        cJSON_GetObjectItemCaseSensitive(o, "alpha_pattern"), *alpha, *rslora, path, e);
+}
+
+/* The adapter's modules, ranks and scales (ad) against the run's (c) */
+static int compare_adapter(const lm_config *ad, const lm_config *c, const char *path, ct_err *e) {
+    char name[LM_NAME_MAX];
+    for (int l = 0; l < c->n_layers; l++)
+        for (int p = 0; p < LM_LORA_N; p++) {
+            int oa = lm_lora_on(ad, l, p), on = lm_lora_on(c, l, p);
+            if ((!oa && !on) || module_head(c, p) != p) continue;
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, lora_module_path(c, p));
+            if (oa != on)
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: target_modules: the adapter %s %s, the run's lora.target_modules %s it",
+                               path, oa ? "adapts" : "does not adapt", name, on ? "adapts" : "does not adapt");
+            int ra = lm_lora_rank(ad, l, p), rr = lm_lora_rank(c, l, p);
+            float sa = lm_lora_scale(ad, l, p), sr = lm_lora_scale(c, l, p);
+            if (ra != rr || fabsf(sa - sr) > 1e-6f * sr)
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: r / rank_pattern / alpha_pattern: %s has rank %d and scaling %g in the adapter, "
+                               "rank %d and scaling %g in the run (give lora.rank_pattern / lora.alpha_pattern as "
+                               "the adapter's)",
+                               path, name, ra, (double)sa, rr, (double)sr);
+        }
+    for (int x = 0; x < LM_LORA_EXP_N; x++) {
+        int on = 0;
+        for (int l = 0; l < c->n_layers; l++) on |= lm_lora_expert_on(c, l, x);
+        if (!on) continue;
+        int ra = lm_lora_exp_rank(ad, x), rr = lm_lora_exp_rank(c, x);
+        float sa = lm_lora_exp_scale(ad, x), sr = lm_lora_exp_scale(c, x);
+        if (ra != rr || fabsf(sa - sr) > 1e-6f * sr)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: rank_pattern / alpha_pattern: the adapter's mlp.experts.%s has rank %d and scaling %g, "
+                           "the run's %d and %g (gate_proj + up_proj in lora.target_modules of a MoE model give "
+                           "gate_up_proj rank 2 r and alpha 2 alpha, as PEFT's rewrite; lora.target_parameters alone r "
+                           "and alpha)",
+                           path, exp_param[x], ra, (double)sa, rr, (double)sr);
+    }
+    return 0;
+}
+
 static int check_config(const lm_model *table, const char *path, ct_err *e) {
     cJSON *o = json_parse_file(path, 0, e);
     if (!o) return e ? e->code : CT_ERR_FORMAT;
@@ -477,12 +928,9 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
     int rc = 0;
     const cJSON *pt = cJSON_GetObjectItemCaseSensitive(o, "peft_type");
     const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, "r");
-    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(o, "target_modules");
     const cJSON *alpha = cJSON_GetObjectItemCaseSensitive(o, "lora_alpha");
     const cJSON *rs = cJSON_GetObjectItemCaseSensitive(o, "use_rslora");
-    const cJSON *ffo = cJSON_GetObjectItemCaseSensitive(o, "fan_in_fan_out");
     const cJSON *tp = cJSON_GetObjectItemCaseSensitive(o, "target_parameters");
-    const cJSON *dora = cJSON_GetObjectItemCaseSensitive(o, "use_dora");
     if (!cJSON_IsString(pt) || strcmp(pt->valuestring, "LORA"))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: peft_type: expected \"LORA\"", path);
     else if (!cJSON_IsNumber(r) || r->valuedouble != c->lora_rank)
@@ -495,15 +943,17 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
         rc = ct_fail(e, CT_ERR_CONFIG,
                      "%s: lora_alpha %g (use_rslora %s) gives another scaling than lora.alpha and lora.use_rslora",
                      path, alpha->valuedouble, cJSON_IsTrue(rs) ? "true" : "false");
-    else if (cJSON_IsTrue(ffo))
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: fan_in_fan_out: true is for Conv1D models, not Qwen3", path);
-    else if (cJSON_IsTrue(dora))
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: use_dora: DoRA adapters are not supported", path);
-    else
+    else if (!(rc = plain_lora(o, path, e)))
         rc = check_target_params(tp, c, path, e);
-    if (!rc)
-        rc = check_patterns(o, c, cJSON_IsNumber(alpha) ? alpha->valuedouble : 8.0, cJSON_IsTrue(rs), path, e);
-    if (!rc) rc = check_target_modules(tm, c, path, e);
+    if (!rc) { /* the adapter read as generation reads it, module by module against the run */
+        lm_config *own = ct_malloc(sizeof *own);
+        *own = *c;
+        double al;
+        int rsl;
+        rc = read_adapter(o, own, &al, &rsl, path, e);
+        if (!rc) rc = compare_adapter(own, c, path, e);
+        free(own);
+    }
     cJSON_Delete(o);
     return rc;
 }
@@ -513,29 +963,8 @@ int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, 
     snprintf(path, sizeof path, "%s/adapter_config.json", dir);
     cJSON *o = json_parse_file(path, 0, e);
     if (!o) return e ? e->code : CT_ERR_FORMAT;
-    int rc = 0;
-    const cJSON *r = cJSON_GetObjectItemCaseSensitive(o, "r"), *a = cJSON_GetObjectItemCaseSensitive(o, "lora_alpha");
-    const cJSON *tm = cJSON_GetObjectItemCaseSensitive(o, "target_modules");
-    const cJSON *tp = cJSON_GetObjectItemCaseSensitive(o, "target_parameters");
-    int has_tp = cJSON_GetArraySize(tp) > 0;
-    if (!cJSON_IsObject(o)) rc = ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
-    else if (!cJSON_IsNumber(r) || r->valuedouble < 1 || r->valuedouble > 65536 || r->valuedouble != (int)r->valuedouble)
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: r: expected a positive integer", path);
-    else if (!cJSON_IsNumber(a) || !(a->valuedouble > 0))
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: lora_alpha: expected a positive number", path);
-    else if (!cJSON_IsArray(tm) && !(has_tp && (!tm || cJSON_IsNull(tm))))
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: target_modules: expected a list of module names", path);
-    if (!rc) {
-        c->lora_rank = (int)r->valuedouble;
-        rc = json_targets(tm, &c->lora_targets, path, e);
-        if (!rc) rc = json_target_params(tp, c, path, e);
-        *alpha = a->valuedouble;
-        *rslora = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "use_rslora"));
-        c->lora_scale = lora_scaling(*alpha, c->lora_rank, *rslora);
-        c->lora_dropout = 0;
-        if (!rc) rc = lora_check_fused(c, path, "target_modules", e);
-        if (!rc) rc = json_patterns(o, c, *alpha, *rslora, path, e);
-    }
+    int rc = cJSON_IsObject(o) ? read_adapter(o, c, alpha, rslora, path, e)
+                               : ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
     cJSON_Delete(o);
     return rc;
 }
@@ -644,7 +1073,19 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     cJSON_AddNumberToObject(o, "r", c->lora_rank);
     cJSON_AddNumberToObject(o, "lora_alpha", alpha);
     cJSON_AddNumberToObject(o, "lora_dropout", dropout);
-    if (c->lora_targets) {
+    int per_layer = 0; /* some layer lacks a target: every adapted module by its full name, as PEFT saves */
+    for (int l = 0; l < c->n_layers; l++)
+        for (int p = 0; p < LM_LORA_N; p++) per_layer |= (c->lora_targets >> p & 1) && !lm_lora_on(c, l, p);
+    if (c->lora_targets && per_layer) {
+        cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
+        char full[LM_NAME_MAX];
+        for (int l = 0; l < c->n_layers; l++)
+            for (int p = 0; p < LM_LORA_N; p++) {
+                if (!lm_lora_on(c, l, p) || module_head(c, p) != p) continue;
+                snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
+                cJSON_AddItemToArray(tm, cJSON_CreateString(full));
+            }
+    } else if (c->lora_targets) {
         cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
         for (int p = 0; p < LM_LORA_N; p++) {
             if (!(c->lora_targets & (1u << p))) continue;
@@ -663,6 +1104,35 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     cJSON_AddBoolToObject(o, "use_rslora", rslora);
     /* gate_up_proj at 2 r (PEFT's rewrite of gate_proj + up_proj): its patterns */
     cJSON *rp = cJSON_AddObjectToObject(o, "rank_pattern"), *ap = cJSON_AddObjectToObject(o, "alpha_pattern");
+    /* per-module ranks and alphas: one key per projection where its layers
+     * agree, else per layer; each key (dots escaped) selects exactly its
+     * modules, so their order does not matter to PEFT's first match */
+    for (int p = 0; p < LM_LORA_N; p++) {
+        if (module_head(c, p) != p) continue;
+        int kind = -1, same = 1;
+        for (int l = 0; l < c->n_layers; l++) {
+            if (!lm_lora_on(c, l, p)) continue;
+            if (kind < 0) kind = c->lora_lp[l][p];
+            else same &= kind == c->lora_lp[l][p];
+        }
+        for (int l = 0; l < c->n_layers && kind >= 0; l++) {
+            int k = same ? kind : lm_lora_on(c, l, p) ? c->lora_lp[l][p] : 0;
+            if (k) {
+                char mod[LM_NAME_MAX], key[2 * LM_NAME_MAX];
+                if (same) snprintf(mod, sizeof mod, "%s", lora_module_path(c, p));
+                else snprintf(mod, sizeof mod, "model.layers.%d.%s", l, lora_module_path(c, p));
+                size_t n = 0;
+                for (const char *q = mod; *q && n + 3 < sizeof key; q++) {
+                    if (*q == '.') key[n++] = '\\';
+                    key[n++] = *q;
+                }
+                key[n] = 0;
+                cJSON_AddNumberToObject(rp, key, c->lora_kind[k - 1].rank);
+                cJSON_AddNumberToObject(ap, key, c->lora_kind[k - 1].alpha);
+            }
+            if (same) break;
+        }
+    }
     for (int x = 0; x < LM_LORA_EXP_N; x++) {
         if (!c->lora_exp_rank[x]) continue;
         char key[64];
@@ -707,7 +1177,6 @@ static void merge_experts(lm_model *m, const lm_tensor *ta, const lm_tensor *tb)
 
 void lora_merge(lm_model *m) {
     const lm_config *c = &m->cfg;
-    int r = c->lora_rank;
     for (int i = 0; i + 1 < m->n_tensors; i++) {
         const lm_tensor *ta = &m->tensors[i], *tb = ta + 1; /* build_layout puts B right after A */
         const char *suffix = strstr(ta->name, ".lora_A.weight");
@@ -719,14 +1188,15 @@ void lora_merge(lm_model *m) {
         char base[LM_NAME_MAX];
         snprintf(base, sizeof base, "%.*s.weight", (int)(suffix - ta->name), ta->name);
         const lm_tensor *tw = lm_find(m, base);
-        int K = (int)ta->shape[1], N = (int)tb->shape[0];
+        int K = (int)ta->shape[1], N = (int)tb->shape[0], r = (int)ta->shape[0];
+        float scale = lm_lora_scale(c, ta->layer, ta->expert);
         /* W[N, K] += scale B[N, r] A[r, K], PEFT's merge (get_delta_weight), summed in double */
         float *W = m->params + tw->offset, *A = m->params + ta->offset, *B = m->params + tb->offset;
         for (int n = 0; n < N; n++)
             for (int k = 0; k < K; k++) {
                 double sum = 0;
                 for (int j = 0; j < r; j++) sum += (double)B[(size_t)n * r + j] * A[(size_t)j * K + k];
-                W[(size_t)n * K + k] += (float)(c->lora_scale * sum);
+                W[(size_t)n * K + k] += (float)(scale * sum);
             }
         memset(B, 0, (size_t)N * r * sizeof(float)); /* folded in: the adapter now adds nothing */
     }

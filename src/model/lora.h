@@ -4,8 +4,10 @@
  * layer's lora_A [r, in] and lora_B [out, r] after its base tensors, named
  * with PEFT's keys less "base_model.model."), so the optimizer, the
  * checkpoints, FSDP and data parallel treat them as any other tensor. This
- * module holds what is LoRA's own: which projections are adapted, the
- * scale, PEFT's initialisation, the PEFT adapter directory in and out
+ * module holds what is LoRA's own: which projections of which layers are
+ * adapted and at which rank and scale (PEFT's target_modules, "all-linear",
+ * rank_pattern / alpha_pattern, layers_to_transform, resolved as PEFT does
+ * into lm_config.lora_lp), PEFT's initialisation, the PEFT adapter directory in and out
  * (adapter_config.json + adapter_model.safetensors, which
  * peft.PeftModel.from_pretrained reads as it is), and the choice of what is
  * frozen ([training] freeze patterns, or everything but the adapters and
@@ -32,9 +34,44 @@
  * names only on such a model. CT_ERR_CONFIG naming `where`, `key` and the module. */
 int lora_check_fused(const lm_config *c, const char *where, const char *key, ct_err *e);
 
-/* "q_proj,k_proj,..." (PEFT's target_modules, HF module names) -> 1 << LM_LORA_* bits.
- * An unknown name is CT_ERR_CONFIG naming `where` and the name. */
-int lora_parse_targets(const char *list, unsigned *bits, const char *where, ct_err *e);
+/* Whether a target_modules list is PEFT's shorthand "all-linear" (any case). */
+int lora_is_all_linear(const char *targets);
+/* What "all-linear" adapts on c's model as PEFT resolves it
+ * (_maybe_include_all_linear_layers: every nn.Linear but the output layer):
+ * every projection of the layers (Phi3: qkv_proj, o_proj, gate_up_proj,
+ * down_proj) -> *bits. On a MoE model PEFT also adapts each router
+ * (mlp.gate), which ctitan cannot: CT_ERR_CONFIG naming `where`, `key` and it. */
+int lora_all_linear(const lm_config *c, unsigned *bits, const char *where, const char *key, ct_err *e);
+/* Projection p's module path in a layer of c's model ("self_attn.q_proj";
+ * a fused model's "self_attn.qkv_proj" for q, k and v). */
+const char *lora_module_path(const lm_config *c, int p);
+
+/* PEFT's rank_pattern / alpha_pattern (LoraConfig): JSON objects
+ * {regex: value} as text ("" none), tried in order against each adapted
+ * module's full name ("model.layers.1.mlp.down_proj") and expert parameter's
+ * ("model.layers.1.mlp.experts.gate_up_proj") as
+ * re.match(rf"(.*\.)?({key})$", name), the first match giving its rank
+ * (alpha), else lora.rank (alpha). Sets c->lora_lp / lora_kind /
+ * lora_exp_*; c's targets, lora_rank and lora_scale must be set. gate_up_fused:
+ * PEFT's MoE rewrite of gate_proj + up_proj also sets
+ * ".*\.gate_up_proj" to 2 r and 2 alpha (in place, or appended). A key
+ * that is not a regex or selects nothing adapted, a rank that is not a
+ * positive integer, or an expert parameter with other ranks in other
+ * layers is CT_ERR_CONFIG naming `where` and the key. */
+int lora_config_patterns(lm_config *c, const char *rank_pattern, const char *alpha_pattern, double alpha, int rslora,
+                         int gate_up_fused, const char *where, ct_err *e);
+
+/* PEFT puts no adapter inside a module of modules_to_save (comma list; its
+ * rule re.match(rf"(^|.*\.){m}($|\..*)", module)): an adapted module of c
+ * there is CT_ERR_CONFIG naming `where`, the entry and the module. */
+int lora_check_saved_targets(const lm_config *c, const char *modules_to_save, const char *where, ct_err *e);
+
+/* "q_proj,k_proj,..." (PEFT's target_modules: HF module names, or a module's
+ * full name or a suffix of it, "model.layers.1.mlp.down_proj", PEFT's rule)
+ * -> c->lora_targets (1 << LM_LORA_* bits) and per-layer lora_lp
+ * LM_LORA_LP_OFF where a layer lacks one. A name selecting no projection is
+ * CT_ERR_CONFIG naming `where` and the name. */
+int lora_parse_targets(const char *list, lm_config *c, const char *where, ct_err *e);
 /* The module name of projection p ("q_proj", ...). */
 const char *lora_target_name(int p);
 /* alpha / r, or alpha / sqrt(r) with rslora (PEFT's LoraLayer.scaling). */
@@ -92,9 +129,10 @@ void lora_init_each(const lm_model *table, uint64_t seed, const lm_sink *s);
 
 /* A PEFT adapter directory into s: the adapters and any modules_to_save
  * tensors it holds. adapter_config.json must say LORA with the configured
- * rank, alpha and rslora (and the run's rank and scale per expert parameter:
- * rank_pattern / alpha_pattern, whose only keys may select one) and name
- * only known target modules; every lora
+ * rank, alpha and rslora, adapt the same modules and expert parameters as
+ * the run, each at the run's rank and scale (rank_pattern / alpha_pattern
+ * read as PEFT reads them), and name only known target modules (a list of
+ * names or full module names, or "all-linear"); every lora
  * tensor of the table must be in adapter_model.safetensors with its shape,
  * and every key of the file must be one of the table's. Errors name the file
  * and the key (CT_ERR_FORMAT; a disagreement with the run's config
@@ -102,7 +140,7 @@ void lora_init_each(const lm_model *table, uint64_t seed, const lm_sink *s);
 int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e);
 
 /* Reads DIR/adapter_config.json into c's LoRA fields (rank, targets, scale,
- * the expert parameters' rank_pattern / alpha_pattern; no dropout: for
+ * per-module and per-layer targets, rank_pattern / alpha_pattern; no dropout: for
  * evaluation and generation) and *alpha, *rslora. */
 int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, ct_err *e);
 

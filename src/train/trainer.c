@@ -235,6 +235,9 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.adapter_path: needs lora.rank > 0", src);
         if (c->lora_target_params && c->lora_target_params[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_parameters: needs lora.rank > 0", src);
+        if ((c->lora_rank_pattern && c->lora_rank_pattern[0]) || (c->lora_alpha_pattern && c->lora_alpha_pattern[0]))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: lora.%s: needs lora.rank > 0", src,
+                           c->lora_rank_pattern && c->lora_rank_pattern[0] ? "rank_pattern" : "alpha_pattern");
         return 0;
     }
     int experts = c->lora_target_params && c->lora_target_params[0];
@@ -251,7 +254,10 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
         if (w >= 0) mx_named |= 1u << w;
         else strcat(strcat(rest, rest[0] ? "," : ""), item);
     }
-    int rc = (experts || mx_named) && !rest[0] ? 0 : lora_parse_targets(rest, &mc->lora_targets, src, e);
+    /* PEFT's "all-linear": every projection, as PEFT resolves it on the model */
+    int rc = lora_is_all_linear(rest) ? lora_all_linear(mc, &mc->lora_targets, src, "lora.target_modules", e)
+             : (experts || mx_named) && !rest[0] ? 0
+                                                : lora_parse_targets(rest, mc, src, e);
     free(rest);
     /* fused projections in the files (Phi3's qkv_proj, gate_up_proj) are named
      * and adapted as PEFT does: one adapter over the fused Linear */
@@ -269,6 +275,7 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
      * get no adapter either. The attention projections stay Linear adapters.
      * Mixtral the same with w1 + w3 and w2 (above). */
     unsigned mlp = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN);
+    int gate_up_fused = 0;
     if (mc->n_experts > 0 && ((mc->lora_targets & mlp) || mx_named)) {
         unsigned named = mx ? mx_named : mc->lora_targets;
         mc->lora_targets &= ~mlp;
@@ -283,11 +290,7 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
             if (lm_layer_is_moe(mc, l))
                 mc->lora_experts[l] |=
                     (unsigned char)((gate ? 1u << LM_LORA_EXP_GU : 0) | (down ? 1u << LM_LORA_EXP_D : 0));
-        if (gate) {
-            mc->lora_exp_rank[LM_LORA_EXP_GU] = 2 * c->lora_rank;
-            mc->lora_exp_alpha[LM_LORA_EXP_GU] = 2 * c->lora_alpha;
-            mc->lora_exp_scale[LM_LORA_EXP_GU] = lora_scaling(2 * c->lora_alpha, 2 * c->lora_rank, c->lora_rslora);
-        }
+        gate_up_fused = gate; /* rank_pattern / alpha_pattern below */
         experts |= gate || down;
         if (!mc->lora_targets && !experts)
             return ct_fail(e, CT_ERR_CONFIG,
@@ -306,7 +309,11 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
     mc->lora_rank = c->lora_rank;
     mc->lora_scale = lora_scaling(c->lora_alpha, c->lora_rank, c->lora_rslora);
     mc->lora_dropout = (float)c->lora_dropout;
-    return 0;
+    /* per-module ranks and alphas, PEFT's rank_pattern / alpha_pattern (with
+     * the MoE rewrite's gate_up_proj at 2 r and 2 alpha) */
+    if ((rc = lora_check_saved_targets(mc, c->lora_modules_to_save, src, e))) return rc;
+    return lora_config_patterns(mc, c->lora_rank_pattern, c->lora_alpha_pattern, c->lora_alpha, c->lora_rslora,
+                                gate_up_fused, src, e);
 }
 
 uint64_t trainer_lora_seed(const trainer *t, int step, long micro) {

@@ -44,11 +44,15 @@ static void fill_tokens(int32_t *tok, int32_t *lab, int n, int V) {
 
 static void test_choices(void) {
     ct_err e;
-    unsigned bits;
-    CHECK(lora_parse_targets("q_proj,down_proj", &bits, "t", &e) == 0 &&
-              bits == ((1u << LM_LORA_Q) | (1u << LM_LORA_DOWN)),
-          "targets %x", bits);
-    CHECK(lora_parse_targets("q_proj,c_attn", &bits, "t", &e) == CT_ERR_CONFIG && strstr(e.msg, "c_attn"), "%s",
+    lm_config tc = tiny(2, 0);
+    CHECK(lora_parse_targets("q_proj,down_proj", &tc, "t", &e) == 0 &&
+              tc.lora_targets == ((1u << LM_LORA_Q) | (1u << LM_LORA_DOWN)),
+          "targets %x", tc.lora_targets);
+    /* PEFT's suffix rule: one layer's module */
+    CHECK(lora_parse_targets("q_proj,layers.1.mlp.down_proj", &tc, "t", &e) == 0 && lm_lora_on(&tc, 1, LM_LORA_DOWN) &&
+              !lm_lora_on(&tc, 0, LM_LORA_DOWN) && lm_lora_on(&tc, 0, LM_LORA_Q),
+          "per-layer targets");
+    CHECK(lora_parse_targets("q_proj,c_attn", &tc, "t", &e) == CT_ERR_CONFIG && strstr(e.msg, "c_attn"), "%s",
           e.msg);
     CHECK(fabsf(lora_scaling(8, 4, 0) - 2.0f) < 1e-7f && fabsf(lora_scaling(8, 4, 1) - 4.0f) < 1e-7f, "scaling");
 

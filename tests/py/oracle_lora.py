@@ -83,15 +83,18 @@ def ctitan_name(peft_name: str) -> str:
 
 
 def make_peft(base, *, r, alpha, targets, rslora=False, modules_to_save=None, seed=None, std=0.1,
-              target_parameters=None):
-    """A LoRA PeftModel on `base` (fp32, eval mode, dropout 0). With `seed`, every lora_A
+              target_parameters=None, rank_pattern=None, alpha_pattern=None, **lora_kw):
+    """A LoRA PeftModel on `base` (fp32, eval mode, dropout 0; targets a list of names or
+    PEFT's string form, e.g. "all-linear"; lora_kw: more LoraConfig fields). With `seed`, every lora_A
     and lora_B gets N(0, std) values (non-zero B: the adapter changes the logits and
     every gradient is non-trivial) and every modules_to_save copy gets N(0, std) added
     (so that it differs from the base tensor it copies)."""
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets),
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                     target_modules=targets if isinstance(targets, str) else list(targets),  # "all-linear" stays
+                     rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}),
                      use_rslora=rslora, modules_to_save=list(modules_to_save) if modules_to_save else None,
                      target_parameters=list(target_parameters) if target_parameters else None,
-                     task_type="CAUSAL_LM")
+                     task_type="CAUSAL_LM", **lora_kw)
     pm = get_peft_model(base, cfg)
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
@@ -213,8 +216,10 @@ def load_adapter_strict(base, adapter_dir):
             # PEFT 0.21.2 says this on its own adapters for target_modules gate_proj + up_proj on a MoE model:
             # the check looks at the Linear targets only, while the ParamWrapper does take gate_up_proj's rank
             # and alpha from the pattern (its tensors are 2 r wide: loading them at r would fail)
+            # (and so on ctitan's expert patterns, gate_up_proj's and down_proj's, which the ParamWrapper takes)
             warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any "
-                                    r"targeted module and were ignored: \['\.\*\\\\\.gate_up_proj'\]\.$",
+                                    r"targeted module and were ignored: "
+                                    r"\[('\.\*\\\\\.(gate_up_proj|down_proj)'(, )?){1,2}\]\.$",
                                     category=RuntimeWarning)
             pm = PeftModel.from_pretrained(base, str(adapter_dir))
     finally:

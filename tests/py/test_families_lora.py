@@ -229,3 +229,26 @@ def test_mixtral_rewritten_expert_targets(tmp_path, open_session):
     with pytest.raises(CtitanError) as ei:
         open_session(hf_session_args(hf_dir, extra=[f"--lora.rank={R}", "--lora.target_modules=q_proj,w1"]))
     assert "lora.target_modules" in str(ei.value) and "w3" in str(ei.value), str(ei.value)
+
+
+def test_phi3_all_linear_as_peft(tmp_path, open_session):
+    """PEFT's target_modules "all-linear" on Phi3 adapts its four Linears per layer, the fused
+    qkv_proj and gate_up_proj among them (not lm_head); ctitan's lora.target_modules =
+    all-linear adapts the same and, from PEFT's adapter, gives PEFT's logits, loss and
+    gradients; its save loads back in PEFT with its logits."""
+    case, fused = fam.CASE["phi3_longrope_short_swa7"], CASES["phi3_longrope_short_swa7"]
+    base = fam.build(case)
+    hf_dir, ad, out = tmp_path / "hf", tmp_path / "adapter", tmp_path / "saved"
+    fam.save(base, hf_dir)
+    pm = OL.make_peft(fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), r=R, alpha=ALPHA,
+                      targets="all-linear", seed=12)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    mods = {n.split(".lora_")[0].rsplit(".", 1)[1] for n in params}
+    assert mods == set(fused), f"PEFT's all-linear on phi3 adapts {sorted(mods)}"
+    tokens, labels = fam.batch(base, 2, case.T, seed=12)
+    ref = OL.loss_logits_grads(pm, params, tokens, labels)
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=lora_args(["all-linear"], ad)))
+    session_matches_peft(s, params, tokens, labels, ref,
+                         lambda: fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), out,
+                         load=lambda base_model, d: PeftModel.from_pretrained(base_model, str(d)).eval())
