@@ -219,6 +219,48 @@ def test_two_ranks_fsdp(setup):
     assert p.stderr.count("traced step(s)") == 2  # a summary table per rank (CTITAN_LOG_RANKS=all)
 
 
+def check_worker_spans(trace, rank):
+    """The OpenMP threads' shares of the ops: cat "thread" spans on tracks of their own
+    (tid = OpenMP thread number, named "omp worker N" by metadata), each within the span of
+    the same op (name and args) on the recording thread; at least two such tracks. Returns
+    the worker tids."""
+    meta = {(e["tid"], e["name"]): e["args"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    (main_tid,) = {e["tid"] for e in spans(trace, "step")}
+    workers = spans(trace, "thread")
+    tids = {e["tid"] for e in workers}
+    assert len(tids) >= 2 and main_tid not in tids, (tids, main_tid)
+    assert all(e["pid"] == rank for e in workers)
+    for t in tids:
+        assert meta[(t, "thread_name")] == {"name": f"omp worker {t}"}, (t, meta)
+    ops = [e for e in spans(trace, "op") if e["tid"] == main_tid]
+    assert len(ops) == len(spans(trace, "op"))
+    for w in workers:
+        assert any(o["name"] == w["name"] and o["args"] == w["args"] and inside(w, o) for o in ops), w
+    # one span per thread per op call: never more worker spans of an op than its calls times threads
+    for name in {w["name"] for w in workers}:
+        calls = sum(o["name"] == name for o in ops)
+        for t in tids:
+            assert sum(w["name"] == name and w["tid"] == t for w in workers) <= calls, (name, t)
+    return tids
+
+
+def test_omp_worker_spans(tmp_path, run_ctitan):
+    """training.threads=2: each kernel's parallel regions show up per OpenMP thread, the
+    element-wise ops (row-parallel at any size) at least, nested in time in the op's span."""
+    _, out, args = tiny_run(tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq=2",
+                            "--training.threads=2", layers=LAYERS, steps=2)
+    _, _, err = run_ctitan(args)
+    trace = load(out / "profile_trace" / "iteration_2" / "rank0_trace.json")
+    validate(trace)
+    check_nesting(trace)
+    check_worker_spans(trace, 0)
+    names = {w["name"] for w in spans(trace, "thread")}
+    assert {"rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "attention_fwd", "attention_bwd"} <= names, names
+    # the summary table stays per op: the workers' shares are not rows of their own
+    cats = {l.split()[2] for l in err.splitlines() if l.startswith("ctitan: profile: ")}
+    assert cats == {"category", "op", "collective"}, cats
+
+
 def test_memory_snapshot_matches_dry_run(setup, run_ctitan):
     cfg, out, args = setup
     _, _, err = run_ctitan(args + ["--profiling.enable_memory_snapshot"])

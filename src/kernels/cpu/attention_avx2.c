@@ -61,19 +61,25 @@
 T256 static float *att2_transpose(const float *x, int B, int T, int nkv, int hd, int Tp) {
     // returns xt[B*nkv, hd, Tp]; x[B,T,nkv,hd]
     float *xt = ct_malloc((size_t)B * nkv * hd * Tp * sizeof(float));
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++)
-        for (int kh = 0; kh < nkv; kh++) {
-            float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
-            for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys at a time: 16 source rows stay in L1 */
-                int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
-                for (int i = 0; i < hd; i++) {
-                    float *d = dst + (size_t)i * Tp + j0;
-                    for (int c = 0; c < n; c++) d[c] = x[(((size_t)b * T + j0 + c) * nkv + kh) * hd + i];
-                    for (int c = n; c < 16; c++) d[c] = 0.0f;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int b = 0; b < B; b++)
+            for (int kh = 0; kh < nkv; kh++) {
+                float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
+                for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys at a time: 16 source rows stay in L1 */
+                    int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
+                    for (int i = 0; i < hd; i++) {
+                        float *d = dst + (size_t)i * Tp + j0;
+                        for (int c = 0; c < n; c++) d[c] = x[(((size_t)b * T + j0 + c) * nkv + kh) * hd + i];
+                        for (int c = n; c < 16; c++) d[c] = 0.0f;
+                    }
                 }
             }
-        }
+        KERN_TRACE_EXIT(kt_);
+    }
     return xt;
 }
 
@@ -189,8 +195,10 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
     int qs = nh * hd, ks = nkv * hd; // row strides of q/out and k/v
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
+        KERN_TRACE_ENTER(kt_);
         float *acc = ct_malloc((size_t)BQ * hd * sizeof(float)); // [BQ, hd] unnormalised out
         float P[MR * BK];                                        // [MR, BK] scores, then probabilities
         float m[BQ], l[BQ], alpha[MR];                           // running max, sum; rescaling
@@ -276,6 +284,7 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
             }
         }
         free(acc);
+        KERN_TRACE_EXIT(kt_);
     }
     free(KT);
 }
@@ -298,8 +307,10 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
     float *VT = att2_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, hd, Tp]
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
+        KERN_TRACE_ENTER(kt_);
         float *P = ct_malloc((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
         float *dS = ct_malloc((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
         float D[BQ], L[BQ];
@@ -447,6 +458,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
         }
         free(P);
         free(dS);
+        KERN_TRACE_EXIT(kt_);
     }
     free(KT);
     free(VT);
