@@ -188,19 +188,27 @@ def test_trace_single_rank(setup, run_ctitan):
         assert coll[key][1] == total_us / 1000, (key, coll[key], total_us)
 
 
+def mpirun2(args, threads=1):
+    """`ctitan train args` on 2 ranks (mpirun, every rank logging); the finished process."""
+    mpirun = shutil.which("mpirun")
+    assert mpirun, "mpirun not found: run scripts/setup.sh (installs openmpi-bin)"
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", CTITAN_LOG_RANKS="all")
+    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", str(BIN), *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+FSDP2 = ["--parallelism.data_parallel_shard_degree=2", "--training.global_batch_size=4"]
+
+
 def test_two_ranks_fsdp(setup):
     """FSDP over 2 ranks: a trace per rank, pid = rank, and each layer's parameters
     all-gathered and its gradients reduce-scattered in whole (bytes of the layer)."""
     cfg, out, args = setup
-    mpirun = shutil.which("mpirun")
-    assert mpirun, "mpirun not found: run scripts/setup.sh (installs openmpi-bin)"
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", CTITAN_LOG_RANKS="all")
-    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", str(BIN), *args,
-           "--parallelism.data_parallel_shard_degree=2", "--training.global_batch_size=4", "--training.steps=3"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    crashed(p.returncode, p.stderr, cmd)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = mpirun2(args + FSDP2 + ["--training.steps=3"])
     folder = out / "profile_trace" / "iteration_3"
     assert sorted(x.name for x in folder.iterdir()) == ["rank0_trace.json", "rank1_trace.json"]
     want = layer_bytes(cfg)
@@ -284,6 +292,52 @@ def test_memory_snapshot_matches_dry_run(setup, run_ctitan):
             assert 0.5 * v < cats[names[k]]["measured"] <= v, (k, cats[names[k]])
         assert snap["total_measured"] <= snap["peak_rss"]
     assert "ctitan: memory: total" in err
+
+
+DRY_NAMES = {"parameters": "parameters", "gradients": "gradients", "AdamW moments": "adamw_moments",
+             "FSDP gathered": "fsdp_gathered", "activations + workspace": "activations_workspace"}
+
+
+def dry_table(text):
+    """{snapshot category: bytes} of a dry-run table (the lines "  what ... GiB  N bytes")."""
+    got = {}
+    for l in text.splitlines():
+        m = re.match(r"\s+(parameters|gradients|AdamW moments|FSDP gathered|activations \+ workspace).*GiB\s+(\d+) bytes$",
+                     l)
+        if m:
+            got[DRY_NAMES[m[1]]] = int(m[2])
+    return got
+
+
+def test_memory_snapshot_fsdp_is_per_shard(setup, run_ctitan):
+    """FSDP over 2 ranks: each rank's snapshot plans what that rank holds, the dry run's
+    per-rank table (its shard of parameters, gradients and moments, and the pieces FSDP
+    gathers), not the whole model; the parameters are half the model's (torch's count of the
+    same config, up to a float of padding per piece and rank), and every category is
+    measured on every rank."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    cfg, out, args = setup
+    base = [a for a in args if not a.startswith("--profiling")]
+    _, dry, _ = run_ctitan(base + FSDP2 + ["--dry-run"])
+    per_rank = dry_table(dry.split("per rank:", 1)[1])
+    assert set(per_rank) == set(DRY_NAMES.values()), dry
+    torch.manual_seed(0)
+    whole = 4 * sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    pieces = LAYERS + 2  # the embedding, each layer, the head (norm and lm_head)
+    mpirun2(base + FSDP2 + ["--training.steps=2", "--profiling.enable_memory_snapshot", "--profiling.profile_freq=2"])
+    for rank in (0, 1):
+        snap = json.loads((out / "memory_snapshot" / "iteration_2" / f"rank{rank}_memory_snapshot.json").read_text())
+        cats = {c["name"]: c for c in snap["categories"]}
+        assert {k: c["planned"] for k, c in cats.items()} == per_rank, (rank, cats, per_rank)
+        assert whole <= 2 * cats["parameters"]["planned"] <= whole + 2 * 4 * pieces, (cats["parameters"], whole)
+        for k, c in cats.items():
+            assert isinstance(c["measured"], int) and c["measured"] >= 0, (rank, k, c)
+        # every rank wrote its own shard during the step: all of it is resident
+        for k in ("parameters", "gradients", "adamw_moments"):
+            assert 0.5 * cats[k]["planned"] < cats[k]["measured"] <= cats[k]["planned"], (rank, k, cats[k])
+        assert cats["fsdp_gathered"]["measured"] <= cats["fsdp_gathered"]["planned"] + 4096, cats["fsdp_gathered"]
+        assert snap["total_planned"] == sum(per_rank.values())
 
 
 def test_profile_freq_must_be_positive(setup, run_ctitan):
