@@ -294,6 +294,39 @@ def test_memory_snapshot_matches_dry_run(setup, run_ctitan):
     assert "ctitan: memory: total" in err
 
 
+def test_two_ranks_ddp_collectives_and_threads(setup):
+    """Data parallel (replicas) over 2 ranks, 2 OpenMP threads each: every rank's trace has
+    its gradient all-reduces, whose f32 sum bytes add up to the model's parameters (torch's
+    count of the same config), a layer's bucket the layer's bytes; and its own worker tracks,
+    within its ops, under its pid."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    cfg, out, args = setup
+    mpirun2(args + ["--parallelism.data_parallel_replicate_degree=2", "--training.global_batch_size=4",
+                    "--training.steps=3", "--training.threads=2"], threads=2)
+    torch.manual_seed(0)
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    folder = out / "profile_trace" / "iteration_3"
+    for rank in (0, 1):
+        trace = load(folder / f"rank{rank}_trace.json")
+        validate(trace)
+        check_nesting(trace)
+        assert {e["pid"] for e in trace["traceEvents"]} == {rank}
+        coll = spans(trace, "collective")
+        for c in coll:
+            a = c["args"]
+            assert a["bytes"] == a["count"] * {"f32": 4, "f64": 8, "i32": 4, "i64": 8}[a["dtype"]], c
+            assert a["comm_size"] == 2, c
+        grads = [c for c in coll if c["name"] in ("all_reduce", "iall_reduce") and c["args"]["dtype"] == "f32"
+                 and c["args"]["op"] == "sum"]
+        assert sum(c["args"]["bytes"] for c in grads) == 4 * n_params, [(c["name"], c["args"]) for c in grads]
+        assert sum(c["args"]["bytes"] == layer_bytes(cfg) for c in grads) == LAYERS, [c["args"] for c in grads]
+        (red,) = [e for e in spans(trace, "phase") if e["name"] == "reduce"]
+        (fb,) = [e for e in spans(trace, "phase") if e["name"] == "forward_backward"]
+        assert all(inside(c, red) or inside(c, fb) for c in grads)
+        check_worker_spans(trace, rank)
+
+
 DRY_NAMES = {"parameters": "parameters", "gradients": "gradients", "AdamW moments": "adamw_moments",
              "FSDP gathered": "fsdp_gathered", "activations + workspace": "activations_workspace"}
 
