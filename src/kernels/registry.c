@@ -6,7 +6,10 @@
  * listed in order of preference (fastest first, measured: docs/kernels.md);
  * the default is the first one the CPU can run, and "ref" (features 0) is
  * last, so there is always one. Adding an implementation is one entry here
- * plus its functions (docs/kernels.md, "Adding an implementation"). */
+ * plus its functions (docs/kernels.md, "Adding an implementation"). The one
+ * mutable thing here is the profiler's per-thread trace pointer (at the end,
+ * kernels/ops.h), and it is _Thread_local: a run sees only what its own
+ * recording thread armed. */
 #include "kernels/registry.h"
 
 #include <omp.h>

@@ -81,6 +81,9 @@ prof *prof_new(int rank, const char *folder) {
 
 void prof_free(prof *p) {
     if (!p) return;
+    /* a step that failed while traced never reached prof_step_end: the
+     * kernels must not keep stamping slots about to be freed */
+    if (kern_trace_armed() == &p->tr) kern_trace_arm(NULL);
     free(p->folder);
     free(p->spans);
     free(p->rows);

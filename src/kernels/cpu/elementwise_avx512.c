@@ -5,9 +5,10 @@
  *
  * Design. Each op is one pass (or as few as its data dependencies allow) over
  * its tensors with zmm loads, masked for the tails, so any size works and no
- * buffer needs padding. Threads: `omp parallel for schedule(static)` over rows
- * (or fixed-size element blocks), so every output element is written by one
- * thread. Reductions inside a row (norm sums, softmax max/sum, dot products)
+ * buffer needs padding. Threads: `omp for schedule(static)` over rows (or
+ * fixed-size element blocks), so every output element is written by one
+ * thread; each region is `omp parallel` + `omp for nowait` only so that its
+ * threads can stamp the profiler's per-thread spans (kernels/ops.h). Reductions inside a row (norm sums, softmax max/sum, dot products)
  * use a fixed lane layout and a fixed final horizontal order; reductions
  * across rows (dw of the norms, dwte of the embedding) are split by columns or
  * by fixed row blocks summed in order afterwards. Nothing depends on the
