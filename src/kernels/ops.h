@@ -242,7 +242,7 @@ void op_moe_experts_bf16_bwd(float *dx, float *dwg, float *dwu, float *dwd, floa
  * entry and exit. The slots hold, per OpenMP thread number, the first entry
  * and last exit since the profiler last cleared them: one span per thread
  * per op call, however many regions and iterations the op runs. The pointer
- * is _Thread_local in kernels/registry.c, the only state outside a run
+ * is _Thread_local in kernels/ref/trace.c, the only state outside a run
  * context: one run's recording thread never sees another's. Unprofiled: one
  * call returning NULL per region and one NULL test per thread. */
 typedef struct {

@@ -6,16 +6,11 @@
  * listed in order of preference (fastest first, measured: docs/kernels.md);
  * the default is the first one the CPU can run, and "ref" (features 0) is
  * last, so there is always one. Adding an implementation is one entry here
- * plus its functions (docs/kernels.md, "Adding an implementation"). The one
- * mutable thing here is the profiler's per-thread trace pointer (at the end,
- * kernels/ops.h), and it is _Thread_local: a run sees only what its own
- * recording thread armed. */
+ * plus its functions (docs/kernels.md, "Adding an implementation"). */
 #include "kernels/registry.h"
 
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #if defined(__aarch64__)
 #include <asm/hwcap.h>
 #include <sys/auxv.h>
@@ -483,31 +478,4 @@ void kern_use_bf16_matmuls(kern_ops *k) {
     k->matmul_bwd = k->matmul_bf16_bwd;
     k->moe_fwd = k->moe_bf16_fwd;
     k->moe_bwd = k->moe_bf16_bwd;
-}
-
-/* ------------------------------------------------------ per-thread spans */
-
-/* The calling thread's armed trace (ops.h, "per-thread spans"): thread-local
- * because kernels take no context, and the thread that runs a traced step is
- * the one that calls its kernels. */
-static _Thread_local kern_trace *armed_trace;
-
-void kern_trace_arm(kern_trace *t) { armed_trace = t; }
-
-kern_trace *kern_trace_armed(void) { return armed_trace && omp_get_level() == 0 ? armed_trace : NULL; }
-
-static int64_t trace_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts); /* the profiler's clock: spans share its axis */
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-void kern_trace_enter(kern_trace *t) {
-    int i = omp_get_thread_num();
-    if (i < t->n && !t->slot[i].first) t->slot[i].first = trace_now();
-}
-
-void kern_trace_exit(kern_trace *t) {
-    int i = omp_get_thread_num();
-    if (i < t->n) t->slot[i].last = trace_now();
 }
