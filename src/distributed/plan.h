@@ -159,6 +159,17 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
                   const char *where, ct_err *e);
 int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp,
                       const char *where, ct_err *e);
+/* What FSDP plans for one rank of a shard group of `shard` (its experts over
+ * n_exp ranks, 0: with the rest) of the local model m (its TP/EP slice, frozen
+ * and bf16-stored tensors marked): the per-rank figures of the dry run, which
+ * the memory snapshot plans too. Counts, not bytes: stored fp32 floats,
+ * bf16-stored words, trained floats (gradients, moments; the most any rank
+ * of the group holds), and bytes of whole pieces gathered at once
+ * (parameters and gradients; reshard: fsdp.reshard_after_forward). */
+typedef struct {
+    double stored, in_bf16, trained, gathered_bytes;
+} plan_fsdp_mem;
+int plan_fsdp_memory(const lm_model *m, int shard, int n_exp, int reshard, plan_fsdp_mem *out, ct_err *e);
 /* One "  what   x GiB   n bytes" line of the dry run. */
 void plan_dry_line(FILE *out, const char *what, double bytes);
 /* "world N = [pipeline_parallel P x ]data_parallel_replicate R x ... (backend)" for the start-up line. */

@@ -101,6 +101,14 @@ static double dry_fsdp_gathered(const dry_fsdp *d, int tied, int reshard) {
 }
 
 
+int plan_fsdp_memory(const lm_model *m, int shard, int n_exp, int reshard, plan_fsdp_mem *out, ct_err *e) {
+    dry_fsdp d;
+    int rc = dry_fsdp_plan(m, shard, n_exp, &d, e);
+    *out = (plan_fsdp_mem){(double)d.shard, (double)d.sshard, (double)d.trained,
+                           dry_fsdp_gathered(&d, m->cfg.tie_embeddings, reshard)};
+    return rc;
+}
+
 /* What rank 0 of the layout plans; the others' slices are the same size
  * (equal heads, columns, experts per rank) up to FSDP's padding. */
 int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp, int B,
@@ -123,12 +131,12 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
         widened = (double)lm_frozen_widened_floats(&lm);
     }
     if (!rc && shard > 1) {
-        dry_fsdp d;
-        rc = dry_fsdp_plan(&lm, shard, ep > 1 ? shard / ep : 0, &d, e);
-        stored = (double)d.shard;
-        in_bf16 = (double)d.sshard;
-        trained = (double)d.trained;
-        gathered = dry_fsdp_gathered(&d, lc.tie_embeddings, strcmp(c->fsdp_reshard, "never") != 0);
+        plan_fsdp_mem d;
+        rc = plan_fsdp_memory(&lm, shard, ep > 1 ? shard / ep : 0, strcmp(c->fsdp_reshard, "never") != 0, &d, e);
+        stored = d.stored;
+        in_bf16 = d.in_bf16;
+        trained = d.trained;
+        gathered = d.gathered_bytes;
     }
     lm_free(&lm);
     if (rc) return rc;

@@ -232,4 +232,43 @@ void op_moe_experts_bf16_bwd(float *dx, float *dwg, float *dwu, float *dwd, floa
                              const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,
                              int E, int k);
 
+/* ------------------------------------- per-thread spans (the profiler's view)
+ *
+ * Kernels take no context, so the profiler (metrics/profile.h) reaches their
+ * OpenMP threads through the thread that calls them: while a step is traced
+ * it arms a kern_trace on its own thread (kern_trace_arm), and a kernel reads
+ * it once per parallel region, on the calling thread, before the region
+ * (kern_trace_armed); each thread of the region then stamps its slot on
+ * entry and exit. The slots hold, per OpenMP thread number, the first entry
+ * and last exit since the profiler last cleared them: one span per thread
+ * per op call, however many regions and iterations the op runs. The pointer
+ * is _Thread_local in kernels/ref/trace.c, the only state outside a run
+ * context: one run's recording thread never sees another's. Unprofiled: one
+ * call returning NULL per region and one NULL test per thread. */
+typedef struct {
+    int64_t first, last; /* ns of CLOCK_MONOTONIC; first == 0: the thread ran no region */
+} kern_thread_span;
+typedef struct {
+    kern_thread_span *slot; /* [n], indexed by omp_get_thread_num() */
+    int n;
+} kern_trace;
+/* t (NULL: none) for the calling thread's kernel calls from now on. */
+void kern_trace_arm(kern_trace *t);
+/* What the calling thread armed; NULL inside a parallel region (a nested
+ * region's thread numbers are not the slots', and the outer region's stamps
+ * cover it). */
+kern_trace *kern_trace_armed(void);
+/* In the region, on each thread: now as its first entry (if none) / last exit. */
+void kern_trace_enter(kern_trace *t);
+void kern_trace_exit(kern_trace *t);
+/* Around a region's body, with t = kern_trace_armed() read before it. */
+#define KERN_TRACE_ENTER(t)                                                                                        \
+    do {                                                                                                           \
+        if (t) kern_trace_enter(t);                                                                                \
+    } while (0)
+#define KERN_TRACE_EXIT(t)                                                                                         \
+    do {                                                                                                           \
+        if (t) kern_trace_exit(t);                                                                                 \
+    } while (0)
+
 #endif

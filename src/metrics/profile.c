@@ -7,6 +7,7 @@
 #include "metrics/profile.h"
 
 #include <inttypes.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -21,6 +22,7 @@ typedef struct {
     const char *cat, *name;
     int64_t t0, dur;
     int kind;
+    int worker; /* -1: the recording thread's span; else an OpenMP thread's share of an op (its number) */
     union {
         int op;    /* ARG_KERN: kern_op */
         struct { const char *op; int kern; } m; /* ARG_MODEL: the op's name, the registry op it runs */
@@ -38,7 +40,9 @@ typedef struct { /* one row of the summary */
 
 struct prof {
     int rank, step, on;
-    long tid;
+    long tid;        /* the recording thread's track */
+    kern_trace tr;   /* the OpenMP threads' stamps for the op now open (kernels/ops.h) */
+    unsigned char *worker_seen; /* [tr.n]: the thread has spans this step (its thread_name is written) */
     char *folder;
     span *spans;
     size_t n, cap;
@@ -77,9 +81,14 @@ prof *prof_new(int rank, const char *folder) {
 
 void prof_free(prof *p) {
     if (!p) return;
+    /* a step that failed while traced never reached prof_step_end: the
+     * kernels must not keep stamping slots about to be freed */
+    if (kern_trace_armed() == &p->tr) kern_trace_arm(NULL);
     free(p->folder);
     free(p->spans);
     free(p->rows);
+    free(p->tr.slot);
+    free(p->worker_seen);
     free(p);
 }
 
@@ -107,12 +116,32 @@ void prof_step_begin(prof *p, int step) {
     p->step = step;
     p->n = 0;
     p->on = 1;
+    int nt = omp_get_max_threads(); /* [training] threads may have changed since the last step */
+    if (nt > p->tr.n) {
+        free(p->tr.slot);
+        free(p->worker_seen);
+        p->tr.slot = ct_calloc((size_t)nt, sizeof *p->tr.slot);
+        p->worker_seen = ct_calloc((size_t)nt, 1);
+        p->tr.n = nt;
+    }
+    memset(p->tr.slot, 0, (size_t)p->tr.n * sizeof *p->tr.slot);
+    memset(p->worker_seen, 0, (size_t)p->tr.n);
+    /* the workers' tracks are their OpenMP numbers 0..n-1; a thread id that
+     * small (a process near pid 1, in a container) moves above Linux's
+     * pid_max (2^22) instead of sharing a track with them */
     p->tid = (long)syscall(SYS_gettid);
+    if (p->tid < p->tr.n) p->tid += 1L << 22;
+    kern_trace_arm(&p->tr); /* this thread calls the step's kernels */
 }
 
 int prof_recording(const prof *p) { return p && p->on; }
 
-int64_t prof_t0(const prof *p) { return p->on ? prof_now_ns() : 0; }
+int64_t prof_t0(const prof *p) {
+    if (!p->on) return 0;
+    /* stamps of kernels run outside an op span (none today) do not count as the next op's */
+    if (p->tr.n) memset(p->tr.slot, 0, (size_t)p->tr.n * sizeof *p->tr.slot);
+    return prof_now_ns();
+}
 
 static span *push(prof *p, const char *cat, const char *name, int64_t t0) {
     if (!p->on || !t0) return NULL; /* t0 = 0: the span began before the step did */
@@ -127,7 +156,33 @@ static span *push(prof *p, const char *cat, const char *name, int64_t t0) {
     s->t0 = t0;
     s->dur = prof_now_ns() - t0;
     s->kind = ARG_NONE;
+    s->worker = -1;
     return s;
+}
+
+/* The op span s just closed: each OpenMP thread that ran a parallel region
+ * of it gets a span of its own, from its first entry to its last exit, named
+ * and argued as s (the stamps all lie between s's start and end, so each
+ * nests in s in time). The slots are cleared for the next op. */
+static void push_workers(prof *p, const span *s) {
+    size_t at = (size_t)(s - p->spans);
+    for (int i = 0; i < p->tr.n; i++) {
+        kern_thread_span *w = &p->tr.slot[i];
+        if (!w->first) continue;
+        if (p->n == p->cap) {
+            size_t had = p->cap * sizeof *p->spans;
+            p->cap *= 2;
+            p->spans = grow(p->spans, had, p->cap * sizeof *p->spans);
+        }
+        span *q = &p->spans[p->n++];
+        *q = p->spans[at];
+        q->cat = "thread";
+        q->t0 = w->first;
+        q->dur = w->last > w->first ? w->last - w->first : 0;
+        q->worker = i;
+        p->worker_seen[i] = 1;
+        *w = (kern_thread_span){0, 0};
+    }
 }
 
 void prof_span(prof *p, const char *cat, const char *name, int64_t t0) { push(p, cat, name, t0); }
@@ -137,6 +192,7 @@ void prof_kern(prof *p, int op, const char *name, int64_t t0) {
     if (s) {
         s->kind = ARG_KERN;
         s->a.op = op;
+        push_workers(p, s);
     }
 }
 
@@ -146,6 +202,7 @@ void prof_model_op(prof *p, const char *name, const char *op, int kern_op, int64
         s->kind = ARG_MODEL;
         s->a.m.op = op;
         s->a.m.kern = kern_op;
+        push_workers(p, s);
     }
 }
 
@@ -199,7 +256,7 @@ static void put_span(FILE *f, const prof *p, const span *s) {
     put_us(f, s->t0);
     fputs(",\"dur\":", f);
     put_us(f, s->dur);
-    fprintf(f, ",\"pid\":%d,\"tid\":%ld,\"args\":{", p->rank, p->tid);
+    fprintf(f, ",\"pid\":%d,\"tid\":%ld,\"args\":{", p->rank, s->worker < 0 ? p->tid : (long)s->worker);
     switch (s->kind) {
     case ARG_KERN:
         fputs("\"op\":", f);
@@ -227,6 +284,7 @@ static void put_span(FILE *f, const prof *p, const span *s) {
 }
 
 static void summarize(prof *p, const span *s) {
+    if (s->worker >= 0) return; /* a share of an op the op's own span already counts */
     int is_op = s->kind == ARG_KERN, is_model = s->kind == ARG_MODEL;
     const char *op = is_op ? p->op_name[s->a.op] : is_model ? s->a.m.op : s->kind == ARG_COMM ? s->a.c.op : "";
     const char *impl = is_op      ? p->impl[s->a.op]
@@ -255,6 +313,7 @@ static void summarize(prof *p, const span *s) {
 
 int prof_step_end(prof *p, ct_err *e) {
     p->on = 0;
+    kern_trace_arm(NULL);
     for (size_t i = 0; i < p->n; i++) {
         const span *s = &p->spans[i];
         if (s->kind == ARG_KERN || s->kind == ARG_MODEL || s->kind == ARG_COMM) summarize(p, s);
@@ -277,6 +336,13 @@ int prof_step_end(prof *p, ct_err *e) {
             p->rank, p->tid, p->rank);
     fprintf(f, "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%ld,\"args\":{\"name\":\"step\"}}", p->rank,
             p->tid);
+    for (int i = 0; i < p->tr.n; i++) {
+        if (!p->worker_seen[i]) continue;
+        fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"omp worker %d\"}}",
+                p->rank, i, i);
+        fprintf(f, ",\n{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"sort_index\":%d}}",
+                p->rank, i, i + 1);
+    }
     for (size_t i = 0; i < p->n; i++) {
         fputs(",\n", f);
         put_span(f, p, &p->spans[i]);

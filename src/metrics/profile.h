@@ -26,7 +26,14 @@
  *
  * Recording is single-threaded: spans come from the thread that runs the
  * step (the model's kernel calls and the layouts' collectives are all made
- * there); OpenMP workers inside a kernel are covered by that kernel's span.
+ * there). What the OpenMP threads do inside a kernel comes back through the
+ * kern_trace the step arms on that thread (kernels/ops.h): each parallel
+ * region stamps its thread's slot on entry and exit, and when an op span
+ * closes, each thread that ran a region of it becomes a span "thread" (the
+ * op's name and args) on a track of its own, tid = its OpenMP number, named
+ * "omp worker N", lying in time within the op's span. Slots are cleared when
+ * any span opens, so a thread's span is its first entry to last exit within
+ * that one op call: one span per thread per op, not per region or loop.
  * Every step's op and collective time is also summed per (name, op, impl)
  * for the table prof_summary prints at the end of the run. */
 #ifndef CT_METRICS_PROFILE_H

@@ -99,6 +99,18 @@ static double resident(const void *p, size_t n) {
     return bytes;
 }
 
+/* The snapshot's file under save_memory_snapshot_folder/iteration_N, and its table on log. */
+static int snapshot_write(trainer *t, int step, const prof_mem *cats, int n, FILE *log, ct_err *e) {
+    const ct_config *c = &t->cfg;
+    char dir[4096], sub[64];
+    snprintf(sub, sizeof sub, "/iteration_%d", step);
+    if (trainer_join_path(dir, sizeof dir, c->dump_folder, c->save_memory_snapshot_folder) ||
+        strlen(dir) + strlen(sub) >= sizeof dir)
+        return ct_fail(e, CT_ERR_CONFIG, "profiling.save_memory_snapshot_folder: path too long");
+    strcat(dir, sub);
+    return prof_memory_snapshot(dir, t->world->rank, step, cats, n, cpu_peak_rss_bytes(), log, e);
+}
+
 int trainer_memory_snapshot(trainer *t, int step, FILE *log, ct_err *e) {
     const ct_config *c = &t->cfg;
     lm_model *m = &t->model;
@@ -108,26 +120,37 @@ int trainer_memory_snapshot(trainer *t, int step, FILE *log, ct_err *e) {
     size_t n = 0, act = 0;
     int rc = lm_plan_memory(&m->cfg, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
-    size_t trained = lm_trained_runs(m, 0, m->n_params, NULL, NULL), in_bf16 = m->n_store;
     const fsdp *f = t->plan.fsdp;
     const adamw_state *o = t->plan.opt;
+    double moments = o ? resident(o->m, o->n * sizeof(float)) + resident(o->v, o->n * sizeof(float)) : 0;
+    double act_res = resident(m->act.mem, m->act.floats * sizeof(float));
+    if (f) {
+        /* the dry run's per-rank table: this rank's shard of the parameters,
+         * gradients and moments, and beside them the whole pieces FSDP
+         * gathers into the model's flat buffers (released after use, so only
+         * what is held at the moment is resident) */
+        plan_fsdp_mem d;
+        int ep = t->plan.mesh.ep > 1 ? t->plan.mesh.ep : 1;
+        if ((rc = plan_fsdp_memory(m, f->comm->size, ep > 1 ? f->comm->size / ep : 0, f->reshard, &d, e))) return rc;
+        prof_mem cats[] = {
+            {"parameters", 4.0 * d.stored + 2.0 * d.in_bf16,
+             resident(f->params, f->shard_n * sizeof(float)) + resident(f->sparams, f->sshard_n * sizeof(uint16_t))},
+            {"gradients", 4.0 * d.trained, resident(f->grads, f->shard_n * sizeof(float))},
+            {"adamw_moments", 8.0 * d.trained, moments},
+            {"fsdp_gathered", d.gathered_bytes,
+             resident(m->params, m->n_params * sizeof(float)) + resident(m->fstore, m->n_store * sizeof(uint16_t)) +
+                 resident(m->grads, m->n_params * sizeof(float))},
+            {"activations_workspace", (double)act, act_res},
+        };
+        return snapshot_write(t, step, cats, (int)(sizeof cats / sizeof *cats), log, e);
+    }
+    size_t trained = lm_trained_runs(m, 0, m->n_params, NULL, NULL), in_bf16 = m->n_store;
     prof_mem cats[] = {
         {"parameters", 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16,
-         resident(m->params, m->n_params * sizeof(float)) + resident(m->fstore, m->n_store * sizeof(uint16_t)) +
-             (f ? resident(f->params, f->shard_n * sizeof(float)) + resident(f->sparams, f->sshard_n * sizeof(uint16_t))
-                : 0)},
-        {"gradients", 4.0 * (double)trained,
-         resident(m->grads, m->n_params * sizeof(float)) + (f ? resident(f->grads, f->shard_n * sizeof(float)) : 0)},
-        {"adamw_moments", 8.0 * (double)trained,
-         o ? resident(o->m, o->n * sizeof(float)) + resident(o->v, o->n * sizeof(float)) : 0},
-        {"activations_workspace", (double)act, resident(m->act.mem, m->act.floats * sizeof(float))},
+         resident(m->params, m->n_params * sizeof(float)) + resident(m->fstore, m->n_store * sizeof(uint16_t))},
+        {"gradients", 4.0 * (double)trained, resident(m->grads, m->n_params * sizeof(float))},
+        {"adamw_moments", 8.0 * (double)trained, moments},
+        {"activations_workspace", (double)act, act_res},
     };
-    char dir[4096], sub[64];
-    snprintf(sub, sizeof sub, "/iteration_%d", step);
-    if (trainer_join_path(dir, sizeof dir, c->dump_folder, c->save_memory_snapshot_folder) ||
-        strlen(dir) + strlen(sub) >= sizeof dir)
-        return ct_fail(e, CT_ERR_CONFIG, "profiling.save_memory_snapshot_folder: path too long");
-    strcat(dir, sub);
-    return prof_memory_snapshot(dir, t->world->rank, step, cats, (int)(sizeof cats / sizeof *cats),
-                                cpu_peak_rss_bytes(), log, e);
+    return snapshot_write(t, step, cats, (int)(sizeof cats / sizeof *cats), log, e);
 }

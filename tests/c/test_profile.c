@@ -170,6 +170,14 @@ int main(void) {
     prof_free(p);
     prof_free(NULL);
 
+    /* a step that fails while traced is never ended: freeing the profiler
+     * disarms the kernels' per-thread stamps it lent this thread */
+    p = prof_new(0, folder);
+    prof_step_begin(p, 9);
+    CHECK(kern_trace_armed() != NULL, "a traced step arms the kernels' per-thread stamps");
+    prof_free(p);
+    CHECK(kern_trace_armed() == NULL, "prof_free of a profiler still recording disarms them");
+
     /* the memory snapshot: categories, totals, peak RSS */
     prof_mem cats[] = {{"parameters", 100, 100}, {"activations", 50, -1}};
     char mdir[600];

@@ -188,19 +188,27 @@ def test_trace_single_rank(setup, run_ctitan):
         assert coll[key][1] == total_us / 1000, (key, coll[key], total_us)
 
 
+def mpirun2(args, threads=1):
+    """`ctitan train args` on 2 ranks (mpirun, every rank logging); the finished process."""
+    mpirun = shutil.which("mpirun")
+    assert mpirun, "mpirun not found: run scripts/setup.sh (installs openmpi-bin)"
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", CTITAN_LOG_RANKS="all")
+    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", str(BIN), *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+FSDP2 = ["--parallelism.data_parallel_shard_degree=2", "--training.global_batch_size=4"]
+
+
 def test_two_ranks_fsdp(setup):
     """FSDP over 2 ranks: a trace per rank, pid = rank, and each layer's parameters
     all-gathered and its gradients reduce-scattered in whole (bytes of the layer)."""
     cfg, out, args = setup
-    mpirun = shutil.which("mpirun")
-    assert mpirun, "mpirun not found: run scripts/setup.sh (installs openmpi-bin)"
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", CTITAN_LOG_RANKS="all")
-    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", str(BIN), *args,
-           "--parallelism.data_parallel_shard_degree=2", "--training.global_batch_size=4", "--training.steps=3"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    crashed(p.returncode, p.stderr, cmd)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = mpirun2(args + FSDP2 + ["--training.steps=3"])
     folder = out / "profile_trace" / "iteration_3"
     assert sorted(x.name for x in folder.iterdir()) == ["rank0_trace.json", "rank1_trace.json"]
     want = layer_bytes(cfg)
@@ -217,6 +225,48 @@ def test_two_ranks_fsdp(setup):
         assert len(scatters) == LAYERS, [(c["name"], c["args"]) for c in coll]
         assert all(c["args"]["comm_size"] == 2 and c["args"]["dtype"] == "f32" for c in gathers + scatters)
     assert p.stderr.count("traced step(s)") == 2  # a summary table per rank (CTITAN_LOG_RANKS=all)
+
+
+def check_worker_spans(trace, rank):
+    """The OpenMP threads' shares of the ops: cat "thread" spans on tracks of their own
+    (tid = OpenMP thread number, named "omp worker N" by metadata), each within the span of
+    the same op (name and args) on the recording thread; at least two such tracks. Returns
+    the worker tids."""
+    meta = {(e["tid"], e["name"]): e["args"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    (main_tid,) = {e["tid"] for e in spans(trace, "step")}
+    workers = spans(trace, "thread")
+    tids = {e["tid"] for e in workers}
+    assert len(tids) >= 2 and main_tid not in tids, (tids, main_tid)
+    assert all(e["pid"] == rank for e in workers)
+    for t in tids:
+        assert meta[(t, "thread_name")] == {"name": f"omp worker {t}"}, (t, meta)
+    ops = [e for e in spans(trace, "op") if e["tid"] == main_tid]
+    assert len(ops) == len(spans(trace, "op"))
+    for w in workers:
+        assert any(o["name"] == w["name"] and o["args"] == w["args"] and inside(w, o) for o in ops), w
+    # one span per thread per op call: never more worker spans of an op than its calls times threads
+    for name in {w["name"] for w in workers}:
+        calls = sum(o["name"] == name for o in ops)
+        for t in tids:
+            assert sum(w["name"] == name and w["tid"] == t for w in workers) <= calls, (name, t)
+    return tids
+
+
+def test_omp_worker_spans(tmp_path, run_ctitan):
+    """training.threads=2: each kernel's parallel regions show up per OpenMP thread, the
+    element-wise ops (row-parallel at any size) at least, nested in time in the op's span."""
+    _, out, args = tiny_run(tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq=2",
+                            "--training.threads=2", layers=LAYERS, steps=2)
+    _, _, err = run_ctitan(args)
+    trace = load(out / "profile_trace" / "iteration_2" / "rank0_trace.json")
+    validate(trace)
+    check_nesting(trace)
+    check_worker_spans(trace, 0)
+    names = {w["name"] for w in spans(trace, "thread")}
+    assert {"rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "attention_fwd", "attention_bwd"} <= names, names
+    # the summary table stays per op: the workers' shares are not rows of their own
+    cats = {l.split()[2] for l in err.splitlines() if l.startswith("ctitan: profile: ")}
+    assert cats == {"category", "op", "collective"}, cats
 
 
 def test_memory_snapshot_matches_dry_run(setup, run_ctitan):
@@ -242,6 +292,85 @@ def test_memory_snapshot_matches_dry_run(setup, run_ctitan):
             assert 0.5 * v < cats[names[k]]["measured"] <= v, (k, cats[names[k]])
         assert snap["total_measured"] <= snap["peak_rss"]
     assert "ctitan: memory: total" in err
+
+
+def test_two_ranks_ddp_collectives_and_threads(setup):
+    """Data parallel (replicas) over 2 ranks, 2 OpenMP threads each: every rank's trace has
+    its gradient all-reduces, whose f32 sum bytes add up to the model's parameters (torch's
+    count of the same config), a layer's bucket the layer's bytes; and its own worker tracks,
+    within its ops, under its pid."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    cfg, out, args = setup
+    mpirun2(args + ["--parallelism.data_parallel_replicate_degree=2", "--training.global_batch_size=4",
+                    "--training.steps=3", "--training.threads=2"], threads=2)
+    torch.manual_seed(0)
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    folder = out / "profile_trace" / "iteration_3"
+    for rank in (0, 1):
+        trace = load(folder / f"rank{rank}_trace.json")
+        validate(trace)
+        check_nesting(trace)
+        assert {e["pid"] for e in trace["traceEvents"]} == {rank}
+        coll = spans(trace, "collective")
+        for c in coll:
+            a = c["args"]
+            assert a["bytes"] == a["count"] * {"f32": 4, "f64": 8, "i32": 4, "i64": 8}[a["dtype"]], c
+            assert a["comm_size"] == 2, c
+        grads = [c for c in coll if c["name"] in ("all_reduce", "iall_reduce") and c["args"]["dtype"] == "f32"
+                 and c["args"]["op"] == "sum"]
+        assert sum(c["args"]["bytes"] for c in grads) == 4 * n_params, [(c["name"], c["args"]) for c in grads]
+        assert sum(c["args"]["bytes"] == layer_bytes(cfg) for c in grads) == LAYERS, [c["args"] for c in grads]
+        (red,) = [e for e in spans(trace, "phase") if e["name"] == "reduce"]
+        (fb,) = [e for e in spans(trace, "phase") if e["name"] == "forward_backward"]
+        assert all(inside(c, red) or inside(c, fb) for c in grads)
+        check_worker_spans(trace, rank)
+
+
+DRY_NAMES = {"parameters": "parameters", "gradients": "gradients", "AdamW moments": "adamw_moments",
+             "FSDP gathered": "fsdp_gathered", "activations + workspace": "activations_workspace"}
+
+
+def dry_table(text):
+    """{snapshot category: bytes} of a dry-run table (the lines "  what ... GiB  N bytes")."""
+    got = {}
+    for l in text.splitlines():
+        m = re.match(r"\s+(parameters|gradients|AdamW moments|FSDP gathered|activations \+ workspace).*GiB\s+(\d+) bytes$",
+                     l)
+        if m:
+            got[DRY_NAMES[m[1]]] = int(m[2])
+    return got
+
+
+def test_memory_snapshot_fsdp_is_per_shard(setup, run_ctitan):
+    """FSDP over 2 ranks: each rank's snapshot plans what that rank holds, the dry run's
+    per-rank table (its shard of parameters, gradients and moments, and the pieces FSDP
+    gathers), not the whole model; the parameters are half the model's (torch's count of the
+    same config, up to a float of padding per piece and rank), and every category is
+    measured on every rank."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    cfg, out, args = setup
+    base = [a for a in args if not a.startswith("--profiling")]
+    _, dry, _ = run_ctitan(base + FSDP2 + ["--dry-run"])
+    per_rank = dry_table(dry.split("per rank:", 1)[1])
+    assert set(per_rank) == set(DRY_NAMES.values()), dry
+    torch.manual_seed(0)
+    whole = 4 * sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    pieces = LAYERS + 2  # the embedding, each layer, the head (norm and lm_head)
+    mpirun2(base + FSDP2 + ["--training.steps=2", "--profiling.enable_memory_snapshot", "--profiling.profile_freq=2"])
+    for rank in (0, 1):
+        snap = json.loads((out / "memory_snapshot" / "iteration_2" / f"rank{rank}_memory_snapshot.json").read_text())
+        cats = {c["name"]: c for c in snap["categories"]}
+        assert {k: c["planned"] for k, c in cats.items()} == per_rank, (rank, cats, per_rank)
+        assert whole <= 2 * cats["parameters"]["planned"] <= whole + 2 * 4 * pieces, (cats["parameters"], whole)
+        for k, c in cats.items():
+            assert isinstance(c["measured"], int) and c["measured"] >= 0, (rank, k, c)
+        # every rank wrote its own shard during the step: all of it is resident
+        for k in ("parameters", "gradients", "adamw_moments"):
+            assert 0.5 * cats[k]["planned"] < cats[k]["measured"] <= cats[k]["planned"], (rank, k, cats[k])
+        assert cats["fsdp_gathered"]["measured"] <= cats["fsdp_gathered"]["planned"] + 4096, cats["fsdp_gathered"]
+        assert snap["total_planned"] == sum(per_rank.values())
 
 
 def test_profile_freq_must_be_positive(setup, run_ctitan):

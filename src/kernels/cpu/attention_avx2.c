@@ -80,25 +80,31 @@
 T256 static float *att2_transpose(const float *x, int B, int T, int nkv, int hd, int Tp) {
     // returns xt[B*nkv, Tp/KC, hd, KC]; x[B,T,nkv,hd]
     float *xt = ct_malloc((size_t)B * nkv * hd * Tp * sizeof(float));
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++)
-        for (int kh = 0; kh < nkv; kh++) {
-            float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
-            for (int j0 = 0; j0 < Tp; j0 += 8) { /* 8 keys x 8 of hd per transpose */
-                int n = T - j0 < 8 ? (T - j0 > 0 ? T - j0 : 0) : 8;
-                const float *src = x + (((size_t)b * T + j0) * nkv + kh) * hd; // key j0 + c at + c*nkv*hd
-                float *ch = dst + (size_t)(j0 / KC) * KC * hd + j0 % KC;
-                for (int i0 = 0; i0 < hd; i0 += 8) { /* hd is a multiple of KC here */
-                    __m256 r[8];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int b = 0; b < B; b++)
+            for (int kh = 0; kh < nkv; kh++) {
+                float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
+                for (int j0 = 0; j0 < Tp; j0 += 8) { /* 8 keys x 8 of hd per transpose */
+                    int n = T - j0 < 8 ? (T - j0 > 0 ? T - j0 : 0) : 8;
+                    const float *src = x + (((size_t)b * T + j0) * nkv + kh) * hd; // key j0 + c at + c*nkv*hd
+                    float *ch = dst + (size_t)(j0 / KC) * KC * hd + j0 % KC;
+                    for (int i0 = 0; i0 < hd; i0 += 8) { /* hd is a multiple of KC here */
+                        __m256 r[8];
 #pragma GCC unroll 8
-                    for (int c = 0; c < 8; c++) /* keys past T: zeros */
-                        r[c] = c < n ? _mm256_loadu_ps(src + (size_t)c * nkv * hd + i0) : _mm256_setzero_ps();
-                    avx2_transpose8(r);
+                        for (int c = 0; c < 8; c++) /* keys past T: zeros */
+                            r[c] = c < n ? _mm256_loadu_ps(src + (size_t)c * nkv * hd + i0) : _mm256_setzero_ps();
+                        avx2_transpose8(r);
 #pragma GCC unroll 8
-                    for (int i = 0; i < 8; i++) _mm256_storeu_ps(ch + (size_t)(i0 + i) * KC, r[i]);
+                        for (int i = 0; i < 8; i++) _mm256_storeu_ps(ch + (size_t)(i0 + i) * KC, r[i]);
+                    }
                 }
             }
-        }
+        KERN_TRACE_EXIT(kt_);
+    }
     return xt;
 }
 
@@ -126,11 +132,17 @@ T256 static void att2_slabs_in(float *dst, const float *x, long xs, int T, int h
 /* vh[b * nkv + kh] = v[b, :, kh, :] as slabs (att2_slabs_in), for the forward's P V. */
 T256 static float *att2_heads(const float *v, int B, int T, int nkv, int hd) {
     float *vh = ct_malloc((size_t)B * nkv * T * hd * sizeof(float));
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++)
-        for (int kh = 0; kh < nkv; kh++)
-            att2_slabs_in(vh + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * T * nkv + kh) * hd, (long)nkv * hd,
-                          T, hd);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int b = 0; b < B; b++)
+            for (int kh = 0; kh < nkv; kh++)
+                att2_slabs_in(vh + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * T * nkv + kh) * hd,
+                              (long)nkv * hd, T, hd);
+        KERN_TRACE_EXIT(kt_);
+    }
     return vh;
 }
 
@@ -247,8 +259,10 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
     float *VH = att2_heads(v, B, T, nkv, hd);          // [B*nkv, hd/KC, T, KC]
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
+        KERN_TRACE_ENTER(kt_);
         float *acc = ct_malloc((size_t)BQ * hd * sizeof(float)); // [hd/KC, BQ, KC] unnormalised out
         float *QB = ct_malloc((size_t)BQ * hd * sizeof(float));  // [BQ, hd] the block's q rows (att2_rows_in)
         float P[BQ * BK];                                        // [BQ, BK] scores, then probabilities
@@ -364,6 +378,7 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
         }
         free(acc);
         free(QB);
+        KERN_TRACE_EXIT(kt_);
     }
     free(KT);
     free(VH);
@@ -387,8 +402,10 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
     float *VT = att2_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
+        KERN_TRACE_ENTER(kt_);
         float *P = ct_malloc((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
         float *dS = ct_malloc((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
         float D[BQ], L[BQ];
@@ -564,6 +581,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
         free(P);
         free(dS);
         free(KS);
+        KERN_TRACE_EXIT(kt_);
     }
     free(KT);
     free(VT);

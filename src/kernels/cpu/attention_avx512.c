@@ -71,25 +71,31 @@ A_INLINE __mmask16 att_lanes2(int lo, int n, int j) { return att_lanes(n, j) & (
 A512 static float *att_transpose(const float *x, int B, int T, int nkv, int hd, int Tp) {
     // returns xt[B*nkv, Tp/BK, hd, BK]; x[B,T,nkv,hd]
     float *xt = ct_malloc((size_t)B * nkv * hd * Tp * sizeof(float));
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++)
-        for (int kh = 0; kh < nkv; kh++) {
-            float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
-            for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys x 16 of hd: one in-register transpose */
-                int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
-                float *tile = dst + (size_t)(j0 / BK) * BK * hd + j0 % BK;
-                for (int i0 = 0; i0 < hd; i0 += 16) { /* hd is a multiple of HC here */
-                    __m512 r[16];
-                    #pragma GCC unroll 16
-                    for (int c = 0; c < 16; c++) /* keys past T: zeros, read from a valid address */
-                        r[c] = _mm512_maskz_loadu_ps(c < n ? (__mmask16)0xFFFF : (__mmask16)0,
-                                                     x + (((size_t)b * T + (c < n ? j0 + c : 0)) * nkv + kh) * hd + i0);
-                    transpose16(r);
-                    #pragma GCC unroll 16
-                    for (int i = 0; i < 16; i++) _mm512_storeu_ps(tile + (size_t)(i0 + i) * BK, r[i]);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int b = 0; b < B; b++)
+            for (int kh = 0; kh < nkv; kh++) {
+                float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
+                for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys x 16 of hd: one in-register transpose */
+                    int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
+                    float *tile = dst + (size_t)(j0 / BK) * BK * hd + j0 % BK;
+                    for (int i0 = 0; i0 < hd; i0 += 16) { /* hd is a multiple of HC here */
+                        __m512 r[16];
+                        #pragma GCC unroll 16
+                        for (int c = 0; c < 16; c++) /* keys past T: zeros, read from a valid address */
+                            r[c] = _mm512_maskz_loadu_ps(c < n ? (__mmask16)0xFFFF : (__mmask16)0,
+                                                         x + (((size_t)b * T + (c < n ? j0 + c : 0)) * nkv + kh) * hd + i0);
+                        transpose16(r);
+                        #pragma GCC unroll 16
+                        for (int i = 0; i < 16; i++) _mm512_storeu_ps(tile + (size_t)(i0 + i) * BK, r[i]);
+                    }
                 }
             }
-        }
+        KERN_TRACE_EXIT(kt_);
+    }
     return xt;
 }
 
@@ -106,11 +112,17 @@ A512 static void att_rows_in(float *dst, const float *x, long xs, int T, int hd)
  * (att_rows_in), for the forward's P V product. */
 A512 static float *att_heads(const float *v, int B, int T, int nkv, int hd) {
     float *vh = ct_malloc((size_t)B * nkv * T * hd * sizeof(float));
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++)
-        for (int kh = 0; kh < nkv; kh++)
-            att_rows_in(vh + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * T * nkv + kh) * hd, (long)nkv * hd,
-                        T, hd);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int b = 0; b < B; b++)
+            for (int kh = 0; kh < nkv; kh++)
+                att_rows_in(vh + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * T * nkv + kh) * hd, (long)nkv * hd,
+                            T, hd);
+        KERN_TRACE_EXIT(kt_);
+    }
     return vh;
 }
 
@@ -231,8 +243,10 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
     float *VH = att_heads(v, B, T, nkv, hd);         // [B*nkv, T, hd]
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
+        KERN_TRACE_ENTER(kt_);
         float *acc = ct_malloc((size_t)BQ * hd * sizeof(float)); // [BQ, hd] unnormalised out
         float P[BQ * BK];                                        // [BQ, BK] probabilities of the tile
         float m[BQ], l[BQ], alpha[BQ];                           // running max, sum; rescaling
@@ -329,6 +343,7 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
             }
         }
         free(acc);
+        KERN_TRACE_EXIT(kt_);
     }
     free(KT);
     free(VH);
@@ -352,8 +367,10 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
     float *VT = att_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
+        KERN_TRACE_ENTER(kt_);
         float *P = ct_malloc((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
         float *dS = ct_malloc((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
         float D[BQ], L[BQ];
@@ -508,6 +525,7 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
         free(P);
         free(dS);
         free(KS);
+        KERN_TRACE_EXIT(kt_);
     }
     free(KT);
     free(VT);

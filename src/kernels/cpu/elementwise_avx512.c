@@ -5,9 +5,10 @@
  *
  * Design. Each op is one pass (or as few as its data dependencies allow) over
  * its tensors with zmm loads, masked for the tails, so any size works and no
- * buffer needs padding. Threads: `omp parallel for schedule(static)` over rows
- * (or fixed-size element blocks), so every output element is written by one
- * thread. Reductions inside a row (norm sums, softmax max/sum, dot products)
+ * buffer needs padding. Threads: `omp for schedule(static)` over rows (or
+ * fixed-size element blocks), so every output element is written by one
+ * thread; each region is `omp parallel` + `omp for nowait` only so that its
+ * threads can stamp the profiler's per-thread spans (kernels/ops.h). Reductions inside a row (norm sums, softmax max/sum, dot products)
  * use a fixed lane layout and a fixed final horizontal order; reductions
  * across rows (dw of the norms, dwte of the embedding) are split by columns or
  * by fixed row blocks summed in order afterwards. Nothing depends on the
@@ -65,8 +66,14 @@ EW512 void kern_tanh_avx512(float *out, const float *x, long n) {
 EW512 void kern_embedding_fwd_avx512(float *out, const int32_t *tokens, const float *wte, int N, int C) {
     // out[N,C], tokens[N], wte[V,C]
     // A gather of whole rows: libc's memcpy is already the best copy there is.
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) memcpy(out + (size_t)n * C, wte + (size_t)tokens[n] * C, (size_t)C * sizeof(float));
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) memcpy(out + (size_t)n * C, wte + (size_t)tokens[n] * C, (size_t)C * sizeof(float));
+        KERN_TRACE_EXIT(kt_);
+    }
 }
 
 EW512 void kern_embedding_bwd_avx512(float *dwte, const float *dout, const int32_t *tokens, int N, int C) {
@@ -74,15 +81,21 @@ EW512 void kern_embedding_bwd_avx512(float *dwte, const float *dout, const int32
     // Tokens repeat, so rows of dwte collide: split by columns and keep n in order,
     // as the reference does (the same additions in the same order: bit-identical).
     int nchunks = (C + EW_COLS - 1) / EW_COLS;
-#pragma omp parallel for schedule(static)
-    for (int ch = 0; ch < nchunks; ch++) {
-        int c0 = ch * EW_COLS, c1 = c0 + EW_COLS < C ? c0 + EW_COLS : C;
-        for (int n = 0; n < N; n++) {
-            float *drow = dwte + (size_t)tokens[n] * C;
-            const float *grow = dout + (size_t)n * C;
-            for (int c = c0; c < c1; c += 16)
-                ew_store(drow + c, _mm512_add_ps(ew_load(drow + c, c1 - c), ew_load(grow + c, c1 - c)), c1 - c);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int ch = 0; ch < nchunks; ch++) {
+            int c0 = ch * EW_COLS, c1 = c0 + EW_COLS < C ? c0 + EW_COLS : C;
+            for (int n = 0; n < N; n++) {
+                float *drow = dwte + (size_t)tokens[n] * C;
+                const float *grow = dout + (size_t)n * C;
+                for (int c = c0; c < c1; c += 16)
+                    ew_store(drow + c, _mm512_add_ps(ew_load(drow + c, c1 - c), ew_load(grow + c, c1 - c)), c1 - c);
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -105,15 +118,21 @@ EW_INLINE float ew_dot(const float *x, const float *y, long C) {
 EW512 void kern_rmsnorm_fwd_avx512(float *out, float *rstd, const float *inp, const float *w, int N, int C,
                                    float eps) {
     // out[N,C], rstd[N], inp[N,C], w[C]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C;
-        float *y = out + (size_t)n * C;
-        float r = 1.0f / sqrtf(ew_dot(x, x, C) / (float)C + eps);
-        __m512 vr = _mm512_set1_ps(r);
-        for (int c = 0; c < C; c += 16) /* (x r) w, HF's order */
-            ew_store(y + c, _mm512_mul_ps(_mm512_mul_ps(ew_load(x + c, C - c), vr), ew_load(w + c, C - c)), C - c);
-        rstd[n] = r;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C;
+            float *y = out + (size_t)n * C;
+            float r = 1.0f / sqrtf(ew_dot(x, x, C) / (float)C + eps);
+            __m512 vr = _mm512_set1_ps(r);
+            for (int c = 0; c < C; c += 16) /* (x r) w, HF's order */
+                ew_store(y + c, _mm512_mul_ps(_mm512_mul_ps(ew_load(x + c, C - c), vr), ew_load(w + c, C - c)), C - c);
+            rstd[n] = r;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -121,39 +140,50 @@ EW512 void kern_rmsnorm_bwd_avx512(float *dinp, float *dw, const float *dout, co
                                    const float *rstd, int N, int C) {
     // dinp[N,C], dw[C], dout[N,C], inp[N,C], w[C], rstd[N]
     // dx_j = r w_j dy_j - (r^3 / C) x_j sum_i(dy_i w_i x_i)
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
-        float *dx = dinp + (size_t)n * C;
-        float r = rstd[n];
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < C; c += 16)
-            acc = _mm512_fmadd_ps(_mm512_mul_ps(ew_load(dy + c, C - c), ew_load(w + c, C - c)), ew_load(x + c, C - c),
-                                  acc);
-        float k = _mm512_reduce_add_ps(acc) * r * r * r / (float)C;
-        __m512 vr = _mm512_set1_ps(r), vk = _mm512_set1_ps(k);
-        for (int c = 0; c < C; c += 16) {
-            __m512 g = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(vr, ew_load(w + c, C - c)), ew_load(dy + c, C - c)),
-                                     _mm512_mul_ps(vk, ew_load(x + c, C - c)));
-            ew_store(dx + c, _mm512_add_ps(ew_load(dx + c, C - c), g), C - c);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+            float *dx = dinp + (size_t)n * C;
+            float r = rstd[n];
+            __m512 acc = _mm512_setzero_ps();
+            for (int c = 0; c < C; c += 16)
+                acc = _mm512_fmadd_ps(_mm512_mul_ps(ew_load(dy + c, C - c), ew_load(w + c, C - c)), ew_load(x + c, C - c),
+                                      acc);
+            float k = _mm512_reduce_add_ps(acc) * r * r * r / (float)C;
+            __m512 vr = _mm512_set1_ps(r), vk = _mm512_set1_ps(k);
+            for (int c = 0; c < C; c += 16) {
+                __m512 g = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(vr, ew_load(w + c, C - c)), ew_load(dy + c, C - c)),
+                                         _mm512_mul_ps(vk, ew_load(x + c, C - c)));
+                ew_store(dx + c, _mm512_add_ps(ew_load(dx + c, C - c), g), C - c);
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
     if (!dw) return;
     // dw_j = sum_n dy_nj x_nj r_n: over rows, split by columns, n in order
     int nchunks = (C + EW_COLS - 1) / EW_COLS;
-#pragma omp parallel for schedule(static)
-    for (int ch = 0; ch < nchunks; ch++) {
-        int c0 = ch * EW_COLS, c1 = c0 + EW_COLS < C ? c0 + EW_COLS : C;
-        __m512 a[EW_COLS / 16];
-        for (int j = 0; j < EW_COLS / 16; j++) a[j] = _mm512_setzero_ps();
-        for (int n = 0; n < N; n++) {
-            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
-            __m512 vr = _mm512_set1_ps(rstd[n]);
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int ch = 0; ch < nchunks; ch++) {
+            int c0 = ch * EW_COLS, c1 = c0 + EW_COLS < C ? c0 + EW_COLS : C;
+            __m512 a[EW_COLS / 16];
+            for (int j = 0; j < EW_COLS / 16; j++) a[j] = _mm512_setzero_ps();
+            for (int n = 0; n < N; n++) {
+                const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+                __m512 vr = _mm512_set1_ps(rstd[n]);
+                for (int c = c0, j = 0; c < c1; c += 16, j++)
+                    a[j] = _mm512_fmadd_ps(ew_load(dy + c, c1 - c), _mm512_mul_ps(ew_load(x + c, c1 - c), vr), a[j]);
+            }
             for (int c = c0, j = 0; c < c1; c += 16, j++)
-                a[j] = _mm512_fmadd_ps(ew_load(dy + c, c1 - c), _mm512_mul_ps(ew_load(x + c, c1 - c), vr), a[j]);
+                ew_store(dw + c, _mm512_add_ps(ew_load(dw + c, c1 - c), a[j]), c1 - c);
         }
-        for (int c = c0, j = 0; c < c1; c += 16, j++)
-            ew_store(dw + c, _mm512_add_ps(ew_load(dw + c, c1 - c), a[j]), c1 - c);
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -175,14 +205,20 @@ EW512 void kern_rope_fwd_avx512(float *out, const float *inp, const float *cos, 
     // out[B,T,nh,hd], inp[B,T,nh,hd], cos[T,rd/2], sin[T,rd/2]; features rd.. pass through
     int half = rd / 2;
     long BT = (long)B * T;
-#pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
-        long t = bt % T;
-        for (int h = 0; h < nh; h++) {
-            size_t off = ((size_t)bt * nh + h) * hd;
-            ew_rope_row(out + off, inp + off, cos + t * half, sin + t * half, half);
-            if (rd < hd && out != inp) memcpy(out + off + rd, inp + off + rd, (size_t)(hd - rd) * sizeof(float));
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long bt = 0; bt < BT; bt++) {
+            long t = bt % T;
+            for (int h = 0; h < nh; h++) {
+                size_t off = ((size_t)bt * nh + h) * hd;
+                ew_rope_row(out + off, inp + off, cos + t * half, sin + t * half, half);
+                if (rd < hd && out != inp) memcpy(out + off + rd, inp + off + rd, (size_t)(hd - rd) * sizeof(float));
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -193,33 +229,39 @@ EW512 void kern_rope_bwd_avx512(float *dinp, const float *dout, const float *cos
     int half = rd / 2;
     int inplace = dinp == dout;
     long BT = (long)B * T;
-#pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
-        long t = bt % T;
-        const float *c = cos + t * half, *s = sin + t * half;
-        for (int h = 0; h < nh; h++) {
-            size_t off = ((size_t)bt * nh + h) * hd;
-            const float *dy = dout + off;
-            float *dx = dinp + off;
-            for (int i = 0; i < half; i += 16) {
-                long m = half - i;
-                __m512 d1 = ew_load(dy + i, m), d2 = ew_load(dy + half + i, m);
-                __m512 vc = ew_load(c + i, m), vs = ew_load(s + i, m);
-                __m512 g1 = _mm512_add_ps(_mm512_mul_ps(d1, vc), _mm512_mul_ps(d2, vs));
-                __m512 g2 = _mm512_sub_ps(_mm512_mul_ps(d2, vc), _mm512_mul_ps(d1, vs));
-                if (!inplace) {
-                    g1 = _mm512_add_ps(ew_load(dx + i, m), g1);
-                    g2 = _mm512_add_ps(ew_load(dx + half + i, m), g2);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long bt = 0; bt < BT; bt++) {
+            long t = bt % T;
+            const float *c = cos + t * half, *s = sin + t * half;
+            for (int h = 0; h < nh; h++) {
+                size_t off = ((size_t)bt * nh + h) * hd;
+                const float *dy = dout + off;
+                float *dx = dinp + off;
+                for (int i = 0; i < half; i += 16) {
+                    long m = half - i;
+                    __m512 d1 = ew_load(dy + i, m), d2 = ew_load(dy + half + i, m);
+                    __m512 vc = ew_load(c + i, m), vs = ew_load(s + i, m);
+                    __m512 g1 = _mm512_add_ps(_mm512_mul_ps(d1, vc), _mm512_mul_ps(d2, vs));
+                    __m512 g2 = _mm512_sub_ps(_mm512_mul_ps(d2, vc), _mm512_mul_ps(d1, vs));
+                    if (!inplace) {
+                        g1 = _mm512_add_ps(ew_load(dx + i, m), g1);
+                        g2 = _mm512_add_ps(ew_load(dx + half + i, m), g2);
+                    }
+                    ew_store(dx + i, g1, m);
+                    ew_store(dx + half + i, g2, m);
                 }
-                ew_store(dx + i, g1, m);
-                ew_store(dx + half + i, g2, m);
+                if (!inplace)
+                    for (int i = rd; i < hd; i += 16) {
+                        long m = hd - i;
+                        ew_store(dx + i, _mm512_add_ps(ew_load(dx + i, m), ew_load(dy + i, m)), m);
+                    }
             }
-            if (!inplace)
-                for (int i = rd; i < hd; i += 16) {
-                    long m = hd - i;
-                    ew_store(dx + i, _mm512_add_ps(ew_load(dx + i, m), ew_load(dy + i, m)), m);
-                }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -232,26 +274,32 @@ EW512 void kern_qknorm_rope_fwd_avx512(float *out, float *rstd, const float *x, 
     // pair (i, i + half) normalised, scaled and rotated straight into out.
     int half = hd / 2;
     long BT = (long)B * T;
-#pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
-        long t = bt % T;
-        const float *c = cos + t * half, *s = sin + t * half;
-        for (int h = 0; h < nh; h++) {
-            size_t row = (size_t)bt * nh + h;
-            const float *xr = x + row * hd;
-            float *y = out + row * hd;
-            float r = 1.0f / sqrtf(ew_dot(xr, xr, hd) / (float)hd + eps);
-            __m512 vr = _mm512_set1_ps(r);
-            for (int i = 0; i < half; i += 16) {
-                long m = half - i;
-                __m512 y1 = _mm512_mul_ps(_mm512_mul_ps(ew_load(xr + i, m), vr), ew_load(w + i, m));
-                __m512 y2 = _mm512_mul_ps(_mm512_mul_ps(ew_load(xr + half + i, m), vr), ew_load(w + half + i, m));
-                __m512 vc = ew_load(c + i, m), vs = ew_load(s + i, m);
-                ew_store(y + i, _mm512_sub_ps(_mm512_mul_ps(y1, vc), _mm512_mul_ps(y2, vs)), m);
-                ew_store(y + half + i, _mm512_add_ps(_mm512_mul_ps(y2, vc), _mm512_mul_ps(y1, vs)), m);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long bt = 0; bt < BT; bt++) {
+            long t = bt % T;
+            const float *c = cos + t * half, *s = sin + t * half;
+            for (int h = 0; h < nh; h++) {
+                size_t row = (size_t)bt * nh + h;
+                const float *xr = x + row * hd;
+                float *y = out + row * hd;
+                float r = 1.0f / sqrtf(ew_dot(xr, xr, hd) / (float)hd + eps);
+                __m512 vr = _mm512_set1_ps(r);
+                for (int i = 0; i < half; i += 16) {
+                    long m = half - i;
+                    __m512 y1 = _mm512_mul_ps(_mm512_mul_ps(ew_load(xr + i, m), vr), ew_load(w + i, m));
+                    __m512 y2 = _mm512_mul_ps(_mm512_mul_ps(ew_load(xr + half + i, m), vr), ew_load(w + half + i, m));
+                    __m512 vc = ew_load(c + i, m), vs = ew_load(s + i, m);
+                    ew_store(y + i, _mm512_sub_ps(_mm512_mul_ps(y1, vc), _mm512_mul_ps(y2, vs)), m);
+                    ew_store(y + half + i, _mm512_add_ps(_mm512_mul_ps(y2, vc), _mm512_mul_ps(y1, vs)), m);
+                }
+                rstd[row] = r;
             }
-            rstd[row] = r;
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -267,44 +315,50 @@ EW512 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, 
     long rows = (long)B * T * nh;
     long nblk = (rows + EW_ROWBLK - 1) / EW_ROWBLK;
     float *part = dw ? ct_malloc((size_t)(nblk > 0 ? nblk : 1) * hd * sizeof(float)) : NULL; // [nblk, hd]
-#pragma omp parallel for schedule(static)
-    for (long blk = 0; blk < nblk; blk++) {
-        float *pw = part ? part + (size_t)blk * hd : NULL;
-        if (pw) memset(pw, 0, (size_t)hd * sizeof(float));
-        long r1 = (blk + 1) * EW_ROWBLK < rows ? (blk + 1) * EW_ROWBLK : rows;
-        for (long row = blk * EW_ROWBLK; row < r1; row++) {
-            long t = (row / nh) % T;
-            const float *c = cos + t * half, *s = sin + t * half;
-            const float *xr = x + (size_t)row * hd, *dy = dout + (size_t)row * hd;
-            float *dxr = dx + (size_t)row * hd;
-            float r = rstd[row];
-            __m512 acc = _mm512_setzero_ps();
-            for (int i = 0; i < half; i += 16) {
-                long m = half - i;
-                __m512 d1 = ew_load(dy + i, m), d2 = ew_load(dy + half + i, m);
-                __m512 vc = ew_load(c + i, m), vs = ew_load(s + i, m);
-                __m512 g1 = _mm512_add_ps(_mm512_mul_ps(d1, vc), _mm512_mul_ps(d2, vs));
-                __m512 g2 = _mm512_sub_ps(_mm512_mul_ps(d2, vc), _mm512_mul_ps(d1, vs));
-                acc = _mm512_fmadd_ps(_mm512_mul_ps(g1, ew_load(w + i, m)), ew_load(xr + i, m), acc);
-                acc = _mm512_fmadd_ps(_mm512_mul_ps(g2, ew_load(w + half + i, m)), ew_load(xr + half + i, m), acc);
-            }
-            float k = _mm512_reduce_add_ps(acc) * r * r * r / (float)hd;
-            __m512 vr = _mm512_set1_ps(r), vk = _mm512_set1_ps(k);
-            for (int i = 0; i < half; i += 16) {
-                long m = half - i;
-                __m512 d1 = ew_load(dy + i, m), d2 = ew_load(dy + half + i, m);
-                __m512 vc = ew_load(c + i, m), vs = ew_load(s + i, m);
-                __m512 g[2] = {_mm512_add_ps(_mm512_mul_ps(d1, vc), _mm512_mul_ps(d2, vs)),
-                               _mm512_sub_ps(_mm512_mul_ps(d2, vc), _mm512_mul_ps(d1, vs))};
-                for (int j = 0; j < 2; j++) {
-                    int o = i + j * half;
-                    __m512 vx = ew_load(xr + o, m), vw = ew_load(w + o, m);
-                    __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(vr, vw), g[j]), _mm512_mul_ps(vk, vx));
-                    ew_store(dxr + o, _mm512_add_ps(ew_load(dxr + o, m), d), m);
-                    if (pw) ew_store(pw + o, _mm512_fmadd_ps(g[j], _mm512_mul_ps(vx, vr), ew_load(pw + o, m)), m);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long blk = 0; blk < nblk; blk++) {
+            float *pw = part ? part + (size_t)blk * hd : NULL;
+            if (pw) memset(pw, 0, (size_t)hd * sizeof(float));
+            long r1 = (blk + 1) * EW_ROWBLK < rows ? (blk + 1) * EW_ROWBLK : rows;
+            for (long row = blk * EW_ROWBLK; row < r1; row++) {
+                long t = (row / nh) % T;
+                const float *c = cos + t * half, *s = sin + t * half;
+                const float *xr = x + (size_t)row * hd, *dy = dout + (size_t)row * hd;
+                float *dxr = dx + (size_t)row * hd;
+                float r = rstd[row];
+                __m512 acc = _mm512_setzero_ps();
+                for (int i = 0; i < half; i += 16) {
+                    long m = half - i;
+                    __m512 d1 = ew_load(dy + i, m), d2 = ew_load(dy + half + i, m);
+                    __m512 vc = ew_load(c + i, m), vs = ew_load(s + i, m);
+                    __m512 g1 = _mm512_add_ps(_mm512_mul_ps(d1, vc), _mm512_mul_ps(d2, vs));
+                    __m512 g2 = _mm512_sub_ps(_mm512_mul_ps(d2, vc), _mm512_mul_ps(d1, vs));
+                    acc = _mm512_fmadd_ps(_mm512_mul_ps(g1, ew_load(w + i, m)), ew_load(xr + i, m), acc);
+                    acc = _mm512_fmadd_ps(_mm512_mul_ps(g2, ew_load(w + half + i, m)), ew_load(xr + half + i, m), acc);
+                }
+                float k = _mm512_reduce_add_ps(acc) * r * r * r / (float)hd;
+                __m512 vr = _mm512_set1_ps(r), vk = _mm512_set1_ps(k);
+                for (int i = 0; i < half; i += 16) {
+                    long m = half - i;
+                    __m512 d1 = ew_load(dy + i, m), d2 = ew_load(dy + half + i, m);
+                    __m512 vc = ew_load(c + i, m), vs = ew_load(s + i, m);
+                    __m512 g[2] = {_mm512_add_ps(_mm512_mul_ps(d1, vc), _mm512_mul_ps(d2, vs)),
+                                   _mm512_sub_ps(_mm512_mul_ps(d2, vc), _mm512_mul_ps(d1, vs))};
+                    for (int j = 0; j < 2; j++) {
+                        int o = i + j * half;
+                        __m512 vx = ew_load(xr + o, m), vw = ew_load(w + o, m);
+                        __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(vr, vw), g[j]), _mm512_mul_ps(vk, vx));
+                        ew_store(dxr + o, _mm512_add_ps(ew_load(dxr + o, m), d), m);
+                        if (pw) ew_store(pw + o, _mm512_fmadd_ps(g[j], _mm512_mul_ps(vx, vr), ew_load(pw + o, m)), m);
+                    }
                 }
             }
         }
+        KERN_TRACE_EXIT(kt_);
     }
     if (!dw) return;
     for (int c = 0; c < hd; c += 16) {
@@ -324,15 +378,21 @@ EW512 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, 
 EW512 void kern_swiglu_fwd_avx512(float *out, const float *gate, const float *up, int N) {
     // out[N], gate[N], up[N]: silu(g) u = g / (1 + e^-g) u
     long nb = ((long)N + EW_BLOCK - 1) / EW_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (long b = 0; b < nb; b++) {
-        long i1 = (b + 1) * EW_BLOCK < N ? (b + 1) * EW_BLOCK : N;
-        for (long i = b * EW_BLOCK; i < i1; i += 16) {
-            __m512 g = ew_load(gate + i, i1 - i);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            ew_store(out + i, _mm512_mul_ps(silu, ew_load(up + i, i1 - i)), i1 - i);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long b = 0; b < nb; b++) {
+            long i1 = (b + 1) * EW_BLOCK < N ? (b + 1) * EW_BLOCK : N;
+            for (long i = b * EW_BLOCK; i < i1; i += 16) {
+                __m512 g = ew_load(gate + i, i1 - i);
+                __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+                __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+                ew_store(out + i, _mm512_mul_ps(silu, ew_load(up + i, i1 - i)), i1 - i);
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -341,17 +401,23 @@ EW512 void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, c
     // dgate[N], dup[N], dout[N], gate[N], up[N]; silu'(g) = sig (1 + g (1 - sig))
     long nb = ((long)N + EW_BLOCK - 1) / EW_BLOCK;
     const __m512 one = _mm512_set1_ps(1.0f);
-#pragma omp parallel for schedule(static)
-    for (long b = 0; b < nb; b++) {
-        long i1 = (b + 1) * EW_BLOCK < N ? (b + 1) * EW_BLOCK : N;
-        for (long i = b * EW_BLOCK; i < i1; i += 16) {
-            long m = i1 - i;
-            __m512 g = ew_load(gate + i, m), u = ew_load(up + i, m), d = ew_load(dout + i, m);
-            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            __m512 dsilu = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, sig))));
-            ew_store(dgate + i, _mm512_add_ps(ew_load(dgate + i, m), _mm512_mul_ps(_mm512_mul_ps(d, u), dsilu)), m);
-            ew_store(dup + i, _mm512_add_ps(ew_load(dup + i, m), _mm512_mul_ps(d, _mm512_mul_ps(g, sig))), m);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long b = 0; b < nb; b++) {
+            long i1 = (b + 1) * EW_BLOCK < N ? (b + 1) * EW_BLOCK : N;
+            for (long i = b * EW_BLOCK; i < i1; i += 16) {
+                long m = i1 - i;
+                __m512 g = ew_load(gate + i, m), u = ew_load(up + i, m), d = ew_load(dout + i, m);
+                __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                __m512 dsilu = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, sig))));
+                ew_store(dgate + i, _mm512_add_ps(ew_load(dgate + i, m), _mm512_mul_ps(_mm512_mul_ps(d, u), dsilu)), m);
+                ew_store(dup + i, _mm512_add_ps(ew_load(dup + i, m), _mm512_mul_ps(d, _mm512_mul_ps(g, sig))), m);
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -393,11 +459,17 @@ EW_INLINE float ewv_hmax(ewv_t v) { return _mm512_reduce_max_ps(v); }
 EW512 void kern_add_avx512(float *out, const float *a, const float *b, long N) {
     // out[N], a[N], b[N] (out may alias a)
     long nb = (N + EW_BLOCK - 1) / EW_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (long k = 0; k < nb; k++) {
-        long i1 = (k + 1) * EW_BLOCK < N ? (k + 1) * EW_BLOCK : N;
-        for (long i = k * EW_BLOCK; i < i1; i += 16)
-            ew_store(out + i, _mm512_add_ps(ew_load(a + i, i1 - i), ew_load(b + i, i1 - i)), i1 - i);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long k = 0; k < nb; k++) {
+            long i1 = (k + 1) * EW_BLOCK < N ? (k + 1) * EW_BLOCK : N;
+            for (long i = k * EW_BLOCK; i < i1; i += 16)
+                ew_store(out + i, _mm512_add_ps(ew_load(a + i, i1 - i), ew_load(b + i, i1 - i)), i1 - i);
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -462,23 +534,29 @@ EW512 double kern_crossentropy_fwdbwd_avx512(float *logits, const int32_t *targe
     // The loss needs x[target], read before the row is overwritten.
     ew_ce_check_targets(targets, N, V);
     double *row_loss = ct_malloc((size_t)(N > 0 ? N : 1) * sizeof(double)); // [N]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        float *x = logits + (size_t)n * V;
-        int32_t tgt = targets[n];
-        if (tgt == CE_IGNORE) {
-            memset(x, 0, (size_t)V * sizeof(float));
-            row_loss[n] = 0.0;
-            continue;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            float *x = logits + (size_t)n * V;
+            int32_t tgt = targets[n];
+            if (tgt == CE_IGNORE) {
+                memset(x, 0, (size_t)V * sizeof(float));
+                row_loss[n] = 0.0;
+                continue;
+            }
+            float xt = x[tgt];
+            float maxv = ew_row_max(x, V);
+            float sum = ew_row_expsum(x, x, V, maxv, 1);
+            row_loss[n] = -((xt - maxv) - logf(sum)); /* torch's log_softmax order */
+            __m512 f = _mm512_set1_ps(1.0f / sum), sc = _mm512_set1_ps(grad_scale);
+            for (long i = 0; i < V; i += 16)
+                ew_store(x + i, _mm512_mul_ps(_mm512_mul_ps(ew_load(x + i, V - i), f), sc), V - i);
+            x[tgt] -= grad_scale;
         }
-        float xt = x[tgt];
-        float maxv = ew_row_max(x, V);
-        float sum = ew_row_expsum(x, x, V, maxv, 1);
-        row_loss[n] = -((xt - maxv) - logf(sum)); /* torch's log_softmax order */
-        __m512 f = _mm512_set1_ps(1.0f / sum), sc = _mm512_set1_ps(grad_scale);
-        for (long i = 0; i < V; i += 16)
-            ew_store(x + i, _mm512_mul_ps(_mm512_mul_ps(ew_load(x + i, V - i), f), sc), V - i);
-        x[tgt] -= grad_scale;
+        KERN_TRACE_EXIT(kt_);
     }
     double total = 0.0; /* serial, in row order: independent of the thread count */
     long count = 0;
@@ -495,16 +573,22 @@ EW512 double kern_crossentropy_fwdbwd_avx512(float *logits, const int32_t *targe
 EW512 double kern_crossentropy_fwd_avx512(float *losses, const float *logits, const int32_t *targets, int N, int V) {
     // losses[N], logits[N,V], targets[N]
     ew_ce_check_targets(targets, N, V);
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = logits + (size_t)n * V;
-        if (targets[n] == CE_IGNORE) {
-            losses[n] = 0.0f;
-            continue;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = logits + (size_t)n * V;
+            if (targets[n] == CE_IGNORE) {
+                losses[n] = 0.0f;
+                continue;
+            }
+            float maxv = ew_row_max(x, V);
+            float sum = ew_row_expsum(NULL, x, V, maxv, 0);
+            losses[n] = -((x[targets[n]] - maxv) - logf(sum));
         }
-        float maxv = ew_row_max(x, V);
-        float sum = ew_row_expsum(NULL, x, V, maxv, 0);
-        losses[n] = -((x[targets[n]] - maxv) - logf(sum));
+        KERN_TRACE_EXIT(kt_);
     }
     double total = 0.0;
     for (int n = 0; n < N; n++) total += losses[n];
@@ -518,19 +602,31 @@ EW512 double kern_crossentropy_fwd_avx512(float *losses, const float *logits, co
 
 EW512 void kern_crossentropy_vp_max_avx512(float *maxv, const float *logits, int N, int V) {
     // maxv[N], logits[N,V]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) maxv[n] = ew_row_max(logits + (size_t)n * V, V);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) maxv[n] = ew_row_max(logits + (size_t)n * V, V);
+        KERN_TRACE_EXIT(kt_);
+    }
 }
 
 EW512 void kern_crossentropy_vp_sums_avx512(float *sumexp, float *tlogit, const float *logits, const float *maxv,
                                             const int32_t *targets, int N, int V, int v0) {
     // sumexp[N], tlogit[N], logits[N,V], maxv[N] (global), targets[N] (global column ids)
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = logits + (size_t)n * V;
-        sumexp[n] = ew_row_expsum(NULL, x, V, maxv[n], 0);
-        int y = targets[n] - v0;
-        tlogit[n] = targets[n] != CE_IGNORE && y >= 0 && y < V ? x[y] - maxv[n] : 0.0f;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = logits + (size_t)n * V;
+            sumexp[n] = ew_row_expsum(NULL, x, V, maxv[n], 0);
+            int y = targets[n] - v0;
+            tlogit[n] = targets[n] != CE_IGNORE && y >= 0 && y < V ? x[y] - maxv[n] : 0.0f;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -539,21 +635,27 @@ EW512 double kern_crossentropy_vp_grad_avx512(float *logits, const float *maxv, 
                                               float grad_scale, long *n_valid) {
     // logits[N,V] in: logits, out: dlogits * grad_scale; maxv, sumexp, tlogit [N] (global); targets[N]
     double total = op_crossentropy_vp_loss(sumexp, tlogit, targets, N, n_valid); /* the reference's own */
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        float *x = logits + (size_t)n * V;
-        if (targets[n] == CE_IGNORE) {
-            memset(x, 0, (size_t)V * sizeof(float));
-            continue;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            float *x = logits + (size_t)n * V;
+            if (targets[n] == CE_IGNORE) {
+                memset(x, 0, (size_t)V * sizeof(float));
+                continue;
+            }
+            /* one pass: e^(x - max) (1/sum) scale, the reference's order */
+            __m512 vm = _mm512_set1_ps(maxv[n]), f = _mm512_set1_ps(1.0f / sumexp[n]), sc = _mm512_set1_ps(grad_scale);
+            for (long i = 0; i < V; i += 16) {
+                __m512 e = exp16(_mm512_sub_ps(ew_load(x + i, V - i), vm));
+                ew_store(x + i, _mm512_mul_ps(_mm512_mul_ps(e, f), sc), V - i);
+            }
+            int y = targets[n] - v0;
+            if (y >= 0 && y < V) x[y] -= grad_scale;
         }
-        /* one pass: e^(x - max) (1/sum) scale, the reference's order */
-        __m512 vm = _mm512_set1_ps(maxv[n]), f = _mm512_set1_ps(1.0f / sumexp[n]), sc = _mm512_set1_ps(grad_scale);
-        for (long i = 0; i < V; i += 16) {
-            __m512 e = exp16(_mm512_sub_ps(ew_load(x + i, V - i), vm));
-            ew_store(x + i, _mm512_mul_ps(_mm512_mul_ps(e, f), sc), V - i);
-        }
-        int y = targets[n] - v0;
-        if (y >= 0 && y < V) x[y] -= grad_scale;
+        KERN_TRACE_EXIT(kt_);
     }
     return total;
 }
@@ -575,21 +677,27 @@ EW512 void kern_adamw_step_avx512(adamw_state *s, float *params, const float *gr
     float *m = s->m, *v = s->v;
     long n = (long)s->n;
     long nb = (n + EW_BLOCK - 1) / EW_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (long b = 0; b < nb; b++) {
-        long i1 = (b + 1) * EW_BLOCK < n ? (b + 1) * EW_BLOCK : n;
-        for (long i = b * EW_BLOCK; i < i1; i += 16) {
-            long k = i1 - i;
-            __m512 g = ew_load(grads + i, k), vm = ew_load(m + i, k), vv = ew_load(v + i, k);
-            __m512 p = _mm512_mul_ps(ew_load(params + i, k), vdecay);
-            vm = _mm512_add_ps(vm, _mm512_mul_ps(omb1, _mm512_sub_ps(g, vm)));
-            vv = _mm512_add_ps(_mm512_mul_ps(vv, vb2), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
-            __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), vbc2), veps);
-            p = _mm512_sub_ps(p, _mm512_mul_ps(vstep, _mm512_div_ps(vm, denom)));
-            ew_store(m + i, vm, k);
-            ew_store(v + i, vv, k);
-            ew_store(params + i, p, k);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long b = 0; b < nb; b++) {
+            long i1 = (b + 1) * EW_BLOCK < n ? (b + 1) * EW_BLOCK : n;
+            for (long i = b * EW_BLOCK; i < i1; i += 16) {
+                long k = i1 - i;
+                __m512 g = ew_load(grads + i, k), vm = ew_load(m + i, k), vv = ew_load(v + i, k);
+                __m512 p = _mm512_mul_ps(ew_load(params + i, k), vdecay);
+                vm = _mm512_add_ps(vm, _mm512_mul_ps(omb1, _mm512_sub_ps(g, vm)));
+                vv = _mm512_add_ps(_mm512_mul_ps(vv, vb2), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
+                __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), vbc2), veps);
+                p = _mm512_sub_ps(p, _mm512_mul_ps(vstep, _mm512_div_ps(vm, denom)));
+                ew_store(m + i, vm, k);
+                ew_store(v + i, vv, k);
+                ew_store(params + i, p, k);
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 #endif /* __x86_64__ */

@@ -195,8 +195,10 @@ void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B
     }
     int tr = choose_row_threads(ar, M, N, T), tc = T / tr;
     long mt = ceil_div(M, ar->mr), nt = ceil_div(N, ar->nr);
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel num_threads(T)
     {
+        KERN_TRACE_ENTER(kt_);
         int tid = omp_get_thread_num();
         if (omp_get_num_threads() == T) {
             long ip0, ip1, jp0, jp1;
@@ -208,6 +210,7 @@ void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B
             /* the runtime gave fewer threads than asked (thread limit): one does it all */
             gemm_rect(&g, 0, M, 0, N);
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -224,9 +227,15 @@ void gemm_nt_small(const gemm_arch *ar, float *out, const float *inp, const floa
     int T = omp_get_max_threads();
     if (2.0 * M * (double)N * K < GEMM_SERIAL_FLOPS || omp_in_parallel()) T = 1;
     if (T > nblk) T = (int)nblk;
-#pragma omp parallel for schedule(static) num_threads(T > 0 ? T : 1)
-    for (long b = 0; b < nblk; b++) {
-        long n1 = (b + 1) * blk < N ? (b + 1) * blk : N;
-        ar->nt_small(out, N, inp, w, M, K, b * blk, n1, accumulate);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel num_threads(T > 0 ? T : 1)
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long b = 0; b < nblk; b++) {
+            long n1 = (b + 1) * blk < N ? (b + 1) * blk : N;
+            ar->nt_small(out, N, inp, w, M, K, b * blk, n1, accumulate);
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }

@@ -115,21 +115,33 @@ static void grouped_gemm(const gemm_arch *ar, int form, const int32_t *offsets, 
             }
         }
     }
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && !omp_in_parallel())
-    for (long i = 0; i < n; i++) {
-        for (int j = chain ? 0 : it[i].j; j < (chain ? njobs : it[i].j + 1); j++) {
-            const moe_job *jb = &jobs[j];
-            expert_gemm(ar, form, it[i].e, it[i].p0, it[i].M, N, K, it[i].n0, it[i].n1, jb->A, jb->W, jb->C,
-                        jb->accumulate);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel if (n > 1 && !omp_in_parallel())
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(dynamic, 1) nowait
+        for (long i = 0; i < n; i++) {
+            for (int j = chain ? 0 : it[i].j; j < (chain ? njobs : it[i].j + 1); j++) {
+                const moe_job *jb = &jobs[j];
+                expert_gemm(ar, form, it[i].e, it[i].p0, it[i].M, N, K, it[i].n0, it[i].n1, jb->A, jb->W, jb->C,
+                            jb->accumulate);
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
     free(it);
 }
 
 /* dst[p,:] = src[perm[p] / k, :] for the S permuted rows of width C. */
 static void gather(float *dst, const float *src, const int32_t *perm, long S, int k, int C) {
-#pragma omp parallel for schedule(static)
-    for (long p = 0; p < S; p++) memcpy(dst + p * C, src + (size_t)(perm[p] / k) * C, (size_t)C * sizeof(float));
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long p = 0; p < S; p++) memcpy(dst + p * C, src + (size_t)(perm[p] / k) * C, (size_t)C * sizeof(float));
+        KERN_TRACE_EXIT(kt_);
+    }
 }
 
 static void moe_fwd(const gemm_arch *ar, float *out, float *gate, float *up, float *h, float *work, const float *x,
@@ -145,15 +157,21 @@ static void moe_fwd(const gemm_arch *ar, float *out, float *gate, float *up, flo
     float *y = work; /* [S, H] */
     moe_job dn = {h, wd, y, 0};
     grouped_gemm(ar, MOE_NT, offsets, E, H, I, &dn, 1, 0);
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < N; t++) {
-        float *o = out + (size_t)t * H;
-        for (int j = 0; j < k; j++) {
-            long s = (long)t * k + j;
-            const float *yr = y + (size_t)pos[s] * H;
-            float w = topw[s];
-            for (int c = 0; c < H; c++) o[c] += w * yr[c];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int t = 0; t < N; t++) {
+            float *o = out + (size_t)t * H;
+            for (int j = 0; j < k; j++) {
+                long s = (long)t * k + j;
+                const float *yr = y + (size_t)pos[s] * H;
+                float w = topw[s];
+                for (int c = 0; c < H; c++) o[c] += w * yr[c];
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -225,17 +243,23 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
     gather(G, dout, perm, S, k, H);
     moe_job p = {G, wd, Pm, 0};
     grouped_gemm(ar, MOE_NN, offsets, E, H, I, &p, 1, 0);
-#pragma omp parallel for schedule(static)
-    for (long p = 0; p < S; p++) {
-        long s = perm[p];
-        float w = topw[s];
-        float *pr = Pm + (size_t)p * I, *dur = du + (size_t)p * I, *gr = G + (size_t)p * H;
-        const float *hr = h + (size_t)p * I, *gt = gate + (size_t)p * I, *ur = up + (size_t)p * I;
-        float dw = 0;
-        for (int i = 0; i < I; i++) dw += pr[i] * hr[i];
-        dtopw[s] = dw;
-        dact(pr, dur, gt, ur, w, I);
-        for (int c = 0; c < H; c++) gr[c] *= w;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long p = 0; p < S; p++) {
+            long s = perm[p];
+            float w = topw[s];
+            float *pr = Pm + (size_t)p * I, *dur = du + (size_t)p * I, *gr = G + (size_t)p * H;
+            const float *hr = h + (size_t)p * I, *gt = gate + (size_t)p * I, *ur = up + (size_t)p * I;
+            float dw = 0;
+            for (int i = 0; i < I; i++) dw += pr[i] * hr[i];
+            dtopw[s] = dw;
+            dact(pr, dur, gt, ur, w, I);
+            for (int c = 0; c < H; c++) gr[c] *= w;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
     /* NULL weight gradients: frozen experts, only dx and dtopw are wanted */
     moe_job dd = {G, h, dwd, 1};
@@ -246,13 +270,18 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
     else if (dwg || dwu) grouped_gemm(ar, MOE_TN, offsets, E, I, H, dwg ? &dgu[0] : &dgu[1], 1, 0);
     moe_job dx2[2] = {{Pm, wg, dxg, 0}, {du, wu, dxg, 1}}; /* the same rows: one piece runs both, in order */
     grouped_gemm(ar, MOE_NN, offsets, E, I, H, dx2, 2, 1);
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < N; t++) {
-        float *d = dx + (size_t)t * H;
-        for (int j = 0; j < k; j++) {
-            const float *r = dxg + (size_t)pos[(long)t * k + j] * H;
-            for (int c = 0; c < H; c++) d[c] += r[c];
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int t = 0; t < N; t++) {
+            float *d = dx + (size_t)t * H;
+            for (int j = 0; j < k; j++) {
+                const float *r = dxg + (size_t)pos[(long)t * k + j] * H;
+                for (int c = 0; c < H; c++) d[c] += r[c];
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 

@@ -21,26 +21,38 @@
 
 void op_crossentropy_vp_max(float *maxv, const float *logits, int N, int V) {
     // maxv[N], logits[N,V]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = logits + (size_t)n * V;
-        float v = -INFINITY;
-        for (int i = 0; i < V; i++) v = x[i] > v ? x[i] : v;
-        maxv[n] = v;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = logits + (size_t)n * V;
+            float v = -INFINITY;
+            for (int i = 0; i < V; i++) v = x[i] > v ? x[i] : v;
+            maxv[n] = v;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
 void op_crossentropy_vp_sums(float *sumexp, float *tlogit, const float *logits, const float *maxv,
                              const int32_t *targets, int N, int V, int v0) {
     // sumexp[N], tlogit[N], logits[N,V], maxv[N] (global), targets[N] (global column ids)
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = logits + (size_t)n * V;
-        float s = 0.0f;
-        for (int i = 0; i < V; i++) s += expf(x[i] - maxv[n]);
-        sumexp[n] = s;
-        int y = targets[n] - v0;
-        tlogit[n] = targets[n] != CE_IGNORE && y >= 0 && y < V ? x[y] - maxv[n] : 0.0f;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = logits + (size_t)n * V;
+            float s = 0.0f;
+            for (int i = 0; i < V; i++) s += expf(x[i] - maxv[n]);
+            sumexp[n] = s;
+            int y = targets[n] - v0;
+            tlogit[n] = targets[n] != CE_IGNORE && y >= 0 && y < V ? x[y] - maxv[n] : 0.0f;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -62,17 +74,23 @@ double op_crossentropy_vp_grad(float *logits, const float *maxv, const float *su
                                const int32_t *targets, int N, int V, int v0, float grad_scale, long *n_valid) {
     // logits[N,V] in: logits, out: dlogits * grad_scale; maxv, sumexp, tlogit [N] (global); targets[N]
     double total = op_crossentropy_vp_loss(sumexp, tlogit, targets, N, n_valid);
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        float *x = logits + (size_t)n * V;
-        if (targets[n] == CE_IGNORE) {
-            memset(x, 0, (size_t)V * sizeof(float));
-            continue;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            float *x = logits + (size_t)n * V;
+            if (targets[n] == CE_IGNORE) {
+                memset(x, 0, (size_t)V * sizeof(float));
+                continue;
+            }
+            float inv = 1.0f / sumexp[n];
+            for (int i = 0; i < V; i++) x[i] = expf(x[i] - maxv[n]) * inv * grad_scale;
+            int y = targets[n] - v0;
+            if (y >= 0 && y < V) x[y] -= grad_scale;
         }
-        float inv = 1.0f / sumexp[n];
-        for (int i = 0; i < V; i++) x[i] = expf(x[i] - maxv[n]) * inv * grad_scale;
-        int y = targets[n] - v0;
-        if (y >= 0 && y < V) x[y] -= grad_scale;
+        KERN_TRACE_EXIT(kt_);
     }
     return total;
 }

@@ -64,9 +64,15 @@ void op_matmul_bwd(float *dinp, float *dw, const float *dout, const float *inp, 
 
 void op_embedding_fwd(float *out, const int32_t *tokens, const float *wte, int N, int C) {
     // out[N,C], tokens[N], wte[V,C]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        memcpy(out + (size_t)n * C, wte + (size_t)tokens[n] * C, (size_t)C * sizeof(float));
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            memcpy(out + (size_t)n * C, wte + (size_t)tokens[n] * C, (size_t)C * sizeof(float));
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -75,15 +81,21 @@ void op_embedding_bwd(float *dwte, const float *dout, const int32_t *tokens, int
     // A token can repeat, so rows of dwte collide; split by columns instead and
     // keep n in order so each element sums in the same order as a serial loop.
     int nchunks = (C + COL_CHUNK - 1) / COL_CHUNK;
-#pragma omp parallel for schedule(static)
-    for (int ch = 0; ch < nchunks; ch++) {
-        int c0 = ch * COL_CHUNK;
-        int c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
-        for (int n = 0; n < N; n++) {
-            float *drow = dwte + (size_t)tokens[n] * C;
-            const float *grow = dout + (size_t)n * C;
-            for (int c = c0; c < c1; c++) drow[c] += grow[c];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int ch = 0; ch < nchunks; ch++) {
+            int c0 = ch * COL_CHUNK;
+            int c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
+            for (int n = 0; n < N; n++) {
+                float *drow = dwte + (size_t)tokens[n] * C;
+                const float *grow = dout + (size_t)n * C;
+                for (int c = c0; c < c1; c++) drow[c] += grow[c];
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -91,16 +103,22 @@ void op_embedding_bwd(float *dwte, const float *dout, const int32_t *tokens, int
 
 void op_rmsnorm_fwd(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps) {
     // out[N,C], rstd[N], inp[N,C], w[C]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C;
-        float *y = out + (size_t)n * C;
-        float ss = 0.0f;
-        for (int c = 0; c < C; c++) ss += x[c] * x[c];
-        float r = 1.0f / sqrtf(ss / (float)C + eps);
-        // HF normalises first (x * rstd), then scales by the weight.
-        for (int c = 0; c < C; c++) y[c] = (x[c] * r) * w[c];
-        rstd[n] = r;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C;
+            float *y = out + (size_t)n * C;
+            float ss = 0.0f;
+            for (int c = 0; c < C; c++) ss += x[c] * x[c];
+            float r = 1.0f / sqrtf(ss / (float)C + eps);
+            // HF normalises first (x * rstd), then scales by the weight.
+            for (int c = 0; c < C; c++) y[c] = (x[c] * r) * w[c];
+            rstd[n] = r;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -109,30 +127,41 @@ void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp,
     // dinp[N,C], dw[C], dout[N,C], inp[N,C], w[C], rstd[N]
     // y = x r w with r = (mean(x^2)+eps)^-1/2, so
     // dx_j = r w_j dy_j - (r^3 / C) x_j sum_i(dy_i w_i x_i).
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C;
-        const float *dy = dout + (size_t)n * C;
-        float *dx = dinp + (size_t)n * C;
-        float r = rstd[n];
-        float dot = 0.0f;
-        for (int c = 0; c < C; c++) dot += dy[c] * w[c] * x[c];
-        float k = dot * r * r * r / (float)C;
-        for (int c = 0; c < C; c++) dx[c] += r * w[c] * dy[c] - k * x[c];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C;
+            const float *dy = dout + (size_t)n * C;
+            float *dx = dinp + (size_t)n * C;
+            float r = rstd[n];
+            float dot = 0.0f;
+            for (int c = 0; c < C; c++) dot += dy[c] * w[c] * x[c];
+            float k = dot * r * r * r / (float)C;
+            for (int c = 0; c < C; c++) dx[c] += r * w[c] * dy[c] - k * x[c];
+        }
+        KERN_TRACE_EXIT(kt_);
     }
     if (!dw) return;
     // dw_j = sum_n dy_nj x_nj r_n: a reduction over rows, split by columns.
     int nchunks = (C + COL_CHUNK - 1) / COL_CHUNK;
-#pragma omp parallel for schedule(static)
-    for (int ch = 0; ch < nchunks; ch++) {
-        int c0 = ch * COL_CHUNK;
-        int c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
-        for (int n = 0; n < N; n++) {
-            const float *x = inp + (size_t)n * C;
-            const float *dy = dout + (size_t)n * C;
-            float r = rstd[n];
-            for (int c = c0; c < c1; c++) dw[c] += dy[c] * (x[c] * r);
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int ch = 0; ch < nchunks; ch++) {
+            int c0 = ch * COL_CHUNK;
+            int c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
+            for (int n = 0; n < N; n++) {
+                const float *x = inp + (size_t)n * C;
+                const float *dy = dout + (size_t)n * C;
+                float r = rstd[n];
+                for (int c = c0; c < c1; c++) dw[c] += dy[c] * (x[c] * r);
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -140,56 +169,85 @@ void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp,
  * op_rmsnorm_fwd/bwd, with the row sums handed out and back. */
 void op_rmsnorm_sumsq(float *ss, const float *inp, int N, int C) {
     // ss[N], inp[N,C]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C;
-        float s = 0.0f;
-        for (int c = 0; c < C; c++) s += x[c] * x[c];
-        ss[n] = s;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C;
+            float s = 0.0f;
+            for (int c = 0; c < C; c++) s += x[c] * x[c];
+            ss[n] = s;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
 void op_rmsnorm_scale(float *out, const float *inp, const float *w, const float *rstd, int N, int C) {
     // out[N,C] = inp[N,C] * rstd[N] * w[C]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C;
-        float *y = out + (size_t)n * C, r = rstd[n];
-        for (int c = 0; c < C; c++) y[c] = (x[c] * r) * w[c];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C;
+            float *y = out + (size_t)n * C, r = rstd[n];
+            for (int c = 0; c < C; c++) y[c] = (x[c] * r) * w[c];
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
 void op_rmsnorm_bwd_dot(float *dot, const float *dout, const float *inp, const float *w, int N, int C) {
     // dot[N] = sum_c dout[N,C] * w[C] * inp[N,C]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
-        float s = 0.0f;
-        for (int c = 0; c < C; c++) s += dy[c] * w[c] * x[c];
-        dot[n] = s;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+            float s = 0.0f;
+            for (int c = 0; c < C; c++) s += dy[c] * w[c] * x[c];
+            dot[n] = s;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
 void op_rmsnorm_bwd_given(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                           const float *rstd, const float *dot, int N, int C, int Cw) {
     // dinp[N,C] +=, dw[C] +=, dout/inp [N,C], w[C], rstd[N], dot[N] (summed over the whole row of Cw)
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
-        float *dx = dinp + (size_t)n * C;
-        float r = rstd[n], k = dot[n] * r * r * r / (float)Cw;
-        for (int c = 0; c < C; c++) dx[c] += r * w[c] * dy[c] - k * x[c];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+            float *dx = dinp + (size_t)n * C;
+            float r = rstd[n], k = dot[n] * r * r * r / (float)Cw;
+            for (int c = 0; c < C; c++) dx[c] += r * w[c] * dy[c] - k * x[c];
+        }
+        KERN_TRACE_EXIT(kt_);
     }
     if (!dw) return;
     int nchunks = (C + COL_CHUNK - 1) / COL_CHUNK; /* a reduction over rows, split by columns */
-#pragma omp parallel for schedule(static)
-    for (int ch = 0; ch < nchunks; ch++) {
-        int c0 = ch * COL_CHUNK, c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
-        for (int n = 0; n < N; n++) {
-            const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
-            float r = rstd[n];
-            for (int c = c0; c < c1; c++) dw[c] += dy[c] * (x[c] * r);
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int ch = 0; ch < nchunks; ch++) {
+            int c0 = ch * COL_CHUNK, c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
+            for (int n = 0; n < N; n++) {
+                const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+                float r = rstd[n];
+                for (int c = c0; c < c1; c++) dw[c] += dy[c] * (x[c] * r);
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -214,25 +272,31 @@ void op_rope_fwd(float *out, const float *inp, const float *cos, const float *si
                  int rd) {
     // out[B,T,nh,hd], inp[B,T,nh,hd], cos[T,rd/2], sin[T,rd/2]; features rd.. pass through
     int half = rd / 2;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++) {
-        for (int t = 0; t < T; t++) {
-            const float *c = cos + (size_t)t * half;
-            const float *s = sin + (size_t)t * half;
-            for (int h = 0; h < nh; h++) {
-                size_t off = (((size_t)b * T + t) * nh + h) * hd;
-                const float *x = inp + off;
-                float *y = out + off;
-                for (int i = 0; i < half; i++) {
-                    // both read before either write: out may alias inp
-                    float x1 = x[i], x2 = x[i + half];
-                    y[i] = x1 * c[i] - x2 * s[i];
-                    y[i + half] = x2 * c[i] + x1 * s[i];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int b = 0; b < B; b++) {
+            for (int t = 0; t < T; t++) {
+                const float *c = cos + (size_t)t * half;
+                const float *s = sin + (size_t)t * half;
+                for (int h = 0; h < nh; h++) {
+                    size_t off = (((size_t)b * T + t) * nh + h) * hd;
+                    const float *x = inp + off;
+                    float *y = out + off;
+                    for (int i = 0; i < half; i++) {
+                        // both read before either write: out may alias inp
+                        float x1 = x[i], x2 = x[i + half];
+                        y[i] = x1 * c[i] - x2 * s[i];
+                        y[i + half] = x2 * c[i] + x1 * s[i];
+                    }
+                    if (y != x)
+                        for (int i = rd; i < hd; i++) y[i] = x[i];
                 }
-                if (y != x)
-                    for (int i = rd; i < hd; i++) y[i] = x[i];
             }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -245,31 +309,37 @@ void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *
     // buffer being read would be meaningless.
     int half = rd / 2;
     int inplace = dinp == dout;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++) {
-        for (int t = 0; t < T; t++) {
-            const float *c = cos + (size_t)t * half;
-            const float *s = sin + (size_t)t * half;
-            for (int h = 0; h < nh; h++) {
-                size_t off = (((size_t)b * T + t) * nh + h) * hd;
-                const float *dy = dout + off;
-                float *dx = dinp + off;
-                for (int i = 0; i < half; i++) {
-                    float d1 = dy[i], d2 = dy[i + half];
-                    float g1 = d1 * c[i] + d2 * s[i];
-                    float g2 = d2 * c[i] - d1 * s[i];
-                    if (inplace) {
-                        dx[i] = g1;
-                        dx[i + half] = g2;
-                    } else {
-                        dx[i] += g1;
-                        dx[i + half] += g2;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int b = 0; b < B; b++) {
+            for (int t = 0; t < T; t++) {
+                const float *c = cos + (size_t)t * half;
+                const float *s = sin + (size_t)t * half;
+                for (int h = 0; h < nh; h++) {
+                    size_t off = (((size_t)b * T + t) * nh + h) * hd;
+                    const float *dy = dout + off;
+                    float *dx = dinp + off;
+                    for (int i = 0; i < half; i++) {
+                        float d1 = dy[i], d2 = dy[i + half];
+                        float g1 = d1 * c[i] + d2 * s[i];
+                        float g2 = d2 * c[i] - d1 * s[i];
+                        if (inplace) {
+                            dx[i] = g1;
+                            dx[i + half] = g2;
+                        } else {
+                            dx[i] += g1;
+                            dx[i + half] += g2;
+                        }
                     }
+                    if (!inplace) /* the identity's gradient; in place it is already there */
+                        for (int i = rd; i < hd; i++) dx[i] += dy[i];
                 }
-                if (!inplace) /* the identity's gradient; in place it is already there */
-                    for (int i = rd; i < hd; i++) dx[i] += dy[i];
             }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -292,8 +362,10 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
     float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
     int window = opt && opt->window > 0 ? opt->window : 0;
     float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
+        KERN_TRACE_ENTER(kt_);
         float *p = ct_malloc((size_t)(T > 0 ? T : 1) * sizeof(float)); // [T] scores of one row
 #pragma omp for collapse(3) schedule(static)
         for (int b = 0; b < B; b++) {
@@ -330,6 +402,7 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
             }
         }
         free(p);
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -345,50 +418,56 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
     float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
     int window = opt && opt->window > 0 ? opt->window : 0;
     float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++) {
-        for (int kh = 0; kh < nkv; kh++) {
-            for (int h = kh * group; h < (kh + 1) * group; h++) {
-                for (int t = 0; t < T; t++) {
-                    const float *qt = q + (((size_t)b * T + t) * nh + h) * hd;
-                    const float *ot = out + (((size_t)b * T + t) * nh + h) * hd;
-                    const float *dot_ = dout + (((size_t)b * T + t) * nh + h) * hd;
-                    float *dqt = dq + (((size_t)b * T + t) * nh + h) * hd;
-                    float L = lse[((size_t)b * nh + h) * T + t];
-                    // softmax backward needs sum_j p_j dp_j = dout . out (out = sum_j p_j v_j)
-                    float D = 0.0f;
-                    for (int i = 0; i < hd; i++) D += dot_[i] * ot[i];
-                    for (int t2 = kern_attn_first_key(t, window); t2 <= t; t2++) {
-                        const float *kt = k + (((size_t)b * T + t2) * nkv + kh) * hd;
-                        const float *vt = v + (((size_t)b * T + t2) * nkv + kh) * hd;
-                        float *dkt = dk + (((size_t)b * T + t2) * nkv + kh) * hd;
-                        float *dvt = dv + (((size_t)b * T + t2) * nkv + kh) * hd;
-                        // recompute p = exp(score - lse)
-                        float dot = 0.0f;
-                        for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
-                        float th = 0.0f, p;
-                        if (cap > 0.0f) {
-                            th = tanhf(dot * scale / cap);
-                            p = expf(cap * th - L);
-                        } else {
-                            p = expf(dot * scale - L);
-                        }
-                        // dp = dout . v ; dv += p * dout
-                        float dp = 0.0f;
-                        for (int i = 0; i < hd; i++) {
-                            dp += dot_[i] * vt[i];
-                            dvt[i] += p * dot_[i];
-                        }
-                        // ds = p * (dp - D); scores = scale * q . k (capped: times 1 - tanh^2)
-                        float g = cap > 0.0f ? p * (dp - D) * (1.0f - th * th) * scale : p * (dp - D) * scale;
-                        for (int i = 0; i < hd; i++) {
-                            dqt[i] += g * kt[i];
-                            dkt[i] += g * qt[i];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int b = 0; b < B; b++) {
+            for (int kh = 0; kh < nkv; kh++) {
+                for (int h = kh * group; h < (kh + 1) * group; h++) {
+                    for (int t = 0; t < T; t++) {
+                        const float *qt = q + (((size_t)b * T + t) * nh + h) * hd;
+                        const float *ot = out + (((size_t)b * T + t) * nh + h) * hd;
+                        const float *dot_ = dout + (((size_t)b * T + t) * nh + h) * hd;
+                        float *dqt = dq + (((size_t)b * T + t) * nh + h) * hd;
+                        float L = lse[((size_t)b * nh + h) * T + t];
+                        // softmax backward needs sum_j p_j dp_j = dout . out (out = sum_j p_j v_j)
+                        float D = 0.0f;
+                        for (int i = 0; i < hd; i++) D += dot_[i] * ot[i];
+                        for (int t2 = kern_attn_first_key(t, window); t2 <= t; t2++) {
+                            const float *kt = k + (((size_t)b * T + t2) * nkv + kh) * hd;
+                            const float *vt = v + (((size_t)b * T + t2) * nkv + kh) * hd;
+                            float *dkt = dk + (((size_t)b * T + t2) * nkv + kh) * hd;
+                            float *dvt = dv + (((size_t)b * T + t2) * nkv + kh) * hd;
+                            // recompute p = exp(score - lse)
+                            float dot = 0.0f;
+                            for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
+                            float th = 0.0f, p;
+                            if (cap > 0.0f) {
+                                th = tanhf(dot * scale / cap);
+                                p = expf(cap * th - L);
+                            } else {
+                                p = expf(dot * scale - L);
+                            }
+                            // dp = dout . v ; dv += p * dout
+                            float dp = 0.0f;
+                            for (int i = 0; i < hd; i++) {
+                                dp += dot_[i] * vt[i];
+                                dvt[i] += p * dot_[i];
+                            }
+                            // ds = p * (dp - D); scores = scale * q . k (capped: times 1 - tanh^2)
+                            float g = cap > 0.0f ? p * (dp - D) * (1.0f - th * th) * scale : p * (dp - D) * scale;
+                            for (int i = 0; i < hd; i++) {
+                                dqt[i] += g * kt[i];
+                                dkt[i] += g * qt[i];
+                            }
                         }
                     }
                 }
             }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -396,24 +475,36 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
 
 void op_swiglu_fwd(float *out, const float *gate, const float *up, int N) {
     // out[N], gate[N], up[N]
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < N; i++) {
-        float g = gate[i];
-        float silu = g / (1.0f + expf(-g));
-        out[i] = silu * up[i];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int i = 0; i < N; i++) {
+            float g = gate[i];
+            float silu = g / (1.0f + expf(-g));
+            out[i] = silu * up[i];
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
 void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N) {
     // dgate[N], dup[N], dout[N], gate[N], up[N]
     // silu'(g) = sig(g) (1 + g (1 - sig(g)))
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < N; i++) {
-        float g = gate[i];
-        float sig = 1.0f / (1.0f + expf(-g));
-        float silu = g * sig;
-        dgate[i] += dout[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
-        dup[i] += dout[i] * silu;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int i = 0; i < N; i++) {
+            float g = gate[i];
+            float sig = 1.0f / (1.0f + expf(-g));
+            float silu = g * sig;
+            dgate[i] += dout[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
+            dup[i] += dout[i] * silu;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -426,25 +517,37 @@ void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gat
 
 void op_geglu_fwd(float *out, const float *gate, const float *up, int N) {
     // out[N], gate[N], up[N]
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < N; i++) {
-        float x = gate[i];
-        float inner = GELU_BETA * (x + GELU_KAPPA * (x * x * x));
-        out[i] = 0.5f * x * (1.0f + tanhf(inner)) * up[i];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int i = 0; i < N; i++) {
+            float x = gate[i];
+            float inner = GELU_BETA * (x + GELU_KAPPA * (x * x * x));
+            out[i] = 0.5f * x * (1.0f + tanhf(inner)) * up[i];
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
 void op_geglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N) {
     // dgate[N], dup[N], dout[N], gate[N], up[N]
     // gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) beta (1 + 3 kappa x^2), u = beta (x + kappa x^3)
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < N; i++) {
-        float x = gate[i];
-        float th = tanhf(GELU_BETA * (x + GELU_KAPPA * (x * x * x)));
-        float gelu = 0.5f * x * (1.0f + th);
-        float dgelu = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_BETA * (1.0f + 3.0f * GELU_KAPPA * x * x);
-        dgate[i] += dout[i] * up[i] * dgelu;
-        dup[i] += dout[i] * gelu;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int i = 0; i < N; i++) {
+            float x = gate[i];
+            float th = tanhf(GELU_BETA * (x + GELU_KAPPA * (x * x * x)));
+            float gelu = 0.5f * x * (1.0f + th);
+            float dgelu = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_BETA * (1.0f + 3.0f * GELU_KAPPA * x * x);
+            dgate[i] += dout[i] * up[i] * dgelu;
+            dup[i] += dout[i] * gelu;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -479,20 +582,26 @@ double op_crossentropy_fwdbwd(float *logits, const int32_t *targets, int N, int 
     // logits[N,V] in: logits, out: dlogits * grad_scale; targets[N]
     for (int n = 0; n < N; n++) ce_check_target(targets[n], V);
     double *row_loss = ct_malloc((size_t)(N > 0 ? N : 1) * sizeof(double)); // [N]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        float *x = logits + (size_t)n * V;
-        int32_t tgt = targets[n];
-        if (tgt == CE_IGNORE) {
-            memset(x, 0, (size_t)V * sizeof(float));
-            row_loss[n] = 0.0;
-            continue;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            float *x = logits + (size_t)n * V;
+            int32_t tgt = targets[n];
+            if (tgt == CE_IGNORE) {
+                memset(x, 0, (size_t)V * sizeof(float));
+                row_loss[n] = 0.0;
+                continue;
+            }
+            float maxv, sum;
+            row_loss[n] = ce_row_loss(x, tgt, V, &maxv, &sum);
+            float inv = 1.0f / sum;
+            for (int i = 0; i < V; i++) x[i] = expf(x[i] - maxv) * inv * grad_scale;
+            x[tgt] -= grad_scale;
         }
-        float maxv, sum;
-        row_loss[n] = ce_row_loss(x, tgt, V, &maxv, &sum);
-        float inv = 1.0f / sum;
-        for (int i = 0; i < V; i++) x[i] = expf(x[i] - maxv) * inv * grad_scale;
-        x[tgt] -= grad_scale;
+        KERN_TRACE_EXIT(kt_);
     }
     // serial sum: the loss must not depend on the thread count
     double total = 0.0;
@@ -510,12 +619,18 @@ double op_crossentropy_fwdbwd(float *logits, const int32_t *targets, int N, int 
 double op_crossentropy_fwd(float *losses, const float *logits, const int32_t *targets, int N, int V) {
     // losses[N], logits[N,V], targets[N]
     for (int n = 0; n < N; n++) ce_check_target(targets[n], V);
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        float maxv, sum;
-        losses[n] = targets[n] == CE_IGNORE
-                        ? 0.0f
-                        : ce_row_loss(logits + (size_t)n * V, targets[n], V, &maxv, &sum);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++) {
+            float maxv, sum;
+            losses[n] = targets[n] == CE_IGNORE
+                            ? 0.0f
+                            : ce_row_loss(logits + (size_t)n * V, targets[n], V, &maxv, &sum);
+        }
+        KERN_TRACE_EXIT(kt_);
     }
     double total = 0.0;
     for (int n = 0; n < N; n++) total += losses[n];
@@ -526,24 +641,42 @@ double op_crossentropy_fwd(float *losses, const float *logits, const int32_t *ta
 
 void op_add(float *out, const float *a, const float *b, long N) {
     // out[N], a[N], b[N]
-#pragma omp parallel for schedule(static)
-    for (long i = 0; i < N; i++) out[i] = a[i] + b[i];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long i = 0; i < N; i++) out[i] = a[i] + b[i];
+        KERN_TRACE_EXIT(kt_);
+    }
 }
 
 void op_bias_add(float *out, const float *b, int N, int C) {
     // out[N,C] += b[C]
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++)
-        for (int c = 0; c < C; c++) out[(size_t)n * C + c] += b[c];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int n = 0; n < N; n++)
+            for (int c = 0; c < C; c++) out[(size_t)n * C + c] += b[c];
+        KERN_TRACE_EXIT(kt_);
+    }
 }
 
 void op_bias_bwd(float *db, const float *dout, int N, int C) {
     // db[C] += sum over rows of dout[N,C]; each column summed in row order by one
     // thread, so the result does not depend on the thread count
-#pragma omp parallel for schedule(static)
-    for (int c = 0; c < C; c++) {
-        float acc = 0.0f;
-        for (int n = 0; n < N; n++) acc += dout[(size_t)n * C + c];
-        db[c] += acc;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int c = 0; c < C; c++) {
+            float acc = 0.0f;
+            for (int n = 0; n < N; n++) acc += dout[(size_t)n * C + c];
+            db[c] += acc;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
