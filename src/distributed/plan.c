@@ -292,12 +292,13 @@ static double pp_sq(ct_plan *p, const float *g, double sq) {
 
 /* clip_grad_norm_ over gradients sharded across `group`: the squares are
  * summed per rank in double and all-reduced, so every rank scales by the
- * global norm, as the one-process optim_clip_grad_norm does. */
-static double clip_by(float *g, size_t n, double sq, double max_norm);
-static double clip_sharded(ct_plan *p, float *g, size_t n, double max_norm, ct_comm *group) {
+ * global norm, as one process does. The clipping functions only find the
+ * coefficient (*scale); AdamW applies it as it reads each gradient. */
+static double clip_by(double sq, double max_norm, float *scale);
+static double clip_sharded(ct_plan *p, const float *g, size_t n, double max_norm, ct_comm *group, float *scale) {
     double local = optim_grad_norm(g, n), sq = local * local;
     comm_allreduce(group, &sq, 1, COMM_F64, COMM_SUM);
-    return clip_by(g, n, pp_sq(p, g, sq), max_norm);
+    return clip_by(pp_sq(p, g, sq), max_norm, scale);
 }
 
 /* The same under tensor or expert parallelism: replicated tensors count
@@ -305,7 +306,7 @@ static double clip_sharded(ct_plan *p, float *g, size_t n, double max_norm, ct_c
  * of this rank's slice; an EP group lies inside the shard group, so every
  * expert is counted once) and then over the TP group. Without FSDP the
  * experts' squares are summed over the EP group. */
-static double clip_tp(ct_plan *p, float *g, size_t n, double max_norm) {
+static double clip_tp(ct_plan *p, const float *g, size_t n, double max_norm, float *scale) {
     double sq = 0;
     fsdp *f = p->fsdp;
     if (!f) {
@@ -322,18 +323,14 @@ static double clip_tp(ct_plan *p, float *g, size_t n, double max_norm) {
         comm_allreduce(f->comm, &sq, 1, COMM_F64, COMM_SUM);
     }
     comm_allreduce(p->tp->comm, &sq, 1, COMM_F64, COMM_SUM);
-    return clip_by(g, n, pp_sq(p, g, sq), max_norm);
+    return clip_by(pp_sq(p, g, sq), max_norm, scale);
 }
 
-/* Scales g[n] so that its norm (sqrt(sq), the whole model's) is at most max_norm. */
-static double clip_by(float *g, size_t n, double sq, double max_norm) {
+/* The norm sqrt(sq) (the whole model's) and, in *scale, the coefficient that
+ * brings it to at most max_norm. */
+static double clip_by(double sq, double max_norm, float *scale) {
     double norm = sqrt(sq);
-    if (max_norm > 0 && max_norm / (norm + 1e-6) < 1.0) {
-        float coef = (float)(max_norm / (norm + 1e-6));
-        long nn = (long)n;
-#pragma omp parallel for schedule(static)
-        for (long i = 0; i < nn; i++) g[i] *= coef;
-    }
+    *scale = optim_clip_scale(norm, max_norm);
     return norm;
 }
 
@@ -358,15 +355,13 @@ static double step_ranges(ct_plan *p, float *P, float *G, double lr, const adamw
     }
     if (p->fsdp) comm_allreduce(&p->mesh.shard, &sq, 1, COMM_F64, COMM_SUM);
     sq = pp_sq(p, G, sq);
-    double norm = 0;
-    for (int i = 0; i < p->n_opt_ranges; i++) norm = clip_by(G + p->opt_ranges[i].off, p->opt_ranges[i].n, sq, max_norm);
-    if (!p->n_opt_ranges) norm = sqrt(sq);
+    float scale;
+    double norm = clip_by(sq, max_norm, &scale);
     long step0 = p->opt->step;
-    for (int i = 0; i < p->n_opt_ranges; i++) {
+    for (int i = 0; i < p->n_opt_ranges; i++) { /* AdamW also zeroes the run's gradients */
         const struct plan_range *r = &p->opt_ranges[i];
         adamw_state s = {r->n, p->opt->m + r->off, p->opt->v + r->off, step0, 0};
-        ADAMW(m, &s, P + r->off, G + r->off, lr, hp);
-        memset(G + r->off, 0, r->n * sizeof(float));
+        ADAMW(m, &s, P + r->off, G + r->off, scale, lr, hp);
     }
     p->opt->step = step0 + 1;
     return norm;
@@ -375,26 +370,26 @@ static double step_ranges(ct_plan *p, float *P, float *G, double lr, const adamw
 double plan_optimizer_step(ct_plan *p, double lr, const adamw_hparams *hp, double max_norm) {
     lm_model *m = p->m;
     double norm;
+    float scale;
     if (p->n_opt_ranges >= 0 && !p->tp) {
         norm = step_ranges(p, p->fsdp ? p->fsdp->params : m->params, p->fsdp ? p->fsdp->grads : m->grads, lr, hp,
                            max_norm);
     } else if (p->fsdp) { /* AdamW is elementwise: stepping the slices is stepping the model */
         fsdp *f = p->fsdp;
-        norm = p->tp ? clip_tp(p, f->grads, f->shard_n, max_norm)
-                     : clip_sharded(p, f->grads, f->shard_n, max_norm, &p->mesh.shard);
-        ADAMW(m, p->opt, f->params, f->grads, lr, hp);
-        memset(f->grads, 0, f->shard_n * sizeof(float));
+        norm = p->tp ? clip_tp(p, f->grads, f->shard_n, max_norm, &scale)
+                     : clip_sharded(p, f->grads, f->shard_n, max_norm, &p->mesh.shard, &scale);
+        ADAMW(m, p->opt, f->params, f->grads, scale, lr, hp); /* and zeroes the gradients */
     } else {
         if (p->tp) {
-            norm = clip_tp(p, m->grads, m->n_params, max_norm);
+            norm = clip_tp(p, m->grads, m->n_params, max_norm, &scale);
         } else if (p->pp) {
             double local = optim_grad_norm(m->grads, m->n_params);
-            norm = clip_by(m->grads, m->n_params, pp_sq(p, m->grads, local * local), max_norm);
+            norm = clip_by(pp_sq(p, m->grads, local * local), max_norm, &scale);
         } else {
-            norm = optim_clip_grad_norm(m->grads, m->n_params, max_norm);
+            norm = optim_grad_norm(m->grads, m->n_params);
+            scale = optim_clip_scale(norm, max_norm);
         }
-        ADAMW(m, p->opt, m->params, m->grads, lr, hp);
-        memset(m->grads, 0, m->n_params * sizeof(float));
+        ADAMW(m, p->opt, m->params, m->grads, scale, lr, hp);
     }
     return norm;
 }

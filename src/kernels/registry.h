@@ -94,7 +94,8 @@ typedef double (*kern_crossentropy_vp_grad_fn)(float *logits, const float *maxv,
                                                const float *tlogit, const int32_t *targets, int N, int V, int v0,
                                                float grad_scale, long *n_valid);
 typedef void (*kern_add_fn)(float *out, const float *a, const float *b, long N);
-typedef void (*kern_adamw_step_fn)(adamw_state *s, float *params, const float *grads, double lr,
+/* AdamW on grads[i] * gscale, then grads[i] = 0 (contract: optim/optim.h, adamw_step) */
+typedef void (*kern_adamw_step_fn)(adamw_state *s, float *params, float *grads, float gscale, double lr,
                                    const adamw_hparams *h);
 /* The experts of a MoE layer (contract in kernels/ops.h, op_moe_experts_*). */
 typedef void (*kern_moe_fwd_fn)(float *out, float *gate, float *up, float *h, float *work, const float *x,

@@ -915,6 +915,35 @@ double lm_flops_per_token(const lm_model *m, int T) {
 
 static void zero(float *p, size_t n) { memset(p, 0, n * sizeof(float)); }
 
+/* The gradient scratch a layer's backward accumulates into (+=, the kernels'
+ * contract), zeroed at the layer's start in one parallel region: nine
+ * serial memsets of up to BT x intermediate floats each were ~75 MB per
+ * layer of one thread's stores at W3's shapes. MoE layers use none of the
+ * dense MLP's three. d_ln is reused within the layer and keeps its own. */
+static void zero_layer_scratch(lm_model *m, int BT, int moe) {
+    const lm_config *c = &m->cfg;
+    size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim, I = (size_t)c->intermediate;
+    float *p[9] = {m->ws.d_att, m->ws.d_q, m->ws.d_q2, m->ws.d_k, m->ws.d_k2, m->ws.d_v, m->ws.d_h, m->ws.d_gate, m->ws.d_up};
+    size_t n[9] = {qd, qd, qd, kvd, kvd, kvd, I, I, I}, total = 0;
+    int nb = moe ? 6 : 9;
+    for (int i = 0; i < nb; i++) total += n[i] *= (size_t)BT;
+    if (total < ((size_t)1 << 18)) { /* a region costs more than it saves */
+        for (int i = 0; i < nb; i++) zero(p[i], n[i]);
+        return;
+    }
+#pragma omp parallel
+    {
+        /* this thread's share of the buffers laid end to end */
+        size_t t = (size_t)omp_get_thread_num(), T = (size_t)omp_get_num_threads();
+        size_t lo = total * t / T, hi = total * (t + 1) / T, base = 0;
+        for (int i = 0; i < nb; i++) {
+            size_t a = lo > base ? lo - base : 0, b = hi - base < n[i] ? hi - base : n[i];
+            if (hi > base && a < b) zero(p[i] + a, b - a);
+            base += n[i];
+        }
+    }
+}
+
 /* out[BT, N] = base + in[BT, K] @ w[N, K]^T, the residual add of o_proj and
  * down_proj. Under tensor parallelism (hooks->reduce_partial) this rank's
  * product covers only its slice of K: the partial products are summed over
@@ -1807,7 +1836,7 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
 }
 
 /* The backward of x[BT, H] += [norm](in[BT, K] @ w^T + b) (+ LoRA adapter p):
- * o_proj and down_proj. From d_res = d(x): din[BT, K] = d(in) (overwritten)
+ * o_proj and down_proj. From d_res = d(x): din[BT, K] += d(in) (din: zeroed scratch)
  * and the weight, bias, norm and adapter gradients (NULL: frozen or absent).
  * y, rstd: the forward's output before the norm and its rstd (ln NULL: no
  * norm, d(output) is d_res itself). d_ln is the scratch for d(y). */
@@ -1821,7 +1850,7 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
         dy = m->ws.d_ln;
     }
     if (gb) op_bias_bwd(gb, dy, BT, H);
-    zero(din, (size_t)BT * K);
+    /* din (d_h or d_att) was zeroed with the layer's scratch (zero_layer_scratch) */
     WIDE_IN(w, (size_t)H * K);
     K(MATMUL, matmul_bwd, din, gw, dy, in, w, BT, K, H);
     WIDE_OUT(w, (size_t)H * K);
@@ -1860,6 +1889,7 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     layer_recompute(m, l, B, T);
     lm_layer_acts *a = &m->act.layer[l];
+    zero_layer_scratch(m, BT, a->moe);
     const lm_layer_w *w = &m->w.layer[l];
     lm_layer_w *g = &m->g.layer[l];
     const float *cs, *sn;
@@ -1870,8 +1900,6 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
         /* res_next = res_mid + [norm](down(h) + bd): d_res flows to res_mid unchanged, plus the MLP path */
         out_proj_bwd(m, l, LM_LORA_DOWN, m->ws.d_h, a->h, w->wd, g->wd, g->bd, w->ln_mo, g->ln_mo, a->mo, a->mo_rstd,
                      BT, I);
-        zero(m->ws.d_gate, (size_t)BT * I);
-        zero(m->ws.d_up, (size_t)BT * I);
         if (c->act == LM_ACT_GELU_TANH) K(GEGLU, geglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I);
         else K(SWIGLU, swiglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I);
         if (g->bg) op_bias_bwd(g->bg, m->ws.d_gate, BT, I);
@@ -1896,17 +1924,12 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     /* res_mid = res + [norm](o_proj(att) + bo) */
     out_proj_bwd(m, l, LM_LORA_O, m->ws.d_att, a->att, w->wo, g->wo, g->bo, w->ln_ao, g->ln_ao, a->ao, a->ao_rstd, BT,
                  qd);
-    zero(m->ws.d_q, (size_t)BT * qd);
-    zero(m->ws.d_k, (size_t)BT * kvd);
-    zero(m->ws.d_v, (size_t)BT * kvd);
     kern_attn_opt ao = attn_opt(m, l);
     K(ATTENTION, attention_bwd, m->ws.d_q, m->ws.d_k, m->ws.d_v, m->ws.d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
                        hd, &ao);
     /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->
      * d_q2, d_k2 (w.r.t. the projections' outputs) */
-    zero(m->ws.d_q2, (size_t)BT * qd);
     qk_bwd(m, m->ws.d_q2, g->qn, m->ws.d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);
-    zero(m->ws.d_k2, (size_t)BT * kvd);
     qk_bwd(m, m->ws.d_k2, g->kn, m->ws.d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
     if (g->bq) op_bias_bwd(g->bq, m->ws.d_q2, BT, qd);
     if (g->bk) op_bias_bwd(g->bk, m->ws.d_k2, BT, kvd);

@@ -49,7 +49,7 @@ adamw_scalars adamw_begin_step(adamw_state *s, double lr, const adamw_hparams *h
     };
 }
 
-void adamw_step(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h) {
+void adamw_step(adamw_state *s, float *params, float *grads, float gscale, double lr, const adamw_hparams *h) {
     /* scalars in double like torch's Python-side math, elementwise in fp32 */
     const adamw_scalars sc = adamw_begin_step(s, lr, h);
     const float decay = sc.decay, b1 = sc.b1, b2 = sc.b2, step_size = sc.step_size, bc2_sqrt = sc.bc2_sqrt,
@@ -58,7 +58,8 @@ void adamw_step(adamw_state *s, float *params, const float *grads, double lr, co
     long n = (long)s->n;
 #pragma omp parallel for schedule(static)
     for (long i = 0; i < n; i++) {
-        float g = grads[i];
+        float g = grads[i] * gscale; /* what the clipping pass stored, to the bit */
+        grads[i] = 0.0f;
         float p = params[i] * decay;
         m[i] = m[i] + (1.0f - b1) * (g - m[i]); /* lerp, as torch */
         v[i] = v[i] * b2 + (1.0f - b2) * g * g;
@@ -67,13 +68,32 @@ void adamw_step(adamw_state *s, float *params, const float *grads, double lr, co
     }
 }
 
+/* The squares of one block summed in index order, four blocks at a time:
+ * each block keeps its own sequential chain (so its sum is the one-block
+ * loop's to the bit), and four independent chains hide the latency of the
+ * double add that bounds a single chain (the order forbids vectorising one). */
+static void norm_blocks4(double out[4], const float *g0, const float *g1, const float *g2, const float *g3, size_t n) {
+    double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    for (size_t i = 0; i < n; i++) {
+        a0 += (double)g0[i] * g0[i];
+        a1 += (double)g1[i] * g1[i];
+        a2 += (double)g2[i] * g2[i];
+        a3 += (double)g3[i] * g3[i];
+    }
+    out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3;
+}
+
 double optim_grad_norm(const float *g, size_t n) {
     /* fixed-size blocks summed in order keep the result independent of threads */
-    enum { BLOCK = 1 << 16 };
-    long nb = (long)((n + BLOCK - 1) / BLOCK);
-    double *part = ct_calloc((size_t)nb, sizeof(double));
+    enum { BLOCK = 1 << 16, GROUP = 4 };
+    long nb = (long)((n + BLOCK - 1) / BLOCK), nfull = (long)(n / BLOCK), ng = nfull / GROUP;
+    double *part = ct_calloc((size_t)nb + 1, sizeof(double));
 #pragma omp parallel for schedule(static)
-    for (long b = 0; b < nb; b++) {
+    for (long q = 0; q < ng; q++) {
+        const float *b0 = g + (size_t)q * GROUP * BLOCK;
+        norm_blocks4(part + q * GROUP, b0, b0 + BLOCK, b0 + 2 * BLOCK, b0 + 3 * BLOCK, BLOCK);
+    }
+    for (long b = ng * GROUP; b < nb; b++) { /* the last few blocks (and a partial one): at most 4 */
         size_t lo = (size_t)b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
         double acc = 0;
         for (size_t i = lo; i < hi; i++) acc += (double)g[i] * g[i];
@@ -85,17 +105,10 @@ double optim_grad_norm(const float *g, size_t n) {
     return sqrt(total);
 }
 
-double optim_clip_grad_norm(float *g, size_t n, double max_norm) {
-    double norm = optim_grad_norm(g, n);
-    if (max_norm <= 0) return norm;
+float optim_clip_scale(double norm, double max_norm) {
+    if (max_norm <= 0) return 1.0f;
     double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0) {
-        float c = (float)coef;
-        long nn = (long)n;
-#pragma omp parallel for schedule(static)
-        for (long i = 0; i < nn; i++) g[i] *= c;
-    }
-    return norm;
+    return coef < 1.0 ? (float)coef : 1.0f;
 }
 
 int lr_decay_type_from_name(const char *name) {

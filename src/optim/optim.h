@@ -39,14 +39,21 @@ typedef struct {
 /* Increments s->step and returns that step's scalars: every AdamW kernel starts
  * here, so all of them agree to the bit on these. */
 adamw_scalars adamw_begin_step(adamw_state *s, double lr, const adamw_hparams *h);
-/* One step at learning rate lr (the schedule's value): increments s->step. */
-void adamw_step(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
+/* One step at learning rate lr (the schedule's value): increments s->step.
+ * The gradient it uses is grads[i] * gscale, the clipping coefficient of
+ * optim_clip_scale (1 when not clipping), formed as the same fp32 product
+ * that clip_grad_norm_'s in-place scaling stores, so folding the scale into
+ * the step changes no bit; and it leaves grads[i] = 0 for the next step's
+ * accumulation. Both save a pass over every gradient (the separate scaling
+ * pass read and wrote them, the memset after the step wrote them again). */
+void adamw_step(adamw_state *s, float *params, float *grads, float gscale, double lr, const adamw_hparams *h);
 
 /* Global L2 norm of g[n] (double accumulation, fixed order). */
 double optim_grad_norm(const float *g, size_t n);
-/* torch.nn.utils.clip_grad_norm_: scales g by max_norm / (norm + 1e-6) when
- * that is below 1. max_norm <= 0 disables. Returns the pre-clip norm. */
-double optim_clip_grad_norm(float *g, size_t n, double max_norm);
+/* torch.nn.utils.clip_grad_norm_'s coefficient for a global norm: the fp32
+ * max_norm / (norm + 1e-6) when that is below 1, else 1 (no scaling);
+ * max_norm <= 0 disables. AdamW applies it (adamw_step's gscale). */
+float optim_clip_scale(double norm, double max_norm);
 
 typedef enum { LR_DECAY_LINEAR, LR_DECAY_SQRT, LR_DECAY_COSINE } lr_decay_type;
 

@@ -161,7 +161,12 @@ static void run_adamw(void *c_, float *o) {
     adamw_state s;
     adamw_init(&s, n);
     memcpy(o, c->x, n * sizeof(float));
-    for (int k = 0; k < 2; k++) kern_adamw_step_avx512(&s, o, c->dout, h.lr, &h);
+    float *g = malloc(n * sizeof(float)); /* the step zeroes its gradients: a copy per step */
+    for (int k = 0; k < 2; k++) {
+        memcpy(g, c->dout, n * sizeof(float));
+        kern_adamw_step_avx512(&s, o, g, k ? 0.5f : 1.0f, h.lr, &h);
+    }
+    free(g);
     memcpy(o + n, s.m, n * sizeof(float));
     memcpy(o + 2 * n, s.v, n * sizeof(float));
     adamw_free(&s);
@@ -208,13 +213,20 @@ static void test_exact_vs_ref(void) {
     adamw_state s1, s2;
     adamw_init(&s1, N);
     adamw_init(&s2, N);
+    float *g2 = malloc(N * 4);
+    int zeroed = 1;
     for (int k = 0; k < 4; k++) {
         fill_lcg(g, N, &s, -k - 1.0f, k + 1.0f);
-        adamw_step(&s1, p1, g, h.lr, &h);
-        kern_adamw_step_avx512(&s2, p2, g, h.lr, &h);
+        memcpy(g2, g, N * 4); /* each step zeroes its gradients */
+        float gs = k == 2 ? 0.3f : 1.0f; /* a clipping coefficient on one step */
+        adamw_step(&s1, p1, g, gs, h.lr, &h);
+        kern_adamw_step_avx512(&s2, p2, g2, gs, h.lr, &h);
+        for (int i = 0; i < N; i++) zeroed &= g2[i] == 0.0f;
     }
+    free(g2);
     CHECK(!memcmp(p1, p2, N * 4) && !memcmp(s1.m, s2.m, N * 4) && !memcmp(s1.v, s2.v, N * 4) && s1.step == s2.step,
           "adamw avx512 is not bit-identical to the reference");
+    CHECK(zeroed, "adamw avx512 left gradients unzeroed");
     op_add(o1, a, b, N);
     kern_add_avx512(o2, a, b, N);
     CHECK(!memcmp(o1, o2, N * 4), "add avx512 is not bit-identical to the reference");

@@ -104,10 +104,17 @@ static void test_elementwise(void) {
     adamw_init(&s1, N), adamw_init(&s2, N);
     const kern_impl *ad = impl_of(KERN_OP_ADAMW, "neon"), *ai = impl_of(KERN_OP_ADD, "neon"),
                     *em = impl_of(KERN_OP_EMBEDDING, "neon");
+    float *g1 = malloc(N * 4), *g2 = malloc(N * 4); /* each step zeroes its gradients */
+    int zeroed = 1;
     for (int k = 0; k < 3; k++) {
-        adamw_step(&s1, p1, c.dout + k * N, h.lr, &h);
-        ad->fn.adamw.step(&s2, p2, c.dout + k * N, h.lr, &h);
+        memcpy(g1, c.dout + k * N, N * 4), memcpy(g2, c.dout + k * N, N * 4);
+        float gs = k == 1 ? 0.3f : 1.0f; /* a clipping coefficient on one step */
+        adamw_step(&s1, p1, g1, gs, h.lr, &h);
+        ad->fn.adamw.step(&s2, p2, g2, gs, h.lr, &h);
+        for (int i = 0; i < N; i++) zeroed &= g2[i] == 0.0f;
     }
+    free(g1), free(g2);
+    CHECK(zeroed, "adamw neon left gradients unzeroed");
     CHECK(!memcmp(p1, p2, N * 4) && !memcmp(s1.m, s2.m, N * 4) && !memcmp(s1.v, s2.v, N * 4),
           "adamw neon is not bit-identical to the reference");
     op_add(o1, c.x, c.dout, N);

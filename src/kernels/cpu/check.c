@@ -571,24 +571,32 @@ static const int shapes_add[][6] = {{1}, {15}, {16}, {17}, {1000}, {65537}};
 static void case_adamw(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
     size_t n = (size_t)s[0];
     adamw_hparams h = {.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
-    float *p1 = fbuf(n), *g = fbuf(n);
+    float *p1 = fbuf(n), *g1 = fbuf(n);
     fill(p1, n, r, -1, 1);
     float *p2 = dup(p1, n);
     adamw_state s1, s2;
     adamw_init(&s1, n);
     adamw_init(&s2, n);
+    /* a clipping coefficient on the middle step (1 = none, as unclipped steps pass) */
+    const float gscale[3] = {1.0f, 0.37f, 1.0f};
+    double zeroed = 0.0;
     for (int step = 0; step < 3; step++) {
-        fill(g, n, r, -1, 1);
-        ref->fn.adamw.step(&s1, p1, g, h.lr, &h);
-        im->fn.adamw.step(&s2, p2, g, h.lr, &h);
+        fill(g1, n, r, -1, 1);
+        float *g2 = dup(g1, n); /* each step zeroes its gradients */
+        ref->fn.adamw.step(&s1, p1, g1, gscale[step], h.lr, &h);
+        im->fn.adamw.step(&s2, p2, g2, gscale[step], h.lr, &h);
+        for (size_t i = 0; i < n; i++)
+            if (g2[i] != 0.0f) zeroed = INFINITY;
+        free(g2);
     }
     part(c, "params", rel_err(p2, p1, n));
     part(c, "m", rel_err(s2.m, s1.m, n));
     part(c, "v", rel_err(s2.v, s1.v, n));
     part(c, "step", s1.step == s2.step ? 0.0 : INFINITY);
+    part(c, "grads zeroed", zeroed);
     adamw_free(&s1);
     adamw_free(&s2);
-    free(p1), free(p2), free(g);
+    free(p1), free(g1), free(p2);
 }
 
 static const int shapes_adamw[][6] = {{1}, {15}, {17}, {1000}, {65537}};

@@ -662,9 +662,10 @@ EW512 double kern_crossentropy_vp_grad_avx512(float *logits, const float *maxv, 
 
 /* ------------------------------------------------------------------- adamw */
 
-EW512 void kern_adamw_step_avx512(adamw_state *s, float *params, const float *grads, double lr,
+EW512 void kern_adamw_step_avx512(adamw_state *s, float *params, float *grads, float gscale, double lr,
                                   const adamw_hparams *h) {
-    // params[n], grads[n], s->m[n], s->v[n]: one pass, each element read and written once.
+    // params[n], grads[n], s->m[n], s->v[n]: one pass, each element read and written once
+    // (grads: read as grads * gscale, the clipping pass's product, then zeroed).
     // The scalars come from adamw_begin_step, as in optim.c's adamw_step, and the
     // element-wise expression is that function's, operation for operation and without FMAs (the reference is built without contraction),
     // so the result is bit-identical to "ref".
@@ -674,6 +675,7 @@ EW512 void kern_adamw_step_avx512(adamw_state *s, float *params, const float *gr
     const __m512 vdecay = _mm512_set1_ps(decay), vb2 = _mm512_set1_ps(b2);
     const __m512 omb1 = _mm512_set1_ps(1.0f - b1), omb2 = _mm512_set1_ps(1.0f - b2);
     const __m512 vstep = _mm512_set1_ps(step_size), vbc2 = _mm512_set1_ps(bc2_sqrt), veps = _mm512_set1_ps(eps);
+    const __m512 vgs = _mm512_set1_ps(gscale);
     float *m = s->m, *v = s->v;
     long n = (long)s->n;
     long nb = (n + EW_BLOCK - 1) / EW_BLOCK;
@@ -686,7 +688,7 @@ EW512 void kern_adamw_step_avx512(adamw_state *s, float *params, const float *gr
             long i1 = (b + 1) * EW_BLOCK < n ? (b + 1) * EW_BLOCK : n;
             for (long i = b * EW_BLOCK; i < i1; i += 16) {
                 long k = i1 - i;
-                __m512 g = ew_load(grads + i, k), vm = ew_load(m + i, k), vv = ew_load(v + i, k);
+                __m512 g = _mm512_mul_ps(ew_load(grads + i, k), vgs), vm = ew_load(m + i, k), vv = ew_load(v + i, k);
                 __m512 p = _mm512_mul_ps(ew_load(params + i, k), vdecay);
                 vm = _mm512_add_ps(vm, _mm512_mul_ps(omb1, _mm512_sub_ps(g, vm)));
                 vv = _mm512_add_ps(_mm512_mul_ps(vv, vb2), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
@@ -695,6 +697,7 @@ EW512 void kern_adamw_step_avx512(adamw_state *s, float *params, const float *gr
                 ew_store(m + i, vm, k);
                 ew_store(v + i, vv, k);
                 ew_store(params + i, p, k);
+                ew_store(grads + i, _mm512_setzero_ps(), k);
             }
         }
         KERN_TRACE_EXIT(kt_);

@@ -223,7 +223,8 @@ void kern_crossentropy_vp_sums_avx512(float *sumexp, float *tlogit, const float 
 double kern_crossentropy_vp_grad_avx512(float *logits, const float *maxv, const float *sumexp, const float *tlogit,
                                         const int32_t *targets, int N, int V, int v0, float grad_scale,
                                         long *n_valid);
-void kern_adamw_step_avx512(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
+void kern_adamw_step_avx512(adamw_state *s, float *params, float *grads, float gscale, double lr,
+                          const adamw_hparams *h);
 /* Attention with register-blocked tiles (attention_avx512.c), ops.h's attention contract. */
 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
                                int nh, int nkv, int hd, const kern_attn_opt *opt);
@@ -263,7 +264,8 @@ void kern_crossentropy_vp_sums_avx2(float *sumexp, float *tlogit, const float *l
 double kern_crossentropy_vp_grad_avx2(float *logits, const float *maxv, const float *sumexp, const float *tlogit,
                                       const int32_t *targets, int N, int V, int v0, float grad_scale,
                                       long *n_valid);
-void kern_adamw_step_avx2(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
+void kern_adamw_step_avx2(adamw_state *s, float *params, float *grads, float gscale, double lr,
+                          const adamw_hparams *h);
 /* Attention with 6 x 16 ymm register tiles (attention_avx2.c), ops.h's attention contract. */
 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
                              int nh, int nkv, int hd, const kern_attn_opt *opt);
@@ -316,7 +318,8 @@ void kern_crossentropy_vp_sums_neon(float *sumexp, float *tlogit, const float *l
                                     const int32_t *targets, int N, int V, int v0);
 double kern_crossentropy_vp_grad_neon(float *logits, const float *maxv, const float *sumexp, const float *tlogit,
                                       const int32_t *targets, int N, int V, int v0, float grad_scale, long *n_valid);
-void kern_adamw_step_neon(adamw_state *s, float *params, const float *grads, double lr, const adamw_hparams *h);
+void kern_adamw_step_neon(adamw_state *s, float *params, float *grads, float gscale, double lr,
+                          const adamw_hparams *h);
 /* out[i] = e^x[i] with neon_util.h's neon_exp4 (for its accuracy test). */
 void kern_exp_neon(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with neon_util.h's neon_tanh4 (geglu; for its accuracy test). */
