@@ -110,7 +110,8 @@ T256_INLINE __m256 tanh8(__m256 x) {
 }
 
 /* In-register 8 x 8 transpose: lane j of r[i] becomes lane i of r[j] (the
- * transposes of attention_avx2.c's K and V; moves values, rounds nothing). */
+ * transposes of attention_avx2.c's K and V and of gemm_avx2.c's packing;
+ * moves values, rounds nothing). */
 T256_INLINE void avx2_transpose8(__m256 r[8]) {
     __m256 t[8], u[8];
 #pragma GCC unroll 4

@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "kernels/cpu/avx2_util.h"
 #include "kernels/cpu/kern_cpu.h"
 
 #define TAVX2 __attribute__((target("avx2,fma")))
@@ -89,29 +90,6 @@ TAVX2 static void uk_avx2(long kc, const float *restrict A, const float *restric
     else uk_rows(1, kc, A, B, C, ldc, mr, nr, add);
 }
 
-/* In-register 8 x 8 transpose: lane j of r[i] becomes lane i of r[j]. */
-TAVX2 __attribute__((always_inline)) static inline void transpose8(__m256 r[8]) {
-    __m256 t[8], u[8];
-#pragma GCC unroll 4
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-#pragma GCC unroll 2
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    /* u[s] (rows 0..3) and u[4+s] (rows 4..7) hold columns s and 4+s in their two 128-bit halves */
-#pragma GCC unroll 4
-    for (int s = 0; s < 4; s++) {
-        r[s] = _mm256_permute2f128_ps(u[s], u[4 + s], 0x20);
-        r[4 + s] = _mm256_permute2f128_ps(u[s], u[4 + s], 0x31);
-    }
-}
-
 /* Transposes a rows x kc slab (rows <= 8, row stride ld, contiguous in k)
  * into dst[k * dstride + i] (aligned), 8 k at a time; rows beyond `rows` become zeros. */
 TAVX2 static void transpose_slab8(float *dst, long dstride, const float *src, long ld, int rows, long kc) {
@@ -125,7 +103,7 @@ TAVX2 static void transpose_slab8(float *dst, long dstride, const float *src, lo
             const float *p = src + (i < rows ? i : 0) * ld + k0;
             r[i] = _mm256_maskload_ps(p, i < rows ? mk : none);
         }
-        transpose8(r);
+        avx2_transpose8(r);
 #pragma GCC unroll 8
         for (int kk = 0; kk < 8; kk++)
             if (kk < kn) _mm256_store_ps(dst + (k0 + kk) * dstride, r[kk]);
