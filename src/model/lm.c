@@ -106,14 +106,20 @@ int lm_lora_on(const lm_config *c, int l, int p) {
            !(l >= 0 && l < c->n_layers && c->lora_lp[l][p] == LM_LORA_LP_OFF);
 }
 
-int lm_lora_rank(const lm_config *c, int l, int p) {
+/* The lora_kind entry of layer l's projection p; 0: lora_rank and lora_scale. */
+static int lora_kind_of(const lm_config *c, int l, int p) {
     int k = l >= 0 && l < c->n_layers && p >= 0 && p < LM_LORA_N ? c->lora_lp[l][p] : 0;
-    return k && k != LM_LORA_LP_OFF ? c->lora_kind[k - 1].rank : c->lora_rank;
+    return k != LM_LORA_LP_OFF ? k : 0;
+}
+
+int lm_lora_rank(const lm_config *c, int l, int p) {
+    int k = lora_kind_of(c, l, p);
+    return k ? c->lora_kind[k - 1].rank : c->lora_rank;
 }
 
 float lm_lora_scale(const lm_config *c, int l, int p) {
-    int k = l >= 0 && l < c->n_layers && p >= 0 && p < LM_LORA_N ? c->lora_lp[l][p] : 0;
-    return k && k != LM_LORA_LP_OFF ? c->lora_kind[k - 1].scale : c->lora_scale;
+    int k = lora_kind_of(c, l, p);
+    return k ? c->lora_kind[k - 1].scale : c->lora_scale;
 }
 
 int lm_lora_max_rank(const lm_config *c) {
