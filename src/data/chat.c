@@ -9,7 +9,6 @@
 
 #include <cjson/cJSON.h>
 
-#include "core/fs.h"
 #include "data/jinja.h"
 #include "hub/hub.h"
 
@@ -407,37 +406,6 @@ int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void 
 
 /* ------------------------------------------------------------ identity */
 
-/* The text of the template jinja_chat_open found, read again from where its
- * file name says: "<tokenizer_config.json> (chat_template)" holds it as a
- * string (or a list whose "default" entry jinja_chat_open took), any other
- * name is the template file itself. Read again rather than kept by the
- * jinja module, whose compiled form is all the renderer needs. */
-static char *tmpl_text(const char *file, size_t *n, ct_err *e) {
-    static const char suffix[] = " (chat_template)";
-    size_t fl = strlen(file), sl = sizeof suffix - 1;
-    if (fl <= sl || strcmp(file + fl - sl, suffix)) return fs_read_file(file, 0, n, e);
-    char path[4400];
-    snprintf(path, sizeof path, "%.*s", (int)(fl - sl), file);
-    size_t len = 0;
-    char *json = fs_read_file(path, 0, &len, e);
-    if (!json) return NULL;
-    cJSON *cfg = cJSON_ParseWithLength(json, len);
-    free(json);
-    const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template"), *it;
-    const char *src = cJSON_IsString(ct) ? ct->valuestring : NULL;
-    if (cJSON_IsArray(ct))
-        cJSON_ArrayForEach(it, ct) {
-            const cJSON *nm = cJSON_GetObjectItemCaseSensitive(it, "name");
-            const cJSON *tp = cJSON_GetObjectItemCaseSensitive(it, "template");
-            if (cJSON_IsString(nm) && !strcmp(nm->valuestring, "default") && cJSON_IsString(tp)) src = tp->valuestring;
-        }
-    char *out = src ? ct_strdup(src) : NULL;
-    if (out) *n = strlen(out);
-    cJSON_Delete(cfg);
-    if (!out) ct_fail(e, CT_ERR_FORMAT, "%s: \"chat_template\" changed while it was read", path);
-    return out;
-}
-
 int chat_tmpl_identify(const char *spec, const char *tokenizer_dir, chat_tmpl_id *out, ct_err *e) {
     memset(out, 0, sizeof *out);
     if (!spec || !spec[0]) spec = "auto";
@@ -455,16 +423,14 @@ int chat_tmpl_identify(const char *spec, const char *tokenizer_dir, chat_tmpl_id
         return 0;
     }
     snprintf(out->file, sizeof out->file, "%s", chat_tmpl_file(c));
-    chat_tmpl_close(c);
     size_t n = 0;
-    char *text = tmpl_text(out->file, &n, e);
-    if (!text) return e && e->code ? e->code : CT_ERR_IO;
+    const char *text = jinja_chat_source(c->jc, &n);
     hub_sha256_ctx h;
     uint8_t d[32];
     hub_sha256_init(&h);
     hub_sha256_update(&h, text, n);
     hub_sha256_final(&h, d);
-    free(text);
+    chat_tmpl_close(c);
     for (int i = 0; i < 32; i++) snprintf(out->sha256 + 2 * i, 3, "%02x", d[i]);
     return 0;
 }

@@ -2364,6 +2364,8 @@ struct jinja_chat {
     jinja_tmpl *t;
     cJSON *vars; /* special tokens */
     char file[4400];
+    char *src; /* the template text as read (what a record of the template hashes) */
+    size_t srcn;
 };
 
 static int chat_open(const char *dir, const char *tmpl_file, jinja_chat **out, ct_err *e) {
@@ -2426,12 +2428,13 @@ static int chat_open(const char *dir, const char *tmpl_file, jinja_chat **out, c
     jinja_chat *c = ct_calloc(1, sizeof *c);
     snprintf(c->file, sizeof c->file, "%s", file);
     int rc = jinja_parse(src, srcn, file, &c->t, e);
-    free(src);
     if (rc) {
+        free(src);
         cJSON_Delete(cfg);
         free(c);
         return rc;
     }
+    c->src = src, c->srcn = srcn;
     c->vars = cJSON_CreateObject();
     static const char *special[] = {"bos_token", "eos_token", "unk_token", "sep_token",
                                     "pad_token", "cls_token", "mask_token"};
@@ -2457,10 +2460,16 @@ void jinja_chat_close(jinja_chat *c) {
     if (!c) return;
     jinja_free(c->t);
     cJSON_Delete(c->vars);
+    free(c->src);
     free(c);
 }
 
 const char *jinja_chat_file(const jinja_chat *c) { return c->file; }
+
+const char *jinja_chat_source(const jinja_chat *c, size_t *n) {
+    *n = c->srcn;
+    return c->src;
+}
 
 int jinja_chat_apply(const jinja_chat *c, const void *messages_json, int add_generation_prompt, char **out,
                      size_t *len, jinja_spans *spans, ct_err *e) {

@@ -92,5 +92,8 @@ int jinja_chat_apply(const jinja_chat *c, const void *messages_json, int add_gen
 
 /* The file the template came from (for messages). */
 const char *jinja_chat_file(const jinja_chat *c);
+/* The template's text as it was read (*n bytes), from its file or from
+ * tokenizer_config.json's chat_template: what identifies the template. */
+const char *jinja_chat_source(const jinja_chat *c, size_t *n);
 
 #endif
