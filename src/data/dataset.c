@@ -166,14 +166,18 @@ static int check_chat_template(const ds *d, const cJSON *rec, const char *meta, 
         !(cJSON_IsString(sha) || cJSON_IsNull(sha)))
         return ct_fail(e, CT_ERR_FORMAT,
                        "%s: chat_template: expected {\"mode\": ..., \"template\": ..., \"sha256\": hex or null}", meta);
-    chat_tmpl_id *id = ct_calloc(1, sizeof *id);
+    chat_tmpl_id *id = ct_calloc(2, sizeof *id), *rid = id + 1; /* the run's, the record's */
+    rid->builtin = cJSON_IsNull(sha);
+    if (!rid->builtin) {
+        snprintf(rid->file, sizeof rid->file, "%s", tmpl->valuestring);
+        snprintf(rid->sha256, sizeof rid->sha256, "%s", sha->valuestring);
+    }
     int rc = chat_tmpl_identify(spec, d->cfg.tok.tokenizer_dir, id, e);
-    int same = !rc && (cJSON_IsNull(sha) ? id->builtin : !id->builtin && !strcmp(id->sha256, sha->valuestring));
+    int same = !rc && (rid->builtin ? id->builtin : !id->builtin && !strcmp(id->sha256, sha->valuestring));
     if (!rc && !same) {
         char want[4600], had[4600];
         chat_tmpl_id_describe(id, want, sizeof want);
-        if (cJSON_IsNull(sha)) snprintf(had, sizeof had, "the built-in ChatML");
-        else snprintf(had, sizeof had, "%s (sha256 %s)", tmpl->valuestring, sha->valuestring);
+        chat_tmpl_id_describe(rid, had, sizeof had);
         rc = ct_fail(e, CT_ERR_CONFIG,
                      "training.chat_template = \"%s\" renders with %s, but %s was prepared with chat template "
                      "\"%s\", which rendered with %s: prepared tokens and masks keep the template they were made "
