@@ -143,14 +143,19 @@ int64_t prof_t0(const prof *p) {
     return prof_now_ns();
 }
 
-static span *push(prof *p, const char *cat, const char *name, int64_t t0) {
-    if (!p->on || !t0) return NULL; /* t0 = 0: the span began before the step did */
+/* A new slot at the end of p->spans (which may move: callers index, not point, across it). */
+static span *next_span(prof *p) {
     if (p->n == p->cap) {
         size_t had = p->cap * sizeof *p->spans;
         p->cap = p->cap ? 2 * p->cap : 4096;
         p->spans = grow(p->spans, had, p->cap * sizeof *p->spans);
     }
-    span *s = &p->spans[p->n++];
+    return &p->spans[p->n++];
+}
+
+static span *push(prof *p, const char *cat, const char *name, int64_t t0) {
+    if (!p->on || !t0) return NULL; /* t0 = 0: the span began before the step did */
+    span *s = next_span(p);
     s->cat = cat;
     s->name = name;
     s->t0 = t0;
@@ -169,12 +174,7 @@ static void push_workers(prof *p, const span *s) {
     for (int i = 0; i < p->tr.n; i++) {
         kern_thread_span *w = &p->tr.slot[i];
         if (!w->first) continue;
-        if (p->n == p->cap) {
-            size_t had = p->cap * sizeof *p->spans;
-            p->cap *= 2;
-            p->spans = grow(p->spans, had, p->cap * sizeof *p->spans);
-        }
-        span *q = &p->spans[p->n++];
+        span *q = next_span(p);
         *q = p->spans[at];
         q->cat = "thread";
         q->t0 = w->first;
