@@ -274,6 +274,15 @@ void plan_reduce_grads(ct_plan *p) {
     p->comm_s += ct_now() - t0;
 }
 
+/* optim_grad_norm, an "op" span of the model's profiler when it has one: a
+ * pass over every gradient, so a step's trace shows it beside AdamW. */
+static double grad_norm(const lm_model *m, const float *g, size_t n) {
+    int64_t t0 = PROF_T0(m->prof);
+    double norm = optim_grad_norm(g, n);
+    if (m->prof) prof_model_op(m->prof, "grad_norm", "grad_norm", PROF_NO_KERNEL, t0);
+    return norm;
+}
+
 /* Pipeline stages: the squares of every stage's gradients, the tied
  * embedding's second copy (on the last stage) counted once. sq: this rank's. */
 static double pp_sq(ct_plan *p, const float *g, double sq) {
@@ -282,7 +291,7 @@ static double pp_sq(ct_plan *p, const float *g, double sq) {
     if (m->cfg.tie_embeddings && p->tie.size > 1 && p->mesh.pp_rank != 0 && m->g.wte) {
         size_t off = m->tensors[0].offset, n = m->tensors[0].numel;
         if (p->fsdp) fsdp_piece_held(p->fsdp, 0, &off, &n), off = p->fsdp->p[0].shard_off; /* this rank's slice */
-        double d = optim_grad_norm(g + off, n), dq = d * d;
+        double d = grad_norm(m, g + off, n), dq = d * d;
         if (p->fsdp) comm_allreduce(&p->mesh.shard, &dq, 1, COMM_F64, COMM_SUM);
         sq -= dq;
     }
@@ -296,7 +305,7 @@ static double pp_sq(ct_plan *p, const float *g, double sq) {
  * coefficient (*scale); AdamW applies it as it reads each gradient. */
 static double clip_by(double sq, double max_norm, float *scale);
 static double clip_sharded(ct_plan *p, const float *g, size_t n, double max_norm, ct_comm *group, float *scale) {
-    double local = optim_grad_norm(g, n), sq = local * local;
+    double local = grad_norm(p->m, g, n), sq = local * local;
     comm_allreduce(group, &sq, 1, COMM_F64, COMM_SUM);
     return clip_by(pp_sq(p, g, sq), max_norm, scale);
 }
@@ -350,7 +359,7 @@ static double step_ranges(ct_plan *p, float *P, float *G, double lr, const adamw
     lm_model *m = p->m;
     double sq = 0;
     for (int i = 0; i < p->n_opt_ranges; i++) {
-        double nrm = optim_grad_norm(G + p->opt_ranges[i].off, p->opt_ranges[i].n);
+        double nrm = grad_norm(m, G + p->opt_ranges[i].off, p->opt_ranges[i].n);
         sq += nrm * nrm;
     }
     if (p->fsdp) comm_allreduce(&p->mesh.shard, &sq, 1, COMM_F64, COMM_SUM);
@@ -383,10 +392,10 @@ double plan_optimizer_step(ct_plan *p, double lr, const adamw_hparams *hp, doubl
         if (p->tp) {
             norm = clip_tp(p, m->grads, m->n_params, max_norm, &scale);
         } else if (p->pp) {
-            double local = optim_grad_norm(m->grads, m->n_params);
+            double local = grad_norm(m, m->grads, m->n_params);
             norm = clip_by(pp_sq(p, m->grads, local * local), max_norm, &scale);
         } else {
-            norm = optim_grad_norm(m->grads, m->n_params);
+            norm = grad_norm(m, m->grads, m->n_params);
             scale = optim_clip_scale(norm, max_norm);
         }
         ADAMW(m, p->opt, m->params, m->grads, scale, lr, hp);

@@ -196,6 +196,10 @@ void prof_kern(prof *p, int op, const char *name, int64_t t0) {
     }
 }
 
+static const char *model_impl(const prof *p, const span *s) {
+    return s->a.m.kern == PROF_NO_KERNEL ? "model" : p->model_impl[s->a.m.kern];
+}
+
 void prof_model_op(prof *p, const char *name, const char *op, int kern_op, int64_t t0) {
     span *s = push(p, "op", name, t0);
     if (s) {
@@ -268,7 +272,7 @@ static void put_span(FILE *f, const prof *p, const span *s) {
         fputs("\"op\":", f);
         put_str(f, s->a.m.op);
         fputs(",\"impl\":", f);
-        put_str(f, p->model_impl[s->a.m.kern]);
+        put_str(f, model_impl(p, s));
         break;
     case ARG_LAYER: fprintf(f, "\"layer\":%d", s->a.layer); break;
     case ARG_COMM:
@@ -288,7 +292,7 @@ static void summarize(prof *p, const span *s) {
     int is_op = s->kind == ARG_KERN, is_model = s->kind == ARG_MODEL;
     const char *op = is_op ? p->op_name[s->a.op] : is_model ? s->a.m.op : s->kind == ARG_COMM ? s->a.c.op : "";
     const char *impl = is_op      ? p->impl[s->a.op]
-                       : is_model ? p->model_impl[s->a.m.kern]
+                       : is_model ? model_impl(p, s)
                        : s->kind == ARG_COMM ? s->a.c.dtype : "";
     int size = s->kind == ARG_COMM ? s->a.c.size : 0;
     sum_row *r = NULL;

@@ -82,6 +82,11 @@ void prof_kern(prof *p, int op, const char *name, int64_t t0);
  * so ("matmul:avx512"). The MoE router is one: its small [N, E] matmul goes
  * through the kernels, its softmax and top-k are plain code in model/moe.c. */
 void prof_model_op(prof *p, const char *name, const char *op, int kern_op, int64_t t0);
+/* kern_op of a model op that runs no registry kernel at all (the gradient
+ * norm, zeroing a layer's gradient scratch): its impl reads "model", the
+ * OpenMP loops of the model code, whose threads stamp their spans as the
+ * kernels' do. */
+#define PROF_NO_KERNEL (-1)
 /* layer l's forward ("layer_fwd") or backward ("layer_bwd") */
 void prof_layer(prof *p, const char *name, int l, int64_t t0);
 /* a collective of `bytes` (what this rank's buffers hold of it: the whole

@@ -937,8 +937,10 @@ static void zero_layer_scratch(lm_model *m, int BT, int moe) {
         for (int i = 0; i < nb; i++) zero(p[i], n[i]);
         return;
     }
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
+        KERN_TRACE_ENTER(kt_);
         /* this thread's share of the buffers laid end to end */
         size_t t = (size_t)omp_get_thread_num(), T = (size_t)omp_get_num_threads();
         size_t lo = total * t / T, hi = total * (t + 1) / T, base = 0;
@@ -947,6 +949,7 @@ static void zero_layer_scratch(lm_model *m, int BT, int moe) {
             if (hi > base && a < b) zero(p[i] + a, b - a);
             base += n[i];
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -1000,8 +1003,16 @@ static const float *lora_input(lm_model *m, int l, int p, const float *x, size_t
     float keep = 1.0f / (1.0f - m->cfg.lora_dropout);
     float *d = m->ws.lora_x;
     long nn = (long)n;
-#pragma omp parallel for schedule(static)
-    for (long i = 0; i < nn; i++) d[i] = lora_kept(key, (size_t)i, cut) ? x[i] * keep : 0.0f;
+    int64_t t0 = PROF_T0(m->prof);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long i = 0; i < nn; i++) d[i] = lora_kept(key, (size_t)i, cut) ? x[i] * keep : 0.0f;
+        KERN_TRACE_EXIT(kt_);
+    }
+    if (m->prof) prof_model_op(m->prof, "lora_dropout_fwd", "lora_dropout", PROF_NO_KERNEL, t0);
     return d;
 }
 
@@ -1040,9 +1051,17 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
     uint64_t key = lora_key(m, l, p);
     uint32_t cut = lora_cut(m);
     long nn = (long)n;
-#pragma omp parallel for schedule(static)
-    for (long i = 0; i < nn; i++) /* d drop(x) / dx: 1 / (1 - p) where the mask kept x, 0 where it dropped it */
-        if (lora_kept(key, (size_t)i, cut)) dx[i] += dxd[i] * keep;
+    int64_t t0 = PROF_T0(m->prof);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long i = 0; i < nn; i++) /* d drop(x) / dx: 1 / (1 - p) where the mask kept x, 0 where it dropped it */
+            if (lora_kept(key, (size_t)i, cut)) dx[i] += dxd[i] * keep;
+        KERN_TRACE_EXIT(kt_);
+    }
+    if (m->prof) prof_model_op(m->prof, "lora_dropout_bwd", "lora_dropout", PROF_NO_KERNEL, t0);
 }
 
 /* Whether projection p of layer l has an adapter (its A is bound). */
@@ -1895,7 +1914,9 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     layer_recompute(m, l, B, T);
     lm_layer_acts *a = &m->act.layer[l];
+    int64_t z_t0 = PROF_T0(m->prof);
     zero_layer_scratch(m, BT, a->moe);
+    if (m->prof) prof_model_op(m->prof, "zero_layer_scratch", "zero", PROF_NO_KERNEL, z_t0);
     const lm_layer_w *w = &m->w.layer[l];
     lm_layer_w *g = &m->g.layer[l];
     const float *cs, *sn;

@@ -36,31 +36,37 @@ void moe_route_bind(moe_route *r, float *mem, int N, int E, int k) {
 void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const float *wr, const float *bias, int N,
                    int H, int E, int k, int norm) {
     kops->matmul_fwd(r->probs, x, wr, N, H, E, 0); /* logits [N, E], softmaxed in place */
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < N; t++) {
-        float *p = r->probs + (size_t)t * E;
-        float mx = p[0];
-        for (int e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
-        float sum = 0;
-        for (int e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
-        for (int e = 0; e < E; e++) p[e] /= sum;
-        float *w = r->topw + (size_t)t * k;
-        int32_t *ix = r->topi + (size_t)t * k;
-        float wsum = 0;
-        for (int j = 0; j < k; j++) {
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int i = 0; i < j; i++) taken |= ix[i] == e;
-                if (!taken && (best < 0 || (bias ? p[e] + bias[e] > p[best] + bias[best] : p[e] > p[best])))
-                    best = e;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int t = 0; t < N; t++) {
+            float *p = r->probs + (size_t)t * E;
+            float mx = p[0];
+            for (int e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+            float sum = 0;
+            for (int e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+            for (int e = 0; e < E; e++) p[e] /= sum;
+            float *w = r->topw + (size_t)t * k;
+            int32_t *ix = r->topi + (size_t)t * k;
+            float wsum = 0;
+            for (int j = 0; j < k; j++) {
+                int best = -1;
+                for (int e = 0; e < E; e++) {
+                    int taken = 0;
+                    for (int i = 0; i < j; i++) taken |= ix[i] == e;
+                    if (!taken && (best < 0 || (bias ? p[e] + bias[e] > p[best] + bias[best] : p[e] > p[best])))
+                        best = e;
+                }
+                ix[j] = best;
+                w[j] = p[best];
+                wsum += p[best];
             }
-            ix[j] = best;
-            w[j] = p[best];
-            wsum += p[best];
+            if (norm)
+                for (int j = 0; j < k; j++) w[j] /= wsum;
         }
-        if (norm)
-            for (int j = 0; j < k; j++) w[j] /= wsum;
+        KERN_TRACE_EXIT(kt_);
     }
     long S = (long)N * k;
     memset(r->offsets, 0, ((size_t)E + 1) * sizeof(int32_t));
@@ -80,27 +86,33 @@ void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const flo
 void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, const float *dtopw,
                    const float *dprob_all, const float *x, const float *wr, const moe_route *r, int N, int H, int E,
                    int k, int norm) {
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < N; t++) {
-        const float *p = r->probs + (size_t)t * E, *w = r->topw + (size_t)t * k, *dw = dtopw + (size_t)t * k;
-        const int32_t *ix = r->topi + (size_t)t * k;
-        float *dp = dprobs + (size_t)t * E;
-        for (int e = 0; e < E; e++) dp[e] = dprob_all ? dprob_all[e] : 0.0f;
-        if (norm) {
-            /* w_j = v_j / sum v: dv_j = (dw_j - sum_i dw_i w_i) / sum v, and sum v = v_j / w_j */
-            float vsum = 0, dot = 0;
-            for (int j = 0; j < k; j++) {
-                vsum += p[ix[j]];
-                dot += dw[j] * w[j];
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (int t = 0; t < N; t++) {
+            const float *p = r->probs + (size_t)t * E, *w = r->topw + (size_t)t * k, *dw = dtopw + (size_t)t * k;
+            const int32_t *ix = r->topi + (size_t)t * k;
+            float *dp = dprobs + (size_t)t * E;
+            for (int e = 0; e < E; e++) dp[e] = dprob_all ? dprob_all[e] : 0.0f;
+            if (norm) {
+                /* w_j = v_j / sum v: dv_j = (dw_j - sum_i dw_i w_i) / sum v, and sum v = v_j / w_j */
+                float vsum = 0, dot = 0;
+                for (int j = 0; j < k; j++) {
+                    vsum += p[ix[j]];
+                    dot += dw[j] * w[j];
+                }
+                for (int j = 0; j < k; j++) dp[ix[j]] += (dw[j] - dot) / vsum;
+            } else {
+                for (int j = 0; j < k; j++) dp[ix[j]] += dw[j];
             }
-            for (int j = 0; j < k; j++) dp[ix[j]] += (dw[j] - dot) / vsum;
-        } else {
-            for (int j = 0; j < k; j++) dp[ix[j]] += dw[j];
+            /* softmax backward, in place: dlogit = p * (dp - sum p dp) */
+            float s = 0;
+            for (int e = 0; e < E; e++) s += p[e] * dp[e];
+            for (int e = 0; e < E; e++) dp[e] = p[e] * (dp[e] - s);
         }
-        /* softmax backward, in place: dlogit = p * (dp - sum p dp) */
-        float s = 0;
-        for (int e = 0; e < E; e++) s += p[e] * dp[e];
-        for (int e = 0; e < E; e++) dp[e] = p[e] * (dp[e] - s);
+        KERN_TRACE_EXIT(kt_);
     }
     kops->matmul_bwd(dx, dwr, dprobs, x, wr, N, H, E);
 }

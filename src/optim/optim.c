@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "core/err.h"
+#include "kernels/ops.h" /* the per-thread stamps of a traced step */
 
 void adamw_init(adamw_state *s, size_t n) {
     s->n = n;
@@ -56,15 +57,21 @@ void adamw_step(adamw_state *s, float *params, float *grads, float gscale, doubl
                 eps = sc.eps;
     float *m = s->m, *v = s->v;
     long n = (long)s->n;
-#pragma omp parallel for schedule(static)
-    for (long i = 0; i < n; i++) {
-        float g = grads[i] * gscale; /* what the clipping pass stored, to the bit */
-        grads[i] = 0.0f;
-        float p = params[i] * decay;
-        m[i] = m[i] + (1.0f - b1) * (g - m[i]); /* lerp, as torch */
-        v[i] = v[i] * b2 + (1.0f - b2) * g * g;
-        float denom = sqrtf(v[i]) / bc2_sqrt + eps;
-        params[i] = p - step_size * (m[i] / denom);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long i = 0; i < n; i++) {
+            float g = grads[i] * gscale; /* what the clipping pass stored, to the bit */
+            grads[i] = 0.0f;
+            float p = params[i] * decay;
+            m[i] = m[i] + (1.0f - b1) * (g - m[i]); /* lerp, as torch */
+            v[i] = v[i] * b2 + (1.0f - b2) * g * g;
+            float denom = sqrtf(v[i]) / bc2_sqrt + eps;
+            params[i] = p - step_size * (m[i] / denom);
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -88,10 +95,16 @@ double optim_grad_norm(const float *g, size_t n) {
     enum { BLOCK = 1 << 16, GROUP = 4 };
     long nb = (long)((n + BLOCK - 1) / BLOCK), nfull = (long)(n / BLOCK), ng = nfull / GROUP;
     double *part = ct_calloc((size_t)nb + 1, sizeof(double));
-#pragma omp parallel for schedule(static)
-    for (long q = 0; q < ng; q++) {
-        const float *b0 = g + (size_t)q * GROUP * BLOCK;
-        norm_blocks4(part + q * GROUP, b0, b0 + BLOCK, b0 + 2 * BLOCK, b0 + 3 * BLOCK, BLOCK);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long q = 0; q < ng; q++) {
+            const float *b0 = g + (size_t)q * GROUP * BLOCK;
+            norm_blocks4(part + q * GROUP, b0, b0 + BLOCK, b0 + 2 * BLOCK, b0 + 3 * BLOCK, BLOCK);
+        }
+        KERN_TRACE_EXIT(kt_);
     }
     for (long b = ng * GROUP; b < nb; b++) { /* the last few blocks (and a partial one): at most 4 */
         size_t lo = (size_t)b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;

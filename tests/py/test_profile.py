@@ -68,6 +68,8 @@ TRACE_SCHEMA = {
 MODEL_OPS = {"embedding_fwd", "embedding_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "matmul_fwd", "matmul_bwd",
              "qknorm_rope_fwd", "qknorm_rope_bwd", "attention_fwd", "attention_bwd", "swiglu_fwd", "swiglu_bwd",
              "crossentropy_fwdbwd", "adamw_step"}
+# the model code's own OpenMP loops with an op span, by name: (op, impl "model": no registry kernel)
+MODEL_CODE_OPS = {"zero_layer_scratch": "zero", "grad_norm": "grad_norm"}
 
 
 @pytest.fixture
@@ -151,9 +153,12 @@ def test_trace_single_rank(setup, run_ctitan):
         assert meta["process_name"]["name"] == "rank 0"
         assert all(e["pid"] == 0 for e in trace["traceEvents"])
         ops = spans(trace, "op")
-        assert {e["name"] for e in ops} == MODEL_OPS
+        assert {e["name"] for e in ops} == MODEL_OPS | set(MODEL_CODE_OPS)
         for e in ops:
-            assert e["args"]["impl"] == chosen[e["args"]["op"]], (e, chosen)
+            if e["name"] in MODEL_CODE_OPS:
+                assert e["args"] == {"op": MODEL_CODE_OPS[e["name"]], "impl": "model"}, e
+            else:
+                assert e["args"]["impl"] == chosen[e["args"]["op"]], (e, chosen)
             per_op[e["name"]] = per_op.get(e["name"], Decimal(0)) + e["dur"]
         for c in spans(trace, "collective"):
             a = c["args"]
@@ -179,7 +184,7 @@ def test_trace_single_rank(setup, run_ctitan):
     # the table at the end: the trace's durations summed per op (ns kept exactly in both)
     rows = summary_rows(err)
     got = {k[1]: v for k, v in rows.items() if k[0] == "op"}
-    assert set(got) == MODEL_OPS
+    assert set(got) == MODEL_OPS | set(MODEL_CODE_OPS)
     for name, total_us in per_op.items():
         assert got[name][1] == total_us / 1000, (name, got[name], total_us)
     coll = {k[1:]: v for k, v in rows.items() if k[0] == "collective"}
@@ -267,6 +272,70 @@ def test_omp_worker_spans(tmp_path, run_ctitan):
     # the summary table stays per op: the workers' shares are not rows of their own
     cats = {l.split()[2] for l in err.splitlines() if l.startswith("ctitan: profile: ")}
     assert cats == {"category", "op", "collective"}, cats
+
+
+def test_model_code_worker_spans(tmp_path, run_ctitan):
+    """The model code's own parallel loops (outside the kernels) show their threads too:
+    zeroing a layer's gradient scratch and the gradient norm, each an op span of impl
+    "model" with a worker span per thread inside it; with LoRA dropout, the dropout mask's
+    forward and backward loops. The model is just large enough for those loops to go
+    parallel (a layer's scratch of 2^18 floats, the norm's groups of 4 x 2^16 gradients)."""
+    import oracle
+    cfg = oracle.tiny_config(vocab=128, hidden=64, inter=1536, layers=1, heads=4, kv_heads=2, head_dim=16)
+    model, data = tmp_path / "model", tmp_path / "d.bin"
+    cfg.save_pretrained(model)
+    oracle.write_bin(data, oracle.learnable_stream(4 * 129 + 5, 128, seed=3))
+    base = ["train", "--model.spec=hf", f"--model.hf_assets_path={model}", f"--training.dataset_path={data}",
+            "--training.seq_len=64", "--training.local_batch_size=2", "--training.steps=2", "--training.threads=2",
+            "--metrics.log_freq=1", "--metrics.peak_tflops=1", "--profiling.enable_profiling",
+            "--profiling.profile_freq=2"]
+    runs = {"full": ([], {"zero_layer_scratch", "grad_norm"}),
+            "lora": (["--lora.rank=4", "--lora.alpha=8", "--lora.dropout=0.25", "--lora.target_modules=q_proj,up_proj"],
+                     {"lora_dropout_fwd", "lora_dropout_bwd"})}
+    for name, (flags, want) in runs.items():
+        out = tmp_path / name
+        run_ctitan(base + [f"--job.dump_folder={out}"] + flags)
+        trace = load(out / "profile_trace" / "iteration_2" / "rank0_trace.json")
+        validate(trace)
+        check_nesting(trace)
+        tids = check_worker_spans(trace, 0)
+        ops = [e for e in spans(trace, "op") if e["name"] in want]
+        assert {e["name"] for e in ops} == want, (name, sorted({e["name"] for e in spans(trace, "op")}))
+        assert all(e["args"]["impl"] == "model" for e in ops), ops
+        for n in want:  # every thread of the loop has its share under the op
+            got = {w["tid"] for w in spans(trace, "thread") if w["name"] == n}
+            assert got == tids, (name, n, got, tids)
+
+
+# Generation's attention over the KV cache runs outside training steps, which are all the
+# profiler traces: its loops need no stamps.
+UNTRACED_REGIONS = {("src/model/lm.c", "kv_attention_decode"), ("src/model/lm.c", "kv_attention_prefill")}
+
+
+def test_every_parallel_region_stamps_its_threads(root):
+    """Each `omp parallel` region of the kernels, the model and the optimizer reads the armed
+    trace earlier in its function and stamps entry and exit inside it (kernels/ops.h, per-thread spans): a
+    region without them would leave its threads' time out of the trace, or, as a combined
+    `parallel for`, could not stamp at all."""
+    missing, regions = [], 0
+    for folder in ("src/kernels", "src/model", "src/optim"):
+        for path in sorted((root / folder).rglob("*.c")):
+            rel = str(path.relative_to(root))
+            lines = path.read_text().splitlines()
+            func, start = None, 0
+            for i, line in enumerate(lines):
+                m = re.match(r"^(?:static\s+)?[\w\s\*]+?\b(\w+)\(", line)
+                if m and not line.startswith((" ", "#", "/", "}")):
+                    func, start = m[1], i
+                if not re.match(r"\s*#pragma omp parallel\b", line) or (rel, func) in UNTRACED_REGIONS:
+                    continue
+                regions += 1
+                before = "\n".join(lines[start:i])  # read once per function serves all its regions
+                body = "\n".join(lines[i + 1:i + 4])
+                if "kern_trace_armed()" not in before or "KERN_TRACE_ENTER(" not in body:
+                    missing.append(f"{rel}:{i + 1} ({func})")
+    assert regions > 40, regions  # the scan found the regions at all
+    assert not missing, missing
 
 
 def test_memory_snapshot_matches_dry_run(setup, run_ctitan):
