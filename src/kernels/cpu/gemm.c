@@ -1,7 +1,7 @@
 /* kernels/cpu/gemm.c: the portable driver of the packed fp32 GEMM.
  *
- * Design (GotoBLAS/BLIS loop structure, our own code). Each thread owns a
- * rectangle of C and computes it with this serial loop nest:
+ * Design (GotoBLAS/BLIS loop structure, our own code). Each rectangle of C
+ * (a unit, below) is computed by one thread with this serial loop nest:
  *
  *   for jc over its columns in blocks of nc     packed B block [kc x nc]
  *     for pc over K in blocks of kc
@@ -13,32 +13,43 @@
  *             for each B micro-panel (NR cols)  streamed from L2
  *               micro-kernel MR x NR (registers)
  *
- * Parallelism: C is split once per call into T rectangles (T = OpenMP
- * threads), by rows, by columns, or both, at micro-tile granularity; the
- * split minimises the busiest thread's compute plus the packing it repeats
- * (a row split makes every thread pack all of B, a column split all of A,
- * so it splits along the larger of M and N). The threads then share nothing
- * and never wait for each other: no barriers. Measured on 2 cores shared
- * with other processes, barrier-synchronised shared packing lost up to 3x
- * whenever one thread was descheduled; duplicated packing of the smaller
- * operand costs about 1%.
+ * Parallelism: C is split into rectangles ("units") that the threads take
+ * in turn (an OpenMP dynamic schedule), never waiting for each other until
+ * the end of the call. The split runs along the larger of M and N (or both
+ * when T has several factors): a row split makes every thread pack all of B,
+ * a column split all of A, so it minimises the busiest thread's compute plus
+ * the packing it repeats. In a split along one dimension each thread keeps
+ * its own packed copy of the shared operand for the whole call (gemm_cache:
+ * packed at its first use, reused by every unit the thread takes), so units
+ * can be small (GEMM_UNITS_PER_THREAD per thread) at no extra packing: a
+ * thread that other processes hold up (2 cores shared with other work) then
+ * leaves its remaining units to the others instead of stalling the call by
+ * its whole share. Measured on 2 cores with one of them taken 50% of the
+ * time: 1.2-1.4x the static one-rectangle-per-thread split; without
+ * interference within noise of it. When the copy would be too large (e.g.
+ * the lm_head's dlogits block with K = vocabulary), one unit per thread. An
+ * earlier version shared the packed B block between threads with barriers;
+ * it lost up to 3x whenever a thread was descheduled.
  *
  * Determinism: an element of C is summed by exactly one thread, in a fixed
  * order: k blocks ascending, each summed in k order inside the micro-kernel
  * and added to C once. The k blocking depends on K only (never on the thread
- * count, M or N), so results are bit-identical for any number of threads.
- * No float atomics, no reductions across threads.
+ * count, M or N), and a unit's elements are summed in the same order by
+ * whichever thread takes it, so results are bit-identical for any number of
+ * threads and any assignment of units. No float atomics, no reductions
+ * across threads.
  *
  * Packed panels are kc deep in 32-bit lanes, or ceil(kc / kpack) when an
  * arch packs several k per lane (bf16 pairs: gemm_bf16_avx512.c), rounded up
  * to a multiple of kalign when the micro-kernel consumes k in fixed steps
  * (AMX tiles: gemm_bf16_amx.c); the driver only needs that depth to find
  * each panel. An arch with per-thread state (AMX's tile configuration) gets
- * thread_begin / thread_end around each thread's rectangle.
+ * thread_begin / thread_end around each thread's units.
  *
- * Workspace: each thread allocates its packed blocks per call (malloc keeps
- * freed large blocks in its heap after the first call, so repeated calls of
- * the same shape do not fault pages in again); no global state. */
+ * Workspace: each thread allocates its packed blocks and cache per call
+ * (malloc keeps freed large blocks in its heap after the first call, so
+ * repeated calls of the same shape do not fault pages in again); no global
+ * state. */
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,17 +106,47 @@ typedef struct {
     long kcb; /* k block: depends on K only */
 } gemm_job;
 
-/* C[i0:i1, j0:j1] of the job, serially, with this thread's own buffers. */
-static void gemm_rect(const gemm_job *g, long i0, long i1, long j0, long j1) {
+/* A thread's packed copy of the operand all its units share (A when units are
+ * column ranges, B when they are row ranges): the block of row (column) block
+ * b and k block q at p + (b * nkb + q) * slot, packed by the first of the
+ * thread's units that needs it (done[b * nkb + q]). */
+typedef struct {
+    float *p;
+    unsigned char *done;
+    long slot, nkb;
+} gemm_cache;
+
+/* Per-thread buffers of one call: a packed A block [mc x kcb] and B block
+ * [kcb x nc], and at most one of the caches. */
+typedef struct {
+    float *Ap, *Bp;
+    long mc, nc;
+    gemm_cache *ca, *cb;
+} gemm_ws;
+
+/* Packed block (outer block index ob, k block starting at pc) of a cached
+ * operand, packing it first if this thread has not yet. */
+static const float *cached_block(gemm_cache *c, const gemm_job *g, long ob, long pc, int is_a, gemm_view v, long n,
+                                 long kc) {
+    long idx = ob * c->nkb + pc / g->kcb;
+    float *dst = c->p + idx * c->slot;
+    if (!c->done[idx]) {
+        if (is_a) g->ar->pack_a(dst, v, n, kc);
+        else g->ar->pack_b(dst, v, kc, n);
+        c->done[idx] = 1;
+    }
+    return dst;
+}
+
+/* C[i0:i1, j0:j1] of the job, serially, in blocks of ws->mc rows and ws->nc
+ * columns. A cached A needs i0 == 0 (its row blocks are numbered from row 0),
+ * a cached B j0 == 0. */
+static void gemm_rect(const gemm_job *g, gemm_ws *ws, long i0, long i1, long j0, long j1) {
     const gemm_arch *ar = g->ar;
     const long MR = ar->mr, MRS = ar->mrs, NR = ar->nr;
     const gemm_view A = g->A, B = g->B;
-    const long K = g->K, kcb = g->kcb, ldc = g->ldc;
+    const long K = g->K, kcb = g->kcb, ldc = g->ldc, mc = ws->mc, nc = ws->nc;
     if (i1 <= i0 || j1 <= j0) return;
-    long mc = balanced_block(i1 - i0, ar->mc, MR), nc = balanced_block(j1 - j0, ar->nc, NR);
-    float *Ap = gemm_alloc((size_t)ceil_div(mc, MR) * MRS * panel_depth(ar, kcb));
-    float *Bp = gemm_alloc((size_t)ceil_div(nc, NR) * NR * panel_depth(ar, kcb));
-    if (ar->thread_begin) ar->thread_begin();
     long chunk = ar->ncb / NR > 0 ? ar->ncb / NR : 1;
     for (long jc = j0; jc < j1; jc += nc) {
         long ncur = j1 - jc < nc ? j1 - jc : nc;
@@ -114,13 +155,17 @@ static void gemm_rect(const gemm_job *g, long i0, long i1, long j0, long j1) {
             long kc = K - pc < kcb ? K - pc : kcb;
             long kd = panel_depth(ar, kc); /* depth of a packed panel in 32-bit lanes */
             gemm_view b = {B.p + pc * B.rs + jc * B.cs, B.rs, B.cs};
-            ar->pack_b(Bp, b, kc, ncur);
+            const float *Bp = ws->Bp;
+            if (ws->cb) Bp = cached_block(ws->cb, g, jc / nc, pc, 0, b, ncur, kc);
+            else ar->pack_b(ws->Bp, b, kc, ncur);
             int add = g->accumulate || pc > 0;
             for (long ic = i0; ic < i1; ic += mc) {
                 long mcur = i1 - ic < mc ? i1 - ic : mc;
                 long mt = ceil_div(mcur, MR);
                 gemm_view a = {A.p + ic * A.rs + pc * A.cs, A.rs, A.cs};
-                ar->pack_a(Ap, a, mcur, kc);
+                const float *Ap = ws->Ap;
+                if (ws->ca) Ap = cached_block(ws->ca, g, ic / mc, pc, 1, a, mcur, kc);
+                else ar->pack_a(ws->Ap, a, mcur, kc);
                 for (long jb = 0; jb < nt; jb += chunk) {
                     long jb1 = jb + chunk < nt ? jb + chunk : nt;
                     for (long ip = 0; ip < mt; ip++) {
@@ -137,9 +182,6 @@ static void gemm_rect(const gemm_job *g, long i0, long i1, long j0, long j1) {
             }
         }
     }
-    if (ar->thread_end) ar->thread_end();
-    free(Ap);
-    free(Bp);
 }
 
 /* Rows x columns of threads (tr * tc = T) over an mt x nt grid of micro-tiles:
@@ -165,6 +207,15 @@ static int choose_row_threads(const gemm_arch *ar, long M, long N, int T) {
     return best;
 }
 
+/* Units per thread of a one-dimensional split: enough that a held-up thread
+ * leaves most of its share to the others (2 and 8 measured within noise of 4
+ * under interference), few enough that a unit still walks several B
+ * micro-panels per A micro-panel. */
+#define GEMM_UNITS_PER_THREAD 4
+/* The most floats the threads' caches of the shared operand may hold
+ * together (32 MB); larger operands are split one unit per thread. */
+#define GEMM_CACHE_MAX_FLOATS (8L << 20)
+
 void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B, float *C, long ldc,
               int accumulate) {
     if (M <= 0 || N <= 0) return;
@@ -183,33 +234,83 @@ void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B
         long unit = (long)ar->kalign * (ar->kpack > 1 ? ar->kpack : 1);
         g.kcb = ceil_div(g.kcb, unit) * unit;
     }
+    nkb = ceil_div(K, g.kcb);
+    long kdb = panel_depth(ar, g.kcb);
 
     double flops = 2.0 * M * (double)N * K;
-    long tiles = ceil_div(M, ar->mr) * ceil_div(N, ar->nr);
+    long mt = ceil_div(M, ar->mr), nt = ceil_div(N, ar->nr);
     int T = omp_get_max_threads();
     if (flops < GEMM_SERIAL_FLOPS || omp_in_parallel()) T = 1;
-    if (T > tiles) T = (int)tiles;
+    if (T > mt * nt) T = (int)(mt * nt);
     if (T <= 1) {
-        gemm_rect(&g, 0, M, 0, N); /* no parallel region for small products */
+        gemm_ws ws = {.mc = balanced_block(M, ar->mc, ar->mr), .nc = balanced_block(N, ar->nc, ar->nr)};
+        ws.Ap = gemm_alloc((size_t)ceil_div(ws.mc, ar->mr) * ar->mrs * kdb);
+        ws.Bp = gemm_alloc((size_t)ceil_div(ws.nc, ar->nr) * ar->nr * kdb);
+        if (ar->thread_begin) ar->thread_begin();
+        gemm_rect(&g, &ws, 0, M, 0, N); /* no parallel region for small products */
+        if (ar->thread_end) ar->thread_end();
+        free(ws.Ap);
+        free(ws.Bp);
         return;
     }
     int tr = choose_row_threads(ar, M, N, T), tc = T / tr;
-    long mt = ceil_div(M, ar->mr), nt = ceil_div(N, ar->nr);
+    /* units: ur x uc rectangles of C; by default one per thread */
+    long ur = tr, uc = tc;
+    int cache_a = 0, cache_b = 0;
+    long mcs = balanced_block(M, ar->mc, ar->mr), ncs = balanced_block(N, ar->nc, ar->nr);
+    long slot_a = ceil_div(mcs, ar->mr) * ar->mrs * kdb, slot_b = ceil_div(ncs, ar->nr) * ar->nr * kdb;
+    if (tr == 1 && ceil_div(M, mcs) * nkb * slot_a * T <= GEMM_CACHE_MAX_FLOATS) {
+        uc = nt < (long)T * GEMM_UNITS_PER_THREAD ? nt : (long)T * GEMM_UNITS_PER_THREAD;
+        cache_a = 1;
+    } else if (tc == 1 && ceil_div(N, ncs) * nkb * slot_b * T <= GEMM_CACHE_MAX_FLOATS) {
+        ur = mt < (long)T * GEMM_UNITS_PER_THREAD ? mt : (long)T * GEMM_UNITS_PER_THREAD;
+        cache_b = 1;
+    }
+    long nunits = ur * uc;
+    /* block sizes: the shared dimension's of the whole matrix (cached blocks are
+     * numbered from 0), the split one's of the largest unit */
+    long mcu = ur == 1 ? mcs : balanced_block(ceil_div(mt, ur) * ar->mr, ar->mc, ar->mr);
+    long ncu = uc == 1 ? ncs : balanced_block(ceil_div(nt, uc) * ar->nr, ar->nc, ar->nr);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel num_threads(T)
     {
         KERN_TRACE_ENTER(kt_);
-        int tid = omp_get_thread_num();
-        if (omp_get_num_threads() == T) {
-            long ip0, ip1, jp0, jp1;
-            split_range(mt, tr, tid / tc, &ip0, &ip1);
-            split_range(nt, tc, tid % tc, &jp0, &jp1);
-            long i1 = ip1 * ar->mr < M ? ip1 * ar->mr : M, j1 = jp1 * ar->nr < N ? jp1 * ar->nr : N;
-            gemm_rect(&g, ip0 * ar->mr, i1, jp0 * ar->nr, j1);
-        } else if (tid == 0) {
-            /* the runtime gave fewer threads than asked (thread limit): one does it all */
-            gemm_rect(&g, 0, M, 0, N);
+        gemm_ws ws = {.mc = mcu, .nc = ncu};
+        gemm_cache ca = {0}, cb = {0};
+        if (cache_a) {
+            ca.slot = slot_a, ca.nkb = nkb;
+            ca.p = gemm_alloc((size_t)(ceil_div(M, mcs) * nkb * slot_a));
+            ca.done = calloc((size_t)(ceil_div(M, mcs) * nkb), 1);
+            ws.ca = &ca;
+        } else ws.Ap = gemm_alloc((size_t)ceil_div(mcu, ar->mr) * ar->mrs * kdb);
+        if (cache_b) {
+            cb.slot = slot_b, cb.nkb = nkb;
+            cb.p = gemm_alloc((size_t)(ceil_div(N, ncs) * nkb * slot_b));
+            cb.done = calloc((size_t)(ceil_div(N, ncs) * nkb), 1);
+            ws.cb = &cb;
+        } else ws.Bp = gemm_alloc((size_t)ceil_div(ncu, ar->nr) * ar->nr * kdb);
+        if ((cache_a && !ca.done) || (cache_b && !cb.done)) {
+            fprintf(stderr, "ctitan: error: out of memory allocating GEMM workspace\n");
+            exit(1);
         }
+        if (ar->thread_begin) ar->thread_begin();
+        /* units are taken as threads come free: a thread that other processes
+         * hold up leaves its remaining units to the others */
+#pragma omp for schedule(dynamic, 1) nowait
+        for (long u = 0; u < nunits; u++) {
+            long ip0, ip1, jp0, jp1;
+            split_range(mt, (int)ur, (int)(u / uc), &ip0, &ip1);
+            split_range(nt, (int)uc, (int)(u % uc), &jp0, &jp1);
+            long i1 = ip1 * ar->mr < M ? ip1 * ar->mr : M, j1 = jp1 * ar->nr < N ? jp1 * ar->nr : N;
+            gemm_rect(&g, &ws, ip0 * ar->mr, i1, jp0 * ar->nr, j1);
+        }
+        if (ar->thread_end) ar->thread_end();
+        free(ca.p);
+        free(ca.done);
+        free(cb.p);
+        free(cb.done);
+        free(ws.Ap);
+        free(ws.Bp);
         KERN_TRACE_EXIT(kt_);
     }
 }
