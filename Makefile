@@ -57,7 +57,7 @@ PY      := .venv/bin/python
 # printed again at the end): the suite has a time budget and this says where it goes.
 T       := bash scripts/timed.sh
 
-.PHONY: all setup test test-c test-py test-aarch64 test-bins sanitize fuzz fuzz-short fuzz-long run bench clean
+.PHONY: all setup test test-c test-py test-py-passes test-py-all test-aarch64 test-bins sanitize fuzz fuzz-short fuzz-long run bench clean
 all: $(BUILD)/ctitan $(BUILD)/libctitan.so
 
 $(BUILD)/obj/%.o: %.c
@@ -100,11 +100,18 @@ test-bins: $(TESTS) $(BUILD)/ctitan
 # kernels ~10x slower, and the edges it must see stay) and the CLI tests again under AddressSanitizer and UBSan,
 # in their own build tree: any report ends the process with an error (UBSan does not recover)
 # and the CLI test fixture fails a test whose ctitan printed one (tests/py/conftest.py).
-# LeakSanitizer reads tests/lsan.supp (Open MPI's and OpenBLAS's own allocations at start-up;
-# a full unwind so that their frames are seen through plugins without frame pointers).
+# LeakSanitizer reads tests/lsan.supp (Open MPI's and OpenBLAS's own allocations at start-up).
+# The ranks mpirun starts unwind every malloc's stack in full (fast_unwind_on_malloc=0, passed
+# to them by Open MPI's mca_base_env_list), so that the suppressions see MPI_Init's frames
+# through plugins built without frame pointers and unloaded by exit. Every other process
+# keeps ASan's fast frame-pointer unwind: the full one costs ~10x the CPU of a CLI run that
+# parses a tokenizer (test_tokenize_cli.py: 133 s -> 11 s CPU), and no process without MPI
+# needed it (the C tests and the CLI tests pass with it; cairo's and OpenBLAS's allocations
+# are still seen in their libraries). What LSan finds is the same: the unwind only decides
+# which frames a report, and so a suppression, sees.
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined
-SAN_ENV   := ASAN_OPTIONS=fast_unwind_on_malloc=0 LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
-             UBSAN_OPTIONS=print_stacktrace=1
+SAN_ENV   := ASAN_OPTIONS=fast_unwind_on_malloc=1 LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
+             UBSAN_OPTIONS=print_stacktrace=1 OMPI_MCA_mca_base_env_list=ASAN_OPTIONS=fast_unwind_on_malloc=0
 # The tests that drive only the CLI (a sanitized libctitan cannot be loaded into Python)
 # and the masked-loss runs under mpirun (DP, FSDP, TP); not the memory figures of the dry-run
 # tests, which ASan's shadow memory and redzones inflate.
@@ -176,8 +183,13 @@ LOWER_ISAS := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && grep -qw avx
               $(shell grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null && echo avx512)
 
 # Parity against transformers once more with every op on its reference kernel, and
-# with the kernels limited to each lower instruction-set level this CPU can run.
-test-py: all
+# with the kernels limited to each lower instruction-set level this CPU can run
+# (test-py-passes), then the whole suite (test-py-all; PY_ALL_FILES: which files).
+# make test runs the two as lanes of their own, and the whole suite as two pytest runs
+# (PY_ALL_A, PY_ALL_B: the test files by name, about half of its CPU each).
+test-py: test-py-passes test-py-all
+
+test-py-passes: all
 	CTITAN_TEST_KERNELS=$(REF_KERNELS) $(T) py-parity-ref $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS)
 	@for isa in $(LOWER_ISAS); do echo "parity with CTITAN_ISA=$$isa"; \
 	  CTITAN_ISA=$$isa $(T) py-parity-$$isa $(PY) -m pytest -q -p no:cacheprovider $(PARITY_TESTS) || exit 1; done
@@ -186,7 +198,11 @@ test-py: all
 	@echo "parity with the kernels chosen by timing (the rest of the suite runs with CTITAN_KERNEL_TUNE=0)"
 	CTITAN_KERNEL_TUNE=1 $(T) py-parity-tune $(PY) -m pytest -q -p no:cacheprovider tests/py/test_parity.py \
 	  tests/py/test_families.py::test_logits_loss_grads
-	$(T) py-all $(PY) -m pytest -q --durations=30 $(PY_ALL_IGNORE) tests/py
+
+PY_ALL_FILES ?= tests/py
+PY_ALL_LABEL ?= py-all
+test-py-all: all
+	$(T) $(PY_ALL_LABEL) $(PY) -m pytest -q --durations=30 $(PY_ALL_IGNORE) $(PY_ALL_FILES)
 
 # The tests' OpenMP threads sleep when they wait for work (OMP_WAIT_POLICY=passive) instead of
 # spinning (libgomp's default, and torch's): the tests run thousands of tiny parallel regions
@@ -196,23 +212,31 @@ test-py: all
 # and test_train_loop + test_resume 38 -> 13 CPU s, 273 -> 66 s wall; torch-bound pytest files
 # unchanged. Same threads, same code paths, same results; only how an idle thread waits.
 # Not for `make run` or bench.
-test test-c test-py test-aarch64 sanitize fuzz-short: export OMP_WAIT_POLICY ?= passive
+test test-c test-py test-py-passes test-py-all test-aarch64 sanitize fuzz-short: export OMP_WAIT_POLICY ?= passive
 
 # The builds of make test (build, build/san, build/fuzz, build/aarch64) on every core: `make test`
-# alone (.ci/run) compiled one file at a time. After the first build and its C tests, four
-# lanes run side by side (scripts/lanes.sh says why): the pytest passes, the two multi-rank
-# pytest files that are a third of the suite's time (PY_DIST_TESTS: mpirun at 2 and 4 ranks
-# of the debug models), the sanitized build then the fuzzers, and the aarch64 build under
-# qemu. Each lane's log is printed whole when it ends; build/test-times.txt has each part's
-# wall and CPU time.
+# alone (.ci/run) compiled one file at a time. After the first build (the library, ctitan and
+# the C test binaries) the parts run as lanes side by side (scripts/lanes.sh says why): the C
+# tests and `kernels check`, the pytest parity passes, the rest of the pytest suite in two
+# halves, the two multi-rank pytest files that are a third of the suite's time (PY_DIST_TESTS:
+# mpirun at 2 and 4 ranks of the debug models), the sanitized build then the fuzzers, and the
+# aarch64 build under qemu. The lanes are CPU-bound on 2 cores, so the fewer CPU seconds, the
+# sooner; but one long serial lane would end last alone on one core: the C tests (one binary
+# at a time) no longer hold the other lanes back, and the suite's ~380 CPU s are two lanes.
+# Each lane's log is printed whole when it ends; build/test-times.txt has each part's wall
+# and CPU time.
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 PY_DIST_TESTS := tests/py/test_dist_debugmodel.py tests/py/test_dist.py
+PY_ALL_A := $(filter-out $(PY_DIST_TESTS),$(wildcard tests/py/test_[a-k]*.py))
+PY_ALL_B := $(filter-out $(PY_DIST_TESTS) $(PY_ALL_A),$(wildcard tests/py/test_*.py))
 test: setup
 	@mkdir -p build && rm -f build/test-times.txt
-	@$(T) build+test-c $(MAKE) --no-print-directory -j$(TEST_JOBS) all test-c
+	@$(T) build $(MAKE) --no-print-directory -j$(TEST_JOBS) all test-bins
 	@$(T) lanes bash scripts/lanes.sh \
-	  "test-py=$(T) test-py $(MAKE) --no-print-directory -j$(TEST_JOBS) test-py \
-	     PY_ALL_IGNORE='$(addprefix --ignore=,$(PY_DIST_TESTS))'" \
+	  "test-c=$(T) test-c $(MAKE) --no-print-directory test-c" \
+	  "py-passes=$(T) py-passes $(MAKE) --no-print-directory test-py-passes" \
+	  "py-all-a=$(MAKE) --no-print-directory test-py-all PY_ALL_LABEL=py-all-a PY_ALL_FILES='$(PY_ALL_A)'" \
+	  "py-all-b=$(MAKE) --no-print-directory test-py-all PY_ALL_LABEL=py-all-b PY_ALL_FILES='$(PY_ALL_B)'" \
 	  "py-dist=$(T) py-dist $(PY) -m pytest -q -p no:cacheprovider --durations=10 $(PY_DIST_TESTS)" \
 	  "sanitize+fuzz=$(T) sanitize $(MAKE) --no-print-directory -j$(TEST_JOBS) sanitize && \
 	     $(T) fuzz-short $(MAKE) --no-print-directory -j$(TEST_JOBS) fuzz-short" \

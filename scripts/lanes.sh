@@ -3,10 +3,10 @@
 # log (build/lanes/NAME.log), and prints a lane's whole log, with its wall time and exit status,
 # as soon as it ends. Exits non-zero if any lane failed, after all have ended.
 #
-# Why: `make test`'s parts after the first build are independent (the aarch64 build under qemu,
-# the sanitized build, the fuzzers, the pytest passes) and none keeps two cores busy on its own:
-# qemu and the sanitized tests run mostly one thread, and the pytest passes wait on process
-# start-up and on mpirun. One after the other they took ~44 min on the 2-core CI machine; side
+# Why: `make test`'s parts after the first build are independent (the C tests, the aarch64 build
+# under qemu, the sanitized build, the fuzzers, the pytest passes) and none keeps two cores busy
+# on its own: the C tests, qemu and the sanitized tests run mostly one thread, and the pytest
+# passes wait on process start-up and on mpirun. One after the other they took ~44 min on the 2-core CI machine; side
 # by side their CPU time fits in about half of that (build/test-times.txt has both figures).
 # Whole logs, one lane at a time, keep the CI log readable.
 set -u

@@ -750,8 +750,10 @@ void lm_free(lm_model *m) {
 
 size_t lm_tensor_cols(const lm_tensor *t) { return t->ndim == 2 ? (size_t)t->shape[1] : 1; }
 
+size_t lm_block_elems = (size_t)4 << 20;
+
 size_t lm_block_rows(const lm_tensor *t) {
-    size_t r = ((size_t)4 << 20) / lm_tensor_cols(t);
+    size_t r = lm_block_elems / lm_tensor_cols(t);
     return r ? r : 1;
 }
 

@@ -525,8 +525,11 @@ typedef struct {
     void *ctx;
 } lm_sink;
 /* Rows a loader converting or generating values hands over at once: about
- * 16 MiB of fp32 (at least one row). */
+ * lm_block_elems floats (at least one row). */
 size_t lm_block_rows(const lm_tensor *t);
+/* 4 Mi (16 MiB of fp32); tests/c/test_load_rows.c lowers it under emulation so that
+ * a small embedding spans three blocks. */
+extern size_t lm_block_elems;
 /* Floats per row: shape[1], or 1 for a vector. */
 size_t lm_tensor_cols(const lm_tensor *t);
 /* The sink that copies into m's params and the given moments (NULL: none)
