@@ -89,7 +89,7 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
     int rc = 0;
     size_t most = 1;
     for (int i = 0; i < m->n_tensors; i++) {
-        size_t b = lm_block_rows(&m->tensors[i]) * lm_tensor_cols(&m->tensors[i]);
+        size_t b = lm_block_rows(m, &m->tensors[i]) * lm_tensor_cols(&m->tensors[i]);
         most = b > most ? b : most;
     }
     float *buf = ct_malloc(most * sizeof(float)); /* [block] rows converted to fp32 a block at a time */
@@ -120,7 +120,7 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
                          want);
             break;
         }
-        size_t cols = lm_tensor_cols(t), rows = t->numel / cols, step = lm_block_rows(t);
+        size_t cols = lm_tensor_cols(t), rows = t->numel / cols, step = lm_block_rows(m, t);
         size_t es = ct_dtype_size(st->dtype);
         for (size_t r0 = 0; r0 < rows && !rc; r0 += step) {
             size_t r1 = r0 + step < rows ? r0 + step : rows;

@@ -180,7 +180,7 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     size_t block = 0, slice = 0;
     for (int i = 0; i < wt.n_tensors; i++) {
         const lm_tensor *w = &wt.tensors[i], *l = &lt.tensors[i];
-        size_t b = lm_block_rows(w) * lm_tensor_cols(w);
+        size_t b = lm_block_rows(&wt, w) * lm_tensor_cols(w);
         b = b < w->numel ? b : w->numel;
         block = b > block ? b : block;
         if (lm_tensor_cols(l) < lm_tensor_cols(w) && l->numel > slice) slice = l->numel;

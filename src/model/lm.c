@@ -750,10 +750,8 @@ void lm_free(lm_model *m) {
 
 size_t lm_tensor_cols(const lm_tensor *t) { return t->ndim == 2 ? (size_t)t->shape[1] : 1; }
 
-size_t lm_block_elems = (size_t)4 << 20;
-
-size_t lm_block_rows(const lm_tensor *t) {
-    size_t r = lm_block_elems / lm_tensor_cols(t);
+size_t lm_block_rows(const lm_model *m, const lm_tensor *t) {
+    size_t r = (m->block_elems ? m->block_elems : LM_BLOCK_ELEMS) / lm_tensor_cols(t);
     return r ? r : 1;
 }
 
@@ -779,7 +777,7 @@ void lm_init_random_each(const lm_model *table, uint64_t seed, const lm_sink *s)
     size_t most = 1;
     for (int i = 0; i < table->n_tensors; i++) {
         const lm_tensor *t = &table->tensors[i];
-        size_t b = lm_block_rows(t) * lm_tensor_cols(t);
+        size_t b = lm_block_rows(table, t) * lm_tensor_cols(t);
         most = b > most ? b : most;
     }
     float *buf = ct_malloc(most * sizeof(float)); /* [block] a block of rows at a time, in table order */
@@ -790,7 +788,7 @@ void lm_init_random_each(const lm_model *table, uint64_t seed, const lm_sink *s)
         int bias = t->slot == LM_S_BQ || t->slot == LM_S_BK || t->slot == LM_S_BV || t->slot == LM_S_BO ||
                    t->slot == LM_S_BG || t->slot == LM_S_BU || t->slot == LM_S_BD;
         float vec = bias || table->cfg.norm_plus_one ? 0.0f : 1.0f;
-        size_t rows = t->numel / lm_tensor_cols(t), cols = lm_tensor_cols(t), step = lm_block_rows(t);
+        size_t rows = t->numel / lm_tensor_cols(t), cols = lm_tensor_cols(t), step = lm_block_rows(table, t);
         for (size_t r0 = 0; r0 < rows; r0 += step) { /* row-major: the same draws as one tensor at once */
             size_t r1 = r0 + step < rows ? r0 + step : rows;
             for (size_t j = 0; j < (r1 - r0) * cols; j++)

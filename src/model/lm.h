@@ -464,7 +464,12 @@ typedef struct {
      * (lm_frozen_widen) */
     uint16_t *fstore;       /* [n_store] */
     size_t n_store;
+    /* floats the loaders convert or draw at once (lm_block_rows): LM_BLOCK_ELEMS,
+     * which tests/c/test_load_rows.c lowers under emulation so that a small
+     * embedding spans three blocks */
+    size_t block_elems;
 } lm_model;
+#define LM_BLOCK_ELEMS ((size_t)4 << 20) /* 16 MiB of fp32 */
 
 /* A pipeline stage keeps one micro-batch's saved activations of a layer
  * range [l0, l1) per forward in flight (1F1B keeps up to the number of
@@ -525,11 +530,8 @@ typedef struct {
     void *ctx;
 } lm_sink;
 /* Rows a loader converting or generating values hands over at once: about
- * lm_block_elems floats (at least one row). */
-size_t lm_block_rows(const lm_tensor *t);
-/* 4 Mi (16 MiB of fp32); tests/c/test_load_rows.c lowers it under emulation so that
- * a small embedding spans three blocks. */
-extern size_t lm_block_elems;
+ * m->block_elems floats (at least one row). */
+size_t lm_block_rows(const lm_model *m, const lm_tensor *t);
 /* Floats per row: shape[1], or 1 for a vector. */
 size_t lm_tensor_cols(const lm_tensor *t);
 /* The sink that copies into m's params and the given moments (NULL: none)
