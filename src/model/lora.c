@@ -1090,14 +1090,44 @@ int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, 
     return rc;
 }
 
+/* A key of PEFT's per-expert form ("...mlp.experts.3.gate_proj.lora_A.weight"):
+ * transformers v4 held Qwen3-MoE's (and Mixtral's) experts as a list of
+ * Linears, and PEFT adapted each one. transformers v5 fuses them, PEFT 0.21
+ * adapts the fused parameters, and ctitan reads that form only; without this
+ * check the config's gate_proj would be read as a dense MLP's and the error
+ * would name a key the file never had. */
+static int per_expert_key(const char *name) {
+    const char *p = strstr(name, ".mlp.experts.");
+    if (!p) return 0;
+    p += strlen(".mlp.experts.");
+    if (*p < '0' || *p > '9') return 0;
+    while (*p >= '0' && *p <= '9') p++;
+    return *p == '.';
+}
+
 int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e) {
     char path[4200];
-    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
-    int rc = check_config(table, path, e);
-    if (rc) return rc;
     snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
     st_file *f = st_open(path, e);
     if (!f) return e ? e->code : CT_ERR_IO;
+    for (int j = 0; j < st_count(f); j++)
+        if (per_expert_key(st_get(f, j)->name)) {
+            int rc = ct_fail(e, CT_ERR_FORMAT,
+                             "%s: tensor \"%s\" is a per-expert adapter (PEFT on transformers v4's unfused experts); "
+                             "ctitan reads expert adapters in PEFT's fused form only (target_parameters "
+                             "mlp.experts.gate_up_proj / mlp.experts.down_proj, as PEFT 0.21 on transformers v5 "
+                             "saves them)",
+                             path, st_get(f, j)->name);
+            st_close(f);
+            return rc;
+        }
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    int rc = check_config(table, path, e);
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    if (rc) {
+        st_close(f);
+        return rc;
+    }
     char key[LM_NAME_MAX + 32];
     float *buf = NULL;
     for (int i = 0; i < table->n_tensors && !rc; i++) {
