@@ -57,10 +57,10 @@ static void add_tensor(lm_model *m, int *cap, const char *name, int64_t d0, int6
     m->n_params += t->numel;
 }
 
-/* Projection p's input and output widths, and its module path in a layer. */
 /* The most adapters that read one input (q, k, v): lora_fwd_n / lora_bwd_n's groups. */
 #define LM_LORA_GROUP 3
 
+/* Projection p's input and output widths, and its module path in a layer. */
 static void lora_dims(const lm_config *c, int p, int64_t *in, int64_t *out) {
     int64_t H = c->hidden, I = c->intermediate, qd = (int64_t)c->n_heads * c->head_dim;
     int64_t kvd = (int64_t)c->n_kv_heads * c->head_dim;

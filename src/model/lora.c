@@ -262,11 +262,11 @@ void lora_apply(const kern_ops *k, float *y, float *u, const float *x, const flo
 
 /* Threads for a group over n rows: one parallel region of all the
  * adapters' products, each thread on its own rows with serial products.
- * Rank-r products barely gain from the GEMM's own threads (packing a [rows,
- * K] operand costs as much as the r-wide product on it), while each of its
+ * Rank-r products gain little from the GEMM's own threads (measured ~60
+ * GFLOP/s on 2 threads: the r-wide tile is half empty), while each of its
  * parallel regions waits for every thread: on a loaded host a descheduled
- * thread costs a time slice per region, and six regions per adapter turned
- * a 4-layer LoRA step's ~170 small products into about 30% of its time.
+ * thread costs a time slice per region, and at six regions per adapter that
+ * was where a W1 LoRA step lost its time (docs/benchmarks.md, issue 13).
  * Each thread's rows stay above LORA_MIN_ROWS (well above the matmuls'
  * few-row path, GEMM_SMALL_M), so every element of u, y, du and dx is
  * summed by the same kernel in the same order whatever the thread count. */
