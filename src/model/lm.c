@@ -57,6 +57,9 @@ static void add_tensor(lm_model *m, int *cap, const char *name, int64_t d0, int6
     m->n_params += t->numel;
 }
 
+/* The most adapters that read one input (q, k, v): lora_fwd_n / lora_bwd_n's groups. */
+#define LM_LORA_GROUP 3
+
 /* Projection p's input and output widths, and its module path in a layer. */
 static void lora_dims(const lm_config *c, int p, int64_t *in, int64_t *out) {
     int64_t H = c->hidden, I = c->intermediate, qd = (int64_t)c->n_heads * c->head_dim;
@@ -484,7 +487,7 @@ static void plan_activations(lm_model *m, carver *cv) {
         m->ws.moe_dprob_all = carve(cv, (size_t)E);
     }
     if (c->lora_rank > 0) {
-        m->ws.lora_du = carve(cv, BT * (size_t)lm_lora_max_rank(c));
+        m->ws.lora_du = carve(cv, LM_LORA_GROUP * BT * (size_t)lm_lora_max_rank(c)); /* lora_bwd_n: one per adapter */
         size_t kmax = H > qd ? H : qd;
         kmax = kmax > (size_t)c->intermediate ? kmax : (size_t)c->intermediate;
         m->ws.lora_x = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
@@ -1067,6 +1070,61 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
 /* Whether projection p of layer l has an adapter (its A is bound). */
 #define LORA(w, p) ((w)->lora_a[p] != NULL)
 
+/* The adapters of projections ps[0..np) of layer l, which all read x[BT, K]
+ * (q, k, v; gate, up; or one projection), as one group: lora_fwd_group's one
+ * parallel region instead of two GEMM regions per adapter. ys, us, Ns: each
+ * one's output, u and width. With dropout in a training forward each adapter
+ * reads its own drop(x) in the one m->ws.lora_x: one at a time, as before. */
+static void lora_fwd_n(lm_model *m, int l, const lm_layer_w *w, const float *x, int BT, int K, int np, const int *ps,
+                       float *const *ys, float *const *us, const int *Ns) {
+    if (m->cfg.lora_dropout > 0 && m->lora_train) {
+        for (int j = 0; j < np; j++)
+            if (LORA(w, ps[j])) lora_fwd(m, l, ps[j], ys[j], us[j], x, w, BT, K, Ns[j]);
+        return;
+    }
+    lora_proj g[LM_LORA_GROUP];
+    int n = 0;
+    for (int j = 0; j < np && j < LM_LORA_GROUP; j++)
+        if (LORA(w, ps[j]))
+            g[n++] = (lora_proj){.A = w->lora_a[ps[j]], .B = w->lora_b[ps[j]], .y = ys[j], .u = us[j], .N = Ns[j],
+                                 .r = lm_lora_rank(&m->cfg, l, ps[j]), .scale = lm_lora_scale(&m->cfg, l, ps[j])};
+    if (!n) return;
+    int64_t t0 = PROF_T0(m->prof);
+    lora_fwd_group(&m->k, x, BT, K, g, n);
+    if (m->prof) prof_model_op(m->prof, "lora_fwd", "lora", KERN_OP_MATMUL, t0);
+}
+
+/* Their backward from dys (each one's d output): dx += their d input (NULL:
+ * nothing below wants it), and the adapters' gradients. Each keeps its own du
+ * (m->ws.lora_du holds LM_LORA_GROUP of them): dA reads it after every row is
+ * done. Dropout as lora_fwd_n. */
+static void lora_bwd_n(lm_model *m, int l, float *dx, const float *x, int BT, int K, int np, const int *ps,
+                       const float *const *dys, const int *Ns) {
+    const lm_layer_w *w = &m->w.layer[l];
+    float *const *us = m->act.layer[l].lora_u;
+    if (m->cfg.lora_dropout > 0 && m->lora_train) {
+        for (int j = 0; j < np; j++)
+            if (LORA(w, ps[j])) lora_bwd(m, l, ps[j], dx, dys[j], us[ps[j]], x, BT, K, Ns[j]);
+        return;
+    }
+    lm_layer_w *g = &m->g.layer[l];
+    size_t du_n = (size_t)BT * lm_lora_max_rank(&m->cfg);
+    lora_proj gp[LM_LORA_GROUP];
+    int n = 0;
+    for (int j = 0; j < np && j < LM_LORA_GROUP; j++) {
+        int p = ps[j];
+        if (!LORA(w, p)) continue;
+        gp[n] = (lora_proj){.A = w->lora_a[p], .B = w->lora_b[p], .u = us[p], .dy = dys[j],
+                            .du = m->ws.lora_du + n * du_n, .gA = g->lora_a[p], .gB = g->lora_b[p], .N = Ns[j],
+                            .r = lm_lora_rank(&m->cfg, l, p), .scale = lm_lora_scale(&m->cfg, l, p)};
+        n++;
+    }
+    if (!n) return;
+    int64_t t0 = PROF_T0(m->prof);
+    lora_bwd_group(&m->k, dx, x, BT, K, gp, n);
+    if (m->prof) prof_model_op(m->prof, "lora_bwd", "lora", KERN_OP_MATMUL, t0);
+}
+
 /* Expert LoRA (target_parameters, PEFT's ParamWrapper): the experts kernels
  * run on the adapted weights W + scale B A, formed per layer and pass in
  * m->ws.lora_ew [3, E, Im, H] (gate, up, down), exactly what PEFT's
@@ -1290,9 +1348,9 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         op_bias_add(a->k, w->bk, BT, kvd);
         op_bias_add(a->v, w->bv, BT, kvd);
     }
-    if (LORA(w, LM_LORA_Q)) lora_fwd(m, l, LM_LORA_Q, a->q, a->lora_u[LM_LORA_Q], xa, w, BT, H, qd);
-    if (LORA(w, LM_LORA_K)) lora_fwd(m, l, LM_LORA_K, a->k, a->lora_u[LM_LORA_K], xa, w, BT, H, kvd);
-    if (LORA(w, LM_LORA_V)) lora_fwd(m, l, LM_LORA_V, a->v, a->lora_u[LM_LORA_V], xa, w, BT, H, kvd);
+    lora_fwd_n(m, l, w, xa, BT, H, 3, (const int[]){LM_LORA_Q, LM_LORA_K, LM_LORA_V}, (float *const[]){a->q, a->k, a->v},
+               (float *const[]){a->lora_u[LM_LORA_Q], a->lora_u[LM_LORA_K], a->lora_u[LM_LORA_V]},
+               (const int[]){qd, kvd, kvd});
     /* q/k norms (per head: fused with RoPE, one pass) then RoPE */
     qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
@@ -1303,14 +1361,14 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     if (w->ln_ao) { /* res_mid = res + norm(o_proj(att)) */
         proj_reduced(m, a->ao, a->att, w->wo, w->bo, BT, qd, H);
         WIDE_OUT(w->wo, (size_t)H * qd);
-        if (LORA(w, LM_LORA_O)) lora_fwd(m, l, LM_LORA_O, a->ao, a->lora_u[LM_LORA_O], a->att, w, BT, qd, H);
+        lora_fwd_n(m, l, w, a->att, BT, qd, 1, (const int[]){LM_LORA_O}, &a->ao, &a->lora_u[LM_LORA_O], &H);
         K(RMSNORM, rmsnorm_fwd, a->res_mid, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
         K(ADD, add, a->res_mid, a->res_mid, a->res, (long)n);
     } else { /* res_mid = res + o_proj(att) */
         residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H);
         WIDE_OUT(w->wo, (size_t)H * qd);
         if (w->bo) op_bias_add(a->res_mid, w->bo, BT, H);
-        if (LORA(w, LM_LORA_O)) lora_fwd(m, l, LM_LORA_O, a->res_mid, a->lora_u[LM_LORA_O], a->att, w, BT, qd, H);
+        lora_fwd_n(m, l, w, a->att, BT, qd, 1, (const int[]){LM_LORA_O}, &a->res_mid, &a->lora_u[LM_LORA_O], &H);
     }
     /* MLP block */
     if (w->ln2) K(RMSNORM, rmsnorm_fwd, a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BT, H, eps);
@@ -1359,16 +1417,14 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         op_bias_add(a->gate, w->bg, BT, I);
         op_bias_add(a->up, w->bu, BT, I);
     }
-    if (LORA(w, LM_LORA_GATE))
-        lora_fwd(m, l, LM_LORA_GATE, a->gate, a->lora_u[LM_LORA_GATE], xm, w, BT, H, I);
-    if (LORA(w, LM_LORA_UP)) lora_fwd(m, l, LM_LORA_UP, a->up, a->lora_u[LM_LORA_UP], xm, w, BT, H, I);
+    lora_fwd_n(m, l, w, xm, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP}, (float *const[]){a->gate, a->up},
+               (float *const[]){a->lora_u[LM_LORA_GATE], a->lora_u[LM_LORA_UP]}, (const int[]){I, I});
     glu_fwd(m, a->h, a->gate, a->up, BT * I);
     if (w->ln_mo) { /* res_next = res_mid + norm(down(h)); a recomputation needs mo and its rstd */
         WIDE_IN(w->wd, (size_t)H * I);
         proj_reduced(m, a->mo, a->h, w->wd, w->bd, BT, I, H);
         WIDE_OUT(w->wd, (size_t)H * I);
-        if (LORA(w, LM_LORA_DOWN))
-            lora_fwd(m, l, LM_LORA_DOWN, a->mo, a->lora_u[LM_LORA_DOWN], a->h, w, BT, I, H);
+        lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &a->mo, &a->lora_u[LM_LORA_DOWN], &H);
         float *y = res_next ? res_next : m->ws.d_ln; /* d_ln: free scratch before this layer's backward */
         K(RMSNORM, rmsnorm_fwd, y, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
         if (res_next) K(ADD, add, res_next, res_next, a->res_mid, (long)n);
@@ -1379,8 +1435,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     residual_matmul(m, res_next, a->res_mid, a->h, w->wd, BT, I, H);
     WIDE_OUT(w->wd, (size_t)H * I);
     if (w->bd) op_bias_add(res_next, w->bd, BT, H);
-    if (LORA(w, LM_LORA_DOWN))
-        lora_fwd(m, l, LM_LORA_DOWN, res_next, a->lora_u[LM_LORA_DOWN], a->h, w, BT, I, H);
+    lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &res_next, &a->lora_u[LM_LORA_DOWN], &H);
 }
 
 static void layer_forward(lm_model *m, lm_layer_acts *a, const lm_layer_w *w, float *res_next, int B, int T) {
@@ -1879,7 +1934,7 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
     WIDE_IN(w, (size_t)H * K);
     K(MATMUL, matmul_bwd, din, gw, dy, in, w, BT, K, H);
     WIDE_OUT(w, (size_t)H * K);
-    if (LORA(&m->w.layer[l], p)) lora_bwd(m, l, p, din, dy, m->act.layer[l].lora_u[p], in, BT, K, H);
+    lora_bwd_n(m, l, din, in, BT, K, 1, &p, &dy, &H);
 }
 
 /* The fused lm_head + cross-entropy + their backward over m->act.lnf, a block
@@ -1939,10 +1994,8 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
         WIDE_IN(w->wu, (size_t)I * H);
         K(MATMUL, matmul_bwd, m->ws.d_ln, g->wu, m->ws.d_up, xm, w->wu, BT, H, I);
         WIDE_OUT(w->wu, (size_t)I * H);
-        if (LORA(w, LM_LORA_GATE))
-            lora_bwd(m, l, LM_LORA_GATE, m->ws.d_ln, m->ws.d_gate, a->lora_u[LM_LORA_GATE], xm, BT, H, I);
-        if (LORA(w, LM_LORA_UP))
-            lora_bwd(m, l, LM_LORA_UP, m->ws.d_ln, m->ws.d_up, a->lora_u[LM_LORA_UP], xm, BT, H, I);
+        lora_bwd_n(m, l, m->ws.d_ln, xm, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP},
+                   (const float *const[]){m->ws.d_gate, m->ws.d_up}, (const int[]){I, I});
         reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
     }
     if (w->ln2) K(RMSNORM, rmsnorm_bwd, m->ws.d_res, g->ln2, m->ws.d_ln, a->res_mid, nw(m, w->ln2, H), a->ln2_rstd, BT, H);
@@ -1971,9 +2024,8 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     K(MATMUL, matmul_bwd, dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd);
     K(MATMUL, matmul_bwd, dln, g->wv, m->ws.d_v, xa, w->wv, BT, H, kvd);
     WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-    if (LORA(w, LM_LORA_Q)) lora_bwd(m, l, LM_LORA_Q, dln, m->ws.d_q2, a->lora_u[LM_LORA_Q], xa, BT, H, qd);
-    if (LORA(w, LM_LORA_K)) lora_bwd(m, l, LM_LORA_K, dln, m->ws.d_k2, a->lora_u[LM_LORA_K], xa, BT, H, kvd);
-    if (LORA(w, LM_LORA_V)) lora_bwd(m, l, LM_LORA_V, dln, m->ws.d_v, a->lora_u[LM_LORA_V], xa, BT, H, kvd);
+    lora_bwd_n(m, l, dln, xa, BT, H, 3, (const int[]){LM_LORA_Q, LM_LORA_K, LM_LORA_V},
+               (const float *const[]){m->ws.d_q2, m->ws.d_k2, m->ws.d_v}, (const int[]){qd, kvd, kvd});
     if (dln) {
         reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
         if (w->ln1) K(RMSNORM, rmsnorm_bwd, m->ws.d_res, g->ln1, m->ws.d_ln, a->res, nw(m, w->ln1, H), a->ln1_rstd, BT, H);

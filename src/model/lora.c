@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fnmatch.h>
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -255,9 +256,135 @@ int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_sa
 
 void lora_apply(const kern_ops *k, float *y, float *u, const float *x, const float *A, const float *B, int n, int K,
                 int N, int r, float scale) {
-    k->matmul_fwd(u, x, A, n, K, r, 0);
-    for (size_t i = 0; i < (size_t)n * r; i++) u[i] *= scale;
-    k->matmul_fwd(y, u, B, n, r, N, 1);
+    lora_proj p = {.A = A, .B = B, .y = y, .u = u, .N = N, .r = r, .scale = scale};
+    lora_fwd_group(k, x, n, K, &p, 1);
+}
+
+/* Threads for a group over n rows: one parallel region of all the
+ * adapters' products, each thread on its own rows with serial products.
+ * Rank-r products gain little from the GEMM's own threads (measured ~60
+ * GFLOP/s on 2 threads: the r-wide tile is half empty), while each of its
+ * parallel regions waits for every thread: on a loaded host a descheduled
+ * thread costs a time slice per region, and at six regions per adapter that
+ * was where a W1 LoRA step lost its time (docs/benchmarks.md, issue 13).
+ * Each thread's rows stay above LORA_MIN_ROWS (well above the matmuls'
+ * few-row path, GEMM_SMALL_M), so every element of u, y, du and dx is
+ * summed by the same kernel in the same order whatever the thread count. */
+#define LORA_MIN_ROWS 32
+static int lora_threads(int n) {
+    if (omp_in_parallel()) return 1;
+    int t = omp_get_max_threads();
+    while (t > 1 && n / t < LORA_MIN_ROWS) t--;
+    return t;
+}
+
+static void fwd_rows(const kern_ops *k, const float *x, int K, const lora_proj *p, long i0, long i1) {
+    int n = (int)(i1 - i0), r = p->r;
+    if (n <= 0) return;
+    float *u = p->u + i0 * r;
+    k->matmul_fwd(u, x + i0 * K, p->A, n, K, r, 0);
+    for (long i = 0; i < (long)n * r; i++) u[i] *= p->scale;
+    k->matmul_fwd(p->y + i0 * p->N, u, p->B, n, r, p->N, 1);
+}
+
+void lora_fwd_group(const kern_ops *k, const float *x, int n, int K, const lora_proj *p, int np) {
+    int T = lora_threads(n);
+    if (T <= 1) {
+        for (int j = 0; j < np; j++) fwd_rows(k, x, K, &p[j], 0, n);
+        return;
+    }
+    kern_trace *kt_ = kern_trace_armed(); /* the kernels inside, nested, do not stamp: this region does */
+#pragma omp parallel num_threads(T)
+    {
+        KERN_TRACE_ENTER(kt_);
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long i0 = (long)n * t / nt, i1 = (long)n * (t + 1) / nt;
+        for (int j = 0; j < np; j++) fwd_rows(k, x, K, &p[j], i0, i1);
+        KERN_TRACE_EXIT(kt_);
+    }
+}
+
+/* du = scale dy B and dx += du A on rows [i0, i1) (du's rows zeroed first:
+ * matmul_bwd adds). */
+static void bwd_rows(const kern_ops *k, float *dx, int K, const lora_proj *p, long i0, long i1) {
+    int n = (int)(i1 - i0), r = p->r;
+    if (n <= 0) return;
+    float *du = p->du + i0 * r;
+    memset(du, 0, (size_t)n * r * sizeof(float));
+    k->matmul_bwd(du, NULL, p->dy + i0 * p->N, NULL, p->B, n, r, p->N);
+    for (long i = 0; i < (long)n * r; i++) du[i] *= p->scale;
+    if (dx) k->matmul_bwd(dx + i0 * K, NULL, du, NULL, p->A, n, K, r);
+}
+
+/* The weight gradients, whole products over all n rows: item 2 j is dB of
+ * p[j] (dB += dy^T u), 2 j + 1 its dA (dA += du^T x). */
+static void bwd_weight(const kern_ops *k, const float *x, int n, int K, const lora_proj *p, int item) {
+    const lora_proj *q = &p[item / 2];
+    if (item % 2 == 0) k->matmul_bwd(NULL, q->gB, q->dy, q->u, q->B, n, q->r, q->N);
+    else k->matmul_bwd(NULL, q->gA, q->du, x, q->A, n, K, q->r);
+}
+
+#define LORA_GROUP_MAX 4
+void lora_bwd_group(const kern_ops *k, float *dx, const float *x, int n, int K, const lora_proj *p, int np) {
+    int T = lora_threads(n);
+    if (T <= 1 || np > LORA_GROUP_MAX) {
+        for (int j = 0; j < np; j++) {
+            bwd_rows(k, dx, K, &p[j], 0, n);
+            if (p[j].gB) bwd_weight(k, x, n, K, p, 2 * j);
+            if (p[j].gA) bwd_weight(k, x, n, K, p, 2 * j + 1);
+        }
+        return;
+    }
+    /* Each weight gradient is one whole product by one thread, so it sums
+     * as the GEMM alone would; products into the same buffer (a fused qkv
+     * adapter's shared A) go to one thread in the order above, so their
+     * sum keeps it too. Owners: longest first onto the least loaded. */
+    int owner[2 * LORA_GROUP_MAX], ni = 2 * np;
+    double cost[2 * LORA_GROUP_MAX], load[64] = {0};
+    if (T > 64) T = 64;
+    for (int i = 0; i < ni; i++) {
+        const lora_proj *q = &p[i / 2];
+        const float *dst = i % 2 ? q->gA : q->gB;
+        owner[i] = dst ? -1 : -2; /* -2: frozen, nothing to do */
+        cost[i] = 0;
+        if (!dst) continue;
+        for (int h = 0; h < i; h++) /* joins the first item writing the same buffer */
+            if (owner[h] != -2 && (h % 2 ? p[h / 2].gA : p[h / 2].gB) == dst) {
+                owner[i] = -3 - h;
+                break;
+            }
+        if (owner[i] == -1) cost[i] = (double)(i % 2 ? K : q->N) * q->r;
+        else cost[-3 - owner[i]] += (double)(i % 2 ? K : q->N) * q->r;
+    }
+    for (;;) {
+        int best = -1;
+        for (int i = 0; i < ni; i++)
+            if (owner[i] == -1 && (best < 0 || cost[i] > cost[best])) best = i;
+        if (best < 0) break;
+        int t = 0;
+        for (int h = 1; h < T; h++)
+            if (load[h] < load[t]) t = h;
+        owner[best] = t;
+        load[t] += cost[best];
+    }
+    for (int i = 0; i < ni; i++)
+        if (owner[i] <= -3) owner[i] = owner[-3 - owner[i]];
+    int any = 0;
+    for (int i = 0; i < ni; i++) any |= owner[i] >= 0;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel num_threads(T)
+    {
+        KERN_TRACE_ENTER(kt_);
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long i0 = (long)n * t / nt, i1 = (long)n * (t + 1) / nt;
+        for (int j = 0; j < np; j++) bwd_rows(k, dx, K, &p[j], i0, i1);
+        if (any) {
+#pragma omp barrier /* dA reads every row of du */
+            for (int i = 0; i < ni; i++)
+                if (owner[i] >= 0 && (nt == T ? owner[i] == t : t == 0)) bwd_weight(k, x, n, K, p, i);
+        }
+        KERN_TRACE_EXIT(kt_);
+    }
 }
 
 void lora_init_each(const lm_model *table, uint64_t seed, const lm_sink *s) {
@@ -969,14 +1096,44 @@ int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, 
     return rc;
 }
 
+/* A key of PEFT's per-expert form ("...mlp.experts.3.gate_proj.lora_A.weight"):
+ * transformers v4 held Qwen3-MoE's (and Mixtral's) experts as a list of
+ * Linears, and PEFT adapted each one. transformers v5 fuses them, PEFT 0.21
+ * adapts the fused parameters, and ctitan reads that form only; without this
+ * check the config's gate_proj would be read as a dense MLP's and the error
+ * would name a key the file never had. */
+static int per_expert_key(const char *name) {
+    const char *p = strstr(name, ".mlp.experts.");
+    if (!p) return 0;
+    p += strlen(".mlp.experts.");
+    if (*p < '0' || *p > '9') return 0;
+    while (*p >= '0' && *p <= '9') p++;
+    return *p == '.';
+}
+
 int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e) {
     char path[4200];
-    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
-    int rc = check_config(table, path, e);
-    if (rc) return rc;
     snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
     st_file *f = st_open(path, e);
     if (!f) return e ? e->code : CT_ERR_IO;
+    for (int j = 0; j < st_count(f); j++)
+        if (per_expert_key(st_get(f, j)->name)) {
+            int rc = ct_fail(e, CT_ERR_FORMAT,
+                             "%s: tensor \"%s\" is a per-expert adapter (PEFT on transformers v4's unfused experts); "
+                             "ctitan reads expert adapters in PEFT's fused form only (target_parameters "
+                             "mlp.experts.gate_up_proj / mlp.experts.down_proj, as PEFT 0.21 on transformers v5 "
+                             "saves them)",
+                             path, st_get(f, j)->name);
+            st_close(f);
+            return rc;
+        }
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    int rc = check_config(table, path, e);
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    if (rc) {
+        st_close(f);
+        return rc;
+    }
     char key[LM_NAME_MAX + 32];
     float *buf = NULL;
     for (int i = 0; i < table->n_tensors && !rc; i++) {

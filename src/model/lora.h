@@ -116,9 +116,33 @@ int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_sa
 
 /* y[n, N] += B (scale A x[n, K]): the adapter branch beside a linear, with
  * A [r, K], B [N, r]; u[n, r] receives scale A x (the backward's input for
- * B). The training forward (lm.c, after dropout) and generation share it. */
+ * B). lora_fwd_group with one adapter. */
 void lora_apply(const kern_ops *k, float *y, float *u, const float *x, const float *A, const float *B, int n, int K,
                 int N, int r, float scale);
+
+/* One adapter of a group that reads the same input x[n, K] (q, k, v; gate,
+ * up; or one projection alone). */
+typedef struct {
+    const float *A, *B; /* A [r, K], B [N, r] */
+    float *y;           /* forward: y[n, N] += B u */
+    float *u;           /* [n, r]: scale A x; written by the forward, read by the backward */
+    const float *dy;    /* backward: d y [n, N] */
+    float *du;          /* backward scratch [n, r], one per adapter of the group */
+    float *gA, *gB;     /* backward: dA, dB accumulated (NULL: frozen) */
+    int N, r;
+    float scale;
+} lora_proj;
+
+/* The forwards of np adapters on x, in one parallel region (threads split
+ * the rows; see lora.c for why). Adapters may share u (each thread writes
+ * and reads back its own rows in turn). Per element the same sums as
+ * lora_apply on each, in order, for any thread count. */
+void lora_fwd_group(const kern_ops *k, const float *x, int n, int K, const lora_proj *p, int np);
+/* Their backward: du = scale dy B, dx[n, K] += du A (dx NULL: nothing below
+ * wants it; adapters in order, so dx sums as one adapter after the other),
+ * then dB += dy^T u and dA += du^T x, each by one thread (gradients that share
+ * a buffer by the same one, in order). One parallel region, one barrier. */
+void lora_bwd_group(const kern_ops *k, float *dx, const float *x, int n, int K, const lora_proj *p, int np);
 
 /* PEFT's fresh adapters, tensor by tensor into s (LM_PARAMS): A as
  * nn.Linear's default kaiming_uniform(a = sqrt(5)), i.e. uniform in

@@ -279,7 +279,8 @@ def test_model_code_worker_spans(tmp_path, run_ctitan):
     zeroing a layer's gradient scratch and the gradient norm, each an op span of impl
     "model" with a worker span per thread inside it; with LoRA dropout, the dropout mask's
     forward and backward loops. The model is just large enough for those loops to go
-    parallel (a layer's scratch of 2^18 floats, the norm's groups of 4 x 2^16 gradients)."""
+    parallel (a layer's scratch of 2^18 floats, the norm's groups of 4 x 2^16 gradients);
+    without dropout, the LoRA group's own region (lora_fwd / lora_bwd: 128 rows, 64 per thread)."""
     import oracle
     cfg = oracle.tiny_config(vocab=128, hidden=64, inter=1536, layers=1, heads=4, kv_heads=2, head_dim=16)
     model, data = tmp_path / "model", tmp_path / "d.bin"
@@ -291,17 +292,22 @@ def test_model_code_worker_spans(tmp_path, run_ctitan):
             "--profiling.profile_freq=2"]
     runs = {"full": ([], {"zero_layer_scratch", "grad_norm"}),
             "lora": (["--lora.rank=4", "--lora.alpha=8", "--lora.dropout=0.25", "--lora.target_modules=q_proj,up_proj"],
-                     {"lora_dropout_fwd", "lora_dropout_bwd"})}
+                     {"lora_dropout_fwd", "lora_dropout_bwd"}),
+            # without dropout the adapters of one input run as a group in one region (model/lora.h)
+            "lora-group": (["--lora.rank=4", "--lora.alpha=8", "--lora.target_modules=q_proj,k_proj,up_proj"],
+                           {"lora_fwd", "lora_bwd"})}
     for name, (flags, want) in runs.items():
         out = tmp_path / name
-        run_ctitan(base + [f"--job.dump_folder={out}"] + flags)
+        _, _, err = run_ctitan(base + [f"--job.dump_folder={out}"] + flags)
         trace = load(out / "profile_trace" / "iteration_2" / "rank0_trace.json")
         validate(trace)
         check_nesting(trace)
         tids = check_worker_spans(trace, 0)
         ops = [e for e in spans(trace, "op") if e["name"] in want]
         assert {e["name"] for e in ops} == want, (name, sorted({e["name"] for e in spans(trace, "op")}))
-        assert all(e["args"]["impl"] == "model" for e in ops), ops
+        for e in ops:  # the group's products run the matmul kernel, nested in its region
+            assert e["args"]["impl"] == ("model" if "dropout" in e["name"] or name == "full"
+                                         else f"matmul:{kernels_line(err)['matmul']}"), e
         for n in want:  # every thread of the loop has its share under the op
             got = {w["tid"] for w in spans(trace, "thread") if w["name"] == n}
             assert got == tids, (name, n, got, tids)
