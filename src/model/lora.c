@@ -1085,30 +1085,66 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
     return rc;
 }
 
-int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, ct_err *e) {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
-    cJSON *o = json_parse_file(path, 0, e);
-    if (!o) return e ? e->code : CT_ERR_FORMAT;
-    int rc = cJSON_IsObject(o) ? read_adapter(o, c, alpha, rslora, path, e)
-                               : ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
-    cJSON_Delete(o);
-    return rc;
-}
-
-/* A key of PEFT's per-expert form ("...mlp.experts.3.gate_proj.lora_A.weight"):
+/* A key of PEFT's per-expert form ("...mlp.experts.3.gate_proj.lora_A.weight",
+ * Mixtral's "...block_sparse_moe.experts.3.w1.lora_A.weight"):
  * transformers v4 held Qwen3-MoE's (and Mixtral's) experts as a list of
  * Linears, and PEFT adapted each one. transformers v5 fuses them, PEFT 0.21
  * adapts the fused parameters, and ctitan reads that form only; without this
  * check the config's gate_proj would be read as a dense MLP's and the error
  * would name a key the file never had. */
 static int per_expert_key(const char *name) {
-    const char *p = strstr(name, ".mlp.experts.");
-    if (!p) return 0;
-    p += strlen(".mlp.experts.");
-    if (*p < '0' || *p > '9') return 0;
-    while (*p >= '0' && *p <= '9') p++;
-    return *p == '.';
+    /* Qwen3-MoE's v4 module path, and Mixtral's (block_sparse_moe.experts.N.w1 / w2 / w3) */
+    static const char *const lists[] = {".mlp.experts.", ".block_sparse_moe.experts."};
+    for (size_t i = 0; i < sizeof lists / sizeof *lists; i++) {
+        const char *p = strstr(name, lists[i]);
+        if (!p) continue;
+        p += strlen(lists[i]);
+        if (*p < '0' || *p > '9') continue;
+        while (*p >= '0' && *p <= '9') p++;
+        if (*p == '.') return 1;
+    }
+    return 0;
+}
+
+/* The refusal of a per-expert adapter file f (at path), naming its first such key. */
+static int refuse_per_expert(st_file *f, const char *path, ct_err *e) {
+    for (int j = 0; j < st_count(f); j++)
+        if (per_expert_key(st_get(f, j)->name))
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "%s: tensor \"%s\" is a per-expert adapter (PEFT on transformers v4's unfused experts); "
+                           "ctitan reads expert adapters in PEFT's fused form only (target_parameters "
+                           "mlp.experts.gate_up_proj / mlp.experts.down_proj, as PEFT 0.21 on transformers v5 "
+                           "saves them)",
+                           path, st_get(f, j)->name);
+    return 0;
+}
+
+/* The same, before the adapter's config is read: such a config names modules
+ * (Mixtral's w1, w2, w3) that would otherwise be refused first, as targets
+ * ctitan does not adapt, which hides what the file is. A file that cannot be
+ * opened is left to the loader, which says so. */
+static int refuse_per_expert_dir(const char *dir, ct_err *e) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    ct_err quiet = {0};
+    st_file *f = st_open(path, &quiet);
+    if (!f) return 0;
+    int rc = refuse_per_expert(f, path, e);
+    st_close(f);
+    return rc;
+}
+
+int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, ct_err *e) {
+    int rc = refuse_per_expert_dir(dir, e);
+    if (rc) return rc;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    cJSON *o = json_parse_file(path, 0, e);
+    if (!o) return e ? e->code : CT_ERR_FORMAT;
+    rc = cJSON_IsObject(o) ? read_adapter(o, c, alpha, rslora, path, e)
+                               : ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
+    cJSON_Delete(o);
+    return rc;
 }
 
 int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e) {
@@ -1116,17 +1152,10 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
     snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
     st_file *f = st_open(path, e);
     if (!f) return e ? e->code : CT_ERR_IO;
-    for (int j = 0; j < st_count(f); j++)
-        if (per_expert_key(st_get(f, j)->name)) {
-            int rc = ct_fail(e, CT_ERR_FORMAT,
-                             "%s: tensor \"%s\" is a per-expert adapter (PEFT on transformers v4's unfused experts); "
-                             "ctitan reads expert adapters in PEFT's fused form only (target_parameters "
-                             "mlp.experts.gate_up_proj / mlp.experts.down_proj, as PEFT 0.21 on transformers v5 "
-                             "saves them)",
-                             path, st_get(f, j)->name);
-            st_close(f);
-            return rc;
-        }
+    if (refuse_per_expert(f, path, e)) {
+        st_close(f);
+        return e ? e->code : CT_ERR_FORMAT;
+    }
     snprintf(path, sizeof path, "%s/adapter_config.json", dir);
     int rc = check_config(table, path, e);
     snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);

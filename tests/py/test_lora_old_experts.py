@@ -80,3 +80,40 @@ def test_per_expert_adapter_refused_in_training(tmp_path, open_session):
         f"--lora.rank={R}", f"--lora.alpha={ALPHA}", "--lora.target_modules=q_proj,gate_proj,up_proj,down_proj",
         f"--lora.adapter_path={ad}"]), tmp_path)
     assert_names_per_expert_key(msg)
+
+
+def test_mixtral_per_expert_adapter_refused_naming_key(tmp_path, run_ctitan):
+    """Mixtral under transformers v4 held its experts as block_sparse_moe.experts.N.w1/w2/w3
+    (transformers v5: mlp.experts, fused), so PEFT saved one adapter per expert and weight
+    there: refused the same way, naming such a key, not as a missing tensor."""
+    import oracle_families as fam
+    case = fam.CASE["mixtral_e4k2"]
+    cfg = fam.make_config(case)
+    fam.save(fam.build(case), tmp_path / "hf")
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_attention_heads * (cfg.head_dim or H // cfg.num_attention_heads)  # head_dim None: H / heads
+    g = torch.Generator().manual_seed(1)
+    sd = {}
+
+    def put(path, out, inp):
+        sd[f"{PRE}.{path}.lora_A.weight"] = 0.1 * torch.randn(R, inp, generator=g)
+        sd[f"{PRE}.{path}.lora_B.weight"] = 0.1 * torch.randn(out, R, generator=g)
+
+    for l in range(cfg.num_hidden_layers):
+        put(f"{l}.self_attn.q_proj", q, H)
+        for e in range(cfg.num_local_experts):
+            for name, (o, i) in {"w1": (I, H), "w3": (I, H), "w2": (H, I)}.items():
+                put(f"{l}.block_sparse_moe.experts.{e}.{name}", o, i)
+    ad = tmp_path / "adapter"
+    ad.mkdir()
+    save_file(sd, str(ad / "adapter_model.safetensors"))
+    (ad / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": R, "lora_alpha": ALPHA, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "w1", "w2", "w3"], "bias": "none", "use_rslora": False,
+        "base_model_name_or_path": str(tmp_path / "hf")}))
+    rc, _, err = run_ctitan(["generate", "--checkpoint", tmp_path / "hf", "--adapter", ad, "--prompt-ids", "5 17 2",
+                             "--max-tokens", "4", "--ids"], check=False)
+    assert rc != 0, "a per-expert Mixtral adapter was accepted"
+    assert re.search(r'"base_model\.model\.model\.layers\.\d\.block_sparse_moe\.experts\.\d\.w[123]\.lora_[AB]\.weight"',
+                     err), err
+    assert "per-expert" in err and "mlp.experts.gate_up_proj" in err, err
