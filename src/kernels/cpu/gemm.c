@@ -216,6 +216,60 @@ static int choose_row_threads(const gemm_arch *ar, long M, long N, int T) {
  * together (32 MB); larger operands are split one unit per thread. */
 #define GEMM_CACHE_MAX_FLOATS (8L << 20)
 
+/* How one call splits C: ur x uc units over the mt x nt micro-tiles, blocks of
+ * mcu x ncu in a unit, and the cached operand if any (slot_a / slot_b > 0:
+ * floats per cached block of A / B, whose blocks are mcs rows / ncs columns). */
+typedef struct {
+    long ur, uc, mt, nt, nkb, kdb, mcs, ncs, mcu, ncu, slot_a, slot_b;
+} gemm_split;
+
+/* A thread's cache of blocks blocks x nkb k blocks of slot floats each. */
+static void cache_alloc(gemm_cache *c, long blocks, long nkb, long slot) {
+    c->slot = slot, c->nkb = nkb;
+    c->p = gemm_alloc((size_t)(blocks * nkb * slot));
+    c->done = calloc((size_t)(blocks * nkb), 1);
+    if (!c->done) {
+        fprintf(stderr, "ctitan: error: out of memory allocating GEMM workspace\n");
+        exit(1);
+    }
+}
+
+/* One thread's part of the call: its buffers, then, in the team of gemm_f32's
+ * region (team = 1), units taken as threads come free, so a thread that other
+ * processes hold up leaves its remaining units to the others; alone (team = 0,
+ * maybe inside someone else's region, whose team must not share this loop),
+ * the one unit, all of C. */
+static void gemm_thread(const gemm_job *g, const gemm_split *sp, int team) {
+    const gemm_arch *ar = g->ar;
+    gemm_ws ws = {.mc = sp->mcu, .nc = sp->ncu};
+    gemm_cache ca = {0}, cb = {0};
+    if (sp->slot_a) cache_alloc(&ca, ceil_div(g->M, sp->mcs), sp->nkb, sp->slot_a), ws.ca = &ca;
+    else ws.Ap = gemm_alloc((size_t)ceil_div(sp->mcu, ar->mr) * ar->mrs * sp->kdb);
+    if (sp->slot_b) cache_alloc(&cb, ceil_div(g->N, sp->ncs), sp->nkb, sp->slot_b), ws.cb = &cb;
+    else ws.Bp = gemm_alloc((size_t)ceil_div(sp->ncu, ar->nr) * ar->nr * sp->kdb);
+    if (ar->thread_begin) ar->thread_begin();
+    long nunits = sp->ur * sp->uc;
+    if (!team) {
+        gemm_rect(g, &ws, 0, g->M, 0, g->N);
+    } else {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (long u = 0; u < nunits; u++) {
+            long ip0, ip1, jp0, jp1;
+            split_range(sp->mt, (int)sp->ur, (int)(u / sp->uc), &ip0, &ip1);
+            split_range(sp->nt, (int)sp->uc, (int)(u % sp->uc), &jp0, &jp1);
+            long i1 = ip1 * ar->mr < g->M ? ip1 * ar->mr : g->M, j1 = jp1 * ar->nr < g->N ? jp1 * ar->nr : g->N;
+            gemm_rect(g, &ws, ip0 * ar->mr, i1, jp0 * ar->nr, j1);
+        }
+    }
+    if (ar->thread_end) ar->thread_end();
+    free(ca.p);
+    free(ca.done);
+    free(cb.p);
+    free(cb.done);
+    free(ws.Ap);
+    free(ws.Bp);
+}
+
 void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B, float *C, long ldc,
               int accumulate) {
     if (M <= 0 || N <= 0) return;
@@ -242,75 +296,33 @@ void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B
     int T = omp_get_max_threads();
     if (flops < GEMM_SERIAL_FLOPS || omp_in_parallel()) T = 1;
     if (T > mt * nt) T = (int)(mt * nt);
+    gemm_split sp = {.ur = 1, .uc = 1, .mt = mt, .nt = nt, .nkb = nkb, .kdb = kdb};
+    sp.mcs = balanced_block(M, ar->mc, ar->mr), sp.ncs = balanced_block(N, ar->nc, ar->nr);
     if (T <= 1) {
-        gemm_ws ws = {.mc = balanced_block(M, ar->mc, ar->mr), .nc = balanced_block(N, ar->nc, ar->nr)};
-        ws.Ap = gemm_alloc((size_t)ceil_div(ws.mc, ar->mr) * ar->mrs * kdb);
-        ws.Bp = gemm_alloc((size_t)ceil_div(ws.nc, ar->nr) * ar->nr * kdb);
-        if (ar->thread_begin) ar->thread_begin();
-        gemm_rect(&g, &ws, 0, M, 0, N); /* no parallel region for small products */
-        if (ar->thread_end) ar->thread_end();
-        free(ws.Ap);
-        free(ws.Bp);
+        sp.mcu = sp.mcs, sp.ncu = sp.ncs;
+        gemm_thread(&g, &sp, 0); /* no parallel region for small products */
         return;
     }
     int tr = choose_row_threads(ar, M, N, T), tc = T / tr;
     /* units: ur x uc rectangles of C; by default one per thread */
-    long ur = tr, uc = tc;
-    int cache_a = 0, cache_b = 0;
-    long mcs = balanced_block(M, ar->mc, ar->mr), ncs = balanced_block(N, ar->nc, ar->nr);
-    long slot_a = ceil_div(mcs, ar->mr) * ar->mrs * kdb, slot_b = ceil_div(ncs, ar->nr) * ar->nr * kdb;
-    if (tr == 1 && ceil_div(M, mcs) * nkb * slot_a * T <= GEMM_CACHE_MAX_FLOATS) {
-        uc = nt < (long)T * GEMM_UNITS_PER_THREAD ? nt : (long)T * GEMM_UNITS_PER_THREAD;
-        cache_a = 1;
-    } else if (tc == 1 && ceil_div(N, ncs) * nkb * slot_b * T <= GEMM_CACHE_MAX_FLOATS) {
-        ur = mt < (long)T * GEMM_UNITS_PER_THREAD ? mt : (long)T * GEMM_UNITS_PER_THREAD;
-        cache_b = 1;
+    sp.ur = tr, sp.uc = tc;
+    long slot_a = ceil_div(sp.mcs, ar->mr) * ar->mrs * kdb, slot_b = ceil_div(sp.ncs, ar->nr) * ar->nr * kdb;
+    if (tr == 1 && ceil_div(M, sp.mcs) * nkb * slot_a * T <= GEMM_CACHE_MAX_FLOATS) {
+        sp.uc = nt < (long)T * GEMM_UNITS_PER_THREAD ? nt : (long)T * GEMM_UNITS_PER_THREAD;
+        sp.slot_a = slot_a;
+    } else if (tc == 1 && ceil_div(N, sp.ncs) * nkb * slot_b * T <= GEMM_CACHE_MAX_FLOATS) {
+        sp.ur = mt < (long)T * GEMM_UNITS_PER_THREAD ? mt : (long)T * GEMM_UNITS_PER_THREAD;
+        sp.slot_b = slot_b;
     }
-    long nunits = ur * uc;
     /* block sizes: the shared dimension's of the whole matrix (cached blocks are
      * numbered from 0), the split one's of the largest unit */
-    long mcu = ur == 1 ? mcs : balanced_block(ceil_div(mt, ur) * ar->mr, ar->mc, ar->mr);
-    long ncu = uc == 1 ? ncs : balanced_block(ceil_div(nt, uc) * ar->nr, ar->nc, ar->nr);
+    sp.mcu = sp.ur == 1 ? sp.mcs : balanced_block(ceil_div(mt, sp.ur) * ar->mr, ar->mc, ar->mr);
+    sp.ncu = sp.uc == 1 ? sp.ncs : balanced_block(ceil_div(nt, sp.uc) * ar->nr, ar->nc, ar->nr);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel num_threads(T)
     {
         KERN_TRACE_ENTER(kt_);
-        gemm_ws ws = {.mc = mcu, .nc = ncu};
-        gemm_cache ca = {0}, cb = {0};
-        if (cache_a) {
-            ca.slot = slot_a, ca.nkb = nkb;
-            ca.p = gemm_alloc((size_t)(ceil_div(M, mcs) * nkb * slot_a));
-            ca.done = calloc((size_t)(ceil_div(M, mcs) * nkb), 1);
-            ws.ca = &ca;
-        } else ws.Ap = gemm_alloc((size_t)ceil_div(mcu, ar->mr) * ar->mrs * kdb);
-        if (cache_b) {
-            cb.slot = slot_b, cb.nkb = nkb;
-            cb.p = gemm_alloc((size_t)(ceil_div(N, ncs) * nkb * slot_b));
-            cb.done = calloc((size_t)(ceil_div(N, ncs) * nkb), 1);
-            ws.cb = &cb;
-        } else ws.Bp = gemm_alloc((size_t)ceil_div(ncu, ar->nr) * ar->nr * kdb);
-        if ((cache_a && !ca.done) || (cache_b && !cb.done)) {
-            fprintf(stderr, "ctitan: error: out of memory allocating GEMM workspace\n");
-            exit(1);
-        }
-        if (ar->thread_begin) ar->thread_begin();
-        /* units are taken as threads come free: a thread that other processes
-         * hold up leaves its remaining units to the others */
-#pragma omp for schedule(dynamic, 1) nowait
-        for (long u = 0; u < nunits; u++) {
-            long ip0, ip1, jp0, jp1;
-            split_range(mt, (int)ur, (int)(u / uc), &ip0, &ip1);
-            split_range(nt, (int)uc, (int)(u % uc), &jp0, &jp1);
-            long i1 = ip1 * ar->mr < M ? ip1 * ar->mr : M, j1 = jp1 * ar->nr < N ? jp1 * ar->nr : N;
-            gemm_rect(&g, &ws, ip0 * ar->mr, i1, jp0 * ar->nr, j1);
-        }
-        if (ar->thread_end) ar->thread_end();
-        free(ca.p);
-        free(ca.done);
-        free(cb.p);
-        free(cb.done);
-        free(ws.Ap);
-        free(ws.Bp);
+        gemm_thread(&g, &sp, 1);
         KERN_TRACE_EXIT(kt_);
     }
 }
