@@ -23,33 +23,41 @@ R, ALPHA = 4, 8
 PRE = "base_model.model.model.layers"
 
 
+class AdapterFile:
+    """A hand-written PEFT LoRA adapter: put() adds a module's A [r, in] and B [out, r] under
+    PEFT's key names, save() writes the directory as PEFT would."""
+
+    def __init__(self):
+        self.g = torch.Generator().manual_seed(1)
+        self.sd = {}
+
+    def put(self, path, out, inp):
+        self.sd[f"{PRE}.{path}.lora_A.weight"] = 0.1 * torch.randn(R, inp, generator=self.g)
+        self.sd[f"{PRE}.{path}.lora_B.weight"] = 0.1 * torch.randn(out, R, generator=self.g)
+
+    def save(self, ad, targets, base):
+        ad.mkdir()
+        save_file(self.sd, str(ad / "adapter_model.safetensors"))
+        (ad / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": R, "lora_alpha": ALPHA, "lora_dropout": 0.0,
+            "target_modules": targets, "bias": "none", "use_rslora": False, "base_model_name_or_path": str(base)}))
+        return ad
+
+
 def old_style_adapter(tmp_path):
     cfg = oracle_moe.tiny_moe_config(vocab=256, layers=2, experts=4, top_k=2, mlp_only=(0,))
     oracle_moe.build_moe_model(cfg, seed=3).save_pretrained(str(tmp_path / "hf"))
     H, I, Im, q = cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size, \
         cfg.num_attention_heads * cfg.head_dim
-    g = torch.Generator().manual_seed(1)
-    sd = {}
-
-    def put(path, out, inp):
-        sd[f"{PRE}.{path}.lora_A.weight"] = 0.1 * torch.randn(R, inp, generator=g)
-        sd[f"{PRE}.{path}.lora_B.weight"] = 0.1 * torch.randn(out, R, generator=g)
-
+    f = AdapterFile()
     for l in range(2):
-        put(f"{l}.self_attn.q_proj", q, H)
+        f.put(f"{l}.self_attn.q_proj", q, H)
     for name, (o, i) in {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}.items():
-        put(f"0.mlp.{name}", o, i)  # layer 0 is dense (mlp_only_layers)
+        f.put(f"0.mlp.{name}", o, i)  # layer 0 is dense (mlp_only_layers)
     for e in range(cfg.num_experts):
         for name, (o, i) in {"gate_proj": (Im, H), "up_proj": (Im, H), "down_proj": (H, Im)}.items():
-            put(f"1.mlp.experts.{e}.{name}", o, i)
-    ad = tmp_path / "adapter"
-    ad.mkdir()
-    save_file(sd, str(ad / "adapter_model.safetensors"))
-    (ad / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": R, "lora_alpha": ALPHA, "lora_dropout": 0.0,
-        "target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"], "bias": "none",
-        "use_rslora": False, "base_model_name_or_path": str(tmp_path / "hf")}))
-    return cfg, ad
+            f.put(f"1.mlp.experts.{e}.{name}", o, i)
+    return cfg, f.save(tmp_path / "adapter", ["q_proj", "gate_proj", "up_proj", "down_proj"], tmp_path / "hf")
 
 
 def assert_names_per_expert_key(err):
@@ -92,25 +100,13 @@ def test_mixtral_per_expert_adapter_refused_naming_key(tmp_path, run_ctitan):
     fam.save(fam.build(case), tmp_path / "hf")
     H, I = cfg.hidden_size, cfg.intermediate_size
     q = cfg.num_attention_heads * (cfg.head_dim or H // cfg.num_attention_heads)  # head_dim None: H / heads
-    g = torch.Generator().manual_seed(1)
-    sd = {}
-
-    def put(path, out, inp):
-        sd[f"{PRE}.{path}.lora_A.weight"] = 0.1 * torch.randn(R, inp, generator=g)
-        sd[f"{PRE}.{path}.lora_B.weight"] = 0.1 * torch.randn(out, R, generator=g)
-
+    f = AdapterFile()
     for l in range(cfg.num_hidden_layers):
-        put(f"{l}.self_attn.q_proj", q, H)
+        f.put(f"{l}.self_attn.q_proj", q, H)
         for e in range(cfg.num_local_experts):
             for name, (o, i) in {"w1": (I, H), "w3": (I, H), "w2": (H, I)}.items():
-                put(f"{l}.block_sparse_moe.experts.{e}.{name}", o, i)
-    ad = tmp_path / "adapter"
-    ad.mkdir()
-    save_file(sd, str(ad / "adapter_model.safetensors"))
-    (ad / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": R, "lora_alpha": ALPHA, "lora_dropout": 0.0,
-        "target_modules": ["q_proj", "w1", "w2", "w3"], "bias": "none", "use_rslora": False,
-        "base_model_name_or_path": str(tmp_path / "hf")}))
+                f.put(f"{l}.block_sparse_moe.experts.{e}.{name}", o, i)
+    ad = f.save(tmp_path / "adapter", ["q_proj", "w1", "w2", "w3"], tmp_path / "hf")
     rc, _, err = run_ctitan(["generate", "--checkpoint", tmp_path / "hf", "--adapter", ad, "--prompt-ids", "5 17 2",
                              "--max-tokens", "4", "--ids"], check=False)
     assert rc != 0, "a per-expert Mixtral adapter was accepted"
