@@ -259,13 +259,17 @@ static void test_check_catches_bugs(void) {
         {"reads-c", bad_fwd_reads_c, op_matmul_bwd},   {"bwd-overwrite", good_fwd, bad_bwd_overwrite},
         {"bwd-edge", good_fwd, bad_bwd_edge},
     };
+    /* each after a correct entry: the broken one is compared with the reference's outputs as
+     * kern_check recorded them on the first (check.c, memo), not recomputed; the correct entry
+     * passes on its own below, on the same inputs (the generator is seeded per op and shape) */
     for (size_t b = 0; b < sizeof broken / sizeof broken[0]; b++) {
-        kern_impl table[2] = {
+        kern_impl table[3] = {
             {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "reference", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
+            {KERN_OP_MATMUL, "good", "cpu", 0, 0, "naive", .fn.matmul = {good_fwd, op_matmul_bwd}},
             {KERN_OP_MATMUL, broken[b].name, "cpu", 0, 0, "broken", .fn.matmul = {broken[b].fwd, broken[b].bwd}},
         };
         kern_check_opts o = {.out = NULL, .features = 0, .seed = 3, .quick = 1};
-        int failed = kern_check(table, 2, &o);
+        int failed = kern_check(table, 3, &o);
         CHECK(failed > 0, "broken matmul \"%s\" was not caught", broken[b].name);
     }
     /* a bf16 MoE kernel that skips the rounding (the fp32 reference registered as bf16): caught
