@@ -141,6 +141,15 @@ class _Err(ctypes.Structure):
     _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024)]
 
 
+class _GenSampler(ctypes.Structure):
+    _fields_ = [("temperature", ctypes.c_float), ("top_k", ctypes.c_int), ("top_p", ctypes.c_float)]
+
+
+class _GenOpts(ctypes.Structure):  # model/generate.h gen_opts
+    _fields_ = [("max_tokens", ctypes.c_int), ("sampler", _GenSampler), ("seed", ctypes.c_uint64),
+                ("stop_ids", ctypes.POINTER(ctypes.c_int32)), ("n_stop", ctypes.c_int)]
+
+
 @pytest.fixture(scope="module")
 def genlib():
     """libctitan.so with the inference entry points of model/generate.h (opened by checkpoint/hf.h)."""
@@ -156,6 +165,8 @@ def genlib():
     lib.gen_model_state.restype = vp
     lib.gen_model_vocab.argtypes = [vp]
     lib.gen_forward.argtypes = [vp, i32p, ctypes.c_int, fp, ctypes.POINTER(_Err)]
+    lib.gen_generate.argtypes = [vp, i32p, ctypes.c_int, ctypes.POINTER(_GenOpts), i32p, ctypes.POINTER(ctypes.c_int),
+                                 vp, vp, ctypes.POINTER(_Err)]
     return lib
 
 
@@ -436,11 +447,17 @@ def test_sampling_reproducible_and_degenerate_cases(tok_model, gen):
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(2.0, 0, 1.0), (3.0, 6, 1.0), (3.0, 0, 0.5), (4.0, 8, 0.6)],
                          ids=["temperature", "top_k", "top_p", "top_k+top_p"])
-def test_first_token_distribution_matches_hf_warpers(tmp_path, gen, temperature, top_k, top_p):
+def test_first_token_distribution_matches_hf_warpers(tmp_path, gen, genlib, temperature, top_k, top_p):
     """The first sampled token over many seeds follows HF's distribution: HF's logits at the
     end of the prompt through TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     (generate's order). Tokens outside HF's support must never appear, every token HF gives
-    >= 3% must appear, and frequencies stay within 5 sigma. Seeds are fixed: no flakiness."""
+    >= 3% must appear, and frequencies stay within 5 sigma. Seeds are fixed: no flakiness.
+
+    The 200 seeds run in this process through gen_generate (model/generate.h), the call
+    `ctitan generate` makes with the options it parsed (cli/cmd_generate.c), on the same
+    checkpoint opened the same way (hf_gen_open); `ctitan generate` itself runs every 25th
+    seed and must give exactly the same token, so the draws counted are the command's. One
+    process per seed was 800 processes (~30 CPU s) for the four cases."""
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
     V = 40  # a small vocabulary so a handful of tokens carry the mass
@@ -469,8 +486,23 @@ def test_first_token_distribution_matches_hf_warpers(tmp_path, gen, temperature,
         (tok,) = ids_of(out)
         return tok
 
+    toks = []
+    with gen_session(genlib, tmp_path / "m", len(prompt)) as (st, V_lib):
+        assert V_lib == V
+        arr = np.ascontiguousarray(prompt, dtype=np.int32)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        out = np.zeros(1, dtype=np.int32)
+        n_out, err = ctypes.c_int(0), _Err()
+        for seed in range(N):
+            opts = _GenOpts(max_tokens=1, sampler=_GenSampler(temperature, top_k, top_p), seed=seed, n_stop=0)
+            rc = genlib.gen_generate(st, arr.ctypes.data_as(i32p), len(prompt), ctypes.byref(opts),
+                                     out.ctypes.data_as(i32p), ctypes.byref(n_out), None, None, ctypes.byref(err))
+            assert rc == 0 and n_out.value == 1, err.msg.decode()
+            toks.append(int(out[0]))
+    cli_seeds = list(range(0, N, 25))
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:  # one process per core
-        toks = list(pool.map(first_token, range(N)))
+        cli = list(pool.map(first_token, cli_seeds))
+    assert cli == [toks[s] for s in cli_seeds], "ctitan generate and gen_generate drew differently for a seed"
     counts = np.bincount(toks, minlength=V).astype(np.float64)
     seen = set(np.nonzero(counts)[0].tolist())
     assert seen <= support, f"sampled outside HF's support: {sorted(seen - support)}"
