@@ -126,6 +126,16 @@ typedef struct {
     gemm_cache *ca, *cb;
 } gemm_ws;
 
+/* dst[i] = s[i] widened (exact: the bits moved up by 16). Not
+ * ct_convert_to_f32: that one opens a parallel region (idle here, inside the
+ * GEMM's) per call, which cost more than the widening on short rows. */
+static void widen_bf16(float *dst, const uint16_t *s, long n) {
+    for (long i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)s[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
 /* Packs B block b (kc x n): pack_b, or for a bf16 view pack_b_h, or the
  * block widened into ws->wide in b's own orientation (so the widening reads
  * the store sequentially) and then pack_b. Widening bf16 is exact and a
@@ -143,9 +153,9 @@ static void pack_b_any(const gemm_arch *ar, const gemm_ws *ws, float *dst, gemm_
     float *x = ws->wide;
     gemm_view v = {x, n, 1, NULL};
     if (b.cs == 1) {
-        for (long k = 0; k < kc; k++) ct_convert_to_f32(x + k * n, b.h + k * b.rs, CT_BF16, (size_t)n);
+        for (long k = 0; k < kc; k++) widen_bf16(x + k * n, b.h + k * b.rs, n);
     } else if (b.rs == 1) {
-        for (long j = 0; j < n; j++) ct_convert_to_f32(x + j * kc, b.h + j * b.cs, CT_BF16, (size_t)kc);
+        for (long j = 0; j < n; j++) widen_bf16(x + j * kc, b.h + j * b.cs, kc);
         v.rs = 1, v.cs = kc;
     } else {
         for (long k = 0; k < kc; k++)
