@@ -30,16 +30,20 @@ static const kern_impl registry[] = {
     /* matmul: own packed GEMM first (AVX-512, then AVX2), OpenBLAS, then the reference */
 #if defined(__x86_64__)
     {KERN_OP_MATMUL, "avx512", "cpu", KERN_FEAT_AVX512, 0, "packed GEMM, 14x32 zmm micro-kernel, OpenMP tiles",
-     .fn.matmul = {kern_matmul_fwd_avx512, kern_matmul_bwd_avx512}},
+     .fn.matmul = {kern_matmul_fwd_avx512, kern_matmul_bwd_avx512,
+                   kern_matmul_fwd_wbf16_avx512, kern_matmul_dinp_wbf16_avx512}},
     {KERN_OP_MATMUL, "avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, 0,
-     "packed GEMM, 6x16 ymm micro-kernel, OpenMP tiles", .fn.matmul = {kern_matmul_fwd_avx2, kern_matmul_bwd_avx2}},
+     "packed GEMM, 6x16 ymm micro-kernel, OpenMP tiles", .fn.matmul = {kern_matmul_fwd_avx2, kern_matmul_bwd_avx2,
+                   kern_matmul_fwd_wbf16_avx2, kern_matmul_dinp_wbf16_avx2}},
 #elif defined(__aarch64__)
     {KERN_OP_MATMUL, "neon", "cpu", KERN_FEAT_NEON, 0, "packed GEMM, 8x12 NEON micro-kernel (fmla by lane), OpenMP tiles",
-     .fn.matmul = {kern_matmul_fwd_neon, kern_matmul_bwd_neon}},
+     .fn.matmul = {kern_matmul_fwd_neon, kern_matmul_bwd_neon,
+                   kern_matmul_fwd_wbf16_neon, kern_matmul_dinp_wbf16_neon}},
 #endif
     {KERN_OP_MATMUL, "openblas", "cpu", 0, 0, "cblas_sgemm (core type as OPENBLAS_CORETYPE / the library picks)",
-     .fn.matmul = {kern_matmul_fwd_openblas, kern_matmul_bwd_openblas}},
-    {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "kernels/ref (op_matmul_*)", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
+     .fn.matmul = {kern_matmul_fwd_openblas, kern_matmul_bwd_openblas,
+                   kern_matmul_fwd_wbf16_openblas, kern_matmul_dinp_wbf16_openblas}},
+    {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "kernels/ref (op_matmul_*)", .fn.matmul = {op_matmul_fwd, op_matmul_bwd, op_matmul_fwd_wbf16, op_matmul_dinp_wbf16}},
 
     /* the memory-bound ops: AVX-512 one-pass kernels (kernels/cpu/elementwise_avx512.c), then the reference */
 #if defined(__x86_64__)
@@ -161,24 +165,31 @@ static const kern_impl registry[] = {
 #if defined(__x86_64__)
     {KERN_OP_MATMUL_BF16, "amx", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AMXBF16, 0,
      "packed GEMM, bf16 pairs, 32x32 blocks of 2x2 AMX tiles (tdpbf16ps), fp32 sums",
-     .fn.matmul = {kern_matmul_bf16_fwd_amx, kern_matmul_bf16_bwd_amx}},
+     .fn.matmul = {kern_matmul_bf16_fwd_amx, kern_matmul_bf16_bwd_amx,
+                   kern_matmul_fwd_wbf16_bf16_amx, kern_matmul_dinp_wbf16_bf16_amx}},
     {KERN_OP_MATMUL_BF16, "avx512bf16", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16, 0,
      "packed GEMM, bf16 pairs, 14x32 vdpbf16ps micro-kernel, fp32 sums",
-     .fn.matmul = {kern_matmul_bf16_fwd_avx512bf16, kern_matmul_bf16_bwd_avx512bf16}},
+     .fn.matmul = {kern_matmul_bf16_fwd_avx512bf16, kern_matmul_bf16_bwd_avx512bf16,
+                   kern_matmul_fwd_wbf16_bf16_avx512bf16, kern_matmul_dinp_wbf16_bf16_avx512bf16}},
     {KERN_OP_MATMUL_BF16, "avx512", "cpu", KERN_FEAT_AVX512, 0, "matmul avx512 on panels rounded to bf16 when packed",
-     .fn.matmul = {kern_matmul_bf16_fwd_avx512, kern_matmul_bf16_bwd_avx512}},
+     .fn.matmul = {kern_matmul_bf16_fwd_avx512, kern_matmul_bf16_bwd_avx512,
+                   kern_matmul_fwd_wbf16_bf16_avx512, kern_matmul_dinp_wbf16_bf16_avx512}},
     {KERN_OP_MATMUL_BF16, "avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, 0,
      "matmul avx2 on panels rounded to bf16 when packed",
-     .fn.matmul = {kern_matmul_bf16_fwd_avx2, kern_matmul_bf16_bwd_avx2}},
+     .fn.matmul = {kern_matmul_bf16_fwd_avx2, kern_matmul_bf16_bwd_avx2,
+                   kern_matmul_fwd_wbf16_bf16_avx2, kern_matmul_dinp_wbf16_bf16_avx2}},
 #elif defined(__aarch64__)
     {KERN_OP_MATMUL_BF16, "bfmmla", "cpu", KERN_FEAT_NEON | KERN_FEAT_ARM_BF16, 0,
      "packed GEMM, bf16, 8x8 tile of 2x2 BFMMLA blocks, fp32 sums",
-     .fn.matmul = {kern_matmul_bf16_fwd_bfmmla, kern_matmul_bf16_bwd_bfmmla}},
+     .fn.matmul = {kern_matmul_bf16_fwd_bfmmla, kern_matmul_bf16_bwd_bfmmla,
+                   kern_matmul_fwd_wbf16_bf16_bfmmla, kern_matmul_dinp_wbf16_bf16_bfmmla}},
     {KERN_OP_MATMUL_BF16, "neon", "cpu", KERN_FEAT_NEON, 0, "matmul neon on panels rounded to bf16 when packed",
-     .fn.matmul = {kern_matmul_bf16_fwd_neon, kern_matmul_bf16_bwd_neon}},
+     .fn.matmul = {kern_matmul_bf16_fwd_neon, kern_matmul_bf16_bwd_neon,
+                   kern_matmul_fwd_wbf16_bf16_neon, kern_matmul_dinp_wbf16_bf16_neon}},
 #endif
     {KERN_OP_MATMUL_BF16, "ref", "cpu", 0, 0, "kernels/ref: inputs rounded to bf16, then the fp32 reference",
-     .fn.matmul = {op_matmul_bf16_fwd, op_matmul_bf16_bwd}},
+     .fn.matmul = {op_matmul_bf16_fwd, op_matmul_bf16_bwd, op_matmul_bf16_fwd_wbf16,
+                   op_matmul_bf16_dinp_wbf16}},
 
     /* moe_experts: tokens permuted by expert, one grouped GEMM per projection on the packed GEMM */
 #if defined(__x86_64__)
@@ -350,7 +361,13 @@ void kern_features_str(unsigned f, char *buf, size_t cap) {
 static void install(kern_ops *k, const kern_impl *im) {
     k->chosen[im->op] = im;
     switch (im->op) {
-    case KERN_OP_MATMUL: k->matmul_fwd = im->fn.matmul.fwd; k->matmul_bwd = im->fn.matmul.bwd; break;
+    case KERN_OP_MATMUL:
+        k->matmul_fwd = im->fn.matmul.fwd;
+        k->matmul_bwd = im->fn.matmul.bwd;
+        /* a table of a test's own may leave them out: the reference's then */
+        k->matmul_fwd_wbf16 = im->fn.matmul.fwd_wbf16 ? im->fn.matmul.fwd_wbf16 : op_matmul_fwd_wbf16;
+        k->matmul_dinp_wbf16 = im->fn.matmul.dinp_wbf16 ? im->fn.matmul.dinp_wbf16 : op_matmul_dinp_wbf16;
+        break;
     case KERN_OP_EMBEDDING: k->embedding_fwd = im->fn.embedding.fwd; k->embedding_bwd = im->fn.embedding.bwd; break;
     case KERN_OP_RMSNORM: k->rmsnorm_fwd = im->fn.rmsnorm.fwd; k->rmsnorm_bwd = im->fn.rmsnorm.bwd; break;
     case KERN_OP_ROPE:
@@ -371,7 +388,12 @@ static void install(kern_ops *k, const kern_impl *im) {
         break;
     case KERN_OP_ADD: k->add = im->fn.add.fwd; break;
     case KERN_OP_ADAMW: k->adamw_step = im->fn.adamw.step; break;
-    case KERN_OP_MATMUL_BF16: k->matmul_bf16_fwd = im->fn.matmul.fwd; k->matmul_bf16_bwd = im->fn.matmul.bwd; break;
+    case KERN_OP_MATMUL_BF16:
+        k->matmul_bf16_fwd = im->fn.matmul.fwd;
+        k->matmul_bf16_bwd = im->fn.matmul.bwd;
+        k->matmul_bf16_fwd_wbf16 = im->fn.matmul.fwd_wbf16 ? im->fn.matmul.fwd_wbf16 : op_matmul_bf16_fwd_wbf16;
+        k->matmul_bf16_dinp_wbf16 = im->fn.matmul.dinp_wbf16 ? im->fn.matmul.dinp_wbf16 : op_matmul_bf16_dinp_wbf16;
+        break;
     case KERN_OP_MOE: k->moe_fwd = im->fn.moe.fwd; k->moe_bwd = im->fn.moe.bwd; break;
     case KERN_OP_MOE_BF16: k->moe_bf16_fwd = im->fn.moe.fwd; k->moe_bf16_bwd = im->fn.moe.bwd; break;
     } /* no default: -Wswitch names an op of ops_list.h left out here */
@@ -476,6 +498,8 @@ void kern_select_ref(kern_ops *out) {
 void kern_use_bf16_matmuls(kern_ops *k) {
     k->matmul_fwd = k->matmul_bf16_fwd;
     k->matmul_bwd = k->matmul_bf16_bwd;
+    k->matmul_fwd_wbf16 = k->matmul_bf16_fwd_wbf16;
+    k->matmul_dinp_wbf16 = k->matmul_bf16_dinp_wbf16;
     k->moe_fwd = k->moe_bf16_fwd;
     k->moe_bwd = k->moe_bf16_bwd;
 }

@@ -57,6 +57,10 @@ typedef void (*kern_matmul_fwd_fn)(float *out, const float *inp, const float *w,
                                    int accumulate);
 typedef void (*kern_matmul_bwd_fn)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                                    int M, int K, int N);
+/* op_matmul_fwd_wbf16 / op_matmul_dinp_wbf16 (ops.h): w[N,K] stored in bf16 */
+typedef void (*kern_matmul_fwd_wbf16_fn)(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
+                                         int accumulate);
+typedef void (*kern_matmul_dinp_wbf16_fn)(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N);
 typedef void (*kern_embedding_fwd_fn)(float *out, const int32_t *tokens, const float *wte, int N, int C);
 typedef void (*kern_embedding_bwd_fn)(float *dwte, const float *dout, const int32_t *tokens, int N, int C);
 typedef void (*kern_rmsnorm_fwd_fn)(float *out, float *rstd, const float *inp, const float *w, int N, int C,
@@ -118,7 +122,10 @@ typedef struct {
     double tol;         /* kern_check tolerance vs ref (relative to max |ref|); 0: KERN_CHECK_TOL */
     const char *about;  /* one line for `ctitan kernels list` */
     union {
-        struct { kern_matmul_fwd_fn fwd; kern_matmul_bwd_fn bwd; } matmul; /* matmul and matmul_bf16 */
+        struct { /* matmul and matmul_bf16; the wbf16 pair reads w from a bf16 store */
+            kern_matmul_fwd_fn fwd; kern_matmul_bwd_fn bwd;
+            kern_matmul_fwd_wbf16_fn fwd_wbf16; kern_matmul_dinp_wbf16_fn dinp_wbf16;
+        } matmul;
         struct { kern_embedding_fwd_fn fwd; kern_embedding_bwd_fn bwd; } embedding;
         struct { kern_rmsnorm_fwd_fn fwd; kern_rmsnorm_bwd_fn bwd; } rmsnorm;
         struct { /* rope, and the fused per-head q/k RMSNorm + RoPE (op_qknorm_rope_*) */
@@ -144,6 +151,8 @@ typedef struct {
 typedef struct {
     kern_matmul_fwd_fn matmul_fwd;
     kern_matmul_bwd_fn matmul_bwd;
+    kern_matmul_fwd_wbf16_fn matmul_fwd_wbf16; /* a frozen weight read from its bf16 store */
+    kern_matmul_dinp_wbf16_fn matmul_dinp_wbf16;
     kern_embedding_fwd_fn embedding_fwd;
     kern_embedding_bwd_fn embedding_bwd;
     kern_rmsnorm_fwd_fn rmsnorm_fwd;
@@ -167,6 +176,8 @@ typedef struct {
     kern_adamw_step_fn adamw_step;
     kern_matmul_fwd_fn matmul_bf16_fwd; /* not called by the model directly: see kern_use_bf16_matmuls */
     kern_matmul_bwd_fn matmul_bf16_bwd;
+    kern_matmul_fwd_wbf16_fn matmul_bf16_fwd_wbf16;
+    kern_matmul_dinp_wbf16_fn matmul_bf16_dinp_wbf16;
     kern_moe_fwd_fn moe_fwd;
     kern_moe_bwd_fn moe_bwd;
     kern_moe_fwd_fn moe_bf16_fwd; /* not called by the model directly: see kern_use_bf16_matmuls */
@@ -211,7 +222,7 @@ int kern_select_from(kern_ops *out, const kern_impl *table, size_t n, unsigned c
 /* An ops table of the reference implementations only (never fails). */
 void kern_select_ref(kern_ops *out);
 /* bf16 mixed precision: points matmul_fwd/bwd (every linear the model runs,
- * forward and both backward products) at the matmul_bf16 op's choice, and
+ * forward and both backward products) and the wbf16 pair at the matmul_bf16 op's choice, and
  * moe_fwd/bwd (the MoE experts' projections) at moe_experts_bf16's, so the
  * model itself needs no other change. Call after kern_select. */
 void kern_use_bf16_matmuls(kern_ops *k);

@@ -734,7 +734,6 @@ void lm_free(lm_model *m) {
         m->dev->free(m->act.mem, m->act.floats * sizeof(float), 0);
     }
     free(m->fstore);
-    free(m->ws.head_w);
     free(m->ws.lora_ew);
     free(m->ws.lora_dew);
     free(m->ws.head_tmp);
@@ -897,10 +896,12 @@ double lm_flops_per_token(const lm_model *m, int T) {
 
 /* ---------------------------------------------------------------- forward */
 
-/* bf16-stored frozen weights (lm_store_frozen_bf16) are widened into
- * params right before the product that reads them and their pages dropped
- * right after: one matrix at a time, so a step holds the largest frozen
- * matrix in fp32, not a whole layer. w[n]: a weight in m->params (NULL: none). */
+/* The MoE router and experts, when bf16-stored (lm_store_frozen_bf16), are
+ * widened into params right before the product that reads them and their
+ * pages dropped right after: one group at a time, so a step holds the
+ * largest frozen group in fp32, not a whole layer. The dense linears and the
+ * lm_head need no widening: their products read the bf16 store (mm_fwd,
+ * mm_bwd). w[n]: a weight in m->params (NULL: none). */
 #define WIDE(w, n, on) ((w) ? lm_frozen_widen(m, (size_t)((w) - m->params), (size_t)(n), (on)) : (void)0)
 #define WIDE_IN(w, n) WIDE(w, n, 1)
 #define WIDE_OUT(w, n) WIDE(w, n, 0)
@@ -923,6 +924,41 @@ double lm_flops_per_token(const lm_model *m, int T) {
     } while (0)
 
 static void zero(float *p, size_t n) { memset(p, 0, n * sizeof(float)); }
+
+/* The bf16 store of weight w (a pointer into m->params, maybe inside its
+ * tensor), or NULL when w is fp32: not in params, or its tensor not stored. */
+static const uint16_t *frozen_bf16(const lm_model *m, const float *w) {
+    uintptr_t p = (uintptr_t)w, b = (uintptr_t)m->params;
+    if (!m->n_store || !w || p < b || p >= b + m->n_params * sizeof(float)) return NULL;
+    size_t off = (size_t)(w - m->params);
+    int lo = 0, hi = m->n_tensors; /* the first tensor ending after off */
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (m->tensors[mid].offset + m->tensors[mid].numel <= off) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo == m->n_tensors) return NULL;
+    const lm_tensor *t = &m->tensors[lo];
+    if (t->store == LM_NO_STORE || off < t->offset) return NULL;
+    return m->fstore + t->store + (off - t->offset);
+}
+
+/* out[M, N] (+)= in[M, K] @ w[N, K]^T, w read from its bf16 store when it has
+ * one (the kernels give the bits of the product on its fp32 widening). */
+static void mm_fwd(lm_model *m, float *out, const float *in, const float *w, int M, int K, int N, int accumulate) {
+    const uint16_t *h = frozen_bf16(m, w);
+    if (h) K(MATMUL, matmul_fwd_wbf16, out, in, h, M, K, N, accumulate);
+    else K(MATMUL, matmul_fwd, out, in, w, M, K, N, accumulate);
+}
+
+/* matmul_bwd's din += dout w and dw += dout^T in; a bf16-stored w is frozen,
+ * so it has no dw (NULL) and only din runs, from the store. */
+static void mm_bwd(lm_model *m, float *din, float *dw, const float *dout, const float *in, const float *w, int M, int K,
+                   int N) {
+    const uint16_t *h = frozen_bf16(m, w);
+    if (!h) K(MATMUL, matmul_bwd, din, dw, dout, in, w, M, K, N);
+    else if (din) K(MATMUL, matmul_dinp_wbf16, din, dout, h, M, K, N);
+}
 
 /* The gradient scratch a layer's backward accumulates into (+=, the kernels'
  * contract), zeroed at the layer's start in one parallel region: nine
@@ -965,10 +1001,10 @@ static void residual_matmul(lm_model *m, float *out, const float *base, const fl
     size_t n = (size_t)BT * N;
     if (!m->hooks || !m->hooks->reduce_partial) {
         memcpy(out, base, n * sizeof(float));
-        K(MATMUL, matmul_fwd, out, in, w, BT, K, N, 1);
+        mm_fwd(m, out, in, w, BT, K, N, 1);
         return;
     }
-    K(MATMUL, matmul_fwd, out, in, w, BT, K, N, 0);
+    mm_fwd(m, out, in, w, BT, K, N, 0);
     m->hooks->reduce_partial(m->hooks->ctx, out, n);
     for (size_t i = 0; i < n; i++) out[i] += base[i];
 }
@@ -1299,7 +1335,7 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
  * row-parallel projection whose output a norm reads before the residual. */
 static void proj_reduced(lm_model *m, float *out, const float *in, const float *w, const float *b, int BT, int K,
                          int N) {
-    K(MATMUL, matmul_fwd, out, in, w, BT, K, N, 0);
+    mm_fwd(m, out, in, w, BT, K, N, 0);
     if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, out, (size_t)BT * N);
     if (b) op_bias_add(out, b, BT, N);
 }
@@ -1338,11 +1374,9 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     /* attention block */
     if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BT, H, eps);
     const float *xa = attn_in(m, a); /* [BT, H] */
-    WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H); /* q, k, v: adjacent in the table */
-    K(MATMUL, matmul_fwd, a->q, xa, w->wq, BT, H, qd, 0);
-    K(MATMUL, matmul_fwd, a->k, xa, w->wk, BT, H, kvd, 0);
-    K(MATMUL, matmul_fwd, a->v, xa, w->wv, BT, H, kvd, 0);
-    WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
+    mm_fwd(m, a->q, xa, w->wq, BT, H, qd, 0);
+    mm_fwd(m, a->k, xa, w->wk, BT, H, kvd, 0);
+    mm_fwd(m, a->v, xa, w->wv, BT, H, kvd, 0);
     if (w->bq) {
         op_bias_add(a->q, w->bq, BT, qd);
         op_bias_add(a->k, w->bk, BT, kvd);
@@ -1357,16 +1391,13 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     kern_attn_opt ao = attn_opt(m, l);
     if (kv) kv_attention(m, kv, l, a->att, a->qr, T, &ao); /* over the cache, positions 0 .. p0+T-1 */
     else K(ATTENTION, attention_fwd, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
-    WIDE_IN(w->wo, (size_t)H * qd);
     if (w->ln_ao) { /* res_mid = res + norm(o_proj(att)) */
         proj_reduced(m, a->ao, a->att, w->wo, w->bo, BT, qd, H);
-        WIDE_OUT(w->wo, (size_t)H * qd);
         lora_fwd_n(m, l, w, a->att, BT, qd, 1, (const int[]){LM_LORA_O}, &a->ao, &a->lora_u[LM_LORA_O], &H);
         K(RMSNORM, rmsnorm_fwd, a->res_mid, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
         K(ADD, add, a->res_mid, a->res_mid, a->res, (long)n);
     } else { /* res_mid = res + o_proj(att) */
         residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H);
-        WIDE_OUT(w->wo, (size_t)H * qd);
         if (w->bo) op_bias_add(a->res_mid, w->bo, BT, H);
         lora_fwd_n(m, l, w, a->att, BT, qd, 1, (const int[]){LM_LORA_O}, &a->res_mid, &a->lora_u[LM_LORA_O], &H);
     }
@@ -1407,12 +1438,8 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         }
         return;
     }
-    WIDE_IN(w->wg, (size_t)I * H);
-    K(MATMUL, matmul_fwd, a->gate, xm, w->wg, BT, H, I, 0);
-    WIDE_OUT(w->wg, (size_t)I * H);
-    WIDE_IN(w->wu, (size_t)I * H);
-    K(MATMUL, matmul_fwd, a->up, xm, w->wu, BT, H, I, 0);
-    WIDE_OUT(w->wu, (size_t)I * H);
+    mm_fwd(m, a->gate, xm, w->wg, BT, H, I, 0);
+    mm_fwd(m, a->up, xm, w->wu, BT, H, I, 0);
     if (w->bg) {
         op_bias_add(a->gate, w->bg, BT, I);
         op_bias_add(a->up, w->bu, BT, I);
@@ -1421,9 +1448,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
                (float *const[]){a->lora_u[LM_LORA_GATE], a->lora_u[LM_LORA_UP]}, (const int[]){I, I});
     glu_fwd(m, a->h, a->gate, a->up, BT * I);
     if (w->ln_mo) { /* res_next = res_mid + norm(down(h)); a recomputation needs mo and its rstd */
-        WIDE_IN(w->wd, (size_t)H * I);
         proj_reduced(m, a->mo, a->h, w->wd, w->bd, BT, I, H);
-        WIDE_OUT(w->wd, (size_t)H * I);
         lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &a->mo, &a->lora_u[LM_LORA_DOWN], &H);
         float *y = res_next ? res_next : m->ws.d_ln; /* d_ln: free scratch before this layer's backward */
         K(RMSNORM, rmsnorm_fwd, y, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
@@ -1431,9 +1456,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         return;
     }
     if (!res_next) return; /* a recomputation: the down adapter's u was kept */
-    WIDE_IN(w->wd, (size_t)H * I);
     residual_matmul(m, res_next, a->res_mid, a->h, w->wd, BT, I, H);
-    WIDE_OUT(w->wd, (size_t)H * I);
     if (w->bd) op_bias_add(res_next, w->bd, BT, H);
     lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &res_next, &a->lora_u[LM_LORA_DOWN], &H);
 }
@@ -1580,18 +1603,16 @@ static double crossentropy(lm_model *m, float *logits, const int32_t *labels, in
     return loss;
 }
 
-/* A bf16-stored (frozen) lm_head, tied or not, is never widened whole: the
- * head products run over blocks of HEAD_VBLOCK vocabulary rows, each
- * widened into m->ws.head_w as it is used, so the largest tensor of the model
- * costs 2 bytes a parameter and one block, not 4 bytes a parameter. */
+/* A bf16-stored (frozen) lm_head, tied or not, is never widened: the head
+ * products read it from its store, over blocks of HEAD_VBLOCK vocabulary rows
+ * (the blocks an earlier version widened one at a time; kept, so the results
+ * are those bits), each block's logits through m->ws.head_tmp. */
 #define HEAD_VBLOCK 8192
 static const lm_tensor *head_stored(const lm_model *m) {
     const lm_tensor *t = m->cfg.tie_embeddings ? &m->tensors[0] : &m->tensors[m->n_tensors - 1];
     return t->store != LM_NO_STORE ? t : NULL;
 }
 static void head_scratch(lm_model *m) {
-    int H = m->cfg.hidden;
-    if (!m->ws.head_w) m->ws.head_w = ct_malloc((size_t)HEAD_VBLOCK * H * sizeof(float));
     if (!m->ws.head_tmp) m->ws.head_tmp = ct_malloc((size_t)m->ws.logit_rows * HEAD_VBLOCK * sizeof(float));
 }
 
@@ -1606,9 +1627,9 @@ static void head_fwd(lm_model *m, float *logits, const float *x, int n) {
     head_scratch(m);
     for (int v0 = 0; v0 < V; v0 += HEAD_VBLOCK) {
         int nv = V - v0 < HEAD_VBLOCK ? V - v0 : HEAD_VBLOCK;
-        ct_convert_to_f32(m->ws.head_w, m->fstore + t->store + (size_t)v0 * H, CT_BF16, (size_t)nv * H);
+        const uint16_t *hw = m->fstore + t->store + (size_t)v0 * H;
         float *o = nv == V ? logits : m->ws.head_tmp; /* [n, nv] */
-        K(MATMUL, matmul_fwd, o, x, m->ws.head_w, n, H, nv, 0);
+        K(MATMUL, matmul_fwd_wbf16, o, x, hw, n, H, nv, 0);
         if (o != logits)
             for (int r = 0; r < n; r++) memcpy(logits + (size_t)r * V + v0, o + (size_t)r * nv, nv * sizeof(float));
     }
@@ -1625,13 +1646,13 @@ static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *
     head_scratch(m);
     for (int v0 = 0; v0 < V; v0 += HEAD_VBLOCK) {
         int nv = V - v0 < HEAD_VBLOCK ? V - v0 : HEAD_VBLOCK;
-        ct_convert_to_f32(m->ws.head_w, m->fstore + t->store + (size_t)v0 * H, CT_BF16, (size_t)nv * H);
+        const uint16_t *hw = m->fstore + t->store + (size_t)v0 * H;
         const float *d = dlogits;
         if (nv != V) {
             for (int r = 0; r < n; r++) memcpy(m->ws.head_tmp + (size_t)r * nv, dlogits + (size_t)r * V + v0, nv * sizeof(float));
             d = m->ws.head_tmp;
         }
-        K(MATMUL, matmul_bwd, dx, NULL, d, x, m->ws.head_w, n, H, nv);
+        K(MATMUL, matmul_dinp_wbf16, dx, d, hw, n, H, nv);
     }
 }
 
@@ -1639,13 +1660,15 @@ size_t lm_frozen_widened_floats(const lm_model *m) {
     size_t most = 0;
     for (int i = 1; i < m->n_tensors; i++) { /* the embedding (i = 0) is read a row at a time */
         const lm_tensor *t = &m->tensors[i];
-        if (t->store == LM_NO_STORE || t->slot == LM_S_HEAD) continue;
-        size_t n = t->numel; /* WIDE_IN's groups: q, k and v together; a projection's experts with the others' */
-        int group = t->slot == LM_S_WQ ? 3 : t->slot == LM_S_EXP_G && t->expert == 0 ? 3 * m->cfg.n_experts : 1;
+        /* only the MoE router and experts are widened (WIDE_IN); the rest is read from the store */
+        int moe = t->slot == LM_S_ROUTER || t->slot == LM_S_EXP_G || t->slot == LM_S_EXP_U || t->slot == LM_S_EXP_D;
+        if (t->store == LM_NO_STORE || !moe) continue;
+        size_t n = t->numel; /* WIDE_IN's groups: a projection's experts with the others' */
+        int group = t->slot == LM_S_EXP_G && t->expert == 0 ? 3 * m->cfg.n_experts : 1;
         for (int j = 1; j < group && i + j < m->n_tensors; j++) n += m->tensors[i + j].numel;
         most = n > most ? n : most;
     }
-    if (head_stored(m)) most += (size_t)HEAD_VBLOCK * ((size_t)m->cfg.hidden + 256); /* head_w + head_tmp */
+    if (head_stored(m)) most += (size_t)HEAD_VBLOCK * 256; /* head_tmp: [logit_rows <= 256, HEAD_VBLOCK] */
     return most;
 }
 
@@ -1931,9 +1954,7 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
     }
     if (gb) op_bias_bwd(gb, dy, BT, H);
     /* din (d_h or d_att) was zeroed with the layer's scratch (zero_layer_scratch) */
-    WIDE_IN(w, (size_t)H * K);
-    K(MATMUL, matmul_bwd, din, gw, dy, in, w, BT, K, H);
-    WIDE_OUT(w, (size_t)H * K);
+    mm_bwd(m, din, gw, dy, in, w, BT, K, H);
     lora_bwd_n(m, l, din, in, BT, K, 1, &p, &dy, &H);
 }
 
@@ -1988,12 +2009,8 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
         if (g->bu) op_bias_bwd(g->bu, m->ws.d_up, BT, I);
         const float *xm = mlp_in(m, a);
         zero(m->ws.d_ln, (size_t)BT * H);
-        WIDE_IN(w->wg, (size_t)I * H);
-        K(MATMUL, matmul_bwd, m->ws.d_ln, g->wg, m->ws.d_gate, xm, w->wg, BT, H, I);
-        WIDE_OUT(w->wg, (size_t)I * H);
-        WIDE_IN(w->wu, (size_t)I * H);
-        K(MATMUL, matmul_bwd, m->ws.d_ln, g->wu, m->ws.d_up, xm, w->wu, BT, H, I);
-        WIDE_OUT(w->wu, (size_t)I * H);
+        mm_bwd(m, m->ws.d_ln, g->wg, m->ws.d_gate, xm, w->wg, BT, H, I);
+        mm_bwd(m, m->ws.d_ln, g->wu, m->ws.d_up, xm, w->wu, BT, H, I);
         lora_bwd_n(m, l, m->ws.d_ln, xm, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP},
                    (const float *const[]){m->ws.d_gate, m->ws.d_up}, (const int[]){I, I});
         reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
@@ -2019,11 +2036,9 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
      * layer 0 (autograd skips these input-gradient products too) */
     float *dln = l > 0 || m->g.wte || g->ln1 ? m->ws.d_ln : NULL; /* [BT, H] */
     const float *xa = attn_in(m, a);
-    WIDE_IN(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
-    K(MATMUL, matmul_bwd, dln, g->wq, m->ws.d_q2, xa, w->wq, BT, H, qd);
-    K(MATMUL, matmul_bwd, dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd);
-    K(MATMUL, matmul_bwd, dln, g->wv, m->ws.d_v, xa, w->wv, BT, H, kvd);
-    WIDE_OUT(w->wq, (size_t)qd * H + 2 * (size_t)kvd * H);
+    mm_bwd(m, dln, g->wq, m->ws.d_q2, xa, w->wq, BT, H, qd);
+    mm_bwd(m, dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd);
+    mm_bwd(m, dln, g->wv, m->ws.d_v, xa, w->wv, BT, H, kvd);
     lora_bwd_n(m, l, dln, xa, BT, H, 3, (const int[]){LM_LORA_Q, LM_LORA_K, LM_LORA_V},
                (const float *const[]){m->ws.d_q2, m->ws.d_k2, m->ws.d_v}, (const int[]){qd, kvd, kvd});
     if (dln) {

@@ -382,8 +382,8 @@ typedef struct {
     float *lora_x, *lora_dx; /* [BT, max in] drop(x) and its gradient; only with dropout */
     float *lora_ew, *lora_dew; /* [3 E Im H] each: a layer's adapted expert weights W + scale B A and their
                                   gradient, with expert LoRA (allocated at first use) */
-    float *head_w, *head_tmp; /* a bf16-stored lm_head: one block of its rows widened, and [logit_rows, block]
-                                 (allocated at first use) */
+    float *head_tmp; /* a bf16-stored lm_head: [logit_rows, block] logits of one block of its rows
+                        (allocated at first use) */
 } lm_work;
 
 /* MoE routing state (0 / NULL for a dense model): what the last forward's
@@ -558,12 +558,13 @@ size_t lm_trained_runs(const lm_model *m, size_t a, size_t b, void (*run)(void *
                           void *ctx);
 /* Moves every frozen matrix to bf16 storage (m->fstore; tensors[i].store):
  * call before the weights load, which then writes them rounded to bf16
- * (lm_put_rows). Their fp32 pages in params exist only while a product
- * reads them. Returns the bf16 floats stored. */
+ * (lm_put_rows). The dense products read them from the store (the
+ * kernels' wbf16 entries); the MoE router's and experts' fp32 pages in
+ * params exist only while a product reads them. Returns the bf16 floats stored. */
 size_t lm_store_frozen_bf16(lm_model *m);
 /* The most fp32 floats bf16 storage holds widened at once (the largest group
- * of stored matrices one product reads, plus a stored lm_head's block and
- * its products): for the dry run. m: a layout after lm_store_frozen_bf16. */
+ * of stored MoE router / expert matrices one product reads, plus a stored
+ * lm_head's block of logits): for the dry run. m: a layout after lm_store_frozen_bf16. */
 size_t lm_frozen_widened_floats(const lm_model *m);
 /* on = 1: widens the bf16-stored tensors that overlap params[off, off + n)
  * into params (whole tensors); on = 0: drops their pages again. A no-op

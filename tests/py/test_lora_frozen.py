@@ -38,10 +38,13 @@ def peft_adapter(tmp_path, tied=False, r=4, alpha=8):
     return pm
 
 
-@pytest.mark.parametrize("tied,vocab,moe", [(False, 256, False), (True, 256, False), (True, 9000, False),
-                                            (False, 9000, False), (False, 256, True)],
-                         ids=["untied", "tied", "tied_v9000", "untied_v9000", "moe_dense_layer"])
-def test_bf16_frozen_storage_is_bit_identical(tied, vocab, moe, tmp_path, open_session):
+@pytest.mark.parametrize("tied,vocab,moe,mixed", [(False, 256, False, False), (True, 256, False, False),
+                                                  (True, 9000, False, False), (False, 9000, False, False),
+                                                  (False, 256, True, False), (False, 256, False, True),
+                                                  (True, 9000, False, True)],
+                         ids=["untied", "tied", "tied_v9000", "untied_v9000", "moe_dense_layer", "untied_mixed_bf16",
+                              "tied_v9000_mixed_bf16"])
+def test_bf16_frozen_storage_is_bit_identical(tied, vocab, moe, mixed, tmp_path, open_session):
     """A base whose weights are bf16 already: frozen_dtype bfloat16 (stored in bf16, widened per
     unit) and float32 give the same bits for losses, adapter gradients, steps and logits. The
     stored lm_head runs in blocks of 8192 vocabulary rows: at vocab 9000 (two blocks) the first
@@ -49,7 +52,10 @@ def test_bf16_frozen_storage_is_bit_identical(tied, vocab, moe, tmp_path, open_s
     output) sums the two blocks' products one after the other instead of in one GEMM: the
     step-1 gradients then agree to float32 rounding (1e-5 of each tensor's largest value), and
     the later steps are not compared (AdamW turns a last-bit gradient difference of a near-zero
-    element into a step of up to lr, as docs/distributed.md measures for the parallel layouts)."""
+    element into a step of up to lr, as docs/distributed.md measures for the parallel layouts).
+    mixed: under training.mixed_precision_param = bfloat16, where the products read a stored
+    matrix straight from its bf16 store (AMX / vdpbf16ps copy the bf16 pairs, the other
+    kernels widen while packing) instead of rounding its fp32 copy: the same bits too."""
     if moe:  # frozen router and experts (and a dense MLP layer) widened around their kernels
         import oracle_moe
         model = oracle_moe.build_moe_model(oracle_moe.tiny_moe_config(vocab=vocab, layers=3, mlp_only=(1,)), seed=11)
@@ -63,7 +69,8 @@ def test_bf16_frozen_storage_is_bit_identical(tied, vocab, moe, tmp_path, open_s
     for fd in ("float32", "bfloat16"):
         s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16,
                                          extra=["--lora.rank=4", "--lora.alpha=8", "--lora.modules_to_save=norm",
-                                                f"--training.frozen_dtype={fd}"]))
+                                                f"--training.frozen_dtype={fd}"]
+                                         + (["--training.mixed_precision_param=bfloat16"] if mixed else [])))
         out = []
         for _ in range(3):
             out.append(s.forward_backward(tok, lab, 32))

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/dtype.h"
 #include "core/err.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
@@ -327,6 +328,50 @@ static kern_impl memo_ref_entry(const kern_impl *ref) {
 
 /* ------------------------------------------------------------- matmul */
 
+/* 0 if x and y hold the same bits, else infinite. */
+static double bits_err(const float *x, const float *y, size_t n) {
+    return memcmp(x, y, (n ? n : 1) * sizeof(float)) ? INFINITY : 0;
+}
+
+/* The wbf16 pair (w read from a bf16 store): against the reference's, and
+ * bit for bit against the implementation's own fwd / bwd on the fp32
+ * widening of the same w, which is what the model's frozen bf16 store must
+ * reproduce (the widening is exact, so a bf16 packer has no excuse). */
+static void case_matmul_wbf16(chk_case *c, const kern_impl *ref, const kern_impl *im, int M, int K, int N,
+                              const float *inp, const float *w, const float *dout, chk_rng *r) {
+    if (!im->fn.matmul.fwd_wbf16 || !im->fn.matmul.dinp_wbf16) {
+        part(c, "wbf16 missing", INFINITY);
+        return;
+    }
+    size_t nmk = (size_t)M * K, nnk = (size_t)N * K, nmn = (size_t)M * N;
+    uint16_t *wh = ct_malloc((nnk ? nnk : 1) * sizeof(uint16_t));
+    float *wr = fbuf(nnk);
+    for (size_t i = 0; i < nnk; i++) wh[i] = ct_f32_to_bf16(w[i]), wr[i] = ct_bf16_to_f32(wh[i]);
+    float *o1 = fbuf(nmn), *o2 = fbuf(nmn), *o3 = fbuf(nmn);
+    fill_nan(o1, nmn);
+    fill_nan(o2, nmn);
+    fill_nan(o3, nmn);
+    ref->fn.matmul.fwd_wbf16(o1, inp, wh, M, K, N, 0);
+    im->fn.matmul.fwd_wbf16(o2, inp, wh, M, K, N, 0);
+    im->fn.matmul.fwd(o3, inp, wr, M, K, N, 0);
+    part(c, "fwd_h", rel_err(o2, o1, nmn));
+    part(c, "fwd_h=fwd", bits_err(o2, o3, nmn));
+    fill(o2, nmn, r, -1, 1);
+    memcpy(o3, o2, nmn * sizeof(float));
+    im->fn.matmul.fwd_wbf16(o2, inp, wh, M, K, N, 1);
+    im->fn.matmul.fwd(o3, inp, wr, M, K, N, 1);
+    part(c, "fwd_h+=fwd", bits_err(o2, o3, nmn));
+    float *d1 = fbuf(nmk);
+    fill(d1, nmk, r, -1, 1);
+    float *d2 = dup(d1, nmk), *d3 = dup(d1, nmk);
+    ref->fn.matmul.dinp_wbf16(d1, dout, wh, M, K, N);
+    im->fn.matmul.dinp_wbf16(d2, dout, wh, M, K, N);
+    im->fn.matmul.bwd(d3, NULL, dout, inp, wr, M, K, N);
+    part(c, "dinp_h+=", rel_err(d2, d1, nmk));
+    part(c, "dinp_h=bwd", bits_err(d2, d3, nmk));
+    free(wh), free(wr), free(o1), free(o2), free(o3), free(d1), free(d2), free(d3);
+}
+
 static void case_matmul(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
     int M = s[0], K = s[1], N = s[2];
     size_t nmk = (size_t)M * K, nnk = (size_t)N * K, nmn = (size_t)M * N;
@@ -363,6 +408,12 @@ static void case_matmul(chk_case *c, const kern_impl *ref, const kern_impl *im, 
     im->fn.matmul.bwd(NULL, dw2, dout, inp, w, M, K, N);
     double e1 = rel_err(di2, di1, nmk), e2 = rel_err(dw2, dw1, nnk);
     part(c, "null", e1 > e2 ? e1 : e2);
+    if (ref->fn.matmul.fwd_wbf16) {
+        /* its own stream: the shared one stays where it was, so the later ops' inputs are the
+         * ones they were checked on before this part existed */
+        chk_rng r2 = {r->s ^ 0x5bf16ull};
+        case_matmul_wbf16(c, ref, im, M, K, N, inp, w, dout, &r2);
+    }
     free(inp), free(w), free(dout), free(o1), free(o2), free(di1), free(dw1), free(di2), free(dw2);
 }
 

@@ -55,6 +55,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/dtype.h"
 #include "kernels/cpu/kern_cpu.h"
 
 /* Below this many flops a parallel region costs more than it saves. */
@@ -117,22 +118,61 @@ typedef struct {
 } gemm_cache;
 
 /* Per-thread buffers of one call: a packed A block [mc x kcb] and B block
- * [kcb x nc], and at most one of the caches. */
+ * [kcb x nc], at most one of the caches, and for a bf16 B on an arch without
+ * pack_b_h the block widened to fp32 ([kcb x nc], NULL otherwise). */
 typedef struct {
-    float *Ap, *Bp;
+    float *Ap, *Bp, *wide;
     long mc, nc;
     gemm_cache *ca, *cb;
 } gemm_ws;
 
+/* dst[i] = s[i] widened (exact: the bits moved up by 16). Not
+ * ct_convert_to_f32: that one opens a parallel region (idle here, inside the
+ * GEMM's) per call, which cost more than the widening on short rows. */
+static void widen_bf16(float *dst, const uint16_t *s, long n) {
+    for (long i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)s[i] << 16;
+        memcpy(dst + i, &u, sizeof u);
+    }
+}
+
+/* Packs B block b (kc x n): pack_b, or for a bf16 view pack_b_h, or the
+ * block widened into ws->wide in b's own orientation (so the widening reads
+ * the store sequentially) and then pack_b. Widening bf16 is exact and a
+ * rounding packer leaves a bf16 value as it is, so all three pack the bits
+ * the arch packs from the fp32 widening of the whole matrix. */
+static void pack_b_any(const gemm_arch *ar, const gemm_ws *ws, float *dst, gemm_view b, long kc, long n) {
+    if (!b.h) {
+        ar->pack_b(dst, b, kc, n);
+        return;
+    }
+    if (ar->pack_b_h) {
+        ar->pack_b_h(dst, b, kc, n);
+        return;
+    }
+    float *x = ws->wide;
+    gemm_view v = {x, n, 1, NULL};
+    if (b.cs == 1) {
+        for (long k = 0; k < kc; k++) widen_bf16(x + k * n, b.h + k * b.rs, n);
+    } else if (b.rs == 1) {
+        for (long j = 0; j < n; j++) widen_bf16(x + j * kc, b.h + j * b.cs, kc);
+        v.rs = 1, v.cs = kc;
+    } else {
+        for (long k = 0; k < kc; k++)
+            for (long j = 0; j < n; j++) x[k * n + j] = ct_bf16_to_f32(b.h[k * b.rs + j * b.cs]);
+    }
+    ar->pack_b(dst, v, kc, n);
+}
+
 /* Packed block (outer block index ob, k block starting at pc) of a cached
  * operand, packing it first if this thread has not yet. */
-static const float *cached_block(gemm_cache *c, const gemm_job *g, long ob, long pc, int is_a, gemm_view v, long n,
-                                 long kc) {
+static const float *cached_block(gemm_cache *c, const gemm_job *g, const gemm_ws *ws, long ob, long pc, int is_a,
+                                 gemm_view v, long n, long kc) {
     long idx = ob * c->nkb + pc / g->kcb;
     float *dst = c->p + idx * c->slot;
     if (!c->done[idx]) {
         if (is_a) g->ar->pack_a(dst, v, n, kc);
-        else g->ar->pack_b(dst, v, kc, n);
+        else pack_b_any(g->ar, ws, dst, v, kc, n);
         c->done[idx] = 1;
     }
     return dst;
@@ -154,17 +194,18 @@ static void gemm_rect(const gemm_job *g, gemm_ws *ws, long i0, long i1, long j0,
         for (long pc = 0; pc < K; pc += kcb) {
             long kc = K - pc < kcb ? K - pc : kcb;
             long kd = panel_depth(ar, kc); /* depth of a packed panel in 32-bit lanes */
-            gemm_view b = {B.p + pc * B.rs + jc * B.cs, B.rs, B.cs};
+            long boff = pc * B.rs + jc * B.cs;
+            gemm_view b = {B.h ? NULL : B.p + boff, B.rs, B.cs, B.h ? B.h + boff : NULL};
             const float *Bp = ws->Bp;
-            if (ws->cb) Bp = cached_block(ws->cb, g, jc / nc, pc, 0, b, ncur, kc);
-            else ar->pack_b(ws->Bp, b, kc, ncur);
+            if (ws->cb) Bp = cached_block(ws->cb, g, ws, jc / nc, pc, 0, b, ncur, kc);
+            else pack_b_any(ar, ws, ws->Bp, b, kc, ncur);
             int add = g->accumulate || pc > 0;
             for (long ic = i0; ic < i1; ic += mc) {
                 long mcur = i1 - ic < mc ? i1 - ic : mc;
                 long mt = ceil_div(mcur, MR);
-                gemm_view a = {A.p + ic * A.rs + pc * A.cs, A.rs, A.cs};
+                gemm_view a = {A.p + ic * A.rs + pc * A.cs, A.rs, A.cs, NULL};
                 const float *Ap = ws->Ap;
-                if (ws->ca) Ap = cached_block(ws->ca, g, ic / mc, pc, 1, a, mcur, kc);
+                if (ws->ca) Ap = cached_block(ws->ca, g, ws, ic / mc, pc, 1, a, mcur, kc);
                 else ar->pack_a(ws->Ap, a, mcur, kc);
                 for (long jb = 0; jb < nt; jb += chunk) {
                     long jb1 = jb + chunk < nt ? jb + chunk : nt;
@@ -247,6 +288,11 @@ static void gemm_thread(const gemm_job *g, const gemm_split *sp, int team) {
     else ws.Ap = gemm_alloc((size_t)ceil_div(sp->mcu, ar->mr) * ar->mrs * sp->kdb);
     if (sp->slot_b) cache_alloc(&cb, ceil_div(g->N, sp->ncs), sp->nkb, sp->slot_b), ws.cb = &cb;
     else ws.Bp = gemm_alloc((size_t)ceil_div(sp->ncu, ar->nr) * ar->nr * sp->kdb);
+    if (g->B.h && !ar->pack_b_h) {
+        /* a B block is at most kcb deep and as wide as a unit's block, or a cached block */
+        long wn = sp->slot_b ? sp->ncs : sp->ncu;
+        ws.wide = gemm_alloc((size_t)(g->kcb * wn));
+    }
     if (ar->thread_begin) ar->thread_begin();
     long nunits = sp->ur * sp->uc;
     if (!team) {
@@ -268,11 +314,17 @@ static void gemm_thread(const gemm_job *g, const gemm_split *sp, int team) {
     free(cb.done);
     free(ws.Ap);
     free(ws.Bp);
+    free(ws.wide);
 }
 
 void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B, float *C, long ldc,
               int accumulate) {
     if (M <= 0 || N <= 0) return;
+    if (A.h) {
+        /* no caller has a bf16 A (kern_cpu.h, gemm_view); refuse rather than read p */
+        fprintf(stderr, "ctitan: error: gemm_f32 was given a bf16 A operand\n");
+        abort();
+    }
     if (K <= 0) {
         /* an empty sum: C = 0 or C unchanged */
         if (!accumulate)

@@ -77,7 +77,7 @@ gemm_arch gemm_arch_rounding_bf16(const gemm_arch *base) {
 
 static void mm_fwd(const gemm_arch *ar, float *out, const float *inp, const float *w, int M, int K, int N,
                    int accumulate) {
-    gemm_view a = {inp, K, 1}, b = {w, 1, K};
+    gemm_view a = {inp, K, 1, NULL}, b = {w, 1, K, NULL};
     gemm_f32(ar, M, N, K, a, b, out, N, accumulate);
 }
 
@@ -106,5 +106,34 @@ void kern_matmul_bf16_bwd_avx2(float *dinp, float *dw, const float *dout, const 
                                int K, int N) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
     gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
+}
+
+/* A bf16 w: the pair arch copies its bits (pack_b_h); the rounding archs have
+ * none, so the driver widens each block and they round it, which leaves it
+ * as it is. */
+void kern_matmul_fwd_wbf16_bf16_avx512bf16(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
+                                           int accumulate) {
+    gemm_matmul_fwd_wbf16(&gemm_arch_avx512bf16, out, inp, w, M, K, N, accumulate);
+}
+void kern_matmul_dinp_wbf16_bf16_avx512bf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+    gemm_matmul_dinp_wbf16(&gemm_arch_avx512bf16, dinp, dout, w, M, K, N);
+}
+void kern_matmul_fwd_wbf16_bf16_avx512(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
+                                       int accumulate) {
+    gemm_arch ar = rounding_arch(&gemm_arch_avx512, pack_a_r512, pack_b_r512);
+    gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
+}
+void kern_matmul_dinp_wbf16_bf16_avx512(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+    gemm_arch ar = rounding_arch(&gemm_arch_avx512, pack_a_r512, pack_b_r512);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N);
+}
+void kern_matmul_fwd_wbf16_bf16_avx2(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
+                                     int accumulate) {
+    gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
+    gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
+}
+void kern_matmul_dinp_wbf16_bf16_avx2(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+    gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N);
 }
 #endif /* __x86_64__ */

@@ -272,6 +272,9 @@ T512 static void pack_a_amx(float *dst, gemm_view a, long m, long kc) {
 }
 
 static void pack_b_amx(float *dst, gemm_view b, long kc, long n) { gemm_pack_b_bf16(dst, b, kc, n, amx_depth(kc)); }
+static void pack_b_h_amx(float *dst, gemm_view b, long kc, long n) {
+    gemm_pack_b_bf16_h(dst, b, kc, n, amx_depth(kc));
+}
 
 const gemm_arch gemm_arch_amx = {
     .name = "amx",
@@ -285,6 +288,7 @@ const gemm_arch gemm_arch_amx = {
     .ukernel = uk_amx,
     .pack_a = pack_a_amx,
     .pack_b = pack_b_amx,
+    .pack_b_h = pack_b_h_amx,
     .nt_small = NULL, /* matmul_bf16 always packs (see gemm_bf16.c) */
     .kpack = 2,
     .kalign = KSTEP,
@@ -295,12 +299,19 @@ const gemm_arch gemm_arch_amx = {
 /* ------------------------------------------------- the matmul_bf16 op */
 
 void kern_matmul_bf16_fwd_amx(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
-    gemm_view a = {inp, K, 1}, b = {w, 1, K}; /* out[M,N] = inp[M,K] (w[N,K] viewed [K,N]) */
+    gemm_view a = {inp, K, 1, NULL}, b = {w, 1, K, NULL}; /* out[M,N] = inp[M,K] (w[N,K] viewed [K,N]) */
     gemm_f32(&gemm_arch_amx, M, N, K, a, b, out, N, accumulate);
 }
 void kern_matmul_bf16_bwd_amx(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                               int K, int N) {
     gemm_matmul_bwd(&gemm_arch_amx, dinp, dw, dout, inp, w, M, K, N);
+}
+void kern_matmul_fwd_wbf16_bf16_amx(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
+                                    int accumulate) {
+    gemm_matmul_fwd_wbf16(&gemm_arch_amx, out, inp, w, M, K, N, accumulate);
+}
+void kern_matmul_dinp_wbf16_bf16_amx(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+    gemm_matmul_dinp_wbf16(&gemm_arch_amx, dinp, dout, w, M, K, N);
 }
 
 #endif /* x86-64 */

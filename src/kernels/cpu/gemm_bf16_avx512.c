@@ -203,6 +203,75 @@ T512 void gemm_pack_b_bf16(float *dst, gemm_view b, long kc, long n, long kd) {
             }
 }
 
+/* Mask of the first n of 32 16-bit lanes. */
+T512 static inline __mmask32 lanes32(long n) {
+    return n >= 32 ? (__mmask32)0xFFFFFFFFu : n <= 0 ? (__mmask32)0 : (__mmask32)((1u << n) - 1u);
+}
+
+T512 void gemm_pack_b_bf16_h(float *dst, gemm_view b, long kc, long n, long kd) {
+    long np = (n + NR - 1) / NR;
+    if (b.cs == 1) {
+        /* row-major B (dinp's w): source rows k and k+1 zero-extended, k+1 shifted into the high half */
+        for (long k2 = 0; k2 < kd; k2++) {
+            int has0 = 2 * k2 < kc, has1 = 2 * k2 + 1 < kc;
+            const uint16_t *s0 = b.h + (has0 ? 2 * k2 : 0) * b.rs, *s1 = has1 ? s0 + b.rs : s0;
+            for (long p = 0; p < np; p++) {
+                long cols = n - p * NR;
+                float *d = dst + p * NR * kd + k2 * NR;
+                for (int h = 0; h < 2; h++) {
+                    __mmask16 mk = lanes((int)(cols - 16 * h));
+                    __m256i x0 = _mm256_maskz_loadu_epi16(has0 ? mk : (__mmask16)0, s0 + p * NR + 16 * h);
+                    __m256i x1 = _mm256_maskz_loadu_epi16(has1 ? mk : (__mmask16)0, s1 + p * NR + 16 * h);
+                    __m512i v = _mm512_or_si512(_mm512_cvtepu16_epi32(x0),
+                                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(x1), 16));
+                    _mm512_store_si512(d + 16 * h, v);
+                }
+            }
+        }
+        return;
+    }
+    if (b.rs == 1) {
+        /* B given transposed (the forward's w[N,K]): each k pair of a row of w
+         * is one 32-bit word already (k in the low half, little-endian), so a
+         * slab is a 16 x 16 transpose of words, as pair_transpose_slab without
+         * the rounding */
+        for (long p = 0; p < np; p++)
+            for (int h = 0; h < 2; h++) {
+                long c0 = p * NR + 16 * h, rows = n - c0;
+                float *d = dst + p * NR * kd + 16 * h;
+                for (long k0 = 0; k0 < 2 * kd; k0 += 32) {
+                    __mmask32 mk = lanes32(kc - k0); /* 0 in the padding past kc: zeros */
+                    __m512 r[16];
+#pragma GCC unroll 16
+                    for (int i = 0; i < 16; i++) {
+                        int in = i < rows && mk;
+                        const uint16_t *q = b.h + (in ? (c0 + i) * b.cs + k0 : 0);
+                        r[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(in ? mk : (__mmask32)0, q));
+                    }
+                    transpose16(r);
+                    long pn = kd - k0 / 2;
+#pragma GCC unroll 16
+                    for (int j = 0; j < 16; j++)
+                        if (j < pn) _mm512_store_ps(d + (k0 / 2 + j) * NR, r[j]);
+                }
+            }
+        return;
+    }
+    for (long p = 0; p < np; p++) /* any other strides (not used by the model) */
+        for (long k2 = 0; k2 < kd; k2++)
+            for (int j = 0; j < NR; j++) {
+                long col = p * NR + j, k = 2 * k2;
+                uint32_t lo = col < n && k < kc ? b.h[k * b.rs + col * b.cs] : 0;
+                uint32_t hi = col < n && k + 1 < kc ? b.h[(k + 1) * b.rs + col * b.cs] : 0;
+                uint32_t u = lo | hi << 16;
+                memcpy(dst + p * NR * kd + k2 * NR + j, &u, sizeof u);
+            }
+}
+
+T512 static void pack_b_bf16_h(float *dst, gemm_view b, long kc, long n) {
+    gemm_pack_b_bf16_h(dst, b, kc, n, (kc + 1) / 2);
+}
+
 /* The avx512bf16 arch's B panels: ceil(kc / 2) pairs deep (kpack = 2). */
 T512 static void pack_b_bf16(float *dst, gemm_view b, long kc, long n) {
     gemm_pack_b_bf16(dst, b, kc, n, (kc + 1) / 2);
@@ -220,6 +289,7 @@ const gemm_arch gemm_arch_avx512bf16 = {
     .ukernel = uk_bf16,
     .pack_a = pack_a_bf16,
     .pack_b = pack_b_bf16,
+    .pack_b_h = pack_b_bf16_h,
     .nt_small = NULL, /* matmul_bf16 always packs (see gemm_bf16.c) */
     .kpack = 2,
 };

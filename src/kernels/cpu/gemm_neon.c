@@ -422,7 +422,7 @@ const gemm_arch gemm_arch_bfmmla = {
 
 static void mm_fwd(const gemm_arch *ar, float *out, const float *inp, const float *w, int M, int K, int N,
                    int accumulate) {
-    gemm_view a = {inp, K, 1}, b = {w, 1, K};
+    gemm_view a = {inp, K, 1, NULL}, b = {w, 1, K, NULL};
     gemm_f32(ar, M, N, K, a, b, out, N, accumulate);
 }
 
@@ -441,5 +441,23 @@ void kern_matmul_bf16_bwd_neon(float *dinp, float *dw, const float *dout, const 
                                int K, int N) {
     gemm_arch ar = gemm_arch_rounding_bf16(&gemm_arch_neon);
     gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
+}
+/* A bf16 w: no pack_b_h on these archs, so the driver widens each block
+ * first (exact; the rounding packers then leave it as it is). */
+void kern_matmul_fwd_wbf16_bf16_bfmmla(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
+                                       int accumulate) {
+    gemm_matmul_fwd_wbf16(&gemm_arch_bfmmla, out, inp, w, M, K, N, accumulate);
+}
+void kern_matmul_dinp_wbf16_bf16_bfmmla(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+    gemm_matmul_dinp_wbf16(&gemm_arch_bfmmla, dinp, dout, w, M, K, N);
+}
+void kern_matmul_fwd_wbf16_bf16_neon(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
+                                     int accumulate) {
+    gemm_arch ar = gemm_arch_rounding_bf16(&gemm_arch_neon);
+    gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
+}
+void kern_matmul_dinp_wbf16_bf16_neon(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+    gemm_arch ar = gemm_arch_rounding_bf16(&gemm_arch_neon);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N);
 }
 #endif /* __aarch64__ */

@@ -25,11 +25,16 @@
 #include "kernels/ops.h" /* kern_attn_opt */
 #include "optim/optim.h"
 
-/* A strided view: element (i, j) lives at p[i * rs + j * cs]. One of rs, cs is
- * 1 for every operand the model passes; the packers have a fast path for each. */
+/* A strided view: element (i, j) lives at p[i * rs + j * cs], or, when h is
+ * set, is the bf16 h[i * rs + j * cs] (p unused): a frozen weight read
+ * straight from its bf16 store (model/lm.c) instead of a widened fp32 copy.
+ * Only B may be bf16 (the weight of the forward and of dinp; a frozen weight
+ * has no dw product). One of rs, cs is 1 for every operand the model passes;
+ * the packers have a fast path for each. */
 typedef struct {
     const float *p;
     long rs, cs;
+    const uint16_t *h;
 } gemm_view;
 
 /* Micro-kernel: C[0:mr, 0:nr] (=, or += when add) Ap^T Bp over kc steps, where
@@ -68,6 +73,11 @@ typedef struct {
     gemm_ukernel_fn ukernel;
     gemm_pack_a_fn pack_a;
     gemm_pack_b_fn pack_b;
+    /* pack_b for a bf16 view (b.h), with the same output as pack_b on its
+     * exact fp32 widening; NULL: the driver widens each block into a
+     * per-thread fp32 buffer and calls pack_b (exact, so the same bits). The
+     * bf16-pair archs copy the bits, which skips their rounding too. */
+    gemm_pack_b_fn pack_b_h;
     gemm_nt_small_fn nt_small;
     /* k values per 32-bit lane of a packed panel: 0 or 1 for fp32; 2 for bf16
      * pairs (vdpbf16ps), whose panels are then ceil(kc / 2) lanes deep, so
@@ -117,6 +127,39 @@ void gemm_nt_small(const gemm_arch *arch, float *out, const float *inp, const fl
  * rounds while packing). */
 void gemm_matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *dout, const float *inp,
                      const float *w, int M, int K, int N);
+
+/* ops.h's op_matmul_fwd_wbf16 / op_matmul_dinp_wbf16 (w stored in bf16) as
+ * gemm_f32 calls on `ar` with a bf16 B view; a forward of at most
+ * GEMM_SMALL_M rows on an arch with nt_small widens w and takes that path,
+ * as matmul_fwd does with an fp32 w. */
+void gemm_matmul_fwd_wbf16(const gemm_arch *ar, float *out, const float *inp, const uint16_t *w, int M, int K, int N,
+                           int accumulate);
+void gemm_matmul_dinp_wbf16(const gemm_arch *ar, float *dinp, const float *dout, const uint16_t *w, int M, int K,
+                            int N);
+/* B packed as bf16 pairs from a bf16 view (b.h): gemm_pack_b_bf16's layout
+ * and bits, the pairs copied rather than rounded (gemm_bf16_avx512.c). */
+void gemm_pack_b_bf16_h(float *dst, gemm_view b, long kc, long n, long kd);
+
+/* The wbf16 entries of every registered matmul / matmul_bf16 implementation. */
+#define KERN_MM_H_DECL(SUF)                                                                                          \
+    void kern_matmul_fwd_wbf16_##SUF(float *out, const float *inp, const uint16_t *w, int M, int K, int N,          \
+                                     int accumulate);                                                                \
+    void kern_matmul_dinp_wbf16_##SUF(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N);
+KERN_MM_H_DECL(openblas)
+#if defined(__x86_64__)
+KERN_MM_H_DECL(avx512)
+KERN_MM_H_DECL(avx2)
+KERN_MM_H_DECL(bf16_amx)
+KERN_MM_H_DECL(bf16_avx512bf16)
+KERN_MM_H_DECL(bf16_avx512)
+KERN_MM_H_DECL(bf16_avx2)
+#endif
+#if defined(__aarch64__)
+KERN_MM_H_DECL(neon)
+KERN_MM_H_DECL(bf16_bfmmla)
+KERN_MM_H_DECL(bf16_neon)
+#endif
+#undef KERN_MM_H_DECL
 
 #if defined(__x86_64__)
 /* The ops.h matmul signatures on top of gemm_f32 for each ISA. */

@@ -11,9 +11,20 @@
  * The "openblas" implementation makes the same three calls through CBLAS so
  * the registry can offer it (and benchmarks can compare against it). */
 #include <cblas.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "core/dtype.h"
+#include "core/err.h"
 #include "kernels/cpu/kern_cpu.h"
+
+/* w[n] bf16 widened into a fresh fp32 copy (exact): the few-rows forward and
+ * OpenBLAS, which read fp32 only. */
+static float *widened(const uint16_t *w, size_t n) {
+    float *x = ct_malloc((n ? n : 1) * sizeof(float));
+    ct_convert_to_f32(x, w, CT_BF16, n);
+    return x;
+}
 
 static void matmul_fwd(const gemm_arch *ar, float *out, const float *inp, const float *w, int M, int K, int N,
                        int accumulate) {
@@ -21,7 +32,7 @@ static void matmul_fwd(const gemm_arch *ar, float *out, const float *inp, const 
         gemm_nt_small(ar, out, inp, w, M, K, N, accumulate);
         return;
     }
-    gemm_view a = {inp, K, 1}, b = {w, 1, K};
+    gemm_view a = {inp, K, 1, NULL}, b = {w, 1, K, NULL};
     gemm_f32(ar, M, N, K, a, b, out, N, accumulate);
 }
 
@@ -29,14 +40,52 @@ void gemm_matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *d
                      const float *w, int M, int K, int N) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     if (dinp) {
-        gemm_view a = {dout, N, 1}, b = {w, K, 1};
+        gemm_view a = {dout, N, 1, NULL}, b = {w, K, 1, NULL};
         gemm_f32(ar, M, K, N, a, b, dinp, K, 1);
     }
     if (dw) {
-        gemm_view a = {dout, 1, N}, b = {inp, K, 1};
+        gemm_view a = {dout, 1, N, NULL}, b = {inp, K, 1, NULL};
         gemm_f32(ar, N, K, M, a, b, dw, K, 1);
     }
 }
+
+void gemm_matmul_fwd_wbf16(const gemm_arch *ar, float *out, const float *inp, const uint16_t *w, int M, int K, int N,
+                           int accumulate) {
+    if (M <= 0 || N <= 0) return;
+    if (M <= GEMM_SMALL_M && ar->nt_small) {
+        /* decode steps (generation): the dot products of matmul_fwd, on the same fp32 values */
+        float *x = widened(w, (size_t)N * (K > 0 ? K : 0));
+        gemm_nt_small(ar, out, inp, x, M, K, N, accumulate);
+        free(x);
+        return;
+    }
+    gemm_view a = {inp, K, 1, NULL}, b = {NULL, 1, K, w};
+    gemm_f32(ar, M, N, K, a, b, out, N, accumulate);
+}
+
+void gemm_matmul_dinp_wbf16(const gemm_arch *ar, float *dinp, const float *dout, const uint16_t *w, int M, int K,
+                            int N) {
+    if (M <= 0 || N <= 0 || K <= 0) return;
+    gemm_view a = {dout, N, 1, NULL}, b = {NULL, K, 1, w};
+    gemm_f32(ar, M, K, N, a, b, dinp, K, 1);
+}
+
+/* The wbf16 pair of an implementation whose products are gemm_f32 calls on `arch`. */
+#define KERN_MM_H_DEF(SUF, arch)                                                                                     \
+    void kern_matmul_fwd_wbf16_##SUF(float *out, const float *inp, const uint16_t *w, int M, int K, int N,          \
+                                     int accumulate) {                                                               \
+        gemm_matmul_fwd_wbf16(arch, out, inp, w, M, K, N, accumulate);                                               \
+    }                                                                                                                \
+    void kern_matmul_dinp_wbf16_##SUF(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {    \
+        gemm_matmul_dinp_wbf16(arch, dinp, dout, w, M, K, N);                                                        \
+    }
+
+#if defined(__x86_64__)
+KERN_MM_H_DEF(avx512, &gemm_arch_avx512)
+KERN_MM_H_DEF(avx2, &gemm_arch_avx2)
+#elif defined(__aarch64__)
+KERN_MM_H_DEF(neon, &gemm_arch_neon)
+#endif
 
 #if defined(__x86_64__)
 void kern_matmul_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
@@ -81,4 +130,19 @@ void kern_matmul_bwd_openblas(float *dinp, float *dw, const float *dout, const f
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, dout, N, w, K, 1.0f, dinp, K);
     if (dw)
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, M, 1.0f, dout, N, inp, K, 1.0f, dw, K);
+}
+
+void kern_matmul_fwd_wbf16_openblas(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
+                                    int accumulate) {
+    if (M <= 0 || N <= 0) return;
+    float *x = widened(w, (size_t)N * (K > 0 ? K : 0));
+    kern_matmul_fwd_openblas(out, inp, x, M, K, N, accumulate);
+    free(x);
+}
+
+void kern_matmul_dinp_wbf16_openblas(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+    if (M <= 0 || N <= 0 || K <= 0) return;
+    float *x = widened(w, (size_t)N * K);
+    kern_matmul_bwd_openblas(dinp, NULL, dout, NULL, x, M, K, N);
+    free(x);
 }

@@ -48,13 +48,13 @@ enum { MOE_NT, MOE_NN, MOE_TN };
 static void expert_gemm(const gemm_arch *ar, int form, int e, long p0, int M, int N, int K, int n0, int n1,
                         const float *A, const float *W, float *C, int accumulate) {
     if (form == MOE_NT) {
-        gemm_view a = {A + p0 * K, K, 1}, b = {W + ((size_t)e * N + n0) * K, 1, K};
+        gemm_view a = {A + p0 * K, K, 1, NULL}, b = {W + ((size_t)e * N + n0) * K, 1, K, NULL};
         gemm_f32(ar, M, n1 - n0, K, a, b, C + p0 * N + n0, N, accumulate);
     } else if (form == MOE_NN) {
-        gemm_view a = {A + p0 * N, N, 1}, b = {W + (size_t)e * N * K, K, 1};
+        gemm_view a = {A + p0 * N, N, 1, NULL}, b = {W + (size_t)e * N * K, K, 1, NULL};
         gemm_f32(ar, M, K, N, a, b, C + p0 * K, K, accumulate);
     } else {
-        gemm_view a = {A + p0 * N + n0, 1, N}, b = {W + p0 * K, K, 1};
+        gemm_view a = {A + p0 * N + n0, 1, N, NULL}, b = {W + p0 * K, K, 1, NULL};
         gemm_f32(ar, n1 - n0, K, M, a, b, C + ((size_t)e * N + n0) * K, K, 1);
     }
 }

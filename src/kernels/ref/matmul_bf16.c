@@ -42,3 +42,38 @@ void op_matmul_bf16_bwd(float *dinp, float *dw, const float *dout, const float *
     free(ri);
     free(rw);
 }
+
+/* w[n] bf16 widened into an fp32 copy (exact). */
+static float *widened_copy(const uint16_t *w, size_t n) {
+    float *x = ct_malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) x[i] = ct_bf16_to_f32(w[i]);
+    return x;
+}
+
+void op_matmul_fwd_wbf16(float *out, const float *inp, const uint16_t *w, int M, int K, int N, int accumulate) {
+    if (M <= 0 || N <= 0) return;
+    float *x = widened_copy(w, (size_t)N * (K > 0 ? K : 0));
+    op_matmul_fwd(out, inp, x, M, K, N, accumulate);
+    free(x);
+}
+
+void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+    if (M <= 0 || N <= 0 || K <= 0) return;
+    float *x = widened_copy(w, (size_t)N * K);
+    op_matmul_bwd(dinp, NULL, dout, NULL, x, M, K, N);
+    free(x);
+}
+
+void op_matmul_bf16_fwd_wbf16(float *out, const float *inp, const uint16_t *w, int M, int K, int N, int accumulate) {
+    if (M <= 0 || N <= 0) return;
+    float *x = widened_copy(w, (size_t)N * (K > 0 ? K : 0));
+    op_matmul_bf16_fwd(out, inp, x, M, K, N, accumulate);
+    free(x);
+}
+
+void op_matmul_bf16_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+    if (M <= 0 || N <= 0 || K <= 0) return;
+    float *x = widened_copy(w, (size_t)N * K);
+    op_matmul_bf16_bwd(dinp, NULL, dout, NULL, x, M, K, N);
+    free(x);
+}
