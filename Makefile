@@ -211,8 +211,7 @@ test-py-all: all
 # test_tune 8.4 -> 4.0 at a load of 2.5; at a load of 8 (other builds beside) test_ops 52 -> 7.6
 # and test_train_loop + test_resume 38 -> 13 CPU s, 273 -> 66 s wall; torch-bound pytest files
 # unchanged. Same threads, same code paths, same results; only how an idle thread waits.
-# Not for `make run` or bench: there ctitan shortens libgomp's spin itself (GOMP_SPINCOUNT,
-# src/cli/main.c) unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT; PyTorch keeps its own.
+# Not for `make run` or bench.
 test test-c test-py test-py-passes test-py-all test-aarch64 sanitize fuzz-short: export OMP_WAIT_POLICY ?= passive
 
 # The builds of make test (build, build/san, build/fuzz, build/aarch64) on every core: `make test`
