@@ -7,32 +7,16 @@
 #include "cli/cli.h"
 #include "core/cpu.h"
 
-/* How long an idle OpenMP thread spins before it sleeps (libgomp's
- * GOMP_SPINCOUNT, iterations of a pause loop). libgomp's default, 300000, is
- * ~7 ms on the 2-core SPR guest (a pause is 23 ns there): at a barrier of one
- * of a W3 step's several hundred parallel regions, a thread whose partner
- * another process has preempted burns its share of the core spinning, and
- * the partner waits longer for it. 10000 (~0.25 ms) still spans nearly all
- * the gaps between a step's regions (the serial code between kernel calls:
- * 16 of a W3 step's ~230 exceed 0.2 ms, at one thread and load 4). Measured
- * at load 4-9, W3's model, 6 steps, settings alternating (tok/s, user CPU s):
- * default 202 / 117 (31-33 s), 100000 370 / 125 (25-30 s), 30000 159 / 159
- * (25 s; default 164 / 146 beside it), 10000 285 / 194 (22-24 s), 1000
- * 177 / 167 (21-22 s), passive (0) 175 / 173 (21-22 s). */
-#define CT_GOMP_SPINCOUNT "10000"
-
-/* Libraries that read the environment when they load, before main: OpenBLAS
- * picks its kernels (choose for this CPU), libgomp its wait policy (above).
- * Where the user has not chosen, set them and start again once with them in
- * the environment. CTITAN_NO_REEXEC=1 keeps the libraries' own choices. */
-static void reexec_with_library_env(char **argv) {
-    if (getenv("CTITAN_NO_REEXEC")) return;
-    int set = 0;
-    const char *core = getenv("OPENBLAS_CORETYPE") ? NULL : cpu_openblas_coretype();
-    if (core) setenv("OPENBLAS_CORETYPE", core, 1), set = 1;
-    if (!getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT")) setenv("GOMP_SPINCOUNT", CT_GOMP_SPINCOUNT, 1), set = 1;
-    if (set) execv("/proc/self/exe", argv);
-    /* exec failed: carry on with the libraries' defaults */
+/* OpenBLAS picks its kernels when it loads, before main: if the user has not
+ * chosen, choose for this CPU and start again with it in the environment.
+ * CTITAN_NO_REEXEC=1 keeps the library's own choice. */
+static void pick_blas_kernels(char **argv) {
+    if (getenv("OPENBLAS_CORETYPE") || getenv("CTITAN_NO_REEXEC")) return;
+    const char *core = cpu_openblas_coretype();
+    if (!core) return;
+    setenv("OPENBLAS_CORETYPE", core, 1);
+    execv("/proc/self/exe", argv);
+    /* exec failed: carry on with the generic kernels */
 }
 
 static void usage(FILE *out) {
@@ -57,7 +41,7 @@ static void usage(FILE *out) {
 }
 
 int main(int argc, char **argv) {
-    reexec_with_library_env(argv);
+    pick_blas_kernels(argv);
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         usage(stdout);
         if (argc >= 2) {
