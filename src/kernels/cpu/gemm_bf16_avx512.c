@@ -100,6 +100,17 @@ TBF16 static void uk_bf16(long kc, const float *restrict A, const float *restric
     else uk_rows(1, kc, A, B, C, ldc, mr, nr, add);
 }
 
+/* r[i], row i's 16 pair lanes of k0 .. k0 + 31, transposed and stored as
+ * the pair rows k0 / 2 + j of dst (stride dstride) that the panel's depth kd
+ * has. */
+T512 static inline void store_pair_slab(float *dst, long dstride, __m512 r[16], long k0, long kd) {
+    transpose16(r);
+    long pn = kd - k0 / 2;
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++)
+        if (j < pn) _mm512_store_ps(dst + (k0 / 2 + j) * dstride, r[j]);
+}
+
 /* A rows x kc slab (rows <= 16, row stride ld, contiguous in k) as pairs
  * transposed: dst[k2 * dstride + i] = (x[i][2 k2], x[i][2 k2 + 1]) for k2 <
  * kd (>= ceil(kc / 2)), 32 k at a time (16 rows x 16 pair lanes, one 16 x 16
@@ -117,11 +128,29 @@ T512 static void pair_transpose_slab(float *dst, long dstride, const float *src,
             __m512 x1 = _mm512_maskz_loadu_ps(i < rows ? m1 : (__mmask16)0, p + 16);
             r[i] = _mm512_castsi512_ps(bf16_pair_along(x0, x1));
         }
-        transpose16(r);
-        long pn = kd - k0 / 2;
+        store_pair_slab(dst, dstride, r, k0, kd);
+    }
+}
+
+/* Mask of the first n of 32 16-bit lanes. */
+T512 static inline __mmask32 lanes32(long n) {
+    return n >= 32 ? (__mmask32)0xFFFFFFFFu : n <= 0 ? (__mmask32)0 : (__mmask32)((1u << n) - 1u);
+}
+
+/* pair_transpose_slab from a bf16 source: each k pair of a row is one 32-bit
+ * word already (k in the low half, little-endian), so the pairs are copied,
+ * not rounded. */
+T512 static void pair_transpose_slab_h(float *dst, long dstride, const uint16_t *src, long ld, int rows, long kc,
+                                       long kd) {
+    for (long k0 = 0; k0 < 2 * kd; k0 += 32) {
+        __mmask32 mk = lanes32(kc - k0); /* 0 in the padding past kc: zeros */
+        __m512 r[16];
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; j++)
-            if (j < pn) _mm512_store_ps(dst + (k0 / 2 + j) * dstride, r[j]);
+        for (int i = 0; i < 16; i++) {
+            int in = i < rows && mk;
+            r[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(in ? mk : (__mmask32)0, src + (in ? i * ld + k0 : 0)));
+        }
+        store_pair_slab(dst, dstride, r, k0, kd);
     }
 }
 
@@ -203,11 +232,6 @@ T512 void gemm_pack_b_bf16(float *dst, gemm_view b, long kc, long n, long kd) {
             }
 }
 
-/* Mask of the first n of 32 16-bit lanes. */
-T512 static inline __mmask32 lanes32(long n) {
-    return n >= 32 ? (__mmask32)0xFFFFFFFFu : n <= 0 ? (__mmask32)0 : (__mmask32)((1u << n) - 1u);
-}
-
 T512 void gemm_pack_b_bf16_h(float *dst, gemm_view b, long kc, long n, long kd) {
     long np = (n + NR - 1) / NR;
     if (b.cs == 1) {
@@ -231,29 +255,13 @@ T512 void gemm_pack_b_bf16_h(float *dst, gemm_view b, long kc, long n, long kd) 
         return;
     }
     if (b.rs == 1) {
-        /* B given transposed (the forward's w[N,K]): each k pair of a row of w
-         * is one 32-bit word already (k in the low half, little-endian), so a
-         * slab is a 16 x 16 transpose of words, as pair_transpose_slab without
-         * the rounding */
+        /* B given transposed (the forward's w[N,K]): pairs adjacent in each row of w */
         for (long p = 0; p < np; p++)
             for (int h = 0; h < 2; h++) {
-                long c0 = p * NR + 16 * h, rows = n - c0;
-                float *d = dst + p * NR * kd + 16 * h;
-                for (long k0 = 0; k0 < 2 * kd; k0 += 32) {
-                    __mmask32 mk = lanes32(kc - k0); /* 0 in the padding past kc: zeros */
-                    __m512 r[16];
-#pragma GCC unroll 16
-                    for (int i = 0; i < 16; i++) {
-                        int in = i < rows && mk;
-                        const uint16_t *q = b.h + (in ? (c0 + i) * b.cs + k0 : 0);
-                        r[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(in ? mk : (__mmask32)0, q));
-                    }
-                    transpose16(r);
-                    long pn = kd - k0 / 2;
-#pragma GCC unroll 16
-                    for (int j = 0; j < 16; j++)
-                        if (j < pn) _mm512_store_ps(d + (k0 / 2 + j) * NR, r[j]);
-                }
+                long cols = n - p * NR - 16 * h;
+                int c = (int)(cols > 16 ? 16 : cols < 0 ? 0 : cols);
+                pair_transpose_slab_h(dst + p * NR * kd + 16 * h, NR, b.h + (p * NR + 16 * h) * b.cs, b.cs, c, kc,
+                                      kd);
             }
         return;
     }
