@@ -39,6 +39,9 @@ static const kern_impl registry[] = {
     {KERN_OP_MATMUL, "neon", "cpu", KERN_FEAT_NEON, 0, "packed GEMM, 8x12 NEON micro-kernel (fmla by lane), OpenMP tiles",
      .fn.matmul = {kern_matmul_fwd_neon, kern_matmul_bwd_neon,
                    kern_matmul_fwd_wbf16_neon, kern_matmul_dinp_wbf16_neon}},
+    /* after neon: tested under qemu only, never timed on SVE hardware (gemm_sve.c) */
+    {KERN_OP_MATMUL, "sve", "cpu", KERN_FEAT_SVE, 0, "packed GEMM, 8 x 3VL SVE micro-kernel (any vector length)",
+     .fn.matmul = {kern_matmul_fwd_sve, kern_matmul_bwd_sve, kern_matmul_fwd_wbf16_sve, kern_matmul_dinp_wbf16_sve}},
 #endif
     {KERN_OP_MATMUL, "openblas", "cpu", 0, 0, "cblas_sgemm (core type as OPENBLAS_CORETYPE / the library picks)",
      .fn.matmul = {kern_matmul_fwd_openblas, kern_matmul_bwd_openblas,
