@@ -349,6 +349,15 @@ unsigned kern_cpu_features(void) {
 
 unsigned kern_cpu_hw_features(void) { return hw_features(); }
 
+int kern_sve_vector_bits(void) {
+#if defined(__aarch64__)
+    /* reading the length without SVE would be an undefined instruction */
+    return (hw_features() & KERN_FEAT_SVE) ? gemm_sve_vector_bits() : 0;
+#else
+    return 0;
+#endif
+}
+
 void kern_features_str(unsigned f, char *buf, size_t cap) {
     size_t len = 0;
     if (cap) buf[0] = 0;

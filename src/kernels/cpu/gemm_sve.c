@@ -213,6 +213,8 @@ static void nt_small_sve(float *out, long ldo, const float *inp, const float *w,
     }
 }
 
+int gemm_sve_vector_bits(void) { return 8 * (int)svcntb(); }
+
 gemm_arch gemm_arch_sve(void) {
     const int nr = NV * (int)svcntw();
     gemm_arch ar = {

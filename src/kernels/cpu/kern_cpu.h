@@ -333,6 +333,8 @@ void kern_matmul_bwd_neon(float *dinp, float *dw, const float *dout, const float
 /* gemm_sve.c: 8 x 3VL fp32 tile (VL = svcntw(), read at run time, hence a
  * function returning the arch rather than a const object); needs SVE. */
 gemm_arch gemm_arch_sve(void);
+/* 8 * svcntb(); only where the CPU has SVE (registry.c: kern_sve_vector_bits). */
+int gemm_sve_vector_bits(void);
 void kern_matmul_fwd_sve(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_sve(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
                          int N);
