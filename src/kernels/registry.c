@@ -186,6 +186,11 @@ static const kern_impl registry[] = {
      "packed GEMM, bf16, 8x8 tile of 2x2 BFMMLA blocks, fp32 sums",
      .fn.matmul = {kern_matmul_bf16_fwd_bfmmla, kern_matmul_bf16_bwd_bfmmla,
                    kern_matmul_fwd_wbf16_bf16_bfmmla, kern_matmul_dinp_wbf16_bf16_bfmmla}},
+    /* after bfmmla: tested under qemu only, never timed on SVE hardware (gemm_sve_bf16.c) */
+    {KERN_OP_MATMUL_BF16, "sve_bfmmla", "cpu", KERN_FEAT_SVE | KERN_FEAT_ARM_BF16, 0,
+     "packed GEMM, bf16, SVE BFMMLA (2x2 tile per 128-bit segment), 8 x 2VL/32 tile, fp32 sums",
+     .fn.matmul = {kern_matmul_bf16_fwd_sve_bfmmla, kern_matmul_bf16_bwd_sve_bfmmla,
+                   kern_matmul_fwd_wbf16_bf16_sve_bfmmla, kern_matmul_dinp_wbf16_bf16_sve_bfmmla}},
     {KERN_OP_MATMUL_BF16, "neon", "cpu", KERN_FEAT_NEON, 0, "matmul neon on panels rounded to bf16 when packed",
      .fn.matmul = {kern_matmul_bf16_fwd_neon, kern_matmul_bf16_bwd_neon,
                    kern_matmul_fwd_wbf16_bf16_neon, kern_matmul_dinp_wbf16_bf16_neon}},

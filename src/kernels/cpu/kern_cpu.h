@@ -158,6 +158,7 @@ KERN_MM_H_DECL(bf16_avx2)
 KERN_MM_H_DECL(neon)
 KERN_MM_H_DECL(sve)
 KERN_MM_H_DECL(bf16_bfmmla)
+KERN_MM_H_DECL(bf16_sve_bfmmla)
 KERN_MM_H_DECL(bf16_neon)
 #endif
 #undef KERN_MM_H_DECL
@@ -341,6 +342,11 @@ void kern_matmul_bwd_sve(float *dinp, float *dw, const float *dout, const float 
 void kern_matmul_bf16_fwd_bfmmla(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_bfmmla(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                                  int K, int N);
+/* gemm_sve_bf16.c: BFMMLA on SVE vectors, 8 x 2VL/32 tile; needs SVE and BF16. */
+void kern_matmul_bf16_fwd_sve_bfmmla(float *out, const float *inp, const float *w, int M, int K, int N,
+                                     int accumulate);
+void kern_matmul_bf16_bwd_sve_bfmmla(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                                     int M, int K, int N);
 void kern_matmul_bf16_fwd_neon(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                                int K, int N);
