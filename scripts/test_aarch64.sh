@@ -6,6 +6,10 @@
 # qemu runs with -cpu max (QEMU_CPU), which emulates NEON, SVE, BF16 (BFMMLA) and I8MM,
 # so every Arm kernel the registry has is checked against its reference. Emulation says
 # nothing about speed: timings under qemu mean nothing.
+# -cpu max's SVE vectors are 512 bits (qemu-user's default length); the SVE GEMMs (matmul
+# "sve", matmul_bf16 "sve_bfmmla", whose tiles follow the vector length) are checked again at
+# 128, 256 and 2048 bits, their own cases only (a few seconds each): a kernel that assumed
+# one width fails at another.
 #
 # Where the cross toolchain or qemu is missing (scripts/setup.sh installs them and only
 # warns if it cannot), this prints "aarch64: skipped (...)" and succeeds, so the x86
@@ -59,12 +63,15 @@ slow=moe_experts_bf16
 # Emulation is slow, and qemu has hung before (see above): every process runs under a
 # limit, and one over it fails the suite with a TIMEOUT line naming it.
 limit=${CT_TEST_TIMEOUT:-3600}
+# check_op OP [LOG_NAME [MORE CHECK ARGUMENTS]]
 check_op() {
-  timeout -k 10 "$limit" qemu-aarch64 $B/ctitan kernels check --quick --op "$1" >$B/kernels-check-$1.log 2>&1
+  local op=$1 name=${2:-$1}
+  shift $(($# < 2 ? $# : 2))
+  timeout -k 10 "$limit" qemu-aarch64 $B/ctitan kernels check --quick --op "$op" "$@" >$B/kernels-check-$name.log 2>&1
   local r=$?
   if [ $r -eq 124 ] || [ $r -eq 137 ]; then
-    echo "TIMEOUT: aarch64 kernels check --op $1 ran over $limit s (CT_TEST_TIMEOUT) and was stopped" \
-      | tee -a $B/kernels-check-$1.log
+    echo "TIMEOUT: aarch64 kernels check --op $op $* ran over $limit s (CT_TEST_TIMEOUT) and was stopped" \
+      | tee -a $B/kernels-check-$name.log
   fi
   return $r
 }
@@ -75,6 +82,19 @@ rc=0
 for op in $ops; do
   [ "$op" = "$slow" ] && continue
   check_op "$op" || rc=1
+done
+# sve-default-vector-length is in bytes; sveN=on alone would not raise the length above 512.
+# The log must name the length asked for: a qemu that ignored the option would test 512 again.
+for vl in 128 256 2048; do
+  for oi in matmul:sve matmul_bf16:sve_bfmmla; do
+    op=${oi%:*} impl=${oi#*:} log=$B/kernels-check-$op-$impl$vl.log
+    QEMU_CPU=max,sve-default-vector-length=$((vl / 8)) check_op $op $op-$impl$vl --impl $impl || rc=1
+    if ! grep -q "^sve vector length: $vl bits" $log; then
+      echo "FAIL: aarch64 kernels check of $op $impl did not run at $vl bits:" \
+        "$(grep '^sve vector length' $log || echo 'no SVE')" | tee -a $log
+      rc=1
+    fi
+  done
 done
 CT_TEST_TIMEOUT=$limit CT_TEST_RUNNER=qemu-aarch64 CT_TEST_LABEL="aarch64 " bash scripts/run_c_tests.sh "${tests[@]}" \
   >$B/c-tests.log 2>&1

@@ -112,6 +112,7 @@ static int cmd_list(void) {
         return 1;
     }
     printf("cpu features: %s\n", have);
+    if (kern_sve_vector_bits()) printf("sve vector length: %d bits\n", kern_sve_vector_bits());
     const char *amx_why;
     if (!cpu_amx_bf16_ready(&amx_why)) printf("amx_bf16: not usable: %s\n", amx_why); /* why, when absent */
     printf("%s\n\n", log);
@@ -135,6 +136,8 @@ static int cmd_check(const kern_cli_opts *o) {
     kern_check_opts co = {.out = stdout, .op = o->op, .impl = o->impl, .features = kern_cpu_features(),
                           .seed = o->seed, .quick = o->quick};
     printf("threads: %d%s\n", cpu_threads(), o->quick ? " (--quick: the largest cases capped)" : "");
+    /* the SVE GEMM's tile is 3 vectors wide: a check log says which width it tested */
+    if (kern_sve_vector_bits()) printf("sve vector length: %d bits\n", kern_sve_vector_bits());
     int failed = kern_check(t, n, &co);
     return failed ? 1 : 0;
 }

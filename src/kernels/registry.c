@@ -39,6 +39,9 @@ static const kern_impl registry[] = {
     {KERN_OP_MATMUL, "neon", "cpu", KERN_FEAT_NEON, 0, "packed GEMM, 8x12 NEON micro-kernel (fmla by lane), OpenMP tiles",
      .fn.matmul = {kern_matmul_fwd_neon, kern_matmul_bwd_neon,
                    kern_matmul_fwd_wbf16_neon, kern_matmul_dinp_wbf16_neon}},
+    /* after neon: tested under qemu only, never timed on SVE hardware (gemm_sve.c) */
+    {KERN_OP_MATMUL, "sve", "cpu", KERN_FEAT_SVE, 0, "packed GEMM, 8 x 3VL SVE micro-kernel (any vector length)",
+     .fn.matmul = {kern_matmul_fwd_sve, kern_matmul_bwd_sve, kern_matmul_fwd_wbf16_sve, kern_matmul_dinp_wbf16_sve}},
 #endif
     {KERN_OP_MATMUL, "openblas", "cpu", 0, 0, "cblas_sgemm (core type as OPENBLAS_CORETYPE / the library picks)",
      .fn.matmul = {kern_matmul_fwd_openblas, kern_matmul_bwd_openblas,
@@ -183,6 +186,11 @@ static const kern_impl registry[] = {
      "packed GEMM, bf16, 8x8 tile of 2x2 BFMMLA blocks, fp32 sums",
      .fn.matmul = {kern_matmul_bf16_fwd_bfmmla, kern_matmul_bf16_bwd_bfmmla,
                    kern_matmul_fwd_wbf16_bf16_bfmmla, kern_matmul_dinp_wbf16_bf16_bfmmla}},
+    /* after bfmmla: tested under qemu only, never timed on SVE hardware (gemm_sve_bf16.c) */
+    {KERN_OP_MATMUL_BF16, "sve_bfmmla", "cpu", KERN_FEAT_SVE | KERN_FEAT_ARM_BF16, 0,
+     "packed GEMM, bf16, SVE BFMMLA (2x2 tile per 128-bit segment), 8 x 2VL/32 tile, fp32 sums",
+     .fn.matmul = {kern_matmul_bf16_fwd_sve_bfmmla, kern_matmul_bf16_bwd_sve_bfmmla,
+                   kern_matmul_fwd_wbf16_bf16_sve_bfmmla, kern_matmul_dinp_wbf16_bf16_sve_bfmmla}},
     {KERN_OP_MATMUL_BF16, "neon", "cpu", KERN_FEAT_NEON, 0, "matmul neon on panels rounded to bf16 when packed",
      .fn.matmul = {kern_matmul_bf16_fwd_neon, kern_matmul_bf16_bwd_neon,
                    kern_matmul_fwd_wbf16_bf16_neon, kern_matmul_dinp_wbf16_bf16_neon}},
@@ -345,6 +353,15 @@ unsigned kern_cpu_features(void) {
 }
 
 unsigned kern_cpu_hw_features(void) { return hw_features(); }
+
+int kern_sve_vector_bits(void) {
+#if defined(__aarch64__)
+    /* reading the length without SVE would be an undefined instruction */
+    return (hw_features() & KERN_FEAT_SVE) ? gemm_sve_vector_bits() : 0;
+#else
+    return 0;
+#endif
+}
 
 void kern_features_str(unsigned f, char *buf, size_t cap) {
     size_t len = 0;

@@ -200,6 +200,10 @@ int kern_op_from_name(const char *name);
 unsigned kern_cpu_features(void);
 /* Without CTITAN_ISA's limit. */
 unsigned kern_cpu_hw_features(void);
+/* The SVE vector length in bits where the hardware has SVE (whatever
+ * CTITAN_ISA says), else 0. `kernels list` / `check` print it: the SVE GEMM's
+ * tile width follows it, and under qemu it is whatever -cpu max,sveN=on set. */
+int kern_sve_vector_bits(void);
 /* The feature bits the level `isa` keeps (KERN_FEAT_ALL for NULL, "" or
  * "auto"); CT_ERR_CONFIG naming it if unknown. */
 int kern_isa_limit(const char *isa, unsigned *keep, ct_err *e);

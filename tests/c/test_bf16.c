@@ -19,7 +19,7 @@
 #include "kernels/registry.h"
 
 #if defined(__aarch64__)
-static const char *const bf16_impls[] = {"bfmmla", "neon", "ref"};
+static const char *const bf16_impls[] = {"bfmmla", "sve_bfmmla", "neon", "ref"};
 #else
 static const char *const bf16_impls[] = {"amx", "avx512bf16", "avx512", "avx2", "ref"};
 #endif
@@ -87,8 +87,8 @@ static void test_check_catches_fp32(void) {
     const kern_impl *t = kern_registry(&n);
     unsigned cpu = kern_cpu_features();
     const kern_impl *ref = find(t, n, KERN_OP_MATMUL_BF16, "ref");
-    const char *fp32[] = {"ref", "avx512", "avx2", "neon"};
-    for (int v = 0; v < 4; v++) {
+    const char *fp32[] = {"ref", "avx512", "avx2", "neon", "sve"};
+    for (int v = 0; v < (int)(sizeof fp32 / sizeof fp32[0]); v++) {
         const kern_impl *f = find(t, n, KERN_OP_MATMUL, fp32[v]);
         if (!f || !ref || (f->features & ~cpu)) continue;
         kern_impl table[2] = {*ref, *f};

@@ -156,7 +156,9 @@ KERN_MM_H_DECL(bf16_avx2)
 #endif
 #if defined(__aarch64__)
 KERN_MM_H_DECL(neon)
+KERN_MM_H_DECL(sve)
 KERN_MM_H_DECL(bf16_bfmmla)
+KERN_MM_H_DECL(bf16_sve_bfmmla)
 KERN_MM_H_DECL(bf16_neon)
 #endif
 #undef KERN_MM_H_DECL
@@ -329,9 +331,22 @@ extern const gemm_arch gemm_arch_bfmmla; /* 8 x 8 tile of 2 x 2 BFMMLA blocks, b
 void kern_matmul_fwd_neon(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
                           int N);
+/* gemm_sve.c: 8 x 3VL fp32 tile (VL = svcntw(), read at run time, hence a
+ * function returning the arch rather than a const object); needs SVE. */
+gemm_arch gemm_arch_sve(void);
+/* 8 * svcntb(); only where the CPU has SVE (registry.c: kern_sve_vector_bits). */
+int gemm_sve_vector_bits(void);
+void kern_matmul_fwd_sve(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
+void kern_matmul_bwd_sve(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
+                         int N);
 void kern_matmul_bf16_fwd_bfmmla(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_bfmmla(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                                  int K, int N);
+/* gemm_sve_bf16.c: BFMMLA on SVE vectors, 8 x 2VL/32 tile; needs SVE and BF16. */
+void kern_matmul_bf16_fwd_sve_bfmmla(float *out, const float *inp, const float *w, int M, int K, int N,
+                                     int accumulate);
+void kern_matmul_bf16_bwd_sve_bfmmla(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                                     int M, int K, int N);
 void kern_matmul_bf16_fwd_neon(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                                int K, int N);
