@@ -168,7 +168,7 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
                   trained < stored + in_bf16 ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);
     if (shard > 1) plan_dry_line(out, "FSDP gathered (params + grads)", gathered);
     plan_dry_line(out, "activations + workspace (planned)", a);
-    if (w > 0) plan_dry_line(out, "frozen bf16 widened while used", w);
+    if (w > 0) plan_dry_line(out, "frozen bf16 lm_head logits block", w);
     if (x > 0) plan_dry_line(out, "expert LoRA fold + weight gradient", x);
     plan_dry_line(out, "total planned per rank", total);
     /* trainer_init_weights: the loaders hand over a block of rows at a time
