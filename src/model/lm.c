@@ -945,7 +945,7 @@ static const uint16_t *frozen_bf16(const lm_model *m, const float *w) {
  * or NULL when it is fp32. */
 static const uint16_t *experts_bf16(const lm_model *m, const float *w, size_t n) {
     const uint16_t *h = frozen_bf16(m, w);
-    if (h && frozen_bf16(m, w + n - 1) != h + n - 1) {
+    if (h && n && frozen_bf16(m, w + n - 1) != h + n - 1) {
         /* lm_store_frozen_bf16 stores frozen matrices in table order: a gap is a layout bug */
         fprintf(stderr, "ctitan: error: a MoE projection's experts are not one block of the bf16 store\n");
         abort();

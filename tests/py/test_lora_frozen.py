@@ -50,8 +50,10 @@ MOE_RUNS = {
     # down_proj's experts adapted (fp32 copy), gate and up read from the store: a mixed call
     "moe_down": ([ATTN, "--lora.target_parameters=mlp.experts.down_proj", "--lora.modules_to_save=norm"],
                  "model.layers.0.self_attn.o_proj.lora_A.weight"),
-    # no LoRA: every MLP frozen (router and experts from the store), the rest trained
-    "moe_freeze": (["--training.freeze=model.layers.*.mlp.*"], "model.layers.0.self_attn.o_proj.weight"),
+    # no LoRA: every MLP frozen (router and experts from the store), the rest trained; full
+    # activation checkpointing, so the experts' forward also runs as a recomputation (out NULL)
+    "moe_freeze": (["--training.freeze=model.layers.*.mlp.*", "--activation_checkpoint.mode=full"],
+                   "model.layers.0.self_attn.o_proj.weight"),
 }
 
 
