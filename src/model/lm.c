@@ -1251,7 +1251,12 @@ static void experts_adapted_dw(lm_model *m, const lm_layer_w *w, const lm_layer_
     size_t ex = (size_t)c->n_experts * c->moe_intermediate * c->hidden;
     if (!m->ws.lora_dew) m->ws.lora_dew = ct_malloc(3 * ex * sizeof(float));
     zero(m->ws.lora_dew, 3 * ex);
-    *dg = m->ws.lora_dew, *du = m->ws.lora_dew + ex, *dd = m->ws.lora_dew + 2 * ex;
+    /* a projection with neither an adapter nor a trained base (gate and up frozen under a
+     * down_proj-only adapter, say) has no use for its gradient: NULL skips its product */
+    int gu = w->lora_ea[LM_LORA_EXP_GU] != NULL, d = w->lora_ea[LM_LORA_EXP_D] != NULL;
+    *dg = gu || g->ewg ? m->ws.lora_dew : NULL;
+    *du = gu || g->ewu ? m->ws.lora_dew + ex : NULL;
+    *dd = d || g->ewd ? m->ws.lora_dew + 2 * ex : NULL;
 }
 
 static void experts_adapted_grad(lm_model *m, const lm_layer_w *w, lm_layer_w *g) {
