@@ -261,7 +261,7 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
             "activations %.0f (shared %zu + %d bank%s %.0f), point-to-point %.0f",
             p->rank, layers, holds, n, w, go, trained < n ? " (trained only)" : "", a, act, n_banks,
             n_banks == 1 ? "" : "s", banks, p2p);
-    if (wide > 0) fprintf(out, ", frozen bf16 widened %.0f", wide);
+    if (wide > 0) fprintf(out, ", frozen bf16 lm_head logits block %.0f", wide);
     if (x > 0) fprintf(out, ", expert LoRA fold + weight gradient %.0f", x);
     fprintf(out, "; total %.0f (%.3f GiB)\n", total, total / (1024.0 * 1024.0 * 1024.0));
     return 0;
