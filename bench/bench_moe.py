@@ -6,6 +6,10 @@ sdpa attention), same model, data, batch, AdamW and thread count. --precision bf
 with training.mixed_precision_param = "bfloat16" (the experts on moe_experts_bf16: AMX tiles
 where the CPU has them), PyTorch under torch.autocast("cpu", bfloat16).
 
+--lora R: ctitan only (no reference kernel, no PyTorch), LoRA of rank R on the attention
+projections, so the routers and experts are frozen, stored as --frozen-dtype says (default
+bfloat16: read from the bf16 store by the products) and only their input gradients run.
+
 Each side runs in its own child process (bench_train.py's harness: peak RSS is the
 child's ru_maxrss; tokens/s over the steps after the first `--warmup`).
 
@@ -82,6 +86,9 @@ def bench_ctitan(a, model_dir, data, out, impl, steps):
            f"--kernels.moe_experts{'_bf16' if a.precision == 'bf16' else ''}={impl}"]
     if a.precision == "bf16":
         cmd.append("--training.mixed_precision_param=bfloat16")
+    if a.lora:
+        cmd += [f"--lora.rank={a.lora}", f"--lora.alpha={2 * a.lora}", "--lora.target_modules=q_proj,k_proj,v_proj,o_proj",
+                f"--training.frozen_dtype={a.frozen_dtype}"]
     rc, _, err, rss = measured(cmd, a.threads)
     mpath = os.path.join(out, "metrics.jsonl")
     if rc != 0 or not os.path.exists(mpath):
@@ -98,6 +105,11 @@ def main():
     ap.add_argument("--ref-steps", type=int, default=2, help="steps of the (slow) reference kernel")
     ap.add_argument("--no-ref", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="ctitan alone: rank-R attention adapters on a frozen MoE base")
+    ap.add_argument("--frozen-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="with --lora: training.frozen_dtype")
+    ap.add_argument("--run-steps", type=int, help="steps of the ctitan and PyTorch runs (default: the shape's)")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -108,6 +120,10 @@ def main():
     if a.torch_worker:
         return torch_worker(a)
     a.batch, a.seq, a.steps, warmup = RUNS[a.shape]
+    if a.run_steps:
+        a.steps = a.run_steps
+    if a.lora:
+        a.no_ref = a.no_torch = True
 
     import numpy as np
     import torch
@@ -136,8 +152,9 @@ def main():
             rows = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
             msg = None if rc == 0 and len(rows) == a.steps else f"PyTorch failed (exit {rc}): {err[-300:]}"
             res["pytorch (HF)"] = ((rows if not msg else None, rss, msg), warmup)
+    lora = f", LoRA r{a.lora} on attention, frozen base {a.frozen_dtype}" if a.lora else ""
     print(f"model {a.shape}: {n_params / 1e6:.1f} M params, batch {a.batch} x {a.seq}, {a.threads} threads, {a.precision}, "
-          f"{a.steps} steps ({warmup} warm-up; reference kernel {a.ref_steps})")
+          f"{a.steps} steps ({warmup} warm-up; reference kernel {a.ref_steps}){lora}")
     print(f"{'':16s} {'tokens/s':>10s} {'peak RSS GiB':>13s}  first loss")
     tps = {}
     for side, ((rows, rss, msg), w) in res.items():

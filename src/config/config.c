@@ -134,8 +134,8 @@ static const cfg_option cfg_options[] = {
         .help = "tensors not to train: HF names with * wildcards (e.g. [\"model.embed_tokens.weight\", "
                 "\"model.layers.*.self_attn.*\"]); no gradient, no AdamW moments, no weight decay"),
     OPT("training", "frozen_dtype", CFG_ENUM, frozen_dtype, "float32", .choices = cfg_frozen_dtypes,
-        .help = "storage of frozen matrices: bfloat16 halves them (each widened to fp32 only around the "
-                "product that reads it; an fp32 base is rounded to bf16); not yet with FSDP"),
+        .help = "storage of frozen matrices: bfloat16 halves them (the products read them from the bf16 "
+                "store, never a whole fp32 copy; an fp32 base is rounded to bf16); sharded in bf16 under FSDP"),
 
     OPT("lora", "rank", CFG_INT, lora_rank, "0", .range = CFG_GE, .lo = 0,
         .help = "LoRA rank r; 0: no LoRA. With r > 0 the base model is frozen and only the adapters "

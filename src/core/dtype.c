@@ -79,7 +79,8 @@ int ct_convert_to_f32(float *dst, const void *src, ct_dtype t, size_t n) {
     case CT_F32: memcpy(dst, src, n * 4); return 0;
     case CT_BF16: {
         /* the bits moved up by 16: a plain loop the compiler vectorises, on every
-         * thread for large n (bf16-stored frozen weights are widened every step) */
+         * thread for large n (whole bf16 tensors: loads, exports, an adapted MoE
+         * expert parameter formed from its bf16 store every step) */
         const uint16_t *s = src;
         long nn = (long)n;
 #pragma omp parallel for schedule(static) if (nn > (1L << 16))

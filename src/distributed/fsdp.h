@@ -38,7 +38,7 @@
  * matrices are one contiguous range of the model's m->fstore, cut in N
  * slices of ceil(sn / N) 16-bit words like the fp32 part, all-gathered as
  * bf16 (half the bytes) into m->fstore, where the model reads them as the
- * one-process path does (widened per product, or row by row), and released
+ * one-process path does (by the products' wbf16 entries, or row by row), and released
  * with the rest of the piece. They have no gradient, so nothing of them is
  * zeroed or reduce-scattered and they are not in the fp32 shard: a piece's
  * fp32 slices carry its other tensors only, packed in flat order (n32

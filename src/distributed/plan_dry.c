@@ -168,7 +168,7 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
                   trained < stored + in_bf16 ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);
     if (shard > 1) plan_dry_line(out, "FSDP gathered (params + grads)", gathered);
     plan_dry_line(out, "activations + workspace (planned)", a);
-    if (w > 0) plan_dry_line(out, "frozen bf16 widened while used", w);
+    if (w > 0) plan_dry_line(out, "frozen bf16 lm_head logits block", w);
     if (x > 0) plan_dry_line(out, "expert LoRA fold + weight gradient", x);
     plan_dry_line(out, "total planned per rank", total);
     /* trainer_init_weights: the loaders hand over a block of rows at a time
@@ -261,7 +261,7 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
             "activations %.0f (shared %zu + %d bank%s %.0f), point-to-point %.0f",
             p->rank, layers, holds, n, w, go, trained < n ? " (trained only)" : "", a, act, n_banks,
             n_banks == 1 ? "" : "s", banks, p2p);
-    if (wide > 0) fprintf(out, ", frozen bf16 widened %.0f", wide);
+    if (wide > 0) fprintf(out, ", frozen bf16 lm_head logits block %.0f", wide);
     if (x > 0) fprintf(out, ", expert LoRA fold + weight gradient %.0f", x);
     fprintf(out, "; total %.0f (%.3f GiB)\n", total, total / (1024.0 * 1024.0 * 1024.0));
     return 0;

@@ -241,6 +241,36 @@ void op_moe_experts_bf16_bwd(float *dx, float *dwg, float *dwu, float *dwd, floa
                              const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,
                              int E, int k);
 
+/* The same two with any of the three expert weights given in bf16 (a frozen
+ * projection read from its bf16 store, model/lm.c): hg, hu, hd [E, Im, H] /
+ * [E, H, Im] as wg, wu, wd; where one is set its fp32 pointer is not read
+ * (may be NULL), where it is NULL the fp32 one is. By definition the results
+ * of op_moe_experts_fwd / _bwd (resp. the bf16 op's) on the weights widened
+ * to fp32, which is exact, so an implementation must give the bits its own
+ * fwd / bwd give on that widening, never a whole fp32 copy of a weight. The
+ * backward's weight gradients do not read the weights: dwg, dwu, dwd work as
+ * in op_moe_experts_bwd (a stored weight is frozen, so the model passes NULL
+ * for its gradient). */
+void op_moe_experts_fwd_wbf16(float *out, float *gate, float *up, float *h, float *work, const float *x,
+                              const float *wg, const float *wu, const float *wd, const uint16_t *hg,
+                              const uint16_t *hu, const uint16_t *hd, const int32_t *perm, const int32_t *pos,
+                              const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+void op_moe_experts_bwd_wbf16(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,
+                              const float *dout, const float *x, const float *wg, const float *wu, const float *wd,
+                              const uint16_t *hg, const uint16_t *hu, const uint16_t *hd, const float *gate,
+                              const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                              const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+void op_moe_experts_bf16_fwd_wbf16(float *out, float *gate, float *up, float *h, float *work, const float *x,
+                                   const float *wg, const float *wu, const float *wd, const uint16_t *hg,
+                                   const uint16_t *hu, const uint16_t *hd, const int32_t *perm, const int32_t *pos,
+                                   const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+void op_moe_experts_bf16_bwd_wbf16(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,
+                                   const float *dout, const float *x, const float *wg, const float *wu,
+                                   const float *wd, const uint16_t *hg, const uint16_t *hu, const uint16_t *hd,
+                                   const float *gate, const float *up, const float *h, const int32_t *perm,
+                                   const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H,
+                                   int Im, int E, int k);
+
 /* ------------------------------------- per-thread spans (the profiler's view)
  *
  * Kernels take no context, so the profiler (metrics/profile.h) reaches their

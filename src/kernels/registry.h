@@ -111,6 +111,18 @@ typedef void (*kern_moe_bwd_fn)(float *dx, float *dwg, float *dwu, float *dwd, f
                                 const float *gate, const float *up, const float *h, const int32_t *perm,
                                 const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,
                                 int E, int k);
+/* op_moe_experts_fwd_wbf16 / _bwd_wbf16 (ops.h): any expert weight read from a bf16 store */
+typedef void (*kern_moe_fwd_wbf16_fn)(float *out, float *gate, float *up, float *h, float *work, const float *x,
+                                      const float *wg, const float *wu, const float *wd, const uint16_t *hg,
+                                      const uint16_t *hu, const uint16_t *hd, const int32_t *perm,
+                                      const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H,
+                                      int Im, int E, int k);
+typedef void (*kern_moe_bwd_wbf16_fn)(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,
+                                      const float *dout, const float *x, const float *wg, const float *wu,
+                                      const float *wd, const uint16_t *hg, const uint16_t *hu, const uint16_t *hd,
+                                      const float *gate, const float *up, const float *h, const int32_t *perm,
+                                      const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H,
+                                      int Im, int E, int k);
 
 /* One registered implementation. The member of `fn` that is used is the one
  * of `op`; an op's entry must fill every function of its member. */
@@ -142,7 +154,10 @@ typedef struct {
         } crossentropy;
         struct { kern_add_fn fwd; } add;
         struct { kern_adamw_step_fn step; } adamw;
-        struct { kern_moe_fwd_fn fwd; kern_moe_bwd_fn bwd; } moe; /* moe_experts and moe_experts_bf16 */
+        struct { /* moe_experts and moe_experts_bf16; the wbf16 pair reads weights from a bf16 store */
+            kern_moe_fwd_fn fwd; kern_moe_bwd_fn bwd;
+            kern_moe_fwd_wbf16_fn fwd_wbf16; kern_moe_bwd_wbf16_fn bwd_wbf16;
+        } moe;
     } fn;
 } kern_impl;
 
@@ -180,8 +195,12 @@ typedef struct {
     kern_matmul_dinp_wbf16_fn matmul_bf16_dinp_wbf16;
     kern_moe_fwd_fn moe_fwd;
     kern_moe_bwd_fn moe_bwd;
+    kern_moe_fwd_wbf16_fn moe_fwd_wbf16; /* frozen experts read from their bf16 store */
+    kern_moe_bwd_wbf16_fn moe_bwd_wbf16;
     kern_moe_fwd_fn moe_bf16_fwd; /* not called by the model directly: see kern_use_bf16_matmuls */
     kern_moe_bwd_fn moe_bf16_bwd;
+    kern_moe_fwd_wbf16_fn moe_bf16_fwd_wbf16;
+    kern_moe_bwd_wbf16_fn moe_bf16_bwd_wbf16;
     const kern_impl *chosen[KERN_N_OPS]; /* the entries behind the pointers above */
 } kern_ops;
 

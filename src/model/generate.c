@@ -56,8 +56,8 @@ int gen_forward(gen_state *g, const int32_t *tokens, int n, float *logits, ct_er
         if (tokens[i] < 0 || tokens[i] >= c->vocab_size)
             return ct_fail(e, CT_ERR_CONFIG, "generate: token id %d is outside the vocabulary [0, %d)", (int)tokens[i],
                            c->vocab_size);
-    /* The forward writes the model's small scratch (a Gemma norm's 1 + w,
-     * bf16-stored weights widened while read), never its weights: the state
+    /* The forward writes the model's small scratch (a Gemma norm's 1 + w, a
+     * bf16-stored lm_head's block of logits), never its weights: the state
      * borrows the model read-only in every other sense. */
     lm_model *m = (lm_model *)g->m;
     for (int done = 0; done < n;) {

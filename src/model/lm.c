@@ -896,15 +896,12 @@ double lm_flops_per_token(const lm_model *m, int T) {
 
 /* ---------------------------------------------------------------- forward */
 
-/* The MoE router and experts, when bf16-stored (lm_store_frozen_bf16), are
- * widened into params right before the product that reads them and their
- * pages dropped right after: one group at a time, so a step holds the
- * largest frozen group in fp32, not a whole layer. The dense linears and the
- * lm_head need no widening: their products read the bf16 store (mm_fwd,
- * mm_bwd). w[n]: a weight in m->params (NULL: none). */
-#define WIDE(w, n, on) ((w) ? lm_frozen_widen(m, (size_t)((w) - m->params), (size_t)(n), (on)) : (void)0)
-#define WIDE_IN(w, n) WIDE(w, n, 1)
-#define WIDE_OUT(w, n) WIDE(w, n, 0)
+/* A bf16-stored (frozen, lm_store_frozen_bf16) weight is never widened into
+ * params for a step: every product reads it from its store, the dense
+ * linears and the lm_head through the matmul op's wbf16 entries (mm_fwd,
+ * mm_bwd, head_fwd), the MoE router the same way (moe_route_fwd) and the
+ * MoE experts through the experts op's (experts_h). Their fp32 pages in
+ * params are never touched, so they cost no memory. */
 
 /* A kernel call, timed as one "op" span (its kern_ops member, the op and the
  * chosen implementation) when a profiler is attached (metrics/profile.h);
@@ -941,6 +938,19 @@ static const uint16_t *frozen_bf16(const lm_model *m, const float *w) {
     const lm_tensor *t = &m->tensors[lo];
     if (t->store == LM_NO_STORE || off < t->offset) return NULL;
     return m->fstore + t->store + (off - t->offset);
+}
+
+/* The bf16 store of a stacked expert projection w[n] (E adjacent tensors,
+ * trained or frozen together, lm_bind_frozen, so stored one after another),
+ * or NULL when it is fp32. */
+static const uint16_t *experts_bf16(const lm_model *m, const float *w, size_t n) {
+    const uint16_t *h = frozen_bf16(m, w);
+    if (h && n && frozen_bf16(m, w + n - 1) != h + n - 1) {
+        /* lm_store_frozen_bf16 stores frozen matrices in table order: a gap is a layout bug */
+        fprintf(stderr, "ctitan: error: a MoE projection's experts are not one block of the bf16 store\n");
+        abort();
+    }
+    return h;
 }
 
 /* out[M, N] (+)= in[M, K] @ w[N, K]^T, w read from its bf16 store when it has
@@ -1161,6 +1171,42 @@ static void lora_bwd_n(lm_model *m, int l, float *dx, const float *x, int BT, in
     if (m->prof) prof_model_op(m->prof, "lora_bwd", "lora", KERN_OP_MATMUL, t0);
 }
 
+/* dst[n] = the stacked experts w[n], from their bf16 store if they have one
+ * (exact: the adapted weight W + scale B A is formed in fp32 either way). */
+static void experts_copy(const lm_model *m, float *dst, const float *w, size_t n) {
+    const uint16_t *h = experts_bf16(m, w, n);
+    if (h) ct_convert_to_f32(dst, h, CT_BF16, n);
+    else memcpy(dst, w, n * sizeof(float));
+}
+
+/* The experts op on weights eg, eu, ed (base or adapted): the wbf16 entries
+ * when any of them is a bf16-stored base projection, which they read from
+ * the store (the same bits as on its fp32 widening); else the fp32 ones.
+ * fwd: out (NULL: recomputation) from the gate / up / h it fills; else the
+ * backward into dx, dg, du, dd (NULL: not wanted), dtopw from dout. */
+static void experts_h(lm_model *m, int fwd, float *out, float *dx, float *dg, float *du, float *dd, float *dtopw,
+                      const float *dout, lm_layer_acts *a, float *work, const float *eg, const float *eu,
+                      const float *ed, int BT) {
+    const lm_config *c = &m->cfg;
+    int H = c->hidden, E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
+    size_t ex = (size_t)(c->expert_rows ? c->expert_rows : E) * Im * H; /* one projection's held experts */
+    const uint16_t *hg = experts_bf16(m, eg, ex), *hu = experts_bf16(m, eu, ex), *hd = experts_bf16(m, ed, ex);
+    const moe_route *r = &a->route;
+    int h = hg || hu || hd;
+    if (fwd && h)
+        K(MOE, moe_fwd_wbf16, out, a->gate, a->up, a->h, work, a->ln2, eg, eu, ed, hg, hu, hd, r->perm, r->pos,
+          r->offsets, r->topw, BT, H, Im, E, k);
+    else if (fwd)
+        K(MOE, moe_fwd, out, a->gate, a->up, a->h, work, a->ln2, eg, eu, ed, r->perm, r->pos, r->offsets, r->topw, BT,
+          H, Im, E, k);
+    else if (h)
+        K(MOE, moe_bwd_wbf16, dx, dg, du, dd, dtopw, work, dout, a->ln2, eg, eu, ed, hg, hu, hd, a->gate, a->up, a->h,
+          r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
+    else
+        K(MOE, moe_bwd, dx, dg, du, dd, dtopw, work, dout, a->ln2, eg, eu, ed, a->gate, a->up, a->h, r->perm, r->pos,
+          r->offsets, r->topw, BT, H, Im, E, k);
+}
+
 /* Expert LoRA (target_parameters, PEFT's ParamWrapper): the experts kernels
  * run on the adapted weights W + scale B A, formed per layer and pass in
  * m->ws.lora_ew [3, E, Im, H] (gate, up, down), exactly what PEFT's
@@ -1178,14 +1224,14 @@ static void experts_adapted(lm_model *m, const lm_layer_w *w, const float **eg, 
     float *ew = m->ws.lora_ew;
     /* only an adapted parameter is copied and folded; the other stays the base's */
     if (w->lora_ea[LM_LORA_EXP_GU]) { /* gate_up_proj [E, 2 Im, H]: gate rows first */
-        memcpy(ew, w->ewg, ex * sizeof(float));
-        memcpy(ew + ex, w->ewu, ex * sizeof(float));
+        experts_copy(m, ew, w->ewg, ex);
+        experts_copy(m, ew + ex, w->ewu, ex);
         lora_experts_delta(&m->k, ew, ew + ex, w->lora_ea[LM_LORA_EXP_GU], w->lora_eb[LM_LORA_EXP_GU], E, rg, H, 2 * Im,
                            Im, lm_lora_exp_scale(c, LM_LORA_EXP_GU));
         *eg = ew, *eu = ew + ex;
     }
     if (w->lora_ea[LM_LORA_EXP_D]) { /* down_proj [E, H, Im] */
-        memcpy(ew + 2 * ex, w->ewd, ex * sizeof(float));
+        experts_copy(m, ew + 2 * ex, w->ewd, ex);
         lora_experts_delta(&m->k, ew + 2 * ex, NULL, w->lora_ea[LM_LORA_EXP_D], w->lora_eb[LM_LORA_EXP_D], E, rd, Im, H,
                            H, lm_lora_exp_scale(c, LM_LORA_EXP_D));
         *ed = ew + 2 * ex;
@@ -1205,7 +1251,12 @@ static void experts_adapted_dw(lm_model *m, const lm_layer_w *w, const lm_layer_
     size_t ex = (size_t)c->n_experts * c->moe_intermediate * c->hidden;
     if (!m->ws.lora_dew) m->ws.lora_dew = ct_malloc(3 * ex * sizeof(float));
     zero(m->ws.lora_dew, 3 * ex);
-    *dg = m->ws.lora_dew, *du = m->ws.lora_dew + ex, *dd = m->ws.lora_dew + 2 * ex;
+    /* a projection with neither an adapter nor a trained base (gate and up frozen under a
+     * down_proj-only adapter, say) has no use for its gradient: NULL skips its product */
+    int gu = w->lora_ea[LM_LORA_EXP_GU] != NULL, d = w->lora_ea[LM_LORA_EXP_D] != NULL;
+    *dg = gu || g->ewg ? m->ws.lora_dew : NULL;
+    *du = gu || g->ewu ? m->ws.lora_dew + ex : NULL;
+    *dd = d || g->ewd ? m->ws.lora_dew + 2 * ex : NULL;
 }
 
 static void experts_adapted_grad(lm_model *m, const lm_layer_w *w, lm_layer_w *g) {
@@ -1406,14 +1457,12 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     const float *xm = mlp_in(m, a); /* [BT, H] */
     if (a->moe) {
         /* sparse: route, then the experts kernel adds sum_j w_j expert_j(ln2) onto res_mid */
-        int E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
+        int E = c->n_experts, k = c->top_k;
         moe_route *r = &a->route;
-        WIDE_IN(w->router, (size_t)E * H);
         int64_t rt0 = PROF_T0(m->prof);
-        moe_route_fwd(&m->k, r, a->ln2, w->router, m->moe.bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
+        moe_route_fwd(&m->k, r, a->ln2, w->router, frozen_bf16(m, w->router), m->moe.bias + (size_t)l * E, BT, H, E, k,
+                      c->norm_topk_prob);
         if (m->prof) prof_model_op(m->prof, "moe_route_fwd", "moe_route", KERN_OP_MATMUL, rt0);
-        WIDE_OUT(w->router, (size_t)E * H);
-        size_t ex = (size_t)(c->expert_rows ? c->expert_rows : E) * Im * H; /* one projection's held experts */
         /* Under tensor parallelism every expert holds this rank's slice of
          * moe_intermediate, so its output is a partial sum: it goes to a
          * scratch (d_ln is free during a forward), is summed over the group
@@ -1423,15 +1472,13 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         float *y = res_next && tp ? m->ws.d_ln : res_next; /* [BT, H] */
         if (y && tp) zero(y, n);
         else if (y) memcpy(y, a->res_mid, n * sizeof(float));
-        WIDE_IN(w->ewg, 3 * ex); /* gate, up, down experts: adjacent in the table */
         const float *eg, *eu, *ed;
         experts_adapted(m, w, &eg, &eu, &ed);
-        if (m->moe_ep)
+        if (m->moe_ep) /* never with frozen experts (trainer_finetune_config refuses freezing under EP) */
             m->moe_ep->fwd(m->moe_ep->ctx, l, y, a->ln2, r, w, BT);
         else
-            K(MOE, moe_fwd, y, a->gate, a->up, a->h, kv ? kv->moe_work : m->ws.moe_work, a->ln2, eg, eu, ed,
-                         r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
-        WIDE_OUT(w->ewg, 3 * ex);
+            experts_h(m, 1, y, NULL, NULL, NULL, NULL, NULL, NULL, a, kv ? kv->moe_work : m->ws.moe_work, eg, eu, ed,
+                      BT);
         if (y && tp) {
             m->hooks->reduce_partial(m->hooks->ctx, y, n);
             for (size_t i = 0; i < n; i++) res_next[i] = a->res_mid[i] + y[i];
@@ -1657,19 +1704,11 @@ static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *
 }
 
 size_t lm_frozen_widened_floats(const lm_model *m) {
-    size_t most = 0;
-    for (int i = 1; i < m->n_tensors; i++) { /* the embedding (i = 0) is read a row at a time */
-        const lm_tensor *t = &m->tensors[i];
-        /* only the MoE router and experts are widened (WIDE_IN); the rest is read from the store */
-        int moe = t->slot == LM_S_ROUTER || t->slot == LM_S_EXP_G || t->slot == LM_S_EXP_U || t->slot == LM_S_EXP_D;
-        if (t->store == LM_NO_STORE || !moe) continue;
-        size_t n = t->numel; /* WIDE_IN's groups: a projection's experts with the others' */
-        int group = t->slot == LM_S_EXP_G && t->expert == 0 ? 3 * m->cfg.n_experts : 1;
-        for (int j = 1; j < group && i + j < m->n_tensors; j++) n += m->tensors[i + j].numel;
-        most = n > most ? n : most;
-    }
-    if (head_stored(m)) most += (size_t)HEAD_VBLOCK * 256; /* head_tmp: [logit_rows <= 256, HEAD_VBLOCK] */
-    return most;
+    /* every stored matrix, the MoE router and experts included, is read from
+     * its store by the products (the GEMMs' per-thread widening of one packed
+     * block at a time is workspace, not counted); what remains is a stored
+     * lm_head's block of logits, head_tmp: [logit_rows <= 256, HEAD_VBLOCK] */
+    return head_stored(m) ? (size_t)HEAD_VBLOCK * 256 : 0;
 }
 
 void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) {
@@ -1909,11 +1948,9 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
     lm_layer_acts *a = &m->act.layer[l];
     const lm_layer_w *w = &m->w.layer[l];
     lm_layer_w *g = &m->g.layer[l];
-    int H = c->hidden, E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
+    int H = c->hidden, E = c->n_experts, k = c->top_k;
     const moe_route *r = &a->route;
-    size_t ex = (size_t)(c->expert_rows ? c->expert_rows : E) * Im * H; /* one projection's held experts */
     zero(m->ws.d_ln, (size_t)BT * H);
-    WIDE_IN(w->ewg, 3 * ex);
     const float *eg, *eu, *ed;
     float *dg, *du, *dd;
     experts_adapted(m, w, &eg, &eu, &ed);
@@ -1921,21 +1958,17 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
     if (m->moe_ep)
         m->moe_ep->bwd(m->moe_ep->ctx, l, m->ws.d_ln, g, m->ws.moe_dtopw, m->ws.d_res, r, w, BT);
     else
-        K(MOE, moe_bwd, m->ws.d_ln, dg, du, dd, m->ws.moe_dtopw, m->ws.moe_work, m->ws.d_res, a->ln2, eg, eu, ed, a->gate,
-                     a->up, a->h, r->perm, r->pos, r->offsets, r->topw, BT, H, Im, E, k);
+        experts_h(m, 0, NULL, m->ws.d_ln, dg, du, dd, m->ws.moe_dtopw, m->ws.d_res, a, m->ws.moe_work, eg, eu, ed, BT);
     experts_adapted_grad(m, w, g);
-    WIDE_OUT(w->ewg, 3 * ex);
     /* under tensor parallelism both are partial sums over the experts'
      * intermediate slices; the router's own d(ln2), added next, is not */
     reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
     reduce_d_input(m, m->ws.moe_dtopw, (size_t)BT * k);
     int aux = c->output_router_logits && c->router_aux_loss_coef > 0;
-    WIDE_IN(w->router, (size_t)E * H);
     int64_t rt0 = PROF_T0(m->prof);
     moe_route_bwd(&m->k, m->ws.d_ln, g->router, m->ws.moe_dprobs, m->ws.moe_dtopw, aux ? m->ws.moe_dprob_all : NULL, a->ln2,
-                  w->router, r, BT, H, E, k, c->norm_topk_prob);
+                  w->router, frozen_bf16(m, w->router), r, BT, H, E, k, c->norm_topk_prob);
     if (m->prof) prof_model_op(m->prof, "moe_route_bwd", "moe_route", KERN_OP_MATMUL, rt0);
-    WIDE_OUT(w->router, (size_t)E * H);
 }
 
 /* The backward of x[BT, H] += [norm](in[BT, K] @ w^T + b) (+ LoRA adapter p):

@@ -460,8 +460,9 @@ typedef struct {
     int lora_train;         /* set by forward_backward: dropout applies to training forwards only */
     int n_frozen;           /* tensors with frozen set */
     /* training.frozen_dtype = "bfloat16": the frozen matrices live here and
-     * are widened into params only while a product reads them
-     * (lm_frozen_widen) */
+     * the products read them from here (the kernels' wbf16 entries); their
+     * fp32 pages in params stay untouched (lm_frozen_widen fills them for an
+     * export) */
     uint16_t *fstore;       /* [n_store] */
     size_t n_store;
     /* floats the loaders convert or draw at once (lm_block_rows): LM_BLOCK_ELEMS,
@@ -558,13 +559,14 @@ size_t lm_trained_runs(const lm_model *m, size_t a, size_t b, void (*run)(void *
                           void *ctx);
 /* Moves every frozen matrix to bf16 storage (m->fstore; tensors[i].store):
  * call before the weights load, which then writes them rounded to bf16
- * (lm_put_rows). The dense products read them from the store (the
- * kernels' wbf16 entries); the MoE router's and experts' fp32 pages in
- * params exist only while a product reads them. Returns the bf16 floats stored. */
+ * (lm_put_rows). Every product reads them from the store (the matmul and
+ * moe_experts ops' wbf16 entries, the dense linears, lm_head, MoE router and
+ * experts alike). Returns the bf16 floats stored. */
 size_t lm_store_frozen_bf16(lm_model *m);
-/* The most fp32 floats bf16 storage holds widened at once (the largest group
- * of stored MoE router / expert matrices one product reads, plus a stored
- * lm_head's block of logits): for the dry run. m: a layout after lm_store_frozen_bf16. */
+/* The fp32 floats bf16 storage needs beside the store: a stored lm_head's
+ * block of logits (nothing is widened whole any more; the GEMMs widen one
+ * packed block per thread, workspace): for the dry run. m: a layout after
+ * lm_store_frozen_bf16. */
 size_t lm_frozen_widened_floats(const lm_model *m);
 /* on = 1: widens the bf16-stored tensors that overlap params[off, off + n)
  * into params (whole tensors); on = 0: drops their pages again. A no-op

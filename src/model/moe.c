@@ -33,9 +33,11 @@ void moe_route_bind(moe_route *r, float *mem, int N, int E, int k) {
     r->offsets = (int32_t *)mem;
 }
 
-void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const float *wr, const float *bias, int N,
-                   int H, int E, int k, int norm) {
-    kops->matmul_fwd(r->probs, x, wr, N, H, E, 0); /* logits [N, E], softmaxed in place */
+void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const float *wr, const uint16_t *wrh,
+                   const float *bias, int N, int H, int E, int k, int norm) {
+    /* logits [N, E], softmaxed in place */
+    if (wrh) kops->matmul_fwd_wbf16(r->probs, x, wrh, N, H, E, 0);
+    else kops->matmul_fwd(r->probs, x, wr, N, H, E, 0);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -84,8 +86,8 @@ void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const flo
 }
 
 void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, const float *dtopw,
-                   const float *dprob_all, const float *x, const float *wr, const moe_route *r, int N, int H, int E,
-                   int k, int norm) {
+                   const float *dprob_all, const float *x, const float *wr, const uint16_t *wrh, const moe_route *r,
+                   int N, int H, int E, int k, int norm) {
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -114,7 +116,8 @@ void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, c
         }
         KERN_TRACE_EXIT(kt_);
     }
-    kops->matmul_bwd(dx, dwr, dprobs, x, wr, N, H, E);
+    if (!wrh) kops->matmul_bwd(dx, dwr, dprobs, x, wr, N, H, E);
+    else if (dx) kops->matmul_dinp_wbf16(dx, dprobs, wrh, N, H, E); /* a stored router is frozen: no dwr */
 }
 
 void moe_route_stats(double *count, double *psum, const moe_route *r, int N, int E) {

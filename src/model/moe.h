@@ -33,20 +33,24 @@ size_t moe_route_floats(int N, int E, int k);
 /* Points r's arrays into mem (moe_route_floats(N, E, k) floats). */
 void moe_route_bind(moe_route *r, float *mem, int N, int E, int k);
 
-/* Router forward: probs from x[N,H] and wr[E,H] (through k->matmul_fwd),
- * top-k, weights, and the metadata (a stable counting sort by expert).
- * bias [E] (NULL: none) shifts only the choice of experts (torchtitan's
- * expert_bias): the weights stay the chosen experts' probabilities. */
-void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const float *wr, const float *bias, int N,
-                   int H, int E, int k, int norm_topk_prob);
+/* Router forward: probs from x[N,H] and wr[E,H] (through k->matmul_fwd, or
+ * k->matmul_fwd_wbf16 on wrh, wr's bf16 store when it is a frozen one: the
+ * same bits; NULL: wr is fp32), top-k, weights, and the metadata (a stable
+ * counting sort by expert). bias [E] (NULL: none) shifts only the choice of
+ * experts (torchtitan's expert_bias): the weights stay the chosen experts'
+ * probabilities. */
+void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const float *wr, const uint16_t *wrh,
+                   const float *bias, int N, int H, int E, int k, int norm_topk_prob);
 
 /* Router backward: from dtopw[N*k] (d loss / d topw, the experts kernel's
  * output) and an optional per-expert term dprob_all[E] added to d probs of
  * every token (the load-balancing loss; NULL: none), accumulates dx[N,H]
- * and dwr[E,H]. dprobs [N, E] is scratch. */
+ * and dwr[E,H]. dprobs [N, E] is scratch. wrh: as in moe_route_fwd; a
+ * stored router is frozen, so dwr is then NULL and dx comes from
+ * k->matmul_dinp_wbf16. */
 void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, const float *dtopw,
-                   const float *dprob_all, const float *x, const float *wr, const moe_route *r, int N, int H, int E,
-                   int k, int norm_topk_prob);
+                   const float *dprob_all, const float *x, const float *wr, const uint16_t *wrh, const moe_route *r,
+                   int N, int H, int E, int k, int norm_topk_prob);
 
 /* Load-balancing statistics of one layer, accumulated over the MoE layers of
  * a forward: count[e] += tokens routed to e, psum[e] += sum over tokens of

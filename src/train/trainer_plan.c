@@ -59,7 +59,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
         if ((rc = plan_dry_rank(NULL, c, &mc, world, rep, shard, tp, B, cfg_source(c), e))) return rc;
     }
     if (!out) return 0;
-    /* bf16-stored frozen matrices: 2 bytes each, and what is widened to fp32 while it runs */
+    /* bf16-stored frozen matrices: 2 bytes each, and a stored lm_head's fp32 block of logits */
     double p = 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16, g = 4.0 * trained, o = 8.0 * trained, a = (double)act;
     double w = 4.0 * (double)widened, x = 4.0 * (double)lm_expert_lora_scratch_floats(&mc);
     fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
@@ -71,7 +71,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     plan_dry_line(out, trained < n ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
     plan_dry_line(out, trained < n ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);
     plan_dry_line(out, "activations + workspace (planned)", a);
-    if (w > 0) plan_dry_line(out, "frozen bf16 widened while used", w);
+    if (w > 0) plan_dry_line(out, "frozen bf16 lm_head logits block", w);
     if (x > 0) plan_dry_line(out, "expert LoRA fold + weight gradient", x);
     plan_dry_line(out, "total planned", p + g + o + a + w + x);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");

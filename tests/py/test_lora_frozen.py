@@ -38,25 +38,54 @@ def peft_adapter(tmp_path, tied=False, r=4, alpha=8):
     return pm
 
 
-@pytest.mark.parametrize("tied,vocab,moe,mixed", [(False, 256, False, False), (True, 256, False, False),
-                                                  (True, 9000, False, False), (False, 9000, False, False),
-                                                  (False, 256, True, False), (False, 256, False, True),
-                                                  (True, 9000, False, True)],
+ATTN = "--lora.target_modules=q_proj,k_proj,v_proj,o_proj"
+# MoE runs: how the base is frozen, and the gradients compared besides the loss
+MOE_RUNS = {
+    # every target: the dense layer's MLP and both expert parameters get adapters, so the
+    # experts run on adapted fp32 copies (W + s B A, W widened from the store into them)
+    # and only the router reads its store
+    "moe": (["--lora.modules_to_save=norm"], "model.layers.1.self_attn.o_proj.lora_A.weight"),
+    # attention adapters only: the router and every expert are read from the bf16 store
+    "moe_attn": ([ATTN, "--lora.modules_to_save=norm"], "model.layers.0.self_attn.o_proj.lora_A.weight"),
+    # down_proj's experts adapted (fp32 copy), gate and up read from the store: a mixed call
+    "moe_down": ([ATTN, "--lora.target_parameters=mlp.experts.down_proj", "--lora.modules_to_save=norm"],
+                 "model.layers.0.self_attn.o_proj.lora_A.weight"),
+    # no LoRA: every MLP frozen (router and experts from the store), the rest trained; full
+    # activation checkpointing, so the experts' forward also runs as a recomputation (out NULL)
+    "moe_freeze": (["--training.freeze=model.layers.*.mlp.*", "--activation_checkpoint.mode=full"],
+                   "model.layers.0.self_attn.o_proj.weight"),
+}
+
+
+@pytest.mark.parametrize("tied,vocab,moe,mixed", [(False, 256, None, False), (True, 256, None, False),
+                                                  (True, 9000, None, False), (False, 9000, None, False),
+                                                  (False, 256, "moe", False), (False, 256, None, True),
+                                                  (True, 9000, None, True), (False, 256, "moe_attn", False),
+                                                  (False, 256, "moe_attn", True), (False, 256, "moe_down", False),
+                                                  (False, 256, "moe_down", True), (False, 256, "moe_freeze", False),
+                                                  (False, 256, "moe_freeze", True)],
                          ids=["untied", "tied", "tied_v9000", "untied_v9000", "moe_dense_layer", "untied_mixed_bf16",
-                              "tied_v9000_mixed_bf16"])
+                              "tied_v9000_mixed_bf16", "moe_attn_lora", "moe_attn_lora_mixed_bf16",
+                              "moe_down_experts_lora", "moe_down_experts_lora_mixed_bf16", "moe_freeze_no_lora",
+                              "moe_freeze_no_lora_mixed_bf16"])
 def test_bf16_frozen_storage_is_bit_identical(tied, vocab, moe, mixed, tmp_path, open_session):
-    """A base whose weights are bf16 already: frozen_dtype bfloat16 (stored in bf16, widened per
-    unit) and float32 give the same bits for losses, adapter gradients, steps and logits. The
-    stored lm_head runs in blocks of 8192 vocabulary rows: at vocab 9000 (two blocks) the first
-    forward is still bit-identical (each logit is the same dot product), while d(final norm
-    output) sums the two blocks' products one after the other instead of in one GEMM: the
+    """A base whose weights are bf16 already: frozen_dtype bfloat16 (stored in bf16, read from the
+    store by every product) and float32 give the same bits for losses, gradients, steps and
+    logits. The stored lm_head runs in blocks of 8192 vocabulary rows: at vocab 9000 (two blocks)
+    the first forward is still bit-identical (each logit is the same dot product), while d(final
+    norm output) sums the two blocks' products one after the other instead of in one GEMM: the
     step-1 gradients then agree to float32 rounding (1e-5 of each tensor's largest value), and
-    the later steps are not compared (AdamW turns a last-bit gradient difference of a near-zero
-    element into a step of up to lr, as docs/distributed.md measures for the parallel layouts).
-    mixed: under training.mixed_precision_param = bfloat16, where the products read a stored
-    matrix straight from its bf16 store (AMX / vdpbf16ps copy the bf16 pairs, the other
-    kernels widen while packing) instead of rounding its fp32 copy: the same bits too."""
-    if moe:  # frozen router and experts (and a dense MLP layer) widened around their kernels
+    the later steps are not compared (AdamW turns a last-bit difference of a near-zero
+    gradient element into a step of up to lr, as docs/distributed.md measures for the parallel
+    layouts). mixed: under training.mixed_precision_param = bfloat16, where the products read a
+    stored matrix straight from its bf16 store (AMX / vdpbf16ps copy the bf16 pairs, the other
+    kernels widen while packing) instead of rounding its fp32 copy: the same bits too.
+    moe: a Qwen3-MoE base (2 MoE layers and a dense one) frozen as MOE_RUNS says; its router
+    and frozen experts go through the matmul and experts ops' wbf16 entries."""
+    extra, grad = MOE_RUNS[moe] if moe else (["--lora.modules_to_save=norm"],
+                                             "model.layers.1.self_attn.o_proj.lora_A.weight")
+    lora = [] if moe == "moe_freeze" else ["--lora.rank=4", "--lora.alpha=8"]
+    if moe:
         import oracle_moe
         model = oracle_moe.build_moe_model(oracle_moe.tiny_moe_config(vocab=vocab, layers=3, mlp_only=(1,)), seed=11)
     else:
@@ -68,13 +97,12 @@ def test_bf16_frozen_storage_is_bit_identical(tied, vocab, moe, mixed, tmp_path,
     runs = []
     for fd in ("float32", "bfloat16"):
         s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16,
-                                         extra=["--lora.rank=4", "--lora.alpha=8", "--lora.modules_to_save=norm",
-                                                f"--training.frozen_dtype={fd}"]
+                                         extra=lora + extra + [f"--training.frozen_dtype={fd}"]
                                          + (["--training.mixed_precision_param=bfloat16"] if mixed else [])))
         out = []
         for _ in range(3):
             out.append(s.forward_backward(tok, lab, 32))
-            out.append(s.get_grad("model.layers.1.self_attn.o_proj.lora_A.weight"))
+            out.append(s.get_grad(grad))
             out.append(s.get_grad("model.norm.weight"))
             s.optimizer_step()
         out.append(s.logits(tok))

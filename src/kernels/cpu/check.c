@@ -90,7 +90,7 @@ static double mean_err(const float *x, const float *ref, size_t n) {
 /* Collects the parts of one case: "fwd 1.2e-07 dinp 3.0e-07 ..." and the worst;
  * worst_mean: the largest mean_err, for the ops that bound it (KERN_CHECK_MEAN_TOL). */
 typedef struct {
-    char detail[256];
+    char detail[448]; /* the MoE cases print 20 parts */
     size_t len;
     double worst;
     double worst_mean;
@@ -298,9 +298,41 @@ static void memo_moe_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *d
                                       offsets, topw, N, H, I, E, k));
 }
 
+#define HB(p, n) {(void *)(p), (p) ? (size_t)(n) * sizeof(uint16_t) : 0}
+static void memo_moe_fwd_h(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
+                           const float *wu, const float *wd, const uint16_t *hg, const uint16_t *hu,
+                           const uint16_t *hd, const int32_t *perm, const int32_t *pos, const int32_t *offsets,
+                           const float *topw, int N, int H, int I, int E, int k) {
+    size_t S = (size_t)N * k, nx = (size_t)N * H, nw = (size_t)E * I * H, ns = S * I;
+    int64_t sc[] = {N, H, I, E, k};
+    /* a weight given in bf16 is read from there only: its fp32 pointer is not hashed */
+    memo_buf in[] = {FB(x, nx),          FB(hg ? NULL : wg, nw), FB(hu ? NULL : wu, nw), FB(hd ? NULL : wd, nw),
+                     HB(hg, nw),         HB(hu, nw),             HB(hd, nw),             IB(perm, S),
+                     IB(pos, S),         IB(offsets, E + 1),     FB(topw, S)},
+             out_[] = {FB(out, nx), FB(gate, ns), FB(up, ns), FB(h, ns)};
+    MEMO_CALL(7, memo.ref->fn.moe.fwd_wbf16(out, gate, up, h, work, x, wg, wu, wd, hg, hu, hd, perm, pos, offsets, topw,
+                                            N, H, I, E, k));
+}
+
+static void memo_moe_bwd_h(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                           const float *x, const float *wg, const float *wu, const float *wd, const uint16_t *hg,
+                           const uint16_t *hu, const uint16_t *hd, const float *gate, const float *up, const float *h,
+                           const int32_t *perm, const int32_t *pos, const int32_t *offsets, const float *topw, int N,
+                           int H, int I, int E, int k) {
+    size_t S = (size_t)N * k, nx = (size_t)N * H, nw = (size_t)E * I * H, ns = S * I;
+    int64_t sc[] = {N, H, I, E, k};
+    memo_buf in[] = {FB(dout, nx), FB(x, nx),   FB(hg ? NULL : wg, nw), FB(hu ? NULL : wu, nw), FB(hd ? NULL : wd, nw),
+                     HB(hg, nw),   HB(hu, nw),  HB(hd, nw),             FB(gate, ns),           FB(up, ns),
+                     FB(h, ns),    IB(perm, S), IB(pos, S),             IB(offsets, E + 1),     FB(topw, S)},
+             out_[] = {FB(dx, nx), FB(dwg, nw), FB(dwu, nw), FB(dwd, nw), FB(dtopw, S)};
+    MEMO_CALL(8, memo.ref->fn.moe.bwd_wbf16(dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, hg, hu, hd, gate, up, h,
+                                            perm, pos, offsets, topw, N, H, I, E, k));
+}
+
 #undef MEMO_CALL
 #undef FB
 #undef IB
+#undef HB
 
 /* The copy of the "ref" entry the cases call: the wrapped functions of the
  * ops above, the reference itself for the rest. */
@@ -320,6 +352,8 @@ static kern_impl memo_ref_entry(const kern_impl *ref) {
     case KERN_OP_MOE_BF16:
         r.fn.moe.fwd = memo_moe_fwd;
         r.fn.moe.bwd = memo_moe_bwd;
+        if (ref->fn.moe.fwd_wbf16) r.fn.moe.fwd_wbf16 = memo_moe_fwd_h;
+        if (ref->fn.moe.bwd_wbf16) r.fn.moe.bwd_wbf16 = memo_moe_bwd_h;
         break;
     default: break;
     }
@@ -908,6 +942,86 @@ static void moe_check_route(int32_t *perm, int32_t *pos, int32_t *offsets, float
     free(topi), free(cur);
 }
 
+/* The wbf16 pair (expert weights read from a bf16 store), as case_matmul_wbf16
+ * does for the matmuls: against the reference's wbf16 pair, and bit for bit
+ * against the implementation's own fwd / bwd on the fp32 widening of the same
+ * weights, with every weight in bf16 (their fp32 pointers NULL: not read) and
+ * with a mix (gate and down in bf16, up in fp32; the weight gradients wanted,
+ * as expert LoRA on one projection has them). */
+static void case_moe_wbf16(chk_case *c, const kern_impl *ref, const kern_impl *im, int N, int H, int I, int E, int k,
+                           const int32_t *perm, const int32_t *pos, const int32_t *off, const float *topw,
+                           const float *x, const float *wg, const float *wu, const float *wd, const float *dout,
+                           chk_rng *r) {
+    if (!im->fn.moe.fwd_wbf16 || !im->fn.moe.bwd_wbf16) {
+        part(c, "wbf16 missing", INFINITY);
+        return;
+    }
+    size_t S = (size_t)N * k, nx = (size_t)N * H, nw = (size_t)E * I * H, ns = S * I;
+    uint16_t *hw[3];
+    float *wr[3];
+    const float *w3[3] = {wg, wu, wd};
+    for (int j = 0; j < 3; j++) {
+        hw[j] = ct_malloc((nw ? nw : 1) * sizeof(uint16_t));
+        wr[j] = fbuf(nw);
+        for (size_t i = 0; i < nw; i++) hw[j][i] = ct_f32_to_bf16(w3[j][i]), wr[j][i] = ct_bf16_to_f32(hw[j][i]);
+    }
+    float *work = fbuf(KERN_MOE_WORK(S, H, I));
+    /* forward, every weight in bf16: [0] the reference, [1] the implementation, [2] its fp32 entry on the widening */
+    float *o[3], *g[3], *u[3], *hh[3];
+    o[0] = fbuf(nx);
+    fill(o[0], nx, r, -1, 1);
+    o[1] = dup(o[0], nx), o[2] = dup(o[0], nx);
+    for (int j = 0; j < 3; j++) {
+        g[j] = fbuf(ns), u[j] = fbuf(ns), hh[j] = fbuf(ns);
+        fill_nan(g[j], ns), fill_nan(u[j], ns), fill_nan(hh[j], ns);
+    }
+    ref->fn.moe.fwd_wbf16(o[0], g[0], u[0], hh[0], work, x, NULL, NULL, NULL, hw[0], hw[1], hw[2], perm, pos, off, topw,
+                          N, H, I, E, k);
+    im->fn.moe.fwd_wbf16(o[1], g[1], u[1], hh[1], work, x, NULL, NULL, NULL, hw[0], hw[1], hw[2], perm, pos, off, topw,
+                         N, H, I, E, k);
+    im->fn.moe.fwd(o[2], g[2], u[2], hh[2], work, x, wr[0], wr[1], wr[2], perm, pos, off, topw, N, H, I, E, k);
+    double e1 = rel_err(o[1], o[0], nx), e2 = rel_err(hh[1], hh[0], ns);
+    part(c, "fwd_h", e1 > e2 ? e1 : e2);
+    double b = bits_err(o[1], o[2], nx) + bits_err(g[1], g[2], ns) + bits_err(u[1], u[2], ns) +
+               bits_err(hh[1], hh[2], ns);
+    part(c, "fwd_h=fwd", b);
+    /* the mix, out NULL (recomputation) */
+    fill_nan(g[1], ns), fill_nan(u[1], ns), fill_nan(hh[1], ns);
+    im->fn.moe.fwd_wbf16(NULL, g[1], u[1], hh[1], work, x, NULL, wr[1], NULL, hw[0], NULL, hw[2], perm, pos, off, topw,
+                         N, H, I, E, k);
+    part(c, "fwd_mix=fwd", bits_err(g[1], g[2], ns) + bits_err(u[1], u[2], ns) + bits_err(hh[1], hh[2], ns));
+    /* backward from the fp32 run's activations, every weight in bf16, frozen: dx +=, dtopw = */
+    float *dx[3], *dt[3];
+    dx[0] = fbuf(nx);
+    fill(dx[0], nx, r, -1, 1);
+    dx[1] = dup(dx[0], nx), dx[2] = dup(dx[0], nx);
+    for (int j = 0; j < 3; j++) dt[j] = fbuf(S), fill_nan(dt[j], S);
+    ref->fn.moe.bwd_wbf16(dx[0], NULL, NULL, NULL, dt[0], work, dout, x, NULL, NULL, NULL, hw[0], hw[1], hw[2], g[2],
+                          u[2], hh[2], perm, pos, off, topw, N, H, I, E, k);
+    im->fn.moe.bwd_wbf16(dx[1], NULL, NULL, NULL, dt[1], work, dout, x, NULL, NULL, NULL, hw[0], hw[1], hw[2], g[2], u[2],
+                         hh[2], perm, pos, off, topw, N, H, I, E, k);
+    im->fn.moe.bwd(dx[2], NULL, NULL, NULL, dt[2], work, dout, x, wr[0], wr[1], wr[2], g[2], u[2], hh[2], perm, pos, off,
+                   topw, N, H, I, E, k);
+    e1 = rel_err(dx[1], dx[0], nx), e2 = rel_err(dt[1], dt[0], S);
+    part(c, "dx_h+=", e1 > e2 ? e1 : e2);
+    part(c, "dx_h=bwd", bits_err(dx[1], dx[2], nx) + bits_err(dt[1], dt[2], S));
+    /* the mix with the weight gradients wanted (+=) */
+    float *dw1 = fbuf(3 * nw);
+    fill(dw1, 3 * nw, r, -1, 1);
+    float *dw2 = dup(dw1, 3 * nw);
+    memcpy(dx[1], dx[0], nx * sizeof(float)), memcpy(dx[2], dx[0], nx * sizeof(float));
+    fill_nan(dt[1], S), fill_nan(dt[2], S);
+    im->fn.moe.bwd_wbf16(dx[1], dw1, dw1 + nw, dw1 + 2 * nw, dt[1], work, dout, x, NULL, wr[1], NULL, hw[0], NULL, hw[2],
+                         g[2], u[2], hh[2], perm, pos, off, topw, N, H, I, E, k);
+    im->fn.moe.bwd(dx[2], dw2, dw2 + nw, dw2 + 2 * nw, dt[2], work, dout, x, wr[0], wr[1], wr[2], g[2], u[2], hh[2], perm,
+                   pos, off, topw, N, H, I, E, k);
+    part(c, "bwd_mix=bwd",
+         bits_err(dx[1], dx[2], nx) + bits_err(dt[1], dt[2], S) + bits_err(dw1, dw2, 3 * nw));
+    for (int j = 0; j < 3; j++) free(hw[j]), free(wr[j]), free(o[j]), free(g[j]), free(u[j]), free(hh[j]), free(dx[j]),
+        free(dt[j]);
+    free(work), free(dw1), free(dw2);
+}
+
 static void case_moe(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *sh, chk_rng *r) {
     int N = sh[0], H = sh[1], I = sh[2], E = sh[3], k = sh[4], mode = sh[5];
     size_t S = (size_t)N * k, nx = (size_t)N * H, nw = (size_t)E * I * H, ns = S * I;
@@ -976,6 +1090,11 @@ static void case_moe(chk_case *c, const kern_impl *ref, const kern_impl *im, con
     part(c, "dw=NULL dx", rel_err(dx3, dx0, nx));
     part(c, "dw=NULL dtopw", rel_err(dt3, dt2, S));
     free(dx3), free(dt3), free(dx0);
+    if (ref->fn.moe.fwd_wbf16) {
+        /* its own stream, as case_matmul's wbf16 part: the shared one stays where it was */
+        chk_rng r2 = {r->s ^ 0x5bf16ull};
+        case_moe_wbf16(c, ref, im, N, H, I, E, k, perm, pos, off, topw, x, wg, wu, wd, dout, &r2);
+    }
     free(perm), free(pos), free(off), free(topw), free(x), free(wg), free(wu), free(wd), free(dout), free(work);
     free(o1), free(o2), free(g1), free(u1), free(h1), free(g2), free(u2), free(h2);
     free(dx1), free(dg1), free(du1), free(dd1), free(dt1), free(dt2), free(dx2), free(dg2), free(du2), free(dd2);

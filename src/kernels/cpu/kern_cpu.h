@@ -197,25 +197,10 @@ void kern_matmul_fwd_openblas(float *out, const float *inp, const float *w, int 
 void kern_matmul_bwd_openblas(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                               int K, int N);
 
-#if defined(__x86_64__)
-/* moe_experts, grouped (moe_cpu.c): the op_moe_experts_* contract of ops.h on gemm_f32. */
-void kern_moe_fwd_avx512(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
-                         const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
-                         const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
-void kern_moe_bwd_avx512(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
-                         const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
-                         const float *up, const float *h, const int32_t *perm, const int32_t *pos,
-                         const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
-void kern_moe_fwd_avx2(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
-                       const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
-                       const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
-void kern_moe_bwd_avx2(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
-                       const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
-                       const float *up, const float *h, const int32_t *perm, const int32_t *pos,
-                       const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
-#endif
-
-/* moe_experts_bf16 (moe_cpu.c): the same on bf16-rounded GEMM inputs (matmul_bf16's archs). */
+/* moe_experts, grouped (moe_cpu.c): the op_moe_experts_* contract of ops.h on
+ * gemm_f32, and moe_experts_bf16 (the bf16_* suffixes) the same on bf16-rounded
+ * GEMM inputs (matmul_bf16's archs); each with its wbf16 pair (weights read
+ * from a bf16 store, op_moe_experts_*_wbf16). */
 #define KERN_MOE_DECL(SUF)                                                                                           \
     void kern_moe_fwd_##SUF(float *out, float *gate, float *up, float *h, float *work, const float *x,             \
                             const float *wg, const float *wu, const float *wd, const int32_t *perm,                  \
@@ -225,8 +210,20 @@ void kern_moe_bwd_avx2(float *dx, float *dwg, float *dwu, float *dwd, float *dto
                             const float *dout, const float *x, const float *wg, const float *wu, const float *wd,    \
                             const float *gate, const float *up, const float *h, const int32_t *perm,                 \
                             const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,     \
-                            int E, int k);
+                            int E, int k);                                                                           \
+    void kern_moe_fwd_wbf16_##SUF(float *out, float *gate, float *up, float *h, float *work, const float *x,       \
+                                  const float *wg, const float *wu, const float *wd, const uint16_t *hg,             \
+                                  const uint16_t *hu, const uint16_t *hd, const int32_t *perm, const int32_t *pos,   \
+                                  const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);    \
+    void kern_moe_bwd_wbf16_##SUF(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,        \
+                                  const float *dout, const float *x, const float *wg, const float *wu,               \
+                                  const float *wd, const uint16_t *hg, const uint16_t *hu, const uint16_t *hd,       \
+                                  const float *gate, const float *up, const float *h, const int32_t *perm,           \
+                                  const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H,       \
+                                  int Im, int E, int k);
 #if defined(__x86_64__)
+KERN_MOE_DECL(avx512) /* moe_experts "grouped_avx512" (fp32) */
+KERN_MOE_DECL(avx2)   /* moe_experts "grouped_avx2" (fp32) */
 KERN_MOE_DECL(bf16_amx)
 KERN_MOE_DECL(bf16_avx512bf16)
 KERN_MOE_DECL(bf16_avx512)

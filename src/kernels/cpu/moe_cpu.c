@@ -20,7 +20,16 @@
  * d(topw) as (wd_e^T dout) . h, so the expert outputs need not be kept.
  *
  * bf16 (moe_experts_bf16, end of file): the same code on matmul_bf16's
- * gemm_archs, whose packers round both factors to bf16; nothing else changes. */
+ * gemm_archs, whose packers round both factors to bf16; nothing else changes.
+ *
+ * Frozen weights stored in bf16 (the *_wbf16 entries, ops.h): the NT and NN
+ * products take the expert's weight as a bf16 B view (gemm_view.h), which
+ * the GEMM packs straight from the store (pack_b_h: AMX, vdpbf16ps) or
+ * widens block by block in the piece's own thread before packing (the
+ * others); both pack the bits the fp32 widening would, so the results are
+ * those of the fp32 entries on the widened weights, and no fp32 copy of a
+ * whole weight is ever made. The TN products (weight gradients) never read
+ * the weights. */
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -46,12 +55,14 @@ enum { MOE_NT, MOE_NN, MOE_TN };
  *   NT: C[M, n0:n1] (+)= A[M,K] W_e[n0:n1, K]^T    NN: C[M,K] (+)= A[M,N] W_e[N,K]
  *   TN: C_e[n0:n1, K] += A[M, n0:n1]^T B[M,K]  (B passed as W, C indexed per expert) */
 static void expert_gemm(const gemm_arch *ar, int form, int e, long p0, int M, int N, int K, int n0, int n1,
-                        const float *A, const float *W, float *C, int accumulate) {
+                        const float *A, const float *W, const uint16_t *Wh, float *C, int accumulate) {
     if (form == MOE_NT) {
-        gemm_view a = {A + p0 * K, K, 1, NULL}, b = {W + ((size_t)e * N + n0) * K, 1, K, NULL};
+        size_t wo = ((size_t)e * N + n0) * K;
+        gemm_view a = {A + p0 * K, K, 1, NULL}, b = {Wh ? NULL : W + wo, 1, K, Wh ? Wh + wo : NULL};
         gemm_f32(ar, M, n1 - n0, K, a, b, C + p0 * N + n0, N, accumulate);
     } else if (form == MOE_NN) {
-        gemm_view a = {A + p0 * N, N, 1, NULL}, b = {W + (size_t)e * N * K, K, 1, NULL};
+        size_t wo = (size_t)e * N * K;
+        gemm_view a = {A + p0 * N, N, 1, NULL}, b = {Wh ? NULL : W + wo, K, 1, Wh ? Wh + wo : NULL};
         gemm_f32(ar, M, K, N, a, b, C + p0 * K, K, accumulate);
     } else {
         gemm_view a = {A + p0 * N + n0, 1, N, NULL}, b = {W + p0 * K, K, 1, NULL};
@@ -65,11 +76,12 @@ typedef struct {
     long p0;
 } moe_item;
 
-/* One projection's operands (see expert_gemm). */
+/* One projection's operands (see expert_gemm); Wh: W in bf16 (NT, NN only), read instead of W. */
 typedef struct {
     const float *A, *W;
     float *C;
     int accumulate;
+    const uint16_t *Wh;
 } moe_job;
 
 /* The grouped GEMM: every non-empty expert segment of offsets[E+1], in one
@@ -123,8 +135,8 @@ static void grouped_gemm(const gemm_arch *ar, int form, const int32_t *offsets, 
         for (long i = 0; i < n; i++) {
             for (int j = chain ? 0 : it[i].j; j < (chain ? njobs : it[i].j + 1); j++) {
                 const moe_job *jb = &jobs[j];
-                expert_gemm(ar, form, it[i].e, it[i].p0, it[i].M, N, K, it[i].n0, it[i].n1, jb->A, jb->W, jb->C,
-                            jb->accumulate);
+                expert_gemm(ar, form, it[i].e, it[i].p0, it[i].M, N, K, it[i].n0, it[i].n1, jb->A, jb->W, jb->Wh,
+                            jb->C, jb->accumulate);
             }
         }
         KERN_TRACE_EXIT(kt_);
@@ -145,17 +157,18 @@ static void gather(float *dst, const float *src, const int32_t *perm, long S, in
 }
 
 static void moe_fwd(const gemm_arch *ar, float *out, float *gate, float *up, float *h, float *work, const float *x,
-                    const float *wg, const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
-                    const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+                    const float *wg, const float *wu, const float *wd, const uint16_t *hg, const uint16_t *hu,
+                    const uint16_t *hd, const int32_t *perm, const int32_t *pos, const int32_t *offsets,
+                    const float *topw, int N, int H, int I, int E, int k) {
     long S = (long)N * k;
     float *xg = work; /* [S, H] tokens in expert order, then the expert outputs */
     gather(xg, x, perm, S, k, H);
-    moe_job gu[2] = {{xg, wg, gate, 0}, {xg, wu, up, 0}};
+    moe_job gu[2] = {{xg, wg, gate, 0, hg}, {xg, wu, up, 0, hu}};
     grouped_gemm(ar, MOE_NT, offsets, E, I, H, gu, 2, 0);
     op_swiglu_fwd(h, gate, up, (int)(S * I));
     if (!out) return;
     float *y = work; /* [S, H] */
-    moe_job dn = {h, wd, y, 0};
+    moe_job dn = {h, wd, y, 0, hd};
     grouped_gemm(ar, MOE_NT, offsets, E, H, I, &dn, 1, 0);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
@@ -231,17 +244,17 @@ static void dact_neon(float *dg, float *du, const float *gate, const float *up, 
 #endif
 
 static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg, float *dwu, float *dwd,
-                    float *dtopw, float *work,
-                    const float *dout, const float *x, const float *wg, const float *wu, const float *wd,
-                    const float *gate, const float *up, const float *h, const int32_t *perm, const int32_t *pos,
-                    const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+                    float *dtopw, float *work, const float *dout, const float *x, const float *wg, const float *wu,
+                    const float *wd, const uint16_t *hg, const uint16_t *hu, const uint16_t *hd, const float *gate,
+                    const float *up, const float *h, const int32_t *perm, const int32_t *pos, const int32_t *offsets,
+                    const float *topw, int N, int H, int I, int E, int k) {
     long S = (long)N * k;
     float *G = work;              /* [S, H] dout in expert order, then w * dout, then the gathered x */
     float *Pm = G + (size_t)S * H; /* [S, I] wd_e^T dout, then d gate */
     float *du = Pm + (size_t)S * I; /* [S, I] d up */
     float *dxg = du + (size_t)S * I; /* [S, H] d x in expert order */
     gather(G, dout, perm, S, k, H);
-    moe_job p = {G, wd, Pm, 0};
+    moe_job p = {G, wd, Pm, 0, hd};
     grouped_gemm(ar, MOE_NN, offsets, E, H, I, &p, 1, 0);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
@@ -262,13 +275,13 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
         KERN_TRACE_EXIT(kt_);
     }
     /* NULL weight gradients: frozen experts, only dx and dtopw are wanted */
-    moe_job dd = {G, h, dwd, 1};
+    moe_job dd = {G, h, dwd, 1, NULL};
     if (dwd) grouped_gemm(ar, MOE_TN, offsets, E, H, I, &dd, 1, 0);
     if (dwg || dwu) gather(G, x, perm, S, k, H);
-    moe_job dgu[2] = {{Pm, G, dwg, 1}, {du, G, dwu, 1}};
+    moe_job dgu[2] = {{Pm, G, dwg, 1, NULL}, {du, G, dwu, 1, NULL}};
     if (dwg && dwu) grouped_gemm(ar, MOE_TN, offsets, E, I, H, dgu, 2, 0);
     else if (dwg || dwu) grouped_gemm(ar, MOE_TN, offsets, E, I, H, dwg ? &dgu[0] : &dgu[1], 1, 0);
-    moe_job dx2[2] = {{Pm, wg, dxg, 0}, {du, wu, dxg, 1}}; /* the same rows: one piece runs both, in order */
+    moe_job dx2[2] = {{Pm, wg, dxg, 0, hg}, {du, wu, dxg, 1, hu}}; /* the same rows: one piece runs both, in order */
     grouped_gemm(ar, MOE_NN, offsets, E, I, H, dx2, 2, 1);
 #pragma omp parallel
     {
@@ -285,47 +298,50 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
     }
 }
 
-#if defined(__x86_64__)
-void kern_moe_fwd_avx512(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
-                         const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
-                         const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
-    moe_fwd(&gemm_arch_avx512, out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k);
-}
-void kern_moe_bwd_avx512(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
-                         const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
-                         const float *up, const float *h, const int32_t *perm, const int32_t *pos,
-                         const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
-    moe_bwd(&gemm_arch_avx512, dact_avx512, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos,
-            offsets,
-            topw, N, H, I, E, k);
-}
-void kern_moe_fwd_avx2(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
-                       const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
-                       const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
-    moe_fwd(&gemm_arch_avx2, out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k);
-}
-void kern_moe_bwd_avx2(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
-                       const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
-                       const float *up, const float *h, const int32_t *perm, const int32_t *pos,
-                       const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
-    moe_bwd(&gemm_arch_avx2, dact_avx2, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos,
-            offsets,
-            topw, N, H, I, E, k);
-}
+/* The four entries of one implementation on arch expression AR (evaluated
+ * in each, as a gemm_arch value) with SwiGLU backward DACT: fwd / bwd of the
+ * op, and their wbf16 forms (ops.h), which only pass the bf16 views on. */
+#define MOE_ENTRIES(SUF, AR, DACT)                                                                                     \
+    void kern_moe_fwd_##SUF(float *out, float *gate, float *up, float *h, float *work, const float *x,                 \
+                            const float *wg, const float *wu, const float *wd, const int32_t *perm,                    \
+                            const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,        \
+                            int E, int k) {                                                                            \
+        gemm_arch ar = AR;                                                                                             \
+        moe_fwd(&ar, out, gate, up, h, work, x, wg, wu, wd, NULL, NULL, NULL, perm, pos, offsets, topw, N, H, I, E,   \
+                k);                                                                                                    \
+    }                                                                                                                  \
+    void kern_moe_bwd_##SUF(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,                  \
+                            const float *dout, const float *x, const float *wg, const float *wu, const float *wd,      \
+                            const float *gate, const float *up, const float *h, const int32_t *perm,                   \
+                            const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,        \
+                            int E, int k) {                                                                            \
+        gemm_arch ar = AR;                                                                                             \
+        moe_bwd(&ar, DACT, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, NULL, NULL, NULL, gate, up, h, perm,   \
+                pos, offsets, topw, N, H, I, E, k);                                                                    \
+    }                                                                                                                  \
+    void kern_moe_fwd_wbf16_##SUF(float *out, float *gate, float *up, float *h, float *work, const float *x,           \
+                                  const float *wg, const float *wu, const float *wd, const uint16_t *hg,               \
+                                  const uint16_t *hu, const uint16_t *hd, const int32_t *perm, const int32_t *pos,     \
+                                  const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {      \
+        gemm_arch ar = AR;                                                                                             \
+        moe_fwd(&ar, out, gate, up, h, work, x, wg, wu, wd, hg, hu, hd, perm, pos, offsets, topw, N, H, I, E, k);      \
+    }                                                                                                                  \
+    void kern_moe_bwd_wbf16_##SUF(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,            \
+                                  const float *dout, const float *x, const float *wg, const float *wu,                 \
+                                  const float *wd, const uint16_t *hg, const uint16_t *hu, const uint16_t *hd,         \
+                                  const float *gate, const float *up, const float *h, const int32_t *perm,             \
+                                  const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,  \
+                                  int E, int k) {                                                                      \
+        gemm_arch ar = AR;                                                                                             \
+        moe_bwd(&ar, DACT, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, hg, hu, hd, gate, up, h, perm, pos,    \
+                offsets, topw, N, H, I, E, k);                                                                         \
+    }
 
+#if defined(__x86_64__)
+MOE_ENTRIES(avx512, gemm_arch_avx512, dact_avx512)
+MOE_ENTRIES(avx2, gemm_arch_avx2, dact_avx2)
 #elif defined(__aarch64__)
-void kern_moe_fwd_neon(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
-                       const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
-                       const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
-    moe_fwd(&gemm_arch_neon, out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k);
-}
-void kern_moe_bwd_neon(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
-                       const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
-                       const float *up, const float *h, const int32_t *perm, const int32_t *pos,
-                       const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
-    moe_bwd(&gemm_arch_neon, dact_neon, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos,
-            offsets, topw, N, H, I, E, k);
-}
+MOE_ENTRIES(neon, gemm_arch_neon, dact_neon)
 #endif
 
 /* moe_experts_bf16: the same grouped GEMMs on matmul_bf16's architectures,
@@ -342,29 +358,12 @@ static gemm_arch bf16_arch(const gemm_arch *base) {
     return base == &gemm_arch_bfmmla ? *base : gemm_arch_rounding_bf16(base);
 }
 #endif
-#define MOE_BF16(SUF, BASE, DACT)                                                                                      \
-    void kern_moe_fwd_##SUF(float *out, float *gate, float *up, float *h, float *work, const float *x,                 \
-                            const float *wg, const float *wu, const float *wd, const int32_t *perm,                    \
-                            const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,        \
-                            int E, int k) {                                                                            \
-        gemm_arch ar = bf16_arch(&BASE);                                                                               \
-        moe_fwd(&ar, out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k);                  \
-    }                                                                                                                  \
-    void kern_moe_bwd_##SUF(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,                  \
-                            const float *dout, const float *x, const float *wg, const float *wu, const float *wd,      \
-                            const float *gate, const float *up, const float *h, const int32_t *perm,                   \
-                            const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,        \
-                            int E, int k) {                                                                            \
-        gemm_arch ar = bf16_arch(&BASE);                                                                               \
-        moe_bwd(&ar, DACT, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos, offsets, topw, \
-                N, H, I, E, k);                                                                                        \
-    }
 #if defined(__x86_64__)
-MOE_BF16(bf16_amx, gemm_arch_amx, dact_avx512)
-MOE_BF16(bf16_avx512bf16, gemm_arch_avx512bf16, dact_avx512)
-MOE_BF16(bf16_avx512, gemm_arch_avx512, dact_avx512)
-MOE_BF16(bf16_avx2, gemm_arch_avx2, dact_avx2)
+MOE_ENTRIES(bf16_amx, bf16_arch(&gemm_arch_amx), dact_avx512)
+MOE_ENTRIES(bf16_avx512bf16, bf16_arch(&gemm_arch_avx512bf16), dact_avx512)
+MOE_ENTRIES(bf16_avx512, bf16_arch(&gemm_arch_avx512), dact_avx512)
+MOE_ENTRIES(bf16_avx2, bf16_arch(&gemm_arch_avx2), dact_avx2)
 #elif defined(__aarch64__)
-MOE_BF16(bf16_bfmmla, gemm_arch_bfmmla, dact_neon)
-MOE_BF16(bf16_neon, gemm_arch_neon, dact_neon)
+MOE_ENTRIES(bf16_bfmmla, bf16_arch(&gemm_arch_bfmmla), dact_neon)
+MOE_ENTRIES(bf16_neon, bf16_arch(&gemm_arch_neon), dact_neon)
 #endif

@@ -11,12 +11,44 @@
  * factor of an expert projection's products rounded to bf16 (rb() below,
  * bf = 1): the semantics of matmul_bf16 applied to the three projections,
  * forward, d input and d weight, with fp32 sums. The routing weight, the
- * SwiGLU and d topw stay fp32, as they do around every other linear. */
+ * SwiGLU and d topw stay fp32, as they do around every other linear.
+ *
+ * The wbf16 entries (a weight read from a bf16 store) are the same loops
+ * over each expert's matrices widened, one expert at a time, into a scratch
+ * of one expert per projection: exact, so the definition (the op on the
+ * widened weights) holds by construction, with no copy of a whole weight. */
 #include <math.h>
 #include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "core/dtype.h"
 #include "kernels/ops.h"
+
+/* One projection's stacked weights [E, n]: fp32 f, or bf16 h when set. */
+typedef struct {
+    const float *f;
+    const uint16_t *h;
+} wsrc;
+
+/* Expert e's n weights as fp32: in place, or widened into scratch[n]. */
+static const float *expert_w(wsrc w, int e, size_t n, float *scratch) {
+    if (!w.h) return w.f + (size_t)e * n;
+    const uint16_t *src = w.h + (size_t)e * n;
+    for (size_t i = 0; i < n; i++) scratch[i] = ct_bf16_to_f32(src[i]);
+    return scratch;
+}
+
+/* Scratch for one expert of each projection read from bf16 (NULL: none is). */
+static float *expert_scratch(wsrc g, wsrc u, wsrc d, size_t n) {
+    if (!g.h && !u.h && !d.h) return NULL;
+    float *s = malloc(3 * (n ? n : 1) * sizeof(float));
+    if (!s) {
+        fprintf(stderr, "ctitan: error: out of memory in the reference MoE experts\n");
+        exit(1);
+    }
+    return s;
+}
 
 /* v, or v rounded to bf16 (nearest even) when bf. */
 static float rb(float v, int bf) { return bf ? ct_bf16_to_f32(ct_f32_to_bf16(v)) : v; }
@@ -27,15 +59,18 @@ static float dot(const float *a, const float *b, int n, int bf) {
     return s;
 }
 
-static void experts_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
-                        const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
-                        const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k, int bf) {
+static void experts_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x, wsrc wg, wsrc wu,
+                        wsrc wd, const int32_t *perm, const int32_t *pos, const int32_t *offsets, const float *topw,
+                        int N, int H, int I, int E, int k, int bf) {
     // out[N,H] (+=), gate/up/h [N*k, I], work [H], x[N,H], wg/wu [E,I,H], wd [E,H,I]
     (void)pos;
     (void)N;
     float *y = work; /* [H] one expert output row */
+    size_t n = (size_t)I * H;
+    float *sc = expert_scratch(wg, wu, wd, n);
     for (int e = 0; e < E; e++) {
-        const float *g_e = wg + (size_t)e * I * H, *u_e = wu + (size_t)e * I * H, *d_e = wd + (size_t)e * H * I;
+        if (offsets[e + 1] == offsets[e]) continue; /* no rows: nothing reads its weights */
+        const float *g_e = expert_w(wg, e, n, sc), *u_e = expert_w(wu, e, n, sc + n), *d_e = expert_w(wd, e, n, sc + 2 * n);
         for (int p = offsets[e]; p < offsets[e + 1]; p++) {
             int s = perm[p], t = s / k;
             const float *xt = x + (size_t)t * H;
@@ -52,18 +87,22 @@ static void experts_fwd(float *out, float *gate, float *up, float *h, float *wor
             for (int c = 0; c < H; c++) ot[c] += w * y[c];
         }
     }
+    free(sc);
 }
 
 static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
-                        const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
-                        const float *up, const float *h, const int32_t *perm, const int32_t *pos,
-                        const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k, int bf) {
+                        const float *x, wsrc wg, wsrc wu, wsrc wd, const float *gate, const float *up, const float *h,
+                        const int32_t *perm, const int32_t *pos, const int32_t *offsets, const float *topw, int N,
+                        int H, int I, int E, int k, int bf) {
     // dx[N,H] +=, dwg/dwu [E,I,H] +=, dwd [E,H,I] +=, dtopw[N*k] =, work [3I]
     (void)pos;
     (void)N;
     float *dh = work, *dg = work + I, *du = work + 2 * (size_t)I; /* [I] each */
+    size_t n = (size_t)I * H;
+    float *sc = expert_scratch(wg, wu, wd, n);
     for (int e = 0; e < E; e++) {
-        const float *g_e = wg + (size_t)e * I * H, *u_e = wu + (size_t)e * I * H, *d_e = wd + (size_t)e * H * I;
+        if (offsets[e + 1] == offsets[e]) continue; /* no rows: no gradient either */
+        const float *g_e = expert_w(wg, e, n, sc), *u_e = expert_w(wu, e, n, sc + n), *d_e = expert_w(wd, e, n, sc + 2 * n);
         /* NULL weight gradients: frozen experts (only dx and dtopw are wanted) */
         float *dg_e = dwg ? dwg + (size_t)e * I * H : NULL, *du_e = dwu ? dwu + (size_t)e * I * H : NULL;
         float *dd_e = dwd ? dwd + (size_t)e * H * I : NULL;
@@ -100,31 +139,64 @@ static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dt
             }
         }
     }
+    free(sc);
 }
+
+#define W3(g, u, d) (wsrc){g, NULL}, (wsrc){u, NULL}, (wsrc){d, NULL}
+#define W3H(g, u, d, a, b, c) (wsrc){g, a}, (wsrc){u, b}, (wsrc){d, c}
 
 void op_moe_experts_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
                         const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
                         const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
-    experts_fwd(out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k, 0);
+    experts_fwd(out, gate, up, h, work, x, W3(wg, wu, wd), perm, pos, offsets, topw, N, H, I, E, k, 0);
 }
 void op_moe_experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
                         const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
                         const float *up, const float *h, const int32_t *perm, const int32_t *pos,
                         const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
-    experts_bwd(dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos, offsets, topw, N, H, I, E,
-                k, 0);
+    experts_bwd(dx, dwg, dwu, dwd, dtopw, work, dout, x, W3(wg, wu, wd), gate, up, h, perm, pos, offsets, topw, N, H, I,
+                E, k, 0);
 }
 void op_moe_experts_bf16_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x,
                              const float *wg, const float *wu, const float *wd, const int32_t *perm,
                              const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,
                              int E, int k) {
-    experts_fwd(out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, I, E, k, 1);
+    experts_fwd(out, gate, up, h, work, x, W3(wg, wu, wd), perm, pos, offsets, topw, N, H, I, E, k, 1);
 }
 void op_moe_experts_bf16_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,
                              const float *dout, const float *x, const float *wg, const float *wu, const float *wd,
                              const float *gate, const float *up, const float *h, const int32_t *perm,
                              const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int I,
                              int E, int k) {
-    experts_bwd(dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos, offsets, topw, N, H, I, E,
-                k, 1);
+    experts_bwd(dx, dwg, dwu, dwd, dtopw, work, dout, x, W3(wg, wu, wd), gate, up, h, perm, pos, offsets, topw, N, H, I,
+                E, k, 1);
+}
+void op_moe_experts_fwd_wbf16(float *out, float *gate, float *up, float *h, float *work, const float *x,
+                              const float *wg, const float *wu, const float *wd, const uint16_t *hg,
+                              const uint16_t *hu, const uint16_t *hd, const int32_t *perm, const int32_t *pos,
+                              const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    experts_fwd(out, gate, up, h, work, x, W3H(wg, wu, wd, hg, hu, hd), perm, pos, offsets, topw, N, H, I, E, k, 0);
+}
+void op_moe_experts_bwd_wbf16(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,
+                              const float *dout, const float *x, const float *wg, const float *wu, const float *wd,
+                              const uint16_t *hg, const uint16_t *hu, const uint16_t *hd, const float *gate,
+                              const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                              const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    experts_bwd(dx, dwg, dwu, dwd, dtopw, work, dout, x, W3H(wg, wu, wd, hg, hu, hd), gate, up, h, perm, pos, offsets,
+                topw, N, H, I, E, k, 0);
+}
+void op_moe_experts_bf16_fwd_wbf16(float *out, float *gate, float *up, float *h, float *work, const float *x,
+                                   const float *wg, const float *wu, const float *wd, const uint16_t *hg,
+                                   const uint16_t *hu, const uint16_t *hd, const int32_t *perm, const int32_t *pos,
+                                   const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    experts_fwd(out, gate, up, h, work, x, W3H(wg, wu, wd, hg, hu, hd), perm, pos, offsets, topw, N, H, I, E, k, 1);
+}
+void op_moe_experts_bf16_bwd_wbf16(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,
+                                   const float *dout, const float *x, const float *wg, const float *wu,
+                                   const float *wd, const uint16_t *hg, const uint16_t *hu, const uint16_t *hd,
+                                   const float *gate, const float *up, const float *h, const int32_t *perm,
+                                   const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H,
+                                   int I, int E, int k) {
+    experts_bwd(dx, dwg, dwu, dwd, dtopw, work, dout, x, W3H(wg, wu, wd, hg, hu, hd), gate, up, h, perm, pos, offsets,
+                topw, N, H, I, E, k, 1);
 }
