@@ -155,7 +155,15 @@ static int bench_matmul_wants(const kern_impl *im, const kern_impl *fp32_default
     return im->op == KERN_OP_MATMUL_BF16 || im == fp32_default;
 }
 
-static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_opts *o, double peak) {
+/* Whether a matmul entry multiplies on bf16 hardware (vdpbf16ps, AMX tiles,
+ * BFMMLA): those are measured against the bf16 peak, the others (fp32
+ * kernels, the rounding bf16 ones included) against the fp32 one. */
+static int uses_bf16_units(const kern_impl *im) {
+    return im->op == KERN_OP_MATMUL_BF16 &&
+           (im->features & (KERN_FEAT_AVX512BF16 | KERN_FEAT_AMXBF16 | KERN_FEAT_ARM_BF16));
+}
+
+static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_opts *o, const cpu_peak *pk) {
     static const struct {
         int M, K, N;
         const char *what;
@@ -174,8 +182,10 @@ static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_
     for (size_t i = 0; i < n && !fp32_default; i++)
         if (t[i].op == KERN_OP_MATMUL && !(t[i].features & ~cpu)) fp32_default = &t[i];
     printf("matmul: fwd out=inp@w^T, dinp+=dout@w, dw+=dout^T@inp; GFLOP/s (2MKN / best time), %% of the "
-           "%.0f GFLOP/s fp32 FMA peak; bf16 = matmul_bf16 (inputs rounded to bf16, fp32 sums)\n",
-           peak / 1e9);
+           "%.0f GFLOP/s fp32 FMA peak, or for bf16 entries on bf16 units (avx512bf16, amx, bfmmla) of the "
+           "%.0f GFLOP/s bf16 peak (%s); bf16 = matmul_bf16 (inputs rounded to bf16, fp32 sums); "
+           "w bf16 = fwd / dinp with w read from a bf16 store (a frozen weight: fwd_wbf16, dinp_wbf16)\n",
+           pk->flops / 1e9, pk->bf16_flops / 1e9, pk->bf16_isa ? pk->bf16_isa : "?");
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int M = shapes[s].M, K = shapes[s].K, N = shapes[s].N;
         if (o->quick && N > 100000) continue;
@@ -190,8 +200,17 @@ static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_
             for (int p = 0; p < 3; p++) g[p] = flops / kern_bench_time(x, &t[i], parts[p], o->reps, 0) / 1e9;
             char label[48];
             snprintf(label, sizeof label, "%s%s", t[i].op == KERN_OP_MATMUL_BF16 ? "bf16 " : "", t[i].name);
-            printf("    %-15s fwd %6.1f  dinp %6.1f  dw %6.1f GFLOP/s   (%2.0f%% %2.0f%% %2.0f%% of peak)\n", label,
-                   g[0], g[1], g[2], 100e9 * g[0] / peak, 100e9 * g[1] / peak, 100e9 * g[2] / peak);
+            int hw = uses_bf16_units(&t[i]);
+            double peak = hw ? pk->bf16_flops : pk->flops;
+            const char *which = hw ? "bf16 peak" : "peak";
+            printf("    %-15s fwd %6.1f  dinp %6.1f  dw %6.1f GFLOP/s   (%2.0f%% %2.0f%% %2.0f%% of %s)\n", label,
+                   g[0], g[1], g[2], 100e9 * g[0] / peak, 100e9 * g[1] / peak, 100e9 * g[2] / peak, which);
+            if (t[i].fn.matmul.fwd_wbf16 && t[i].fn.matmul.dinp_wbf16) {
+                double h0 = flops / kern_bench_time(x, &t[i], KERN_BENCH_FWD_WBF16, o->reps, 0) / 1e9;
+                double h1 = flops / kern_bench_time(x, &t[i], KERN_BENCH_DINP_WBF16, o->reps, 0) / 1e9;
+                printf("      %-13s fwd %6.1f  dinp %6.1f            GFLOP/s   (%2.0f%% %2.0f%%     of %s)\n", "w bf16",
+                       h0, h1, 100e9 * h0 / peak, 100e9 * h1 / peak, which);
+            }
             fflush(stdout);
         }
         kern_bench_free(x);
@@ -289,7 +308,9 @@ static int cmd_bench(const kern_cli_opts *o) {
     unsigned cpu = kern_cpu_features();
     char have[256];
     kern_features_str(cpu, have, sizeof have);
-    cpu_peak peak = {.flops = o->peak_gflops * 1e9, .threads = cpu_threads(), .source = "--peak"};
+    /* --peak gives one figure: the bf16 entries on bf16 units are measured against it too */
+    cpu_peak peak = {.flops = o->peak_gflops * 1e9, .bf16_flops = o->peak_gflops * 1e9, .threads = cpu_threads(),
+                     .source = "--peak", .bf16_isa = "--peak"};
     if (o->peak_gflops <= 0) cpu_peak_flops(&peak, cpu_threads());
     const char *core = getenv("OPENBLAS_CORETYPE");
     printf("threads %d, cpu features: %s, OPENBLAS_CORETYPE=%s, fp32 FMA peak %.0f GFLOP/s (%s)\n", cpu_threads(),
@@ -299,9 +320,9 @@ static int cmd_bench(const kern_cli_opts *o) {
         if (o->op && strcmp(o->op, kern_op_name(op))) continue;
         if (op == KERN_OP_MATMUL) {
             /* one table for both matmul ops: the same shapes side by side */
-            if (!o->op || !strcmp(o->op, "matmul")) bench_matmul(t, n, cpu, o, peak.flops);
+            if (!o->op || !strcmp(o->op, "matmul")) bench_matmul(t, n, cpu, o, &peak);
         } else if (op == KERN_OP_MATMUL_BF16) {
-            if (o->op) bench_matmul(t, n, cpu, o, peak.flops);
+            if (o->op) bench_matmul(t, n, cpu, o, &peak);
         } else if (op == KERN_OP_MOE || op == KERN_OP_MOE_BF16) {
             if (o->op) bench_op(t, n, cpu, o, op); /* only when asked: the reference takes ~a minute */
         } else bench_op(t, n, cpu, o, op);

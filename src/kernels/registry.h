@@ -302,8 +302,16 @@ void kern_bench_free(kern_bench *b);
 /* 0 for the ops with a single entry point (add, adamw) */
 int kern_bench_has_bwd(kern_op op);
 /* What one timed call runs: the forward, the whole backward, or (matmul and
- * matmul_bf16 only) one of the backward's two products. */
-typedef enum { KERN_BENCH_FWD, KERN_BENCH_BWD, KERN_BENCH_DINP, KERN_BENCH_DW } kern_bench_part;
+ * matmul_bf16 only) one of the backward's two products, or the forward / dinp
+ * with w read from a bf16 store (fwd_wbf16 / dinp_wbf16: a frozen weight). */
+typedef enum {
+    KERN_BENCH_FWD,
+    KERN_BENCH_BWD,
+    KERN_BENCH_DINP,
+    KERN_BENCH_DW,
+    KERN_BENCH_FWD_WBF16,
+    KERN_BENCH_DINP_WBF16
+} kern_bench_part;
 /* Best seconds of `reps` calls (after one warm-up call) of `part` of im;
  * stops after 2 s of calls, or after the warm-up when that alone took more
  * than cutoff seconds (cutoff > 0): the caller already has a faster candidate. */

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/dtype.h"
 #include "core/err.h"
 #include "core/timer.h"
 #include "kernels/ops.h"
@@ -22,6 +23,7 @@ struct kern_bench {
     int32_t *tok;
     int32_t *perm, *pos, *off; /* moe_experts routing */
     float *dw;                 /* matmul dw [N,K]; moe_experts weight gradients [3, E, I, H] */
+    uint16_t *wh;              /* matmul: w rounded to bf16 [N,K] (the wbf16 parts) */
     adamw_state st;
     adamw_hparams hp;
 };
@@ -56,6 +58,8 @@ kern_bench *kern_bench_new(kern_op op, const kern_shape *sh) {
         x->d = rand_buf((size_t)s->M * s->N, &seed);  /* dout [M,N] */
         x->e = rand_buf((size_t)s->M * s->K, &seed);  /* dinp [M,K] */
         x->dw = rand_buf((size_t)s->N * s->K, &seed); /* dw [N,K] */
+        x->wh = ct_malloc(((size_t)s->N * s->K + 1) * sizeof(uint16_t));
+        for (size_t i = 0; i < (size_t)s->N * s->K; i++) x->wh[i] = ct_f32_to_bf16(x->b[i]);
         break;
     case KERN_OP_EMBEDDING:
         x->a = rand_buf((size_t)s->rows * s->C, &seed); /* out [rows,C] */
@@ -135,7 +139,7 @@ kern_bench *kern_bench_new(kern_op op, const kern_shape *sh) {
 void kern_bench_free(kern_bench *x) {
     if (!x) return;
     free(x->a), free(x->b), free(x->c), free(x->d), free(x->e), free(x->f), free(x->g), free(x->h), free(x->tok);
-    free(x->perm), free(x->pos), free(x->off), free(x->dw);
+    free(x->perm), free(x->pos), free(x->off), free(x->dw), free(x->wh);
     if (x->op == KERN_OP_ADAMW) adamw_free(&x->st);
     free(x);
 }
@@ -156,7 +160,10 @@ static void run_once(kern_bench *x, const kern_impl *im, kern_bench_part part) {
     switch (im->op) {
     case KERN_OP_MATMUL:
     case KERN_OP_MATMUL_BF16:
-        if (fwd) im->fn.matmul.fwd(x->c, x->a, x->b, s->M, s->K, s->N, 0);
+        /* the wbf16 parts: callers time them only where the entry has them */
+        if (part == KERN_BENCH_FWD_WBF16) im->fn.matmul.fwd_wbf16(x->c, x->a, x->wh, s->M, s->K, s->N, 0);
+        else if (part == KERN_BENCH_DINP_WBF16) im->fn.matmul.dinp_wbf16(x->e, x->d, x->wh, s->M, s->K, s->N);
+        else if (fwd) im->fn.matmul.fwd(x->c, x->a, x->b, s->M, s->K, s->N, 0);
         else /* NULL output: that product is skipped (ops.h) */
             im->fn.matmul.bwd(part == KERN_BENCH_DW ? NULL : x->e, part == KERN_BENCH_DINP ? NULL : x->dw, x->d,
                               x->a, x->b, s->M, s->K, s->N);

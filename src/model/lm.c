@@ -1653,8 +1653,16 @@ static double crossentropy(lm_model *m, float *logits, const int32_t *labels, in
 /* A bf16-stored (frozen) lm_head, tied or not, is never widened: the head
  * products read it from its store, over blocks of HEAD_VBLOCK vocabulary rows
  * (the blocks an earlier version widened one at a time; kept, so the results
- * are those bits), each block's logits through m->ws.head_tmp. */
+ * are those bits), each block's logits through m->ws.head_tmp. Except the
+ * forward of more than HEAD_ONE_CALL_ROWS rows (training's logits chunks):
+ * one product over the whole vocabulary straight into the logits, the same
+ * bits (each logit is one dot product over the hidden size, whichever block
+ * holds its row of the head), without 19 blocks' copies through head_tmp
+ * (the chunk's whole logits, 155 MB at Qwen3's vocabulary and 256 rows) and
+ * their parallel regions. Few rows keep the blocks: the kernels' few-rows
+ * forward (decode) widens the w it is given. */
 #define HEAD_VBLOCK 8192
+#define HEAD_ONE_CALL_ROWS 16
 static const lm_tensor *head_stored(const lm_model *m) {
     const lm_tensor *t = m->cfg.tie_embeddings ? &m->tensors[0] : &m->tensors[m->n_tensors - 1];
     return t->store != LM_NO_STORE ? t : NULL;
@@ -1669,6 +1677,10 @@ static void head_fwd(lm_model *m, float *logits, const float *x, int n) {
     const lm_tensor *t = head_stored(m);
     if (!t) {
         K(MATMUL, matmul_fwd, logits, x, m->w.lm_head, n, H, V, 0);
+        return;
+    }
+    if (n > HEAD_ONE_CALL_ROWS) {
+        K(MATMUL, matmul_fwd_wbf16, logits, x, m->fstore + t->store, n, H, V, 0);
         return;
     }
     head_scratch(m);

@@ -16,6 +16,7 @@
 #if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels/cpu/avx2_util.h"
 #include "kernels/cpu/kern_cpu.h"
@@ -170,6 +171,68 @@ TAVX2 static void pack_b_avx2(float *dst, gemm_view b, long kc, long n) {
                 dst[p * NR * kc + k * NR + j] = p * NR + j < n ? b.p[k * b.rs + (p * NR + j) * b.cs] : 0.0f;
 }
 
+/* The first n (clamped to 0..8) of 8 bf16 at s widened to fp32 (exact: the
+ * bits moved up by 16), zeros beyond. AVX2 has no 16-bit masked load, so a
+ * short run is copied through a zeroed buffer first (edges only). */
+TAVX2 static inline __m256 widen8(const uint16_t *s, long n) {
+    __m128i x;
+    if (n >= 8) {
+        x = _mm_loadu_si128((const __m128i *)s);
+    } else {
+        uint16_t t[8] = {0};
+        for (long i = 0; i < n; i++) t[i] = s[i];
+        x = _mm_loadu_si128((const __m128i *)t);
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+
+/* transpose_slab8 from a bf16 source, widening as it loads. */
+TAVX2 static void transpose_slab8_h(float *dst, long dstride, const uint16_t *src, long ld, int rows, long kc) {
+    for (long k0 = 0; k0 < kc; k0 += 8) {
+        long kn = kc - k0 < 8 ? kc - k0 : 8;
+        __m256 r[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) r[i] = i < rows ? widen8(src + i * ld + k0, kn) : _mm256_setzero_ps();
+        avx2_transpose8(r);
+#pragma GCC unroll 8
+        for (int kk = 0; kk < 8; kk++)
+            if (kk < kn) _mm256_store_ps(dst + (k0 + kk) * dstride, r[kk]);
+    }
+}
+
+/* pack_b of a bf16 view (a frozen weight's store), widening while packing, in
+ * one pass (see pack_b_h_avx512); the bits of pack_b_avx2 on the widening. */
+TAVX2 static void pack_b_h_avx2(float *dst, gemm_view b, long kc, long n) {
+    long np = (n + NR - 1) / NR;
+    if (b.cs == 1) {
+        for (long k = 0; k < kc; k++) {
+            const uint16_t *src = b.h + k * b.rs;
+            for (long p = 0; p < np; p++) {
+                long cols = n - p * NR;
+                float *d = dst + p * NR * kc + k * NR;
+                _mm256_store_ps(d, widen8(src + p * NR, cols));
+                _mm256_store_ps(d + 8, widen8(src + p * NR + 8, cols - 8));
+            }
+        }
+        return;
+    }
+    if (b.rs == 1) {
+        for (long p = 0; p < np; p++)
+            for (int h = 0; h < 2; h++) {
+                long cols = n - p * NR - 8 * h;
+                int c = (int)(cols > 8 ? 8 : cols < 0 ? 0 : cols);
+                transpose_slab8_h(dst + p * NR * kc + 8 * h, NR, b.h + (p * NR + 8 * h) * b.cs, b.cs, c, kc);
+            }
+        return;
+    }
+    for (long p = 0; p < np; p++) /* any other strides (not used by the model) */
+        for (long k = 0; k < kc; k++)
+            for (int j = 0; j < NR; j++) {
+                uint32_t u = p * NR + j < n ? (uint32_t)b.h[k * b.rs + (p * NR + j) * b.cs] << 16 : 0;
+                memcpy(dst + p * NR * kc + k * NR + j, &u, sizeof u);
+            }
+}
+
 /* Sum of the 8 lanes in a fixed order. */
 TAVX2 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -231,6 +294,7 @@ const gemm_arch gemm_arch_avx2 = {
     .ukernel = uk_avx2,
     .pack_a = pack_a_avx2,
     .pack_b = pack_b_avx2,
+    .pack_b_h = pack_b_h_avx2,
     .nt_small = nt_small_avx2,
 };
 #endif /* __x86_64__ */

@@ -173,6 +173,64 @@ T512 static void pack_b_avx512(float *dst, gemm_view b, long kc, long n) {
                 dst[p * NR * kc + k * NR + j] = p * NR + j < n ? b.p[k * b.rs + (p * NR + j) * b.cs] : 0.0f;
 }
 
+/* 16 bf16 widened to fp32 (exact: the bits moved up by 16); lanes outside mk are zeros. */
+T512 static inline __m512 widen16(__mmask16 mk, const uint16_t *s) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, s)), 16));
+}
+
+/* transpose_slab from a bf16 source, widening as it loads: the same stores
+ * as transpose_slab on the fp32 widening of the slab. */
+T512 static void transpose_slab_h(float *dst, long dstride, const uint16_t *src, long ld, int rows, long kc) {
+    for (long k0 = 0; k0 < kc; k0 += 16) {
+        long kn = kc - k0 < 16 ? kc - k0 : 16;
+        __mmask16 mk = lanes((int)kn);
+        __m512 r[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) r[i] = widen16(i < rows ? mk : (__mmask16)0, src + (i < rows ? i : 0) * ld + k0);
+        transpose16(r);
+#pragma GCC unroll 16
+        for (int kk = 0; kk < 16; kk++)
+            if (kk < kn) _mm512_store_ps(dst + (k0 + kk) * dstride, r[kk]);
+    }
+}
+
+/* pack_b of a bf16 view (a frozen weight's store), widening while packing:
+ * one pass over half the bytes instead of a widening pass into a scratch
+ * block and a packing pass over it (gemm.c, pack_b_any). Same layout and
+ * bits as pack_b_avx512 on the widened block. */
+T512 static void pack_b_h_avx512(float *dst, gemm_view b, long kc, long n) {
+    long np = (n + NR - 1) / NR;
+    if (b.cs == 1) {
+        /* row-major B (dinp's w): walk each source row once, 32 columns to each panel */
+        for (long k = 0; k < kc; k++) {
+            const uint16_t *src = b.h + k * b.rs;
+            for (long p = 0; p < np; p++) {
+                long cols = n - p * NR;
+                float *d = dst + p * NR * kc + k * NR;
+                _mm512_store_ps(d, widen16(lanes((int)cols), src + p * NR)); /* lanes() clamps to 0..16 */
+                _mm512_store_ps(d + 16, widen16(lanes((int)cols - 16), src + p * NR + 16));
+            }
+        }
+        return;
+    }
+    if (b.rs == 1) {
+        /* B given transposed (the forward's w[N,K]): two 16-column transposes per panel */
+        for (long p = 0; p < np; p++)
+            for (int h = 0; h < 2; h++) {
+                long cols = n - p * NR - 16 * h;
+                int c = (int)(cols > 16 ? 16 : cols < 0 ? 0 : cols);
+                transpose_slab_h(dst + p * NR * kc + 16 * h, NR, b.h + (p * NR + 16 * h) * b.cs, b.cs, c, kc);
+            }
+        return;
+    }
+    for (long p = 0; p < np; p++) /* any other strides (not used by the model) */
+        for (long k = 0; k < kc; k++)
+            for (int j = 0; j < NR; j++) {
+                uint32_t u = p * NR + j < n ? (uint32_t)b.h[k * b.rs + (p * NR + j) * b.cs] << 16 : 0;
+                memcpy(dst + p * NR * kc + k * NR + j, &u, sizeof u);
+            }
+}
+
 /* Few rows (decode steps: M = 1): out[m, n] (+)= dot(inp[m, :], w[n, :]) for
  * n in [n0, n1). Both operands are contiguous along K, so no packing: the
  * GEMM would copy all of w to read it once, tripling the memory traffic of
@@ -228,6 +286,7 @@ const gemm_arch gemm_arch_avx512 = {
     .ukernel = uk_avx512,
     .pack_a = pack_a_avx512,
     .pack_b = pack_b_avx512,
+    .pack_b_h = pack_b_h_avx512,
     .nt_small = nt_small_avx512,
 };
 #endif /* __x86_64__ */

@@ -108,9 +108,10 @@ void kern_matmul_bf16_bwd_avx2(float *dinp, float *dw, const float *dout, const 
     gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
 }
 
-/* A bf16 w: the pair arch copies its bits (pack_b_h); the rounding archs have
- * none, so the driver widens each block and they round it, which leaves it
- * as it is. */
+/* A bf16 w: the pair arch copies its bits (pack_b_h); the rounding archs keep
+ * their base's pack_b_h (rounding_arch replaces pack_a / pack_b only), which
+ * widens while packing: a widened bf16 value is what rounding would leave,
+ * so the panels hold the bits the rounding packer makes from its widening. */
 void kern_matmul_fwd_wbf16_bf16_avx512bf16(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                            int accumulate) {
     gemm_matmul_fwd_wbf16(&gemm_arch_avx512bf16, out, inp, w, M, K, N, accumulate);

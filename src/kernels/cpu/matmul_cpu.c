@@ -132,11 +132,31 @@ void kern_matmul_bwd_openblas(float *dinp, float *dw, const float *dout, const f
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, M, 1.0f, dout, N, inp, K, 1.0f, dw, K);
 }
 
+/* Rows of w widened at a time by the OpenBLAS forward: a caller may pass a
+ * whole bf16-stored lm_head (model/lm.c, head_fwd), whose fp32 copy (0.6 GB
+ * at Qwen3's vocabulary) would undo the store's saving; 8192 rows are the
+ * blocks the model used to pass one at a time, so its sgemm calls are the
+ * same. Beyond 8192 rows the bits are those of these column blocks, not of
+ * one sgemm over all N: OpenBLAS's sums depend on N (with 7-row blocks
+ * `kernels check` sees fwd_h differ from fwd in the last bits). */
+#define OPENBLAS_WBF16_ROWS 8192
+
 void kern_matmul_fwd_wbf16_openblas(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                     int accumulate) {
     if (M <= 0 || N <= 0) return;
-    float *x = widened(w, (size_t)N * (K > 0 ? K : 0));
-    kern_matmul_fwd_openblas(out, inp, x, M, K, N, accumulate);
+    if (K <= 0) {
+        kern_matmul_fwd_openblas(out, inp, NULL, M, K, N, accumulate);
+        return;
+    }
+    int nb = N < OPENBLAS_WBF16_ROWS ? N : OPENBLAS_WBF16_ROWS;
+    float *x = ct_malloc((size_t)nb * K * sizeof(float));
+    for (int n0 = 0; n0 < N; n0 += nb) {
+        int nv = N - n0 < nb ? N - n0 : nb;
+        ct_convert_to_f32(x, w + (size_t)n0 * K, CT_BF16, (size_t)nv * K);
+        /* columns n0 .. n0 + nv of out, row stride N */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, nv, K, 1.0f, inp, K, x, K,
+                    accumulate ? 1.0f : 0.0f, out + n0, N);
+    }
     free(x);
 }
 
