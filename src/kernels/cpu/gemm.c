@@ -136,6 +136,16 @@ static void widen_bf16(float *dst, const uint16_t *s, long n) {
     }
 }
 
+void gemm_pack_b_h_strided(float *dst, gemm_view b, long kc, long n, int nr) {
+    long np = (n + nr - 1) / nr;
+    for (long p = 0; p < np; p++)
+        for (long k = 0; k < kc; k++)
+            for (int j = 0; j < nr; j++) {
+                uint32_t u = p * nr + j < n ? (uint32_t)b.h[k * b.rs + (p * nr + j) * b.cs] << 16 : 0;
+                memcpy(dst + p * nr * kc + k * nr + j, &u, sizeof u);
+            }
+}
+
 /* Packs B block b (kc x n): pack_b, or for a bf16 view pack_b_h, or the
  * block widened into ws->wide in b's own orientation (so the widening reads
  * the store sequentially) and then pack_b. Widening bf16 is exact and a

@@ -225,12 +225,7 @@ TAVX2 static void pack_b_h_avx2(float *dst, gemm_view b, long kc, long n) {
             }
         return;
     }
-    for (long p = 0; p < np; p++) /* any other strides (not used by the model) */
-        for (long k = 0; k < kc; k++)
-            for (int j = 0; j < NR; j++) {
-                uint32_t u = p * NR + j < n ? (uint32_t)b.h[k * b.rs + (p * NR + j) * b.cs] << 16 : 0;
-                memcpy(dst + p * NR * kc + k * NR + j, &u, sizeof u);
-            }
+    gemm_pack_b_h_strided(dst, b, kc, n, NR); /* any other strides (not used by the model) */
 }
 
 /* Sum of the 8 lanes in a fixed order. */

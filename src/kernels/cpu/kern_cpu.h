@@ -136,6 +136,10 @@ void gemm_matmul_fwd_wbf16(const gemm_arch *ar, float *out, const float *inp, co
                            int accumulate);
 void gemm_matmul_dinp_wbf16(const gemm_arch *ar, float *dinp, const float *dout, const uint16_t *w, int M, int K,
                             int N);
+/* pack_b of a bf16 view with neither stride 1 (not used by the model), for
+ * the fp32 archs' pack_b_h: panels of nr columns, [kc][nr] each, widened,
+ * zeros past n. Plain C, shared by every arch whose panels are laid out so. */
+void gemm_pack_b_h_strided(float *dst, gemm_view b, long kc, long n, int nr);
 /* B packed as bf16 pairs from a bf16 view (b.h): gemm_pack_b_bf16's layout
  * and bits, the pairs copied rather than rounded (gemm_bf16_avx512.c). */
 void gemm_pack_b_bf16_h(float *dst, gemm_view b, long kc, long n, long kd);

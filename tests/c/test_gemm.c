@@ -1,0 +1,117 @@
+/* tests/c/test_gemm.c: the GEMM driver's B packers on every arch this CPU runs.
+ *
+ * The model passes every operand with one stride 1, and the packers have a
+ * fast path for each of the two; `kernels check` covers those through the
+ * matmul entries. Here gemm_f32 is called directly with B as a view that the
+ * model never makes (neither stride 1), fp32 and bf16 (a frozen weight's
+ * store), beside the same values given row-major and transposed: packing
+ * only moves values, so all of them must give the same bits. The strided
+ * forms go through each arch's general fallback (gemm_pack_b_h_strided for
+ * the fp32 archs' bf16 packer), which nothing else reaches. */
+#include <string.h>
+
+#include "check.h"
+#include "core/cpu.h"
+#include "kernels/cpu/kern_cpu.h"
+#include "kernels/registry.h"
+
+typedef struct {
+    const char *name;
+    gemm_arch arch;
+} arch_case;
+
+static int n_archs(arch_case *out) {
+    unsigned f = kern_cpu_hw_features(); /* every arch the hardware runs, whatever CTITAN_ISA masks */
+    int n = 0;
+#if defined(__x86_64__)
+    if ((f & KERN_FEAT_AVX512) == KERN_FEAT_AVX512) out[n++] = (arch_case){"avx512", gemm_arch_avx512};
+    if ((f & (KERN_FEAT_AVX2 | KERN_FEAT_FMA)) == (KERN_FEAT_AVX2 | KERN_FEAT_FMA))
+        out[n++] = (arch_case){"avx2", gemm_arch_avx2};
+    if ((f & (KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16)) == (KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16))
+        out[n++] = (arch_case){"avx512bf16", gemm_arch_avx512bf16};
+    if ((f & KERN_FEAT_AMXBF16) && cpu_amx_bf16_ready(NULL)) out[n++] = (arch_case){"amx", gemm_arch_amx};
+#elif defined(__aarch64__)
+    out[n++] = (arch_case){"neon", gemm_arch_neon};
+    if (f & KERN_FEAT_ARM_BF16) out[n++] = (arch_case){"bfmmla", gemm_arch_bfmmla};
+    if (f & KERN_FEAT_SVE) out[n++] = (arch_case){"sve", gemm_arch_sve()};
+#endif
+    (void)f;
+    return n;
+}
+
+static float frand(uint32_t *s) {
+    *s = *s * 1664525u + 1013904223u;
+    return (float)((*s >> 8) & 0xffff) / 32768.0f - 1.0f;
+}
+
+/* bf16 bits whose widening is exact: the high half of an fp32 value */
+static uint16_t to_bf16_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (uint16_t)(u >> 16);
+}
+
+static float widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* C[M,N] = A[M,K] B[K,N] with B as five views of the same values; every C
+ * must equal the row-major fp32 one bit for bit. K spans several k blocks
+ * and N a partial panel, so the packers' edges are crossed. */
+static void check_arch(const arch_case *ac, int M, int K, int N) {
+    const gemm_arch *ar = &ac->arch;
+    size_t nb = (size_t)K * N;
+    uint32_t seed = 12345u + (uint32_t)(M * 31 + K * 7 + N);
+    float *A = malloc((size_t)M * K * sizeof *A);
+    float *Brm = malloc(nb * sizeof *Brm), *Bt = malloc(nb * sizeof *Bt), *Bs = malloc(3 * nb * sizeof *Bs);
+    uint16_t *Hrm = malloc(nb * sizeof *Hrm), *Ht = malloc(nb * sizeof *Ht), *Hs = malloc(3 * nb * sizeof *Hs);
+    for (size_t i = 0; i < (size_t)M * K; i++) A[i] = frand(&seed);
+    memset(Bs, 0xff, 3 * nb * sizeof *Bs); /* NaN bits between the strided elements: read one, and C shows it */
+    memset(Hs, 0xff, 3 * nb * sizeof *Hs);
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < N; j++) {
+            uint16_t h = to_bf16_bits(frand(&seed));
+            float v = widen(h); /* bf16 values, so the fp32 and bf16 views hold the same numbers */
+            Brm[(size_t)k * N + j] = v, Bt[(size_t)j * K + k] = v, Bs[(size_t)k * 3 * N + 3 * j + 1] = v;
+            Hrm[(size_t)k * N + j] = h, Ht[(size_t)j * K + k] = h, Hs[(size_t)k * 3 * N + 3 * j + 1] = h;
+        }
+    const char *what[] = {"fp32 transposed", "fp32 strided (rs 3N, cs 3)", "bf16 row-major", "bf16 transposed",
+                          "bf16 strided (rs 3N, cs 3)"};
+    gemm_view views[] = {
+        {.p = Bt, .rs = 1, .cs = K},
+        {.p = Bs + 1, .rs = 3L * N, .cs = 3},
+        {.h = Hrm, .rs = N, .cs = 1},
+        {.h = Ht, .rs = 1, .cs = K},
+        {.h = Hs + 1, .rs = 3L * N, .cs = 3},
+    };
+    gemm_view a = {.p = A, .rs = K, .cs = 1};
+    float *C0 = malloc((size_t)M * N * sizeof *C0), *C1 = malloc((size_t)M * N * sizeof *C1);
+    gemm_f32(ar, M, N, K, a, (gemm_view){.p = Brm, .rs = N, .cs = 1}, C0, N, 0);
+    for (int v = 0; v < 5; v++) {
+        memset(C1, 0, (size_t)M * N * sizeof *C1);
+        gemm_f32(ar, M, N, K, a, views[v], C1, N, 0);
+        size_t bad = 0, first = 0;
+        for (size_t i = 0; i < (size_t)M * N; i++)
+            if (memcmp(&C0[i], &C1[i], sizeof(float)) && !bad++) first = i;
+        CHECK(bad == 0, "%s, M %d K %d N %d, B %s: %zu of %d elements differ from row-major fp32 B (first [%zu]: %.9g "
+                        "against %.9g)",
+              ac->name, M, K, N, what[v], bad, M * N, first, bad ? C1[first] : 0.0, bad ? C0[first] : 0.0);
+    }
+    free(A), free(Brm), free(Bt), free(Bs), free(Hrm), free(Ht), free(Hs), free(C0), free(C1);
+}
+
+int main(void) {
+    arch_case archs[8];
+    int n = n_archs(archs);
+    if (n == 0) printf("gemm packers: skipped: no SIMD GEMM arch runs on this CPU\n");
+    static const int shapes[][3] = {{5, 7, 3}, {37, 1100, 45}, {64, 300, 100}};
+    for (int i = 0; i < n; i++) {
+        printf("gemm packers: %s\n", archs[i].name);
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            check_arch(&archs[i], shapes[s][0], shapes[s][1], shapes[s][2]);
+    }
+    return CHECK_DONE();
+}
