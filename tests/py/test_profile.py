@@ -279,10 +279,11 @@ def test_model_code_worker_spans(tmp_path, run_ctitan):
     zeroing a layer's gradient scratch and the gradient norm, each an op span of impl
     "model" with a worker span per thread inside it; with LoRA dropout, the dropout mask's
     forward and backward loops. The model is just large enough for those loops to go
-    parallel (a layer's scratch of 2^18 floats, the norm's groups of 4 x 2^16 gradients);
+    parallel (a layer's scratch of 2^18 floats; the norm's groups of 4 x 2^16 gradients, of
+    which it needs two, since one group runs without a region: inter 3072 gives ~660 k);
     without dropout, the LoRA group's own region (lora_fwd / lora_bwd: 128 rows, 64 per thread)."""
     import oracle
-    cfg = oracle.tiny_config(vocab=128, hidden=64, inter=1536, layers=1, heads=4, kv_heads=2, head_dim=16)
+    cfg = oracle.tiny_config(vocab=128, hidden=64, inter=3072, layers=1, heads=4, kv_heads=2, head_dim=16)
     model, data = tmp_path / "model", tmp_path / "d.bin"
     cfg.save_pretrained(model)
     oracle.write_bin(data, oracle.learnable_stream(4 * 129 + 5, 128, seed=3))
