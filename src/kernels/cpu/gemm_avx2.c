@@ -91,6 +91,15 @@ TAVX2 static void uk_avx2(long kc, const float *restrict A, const float *restric
     else uk_rows(1, kc, A, B, C, ldc, mr, nr, add);
 }
 
+/* r[i], row i's k0 .. k0 + kn - 1 (kn <= 8), transposed and stored as rows
+ * k0 .. k0 + kn - 1 of dst (stride dstride, aligned): both slab packers' last step. */
+TAVX2 __attribute__((always_inline)) static inline void store_transposed8(float *dst, long dstride, __m256 r[8], long k0, long kn) {
+    avx2_transpose8(r);
+#pragma GCC unroll 8
+    for (int kk = 0; kk < 8; kk++)
+        if (kk < kn) _mm256_store_ps(dst + (k0 + kk) * dstride, r[kk]);
+}
+
 /* Transposes a rows x kc slab (rows <= 8, row stride ld, contiguous in k)
  * into dst[k * dstride + i] (aligned), 8 k at a time; rows beyond `rows` become zeros. */
 TAVX2 static void transpose_slab8(float *dst, long dstride, const float *src, long ld, int rows, long kc) {
@@ -104,10 +113,7 @@ TAVX2 static void transpose_slab8(float *dst, long dstride, const float *src, lo
             const float *p = src + (i < rows ? i : 0) * ld + k0;
             r[i] = _mm256_maskload_ps(p, i < rows ? mk : none);
         }
-        avx2_transpose8(r);
-#pragma GCC unroll 8
-        for (int kk = 0; kk < 8; kk++)
-            if (kk < kn) _mm256_store_ps(dst + (k0 + kk) * dstride, r[kk]);
+        store_transposed8(dst, dstride, r, k0, kn);
     }
 }
 
@@ -193,10 +199,7 @@ TAVX2 static void transpose_slab8_h(float *dst, long dstride, const uint16_t *sr
         __m256 r[8];
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) r[i] = i < rows ? widen8(src + i * ld + k0, kn) : _mm256_setzero_ps();
-        avx2_transpose8(r);
-#pragma GCC unroll 8
-        for (int kk = 0; kk < 8; kk++)
-            if (kk < kn) _mm256_store_ps(dst + (k0 + kk) * dstride, r[kk]);
+        store_transposed8(dst, dstride, r, k0, kn);
     }
 }
 

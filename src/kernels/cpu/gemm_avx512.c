@@ -85,6 +85,15 @@ T512 static void uk_avx512(long kc, const float *restrict A, const float *restri
     else uk_rows(1, kc, A, B, C, ldc, mr, nr, add);
 }
 
+/* r[i], row i's k0 .. k0 + kn - 1 (kn <= 16), transposed and stored as rows
+ * k0 .. k0 + kn - 1 of dst (stride dstride): the step both slab packers end in. */
+T512 __attribute__((always_inline)) static inline void store_transposed16(float *dst, long dstride, __m512 r[16], long k0, long kn) {
+    transpose16(r);
+#pragma GCC unroll 16
+    for (int kk = 0; kk < 16; kk++)
+        if (kk < kn) _mm512_store_ps(dst + (k0 + kk) * dstride, r[kk]);
+}
+
 /* Transposes a rows x kc slab (rows <= 16, row stride ld, contiguous in k)
  * into dst[k * dstride + i], 16 k at a time; rows beyond `rows` become zeros. */
 T512 static void transpose_slab(float *dst, long dstride, const float *src, long ld, int rows, long kc) {
@@ -100,10 +109,7 @@ T512 static void transpose_slab(float *dst, long dstride, const float *src, long
             const float *p = src + (i < rows ? i : 0) * ld + k0;
             r[i] = _mm512_maskz_loadu_ps(i < rows ? mk : (__mmask16)0, p);
         }
-        transpose16(r);
-#pragma GCC unroll 16
-        for (int kk = 0; kk < 16; kk++)
-            if (kk < kn) _mm512_store_ps(dst + (k0 + kk) * dstride, r[kk]);
+        store_transposed16(dst, dstride, r, k0, kn);
     }
 }
 
@@ -187,10 +193,7 @@ T512 static void transpose_slab_h(float *dst, long dstride, const uint16_t *src,
         __m512 r[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) r[i] = widen16(i < rows ? mk : (__mmask16)0, src + (i < rows ? i : 0) * ld + k0);
-        transpose16(r);
-#pragma GCC unroll 16
-        for (int kk = 0; kk < 16; kk++)
-            if (kk < kn) _mm512_store_ps(dst + (k0 + kk) * dstride, r[kk]);
+        store_transposed16(dst, dstride, r, k0, kn);
     }
 }
 
