@@ -26,6 +26,9 @@ up,down_proj with the base frozen: ctitan with --lora.rank/--lora.alpha, PyTorch
 peft.get_peft_model(LoraConfig(...)) and AdamW over the trainable tensors only. With
 --frozen-bf16 ctitan stores the frozen base in bf16 (training.frozen_dtype=bfloat16)
 and PyTorch loads its base in bf16 (adapters in fp32: PEFT's autocast_adapter_dtype).
+A bf16 base makes PyTorch's frozen products bf16 ones whatever --precision says, so the
+like-for-like pairing is --frozen-bf16 --precision bf16 (what `make bench` runs); with
+fp32 precision ctitan widens the stored weights and multiplies in fp32.
 FLOPs per token with LoRA: 4 x frozen matmul params (no weight gradient) + 6 x adapter
 params + the attention term.
 Run:  .venv/bin/python bench/bench_train.py --workload W1 [--precision bf16]
