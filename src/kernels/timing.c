@@ -59,7 +59,7 @@ kern_bench *kern_bench_new(kern_op op, const kern_shape *sh) {
         x->e = rand_buf((size_t)s->M * s->K, &seed);  /* dinp [M,K] */
         x->dw = rand_buf((size_t)s->N * s->K, &seed); /* dw [N,K] */
         x->wh = ct_malloc(((size_t)s->N * s->K + 1) * sizeof(uint16_t));
-        for (size_t i = 0; i < (size_t)s->N * s->K; i++) x->wh[i] = ct_f32_to_bf16(x->b[i]);
+        ct_convert_from_f32(x->wh, CT_BF16, x->b, (size_t)s->N * s->K);
         break;
     case KERN_OP_EMBEDDING:
         x->a = rand_buf((size_t)s->rows * s->C, &seed); /* out [rows,C] */

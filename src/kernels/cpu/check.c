@@ -371,6 +371,17 @@ static double bits_err(const float *x, const float *y, size_t n) {
  * bit for bit against the implementation's own fwd / bwd on the fp32
  * widening of the same w, which is what the model's frozen bf16 store must
  * reproduce (the widening is exact, so a bf16 packer has no excuse). */
+/* w[n] rounded to bf16 (a frozen weight's store, malloc'd) and *widened its
+ * fp32 widening (fbuf): what the wbf16 entries read, and the weight their
+ * own fp32 entries must give the same bits on. */
+static uint16_t *bf16_store_of(const float *w, size_t n, float **widened) {
+    uint16_t *h = ct_malloc((n ? n : 1) * sizeof(uint16_t));
+    ct_convert_from_f32(h, CT_BF16, w, n);
+    *widened = fbuf(n);
+    ct_convert_to_f32(*widened, h, CT_BF16, n);
+    return h;
+}
+
 static void case_matmul_wbf16(chk_case *c, const kern_impl *ref, const kern_impl *im, int M, int K, int N,
                               const float *inp, const float *w, const float *dout, chk_rng *r) {
     if (!im->fn.matmul.fwd_wbf16 || !im->fn.matmul.dinp_wbf16) {
@@ -378,9 +389,8 @@ static void case_matmul_wbf16(chk_case *c, const kern_impl *ref, const kern_impl
         return;
     }
     size_t nmk = (size_t)M * K, nnk = (size_t)N * K, nmn = (size_t)M * N;
-    uint16_t *wh = ct_malloc((nnk ? nnk : 1) * sizeof(uint16_t));
-    float *wr = fbuf(nnk);
-    for (size_t i = 0; i < nnk; i++) wh[i] = ct_f32_to_bf16(w[i]), wr[i] = ct_bf16_to_f32(wh[i]);
+    float *wr;
+    uint16_t *wh = bf16_store_of(w, nnk, &wr);
     float *o1 = fbuf(nmn), *o2 = fbuf(nmn), *o3 = fbuf(nmn);
     fill_nan(o1, nmn);
     fill_nan(o2, nmn);
@@ -956,11 +966,7 @@ static void case_moe_wbf16(chk_case *c, const kern_impl *ref, const kern_impl *i
     uint16_t *hw[3];
     float *wr[3];
     const float *w3[3] = {wg, wu, wd};
-    for (int j = 0; j < 3; j++) {
-        hw[j] = ct_malloc((nw ? nw : 1) * sizeof(uint16_t));
-        wr[j] = fbuf(nw);
-        for (size_t i = 0; i < nw; i++) hw[j][i] = ct_f32_to_bf16(w3[j][i]), wr[j][i] = ct_bf16_to_f32(hw[j][i]);
-    }
+    for (int j = 0; j < 3; j++) hw[j] = bf16_store_of(w3[j], nw, &wr[j]);
     float *work = fbuf(KERN_MOE_WORK(S, H, I));
     /* forward, every weight in bf16: [0] the reference, [1] the implementation, [2] its fp32 entry on the widening */
     float *o[3], *g[3], *u[3], *hh[3];

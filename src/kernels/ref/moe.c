@@ -19,10 +19,10 @@
  * widened weights) holds by construction, with no copy of a whole weight. */
 #include <math.h>
 #include <stddef.h>
-#include <stdio.h>
 #include <stdlib.h>
 
 #include "core/dtype.h"
+#include "core/err.h"
 #include "kernels/ops.h"
 
 /* One projection's stacked weights [E, n]: fp32 f, or bf16 h when set. */
@@ -41,13 +41,7 @@ static const float *expert_w(wsrc w, int e, size_t n, float *scratch) {
 
 /* Scratch for one expert of each projection read from bf16 (NULL: none is). */
 static float *expert_scratch(wsrc g, wsrc u, wsrc d, size_t n) {
-    if (!g.h && !u.h && !d.h) return NULL;
-    float *s = malloc(3 * (n ? n : 1) * sizeof(float));
-    if (!s) {
-        fprintf(stderr, "ctitan: error: out of memory in the reference MoE experts\n");
-        exit(1);
-    }
-    return s;
+    return g.h || u.h || d.h ? ct_malloc(3 * (n ? n : 1) * sizeof(float)) : NULL;
 }
 
 /* v, or v rounded to bf16 (nearest even) when bf. */
@@ -142,8 +136,8 @@ static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dt
     free(sc);
 }
 
-#define W3(g, u, d) (wsrc){g, NULL}, (wsrc){u, NULL}, (wsrc){d, NULL}
 #define W3H(g, u, d, a, b, c) (wsrc){g, a}, (wsrc){u, b}, (wsrc){d, c}
+#define W3(g, u, d) W3H(g, u, d, NULL, NULL, NULL)
 
 void op_moe_experts_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
                         const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
