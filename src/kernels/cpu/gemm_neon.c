@@ -118,21 +118,6 @@ static void uk_neon(long kc, const float *restrict A, const float *restrict B, f
 
 /* ------------------------------------------------------------ fp32 packing */
 
-/* Transposes a rows x kc slab (rows <= 4, row stride ld, contiguous in k)
- * into dst[k * dstride + i], i < 4; rows beyond `rows` become zeros. */
-static void transpose_slab4(float *dst, long dstride, const float *src, long ld, long rows, long kc) {
-    long k0 = 0;
-    if (rows == 4)
-        for (; k0 + 4 <= kc; k0 += 4) {
-            float32x4_t r[4] = {vld1q_f32(src + k0), vld1q_f32(src + ld + k0), vld1q_f32(src + 2 * ld + k0),
-                                vld1q_f32(src + 3 * ld + k0)};
-            neon_transpose4(r);
-            for (int kk = 0; kk < 4; kk++) vst1q_f32(dst + (k0 + kk) * dstride, r[kk]);
-        }
-    for (; k0 < kc; k0++)
-        for (long i = 0; i < 4; i++) dst[k0 * dstride + i] = i < rows ? src[i * ld + k0] : 0.0f;
-}
-
 static void pack_a_neon(float *dst, gemm_view a, long m, long kc) {
     long np = ceil_div(m, MR);
     if (a.rs == 1) {
@@ -151,7 +136,7 @@ static void pack_a_neon(float *dst, gemm_view a, long m, long kc) {
     if (a.cs == 1) {
         for (long p = 0; p < np; p++)
             for (long h = 0; h < 2; h++)
-                transpose_slab4(dst + p * MRS * kc + 4 * h, MRS, a.p + (p * MR + 4 * h) * a.rs, a.rs,
+                neon_transpose_slab4(dst + p * MRS * kc + 4 * h, MRS, a.p + (p * MR + 4 * h) * a.rs, a.rs,
                                 clampl(m - p * MR - 4 * h, 0, 4), kc);
         return;
     }
@@ -177,7 +162,7 @@ static void pack_b_neon(float *dst, gemm_view b, long kc, long n) {
     if (b.rs == 1) {
         for (long p = 0; p < np; p++)
             for (long h = 0; h < 3; h++)
-                transpose_slab4(dst + p * NR * kc + 4 * h, NR, b.p + (p * NR + 4 * h) * b.cs, b.cs,
+                neon_transpose_slab4(dst + p * NR * kc + 4 * h, NR, b.p + (p * NR + 4 * h) * b.cs, b.cs,
                                 clampl(n - p * NR - 4 * h, 0, 4), kc);
         return;
     }

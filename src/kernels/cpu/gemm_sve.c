@@ -119,20 +119,6 @@ static void uk_sve(long kc, const float *restrict A, const float *restrict B, fl
 
 /* ------------------------------------------------------------ packing */
 
-/* A slab of `lines` (<= 4; the others become zeros) lines of kc values, line
- * l contiguous at src + l * ld, into dst[k * dstride + l] for l < 4. */
-static void transpose_slab4(float *dst, long dstride, const float *src, long ld, long lines, long kc) {
-    long k0 = 0;
-    for (; k0 + 4 <= kc; k0 += 4) {
-        float32x4_t r[4];
-        for (long l = 0; l < 4; l++) r[l] = l < lines ? vld1q_f32(src + l * ld + k0) : vdupq_n_f32(0.0f);
-        neon_transpose4(r);
-        for (int kk = 0; kk < 4; kk++) vst1q_f32(dst + (k0 + kk) * dstride, r[kk]);
-    }
-    for (; k0 < kc; k0++)
-        for (long l = 0; l < 4; l++) dst[k0 * dstride + l] = l < lines ? src[l * ld + k0] : 0.0f;
-}
-
 /* `width` floats of dst from the first `have` (clamped to [0, width]) of
  * src, zeros after: predicated loads read nothing past `have`. */
 static void copy_padded(float *dst, const float *src, long have, long width) {
@@ -154,7 +140,7 @@ static void pack_a_sve(float *dst, gemm_view a, long m, long kc) {
     if (a.cs == 1) {
         for (long p = 0; p < np; p++)
             for (long h = 0; h < 2; h++)
-                transpose_slab4(dst + p * MR * kc + 4 * h, MR, a.p + (p * MR + 4 * h) * a.rs, a.rs,
+                neon_transpose_slab4(dst + p * MR * kc + 4 * h, MR, a.p + (p * MR + 4 * h) * a.rs, a.rs,
                                 clampl(m - p * MR - 4 * h, 0, 4), kc);
         return;
     }
@@ -177,7 +163,7 @@ static void pack_b_sve(float *dst, gemm_view b, long kc, long n) {
         /* the forward's w [N, K]: columns of B contiguous, 4 at a time transposed */
         for (long p = 0; p < np; p++)
             for (long h = 0; h < NR / 4; h++)
-                transpose_slab4(dst + p * NR * kc + 4 * h, NR, b.p + (p * NR + 4 * h) * b.cs, b.cs,
+                neon_transpose_slab4(dst + p * NR * kc + 4 * h, NR, b.p + (p * NR + 4 * h) * b.cs, b.cs,
                                 clampl(n - p * NR - 4 * h, 0, 4), kc);
         return;
     }

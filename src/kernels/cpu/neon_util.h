@@ -1,6 +1,7 @@
 /* kernels/cpu/neon_util.h: small NEON helpers shared by the aarch64 kernels
- * (gemm_neon.c, elementwise_neon.c, moe_cpu.c): partial loads and stores,
- * a 4 x 4 transpose, round-to-nearest-even bf16 bits, the vector exp and tanh.
+ * (gemm_neon.c, gemm_sve*.c, elementwise_neon.c, moe_cpu.c): partial loads
+ * and stores, a 4 x 4 transpose and the GEMM packers' slab transpose on it,
+ * round-to-nearest-even bf16 bits, the vector exp and tanh.
  *
  * NEON (ASIMD) is part of the base aarch64 architecture, so these need no
  * target attribute. NEON has no masked loads: a partial vector is copied
@@ -41,6 +42,22 @@ NEON_INLINE void neon_transpose4(float32x4_t r[4]) {
     r[1] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
     r[2] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
     r[3] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
+}
+
+/* Transposes `lines` (<= 4; the others become zeros) lines of kc floats,
+ * line l contiguous at src + l * ld, into dst[k * dstride + l] for l < 4:
+ * the NEON and SVE GEMMs' packers of A and of the forward's B. Lines past
+ * `lines` are never read. */
+static inline void neon_transpose_slab4(float *dst, long dstride, const float *src, long ld, long lines, long kc) {
+    long k0 = 0;
+    for (; k0 + 4 <= kc; k0 += 4) {
+        float32x4_t r[4];
+        for (long l = 0; l < 4; l++) r[l] = l < lines ? vld1q_f32(src + l * ld + k0) : vdupq_n_f32(0.0f);
+        neon_transpose4(r);
+        for (int kk = 0; kk < 4; kk++) vst1q_f32(dst + (k0 + kk) * dstride, r[kk]);
+    }
+    for (; k0 < kc; k0++)
+        for (long l = 0; l < 4; l++) dst[k0 * dstride + l] = l < lines ? src[l * ld + k0] : 0.0f;
 }
 
 /* x rounded to the nearest bf16 (ties to even) as fp32 bits: the bf16 is the
