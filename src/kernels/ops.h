@@ -28,11 +28,14 @@ void op_matmul_bf16_bwd(float *dinp, float *dw, const float *dout, const float *
  * read from its bf16 store, model/lm.c): by definition the products of
  * op_matmul_* / op_matmul_bf16_* on w widened to fp32, which is exact, so an
  * implementation must give the bits its own fwd / bwd give on that widening.
- * There is no dw: a weight stored in bf16 is frozen. */
+ * There is no dw: a weight stored in bf16 is frozen. The dinp product reads
+ * dout[M,N] with its rows ldd >= N floats apart: a stored lm_head's backward
+ * passes the columns of one vocabulary block of the whole d(logits) in place
+ * (model/lm.c, head_bwd); every other caller passes ldd = N. */
 void op_matmul_fwd_wbf16(float *out, const float *inp, const uint16_t *w, int M, int K, int N, int accumulate);
-void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N);
+void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd);
 void op_matmul_bf16_fwd_wbf16(float *out, const float *inp, const uint16_t *w, int M, int K, int N, int accumulate);
-void op_matmul_bf16_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N);
+void op_matmul_bf16_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd);
 
 /* out[N,C] = wte[tokens[n], :]  (tokens must be in [0,V)) */
 void op_embedding_fwd(float *out, const int32_t *tokens, const float *wte, int N, int C);

@@ -162,7 +162,7 @@ static void run_once(kern_bench *x, const kern_impl *im, kern_bench_part part) {
     case KERN_OP_MATMUL_BF16:
         /* the wbf16 parts: callers time them only where the entry has them */
         if (part == KERN_BENCH_FWD_WBF16) im->fn.matmul.fwd_wbf16(x->c, x->a, x->wh, s->M, s->K, s->N, 0);
-        else if (part == KERN_BENCH_DINP_WBF16) im->fn.matmul.dinp_wbf16(x->e, x->d, x->wh, s->M, s->K, s->N);
+        else if (part == KERN_BENCH_DINP_WBF16) im->fn.matmul.dinp_wbf16(x->e, x->d, x->wh, s->M, s->K, s->N, s->N);
         else if (fwd) im->fn.matmul.fwd(x->c, x->a, x->b, s->M, s->K, s->N, 0);
         else /* NULL output: that product is skipped (ops.h) */
             im->fn.matmul.bwd(part == KERN_BENCH_DW ? NULL : x->e, part == KERN_BENCH_DINP ? NULL : x->dw, x->d,

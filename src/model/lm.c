@@ -967,7 +967,7 @@ static void mm_bwd(lm_model *m, float *din, float *dw, const float *dout, const 
                    int N) {
     const uint16_t *h = frozen_bf16(m, w);
     if (!h) K(MATMUL, matmul_bwd, din, dw, dout, in, w, M, K, N);
-    else if (din) K(MATMUL, matmul_dinp_wbf16, din, dout, h, M, K, N);
+    else if (din) K(MATMUL, matmul_dinp_wbf16, din, dout, h, M, K, N, N);
 }
 
 /* The gradient scratch a layer's backward accumulates into (+=, the kernels'
@@ -1702,16 +1702,13 @@ static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *
         K(MATMUL, matmul_bwd, dx, m->g.lm_head, dlogits, x, m->w.lm_head, n, H, V);
         return;
     }
-    head_scratch(m);
+    /* the block's columns of d(logits) read in place, rows V apart (they were
+     * copied to head_tmp first: 155 MB per 256-row chunk at Qwen3's
+     * vocabulary); the same products, so the same bits */
     for (int v0 = 0; v0 < V; v0 += HEAD_VBLOCK) {
         int nv = V - v0 < HEAD_VBLOCK ? V - v0 : HEAD_VBLOCK;
-        const uint16_t *hw = m->fstore + t->store + (size_t)v0 * H;
-        const float *d = dlogits;
-        if (nv != V) {
-            for (int r = 0; r < n; r++) memcpy(m->ws.head_tmp + (size_t)r * nv, dlogits + (size_t)r * V + v0, nv * sizeof(float));
-            d = m->ws.head_tmp;
-        }
-        K(MATMUL, matmul_dinp_wbf16, dx, d, hw, n, H, nv);
+        const uint16_t *hw = m->fstore + t->store + (size_t)v0 * H; /* [nv, H] */
+        K(MATMUL, matmul_dinp_wbf16, dx, dlogits + v0, hw, n, H, nv, V);
     }
 }
 

@@ -408,12 +408,28 @@ static void case_matmul_wbf16(chk_case *c, const kern_impl *ref, const kern_impl
     float *d1 = fbuf(nmk);
     fill(d1, nmk, r, -1, 1);
     float *d2 = dup(d1, nmk), *d3 = dup(d1, nmk);
-    ref->fn.matmul.dinp_wbf16(d1, dout, wh, M, K, N);
-    im->fn.matmul.dinp_wbf16(d2, dout, wh, M, K, N);
+    ref->fn.matmul.dinp_wbf16(d1, dout, wh, M, K, N, N);
+    im->fn.matmul.dinp_wbf16(d2, dout, wh, M, K, N, N);
     im->fn.matmul.bwd(d3, NULL, dout, inp, wr, M, K, N);
     part(c, "dinp_h+=", rel_err(d2, d1, nmk));
     part(c, "dinp_h=bwd", bits_err(d2, d3, nmk));
-    free(wh), free(wr), free(o1), free(o2), free(o3), free(d1), free(d2), free(d3);
+    /* dout as columns [c0, c0 + N) of a wider [M, ld] matrix, NaN elsewhere
+     * (a stored lm_head's vocabulary block of d(logits), read in place): the
+     * bits of the contiguous dout, for the reference and the implementation */
+    int c0 = 3, ld = N + 7;
+    float *wide = fbuf((size_t)M * ld);
+    fill_nan(wide, (size_t)M * ld);
+    for (int i = 0; i < M; i++) memcpy(wide + (size_t)i * ld + c0, dout + (size_t)i * N, N * sizeof(float));
+    float *d4 = dup(d3, nmk), *d5 = dup(d3, nmk);
+    memcpy(d1, d4, nmk * sizeof(float));
+    memcpy(d2, d4, nmk * sizeof(float));
+    ref->fn.matmul.dinp_wbf16(d1, dout, wh, M, K, N, N);
+    ref->fn.matmul.dinp_wbf16(d4, wide + c0, wh, M, K, N, ld);
+    im->fn.matmul.dinp_wbf16(d2, dout, wh, M, K, N, N);
+    im->fn.matmul.dinp_wbf16(d5, wide + c0, wh, M, K, N, ld);
+    part(c, "dinp_h ld ref", bits_err(d4, d1, nmk));
+    part(c, "dinp_h ld", bits_err(d5, d2, nmk));
+    free(wh), free(wr), free(o1), free(o2), free(o3), free(d1), free(d2), free(d3), free(d4), free(d5), free(wide);
 }
 
 static void case_matmul(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {

@@ -116,25 +116,28 @@ void kern_matmul_fwd_wbf16_bf16_avx512bf16(float *out, const float *inp, const u
                                            int accumulate) {
     gemm_matmul_fwd_wbf16(&gemm_arch_avx512bf16, out, inp, w, M, K, N, accumulate);
 }
-void kern_matmul_dinp_wbf16_bf16_avx512bf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
-    gemm_matmul_dinp_wbf16(&gemm_arch_avx512bf16, dinp, dout, w, M, K, N);
+void kern_matmul_dinp_wbf16_bf16_avx512bf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
+                                            int ldd) {
+    gemm_matmul_dinp_wbf16(&gemm_arch_avx512bf16, dinp, dout, w, M, K, N, ldd);
 }
 void kern_matmul_fwd_wbf16_bf16_avx512(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                        int accumulate) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx512, pack_a_r512, pack_b_r512);
     gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
 }
-void kern_matmul_dinp_wbf16_bf16_avx512(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+void kern_matmul_dinp_wbf16_bf16_avx512(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
+                                        int ldd) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx512, pack_a_r512, pack_b_r512);
-    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd);
 }
 void kern_matmul_fwd_wbf16_bf16_avx2(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                      int accumulate) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
     gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
 }
-void kern_matmul_dinp_wbf16_bf16_avx2(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+void kern_matmul_dinp_wbf16_bf16_avx2(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
+                                      int ldd) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
-    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd);
 }
 #endif /* __x86_64__ */

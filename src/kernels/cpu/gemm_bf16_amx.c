@@ -310,8 +310,9 @@ void kern_matmul_fwd_wbf16_bf16_amx(float *out, const float *inp, const uint16_t
                                     int accumulate) {
     gemm_matmul_fwd_wbf16(&gemm_arch_amx, out, inp, w, M, K, N, accumulate);
 }
-void kern_matmul_dinp_wbf16_bf16_amx(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
-    gemm_matmul_dinp_wbf16(&gemm_arch_amx, dinp, dout, w, M, K, N);
+void kern_matmul_dinp_wbf16_bf16_amx(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
+                                     int ldd) {
+    gemm_matmul_dinp_wbf16(&gemm_arch_amx, dinp, dout, w, M, K, N, ldd);
 }
 
 #endif /* x86-64 */

@@ -433,16 +433,18 @@ void kern_matmul_fwd_wbf16_bf16_bfmmla(float *out, const float *inp, const uint1
                                        int accumulate) {
     gemm_matmul_fwd_wbf16(&gemm_arch_bfmmla, out, inp, w, M, K, N, accumulate);
 }
-void kern_matmul_dinp_wbf16_bf16_bfmmla(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
-    gemm_matmul_dinp_wbf16(&gemm_arch_bfmmla, dinp, dout, w, M, K, N);
+void kern_matmul_dinp_wbf16_bf16_bfmmla(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
+                                        int ldd) {
+    gemm_matmul_dinp_wbf16(&gemm_arch_bfmmla, dinp, dout, w, M, K, N, ldd);
 }
 void kern_matmul_fwd_wbf16_bf16_neon(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                      int accumulate) {
     gemm_arch ar = gemm_arch_rounding_bf16(&gemm_arch_neon);
     gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
 }
-void kern_matmul_dinp_wbf16_bf16_neon(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+void kern_matmul_dinp_wbf16_bf16_neon(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
+                                      int ldd) {
     gemm_arch ar = gemm_arch_rounding_bf16(&gemm_arch_neon);
-    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd);
 }
 #endif /* __aarch64__ */

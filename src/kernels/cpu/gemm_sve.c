@@ -244,8 +244,9 @@ void kern_matmul_fwd_wbf16_sve(float *out, const float *inp, const uint16_t *w, 
     gemm_arch ar = gemm_arch_sve();
     gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
 }
-void kern_matmul_dinp_wbf16_sve(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+void kern_matmul_dinp_wbf16_sve(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
+                                int ldd) {
     gemm_arch ar = gemm_arch_sve();
-    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd);
 }
 #endif /* __aarch64__ */

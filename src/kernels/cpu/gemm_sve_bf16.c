@@ -206,8 +206,9 @@ void kern_matmul_fwd_wbf16_bf16_sve_bfmmla(float *out, const float *inp, const u
     gemm_arch ar = arch_sbf();
     gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
 }
-void kern_matmul_dinp_wbf16_bf16_sve_bfmmla(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+void kern_matmul_dinp_wbf16_bf16_sve_bfmmla(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
+                                            int ldd) {
     gemm_arch ar = arch_sbf();
-    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd);
 }
 #endif /* __aarch64__ */

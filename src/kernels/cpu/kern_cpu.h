@@ -135,7 +135,7 @@ void gemm_matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *d
 void gemm_matmul_fwd_wbf16(const gemm_arch *ar, float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                            int accumulate);
 void gemm_matmul_dinp_wbf16(const gemm_arch *ar, float *dinp, const float *dout, const uint16_t *w, int M, int K,
-                            int N);
+                            int N, int ldd);
 /* pack_b of a bf16 view with neither stride 1 (not used by the model), for
  * the fp32 archs' pack_b_h: panels of nr columns, [kc][nr] each, widened,
  * zeros past n. Plain C, shared by every arch whose panels are laid out so. */
@@ -148,7 +148,8 @@ void gemm_pack_b_bf16_h(float *dst, gemm_view b, long kc, long n, long kd);
 #define KERN_MM_H_DECL(SUF)                                                                                          \
     void kern_matmul_fwd_wbf16_##SUF(float *out, const float *inp, const uint16_t *w, int M, int K, int N,          \
                                      int accumulate);                                                                \
-    void kern_matmul_dinp_wbf16_##SUF(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N);
+    void kern_matmul_dinp_wbf16_##SUF(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,      \
+                                      int ldd);
 KERN_MM_H_DECL(openblas)
 #if defined(__x86_64__)
 KERN_MM_H_DECL(avx512)

@@ -64,9 +64,12 @@ void gemm_matmul_fwd_wbf16(const gemm_arch *ar, float *out, const float *inp, co
 }
 
 void gemm_matmul_dinp_wbf16(const gemm_arch *ar, float *dinp, const float *dout, const uint16_t *w, int M, int K,
-                            int N) {
+                            int N, int ldd) {
     if (M <= 0 || N <= 0 || K <= 0) return;
-    gemm_view a = {dout, N, 1, NULL}, b = {NULL, K, 1, w};
+    /* A = dout with rows ldd apart: the packers read A through its row stride
+     * whatever it is, and the blocking is a function of M, N, K alone, so a
+     * strided dout gives the bits of its contiguous copy */
+    gemm_view a = {dout, ldd, 1, NULL}, b = {NULL, K, 1, w};
     gemm_f32(ar, M, K, N, a, b, dinp, K, 1);
 }
 
@@ -76,8 +79,9 @@ void gemm_matmul_dinp_wbf16(const gemm_arch *ar, float *dinp, const float *dout,
                                      int accumulate) {                                                               \
         gemm_matmul_fwd_wbf16(arch, out, inp, w, M, K, N, accumulate);                                               \
     }                                                                                                                \
-    void kern_matmul_dinp_wbf16_##SUF(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {    \
-        gemm_matmul_dinp_wbf16(arch, dinp, dout, w, M, K, N);                                                        \
+    void kern_matmul_dinp_wbf16_##SUF(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,      \
+                                      int ldd) {                                                                     \
+        gemm_matmul_dinp_wbf16(arch, dinp, dout, w, M, K, N, ldd);                                                   \
     }
 
 #if defined(__x86_64__)
@@ -160,9 +164,11 @@ void kern_matmul_fwd_wbf16_openblas(float *out, const float *inp, const uint16_t
     free(x);
 }
 
-void kern_matmul_dinp_wbf16_openblas(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+void kern_matmul_dinp_wbf16_openblas(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
+                                     int ldd) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     float *x = widened(w, (size_t)N * K);
-    kern_matmul_bwd_openblas(dinp, NULL, dout, NULL, x, M, K, N);
+    /* kern_matmul_bwd_openblas's dinp product, with dout's row stride ldd */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, dout, ldd, x, K, 1.0f, dinp, K);
     free(x);
 }

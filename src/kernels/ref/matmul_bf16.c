@@ -9,6 +9,7 @@
  * differ from this only in summation order, so `kernels check` holds them to
  * the fp32 tolerance. Slow (copies every operand each call) by design. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/dtype.h"
 #include "core/err.h"
@@ -57,10 +58,21 @@ void op_matmul_fwd_wbf16(float *out, const float *inp, const uint16_t *w, int M,
     free(x);
 }
 
-void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+/* dout[M, N] with rows ldd apart, as a contiguous copy (malloc'd) when ldd != N,
+ * else dout itself: the reference keeps the contiguous products above. */
+static const float *packed_rows(const float *dout, int M, int N, int ldd) {
+    if (ldd == N) return dout;
+    float *d = ct_malloc((size_t)M * N * sizeof(float));
+    for (int i = 0; i < M; i++) memcpy(d + (size_t)i * N, dout + (size_t)i * ldd, (size_t)N * sizeof(float));
+    return d;
+}
+
+void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     float *x = widened_copy(w, (size_t)N * K);
-    op_matmul_bwd(dinp, NULL, dout, NULL, x, M, K, N);
+    const float *d = packed_rows(dout, M, N, ldd);
+    op_matmul_bwd(dinp, NULL, d, NULL, x, M, K, N);
+    if (d != dout) free((void *)d);
     free(x);
 }
 
@@ -71,9 +83,11 @@ void op_matmul_bf16_fwd_wbf16(float *out, const float *inp, const uint16_t *w, i
     free(x);
 }
 
-void op_matmul_bf16_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N) {
+void op_matmul_bf16_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd) {
     if (M <= 0 || N <= 0 || K <= 0) return;
     float *x = widened_copy(w, (size_t)N * K);
-    op_matmul_bf16_bwd(dinp, NULL, dout, NULL, x, M, K, N);
+    const float *d = packed_rows(dout, M, N, ldd);
+    op_matmul_bf16_bwd(dinp, NULL, d, NULL, x, M, K, N);
+    if (d != dout) free((void *)d);
     free(x);
 }
