@@ -304,14 +304,17 @@ void kern_bench_free(kern_bench *b);
 int kern_bench_has_bwd(kern_op op);
 /* What one timed call runs: the forward, the whole backward, or (matmul and
  * matmul_bf16 only) one of the backward's two products, or the forward / dinp
- * with w read from a bf16 store (fwd_wbf16 / dinp_wbf16: a frozen weight). */
+ * with w read from a bf16 store (fwd_wbf16 / dinp_wbf16: a frozen weight);
+ * for the MoE experts ops FWD_WBF16 / BWD_WBF16 are fwd_wbf16 / bwd_wbf16 with
+ * all three projections in the store and no weight gradient (frozen). */
 typedef enum {
     KERN_BENCH_FWD,
     KERN_BENCH_BWD,
     KERN_BENCH_DINP,
     KERN_BENCH_DW,
     KERN_BENCH_FWD_WBF16,
-    KERN_BENCH_DINP_WBF16
+    KERN_BENCH_DINP_WBF16,
+    KERN_BENCH_BWD_WBF16
 } kern_bench_part;
 /* Best seconds of `reps` calls (after one warm-up call) of `part` of im;
  * stops after 2 s of calls, or after the warm-up when that alone took more
@@ -329,6 +332,8 @@ typedef struct {
     int ce_rows;                      /* logits rows per cross-entropy block */
     long n_params;                    /* AdamW's elements (timed on at most 1M) */
     int bf16;                         /* bf16 matmuls: tune matmul_bf16 / moe_experts_bf16 too */
+    int moe_wbf16;                    /* the experts are read from a bf16 store (a frozen base): time the
+                                       * experts op's fwd_wbf16 / bwd_wbf16, the entries such a run calls */
     int geglu;                        /* the dense MLP is GELU(tanh)-gated (Gemma): tune geglu, not swiglu */
 } kern_run_sizes;
 

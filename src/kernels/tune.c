@@ -137,7 +137,10 @@ static int op_shape(kern_op op, const kern_run_sizes *r, kern_shape *s, char *ke
         s->rows = (int)((long)tokens * s->E / r->n_experts);
         if (s->rows < 1) s->rows = 1;
         s->C = r->hidden, s->I = r->moe_inter, s->k = r->top_k < s->E ? r->top_k : s->E;
-        snprintf(key, cap, "N%dH%dI%dE%dk%d", tokens, s->C, s->I, r->n_experts, r->top_k);
+        /* "wbf16": the entries timed are another pair, so another pick (the store's widening can rank
+         * the implementations otherwise) */
+        snprintf(key, cap, "N%dH%dI%dE%dk%d%s", tokens, s->C, s->I, r->n_experts, r->top_k,
+                 r->moe_wbf16 ? "wbf16" : "");
         return 1;
     } /* no default: -Wswitch names an op of ops_list.h left out here */
     return 0;
@@ -268,9 +271,12 @@ static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_i
     return ok;
 }
 
-/* One timed call of the forward and, where the op has one, the backward. */
-static double one_round(kern_bench *b, const kern_impl *im, int bwd) {
-    return kern_bench_time(b, im, KERN_BENCH_FWD, 0, 0) + (bwd ? kern_bench_time(b, im, KERN_BENCH_BWD, 0, 0) : 0);
+/* One timed call of the forward and, where the op has one, the backward:
+ * the entries the run calls (wbf16: the MoE experts' fwd_wbf16 / bwd_wbf16,
+ * for a run whose experts are read from a bf16 store). */
+static double one_round(kern_bench *b, const kern_impl *im, int bwd, int wbf16) {
+    kern_bench_part f = wbf16 ? KERN_BENCH_FWD_WBF16 : KERN_BENCH_FWD, g = wbf16 ? KERN_BENCH_BWD_WBF16 : KERN_BENCH_BWD;
+    return kern_bench_time(b, im, f, 0, 0) + (bwd ? kern_bench_time(b, im, g, 0, 0) : 0);
 }
 
 int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const char *const *ov,
@@ -315,6 +321,7 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 cpu_usage_mark mark;
                 cpu_usage_mark_now(&mark);
                 int bwd = kern_bench_has_bwd((kern_op)op);
+                int wbf16 = (op == KERN_OP_MOE || op == KERN_OP_MOE_BF16) && r->moe_wbf16;
                 double secs[32], first = INFINITY, best = INFINITY;
                 int alive[32];
                 const kern_impl *win = NULL;
@@ -323,7 +330,7 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                     secs[i] = NAN;
                     alive[i] = passes_check(t, n, cpu, cand[i], cache, path);
                     if (!alive[i]) continue;
-                    double t1 = one_round(b, cand[i], bwd);
+                    double t1 = one_round(b, cand[i], bwd, wbf16);
                     secs[i] = t1;
                     if (t1 > TUNE_CUTOFF * first) alive[i] = 0;
                     if (t1 < first) first = t1;
@@ -334,7 +341,7 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 for (int r = 0; r < TUNE_ROUNDS; r++)
                     for (int i = 0; i < nc; i++) {
                         if (!alive[i]) continue;
-                        double t1 = one_round(b, cand[i], bwd);
+                        double t1 = one_round(b, cand[i], bwd, wbf16);
                         if (r == 0 || t1 < secs[i]) secs[i] = t1;
                     }
                 for (int i = 0; i < nc; i++)

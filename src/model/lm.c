@@ -1712,6 +1712,23 @@ static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *
     }
 }
 
+int lm_experts_read_bf16(const lm_model *m) {
+    const lm_config *c = &m->cfg;
+    size_t ex = (size_t)(c->expert_rows ? c->expert_rows : c->n_experts) * c->moe_intermediate * c->hidden;
+    int moe = 0, h = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        const lm_layer_w *w = &m->w.layer[l];
+        if (!lm_layer_is_moe(c, l) || !w->ewg) continue; /* dense, or another stage's */
+        moe++;
+        /* experts_h's test on what experts_adapted passes: an adapted
+         * parameter runs on its fp32 copy W + scale B A, not the store */
+        int gu = !w->lora_ea[LM_LORA_EXP_GU] && (experts_bf16(m, w->ewg, ex) || experts_bf16(m, w->ewu, ex));
+        int d = !w->lora_ea[LM_LORA_EXP_D] && experts_bf16(m, w->ewd, ex);
+        h += gu || d;
+    }
+    return moe > 0 && 2 * h >= moe;
+}
+
 size_t lm_frozen_widened_floats(const lm_model *m) {
     /* every stored matrix, the MoE router and experts included, is read from
      * its store by the products (the GEMMs' per-thread widening of one packed

@@ -568,6 +568,11 @@ size_t lm_store_frozen_bf16(lm_model *m);
  * packed block per thread, workspace): for the dry run. m: a layout after
  * lm_store_frozen_bf16. */
 size_t lm_frozen_widened_floats(const lm_model *m);
+/* 1 if most of this part's MoE layers run their experts through the experts
+ * op's wbf16 entries (a bf16-stored projection not replaced by an adapted
+ * copy), so kernel tuning should time those (kern_run_sizes.moe_wbf16); 0
+ * without MoE layers. m: after lm_store_frozen_bf16. */
+int lm_experts_read_bf16(const lm_model *m);
 /* on = 1: widens the bf16-stored tensors that overlap params[off, off + n)
  * into params (whole tensors); on = 0: drops their pages again. A no-op
  * without bf16 storage. */

@@ -166,7 +166,9 @@ static int select_kernels(trainer *t, ct_err *e) {
                                  .head_dim = mc->head_dim, .n_experts = mc->n_experts,
                                  .moe_inter = mc->moe_intermediate, .top_k = mc->top_k,
                                  .ce_rows = t->model.ws.logit_rows, .n_params = (long)t->model.n_params, .bf16 = bf16,
-                                 .geglu = mc->act == LM_ACT_GELU_TANH};
+                                 .geglu = mc->act == LM_ACT_GELU_TANH,
+                                 /* expert parallelism runs the fp32 entries on its own buffers (distributed/ep.c) */
+                                 .moe_wbf16 = t->plan.mesh.ep <= 1 && lm_experts_read_bf16(&t->model)};
             char path[1024];
             kern_tune_cache_path(path, sizeof path, cpu, cpu_threads());
             if ((rc = kern_tune(&t->model.k, tab, nt, cpu, ov, &rs, path, log, sizeof log, e))) return rc;
@@ -366,7 +368,6 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, cfg_source(c), e))) return rc;
     if ((rc = lm_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     t->seeds = ct_calloc((size_t)plan_microbatches(&t->plan), sizeof *t->seeds);
-    if ((rc = select_kernels(t, e))) return rc;
     if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, cfg_source(c), e))) return rc;
     if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
         size_t n = lm_store_frozen_bf16(&t->model);
@@ -380,6 +381,8 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
             fprintf(stderr, "ctitan: frozen weights in bfloat16: %.3f GiB (fp32 would be %.3f GiB)\n",
                     n * 2.0 / (1 << 30), n * 4.0 / (1 << 30));
     }
+    /* after the bf16 store: tuning times the experts entries the run will call */
+    if ((rc = select_kernels(t, e))) return rc;
     /* MoE load-balancing loss: HF adds it per forward; a step is the mean of its micro-batches' */
     t->model.moe.aux_scale = (float)c->local_batch_size / (float)t->global_batch;
     if (t->model.cfg.lazy_buffers) adamw_init_lazy(&t->opt, t->model.n_params);

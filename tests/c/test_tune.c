@@ -11,13 +11,17 @@
  * code), never "broken"; cache the pick and reuse it ("cached") without
  * timing; keep an op forced by the overrides; and say all of it in the log.
  * Then the per-op sizes: a MoE model's experts and a bf16 run's matmul_bf16
- * are tuned only when the run uses them. */
+ * are tuned only when the run uses them; and the entries: a run whose experts
+ * are read from a bf16 store times the experts' wbf16 entries, one that is not
+ * the fp32 ones (two correct implementations, each slow in the pair the other
+ * is fast in). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "check.h"
+#include "core/timer.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
 
@@ -34,6 +38,51 @@ static void add_slow(float *out, const float *a, const float *b, long N) {
 static void add_broken(float *out, const float *a, const float *b, long N) {
     (void)b;
     memcpy(out, a, (size_t)N * sizeof(float));
+}
+
+/* The test's MoE entries wrap the registry's first optimised moe_experts
+ * entry this CPU runs (the reference's where there is none): kern_check of a
+ * reference-speed entry takes seconds. */
+static const kern_impl *moe_base;
+/* Busy for 0.25 ms: the slow half of each test MoE entry (forward + backward
+ * at the tuner's sizes here take ~0.03 ms even in the reference, so a pick
+ * that timed the wrong pair is off by more than the tuner's 2x margin for
+ * timings beside other work). */
+static void spin(void) {
+    double t0 = ct_now();
+    while (ct_now() - t0 < 0.25e-3) {
+    }
+}
+static void moe_fwd_slow(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
+                         const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
+                         const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k) {
+    spin();
+    moe_base->fn.moe.fwd(out, gate, up, h, work, x, wg, wu, wd, perm, pos, offsets, topw, N, H, Im, E, k);
+}
+static void moe_bwd_slow(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                         const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
+                         const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                         const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k) {
+    spin();
+    moe_base->fn.moe.bwd(dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, gate, up, h, perm, pos, offsets, topw, N,
+                       H, Im, E, k);
+}
+static void moe_fwd_h_slow(float *out, float *gate, float *up, float *h, float *work, const float *x,
+                           const float *wg, const float *wu, const float *wd, const uint16_t *hg, const uint16_t *hu,
+                           const uint16_t *hd, const int32_t *perm, const int32_t *pos, const int32_t *offsets,
+                           const float *topw, int N, int H, int Im, int E, int k) {
+    spin();
+    moe_base->fn.moe.fwd_wbf16(out, gate, up, h, work, x, wg, wu, wd, hg, hu, hd, perm, pos, offsets, topw, N, H, Im,
+                             E, k);
+}
+static void moe_bwd_h_slow(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work,
+                           const float *dout, const float *x, const float *wg, const float *wu, const float *wd,
+                           const uint16_t *hg, const uint16_t *hu, const uint16_t *hd, const float *gate,
+                           const float *up, const float *h, const int32_t *perm, const int32_t *pos,
+                           const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k) {
+    spin();
+    moe_base->fn.moe.bwd_wbf16(dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, hg, hu, hd, gate, up, h, perm, pos,
+                             offsets, topw, N, H, Im, E, k);
 }
 
 static const char *const force_others[] = {
@@ -169,11 +218,61 @@ static void test_ops_of_the_run(void) {
     unlink(path);
 }
 
+static void test_moe_entries_of_the_run(void) {
+    /* the registry without its moe_experts entries, plus: "fp32_fast" (fwd / bwd moe_base's, the
+     * wbf16 pair slow) listed first, "wbf16_fast" (the reverse) and the reference */
+    size_t n;
+    const kern_impl *reg = kern_registry(&n);
+    unsigned cpu = kern_cpu_features();
+    kern_impl *t = calloc(n + 3, sizeof *t);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (reg[i].op != KERN_OP_MOE) t[m++] = reg[i];
+        else if (!(reg[i].features & ~cpu) && (!moe_base || !strcmp(moe_base->name, "ref"))) moe_base = &reg[i];
+    }
+    const kern_moe_fwd_fn f = moe_base->fn.moe.fwd;
+    const kern_moe_bwd_fn b = moe_base->fn.moe.bwd;
+    const kern_moe_fwd_wbf16_fn fh = moe_base->fn.moe.fwd_wbf16;
+    const kern_moe_bwd_wbf16_fn bh = moe_base->fn.moe.bwd_wbf16;
+    t[m++] = (kern_impl){KERN_OP_MOE, "fp32_fast", "cpu", 0, 0, "test: the wbf16 pair slow",
+                         .fn.moe = {f, b, moe_fwd_h_slow, moe_bwd_h_slow}};
+    t[m++] = (kern_impl){KERN_OP_MOE, "wbf16_fast", "cpu", 0, 0, "test: the fp32 pair slow",
+                         .fn.moe = {moe_fwd_slow, moe_bwd_slow, fh, bh}};
+    t[m++] = (kern_impl){KERN_OP_MOE, "ref", "cpu", 0, 0, "reference",
+                         .fn.moe = {op_moe_experts_fwd, op_moe_experts_bwd, op_moe_experts_fwd_wbf16,
+                                    op_moe_experts_bwd_wbf16}};
+    const char *only_moe[] = {"matmul=ref", "embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref",
+                              "swiglu=ref", "crossentropy=ref", "add=ref", "adamw=ref", "matmul_bf16=ref",
+                              "moe_experts_bf16=ref", "geglu=ref", NULL};
+    kern_run_sizes rs = {.B = 1, .T = 8, .hidden = 32, .inter = 0, .vocab = 64, .n_heads = 2, .n_kv_heads = 1,
+                         .head_dim = 16, .ce_rows = 8, .n_params = 100, .n_experts = 4, .moe_inter = 16, .top_k = 2};
+    char path[] = "/tmp/ctitan-tune-XXXXXX"; /* the check verdicts are cached: each entry is checked once */
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    close(fd);
+    kern_ops k;
+    char log[4096];
+    ct_err e = {0};
+    for (int h = 0; h <= 1; h++) {
+        rs.moe_wbf16 = h;
+        CHECK(kern_tune(&k, t, m, 0, only_moe, &rs, path, log, sizeof log, &e) == 0, "%s", e.msg);
+        const char *want = h ? "wbf16_fast" : "fp32_fast", *pick = k.chosen[KERN_OP_MOE]->name;
+        CHECK(!strcmp(pick, want), "experts %s: picked %s, not %s (log: %s)", h ? "in a bf16 store" : "fp32", pick,
+              want, log);
+        CHECK(strstr(log, "measured N8H32I16E4k2") && !strstr(log, "k2wbf16") == !h,
+              "the cache key says which entries were timed: %s", log);
+    }
+    unlink(path);
+    free(t);
+}
+
 int main(void) {
     test_pick_and_cache();
     if (getenv("CTITAN_EMULATED")) /* under qemu (scripts/test_aarch64.sh): ~30 s of emulated GEMM timing */
         printf("test_tune: skipped under emulation: test_ops_of_the_run (the same code is run natively)\n");
-    else
+    else {
         test_ops_of_the_run();
+        test_moe_entries_of_the_run();
+    }
     return CHECK_DONE();
 }
