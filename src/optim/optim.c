@@ -58,7 +58,7 @@ void adamw_step(adamw_state *s, float *params, float *grads, float gscale, doubl
     float *m = s->m, *v = s->v;
     long n = (long)s->n;
     kern_trace *kt_ = kern_trace_armed();
-#pragma omp parallel
+#pragma omp parallel if (n >= ADAMW_PARALLEL_MIN) /* a small range: no second thread to wake */
     {
         KERN_TRACE_ENTER(kt_);
 #pragma omp for schedule(static) nowait

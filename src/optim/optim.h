@@ -47,6 +47,18 @@ adamw_scalars adamw_begin_step(adamw_state *s, double lr, const adamw_hparams *h
  * accumulation. Both save a pass over every gradient (the separate scaling
  * pass read and wrote them, the memset after the step wrote them again). */
 void adamw_step(adamw_state *s, float *params, float *grads, float gscale, double lr, const adamw_hparams *h);
+/* Elements below which every AdamW implementation steps on the calling
+ * thread alone (the step is elementwise: the same bits either way). A LoRA
+ * run steps each run of adapters between frozen tensors apart, one call per
+ * layer: W1's (Qwen3-0.6B shapes, r 16) are ~330K elements, ~0.35 ms on one
+ * Zen 5 core. Traced on 2 cores shared with other work (load 3.2-4.3, 3
+ * interleaved rounds of 6 steps): parallel 3.9 / 12.1 / 10.7 ms of AdamW
+ * spans per step (median call 0.36-0.94 ms, up to 16 ms when the second
+ * thread waited for a time slice), one thread 2.7 / 4.7 / 4.9 ms (median
+ * 0.35-0.38 ms); in the quietest earlier round the parallel call's median
+ * was 0.27 ms, so an idle machine loses < 0.1 ms per call. Larger ranges
+ * (Qwen3-4B's ~0.9M per layer) and whole models keep both threads. */
+#define ADAMW_PARALLEL_MIN (1L << 19)
 
 /* Global L2 norm of g[n] (double accumulation, fixed order). */
 double optim_grad_norm(const float *g, size_t n);

@@ -929,7 +929,9 @@ static void case_adamw(chk_case *c, const kern_impl *ref, const kern_impl *im, c
     free(p1), free(g1), free(p2);
 }
 
-static const int shapes_adamw[][6] = {{1}, {15}, {17}, {1000}, {65537}};
+/* the last at and above ADAMW_PARALLEL_MIN (optim.h): the only one that runs the
+ * implementations' parallel path, the others step on one thread */
+static const int shapes_adamw[][6] = {{1}, {15}, {17}, {1000}, {65537}, {ADAMW_PARALLEL_MIN + 37}};
 
 /* -------------------------------------------------------- moe_experts */
 

@@ -680,7 +680,7 @@ EW512 void kern_adamw_step_avx512(adamw_state *s, float *params, float *grads, f
     long n = (long)s->n;
     long nb = (n + EW_BLOCK - 1) / EW_BLOCK;
     kern_trace *kt_ = kern_trace_armed();
-#pragma omp parallel
+#pragma omp parallel if (n >= ADAMW_PARALLEL_MIN) /* a small range: no second thread to wake (optim.h) */
     {
         KERN_TRACE_ENTER(kt_);
 #pragma omp for schedule(static) nowait
