@@ -49,9 +49,6 @@
 #define MRS 8
 #define NR 12
 
-static long ceil_div(long a, long b) { return (a + b - 1) / b; }
-static long clampl(long v, long lo, long hi) { return v < lo ? lo : v > hi ? hi : v; }
-
 /* ------------------------------------------------------------ fp32 kernel */
 
 /* C[0:mr, 0:nr] (=, += when add) from the accumulator tile c[R][3]. */
@@ -119,7 +116,7 @@ static void uk_neon(long kc, const float *restrict A, const float *restrict B, f
 /* ------------------------------------------------------------ fp32 packing */
 
 static void pack_a_neon(float *dst, gemm_view a, long m, long kc) {
-    long np = ceil_div(m, MR);
+    long np = neon_ceil_div(m, MR);
     if (a.rs == 1) {
         /* A given transposed: each source row holds 8 consecutive rows of a panel */
         for (long k = 0; k < kc; k++) {
@@ -137,7 +134,7 @@ static void pack_a_neon(float *dst, gemm_view a, long m, long kc) {
         for (long p = 0; p < np; p++)
             for (long h = 0; h < 2; h++)
                 neon_transpose_slab4(dst + p * MRS * kc + 4 * h, MRS, a.p + (p * MR + 4 * h) * a.rs, a.rs,
-                                clampl(m - p * MR - 4 * h, 0, 4), kc);
+                                neon_clampl(m - p * MR - 4 * h, 0, 4), kc);
         return;
     }
     for (long p = 0; p < np; p++)
@@ -147,7 +144,7 @@ static void pack_a_neon(float *dst, gemm_view a, long m, long kc) {
 }
 
 static void pack_b_neon(float *dst, gemm_view b, long kc, long n) {
-    long np = ceil_div(n, NR);
+    long np = neon_ceil_div(n, NR);
     if (b.cs == 1) {
         for (long k = 0; k < kc; k++) {
             const float *src = b.p + k * b.rs;
@@ -163,7 +160,7 @@ static void pack_b_neon(float *dst, gemm_view b, long kc, long n) {
         for (long p = 0; p < np; p++)
             for (long h = 0; h < 3; h++)
                 neon_transpose_slab4(dst + p * NR * kc + 4 * h, NR, b.p + (p * NR + 4 * h) * b.cs, b.cs,
-                                clampl(n - p * NR - 4 * h, 0, 4), kc);
+                                neon_clampl(n - p * NR - 4 * h, 0, 4), kc);
         return;
     }
     for (long p = 0; p < np; p++)
@@ -235,11 +232,11 @@ static void round_bf16_neon(float *p, size_t n) {
 
 static void pack_a_rneon(float *dst, gemm_view a, long m, long kc) {
     pack_a_neon(dst, a, m, kc);
-    round_bf16_neon(dst, (size_t)(ceil_div(m, MR) * MRS * kc));
+    round_bf16_neon(dst, (size_t)(neon_ceil_div(m, MR) * MRS * kc));
 }
 static void pack_b_rneon(float *dst, gemm_view b, long kc, long n) {
     pack_b_neon(dst, b, kc, n);
-    round_bf16_neon(dst, (size_t)(ceil_div(n, NR) * NR * kc));
+    round_bf16_neon(dst, (size_t)(neon_ceil_div(n, NR) * NR * kc));
 }
 
 /* The x86 version lives in gemm_bf16.c; on aarch64 the only base is gemm_arch_neon. */
@@ -305,12 +302,12 @@ static void pack8_bf16(uint16_t *d, const float *p, long ls, long ks, long nl, l
 }
 
 static void pack_a_bfmmla(float *dst, gemm_view a, long m, long kc) {
-    long np = ceil_div(m, BMR), depth = 2 * ((kc + 1) / 2); /* bf16 values per row of a panel */
+    long np = neon_ceil_div(m, BMR), depth = 2 * ((kc + 1) / 2); /* bf16 values per row of a panel */
     for (long p = 0; p < np; p++)
         pack8_bf16((uint16_t *)dst + p * BMR * depth, a.p + p * BMR * a.rs, a.rs, a.cs, m - p * BMR, kc);
 }
 static void pack_b_bfmmla(float *dst, gemm_view b, long kc, long n) {
-    long np = ceil_div(n, BNR), depth = 2 * ((kc + 1) / 2);
+    long np = neon_ceil_div(n, BNR), depth = 2 * ((kc + 1) / 2);
     for (long p = 0; p < np; p++)
         pack8_bf16((uint16_t *)dst + p * BNR * depth, b.p + p * BNR * b.cs, b.cs, b.rs, n - p * BNR, kc);
 }

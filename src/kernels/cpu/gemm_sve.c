@@ -58,9 +58,6 @@
 
 #define SVE_INLINE __attribute__((always_inline)) static inline
 
-static long ceil_div(long a, long b) { return (a + b - 1) / b; }
-static long clampl(long v, long lo, long hi) { return v < lo ? lo : v > hi ? hi : v; }
-
 /* ------------------------------------------------------------ micro-kernel */
 
 /* Tile row i of C (cr) (=, += when add) from its 3 accumulators, the N edge
@@ -123,13 +120,13 @@ static void uk_sve(long kc, const float *restrict A, const float *restrict B, fl
  * src, zeros after: predicated loads read nothing past `have`. */
 static void copy_padded(float *dst, const float *src, long have, long width) {
     const long vl = (long)svcntw();
-    have = clampl(have, 0, width);
+    have = neon_clampl(have, 0, width);
     for (long i = 0; i < width; i += vl)
         svst1_f32(svwhilelt_b32_s64(i, width), dst + i, svld1_f32(svwhilelt_b32_s64(i, have), src + i));
 }
 
 static void pack_a_sve(float *dst, gemm_view a, long m, long kc) {
-    long np = ceil_div(m, MR);
+    long np = neon_ceil_div(m, MR);
     if (a.rs == 1) {
         /* A given transposed (dw's dout): each k holds 8 consecutive rows of a panel */
         for (long k = 0; k < kc; k++)
@@ -141,7 +138,7 @@ static void pack_a_sve(float *dst, gemm_view a, long m, long kc) {
         for (long p = 0; p < np; p++)
             for (long h = 0; h < 2; h++)
                 neon_transpose_slab4(dst + p * MR * kc + 4 * h, MR, a.p + (p * MR + 4 * h) * a.rs, a.rs,
-                                clampl(m - p * MR - 4 * h, 0, 4), kc);
+                                neon_clampl(m - p * MR - 4 * h, 0, 4), kc);
         return;
     }
     for (long p = 0; p < np; p++)
@@ -151,7 +148,7 @@ static void pack_a_sve(float *dst, gemm_view a, long m, long kc) {
 }
 
 static void pack_b_sve(float *dst, gemm_view b, long kc, long n) {
-    const long NR = NV * (long)svcntw(), np = ceil_div(n, NR);
+    const long NR = NV * (long)svcntw(), np = neon_ceil_div(n, NR);
     if (b.cs == 1) {
         /* rows of B contiguous (dinp's w, dw's inp): predicated copies, the last panel's tail zeroed */
         for (long k = 0; k < kc; k++)
@@ -164,7 +161,7 @@ static void pack_b_sve(float *dst, gemm_view b, long kc, long n) {
         for (long p = 0; p < np; p++)
             for (long h = 0; h < NR / 4; h++)
                 neon_transpose_slab4(dst + p * NR * kc + 4 * h, NR, b.p + (p * NR + 4 * h) * b.cs, b.cs,
-                                clampl(n - p * NR - 4 * h, 0, 4), kc);
+                                neon_clampl(n - p * NR - 4 * h, 0, 4), kc);
         return;
     }
     for (long p = 0; p < np; p++)
@@ -209,10 +206,10 @@ gemm_arch gemm_arch_sve(void) {
         .mrs = MR,
         .nr = nr,
         /* a B micro-panel of at most 6144 floats (24 KB), never deeper than NEON's 256 */
-        .kc = (int)clampl(6144 / nr, 16, 256),
+        .kc = (int)neon_clampl(6144 / nr, 16, 256),
         .mc = 129 * MR,
-        .nc = (int)(ceil_div(2040, nr) * nr),
-        .ncb = (int)(ceil_div(480, nr) * nr),
+        .nc = (int)(neon_ceil_div(2040, nr) * nr),
+        .ncb = (int)(neon_ceil_div(480, nr) * nr),
         .ukernel = uk_sve,
         .pack_a = pack_a_sve,
         .pack_b = pack_b_sve,

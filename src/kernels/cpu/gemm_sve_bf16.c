@@ -46,9 +46,6 @@
 
 #define SVE_INLINE __attribute__((always_inline)) static inline
 
-static long ceil_div(long a, long b) { return (a + b - 1) / b; }
-static long clampl(long v, long lo, long hi) { return v < lo ? lo : v > hi ? hi : v; }
-
 /* ------------------------------------------------------------ packing */
 
 /* 4 floats rounded to bf16 (ties to even), narrowed. */
@@ -58,8 +55,8 @@ SVE_INLINE uint16x4_t bf16x4(float32x4_t x) { return vshrn_n_u32(neon_rne_bf16_b
  * at p[l * ls + k * ks], of which lines < nl exist: groups of 4 k, line l at
  * [4l, 4l + 4) of its group, zeros beyond nl and kc; ceil(kc / 4) groups. */
 static void pack_lines_bf16(uint16_t *d, const float *p, long ls, long ks, long nl, long L, long kc) {
-    long groups = ceil_div(kc, 4);
-    nl = clampl(nl, 0, L);
+    long groups = neon_ceil_div(kc, 4);
+    nl = neon_clampl(nl, 0, L);
     if (ks == 1) {
         /* each line's 4 k values are contiguous: one load, one 8-byte store */
         for (long l = 0; l < L; l++)
@@ -90,13 +87,13 @@ static void pack_lines_bf16(uint16_t *d, const float *p, long ls, long ks, long 
 }
 
 static void pack_a_sbf(float *dst, gemm_view a, long m, long kc) {
-    long np = ceil_div(m, BMR), depth = 4 * ceil_div(kc, 4); /* bf16 values per line of a panel */
+    long np = neon_ceil_div(m, BMR), depth = 4 * neon_ceil_div(kc, 4); /* bf16 values per line of a panel */
     for (long p = 0; p < np; p++)
         pack_lines_bf16((uint16_t *)dst + p * BMR * depth, a.p + p * BMR * a.rs, a.rs, a.cs, m - p * BMR, BMR, kc);
 }
 
 static void pack_b_sbf(float *dst, gemm_view b, long kc, long n) {
-    long NR = NVB * (long)svcntd(), np = ceil_div(n, NR), depth = 4 * ceil_div(kc, 4);
+    long NR = NVB * (long)svcntd(), np = neon_ceil_div(n, NR), depth = 4 * neon_ceil_div(kc, 4);
     for (long p = 0; p < np; p++)
         pack_lines_bf16((uint16_t *)dst + p * NR * depth, b.p + p * NR * b.cs, b.cs, b.rs, n - p * NR, NR, kc);
 }
@@ -135,7 +132,7 @@ SVE_INLINE void ukb_rows(const int RP, long kc, const float *A, const float *B, 
 #define UKB_DECL(r) svfloat32_t c##r##0 = svdup_n_f32(0.0f), c##r##1 = c##r##0, c##r##2 = c##r##0, c##r##3 = c##r##0;
     UKB_DECL(0) UKB_DECL(1) UKB_DECL(2) UKB_DECL(3)
 #undef UKB_DECL
-    long groups = ceil_div(kc, 4);
+    long groups = neon_ceil_div(kc, 4);
     for (long g = 0; g < groups; g++) {
         svbfloat16_t b0 = svld1_bf16(ph, b), b1 = svld1_bf16(ph, b + vh);
         svbfloat16_t b2 = svld1_bf16(ph, b + 2 * vh), b3 = svld1_bf16(ph, b + 3 * vh);
@@ -174,10 +171,10 @@ static gemm_arch arch_sbf(void) {
         .mrs = BMR,
         .nr = nr,
         /* a B micro-panel of at most 12288 bf16 (24 KB), never deeper than bfmmla's 512 */
-        .kc = (int)(clampl(12288 / nr, 64, 512) / 4 * 4),
+        .kc = (int)(neon_clampl(12288 / nr, 64, 512) / 4 * 4),
         .mc = 129 * BMR,
-        .nc = (int)(ceil_div(2048, nr) * nr),
-        .ncb = (int)(ceil_div(512, nr) * nr),
+        .nc = (int)(neon_ceil_div(2048, nr) * nr),
+        .ncb = (int)(neon_ceil_div(512, nr) * nr),
         .ukernel = uk_sbf,
         .pack_a = pack_a_sbf,
         .pack_b = pack_b_sbf,

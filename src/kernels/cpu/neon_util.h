@@ -1,7 +1,8 @@
 /* kernels/cpu/neon_util.h: small NEON helpers shared by the aarch64 kernels
  * (gemm_neon.c, gemm_sve*.c, elementwise_neon.c, moe_cpu.c): partial loads
  * and stores, a 4 x 4 transpose and the GEMM packers' slab transpose on it,
- * round-to-nearest-even bf16 bits, the vector exp and tanh.
+ * the GEMMs' block arithmetic, round-to-nearest-even bf16 bits, the vector
+ * exp and tanh.
  *
  * NEON (ASIMD) is part of the base aarch64 architecture, so these need no
  * target attribute. NEON has no masked loads: a partial vector is copied
@@ -15,6 +16,12 @@
 #include <arm_neon.h>
 
 #define NEON_INLINE __attribute__((always_inline)) static inline
+
+/* The aarch64 GEMMs' block arithmetic (gemm_neon.c, gemm_sve.c,
+ * gemm_sve_bf16.c each had its own copy): ceil(a / b) for a >= 0, b > 0, and
+ * v clamped to [lo, hi]. */
+static inline long neon_ceil_div(long a, long b) { return (a + b - 1) / b; }
+static inline long neon_clampl(long v, long lo, long hi) { return v < lo ? lo : v > hi ? hi : v; }
 
 /* min(n, 4) floats from p, zeros in the other lanes (n <= 0: all zeros). */
 NEON_INLINE float32x4_t neon_loadn(const float *p, long n) {
