@@ -96,6 +96,9 @@ static const kern_impl registry[] = {
      "\"tiled\" compiled for AVX2 + FMA (same results)",
      .fn.attention = {op_attention_fwd_tiled_avx2, op_attention_bwd_tiled_avx2}},
 #elif defined(__aarch64__)
+    {KERN_OP_ATTENTION, "blocked_neon", "cpu", KERN_FEAT_NEON, 0,
+     "tiles as \"tiled\", 12x8 NEON register blocks, fmla by lane, rows in lanes (hd % 8 == 0; else tiled)",
+     .fn.attention = {kern_attention_fwd_neon, kern_attention_bwd_neon}},
     {KERN_OP_ATTENTION, "tiled_sve", "cpu", KERN_FEAT_SVE, 0, "\"tiled\" compiled for SVE (same results)",
      .fn.attention = {op_attention_fwd_tiled_sve, op_attention_bwd_tiled_sve}},
 #endif

@@ -11,7 +11,8 @@
  * - kern_check catches deliberately broken matmuls (a table local to this
  *   test: no global state is touched), and skips what the features it is
  *   given lack (AMX masked: the amx entries are skipped, never run);
- * - the fast GEMMs are bit-identical at 1 and 2 threads (determinism);
+ * - the fast GEMMs are bit-identical at 1 and 2 threads (determinism), and so is
+ *   the NEON attention (blocked_neon, aarch64) at 1, 2 and 3;
  * - activation checkpointing (which reruns these kernels) shrinks the model's
  *   activation plan and leaves its gradients bit-identical. */
 #include <omp.h>
@@ -574,6 +575,60 @@ static void test_attention_tiled_avx512(void) {
     free(q), free(k), free(v), free(g);
 }
 
+/* blocked_neon (attention_neon.c) gives the same bits at 1, 2 and 3 threads: forward split by
+ * (b, head, query block), backward by (b, kv head), each sum in one thread's fixed order. Its
+ * path (hd 64 and 40, multiples of 8; GQA; T past whole 48-row blocks and 12-row micro-blocks)
+ * and its tiled fallback (hd 12), with Qwen3's options and a window + scale + soft cap; the
+ * backward adds onto non-zero dq, dk, dv. The cases each give every thread work (B * nkv >= 2). */
+static void test_attention_blocked_neon(void) {
+#if !defined(__aarch64__)
+    printf("skip: attention blocked_neon (not aarch64)\n");
+    return;
+#endif
+    size_t n;
+    const kern_impl *t = kern_registry(&n), *im = find(t, n, KERN_OP_ATTENTION, "blocked_neon");
+    CHECK(im != NULL, "no attention=blocked_neon in the aarch64 registry");
+    if (!im) return;
+    static const int shapes[][5] = {{2, 101, 4, 2, 64}, {1, 61, 6, 2, 40}, {2, 50, 2, 1, 12}}; // B T nh nkv hd
+    const kern_attn_opt wcap = {0.2f, 29, 5.0f}, *opts[2] = {NULL, &wcap};
+    for (int si = 0; si < 3; si++) {
+        int B = shapes[si][0], T = shapes[si][1], nh = shapes[si][2], nkv = shapes[si][3], hd = shapes[si][4];
+        size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd, nl = (size_t)B * nh * T;
+        float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4), *g = malloc(nq * 4);
+        float *d0 = malloc((nq + 2 * nk) * 4); // the starting dq, dk, dv
+        uint32_t s = 11 + si;
+        fill_lcg(q, nq, &s);
+        fill_lcg(k, nk, &s);
+        fill_lcg(v, nk, &s);
+        fill_lcg(g, nq, &s);
+        fill_lcg(d0, nq + 2 * nk, &s);
+        for (int oi = 0; oi < 2; oi++) {
+            float *o[3], *l[3], *dq[3], *dk[3], *dv[3];
+            int saved = omp_get_max_threads();
+            for (int th = 0; th < 3; th++) {
+                omp_set_num_threads(th + 1);
+                o[th] = malloc(nq * 4), l[th] = malloc(nl * 4);
+                dq[th] = malloc(nq * 4), dk[th] = malloc(nk * 4), dv[th] = malloc(nk * 4);
+                memcpy(dq[th], d0, nq * 4);
+                memcpy(dk[th], d0 + nq, nk * 4);
+                memcpy(dv[th], d0 + nq + nk, nk * 4);
+                im->fn.attention.fwd(o[th], l[th], q, k, v, B, T, nh, nkv, hd, opts[oi]);
+                im->fn.attention.bwd(dq[th], dk[th], dv[th], g, o[th], l[th], q, k, v, B, T, nh, nkv, hd, opts[oi]);
+            }
+            omp_set_num_threads(saved);
+            for (int th = 1; th < 3; th++) {
+                CHECK(!memcmp(o[0], o[th], nq * 4) && !memcmp(l[0], l[th], nl * 4),
+                      "blocked_neon forward differs between 1 and %d threads (hd %d, opt %d)", th + 1, hd, oi);
+                CHECK(!memcmp(dq[0], dq[th], nq * 4) && !memcmp(dk[0], dk[th], nk * 4) &&
+                          !memcmp(dv[0], dv[th], nk * 4),
+                      "blocked_neon backward differs between 1 and %d threads (hd %d, opt %d)", th + 1, hd, oi);
+            }
+            for (int th = 0; th < 3; th++) free(o[th]), free(l[th]), free(dq[th]), free(dk[th]), free(dv[th]);
+        }
+        free(q), free(k), free(v), free(g), free(d0);
+    }
+}
+
 int main(void) {
     test_op_list();
     test_defaults();
@@ -599,6 +654,7 @@ int main(void) {
     test_check_without_amx();
     test_determinism();
     test_attention_tiled_avx512();
+    test_attention_blocked_neon();
     test_activation_checkpointing();
     return CHECK_DONE();
 }

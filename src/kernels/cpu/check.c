@@ -698,7 +698,8 @@ static const int shapes_attention[][6] = {
      * key tiles with fewer than 4 keys left, several query and key tiles */
     {1, 97, 4, 2, 64}, {2, 70, 2, 1, 128}, {1, 130, 2, 2, 64}, {1, 5, 2, 1, 64}, {1, 66, 1, 1, 192},
     /* the options, with GQA and T past whole tiles: hd 64/128 (blocked_avx512 and blocked_avx2),
-     * 16/48 (blocked_avx2, and the tiled fallback of blocked_avx512), 24/5 (the tiled fallbacks of both) */
+     * 16/48 (blocked_avx2, and the tiled fallback of blocked_avx512), 24/5 (the tiled fallbacks of both;
+     * blocked_neon runs every multiple of 8, so 24 too, and falls back for 5 and 7) */
     {1, 200, 4, 2, 64, 1},   {2, 150, 4, 2, 16, 1},  {1, 9, 2, 1, 5, 1},
     {1, 200, 4, 2, 64, 2},   {1, 97, 2, 1, 128, 2},  {2, 150, 4, 2, 48, 2},  {1, 70, 3, 1, 24, 2},
     {1, 260, 2, 1, 64, 3},   {2, 150, 4, 2, 16, 3},  {1, 97, 2, 2, 5, 3},
@@ -712,6 +713,12 @@ static const int shapes_attention[][6] = {
     {1, 260, 4, 2, 64, 11},  {2, 150, 4, 2, 16, 11}, {1, 150, 2, 1, 5, 11},  {1, 97, 2, 1, 128, 11},
     {1, 97, 4, 2, 64, 12},   {2, 70, 4, 2, 16, 12},  {1, 40, 2, 1, 7, 12},
     {1, 97, 4, 2, 64, 13},   {2, 70, 4, 2, 16, 13},  {1, 40, 2, 1, 7, 13},
+    /* blocked_neon (12-row micro-blocks, 48-row blocks, 8-key chunks, hd % 8 == 0; the cases above
+     * give it hd 8 to 192 and its tiled fallback hd 1 to 17): hd 40 and 80 (multiples of 8, not of
+     * 16), T one past a block (49), one micro-block and one past it (12, 13), a group of 3 query
+     * heads; hd 12 (a multiple of 4 only: the fallback) */
+    {2, 49, 6, 2, 40},       {1, 12, 2, 1, 40, 8},   {1, 13, 3, 1, 40, 9},   {1, 61, 3, 1, 8, 2},
+    {1, 130, 6, 2, 80, 11},  {1, 100, 2, 1, 12, 3},
 };
 
 /* ------------------------------------------------------------- swiglu */

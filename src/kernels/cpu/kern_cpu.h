@@ -380,6 +380,12 @@ double kern_crossentropy_vp_grad_neon(float *logits, const float *maxv, const fl
                                       const int32_t *targets, int N, int V, int v0, float grad_scale, long *n_valid);
 void kern_adamw_step_neon(adamw_state *s, float *params, float *grads, float gscale, double lr,
                           const adamw_hparams *h);
+/* Attention with 12 x 8 register tiles, rows in lanes (attention_neon.c), ops.h's attention contract. */
+void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                             int nh, int nkv, int hd, const kern_attn_opt *opt);
+void kern_attention_bwd_neon(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                             const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
+                             const kern_attn_opt *opt);
 /* out[i] = e^x[i] with neon_util.h's neon_exp4 (for its accuracy test). */
 void kern_exp_neon(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with neon_util.h's neon_tanh4 (geglu; for its accuracy test). */
