@@ -306,7 +306,9 @@ int kern_bench_has_bwd(kern_op op);
  * matmul_bf16 only) one of the backward's two products, or the forward / dinp
  * with w read from a bf16 store (fwd_wbf16 / dinp_wbf16: a frozen weight);
  * for the MoE experts ops FWD_WBF16 / BWD_WBF16 are fwd_wbf16 / bwd_wbf16 with
- * all three projections in the store and no weight gradient (frozen). */
+ * all three projections in the store and no weight gradient (frozen). An
+ * entry without its wbf16 functions (a test's table) is timed with the
+ * reference's, which kern_select installs in their place. */
 typedef enum {
     KERN_BENCH_FWD,
     KERN_BENCH_BWD,
@@ -334,6 +336,9 @@ typedef struct {
     int bf16;                         /* bf16 matmuls: tune matmul_bf16 / moe_experts_bf16 too */
     int moe_wbf16;                    /* the experts are read from a bf16 store (a frozen base): time the
                                        * experts op's fwd_wbf16 / bwd_wbf16, the entries such a run calls */
+    int mm_wbf16;                     /* most dense projections' weights (by size) are read from a bf16 store
+                                       * (a frozen base, LoRA-adapted or not): time the matmul op's fwd_wbf16
+                                       * and dinp_wbf16 (no weight gradient), the entries such a run calls */
     int geglu;                        /* the dense MLP is GELU(tanh)-gated (Gemma): tune geglu, not swiglu */
 } kern_run_sizes;
 

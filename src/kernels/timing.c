@@ -161,10 +161,18 @@ static void run_once(kern_bench *x, const kern_impl *im, kern_bench_part part) {
     switch (im->op) {
     case KERN_OP_MATMUL:
     case KERN_OP_MATMUL_BF16:
-        /* the wbf16 parts: callers time them only where the entry has them */
-        if (part == KERN_BENCH_FWD_WBF16) im->fn.matmul.fwd_wbf16(x->c, x->a, x->wh, s->M, s->K, s->N, 0);
-        else if (part == KERN_BENCH_DINP_WBF16) im->fn.matmul.dinp_wbf16(x->e, x->d, x->wh, s->M, s->K, s->N, s->N);
-        else if (fwd) im->fn.matmul.fwd(x->c, x->a, x->b, s->M, s->K, s->N, 0);
+        if (part == KERN_BENCH_FWD_WBF16 || part == KERN_BENCH_DINP_WBF16) {
+            /* an entry without them (a test's table) gets the reference's, as kern_select installs */
+            int b16 = im->op == KERN_OP_MATMUL_BF16;
+            kern_matmul_fwd_wbf16_fn fh = im->fn.matmul.fwd_wbf16 ? im->fn.matmul.fwd_wbf16
+                                          : b16                   ? op_matmul_bf16_fwd_wbf16
+                                                                  : op_matmul_fwd_wbf16;
+            kern_matmul_dinp_wbf16_fn dh = im->fn.matmul.dinp_wbf16 ? im->fn.matmul.dinp_wbf16
+                                           : b16                    ? op_matmul_bf16_dinp_wbf16
+                                                                    : op_matmul_dinp_wbf16;
+            if (part == KERN_BENCH_FWD_WBF16) fh(x->c, x->a, x->wh, s->M, s->K, s->N, 0);
+            else dh(x->e, x->d, x->wh, s->M, s->K, s->N, s->N);
+        } else if (fwd) im->fn.matmul.fwd(x->c, x->a, x->b, s->M, s->K, s->N, 0);
         else /* NULL output: that product is skipped (ops.h) */
             im->fn.matmul.bwd(part == KERN_BENCH_DW ? NULL : x->e, part == KERN_BENCH_DINP ? NULL : x->dw, x->d,
                               x->a, x->b, s->M, s->K, s->N);

@@ -87,7 +87,9 @@ static int op_shape(kern_op op, const kern_run_sizes *r, kern_shape *s, char *ke
         if ((op == KERN_OP_MATMUL_BF16) != (r->bf16 != 0)) return 0;
         /* the MLP's up/gate projection: the most FLOPs of a layer */
         s->M = tokens, s->K = r->hidden, s->N = r->inter > 0 ? r->inter : r->moe_inter > 0 ? r->moe_inter : r->hidden;
-        snprintf(key, cap, "M%dK%dN%d", s->M, s->K, s->N);
+        /* "wbf16": the wbf16 pair is timed, so another pick (an implementation's widening of the
+         * store can rank it otherwise); an fp32 run's key is the one it always had */
+        snprintf(key, cap, "M%dK%dN%d%s", s->M, s->K, s->N, r->mm_wbf16 ? "wbf16" : "");
         return 1;
     case KERN_OP_EMBEDDING:
         s->rows = cap_rows(tokens, r->hidden), s->C = r->hidden, s->V = r->vocab < 65536 ? r->vocab : 65536;
@@ -272,10 +274,13 @@ static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_i
 }
 
 /* One timed call of the forward and, where the op has one, the backward:
- * the entries the run calls (wbf16: the MoE experts' fwd_wbf16 / bwd_wbf16,
- * for a run whose experts are read from a bf16 store). */
+ * the entries the run calls (wbf16, for a run whose weights are read from a
+ * bf16 store: the MoE experts' fwd_wbf16 / bwd_wbf16, the matmuls' fwd_wbf16
+ * / dinp_wbf16, the frozen weight having no gradient). */
 static double one_round(kern_bench *b, const kern_impl *im, int bwd, int wbf16) {
-    kern_bench_part f = wbf16 ? KERN_BENCH_FWD_WBF16 : KERN_BENCH_FWD, g = wbf16 ? KERN_BENCH_BWD_WBF16 : KERN_BENCH_BWD;
+    int mm = im->op == KERN_OP_MATMUL || im->op == KERN_OP_MATMUL_BF16;
+    kern_bench_part f = wbf16 ? KERN_BENCH_FWD_WBF16 : KERN_BENCH_FWD;
+    kern_bench_part g = !wbf16 ? KERN_BENCH_BWD : mm ? KERN_BENCH_DINP_WBF16 : KERN_BENCH_BWD_WBF16;
     return kern_bench_time(b, im, f, 0, 0) + (bwd ? kern_bench_time(b, im, g, 0, 0) : 0);
 }
 
@@ -321,7 +326,9 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 cpu_usage_mark mark;
                 cpu_usage_mark_now(&mark);
                 int bwd = kern_bench_has_bwd((kern_op)op);
-                int wbf16 = (op == KERN_OP_MOE || op == KERN_OP_MOE_BF16) && r->moe_wbf16;
+                int wbf16 = (op == KERN_OP_MOE || op == KERN_OP_MOE_BF16)           ? r->moe_wbf16
+                            : (op == KERN_OP_MATMUL || op == KERN_OP_MATMUL_BF16) ? r->mm_wbf16
+                                                                                  : 0;
                 double secs[32], first = INFINITY, best = INFINITY;
                 int alive[32];
                 const kern_impl *win = NULL;

@@ -1729,6 +1729,32 @@ int lm_experts_read_bf16(const lm_model *m) {
     return moe > 0 && 2 * h >= moe;
 }
 
+int lm_projections_read_bf16(const lm_model *m) {
+    const lm_config *c = &m->cfg;
+    /* each dense product's FLOPs are rows x the weight's size, the rows the same for all:
+     * weigh each weight by its size */
+    double H = c->hidden, qd = (double)c->n_heads * c->head_dim, kvd = (double)c->n_kv_heads * c->head_dim;
+    double I = c->intermediate, all = 0, stored = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        const lm_layer_w *w = &m->w.layer[l];
+        if (!lm_holds_layer(c, l)) continue;
+        /* mm_fwd / mm_bwd's test: a LoRA adapter adds its own product, the base is still read from the store */
+        const float *p[7] = {w->wq, w->wk, w->wv, w->wo, w->wg, w->wu, w->wd}; /* wg..wd NULL in a MoE layer */
+        double n[7] = {qd * H, kvd * H, kvd * H, H * qd, I * H, I * H, H * I};
+        for (int j = 0; j < 7; j++)
+            if (p[j]) {
+                all += n[j];
+                if (frozen_bf16(m, p[j])) stored += n[j];
+            }
+    }
+    if (lm_holds_head(c)) { /* head_fwd / head_bwd: the wbf16 entries over the whole vocabulary */
+        double v = (double)(c->vocab_rows ? c->vocab_rows : c->vocab_size) * H;
+        all += v;
+        if (head_stored(m)) stored += v;
+    }
+    return all > 0 && 2 * stored >= all;
+}
+
 size_t lm_frozen_widened_floats(const lm_model *m) {
     /* every stored matrix, the MoE router and experts included, is read from
      * its store by the products (the GEMMs' per-thread widening of one packed

@@ -573,6 +573,12 @@ size_t lm_frozen_widened_floats(const lm_model *m);
  * copy), so kernel tuning should time those (kern_run_sizes.moe_wbf16); 0
  * without MoE layers. m: after lm_store_frozen_bf16. */
 int lm_experts_read_bf16(const lm_model *m);
+/* 1 if most of this part's dense products (attention and MLP projections and
+ * the lm_head, weighed by weight size) read their weight from the bf16 store
+ * through the matmul op's wbf16 entries (a LoRA-adapted projection's base
+ * included), so kernel tuning should time those (kern_run_sizes.mm_wbf16).
+ * m: after lm_store_frozen_bf16. */
+int lm_projections_read_bf16(const lm_model *m);
 /* on = 1: widens the bf16-stored tensors that overlap params[off, off + n)
  * into params (whole tensors); on = 0: drops their pages again. A no-op
  * without bf16 storage. */

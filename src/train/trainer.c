@@ -168,7 +168,8 @@ static int select_kernels(trainer *t, ct_err *e) {
                                  .ce_rows = t->model.ws.logit_rows, .n_params = (long)t->model.n_params, .bf16 = bf16,
                                  .geglu = mc->act == LM_ACT_GELU_TANH,
                                  /* expert parallelism runs the fp32 entries on its own buffers (distributed/ep.c) */
-                                 .moe_wbf16 = t->plan.mesh.ep <= 1 && lm_experts_read_bf16(&t->model)};
+                                 .moe_wbf16 = t->plan.mesh.ep <= 1 && lm_experts_read_bf16(&t->model),
+                                 .mm_wbf16 = lm_projections_read_bf16(&t->model)};
             char path[1024];
             kern_tune_cache_path(path, sizeof path, cpu, cpu_threads());
             if ((rc = kern_tune(&t->model.k, tab, nt, cpu, ov, &rs, path, log, sizeof log, e))) return rc;

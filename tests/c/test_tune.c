@@ -14,7 +14,8 @@
  * are tuned only when the run uses them; and the entries: a run whose experts
  * are read from a bf16 store times the experts' wbf16 entries, one that is not
  * the fp32 ones (two correct implementations, each slow in the pair the other
- * is fast in). */
+ * is fast in), and likewise a run whose dense projections are read from a bf16
+ * store times the matmul's fwd_wbf16 / dinp_wbf16. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,11 +49,12 @@ static const kern_impl *moe_base;
  * at the tuner's sizes here take ~0.03 ms even in the reference, so a pick
  * that timed the wrong pair is off by more than the tuner's 2x margin for
  * timings beside other work). */
-static void spin(void) {
+static void spin_for(double secs) {
     double t0 = ct_now();
-    while (ct_now() - t0 < 0.25e-3) {
+    while (ct_now() - t0 < secs) {
     }
 }
+static void spin(void) { spin_for(0.25e-3); }
 static void moe_fwd_slow(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
                          const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
                          const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k) {
@@ -83,6 +85,29 @@ static void moe_bwd_h_slow(float *dx, float *dwg, float *dwu, float *dwd, float 
     spin();
     moe_base->fn.moe.bwd_wbf16(dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, hg, hu, hd, gate, up, h, perm, pos,
                              offsets, topw, N, H, Im, E, k);
+}
+
+/* The same for the matmul op: the registry's first optimised matmul entry
+ * this CPU runs. Here the fp32 pair's slow halves take 1 ms, the wbf16
+ * pair's 0.25 ms, so that a tuner timing a mixed pair (fwd_wbf16 with the
+ * fp32 backward, or the fp32 forward with dinp_wbf16) also picks wrong. */
+static const kern_impl *mm_base;
+static void mm_fwd_slow(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
+    spin_for(1e-3);
+    mm_base->fn.matmul.fwd(out, inp, w, M, K, N, accumulate);
+}
+static void mm_bwd_slow(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
+                        int N) {
+    spin_for(1e-3);
+    mm_base->fn.matmul.bwd(dinp, dw, dout, inp, w, M, K, N);
+}
+static void mm_fwd_h_slow(float *out, const float *inp, const uint16_t *w, int M, int K, int N, int accumulate) {
+    spin();
+    mm_base->fn.matmul.fwd_wbf16(out, inp, w, M, K, N, accumulate);
+}
+static void mm_dinp_h_slow(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd) {
+    spin();
+    mm_base->fn.matmul.dinp_wbf16(dinp, dout, w, M, K, N, ldd);
 }
 
 static const char *const force_others[] = {
@@ -266,6 +291,55 @@ static void test_moe_entries_of_the_run(void) {
     free(t);
 }
 
+static void test_matmul_entries_of_the_run(void) {
+    /* as test_moe_entries_of_the_run for the dense matmuls: "fp32_fast" (fwd / bwd mm_base's, fwd_wbf16 /
+     * dinp_wbf16 slow) listed first, "wbf16_fast" the reverse; the reference is no candidate (compute-bound) */
+    size_t n;
+    const kern_impl *reg = kern_registry(&n);
+    unsigned cpu = kern_cpu_features();
+    kern_impl *t = calloc(n + 3, sizeof *t);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (reg[i].op != KERN_OP_MATMUL) t[m++] = reg[i];
+        else if (!(reg[i].features & ~cpu) && (!mm_base || !strcmp(mm_base->name, "ref"))) mm_base = &reg[i];
+    }
+    const kern_matmul_fwd_fn f = mm_base->fn.matmul.fwd;
+    const kern_matmul_bwd_fn b = mm_base->fn.matmul.bwd;
+    const kern_matmul_fwd_wbf16_fn fh = mm_base->fn.matmul.fwd_wbf16;
+    const kern_matmul_dinp_wbf16_fn dh = mm_base->fn.matmul.dinp_wbf16;
+    t[m++] = (kern_impl){KERN_OP_MATMUL, "fp32_fast", "cpu", 0, 0, "test: the wbf16 pair slow",
+                         .fn.matmul = {f, b, mm_fwd_h_slow, mm_dinp_h_slow}};
+    t[m++] = (kern_impl){KERN_OP_MATMUL, "wbf16_fast", "cpu", 0, 0, "test: the fp32 pair slow",
+                         .fn.matmul = {mm_fwd_slow, mm_bwd_slow, fh, dh}};
+    t[m++] = (kern_impl){KERN_OP_MATMUL, "ref", "cpu", 0, 0, "reference",
+                         .fn.matmul = {op_matmul_fwd, op_matmul_bwd, op_matmul_fwd_wbf16, op_matmul_dinp_wbf16}};
+    const char *only_matmul[] = {"embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref", "swiglu=ref",
+                                 "crossentropy=ref", "add=ref", "adamw=ref", "matmul_bf16=ref", "moe_experts=ref",
+                                 "moe_experts_bf16=ref", "geglu=ref", NULL};
+    kern_run_sizes rs = {.B = 1, .T = 8, .hidden = 32, .inter = 64, .vocab = 64, .n_heads = 2, .n_kv_heads = 1,
+                         .head_dim = 16, .ce_rows = 8, .n_params = 100};
+    char path[] = "/tmp/ctitan-tune-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    close(fd);
+    kern_ops k;
+    char log[4096];
+    ct_err e = {0};
+    for (int h = 0; h <= 1; h++) {
+        rs.mm_wbf16 = h;
+        CHECK(kern_tune(&k, t, m, 0, only_matmul, &rs, path, log, sizeof log, &e) == 0, "%s", e.msg);
+        const char *want = h ? "wbf16_fast" : "fp32_fast", *pick = k.chosen[KERN_OP_MATMUL]->name;
+        CHECK(!strcmp(pick, want), "projections %s: picked %s, not %s (log: %s)", h ? "in a bf16 store" : "fp32",
+              pick, want, log);
+        CHECK(k.matmul_fwd_wbf16 == (h ? fh : mm_fwd_h_slow), "the ops table calls the pick's wbf16 forward");
+        /* an fp32 run's key is the one it always had */
+        CHECK(count_lines(path, h ? "pick matmul M8K32N64wbf16 " : "pick matmul M8K32N64 ") == 1,
+              "the cache key says which entries were timed: %s", log);
+    }
+    unlink(path);
+    free(t);
+}
+
 int main(void) {
     test_pick_and_cache();
     if (getenv("CTITAN_EMULATED")) /* under qemu (scripts/test_aarch64.sh): ~30 s of emulated GEMM timing */
@@ -273,6 +347,7 @@ int main(void) {
     else {
         test_ops_of_the_run();
         test_moe_entries_of_the_run();
+        test_matmul_entries_of_the_run();
     }
     return CHECK_DONE();
 }
