@@ -120,12 +120,21 @@ TAVX2 static void transpose_slab8(float *dst, long dstride, const float *src, lo
 TAVX2 static void pack_a_avx2(float *dst, gemm_view a, long m, long kc) {
     long np = (m + MR - 1) / MR;
     if (a.rs == 1) {
-        /* A given transposed: walk each source row once, 6 values to each panel */
-        for (long k = 0; k < kc; k++) {
-            const float *src = a.p + k * a.cs;
-            for (long p = 0; p < np; p++)
-                _mm256_store_ps(dst + p * MRS * kc + k * MRS,
-                                _mm256_maskload_ps(src + p * MR, lanes8(m - p * MR < MR ? m - p * MR : MR)));
+        /* A given transposed (dw's dout^T): row k of the source holds the m
+         * values of one k contiguously, 6 to each panel. Taken k by k across
+         * all panels, each store went to another panel, MRS x kc floats
+         * (8 KB) apart: the same L1 set every time, so nearly every 32-byte
+         * store missed (the packing took 20% of a dw at K = 256). In blocks of
+         * GEMM_PACK_KB k instead, a panel receives that many consecutive k
+         * (whole lines) while the block's source rows stay in L1. */
+        for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
+            long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
+            for (long p = 0; p < np; p++) {
+                __m256i mk = lanes8(m - p * MR < MR ? m - p * MR : MR);
+                const float *src = a.p + k0 * a.cs + p * MR;
+                float *d = dst + p * MRS * kc + k0 * MRS;
+                for (long k = 0; k < kn; k++) _mm256_store_ps(d + k * MRS, _mm256_maskload_ps(src + k * a.cs, mk));
+            }
         }
         return;
     }
@@ -146,17 +155,26 @@ TAVX2 static void pack_a_avx2(float *dst, gemm_view a, long m, long kc) {
 TAVX2 static void pack_b_avx2(float *dst, gemm_view b, long kc, long n) {
     long np = (n + NR - 1) / NR;
     if (b.cs == 1) {
-        for (long k = 0; k < kc; k++) {
-            const float *src = b.p + k * b.rs;
+        /* row-major B: GEMM_PACK_KB source rows at a time, dealt panel by panel
+         * (as pack_a's transposed A: consecutive lines of a panel, not one line
+         * in each panel per k) */
+        for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
+            long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
             for (long p = 0; p < np; p++) {
                 long cols = n - p * NR;
-                float *d = dst + p * NR * kc + k * NR;
+                const float *src = b.p + k0 * b.rs + p * NR;
+                float *d = dst + p * NR * kc + k0 * NR;
                 if (cols >= NR) {
-                    _mm256_store_ps(d, _mm256_loadu_ps(src + p * NR));
-                    _mm256_store_ps(d + 8, _mm256_loadu_ps(src + p * NR + 8));
+                    for (long k = 0; k < kn; k++) {
+                        _mm256_store_ps(d + k * NR, _mm256_loadu_ps(src + k * b.rs));
+                        _mm256_store_ps(d + k * NR + 8, _mm256_loadu_ps(src + k * b.rs + 8));
+                    }
                 } else {
-                    _mm256_store_ps(d, _mm256_maskload_ps(src + p * NR, lanes8(cols)));
-                    _mm256_store_ps(d + 8, _mm256_maskload_ps(src + p * NR + 8, lanes8(cols - 8)));
+                    __m256i m0 = lanes8(cols), m1 = lanes8(cols - 8);
+                    for (long k = 0; k < kn; k++) {
+                        _mm256_store_ps(d + k * NR, _mm256_maskload_ps(src + k * b.rs, m0));
+                        _mm256_store_ps(d + k * NR + 8, _mm256_maskload_ps(src + k * b.rs + 8, m1));
+                    }
                 }
             }
         }
