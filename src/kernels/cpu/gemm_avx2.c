@@ -101,11 +101,18 @@ TAVX2 __attribute__((always_inline)) static inline void store_transposed8(float 
 }
 
 /* Transposes a rows x kc slab (rows <= 8, row stride ld, contiguous in k)
- * into dst[k * dstride + i] (aligned), 8 k at a time; rows beyond `rows` become zeros. */
-TAVX2 static void transpose_slab8(float *dst, long dstride, const float *src, long ld, int rows, long kc) {
+ * into dst[k * dstride + i] (aligned), 8 k at a time; rows beyond `rows` become zeros.
+ * pf_rows rows at pf (same stride; the next slab the caller packs) are
+ * prefetched alongside, line by line: a slab's rows are a few lines each, ld
+ * apart, too short for the hardware prefetcher to pick them up, and the
+ * loads of the slab stalled on L3 (a tenth of a forward at K = 3072). */
+TAVX2 static void transpose_slab8(float *dst, long dstride, const float *src, long ld, int rows, long kc,
+                                  const float *pf, int pf_rows) {
     /* constant r[] indices after unrolling keep the block in registers */
     for (long k0 = 0; k0 < kc; k0 += 8) {
         long kn = kc - k0 < 8 ? kc - k0 : 8;
+        if (!(k0 & 15))
+            for (int i = 0; i < pf_rows; i++) _mm_prefetch((const char *)(pf + i * ld + k0), _MM_HINT_T0);
         __m256i mk = lanes8(kn), none = _mm256_setzero_si256();
         __m256 r[8];
 #pragma GCC unroll 8
@@ -120,19 +127,31 @@ TAVX2 static void transpose_slab8(float *dst, long dstride, const float *src, lo
 TAVX2 static void pack_a_avx2(float *dst, gemm_view a, long m, long kc) {
     long np = (m + MR - 1) / MR;
     if (a.rs == 1) {
-        /* A given transposed: walk each source row once, 6 values to each panel */
-        for (long k = 0; k < kc; k++) {
-            const float *src = a.p + k * a.cs;
-            for (long p = 0; p < np; p++)
-                _mm256_store_ps(dst + p * MRS * kc + k * MRS,
-                                _mm256_maskload_ps(src + p * MR, lanes8(m - p * MR < MR ? m - p * MR : MR)));
+        /* A given transposed (dw's dout^T): row k of the source holds the m
+         * values of one k contiguously, 6 to each panel. Taken k by k across
+         * all panels, each store went to another panel, MRS x kc floats
+         * (8 KB) apart: the same L1 set every time, so nearly every 32-byte
+         * store missed (the packing took 20% of a dw at K = 256). In blocks of
+         * GEMM_PACK_KB k instead, a panel receives that many consecutive k
+         * (whole lines) while the block's source rows stay in L1. */
+        for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
+            long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
+            for (long p = 0; p < np; p++) {
+                __m256i mk = lanes8(m - p * MR < MR ? m - p * MR : MR);
+                const float *src = a.p + k0 * a.cs + p * MR;
+                float *d = dst + p * MRS * kc + k0 * MRS;
+                for (long k = 0; k < kn; k++) _mm256_store_ps(d + k * MRS, _mm256_maskload_ps(src + k * a.cs, mk));
+            }
         }
         return;
     }
     if (a.cs == 1) {
         for (long p = 0; p < np; p++) {
             int rows = (int)(m - p * MR < MR ? m - p * MR : MR);
-            transpose_slab8(dst + p * MRS * kc, MRS, a.p + p * MR * a.rs, a.rs, rows, kc);
+            long next = m - (p + 1) * MR; /* rows of the next panel */
+            const float *src = a.p + p * MR * a.rs;
+            transpose_slab8(dst + p * MRS * kc, MRS, src, a.rs, rows, kc, next > 0 ? src + MR * a.rs : NULL,
+                            (int)(next > MR ? MR : next > 0 ? next : 0));
         }
         return;
     }
@@ -146,17 +165,26 @@ TAVX2 static void pack_a_avx2(float *dst, gemm_view a, long m, long kc) {
 TAVX2 static void pack_b_avx2(float *dst, gemm_view b, long kc, long n) {
     long np = (n + NR - 1) / NR;
     if (b.cs == 1) {
-        for (long k = 0; k < kc; k++) {
-            const float *src = b.p + k * b.rs;
+        /* row-major B: GEMM_PACK_KB source rows at a time, dealt panel by panel
+         * (as pack_a's transposed A: consecutive lines of a panel, not one line
+         * in each panel per k) */
+        for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
+            long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
             for (long p = 0; p < np; p++) {
                 long cols = n - p * NR;
-                float *d = dst + p * NR * kc + k * NR;
+                const float *src = b.p + k0 * b.rs + p * NR;
+                float *d = dst + p * NR * kc + k0 * NR;
                 if (cols >= NR) {
-                    _mm256_store_ps(d, _mm256_loadu_ps(src + p * NR));
-                    _mm256_store_ps(d + 8, _mm256_loadu_ps(src + p * NR + 8));
+                    for (long k = 0; k < kn; k++) {
+                        _mm256_store_ps(d + k * NR, _mm256_loadu_ps(src + k * b.rs));
+                        _mm256_store_ps(d + k * NR + 8, _mm256_loadu_ps(src + k * b.rs + 8));
+                    }
                 } else {
-                    _mm256_store_ps(d, _mm256_maskload_ps(src + p * NR, lanes8(cols)));
-                    _mm256_store_ps(d + 8, _mm256_maskload_ps(src + p * NR + 8, lanes8(cols - 8)));
+                    __m256i m0 = lanes8(cols), m1 = lanes8(cols - 8);
+                    for (long k = 0; k < kn; k++) {
+                        _mm256_store_ps(d + k * NR, _mm256_maskload_ps(src + k * b.rs, m0));
+                        _mm256_store_ps(d + k * NR + 8, _mm256_maskload_ps(src + k * b.rs + 8, m1));
+                    }
                 }
             }
         }
@@ -167,7 +195,10 @@ TAVX2 static void pack_b_avx2(float *dst, gemm_view b, long kc, long n) {
             for (int h = 0; h < 2; h++) {
                 long cols = n - p * NR - 8 * h;
                 int c = (int)(cols > 8 ? 8 : cols < 0 ? 0 : cols);
-                transpose_slab8(dst + p * NR * kc + 8 * h, NR, b.p + (p * NR + 8 * h) * b.cs, b.cs, c, kc);
+                long next = cols - 8; /* columns of the next slab */
+                const float *src = b.p + (p * NR + 8 * h) * b.cs;
+                transpose_slab8(dst + p * NR * kc + 8 * h, NR, src, b.cs, c, kc, next > 0 ? src + 8 * b.cs : NULL,
+                                (int)(next > 8 ? 8 : next > 0 ? next : 0));
             }
         return;
     }

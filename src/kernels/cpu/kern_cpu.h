@@ -56,6 +56,12 @@ typedef void (*gemm_pack_a_fn)(float *dst, gemm_view a, long m, long kc);
  * row (one page at a time) rather than panel by panel. */
 typedef void (*gemm_pack_b_fn)(float *dst, gemm_view b, long kc, long n);
 
+/* k per block when a packer deals source rows of k to many panels (a
+ * transposed A, a row-major B): each panel receives this many consecutive k
+ * (whole cache lines) while the block's source rows stay in L1, instead of
+ * one piece per panel per k, panels MRS x kc floats apart in the same L1 set. */
+#define GEMM_PACK_KB 8
+
 /* Rows up to which the forward (out = inp . w^T) skips the GEMM for plain dot
  * products: decode steps of generation (M = 1) are bound by reading w, and
  * packing would read and write it twice more. */
