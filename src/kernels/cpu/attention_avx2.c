@@ -114,8 +114,8 @@ T256 static float *att2_transpose(const float *x, int B, int T, int nkv, int hd,
  * walks all fall into the same 8 of L1's 64 sets and thrash their 8 (Zen 3)
  * or 12 (Sapphire Rapids) ways; read from a contiguous copy they spread over
  * all sets. */
-T256 static void att2_rows_in(float *dst, const float *x, long xs, int T, int hd) {
-    for (int t = 0; t < T; t++) memcpy(dst + (size_t)t * hd, x + (size_t)t * xs, (size_t)hd * sizeof(float));
+T256 static void att2_rows_in(float *dst, long ds, const float *x, long xs, int T, int hd) {
+    for (int t = 0; t < T; t++) memcpy(dst + (size_t)t * ds, x + (size_t)t * xs, (size_t)hd * sizeof(float));
 }
 
 /* dst[(i / KC) * T * KC + t * KC + i % KC] = x[t * xs + i] for t < T: rows of
@@ -127,6 +127,14 @@ T256 static void att2_slabs_in(float *dst, const float *x, long xs, int T, int h
     for (int t = 0; t < T; t++)
         for (int c0 = 0; c0 < hd; c0 += KC)
             memcpy(dst + (size_t)c0 * T + (size_t)t * KC, x + (size_t)t * xs + c0, KC * sizeof(float));
+}
+
+/* x[t * xs + i] = src[(i / KC) * T * KC + t * KC + i % KC] for t < T: att2_slabs_in's inverse,
+ * the backward's gradient slabs written back to the model's layout. */
+T256 static void att2_slabs_out(float *x, long xs, const float *src, int T, int hd) {
+    for (int t = 0; t < T; t++)
+        for (int c0 = 0; c0 < hd; c0 += KC)
+            memcpy(x + (size_t)t * xs + c0, src + (size_t)c0 * T + (size_t)t * KC, KC * sizeof(float));
 }
 
 /* vh[b * nkv + kh] = v[b, :, kh, :] as slabs (att2_slabs_in), for the forward's P V. */
@@ -277,7 +285,7 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
                     int nq = T - t0 < BQ ? T - t0 : BQ, nmb = (nq + MR - 1) / MR;
                     const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp; // chunk of key j0 at + j0*hd
                     const float *vh = VH + ((size_t)b * nkv + kh) * T * hd;  // slab c0, row j at + c0*T + j*KC
-                    att2_rows_in(QB, q + (((size_t)b * T + t0) * nh + h) * hd, qs, nq, hd); // row r at + r*hd
+                    att2_rows_in(QB, hd, q + (((size_t)b * T + t0) * nh + h) * hd, qs, nq, hd); // row r at + r*hd
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
                     // from the tile of the first key the block sees (the window) up to the diagonal
@@ -399,6 +407,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
     int window = opt && opt->window > 0 ? opt->window : 0;
     float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
     int qs = nh * hd, ks = nkv * hd;
+    int hdp = hd + KC; /* row stride of the q and dout copies: see the allocation */
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
     float *VT = att2_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
@@ -414,8 +423,16 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
          * dout of the query head as rows (att2_rows_in; the scores, dP, dV and dK
          * read the block's 48). The outputs are read and written once per tile
          * and stay in place. */
-        float *KS = ct_malloc((size_t)3 * T * hd * sizeof(float));
-        float *QS = KS + (size_t)T * hd, *GS = QS + (size_t)T * hd;
+        float *KS = ct_malloc(((size_t)4 * T * hd + (size_t)2 * T * hdp) * sizeof(float));
+        float *QS = KS + (size_t)T * hd, *GS = QS + (size_t)T * hdp;
+        /* dk, dv of the kv head and dq of the query head, accumulated here as
+         * slabs [hd/KC][T][KC] (copied in, summed in the same order, copied
+         * back: the same bits as summing in place). In place, the 6 rows a
+         * register tile loads and stores were ks or qs floats apart (4 or 8 KB
+         * at hd 128): every row its own page and all in one L1 set, so each
+         * tile's accumulators came from L2 through a TLB miss, for the 33
+         * rows (T 256) of FMAs between that load and the store. */
+        float *DKS = GS + (size_t)T * hdp, *DVS = DKS + (size_t)T * hd, *DQS = DVS + (size_t)T * hd;
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
         // the dq rows of the group's query heads, so every sum is its own.
 #pragma omp for collapse(2) schedule(static)
@@ -426,18 +443,21 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                 float *dkh = dk + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
                 float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
                 att2_slabs_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
+                att2_slabs_in(DKS, dkh, ks, T, hd); // key j's 16 of slab c0 at + c0*T + j*KC
+                att2_slabs_in(DVS, dvh, ks, T, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
-                    const float *qh = QS, *gh = GS;                        // row t at + t*hd
+                    const float *qh = QS, *gh = GS;                        // row t at + t*hdp
                     float *dqh = dq + ((size_t)b * T * nh + h) * hd;       // row t at + t*qs
-                    att2_rows_in(QS, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
-                    att2_rows_in(GS, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    att2_slabs_in(DQS, dqh, qs, T, hd); // row t's 16 of slab c0 at + c0*T + t*KC
+                    att2_rows_in(QS, hdp, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    att2_rows_in(GS, hdp, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     for (int qb = 0; qb < nqb; qb++) {
                         int t0 = qb * BQ;
                         int nq = T - t0 < BQ ? T - t0 : BQ, nmb = (nq + MR - 1) / MR;
                         for (int r = 0; r < nq; r++) {
                             // D = rowsum(dout * out) = sum_j p_j dp_j
-                            D[r] = att2_dot(gh + (size_t)(t0 + r) * hd, oh + (size_t)(t0 + r) * qs, hd);
+                            D[r] = att2_dot(gh + (size_t)(t0 + r) * hdp, oh + (size_t)(t0 + r) * qs, hd);
                             L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
                         }
                         // from the tile of the first key the block sees (the window) up to the diagonal
@@ -473,7 +493,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
 #pragma GCC unroll 6
                                         for (int r = 0; r < MR; r++) {
                                             int rr = mb * MR + r < nq ? mb * MR + r : nq - 1;
-                                            x[r] = xh + (size_t)(t0 + rr) * hd;
+                                            x[r] = xh + (size_t)(t0 + rr) * hdp;
                                         }
                                         att2_dots6(sb + (size_t)mb * MR * BK + ch * KC, x,
                                                    yt + (size_t)(j0 + ch * KC) * hd, KC, hd);
@@ -517,7 +537,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             // each group over the query rows rs <= r < re that see one of its keys: from the
                             // first row that sees its first key, to the last that sees its last (a window)
                             for (int c0 = 0; c0 < hd; c0 += KC) {
-                                const float *gx = gh + (size_t)t0 * hd + c0, *qx = qh + (size_t)t0 * hd + c0;
+                                const float *gx = gh + (size_t)t0 * hdp + c0, *qx = qh + (size_t)t0 * hdp + c0;
                                 int c = 0;
                                 while (c < nk) {
                                     int keys = nk - c >= 6 ? 6 : nk - c >= 4 ? 4 : nk - c >= 2 ? 2 : 1;
@@ -526,21 +546,21 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                         re = j0 + c + keys - 1 + window - t0;
                                         re = re < nq ? re : nq;
                                     }
-                                    float *dvr = dvh + (size_t)(j0 + c) * ks + c0;
-                                    float *dkr = dkh + (size_t)(j0 + c) * ks + c0;
+                                    float *dvr = DVS + (size_t)c0 * T + (size_t)(j0 + c) * KC;
+                                    float *dkr = DKS + (size_t)c0 * T + (size_t)(j0 + c) * KC;
                                     if (re <= rs) {
                                     } else if (keys == 6) {
-                                        att2_keys_axpy(dvr, ks, 6, P, c, gx, hd, rs, re);
-                                        att2_keys_axpy(dkr, ks, 6, dS, c, qx, hd, rs, re);
+                                        att2_keys_axpy(dvr, KC, 6, P, c, gx, hdp, rs, re);
+                                        att2_keys_axpy(dkr, KC, 6, dS, c, qx, hdp, rs, re);
                                     } else if (keys == 4) {
-                                        att2_keys_axpy(dvr, ks, 4, P, c, gx, hd, rs, re);
-                                        att2_keys_axpy(dkr, ks, 4, dS, c, qx, hd, rs, re);
+                                        att2_keys_axpy(dvr, KC, 4, P, c, gx, hdp, rs, re);
+                                        att2_keys_axpy(dkr, KC, 4, dS, c, qx, hdp, rs, re);
                                     } else if (keys == 2) {
-                                        att2_keys_axpy(dvr, ks, 2, P, c, gx, hd, rs, re);
-                                        att2_keys_axpy(dkr, ks, 2, dS, c, qx, hd, rs, re);
+                                        att2_keys_axpy(dvr, KC, 2, P, c, gx, hdp, rs, re);
+                                        att2_keys_axpy(dkr, KC, 2, dS, c, qx, hdp, rs, re);
                                     } else {
-                                        att2_keys_axpy(dvr, ks, 1, P, c, gx, hd, rs, re);
-                                        att2_keys_axpy(dkr, ks, 1, dS, c, qx, hd, rs, re);
+                                        att2_keys_axpy(dvr, KC, 1, P, c, gx, hdp, rs, re);
+                                        att2_keys_axpy(dkr, KC, 1, dS, c, qx, hdp, rs, re);
                                     }
                                     c += keys;
                                 }
@@ -555,13 +575,13 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                     int r0 = mb * MR, ncmax = ncm[mb], cm = cmm[mb];
                                     if (!ncmax) continue;
                                     if (r0 + MR <= nq) {
-                                        att2_rows6_axpy(dqh + (size_t)(t0 + r0) * qs + c0, qs, NULL,
+                                        att2_rows6_axpy(DQS + (size_t)c0 * T + (size_t)(t0 + r0) * KC, KC, NULL,
                                                         dS + (size_t)r0 * BK + cm, ks_ + (size_t)(j0 + cm) * KC, KC,
                                                         ncmax - cm);
                                         continue;
                                     }
                                     for (int r = r0; r < nq; r++) {
-                                        float *dqr = dqh + (size_t)(t0 + r) * qs + c0;
+                                        float *dqr = DQS + (size_t)c0 * T + (size_t)(t0 + r) * KC;
                                         const float *dr = dS + (size_t)r * BK;
                                         for (int c8 = 0; c8 < KC; c8 += 8) {
                                             __m256 a = _mm256_loadu_ps(dqr + c8);
@@ -575,7 +595,10 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             }
                         }
                     }
+                    att2_slabs_out(dqh, qs, DQS, T, hd);
                 }
+                att2_slabs_out(dkh, ks, DKS, T, hd);
+                att2_slabs_out(dvh, ks, DVS, T, hd);
             }
         }
         free(P);
