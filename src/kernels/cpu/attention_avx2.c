@@ -29,7 +29,8 @@
  * built with 8 x 8 in-register transposes; V (forward P V) and k (backward
  * dS K) as 16-column slabs [hd/16][T][16] of the head's rows; the block's q
  * rows (forward) and the query head's q and dout rows (backward) copied
- * contiguous. Each product
+ * contiguous; the backward's dk, dv and dq are summed in per-thread [hd/16][T][16]
+ * slabs copied in and back, not in place 4-8 KB a row apart. Each product
  * loops over the micro-blocks inside the loop over its operand's pieces, so
  * the forward computes every micro-block's scores of a tile before the P V
  * products. The model's layout puts a head's rows 4-8 KB apart, all in a few
@@ -407,7 +408,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
     int window = opt && opt->window > 0 ? opt->window : 0;
     float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
     int qs = nh * hd, ks = nkv * hd;
-    int hdp = hd + KC; /* row stride of the q and dout copies: see the allocation */
+    int hdp = hd + KC; /* row stride of the q and dout copies (QS, GS) */
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
     float *VT = att2_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
@@ -421,8 +422,10 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
         /* the rows the products stream, contiguous: k of the kv head as slabs
          * (att2_slabs_in; dS K reads a 4 KB slab of a tile per 16 columns), q and
          * dout of the query head as rows (att2_rows_in; the scores, dP, dV and dK
-         * read the block's 48). The outputs are read and written once per tile
-         * and stay in place. */
+         * read the block's 48). The q and dout rows are hdp = hd + 16 floats
+         * apart: the dV / dK products read 16 columns of the block's 48 rows,
+         * which at a 512-byte stride fell into 8 of L1's 64 sets (measured
+         * together with the gradient slabs below, not apart). */
         float *KS = ct_malloc(((size_t)4 * T * hd + (size_t)2 * T * hdp) * sizeof(float));
         float *QS = KS + (size_t)T * hd, *GS = QS + (size_t)T * hdp;
         /* dk, dv of the kv head and dq of the query head, accumulated here as
