@@ -29,8 +29,8 @@
  * built with 8 x 8 in-register transposes; V (forward P V) and k (backward
  * dS K) as 16-column slabs [hd/16][T][16] of the head's rows; the block's q
  * rows (forward) and the query head's q and dout rows (backward) copied
- * contiguous; the backward's dk, dv and dq are summed in per-thread [hd/16][T][16]
- * slabs copied in and back, not in place 4-8 KB a row apart. Each product
+ * contiguous; the backward's dk, dv and dq are summed in per-thread [T][hd]
+ * copies (rows hd apart, copied in and back), not in place 4-8 KB a row apart. Each product
  * loops over the micro-blocks inside the loop over its operand's pieces, so
  * the forward computes every micro-block's scores of a tile before the P V
  * products. The model's layout puts a head's rows 4-8 KB apart, all in a few
@@ -130,12 +130,10 @@ T256 static void att2_slabs_in(float *dst, const float *x, long xs, int T, int h
             memcpy(dst + (size_t)c0 * T + (size_t)t * KC, x + (size_t)t * xs + c0, KC * sizeof(float));
 }
 
-/* x[t * xs + i] = src[(i / KC) * T * KC + t * KC + i % KC] for t < T: att2_slabs_in's inverse,
- * the backward's gradient slabs written back to the model's layout. */
-T256 static void att2_slabs_out(float *x, long xs, const float *src, int T, int hd) {
-    for (int t = 0; t < T; t++)
-        for (int c0 = 0; c0 < hd; c0 += KC)
-            memcpy(x + (size_t)t * xs + c0, src + (size_t)c0 * T + (size_t)t * KC, KC * sizeof(float));
+/* x[t * xs + i] = src[t * hd + i] for t < T: att2_rows_in's inverse, the
+ * backward's gradient rows written back to the model's layout. */
+T256 static void att2_rows_out(float *x, long xs, const float *src, int T, int hd) {
+    for (int t = 0; t < T; t++) memcpy(x + (size_t)t * xs, src + (size_t)t * hd, (size_t)hd * sizeof(float));
 }
 
 /* vh[b * nkv + kh] = v[b, :, kh, :] as slabs (att2_slabs_in), for the forward's P V. */
@@ -425,16 +423,19 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
          * read the block's 48). The q and dout rows are hdp = hd + 16 floats
          * apart: the dV / dK products read 16 columns of the block's 48 rows,
          * which at a 512-byte stride fell into 8 of L1's 64 sets (measured
-         * together with the gradient slabs below, not apart). */
+         * together with the gradient rows below, not apart). */
         float *KS = ct_malloc(((size_t)4 * T * hd + (size_t)2 * T * hdp) * sizeof(float));
         float *QS = KS + (size_t)T * hd, *GS = QS + (size_t)T * hdp;
         /* dk, dv of the kv head and dq of the query head, accumulated here as
-         * slabs [hd/KC][T][KC] (copied in, summed in the same order, copied
-         * back: the same bits as summing in place). In place, the 6 rows a
-         * register tile loads and stores were ks or qs floats apart (4 or 8 KB
-         * at hd 128): every row its own page and all in one L1 set, so each
-         * tile's accumulators came from L2 through a TLB miss, for the 33
-         * rows (T 256) of FMAs between that load and the store. */
+         * [T][hd] rows (copied in, summed in the same order, copied back: the
+         * same bits as summing in place). In place, the 6 rows a register
+         * tile loads and stores were ks or qs floats apart (4 or 8 KB at hd
+         * 128): every row its own page and all in one L1 set, so each tile's
+         * accumulators came from L2 through a TLB miss, for the 33 rows (T 256)
+         * of FMAs between that load and the store. Here they are 512 bytes
+         * apart in one page. Rows, not [hd/16][T][16] slabs: the copies move
+         * whole 512-byte rows, and measured 4% faster than slabs (8 x 64-byte
+         * pieces per row). */
         float *DKS = GS + (size_t)T * hdp, *DVS = DKS + (size_t)T * hd, *DQS = DVS + (size_t)T * hd;
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
         // the dq rows of the group's query heads, so every sum is its own.
@@ -446,13 +447,13 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                 float *dkh = dk + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
                 float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
                 att2_slabs_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
-                att2_slabs_in(DKS, dkh, ks, T, hd); // key j's 16 of slab c0 at + c0*T + j*KC
-                att2_slabs_in(DVS, dvh, ks, T, hd);
+                att2_rows_in(DKS, hd, dkh, ks, T, hd); // row j at + j*hd
+                att2_rows_in(DVS, hd, dvh, ks, T, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
                     const float *qh = QS, *gh = GS;                        // row t at + t*hdp
                     float *dqh = dq + ((size_t)b * T * nh + h) * hd;       // row t at + t*qs
-                    att2_slabs_in(DQS, dqh, qs, T, hd); // row t's 16 of slab c0 at + c0*T + t*KC
+                    att2_rows_in(DQS, hd, dqh, qs, T, hd); // row t at + t*hd
                     att2_rows_in(QS, hdp, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     att2_rows_in(GS, hdp, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     for (int qb = 0; qb < nqb; qb++) {
@@ -549,21 +550,21 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                         re = j0 + c + keys - 1 + window - t0;
                                         re = re < nq ? re : nq;
                                     }
-                                    float *dvr = DVS + (size_t)c0 * T + (size_t)(j0 + c) * KC;
-                                    float *dkr = DKS + (size_t)c0 * T + (size_t)(j0 + c) * KC;
+                                    float *dvr = DVS + (size_t)(j0 + c) * hd + c0;
+                                    float *dkr = DKS + (size_t)(j0 + c) * hd + c0;
                                     if (re <= rs) {
                                     } else if (keys == 6) {
-                                        att2_keys_axpy(dvr, KC, 6, P, c, gx, hdp, rs, re);
-                                        att2_keys_axpy(dkr, KC, 6, dS, c, qx, hdp, rs, re);
+                                        att2_keys_axpy(dvr, hd, 6, P, c, gx, hdp, rs, re);
+                                        att2_keys_axpy(dkr, hd, 6, dS, c, qx, hdp, rs, re);
                                     } else if (keys == 4) {
-                                        att2_keys_axpy(dvr, KC, 4, P, c, gx, hdp, rs, re);
-                                        att2_keys_axpy(dkr, KC, 4, dS, c, qx, hdp, rs, re);
+                                        att2_keys_axpy(dvr, hd, 4, P, c, gx, hdp, rs, re);
+                                        att2_keys_axpy(dkr, hd, 4, dS, c, qx, hdp, rs, re);
                                     } else if (keys == 2) {
-                                        att2_keys_axpy(dvr, KC, 2, P, c, gx, hdp, rs, re);
-                                        att2_keys_axpy(dkr, KC, 2, dS, c, qx, hdp, rs, re);
+                                        att2_keys_axpy(dvr, hd, 2, P, c, gx, hdp, rs, re);
+                                        att2_keys_axpy(dkr, hd, 2, dS, c, qx, hdp, rs, re);
                                     } else {
-                                        att2_keys_axpy(dvr, KC, 1, P, c, gx, hdp, rs, re);
-                                        att2_keys_axpy(dkr, KC, 1, dS, c, qx, hdp, rs, re);
+                                        att2_keys_axpy(dvr, hd, 1, P, c, gx, hdp, rs, re);
+                                        att2_keys_axpy(dkr, hd, 1, dS, c, qx, hdp, rs, re);
                                     }
                                     c += keys;
                                 }
@@ -578,13 +579,13 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                     int r0 = mb * MR, ncmax = ncm[mb], cm = cmm[mb];
                                     if (!ncmax) continue;
                                     if (r0 + MR <= nq) {
-                                        att2_rows6_axpy(DQS + (size_t)c0 * T + (size_t)(t0 + r0) * KC, KC, NULL,
+                                        att2_rows6_axpy(DQS + (size_t)(t0 + r0) * hd + c0, hd, NULL,
                                                         dS + (size_t)r0 * BK + cm, ks_ + (size_t)(j0 + cm) * KC, KC,
                                                         ncmax - cm);
                                         continue;
                                     }
                                     for (int r = r0; r < nq; r++) {
-                                        float *dqr = DQS + (size_t)c0 * T + (size_t)(t0 + r) * KC;
+                                        float *dqr = DQS + (size_t)(t0 + r) * hd + c0;
                                         const float *dr = dS + (size_t)r * BK;
                                         for (int c8 = 0; c8 < KC; c8 += 8) {
                                             __m256 a = _mm256_loadu_ps(dqr + c8);
@@ -598,10 +599,10 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             }
                         }
                     }
-                    att2_slabs_out(dqh, qs, DQS, T, hd);
+                    att2_rows_out(dqh, qs, DQS, T, hd);
                 }
-                att2_slabs_out(dkh, ks, DKS, T, hd);
-                att2_slabs_out(dvh, ks, DVS, T, hd);
+                att2_rows_out(dkh, ks, DKS, T, hd);
+                att2_rows_out(dvh, ks, DVS, T, hd);
             }
         }
         free(P);
