@@ -11,8 +11,9 @@
  * - kern_check catches deliberately broken matmuls (a table local to this
  *   test: no global state is touched), and skips what the features it is
  *   given lack (AMX masked: the amx entries are skipped, never run);
- * - the fast GEMMs are bit-identical at 1 and 2 threads (determinism), and so is
- *   the NEON attention (blocked_neon, aarch64) at 1, 2 and 3;
+ * - the fast GEMMs are bit-identical at 1 and 2 threads (determinism), and so are
+ *   the blocked attentions (blocked_neon on aarch64, blocked_avx2 and blocked_avx512
+ *   on x86-64) at 1, 2 and 3;
  * - activation checkpointing (which reruns these kernels) shrinks the model's
  *   activation plan and leaves its gradients bit-identical. */
 #include <omp.h>
@@ -575,23 +576,14 @@ static void test_attention_tiled_avx512(void) {
     free(q), free(k), free(v), free(g);
 }
 
-/* blocked_neon (attention_neon.c) gives the same bits at 1, 2 and 3 threads: forward split by
- * (b, head, query block), backward by (b, kv head), each sum in one thread's fixed order. Its
- * path (hd 64 and 40, multiples of 8; GQA; T past whole 48-row blocks and 12-row micro-blocks)
- * and its tiled fallback (hd 12), with Qwen3's options and a window + scale + soft cap; the
- * backward adds onto non-zero dq, dk, dv. The cases each give every thread work (B * nkv >= 2). */
-static void test_attention_blocked_neon(void) {
-#if !defined(__aarch64__)
-    printf("skip: attention blocked_neon (not aarch64)\n");
-    return;
-#endif
-    size_t n;
-    const kern_impl *t = kern_registry(&n), *im = find(t, n, KERN_OP_ATTENTION, "blocked_neon");
-    CHECK(im != NULL, "no attention=blocked_neon in the aarch64 registry");
-    if (!im) return;
-    static const int shapes[][5] = {{2, 101, 4, 2, 64}, {1, 61, 6, 2, 40}, {2, 50, 2, 1, 12}}; // B T nh nkv hd
+/* An attention implementation gives the same bits at 1, 2 and 3 threads: forward split by
+ * (b, head, query block), backward by (b, kv head), each sum in one thread's fixed order. The
+ * shapes cover its blocked path (GQA; T past whole query blocks and micro-blocks) and its tiled
+ * fallback, with Qwen3's options and a window + scale + soft cap; the backward adds onto
+ * non-zero dq, dk, dv. The cases each give every thread work (B * nkv >= 2). */
+static void attention_threads_same(const kern_impl *im, const int (*shapes)[5], int nshapes) {
     const kern_attn_opt wcap = {0.2f, 29, 5.0f}, *opts[2] = {NULL, &wcap};
-    for (int si = 0; si < 3; si++) {
+    for (int si = 0; si < nshapes; si++) {
         int B = shapes[si][0], T = shapes[si][1], nh = shapes[si][2], nkv = shapes[si][3], hd = shapes[si][4];
         size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd, nl = (size_t)B * nh * T;
         float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4), *g = malloc(nq * 4);
@@ -618,14 +610,42 @@ static void test_attention_blocked_neon(void) {
             omp_set_num_threads(saved);
             for (int th = 1; th < 3; th++) {
                 CHECK(!memcmp(o[0], o[th], nq * 4) && !memcmp(l[0], l[th], nl * 4),
-                      "blocked_neon forward differs between 1 and %d threads (hd %d, opt %d)", th + 1, hd, oi);
+                      "%s forward differs between 1 and %d threads (hd %d, opt %d)", im->name, th + 1, hd, oi);
                 CHECK(!memcmp(dq[0], dq[th], nq * 4) && !memcmp(dk[0], dk[th], nk * 4) &&
                           !memcmp(dv[0], dv[th], nk * 4),
-                      "blocked_neon backward differs between 1 and %d threads (hd %d, opt %d)", th + 1, hd, oi);
+                      "%s backward differs between 1 and %d threads (hd %d, opt %d)", im->name, th + 1, hd, oi);
             }
             for (int th = 0; th < 3; th++) free(o[th]), free(l[th]), free(dq[th]), free(dk[th]), free(dv[th]);
         }
         free(q), free(k), free(v), free(g), free(d0);
+    }
+}
+
+/* blocked_neon (attention_neon.c; hd 64 and 40, multiples of 8, and its tiled fallback at hd 12)
+ * on aarch64; blocked_avx2 (attention_avx2.c: hd 128 and 64, multiples of 16, with 48-row
+ * blocks of 6-row micro-blocks; fallback at hd 40 and 12) and blocked_avx512 (attention_avx512.c:
+ * hd 128 and 64; fallback below) on x86-64 CPUs that have them. */
+static void test_attention_threads(void) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    unsigned cpu = kern_cpu_features();
+#if defined(__aarch64__)
+    static const char *const names[] = {"blocked_neon"};
+    static const int shapes[][5] = {{2, 101, 4, 2, 64}, {1, 61, 6, 2, 40}, {2, 50, 2, 1, 12}}; // B T nh nkv hd
+#else
+    printf("skip: attention blocked_neon (not aarch64)\n");
+    static const char *const names[] = {"blocked_avx2", "blocked_avx512"};
+    static const int shapes[][5] = {{2, 101, 4, 2, 64}, {1, 61, 6, 2, 40}, {2, 50, 2, 1, 12}, {2, 77, 4, 2, 128}};
+#endif
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        const kern_impl *im = find(t, n, KERN_OP_ATTENTION, names[i]);
+        CHECK(im != NULL, "no attention=%s in the registry", names[i]);
+        if (!im) continue;
+        if (im->features & ~cpu) {
+            printf("skip: attention %s (this CPU lacks its features)\n", names[i]);
+            continue;
+        }
+        attention_threads_same(im, shapes, (int)(sizeof shapes / sizeof shapes[0]));
     }
 }
 
@@ -654,7 +674,7 @@ int main(void) {
     test_check_without_amx();
     test_determinism();
     test_attention_tiled_avx512();
-    test_attention_blocked_neon();
+    test_attention_threads();
     test_activation_checkpointing();
     return CHECK_DONE();
 }
