@@ -9,6 +9,7 @@
 #ifndef CT_KERNELS_OPS_H
 #define CT_KERNELS_OPS_H
 
+#include <math.h>
 #include <stdint.h>
 
 /* out[M,N] = inp[M,K] @ w[N,K]^T        (accumulate=0 overwrites, 1 adds) */
@@ -100,6 +101,14 @@ typedef struct {
 } kern_attn_opt;
 /* The first key query t sees under a window (0 without one: window <= 0). */
 static inline int kern_attn_first_key(int t, int window) { return window > 0 && t >= window ? t - window + 1 : 0; }
+/* The options with their defaults (opt may be NULL), read here by every
+ * implementation so they agree: scale 0 means 1/sqrt(hd), a window <= 0 none,
+ * a soft cap <= 0 none. */
+static inline float kern_attn_scale(const kern_attn_opt *opt, int hd) {
+    return opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
+}
+static inline int kern_attn_window(const kern_attn_opt *opt) { return opt && opt->window > 0 ? opt->window : 0; }
+static inline float kern_attn_softcap(const kern_attn_opt *opt) { return opt && opt->softcap > 0.0f ? opt->softcap : 0.0f; }
 
 /* Causal GQA attention, never holding [T x T] scores: the forward saves only
  * the log-sum-exp of each score row, lse = log sum_j exp(s_j), and the

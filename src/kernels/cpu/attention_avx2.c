@@ -259,9 +259,9 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
     }
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
-    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
-    int window = opt && opt->window > 0 ? opt->window : 0;
-    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
+    float scale = kern_attn_scale(opt, hd);
+    int window = kern_attn_window(opt);
+    float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
@@ -402,9 +402,9 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
     }
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
-    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
-    int window = opt && opt->window > 0 ? opt->window : 0;
-    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
+    float scale = kern_attn_scale(opt, hd);
+    int window = kern_attn_window(opt);
+    float cap = kern_attn_softcap(opt);
     int qs = nh * hd, ks = nkv * hd;
     int hdp = hd + KC; /* row stride of the q and dout copies (QS, GS) */
     int Tp = (T + BK - 1) / BK * BK;

@@ -236,9 +236,9 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
     }
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
-    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
-    int window = opt && opt->window > 0 ? opt->window : 0;
-    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
+    float scale = kern_attn_scale(opt, hd);
+    int window = kern_attn_window(opt);
+    float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
@@ -360,9 +360,9 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
     }
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
-    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
-    int window = opt && opt->window > 0 ? opt->window : 0;
-    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
+    float scale = kern_attn_scale(opt, hd);
+    int window = kern_attn_window(opt);
+    float cap = kern_attn_softcap(opt);
     int qs = nh * hd, ks = nkv * hd;
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]

@@ -313,9 +313,9 @@ void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float
     }
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
-    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
-    int window = opt && opt->window > 0 ? opt->window : 0;
-    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
+    float scale = kern_attn_scale(opt, hd);
+    int window = kern_attn_window(opt);
+    float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att_heads_t(k, B, T, nkv, hd, Tp);  // [B*nkv, Tp/NC, hd, NC]
@@ -445,9 +445,9 @@ ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, co
     }
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
-    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
-    int window = opt && opt->window > 0 ? opt->window : 0;
-    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
+    float scale = kern_attn_scale(opt, hd);
+    int window = kern_attn_window(opt);
+    float cap = kern_attn_softcap(opt);
     int qs = nh * hd, ks = nkv * hd; // row strides
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att_heads_t(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]

@@ -359,9 +359,9 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
                       int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
     // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     int group = nh / nkv;
-    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
-    int window = opt && opt->window > 0 ? opt->window : 0;
-    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
+    float scale = kern_attn_scale(opt, hd);
+    int window = kern_attn_window(opt);
+    float cap = kern_attn_softcap(opt);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -415,9 +415,9 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
     // rows, so one thread owns a whole (b, kv head) and walks them in order;
     // it then also owns the dq rows of the group's query heads.
     int group = nh / nkv;
-    float scale = opt && opt->scale != 0.0f ? opt->scale : 1.0f / sqrtf((float)hd);
-    int window = opt && opt->window > 0 ? opt->window : 0;
-    float cap = opt && opt->softcap > 0.0f ? opt->softcap : 0.0f;
+    float scale = kern_attn_scale(opt, hd);
+    int window = kern_attn_window(opt);
+    float cap = kern_attn_softcap(opt);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
