@@ -162,32 +162,54 @@ TAVX2 static void pack_a_avx2(float *dst, gemm_view a, long m, long kc) {
                     i < MR && p * MR + i < m ? a.p[(p * MR + i) * a.rs + k * a.cs] : 0.0f;
 }
 
-TAVX2 static void pack_b_avx2(float *dst, gemm_view b, long kc, long n) {
+/* The first n (clamped to 0..8) of 8 bf16 at s widened to fp32 (exact: the
+ * bits moved up by 16), zeros beyond. AVX2 has no 16-bit masked load, so a
+ * short run is copied through a zeroed buffer first (edges only). */
+TAVX2 static inline __m256 widen8(const uint16_t *s, long n) {
+    __m128i x;
+    if (n >= 8) {
+        x = _mm_loadu_si128((const __m128i *)s);
+    } else {
+        uint16_t t[8] = {0};
+        for (long i = 0; i < n; i++) t[i] = s[i];
+        x = _mm_loadu_si128((const __m128i *)t);
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+
+/* Row-major B (cs == 1), rows rs apart, of fp32 f or of bf16 h widened as it
+ * loads (the other NULL; constant at each call, so each caller compiles to
+ * its own loops): GEMM_PACK_KB source rows at a time, dealt panel by panel
+ * (as pack_a's transposed A: consecutive lines of a panel, not one line in
+ * each panel per k). Full panels load without masks. */
+TAVX2 __attribute__((always_inline)) static inline void pack_b_rows(float *dst, const float *f, const uint16_t *h,
+                                                                    long rs, long kc, long n) {
     long np = (n + NR - 1) / NR;
-    if (b.cs == 1) {
-        /* row-major B: GEMM_PACK_KB source rows at a time, dealt panel by panel
-         * (as pack_a's transposed A: consecutive lines of a panel, not one line
-         * in each panel per k) */
-        for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
-            long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
-            for (long p = 0; p < np; p++) {
-                long cols = n - p * NR;
-                const float *src = b.p + k0 * b.rs + p * NR;
-                float *d = dst + p * NR * kc + k0 * NR;
-                if (cols >= NR) {
-                    for (long k = 0; k < kn; k++) {
-                        _mm256_store_ps(d + k * NR, _mm256_loadu_ps(src + k * b.rs));
-                        _mm256_store_ps(d + k * NR + 8, _mm256_loadu_ps(src + k * b.rs + 8));
-                    }
-                } else {
-                    __m256i m0 = lanes8(cols), m1 = lanes8(cols - 8);
-                    for (long k = 0; k < kn; k++) {
-                        _mm256_store_ps(d + k * NR, _mm256_maskload_ps(src + k * b.rs, m0));
-                        _mm256_store_ps(d + k * NR + 8, _mm256_maskload_ps(src + k * b.rs + 8, m1));
-                    }
+    for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
+        long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
+        for (long p = 0; p < np; p++) {
+            long cols = n - p * NR, o = k0 * rs + p * NR;
+            float *d = dst + p * NR * kc + k0 * NR;
+            if (cols >= NR) {
+                for (long k = 0; k < kn; k++, o += rs) {
+                    _mm256_store_ps(d + k * NR, h ? widen8(h + o, 8) : _mm256_loadu_ps(f + o));
+                    _mm256_store_ps(d + k * NR + 8, h ? widen8(h + o + 8, 8) : _mm256_loadu_ps(f + o + 8));
+                }
+            } else {
+                __m256i m0 = lanes8(cols), m1 = lanes8(cols - 8);
+                for (long k = 0; k < kn; k++, o += rs) {
+                    _mm256_store_ps(d + k * NR, h ? widen8(h + o, cols) : _mm256_maskload_ps(f + o, m0));
+                    _mm256_store_ps(d + k * NR + 8, h ? widen8(h + o + 8, cols - 8) : _mm256_maskload_ps(f + o + 8, m1));
                 }
             }
         }
+    }
+}
+
+TAVX2 static void pack_b_avx2(float *dst, gemm_view b, long kc, long n) {
+    long np = (n + NR - 1) / NR;
+    if (b.cs == 1) {
+        pack_b_rows(dst, b.p, NULL, b.rs, kc, n);
         return;
     }
     if (b.rs == 1) {
@@ -208,21 +230,6 @@ TAVX2 static void pack_b_avx2(float *dst, gemm_view b, long kc, long n) {
                 dst[p * NR * kc + k * NR + j] = p * NR + j < n ? b.p[k * b.rs + (p * NR + j) * b.cs] : 0.0f;
 }
 
-/* The first n (clamped to 0..8) of 8 bf16 at s widened to fp32 (exact: the
- * bits moved up by 16), zeros beyond. AVX2 has no 16-bit masked load, so a
- * short run is copied through a zeroed buffer first (edges only). */
-TAVX2 static inline __m256 widen8(const uint16_t *s, long n) {
-    __m128i x;
-    if (n >= 8) {
-        x = _mm_loadu_si128((const __m128i *)s);
-    } else {
-        uint16_t t[8] = {0};
-        for (long i = 0; i < n; i++) t[i] = s[i];
-        x = _mm_loadu_si128((const __m128i *)t);
-    }
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
-}
-
 /* transpose_slab8 from a bf16 source, widening as it loads. */
 TAVX2 static void transpose_slab8_h(float *dst, long dstride, const uint16_t *src, long ld, int rows, long kc) {
     for (long k0 = 0; k0 < kc; k0 += 8) {
@@ -238,16 +245,8 @@ TAVX2 static void transpose_slab8_h(float *dst, long dstride, const uint16_t *sr
  * one pass (see pack_b_h_avx512); the bits of pack_b_avx2 on the widening. */
 TAVX2 static void pack_b_h_avx2(float *dst, gemm_view b, long kc, long n) {
     long np = (n + NR - 1) / NR;
-    if (b.cs == 1) {
-        for (long k = 0; k < kc; k++) {
-            const uint16_t *src = b.h + k * b.rs;
-            for (long p = 0; p < np; p++) {
-                long cols = n - p * NR;
-                float *d = dst + p * NR * kc + k * NR;
-                _mm256_store_ps(d, widen8(src + p * NR, cols));
-                _mm256_store_ps(d + 8, widen8(src + p * NR + 8, cols - 8));
-            }
-        }
+    if (b.cs == 1) { /* row-major B (dinp's w) */
+        pack_b_rows(dst, NULL, b.h, b.rs, kc, n);
         return;
     }
     if (b.rs == 1) {

@@ -148,25 +148,37 @@ T512 static void pack_a_avx512(float *dst, gemm_view a, long m, long kc) {
                     i < MR && p * MR + i < m ? a.p[(p * MR + i) * a.rs + k * a.cs] : 0.0f;
 }
 
+/* 16 bf16 widened to fp32 (exact: the bits moved up by 16); lanes outside mk are zeros. */
+T512 static inline __m512 widen16(__mmask16 mk, const uint16_t *s) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, s)), 16));
+}
+
+/* Row-major B (cs == 1), rows rs apart, of fp32 f or of bf16 h widened as it
+ * loads (the other NULL; constant at each call, so each caller compiles to
+ * one loop): GEMM_PACK_KB source rows at a time, 32 columns of each to each
+ * panel, consecutive lines of a panel rather than one pair of lines in each
+ * panel per k (see pack_a's transposed A). */
+T512 __attribute__((always_inline)) static inline void pack_b_rows(float *dst, const float *f, const uint16_t *h,
+                                                                   long rs, long kc, long n) {
+    long np = (n + NR - 1) / NR;
+    for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
+        long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
+        for (long p = 0; p < np; p++) {
+            long cols = n - p * NR, o = k0 * rs + p * NR;
+            float *d = dst + p * NR * kc + k0 * NR;
+            __mmask16 m0 = lanes(cols >= NR ? 16 : (int)cols), m1 = lanes(cols >= NR ? 16 : (int)cols - 16);
+            for (long k = 0; k < kn; k++, o += rs) {
+                _mm512_store_ps(d + k * NR, h ? widen16(m0, h + o) : _mm512_maskz_loadu_ps(m0, f + o));
+                _mm512_store_ps(d + k * NR + 16, h ? widen16(m1, h + o + 16) : _mm512_maskz_loadu_ps(m1, f + o + 16));
+            }
+        }
+    }
+}
+
 T512 static void pack_b_avx512(float *dst, gemm_view b, long kc, long n) {
     long np = (n + NR - 1) / NR;
     if (b.cs == 1) {
-        /* row-major B: GEMM_PACK_KB source rows at a time, 32 columns of each
-         * to each panel (consecutive lines of a panel, not one pair of lines
-         * in each panel per k; see pack_a's transposed A) */
-        for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
-            long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
-            for (long p = 0; p < np; p++) {
-                long cols = n - p * NR;
-                const float *src = b.p + k0 * b.rs + p * NR;
-                float *d = dst + p * NR * kc + k0 * NR;
-                __mmask16 m0 = lanes(cols >= NR ? 16 : (int)cols), m1 = lanes(cols >= NR ? 16 : (int)cols - 16);
-                for (long k = 0; k < kn; k++) {
-                    _mm512_store_ps(d + k * NR, _mm512_maskz_loadu_ps(m0, src + k * b.rs));
-                    _mm512_store_ps(d + k * NR + 16, _mm512_maskz_loadu_ps(m1, src + k * b.rs + 16));
-                }
-            }
-        }
+        pack_b_rows(dst, b.p, NULL, b.rs, kc, n);
         return;
     }
     if (b.rs == 1) {
@@ -185,10 +197,6 @@ T512 static void pack_b_avx512(float *dst, gemm_view b, long kc, long n) {
                 dst[p * NR * kc + k * NR + j] = p * NR + j < n ? b.p[k * b.rs + (p * NR + j) * b.cs] : 0.0f;
 }
 
-/* 16 bf16 widened to fp32 (exact: the bits moved up by 16); lanes outside mk are zeros. */
-T512 static inline __m512 widen16(__mmask16 mk, const uint16_t *s) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, s)), 16));
-}
 
 /* transpose_slab from a bf16 source, widening as it loads: the same stores
  * as transpose_slab on the fp32 widening of the slab. */
@@ -209,17 +217,8 @@ T512 static void transpose_slab_h(float *dst, long dstride, const uint16_t *src,
  * bits as pack_b_avx512 on the widened block. */
 T512 static void pack_b_h_avx512(float *dst, gemm_view b, long kc, long n) {
     long np = (n + NR - 1) / NR;
-    if (b.cs == 1) {
-        /* row-major B (dinp's w): walk each source row once, 32 columns to each panel */
-        for (long k = 0; k < kc; k++) {
-            const uint16_t *src = b.h + k * b.rs;
-            for (long p = 0; p < np; p++) {
-                long cols = n - p * NR;
-                float *d = dst + p * NR * kc + k * NR;
-                _mm512_store_ps(d, widen16(lanes((int)cols), src + p * NR)); /* lanes() clamps to 0..16 */
-                _mm512_store_ps(d + 16, widen16(lanes((int)cols - 16), src + p * NR + 16));
-            }
-        }
+    if (b.cs == 1) { /* row-major B (dinp's w) */
+        pack_b_rows(dst, NULL, b.h, b.rs, kc, n);
         return;
     }
     if (b.rs == 1) {
