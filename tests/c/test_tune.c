@@ -243,18 +243,39 @@ static void test_ops_of_the_run(void) {
     unlink(path);
 }
 
-static void test_moe_entries_of_the_run(void) {
-    /* the registry without its moe_experts entries, plus: "fp32_fast" (fwd / bwd moe_base's, the
-     * wbf16 pair slow) listed first, "wbf16_fast" (the reverse) and the reference */
+/* The registry without op's entries, with room for `extra` more; *base is
+ * op's first entry this CPU runs other than the reference (the reference
+ * where there is none), which the test entries wrap. */
+static kern_impl *registry_without(kern_op op, size_t extra, const kern_impl **base, size_t *m) {
     size_t n;
     const kern_impl *reg = kern_registry(&n);
     unsigned cpu = kern_cpu_features();
-    kern_impl *t = calloc(n + 3, sizeof *t);
-    size_t m = 0;
+    kern_impl *t = calloc(n + extra, sizeof *t);
+    *m = 0, *base = NULL;
     for (size_t i = 0; i < n; i++) {
-        if (reg[i].op != KERN_OP_MOE) t[m++] = reg[i];
-        else if (!(reg[i].features & ~cpu) && (!moe_base || !strcmp(moe_base->name, "ref"))) moe_base = &reg[i];
+        if (reg[i].op != op) t[(*m)++] = reg[i];
+        else if (!(reg[i].features & ~cpu) && (!*base || !strcmp((*base)->name, "ref"))) *base = &reg[i];
     }
+    return t;
+}
+
+/* Overrides forcing every op but op to its reference, so that kern_tune times op alone. */
+static void all_ref_but(kern_op op, char buf[KERN_N_OPS][64], const char *ov[KERN_N_OPS + 1]) {
+    int j = 0;
+    for (int o = 0; o < KERN_N_OPS; o++)
+        if (o != (int)op) {
+            snprintf(buf[j], sizeof buf[j], "%s=ref", kern_op_name((kern_op)o));
+            ov[j] = buf[j];
+            j++;
+        }
+    ov[j] = NULL;
+}
+
+static void test_moe_entries_of_the_run(void) {
+    /* the registry without its moe_experts entries, plus: "fp32_fast" (fwd / bwd moe_base's, the
+     * wbf16 pair slow) listed first, "wbf16_fast" (the reverse) and the reference */
+    size_t m;
+    kern_impl *t = registry_without(KERN_OP_MOE, 3, &moe_base, &m);
     const kern_moe_fwd_fn f = moe_base->fn.moe.fwd;
     const kern_moe_bwd_fn b = moe_base->fn.moe.bwd;
     const kern_moe_fwd_wbf16_fn fh = moe_base->fn.moe.fwd_wbf16;
@@ -266,9 +287,9 @@ static void test_moe_entries_of_the_run(void) {
     t[m++] = (kern_impl){KERN_OP_MOE, "ref", "cpu", 0, 0, "reference",
                          .fn.moe = {op_moe_experts_fwd, op_moe_experts_bwd, op_moe_experts_fwd_wbf16,
                                     op_moe_experts_bwd_wbf16}};
-    const char *only_moe[] = {"matmul=ref", "embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref",
-                              "swiglu=ref", "crossentropy=ref", "add=ref", "adamw=ref", "matmul_bf16=ref",
-                              "moe_experts_bf16=ref", "geglu=ref", NULL};
+    char ovb[KERN_N_OPS][64];
+    const char *only_moe[KERN_N_OPS + 1];
+    all_ref_but(KERN_OP_MOE, ovb, only_moe);
     kern_run_sizes rs = {.B = 1, .T = 8, .hidden = 32, .inter = 0, .vocab = 64, .n_heads = 2, .n_kv_heads = 1,
                          .head_dim = 16, .ce_rows = 8, .n_params = 100, .n_experts = 4, .moe_inter = 16, .top_k = 2};
     char path[] = "/tmp/ctitan-tune-XXXXXX"; /* the check verdicts are cached: each entry is checked once */
@@ -294,15 +315,8 @@ static void test_moe_entries_of_the_run(void) {
 static void test_matmul_entries_of_the_run(void) {
     /* as test_moe_entries_of_the_run for the dense matmuls: "fp32_fast" (fwd / bwd mm_base's, fwd_wbf16 /
      * dinp_wbf16 slow) listed first, "wbf16_fast" the reverse; the reference is no candidate (compute-bound) */
-    size_t n;
-    const kern_impl *reg = kern_registry(&n);
-    unsigned cpu = kern_cpu_features();
-    kern_impl *t = calloc(n + 3, sizeof *t);
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (reg[i].op != KERN_OP_MATMUL) t[m++] = reg[i];
-        else if (!(reg[i].features & ~cpu) && (!mm_base || !strcmp(mm_base->name, "ref"))) mm_base = &reg[i];
-    }
+    size_t m;
+    kern_impl *t = registry_without(KERN_OP_MATMUL, 3, &mm_base, &m);
     const kern_matmul_fwd_fn f = mm_base->fn.matmul.fwd;
     const kern_matmul_bwd_fn b = mm_base->fn.matmul.bwd;
     const kern_matmul_fwd_wbf16_fn fh = mm_base->fn.matmul.fwd_wbf16;
@@ -313,9 +327,9 @@ static void test_matmul_entries_of_the_run(void) {
                          .fn.matmul = {mm_fwd_slow, mm_bwd_slow, fh, dh}};
     t[m++] = (kern_impl){KERN_OP_MATMUL, "ref", "cpu", 0, 0, "reference",
                          .fn.matmul = {op_matmul_fwd, op_matmul_bwd, op_matmul_fwd_wbf16, op_matmul_dinp_wbf16}};
-    const char *only_matmul[] = {"embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref", "swiglu=ref",
-                                 "crossentropy=ref", "add=ref", "adamw=ref", "matmul_bf16=ref", "moe_experts=ref",
-                                 "moe_experts_bf16=ref", "geglu=ref", NULL};
+    char ovb[KERN_N_OPS][64];
+    const char *only_matmul[KERN_N_OPS + 1];
+    all_ref_but(KERN_OP_MATMUL, ovb, only_matmul);
     kern_run_sizes rs = {.B = 1, .T = 8, .hidden = 32, .inter = 64, .vocab = 64, .n_heads = 2, .n_kv_heads = 1,
                          .head_dim = 16, .ce_rows = 8, .n_params = 100};
     char path[] = "/tmp/ctitan-tune-XXXXXX";
