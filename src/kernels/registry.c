@@ -387,16 +387,35 @@ void kern_features_str(unsigned f, char *buf, size_t cap) {
     if (!len && cap) snprintf(buf, cap, "none");
 }
 
-/* Puts the functions of `im` (an entry of op im->op) into the ops table. */
-static void install(kern_ops *k, const kern_impl *im) {
-    k->chosen[im->op] = im;
+kern_impl kern_impl_complete(const kern_impl *im) {
+    kern_impl c = *im;
+    int b16 = im->op == KERN_OP_MATMUL_BF16 || im->op == KERN_OP_MOE_BF16;
+    switch (im->op) {
+    case KERN_OP_MATMUL:
+    case KERN_OP_MATMUL_BF16:
+        if (!c.fn.matmul.fwd_wbf16) c.fn.matmul.fwd_wbf16 = b16 ? op_matmul_bf16_fwd_wbf16 : op_matmul_fwd_wbf16;
+        if (!c.fn.matmul.dinp_wbf16) c.fn.matmul.dinp_wbf16 = b16 ? op_matmul_bf16_dinp_wbf16 : op_matmul_dinp_wbf16;
+        break;
+    case KERN_OP_MOE:
+    case KERN_OP_MOE_BF16:
+        if (!c.fn.moe.fwd_wbf16) c.fn.moe.fwd_wbf16 = b16 ? op_moe_experts_bf16_fwd_wbf16 : op_moe_experts_fwd_wbf16;
+        if (!c.fn.moe.bwd_wbf16) c.fn.moe.bwd_wbf16 = b16 ? op_moe_experts_bf16_bwd_wbf16 : op_moe_experts_bwd_wbf16;
+        break;
+    default: break;
+    }
+    return c;
+}
+
+/* Puts the functions of `entry` (an entry of op entry->op) into the ops table. */
+static void install(kern_ops *k, const kern_impl *entry) {
+    k->chosen[entry->op] = entry;
+    const kern_impl full = kern_impl_complete(entry), *im = &full;
     switch (im->op) {
     case KERN_OP_MATMUL:
         k->matmul_fwd = im->fn.matmul.fwd;
         k->matmul_bwd = im->fn.matmul.bwd;
-        /* a table of a test's own may leave them out: the reference's then */
-        k->matmul_fwd_wbf16 = im->fn.matmul.fwd_wbf16 ? im->fn.matmul.fwd_wbf16 : op_matmul_fwd_wbf16;
-        k->matmul_dinp_wbf16 = im->fn.matmul.dinp_wbf16 ? im->fn.matmul.dinp_wbf16 : op_matmul_dinp_wbf16;
+        k->matmul_fwd_wbf16 = im->fn.matmul.fwd_wbf16;
+        k->matmul_dinp_wbf16 = im->fn.matmul.dinp_wbf16;
         break;
     case KERN_OP_EMBEDDING: k->embedding_fwd = im->fn.embedding.fwd; k->embedding_bwd = im->fn.embedding.bwd; break;
     case KERN_OP_RMSNORM: k->rmsnorm_fwd = im->fn.rmsnorm.fwd; k->rmsnorm_bwd = im->fn.rmsnorm.bwd; break;
@@ -421,21 +440,20 @@ static void install(kern_ops *k, const kern_impl *im) {
     case KERN_OP_MATMUL_BF16:
         k->matmul_bf16_fwd = im->fn.matmul.fwd;
         k->matmul_bf16_bwd = im->fn.matmul.bwd;
-        k->matmul_bf16_fwd_wbf16 = im->fn.matmul.fwd_wbf16 ? im->fn.matmul.fwd_wbf16 : op_matmul_bf16_fwd_wbf16;
-        k->matmul_bf16_dinp_wbf16 = im->fn.matmul.dinp_wbf16 ? im->fn.matmul.dinp_wbf16 : op_matmul_bf16_dinp_wbf16;
+        k->matmul_bf16_fwd_wbf16 = im->fn.matmul.fwd_wbf16;
+        k->matmul_bf16_dinp_wbf16 = im->fn.matmul.dinp_wbf16;
         break;
     case KERN_OP_MOE:
         k->moe_fwd = im->fn.moe.fwd;
         k->moe_bwd = im->fn.moe.bwd;
-        /* a table of a test's own may leave them out: the reference's then */
-        k->moe_fwd_wbf16 = im->fn.moe.fwd_wbf16 ? im->fn.moe.fwd_wbf16 : op_moe_experts_fwd_wbf16;
-        k->moe_bwd_wbf16 = im->fn.moe.bwd_wbf16 ? im->fn.moe.bwd_wbf16 : op_moe_experts_bwd_wbf16;
+        k->moe_fwd_wbf16 = im->fn.moe.fwd_wbf16;
+        k->moe_bwd_wbf16 = im->fn.moe.bwd_wbf16;
         break;
     case KERN_OP_MOE_BF16:
         k->moe_bf16_fwd = im->fn.moe.fwd;
         k->moe_bf16_bwd = im->fn.moe.bwd;
-        k->moe_bf16_fwd_wbf16 = im->fn.moe.fwd_wbf16 ? im->fn.moe.fwd_wbf16 : op_moe_experts_bf16_fwd_wbf16;
-        k->moe_bf16_bwd_wbf16 = im->fn.moe.bwd_wbf16 ? im->fn.moe.bwd_wbf16 : op_moe_experts_bf16_bwd_wbf16;
+        k->moe_bf16_fwd_wbf16 = im->fn.moe.fwd_wbf16;
+        k->moe_bf16_bwd_wbf16 = im->fn.moe.bwd_wbf16;
         break;
     } /* no default: -Wswitch names an op of ops_list.h left out here */
 }

@@ -162,14 +162,9 @@ static void run_once(kern_bench *x, const kern_impl *im, kern_bench_part part) {
     case KERN_OP_MATMUL:
     case KERN_OP_MATMUL_BF16:
         if (part == KERN_BENCH_FWD_WBF16 || part == KERN_BENCH_DINP_WBF16) {
-            /* an entry without them (a test's table) gets the reference's, as kern_select installs */
-            int b16 = im->op == KERN_OP_MATMUL_BF16;
-            kern_matmul_fwd_wbf16_fn fh = im->fn.matmul.fwd_wbf16 ? im->fn.matmul.fwd_wbf16
-                                          : b16                   ? op_matmul_bf16_fwd_wbf16
-                                                                  : op_matmul_fwd_wbf16;
-            kern_matmul_dinp_wbf16_fn dh = im->fn.matmul.dinp_wbf16 ? im->fn.matmul.dinp_wbf16
-                                           : b16                    ? op_matmul_bf16_dinp_wbf16
-                                                                    : op_matmul_dinp_wbf16;
+            const kern_impl full = kern_impl_complete(im); /* what kern_select installs */
+            kern_matmul_fwd_wbf16_fn fh = full.fn.matmul.fwd_wbf16;
+            kern_matmul_dinp_wbf16_fn dh = full.fn.matmul.dinp_wbf16;
             if (part == KERN_BENCH_FWD_WBF16) fh(x->c, x->a, x->wh, s->M, s->K, s->N, 0);
             else dh(x->e, x->d, x->wh, s->M, s->K, s->N, s->N);
         } else if (fwd) im->fn.matmul.fwd(x->c, x->a, x->b, s->M, s->K, s->N, 0);
@@ -231,14 +226,9 @@ static void run_once(kern_bench *x, const kern_impl *im, kern_bench_part part) {
             ct_convert_from_f32(x->wh + 2 * nw, CT_BF16, x->d, nw);
         }
         const uint16_t *hg = x->wh, *hu = x->wh ? x->wh + nw : NULL, *hd = x->wh ? x->wh + 2 * nw : NULL;
-        /* an entry without them (a test's table) gets the reference's, as kern_select installs */
-        int b16 = im->op == KERN_OP_MOE_BF16;
-        kern_moe_fwd_wbf16_fn fh = im->fn.moe.fwd_wbf16 ? im->fn.moe.fwd_wbf16
-                                   : b16                ? op_moe_experts_bf16_fwd_wbf16
-                                                        : op_moe_experts_fwd_wbf16;
-        kern_moe_bwd_wbf16_fn bh = im->fn.moe.bwd_wbf16 ? im->fn.moe.bwd_wbf16
-                                   : b16                ? op_moe_experts_bf16_bwd_wbf16
-                                                        : op_moe_experts_bwd_wbf16;
+        const kern_impl full = kern_impl_complete(im); /* what kern_select installs */
+        kern_moe_fwd_wbf16_fn fh = full.fn.moe.fwd_wbf16;
+        kern_moe_bwd_wbf16_fn bh = full.fn.moe.bwd_wbf16;
         if (part == KERN_BENCH_FWD_WBF16)
             fh(x->e, x->f, x->g, x->h, work, x->a, x->b, x->c, x->d, hg, hu, hd, x->perm, x->pos, x->off, topw,
                s->rows, s->C, s->I, s->E, s->k);

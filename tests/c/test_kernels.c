@@ -188,6 +188,45 @@ static void test_overrides(void) {
 #endif
 }
 
+/* An entry that leaves out its bf16-weight functions (a test's own table)
+ * gets its op's reference ones, and kern_select_from installs those: one rule,
+ * kern_impl_complete, that the timings (timing.c) call too. */
+static void test_select_fills_wbf16(void) {
+    size_t n;
+    const kern_impl *reg = kern_registry(&n);
+    kern_impl *t = calloc(n + 4, sizeof *t);
+    t[0] = (kern_impl){KERN_OP_MATMUL, "bare", "cpu", 0, 0, "", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}};
+    t[1] = (kern_impl){KERN_OP_MATMUL_BF16, "bare", "cpu", 0, 0, "",
+                       .fn.matmul = {op_matmul_bf16_fwd, op_matmul_bf16_bwd}};
+    t[2] = (kern_impl){KERN_OP_MOE, "bare", "cpu", 0, 0, "", .fn.moe = {op_moe_experts_fwd, op_moe_experts_bwd}};
+    t[3] = (kern_impl){KERN_OP_MOE_BF16, "bare", "cpu", 0, 0, "",
+                       .fn.moe = {op_moe_experts_bf16_fwd, op_moe_experts_bf16_bwd}};
+    memcpy(t + 4, reg, n * sizeof *t);
+    kern_ops k;
+    ct_err e = {0};
+    CHECK(kern_select_from(&k, t, n + 4, kern_cpu_features(), NULL, NULL, 0, &e) == 0, "%s", e.msg);
+    CHECK(k.chosen[KERN_OP_MATMUL] == &t[0] && k.chosen[KERN_OP_MOE_BF16] == &t[3], "the bare entries are chosen");
+    CHECK(k.matmul_fwd == op_matmul_fwd && k.matmul_fwd_wbf16 == op_matmul_fwd_wbf16 &&
+              k.matmul_dinp_wbf16 == op_matmul_dinp_wbf16,
+          "matmul: the reference's wbf16 pair installed");
+    CHECK(k.matmul_bf16_fwd_wbf16 == op_matmul_bf16_fwd_wbf16 && k.matmul_bf16_dinp_wbf16 == op_matmul_bf16_dinp_wbf16,
+          "matmul_bf16: the bf16 reference's wbf16 pair installed");
+    CHECK(k.moe_fwd_wbf16 == op_moe_experts_fwd_wbf16 && k.moe_bwd_wbf16 == op_moe_experts_bwd_wbf16,
+          "moe_experts: the reference's wbf16 pair installed");
+    CHECK(k.moe_bf16_fwd_wbf16 == op_moe_experts_bf16_fwd_wbf16 &&
+              k.moe_bf16_bwd_wbf16 == op_moe_experts_bf16_bwd_wbf16,
+          "moe_experts_bf16: the bf16 reference's wbf16 pair installed");
+    /* an entry with its own keeps them */
+    for (size_t i = 0; i < n; i++)
+        if (reg[i].op == KERN_OP_MATMUL && reg[i].fn.matmul.fwd_wbf16) {
+            kern_impl c = kern_impl_complete(&reg[i]);
+            CHECK(c.fn.matmul.fwd_wbf16 == reg[i].fn.matmul.fwd_wbf16 &&
+                      c.fn.matmul.dinp_wbf16 == reg[i].fn.matmul.dinp_wbf16,
+                  "matmul %s keeps its own wbf16 pair", reg[i].name);
+        }
+    free(t);
+}
+
 static void test_check_builtin(void) {
     size_t n;
     const kern_impl *t = kern_registry(&n);
@@ -653,6 +692,7 @@ int main(void) {
     test_op_list();
     test_defaults();
     test_overrides();
+    test_select_fills_wbf16();
     if (getenv("CTITAN_EMULATED")) {
         /* under qemu (scripts/test_aarch64.sh): the built-in table's check is `ctitan kernels check`,
          * which the script runs (--quick), and the checker's own logic is the same C as the native
