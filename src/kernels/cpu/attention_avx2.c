@@ -37,14 +37,15 @@
  * L1 sets. These only move values: the results are bit-identical to the
  * earlier one-micro-block-at-a-time kernel on [hd][Tp] and strided rows.
  *
- * Element-wise work: the forward's softmax runs the block's rows in three
- * sweeps (max; the expf of each row's rescaling; exp and sum), so one row's
- * chain overlaps the next; it and the backward's P / dS pass blend the mask
- * only into vectors with a hidden lane. The forward's last tile of a block
- * prefetches the block's out rows (4-8 KB apart, each its own page, which
- * the hardware prefetchers do not follow) during its P V. None of this
- * changes a result bit (docs/benchmarks.md, "W3's attention on the AVX2
- * path, second pass").
+ * Prefetches: the loops over a head's rows in the model's layout (the copies
+ * in and out, the backward's D = rowsum(dout * out)) prefetch ATT2_PF rows
+ * ahead, and the forward's last tile of a block prefetches the block's out
+ * rows during its P V: rows 4-8 KB apart, each its own page, which the
+ * hardware prefetchers do not follow. The softmax and the backward's P / dS
+ * pass skip the mask on vectors with every lane visible, and the forward's
+ * softmax runs the block's rows in three sweeps (max; expf of the rescaling;
+ * exp and sum) so one row's chain overlaps the next. None of this changes a
+ * result bit (W3's shape: forward -5%, backward -4%, docs/benchmarks.md).
  *
  * Options (kern_attn_opt) as in blocked_avx512: a window starts the key loop
  * at the tile of the block's first visible key, masks lanes left of it,
@@ -76,6 +77,7 @@
 #define BQ (8 * MR)     /* query rows per block: 48 */
 #define BK 64           /* keys per tile (4 chunks of 16) */
 #define KC 16           /* keys per score chunk, columns of hd per register tile: 2 ymm */
+#define ATT2_PF 8       /* rows ahead that the loops over a head's strided rows prefetch */
 
 /* Every K (or V) head transposed once per call, 16-key chunk by chunk: chunk
  * jc of head (b, kh) is [hd][KC] at xt + ((b * nkv + kh) * Tp + jc * KC) * hd,
@@ -118,6 +120,18 @@ T256 static float *att2_transpose(const float *x, int B, int T, int nkv, int hd,
     return xt;
 }
 
+/* The lines of a row of hd floats, ATT2_PF rows ahead of a loop over a head's
+ * rows in the model's layout (rows 4-8 KB apart: each its own page or two,
+ * which no hardware prefetcher follows from one row to the next). */
+T256_INLINE void att2_prefetch_row(const float *x, int hd, int write) {
+    for (int i = 0; i < hd; i += 16) {
+        if (write)
+            __builtin_prefetch(x + i, 1, 3);
+        else
+            __builtin_prefetch(x + i, 0, 3);
+    }
+}
+
 /* dst[t * hd + i] = x[t * xs + i] for t < T: rows of one head, contiguous.
  * The model's layout puts a head's consecutive rows nkv * hd or nh * hd
  * floats apart (4 or 8 KB for Qwen3's hd 128), so the 48-64 rows a tile
@@ -125,7 +139,10 @@ T256 static float *att2_transpose(const float *x, int B, int T, int nkv, int hd,
  * or 12 (Sapphire Rapids) ways; read from a contiguous copy they spread over
  * all sets. */
 T256 static void att2_rows_in(float *dst, long ds, const float *x, long xs, int T, int hd) {
-    for (int t = 0; t < T; t++) memcpy(dst + (size_t)t * ds, x + (size_t)t * xs, (size_t)hd * sizeof(float));
+    for (int t = 0; t < T; t++) {
+        if (t + ATT2_PF < T) att2_prefetch_row(x + (size_t)(t + ATT2_PF) * xs, hd, 0);
+        memcpy(dst + (size_t)t * ds, x + (size_t)t * xs, (size_t)hd * sizeof(float));
+    }
 }
 
 /* dst[(i / KC) * T * KC + t * KC + i % KC] = x[t * xs + i] for t < T: rows of
@@ -134,15 +151,20 @@ T256 static void att2_rows_in(float *dst, long ds, const float *x, long xs, int 
  * 64-key tile), which stays in L1 while every micro-block of the block uses it;
  * from [T][hd] rows its 64 B per row fell 512 B apart, 8 of L1's 64 sets. */
 T256 static void att2_slabs_in(float *dst, const float *x, long xs, int T, int hd) {
-    for (int t = 0; t < T; t++)
+    for (int t = 0; t < T; t++) {
+        if (t + ATT2_PF < T) att2_prefetch_row(x + (size_t)(t + ATT2_PF) * xs, hd, 0);
         for (int c0 = 0; c0 < hd; c0 += KC)
             memcpy(dst + (size_t)c0 * T + (size_t)t * KC, x + (size_t)t * xs + c0, KC * sizeof(float));
+    }
 }
 
 /* x[t * xs + i] = src[t * hd + i] for t < T: att2_rows_in's inverse, the
  * backward's gradient rows written back to the model's layout. */
 T256 static void att2_rows_out(float *x, long xs, const float *src, int T, int hd) {
-    for (int t = 0; t < T; t++) memcpy(x + (size_t)t * xs, src + (size_t)t * hd, (size_t)hd * sizeof(float));
+    for (int t = 0; t < T; t++) {
+        if (t + ATT2_PF < T) att2_prefetch_row(x + (size_t)(t + ATT2_PF) * xs, hd, 1);
+        memcpy(x + (size_t)t * xs, src + (size_t)t * hd, (size_t)hd * sizeof(float));
+    }
 }
 
 /* vh[b * nkv + kh] = v[b, :, kh, :] as slabs (att2_slabs_in), for the forward's P V. */
@@ -455,7 +477,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
         KERN_TRACE_ENTER(kt_);
         float *P = ct_malloc((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
         float *dS = ct_malloc((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
-        float D[BQ], L[BQ];
+        float L[BQ];
         /* the rows the products stream, contiguous: k of the kv head as slabs
          * (att2_slabs_in; dS K reads a 4 KB slab of a tile per 16 columns), q and
          * dout of the query head as rows (att2_rows_in; the scores, dP, dV and dK
@@ -463,7 +485,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
          * apart: the dV / dK products read 16 columns of the block's 48 rows,
          * which at a 512-byte stride fell into 8 of L1's 64 sets (measured
          * together with the gradient rows below, not apart). */
-        float *KS = ct_malloc(((size_t)4 * T * hd + (size_t)2 * T * hdp) * sizeof(float));
+        float *KS = ct_malloc(((size_t)4 * T * hd + (size_t)MR * hd + (size_t)2 * T * hdp + T) * sizeof(float));
         float *QS = KS + (size_t)T * hd, *GS = QS + (size_t)T * hdp;
         /* dk, dv of the kv head and dq of the query head, accumulated here as
          * [T][hd] rows (copied in, summed in the same order, copied back: the
@@ -476,6 +498,11 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
          * whole 512-byte rows, and measured 4% faster than slabs (8 x 64-byte
          * pieces per row). */
         float *DKS = GS + (size_t)T * hdp, *DVS = DKS + (size_t)T * hd, *DQS = DVS + (size_t)T * hd;
+        /* DQS has MR rows past T, so the dS K product runs a partial last micro-block
+         * as a whole one: its padded rows have dS = 0 and are never copied back
+         * (row by row, each column chunk was one dependent FMA chain) */
+        memset(DQS + (size_t)T * hd, 0, (size_t)MR * hd * sizeof(float));
+        float *D = DQS + (size_t)(T + MR) * hd; /* [T] rowsum(dout * out) of the query head */
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
         // the dq rows of the group's query heads, so every sum is its own.
 #pragma omp for collapse(2) schedule(static)
@@ -495,14 +522,18 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                     att2_rows_in(DQS, hd, dqh, qs, T, hd); // row t at + t*hd
                     att2_rows_in(QS, hdp, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     att2_rows_in(GS, hdp, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    /* D = rowsum(dout * out) = sum_j p_j dp_j, the head's rows in one loop: out's
+                     * rows are qs floats apart, a page or two each, which no hardware prefetcher
+                     * follows; a block's 48 at a time (and in between, the tile products) left
+                     * ~5% of W3's backward waiting on them; here the next rows are prefetched */
+                    for (int t = 0; t < T; t++) {
+                        if (t + ATT2_PF < T) att2_prefetch_row(oh + (size_t)(t + ATT2_PF) * qs, hd, 0);
+                        D[t] = att2_dot(gh + (size_t)t * hdp, oh + (size_t)t * qs, hd);
+                    }
                     for (int qb = 0; qb < nqb; qb++) {
                         int t0 = qb * BQ;
                         int nq = T - t0 < BQ ? T - t0 : BQ, nmb = (nq + MR - 1) / MR;
-                        for (int r = 0; r < nq; r++) {
-                            // D = rowsum(dout * out) = sum_j p_j dp_j
-                            D[r] = att2_dot(gh + (size_t)(t0 + r) * hdp, oh + (size_t)(t0 + r) * qs, hd);
-                            L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
-                        }
+                        for (int r = 0; r < nq; r++) L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
                         // from the tile of the first key the block sees (the window) up to the diagonal
                         for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                             int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
@@ -549,7 +580,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                 __m256 vsc = _mm256_set1_ps(scale), vc = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f);
                                 for (int r = 0; r < MR; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1, lo = clo[r0 + r], hi = ncr[r0 + r];
-                                    __m256 vl = _mm256_set1_ps(L[rr]), vd = _mm256_set1_ps(D[rr]);
+                                    __m256 vl = _mm256_set1_ps(L[rr]), vd = _mm256_set1_ps(D[t0 + rr]);
                                     float *pr = pb + (size_t)r * BK, *dr = db + (size_t)r * BK;
                                     for (int j = 2 * ch0; j < 2 * nch; j++) {
                                         __m256 x = _mm256_mul_ps(_mm256_loadu_ps(pr + 8 * j), vsc), p, ds;
@@ -621,30 +652,14 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             }
                             // dq[t] += sum_j dS[t,j] k[j]: 6 rows at a time over the keys the micro-block
                             // sees, a 16-column slab of the tile's k rows (4 KB, in L1) across the
-                            // micro-blocks (whole ones: the rows past nq would write past T, so the
-                            // last partial one runs row by row)
+                            // micro-blocks (a partial last one too: its rows past T are DQS's pad)
                             for (int c0 = 0; c0 < hd; c0 += KC) {
                                 const float *ks_ = kh_ + (size_t)c0 * T; // key j's 16 at + j*KC
                                 for (int mb = 0; mb < nmb; mb++) {
                                     int r0 = mb * MR, ncmax = ncm[mb], cm = cmm[mb];
                                     if (!ncmax) continue;
-                                    if (r0 + MR <= nq) {
-                                        att2_rows6_axpy(DQS + (size_t)(t0 + r0) * hd + c0, hd, NULL,
-                                                        dS + (size_t)r0 * BK + cm, ks_ + (size_t)(j0 + cm) * KC, KC,
-                                                        ncmax - cm);
-                                        continue;
-                                    }
-                                    for (int r = r0; r < nq; r++) {
-                                        float *dqr = DQS + (size_t)(t0 + r) * hd + c0;
-                                        const float *dr = dS + (size_t)r * BK;
-                                        for (int c8 = 0; c8 < KC; c8 += 8) {
-                                            __m256 a = _mm256_loadu_ps(dqr + c8);
-                                            for (int c = cm; c < ncmax; c++)
-                                                a = _mm256_fmadd_ps(_mm256_broadcast_ss(dr + c),
-                                                                    _mm256_loadu_ps(ks_ + (size_t)(j0 + c) * KC + c8), a);
-                                            _mm256_storeu_ps(dqr + c8, a);
-                                        }
-                                    }
+                                    att2_rows6_axpy(DQS + (size_t)(t0 + r0) * hd + c0, hd, NULL, dS + (size_t)r0 * BK + cm,
+                                                    ks_ + (size_t)(j0 + cm) * KC, KC, ncmax - cm);
                                 }
                             }
                         }
