@@ -45,7 +45,7 @@
  * pass skip the mask on vectors with every lane visible, and the forward's
  * softmax runs the block's rows in three sweeps (max; expf of the rescaling;
  * exp and sum) so one row's chain overlaps the next. None of this changes a
- * result bit (W3's shape: forward -5%, backward -4%, docs/benchmarks.md).
+ * result bit (W3's shape: forward and backward -4% each, docs/benchmarks.md).
  *
  * Options (kern_attn_opt) as in blocked_avx512: a window starts the key loop
  * at the tile of the block's first visible key, masks lanes left of it,
