@@ -33,25 +33,9 @@ TAVX2 static inline __m256i lanes8(long n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* The micro-kernel for R (compile-time) rows; the row variants compute each
- * element of C with the same FMA chain, so they agree bitwise. */
-TAVX2 __attribute__((always_inline)) static inline void uk_rows(const int R, long kc, const float *restrict A,
-                                                                const float *restrict B, float *C, long ldc, int mr,
-                                                                int nr, int add) {
-    __m256 c[MR][2];
-#pragma GCC unroll 6
-    for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
-    for (long k = 0; k < kc; k++) {
-        __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
-#pragma GCC unroll 6
-        for (int i = 0; i < R; i++) {
-            __m256 a = _mm256_broadcast_ss(A + i);
-            c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
-            c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
-        }
-        A += MRS;
-        B += NR;
-    }
+/* Rows [0, mr) of the R x 16 tile c into C (=, or += when add), columns [0, nr). */
+TAVX2 __attribute__((always_inline)) static inline void store_tile(const int R, __m256 c[MR][2], float *C, long ldc,
+                                                                   int mr, int nr, int add) {
     if (nr == NR) {
 #pragma GCC unroll 6
         for (int i = 0; i < R; i++) {
@@ -82,6 +66,28 @@ TAVX2 __attribute__((always_inline)) static inline void uk_rows(const int R, lon
     }
 }
 
+/* The micro-kernel for R (compile-time) rows; the row variants compute each
+ * element of C with the same FMA chain, so they agree bitwise. */
+TAVX2 __attribute__((always_inline)) static inline void uk_rows(const int R, long kc, const float *restrict A,
+                                                                const float *restrict B, float *C, long ldc, int mr,
+                                                                int nr, int add) {
+    __m256 c[MR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    for (long k = 0; k < kc; k++) {
+        __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            __m256 a = _mm256_broadcast_ss(A + i);
+            c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
+        }
+        A += MRS;
+        B += NR;
+    }
+    store_tile(R, c, C, ldc, mr, nr, add);
+}
+
 /* Full panels take the 6-row kernel, an edge panel the smallest that covers it. */
 TAVX2 static void uk_avx2(long kc, const float *restrict A, const float *restrict B, float *C, long ldc, int mr,
                           int nr, int add) {
@@ -89,6 +95,39 @@ TAVX2 static void uk_avx2(long kc, const float *restrict A, const float *restric
     else if (mr > 2) uk_rows(4, kc, A, B, C, ldc, mr, nr, add);
     else if (mr > 1) uk_rows(2, kc, A, B, C, ldc, mr, nr, add);
     else uk_rows(1, kc, A, B, C, ldc, mr, nr, add);
+}
+
+/* uk_rows with A read in place, row i at A + i * lda (rows >= mr read row 0
+ * instead, their sums never stored): the same broadcasts and FMAs in the
+ * same order, so the same bits as from the packed panel. */
+TAVX2 __attribute__((always_inline)) static inline void uk_rows_rm(const int R, long kc, const float *A, long lda,
+                                                                   const float *restrict B, float *C, long ldc,
+                                                                   int mr, int nr, int add) {
+    const float *a[MR];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) a[i] = A + (i < mr ? i : 0) * lda;
+    __m256 c[MR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    for (long k = 0; k < kc; k++) {
+        __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            __m256 av = _mm256_broadcast_ss(a[i] + k);
+            c[i][0] = _mm256_fmadd_ps(av, b0, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(av, b1, c[i][1]);
+        }
+        B += NR;
+    }
+    store_tile(R, c, C, ldc, mr, nr, add);
+}
+
+TAVX2 static void uk_avx2_rm(long kc, const float *A, long lda, const float *restrict B, float *C, long ldc, int mr,
+                             int nr, int add) {
+    if (mr > 4) uk_rows_rm(6, kc, A, lda, B, C, ldc, mr, nr, add);
+    else if (mr > 2) uk_rows_rm(4, kc, A, lda, B, C, ldc, mr, nr, add);
+    else if (mr > 1) uk_rows_rm(2, kc, A, lda, B, C, ldc, mr, nr, add);
+    else uk_rows_rm(1, kc, A, lda, B, C, ldc, mr, nr, add);
 }
 
 /* r[i], row i's k0 .. k0 + kn - 1 (kn <= 8), transposed and stored as rows
@@ -320,6 +359,7 @@ const gemm_arch gemm_arch_avx2 = {
     .nc = 2048,
     .ncb = 256,
     .ukernel = uk_avx2,
+    .ukernel_rm = uk_avx2_rm,
     .pack_a = pack_a_avx2,
     .pack_b = pack_b_avx2,
     .pack_b_h = pack_b_h_avx2,
