@@ -172,10 +172,17 @@ TAVX2 static void pack_a_avx2(float *dst, gemm_view a, long m, long kc) {
          * (8 KB) apart: the same L1 set every time, so nearly every 32-byte
          * store missed (the packing took 20% of a dw at K = 256). In blocks of
          * GEMM_PACK_KB k instead, a panel receives that many consecutive k
-         * (whole lines) while the block's source rows stay in L1. */
+         * (whole lines) while the block's source rows stay in L1. Each
+         * source row is read for only m floats per block (a few lines), too
+         * short a run for the hardware prefetcher: the loads waited on L3,
+         * so the next block's rows are prefetched alongside. */
         for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
             long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
+            long kpf = kc - k0 - kn < GEMM_PACK_KB ? kc - k0 - kn : GEMM_PACK_KB; /* rows of the next block */
             for (long p = 0; p < np; p++) {
+                if (!(p & 1)) /* every 12 floats: each line at least once */
+                    for (long k = 0; k < kpf; k++)
+                        _mm_prefetch((const char *)(a.p + (k0 + kn + k) * a.cs + p * MR), _MM_HINT_T0);
                 __m256i mk = lanes8(m - p * MR < MR ? m - p * MR : MR);
                 const float *src = a.p + k0 * a.cs + p * MR;
                 float *d = dst + p * MRS * kc + k0 * MRS;
