@@ -31,6 +31,14 @@
  * earlier version shared the packed B block between threads with barriers;
  * it lost up to 3x whenever a thread was descheduled.
  *
+ * A row-major A (k contiguous: the forward's inp, dinp's dout) is not packed
+ * at all on an arch with ukernel_rm (avx2): its micro-kernel broadcasts from
+ * the MR row pointers in place, the same FMAs in the same order. Such a call
+ * has no A packing to repeat, so the split model counts none and a column
+ * split needs no cache: each thread packs only its own columns of B, and no
+ * packing is done twice. The archs that must transform A while packing it
+ * (rounding to bf16, bf16 pairs, AMX tiles) leave ukernel_rm NULL.
+ *
  * Determinism: an element of C is summed by exactly one thread, in a fixed
  * order: k blocks ascending, each summed in k order inside the micro-kernel
  * and added to C once. The k blocking depends on K only (never on the thread

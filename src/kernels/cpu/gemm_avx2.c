@@ -12,7 +12,13 @@
  * x86-64 build; the registry installs it only on CPUs with AVX2 and FMA.
  * Blocking: kc = 256 (A micro-panel 6 x 256 x 4 = 6 KB in L1, B micro-panel
  * 16 KB), ncb = 256 columns of B per A panel (256 KB in L2), nc = 2048,
- * mc = 1026 rows (1024 rows make one block). */
+ * mc = 1026 rows (1024 rows make one block).
+ *
+ * uk_avx2_rm (the arch's ukernel_rm) reads a row-major A in place: 6 row
+ * pointers, one broadcast from each per k, otherwise uk_avx2's loop. The 6
+ * row pieces (6 x kc floats) stay in L1 across the B micro-panels as the
+ * packed panel did; it saves the transposition that packing such an A took
+ * (transpose_slab8, ~2% of a W3 step at CTITAN_ISA=avx2). */
 #if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <stdint.h>
