@@ -112,18 +112,27 @@ TAVX2 __attribute__((always_inline)) static inline void uk_rows_rm(const int R, 
     const float *a[MR];
 #pragma GCC unroll 6
     for (int i = 0; i < R; i++) a[i] = A + (i < mr ? i : 0) * lda;
+    /* the rows below (the next micro-panel's, if any: an address only, never dereferenced) */
+    uintptr_t pf = (uintptr_t)A + (uintptr_t)(MR * lda) * sizeof(float);
     __m256 c[MR][2];
 #pragma GCC unroll 6
     for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
-    for (long k = 0; k < kc; k++) {
-        __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
+    for (long k0 = 0; k0 < kc; k0 += 16) {
+        if (R == MR)
 #pragma GCC unroll 6
-        for (int i = 0; i < R; i++) {
-            __m256 av = _mm256_broadcast_ss(a[i] + k);
-            c[i][0] = _mm256_fmadd_ps(av, b0, c[i][0]);
-            c[i][1] = _mm256_fmadd_ps(av, b1, c[i][1]);
+            for (int i = 0; i < MR; i++)
+                _mm_prefetch((const char *)(pf + (uintptr_t)(i * lda + k0) * sizeof(float)), _MM_HINT_T0);
+        long k1 = kc - k0 < 16 ? kc : k0 + 16;
+        for (long k = k0; k < k1; k++) {
+            __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
+#pragma GCC unroll 6
+            for (int i = 0; i < R; i++) {
+                __m256 av = _mm256_broadcast_ss(a[i] + k);
+                c[i][0] = _mm256_fmadd_ps(av, b0, c[i][0]);
+                c[i][1] = _mm256_fmadd_ps(av, b1, c[i][1]);
+            }
+            B += NR;
         }
-        B += NR;
     }
     store_tile(R, c, C, ldc, mr, nr, add);
 }
