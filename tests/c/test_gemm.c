@@ -1,4 +1,4 @@
-/* tests/c/test_gemm.c: the GEMM driver's B packers on every arch this CPU runs.
+/* tests/c/test_gemm.c: the GEMM driver's packers (and in-place A) on every arch this CPU runs.
  *
  * The model passes every operand with one stride 1, and the packers have a
  * fast path for each of the two; `kernels check` covers those through the
@@ -7,7 +7,9 @@
  * store), beside the same values given row-major and transposed: packing
  * only moves values, so all of them must give the same bits. The strided
  * forms go through each arch's general fallback (gemm_pack_b_h_strided for
- * the fp32 archs' bf16 packer), which nothing else reaches. */
+ * the fp32 archs' bf16 packer), which nothing else reaches. A too, given
+ * row-major (read in place where an arch has ukernel_rm: avx2), transposed
+ * and strided (packed), must give the same bits. */
 #include <string.h>
 
 #include "check.h"
@@ -58,8 +60,8 @@ static float widen(uint16_t h) {
     return x;
 }
 
-/* C[M,N] = A[M,K] B[K,N] with B as five views of the same values; every C
- * must equal the row-major fp32 one bit for bit. K spans several k blocks
+/* C[M,N] = A[M,K] B[K,N] with B as five views of the same values, and A as
+ * two more; every C must equal the one of row-major fp32 A and B bit for bit. K spans several k blocks
  * and N a partial panel, so the packers' edges are crossed. */
 static void check_arch(const arch_case *ac, int M, int K, int N) {
     const gemm_arch *ar = &ac->arch;
@@ -90,6 +92,29 @@ static void check_arch(const arch_case *ac, int M, int K, int N) {
     gemm_view a = {.p = A, .rs = K, .cs = 1};
     float *C0 = malloc((size_t)M * N * sizeof *C0), *C1 = malloc((size_t)M * N * sizeof *C1);
     gemm_f32(ar, M, N, K, a, (gemm_view){.p = Brm, .rs = N, .cs = 1}, C0, N, 0);
+    /* A the same way: a row-major A is read in place by an arch's ukernel_rm
+     * (avx2), the transposed and strided ones packed for its ukernel; both
+     * must sum each element in the same order */
+    float *At = malloc((size_t)M * K * sizeof *At), *As = malloc(3 * (size_t)M * K * sizeof *As);
+    memset(As, 0xff, 3 * (size_t)M * K * sizeof *As);
+    for (int i = 0; i < M; i++)
+        for (int k = 0; k < K; k++) {
+            float v = A[(size_t)i * K + k];
+            At[(size_t)k * M + i] = v, As[(size_t)i * 3 * K + 3 * k + 1] = v;
+        }
+    const char *awhat[] = {"transposed", "strided (rs 3K, cs 3)"};
+    gemm_view aviews[] = {{.p = At, .rs = 1, .cs = M}, {.p = As + 1, .rs = 3L * K, .cs = 3}};
+    for (int v = 0; v < 2; v++) {
+        memset(C1, 0, (size_t)M * N * sizeof *C1);
+        gemm_f32(ar, M, N, K, aviews[v], (gemm_view){.p = Brm, .rs = N, .cs = 1}, C1, N, 0);
+        size_t bad = 0, first = 0;
+        for (size_t i = 0; i < (size_t)M * N; i++)
+            if (memcmp(&C0[i], &C1[i], sizeof(float)) && !bad++) first = i;
+        CHECK(bad == 0, "%s, M %d K %d N %d, A %s: %zu of %d elements differ from row-major A (first [%zu]: %.9g "
+                        "against %.9g)",
+              ac->name, M, K, N, awhat[v], bad, M * N, first, bad ? C1[first] : 0.0, bad ? C0[first] : 0.0);
+    }
+    free(At), free(As);
     for (int v = 0; v < 5; v++) {
         memset(C1, 0, (size_t)M * N * sizeof *C1);
         gemm_f32(ar, M, N, K, a, views[v], C1, N, 0);
@@ -107,7 +132,9 @@ int main(void) {
     arch_case archs[8];
     int n = n_archs(archs);
     if (n == 0) printf("gemm packers: skipped: no SIMD GEMM arch runs on this CPU\n");
-    static const int shapes[][3] = {{5, 7, 3}, {37, 1100, 45}, {64, 300, 100}};
+    /* M mod 6 (avx2's rows) of 5, 1, 4, 2: every edge-row kernel; the last
+     * shape is large enough for two threads (gemm_f32's serial threshold) */
+    static const int shapes[][3] = {{5, 7, 3}, {37, 1100, 45}, {64, 300, 100}, {20, 40, 17}, {134, 600, 70}};
     for (int i = 0; i < n; i++) {
         printf("gemm packers: %s\n", archs[i].name);
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)

@@ -31,6 +31,14 @@
  * earlier version shared the packed B block between threads with barriers;
  * it lost up to 3x whenever a thread was descheduled.
  *
+ * A row-major A (k contiguous: the forward's inp, dinp's dout) is not packed
+ * at all on an arch with ukernel_rm (avx2): its micro-kernel broadcasts from
+ * the MR row pointers in place, the same FMAs in the same order. Such a call
+ * has no A packing to repeat, so the split model counts none and a column
+ * split needs no cache: each thread packs only its own columns of B, and no
+ * packing is done twice. The archs that must transform A while packing it
+ * (rounding to bf16, bf16 pairs, AMX tiles) leave ukernel_rm NULL.
+ *
  * Determinism: an element of C is summed by exactly one thread, in a fixed
  * order: k blocks ascending, each summed in k order inside the micro-kernel
  * and added to C once. The k blocking depends on K only (never on the thread
@@ -101,6 +109,7 @@ static long panel_depth(const gemm_arch *ar, long kc) {
 typedef struct {
     const gemm_arch *ar;
     int M, N, K, accumulate;
+    int a_rm; /* A read in place by ukernel_rm (a row-major A), never packed */
     gemm_view A, B;
     float *C;
     long ldc;
@@ -215,13 +224,24 @@ static void gemm_rect(const gemm_job *g, gemm_ws *ws, long i0, long i1, long j0,
                 long mt = ceil_div(mcur, MR);
                 gemm_view a = {A.p + ic * A.rs + pc * A.cs, A.rs, A.cs, NULL};
                 const float *Ap = ws->Ap;
-                if (ws->ca) Ap = cached_block(ws->ca, g, ws, ic / mc, pc, 1, a, mcur, kc);
+                if (g->a_rm) Ap = NULL;
+                else if (ws->ca) Ap = cached_block(ws->ca, g, ws, ic / mc, pc, 1, a, mcur, kc);
                 else ar->pack_a(ws->Ap, a, mcur, kc);
                 for (long jb = 0; jb < nt; jb += chunk) {
                     long jb1 = jb + chunk < nt ? jb + chunk : nt;
                     for (long ip = 0; ip < mt; ip++) {
                         long r0 = ic + ip * MR;
                         int mr = (int)(i1 - r0 < MR ? i1 - r0 : MR);
+                        if (g->a_rm) {
+                            const float *ap = A.p + r0 * A.rs + pc;
+                            for (long jp = jb; jp < jb1; jp++) {
+                                long c0 = jc + jp * NR;
+                                int nr = (int)(j1 - c0 < NR ? j1 - c0 : NR);
+                                ar->ukernel_rm(kc, ap, A.rs, Bp + jp * NR * kd, g->C + r0 * ldc + c0, ldc, mr, nr,
+                                               add);
+                            }
+                            continue;
+                        }
                         const float *ap = Ap + ip * MRS * kd;
                         for (long jp = jb; jp < jb1; jp++) {
                             long c0 = jc + jp * NR;
@@ -240,7 +260,7 @@ static void gemm_rect(const gemm_job *g, gemm_ws *ws, long i0, long i1, long j0,
  * both per unit of K: compute ~ rows*cols/16 (cycles at 32 flops/cycle, 2
  * flops per multiply-add), packing ~ 1 cycle per float packed (A once per
  * column block it meets, B once per row block). */
-static int choose_row_threads(const gemm_arch *ar, long M, long N, int T) {
+static int choose_row_threads(const gemm_arch *ar, long M, long N, int T, int a_rm) {
     long mt = ceil_div(M, ar->mr), nt = ceil_div(N, ar->nr);
     int best = 1;
     double best_cost = -1;
@@ -249,7 +269,8 @@ static int choose_row_threads(const gemm_arch *ar, long M, long N, int T) {
         int tc = T / tr;
         if (tr > mt || tc > nt) continue;
         double rows = (double)ceil_div(mt, tr) * ar->mr, cols = (double)ceil_div(nt, tc) * ar->nr;
-        double cost = rows * cols / 16 + rows * ceil_div((long)cols, ar->nc) + cols * ceil_div((long)rows, ar->mc);
+        double cost = rows * cols / 16 + (a_rm ? 0 : rows * ceil_div((long)cols, ar->nc)) +
+                      cols * ceil_div((long)rows, ar->mc);
         if (best_cost < 0 || cost < best_cost) {
             best_cost = cost;
             best = tr;
@@ -295,7 +316,7 @@ static void gemm_thread(const gemm_job *g, const gemm_split *sp, int team) {
     gemm_ws ws = {.mc = sp->mcu, .nc = sp->ncu};
     gemm_cache ca = {0}, cb = {0};
     if (sp->slot_a) cache_alloc(&ca, ceil_div(g->M, sp->mcs), sp->nkb, sp->slot_a), ws.ca = &ca;
-    else ws.Ap = gemm_alloc((size_t)ceil_div(sp->mcu, ar->mr) * ar->mrs * sp->kdb);
+    else if (!g->a_rm) ws.Ap = gemm_alloc((size_t)ceil_div(sp->mcu, ar->mr) * ar->mrs * sp->kdb);
     if (sp->slot_b) cache_alloc(&cb, ceil_div(g->N, sp->ncs), sp->nkb, sp->slot_b), ws.cb = &cb;
     else ws.Bp = gemm_alloc((size_t)ceil_div(sp->ncu, ar->nr) * ar->nr * sp->kdb);
     if (g->B.h && !ar->pack_b_h) {
@@ -344,6 +365,7 @@ void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B
     /* k blocks of near-equal size: a function of K alone (determinism) */
     long nkb = ceil_div(K, ar->kc);
     gemm_job g = {.ar = ar, .M = M, .N = N, .K = K, .accumulate = accumulate, .A = A, .B = B, .C = C, .ldc = ldc};
+    g.a_rm = ar->ukernel_rm && A.cs == 1;
     g.kcb = ceil_div(K, nkb);
     if (ar->kalign > 1) {
         /* whole tile rows of k in every block but the last (still a function of K alone) */
@@ -365,13 +387,13 @@ void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B
         gemm_thread(&g, &sp, 0); /* no parallel region for small products */
         return;
     }
-    int tr = choose_row_threads(ar, M, N, T), tc = T / tr;
+    int tr = choose_row_threads(ar, M, N, T, g.a_rm), tc = T / tr;
     /* units: ur x uc rectangles of C; by default one per thread */
     sp.ur = tr, sp.uc = tc;
     long slot_a = ceil_div(sp.mcs, ar->mr) * ar->mrs * kdb, slot_b = ceil_div(sp.ncs, ar->nr) * ar->nr * kdb;
-    if (tr == 1 && ceil_div(M, sp.mcs) * nkb * slot_a * T <= GEMM_CACHE_MAX_FLOATS) {
+    if (tr == 1 && (g.a_rm || ceil_div(M, sp.mcs) * nkb * slot_a * T <= GEMM_CACHE_MAX_FLOATS)) {
         sp.uc = nt < (long)T * GEMM_UNITS_PER_THREAD ? nt : (long)T * GEMM_UNITS_PER_THREAD;
-        sp.slot_a = slot_a;
+        if (!g.a_rm) sp.slot_a = slot_a; /* an A read in place needs no copy */
     } else if (tc == 1 && ceil_div(N, sp.ncs) * nkb * slot_b * T <= GEMM_CACHE_MAX_FLOATS) {
         sp.ur = mt < (long)T * GEMM_UNITS_PER_THREAD ? mt : (long)T * GEMM_UNITS_PER_THREAD;
         sp.slot_b = slot_b;

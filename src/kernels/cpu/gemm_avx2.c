@@ -12,7 +12,13 @@
  * x86-64 build; the registry installs it only on CPUs with AVX2 and FMA.
  * Blocking: kc = 256 (A micro-panel 6 x 256 x 4 = 6 KB in L1, B micro-panel
  * 16 KB), ncb = 256 columns of B per A panel (256 KB in L2), nc = 2048,
- * mc = 1026 rows (1024 rows make one block). */
+ * mc = 1026 rows (1024 rows make one block).
+ *
+ * uk_avx2_rm (the arch's ukernel_rm) reads a row-major A in place: 6 row
+ * pointers, one broadcast from each per k, otherwise uk_avx2's loop. The 6
+ * row pieces (6 x kc floats) stay in L1 across the B micro-panels as the
+ * packed panel did; it saves the transposition that packing such an A took
+ * (transpose_slab8, ~2% of a W3 step at CTITAN_ISA=avx2). */
 #if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <stdint.h>
@@ -33,25 +39,9 @@ TAVX2 static inline __m256i lanes8(long n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* The micro-kernel for R (compile-time) rows; the row variants compute each
- * element of C with the same FMA chain, so they agree bitwise. */
-TAVX2 __attribute__((always_inline)) static inline void uk_rows(const int R, long kc, const float *restrict A,
-                                                                const float *restrict B, float *C, long ldc, int mr,
-                                                                int nr, int add) {
-    __m256 c[MR][2];
-#pragma GCC unroll 6
-    for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
-    for (long k = 0; k < kc; k++) {
-        __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
-#pragma GCC unroll 6
-        for (int i = 0; i < R; i++) {
-            __m256 a = _mm256_broadcast_ss(A + i);
-            c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
-            c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
-        }
-        A += MRS;
-        B += NR;
-    }
+/* Rows [0, mr) of the R x 16 tile c into C (=, or += when add), columns [0, nr). */
+TAVX2 __attribute__((always_inline)) static inline void store_tile(const int R, __m256 c[MR][2], float *C, long ldc,
+                                                                   int mr, int nr, int add) {
     if (nr == NR) {
 #pragma GCC unroll 6
         for (int i = 0; i < R; i++) {
@@ -82,6 +72,28 @@ TAVX2 __attribute__((always_inline)) static inline void uk_rows(const int R, lon
     }
 }
 
+/* The micro-kernel for R (compile-time) rows; the row variants compute each
+ * element of C with the same FMA chain, so they agree bitwise. */
+TAVX2 __attribute__((always_inline)) static inline void uk_rows(const int R, long kc, const float *restrict A,
+                                                                const float *restrict B, float *C, long ldc, int mr,
+                                                                int nr, int add) {
+    __m256 c[MR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    for (long k = 0; k < kc; k++) {
+        __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            __m256 a = _mm256_broadcast_ss(A + i);
+            c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
+        }
+        A += MRS;
+        B += NR;
+    }
+    store_tile(R, c, C, ldc, mr, nr, add);
+}
+
 /* Full panels take the 6-row kernel, an edge panel the smallest that covers it. */
 TAVX2 static void uk_avx2(long kc, const float *restrict A, const float *restrict B, float *C, long ldc, int mr,
                           int nr, int add) {
@@ -89,6 +101,48 @@ TAVX2 static void uk_avx2(long kc, const float *restrict A, const float *restric
     else if (mr > 2) uk_rows(4, kc, A, B, C, ldc, mr, nr, add);
     else if (mr > 1) uk_rows(2, kc, A, B, C, ldc, mr, nr, add);
     else uk_rows(1, kc, A, B, C, ldc, mr, nr, add);
+}
+
+/* uk_rows with A read in place, row i at A + i * lda (rows >= mr read row 0
+ * instead, their sums never stored): the same broadcasts and FMAs in the
+ * same order, so the same bits as from the packed panel. */
+TAVX2 __attribute__((always_inline)) static inline void uk_rows_rm(const int R, long kc, const float *A, long lda,
+                                                                   const float *restrict B, float *C, long ldc,
+                                                                   int mr, int nr, int add) {
+    const float *a[MR];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) a[i] = A + (i < mr ? i : 0) * lda;
+    /* the rows below (the next micro-panel's, if any: an address only, never dereferenced) */
+    uintptr_t pf = (uintptr_t)A + (uintptr_t)(MR * lda) * sizeof(float);
+    __m256 c[MR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    for (long k0 = 0; k0 < kc; k0 += 16) {
+        if (R == MR)
+#pragma GCC unroll 6
+            for (int i = 0; i < MR; i++)
+                _mm_prefetch((const char *)(pf + (uintptr_t)(i * lda + k0) * sizeof(float)), _MM_HINT_T0);
+        long k1 = kc - k0 < 16 ? kc : k0 + 16;
+        for (long k = k0; k < k1; k++) {
+            __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
+#pragma GCC unroll 6
+            for (int i = 0; i < R; i++) {
+                __m256 av = _mm256_broadcast_ss(a[i] + k);
+                c[i][0] = _mm256_fmadd_ps(av, b0, c[i][0]);
+                c[i][1] = _mm256_fmadd_ps(av, b1, c[i][1]);
+            }
+            B += NR;
+        }
+    }
+    store_tile(R, c, C, ldc, mr, nr, add);
+}
+
+TAVX2 static void uk_avx2_rm(long kc, const float *A, long lda, const float *restrict B, float *C, long ldc, int mr,
+                             int nr, int add) {
+    if (mr > 4) uk_rows_rm(6, kc, A, lda, B, C, ldc, mr, nr, add);
+    else if (mr > 2) uk_rows_rm(4, kc, A, lda, B, C, ldc, mr, nr, add);
+    else if (mr > 1) uk_rows_rm(2, kc, A, lda, B, C, ldc, mr, nr, add);
+    else uk_rows_rm(1, kc, A, lda, B, C, ldc, mr, nr, add);
 }
 
 /* r[i], row i's k0 .. k0 + kn - 1 (kn <= 8), transposed and stored as rows
@@ -133,10 +187,17 @@ TAVX2 static void pack_a_avx2(float *dst, gemm_view a, long m, long kc) {
          * (8 KB) apart: the same L1 set every time, so nearly every 32-byte
          * store missed (the packing took 20% of a dw at K = 256). In blocks of
          * GEMM_PACK_KB k instead, a panel receives that many consecutive k
-         * (whole lines) while the block's source rows stay in L1. */
+         * (whole lines) while the block's source rows stay in L1. Each
+         * source row is read for only m floats per block (a few lines), too
+         * short a run for the hardware prefetcher: the loads waited on L3,
+         * so the next block's rows are prefetched alongside. */
         for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
             long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
+            long kpf = kc - k0 - kn < GEMM_PACK_KB ? kc - k0 - kn : GEMM_PACK_KB; /* rows of the next block */
             for (long p = 0; p < np; p++) {
+                if (!(p & 1)) /* every 12 floats: each line at least once */
+                    for (long k = 0; k < kpf; k++)
+                        _mm_prefetch((const char *)(a.p + (k0 + kn + k) * a.cs + p * MR), _MM_HINT_T0);
                 __m256i mk = lanes8(m - p * MR < MR ? m - p * MR : MR);
                 const float *src = a.p + k0 * a.cs + p * MR;
                 float *d = dst + p * MRS * kc + k0 * MRS;
@@ -320,6 +381,7 @@ const gemm_arch gemm_arch_avx2 = {
     .nc = 2048,
     .ncb = 256,
     .ukernel = uk_avx2,
+    .ukernel_rm = uk_avx2_rm,
     .pack_a = pack_a_avx2,
     .pack_b = pack_b_avx2,
     .pack_b_h = pack_b_h_avx2,

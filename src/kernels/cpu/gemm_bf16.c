@@ -64,6 +64,7 @@ static gemm_arch rounding_arch(const gemm_arch *base, gemm_pack_a_fn pa, gemm_pa
     gemm_arch ar = *base;
     ar.pack_a = pa;
     ar.pack_b = pb;
+    ar.ukernel_rm = NULL; /* A must go through the rounding packer */
     ar.nt_small = NULL;
     return ar;
 }

@@ -244,6 +244,7 @@ gemm_arch gemm_arch_rounding_bf16(const gemm_arch *base) {
     gemm_arch ar = *base;
     ar.pack_a = pack_a_rneon;
     ar.pack_b = pack_b_rneon;
+    ar.ukernel_rm = NULL; /* A must go through the rounding packer */
     ar.nt_small = NULL;
     return ar;
 }

@@ -46,6 +46,12 @@ typedef struct {
  * when add == 0. */
 typedef void (*gemm_ukernel_fn)(long kc, const float *Ap, const float *Bp, float *C, long ldc, int mr,
                                 int nr, int add);
+/* The micro-kernel with A read in place from a row-major view (k
+ * contiguous): row i of the micro-panel at A + i * lda, its kc values
+ * consecutive; rows >= mr are never read. Each element of C gets the same
+ * FMA chain as from the packed panel, so the same bits. */
+typedef void (*gemm_ukernel_rm_fn)(long kc, const float *A, long lda, const float *Bp, float *C, long ldc, int mr,
+                                   int nr, int add);
 /* Packs rows [0, m) and columns [0, kc) of `a` (already offset to the first
  * element) as ceil(m / MR) consecutive micro-panels of kc * MRS floats:
  * panel p holds a(p*MR + i, k) at [k * MRS + i], zeros for rows >= m. */
@@ -77,6 +83,9 @@ typedef struct {
     int kc, mc, nc;   /* cache blocks: depth, rows of the A block, columns of the B block */
     int ncb;          /* columns of B walked per A micro-panel: keeps kc x ncb of B in L2 */
     gemm_ukernel_fn ukernel;
+    /* NULL, or ukernel reading a row-major A (cs == 1) in place: the driver
+     * then packs no A for such calls (the forward's inp, dinp's dout) */
+    gemm_ukernel_rm_fn ukernel_rm;
     gemm_pack_a_fn pack_a;
     gemm_pack_b_fn pack_b;
     /* pack_b for a bf16 view (b.h), with the same output as pack_b on its
