@@ -31,52 +31,6 @@ static void oom(size_t n) {
     exit(1);
 }
 
-/* Transparent huge pages for the large long-lived buffers (issue 14).
- *
- * The machines we run on are often VMs, where a TLB miss is a nested page
- * walk (guest tables, each step translated through the host's), so the
- * memory-bound passes over large buffers (AdamW over params, grads and
- * moments, element-wise ops, zeroing the gradient scratch, GEMM packing from
- * the activations, attention's head rows 4-8 KB apart) pay for 4 KB pages.
- * Distributions ship THP as "madvise" (huge pages only where asked) and
- * glibc never asks unless its glibc.malloc.hugetlb tunable is set, so ctitan
- * got none (AnonHugePages 0). With that tunable W3's steady steps measured
- * about 3% faster (page faults 465k -> 10k), but it advises every chunk.
- *
- * So ct_calloc advises the 2 MB-aligned interior of buffers of at least
- * CT_HUGE_MIN bytes (ct_advise_huge). Those are the long-lived ones: the
- * device's alloc (params, grads, the activation arena, pipeline banks) and
- * the AdamW moments. calloc maps such a chunk fresh and skips zeroing it, so
- * the advice comes before the first touch and the pages fault in as 2 MB
- * ones; at most 2 MB at either end stays on 4 KB pages. ct_malloc gives no
- * advice: its large callers are per-call scratch (attention's transposed
- * k/v, 4 MB on W3), which after the first call lives in malloc's heap on
- * pages already faulted in; advising it (2 MB-aligned) measured no different.
- * Lazily mapped buffers (ct_alloc_lazy) get none either: they are meant to
- * hold pages only where written. Placement only: no result changes. Off
- * Linux, or where the kernel has no THP, a no-op.
- *
- * The price is the first touch. On our Firecracker VM (free page reporting:
- * free 2 MB+ blocks are handed back to the host, which must back them again)
- * a fresh 2 MB page is zeroed at ~0.5 GB/s against ~3 GB/s for 4 KB pages,
- * which come from small free blocks the host still backs (1 GB touched:
- * 2.2 s against 0.35 s; a huge page freed a moment before: 0.05 s). So a W3
- * run pays ~1.5-4 s once, in step 1 (clear_page_erms under gemm_rect and
- * AdamW), for ~2% less CPU per steady step (docs/benchmarks.md, issue 14's
- * THP section). On bare metal huge pages fault faster than 4 KB ones. */
-#define CT_HUGE_PAGE ((size_t)2 << 20)
-
-void ct_advise_huge(void *p, size_t n) {
-#ifdef MADV_HUGEPAGE
-    if (!p || n < CT_HUGE_MIN) return;
-    uintptr_t lo = ((uintptr_t)p + CT_HUGE_PAGE - 1) & ~(uintptr_t)(CT_HUGE_PAGE - 1);
-    uintptr_t hi = ((uintptr_t)p + n) & ~(uintptr_t)(CT_HUGE_PAGE - 1);
-    if (hi > lo) madvise((void *)lo, hi - lo, MADV_HUGEPAGE); /* EINVAL without THP: nothing to do */
-#else
-    (void)p, (void)n;
-#endif
-}
-
 void *ct_malloc(size_t n) {
     void *p = malloc(n ? n : 1);
     if (!p) oom(n);
@@ -86,7 +40,6 @@ void *ct_malloc(size_t n) {
 void *ct_calloc(size_t n, size_t size) {
     void *p = calloc(n ? n : 1, size ? size : 1);
     if (!p) oom(n * size);
-    if (size && n >= CT_HUGE_MIN / size) ct_advise_huge(p, n * size);
     return p;
 }
 

@@ -48,13 +48,6 @@ void ct_free_lazy(void *p, size_t n);
  * which neighbouring data may share, are kept. */
 void ct_drop_pages(void *p, size_t n);
 void *ct_calloc(size_t n, size_t size);
-/* Buffers of at least this many bytes from ct_calloc (the long-lived ones:
- * params, grads, activations, moments) are given transparent huge pages
- * (MADV_HUGEPAGE); ct_malloc's, per-call scratch, are not. core/err.c says why. */
-#define CT_HUGE_MIN ((size_t)4 << 20)
-/* Asks for transparent huge pages on the 2 MB-aligned whole pages inside
- * [p, p + n) when n >= CT_HUGE_MIN; a no-op elsewhere (no THP, not Linux). */
-void ct_advise_huge(void *p, size_t n);
 char *ct_strdup(const char *s);
 
 #endif
