@@ -8,7 +8,7 @@
  * only moves values, so all of them must give the same bits. The strided
  * forms go through each arch's general fallback (gemm_pack_b_h_strided for
  * the fp32 archs' bf16 packer), which nothing else reaches. A too, given
- * row-major (read in place where an arch has ukernel_rm: avx2, avx512), transposed
+ * row-major (read in place where an arch has ukernel_rm: avx2), transposed
  * and strided (packed), must give the same bits. */
 #include <string.h>
 
@@ -132,14 +132,9 @@ int main(void) {
     arch_case archs[8];
     int n = n_archs(archs);
     if (n == 0) printf("gemm packers: skipped: no SIMD GEMM arch runs on this CPU\n");
-    /* M mod 6 (avx2's rows) of 5, 1, 4, 2 and M mod 14 (avx512's) of 5, 9,
-     * 8, 6, 3, 2, 4, 1: every edge-row kernel of both; {134, 600, 70} is large
-     * enough for two threads (gemm_f32's serial threshold). K = 1024 puts
-     * avx512's 14 row-major rows in the same L1 sets, so the driver packs that
-     * A rather than read it in place (gemm.c, rm_l1_lines): both paths. */
-    static const int shapes[][3] = {{5, 7, 3},     {37, 1100, 45}, {64, 300, 100}, {20, 40, 17},
-                                    {134, 600, 70}, {17, 50, 33},   {30, 64, 20},   {18, 100, 35},
-                                    {43, 1024, 40}};
+    /* M mod 6 (avx2's rows) of 5, 1, 4, 2: every edge-row kernel; the last
+     * shape is large enough for two threads (gemm_f32's serial threshold) */
+    static const int shapes[][3] = {{5, 7, 3}, {37, 1100, 45}, {64, 300, 100}, {20, 40, 17}, {134, 600, 70}};
     for (int i = 0; i < n; i++) {
         printf("gemm packers: %s\n", archs[i].name);
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)

@@ -348,32 +348,6 @@ static void gemm_thread(const gemm_job *g, const gemm_split *sp, int team) {
     free(ws.wide);
 }
 
-/* A micro-panel read in place is mr row pieces of kc floats, lda apart; the
- * micro-kernel needs them all in L1 across the B micro-panels, as the packed
- * panel was. L1 has 64 sets of 64-byte lines on the x86 and Arm cores here (4
- * KB a way), so rows 1024 floats apart (or any multiple) share their sets:
- * 14 rows of avx512's tile then want 14 lines of one set, more than its 12
- * (8 on older cores) ways, and the panel is refetched from L2 for each B
- * micro-panel (the forward at K = 1024 or 3072 ran at 195 GFLOP/s against 240
- * packed). This returns the most lines of the panel in one set; above
- * GEMM_RM_SET_LINES (8: two thirds of a 12-way set, the rest for the B
- * micro-panel and C) the driver packs A instead: avx512 reads in place at
- * lda 256 (8), 512 (7), 768 (8), not at 1024, 2048, 3072 (14). avx2's 6 rows
- * never exceed it (measured faster in place at 4 KB strides). Same bits
- * either way. */
-#define GEMM_RM_SET_LINES 8
-static int rm_l1_lines(int mr, long lda, long kc) {
-    int cnt[64] = {0}, most = 0;
-    long lines = ceil_div(kc, 16) + 1; /* + 1: a row piece need not start on a line */
-    if (lines > 64) lines = 64;
-    for (int i = 0; i < mr; i++)
-        for (long j = 0; j < lines; j++) {
-            int s = (int)(((unsigned long)i * (unsigned long)lda / 16 + (unsigned long)j) % 64);
-            if (++cnt[s] > most) most = cnt[s];
-        }
-    return most;
-}
-
 void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B, float *C, long ldc,
               int accumulate) {
     if (M <= 0 || N <= 0) return;
@@ -391,6 +365,7 @@ void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B
     /* k blocks of near-equal size: a function of K alone (determinism) */
     long nkb = ceil_div(K, ar->kc);
     gemm_job g = {.ar = ar, .M = M, .N = N, .K = K, .accumulate = accumulate, .A = A, .B = B, .C = C, .ldc = ldc};
+    g.a_rm = ar->ukernel_rm && A.cs == 1;
     g.kcb = ceil_div(K, nkb);
     if (ar->kalign > 1) {
         /* whole tile rows of k in every block but the last (still a function of K alone) */
@@ -399,7 +374,6 @@ void gemm_f32(const gemm_arch *ar, int M, int N, int K, gemm_view A, gemm_view B
     }
     nkb = ceil_div(K, g.kcb);
     long kdb = panel_depth(ar, g.kcb);
-    g.a_rm = ar->ukernel_rm && A.cs == 1 && rm_l1_lines(ar->mr, A.rs, g.kcb) <= GEMM_RM_SET_LINES;
 
     double flops = 2.0 * M * (double)N * K;
     long mt = ceil_div(M, ar->mr), nt = ceil_div(N, ar->nr);

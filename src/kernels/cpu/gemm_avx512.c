@@ -20,7 +20,6 @@
  * (74 micro-panels, so M = 1024 is one block) per packed A block. */
 #if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
-#include <stdint.h>
 #include <string.h>
 
 #include "kernels/cpu/avx512_util.h"
@@ -84,67 +83,6 @@ T512 static void uk_avx512(long kc, const float *restrict A, const float *restri
     else if (mr > 2) uk_rows(4, kc, A, B, C, ldc, mr, nr, add);
     else if (mr > 1) uk_rows(2, kc, A, B, C, ldc, mr, nr, add);
     else uk_rows(1, kc, A, B, C, ldc, mr, nr, add);
-}
-
-/* uk_rows with A read in place, row i at A + i * lda (rows >= mr read row 0
- * instead, their sums never stored): the same broadcasts and FMAs in the
- * same order, so the same bits as from the packed panel. */
-T512 __attribute__((always_inline)) static inline void uk_rows_rm(const int R, long kc, const float *A, long lda,
-                                                                  const float *restrict B, float *C, long ldc,
-                                                                  int mr, int nr, int add) {
-    const float *a[MR];
-#pragma GCC unroll 14
-    for (int i = 0; i < R; i++) a[i] = A + (i < mr ? i : 0) * lda;
-    /* the rows below (the next micro-panel's, if any: an address only, never dereferenced) */
-    uintptr_t pf = (uintptr_t)A + (uintptr_t)(MR * lda) * sizeof(float);
-    __m512 c[MR][2];
-#pragma GCC unroll 14
-    for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
-    if (add)
-        for (int i = 0; i < mr; i++) {
-            _mm_prefetch((const char *)(C + i * ldc), _MM_HINT_T0);
-            _mm_prefetch((const char *)(C + i * ldc + NR - 1), _MM_HINT_T0);
-        }
-    for (long k0 = 0; k0 < kc; k0 += 16) {
-        if (R == MR)
-#pragma GCC unroll 14
-            for (int i = 0; i < MR; i++)
-                _mm_prefetch((const char *)(pf + (uintptr_t)(i * lda + k0) * sizeof(float)), _MM_HINT_T0);
-        long k1 = kc - k0 < 16 ? kc : k0 + 16;
-        for (long k = k0; k < k1; k++) {
-            __m512 b0 = _mm512_load_ps(B), b1 = _mm512_load_ps(B + 16);
-#pragma GCC unroll 14
-            for (int i = 0; i < R; i++) {
-                __m512 av = _mm512_set1_ps(a[i][k]);
-                c[i][0] = _mm512_fmadd_ps(av, b0, c[i][0]);
-                c[i][1] = _mm512_fmadd_ps(av, b1, c[i][1]);
-            }
-            B += NR;
-        }
-    }
-    __mmask16 m0 = lanes(nr), m1 = lanes(nr - 16);
-#pragma GCC unroll 14
-    for (int i = 0; i < R; i++) {
-        if (i >= mr) break;
-        float *cr = C + i * ldc;
-        __m512 v0 = c[i][0], v1 = c[i][1];
-        if (add) {
-            v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cr), v0);
-            v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cr + 16), v1);
-        }
-        _mm512_mask_storeu_ps(cr, m0, v0);
-        _mm512_mask_storeu_ps(cr + 16, m1, v1);
-    }
-}
-
-/* uk_avx512's row variants, A in place */
-T512 static void uk_avx512_rm(long kc, const float *A, long lda, const float *restrict B, float *C, long ldc, int mr,
-                              int nr, int add) {
-    if (mr > 8) uk_rows_rm(14, kc, A, lda, B, C, ldc, mr, nr, add);
-    else if (mr > 4) uk_rows_rm(8, kc, A, lda, B, C, ldc, mr, nr, add);
-    else if (mr > 2) uk_rows_rm(4, kc, A, lda, B, C, ldc, mr, nr, add);
-    else if (mr > 1) uk_rows_rm(2, kc, A, lda, B, C, ldc, mr, nr, add);
-    else uk_rows_rm(1, kc, A, lda, B, C, ldc, mr, nr, add);
 }
 
 /* r[i], row i's k0 .. k0 + kn - 1 (kn <= 16), transposed and stored as rows
@@ -349,7 +287,6 @@ const gemm_arch gemm_arch_avx512 = {
     .nc = 2048,
     .ncb = 512,
     .ukernel = uk_avx512,
-    .ukernel_rm = uk_avx512_rm,
     .pack_a = pack_a_avx512,
     .pack_b = pack_b_avx512,
     .pack_b_h = pack_b_h_avx512,
