@@ -17,7 +17,12 @@
  * (one packed A micro-panel, 16 x 384 x 4 = 24 KB, stays in L1; 256 and 512
  * measured within noise of it), ncb = 512 columns (a B chunk of 384 x 512 x 4
  * = 768 KB stays in L2), nc = 2048 columns per packed B block, mc = 1036 rows
- * (74 micro-panels, so M = 1024 is one block) per packed A block. */
+ * (74 micro-panels, so M = 1024 is one block) per packed A block.
+ *
+ * A row-major A is packed, not read in place as on avx2 (ukernel_rm): 14 rows
+ * lda apart share L1 sets when lda is a multiple of 1024 floats (14 lines for
+ * 12 ways), and such a kernel ran at ~195 GFLOP/s against ~240; where the rows
+ * spread it gained at one thread but left W3's step level (docs/kernels.md). */
 #if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <string.h>
