@@ -63,6 +63,15 @@ static float widen(uint16_t h) {
 /* C[M,N] = A[M,K] B[K,N] with B as five views of the same values, and A as
  * two more; every C must equal the one of row-major fp32 A and B bit for bit. K spans several k blocks
  * and N a partial panel, so the packers' edges are crossed. */
+/* Elements of c that differ bitwise from c0 (n of them); *first gets the first one. */
+static size_t bit_diffs(const float *c0, const float *c, size_t n, size_t *first) {
+    size_t bad = 0;
+    *first = 0;
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&c0[i], &c[i], sizeof(float)) && !bad++) *first = i;
+    return bad;
+}
+
 static void check_arch(const arch_case *ac, int M, int K, int N) {
     const gemm_arch *ar = &ac->arch;
     size_t nb = (size_t)K * N;
@@ -107,9 +116,7 @@ static void check_arch(const arch_case *ac, int M, int K, int N) {
     for (int v = 0; v < 2; v++) {
         memset(C1, 0, (size_t)M * N * sizeof *C1);
         gemm_f32(ar, M, N, K, aviews[v], (gemm_view){.p = Brm, .rs = N, .cs = 1}, C1, N, 0);
-        size_t bad = 0, first = 0;
-        for (size_t i = 0; i < (size_t)M * N; i++)
-            if (memcmp(&C0[i], &C1[i], sizeof(float)) && !bad++) first = i;
+        size_t first, bad = bit_diffs(C0, C1, (size_t)M * N, &first);
         CHECK(bad == 0, "%s, M %d K %d N %d, A %s: %zu of %d elements differ from row-major A (first [%zu]: %.9g "
                         "against %.9g)",
               ac->name, M, K, N, awhat[v], bad, M * N, first, bad ? C1[first] : 0.0, bad ? C0[first] : 0.0);
@@ -118,9 +125,7 @@ static void check_arch(const arch_case *ac, int M, int K, int N) {
     for (int v = 0; v < 5; v++) {
         memset(C1, 0, (size_t)M * N * sizeof *C1);
         gemm_f32(ar, M, N, K, a, views[v], C1, N, 0);
-        size_t bad = 0, first = 0;
-        for (size_t i = 0; i < (size_t)M * N; i++)
-            if (memcmp(&C0[i], &C1[i], sizeof(float)) && !bad++) first = i;
+        size_t first, bad = bit_diffs(C0, C1, (size_t)M * N, &first);
         CHECK(bad == 0, "%s, M %d K %d N %d, B %s: %zu of %d elements differ from row-major fp32 B (first [%zu]: %.9g "
                         "against %.9g)",
               ac->name, M, K, N, what[v], bad, M * N, first, bad ? C1[first] : 0.0, bad ? C0[first] : 0.0);
