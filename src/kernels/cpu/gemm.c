@@ -232,21 +232,15 @@ static void gemm_rect(const gemm_job *g, gemm_ws *ws, long i0, long i1, long j0,
                     for (long ip = 0; ip < mt; ip++) {
                         long r0 = ic + ip * MR;
                         int mr = (int)(i1 - r0 < MR ? i1 - r0 : MR);
-                        if (g->a_rm) {
-                            const float *ap = A.p + r0 * A.rs + pc;
-                            for (long jp = jb; jp < jb1; jp++) {
-                                long c0 = jc + jp * NR;
-                                int nr = (int)(j1 - c0 < NR ? j1 - c0 : NR);
-                                ar->ukernel_rm(kc, ap, A.rs, Bp + jp * NR * kd, g->C + r0 * ldc + c0, ldc, mr, nr,
-                                               add);
-                            }
-                            continue;
-                        }
-                        const float *ap = Ap + ip * MRS * kd;
+                        /* the micro-panel: A's own rows in place, or the packed panel */
+                        const float *ap = g->a_rm ? A.p + r0 * A.rs + pc : Ap + ip * MRS * kd;
                         for (long jp = jb; jp < jb1; jp++) {
                             long c0 = jc + jp * NR;
                             int nr = (int)(j1 - c0 < NR ? j1 - c0 : NR);
-                            ar->ukernel(kc, ap, Bp + jp * NR * kd, g->C + r0 * ldc + c0, ldc, mr, nr, add);
+                            const float *bp = Bp + jp * NR * kd;
+                            float *cp = g->C + r0 * ldc + c0;
+                            if (g->a_rm) ar->ukernel_rm(kc, ap, A.rs, bp, cp, ldc, mr, nr, add);
+                            else ar->ukernel(kc, ap, bp, cp, ldc, mr, nr, add);
                         }
                     }
                 }
