@@ -295,13 +295,13 @@ typedef struct {
     int I, E, k;           /* moe_experts: expert width, experts, top-k */
 } kern_shape;
 
-/* Every input of one op at one shape (kernels/timing.c), allocated once so
- * that the implementations compared run on the same bytes. */
 /* im with the bf16-weight entries it leaves out (a test's own table) filled
  * with its op's reference ones: what a run calls for it, so kern_select
  * installs this and the timings time it. */
 kern_impl kern_impl_complete(const kern_impl *im);
 
+/* Every input of one op at one shape (kernels/timing.c), allocated once so
+ * that the implementations compared run on the same bytes. */
 typedef struct kern_bench kern_bench;
 kern_bench *kern_bench_new(kern_op op, const kern_shape *s);
 void kern_bench_free(kern_bench *b);
