@@ -140,13 +140,19 @@ static int count_lines(const char *path, const char *prefix) {
     return c;
 }
 
+/* An empty file of a fresh name for a tune cache, named into path
+ * ("/tmp/ctitan-tune-XXXXXX", rewritten in place). */
+static void temp_cache(char *path) {
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    if (fd >= 0) close(fd);
+}
+
 static void test_pick_and_cache(void) {
     size_t n;
     kern_impl *t = make_table(&n);
     char path[] = "/tmp/ctitan-tune-XXXXXX";
-    int fd = mkstemp(path);
-    CHECK(fd >= 0, "mkstemp");
-    close(fd);
+    temp_cache(path);
     unlink(path); /* the tuner creates it */
     kern_run_sizes rs = {.B = 2, .T = 64, .hidden = 4096, .inter = 64, .vocab = 256, .n_heads = 2,
                          .n_kv_heads = 1, .head_dim = 16, .ce_rows = 16, .n_params = 1000};
@@ -208,9 +214,7 @@ static void test_ops_of_the_run(void) {
     const char *only_matmuls[] = {"embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref", "swiglu=ref",
                                   "crossentropy=ref", "add=ref", "adamw=ref", NULL};
     char path[] = "/tmp/ctitan-tune-XXXXXX";
-    int fd = mkstemp(path);
-    CHECK(fd >= 0, "mkstemp");
-    close(fd);
+    temp_cache(path);
     kern_ops k;
     char log[4096];
     ct_err e = {0};
@@ -293,9 +297,7 @@ static void test_moe_entries_of_the_run(void) {
     kern_run_sizes rs = {.B = 1, .T = 8, .hidden = 32, .inter = 0, .vocab = 64, .n_heads = 2, .n_kv_heads = 1,
                          .head_dim = 16, .ce_rows = 8, .n_params = 100, .n_experts = 4, .moe_inter = 16, .top_k = 2};
     char path[] = "/tmp/ctitan-tune-XXXXXX"; /* the check verdicts are cached: each entry is checked once */
-    int fd = mkstemp(path);
-    CHECK(fd >= 0, "mkstemp");
-    close(fd);
+    temp_cache(path);
     kern_ops k;
     char log[4096];
     ct_err e = {0};
@@ -333,9 +335,7 @@ static void test_matmul_entries_of_the_run(void) {
     kern_run_sizes rs = {.B = 1, .T = 8, .hidden = 32, .inter = 64, .vocab = 64, .n_heads = 2, .n_kv_heads = 1,
                          .head_dim = 16, .ce_rows = 8, .n_params = 100};
     char path[] = "/tmp/ctitan-tune-XXXXXX";
-    int fd = mkstemp(path);
-    CHECK(fd >= 0, "mkstemp");
-    close(fd);
+    temp_cache(path);
     kern_ops k;
     char log[4096];
     ct_err e = {0};
