@@ -15,7 +15,8 @@
  * are read from a bf16 store times the experts' wbf16 entries, one that is not
  * the fp32 ones (two correct implementations, each slow in the pair the other
  * is fast in), and likewise a run whose dense projections are read from a bf16
- * store times the matmul's fwd_wbf16 / dinp_wbf16. */
+ * store times the matmul's fwd_wbf16 / dinp_wbf16. And a fast entry whose
+ * first call was slowed once ("late") is not cut off on that one call. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,6 +109,20 @@ static void mm_fwd_h_slow(float *out, const float *inp, const uint16_t *w, int M
 static void mm_dinp_h_slow(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd) {
     spin();
     mm_base->fn.matmul.dinp_wbf16(dinp, dout, w, M, K, N, ldd);
+}
+
+/* "late": the reference add, except that its first call at the run's size
+ * (kern_check's sizes are others) spins 50 ms, as a call that lost its time
+ * slice to another process does. */
+#define LATE_N 8192
+static int late_calls;
+static void add_late(float *out, const float *a, const float *b, long N) {
+    if (N == LATE_N && late_calls++ == 0) {
+        double t0 = ct_now();
+        while (ct_now() - t0 < 50e-3) {
+        }
+    }
+    op_add(out, a, b, N);
 }
 
 static const char *const force_others[] = {
@@ -354,8 +369,35 @@ static void test_matmul_entries_of_the_run(void) {
     free(t);
 }
 
+/* A fast entry whose first timed call was slowed once (preempted) is called
+ * again before it is cut, and wins over the registry's slow first entry. */
+static void test_preempted_first_call(void) {
+    size_t n;
+    const kern_impl *reg = kern_registry(&n);
+    kern_impl *t = calloc(n + 3, sizeof *t);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (reg[i].op != KERN_OP_ADD) t[m++] = reg[i];
+    /* the reference slow too (kern_check needs one to compare with), so that only late is fast */
+    t[m++] = (kern_impl){KERN_OP_ADD, "slow", "cpu", 0, 0, "test: 40x the work", .fn.add = {add_slow}};
+    t[m++] = (kern_impl){KERN_OP_ADD, "late", "cpu", 0, 0, "test: the first call slow", .fn.add = {add_late}};
+    t[m++] = (kern_impl){KERN_OP_ADD, "ref", "cpu", 0, 0, "test: 40x the work", .fn.add = {add_slow}};
+    kern_run_sizes rs = {.B = 1, .T = 8, .hidden = LATE_N / 8, .inter = 64, .vocab = 256, .n_heads = 2,
+                         .n_kv_heads = 1, .head_dim = 16, .ce_rows = 8, .n_params = 1000};
+    kern_ops k;
+    char log[4096];
+    ct_err e = {0};
+    late_calls = 0;
+    CHECK(kern_tune(&k, t, m, 0, force_others, &rs, NULL, log, sizeof log, &e) == 0, "kern_tune: %s", e.msg);
+    CHECK(late_calls > 2, "late was timed after its slow call (%d calls)", late_calls);
+    CHECK(!strcmp(k.chosen[KERN_OP_ADD]->name, "late"), "picked add=%s, not late (log: %s)",
+          k.chosen[KERN_OP_ADD]->name, log);
+    free(t);
+}
+
 int main(void) {
     test_pick_and_cache();
+    test_preempted_first_call();
     if (getenv("CTITAN_EMULATED")) /* under qemu (scripts/test_aarch64.sh): ~30 s of emulated GEMM timing */
         printf("test_tune: skipped under emulation: test_ops_of_the_run (the same code is run natively)\n");
     else {
