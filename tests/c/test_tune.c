@@ -46,16 +46,19 @@ static void add_broken(float *out, const float *a, const float *b, long N) {
  * entry this CPU runs (the reference's where there is none): kern_check of a
  * reference-speed entry takes seconds. */
 static const kern_impl *moe_base;
-/* Busy for 0.25 ms: the slow half of each test MoE entry (forward + backward
- * at the tuner's sizes here take ~0.03 ms even in the reference, so a pick
- * that timed the wrong pair is off by more than the tuner's 2x margin for
- * timings beside other work). */
+/* Busy for SPIN (4 ms): the slow half of each test MoE entry. Forward +
+ * backward at the tuner's sizes here take ~0.03 ms even in the reference,
+ * but one call of an OpenMP kernel beside other work (CI's lanes under ASan)
+ * measured up to ~2 ms, waiting for its second thread; the slow half must
+ * stay more than the tuner's 2x margin for timings beside other work above
+ * that (stop 32's CI: 0.25 ms was not). */
+#define SPIN 4e-3
 static void spin_for(double secs) {
     double t0 = ct_now();
     while (ct_now() - t0 < secs) {
     }
 }
-static void spin(void) { spin_for(0.25e-3); }
+static void spin(void) { spin_for(SPIN); }
 static void moe_fwd_slow(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
                          const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
                          const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k) {
@@ -89,17 +92,17 @@ static void moe_bwd_h_slow(float *dx, float *dwg, float *dwu, float *dwd, float 
 }
 
 /* The same for the matmul op: the registry's first optimised matmul entry
- * this CPU runs. Here the fp32 pair's slow halves take 1 ms, the wbf16
- * pair's 0.25 ms, so that a tuner timing a mixed pair (fwd_wbf16 with the
+ * this CPU runs. Here the fp32 pair's slow halves take 2 SPIN, the wbf16
+ * pair's 1 SPIN, so that a tuner timing a mixed pair (fwd_wbf16 with the
  * fp32 backward, or the fp32 forward with dinp_wbf16) also picks wrong. */
 static const kern_impl *mm_base;
 static void mm_fwd_slow(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
-    spin_for(1e-3);
+    spin_for(2 * SPIN);
     mm_base->fn.matmul.fwd(out, inp, w, M, K, N, accumulate);
 }
 static void mm_bwd_slow(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
                         int N) {
-    spin_for(1e-3);
+    spin_for(2 * SPIN);
     mm_base->fn.matmul.bwd(dinp, dw, dout, inp, w, M, K, N);
 }
 static void mm_fwd_h_slow(float *out, const float *inp, const uint16_t *w, int M, int K, int N, int accumulate) {
@@ -112,16 +115,18 @@ static void mm_dinp_h_slow(float *dinp, const float *dout, const uint16_t *w, in
 }
 
 /* "late": the reference add, except that its first call at the run's size
- * (kern_check's sizes are others) spins 50 ms, as a call that lost its time
- * slice to another process does. */
+ * (kern_check's sizes are others) spins 50 SPIN, as a call that lost its time
+ * slice to another process does; "spun": the reference add after 5 SPIN, so
+ * that late, called again, beats it by more than the 2x margin for timings
+ * beside other work, and late's first call is more than the 3x cutoff. */
 #define LATE_N 8192
 static int late_calls;
 static void add_late(float *out, const float *a, const float *b, long N) {
-    if (N == LATE_N && late_calls++ == 0) {
-        double t0 = ct_now();
-        while (ct_now() - t0 < 50e-3) {
-        }
-    }
+    if (N == LATE_N && late_calls++ == 0) spin_for(50 * SPIN);
+    op_add(out, a, b, N);
+}
+static void add_spun(float *out, const float *a, const float *b, long N) {
+    spin_for(5 * SPIN);
     op_add(out, a, b, N);
 }
 
@@ -379,9 +384,9 @@ static void test_preempted_first_call(void) {
     for (size_t i = 0; i < n; i++)
         if (reg[i].op != KERN_OP_ADD) t[m++] = reg[i];
     /* the reference slow too (kern_check needs one to compare with), so that only late is fast */
-    t[m++] = (kern_impl){KERN_OP_ADD, "slow", "cpu", 0, 0, "test: 40x the work", .fn.add = {add_slow}};
+    t[m++] = (kern_impl){KERN_OP_ADD, "spun", "cpu", 0, 0, "test: 5 SPIN first", .fn.add = {add_spun}};
     t[m++] = (kern_impl){KERN_OP_ADD, "late", "cpu", 0, 0, "test: the first call slow", .fn.add = {add_late}};
-    t[m++] = (kern_impl){KERN_OP_ADD, "ref", "cpu", 0, 0, "test: 40x the work", .fn.add = {add_slow}};
+    t[m++] = (kern_impl){KERN_OP_ADD, "ref", "cpu", 0, 0, "test: 5 SPIN first", .fn.add = {add_spun}};
     kern_run_sizes rs = {.B = 1, .T = 8, .hidden = LATE_N / 8, .inter = 64, .vocab = 256, .n_heads = 2,
                          .n_kv_heads = 1, .head_dim = 16, .ce_rows = 8, .n_params = 1000};
     kern_ops k;
