@@ -16,6 +16,35 @@ T512 static inline __mmask16 lanes(int n) {
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
 
+/* The first n lanes at p (n >= 16: all 16), the rest zero / left as they
+ * are: a whole vector is moved unmasked, only a tail through the mask. On
+ * this project's AMD Zen 5 a masked store cost several times a plain one even
+ * with every lane set: with masked stores throughout, the element-wise
+ * SwiGLU forward ran at 34-39 GB/s against 86-93 with these, the q/k norm +
+ * RoPE backward at 37-52 against 54-76 (docs/benchmarks.md). */
+T512 static inline __m512 avx512_loadn(const float *p, long n) {
+    return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes((int)(n < 0 ? 0 : n)), p);
+}
+T512 static inline void avx512_storen(float *p, __m512 v, long n) {
+    if (n >= 16) _mm512_storeu_ps(p, v);
+    else _mm512_mask_storeu_ps(p, lanes((int)(n < 0 ? 0 : n)), v);
+}
+
+/* a / b and sqrt(a) as two 256-bit halves. Zen 5 divides and takes roots of
+ * a zmm at well under twice the ymm cost: AdamW (two divisions and a root
+ * per element) was compute-bound there at 50 GB/s with zmm divisions, 64-70
+ * with these, as fast as the AVX2 kernel. Correctly rounded either way, so
+ * the same bits. */
+T512 static inline __m512 avx512_div(__m512 a, __m512 b) {
+    __m256 lo = _mm256_div_ps(_mm512_castps512_ps256(a), _mm512_castps512_ps256(b));
+    __m256 hi = _mm256_div_ps(_mm512_extractf32x8_ps(a, 1), _mm512_extractf32x8_ps(b, 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+T512 static inline __m512 avx512_sqrt(__m512 a) {
+    __m256 lo = _mm256_sqrt_ps(_mm512_castps512_ps256(a)), hi = _mm256_sqrt_ps(_mm512_extractf32x8_ps(a, 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
 /* In-register transpose of a 16 x 16 block: lane j of r[i] becomes lane i of
  * r[j]. Four rounds of shuffles: pairs, quads, then 128-bit lanes twice. */
 T512 __attribute__((always_inline)) static inline void transpose16(__m512 r[16]) {

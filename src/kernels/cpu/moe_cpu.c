@@ -218,13 +218,13 @@ T512 static void dact_avx512(float *dg, float *du, const float *gate, const floa
     kern_exp_avx512(du, du, I);
     const __m512 one = _mm512_set1_ps(1.0f), wv = _mm512_set1_ps(w);
     for (int i = 0; i < I; i += 16) {
-        __mmask16 m = lanes(I - i);
-        __m512 g = _mm512_maskz_loadu_ps(m, gate + i), u = _mm512_maskz_loadu_ps(m, up + i);
-        __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, _mm512_maskz_loadu_ps(m, du + i)));
-        __m512 d = _mm512_mul_ps(wv, _mm512_maskz_loadu_ps(m, dg + i));
+        long n = I - i;
+        __m512 g = avx512_loadn(gate + i, n), u = avx512_loadn(up + i, n);
+        __m512 sig = avx512_div(one, _mm512_add_ps(one, avx512_loadn(du + i, n)));
+        __m512 d = _mm512_mul_ps(wv, avx512_loadn(dg + i, n));
         __m512 ds = _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, sig)));
-        _mm512_mask_storeu_ps(dg + i, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(d, u), sig), ds));
-        _mm512_mask_storeu_ps(du + i, m, _mm512_mul_ps(_mm512_mul_ps(d, g), sig));
+        avx512_storen(dg + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(d, u), sig), ds), n);
+        avx512_storen(du + i, _mm512_mul_ps(_mm512_mul_ps(d, g), sig), n);
     }
 }
 #elif defined(__aarch64__)
