@@ -134,14 +134,27 @@ static const char *const force_others[] = {
     "matmul=ref", "embedding=ref", "rmsnorm=ref", "rope=ref", "attention=ref", "swiglu=ref", "crossentropy=ref",
     "adamw=ref", "matmul_bf16=ref", "moe_experts=ref", "moe_experts_bf16=ref", "geglu=ref", NULL};
 
-/* The registry without its add entries, plus ours. */
-static kern_impl *make_table(size_t *n_out) {
+/* The registry without op's entries, with room for `extra` more; *base is
+ * op's first entry this CPU runs other than the reference (the reference
+ * where there is none), which the test entries wrap. */
+static kern_impl *registry_without(kern_op op, size_t extra, const kern_impl **base, size_t *m) {
     size_t n;
     const kern_impl *reg = kern_registry(&n);
-    kern_impl *t = calloc(n + 4, sizeof *t);
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++)
-        if (reg[i].op != KERN_OP_ADD) t[m++] = reg[i];
+    unsigned cpu = kern_cpu_features();
+    kern_impl *t = calloc(n + extra, sizeof *t);
+    *m = 0, *base = NULL;
+    for (size_t i = 0; i < n; i++) {
+        if (reg[i].op != op) t[(*m)++] = reg[i];
+        else if (!(reg[i].features & ~cpu) && (!*base || !strcmp((*base)->name, "ref"))) *base = &reg[i];
+    }
+    return t;
+}
+
+/* The registry without its add entries, plus ours. */
+static kern_impl *make_table(size_t *n_out) {
+    const kern_impl *base;
+    size_t m;
+    kern_impl *t = registry_without(KERN_OP_ADD, 4, &base, &m);
     t[m++] = (kern_impl){KERN_OP_ADD, "slow", "cpu", 0, 0, "test: 40x the work", .fn.add = {add_slow}};
     t[m++] = (kern_impl){KERN_OP_ADD, "broken", "cpu", 0, 0, "test: wrong", .fn.add = {add_broken}};
     t[m++] = (kern_impl){KERN_OP_ADD, "fast", "cpu", 0, 0, "test: the reference", .fn.add = {op_add}};
@@ -267,22 +280,6 @@ static void test_ops_of_the_run(void) {
     unlink(path);
 }
 
-/* The registry without op's entries, with room for `extra` more; *base is
- * op's first entry this CPU runs other than the reference (the reference
- * where there is none), which the test entries wrap. */
-static kern_impl *registry_without(kern_op op, size_t extra, const kern_impl **base, size_t *m) {
-    size_t n;
-    const kern_impl *reg = kern_registry(&n);
-    unsigned cpu = kern_cpu_features();
-    kern_impl *t = calloc(n + extra, sizeof *t);
-    *m = 0, *base = NULL;
-    for (size_t i = 0; i < n; i++) {
-        if (reg[i].op != op) t[(*m)++] = reg[i];
-        else if (!(reg[i].features & ~cpu) && (!*base || !strcmp((*base)->name, "ref"))) *base = &reg[i];
-    }
-    return t;
-}
-
 /* Overrides forcing every op but op to its reference, so that kern_tune times op alone. */
 static void all_ref_but(kern_op op, char buf[KERN_N_OPS][64], const char *ov[KERN_N_OPS + 1]) {
     int j = 0;
@@ -377,12 +374,9 @@ static void test_matmul_entries_of_the_run(void) {
 /* A fast entry whose first timed call was slowed once (preempted) is called
  * again before it is cut, and wins over the registry's slow first entry. */
 static void test_preempted_first_call(void) {
-    size_t n;
-    const kern_impl *reg = kern_registry(&n);
-    kern_impl *t = calloc(n + 3, sizeof *t);
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++)
-        if (reg[i].op != KERN_OP_ADD) t[m++] = reg[i];
+    const kern_impl *base;
+    size_t m;
+    kern_impl *t = registry_without(KERN_OP_ADD, 3, &base, &m);
     /* the reference slow too (kern_check needs one to compare with), so that only late is fast */
     t[m++] = (kern_impl){KERN_OP_ADD, "spun", "cpu", 0, 0, "test: 5 SPIN first", .fn.add = {add_spun}};
     t[m++] = (kern_impl){KERN_OP_ADD, "late", "cpu", 0, 0, "test: the first call slow", .fn.add = {add_late}};
