@@ -30,11 +30,11 @@ T512 static inline void avx512_storen(float *p, __m512 v, long n) {
     else _mm512_mask_storeu_ps(p, lanes((int)(n < 0 ? 0 : n)), v);
 }
 
-/* a / b and sqrt(a) as two 256-bit halves. Zen 5 divides and takes roots of
- * a zmm at well under twice the ymm cost: AdamW (two divisions and a root
- * per element) was compute-bound there at 50 GB/s with zmm divisions, 64-70
- * with these, as fast as the AVX2 kernel. Correctly rounded either way, so
- * the same bits. */
+/* a / b and sqrt(a) as two 256-bit halves. On Zen 5 a zmm division or root
+ * cost more than the two ymm ones: AdamW (two divisions and a root per
+ * element) ran at 64 GB/s with plain stores and zmm divisions, 68-71 with
+ * these, level with the AVX2 kernel. Correctly rounded either way, so the
+ * same bits. */
 T512 static inline __m512 avx512_div(__m512 a, __m512 b) {
     __m256 lo = _mm256_div_ps(_mm512_castps512_ps256(a), _mm512_castps512_ps256(b));
     __m256 hi = _mm256_div_ps(_mm512_extractf32x8_ps(a, 1), _mm512_extractf32x8_ps(b, 1));
