@@ -60,9 +60,6 @@ static float widen(uint16_t h) {
     return x;
 }
 
-/* C[M,N] = A[M,K] B[K,N] with B as five views of the same values, and A as
- * two more; every C must equal the one of row-major fp32 A and B bit for bit. K spans several k blocks
- * and N a partial panel, so the packers' edges are crossed. */
 /* Elements of c that differ bitwise from c0 (n of them); *first gets the first one. */
 static size_t bit_diffs(const float *c0, const float *c, size_t n, size_t *first) {
     size_t bad = 0;
@@ -71,6 +68,11 @@ static size_t bit_diffs(const float *c0, const float *c, size_t n, size_t *first
         if (memcmp(&c0[i], &c[i], sizeof(float)) && !bad++) *first = i;
     return bad;
 }
+
+/* C[M,N] = A[M,K] B[K,N] with B as five views of the same values, and A as
+ * two more; every C must equal the one of row-major fp32 A and B bit for
+ * bit. K spans several k blocks and N a partial panel, so the packers' edges
+ * are crossed. */
 
 static void check_arch(const arch_case *ac, int M, int K, int N) {
     const gemm_arch *ar = &ac->arch;

@@ -281,6 +281,11 @@ T256_INLINE __m256 att2_keymask(int lo, int n, int kc0, int half) {
                                                    avx2_lanes((long)n - kc0 - 8 * half)));
 }
 
+/* Whether vector j of a row (keys 8j .. 8j + 7) has a lane outside lo <= key < n:
+ * the vectors that need att2_keymask(lo, n, 0, j); the others skip it (a blend
+ * or an and with all lanes set changes nothing). */
+T256_INLINE int att2_part_hidden(int lo, int n, int j) { return 8 * j < lo || 8 * j + 8 > n; }
+
 T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
                                   int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
     // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
@@ -362,7 +367,7 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
                          * it, which the core could not overlap with the next row's (the softmax was
                          * ~14% of W3's forward, timed by leaving it out). The same operations in the
                          * same order per row: the same bits. Vectors whose 8 keys the row sees
-                         * skip the mask (a blend with all ones changed nothing). */
+                         * skip the mask (att2_part_hidden). */
                         float bmax[BQ];
                         for (int mb = 0; mb < nmb; mb++) {
                             if (!mbc[mb][1]) continue;
@@ -373,7 +378,7 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
                                 __m256 mx = _mm256_set1_ps(-INFINITY);
                                 for (int j = 2 * ch0; j < 2 * nch; j++) {
                                     __m256 s = _mm256_mul_ps(_mm256_loadu_ps(pr + 8 * j), vsc);
-                                    if (8 * j < clo[r] || 8 * j + 8 > ncr[r] || cap > 0.0f) {
+                                    if (att2_part_hidden(clo[r], ncr[r], j) || cap > 0.0f) {
                                         __m256 mk = att2_keymask(clo[r], ncr[r], 0, j);
                                         s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, mk);
                                         if (cap > 0.0f) { /* gemma: cap tanh(s / cap) */
@@ -584,9 +589,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                     float *pr = pb + (size_t)r * BK, *dr = db + (size_t)r * BK;
                                     for (int j = 2 * ch0; j < 2 * nch; j++) {
                                         __m256 x = _mm256_mul_ps(_mm256_loadu_ps(pr + 8 * j), vsc), p, ds;
-                                        /* the mask only where a lane is hidden (an and with all ones
-                                         * changed nothing) */
-                                        int part = 8 * j < lo || 8 * j + 8 > hi;
+                                        int part = att2_part_hidden(lo, hi, j);
                                         __m256 mk = part ? att2_keymask(lo, hi, 0, j) : _mm256_castsi256_ps(_mm256_set1_epi32(-1));
                                         if (cap > 0.0f) { /* s = cap tanh(x / cap), ds/dx = 1 - tanh^2 */
                                             __m256 th = tanh8(_mm256_div_ps(x, vc));
