@@ -11,8 +11,8 @@
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-/* Mask of the low n (0..16) lanes. */
-T512 static inline __mmask16 lanes(int n) {
+/* Mask of the low n lanes (n <= 0: none, n >= 16: all). */
+T512 static inline __mmask16 lanes(long n) {
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
 
@@ -23,11 +23,11 @@ T512 static inline __mmask16 lanes(int n) {
  * SwiGLU forward ran at 34-39 GB/s against 86-93 with these, the q/k norm +
  * RoPE backward at 37-52 against 54-76 (docs/benchmarks.md). */
 T512 static inline __m512 avx512_loadn(const float *p, long n) {
-    return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes((int)(n < 0 ? 0 : n)), p);
+    return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes(n), p);
 }
 T512 static inline void avx512_storen(float *p, __m512 v, long n) {
     if (n >= 16) _mm512_storeu_ps(p, v);
-    else _mm512_mask_storeu_ps(p, lanes((int)(n < 0 ? 0 : n)), v);
+    else _mm512_mask_storeu_ps(p, lanes(n), v);
 }
 
 /* a / b and sqrt(a) as two 256-bit halves. On Zen 5 a zmm division or root

@@ -44,8 +44,6 @@
  * partials and their in-order sum do not depend on the thread count). */
 #define EW_ROWBLK 64
 
-EW_INLINE __mmask16 ew_mask(long n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
-
 /* Whole vectors unmasked, a tail masked (avx512_util.h). One exception,
  * measured on Zen 5: the embedding's backward (its own masks, below). */
 EW_INLINE __m512 ew_load(const float *p, long n) { return avx512_loadn(p, n); }
@@ -96,7 +94,7 @@ EW512 void kern_embedding_bwd_avx512(float *dwte, const float *dout, const int32
                 /* masked throughout: this read-modify-write of rows of dwte measured 60-87 GB/s
                  * so on Zen 5, against 43-58 with ew_store's unmasked whole vectors */
                 for (int c = c0; c < c1; c += 16) {
-                    __mmask16 mk = ew_mask(c1 - c);
+                    __mmask16 mk = lanes(c1 - c);
                     _mm512_mask_storeu_ps(drow + c, mk,
                                           _mm512_add_ps(_mm512_maskz_loadu_ps(mk, drow + c), _mm512_maskz_loadu_ps(mk, grow + c)));
                 }
@@ -446,7 +444,7 @@ EW_INLINE ewv_t ewv_load(const float *p) { return _mm512_loadu_ps(p); }
 EW_INLINE void ewv_store(float *p, ewv_t v) { _mm512_storeu_ps(p, v); }
 EW_INLINE ewv_t ewv_loadn(const float *p, long n) { return ew_load(p, n); }
 EW_INLINE void ewv_storen(float *p, ewv_t v, long n) { ew_store(p, v, n); }
-EW_INLINE ewv_t ewv_fill_tail(ewv_t v, long n, float f) { return _mm512_mask_blend_ps(ew_mask(n), _mm512_set1_ps(f), v); }
+EW_INLINE ewv_t ewv_fill_tail(ewv_t v, long n, float f) { return _mm512_mask_blend_ps(lanes(n), _mm512_set1_ps(f), v); }
 EW_INLINE ewv_t ewv_add(ewv_t a, ewv_t b) { return _mm512_add_ps(a, b); }
 EW_INLINE ewv_t ewv_sub(ewv_t a, ewv_t b) { return _mm512_sub_ps(a, b); }
 EW_INLINE ewv_t ewv_mul(ewv_t a, ewv_t b) { return _mm512_mul_ps(a, b); }
@@ -504,7 +502,7 @@ EW_INLINE float ew_row_max(const float *x, long V) {
         m2 = _mm512_max_ps(m2, _mm512_loadu_ps(x + i + 32));
         m3 = _mm512_max_ps(m3, _mm512_loadu_ps(x + i + 48));
     }
-    for (; i < V; i += 16) m0 = _mm512_mask_max_ps(m0, ew_mask(V - i), m0, ew_load(x + i, V - i));
+    for (; i < V; i += 16) m0 = _mm512_mask_max_ps(m0, lanes(V - i), m0, ew_load(x + i, V - i));
     return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
 }
 
@@ -525,7 +523,7 @@ EW_INLINE float ew_row_expsum(float *dst, const float *x, long V, float maxv, in
         }
     }
     for (; i < V; i += 16) {
-        __mmask16 k = ew_mask(V - i);
+        __mmask16 k = lanes(V - i);
         __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(ew_load(x + i, V - i), vm)));
         s0 = _mm512_add_ps(s0, e);
         if (store) _mm512_mask_storeu_ps(dst + i, k, e);
