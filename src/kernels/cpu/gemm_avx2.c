@@ -18,7 +18,14 @@
  * pointers, one broadcast from each per k, otherwise uk_avx2's loop. The 6
  * row pieces (6 x kc floats) stay in L1 across the B micro-panels as the
  * packed panel did; it saves the transposition that packing such an A took
- * (transpose_slab8, ~2% of a W3 step at CTITAN_ISA=avx2). */
+ * (transpose_slab8, ~2% of a W3 step at CTITAN_ISA=avx2).
+ *
+ * Both kernels prefetch the C tile before their k loop when they add to it,
+ * as the AVX-512 kernels do: in a training step C is usually cold (a weight
+ * gradient last touched a step ago, a zeroed scratch buffer), and the tile's
+ * 6 rows are ldc apart, a pattern the hardware prefetchers do not follow.
+ * kernels bench (C hot, the same tile every rep) cannot see it; W3 steps at
+ * CTITAN_ISA=avx2 ran ~2% faster (docs/benchmarks.md). */
 #if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <stdint.h>
@@ -80,6 +87,11 @@ TAVX2 __attribute__((always_inline)) static inline void uk_rows(const int R, lon
     __m256 c[MR][2];
 #pragma GCC unroll 6
     for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    if (add) /* the tile's lines arrive while the k loop runs (top of file) */
+        for (int i = 0; i < mr; i++) {
+            _mm_prefetch((const char *)(C + i * ldc), _MM_HINT_T0);
+            _mm_prefetch((const char *)(C + i * ldc + NR - 1), _MM_HINT_T0);
+        }
     for (long k = 0; k < kc; k++) {
         __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
 #pragma GCC unroll 6
@@ -117,6 +129,11 @@ TAVX2 __attribute__((always_inline)) static inline void uk_rows_rm(const int R, 
     __m256 c[MR][2];
 #pragma GCC unroll 6
     for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    if (add) /* the tile's lines arrive while the k loop runs (top of file) */
+        for (int i = 0; i < mr; i++) {
+            _mm_prefetch((const char *)(C + i * ldc), _MM_HINT_T0);
+            _mm_prefetch((const char *)(C + i * ldc + NR - 1), _MM_HINT_T0);
+        }
     for (long k0 = 0; k0 < kc; k0 += 16) {
         if (R == MR)
 #pragma GCC unroll 6
