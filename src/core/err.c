@@ -68,3 +68,14 @@ void ct_drop_pages(void *p, size_t n) {
     hi = hi / page * page;
     if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
+
+void ct_prefault(void *p, size_t n) {
+    enum { CHUNK = 1 << 21 }; /* 2 MB: 512 pages a chunk, the faults shared between threads */
+    char *b = p;
+    long nc = (long)((n + CHUNK - 1) / CHUNK);
+#pragma omp parallel for schedule(static) if (nc > 1)
+    for (long i = 0; i < nc; i++) {
+        size_t lo = (size_t)i * CHUNK, len = n - lo < CHUNK ? n - lo : CHUNK;
+        memset(b + lo, 0, len);
+    }
+}

@@ -1,0 +1,90 @@
+/* tests/c/test_alloc.c: core/err.h's page-level allocators: ct_prefault
+ * brings every page of a buffer in (so a step's first read-then-write of a
+ * gradient or a moment takes no fault), ct_alloc_lazy leaves pages out until
+ * written, ct_drop_pages gives whole pages back and they read as zeros. */
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "core/err.h"
+
+/* Resident pages of [p, p + n) (p page-aligned), by mincore. */
+static size_t resident(void *p, size_t n) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), np = (n + page - 1) / page, r = 0;
+    unsigned char *v = ct_malloc(np);
+    if (mincore(p, n, v)) {
+        free(v);
+        return (size_t)-1;
+    }
+    for (size_t i = 0; i < np; i++) r += v[i] & 1;
+    free(v);
+    return r;
+}
+
+static long minor_faults(void) {
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_minflt;
+}
+
+/* Reads then writes every float (a += accumulator's first use); returns the
+ * sum read, which must be 0 on zeroed memory. */
+static double read_then_write(float *f, size_t n) {
+    double s = 0;
+    for (size_t i = 0; i < n; i++) {
+        s += f[i];
+        f[i] = 1.0f;
+    }
+    return s;
+}
+
+int main(void) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    /* 5 MB + 3 pages + 12 bytes: not a whole number of ct_prefault's 2 MB chunks, nor of pages */
+    size_t n = ((size_t)5 << 20) + 3 * page + 12, np = (n + page - 1) / page;
+    void *a = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void *b = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(a != MAP_FAILED && b != MAP_FAILED, "mmap");
+    if (a == MAP_FAILED || b == MAP_FAILED) return CHECK_DONE();
+    madvise(a, n, MADV_NOHUGEPAGE); /* page counts below are of 4 KB pages */
+    madvise(b, n, MADV_NOHUGEPAGE);
+
+    /* the control: untouched anonymous memory has no pages, and its first
+     * read-then-write faults at least once a page */
+    CHECK(resident(b, n) == 0, "untouched: %zu resident pages", resident(b, n));
+    long f0 = minor_faults();
+    CHECK(read_then_write(b, n / sizeof(float)) == 0.0, "untouched memory reads as zeros");
+    long fb = minor_faults() - f0;
+    CHECK(fb >= (long)np, "read-then-write of untouched memory: %ld faults for %zu pages", fb, np);
+
+    ct_prefault(a, n);
+    CHECK(resident(a, n) == np, "after ct_prefault: %zu of %zu pages resident", resident(a, n), np);
+    f0 = minor_faults();
+    CHECK(read_then_write(a, n / sizeof(float)) == 0.0, "ct_prefault leaves zeros");
+    long fa = minor_faults() - f0;
+    CHECK(fa < (long)np / 100, "read-then-write after ct_prefault: %ld faults for %zu pages", fa, np);
+    /* ct_drop_pages: whole pages back (zeros again), the partial ones kept */
+    float *f = a;
+    size_t off = page / 2, len = 3 * page; /* covers pages 1 and 2 whole, halves of 0 and 3 */
+    ct_drop_pages((char *)a + off, len);
+    CHECK(resident(a, n) == np - 2, "dropped pages: %zu of %zu resident", resident(a, n), np);
+    CHECK(f[0] == 1.0f && f[(off + len) / sizeof(float)] == 1.0f, "partial pages kept");
+    CHECK(f[page / sizeof(float)] == 0.0f && f[(2 * page + 8) / sizeof(float)] == 0.0f, "whole pages read as zeros");
+
+    /* ct_alloc_lazy: zeroed, no pages until written */
+    size_t ln = (size_t)8 << 20;
+    float *l = ct_alloc_lazy(ln);
+    uintptr_t la = (uintptr_t)l & ~(uintptr_t)(page - 1);
+    CHECK(resident((void *)la, ln) == 0, "lazy: %zu resident pages before a write", resident((void *)la, ln));
+    l[ln / sizeof(float) - 1] = 2.0f;
+    CHECK(l[0] == 0.0f && l[ln / sizeof(float) - 1] == 2.0f, "lazy memory reads zeros and keeps writes");
+    CHECK(resident((void *)la, ln) <= 2, "lazy: %zu resident pages after one write", resident((void *)la, ln));
+    ct_free_lazy(l, ln);
+
+    munmap(a, n);
+    munmap(b, n);
+    return CHECK_DONE();
+}
