@@ -73,7 +73,9 @@ void ct_prefault(void *p, size_t n) {
     enum { CHUNK = 1 << 21 }; /* 2 MB: 512 pages a chunk, the faults shared between threads */
     char *b = p;
     long nc = (long)((n + CHUNK - 1) / CHUNK);
+#ifdef _OPENMP /* core/ also builds without OpenMP (the tokenizer's test library) */
 #pragma omp parallel for schedule(static) if (nc > 1)
+#endif
     for (long i = 0; i < nc; i++) {
         size_t lo = (size_t)i * CHUNK, len = n - lo < CHUNK ? n - lo : CHUNK;
         memset(b + lo, 0, len);

@@ -368,24 +368,6 @@ static int agree_on_pick(trainer *t, int rc, const resume_pick *p, ct_err *e) {
 
 static int load_weights(trainer *t, ct_err *e);
 
-/* The gradients and AdamW's moments are calloc'd, untouched, and the first
- * step reads each float before writing it (the backward's +=, AdamW), so
- * every page took two faults there, a copy and a TLB shoot-down to the other
- * threads (ct_prefault): W3's first step ran at half the speed of the next
- * ones (AVX2, 2 threads: 471-497 tok/s against ~1000; 802-843 with this,
- * which itself takes 0.09 s; 1.5 s less system time). Not the lazy
- * buffers, whose frozen tensors' pages must stay unmapped, and not FSDP's
- * whole-model gradient buffer, of which only the pieces being reduced are
- * ever resident. After the load, so that its buffers and these are never
- * resident together; moments a resume restored are written already. */
-static void prefault_accumulators(trainer *t) {
-    if (!t->opt.lazy && t->opt.step == 0) {
-        ct_prefault(t->opt.m, t->opt.n * sizeof(float));
-        ct_prefault(t->opt.v, t->opt.n * sizeof(float));
-    }
-    if (!t->model.cfg.lazy_buffers && !t->plan.fsdp) ct_prefault(t->model.grads, t->model.n_params * sizeof(float));
-}
-
 /* The weights (and on resume the moments) of this rank's part of the model,
  * from a checkpoint, HF files or the seed, without anyone holding the whole
  * model: the loaders hand over a block of rows at a time in the whole
@@ -403,7 +385,6 @@ int trainer_init_weights(trainer *t, ct_err *e) {
         rc = load_weights(t, e);
         plan_load_end(&t->plan);
     }
-    if (!rc) prefault_accumulators(t);
     memset(&t->load, 0, sizeof t->load);
     if (t->world->size > 1) {
         int32_t worst = rc;
