@@ -341,18 +341,24 @@ int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
  * every page took two faults there, a copy and a TLB shoot-down to the other
  * threads (ct_prefault): W3's first step ran at half the speed of the next
  * ones (AVX2, 2 threads: 471-497 tok/s against ~1000; 802-843 with this,
- * which itself takes 0.09 s; 1.5 s less system time). Not the lazy
- * buffers, whose frozen tensors' pages must stay unmapped, and not FSDP's
- * whole-model gradient buffer, of which only the pieces being reduced are
- * ever resident. After the load, so that its buffers and these are never
+ * which itself takes 0.09 s; 1.5 s less system time). Only the trained
+ * runs (plan_ready's opt_ranges): the lazy buffers' frozen tensors' pages
+ * must stay unmapped. Not FSDP's whole-model gradient buffer, of which only
+ * the pieces being reduced are ever resident. After the load, so that its buffers and these are never
  * resident together (and "peak after loading" is the load's); moments a
  * resume restored are written already. */
 static void prefault_accumulators(trainer *t) {
-    if (!t->opt.lazy && t->opt.step == 0) {
-        ct_prefault(t->opt.m, t->opt.n * sizeof(float));
-        ct_prefault(t->opt.v, t->opt.n * sizeof(float));
+    const ct_plan *p = &t->plan;
+    int all = p->n_opt_ranges < 0; /* no frozen tensor: one run, the whole buffer */
+    for (int i = 0; i < (all ? 1 : p->n_opt_ranges); i++) {
+        size_t off = all ? 0 : p->opt_ranges[i].off, n = (all ? t->opt.n : p->opt_ranges[i].n) * sizeof(float);
+        if (t->opt.step == 0) {
+            ct_prefault(t->opt.m + off, n);
+            ct_prefault(t->opt.v + off, n);
+        }
+        /* without FSDP the stepped buffer is the model's own, at the same offsets */
+        if (!p->fsdp) ct_prefault(t->model.grads + off, n);
     }
-    if (!t->model.cfg.lazy_buffers && !t->plan.fsdp) ct_prefault(t->model.grads, t->model.n_params * sizeof(float));
 }
 
 int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {

@@ -449,6 +449,36 @@ def test_memory_snapshot_fsdp_is_per_shard(setup, run_ctitan):
         assert snap["total_planned"] == sum(per_rank.values())
 
 
+def test_memory_snapshot_lora_leaves_frozen_pages_out(tmp_path, run_ctitan):
+    """A LoRA run's gradient and moment buffers span the whole model, but only the adapters'
+    runs are ever written: before step 1 the trainer writes exactly those (its prefault of
+    the += accumulators), and the frozen tensors' pages never exist. With a model of ~1.1 M
+    frozen floats (~1100 pages per buffer) and rank-2 adapters, the snapshot after step 1
+    measures the gradients and moments at the dry run's planned (trained) bytes, up to the
+    pages the adapters' runs share with frozen neighbours, and far below the whole buffers."""
+    import oracle
+    cfg = oracle.tiny_config(vocab=2048, hidden=256, inter=512, layers=2, heads=4, kv_heads=2, head_dim=64)
+    cfg.save_pretrained(tmp_path / "model")
+    data = oracle.write_bin(tmp_path / "d.bin", oracle.learnable_stream(2000, 2048, seed=3))
+    out = tmp_path / "out"
+    args = ["train", "--model.spec=hf", f"--model.hf_assets_path={tmp_path / 'model'}", f"--training.dataset_path={data}",
+            "--training.seq_len=16", "--training.local_batch_size=1", "--training.steps=1", "--training.seed=5",
+            "--metrics.peak_tflops=1", f"--job.dump_folder={out}", "--lora.rank=2", "--lora.alpha=4"]
+    _, dry, _ = run_ctitan(args + ["--dry-run"])
+    planned = dry_table(dry)
+    _, _, err = run_ctitan(args + ["--profiling.enable_profiling", "--profiling.profile_freq=1",
+                                   "--profiling.enable_memory_snapshot"])
+    snap = json.loads((out / "memory_snapshot" / "iteration_1" / "rank0_memory_snapshot.json").read_text())
+    cats = {c["name"]: c for c in snap["categories"]}
+    whole = 4 * (2 * 2048 * 256 + 2 * (256 * 256 + 2 * 256 * 128 + 256 * 256 + 3 * 256 * 512))  # frozen fp32 bytes
+    runs = 2 * 7 * 2  # adapter tensors (A and B of the seven projections, two layers)
+    for k, copies in (("gradients", 1), ("adamw_moments", 2)):
+        assert cats[k]["planned"] == planned[k], (k, cats[k], planned)
+        assert planned[k] < copies * whole / 50, (k, planned[k], whole)  # the dry run plans the trained part only
+        # written: all of the trained floats, plus at most two partial pages a run per copy
+        assert 0.5 * planned[k] < cats[k]["measured"] <= planned[k] + copies * runs * 2 * 4096, (k, cats[k])
+
+
 def test_profile_freq_must_be_positive(setup, run_ctitan):
     _, _, args = setup
     rc, _, err = run_ctitan(args + ["--profiling.profile_freq=0"], check=False)
