@@ -340,13 +340,13 @@ int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
  * step reads each float before writing it (the backward's +=, AdamW), so
  * every page took two faults there, a copy and a TLB shoot-down to the other
  * threads (ct_prefault): W3's first step ran at half the speed of the next
- * ones (AVX2, 2 threads: 471-497 tok/s against ~1000; 802-843 with this,
+ * ones (AVX2, 2 threads: 471-547 tok/s against ~1000; 802-875 with this,
  * which itself takes 0.09 s; 1.5 s less system time). Only the trained
  * runs (plan_ready's opt_ranges): the lazy buffers' frozen tensors' pages
  * must stay unmapped. Not FSDP's whole-model gradient buffer, of which only
- * the pieces being reduced are ever resident. After the load, so that its buffers and these are never
- * resident together (and "peak after loading" is the load's); moments a
- * resume restored are written already. */
+ * the pieces being reduced are ever resident. After the load, so that its
+ * buffers and these are never resident together (and "peak after loading"
+ * is the load's); moments a resume restored are written already. */
 static void prefault_accumulators(trainer *t) {
     const ct_plan *p = &t->plan;
     int all = p->n_opt_ranges < 0; /* no frozen tensor: one run, the whole buffer */

@@ -25,7 +25,7 @@
  * gradient last touched a step ago, a zeroed scratch buffer), and the tile's
  * 6 rows are ldc apart, a pattern the hardware prefetchers do not follow.
  * kernels bench (C hot, the same tile every rep) cannot see it; W3 steps at
- * CTITAN_ISA=avx2 ran ~2% faster (docs/benchmarks.md). */
+ * CTITAN_ISA=avx2 ran 1.7% faster (docs/benchmarks.md). */
 #if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <stdint.h>
