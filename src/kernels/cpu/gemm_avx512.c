@@ -100,12 +100,18 @@ T512 __attribute__((always_inline)) static inline void store_transposed16(float 
 }
 
 /* Transposes a rows x kc slab (rows <= 16, row stride ld, contiguous in k)
- * into dst[k * dstride + i], 16 k at a time; rows beyond `rows` become zeros. */
-T512 static void transpose_slab(float *dst, long dstride, const float *src, long ld, int rows, long kc) {
+ * into dst[k * dstride + i], 16 k at a time; rows beyond `rows` become zeros.
+ * pf_rows rows at pf (same stride: the next slab the caller packs) are
+ * prefetched a line a row per 16 k, as gemm_avx2.c's transpose_slab8 does: in
+ * a step the source is cold and its rows are ld apart, no stream for the
+ * hardware prefetcher (W3 +0.7%, with pack_a's below; docs/kernels.md). */
+T512 static void transpose_slab(float *dst, long dstride, const float *src, long ld, int rows, long kc,
+                                const float *pf, int pf_rows) {
     /* written so every r[] index is a constant after unrolling: the block then
      * lives in registers (a runtime index would put it on the stack) */
     for (long k0 = 0; k0 < kc; k0 += 16) {
         long kn = kc - k0 < 16 ? kc - k0 : 16;
+        for (int i = 0; i < pf_rows; i++) _mm_prefetch((const char *)(pf + i * ld + k0), _MM_HINT_T0);
         __mmask16 mk = lanes((int)kn);
         __m512 r[16];
 #pragma GCC unroll 16
@@ -129,7 +135,10 @@ T512 static void pack_a_avx512(float *dst, gemm_view a, long m, long kc) {
          * the packing took 17% of a dw at K = 256, see gemm_avx2.c) */
         for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
             long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
+            long kpf = kc - k0 - kn < GEMM_PACK_KB ? kc - k0 - kn : GEMM_PACK_KB; /* rows of the next block */
             for (long p = 0; p < np; p++) {
+                for (long k = 0; k < kpf; k++) /* every 14 floats: each line at least once */
+                    _mm_prefetch((const char *)(a.p + (k0 + kn + k) * a.cs + p * MR), _MM_HINT_T0);
                 __mmask16 mk = lanes((int)(m - p * MR < MR ? m - p * MR : MR));
                 const float *src = a.p + k0 * a.cs + p * MR;
                 float *d = dst + p * MRS * kc + k0 * MRS;
@@ -142,7 +151,10 @@ T512 static void pack_a_avx512(float *dst, gemm_view a, long m, long kc) {
         /* row-major A: transpose 14 rows x 16 k at a time */
         for (long p = 0; p < np; p++) {
             int rows = (int)(m - p * MR < MR ? m - p * MR : MR);
-            transpose_slab(dst + p * MRS * kc, MRS, a.p + p * MR * a.rs, a.rs, rows, kc);
+            long next = m - (p + 1) * MR; /* rows of the next panel */
+            const float *src = a.p + p * MR * a.rs;
+            transpose_slab(dst + p * MRS * kc, MRS, src, a.rs, rows, kc, next > 0 ? src + MR * a.rs : NULL,
+                           (int)(next > MR ? MR : next > 0 ? next : 0));
         }
         return;
     }
@@ -192,7 +204,10 @@ T512 static void pack_b_avx512(float *dst, gemm_view b, long kc, long n) {
             for (int h = 0; h < 2; h++) {
                 long cols = n - p * NR - 16 * h;
                 int c = (int)(cols > 16 ? 16 : cols < 0 ? 0 : cols);
-                transpose_slab(dst + p * NR * kc + 16 * h, NR, b.p + (p * NR + 16 * h) * b.cs, b.cs, c, kc);
+                long next = cols - 16; /* columns of the next slab */
+                const float *src = b.p + (p * NR + 16 * h) * b.cs;
+                transpose_slab(dst + p * NR * kc + 16 * h, NR, src, b.cs, c, kc, next > 0 ? src + 16 * b.cs : NULL,
+                               (int)(next > 16 ? 16 : next > 0 ? next : 0));
             }
         return;
     }
