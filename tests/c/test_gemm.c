@@ -73,7 +73,6 @@ static size_t bit_diffs(const float *c0, const float *c, size_t n, size_t *first
  * two more; every C must equal the one of row-major fp32 A and B bit for
  * bit. K spans several k blocks and N a partial panel, so the packers' edges
  * are crossed. */
-
 static void check_arch(const arch_case *ac, int M, int K, int N) {
     const gemm_arch *ar = &ac->arch;
     size_t nb = (size_t)K * N;
