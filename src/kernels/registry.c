@@ -169,7 +169,7 @@ static const kern_impl registry[] = {
     /* matmul_bf16: AMX tiles, else vdpbf16ps where the CPU has it, else the fp32 micro-kernels on
      * bf16-rounded packed panels (the same products, exact in fp32), then the reference */
 #if defined(__x86_64__)
-    {KERN_OP_MATMUL_BF16, "amx", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AMXBF16, 0,
+    {KERN_OP_MATMUL_BF16, "amx", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16 | KERN_FEAT_AMXBF16, 0,
      "packed GEMM, bf16 pairs, 32x32 blocks of 2x2 AMX tiles (tdpbf16ps), fp32 sums",
      .fn.matmul = {kern_matmul_bf16_fwd_amx, kern_matmul_bf16_bwd_amx,
                    kern_matmul_fwd_wbf16_bf16_amx, kern_matmul_dinp_wbf16_bf16_amx}},
@@ -238,7 +238,8 @@ static const kern_impl registry[] = {
      * as a bf16 kernel under this same 2e-3. */
 #define KERN_MOE_BF16_TOL 2e-3
 #if defined(__x86_64__)
-    {KERN_OP_MOE_BF16, "grouped_amx", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AMXBF16, KERN_MOE_BF16_TOL,
+    {KERN_OP_MOE_BF16, "grouped_amx", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16 | KERN_FEAT_AMXBF16,
+     KERN_MOE_BF16_TOL,
      "grouped GEMMs on bf16 pairs (AMX tiles), fp32 sums",
      .fn.moe = {kern_moe_fwd_bf16_amx, kern_moe_bwd_bf16_amx,
                 kern_moe_fwd_wbf16_bf16_amx, kern_moe_bwd_wbf16_bf16_amx}},

@@ -8,7 +8,9 @@
  * It is another gemm_arch of the portable driver gemm_f32 (gemm.c): same
  * blocking, thread split, determinism and strided views as the fp32 and
  * avx512bf16 GEMMs; operands stay fp32 in memory and are rounded to bf16
- * (nearest even, bf16_pairs.h, the same helpers as avx512bf16) while packed.
+ * (nearest even, bf16_pairs.h, the same helpers as avx512bf16: the packers
+ * round with vcvtne2ps2bf16, so this arch also needs AVX512_BF16, which every
+ * CPU with AMX-BF16 has) while packed.
  *
  * Tiles (8 of 16 rows x 64 bytes, one configuration for all):
  *   tmm0..3  C accumulators, fp32 16 x 16 each: a 32 x 32 block of C (2 x 2)
@@ -212,7 +214,7 @@ TAMX static void uk_amx(long kc, const float *restrict A, const float *restrict 
 /* A rows [0, m), k [0, kc) as ceil(m / 32) micro-panels of 32 * kd lanes:
  * panel p holds pair (row p*32 + i, k pair k2) at [k2 / 16][i][k2 % 16];
  * rows past m and pairs past kc are zeros. */
-T512 static void pack_a_amx(float *dst, gemm_view a, long m, long kc) {
+T512BF16 static void pack_a_amx(float *dst, gemm_view a, long m, long kc) {
     long np = (m + MR - 1) / MR, kd = amx_depth(kc);
     if (a.cs == 1) {
         /* row-major (k contiguous): each row's pairs are adjacent already */

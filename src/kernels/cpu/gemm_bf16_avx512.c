@@ -19,14 +19,14 @@
  * the fp32 kernel's 384.
  *
  * Rounding (bf16_pairs.h, shared with the AMX kernel gemm_bf16_amx.c, which
- * also packs its B panels with gemm_pack_b_bf16 below): nearest even with
- * integer ops (add 0x7fff + the lowest kept bit, keep the high half; NaN
- * stays a quiet NaN), bit-identical to torch's
- * .to(bfloat16) and to core/dtype's ct_f32_to_bf16, so the reference and
- * this kernel multiply the same bf16 values. The one difference from the
- * reference beyond summation order: vdpbf16ps treats bf16 subnormals (below
- * 1.2e-38) as zero and flushes subnormal results, irrelevant at the
- * magnitudes of a model's activations and gradients.
+ * also packs its B panels with gemm_pack_b_bf16 below): vcvtne2ps2bf16,
+ * nearest even (NaN stays a quiet NaN), the values of torch's .to(bfloat16)
+ * and of core/dtype's ct_f32_to_bf16, so the reference and this kernel
+ * multiply the same bf16 values. The differences from the reference beyond
+ * summation order: vdpbf16ps treats bf16 subnormals (below 1.2e-38) as zero
+ * and flushes subnormal results, and the conversion turns fp32 subnormals
+ * into zeros (bf16_pairs.h), irrelevant at the magnitudes of a model's
+ * activations and gradients.
  *
  * Summation order per element of C: k blocks ascending (as the fp32 GEMM),
  * inside a block k pairs in order, the odd element of each pair first (the
@@ -43,7 +43,6 @@
 #include "kernels/cpu/bf16_pairs.h"
 #include "kernels/cpu/kern_cpu.h"
 
-#define TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 #define MR 14
 #define NR 32
@@ -52,7 +51,7 @@
 /* The micro-kernel for R rows (compile-time R at each call site, so the
  * accumulators are registers): kc k values = ceil(kc/2) pair steps. As in the
  * fp32 kernel, each element of C is one chain whatever R is. */
-TBF16 __attribute__((always_inline)) static inline void uk_rows(const int R, long kc, const float *restrict A,
+T512BF16 __attribute__((always_inline)) static inline void uk_rows(const int R, long kc, const float *restrict A,
                                                                 const float *restrict B, float *C, long ldc, int mr,
                                                                 int nr, int add) {
     __m512 c[MR][2];
@@ -91,7 +90,7 @@ TBF16 __attribute__((always_inline)) static inline void uk_rows(const int R, lon
     }
 }
 
-TBF16 static void uk_bf16(long kc, const float *restrict A, const float *restrict B, float *C, long ldc, int mr,
+T512BF16 static void uk_bf16(long kc, const float *restrict A, const float *restrict B, float *C, long ldc, int mr,
                           int nr, int add) {
     if (mr > 8) uk_rows(14, kc, A, B, C, ldc, mr, nr, add);
     else if (mr > 4) uk_rows(8, kc, A, B, C, ldc, mr, nr, add);
@@ -115,7 +114,7 @@ T512 static inline void store_pair_slab(float *dst, long dstride, __m512 r[16], 
  * transposed: dst[k2 * dstride + i] = (x[i][2 k2], x[i][2 k2 + 1]) for k2 <
  * kd (>= ceil(kc / 2)), 32 k at a time (16 rows x 16 pair lanes, one 16 x 16
  * transpose); rows beyond `rows` and k beyond kc are zeros. */
-T512 static void pair_transpose_slab(float *dst, long dstride, const float *src, long ld, int rows, long kc,
+T512BF16 static void pair_transpose_slab(float *dst, long dstride, const float *src, long ld, int rows, long kc,
                                      long kd) {
     for (long k0 = 0; k0 < 2 * kd; k0 += 32) {
         long kn = kc - k0 < 32 ? kc - k0 : 32; /* <= 0 in padding past kc: zeros */
@@ -154,7 +153,7 @@ T512 static void pair_transpose_slab_h(float *dst, long dstride, const uint16_t 
     }
 }
 
-T512 static void pack_a_bf16(float *dst, gemm_view a, long m, long kc) {
+T512BF16 static void pack_a_bf16(float *dst, gemm_view a, long m, long kc) {
     long np = (m + MR - 1) / MR, kd = (kc + 1) / 2;
     if (a.rs == 1) {
         /* A given transposed (dw's dout^T): rows k and k+1 of the source hold
@@ -191,7 +190,7 @@ T512 static void pack_a_bf16(float *dst, gemm_view a, long m, long kc) {
             }
 }
 
-T512 void gemm_pack_b_bf16(float *dst, gemm_view b, long kc, long n, long kd) {
+T512BF16 void gemm_pack_b_bf16(float *dst, gemm_view b, long kc, long n, long kd) {
     long np = (n + NR - 1) / NR;
     if (b.cs == 1) {
         /* row-major B (dinp's w, dw's inp): pair source rows k and k+1 lane by lane */
@@ -281,7 +280,7 @@ T512 static void pack_b_bf16_h(float *dst, gemm_view b, long kc, long n) {
 }
 
 /* The avx512bf16 arch's B panels: ceil(kc / 2) pairs deep (kpack = 2). */
-T512 static void pack_b_bf16(float *dst, gemm_view b, long kc, long n) {
+T512BF16 static void pack_b_bf16(float *dst, gemm_view b, long kc, long n) {
     gemm_pack_b_bf16(dst, b, kc, n, (kc + 1) / 2);
 }
 
