@@ -113,11 +113,19 @@ T512 static inline void store_pair_slab(float *dst, long dstride, __m512 r[16], 
 /* A rows x kc slab (rows <= 16, row stride ld, contiguous in k) as pairs
  * transposed: dst[k2 * dstride + i] = (x[i][2 k2], x[i][2 k2 + 1]) for k2 <
  * kd (>= ceil(kc / 2)), 32 k at a time (16 rows x 16 pair lanes, one 16 x 16
- * transpose); rows beyond `rows` and k beyond kc are zeros. */
+ * transpose); rows beyond `rows` and k beyond kc are zeros. pf_rows rows at
+ * pf (the next slab the caller packs, same stride) are prefetched two lines
+ * a row per 32 k, as the fp32 packers' transpose_slab does: in a step the
+ * source is cold and its rows ld apart, no stream for the hardware. */
 T512BF16 static void pair_transpose_slab(float *dst, long dstride, const float *src, long ld, int rows, long kc,
-                                     long kd) {
+                                         long kd, const float *pf, int pf_rows) {
     for (long k0 = 0; k0 < 2 * kd; k0 += 32) {
         long kn = kc - k0 < 32 ? kc - k0 : 32; /* <= 0 in padding past kc: zeros */
+        if (kn > 0)
+            for (int i = 0; i < pf_rows; i++) {
+                _mm_prefetch((const char *)(pf + i * ld + k0), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf + i * ld + k0 + (kn > 16 ? 16 : 0)), _MM_HINT_T0);
+            }
         __mmask16 m0 = lanes((int)kn), m1 = lanes((int)kn - 16);
         __m512 r[16];
 #pragma GCC unroll 16
@@ -157,16 +165,28 @@ T512BF16 static void pack_a_bf16(float *dst, gemm_view a, long m, long kc) {
     long np = (m + MR - 1) / MR, kd = (kc + 1) / 2;
     if (a.rs == 1) {
         /* A given transposed (dw's dout^T): rows k and k+1 of the source hold
-         * the m values of two k contiguously; pair them lane by lane */
-        for (long k2 = 0; k2 < kd; k2++) {
-            const float *s0 = a.p + 2 * k2 * a.cs, *s1 = s0 + a.cs;
-            int has1 = 2 * k2 + 1 < kc;
+         * the m values of two k contiguously; pair them lane by lane. In
+         * blocks of GEMM_PACK_KB pairs with the panels inside, so each panel
+         * receives consecutive lines (pair by pair across all panels, every
+         * store went to another panel MRS x kd floats apart: the same L1
+         * set; the fp32 packers' reason, kern_cpu.h), and the next block's
+         * source rows prefetched, a line per 14 floats */
+        for (long k20 = 0; k20 < kd; k20 += GEMM_PACK_KB) {
+            long kn = kd - k20 < GEMM_PACK_KB ? kd - k20 : GEMM_PACK_KB;
+            long kpf = kc - 2 * (k20 + kn); /* source rows of the next block */
+            kpf = kpf < 0 ? 0 : kpf > 2 * GEMM_PACK_KB ? 2 * GEMM_PACK_KB : kpf;
             for (long p = 0; p < np; p++) {
-                long rows = m - p * MR < MR ? m - p * MR : MR;
-                __mmask16 mk = lanes((int)rows);
-                __m512 x0 = _mm512_maskz_loadu_ps(mk, s0 + p * MR);
-                __m512 x1 = _mm512_maskz_loadu_ps(has1 ? mk : (__mmask16)0, (has1 ? s1 : s0) + p * MR);
-                _mm512_store_si512(dst + p * MRS * kd + k2 * MRS, bf16_pair_rows(x0, x1));
+                for (long k = 0; k < kpf; k++)
+                    _mm_prefetch((const char *)(a.p + (2 * (k20 + kn) + k) * a.cs + p * MR), _MM_HINT_T0);
+                __mmask16 mk = lanes((int)(m - p * MR < MR ? m - p * MR : MR));
+                float *d = dst + p * MRS * kd;
+                for (long k2 = k20; k2 < k20 + kn; k2++) {
+                    const float *s0 = a.p + 2 * k2 * a.cs + p * MR;
+                    int has1 = 2 * k2 + 1 < kc;
+                    __m512 x0 = _mm512_maskz_loadu_ps(mk, s0);
+                    __m512 x1 = _mm512_maskz_loadu_ps(has1 ? mk : (__mmask16)0, has1 ? s0 + a.cs : s0);
+                    _mm512_store_si512(d + k2 * MRS, bf16_pair_rows(x0, x1));
+                }
             }
         }
         return;
@@ -175,7 +195,10 @@ T512BF16 static void pack_a_bf16(float *dst, gemm_view a, long m, long kc) {
         /* row-major A: each row's k pairs are adjacent; 14 rows x 32 k at a time */
         for (long p = 0; p < np; p++) {
             int rows = (int)(m - p * MR < MR ? m - p * MR : MR);
-            pair_transpose_slab(dst + p * MRS * kd, MRS, a.p + p * MR * a.rs, a.rs, rows, kc, kd);
+            long next = m - (p + 1) * MR; /* rows of the next panel */
+            const float *src = a.p + p * MR * a.rs;
+            pair_transpose_slab(dst + p * MRS * kd, MRS, src, a.rs, rows, kc, kd, next > 0 ? src + MR * a.rs : NULL,
+                                (int)(next > MR ? MR : next > 0 ? next : 0));
         }
         return;
     }
@@ -193,18 +216,24 @@ T512BF16 static void pack_a_bf16(float *dst, gemm_view a, long m, long kc) {
 T512BF16 void gemm_pack_b_bf16(float *dst, gemm_view b, long kc, long n, long kd) {
     long np = (n + NR - 1) / NR;
     if (b.cs == 1) {
-        /* row-major B (dinp's w, dw's inp): pair source rows k and k+1 lane by lane */
-        for (long k2 = 0; k2 < kd; k2++) {
-            int has0 = 2 * k2 < kc, has1 = 2 * k2 + 1 < kc;
-            const float *s0 = b.p + (has0 ? 2 * k2 : 0) * b.rs, *s1 = s0 + b.rs;
+        /* row-major B (dinp's w, dw's inp): pair source rows k and k+1 lane
+         * by lane, in blocks of GEMM_PACK_KB pairs with the panels inside
+         * (consecutive lines to each panel, as pack_a_bf16's transposed A) */
+        for (long k20 = 0; k20 < kd; k20 += GEMM_PACK_KB) {
+            long kn = kd - k20 < GEMM_PACK_KB ? kd - k20 : GEMM_PACK_KB;
             for (long p = 0; p < np; p++) {
                 long cols = n - p * NR;
-                float *d = dst + p * NR * kd + k2 * NR;
-                for (int h = 0; h < 2; h++) {
-                    __mmask16 mk = lanes((int)(cols - 16 * h));
-                    __m512 x0 = _mm512_maskz_loadu_ps(has0 ? mk : (__mmask16)0, s0 + p * NR + 16 * h);
-                    __m512 x1 = _mm512_maskz_loadu_ps(has1 ? mk : (__mmask16)0, (has1 ? s1 : s0) + p * NR + 16 * h);
-                    _mm512_store_si512(d + 16 * h, bf16_pair_rows(x0, x1));
+                __mmask16 m0 = lanes((int)cols), m1 = lanes((int)(cols - 16));
+                float *d = dst + p * NR * kd;
+                for (long k2 = k20; k2 < k20 + kn; k2++) {
+                    int has0 = 2 * k2 < kc, has1 = 2 * k2 + 1 < kc;
+                    const float *s0 = b.p + (has0 ? 2 * k2 : 0) * b.rs + p * NR, *s1 = has1 ? s0 + b.rs : s0;
+                    __m512 x0 = _mm512_maskz_loadu_ps(has0 ? m0 : (__mmask16)0, s0);
+                    __m512 x1 = _mm512_maskz_loadu_ps(has1 ? m0 : (__mmask16)0, s1);
+                    __m512 y0 = _mm512_maskz_loadu_ps(has0 ? m1 : (__mmask16)0, s0 + 16);
+                    __m512 y1 = _mm512_maskz_loadu_ps(has1 ? m1 : (__mmask16)0, s1 + 16);
+                    _mm512_store_si512(d + k2 * NR, bf16_pair_rows(x0, x1));
+                    _mm512_store_si512(d + k2 * NR + 16, bf16_pair_rows(y0, y1));
                 }
             }
         }
@@ -216,8 +245,10 @@ T512BF16 void gemm_pack_b_bf16(float *dst, gemm_view b, long kc, long n, long kd
             for (int h = 0; h < 2; h++) {
                 long cols = n - p * NR - 16 * h;
                 int c = (int)(cols > 16 ? 16 : cols < 0 ? 0 : cols);
-                pair_transpose_slab(dst + p * NR * kd + 16 * h, NR, b.p + (p * NR + 16 * h) * b.cs, b.cs, c, kc,
-                                    kd);
+                long next = cols - 16; /* columns of the next slab */
+                const float *src = b.p + (p * NR + 16 * h) * b.cs;
+                pair_transpose_slab(dst + p * NR * kd + 16 * h, NR, src, b.cs, c, kc, kd,
+                                    next > 0 ? src + 16 * b.cs : NULL, (int)(next > 16 ? 16 : next > 0 ? next : 0));
             }
         return;
     }
