@@ -30,6 +30,11 @@
  * multiples of 64 (64, 128, 256: every Qwen3) take this path; any other hd
  * falls back to the tiled AVX-512 kernel, which has the same contract.
  *
+ * The forward's softmax runs a micro-block's rows in three sweeps (max; the
+ * scalar expf of each rescaling; exp and sum), and its last tile of a block
+ * prefetches the block's out rows during its P V, as blocked_avx2 does: the
+ * same bits, W3's forward -8 to -10% (docs/benchmarks.md).
+ *
  * Determinism: forward work is split by (b, head, query block), backward by
  * (b, kv head) as in the tiled kernel, so each output element is summed by
  * one thread in a fixed order; results do not depend on the thread count.
@@ -288,42 +293,67 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                             if (!ncmax) continue;
                             __m512 s[4][4];
                             att_dots4(s, x, kth + (size_t)j0 * hd, BK, hd, ncmax);
+                            /* The online softmax in three sweeps over the micro-block's rows:
+                             * the scaled, masked scores to P and each row's max; the new maxima
+                             * and the scalar expf of each rescaling; then the exp pass and the
+                             * sums. Row by row, each expf call came with the other rows' 12 score
+                             * registers live across it (a call clobbers every zmm), so they were
+                             * spilled and reloaded around every call. The same operations in the
+                             * same order per row: the same bits. */
+                            float bmax[4];
                             #pragma GCC unroll 4
                             for (int r = 0; r < 4; r++) {
-                                __m512 vs[4], mx = _mm512_set1_ps(-INFINITY);
+                                __m512 mx = _mm512_set1_ps(-INFINITY);
                                 #pragma GCC unroll 4
                                 for (int j = 0; j < 4; j++) {
                                     __mmask16 mk = att_lanes2(clo[r], ncr[r], j);
-                                    vs[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk, s[r][j],
-                                                               _mm512_set1_ps(scale));
+                                    __m512 vs = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mk, s[r][j],
+                                                                   _mm512_set1_ps(scale));
                                     if (cap > 0.0f) { /* gemma: cap tanh(s / cap) */
                                         __m512 vc = _mm512_set1_ps(cap);
-                                        vs[j] = _mm512_mask_mul_ps(vs[j], mk, vc, tanh16(_mm512_div_ps(vs[j], vc)));
+                                        vs = _mm512_mask_mul_ps(vs, mk, vc, tanh16(_mm512_div_ps(vs, vc)));
                                     }
-                                    mx = _mm512_max_ps(mx, vs[j]);
+                                    mx = _mm512_max_ps(mx, vs);
+                                    _mm512_storeu_ps(P + (r0 + r) * BK + 16 * j, vs);
                                 }
-                                float bmax = _mm512_reduce_max_ps(mx);
+                                bmax[r] = _mm512_reduce_max_ps(mx);
+                            }
+                            for (int r = 0; r < 4; r++) {
                                 float *mr = &m[r0 + r];
-                                if (bmax == -INFINITY) { /* no key of this block: nothing changes */
+                                if (bmax[r] == -INFINITY) { /* no key of this block: nothing changes */
                                     alpha[r0 + r] = 1.0f;
-                                    memset(P + (r0 + r) * BK, 0, BK * sizeof(float));
                                     continue;
                                 }
-                                float mnew = bmax > *mr ? bmax : *mr;
+                                float mnew = bmax[r] > *mr ? bmax[r] : *mr;
                                 alpha[r0 + r] = expf(*mr - mnew); // 0 on the first block (m = -inf)
-                                __m512 vm = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
-                                #pragma GCC unroll 4
-                                for (int j = 0; j < 4; j++) {
-                                    __m512 p = exp16(_mm512_sub_ps(vs[j], vm)); // masked: e^-inf = 0
-                                    sum = _mm512_add_ps(sum, p);
-                                    _mm512_storeu_ps(P + (r0 + r) * BK + 16 * j, p);
-                                }
-                                l[r0 + r] = l[r0 + r] * alpha[r0 + r] + _mm512_reduce_add_ps(sum);
                                 *mr = mnew;
                             }
+                            #pragma GCC unroll 4
+                            for (int r = 0; r < 4; r++) {
+                                float *pr = P + (r0 + r) * BK;
+                                if (bmax[r] == -INFINITY) {
+                                    memset(pr, 0, BK * sizeof(float));
+                                    continue;
+                                }
+                                __m512 vm = _mm512_set1_ps(m[r0 + r]), sum = _mm512_setzero_ps();
+                                #pragma GCC unroll 4
+                                for (int j = 0; j < 4; j++) {
+                                    __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(pr + 16 * j), vm)); // masked: e^-inf = 0
+                                    sum = _mm512_add_ps(sum, p);
+                                    _mm512_storeu_ps(pr + 16 * j, p);
+                                }
+                                l[r0 + r] = l[r0 + r] * alpha[r0 + r] + _mm512_reduce_add_ps(sum);
+                            }
                         }
+                        int last = j0 + BK >= t0 + nq;
                         for (int r0 = 0; r0 < nq; r0 += 4) {
                             int cmin = mbc[r0 / 4][0], ncmax = mbc[r0 / 4][1];
+                            /* the last tile prefetches the block's out rows (qs floats apart, a
+                             * page each, cold) ahead of the stores below, as blocked_avx2 does */
+                            if (last)
+                                for (int r = r0; r < r0 + 4 && r < nq; r++)
+                                    for (int i = 0; i < hd; i += 16)
+                                        __builtin_prefetch(out + ((size_t)b * T + t0 + r) * qs + (size_t)h * hd + i, 1, 3);
                             if (!ncmax) continue;
                             /* keys cmin.. only: the columns before it are masked in every row */
                             for (int c0 = 0; c0 < hd; c0 += HC)
