@@ -33,16 +33,19 @@ static void usage(FILE *f) {
             "                               every implementation against \"ref\"; exit 1 on a mismatch\n"
             "                               (--quick caps the long side of the largest cases: for qemu and\n"
             "                               the sanitizers)\n"
-            "  bench [--op NAME] [--impl NAME] [--threads N] [--reps N] [--quick] [--peak GFLOPS]\n"
+            "  bench [--op NAME] [--impl NAME] [--threads N] [--reps N] [--quick] [--peak GFLOPS] [--cold]\n"
             "                               GFLOP/s (matmul, attention) or GB/s of each implementation\n"
             "                               (--quick skips the Qwen3-0.6B lm_head shape; --peak gives the\n"
-            "                               FMA peak instead of the measured/cached one)\n"
+            "                               FMA peak instead of the measured/cached one; --cold evicts the\n"
+            "                               operands from the caches before each timed call, as a step does)\n"
             "  peak [--threads N] [--json]  the fp32/bf16 FMA peaks MFU is measured against\n");
 }
 
 typedef struct {
     const char *op, *impl;
-    int threads, reps, quick, json;
+    int threads, reps, quick, json, cold;
+    unsigned char *cold_buf; /* --cold: the scratch written between timed calls */
+    size_t cold_bytes;
     uint64_t seed;
     double peak_gflops; /* --peak: skip measuring the FMA peak */
 } kern_cli_opts;
@@ -51,8 +54,8 @@ static int parse_opts(int argc, char **argv, kern_cli_opts *o) {
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--quick") || !strcmp(a, "--json")) {
-            *(a[2] == 'q' ? &o->quick : &o->json) = 1;
+        if (!strcmp(a, "--quick") || !strcmp(a, "--json") || !strcmp(a, "--cold")) {
+            *(a[2] == 'q' ? &o->quick : a[2] == 'j' ? &o->json : &o->cold) = 1;
             continue;
         }
         if (!val) {
@@ -191,6 +194,7 @@ static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_
         if (o->quick && N > 100000) continue;
         kern_shape sh = {.M = M, .K = K, .N = N};
         kern_bench *x = kern_bench_new(KERN_OP_MATMUL, &sh); /* the same inputs for matmul and matmul_bf16 */
+        kern_bench_set_cold(x, o->cold_buf, o->cold_bytes);
         double flops = 2.0 * M * (double)K * N;
         printf("  M=%-5d K=%-5d N=%-6d (%s)\n", M, K, N, shapes[s].what);
         for (size_t i = 0; i < n; i++) {
@@ -285,6 +289,7 @@ static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_
     case KERN_OP_MATMUL_BF16: return; /* bench_matmul: both in one table */
     } /* no default: -Wswitch names an op of kernels/ops_list.h left out here */
     kern_bench *x = kern_bench_new(op, &s);
+    kern_bench_set_cold(x, o->cold_buf, o->cold_bytes);
     for (size_t i = 0; i < n; i++) {
         if ((int)t[i].op != (int)op || (t[i].features & ~cpu)) continue;
         if (o->impl && strcmp(o->impl, t[i].name)) continue;
@@ -318,7 +323,12 @@ static int cmd_bench(const kern_cli_opts *o) {
     const char *core = getenv("OPENBLAS_CORETYPE");
     printf("threads %d, cpu features: %s, OPENBLAS_CORETYPE=%s, fp32 FMA peak %.0f GFLOP/s (%s)\n", cpu_threads(),
            have, core ? core : "(unset)", peak.flops / 1e9, peak.source);
-    printf("best of %d runs after a warm-up (other processes share these cores)\n\n", o->reps);
+    printf("best of %d runs after a warm-up (other processes share these cores)\n", o->reps);
+    if (o->cold)
+        printf("cold: before each timed call every thread writes its share of %zu MB (not timed), so the operands "
+               "come from memory, as in a training step\n",
+               o->cold_bytes >> 20);
+    printf("\n");
     for (int op = 0; op < KERN_N_OPS; op++) {
         if (o->op && strcmp(o->op, kern_op_name(op))) continue;
         if (op == KERN_OP_MATMUL) {
@@ -383,7 +393,15 @@ int cli_kernels(int argc, char **argv) {
     if (o.threads > 0) cpu_set_threads(o.threads);
     if (!strcmp(argv[0], "list")) return cmd_list();
     if (!strcmp(argv[0], "check")) return cmd_check(&o);
-    if (!strcmp(argv[0], "bench")) return cmd_bench(&o);
+    if (!strcmp(argv[0], "bench")) {
+        if (o.cold) {
+            o.cold_bytes = kern_bench_cold_bytes();
+            o.cold_buf = ct_malloc(o.cold_bytes);
+        }
+        int rc = cmd_bench(&o);
+        free(o.cold_buf);
+        return rc;
+    }
     if (!strcmp(argv[0], "peak")) return cmd_peak(&o);
     fprintf(stderr, "ctitan: error: kernels: unknown subcommand \"%s\"\n", argv[0]);
     usage(stderr);

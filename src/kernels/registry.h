@@ -327,6 +327,15 @@ typedef enum {
  * stops after 2 s of calls, or after the warm-up when that alone took more
  * than cutoff seconds (cutoff > 0): the caller already has a faster candidate. */
 double kern_bench_time(kern_bench *b, const kern_impl *im, kern_bench_part part, int reps, double cutoff);
+/* Cold operands (`kernels bench --cold`): before every call kern_bench_time
+ * makes, each thread writes its share of the caller's `bytes` of scratch (not
+ * timed; every byte set to the pass's number, 1, 2, ... modulo 256, 0 skipped),
+ * which pushes the operands out of the caches, as the other layers between
+ * two uses of a tensor do in a training step; without it every call after the
+ * first finds its operands where the previous one left them. NULL turns it off. */
+void kern_bench_set_cold(kern_bench *b, unsigned char *scratch, size_t bytes);
+/* The scratch size --cold uses: 4 x the last-level cache (sysfs), 64 MB to 1 GB. */
+size_t kern_bench_cold_bytes(void);
 
 /* ---------------------------------------------------------------- tuning */
 
