@@ -338,7 +338,8 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                                 __m512 vm = _mm512_set1_ps(m[r0 + r]), sum = _mm512_setzero_ps();
                                 #pragma GCC unroll 4
                                 for (int j = 0; j < 4; j++) {
-                                    __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(pr + 16 * j), vm)); // masked: e^-inf = 0
+                                    /* masked lanes: e^-inf = 0 */
+                                    __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(pr + 16 * j), vm));
                                     sum = _mm512_add_ps(sum, p);
                                     _mm512_storeu_ps(pr + 16 * j, p);
                                 }
@@ -351,9 +352,10 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                             /* the last tile prefetches the block's out rows (qs floats apart, a
                              * page each, cold) ahead of the stores below, as blocked_avx2 does */
                             if (last)
-                                for (int r = r0; r < r0 + 4 && r < nq; r++)
-                                    for (int i = 0; i < hd; i += 16)
-                                        __builtin_prefetch(out + ((size_t)b * T + t0 + r) * qs + (size_t)h * hd + i, 1, 3);
+                                for (int r = r0; r < r0 + 4 && r < nq; r++) {
+                                    const float *orow = out + ((size_t)b * T + t0 + r) * qs + (size_t)h * hd;
+                                    for (int i = 0; i < hd; i += 16) __builtin_prefetch(orow + i, 1, 3);
+                                }
                             if (!ncmax) continue;
                             /* keys cmin.. only: the columns before it are masked in every row */
                             for (int c0 = 0; c0 < hd; c0 += HC)

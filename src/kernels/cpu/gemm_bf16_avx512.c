@@ -43,7 +43,6 @@
 #include "kernels/cpu/bf16_pairs.h"
 #include "kernels/cpu/kern_cpu.h"
 
-
 #define MR 14
 #define NR 32
 #define MRS 16
@@ -52,8 +51,8 @@
  * accumulators are registers): kc k values = ceil(kc/2) pair steps. As in the
  * fp32 kernel, each element of C is one chain whatever R is. */
 T512BF16 __attribute__((always_inline)) static inline void uk_rows(const int R, long kc, const float *restrict A,
-                                                                const float *restrict B, float *C, long ldc, int mr,
-                                                                int nr, int add) {
+                                                                   const float *restrict B, float *C, long ldc, int mr,
+                                                                   int nr, int add) {
     __m512 c[MR][2];
 #pragma GCC unroll 14
     for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
@@ -91,7 +90,7 @@ T512BF16 __attribute__((always_inline)) static inline void uk_rows(const int R, 
 }
 
 T512BF16 static void uk_bf16(long kc, const float *restrict A, const float *restrict B, float *C, long ldc, int mr,
-                          int nr, int add) {
+                             int nr, int add) {
     if (mr > 8) uk_rows(14, kc, A, B, C, ldc, mr, nr, add);
     else if (mr > 4) uk_rows(8, kc, A, B, C, ldc, mr, nr, add);
     else if (mr > 2) uk_rows(4, kc, A, B, C, ldc, mr, nr, add);
