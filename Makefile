@@ -256,6 +256,7 @@ bench: setup all
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W1 --precision bf16
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W2
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W3
+	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W3 --precision bf16
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W1 --lora 16
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_train.py --workload W1 --lora 16 --frozen-bf16 --precision bf16
 	CTITAN_BUILD=$(BUILD) $(PY) bench/bench_moe.py --shape debugmodel_moe
