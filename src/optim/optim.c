@@ -75,45 +75,42 @@ void adamw_step(adamw_state *s, float *params, float *grads, float gscale, doubl
     }
 }
 
-/* The squares of one block summed in index order, four blocks at a time:
- * each block keeps its own sequential chain (so its sum is the one-block
- * loop's to the bit), and four independent chains hide the latency of the
- * double add that bounds a single chain (the order forbids vectorising one). */
-static void norm_blocks4(double out[4], const float *g0, const float *g1, const float *g2, const float *g3, size_t n) {
-    double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    for (size_t i = 0; i < n; i++) {
-        a0 += (double)g0[i] * g0[i];
-        a1 += (double)g1[i] * g1[i];
-        a2 += (double)g2[i] * g2[i];
-        a3 += (double)g3[i] * g3[i];
-    }
-    out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3;
+/* The squares of one block in a fixed order: element i into lane i % 8, each
+ * lane a sequential chain, then the lanes summed as a fixed tree. Eight
+ * independent chains (held in vector registers: constant indices after
+ * unrolling) keep the pass near memory speed; one chain per block, bounded by
+ * the double add's latency, read ~32 GB/s (23-27 ms of a W1 step,
+ * docs/benchmarks.md). The order depends on the block alone, never on threads. */
+static double norm_block(const float *g, size_t n) {
+    double acc[8] = {0};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) acc[j] += (double)g[i + j] * g[i + j];
+    for (; i < n; i++) acc[i % 8] += (double)g[i] * g[i];
+    for (int w = 4; w; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return acc[0];
 }
 
 double optim_grad_norm(const float *g, size_t n) {
     /* fixed-size blocks summed in order keep the result independent of threads */
-    enum { BLOCK = 1 << 16, GROUP = 4 };
-    long nb = (long)((n + BLOCK - 1) / BLOCK), nfull = (long)(n / BLOCK), ng = nfull / GROUP;
+    enum { BLOCK = 1 << 16 };
+    long nb = (long)((n + BLOCK - 1) / BLOCK);
     double *part = ct_calloc((size_t)nb + 1, sizeof(double));
     kern_trace *kt_ = kern_trace_armed();
-    /* one group or none (a LoRA run's adapter ranges, under 2^18 gradients
+    /* up to 4 blocks (a LoRA run's adapter ranges, under 2^18 gradients
      * each): no second thread to wake, which on cores other processes share
      * cost up to a time slice per call (traced: 24 ms for 0.06 ms of work) */
-#pragma omp parallel if (ng > 1)
+#pragma omp parallel if (nb > 4)
     {
         KERN_TRACE_ENTER(kt_);
 #pragma omp for schedule(static) nowait
-        for (long q = 0; q < ng; q++) {
-            const float *b0 = g + (size_t)q * GROUP * BLOCK;
-            norm_blocks4(part + q * GROUP, b0, b0 + BLOCK, b0 + 2 * BLOCK, b0 + 3 * BLOCK, BLOCK);
+        for (long b = 0; b < nb; b++) {
+            size_t lo = (size_t)b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+            part[b] = norm_block(g + lo, hi - lo);
         }
         KERN_TRACE_EXIT(kt_);
-    }
-    for (long b = ng * GROUP; b < nb; b++) { /* the last few blocks (and a partial one): at most 4 */
-        size_t lo = (size_t)b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
-        double acc = 0;
-        for (size_t i = lo; i < hi; i++) acc += (double)g[i] * g[i];
-        part[b] = acc;
     }
     double total = 0;
     for (long b = 0; b < nb; b++) total += part[b];

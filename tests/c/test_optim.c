@@ -1,0 +1,44 @@
+/* tests/c/test_optim.c: optim_grad_norm (optim/optim.c), the global norm that
+ * clipping divides by.
+ *
+ * Against a long double sum of the same squares (its own order: the fixed
+ * order of the function is an implementation choice, the value is not), on
+ * lengths around its 2^16 blocks and its 8 lanes; bitwise equal at 1 and 3
+ * threads (the blocks, not the threads, fix the order); 0 for no gradients. */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "check.h"
+#include "core/rng.h"
+#include "optim/optim.h"
+
+static long double ref_norm(const float *g, size_t n) {
+    long double s = 0;
+    for (size_t i = 0; i < n; i++) s += (long double)g[i] * g[i];
+    return sqrtl(s);
+}
+
+static void test_norm(ct_rng *r, size_t n) {
+    float *g = malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) g[i] = (float)ct_rng_normal(r) * (i % 3 ? 1e-3f : 2.0f);
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    double one = optim_grad_norm(g, n);
+    omp_set_num_threads(3);
+    double three = optim_grad_norm(g, n);
+    omp_set_num_threads(saved);
+    long double want = ref_norm(g, n);
+    CHECK(one == three, "n %zu: %.17g at 1 thread, %.17g at 3", n, one, three);
+    CHECK(fabsl(one - want) <= 1e-14L * want, "n %zu: %.17g against %.17Lg", n, one, want);
+    free(g);
+}
+
+int main(void) {
+    ct_rng r;
+    ct_rng_seed(&r, 7);
+    CHECK(optim_grad_norm(NULL, 0) == 0.0, "no gradients: a norm of 0");
+    size_t sizes[] = {1, 7, 8, 9, 4095, 65536, 65537, 4 * 65536 + 3, 5 * 65536 + 12345};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) test_norm(&r, sizes[i]);
+    return CHECK_DONE();
+}
