@@ -69,7 +69,7 @@ void ct_drop_pages(void *p, size_t n) {
     if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
-void ct_prefault(void *p, size_t n) {
+void ct_fill(void *p, int byte, size_t n) {
     enum { CHUNK = 1 << 21 }; /* 2 MB: 512 pages a chunk, the faults shared between threads */
     char *b = p;
     long nc = (long)((n + CHUNK - 1) / CHUNK);
@@ -78,6 +78,6 @@ void ct_prefault(void *p, size_t n) {
 #endif
     for (long i = 0; i < nc; i++) {
         size_t lo = (size_t)i * CHUNK, len = n - lo < CHUNK ? n - lo : CHUNK;
-        memset(b + lo, 0, len);
+        memset(b + lo, byte, len);
     }
 }

@@ -47,13 +47,15 @@ void ct_free_lazy(void *p, size_t n);
  * read as zeros until written again); the partial pages at either end,
  * which neighbouring data may share, are kept. */
 void ct_drop_pages(void *p, size_t n);
-/* Writes zeros over the n bytes at p (zeroed memory not yet touched), on
- * every thread, so that each page comes in on one write fault. For buffers
- * a step reads before it writes (gradients summed with +=, AdamW's
- * moments): a calloc page read first maps the shared zero page, and the
- * write after it takes a second fault, a copy and a TLB shoot-down sent to
- * every other thread. */
-void ct_prefault(void *p, size_t n);
+/* Sets the n bytes at p to `byte` on every thread, each writing its share in
+ * 2 MB chunks. Uses: bringing in the pages of zeroed memory not yet touched
+ * (byte 0), each on one write fault, for buffers a step reads before it
+ * writes (gradients summed with +=, AdamW's moments): a calloc page read
+ * first maps the shared zero page, and the write after it takes a second
+ * fault, a copy and a TLB shoot-down sent to every other thread (the
+ * trainer's prefault_accumulators); and pushing every core's caches out
+ * (`kernels bench --cold`, kernels/timing.c). */
+void ct_fill(void *p, int byte, size_t n);
 void *ct_calloc(size_t n, size_t size);
 char *ct_strdup(const char *s);
 

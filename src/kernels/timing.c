@@ -7,7 +7,6 @@
  * [-0.5, 0.5): a softmax, exp or AdamW step on them runs the same code paths
  * as on a model's tensors, and nothing overflows. */
 #include <math.h>
-#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -285,16 +284,7 @@ size_t kern_bench_cold_bytes(void) {
 static void cold_pass(kern_bench *x) {
     if (!x->cold) return;
     if (++x->cold_pass % 256 == 0) x->cold_pass++; /* never 0: a written byte differs from a fresh page */
-    int v = (int)(x->cold_pass % 256);
-    kern_trace *kt_ = kern_trace_armed(); /* a bench runs untraced; the stamps are the kernels' rule */
-#pragma omp parallel
-    {
-        KERN_TRACE_ENTER(kt_);
-        size_t t = (size_t)omp_get_thread_num(), T = (size_t)omp_get_num_threads();
-        size_t lo = x->cold_bytes * t / T, hi = x->cold_bytes * (t + 1) / T;
-        memset(x->cold + lo, v, hi - lo);
-        KERN_TRACE_EXIT(kt_);
-    }
+    ct_fill(x->cold, (int)(x->cold_pass % 256), x->cold_bytes);
 }
 
 double kern_bench_time(kern_bench *x, const kern_impl *im, kern_bench_part part, int reps, double cutoff) {

@@ -339,7 +339,7 @@ int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
 /* The gradients and AdamW's moments are calloc'd, untouched, and the first
  * step reads each float before writing it (the backward's +=, AdamW), so
  * every page took two faults there, a copy and a TLB shoot-down to the other
- * threads (ct_prefault): W3's first step ran at half the speed of the next
+ * threads (ct_fill's note): W3's first step ran at half the speed of the next
  * ones (AVX2, 2 threads: 471-547 tok/s against ~1000; 802-875 with this,
  * which itself takes 0.09 s; 1.5 s less system time). Only the trained
  * runs (plan_ready's opt_ranges): the lazy buffers' frozen tensors' pages
@@ -353,11 +353,11 @@ static void prefault_accumulators(trainer *t) {
     for (int i = 0; i < (all ? 1 : p->n_opt_ranges); i++) {
         size_t off = all ? 0 : p->opt_ranges[i].off, n = (all ? t->opt.n : p->opt_ranges[i].n) * sizeof(float);
         if (t->opt.step == 0) {
-            ct_prefault(t->opt.m + off, n);
-            ct_prefault(t->opt.v + off, n);
+            ct_fill(t->opt.m + off, 0, n);
+            ct_fill(t->opt.v + off, 0, n);
         }
         /* without FSDP the stepped buffer is the model's own, at the same offsets */
-        if (!p->fsdp) ct_prefault(t->model.grads + off, n);
+        if (!p->fsdp) ct_fill(t->model.grads + off, 0, n);
     }
 }
 

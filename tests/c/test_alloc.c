@@ -1,5 +1,5 @@
-/* tests/c/test_alloc.c: core/err.h's page-level allocators: ct_prefault
- * brings every page of a buffer in (so a step's first read-then-write of a
+/* tests/c/test_alloc.c: core/err.h's page-level allocators: ct_fill
+ * (of zeros, over untouched memory) brings every page of a buffer in (so a step's first read-then-write of a
  * gradient or a moment takes no fault), ct_alloc_lazy leaves pages out until
  * written, ct_drop_pages gives whole pages back and they read as zeros. */
 #include <stdint.h>
@@ -43,7 +43,7 @@ static double read_then_write(float *f, size_t n) {
 
 int main(void) {
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    /* 5 MB + 3 pages + 12 bytes: not a whole number of ct_prefault's 2 MB chunks, nor of pages */
+    /* 5 MB + 3 pages + 12 bytes: not a whole number of ct_fill's 2 MB chunks, nor of pages */
     size_t n = ((size_t)5 << 20) + 3 * page + 12, np = (n + page - 1) / page;
     void *a = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     void *b = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -60,12 +60,12 @@ int main(void) {
     long fb = minor_faults() - f0;
     CHECK(fb >= (long)np, "read-then-write of untouched memory: %ld faults for %zu pages", fb, np);
 
-    ct_prefault(a, n);
-    CHECK(resident(a, n) == np, "after ct_prefault: %zu of %zu pages resident", resident(a, n), np);
+    ct_fill(a, 0, n);
+    CHECK(resident(a, n) == np, "after ct_fill: %zu of %zu pages resident", resident(a, n), np);
     f0 = minor_faults();
-    CHECK(read_then_write(a, n / sizeof(float)) == 0.0, "ct_prefault leaves zeros");
+    CHECK(read_then_write(a, n / sizeof(float)) == 0.0, "ct_fill of 0 leaves zeros");
     long fa = minor_faults() - f0;
-    CHECK(fa < (long)np / 100, "read-then-write after ct_prefault: %ld faults for %zu pages", fa, np);
+    CHECK(fa < (long)np / 100, "read-then-write after ct_fill: %ld faults for %zu pages", fa, np);
     /* ct_drop_pages: whole pages back (zeros again), the partial ones kept */
     float *f = a;
     size_t off = page / 2, len = 3 * page; /* covers pages 1 and 2 whole, halves of 0 and 3 */
