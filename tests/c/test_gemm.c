@@ -31,7 +31,9 @@ static int n_archs(arch_case *out) {
         out[n++] = (arch_case){"avx2", gemm_arch_avx2};
     if ((f & (KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16)) == (KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16))
         out[n++] = (arch_case){"avx512bf16", gemm_arch_avx512bf16};
-    if ((f & KERN_FEAT_AMXBF16) && (f & KERN_FEAT_AVX512BF16) && cpu_amx_bf16_ready(NULL)) out[n++] = (arch_case){"amx", gemm_arch_amx};
+    /* the AMX packers round with AVX512_BF16's conversion (bf16_pairs.h) */
+    if ((f & KERN_FEAT_AMXBF16) && (f & KERN_FEAT_AVX512BF16) && cpu_amx_bf16_ready(NULL))
+        out[n++] = (arch_case){"amx", gemm_arch_amx};
 #elif defined(__aarch64__)
     out[n++] = (arch_case){"neon", gemm_arch_neon};
     if (f & KERN_FEAT_ARM_BF16) out[n++] = (arch_case){"bfmmla", gemm_arch_bfmmla};

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "kern_test.h"
 #include "core/timer.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
@@ -400,10 +401,8 @@ static void test_preempted_first_call(void) {
 static void test_cold_passes(void) {
     size_t cb = kern_bench_cold_bytes();
     CHECK(cb >= ((size_t)64 << 20) && cb <= ((size_t)1 << 30), "cold scratch of %zu bytes", cb);
-    size_t n, bytes = ((size_t)3 << 20) + 4097;
-    const kern_impl *t = kern_registry(&n), *ref = NULL;
-    for (size_t i = 0; i < n; i++)
-        if (t[i].op == KERN_OP_ADD && !strcmp(t[i].name, "ref")) ref = &t[i];
+    size_t bytes = ((size_t)3 << 20) + 4097;
+    const kern_impl *ref = impl_of(KERN_OP_ADD, "ref");
     unsigned char *buf = calloc(bytes, 1);
     kern_shape sh = {.n = 4096};
     kern_bench *x = kern_bench_new(KERN_OP_ADD, &sh);
