@@ -87,11 +87,7 @@ TAVX2 __attribute__((always_inline)) static inline void uk_rows(const int R, lon
     __m256 c[MR][2];
 #pragma GCC unroll 6
     for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
-    if (add) /* the tile's lines arrive while the k loop runs (top of file) */
-        for (int i = 0; i < mr; i++) {
-            _mm_prefetch((const char *)(C + i * ldc), _MM_HINT_T0);
-            _mm_prefetch((const char *)(C + i * ldc + NR - 1), _MM_HINT_T0);
-        }
+    if (add) gemm_prefetch_c(C, ldc, mr, NR); /* the tile's lines arrive while the k loop runs (top of file) */
     for (long k = 0; k < kc; k++) {
         __m256 b0 = _mm256_load_ps(B), b1 = _mm256_load_ps(B + 8);
 #pragma GCC unroll 6
@@ -129,11 +125,7 @@ TAVX2 __attribute__((always_inline)) static inline void uk_rows_rm(const int R, 
     __m256 c[MR][2];
 #pragma GCC unroll 6
     for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
-    if (add) /* the tile's lines arrive while the k loop runs (top of file) */
-        for (int i = 0; i < mr; i++) {
-            _mm_prefetch((const char *)(C + i * ldc), _MM_HINT_T0);
-            _mm_prefetch((const char *)(C + i * ldc + NR - 1), _MM_HINT_T0);
-        }
+    if (add) gemm_prefetch_c(C, ldc, mr, NR); /* the tile's lines arrive while the k loop runs (top of file) */
     for (long k0 = 0; k0 < kc; k0 += 16) {
         if (R == MR)
 #pragma GCC unroll 6

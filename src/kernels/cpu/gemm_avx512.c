@@ -47,12 +47,7 @@ T512 __attribute__((always_inline)) static inline void uk_rows(const int R, long
     __m512 c[MR][2];
 #pragma GCC unroll 14
     for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
-    /* touch the C tile early so its lines arrive while the k loop runs */
-    if (add)
-        for (int i = 0; i < mr; i++) {
-            _mm_prefetch((const char *)(C + i * ldc), _MM_HINT_T0);
-            _mm_prefetch((const char *)(C + i * ldc + NR - 1), _MM_HINT_T0);
-        }
+    if (add) gemm_prefetch_c(C, ldc, mr, NR); /* the tile's lines arrive while the k loop runs */
     for (long k = 0; k < kc; k++) {
         __m512 b0 = _mm512_load_ps(B), b1 = _mm512_load_ps(B + 16);
 #pragma GCC unroll 14

@@ -56,11 +56,7 @@ T512BF16 __attribute__((always_inline)) static inline void uk_rows(const int R, 
     __m512 c[MR][2];
 #pragma GCC unroll 14
     for (int i = 0; i < R; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
-    if (add)
-        for (int i = 0; i < mr; i++) {
-            _mm_prefetch((const char *)(C + i * ldc), _MM_HINT_T0);
-            _mm_prefetch((const char *)(C + i * ldc + NR - 1), _MM_HINT_T0);
-        }
+    if (add) gemm_prefetch_c(C, ldc, mr, NR);
     long kd = (kc + 1) / 2;
     for (long k = 0; k < kd; k++) {
         __m512bh b0 = (__m512bh)_mm512_load_si512(B), b1 = (__m512bh)_mm512_load_si512(B + 16);

@@ -68,6 +68,19 @@ typedef void (*gemm_pack_b_fn)(float *dst, gemm_view b, long kc, long n);
  * one piece per panel per k, panels MRS x kc floats apart in the same L1 set. */
 #define GEMM_PACK_KB 8
 
+/* The first and last line of each of a C tile's mr rows (ldc apart, the tile
+ * nr floats wide), prefetched by a micro-kernel that adds to C before its k
+ * loop, so the lines arrive while it runs. In a training step C is usually
+ * cold (a weight gradient last touched a step ago, a zeroed scratch) and its
+ * rows are ldc apart, which no hardware prefetcher follows; kernels bench
+ * keeps C hot unless --cold. Prefetches change no result. */
+static inline void gemm_prefetch_c(const float *C, long ldc, int mr, int nr) {
+    for (int i = 0; i < mr; i++) {
+        __builtin_prefetch(C + i * ldc, 0, 3);
+        __builtin_prefetch(C + i * ldc + nr - 1, 0, 3);
+    }
+}
+
 /* Rows up to which the forward (out = inp . w^T) skips the GEMM for plain dot
  * products: decode steps of generation (M = 1) are bound by reading w, and
  * packing would read and write it twice more. */
