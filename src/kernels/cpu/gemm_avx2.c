@@ -218,10 +218,10 @@ TAVX2 static void pack_a_avx2(float *dst, gemm_view a, long m, long kc) {
     if (a.cs == 1) {
         for (long p = 0; p < np; p++) {
             int rows = (int)(m - p * MR < MR ? m - p * MR : MR);
-            long next = m - (p + 1) * MR; /* rows of the next panel */
             const float *src = a.p + p * MR * a.rs;
-            transpose_slab8(dst + p * MRS * kc, MRS, src, a.rs, rows, kc, next > 0 ? src + MR * a.rs : NULL,
-                            (int)(next > MR ? MR : next > 0 ? next : 0));
+            int pr; /* rows of the next panel */
+            const float *pf = gemm_next_slab(src, a.rs, MR, m - (p + 1) * MR, &pr);
+            transpose_slab8(dst + p * MRS * kc, MRS, src, a.rs, rows, kc, pf, pr);
         }
         return;
     }
@@ -287,10 +287,10 @@ TAVX2 static void pack_b_avx2(float *dst, gemm_view b, long kc, long n) {
             for (int h = 0; h < 2; h++) {
                 long cols = n - p * NR - 8 * h;
                 int c = (int)(cols > 8 ? 8 : cols < 0 ? 0 : cols);
-                long next = cols - 8; /* columns of the next slab */
                 const float *src = b.p + (p * NR + 8 * h) * b.cs;
-                transpose_slab8(dst + p * NR * kc + 8 * h, NR, src, b.cs, c, kc, next > 0 ? src + 8 * b.cs : NULL,
-                                (int)(next > 8 ? 8 : next > 0 ? next : 0));
+                int pc; /* columns of the next slab */
+                const float *pf = gemm_next_slab(src, b.cs, 8, cols - 8, &pc);
+                transpose_slab8(dst + p * NR * kc + 8 * h, NR, src, b.cs, c, kc, pf, pc);
             }
         return;
     }

@@ -146,10 +146,10 @@ T512 static void pack_a_avx512(float *dst, gemm_view a, long m, long kc) {
         /* row-major A: transpose 14 rows x 16 k at a time */
         for (long p = 0; p < np; p++) {
             int rows = (int)(m - p * MR < MR ? m - p * MR : MR);
-            long next = m - (p + 1) * MR; /* rows of the next panel */
             const float *src = a.p + p * MR * a.rs;
-            transpose_slab(dst + p * MRS * kc, MRS, src, a.rs, rows, kc, next > 0 ? src + MR * a.rs : NULL,
-                           (int)(next > MR ? MR : next > 0 ? next : 0));
+            int pr; /* rows of the next panel */
+            const float *pf = gemm_next_slab(src, a.rs, MR, m - (p + 1) * MR, &pr);
+            transpose_slab(dst + p * MRS * kc, MRS, src, a.rs, rows, kc, pf, pr);
         }
         return;
     }
@@ -199,10 +199,10 @@ T512 static void pack_b_avx512(float *dst, gemm_view b, long kc, long n) {
             for (int h = 0; h < 2; h++) {
                 long cols = n - p * NR - 16 * h;
                 int c = (int)(cols > 16 ? 16 : cols < 0 ? 0 : cols);
-                long next = cols - 16; /* columns of the next slab */
                 const float *src = b.p + (p * NR + 16 * h) * b.cs;
-                transpose_slab(dst + p * NR * kc + 16 * h, NR, src, b.cs, c, kc, next > 0 ? src + 16 * b.cs : NULL,
-                               (int)(next > 16 ? 16 : next > 0 ? next : 0));
+                int pc; /* columns of the next slab */
+                const float *pf = gemm_next_slab(src, b.cs, 16, cols - 16, &pc);
+                transpose_slab(dst + p * NR * kc + 16 * h, NR, src, b.cs, c, kc, pf, pc);
             }
         return;
     }

@@ -68,6 +68,15 @@ typedef void (*gemm_pack_b_fn)(float *dst, gemm_view b, long kc, long n);
  * one piece per panel per k, panels MRS x kc floats apart in the same L1 set. */
 #define GEMM_PACK_KB 8
 
+/* The slab a transposing packer reads after the one at src (slab rows, ld
+ * apart), for its prefetch: `left` rows of the operand remain past the
+ * current slab; *rows gets how many the next slab has, and with none (0) the
+ * result is NULL, so no address past the operand is formed. */
+static inline const float *gemm_next_slab(const float *src, long ld, int slab, long left, int *rows) {
+    *rows = (int)(left > slab ? slab : left > 0 ? left : 0);
+    return *rows ? src + slab * ld : NULL;
+}
+
 /* The first and last line of each of a C tile's mr rows (ldc apart, the tile
  * nr floats wide), prefetched by a micro-kernel that adds to C before its k
  * loop, so the lines arrive while it runs. In a training step C is usually
