@@ -126,6 +126,9 @@ static const cfg_option cfg_options[] = {
         .help = "bit-identical runs for the same config"),
     OPT("training", "threads", CFG_INT, threads, "0", .range = CFG_GE, .lo = 0,
         .help = "CPU threads; 0: OMP_NUM_THREADS or all cores"),
+    OPT("training", "logits_chunk_rows", CFG_INT, logits_chunk_rows, "0", .range = CFG_GE, .lo = 0,
+        .help = "rows of logits the fused lm_head + loss holds at once (fewer: less memory, more passes over "
+                "lm_head); 0: as few equal chunks as keep one within 512 MiB, at least 256 rows"),
     OPT("training", "mixed_precision_param", CFG_ENUM, mixed_precision_param, "float32",
         .choices = cfg_mp_dtypes,
         .help = "bfloat16: every linear rounds its inputs to bf16 and sums in fp32; weights, AdamW "

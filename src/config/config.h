@@ -51,6 +51,7 @@ typedef struct {
     int stop_at_step;         /* 0 = never */
     int deterministic;        /* false */
     int threads;              /* 0 = OMP_NUM_THREADS or all cores */
+    int logits_chunk_rows;    /* 0 = auto (lm_logit_rows): rows of logits held at once by the fused lm_head + loss */
     char *mixed_precision_param; /* "float32" | "bfloat16": dtype of the matmul inputs (fp32 sums, fp32 master weights) */
     char *freeze;             /* "": list (comma-joined) of HF tensor-name patterns with * not to train */
     char *frozen_dtype;       /* "float32" | "bfloat16" (not implemented yet) */

@@ -582,6 +582,23 @@ int lm_create(lm_model *m, const lm_config *c, int B, int T, ct_err *e) {
     return lm_create_ac(m, c, B, T, "none", NULL, e);
 }
 
+/* Each block of logits rows re-reads the whole lm_head in its forward and in
+ * its d(input) product, and reads and writes the whole d(lm_head): at Qwen3's
+ * vocabulary ~1.9 GB of traffic per block whatever its rows, against 6 x rows
+ * x 156 MFLOP. So as few blocks as keep one block's logits within
+ * LM_LOGITS_BUDGET, of equal rows (one block of W1's 512 rows, where two of
+ * 256 ran 5-11% slower in bf16: docs/benchmarks.md), and never fewer than the
+ * 256 rows the blocks always had. HF's model holds all [BT, V] logits; the
+ * budget is a third of that at 2048 rows of Qwen3's vocabulary. */
+#define LM_LOGITS_BUDGET ((size_t)512 << 20)
+int lm_logit_rows(const lm_config *c, int BT) {
+    if (c->logit_rows > 0) return c->logit_rows < BT ? c->logit_rows : BT;
+    size_t V = (size_t)(c->vocab_rows ? c->vocab_rows : c->vocab_size);
+    size_t blocks = ((size_t)BT * V * sizeof(float) + LM_LOGITS_BUDGET - 1) / LM_LOGITS_BUDGET;
+    int rows = (int)(((size_t)BT + blocks - 1) / blocks), least = BT < 256 ? BT : 256;
+    return rows > least ? rows : least;
+}
+
 /* The layout and the activation plan, counted but not allocated: m->tensors,
  * m->n_params, m->act.layer (pointers still NULL), m->act.floats and the
  * per-layer checkpointing policy m->act.pol [L]. Shared by
@@ -622,7 +639,7 @@ static int plan_model(lm_model *m, const lm_config *c, int B, int T, const char 
     build_layout(m);
     m->act.B = B;
     m->act.T = T;
-    m->ws.logit_rows = B * T < 256 ? B * T : 256;
+    m->ws.logit_rows = lm_logit_rows(c, B * T);
     m->act.layer = ct_calloc((size_t)c->n_layers + 1, sizeof(lm_layer_acts));
     m->act.pol = pol;
     carver cv = {0};
@@ -1667,8 +1684,8 @@ static const lm_tensor *head_stored(const lm_model *m) {
     const lm_tensor *t = m->cfg.tie_embeddings ? &m->tensors[0] : &m->tensors[m->n_tensors - 1];
     return t->store != LM_NO_STORE ? t : NULL;
 }
-static void head_scratch(lm_model *m) {
-    if (!m->ws.head_tmp) m->ws.head_tmp = ct_malloc((size_t)m->ws.logit_rows * HEAD_VBLOCK * sizeof(float));
+static void head_scratch(lm_model *m) { /* only head_fwd's few-rows path uses it */
+    if (!m->ws.head_tmp) m->ws.head_tmp = ct_malloc((size_t)HEAD_ONE_CALL_ROWS * HEAD_VBLOCK * sizeof(float));
 }
 
 /* logits[n, V] = x[n, H] @ lm_head^T */
@@ -1759,8 +1776,8 @@ size_t lm_frozen_widened_floats(const lm_model *m) {
     /* every stored matrix, the MoE router and experts included, is read from
      * its store by the products (the GEMMs' per-thread widening of one packed
      * block at a time is workspace, not counted); what remains is a stored
-     * lm_head's block of logits, head_tmp: [logit_rows <= 256, HEAD_VBLOCK] */
-    return head_stored(m) ? (size_t)HEAD_VBLOCK * 256 : 0;
+     * lm_head's block of logits, head_tmp: [HEAD_ONE_CALL_ROWS, HEAD_VBLOCK] */
+    return head_stored(m) ? (size_t)HEAD_VBLOCK * HEAD_ONE_CALL_ROWS : 0;
 }
 
 void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) {

@@ -162,6 +162,9 @@ typedef struct {
      * where written (ct_alloc_lazy): runs with frozen tensors, whose
      * gradients are never written and whose weights may live in bf16 */
     int lazy_buffers;
+    /* Rows of logits the fused lm_head + loss holds at once
+     * (training.logits_chunk_rows); 0: lm_logit_rows picks. */
+    int logit_rows;
 } lm_config;
 
 /* Whether layer l has adapters on projection p. */
@@ -367,7 +370,7 @@ typedef struct {
     int rope_T;             /* the forward length the tables were built for (lm_rope_by_length) */
     float *norm_w;          /* [max(H, nH*hd)] 1 + w of a Gemma norm while a kernel reads it */
     float *cap_t;           /* [logit_rows, V] tanh(logits / final_softcap) of the block in flight */
-    int logit_rows;         /* rows of logits materialised at once */
+    int logit_rows;         /* rows of logits materialised at once (lm_logit_rows) */
     float *logits;          /* [logit_rows, V] (V: vocab_rows when vocabulary-parallel) */
     float *ce_stats;        /* [3, logit_rows] vocabulary-parallel loss: row max, sum of exp, target logit */
     /* backward scratch */
@@ -382,8 +385,8 @@ typedef struct {
     float *lora_x, *lora_dx; /* [BT, max in] drop(x) and its gradient; only with dropout */
     float *lora_ew, *lora_dew; /* [3 E Im H] each: a layer's adapted expert weights W + scale B A and their
                                   gradient, with expert LoRA (allocated at first use) */
-    float *head_tmp; /* a bf16-stored lm_head: [logit_rows, block] logits of one block of its rows
-                        (allocated at first use) */
+    float *head_tmp; /* a bf16-stored lm_head: [<= 16, block] logits of one block of its rows for a
+                        forward of few rows (allocated at first use) */
 } lm_work;
 
 /* MoE routing state (0 / NULL for a dense model): what the last forward's
@@ -504,6 +507,10 @@ int lm_create(lm_model *m, const lm_config *c, int B, int T, ct_err *e);
  * Anything else is CT_ERR_CONFIG naming the key. */
 int lm_create_ac(lm_model *m, const lm_config *c, int B, int T, const char *ac_mode,
                     const char *ac_option, ct_err *e);
+/* Rows of logits the fused lm_head + loss holds at once for BT rows: c->logit_rows
+ * (at most BT) when set, else as few equal blocks as keep one within 512 MiB of fp32
+ * logits, never under min(BT, 256) rows. */
+int lm_logit_rows(const lm_config *c, int BT);
 /* Only the policy: the LM_AC_* of layer l (0 <= l < n_layers), or -1 with *e set. */
 int lm_ac_layer(const char *ac_mode, const char *ac_option, int l, ct_err *e);
 void lm_free(lm_model *m);

@@ -228,6 +228,7 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
     const char *src = cfg_source(c);
     int partial = c->lora_rank > 0 || c->freeze[0];
     mc->lazy_buffers = partial; /* the frozen tensors' gradients are never written: no pages for them */
+    mc->logit_rows = c->logits_chunk_rows;
     if (partial && (tp > 1 || ep > 1))
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: lora / training.freeze with tensor_parallel_degree %d and expert_parallel_degree %d: "

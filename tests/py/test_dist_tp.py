@@ -34,6 +34,9 @@ TP_LAYOUTS = {  # name: (ranks, replicate, shard, tp, extra)
     "tp2": (2, 1, 1, 2, []),
     "tp2_fsdp2": (4, 1, 2, 2, []),
     "tp2_dp2_ac_full": (4, 2, 1, 2, ["--activation_checkpoint.mode=full"]),
+    # the vocabulary-parallel loss over blocks of 7 logits rows (each with its own max, sum
+    # of exponentials and target logit combined over the ranks), against one whole block
+    "tp2_logits_chunk_rows_7": (2, 1, 1, 2, ["--training.logits_chunk_rows=7"]),
 }
 
 

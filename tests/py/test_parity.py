@@ -77,6 +77,28 @@ def test_logits_loss_grads(cid, kw, T, tmp_path, open_session):
     assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
 
 
+@pytest.mark.parametrize("tied,rows", [(False, 5), (True, 5), (False, 16)])
+def test_logits_in_chunks(tied, rows, tmp_path, open_session):
+    """The fused lm_head + loss over blocks of `rows` logits rows (training.logits_chunk_rows;
+    2 x 16 rows: 7 blocks and a last one of 2, or 2 whole ones) gives HF's loss and every
+    gradient, lm_head's (or the tied embedding's) summed over the blocks."""
+    cfg = oracle.tiny_config(vocab=256, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                             tied=tied)
+    hf_dir = tmp_path / "hf"
+    model = oracle.save_random_hf(hf_dir, cfg, seed=6)
+    tokens, labels = make_batch(cfg.vocab_size, 2, 16, seed=9)
+    ref_loss, ref_logits, ref_grads = oracle.hf_loss_and_grads(model, tokens, labels)
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=16, extra=[f"--training.logits_chunk_rows={rows}"]))
+    assert oracle.rel_err(s.logits(tokens), ref_logits) <= TOL
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    loss = s.forward_backward(tokens, labels, nv) / nv
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"loss {loss} vs HF {ref_loss}"
+    bad = [f"{n}: rel err {e:.3g}" for n in oracle.expected_tensor_names(model)
+           if not (e := oracle.rel_err(s.get_grad(n), ref_grads[n])) <= TOL]
+    assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
+
+
 def test_grad_accumulation(tmp_path, open_session):
     """Two micro-batches with the step's total valid count give the gradient of the whole
     batch's mean; zero_grad resets."""
