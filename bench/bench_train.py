@@ -251,6 +251,10 @@ def bench_ctitan(a, model_dir, data, out):
     if a.lora:
         NOTES.extend("ctitan: " + l.strip().removeprefix("ctitan: ") for l in err.splitlines()
                      if "trained:" in l or "frozen weights in" in l)
+    # a --ctitan-arg=--job.dump_folder=DIR (a profiling run's trace kept) moves the metrics too
+    for arg in a.ctitan_arg:
+        if arg.startswith("--job.dump_folder="):
+            out = arg.split("=", 1)[1]
     mpath = os.path.join(out, "metrics.jsonl")
     if rc != 0 or not os.path.exists(mpath):
         last = err.strip().splitlines()
