@@ -224,7 +224,8 @@ static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_
 /* Every other op at Qwen3-0.6B sizes (1024 tokens), timed by kernels/timing.c
  * (the tuner's harness). bytes = compulsory traffic of the tensors each call
  * reads and writes once; flops for the compute-bound ones. `variant` 1 is a
- * second shape, for the ops that have one (attention: the debugmodel's, W3). */
+ * second shape, for the ops that have one (attention: the debugmodel's, W3),
+ * and 2 a third (attention: W3's with bf16 products). */
 static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_opts *o, kern_op op, int variant) {
     kern_shape s = {0};
     double bytes_f = 0, bytes_b = 0, flops_f = 0, flops_b = 0;
@@ -251,10 +252,11 @@ static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_
         /* 0.6B's heads at 512 tokens, or the debugmodel's batch (W3: 4 x 256), whose
          * short rows make the diagonal tiles and the per-block work count more */
         s.B = variant ? 4 : 1, s.T = variant ? 256 : 512, s.nh = 16, s.nkv = 8, s.hd = 128;
+        s.bf16 = variant == 2; /* and with bf16 products (kern_attn_opt.bf16: a bf16 run's) */
         /* causal: half of T x T scores; fwd q.k and p.v, bwd four such products */
         flops_f = 2.0 * s.B * s.nh * (double)s.T * s.T * s.hd;
         flops_b = 2.0 * flops_f;
-        snprintf(sbuf, sizeof sbuf, "B=%d T=%d nh=16 nkv=8 hd=128", s.B, s.T);
+        snprintf(sbuf, sizeof sbuf, "B=%d T=%d nh=16 nkv=8 hd=128%s", s.B, s.T, s.bf16 ? " bf16" : "");
         break;
     case KERN_OP_SWIGLU:
     case KERN_OP_GEGLU:
@@ -340,7 +342,7 @@ static int cmd_bench(const kern_cli_opts *o) {
             if (o->op) bench_op(t, n, cpu, o, op, 0); /* only when asked: the reference takes ~a minute */
         } else {
             bench_op(t, n, cpu, o, op, 0);
-            if (op == KERN_OP_ATTENTION) bench_op(t, n, cpu, o, op, 1);
+            if (op == KERN_OP_ATTENTION) bench_op(t, n, cpu, o, op, 1), bench_op(t, n, cpu, o, op, 2);
         }
     }
     return 0;

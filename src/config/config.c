@@ -131,8 +131,9 @@ static const cfg_option cfg_options[] = {
                 "lm_head); 0: as few equal chunks as keep one within 512 MiB, at least 256 rows"),
     OPT("training", "mixed_precision_param", CFG_ENUM, mixed_precision_param, "float32",
         .choices = cfg_mp_dtypes,
-        .help = "bfloat16: every linear rounds its inputs to bf16 and sums in fp32; weights, AdamW "
-                "moments, norms, attention, softmax and loss stay fp32"),
+        .help = "bfloat16: every linear rounds its inputs to bf16 and sums in fp32, and so do the attention's "
+                "products (q, k, v, d(out), and the backward's P and dS); weights, AdamW moments, norms, "
+                "softmax and loss stay fp32"),
     OPT("training", "freeze", CFG_STR, freeze, "", .list = 1,
         .help = "tensors not to train: HF names with * wildcards (e.g. [\"model.embed_tokens.weight\", "
                 "\"model.layers.*.self_attn.*\"]); no gradient, no AdamW moments, no weight decay"),

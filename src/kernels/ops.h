@@ -98,6 +98,14 @@ typedef struct {
                       sliding_window_overlay: kv_idx > q_idx - sliding_window); 0: all j <= t */
     float softcap; /* > 0: s = softcap * tanh(scale * q.k / softcap) before the mask and softmax
                       (gemma's eager_attention_forward); 0: none */
+    int bf16;      /* 1: bf16 products (training.mixed_precision_param = "bfloat16"): q, k, v and dout
+                      are bf16 values (the caller rounds them), and the backward rounds P and dS to
+                      bf16 before dv += P^T dout, dk += dS^T q and dq += dS k, as autocast's bf16
+                      attention multiplies bf16 operands. Sums, the softmax, lse and the forward's
+                      P V weights stay fp32 (P relative to a running max would round differently
+                      per tiling), so an implementation may take q k^T, dout v^T and the three
+                      sums above as bf16 dot products (vdpbf16ps): the same exact products.
+                      0: every operand fp32. */
 } kern_attn_opt;
 /* The first key query t sees under a window (0 without one: window <= 0). */
 static inline int kern_attn_first_key(int t, int window) { return window > 0 && t >= window ? t - window + 1 : 0; }
@@ -109,6 +117,10 @@ static inline float kern_attn_scale(const kern_attn_opt *opt, int hd) {
 }
 static inline int kern_attn_window(const kern_attn_opt *opt) { return opt && opt->window > 0 ? opt->window : 0; }
 static inline float kern_attn_softcap(const kern_attn_opt *opt) { return opt && opt->softcap > 0.0f ? opt->softcap : 0.0f; }
+static inline int kern_attn_bf16(const kern_attn_opt *opt) { return opt && opt->bf16; }
+/* x[0:n] rounded in place to the nearest bf16 (ties to even; core/dtype's rule): the
+ * backward's P and dS tiles under kern_attn_bf16. */
+void op_attention_round_bf16(float *x, long n);
 
 /* Causal GQA attention, never holding [T x T] scores: the forward saves only
  * the log-sum-exp of each score row, lse = log sum_j exp(s_j), and the

@@ -84,6 +84,9 @@ static const kern_impl registry[] = {
     {KERN_OP_ROPE, "ref", "cpu", 0, 0, "kernels/ref; q/k norm + RoPE as rmsnorm then rope",
      .fn.rope = {op_rope_fwd, op_rope_bwd, op_qknorm_rope_fwd, op_qknorm_rope_bwd}},
 #if defined(__x86_64__)
+    {KERN_OP_ATTENTION, "blocked_avx512bf16", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16, 0,
+     "blocked_avx512 with vdpbf16ps products under bf16 mixed precision (scores, and the whole backward)",
+     .fn.attention = {kern_attention_fwd_avx512bf16, kern_attention_bwd_avx512bf16}},
     {KERN_OP_ATTENTION, "blocked_avx512", "cpu", KERN_FEAT_AVX512, 0,
      "tiles as \"tiled\", 4x64 zmm register blocks for every product (hd % 64 == 0; else tiled_avx512)",
      .fn.attention = {kern_attention_fwd_avx512, kern_attention_bwd_avx512}},

@@ -267,6 +267,17 @@ void kern_use_bf16_matmuls(kern_ops *k);
  * check's shapes: <= 3.9e-7 for every registered bf16 MoE kernel (AMX
  * included), 3.9e-4 to 4.2e-3 for the fp32 reference posing as one. */
 #define KERN_CHECK_MEAN_TOL 1e-5
+/* attention's bf16 variants (kern_attn_opt.bf16): P and dS are rounded to bf16,
+ * from fp32 values whose last bits depend on the implementation's exp and
+ * summation order, so a few elements round to the neighbouring bf16 value
+ * (2^-8 relative, one term of a sum of a few): their bound on the max error.
+ * Over 120 seeds of the check's bf16 cases and the six implementations a Zen 5
+ * runs (2026-12-05) the max error reached 8.6e-4 and the mean 1.2e-6; a kernel
+ * that skips the rounding errs ~1e-3 at most, under this bound, but 7e-5 to
+ * 2e-4 on average, so the mean bound (KERN_CHECK_MEAN_TOL) catches it
+ * (tests/c/test_kernels.c). A window of a few keys puts one flip in a sum of
+ * a few terms, so the bf16 cases keep their windows wide (37). */
+#define KERN_ATTN_BF16_TOL 4e-3
 
 typedef struct {
     FILE *out;           /* one line per (op, impl, shape) and a summary; NULL: silent */
@@ -291,6 +302,7 @@ typedef struct {
     int rows, C, V;        /* embedding [rows,C] from [V,C]; rmsnorm [rows,C]; crossentropy [rows,V];
                             * moe_experts: rows tokens of width C */
     int B, T, nh, nkv, hd; /* rope (the fused q/k norm + RoPE), attention */
+    int bf16;              /* attention: timed with kern_attn_opt.bf16 (a bf16 run's attention) */
     long n;                /* swiglu, geglu, add, adamw: elements */
     int I, E, k;           /* moe_experts: expert width, experts, top-k */
 } kern_shape;
@@ -347,7 +359,7 @@ typedef struct {
     int n_experts, moe_inter, top_k;  /* MoE layers (0: dense model) */
     int ce_rows;                      /* logits rows per cross-entropy block */
     long n_params;                    /* AdamW's elements (timed on at most 1M) */
-    int bf16;                         /* bf16 matmuls: tune matmul_bf16 / moe_experts_bf16 too */
+    int bf16;                         /* bf16 mixed precision: tune matmul_bf16 / moe_experts_bf16 and the attention's bf16 products too */
     int moe_wbf16;                    /* the experts are read from a bf16 store (a frozen base): time the
                                        * experts op's fwd_wbf16 / bwd_wbf16, the entries such a run calls */
     int mm_wbf16;                     /* most dense projections' weights (by size) are read from a bf16 store

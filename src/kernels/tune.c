@@ -106,9 +106,9 @@ static int op_shape(kern_op op, const kern_run_sizes *r, kern_shape *s, char *ke
         s->B = r->B, s->T = r->T, s->nh = r->n_heads, s->hd = r->head_dim;
         snprintf(key, cap, "B%dT%dnh%dhd%d", s->B, s->T, s->nh, s->hd);
         return 1;
-    case KERN_OP_ATTENTION:
-        s->B = r->B, s->T = r->T, s->nh = r->n_heads, s->nkv = r->n_kv_heads, s->hd = r->head_dim;
-        snprintf(key, cap, "B%dT%dnh%dnkv%dhd%d", s->B, s->T, s->nh, s->nkv, s->hd);
+    case KERN_OP_ATTENTION: /* a bf16 run times its attention's bf16 products (kern_attn_opt.bf16) */
+        s->B = r->B, s->T = r->T, s->nh = r->n_heads, s->nkv = r->n_kv_heads, s->hd = r->head_dim, s->bf16 = r->bf16;
+        snprintf(key, cap, "B%dT%dnh%dnkv%dhd%d%s", s->B, s->T, s->nh, s->nkv, s->hd, r->bf16 ? "bf16" : "");
         return 1;
     case KERN_OP_SWIGLU:
     case KERN_OP_GEGLU:

@@ -1325,11 +1325,31 @@ void lm_final_softcap(const lm_config *c, float *x, size_t n, float *t) {
     }
 }
 
-/* Layer l's attention variant: its scale, window (sliding layers) and cap. */
+/* Layer l's attention variant: its scale, window (sliding layers) and cap, and
+ * bf16 products under bf16 mixed precision. */
 static kern_attn_opt attn_opt(const lm_model *m, int l) {
     const lm_config *c = &m->cfg;
-    kern_attn_opt o = {(float)c->attn_scale, c->layer_sliding[l] ? c->sliding_window : 0, (float)c->attn_softcap};
+    kern_attn_opt o = {(float)c->attn_scale, c->layer_sliding[l] ? c->sliding_window : 0, (float)c->attn_softcap,
+                       m->attn_bf16};
     return o;
+}
+
+/* xs[i][0:ns[i]] rounded to bf16 in place, in one parallel region: the
+ * attention's inputs under m->attn_bf16 (kern_attn_opt.bf16's contract). */
+static void attn_round_bf16(lm_model *m, int n, float *const xs[], const long ns[], const char *name) {
+    int64_t t0 = PROF_T0(m->prof);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+        int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        for (int i = 0; i < n; i++) { /* each thread its share of every array */
+            long lo = ns[i] * id / nt, hi = ns[i] * (id + 1) / nt;
+            op_attention_round_bf16(xs[i] + lo, hi - lo);
+        }
+        KERN_TRACE_EXIT(kt_);
+    }
+    if (m->prof) prof_model_op(m->prof, name, "round_bf16", PROF_NO_KERNEL, t0);
 }
 
 /* Layer l's RoPE tables: the sliding layers' own base where a family has one. */
@@ -1457,6 +1477,9 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
     kern_attn_opt ao = attn_opt(m, l);
+    if (ao.bf16 && !kv) /* the backward reads the same saved (or recomputed) bf16 values */
+        attn_round_bf16(m, 3, (float *const[]){a->qr, a->kr, a->v}, (const long[]){(long)BT * qd, (long)BT * kvd,
+                                                                                   (long)BT * kvd}, "attention_in_bf16");
     if (kv) kv_attention(m, kv, l, a->att, a->qr, T, &ao); /* over the cache, positions 0 .. p0+T-1 */
     else K(ATTENTION, attention_fwd, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
     if (w->ln_ao) { /* res_mid = res + norm(o_proj(att)) */
@@ -2124,6 +2147,7 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     out_proj_bwd(m, l, LM_LORA_O, m->ws.d_att, a->att, w->wo, g->wo, g->bo, w->ln_ao, g->ln_ao, a->ao, a->ao_rstd, BT,
                  qd);
     kern_attn_opt ao = attn_opt(m, l);
+    if (ao.bf16) attn_round_bf16(m, 1, (float *const[]){m->ws.d_att}, (const long[]){(long)BT * qd}, "attention_dout_bf16");
     K(ATTENTION, attention_bwd, m->ws.d_q, m->ws.d_k, m->ws.d_v, m->ws.d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
                        hd, &ao);
     /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->

@@ -461,6 +461,10 @@ typedef struct {
     uint64_t lora_seed;     /* dropout masks: a hash of (this, layer, projection, element); the trainer
                                sets it per micro-batch from training.seed and the step */
     int lora_train;         /* set by forward_backward: dropout applies to training forwards only */
+    /* bf16 mixed precision (the trainer sets it with kern_use_bf16_matmuls): the
+     * attention takes bf16 q, k, v and d(out) (rounded in place, as autocast's
+     * projections hand them over) and multiplies P and dS as bf16 (kern_attn_opt.bf16) */
+    int attn_bf16;
     int n_frozen;           /* tensors with frozen set */
     /* training.frozen_dtype = "bfloat16": the frozen matrices live here and
      * the products read them from here (the kernels' wbf16 entries); their

@@ -190,6 +190,7 @@ static int select_kernels(trainer *t, ct_err *e) {
     }
     /* bf16 mixed precision changes which matmul every linear runs, nothing else */
     if (bf16) kern_use_bf16_matmuls(&t->model.k);
+    t->model.attn_bf16 = bf16; /* and the attention's products (kern_attn_opt.bf16) */
     const char *isa = getenv("CTITAN_ISA");
     if (isa && *isa && strcmp(isa, "auto")) {
         char have[256];
@@ -197,8 +198,8 @@ static int select_kernels(trainer *t, ct_err *e) {
         fprintf(stderr, "ctitan: CTITAN_ISA=%s: kernels limited to CPU features: %s\n", isa, have);
     }
     fprintf(stderr, "ctitan: %s; precision: %s\n", log,
-            bf16 ? "bfloat16 matmul inputs (linears: matmul_bf16), fp32 sums, weights, optimizer, norms, "
-                   "attention, loss"
+            bf16 ? "bfloat16 matmul inputs (linears: matmul_bf16; attention: bf16 q, k, v, d(out), P, dS), fp32 "
+                   "sums, weights, optimizer, norms, softmax, loss"
                  : "float32");
     return 0;
 }

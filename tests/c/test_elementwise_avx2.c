@@ -240,7 +240,7 @@ static void test_attention(void) {
         fill_lcg(c.v, nk, &s, -1, 1);
         fill_lcg(c.g, nq, &s, -1, 1);
         /* Qwen3's attention, then a family's window + scale + soft cap */
-        const kern_attn_opt wcap = {0.2f, 29, 5.0f}, *opts[2] = {NULL, &wcap};
+        const kern_attn_opt wcap = {0.2f, 29, 5.0f, 0}, *opts[2] = {NULL, &wcap};
         for (int oi = 0; oi < 2; oi++) {
             c.opt = opts[oi];
             if ((c.im = impl_of(KERN_OP_ATTENTION, "blocked_avx2")))

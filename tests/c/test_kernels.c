@@ -302,6 +302,39 @@ static int failed_cases_of(const char *log, const char *impl) {
     return n;
 }
 
+/* An attention that ignores kern_attn_opt.bf16 (the tiled kernel with the option
+ * cleared): fp32 P and dS where the contract rounds them. */
+static void att_fwd_unrounded(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                              int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    kern_attn_opt o = opt ? *opt : (kern_attn_opt){0, 0, 0, 0};
+    o.bf16 = 0;
+    op_attention_fwd_tiled(out, lse, q, k, v, B, T, nh, nkv, hd, &o);
+}
+static void att_bwd_unrounded(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                              const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
+                              const kern_attn_opt *opt) {
+    kern_attn_opt o = opt ? *opt : (kern_attn_opt){0, 0, 0, 0};
+    o.bf16 = 0;
+    op_attention_bwd_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, &o);
+}
+
+/* Every FAIL line of `log` is impl's and names an option containing `opt`; returns their count. */
+static int fails_only_with(const char *log, const char *impl, const char *opt) {
+    int n = 0;
+    for (const char *p = log; p && *p;) {
+        const char *end = strchr(p, '\n');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len >= 4 && !memcmp(p + len - 4, "FAIL", 4)) {
+            char line[512];
+            snprintf(line, sizeof line, "%.*s", (int)len, p);
+            if (!strstr(line, impl) || !strstr(line, opt)) return -1;
+            n++;
+        }
+        p = end ? end + 1 : NULL;
+    }
+    return n;
+}
+
 /* The checker's own logic: every case here runs with .quick (the largest cases capped), which
  * keeps each bug's shapes (odd N, K = 1, accumulation) and costs a fraction under the sanitizers. */
 static void test_check_catches_bugs(void) {
@@ -357,6 +390,24 @@ static void test_check_catches_bugs(void) {
     fclose(f);
     CHECK(failed_cases_of(log, "unrounded") > 0, "a bf16 MoE kernel without rounding passed (max tol 2e-3)");
     CHECK(failed_cases_of(log, "unrounded-tol1") > 0, "a bf16 MoE kernel without rounding passed (max tol 1)");
+    free(log);
+    /* an attention that skips the bf16 option's rounding of P and dS: caught on every bf16 case
+     * by the mean-error bound (its max error can sit under KERN_ATTN_BF16_TOL), and only there */
+    kern_impl att[2] = {
+        {KERN_OP_ATTENTION, "ref", "cpu", 0, 0, "reference", .fn.attention = {op_attention_fwd, op_attention_bwd}},
+        {KERN_OP_ATTENTION, "unrounded", "cpu", 0, 0, "fp32 P and dS",
+         .fn.attention = {att_fwd_unrounded, att_bwd_unrounded}},
+    };
+    log = NULL;
+    f = open_memstream(&log, &len);
+    o.out = f;
+    kern_check(att, 2, &o);
+    fclose(f);
+    int bf16_cases = 0;
+    for (const char *p = log; p && (p = strstr(p, "[bf16")); p++) bf16_cases++;
+    int n = fails_only_with(log, "unrounded", "[bf16");
+    CHECK(bf16_cases > 0 && n == bf16_cases, "an attention without the bf16 rounding: %d of %d bf16 cases failed:\n%s",
+          n, bf16_cases, log);
     free(log);
 }
 
@@ -593,7 +644,7 @@ static void test_attention_tiled_avx512(void) {
     fill_lcg(v, nk, &s);
     fill_lcg(g, nq, &s);
     /* Qwen3's attention, and a family's window + scale + soft cap (kern_attn_opt) */
-    const kern_attn_opt wcap = {0.3f, 37, 4.0f}, *opts[2] = {NULL, &wcap};
+    const kern_attn_opt wcap = {0.3f, 37, 4.0f, 0}, *opts[2] = {NULL, &wcap};
     for (int oi = 0; oi < 2; oi++) {
         float *o[2], *l[2], *dq[2], *dk[2], *dv[2];
         int saved = omp_get_max_threads();
@@ -621,7 +672,9 @@ static void test_attention_tiled_avx512(void) {
  * fallback, with Qwen3's options and a window + scale + soft cap; the backward adds onto
  * non-zero dq, dk, dv. The cases each give every thread work (B * nkv >= 2). */
 static void attention_threads_same(const kern_impl *im, const int (*shapes)[5], int nshapes) {
-    const kern_attn_opt wcap = {0.2f, 29, 5.0f}, *opts[2] = {NULL, &wcap};
+    /* Qwen3's, a family's window and cap, and both with bf16 products (kern_attn_opt.bf16) */
+    const kern_attn_opt wcap = {0.2f, 29, 5.0f, 0}, b16 = {0, 0, 0, 1}, b16w = {0.2f, 29, 5.0f, 1};
+    const kern_attn_opt *opts[4] = {NULL, &wcap, &b16, &b16w};
     for (int si = 0; si < nshapes; si++) {
         int B = shapes[si][0], T = shapes[si][1], nh = shapes[si][2], nkv = shapes[si][3], hd = shapes[si][4];
         size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd, nl = (size_t)B * nh * T;
@@ -633,7 +686,7 @@ static void attention_threads_same(const kern_impl *im, const int (*shapes)[5], 
         fill_lcg(v, nk, &s);
         fill_lcg(g, nq, &s);
         fill_lcg(d0, nq + 2 * nk, &s);
-        for (int oi = 0; oi < 2; oi++) {
+        for (int oi = 0; oi < 4; oi++) {
             float *o[3], *l[3], *dq[3], *dk[3], *dv[3];
             int saved = omp_get_max_threads();
             for (int th = 0; th < 3; th++) {
@@ -662,8 +715,9 @@ static void attention_threads_same(const kern_impl *im, const int (*shapes)[5], 
 
 /* blocked_neon (attention_neon.c; hd 64 and 40, multiples of 8, and its tiled fallback at hd 12)
  * on aarch64; blocked_avx2 (attention_avx2.c: hd 128 and 64, multiples of 16, with 48-row
- * blocks of 6-row micro-blocks; fallback at hd 40 and 12) and blocked_avx512 (attention_avx512.c:
- * hd 128 and 64; fallback below) on x86-64 CPUs that have them. */
+ * blocks of 6-row micro-blocks; fallback at hd 40 and 12), blocked_avx512 (attention_avx512.c:
+ * hd 128 and 64; fallback below) and blocked_avx512bf16 (its vdpbf16ps products under the bf16
+ * option) on x86-64 CPUs that have them. */
 static void test_attention_threads(void) {
     size_t n;
     const kern_impl *t = kern_registry(&n);
@@ -673,7 +727,7 @@ static void test_attention_threads(void) {
     static const int shapes[][5] = {{2, 101, 4, 2, 64}, {1, 61, 6, 2, 40}, {2, 50, 2, 1, 12}}; // B T nh nkv hd
 #else
     printf("skip: attention blocked_neon (not aarch64)\n");
-    static const char *const names[] = {"blocked_avx2", "blocked_avx512"};
+    static const char *const names[] = {"blocked_avx2", "blocked_avx512", "blocked_avx512bf16"};
     static const int shapes[][5] = {{2, 101, 4, 2, 64}, {1, 61, 6, 2, 40}, {2, 50, 2, 1, 12}, {2, 77, 4, 2, 128}};
 #endif
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {

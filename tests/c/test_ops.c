@@ -475,8 +475,8 @@ static void test_attention(ct_rng *r, int B, int T, int nh, int nkv, int hd) {
 
 /* The families' variants (kern_attn_opt): windows, scale, soft cap, alone and together. */
 static void test_attention_options(ct_rng *r) {
-    const kern_attn_opt w1 = {0, 1, 0}, w3 = {0, 3, 0}, w40 = {0, 40, 0}, wbig = {0, 1000, 0};
-    const kern_attn_opt sc = {0.7f, 0, 0}, cap = {0, 0, 1.5f}, all = {0.6f, 5, 2.0f}, all2 = {0.3f, 66, 1.0f};
+    const kern_attn_opt w1 = {0, 1, 0, 0}, w3 = {0, 3, 0, 0}, w40 = {0, 40, 0, 0}, wbig = {0, 1000, 0, 0};
+    const kern_attn_opt sc = {0.7f, 0, 0, 0}, cap = {0, 0, 1.5f, 0}, all = {0.6f, 5, 2.0f, 0}, all2 = {0.3f, 66, 1.0f, 0};
     test_attention_opt(r, 2, 6, 4, 2, 6, &w1);
     test_attention_opt(r, 1, 9, 2, 1, 5, &w3);
     test_attention_opt(r, 1, 70, 2, 1, 3, &w3);   // across the tiled kernel's blocks: tiles left of the window skipped
@@ -669,7 +669,7 @@ static double run_reductions(int threads, float *dq, float *dk, float *dv, float
     op_attention_fwd_tiled(out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
     op_attention_bwd_tiled(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
     // and with a window and a soft cap
-    const kern_attn_opt opt = {0.5f, 9, 3.0f};
+    const kern_attn_opt opt = {0.5f, 9, 3.0f, 0};
     op_attention_fwd_tiled(out, lse, q, k, v, B, T, nh, nkv, hd, &opt);
     op_attention_bwd_tiled(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, &opt);
     op_rmsnorm_fwd(y, rstd, x, w, N, C, 1e-6f);

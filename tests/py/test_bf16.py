@@ -2,9 +2,11 @@
 
 torchtitan's mixed precision without FSDP is torch.autocast(dtype=bfloat16); ctitan's is
 "every linear rounds its inputs (activations, weights, and in the backward the output
-gradient) to bf16 and sums in fp32", with fp32 master weights, AdamW moments, norms,
-attention, softmax and loss. Autocast also rounds each linear's OUTPUT to bf16 and runs
-eager attention's two products in bf16, so the two cannot agree to fp32 precision; the
+gradient) to bf16 and sums in fp32, and the attention multiplies bf16 q, k, v and d(out)
+and, in its backward, bf16 probabilities P and score gradients dS" (kern_attn_opt.bf16),
+with fp32 master weights, AdamW moments, norms, softmax, the forward's P V weights and
+loss. Autocast also rounds each linear's OUTPUT to bf16 and rounds eager attention's
+scores and probabilities in the forward, so the two cannot agree to fp32 precision; the
 tolerances below are therefore measured, not guessed:
 
 * HF autocast vs HF fp32 is the size of "the bf16 effect" (d_amp, 0.5e-2 to 6e-2 per
@@ -16,7 +18,7 @@ tolerances below are therefore measured, not guessed:
   than 1e-3 (fp32 implementations agree to ~1e-6) and by at least 0.1 d_amp.
 * Sharper: a PyTorch emulation of exactly ctitan's semantics (each nn.Linear replaced by
   an autograd function rounding x, w and, backward, the output gradient to bf16; fp32
-  products). It agrees with ctitan to ~1e-7 except where an fp32 last-bit difference
+  products; the attention by one rounding q, k, v, d(out), P and dS where ctitan does). It agrees with ctitan to ~1e-7 except where an fp32 last-bit difference
   flips one element to the neighbouring bf16 value (2^-8 relative); such flips are rare
   and local in the logits: they agree to 1e-4 at >= 75% of positions (measured 84-100%).
   Gradients mix every position, so there the test compares the bf16 EFFECT (bf16 minus
@@ -64,12 +66,57 @@ class _Bf16Linear(torch.autograd.Function):
         return gr @ wr, gr.reshape(-1, gr.shape[-1]).t() @ xr.reshape(-1, xr.shape[-1])
 
 
+class _Bf16Attention(torch.autograd.Function):
+    """ctitan's attention under bf16 (kern_attn_opt.bf16), q k v [B, nh, T, hd] (kv heads
+    repeated): q, k, v rounded to bf16; scores, softmax and P V in fp32; backward: d(out)
+    rounded, D = rowsum(d(out) * out), dS = P (dP - D) scale rounded, dv from bf16(P)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling):
+        qr, kr, vr = bf16r(q), bf16r(k), bf16r(v)
+        s = qr @ kr.transpose(-1, -2) * scaling
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+        p = torch.softmax(s, dim=-1)
+        out = p @ vr
+        ctx.save_for_backward(qr, kr, vr, p, out)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        qr, kr, vr, p, out = ctx.saved_tensors
+        gr = bf16r(g)
+        d = (gr * out).sum(-1, keepdim=True)
+        ds = bf16r(p * (gr @ vr.transpose(-1, -2) - d) * ctx.scaling)
+        return ds @ kr, ds.transpose(-1, -2) @ qr, bf16r(p).transpose(-1, -2) @ gr, None, None
+
+
+def _bf16_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, **kw):
+    assert not softcap, "the emulation has no soft cap"
+    g = module.num_key_value_groups
+    k, v = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)  # transformers' repeat_kv
+    T = query.shape[2]
+    mask = attention_mask if attention_mask is not None else torch.ones(T, T, dtype=torch.bool).tril()
+    return _Bf16Attention.apply(query, k, v, mask, scaling).transpose(1, 2).contiguous(), None
+
+
+def emulate_bf16_attention(model):
+    """The model's attention replaced by _Bf16Attention (eager's additive masks: causal,
+    sliding windows)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    AttentionInterface.register("ctitan_bf16", _bf16_attention)
+    AttentionMaskInterface.register("ctitan_bf16", eager_mask)
+    model.set_attn_implementation("ctitan_bf16")
+    return model
+
+
 def emulate_ctitan_bf16(model):
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
             assert m.bias is None
             m.forward = (lambda mod: (lambda x: _Bf16Linear.apply(x, mod.weight)))(m)
-    return model
+    return emulate_bf16_attention(model)
 
 
 class Autocast(torch.nn.Module):

@@ -1,7 +1,8 @@
 """bf16 mixed precision on every dense family (issue 15, item 3), against the PyTorch
 emulation of ctitan's bf16 semantics that test_bf16.py uses for Qwen3: every nn.Linear of
 the transformers model rounds its input, its weight and (backward) its output gradient to
-bf16 and multiplies in fp32; its bias (Qwen2, Llama) is added in fp32 after the product.
+bf16 and multiplies in fp32; its bias (Qwen2, Llama) is added in fp32 after the product;
+the attention rounds q, k, v, d(out) and the backward's P and dS (test_bf16._Bf16Attention).
 The comparison and its measured bounds are test_bf16.assert_like_emulation's. The MoE
 families' experts are not nn.Linear modules in transformers 5 (test_moe.py covers bf16
 experts)."""
@@ -13,7 +14,7 @@ import torch
 import oracle
 import oracle_families as fam
 from conftest import hf_session_args
-from test_bf16 import BF16, _Bf16Linear, assert_like_emulation
+from test_bf16 import BF16, _Bf16Linear, assert_like_emulation, emulate_bf16_attention
 
 CASES = ["llama_rope3_attnbias_hd16", "mistral_swa5", "qwen2_swa6_layers", "olmo2", "phi3_longrope_short_swa7",
          "gemma3_text"]
@@ -26,7 +27,7 @@ def emulate(model):
                 y = _Bf16Linear.apply(x, mod.weight)
                 return y if mod.bias is None else y + mod.bias
             m.forward = fwd
-    return model
+    return emulate_bf16_attention(model)
 
 
 def grads_of(model, family, tokens, labels):

@@ -344,16 +344,18 @@ def test_load_balance_bias_resumes_exactly(tmp_path, run_ctitan):
 
 class _Bf16Emulation:
     """torch.nn.functional.linear replaced, for the duration, by ctitan's bf16 semantics (test_bf16's
-    _Bf16Linear: x, w and, backward, the output gradient rounded to bf16, fp32 products). It covers
-    every nn.Linear and Qwen3MoeExperts' F.linear calls on expert slices; with experts=False the
-    expert slices (views of the stacked 3-D parameters) stay fp32, i.e. bf16 everywhere except the
-    experts."""
+    _Bf16Linear: x, w and, backward, the output gradient rounded to bf16, fp32 products), and the
+    model's attention by test_bf16's bf16 attention. It covers every nn.Linear and Qwen3MoeExperts'
+    F.linear calls on expert slices; with experts=False the expert slices (views of the stacked 3-D
+    parameters) stay fp32, i.e. bf16 everywhere except the experts."""
 
-    def __init__(self, experts=True):
-        self.experts = experts
+    def __init__(self, model, experts=True):
+        self.model, self.experts = model, experts
 
     def __enter__(self):
-        from test_bf16 import _Bf16Linear
+        from test_bf16 import _Bf16Linear, emulate_bf16_attention
+        self.attn = self.model.config._attn_implementation
+        emulate_bf16_attention(self.model)
         self.orig = torch.nn.functional.linear
 
         def lin(x, w, b=None):
@@ -365,6 +367,7 @@ class _Bf16Emulation:
 
     def __exit__(self, *a):
         torch.nn.functional.linear = self.orig
+        self.model.set_attn_implementation(self.attn)
 
 
 def test_bf16_experts(tmp_path, open_session):
@@ -384,9 +387,9 @@ def test_bf16_experts(tmp_path, open_session):
     assert r32["min_gap"] > 1e-3, "near-tie in the router: bf16 could change the choice; pick another seed"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ram = oracle_moe.loss_and_grads(model, tokens, labels, False)
-    with _Bf16Emulation(experts=True):
+    with _Bf16Emulation(model, experts=True):
         remu = oracle_moe.loss_and_grads(model, tokens, labels, False)
-    with _Bf16Emulation(experts=False):
+    with _Bf16Emulation(model, experts=False):
         rmix = oracle_moe.loss_and_grads(model, tokens, labels, False)
     nv = oracle.n_valid(labels)
     ct = {}

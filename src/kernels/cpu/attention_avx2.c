@@ -473,6 +473,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd, ks = nkv * hd;
     int hdp = hd + KC; /* row stride of the q and dout copies (QS, GS) */
+    int b16 = kern_attn_bf16(opt);
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
     float *VT = att2_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
@@ -620,6 +621,10 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                         _mm256_storeu_ps(dr + 8 * j, z);
                                     }
                                 }
+                            }
+                            if (b16) { /* the products below take P and dS as bf16 (dS from fp32 P above) */
+                                op_attention_round_bf16(P, (long)nmb * MR * BK);
+                                op_attention_round_bf16(dS, (long)nmb * MR * BK);
                             }
                             // dv[j] += sum_t P[t,j] dout[t]; dk[j] += sum_t dS[t,j] q[t]; 6 keys at a time,
                             // each group over the query rows rs <= r < re that see one of its keys: from the

@@ -42,11 +42,13 @@
 #if defined(__x86_64__) /* x86-64 only, the whole file (aarch64: the _neon files) */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/err.h"
 #include "kernels/cpu/avx512_util.h"
+#include "kernels/cpu/bf16_pairs.h"
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/ops.h"
 
@@ -232,27 +234,317 @@ A_INLINE float att_dot(const float *x, const float *y, int n) {
     return _mm512_reduce_add_ps(a);
 }
 
-A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B,
-                                    int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
-    // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
-    if (hd % HC) {
-        op_attention_fwd_tiled_avx512(out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+/* ------------------------------------------- bf16 products (kern_attn_opt.bf16) */
+
+/* "blocked_avx512bf16": under kern_attn_opt.bf16, the products of the
+ * forward's scores and of the whole backward run as vdpbf16ps on bf16 pairs:
+ * q k^T and dout v^T over pairs along hd (the tiles of K and V packed as
+ * [hd/2][BK] pairs, the query rows as bf16 rows whose pairs are broadcast),
+ * dv += P^T dout and dk += dS^T q over pairs of query rows (P and dS of the
+ * tile as pairs of rows, q and dout as pairs of rows), dq += dS k over pairs
+ * of keys (dS rows as pairs along the keys, k as pairs of rows). Each pair's
+ * two products are exact in fp32 (bf16 x bf16), as the fp32 kernels'
+ * products of the same bf16 values are, so only the order of the fp32 sums
+ * differs from them. The forward's P V keeps fp32 weights (the contract), so
+ * it is the fp32 kernel's. The body of each direction is the fp32 kernel's
+ * (att_fwd_body / att_bwd_body with vb = 1): only the products and the
+ * operands' layouts change, in the A512B functions below, which the body
+ * calls (not inlines: the body is compiled for AVX-512 without BF16, so that
+ * blocked_avx512 runs on every AVX-512 CPU). Without the option, or for head
+ * dims that are not multiples of 64, it is blocked_avx512. */
+
+#define A512B __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define AB_INLINE A512B __attribute__((always_inline)) static inline
+#define AB_CALL A512B __attribute__((noinline)) static
+
+/* acc + the pair products of a and b: lane i += a[2i] b[2i] + a[2i+1] b[2i+1] */
+AB_INLINE __m512 att_dp(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+/* Every K (or V) head's tiles as bf16 pairs along hd: tile jt of head (b, kh) is
+ * [hd/2][BK] pairs at xp + ((b * nkv + kh) * Tp + jt * BK) * hd / 2, pair [p][c] =
+ * (x[b, jt * BK + c, kh, 2p], x[.., 2p + 1]), zeros for keys past T: one 64-key row
+ * of pairs is 4 loads of the score products. */
+AB_CALL uint32_t *att_tiles_bf16(const float *x, int B, int T, int nkv, int hd, int Tp) {
+    // returns xp[B*nkv, Tp/BK, hd/2, BK]; x[B,T,nkv,hd]
+    int hp = hd / 2;
+    uint32_t *xp = ct_malloc((size_t)B * nkv * Tp * hp * sizeof(uint32_t));
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int b = 0; b < B; b++)
+            for (int kh = 0; kh < nkv; kh++) {
+                uint32_t *dst = xp + ((size_t)b * nkv + kh) * Tp * hp;
+                for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys x 16 pairs: one in-register transpose */
+                    int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
+                    uint32_t *tile = dst + (size_t)(j0 / BK) * BK * hp + j0 % BK;
+                    for (int i0 = 0; i0 < hd; i0 += 32) {
+                        __m512 r[16];
+                        #pragma GCC unroll 16
+                        for (int c = 0; c < 16; c++) { /* keys past T: zeros, read from a valid address */
+                            __mmask16 m = c < n ? (__mmask16)0xFFFF : (__mmask16)0;
+                            const float *src = x + (((size_t)b * T + (c < n ? j0 + c : 0)) * nkv + kh) * hd + i0;
+                            r[c] = _mm512_castsi512_ps(
+                                bf16_pair_along(_mm512_maskz_loadu_ps(m, src), _mm512_maskz_loadu_ps(m, src + 16)));
+                        }
+                        transpose16(r); /* moves bits only */
+                        #pragma GCC unroll 16
+                        for (int p = 0; p < 16; p++) _mm512_storeu_ps((float *)(tile + (size_t)(i0 / 2 + p) * BK), r[p]);
+                    }
+                }
+            }
+        KERN_TRACE_EXIT(kt_);
+    }
+    return xp;
+}
+
+/* rows[t][0:hd/2] = x[t * xs + 0:hd] as bf16 (pair p = elements 2p, 2p+1) for t < T,
+ * zeros for T <= t < Tz: the rows whose pairs the score products broadcast. */
+AB_INLINE void att_rows_bf16(uint32_t *rows, const float *x, long xs, int T, int Tz, int hd) {
+    for (int t = 0; t < Tz; t++) {
+        uint32_t *d = rows + (size_t)t * (hd / 2);
+        for (int i = 0; i < hd; i += 32) {
+            __m512i p = t < T ? bf16_pair_along(_mm512_loadu_ps(x + (size_t)t * xs + i),
+                                                _mm512_loadu_ps(x + (size_t)t * xs + i + 16))
+                              : _mm512_setzero_si512();
+            _mm512_storeu_si512(d + i / 2, p);
+        }
+    }
+}
+
+/* pairs[t / 2][i] = (x[t][i], x[t + 1][i]) for even t < Tz (rows past T zeros), x[t]
+ * at x + t * xs: [Tz/2][hd] pairs of rows, the operand the products over rows (dv,
+ * dk) and over keys (dq) read 16 columns at a time. */
+AB_INLINE void att_rowpairs_bf16(uint32_t *pairs, const float *x, long xs, int T, int Tz, int hd) {
+    for (int t = 0; t < Tz; t += 2) {
+        uint32_t *d = pairs + (size_t)(t / 2) * hd;
+        for (int i = 0; i < hd; i += 16) {
+            __m512 lo = t < T ? _mm512_loadu_ps(x + (size_t)t * xs + i) : _mm512_setzero_ps();
+            __m512 hi = t + 1 < T ? _mm512_loadu_ps(x + (size_t)(t + 1) * xs + i) : _mm512_setzero_ps();
+            _mm512_storeu_si512(d + i, bf16_pair_rows(lo, hi));
+        }
+    }
+}
+
+/* One query head's operands of the backward: q and dout as bf16 rows (qb, gb:
+ * [Tz][hd/2]) and as pairs of rows (qr, gr: [Tz/2][hd]). */
+AB_CALL void att_head_bf16(uint32_t *qb, uint32_t *gb, uint32_t *qr, uint32_t *gr, const float *q, const float *g,
+                           long xs, int T, int Tz, int hd) {
+    att_rows_bf16(qb, q, xs, T, Tz, hd);
+    att_rows_bf16(gb, g, xs, T, Tz, hd);
+    att_rowpairs_bf16(qr, q, xs, T, Tz, hd);
+    att_rowpairs_bf16(gr, g, xs, T, Tz, hd);
+}
+/* A kv head's k as pairs of keys (kr: [Tp/2][hd]), the operand of dq += dS k. */
+AB_CALL void att_kpairs_bf16(uint32_t *kr, const float *k, long ks, int T, int Tp, int hd) {
+    att_rowpairs_bf16(kr, k, ks, T, Tp, hd);
+}
+
+/* s[r][j] = sum over pairs p of x_r's pair p times kp[p * BK + 16 j + lane] for 4
+ * rows and nch chunks of 16 keys (att_dots4 on bf16 pairs). */
+AB_INLINE void att_dots4_bf16_n(__m512 s[4][4], const uint32_t *const x[4], const uint32_t *kp, int hp, int nch) {
+    /* the sums in locals, stored once: s is memory the caller reads, and __m512 may
+     * alias anything, so sums kept in s[] were stored back on every pair */
+    __m512 a[4][4];
+    const uint32_t *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
+    #pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) a[r][j] = _mm512_setzero_ps();
+    for (int p = 0; p < hp; p++) {
+        const uint32_t *kr = kp + (size_t)p * BK;
+        __m512i k[4];
+        #pragma GCC unroll 4
+        for (int j = 0; j < nch; j++) k[j] = _mm512_loadu_si512(kr + 16 * j);
+        const __m512i b[4] = {_mm512_set1_epi32((int)x0[p]), _mm512_set1_epi32((int)x1[p]),
+                              _mm512_set1_epi32((int)x2[p]), _mm512_set1_epi32((int)x3[p])};
+        #pragma GCC unroll 4
+        for (int r = 0; r < 4; r++)
+            #pragma GCC unroll 4
+            for (int j = 0; j < nch; j++) a[r][j] = att_dp(a[r][j], b[r], k[j]);
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) s[r][j] = a[r][j];
+}
+/* The scores of 4 rows over the first `keys` of a tile (att_dots4's chunk rule). */
+AB_CALL void att_dots4_bf16(__m512 s[4][4], const uint32_t *const x[4], const uint32_t *kp, int hp, int keys) {
+    switch ((keys + 15) / 16) {
+    case 1: att_dots4_bf16_n(s, x, kp, hp, 1); break;
+    case 2: att_dots4_bf16_n(s, x, kp, hp, 2); break;
+    case 3: att_dots4_bf16_n(s, x, kp, hp, 3); break;
+    default: att_dots4_bf16_n(s, x, kp, hp, 4); break;
+    }
+}
+
+/* A tile's P and dS (fp32 [BQ][BK], rows < nr, nr even) as the backward's bf16
+ * operands: pt / st [nr/2][BK] pairs of rows (dv, dk), sr [nr][BK/2] pairs along
+ * the keys (dq). */
+AB_CALL void att_tile_pairs_bf16(uint32_t *pt, uint32_t *st, uint32_t *sr, const float *P, const float *dS, int nr) {
+    for (int r = 0; r < nr; r += 2)
+        #pragma GCC unroll 4
+        for (int j = 0; j < BK / 16; j++) {
+            const float *p0 = P + (size_t)r * BK + 16 * j, *s0 = dS + (size_t)r * BK + 16 * j;
+            _mm512_storeu_si512(pt + (size_t)(r / 2) * BK + 16 * j,
+                                bf16_pair_rows(_mm512_loadu_ps(p0), _mm512_loadu_ps(p0 + BK)));
+            _mm512_storeu_si512(st + (size_t)(r / 2) * BK + 16 * j,
+                                bf16_pair_rows(_mm512_loadu_ps(s0), _mm512_loadu_ps(s0 + BK)));
+        }
+    for (int r = 0; r < nr; r++)
+        #pragma GCC unroll 2
+        for (int j = 0; j < BK / 32; j++) {
+            const float *s0 = dS + (size_t)r * BK + 32 * j;
+            _mm512_storeu_si512(sr + (size_t)r * (BK / 2) + 16 * j,
+                                bf16_pair_along(_mm512_loadu_ps(s0), _mm512_loadu_ps(s0 + 16)));
+        }
+}
+
+/* out_c[0:HC] += sum_{rp < nrp} w[rp * BK + c0 + c] . x[rp * xs + 0:HC] (pairs) for
+ * KEYS keys c, out_c at out + c * os: dv += P^T dout and dk += dS^T q over pairs of
+ * query rows, the keys' rows held in registers (att_keys_axpy on pairs). */
+AB_INLINE void att_keys_axpy_bf16_n(float *out, long os, int keys, const uint32_t *w, int c0, const uint32_t *x,
+                                    long xs, int nrp) {
+    __m512 a[4][4];
+    #pragma GCC unroll 4
+    for (int c = 0; c < keys; c++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) a[c][j] = _mm512_loadu_ps(out + c * os + 16 * j);
+    for (int rp = 0; rp < nrp; rp++) {
+        const uint32_t *xr = x + (size_t)rp * xs;
+        __m512i x0 = _mm512_loadu_si512(xr), x1 = _mm512_loadu_si512(xr + 16), x2 = _mm512_loadu_si512(xr + 32),
+                x3 = _mm512_loadu_si512(xr + 48);
+        #pragma GCC unroll 4
+        for (int c = 0; c < keys; c++) {
+            __m512i b = _mm512_set1_epi32((int)w[(size_t)rp * BK + c0 + c]);
+            a[c][0] = att_dp(a[c][0], b, x0);
+            a[c][1] = att_dp(a[c][1], b, x1);
+            a[c][2] = att_dp(a[c][2], b, x2);
+            a[c][3] = att_dp(a[c][3], b, x3);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int c = 0; c < keys; c++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + c * os + 16 * j, a[c][j]);
+}
+/* dv and dk of `keys` (4 or 1) keys c0.. of a tile over the row pairs [0, nrp) of pw / sw. */
+AB_INLINE void att_dvdk_bf16(float *dvr, float *dkr, long os, int keys, const uint32_t *pw, const uint32_t *sw, int c0,
+                           const uint32_t *gx, const uint32_t *qx, long xs, int nrp) {
+    if (keys == 4) {
+        att_keys_axpy_bf16_n(dvr, os, 4, pw, c0, gx, xs, nrp);
+        att_keys_axpy_bf16_n(dkr, os, 4, sw, c0, qx, xs, nrp);
+    } else {
+        att_keys_axpy_bf16_n(dvr, os, 1, pw, c0, gx, xs, nrp);
+        att_keys_axpy_bf16_n(dkr, os, 1, sw, c0, qx, xs, nrp);
+    }
+}
+
+/* dq[r][0:hd] += sum_{cp0 <= cp < cp1} sr[r * BK/2 + cp] . kr[cp * hd + 0:hd] (pairs
+ * of keys) for the rows r < nr (<= 4) of a micro-block, dq[r] at dq + r * qs: 4 rows
+ * x 64 columns in registers at a time, a partial micro-block a row at a time (its
+ * rows past T must not be written). */
+AB_INLINE void att_dq_bf16(float *dq, long qs, int nr, const uint32_t *sr, const uint32_t *kr, int hd, int cp0,
+                           int cp1) {
+    if (nr == 4) {
+        for (int c0 = 0; c0 < hd; c0 += HC) {
+            __m512 a[4][4];
+            #pragma GCC unroll 4
+            for (int r = 0; r < 4; r++)
+                #pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) a[r][j] = _mm512_loadu_ps(dq + r * qs + c0 + 16 * j);
+            for (int cp = cp0; cp < cp1; cp++) {
+                const uint32_t *y = kr + (size_t)cp * hd + c0;
+                __m512i y0 = _mm512_loadu_si512(y), y1 = _mm512_loadu_si512(y + 16), y2 = _mm512_loadu_si512(y + 32),
+                        y3 = _mm512_loadu_si512(y + 48);
+                #pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) {
+                    __m512i b = _mm512_set1_epi32((int)sr[(size_t)r * (BK / 2) + cp]);
+                    a[r][0] = att_dp(a[r][0], b, y0);
+                    a[r][1] = att_dp(a[r][1], b, y1);
+                    a[r][2] = att_dp(a[r][2], b, y2);
+                    a[r][3] = att_dp(a[r][3], b, y3);
+                }
+            }
+            #pragma GCC unroll 4
+            for (int r = 0; r < 4; r++)
+                #pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) _mm512_storeu_ps(dq + r * qs + c0 + 16 * j, a[r][j]);
+        }
         return;
     }
+    for (int r = 0; r < nr; r++)
+        for (int c0 = 0; c0 < hd; c0 += 16) {
+            __m512 a = _mm512_loadu_ps(dq + r * qs + c0);
+            for (int cp = cp0; cp < cp1; cp++)
+                a = att_dp(a, _mm512_set1_epi32((int)sr[(size_t)r * (BK / 2) + cp]),
+                           _mm512_loadu_si512(kr + (size_t)cp * hd + c0));
+            _mm512_storeu_ps(dq + r * qs + c0, a);
+        }
+}
+
+/* A tile's dv, dk and dq products from its bf16 operands (att_tile_pairs_bf16, the
+ * head's att_head_bf16 and att_kpairs_bf16): the fp32 kernel's loops and ranges,
+ * the row ranges of dv / dk widened to whole pairs of rows and the key range of dq
+ * to whole pairs of keys (the rows and keys they add hold P = dS = 0 there, and the
+ * operands' padding rows are zeros). cmb / ceb: each micro-block's first and end
+ * key column. */
+AB_CALL void att_bf16_products(float *dqh, float *dkh, float *dvh, long qs, long ks, int hd, int j0, int t0, int nq,
+                               int nk, int window, const int *cmb, const int *ceb, const uint32_t *PT,
+                               const uint32_t *ST, const uint32_t *SR, const uint32_t *KR, const uint32_t *QR,
+                               const uint32_t *GR) {
+    for (int c0 = 0; c0 < hd; c0 += HC)
+        for (int c = 0; c < nk;) {
+            int keys = c + 4 <= nk ? 4 : 1;
+            int rs = j0 + c - t0 > 0 ? j0 + c - t0 : 0, re = nq; /* query rows that see the keys */
+            if (window) {
+                re = j0 + c + keys - 1 + window - t0;
+                re = re < nq ? re : nq;
+            }
+            if (re > rs) {
+                int rp0 = rs / 2, rp1 = (re + 1) / 2;
+                att_dvdk_bf16(dvh + (size_t)(j0 + c) * ks + c0, dkh + (size_t)(j0 + c) * ks + c0, ks, keys,
+                              PT + (size_t)rp0 * BK, ST + (size_t)rp0 * BK, c, GR + (size_t)(t0 / 2 + rp0) * hd + c0,
+                              QR + (size_t)(t0 / 2 + rp0) * hd + c0, hd, rp1 - rp0);
+            }
+            c += keys;
+        }
+    for (int r0 = 0; r0 < nq; r0 += 4) {
+        int cm = cmb[r0 / 4], ce = ceb[r0 / 4]; /* keys past ce: dS = 0 */
+        if (cm >= ce) continue;
+        att_dq_bf16(dqh + (size_t)(t0 + r0) * qs, qs, nq - r0 < 4 ? nq - r0 : 4, SR + (size_t)r0 * (BK / 2),
+                    KR + (size_t)(j0 / 2) * hd, hd, cm / 2, (ce + 1) / 2);
+    }
+}
+
+/* The forward's q rows of one query block as bf16 rows (nq rows, zeros to BQ). */
+AB_CALL void att_block_bf16(uint32_t *qb, const float *q, long qs, int nq, int hd) {
+    att_rows_bf16(qb, q, qs, nq, BQ, hd);
+}
+
+/* The forward of both kernels: vb = 1 takes the scores as bf16 products. */
+A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                           int nh, int nkv, int hd, const kern_attn_opt *opt, int vb) {
+    // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
-    int Tp = (T + BK - 1) / BK * BK;
-    float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
+    int Tp = (T + BK - 1) / BK * BK, hp = hd / 2;
+    float *KT = vb ? NULL : att_transpose(k, B, T, nkv, hd, Tp);        // [B*nkv, Tp/BK, hd, BK]
+    uint32_t *KP = vb ? att_tiles_bf16(k, B, T, nkv, hd, Tp) : NULL;    // [B*nkv, Tp/BK, hd/2, BK] pairs
     float *VH = att_heads(v, B, T, nkv, hd);         // [B*nkv, T, hd]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
         float *acc = ct_malloc((size_t)BQ * hd * sizeof(float)); // [BQ, hd] unnormalised out
+        uint32_t *QB = vb ? ct_malloc((size_t)BQ * hp * sizeof(uint32_t)) : NULL; // [BQ, hd/2] the block's q, bf16
         float P[BQ * BK];                                        // [BQ, BK] probabilities of the tile
         float m[BQ], l[BQ], alpha[BQ];                           // running max, sum; rescaling
         int mbc[BQ / 4][2];                                      // per micro-block: first, end key column
@@ -263,8 +555,10 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                     int kh = h / group, t0 = qb * BQ;
                     int nq = T - t0 < BQ ? T - t0 : BQ;
                     const float *qh = q + ((size_t)b * T * nh + h) * hd; // row t at qh + t*qs
-                    const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp; // tile at + j0*hd
+                    const float *kth = vb ? NULL : KT + ((size_t)b * nkv + kh) * hd * Tp; // tile at + j0*hd
+                    const uint32_t *kph = vb ? KP + ((size_t)b * nkv + kh) * hp * Tp : NULL; // tile at + j0*hp
                     const float *vh = VH + ((size_t)b * nkv + kh) * T * hd; // row j at vh + j*hd
+                    if (vb) att_block_bf16(QB, qh + (size_t)t0 * qs, qs, nq, hd);
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
                     // from the tile of the first key the block sees (the window) up to the diagonal
@@ -276,11 +570,13 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                          * tiles at once, more than L1's 48 KB, and re-read them from L2. */
                         for (int r0 = 0; r0 < nq; r0 += 4) {
                             const float *x[4];
+                            const uint32_t *xb[4];
                             int ncr[4], clo[4], ncmax = 0, cmin = BK; /* row r sees keys clo[r] <= c < ncr[r] */
                             #pragma GCC unroll 4
                             for (int r = 0; r < 4; r++) {
                                 int rr = r0 + r < nq ? r0 + r : nq - 1; /* rows past T repeat the last */
                                 x[r] = qh + (size_t)(t0 + rr) * qs;
+                                xb[r] = vb ? QB + (size_t)rr * hp : NULL;
                                 int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk; // keys j0..t
                                 int c0 = kern_attn_first_key(t0 + rr, window) - j0;  // and from lo(t) on
                                 clo[r] = c0 > 0 ? c0 : 0;
@@ -292,7 +588,8 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
                             mbc[r0 / 4][1] = ncmax;
                             if (!ncmax) continue;
                             __m512 s[4][4];
-                            att_dots4(s, x, kth + (size_t)j0 * hd, BK, hd, ncmax);
+                            if (vb) att_dots4_bf16(s, xb, kph + (size_t)j0 * hp, hp, ncmax);
+                            else att_dots4(s, x, kth + (size_t)j0 * hd, BK, hd, ncmax);
                             /* The online softmax in three sweeps over the micro-block's rows:
                              * the scaled, masked scores to P and each row's max; the new maxima
                              * and the scalar expf of each rescaling; then the exp pass and the
@@ -375,30 +672,50 @@ A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, cons
             }
         }
         free(acc);
+        free(QB);
         KERN_TRACE_EXIT(kt_);
     }
     free(KT);
+    free(KP);
     free(VH);
 }
 
-A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
-                                    const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                    int nh, int nkv, int hd, const kern_attn_opt *opt) {
-    // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
-    // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
+A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                    int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
     if (hd % HC) {
-        op_attention_bwd_tiled_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        op_attention_fwd_tiled_avx512(out, lse, q, k, v, B, T, nh, nkv, hd, opt);
         return;
     }
+    att_fwd_body(out, lse, q, k, v, B, T, nh, nkv, hd, opt, 0);
+}
+
+A512 void kern_attention_fwd_avx512bf16(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                        int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    if (!kern_attn_bf16(opt) || hd % HC) {
+        kern_attention_fwd_avx512(out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        return;
+    }
+    att_fwd_body(out, lse, q, k, v, B, T, nh, nkv, hd, opt, 1);
+}
+
+/* The backward of both kernels: vb = 1 runs every product as bf16 pairs. */
+A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                           const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
+                           const kern_attn_opt *opt, int vb) {
+    // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
+    // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd, ks = nkv * hd;
-    int Tp = (T + BK - 1) / BK * BK;
-    float *KT = att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
-    float *VT = att_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
+    int b16 = kern_attn_bf16(opt);
+    int Tp = (T + BK - 1) / BK * BK, hp = hd / 2, Tz = nqb * BQ; /* Tz: the query rows the blocks cover */
+    float *KT = vb ? NULL : att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
+    float *VT = vb ? NULL : att_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
+    uint32_t *KP = vb ? att_tiles_bf16(k, B, T, nkv, hd, Tp) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
+    uint32_t *VP = vb ? att_tiles_bf16(v, B, T, nkv, hd, Tp) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -406,34 +723,57 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
         float *P = ct_malloc((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
         float *dS = ct_malloc((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
         float D[BQ], L[BQ];
+        /* vb: the bf16 operands. The tile's P and dS as pairs of rows (PT, ST: [BQ/2, BK]) and
+         * dS as pairs along the keys (SR: [BQ, BK/2]); the kv head's k as pairs of keys (KR:
+         * [Tp/2, hd]); the query head's q and dout as bf16 rows (QB, GB: [Tz, hd/2]) and as
+         * pairs of rows (QR, GR: [Tz/2, hd]) */
+        uint32_t *PT = NULL, *ST = NULL, *SR = NULL, *KR = NULL, *QB = NULL, *GB = NULL, *QR = NULL, *GR = NULL;
+        if (vb) {
+            PT = ct_malloc((size_t)3 * BQ * BK / 2 * sizeof(uint32_t));
+            ST = PT + BQ * BK / 2, SR = ST + BQ * BK / 2;
+            KR = ct_malloc(((size_t)Tp * hd / 2 + (size_t)4 * Tz * hd / 2) * sizeof(uint32_t));
+            QB = KR + (size_t)Tp * hd / 2, GB = QB + (size_t)Tz * hp, QR = GB + (size_t)Tz * hp;
+            GR = QR + (size_t)Tz / 2 * hd;
+        }
         /* the rows the products stream, contiguous (att_rows_in): k of the kv
          * head (dS K reads 64 of them per tile), q and dout of the query head
          * (dV and dK read 32 per tile). The outputs are 4 rows at a time and stay
          * in place. */
-        float *KS = ct_malloc((size_t)3 * T * hd * sizeof(float));
-        float *QS = KS + (size_t)T * hd, *GS = QS + (size_t)T * hd;
+        float *KS = vb ? NULL : ct_malloc((size_t)3 * T * hd * sizeof(float));
+        float *QS = vb ? NULL : KS + (size_t)T * hd, *GS = vb ? NULL : QS + (size_t)T * hd;
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
         // the dq rows of the group's query heads, so every sum is its own.
 #pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < B; b++) {
             for (int kh = 0; kh < nkv; kh++) {
-                const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp, *vth = VT + ((size_t)b * nkv + kh) * hd * Tp;
+                const float *kth = vb ? NULL : KT + ((size_t)b * nkv + kh) * hd * Tp;
+                const float *vth = vb ? NULL : VT + ((size_t)b * nkv + kh) * hd * Tp;
+                const uint32_t *kph = vb ? KP + ((size_t)b * nkv + kh) * hp * Tp : NULL; // tile at + j0*hp
+                const uint32_t *vph = vb ? VP + ((size_t)b * nkv + kh) * hp * Tp : NULL;
                 const float *kh_ = KS; // row j at + j*hd
                 float *dkh = dk + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
                 float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
-                att_rows_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
+                if (vb) att_kpairs_bf16(KR, k + ((size_t)b * T * nkv + kh) * hd, ks, T, Tp, hd);
+                else att_rows_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
                     const float *qh = QS, *gh = GS; // row t at + t*hd
                     float *dqh = dq + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
-                    att_rows_in(QS, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
-                    att_rows_in(GS, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    if (vb) {
+                        att_head_bf16(QB, GB, QR, GR, q + ((size_t)b * T * nh + h) * hd,
+                                      dout + ((size_t)b * T * nh + h) * hd, qs, T, Tz, hd);
+                        gh = dout + ((size_t)b * T * nh + h) * hd; /* D below: rows qs apart */
+                    } else {
+                        att_rows_in(QS, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                        att_rows_in(GS, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    }
+                    long gs = vb ? qs : hd; /* the row stride of gh */
                     for (int qb = 0; qb < nqb; qb++) {
                         int t0 = qb * BQ;
                         int nq = T - t0 < BQ ? T - t0 : BQ;
                         for (int r = 0; r < nq; r++) {
                             // D = rowsum(dout * out) = sum_j p_j dp_j
-                            D[r] = att_dot(gh + (size_t)(t0 + r) * hd, oh + (size_t)(t0 + r) * qs, hd);
+                            D[r] = att_dot(gh + (size_t)(t0 + r) * gs, oh + (size_t)(t0 + r) * qs, hd);
                             L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
                         }
                         // from the tile of the first key the block sees (the window) up to the diagonal
@@ -443,12 +783,15 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                             int ceb[BQ / 4]; /* and the end of the columns it sees (the diagonal) */
                             for (int r0 = 0; r0 < nq; r0 += 4) {
                                 const float *xq[4], *xg[4];
+                                const uint32_t *bq[4], *bg[4];
                                 int ncr[4], clo[4], cmin = BK; /* row r sees keys clo[r] <= c < ncr[r] */
                                 #pragma GCC unroll 4
                                 for (int r = 0; r < 4; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1;
-                                    xq[r] = qh + (size_t)(t0 + rr) * hd;
-                                    xg[r] = gh + (size_t)(t0 + rr) * hd;
+                                    xq[r] = vb ? NULL : qh + (size_t)(t0 + rr) * hd;
+                                    xg[r] = vb ? NULL : gh + (size_t)(t0 + rr) * hd;
+                                    bq[r] = vb ? QB + (size_t)(t0 + rr) * hp : NULL;
+                                    bg[r] = vb ? GB + (size_t)(t0 + rr) * hp : NULL;
                                     int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk;
                                     int c0 = kern_attn_first_key(t0 + rr, window) - j0;
                                     clo[r] = c0 > 0 ? c0 : 0;
@@ -467,8 +810,13 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                 #pragma GCC unroll 4
                                 for (int r = 0; r < 4; r++) ncm = ncr[r] > ncm ? ncr[r] : ncm;
                                 ceb[r0 / 4] = ncm;
-                                att_dots4(s, xq, kth + (size_t)j0 * hd, BK, hd, ncm);
-                                att_dots4(dp, xg, vth + (size_t)j0 * hd, BK, hd, ncm); // dP = dout . v
+                                if (vb) {
+                                    att_dots4_bf16(s, bq, kph + (size_t)j0 * hp, hp, ncm);
+                                    att_dots4_bf16(dp, bg, vph + (size_t)j0 * hp, hp, ncm); // dP = dout . v
+                                } else {
+                                    att_dots4(s, xq, kth + (size_t)j0 * hd, BK, hd, ncm);
+                                    att_dots4(dp, xg, vth + (size_t)j0 * hd, BK, hd, ncm); // dP = dout . v
+                                }
                                 #pragma GCC unroll 4
                                 for (int r = 0; r < 4; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1;
@@ -494,6 +842,16 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
                                         _mm512_storeu_ps(dS + (size_t)(r0 + r) * BK + 16 * j, ds);
                                     }
                                 }
+                            }
+                            if (vb) { /* the products below take P and dS as bf16 pairs */
+                                att_tile_pairs_bf16(PT, ST, SR, P, dS, (nq + 3) & ~3);
+                                att_bf16_products(dqh, dkh, dvh, qs, ks, hd, j0, t0, nq, nk, window, cmb, ceb, PT, ST,
+                                                  SR, KR, QR, GR);
+                                continue;
+                            }
+                            if (b16) { /* the products below take P and dS as bf16 (dS from fp32 P above) */
+                                op_attention_round_bf16(P, (long)((nq + 3) & ~3) * BK);
+                                op_attention_round_bf16(dS, (long)((nq + 3) & ~3) * BK);
                             }
                             // dv[j] += sum_t P[t,j] dout[t]; dk[j] += sum_t dS[t,j] q[t]; 4 keys at a time,
                             // over the query rows rs <= r < re that can see them (all rows without a window)
@@ -557,9 +915,33 @@ A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float
         free(P);
         free(dS);
         free(KS);
+        free(PT);
+        free(KR);
         KERN_TRACE_EXIT(kt_);
     }
     free(KT);
     free(VT);
+    free(KP);
+    free(VP);
+}
+
+A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                    const float *lse, const float *q, const float *k, const float *v, int B, int T,
+                                    int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    if (hd % HC) {
+        op_attention_bwd_tiled_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        return;
+    }
+    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, 0);
+}
+
+A512 void kern_attention_bwd_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                        const float *lse, const float *q, const float *k, const float *v, int B,
+                                        int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    if (!kern_attn_bf16(opt) || hd % HC) {
+        kern_attention_bwd_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        return;
+    }
+    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, 1);
 }
 #endif /* __x86_64__ */

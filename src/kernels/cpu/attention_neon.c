@@ -449,6 +449,7 @@ ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, co
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd, ks = nkv * hd; // row strides
+    int b16 = kern_attn_bf16(opt);
     int Tp = (T + BK - 1) / BK * BK;
     float *KT = att_heads_t(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]
     float *VT = att_heads_t(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]
@@ -541,6 +542,8 @@ ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, co
                                             vst1q_f32(dc, att_and(mk, ds));
                                         }
                                 }
+                            if (b16) /* the products below take P and dS as bf16 (dS from fp32 P above) */
+                                op_attention_round_bf16(P, (long)2 * BK * BQ); /* P^T and dS^T, one buffer */
                             // dv[j] += sum_t P[t,j] dout[t]; dk[j] += sum_t dS[t,j] q[t]: 8 keys at a time
                             // (then 4, 2, 1), over the query rows rs <= r < re that see one of them (from
                             // the first row that sees the first key to the last that sees the last, a

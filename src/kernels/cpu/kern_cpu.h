@@ -315,6 +315,13 @@ void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const flo
 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                const float *lse, const float *q, const float *k, const float *v, int B, int T, int nh,
                                int nkv, int hd, const kern_attn_opt *opt);
+/* The same with vdpbf16ps products under kern_attn_opt.bf16 (AVX512_BF16; without the
+ * option, or hd % 64 != 0, the kernels above). */
+void kern_attention_fwd_avx512bf16(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                   int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
+void kern_attention_bwd_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                   const float *lse, const float *q, const float *k, const float *v, int B, int T,
+                                   int nh, int nkv, int hd, const kern_attn_opt *opt);
 /* out[i] = e^x[i] with the vector exp of the kernels above (for its accuracy test). */
 void kern_exp_avx512(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with avx512_util.h's tanh16 (attention's soft cap; for its accuracy test). */

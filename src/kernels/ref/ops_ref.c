@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/dtype.h"
 #include "core/err.h"
 
 /* Column chunk for reductions over rows: wide enough to vectorise, narrow
@@ -418,6 +419,7 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
+    int b16 = kern_attn_bf16(opt);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -450,14 +452,15 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
                             } else {
                                 p = expf(dot * scale - L);
                             }
-                            // dp = dout . v ; dv += p * dout
-                            float dp = 0.0f;
+                            // dp = dout . v ; dv += p * dout (p rounded to bf16 under bf16 products)
+                            float dp = 0.0f, pw = b16 ? ct_bf16_to_f32(ct_f32_to_bf16(p)) : p;
                             for (int i = 0; i < hd; i++) {
                                 dp += dot_[i] * vt[i];
-                                dvt[i] += p * dot_[i];
+                                dvt[i] += pw * dot_[i];
                             }
                             // ds = p * (dp - D); scores = scale * q . k (capped: times 1 - tanh^2)
                             float g = cap > 0.0f ? p * (dp - D) * (1.0f - th * th) * scale : p * (dp - D) * scale;
+                            if (b16) g = ct_bf16_to_f32(ct_f32_to_bf16(g));
                             for (int i = 0; i < hd; i++) {
                                 dqt[i] += g * kt[i];
                                 dkt[i] += g * qt[i];
