@@ -335,8 +335,21 @@ static int fails_only_with(const char *log, const char *impl, const char *opt) {
     return n;
 }
 
-/* The checker's own logic: every case here runs with .quick (the largest cases capped), which
- * keeps each bug's shapes (odd N, K = 1, accumulation) and costs a fraction under the sanitizers. */
+/* kern_check of `table` with .quick (the largest cases capped, which keeps each bug's shapes:
+ * odd N, K = 1, accumulation; a fraction of the cost under the sanitizers), seed 3; returns its
+ * log (free it) and the failed cases in *failed. */
+static char *check_log(const kern_impl *table, size_t n, int *failed) {
+    char *log = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&log, &len);
+    kern_check_opts o = {.out = f, .features = 0, .seed = 3, .quick = 1};
+    int nf = kern_check(table, n, &o);
+    fclose(f);
+    if (failed) *failed = nf;
+    return log;
+}
+
+/* The checker's own logic (check_log). */
 static void test_check_catches_bugs(void) {
     static const struct {
         const char *name;
@@ -358,12 +371,8 @@ static void test_check_catches_bugs(void) {
     for (size_t b = 0; b < sizeof broken / sizeof broken[0]; b++)
         table[nt++] = (kern_impl){KERN_OP_MATMUL, broken[b].name, "cpu", 0, 0, "broken",
                                   .fn.matmul = {broken[b].fwd, broken[b].bwd}};
-    char *log = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&log, &len);
-    kern_check_opts o = {.out = f, .features = 0, .seed = 3, .quick = 1};
-    int failed = kern_check(table, nt, &o);
-    fclose(f);
+    int failed;
+    char *log = check_log(table, nt, &failed);
     int total = 0;
     for (size_t b = 0; b < sizeof broken / sizeof broken[0]; b++) {
         int n = failed_cases_of(log, broken[b].name);
@@ -383,11 +392,7 @@ static void test_check_catches_bugs(void) {
         {KERN_OP_MOE_BF16, "unrounded-tol1", "cpu", 0, 1.0, "fp32 products",
          .fn.moe = {op_moe_experts_fwd, op_moe_experts_bwd}},
     };
-    log = NULL;
-    f = open_memstream(&log, &len);
-    o.out = f;
-    kern_check(moe, 3, &o);
-    fclose(f);
+    log = check_log(moe, 3, NULL);
     CHECK(failed_cases_of(log, "unrounded") > 0, "a bf16 MoE kernel without rounding passed (max tol 2e-3)");
     CHECK(failed_cases_of(log, "unrounded-tol1") > 0, "a bf16 MoE kernel without rounding passed (max tol 1)");
     free(log);
@@ -398,11 +403,7 @@ static void test_check_catches_bugs(void) {
         {KERN_OP_ATTENTION, "unrounded", "cpu", 0, 0, "fp32 P and dS",
          .fn.attention = {att_fwd_unrounded, att_bwd_unrounded}},
     };
-    log = NULL;
-    f = open_memstream(&log, &len);
-    o.out = f;
-    kern_check(att, 2, &o);
-    fclose(f);
+    log = check_log(att, 2, NULL);
     int bf16_cases = 0;
     for (const char *p = log; p && (p = strstr(p, "[bf16")); p++) bf16_cases++;
     int n = fails_only_with(log, "unrounded", "[bf16");

@@ -200,15 +200,27 @@ A_INLINE void att_rows4_axpy(float *acc, long as, const float *scale, const floa
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + r * as + 16 * j, a[r][j]);
 }
 
+/* a[c][0:4] = the HC floats at p + c * ps for c < n (a register tile of n rows), and back.
+ * Inlined with a constant n, so the tile stays in registers (fp32 and bf16 kernels). */
+A_INLINE void att_tile_load(__m512 a[4][4], const float *p, long ps, int n) {
+    #pragma GCC unroll 4
+    for (int c = 0; c < n; c++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) a[c][j] = _mm512_loadu_ps(p + c * ps + 16 * j);
+}
+A_INLINE void att_tile_store(float *p, long ps, __m512 a[4][4], int n) {
+    #pragma GCC unroll 4
+    for (int c = 0; c < n; c++)
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(p + c * ps + 16 * j, a[c][j]);
+}
+
 /* out_c[0:HC] += sum_{r < nr} w[r * BK + c] x_r[0:HC] for KEYS keys c = c0.., x_r = x + r * xs:
  * the dV += P^T dO and dK += dS^T Q products, the keys' rows held in registers
  * across all query rows of the tile. */
 A_INLINE void att_keys_axpy(float *out, long os, int keys, const float *w, int c0, const float *x, long xs, int nr) {
     __m512 a[4][4];
-    #pragma GCC unroll 4
-    for (int c = 0; c < keys; c++)
-        #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) a[c][j] = _mm512_loadu_ps(out + c * os + 16 * j);
+    att_tile_load(a, out, os, keys);
     for (int r = 0; r < nr; r++) {
         const float *xr = x + (size_t)r * xs;
         __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16), x2 = _mm512_loadu_ps(xr + 32),
@@ -222,10 +234,7 @@ A_INLINE void att_keys_axpy(float *out, long os, int keys, const float *w, int c
             a[c][3] = _mm512_fmadd_ps(b, x3, a[c][3]);
         }
     }
-    #pragma GCC unroll 4
-    for (int c = 0; c < keys; c++)
-        #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + c * os + 16 * j, a[c][j]);
+    att_tile_store(out, os, a, keys);
 }
 
 A_INLINE float att_dot(const float *x, const float *y, int n) {
@@ -409,10 +418,7 @@ AB_CALL void att_tile_pairs_bf16(uint32_t *pt, uint32_t *st, uint32_t *sr, const
 AB_INLINE void att_keys_axpy_bf16_n(float *out, long os, int keys, const uint32_t *w, int c0, const uint32_t *x,
                                     long xs, int nrp) {
     __m512 a[4][4];
-    #pragma GCC unroll 4
-    for (int c = 0; c < keys; c++)
-        #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) a[c][j] = _mm512_loadu_ps(out + c * os + 16 * j);
+    att_tile_load(a, out, os, keys);
     for (int rp = 0; rp < nrp; rp++) {
         const uint32_t *xr = x + (size_t)rp * xs;
         __m512i x0 = _mm512_loadu_si512(xr), x1 = _mm512_loadu_si512(xr + 16), x2 = _mm512_loadu_si512(xr + 32),
@@ -426,10 +432,7 @@ AB_INLINE void att_keys_axpy_bf16_n(float *out, long os, int keys, const uint32_
             a[c][3] = att_dp(a[c][3], b, x3);
         }
     }
-    #pragma GCC unroll 4
-    for (int c = 0; c < keys; c++)
-        #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + c * os + 16 * j, a[c][j]);
+    att_tile_store(out, os, a, keys);
 }
 /* dv and dk of `keys` (4 or 1) keys c0.. of a tile over the row pairs [0, nrp) of pw / sw. */
 AB_INLINE void att_dvdk_bf16(float *dvr, float *dkr, long os, int keys, const uint32_t *pw, const uint32_t *sw, int c0,
@@ -452,10 +455,7 @@ AB_INLINE void att_dq_bf16(float *dq, long qs, int nr, const uint32_t *sr, const
     if (nr == 4) {
         for (int c0 = 0; c0 < hd; c0 += HC) {
             __m512 a[4][4];
-            #pragma GCC unroll 4
-            for (int r = 0; r < 4; r++)
-                #pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) a[r][j] = _mm512_loadu_ps(dq + r * qs + c0 + 16 * j);
+            att_tile_load(a, dq + c0, qs, 4);
             for (int cp = cp0; cp < cp1; cp++) {
                 const uint32_t *y = kr + (size_t)cp * hd + c0;
                 __m512i y0 = _mm512_loadu_si512(y), y1 = _mm512_loadu_si512(y + 16), y2 = _mm512_loadu_si512(y + 32),
@@ -469,10 +469,7 @@ AB_INLINE void att_dq_bf16(float *dq, long qs, int nr, const uint32_t *sr, const
                     a[r][3] = att_dp(a[r][3], b, y3);
                 }
             }
-            #pragma GCC unroll 4
-            for (int r = 0; r < 4; r++)
-                #pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) _mm512_storeu_ps(dq + r * qs + c0 + 16 * j, a[r][j]);
+            att_tile_store(dq + c0, qs, a, 4);
         }
         return;
     }
