@@ -1,5 +1,7 @@
 /* kernels/cpu/attention_avx512.c: register-blocked flash attention for AVX-512
- * ("blocked_avx512"), same contract as op_attention_fwd/bwd (kernels/ops.h).
+ * ("blocked_avx512"), same contract as op_attention_fwd/bwd (kernels/ops.h),
+ * and its build with vdpbf16ps products for bf16 runs ("blocked_avx512bf16",
+ * "bf16 products" below).
  *
  * Design. The algorithm is the tiled one (kernels/ref/attention.c: 32-query x
  * 64-key tiles up to the diagonal, online softmax, backward recomputing
