@@ -15,6 +15,9 @@
  * Thin by design: the registry and the checker live in kernels/. */
 #include <math.h>
 #include <stdio.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -313,6 +316,17 @@ static void bench_op(const kern_impl *t, size_t n, unsigned cpu, const kern_cli_
 }
 
 static int cmd_bench(const kern_cli_opts *o) {
+#ifdef __GLIBC__
+    /* The kernels allocate multi-MB scratch per call (attention's transposed K and V:
+     * 4 MB each at W3). glibc returned it to the kernel on free whenever the heap's
+     * top grew past its trim threshold, so a row's every call paid ~3000 fresh page
+     * faults until the arena happened to settle: the first attention rows of a run
+     * read 1.4-1.8x slower than the same kernel's later rows (2026-12-05). A training
+     * run reaches that settled state by its second step (~200 faults a step), so the
+     * bench keeps freed memory too: allocations under 32 MB from the heap, no trim. */
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+#endif
     size_t n;
     const kern_impl *t = kern_registry(&n);
     unsigned cpu = kern_cpu_features();
