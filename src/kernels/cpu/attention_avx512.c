@@ -56,6 +56,10 @@
 
 #define A512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define A_INLINE A512 __attribute__((always_inline)) static inline
+/* blocked_avx512bf16's parts ("bf16 products" below) */
+#define A512B __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define AB_INLINE A512B __attribute__((always_inline)) static inline
+#define AB_CALL A512B __attribute__((noinline)) static
 
 #define BQ 32 /* query rows per tile (8 micro-blocks of 4) */
 #define BK 64 /* keys per tile: 4 zmm */
@@ -69,17 +73,40 @@ A_INLINE __mmask16 att_lanes(int n, int j) {
 /* Lanes c with lo <= c < n (lo = 0: att_lanes). */
 A_INLINE __mmask16 att_lanes2(int lo, int n, int j) { return att_lanes(n, j) & (__mmask16)~att_lanes(lo, j); }
 
+/* r[c] = the 16 floats at head + (j0 + c) * ks for the keys c < n of a 16-key
+ * block, zeros for the keys past T (read at the head's first row, a valid
+ * address): what one in-register transpose of att_tiles takes. */
+A_INLINE void att_gather16(__m512 r[16], const float *head, long ks, int j0, int n) {
+    #pragma GCC unroll 16
+    for (int c = 0; c < 16; c++)
+        r[c] = _mm512_maskz_loadu_ps(c < n ? (__mmask16)0xFFFF : (__mmask16)0, head + (size_t)(c < n ? j0 + c : 0) * ks);
+}
+/* The same with 32 floats a key, as 16 bf16 pairs (element 2p in the low half of
+ * lane p): after the transpose, 16 rows of pairs along hd. */
+AB_CALL void att_gather16_pairs(__m512 r[16], const float *head, long ks, int j0, int n) {
+    #pragma GCC unroll 16
+    for (int c = 0; c < 16; c++) {
+        __mmask16 m = c < n ? (__mmask16)0xFFFF : (__mmask16)0;
+        const float *src = head + (size_t)(c < n ? j0 + c : 0) * ks;
+        r[c] = _mm512_castsi512_ps(bf16_pair_along(_mm512_maskz_loadu_ps(m, src), _mm512_maskz_loadu_ps(m, src + 16)));
+    }
+}
+
 /* Every K (or V) head transposed once per call, tile by tile: tile jt of head
- * (b, kh) is [hd][BK] at xt + ((b * nkv + kh) * Tp + jt * BK) * hd, element
- * [i][c] = x[b, jt * BK + c, kh, i] for keys < T, zero past T. The score products
+ * (b, kh) is [rows][BK] 32-bit slots at xt + ((b * nkv + kh) * Tp + jt * BK) *
+ * rows, slot [i][c] = x[b, jt * BK + c, kh, i] for keys < T, zero past T;
+ * rows = hd. With `pairs` (blocked_avx512bf16's scores) rows = hd / 2 and slot
+ * [p][c] is the bf16 pair (x[.., 2p], x[.., 2p + 1]); its gather is the BF16
+ * code, so only the CPUs that have it call with pairs. The score products
  * read a 64-key row of a tile with 4 loads, and no tile is re-transposed for every
  * query head and block that reads it. Tile-major, so a tile is 32 KB in one piece
  * (hd 128): with rows Tp floats apart (1 KB at T = 256) its 128 rows fell into 16
  * of L1's 64 sets, 32 rows for 12 ways, and the tile was re-read from L2 by every
  * micro-block. */
-A512 static float *att_transpose(const float *x, int B, int T, int nkv, int hd, int Tp) {
-    // returns xt[B*nkv, Tp/BK, hd, BK]; x[B,T,nkv,hd]
-    float *xt = ct_malloc((size_t)B * nkv * hd * Tp * sizeof(float));
+A512 static float *att_tiles(const float *x, int B, int T, int nkv, int hd, int Tp, int pairs) {
+    // returns xt[B*nkv, Tp/BK, rows, BK]; x[B,T,nkv,hd]
+    int rows = pairs ? hd / 2 : hd, step = pairs ? 32 : 16; /* step: columns of hd per transpose */
+    float *xt = ct_malloc((size_t)B * nkv * rows * Tp * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -87,19 +114,18 @@ A512 static float *att_transpose(const float *x, int B, int T, int nkv, int hd, 
 #pragma omp for collapse(2) schedule(static) nowait
         for (int b = 0; b < B; b++)
             for (int kh = 0; kh < nkv; kh++) {
-                float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
-                for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys x 16 of hd: one in-register transpose */
+                float *dst = xt + ((size_t)b * nkv + kh) * rows * Tp;
+                const float *head = x + ((size_t)b * T * nkv + kh) * hd; // key j at + j * nkv * hd
+                for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys x 16 slots: one in-register transpose */
                     int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
-                    float *tile = dst + (size_t)(j0 / BK) * BK * hd + j0 % BK;
-                    for (int i0 = 0; i0 < hd; i0 += 16) { /* hd is a multiple of HC here */
+                    float *tile = dst + (size_t)(j0 / BK) * BK * rows + j0 % BK;
+                    for (int i0 = 0; i0 < hd; i0 += step) { /* hd is a multiple of HC here */
                         __m512 r[16];
+                        if (pairs) att_gather16_pairs(r, head + i0, (long)nkv * hd, j0, n);
+                        else att_gather16(r, head + i0, (long)nkv * hd, j0, n);
+                        transpose16(r); /* moves bits only */
                         #pragma GCC unroll 16
-                        for (int c = 0; c < 16; c++) /* keys past T: zeros, read from a valid address */
-                            r[c] = _mm512_maskz_loadu_ps(c < n ? (__mmask16)0xFFFF : (__mmask16)0,
-                                                         x + (((size_t)b * T + (c < n ? j0 + c : 0)) * nkv + kh) * hd + i0);
-                        transpose16(r);
-                        #pragma GCC unroll 16
-                        for (int i = 0; i < 16; i++) _mm512_storeu_ps(tile + (size_t)(i0 + i) * BK, r[i]);
+                        for (int i = 0; i < 16; i++) _mm512_storeu_ps(tile + (size_t)(i0 / step * 16 + i) * BK, r[i]);
                     }
                 }
             }
@@ -264,52 +290,10 @@ A_INLINE float att_dot(const float *x, const float *y, int n) {
  * blocked_avx512 runs on every AVX-512 CPU). Without the option, or for head
  * dims that are not multiples of 64, it is blocked_avx512. */
 
-#define A512B __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-#define AB_INLINE A512B __attribute__((always_inline)) static inline
-#define AB_CALL A512B __attribute__((noinline)) static
 
 /* acc + the pair products of a and b: lane i += a[2i] b[2i] + a[2i+1] b[2i+1] */
 AB_INLINE __m512 att_dp(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-
-/* Every K (or V) head's tiles as bf16 pairs along hd: tile jt of head (b, kh) is
- * [hd/2][BK] pairs at xp + ((b * nkv + kh) * Tp + jt * BK) * hd / 2, pair [p][c] =
- * (x[b, jt * BK + c, kh, 2p], x[.., 2p + 1]), zeros for keys past T: one 64-key row
- * of pairs is 4 loads of the score products. */
-AB_CALL uint32_t *att_tiles_bf16(const float *x, int B, int T, int nkv, int hd, int Tp) {
-    // returns xp[B*nkv, Tp/BK, hd/2, BK]; x[B,T,nkv,hd]
-    int hp = hd / 2;
-    uint32_t *xp = ct_malloc((size_t)B * nkv * Tp * hp * sizeof(uint32_t));
-    kern_trace *kt_ = kern_trace_armed();
-#pragma omp parallel
-    {
-        KERN_TRACE_ENTER(kt_);
-#pragma omp for collapse(2) schedule(static) nowait
-        for (int b = 0; b < B; b++)
-            for (int kh = 0; kh < nkv; kh++) {
-                uint32_t *dst = xp + ((size_t)b * nkv + kh) * Tp * hp;
-                for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys x 16 pairs: one in-register transpose */
-                    int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
-                    uint32_t *tile = dst + (size_t)(j0 / BK) * BK * hp + j0 % BK;
-                    for (int i0 = 0; i0 < hd; i0 += 32) {
-                        __m512 r[16];
-                        #pragma GCC unroll 16
-                        for (int c = 0; c < 16; c++) { /* keys past T: zeros, read from a valid address */
-                            __mmask16 m = c < n ? (__mmask16)0xFFFF : (__mmask16)0;
-                            const float *src = x + (((size_t)b * T + (c < n ? j0 + c : 0)) * nkv + kh) * hd + i0;
-                            r[c] = _mm512_castsi512_ps(
-                                bf16_pair_along(_mm512_maskz_loadu_ps(m, src), _mm512_maskz_loadu_ps(m, src + 16)));
-                        }
-                        transpose16(r); /* moves bits only */
-                        #pragma GCC unroll 16
-                        for (int p = 0; p < 16; p++) _mm512_storeu_ps((float *)(tile + (size_t)(i0 / 2 + p) * BK), r[p]);
-                    }
-                }
-            }
-        KERN_TRACE_EXIT(kt_);
-    }
-    return xp;
 }
 
 /* rows[t][0:hd/2] = x[t * xs + 0:hd] as bf16 (pair p = elements 2p, 2p+1) for t < T,
@@ -535,8 +519,8 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
     int Tp = (T + BK - 1) / BK * BK, hp = hd / 2;
-    float *KT = vb ? NULL : att_transpose(k, B, T, nkv, hd, Tp);        // [B*nkv, Tp/BK, hd, BK]
-    uint32_t *KP = vb ? att_tiles_bf16(k, B, T, nkv, hd, Tp) : NULL;    // [B*nkv, Tp/BK, hd/2, BK] pairs
+    float *KT = vb ? NULL : att_tiles(k, B, T, nkv, hd, Tp, 0);                 // [B*nkv, Tp/BK, hd, BK]
+    uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, T, nkv, hd, Tp, 1) : NULL;  // [B*nkv, Tp/BK, hd/2, BK] pairs
     float *VH = att_heads(v, B, T, nkv, hd);         // [B*nkv, T, hd]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
@@ -711,10 +695,10 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
     int qs = nh * hd, ks = nkv * hd;
     int b16 = kern_attn_bf16(opt);
     int Tp = (T + BK - 1) / BK * BK, hp = hd / 2, Tz = nqb * BQ; /* Tz: the query rows the blocks cover */
-    float *KT = vb ? NULL : att_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
-    float *VT = vb ? NULL : att_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/BK, hd, BK]
-    uint32_t *KP = vb ? att_tiles_bf16(k, B, T, nkv, hd, Tp) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
-    uint32_t *VP = vb ? att_tiles_bf16(v, B, T, nkv, hd, Tp) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
+    float *KT = vb ? NULL : att_tiles(k, B, T, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
+    float *VT = vb ? NULL : att_tiles(v, B, T, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
+    uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, T, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
+    uint32_t *VP = vb ? (uint32_t *)att_tiles(v, B, T, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
