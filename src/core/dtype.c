@@ -24,12 +24,29 @@ float ct_bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* The fp32 bits u rounded to bf16, which is the high half (the low half is
+ * garbage): nearest, ties to even; a NaN stays a NaN, made quiet, with its sign
+ * and the payload's high bits. Without branches, so that loops of it vectorise. */
+static inline uint32_t bf16_high(uint32_t u) {
+    return (u & 0x7fffffffu) > 0x7f800000u ? u | 0x00400000u : u + 0x7fffu + ((u >> 16) & 1u);
+}
+
 uint16_t ct_f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
+    return (uint16_t)(bf16_high(u) >> 16);
+}
+
+void ct_round_bf16(float *x, size_t n) {
+#ifdef _OPENMP
+#pragma omp simd
+#endif
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        u = bf16_high(u) & 0xffff0000u;
+        memcpy(x + i, &u, 4);
+    }
 }
 
 float ct_f16_to_f32(uint16_t h) {

@@ -33,6 +33,9 @@ int ct_dtype_from_name(const char *name);
 
 float ct_bf16_to_f32(uint16_t h);
 uint16_t ct_f32_to_bf16(float f);
+/* x[i] = ct_bf16_to_f32(ct_f32_to_bf16(x[i])) for i < n, vectorised: fp32 values
+ * made bf16 values in place (the attention's operands under bf16 products). */
+void ct_round_bf16(float *x, size_t n);
 float ct_f16_to_f32(uint16_t h);
 uint16_t ct_f32_to_f16(float f);
 

@@ -118,9 +118,6 @@ static inline float kern_attn_scale(const kern_attn_opt *opt, int hd) {
 static inline int kern_attn_window(const kern_attn_opt *opt) { return opt && opt->window > 0 ? opt->window : 0; }
 static inline float kern_attn_softcap(const kern_attn_opt *opt) { return opt && opt->softcap > 0.0f ? opt->softcap : 0.0f; }
 static inline int kern_attn_bf16(const kern_attn_opt *opt) { return opt && opt->bf16; }
-/* x[0:n] rounded in place to the nearest bf16 (ties to even; core/dtype's rule): the
- * backward's P and dS tiles under kern_attn_bf16. */
-void op_attention_round_bf16(float *x, long n);
 
 /* Causal GQA attention, never holding [T x T] scores: the forward saves only
  * the log-sum-exp of each score row, lse = log sum_j exp(s_j), and the

@@ -1345,7 +1345,7 @@ static void attn_round_bf16(lm_model *m, int n, float *const xs[], const long ns
         int nt = omp_get_num_threads(), id = omp_get_thread_num();
         for (int i = 0; i < n; i++) { /* each thread its share of every array */
             long lo = ns[i] * id / nt, hi = ns[i] * (id + 1) / nt;
-            op_attention_round_bf16(xs[i] + lo, hi - lo);
+            ct_round_bf16(xs[i] + lo, hi - lo);
         }
         KERN_TRACE_EXIT(kt_);
     }

@@ -15,6 +15,7 @@
 
 #include "check.h"
 #include "core/cpu.h"
+#include "core/dtype.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
 
@@ -78,6 +79,29 @@ static void test_rounding(void) {
             }
         CHECK(!bad_f && !bad_i && !bad_w, "%s: %d fwd, %d dinp, %d dw elements not the exact bf16 sums",
               im->name, bad_f, bad_i, bad_w);
+    }
+}
+
+/* ct_round_bf16 (core/dtype: the attention's operands under bf16 products) on the
+ * same boundaries, known from the IEEE layout rather than from ct_f32_to_bf16: the
+ * ties and the values beside them, signs, the largest float (rounds to inf), inf,
+ * a subnormal kept as one (2^-130 is a bf16 subnormal), and a NaN whose payload
+ * is only in the low half (made quiet, not inf). 13 values: a vector's tail too. */
+static void test_round_in_place(void) {
+    float x[13] = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-8f + 0x1p-20f, 1.0f - 0x1p-10f,
+                   -(1.0f + 0x1p-8f), -(1.0f + 3 * 0x1p-8f), 0x1.fffffep127f, INFINITY, -0.0f,
+                   0x1p-130f, 3.0f, 0, 0};
+    uint32_t nan = 0x7f800001u; /* a signalling NaN, payload in the low bits only */
+    memcpy(&x[11], &nan, 4);
+    x[12] = 1.0f + 0x1p-7f + 0x1p-8f; /* a tie between 1 + 2^-7 (odd) and 1 + 2^-6: even */
+    const uint32_t want[13] = {0x3f800000u, 0x3f820000u, 0x3f810000u, 0x3f800000u, 0xbf800000u, 0xbf820000u,
+                               0x7f800000u, 0x7f800000u, 0x80000000u, 0x00080000u, 0x40400000u, 0x7fc00000u,
+                               0x3f820000u};
+    ct_round_bf16(x, 13);
+    for (int i = 0; i < 13; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        CHECK(u == want[i], "ct_round_bf16 value %d: %08x, want %08x", i, u, want[i]);
     }
 }
 
@@ -242,6 +266,7 @@ static void test_select(void) {
 
 int main(void) {
     test_rounding();
+    test_round_in_place();
     if (getenv("CTITAN_EMULATED")) /* under qemu (scripts/test_aarch64.sh): the checker's logic, covered natively */
         printf("skip under emulation: fp32 matmuls caught by the matmul_bf16 check\n");
     else

@@ -68,6 +68,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/dtype.h"
 #include "core/err.h"
 #include "kernels/cpu/avx2_util.h"
 #include "kernels/cpu/kern_cpu.h"
@@ -623,8 +624,8 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                 }
                             }
                             if (b16) { /* the products below take P and dS as bf16 (dS from fp32 P above) */
-                                op_attention_round_bf16(P, (long)nmb * MR * BK);
-                                op_attention_round_bf16(dS, (long)nmb * MR * BK);
+                                ct_round_bf16(P, (size_t)nmb * MR * BK);
+                                ct_round_bf16(dS, (size_t)nmb * MR * BK);
                             }
                             // dv[j] += sum_t P[t,j] dout[t]; dk[j] += sum_t dS[t,j] q[t]; 6 keys at a time,
                             // each group over the query rows rs <= r < re that see one of its keys: from the

@@ -48,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/dtype.h"
 #include "core/err.h"
 #include "kernels/cpu/avx512_util.h"
 #include "kernels/cpu/bf16_pairs.h"
@@ -833,8 +834,8 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                                 continue;
                             }
                             if (b16) { /* the products below take P and dS as bf16 (dS from fp32 P above) */
-                                op_attention_round_bf16(P, (long)((nq + 3) & ~3) * BK);
-                                op_attention_round_bf16(dS, (long)((nq + 3) & ~3) * BK);
+                                ct_round_bf16(P, (size_t)((nq + 3) & ~3) * BK);
+                                ct_round_bf16(dS, (size_t)((nq + 3) & ~3) * BK);
                             }
                             // dv[j] += sum_t P[t,j] dout[t]; dk[j] += sum_t dS[t,j] q[t]; 4 keys at a time,
                             // over the query rows rs <= r < re that can see them (all rows without a window)

@@ -71,6 +71,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/dtype.h"
 #include "core/err.h"
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/cpu/neon_util.h"
@@ -543,7 +544,7 @@ ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, co
                                         }
                                 }
                             if (b16) /* the products below take P and dS as bf16 (dS from fp32 P above) */
-                                op_attention_round_bf16(P, (long)2 * BK * BQ); /* P^T and dS^T, one buffer */
+                                ct_round_bf16(P, (size_t)2 * BK * BQ); /* P^T and dS^T, one buffer */
                             // dv[j] += sum_t P[t,j] dout[t]; dk[j] += sum_t dS[t,j] q[t]: 8 keys at a time
                             // (then 4, 2, 1), over the query rows rs <= r < re that see one of them (from
                             // the first row that sees the first key to the last that sees the last, a

@@ -669,8 +669,8 @@ static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *i
     fill(v, nk, r, -1, 1);
     fill(dout, nq, r, -1, 1);
     if (kern_attn_bf16(opt)) { /* the contract: bf16 values in */
-        op_attention_round_bf16(q, (long)nq), op_attention_round_bf16(k, (long)nk);
-        op_attention_round_bf16(v, (long)nk), op_attention_round_bf16(dout, (long)nq);
+        ct_round_bf16(q, nq), ct_round_bf16(k, nk);
+        ct_round_bf16(v, nk), ct_round_bf16(dout, nq);
     }
     float *o1 = fbuf(nq), *o2 = fbuf(nq), *p1 = fbuf(np), *p2 = fbuf(np);
     fill_nan(o1, nq);

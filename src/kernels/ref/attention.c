@@ -31,25 +31,11 @@
  * reductions among them, so vectorising changes no rounding): -O2's cheap
  * cost model would otherwise leave these variable-length loops scalar. */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
+#include "core/dtype.h"
 #include "core/err.h"
 #include "kernels/ops.h"
-
-void op_attention_round_bf16(float *x, long n) {
-    /* ct_f32_to_bf16's rule on the bits, without branches so that it vectorises
-     * (the model rounds the attention's inputs with it: ~16 MB a W3 layer) */
-#pragma omp simd
-    for (long i = 0; i < n; i++) {
-        uint32_t b;
-        memcpy(&b, x + i, 4);
-        uint32_t nan = (b & 0x7fffffffu) > 0x7f800000u; /* NaN: quiet */
-        b = (nan ? b | 0x00400000u : b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-        memcpy(x + i, &b, 4);
-    }
-}
 
 #define ATT_BQ 32 /* query rows per tile */
 #define ATT_BK 64 /* keys per tile */
