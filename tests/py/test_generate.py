@@ -18,6 +18,7 @@ import ctypes
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -321,20 +322,30 @@ def test_sentencepiece_tokenizer_matches_hf(tmp_path, gen):
     tk.train_from_iterator(CORPUS + ["数字 ünï 🎉"], trainers.BpeTrainer(vocab_size=700, special_tokens=special,
                                                                      limit_alphabet=40, show_progress=False))
     tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    d = tmp_path / "spm"
-    d.mkdir()
-    model = make_model(d, vocab=tk.get_vocab_size(), seed=3)
-    tk.save(str(d / "tokenizer.json"))
     text = "hello world 数字"
     prompt = tk.encode(text).ids
     assert prompt[0] == 1
-    want, margin = hf_greedy(model, prompt, new=24, eos=[2])
+    # The trainer's vocabulary differs from run to run (the prompt's ids, and so the greedy
+    # run, with it), so the model is the first of a few seeds whose greedy run has what the
+    # test is about (a later token starting a word) and no near-tie. </s> (2) ends
+    # generation on both sides: HF is told so, and ctitan reads it from
+    # generation_config.json (without it ctitan ran on past a </s> HF stopped at: CI,
+    # 2026-12-05).
+    d = tmp_path / "spm"
+    for seed in range(3, 11):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        model = make_model(d, vocab=tk.get_vocab_size(), seed=seed, eos=2)
+        want, margin = hf_greedy(model, prompt, new=24, eos=[2])
+        toks = [tk.id_to_token(i) for i in want]
+        # what a per-token decode gets wrong: a later word's space, a character spelt in bytes
+        if margin > MIN_MARGIN and any(t.startswith("\u2581") for t in toks[1:]):
+            break
     assert margin > MIN_MARGIN, f"test setup: near-tie in HF logits (margin {margin})"
+    assert any(t.startswith("\u2581") for t in toks[1:]), f"test setup: no seed gave a later word: {toks}"
+    tk.save(str(d / "tokenizer.json"))
     _, out, _ = gen(["--checkpoint", d, "--prompt", text, "--ids", "--max-tokens", 24])
     assert ids_of(out) == want
-    toks = [tk.id_to_token(i) for i in want]
-    # what a per-token decode gets wrong: a later word's space, a character spelt in bytes
-    assert any(t.startswith("\u2581") for t in toks[1:]), toks
     _, out, _ = gen(["--checkpoint", d, "--prompt", text, "--max-tokens", 24])
     assert out.decode() == text + tk.decode(want, skip_special_tokens=True) + "\n"
 
