@@ -187,7 +187,7 @@ static void bench_matmul(const kern_impl *t, size_t n, unsigned cpu, const kern_
     const kern_impl *fp32_default = NULL;
     for (size_t i = 0; i < n && !fp32_default; i++)
         if (t[i].op == KERN_OP_MATMUL && !(t[i].features & ~cpu)) fp32_default = &t[i];
-    printf("matmul: fwd out=inp@w^T, dinp+=dout@w, dw+=dout^T@inp; GFLOP/s (2MKN / best time), %% of the "
+    printf("matmul: fwd out=inp@w^T, dinp=dout@w, dw+=dout^T@inp; GFLOP/s (2MKN / best time), %% of the "
            "%.0f GFLOP/s fp32 FMA peak, or for bf16 entries on bf16 units (avx512bf16, amx, bfmmla) of the "
            "%.0f GFLOP/s bf16 peak (%s); bf16 = matmul_bf16 (inputs rounded to bf16, fp32 sums); "
            "w bf16 = fwd / dinp with w read from a bf16 store (a frozen weight: fwd_wbf16, dinp_wbf16)\n",

@@ -2,7 +2,10 @@
  *
  * Conventions (llm.c's): outputs first, inputs next, sizes last. Backward
  * functions ACCUMULATE into their gradient outputs (+=), so a tensor used
- * twice (tied embeddings, the residual stream) just receives two calls. All
+ * twice (tied embeddings, the residual stream) just receives two calls; the
+ * matmul's d(input) may also overwrite (its accumulate flag, as the
+ * forward's), so the first product into a gradient buffer needs no zeroed
+ * buffer to add to. All
  * tensors are fp32, row-major, contiguous. Weights are [out, in] as in HF.
  * These are the plain reference implementations (kernels/ref/); faster ones
  * register beside them later and are checked against these. */
@@ -14,17 +17,21 @@
 
 /* out[M,N] = inp[M,K] @ w[N,K]^T        (accumulate=0 overwrites, 1 adds) */
 void op_matmul_fwd(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
-/* dinp[M,K] += dout[M,N] @ w[N,K];  dw[N,K] += dout[M,N]^T @ inp[M,K]
- * Either output may be NULL to skip it. */
+/* dinp[M,K] (+)= dout[M,N] @ w[N,K];  dw[N,K] += dout[M,N]^T @ inp[M,K]
+ * Either output may be NULL to skip it. accumulate is dinp's, as the
+ * forward's: 1 adds, 0 overwrites without reading dinp (its first product,
+ * so the caller need not zero it first: the zeroing and the kernel's read of
+ * C were ~2-4% of a W3 step, docs/benchmarks.md). dw always adds: weight
+ * gradients accumulate over micro-batches. */
 void op_matmul_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                   int M, int K, int N);
+                   int M, int K, int N, int accumulate);
 /* The same products on inputs rounded to bf16 (nearest even, as torch's
  * .to(bfloat16)), summed in fp32, outputs fp32: the reference of the
  * matmul_bf16 op (bf16 mixed precision). Rounds copies of the inputs, then
  * calls op_matmul_*. */
 void op_matmul_bf16_fwd(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void op_matmul_bf16_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                        int M, int K, int N);
+                        int M, int K, int N, int accumulate);
 /* The forward and the dinp product with w[N,K] given in bf16 (a frozen weight
  * read from its bf16 store, model/lm.c): by definition the products of
  * op_matmul_* / op_matmul_bf16_* on w widened to fp32, which is exact, so an
@@ -32,11 +39,14 @@ void op_matmul_bf16_bwd(float *dinp, float *dw, const float *dout, const float *
  * There is no dw: a weight stored in bf16 is frozen. The dinp product reads
  * dout[M,N] with its rows ldd >= N floats apart: a stored lm_head's backward
  * passes the columns of one vocabulary block of the whole d(logits) in place
- * (model/lm.c, head_bwd); every other caller passes ldd = N. */
+ * (model/lm.c, head_bwd); every other caller passes ldd = N. accumulate as
+ * op_matmul_bwd's. */
 void op_matmul_fwd_wbf16(float *out, const float *inp, const uint16_t *w, int M, int K, int N, int accumulate);
-void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd);
+void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd,
+                          int accumulate);
 void op_matmul_bf16_fwd_wbf16(float *out, const float *inp, const uint16_t *w, int M, int K, int N, int accumulate);
-void op_matmul_bf16_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd);
+void op_matmul_bf16_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd,
+                               int accumulate);
 
 /* out[N,C] = wte[tokens[n], :]  (tokens must be in [0,V)) */
 void op_embedding_fwd(float *out, const int32_t *tokens, const float *wte, int N, int C);

@@ -56,12 +56,12 @@ enum {
 typedef void (*kern_matmul_fwd_fn)(float *out, const float *inp, const float *w, int M, int K, int N,
                                    int accumulate);
 typedef void (*kern_matmul_bwd_fn)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                                   int M, int K, int N);
+                                   int M, int K, int N, int accumulate);
 /* op_matmul_fwd_wbf16 / op_matmul_dinp_wbf16 (ops.h): w[N,K] stored in bf16 */
 typedef void (*kern_matmul_fwd_wbf16_fn)(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                          int accumulate);
 typedef void (*kern_matmul_dinp_wbf16_fn)(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
-                                          int ldd);
+                                          int ldd, int accumulate);
 typedef void (*kern_embedding_fwd_fn)(float *out, const int32_t *tokens, const float *wte, int N, int C);
 typedef void (*kern_embedding_bwd_fn)(float *dwte, const float *dout, const int32_t *tokens, int N, int C);
 typedef void (*kern_rmsnorm_fwd_fn)(float *out, float *rstd, const float *inp, const float *w, int N, int C,

@@ -171,11 +171,12 @@ static void run_once(kern_bench *x, const kern_impl *im, kern_bench_part part) {
             kern_matmul_fwd_wbf16_fn fh = full.fn.matmul.fwd_wbf16;
             kern_matmul_dinp_wbf16_fn dh = full.fn.matmul.dinp_wbf16;
             if (part == KERN_BENCH_FWD_WBF16) fh(x->c, x->a, x->wh, s->M, s->K, s->N, 0);
-            else dh(x->e, x->d, x->wh, s->M, s->K, s->N, s->N);
+            else dh(x->e, x->d, x->wh, s->M, s->K, s->N, s->N, 0);
         } else if (fwd) im->fn.matmul.fwd(x->c, x->a, x->b, s->M, s->K, s->N, 0);
-        else /* NULL output: that product is skipped (ops.h) */
+        else /* NULL output: that product is skipped (ops.h); d(input) overwritten, as the model's
+              * first product into each gradient buffer (model/lm.c) */
             im->fn.matmul.bwd(part == KERN_BENCH_DW ? NULL : x->e, part == KERN_BENCH_DINP ? NULL : x->dw, x->d,
-                              x->a, x->b, s->M, s->K, s->N);
+                              x->a, x->b, s->M, s->K, s->N, 0);
         break;
     case KERN_OP_EMBEDDING:
         if (fwd) im->fn.embedding.fwd(x->a, x->tok, x->b, s->rows, s->C);

@@ -978,26 +978,28 @@ static void mm_fwd(lm_model *m, float *out, const float *in, const float *w, int
     else K(MATMUL, matmul_fwd, out, in, w, M, K, N, accumulate);
 }
 
-/* matmul_bwd's din += dout w and dw += dout^T in; a bf16-stored w is frozen,
- * so it has no dw (NULL) and only din runs, from the store. */
+/* matmul_bwd's din (+)= dout w (acc 0: din's first product, overwritten) and
+ * dw += dout^T in; a bf16-stored w is frozen, so it has no dw (NULL) and only
+ * din runs, from the store. */
 static void mm_bwd(lm_model *m, float *din, float *dw, const float *dout, const float *in, const float *w, int M, int K,
-                   int N) {
+                   int N, int acc) {
     const uint16_t *h = frozen_bf16(m, w);
-    if (!h) K(MATMUL, matmul_bwd, din, dw, dout, in, w, M, K, N);
-    else if (din) K(MATMUL, matmul_dinp_wbf16, din, dout, h, M, K, N, N);
+    if (!h) K(MATMUL, matmul_bwd, din, dw, dout, in, w, M, K, N, acc);
+    else if (din) K(MATMUL, matmul_dinp_wbf16, din, dout, h, M, K, N, N, acc);
 }
 
 /* The gradient scratch a layer's backward accumulates into (+=, the kernels'
  * contract), zeroed at the layer's start in one parallel region: nine
  * serial memsets of up to BT x intermediate floats each were ~75 MB per
  * layer of one thread's stores at W3's shapes. MoE layers use none of the
- * dense MLP's three. d_ln is reused within the layer and keeps its own. */
+ * dense MLP's. d_h and d_att are not here: their first product (down_proj's
+ * and o_proj's d(input)) overwrites them, as d_ln's do (mm_bwd's acc 0). */
 static void zero_layer_scratch(lm_model *m, int BT, int moe) {
     const lm_config *c = &m->cfg;
     size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim, I = (size_t)c->intermediate;
-    float *p[9] = {m->ws.d_att, m->ws.d_q, m->ws.d_q2, m->ws.d_k, m->ws.d_k2, m->ws.d_v, m->ws.d_h, m->ws.d_gate, m->ws.d_up};
-    size_t n[9] = {qd, qd, qd, kvd, kvd, kvd, I, I, I}, total = 0;
-    int nb = moe ? 6 : 9;
+    float *p[7] = {m->ws.d_q, m->ws.d_q2, m->ws.d_k, m->ws.d_k2, m->ws.d_v, m->ws.d_gate, m->ws.d_up};
+    size_t n[7] = {qd, qd, kvd, kvd, kvd, I, I}, total = 0;
+    int nb = moe ? 5 : 7;
     for (int i = 0; i < nb; i++) total += n[i] *= (size_t)BT;
     if (total < ((size_t)1 << 18)) { /* a region costs more than it saves */
         for (int i = 0; i < nb; i++) zero(p[i], n[i]);
@@ -1101,18 +1103,16 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
     int r = lm_lora_rank(&m->cfg, l, p);
     size_t n = (size_t)BT * K;
     float *du = m->ws.lora_du; /* [BT, r] */
-    memset(du, 0, (size_t)BT * r * sizeof(float));
-    K(MATMUL, matmul_bwd, du, g->lora_b[p], dy, u, w->lora_b[p], BT, r, N);
+    K(MATMUL, matmul_bwd, du, g->lora_b[p], dy, u, w->lora_b[p], BT, r, N, 0);
     float sc = lm_lora_scale(&m->cfg, l, p);
     for (size_t i = 0; i < (size_t)BT * r; i++) du[i] *= sc;
     const float *xd = lora_input(m, l, p, x, n);
     if (xd == x) {
-        K(MATMUL, matmul_bwd, dx, g->lora_a[p], du, x, w->lora_a[p], BT, K, r);
+        K(MATMUL, matmul_bwd, dx, g->lora_a[p], du, x, w->lora_a[p], BT, K, r, 1);
         return;
     }
     float *dxd = dx ? m->ws.lora_dx : NULL, keep = 1.0f / (1.0f - m->cfg.lora_dropout);
-    if (dxd) memset(dxd, 0, n * sizeof(float));
-    K(MATMUL, matmul_bwd, dxd, g->lora_a[p], du, xd, w->lora_a[p], BT, K, r);
+    K(MATMUL, matmul_bwd, dxd, g->lora_a[p], du, xd, w->lora_a[p], BT, K, r, 0);
     if (!dx) return;
     uint64_t key = lora_key(m, l, p);
     uint32_t cut = lora_cut(m);
@@ -1734,12 +1734,13 @@ static void head_fwd(lm_model *m, float *logits, const float *x, int n) {
     }
 }
 
-/* dx[n, H] += dlogits[n, V] @ lm_head; d lm_head += dlogits^T x (not for a stored, frozen one) */
+/* dx[n, H] = dlogits[n, V] @ lm_head (overwritten); d lm_head += dlogits^T x
+ * (not for a stored, frozen one) */
 static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *x, int n) {
     int H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
     const lm_tensor *t = head_stored(m);
     if (!t) {
-        K(MATMUL, matmul_bwd, dx, m->g.lm_head, dlogits, x, m->w.lm_head, n, H, V);
+        K(MATMUL, matmul_bwd, dx, m->g.lm_head, dlogits, x, m->w.lm_head, n, H, V, 0);
         return;
     }
     /* the block's columns of d(logits) read in place, rows V apart (they were
@@ -1748,7 +1749,7 @@ static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *
     for (int v0 = 0; v0 < V; v0 += HEAD_VBLOCK) {
         int nv = V - v0 < HEAD_VBLOCK ? V - v0 : HEAD_VBLOCK;
         const uint16_t *hw = m->fstore + t->store + (size_t)v0 * H; /* [nv, H] */
-        K(MATMUL, matmul_dinp_wbf16, dx, dlogits + v0, hw, n, H, nv, V);
+        K(MATMUL, matmul_dinp_wbf16, dx, dlogits + v0, hw, n, H, nv, V, v0 > 0);
     }
 }
 
@@ -2078,8 +2079,8 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
         dy = m->ws.d_ln;
     }
     if (gb) op_bias_bwd(gb, dy, BT, H);
-    /* din (d_h or d_att) was zeroed with the layer's scratch (zero_layer_scratch) */
-    mm_bwd(m, din, gw, dy, in, w, BT, K, H);
+    /* din (d_h or d_att): this is its first product */
+    mm_bwd(m, din, gw, dy, in, w, BT, K, H, 0);
     lora_bwd_n(m, l, din, in, BT, K, 1, &p, &dy, &H);
 }
 
@@ -2089,8 +2090,7 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
 static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float grad_scale, long *count) {
     const lm_config *c = &m->cfg;
     int H = c->hidden;
-    zero(m->ws.d_ln, (size_t)BT * H); /* d(final norm output) [BT, H] */
-    double loss_sum = 0;
+    double loss_sum = 0; /* d_ln: d(final norm output) [BT, H], each block's rows written by head_bwd */
     for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
         int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
         const float *x = m->act.lnf + (size_t)r0 * H;
@@ -2133,9 +2133,8 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
         if (g->bg) op_bias_bwd(g->bg, m->ws.d_gate, BT, I);
         if (g->bu) op_bias_bwd(g->bu, m->ws.d_up, BT, I);
         const float *xm = mlp_in(m, a);
-        zero(m->ws.d_ln, (size_t)BT * H);
-        mm_bwd(m, m->ws.d_ln, g->wg, m->ws.d_gate, xm, w->wg, BT, H, I);
-        mm_bwd(m, m->ws.d_ln, g->wu, m->ws.d_up, xm, w->wu, BT, H, I);
+        mm_bwd(m, m->ws.d_ln, g->wg, m->ws.d_gate, xm, w->wg, BT, H, I, 0);
+        mm_bwd(m, m->ws.d_ln, g->wu, m->ws.d_up, xm, w->wu, BT, H, I, 1);
         lora_bwd_n(m, l, m->ws.d_ln, xm, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP},
                    (const float *const[]){m->ws.d_gate, m->ws.d_up}, (const int[]){I, I});
         reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
@@ -2157,14 +2156,13 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     if (g->bq) op_bias_bwd(g->bq, m->ws.d_q2, BT, qd);
     if (g->bk) op_bias_bwd(g->bk, m->ws.d_k2, BT, kvd);
     if (g->bv) op_bias_bwd(g->bv, m->ws.d_v, BT, kvd);
-    zero(m->ws.d_ln, (size_t)BT * H);
     /* the embedding and layer 0's input norm frozen: nothing below wants d(ln1) of
      * layer 0 (autograd skips these input-gradient products too) */
     float *dln = l > 0 || m->g.wte || g->ln1 ? m->ws.d_ln : NULL; /* [BT, H] */
     const float *xa = attn_in(m, a);
-    mm_bwd(m, dln, g->wq, m->ws.d_q2, xa, w->wq, BT, H, qd);
-    mm_bwd(m, dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd);
-    mm_bwd(m, dln, g->wv, m->ws.d_v, xa, w->wv, BT, H, kvd);
+    mm_bwd(m, dln, g->wq, m->ws.d_q2, xa, w->wq, BT, H, qd, 0);
+    mm_bwd(m, dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd, 1);
+    mm_bwd(m, dln, g->wv, m->ws.d_v, xa, w->wv, BT, H, kvd, 1);
     lora_bwd_n(m, l, dln, xa, BT, H, 3, (const int[]){LM_LORA_Q, LM_LORA_K, LM_LORA_V},
                (const float *const[]){m->ws.d_q2, m->ws.d_k2, m->ws.d_v}, (const int[]){qd, kvd, kvd});
     if (dln) {

@@ -185,8 +185,8 @@ void lora_experts_grad(const kern_ops *k, float *dA, float *dB, const float *dw0
         const float *d0 = dw0 + (size_t)e * n0 * K, *d1 = dw1 ? dw1 + (size_t)e * (N - n0) * K : NULL;
         if (dA) { /* dA_e[r, K] += (scale B_e)^T dW_e */
             gather_b(bt, B, e, E, r, N, scale);
-            mb(NULL, dA + (size_t)e * r * K, bt, d0, ae, n0, K, r);
-            if (d1 && N > n0) mb(NULL, dA + (size_t)e * r * K, bt + (size_t)n0 * r, d1, ae, N - n0, K, r);
+            mb(NULL, dA + (size_t)e * r * K, bt, d0, ae, n0, K, r, 1);
+            if (d1 && N > n0) mb(NULL, dA + (size_t)e * r * K, bt + (size_t)n0 * r, d1, ae, N - n0, K, r, 1);
         }
         if (dB) { /* dB_e[N, r] += scale dW_e A_e^T, scattered back to B's interleaved columns */
             mm(t, d0, ae, n0, K, r, 0);
@@ -304,24 +304,22 @@ void lora_fwd_group(const kern_ops *k, const float *x, int n, int K, const lora_
     }
 }
 
-/* du = scale dy B and dx += du A on rows [i0, i1) (du's rows zeroed first:
- * matmul_bwd adds). */
+/* du = scale dy B (overwritten) and dx += du A on rows [i0, i1). */
 static void bwd_rows(const kern_ops *k, float *dx, int K, const lora_proj *p, long i0, long i1) {
     int n = (int)(i1 - i0), r = p->r;
     if (n <= 0) return;
     float *du = p->du + i0 * r;
-    memset(du, 0, (size_t)n * r * sizeof(float));
-    k->matmul_bwd(du, NULL, p->dy + i0 * p->N, NULL, p->B, n, r, p->N);
+    k->matmul_bwd(du, NULL, p->dy + i0 * p->N, NULL, p->B, n, r, p->N, 0);
     for (long i = 0; i < (long)n * r; i++) du[i] *= p->scale;
-    if (dx) k->matmul_bwd(dx + i0 * K, NULL, du, NULL, p->A, n, K, r);
+    if (dx) k->matmul_bwd(dx + i0 * K, NULL, du, NULL, p->A, n, K, r, 1);
 }
 
 /* The weight gradients, whole products over all n rows: item 2 j is dB of
  * p[j] (dB += dy^T u), 2 j + 1 its dA (dA += du^T x). */
 static void bwd_weight(const kern_ops *k, const float *x, int n, int K, const lora_proj *p, int item) {
     const lora_proj *q = &p[item / 2];
-    if (item % 2 == 0) k->matmul_bwd(NULL, q->gB, q->dy, q->u, q->B, n, q->r, q->N);
-    else k->matmul_bwd(NULL, q->gA, q->du, x, q->A, n, K, q->r);
+    if (item % 2 == 0) k->matmul_bwd(NULL, q->gB, q->dy, q->u, q->B, n, q->r, q->N, 1);
+    else k->matmul_bwd(NULL, q->gA, q->du, x, q->A, n, K, q->r, 1);
 }
 
 #define LORA_GROUP_MAX 4

@@ -116,8 +116,8 @@ void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, c
         }
         KERN_TRACE_EXIT(kt_);
     }
-    if (!wrh) kops->matmul_bwd(dx, dwr, dprobs, x, wr, N, H, E);
-    else if (dx) kops->matmul_dinp_wbf16(dx, dprobs, wrh, N, H, E, E); /* a stored router is frozen: no dwr */
+    if (!wrh) kops->matmul_bwd(dx, dwr, dprobs, x, wr, N, H, E, 1);
+    else if (dx) kops->matmul_dinp_wbf16(dx, dprobs, wrh, N, H, E, E, 1); /* a stored router is frozen: no dwr */
 }
 
 void moe_route_stats(double *count, double *psum, const moe_route *r, int N, int E) {

@@ -269,20 +269,32 @@ static void bad_fwd_reads_c(float *out, const float *inp, const float *w, int M,
     (void)acc;
     good_fwd(out, inp, w, M, K, N, 1);
 }
-/* overwrites dinp instead of accumulating */
+/* overwrites dinp instead of accumulating (ignores the flag) */
 static void bad_bwd_overwrite(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                              int K, int N) {
-    if (dinp) memset(dinp, 0, (size_t)M * K * sizeof(float));
-    op_matmul_bwd(dinp, dw, dout, inp, w, M, K, N);
+                              int K, int N, int acc) {
+    (void)acc;
+    op_matmul_bwd(dinp, dw, dout, inp, w, M, K, N, 0);
+}
+/* adds to dinp even when told to overwrite (NaN leaks through) */
+static void bad_bwd_reads_dinp(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
+                               int K, int N, int acc) {
+    (void)acc;
+    op_matmul_bwd(dinp, dw, dout, inp, w, M, K, N, 1);
+}
+/* overwrites dw too when told to overwrite dinp (the flag is d(input)'s alone) */
+static void bad_bwd_dw_overwrite(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
+                                 int K, int N, int acc) {
+    if (dw && !acc) memset(dw, 0, (size_t)N * K * sizeof(float));
+    op_matmul_bwd(dinp, dw, dout, inp, w, M, K, N, acc);
 }
 /* misses the last row of dw when N is odd (an edge bug) */
 static void bad_bwd_edge(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
-                         int N) {
-    if (dinp) op_matmul_bwd(dinp, NULL, dout, inp, w, M, K, N);
+                         int N, int acc) {
+    if (dinp) op_matmul_bwd(dinp, NULL, dout, inp, w, M, K, N, acc);
     if (dw) {
         float *tmp = malloc((size_t)N * K * sizeof(float));
         memcpy(tmp, dw, (size_t)N * K * sizeof(float));
-        op_matmul_bwd(NULL, dw, dout, inp, w, M, K, N);
+        op_matmul_bwd(NULL, dw, dout, inp, w, M, K, N, 1);
         if (N % 2) memcpy(dw + (size_t)(N - 1) * K, tmp + (size_t)(N - 1) * K, (size_t)K * sizeof(float));
         free(tmp);
     }
@@ -358,6 +370,7 @@ static void test_check_catches_bugs(void) {
     } broken[] = {
         {"short-k", bad_fwd_short_k, op_matmul_bwd},   {"no-acc", bad_fwd_no_acc, op_matmul_bwd},
         {"reads-c", bad_fwd_reads_c, op_matmul_bwd},   {"bwd-overwrite", good_fwd, bad_bwd_overwrite},
+        {"bwd-reads-dinp", good_fwd, bad_bwd_reads_dinp}, {"bwd-dw-overwrite", good_fwd, bad_bwd_dw_overwrite},
         {"bwd-edge", good_fwd, bad_bwd_edge},
     };
     /* One table, so the reference runs once per shape (check.c, memo) and every entry after
@@ -546,7 +559,7 @@ static void determinism_case(int M, int K, int N, int with_sve) {
             di[th] = calloc((size_t)M * K, 4);
             dw[th] = calloc((size_t)N * K, 4);
             im->fn.matmul.fwd(o[th], inp, w, M, K, N, 0);
-            im->fn.matmul.bwd(di[th], dw[th], dout, inp, w, M, K, N);
+            im->fn.matmul.bwd(di[th], dw[th], dout, inp, w, M, K, N, 0);
         }
         CHECK(!memcmp(o[0], o[1], (size_t)M * N * 4), "%s fwd differs between 1 and 2 threads (M=%d)", names[v], M);
         CHECK(!memcmp(di[0], di[1], (size_t)M * K * 4), "%s dinp differs between 1 and 2 threads (M=%d)", names[v], M);
@@ -749,8 +762,40 @@ static void test_attention_threads(void) {
     }
 }
 
+/* N = 0 (an empty sum over dout's columns): every matmul this CPU runs gives
+ * d(input) = 0 when told to overwrite and leaves it alone when told to add,
+ * through both entries (bwd and the bf16-stored dinp_wbf16), and never
+ * touches dw. kern_check's shapes have no empty dimension; BLAS
+ * implementations disagree on this case, so each entry handles it itself. */
+static void test_matmul_empty_sum(void) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    unsigned cpu = kern_cpu_features();
+    enum { M = 5, K = 7 };
+    int tried = 0;
+    for (size_t i = 0; i < n; i++) {
+        if ((t[i].op != KERN_OP_MATMUL && t[i].op != KERN_OP_MATMUL_BF16) || (t[i].features & ~cpu)) continue;
+        const kern_impl im = kern_impl_complete(&t[i]);
+        float di[M * K], dh[M * K], dw[4] = {1, 2, 3, 4}, one = 1.0f;
+        const uint16_t wh = 0x3f80;
+        for (int acc = 0; acc < 2; acc++) {
+            for (int j = 0; j < M * K; j++) di[j] = dh[j] = acc ? 0.5f : NAN;
+            im.fn.matmul.bwd(di, dw, &one, &one, &one, M, K, 0, acc);
+            im.fn.matmul.dinp_wbf16(dh, &one, &wh, M, K, 0, 0, acc);
+            int bad = 0;
+            for (int j = 0; j < M * K; j++) bad += di[j] != (acc ? 0.5f : 0.0f) || dh[j] != di[j];
+            CHECK(!bad, "%s/%s: N = 0, accumulate %d: %d wrong d(input) elements", kern_op_name(t[i].op),
+                  t[i].name, acc, bad);
+            CHECK(dw[0] == 1 && dw[3] == 4, "%s/%s: N = 0 wrote dw", kern_op_name(t[i].op), t[i].name);
+        }
+        tried++;
+    }
+    CHECK(tried >= 4, "only %d matmul entries tried", tried);
+}
+
 int main(void) {
     test_op_list();
+    test_matmul_empty_sum();
     test_defaults();
     test_overrides();
     test_select_fills_wbf16();

@@ -134,7 +134,8 @@ static void test_matmul(ct_rng *r, int M, int K, int N) {
 
     float *W = randn(r, no, 1);
     float *dinp = zeros(ni), *dw = zeros(nw), *fd = zeros(ni > nw ? ni : nw);
-    op_matmul_bwd(dinp, dw, W, c.inp, c.w, M, K, N);
+    for (size_t i = 0; i < ni; i++) dinp[i] = NAN; // accumulate 0 overwrites: never read
+    op_matmul_bwd(dinp, dw, W, c.inp, c.w, M, K, N, 0);
     fd_grad(fd, c.inp, ni, mm_fwd, &c, out, W, no);
     CHECK_GRAD(dinp, fd, ni, "matmul dinp");
     fd_grad(fd, c.w, nw, mm_fwd, &c, out, W, no);
@@ -143,11 +144,11 @@ static void test_matmul(ct_rng *r, int M, int K, int N) {
     // += semantics, and NULL outputs are skipped
     float *dinp0 = randn(r, ni, 1), *dinp1 = copyf(dinp0, ni), *dinp2 = copyf(dinp0, ni);
     float *dw0 = randn(r, nw, 1), *dw1 = copyf(dw0, nw), *dw2 = copyf(dw0, nw);
-    op_matmul_bwd(dinp1, dw1, W, c.inp, c.w, M, K, N);
-    op_matmul_bwd(dinp2, NULL, W, c.inp, c.w, M, K, N);
-    op_matmul_bwd(NULL, dw2, W, c.inp, c.w, M, K, N);
-    op_matmul_bwd(dinp2, NULL, W, c.inp, c.w, M, K, N);
-    op_matmul_bwd(NULL, dw2, W, c.inp, c.w, M, K, N);
+    op_matmul_bwd(dinp1, dw1, W, c.inp, c.w, M, K, N, 1);
+    op_matmul_bwd(dinp2, NULL, W, c.inp, c.w, M, K, N, 1);
+    op_matmul_bwd(NULL, dw2, W, c.inp, c.w, M, K, N, 1);
+    op_matmul_bwd(dinp2, NULL, W, c.inp, c.w, M, K, N, 1);
+    op_matmul_bwd(NULL, dw2, W, c.inp, c.w, M, K, N, 1);
     check_accum(dinp0, dinp1, dinp2, ni, "matmul dinp");
     check_accum(dw0, dw1, dw2, nw, "matmul dw");
 
@@ -633,7 +634,7 @@ static void test_checker_can_fail(ct_rng *r) {
     enum { M = 3, K = 4, N = 2 };
     mm_ctx c = {randn(r, M * K, 1), randn(r, N * K, 1), M, K, N};
     float *W = randn(r, M * N, 1), *out = zeros(M * N), *fd = zeros(M * K), *d = zeros(M * K);
-    op_matmul_bwd(d, NULL, W, c.inp, c.w, M, K, N);
+    op_matmul_bwd(d, NULL, W, c.inp, c.w, M, K, N, 0);
     fd_grad(fd, c.inp, M * K, mm_fwd, &c, out, W, M * N);
     CHECK(grad_ok(d, fd, M * K), "checker accepts the right gradient");
     int imax = 0;

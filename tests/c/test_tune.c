@@ -102,17 +102,18 @@ static void mm_fwd_slow(float *out, const float *inp, const float *w, int M, int
     mm_base->fn.matmul.fwd(out, inp, w, M, K, N, accumulate);
 }
 static void mm_bwd_slow(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
-                        int N) {
+                        int N, int accumulate) {
     spin_for(2 * SPIN);
-    mm_base->fn.matmul.bwd(dinp, dw, dout, inp, w, M, K, N);
+    mm_base->fn.matmul.bwd(dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 static void mm_fwd_h_slow(float *out, const float *inp, const uint16_t *w, int M, int K, int N, int accumulate) {
     spin();
     mm_base->fn.matmul.fwd_wbf16(out, inp, w, M, K, N, accumulate);
 }
-static void mm_dinp_h_slow(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd) {
+static void mm_dinp_h_slow(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd,
+                           int accumulate) {
     spin();
-    mm_base->fn.matmul.dinp_wbf16(dinp, dout, w, M, K, N, ldd);
+    mm_base->fn.matmul.dinp_wbf16(dinp, dout, w, M, K, N, ldd, accumulate);
 }
 
 /* "late": the reference add, except that its first call at the run's size

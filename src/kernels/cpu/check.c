@@ -247,11 +247,11 @@ static void memo_matmul_fwd(float *out, const float *inp, const float *w, int M,
 }
 
 static void memo_matmul_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
-                            int N) {
-    int64_t sc[] = {M, K, N};
+                            int N, int accumulate) {
+    int64_t sc[] = {M, K, N, accumulate};
     memo_buf in[] = {FB(dout, (size_t)M * N), FB(inp, (size_t)M * K), FB(w, (size_t)N * K)},
              out_[] = {FB(dinp, (size_t)M * K), FB(dw, (size_t)N * K)};
-    MEMO_CALL(2, memo.ref->fn.matmul.bwd(dinp, dw, dout, inp, w, M, K, N));
+    MEMO_CALL(2, memo.ref->fn.matmul.bwd(dinp, dw, dout, inp, w, M, K, N, accumulate));
 }
 
 static void memo_attention_fwd(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
@@ -409,11 +409,21 @@ static void case_matmul_wbf16(chk_case *c, const kern_impl *ref, const kern_impl
     float *d1 = fbuf(nmk);
     fill(d1, nmk, r, -1, 1);
     float *d2 = dup(d1, nmk), *d3 = dup(d1, nmk);
-    ref->fn.matmul.dinp_wbf16(d1, dout, wh, M, K, N, N);
-    im->fn.matmul.dinp_wbf16(d2, dout, wh, M, K, N, N);
-    im->fn.matmul.bwd(d3, NULL, dout, inp, wr, M, K, N);
+    ref->fn.matmul.dinp_wbf16(d1, dout, wh, M, K, N, N, 1);
+    im->fn.matmul.dinp_wbf16(d2, dout, wh, M, K, N, N, 1);
+    im->fn.matmul.bwd(d3, NULL, dout, inp, wr, M, K, N, 1);
     part(c, "dinp_h+=", rel_err(d2, d1, nmk));
     part(c, "dinp_h=bwd", bits_err(d2, d3, nmk));
+    /* overwritten: NaN must not leak through, and the same bits as bwd's overwrite */
+    float *e1 = fbuf(nmk), *e2 = fbuf(nmk), *e3 = fbuf(nmk);
+    fill_nan(e1, nmk);
+    fill_nan(e2, nmk);
+    fill_nan(e3, nmk);
+    ref->fn.matmul.dinp_wbf16(e1, dout, wh, M, K, N, N, 0);
+    im->fn.matmul.dinp_wbf16(e2, dout, wh, M, K, N, N, 0);
+    im->fn.matmul.bwd(e3, NULL, dout, inp, wr, M, K, N, 0);
+    part(c, "dinp_h=", rel_err(e2, e1, nmk));
+    part(c, "dinp_h= bwd", bits_err(e2, e3, nmk));
     /* dout as columns [c0, c0 + N) of a wider [M, ld] matrix, NaN elsewhere
      * (a stored lm_head's vocabulary block of d(logits), read in place): the
      * bits of the contiguous dout, for the reference and the implementation */
@@ -424,13 +434,17 @@ static void case_matmul_wbf16(chk_case *c, const kern_impl *ref, const kern_impl
     float *d4 = dup(d3, nmk), *d5 = dup(d3, nmk);
     memcpy(d1, d4, nmk * sizeof(float));
     memcpy(d2, d4, nmk * sizeof(float));
-    ref->fn.matmul.dinp_wbf16(d1, dout, wh, M, K, N, N);
-    ref->fn.matmul.dinp_wbf16(d4, wide + c0, wh, M, K, N, ld);
-    im->fn.matmul.dinp_wbf16(d2, dout, wh, M, K, N, N);
-    im->fn.matmul.dinp_wbf16(d5, wide + c0, wh, M, K, N, ld);
+    ref->fn.matmul.dinp_wbf16(d1, dout, wh, M, K, N, N, 1);
+    ref->fn.matmul.dinp_wbf16(d4, wide + c0, wh, M, K, N, ld, 1);
+    im->fn.matmul.dinp_wbf16(d2, dout, wh, M, K, N, N, 1);
+    im->fn.matmul.dinp_wbf16(d5, wide + c0, wh, M, K, N, ld, 1);
     part(c, "dinp_h ld ref", bits_err(d4, d1, nmk));
     part(c, "dinp_h ld", bits_err(d5, d2, nmk));
+    fill_nan(e3, nmk);
+    im->fn.matmul.dinp_wbf16(e3, wide + c0, wh, M, K, N, ld, 0);
+    part(c, "dinp_h= ld", bits_err(e3, e2, nmk));
     free(wh), free(wr), free(o1), free(o2), free(o3), free(d1), free(d2), free(d3), free(d4), free(d5), free(wide);
+    free(e1), free(e2), free(e3);
 }
 
 static void case_matmul(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
@@ -458,17 +472,26 @@ static void case_matmul(chk_case *c, const kern_impl *ref, const kern_impl *im, 
     fill(di1, nmk, r, -1, 1);
     fill(dw1, nnk, r, -1, 1);
     float *di2 = dup(di1, nmk), *dw2 = dup(dw1, nnk);
-    ref->fn.matmul.bwd(di1, dw1, dout, inp, w, M, K, N);
-    im->fn.matmul.bwd(di2, dw2, dout, inp, w, M, K, N);
+    ref->fn.matmul.bwd(di1, dw1, dout, inp, w, M, K, N, 1);
+    im->fn.matmul.bwd(di2, dw2, dout, inp, w, M, K, N, 1);
     part(c, "dinp+=", rel_err(di2, di1, nmk));
     part(c, "dw+=", rel_err(dw2, dw1, nnk));
     /* each output alone (the other NULL) */
-    ref->fn.matmul.bwd(di1, NULL, dout, inp, w, M, K, N);
-    im->fn.matmul.bwd(di2, NULL, dout, inp, w, M, K, N);
-    ref->fn.matmul.bwd(NULL, dw1, dout, inp, w, M, K, N);
-    im->fn.matmul.bwd(NULL, dw2, dout, inp, w, M, K, N);
+    ref->fn.matmul.bwd(di1, NULL, dout, inp, w, M, K, N, 1);
+    im->fn.matmul.bwd(di2, NULL, dout, inp, w, M, K, N, 1);
+    ref->fn.matmul.bwd(NULL, dw1, dout, inp, w, M, K, N, 1);
+    im->fn.matmul.bwd(NULL, dw2, dout, inp, w, M, K, N, 1);
     double e1 = rel_err(di2, di1, nmk), e2 = rel_err(dw2, dw1, nnk);
     part(c, "null", e1 > e2 ? e1 : e2);
+    /* d(input) overwritten: it starts as NaN, which must not leak through;
+     * dw is still added to */
+    fill_nan(di1, nmk);
+    fill_nan(di2, nmk);
+    memcpy(dw2, dw1, nnk * sizeof(float));
+    ref->fn.matmul.bwd(di1, dw1, dout, inp, w, M, K, N, 0);
+    im->fn.matmul.bwd(di2, dw2, dout, inp, w, M, K, N, 0);
+    part(c, "dinp=", rel_err(di2, di1, nmk));
+    part(c, "dw+= (dinp=)", rel_err(dw2, dw1, nnk));
     if (ref->fn.matmul.fwd_wbf16) /* last: the generator is seeded per (op, shape), so nothing later reads r */
         case_matmul_wbf16(c, ref, im, M, K, N, inp, w, dout, r);
     free(inp), free(w), free(dout), free(o1), free(o2), free(di1), free(dw1), free(di2), free(dw2);

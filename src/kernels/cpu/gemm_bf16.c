@@ -87,26 +87,26 @@ void kern_matmul_bf16_fwd_avx512bf16(float *out, const float *inp, const float *
     mm_fwd(&gemm_arch_avx512bf16, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bf16_bwd_avx512bf16(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                                     int M, int K, int N) {
-    gemm_matmul_bwd(&gemm_arch_avx512bf16, dinp, dw, dout, inp, w, M, K, N);
+                                     int M, int K, int N, int accumulate) {
+    gemm_matmul_bwd(&gemm_arch_avx512bf16, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bf16_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx512, pack_a_r512, pack_b_r512);
     mm_fwd(&ar, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bf16_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                                 int K, int N) {
+                                 int K, int N, int accumulate) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx512, pack_a_r512, pack_b_r512);
-    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
+    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bf16_fwd_avx2(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
     mm_fwd(&ar, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bf16_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                               int K, int N) {
+                               int K, int N, int accumulate) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
-    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
+    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 
 /* A bf16 w: the pair arch copies its bits (pack_b_h); the rounding archs keep
@@ -118,8 +118,8 @@ void kern_matmul_fwd_wbf16_bf16_avx512bf16(float *out, const float *inp, const u
     gemm_matmul_fwd_wbf16(&gemm_arch_avx512bf16, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_dinp_wbf16_bf16_avx512bf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
-                                            int ldd) {
-    gemm_matmul_dinp_wbf16(&gemm_arch_avx512bf16, dinp, dout, w, M, K, N, ldd);
+                                            int ldd, int accumulate) {
+    gemm_matmul_dinp_wbf16(&gemm_arch_avx512bf16, dinp, dout, w, M, K, N, ldd, accumulate);
 }
 void kern_matmul_fwd_wbf16_bf16_avx512(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                        int accumulate) {
@@ -127,9 +127,9 @@ void kern_matmul_fwd_wbf16_bf16_avx512(float *out, const float *inp, const uint1
     gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_dinp_wbf16_bf16_avx512(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
-                                        int ldd) {
+                                        int ldd, int accumulate) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx512, pack_a_r512, pack_b_r512);
-    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd, accumulate);
 }
 void kern_matmul_fwd_wbf16_bf16_avx2(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                      int accumulate) {
@@ -137,8 +137,8 @@ void kern_matmul_fwd_wbf16_bf16_avx2(float *out, const float *inp, const uint16_
     gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_dinp_wbf16_bf16_avx2(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
-                                      int ldd) {
+                                      int ldd, int accumulate) {
     gemm_arch ar = rounding_arch(&gemm_arch_avx2, pack_a_r2, pack_b_r2);
-    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd, accumulate);
 }
 #endif /* __x86_64__ */

@@ -305,16 +305,16 @@ void kern_matmul_bf16_fwd_amx(float *out, const float *inp, const float *w, int 
     gemm_f32(&gemm_arch_amx, M, N, K, a, b, out, N, accumulate);
 }
 void kern_matmul_bf16_bwd_amx(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                              int K, int N) {
-    gemm_matmul_bwd(&gemm_arch_amx, dinp, dw, dout, inp, w, M, K, N);
+                              int K, int N, int accumulate) {
+    gemm_matmul_bwd(&gemm_arch_amx, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_fwd_wbf16_bf16_amx(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                     int accumulate) {
     gemm_matmul_fwd_wbf16(&gemm_arch_amx, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_dinp_wbf16_bf16_amx(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
-                                     int ldd) {
-    gemm_matmul_dinp_wbf16(&gemm_arch_amx, dinp, dout, w, M, K, N, ldd);
+                                     int ldd, int accumulate) {
+    gemm_matmul_dinp_wbf16(&gemm_arch_amx, dinp, dout, w, M, K, N, ldd, accumulate);
 }
 
 #endif /* x86-64 */

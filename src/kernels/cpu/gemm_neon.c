@@ -413,17 +413,17 @@ void kern_matmul_bf16_fwd_bfmmla(float *out, const float *inp, const float *w, i
     mm_fwd(&gemm_arch_bfmmla, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bf16_bwd_bfmmla(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                                 int K, int N) {
-    gemm_matmul_bwd(&gemm_arch_bfmmla, dinp, dw, dout, inp, w, M, K, N);
+                                 int K, int N, int accumulate) {
+    gemm_matmul_bwd(&gemm_arch_bfmmla, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bf16_fwd_neon(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     gemm_arch ar = gemm_arch_rounding_bf16(&gemm_arch_neon);
     mm_fwd(&ar, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bf16_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                               int K, int N) {
+                               int K, int N, int accumulate) {
     gemm_arch ar = gemm_arch_rounding_bf16(&gemm_arch_neon);
-    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
+    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 /* A bf16 w: no pack_b_h on these archs, so the driver widens each block
  * first (exact; the rounding packers then leave it as it is). */
@@ -432,8 +432,8 @@ void kern_matmul_fwd_wbf16_bf16_bfmmla(float *out, const float *inp, const uint1
     gemm_matmul_fwd_wbf16(&gemm_arch_bfmmla, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_dinp_wbf16_bf16_bfmmla(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
-                                        int ldd) {
-    gemm_matmul_dinp_wbf16(&gemm_arch_bfmmla, dinp, dout, w, M, K, N, ldd);
+                                        int ldd, int accumulate) {
+    gemm_matmul_dinp_wbf16(&gemm_arch_bfmmla, dinp, dout, w, M, K, N, ldd, accumulate);
 }
 void kern_matmul_fwd_wbf16_bf16_neon(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                      int accumulate) {
@@ -441,8 +441,8 @@ void kern_matmul_fwd_wbf16_bf16_neon(float *out, const float *inp, const uint16_
     gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_dinp_wbf16_bf16_neon(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
-                                      int ldd) {
+                                      int ldd, int accumulate) {
     gemm_arch ar = gemm_arch_rounding_bf16(&gemm_arch_neon);
-    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd, accumulate);
 }
 #endif /* __aarch64__ */

@@ -230,9 +230,9 @@ void kern_matmul_fwd_sve(float *out, const float *inp, const float *w, int M, in
     gemm_f32(&ar, M, N, K, a, b, out, N, accumulate);
 }
 void kern_matmul_bwd_sve(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
-                         int N) {
+                         int N, int accumulate) {
     gemm_arch ar = gemm_arch_sve();
-    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
+    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 /* A bf16 w: no pack_b_h, so the driver widens each block to fp32 first
  * (exact), and the few-row forward widens w for nt_small: the same bits as
@@ -242,8 +242,8 @@ void kern_matmul_fwd_wbf16_sve(float *out, const float *inp, const uint16_t *w, 
     gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_dinp_wbf16_sve(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
-                                int ldd) {
+                                int ldd, int accumulate) {
     gemm_arch ar = gemm_arch_sve();
-    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd, accumulate);
 }
 #endif /* __aarch64__ */

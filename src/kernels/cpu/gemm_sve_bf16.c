@@ -194,9 +194,9 @@ void kern_matmul_bf16_fwd_sve_bfmmla(float *out, const float *inp, const float *
     gemm_f32(&ar, M, N, K, a, b, out, N, accumulate);
 }
 void kern_matmul_bf16_bwd_sve_bfmmla(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                                     int M, int K, int N) {
+                                     int M, int K, int N, int accumulate) {
     gemm_arch ar = arch_sbf();
-    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N);
+    gemm_matmul_bwd(&ar, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_fwd_wbf16_bf16_sve_bfmmla(float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                                            int accumulate) {
@@ -204,8 +204,8 @@ void kern_matmul_fwd_wbf16_bf16_sve_bfmmla(float *out, const float *inp, const u
     gemm_matmul_fwd_wbf16(&ar, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_dinp_wbf16_bf16_sve_bfmmla(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
-                                            int ldd) {
+                                            int ldd, int accumulate) {
     gemm_arch ar = arch_sbf();
-    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd);
+    gemm_matmul_dinp_wbf16(&ar, dinp, dout, w, M, K, N, ldd, accumulate);
 }
 #endif /* __aarch64__ */

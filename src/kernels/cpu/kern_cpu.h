@@ -159,11 +159,11 @@ void gemm_f32(const gemm_arch *arch, int M, int N, int K, gemm_view A, gemm_view
 void gemm_nt_small(const gemm_arch *arch, float *out, const float *inp, const float *w, int M, int K, int N,
                    int accumulate);
 
-/* op_matmul_bwd's two products (dinp += dout w, dw += dout^T inp) as gemm_f32
+/* op_matmul_bwd's two products (dinp (+)= dout w, dw += dout^T inp) as gemm_f32
  * calls on `ar`: shared by the fp32 matmuls and the bf16 ones (whose arch
  * rounds while packing). */
 void gemm_matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *dout, const float *inp,
-                     const float *w, int M, int K, int N);
+                     const float *w, int M, int K, int N, int accumulate);
 
 /* ops.h's op_matmul_fwd_wbf16 / op_matmul_dinp_wbf16 (w stored in bf16) as
  * gemm_f32 calls on `ar` with a bf16 B view; a forward of at most
@@ -172,7 +172,7 @@ void gemm_matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *d
 void gemm_matmul_fwd_wbf16(const gemm_arch *ar, float *out, const float *inp, const uint16_t *w, int M, int K, int N,
                            int accumulate);
 void gemm_matmul_dinp_wbf16(const gemm_arch *ar, float *dinp, const float *dout, const uint16_t *w, int M, int K,
-                            int N, int ldd);
+                            int N, int ldd, int accumulate);
 /* pack_b of a bf16 view with neither stride 1 (not used by the model), for
  * the fp32 archs' pack_b_h: panels of nr columns, [kc][nr] each, widened,
  * zeros past n. Plain C, shared by every arch whose panels are laid out so. */
@@ -186,7 +186,7 @@ void gemm_pack_b_bf16_h(float *dst, gemm_view b, long kc, long n, long kd);
     void kern_matmul_fwd_wbf16_##SUF(float *out, const float *inp, const uint16_t *w, int M, int K, int N,          \
                                      int accumulate);                                                                \
     void kern_matmul_dinp_wbf16_##SUF(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,      \
-                                      int ldd);
+                                      int ldd, int accumulate);
 KERN_MM_H_DECL(openblas)
 #if defined(__x86_64__)
 KERN_MM_H_DECL(avx512)
@@ -209,26 +209,26 @@ KERN_MM_H_DECL(bf16_neon)
 /* The ops.h matmul signatures on top of gemm_f32 for each ISA. */
 void kern_matmul_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                            int K, int N);
+                            int K, int N, int accumulate);
 void kern_matmul_fwd_avx2(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                          int K, int N);
+                          int K, int N, int accumulate);
 /* matmul_bf16 (kernels/cpu/gemm_bf16*.c): inputs rounded to bf16 as they are
  * packed, fp32 sums; avx512bf16 multiplies bf16 pairs with vdpbf16ps, the
  * others run the fp32 micro-kernels on the rounded panels. */
 void kern_matmul_bf16_fwd_avx512bf16(float *out, const float *inp, const float *w, int M, int K, int N,
                                      int accumulate);
 void kern_matmul_bf16_bwd_avx512bf16(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                                     int M, int K, int N);
+                                     int M, int K, int N, int accumulate);
 void kern_matmul_bf16_fwd_amx(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_amx(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                              int K, int N);
+                              int K, int N, int accumulate);
 void kern_matmul_bf16_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                                 int K, int N);
+                                 int K, int N, int accumulate);
 void kern_matmul_bf16_fwd_avx2(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                               int K, int N);
+                               int K, int N, int accumulate);
 #endif
 /* gemm_arch_avx512 or gemm_arch_avx2 (base) with packers that round the
  * packed panels to bf16: matmul_bf16's avx512/avx2 arch, for other callers
@@ -237,7 +237,7 @@ gemm_arch gemm_arch_rounding_bf16(const gemm_arch *base);
 /* OpenBLAS's sgemm (whatever core type the library picked when it loaded). */
 void kern_matmul_fwd_openblas(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_openblas(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                              int K, int N);
+                              int K, int N, int accumulate);
 
 /* moe_experts, grouped (moe_cpu.c): the op_moe_experts_* contract of ops.h on
  * gemm_f32, and moe_experts_bf16 (the bf16_* suffixes) the same on bf16-rounded
@@ -376,7 +376,7 @@ extern const gemm_arch gemm_arch_neon;   /* 8 x 12 fp32 tile, vfmaq_laneq_f32 */
 extern const gemm_arch gemm_arch_bfmmla; /* 8 x 8 tile of 2 x 2 BFMMLA blocks, bf16 pairs; needs BF16 */
 void kern_matmul_fwd_neon(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
-                          int N);
+                          int N, int accumulate);
 /* gemm_sve.c: 8 x 3VL fp32 tile (VL = svcntw(), read at run time, hence a
  * function returning the arch rather than a const object); needs SVE. */
 gemm_arch gemm_arch_sve(void);
@@ -384,18 +384,18 @@ gemm_arch gemm_arch_sve(void);
 int gemm_sve_vector_bits(void);
 void kern_matmul_fwd_sve(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bwd_sve(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
-                         int N);
+                         int N, int accumulate);
 void kern_matmul_bf16_fwd_bfmmla(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_bfmmla(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                                 int K, int N);
+                                 int K, int N, int accumulate);
 /* gemm_sve_bf16.c: BFMMLA on SVE vectors, 8 x 2VL/32 tile; needs SVE and BF16. */
 void kern_matmul_bf16_fwd_sve_bfmmla(float *out, const float *inp, const float *w, int M, int K, int N,
                                      int accumulate);
 void kern_matmul_bf16_bwd_sve_bfmmla(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                                     int M, int K, int N);
+                                     int M, int K, int N, int accumulate);
 void kern_matmul_bf16_fwd_neon(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate);
 void kern_matmul_bf16_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                               int K, int N);
+                               int K, int N, int accumulate);
 void kern_embedding_fwd_neon(float *out, const int32_t *tokens, const float *wte, int N, int C);
 void kern_embedding_bwd_neon(float *dwte, const float *dout, const int32_t *tokens, int N, int C);
 void kern_rmsnorm_fwd_neon(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps);

@@ -37,11 +37,11 @@ static void matmul_fwd(const gemm_arch *ar, float *out, const float *inp, const 
 }
 
 void gemm_matmul_bwd(const gemm_arch *ar, float *dinp, float *dw, const float *dout, const float *inp,
-                     const float *w, int M, int K, int N) {
-    if (M <= 0 || N <= 0 || K <= 0) return;
-    if (dinp) {
+                     const float *w, int M, int K, int N, int accumulate) {
+    if (M <= 0 || K <= 0) return;
+    if (dinp) { /* N == 0: gemm_f32's empty sum, dinp = 0 or unchanged */
         gemm_view a = {dout, N, 1, NULL}, b = {w, K, 1, NULL};
-        gemm_f32(ar, M, K, N, a, b, dinp, K, 1);
+        gemm_f32(ar, M, K, N, a, b, dinp, K, accumulate);
     }
     if (dw) {
         gemm_view a = {dout, 1, N, NULL}, b = {inp, K, 1, NULL};
@@ -64,13 +64,13 @@ void gemm_matmul_fwd_wbf16(const gemm_arch *ar, float *out, const float *inp, co
 }
 
 void gemm_matmul_dinp_wbf16(const gemm_arch *ar, float *dinp, const float *dout, const uint16_t *w, int M, int K,
-                            int N, int ldd) {
-    if (M <= 0 || N <= 0 || K <= 0) return;
+                            int N, int ldd, int accumulate) {
+    if (M <= 0 || K <= 0) return;
     /* A = dout with rows ldd apart: the packers read A through its row stride
      * whatever it is, and the blocking is a function of M, N, K alone, so a
      * strided dout gives the bits of its contiguous copy */
     gemm_view a = {dout, ldd, 1, NULL}, b = {NULL, K, 1, w};
-    gemm_f32(ar, M, K, N, a, b, dinp, K, 1);
+    gemm_f32(ar, M, K, N, a, b, dinp, K, accumulate);
 }
 
 /* The wbf16 pair of an implementation whose products are gemm_f32 calls on `arch`. */
@@ -80,8 +80,8 @@ void gemm_matmul_dinp_wbf16(const gemm_arch *ar, float *dinp, const float *dout,
         gemm_matmul_fwd_wbf16(arch, out, inp, w, M, K, N, accumulate);                                               \
     }                                                                                                                \
     void kern_matmul_dinp_wbf16_##SUF(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,      \
-                                      int ldd) {                                                                     \
-        gemm_matmul_dinp_wbf16(arch, dinp, dout, w, M, K, N, ldd);                                                   \
+                                      int ldd, int accumulate) {                                                     \
+        gemm_matmul_dinp_wbf16(arch, dinp, dout, w, M, K, N, ldd, accumulate);                                       \
     }
 
 #if defined(__x86_64__)
@@ -96,23 +96,23 @@ void kern_matmul_fwd_avx512(float *out, const float *inp, const float *w, int M,
     matmul_fwd(&gemm_arch_avx512, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                            int K, int N) {
-    gemm_matmul_bwd(&gemm_arch_avx512, dinp, dw, dout, inp, w, M, K, N);
+                            int K, int N, int accumulate) {
+    gemm_matmul_bwd(&gemm_arch_avx512, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_fwd_avx2(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     matmul_fwd(&gemm_arch_avx2, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                          int K, int N) {
-    gemm_matmul_bwd(&gemm_arch_avx2, dinp, dw, dout, inp, w, M, K, N);
+                          int K, int N, int accumulate) {
+    gemm_matmul_bwd(&gemm_arch_avx2, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 #elif defined(__aarch64__)
 void kern_matmul_fwd_neon(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     matmul_fwd(&gemm_arch_neon, out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
-                          int N) {
-    gemm_matmul_bwd(&gemm_arch_neon, dinp, dw, dout, inp, w, M, K, N);
+                          int N, int accumulate) {
+    gemm_matmul_bwd(&gemm_arch_neon, dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 #endif
 
@@ -128,10 +128,15 @@ void kern_matmul_fwd_openblas(float *out, const float *inp, const float *w, int 
 }
 
 void kern_matmul_bwd_openblas(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
-                              int K, int N) {
-    if (M <= 0 || N <= 0 || K <= 0) return;
+                              int K, int N, int accumulate) {
+    if (M <= 0 || K <= 0) return;
+    if (N <= 0) { /* BLAS implementations disagree on an empty sum: dinp = 0 or unchanged */
+        if (dinp && !accumulate) memset(dinp, 0, (size_t)M * K * sizeof(float));
+        return;
+    }
     if (dinp)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, dout, N, w, K, 1.0f, dinp, K);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, dout, N, w, K,
+                    accumulate ? 1.0f : 0.0f, dinp, K);
     if (dw)
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, N, K, M, 1.0f, dout, N, inp, K, 1.0f, dw, K);
 }
@@ -165,10 +170,15 @@ void kern_matmul_fwd_wbf16_openblas(float *out, const float *inp, const uint16_t
 }
 
 void kern_matmul_dinp_wbf16_openblas(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N,
-                                     int ldd) {
-    if (M <= 0 || N <= 0 || K <= 0) return;
+                                     int ldd, int accumulate) {
+    if (M <= 0 || K <= 0) return;
+    if (N <= 0) {
+        kern_matmul_bwd_openblas(dinp, NULL, NULL, NULL, NULL, M, K, N, accumulate);
+        return;
+    }
     float *x = widened(w, (size_t)N * K);
     /* kern_matmul_bwd_openblas's dinp product, with dout's row stride ldd */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, dout, ldd, x, K, 1.0f, dinp, K);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, dout, ldd, x, K,
+                accumulate ? 1.0f : 0.0f, dinp, K);
     free(x);
 }

@@ -33,12 +33,16 @@ void op_matmul_bf16_fwd(float *out, const float *inp, const float *w, int M, int
 }
 
 void op_matmul_bf16_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M, int K,
-                        int N) {
-    // dinp[M,K] += bf16(dout) @ bf16(w);  dw[N,K] += bf16(dout)^T @ bf16(inp)
-    if (M <= 0 || N <= 0 || K <= 0) return;
+                        int N, int accumulate) {
+    // dinp[M,K] (+)= bf16(dout) @ bf16(w);  dw[N,K] += bf16(dout)^T @ bf16(inp)
+    if (M <= 0 || K <= 0) return;
+    if (N <= 0) { /* an empty sum: nothing to round */
+        op_matmul_bwd(dinp, NULL, NULL, NULL, NULL, M, K, N, accumulate);
+        return;
+    }
     float *rd = rounded_copy(dout, (size_t)M * N);
     float *ri = dw ? rounded_copy(inp, (size_t)M * K) : NULL, *rw = dinp ? rounded_copy(w, (size_t)N * K) : NULL;
-    op_matmul_bwd(dinp, dw, rd, ri, rw, M, K, N);
+    op_matmul_bwd(dinp, dw, rd, ri, rw, M, K, N, accumulate);
     free(rd);
     free(ri);
     free(rw);
@@ -67,11 +71,16 @@ static const float *packed_rows(const float *dout, int M, int N, int ldd) {
     return d;
 }
 
-void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd) {
-    if (M <= 0 || N <= 0 || K <= 0) return;
+void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd,
+                          int accumulate) {
+    if (M <= 0 || K <= 0) return;
+    if (N <= 0) { /* an empty sum: nothing to widen */
+        op_matmul_bwd(dinp, NULL, NULL, NULL, NULL, M, K, N, accumulate);
+        return;
+    }
     float *x = widened_copy(w, (size_t)N * K);
     const float *d = packed_rows(dout, M, N, ldd);
-    op_matmul_bwd(dinp, NULL, d, NULL, x, M, K, N);
+    op_matmul_bwd(dinp, NULL, d, NULL, x, M, K, N, accumulate);
     if (d != dout) free((void *)d);
     free(x);
 }
@@ -83,11 +92,16 @@ void op_matmul_bf16_fwd_wbf16(float *out, const float *inp, const uint16_t *w, i
     free(x);
 }
 
-void op_matmul_bf16_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd) {
-    if (M <= 0 || N <= 0 || K <= 0) return;
+void op_matmul_bf16_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd,
+                               int accumulate) {
+    if (M <= 0 || K <= 0) return;
+    if (N <= 0) { /* an empty sum: nothing to widen */
+        op_matmul_bwd(dinp, NULL, NULL, NULL, NULL, M, K, N, accumulate);
+        return;
+    }
     float *x = widened_copy(w, (size_t)N * K);
     const float *d = packed_rows(dout, M, N, ldd);
-    op_matmul_bf16_bwd(dinp, NULL, d, NULL, x, M, K, N);
+    op_matmul_bf16_bwd(dinp, NULL, d, NULL, x, M, K, N, accumulate);
     if (d != dout) free((void *)d);
     free(x);
 }

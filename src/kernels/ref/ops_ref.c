@@ -46,13 +46,18 @@ void op_matmul_fwd(float *out, const float *inp, const float *w, int M, int K, i
 }
 
 void op_matmul_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                   int M, int K, int N) {
+                   int M, int K, int N, int accumulate) {
     // dinp[M,K], dw[N,K], dout[M,N], inp[M,K], w[N,K]
-    if (M <= 0 || N <= 0 || K <= 0) return;
+    if (M <= 0 || K <= 0) return;
+    if (N <= 0) {
+        // an empty sum (BLAS implementations disagree on it): dinp = 0 or unchanged, dw unchanged
+        if (dinp && !accumulate) memset(dinp, 0, (size_t)M * K * sizeof(float));
+        return;
+    }
     if (dinp) {
-        // dinp[M,K] += dout[M,N] @ w[N,K]
+        // dinp[M,K] (+)= dout[M,N] @ w[N,K]; beta 0 never reads dinp
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, K, N, 1.0f, dout, N, w, K,
-                    1.0f, dinp, K);
+                    accumulate ? 1.0f : 0.0f, dinp, K);
     }
     if (dw) {
         // dw[N,K] += dout[M,N]^T @ inp[M,K]
