@@ -38,7 +38,7 @@ OPTP = ctypes.POINTER(AttnOpt)
 
 SIGNATURES = {
     "op_matmul_fwd": (None, [F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
-    "op_matmul_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int, c_int, c_int]),
+    "op_matmul_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int]),
     "op_embedding_fwd": (None, [F32P, I32P, F32P, c_int, c_int]),
     "op_embedding_bwd": (None, [F32P, F32P, I32P, c_int, c_int]),
     "op_rmsnorm_fwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_float]),
@@ -132,9 +132,15 @@ def test_matmul(lib, gen, M, K, N):
     g, (dx_t, dw_t) = backward(out_t, (x, w), gen)
     dx0, dw0 = np32(randn(gen, M, K)), np32(randn(gen, N, K))
     dx, dw = dx0.copy(), dw0.copy()
-    lib.op_matmul_bwd(P(dx), P(dw), P(np32(g)), P(np32(x)), P(np32(w)), M, K, N)
+    lib.op_matmul_bwd(P(dx), P(dw), P(np32(g)), P(np32(x)), P(np32(w)), M, K, N, 1)
     assert_close(dx - dx0, dx_t, "matmul dinp")
     assert_close(dw - dw0, dw_t, "matmul dw")
+    # accumulate 0: d(input) overwritten (its NaNs never read), dw still added to
+    dx = np.full((M, K), np.nan, np.float32)
+    dw = dw0.copy()
+    lib.op_matmul_bwd(P(dx), P(dw), P(np32(g)), P(np32(x)), P(np32(w)), M, K, N, 0)
+    assert_close(dx, dx_t, "matmul dinp overwritten")
+    assert_close(dw - dw0, dw_t, "matmul dw (dinp overwritten)")
 
 
 # ------------------------------------------------------------------------- embedding
