@@ -21,8 +21,8 @@ void op_matmul_fwd(float *out, const float *inp, const float *w, int M, int K, i
  * Either output may be NULL to skip it. accumulate is dinp's, as the
  * forward's: 1 adds, 0 overwrites without reading dinp (its first product,
  * so the caller need not zero it first: the zeroing and the kernel's read of
- * C were ~2-4% of a W3 step, docs/benchmarks.md). dw always adds: weight
- * gradients accumulate over micro-batches. */
+ * C were 2-4% of a W3 step at AVX2 and in bf16, docs/benchmarks.md). dw
+ * always adds: weight gradients accumulate over micro-batches. */
 void op_matmul_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                    int M, int K, int N, int accumulate);
 /* The same products on inputs rounded to bf16 (nearest even, as torch's
