@@ -335,7 +335,7 @@ static int cmd_bench(const kern_cli_opts *o) {
     /* --peak gives one figure: the bf16 entries on bf16 units are measured against it too */
     cpu_peak peak = {.flops = o->peak_gflops * 1e9, .bf16_flops = o->peak_gflops * 1e9, .threads = cpu_threads(),
                      .source = "--peak", .bf16_isa = "--peak"};
-    if (o->peak_gflops <= 0) cpu_peak_flops(&peak, cpu_threads());
+    if (o->peak_gflops <= 0) cpu_peak_flops(&peak, cpu_threads(), getenv("CTITAN_ISA"));
     const char *core = getenv("OPENBLAS_CORETYPE");
     printf("threads %d, cpu features: %s, OPENBLAS_CORETYPE=%s, fp32 FMA peak %.0f GFLOP/s (%s)\n", cpu_threads(),
            have, core ? core : "(unset)", peak.flops / 1e9, peak.source);
@@ -366,7 +366,7 @@ static int cmd_bench(const kern_cli_opts *o) {
 
 static int cmd_peak(const kern_cli_opts *o) {
     cpu_peak p;
-    cpu_peak_flops(&p, cpu_threads());
+    cpu_peak_flops(&p, cpu_threads(), getenv("CTITAN_ISA"));
     if (o->json) {
         printf("{\"fp32_flops\": %.6e, \"bf16_flops\": %.6e, \"measured_fp32_flops\": %.6e, "
                "\"theory_fp32_flops\": %.6e, \"clock_hz\": %.6e, \"fma_per_cycle\": %d, \"threads\": %d, "

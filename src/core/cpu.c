@@ -285,22 +285,30 @@ typedef struct {
     double (*loop)(long iters);
 } peak_loop;
 
-/* The widest fp32 FMA and bf16 instruction this CPU has (bf16: NULL loop when none). */
-static void peak_loops(peak_loop *fp32, peak_loop *bf16) {
+/* The widest fp32 FMA and bf16 instruction this CPU has (bf16: NULL loop when
+ * none), at most the level `limit` (cpu_peak_flops). */
+static void peak_loops(peak_loop *fp32, peak_loop *bf16, const char *limit) {
     *fp32 = (peak_loop){"scalar", 1, 2, 0, fma_loop_scalar};
     *bf16 = (peak_loop){"fp32", 0, 0, 0, NULL};
+    int is_avx2 = limit && !strcmp(limit, "avx2"), is_avx512 = limit && !strcmp(limit, "avx512");
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) *fp32 = (peak_loop){"avx512", 16, 2, 0, fma_loop_avx512};
+    if (__builtin_cpu_supports("avx512f") && !is_avx2) *fp32 = (peak_loop){"avx512", 16, 2, 0, fma_loop_avx512};
     else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         *fp32 = (peak_loop){"avx2", 8, 2, 0, fma_loop_avx2};
-    if (cpu_amx_bf16_ready(NULL)) /* 4 x TDPBF16PS of 16 x 16 x 32 multiply-adds per iteration */
+    if (is_avx2)
+        return; /* no bf16 unit at AVX2: bf16 runs on the fp32 FMAs */
+    if (!is_avx512 && cpu_amx_bf16_ready(NULL)) /* 4 x TDPBF16PS of 16 x 16 x 32 multiply-adds per iteration */
         *bf16 = (peak_loop){"amx", 16, 2, 4.0 * 16 * 16 * 32 * 2, bf16_loop_amx};
     else if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"))
         *bf16 = (peak_loop){"avx512bf16", 16, 4, 0, bf16_loop_avx512};
 #elif defined(__aarch64__)
+    (void)is_avx2, (void)is_avx512;
     *fp32 = (peak_loop){"neon", 4, 2, 0, fma_loop_neon};
-    if (getauxval(AT_HWCAP2) & HWCAP2_BF16) *bf16 = (peak_loop){"bfmmla", 4, 8, 0, bf16_loop_neon};
+    if ((getauxval(AT_HWCAP2) & HWCAP2_BF16) && !(limit && !strcmp(limit, "neon")))
+        *bf16 = (peak_loop){"bfmmla", 4, 8, 0, bf16_loop_neon};
+#else
+    (void)is_avx2, (void)is_avx512;
 #endif
 }
 
@@ -388,10 +396,12 @@ void cpu_cache_path(char *out, size_t cap, const char *name) {
     fs_join_buf(out, cap, dir, name, NULL); /* dir is at most 1 KiB: callers' buffers hold it */
 }
 
-static void cache_path(char *out, size_t cap, const char *isa, int threads) {
+/* keyed by both instruction sets: a run held to "avx512" on an AMX CPU has
+ * the fp32 loop of an unlimited one but not its bf16 unit */
+static void cache_path(char *out, size_t cap, const char *isa, const char *bf16_isa, int threads) {
     char model[256], name[512];
     cpu_model_name(model, sizeof model);
-    snprintf(name, sizeof name, "peak-v3-%s-%s-t%d.txt", model, isa, threads);
+    snprintf(name, sizeof name, "peak-v4-%s-%s-%s-t%d.txt", model, isa, bf16_isa, threads);
     cpu_cache_path(out, cap, name);
 }
 
@@ -474,15 +484,15 @@ static double load_average(void) {
     return load;
 }
 
-void cpu_peak_flops(cpu_peak *out, int threads) {
+void cpu_peak_flops(cpu_peak *out, int threads, const char *isa_limit) {
     peak_loop fp32, bf16;
-    peak_loops(&fp32, &bf16);
+    peak_loops(&fp32, &bf16, isa_limit);
     memset(out, 0, sizeof *out);
     out->threads = threads > 0 ? threads : 1;
     out->isa = fp32.isa;
     out->bf16_isa = bf16.loop ? bf16.isa : "fp32";
     char path[1024];
-    cache_path(path, sizeof path, fp32.isa, out->threads);
+    cache_path(path, sizeof path, out->isa, out->bf16_isa, out->threads);
     snprintf(out->cache, sizeof out->cache, "%s", path);
     /* A cached peak is only as good as the clock it was measured at: a VM
      * that lands on another host (seen here: 2.2 GHz one day, 3.7 the next)

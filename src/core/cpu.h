@@ -8,7 +8,8 @@
  * cached under ~/.cache/ctitan keyed by CPU model, ISA and threads only when
  * the figure is stable, agrees with the theory and the machine is quiet
  * (cpu.c, "the peak", says why each rule is there). The trainer, `ctitan
- * kernels peak` and the benchmarks all read it through cpu_peak_flops. */
+ * kernels peak` and the benchmarks all read it through cpu_peak_flops, for
+ * the instruction set the run's kernels are held to (CTITAN_ISA). */
 #ifndef CT_CORE_CPU_H
 #define CT_CORE_CPU_H
 
@@ -32,8 +33,14 @@ typedef struct {
 
 /* Measures (or reads the cache of) the FMA peaks on `threads` threads. Never
  * fails: some figure always comes back, and it is never below what this
- * process could measure. Takes ~0.2 s per thread count when not cached. */
-void cpu_peak_flops(cpu_peak *out, int threads);
+ * process could measure. Takes ~0.2 s per thread count when not cached.
+ * isa_limit is the widest level the run's kernels may use, as CTITAN_ISA
+ * names it: "avx2" measures AVX2's FMA and no bf16 unit, "avx512" no AMX,
+ * "neon" no BF16, so a run held to a lower level (a Zen 3 stand-in on a
+ * Zen 5) gets that level's MFU; NULL, "", "auto", "amx", "bf16", "sve",
+ * "ref" (whose matmuls are OpenBLAS's widest) or an unknown name: whatever
+ * the CPU has. */
+void cpu_peak_flops(cpu_peak *out, int threads, const char *isa_limit);
 /* Whether AMX bf16 tiles may be used: the CPU has AMX-TILE and AMX-BF16, the
  * OS enables the tile state (XCR0), and Linux granted this process the tile
  * data permission, which the first call requests (arch_prctl; once per

@@ -745,7 +745,7 @@ int trainer_run(trainer *t, ct_err *e) {
     if (c->peak_tflops > 0)
         peak = (cpu_peak){.flops = c->peak_tflops * 1e12, .bf16_flops = c->peak_tflops * 1e12,
                           .threads = cpu_threads(), .source = "config", .isa = "-", .bf16_isa = "-"};
-    else cpu_peak_flops(&peak, cpu_threads());
+    else cpu_peak_flops(&peak, cpu_threads(), getenv("CTITAN_ISA")); /* the level the kernels are held to */
     /* MFU against the peak of the arithmetic the matmuls run in (torchtitan: the
      * device's bf16 peak for bf16 training), so a bf16 run is not credited with
      * fp32-unit utilisation it did not need */

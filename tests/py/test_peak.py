@@ -28,7 +28,7 @@ def test_peak_is_an_upper_bound_checked_against_theory(tmp_path):
     for threads in (1, 2):
         p = peak_json(tmp_path, threads)
         assert p["threads"] == threads
-        assert str(tmp_path) in p["cache"] and f"-{p['isa']}-t{threads}" in p["cache"]
+        assert str(tmp_path) in p["cache"] and f"-{p['isa']}-{p['bf16_isa']}-t{threads}" in p["cache"]
         for k in ("fp32_flops", "bf16_flops", "theory_fp32_flops", "clock_hz"):
             assert np.isfinite(p[k]) and p[k] > 0, (k, p)
         if p["source"] != "cached":
@@ -42,6 +42,35 @@ def test_peak_is_an_upper_bound_checked_against_theory(tmp_path):
         assert p["bf16_flops"] >= p["fp32_flops"]
         # a clock between 0.5 and 7 GHz: the dependent-add chain measured cycles, not renamer tricks
         assert 0.5e9 < p["clock_hz"] < 7e9, p
+
+
+def test_a_run_held_to_a_lower_level_gets_its_peak(tmp_path):
+    """CTITAN_ISA=avx2 (a Zen 3 stand-in on a newer x86) holds the kernels to AVX2 + FMA:
+    its MFU is against AVX2's FMA peak and no bf16 unit, cached apart from the CPU's own;
+    "avx512" keeps AVX-512's bf16 dot products but not AMX; "neon" (aarch64) no BF16."""
+    import platform
+    full = peak_json(tmp_path / "full")
+    if platform.machine() == "x86_64":
+        held = peak_json(tmp_path / "avx2", extra_env={"CTITAN_ISA": "avx2"})
+        assert (held["isa"], held["bf16_isa"]) == ("avx2", "fp32"), held
+        assert "-avx2-fp32-t2" in held["cache"], held
+        assert held["bf16_flops"] == held["fp32_flops"], held
+        if full["isa"] == "avx512":
+            # half the lanes at the same clock and FMA ports: half the theory (the clock is
+            # measured again for each, so allow its drift)
+            ratio = held["theory_fp32_flops"] / full["theory_fp32_flops"]
+            assert 0.4 < ratio < 0.6, (held, full)
+            assert held["cache"] != full["cache"]
+        mid = peak_json(tmp_path / "avx512", extra_env={"CTITAN_ISA": "avx512"})
+        assert mid["bf16_isa"] != "amx", mid
+        if full["bf16_isa"] != "amx":  # nothing above AVX-512 to leave out
+            assert (mid["isa"], mid["bf16_isa"]) == (full["isa"], full["bf16_isa"]), (mid, full)
+    else:
+        held = peak_json(tmp_path / "neon", extra_env={"CTITAN_ISA": "neon"})
+        assert (held["isa"], held["bf16_isa"]) == ("neon", "fp32"), held
+    # "auto": whatever the CPU has, as with no CTITAN_ISA
+    odd = peak_json(tmp_path / "odd", extra_env={"CTITAN_ISA": "auto"})
+    assert (odd["isa"], odd["bf16_isa"]) == (full["isa"], full["bf16_isa"]), (odd, full)
 
 
 def test_busy_machine_is_not_cached(tmp_path):
