@@ -290,8 +290,9 @@ typedef struct {
 static void peak_loops(peak_loop *fp32, peak_loop *bf16, const char *limit) {
     *fp32 = (peak_loop){"scalar", 1, 2, 0, fma_loop_scalar};
     *bf16 = (peak_loop){"fp32", 0, 0, 0, NULL};
-    int is_avx2 = limit && !strcmp(limit, "avx2"), is_avx512 = limit && !strcmp(limit, "avx512");
+    (void)limit;
 #if defined(__x86_64__)
+    int is_avx2 = limit && !strcmp(limit, "avx2"), is_avx512 = limit && !strcmp(limit, "avx512");
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && !is_avx2) *fp32 = (peak_loop){"avx512", 16, 2, 0, fma_loop_avx512};
     else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
@@ -303,12 +304,9 @@ static void peak_loops(peak_loop *fp32, peak_loop *bf16, const char *limit) {
     else if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"))
         *bf16 = (peak_loop){"avx512bf16", 16, 4, 0, bf16_loop_avx512};
 #elif defined(__aarch64__)
-    (void)is_avx2, (void)is_avx512;
     *fp32 = (peak_loop){"neon", 4, 2, 0, fma_loop_neon};
     if ((getauxval(AT_HWCAP2) & HWCAP2_BF16) && !(limit && !strcmp(limit, "neon")))
         *bf16 = (peak_loop){"bfmmla", 4, 8, 0, bf16_loop_neon};
-#else
-    (void)is_avx2, (void)is_avx512;
 #endif
 }
 

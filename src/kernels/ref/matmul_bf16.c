@@ -71,18 +71,26 @@ static const float *packed_rows(const float *dout, int M, int N, int ldd) {
     return d;
 }
 
-void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd,
-                          int accumulate) {
+/* The dinp product through `bwd` (op_matmul_bwd or op_matmul_bf16_bwd) on w
+ * widened and dout made contiguous: both references' wbf16 entries. */
+static void dinp_widened(void (*bwd)(float *, float *, const float *, const float *, const float *, int, int, int, int),
+                         float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd,
+                         int accumulate) {
     if (M <= 0 || K <= 0) return;
     if (N <= 0) { /* an empty sum: nothing to widen */
-        op_matmul_bwd(dinp, NULL, NULL, NULL, NULL, M, K, N, accumulate);
+        bwd(dinp, NULL, NULL, NULL, NULL, M, K, N, accumulate);
         return;
     }
     float *x = widened_copy(w, (size_t)N * K);
     const float *d = packed_rows(dout, M, N, ldd);
-    op_matmul_bwd(dinp, NULL, d, NULL, x, M, K, N, accumulate);
+    bwd(dinp, NULL, d, NULL, x, M, K, N, accumulate);
     if (d != dout) free((void *)d);
     free(x);
+}
+
+void op_matmul_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd,
+                          int accumulate) {
+    dinp_widened(op_matmul_bwd, dinp, dout, w, M, K, N, ldd, accumulate);
 }
 
 void op_matmul_bf16_fwd_wbf16(float *out, const float *inp, const uint16_t *w, int M, int K, int N, int accumulate) {
@@ -94,14 +102,5 @@ void op_matmul_bf16_fwd_wbf16(float *out, const float *inp, const uint16_t *w, i
 
 void op_matmul_bf16_dinp_wbf16(float *dinp, const float *dout, const uint16_t *w, int M, int K, int N, int ldd,
                                int accumulate) {
-    if (M <= 0 || K <= 0) return;
-    if (N <= 0) { /* an empty sum: nothing to widen */
-        op_matmul_bwd(dinp, NULL, NULL, NULL, NULL, M, K, N, accumulate);
-        return;
-    }
-    float *x = widened_copy(w, (size_t)N * K);
-    const float *d = packed_rows(dout, M, N, ldd);
-    op_matmul_bf16_bwd(dinp, NULL, d, NULL, x, M, K, N, accumulate);
-    if (d != dout) free((void *)d);
-    free(x);
+    dinp_widened(op_matmul_bf16_bwd, dinp, dout, w, M, K, N, ldd, accumulate);
 }
