@@ -7,11 +7,11 @@
 
 #include "core/err.h"
 
-static void *cpu_alloc(size_t bytes) { return ct_calloc(bytes ? bytes : 1, 1); }
+static void *cpu_alloc(size_t bytes) { return ct_alloc_huge(bytes); }
 static void *cpu_alloc_lazy(size_t bytes) { return ct_alloc_lazy(bytes); }
 static void cpu_free(void *p, size_t bytes, int lazy) {
     if (lazy) ct_free_lazy(p, bytes);
-    else free(p);
+    else ct_free_huge(p, bytes);
 }
 static void cpu_copy(void *dst, const void *src, size_t bytes) { memcpy(dst, src, bytes); }
 static void cpu_drop(void *p, size_t bytes) { ct_drop_pages(p, bytes); }

@@ -17,7 +17,7 @@
 
 typedef struct ct_device {
     const char *name;                                   /* the kernels' device: "cpu" */
-    void *(*alloc)(size_t bytes);                        /* zeroed; exits on failure, as ct_calloc */
+    void *(*alloc)(size_t bytes);                        /* zeroed; exits on failure, as ct_calloc (CPU: ct_alloc_huge) */
     void *(*alloc_lazy)(size_t bytes);                   /* zeroed, backed only where written */
     void (*free)(void *p, size_t bytes, int lazy);       /* lazy: it came from alloc_lazy */
     void (*copy)(void *dst, const void *src, size_t bytes);     /* within the device */

@@ -61,6 +61,37 @@ void ct_free_lazy(void *p, size_t n) {
     if (p) munmap(p, n ? n : 1);
 }
 
+enum { HUGE_PAGE = 1 << 21 };
+/* From 64 MB up: a huge page that is touched is resident whole, so a buffer
+ * may hold up to 2 MB more than it writes (its last page, or one only partly
+ * used); at 32 pages or more that is at most 1/32 of it. A smaller buffer,
+ * with few rows per page anyway, stays in 4 KB pages. */
+#define HUGE_MIN (32 * (size_t)HUGE_PAGE)
+
+static size_t huge_bytes(size_t n) { return (n + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE; }
+
+void *ct_alloc_huge(size_t n) {
+    if (n < HUGE_MIN) return ct_calloc(n ? n : 1, 1);
+    /* one huge page more than needed, then the unaligned head and the tail
+     * unmapped: mmap aligns to 4 KB only, and a 2 MB page needs a 2 MB-aligned
+     * range inside the mapping */
+    size_t bytes = huge_bytes(n), span = bytes + HUGE_PAGE;
+    char *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) oom(n);
+    char *p = (char *)(((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    size_t head = (size_t)(p - raw), tail = span - head - bytes;
+    if (head) munmap(raw, head);
+    if (tail) munmap(p + bytes, tail);
+    madvise(p, bytes, MADV_HUGEPAGE); /* advice: where THP is off or no huge page is free, 4 KB pages as before */
+    return p;
+}
+
+void ct_free_huge(void *p, size_t n) {
+    if (!p) return;
+    if (n < HUGE_MIN) free(p);
+    else munmap(p, huge_bytes(n));
+}
+
 void ct_drop_pages(void *p, size_t n) {
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     uintptr_t lo = (uintptr_t)p, hi = lo + n;

@@ -43,6 +43,16 @@ void *ct_malloc(size_t n);
  * memory can still be addressed. Freed with ct_free_lazy and the same n. */
 void *ct_alloc_lazy(size_t n);
 void ct_free_lazy(void *p, size_t n);
+/* Zeroed memory, as ct_calloc, for the large buffers a step walks with
+ * strides of pages: activation rows 4-12 KB apart, weight and gradient rows
+ * a GEMM tile reads 6 at a time. From 64 MB up it is its own mapping, 2 MB
+ * aligned and advised for transparent huge pages (MADV_HUGEPAGE; nothing
+ * changes where THP is off), so each 2 MB faults in as one page and one TLB
+ * entry instead of 512: W3 steps ran 2-5% faster (docs/benchmarks.md). Pages
+ * still exist only once touched, as calloc's. Freed with ct_free_huge and
+ * the same n. */
+void *ct_alloc_huge(size_t n);
+void ct_free_huge(void *p, size_t n);
 /* Gives back the whole pages inside [p, p + n bytes) (MADV_DONTNEED: they
  * read as zeros until written again); the partial pages at either end,
  * which neighbouring data may share, are kept. */

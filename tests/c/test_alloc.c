@@ -1,8 +1,10 @@
 /* tests/c/test_alloc.c: core/err.h's page-level allocators: ct_fill
  * (of zeros, over untouched memory) brings every page of a buffer in (so a step's first read-then-write of a
  * gradient or a moment takes no fault), ct_alloc_lazy leaves pages out until
- * written, ct_drop_pages gives whole pages back and they read as zeros. */
+ * written, ct_drop_pages gives whole pages back and they read as zeros,
+ * ct_alloc_huge maps large buffers 2 MB aligned and advised for huge pages. */
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -39,6 +41,26 @@ static double read_then_write(float *f, size_t n) {
         f[i] = 1.0f;
     }
     return s;
+}
+
+/* Whether the mapping holding p carries MADV_HUGEPAGE's "hg" flag
+ * (/proc/self/smaps); -1 if no mapping holds it. */
+static int advised_huge(const void *p) {
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (!f) return -1;
+    char line[512];
+    int in = 0, r = -1;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' ')) {
+            in = (uintptr_t)p >= lo && (uintptr_t)p < hi;
+        } else if (in && !strncmp(line, "VmFlags:", 8)) {
+            r = strstr(line, " hg") != NULL;
+            break;
+        }
+    }
+    fclose(f);
+    return r;
 }
 
 int main(void) {
@@ -83,6 +105,22 @@ int main(void) {
     CHECK(l[0] == 0.0f && l[ln / sizeof(float) - 1] == 2.0f, "lazy memory reads zeros and keeps writes");
     CHECK(resident((void *)la, ln) <= 2, "lazy: %zu resident pages after one write", resident((void *)la, ln));
     ct_free_lazy(l, ln);
+
+    /* ct_alloc_huge: a large buffer is its own mapping, 2 MB aligned, advised
+     * for huge pages, zeroed and (as calloc's) without pages until touched;
+     * a small one is plain calloc memory */
+    size_t hn = ((size_t)66 << 20) + 12; /* past the 64 MB from which it maps */
+    float *h = ct_alloc_huge(hn);
+    CHECK((uintptr_t)h % ((size_t)2 << 20) == 0, "huge: %p is not 2 MB aligned", (void *)h);
+    CHECK(advised_huge(h) == 1, "huge: the mapping is not advised for huge pages (%d)", advised_huge(h));
+    CHECK(advised_huge(h + hn / sizeof(float) - 1) == 1, "huge: the buffer's last float is outside the advised mapping");
+    CHECK(resident(h, hn) == 0, "huge: %zu resident pages before a write", resident(h, hn));
+    CHECK(read_then_write(h, hn / sizeof(float)) == 0.0, "huge memory reads as zeros");
+    ct_free_huge(h, hn);
+    CHECK(advised_huge(h) != 1, "huge: still mapped after ct_free_huge");
+    float *s = ct_alloc_huge(1000);
+    CHECK(read_then_write(s, 1000 / sizeof(float)) == 0.0, "small ct_alloc_huge reads as zeros");
+    ct_free_huge(s, 1000);
 
     munmap(a, n);
     munmap(b, n);
