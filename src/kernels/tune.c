@@ -11,11 +11,16 @@
  *
  * The cache is a text file of lines, appended with one write() each (a
  * concurrent reader sees whole lines; the last line for a key wins):
- *     pick <op> <shape key> <impl> <seconds>
+ *     pick <op> <shape key> <impl> <seconds> [-<impl that failed kern_check> ...]
  *     check <build id> <op> <impl> ok|fail
  * Keyed by the file name (CPU model, feature bits, threads): the same sizes
  * on another CPU kind, under CTITAN_ISA, or at another thread count are
- * measured again. Deleting the file re-measures everything.
+ * measured again. Deleting the file re-measures everything. A pick names the
+ * candidates that failed kern_check when it was timed: it stands only while
+ * they still fail. The verdicts are per build, the picks are not, so a pick
+ * that a broken build made around its broken kernel would otherwise hold the
+ * op to a slower one in every later build (seen: a W3 run at 70% of its speed
+ * on the tiled attention a test build had picked around a failing blocked one). 
  *
  * Every pick is cached, including one timed while other processes used the
  * CPUs: the cache is what makes a resumed run, the other ranks and the next
@@ -177,6 +182,32 @@ static int cache_find(const char *text, const char *a, const char *b, const char
     return found;
 }
 
+/* Whether the last "pick <op> <key>" line names (as -<name>) a candidate that
+ * passes kern_check in this build: it was measured without that candidate. */
+static int pick_stale(const char *text, const char *op, const char *key, const kern_impl *const *cand, int nc,
+                      int (*passes)(const kern_impl *, void *), void *ctx) {
+    char prefix[256];
+    snprintf(prefix, sizeof prefix, "pick %s %s ", op, key);
+    size_t pl = strlen(prefix);
+    const char *last = NULL, *end = NULL;
+    for (const char *line = text; line && *line;) {
+        const char *nl = strchr(line, '\n');
+        if (!nl) break;
+        if ((size_t)(nl - line) > pl && !strncmp(line, prefix, pl)) last = line + pl, end = nl;
+        line = nl + 1;
+    }
+    for (const char *p = last; p && p < end;) {
+        p += strspn(p, " ");
+        size_t tl = strcspn(p, " \n");
+        if (*p == '-' && tl > 1)
+            for (int i = 0; i < nc; i++)
+                if (strlen(cand[i]->name) == tl - 1 && !strncmp(cand[i]->name, p + 1, tl - 1) && passes(cand[i], ctx))
+                    return 1;
+        p += tl;
+    }
+    return 0;
+}
+
 /* Appends one line with a single write (O_APPEND): concurrent runs interleave
  * whole lines. Failing to write the cache only costs a later re-measurement. */
 static void cache_append(const char *path, const char *line) {
@@ -276,6 +307,18 @@ static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_i
     return ok;
 }
 
+typedef struct {
+    const kern_impl *t;
+    size_t n;
+    unsigned cpu;
+    const char *cache, *path;
+} check_ctx;
+
+static int passes_check_cb(const kern_impl *im, void *p) {
+    const check_ctx *c = p;
+    return passes_check(c->t, c->n, c->cpu, im, c->cache, c->path);
+}
+
 /* One timed call of the forward and, where the op has one, the backward:
  * the entries the run calls (wbf16, for a run whose weights are read from a
  * bf16 store: the MoE experts' fwd_wbf16 / bwd_wbf16, the matmuls' fwd_wbf16
@@ -317,7 +360,9 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 nc = m;
             }
             char cached[64];
-            if (nc > 1 && cache_find(cache, "pick", kern_op_name((kern_op)op), key, cached, sizeof cached)) {
+            check_ctx cc = {t, n, cpu, cache, path};
+            if (nc > 1 && cache_find(cache, "pick", kern_op_name((kern_op)op), key, cached, sizeof cached) &&
+                !pick_stale(cache, kern_op_name((kern_op)op), key, cand, nc, passes_check_cb, &cc)) {
                 for (int i = 0; i < nc; i++)
                     if (!strcmp(cand[i]->name, cached) && passes_check(t, n, cpu, cand[i], cache, path)) {
                         sel.chosen[op] = cand[i];
@@ -367,10 +412,16 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 kern_bench_free(b);
                 if (win) {
                     sel.chosen[op] = win;
-                    char line[256];
-                    snprintf(line, sizeof line, "pick %s %s %s %.6g\n", kern_op_name((kern_op)op), key, win->name,
-                             best);
-                    cache_append(path, line);
+                    char line[512];
+                    int ll = snprintf(line, sizeof line, "pick %s %s %s %.6g", kern_op_name((kern_op)op), key,
+                                      win->name, best);
+                    for (int i = 0; i < nc && ll > 0 && (size_t)ll < sizeof line; i++)
+                        if (isnan(secs[i])) /* failed kern_check: the pick holds while it fails */
+                            ll += snprintf(line + ll, sizeof line - (size_t)ll, " -%s", cand[i]->name);
+                    if (ll > 0 && (size_t)ll + 2 <= sizeof line) {
+                        memcpy(line + ll, "\n", 2);
+                        cache_append(path, line);
+                    }
                     logf_append(log, logcap, &len, " %s=%s (measured %s%s: %.3g ms", kern_op_name((kern_op)op),
                                 win->name, key, others > TUNE_OTHERS ? " beside other work" : "", 1e3 * best);
                     for (int i = 0; i < nc; i++)

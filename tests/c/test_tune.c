@@ -211,6 +211,8 @@ static void test_pick_and_cache(void) {
     all[got] = 0;
     CHECK(strstr(all, " add broken fail\n") && strstr(all, " add slow ok\n"), "verdicts cached: %s", all);
     CHECK(!strstr(all, "check nobuildid "), "verdicts are keyed by the build id: %s", all);
+    CHECK(strstr(all, "pick add n524288 ") && strstr(strstr(all, "pick add n524288 "), " -broken\n"),
+          "the pick names the candidate that failed kern_check: %s", all);
 
     /* second run: from the cache, nothing timed again */
     kern_ops k2;
@@ -225,8 +227,26 @@ static void test_pick_and_cache(void) {
     rc = kern_tune(&k2, t, n, 0, force_add, &rs, NULL, log, sizeof log, &e);
     CHECK(rc == 0 && !strcmp(k2.chosen[KERN_OP_ADD]->name, "slow"), "add=slow forced");
 
-    /* a cache naming an implementation this table lacks is ignored, the op re-measured */
+    /* A pick made while a candidate failed kern_check (another build, where "fast" was
+     * broken) stands only while that candidate fails: here fast passes, so add is measured
+     * again rather than left on "slow". One that names a candidate still failing stands. */
     FILE *f = fopen(path, "w");
+    fprintf(f, "pick add n524288 slow 1e-9 -fast\n");
+    fclose(f);
+    rc = kern_tune(&k2, t, n, 0, force_others, &rs, path, log, sizeof log, &e);
+    pick = k2.chosen[KERN_OP_ADD]->name;
+    CHECK(rc == 0 && (!strcmp(pick, "fast") || !strcmp(pick, "ref")) && !strstr(log, "(cached)"),
+          "a pick made without fast, which passes here, is re-measured: add=%s (log: %s)", pick, log);
+    f = fopen(path, "w");
+    fprintf(f, "pick add n524288 slow 1e-9 -broken\n");
+    fclose(f);
+    rc = kern_tune(&k2, t, n, 0, force_others, &rs, path, log, sizeof log, &e);
+    CHECK(rc == 0 && !strcmp(k2.chosen[KERN_OP_ADD]->name, "slow") && strstr(log, "add=slow (cached)"),
+          "a pick made without broken, which still fails, stands: add=%s (log: %s)", k2.chosen[KERN_OP_ADD]->name,
+          log);
+
+    /* a cache naming an implementation this table lacks is ignored, the op re-measured */
+    f = fopen(path, "w");
     fprintf(f, "pick add n524288 vanished 1e-9\nhalf a line without newline");
     fclose(f);
     rc = kern_tune(&k2, t, n, 0, force_others, &rs, path, log, sizeof log, &e);
