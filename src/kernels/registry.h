@@ -359,7 +359,8 @@ typedef struct {
     int n_experts, moe_inter, top_k;  /* MoE layers (0: dense model) */
     int ce_rows;                      /* logits rows per cross-entropy block */
     long n_params;                    /* AdamW's elements (timed on at most 1M) */
-    int bf16;                         /* bf16 mixed precision: tune matmul_bf16 / moe_experts_bf16 and the attention's bf16 products too */
+    int bf16;                         /* bf16 mixed precision: tune matmul_bf16 / moe_experts_bf16 and the
+                                       * attention's bf16 products too */
     int moe_wbf16;                    /* the experts are read from a bf16 store (a frozen base): time the
                                        * experts op's fwd_wbf16 / bwd_wbf16, the entries such a run calls */
     int mm_wbf16;                     /* most dense projections' weights (by size) are read from a bf16 store
