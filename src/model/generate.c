@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/device.h"
 #include "kernels/ops.h"
 
 /* Rows prefilled at once: large enough for GEMM efficiency, small enough that
@@ -232,7 +233,7 @@ int gen_model_new(gen_model **out, const lm_config *cfg, int max_len, gen_load_f
     if (!rc) {
         /* the gradient buffer is as large as the weights and inference never
          * touches it: release it and leave the gradient views NULL */
-        free(gm->m.grads);
+        gm->m.dev->free(gm->m.grads, gm->m.n_params * sizeof(float), gm->m.cfg.lazy_buffers); /* the device's */
         gm->m.grads = NULL;
         gm->m.g.wte = gm->m.g.lnf = gm->m.g.lm_head = NULL;
         memset(gm->m.g.layer, 0, (size_t)cfg->n_layers * sizeof *gm->m.g.layer);

@@ -138,6 +138,23 @@ def test_greedy_matches_hf(tmp_path, gen, tied, plen):
     assert ids_of(out) == want
 
 
+def test_greedy_matches_hf_past_the_huge_page_size(tmp_path, gen):
+    """A model of 18 M parameters: its flat buffers are past the 64 MB from which the CPU
+    device maps them for huge pages (core/err.h ct_alloc_huge), so inference's release of the
+    unused gradient buffer must go back through the device, not free()."""
+    cfg = oracle.tiny_config(vocab=70000, hidden=128, inter=96, layers=1, heads=4, kv_heads=2, head_dim=16,
+                             rope_theta=1e4, tied=False)
+    model = oracle.build_model(cfg, seed=5, std=STD)
+    assert sum(p.numel() for p in model.parameters()) * 4 > 64 << 20
+    model.save_pretrained(str(tmp_path / "m"))
+    prompt = random_prompt(12, 70000, seed=7)
+    want, margin = hf_greedy(model, prompt, new=4)
+    assert margin > MIN_MARGIN, f"test setup: near-tie in HF logits (margin {margin})"
+    _, out, _ = gen(["--checkpoint", tmp_path / "m", "--prompt-ids", " ".join(map(str, prompt)), "--ids",
+                     "--max-tokens", 4])
+    assert ids_of(out) == want
+
+
 class _Err(ctypes.Structure):
     _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024)]
 
