@@ -7,9 +7,10 @@
  * this table and a folder of kernels registered under the same name
  * (kern_impl.device; the registry picks only the run's device's), and the
  * model, the trainer and the layouts stay as they are. The CPU device is
- * host memory: zeroed allocations, lazily mapped buffers whose pages exist
- * only where written (frozen tensors' gradients, FSDP's full-size views),
- * and page dropping (FSDP frees a gathered layer that way). */
+ * host memory: zeroed allocations (from 64 MB up on huge pages:
+ * ct_alloc_huge), lazily mapped buffers whose pages exist only where written
+ * (frozen tensors' gradients and moments), and page dropping (FSDP frees a
+ * gathered layer that way). */
 #ifndef CT_CORE_DEVICE_H
 #define CT_CORE_DEVICE_H
 

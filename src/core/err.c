@@ -72,7 +72,7 @@ static size_t huge_bytes(size_t n) { return (n + HUGE_PAGE - 1) / HUGE_PAGE * HU
 
 void *ct_alloc_huge(size_t n) {
     if (n < HUGE_MIN) return ct_calloc(n ? n : 1, 1);
-    if (n > SIZE_MAX - 2 * (size_t)HUGE_PAGE) oom(n); /* the rounding below would wrap */
+    if (n > SIZE_MAX - 3 * (size_t)HUGE_PAGE) oom(n); /* the rounding and span below would wrap */
     /* one huge page more than needed, then the unaligned head and the tail
      * unmapped: mmap aligns to 4 KB only, and a 2 MB page needs a 2 MB-aligned
      * range inside the mapping */

@@ -55,7 +55,8 @@ void *ct_alloc_huge(size_t n);
 void ct_free_huge(void *p, size_t n);
 /* Gives back the whole pages inside [p, p + n bytes) (MADV_DONTNEED: they
  * read as zeros until written again); the partial pages at either end,
- * which neighbouring data may share, are kept. */
+ * which neighbouring data may share, are kept. A huge page partly inside
+ * the range is split by the kernel, its memory freed at the split. */
 void ct_drop_pages(void *p, size_t n);
 /* Sets the n bytes at p to `byte` on every thread, each writing its share in
  * 2 MB chunks. Uses: bringing in the pages of zeroed memory not yet touched

@@ -1,8 +1,11 @@
 /* distributed/fsdp.c: ZeRO-3 over the flat buffers (see fsdp.h for the scheme).
  *
  * Pages are given back with MADV_DONTNEED, which on private anonymous
- * memory (what calloc returns for the model's buffers) drops them and reads
- * zeros next time. Only pages wholly inside a piece are released: a page
+ * memory (the CPU device's mapping of the model's buffers, on 2 MB pages
+ * from 64 MB up) drops them and reads zeros next time; a huge page partly
+ * inside a piece is split by the kernel. Huge pages measured much faster
+ * here than 4 KB ones (W3 over 2 ranks: 875-887 against 620-690 tok/s), the
+ * re-gathers taking a fault per 2 MB instead of per 4 KB. Only pages wholly inside a piece are released: a page
  * shared with the neighbouring piece keeps its bytes, so releasing one piece
  * never zeroes another that is in use. */
 #define _DEFAULT_SOURCE

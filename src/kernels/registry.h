@@ -383,7 +383,7 @@ typedef struct {
  * was picked, and the timings or "cached". */
 int kern_tune(kern_ops *k, const kern_impl *table, size_t n, unsigned cpu, const char *const *overrides,
               const kern_run_sizes *sizes, const char *cache_path, char *log, size_t logcap, ct_err *e);
-/* ~/.cache/ctitan/kernels-v1-<cpu model>-f<features>-t<threads>.txt */
+/* ~/.cache/ctitan/kernels-v2-<cpu model>-f<features>-t<threads>.txt */
 void kern_tune_cache_path(char *out, size_t cap, unsigned cpu, int threads);
 
 #endif

@@ -222,7 +222,8 @@ static void cache_append(const char *path, const char *line) {
 void kern_tune_cache_path(char *out, size_t cap, unsigned cpu, int threads) {
     char model[256], name[512];
     cpu_model_name(model, sizeof model);
-    snprintf(name, sizeof name, "kernels-v1-%s-f%x-t%d.txt", model, cpu, threads);
+    /* v2: picks name the candidates that failed their check (v1's could not be told stale) */
+    snprintf(name, sizeof name, "kernels-v2-%s-f%x-t%d.txt", model, cpu, threads);
     cpu_cache_path(out, cap, name);
 }
 
@@ -361,8 +362,14 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
             }
             char cached[64];
             check_ctx cc = {t, n, cpu, cache, path};
-            if (nc > 1 && cache_find(cache, "pick", kern_op_name((kern_op)op), key, cached, sizeof cached) &&
-                !pick_stale(cache, kern_op_name((kern_op)op), key, cand, nc, passes_check_cb, &cc)) {
+            int hit = nc > 1 && cache_find(cache, "pick", kern_op_name((kern_op)op), key, cached, sizeof cached);
+            if (hit && pick_stale(cache, kern_op_name((kern_op)op), key, cand, nc, passes_check_cb, &cc)) {
+                /* the verdicts it just appended, read back: the timing below does not check again */
+                free(cache);
+                cache = fs_read_file(path, 0, NULL, NULL);
+                hit = 0;
+            }
+            if (hit) {
                 for (int i = 0; i < nc; i++)
                     if (!strcmp(cand[i]->name, cached) && passes_check(t, n, cpu, cand[i], cache, path)) {
                         sel.chosen[op] = cand[i];

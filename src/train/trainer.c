@@ -338,8 +338,9 @@ int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
     return 0;
 }
 
-/* The gradients and AdamW's moments are calloc'd, untouched, and the first
- * step reads each float before writing it (the backward's +=, AdamW), so
+/* The gradients and AdamW's moments start zeroed and untouched (ct_alloc_huge's
+ * mapping, calloc), and the first step reads each float before writing it
+ * (the backward's +=, AdamW), so
  * every page took two faults there, a copy and a TLB shoot-down to the other
  * threads (ct_fill's note): W3's first step ran at half the speed of the next
  * ones (AVX2, 2 threads: 471-547 tok/s against ~1000; 802-875 with this,

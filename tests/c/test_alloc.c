@@ -45,9 +45,9 @@ static double read_then_write(float *f, size_t n) {
     return s;
 }
 
-/* Whether the mapping holding p carries MADV_HUGEPAGE's "hg" flag
- * (/proc/self/smaps); -1 if no mapping holds it. */
-static int advised_huge(const void *p) {
+/* Whether the mapping holding p carries VmFlag `flag` (/proc/self/smaps:
+ * "hg" for MADV_HUGEPAGE); -1 if no mapping holds it. */
+static int vm_flag(const void *p, const char *flag) {
     FILE *f = fopen("/proc/self/smaps", "r");
     if (!f) return -1;
     char line[512];
@@ -57,7 +57,9 @@ static int advised_huge(const void *p) {
         if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' ')) {
             in = (uintptr_t)p >= lo && (uintptr_t)p < hi;
         } else if (in && !strncmp(line, "VmFlags:", 8)) {
-            r = strstr(line, " hg") != NULL;
+            char want[8];
+            snprintf(want, sizeof want, " %s", flag);
+            r = strstr(line, want) != NULL;
             break;
         }
     }
@@ -118,19 +120,23 @@ int main(void) {
      * control (a mapping advised here) says whether it does (not under qemu-user, which
      * maps the guest elsewhere and drops the advice) */
     void *ctl = mmap(NULL, (size_t)4 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    int visible = ctl != MAP_FAILED && !madvise(ctl, (size_t)4 << 20, MADV_HUGEPAGE) && advised_huge(ctl) == 1;
+    int visible = ctl != MAP_FAILED && !madvise(ctl, (size_t)4 << 20, MADV_HUGEPAGE) && vm_flag(ctl, "hg") == 1;
     if (ctl != MAP_FAILED) munmap(ctl, (size_t)4 << 20);
     if (visible) {
-        CHECK(advised_huge(h) == 1, "huge: the mapping is not advised for huge pages (%d)", advised_huge(h));
-        CHECK(advised_huge(h + hn / sizeof(float) - 1) == 1,
+        CHECK(vm_flag(h, "hg") == 1, "huge: the mapping is not advised for huge pages (%d)", vm_flag(h, "hg"));
+        CHECK(vm_flag(h + hn / sizeof(float) - 1, "hg") == 1,
               "huge: the buffer's last float is outside the advised mapping");
     } else {
         printf("test_alloc: MADV_HUGEPAGE does not show in /proc/self/smaps here (qemu-user?): advice not checked\n");
     }
     CHECK(resident(h, hn) == 0, "huge: %zu resident pages before a write", resident(h, hn));
     CHECK(read_then_write(h, hn / sizeof(float)) == 0.0, "huge memory reads as zeros");
+    size_t hbytes = (hn + ((size_t)2 << 20) - 1) / ((size_t)2 << 20) * ((size_t)2 << 20);
     ct_free_huge(h, hn);
-    if (visible) CHECK(advised_huge(h) != 1, "huge: still mapped after ct_free_huge");
+    if (visible) {
+        CHECK(vm_flag(h, "hg") != 1, "huge: still mapped after ct_free_huge");
+        CHECK(vm_flag((char *)h + hbytes - 1, "hg") != 1, "huge: the mapping's rounded-up tail outlived ct_free_huge");
+    }
     /* a size whose rounding to 2 MB would wrap is out of memory (exit 1), never a small mapping */
     fflush(NULL);
     pid_t pid = fork();

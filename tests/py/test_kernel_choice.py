@@ -59,7 +59,7 @@ def test_first_run_measures_then_the_cache_decides(tmp_path, home):
     assert p1.returncode == 0, p1.stderr
     line1 = kernels_line(p1.stderr)
     assert "(measured " in line1, line1  # several candidates on any CPU this runs on (e.g. attention)
-    caches = glob.glob(str(home / ".cache/ctitan/kernels-v1-*-t2.txt"))
+    caches = glob.glob(str(home / ".cache/ctitan/kernels-v2-*-t2.txt"))
     assert len(caches) == 1, caches
     picks = [l.split() for l in open(caches[0]) if l.startswith("pick ")]
     assert picks, "no pick cached"
@@ -80,7 +80,7 @@ def test_first_run_measures_then_the_cache_decides(tmp_path, home):
 
 
 def test_tune_false_and_forced_ops_time_nothing(tmp_path, home):
-    caches = lambda: sorted(open(f).read() for f in glob.glob(str(home / ".cache/ctitan/kernels-v1-*")))
+    caches = lambda: sorted(open(f).read() for f in glob.glob(str(home / ".cache/ctitan/kernels-v2-*")))
     before = caches()
     p, _ = tiny_run(tmp_path, home, "c", extra=["--kernels.tune=false"], hidden=40,
                     env_extra={"CTITAN_KERNEL_TUNE": None})
