@@ -20,7 +20,7 @@
  * they still fail. The verdicts are per build, the picks are not, so a pick
  * that a broken build made around its broken kernel would otherwise hold the
  * op to a slower one in every later build (seen: a W3 run at 70% of its speed
- * on the tiled attention a test build had picked around a failing blocked one). 
+ * on the tiled attention a test build had picked around a failing blocked one).
  *
  * Every pick is cached, including one timed while other processes used the
  * CPUs: the cache is what makes a resumed run, the other ranks and the next
@@ -159,8 +159,11 @@ static int op_shape(kern_op op, const kern_run_sizes *r, kern_shape *s, char *ke
 /* ------------------------------------------------------------------ cache */
 
 /* The value field of the last whole line of the cache text (NULL: no cache)
- * starting "<a> <b> <c> " (c may be NULL), copied to out; 0 if none. */
-static int cache_find(const char *text, const char *a, const char *b, const char *cc, char *out, size_t cap) {
+ * starting "<a> <b> <c> " (c may be NULL), copied to out; 0 if none. With
+ * rest, *rest is that line after the value (up to its newline): a pick's
+ * -<name> fields. */
+static int cache_find(const char *text, const char *a, const char *b, const char *cc, char *out, size_t cap,
+                      const char **rest) {
     if (!text) return 0;
     char prefix[256];
     snprintf(prefix, sizeof prefix, "%s %s %s%s", a, b, cc ? cc : "", cc ? " " : "");
@@ -175,37 +178,12 @@ static int cache_find(const char *text, const char *a, const char *b, const char
                 memcpy(out, line + pl, vl);
                 out[vl] = 0;
                 found = 1;
+                if (rest) *rest = line + pl + vl;
             }
         }
         line = nl + 1;
     }
     return found;
-}
-
-/* Whether the last "pick <op> <key>" line names (as -<name>) a candidate that
- * passes kern_check in this build: it was measured without that candidate. */
-static int pick_stale(const char *text, const char *op, const char *key, const kern_impl *const *cand, int nc,
-                      int (*passes)(const kern_impl *, void *), void *ctx) {
-    char prefix[256];
-    snprintf(prefix, sizeof prefix, "pick %s %s ", op, key);
-    size_t pl = strlen(prefix);
-    const char *last = NULL, *end = NULL;
-    for (const char *line = text; line && *line;) {
-        const char *nl = strchr(line, '\n');
-        if (!nl) break;
-        if ((size_t)(nl - line) > pl && !strncmp(line, prefix, pl)) last = line + pl, end = nl;
-        line = nl + 1;
-    }
-    for (const char *p = last; p && p < end;) {
-        p += strspn(p, " ");
-        size_t tl = strcspn(p, " \n");
-        if (*p == '-' && tl > 1)
-            for (int i = 0; i < nc; i++)
-                if (strlen(cand[i]->name) == tl - 1 && !strncmp(cand[i]->name, p + 1, tl - 1) && passes(cand[i], ctx))
-                    return 1;
-        p += tl;
-    }
-    return 0;
 }
 
 /* Appends one line with a single write (O_APPEND): concurrent runs interleave
@@ -299,7 +277,7 @@ static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_i
     char v[16], bid[64], what[160];
     build_id(bid, sizeof bid);
     snprintf(what, sizeof what, "%s %s", kern_op_name(im->op), im->name);
-    if (cache_find(cache, "check", bid, what, v, sizeof v)) return !strcmp(v, "ok");
+    if (cache_find(cache, "check", bid, what, v, sizeof v, NULL)) return !strcmp(v, "ok");
     kern_check_opts o = {.out = NULL, .op = kern_op_name(im->op), .impl = im->name, .features = cpu, .seed = 1};
     int ok = kern_check(t, n, &o) == 0;
     char line[256];
@@ -308,16 +286,22 @@ static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_i
     return ok;
 }
 
-typedef struct {
-    const kern_impl *t;
-    size_t n;
-    unsigned cpu;
-    const char *cache, *path;
-} check_ctx;
-
-static int passes_check_cb(const kern_impl *im, void *p) {
-    const check_ctx *c = p;
-    return passes_check(c->t, c->n, c->cpu, im, c->cache, c->path);
+/* Whether a pick's -<name> fields (rest: the line after its value,
+ * cache_find) name a candidate that passes kern_check in this build: the
+ * pick was timed without it. */
+static int pick_stale(const char *rest, const kern_impl *t, size_t n, unsigned cpu, const kern_impl *const *cand,
+                      int nc, const char *cache, const char *path) {
+    for (const char *p = rest; p && *p && *p != '\n';) {
+        p += strspn(p, " ");
+        size_t tl = strcspn(p, " \n");
+        if (*p == '-' && tl > 1)
+            for (int i = 0; i < nc; i++)
+                if (strlen(cand[i]->name) == tl - 1 && !strncmp(cand[i]->name, p + 1, tl - 1) &&
+                    passes_check(t, n, cpu, cand[i], cache, path))
+                    return 1;
+        p += tl;
+    }
+    return 0;
 }
 
 /* One timed call of the forward and, where the op has one, the backward:
@@ -361,9 +345,10 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 nc = m;
             }
             char cached[64];
-            check_ctx cc = {t, n, cpu, cache, path};
-            int hit = nc > 1 && cache_find(cache, "pick", kern_op_name((kern_op)op), key, cached, sizeof cached);
-            if (hit && pick_stale(cache, kern_op_name((kern_op)op), key, cand, nc, passes_check_cb, &cc)) {
+            const char *rest = NULL;
+            int hit =
+                nc > 1 && cache_find(cache, "pick", kern_op_name((kern_op)op), key, cached, sizeof cached, &rest);
+            if (hit && pick_stale(rest, t, n, cpu, cand, nc, cache, path)) {
                 /* the verdicts it just appended, read back: the timing below does not check again */
                 free(cache);
                 cache = fs_read_file(path, 0, NULL, NULL);
