@@ -21,6 +21,14 @@ tolerances below are therefore measured, not guessed:
   products; the attention by one rounding q, k, v, d(out), P and dS where ctitan does). It agrees with ctitan to ~1e-7 except where an fp32 last-bit difference
   flips one element to the neighbouring bf16 value (2^-8 relative); such flips are rare
   and local in the logits: they agree to 1e-4 at >= 75% of positions (measured 84-100%).
+  A flip in an early position's k or v moves every later position of its sequence, though,
+  and which way an element near a rounding boundary goes depends on the summation order:
+  on an Intel Xeon (AMX) the llama case of test_families_bf16 had the fp32 emulation and
+  the same emulation with float64 sums (exact to far below a bf16 rounding) disagree at
+  47% of positions, ctitan's reference kernels agreeing with the float64 one at 100% and
+  its AMX kernels with the fp32 one at 97%. So the emulation runs twice, with fp32 and
+  with float64 sums, and ctitan is graded against the one its logits follow (the same
+  thresholds for either; a kernel that skips a rounding is far from both).
   Gradients mix every position, so there the test compares the bf16 EFFECT (bf16 minus
   fp32 gradient) of ctitan with the emulation's, direction and size (see the test).
 """
@@ -47,7 +55,8 @@ CONFIGS = [
 
 
 def bf16r(x):
-    return x.to(torch.bfloat16).float()
+    """x rounded to bf16 (nearest even), in x's own dtype (the float64 emulation's too)."""
+    return x.to(torch.bfloat16).to(x.dtype)
 
 
 class _Bf16Linear(torch.autograd.Function):
@@ -182,19 +191,35 @@ def test_vs_hf_autocast(cid, kw, seed, tmp_path, open_session):
 def test_vs_emulation(cid, kw, seed, tmp_path, open_session):
     cfg, hf_dir, tokens, labels = setup(tmp_path, kw, seed)
     l32, lg32, g32 = oracle.hf_loss_and_grads(oracle.build_model(cfg, seed=seed), tokens, labels)
-    le, lge, ge = oracle.hf_loss_and_grads(emulate_ctitan_bf16(oracle.build_model(cfg, seed=seed)), tokens, labels)
+    emus = [oracle.hf_loss_and_grads(emulate_ctitan_bf16(m), tokens, labels)
+            for m in with_float64_twin(lambda: oracle.build_model(cfg, seed=seed))]
     loss, logits, grads = ctitan_run(open_session, hf_dir, tokens, labels, [BF16])
     c32 = ctitan_run(open_session, hf_dir, tokens, labels, [])[2]
 
-    assert_like_emulation(loss, logits, grads, c32, l32, le, lge, ge, g32)
+    assert_like_emulation(loss, logits, grads, c32, l32, emus, g32)
 
 
-def assert_like_emulation(loss, logits, grads, c32, l32, le, lge, ge, g32):
-    """ctitan-bf16 (loss, logits, grads; c32 its fp32 grads) against the emulation (le, lge,
-    ge; l32 and g32 the fp32 oracle's loss and grads)."""
+def with_float64_twin(build):
+    """The model build() makes, and the same weights in float64: the emulation with exact
+    sums (module docstring)."""
+    return [build(), build().double()]
+
+
+def positions_agreeing(logits, lge):
+    """The share of positions where the logits agree with lge to 1e-4 of lge's largest."""
+    return float((np.abs(logits - lge).max(axis=2) <= 1e-4 * np.abs(lge).max()).mean())
+
+
+def assert_like_emulation(loss, logits, grads, c32, l32, emus, g32):
+    """ctitan-bf16 (loss, logits, grads; c32 its fp32 grads) against the emulation: emus is
+    [(le, lge, ge)] of its fp32-sum and float64-sum runs, and ctitan is graded against the
+    one its logits agree with at more positions (module docstring); l32 and g32 are the
+    fp32 oracle's loss and grads."""
+    emus = [(float(le), lge.astype(np.float32), {n: g.astype(np.float32) for n, g in ge.items()})
+            for le, lge, ge in emus]
+    le, lge, ge = max(emus, key=lambda e: positions_agreeing(logits, e[1]))
     assert abs(loss - le) <= 1e-4 * le, f"loss {loss} vs emulation {le} (fp32 {l32})"
-    scale = np.abs(lge).max()
-    pos_ok = float((np.abs(logits - lge).max(axis=2) <= 1e-4 * scale).mean())
+    pos_ok = positions_agreeing(logits, lge)
     assert pos_ok >= 0.75, f"logits agree with the emulation at only {pos_ok:.0%} of positions"
     assert oracle.rel_err(logits, lge) <= 2e-2, "logits far from the emulation everywhere"
     # Gradients: one flip early in the forward moves every gradient by up to ~0.3 of the
