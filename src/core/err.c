@@ -37,6 +37,13 @@ void *ct_malloc(size_t n) {
     return p;
 }
 
+void *ct_malloc64(size_t n) {
+    size_t bytes = n > SIZE_MAX - 63 ? 0 : (n + 63) & ~(size_t)63; /* aligned_alloc wants a multiple */
+    void *p = bytes ? aligned_alloc(64, bytes) : n ? NULL : aligned_alloc(64, 64);
+    if (!p) oom(n);
+    return p;
+}
+
 void *ct_calloc(size_t n, size_t size) {
     void *p = calloc(n ? n : 1, size ? size : 1);
     if (!p) oom(n * size);

@@ -153,6 +153,28 @@ int main(void) {
     CHECK(read_then_write(s, 1000 / sizeof(float)) == 0.0, "small ct_alloc_huge reads as zeros");
     ct_free_huge(s, 1000);
 
+    /* ct_malloc64: 64-byte aligned whatever the size (malloc's mmap'd blocks, from
+     * 128 KB, start 16 bytes into a page), the whole size usable, freed by free() */
+    size_t sizes[] = {0, 1, 63, 64, 100, (size_t)200 << 10, ((size_t)1 << 20) + 4};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        unsigned char *m = ct_malloc64(sizes[i]);
+        CHECK((uintptr_t)m % 64 == 0, "ct_malloc64(%zu) = %p is not 64-byte aligned", sizes[i], (void *)m);
+        if (sizes[i]) memset(m, 0xab, sizes[i]);
+        CHECK(!sizes[i] || m[sizes[i] - 1] == 0xab, "ct_malloc64(%zu): last byte", sizes[i]);
+        free(m);
+    }
+    fflush(NULL);
+    pid = fork();
+    if (pid == 0) {
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0) dup2(devnull, 2);
+        void *w = ct_malloc64(SIZE_MAX - 10); /* its rounding up would wrap */
+        _exit(w ? 0 : 2);
+    }
+    st = 0;
+    CHECK(pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 1,
+          "ct_malloc64(SIZE_MAX - 10) exits 1 (status %d)", st);
+
     munmap(a, n);
     munmap(b, n);
     return CHECK_DONE();

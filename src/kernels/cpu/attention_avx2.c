@@ -92,7 +92,7 @@
  * gather before: the same values moved, so results do not change). */
 T256 static float *att2_transpose(const float *x, int B, int T, int nkv, int hd, int Tp) {
     // returns xt[B*nkv, Tp/KC, hd, KC]; x[B,T,nkv,hd]
-    float *xt = ct_malloc((size_t)B * nkv * hd * Tp * sizeof(float));
+    float *xt = ct_malloc64((size_t)B * nkv * hd * Tp * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -170,7 +170,7 @@ T256 static void att2_rows_out(float *x, long xs, const float *src, int T, int h
 
 /* vh[b * nkv + kh] = v[b, :, kh, :] as slabs (att2_slabs_in), for the forward's P V. */
 T256 static float *att2_heads(const float *v, int B, int T, int nkv, int hd) {
-    float *vh = ct_malloc((size_t)B * nkv * T * hd * sizeof(float));
+    float *vh = ct_malloc64((size_t)B * nkv * T * hd * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -307,8 +307,8 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
-        float *acc = ct_malloc((size_t)BQ * hd * sizeof(float)); // [hd/KC, BQ, KC] unnormalised out
-        float *QB = ct_malloc((size_t)BQ * hd * sizeof(float));  // [BQ, hd] the block's q rows (att2_rows_in)
+        float *acc = ct_malloc64((size_t)BQ * hd * sizeof(float)); // [hd/KC, BQ, KC] unnormalised out
+        float *QB = ct_malloc64((size_t)BQ * hd * sizeof(float));  // [BQ, hd] the block's q rows (att2_rows_in)
         float P[BQ * BK];                                        // [BQ, BK] scores, then probabilities
         float m[BQ], l[BQ], alpha[BQ];                           // running max, sum; rescaling
         int clo[BQ], ncr[BQ];                                    // row r sees keys clo[r] <= c < ncr[r] of the tile
@@ -482,8 +482,8 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
-        float *P = ct_malloc((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
-        float *dS = ct_malloc((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
+        float *P = ct_malloc64((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
+        float *dS = ct_malloc64((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
         float L[BQ];
         /* the rows the products stream, contiguous: k of the kv head as slabs
          * (att2_slabs_in; dS K reads a 4 KB slab of a tile per 16 columns), q and
@@ -492,7 +492,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
          * apart: the dV / dK products read 16 columns of the block's 48 rows,
          * which at a 512-byte stride fell into 8 of L1's 64 sets (measured
          * together with the gradient rows below, not apart). */
-        float *KS = ct_malloc(((size_t)4 * T * hd + (size_t)MR * hd + (size_t)2 * T * hdp + T) * sizeof(float));
+        float *KS = ct_malloc64(((size_t)4 * T * hd + (size_t)MR * hd + (size_t)2 * T * hdp + T) * sizeof(float));
         float *QS = KS + (size_t)T * hd, *GS = QS + (size_t)T * hdp;
         /* dk, dv of the kv head and dq of the query head, accumulated here as
          * [T][hd] rows (copied in, summed in the same order, copied back: the

@@ -107,7 +107,7 @@ AB_CALL void att_gather16_pairs(__m512 r[16], const float *head, long ks, int j0
 A512 static float *att_tiles(const float *x, int B, int T, int nkv, int hd, int Tp, int pairs) {
     // returns xt[B*nkv, Tp/BK, rows, BK]; x[B,T,nkv,hd]
     int rows = pairs ? hd / 2 : hd, step = pairs ? 32 : 16; /* step: columns of hd per transpose */
-    float *xt = ct_malloc((size_t)B * nkv * rows * Tp * sizeof(float));
+    float *xt = ct_malloc64((size_t)B * nkv * rows * Tp * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -147,7 +147,7 @@ A512 static void att_rows_in(float *dst, const float *x, long xs, int T, int hd)
 /* vh[(b * nkv + kh) * T + j][i] = v[b, j, kh, i]: every V head's rows contiguous
  * (att_rows_in), for the forward's P V product. */
 A512 static float *att_heads(const float *v, int B, int T, int nkv, int hd) {
-    float *vh = ct_malloc((size_t)B * nkv * T * hd * sizeof(float));
+    float *vh = ct_malloc64((size_t)B * nkv * T * hd * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -527,8 +527,8 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
-        float *acc = ct_malloc((size_t)BQ * hd * sizeof(float)); // [BQ, hd] unnormalised out
-        uint32_t *QB = vb ? ct_malloc((size_t)BQ * hp * sizeof(uint32_t)) : NULL; // [BQ, hd/2] the block's q, bf16
+        float *acc = ct_malloc64((size_t)BQ * hd * sizeof(float)); // [BQ, hd] unnormalised out
+        uint32_t *QB = vb ? ct_malloc64((size_t)BQ * hp * sizeof(uint32_t)) : NULL; // [BQ, hd/2] the block's q, bf16
         float P[BQ * BK];                                        // [BQ, BK] probabilities of the tile
         float m[BQ], l[BQ], alpha[BQ];                           // running max, sum; rescaling
         int mbc[BQ / 4][2];                                      // per micro-block: first, end key column
@@ -704,8 +704,8 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
-        float *P = ct_malloc((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
-        float *dS = ct_malloc((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
+        float *P = ct_malloc64((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
+        float *dS = ct_malloc64((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
         float D[BQ], L[BQ];
         /* vb: the bf16 operands. The tile's P and dS as pairs of rows (PT, ST: [BQ/2, BK]) and
          * dS as pairs along the keys (SR: [BQ, BK/2]); the kv head's k as pairs of keys (KR:
@@ -713,9 +713,9 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
          * pairs of rows (QR, GR: [Tz/2, hd]) */
         uint32_t *PT = NULL, *ST = NULL, *SR = NULL, *KR = NULL, *QB = NULL, *GB = NULL, *QR = NULL, *GR = NULL;
         if (vb) {
-            PT = ct_malloc((size_t)3 * BQ * BK / 2 * sizeof(uint32_t));
+            PT = ct_malloc64((size_t)3 * BQ * BK / 2 * sizeof(uint32_t));
             ST = PT + BQ * BK / 2, SR = ST + BQ * BK / 2;
-            KR = ct_malloc(((size_t)Tp * hd / 2 + (size_t)4 * Tz * hd / 2) * sizeof(uint32_t));
+            KR = ct_malloc64(((size_t)Tp * hd / 2 + (size_t)4 * Tz * hd / 2) * sizeof(uint32_t));
             QB = KR + (size_t)Tp * hd / 2, GB = QB + (size_t)Tz * hp, QR = GB + (size_t)Tz * hp;
             GR = QR + (size_t)Tz / 2 * hd;
         }
@@ -723,7 +723,7 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
          * head (dS K reads 64 of them per tile), q and dout of the query head
          * (dV and dK read 32 per tile). The outputs are 4 rows at a time and stay
          * in place. */
-        float *KS = vb ? NULL : ct_malloc((size_t)3 * T * hd * sizeof(float));
+        float *KS = vb ? NULL : ct_malloc64((size_t)3 * T * hd * sizeof(float));
         float *QS = vb ? NULL : KS + (size_t)T * hd, *GS = vb ? NULL : QS + (size_t)T * hd;
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
         // the dq rows of the group's query heads, so every sum is its own.

@@ -94,7 +94,7 @@ static int imax(int a, int b) { return a > b ? a : b; }
  * chunk (4 KB at hd 128) is read front to back by every micro-block. */
 static float *att_heads_t(const float *x, int B, int T, int nkv, int hd, int Tp) {
     // returns xt[B*nkv, Tp/NC, hd, NC]; x[B,T,nkv,hd]
-    float *xt = ct_malloc((size_t)B * nkv * Tp * hd * sizeof(float));
+    float *xt = ct_malloc64((size_t)B * nkv * Tp * hd * sizeof(float));
     long xs = (long)nkv * hd; // row stride of x
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
@@ -135,7 +135,7 @@ static void att_slabs_in(float *dst, const float *x, long xs, int rows, int n, i
 /* vs[b * nkv + kh] = v[b, :, kh, :] as slabs (att_slabs_in), for the forward's P V. */
 static float *att_heads_slabs(const float *v, int B, int T, int nkv, int hd) {
     // returns vs[B*nkv, hd/NC, T, NC]; v[B,T,nkv,hd]
-    float *vs = ct_malloc((size_t)B * nkv * T * hd * sizeof(float));
+    float *vs = ct_malloc64((size_t)B * nkv * T * hd * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -325,9 +325,9 @@ void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
-        float *QT = ct_malloc((size_t)hd * BQ * sizeof(float));  // [hd, BQ] the block's q rows, transposed
-        float *acc = ct_malloc((size_t)hd * BQ * sizeof(float)); // [hd/NC, BQ, NC] unnormalised out
-        float *S = ct_malloc((size_t)BK * BQ * sizeof(float));   // [BK, BQ] S^T: scores, then probabilities
+        float *QT = ct_malloc64((size_t)hd * BQ * sizeof(float));  // [hd, BQ] the block's q rows, transposed
+        float *acc = ct_malloc64((size_t)hd * BQ * sizeof(float)); // [hd/NC, BQ, NC] unnormalised out
+        float *S = ct_malloc64((size_t)BK * BQ * sizeof(float));   // [BK, BQ] S^T: scores, then probabilities
         float m[BQ], l[BQ], alpha[BQ];                           // running max, sum; rescaling of the tile
         int32_t clo[BQ], ncr[BQ];                                // row r sees tile keys clo[r] <= c < ncr[r]
         int mbc[BQ / MR][2];                                     // keys some row of micro-block mb sees
@@ -459,13 +459,13 @@ ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, co
     {
         KERN_TRACE_ENTER(kt_);
         size_t blk = (size_t)hd * BQ;
-        float *KS = ct_malloc((size_t)T * hd * sizeof(float)); // [hd/NC, T, NC] the kv head's k rows (dS K)
-        float *QT = ct_malloc(5 * blk * sizeof(float));       // [hd, BQ] the block's q rows, transposed
+        float *KS = ct_malloc64((size_t)T * hd * sizeof(float)); // [hd/NC, T, NC] the kv head's k rows (dS K)
+        float *QT = ct_malloc64(5 * blk * sizeof(float));       // [hd, BQ] the block's q rows, transposed
         float *GT = QT + blk;                                  // [hd, BQ] its dout rows, transposed
         float *QS = GT + blk;                                  // [hd/NC, BQ, NC] its q rows as slabs (dK)
         float *GS = QS + blk;                                  // [hd/NC, BQ, NC] its dout rows as slabs (dV)
         float *DQ = GS + blk;                                  // [hd/NC, BQ, NC] its dq, summed over the tiles
-        float *P = ct_malloc((size_t)2 * BK * BQ * sizeof(float)); // [BK, BQ] S^T, then P^T (0 where masked)
+        float *P = ct_malloc64((size_t)2 * BK * BQ * sizeof(float)); // [BK, BQ] S^T, then P^T (0 where masked)
         float *dS = P + (size_t)BK * BQ;                           // [BK, BQ] dP^T, then scale * dS^T (0 where masked)
         float D[BQ], L[BQ];                                        // rowsum(dout * out), lse of the block's rows
         int32_t clo[BQ], ncr[BQ];                                  // row r sees tile keys clo[r] <= c < ncr[r]

@@ -319,7 +319,7 @@ EW512 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, 
     int half = hd / 2;
     long rows = (long)B * T * nh;
     long nblk = (rows + EW_ROWBLK - 1) / EW_ROWBLK;
-    float *part = dw ? ct_malloc((size_t)(nblk > 0 ? nblk : 1) * hd * sizeof(float)) : NULL; // [nblk, hd]
+    float *part = dw ? ct_malloc64((size_t)(nblk > 0 ? nblk : 1) * hd * sizeof(float)) : NULL; // [nblk, hd]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -538,7 +538,7 @@ EW512 double kern_crossentropy_fwdbwd_avx512(float *logits, const int32_t *targe
     // first): max; e = exp(x - max) stored in place and summed; e * (1/sum) * scale.
     // The loss needs x[target], read before the row is overwritten.
     ew_ce_check_targets(targets, N, V);
-    double *row_loss = ct_malloc((size_t)(N > 0 ? N : 1) * sizeof(double)); // [N]
+    double *row_loss = ct_malloc64((size_t)(N > 0 ? N : 1) * sizeof(double)); // [N]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {

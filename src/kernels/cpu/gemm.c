@@ -64,6 +64,7 @@
 #include <string.h>
 
 #include "core/dtype.h"
+#include "core/err.h"
 #include "kernels/cpu/kern_cpu.h"
 
 /* Below this many flops a parallel region costs more than it saves. */
@@ -71,16 +72,7 @@
 
 static long ceil_div(long a, long b) { return (a + b - 1) / b; }
 
-static float *gemm_alloc(size_t nfloats) {
-    size_t bytes = (nfloats * sizeof(float) + 63) & ~(size_t)63;
-    float *p = aligned_alloc(64, bytes ? bytes : 64);
-    if (!p) {
-        /* same policy as ct_malloc: running out of memory mid-step leaves nothing to recover */
-        fprintf(stderr, "ctitan: error: out of memory allocating %zu bytes of GEMM workspace\n", bytes);
-        exit(1);
-    }
-    return p;
-}
+static float *gemm_alloc(size_t nfloats) { return ct_malloc64(nfloats * sizeof(float)); }
 
 /* Split [0, n) into parts; part `i` of `parts`: [*lo, *hi). Sizes differ by at most 1. */
 static void split_range(long n, int parts, int i, long *lo, long *hi) {

@@ -22,7 +22,7 @@
 /* w[n] bf16 widened into a fresh fp32 copy (exact): the few-rows forward and
  * OpenBLAS, which read fp32 only. */
 static float *widened(const uint16_t *w, size_t n) {
-    float *x = ct_malloc((n ? n : 1) * sizeof(float));
+    float *x = ct_malloc64((n ? n : 1) * sizeof(float));
     ct_convert_to_f32(x, w, CT_BF16, n);
     return x;
 }
@@ -146,7 +146,7 @@ void kern_matmul_fwd_wbf16_openblas(float *out, const float *inp, const uint16_t
         return;
     }
     int nb = N < OPENBLAS_WBF16_ROWS ? N : OPENBLAS_WBF16_ROWS;
-    float *x = ct_malloc((size_t)nb * K * sizeof(float));
+    float *x = ct_malloc64((size_t)nb * K * sizeof(float));
     for (int n0 = 0; n0 < N; n0 += nb) {
         int nv = N - n0 < nb ? N - n0 : nb;
         ct_convert_to_f32(x, w + (size_t)n0 * K, CT_BF16, (size_t)nv * K);
