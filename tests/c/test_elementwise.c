@@ -29,8 +29,8 @@
 static void test_exp(void (*vexp)(float *, const float *, long), const char *isa) {
     enum { N = 1 << 21 };
     float *x = malloc(N * sizeof(float)), *y = malloc(N * sizeof(float));
-    /* a dense grid over [-87, 88.7]: results in the normal range */
-    for (int i = 0; i < N; i++) x[i] = -87.0f + (88.7f + 87.0f) * (float)i / (float)(N - 1);
+    /* a dense grid over [-86.5, 88.7]: every result the exp does not flush to 0 */
+    for (int i = 0; i < N; i++) x[i] = -86.5f + (88.7f + 86.5f) * (float)i / (float)(N - 1);
     vexp(y, x, N);
     double worst = 0, at = 0;
     for (int i = 0; i < N; i++) {
@@ -50,19 +50,23 @@ static void test_exp(void (*vexp)(float *, const float *, long), const char *isa
         if (!(e <= worst)) worst = e, at = x[i];
     }
     CHECK(worst <= 1.2e-7, "%s vector exp on [-30, 0]: max relative error %.3g at x = %.9g", isa, worst, at);
-    float sx[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 89.0f, 1000.0f, -104.0f, -1000.0f, -100.0f, 1.0f};
+    float sx[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 89.0f, 1000.0f, -104.0f, -1000.0f, -100.0f, 1.0f,
+                  -86.5f, -86.50001f, -87.5f};
     int ns = (int)(sizeof sx / sizeof sx[0]);
     float sy[sizeof sx / sizeof sx[0]];
-    vexp(sy, sx, ns); /* also the masked tail: 11 lanes (3 past a full ymm) */
+    vexp(sy, sx, ns); /* also the masked tail: 14 lanes (6 past a full ymm) */
     CHECK(sy[0] == 1.0f && sy[1] == 1.0f, "exp(+-0) = %g %g", sy[0], sy[1]);
     CHECK(isinf(sy[2]) && sy[2] > 0, "exp(inf) = %g", sy[2]);
     CHECK(sy[3] == 0.0f, "exp(-inf) = %g", sy[3]);
     CHECK(isnan(sy[4]), "exp(NaN) = %g (NaN must propagate, as expf)", sy[4]);
     CHECK(isinf(sy[5]) && isinf(sy[6]), "exp(89), exp(1000) = %g %g (overflow)", sy[5], sy[6]);
     CHECK(sy[7] == 0.0f && sy[8] == 0.0f, "exp(-104), exp(-1000) = %g %g", sy[7], sy[8]);
-    CHECK(fabs(sy[9] - expf(-100.0f)) <= 2 * 1.4e-45, "exp(-100) = %g vs %g (gradual underflow)", sy[9],
-          expf(-100.0f));
+    /* results below the normal range are 0 (avx512_util.h, EXP_FLUSH), where expf underflows gradually */
+    CHECK(sy[9] == 0.0f && sy[13] == 0.0f, "exp(-100), exp(-87.5) = %g %g (flushed to 0)", sy[9], sy[13]);
     CHECK(fabsf(sy[10] - 2.71828183f) <= 3e-7f, "exp(1) = %.9g", sy[10]);
+    CHECK(fabs(sy[11] - exp(-86.5)) <= 1.2e-7 * exp(-86.5) && sy[11] >= 1.17549435e-38f,
+          "exp(-86.5) = %g vs %g (the last unflushed input: normal and accurate)", sy[11], exp(-86.5));
+    CHECK(sy[12] == 0.0f, "exp(-86.50001) = %g (flushed)", sy[12]);
     free(x), free(y);
 }
 

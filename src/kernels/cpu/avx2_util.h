@@ -63,12 +63,15 @@ T256_INLINE float avx2_hmax(__m256 v) {
  * below 2^-126 are denormal), so 2^n is applied as two normal factors,
  * 2^(n >> 1) then 2^(n - (n >> 1)), each in [-75, 65]: p 2^(n >> 1) is exact
  * (p is in [0.7, 1.42], the product stays normal), and the second product
- * rounds once, so gradual underflow rounds correctly and overflow gives +inf,
- * exactly as vscalefps: the results are bit-identical to exp16's (the
- * polynomial and its order are the same). Measured error: avx512_util.h;
- * tests/c/test_elementwise.c holds both to 1.2e-7 relative. A NaN input passes
- * the clamp (minps/maxps return their second operand on NaN) and the
- * polynomial stays NaN; -inf clamps to -104, which underflows to 0. */
+ * rounds once, so overflow gives +inf exactly as vscalefps. Results that
+ * would be denormal are 0, as in exp16 (avx512_util.h, EXP_FLUSH: an
+ * underflowing product takes a microcode assist on Intel cores): the second
+ * factor is zeroed for x < -86.5 before the product, which is then an exact
+ * 0. The results are bit-identical to exp16's (the polynomial and its order
+ * are the same). Measured error: avx512_util.h; tests/c/test_elementwise.c
+ * holds both to 1.2e-7 relative. A NaN input passes the clamp (minps/maxps
+ * return their second operand on NaN) and the polynomial stays NaN; -inf
+ * gives 0. */
 T256_INLINE __m256 exp8(__m256 x) {
     x = _mm256_max_ps(_mm256_set1_ps(-104.0f), _mm256_min_ps(_mm256_set1_ps(89.0f), x)); /* NaN passes */
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -88,6 +91,7 @@ T256_INLINE __m256 exp8(__m256 x) {
     __m256i bias = _mm256_set1_epi32(127);
     __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
     __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    s2 = _mm256_and_ps(s2, _mm256_cmp_ps(x, _mm256_set1_ps(-86.5f), _CMP_NLT_UQ)); /* NaN kept */
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 

@@ -81,14 +81,24 @@ T512 __attribute__((always_inline)) static inline void transpose16(__m512 r[16])
  * split into the float nearest ln2 and the remainder, each product exact inside
  * the FMA), e^r by its Taylor polynomial to r^7 (truncation error
  * 0.347^8 / 8! = 5e-9 relative, below half an ulp of 2^-24 = 6e-8), then
- * scaled by 2^n with vscalefps, which handles overflow to +inf and gradual
- * underflow to 0 itself. Measured against double exp on 2^24 points of
- * [-103, 88.7]: max relative error 7.8e-8 where the result is normal (about
- * 1.3 ulp; the same bound as libm's expf on those points), at most one
- * denormal ulp below, i.e. over 100x inside kern_check's 1e-5 (and
- * tests/c/test_elementwise.c holds it to 1.2e-7). The clamp keeps n finite
- * (e^-104 is below the smallest denormal; e^89 overflows anyway) and is
- * written so that a NaN input stays NaN, as with expf. */
+ * scaled by 2^n with vscalefps, which handles overflow to +inf. Measured
+ * against double exp on 2^24 points of [-103, 88.7]: max relative error
+ * 7.8e-8 (about 1.3 ulp; the same bound as libm's expf on those points), over
+ * 100x inside kern_check's 1e-5 (tests/c/test_elementwise.c holds it to
+ * 1.2e-7). The clamp keeps n finite (e^89 overflows anyway) and is written
+ * so that a NaN input stays NaN, as with expf.
+ *
+ * Results that would be denormal are 0: x < EXP_FLUSH (e^-86.5 = 2.6e-38,
+ * just above the smallest normal float) is masked out of the scaling, where
+ * expf underflows gradually. On Intel cores an FP result below the normal
+ * range, rounded to a denormal or to 0, takes a microcode assist of ~100+
+ * cycles unless MXCSR's flush-to-zero is set (not ours to set for a library);
+ * every masked key of the causal attention is such a lane (e^-inf): the
+ * AVX-512 attention's forward ran 25% faster on a Xeon without them
+ * (docs/benchmarks.md). A sum of probabilities or a sigmoid cannot see the
+ * 2.6e-38 difference; -inf still gives 0. avx2_util.h's exp8 and
+ * neon_util.h's neon_exp4 flush alike, so the three stay bit-identical. */
+#define EXP_FLUSH -86.5f
 T512 __attribute__((always_inline)) static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x)); /* NaN passes */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -103,7 +113,8 @@ T512 __attribute__((always_inline)) static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_FLUSH), _CMP_NLT_UQ); /* NaN kept */
+    return _mm512_maskz_scalef_ps(normal, p, n);
 }
 
 /* tanh(x) for 16 lanes (attention's soft cap, geglu). tanh is odd: computed on

@@ -81,10 +81,12 @@ NEON_INLINE uint32x4_t neon_rne_bf16_bits(float32x4_t x) {
  * exact inside the FMA), e^r by its Taylor polynomial to r^7 (truncation
  * 5e-9 relative), then 2^n applied as two normal factors 2^(n >> 1) and
  * 2^(n - (n >> 1)) (after the clamp n is in [-150, 129], outside the normal
- * exponents at both ends), so gradual underflow rounds once and overflow
- * gives +inf. NaN stays NaN (AArch64's FMIN/FMAX propagate it); -inf clamps
- * to -104, which underflows to 0. Error: within 1.2e-7 relative of double
- * exp where the result is normal (tests/c/test_elementwise.c). */
+ * exponents at both ends), so overflow gives +inf. Results that would be
+ * denormal are 0 (x < -86.5: the second factor is zeroed), as in the x86
+ * exps (avx512_util.h, EXP_FLUSH), so every ISA's exp gives the same values.
+ * NaN stays NaN (AArch64's FMIN/FMAX propagate it); -inf gives 0. Error:
+ * within 1.2e-7 relative of double exp where the result is normal
+ * (tests/c/test_elementwise.c). */
 NEON_INLINE float32x4_t neon_exp4(float32x4_t x) {
     x = vmaxq_f32(vdupq_n_f32(-104.0f), vminq_f32(vdupq_n_f32(89.0f), x));
     float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
@@ -102,6 +104,8 @@ NEON_INLINE float32x4_t neon_exp4(float32x4_t x) {
     int32x4_t n1 = vshrq_n_s32(ni, 1), n2 = vsubq_s32(ni, n1);
     float32x4_t s1 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n1, vdupq_n_s32(127)), 23));
     float32x4_t s2 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n2, vdupq_n_s32(127)), 23));
+    uint32x4_t tiny = vcltq_f32(x, vdupq_n_f32(-86.5f)); /* false for NaN: kept */
+    s2 = vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(s2), tiny));
     return vmulq_f32(vmulq_f32(p, s1), s2);
 }
 
