@@ -38,8 +38,8 @@ void *ct_malloc(size_t n) {
 }
 
 void *ct_malloc64(size_t n) {
-    size_t bytes = n > SIZE_MAX - 63 ? 0 : (n + 63) & ~(size_t)63; /* aligned_alloc wants a multiple */
-    void *p = bytes ? aligned_alloc(64, bytes) : n ? NULL : aligned_alloc(64, 64);
+    if (n > SIZE_MAX - 63) oom(n); /* its rounding up would wrap */
+    void *p = aligned_alloc(64, n ? (n + 63) & ~(size_t)63 : 64); /* aligned_alloc wants a multiple */
     if (!p) oom(n);
     return p;
 }

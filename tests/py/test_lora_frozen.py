@@ -196,7 +196,7 @@ def test_lora_bf16_matches_emulated_peft(tmp_path, open_session):
     scaling before or after lora_B rounds alike."""
     import copy
 
-    from test_bf16 import BF16, assert_like_emulation, emulate_ctitan_bf16
+    from test_bf16 import BF16, assert_like_emulation, emulate_ctitan_bf16, with_float64_twin
 
     pm = peft_adapter(tmp_path)
     pm.train()
@@ -217,7 +217,7 @@ def test_lora_bf16_matches_emulated_peft(tmp_path, open_session):
         return loss.item(), logits.detach().numpy(), grads
 
     l32, lg32, g32 = peft_run(pm)
-    emus = [peft_run(emulate_ctitan_bf16(copy.deepcopy(pm))), peft_run(emulate_ctitan_bf16(copy.deepcopy(pm).double()))]
+    emus = [peft_run(emulate_ctitan_bf16(m)) for m in with_float64_twin(lambda: copy.deepcopy(pm))]
     runs = {}
     for mode, extra in (("fp32", []), ("bf16", [BF16])):
         s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16,

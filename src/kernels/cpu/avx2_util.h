@@ -64,7 +64,7 @@ T256_INLINE float avx2_hmax(__m256 v) {
  * 2^(n >> 1) then 2^(n - (n >> 1)), each in [-75, 65]: p 2^(n >> 1) is exact
  * (p is in [0.7, 1.42], the product stays normal), and the second product
  * rounds once, so overflow gives +inf exactly as vscalefps. Results that
- * would be denormal are 0, as in exp16 (avx512_util.h, EXP_FLUSH: an
+ * would be denormal are 0, as in exp16 (avx512_util.h: an
  * underflowing product takes a microcode assist on Intel cores): the second
  * factor is zeroed for x < -86.5 before the product, which is then an exact
  * 0. The results are bit-identical to exp16's (the polynomial and its order

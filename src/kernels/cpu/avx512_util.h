@@ -88,7 +88,7 @@ T512 __attribute__((always_inline)) static inline void transpose16(__m512 r[16])
  * 1.2e-7). The clamp keeps n finite (e^89 overflows anyway) and is written
  * so that a NaN input stays NaN, as with expf.
  *
- * Results that would be denormal are 0: x < EXP_FLUSH (e^-86.5 = 2.6e-38,
+ * Results that would be denormal are 0: x < -86.5 (e^-86.5 = 2.6e-38,
  * just above the smallest normal float) is masked out of the scaling, where
  * expf underflows gradually. On Intel cores an FP result below the normal
  * range, rounded to a denormal or to 0, takes a microcode assist of ~100+
@@ -97,8 +97,8 @@ T512 __attribute__((always_inline)) static inline void transpose16(__m512 r[16])
  * AVX-512 attention's forward ran 25% faster on a Xeon without them
  * (docs/benchmarks.md). A sum of probabilities or a sigmoid cannot see the
  * 2.6e-38 difference; -inf still gives 0. avx2_util.h's exp8 and
- * neon_util.h's neon_exp4 flush alike, so the three stay bit-identical. */
-#define EXP_FLUSH -86.5f
+ * neon_util.h's neon_exp4 flush at the same -86.5 (tests/c/test_elementwise.c
+ * holds all three to that boundary), so the three stay bit-identical. */
 T512 __attribute__((always_inline)) static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x)); /* NaN passes */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -113,7 +113,7 @@ T512 __attribute__((always_inline)) static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_FLUSH), _CMP_NLT_UQ); /* NaN kept */
+    __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-86.5f), _CMP_NLT_UQ); /* NaN kept */
     return _mm512_maskz_scalef_ps(normal, p, n);
 }
 

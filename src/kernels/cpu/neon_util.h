@@ -83,7 +83,7 @@ NEON_INLINE uint32x4_t neon_rne_bf16_bits(float32x4_t x) {
  * 2^(n - (n >> 1)) (after the clamp n is in [-150, 129], outside the normal
  * exponents at both ends), so overflow gives +inf. Results that would be
  * denormal are 0 (x < -86.5: the second factor is zeroed), as in the x86
- * exps (avx512_util.h, EXP_FLUSH), so every ISA's exp gives the same values.
+ * exps (avx512_util.h's exp16), so every ISA's exp gives the same values.
  * NaN stays NaN (AArch64's FMIN/FMAX propagate it); -inf gives 0. Error:
  * within 1.2e-7 relative of double exp where the result is normal
  * (tests/c/test_elementwise.c). */
