@@ -336,9 +336,8 @@ static int cmd_bench(const kern_cli_opts *o) {
     cpu_peak peak = {.flops = o->peak_gflops * 1e9, .bf16_flops = o->peak_gflops * 1e9, .threads = cpu_threads(),
                      .source = "--peak", .bf16_isa = "--peak"};
     if (o->peak_gflops <= 0) cpu_peak_flops(&peak, cpu_threads(), getenv("CTITAN_ISA"));
-    const char *core = getenv("OPENBLAS_CORETYPE");
-    printf("threads %d, cpu features: %s, OPENBLAS_CORETYPE=%s, fp32 FMA peak %.0f GFLOP/s (%s)\n", cpu_threads(),
-           have, core ? core : "(unset)", peak.flops / 1e9, peak.source);
+    printf("threads %d, cpu features: %s, OpenBLAS kernels %s, fp32 FMA peak %.0f GFLOP/s (%s)\n", cpu_threads(),
+           have, cpu_openblas_corename(), peak.flops / 1e9, peak.source);
     printf("best of %d runs after a warm-up (other processes share these cores)\n", o->reps);
     if (o->cold)
         printf("cold: before each timed call every thread writes its share of %zu MB (not timed), so the operands "

@@ -8,11 +8,12 @@
 #include "core/cpu.h"
 
 /* OpenBLAS picks its kernels when it loads, before main: if the user has not
- * chosen, choose for this CPU and start again with it in the environment.
- * CTITAN_NO_REEXEC=1 keeps the library's own choice. */
+ * chosen, choose for this CPU (or the level CTITAN_ISA holds it to) and start
+ * again with it in the environment. CTITAN_NO_REEXEC=1 keeps the library's own
+ * choice. */
 static void pick_blas_kernels(char **argv) {
     if (getenv("OPENBLAS_CORETYPE") || getenv("CTITAN_NO_REEXEC")) return;
-    const char *core = cpu_openblas_coretype();
+    const char *core = cpu_openblas_coretype(getenv("CTITAN_ISA"));
     if (!core) return;
     setenv("OPENBLAS_CORETYPE", core, 1);
     execv("/proc/self/exe", argv);

@@ -24,6 +24,7 @@
 #include "core/timer.h"
 
 void openblas_set_num_threads(int n); /* OpenBLAS's own knob; it keeps a pool apart from OpenMP's */
+char *openblas_get_corename(void);
 
 int cpu_threads(void) { return omp_get_max_threads(); }
 
@@ -571,15 +572,23 @@ double cpu_peak_rss_bytes(void) {
     return kb * 1024.0;
 }
 
-const char *cpu_openblas_coretype(void) {
+const char *cpu_openblas_corename(void) { return openblas_get_corename(); }
+
+const char *cpu_openblas_coretype(const char *isa) {
 #if !defined(__x86_64__)
+    (void)isa;
     return NULL; /* OpenBLAS's aarch64 core detection reads /proc/cpuinfo and knows Neoverse */
 #else
     __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    /* CTITAN_ISA=avx2 stands in for an AVX2 CPU: OpenBLAS is one of the matmul
+     * candidates, and with its AVX-512 kernels it would win the timing there and
+     * run the stand-in's largest products at twice an AVX2 CPU's width */
+    if (isa && !strcmp(isa, "avx2")) return avx2 ? "HASWELL" : NULL;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
         return "SKYLAKEX";
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "HASWELL";
+    if (avx2) return "HASWELL";
     return NULL;
 #endif
 }

@@ -76,10 +76,14 @@ void cpu_set_threads(int n);
 
 
 
-/* The OpenBLAS core type that suits this CPU ("SKYLAKEX", "HASWELL") or NULL.
+/* The OpenBLAS core type that suits this CPU ("SKYLAKEX", "HASWELL") or NULL,
+ * held to the instruction-set level `isa` (CTITAN_ISA: "avx2" gives HASWELL on
+ * an AVX-512 CPU; other levels, NULL or "auto" leave the CPU's best).
  * Debian's OpenBLAS 0.3.21 does not recognise recent CPUs and falls back to
  * generic kernels about 5x slower; OPENBLAS_CORETYPE set before the library
  * loads fixes that, so main() sets it and re-executes itself once. */
-const char *cpu_openblas_coretype(void);
+const char *cpu_openblas_coretype(const char *isa);
+/* The kernels OpenBLAS loaded ("Haswell", "SkylakeX"): what the "openblas" matmul runs. */
+const char *cpu_openblas_corename(void);
 
 #endif

@@ -195,7 +195,8 @@ static int select_kernels(trainer *t, ct_err *e) {
     if (isa && *isa && strcmp(isa, "auto")) {
         char have[256];
         kern_features_str(kern_cpu_features(), have, sizeof have);
-        fprintf(stderr, "ctitan: CTITAN_ISA=%s: kernels limited to CPU features: %s\n", isa, have);
+        fprintf(stderr, "ctitan: CTITAN_ISA=%s: kernels limited to CPU features: %s; OpenBLAS kernels %s\n", isa, have,
+                cpu_openblas_corename());
     }
     fprintf(stderr, "ctitan: %s; precision: %s\n", log,
             bf16 ? "bfloat16 matmul inputs (linears: matmul_bf16; attention: bf16 q, k, v, d(out), P, dS), fp32 "

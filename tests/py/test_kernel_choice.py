@@ -100,7 +100,8 @@ def test_ctitan_isa_limits_the_kernels(tmp_path, home):
     flags = cpu_flags()
     levels = ["ref"] + (["avx2"] if {"avx2", "fma"} <= flags else [])
     for isa in levels:
-        p, out = tiny_run(tmp_path, home, f"isa_{isa}", env_extra={"CTITAN_ISA": isa})
+        # OPENBLAS_CORETYPE unset: ctitan chooses OpenBLAS's kernels itself (cli/main.c)
+        p, out = tiny_run(tmp_path, home, f"isa_{isa}", env_extra={"CTITAN_ISA": isa, "OPENBLAS_CORETYPE": None})
         assert p.returncode == 0, p.stderr
         assert f"CTITAN_ISA={isa}: kernels limited to CPU features: " in p.stderr
         line = kernels_line(p.stderr)
@@ -111,6 +112,9 @@ def test_ctitan_isa_limits_the_kernels(tmp_path, home):
                 assert impl in ("ref", "tiled", "openblas"), (op, impl)
         if isa == "avx2":
             assert re.search(r"\bmatmul=(avx2|openblas)\b", line), line
+            # the "openblas" matmul is a candidate too: on an AVX-512 CPU its SkylakeX kernels
+            # would run the stand-in's products at twice an AVX2 CPU's width
+            assert re.search(r"CTITAN_ISA=avx2: .*; OpenBLAS kernels Haswell$", p.stderr, re.M), p.stderr
         assert len(oracle.read_metrics(out / "metrics.jsonl")) == 3
     p, _ = tiny_run(tmp_path, home, "bogus", env_extra={"CTITAN_ISA": "avx9000"})
     assert p.returncode == 2, (p.returncode, p.stderr)
