@@ -5,7 +5,12 @@
  *
  * Design. The algorithm is the tiled one (kernels/ref/attention.c: 32-query x
  * 64-key tiles up to the diagonal, online softmax, backward recomputing
- * P = exp(S - lse)); what changes is that every product inside a tile is a
+ * P = exp(S - lse); the backward's tiles are 64 queries tall, so each dK / dV
+ * register tile is loaded and stored once per 64 query rows, and it sums dq,
+ * dk and dv in contiguous copies of their rows, as blocked_avx2 does: at
+ * T = 2048 the backward -11 to -13% on Intel, level at T = 256, the same
+ * bits: each sum keeps its order, docs/benchmarks.md); what changes is that
+ * every product inside a tile is a
  * small GEMM whose accumulators live in zmm registers instead of a row of
  * memory updated once per element of hd:
  *   scores   S[4 rows][64 keys] = Q K^T: 16 zmm accumulators; per element of
@@ -62,7 +67,8 @@
 #define AB_INLINE A512B __attribute__((always_inline)) static inline
 #define AB_CALL A512B __attribute__((noinline)) static
 
-#define BQ 32 /* query rows per tile (8 micro-blocks of 4) */
+#define BQ 32  /* query rows per tile of the forward (8 micro-blocks of 4) */
+#define BQB 64 /* and of the backward (16 micro-blocks) */
 #define BK 64 /* keys per tile: 4 zmm */
 #define HC 64 /* columns of hd per register tile: 4 zmm */
 
@@ -142,6 +148,11 @@ A512 static float *att_tiles(const float *x, int B, int T, int nkv, int hd, int 
  * contiguous copy they stay in L1. */
 A512 static void att_rows_in(float *dst, const float *x, long xs, int T, int hd) {
     for (int t = 0; t < T; t++) memcpy(dst + (size_t)t * hd, x + (size_t)t * xs, (size_t)hd * sizeof(float));
+}
+
+/* x[t * xs + i] = src[t * hd + i] for t < T: rows summed contiguously (att_rows_in), back in place. */
+A512 static void att_rows_out(float *x, long xs, const float *src, int T, int hd) {
+    for (int t = 0; t < T; t++) memcpy(x + (size_t)t * xs, src + (size_t)t * hd, (size_t)hd * sizeof(float));
 }
 
 /* vh[(b * nkv + kh) * T + j][i] = v[b, j, kh, i]: every V head's rows contiguous
@@ -377,7 +388,7 @@ AB_CALL void att_dots4_bf16(__m512 s[4][4], const uint32_t *const x[4], const ui
     }
 }
 
-/* A tile's P and dS (fp32 [BQ][BK], rows < nr, nr even) as the backward's bf16
+/* A tile's P and dS (fp32 [BQB][BK], rows < nr, nr even) as the backward's bf16
  * operands: pt / st [nr/2][BK] pairs of rows (dv, dk), sr [nr][BK/2] pairs along
  * the keys (dq). */
 AB_CALL void att_tile_pairs_bf16(uint32_t *pt, uint32_t *st, uint32_t *sr, const float *P, const float *dS, int nr) {
@@ -689,13 +700,13 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
     // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
     // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     int group = nh / nkv;
-    int nqb = (T + BQ - 1) / BQ;
+    int nqb = (T + BQB - 1) / BQB;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd, ks = nkv * hd;
     int b16 = kern_attn_bf16(opt);
-    int Tp = (T + BK - 1) / BK * BK, hp = hd / 2, Tz = nqb * BQ; /* Tz: the query rows the blocks cover */
+    int Tp = (T + BK - 1) / BK * BK, hp = hd / 2, Tz = nqb * BQB; /* Tz: the query rows the blocks cover */
     float *KT = vb ? NULL : att_tiles(k, B, T, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
     float *VT = vb ? NULL : att_tiles(v, B, T, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
     uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, T, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
@@ -704,17 +715,17 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
-        float *P = ct_malloc64((size_t)BQ * BK * sizeof(float));  // [BQ, BK] recomputed probs (0 where masked)
-        float *dS = ct_malloc64((size_t)BQ * BK * sizeof(float)); // [BQ, BK] scale * dscores (0 where masked)
-        float D[BQ], L[BQ];
-        /* vb: the bf16 operands. The tile's P and dS as pairs of rows (PT, ST: [BQ/2, BK]) and
-         * dS as pairs along the keys (SR: [BQ, BK/2]); the kv head's k as pairs of keys (KR:
+        float *P = ct_malloc64((size_t)BQB * BK * sizeof(float));  // [BQB, BK] recomputed probs (0 where masked)
+        float *dS = ct_malloc64((size_t)BQB * BK * sizeof(float)); // [BQB, BK] scale * dscores (0 where masked)
+        float D[BQB], L[BQB];
+        /* vb: the bf16 operands. The tile's P and dS as pairs of rows (PT, ST: [BQB/2, BK]) and
+         * dS as pairs along the keys (SR: [BQB, BK/2]); the kv head's k as pairs of keys (KR:
          * [Tp/2, hd]); the query head's q and dout as bf16 rows (QB, GB: [Tz, hd/2]) and as
          * pairs of rows (QR, GR: [Tz/2, hd]) */
         uint32_t *PT = NULL, *ST = NULL, *SR = NULL, *KR = NULL, *QB = NULL, *GB = NULL, *QR = NULL, *GR = NULL;
         if (vb) {
-            PT = ct_malloc64((size_t)3 * BQ * BK / 2 * sizeof(uint32_t));
-            ST = PT + BQ * BK / 2, SR = ST + BQ * BK / 2;
+            PT = ct_malloc64((size_t)3 * BQB * BK / 2 * sizeof(uint32_t));
+            ST = PT + BQB * BK / 2, SR = ST + BQB * BK / 2;
             KR = ct_malloc64(((size_t)Tp * hd / 2 + (size_t)4 * Tz * hd / 2) * sizeof(uint32_t));
             QB = KR + (size_t)Tp * hd / 2, GB = QB + (size_t)Tz * hp, QR = GB + (size_t)Tz * hp;
             GR = QR + (size_t)Tz / 2 * hd;
@@ -725,6 +736,12 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
          * in place. */
         float *KS = vb ? NULL : ct_malloc64((size_t)3 * T * hd * sizeof(float));
         float *QS = vb ? NULL : KS + (size_t)T * hd, *GS = vb ? NULL : QS + (size_t)T * hd;
+        /* the gradients' rows, contiguous while they are summed: in place, dk and dv rows
+         * are ks floats apart (4 KB at Qwen3's 8 kv heads of 128) and dq rows qs apart
+         * (8 KB), so the rows of a tile fell into a few L1 sets and every register tile
+         * of them was re-read from L2 (att_rows_in) */
+        float *DQ = ct_malloc64((size_t)3 * T * hd * sizeof(float)); // [T, hd] the query head's dq rows
+        float *DK = DQ + (size_t)T * hd, *DV = DK + (size_t)T * hd;   // [T, hd] the kv head's dk, dv rows
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
         // the dq rows of the group's query heads, so every sum is its own.
 #pragma omp for collapse(2) schedule(static)
@@ -735,14 +752,16 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                 const uint32_t *kph = vb ? KP + ((size_t)b * nkv + kh) * hp * Tp : NULL; // tile at + j0*hp
                 const uint32_t *vph = vb ? VP + ((size_t)b * nkv + kh) * hp * Tp : NULL;
                 const float *kh_ = KS; // row j at + j*hd
-                float *dkh = dk + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
-                float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
+                float *dkh = DK, *dvh = DV; // row j at + j*hd
+                att_rows_in(DK, dk + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
+                att_rows_in(DV, dv + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
                 if (vb) att_kpairs_bf16(KR, k + ((size_t)b * T * nkv + kh) * hd, ks, T, Tp, hd);
                 else att_rows_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
                     const float *qh = QS, *gh = GS; // row t at + t*hd
-                    float *dqh = dq + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
+                    float *dqh = DQ; // row t at + t*hd
+                    att_rows_in(DQ, dq + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     if (vb) {
                         att_head_bf16(QB, GB, QR, GR, q + ((size_t)b * T * nh + h) * hd,
                                       dout + ((size_t)b * T * nh + h) * hd, qs, T, Tz, hd);
@@ -753,8 +772,8 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                     }
                     long gs = vb ? qs : hd; /* the row stride of gh */
                     for (int qb = 0; qb < nqb; qb++) {
-                        int t0 = qb * BQ;
-                        int nq = T - t0 < BQ ? T - t0 : BQ;
+                        int t0 = qb * BQB;
+                        int nq = T - t0 < BQB ? T - t0 : BQB;
                         for (int r = 0; r < nq; r++) {
                             // D = rowsum(dout * out) = sum_j p_j dp_j
                             D[r] = att_dot(gh + (size_t)(t0 + r) * gs, oh + (size_t)(t0 + r) * qs, hd);
@@ -763,8 +782,8 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                         // from the tile of the first key the block sees (the window) up to the diagonal
                         for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                             int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
-                            int cmb[BQ / 4]; /* first key column a micro-block sees (0 without a window) */
-                            int ceb[BQ / 4]; /* and the end of the columns it sees (the diagonal) */
+                            int cmb[BQB / 4]; /* first key column a micro-block sees (0 without a window) */
+                            int ceb[BQB / 4]; /* and the end of the columns it sees (the diagonal) */
                             for (int r0 = 0; r0 < nq; r0 += 4) {
                                 const float *xq[4], *xg[4];
                                 const uint32_t *bq[4], *bg[4];
@@ -829,7 +848,7 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                             }
                             if (vb) { /* the products below take P and dS as bf16 pairs */
                                 att_tile_pairs_bf16(PT, ST, SR, P, dS, (nq + 3) & ~3);
-                                att_bf16_products(dqh, dkh, dvh, qs, ks, hd, j0, t0, nq, nk, window, cmb, ceb, PT, ST,
+                                att_bf16_products(dqh, dkh, dvh, hd, hd, hd, j0, t0, nq, nk, window, cmb, ceb, PT, ST,
                                                   SR, KR, QR, GR);
                                 continue;
                             }
@@ -854,13 +873,13 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                                         const float *pw = P + (size_t)rs * BK, *sw = dS + (size_t)rs * BK;
                                         const float *gx = gh + (size_t)(t0 + rs) * hd + c0;
                                         const float *qx = qh + (size_t)(t0 + rs) * hd + c0;
-                                        float *dvr = dvh + (size_t)(j0 + c) * ks + c0, *dkr = dkh + (size_t)(j0 + c) * ks + c0;
+                                        float *dvr = dvh + (size_t)(j0 + c) * hd + c0, *dkr = dkh + (size_t)(j0 + c) * hd + c0;
                                         if (keys == 4) {
-                                            att_keys_axpy(dvr, ks, 4, pw, c, gx, hd, re - rs);
-                                            att_keys_axpy(dkr, ks, 4, sw, c, qx, hd, re - rs);
+                                            att_keys_axpy(dvr, hd, 4, pw, c, gx, hd, re - rs);
+                                            att_keys_axpy(dkr, hd, 4, sw, c, qx, hd, re - rs);
                                         } else {
-                                            att_keys_axpy(dvr, ks, 1, pw, c, gx, hd, re - rs);
-                                            att_keys_axpy(dkr, ks, 1, sw, c, qx, hd, re - rs);
+                                            att_keys_axpy(dvr, hd, 1, pw, c, gx, hd, re - rs);
+                                            att_keys_axpy(dkr, hd, 1, sw, c, qx, hd, re - rs);
                                         }
                                     }
                                     c += keys;
@@ -874,13 +893,13 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                                 if (cm >= ce) continue;
                                 if (r0 + 4 <= nq) {
                                     for (int c0 = 0; c0 < hd; c0 += HC)
-                                        att_rows4_axpy(dqh + (size_t)(t0 + r0) * qs + c0, qs, NULL,
+                                        att_rows4_axpy(dqh + (size_t)(t0 + r0) * hd + c0, hd, NULL,
                                                        dS + (size_t)r0 * BK + cm, kh_ + (size_t)(j0 + cm) * hd + c0,
                                                        hd, ce - cm);
                                     continue;
                                 }
                                 for (int r = r0; r < nq; r++) {
-                                    float *dqr = dqh + (size_t)(t0 + r) * qs;
+                                    float *dqr = dqh + (size_t)(t0 + r) * hd;
                                     const float *dr = dS + (size_t)r * BK;
                                     for (int c0 = 0; c0 < hd; c0 += 16) {
                                         __m512 a = _mm512_loadu_ps(dqr + c0);
@@ -893,12 +912,16 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                             }
                         }
                     }
+                    att_rows_out(dq + ((size_t)b * T * nh + h) * hd, qs, DQ, T, hd);
                 }
+                att_rows_out(dk + ((size_t)b * T * nkv + kh) * hd, ks, DK, T, hd);
+                att_rows_out(dv + ((size_t)b * T * nkv + kh) * hd, ks, DV, T, hd);
             }
         }
         free(P);
         free(dS);
         free(KS);
+        free(DQ);
         free(PT);
         free(KR);
         KERN_TRACE_EXIT(kt_);
