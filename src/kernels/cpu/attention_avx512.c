@@ -5,12 +5,7 @@
  *
  * Design. The algorithm is the tiled one (kernels/ref/attention.c: 32-query x
  * 64-key tiles up to the diagonal, online softmax, backward recomputing
- * P = exp(S - lse); the backward's tiles are 64 queries tall, so each dK / dV
- * register tile is loaded and stored once per 64 query rows, and it sums dq,
- * dk and dv in contiguous copies of their rows, as blocked_avx2 does: at
- * T = 2048 the backward -11 to -13% on Intel, level at T = 256, the same
- * bits: each sum keeps its order, docs/benchmarks.md); what changes is that
- * every product inside a tile is a
+ * P = exp(S - lse)); what changes is that every product inside a tile is a
  * small GEMM whose accumulators live in zmm registers instead of a row of
  * memory updated once per element of hd:
  *   scores   S[4 rows][64 keys] = Q K^T: 16 zmm accumulators; per element of
@@ -25,6 +20,13 @@
  * Masked lanes (keys past the diagonal or the end of the sequence, or left
  * of a sliding window) get p = 0 / dS = 0, so the blocked loops need no
  * ragged edges inside a tile.
+ *
+ * The backward's tiles are 64 queries tall (BQB), so each dK / dV register
+ * tile is loaded and stored once per 64 query rows, and it sums dq, dk and dv
+ * in contiguous copies of their rows, as blocked_avx2 does (in place their
+ * rows are 4-8 KB apart, in a few L1 sets): at T = 2048 the backward -11 to
+ * -13% on an Intel Xeon, level at T = 256, the same bits, as each sum keeps
+ * its order (docs/benchmarks.md).
  *
  * Options (kern_attn_opt): the scale; a window starts the key loop at the
  * tile holding the block's first visible key (tiles left of it are never
@@ -486,8 +488,8 @@ AB_INLINE void att_dq_bf16(float *dq, long qs, int nr, const uint32_t *sr, const
  * the row ranges of dv / dk widened to whole pairs of rows and the key range of dq
  * to whole pairs of keys (the rows and keys they add hold P = dS = 0 there, and the
  * operands' padding rows are zeros). cmb / ceb: each micro-block's first and end
- * key column. */
-AB_CALL void att_bf16_products(float *dqh, float *dkh, float *dvh, long qs, long ks, int hd, int j0, int t0, int nq,
+ * key column. dqh, dkh, dvh: the backward's contiguous copies, rows hd floats apart. */
+AB_CALL void att_bf16_products(float *dqh, float *dkh, float *dvh, int hd, int j0, int t0, int nq,
                                int nk, int window, const int *cmb, const int *ceb, const uint32_t *PT,
                                const uint32_t *ST, const uint32_t *SR, const uint32_t *KR, const uint32_t *QR,
                                const uint32_t *GR) {
@@ -501,7 +503,7 @@ AB_CALL void att_bf16_products(float *dqh, float *dkh, float *dvh, long qs, long
             }
             if (re > rs) {
                 int rp0 = rs / 2, rp1 = (re + 1) / 2;
-                att_dvdk_bf16(dvh + (size_t)(j0 + c) * ks + c0, dkh + (size_t)(j0 + c) * ks + c0, ks, keys,
+                att_dvdk_bf16(dvh + (size_t)(j0 + c) * hd + c0, dkh + (size_t)(j0 + c) * hd + c0, hd, keys,
                               PT + (size_t)rp0 * BK, ST + (size_t)rp0 * BK, c, GR + (size_t)(t0 / 2 + rp0) * hd + c0,
                               QR + (size_t)(t0 / 2 + rp0) * hd + c0, hd, rp1 - rp0);
             }
@@ -510,7 +512,7 @@ AB_CALL void att_bf16_products(float *dqh, float *dkh, float *dvh, long qs, long
     for (int r0 = 0; r0 < nq; r0 += 4) {
         int cm = cmb[r0 / 4], ce = ceb[r0 / 4]; /* keys past ce: dS = 0 */
         if (cm >= ce) continue;
-        att_dq_bf16(dqh + (size_t)(t0 + r0) * qs, qs, nq - r0 < 4 ? nq - r0 : 4, SR + (size_t)r0 * (BK / 2),
+        att_dq_bf16(dqh + (size_t)(t0 + r0) * hd, hd, nq - r0 < 4 ? nq - r0 : 4, SR + (size_t)r0 * (BK / 2),
                     KR + (size_t)(j0 / 2) * hd, hd, cm / 2, (ce + 1) / 2);
     }
 }
@@ -732,8 +734,7 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
         }
         /* the rows the products stream, contiguous (att_rows_in): k of the kv
          * head (dS K reads 64 of them per tile), q and dout of the query head
-         * (dV and dK read 32 per tile). The outputs are 4 rows at a time and stay
-         * in place. */
+         * (dV and dK read up to BQB per tile). */
         float *KS = vb ? NULL : ct_malloc64((size_t)3 * T * hd * sizeof(float));
         float *QS = vb ? NULL : KS + (size_t)T * hd, *GS = vb ? NULL : QS + (size_t)T * hd;
         /* the gradients' rows, contiguous while they are summed: in place, dk and dv rows
@@ -848,7 +849,7 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                             }
                             if (vb) { /* the products below take P and dS as bf16 pairs */
                                 att_tile_pairs_bf16(PT, ST, SR, P, dS, (nq + 3) & ~3);
-                                att_bf16_products(dqh, dkh, dvh, hd, hd, hd, j0, t0, nq, nk, window, cmb, ceb, PT, ST,
+                                att_bf16_products(dqh, dkh, dvh, hd, j0, t0, nq, nk, window, cmb, ceb, PT, ST,
                                                   SR, KR, QR, GR);
                                 continue;
                             }
