@@ -2,10 +2,11 @@
  *
  * Conventions (llm.c's): outputs first, inputs next, sizes last. Backward
  * functions ACCUMULATE into their gradient outputs (+=), so a tensor used
- * twice (tied embeddings, the residual stream) just receives two calls; the
- * matmul's d(input) may also overwrite (its accumulate flag, as the
- * forward's), so the first product into a gradient buffer needs no zeroed
- * buffer to add to. All
+ * twice (tied embeddings, the residual stream) just receives two calls. The
+ * ops that write a layer's activation gradients (the matmul's d(input),
+ * attention, the q/k norm + RoPE, swiglu, geglu) may also overwrite: their
+ * acc / accumulate flag 0 is their first product into the buffer, which then
+ * needs no zeroing, nor a read of the zeros. All
  * tensors are fp32, row-major, contiguous. Weights are [out, in] as in HF.
  * These are the plain reference implementations (kernels/ref/); faster ones
  * register beside them later and are checked against these. */
@@ -13,6 +14,7 @@
 #define CT_KERNELS_OPS_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* out[M,N] = inp[M,K] @ w[N,K]^T        (accumulate=0 overwrites, 1 adds) */
@@ -93,10 +95,11 @@ void op_rope_tables(float *cos, float *sin, int T, int hd, float theta);
  * op_rmsnorm_fwd + op_rope_fwd. */
 void op_qknorm_rope_fwd(float *out, float *rstd, const float *x, const float *w, const float *cos, const float *sin,
                         int B, int T, int nh, int hd, float eps);
-/* dx[B,T,nh,hd] += and dw[hd] += (dw may be NULL), from dout = d(the rotated
- * output): op_rope_bwd into a scratch row, then op_rmsnorm_bwd. */
+/* dx[B,T,nh,hd] (+)= (acc 0: overwritten) and dw[hd] += (dw may be NULL), from
+ * dout = d(the rotated output): op_rope_bwd into a scratch row, then
+ * op_rmsnorm_bwd. */
 void op_qknorm_rope_bwd(float *dx, float *dw, const float *dout, const float *x, const float *w, const float *rstd,
-                        const float *cos, const float *sin, int B, int T, int nh, int hd);
+                        const float *cos, const float *sin, int B, int T, int nh, int hd, int acc);
 
 /* What a model family changes in attention (model/lm.h). Passed as the last
  * argument of every attention implementation; NULL (or all fields 0) is
@@ -128,6 +131,13 @@ static inline float kern_attn_scale(const kern_attn_opt *opt, int hd) {
 static inline int kern_attn_window(const kern_attn_opt *opt) { return opt && opt->window > 0 ? opt->window : 0; }
 static inline float kern_attn_softcap(const kern_attn_opt *opt) { return opt && opt->softcap > 0.0f ? opt->softcap : 0.0f; }
 static inline int kern_attn_bf16(const kern_attn_opt *opt) { return opt && opt->bf16; }
+/* The backward's acc 0 for an implementation that sums into dq, dk, dv in
+ * place: they are zeroed first, as its caller did before the flag. */
+static inline void kern_attn_zero_grads(float *dq, float *dk, float *dv, int B, int T, int nh, int nkv, int hd) {
+    size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd;
+    for (size_t i = 0; i < nq; i++) dq[i] = 0.0f;
+    for (size_t i = 0; i < nk; i++) dk[i] = dv[i] = 0.0f;
+}
 
 /* Causal GQA attention, never holding [T x T] scores: the forward saves only
  * the log-sum-exp of each score row, lse = log sum_j exp(s_j), and the
@@ -144,16 +154,16 @@ static inline int kern_attn_bf16(const kern_attn_opt *opt) { return opt && opt->
  * kernels of the registry. */
 void op_attention_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
                       int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
-/* dq, dk, dv += ...; out and lse are the forward's (out gives the softmax
+/* dq, dk, dv (+)= ... (acc 0: overwritten); out and lse are the forward's (out gives the softmax
  * backward's D = rowsum(dout * out) without the probabilities). */
 void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                       const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
-                      const kern_attn_opt *opt);
+                      const kern_attn_opt *opt, int acc);
 void op_attention_fwd_tiled(float *out, float *lse, const float *q, const float *k, const float *v,
                             int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled(float *dq, float *dk, float *dv, const float *dout, const float *out,
                             const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                            int nh, int nkv, int hd, const kern_attn_opt *opt);
+                            int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 #if defined(__x86_64__)
 /* The tiled pair compiled for AVX-512 (call only where the CPU has it;
  * the registry checks). Bit-identical to the generic tiled pair. */
@@ -161,13 +171,13 @@ void op_attention_fwd_tiled_avx512(float *out, float *lse, const float *q, const
                                    int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                    const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                   int nh, int nkv, int hd, const kern_attn_opt *opt);
+                                   int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 /* The same for AVX2 + FMA ("tiled_avx2"; bit-identical to the generic pair too). */
 void op_attention_fwd_tiled_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
                                  int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                  const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                 int nh, int nkv, int hd, const kern_attn_opt *opt);
+                                 int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 #elif defined(__aarch64__)
 /* The tiled pair compiled for SVE (call only where the CPU has it). Bit-identical
  * to the generic tiled pair, which on aarch64 is the NEON build. */
@@ -175,19 +185,19 @@ void op_attention_fwd_tiled_sve(float *out, float *lse, const float *q, const fl
                                 int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled_sve(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                 const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                int nh, int nkv, int hd, const kern_attn_opt *opt);
+                                int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 #endif
 
 /* out[N] = silu(gate) * up */
 void op_swiglu_fwd(float *out, const float *gate, const float *up, int N);
-/* dgate, dup += ... */
-void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+/* dgate, dup (+)= ... (acc 0: overwritten) */
+void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N, int acc);
 
 /* out[N] = gelu_tanh(gate) * up, gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))):
  * torch's gelu(approximate="tanh"), transformers' gelu_pytorch_tanh (Gemma's MLP). */
 void op_geglu_fwd(float *out, const float *gate, const float *up, int N);
-/* dgate, dup += ... */
-void op_geglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+/* dgate, dup (+)= ... (acc 0: overwritten) */
+void op_geglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N, int acc);
 
 /* Cross-entropy on a block of logits, fused with its backward.
  * logits[N,V] is overwritten with dlogits = (softmax - onehot(target)) * grad_scale

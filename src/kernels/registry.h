@@ -74,19 +74,19 @@ typedef void (*kern_qknorm_rope_fwd_fn)(float *out, float *rstd, const float *x,
                                         const float *sin, int B, int T, int nh, int hd, float eps);
 typedef void (*kern_qknorm_rope_bwd_fn)(float *dx, float *dw, const float *dout, const float *x, const float *w,
                                         const float *rstd, const float *cos, const float *sin, int B, int T, int nh,
-                                        int hd);
+                                        int hd, int acc);
 /* opt: the family's attention variant (kernels/ops.h, kern_attn_opt); NULL: Qwen3's */
 typedef void (*kern_attention_fwd_fn)(float *out, float *lse, const float *q, const float *k, const float *v,
                                       int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 typedef void (*kern_attention_bwd_fn)(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                       const float *lse, const float *q, const float *k, const float *v, int B,
-                                      int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
+                                      int T, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 typedef void (*kern_swiglu_fwd_fn)(float *out, const float *gate, const float *up, int N);
 typedef void (*kern_swiglu_bwd_fn)(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
-                                   int N);
+                                   int N, int acc);
 typedef void (*kern_geglu_fwd_fn)(float *out, const float *gate, const float *up, int N);
 typedef void (*kern_geglu_bwd_fn)(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
-                                  int N);
+                                  int N, int acc);
 typedef double (*kern_crossentropy_fwdbwd_fn)(float *logits, const int32_t *targets, int N, int V,
                                               float grad_scale, long *n_valid);
 typedef double (*kern_crossentropy_fwd_fn)(float *losses, const float *logits, const int32_t *targets, int N,

@@ -189,25 +189,25 @@ static void run_once(kern_bench *x, const kern_impl *im, kern_bench_part part) {
     case KERN_OP_ROPE:
         /* the fused per-head q/k norm + RoPE is what the model runs (Qwen3) */
         if (fwd) im->fn.rope.qknorm_fwd(x->a, x->f, x->b, x->g, x->c, x->d, s->B, s->T, s->nh, s->hd, 1e-6f);
-        else im->fn.rope.qknorm_bwd(x->e, x->h, x->a, x->b, x->g, x->f, x->c, x->d, s->B, s->T, s->nh, s->hd);
+        else im->fn.rope.qknorm_bwd(x->e, x->h, x->a, x->b, x->g, x->f, x->c, x->d, s->B, s->T, s->nh, s->hd, 0);
         break;
     case KERN_OP_ATTENTION: {
         /* Qwen3's attention (opt NULL): the options cost nothing without a window, and a window only
          * takes work away; bf16 products where the shape asks (a bf16 run's: other kernels) */
         const kern_attn_opt b16 = {0, 0, 0, 1}, *o = s->bf16 ? &b16 : NULL;
         if (fwd) im->fn.attention.fwd(x->a, x->b, x->c, x->d, x->e, s->B, s->T, s->nh, s->nkv, s->hd, o);
-        else /* dout: q stands in, any [B,T,nh,hd] input times the same */
+        else /* dout: q stands in, any [B,T,nh,hd] input times the same; acc 0 as the model's call */
             im->fn.attention.bwd(x->f, x->g, x->h, x->c, x->a, x->b, x->c, x->d, x->e, s->B, s->T, s->nh, s->nkv,
-                                 s->hd, o);
+                                 s->hd, o, 0);
         break;
     }
     case KERN_OP_SWIGLU:
         if (fwd) im->fn.swiglu.fwd(x->a, x->b, x->c, (int)s->n);
-        else im->fn.swiglu.bwd(x->d, x->e, x->a, x->b, x->c, (int)s->n);
+        else im->fn.swiglu.bwd(x->d, x->e, x->a, x->b, x->c, (int)s->n, 0);
         break;
     case KERN_OP_GEGLU:
         if (fwd) im->fn.geglu.fwd(x->a, x->b, x->c, (int)s->n);
-        else im->fn.geglu.bwd(x->d, x->e, x->a, x->b, x->c, (int)s->n);
+        else im->fn.geglu.bwd(x->d, x->e, x->a, x->b, x->c, (int)s->n, 0);
         break;
     case KERN_OP_CROSSENTROPY:
         /* fwdbwd overwrites its input: refresh it from b first (as the model's logits are fresh) */

@@ -988,21 +988,21 @@ static void mm_bwd(lm_model *m, float *din, float *dw, const float *dout, const 
     else if (din) K(MATMUL, matmul_dinp_wbf16, din, dout, h, M, K, N, N, acc);
 }
 
-/* The gradient scratch a layer's backward accumulates into (+=, the kernels'
- * contract), zeroed at the layer's start in one parallel region: nine
- * serial memsets of up to BT x intermediate floats each were ~75 MB per
- * layer of one thread's stores at W3's shapes. MoE layers use none of the
- * dense MLP's. d_h and d_att are not here: their first product (down_proj's
- * and o_proj's d(input)) overwrites them, as d_ln's do (mm_bwd's acc 0). */
-static void zero_layer_scratch(lm_model *m, int BT, int moe) {
+/* The gradient scratch a layer's backward accumulates into (+=), zeroed at the
+ * layer's start. Most of it needs none: the first product into each buffer
+ * overwrites it (acc 0) -- d_h and d_att (down_proj's and o_proj's d(input)),
+ * d_gate and d_up (swiglu / geglu), d_q, d_k and d_v (attention), and d_q2 and
+ * d_k2 when the per-head q/k norm + RoPE writes them (Qwen3). Zeroing those
+ * 54 MB per layer at W3's shapes, and the kernels' read of the zeros, were
+ * ~2% of its step at AVX2 (docs/benchmarks.md). What is left: d_q2 and d_k2
+ * under the other q/k paths, whose RoPE and RMSNorm backwards add. */
+static void zero_layer_scratch(lm_model *m, int BT) {
     const lm_config *c = &m->cfg;
-    size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim, I = (size_t)c->intermediate;
-    float *p[7] = {m->ws.d_q, m->ws.d_q2, m->ws.d_k, m->ws.d_k2, m->ws.d_v, m->ws.d_gate, m->ws.d_up};
-    size_t n[7] = {qd, qd, kvd, kvd, kvd, I, I}, total = 0;
-    int nb = moe ? 5 : 7;
-    for (int i = 0; i < nb; i++) total += n[i] *= (size_t)BT;
+    size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    float *p[2] = {m->ws.d_q2, m->ws.d_k2};
+    size_t n[2] = {qd * (size_t)BT, kvd * (size_t)BT}, total = n[0] + n[1];
     if (total < ((size_t)1 << 18)) { /* a region costs more than it saves */
-        for (int i = 0; i < nb; i++) zero(p[i], n[i]);
+        for (int i = 0; i < 2; i++) zero(p[i], n[i]);
         return;
     }
     kern_trace *kt_ = kern_trace_armed();
@@ -1012,7 +1012,7 @@ static void zero_layer_scratch(lm_model *m, int BT, int moe) {
         /* this thread's share of the buffers laid end to end */
         size_t t = (size_t)omp_get_thread_num(), T = (size_t)omp_get_num_threads();
         size_t lo = total * t / T, hi = total * (t + 1) / T, base = 0;
-        for (int i = 0; i < nb; i++) {
+        for (int i = 0; i < 2; i++) {
             size_t a = lo > base ? lo - base : 0, b = hi - base < n[i] ? hi - base : n[i];
             if (hi > base && a < b) zero(p[i] + a, b - a);
             base += n[i];
@@ -1396,12 +1396,15 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
     default: K(ROPE, rope_fwd, out, x, cs, sn, B, T, nh, hd, rd);
     }
 }
-/* dx += d(x) from dout = d(out); dout is overwritten (scratch). */
+/* dx (+)= d(x) from dout = d(out); dout is overwritten (scratch). The per-head
+ * norm + RoPE overwrites dx; the other paths add to it (zero_layer_scratch). */
 static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *x, const float *w, const float *rstd,
                    const float *cs, const float *sn, int B, int T, int nh, int hd) {
     int rd = lm_rotary_dim(&m->cfg);
     switch (m->cfg.qk_norm) {
-    case LM_QK_HEAD: K(ROPE, qknorm_rope_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd); break;
+    case LM_QK_HEAD: /* dx: its first product, overwritten (zero_layer_scratch skips it) */
+        K(ROPE, qknorm_rope_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd, 0);
+        break;
     case LM_QK_PROJ:
         K(ROPE, rope_bwd, dout, dout, cs, sn, B, T, nh, hd, rd); /* in place: dout = R^T dout */
         if (qk_norm_split(m)) { /* the row's dot(dout, w x) spans the ranks' heads: summed over them */
@@ -2115,9 +2118,11 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     layer_recompute(m, l, B, T);
     lm_layer_acts *a = &m->act.layer[l];
-    int64_t z_t0 = PROF_T0(m->prof);
-    zero_layer_scratch(m, BT, a->moe);
-    if (m->prof) prof_model_op(m->prof, "zero_layer_scratch", "zero", PROF_NO_KERNEL, z_t0);
+    if (m->cfg.qk_norm != LM_QK_HEAD) {
+        int64_t z_t0 = PROF_T0(m->prof);
+        zero_layer_scratch(m, BT);
+        if (m->prof) prof_model_op(m->prof, "zero_layer_scratch", "zero", PROF_NO_KERNEL, z_t0);
+    }
     const lm_layer_w *w = &m->w.layer[l];
     lm_layer_w *g = &m->g.layer[l];
     const float *cs, *sn;
@@ -2128,8 +2133,10 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
         /* res_next = res_mid + [norm](down(h) + bd): d_res flows to res_mid unchanged, plus the MLP path */
         out_proj_bwd(m, l, LM_LORA_DOWN, m->ws.d_h, a->h, w->wd, g->wd, g->bd, w->ln_mo, g->ln_mo, a->mo, a->mo_rstd,
                      BT, I);
-        if (c->act == LM_ACT_GELU_TANH) K(GEGLU, geglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I);
-        else K(SWIGLU, swiglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I);
+        /* d_gate, d_up: their first product, overwritten */
+        if (c->act == LM_ACT_GELU_TANH) K(GEGLU, geglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up,
+                                          BT * I, 0);
+        else K(SWIGLU, swiglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I, 0);
         if (g->bg) op_bias_bwd(g->bg, m->ws.d_gate, BT, I);
         if (g->bu) op_bias_bwd(g->bu, m->ws.d_up, BT, I);
         const float *xm = mlp_in(m, a);
@@ -2147,8 +2154,9 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
                  qd);
     kern_attn_opt ao = attn_opt(m, l);
     if (ao.bf16) attn_round_bf16(m, 1, (float *const[]){m->ws.d_att}, (const long[]){(long)BT * qd}, "attention_dout_bf16");
+    /* d_q, d_k, d_v: their first product, overwritten */
     K(ATTENTION, attention_bwd, m->ws.d_q, m->ws.d_k, m->ws.d_v, m->ws.d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
-                       hd, &ao);
+                       hd, &ao, 0);
     /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->
      * d_q2, d_k2 (w.r.t. the projections' outputs) */
     qk_bwd(m, m->ws.d_q2, g->qn, m->ws.d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);

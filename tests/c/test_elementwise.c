@@ -134,7 +134,7 @@ static void run_qknorm_rope(void *c_, float *o) {
     kern_qknorm_rope_fwd_avx512(y, rs, c->x, c->w, c->cs, c->sn, c->B, c->T, c->nh, c->hd, 1e-6f);
     memcpy(dx, c->dout, n * sizeof(float));
     memcpy(dw, c->w, (size_t)c->hd * sizeof(float));
-    kern_qknorm_rope_bwd_avx512(dx, dw, c->dout, c->x, c->w, rs, c->cs, c->sn, c->B, c->T, c->nh, c->hd);
+    kern_qknorm_rope_bwd_avx512(dx, dw, c->dout, c->x, c->w, rs, c->cs, c->sn, c->B, c->T, c->nh, c->hd, 1);
 }
 
 static void run_swiglu(void *c_, float *o) {
@@ -143,7 +143,7 @@ static void run_swiglu(void *c_, float *o) {
     kern_swiglu_fwd_avx512(o, c->g, c->u, c->N);
     memcpy(o + n, c->dout, n * sizeof(float));
     memcpy(o + 2 * n, c->dout, n * sizeof(float));
-    kern_swiglu_bwd_avx512(o + n, o + 2 * n, c->dout, c->g, c->u, c->N);
+    kern_swiglu_bwd_avx512(o + n, o + 2 * n, c->dout, c->g, c->u, c->N, 1);
 }
 
 static void run_ce(void *c_, float *o) {
@@ -259,10 +259,9 @@ static void run_attention(void *c_, float *o) {
     att_ctx *c = c_;
     size_t nq = (size_t)c->B * c->T * c->nh * c->hd, nk = (size_t)c->B * c->T * c->nkv * c->hd;
     float *out = o, *lse = o + nq, *dq = lse + (size_t)c->B * c->nh * c->T, *dk = dq + nq, *dv = dk + nk;
-    memset(dq, 0, (nq + 2 * nk) * sizeof(float));
     kern_attention_fwd_avx512(out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd, c->opt);
     kern_attention_bwd_avx512(dq, dk, dv, c->g, out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd,
-                              c->opt);
+                              c->opt, 0); /* overwrites dq, dk, dv */
 }
 
 static void test_attention_blocked(void) {

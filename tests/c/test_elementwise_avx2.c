@@ -54,7 +54,7 @@ static void run_rope(void *c_, float *o) {
     c->im->fn.rope.qknorm_fwd(y, rs, c->x, c->w, c->cs, c->sn, c->B, c->T, c->nh, c->hd, 1e-6f);
     memcpy(dx, c->dout, n * sizeof(float));
     memcpy(dw, c->w, (size_t)c->hd * sizeof(float));
-    c->im->fn.rope.qknorm_bwd(dx, dw, c->dout, c->x, c->w, rs, c->cs, c->sn, c->B, c->T, c->nh, c->hd);
+    c->im->fn.rope.qknorm_bwd(dx, dw, c->dout, c->x, c->w, rs, c->cs, c->sn, c->B, c->T, c->nh, c->hd, 1);
     c->im->fn.rope.fwd(ry, c->x, c->cs, c->sn, c->B, c->T, c->nh, c->hd, c->hd);
     memcpy(rd, c->x, n * sizeof(float));
     c->im->fn.rope.bwd(rd, c->dout, c->cs, c->sn, c->B, c->T, c->nh, c->hd, c->hd);
@@ -66,7 +66,7 @@ static void run_swiglu(void *c_, float *o) {
     c->im->fn.swiglu.fwd(o, c->g, c->u, c->N);
     memcpy(o + n, c->dout, n * sizeof(float));
     memcpy(o + 2 * n, c->dout, n * sizeof(float));
-    c->im->fn.swiglu.bwd(o + n, o + 2 * n, c->dout, c->g, c->u, c->N);
+    c->im->fn.swiglu.bwd(o + n, o + 2 * n, c->dout, c->g, c->u, c->N, 1);
 }
 
 static void run_geglu(void *c_, float *o) {
@@ -75,7 +75,7 @@ static void run_geglu(void *c_, float *o) {
     c->im->fn.geglu.fwd(o, c->g, c->u, c->N);
     memcpy(o + n, c->dout, n * sizeof(float));
     memcpy(o + 2 * n, c->dout, n * sizeof(float));
-    c->im->fn.geglu.bwd(o + n, o + 2 * n, c->dout, c->g, c->u, c->N);
+    c->im->fn.geglu.bwd(o + n, o + 2 * n, c->dout, c->g, c->u, c->N, 1);
 }
 
 /* [dlogits | loss hi, lo | losses | sum | vp: max | sumexp | tlogit | dlogits | loss] */
@@ -219,9 +219,9 @@ static void run_attention(void *c_, float *o) {
     att_ctx *c = c_;
     size_t nq = (size_t)c->B * c->T * c->nh * c->hd, nk = (size_t)c->B * c->T * c->nkv * c->hd;
     float *out = o, *lse = o + nq, *dq = lse + (size_t)c->B * c->nh * c->T, *dk = dq + nq, *dv = dk + nk;
-    memset(dq, 0, (nq + 2 * nk) * sizeof(float));
     c->im->fn.attention.fwd(out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd, c->opt);
-    c->im->fn.attention.bwd(dq, dk, dv, c->g, out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd, c->opt);
+    c->im->fn.attention.bwd(dq, dk, dv, c->g, out, lse, c->q, c->k, c->v, c->B, c->T, c->nh, c->nkv, c->hd, c->opt,
+                            0); /* overwrites dq, dk, dv */
 }
 
 /* blocked_avx2 at 1, 2, 3 threads (hd 64 and 128: its path; hd 40: its tiled_avx2 fallback),

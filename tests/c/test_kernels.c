@@ -324,10 +324,10 @@ static void att_fwd_unrounded(float *out, float *lse, const float *q, const floa
 }
 static void att_bwd_unrounded(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                               const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
-                              const kern_attn_opt *opt) {
+                              const kern_attn_opt *opt, int acc) {
     kern_attn_opt o = opt ? *opt : (kern_attn_opt){0, 0, 0, 0};
     o.bf16 = 0;
-    op_attention_bwd_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, &o);
+    op_attention_bwd_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, &o, acc);
 }
 
 /* Every FAIL line of `log` is impl's and names an option containing `opt`; returns their count. */
@@ -674,7 +674,7 @@ static void test_attention_tiled_avx512(void) {
             dq[i] = calloc(nq, 4), dk[i] = calloc(nk, 4), dv[i] = calloc(nk, 4);
             (i ? fwd : op_attention_fwd_tiled)(o[i], l[i], q, k, v, B, T, nh, nkv, hd, opts[oi]);
             (i ? bwd : op_attention_bwd_tiled)(dq[i], dk[i], dv[i], g, o[i], l[i], q, k, v, B, T, nh, nkv, hd,
-                                               opts[oi]);
+                                               opts[oi], 1);
         }
         omp_set_num_threads(saved);
         CHECK(!memcmp(o[0], o[1], nq * 4) && !memcmp(l[0], l[1], nl * 4), "tiled_avx512 forward != tiled (opt %d)",
@@ -717,7 +717,8 @@ static void attention_threads_same(const kern_impl *im, const int (*shapes)[5], 
                 memcpy(dk[th], d0 + nq, nk * 4);
                 memcpy(dv[th], d0 + nq + nk, nk * 4);
                 im->fn.attention.fwd(o[th], l[th], q, k, v, B, T, nh, nkv, hd, opts[oi]);
-                im->fn.attention.bwd(dq[th], dk[th], dv[th], g, o[th], l[th], q, k, v, B, T, nh, nkv, hd, opts[oi]);
+                im->fn.attention.bwd(dq[th], dk[th], dv[th], g, o[th], l[th], q, k, v, B, T, nh, nkv, hd, opts[oi],
+                                     1);
             }
             omp_set_num_threads(saved);
             for (int th = 1; th < 3; th++) {

@@ -64,10 +64,10 @@ static void run_ew(void *c_, float *o) {
     p += 2 * nc + c->N + c->C;
     rp->fn.rope.qknorm_fwd(p, p + nq, c->x, c->w, c->cs, c->sn, c->B, c->T, c->nh, c->hd, 1e-6f);
     rp->fn.rope.qknorm_bwd(p + nq + rows, p + 2 * nq + rows, c->dout, c->x, c->w, p + nq, c->cs, c->sn, c->B, c->T,
-                           c->nh, c->hd);
+                           c->nh, c->hd, 0);
     p += 2 * nq + rows + c->hd;
     sw->fn.swiglu.fwd(p, c->x, c->dout, (int)nc);
-    sw->fn.swiglu.bwd(p + nc, p + 2 * nc, c->w, c->x, c->dout, (int)nc); /* dout: the first nc of w */
+    sw->fn.swiglu.bwd(p + nc, p + 2 * nc, c->w, c->x, c->dout, (int)nc, 0); /* dout: the first nc of w */
 }
 
 /* [dlogits | loss] of the whole-row cross-entropy */

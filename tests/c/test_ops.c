@@ -36,6 +36,18 @@ static float *copyf(const float *x, size_t n) {
     return y;
 }
 
+static float *nans(size_t n) {
+    float *y = malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) y[i] = NAN;
+    return y;
+}
+
+/* acc 0 (`over`, written over NaN) gives the bits of acc 1 on zeros (`added`):
+ * the first product into a gradient buffer, which then needs no zeroing. */
+static void check_overwrite(const float *over, const float *added, size_t n, const char *what) {
+    CHECK(!memcmp(over, added, n * sizeof(float)), "%s: acc 0 over NaN is not acc 1 onto zeros", what);
+}
+
 static double max_abs(const float *x, size_t n) {
     double m = 0.0;
     for (size_t i = 0; i < n; i++)
@@ -375,7 +387,7 @@ static void test_rope(ct_rng *r, int B, int T, int nh, int hd, int rd) {
 typedef void (*attn_fwd_fn)(float *, float *, const float *, const float *, const float *, int, int, int, int, int,
                             const kern_attn_opt *);
 typedef void (*attn_bwd_fn)(float *, float *, float *, const float *, const float *, const float *, const float *,
-                            const float *, const float *, int, int, int, int, int, const kern_attn_opt *);
+                            const float *, const float *, int, int, int, int, int, const kern_attn_opt *, int);
 
 typedef struct {
     float *q, *k, *v, *lse;
@@ -439,7 +451,13 @@ static void test_attention_impl(ct_rng *r, const char *name, attn_fwd_fn fwd, at
     float *dq = zeros(nq), *dk = zeros(nk), *dv = zeros(nk), *fd = zeros(nq > nk ? nq : nk);
     attn_fwd(&c, out);
     float *lse = copyf(c.lse, nl), *o = copyf(out, nq);
-    bwd(dq, dk, dv, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt);
+    bwd(dq, dk, dv, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt, 1);
+    float *dqn = nans(nq), *dkn = nans(nk), *dvn = nans(nk);
+    bwd(dqn, dkn, dvn, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt, 0);
+    check_overwrite(dqn, dq, nq, "attention dq");
+    check_overwrite(dkn, dk, nk, "attention dk");
+    check_overwrite(dvn, dv, nk, "attention dv");
+    free(dqn); free(dkn); free(dvn);
     fd_grad(fd, c.q, nq, attn_fwd, &c, out, W, nq);
     CHECK_GRAD(dq, fd, nq, "attention dq");
     fd_grad(fd, c.k, nk, attn_fwd, &c, out, W, nq);
@@ -451,9 +469,9 @@ static void test_attention_impl(ct_rng *r, const char *name, attn_fwd_fn fwd, at
     float *q0 = randn(r, nq, 1), *q1 = copyf(q0, nq), *q2 = copyf(q0, nq);
     float *k0 = randn(r, nk, 1), *k1 = copyf(k0, nk), *k2 = copyf(k0, nk);
     float *v0 = randn(r, nk, 1), *v1 = copyf(v0, nk), *v2 = copyf(v0, nk);
-    bwd(q1, k1, v1, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt);
-    bwd(q2, k2, v2, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt);
-    bwd(q2, k2, v2, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt);
+    bwd(q1, k1, v1, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt, 1);
+    bwd(q2, k2, v2, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt, 1);
+    bwd(q2, k2, v2, W, o, lse, c.q, c.k, c.v, B, T, nh, nkv, hd, opt, 1);
     check_accum(v0, v1, v2, nk, "attention dv");
     if (T > 1 && !(window == 1)) { /* a window of 1: each row sees only itself, no gradient to q, k */
         check_accum(q0, q1, q2, nq, "attention dq");
@@ -526,10 +544,14 @@ static void test_swiglu(ct_rng *r) {
     CHECK(out[2] == 0.0f, "swiglu fwd at gate=-200 is %g", out[2]);
 
     float *W = randn(r, N, 1), *fd = zeros(N), *dg = zeros(N), *du = zeros(N);
-    op_swiglu_bwd(dg, du, W, c.gate, c.up, N);
+    op_swiglu_bwd(dg, du, W, c.gate, c.up, N, 1);
     c.gate[2] = -5.0f; // keep FD away from exp overflow, analytic done above
-    float *dg5 = zeros(N), *du5 = zeros(N);
-    op_swiglu_bwd(dg5, du5, W, c.gate, c.up, N);
+    float *dg5 = zeros(N), *du5 = zeros(N), *dgn = nans(N), *dun = nans(N);
+    op_swiglu_bwd(dg5, du5, W, c.gate, c.up, N, 1);
+    op_swiglu_bwd(dgn, dun, W, c.gate, c.up, N, 0);
+    check_overwrite(dgn, dg5, N, "swiglu dgate");
+    check_overwrite(dun, du5, N, "swiglu dup");
+    free(dgn); free(dun);
     CHECK(isfinite(dg[2]) && fabs(dg[2]) < 1e-30, "swiglu bwd at gate=-200 gives %g", dg[2]);
     fd_grad(fd, c.gate, N, swi_fwd, &c, out, W, N);
     CHECK_GRAD(dg5, fd, N, "swiglu dgate");
@@ -537,9 +559,9 @@ static void test_swiglu(ct_rng *r) {
     CHECK_GRAD(du5, fd, N, "swiglu dup");
     float *g0 = randn(r, N, 1), *g1 = copyf(g0, N), *g2 = copyf(g0, N);
     float *u0 = randn(r, N, 1), *u1 = copyf(u0, N), *u2 = copyf(u0, N);
-    op_swiglu_bwd(g1, u1, W, c.gate, c.up, N);
-    op_swiglu_bwd(g2, u2, W, c.gate, c.up, N);
-    op_swiglu_bwd(g2, u2, W, c.gate, c.up, N);
+    op_swiglu_bwd(g1, u1, W, c.gate, c.up, N, 1);
+    op_swiglu_bwd(g2, u2, W, c.gate, c.up, N, 1);
+    op_swiglu_bwd(g2, u2, W, c.gate, c.up, N, 1);
     check_accum(g0, g1, g2, N, "swiglu dgate");
     check_accum(u0, u1, u2, N, "swiglu dup");
     free(c.gate); free(c.up); free(out); free(W); free(fd); free(dg); free(du); free(dg5); free(du5);
@@ -665,14 +687,14 @@ static double run_reductions(int threads, float *dq, float *dk, float *dv, float
     }
     omp_set_num_threads(threads);
     op_attention_fwd(out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
-    op_attention_bwd(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
+    op_attention_bwd(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, NULL, 1);
     // the tiled kernel too, into the same gradients (both must be thread-count independent)
     op_attention_fwd_tiled(out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
-    op_attention_bwd_tiled(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, NULL);
+    op_attention_bwd_tiled(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, NULL, 1);
     // and with a window and a soft cap
     const kern_attn_opt opt = {0.5f, 9, 3.0f, 0};
     op_attention_fwd_tiled(out, lse, q, k, v, B, T, nh, nkv, hd, &opt);
-    op_attention_bwd_tiled(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, &opt);
+    op_attention_bwd_tiled(dq, dk, dv, g, out, lse, q, k, v, B, T, nh, nkv, hd, &opt, 1);
     op_rmsnorm_fwd(y, rstd, x, w, N, C, 1e-6f);
     op_rmsnorm_bwd(dx, dw, gx, x, w, rstd, N, C);
     op_embedding_bwd(dwte, gx, tok, N, C);

@@ -47,15 +47,15 @@ SIGNATURES = {
     "op_rope_bwd": (None, [F32P, F32P, F32P, F32P, c_int, c_int, c_int, c_int, c_int]),
     "op_rope_tables": (None, [F32P, F32P, c_int, c_int, c_float]),
     "op_attention_fwd": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5 + [OPTP]),
-    "op_attention_bwd": (None, [F32P] * 9 + [c_int] * 5 + [OPTP]),
+    "op_attention_bwd": (None, [F32P] * 9 + [c_int] * 5 + [OPTP, c_int]),
     "op_attention_fwd_tiled": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5 + [OPTP]),
-    "op_attention_bwd_tiled": (None, [F32P] * 9 + [c_int] * 5 + [OPTP]),
+    "op_attention_bwd_tiled": (None, [F32P] * 9 + [c_int] * 5 + [OPTP, c_int]),
     "op_attention_fwd_tiled_avx512": (None, [F32P, F32P, F32P, F32P, F32P] + [c_int] * 5 + [OPTP]),
-    "op_attention_bwd_tiled_avx512": (None, [F32P] * 9 + [c_int] * 5 + [OPTP]),
+    "op_attention_bwd_tiled_avx512": (None, [F32P] * 9 + [c_int] * 5 + [OPTP, c_int]),
     "op_swiglu_fwd": (None, [F32P, F32P, F32P, c_int]),
-    "op_swiglu_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int]),
+    "op_swiglu_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int, c_int]),
     "op_geglu_fwd": (None, [F32P, F32P, F32P, c_int]),
-    "op_geglu_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int]),
+    "op_geglu_bwd": (None, [F32P, F32P, F32P, F32P, F32P, c_int, c_int]),
     "op_crossentropy_fwdbwd": (ctypes.c_double, [F32P, I32P, c_int, c_int, c_float, ctypes.POINTER(c_long)]),
     "op_crossentropy_fwd": (ctypes.c_double, [F32P, F32P, I32P, c_int, c_int]),
     "op_add": (None, [F32P, F32P, F32P, c_long]),
@@ -288,10 +288,16 @@ def test_attention(lib, gen, impl, B, T, nh, nkv, hd):
     g, (dq_t, dk_t, dv_t) = backward(out_t, (q, k, v), gen)
     dq0, dk0, dv0 = np32(randn(gen, *q.shape)), np32(randn(gen, *k.shape)), np32(randn(gen, *v.shape))
     dq, dk, dv = dq0.copy(), dk0.copy(), dv0.copy()
-    bwd(P(dq), P(dk), P(dv), P(np32(g)), P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd, None)
+    bwd(P(dq), P(dk), P(dv), P(np32(g)), P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd, None, 1)
     assert_close(dq - dq0, dq_t, "attention dq")
     assert_close(dk - dk0, dk_t, "attention dk")
     assert_close(dv - dv0, dv_t, "attention dv")
+    # acc 0: the gradients overwrite what the buffers held (NaN here)
+    dq, dk, dv = np.full_like(dq0, np.nan), np.full_like(dk0, np.nan), np.full_like(dv0, np.nan)
+    bwd(P(dq), P(dk), P(dv), P(np32(g)), P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd, None, 0)
+    assert_close(dq, dq_t, "attention dq (acc 0)")
+    assert_close(dk, dk_t, "attention dk (acc 0)")
+    assert_close(dv, dv_t, "attention dv (acc 0)")
 
 
 # The families' variants (kern_attn_opt): (scale, window, softcap); scale 0 is the default 1/sqrt(hd).
@@ -333,7 +339,7 @@ def test_attention_options(lib, gen, impl, B, T, nh, nkv, hd, scale, window, sof
     g, (dq_t, dk_t, dv_t) = backward(out_t, (q, k, v), gen)
     dq0, dk0, dv0 = np32(randn(gen, *q.shape)), np32(randn(gen, *k.shape)), np32(randn(gen, *v.shape))
     dq, dk, dv = dq0.copy(), dk0.copy(), dv0.copy()
-    bwd(P(dq), P(dk), P(dv), P(np32(g)), P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd, opt)
+    bwd(P(dq), P(dk), P(dv), P(np32(g)), P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, T, nh, nkv, hd, opt, 1)
     # (window 1: no gradient reaches q and k, a softmax over one key; both sides give exact zeros)
     assert_close(dq - dq0, dq_t, what + " dq")
     assert_close(dk - dk0, dk_t, what + " dk")
@@ -355,9 +361,13 @@ def test_swiglu(lib, gen):
     g, (dg_t, du_t) = backward(out_t, (gate, up), gen)
     dg0, du0 = np32(randn(gen, N)), np32(randn(gen, N))
     dg, du = dg0.copy(), du0.copy()
-    lib.op_swiglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N)
+    lib.op_swiglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N, 1)
     assert_close(dg - dg0, dg_t, "swiglu dgate")
     assert_close(du - du0, du_t, "swiglu dup")
+    dg, du = np.full_like(dg0, np.nan), np.full_like(du0, np.nan)  # acc 0: overwritten
+    lib.op_swiglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N, 0)
+    assert_close(dg, dg_t, "swiglu dgate (acc 0)")
+    assert_close(du, du_t, "swiglu dup (acc 0)")
 
 
 # ----------------------------------------------------------------------------- geglu
@@ -375,9 +385,13 @@ def test_geglu(lib, gen):
     g, (dg_t, du_t) = backward(out_t, (gate, up), gen)
     dg0, du0 = np32(randn(gen, N)), np32(randn(gen, N))
     dg, du = dg0.copy(), du0.copy()
-    lib.op_geglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N)
+    lib.op_geglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N, 1)
     assert_close(dg - dg0, dg_t, "geglu dgate")
     assert_close(du - du0, du_t, "geglu dup")
+    dg, du = np.full_like(dg0, np.nan), np.full_like(du0, np.nan)  # acc 0: overwritten
+    lib.op_geglu_bwd(P(dg), P(du), P(np32(g)), P(np32(gate)), P(np32(up)), N, 0)
+    assert_close(dg, dg_t, "geglu dgate (acc 0)")
+    assert_close(du, du_t, "geglu dup (acc 0)")
 
 
 # --------------------------------------------------------------------- cross entropy

@@ -70,6 +70,8 @@ MODEL_OPS = {"embedding_fwd", "embedding_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "ma
              "crossentropy_fwdbwd", "adamw_step"}
 # the model code's own OpenMP loops with an op span, by name: (op, impl "model": no registry kernel)
 MODEL_CODE_OPS = {"zero_layer_scratch": "zero", "grad_norm": "grad_norm"}
+# those of a dense Qwen3 step: no gradient scratch to zero (each buffer's first product overwrites it)
+QWEN3_CODE_OPS = {"grad_norm"}
 
 
 @pytest.fixture
@@ -153,7 +155,7 @@ def test_trace_single_rank(setup, run_ctitan):
         assert meta["process_name"]["name"] == "rank 0"
         assert all(e["pid"] == 0 for e in trace["traceEvents"])
         ops = spans(trace, "op")
-        assert {e["name"] for e in ops} == MODEL_OPS | set(MODEL_CODE_OPS)
+        assert {e["name"] for e in ops} == MODEL_OPS | QWEN3_CODE_OPS
         for e in ops:
             if e["name"] in MODEL_CODE_OPS:
                 assert e["args"] == {"op": MODEL_CODE_OPS[e["name"]], "impl": "model"}, e
@@ -184,7 +186,7 @@ def test_trace_single_rank(setup, run_ctitan):
     # the table at the end: the trace's durations summed per op (ns kept exactly in both)
     rows = summary_rows(err)
     got = {k[1]: v for k, v in rows.items() if k[0] == "op"}
-    assert set(got) == MODEL_OPS | set(MODEL_CODE_OPS)
+    assert set(got) == MODEL_OPS | QWEN3_CODE_OPS
     for name, total_us in per_op.items():
         assert got[name][1] == total_us / 1000, (name, got[name], total_us)
     coll = {k[1:]: v for k, v in rows.items() if k[0] == "collective"}
@@ -279,19 +281,27 @@ def test_model_code_worker_spans(tmp_path, run_ctitan):
     zeroing a layer's gradient scratch and the gradient norm, each an op span of impl
     "model" with a worker span per thread inside it; with LoRA dropout, the dropout mask's
     forward and backward loops. The model is just large enough for those loops to go
-    parallel (a layer's scratch of 2^18 floats; the norm's groups of 4 x 2^16 gradients, of
-    which it needs two, since one group runs without a region: inter 3072 gives ~660 k);
-    without dropout, the LoRA group's own region (lora_fwd / lora_bwd: 128 rows, 64 per thread)."""
+    parallel (the norm's groups of 4 x 2^16 gradients, of which it needs two, since one
+    group runs without a region: inter 3072 gives ~660 k); without dropout, the LoRA
+    group's own region (lora_fwd / lora_bwd: 128 rows, 64 per thread). Qwen3 zeroes no
+    scratch (each buffer's first product overwrites it); a Llama, whose RoPE backward adds
+    into d(q) and d(k) of the projections, zeroes those (2^18 floats or more: 16 heads of
+    128 and 8 kv heads, 128 tokens)."""
     import oracle
+    from transformers import LlamaConfig
     cfg = oracle.tiny_config(vocab=128, hidden=64, inter=3072, layers=1, heads=4, kv_heads=2, head_dim=16)
-    model, data = tmp_path / "model", tmp_path / "d.bin"
+    model, llama, data = tmp_path / "model", tmp_path / "llama", tmp_path / "d.bin"
     cfg.save_pretrained(model)
+    LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=16,
+                num_key_value_heads=8, head_dim=128, max_position_embeddings=256, tie_word_embeddings=False,
+                use_cache=False).save_pretrained(llama)
     oracle.write_bin(data, oracle.learnable_stream(4 * 129 + 5, 128, seed=3))
     base = ["train", "--model.spec=hf", f"--model.hf_assets_path={model}", f"--training.dataset_path={data}",
             "--training.seq_len=64", "--training.local_batch_size=2", "--training.steps=2", "--training.threads=2",
             "--metrics.log_freq=1", "--metrics.peak_tflops=1", "--profiling.enable_profiling",
             "--profiling.profile_freq=2"]
-    runs = {"full": ([], {"zero_layer_scratch", "grad_norm"}),
+    runs = {"full": ([], {"grad_norm"}),
+            "llama": ([f"--model.hf_assets_path={llama}"], {"zero_layer_scratch", "grad_norm"}),
             "lora": (["--lora.rank=4", "--lora.alpha=8", "--lora.dropout=0.25", "--lora.target_modules=q_proj,up_proj"],
                      {"lora_dropout_fwd", "lora_dropout_bwd"}),
             # without dropout the adapters of one input run as a group in one region (model/lora.h)
@@ -306,8 +316,10 @@ def test_model_code_worker_spans(tmp_path, run_ctitan):
         tids = check_worker_spans(trace, 0)
         ops = [e for e in spans(trace, "op") if e["name"] in want]
         assert {e["name"] for e in ops} == want, (name, sorted({e["name"] for e in spans(trace, "op")}))
+        if name == "full":  # Qwen3: nothing to zero
+            assert not [e for e in spans(trace, "op") if e["name"] == "zero_layer_scratch"]
         for e in ops:  # the group's products run the matmul kernel, nested in its region
-            assert e["args"]["impl"] == ("model" if "dropout" in e["name"] or name == "full"
+            assert e["args"]["impl"] == ("model" if "dropout" in e["name"] or name in ("full", "llama")
                                          else f"matmul:{kernels_line(err)['matmul']}"), e
         for n in want:  # every thread of the loop has its share under the op
             got = {w["tid"] for w in spans(trace, "thread") if w["name"] == n}

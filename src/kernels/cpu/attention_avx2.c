@@ -460,11 +460,11 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
 
 T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                   const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                  int nh, int nkv, int hd, const kern_attn_opt *opt) {
+                                  int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
     // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
     // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     if (hd % KC) {
-        op_attention_bwd_tiled_avx2(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        op_attention_bwd_tiled_avx2(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, acc);
         return;
     }
     int group = nh / nkv;
@@ -520,13 +520,19 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                 float *dkh = dk + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
                 float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
                 att2_slabs_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
-                att2_rows_in(DKS, hd, dkh, ks, T, hd); // row j at + j*hd
-                att2_rows_in(DVS, hd, dvh, ks, T, hd);
+                if (acc) { /* acc 0: the sums start from 0, dk and dv are not read */
+                    att2_rows_in(DKS, hd, dkh, ks, T, hd); // row j at + j*hd
+                    att2_rows_in(DVS, hd, dvh, ks, T, hd);
+                } else {
+                    memset(DKS, 0, (size_t)T * hd * sizeof(float));
+                    memset(DVS, 0, (size_t)T * hd * sizeof(float));
+                }
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
                     const float *qh = QS, *gh = GS;                        // row t at + t*hdp
                     float *dqh = dq + ((size_t)b * T * nh + h) * hd;       // row t at + t*qs
-                    att2_rows_in(DQS, hd, dqh, qs, T, hd); // row t at + t*hd
+                    if (acc) att2_rows_in(DQS, hd, dqh, qs, T, hd); // row t at + t*hd
+                    else memset(DQS, 0, (size_t)T * hd * sizeof(float));
                     att2_rows_in(QS, hdp, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     att2_rows_in(GS, hdp, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     /* D = rowsum(dout * out) = sum_j p_j dp_j, the head's rows in one loop: out's

@@ -695,10 +695,11 @@ A512 void kern_attention_fwd_avx512bf16(float *out, float *lse, const float *q, 
     att_fwd_body(out, lse, q, k, v, B, T, nh, nkv, hd, opt, 1);
 }
 
-/* The backward of both kernels: vb = 1 runs every product as bf16 pairs. */
+/* The backward of both kernels: vb = 1 runs every product as bf16 pairs; acc 0
+ * overwrites dq, dk and dv (their row copies start from 0). */
 A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                            const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
-                           const kern_attn_opt *opt, int vb) {
+                           const kern_attn_opt *opt, int vb, int acc) {
     // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
     // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     int group = nh / nkv;
@@ -754,15 +755,21 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                 const uint32_t *vph = vb ? VP + ((size_t)b * nkv + kh) * hp * Tp : NULL;
                 const float *kh_ = KS; // row j at + j*hd
                 float *dkh = DK, *dvh = DV; // row j at + j*hd
-                att_rows_in(DK, dk + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
-                att_rows_in(DV, dv + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
+                if (acc) { /* acc 0: the sums start from 0, dk and dv are not read */
+                    att_rows_in(DK, dk + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
+                    att_rows_in(DV, dv + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
+                } else {
+                    memset(DK, 0, (size_t)T * hd * sizeof(float));
+                    memset(DV, 0, (size_t)T * hd * sizeof(float));
+                }
                 if (vb) att_kpairs_bf16(KR, k + ((size_t)b * T * nkv + kh) * hd, ks, T, Tp, hd);
                 else att_rows_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
                     const float *qh = QS, *gh = GS; // row t at + t*hd
                     float *dqh = DQ; // row t at + t*hd
-                    att_rows_in(DQ, dq + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    if (acc) att_rows_in(DQ, dq + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    else memset(DQ, 0, (size_t)T * hd * sizeof(float));
                     if (vb) {
                         att_head_bf16(QB, GB, QR, GR, q + ((size_t)b * T * nh + h) * hd,
                                       dout + ((size_t)b * T * nh + h) * hd, qs, T, Tz, hd);
@@ -935,21 +942,21 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
 
 A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                     const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                    int nh, int nkv, int hd, const kern_attn_opt *opt) {
+                                    int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
     if (hd % HC) {
-        op_attention_bwd_tiled_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        op_attention_bwd_tiled_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, acc);
         return;
     }
-    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, 0);
+    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, 0, acc);
 }
 
 A512 void kern_attention_bwd_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                         const float *lse, const float *q, const float *k, const float *v, int B,
-                                        int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+                                        int T, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
     if (!kern_attn_bf16(opt) || hd % HC) {
-        kern_attention_bwd_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        kern_attention_bwd_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, acc);
         return;
     }
-    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, 1);
+    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, 1, acc);
 }
 #endif /* __x86_64__ */

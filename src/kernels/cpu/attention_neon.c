@@ -437,13 +437,14 @@ void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float
 
 ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                              const float *lse, const float *q, const float *k, const float *v, int B,
-                                             int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+                                             int T, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
     // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
     // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     if (hd % NC) {
-        op_attention_bwd_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        op_attention_bwd_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, acc);
         return;
     }
+    if (!acc) kern_attn_zero_grads(dq, dk, dv, B, T, nh, nkv, hd); /* dk, dv are summed in place */
     int group = nh / nkv;
     int nqb = (T + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);

@@ -265,13 +265,13 @@ static void memo_attention_fwd(float *out, float *lse, const float *q, const flo
 
 static void memo_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                                const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
-                               const kern_attn_opt *opt) {
+                               const kern_attn_opt *opt, int acc) {
     size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd, np = (size_t)B * nh * T;
-    int64_t sc[] = {B, T, nh, nkv, hd};
+    int64_t sc[] = {B, T, nh, nkv, hd, acc};
     memo_buf in[] = {FB(dout, nq), FB(out, nq), FB(lse, np), FB(q, nq), FB(k, nk), FB(v, nk),
                      {(void *)opt, opt ? sizeof *opt : 0}},
              out_[] = {FB(dq, nq), FB(dk, nk), FB(dv, nk)};
-    MEMO_CALL(4, memo.ref->fn.attention.bwd(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt));
+    MEMO_CALL(4, memo.ref->fn.attention.bwd(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, acc));
 }
 
 /* work: scratch, neither read before written nor compared */
@@ -633,13 +633,21 @@ static void case_rope(chk_case *c, const kern_impl *ref, const kern_impl *im, co
     fill(dw1, (size_t)hd, r, -1, 1);
     memcpy(d2, d1, n * sizeof(float));
     float *dw2 = dup(dw1, (size_t)hd);
-    ref->fn.rope.qknorm_bwd(d1, dw1, dout, x, w, rs1, cs, sn, B, T, nh, hd);
-    im->fn.rope.qknorm_bwd(d2, dw2, dout, x, w, rs1, cs, sn, B, T, nh, hd);
+    ref->fn.rope.qknorm_bwd(d1, dw1, dout, x, w, rs1, cs, sn, B, T, nh, hd, 1);
+    im->fn.rope.qknorm_bwd(d2, dw2, dout, x, w, rs1, cs, sn, B, T, nh, hd, 1);
     part(c, "qkn-dx+=", rel_err(d2, d1, n));
     part(c, "qkn-dw+=", rel_err(dw2, dw1, (size_t)hd));
-    ref->fn.rope.qknorm_bwd(d1, NULL, dout, x, w, rs1, cs, sn, B, T, nh, hd);
-    im->fn.rope.qknorm_bwd(d2, NULL, dout, x, w, rs1, cs, sn, B, T, nh, hd);
+    ref->fn.rope.qknorm_bwd(d1, NULL, dout, x, w, rs1, cs, sn, B, T, nh, hd, 1);
+    im->fn.rope.qknorm_bwd(d2, NULL, dout, x, w, rs1, cs, sn, B, T, nh, hd, 1);
     part(c, "qkn-dw=NULL", rel_err(d2, d1, n));
+    /* acc 0 overwrites dx: into NaN, the bits of acc 1 onto zeros; dw still adds */
+    memset(d1, 0, n * sizeof(float));
+    fill_nan(d2, n);
+    memcpy(dw1, dw2, (size_t)hd * sizeof(float));
+    im->fn.rope.qknorm_bwd(d1, dw1, dout, x, w, rs1, cs, sn, B, T, nh, hd, 1);
+    im->fn.rope.qknorm_bwd(d2, dw2, dout, x, w, rs1, cs, sn, B, T, nh, hd, 0);
+    part(c, "qkn-dx=", bits_err(d2, d1, n));
+    part(c, "qkn-dw", bits_err(dw2, dw1, (size_t)hd));
     free(cs), free(sn), free(x), free(dout), free(o1), free(o2), free(ip), free(d1), free(d2);
     free(w), free(rs1), free(rs2), free(dw1), free(dw2);
 }
@@ -710,11 +718,20 @@ static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *i
     fill(dv1, nk, r, -1, 1);
     float *dq2 = dup(dq1, nq), *dk2 = dup(dk1, nk), *dv2 = dup(dv1, nk);
     /* both backwards read the reference's out and lse, so only the backward is compared */
-    ref->fn.attention.bwd(dq1, dk1, dv1, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt);
-    im->fn.attention.bwd(dq2, dk2, dv2, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt);
+    ref->fn.attention.bwd(dq1, dk1, dv1, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt, 1);
+    im->fn.attention.bwd(dq2, dk2, dv2, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt, 1);
     part(c, "dq+=", rel_err(dq2, dq1, nq));
     part(c, "dk+=", rel_err(dk2, dk1, nk));
     part(c, "dv+=", rel_err(dv2, dv1, nk));
+    /* acc 0 overwrites: into NaN (a read of it shows), the bits of acc 1 onto zeros */
+    float *dq3 = fbuf(nq), *dk3 = fbuf(nk), *dv3 = fbuf(nk), *dq4 = fbuf(nq), *dk4 = fbuf(nk), *dv4 = fbuf(nk);
+    memset(dq3, 0, nq * sizeof(float)), memset(dk3, 0, nk * sizeof(float)), memset(dv3, 0, nk * sizeof(float));
+    fill_nan(dq4, nq), fill_nan(dk4, nk), fill_nan(dv4, nk);
+    im->fn.attention.bwd(dq3, dk3, dv3, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt, 1);
+    im->fn.attention.bwd(dq4, dk4, dv4, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt, 0);
+    part(c, "dq=", bits_err(dq4, dq3, nq));
+    part(c, "dk=", bits_err(dk4, dk3, nk));
+    part(c, "dv=", bits_err(dv4, dv3, nk));
     if (kern_attn_bf16(opt)) { /* the rounding of P and dS: dense errors (KERN_CHECK_MEAN_TOL) */
         double m = 0;
         const float *got[] = {dq2, dk2, dv2}, *want[] = {dq1, dk1, dv1};
@@ -731,6 +748,7 @@ static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *i
     }
     free(q), free(k), free(v), free(dout), free(o1), free(o2), free(p1), free(p2);
     free(dq1), free(dk1), free(dv1), free(dq2), free(dk2), free(dv2);
+    free(dq3), free(dk3), free(dv3), free(dq4), free(dk4), free(dv4);
 }
 
 /* B T nh nkv hd opt (opt: attn_opts[]) */
@@ -791,10 +809,17 @@ static void case_swiglu(chk_case *c, const kern_impl *ref, const kern_impl *im, 
     fill(dg1, n, r, -1, 1);
     fill(du1, n, r, -1, 1);
     float *dg2 = dup(dg1, n), *du2 = dup(du1, n);
-    ref->fn.swiglu.bwd(dg1, du1, dout, g, u, N);
-    im->fn.swiglu.bwd(dg2, du2, dout, g, u, N);
+    ref->fn.swiglu.bwd(dg1, du1, dout, g, u, N, 1);
+    im->fn.swiglu.bwd(dg2, du2, dout, g, u, N, 1);
     part(c, "dgate+=", rel_err(dg2, dg1, n));
     part(c, "dup+=", rel_err(du2, du1, n));
+    /* acc 0 overwrites: into NaN, the bits of acc 1 onto zeros */
+    memset(dg1, 0, n * sizeof(float)), memset(du1, 0, n * sizeof(float));
+    fill_nan(dg2, n), fill_nan(du2, n);
+    im->fn.swiglu.bwd(dg1, du1, dout, g, u, N, 1);
+    im->fn.swiglu.bwd(dg2, du2, dout, g, u, N, 0);
+    part(c, "dgate=", bits_err(dg2, dg1, n));
+    part(c, "dup=", bits_err(du2, du1, n));
     free(g), free(u), free(dout), free(o1), free(o2), free(dg1), free(du1), free(dg2), free(du2);
 }
 
@@ -824,10 +849,17 @@ static void case_geglu(chk_case *c, const kern_impl *ref, const kern_impl *im, c
     fill(dg1, n, r, -1, 1);
     fill(du1, n, r, -1, 1);
     float *dg2 = dup(dg1, n), *du2 = dup(du1, n);
-    ref->fn.geglu.bwd(dg1, du1, dout, g, u, N);
-    im->fn.geglu.bwd(dg2, du2, dout, g, u, N);
+    ref->fn.geglu.bwd(dg1, du1, dout, g, u, N, 1);
+    im->fn.geglu.bwd(dg2, du2, dout, g, u, N, 1);
     part(c, "dgate+=", rel_err(dg2, dg1, n));
     part(c, "dup+=", rel_err(du2, du1, n));
+    /* acc 0 overwrites: into NaN, the bits of acc 1 onto zeros */
+    memset(dg1, 0, n * sizeof(float)), memset(du1, 0, n * sizeof(float));
+    fill_nan(dg2, n), fill_nan(du2, n);
+    im->fn.geglu.bwd(dg1, du1, dout, g, u, N, 1);
+    im->fn.geglu.bwd(dg2, du2, dout, g, u, N, 0);
+    part(c, "dgate=", bits_err(dg2, dg1, n));
+    part(c, "dup=", bits_err(du2, du1, n));
     free(g), free(u), free(dout), free(o1), free(o2), free(dg1), free(du1), free(dg2), free(du2);
 }
 

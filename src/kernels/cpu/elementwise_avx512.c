@@ -310,8 +310,8 @@ EW512 void kern_qknorm_rope_fwd_avx512(float *out, float *rstd, const float *x, 
 
 EW512 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, const float *x, const float *w,
                                        const float *rstd, const float *cos, const float *sin, int B, int T, int nh,
-                                       int hd) {
-    // dx[B,T,nh,hd] +=, dw[hd] += (may be NULL), dout[B,T,nh,hd] (w.r.t. the rotated output),
+                                       int hd, int acc) {
+    // dx[B,T,nh,hd] (+)= (acc 0: overwritten), dw[hd] += (may be NULL), dout[B,T,nh,hd] (w.r.t. the rotated output),
     // x[B,T,nh,hd] (the norm's input), w[hd], rstd[B*T*nh], cos/sin [T,hd/2]
     // Per row: g = R^T dout (the RoPE backward), then the RMSNorm backward of g;
     // dw gets g x r. dw sums over every row: fixed blocks of EW_ROWBLK rows each
@@ -335,17 +335,17 @@ EW512 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, 
                 const float *xr = x + (size_t)row * hd, *dy = dout + (size_t)row * hd;
                 float *dxr = dx + (size_t)row * hd;
                 float r = rstd[row];
-                __m512 acc = _mm512_setzero_ps();
+                __m512 dot = _mm512_setzero_ps();
                 for (int i = 0; i < half; i += 16) {
                     long m = half - i;
                     __m512 d1 = ew_load(dy + i, m), d2 = ew_load(dy + half + i, m);
                     __m512 vc = ew_load(c + i, m), vs = ew_load(s + i, m);
                     __m512 g1 = _mm512_add_ps(_mm512_mul_ps(d1, vc), _mm512_mul_ps(d2, vs));
                     __m512 g2 = _mm512_sub_ps(_mm512_mul_ps(d2, vc), _mm512_mul_ps(d1, vs));
-                    acc = _mm512_fmadd_ps(_mm512_mul_ps(g1, ew_load(w + i, m)), ew_load(xr + i, m), acc);
-                    acc = _mm512_fmadd_ps(_mm512_mul_ps(g2, ew_load(w + half + i, m)), ew_load(xr + half + i, m), acc);
+                    dot = _mm512_fmadd_ps(_mm512_mul_ps(g1, ew_load(w + i, m)), ew_load(xr + i, m), dot);
+                    dot = _mm512_fmadd_ps(_mm512_mul_ps(g2, ew_load(w + half + i, m)), ew_load(xr + half + i, m), dot);
                 }
-                float k = _mm512_reduce_add_ps(acc) * r * r * r / (float)hd;
+                float k = _mm512_reduce_add_ps(dot) * r * r * r / (float)hd;
                 __m512 vr = _mm512_set1_ps(r), vk = _mm512_set1_ps(k);
                 for (int i = 0; i < half; i += 16) {
                     long m = half - i;
@@ -357,7 +357,7 @@ EW512 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, 
                         int o = i + j * half;
                         __m512 vx = ew_load(xr + o, m), vw = ew_load(w + o, m);
                         __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(vr, vw), g[j]), _mm512_mul_ps(vk, vx));
-                        ew_store(dxr + o, _mm512_add_ps(ew_load(dxr + o, m), d), m);
+                        ew_store(dxr + o, _mm512_add_ps(acc ? ew_load(dxr + o, m) : _mm512_setzero_ps(), d), m);
                         if (pw) ew_store(pw + o, _mm512_fmadd_ps(g[j], _mm512_mul_ps(vx, vr), ew_load(pw + o, m)), m);
                     }
                 }
@@ -402,7 +402,7 @@ EW512 void kern_swiglu_fwd_avx512(float *out, const float *gate, const float *up
 }
 
 EW512 void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
-                                  int N) {
+                                  int N, int acc) {
     // dgate[N], dup[N], dout[N], gate[N], up[N]; silu'(g) = sig (1 + g (1 - sig))
     long nb = ((long)N + EW_BLOCK - 1) / EW_BLOCK;
     const __m512 one = _mm512_set1_ps(1.0f);
@@ -418,8 +418,10 @@ EW512 void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, c
                 __m512 g = ew_load(gate + i, m), u = ew_load(up + i, m), d = ew_load(dout + i, m);
                 __m512 sig = avx512_div(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
                 __m512 dsilu = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(g, _mm512_sub_ps(one, sig))));
-                ew_store(dgate + i, _mm512_add_ps(ew_load(dgate + i, m), _mm512_mul_ps(_mm512_mul_ps(d, u), dsilu)), m);
-                ew_store(dup + i, _mm512_add_ps(ew_load(dup + i, m), _mm512_mul_ps(d, _mm512_mul_ps(g, sig))), m);
+                __m512 g0 = acc ? ew_load(dgate + i, m) : _mm512_setzero_ps(); /* acc 0: 0 + x, x's bits */
+                __m512 u0 = acc ? ew_load(dup + i, m) : _mm512_setzero_ps();
+                ew_store(dgate + i, _mm512_add_ps(g0, _mm512_mul_ps(_mm512_mul_ps(d, u), dsilu)), m);
+                ew_store(dup + i, _mm512_add_ps(u0, _mm512_mul_ps(d, _mm512_mul_ps(g, sig))), m);
             }
         }
         KERN_TRACE_EXIT(kt_);

@@ -292,11 +292,14 @@ void kern_rope_bwd_avx512(float *dinp, const float *dout, const float *cos, cons
 void kern_qknorm_rope_fwd_avx512(float *out, float *rstd, const float *x, const float *w, const float *cos,
                                  const float *sin, int B, int T, int nh, int hd, float eps);
 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, const float *x, const float *w,
-                                 const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
+                                 const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd,
+                                 int acc);
 void kern_swiglu_fwd_avx512(float *out, const float *gate, const float *up, int N);
-void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N,
+                            int acc);
 void kern_geglu_fwd_avx512(float *out, const float *gate, const float *up, int N);
-void kern_geglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_geglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N,
+                           int acc);
 void kern_add_avx512(float *out, const float *a, const float *b, long N);
 double kern_crossentropy_fwdbwd_avx512(float *logits, const int32_t *targets, int N, int V, float grad_scale,
                                        long *n_valid);
@@ -314,14 +317,14 @@ void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const flo
                                int nh, int nkv, int hd, const kern_attn_opt *opt);
 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                const float *lse, const float *q, const float *k, const float *v, int B, int T, int nh,
-                               int nkv, int hd, const kern_attn_opt *opt);
+                               int nkv, int hd, const kern_attn_opt *opt, int acc);
 /* The same with vdpbf16ps products under kern_attn_opt.bf16 (AVX512_BF16; without the
  * option, or hd % 64 != 0, the kernels above). */
 void kern_attention_fwd_avx512bf16(float *out, float *lse, const float *q, const float *k, const float *v, int B,
                                    int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void kern_attention_bwd_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                    const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                   int nh, int nkv, int hd, const kern_attn_opt *opt);
+                                   int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 /* out[i] = e^x[i] with the vector exp of the kernels above (for its accuracy test). */
 void kern_exp_avx512(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with avx512_util.h's tanh16 (attention's soft cap; for its accuracy test). */
@@ -340,11 +343,14 @@ void kern_rope_bwd_avx2(float *dinp, const float *dout, const float *cos, const 
 void kern_qknorm_rope_fwd_avx2(float *out, float *rstd, const float *x, const float *w, const float *cos,
                                const float *sin, int B, int T, int nh, int hd, float eps);
 void kern_qknorm_rope_bwd_avx2(float *dx, float *dw, const float *dout, const float *x, const float *w,
-                               const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
+                               const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd,
+                               int acc);
 void kern_swiglu_fwd_avx2(float *out, const float *gate, const float *up, int N);
-void kern_swiglu_bwd_avx2(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_swiglu_bwd_avx2(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N,
+                          int acc);
 void kern_geglu_fwd_avx2(float *out, const float *gate, const float *up, int N);
-void kern_geglu_bwd_avx2(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_geglu_bwd_avx2(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N,
+                         int acc);
 void kern_add_avx2(float *out, const float *a, const float *b, long N);
 double kern_crossentropy_fwdbwd_avx2(float *logits, const int32_t *targets, int N, int V, float grad_scale,
                                      long *n_valid);
@@ -362,7 +368,7 @@ void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const float
                              int nh, int nkv, int hd, const kern_attn_opt *opt);
 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                              const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
-                             const kern_attn_opt *opt);
+                             const kern_attn_opt *opt, int acc);
 /* out[i] = e^x[i] with the AVX2 vector exp (avx2_util.h's exp8; for its accuracy test). */
 void kern_exp_avx2(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with avx2_util.h's tanh8 (for its accuracy test). */
@@ -408,11 +414,14 @@ void kern_rope_bwd_neon(float *dinp, const float *dout, const float *cos, const 
 void kern_qknorm_rope_fwd_neon(float *out, float *rstd, const float *x, const float *w, const float *cos,
                                const float *sin, int B, int T, int nh, int hd, float eps);
 void kern_qknorm_rope_bwd_neon(float *dx, float *dw, const float *dout, const float *x, const float *w,
-                               const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd);
+                               const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd,
+                               int acc);
 void kern_swiglu_fwd_neon(float *out, const float *gate, const float *up, int N);
-void kern_swiglu_bwd_neon(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_swiglu_bwd_neon(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N,
+                          int acc);
 void kern_geglu_fwd_neon(float *out, const float *gate, const float *up, int N);
-void kern_geglu_bwd_neon(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N);
+void kern_geglu_bwd_neon(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N,
+                         int acc);
 void kern_add_neon(float *out, const float *a, const float *b, long N);
 double kern_crossentropy_fwdbwd_neon(float *logits, const int32_t *targets, int N, int V, float grad_scale,
                                      long *n_valid);
@@ -429,7 +438,7 @@ void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float
                              int nh, int nkv, int hd, const kern_attn_opt *opt);
 void kern_attention_bwd_neon(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                              const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
-                             const kern_attn_opt *opt);
+                             const kern_attn_opt *opt, int acc);
 /* out[i] = e^x[i] with neon_util.h's neon_exp4 (for its accuracy test). */
 void kern_exp_neon(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with neon_util.h's neon_tanh4 (geglu; for its accuracy test). */

@@ -414,12 +414,13 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
 
 void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                       const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
-                      const kern_attn_opt *opt) {
+                      const kern_attn_opt *opt, int acc) {
     // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
     // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
     // All query heads of a group and all query positions add into the same kv
     // rows, so one thread owns a whole (b, kv head) and walks them in order;
     // it then also owns the dq rows of the group's query heads.
+    if (!acc) kern_attn_zero_grads(dq, dk, dv, B, T, nh, nkv, hd);
     int group = nh / nkv;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
@@ -497,7 +498,7 @@ void op_swiglu_fwd(float *out, const float *gate, const float *up, int N) {
     }
 }
 
-void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N) {
+void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N, int acc) {
     // dgate[N], dup[N], dout[N], gate[N], up[N]
     // silu'(g) = sig(g) (1 + g (1 - sig(g)))
     kern_trace *kt_ = kern_trace_armed();
@@ -509,8 +510,8 @@ void op_swiglu_bwd(float *dgate, float *dup, const float *dout, const float *gat
             float g = gate[i];
             float sig = 1.0f / (1.0f + expf(-g));
             float silu = g * sig;
-            dgate[i] += dout[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
-            dup[i] += dout[i] * silu;
+            dgate[i] = (acc ? dgate[i] : 0.0f) + dout[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
+            dup[i] = (acc ? dup[i] : 0.0f) + dout[i] * silu;
         }
         KERN_TRACE_EXIT(kt_);
     }
@@ -539,7 +540,7 @@ void op_geglu_fwd(float *out, const float *gate, const float *up, int N) {
     }
 }
 
-void op_geglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N) {
+void op_geglu_bwd(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N, int acc) {
     // dgate[N], dup[N], dout[N], gate[N], up[N]
     // gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) beta (1 + 3 kappa x^2), u = beta (x + kappa x^3)
     kern_trace *kt_ = kern_trace_armed();
@@ -552,8 +553,8 @@ void op_geglu_bwd(float *dgate, float *dup, const float *dout, const float *gate
             float th = tanhf(GELU_BETA * (x + GELU_KAPPA * (x * x * x)));
             float gelu = 0.5f * x * (1.0f + th);
             float dgelu = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_BETA * (1.0f + 3.0f * GELU_KAPPA * x * x);
-            dgate[i] += dout[i] * up[i] * dgelu;
-            dup[i] += dout[i] * gelu;
+            dgate[i] = (acc ? dgate[i] : 0.0f) + dout[i] * up[i] * dgelu;
+            dup[i] = (acc ? dup[i] : 0.0f) + dout[i] * gelu;
         }
         KERN_TRACE_EXIT(kt_);
     }

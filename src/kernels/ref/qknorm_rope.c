@@ -20,11 +20,12 @@ void op_qknorm_rope_fwd(float *out, float *rstd, const float *x, const float *w,
 }
 
 void op_qknorm_rope_bwd(float *dx, float *dw, const float *dout, const float *x, const float *w, const float *rstd,
-                        const float *cos, const float *sin, int B, int T, int nh, int hd) {
-    // dx[B,T,nh,hd] +=, dw[hd] +=, dout[B,T,nh,hd], x[B,T,nh,hd], w[hd], rstd[B*T*nh], cos/sin [T,hd/2]
+                        const float *cos, const float *sin, int B, int T, int nh, int hd, int acc) {
+    // dx[B,T,nh,hd] (+)=, dw[hd] +=, dout[B,T,nh,hd], x[B,T,nh,hd], w[hd], rstd[B*T*nh], cos/sin [T,hd/2]
     size_t n = (size_t)B * T * nh * hd;
     float *g = ct_calloc(n ? n : 1, sizeof(float)); // [B,T,nh,hd] gradient w.r.t. the norm's output
     op_rope_bwd(g, dout, cos, sin, B, T, nh, hd, hd);
+    if (!acc) memset(dx, 0, n * sizeof(float)); /* rmsnorm_bwd adds */
     op_rmsnorm_bwd(dx, dw, g, x, w, rstd, B * T * nh, hd);
     free(g);
 }
