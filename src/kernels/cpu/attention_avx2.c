@@ -38,7 +38,7 @@
  * earlier one-micro-block-at-a-time kernel on [hd][Tp] and strided rows.
  *
  * Prefetches: the loops over a head's rows in the model's layout (the copies
- * in and out, the backward's D = rowsum(dout * out)) prefetch ATT2_PF rows
+ * in and out, the backward's D = rowsum(dout * out)) prefetch KERN_ROWS_PF rows
  * ahead, and the forward's last tile of a block prefetches the block's out
  * rows during its P V: rows 4-8 KB apart, each its own page, which the
  * hardware prefetchers do not follow. The softmax and the backward's P / dS
@@ -78,7 +78,6 @@
 #define BQ (8 * MR)     /* query rows per block: 48 */
 #define BK 64           /* keys per tile (4 chunks of 16) */
 #define KC 16           /* keys per score chunk, columns of hd per register tile: 2 ymm */
-#define ATT2_PF 8       /* rows ahead that the loops over a head's strided rows prefetch */
 
 /* Every K (or V) head transposed once per call, 16-key chunk by chunk: chunk
  * jc of head (b, kh) is [hd][KC] at xt + ((b * nkv + kh) * Tp + jc * KC) * hd,
@@ -121,31 +120,6 @@ T256 static float *att2_transpose(const float *x, int B, int T, int nkv, int hd,
     return xt;
 }
 
-/* The lines of a row of hd floats, ATT2_PF rows ahead of a loop over a head's
- * rows in the model's layout (rows 4-8 KB apart: each its own page or two,
- * which no hardware prefetcher follows from one row to the next). */
-T256_INLINE void att2_prefetch_row(const float *x, int hd, int write) {
-    for (int i = 0; i < hd; i += 16) {
-        if (write)
-            __builtin_prefetch(x + i, 1, 3);
-        else
-            __builtin_prefetch(x + i, 0, 3);
-    }
-}
-
-/* dst[t * hd + i] = x[t * xs + i] for t < T: rows of one head, contiguous.
- * The model's layout puts a head's consecutive rows nkv * hd or nh * hd
- * floats apart (4 or 8 KB for Qwen3's hd 128), so the 48-64 rows a tile
- * walks all fall into the same 8 of L1's 64 sets and thrash their 8 (Zen 3)
- * or 12 (Sapphire Rapids) ways; read from a contiguous copy they spread over
- * all sets. */
-T256 static void att2_rows_in(float *dst, long ds, const float *x, long xs, int T, int hd) {
-    for (int t = 0; t < T; t++) {
-        if (t + ATT2_PF < T) att2_prefetch_row(x + (size_t)(t + ATT2_PF) * xs, hd, 0);
-        memcpy(dst + (size_t)t * ds, x + (size_t)t * xs, (size_t)hd * sizeof(float));
-    }
-}
-
 /* dst[(i / KC) * T * KC + t * KC + i % KC] = x[t * xs + i] for t < T: rows of
  * one head as KC-column slabs [hd/KC][T][KC]. A product over 16 columns of hd
  * (P V, dS K) then reads its keys' rows as one contiguous piece (4 KB for a
@@ -153,18 +127,9 @@ T256 static void att2_rows_in(float *dst, long ds, const float *x, long xs, int 
  * from [T][hd] rows its 64 B per row fell 512 B apart, 8 of L1's 64 sets. */
 T256 static void att2_slabs_in(float *dst, const float *x, long xs, int T, int hd) {
     for (int t = 0; t < T; t++) {
-        if (t + ATT2_PF < T) att2_prefetch_row(x + (size_t)(t + ATT2_PF) * xs, hd, 0);
+        if (t + KERN_ROWS_PF < T) kern_prefetch_row(x + (size_t)(t + KERN_ROWS_PF) * xs, hd, 0);
         for (int c0 = 0; c0 < hd; c0 += KC)
             memcpy(dst + (size_t)c0 * T + (size_t)t * KC, x + (size_t)t * xs + c0, KC * sizeof(float));
-    }
-}
-
-/* x[t * xs + i] = src[t * hd + i] for t < T: att2_rows_in's inverse, the
- * backward's gradient rows written back to the model's layout. */
-T256 static void att2_rows_out(float *x, long xs, const float *src, int T, int hd) {
-    for (int t = 0; t < T; t++) {
-        if (t + ATT2_PF < T) att2_prefetch_row(x + (size_t)(t + ATT2_PF) * xs, hd, 1);
-        memcpy(x + (size_t)t * xs, src + (size_t)t * hd, (size_t)hd * sizeof(float));
     }
 }
 
@@ -308,7 +273,7 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
     {
         KERN_TRACE_ENTER(kt_);
         float *acc = ct_malloc64((size_t)BQ * hd * sizeof(float)); // [hd/KC, BQ, KC] unnormalised out
-        float *QB = ct_malloc64((size_t)BQ * hd * sizeof(float));  // [BQ, hd] the block's q rows (att2_rows_in)
+        float *QB = ct_malloc64((size_t)BQ * hd * sizeof(float));  // [BQ, hd] the block's q rows (kern_rows_in)
         float P[BQ * BK];                                        // [BQ, BK] scores, then probabilities
         float m[BQ], l[BQ], alpha[BQ];                           // running max, sum; rescaling
         int clo[BQ], ncr[BQ];                                    // row r sees keys clo[r] <= c < ncr[r] of the tile
@@ -321,7 +286,7 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
                     int nq = T - t0 < BQ ? T - t0 : BQ, nmb = (nq + MR - 1) / MR;
                     const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp; // chunk of key j0 at + j0*hd
                     const float *vh = VH + ((size_t)b * nkv + kh) * T * hd;  // slab c0, row j at + c0*T + j*KC
-                    att2_rows_in(QB, hd, q + (((size_t)b * T + t0) * nh + h) * hd, qs, nq, hd); // row r at + r*hd
+                    kern_rows_in(QB, hd, q + (((size_t)b * T + t0) * nh + h) * hd, qs, nq, hd); // row r at + r*hd
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
                     // from the tile of the first key the block sees (the window) up to the diagonal
@@ -487,7 +452,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
         float L[BQ];
         /* the rows the products stream, contiguous: k of the kv head as slabs
          * (att2_slabs_in; dS K reads a 4 KB slab of a tile per 16 columns), q and
-         * dout of the query head as rows (att2_rows_in; the scores, dP, dV and dK
+         * dout of the query head as rows (kern_rows_in; the scores, dP, dV and dK
          * read the block's 48). The q and dout rows are hdp = hd + 16 floats
          * apart: the dV / dK products read 16 columns of the block's 48 rows,
          * which at a 512-byte stride fell into 8 of L1's 64 sets (measured
@@ -521,8 +486,8 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                 float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
                 att2_slabs_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
                 if (acc) { /* acc 0: the sums start from 0, dk and dv are not read */
-                    att2_rows_in(DKS, hd, dkh, ks, T, hd); // row j at + j*hd
-                    att2_rows_in(DVS, hd, dvh, ks, T, hd);
+                    kern_rows_in(DKS, hd, dkh, ks, T, hd); // row j at + j*hd
+                    kern_rows_in(DVS, hd, dvh, ks, T, hd);
                 } else {
                     memset(DKS, 0, (size_t)T * hd * sizeof(float));
                     memset(DVS, 0, (size_t)T * hd * sizeof(float));
@@ -531,16 +496,16 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                     const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
                     const float *qh = QS, *gh = GS;                        // row t at + t*hdp
                     float *dqh = dq + ((size_t)b * T * nh + h) * hd;       // row t at + t*qs
-                    if (acc) att2_rows_in(DQS, hd, dqh, qs, T, hd); // row t at + t*hd
+                    if (acc) kern_rows_in(DQS, hd, dqh, qs, T, hd); // row t at + t*hd
                     else memset(DQS, 0, (size_t)T * hd * sizeof(float));
-                    att2_rows_in(QS, hdp, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
-                    att2_rows_in(GS, hdp, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    kern_rows_in(QS, hdp, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    kern_rows_in(GS, hdp, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     /* D = rowsum(dout * out) = sum_j p_j dp_j, the head's rows in one loop: out's
                      * rows are qs floats apart, a page or two each, which no hardware prefetcher
                      * follows; a block's 48 at a time (and in between, the tile products) left
                      * ~5% of W3's backward waiting on them; here the next rows are prefetched */
                     for (int t = 0; t < T; t++) {
-                        if (t + ATT2_PF < T) att2_prefetch_row(oh + (size_t)(t + ATT2_PF) * qs, hd, 0);
+                        if (t + KERN_ROWS_PF < T) kern_prefetch_row(oh + (size_t)(t + KERN_ROWS_PF) * qs, hd, 0);
                         D[t] = att2_dot(gh + (size_t)t * hdp, oh + (size_t)t * qs, hd);
                     }
                     for (int qb = 0; qb < nqb; qb++) {
@@ -679,10 +644,10 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             }
                         }
                     }
-                    att2_rows_out(dqh, qs, DQS, T, hd);
+                    kern_rows_out(dqh, qs, DQS, T, hd);
                 }
-                att2_rows_out(dkh, ks, DKS, T, hd);
-                att2_rows_out(dvh, ks, DVS, T, hd);
+                kern_rows_out(dkh, ks, DKS, T, hd);
+                kern_rows_out(dvh, ks, DVS, T, hd);
             }
         }
         free(P);

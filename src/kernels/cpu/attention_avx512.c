@@ -143,22 +143,8 @@ A512 static float *att_tiles(const float *x, int B, int T, int nkv, int hd, int 
     return xt;
 }
 
-/* dst[t * hd + i] = x[t * xs + i] for t < T: one head's rows, contiguous.
- * The model's layout puts a head's consecutive rows nkv * hd or nh * hd
- * floats apart (4 or 8 KB for Qwen3's hd 128), so the 32-64 rows a tile
- * walks all fall in the same few L1 sets and thrash the 12 ways; read from a
- * contiguous copy they stay in L1. */
-A512 static void att_rows_in(float *dst, const float *x, long xs, int T, int hd) {
-    for (int t = 0; t < T; t++) memcpy(dst + (size_t)t * hd, x + (size_t)t * xs, (size_t)hd * sizeof(float));
-}
-
-/* x[t * xs + i] = src[t * hd + i] for t < T: rows summed contiguously (att_rows_in), back in place. */
-A512 static void att_rows_out(float *x, long xs, const float *src, int T, int hd) {
-    for (int t = 0; t < T; t++) memcpy(x + (size_t)t * xs, src + (size_t)t * hd, (size_t)hd * sizeof(float));
-}
-
 /* vh[(b * nkv + kh) * T + j][i] = v[b, j, kh, i]: every V head's rows contiguous
- * (att_rows_in), for the forward's P V product. */
+ * (kern_rows_in), for the forward's P V product. */
 A512 static float *att_heads(const float *v, int B, int T, int nkv, int hd) {
     float *vh = ct_malloc64((size_t)B * nkv * T * hd * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
@@ -168,8 +154,8 @@ A512 static float *att_heads(const float *v, int B, int T, int nkv, int hd) {
 #pragma omp for collapse(2) schedule(static) nowait
         for (int b = 0; b < B; b++)
             for (int kh = 0; kh < nkv; kh++)
-                att_rows_in(vh + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * T * nkv + kh) * hd, (long)nkv * hd,
-                            T, hd);
+                kern_rows_in(vh + ((size_t)b * nkv + kh) * T * hd, hd, v + ((size_t)b * T * nkv + kh) * hd,
+                             (long)nkv * hd, T, hd);
         KERN_TRACE_EXIT(kt_);
     }
     return vh;
@@ -733,7 +719,7 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
             QB = KR + (size_t)Tp * hd / 2, GB = QB + (size_t)Tz * hp, QR = GB + (size_t)Tz * hp;
             GR = QR + (size_t)Tz / 2 * hd;
         }
-        /* the rows the products stream, contiguous (att_rows_in): k of the kv
+        /* the rows the products stream, contiguous (kern_rows_in): k of the kv
          * head (dS K reads 64 of them per tile), q and dout of the query head
          * (dV and dK read up to BQB per tile). */
         float *KS = vb ? NULL : ct_malloc64((size_t)3 * T * hd * sizeof(float));
@@ -741,7 +727,7 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
         /* the gradients' rows, contiguous while they are summed: in place, dk and dv rows
          * are ks floats apart (4 KB at Qwen3's 8 kv heads of 128) and dq rows qs apart
          * (8 KB), so the rows of a tile fell into a few L1 sets and every register tile
-         * of them was re-read from L2 (att_rows_in) */
+         * of them was re-read from L2 (kern_rows_in) */
         float *DQ = ct_malloc64((size_t)3 * T * hd * sizeof(float)); // [T, hd] the query head's dq rows
         float *DK = DQ + (size_t)T * hd, *DV = DK + (size_t)T * hd;   // [T, hd] the kv head's dk, dv rows
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
@@ -756,27 +742,27 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                 const float *kh_ = KS; // row j at + j*hd
                 float *dkh = DK, *dvh = DV; // row j at + j*hd
                 if (acc) { /* acc 0: the sums start from 0, dk and dv are not read */
-                    att_rows_in(DK, dk + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
-                    att_rows_in(DV, dv + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
+                    kern_rows_in(DK, hd, dk + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
+                    kern_rows_in(DV, hd, dv + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
                 } else {
                     memset(DK, 0, (size_t)T * hd * sizeof(float));
                     memset(DV, 0, (size_t)T * hd * sizeof(float));
                 }
                 if (vb) att_kpairs_bf16(KR, k + ((size_t)b * T * nkv + kh) * hd, ks, T, Tp, hd);
-                else att_rows_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
+                else kern_rows_in(KS, hd, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
                     const float *qh = QS, *gh = GS; // row t at + t*hd
                     float *dqh = DQ; // row t at + t*hd
-                    if (acc) att_rows_in(DQ, dq + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    if (acc) kern_rows_in(DQ, hd, dq + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     else memset(DQ, 0, (size_t)T * hd * sizeof(float));
                     if (vb) {
                         att_head_bf16(QB, GB, QR, GR, q + ((size_t)b * T * nh + h) * hd,
                                       dout + ((size_t)b * T * nh + h) * hd, qs, T, Tz, hd);
                         gh = dout + ((size_t)b * T * nh + h) * hd; /* D below: rows qs apart */
                     } else {
-                        att_rows_in(QS, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
-                        att_rows_in(GS, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                        kern_rows_in(QS, hd, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                        kern_rows_in(GS, hd, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     }
                     long gs = vb ? qs : hd; /* the row stride of gh */
                     for (int qb = 0; qb < nqb; qb++) {
@@ -920,10 +906,10 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                             }
                         }
                     }
-                    att_rows_out(dq + ((size_t)b * T * nh + h) * hd, qs, DQ, T, hd);
+                    kern_rows_out(dq + ((size_t)b * T * nh + h) * hd, qs, DQ, T, hd);
                 }
-                att_rows_out(dk + ((size_t)b * T * nkv + kh) * hd, ks, DK, T, hd);
-                att_rows_out(dv + ((size_t)b * T * nkv + kh) * hd, ks, DV, T, hd);
+                kern_rows_out(dk + ((size_t)b * T * nkv + kh) * hd, ks, DK, T, hd);
+                kern_rows_out(dv + ((size_t)b * T * nkv + kh) * hd, ks, DV, T, hd);
             }
         }
         free(P);

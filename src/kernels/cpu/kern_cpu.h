@@ -21,6 +21,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels/ops.h" /* kern_attn_opt */
 #include "optim/optim.h"
@@ -87,6 +88,38 @@ static inline void gemm_prefetch_c(const float *C, long ldc, int mr, int nr) {
     for (int i = 0; i < mr; i++) {
         __builtin_prefetch(C + i * ldc, 0, 3);
         __builtin_prefetch(C + i * ldc + nr - 1, 0, 3);
+    }
+}
+
+/* One attention head's rows between the model's layout and a contiguous copy
+ * (attention_avx2.c, attention_avx512.c). The layout puts a head's
+ * consecutive rows nkv * hd or nh * hd floats apart (4 or 8 KB for Qwen3's hd
+ * 128): the 32-64 rows a tile walks fall into a few L1 sets and thrash their
+ * ways, each row its own page, which no hardware prefetcher follows from one
+ * row to the next; read from a contiguous copy they stay in L1. The loops
+ * over rows in the model's layout prefetch KERN_ROWS_PF rows ahead. */
+#define KERN_ROWS_PF 8
+/* Every line of a row of hd floats (write: for a store). */
+static inline void kern_prefetch_row(const float *x, int hd, int write) {
+    for (int i = 0; i < hd; i += 16) {
+        if (write)
+            __builtin_prefetch(x + i, 1, 3);
+        else
+            __builtin_prefetch(x + i, 0, 3);
+    }
+}
+/* dst[t * ds + i] = x[t * xs + i] for t < T, i < hd. */
+static inline void kern_rows_in(float *dst, long ds, const float *x, long xs, int T, int hd) {
+    for (int t = 0; t < T; t++) {
+        if (t + KERN_ROWS_PF < T) kern_prefetch_row(x + (size_t)(t + KERN_ROWS_PF) * xs, hd, 0);
+        memcpy(dst + (size_t)t * ds, x + (size_t)t * xs, (size_t)hd * sizeof(float));
+    }
+}
+/* x[t * xs + i] = src[t * hd + i] for t < T: kern_rows_in's inverse (gradient rows summed in a copy, back). */
+static inline void kern_rows_out(float *x, long xs, const float *src, int T, int hd) {
+    for (int t = 0; t < T; t++) {
+        if (t + KERN_ROWS_PF < T) kern_prefetch_row(x + (size_t)(t + KERN_ROWS_PF) * xs, hd, 1);
+        memcpy(x + (size_t)t * xs, src + (size_t)t * hd, (size_t)hd * sizeof(float));
     }
 }
 
