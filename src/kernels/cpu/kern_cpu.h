@@ -137,6 +137,8 @@ typedef struct {
     int mr, mrs, nr;  /* register tile MR x NR; MRS = row stride of a packed A panel */
     int kc, mc, nc;   /* cache blocks: depth, rows of the A block, columns of the B block */
     int ncb;          /* columns of B walked per A micro-panel: keeps kc x ncb of B in L2 */
+    int mcb;          /* > 0: a row-major A read in place (ukernel_rm) and more than ncb columns
+                         run B-stationary instead, in blocks of mcb rows (gemm_rect) */
     gemm_ukernel_fn ukernel;
     /* NULL, or ukernel reading a row-major A (cs == 1) in place: the driver
      * then packs no A for such calls (the forward's inp, dinp's dout) */
