@@ -140,9 +140,13 @@ int main(void) {
     arch_case archs[8];
     int n = n_archs(archs);
     if (n == 0) printf("gemm packers: skipped: no SIMD GEMM arch runs on this CPU\n");
-    /* M mod 6 (avx2's rows) of 5, 1, 4, 2: every edge-row kernel; the last
-     * shape is large enough for two threads (gemm_f32's serial threshold) */
-    static const int shapes[][3] = {{5, 7, 3}, {37, 1100, 45}, {64, 300, 100}, {20, 40, 17}, {134, 600, 70}};
+    /* M, K, N. M mod 6 (avx2's rows) of 5, 1, 4, 2: every edge-row kernel; the fifth
+     * shape is large enough for two threads (gemm_f32's serial threshold); the
+     * last runs avx2's in-place A B-stationary (a thread's columns > ncb: N is
+     * split in 4 units per thread) over row blocks of mcb (192, 192, 16) with a
+     * 2-column edge */
+    static const int shapes[][3] = {{5, 7, 3}, {37, 1100, 45}, {64, 300, 100}, {20, 40, 17}, {134, 600, 70},
+                                    {400, 37, 2210}};
     for (int i = 0; i < n; i++) {
         printf("gemm packers: %s\n", archs[i].name);
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
