@@ -485,19 +485,13 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                 float *dkh = dk + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
                 float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
                 att2_slabs_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
-                if (acc) { /* acc 0: the sums start from 0, dk and dv are not read */
-                    kern_rows_in(DKS, hd, dkh, ks, T, hd); // row j at + j*hd
-                    kern_rows_in(DVS, hd, dvh, ks, T, hd);
-                } else {
-                    memset(DKS, 0, (size_t)T * hd * sizeof(float));
-                    memset(DVS, 0, (size_t)T * hd * sizeof(float));
-                }
+                kern_rows_sum_in(DKS, dkh, ks, T, hd, acc); // row j at + j*hd
+                kern_rows_sum_in(DVS, dvh, ks, T, hd, acc);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
                     const float *qh = QS, *gh = GS;                        // row t at + t*hdp
                     float *dqh = dq + ((size_t)b * T * nh + h) * hd;       // row t at + t*qs
-                    if (acc) kern_rows_in(DQS, hd, dqh, qs, T, hd); // row t at + t*hd
-                    else memset(DQS, 0, (size_t)T * hd * sizeof(float));
+                    kern_rows_sum_in(DQS, dqh, qs, T, hd, acc); // row t at + t*hd
                     kern_rows_in(QS, hdp, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     kern_rows_in(GS, hdp, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
                     /* D = rowsum(dout * out) = sum_j p_j dp_j, the head's rows in one loop: out's

@@ -741,21 +741,15 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                 const uint32_t *vph = vb ? VP + ((size_t)b * nkv + kh) * hp * Tp : NULL;
                 const float *kh_ = KS; // row j at + j*hd
                 float *dkh = DK, *dvh = DV; // row j at + j*hd
-                if (acc) { /* acc 0: the sums start from 0, dk and dv are not read */
-                    kern_rows_in(DK, hd, dk + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
-                    kern_rows_in(DV, hd, dv + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
-                } else {
-                    memset(DK, 0, (size_t)T * hd * sizeof(float));
-                    memset(DV, 0, (size_t)T * hd * sizeof(float));
-                }
+                kern_rows_sum_in(DK, dk + ((size_t)b * T * nkv + kh) * hd, ks, T, hd, acc);
+                kern_rows_sum_in(DV, dv + ((size_t)b * T * nkv + kh) * hd, ks, T, hd, acc);
                 if (vb) att_kpairs_bf16(KR, k + ((size_t)b * T * nkv + kh) * hd, ks, T, Tp, hd);
                 else kern_rows_in(KS, hd, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
                     const float *qh = QS, *gh = GS; // row t at + t*hd
                     float *dqh = DQ; // row t at + t*hd
-                    if (acc) kern_rows_in(DQ, hd, dq + ((size_t)b * T * nh + h) * hd, qs, T, hd);
-                    else memset(DQ, 0, (size_t)T * hd * sizeof(float));
+                    kern_rows_sum_in(DQ, dq + ((size_t)b * T * nh + h) * hd, qs, T, hd, acc);
                     if (vb) {
                         att_head_bf16(QB, GB, QR, GR, q + ((size_t)b * T * nh + h) * hd,
                                       dout + ((size_t)b * T * nh + h) * hd, qs, T, Tz, hd);

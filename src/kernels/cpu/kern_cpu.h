@@ -115,6 +115,12 @@ static inline void kern_rows_in(float *dst, long ds, const float *x, long xs, in
         memcpy(dst + (size_t)t * ds, x + (size_t)t * xs, (size_t)hd * sizeof(float));
     }
 }
+/* The contiguous rows [T, hd] a backward sums one head's gradient in: x's rows
+ * (acc 1, adding to what x holds) or zeros (acc 0, x is not read). */
+static inline void kern_rows_sum_in(float *dst, const float *x, long xs, int T, int hd, int acc) {
+    if (acc) kern_rows_in(dst, hd, x, xs, T, hd);
+    else memset(dst, 0, (size_t)T * hd * sizeof(float));
+}
 /* x[t * xs + i] = src[t * hd + i] for t < T: kern_rows_in's inverse (gradient rows summed in a copy, back). */
 static inline void kern_rows_out(float *x, long xs, const float *src, int T, int hd) {
     for (int t = 0; t < T; t++) {
