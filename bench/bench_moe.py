@@ -110,6 +110,8 @@ def main():
     ap.add_argument("--frozen-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="with --lora: training.frozen_dtype")
     ap.add_argument("--run-steps", type=int, help="steps of the ctitan and PyTorch runs (default: the shape's)")
+    ap.add_argument("--record", metavar="FILE",
+                    help="append this run's figures as a JSON line to FILE (bench/scorecard.py judges them)")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -167,6 +169,13 @@ def main():
     for other in ("ctitan ref", "pytorch (HF)"):
         if g and tps.get(other):
             print(f"grouped / {other}: {g / tps[other]:.2f}x")
+    if a.record:
+        peak = bt.peak_info(a.threads)
+        bt.scorecard.append_record(a.record, {
+            "label": f"MoE {a.shape} {a.precision}" + (f" LoRA r{a.lora}" if a.lora else ""), "bench": "moe",
+            "workload": f"MoE {a.shape}", "precision": a.precision, "lora": a.lora, "threads": a.threads,
+            "ctitan_tps": g, "pytorch_tps": tps.get("pytorch (HF)"), "ctitan_mfu": None,
+            "isa": peak["isa"], "bf16_isa": peak["bf16_isa"], "peak_fp32": peak["fp32_flops"]})
 
 
 if __name__ == "__main__":

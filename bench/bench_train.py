@@ -44,6 +44,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import scorecard  # noqa: E402  (the --record lines)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -125,14 +128,22 @@ def flops_per_token(cfg, n_params, T, n_lora=0):
     return 6 * matmul + attn
 
 
-def run_measured(cmd, env=None):
-    """Runs cmd as a child; returns (returncode, stdout, stderr)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-    out, err = p.communicate()
+def run_measured(cmd, env=None, timeout=None):
+    """Runs cmd as a child; returns (returncode, stdout, stderr). Past timeout seconds the
+    child and everything it started are killed; returncode is then None and the output is
+    what it had written."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        out, err = p.communicate()
+        return None, out, err
     return p.returncode, out, err
 
 
-def measured_child(cmd, env=None):
+def measured_child(cmd, env=None, timeout=None):
     """cmd run under a fresh python helper that reports the child's own peak RSS and CPU seconds.
 
     The helper forks nothing else, so RUSAGE_CHILDREN's ru_maxrss in it is exactly the
@@ -142,7 +153,7 @@ def measured_child(cmd, env=None):
               "u=resource.getrusage(resource.RUSAGE_CHILDREN);"
               "sys.stderr.write('\\nBENCH_RSS_KIB %d %.3f\\n' % (u.ru_maxrss, u.ru_utime + u.ru_stime));"
               "sys.exit(r.returncode)")
-    rc, out, err = run_measured([sys.executable, "-c", helper] + cmd, env)
+    rc, out, err = run_measured([sys.executable, "-c", helper] + cmd, env, timeout)
     rss = cpu = None
     for line in err.splitlines():
         if line.startswith("BENCH_RSS_KIB "):
@@ -218,10 +229,12 @@ def bench_torch(a, model_dir, data):
            "--precision", a.precision, "--ac", a.ac, "--lora", str(a.lora)]
     if a.frozen_bf16:
         cmd.append("--frozen-bf16")
-    rc, out, err, rss = measured_child(cmd, thread_env(a.threads))
+    rc, out, err, rss = measured_child(cmd, thread_env(a.threads), a.torch_timeout)
     if a.lora:
         NOTES.extend("pytorch: " + l[len("BENCH_TORCH "):] for l in err.splitlines() if l.startswith("BENCH_TORCH "))
     rows = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    if rc is None:
+        return None, rss, f"PyTorch timed out after {a.torch_timeout:g} s ({len(rows)} of {a.steps} steps done)"
     if rc != 0 or len(rows) < a.steps:
         return None, rss, f"PyTorch failed (exit {rc}): {err.strip().splitlines()[-1] if err.strip() else ''}"
     return rows, rss, None
@@ -272,19 +285,23 @@ def steady_tps(rows, B, T, warmup):
     return B * T * (len(rows) - warmup) / (t_b - t_a)
 
 
-def peak_flops(threads):
-    """ctitan's FMA peaks, read the way the trainer reads them (`ctitan kernels peak`:
-    measured and checked against clock x FMA width, or cached when that was stable):
-    (fp32 FLOP/s, bf16 FLOP/s, one-line description). Never nan: the command always
-    answers with a figure."""
+def peak_info(threads):
+    """`ctitan kernels peak --json`: the FMA peaks as the trainer reads them (measured and
+    checked against clock x FMA width, or cached when that was stable), with the ISA of
+    each. Never nan: the command always answers with a figure."""
     build = os.environ.get("CTITAN_BUILD", "build")
     out = subprocess.run([os.path.join(ROOT, build, "ctitan"), "kernels", "peak", "--json", "--threads",
                           str(threads)], capture_output=True, text=True, check=True).stdout
-    p = json.loads(out)
+    return json.loads(out)
+
+
+def peak_flops(threads):
+    """(fp32 FLOP/s, bf16 FLOP/s, one-line description, peak_info's dict)."""
+    p = peak_info(threads)
     desc = (f"{p['fp32_flops']/1e9:.0f} GFLOP/s fp32 ({p['isa']}, {p['clock_hz']/1e9:.2f} GHz x "
             f"{p['fma_per_cycle']} FMA/cycle), {p['bf16_flops']/1e9:.0f} bf16 ({p['bf16_isa']}); {p['source']}"
             + (f": {p['note']}" if p["note"] else ""))
-    return p["fp32_flops"], p["bf16_flops"], desc
+    return p["fp32_flops"], p["bf16_flops"], desc, p
 
 
 def gib(x):
@@ -310,6 +327,10 @@ def main():
     ap.add_argument("--no-ctitan", action="store_true", help="PyTorch only")
     ap.add_argument("--ctitan-arg", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                     help="extra ctitan train option (repeatable), e.g. --ctitan-arg=--kernels.adamw=ref")
+    ap.add_argument("--torch-timeout", type=float, metavar="S",
+                    help="stop the PyTorch side after S seconds and report it as timed out")
+    ap.add_argument("--record", metavar="FILE",
+                    help="append this run's figures as a JSON line to FILE (bench/scorecard.py judges them)")
     # internal: the PyTorch child
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -351,7 +372,7 @@ def main():
     load = os.getloadavg()[0]
     n_lora = lora_params(shape, a.lora) if a.lora else 0
     fpt = flops_per_token(shape, n_params, a.seq, n_lora)
-    peak32, peak16, peak_desc = peak_flops(a.threads)
+    peak32, peak16, peak_desc, peak_json = peak_flops(a.threads)
     # MFU against the peak of the arithmetic the run's matmuls use, as the trainer does
     peak = peak16 if a.precision == "bf16" else peak32
     name = f"{a.workload} " if a.workload else ""
@@ -365,10 +386,12 @@ def main():
           f"first/last loss")
     tps = {}
     rss = {}
+    msgs = {}
     for side, (rows, (r, cpu), msg) in res.items():
         rss[side] = r
         if rows is None:
             print(f"{side:10s} {msg}")
+            msgs[side] = msg
             continue
         tps[side] = steady_tps(rows, a.batch, a.seq, a.warmup)
         print(f"{side:10s} {tps[side]:10.1f} {fpt*tps[side]/1e9:9.1f} {100*fpt*tps[side]/peak:6.1f}% "
@@ -384,6 +407,18 @@ def main():
         target = n_params * 16 + 2 * 2**30
         print(f"W2 ctitan peak RSS {rss['ctitan']/2**30:.2f} GiB vs target params x 16 B + 2 GiB = "
               f"{target/2**30:.2f} GiB: {'ok' if rss['ctitan'] <= target else 'OVER'}")
+    if a.record:
+        for side, flag in (("pytorch", a.no_torch), ("ctitan", a.no_ctitan)):
+            if flag:
+                msgs[side] = f"not run (--no-{'torch' if side == 'pytorch' else 'ctitan'})"
+        label = (f"{a.workload or a.shape} {a.precision}"
+                 + (f" LoRA r{a.lora}" + (" (base bf16)" if a.frozen_bf16 else "") if a.lora else ""))
+        scorecard.append_record(a.record, {
+            "label": label, "bench": "train", "workload": a.workload or a.shape, "precision": a.precision,
+            "lora": a.lora, "threads": a.threads, "ctitan_tps": tps.get("ctitan"), "pytorch_tps": tps.get("pytorch"),
+            "ctitan_mfu": fpt * tps["ctitan"] / peak if "ctitan" in tps else None,
+            "rss": rss, "isa": peak_json["isa"], "bf16_isa": peak_json["bf16_isa"], "peak_fp32": peak32,
+            "notes": msgs})
     return 0
 
 
