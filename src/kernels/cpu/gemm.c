@@ -193,14 +193,29 @@ static const float *cached_block(gemm_cache *c, const gemm_job *g, const gemm_ws
     return dst;
 }
 
+/* One tile of C: A micro-panel ip of the row block at ic (its rows in place,
+ * or the packed panel in Ap) times B micro-panel jp of the packed column block
+ * Bp at jc, over the k block at pc (kc deep, kd lanes a packed panel); edge
+ * tiles clipped to i1 and j1. */
+static inline void gemm_tile(const gemm_job *g, const float *Ap, const float *Bp, long pc, long kc, long kd, long ic,
+                             long ip, long i1, long jc, long jp, long j1, int add) {
+    const gemm_arch *ar = g->ar;
+    long r0 = ic + ip * ar->mr, c0 = jc + jp * ar->nr;
+    int mr = (int)(i1 - r0 < ar->mr ? i1 - r0 : ar->mr), nr = (int)(j1 - c0 < ar->nr ? j1 - c0 : ar->nr);
+    const float *bp = Bp + jp * ar->nr * kd;
+    float *cp = g->C + r0 * g->ldc + c0;
+    if (g->a_rm) ar->ukernel_rm(kc, g->A.p + r0 * g->A.rs + pc, g->A.rs, bp, cp, g->ldc, mr, nr, add);
+    else ar->ukernel(kc, Ap + ip * ar->mrs * kd, bp, cp, g->ldc, mr, nr, add);
+}
+
 /* C[i0:i1, j0:j1] of the job, serially, in blocks of ws->mc rows and ws->nc
  * columns. A cached A needs i0 == 0 (its row blocks are numbered from row 0),
  * a cached B j0 == 0. */
 static void gemm_rect(const gemm_job *g, gemm_ws *ws, long i0, long i1, long j0, long j1) {
     const gemm_arch *ar = g->ar;
-    const long MR = ar->mr, MRS = ar->mrs, NR = ar->nr;
+    const long MR = ar->mr, NR = ar->nr;
     const gemm_view A = g->A, B = g->B;
-    const long K = g->K, kcb = g->kcb, ldc = g->ldc, mc = ws->mc, nc = ws->nc;
+    const long K = g->K, kcb = g->kcb, mc = ws->mc, nc = ws->nc;
     if (i1 <= i0 || j1 <= j0) return;
     long chunk = ar->ncb / NR > 0 ? ar->ncb / NR : 1;
     for (long jc = j0; jc < j1; jc += nc) {
@@ -235,36 +250,15 @@ static void gemm_rect(const gemm_job *g, gemm_ws *ws, long i0, long i1, long j0,
                     long pb = ar->mcb / MR;
                     for (long is = 0; is < mt; is += pb) {
                         long ie = is + pb < mt ? is + pb : mt;
-                        for (long jp = 0; jp < nt; jp++) {
-                            long c0 = jc + jp * NR;
-                            int nr = (int)(j1 - c0 < NR ? j1 - c0 : NR);
-                            const float *bp = Bp + jp * NR * kd;
-                            for (long ip = is; ip < ie; ip++) {
-                                long r0 = ic + ip * MR;
-                                int mr = (int)(i1 - r0 < MR ? i1 - r0 : MR);
-                                ar->ukernel_rm(kc, A.p + r0 * A.rs + pc, A.rs, bp, g->C + r0 * ldc + c0, ldc, mr, nr,
-                                               add);
-                            }
-                        }
+                        for (long jp = 0; jp < nt; jp++)
+                            for (long ip = is; ip < ie; ip++) gemm_tile(g, Ap, Bp, pc, kc, kd, ic, ip, i1, jc, jp, j1, add);
                     }
                     continue;
                 }
                 for (long jb = 0; jb < nt; jb += chunk) {
                     long jb1 = jb + chunk < nt ? jb + chunk : nt;
-                    for (long ip = 0; ip < mt; ip++) {
-                        long r0 = ic + ip * MR;
-                        int mr = (int)(i1 - r0 < MR ? i1 - r0 : MR);
-                        /* the micro-panel: A's own rows in place, or the packed panel */
-                        const float *ap = g->a_rm ? A.p + r0 * A.rs + pc : Ap + ip * MRS * kd;
-                        for (long jp = jb; jp < jb1; jp++) {
-                            long c0 = jc + jp * NR;
-                            int nr = (int)(j1 - c0 < NR ? j1 - c0 : NR);
-                            const float *bp = Bp + jp * NR * kd;
-                            float *cp = g->C + r0 * ldc + c0;
-                            if (g->a_rm) ar->ukernel_rm(kc, ap, A.rs, bp, cp, ldc, mr, nr, add);
-                            else ar->ukernel(kc, ap, bp, cp, ldc, mr, nr, add);
-                        }
-                    }
+                    for (long ip = 0; ip < mt; ip++)
+                        for (long jp = jb; jp < jb1; jp++) gemm_tile(g, Ap, Bp, pc, kc, kd, ic, ip, i1, jc, jp, j1, add);
                 }
             }
         }
