@@ -131,15 +131,21 @@ def flops_per_token(cfg, n_params, T, n_lora=0):
 def run_measured(cmd, env=None, timeout=None):
     """Runs cmd as a child; returns (returncode, stdout, stderr). Past timeout seconds the
     child and everything it started are killed; returncode is then None and the output is
-    what it had written."""
+    what it had written. With a timeout the child leads a process group of its own (what
+    the kill reaches), which a terminal's Ctrl-C no longer reaches: an interrupt of this
+    script kills the group too."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
-                         start_new_session=True)
+                         start_new_session=timeout is not None)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, 9)
         out, err = p.communicate()
         return None, out, err
+    except BaseException:
+        if timeout is not None:
+            os.killpg(p.pid, 9)
+        raise
     return p.returncode, out, err
 
 

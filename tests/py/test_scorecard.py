@@ -4,6 +4,8 @@ hardware), so every verdict is checked both ways; none of the figures is ctitan'
 PyTorch side of bench_train.py stopped at its timeout with its child killed, which is what
 keeps `make bench` bounded on an AVX2-only CPU (PyTorch's bf16 autocast ran for hours)."""
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -97,3 +99,35 @@ def test_timed_out_child_is_killed_with_its_own_children():
     assert rc is None, (rc, err)
     assert [json.loads(l) for l in out.splitlines() if l.startswith("{")] == [{"step": 1}]
     assert time.monotonic() - t0 < 60
+
+
+def test_interrupted_bench_kills_its_timed_child(tmp_path):
+    # a timed child leads its own process group, which a terminal's Ctrl-C does not reach:
+    # the script's interrupt must kill it, or `make bench` stopped by Ctrl-C leaves PyTorch running
+    pidfile = tmp_path / "pid"
+    child = tmp_path / "child.py"
+    child.write_text(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    parent = tmp_path / "parent.py"
+    parent.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'bench')!r})\nimport bench_train\n"
+                      f"bench_train.measured_child([sys.executable, {str(child)!r}], timeout=600)\n")
+    p = subprocess.Popen([sys.executable, str(parent)], stderr=subprocess.DEVNULL)
+    t0 = time.monotonic()
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() - t0 < 60:
+        time.sleep(0.1)
+    pid = int(pidfile.read_text())
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=60)
+
+    def alive():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    t0 = time.monotonic()
+    while alive() and time.monotonic() - t0 < 20:
+        time.sleep(0.1)
+    gone = not alive()
+    if not gone:
+        os.kill(pid, 9)
+    assert gone, "the timed child outlived its interrupted parent"
