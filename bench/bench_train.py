@@ -414,9 +414,9 @@ def main():
         print(f"W2 ctitan peak RSS {rss['ctitan']/2**30:.2f} GiB vs target params x 16 B + 2 GiB = "
               f"{target/2**30:.2f} GiB: {'ok' if rss['ctitan'] <= target else 'OVER'}")
     if a.record:
-        for side, flag in (("pytorch", a.no_torch), ("ctitan", a.no_ctitan)):
+        for side, flag, opt in (("pytorch", a.no_torch, "--no-torch"), ("ctitan", a.no_ctitan, "--no-ctitan")):
             if flag:
-                msgs[side] = f"not run (--no-{'torch' if side == 'pytorch' else 'ctitan'})"
+                msgs[side] = f"not run ({opt})"
         label = (f"{a.workload or a.shape} {a.precision}"
                  + (f" LoRA r{a.lora}" + (" (base bf16)" if a.frozen_bf16 else "") if a.lora else ""))
         scorecard.append_record(a.record, {

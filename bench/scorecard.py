@@ -92,6 +92,11 @@ def ratio_target_applies(r):
     return not r.get("lora") and (r.get("workload") in ("W1", "W3") or str(r.get("workload", "")).startswith("MoE "))
 
 
+def verdict(ok):
+    """ok: whether a target holds, None where its figures are missing."""
+    return "not measured" if ok is None else "met" if ok else "MISSED"
+
+
 def judge(records):
     """Rows (label, ctitan tok/s, ctitan MFU or None, PyTorch tok/s, ratio, target, verdict)
     and extra lines (target, figure, verdict) for the targets that are not a ratio."""
@@ -101,20 +106,20 @@ def judge(records):
         ratio = c / p if c and p else None
         if ratio_target_applies(r):
             target = f">= {RATIO_TARGET}x PyTorch"
-            verdict = "not measured" if ratio is None else ("met" if ratio >= RATIO_TARGET else "MISSED")
+            status = verdict(None if ratio is None else ratio >= RATIO_TARGET)
             why = "; ".join(f"{side}: {m}" for side, m in (r.get("notes") or {}).items())
             if ratio is None and why:
-                verdict += f" ({why})"
+                status += f" ({why})"
         else:
-            target, verdict = "-", "-"
-        rows.append((r["label"], c, r.get("ctitan_mfu"), p, ratio, target, verdict))
+            target, status = "-", "-"
+        rows.append((r["label"], c, r.get("ctitan_mfu"), p, ratio, target, status))
     full = {(r.get("workload"), r.get("precision")): r for r in records if not r.get("lora")}
     w1, w1b = full.get(("W1", "fp32")), full.get(("W1", "bf16"))
     if w1:
         mfu = w1.get("ctitan_mfu")
         extra.append((f"W1 fp32 at >= {W1_MFU_TARGET:.0%} of the measured fp32 peak",
                       "n/a" if mfu is None else f"{mfu:.1%} of {w1.get('peak_fp32', 0) / 1e9:.0f} GFLOP/s",
-                      "not measured" if mfu is None else ("met" if mfu >= W1_MFU_TARGET else "MISSED")))
+                      verdict(None if mfu is None else mfu >= W1_MFU_TARGET)))
     if w1b:
         hw = w1b.get("bf16_isa", "fp32")
         f32, f16 = (w1 or {}).get("ctitan_tps"), w1b.get("ctitan_tps")
@@ -122,10 +127,10 @@ def judge(records):
         fig = "n/a" if x is None else f"{x:.2f}x ({f16:.1f} against {f32:.1f} tok/s)"
         if hw == "amx":
             extra.append((f"W1 bf16 on AMX at >= {AMX_BF16_OVER_FP32}x ctitan's own fp32", fig,
-                          "not measured" if x is None else ("met" if x >= AMX_BF16_OVER_FP32 else "MISSED")))
+                          verdict(None if x is None else x >= AMX_BF16_OVER_FP32)))
         elif hw != "fp32":
             extra.append((f"W1 bf16 faster than ctitan's own fp32 (bf16 products on {hw})", fig,
-                          "not measured" if x is None else ("met" if x > 1.0 else "MISSED")))
+                          verdict(None if x is None else x > 1.0)))
         else:
             extra.append(("W1 bf16 against ctitan's own fp32", fig,
                           "no target: no bf16 hardware at this ISA level (bf16 rounds, multiplies in fp32)"))

@@ -241,7 +241,7 @@ static void gemm_rect(const gemm_job *g, gemm_ws *ws, long i0, long i1, long j0,
                 if (g->a_rm && ar->mcb >= MR && nt > chunk) {
                     /* B-stationary: for each block of mcb rows, each B micro-panel
                      * (kc x NR, in L1) meets the block's A micro-panels (its rows in
-                     * place, mcb x kc in L2) in turn. The order above streams the
+                     * place, mcb x kc in L2) in turn. The order below streams the
                      * ncb-column B chunk from L2 for every A micro-panel: 16 KB per
                      * 6 x 16 tile at kc 256 against 6 KB here, and on the AMX Xeon's
                      * cores at AVX2 the K = 256 forwards (N 1024-3072) ran 5-7%
