@@ -7,6 +7,11 @@
 
 #include "core/err.h"
 #include "kernels/ops.h" /* the per-thread stamps of a traced step */
+#include "kernels/registry.h" /* kern_cpu_features: the norm's AVX2 loop */
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 void adamw_init(adamw_state *s, size_t n) {
     s->n = n;
@@ -75,29 +80,61 @@ void adamw_step(adamw_state *s, float *params, float *grads, float gscale, doubl
     }
 }
 
-/* The squares of one block in a fixed order: element i into lane i % 8, each
- * lane a sequential chain, then the lanes summed as a fixed tree. Eight
- * independent chains (held in vector registers: constant indices after
- * unrolling) keep the pass near memory speed; one chain per block, bounded by
- * the double add's latency, read ~32 GB/s (23-27 ms of a W1 step,
- * docs/benchmarks.md). The order depends on the block alone, never on threads. */
-static double norm_block(const float *g, size_t n) {
-    double acc[8] = {0};
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) acc[j] += (double)g[i + j] * g[i + j];
-    for (; i < n; i++) acc[i % 8] += (double)g[i] * g[i];
-    for (int w = 4; w; w /= 2)
+/* The squares of one block in a fixed order: element i into lane i % NORM_LANES,
+ * each lane a sequential chain, then the lanes summed as a fixed tree. The
+ * order depends on the block alone, never on threads or on the instruction
+ * set: a float's square is exact in double (24 + 24 significand bits), so
+ * acc + g * g rounds once whether it is a multiply and an add or one FMA, and
+ * every path below gives the same bits. Sixteen lanes, not eight: on the AMX
+ * Xeon the 8-lane SSE2 loop (4 add chains) read 874 MB of W1 gradients at
+ * 14 GB/s (61 ms of a 2.3 s step, docs/benchmarks.md); four 4-double AVX2
+ * chains read at the memory's speed. */
+#define NORM_LANES 16
+
+static void norm_tree(double acc[NORM_LANES], const float *g, size_t i, size_t n) {
+    for (; i < n; i++) acc[i % NORM_LANES] += (double)g[i] * g[i];
+    for (int w = NORM_LANES / 2; w; w /= 2)
         for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+}
+
+static double norm_block(const float *g, size_t n) {
+    double acc[NORM_LANES] = {0};
+    size_t i = 0;
+    for (; i + NORM_LANES <= n; i += NORM_LANES)
+#pragma GCC unroll 16
+        for (int j = 0; j < NORM_LANES; j++) acc[j] += (double)g[i + j] * g[i + j];
+    norm_tree(acc, g, i, n);
     return acc[0];
 }
+
+#if defined(__x86_64__)
+/* norm_block's lanes as four ymm chains of 4 doubles (lanes 0-3, 4-7, 8-11, 12-15). */
+__attribute__((target("avx2,fma"))) static double norm_block_avx2(const float *g, size_t n) {
+    __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    size_t i = 0;
+    for (; i + NORM_LANES <= n; i += NORM_LANES)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            __m256d x = _mm256_cvtps_pd(_mm_loadu_ps(g + i + 4 * j));
+            a[j] = _mm256_fmadd_pd(x, x, a[j]);
+        }
+    double acc[NORM_LANES];
+    for (int j = 0; j < 4; j++) _mm256_storeu_pd(acc + 4 * j, a[j]);
+    norm_tree(acc, g, i, n);
+    return acc[0];
+}
+#endif
 
 double optim_grad_norm(const float *g, size_t n) {
     /* fixed-size blocks summed in order keep the result independent of threads */
     enum { BLOCK = 1 << 16 };
     long nb = (long)((n + BLOCK - 1) / BLOCK);
     double *part = ct_calloc((size_t)nb + 1, sizeof(double));
+    double (*block)(const float *, size_t) = norm_block;
+#if defined(__x86_64__)
+    unsigned f = kern_cpu_features(); /* CTITAN_ISA=ref keeps the portable loop (test_optim compares them) */
+    if ((f & KERN_FEAT_AVX2) && (f & KERN_FEAT_FMA)) block = norm_block_avx2;
+#endif
     kern_trace *kt_ = kern_trace_armed();
     /* up to 4 blocks (a LoRA run's adapter ranges, under 2^18 gradients
      * each): no second thread to wake, which on cores other processes share
@@ -108,7 +145,7 @@ double optim_grad_norm(const float *g, size_t n) {
 #pragma omp for schedule(static) nowait
         for (long b = 0; b < nb; b++) {
             size_t lo = (size_t)b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
-            part[b] = norm_block(g + lo, hi - lo);
+            part[b] = block(g + lo, hi - lo);
         }
         KERN_TRACE_EXIT(kt_);
     }
