@@ -9,7 +9,9 @@
  * forms go through each arch's general fallback (gemm_pack_b_h_strided for
  * the fp32 archs' bf16 packer), which nothing else reaches. A too, given
  * row-major (read in place where an arch has ukernel_rm: avx2), transposed
- * and strided (packed), must give the same bits. */
+ * and strided (packed), must give the same bits. The 28 x 16 tile for narrow
+ * C (avx512_n16, LoRA's rank side) must also give the bits of the 14 x 32 one
+ * on every C at most 16 wide, with and without accumulation. */
 #include <string.h>
 
 #include "check.h"
@@ -27,6 +29,7 @@ static int n_archs(arch_case *out) {
     int n = 0;
 #if defined(__x86_64__)
     if ((f & KERN_FEAT_AVX512) == KERN_FEAT_AVX512) out[n++] = (arch_case){"avx512", gemm_arch_avx512};
+    if ((f & KERN_FEAT_AVX512) == KERN_FEAT_AVX512) out[n++] = (arch_case){"avx512_n16", gemm_arch_avx512_n16};
     if ((f & (KERN_FEAT_AVX2 | KERN_FEAT_FMA)) == (KERN_FEAT_AVX2 | KERN_FEAT_FMA))
         out[n++] = (arch_case){"avx2", gemm_arch_avx2};
     if ((f & (KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16)) == (KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16))
@@ -136,6 +139,41 @@ static void check_arch(const arch_case *ac, int M, int K, int N) {
     free(A), free(Brm), free(Bt), free(Bs), free(Hrm), free(Ht), free(Hs), free(C0), free(C1);
 }
 
+#if defined(__x86_64__)
+/* C[M,N] (+)= A B with N <= 16 on gemm_arch_avx512_n16 and gemm_arch_avx512:
+ * the same FMA chain per element in k blocks of the same kc, so the same bits,
+ * for A row-major and transposed (dB's dy^T) and B row-major and transposed
+ * (the forward's A[r, K]). M crosses the 28-row panel's edge variants; K 800
+ * is three k blocks. */
+static void check_narrow(int M, int K, int N, int accumulate) {
+    uint32_t seed = 777u + (uint32_t)(M * 131 + K * 17 + N * 3 + accumulate);
+    float *A = malloc((size_t)M * K * sizeof *A), *At = malloc((size_t)M * K * sizeof *At);
+    float *B = malloc((size_t)K * N * sizeof *B), *Bt = malloc((size_t)K * N * sizeof *Bt);
+    float *C0 = malloc((size_t)M * N * sizeof *C0), *C1 = malloc((size_t)M * N * sizeof *C1);
+    for (int i = 0; i < M; i++)
+        for (int k = 0; k < K; k++) At[(size_t)k * M + i] = A[(size_t)i * K + k] = frand(&seed);
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < N; j++) Bt[(size_t)j * K + k] = B[(size_t)k * N + j] = frand(&seed);
+    float *Cinit = malloc((size_t)M * N * sizeof *Cinit);
+    for (size_t i = 0; i < (size_t)M * N; i++) Cinit[i] = frand(&seed);
+    gemm_view av[] = {{.p = A, .rs = K, .cs = 1}, {.p = At, .rs = 1, .cs = M}};
+    gemm_view bv[] = {{.p = B, .rs = N, .cs = 1}, {.p = Bt, .rs = 1, .cs = K}};
+    for (int va = 0; va < 2; va++)
+        for (int vb = 0; vb < 2; vb++) {
+            memcpy(C0, Cinit, (size_t)M * N * sizeof *C0);
+            memcpy(C1, Cinit, (size_t)M * N * sizeof *C1);
+            gemm_f32(&gemm_arch_avx512, M, N, K, av[va], bv[vb], C0, N, accumulate);
+            gemm_f32(&gemm_arch_avx512_n16, M, N, K, av[va], bv[vb], C1, N, accumulate);
+            size_t first, bad = bit_diffs(C0, C1, (size_t)M * N, &first);
+            CHECK(bad == 0, "avx512_n16 against avx512, M %d K %d N %d, A %s, B %s%s: %zu of %d elements differ "
+                            "(first [%zu]: %.9g against %.9g)",
+                  M, K, N, va ? "transposed" : "row-major", vb ? "transposed" : "row-major",
+                  accumulate ? ", accumulating" : "", bad, M * N, first, bad ? C1[first] : 0.0, bad ? C0[first] : 0.0);
+        }
+    free(A), free(At), free(B), free(Bt), free(C0), free(C1), free(Cinit);
+}
+#endif
+
 int main(void) {
     arch_case archs[8];
     int n = n_archs(archs);
@@ -152,5 +190,14 @@ int main(void) {
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             check_arch(&archs[i], shapes[s][0], shapes[s][1], shapes[s][2]);
     }
+#if defined(__x86_64__)
+    if ((kern_cpu_hw_features() & KERN_FEAT_AVX512) == KERN_FEAT_AVX512) {
+        printf("gemm packers: avx512_n16 against avx512\n");
+        static const int narrow[][3] = {{1, 5, 1},   {3, 64, 16},  {17, 800, 16}, {28, 384, 8},
+                                        {29, 385, 16}, {57, 100, 13}, {300, 800, 16}, {512, 1024, 16}};
+        for (size_t s = 0; s < sizeof narrow / sizeof narrow[0]; s++)
+            for (int acc = 0; acc < 2; acc++) check_narrow(narrow[s][0], narrow[s][1], narrow[s][2], acc);
+    }
+#endif
     return CHECK_DONE();
 }

@@ -299,6 +299,131 @@ T512 static void nt_small_avx512(float *out, long ldo, const float *inp, const f
     }
 }
 
+/* ------------------------------------------------ narrow C: 16 columns */
+
+/* Register tile 28 x 16 for products whose C is at most 16 columns wide (a
+ * LoRA adapter's rank-r side: u = x A^T, du = dy B, dB = dy^T u, r <= 16):
+ * the 14 x 32 tile would compute half its columns for nothing. 28 zmm
+ * accumulators (one vector of 16 columns per row), one B vector per k step,
+ * A broadcast from memory: 29 loads per 28 FMAs, under the load ports' rate
+ * on the Intel and AMD cores with 2 or 3 of them. Measured (1 thread, M 256,
+ * K 1024, N 16) ~2x the 14 x 32 tile and ~1.5x OpenBLAS (docs/benchmarks.md).
+ * Each element of C is the same FMA chain over k as in uk_rows, in k blocks
+ * of the same kc, so both tiles give the same bits: which one a product runs
+ * on changes no result. */
+#define MR_N 28
+#define MRS_N 32
+#define NR_N 16
+
+T512 __attribute__((always_inline)) static inline void uk_n16_rows(const int R, long kc, const float *restrict A,
+                                                                   const float *restrict B, float *C, long ldc,
+                                                                   int mr, int nr, int add) {
+    __m512 c[MR_N];
+#pragma GCC unroll 28
+    for (int i = 0; i < R; i++) c[i] = _mm512_setzero_ps();
+    if (add) gemm_prefetch_c(C, ldc, mr < R ? mr : R, NR_N);
+#pragma GCC unroll 2
+    for (long k = 0; k < kc; k++) {
+        __m512 b = _mm512_load_ps(B);
+        _mm_prefetch((const char *)(B + 8 * NR_N), _MM_HINT_T0);
+#pragma GCC unroll 28
+        for (int i = 0; i < R; i++) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(A[i]), b, c[i]);
+        A += MRS_N;
+        B += NR_N;
+    }
+    __mmask16 m = lanes(nr);
+#pragma GCC unroll 28
+    for (int i = 0; i < R; i++) {
+        if (i >= mr) break;
+        float *cr = C + i * ldc;
+        __m512 v = c[i];
+        if (add) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, cr), v);
+        _mm512_mask_storeu_ps(cr, m, v);
+    }
+}
+
+T512 static void uk_avx512_n16(long kc, const float *restrict A, const float *restrict B, float *C, long ldc, int mr,
+                               int nr, int add) {
+    if (mr > 16) uk_n16_rows(28, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 8) uk_n16_rows(16, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 4) uk_n16_rows(8, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 2) uk_n16_rows(4, kc, A, B, C, ldc, mr, nr, add);
+    else if (mr > 1) uk_n16_rows(2, kc, A, B, C, ldc, mr, nr, add);
+    else uk_n16_rows(1, kc, A, B, C, ldc, mr, nr, add);
+}
+
+/* pack_a_avx512's layout for panels of 28 rows, row stride 32. */
+T512 static void pack_a_avx512_n16(float *dst, gemm_view a, long m, long kc) {
+    long np = (m + MR_N - 1) / MR_N;
+    if (a.rs == 1) { /* transposed A (dB's dy^T): GEMM_PACK_KB k across all panels, as pack_a_avx512 */
+        for (long k0 = 0; k0 < kc; k0 += GEMM_PACK_KB) {
+            long kn = kc - k0 < GEMM_PACK_KB ? kc - k0 : GEMM_PACK_KB;
+            for (long p = 0; p < np; p++) {
+                int rows = (int)(m - p * MR_N < MR_N ? m - p * MR_N : MR_N);
+                __mmask16 m0 = lanes(rows), m1 = lanes(rows - 16);
+                const float *src = a.p + k0 * a.cs + p * MR_N;
+                float *d = dst + p * MRS_N * kc + k0 * MRS_N;
+                for (long k = 0; k < kn; k++) {
+                    _mm512_store_ps(d + k * MRS_N, _mm512_maskz_loadu_ps(m0, src + k * a.cs));
+                    _mm512_store_ps(d + k * MRS_N + 16, _mm512_maskz_loadu_ps(m1, src + k * a.cs + 16));
+                }
+            }
+        }
+        return;
+    }
+    if (a.cs == 1) { /* row-major A: two 16-row transposes per panel (the second 12 rows, zeros after) */
+        for (long p = 0; p < np; p++) {
+            int rows = (int)(m - p * MR_N < MR_N ? m - p * MR_N : MR_N);
+            const float *src = a.p + p * MR_N * a.rs;
+            int pr;
+            const float *pf = gemm_next_slab(src, a.rs, MR_N, m - (p + 1) * MR_N, &pr);
+            transpose_slab(dst + p * MRS_N * kc, MRS_N, src, a.rs, rows < 16 ? rows : 16, kc, pf, pr < 16 ? pr : 16);
+            transpose_slab(dst + p * MRS_N * kc + 16, MRS_N, src + 16 * a.rs, a.rs, rows > 16 ? rows - 16 : 0, kc, NULL, 0);
+        }
+        return;
+    }
+    for (long p = 0; p < np; p++)
+        for (long k = 0; k < kc; k++)
+            for (int i = 0; i < MRS_N; i++)
+                dst[p * MRS_N * kc + k * MRS_N + i] =
+                    i < MR_N && p * MR_N + i < m ? a.p[(p * MR_N + i) * a.rs + k * a.cs] : 0.0f;
+}
+
+/* pack_b_avx512's layout for panels of 16 columns. */
+T512 static void pack_b_avx512_n16(float *dst, gemm_view b, long kc, long n) {
+    long np = (n + NR_N - 1) / NR_N;
+    for (long p = 0; p < np; p++) {
+        int cols = (int)(n - p * NR_N < NR_N ? n - p * NR_N : NR_N);
+        float *d = dst + p * NR_N * kc;
+        if (b.cs == 1) { /* row-major B (du's B, dB's u) */
+            __mmask16 mk = lanes(cols);
+            const float *src = b.p + p * NR_N;
+            for (long k = 0; k < kc; k++) _mm512_store_ps(d + k * NR_N, _mm512_maskz_loadu_ps(mk, src + k * b.rs));
+        } else if (b.rs == 1) { /* transposed B (the forward's A[r, K]) */
+            transpose_slab(d, NR_N, b.p + p * NR_N * b.cs, b.cs, cols, kc, NULL, 0);
+        } else {
+            for (long k = 0; k < kc; k++)
+                for (int j = 0; j < NR_N; j++) d[k * NR_N + j] = j < cols ? b.p[k * b.rs + (p * NR_N + j) * b.cs] : 0.0f;
+        }
+    }
+}
+
+/* Same kc as gemm_arch_avx512 (the bits above depend on it); mc a multiple of 28. */
+const gemm_arch gemm_arch_avx512_n16 = {
+    .name = "avx512_n16",
+    .mr = MR_N,
+    .mrs = MRS_N,
+    .nr = NR_N,
+    .kc = 384,
+    .mc = 4 * MR_N,
+    .nc = 2048,
+    .ncb = 512,
+    .ukernel = uk_avx512_n16,
+    .pack_a = pack_a_avx512_n16,
+    .pack_b = pack_b_avx512_n16,
+    .nt_small = nt_small_avx512,
+};
+
 const gemm_arch gemm_arch_avx512 = {
     .name = "avx512",
     .mr = MR,

@@ -175,6 +175,9 @@ typedef struct {
 
 #if defined(__x86_64__)
 extern const gemm_arch gemm_arch_avx512; /* 14 x 32 zmm tile; needs AVX-512 F/BW/VL/DQ */
+/* 28 x 16 tile for C at most 16 columns wide (LoRA's rank side); the same bits as
+ * gemm_arch_avx512 (same kc, same FMA chain per element); fp32 only, no bf16 B */
+extern const gemm_arch gemm_arch_avx512_n16;
 extern const gemm_arch gemm_arch_avx2;   /* 6 x 16 ymm tile; needs AVX2 + FMA */
 extern const gemm_arch gemm_arch_avx512bf16; /* 14 x 32 tile of bf16 pairs; needs AVX-512 + AVX512_BF16 */
 /* 32 x 32 block of 2 x 2 AMX tiles of bf16 pairs (gemm_bf16_amx.c); needs AVX-512 +
