@@ -502,6 +502,9 @@ static const int shapes_matmul[][6] = {
     {2, 33, 100},   {5, 16, 9},     {6, 8, 16},
     {14, 32, 32},   {15, 33, 31},   {13, 16, 17},   {29, 64, 47},  {77, 131, 45}, {64, 256, 96},
     {33, 600, 65},  {20, 800, 40},  {130, 257, 70}, {5, 300, 2049}, {1030, 20, 2050},
+    /* a LoRA adapter's rank side: C 16 wide over several 28-row panels and k blocks (the
+     * forward's N, the backward's K; avx512 runs them on its 28 x 16 tile) */
+    {300, 700, 16}, {300, 16, 700},
 };
 
 /* matmul_bf16 runs case_matmul too: its reference rounds the inputs to bf16 and
