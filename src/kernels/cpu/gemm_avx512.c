@@ -36,6 +36,9 @@
  * one aligned 64-byte vector (the last two lanes zero), so the packers store
  * whole aligned vectors and the kernel's broadcasts never split a cache line. */
 #define MRS 16
+/* k per block, of both tiles below: each element of C is one FMA chain per k
+ * block, so the 28 x 16 tile gives the 14 x 32 one's bits only at the same kc */
+#define KC_AVX512 384
 
 /* The micro-kernel for R rows (R a compile-time constant at each call site
  * below, so c[][] is all registers and the loops unroll). Each element of C
@@ -306,11 +309,12 @@ T512 static void nt_small_avx512(float *out, long ldo, const float *inp, const f
  * the 14 x 32 tile would compute half its columns for nothing. 28 zmm
  * accumulators (one vector of 16 columns per row), one B vector per k step,
  * A broadcast from memory: 29 loads per 28 FMAs, under the load ports' rate
- * on the Intel and AMD cores with 2 or 3 of them. Measured (1 thread, M 256,
- * K 1024, N 16) ~2x the 14 x 32 tile and ~1.5x OpenBLAS (docs/benchmarks.md).
- * Each element of C is the same FMA chain over k as in uk_rows, in k blocks
- * of the same kc, so both tiles give the same bits: which one a product runs
- * on changes no result. */
+ * on the Intel and AMD cores with 2 or 3 of them. Measured on the AMX Xeon (1
+ * thread, LoRA's three 16-wide products at 0.6B's widths): 1.5-2x the 14 x 32
+ * tile, level with OpenBLAS (docs/kernels.md, "Narrow C"). Each element of C
+ * is the same FMA chain over k as in uk_rows, in k blocks of the same kc
+ * (KC_AVX512), so both tiles give the same bits: which one a product runs on
+ * changes no result. */
 #define MR_N 28
 #define MRS_N 32
 #define NR_N 16
@@ -408,13 +412,16 @@ T512 static void pack_b_avx512_n16(float *dst, gemm_view b, long kc, long n) {
     }
 }
 
-/* Same kc as gemm_arch_avx512 (the bits above depend on it); mc a multiple of 28. */
+/* kc: gemm_arch_avx512's (the bits above depend on it). mc: 4 panels, not
+ * 74: with C 16 wide there is one B panel, so each packed A panel is used
+ * once, and a large block only sent it through L2 and back (15% of these
+ * products at 1 thread). */
 const gemm_arch gemm_arch_avx512_n16 = {
     .name = "avx512_n16",
     .mr = MR_N,
     .mrs = MRS_N,
     .nr = NR_N,
-    .kc = 384,
+    .kc = KC_AVX512,
     .mc = 4 * MR_N,
     .nc = 2048,
     .ncb = 512,
@@ -429,7 +436,7 @@ const gemm_arch gemm_arch_avx512 = {
     .mr = MR,
     .mrs = MRS,
     .nr = NR,
-    .kc = 384,
+    .kc = KC_AVX512,
     .mc = 74 * MR,
     .nc = 2048,
     .ncb = 512,

@@ -93,16 +93,18 @@ KERN_MM_H_DEF(neon, &gemm_arch_neon)
 #endif
 
 #if defined(__x86_64__)
-/* C at most 16 columns wide (the forward's N, the backward's K: both of its
- * products are K wide) runs on the 28 x 16 tile, with the same bits. */
+/* The AVX-512 tile for a C `width` columns wide (the forward's N, the
+ * backward's K: both of its products are K wide): at most 16 the 28 x 16
+ * one, with the same bits. */
+static const gemm_arch *avx512_for(int width) {
+    return width <= gemm_arch_avx512_n16.nr ? &gemm_arch_avx512_n16 : &gemm_arch_avx512;
+}
 void kern_matmul_fwd_avx512(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
-    matmul_fwd(N <= gemm_arch_avx512_n16.nr ? &gemm_arch_avx512_n16 : &gemm_arch_avx512, out, inp, w, M, K, N,
-               accumulate);
+    matmul_fwd(avx512_for(N), out, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int M,
                             int K, int N, int accumulate) {
-    gemm_matmul_bwd(K <= gemm_arch_avx512_n16.nr ? &gemm_arch_avx512_n16 : &gemm_arch_avx512, dinp, dw, dout, inp, w,
-                    M, K, N, accumulate);
+    gemm_matmul_bwd(avx512_for(K), dinp, dw, dout, inp, w, M, K, N, accumulate);
 }
 void kern_matmul_fwd_avx2(float *out, const float *inp, const float *w, int M, int K, int N, int accumulate) {
     matmul_fwd(&gemm_arch_avx2, out, inp, w, M, K, N, accumulate);
