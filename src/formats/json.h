@@ -6,8 +6,14 @@
  * something else (a NUL cuts a string short). These readers check the bytes
  * first, as the JSON grammar (RFC 8259) has them: outside strings only space,
  * tab, CR and LF separate tokens; inside strings no byte below 0x20 appears
- * raw; nothing but whitespace follows the value. Every error is
- * CT_ERR_FORMAT and names the file and the byte offset. */
+ * raw; nothing but whitespace follows the value. The text is UTF-8 (RFC
+ * 8259 section 8.1), as Python reading a file as UTF-8 and serde_json demand:
+ * cJSON copies any bytes, so a truncated or overlong sequence or an encoded
+ * surrogate would reach the tokenizer as a token no HF tool has. Numbers are
+ * JSON's (no "01", "1." or "1.e5", which cJSON's strtod takes), and no object
+ * repeats a key: Python keeps the last "vocab_size" of two, cJSON finds the
+ * first, so the same file would mean two models. Every error is
+ * CT_ERR_FORMAT and names the file and the byte offset or the key. */
 #ifndef CT_FORMATS_JSON_H
 #define CT_FORMATS_JSON_H
 
@@ -18,14 +24,35 @@
 struct cJSON;
 
 /* Offset of the first byte of text[0, len) the JSON grammar does not allow
- * where it stands (a control byte, a NUL), or len when there is none. Only
- * the byte level: cJSON checks the syntax. */
+ * where it stands (a control byte, a NUL), or of the first byte of an
+ * ill-formed UTF-8 sequence (a stray continuation byte, C0, C1 or F5..FF, a
+ * sequence cut short, an overlong form, a surrogate ED A0..BF, a code point
+ * past U+10FFFF), or len when there is none. A byte below 0x80 at the offset
+ * is a control byte, one above starts the bad sequence. Only the byte level:
+ * cJSON checks the syntax. */
 size_t json_bad_byte(const char *text, size_t len);
 
 /* text[0, len) as one JSON value; what names the file in messages. NULL on
- * error with e set (CT_ERR_FORMAT, "WHAT: ... at byte N"). The caller
- * deletes the result. */
+ * error with e set (CT_ERR_FORMAT, "WHAT: ... at byte N", or "WHAT: duplicate
+ * key \"K\"" for an object, at any depth, that repeats a key). Its numbers
+ * carry json_is_integer's mark. The caller deletes the result. */
 struct cJSON *json_parse(const char *text, size_t len, const char *what, ct_err *e);
+
+/* Whether ITEM is a number written as an integer, as Python's json tells an
+ * int from a float: "32", not "32.0" or "3.2e1", which cJSON stores as the
+ * same double. A number json_parse (or json_mark_numbers) did not mark, one
+ * built in code, counts by its value: integral and finite. Config fields that
+ * transformers declares int refuse 32.0 by it. */
+int json_is_integer(const struct cJSON *item);
+
+/* Marks the numbers of ROOT, the tree cJSON parsed from text[0, len) (that
+ * json_bad_byte passed), for json_is_integer: for a reader that calls cJSON
+ * itself and words its own messages (the safetensors header). 0, or -1 with
+ * *at the offset of a number JSON's grammar refuses ("01", "1.", "-"), or len
+ * when ROOT lacks numbers the text has (it is not the text's tree; the walk
+ * stops at the last float-written number, so a longer tree passes).
+ * json_parse does this itself. */
+int json_mark_numbers(struct cJSON *root, const char *text, size_t len, size_t *at);
 
 /* The file at PATH through json_parse; cap as fs_read_file's (0: none). A
  * file that cannot be read is fs_read_file's error (CT_ERR_IO). */

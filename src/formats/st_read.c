@@ -10,9 +10,10 @@
  *   costs no copies and pages come in only when a tensor is converted.
  * - The header is untrusted. It is copied into a NUL-terminated buffer before
  *   cJSON sees it (cJSON never reads near the mapping's end), and every field
- *   is checked before a single tensor is exposed: known dtype, integral
- *   non-negative shape and offsets below 2^53 (cJSON stores numbers as
- *   doubles, beyond that they are not exact), numel without overflow, offsets
+ *   is checked before a single tensor is exposed: well-formed UTF-8 (as the
+ *   Rust reader's from_utf8), known dtype, non-negative shape and offsets
+ *   written as integers (not 32.0: json_is_integer) and below 2^53 (cJSON
+ *   stores numbers as doubles, beyond that they are not exact), numel without overflow, offsets
  *   inside the buffer, end - begin matching the shape, and the tensors tiling
  *   the buffer exactly (what the Hugging Face reader requires). Tensor entries
  *   with unknown or repeated fields are rejected rather than guessed at.
@@ -64,11 +65,14 @@ static int st_cmp_key_tensor(const void *key, const void *elem) {
     return strcmp((const char *)key, (*(const st_tensor *const *)elem)->name);
 }
 
-/* A JSON number that is an exact non-negative integer below 2^53. */
+/* A JSON number that is an exact non-negative integer below 2^53: -1 when
+ * not, -2 for one written as a float ("32.0", "3.2e1"), which the Rust
+ * reader refuses as it refuses 32.5 (serde: "expected usize"). */
 static int st_json_uint(const cJSON *v, uint64_t *out) {
     if (!cJSON_IsNumber(v)) return -1;
     double d = v->valuedouble;
     if (!(d >= 0.0) || d >= ST_EXACT_LIMIT || d != floor(d)) return -1;
+    if (!json_is_integer(v)) return -2;
     *out = (uint64_t)d;
     return 0;
 }
@@ -160,7 +164,11 @@ static int st_parse_entry(const st_file *f, const cJSON *ent, size_t bufsize, st
     int k = 0;
     for (const cJSON *v = sh->child; v; v = v->next, k++) {
         uint64_t dim;
-        if (st_json_uint(v, &dim))
+        int bad = st_json_uint(v, &dim);
+        if (bad == -2)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: tensor '%s': shape[%d] is written as a float (%.1f), not an integer",
+                           p, nm, k, v->valuedouble);
+        if (bad)
             return ct_fail(e, CT_ERR_FORMAT,
                            "%s: tensor '%s': shape[%d] is not a non-negative integer below 2^53", p, nm, k);
         t->shape[k] = (int64_t)dim;
@@ -173,9 +181,17 @@ static int st_parse_entry(const st_file *f, const cJSON *ent, size_t bufsize, st
 
     if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2)
         return ct_fail(e, CT_ERR_FORMAT, "%s: tensor '%s': 'data_offsets' is not an array [begin, end]", p, nm);
-    if (st_json_uint(off->child, begin) || st_json_uint(off->child->next, end))
-        return ct_fail(e, CT_ERR_FORMAT,
-                       "%s: tensor '%s': data_offsets are not non-negative integers below 2^53", p, nm);
+    for (int i = 0; i < 2; i++) {
+        const cJSON *v = i ? off->child->next : off->child;
+        int bad = st_json_uint(v, i ? end : begin);
+        if (bad == -2)
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "%s: tensor '%s': data_offsets[%d] is written as a float (%.1f), not an integer", p, nm, i,
+                           v->valuedouble);
+        if (bad)
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "%s: tensor '%s': data_offsets are not non-negative integers below 2^53", p, nm);
+    }
     if (*begin > *end)
         return ct_fail(e, CT_ERR_FORMAT, "%s: tensor '%s': data_offsets begin %llu > end %llu", p, nm,
                        (unsigned long long)*begin, (unsigned long long)*end);
@@ -240,8 +256,9 @@ static int st_parse_header(st_file *f, const char *hdr, size_t hlen, size_t bufs
     int rc = 0;
     uint64_t *begins = NULL, *ends = NULL;
     if (bad < hlen) {
-        rc = ct_fail(e, CT_ERR_FORMAT, "%s: header is not valid JSON (control byte 0x%02x at header byte %zu)",
-                     f->path, (unsigned)(unsigned char)buf[bad], bad);
+        unsigned char b = (unsigned char)buf[bad];
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: header is not valid JSON (%s 0x%02x at header byte %zu)", f->path,
+                     b < 0x80 ? "control byte" : "invalid UTF-8: byte", b, bad);
         goto out;
     }
     if (!root) {
@@ -256,6 +273,11 @@ static int st_parse_header(st_file *f, const char *hdr, size_t hlen, size_t bufs
                          f->path, (long)(q - buf));
             goto out;
         }
+    size_t at;
+    if (json_mark_numbers(root, buf, hlen, &at)) { /* for json_is_integer; refuses "01" and "1." */
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: header is not valid JSON (invalid number at header byte %zu)", f->path, at);
+        goto out;
+    }
     if (!cJSON_IsObject(root)) {
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: header is not a JSON object", f->path);
         goto out;

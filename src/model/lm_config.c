@@ -150,6 +150,17 @@ int lm_config_from_flavor(lm_config *c, const char *flavor, ct_err *e) {
                    flavor, known);
 }
 
+/* v as Python's repr writes a float: 32.0, 1e+20 (for messages). */
+typedef struct {
+    char s[32];
+} lm_float_str;
+static lm_float_str lm_float_text(double v) {
+    lm_float_str r;
+    if (fabs(v) < 1e16) snprintf(r.s, sizeof r.s, "%.1f", v);
+    else snprintf(r.s, sizeof r.s, "%g", v);
+    return r;
+}
+
 /* An integer field: required unless def_ok, then *out keeps its default. */
 static int json_int(const cJSON *root, const char *key, int *out, int required, const char *path, ct_err *e) {
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
@@ -160,6 +171,10 @@ static int json_int(const cJSON *root, const char *key, int *out, int required, 
     double v = it->valuedouble;
     if (!cJSON_IsNumber(it) || v != floor(v))
         return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an integer", path, key);
+    /* 32.0: cJSON stores it as 32, json_parse's mark tells them apart; transformers'
+     * config classes refuse a float where they declare int ("expected int, got float") */
+    if (!json_is_integer(it))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an integer, got %s", path, key, lm_float_text(v).s);
     /* an integer the file states exactly but an int cannot hold: naming it a type error
      * would send the reader looking for quotes or a decimal point */
     if (v < -2147483648.0 || v > 2147483647.0)
@@ -215,6 +230,9 @@ static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, co
         cJSON_ArrayForEach(it, mo) {
             if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble))
                 return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" must hold integers", path);
+            if (!json_is_integer(it)) /* as json_int: transformers refuses [0.0] */
+                return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" must hold integers, got %s", path,
+                               lm_float_text(it->valuedouble).s);
             if (c->n_mlp_only == LM_MAX_MLP_ONLY)
                 return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" has more than %d entries", path,
                                LM_MAX_MLP_ONLY);

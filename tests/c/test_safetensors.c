@@ -288,6 +288,23 @@ static void test_corrupt(void) {
          8, "twice"},
         {"meta_not_string", UINT64_MAX, "{\"__metadata__\":{\"k\":1}}", 0, "'k'"},
         {"meta_not_object", UINT64_MAX, "{\"__metadata__\":[]}", 0, "__metadata__"},
+        /* integers written as floats: the Rust reader's serde wants a usize ("expected usize") */
+        {"float_shape", UINT64_MAX, "{\"a\":{\"dtype\":\"F32\",\"shape\":[1.0],\"data_offsets\":[0,4]}}", 4,
+         "shape[0] is written as a float (1.0)"},
+        {"exponent_shape", UINT64_MAX, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2,1e0],\"data_offsets\":[0,8]}}", 8,
+         "shape[1] is written as a float"},
+        {"float_offset_end", UINT64_MAX, "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4.0]}}", 4,
+         "data_offsets[1] is written as a float (4.0)"},
+        {"float_offset_begin", UINT64_MAX, "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0.0,4]}}", 4,
+         "data_offsets[0] is written as a float"},
+        /* numbers outside JSON's grammar, which cJSON's strtod takes */
+        {"leading_zero", UINT64_MAX, "{\"a\":{\"dtype\":\"F32\",\"shape\":[01],\"data_offsets\":[0,4]}}", 4,
+         "invalid number at header byte 29"},
+        /* ill-formed UTF-8 (the Rust reader's from_utf8 refuses the header) */
+        {"bad_utf8_name", UINT64_MAX, "{\"a\xff\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
+         "invalid UTF-8: byte 0xff at header byte 3"},
+        {"surrogate_name", UINT64_MAX, "{\"a\xed\xa0\x80\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
+         "header byte 3"},
     };
     unsigned char data[64] = {0};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -479,7 +496,7 @@ static void test_bad_sets(void) {
     bad_set("bad_json", "{\"weight_map\": {", "JSON");
     bad_set("dup_key", "{\"weight_map\": {\"x\": \"a.safetensors\", \"x\": \"a.safetensors\", "
                        "\"y\": \"a.safetensors\", \"z\": \"b.safetensors\"}}",
-            "twice");
+            "duplicate key \"x\""); /* json_parse's check, before weight_map's own ("twice") */
 
     /* the same tensor in two shards */
     snprintf(dir, sizeof dir, "%s/set_dup", g_dir);

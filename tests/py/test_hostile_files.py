@@ -229,6 +229,20 @@ def st_mantissa_flip(c):
     return []
 
 
+def st_float_offsets(c):
+    """Offsets written as floats ("[212864.0, 212992.0]"): the safetensors library wants a usize."""
+    def f(h):
+        a, z = h[NORM]["data_offsets"]
+        h[NORM]["data_offsets"] = [float(a), float(z)]
+    c.rewrite_header(f)
+    return [NORM, "data_offsets[0]", "float"]
+
+
+def st_float_shape(c):
+    c.rewrite_header(lambda h: h[NORM].update(shape=[float(x) for x in h[NORM]["shape"]]))
+    return [NORM, "shape[0]", "float"]
+
+
 # ---- safetensors: dtypes, shapes, tensors against config.json
 
 def st_dtype_unreadable(c):
@@ -345,6 +359,30 @@ def cfg_not_object(c):
     return []
 
 
+def cfg_duplicate_key(c):
+    """vocab_size twice: Python keeps the last, cJSON would find the first; refused."""
+    t = c.config_json.read_text()
+    assert t.startswith("{")
+    c.config_json.write_text('{"vocab_size": 64, ' + t[1:])
+    return ['duplicate key "vocab_size"']
+
+
+def cfg_bad_utf8(c):
+    """A truncated UTF-8 sequence in a string (Python reading the file as UTF-8 refuses it)."""
+    t = c.config_json.read_bytes()
+    at = t.index(b'"qwen3"') + 1
+    c.config_json.write_bytes(t[:at] + b"\xc3" + t[at:])
+    return ["UTF-8", f"at byte {at}"]
+
+
+def cfg_bad_utf8_surrogate(c):
+    """A surrogate encoded in UTF-8 (ED A0 80): not UTF-8 for Python's file reading or serde_json."""
+    t = c.config_json.read_bytes()
+    at = t.index(b'"qwen3"') + 1
+    c.config_json.write_bytes(t[:at] + b"\xed\xa0\x80" + t[at:])
+    return ["UTF-8", f"at byte {at}"]
+
+
 def cfg_tied_with_lm_head(c):
     """tie_word_embeddings true, and the file's lm_head.weight (an untied model's) differs from
     the embedding: transformers then loads them untied (test_transformers_unties_a_different_head)."""
@@ -391,6 +429,15 @@ def tok_regex_broken(c):
         j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(?i:'s|'t"
     _edit_tok(c, f)
     return ["pre_tokenizer pattern", "missing closing parenthesis"]
+
+
+def tok_bad_utf8(c):
+    """An overlong sequence (C0 AF, a '/') inside a vocab key."""
+    p = c.tok / "tokenizer.json"
+    t = p.read_bytes()
+    at = t.index(b'"', t.index(b"{", t.index(b'"vocab"'))) + 1
+    p.write_bytes(t[:at] + b"\xc0\xaf" + t[at:])
+    return ["UTF-8", f"at byte {at}"]
 
 
 def tok_not_json(c):
@@ -529,6 +576,8 @@ CASES = [
     ("st-data-inf", st_inf_weight, "generate", 3, [HF]),
     ("st-data-exponent-flip", st_exponent_flip_to_nan, "train", 3, [HF]),
     ("st-data-mantissa-flip", st_mantissa_flip, "train", 0, []),
+    ("st-float-offsets", st_float_offsets, "train", 3, [HF]),
+    ("st-float-shape", st_float_shape, "generate", 3, [HF]),
     # dtypes and shapes against config.json
     ("st-dtype-unreadable", st_dtype_unreadable, "train", 3, [HF]),
     ("st-dtype-size-mismatch", st_dtype_size_mismatch, "train", 3, [HF]),
@@ -578,12 +627,22 @@ CASES = [
     ("cfg-string-for-bool", cfg(tie_word_embeddings="yes"), "train", 2, [CFG, "tie_word_embeddings"]),
     ("cfg-string-for-float", cfg(rms_norm_eps="small"), "train", 2, [CFG, "rms_norm_eps"]),
     ("cfg-model-type-int", cfg(model_type=3), "train", 2, [CFG, "model_type"]),
+    # an integer written as a float: transformers' config classes refuse 32.0 where they declare int
+    ("cfg-float-integral-for-int", cfg(hidden_size=32.0), "train", 2, [CFG, '"hidden_size"', "integer", "32.0"]),
+    ("cfg-float-integral-for-int-gen", cfg(num_attention_heads=4.0), "generate", 2,
+     [CFG, '"num_attention_heads"', "integer", "4.0"]),
+    ("cfg-exponent-for-int", cfg(vocab_size=float(V)), "import", 2, [CFG, '"vocab_size"', "integer"]),
+    ("cfg-int-for-float-ok", cfg(rms_norm_eps=1), "train", 0, []),  # an int where a float goes: fine, as in Python
     # config.json: conflicting keys, syntax
     ("cfg-kv-not-dividing-heads", cfg(num_key_value_heads=3), "train", 2,
      [CFG, "num_key_value_heads", "num_attention_heads"]),
     ("cfg-not-json", cfg_not_json, "train", 3, [CFG]),
     ("cfg-not-json-gen", cfg_not_json, "generate", 3, [CFG]),
     ("cfg-not-object", cfg_not_object, "train", 3, [CFG]),
+    ("cfg-duplicate-key", cfg_duplicate_key, "train", 3, [CFG]),
+    ("cfg-duplicate-key-describe", cfg_duplicate_key, "describe", 3, [CFG]),
+    ("cfg-bad-utf8", cfg_bad_utf8, "train", 3, [CFG]),
+    ("cfg-bad-utf8-surrogate", cfg_bad_utf8_surrogate, "generate", 3, [CFG]),
     ("cfg-not-json-describe", cfg_not_json, "describe", 3, [CFG]),
     ("cfg-hidden-beyond-int-describe", cfg(hidden_size=BIG), "describe", 2, [CFG, "hidden_size", "out of range"]),
     # tokenizer.json
@@ -592,6 +651,7 @@ CASES = [
     ("tok-merge-one-element", tok_merge_one_element, "tokenize", 3, [TOK]),
     ("tok-regex-broken", tok_regex_broken, "tokenize", 3, [TOK]),
     ("tok-not-json", tok_not_json, "tokenize", 3, [TOK]),
+    ("tok-bad-utf8", tok_bad_utf8, "tokenize", 3, [TOK]),
     ("tok-merge-unknown-token-prepare", tok_merge_unknown_token, "prepare", 3, [TOK]),
     ("tok-regex-broken-prepare", tok_regex_broken, "prepare", 3, [TOK]),
     ("tok-merge-wrong-type-gen", tok_merge_wrong_type, "generate-text", 3, [TOK]),
@@ -666,7 +726,7 @@ def test_hostile(cid, mutate, cmd, code, needles, pristine, tmp_path, run_ctitan
 # --------------------------------------------------------------------------- the libraries' say
 
 TOKENIZER_MUTATIONS = [tok_merge_unknown_token, tok_merge_wrong_type, tok_merge_one_element, tok_regex_broken,
-                       tok_not_json]
+                       tok_not_json, tok_bad_utf8]
 
 
 @pytest.mark.parametrize("mutate", TOKENIZER_MUTATIONS, ids=[f.__name__ for f in TOKENIZER_MUTATIONS])
@@ -695,3 +755,30 @@ def test_transformers_unties_a_different_head(pristine, tmp_path):
     cfg_tied_with_equal_lm_head(c)
     m = AutoModelForCausalLM.from_pretrained(str(c.hf), dtype=torch.float32)
     assert torch.equal(m.lm_head.weight, m.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("mutate", [st_float_offsets, st_float_shape], ids=["offsets", "shape"])
+def test_safetensors_refuses_float_numbers_too(mutate, pristine, tmp_path):
+    """ctitan refuses a header whose offsets or shape are written as floats (exit 3 above); so
+    does the safetensors library ("expected usize"): the refusal is the reference's."""
+    from safetensors import safe_open
+    c = Case(pristine, tmp_path)
+    mutate(c)
+    with pytest.raises(Exception):
+        with safe_open(str(c.st), "np") as f:
+            [f.get_tensor(k) for k in f.keys()]
+
+
+@pytest.mark.parametrize("mutate", [cfg(hidden_size=32.0), cfg_duplicate_key, cfg_bad_utf8],
+                         ids=["float-for-int", "duplicate-key", "bad-utf8"])
+def test_transformers_refuses_or_rereads_config(mutate, pristine, tmp_path):
+    """What transformers makes of ctitan's refused config.json files: 32.0 for an int and bad
+    UTF-8 fail to load; a repeated key loads, with the LAST value (cJSON took the first)."""
+    from transformers import AutoConfig
+    c = Case(pristine, tmp_path)
+    mutate(c)
+    if mutate is cfg_duplicate_key:
+        assert AutoConfig.from_pretrained(str(c.hf)).vocab_size == V  # not 64: the two readers disagreed
+    else:
+        with pytest.raises(Exception):
+            AutoConfig.from_pretrained(str(c.hf))
