@@ -188,6 +188,84 @@ static int check_chat_template(const ds *d, const cJSON *rec, const char *meta, 
     return rc;
 }
 
+/* meta.json's count KEY, when present: a non-negative integer (*has = 1), else
+ * a format error naming the key. Absent (a hand-written meta.json) is *has = 0. */
+static int meta_count(const cJSON *j, const char *key, const char *meta, uint64_t *out, int *has, ct_err *e) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, key);
+    *has = 0;
+    *out = 0;
+    if (!v || cJSON_IsNull(v)) return 0;
+    /* 2^53: the largest count a JSON number holds exactly */
+    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > 9007199254740992.0 ||
+        v->valuedouble != (double)(uint64_t)v->valuedouble)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: %s: expected a non-negative integer", meta, key);
+    *out = (uint64_t)v->valuedouble;
+    *has = 1;
+    return 0;
+}
+
+/* The tokenizer meta.json records (its vocab_size) must fit the model
+ * (c->vocab_size, when the caller knows it), and the token ids it records
+ * (eos_id, and bos_id / pad_id if a writer adds them) must be ids of both:
+ * an id outside them means the file was edited or belongs to other data.
+ * The tokens themselves are checked by check_vocab. */
+static int check_meta_ids(const ds *d, const cJSON *j, const char *meta, ct_err *e) {
+    uint64_t vocab;
+    int has_vocab, rc = meta_count(j, "vocab_size", meta, &vocab, &has_vocab, e);
+    /* the trainer refuses a tokenizer larger than the model for text data
+     * (trainer.c); data prepared with one is the same mistake */
+    if (!rc && has_vocab && d->cfg.vocab_size > 0 && vocab > (uint64_t)d->cfg.vocab_size)
+        rc = ct_fail(e, CT_ERR_FORMAT,
+                     "%s: vocab_size is %llu, larger than the model's vocabulary (size %d): prepared with another "
+                     "tokenizer?",
+                     meta, (unsigned long long)vocab, d->cfg.vocab_size);
+    static const char *const keys[] = {"eos_id", "bos_id", "pad_id"};
+    for (size_t i = 0; i < sizeof keys / sizeof *keys && !rc; i++) {
+        uint64_t id;
+        int has;
+        if ((rc = meta_count(j, keys[i], meta, &id, &has, e)) || !has) continue;
+        if (has_vocab && id >= vocab)
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: %s is %llu, outside its own vocab_size %llu", meta, keys[i],
+                         (unsigned long long)id, (unsigned long long)vocab);
+        else if (d->cfg.vocab_size > 0 && id >= (uint64_t)d->cfg.vocab_size)
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: %s is %llu, outside the model's vocabulary (size %d)", meta, keys[i],
+                         (unsigned long long)id, d->cfg.vocab_size);
+    }
+    return rc;
+}
+
+/* After the shards are mapped (each already equal to its own count): the
+ * totals meta.json records must agree with them. total_tokens is what
+ * prepare's summary and anyone sizing a run reads; a disagreement means the
+ * shard list or the files were edited or mixed with another prepare's, so
+ * the directory is not the data it claims to be. "masked" must agree with
+ * the shards listing masks, or the loss mask of chat data could silently
+ * vanish. */
+static int check_meta_totals(const ds *d, int first_seg, int n_masks, const cJSON *j, const char *meta, ct_err *e) {
+    uint64_t held = 0, total, trainable;
+    int has_total, has_trainable, n = d->n_segs - first_seg;
+    for (int i = first_seg; i < d->n_segs; i++) held += d->segs[i].n;
+    const cJSON *masked = cJSON_GetObjectItemCaseSensitive(j, "masked");
+    int rc = 0;
+    if (masked && !cJSON_IsBool(masked))
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: masked: expected true or false", meta);
+    else if (cJSON_IsTrue(masked) && n_masks != n)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: masked is true, but %d of its %d shard(s) list no \"mask\" file", meta,
+                     n - n_masks, n);
+    else if (cJSON_IsFalse(masked) && n_masks)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: masked is false, but %d of its %d shard(s) list a \"mask\" file", meta,
+                     n_masks, n);
+    if (!rc) rc = meta_count(j, "total_tokens", meta, &total, &has_total, e);
+    if (!rc && has_total && total != held)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: total_tokens is %llu, but its %d shard(s) hold %llu tokens", meta,
+                     (unsigned long long)total, n, (unsigned long long)held);
+    if (!rc) rc = meta_count(j, "trainable_tokens", meta, &trainable, &has_trainable, e);
+    if (!rc && has_trainable && trainable > held)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: trainable_tokens is %llu, more than the %llu tokens its shards hold", meta,
+                     (unsigned long long)trainable, (unsigned long long)held);
+    return rc;
+}
+
 /* The shards of a meta.json, in its order, each checked against its count. */
 static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
     size_t got;
@@ -205,9 +283,9 @@ static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: format: expected \"ctitan-tokens\"", meta);
     else if (!cJSON_IsArray(shards))
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: shards: expected a list", meta);
-    else
+    else if (!(rc = check_meta_ids(d, j, meta, e)))
         rc = check_chat_template(d, cJSON_GetObjectItemCaseSensitive(j, "chat_template"), meta, e);
-    int k = 0;
+    int k = 0, n_masks = 0, first_seg = d->n_segs;
     const cJSON *list = rc ? NULL : shards;
     cJSON_ArrayForEach(it, list) {
         const cJSON *file = cJSON_GetObjectItemCaseSensitive(it, "file");
@@ -227,15 +305,34 @@ static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
         free(fp);
         free(mp);
         if (rc) break;
+        n_masks += mask != NULL;
         k++;
     }
+    if (!rc) rc = check_meta_totals(d, first_seg, n_masks, j, meta, e);
     cJSON_Delete(j);
     return rc;
 }
 
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
-/* A directory: meta.json when present, else every .bin/.npy by name. */
+/* A name `ctitan prepare` writes besides meta.json (ds_shards.c):
+ * shard-<digits>.bin / .mask, the same with .tmp (not yet renamed into
+ * place), or meta.json.tmp. */
+static int is_prepare_name(const char *name) {
+    if (!strcmp(name, "meta.json.tmp")) return 1;
+    if (strncmp(name, "shard-", 6)) return 0;
+    const char *p = name + 6, *q = p;
+    while (*q >= '0' && *q <= '9') q++;
+    if (q == p) return 0;
+    return !strcmp(q, ".bin") || !strcmp(q, ".mask") || !strcmp(q, ".bin.tmp") || !strcmp(q, ".mask.tmp");
+}
+
+/* A directory: meta.json when present, else every .bin/.npy by name.
+ * prepare writes meta.json last, so its shard files without one are an
+ * interrupted run: some of the shards only (and from a writer older than
+ * the rename into place, a last one cut mid-write), refused rather than
+ * trained on as a silent prefix of the data. Token files under other names
+ * are a plain collection and are read in name order. */
 static int add_dir(ds *d, const char *dir, ct_err *e) {
     char *meta = fs_join(dir, "meta.json");
     struct stat st;
@@ -250,7 +347,11 @@ static int add_dir(ds *d, const char *dir, ct_err *e) {
     char **names = NULL;
     size_t n = 0, cap = 0;
     struct dirent *de;
+    char prep[256] = "";
     while ((de = readdir(dh))) {
+        /* the smallest such name, so the message does not depend on readdir's order */
+        if (is_prepare_name(de->d_name) && (!prep[0] || strcmp(de->d_name, prep) < 0))
+            snprintf(prep, sizeof prep, "%s", de->d_name);
         if (!has_ext(de->d_name, ".bin") && !has_ext(de->d_name, ".npy")) continue;
         if (n == cap) {
             cap = cap ? cap * 2 : 16;
@@ -265,7 +366,13 @@ static int add_dir(ds *d, const char *dir, ct_err *e) {
     }
     closedir(dh);
     int rc = 0;
-    if (!n) rc = ct_fail(e, CT_ERR_FORMAT, "%s: no meta.json and no .bin/.npy token shards in it", dir);
+    if (prep[0])
+        rc = ct_fail(e, CT_ERR_FORMAT,
+                     "%s: holds `ctitan prepare` shards (%s) but no meta.json, which prepare writes last: this looks "
+                     "like an interrupted `ctitan prepare`; run it again (--overwrite) to finish the dataset",
+                     dir, prep);
+    else if (!n)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: no meta.json and no .bin/.npy token shards in it", dir);
     if (n) qsort(names, n, sizeof *names, cmp_str); /* names is NULL when n == 0: qsort's pointer is nonnull */
     for (size_t i = 0; i < n; i++) {
         if (!rc) {

@@ -8,8 +8,11 @@
  *           or with the tokenizer's own chat template (data/chat.h,
  *           ds_tok_opts.chat_template), loss only on the assistant replies
  *   tokens  pre-tokenized: a raw little-endian uint32 `.bin`, an integer
- *           `.npy`, or a directory written by `ctitan prepare` (shards in
- *           meta.json's order, or every *.bin / *.npy in sorted name order)
+ *           `.npy`, or a directory: one written by `ctitan prepare` (shards in
+ *           meta.json's order, its counts and ids checked), or any other
+ *           directory of *.bin / *.npy read in sorted name order. A directory
+ *           of prepare's shard-NNNNN files without meta.json is an
+ *           interrupted prepare and an error.
  * DS_KIND_AUTO picks per path: a directory, .bin, .npy -> tokens; .txt ->
  * text; .jsonl / .json / anything whose first line is a JSON object -> chat
  * if that object has "messages", else jsonl; anything else -> text.
@@ -142,7 +145,9 @@ typedef struct ds ds;
  * for text/jsonl/chat sources: `t`, else c->tokenizer_dir is loaded (NULL
  * and no directory is fine for tokens). Errors: a missing or unreadable
  * file, bad JSON (file:line), a token outside vocab_size, fewer than `world`
- * windows ("too short for one window" naming the source). */
+ * windows ("too short for one window" naming the source), a prepared
+ * directory without meta.json or whose meta.json disagrees with its shards
+ * or with vocab_size. */
 int ds_open(ds **out, const char *const *paths, int n_paths, const tok *t, const ds_config *c, ct_err *e);
 /* Same with the sources in one string separated by commas (a config value
  * such as "a.jsonl,b.txt"); empty items are skipped. */
@@ -191,7 +196,9 @@ int ds_writer_finish(ds_writer *w, const char *kind, const char *tokenizer_dir, 
  * null). Call before ds_writer_finish; without it meta.json has no such key
  * (no chat source). */
 void ds_writer_chat_template(ds_writer *w, const chat_tmpl_id *id);
-/* Frees; after an error (no finish) the partial shards are left in place. */
+/* Frees. After an error (no finish) the whole shards written so far stay,
+ * without meta.json (the loader refuses such a directory as an interrupted
+ * prepare); the unfinished shard's NAME.tmp is removed. */
 void ds_writer_free(ds_writer *w);
 /* Shards written so far. */
 int ds_writer_num_shards(const ds_writer *w);

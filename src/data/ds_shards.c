@@ -5,8 +5,11 @@
  * for chat data shard-NNNNN.mask, one byte per token (1 = trainable target).
  * Shards are cut every shard_tokens tokens regardless of document
  * boundaries: the loader concatenates them, so a document may straddle two.
- * meta.json is written last, through a temporary file and rename(), so a
- * crash never leaves a directory that looks complete. */
+ * Every file is written as NAME.tmp and renamed into place once complete and
+ * synced (core/fs.h fs_atomic), meta.json last: a killed run leaves only
+ * whole shards under their final names and no meta.json, which the loader
+ * refuses as an interrupted prepare (dataset.c) instead of training on a
+ * prefix of the data. */
 #include "core/fs.h"
 #include "data/dataset.h"
 
@@ -23,7 +26,7 @@
 struct ds_writer {
     char *dir;
     uint64_t shard_tokens;
-    FILE *tf, *mf;       /* the open shard's token and mask files */
+    fs_atomic tf, mf;    /* the open shard's token and mask files (NAME.tmp until committed) */
     uint64_t cur_n;      /* tokens in the open shard */
     uint64_t *shard_n;   /* tokens per finished or open shard */
     int n_shards, cap;
@@ -68,12 +71,15 @@ int ds_writer_open(ds_writer **out, const char *dir, uint64_t shard_tokens, int 
     return 0;
 }
 
+/* Renames the open shard's files into place (the mask first, so a shard-NNNNN.bin
+ * under its final name always has its mask beside it). */
 static int close_shard(ds_writer *w, ct_err *e) {
     int rc = 0;
-    if (w->tf && fclose(w->tf) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: write failed (%s)", w->dir, strerror(errno));
-    if (w->mf && fclose(w->mf) != 0 && !rc)
-        rc = ct_fail(e, CT_ERR_IO, "%s: write failed (%s)", w->dir, strerror(errno));
-    w->tf = w->mf = NULL;
+    if (w->mf.fp) rc = fs_atomic_commit(&w->mf, e);
+    if (w->tf.fp) {
+        if (rc) fs_atomic_abort(&w->tf);
+        else rc = fs_atomic_commit(&w->tf, e);
+    }
     return rc;
 }
 
@@ -88,17 +94,18 @@ static int open_shard(ds_writer *w, ct_err *e) {
     char name[64];
     snprintf(name, sizeof name, "shard-%05d.bin", k);
     char *p = fs_join(w->dir, name);
-    w->tf = fopen(p, "wb");
-    int rc = w->tf ? 0 : ct_fail(e, CT_ERR_IO, "%s: cannot create (%s)", p, strerror(errno));
+    int rc = fs_atomic_open(&w->tf, p, e);
     free(p);
     if (!rc && w->masked == 1) {
         snprintf(name, sizeof name, "shard-%05d.mask", k);
         p = fs_join(w->dir, name);
-        w->mf = fopen(p, "wb");
-        if (!w->mf) rc = ct_fail(e, CT_ERR_IO, "%s: cannot create (%s)", p, strerror(errno));
+        rc = fs_atomic_open(&w->mf, p, e);
         free(p);
     }
-    if (rc) return rc;
+    if (rc) {
+        fs_atomic_abort(&w->tf);
+        return rc;
+    }
     w->shard_n[w->n_shards++] = 0;
     w->cur_n = 0;
     return 0;
@@ -109,12 +116,12 @@ int ds_writer_sink(void *ctx, const uint32_t *ids, const uint8_t *mask, size_t n
     if (w->masked < 0) w->masked = mask != NULL;
     if (w->masked != (mask != NULL)) return ct_fail(e, CT_ERR_IO, "%s: mask present in some chunks only", w->dir);
     while (n) {
-        if (!w->tf || w->cur_n == w->shard_tokens) {
+        if (!w->tf.fp || w->cur_n == w->shard_tokens) {
             if (close_shard(w, e) || open_shard(w, e)) return e->code;
         }
         uint64_t room = w->shard_tokens - w->cur_n;
         size_t take = n < room ? n : (size_t)room;
-        if (fwrite(ids, sizeof *ids, take, w->tf) != take || (mask && fwrite(mask, 1, take, w->mf) != take))
+        if (fwrite(ids, sizeof *ids, take, w->tf.fp) != take || (mask && fwrite(mask, 1, take, w->mf.fp) != take))
             return ct_fail(e, CT_ERR_IO, "%s: shard-%05d: write failed (%s)", w->dir, w->n_shards - 1,
                            strerror(errno));
         ids += take;
@@ -189,8 +196,9 @@ int ds_writer_finish(ds_writer *w, const char *kind, const char *tokenizer_dir, 
 
 void ds_writer_free(ds_writer *w) {
     if (!w) return;
-    if (w->tf) fclose(w->tf);
-    if (w->mf) fclose(w->mf);
+    /* an unfinished shard is removed: only whole shards keep a final name */
+    fs_atomic_abort(&w->tf);
+    fs_atomic_abort(&w->mf);
     free(w->shard_n);
     free(w->dir);
     free(w);

@@ -526,11 +526,26 @@ static void test_shards(void) {
     CHECK(ok, "windows across shard boundaries, labels masked on the target");
     ds_close(d);
 
-    /* without meta.json: *.bin by name, .mask beside */
-    remove(tpath("prep/meta.json"));
-    d = open1("prep", T, 0, 0, 0, 1, &e);
+    /* a directory of token files not named as prepare names them, without
+     * meta.json: *.bin by name, .mask beside */
+    mkdir(tpath("plain"), 0777);
+    for (int k = 0; k < 6; k++) {
+        char from[64], to[64];
+        snprintf(from, sizeof from, "prep/shard-%05d.bin", k);
+        snprintf(to, sizeof to, "plain/part-%d.bin", k);
+        CHECK(link(tpath(from), tpath(to)) == 0, "link %s", to);
+        snprintf(from, sizeof from, "prep/shard-%05d.mask", k);
+        snprintf(to, sizeof to, "plain/part-%d.mask", k);
+        CHECK(link(tpath(from), tpath(to)) == 0, "link %s", to);
+    }
+    d = open1("plain", T, 0, 0, 0, 1, &e);
     CHECK(d && ds_num_tokens(d) == N && ds_has_mask(d), "%s", e.msg);
     ds_close(d);
+    /* prepare's own shards without meta.json: an interrupted prepare, refused */
+    remove(tpath("prep/meta.json"));
+    CHECK(!open1("prep", T, 0, 0, 0, 1, &e) && e.code == CT_ERR_FORMAT && strstr(e.msg, tpath("prep")) &&
+              strstr(e.msg, "no meta.json") && strstr(e.msg, "interrupted `ctitan prepare`"),
+          "%s", e.msg);
     /* a truncated shard is caught by meta.json's counts */
     CHECK(ds_writer_open(&w, tpath("prep"), 50, 1, &e) == 0, "%s", e.msg);
     ds_writer_sink(w, v, NULL, N, &e);
@@ -540,6 +555,125 @@ static void test_shards(void) {
           "--overwrite removed the old shards");
     if (truncate(tpath("prep/shard-00001.bin"), 40) != 0) perror("truncate");
     CHECK(!open1("prep", T, 0, 0, 0, 1, &e) && strstr(e.msg, "shard-00001.bin: holds 10 tokens"), "%s", e.msg);
+}
+
+/* meta.json of DIR with KEY set to VAL (a JSON value; NULL: removed). */
+static void edit_meta(const char *dir, const char *key, const char *val) {
+    char name[128];
+    snprintf(name, sizeof name, "%s/meta.json", dir);
+    FILE *f = fopen(tpath(name), "rb");
+    char buf[8192];
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[n] = 0;
+    cJSON *j = cJSON_Parse(buf);
+    if (!j) {
+        fprintf(stderr, "cannot parse %s\n", tpath(name));
+        exit(1);
+    }
+    cJSON_DeleteItemFromObjectCaseSensitive(j, key);
+    if (val) cJSON_AddItemToObject(j, key, cJSON_Parse(val));
+    char *text = cJSON_Print(j);
+    write_str(name, text);
+    free(text);
+    cJSON_Delete(j);
+}
+
+static ds *open_vocab(const char *name, int vocab, ct_err *e) {
+    ds_config c;
+    ds_config_default(&c);
+    c.seq_len = 9;
+    c.vocab_size = vocab;
+    c.quiet = 1;
+    const char *p = tpath(name);
+    ds *d = NULL;
+    if (ds_open(&d, &p, 1, NULL, &c, e)) return NULL;
+    return d;
+}
+
+/* A prepare that stops half-way must not leave anything the loader reads as
+ * data, and a meta.json that disagrees with its shards or the model is a
+ * format error naming the file, the key and both values. */
+static void test_prepare_integrity(void) {
+    enum { N = 100 };
+    uint32_t v[N];
+    uint8_t m[N];
+    for (int i = 0; i < N; i++) v[i] = (uint32_t)i, m[i] = 1;
+    ct_err e = {0};
+    ds_writer *w;
+    /* while writing: whole shards under their names, the open one as .tmp */
+    CHECK(ds_writer_open(&w, tpath("ip"), 17, 0, &e) == 0, "%s", e.msg);
+    CHECK(ds_writer_sink(w, v, NULL, 40, &e) == 0, "%s", e.msg);
+    struct stat st;
+    CHECK(stat(tpath("ip/shard-00001.bin"), &st) == 0 && st.st_size == 17 * 4, "shard 1 whole under its name");
+    CHECK(access(tpath("ip/shard-00002.bin"), F_OK) != 0 && access(tpath("ip/shard-00002.bin.tmp"), F_OK) == 0,
+          "the open shard is written as shard-00002.bin.tmp");
+    CHECK(access(tpath("ip/meta.json"), F_OK) != 0, "no meta.json before finish");
+    /* a kill now leaves exactly this: refused, naming the directory */
+    CHECK(!open_vocab("ip", 0, &e) && e.code == CT_ERR_FORMAT && strstr(e.msg, tpath("ip")) &&
+              strstr(e.msg, "interrupted `ctitan prepare`"),
+          "%s", e.msg);
+    /* a failed run frees without finishing: the unfinished shard goes */
+    ds_writer_free(w);
+    CHECK(access(tpath("ip/shard-00002.bin.tmp"), F_OK) != 0 && access(tpath("ip/shard-00001.bin"), F_OK) == 0,
+          "free removed the .tmp and kept the whole shards");
+    CHECK(!open_vocab("ip", 0, &e) && strstr(e.msg, "interrupted `ctitan prepare`"), "%s", e.msg);
+    /* a kill inside the first shard leaves only its .tmp */
+    mkdir(tpath("ip1"), 0777);
+    write_iota("ip1/shard-00000.bin.tmp", 30);
+    CHECK(!open_vocab("ip1", 0, &e) && strstr(e.msg, "interrupted `ctitan prepare`") &&
+              strstr(e.msg, "shard-00000.bin.tmp"),
+          "%s", e.msg);
+
+    /* a finished one loads, and each field that disagrees is named */
+    CHECK(ds_writer_open(&w, tpath("ip"), 17, 1, &e) == 0, "%s", e.msg);
+    CHECK(ds_writer_sink(w, v, m, N, &e) == 0, "%s", e.msg);
+    ds_progress ps = {.docs = 2, .tokens = N, .trainable = N};
+    CHECK(ds_writer_finish(w, "chat", "tokdir", 256, 259, NULL, 0, &ps, &e) == 0, "%s", e.msg);
+    ds_writer_free(w);
+    ds *d = open_vocab("ip", 259, &e);
+    CHECK(d && ds_num_tokens(d) == N, "%s", e.msg);
+    ds_close(d);
+    static const struct {
+        const char *key, *val, *want;
+        int vocab;
+    } bad[] = {
+        {"total_tokens", "5", "total_tokens is 5, but its 6 shard(s) hold 100 tokens", 259},
+        {"total_tokens", "\"100\"", "total_tokens: expected a non-negative integer", 259},
+        {"trainable_tokens", "101", "trainable_tokens is 101, more than the 100 tokens", 259},
+        {"eos_id", "99999", "eos_id is 99999, outside its own vocab_size 259", 259},
+        {"eos_id", "258.5", "eos_id: expected a non-negative integer", 259},
+        {"eos_id", "258", "eos_id is 258, outside the model's vocabulary (size 200)", 0},
+        {"vocab_size", "100000", "vocab_size is 100000, larger than the model's vocabulary (size 259)", 259},
+        {"masked", "false", "masked is false, but 6 of its 6 shard(s) list a \"mask\" file", 259},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        edit_meta("ip", bad[i].key, bad[i].val);
+        /* vocab 0 in the table: the model's is 200, meta.json's own removed */
+        if (!bad[i].vocab) edit_meta("ip", "vocab_size", NULL);
+        d = open_vocab("ip", bad[i].vocab ? bad[i].vocab : 200, &e);
+        CHECK(!d && e.code == CT_ERR_FORMAT && strstr(e.msg, tpath("ip/meta.json")) && strstr(e.msg, bad[i].want),
+              "%s = %s: %s", bad[i].key, bad[i].val, d ? "opened" : e.msg);
+        ds_close(d);
+        /* back to the writer's values */
+        edit_meta("ip", "total_tokens", "100");
+        edit_meta("ip", "trainable_tokens", "100");
+        edit_meta("ip", "eos_id", "256");
+        edit_meta("ip", "vocab_size", "259");
+        edit_meta("ip", "masked", "true");
+    }
+    d = open_vocab("ip", 259, &e);
+    CHECK(d, "restored meta.json opens: %s", e.msg);
+    ds_close(d);
+    /* masked: true with a shard listing no mask */
+    edit_meta("ip", "masked", "true");
+    edit_meta("ip", "shards", "[{\"file\": \"shard-00000.bin\", \"tokens\": 17}]");
+    edit_meta("ip", "total_tokens", "17");
+    edit_meta("ip", "trainable_tokens", "17");
+    d = open_vocab("ip", 259, &e);
+    CHECK(!d && strstr(e.msg, "masked is true, but 1 of its 1 shard(s) list no \"mask\" file"), "%s",
+          d ? "opened" : e.msg);
+    ds_close(d);
 }
 
 /* Text sources through the loader are tokenized at open. */
@@ -597,6 +731,7 @@ int main(void) {
     test_shuffle_and_shards();
     test_state();
     test_shards();
+    test_prepare_integrity();
     test_open_text(t);
     tok_free(t);
     nftw(tmpdir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
