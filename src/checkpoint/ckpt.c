@@ -99,12 +99,16 @@ static int ckpt_parse_uint(const char *s, const char *end, long *out) {
     return 0;
 }
 
-/* "step-N" -> N, else -1. */
+/* "step-N" -> N, else -1. Only the name ctitan writes for N: "step-02"
+ * would be listed as step 2 and then looked for as "step-2", which does not
+ * exist (a message naming a directory that is not there). */
 static int ckpt_step_of(const char *name) {
     if (strncmp(name, "step-", 5) != 0) return -1;
     long v;
     if (ckpt_parse_uint(name + 5, name + strlen(name), &v)) return -1;
-    return (int)v;
+    char canon[32];
+    snprintf(canon, sizeof canon, "step-%ld", v);
+    return strcmp(canon, name) ? -1 : (int)v;
 }
 
 /* Temp-like entries: ".step-N.tmp-PID", ".step-N.old-PID", ".step-N.del-PID".
@@ -515,13 +519,34 @@ int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_
     return 0;
 }
 
+/* A checkpoint holding inf or NaN would verify (its checksums are of what
+ * was written) and every resume would restart the divergence from it: the
+ * save is refused instead, naming the tensor and element, and the folder
+ * keeps its older checkpoints. */
+static int stream_check_finite(const ckpt_stream *s, const float *x, size_t k, ct_err *e) {
+    size_t bad = ct_first_nonfinite(x, k);
+    if (bad == k) return 0;
+    const lm_model *m = s->m;
+    size_t at = s->put + bad, np = m->n_params;
+    const char *moment = s->file == 0 ? "" : at < np ? ".exp_avg" : ".exp_avg_sq";
+    size_t off = at % np;
+    int ti = 0;
+    for (int i = 0; i < m->n_tensors; i++)
+        if (m->tensors[i].offset <= off) ti = i;
+    return ct_fail(e, CT_ERR_IO,
+                   "%s: not saved: %s%s holds a non-finite value (%g at element %zu); the run has diverged, and a "
+                   "checkpoint of it would resume the divergence (older checkpoints are left as they are)",
+                   s->final, m->tensors[ti].name, moment, (double)x[bad], off - m->tensors[ti].offset);
+}
+
 int ckpt_stream_put(ckpt_stream *s, const float *x, size_t n, ct_err *e) {
     while (n) {
         size_t want = (s->file ? 2 : 1) * s->m->n_params;
         if (s->file == 2 || (s->file == 1 && s->model_only))
             return ct_fail(e, CT_ERR_IO, "%s: %zu floats more than a checkpoint of this model holds", s->final, n);
         size_t k = n < want - s->put ? n : want - s->put;
-        int rc = st_stream_write(s->st, x, k, e);
+        int rc = stream_check_finite(s, x, k, e);
+        if (!rc) rc = st_stream_write(s->st, x, k, e);
         if (rc) return rc;
         prog_add(&s->bar, (double)k * sizeof(float));
         x += k;
@@ -712,6 +737,20 @@ static void ckpt_shape_str(char *out, size_t cap, int ndim, const int64_t *shape
     if (k < cap) snprintf(out + k, cap - k, "]");
 }
 
+/* A tensor loaded from a checkpoint must hold finite values (and a second
+ * moment no negative ones): checksums only say the file is what was
+ * written, and a NaN loaded here surfaced steps later as "loss is nan",
+ * naming nothing. Saves refuse such values (stream_check_finite); this
+ * catches a file written otherwise. */
+static int ckpt_check_values(const char *path, const char *name, const float *x, size_t n, int nonneg, ct_err *e) {
+    size_t bad = ct_first_nonfinite(x, n);
+    for (size_t i = 0; nonneg && bad == n && i < n; i++)
+        if (x[i] < 0.0f) bad = i;
+    if (bad == n) return 0;
+    return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds %g at element %zu (%s)", path, name, (double)x[bad],
+                   bad, isfinite(x[bad]) ? "a second moment is never negative" : "a non-finite value");
+}
+
 /* Hands, for every model tensor T, the tensor "T" + suffix of file f to the
  * sink as `kind`, and checks that f holds nothing else. */
 static int ckpt_load_tensors(st_file *f, const lm_model *m, const char *suffix, const lm_sink *s, int kind,
@@ -735,6 +774,8 @@ static int ckpt_load_tensors(st_file *f, const lm_model *m, const char *suffix, 
         if (st->dtype != CT_F32)
             return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" is %s; checkpoints hold F32", path, nm,
                            ct_dtype_name(st->dtype));
+        int rc = ckpt_check_values(path, nm, st->data, t->numel, 0, e);
+        if (rc) return rc;
         s->put(s->ctx, kind, i, 0, t->numel / lm_tensor_cols(t), st->data); /* mapped: all rows at once */
         st_drop(st);
         if (bar) prog_add(bar, (double)t->numel * sizeof(float));
@@ -766,6 +807,22 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
     if (c.field != mc->field)                                                                                    \
         return ct_fail(e, CT_ERR_CONFIG, "%s: %s is %.17g but the model being trained has %.17g", p, key,        \
                        (double)c.field, (double)mc->field);
+    /* the family and what its layers compute, not only the sizes: a
+     * checkpoint whose config.json says another model_type or activation
+     * would otherwise load into this model's tensors of the same shapes */
+    const char *was = c.model_type[0] ? c.model_type : c.n_experts ? "qwen3_moe" : "qwen3";
+    const char *now = mc->model_type[0] ? mc->model_type : mc->n_experts ? "qwen3_moe" : "qwen3";
+    if (strcmp(was, now))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: model_type is \"%s\" but the model being trained is \"%s\"", p, was,
+                       now);
+    if (c.act != mc->act)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: the activation is %s but the model being trained uses %s", p,
+                       c.act == LM_ACT_SILU ? "silu" : "gelu_pytorch_tanh",
+                       mc->act == LM_ACT_SILU ? "silu" : "gelu_pytorch_tanh");
+    CKPT_SAME(qkv_bias, "attention_bias")
+    CKPT_SAME(sliding_window, "sliding_window")
+    CKPT_SAME(attn_softcap, "attn_logit_softcapping")
+    CKPT_SAME(final_softcap, "final_logit_softcapping")
     CKPT_SAME(vocab_size, "vocab_size")
     CKPT_SAME(hidden, "hidden_size")
     CKPT_SAME(intermediate, "intermediate_size")
@@ -872,6 +929,7 @@ static int ckpt_load_checked(const char *dir, const ckpt_manifest *mp, const lm_
                                  ct_dtype_name(st->dtype), got, want);
                     break;
                 }
+                if ((rc = ckpt_check_values(p, nm, st->data, t->numel, k, e))) break;
                 sink->put(sink->ctx, k ? LM_EXP_AVG_SQ : LM_EXP_AVG, i, 0, t->numel / lm_tensor_cols(t),
                           st->data);
                 st_drop(st);

@@ -8,7 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include "checkpoint/ckpt.h"
 #include "core/progress.h"
 #include "formats/safetensors.h"
 #include "model/lora.h"
@@ -38,10 +40,10 @@ static void shape_str(char *out, size_t cap, int ndim, const int64_t *shape) {
 /* A NaN or Inf weight (a flipped exponent bit, a diverged run saved as HF) would train to
  * a NaN loss or generate one token forever: refuse it where the file and tensor are known. */
 static int hf_check_finite(const float *x, size_t n, size_t first, const char *file, const char *name, ct_err *e) {
-    for (size_t j = 0; j < n; j++)
-        if (!isfinite(x[j]))
-            return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds a non-finite value (%g) at element %zu",
-                           file, name, (double)x[j], first + j);
+    size_t j = ct_first_nonfinite(x, n);
+    if (j < n)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds a non-finite value (%g) at element %zu", file,
+                       name, (double)x[j], first + j);
     return 0;
 }
 
@@ -84,6 +86,16 @@ int hf_load(lm_model *m, const char *dir, ct_err *e) {
 }
 
 int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err *e) {
+    /* A training checkpoint's step-N is an HF directory too (config.json,
+     * model.safetensors) and is loaded as one by generate, import and
+     * initial_load_path: its manifest is checked first, or a damaged
+     * checkpoint would load there as if intact. */
+    char mpath[4200];
+    snprintf(mpath, sizeof mpath, "%s/manifest.json", dir);
+    if (access(mpath, F_OK) == 0) {
+        int vrc = ckpt_verify(dir, e);
+        if (vrc) return vrc;
+    }
     st_set *s = st_set_open(dir, e);
     if (!s) return e ? e->code : CT_ERR_IO;
     int rc = 0;

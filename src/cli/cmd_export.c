@@ -249,7 +249,7 @@ int cli_export(int argc, char **argv) {
     } else {
         int step;
         rc = ckpt_select(a.checkpoint, -1, ckdir, sizeof ckdir, &step, &e);
-        if (rc) return cli_fail(1, "%s", e.msg);
+        if (rc) return cli_fail(rc > 0 ? rc : 1, "%s", e.msg); /* the error's kind is the exit code (docs/reliability.md) */
     }
     if (exp_same_file(ckdir, a.out)) return cli_fail(2, "--out %s: is the checkpoint directory itself", a.out);
 
@@ -271,7 +271,7 @@ int cli_export(int argc, char **argv) {
     int rslora;
     if ((rc = lm_config_from_hf(&c, ckdir, &e)) || (hf_base && (rc = lora_read_config(a.adapter, &c, &alpha, &rslora, &e))) ||
         (rc = lm_create(&m, &c, 1, 1, &e)))
-        return cli_fail(rc == CT_ERR_CONFIG ? 2 : 1, "%s", e.msg);
+        return cli_fail(rc, "%s", e.msg);
     ckpt_info info = {0};
     if (hf_base) { /* the base from its HF files, the adapter from its PEFT directory */
         rc = hf_load(&m, ckdir, &e);
@@ -286,7 +286,7 @@ int cli_export(int argc, char **argv) {
     if (!rc) rc = hf_save(&m, a.out, (ct_dtype)hf_dtype_from_name(a.dtype), (size_t)a.max_shard, &e);
     size_t n_params = lm_num_params(&m);
     lm_free(&m);
-    if (rc) return cli_fail(1, "%s", e.msg);
+    if (rc) return cli_fail(rc, "%s", e.msg); /* a damaged checkpoint exits 3, as train does */
     printf("ctitan export: %s (step %d, %zu parameters%s) -> %s as %s\n", ckdir, info.step, n_params,
            hf_base ? ", LoRA adapter merged" : "", a.out, a.dtype);
 

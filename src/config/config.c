@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -277,6 +278,7 @@ static const cfg_option cfg_options[] = {
 };
 
 #define CFG_N_OPTIONS ((int)(sizeof cfg_options / sizeof cfg_options[0]))
+_Static_assert(sizeof cfg_options / sizeof cfg_options[0] <= CFG_MAX_OPTIONS, "raise CFG_MAX_OPTIONS (config.h)");
 
 /* ---- small helpers ---- */
 
@@ -406,6 +408,11 @@ static int cfg_check_num(const cfg_option *o, double dv, int64_t iv, const char 
     if (o->type == CFG_DBL && !isfinite(dv))
         return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: must be a finite number (got %g)", where,
                        o->section, o->key, dv);
+    /* the trainer computes in fp32: optimizer.lr = 1e39 passed as a double
+     * and became inf in the first update, every weight with it */
+    if (o->type == CFG_DBL && fabs(dv) > FLT_MAX)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: %g is beyond fp32's range (|x| <= %g), which the run computes in",
+                       where, o->section, o->key, dv, (double)FLT_MAX);
     if (o->type == CFG_INT && (iv < INT_MIN || iv > INT_MAX))
         return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: %" PRId64 " does not fit in a 32-bit int",
                        where, o->section, o->key, iv);
@@ -635,7 +642,9 @@ int cfg_set(ct_config *c, const char *name, const char *value, ct_err *e) {
         cfg_suggest(section, dot + 1, hint, sizeof hint);
         return ct_fail(e, CT_ERR_CONFIG, "command line: %s: unknown key%s", name, hint);
     }
-    return cfg_set_text(c, o, value, "command line", e);
+    int rc = cfg_set_text(c, o, value, "command line", e);
+    if (!rc) c->from_cli[o - cfg_options] = 1;
+    return rc;
 }
 
 /* ---- the TOML file ---- */
@@ -784,6 +793,7 @@ int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e) {
         }
         int rc = cfg_set_text(c, o, val, "command line", e);
         if (rc) return rc;
+        c->from_cli[o - cfg_options] = 1;
     }
     return cfg_validate(c, e);
 }
@@ -966,6 +976,17 @@ void cfg_write_toml(const ct_config *c, FILE *out) {
 }
 
 const char *cfg_source(const ct_config *c) { return c->config_path[0] ? c->config_path : "command line"; }
+const char *cfg_origin(const ct_config *c, const char *name) {
+    const char *dot = strchr(name, '.');
+    char section[64];
+    if (dot && (size_t)(dot - name) < sizeof section) {
+        memcpy(section, name, (size_t)(dot - name));
+        section[dot - name] = '\0';
+        const cfg_option *o = cfg_lookup(section, dot + 1);
+        if (o && c->from_cli[o - cfg_options]) return "command line";
+    }
+    return cfg_source(c);
+}
 const char *cfg_adapter_dir(const ct_config *c) {
     return c->lora_adapter_dir ? c->lora_adapter_dir : c->lora_adapter_path;
 }

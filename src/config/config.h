@@ -14,6 +14,9 @@
 #include "core/err.h"
 #include "kernels/ops_list.h" /* KERN_N_OPS */
 
+/* Room for the option table (config.c checks that it fits). */
+#define CFG_MAX_OPTIONS 192
+
 typedef struct {
     /* [job] */
     char *dump_folder;        /* "./outputs" */
@@ -122,6 +125,10 @@ typedef struct {
     int kernels_tune;         /* [kernels] tune: "auto" ops chosen by timing them on the run's sizes (kernels/tune.c) */
 
     char *config_path;        /* the --config file, or "" */
+    /* from_cli[i]: option i (the option table's order) was last set on the
+     * command line, so a message about its value names the command line,
+     * not the file (cfg_origin) */
+    unsigned char from_cli[CFG_MAX_OPTIONS];
 
     /* Not options: the local directories hf_assets_path and initial_load_path name, their Hub ids
      * resolved in the Hugging Face cache (trainer_resolve_hub, hub/hub.h); NULL until then. The
@@ -144,6 +151,9 @@ void cfg_free(ct_config *c);
 int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e);
 /* The config file's path for error messages, or "command line". */
 const char *cfg_source(const ct_config *c);
+/* Where option NAME ("section.key") got its value, for a message about
+ * that value: "command line" when an override set it, else cfg_source. */
+const char *cfg_origin(const ct_config *c, const char *name);
 /* model.hf_assets_path and checkpoint.initial_load_path as local directories: the Hub
  * snapshot they resolved to (hf_assets_dir / initial_load_dir), else the option as written. */
 const char *cfg_hf_dir(const ct_config *c);

@@ -137,3 +137,22 @@ int ct_convert_from_f32(void *dst, ct_dtype t, const float *src, size_t n) {
     default: return -1;
     }
 }
+
+/* Branch-free over blocks (an OR of exponent tests, which the compiler
+ * vectorises), so the common all-finite case runs at memory speed; the
+ * position is looked for only inside a block that has one. */
+size_t ct_first_nonfinite(const float *x, size_t n) {
+    for (size_t i0 = 0; i0 < n; i0 += 4096) {
+        size_t i1 = n - i0 < 4096 ? n : i0 + 4096;
+        uint32_t bad = 0;
+        for (size_t i = i0; i < i1; i++) {
+            uint32_t u;
+            memcpy(&u, x + i, sizeof u);
+            bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+        }
+        if (bad)
+            for (size_t i = i0; i < i1; i++)
+                if (!isfinite(x[i])) return i;
+    }
+    return n;
+}

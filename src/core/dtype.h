@@ -45,4 +45,8 @@ int ct_convert_to_f32(float *dst, const void *src, ct_dtype src_t, size_t n);
 /* Converts n fp32 values to dst_t (F32, BF16 or F16). Returns 0 or -1. */
 int ct_convert_from_f32(void *dst, ct_dtype dst_t, const float *src, size_t n);
 
+/* Index of the first inf or NaN of x[0, n), or n when every value is finite:
+ * the check before weights are saved or after they are loaded. */
+size_t ct_first_nonfinite(const float *x, size_t n);
+
 #endif

@@ -117,9 +117,30 @@ int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e) {
     if (rc && e) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
-        ct_fail(e, rc, "%s: %s", cfg_source(cfg), msg);
+        ct_fail(e, rc, "%s: %s", cfg_origin(cfg, "model.flavor"), msg);
     }
     return rc;
+}
+
+/* Each [kernels] override alone, so the message names where that one was
+ * set (the file or the command line); the dry run checks them too, or it
+ * approved a config the run then refused. */
+int trainer_check_kernels(const ct_config *c, ct_err *e) {
+    for (int i = 0; i < KERN_N_OPS; i++) {
+        char spec[96], key[64];
+        snprintf(spec, sizeof spec, "%s=%s", kern_op_name((kern_op)i), c->kernels[i]);
+        const char *ov[2] = {spec, NULL};
+        kern_ops scratch;
+        int rc = kern_select(&scratch, ov, NULL, 0, e);
+        if (rc && e) {
+            char msg[sizeof e->msg];
+            snprintf(msg, sizeof msg, "%s", e->msg);
+            snprintf(key, sizeof key, "kernels.%s", kern_op_name((kern_op)i));
+            return ct_fail(e, rc, "%s: [kernels]: %s", cfg_origin(c, key), msg);
+        }
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 _Static_assert(sizeof(((ct_config *)0)->kernels) / sizeof(char *) == KERN_N_OPS,
@@ -131,6 +152,8 @@ _Static_assert(sizeof(((ct_config *)0)->kernels) / sizeof(char *) == KERN_N_OPS,
  * run compute with the same kernels (a rank whose CPU lacks one keeps its own
  * default and says so); or, with kernels.tune = false, the registry's order. */
 static int select_kernels(trainer *t, ct_err *e) {
+    int rc0 = trainer_check_kernels(&t->cfg, e);
+    if (rc0) return rc0;
     char spec[KERN_N_OPS][96];
     const char *ov[KERN_N_OPS + 1];
     int n = 0;
@@ -419,8 +442,16 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     else adamw_init(&t->opt, t->model.n_params);
     t->hp = (adamw_hparams){c->lr, c->beta1, c->beta2, c->eps, c->weight_decay};
     int dt = lr_decay_type_from_name(c->decay_type);
-    lr_schedule_init(&t->sched, c->steps, c->warmup_steps, c->decay_ratio, dt < 0 ? LR_DECAY_LINEAR : dt,
-                     c->min_lr_factor);
+    /* torchtitan's build_lr_schedulers: a warmup longer than the run is cut
+     * to the run, with a warning (uncut, the lr never got near its peak) */
+    int warmup = c->warmup_steps;
+    if (warmup > c->steps) {
+        if (t->world->rank == 0)
+            fprintf(stderr, "ctitan: warning: lr_scheduler.warmup_steps (%d) exceeds training.steps (%d): warming up "
+                    "over %d steps\n", warmup, c->steps, c->steps);
+        warmup = c->steps;
+    }
+    lr_schedule_init(&t->sched, c->steps, warmup, c->decay_ratio, dt < 0 ? LR_DECAY_LINEAR : dt, c->min_lr_factor);
 
     rc = trainer_init_weights(t, e);
     if (!rc) rc = plan_ready(&t->plan, e); /* the layouts' hooks on the model, the trained runs */
@@ -684,6 +715,13 @@ int trainer_run(trainer *t, ct_err *e) {
     prof *pf = NULL; /* [profiling]: lent to the plan (model, communicators) for each traced step */
     int32_t *tokens = NULL, *labels = NULL;
     if (t->complete) return 0;
+    if (t->seed_step > 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "checkpoint.load_step = %d: %s/step-%d is a model-only save (no optimizer state): it can seed "
+                       "a new run, not resume this one, and a run started from it here would overwrite this folder's "
+                       "checkpoints (export it with `ctitan export` and start a new checkpoint.folder from it with "
+                       "checkpoint.initial_load_path)",
+                       c->load_step, t->ckpt_folder, t->seed_step);
     int rc = open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle, &tk, e);
     if (rc) goto out;
     if (t->have_resume_data && (rc = ds_set_state(data, &t->resume_data, e))) goto out;

@@ -32,6 +32,7 @@ typedef struct {
     int val_batch;    /* sequences per validation batch */
     ds_state resume_data; /* loader position restored from a checkpoint */
     int have_resume_data;
+    int seed_step;    /* > 0: checkpoint.load_step named this model-only step-N: weights only, training refused */
     char ckpt_folder[4096]; /* {dump_folder}/{checkpoint.folder} */
     /* distributed run: the world, and the plan of the layout over it (distributed/plan.h) */
     ct_comm *world;   /* never NULL after init: &single when no world was given */

@@ -81,6 +81,7 @@ int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err
     snprintf(what, sizeof what, "%s/state.json", dir);
     cJSON *o = txt ? json_parse(txt, strlen(txt), what, e) : NULL;
     if (txt && !o) return CT_ERR_FORMAT;
+    t->have_resume_data = 0;
     const cJSON *st = o ? cJSON_GetObjectItemCaseSensitive(o, "step") : NULL;
     if (!state_int(st, 0, INT_MAX)) {
         cJSON_Delete(o);
@@ -138,6 +139,10 @@ int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err
         cJSON_ArrayForEach(v, b) m->moe.bias[i++] = (float)v->valuedouble;
     }
     cJSON_Delete(o);
+    /* every save writes it (trainer_save); without it the data order would
+     * silently start over, and "exact resume" would not be */
+    if (!t->have_resume_data)
+        return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: missing \"data\" (the data position)", dir);
     return 0;
 }
 
@@ -226,6 +231,46 @@ static void note_loaded(trainer *t, const char *dir, const ckpt_info *info, int 
     t->loaded.resumed = resumed;
 }
 
+/* A checkpoint holds its run's trained tensors only (frozen ones come from
+ * where the run started), so it resumes only a run that trains the same
+ * ones. With another training.freeze or [lora] the load failed on a
+ * "missing" or "unexpected" tensor, as if the file were damaged: the
+ * settings of the run that saved it (its config.toml) are compared first,
+ * and a difference is named. A config.toml that does not parse is left to
+ * the load (its checks name what is wrong with the tensors). */
+static int same_trained_tensors(const trainer *t, const char *dir, ct_err *e) {
+    char arg[4300];
+    snprintf(arg, sizeof arg, "--config=%s/config.toml", dir);
+    char *argv[] = {arg};
+    ct_config was;
+    cfg_defaults(&was);
+    ct_err ignore = {0};
+    int rc = 0;
+    if (!cfg_parse_args(&was, 1, argv, &ignore)) {
+        const ct_config *c = &t->cfg;
+        struct { const char *key, *then, *now; } str[] = {
+            {"training.freeze", was.freeze, c->freeze},
+            {"lora.target_modules", was.lora_rank > 0 ? was.lora_targets : "", c->lora_rank > 0 ? c->lora_targets : ""},
+            {"lora.modules_to_save", was.lora_modules_to_save, c->lora_modules_to_save},
+            {"lora.target_parameters", was.lora_target_params, c->lora_target_params},
+            {"lora.rank_pattern", was.lora_rank_pattern, c->lora_rank_pattern}};
+        if (was.lora_rank != c->lora_rank)
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: saved by a run with lora.rank = %d (its config.toml), this run has %d: a checkpoint "
+                         "resumes only the same trained tensors (use the same setting, or a new checkpoint.folder)",
+                         dir, was.lora_rank, c->lora_rank);
+        for (size_t i = 0; !rc && i < sizeof str / sizeof str[0]; i++)
+            if (strcmp(str[i].then, str[i].now))
+                rc = ct_fail(e, CT_ERR_CONFIG,
+                             "%s: saved by a run with %s = \"%s\" (its config.toml), this run has \"%s\": a "
+                             "checkpoint resumes only the same trained tensors (use the same setting, or a new "
+                             "checkpoint.folder)",
+                             dir, str[i].key, str[i].then, str[i].now);
+    }
+    cfg_free(&was);
+    return rc;
+}
+
 static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const lm_model *whole, ct_err *e) {
     ckpt_info info;
     int rc;
@@ -238,10 +283,16 @@ static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const
         return 0;
     }
     char *state = NULL;
+    if ((rc = same_trained_tensors(t, dir, e))) return rc;
     if ((rc = ckpt_load_each(dir, whole, 1, &state, &info, &t->load.sink, e))) return rc;
     rc = trainer_state_from_json(t, state, dir, e);
     free(state);
     if (rc) return rc;
+    /* the manifest's step is the directory's (ckpt_verify); a state.json of
+     * another step would resume the schedule and data there */
+    if (t->step != info.step)
+        return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: step %d, but the checkpoint's manifest.json says step %d",
+                       dir, t->step, info.step);
     t->opt.step = t->step;
     note_loaded(t, dir, &info, 1);
     fprintf(stderr, "ctitan: resuming from %s (step %d): %.1f MiB restored in %.2f s\n", dir, t->step,
@@ -291,6 +342,12 @@ static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
         if (rc == CKPT_NONE) return 0; /* an error once the ranks agree that there is none */
         if (rc) return rc;
         if ((p->model_only = ckpt_is_model_only(p->dir, e)) < 0) return e ? e->code : CT_ERR_FORMAT;
+        /* A model-only save seeds a run at step 0: trained from here, it
+         * restarted the run, whose saves then replaced the folder's full
+         * checkpoints step-1 ... step-N. Only an import (step 0) seeds a run
+         * this way; a later one loads (ctitan compare's probe scores it) but
+         * trainer_run refuses to train from it (seed_step). */
+        if (p->model_only && p->step > 0) t->seed_step = p->step;
         p->kind = PICK_LOAD;
         return 0;
     }

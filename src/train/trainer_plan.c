@@ -34,6 +34,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     int rep, shard, tp;
     if ((rc = mesh_resolve(c, world, &mc, cfg_source(c), &rep, &shard, &tp, e))) return rc;
     if ((rc = trainer_check_global_batch(c, rep * shard, e))) return rc;
+    if ((rc = trainer_check_kernels(c, e))) return rc;
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
     if ((rc = trainer_finetune_config(c, tp, c->ep, &mc, e))) return rc;

@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -134,7 +135,7 @@ static void tiny_make(tiny *t, int tied, uint32_t seed) {
     for (size_t i = 0; i < t->m.n_params; i++) {
         t->m.params[i] = rnd();
         t->m1[i] = rnd() * 1e-3f;
-        t->m2[i] = rnd() * rnd() * 1e-6f;
+        t->m2[i] = fabsf(rnd() * rnd()) * 1e-6f; /* a second moment: never negative (ckpt_load checks) */
     }
 }
 

@@ -147,6 +147,8 @@ def make_lr_lambda(training_steps, warmup_steps, decay_ratio=None, decay_type="l
                    min_lr_factor=0.0):
     """torchtitan's linear_warmup_stable_decay factor, verbatim from the spec."""
     warmup_steps = int(warmup_steps)
+    if warmup_steps > training_steps:  # build_lr_schedulers' clamp (with its warning)
+        warmup_steps = training_steps
     if decay_ratio is None:
         decay_steps = training_steps - warmup_steps
     else:

@@ -181,15 +181,16 @@ def test_folder_selection_and_damage(tmp_path, run):
     assert "warning" in err and "step-7/model.safetensors" in err and "checksum mismatch" in err, err
     assert_same_weights(oracle.load_hf(out), state_of(a), "fallback to step-0")
 
-    # the damaged step named directly is an error, never a fallback
-    _, err = run(["export", "--checkpoint", ck / "step-7", "--out", tmp_path / "never"], expect=1)
+    # the damaged step named directly is an error, never a fallback: a format error, exit 3
+    # as train gives (docs/reliability.md's table)
+    _, err = run(["export", "--checkpoint", ck / "step-7", "--out", tmp_path / "never"], expect=3)
     assert "step-7/model.safetensors" in err and "checksum mismatch" in err, err
     assert not (tmp_path / "never" / "config.json").exists()
 
     # truncation likewise
     f = ck / "step-0" / "config.json"
     f.write_bytes(f.read_bytes()[:-1])
-    _, err = run(["export", "--checkpoint", ck / "step-0", "--out", tmp_path / "never"], expect=1)
+    _, err = run(["export", "--checkpoint", ck / "step-0", "--out", tmp_path / "never"], expect=3)
     assert "step-0/config.json" in err, err
 
     # no manifest: not a checkpoint
