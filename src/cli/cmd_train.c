@@ -10,9 +10,11 @@
  * with MPI_Abort rather than leaving the others waiting in a collective;
  * a config error is the same on every rank and exits 2 normally. */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli/cli.h"
@@ -61,6 +63,28 @@ void cli_train_help(void) {
     cfg_print_help(stdout);
 }
 
+/* The data sources exist, before the model is built and the kernels are
+ * timed: a mistyped path was reported only after them (a minute or more
+ * with kernels.tune on a new machine). What the files hold is checked when
+ * the data is opened (data/dataset.h). */
+static int check_data(const ct_config *c, ct_err *e) {
+    struct { const char *key, *list; } src[] = {{"training.dataset_path", c->dataset_path},
+                                                 {"validation.dataset_path", c->val_enable ? c->val_dataset_path : ""}};
+    if (!c->dataset_path[0])
+        return ct_fail(e, CT_ERR_CONFIG, "%s: training.dataset_path: no data given",
+                       cfg_origin(c, "training.dataset_path"));
+    for (size_t i = 0; i < sizeof src / sizeof src[0]; i++) {
+        char item[4096];
+        for (const char *p = cfg_list_next(src[i].list, item, sizeof item); p; p = cfg_list_next(p, item, sizeof item)) {
+            struct stat st;
+            if (item[0] && stat(item, &st) != 0)
+                return ct_fail(e, CT_ERR_IO, "%s: %s: %s: %s", cfg_origin(c, src[i].key), src[i].key, item,
+                               strerror(errno));
+        }
+    }
+    return 0;
+}
+
 int cli_train(int argc, char **argv) {
     for (int i = 0; i < argc; i++)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
@@ -103,7 +127,12 @@ int cli_train(int argc, char **argv) {
         return finish(&world, err, rc, &e);
     }
     trainer t;
-    int rc = trainer_init_dist(&t, &cfg, &world, &e);
+    int rc = check_data(&cfg, &e);
+    if (rc) {
+        cfg_free(&cfg);
+        return finish(&world, err, rc, &e);
+    }
+    rc = trainer_init_dist(&t, &cfg, &world, &e);
     if (!rc) rc = trainer_run(&t, &e);
     if (rc && rc != CT_STOPPED && rc != CT_ERR_CONFIG && world.size > 1) return finish(&world, err, rc, &e);
     trainer_free(&t);

@@ -144,6 +144,23 @@ def test_data_too_short(base, run_ctitan):
     assert str(short) in err, f"stderr does not name {short}:\n{err}"
 
 
+def test_missing_data_is_reported_before_the_model_and_kernels(base, run_ctitan):
+    """A mistyped dataset path was reported only after the model was built and the kernels
+    timed (a minute or more with kernels.tune on a new machine): now before either, naming
+    the key, the path and where the value was set."""
+    missing = base["tmp"] / "no-such.bin"
+    conf = oracle.write_toml(base["tmp"] / "t.toml", base["sections"])
+    for where, extra in (("t.toml", []), ("command line", [f"--training.dataset_path={missing}"])):
+        if not extra:
+            sections = base["sections"]
+            sections["training"]["dataset_path"] = str(missing)
+            conf = oracle.write_toml(base["tmp"] / "t.toml", sections)
+        rc, out, err = run_ctitan(["train", "--config", conf, "--kernels.tune=true", *extra], check=False)
+        assert rc == 1, err
+        assert f"training.dataset_path: {missing}: No such file or directory" in err and where in err, err
+        assert "kernels:" not in err and "step:" not in err, f"the model or kernels came first:\n{err}"
+
+
 # ---------------------------------------------------------------------------- help
 
 def _option_text(text, name):
