@@ -127,7 +127,9 @@ int cli_train(int argc, char **argv) {
         return finish(&world, err, rc, &e);
     }
     trainer t;
-    int rc = check_data(&cfg, &e);
+    /* the config's own errors first (a kernel name), then the files it names */
+    int rc = trainer_check_kernels(&cfg, &e);
+    if (!rc) rc = check_data(&cfg, &e);
     if (rc) {
         cfg_free(&cfg);
         return finish(&world, err, rc, &e);

@@ -92,6 +92,9 @@ uint64_t trainer_lora_seed(const trainer *t, int step, long micro);
 int trainer_save_adapter(trainer *t, const char *dir, ct_err *e);
 /* Builds the model config for cfg (flavor table or HF config.json). */
 int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e);
+/* Every [kernels] override runs on this CPU (the message names where it was set):
+ * checked by the run, the dry run and, before anything else is built, the CLI. */
+int trainer_check_kernels(const ct_config *c, ct_err *e);
 /* model.hf_assets_path and checkpoint.initial_load_path as local directories into
  * cfg->hf_assets_dir / initial_load_dir: a directory as it is, a Hugging Face Hub id
  * (at model.hf_revision) as its snapshot in the Hub cache, fetched when missing: config.json

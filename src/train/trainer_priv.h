@@ -17,8 +17,6 @@ int trainer_join_path(char *out, size_t cap, const char *dir, const char *name);
 /* A global batch the data-parallel ranks cannot split evenly is a layout
  * error: the run and the dry run reject it alike. */
 int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e);
-/* Every [kernels] override runs on this CPU (the message names where it was set). */
-int trainer_check_kernels(const ct_config *c, ct_err *e);
 /* [lora] and training.freeze into the model config mc: which projections
  * get adapters, their scale and dropout; what tp/ep cannot run yet is
  * CT_ERR_CONFIG. The run and the dry run share it. */
