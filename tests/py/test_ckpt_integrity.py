@@ -141,6 +141,10 @@ def test_non_finite_state_in_a_checkpoint_is_named(copy, file, name, suffix, val
     assert p.returncode == 3, p.stderr[-2000:]
     assert f"{file}: tensor \"{name}{suffix}\"" in p.stderr and "element 7" in p.stderr and why in p.stderr, \
         p.stderr[-2000:]
+    if file == "model.safetensors":  # export read it as it was, and wrote the NaN out
+        p = run(["export", "--checkpoint", d, "--out", d.parent / "exported"])
+        assert p.returncode == 3 and f"tensor \"{name}\"" in p.stderr, p.stderr[-2000:]
+        assert not (d.parent / "exported" / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize("edit,want", [
