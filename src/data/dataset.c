@@ -495,6 +495,22 @@ static int check_vocab(const ds *d, ct_err *e) {
     return 0;
 }
 
+/* Some token must be a target: chat data without an assistant reply masks
+ * every token out, and trained to a loss of 0 with a gradient of 0 (and a
+ * validation perplexity of 1) at exit 0. Stops at the first target, so a
+ * normal dataset costs a few bytes of its first mask. */
+static int check_trainable(const ds *d, ct_err *e) {
+    for (int i = 0; i < d->n_segs; i++) {
+        const ds_seg *s = &d->segs[i];
+        if (!s->mask && s->n) return 0;
+        for (uint64_t k = 0; s->mask && k < s->n; k++)
+            if (s->mask[k]) return 0;
+    }
+    return ct_fail(e, CT_ERR_FORMAT,
+                   "%s: no token is a training target (every loss-mask byte is 0: chat data without an assistant "
+                   "reply?)", d->name);
+}
+
 int ds_open(ds **out, const char *const *paths, int n_paths, const tok *t, const ds_config *c, ct_err *e) {
     *out = NULL;
     if (n_paths < 1 || !paths[0] || !paths[0][0])
@@ -543,6 +559,7 @@ int ds_open(ds **out, const char *const *paths, int n_paths, const tok *t, const
     d->cfg.tokenizer_dir = NULL;
     d->cfg.tok.text_field = NULL;
     if (!rc && c->vocab_size > 0) rc = check_vocab(d, e);
+    if (!rc && d->n_segs) rc = check_trainable(d, e);
     d->n_windows = d->n_tokens / ((uint64_t)c->seq_len + 1);
     if (!rc && d->n_windows == 0)
         rc = ct_fail(e, CT_ERR_FORMAT,

@@ -30,6 +30,7 @@
 #include <omp.h>
 
 #include "data/chat.h"
+#include "formats/json.h"
 
 #define DEFAULT_CHUNK_BYTES ((size_t)1 << 20)
 #define MAX_CHUNK_DOCS 16384
@@ -422,18 +423,12 @@ static int add_item(run *r, item it, size_t bytes, ct_err *e) {
 static int json_line(run *r, int si, const char *p, size_t n, uint64_t line, ct_err *e) {
     const src_file *s = &r->src[si];
     if (is_blank(p, n)) return 0;
-    const char *end = NULL;
-    cJSON *j = cJSON_ParseWithLengthOpts(p, n, &end, 0);
-    if (!j) {
-        size_t at = end && end >= p && end <= p + n ? (size_t)(end - p) : 0;
-        return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: invalid JSON (near byte %zu of the line)", s->path,
-                       (unsigned long long)line, at + 1);
-    }
-    if (end && !is_blank(end, (size_t)(p + n - end))) {
-        cJSON_Delete(j);
-        return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: extra characters after the JSON object (JSON Lines: one per line)",
-                       s->path, (unsigned long long)line);
-    }
+    /* json_parse, as every JSON file: a repeated key ({"text": "a", "text": "b"}: cJSON kept the
+     * first, Python the last) and ill-formed UTF-8 are errors naming the line, not silently one reading */
+    char what[4200];
+    snprintf(what, sizeof what, "%s:%llu", s->path, (unsigned long long)line);
+    cJSON *j = json_parse(p, n, what, e);
+    if (!j) return e ? e->code : CT_ERR_FORMAT;
     item it = {.json = j, .src = si, .line = line};
     if (s->kind == DS_KIND_CHAT) {
         ct_err ce = {0};

@@ -977,7 +977,9 @@ static int read_adapter(const cJSON *o, lm_config *c, double *alpha, int *rslora
     const cJSON *tm = cJSON_GetObjectItemCaseSensitive(o, "target_modules");
     const cJSON *tp = cJSON_GetObjectItemCaseSensitive(o, "target_parameters");
     int has_tp = cJSON_GetArraySize(tp) > 0;
-    if (!cJSON_IsNumber(r) || r->valuedouble < 1 || r->valuedouble > 65536 || r->valuedouble != (int)r->valuedouble)
+    /* "r": 4.0 is refused as PEFT refuses it (LoraConfig's int field), and as config.json's sizes are */
+    if (!cJSON_IsNumber(r) || r->valuedouble < 1 || r->valuedouble > 65536 || r->valuedouble != (int)r->valuedouble ||
+        !json_is_integer(r))
         return ct_fail(e, CT_ERR_FORMAT, "%s: r: expected a positive integer", path);
     if (!cJSON_IsNumber(a) || !(a->valuedouble > 0))
         return ct_fail(e, CT_ERR_FORMAT, "%s: lora_alpha: expected a positive number", path);
@@ -1145,6 +1147,29 @@ int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, 
     return rc;
 }
 
+/* 1 (with e set) when DIR's adapter_config.json lists, in modules_to_save, a
+ * module holding tensor NAME, whose PEFT key KEY its file lacks; else 0
+ * (the config was read and checked before: a read error here is 0). */
+static int adapter_lists_module(const char *dir, const char *name, const char *key, ct_err *e) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
+    ct_err ignore = {0};
+    cJSON *o = json_parse_file(path, 0, &ignore);
+    const cJSON *mts = o ? cJSON_GetObjectItemCaseSensitive(o, "modules_to_save") : NULL, *it;
+    int rc = 0;
+    if (!cJSON_IsArray(mts)) mts = NULL;
+    cJSON_ArrayForEach(it, mts) {
+        if (cJSON_IsString(it) && in_saved_module(name, it->valuestring)) {
+            rc = ct_fail(e, CT_ERR_FORMAT,
+                         "%s: modules_to_save lists \"%s\", but %s/adapter_model.safetensors has no \"%s\"", path,
+                         it->valuestring, dir, key);
+            break;
+        }
+    }
+    cJSON_Delete(o);
+    return rc;
+}
+
 int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e) {
     char path[4200];
     snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
@@ -1169,8 +1194,17 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
         snprintf(key, sizeof key, PEFT_PREFIX "%s", t->name);
         const st_tensor *st = st_find(f, key);
         if (!st) {
-            if (!t->lora) continue; /* a module to save absent from the adapter: the base's value stays */
-            rc = ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the run's lora config needs it)", path, key);
+            /* a module the run saves that the adapter never trained keeps the base's value; one that
+             * the adapter's own config lists is missing from its file (PEFT: KeyError) */
+            if (!t->lora && !(rc = adapter_lists_module(dir, t->name, key, e))) continue;
+            if (!rc)
+                rc = ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the run's lora config needs it)", path,
+                             key);
+            break;
+        }
+        if (st->ndim > 2) { /* the shape messages below print two dimensions */
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has %d dimensions, the model expects %d", path, key,
+                         st->ndim, t->ndim);
             break;
         }
         int same = st->ndim == t->ndim;
@@ -1196,6 +1230,14 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
         if (ct_convert_to_f32(buf, st->data, st->dtype, t->numel) != 0) {
             rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64", path, key,
                          ct_dtype_name(st->dtype));
+            break;
+        }
+        /* a NaN adapter weight trained to "diverged at step 1" or generated "non-finite logits",
+         * naming nothing; merged by export it was written out */
+        size_t bad = ct_first_nonfinite(buf, t->numel);
+        if (bad < t->numel) {
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds a non-finite value (%g) at element %zu", path, key,
+                         (double)buf[bad], bad);
             break;
         }
         s->put(s->ctx, LM_PARAMS, i, 0, t->numel / lm_tensor_cols(t), buf);

@@ -250,7 +250,8 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_di
  * adapters, their scale and dropout. Layouts that slice tensors (TP, EP)
  * would have to slice the adapters with their base projections: not yet. */
 int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, ct_err *e) {
-    const char *src = cfg_source(c);
+    /* each message names where its key was set: the file, or the command line */
+    const char *src = cfg_source(c), *tm_src = cfg_origin(c, "lora.target_modules");
     int partial = c->lora_rank > 0 || c->freeze[0];
     mc->lazy_buffers = partial; /* the frozen tensors' gradients are never written: no pages for them */
     mc->logit_rows = c->logits_chunk_rows;
@@ -261,12 +262,18 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
                        src, tp, ep);
     if (c->lora_rank <= 0) {
         if (c->lora_adapter_path[0])
-            return ct_fail(e, CT_ERR_CONFIG, "%s: lora.adapter_path: needs lora.rank > 0", src);
+            return ct_fail(e, CT_ERR_CONFIG, "%s: lora.adapter_path: needs lora.rank > 0",
+                           cfg_origin(c, "lora.adapter_path"));
         if (c->lora_target_params && c->lora_target_params[0])
-            return ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_parameters: needs lora.rank > 0", src);
+            return ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_parameters: needs lora.rank > 0",
+                             cfg_origin(c, "lora.target_parameters"));
         if ((c->lora_rank_pattern && c->lora_rank_pattern[0]) || (c->lora_alpha_pattern && c->lora_alpha_pattern[0]))
-            return ct_fail(e, CT_ERR_CONFIG, "%s: lora.%s: needs lora.rank > 0", src,
-                           c->lora_rank_pattern && c->lora_rank_pattern[0] ? "rank_pattern" : "alpha_pattern");
+        {
+            int rp = c->lora_rank_pattern && c->lora_rank_pattern[0];
+            return ct_fail(e, CT_ERR_CONFIG, "%s: lora.%s: needs lora.rank > 0",
+                           cfg_origin(c, rp ? "lora.rank_pattern" : "lora.alpha_pattern"),
+                           rp ? "rank_pattern" : "alpha_pattern");
+        }
         return 0;
     }
     int experts = c->lora_target_params && c->lora_target_params[0];
@@ -284,15 +291,16 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
         else strcat(strcat(rest, rest[0] ? "," : ""), item);
     }
     /* PEFT's "all-linear": every projection, as PEFT resolves it on the model */
-    int rc = lora_is_all_linear(rest) ? lora_all_linear(mc, &mc->lora_targets, src, "lora.target_modules", e)
+    int rc = lora_is_all_linear(rest) ? lora_all_linear(mc, &mc->lora_targets, tm_src, "lora.target_modules", e)
              : (experts || mx_named) && !rest[0] ? 0
-                                                : lora_parse_targets(rest, mc, src, e);
+                                                : lora_parse_targets(rest, mc, tm_src, e);
     free(rest);
     /* fused projections in the files (Phi3's qkv_proj, gate_up_proj) are named
      * and adapted as PEFT does: one adapter over the fused Linear */
-    if (!rc) rc = lora_check_fused(mc, src, "lora.target_modules", e);
+    if (!rc) rc = lora_check_fused(mc, tm_src, "lora.target_modules", e);
     if (rc) return rc;
-    if (experts && (rc = lora_parse_target_params(c->lora_target_params, mc, src, "lora.target_parameters", e)))
+    if (experts && (rc = lora_parse_target_params(c->lora_target_params, mc, cfg_origin(c, "lora.target_parameters"),
+                                               "lora.target_parameters", e)))
         return rc;
     /* MoE models: PEFT 0.21 on transformers v5 rewrites target_modules
      * gate_proj / up_proj / down_proj of a qwen3_moe model into
@@ -314,7 +322,7 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: lora.target_modules: %s without %s on a MoE model: PEFT fuses both into "
                            "mlp.experts.gate_up_proj and refuses one alone; name both or neither",
-                           src, gate ? gn : un, gate ? un : gn);
+                           tm_src, gate ? gn : un, gate ? un : gn);
         for (int l = 0; l < mc->n_layers; l++)
             if (lm_layer_is_moe(mc, l))
                 mc->lora_experts[l] |=
@@ -326,7 +334,7 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
                            "%s: lora.target_modules: model_type \"%s\" names its expert projections w1, w3, w2 "
                            "(PEFT adapts them as mlp.experts parameters); name those or some of q_proj, k_proj, "
                            "v_proj, o_proj",
-                           src, mc->model_type);
+                           tm_src, mc->model_type);
     }
     /* PEFT's ParamWrapper refuses dropout: B A drop(x) has no W' x form */
     if (experts && c->lora_dropout > 0)
@@ -334,15 +342,18 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
                        "%s: lora.dropout = %g with adapters on the fused experts (lora.target_parameters, or "
                        "gate_proj / up_proj / down_proj in lora.target_modules of a MoE model): PEFT's adapters on "
                        "parameters do not work with dropout (lora_dropout != 0 is refused there); set lora.dropout = 0",
-                       src, c->lora_dropout);
+                       cfg_origin(c, "lora.dropout"), c->lora_dropout);
     mc->lora_rank = c->lora_rank;
     mc->lora_scale = lora_scaling(c->lora_alpha, c->lora_rank, c->lora_rslora);
     mc->lora_dropout = (float)c->lora_dropout;
     /* per-module ranks and alphas, PEFT's rank_pattern / alpha_pattern (with
      * the MoE rewrite's gate_up_proj at 2 r and 2 alpha) */
-    if ((rc = lora_check_saved_targets(mc, c->lora_modules_to_save, src, e))) return rc;
+    if ((rc = lora_check_saved_targets(mc, c->lora_modules_to_save, cfg_origin(c, "lora.modules_to_save"), e)))
+        return rc;
+    /* one origin for both patterns' messages: rank_pattern's when it is set */
+    int rp = c->lora_rank_pattern && c->lora_rank_pattern[0];
     return lora_config_patterns(mc, c->lora_rank_pattern, c->lora_alpha_pattern, c->lora_alpha, c->lora_rslora,
-                                gate_up_fused, src, e);
+                                gate_up_fused, cfg_origin(c, rp ? "lora.rank_pattern" : "lora.alpha_pattern"), e);
 }
 
 uint64_t trainer_lora_seed(const trainer *t, int step, long micro) {

@@ -301,7 +301,7 @@ static void test_sources(const tok *t) {
     CHECK(tokenize(t, "badchat.jsonl", DS_KIND_AUTO, 0, 1, 0, c, &e) &&
               strstr(e.msg, "badchat.jsonl:2: messages[0].content: expected a string"), "%s", e.msg);
     write_str("two.jsonl", "{\"text\": \"a\"} {\"text\": \"b\"}\n");
-    CHECK(tokenize(t, "two.jsonl", DS_KIND_JSONL, 0, 1, 0, c, &e) && strstr(e.msg, "two.jsonl:1: extra"), "%s", e.msg);
+    CHECK(tokenize(t, "two.jsonl", DS_KIND_JSONL, 0, 1, 0, c, &e) && strstr(e.msg, "two.jsonl:1: invalid JSON: extra data"), "%s", e.msg);
     write_str("arr.json", "[{\"text\": \"a\"}]\n");
     CHECK(tokenize(t, "arr.json", DS_KIND_AUTO, 0, 1, 0, c, &e) && strstr(e.msg, "arr.json") &&
               strstr(e.msg, "JSON array"), "%s", e.msg);
