@@ -3,8 +3,10 @@
  * (src/report). Its own loop rather than cli/args.c's table: the command
  * takes several positional directories and a flag whose value is optional.
  *
- * Exit codes: 2 for a bad option, 1 for a missing run directory, a missing
+ * Exit codes: 2 for a bad option (an output that is one of the files read
+ * included), 1 for a missing run directory, a missing
  * metrics.jsonl or an unwritable output, 3 for a malformed file in a run. */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +34,51 @@ void cli_report_help(void) {
 static int ends_with(const char *s, const char *tail) {
     size_t n = strlen(s), m = strlen(tail);
     return n >= m && !strcmp(s + n - m, tail);
+}
+
+/* Where path would land: the file itself when it exists (a symbolic link
+ * followed), else its existing directory's real path plus its name. 0 when
+ * neither resolves (the write will fail and say so). */
+static int report_resolve(const char *path, char *out) {
+    if (realpath(path, out)) return 1;
+    char *dup = strdup(path);
+    if (!dup) abort();
+    char *slash = strrchr(dup, '/');
+    const char *name = slash ? slash + 1 : dup;
+    char dir[PATH_MAX];
+    int ok = 0;
+    if (slash == dup) ok = snprintf(dir, sizeof dir, "/") > 0;
+    else ok = realpath(slash ? (*slash = 0, dup) : ".", dir) != NULL;
+    if (ok && name[0]) {
+        int k = snprintf(out, PATH_MAX, "%s%s%s", dir, strcmp(dir, "/") ? "/" : "", name);
+        ok = k > 0 && k < PATH_MAX;
+    } else {
+        ok = 0;
+    }
+    free(dup);
+    return ok;
+}
+
+/* The page and the PNG are written over whatever their paths name; an
+ * output that is one of the files the command reads would replace a run's
+ * record with HTML and leave the run unreadable (report and compare then
+ * exit 3 on it). 2 with the path named, like any other bad option. */
+static int report_check_output(const char *what, const char *path, char **dirs, int ndirs, const char *other) {
+    static const char *const inputs[] = {"", "metrics.jsonl", "events.jsonl", "config.toml"};
+    char out[PATH_MAX], in[PATH_MAX + 32], dir[PATH_MAX];
+    if (!report_resolve(path, out)) return 0;
+    if (other && report_resolve(other, in) && !strcmp(in, out))
+        return cli_fail(2, "report: the page and the PNG are one file: %s" HINT, path);
+    for (int i = 0; i < ndirs; i++) {
+        if (!realpath(dirs[i], dir)) continue; /* run_load names a missing directory */
+        for (size_t k = 0; k < sizeof inputs / sizeof *inputs; k++) {
+            snprintf(in, sizeof in, "%s%s%s", dir, inputs[k][0] ? "/" : "", inputs[k]);
+            if (!strcmp(in, out))
+                return cli_fail(2, "report: %s %s is %s of run %s, which report reads; choose another path" HINT, what,
+                                path, inputs[k][0] ? inputs[k] : "the directory", dirs[i]);
+        }
+    }
+    return 0;
 }
 
 int cli_report(int argc, char **argv) {
@@ -94,6 +141,14 @@ int cli_report(int argc, char **argv) {
         snprintf(png_path, n, "%s", html);
         if (ends_with(png_path, ".html")) png_path[strlen(png_path) - 5] = 0;
         strcat(png_path, ".png");
+    }
+    rc = report_check_output("-o", html, dirs, ndirs, NULL);
+    if (!rc && png_path) rc = report_check_output("--png", png_path, dirs, ndirs, html);
+    if (rc) {
+        free(html);
+        free(png_path);
+        free(dirs);
+        return rc;
     }
     run_data *runs = calloc((size_t)ndirs, sizeof *runs);
     if (!runs) abort();

@@ -55,7 +55,36 @@ static void *grow(void *arr, int n, size_t sz) {
 
 typedef int (*line_fn)(run_data *r, const cJSON *o, const char *where, ct_err *e);
 
+/* The keys a line may lack (NaN or "" then) but, when present, must have
+ * the right type: a "loss": "x" read as absent would silently drop that
+ * step from a comparison that then reports agreement. null counts as
+ * absent, the way a missing key does. */
+static int check_types(const cJSON *o, const char *where, const char *const *nums, const char *const *strs, ct_err *e) {
+    for (int w = 0; w < 2; w++)
+        for (const char *const *k = w ? strs : nums; *k; k++) {
+            const cJSON *x = cJSON_GetObjectItemCaseSensitive(o, *k);
+            if (!x || cJSON_IsNull(x) || (w ? cJSON_IsString(x) : cJSON_IsNumber(x))) continue;
+            char *v = cJSON_PrintUnformatted(x);
+            int rc = ct_fail(e, CT_ERR_FORMAT, "%s: \"%s\" is not a %s (%.40s%s)", where, *k, w ? "string" : "number",
+                             v ? v : "?", v && strlen(v) > 40 ? "..." : "");
+            free(v);
+            return rc;
+        }
+    return 0;
+}
+
+static const char *const metrics_nums[] = {"step", "loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu",
+                                           "elapsed_s", "step_time_s", "tokens_seen", "time", "world", "val_loss",
+                                           "val_perplexity", NULL};
+static const char *const event_nums[] = {"time", "step", "world", "machines", "threads", "launch_time", "startup_s",
+                                         "load_s", "metrics_last_step", "metrics_last_time", "save_s", "mib",
+                                         "wall_s", "cpu_s", "energy_j", NULL};
+static const char *const event_strs[] = {"event", "resumed_from", "cpu", "host", "kind", "path", "reason",
+                                         "energy_unavailable", NULL};
+static const char *const no_keys[] = {NULL};
+
 static int add_metrics_line(run_data *r, const cJSON *o, const char *where, ct_err *e) {
+    if (check_types(o, where, metrics_nums, no_keys, e)) return e->code;
     int step = step_of(o);
     if (step < 0) return ct_fail(e, CT_ERR_FORMAT, "%s: no valid \"step\"", where);
     if (cJSON_GetObjectItemCaseSensitive(o, "val_loss")) {
@@ -71,6 +100,7 @@ static int add_metrics_line(run_data *r, const cJSON *o, const char *where, ct_e
 }
 
 static int add_event_line(run_data *r, const cJSON *o, const char *where, ct_err *e) {
+    if (check_types(o, where, event_nums, event_strs, e)) return e->code;
     char name[32];
     str(name, sizeof name, o, "event");
     if (!name[0]) return ct_fail(e, CT_ERR_FORMAT, "%s: no \"event\"", where);
@@ -108,6 +138,19 @@ static int add_event_line(run_data *r, const cJSON *o, const char *where, ct_err
     return 0;
 }
 
+/* Whether p[0..n), a last line without its newline, looks like what a
+ * writer killed mid-line leaves: the start of an object, printable text.
+ * NUL bytes or other binary at the end of a file are damage (a crash of
+ * the filesystem, a bad copy), not a torn line, and stay an error. */
+static int torn_line(const char *p, size_t n) {
+    size_t i = 0;
+    while (i < n && (p[i] == ' ' || p[i] == '\t' || p[i] == '\r')) i++;
+    if (i == n || p[i] != '{') return 0;
+    for (; i < n; i++)
+        if ((unsigned char)p[i] < 0x20 && p[i] != '\t' && p[i] != '\r') return 0;
+    return 1;
+}
+
 /* Every line of a JSONL file through fn. missing_ok: an absent file is an
  * empty one. */
 static int read_jsonl(run_data *r, const char *dir, const char *name, int missing_ok, line_fn fn, ct_err *e) {
@@ -127,8 +170,12 @@ static int read_jsonl(run_data *r, const char *dir, const char *name, int missin
         if (n) {
             cJSON *o = json_parse(p, n, where, e);
             if (!o) {
-                rc = nl ? e->code : 0; /* an unfinished last line: the run was killed writing it */
-                if (!rc) *e = (ct_err){0};
+                rc = !nl && torn_line(p, n) ? 0 : e->code;
+                if (!rc) { /* kept readable, but said: the reader should know a step may be missing */
+                    fprintf(stderr, "ctitan: warning: %s: the last line is cut short (a run killed while writing it, "
+                                    "or still running): ignored\n", where);
+                    *e = (ct_err){0};
+                }
             } else {
                 rc = cJSON_IsObject(o) ? fn(r, o, where, e) : ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", where);
                 cJSON_Delete(o);
@@ -193,6 +240,10 @@ int run_load(run_data *r, const char *dir, ct_err *e) {
     struct stat st;
     if (stat(dir, &st) || !S_ISDIR(st.st_mode)) return ct_fail(e, CT_ERR_IO, "%s: not a run directory (no such directory)", dir);
     int rc = read_jsonl(r, dir, "metrics.jsonl", 0, add_metrics_line, e);
+    /* an empty file says nothing about the run: as good as a missing one
+     * (a comparison of it would find no difference and report agreement) */
+    if (!rc && !r->n_points && !r->n_vals)
+        rc = ct_fail(e, CT_ERR_IO, "%s/metrics.jsonl: no step logged", dir);
     if (!rc) rc = read_jsonl(r, dir, "events.jsonl", 1, add_event_line, e);
     if (!rc) rc = read_config(r, dir, e);
     return rc;

@@ -6,9 +6,10 @@
  * events.jsonl (starts, checkpoints, exits: metrics/events.h). The readers
  * keep what the commands need as plain arrays, with NaN for a value a line
  * does not have, so a run of an older ctitan (no events.jsonl, fewer keys)
- * still reads. A last line cut short (a run killed while writing it) is
- * dropped; any other line that is not JSON is a format error naming
- * file:line. */
+ * still reads. A last line cut short (a run killed while writing it: the
+ * start of an object, no newline) is dropped with a warning naming
+ * file:line; any other line that is not JSON, or a known key of the wrong
+ * type, is a format error naming file:line (and the key). */
 #ifndef CT_REPORT_RUN_H
 #define CT_REPORT_RUN_H
 
@@ -84,7 +85,7 @@ typedef struct {
     int n_config;
 } run_data;
 
-/* Reads DIR. CT_ERR_IO when DIR or its metrics.jsonl is missing,
+/* Reads DIR. CT_ERR_IO when DIR or its metrics.jsonl is missing or logs no step,
  * CT_ERR_FORMAT when a file is malformed; r is safe to run_free either way. */
 int run_load(run_data *r, const char *dir, ct_err *e);
 void run_free(run_data *r);

@@ -383,3 +383,63 @@ def test_errors(runs, tmp_path):
     (bad / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     p = compare(a, bad)
     assert p.returncode == 3 and "metrics.jsonl:3" in p.stderr, p.stderr
+
+
+def test_malformed_or_empty_runs(runs, tmp_path):
+    """A bad line is not skipped: a known key of the wrong type, binary junk after the last
+    line, an events.jsonl time that is not a number are 3 naming file:line and the key; an
+    empty metrics.jsonl is 1 (nothing logged is not agreement), and so are two runs with no
+    step in common; a last line cut mid-object (a killed run) is dropped with a warning."""
+    a = runs["one"]
+
+    def copy(name, edit, fname="metrics.jsonl"):
+        d = tmp_path / name
+        shutil.copytree(a, d, ignore=shutil.ignore_patterns("checkpoint"))
+        (d / fname).write_bytes(edit((d / fname).read_bytes()))
+        return d
+
+    n = (a / "metrics.jsonl").read_bytes().rstrip(b"\n").count(b"\n") + 1
+    for d, code, want in (
+            (copy("loss", lambda b: re.sub(rb'"loss": [0-9.e+-]+', b'"loss": "x"', b, count=1)), 3,
+             'metrics.jsonl:1: "loss" is not a number ("x")'),
+            (copy("nul", lambda b: b + b"\0\1\2"), 3, f"metrics.jsonl:{n + 1}: invalid JSON"),
+            (copy("time", lambda b: b.replace(b'"time":', b'"time":"yesterday","was":', 1), "events.jsonl"), 3,
+             'events.jsonl:1: "time" is not a number ("yesterday")'),
+            (copy("empty", lambda b: b""), 1, "metrics.jsonl: no step logged"),
+            (copy("later", lambda b: re.sub(rb'"step": (\d+)', lambda m: b'"step": %d' % (int(m[1]) + 100), b)), 1,
+             f"no step has a loss in both runs ({STEPS} only in A, {STEPS} only in B)")):
+        p = compare(a, d, "--no-restore")
+        assert p.returncode == code and want in p.stderr and not p.stdout, (d, p.returncode, p.stderr)
+    p = compare(a, copy("torn", lambda b: b.rstrip(b"\n")[:-25]), "--no-restore", "--json")
+    assert p.returncode == 0 and f"metrics.jsonl:{n}: the last line is cut short" in p.stderr, p.stderr
+    assert json.loads(p.stdout)["loss"]["n"] == STEPS - 1
+
+
+def test_different_models_refused(runs):
+    """Two models (2 and 3 layers) are not two runs of one recipe: each checkpoint would be
+    probed in its own run's model, so "restores" would test nothing shared. Refused (2),
+    naming the key, restore check or not."""
+    d = runs["d"]
+    oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=3, heads=4, kv_heads=2,
+                       head_dim=8).save_pretrained(d / "model3")
+    three = d / "three"
+    if not (three / "metrics.jsonl").exists():
+        train(base_args(d, three, f"--model.hf_assets_path={d / 'model3'}"))
+    for extra in ((), ("--no-restore",)):
+        p = compare(runs["one"], three, *extra)
+        assert p.returncode == 2 and not p.stdout, (p.returncode, p.stdout, p.stderr)
+        assert "not runs of one recipe" in p.stderr and "num_hidden_layers 2 vs 3" in p.stderr, p.stderr
+
+
+def test_missing_checkpoint_not_checked(runs, tmp_path):
+    """A run copied without its checkpoint folder cannot be restore-checked: "not checked",
+    naming the missing step folder, not "DOES NOT RESTORE" (a finding never made)."""
+    gone = tmp_path / "gone"
+    shutil.copytree(runs["one"], gone, ignore=shutil.ignore_patterns("checkpoint"))
+    p, j = report(runs["one"], gone)
+    assert p.returncode == 0, p.stdout + p.stderr
+    a, b = j["restore"]
+    assert a["checked"] and a["ok"], a
+    assert not b["checked"] and str(gone / "checkpoint" / "step-") in b["why"] and "is missing" in b["why"], b
+    p = compare(runs["one"], gone)
+    assert p.returncode == 0 and "DOES NOT RESTORE" not in p.stdout and "not checked (its final checkpoint" in p.stdout

@@ -9,6 +9,7 @@ never skip, where it is missing, so `make test` cannot pass without the browser 
 import html.parser
 import math
 import os
+import re
 import shutil
 import subprocess
 import tomllib
@@ -333,3 +334,59 @@ def test_errors(runs, tmp_path):
     assert not (tmp_path / "r.html").exists() and not any(tmp_path.glob("r.html*"))
     rc, out, _ = ctitan(["report", "--help"])
     assert rc == 0 and "--png" in out and "--smoothing" in out
+
+
+def test_output_is_not_an_input(runs, tmp_path):
+    """-o or --png naming a file report reads (directly, by another spelling, or through a
+    symbolic link) would replace the run's record with the page: refused (2), path named,
+    the file untouched."""
+    _, a, _ = runs
+    x = tmp_path / "x"
+    shutil.copytree(a, x, ignore=shutil.ignore_patterns("checkpoint"))
+    before = {n: (x / n).read_bytes() for n in ("metrics.jsonl", "events.jsonl", "config.toml")}
+    (tmp_path / "lnk").symlink_to(x / "metrics.jsonl")
+    for args, named, what in (([x, "-o", x / "metrics.jsonl"], x / "metrics.jsonl", "metrics.jsonl"),
+                              ([x, "-o", x / "config.toml"], x / "config.toml", "config.toml"),
+                              ([x, "--png=" + str(x / "events.jsonl")], x / "events.jsonl", "events.jsonl"),
+                              ([x, "-o", x / ".." / "x" / "metrics.jsonl"], x / ".." / "x" / "metrics.jsonl",
+                               "metrics.jsonl"),
+                              ([a, x, "-o", tmp_path / "lnk"], tmp_path / "lnk", "metrics.jsonl")):
+        rc, _, err = ctitan(["report", *args])
+        assert rc == 2 and str(named) in err and f"is {what} of run" in err, (args, rc, err)
+    assert {n: (x / n).read_bytes() for n in before} == before
+    rc, _, err = ctitan(["report", x])  # the default page in the run folder is still fine
+    assert rc == 0 and (x / "report.html").exists(), err
+
+
+def test_malformed_lines(runs, tmp_path):
+    """A known key of the wrong type or binary junk is a format error (3) naming file:line and
+    the key; an empty metrics.jsonl is as good as none (1); a last line cut mid-object (a run
+    killed while writing it) is dropped with a warning naming file:line."""
+    _, a, _ = runs
+
+    def broken(name, edit, fname="metrics.jsonl"):
+        d = tmp_path / name
+        shutil.copytree(a, d, ignore=shutil.ignore_patterns("checkpoint"))
+        (d / fname).write_bytes(edit((d / fname).read_bytes()))
+        return d
+
+    def line2(b, old, new):
+        lines = b.split(b"\n")
+        assert old in lines[1], lines[1]
+        lines[1] = lines[1].replace(old, new, 1)
+        return b"\n".join(lines)
+
+    nlines = (a / "metrics.jsonl").read_bytes().rstrip(b"\n").count(b"\n") + 1
+    cases = [(broken("loss", lambda b: re.sub(rb'"loss": [0-9.e+-]+', b'"loss": "x"', b, count=1)),
+              'metrics.jsonl:1: "loss" is not a number'),
+             (broken("nul", lambda b: b + b"\0\1\2"), f"metrics.jsonl:{nlines + 1}: invalid JSON"),
+             (broken("time", lambda b: line2(b, b'"time":', b'"time":"yesterday","was":'), "events.jsonl"),
+              'events.jsonl:2: "time" is not a number ("yesterday")')]
+    for d, want in cases:
+        rc, _, err = ctitan(["report", d, "-o", tmp_path / "r.html"])
+        assert rc == 3 and want in err, (d, rc, err)
+    rc, _, err = ctitan(["report", broken("empty", lambda b: b""), "-o", tmp_path / "r.html"])
+    assert rc == 1 and "metrics.jsonl: no step logged" in err, err
+    d = broken("torn", lambda b: b.rstrip(b"\n")[:-25])
+    rc, _, err = ctitan(["report", d, "-o", tmp_path / "r.html"])
+    assert rc == 0 and f"metrics.jsonl:{nlines}: the last line is cut short" in err, err
