@@ -207,6 +207,11 @@ static int id_part_ok(const char *s, size_t n) {
 
 int hub_is_repo_id(const char *s) {
     if (!s) return 0;
+    /* a path that exists here is the user's file or directory, never an id: "model/config.json"
+     * was downloaded for (a retry of several seconds, then "not in cache") instead of being
+     * named as the file it is */
+    struct stat st;
+    if (stat(s, &st) == 0) return 0;
     const char *slash = strchr(s, '/');
     if (!slash || strchr(slash + 1, '/')) return 0;
     if (!id_part_ok(s, (size_t)(slash - s)) || !id_part_ok(slash + 1, strlen(slash + 1))) return 0;
@@ -1361,6 +1366,9 @@ int hub_resolve(const char *path, const char *revision, unsigned what, hub_local
         if (put(out->dir, sizeof out->dir, "%s", path)) return ct_fail(e, CT_ERR_CONFIG, "%s: path too long", path);
         return 0;
     }
+    struct stat st;
+    if (!is_dir(path) && stat(path, &st) == 0)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: a file, not a model directory (give the directory that holds it)", path);
     if (!hub_is_repo_id(path))
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: no such directory, and not a Hugging Face Hub model id (owner/name, e.g. Qwen/Qwen3-0.6B)",

@@ -118,3 +118,15 @@ def test_a_lora_value_from_the_command_line_is_named_as_such(model, tmp_path, ru
     rc, _, err = run_ctitan(["train", "--config", conf, "--lora.rank=4", "--lora.target_modules=nosuch"],
                             check=False)
     assert rc == 2 and "command line: lora.target_modules" in err and "t.toml" not in err, (rc, err)
+
+
+@pytest.mark.parametrize("cmd", [
+    ["generate", "--checkpoint", "{hf}/config.json", "--prompt-ids", "1 2", "--ids"],
+    ["describe", "{hf}/config.json"],
+], ids=["generate", "describe"])
+def test_an_existing_file_is_not_taken_for_a_hub_id(model, run_ctitan, cmd):
+    """"hf/config.json" has the form of a Hub id (owner/name): it was downloaded for (several
+    seconds of retries, then "not in cache") instead of being named as the file it is."""
+    cmd = [str(c).format(hf=model / "hf") for c in cmd]
+    rc, _, err = run_ctitan(cmd, check=False)
+    assert rc == 2 and f"{model / 'hf'}/config.json" in err and "cache" not in err, (rc, err)
