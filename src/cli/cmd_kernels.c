@@ -13,6 +13,7 @@
  *           clock and the theoretical figure they were checked against;
  *           --json for the benchmarks, which read the peak this way only.
  * Thin by design: the registry and the checker live in kernels/. */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #ifdef __GLIBC__
@@ -53,6 +54,21 @@ typedef struct {
     double peak_gflops; /* --peak: skip measuring the FMA peak */
 } kern_cli_opts;
 
+/* The whole of VAL as a number in [lo, hi], else an error naming OPT: atoi
+ * read "3x" as 3 and "abc" as 0, and atof took "nan" (a peak of nan GFLOP/s). */
+static int opt_number(const char *opt, const char *val, double lo, double hi, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(val, &end);
+    if (end == val || *end || errno == ERANGE || !(v >= lo && v <= hi)) {
+        fprintf(stderr, "ctitan: error: kernels: %s: expected a number from %.15g to %.15g, got \"%s\"\n", opt, lo, hi,
+                val);
+        return 2;
+    }
+    *out = v;
+    return 0;
+}
+
 static int parse_opts(int argc, char **argv, kern_cli_opts *o) {
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
@@ -73,26 +89,18 @@ static int parse_opts(int argc, char **argv, kern_cli_opts *o) {
             o->op = val;
         } else if (!strcmp(a, "--impl")) {
             o->impl = val;
-        } else if (!strcmp(a, "--threads")) {
-            o->threads = atoi(val);
-            if (o->threads <= 0) {
-                fprintf(stderr, "ctitan: error: kernels: --threads must be > 0, got \"%s\"\n", val);
+        } else if (!strcmp(a, "--threads") || !strcmp(a, "--reps") || !strcmp(a, "--seed")) {
+            double v;
+            int seed = a[2] == 's';
+            if (opt_number(a, val, seed ? 0 : 1, seed ? 9007199254740992.0 : 1 << 20, &v)) return 2;
+            if (v != floor(v)) {
+                fprintf(stderr, "ctitan: error: kernels: %s: expected an integer, got \"%s\"\n", a, val);
                 return 2;
             }
-        } else if (!strcmp(a, "--reps")) {
-            o->reps = atoi(val);
-            if (o->reps <= 0) {
-                fprintf(stderr, "ctitan: error: kernels: --reps must be > 0, got \"%s\"\n", val);
-                return 2;
-            }
+            if (seed) o->seed = (unsigned long long)v;
+            else *(a[2] == 't' ? &o->threads : &o->reps) = (int)v;
         } else if (!strcmp(a, "--peak")) {
-            o->peak_gflops = atof(val);
-            if (o->peak_gflops <= 0) {
-                fprintf(stderr, "ctitan: error: kernels: --peak must be > 0 GFLOP/s, got \"%s\"\n", val);
-                return 2;
-            }
-        } else if (!strcmp(a, "--seed")) {
-            o->seed = strtoull(val, NULL, 10);
+            if (opt_number(a, val, 1e-3, 1e9, &o->peak_gflops)) return 2;
         } else {
             fprintf(stderr, "ctitan: error: kernels: unknown option \"%s\"\n", a);
             return 2;

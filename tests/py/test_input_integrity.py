@@ -133,3 +133,13 @@ def test_an_existing_file_is_not_taken_for_a_hub_id(model, cmd):
                        capture_output=True, text=True, timeout=120)
     crashed(p.returncode, p.stderr, cmd)
     assert p.returncode == 2 and "hf/config.json" in p.stderr and "cache" not in p.stderr, (p.returncode, p.stderr)
+
+
+@pytest.mark.parametrize("args", [
+    ["check", "--seed", "abc"], ["check", "--seed", "-1"], ["bench", "--peak", "nan"], ["bench", "--peak", "inf"],
+    ["bench", "--threads", "3x"], ["check", "--threads", "1.5"], ["bench", "--reps", "0"],
+], ids=lambda a: " ".join(a))
+def test_kernels_numbers_are_read_whole(run_ctitan, args):
+    """atoi read "3x" as 3 and "abc" as 0, and atof took "nan" (a peak of nan GFLOP/s, exit 0)."""
+    rc, _, err = run_ctitan(["kernels"] + args, check=False)
+    assert rc == 2 and f"kernels: {args[1]}:" in err and args[2] in err, (rc, err)
