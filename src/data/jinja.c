@@ -10,6 +10,7 @@
 #include "formats/json.h"
 
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -306,6 +307,8 @@ typedef struct {
     pieces *ps;
     int pi;
     int has_gen; /* a {% generation %} block was parsed */
+    int depth;   /* expression parsers now on the stack (see JINJA_MAX_DEPTH) */
+    int bdepth;  /* blocks now open */
 } parser;
 
 static void push_utf8(char *buf, size_t *n, uint32_t cp) {
@@ -383,8 +386,13 @@ static void lex(parser *P, const char *s, size_t n, int line) {
             }
             i = j;
         } else if (c == '\'' || c == '"') {
-            char *buf = ar_alloc(P->a, n - i + 1);
-            size_t bn = 0, j = i + 1;
+            /* sized by the literal, not by the rest of the tag: a tag of many literals
+             * must not take memory quadratic in its length (no escape decodes longer) */
+            size_t j = i + 1;
+            while (j < n && s[j] != c) j += s[j] == '\\' && j + 1 < n ? 2 : 1;
+            char *buf = ar_alloc(P->a, j - i);
+            size_t bn = 0;
+            j = i + 1;
             for (;;) {
                 if (j >= n) jfail(P->f, line, "a string literal is never closed");
                 char d = s[j];
@@ -473,6 +481,13 @@ static const char *expect_name(parser *P) {
     const char *s = cur(P)->s;
     advance(P);
     return s;
+}
+
+/* Every recursion of the parser goes through here (a nested expression, a
+ * unary operator, a nested block), so the C stack it uses stays bounded
+ * whatever the template. */
+static void nest_in(parser *P, int *depth, int line) {
+    if (++*depth > JINJA_MAX_DEPTH) jfail(P->f, line, "nesting deeper than %d levels", JINJA_MAX_DEPTH);
 }
 
 static expr *mk(parser *P, ekind k) {
@@ -753,10 +768,14 @@ static expr *parse_unary(parser *P, int with_filter) {
     if (is_op(P, "-")) {
         advance(P);
         e = mk(P, E_NEG);
+        nest_in(P, &P->depth, P->line);
         e->a = parse_unary(P, 0);
+        P->depth--;
     } else if (is_op(P, "+")) {
         advance(P);
+        nest_in(P, &P->depth, P->line);
         e = parse_unary(P, 0);
+        P->depth--;
     } else {
         e = parse_primary(P);
     }
@@ -850,7 +869,9 @@ static expr *parse_not(parser *P) {
     if (is_name(P, "not")) {
         advance(P);
         expr *e = mk(P, E_NOT);
+        nest_in(P, &P->depth, P->line);
         e->a = parse_not(P);
+        P->depth--;
         return e;
     }
     return parse_compare(P);
@@ -880,7 +901,20 @@ static expr *parse_or(parser *P) {
     return l;
 }
 
+/* The depth of the tree under e, which the evaluator recurses along: chains
+ * the parser builds in loops (a + b + c ..., x.a.b.c ..., x|f|g ...) nest
+ * without parser recursion. Itself recursive, but never past the limit. */
+static void check_tree(parser *P, const expr *e, int depth) {
+    if (!e) return;
+    if (depth > JINJA_MAX_DEPTH) jfail(P->f, e->line, "nesting deeper than %d levels", JINJA_MAX_DEPTH);
+    check_tree(P, e->a, depth + 1);
+    check_tree(P, e->b, depth + 1);
+    check_tree(P, e->c, depth + 1);
+    for (int i = 0; i < e->nargs; i++) check_tree(P, e->args[i], depth + 1);
+}
+
 static expr *parse_expr(parser *P, int with_cond) {
+    nest_in(P, &P->depth, P->line);
     expr *e = parse_or(P);
     if (with_cond) {
         while (is_name(P, "if")) {
@@ -895,6 +929,7 @@ static expr *parse_expr(parser *P, int with_cond) {
             e = c;
         }
     }
+    if (--P->depth == 0) check_tree(P, e, 1);
     return e;
 }
 
@@ -1032,6 +1067,8 @@ static stmt *parse_block(parser *P, const char *w) {
 }
 
 static const char *parse_body(parser *P, body *b, const char *ends, const char *opener, int open_line) {
+    /* the executor recurses along nested blocks as the parser does */
+    if (ends) nest_in(P, &P->bdepth, open_line);
     while (P->pi < P->ps->n) {
         piece *p = &P->ps->v[P->pi++];
         if (p->k == P_TEXT) {
@@ -1052,7 +1089,10 @@ static const char *parse_body(parser *P, body *b, const char *ends, const char *
             continue;
         }
         const char *w = expect_name(P);
-        if (ends && word_in(w, ends)) return w;
+        if (ends && word_in(w, ends)) {
+            P->bdepth--;
+            return w;
+        }
         if (word_in(w, "elif else endif endfor endset endgeneration"))
             jfail(P->f, P->line, "unexpected {%% %s %%}%s", w, ends ? "" : " (no block is open)");
         body_push(P->a, b, parse_block(P, w));
@@ -1200,7 +1240,10 @@ static jv *to_str(rctx *R, int line, jv *v) {
     }
 }
 
-static int jv_eq(const jv *a, const jv *b) {
+/* a == b; depth bounds the recursion into values a template can nest without
+ * limit ({% set ns.x = [ns.x] %} in a loop) */
+static int jv_eq(rctx *R, int line, const jv *a, const jv *b, int depth) {
+    if (depth >= JINJA_MAX_DEPTH) jfail(R->f, line, "==: values nested deeper than %d levels", JINJA_MAX_DEPTH);
     int an = a->k == JV_INT || a->k == JV_BOOL, bn = b->k == JV_INT || b->k == JV_BOOL;
     if (an && bn) return a->i == b->i;
     if ((an || a->k == JV_FLOAT) && (bn || b->k == JV_FLOAT))
@@ -1213,13 +1256,13 @@ static int jv_eq(const jv *a, const jv *b) {
     case JV_LIST:
         if (a->len != b->len) return 0;
         for (int i = 0; i < a->len; i++)
-            if (!jv_eq(a->items[i], b->items[i])) return 0;
+            if (!jv_eq(R, line, a->items[i], b->items[i], depth + 1)) return 0;
         return 1;
     case JV_DICT:
         if (a->len != b->len) return 0;
         for (int i = 0; i < a->len; i++) {
             int j = dict_find(b, a->keys[i]->s, a->keys[i]->n);
-            if (j < 0 || !jv_eq(a->items[i], b->items[j])) return 0;
+            if (j < 0 || !jv_eq(R, line, a->items[i], b->items[j], depth + 1)) return 0;
         }
         return 1;
     default: return a == b;
@@ -1379,6 +1422,10 @@ static void json_string(sbuf *s, const char *p, size_t n) {
 
 static void json_dump(rctx *R, int line, sbuf *s, const jv *v, int indent, int depth) {
     char buf[64];
+    if (depth >= JINJA_MAX_DEPTH) {
+        free(s->b);
+        jfail(R->f, line, "tojson: values nested deeper than %d levels", JINJA_MAX_DEPTH);
+    }
     switch (v->k) {
     case JV_NONE: sb_str(s, "null"); return;
     case JV_BOOL: sb_str(s, v->i ? "true" : "false"); return;
@@ -1568,7 +1615,7 @@ static int contains(rctx *R, int line, jv *hay, jv *needle) {
     }
     if (hay->k == JV_LIST) {
         for (int i = 0; i < hay->len; i++)
-            if (jv_eq(hay->items[i], needle)) return 1;
+            if (jv_eq(R, line, hay->items[i], needle, 0)) return 1;
         return 0;
     }
     if (hay->k == JV_DICT || hay->k == JV_NS) return needle->k == JV_STR && dict_find(hay, needle->s, needle->n) >= 0;
@@ -1601,8 +1648,8 @@ static jv *binop(rctx *R, expr *e) {
     jv *a = eval(R, e->a), *b = eval(R, e->b);
     int line = e->line;
     switch (e->op) {
-    case B_EQ: return jv_eq(a, b) ? &V_TRUE : &V_FALSE;
-    case B_NE: return jv_eq(a, b) ? &V_FALSE : &V_TRUE;
+    case B_EQ: return jv_eq(R, e->line, a, b, 0) ? &V_TRUE : &V_FALSE;
+    case B_NE: return jv_eq(R, e->line, a, b, 0) ? &V_FALSE : &V_TRUE;
     case B_LT: return cmp_order(R, line, a, b) < 0 ? &V_TRUE : &V_FALSE;
     case B_GT: return cmp_order(R, line, a, b) > 0 ? &V_TRUE : &V_FALSE;
     case B_LE: return cmp_order(R, line, a, b) <= 0 ? &V_TRUE : &V_FALSE;
@@ -2108,7 +2155,7 @@ static int apply_test(rctx *R, int line, const char *t, jv *x, jv **v, int nargs
     }
     if (!strcmp(t, "eq") || !strcmp(t, "equalto") || !strcmp(t, "ne")) {
         if (nargs != 1) jfail(R->f, line, "is %s: needs one argument", t);
-        return jv_eq(x, v[0]) == (t[0] != 'n');
+        return jv_eq(R, line, x, v[0], 0) == (t[0] != 'n');
     }
     jfail(R->f, line, "the test '%s' is outside the supported Jinja subset", t);
 }
@@ -2121,6 +2168,45 @@ static int test(rctx *R, expr *e) {
     return apply_test(R, e->line, e->name, x, v, e->nargs);
 }
 
+/* Appends the source form of a name / attribute / literal subscript chain
+ * (messages[5].content) to s; 0 when e is something else. */
+static int describe(sbuf *s, const expr *e) {
+    char buf[32];
+    switch (e->k) {
+    case E_NAME: sb_str(s, e->name); return 1;
+    case E_ATTR:
+        if (!describe(s, e->a)) return 0;
+        sb_str(s, ".");
+        sb_str(s, e->name);
+        return 1;
+    case E_ITEM:
+        if (e->b->k != E_LIT || (e->b->lit->k != JV_INT && e->b->lit->k != JV_STR) || !describe(s, e->a)) return 0;
+        sb_str(s, "[");
+        if (e->b->lit->k == JV_INT) {
+            snprintf(buf, sizeof buf, "%lld", e->b->lit->i);
+            sb_str(s, buf);
+        } else {
+            json_string(s, e->b->lit->s, e->b->lit->n);
+        }
+        sb_str(s, "]");
+        return 1;
+    default: return 0;
+    }
+}
+
+/* An undefined attribute or item named by the whole chain that reached it,
+ * so that a message says "'messages[5]' is undefined", not "'value'". */
+static jv *undef_at(rctx *R, expr *e, jv *v) {
+    if (v->k != JV_UNDEF) return v;
+    sbuf s = {0};
+    if (describe(&s, e)) {
+        v = mk_val(R->a, JV_UNDEF);
+        v->undef_name = ar_strndup(R->a, s.b, s.n);
+    }
+    free(s.b);
+    return v;
+}
+
 static jv *eval(rctx *R, expr *e) {
     switch (e->k) {
     case E_LIT: return e->lit;
@@ -2129,9 +2215,9 @@ static jv *eval(rctx *R, expr *e) {
         jv *o = eval(R, e->a);
         if (o->k == JV_DICT && word_in(e->name, "items keys values get"))
             jfail(R->f, e->line, "'.%s' without a call is outside the supported Jinja subset", e->name);
-        return get_key(R, e->line, o, e->name, strlen(e->name));
+        return undef_at(R, e, get_key(R, e->line, o, e->name, strlen(e->name)));
     }
-    case E_ITEM: return get_index(R, e->line, eval(R, e->a), eval(R, e->b));
+    case E_ITEM: return undef_at(R, e, get_index(R, e->line, eval(R, e->a), eval(R, e->b)));
     case E_SLICE: return do_slice(R, e);
     case E_CALL: return call(R, e);
     case E_FILTER: return filter(R, e);
@@ -2394,7 +2480,13 @@ static int chat_open(const char *dir, const char *tmpl_file, jinja_chat **out, c
         }
     } else {
         snprintf(file, sizeof file, "%s/chat_template.jinja", dir);
-        src = fs_read_file(file, 0, &srcn, NULL);
+        src = fs_read_file(file, 0, &srcn, e);
+        /* only a missing file means "none here": one that is there but unreadable (a
+         * directory, no permission) must not fall back to another template */
+        if (!src && errno != ENOENT && errno != ENOTDIR) {
+            cJSON_Delete(cfg);
+            return ct_fail(e, CT_ERR_IO, "%s: cannot read the chat template (%s)", file, strerror(errno));
+        }
     }
     if (!src && cfg) {
         const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");

@@ -46,6 +46,16 @@
 
 typedef struct jinja_tmpl jinja_tmpl;
 
+/* The deepest nesting a template may have: parentheses, list and dict
+ * literals, unary operators, subscripts and call arguments inside one another,
+ * chains of operators, filters and attribute accesses, {% if %} / {% for %}
+ * blocks inside one another, and values printed by tojson. The parser, the
+ * evaluator and the printer recurse along that nesting, and a hostile template
+ * nested 20,000 deep would overflow the C stack; past this depth the template
+ * is refused with a format error naming its file and line, as jinja2 raises
+ * RecursionError. Published templates nest below 10. */
+#define JINJA_MAX_DEPTH 256
+
 /* The byte ranges [start, end) of the output rendered inside
  * {% generation %} blocks, in order (transformers' assistant mask). */
 typedef struct {
@@ -74,7 +84,9 @@ typedef struct jinja_chat jinja_chat;
 
 /* DIR/chat_template.jinja when present, else tokenizer_config.json's
  * "chat_template" (a string, or a list of {name, template} of which "default"
- * is used). *out is NULL (and 0 returned) when the directory has none. The
+ * is used). *out is NULL (and 0 returned) when the directory has none; a
+ * chat_template.jinja that is there but cannot be read (a directory, no
+ * permission) is CT_ERR_IO, never a fall back to another template. The
  * special tokens of tokenizer_config.json (bos_token, eos_token, unk_token,
  * sep_token, pad_token, cls_token, mask_token) become template variables,
  * as transformers passes them. */

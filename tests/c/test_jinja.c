@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -40,6 +41,38 @@ static void check_error(const char *src, const char *needle) {
     free(got);
 }
 
+/* head repeated n times, then core, then tail repeated n times (malloc'd) */
+static char *nested(const char *pre, const char *head, int n, const char *core, const char *tail, const char *post) {
+    size_t lh = strlen(head), lt = strlen(tail), k = 0;
+    char *s = malloc(strlen(pre) + (size_t)n * (lh + lt) + strlen(core) + strlen(post) + 1);
+    k += (size_t)sprintf(s, "%s", pre);
+    for (int i = 0; i < n; i++, k += lh) memcpy(s + k, head, lh);
+    k += (size_t)sprintf(s + k, "%s", core);
+    for (int i = 0; i < n; i++, k += lt) memcpy(s + k, tail, lt);
+    sprintf(s + k, "%s", post);
+    return s;
+}
+
+/* The form nested n deep renders want (NULL: renders at all, or fails for another reason than
+ * depth), and nested 1,000,000 deep fails cleanly (no stack overflow) naming the file, line and
+ * limit. The templates are too long to print. */
+static void check_depth(const char *what, const char *pre, const char *head, int n, const char *core,
+                        const char *tail, const char *post, const char *want) {
+    ct_err e = {0};
+    char *src = nested(pre, head, n, core, tail, post), *got = render(src, "{}", NULL, &e);
+    CHECK(want ? got && !strcmp(got, want) : got || !strstr(e.msg, "nesting"), "%s x%d: got [%s]%s want [%s]", what,
+          n, got ? got : "(error)", got ? "" : e.msg, want ? want : "(anything)");
+    free(got);
+    free(src);
+    e = (ct_err){0};
+    src = nested(pre, head, 1000000, core, tail, post);
+    got = render(src, "{}", NULL, &e);
+    CHECK(!got && strstr(e.msg, "t.jinja: line 1: nesting deeper than 256 levels"), "%s x1000000: [%s]", what,
+          got ? got : e.msg);
+    free(got);
+    free(src);
+}
+
 int main(void) {
     /* whitespace control, trim_blocks, lstrip_blocks, comments, the dropped trailing newline */
     check_render("  {%- if true -%}  x  {%- endif -%}  \n  {% if true %}\n  y\n  {% endif %}\n{# c #}\n  {#- d -#}  z  \n",
@@ -60,6 +93,61 @@ int main(void) {
     check_error("{{ [1] | sort }}", "the filter 'sort'");
     check_error("{{ raise_exception('roles must alternate') }}", "raise_exception: roles must alternate");
     check_error("a\n{% for x in y %}", "line 2: {% for %} is never closed");
+    check_error("{% set messages = [1] %}{{ messages[5].content }}", "'messages[5]' is undefined (attribute access)");
+    check_error("{% set m = {'a': [1]} %}{{ m.a[3]['k'] | trim }}", "'m.a[3]' is undefined");
+
+    /* nesting past JINJA_MAX_DEPTH is refused, not a stack overflow, along every path that
+     * recurses: the expression parser, the evaluator (operator and postfix chains), nested
+     * blocks and values printed or compared */
+    {
+        const int N = JINJA_MAX_DEPTH - 2;
+        char want[1024];
+        check_depth("parentheses", "{{ ", "(", N, "7", ")", " }}", "7");
+        snprintf(want, sizeof want, "%d", N % 2 ? -7 : 7);
+        check_depth("unary minus", "{{ ", "- ", N, "7", "", " }}", want);
+        check_depth("unary plus", "{{ ", "+ ", N, "7", "", " }}", "7");
+        check_depth("not", "{{ ", "not ", N, "false", "", " }}", N % 2 ? "True" : "False");
+        char *w = nested("", "[", N, "1", "]", "");
+        check_depth("brackets", "{{ ", "[", N, "1", "]", " | tojson }}", w);
+        free(w);
+        w = nested("", "{\"a\": ", N, "1", "}", "");
+        check_depth("dicts", "{{ ", "{'a': ", N, "1", "}", " | tojson }}", w);
+        free(w);
+        check_depth("subscripts", "{{ x", "[", N, "0", "]", " is defined }}", NULL);
+        check_depth("call arguments", "{{ ", "range(", N, "1", ")", " }}", NULL);
+        check_depth("if blocks", "", "{% if true %}", N, "x", "{% endif %}", "", "x");
+        check_depth("for blocks", "", "{% for i in [1] %}", N, "x", "{% endfor %}", "", "x");
+        check_depth("conditional else chain", "{{ ", "0 if false else ", N, "1", "", " }}", "1");
+        snprintf(want, sizeof want, "%d", N + 1);
+        check_depth("operator chain", "{{ 1", " + 1", N, "", "", " }}", want);
+        check_depth("and chain", "{{ true", " and true", N, "", "", " }}", "True");
+        check_depth("method chain", "{{ 'A'", ".lower()", N / 2, "", "", " }}", "a"); /* 2 levels each */
+        check_depth("filter chain", "{{ 'a'", " | trim", N, "", "", " }}", "a");
+        /* values nested at run time, with no nesting in the source */
+        const char *grow = "{%% set ns = namespace(x=1) %%}{%% for i in range(%d) %%}{%% set ns.x = [ns.x] %%}"
+                           "{%% endfor %%}";
+        char src[512];
+        for (int deep = 0; deep < 2; deep++) {
+            int n = deep ? 100000 : N;
+            ct_err e = {0};
+            snprintf(src, sizeof src, grow, n);
+            strcat(src, "{{ ns.x | tojson | length }}");
+            char *got = render(src, "{}", NULL, &e);
+            snprintf(want, sizeof want, "%d", 2 * n + 1);
+            CHECK(deep ? !got && strstr(e.msg, "t.jinja: line 1: tojson: values nested deeper than 256 levels")
+                       : got && !strcmp(got, want),
+                  "tojson of a value nested %d deep: [%s]", n, got ? got : e.msg);
+            free(got);
+            e = (ct_err){0};
+            snprintf(src, sizeof src, grow, n);
+            strcat(src, "{{ ns.x == ns.x }}");
+            got = render(src, "{}", NULL, &e);
+            CHECK(deep ? !got && strstr(e.msg, "t.jinja: line 1: ==: values nested deeper than 256 levels")
+                       : got && !strcmp(got, "True"),
+                  "== of values nested %d deep: [%s]", n, got ? got : e.msg);
+            free(got);
+        }
+    }
 
     /* {% generation %} spans, in bytes of the output */
     {
@@ -111,6 +199,13 @@ int main(void) {
         unlink(p);
         c = NULL;
         CHECK(!jinja_chat_open(dir, &c, &e) && !c, "a directory without a template has none");
+        /* a chat_template.jinja that cannot be read is an error, not a fallback to another template */
+        snprintf(p, sizeof p, "%s/chat_template.jinja", dir);
+        CHECK(mkdir(p, 0700) == 0, "mkdir %s", p);
+        c = NULL;
+        e = (ct_err){0};
+        CHECK(jinja_chat_open(dir, &c, &e) == CT_ERR_IO && !c && strstr(e.msg, p), "[%s]", e.msg);
+        rmdir(p);
         rmdir(dir);
         cJSON_Delete(msgs);
     }
