@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli/cli.h"
@@ -178,8 +179,10 @@ int cli_prepare(int argc, char **argv) {
     for (int i = 0; i < a.n_inputs && !rc; i++) {
         ds_kind k = o.kind;
         if (k == DS_KIND_AUTO) rc = ds_detect_kind(a.inputs[i], &k, &e);
+        struct stat st; /* an empty directory read "already tokenized": say what it is */
         if (!rc && k == DS_KIND_TOKENS)
-            rc = ct_fail(&e, CT_ERR_CONFIG, "%s: already tokenized (--input takes text, JSONL or chat data)", a.inputs[i]);
+            rc = ct_fail(&e, CT_ERR_CONFIG, "%s: %s (--input takes text, JSONL or chat files)", a.inputs[i],
+                         stat(a.inputs[i], &st) == 0 && S_ISDIR(st.st_mode) ? "a directory" : "already tokenized");
         if (!rc) kind = !kind || !strcmp(kind, ds_kind_name(k)) ? ds_kind_name(k) : "mixed";
         if (!rc && k == DS_KIND_CHAT) has_chat = 1;
     }

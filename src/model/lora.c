@@ -1002,8 +1002,15 @@ static int read_adapter(const cJSON *o, lm_config *c, double *alpha, int *rslora
     cJSON_ArrayForEach(it, mts) {
         if (cJSON_IsString(it) && (rc = saved_vs_targets(c, it->valuestring, path, "modules_to_save", e))) return rc;
     }
-    return set_patterns(c, cJSON_GetObjectItemCaseSensitive(o, "rank_pattern"),
-                        cJSON_GetObjectItemCaseSensitive(o, "alpha_pattern"), *alpha, *rslora, path, e);
+    rc = set_patterns(c, cJSON_GetObjectItemCaseSensitive(o, "rank_pattern"),
+                      cJSON_GetObjectItemCaseSensitive(o, "alpha_pattern"), *alpha, *rslora, path, e);
+    /* set_patterns' errors are config errors (2) for [lora]'s values; here the patterns are the
+     * adapter file's, a malformed file (3) as its r and lora_alpha are */
+    if (rc == CT_ERR_CONFIG) {
+        if (e) e->code = CT_ERR_FORMAT;
+        rc = CT_ERR_FORMAT;
+    }
+    return rc;
 }
 
 /* The adapter's modules, ranks and scales (ad) against the run's (c) */

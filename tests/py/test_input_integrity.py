@@ -59,6 +59,9 @@ ADAPTERS = [
     ("saved_module_missing", edit_config(modules_to_save=["lm_head"]), 3,
      'modules_to_save lists "lm_head", but'),
     ("three_dims", three_dims, 3, f'"{OL.PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight" has 3 dimensions'),
+    # the file's value, a format error as its r and lora_alpha are (it exited 2, a config error)
+    ("rank_pattern_negative", edit_config(rank_pattern={"q_proj": -2}), 3,
+     'adapter_config.json: rank_pattern: "q_proj": expected a positive integer'),
 ]
 
 
@@ -143,3 +146,11 @@ def test_kernels_numbers_are_read_whole(run_ctitan, args):
     """atoi read "3x" as 3 and "abc" as 0, and atof took "nan" (a peak of nan GFLOP/s, exit 0)."""
     rc, _, err = run_ctitan(["kernels"] + args, check=False)
     assert rc == 2 and f"kernels: {args[1]}:" in err and args[2] in err, (rc, err)
+
+
+def test_prepare_names_a_directory_as_one(tokdir, tmp_path, run_ctitan):  # noqa: F811
+    """An empty directory as --input was "already tokenized"."""
+    (tmp_path / "d").mkdir()
+    rc, _, err = run_ctitan(["prepare", "--tokenizer", tokdir, "--input", tmp_path / "d", "--out", tmp_path / "p"],
+                            check=False)
+    assert rc == 2 and f"{tmp_path / 'd'}: a directory" in err, (rc, err)
