@@ -207,11 +207,6 @@ static int id_part_ok(const char *s, size_t n) {
 
 int hub_is_repo_id(const char *s) {
     if (!s) return 0;
-    /* a path that exists here is the user's file or directory, never an id: "model/config.json"
-     * was downloaded for (a retry of several seconds, then "not in cache") instead of being
-     * named as the file it is */
-    struct stat st;
-    if (stat(s, &st) == 0) return 0;
     const char *slash = strchr(s, '/');
     if (!slash || strchr(slash + 1, '/')) return 0;
     if (!id_part_ok(s, (size_t)(slash - s)) || !id_part_ok(slash + 1, strlen(slash + 1))) return 0;
@@ -1366,8 +1361,11 @@ int hub_resolve(const char *path, const char *revision, unsigned what, hub_local
         if (put(out->dir, sizeof out->dir, "%s", path)) return ct_fail(e, CT_ERR_CONFIG, "%s: path too long", path);
         return 0;
     }
+    /* a file that exists here is the user's, never an id: "model/config.json" (the form
+     * owner/name) was downloaded for, then "not in cache" after seconds of retries. Not for
+     * `ctitan download`, whose argument is an id whatever this directory holds. */
     struct stat st;
-    if (!is_dir(path) && stat(path, &st) == 0)
+    if (!(what & HUB_NO_LOCAL) && !is_dir(path) && stat(path, &st) == 0)
         return ct_fail(e, CT_ERR_CONFIG, "%s: a file, not a model directory (give the directory that holds it)", path);
     if (!hub_is_repo_id(path))
         return ct_fail(e, CT_ERR_CONFIG,

@@ -41,8 +41,7 @@ typedef struct {
 /* 1 when s has the shape of a Hub model id: "owner/name", each part 1-96 of
  * [A-Za-z0-9_.-] starting and ending with [A-Za-z0-9_], no "--" or "..", not
  * ending in ".git" (huggingface_hub's validate_repo_id; the bare "name" form
- * is not taken: a missing local directory "foo" stays a missing directory).
- * A path that exists on this machine (a file or a directory) is never an id. */
+ * is not taken: a missing local directory "foo" stays a missing directory). */
 int hub_is_repo_id(const char *s);
 
 /* path -> out->dir (see the top). revision: a branch, tag or 40-hex commit
