@@ -743,12 +743,12 @@ static void ckpt_shape_str(char *out, size_t cap, int ndim, const int64_t *shape
  * naming nothing. Saves refuse such values (stream_check_finite); this
  * catches a file written otherwise. */
 static int ckpt_check_values(const char *path, const char *name, const float *x, size_t n, int nonneg, ct_err *e) {
-    size_t bad = ct_first_nonfinite(x, n);
-    for (size_t i = 0; nonneg && bad == n && i < n; i++)
-        if (x[i] < 0.0f) bad = i;
-    if (bad == n) return 0;
-    return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds %g at element %zu (%s)", path, name, (double)x[bad],
-                   bad, isfinite(x[bad]) ? "a second moment is never negative" : "a non-finite value");
+    int rc = ct_check_finite(x, n, 0, path, name, e);
+    for (size_t i = 0; !rc && nonneg && i < n; i++)
+        if (x[i] < 0.0f)
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds %g at element %zu (a second moment is never "
+                         "negative)", path, name, (double)x[i], i);
+    return rc;
 }
 
 /* Hands, for every model tensor T, the tensor "T" + suffix of file f to the

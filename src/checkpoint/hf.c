@@ -37,16 +37,6 @@ static void shape_str(char *out, size_t cap, int ndim, const int64_t *shape) {
     if (k < cap) snprintf(out + k, cap - k, "]");
 }
 
-/* A NaN or Inf weight (a flipped exponent bit, a diverged run saved as HF) would train to
- * a NaN loss or generate one token forever: refuse it where the file and tensor are known. */
-static int hf_check_finite(const float *x, size_t n, size_t first, const char *file, const char *name, ct_err *e) {
-    size_t j = ct_first_nonfinite(x, n);
-    if (j < n)
-        return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds a non-finite value (%g) at element %zu", file,
-                       name, (double)x[j], first + j);
-    return 0;
-}
-
 /* tie_word_embeddings with an lm_head.weight in the file as well: transformers (5.x)
  * ties the two only when they hold the same values and otherwise loads the lm_head
  * untied, a different model than config.json says. ctitan builds one tied matrix,
@@ -140,7 +130,9 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
                 rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64",
                              file, t->name, ct_dtype_name(st->dtype));
             else
-                rc = hf_check_finite(buf, (r1 - r0) * cols, r0 * cols, file, t->name, e);
+                /* a NaN or Inf weight (a flipped exponent bit, a diverged run saved as HF) would
+                 * train to a NaN loss or generate one token forever */
+                rc = ct_check_finite(buf, (r1 - r0) * cols, r0 * cols, file, t->name, e);
             if (!rc) sink->put(sink->ctx, LM_PARAMS, i, r0, r1, buf);
             prog_add(&bar, (double)((r1 - r0) * cols * es));
         }

@@ -156,3 +156,10 @@ size_t ct_first_nonfinite(const float *x, size_t n) {
     }
     return n;
 }
+
+int ct_check_finite(const float *x, size_t n, size_t first, const char *file, const char *name, ct_err *e) {
+    size_t j = ct_first_nonfinite(x, n);
+    if (j == n) return 0;
+    return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds a non-finite value (%g) at element %zu", file, name,
+                   (double)x[j], first + j);
+}

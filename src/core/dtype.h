@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/err.h"
+
 typedef enum {
     CT_F32 = 0,
     CT_BF16,
@@ -48,5 +50,9 @@ int ct_convert_from_f32(void *dst, ct_dtype dst_t, const float *src, size_t n);
 /* Index of the first inf or NaN of x[0, n), or n when every value is finite:
  * the check before weights are saved or after they are loaded. */
 size_t ct_first_nonfinite(const float *x, size_t n);
+/* 0, or a CT_ERR_FORMAT naming FILE, tensor NAME and the element (x[0] being
+ * element `first` of the tensor) when x[0, n) holds an inf or NaN: the one
+ * message for weights read from a file (HF, checkpoint, adapter). */
+int ct_check_finite(const float *x, size_t n, size_t first, const char *file, const char *name, ct_err *e);
 
 #endif

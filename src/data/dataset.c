@@ -196,8 +196,7 @@ static int meta_count(const cJSON *j, const char *key, const char *meta, uint64_
     *out = 0;
     if (!v || cJSON_IsNull(v)) return 0;
     /* 2^53: the largest count a JSON number holds exactly */
-    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > 9007199254740992.0 ||
-        v->valuedouble != (double)(uint64_t)v->valuedouble)
+    if (!json_int_in(v, 0, 9007199254740992.0))
         return ct_fail(e, CT_ERR_FORMAT, "%s: %s: expected a non-negative integer", meta, key);
     *out = (uint64_t)v->valuedouble;
     *has = 1;

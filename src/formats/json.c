@@ -447,6 +447,11 @@ int json_is_integer(const cJSON *item) {
     return isfinite(d) && d == floor(d);
 }
 
+int json_int_in(const cJSON *item, double lo, double hi) {
+    return cJSON_IsNumber(item) && item->valuedouble >= lo && item->valuedouble <= hi &&
+           item->valuedouble == floor(item->valuedouble);
+}
+
 /* ------------------------------------------------------------------- parse */
 
 cJSON *json_parse(const char *text, size_t len, const char *what, ct_err *e) {

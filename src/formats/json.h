@@ -45,6 +45,11 @@ struct cJSON *json_parse(const char *text, size_t len, const char *what, ct_err 
  * transformers declares int refuse 32.0 by it. */
 int json_is_integer(const struct cJSON *item);
 
+/* Whether ITEM is a number whose value is an integer in [lo, hi], however it
+ * was written: the range check before a count or index read from JSON is
+ * cast to an integer type (a cast of 1e20 or NaN is undefined). */
+int json_int_in(const struct cJSON *item, double lo, double hi);
+
 /* Marks the numbers of ROOT, the tree cJSON parsed from text[0, len) (that
  * json_bad_byte passed), for json_is_integer: for a reader that calls cJSON
  * itself and words its own messages (the safetensors header). 0, or -1 with

@@ -978,8 +978,7 @@ static int read_adapter(const cJSON *o, lm_config *c, double *alpha, int *rslora
     const cJSON *tp = cJSON_GetObjectItemCaseSensitive(o, "target_parameters");
     int has_tp = cJSON_GetArraySize(tp) > 0;
     /* "r": 4.0 is refused as PEFT refuses it (LoraConfig's int field), and as config.json's sizes are */
-    if (!cJSON_IsNumber(r) || r->valuedouble < 1 || r->valuedouble > 65536 || r->valuedouble != (int)r->valuedouble ||
-        !json_is_integer(r))
+    if (!json_int_in(r, 1, 65536) || !json_is_integer(r))
         return ct_fail(e, CT_ERR_FORMAT, "%s: r: expected a positive integer", path);
     if (!cJSON_IsNumber(a) || !(a->valuedouble > 0))
         return ct_fail(e, CT_ERR_FORMAT, "%s: lora_alpha: expected a positive number", path);
@@ -1051,13 +1050,8 @@ static int compare_adapter(const lm_config *ad, const lm_config *c, const char *
     return 0;
 }
 
-static int check_config(const lm_model *table, const char *path, ct_err *e) {
-    cJSON *o = json_parse_file(path, 0, e);
-    if (!o) return e ? e->code : CT_ERR_FORMAT;
-    if (!cJSON_IsObject(o)) {
-        cJSON_Delete(o);
-        return ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
-    }
+static int check_config(const lm_model *table, const cJSON *o, const char *path, ct_err *e) {
+    if (!cJSON_IsObject(o)) return ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
     const lm_config *c = &table->cfg;
     int rc = 0;
     const cJSON *pt = cJSON_GetObjectItemCaseSensitive(o, "peft_type");
@@ -1088,7 +1082,6 @@ static int check_config(const lm_model *table, const char *path, ct_err *e) {
         if (!rc) rc = compare_adapter(own, c, path, e);
         free(own);
     }
-    cJSON_Delete(o);
     return rc;
 }
 
@@ -1154,27 +1147,19 @@ int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, 
     return rc;
 }
 
-/* 1 (with e set) when DIR's adapter_config.json lists, in modules_to_save, a
- * module holding tensor NAME, whose PEFT key KEY its file lacks; else 0
- * (the config was read and checked before: a read error here is 0). */
-static int adapter_lists_module(const char *dir, const char *name, const char *key, ct_err *e) {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
-    ct_err ignore = {0};
-    cJSON *o = json_parse_file(path, 0, &ignore);
-    const cJSON *mts = o ? cJSON_GetObjectItemCaseSensitive(o, "modules_to_save") : NULL, *it;
-    int rc = 0;
+/* An error (e set) when the adapter config o (at cpath) lists, in
+ * modules_to_save, a module holding tensor NAME, whose PEFT key KEY the
+ * adapter's file (at path) lacks; else 0. */
+static int adapter_lists_module(const cJSON *o, const char *cpath, const char *path, const char *name,
+                                const char *key, ct_err *e) {
+    const cJSON *mts = cJSON_GetObjectItemCaseSensitive(o, "modules_to_save"), *it;
     if (!cJSON_IsArray(mts)) mts = NULL;
     cJSON_ArrayForEach(it, mts) {
-        if (cJSON_IsString(it) && in_saved_module(name, it->valuestring)) {
-            rc = ct_fail(e, CT_ERR_FORMAT,
-                         "%s: modules_to_save lists \"%s\", but %s/adapter_model.safetensors has no \"%s\"", path,
-                         it->valuestring, dir, key);
-            break;
-        }
+        if (cJSON_IsString(it) && in_saved_module(name, it->valuestring))
+            return ct_fail(e, CT_ERR_FORMAT, "%s: modules_to_save lists \"%s\", but %s has no \"%s\"", cpath,
+                           it->valuestring, path, key);
     }
-    cJSON_Delete(o);
-    return rc;
+    return 0;
 }
 
 int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e) {
@@ -1186,10 +1171,12 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
         st_close(f);
         return e ? e->code : CT_ERR_FORMAT;
     }
-    snprintf(path, sizeof path, "%s/adapter_config.json", dir);
-    int rc = check_config(table, path, e);
-    snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    char cpath[4200];
+    snprintf(cpath, sizeof cpath, "%s/adapter_config.json", dir);
+    cJSON *cfg = json_parse_file(cpath, 0, e); /* read once: checked here, its modules_to_save below */
+    int rc = cfg ? check_config(table, cfg, cpath, e) : e ? e->code : CT_ERR_FORMAT;
     if (rc) {
+        cJSON_Delete(cfg);
         st_close(f);
         return rc;
     }
@@ -1203,7 +1190,7 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
         if (!st) {
             /* a module the run saves that the adapter never trained keeps the base's value; one that
              * the adapter's own config lists is missing from its file (PEFT: KeyError) */
-            if (!t->lora && !(rc = adapter_lists_module(dir, t->name, key, e))) continue;
+            if (!t->lora && !(rc = adapter_lists_module(cfg, cpath, path, t->name, key, e))) continue;
             if (!rc)
                 rc = ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the run's lora config needs it)", path,
                              key);
@@ -1241,12 +1228,7 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
         }
         /* a NaN adapter weight trained to "diverged at step 1" or generated "non-finite logits",
          * naming nothing; merged by export it was written out */
-        size_t bad = ct_first_nonfinite(buf, t->numel);
-        if (bad < t->numel) {
-            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds a non-finite value (%g) at element %zu", path, key,
-                         (double)buf[bad], bad);
-            break;
-        }
+        if ((rc = ct_check_finite(buf, t->numel, 0, path, key, e))) break;
         s->put(s->ctx, LM_PARAMS, i, 0, t->numel / lm_tensor_cols(t), buf);
     }
     free(buf);
@@ -1260,6 +1242,7 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
                          "%s: tensor \"%s\" is not an adapter or module to save of this model and lora config", path,
                          name);
     }
+    cJSON_Delete(cfg);
     st_close(f);
     return rc;
 }

@@ -69,13 +69,6 @@ static char *state_to_json(const trainer *t, const ds *data) {
     return txt;
 }
 
-/* A JSON number that is an integer in [lo, hi]: a cast of anything else to
- * an integer type is undefined (a state.json step of 1e20 or NaN). */
-static int state_int(const cJSON *v, double lo, double hi) {
-    return cJSON_IsNumber(v) && v->valuedouble >= lo && v->valuedouble <= hi &&
-           v->valuedouble == floor(v->valuedouble);
-}
-
 int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e) {
     char what[4200];
     snprintf(what, sizeof what, "%s/state.json", dir);
@@ -83,7 +76,7 @@ int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err
     if (txt && !o) return CT_ERR_FORMAT;
     t->have_resume_data = 0;
     const cJSON *st = o ? cJSON_GetObjectItemCaseSensitive(o, "step") : NULL;
-    if (!state_int(st, 0, INT_MAX)) {
+    if (!json_int_in(st, 0, INT_MAX)) {
         cJSON_Delete(o);
         return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: missing or malformed \"step\"", dir);
     }
@@ -114,7 +107,7 @@ int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err
     if (d) {
         /* 2^53: the largest count a JSON number holds exactly */
         const cJSON *ep = cJSON_GetObjectItemCaseSensitive(d, "epoch"), *pos = cJSON_GetObjectItemCaseSensitive(d, "pos");
-        if (!state_int(ep, 0, 9007199254740992.0) || !state_int(pos, 0, 9007199254740992.0)) {
+        if (!json_int_in(ep, 0, 9007199254740992.0) || !json_int_in(pos, 0, 9007199254740992.0)) {
             cJSON_Delete(o);
             return ct_fail(e, CT_ERR_FORMAT, "%s/state.json: malformed \"data\"", dir);
         }
