@@ -252,6 +252,7 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_di
 int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, ct_err *e) {
     /* each message names where its key was set: the file, or the command line */
     const char *src = cfg_source(c), *tm_src = cfg_origin(c, "lora.target_modules");
+    int rp = c->lora_rank_pattern && c->lora_rank_pattern[0]; /* rank_pattern is set (else only alpha_pattern) */
     int partial = c->lora_rank > 0 || c->freeze[0];
     mc->lazy_buffers = partial; /* the frozen tensors' gradients are never written: no pages for them */
     mc->logit_rows = c->logits_chunk_rows;
@@ -266,14 +267,11 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
                            cfg_origin(c, "lora.adapter_path"));
         if (c->lora_target_params && c->lora_target_params[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.target_parameters: needs lora.rank > 0",
-                             cfg_origin(c, "lora.target_parameters"));
-        if ((c->lora_rank_pattern && c->lora_rank_pattern[0]) || (c->lora_alpha_pattern && c->lora_alpha_pattern[0]))
-        {
-            int rp = c->lora_rank_pattern && c->lora_rank_pattern[0];
+                           cfg_origin(c, "lora.target_parameters"));
+        if (rp || (c->lora_alpha_pattern && c->lora_alpha_pattern[0]))
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.%s: needs lora.rank > 0",
                            cfg_origin(c, rp ? "lora.rank_pattern" : "lora.alpha_pattern"),
                            rp ? "rank_pattern" : "alpha_pattern");
-        }
         return 0;
     }
     int experts = c->lora_target_params && c->lora_target_params[0];
@@ -351,7 +349,6 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
     if ((rc = lora_check_saved_targets(mc, c->lora_modules_to_save, cfg_origin(c, "lora.modules_to_save"), e)))
         return rc;
     /* one origin for both patterns' messages: rank_pattern's when it is set */
-    int rp = c->lora_rank_pattern && c->lora_rank_pattern[0];
     return lora_config_patterns(mc, c->lora_rank_pattern, c->lora_alpha_pattern, c->lora_alpha, c->lora_rslora,
                                 gate_up_fused, cfg_origin(c, rp ? "lora.rank_pattern" : "lora.alpha_pattern"), e);
 }
