@@ -265,6 +265,33 @@ static int check_meta_totals(const ds *d, int first_seg, int n_masks, const cJSO
     return rc;
 }
 
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* A token or mask file in a meta.json directory that meta.json does not
+ * list would be skipped without a word: a shard copied in by hand, or one
+ * left from another dataset, is data the user believes is trained on.
+ * Refused, naming the first such file (by name, so the message does not
+ * depend on readdir's order). listed holds the n names meta.json gives. */
+static int check_unlisted(const char *dir, const char *meta, char **listed, int n, ct_err *e) {
+    if (n) qsort(listed, (size_t)n, sizeof *listed, cmp_str);
+    DIR *dh = opendir(dir);
+    if (!dh) return ct_fail(e, CT_ERR_IO, "%s: cannot list (%s)", dir, strerror(errno));
+    char first[256] = "";
+    struct dirent *de;
+    while ((de = readdir(dh))) {
+        const char *nm = de->d_name;
+        if (!has_ext(nm, ".bin") && !has_ext(nm, ".npy") && !has_ext(nm, ".mask")) continue;
+        int found = n && bsearch(&nm, listed, (size_t)n, sizeof *listed, cmp_str);
+        if (!found && (!first[0] || strcmp(nm, first) < 0)) snprintf(first, sizeof first, "%s", nm);
+    }
+    closedir(dh);
+    if (!first[0]) return 0;
+    return ct_fail(e, CT_ERR_FORMAT,
+                   "%s: token file %s is not listed in %s, so it would not be read; remove it, or run `ctitan "
+                   "prepare` again to make a dataset that includes it",
+                   dir, first, meta);
+}
+
 /* The shards of a meta.json, in its order, each checked against its count. */
 static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
     size_t got;
@@ -284,8 +311,9 @@ static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: shards: expected a list", meta);
     else if (!(rc = check_meta_ids(d, j, meta, e)))
         rc = check_chat_template(d, cJSON_GetObjectItemCaseSensitive(j, "chat_template"), meta, e);
-    int k = 0, n_masks = 0, first_seg = d->n_segs;
+    int k = 0, n_masks = 0, first_seg = d->n_segs, n_listed = 0;
     const cJSON *list = rc ? NULL : shards;
+    char **listed = list ? ct_malloc(2 * (size_t)(cJSON_GetArraySize(list) + 1) * sizeof *listed) : NULL;
     cJSON_ArrayForEach(it, list) {
         const cJSON *file = cJSON_GetObjectItemCaseSensitive(it, "file");
         const cJSON *mask = cJSON_GetObjectItemCaseSensitive(it, "mask");
@@ -304,15 +332,17 @@ static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
         free(fp);
         free(mp);
         if (rc) break;
+        listed[n_listed++] = file->valuestring;
+        if (mask) listed[n_listed++] = mask->valuestring;
         n_masks += mask != NULL;
         k++;
     }
     if (!rc) rc = check_meta_totals(d, first_seg, n_masks, j, meta, e);
+    if (!rc) rc = check_unlisted(dir, meta, listed, n_listed, e);
+    free(listed);
     cJSON_Delete(j);
     return rc;
 }
-
-static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 /* A name `ctitan prepare` writes besides meta.json (ds_shards.c):
  * shard-<digits>.bin / .mask, the same with .tmp (not yet renamed into

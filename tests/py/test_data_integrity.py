@@ -6,6 +6,7 @@ docs/reliability.md), through the CLI:
   train on a prefix of the data, its last shard cut mid-write);
 - a meta.json whose total_tokens disagrees with its shards, or whose eos_id / vocab_size do
   not fit the model, is a format error naming the file, the key and both values;
+- a token file beside meta.json that it does not list is refused, not skipped;
 - a directory of token files under other names, without meta.json, still trains.
 
 The tokenizer is test_data_hf's (a small byte-level BPE trained by HF `tokenizers`)."""
@@ -106,6 +107,24 @@ def test_meta_json_that_disagrees_is_refused(key, value, want, setup, prepared, 
     rc, _, err = train(setup, data, run_ctitan, f"meta_{key}")
     assert rc == 3, f"exit {rc}, want 3:\n{err}"
     assert str(data / "meta.json") in err and want(vocab, n) in err, err
+
+
+@pytest.mark.parametrize("name", ["shard-00001.bin", "extra.npy", "shard-00000.mask"])
+def test_token_file_meta_json_does_not_list_is_refused(name, setup, prepared, run_ctitan):
+    """A token file beside meta.json that it does not list would be skipped without a word
+    (a shard copied in by hand, or left from another dataset)."""
+    vocab = setup[2]
+    listed = {s["file"] for s in json.loads((prepared / "meta.json").read_text())["shards"]}
+    assert name not in listed, listed
+    if name.endswith(".npy"):
+        oracle.write_npy(prepared / name, oracle.random_tokens(3 * (L + 1), vocab, seed=6))
+    elif name.endswith(".mask"):
+        (prepared / name).write_bytes(b"\x01" * 8)
+    else:
+        oracle.write_bin(prepared / name, oracle.random_tokens(3 * (L + 1), vocab, seed=6))
+    rc, _, err = train(setup, prepared, run_ctitan, "unlisted")
+    assert rc == 3, f"exit {rc}, want 3:\n{err}"
+    assert f"token file {name} is not listed in {prepared / 'meta.json'}" in err, err
 
 
 def test_plain_token_directory_still_trains(setup, tmp_path, run_ctitan):
