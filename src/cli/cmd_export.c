@@ -145,11 +145,6 @@ static int exp_is_dir(const char *p) {
     return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-static int exp_same_file(const char *a, const char *b) {
-    struct stat x, y;
-    return stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
-}
-
 /* Copies SRC to DST through DST.tmp (core/fs: fsync, rename): a reader never sees half a file. */
 static int exp_copy_file(const char *src, const char *dst, ct_err *e) {
     FILE *in = fopen(src, "rb");
@@ -251,7 +246,7 @@ int cli_export(int argc, char **argv) {
         rc = ckpt_select(a.checkpoint, -1, ckdir, sizeof ckdir, &step, &e);
         if (rc) return cli_fail(rc > 0 ? rc : 1, "%s", e.msg); /* the error's kind is the exit code (docs/reliability.md) */
     }
-    if (exp_same_file(ckdir, a.out)) return cli_fail(2, "--out %s: is the checkpoint directory itself", a.out);
+    if (fs_same_file(ckdir, a.out)) return cli_fail(2, "--out %s: is the checkpoint directory itself", a.out);
 
     lm_config c;
     lm_model m = {0};

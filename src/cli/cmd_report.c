@@ -13,6 +13,7 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/fs.h"
 #include "report/report.h"
 
 void cli_report_help(void) {
@@ -62,18 +63,21 @@ static int report_resolve(const char *path, char *out) {
 /* The page and the PNG are written over whatever their paths name; an
  * output that is one of the files the command reads would replace a run's
  * record with HTML and leave the run unreadable (report and compare then
- * exit 3 on it). 2 with the path named, like any other bad option. */
+ * exit 3 on it). 2 with the path named, like any other bad option. The
+ * inputs exist, so an output is one of them when it is the same file
+ * (fs_same_file); the page and the PNG may both be new, so they are told
+ * apart by where they would land (report_resolve). */
 static int report_check_output(const char *what, const char *path, char **dirs, int ndirs, const char *other) {
     static const char *const inputs[] = {"", "metrics.jsonl", "events.jsonl", "config.toml"};
-    char out[PATH_MAX], in[PATH_MAX + 32], dir[PATH_MAX];
-    if (!report_resolve(path, out)) return 0;
-    if (other && report_resolve(other, in) && !strcmp(in, out))
+    char out[PATH_MAX], in[PATH_MAX];
+    if (other && report_resolve(path, out) && report_resolve(other, in) && !strcmp(in, out))
         return cli_fail(2, "report: the page and the PNG are one file: %s" HINT, path);
     for (int i = 0; i < ndirs; i++) {
-        if (!realpath(dirs[i], dir)) continue; /* run_load names a missing directory */
         for (size_t k = 0; k < sizeof inputs / sizeof *inputs; k++) {
-            snprintf(in, sizeof in, "%s%s%s", dir, inputs[k][0] ? "/" : "", inputs[k]);
-            if (!strcmp(in, out))
+            char *input = fs_join(dirs[i], inputs[k]);
+            int same = fs_same_file(input, path);
+            free(input);
+            if (same)
                 return cli_fail(2, "report: %s %s is %s of run %s, which report reads; choose another path" HINT, what,
                                 path, inputs[k][0] ? inputs[k] : "the directory", dirs[i]);
         }

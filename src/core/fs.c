@@ -211,3 +211,8 @@ int ct_rm_tree(const char *path, ct_err *e) {
         rc = ct_fail(e, CT_ERR_IO, "%s: cannot remove: %s", path, strerror(errno));
     return rc;
 }
+
+int fs_same_file(const char *a, const char *b) {
+    struct stat x, y;
+    return stat(a, &x) == 0 && stat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+}

@@ -57,6 +57,10 @@ int fs_write_atomic(const char *path, const void *data, size_t len, ct_err *e);
  * Python's writers leave them). */
 int fs_write_text(const char *path, const char *text, ct_err *e);
 
+/* 1 when A and B both exist and are one file (device and inode, so a link,
+ * a hard link or another spelling of the path is seen through), else 0. */
+int fs_same_file(const char *a, const char *b);
+
 /* mkdir -p: creates DIR and its missing parents; an error names the component
  * that failed, or DIR when it exists but is not a directory. */
 int ct_mkdirs(const char *dir, ct_err *e);

@@ -337,20 +337,22 @@ def test_errors(runs, tmp_path):
 
 
 def test_output_is_not_an_input(runs, tmp_path):
-    """-o or --png naming a file report reads (directly, by another spelling, or through a
-    symbolic link) would replace the run's record with the page: refused (2), path named,
-    the file untouched."""
+    """-o or --png naming a file report reads (directly, by another spelling, through a
+    symbolic link or as a hard link) would replace the run's record with the page: refused
+    (2), path named, the file untouched."""
     _, a, _ = runs
     x = tmp_path / "x"
     shutil.copytree(a, x, ignore=shutil.ignore_patterns("checkpoint"))
     before = {n: (x / n).read_bytes() for n in ("metrics.jsonl", "events.jsonl", "config.toml")}
     (tmp_path / "lnk").symlink_to(x / "metrics.jsonl")
+    os.link(x / "config.toml", tmp_path / "hard")  # another name of the same file
     for args, named, what in (([x, "-o", x / "metrics.jsonl"], x / "metrics.jsonl", "metrics.jsonl"),
                               ([x, "-o", x / "config.toml"], x / "config.toml", "config.toml"),
                               ([x, "--png=" + str(x / "events.jsonl")], x / "events.jsonl", "events.jsonl"),
                               ([x, "-o", x / ".." / "x" / "metrics.jsonl"], x / ".." / "x" / "metrics.jsonl",
                                "metrics.jsonl"),
-                              ([a, x, "-o", tmp_path / "lnk"], tmp_path / "lnk", "metrics.jsonl")):
+                              ([a, x, "-o", tmp_path / "lnk"], tmp_path / "lnk", "metrics.jsonl"),
+                              ([x, "-o", tmp_path / "hard"], tmp_path / "hard", "config.toml")):
         rc, _, err = ctitan(["report", *args])
         assert rc == 2 and str(named) in err and f"is {what} of run" in err, (args, rc, err)
     assert {n: (x / n).read_bytes() for n in before} == before
