@@ -38,7 +38,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -193,11 +192,11 @@ static int ckpt_name_ok(const char *s) {
     return 1;
 }
 
+/* A number written as an integer (as ckpt_write_manifest's %d and %llu write
+ * it: not 5.0, not 1e3) in [0, 2^53), where doubles are exact. */
 static int ckpt_json_uint(const cJSON *v, uint64_t *out) {
-    if (!cJSON_IsNumber(v)) return -1;
-    double d = v->valuedouble;
-    if (!(d >= 0.0) || d >= 9007199254740992.0 || d != floor(d)) return -1;
-    *out = (uint64_t)d;
+    if (!json_is_integer(v) || !json_int_in(v, 0.0, 9007199254740991.0)) return -1;
+    *out = (uint64_t)v->valuedouble;
     return 0;
 }
 

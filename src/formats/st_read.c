@@ -35,7 +35,6 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,11 +68,9 @@ static int st_cmp_key_tensor(const void *key, const void *elem) {
  * not, -2 for one written as a float ("32.0", "3.2e1"), which the Rust
  * reader refuses as it refuses 32.5 (serde: "expected usize"). */
 static int st_json_uint(const cJSON *v, uint64_t *out) {
-    if (!cJSON_IsNumber(v)) return -1;
-    double d = v->valuedouble;
-    if (!(d >= 0.0) || d >= ST_EXACT_LIMIT || d != floor(d)) return -1;
+    if (!json_int_in(v, 0.0, ST_EXACT_LIMIT - 1)) return -1;
     if (!json_is_integer(v)) return -2;
-    *out = (uint64_t)d;
+    *out = (uint64_t)v->valuedouble;
     return 0;
 }
 

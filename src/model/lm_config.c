@@ -161,6 +161,20 @@ static lm_float_str lm_float_text(double v) {
     return r;
 }
 
+/* IT as an int: 0, or -1 when it is not a number with an integer value, -2
+ * for an integer written as a float (32.0: cJSON stores it as 32, json_parse's
+ * mark tells them apart; transformers' config classes refuse a float where
+ * they declare int, "expected int, got float"), -3 for one an int cannot hold
+ * (the cast would be undefined). */
+static int int_of(const cJSON *it, int *out) {
+    if (!json_is_integer(it))
+        return cJSON_IsNumber(it) && isfinite(it->valuedouble) && it->valuedouble == floor(it->valuedouble) ? -2
+                                                                                                          : -1;
+    if (!json_int_in(it, -2147483648.0, 2147483647.0)) return -3;
+    *out = (int)it->valuedouble;
+    return 0;
+}
+
 /* An integer field: required unless def_ok, then *out keeps its default. */
 static int json_int(const cJSON *root, const char *key, int *out, int required, const char *path, ct_err *e) {
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
@@ -168,18 +182,17 @@ static int json_int(const cJSON *root, const char *key, int *out, int required, 
         if (required) return ct_fail(e, CT_ERR_CONFIG, "%s: missing required key \"%s\"", path, key);
         return 0;
     }
-    double v = it->valuedouble;
-    if (!cJSON_IsNumber(it) || v != floor(v))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an integer", path, key);
-    /* 32.0: cJSON stores it as 32, json_parse's mark tells them apart; transformers'
-     * config classes refuse a float where they declare int ("expected int, got float") */
-    if (!json_is_integer(it))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an integer, got %s", path, key, lm_float_text(v).s);
+    switch (int_of(it, out)) {
+    case -1: return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an integer", path, key);
+    case -2:
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be an integer, got %s", path, key,
+                       lm_float_text(it->valuedouble).s);
     /* an integer the file states exactly but an int cannot hold: naming it a type error
      * would send the reader looking for quotes or a decimal point */
-    if (v < -2147483648.0 || v > 2147483647.0)
-        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" = %.0f is out of range [-2147483648, 2147483647]", path, key, v);
-    *out = (int)v;
+    case -3:
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" = %.0f is out of range [-2147483648, 2147483647]", path, key,
+                       it->valuedouble);
+    }
     return 0;
 }
 
@@ -228,15 +241,19 @@ static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, co
             return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" must be a list of layer indices", path);
         const cJSON *it;
         cJSON_ArrayForEach(it, mo) {
-            if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble))
-                return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" must hold integers", path);
-            if (!json_is_integer(it)) /* as json_int: transformers refuses [0.0] */
+            int layer = 0, bad = int_of(it, &layer); /* as json_int: transformers refuses [0.0] */
+            if (bad == -1) return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" must hold integers", path);
+            if (bad == -2)
                 return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" must hold integers, got %s", path,
                                lm_float_text(it->valuedouble).s);
+            if (bad == -3)
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: \"mlp_only_layers\" holds %.0f, out of range [-2147483648, 2147483647]", path,
+                               it->valuedouble);
             if (c->n_mlp_only == LM_MAX_MLP_ONLY)
                 return ct_fail(e, CT_ERR_CONFIG, "%s: \"mlp_only_layers\" has more than %d entries", path,
                                LM_MAX_MLP_ONLY);
-            c->mlp_only_layers[c->n_mlp_only++] = (int)it->valuedouble;
+            c->mlp_only_layers[c->n_mlp_only++] = layer;
         }
     }
     return 0;
@@ -558,8 +575,8 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     }
     if ((rc = read_windows(c, f, root, path, e)) || (rc = read_rope(c, f, root, path, e))) goto done;
     if (f->win == WIN_GEMMA) {
-        double qs = 256;
-        if ((rc = json_float(root, "query_pre_attn_scalar", &qs, path, e))) goto done;
+        int qs = 256; /* Gemma3TextConfig declares it int: 256.0 and 256.5 fail there */
+        if ((rc = json_int(root, "query_pre_attn_scalar", &qs, 0, path, e))) goto done;
         if (!(qs > 0)) {
             rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"query_pre_attn_scalar\" must be positive", path);
             goto done;

@@ -66,6 +66,8 @@
 
 #include <cjson/cJSON.h>
 
+#include "formats/json.h"
+
 #define ROPE_TYPES "default, linear, dynamic, yarn, llama3, longrope"
 static const char *const type_names[] = {"default", "linear", "dynamic", "yarn", "llama3", "longrope"};
 
@@ -144,6 +146,14 @@ static int as_int(double v, int *out) {
     return 1;
 }
 
+/* A top-level config.json field the model's config class declares int: written
+ * as an integer (4096, not 4096.0), as transformers' strict dataclass checks
+ * refuse a float there ("expected int, got float"). Inside the RoPE dict,
+ * transformers takes 4096.0 (and llama3 only warns), so as_int serves there. */
+static int as_top_int(const cJSON *it, int *out) {
+    return it && json_is_integer(it) && as_int(it->valuedouble, out);
+}
+
 /* A RoPE dict value: an object, or null / absent (NULL). */
 static int dict_item(const cJSON *root, const char *key, const cJSON **out, const char *path, ct_err *e) {
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
@@ -200,8 +210,9 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
     /* max_position_embeddings: dynamic's reference length, the default original length */
     p->max_pos = fam->max_pos;
     if ((rc = top_num(root, "max_position_embeddings", 0, &found, &v, path, e))) return rc;
-    if (found && !as_int(v, &p->max_pos))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: \"max_position_embeddings\" must be a positive integer", path);
+    if (found && !as_top_int(cJSON_GetObjectItemCaseSensitive(root, "max_position_embeddings"), &p->max_pos))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"max_position_embeddings\" must be a positive integer%s", path,
+                       as_int(v, &(int){0}) ? ", written without a fraction (not as a float)" : "");
 
     /* The dict, with its name for messages. */
     const cJSON *rs, *rp;
@@ -288,9 +299,12 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
     {
         const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, "original_max_position_embeddings");
         if (it) {
-            if (!cJSON_IsNumber(it) || !as_int(it->valuedouble, &top_orig))
-                return ct_fail(e, CT_ERR_CONFIG, "%s: \"original_max_position_embeddings\" must be a positive integer",
-                               path);
+            if (!as_top_int(it, &top_orig))
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: \"original_max_position_embeddings\" must be a positive integer%s", path,
+                               cJSON_IsNumber(it) && as_int(it->valuedouble, &(int){0})
+                                   ? ", written without a fraction (not as a float)"
+                                   : "");
             has_top_orig = 1;
         } else if (fam->style == ROPE_STYLE_PHI3) {
             top_orig = 4096, has_top_orig = 1;

@@ -72,12 +72,16 @@ static int jbool(const cJSON *o, const char *k, int def, int *out, const char *f
     return 0;
 }
 
+/* An id: a number written as an integer, as serde's u32 takes it (HF
+ * tokenizers refuses 5.0 and 5e0, "invalid type: floating point"). */
 static int jid(const cJSON *v, int32_t *out, const char *file, const char *ctx, ct_err *e) {
-    double d = cJSON_IsNumber(v) ? v->valuedouble : -1;
-    if (!(d >= 0 && d < TOK_MAX_ID) || d != (double)(int32_t)d) /* NaN fails too */
+    if (!json_int_in(v, 0, TOK_MAX_ID - 1))
         return ct_fail(e, CT_ERR_FORMAT, "%s: %s: expected an integer id in [0, %d)", file, ctx,
                        TOK_MAX_ID);
-    *out = (int32_t)d;
+    if (!json_is_integer(v))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: %s: expected an integer id, got %.1f (written as a float)", file, ctx,
+                       v->valuedouble);
+    *out = (int32_t)v->valuedouble;
     return 0;
 }
 
@@ -458,9 +462,9 @@ static int parse_decoder_step(tok *t, const cJSON *o, const char *file, const ch
             tok_utf8_next((const uint8_t *)c->valuestring, strlen(c->valuestring), &cp, &bad) !=
                 strlen(c->valuestring))
             return ct_fail(e, CT_ERR_FORMAT, "%s: %s.content: expected one character", file, ctx);
-        if (!cJSON_IsNumber(a) || !cJSON_IsNumber(b) || a->valuedouble < 0 || b->valuedouble < 0 ||
-            a->valuedouble > 1e6 || b->valuedouble > 1e6)
-            return ct_fail(e, CT_ERR_FORMAT, "%s: %s.start/stop: expected counts", file, ctx);
+        /* usize in HF tokenizers: 1.0 and 1.5 fail there ("did not match any variant") */
+        if (!json_int_in(a, 0, 1e6) || !json_int_in(b, 0, 1e6) || !json_is_integer(a) || !json_is_integer(b))
+            return ct_fail(e, CT_ERR_FORMAT, "%s: %s.start/stop: expected counts (integers)", file, ctx);
         d.pat = ct_strdup(c->valuestring);
         d.npat = strlen(d.pat);
         d.start = (int)a->valuedouble;

@@ -220,6 +220,12 @@ static void test_malformed(void) {
         {"{\"version\"", "{{\"version\"", "invalid JSON"},
         {"\"aab\": 6", "\"aab\": 6.5", "model.vocab[\"aab\"]"},
         {"\"aab\": 6", "\"aab\": -6", "model.vocab[\"aab\"]"},
+        /* an id written as a float: HF tokenizers refuses it ("invalid type: floating point `6.0`,
+         * expected u32"), where cJSON would give 6 */
+        {"\"aab\": 6", "\"aab\": 6.0", "model.vocab[\"aab\"]: expected an integer id, got 6.0"},
+        {"\"aab\": 6", "\"aab\": 6e0", "model.vocab[\"aab\"]: expected an integer id, got 6.0"},
+        {"\"aab\": 6", "\"aab\": 6.5", "model.vocab[\"aab\"]: expected an integer id in [0, "},
+        {"\"id\": 12,", "\"id\": 12.0,", "added_tokens[0].id: expected an integer id, got 12.0"},
         {"[\"aa\", \"b\"]", "[\"aa\", \"q\"]", "model.merges[3]"},
         {"[\"aa\", \"b\"]", "[\"b\", \"b\"]", "model.merges[3]"},   /* bb is not in the vocab */
         {"\"a a\"", "\"aa\"", "model.merges[1]"},
@@ -257,11 +263,25 @@ static void test_malformed(void) {
     expect_error("", "invalid JSON");
     remove_file("tokenizer.json");
 
+    /* vocab.json: an id written as a float, refused as in tokenizer.json */
+    tok *t = NULL;
+    ct_err e = {0};
+    {
+        char v[512];
+        const char *p = strstr(VOCAB, "\"aab\": 6");
+        snprintf(v, sizeof v, "%.*s\"aab\": 6.0%s", (int)(p - VOCAB), VOCAB, p + strlen("\"aab\": 6"));
+        write_file("vocab.json", v);
+        write_file("merges.txt", "#version: 0.2\na b\n");
+        int rc = tok_load(dir, &t, &e);
+        CHECK(rc == CT_ERR_FORMAT && t == NULL && strstr(e.msg, "vocab.json: [\"aab\"]: expected an integer id, got 6.0"),
+              "vocab.json float id: rc %d: %s", rc, e.msg);
+        tok_free(t);
+        t = NULL;
+    }
+
     /* merges.txt: a line without exactly one space */
     write_file("vocab.json", VOCAB);
     write_file("merges.txt", "#version: 0.2\na b\na  a\n");
-    tok *t = NULL;
-    ct_err e = {0};
     int rc = tok_load(dir, &t, &e);
     CHECK(rc == CT_ERR_FORMAT && strstr(e.msg, "merges.txt: line 3"), "merges.txt: %s", e.msg);
     write_file("merges.txt", "a b\n");
@@ -400,6 +420,12 @@ static void test_sentencepiece(void) {
         {"{\"type\": \"Fuse\"}", "{\"type\": \"WordPiece\"}", "decoder.decoders[2].type"},
         {"\"Sequence\": {\"id\": \"A\"", "\"Sequence\": {\"id\": \"B\"", "post_processor.single[1]"},
         {"\"ids\": [1]", "\"ids\": [-1]", "post_processor.special_tokens"},
+        /* integers written as floats, which HF tokenizers refuses (no variant of its enums matches) */
+        {"\"ids\": [1]", "\"ids\": [1.0]",
+         "post_processor.special_tokens[\"<s>\"].ids: expected an integer id, got 1.0"},
+        {"\"start\": 1,", "\"start\": 1.0,", "decoder.decoders[3].start/stop: expected counts"},
+        {"\"stop\": 0}", "\"stop\": 0.0}", "decoder.decoders[3].start/stop: expected counts"},
+        {"\"start\": 1,", "\"start\": 1.5,", "decoder.decoders[3].start/stop: expected counts"},
         {"\"pre_tokenizer\": null", "\"pre_tokenizer\": {\"type\": \"Whitespace\"}", "pre_tokenizer"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {

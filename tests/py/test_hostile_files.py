@@ -445,6 +445,32 @@ def tok_not_json(c):
     return []
 
 
+def tok_vocab_id_float(c):
+    """A vocab id written as a float ("5.0"): cJSON reads 5, HF tokenizers refuses it
+    ("invalid type: floating point `5.0`, expected u32")."""
+    key = [None]
+
+    def f(j):
+        v = j["model"]["vocab"]
+        key[0] = next(k for k, i in v.items() if i == 5)
+        v[key[0]] = 5.0
+    _edit_tok(c, f)
+    return [f'model.vocab[{json.dumps(key[0])}]', "integer id", "5.0"]
+
+
+def tok_added_id_float(c):
+    """added_tokens[0].id written in exponent form: a float for serde as for Python."""
+    def f(j):
+        j["added_tokens"] = [{"id": V, "content": "<|x|>", "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True}]
+    _edit_tok(c, f)
+    p = c.tok / "tokenizer.json"
+    t = p.read_text()
+    assert t.count(f'"id": {V},') == 1
+    p.write_text(t.replace(f'"id": {V},', f'"id": {V / 100}e2,'))
+    return ["added_tokens[0].id", "integer id", f"{float(V)}"]
+
+
 # ---- TOML
 
 def _line_of(text: bytes, needle: bytes) -> int:
@@ -493,6 +519,34 @@ def toml_duplicate_key(c):
 def toml_duplicate_table(c):
     t = _toml_text(c, b"\nsteps = 1\n", b"\nsteps = 1\n\n[training]\nsteps = 2\n")
     return [f"run.toml:{_line_of(t, b'steps = 2') - 1}", "table [training] defined twice"]
+
+
+# ---- checkpoint manifest
+
+def _xxh3(b: bytes) -> str:
+    import ctypes
+    x = ctypes.CDLL("libxxhash.so.0")
+    x.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    x.XXH3_64bits.restype = ctypes.c_uint64
+    return "%016x" % x.XXH3_64bits(b, len(b))
+
+
+def ckpt_step_float(c):
+    """A checkpoint (ctitan import of the model) whose manifest says "step": 0.0, re-signed so
+    that only the number's form is wrong: ckpt.c writes "%d", so 0.0 is no manifest it wrote."""
+    from conftest import BIN, CHILD_ENV, ROOT
+    import subprocess
+    p = subprocess.run([str(BIN), "import", "--hf", str(c.hf), "--out", str(c.tmp / "ck")], cwd=ROOT,
+                       env=CHILD_ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = c.tmp / "ck" / "step-0" / "manifest.json"
+    t = m.read_text()
+    body = t[:t.index('"manifest_xxh3_64": "') + len('"manifest_xxh3_64": "')]
+    assert body.count('"step": 0,') == 1
+    body = body.replace('"step": 0,', '"step": 0.0,')
+    m.write_text(body + _xxh3(body.encode()) + '"\n}\n')
+    c.model = c.tmp / "ck" / "step-0"
+    return [str(m), '"step"']
 
 
 def opts(**kv):
@@ -633,6 +687,27 @@ CASES = [
      [CFG, '"num_attention_heads"', "integer", "4.0"]),
     ("cfg-exponent-for-int", cfg(vocab_size=float(V)), "import", 2, [CFG, '"vocab_size"', "integer"]),
     ("cfg-int-for-float-ok", cfg(rms_norm_eps=1), "train", 0, []),  # an int where a float goes: fine, as in Python
+    # Gemma3TextConfig declares query_pre_attn_scalar int: transformers refuses 256.0 and 256.5
+    ("cfg-gemma-query-scalar-float", cfg(model_type="gemma3_text", rope_parameters=DELETE, query_pre_attn_scalar=256.0), "describe", 2,
+     [CFG, '"query_pre_attn_scalar"', "integer", "256.0"]),
+    ("cfg-gemma-query-scalar-fraction", cfg(model_type="gemma3_text", rope_parameters=DELETE, query_pre_attn_scalar=256.5), "describe", 2,
+     [CFG, '"query_pre_attn_scalar"', "integer"]),
+    ("cfg-gemma-query-scalar-int-ok", cfg(model_type="gemma3_text", rope_parameters=DELETE, query_pre_attn_scalar=256), "describe", 0, []),
+    # RoPE lengths: an int at the top level, as transformers' config classes declare them;
+    # inside the RoPE dict transformers takes 256.0, and so does ctitan
+    ("cfg-max-pos-float", cfg(max_position_embeddings=256.0), "describe", 2,
+     [CFG, '"max_position_embeddings"', "integer", "256.0"]),
+    ("cfg-phi3-orig-max-pos-float", cfg(model_type="phi3", rope_parameters=DELETE,
+                                        original_max_position_embeddings=256.0), "describe", 2,
+     [CFG, '"original_max_position_embeddings"', "not as a float"]),
+    ("cfg-phi3-orig-max-pos-int-ok", cfg(model_type="phi3", rope_parameters=DELETE,
+                                         original_max_position_embeddings=256), "describe", 0, []),
+    ("cfg-yarn-nested-orig-float-ok", cfg(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                           "original_max_position_embeddings": 256.0}),
+     "describe", 0, []),
+    # a layer index past an int: (int) of 1e20 was undefined
+    ("cfg-moe-mlp-only-beyond-int", cfg(model_type="qwen3_moe", mlp_only_layers=[0, 10 ** 20]), "describe", 2,
+     [CFG, '"mlp_only_layers"', "out of range"]),
     # config.json: conflicting keys, syntax
     ("cfg-kv-not-dividing-heads", cfg(num_key_value_heads=3), "train", 2,
      [CFG, "num_key_value_heads", "num_attention_heads"]),
@@ -655,6 +730,10 @@ CASES = [
     ("tok-merge-unknown-token-prepare", tok_merge_unknown_token, "prepare", 3, [TOK]),
     ("tok-regex-broken-prepare", tok_regex_broken, "prepare", 3, [TOK]),
     ("tok-merge-wrong-type-gen", tok_merge_wrong_type, "generate-text", 3, [TOK]),
+    ("tok-vocab-id-float", tok_vocab_id_float, "tokenize", 3, [TOK]),
+    ("tok-added-id-float", tok_added_id_float, "prepare", 3, [TOK]),
+    # checkpoint manifest
+    ("ckpt-step-float", ckpt_step_float, "export", 3, []),
     # TOML: duplicates, control characters, out-of-range values
     ("toml-duplicate-key", toml_duplicate_key, "train", 2, [RUN]),
     ("toml-duplicate-table", toml_duplicate_table, "train", 2, [RUN]),
@@ -699,6 +778,8 @@ def _command(c: Case, cmd: str):
         return ["import", "--hf", c.model, "--out", c.tmp / "imported"]
     if cmd == "describe":
         return ["describe", c.model]
+    if cmd == "export":
+        return ["export", "--checkpoint", c.model, "--out", c.tmp / "exported"]
     if cmd == "tokenize":
         return ["tokenize", "--tokenizer", c.tok, "--text", "hello world, the quick fox"]
     if cmd == "prepare":
@@ -726,7 +807,7 @@ def test_hostile(cid, mutate, cmd, code, needles, pristine, tmp_path, run_ctitan
 # --------------------------------------------------------------------------- the libraries' say
 
 TOKENIZER_MUTATIONS = [tok_merge_unknown_token, tok_merge_wrong_type, tok_merge_one_element, tok_regex_broken,
-                       tok_not_json, tok_bad_utf8]
+                       tok_not_json, tok_bad_utf8, tok_vocab_id_float, tok_added_id_float]
 
 
 @pytest.mark.parametrize("mutate", TOKENIZER_MUTATIONS, ids=[f.__name__ for f in TOKENIZER_MUTATIONS])
@@ -769,8 +850,13 @@ def test_safetensors_refuses_float_numbers_too(mutate, pristine, tmp_path):
             [f.get_tensor(k) for k in f.keys()]
 
 
-@pytest.mark.parametrize("mutate", [cfg(hidden_size=32.0), cfg_duplicate_key, cfg_bad_utf8],
-                         ids=["float-for-int", "duplicate-key", "bad-utf8"])
+@pytest.mark.parametrize("mutate", [cfg(hidden_size=32.0), cfg_duplicate_key, cfg_bad_utf8,
+                                    cfg(model_type="gemma3_text", rope_parameters=DELETE, query_pre_attn_scalar=256.0),
+                                    cfg(model_type="gemma3_text", rope_parameters=DELETE, query_pre_attn_scalar=256.5),
+                                    cfg(max_position_embeddings=256.0),
+                                    cfg(model_type="phi3", rope_parameters=DELETE, original_max_position_embeddings=256.0)],
+                         ids=["float-for-int", "duplicate-key", "bad-utf8", "gemma-query-scalar-float",
+                              "gemma-query-scalar-fraction", "max-pos-float", "phi3-orig-max-pos-float"])
 def test_transformers_refuses_or_rereads_config(mutate, pristine, tmp_path):
     """What transformers makes of ctitan's refused config.json files: 32.0 for an int and bad
     UTF-8 fail to load; a repeated key loads, with the LAST value (cJSON took the first)."""
