@@ -16,7 +16,11 @@ typedef struct ct_session ct_session;
 /* argv: the options of `ctitan train` ("--config", "f.toml", "--model.spec=hf", ...).
  * Builds the model (random init from training.seed, or HF weights if
  * checkpoint.initial_load_path is set) and the optimizer. Activations are
- * planned for training.local_batch_size x training.seq_len. */
+ * planned for training.local_batch_size x training.seq_len.
+ * Sessions share the process's thread settings: training.threads is set for
+ * OpenMP on the calling thread but for OpenBLAS process-wide, so the last
+ * session opened sets OpenBLAS's thread count for every session
+ * (docs/design.md, "State outside a run context"). */
 ct_session *ctitan_open(int argc, const char **argv, char *err, int errlen);
 void ctitan_close(ct_session *s);
 const char *ctitan_last_error(const ct_session *s);

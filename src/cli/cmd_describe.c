@@ -73,7 +73,7 @@ int cli_describe(int argc, char **argv) {
                         "(try ctitan describe --help)\n");
         return 2;
     }
-    static hub_local loc;
+    hub_local loc;
     ct_err e = {0};
     lm_config c;
     int rc;

@@ -215,7 +215,7 @@ int cli_export(int argc, char **argv) {
         return cli_fail(1, "--tokenizer %s: no such directory", a.tokenizer);
     double t0 = ct_now();
     ct_err e = {0};
-    static hub_local base_loc, tok_loc, ad_loc;
+    hub_local base_loc, tok_loc, ad_loc;
     if (a.adapter && (rc = hub_resolve(a.checkpoint, a.revision, HUB_MODEL, &base_loc, &e)))
         return cli_fail(ct_exit_code(rc), "%s", e.msg);
     if (a.adapter) a.checkpoint = base_loc.dir;

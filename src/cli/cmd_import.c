@@ -114,7 +114,7 @@ int cli_import(int argc, char **argv) {
         return cli_fail(1, "%s: already exists; not overwriting it (remove it or choose --step)", final);
 
     ct_err e = {0};
-    static hub_local loc; /* a Hub id -> its snapshot in the cache */
+    hub_local loc; /* a Hub id -> its snapshot in the cache */
     if ((rc = hub_resolve(a.hf, a.revision, HUB_MODEL, &loc, &e))) return cli_fail(ct_exit_code(rc), "%s", e.msg);
     const char *id = a.hf;
     a.hf = loc.dir;

@@ -187,7 +187,7 @@ int cli_prepare(int argc, char **argv) {
         if (!rc && k == DS_KIND_CHAT) has_chat = 1;
     }
     /* a Hub id -> its snapshot in the cache (meta.json records the id) */
-    static hub_local loc;
+    hub_local loc;
     const char *tok_src = a.tokenizer;
     if (!rc && hub_is_repo_id(a.tokenizer) && access(a.tokenizer, F_OK) != 0 &&
         !(rc = hub_resolve(a.tokenizer, a.revision, HUB_TOKENIZER, &loc, &e)))

@@ -77,7 +77,7 @@ int cli_tokenize(int argc, char **argv) {
                                   : "tokenize: give exactly one of --text or --file (or --decode --ids)");
     ct_err e = {0};
     tok *t = NULL;
-    static hub_local loc; /* a Hub id -> its snapshot in the cache */
+    hub_local loc; /* a Hub id -> its snapshot in the cache */
     if (hub_is_repo_id(dir) && access(dir, F_OK) != 0) { /* else tok_load names what is wrong with the path */
         int hrc = hub_resolve(dir, revision, HUB_TOKENIZER, &loc, &e);
         if (hrc) return cli_fail(ct_exit_code(hrc), "%s", e.msg);

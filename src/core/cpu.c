@@ -161,9 +161,10 @@ __attribute__((target("arch=armv8.2-a+bf16+fp16"))) static double bf16_loop_neon
 
 /* ------------------------------------------------------ permission (once) */
 
-/* The one piece of global mutable state: Linux grants the tile data state per
- * process, so whether it was granted (and why not) is per-process too. Written
- * once under pthread_once, read-only afterwards. */
+/* Process-wide state (docs/design.md, "State outside a run context"): Linux
+ * grants the tile data state per process, so whether it was granted (and why
+ * not) is per-process too. Written once under pthread_once, read-only
+ * afterwards. */
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static int amx_ok;
 static char amx_why[160] = "not probed";

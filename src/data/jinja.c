@@ -84,6 +84,9 @@ struct jv {
     const char *undef_name; /* what was undefined, for messages */
 };
 
+/* Shared by every template and thread, and never written: operations build
+ * new values in the render's arena (undef_at makes a new undefined value to
+ * name what was undefined). Not const only because values travel as jv *. */
 static jv V_UNDEF = {.k = JV_UNDEF}, V_NONE = {.k = JV_NONE}, V_TRUE = {.k = JV_BOOL, .i = 1},
           V_FALSE = {.k = JV_BOOL, .i = 0};
 

@@ -55,6 +55,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <pwd.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -734,10 +735,11 @@ static size_t on_header(char *buf, size_t size, size_t nitems, void *ud) {
     return n;
 }
 
-static void curl_once(void) {
-    static int done;
-    if (!done) curl_global_init(CURL_GLOBAL_DEFAULT), done = 1;
-}
+/* curl_global_init once per process, whichever thread (a library session's
+ * trainer_init) gets here first: a plain flag would race. */
+static pthread_once_t curl_init_once = PTHREAD_ONCE_INIT;
+static void curl_init(void) { curl_global_init(CURL_GLOBAL_DEFAULT); }
+static void curl_once(void) { pthread_once(&curl_init_once, curl_init); }
 
 /* The origin (scheme, host, port) of a URL; 0 on success. */
 static int url_origin(const char *url, char *scheme, char *host, long *port) {
@@ -912,7 +914,7 @@ static size_t on_data(char *p, size_t size, size_t nm, void *ud) {
 
 /* sha1 of "blob <size>\0" + the file's bytes (git's object id); or sha256 of the file. */
 static int hash_file(int fd, long long upto, int git_sha1, hub_sha256_ctx *sha, char *hex) {
-    static char buf[1 << 16];
+    char buf[1 << 14]; /* on the stack: two sessions may hash in two threads */
     hub_sha1_ctx s1;
     if (git_sha1) {
         char hdr[64];

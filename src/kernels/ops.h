@@ -322,8 +322,8 @@ void op_moe_experts_bf16_bwd_wbf16(float *dx, float *dwg, float *dwu, float *dwd
  * entry and exit. The slots hold, per OpenMP thread number, the first entry
  * and last exit since the profiler last cleared them: one span per thread
  * per op call, however many regions and iterations the op runs. The pointer
- * is _Thread_local in kernels/ref/trace.c, the only state outside a run
- * context: one run's recording thread never sees another's. Unprofiled: one
+ * is _Thread_local in kernels/ref/trace.c (docs/design.md lists the state
+ * outside a run context): one run's recording thread never sees another's. Unprofiled: one
  * call returning NULL per region and one NULL test per thread. */
 typedef struct {
     int64_t first, last; /* ns of CLOCK_MONOTONIC; first == 0: the thread ran no region */

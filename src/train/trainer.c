@@ -38,8 +38,8 @@
 #include "metrics/tb.h"
 #include "model/lora.h"
 
-/* The one piece of process-wide state: a signal handler can reach nothing
- * else. 0 = run, 1 = stop after this step. */
+/* Process-wide state (docs/design.md, "State outside a run context"): a
+ * signal handler can reach nothing else. 0 = run, 1 = stop after this step. */
 static volatile sig_atomic_t stop_requested;
 
 static void on_signal(int sig) {
@@ -48,6 +48,7 @@ static void on_signal(int sig) {
 }
 
 void trainer_install_signals(void) {
+    stop_requested = 0; /* a stop asked of an earlier run in this process does not stop this one */
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;

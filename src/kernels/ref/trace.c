@@ -3,7 +3,7 @@
  *
  * Design. Kernels take no context, so the profiler reaches their threads
  * through the thread that calls them: the armed trace is a _Thread_local
- * pointer, the one mutable state of the kernels, and thread-local so that a
+ * pointer (docs/design.md, "State outside a run context"), thread-local so that a
  * run sees only what its own recording thread armed (two runs in one
  * process do not meet). It lives beside the reference kernels, not in
  * registry.c, because they are built on their own too (tests/py/
