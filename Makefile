@@ -117,7 +117,7 @@ SAN_ENV   := ASAN_OPTIONS=fast_unwind_on_malloc=1 LSAN_OPTIONS=suppressions=$(CU
 # tests, which ASan's shadow memory and redzones inflate.
 SAN_CLI_TESTS := tests/py/test_cli_errors.py tests/py/test_tokenize_cli.py tests/py/test_hostile_files.py \
                  tests/py/test_fuzz_regressions.py tests/py/test_dist_masked.py tests/py/test_profile.py \
-                 tests/py/test_events.py
+                 tests/py/test_events.py tests/py/test_cli_strict.py
 sanitize:
 	@$(SAN_ENV) $(T) san-c $(MAKE) --no-print-directory BUILD=build/san OPT="-O1 $(SAN_FLAGS) -fno-omit-frame-pointer" \
 	  LDFLAGS="$(SAN_FLAGS)" KCHECK_FLAGS=--quick test-c

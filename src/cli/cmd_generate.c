@@ -73,7 +73,7 @@ static const cli_opt gen_cli_options[] = {
     [GEN_PROMPT] = {"--prompt", "TEXT", "(none)",
                     "prompt text, encoded with the tokenizer (one of --prompt, --prompt-ids)", CLI_TEXT},
     [GEN_PROMPT_IDS] = {"--prompt-ids", "\"ID ID ...\"", "(none)",
-                        "prompt as token ids separated by spaces or commas; no tokenizer needed", CLI_VALUE},
+                        "prompt as token ids separated by spaces or one comma; no tokenizer needed", CLI_VALUE},
     [GEN_MAX_TOKENS] = {"--max-tokens", "N", "64", "new tokens at most (>= 1)", CLI_VALUE},
     [GEN_TEMPERATURE] = {"--temperature", "T", "0", "0: greedy; > 0: sample from softmax(logits / T)", CLI_VALUE},
     [GEN_TOP_K] = {"--top-k", "K", "0", "sample among the K most likely tokens only (0: off)", CLI_VALUE},
@@ -184,19 +184,33 @@ static int gen_file_exists(const char *dir, const char *name) {
     return ok;
 }
 
-/* "1 2, 3" -> ids; 2 on anything that is not a non-negative integer. */
+static int gen_id_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+/* "1 2, 3" -> ids; 2 on anything else. The grammar: non-negative decimal
+ * integers separated by whitespace, a comma, or a comma with whitespace
+ * around it; at most one comma between two ids, none before the first or
+ * after the last ("1,,2" was read as "1 2", an id the user may have left out). */
 static int gen_parse_ids(const char *s, tok_ids *out) {
     const char *p = s;
-    for (;;) {
-        while (*p == ' ' || *p == ',' || *p == '\t' || *p == '\n') p++;
-        if (!*p) break;
-        char *end;
+    while (gen_id_space(*p)) p++;
+    while (*p) {
+        if (*p == ',')
+            return cli_fail(2, "--prompt-ids: \"%s\": the comma at character %zu has no token id before it "
+                            "(ids are separated by spaces or one comma)", s, (size_t)(p - s) + 1);
+        char *end = (char *)p;
         errno = 0;
-        long v = strtol(p, &end, 10);
-        if (end == p || errno || v < 0 || v > INT32_MAX || (*end && !strchr(" ,\t\n", *end)))
+        long v = *p >= '0' && *p <= '9' ? strtol(p, &end, 10) : -1;
+        if (v < 0 || errno || v > INT32_MAX || (*end && !gen_id_space(*end) && *end != ','))
             return cli_fail(2, "--prompt-ids: \"%s\" is not a list of token ids", s);
         tok_ids_push(out, (int32_t)v);
         p = end;
+        while (gen_id_space(*p)) p++;
+        if (*p != ',') continue;
+        const char *comma = p++;
+        while (gen_id_space(*p)) p++;
+        if (!*p)
+            return cli_fail(2, "--prompt-ids: \"%s\": the comma at character %zu has no token id after it "
+                            "(ids are separated by spaces or one comma)", s, (size_t)(comma - s) + 1);
     }
     if (out->n == 0) return cli_fail(2, "--prompt-ids: no token ids in \"%s\"", s);
     return 0;
@@ -229,10 +243,9 @@ static int gen_read_eos(const char *dir, tok_ids *stops, ct_err *e) {
         const cJSON *one = NULL;
         int is_list = cJSON_IsArray(it);
         for (one = is_list ? it->child : it; one && !rc; one = is_list ? one->next : NULL) {
-            double v = one->valuedouble;
-            if (!cJSON_IsNumber(one) || v != floor(v) || v < 0 || v > INT32_MAX)
+            if (!json_int_in(one, 0, INT32_MAX))
                 rc = ct_fail(e, CT_ERR_FORMAT, "%s: \"eos_token_id\" must be a token id or a list of them", path);
-            else gen_add_stop(stops, (int32_t)v);
+            else gen_add_stop(stops, (int32_t)one->valuedouble);
         }
     }
     cJSON_Delete(root);
@@ -331,13 +344,20 @@ int cli_generate(int argc, char **argv) {
     gen_cli_args a;
     int rc = gen_parse_args(&a, argc, argv);
     if (rc) return rc < 0 ? 0 : rc;
+    /* the ids' syntax is the command line's: checked before a Hub id is downloaded */
+    tok_ids prompt = {0}, stops = {0};
+    if (a.prompt_ids) {
+        rc = gen_parse_ids(a.prompt_ids, &prompt);
+        tok_ids_free(&prompt);
+        if (rc) return rc;
+    }
     if (!gen_is_dir(a.checkpoint) && !hub_is_repo_id(a.checkpoint))
         return cli_fail(2, "--checkpoint: \"%s\" is not a directory (nor a Hub id such as Qwen/Qwen3-0.6B)",
                         a.checkpoint);
     if (a.tokenizer && !gen_is_dir(a.tokenizer) && !hub_is_repo_id(a.tokenizer))
         return cli_fail(2, "--tokenizer: \"%s\" is not a directory (nor a Hub id)", a.tokenizer);
     /* Hub ids -> the cache's snapshot directories (downloading what is missing) */
-    static hub_local ck_loc, tok_loc, ad_loc;
+    hub_local ck_loc, tok_loc, ad_loc;
     ct_err he = {0};
     unsigned what = HUB_CONFIG | HUB_WEIGHTS | (a.tokenizer ? 0 : HUB_TOKENIZER_IF_ANY);
     if ((rc = hub_resolve(a.checkpoint, a.revision, what, &ck_loc, &he)) ||
@@ -350,11 +370,7 @@ int cli_generate(int argc, char **argv) {
     }
     a.checkpoint = ck_loc.dir;
     if (a.tokenizer) a.tokenizer = tok_loc.dir;
-    tok_ids prompt = {0}, stops = {0};
-    if (a.prompt_ids && (rc = gen_parse_ids(a.prompt_ids, &prompt))) {
-        tok_ids_free(&prompt);
-        return rc;
-    }
+    if (a.prompt_ids) (void)gen_parse_ids(a.prompt_ids, &prompt); /* checked above */
     if (!gen_file_exists(a.checkpoint, "config.json")) {
         tok_ids_free(&prompt);
         return cli_fail(1, "%s/config.json: not found (--checkpoint must be a Hugging Face model directory)",

@@ -1,4 +1,4 @@
-/* cli/cmd_kernels.c: `ctitan kernels list | check | bench`.
+/* cli/cmd_kernels.c: `ctitan kernels list | check | bench | peak`.
  *
  *   list    what is registered, what each implementation needs, what this
  *           CPU has, and which one each op gets by default.
@@ -12,6 +12,8 @@
  *   peak    the fp32 and bf16 FMA peaks behind MFU (core/cpu.h), with the
  *           clock and the theoretical figure they were checked against;
  *           --json for the benchmarks, which read the peak this way only.
+ * Each subcommand takes only the options it reads (kern_opts); another one is
+ * refused with exit 2 rather than ignored.
  * Thin by design: the registry and the checker live in kernels/. */
 #include <errno.h>
 #include <math.h>
@@ -29,20 +31,56 @@
 #include "kernels/ops.h"
 #include "kernels/registry.h"
 
-static void usage(FILE *f) {
-    fprintf(f,
-            "usage: ctitan kernels <list | check | bench | peak> [options]\n\n"
-            "  list                         registered implementations, CPU features, defaults\n"
-            "  check [--op NAME] [--impl NAME] [--seed N] [--threads N] [--quick]\n"
-            "                               every implementation against \"ref\"; exit 1 on a mismatch\n"
-            "                               (--quick caps the long side of the largest cases: for qemu and\n"
-            "                               the sanitizers)\n"
-            "  bench [--op NAME] [--impl NAME] [--threads N] [--reps N] [--quick] [--peak GFLOPS] [--cold]\n"
-            "                               GFLOP/s (matmul, attention) or GB/s of each implementation\n"
-            "                               (--quick skips the Qwen3-0.6B lm_head shape; --peak gives the\n"
-            "                               FMA peak instead of the measured/cached one; --cold evicts the\n"
-            "                               operands from the caches before each timed call, as a step does)\n"
-            "  peak [--threads N] [--json]  the fp32/bf16 FMA peaks MFU is measured against\n");
+/* The subcommands, as bits: each option lists the ones that read it. */
+enum { SUB_LIST = 1, SUB_CHECK = 2, SUB_BENCH = 4, SUB_PEAK = 8 };
+
+static const struct {
+    const char *name;
+    unsigned bit;
+    const char *help; /* its lines of `kernels --help` */
+} kern_subs[] = {
+    {"list", SUB_LIST, "  list                         registered implementations, CPU features, defaults\n"},
+    {"check", SUB_CHECK,
+     "  check [--op NAME] [--impl NAME] [--seed N] [--threads N] [--quick]\n"
+     "                               every implementation against \"ref\"; exit 1 on a mismatch\n"
+     "                               (--quick caps the long side of the largest cases: for qemu and\n"
+     "                               the sanitizers)\n"},
+    {"bench", SUB_BENCH,
+     "  bench [--op NAME] [--impl NAME] [--threads N] [--reps N] [--quick] [--peak GFLOPS] [--cold]\n"
+     "                               GFLOP/s (matmul, attention) or GB/s of each implementation\n"
+     "                               (--quick skips the Qwen3-0.6B lm_head shape; --peak gives the\n"
+     "                               FMA peak instead of the measured/cached one; --cold evicts the\n"
+     "                               operands from the caches before each timed call, as a step does)\n"},
+    {"peak", SUB_PEAK, "  peak [--threads N] [--json]  the fp32/bf16 FMA peaks MFU is measured against\n"},
+};
+#define KERN_N_SUBS (sizeof kern_subs / sizeof kern_subs[0])
+
+/* Every option once, with the subcommands that read it (cmd_list reads none;
+ * --threads sets the thread count the others run and measure with). One
+ * given to a subcommand that does not read it is refused, not ignored. */
+static const struct {
+    const char *name;
+    int value; /* takes a value */
+    unsigned subs;
+} kern_opts[] = {
+    {"--op", 1, SUB_CHECK | SUB_BENCH},   {"--impl", 1, SUB_CHECK | SUB_BENCH},
+    {"--seed", 1, SUB_CHECK},             {"--threads", 1, SUB_CHECK | SUB_BENCH | SUB_PEAK},
+    {"--quick", 0, SUB_CHECK | SUB_BENCH}, {"--reps", 1, SUB_BENCH},
+    {"--peak", 1, SUB_BENCH},             {"--cold", 0, SUB_BENCH},
+    {"--json", 0, SUB_PEAK},
+};
+
+/* The usage of the subcommands in MASK (all of them: the whole text). */
+static void usage(FILE *f, unsigned mask) {
+    const char *only = NULL;
+    for (size_t i = 0; i < KERN_N_SUBS; i++)
+        if (mask == kern_subs[i].bit) only = kern_subs[i].name;
+    int any = 0; /* options for the subcommands of MASK */
+    for (size_t i = 0; i < sizeof kern_opts / sizeof kern_opts[0]; i++) any |= (kern_opts[i].subs & mask) != 0;
+    if (only) fprintf(f, "usage: ctitan kernels %s%s\n\n", only, any ? " [options]" : "");
+    else fprintf(f, "usage: ctitan kernels <list | check | bench | peak> [options]\n\n");
+    for (size_t i = 0; i < KERN_N_SUBS; i++)
+        if (mask & kern_subs[i].bit) fputs(kern_subs[i].help, f);
 }
 
 typedef struct {
@@ -69,16 +107,40 @@ static int opt_number(const char *opt, const char *val, double lo, double hi, do
     return 0;
 }
 
-static int parse_opts(int argc, char **argv, kern_cli_opts *o) {
+/* The options of subcommand SUB (kern_subs[sub]) into o; 2 on an unknown
+ * option, one SUB does not read, or a bad value; -1 after --help. */
+static int parse_opts(size_t sub, int argc, char **argv, kern_cli_opts *o) {
+    const char *sname = kern_subs[sub].name;
+    unsigned bit = kern_subs[sub].bit;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
-        const char *val = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--quick") || !strcmp(a, "--json") || !strcmp(a, "--cold")) {
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout, bit);
+            return -1;
+        }
+        size_t k = 0;
+        while (k < sizeof kern_opts / sizeof kern_opts[0] && strcmp(a, kern_opts[k].name)) k++;
+        if (k == sizeof kern_opts / sizeof kern_opts[0]) {
+            fprintf(stderr, "ctitan: error: kernels: unknown option \"%s\"\n", a);
+            return 2;
+        }
+        if (!(kern_opts[k].subs & bit)) {
+            char takes[128] = "";
+            for (size_t j = 0; j < sizeof kern_opts / sizeof kern_opts[0]; j++)
+                if (kern_opts[j].subs & bit)
+                    snprintf(takes + strlen(takes), sizeof takes - strlen(takes), "%s%s", takes[0] ? " " : "",
+                             kern_opts[j].name);
+            fprintf(stderr, "ctitan: error: kernels %s: %s is not an option of this subcommand (%s%s)\n", sname, a,
+                    takes[0] ? "its options: " : "it takes no options", takes);
+            return 2;
+        }
+        if (!kern_opts[k].value) {
             *(a[2] == 'q' ? &o->quick : a[2] == 'j' ? &o->json : &o->cold) = 1;
             continue;
         }
+        const char *val = i + 1 < argc ? argv[i + 1] : NULL;
         if (!val) {
-            fprintf(stderr, "ctitan: error: kernels: unknown or incomplete option \"%s\"\n", a);
+            fprintf(stderr, "ctitan: error: kernels: %s: missing value\n", a);
             return 2;
         }
         if (!strcmp(a, "--op")) {
@@ -99,11 +161,8 @@ static int parse_opts(int argc, char **argv, kern_cli_opts *o) {
             }
             if (seed) o->seed = (unsigned long long)v;
             else *(a[2] == 't' ? &o->threads : &o->reps) = (int)v;
-        } else if (!strcmp(a, "--peak")) {
+        } else { /* --peak */
             if (opt_number(a, val, 1e-3, 1e9, &o->peak_gflops)) return 2;
-        } else {
-            fprintf(stderr, "ctitan: error: kernels: unknown option \"%s\"\n", a);
-            return 2;
         }
         i++;
     }
@@ -394,12 +453,19 @@ static int cmd_peak(const kern_cli_opts *o) {
 
 int cli_kernels(int argc, char **argv) {
     if (argc < 1 || !strcmp(argv[0], "--help") || !strcmp(argv[0], "-h") || !strcmp(argv[0], "help")) {
-        usage(argc < 1 ? stderr : stdout);
+        usage(argc < 1 ? stderr : stdout, ~0u);
         return argc < 1 ? 2 : 0;
     }
+    size_t sub = 0;
+    while (sub < KERN_N_SUBS && strcmp(argv[0], kern_subs[sub].name)) sub++;
+    if (sub == KERN_N_SUBS) {
+        fprintf(stderr, "ctitan: error: kernels: unknown subcommand \"%s\"\n", argv[0]);
+        usage(stderr, ~0u);
+        return 2;
+    }
     kern_cli_opts o = {.reps = 5, .seed = 1234};
-    int rc = parse_opts(argc - 1, argv + 1, &o);
-    if (rc) return rc;
+    int rc = parse_opts(sub, argc - 1, argv + 1, &o);
+    if (rc) return rc < 0 ? 0 : rc;
     if (o.impl) {
         size_t n;
         const kern_impl *t = kern_registry(&n);
@@ -425,8 +491,5 @@ int cli_kernels(int argc, char **argv) {
         free(o.cold_buf);
         return rc;
     }
-    if (!strcmp(argv[0], "peak")) return cmd_peak(&o);
-    fprintf(stderr, "ctitan: error: kernels: unknown subcommand \"%s\"\n", argv[0]);
-    usage(stderr);
-    return 2;
+    return cmd_peak(&o);
 }

@@ -120,6 +120,7 @@ int cli_train(int argc, char **argv) {
         cfg_free(&cfg);
         return finish(&world, err, e.code, &e);
     }
+    cfg_warn_unused(&cfg); /* the ranks that do not log have no stderr by now */
     if (dry) { /* every rank checks the layout (a bad one exits 2 everywhere); rank 0 alone prints */
         int launched = world.be != &comm_single_backend;
         int rc = trainer_dry_run(&cfg, launched ? world.size : 0, world.rank == 0 ? stdout : NULL, &e);

@@ -700,6 +700,52 @@ static int cfg_load_file(ct_config *c, const char *path, ct_err *e) {
     return rc;
 }
 
+/* ---- settings that do nothing ---- */
+
+static int cfg_same_value(const ct_config *a, const ct_config *b, const cfg_option *o) {
+    const void *x = cfg_cfield(a, o), *y = cfg_cfield(b, o);
+    switch (o->type) {
+    case CFG_STR:
+    case CFG_ENUM: {
+        const char *s = *(char *const *)x, *t = *(char *const *)y;
+        return s && t ? !strcmp(s, t) : s == t;
+    }
+    case CFG_INT:
+    case CFG_BOOL: return *(const int *)x == *(const int *)y;
+    case CFG_I64: return *(const int64_t *)x == *(const int64_t *)y;
+    case CFG_DBL: return *(const double *)x == *(const double *)y;
+    }
+    return 1;
+}
+
+/* With lora.rank = 0 there is no LoRA, and a run loads no adapter (lora.adapter_path
+ * needs rank > 0): a [lora] key given another value than its default changes
+ * nothing, which a warning says instead of silence. "Another value than the
+ * default" is what set in the file or on the command line means here: the run's
+ * own config.toml (cfg_write_toml) lists every key, and read back as a --config it
+ * must not warn about the defaults. The keys a rank-0 run refuses (an error naming
+ * them: trainer_finetune_config, lora_apply_frozen) are left to that error, and
+ * lora.adapter_revision to lora.adapter_path's. */
+void cfg_warn_unused(const ct_config *c) {
+    static const char *const refused[] = {"adapter_path", "target_parameters", "rank_pattern", "alpha_pattern",
+                                          "modules_to_save"};
+    if (c->lora_rank != 0) return;
+    ct_config d;
+    cfg_defaults(&d);
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        const cfg_option *o = &cfg_options[i];
+        if (strcmp(o->section, "lora") || !strcmp(o->key, "rank") || cfg_same_value(c, &d, o)) continue;
+        int skip = !strcmp(o->key, "adapter_revision") && c->lora_adapter_path[0];
+        for (size_t k = 0; k < sizeof refused / sizeof refused[0]; k++) skip |= !strcmp(o->key, refused[k]);
+        if (skip) continue;
+        char name[96];
+        snprintf(name, sizeof name, "lora.%s", o->key);
+        fprintf(stderr, "ctitan: warning: %s: %s has no effect: lora.rank is 0 (no LoRA)\n", cfg_origin(c, name),
+                name);
+    }
+    cfg_free(&d);
+}
+
 /* ---- the command line ---- */
 
 static int cfg_is_config_flag(const char *name, size_t n) {

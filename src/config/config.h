@@ -149,6 +149,10 @@ void cfg_free(ct_config *c);
  * type, out-of-range value: returns CT_ERR_CONFIG with a message naming the key
  * and the file (or "command line"). Any other argument is an error too. */
 int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e);
+/* Warns on stderr of settings that do nothing (a [lora] key other than its
+ * default while lora.rank = 0), naming where each was set. For the user's own
+ * config (cmd_train), not for a checkpoint's config.toml read back. */
+void cfg_warn_unused(const ct_config *c);
 /* The config file's path for error messages, or "command line". */
 const char *cfg_source(const ct_config *c);
 /* Where option NAME ("section.key") got its value, for a message about

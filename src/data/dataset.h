@@ -88,6 +88,9 @@ typedef struct {
     const char *chat_template; /* chat sources: "auto" (NULL), "chatml", "tokenizer" or a
                                   path (data/chat.h chat_tmpl_open) */
     const char *tokenizer_dir; /* where "auto" / "tokenizer" find the template; NULL: ChatML */
+    int *template_seen;        /* NULL, or the caller's note, kept across its data sets: set
+                                  once chat data used the template or a warning said no
+                                  source is chat data, so that a run says it at most once */
 } ds_tok_opts;
 
 void ds_tok_opts_default(ds_tok_opts *o);

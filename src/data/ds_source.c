@@ -515,6 +515,27 @@ static int read_source(run *r, int si, uint64_t base, ct_err *e) {
     return rc;
 }
 
+/* A chat template named for sources none of which is chat data (training.chat_template,
+ * prepare --chat-template) renders nothing: a warning says so rather than silence.
+ * "auto" (the default) names none. With a note (seen), a run whose training data used
+ * the template does not warn of its text validation data, and a run warns once
+ * however many data sets it tokenizes. */
+static void warn_unused_template(const char *spec, const char *const *paths, int n_paths, const src_file *src,
+                                 int masked, int *seen) {
+    if (seen && *seen) return;
+    if (seen && masked) *seen = 1;
+    if (masked || !spec || !spec[0] || !strcmp(spec, "auto") || n_paths < 1) return;
+    if (seen) *seen = 1;
+    char what[160];
+    if (n_paths == 1) snprintf(what, sizeof what, "it is %s data, not chat data", ds_kind_name(src[0].kind));
+    else if (n_paths == 2) snprintf(what, sizeof what, "and the source after it: neither is chat data");
+    else snprintf(what, sizeof what, "and the %d sources after it: none is chat data", n_paths - 1);
+    fprintf(stderr,
+            "ctitan: warning: chat template \"%s\" is not applied to %s%s%s (JSON Lines whose objects have "
+            "\"messages\"), and only chat data is rendered with a template\n",
+            spec, paths[0], n_paths == 1 ? ": " : " ", what);
+}
+
 int ds_tokenize(const char *const *paths, int n_paths, const tok *t, const ds_tok_opts *o, ds_sink_fn sink,
                 void *sink_ctx, ds_progress_fn progress, void *progress_ctx, ds_progress *stats, ct_err *e) {
     ds_tok_opts defaults;
@@ -548,6 +569,7 @@ int ds_tokenize(const char *const *paths, int n_paths, const tok *t, const ds_to
         r.st.bytes_total += r.src[i].len;
     }
     r.st.masked = r.masked;
+    if (!rc) warn_unused_template(o->chat_template, paths, n_paths, r.src, r.masked, o->template_seen);
     if (!rc && r.masked) rc = chat_tmpl_open(o->chat_template, o->tokenizer_dir, &r.chat, e);
     if (!rc && r.chat && o->encode_special)
         rc = ct_fail(e, CT_ERR_CONFIG,

@@ -505,8 +505,10 @@ static int needs_tokenizer(const char *kind_name, const char *path, int *needs, 
     return 0;
 }
 
+/* template_seen: the run's note on training.chat_template (ds_tok_opts), shared
+ * by its training and validation data. */
 static int open_data(trainer *t, ds **out, const char *kind_name, const char *path, const char *key, int shuffle,
-                     tok **tk, ct_err *e) {
+                     int *template_seen, tok **tk, ct_err *e) {
     const ct_config *c = &t->cfg;
     if (!path[0]) return ct_fail(e, CT_ERR_CONFIG, "%s: %s: no data given", cfg_source(c), key);
     int need = 0, rc = needs_tokenizer(kind_name, path, &need, e);
@@ -536,6 +538,7 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     ds_text_split sp;
     if (ds_split_parse(c->text_split, &sp) == 0) dc.tok.text_split = sp;
     dc.tok.chat_template = c->chat_template;
+    dc.tok.template_seen = template_seen;
     dc.tok.tokenizer_dir = c->hf_assets_path[0] ? cfg_hf_dir(c) : NULL;
     const char *paths[1] = {path};
     return ds_open(out, paths, 1, *tk, &dc, e);
@@ -723,6 +726,7 @@ int trainer_run(trainer *t, ct_err *e) {
     tb_writer *tb = NULL;
     prof *pf = NULL; /* [profiling]: lent to the plan (model, communicators) for each traced step */
     int32_t *tokens = NULL, *labels = NULL;
+    int template_seen = t->world->rank != 0; /* only rank 0 warns of an unused chat template */
     if (t->complete) return 0;
     if (t->seed_step > 0)
         return ct_fail(e, CT_ERR_CONFIG,
@@ -731,11 +735,12 @@ int trainer_run(trainer *t, ct_err *e) {
                        "checkpoints (export it with `ctitan export` and start a new checkpoint.folder from it with "
                        "checkpoint.initial_load_path)",
                        c->load_step, t->ckpt_folder, t->seed_step);
-    int rc = open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle, &tk, e);
+    int rc = open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle, &template_seen, &tk, e);
     if (rc) goto out;
     if (t->have_resume_data && (rc = ds_set_state(data, &t->resume_data, e))) goto out;
     if (c->val_enable &&
-        (rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &tk, e)))
+        (rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &template_seen,
+                        &tk, e)))
         goto out;
     if ((rc = ct_mkdirs(c->dump_folder, e))) goto out;
 

@@ -1,0 +1,267 @@
+"""Leftovers of the second bad-input audit (stop 43, docs/reliability.md): command-line input
+that was accepted with a meaning the user did not give it, and settings that did nothing in
+silence. `generate --prompt-ids "1,,2"` read as `1 2`; a `kernels` subcommand took the options
+of the others and ignored them (`kernels peak --op matmul`); `[lora]` keys with lora.rank = 0
+and a chat template for data that is not chat changed nothing and said nothing. The first two
+are refused now (exit 2 naming the argument), the last two warned about, once. Each case runs
+the CLI as a user would; none needs libctitan.so, so the file runs under the sanitized build."""
+import json
+import shutil
+
+import pytest
+
+import oracle
+from conftest import TINY_CKPT, tiny_run
+from test_data_hf import CONVERSATIONS, tokdir  # noqa: F401  (fixture)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("strict")
+    cfg = oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8)
+    oracle.save_random_hf(d / "hf", cfg, seed=3)
+    return d / "hf"
+
+
+# ------------------------------------------------------------------ generate --prompt-ids
+
+def generate_ids(run_ctitan, model, ids, check=True):
+    return run_ctitan(["generate", "--checkpoint", model, "--prompt-ids", ids, "--ids", "--max-tokens", "3"],
+                      check=check)
+
+
+@pytest.mark.parametrize("ids, pos, where", [
+    ("1,,2", 3, "before"), (",1 2", 1, "before"), ("1 2,", 4, "after"), ("1, ,2", 4, "before"),
+    ("  ,  ", 3, "before"), ("1,2 ,\t", 5, "after"), ("1 ,,", 4, "before"),
+], ids=["double", "leading", "trailing", "spaced_double", "only_comma", "trailing_spaced", "double_at_end"])
+def test_prompt_ids_comma_without_an_id(run_ctitan, model, ids, pos, where):
+    """"1,,2" was read as "1 2": an id left out between the commas went unnoticed. A comma
+    separates two ids, at most one between them, none before the first or after the last."""
+    rc, _, err = generate_ids(run_ctitan, model, ids, check=False)
+    assert rc == 2 and f'--prompt-ids: "{ids}": the comma at character {pos} has no token id {where} it' in err, \
+        (rc, err)
+
+
+@pytest.mark.parametrize("ids", ["+1 2", "1 2x", "1;2", "-1"])
+def test_prompt_ids_not_ids(run_ctitan, model, ids):
+    """An id is digits only: "+1" was read as 1 (strtol takes a sign). The other three were
+    refused before too: they guard the rewritten parser."""
+    rc, _, err = generate_ids(run_ctitan, model, ids, check=False)
+    assert rc == 2 and f'--prompt-ids: "{ids}" is not a list of token ids' in err, (rc, err)
+
+
+def test_prompt_ids_separators_still_read(run_ctitan, model):
+    """Spaces, one comma, and a comma with whitespace around it all separate ids, as before
+    (a guard: it passed before the fix too)."""
+    want = generate_ids(run_ctitan, model, "5 9 17 3")[1]
+    for ids in ["5,9,17,3", " 5, 9 ,17\t3 ", "5\n9,\n17 ,3"]:
+        assert generate_ids(run_ctitan, model, ids)[1] == want, ids
+
+
+def test_prompt_ids_checked_before_the_checkpoint(run_ctitan, tmp_path):
+    """The ids are the command line's: refused before a checkpoint (or a Hub id) is looked at."""
+    rc, _, err = run_ctitan(["generate", "--checkpoint", tmp_path / "nosuch", "--prompt-ids", "1,,2"], check=False)
+    assert rc == 2 and "--prompt-ids" in err and "nosuch" not in err, (rc, err)
+
+
+# ------------------------------------------------------------------ kernels SUBCOMMAND options
+
+# each refused option beside options the subcommand reads, kept cheap: before the fix these
+# ran (a one-op check or bench, the cached peak) and exited 0
+NOT_THEIRS = [
+    (["peak", "--op", "matmul"], "--op"), (["peak", "--threads", "1", "--quick"], "--quick"),
+    (["list", "--reps", "3"], "--reps"), (["list", "--threads", "2"], "--threads"),
+    (["check", "--op", "add", "--quick", "--reps", "3"], "--reps"),
+    (["check", "--op", "add", "--quick", "--cold"], "--cold"),
+    (["check", "--op", "add", "--quick", "--peak", "5"], "--peak"),
+    (["bench", "--op", "add", "--reps", "1", "--seed", "7"], "--seed"),
+    (["bench", "--op", "add", "--reps", "1", "--json"], "--json"),
+]
+
+
+@pytest.mark.parametrize("args, bad", NOT_THEIRS, ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_kernels_refuses_options_of_other_subcommands(run_ctitan, args, bad):
+    """One parser served every subcommand, so each took the options of the others and ignored
+    them: `kernels peak --op matmul` printed the whole peak, not matmul's."""
+    rc, out, err = run_ctitan(["kernels"] + args, check=False)
+    assert rc == 2 and f"kernels {args[0]}: {bad} is not an option of this subcommand" in err, (rc, err)
+    assert out == "", out  # refused before any work
+
+
+@pytest.mark.parametrize("args", [
+    ["list"],
+    ["check", "--op", "add", "--seed", "3", "--threads", "1", "--quick"],
+    ["bench", "--op", "add", "--impl", "ref", "--threads", "1", "--reps", "1", "--quick", "--peak", "10", "--cold"],
+    ["peak", "--threads", "1", "--json"],
+], ids=lambda a: a[0])
+def test_kernels_subcommands_take_their_options(run_ctitan, args):
+    """Every option each subcommand reads (docs/benchmarks.md, the Makefile, bench/ and the
+    tests use them) is still taken (a guard: it passed before the fix too)."""
+    rc, out, err = run_ctitan(["kernels"] + args)
+    assert out and "error" not in err, (rc, out, err)
+    if args[0] == "peak":
+        assert json.loads(out)["threads"] == 1
+
+
+@pytest.mark.parametrize("sub, has, hasnt", [
+    ("peak", ["--threads", "--json"], ["--op", "--reps", "check"]),
+    ("check", ["--op", "--seed", "--quick"], ["--reps", "--json", "peak"]),
+    ("list", ["list"], ["--", "bench"]),
+])
+def test_kernels_help_of_a_subcommand(run_ctitan, sub, has, hasnt):
+    """`kernels SUB --help` lists SUB's options only (it was an unknown option, exit 2)."""
+    rc, out, _ = run_ctitan(["kernels", sub, "--help"])
+    assert all(h in out for h in has) and not any(h in out for h in hasnt), out
+
+
+# ------------------------------------------------------------------ [lora] with rank 0
+
+def warnings_of(err, about=""):
+    """The warning lines of stderr that hold `about` (a short run also warns that its
+    warmup is cut to its steps)."""
+    return [ln for ln in err.splitlines() if "warning:" in ln and about in ln]
+
+
+def test_lora_keys_with_rank_zero_warn(run_ctitan, tmp_path):
+    """lora.alpha, dropout, target_modules, use_rslora, adapter_revision with lora.rank = 0 (the
+    default: no LoRA) changed nothing, in silence. Each set one is named, with where it was set."""
+    conf = tmp_path / "t.toml"
+    conf.write_text('[lora]\nrank = 0\nalpha = 16\ntarget_modules = ["q_proj"]\n')
+    rc, _, err = run_ctitan(["train", "--config", conf, "--lora.dropout=0.1", "--lora.use_rslora",
+                             "--lora.adapter_revision=v1", "--dry-run"])
+    w = warnings_of(err, "lora.")
+    for src, key in [(conf, "alpha"), (conf, "target_modules"), ("command line", "dropout"),
+                     ("command line", "use_rslora"), ("command line", "adapter_revision")]:
+        line = f"ctitan: warning: {src}: lora.{key} has no effect: lora.rank is 0 (no LoRA)"
+        assert w.count(line) == 1, (line, err)
+    assert len(w) == 5, err
+
+
+@pytest.mark.parametrize("args", [
+    ["--lora.rank=4", "--lora.alpha=16", "--lora.dropout=0.1", "--lora.target_modules=q_proj"],
+    ["--lora.alpha=8", "--lora.use_rslora=false"],  # the defaults, written out: nothing changes
+    [],
+], ids=["rank4", "defaults", "none"])
+def test_lora_keys_that_apply_do_not_warn(run_ctitan, args):
+    """A guard (silent before the fix too): LoRA on, or the defaults written out."""
+    rc, _, err = run_ctitan(["train", "--dry-run"] + args)
+    assert not warnings_of(err, "lora."), err
+
+
+def test_lora_keys_refused_with_rank_zero_are_not_warned_about(run_ctitan, model, tmp_path):
+    """lora.adapter_path (and target_parameters, rank_pattern, alpha_pattern, modules_to_save)
+    with rank 0 is an error naming the key; a warning beside it would contradict it (a guard:
+    no warning before the fix either)."""
+    rc, _, err = run_ctitan(["train", "--model.spec=hf", f"--model.hf_assets_path={model}",
+                             f"--training.dataset_path={model}/config.json", f"--job.dump_folder={tmp_path}",
+                             "--lora.adapter_path=x", "--lora.adapter_revision=v1"], check=False)
+    assert rc == 2 and "lora.adapter_path: needs lora.rank > 0" in err and not warnings_of(err, "lora."), (rc, err)
+
+
+def test_lora_warning_once_and_not_for_the_checkpoints_config(run_ctitan, tmp_path):
+    """A resume reads the checkpoint's config.toml back (to compare its trained tensors with
+    the run's): that is no setting of the user's, and it lists every key. The warning comes
+    once, for the command line, and a run's config.toml read back as --config does not warn
+    about the defaults it lists."""
+    _, out, args = tiny_run(tmp_path, *TINY_CKPT, "--lora.alpha=16", steps=4)
+    rc, _, err = run_ctitan(args)
+    assert warnings_of(err, "lora.") == [
+        "ctitan: warning: command line: lora.alpha has no effect: lora.rank is 0 (no LoRA)"], err
+    shutil.copy(out / "config.toml", tmp_path / "again.toml")
+    rc, _, err = run_ctitan(args[:1] + ["--config", tmp_path / "again.toml", "--training.steps=6"])
+    assert "ctitan: resuming from" in err, err  # it read the checkpoint's config.toml back
+    assert warnings_of(err, "lora.") == [f"ctitan: warning: {tmp_path / 'again.toml'}: lora.alpha has no effect: "
+                                "lora.rank is 0 (no LoRA)"], err
+
+
+# ------------------------------------------------------------------ chat_template, not chat data
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("texts")
+    (d / "d.txt").write_text("".join(f"Line {i} of the river and the mountain.\n" for i in range(300)))
+    (d / "d.jsonl").write_text("".join(json.dumps({"text": f"doc {i} of the forest"}) + "\n" for i in range(50)))
+    (d / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    return d
+
+
+def prepare(run_ctitan, tokdir, src, out, *extra):  # noqa: F811
+    return run_ctitan(["prepare", "--tokenizer", tokdir, "--input", src, "--out", out, "--quiet"] + list(extra))
+
+
+TAIL = ' (JSON Lines whose objects have "messages"), and only chat data is rendered with a template'
+
+
+@pytest.mark.parametrize("src, kind", [("d.txt", "text"), ("d.jsonl", "jsonl")])
+def test_chat_template_for_data_that_is_not_chat_warns(run_ctitan, tokdir, texts, tmp_path, src, kind):  # noqa: F811
+    rc, _, err = prepare(run_ctitan, tokdir, texts / src, tmp_path / "p", "--chat-template", "chatml")
+    assert warnings_of(err, "chat template") == [
+        f'ctitan: warning: chat template "chatml" is not applied to {texts / src}: it is {kind} data, not chat data'
+        + TAIL], err
+
+
+@pytest.mark.parametrize("more, after", [(["d.jsonl"], "the source after it: neither"),
+                                         (["d.jsonl", "d.txt"], "the 2 sources after it: none")], ids=["2", "3"])
+def test_chat_template_for_sources_none_of_them_chat(run_ctitan, tokdir, texts, tmp_path, more, after):  # noqa: F811
+    inputs = [a for f in ["d.txt"] + more for a in ("--input", texts / f)]
+    rc, _, err = run_ctitan(["prepare", "--tokenizer", tokdir, *inputs, "--out", tmp_path / "p", "--quiet",
+                             "--chat-template", "chatml"])
+    assert warnings_of(err, "chat template") == [
+        f'ctitan: warning: chat template "chatml" is not applied to {texts / "d.txt"} and {after} is chat data'
+        + TAIL], err
+
+
+@pytest.mark.parametrize("src, extra", [("chat.jsonl", ["--chat-template", "chatml"]), ("d.txt", [])],
+                         ids=["chat", "no_template"])
+def test_chat_template_that_applies_does_not_warn(run_ctitan, tokdir, texts, tmp_path, src, extra):  # noqa: F811
+    """A guard (silent before the fix too): chat data, or no template named."""
+    rc, _, err = prepare(run_ctitan, tokdir, texts / src, tmp_path / "p", *extra)
+    assert not warnings_of(err, "chat template"), err
+
+
+def train_on(run_ctitan, tokdir, tmp_path, data, val):  # noqa: F811
+    m = tmp_path / "m"
+    if not m.exists():
+        oracle.tiny_config(vocab=704, hidden=32, inter=48, layers=1, heads=4, kv_heads=2,
+                           head_dim=8).save_pretrained(m)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokdir / f, m / f)
+    return run_ctitan(["train", "--model.spec=hf", f"--model.hf_assets_path={m}", f"--training.dataset_path={data}",
+                       "--training.chat_template=chatml", "--training.seq_len=16", "--training.local_batch_size=2",
+                       "--training.steps=1", "--validation.enable", "--validation.freq=1", "--validation.steps=1",
+                       f"--validation.dataset_path={val}", "--metrics.peak_tflops=1",
+                       f"--job.dump_folder={tmp_path / 'out'}"])
+
+
+def test_chat_template_warning_once_per_run(run_ctitan, tokdir, texts, tmp_path):  # noqa: F811
+    """training.chat_template with text data for training and validation: the data is
+    tokenized twice (and on every rank), the warning printed once."""
+    rc, _, err = train_on(run_ctitan, tokdir, tmp_path, texts / "d.txt", texts / "d.txt")
+    assert warnings_of(err, "chat template") == [
+        f'ctitan: warning: chat template "chatml" is not applied to {texts / "d.txt"}: it is text data, not chat '
+        'data' + TAIL], err
+
+
+def test_chat_template_used_by_the_training_data_does_not_warn(run_ctitan, tokdir, texts, tmp_path):  # noqa: F811
+    """Chat data to train on and text to validate on: the template is used (a guard: silent
+    before the fix too)."""
+    rc, _, err = train_on(run_ctitan, tokdir, tmp_path, texts / "chat.jsonl", texts / "d.txt")
+    assert not warnings_of(err, "chat template"), err
+
+
+# ------------------------------------------------------------------ a stop's checkpoint, not resumed
+
+def test_checkpoint_a_run_will_not_resume_from_is_named(run_ctitan, tmp_path):
+    """A stop saves whatever checkpoint.enable says. Rerunning the stopped command as it was
+    (checkpoint.enable false, the default) started over at step 0 without a word, beside the
+    checkpoint it had been told it could resume from. It still starts over (enable false
+    means no resume, as in torchtitan) but says which checkpoint it leaves and how to resume."""
+    _, out, args = tiny_run(tmp_path, steps=4)
+    rc, _, err = run_ctitan(args + ["--training.stop_at_step=2"], check=False)
+    assert rc == 75 and "--checkpoint.enable=true" in err, (rc, err)
+    rc, _, err = run_ctitan(args)
+    assert warnings_of(err, "resume") == [
+        f"ctitan: warning: {out / 'checkpoint'} holds step-2, which this run does not resume from: "
+        "checkpoint.enable is false (pass --checkpoint.enable=true to resume); starting at step 0"], err
+    rc, _, err = run_ctitan(args + ["--checkpoint.enable=true", "--training.steps=6"])
+    assert "ctitan: resuming from" in err and not warnings_of(err, "does not resume"), err
