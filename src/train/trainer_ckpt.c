@@ -329,7 +329,23 @@ static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_e
 static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
     ct_config *c = &t->cfg;
     p->kind = PICK_NONE;
-    if (!c->ckpt_enable) return 0;
+    if (!c->ckpt_enable) {
+        /* A stop saves whatever checkpoint.enable says, so a folder may hold a
+         * checkpoint this run will not resume from: rerunning the stopped
+         * command as it was would start over in silence. */
+        int steps[1], n = ckpt_list(t->ckpt_folder, steps, 0);
+        if (n > 0 && t->world->rank == 0) {
+            int *all = ct_malloc((size_t)n * sizeof *all);
+            n = ckpt_list(t->ckpt_folder, all, n);
+            if (n > 0)
+                fprintf(stderr,
+                        "ctitan: warning: %s holds step-%d, which this run does not resume from: checkpoint.enable "
+                        "is false (pass --checkpoint.enable=true to resume); starting at step 0\n",
+                        t->ckpt_folder, all[n - 1]);
+            free(all);
+        }
+        return 0;
+    }
     if (c->load_step >= 0) {
         int rc = ckpt_select(t->ckpt_folder, c->load_step, p->dir, sizeof p->dir, &p->step, e);
         if (rc == CKPT_NONE) return 0; /* an error once the ranks agree that there is none */
