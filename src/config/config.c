@@ -190,8 +190,9 @@ static const cfg_option cfg_options[] = {
     OPT("checkpoint", "enable_first_step_checkpoint", CFG_BOOL, first_step_ckpt, "false",
         .help = "also save a checkpoint after step 1"),
     OPT("checkpoint", "initial_load_path", CFG_STR, initial_load_path, "",
-        .help = "checkpoint to start from when the folder has none (with initial_load_in_hf: an HF directory or "
-                "Hub id, at model.hf_revision)"),
+        .help = "Hugging Face model directory or Hub id (at model.hf_revision) whose weights start the run when "
+                "checkpoint.folder holds no checkpoint; needs initial_load_in_hf = true (a training checkpoint "
+                "resumes through checkpoint.folder)"),
     OPT("checkpoint", "initial_load_in_hf", CFG_BOOL, initial_load_in_hf, "false",
         .help = "initial_load_path is a Hugging Face model directory"),
     OPT("checkpoint", "last_save_in_hf", CFG_BOOL, last_save_in_hf, "false",
@@ -238,6 +239,9 @@ static const cfg_option cfg_options[] = {
                 "heads, intermediate size, moe_intermediate_size, and the vocabulary when lm_head is untied)"),
     OPT("parallelism", "expert_parallel_degree", CFG_INT, ep, "1", .range = CFG_GE, .lo = 1,
         .help = "data-parallel ranks splitting the MoE experts' work (docs/distributed.md)"),
+    OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1", .range = CFG_GE, .lo = 1,
+        .help = "torchtitan's context parallel (each sequence split across ranks): not implemented, so only 1 is "
+                "taken; the key is read so that a torchtitan config holding it runs"),
     OPT("parallelism", "pipeline_parallel_degree", CFG_INT, pp, "1", .range = CFG_GE, .lo = 1,
         .help = "pipeline stages: ranks each holding a range of layers, passing activations forward and "
                 "gradients back (docs/distributed.md)"),
@@ -846,12 +850,15 @@ int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e) {
 
 /* ---- validation ---- */
 
+/* Each message names where the value it is about was set (cfg_origin): the
+ * file, or the command line when an override set it. */
 int cfg_validate(const ct_config *c, ct_err *e) {
-    const char *src = c->config_path && c->config_path[0] ? c->config_path : "command line";
+    const char *file = c->config_path && c->config_path[0] ? c->config_path : "command line";
     /* Per-option checks again: the library API may have set fields directly. */
     for (int i = 0; i < CFG_N_OPTIONS; i++) {
         const cfg_option *o = &cfg_options[i];
         const void *f = cfg_cfield(c, o);
+        const char *src = c->from_cli[i] ? "command line" : file;
         int rc = 0;
         switch (o->type) {
         case CFG_STR:
@@ -877,13 +884,13 @@ int cfg_validate(const ct_config *c, ct_err *e) {
         if ((long long)rows[i].batch * c->seq_len > INT_MAX)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: %s.local_batch_size (%d) x training.seq_len (%d) = %lld, out of range (at most %d)",
-                           src, rows[i].key, rows[i].batch, c->seq_len, (long long)rows[i].batch * c->seq_len,
+                           cfg_origin(c, i ? "validation.local_batch_size" : "training.local_batch_size"), rows[i].key, rows[i].batch, c->seq_len, (long long)rows[i].batch * c->seq_len,
                            INT_MAX);
     if (c->global_batch_size != -1 && c->global_batch_size % c->local_batch_size != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: training.global_batch_size (%d) must be -1 or a positive multiple "
                        "of training.local_batch_size (%d)",
-                       src, c->global_batch_size, c->local_batch_size);
+                       cfg_origin(c, "training.global_batch_size"), c->global_batch_size, c->local_batch_size);
     {
         /* "op" or a whole number >= 1 (checked again by lm_create_ac) */
         const char *o = c->ac_selective_option;
@@ -893,25 +900,32 @@ int cfg_validate(const ct_config *c, ct_err *e) {
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: activation_checkpoint.selective_ac_option: \"%s\" is neither \"op\" nor a "
                            "layer period (1 to 999999)",
-                           src, o);
+                           cfg_origin(c, "activation_checkpoint.selective_ac_option"), o);
     }
     if (strcmp(c->model_spec, "hf") == 0 && !c->hf_assets_path[0])
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: model.hf_assets_path: required when model.spec is \"hf\" "
-                       "(the directory holding config.json)", src);
+                       "(the directory holding config.json)", cfg_origin(c, "model.spec"));
     if (!c->hf_revision[0])
         return ct_fail(e, CT_ERR_CONFIG, "%s: model.hf_revision: must name a branch, tag or commit (default \"main\")",
-                       src);
+                       cfg_origin(c, "model.hf_revision"));
     if (c->initial_load_path[0] && !c->initial_load_in_hf)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: checkpoint.initial_load_path: only Hugging Face safetensors directories can be loaded "
                        "as initial weights; set checkpoint.initial_load_in_hf = true (training checkpoints "
-                       "resume through checkpoint.folder)", src);
+                       "resume through checkpoint.folder)", cfg_origin(c, "checkpoint.initial_load_path"));
     if (c->val_steps == 0)
-        return ct_fail(e, CT_ERR_CONFIG, "%s: validation.steps: must be positive or -1 (one pass)", src);
+        return ct_fail(e, CT_ERR_CONFIG, "%s: validation.steps: must be positive or -1 (one pass)",
+                       cfg_origin(c, "validation.steps"));
     if (c->val_enable && !c->val_dataset_path[0])
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: validation.dataset_path: required when validation.enable is true", src);
+                       "%s: validation.dataset_path: required when validation.enable is true",
+                       cfg_origin(c, "validation.enable"));
+    if (c->cp != 1)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.context_parallel_degree = %d: context parallel is not implemented; use 1 "
+                       "(docs/distributed.md)",
+                       cfg_origin(c, "parallelism.context_parallel_degree"), c->cp);
     return 0;
 }
 
@@ -949,7 +963,7 @@ void cfg_print_help(FILE *out) {
             fprintf(out, "  %s\n  %-*s  %s", flag, width, "", o->help);
         else
             fprintf(out, "  %-*s  %s", width, flag, o->help);
-        cfg_range_text(o, 0, r, sizeof r);
+        cfg_range_text(o, 1, r, sizeof r);
         if (r[0]) fprintf(out, "; %s", r);
         if (o->type == CFG_STR || o->type == CFG_ENUM)
             fprintf(out, " (default: \"%s\")\n", o->def);

@@ -265,3 +265,43 @@ def test_checkpoint_a_run_will_not_resume_from_is_named(run_ctitan, tmp_path):
         "checkpoint.enable is false (pass --checkpoint.enable=true to resume); starting at step 0"], err
     rc, _, err = run_ctitan(args + ["--checkpoint.enable=true", "--training.steps=6"])
     assert "ctitan: resuming from" in err and not warnings_of(err, "does not resume"), err
+
+
+# ------------------------------------------------------------------ config keys and where they were set
+
+def test_context_parallel_degree_is_read_and_only_1_taken(run_ctitan, tmp_path):
+    """torchtitan's [parallelism] has context_parallel_degree; a config holding it was refused
+    as an unknown key though the docs said it was read. 1 runs; another value names the key
+    and why."""
+    conf = tmp_path / "cp.toml"
+    conf.write_text("[parallelism]\ncontext_parallel_degree = 1\n")
+    rc, _, err = run_ctitan(["train", "--config", conf, "--dry-run"], check=False)
+    assert rc == 0, err
+    rc, _, err = run_ctitan(["train", "--config", conf, "--parallelism.context_parallel_degree=2", "--dry-run"],
+                            check=False)
+    assert rc == 2 and ("command line: parallelism.context_parallel_degree = 2: context parallel is not "
+                        "implemented; use 1") in err, (rc, err)
+
+
+@pytest.mark.parametrize("args, origin, key", [
+    (["--checkpoint.initial_load_path=/nowhere"], "command line", "checkpoint.initial_load_path:"),
+    (["--validation.steps=0"], "command line", "validation.steps:"),
+    (["--training.steps=-3"], "command line", "training.steps:"),
+    ([], "FILE", "checkpoint.initial_load_path:"),
+], ids=["cross_key_cli", "validation_steps_cli", "range_cli", "cross_key_file"])
+def test_config_errors_name_where_the_value_was_set(run_ctitan, tmp_path, args, origin, key):
+    """An error about a value set on the command line named the config file (checks run after
+    the parse used the file's name for every key). range_cli (checked during the parse) and
+    cross_key_file passed before too: they guard the two other origins."""
+    conf = tmp_path / "c.toml"
+    conf.write_text('[checkpoint]\ninitial_load_path = "/elsewhere"\n' if not args else "[training]\nsteps = 2\n")
+    rc, _, err = run_ctitan(["train", "--config", conf, *args, "--dry-run"], check=False)
+    where = str(conf) if origin == "FILE" else origin
+    assert rc == 2 and f"ctitan: error: {where}: {key}" in err, (rc, err)
+
+
+def test_help_shows_the_unset_value_beside_the_range(run_ctitan):
+    """data_parallel_shard_degree read '>= 1 (default: -1)': the default outside its own range."""
+    rc, out, _ = run_ctitan(["train", "--help"])
+    assert "-1 (unset) or >= 1 (default: -1)" in out and ">= 1 (default: -1)" not in out.replace(
+        "-1 (unset) or >= 1 (default: -1)", ""), out
