@@ -69,8 +69,8 @@ int cli_describe(int argc, char **argv) {
         }
     }
     if (!dir == !flavor) {
-        fprintf(stderr, "ctitan: error: describe: give a model directory or --flavor NAME, not both "
-                        "(try ctitan describe --help)\n");
+        fprintf(stderr, "ctitan: error: describe: give a model directory (or Hub id) or --flavor NAME%s "
+                        "(try ctitan describe --help)\n", dir ? ", not both" : "");
         return 2;
     }
     hub_local loc;

@@ -305,3 +305,11 @@ def test_help_shows_the_unset_value_beside_the_range(run_ctitan):
     rc, out, _ = run_ctitan(["train", "--help"])
     assert "-1 (unset) or >= 1 (default: -1)" in out and ">= 1 (default: -1)" not in out.replace(
         "-1 (unset) or >= 1 (default: -1)", ""), out
+
+
+@pytest.mark.parametrize("args, both", [([], False), (["x", "--flavor", "debugmodel"], True)], ids=["none", "both"])
+def test_describe_says_what_is_missing(run_ctitan, args, both):
+    """`ctitan describe` with nothing to describe said 'not both'."""
+    rc, _, err = run_ctitan(["describe", *args], check=False)
+    assert rc == 2 and "give a model directory (or Hub id) or --flavor NAME" in err and ("not both" in err) == both, \
+        (rc, err)
