@@ -1,4 +1,6 @@
-/* core/timer.c */
+/* core/timer.c: the one clock of the run's timings (steps, kernels' tuning,
+ * progress). CLOCK_MONOTONIC, not the wall clock: a time-of-day change or an
+ * NTP step during a run must not make a step look negative or hours long. */
 #define _POSIX_C_SOURCE 200809L
 #include "core/timer.h"
 

@@ -6,7 +6,8 @@
  * ops that write a layer's activation gradients (the matmul's d(input),
  * attention, the q/k norm + RoPE, swiglu, geglu) may also overwrite: their
  * acc / accumulate flag 0 is their first product into the buffer, which then
- * needs no zeroing, nor a read of the zeros. All
+ * needs no zeroing, nor a read of the zeros. The MoE experts' backward always
+ * overwrites its dtopw (a per-slot value, not a gradient of a tensor). All
  * tensors are fp32, row-major, contiguous. Weights are [out, in] as in HF.
  * These are the plain reference implementations (kernels/ref/); faster ones
  * register beside them later and are checked against these. */

@@ -978,9 +978,9 @@ static void mm_fwd(lm_model *m, float *out, const float *in, const float *w, int
     else K(MATMUL, matmul_fwd, out, in, w, M, K, N, accumulate);
 }
 
-/* matmul_bwd's din (+)= dout w (acc 0: din's first product, overwritten) and
- * dw += dout^T in; a bf16-stored w is frozen, so it has no dw (NULL) and only
- * din runs, from the store. */
+/* matmul_bwd's din[M, K] (+)= dout[M, N] w[N, K] (acc 0: din's first product,
+ * overwritten) and dw[N, K] += dout^T in[M, K]; a bf16-stored w is frozen, so
+ * it has no dw (NULL) and only din runs, from the store. */
 static void mm_bwd(lm_model *m, float *din, float *dw, const float *dout, const float *in, const float *w, int M, int K,
                    int N, int acc) {
     const uint16_t *h = frozen_bf16(m, w);
@@ -1199,8 +1199,10 @@ static void experts_copy(const lm_model *m, float *dst, const float *w, size_t n
 /* The experts op on weights eg, eu, ed (base or adapted): the wbf16 entries
  * when any of them is a bf16-stored base projection, which they read from
  * the store (the same bits as on its fp32 widening); else the fp32 ones.
- * fwd: out (NULL: recomputation) from the gate / up / h it fills; else the
- * backward into dx, dg, du, dd (NULL: not wanted), dtopw from dout. */
+ * fwd: out[BT, H] (NULL: recomputation) from the gate / up / h ([BT*k, Im],
+ * permuted rows) it fills; else the backward into dx[BT, H], the experts'
+ * dg, du [E, Im, H] and dd [E, H, Im] (NULL: not wanted), dtopw[BT, k] from
+ * dout[BT, H]. */
 static void experts_h(lm_model *m, int fwd, float *out, float *dx, float *dg, float *du, float *dd, float *dtopw,
                       const float *dout, lm_layer_acts *a, float *work, const float *eg, const float *eu,
                       const float *ed, int BT) {
@@ -1396,8 +1398,10 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
     default: K(ROPE, rope_fwd, out, x, cs, sn, B, T, nh, hd, rd);
     }
 }
-/* dx (+)= d(x) from dout = d(out); dout is overwritten (scratch). The per-head
- * norm + RoPE overwrites dx; the other paths add to it (zero_layer_scratch). */
+/* dx[BT, nh*hd] (+)= d(x) and dw[hd] or [nh*hd] (the norm's weight) += from
+ * dout[BT, nh*hd] = d(out), which is overwritten (scratch); rstd: the
+ * forward's [BT, nh] or [BT]. The per-head norm + RoPE overwrites dx; the other
+ * paths add to it (zero_layer_scratch). */
 static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *x, const float *w, const float *rstd,
                    const float *cs, const float *sn, int B, int T, int nh, int hd) {
     int rd = lm_rotary_dim(&m->cfg);
@@ -1431,7 +1435,7 @@ static void proj_reduced(lm_model *m, float *out, const float *in, const float *
     if (b) op_bias_add(out, b, BT, N);
 }
 
-/* The gated MLP's activation: h = act(gate) * up. */
+/* The gated MLP's activation: h[n] = act(gate[n]) * up[n] (n = BT x I). */
 static void glu_fwd(lm_model *m, float *h, const float *gate, const float *up, int n) {
     if (m->cfg.act == LM_ACT_GELU_TANH) K(GEGLU, geglu_fwd, h, gate, up, n);
     else K(SWIGLU, swiglu_fwd, h, gate, up, n);
@@ -1648,6 +1652,7 @@ static void forward_aux(lm_model *m, int BT) {
                                    c->output_router_logits ? c->router_aux_loss_coef * m->moe.aux_scale : 0.0);
 }
 
+/* act.lnf[BT, H] = RMSNorm(act.res_out[BT, H]), lnf_rstd[BT] kept for the backward. */
 static void final_norm_fwd(lm_model *m, int BT) {
     int H = m->cfg.hidden;
     K(RMSNORM, rmsnorm_fwd, m->act.lnf, m->act.lnf_rstd, m->act.res_out, nw(m, m->w.lnf, H), BT, H, (float)m->cfg.rms_eps);
@@ -2035,9 +2040,9 @@ void lm_kv_forward(lm_model *m, lm_kv *kv, const int32_t *tokens, int p0, int n,
 
 /* --------------------------------------------------------------- backward */
 
-/* The sparse MLP's backward from d_res (d of the layer's output, the same as
- * d of the MLP's output): d_ln = d(ln2), gradients of the experts and the
- * router. Reuses the forward's routing; the load-balancing term, if on,
+/* The sparse MLP's backward from d_res[BT, H] (d of the layer's output, the
+ * same as d of the MLP's output): d_ln[BT, H] = d(ln2), gradients of the
+ * experts and the router. Reuses the forward's routing; the load-balancing term, if on,
  * enters d probs through moe_dprob_all. */
 static void moe_layer_bwd(lm_model *m, int l, int BT) {
     const lm_config *c = &m->cfg;
@@ -2068,8 +2073,9 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
 }
 
 /* The backward of x[BT, H] += [norm](in[BT, K] @ w^T + b) (+ LoRA adapter p):
- * o_proj and down_proj. From d_res = d(x): din[BT, K] += d(in) (din: zeroed scratch)
- * and the weight, bias, norm and adapter gradients (NULL: frozen or absent).
+ * o_proj and down_proj. From d_res[BT, H] = d(x): din[BT, K] = d(in) (its first
+ * product, overwritten; the adapter's then adds) and the weight [H, K], bias [H],
+ * norm [H] and adapter gradients (NULL: frozen or absent).
  * y, rstd: the forward's output before the norm and its rstd (ln NULL: no
  * norm, d(output) is d_res itself). d_ln is the scratch for d(y). */
 static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in, const float *w, float *gw, float *gb,
@@ -2111,7 +2117,8 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
     return loss_sum;
 }
 
-/* Layer l's backward from d_res = d(its output): d_res becomes d(its input). */
+/* Layer l's backward from d_res[BT, H] = d(its output): d_res becomes d(its
+ * input), and layer l's weight gradients accumulate (+=). */
 static void layer_backward(lm_model *m, int l, int B, int T) {
     const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
@@ -2191,7 +2198,7 @@ static void backward_layers(lm_model *m, int l0, int l1, int B, int T) {
     }
 }
 
-/* The embedding's gradient from d_res = d(layer 0's input). */
+/* The embedding's gradient wte[V, H] += from d_res[BT, H] = d(layer 0's input). */
 static void embed_bwd(lm_model *m, const int32_t *tokens, int BT) {
     const lm_config *c = &m->cfg;
     int H = c->hidden;
