@@ -124,7 +124,8 @@ static const cfg_option cfg_options[] = {
     OPT("training", "stop_at_step", CFG_INT, stop_at_step, "0", .range = CFG_GE, .lo = 0,
         .help = "stop after this step with a checkpoint, as if preempted (job time limits, tests); 0: never"),
     OPT("training", "deterministic", CFG_BOOL, deterministic, "false",
-        .help = "bit-identical runs for the same config"),
+        .help = "torchtitan's key, read and ignored: every ctitan run is bit-identical for the same config "
+                "and thread count, whatever it says"),
     OPT("training", "threads", CFG_INT, threads, "0", .range = CFG_GE, .lo = 0,
         .help = "CPU threads; 0: OMP_NUM_THREADS or all cores"),
     OPT("training", "logits_chunk_rows", CFG_INT, logits_chunk_rows, "0", .range = CFG_GE, .lo = 0,
