@@ -126,6 +126,15 @@ def test_layouts_agree_and_restore_both_ways(runs):
     assert "tokens/s of the job B / A" in p.stdout
 
 
+def test_probes_run_for_root_without_the_open_mpi_variables(runs):
+    """compare launches its restore probes with mpirun. Run as root (as CI and the README's
+    set-up are) without OMPI_ALLOW_RUN_AS_ROOT*, Open MPI refused them, and a refusal read
+    as 'DOES NOT RESTORE' (exit 4): the user typed no mpirun, so compare says yes for them."""
+    env = {k: v for k, v in MPI_ENV.items() if not k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
+    p = compare(runs["one"], runs["fsdp"], "--tolerance", TOL, env=env)
+    assert p.returncode == 0 and p.stdout.count(": restores") == 2, p.stdout + p.stderr
+
+
 def test_tensor_parallel_layout(runs):
     """The recipe on 2 tensor-parallel ranks (each holds half of every layer's heads and MLP
     columns, a layout that slices tensors rather than whole ones) against one process."""
