@@ -188,6 +188,24 @@ static int check_chat_template(const ds *d, const cJSON *rec, const char *meta, 
     return rc;
 }
 
+/* A chat template named (not "auto") for data that turned out to hold no chat
+ * data: no token masked out of the loss, so the template shaped nothing. The
+ * tokenizer's pass (ds_source.c) already says so of text it tokenized; this
+ * covers token files and prepared text shards, and shares its note
+ * (ds_tok_opts.template_seen), so a run says it once and not of its text
+ * validation data beside chat training data. */
+static void note_unused_template(const ds *d, const ds_tok_opts *o) {
+    const char *spec = o->chat_template;
+    int *seen = o->template_seen;
+    if (!spec || !spec[0] || !strcmp(spec, "auto") || (seen && *seen)) return;
+    if (seen) *seen = 1;
+    if (!d->has_mask)
+        fprintf(stderr,
+                "ctitan: warning: chat template \"%s\" is not applied to %s: it holds no chat data (no token is "
+                "masked out of the loss), and only chat data is rendered with a template\n",
+                spec, d->name);
+}
+
 /* meta.json's count KEY, when present: a non-negative integer (*has = 1), else
  * a format error naming the key. Absent (a hand-written meta.json) is *has = 0. */
 static int meta_count(const cJSON *j, const char *key, const char *meta, uint64_t *out, int *has, ct_err *e) {
@@ -611,6 +629,7 @@ int ds_open(ds **out, const char *const *paths, int n_paths, const tok *t, const
                 d->name, (unsigned long long)d->n_tokens, (unsigned long long)d->n_windows, c->seq_len + 1,
                 d->has_mask ? ", loss-masked" : "", c->shuffle ? ", shuffled" : "", d->rank, d->world,
                 (unsigned long long)ds_windows_per_rank(d));
+    note_unused_template(d, &c->tok);
     *out = d;
     return 0;
 }

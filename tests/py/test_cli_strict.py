@@ -249,6 +249,33 @@ def test_chat_template_used_by_the_training_data_does_not_warn(run_ctitan, tokdi
     assert not warnings_of(err, "chat template"), err
 
 
+@pytest.mark.parametrize("kind", ["prepared_text", "token_file"])
+def test_chat_template_for_token_data_without_chat_warns(run_ctitan, tokdir, texts, tmp_path, kind):  # noqa: F811
+    """Token data holds what prepare rendered: a template named for a prepared text dataset
+    (meta.json records no chat) or for a plain token file shapes nothing, and said nothing.
+    Validation data is the same, so the run warns once."""
+    if kind == "prepared_text":
+        data = tmp_path / "p"
+        prepare(run_ctitan, tokdir, texts / "d.txt", data)
+    else:
+        data = tmp_path / "t.bin"
+        oracle.write_bin(data, oracle.random_tokens(40 * 17, 704, seed=2))
+    rc, _, err = train_on(run_ctitan, tokdir, tmp_path, data, data)
+    assert warnings_of(err, "chat template") == [
+        f'ctitan: warning: chat template "chatml" is not applied to {data}: it holds no chat data (no token is '
+        'masked out of the loss), and only chat data is rendered with a template'], err
+
+
+def test_chat_template_for_prepared_chat_data_does_not_warn(run_ctitan, tokdir, texts, tmp_path):  # noqa: F811
+    """Prepared chat data (masked), trained with the template it was prepared with, and text
+    validation data: the template has a use, so no warning (the tokenizer's pass alone, which
+    never sees prepared data, warned of the validation text)."""
+    data = tmp_path / "p"
+    prepare(run_ctitan, tokdir, texts / "chat.jsonl", data, "--chat-template", "chatml")
+    rc, _, err = train_on(run_ctitan, tokdir, tmp_path, data, texts / "d.txt")
+    assert not warnings_of(err, "chat template"), err
+
+
 # ------------------------------------------------------------------ a stop's checkpoint, not resumed
 
 def test_checkpoint_a_run_will_not_resume_from_is_named(run_ctitan, tmp_path):
