@@ -450,6 +450,17 @@ static void test_hostile_manifest(void) {
     pathf(p, "%s/%s", dir, "manifest.json");
     write_file(p, "{}", 2);
     CHECK(ckpt_verify(dir, &e) != 0 && strstr(e.msg, "manifest.json"), "no self checksum: %s", e.msg);
+    /* step-0 (an import's name) is a step like the others: a manifest that says 3
+     * under it is refused too (the check once skipped the name's 0) */
+    char dir0[4096];
+    pathf(dir0, "%s/%s", folder, "step-0");
+    CHECK(rename(dir, dir0) == 0, "rename to step-0");
+    files_body(dir0, all, 5, body, sizeof body);
+    forge_manifest(dir0, body, 3, "false", 1);
+    CHECK(ckpt_verify(dir0, &e) != 0 && strstr(e.msg, "says step 3") && strstr(e.msg, "step-0"),
+          "step 3 under step-0: %s", e.msg);
+    forge_manifest(dir0, body, 0, "false", 1);
+    CHECK(ckpt_verify(dir0, &e) == 0, "step 0 under step-0 is refused: %s", e.msg);
     tiny_free(&a);
 }
 

@@ -12,6 +12,7 @@
 #endif
 #include <ftw.h>
 #include <sys/stat.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -400,6 +401,39 @@ static void test_packing(void) {
     CHECK(ds_open(&d, &p, 1, NULL, &c, &e) && strstr(e.msg, "iota.bin: token 50 at position 50"), "%s", e.msg);
 }
 
+/* The shuffle is uniform: over many seeds, with 2 and 3 windows, every order
+ * comes up about equally often (within 5 standard deviations of n / k!). A
+ * Fisher-Yates that skipped its last swap still gave permutations that
+ * differed between epochs, which the test below checks, but never shuffled
+ * 2 windows and favoured some orders of 3 (a mutation audit). */
+static void test_shuffle_uniform(void) {
+    enum { T = 1, SEEDS = 2400 };
+    for (int nw = 2; nw <= 3; nw++) {
+        write_iota("u.bin", (size_t)nw * (T + 1));
+        int count[6] = {0}, n_orders = nw == 2 ? 2 : 6, bad = 0;
+        for (int s = 0; s < SEEDS && !bad; s++) {
+            ct_err e = {0};
+            ds *d = open1("u.bin", T, 1, (uint64_t)s * 7919 + 1, 0, 1, &e);
+            if (!d) {
+                CHECK(0, "%s", e.msg);
+                return;
+            }
+            long w[3] = {0};
+            for (int k = 0; k < nw; k++) w[k] = next_window(d, T);
+            ds_close(d);
+            /* the order's index: its Lehmer code */
+            int idx = nw == 2 ? (int)w[0] : (int)w[0] * 2 + (w[1] > w[0] ? (int)w[1] - 1 : (int)w[1]);
+            if (w[0] < 0 || w[0] >= nw || idx < 0 || idx >= n_orders) bad = 1;
+            else count[idx]++;
+        }
+        CHECK(!bad, "%d windows: every epoch is a permutation", nw);
+        double want = (double)SEEDS / n_orders, sd = sqrt(SEEDS * (1.0 / n_orders) * (1.0 - 1.0 / n_orders));
+        for (int i = 0; i < n_orders; i++)
+            CHECK(fabs(count[i] - want) <= 5 * sd, "%d windows: order %d came up %d times in %d seeds, want %.0f +- %.0f",
+                  nw, i, count[i], SEEDS, want, 5 * sd);
+    }
+}
+
 /* Windows of one epoch per rank: disjoint, complete but for the remainder,
  * and rank r's k-th window is entry k * world + r of the single-rank order. */
 static void test_shuffle_and_shards(void) {
@@ -729,6 +763,7 @@ int main(void) {
     test_sources(t);
     test_packing();
     test_shuffle_and_shards();
+    test_shuffle_uniform();
     test_state();
     test_shards();
     test_prepare_integrity();

@@ -56,7 +56,23 @@ static void test_norm(ct_rng *r, size_t n) {
     free(g);
 }
 
+/* The clipping coefficient is torch.nn.utils.clip_grad_norm_'s: max_norm /
+ * (norm + 1e-6), capped at 1 (torch/nn/utils/clip_grad.py). At a norm near
+ * the 1e-6 its constant matters: 1e-5 in its place went unnoticed by the
+ * training tests, where norms are of order 1 (a mutation audit). */
+static void test_clip_scale(void) {
+    const double cases[][2] = {{5e-5, 1e-5}, {3.0, 1.0}, {2e-6, 1e-6}, {0.5, 1.0}, {7.0, 0.0}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        double norm = cases[i][0], max_norm = cases[i][1];
+        double want = max_norm <= 0 ? 1.0 : fmin(max_norm / (norm + 1e-6), 1.0); /* max_norm 0: no clipping */
+        float got = optim_clip_scale(norm, max_norm);
+        CHECK(fabs(got - want) <= 1e-6 * want, "clip scale at norm %g, max_norm %g: %.9g, torch's formula %.9g", norm,
+              max_norm, got, want);
+    }
+}
+
 int main(void) {
+    test_clip_scale();
     ct_rng r;
     ct_rng_seed(&r, 7);
     CHECK(optim_grad_norm(NULL, 0) == 0.0, "no gradients: a norm of 0");

@@ -454,6 +454,100 @@ def test_dropout_training_forwards_only(tmp_path, open_session):
     assert losses[0] == losses[1], f"same seed, different dropout: {losses}"
 
 
+_U64 = np.uint64
+
+
+def _splitmix(z):
+    """splitmix64's finaliser on a uint64 array (wrapping arithmetic)."""
+    z = z + _U64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return z ^ (z >> _U64(31))
+
+
+def lora_dropout_keep(seed, step, micro, layer, proj, n, p, dp_rank=0):
+    """ctitan's documented LoRA dropout mask (docs/lora.md: a counter hash of training.seed,
+    step, data-parallel rank, micro-batch, layer, projection, element), re-implemented from
+    the rule, not read from ctitan: the mask seed is seed * golden ^ step << 20 ^ dp_rank << 44
+    ^ micro (trainer_lora_seed), the key mix(mask seed ^ mix(layer << 8 | projection)) with
+    projection q k v o gate up down = 0..6, and element i of the adapter's input [B*T, in]
+    (row-major) is kept when the top 24 bits of mix(key + i) are >= float32(p) * 2^24.
+    Returns a bool array of n."""
+    with np.errstate(over="ignore"):
+        s = (_U64(seed) * _U64(0x9E3779B97F4A7C15)) ^ (_U64(step) << _U64(20)) ^ \
+            (_U64(dp_rank) << _U64(44)) ^ _U64(micro)
+        key = _splitmix(np.array([s ^ _splitmix(np.array([(layer << 8) | proj], dtype=_U64))[0]], dtype=_U64))[0]
+        cut = int(float(np.float32(p)) * 16777216.0)
+        return (_splitmix(key + np.arange(n, dtype=_U64)) >> _U64(40)) >= _U64(cut)
+
+
+class _FixedDropout(torch.nn.Module):
+    """nn.Dropout(p) with a given keep mask: x * keep / (1 - p), what PEFT's lora_dropout
+    computes on the adapter's input (lora_B(lora_A(dropout(x))) * scaling) in train mode."""
+
+    def __init__(self, keep, p):
+        super().__init__()
+        self.register_buffer("keep", torch.from_numpy(keep.astype(np.float32)))
+        self.p = p
+
+    def forward(self, x):
+        assert x.shape == self.keep.shape, f"dropout input {tuple(x.shape)} vs mask {tuple(self.keep.shape)}"
+        return x * self.keep / (1.0 - self.p)
+
+
+def test_dropout_training_step_matches_peft_with_same_mask(tmp_path, open_session):
+    """A training forward_backward with lora.dropout=0.3 (r 4, alpha 12: scale 3 != 1) on all
+    seven targets of a dense Qwen3 against PEFT with each adapter's lora_dropout replaced by
+    the same mask (x * keep / (1 - p) on the adapter's input, before lora_A): loss and every
+    lora_A / lora_B gradient, to TOL. The mask is ctitan's documented hash re-implemented
+    here (lora_dropout_keep); its kept fraction must be about 1 - p. This is what checks
+    the 1 / (1 - p) of the dropped input and the dropout backward's scale on d(A x)
+    (ctitan's dropout path is not the fused dropout-free kernel); the eval logits and seed
+    repeatability are test_dropout_training_forwards_only's."""
+    p, r, alpha, seed = 0.3, 4, 12.0, 5
+    cfg = dense_cfg()
+    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
+    oracle.save_random_hf(hf_dir, cfg, seed=41)
+    pm = OL.make_peft(oracle.load_hf(hf_dir), r=r, alpha=alpha, targets=OL.ALL7, seed=9)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    lora = OL.lora_names(range(cfg.num_hidden_layers), OL.ALL7)
+    assert sorted(params) == sorted(lora), f"test setup: PEFT trains {sorted(params)}"
+    tokens, labels = make_batch(cfg.vocab_size, LOCAL_BS, L, seed=6)
+    nv = oracle.n_valid(labels)
+    loss_nodrop, _, grads_nodrop = OL.loss_logits_grads(pm, params, tokens, labels)
+
+    # step 1, micro-batch 0 of the session's first forward_backward
+    widths = {"q_proj": cfg.hidden_size, "k_proj": cfg.hidden_size, "v_proj": cfg.hidden_size,
+              "o_proj": cfg.num_attention_heads * cfg.head_dim, "gate_proj": cfg.hidden_size,
+              "up_proj": cfg.hidden_size, "down_proj": cfg.intermediate_size}
+    kept = total = 0
+    layers = pm.base_model.model.model.layers
+    for l in range(cfg.num_hidden_layers):
+        for j, mod in enumerate(OL.ALL7):
+            n = LOCAL_BS * L * widths[mod]
+            keep = lora_dropout_keep(seed, step=1, micro=0, layer=l, proj=j, n=n, p=p)
+            frac = keep.mean()
+            assert abs(frac - (1 - p)) < 0.1, f"layer {l} {mod}: mask keeps {frac:.3f}, not about {1 - p}"
+            kept, total = kept + int(keep.sum()), total + n
+            sub = getattr(layers[l], "self_attn" if mod in OL.ATTN else "mlp")
+            getattr(sub, mod).lora_dropout["default"] = _FixedDropout(keep.reshape(LOCAL_BS, L, -1), p)
+    assert abs(kept / total - (1 - p)) < 0.02, f"the masks keep {kept / total:.4f} of the inputs, not about {1 - p}"
+    ref_loss, _, ref_grads = OL.loss_logits_grads(pm, params, tokens, labels)
+    assert abs(ref_loss - loss_nodrop) > 100 * TOL * ref_loss, "test setup: the dropout hardly changes the loss"
+    assert all(oracle.rel_err(ref_grads[n], grads_nodrop[n]) > 100 * TOL for n in lora), \
+        "test setup: the dropout hardly changes some gradient"
+
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, seed=seed, extra=lora_args(
+        r=r, alpha=alpha, adapter=ad) + [f"--lora.dropout={p}"]))
+    s.zero_grad()
+    loss = s.forward_backward(tokens, labels, nv) / nv
+    assert close(loss, ref_loss, TOL), f"loss {loss} vs PEFT with the same mask {ref_loss} (no dropout: {loss_nodrop})"
+    bad = [f"{n}: rel err {oracle.rel_err(s.get_grad(n), ref_grads[n]):.3g}" for n in lora
+           if not oracle.rel_err(s.get_grad(n), ref_grads[n]) <= TOL]
+    assert not bad, "adapter gradients with dropout differ from PEFT's with the same mask:\n" + "\n".join(bad)
+
+
 # --------------------------------------------------------------------------- 5. freeze without LoRA
 
 def test_freeze_without_lora(tmp_path, open_session):

@@ -157,3 +157,36 @@ def test_session_loop(tied, tmp_path, open_session):
         if not e <= TOL:
             bad.append(f"{n}: rel err {e:.3g}")
     assert not bad, "weights after 4 steps differ from the PyTorch loop:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
+@pytest.mark.parametrize("decay_ratio", [None, 0.3], ids=["decay_all", "decay_0.3"])
+def test_lr_schedule_every_step(decay_type, decay_ratio, tmp_path, run_ctitan):
+    """The learning rate of every step, for each decay shape and a stable phase, against
+    torch's LambdaLR driving torchtitan's linear_warmup_stable_decay factor
+    (oracle.make_lr_lambda). Only cosine ran in the loops above, so a sqrt decay that was
+    linear went unnoticed (a mutation audit)."""
+    import torch
+
+    from conftest import tiny_run
+    steps, warmup, lr, floor = 12, 3, 1e-2, 0.1
+    flags = [f"--optimizer.lr={lr}", f"--lr_scheduler.warmup_steps={warmup}",
+             f"--lr_scheduler.decay_type={decay_type}", f"--lr_scheduler.min_lr_factor={floor}"]
+    if decay_ratio is not None:
+        flags.append(f"--lr_scheduler.decay_ratio={decay_ratio}")
+    _, out, args = tiny_run(tmp_path, *flags, steps=steps)
+    run_ctitan(args)
+    got = [r["lr"] for r in oracle.read_metrics(out / "metrics.jsonl")]
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, oracle.make_lr_lambda(steps, warmup, decay_ratio, decay_type, floor))
+    want = []
+    for _ in range(steps):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert len(got) == steps, got
+    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not close(g, w, 1e-6)]
+    assert not bad, f"(step, ctitan lr, torch lr): {bad}"
+    if decay_ratio is not None:  # the schedule has a stable phase at the peak
+        assert want.count(lr) >= 2, want
