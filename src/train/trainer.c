@@ -716,15 +716,213 @@ static void write_exit_event(trainer *t, int rc, const ct_err *e) {
     ev_write(t->events, "exit", o);
 }
 
+/* The files a run writes as it goes (rank 0's; the profiler's on every rank);
+ * NULL where the config turns one off. */
+typedef struct {
+    FILE *metrics;  /* metrics.file */
+    tb_writer *tb;  /* metrics.enable_tensorboard */
+    prof *pf;       /* [profiling]: lent to the plan (model, communicators) for each traced step */
+} run_files;
+
+/* The run's folder: config.toml (the resolved config, so a run can be
+ * reproduced from its folder), metrics.jsonl, TensorBoard, the profiler, and
+ * events.jsonl with its start event. What it opened before an error is in f,
+ * for close_run_files. */
+static int open_run_files(trainer *t, run_files *f, ct_err *e) {
+    const ct_config *c = &t->cfg;
+    char path[4096];
+    int rank0 = t->world->rank == 0; /* files of the run are written once */
+    int seen_step = -1;              /* what a resume cuts from metrics.jsonl (truncate_metrics) */
+    double seen_time = NAN;
+    if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "config.toml")) {
+        FILE *cf = fopen(path, "w");
+        if (cf) {
+            cfg_write_toml(c, cf);
+            fclose(cf);
+        }
+    }
+    if (c->metrics_file[0] && rank0) {
+        trainer_join_path(path, sizeof path, c->dump_folder, c->metrics_file);
+        /* a resumed run continues the file of the run it resumes, minus the lines
+         * of steps after the checkpoint (they are about to be redone) */
+        if (t->step > 0) truncate_metrics(path, t->step, &seen_step, &seen_time);
+        f->metrics = fopen(path, t->step > 0 ? "a" : "w");
+        if (!f->metrics) return ct_fail(e, CT_ERR_IO, "%s: cannot open metrics file (metrics.file)", path);
+    }
+    if (c->enable_tensorboard && rank0) {
+        trainer_join_path(path, sizeof path, c->dump_folder, c->save_tb_folder);
+        /* a new file per (re)start; its SessionLog START at the first step
+         * redone makes TensorBoard drop the earlier files' events from there */
+        if (!(f->tb = tb_open(path, t->step + 1, e))) return e->code;
+    }
+    if (c->enable_profiling) {
+        if (trainer_join_path(path, sizeof path, c->dump_folder, c->save_traces_folder))
+            return ct_fail(e, CT_ERR_CONFIG, "profiling.save_traces_folder: path too long");
+        f->pf = prof_new(t->world->rank, path);
+        prof_set_kernels(f->pf, &t->model.k);
+    }
+    if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "events.jsonl"))
+        t->events = ev_open(path, e);
+    write_start_event(t, seen_step, seen_time); /* collective: before rank 0 may leave */
+    return rank0 && !t->events ? e->code : 0;
+}
+
+static void close_run_files(trainer *t, run_files *f) {
+    if (f->metrics) fclose(f->metrics);
+    if (f->tb && tb_close(f->tb)) fprintf(stderr, "ctitan: warning: %s: write failed\n", tb_path(f->tb));
+    if (f->pf) plan_profile(&t->plan, NULL); /* a step that failed while traced */
+    prof_free(f->pf);
+}
+
+/* What the console line and metrics.jsonl measure a step against. */
+typedef struct {
+    double fpt;              /* FLOPs per token (6 x matmul params incl. lm_head + attention) */
+    double peak;             /* the FMA peak of the arithmetic the matmuls run in */
+    double t_start, t_log;   /* the run's start; the last logged line */
+    /* ETA: the mean wall time per step of this session after its first step (which
+     * pays for first touches and, on a resume, the page cache), validation and saves included */
+    int first_step;
+    double t_first_end;
+    long tokens_since_log;
+    int steps_since_log;
+} run_clock;
+
+/* The run's summary on stderr (model, data, batch, layout, FLOPs and peak),
+ * and k's fpt and peak. */
+static void print_run_banner(trainer *t, const ds *data, run_clock *k) {
+    const ct_config *c = &t->cfg;
+    const lm_model *m = &t->model;
+    int B = c->local_batch_size, T = c->seq_len;
+    cpu_peak peak;
+    if (c->peak_tflops > 0)
+        peak = (cpu_peak){.flops = c->peak_tflops * 1e12, .bf16_flops = c->peak_tflops * 1e12,
+                          .threads = cpu_threads(), .source = "config", .isa = "-", .bf16_isa = "-"};
+    else cpu_peak_flops(&peak, cpu_threads(), getenv("CTITAN_ISA")); /* the level the kernels are held to */
+    /* MFU against the peak of the arithmetic the matmuls run in (torchtitan: the
+     * device's bf16 peak for bf16 training), so a bf16 run is not credited with
+     * fp32-unit utilisation it did not need */
+    int bf16_mm = !strcmp(c->mixed_precision_param, "bfloat16");
+    k->peak = bf16_mm ? peak.bf16_flops : peak.flops;
+    k->fpt = lm_flops_per_token(m, T);
+    char layout[256];
+    plan_layout_str(&t->plan, layout, sizeof layout);
+    fprintf(stderr,
+            "ctitan: model %s: %zu parameters, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
+            "ctitan: data %s: %llu tokens, %llu windows of %d%s\n"
+            "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, steps %d..%d; activations %.1f MiB\n"
+            "ctitan: parallelism: %s; global batch %d sequences; %d thread(s) per rank\n"
+            "ctitan: %.3g FLOPs/token (6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s %s on %d "
+            "threads (%s, %s%s%s)\n",
+            m->cfg.name, m->n_params, m->cfg.n_layers, m->cfg.hidden, m->cfg.n_heads, m->cfg.n_kv_heads,
+            m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", ds_name(data),
+            (unsigned long long)ds_num_tokens(data), (unsigned long long)ds_num_windows(data), T + 1,
+            c->shuffle ? ", shuffled" : "", B, T, t->grad_accum, t->step + 1, c->steps,
+            lm_activation_bytes(m) / 1048576.0, layout, t->global_batch, cpu_threads(), k->fpt, k->peak / 1e9,
+            bf16_mm ? "bf16" : "fp32", peak.threads, bf16_mm ? peak.bf16_isa : peak.isa, peak.source,
+            peak.note[0] ? ": " : "", peak.note);
+    if (t->world->rank == 0) plan_describe(&t->plan, stderr);
+}
+
+/* Step `step` done: on torchtitan's rule (step 1 and every log_freq), the
+ * console line, a metrics.jsonl line and the TensorBoard scalars. Collective
+ * (the memory figure is the largest rank's). */
+static void log_step(trainer *t, run_files *f, run_clock *k, int step, double loss, double gnorm, double lr,
+                     double aux, long n_valid) {
+    const ct_config *c = &t->cfg;
+    const lm_model *m = &t->model;
+    k->tokens_since_log += (long)c->local_batch_size * c->seq_len * t->grad_accum;
+    k->steps_since_log++;
+    if (!(step == 1 || step % c->log_freq == 0)) return;
+    double now = ct_now();
+    double tps = k->tokens_since_log / (now - k->t_log);
+    double tflops = k->fpt * tps / 1e12;
+    double mfu = 100.0 * k->fpt * tps / k->peak;
+    double mem = cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0);
+    double step_time = (now - k->t_log) / k->steps_since_log;
+    double tokens_seen = (double)step * t->global_batch * c->seq_len; /* all ranks, as the global batch */
+    /* distributed: memory is the largest rank's peak, comm the share of the
+     * wall time rank 0 spent in collectives since the last line */
+    double comm_pct = 100.0 * plan_take_comm_time(&t->plan) / (now - k->t_log);
+    comm_allreduce(t->world, &mem, 1, COMM_F64, COMM_MAX);
+    long overlapped = plan_take_overlapped(&t->plan);
+    printf("step: %d  loss: %.4f  grad_norm: %.4f  memory: %.2f GiB  tps: %.0f  tflops: %.3f  mfu: %.2f%%", step,
+           loss, gnorm, mem, tps, tflops, mfu);
+    if (t->world->size > 1) printf("  comm: %.1f%%", comm_pct);
+    /* the share of the step the stages spent waiting for an input (their mean) */
+    double bubble = plan_take_bubble(&t->plan); /* -1: no pipeline */
+    if (bubble >= 0) printf("  bubble: %.1f%%", 100.0 * bubble);
+    if (m->moe.n_layers) print_moe_load(stdout, m, aux, 0);
+    double per_step = step > k->first_step ? (now - k->t_first_end) / (step - k->first_step)
+                                           : k->t_first_end - k->t_start;
+    double eta = (c->steps - step) * per_step;
+    char eta_s[24];
+    prog_fmt_eta(eta_s, sizeof eta_s, eta);
+    printf("  eta: %s\n", eta_s);
+    fflush(stdout);
+    if (f->metrics) {
+        fprintf(f->metrics,
+                "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"memory_gib\": %.4f, "
+                "\"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"elapsed_s\": %.3f, \"valid_targets\": %ld, "
+                "\"world\": %d, \"comm_pct\": %.3f, \"reductions_overlapped\": %ld, \"step_time_s\": %.6f, "
+                "\"tokens_seen\": %.0f, \"time\": %.3f",
+                step, loss, gnorm, lr, mem, tps, tflops, mfu, now - k->t_start, n_valid, t->world->size, comm_pct,
+                overlapped, step_time, tokens_seen, ev_wall_time());
+        if (bubble >= 0) fprintf(f->metrics, ", \"pp_bubble\": %.4f", bubble);
+        if (m->moe.n_layers) print_moe_load(f->metrics, m, aux, 1);
+        fprintf(f->metrics, ", \"eta_s\": %.3f}\n", eta);
+        fflush(f->metrics);
+    }
+    if (f->tb) { /* tags are the metrics.jsonl keys (docs/formats.md, "TensorBoard") */
+        /* each with its format in the line above */
+        const char *tags[] = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu",
+                              "step_time_s", "tokens_seen"};
+        const char *fmts[] = {"%.9g", "%.9g", "%.9g", "%.4f", "%.2f", "%.6f", "%.4f", "%.6f", "%.0f"};
+        double vals[] = {loss, gnorm, lr, mem, tps, tflops, mfu, step_time, tokens_seen};
+        for (size_t i = 0; i < sizeof vals / sizeof *vals; i++)
+            tb_scalar(f->tb, step, tags[i], as_logged(fmts[i], vals[i]));
+        tb_flush_or_drop(&f->tb);
+    }
+    k->t_log = now;
+    k->tokens_since_log = 0;
+    k->steps_since_log = 0;
+}
+
+/* After the last step, with checkpoint.last_save_in_hf: a LoRA run's PEFT
+ * adapter, or the model as a Hugging Face directory, as step-N. */
+static int save_final_hf(trainer *t, ct_err *e) {
+    const ct_config *c = &t->cfg;
+    int rank0 = t->world->rank == 0;
+    char dir[4096], sub[64], path[4096];
+    snprintf(sub, sizeof sub, "step-%d", t->step);
+    double t0 = ct_now();
+    int rc;
+    if (c->lora_rank > 0) { /* a LoRA run's final output: its PEFT adapter */
+        if (trainer_join_path(dir, sizeof dir, t->ckpt_folder, sub))
+            return ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
+        rc = trainer_save_adapter(t, dir, e);
+        if (!rc && rank0) fprintf(stderr, "ctitan: saved PEFT adapter to %s\n", dir);
+        if (!rc) trainer_checkpoint_event(t, "adapter", dir, -1, ct_now() - t0);
+        return rc;
+    }
+    if (trainer_join_path(path, sizeof path, c->dump_folder, c->ckpt_folder) ||
+        trainer_join_path(dir, sizeof dir, path, sub))
+        return ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
+    int dtype = hf_dtype_from_name(c->export_dtype);
+    rc = trainer_save_hf(t, path, dir, dtype < 0 ? CT_F32 : (ct_dtype)dtype, dtype < 0 ? "float32" : c->export_dtype,
+                         e);
+    if (!rc && rank0)
+        fprintf(stderr, "ctitan: saved Hugging Face model (%s) to %s in %.2f s\n", c->export_dtype, dir,
+                ct_now() - t0);
+    if (!rc) trainer_checkpoint_event(t, "hf", dir, -1, ct_now() - t0);
+    return rc;
+}
+
 int trainer_run(trainer *t, ct_err *e) {
     ct_config *c = &t->cfg;
-    lm_model *m = &t->model;
     int B = c->local_batch_size, T = c->seq_len;
     ds *data = NULL, *val = NULL;
     tok *tk = NULL;
-    FILE *mf = NULL;
-    tb_writer *tb = NULL;
-    prof *pf = NULL; /* [profiling]: lent to the plan (model, communicators) for each traced step */
+    run_files files = {0};
     int32_t *tokens = NULL, *labels = NULL;
     int template_seen = t->world->rank != 0; /* only rank 0 warns of an unused chat template */
     if (t->complete) return 0;
@@ -742,98 +940,17 @@ int trainer_run(trainer *t, ct_err *e) {
         (rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &template_seen,
                         &tk, e)))
         goto out;
-    if ((rc = ct_mkdirs(c->dump_folder, e))) goto out;
-
-    /* the resolved config, so a run can be reproduced from its folder */
-    char path[4096];
-    int rank0 = t->world->rank == 0; /* files of the run are written once */
-    int seen_step = -1;    /* what a resume cuts from metrics.jsonl (truncate_metrics) */
-    double seen_time = NAN;
-    if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "config.toml")) {
-        FILE *cf = fopen(path, "w");
-        if (cf) {
-            cfg_write_toml(c, cf);
-            fclose(cf);
-        }
-    }
-    if (c->metrics_file[0] && rank0) {
-        trainer_join_path(path, sizeof path, c->dump_folder, c->metrics_file);
-        /* a resumed run continues the file of the run it resumes, minus the lines
-         * of steps after the checkpoint (they are about to be redone) */
-        if (t->step > 0) truncate_metrics(path, t->step, &seen_step, &seen_time);
-        mf = fopen(path, t->step > 0 ? "a" : "w");
-        if (!mf) {
-            rc = ct_fail(e, CT_ERR_IO, "%s: cannot open metrics file (metrics.file)", path);
-            goto out;
-        }
-    }
-
-    if (c->enable_tensorboard && rank0) {
-        trainer_join_path(path, sizeof path, c->dump_folder, c->save_tb_folder);
-        /* a new file per (re)start; its SessionLog START at the first step
-         * redone makes TensorBoard drop the earlier files' events from there */
-        if (!(tb = tb_open(path, t->step + 1, e))) {
-            rc = e->code;
-            goto out;
-        }
-    }
-
-    if (c->enable_profiling) {
-        if (trainer_join_path(path, sizeof path, c->dump_folder, c->save_traces_folder)) {
-            rc = ct_fail(e, CT_ERR_CONFIG, "profiling.save_traces_folder: path too long");
-            goto out;
-        }
-        pf = prof_new(t->world->rank, path);
-        prof_set_kernels(pf, &m->k);
-    }
-
-    if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "events.jsonl"))
-        t->events = ev_open(path, e);
-    write_start_event(t, seen_step, seen_time); /* collective: before rank 0 may leave */
-    if (rank0 && !t->events) {
-        rc = e->code;
-        goto out;
-    }
-
-    cpu_peak peak;
-    if (c->peak_tflops > 0)
-        peak = (cpu_peak){.flops = c->peak_tflops * 1e12, .bf16_flops = c->peak_tflops * 1e12,
-                          .threads = cpu_threads(), .source = "config", .isa = "-", .bf16_isa = "-"};
-    else cpu_peak_flops(&peak, cpu_threads(), getenv("CTITAN_ISA")); /* the level the kernels are held to */
-    /* MFU against the peak of the arithmetic the matmuls run in (torchtitan: the
-     * device's bf16 peak for bf16 training), so a bf16 run is not credited with
-     * fp32-unit utilisation it did not need */
-    int bf16_mm = !strcmp(c->mixed_precision_param, "bfloat16");
-    double peak_run = bf16_mm ? peak.bf16_flops : peak.flops;
-    double fpt = lm_flops_per_token(m, T);
-    char layout[256];
-    plan_layout_str(&t->plan, layout, sizeof layout);
-    fprintf(stderr,
-            "ctitan: model %s: %zu parameters, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
-            "ctitan: data %s: %llu tokens, %llu windows of %d%s\n"
-            "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, steps %d..%d; activations %.1f MiB\n"
-            "ctitan: parallelism: %s; global batch %d sequences; %d thread(s) per rank\n"
-            "ctitan: %.3g FLOPs/token (6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s %s on %d "
-            "threads (%s, %s%s%s)\n",
-            m->cfg.name, m->n_params, m->cfg.n_layers, m->cfg.hidden, m->cfg.n_heads, m->cfg.n_kv_heads,
-            m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", ds_name(data),
-            (unsigned long long)ds_num_tokens(data), (unsigned long long)ds_num_windows(data), T + 1,
-            c->shuffle ? ", shuffled" : "", B, T, t->grad_accum, t->step + 1, c->steps,
-            lm_activation_bytes(m) / 1048576.0, layout, t->global_batch, cpu_threads(), fpt, peak_run / 1e9, bf16_mm ? "bf16" : "fp32", peak.threads,
-            bf16_mm ? peak.bf16_isa : peak.isa, peak.source, peak.note[0] ? ": " : "", peak.note);
-    if (rank0) plan_describe(&t->plan, stderr);
+    if ((rc = ct_mkdirs(c->dump_folder, e)) || (rc = open_run_files(t, &files, e))) goto out;
+    prof *pf = files.pf;
+    run_clock clock = {0};
+    print_run_banner(t, data, &clock);
 
     trainer_install_signals();
     size_t mb = (size_t)B * T;
     tokens = ct_malloc(mb * t->grad_accum * sizeof(int32_t));
     labels = ct_malloc(mb * t->grad_accum * sizeof(int32_t));
-    double t_start = ct_now(), t_log = t_start;
-    /* ETA: the mean wall time per step of this session after its first step (which
-     * pays for first touches and, on a resume, the page cache), validation and saves included */
-    int first_step = t->step + 1;
-    double t_first_end = t_start;
-    long tokens_since_log = 0;
-    int steps_since_log = 0;
+    clock.t_start = clock.t_log = clock.t_first_end = ct_now();
+    clock.first_step = t->step + 1;
     while (t->step < c->steps) {
         int step = t->step + 1;
         int traced = pf && step % c->profile_freq == 0;
@@ -865,7 +982,7 @@ int trainer_run(trainer *t, ct_err *e) {
                   plan_sum_loss(&t->plan, &loss_sum, &aux_sum, &aux));
         double loss = n_valid ? loss_sum / n_valid : 0.0;
         PROF_SPAN(sp, "phase", "optimizer", trainer_optimizer_step(t, &gnorm, &lr));
-        if (step == first_step) t_first_end = ct_now();
+        if (step == clock.first_step) clock.t_first_end = ct_now();
         if (traced) {
             prof_span(pf, "step", "step", t_step);
             plan_profile(&t->plan, NULL);
@@ -874,61 +991,7 @@ int trainer_run(trainer *t, ct_err *e) {
         if (c->enable_memory_snapshot && step % c->profile_freq == 0 &&
             (rc = trainer_memory_snapshot(t, step, stderr, e)))
             goto out;
-        tokens_since_log += (long)(mb * t->grad_accum);
-        steps_since_log++;
-        if (step == 1 || step % c->log_freq == 0) { /* torchtitan's rule */
-            double now = ct_now();
-            double tps = tokens_since_log / (now - t_log);
-            double tflops = fpt * tps / 1e12;
-            double mfu = 100.0 * fpt * tps / peak_run;
-            double mem = cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0);
-            double step_time = (now - t_log) / steps_since_log;
-            double tokens_seen = (double)step * t->global_batch * T; /* all ranks, as the global batch */
-            /* distributed: memory is the largest rank's peak, comm the share of the
-             * wall time rank 0 spent in collectives since the last line */
-            double comm_pct = 100.0 * plan_take_comm_time(&t->plan) / (now - t_log);
-            comm_allreduce(t->world, &mem, 1, COMM_F64, COMM_MAX);
-            long overlapped = plan_take_overlapped(&t->plan);
-            printf("step: %d  loss: %.4f  grad_norm: %.4f  memory: %.2f GiB  tps: %.0f  tflops: %.3f  mfu: %.2f%%",
-                   step, loss, gnorm, mem, tps, tflops, mfu);
-            if (t->world->size > 1) printf("  comm: %.1f%%", comm_pct);
-            /* the share of the step the stages spent waiting for an input (their mean) */
-            double bubble = plan_take_bubble(&t->plan); /* -1: no pipeline */
-            if (bubble >= 0) printf("  bubble: %.1f%%", 100.0 * bubble);
-            if (m->moe.n_layers) print_moe_load(stdout, m, aux, 0);
-            double per_step = step > first_step ? (now - t_first_end) / (step - first_step) : t_first_end - t_start;
-            double eta = (c->steps - step) * per_step;
-            char eta_s[24];
-            prog_fmt_eta(eta_s, sizeof eta_s, eta);
-            printf("  eta: %s\n", eta_s);
-            fflush(stdout);
-            if (mf) {
-                fprintf(mf,
-                        "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"memory_gib\": %.4f, "
-                        "\"tps\": %.2f, \"tflops\": %.6f, \"mfu\": %.4f, \"elapsed_s\": %.3f, \"valid_targets\": %ld, "
-                        "\"world\": %d, \"comm_pct\": %.3f, \"reductions_overlapped\": %ld, \"step_time_s\": %.6f, "
-                        "\"tokens_seen\": %.0f, \"time\": %.3f",
-                        step, loss, gnorm, lr, mem, tps, tflops, mfu, now - t_start, n_valid, t->world->size, comm_pct,
-                        overlapped, step_time, tokens_seen, ev_wall_time());
-                if (bubble >= 0) fprintf(mf, ", \"pp_bubble\": %.4f", bubble);
-                if (m->moe.n_layers) print_moe_load(mf, m, aux, 1);
-                fprintf(mf, ", \"eta_s\": %.3f}\n", eta);
-                fflush(mf);
-            }
-            if (tb) { /* tags are the metrics.jsonl keys (docs/formats.md, "TensorBoard") */
-                /* each with its format in the line above */
-                const char *tags[] = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu",
-                                      "step_time_s", "tokens_seen"};
-                const char *fmts[] = {"%.9g", "%.9g", "%.9g", "%.4f", "%.2f", "%.6f", "%.4f", "%.6f", "%.0f"};
-                double vals[] = {loss, gnorm, lr, mem, tps, tflops, mfu, step_time, tokens_seen};
-                for (size_t i = 0; i < sizeof vals / sizeof *vals; i++)
-                    tb_scalar(tb, step, tags[i], as_logged(fmts[i], vals[i]));
-                tb_flush_or_drop(&tb);
-            }
-            t_log = now;
-            tokens_since_log = 0;
-            steps_since_log = 0;
-        }
+        log_step(t, &files, &clock, step, loss, gnorm, lr, aux, n_valid);
         if (!isfinite(loss)) {
             rc = ct_fail(e, CT_ERR_IO, "training diverged: loss is %g at step %d", loss, step);
             goto out;
@@ -949,7 +1012,7 @@ int trainer_run(trainer *t, ct_err *e) {
             rc = CT_STOPPED;
             goto out;
         }
-        if (val && (step % c->val_freq == 0 || last)) validate(t, val, step, mf, &tb);
+        if (val && (step % c->val_freq == 0 || last)) validate(t, val, step, files.metrics, &files.tb);
         if (c->ckpt_enable) {
             /* as torchtitan: with last_save_in_hf the final save is the HF directory below */
             int due = (last && !c->last_save_in_hf) || (!last && step % c->ckpt_interval == 0) ||
@@ -961,43 +1024,14 @@ int trainer_run(trainer *t, ct_err *e) {
     if (t->world->size > 1) /* on the ranks CTITAN_LOG_RANKS shows: what each one needed */
         fprintf(stderr, "ctitan: rank %d of %d: peak memory %.3f GiB\n", t->world->rank, t->world->size,
                 cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0));
-    if (c->last_save_in_hf && c->lora_rank > 0) { /* a LoRA run's final output: its PEFT adapter */
-        char dir[4096], sub[64];
-        snprintf(sub, sizeof sub, "step-%d", t->step);
-        if (trainer_join_path(dir, sizeof dir, t->ckpt_folder, sub)) {
-            rc = ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
-            goto out;
-        }
-        double t0 = ct_now();
-        rc = trainer_save_adapter(t, dir, e);
-        if (!rc && rank0) fprintf(stderr, "ctitan: saved PEFT adapter to %s\n", dir);
-        if (!rc) trainer_checkpoint_event(t, "adapter", dir, -1, ct_now() - t0);
-    } else if (c->last_save_in_hf) {
-        char dir[4096], sub[64];
-        snprintf(sub, sizeof sub, "step-%d", t->step);
-        if (trainer_join_path(path, sizeof path, c->dump_folder, c->ckpt_folder) || trainer_join_path(dir, sizeof dir, path, sub)) {
-            rc = ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
-            goto out;
-        }
-        int dtype = hf_dtype_from_name(c->export_dtype);
-        double t0 = ct_now();
-        rc = trainer_save_hf(t, path, dir, dtype < 0 ? CT_F32 : (ct_dtype)dtype, dtype < 0 ? "float32" : c->export_dtype,
-                            e);
-        if (!rc && rank0)
-            fprintf(stderr, "ctitan: saved Hugging Face model (%s) to %s in %.2f s\n", c->export_dtype, dir,
-                    ct_now() - t0);
-        if (!rc) trainer_checkpoint_event(t, "hf", dir, -1, ct_now() - t0);
-    }
+    if (c->last_save_in_hf) rc = save_final_hf(t, e);
 out:
     write_exit_event(t, rc, e);
     if (ev_close(t->events)) fprintf(stderr, "ctitan: warning: %s/events.jsonl: write failed\n", c->dump_folder);
     t->events = NULL;
     free(tokens);
     free(labels);
-    if (mf) fclose(mf);
-    if (tb && tb_close(tb)) fprintf(stderr, "ctitan: warning: %s: write failed\n", tb_path(tb));
-    if (pf) plan_profile(&t->plan, NULL); /* a step that failed while traced */
-    prof_free(pf);
+    close_run_files(t, &files);
     ds_close(val);
     ds_close(data);
     tok_free(tk);
