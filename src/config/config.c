@@ -885,13 +885,15 @@ int cfg_validate(const ct_config *c, ct_err *e) {
         if ((long long)rows[i].batch * c->seq_len > INT_MAX)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: %s.local_batch_size (%d) x training.seq_len (%d) = %lld, out of range (at most %d)",
-                           cfg_origin(c, i ? "validation.local_batch_size" : "training.local_batch_size"), rows[i].key, rows[i].batch, c->seq_len, (long long)rows[i].batch * c->seq_len,
+                           cfg_origin_any(c, i ? "validation.local_batch_size,training.seq_len"
+                                                : "training.local_batch_size,training.seq_len"),
+                           rows[i].key, rows[i].batch, c->seq_len, (long long)rows[i].batch * c->seq_len,
                            INT_MAX);
     if (c->global_batch_size != -1 && c->global_batch_size % c->local_batch_size != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: training.global_batch_size (%d) must be -1 or a positive multiple "
                        "of training.local_batch_size (%d)",
-                       cfg_origin(c, "training.global_batch_size"), c->global_batch_size, c->local_batch_size);
+                       cfg_origin_any(c, "training.global_batch_size,training.local_batch_size"), c->global_batch_size, c->local_batch_size);
     {
         /* "op" or a whole number >= 1 (checked again by lm_create_ac) */
         const char *o = c->ac_selective_option;
@@ -906,7 +908,7 @@ int cfg_validate(const ct_config *c, ct_err *e) {
     if (strcmp(c->model_spec, "hf") == 0 && !c->hf_assets_path[0])
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: model.hf_assets_path: required when model.spec is \"hf\" "
-                       "(the directory holding config.json)", cfg_origin(c, "model.spec"));
+                       "(the directory holding config.json)", cfg_origin_any(c, "model.spec,model.hf_assets_path"));
     if (!c->hf_revision[0])
         return ct_fail(e, CT_ERR_CONFIG, "%s: model.hf_revision: must name a branch, tag or commit (default \"main\")",
                        cfg_origin(c, "model.hf_revision"));
@@ -914,14 +916,15 @@ int cfg_validate(const ct_config *c, ct_err *e) {
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: checkpoint.initial_load_path: only Hugging Face safetensors directories can be loaded "
                        "as initial weights; set checkpoint.initial_load_in_hf = true (training checkpoints "
-                       "resume through checkpoint.folder)", cfg_origin(c, "checkpoint.initial_load_path"));
+                       "resume through checkpoint.folder)",
+                       cfg_origin_any(c, "checkpoint.initial_load_path,checkpoint.initial_load_in_hf"));
     if (c->val_steps == 0)
         return ct_fail(e, CT_ERR_CONFIG, "%s: validation.steps: must be positive or -1 (one pass)",
                        cfg_origin(c, "validation.steps"));
     if (c->val_enable && !c->val_dataset_path[0])
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: validation.dataset_path: required when validation.enable is true",
-                       cfg_origin(c, "validation.enable"));
+                       cfg_origin_any(c, "validation.enable,validation.dataset_path"));
     if (c->cp != 1)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.context_parallel_degree = %d: context parallel is not implemented; use 1 "
@@ -1045,6 +1048,20 @@ const char *cfg_origin(const ct_config *c, const char *name) {
         section[dot - name] = '\0';
         const cfg_option *o = cfg_lookup(section, dot + 1);
         if (o && c->from_cli[o - cfg_options]) return "command line";
+    }
+    return cfg_source(c);
+}
+const char *cfg_origin_any(const ct_config *c, const char *names) {
+    for (const char *p = names; *p;) {
+        const char *q = strchr(p, ',');
+        size_t n = q ? (size_t)(q - p) : strlen(p);
+        char one[128];
+        if (n < sizeof one) {
+            memcpy(one, p, n);
+            one[n] = '\0';
+            if (strcmp(cfg_origin(c, one), cfg_source(c)) != 0) return "command line";
+        }
+        p += n + (q != NULL);
     }
     return cfg_source(c);
 }

@@ -159,6 +159,9 @@ const char *cfg_source(const ct_config *c);
 /* Where option NAME ("section.key") got its value, for a message about
  * that value: "command line" when an override set it, else cfg_source. */
 const char *cfg_origin(const ct_config *c, const char *name);
+/* The same for a message about several options together ("a,b,c"): "command
+ * line" when an override set any of them, else cfg_source. */
+const char *cfg_origin_any(const ct_config *c, const char *names);
 /* model.hf_assets_path and checkpoint.initial_load_path as local directories: the Hub
  * snapshot they resolved to (hf_assets_dir / initial_load_dir), else the option as written. */
 const char *cfg_hf_dir(const ct_config *c);

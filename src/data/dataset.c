@@ -305,7 +305,7 @@ static int check_unlisted(const char *dir, const char *meta, char **listed, int 
     closedir(dh);
     if (!first[0]) return 0;
     return ct_fail(e, CT_ERR_FORMAT,
-                   "%s: token file %s is not listed in %s, so it would not be read; remove it, or run `ctitan "
+                   "%s: %s is not listed in %s, so it would not be read; remove it, or run `ctitan "
                    "prepare` again to make a dataset that includes it",
                    dir, first, meta);
 }
@@ -565,6 +565,8 @@ int ds_open(ds **out, const char *const *paths, int n_paths, const tok *t, const
     if (c->seq_len < 1) return ct_fail(e, CT_ERR_CONFIG, "training.seq_len: must be positive (got %d)", c->seq_len);
     ds *d = ct_calloc(1, sizeof *d);
     d->cfg = *c;
+    int seen = 0; /* the template note of a caller that keeps none: the tokenizer's and ours, once */
+    if (!d->cfg.tok.template_seen) d->cfg.tok.template_seen = &seen;
     d->rank = 0;
     d->world = 1;
     snprintf(d->name, sizeof d->name, "%s%s", paths[0], n_paths > 1 ? " (+ more)" : "");
@@ -629,7 +631,8 @@ int ds_open(ds **out, const char *const *paths, int n_paths, const tok *t, const
                 d->name, (unsigned long long)d->n_tokens, (unsigned long long)d->n_windows, c->seq_len + 1,
                 d->has_mask ? ", loss-masked" : "", c->shuffle ? ", shuffled" : "", d->rank, d->world,
                 (unsigned long long)ds_windows_per_rank(d));
-    note_unused_template(d, &c->tok);
+    note_unused_template(d, &d->cfg.tok);
+    d->cfg.tok.template_seen = NULL; /* the caller's, or our stack's: not ours to keep */
     *out = d;
     return 0;
 }

@@ -280,19 +280,19 @@ static int expanduser(const char *in, char *out, size_t cap) {
     const char *rest = strchr(in, '/');
     size_t ulen = rest ? (size_t)(rest - in - 1) : strlen(in + 1);
     const char *home = NULL;
+    /* the _r lookups: getpwuid's result lives in libc's one static buffer, which
+     * two sessions resolving paths in two threads would share */
+    struct passwd pwbuf, *pw = NULL;
+    char pwtext[4096];
     if (ulen == 0) {
         home = getenv("HOME");
-        if (!home) {
-            struct passwd *pw = getpwuid(getuid());
-            home = pw ? pw->pw_dir : NULL;
-        }
+        if (!home && getpwuid_r(getuid(), &pwbuf, pwtext, sizeof pwtext, &pw) == 0 && pw) home = pw->pw_dir;
     } else {
         char user[256];
         if (ulen >= sizeof user) return put(out, cap, "%s", in);
         memcpy(user, in + 1, ulen);
         user[ulen] = 0;
-        struct passwd *pw = getpwnam(user);
-        home = pw ? pw->pw_dir : NULL;
+        if (getpwnam_r(user, &pwbuf, pwtext, sizeof pwtext, &pw) == 0 && pw) home = pw->pw_dir;
     }
     if (!home) return put(out, cap, "%s", in);
     size_t hl = strlen(home);
@@ -914,7 +914,7 @@ static size_t on_data(char *p, size_t size, size_t nm, void *ud) {
 
 /* sha1 of "blob <size>\0" + the file's bytes (git's object id); or sha256 of the file. */
 static int hash_file(int fd, long long upto, int git_sha1, hub_sha256_ctx *sha, char *hex) {
-    char buf[1 << 14]; /* on the stack: two sessions may hash in two threads */
+    enum { BUF = 1 << 16 };
     hub_sha1_ctx s1;
     if (git_sha1) {
         char hdr[64];
@@ -923,15 +923,22 @@ static int hash_file(int fd, long long upto, int git_sha1, hub_sha256_ctx *sha, 
         hub_sha1_update(&s1, hdr, (size_t)hn + 1);
     }
     if (lseek(fd, 0, SEEK_SET) != 0) return -1;
-    for (long long left = upto; left > 0;) {
-        ssize_t k = read(fd, buf, left < (long long)sizeof buf ? (size_t)left : sizeof buf);
+    char *buf = malloc(BUF); /* not static: two sessions may hash in two threads */
+    if (!buf) return -1;
+    int rc = 0;
+    for (long long left = upto; left > 0 && !rc;) {
+        ssize_t k = read(fd, buf, left < BUF ? (size_t)left : BUF);
         if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) return -1;
+        if (k <= 0) {
+            rc = -1;
+            break;
+        }
         if (git_sha1) hub_sha1_update(&s1, buf, (size_t)k);
         else hub_sha256_update(sha, buf, (size_t)k);
         left -= k;
     }
-    if (lseek(fd, upto, SEEK_SET) != upto) return -1;
+    free(buf);
+    if (rc || lseek(fd, upto, SEEK_SET) != upto) return -1;
     if (git_sha1) {
         uint8_t d[20];
         hub_sha1_final(&s1, d);

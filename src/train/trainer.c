@@ -80,7 +80,7 @@ static int resolve_one(const ct_config *c, const char *key, const char *path, co
     if (rc && e) {
         char msg[sizeof e->msg];
         snprintf(msg, sizeof msg, "%s", e->msg);
-        ct_fail(e, rc, "%s: %s: %s", cfg_source(c), key, msg);
+        ct_fail(e, rc, "%s: %s: %s", cfg_origin(c, key), key, msg);
     }
     if (!rc) {
         free(*dir);
@@ -367,7 +367,10 @@ int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e) {
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: training.global_batch_size (%d) must be a multiple of training.local_batch_size (%d) x "
                        "the data-parallel degree (%d = data_parallel_replicate_degree x data_parallel_shard_degree)",
-                       cfg_source(c), c->global_batch_size, c->local_batch_size, dp);
+                       cfg_origin_any(c, "training.global_batch_size,training.local_batch_size,"
+                                         "parallelism.data_parallel_replicate_degree,"
+                                         "parallelism.data_parallel_shard_degree"),
+                       c->global_batch_size, c->local_batch_size, dp);
     return 0;
 }
 
@@ -430,7 +433,9 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, cfg_source(c), e))) return rc;
     if ((rc = lm_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     t->seeds = ct_calloc((size_t)plan_microbatches(&t->plan), sizeof *t->seeds);
-    if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, cfg_source(c), e))) return rc;
+    if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save,
+                                cfg_origin_any(c, "training.freeze,lora.modules_to_save,lora.rank"), e)))
+        return rc;
     if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
         size_t n = lm_store_frozen_bf16(&t->model);
         int N = ms->dp_shard > 1 ? ms->dp_shard : 1; /* FSDP shards them in bf16 too (distributed/fsdp.h) */
@@ -510,7 +515,7 @@ static int needs_tokenizer(const char *kind_name, const char *path, int *needs, 
 static int open_data(trainer *t, ds **out, const char *kind_name, const char *path, const char *key, int shuffle,
                      int *template_seen, tok **tk, ct_err *e) {
     const ct_config *c = &t->cfg;
-    if (!path[0]) return ct_fail(e, CT_ERR_CONFIG, "%s: %s: no data given", cfg_source(c), key);
+    if (!path[0]) return ct_fail(e, CT_ERR_CONFIG, "%s: %s: no data given", cfg_origin(c, key), key);
     int need = 0, rc = needs_tokenizer(kind_name, path, &need, e);
     if (rc) return rc;
     if (need && !*tk) {
@@ -518,7 +523,8 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: model.hf_assets_path: needed to tokenize %s (%s); point it at a directory with "
                            "tokenizer.json",
-                           cfg_source(c), path, key);
+                           cfg_origin_any(c, "model.hf_assets_path,training.dataset_path,validation.dataset_path"),
+                           path, key);
         if ((rc = tok_load(cfg_hf_dir(c), tk, e))) return rc;
         if (tok_vocab_size(*tk) > t->model.cfg.vocab_size)
             return ct_fail(e, CT_ERR_CONFIG, "%s: the tokenizer has %d ids but the model's vocabulary is %d",
@@ -734,7 +740,24 @@ static int open_run_files(trainer *t, run_files *f, ct_err *e) {
     int rank0 = t->world->rank == 0; /* files of the run are written once */
     int seen_step = -1;              /* what a resume cuts from metrics.jsonl (truncate_metrics) */
     double seen_time = NAN;
-    if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "config.toml")) {
+    /* every file of the run under job.dump_folder, or an error naming the key whose path is too long */
+    const struct { const char *name, *key; } files[] = {
+        {"config.toml", "job.dump_folder"},           {"events.jsonl", "job.dump_folder"},
+        {c->metrics_file, "metrics.file"},            {c->save_tb_folder, "metrics.save_tb_folder"},
+        {c->save_traces_folder, "profiling.save_traces_folder"},
+    };
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        const char *key = files[i].key, *name = files[i].name;
+        if (trainer_join_path(path, sizeof path, c->dump_folder, name)) {
+            size_t n = name[0] == '/' || !c->dump_folder[0] ? strlen(name) : strlen(c->dump_folder) + 1 + strlen(name);
+            char both[96]; /* the path joins two options' values */
+            snprintf(both, sizeof both, "job.dump_folder,%s", key);
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s: too long for %s beneath it (%zu bytes, at most %zu)",
+                           cfg_origin_any(c, both), key, name, n, sizeof path - 1);
+        }
+    }
+    if (rank0) {
+        trainer_join_path(path, sizeof path, c->dump_folder, "config.toml");
         FILE *cf = fopen(path, "w");
         if (cf) {
             cfg_write_toml(c, cf);
@@ -756,13 +779,14 @@ static int open_run_files(trainer *t, run_files *f, ct_err *e) {
         if (!(f->tb = tb_open(path, t->step + 1, e))) return e->code;
     }
     if (c->enable_profiling) {
-        if (trainer_join_path(path, sizeof path, c->dump_folder, c->save_traces_folder))
-            return ct_fail(e, CT_ERR_CONFIG, "profiling.save_traces_folder: path too long");
+        trainer_join_path(path, sizeof path, c->dump_folder, c->save_traces_folder);
         f->pf = prof_new(t->world->rank, path);
         prof_set_kernels(f->pf, &t->model.k);
     }
-    if (rank0 && !trainer_join_path(path, sizeof path, c->dump_folder, "events.jsonl"))
+    if (rank0) {
+        trainer_join_path(path, sizeof path, c->dump_folder, "events.jsonl");
         t->events = ev_open(path, e);
+    }
     write_start_event(t, seen_step, seen_time); /* collective: before rank 0 may leave */
     return rank0 && !t->events ? e->code : 0;
 }

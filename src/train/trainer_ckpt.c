@@ -326,24 +326,34 @@ typedef struct {
 
 static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_err *e);
 
+/* A stop saves whatever checkpoint.enable says, so a folder may hold a
+ * checkpoint this run will not resume from: rerunning the stopped command as
+ * it was would start over in silence. Named: the newest step a run with
+ * checkpoint.enable would resume from (a full checkpoint, or an import's
+ * step-0), not a final Hugging Face export or adapter, nor a model-only final
+ * save. Its manifest is not verified here: only named. */
+static void warn_not_resumed(trainer *t) {
+    int n, *steps = list_steps(t->ckpt_folder, &n);
+    for (int i = n - 1; i >= 0; i--) {
+        char dir[4200];
+        snprintf(dir, sizeof dir, "%s/step-%d", t->ckpt_folder, steps[i]);
+        if (is_hf_export(dir)) continue;
+        int mo = ckpt_is_model_only(dir, NULL);
+        if (mo < 0 || (mo && steps[i] > 0)) continue;
+        fprintf(stderr,
+                "ctitan: warning: %s holds step-%d, which this run does not resume from: checkpoint.enable is false "
+                "(pass --checkpoint.enable=true to resume); starting at step 0\n",
+                t->ckpt_folder, steps[i]);
+        break;
+    }
+    free(steps);
+}
+
 static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
     ct_config *c = &t->cfg;
     p->kind = PICK_NONE;
     if (!c->ckpt_enable) {
-        /* A stop saves whatever checkpoint.enable says, so a folder may hold a
-         * checkpoint this run will not resume from: rerunning the stopped
-         * command as it was would start over in silence. */
-        int steps[1], n = ckpt_list(t->ckpt_folder, steps, 0);
-        if (n > 0 && t->world->rank == 0) {
-            int *all = ct_malloc((size_t)n * sizeof *all);
-            n = ckpt_list(t->ckpt_folder, all, n);
-            if (n > 0)
-                fprintf(stderr,
-                        "ctitan: warning: %s holds step-%d, which this run does not resume from: checkpoint.enable "
-                        "is false (pass --checkpoint.enable=true to resume); starting at step 0\n",
-                        t->ckpt_folder, all[n - 1]);
-            free(all);
-        }
+        if (t->world->rank == 0) warn_not_resumed(t);
         return 0;
     }
     if (c->load_step >= 0) {
@@ -496,7 +506,8 @@ static int initial_weights(trainer *t, ct_err *e) {
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: checkpoint.initial_load_path = \"%s\": only Hugging Face safetensors directories "
                            "can be loaded as initial weights; set checkpoint.initial_load_in_hf = true",
-                           cfg_source(c), c->initial_load_path);
+                           cfg_origin_any(c, "checkpoint.initial_load_path,checkpoint.initial_load_in_hf"),
+                           c->initial_load_path);
         rc = hf_load_each(t->load.whole, cfg_initial_dir(c), &t->load.sink, e);
     } else {
         lm_init_random_each(t->load.whole, (uint64_t)c->seed, &t->load.sink);

@@ -423,7 +423,13 @@ static void test_shuffle_uniform(void) {
             ds_close(d);
             /* the order's index: its Lehmer code */
             int idx = nw == 2 ? (int)w[0] : (int)w[0] * 2 + (w[1] > w[0] ? (int)w[1] - 1 : (int)w[1]);
-            if (w[0] < 0 || w[0] >= nw || idx < 0 || idx >= n_orders) bad = 1;
+            long sum = 0;
+            for (int k = 0; k < nw; k++) {
+                for (int q = 0; q < k; q++) bad |= w[q] == w[k];
+                bad |= w[k] < 0 || w[k] >= nw;
+                sum += w[k];
+            }
+            if (bad || sum != nw * (nw - 1) / 2) bad = 1;
             else count[idx]++;
         }
         CHECK(!bad, "%d windows: every epoch is a permutation", nw);

@@ -294,6 +294,19 @@ def test_checkpoint_a_run_will_not_resume_from_is_named(run_ctitan, tmp_path):
     assert "ctitan: resuming from" in err and not warnings_of(err, "does not resume"), err
 
 
+@pytest.mark.parametrize("final", [["--checkpoint.last_save_in_hf=true"],
+                                   ["--checkpoint.enable=true"]], ids=["hf_export", "model_only"])
+def test_final_saves_are_not_named_as_resumable(run_ctitan, tmp_path, final):
+    """A run's final Hugging Face export and its model-only final save are named step-N
+    too, but no run resumes from them: a second run beside them gets no 'does not resume'
+    advice (following it led to 'nothing to do'; a review)."""
+    _, out, args = tiny_run(tmp_path, steps=2)
+    run_ctitan(args + final)
+    assert (out / "checkpoint" / "step-2").is_dir()
+    rc, _, err = run_ctitan(args)
+    assert rc == 0 and not warnings_of(err, "does not resume"), err
+
+
 # ------------------------------------------------------------------ config keys and where they were set
 
 def test_context_parallel_degree_is_read_and_only_1_taken(run_ctitan, tmp_path):
@@ -315,13 +328,22 @@ def test_context_parallel_degree_is_read_and_only_1_taken(run_ctitan, tmp_path):
     (["--validation.steps=0"], "command line", "validation.steps:"),
     (["--training.steps=-3"], "command line", "training.steps:"),
     ([], "FILE", "checkpoint.initial_load_path:"),
-], ids=["cross_key_cli", "validation_steps_cli", "range_cli", "cross_key_file"])
+    (["--model.hf_assets_path="], "command line", "model.hf_assets_path: required"),
+    (["--validation.dataset_path="], "command line", "validation.dataset_path: required"),
+    (["--lora.modules_to_save=lm_head"], "command line", "lora.modules_to_save"),
+], ids=["cross_key_cli", "validation_steps_cli", "range_cli", "cross_key_file", "other_key_in_file",
+        "val_path_cli", "after_the_parse"])
 def test_config_errors_name_where_the_value_was_set(run_ctitan, tmp_path, args, origin, key):
     """An error about a value set on the command line named the config file (checks run after
-    the parse used the file's name for every key). range_cli (checked during the parse) and
+    the parse used the file's name for every key). A check of two keys names the command
+    line when either came from it (other_key_in_file: model.spec = "hf" in the file, the
+    directory emptied on the command line). range_cli (checked during the parse) and
     cross_key_file passed before too: they guard the two other origins."""
     conf = tmp_path / "c.toml"
-    conf.write_text('[checkpoint]\ninitial_load_path = "/elsewhere"\n' if not args else "[training]\nsteps = 2\n")
+    conf.write_text('[checkpoint]\ninitial_load_path = "/elsewhere"\n' if not args else
+                    '[training]\nsteps = 2\n[model]\nspec = "hf"\nhf_assets_path = "/x"\n'
+                    '[validation]\nenable = true\ndataset_path = "/v.bin"\n' if args[0].startswith(("--model", "--val"))
+                    else "[training]\nsteps = 2\n")
     rc, _, err = run_ctitan(["train", "--config", conf, *args, "--dry-run"], check=False)
     where = str(conf) if origin == "FILE" else origin
     assert rc == 2 and f"ctitan: error: {where}: {key}" in err, (rc, err)
@@ -340,3 +362,22 @@ def test_describe_says_what_is_missing(run_ctitan, args, both):
     rc, _, err = run_ctitan(["describe", *args], check=False)
     assert rc == 2 and "give a model directory (or Hub id) or --flavor NAME" in err and ("not both" in err) == both, \
         (rc, err)
+
+
+def test_dump_folder_too_long_for_its_files(run_ctitan, tmp_path):
+    """A job.dump_folder that the system takes, and whose checkpoint folder fits, but whose
+    other files' paths do not (4083 of 4096 bytes: events.jsonl does not fit) trained without
+    events.jsonl and wrote metrics to a cut name ('metrics.jso'); now a config error naming
+    the key (a review)."""
+    base = str(tmp_path / "d")
+    parts, n = [], len(base)
+    while n < 4083 - 201:
+        parts.append("x" * 200)
+        n += 201
+    parts.append("y" * (4083 - n - 1))
+    dump = base + "/" + "/".join(parts)
+    assert len(dump) == 4083
+    _, _, args = tiny_run(tmp_path, steps=1)
+    rc, _, err = run_ctitan(args + [f"--job.dump_folder={dump}"], check=False)
+    assert rc == 2 and "command line: job.dump_folder: too long for events.jsonl beneath it (4096 bytes, at most " \
+        "4095)" in err, (rc, err[-600:])

@@ -124,7 +124,7 @@ def test_token_file_meta_json_does_not_list_is_refused(name, setup, prepared, ru
         oracle.write_bin(prepared / name, oracle.random_tokens(3 * (L + 1), vocab, seed=6))
     rc, _, err = train(setup, prepared, run_ctitan, "unlisted")
     assert rc == 3, f"exit {rc}, want 3:\n{err}"
-    assert f"token file {name} is not listed in {prepared / 'meta.json'}" in err, err
+    assert f"{prepared}: {name} is not listed in {prepared / 'meta.json'}" in err, err
 
 
 def test_plain_token_directory_still_trains(setup, tmp_path, run_ctitan):
