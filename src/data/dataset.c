@@ -213,8 +213,9 @@ static int meta_count(const cJSON *j, const char *key, const char *meta, uint64_
     *has = 0;
     *out = 0;
     if (!v || cJSON_IsNull(v)) return 0;
-    /* 2^53: the largest count a JSON number holds exactly */
-    if (!json_int_in(v, 0, 9007199254740992.0))
+    /* 2^53: the largest count a JSON number holds exactly; written as prepare
+     * writes it (5, not 5.0), as a manifest's counts must be */
+    if (!json_is_integer(v) || !json_int_in(v, 0, 9007199254740992.0))
         return ct_fail(e, CT_ERR_FORMAT, "%s: %s: expected a non-negative integer", meta, key);
     *out = (uint64_t)v->valuedouble;
     *has = 1;
@@ -337,7 +338,7 @@ static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
         const cJSON *mask = cJSON_GetObjectItemCaseSensitive(it, "mask");
         const cJSON *n = cJSON_GetObjectItemCaseSensitive(it, "tokens");
         if (!cJSON_IsString(file) || strchr(file->valuestring, '/') || (mask && !cJSON_IsString(mask)) ||
-            (mask && strchr(mask->valuestring, '/')) || !cJSON_IsNumber(n) || n->valuedouble < 0) {
+            (mask && strchr(mask->valuestring, '/')) || !json_is_integer(n) || n->valuedouble < 0) {
             rc = ct_fail(e, CT_ERR_FORMAT, "%s: shards[%d]: expected {\"file\": name, \"tokens\": count[, \"mask\": name]}",
                          meta, k);
             break;

@@ -93,10 +93,12 @@ META_ERRORS = [
     ("eos_id", lambda v, n: 99999, lambda v, n: f"eos_id is 99999, outside its own vocab_size {v}"),
     ("vocab_size", lambda v, n: v + 1000,
      lambda v, n: f"vocab_size is {v + 1000}, larger than the model's vocabulary (size {v})"),
+    # prepare writes counts as integers; 5.0 is a hand edit (a manifest refuses it alike)
+    ("total_tokens", lambda v, n: float(n), lambda v, n: "total_tokens: expected a non-negative integer"),
 ]
 
 
-@pytest.mark.parametrize("key,value,want", META_ERRORS, ids=[m[0] for m in META_ERRORS])
+@pytest.mark.parametrize("key,value,want", META_ERRORS, ids=["total_tokens", "eos_id", "vocab_size", "float_count"])
 def test_meta_json_that_disagrees_is_refused(key, value, want, setup, prepared, tmp_path, run_ctitan):
     vocab = setup[2]
     data = prepared
