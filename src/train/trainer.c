@@ -63,6 +63,15 @@ void trainer_install_signals(void) {
 
 
 /* dir/name, or name alone when it is absolute. Returns 0 if it fits. */
+const char *trainer_layout_origin(const ct_config *c) {
+    return cfg_origin_any(c, "parallelism.data_parallel_replicate_degree,parallelism.data_parallel_shard_degree,"
+                             "parallelism.tensor_parallel_degree,parallelism.expert_parallel_degree,"
+                             "parallelism.pipeline_parallel_degree,parallelism.pipeline_parallel_schedule,"
+                             "parallelism.pipeline_parallel_microbatch_size,parallelism.pipeline_parallel_split_points,"
+                             "training.local_batch_size,training.global_batch_size,training.seq_len,"
+                             "validation.local_batch_size");
+}
+
 int trainer_join_path(char *out, size_t cap, const char *dir, const char *name) {
     int n = (name[0] == '/' || !dir[0]) ? snprintf(out, cap, "%s", name) : snprintf(out, cap, "%s/%s", dir, name);
     return n < 0 || (size_t)n >= cap;
@@ -418,7 +427,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     if (!rc) rc = trainer_model_config(c, &mc, e);
     if (rc) return rc;
     /* the layout is checked before anything big is built */
-    if ((rc = plan_init(&t->plan, world, c, &mc, cfg_source(c), e))) return rc;
+    if ((rc = plan_init(&t->plan, world, c, &mc, trainer_layout_origin(c), e))) return rc;
     int dp = t->plan.mesh.dp_size, per_step = c->local_batch_size * dp;
     if ((rc = trainer_check_global_batch(c, dp, e))) return rc;
     t->global_batch = c->global_batch_size > 0 ? c->global_batch_size : per_step;
@@ -426,11 +435,13 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
     t->val_batch = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int plan_b = t->val_batch > c->local_batch_size ? t->val_batch : c->local_batch_size;
     if (trainer_join_path(t->ckpt_folder, sizeof t->ckpt_folder, c->dump_folder, c->ckpt_folder))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long", cfg_source(c));
+        return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long",
+                       cfg_origin_any(c, "job.dump_folder,checkpoint.folder"));
     const ct_mesh *ms = &t->plan.mesh;
     if ((rc = trainer_finetune_config(c, ms->tp, ms->ep, &mc, e))) return rc;
     /* this rank's part of the model: its pipeline stages, its slice */
-    if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, cfg_source(c), e))) return rc;
+    if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, trainer_layout_origin(c), e)))
+        return rc;
     if ((rc = lm_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     t->seeds = ct_calloc((size_t)plan_microbatches(&t->plan), sizeof *t->seeds);
     if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save,

@@ -32,14 +32,14 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     int pp = c->pp > 1 ? c->pp : 1;
     if (world <= 0) world = (c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1) * pp;
     int rep, shard, tp;
-    if ((rc = mesh_resolve(c, world, &mc, cfg_source(c), &rep, &shard, &tp, e))) return rc;
+    if ((rc = mesh_resolve(c, world, &mc, trainer_layout_origin(c), &rep, &shard, &tp, e))) return rc;
     if ((rc = trainer_check_global_batch(c, rep * shard, e))) return rc;
     if ((rc = trainer_check_kernels(c, e))) return rc;
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
     if ((rc = trainer_finetune_config(c, tp, c->ep, &mc, e))) return rc;
     /* the run checks its pipeline before it builds the model: an error comes alone, before anything prints */
-    if (pp > 1 && (rc = plan_dry_pipeline(NULL, c, &mc, world, rep, shard, tp, cfg_source(c), e))) return rc;
+    if (pp > 1 && (rc = plan_dry_pipeline(NULL, c, &mc, world, rep, shard, tp, trainer_layout_origin(c), e))) return rc;
     size_t n = 0, act = 0;
     if ((rc = lm_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
     /* frozen tensors (LoRA's base, training.freeze): no gradient, no moments */
@@ -58,7 +58,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
         if (rc) return rc;
     }
     if (world > 1 && pp == 1) { /* checked before anything prints, so an error comes alone */
-        if ((rc = plan_dry_rank(NULL, c, &mc, world, rep, shard, tp, B, cfg_source(c), e))) return rc;
+        if ((rc = plan_dry_rank(NULL, c, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e))) return rc;
     }
     if (!out) return 0;
     /* bf16-stored frozen matrices: 2 bytes each, and a stored lm_head's fp32 block of logits */
@@ -77,8 +77,8 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     if (x > 0) plan_dry_line(out, "expert LoRA fold + weight gradient", x);
     plan_dry_line(out, "total planned", p + g + o + a + w + x);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
-    if (pp > 1) return plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, cfg_source(c), e);
-    return world > 1 ? plan_dry_rank(out, c, &mc, world, rep, shard, tp, B, cfg_source(c), e) : 0;
+    if (pp > 1) return plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, trainer_layout_origin(c), e);
+    return world > 1 ? plan_dry_rank(out, c, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e) : 0;
 }
 
 /* Bytes of [p, p + n) resident in this process now (mincore): a buffer's

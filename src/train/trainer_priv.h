@@ -14,6 +14,10 @@
 
 /* out = dir/name, or name alone when it is absolute. Returns 0 if it fits. */
 int trainer_join_path(char *out, size_t cap, const char *dir, const char *name);
+/* Where the layout came from, for the mesh and plan checks' messages: "command
+ * line" when an override set any [parallelism] degree or batch size, else the
+ * config file (cfg_origin_any). */
+const char *trainer_layout_origin(const ct_config *c);
 /* A global batch the data-parallel ranks cannot split evenly is a layout
  * error: the run and the dry run reject it alike. */
 int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e);

@@ -331,8 +331,10 @@ def test_context_parallel_degree_is_read_and_only_1_taken(run_ctitan, tmp_path):
     (["--model.hf_assets_path="], "command line", "model.hf_assets_path: required"),
     (["--validation.dataset_path="], "command line", "validation.dataset_path: required"),
     (["--lora.modules_to_save=lm_head"], "command line", "lora.modules_to_save"),
+    (["--parallelism.tensor_parallel_degree=3", "--parallelism.data_parallel_shard_degree=1"], "command line",
+     "parallelism.tensor_parallel_degree = 3 does not divide"),
 ], ids=["cross_key_cli", "validation_steps_cli", "range_cli", "cross_key_file", "other_key_in_file",
-        "val_path_cli", "after_the_parse"])
+        "val_path_cli", "after_the_parse", "layout_cli"])
 def test_config_errors_name_where_the_value_was_set(run_ctitan, tmp_path, args, origin, key):
     """An error about a value set on the command line named the config file (checks run after
     the parse used the file's name for every key). A check of two keys names the command
