@@ -195,7 +195,7 @@ static int ckpt_name_ok(const char *s) {
 /* A number written as an integer (as ckpt_write_manifest's %d and %llu write
  * it: not 5.0, not 1e3) in [0, 2^53), where doubles are exact. */
 static int ckpt_json_uint(const cJSON *v, uint64_t *out) {
-    if (!json_is_integer(v) || !json_int_in(v, 0.0, 9007199254740991.0)) return -1;
+    if (!json_integer_in(v, 0.0, 9007199254740991.0)) return -1;
     *out = (uint64_t)v->valuedouble;
     return 0;
 }

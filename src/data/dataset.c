@@ -215,7 +215,7 @@ static int meta_count(const cJSON *j, const char *key, const char *meta, uint64_
     if (!v || cJSON_IsNull(v)) return 0;
     /* 2^53: the largest count a JSON number holds exactly; written as prepare
      * writes it (5, not 5.0), as a manifest's counts must be */
-    if (!json_is_integer(v) || !json_int_in(v, 0, 9007199254740992.0))
+    if (!json_integer_in(v, 0, 9007199254740992.0))
         return ct_fail(e, CT_ERR_FORMAT, "%s: %s: expected a non-negative integer", meta, key);
     *out = (uint64_t)v->valuedouble;
     *has = 1;

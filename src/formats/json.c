@@ -452,6 +452,10 @@ int json_int_in(const cJSON *item, double lo, double hi) {
            item->valuedouble == floor(item->valuedouble);
 }
 
+int json_integer_in(const cJSON *item, double lo, double hi) {
+    return json_int_in(item, lo, hi) && json_is_integer(item);
+}
+
 /* ------------------------------------------------------------------- parse */
 
 cJSON *json_parse(const char *text, size_t len, const char *what, ct_err *e) {

@@ -49,6 +49,10 @@ int json_is_integer(const struct cJSON *item);
  * was written: the range check before a count or index read from JSON is
  * cast to an integer type (a cast of 1e20 or NaN is undefined). */
 int json_int_in(const struct cJSON *item, double lo, double hi);
+/* json_int_in and written as an integer too (json_is_integer: 5, not 5.0 or
+ * 5e0): a count or id of a file whose writer (ctitan, PEFT, HF tokenizers)
+ * writes integers and whose reader refuses a float there. */
+int json_integer_in(const struct cJSON *item, double lo, double hi);
 
 /* Marks the numbers of ROOT, the tree cJSON parsed from text[0, len) (that
  * json_bad_byte passed), for json_is_integer: for a reader that calls cJSON

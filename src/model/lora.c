@@ -978,7 +978,7 @@ static int read_adapter(const cJSON *o, lm_config *c, double *alpha, int *rslora
     const cJSON *tp = cJSON_GetObjectItemCaseSensitive(o, "target_parameters");
     int has_tp = cJSON_GetArraySize(tp) > 0;
     /* "r": 4.0 is refused as PEFT refuses it (LoraConfig's int field), and as config.json's sizes are */
-    if (!json_int_in(r, 1, 65536) || !json_is_integer(r))
+    if (!json_integer_in(r, 1, 65536))
         return ct_fail(e, CT_ERR_FORMAT, "%s: r: expected a positive integer", path);
     if (!cJSON_IsNumber(a) || !(a->valuedouble > 0))
         return ct_fail(e, CT_ERR_FORMAT, "%s: lora_alpha: expected a positive number", path);

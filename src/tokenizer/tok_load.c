@@ -463,7 +463,7 @@ static int parse_decoder_step(tok *t, const cJSON *o, const char *file, const ch
                 strlen(c->valuestring))
             return ct_fail(e, CT_ERR_FORMAT, "%s: %s.content: expected one character", file, ctx);
         /* usize in HF tokenizers: 1.0 and 1.5 fail there ("did not match any variant") */
-        if (!json_int_in(a, 0, 1e6) || !json_int_in(b, 0, 1e6) || !json_is_integer(a) || !json_is_integer(b))
+        if (!json_integer_in(a, 0, 1e6) || !json_integer_in(b, 0, 1e6))
             return ct_fail(e, CT_ERR_FORMAT, "%s: %s.start/stop: expected counts (integers)", file, ctx);
         d.pat = ct_strdup(c->valuestring);
         d.npat = strlen(d.pat);
