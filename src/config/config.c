@@ -1040,28 +1040,26 @@ void cfg_write_toml(const ct_config *c, FILE *out) {
 }
 
 const char *cfg_source(const ct_config *c) { return c->config_path[0] ? c->config_path : "command line"; }
+/* Whether option "section.key", the n bytes at name, was last set on the command line. */
+static int cfg_from_cli(const ct_config *c, const char *name, size_t n) {
+    char one[128];
+    if (n >= sizeof one) return 0;
+    memcpy(one, name, n);
+    one[n] = '\0';
+    char *dot = strchr(one, '.');
+    if (!dot) return 0;
+    *dot = '\0';
+    const cfg_option *o = cfg_lookup(one, dot + 1);
+    return o && c->from_cli[o - cfg_options];
+}
 const char *cfg_origin(const ct_config *c, const char *name) {
-    const char *dot = strchr(name, '.');
-    char section[64];
-    if (dot && (size_t)(dot - name) < sizeof section) {
-        memcpy(section, name, (size_t)(dot - name));
-        section[dot - name] = '\0';
-        const cfg_option *o = cfg_lookup(section, dot + 1);
-        if (o && c->from_cli[o - cfg_options]) return "command line";
-    }
-    return cfg_source(c);
+    return cfg_from_cli(c, name, strlen(name)) ? "command line" : cfg_source(c);
 }
 const char *cfg_origin_any(const ct_config *c, const char *names) {
     for (const char *p = names; *p;) {
-        const char *q = strchr(p, ',');
-        size_t n = q ? (size_t)(q - p) : strlen(p);
-        char one[128];
-        if (n < sizeof one) {
-            memcpy(one, p, n);
-            one[n] = '\0';
-            if (strcmp(cfg_origin(c, one), cfg_source(c)) != 0) return "command line";
-        }
-        p += n + (q != NULL);
+        size_t n = strcspn(p, ",");
+        if (cfg_from_cli(c, p, n)) return "command line";
+        p += n + (p[n] == ',');
     }
     return cfg_source(c);
 }
