@@ -62,7 +62,6 @@ void trainer_install_signals(void) {
 }
 
 
-/* dir/name, or name alone when it is absolute. Returns 0 if it fits. */
 const char *trainer_layout_origin(const ct_config *c) {
     return cfg_origin_any(c, "parallelism.data_parallel_replicate_degree,parallelism.data_parallel_shard_degree,"
                              "parallelism.tensor_parallel_degree,parallelism.expert_parallel_degree,"
@@ -72,6 +71,11 @@ const char *trainer_layout_origin(const ct_config *c) {
                              "validation.local_batch_size");
 }
 
+const char *trainer_frozen_origin(const ct_config *c) {
+    return cfg_origin_any(c, "training.freeze,lora.modules_to_save,lora.rank");
+}
+
+/* dir/name, or name alone when it is absolute. Returns 0 if it fits. */
 int trainer_join_path(char *out, size_t cap, const char *dir, const char *name) {
     int n = (name[0] == '/' || !dir[0]) ? snprintf(out, cap, "%s", name) : snprintf(out, cap, "%s/%s", dir, name);
     return n < 0 || (size_t)n >= cap;
@@ -444,8 +448,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
         return rc;
     if ((rc = lm_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
     t->seeds = ct_calloc((size_t)plan_microbatches(&t->plan), sizeof *t->seeds);
-    if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save,
-                                cfg_origin_any(c, "training.freeze,lora.modules_to_save,lora.rank"), e)))
+    if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_frozen_origin(c), e)))
         return rc;
     if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
         size_t n = lm_store_frozen_bf16(&t->model);

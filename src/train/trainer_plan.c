@@ -47,8 +47,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     {
         lm_model lm;
         lm_layout(&lm, &mc);
-        rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save,
-                               cfg_origin_any(c, "training.freeze,lora.modules_to_save,lora.rank"), e);
+        rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_frozen_origin(c), e);
         if (!rc) trained = lm_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
         if (!rc && lm.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) {
             in_bf16 = lm_store_frozen_bf16(&lm);

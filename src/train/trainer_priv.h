@@ -18,6 +18,8 @@ int trainer_join_path(char *out, size_t cap, const char *dir, const char *name);
  * line" when an override set any [parallelism] degree or batch size, else the
  * config file (cfg_origin_any). */
 const char *trainer_layout_origin(const ct_config *c);
+/* The same for lora_apply_frozen's messages (training.freeze, lora.modules_to_save, lora.rank). */
+const char *trainer_frozen_origin(const ct_config *c);
 /* A global batch the data-parallel ranks cannot split evenly is a layout
  * error: the run and the dry run reject it alike. */
 int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e);
