@@ -108,6 +108,21 @@ def make_peft(base, *, r, alpha, targets, rslora=False, modules_to_save=None, se
     return pm
 
 
+def random_all7_adapter(d, cfg, *, hf_seed, r, alpha, seed):
+    """A random HF model of cfg in d/hf and a PEFT adapter with random non-zero A and B
+    (make_peft's seed) on all seven projections in d/adapter. Returns (hf_dir,
+    adapter_dir, the PeftModel, its trainable tensors, the adapters' names in layer
+    order); the trainable tensors must be exactly those adapters (the tests' setup)."""
+    hf_dir, ad = d / "hf", d / "adapter"
+    oracle.save_random_hf(hf_dir, cfg, seed=hf_seed)
+    pm = make_peft(oracle.load_hf(hf_dir), r=r, alpha=alpha, targets=ALL7, seed=seed)
+    pm.save_pretrained(str(ad))
+    params = trainable(pm)
+    lora = lora_names(range(cfg.num_hidden_layers), ALL7)
+    assert sorted(params) == sorted(lora), f"test setup: PEFT trains {sorted(params)}"
+    return hf_dir, ad, pm, params, lora
+
+
 def trainable(pm) -> dict[str, torch.nn.Parameter]:
     """{ctitan name: parameter} of every parameter that trains (requires_grad)."""
     out = {}

@@ -422,12 +422,9 @@ def test_dropout_training_forwards_only(tmp_path, open_session):
     logits (dropout off); forward_backward's loss differs from the dropout-free session's
     and is the same again for the same seed; adapter_config.json records the rate."""
     cfg = dense_cfg()
-    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
-    oracle.save_random_hf(hf_dir, cfg, seed=37)
-    pm = OL.make_peft(oracle.load_hf(hf_dir), r=R, alpha=ALPHA, targets=OL.ALL7, seed=3)
-    pm.save_pretrained(str(ad))
+    hf_dir, ad, pm, params, _ = OL.random_all7_adapter(tmp_path, cfg, hf_seed=37, r=R, alpha=ALPHA, seed=3)
     tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=3)
-    ref_loss, ref_logits, _ = OL.loss_logits_grads(pm, OL.trainable(pm), tokens, labels)
+    ref_loss, ref_logits, _ = OL.loss_logits_grads(pm, params, tokens, labels)
     nv = oracle.n_valid(labels)
 
     def session(p):
@@ -506,13 +503,7 @@ def test_dropout_training_step_matches_peft_with_same_mask(tmp_path, open_sessio
     repeatability are test_dropout_training_forwards_only's."""
     p, r, alpha, seed = 0.3, 4, 12.0, 5
     cfg = dense_cfg()
-    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
-    oracle.save_random_hf(hf_dir, cfg, seed=41)
-    pm = OL.make_peft(oracle.load_hf(hf_dir), r=r, alpha=alpha, targets=OL.ALL7, seed=9)
-    pm.save_pretrained(str(ad))
-    params = OL.trainable(pm)
-    lora = OL.lora_names(range(cfg.num_hidden_layers), OL.ALL7)
-    assert sorted(params) == sorted(lora), f"test setup: PEFT trains {sorted(params)}"
+    hf_dir, ad, pm, params, lora = OL.random_all7_adapter(tmp_path, cfg, hf_seed=41, r=r, alpha=alpha, seed=9)
     tokens, labels = make_batch(cfg.vocab_size, LOCAL_BS, L, seed=6)
     nv = oracle.n_valid(labels)
     loss_nodrop, _, grads_nodrop = OL.loss_logits_grads(pm, params, tokens, labels)

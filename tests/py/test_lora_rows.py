@@ -8,7 +8,6 @@ kernel in the same order whatever the thread count).
 Every expected number comes from PEFT / torch (oracle_lora.py)."""
 import numpy as np
 
-import oracle
 import oracle_lora as OL
 from conftest import hf_session_args
 from test_lora import ALPHA, OPT_ARGS, R, assert_step_matches, dense_cfg, lora_args
@@ -19,13 +18,7 @@ SEQ, BATCH = 96, 2
 
 def test_grouped_adapters_match_peft_on_split_rows(tmp_path, open_session):
     cfg = dense_cfg()
-    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
-    oracle.save_random_hf(hf_dir, cfg, seed=11)
-    pm = OL.make_peft(oracle.load_hf(hf_dir), r=R, alpha=ALPHA, targets=OL.ALL7, seed=5)
-    pm.save_pretrained(str(ad))
-    params = OL.trainable(pm)
-    lora = OL.lora_names(range(cfg.num_hidden_layers), OL.ALL7)
-    assert sorted(params) == sorted(lora), "test setup: PEFT adapts other modules"
+    hf_dir, ad, pm, params, lora = OL.random_all7_adapter(tmp_path, cfg, hf_seed=11, r=R, alpha=ALPHA, seed=5)
     tokens, labels = make_batch(cfg.vocab_size, BATCH, SEQ, seed=5)
     ref_loss, ref_logits, ref_grads = OL.loss_logits_grads(pm, params, tokens, labels)
 
