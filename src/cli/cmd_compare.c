@@ -55,7 +55,7 @@
 #define CMP_PROBE_TIMEOUT_S 600.0
 #define CMP_PROBE_GRACE_S 2.0 /* SIGTERM (mpirun takes its ranks down) before SIGKILL */
 
-void cli_compare_help(void) {
+static void cli_compare_help(void) {
     printf("usage: ctitan compare RUN_A RUN_B [--tolerance X] [--restore-tolerance X] [--price-per-hour P]\n"
            "                      [--bill-downtime] [--no-restore] [--probe-timeout S] [--steps] [--json]\n\n"
            "Compares two runs (their job.dump_folder) of one recipe under different layouts, machines or\n"

@@ -23,7 +23,7 @@
 #include "hub/hub.h"
 #include "model/lm.h"
 
-void cli_describe_help(void) {
+static void cli_describe_help(void) {
     printf("usage: ctitan describe MODEL_DIR|HUB_ID|--flavor NAME [--revision R] [--seq-len N] [--json]\n"
            "                       [--config-out FILE]\n\n"
            "Prints what ctitan derives from MODEL_DIR/config.json (a Hub id fetches config.json only)\n"

@@ -21,7 +21,7 @@ static const cli_opt dl_options[] = {
     [DL_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
-void cli_download_help(void) {
+static void cli_download_help(void) {
     printf("usage: ctitan download ID [--revision R]\n\n"
            "Downloads a Hugging Face Hub model (config, tokenizer, safetensors weights) into the Hugging Face\n"
            "cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub) and prints its directory.\n"

@@ -76,7 +76,7 @@ static const char *const exp_tok_files[] = {"tokenizer.json",          "tokenize
                                             "generation_config.json", "special_tokens_map.json",
                                             "added_tokens.json",       "chat_template.jinja"};
 
-void cli_export_help(void) {
+static void cli_export_help(void) {
     printf("usage: ctitan export --checkpoint DIR --out HF_DIR [options]\n\n"
            "Writes a training checkpoint as a Hugging Face model directory (config.json, safetensors,\n"
            "tokenizer files). The checkpoint is verified first; a damaged one is refused by name.\n");

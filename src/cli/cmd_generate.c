@@ -96,7 +96,7 @@ static const cli_opt gen_cli_options[] = {
     [GEN_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
-void cli_generate_help(void) {
+static void cli_generate_help(void) {
     printf("usage: ctitan generate --checkpoint DIR (--prompt TEXT | --prompt-ids IDS) [options]\n\n"
            "Continues a prompt with a model of any supported family (docs/families.md), using a KV\n"
            "cache. Stops at --max-tokens or at an end token (the tokenizer's EOS, <|im_end|>,\n"

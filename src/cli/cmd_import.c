@@ -50,7 +50,7 @@ static const cli_opt imp_options[] = {
     [IMP_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
-void cli_import_help(void) {
+static void cli_import_help(void) {
     printf("usage: ctitan import --hf HF_DIR --out FOLDER [--step N]\n\n"
            "Writes a Hugging Face model directory as the model-only checkpoint FOLDER/step-N, which a\n"
            "run can start from (checkpoint.folder) and `ctitan export` turns back into HF files.\n");

@@ -20,7 +20,7 @@
 
 #define MAX_INPUTS 4096
 
-void cli_prepare_help(void) {
+static void cli_prepare_help(void) {
     printf("usage: ctitan prepare --tokenizer DIR --input PATH [--input PATH ...] --out DIR [options]\n\n"
            "Tokenizes text, JSONL or chat data into uint32 token shards that `ctitan train` reads\n"
            "as training.dataset_path = DIR. Every document is followed by EOS. Output is identical\n"

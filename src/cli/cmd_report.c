@@ -16,7 +16,7 @@
 #include "core/fs.h"
 #include "report/report.h"
 
-void cli_report_help(void) {
+static void cli_report_help(void) {
     printf("usage: ctitan report RUN_DIR [RUN_DIR...] [-o FILE] [--png[=FILE]] [--smoothing W]\n\n"
            "Writes one self-contained HTML page (inline SVG, no script, nothing fetched) about the runs:\n"
            "loss and validation loss (raw and smoothed, the runs overlaid), learning rate, gradient norm,\n"

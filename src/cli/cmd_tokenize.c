@@ -39,7 +39,7 @@ static const cli_opt tk_options[] = {
     [TK_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
 
-void cli_tokenize_help(void) {
+static void cli_tokenize_help(void) {
     printf("usage: ctitan tokenize --tokenizer DIR (--text TEXT | --file PATH) [--tokens] [--no-add-special]\n"
            "       ctitan tokenize --tokenizer DIR --decode --ids \"ID ID ...\" [--skip-special]\n\n"
            "Encodes text with a Hugging Face tokenizer (ids on one line) or decodes ids back to text.\n");

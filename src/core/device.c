@@ -17,7 +17,3 @@ static void cpu_copy(void *dst, const void *src, size_t bytes) { memcpy(dst, src
 static void cpu_drop(void *p, size_t bytes) { ct_drop_pages(p, bytes); }
 
 const ct_device ct_device_cpu = {"cpu", cpu_alloc, cpu_alloc_lazy, cpu_free, cpu_copy, cpu_copy, cpu_copy, cpu_drop};
-
-const ct_device *ct_device_find(const char *name) {
-    return name && !strcmp(name, ct_device_cpu.name) ? &ct_device_cpu : NULL;
-}

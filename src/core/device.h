@@ -28,7 +28,5 @@ typedef struct ct_device {
 } ct_device;
 
 extern const ct_device ct_device_cpu;
-/* The device called name, or NULL. */
-const ct_device *ct_device_find(const char *name);
 
 #endif

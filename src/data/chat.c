@@ -15,7 +15,7 @@
 static const char IM_START[] = "<|im_start|>";
 static const char IM_END[] = "<|im_end|>";
 
-void chat_mask_push(chat_mask *m, uint8_t v, size_t count) {
+static void chat_mask_push(chat_mask *m, uint8_t v, size_t count) {
     if (m->n + count > m->cap) {
         size_t cap = m->cap ? m->cap : 256;
         while (cap < m->n + count) cap *= 2;
@@ -36,7 +36,8 @@ void chat_mask_free(chat_mask *m) {
     memset(m, 0, sizeof *m);
 }
 
-int chat_is_trainable_role(const chat_msg *m) {
+/* 1 when the turn's content is a training target (role "assistant"). */
+static int chat_is_trainable_role(const chat_msg *m) {
     return m->role_len == 9 && !memcmp(m->role, "assistant", 9);
 }
 

@@ -50,11 +50,8 @@ typedef struct {
     size_t n, cap;
 } chat_mask;
 
-void chat_mask_push(chat_mask *m, uint8_t v, size_t count);
 void chat_mask_free(chat_mask *m);
 
-/* 1 when the turn's content is a training target (role "assistant"). */
-int chat_is_trainable_role(const chat_msg *m);
 
 /* Renders the ChatML text of the n turns into a malloc'd, NUL-terminated
  * string (*len excludes the terminator). */

@@ -68,8 +68,6 @@ typedef enum {
  * for an unknown name. */
 const char *ds_kind_name(ds_kind k);
 int ds_kind_parse(const char *name, ds_kind *out);
-/* "file", "paragraph", "line". */
-const char *ds_split_name(ds_text_split s);
 int ds_split_parse(const char *name, ds_text_split *out);
 
 /* The kind DS_KIND_AUTO resolves PATH to (reads at most its first line). */

@@ -53,10 +53,6 @@ int ds_kind_parse(const char *name, ds_kind *out) {
     return -1;
 }
 
-const char *ds_split_name(ds_text_split s) {
-    return (unsigned)s < sizeof SPLIT_NAMES / sizeof *SPLIT_NAMES ? SPLIT_NAMES[s] : "?";
-}
-
 int ds_split_parse(const char *name, ds_text_split *out) {
     for (int i = 0; i < (int)(sizeof SPLIT_NAMES / sizeof *SPLIT_NAMES); i++)
         if (name && !strcmp(name, SPLIT_NAMES[i])) {

@@ -1136,8 +1136,6 @@ int jinja_parse(const char *src, size_t len, const char *name, jinja_tmpl **out,
     return 0;
 }
 
-int jinja_has_generation(const jinja_tmpl *t) { return t->has_gen; }
-
 void jinja_free(jinja_tmpl *t) {
     if (!t) return;
     ar_free(&t->ar);

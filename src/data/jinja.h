@@ -69,9 +69,6 @@ void jinja_spans_free(jinja_spans *s);
  * error message. */
 int jinja_parse(const char *src, size_t len, const char *name, jinja_tmpl **out, ct_err *e);
 void jinja_free(jinja_tmpl *t);
-/* 1 when the template has a {% generation %} block (its spans then say what
- * the assistant generated, as transformers' return_assistant_tokens_mask). */
-int jinja_has_generation(const jinja_tmpl *t);
 
 /* Renders with the variables of vars_json (a cJSON object, passed as void * so
  * this header does not pull in cJSON; NULL: none) into a malloc'd,

@@ -303,7 +303,8 @@ int fsdp_layer_range(const lm_model *m, int l, size_t *lo, size_t *hi, ct_err *e
     return 0;
 }
 
-void fsdp_expert_range(const lm_model *m, int l, size_t *a, size_t *b) {
+/* [a, b) of layer l's experts' tensors (every expert's name, held or not); a == b: none. */
+static void fsdp_expert_range(const lm_model *m, int l, size_t *a, size_t *b) {
     *a = SIZE_MAX, *b = 0;
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_tensor *t = &m->tensors[i];
@@ -358,6 +359,15 @@ int fsdp_cut(const lm_model *m, int split_experts, fsdp_piece *p, int *lp, ct_er
         p[i].n32 = p[i].n - p[i].sn;
     }
     return np;
+}
+
+/* Gives back the pages of full[n_params] (model params or grads). */
+static void fsdp_release_full(fsdp *f, float *full) {
+    finish_prefetch(f);
+    release_range(full, 0, f->m->n_params);
+    if (full != f->m->params) return;
+    if (f->m->n_store) ct_drop_pages(f->m->fstore, f->m->n_store * sizeof(uint16_t)); /* the bf16 store likewise */
+    for (int i = 0; i < f->n_pieces; i++) f->gathered[i] = 0;
 }
 
 int fsdp_init(fsdp *f, lm_model *m, ct_comm *comm, ct_comm *expert_comm, int reshard, ct_err *e) {
@@ -520,14 +530,6 @@ void fsdp_gather_piece(fsdp *f, int i, float *dst, const float *shard, int root,
     }
     f->comm_s += ct_now() - t0;
     free(v);
-}
-
-void fsdp_release_full(fsdp *f, float *full) {
-    finish_prefetch(f);
-    release_range(full, 0, f->m->n_params);
-    if (full != f->m->params) return;
-    if (f->m->n_store) ct_drop_pages(f->m->fstore, f->m->n_store * sizeof(uint16_t)); /* the bf16 store likewise */
-    for (int i = 0; i < f->n_pieces; i++) f->gathered[i] = 0;
 }
 
 void fsdp_microbatch_begin(fsdp *f) {

@@ -114,8 +114,6 @@ typedef struct {
 
 /* [lo, hi) of layer l's tensors in the flat buffer; an error unless contiguous. */
 int fsdp_layer_range(const lm_model *m, int l, size_t *lo, size_t *hi, ct_err *e);
-/* [a, b) of layer l's experts' tensors (every expert's name, held or not); a == b: none. */
-void fsdp_expert_range(const lm_model *m, int l, size_t *a, size_t *b);
 /* The pieces fsdp_init cuts m's flat buffer into, from its tensor table
  * alone (no communicators; --dry-run plans with it): p[2 L + 2] gets off,
  * n, experts (with split_experts, a MoE layer's experts are a piece of
@@ -158,8 +156,6 @@ void fsdp_take_store(fsdp *f, size_t soff, const float *src, size_t n);
  * (a save of the parameters that wants them): then they are gathered in
  * bf16 too and widened into dst. */
 void fsdp_gather_piece(fsdp *f, int i, float *dst, const float *shard, int root, int stored);
-/* Gives back the pages of full[n_params] (model params or grads). */
-void fsdp_release_full(fsdp *f, float *full);
 /* Around each micro-batch's forward + backward (or forward only, with
  * fwd_only set): begin gathers the embedding piece; end reduce-scatters its
  * gradients into f->grads and frees whatever of the root is still held. */

@@ -9,7 +9,8 @@
 
 #include "core/timer.h"
 
-int pp_schedule_parse(const char *name, int *schedule, const char *where, ct_err *e) {
+/* Parses pipeline_parallel_schedule (CT_ERR_CONFIG naming the key). */
+static int pp_schedule_parse(const char *name, int *schedule, const char *where, ct_err *e) {
     static const char *const names[] = {"1F1B", "GPipe", "Interleaved1F1B"};
     for (int i = 0; i < 3; i++)
         if (!strcmp(name, names[i])) {

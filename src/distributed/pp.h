@@ -85,8 +85,6 @@ typedef struct {
     double wait_s, step_s; /* seconds waiting for inputs, and in pp_step, since pp_take_times */
 } pp_sched;
 
-/* Parses pipeline_parallel_schedule (CT_ERR_CONFIG naming the key). */
-int pp_schedule_parse(const char *name, int *schedule, const char *where, ct_err *e);
 /* The split and this rank's schedule for P ranks and a step of M
  * micro-batches (no communication: the dry run plans every rank's with it).
  * Errors (CT_ERR_CONFIG, naming the key): split points out of order or out

@@ -23,7 +23,6 @@ typedef struct {
     size_t n, cap;
 } st_buf;
 
-void st_sb_put(st_buf *b, const char *s, size_t n);
 void st_sb_puts(st_buf *b, const char *s);
 void st_sb_printf(st_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* JSON string literal; UTF-8 passes through, control bytes are escaped. */

@@ -28,7 +28,7 @@
 
 /* --------------------------------------------------------------- writing */
 
-void st_sb_put(st_buf *b, const char *s, size_t n) {
+static void st_sb_put(st_buf *b, const char *s, size_t n) {
     if (b->n + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap : 256;
         while (cap < b->n + n + 1) cap *= 2;

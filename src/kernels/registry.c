@@ -342,7 +342,9 @@ static const struct {
     {"sve", KERN_FEAT_NEON | KERN_FEAT_ARM_BF16 | KERN_FEAT_SVE},
 };
 
-int kern_isa_limit(const char *isa, unsigned *keep, ct_err *e) {
+/* The feature bits the level `isa` keeps (KERN_FEAT_ALL for NULL, "" or
+ * "auto"); CT_ERR_CONFIG naming it if unknown. */
+static int kern_isa_limit(const char *isa, unsigned *keep, ct_err *e) {
     *keep = KERN_FEAT_ALL;
     if (!isa || !*isa || !strcmp(isa, "auto")) return 0;
     for (size_t i = 0; i < sizeof isa_levels / sizeof isa_levels[0]; i++)

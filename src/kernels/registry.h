@@ -224,9 +224,6 @@ unsigned kern_cpu_hw_features(void);
  * CTITAN_ISA says), else 0. `kernels list` / `check` print it: the SVE GEMM's
  * tile width follows it, and under qemu it is whatever -cpu max,sveN=on set. */
 int kern_sve_vector_bits(void);
-/* The feature bits the level `isa` keeps (KERN_FEAT_ALL for NULL, "" or
- * "auto"); CT_ERR_CONFIG naming it if unknown. */
-int kern_isa_limit(const char *isa, unsigned *keep, ct_err *e);
 /* "avx2 fma avx512f ..." for the bits of f ("none" if empty). */
 void kern_features_str(unsigned f, char *buf, size_t cap);
 /* The lowest CTITAN_ISA level whose bits include f ("portable" for 0): how

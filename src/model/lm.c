@@ -125,7 +125,8 @@ float lm_lora_scale(const lm_config *c, int l, int p) {
     return k ? c->lora_kind[k - 1].scale : c->lora_scale;
 }
 
-int lm_lora_max_rank(const lm_config *c) {
+/* The largest rank of any Linear adapter: the width of the [BT, r] buffers. */
+static int lm_lora_max_rank(const lm_config *c) {
     int r = c->lora_rank;
     for (int l = 0; l < c->n_layers; l++)
         for (int p = 0; p < LM_LORA_N; p++)
@@ -659,7 +660,8 @@ static rope_params rope_default(const lm_config *c) {
     return p;
 }
 
-int lm_rope_by_length(const lm_config *c) {
+/* Whether the tables depend on the forward's length (dynamic, longrope). */
+static int lm_rope_by_length(const lm_config *c) {
     return c->has_rope && (c->rope.type == ROPE_DYNAMIC || c->rope.type == ROPE_LONGROPE ||
                            c->rope_local.type == ROPE_DYNAMIC || c->rope_local.type == ROPE_LONGROPE);
 }
@@ -1301,23 +1303,30 @@ static void experts_adapted_grad(lm_model *m, const lm_layer_w *w, lm_layer_w *g
 
 /* ------------------------------------------------- family pieces */
 
-/* A norm's weight as the kernels read it: w itself, or 1 + w in m->ws.norm_w
+/* The family's small elementwise pieces of the forward, shared by training's
+ * forward and the KV-cache forward (lm_kv_forward). */
+
+/* A norm's weight as the kernels read it: w itself, or 1 + w in scratch[n]
  * (Gemma's RMSNorm). d/dw is the same either way, so backward kernels take
  * the same pointer and accumulate the true gradient. */
-const float *lm_norm_weight(const lm_config *c, float *scratch, const float *w, int n) {
+static const float *lm_norm_weight(const lm_config *c, float *scratch, const float *w, int n) {
     if (!c->norm_plus_one || !w) return w;
     for (int i = 0; i < n; i++) scratch[i] = 1.0f + w[i];
     return scratch;
 }
 static const float *nw(lm_model *m, const float *w, int n) { return lm_norm_weight(&m->cfg, m->ws.norm_w, w, n); }
 
-void lm_embed_scale(const lm_config *c, float *x, size_t n) {
+/* x[n] *= sqrt(hidden), rounded to fp32, where the family scales its
+ * embeddings (Gemma); a no-op elsewhere. */
+static void lm_embed_scale(const lm_config *c, float *x, size_t n) {
     if (!c->embed_scaled) return;
     float sc = (float)sqrt((double)c->hidden); /* transformers' fp32 buffer */
     for (size_t i = 0; i < n; i++) x[i] *= sc;
 }
 
-void lm_final_softcap(const lm_config *c, float *x, size_t n, float *t) {
+/* x[n] = cap tanh(x / cap) where the family caps its final logits, keeping
+ * tanh in t[n] (NULL: not kept); a no-op elsewhere. */
+static void lm_final_softcap(const lm_config *c, float *x, size_t n, float *t) {
     if (!(c->final_softcap > 0)) return;
     float cap = (float)c->final_softcap;
     for (size_t i = 0; i < n; i++) {

@@ -169,11 +169,9 @@ typedef struct {
 
 /* Whether layer l has adapters on projection p. */
 int lm_lora_on(const lm_config *c, int l, int p);
-/* The rank and scale of layer l's adapter on projection p (lora_lp), and the
- * largest rank of any Linear adapter (the [BT, r] buffers' width). */
+/* The rank and scale of layer l's adapter on projection p (lora_lp). */
 int lm_lora_rank(const lm_config *c, int l, int p);
 float lm_lora_scale(const lm_config *c, int l, int p);
-int lm_lora_max_rank(const lm_config *c);
 /* The fused expert parameters LoRA can adapt (target_parameters), in table order. */
 enum { LM_LORA_EXP_GU, LM_LORA_EXP_D, LM_LORA_EXP_N };
 /* Whether layer l (a MoE layer) has adapters on its fused experts p (LM_LORA_EXP_*). */
@@ -197,22 +195,8 @@ void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T,
 /* The features of each head RoPE rotates (int(head_dim * partial_rotary_factor),
  * Phi3 only; the rest pass through): the width of the cos/sin tables is half of it. */
 int lm_rotary_dim(const lm_config *c);
-/* Whether the tables depend on the forward's length (dynamic, longrope). */
-int lm_rope_by_length(const lm_config *c);
 /* Whether sliding layers have RoPE tables of their own. */
 int lm_rope_local_differs(const lm_config *c);
-
-/* The family's small elementwise pieces of the forward (training's and the
- * KV-cache forward's, lm_kv_forward):
- * lm_norm_weight: the weight a norm kernel reads: w, or (Gemma's 1 + w
- *   norms) 1 + w written into scratch[n]; d/dw is the same either way.
- * lm_embed_scale: x[n] *= sqrt(hidden) (rounded to fp32) where the family
- *   scales its embeddings (Gemma); a no-op elsewhere.
- * lm_final_softcap: x[n] = cap tanh(x / cap) where the family caps its
- *   final logits, keeping tanh in t[n] (NULL: not kept); a no-op elsewhere. */
-const float *lm_norm_weight(const lm_config *c, float *scratch, const float *w, int n);
-void lm_embed_scale(const lm_config *c, float *x, size_t n);
-void lm_final_softcap(const lm_config *c, float *x, size_t n, float *t);
 
 /* What a pipeline stage holds (every piece when !c->pp_stage). */
 int lm_holds_layer(const lm_config *c, int l);

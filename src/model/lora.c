@@ -31,8 +31,6 @@ static const char *const target_names[LM_LORA_N] = {"q_proj",    "k_proj",  "v_p
                                                        "gate_proj", "up_proj", "down_proj"};
 #define PEFT_PREFIX "base_model.model."
 
-const char *lora_target_name(int p) { return p >= 0 && p < LM_LORA_N ? target_names[p] : "?"; }
-
 static int target_index(const char *name) {
     for (int p = 0; p < LM_LORA_N; p++)
         if (!strcmp(name, target_names[p])) return p;
@@ -120,7 +118,10 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
     return 0;
 }
 
-char *lora_target_params_text(const lm_config *c) {
+/* c->lora_experts[] back as a target_parameters list (comma-joined, to
+ * free): the short names when every MoE layer has the same, else every
+ * layer's full parameter name. "" when none. */
+static char *lora_target_params_text(const lm_config *c) {
     int uniform = 1, ref = -1;
     for (int l = 0; l < c->n_layers; l++) {
         if (!lm_layer_is_moe(c, l)) continue;
@@ -409,7 +410,9 @@ static const char *const module_paths[LM_LORA_N] = {"self_attn.q_proj", "self_at
                                                        "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
                                                        "mlp.down_proj"};
 
-const char *lora_module_path(const lm_config *c, int p) {
+/* Projection p's module path in a layer of c's model ("self_attn.q_proj";
+ * a fused model's "self_attn.qkv_proj" for q, k and v). */
+static const char *lora_module_path(const lm_config *c, int p) {
     if (p < 0 || p >= LM_LORA_N) return "?";
     if (c->fused_qkv && p <= LM_LORA_V) return "self_attn.qkv_proj";
     if (c->fused_gate_up && (p == LM_LORA_GATE || p == LM_LORA_UP)) return "mlp.gate_up_proj";

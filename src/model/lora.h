@@ -42,9 +42,6 @@ int lora_is_all_linear(const char *targets);
  * down_proj) -> *bits. On a MoE model PEFT also adapts each router
  * (mlp.gate), which ctitan cannot: CT_ERR_CONFIG naming `where`, `key` and it. */
 int lora_all_linear(const lm_config *c, unsigned *bits, const char *where, const char *key, ct_err *e);
-/* Projection p's module path in a layer of c's model ("self_attn.q_proj";
- * a fused model's "self_attn.qkv_proj" for q, k and v). */
-const char *lora_module_path(const lm_config *c, int p);
 
 /* PEFT's rank_pattern / alpha_pattern (LoraConfig): JSON objects
  * {regex: value} as text ("" none), tried in order against each adapted
@@ -72,8 +69,6 @@ int lora_check_saved_targets(const lm_config *c, const char *modules_to_save, co
  * LM_LORA_LP_OFF where a layer lacks one. A name selecting no projection is
  * CT_ERR_CONFIG naming `where` and the name. */
 int lora_parse_targets(const char *list, lm_config *c, const char *where, ct_err *e);
-/* The module name of projection p ("q_proj", ...). */
-const char *lora_target_name(int p);
 /* alpha / r, or alpha / sqrt(r) with rslora (PEFT's LoraLayer.scaling). */
 float lora_scaling(double alpha, int r, int rslora);
 
@@ -85,10 +80,6 @@ float lora_scaling(double alpha, int r, int rslora);
  * parameter of this model (or any name on a model without Qwen3-MoE
  * experts) is CT_ERR_CONFIG naming `where`, `key` and the name. */
 int lora_parse_target_params(const char *list, lm_config *c, const char *where, const char *key, ct_err *e);
-/* c->lora_experts[] back as a target_parameters list (comma-joined, to
- * free): the short names when every MoE layer has the same, else every
- * layer's full parameter name. "" when none. */
-char *lora_target_params_text(const lm_config *c);
 
 /* PEFT's ParamWrapper on E stacked experts (lora/layer.py,
  * get_delta_weight): expert e's A_e is rows [e r, e r + r) of A [E r, K] and

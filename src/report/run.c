@@ -28,8 +28,6 @@ static const char *const field_keys[RUN_N_FIELDS] = {
     "loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "elapsed_s", "step_time_s", "tokens_seen",
     "time", "world"};
 
-const char *run_field_key(run_field f) { return f >= 0 && f < RUN_N_FIELDS ? field_keys[f] : "?"; }
-
 static double num(const cJSON *o, const char *k) {
     const cJSON *x = cJSON_GetObjectItemCaseSensitive(o, k);
     return cJSON_IsNumber(x) ? x->valuedouble : NAN;

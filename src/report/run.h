@@ -89,9 +89,6 @@ typedef struct {
  * CT_ERR_FORMAT when a file is malformed; r is safe to run_free either way. */
 int run_load(run_data *r, const char *dir, ct_err *e);
 void run_free(run_data *r);
-
-/* The metrics.jsonl key of a field ("loss", "grad_norm", ...). */
-const char *run_field_key(run_field f);
 /* The value of "section.key" in the run's config, or NULL. */
 const char *run_setting_get(const run_data *r, const char *key);
 /* The last point's step (0 when none). */

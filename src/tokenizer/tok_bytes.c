@@ -174,7 +174,8 @@ static int nfc_kind(const uint8_t *u, size_t n, size_t *len) {
     return nfc_unknown_to_hf(c) ? NFC_KEEP : NFC_RUN;
 }
 
-void tok_nfc(const char *s, size_t n, tok_buf *out) {
+/* Appends NFC(s[0..n)) to out; s must be valid UTF-8. */
+static void tok_nfc(const char *s, size_t n, tok_buf *out) {
     const uint8_t *u = (const uint8_t *)s;
     size_t copied = 0, i = 0, prev = 0;
     int prev_kind = NFC_KEEP; /* kind of the char that starts at prev */

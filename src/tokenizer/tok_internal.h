@@ -133,8 +133,6 @@ int tok_utf8_put(uint32_t cp, char *out);
  * and sets *cp, or returns 0 for a maximal invalid subsequence whose length
  * is stored in *bad (Python's "replace" unit). */
 size_t tok_utf8_next(const uint8_t *s, size_t n, uint32_t *cp, size_t *bad);
-/* Appends NFC(s[0..n)) to out; s must be valid UTF-8. */
-void tok_nfc(const char *s, size_t n, tok_buf *out);
 /* Replaces out's content with t's normalizer applied to s[0..n); tmp is
  * scratch. */
 void tok_normalize(const tok *t, const char *s, size_t n, tok_buf *out, tok_buf *tmp);

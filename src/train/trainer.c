@@ -47,7 +47,10 @@ static void on_signal(int sig) {
     stop_requested = 1;
 }
 
-void trainer_install_signals(void) {
+/* Installs the SIGTERM/SIGINT (and SIGUSR1, which mpirun forwards) handlers of trainer_run: the first signal asks
+ * the loop to stop after the current step with a checkpoint; a second one
+ * exits at once (checkpoint writes are atomic, so nothing is left half done). */
+static void trainer_install_signals(void) {
     stop_requested = 0; /* a stop asked of an earlier run in this process does not stop this one */
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);

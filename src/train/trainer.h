@@ -71,10 +71,6 @@ void trainer_optimizer_step(trainer *t, double *grad_norm, double *lr);
 int trainer_run(trainer *t, ct_err *e);
 /* Saves a full (or model-only) training checkpoint of the current step. */
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e);
-/* Installs the SIGTERM/SIGINT (and SIGUSR1, which mpirun forwards) handlers of trainer_run: the first signal asks
- * the loop to stop after the current step with a checkpoint; a second one
- * exits at once (checkpoint writes are atomic, so nothing is left half done). */
-void trainer_install_signals(void);
 /* `ctitan train --dry-run`: prints the memory the run would plan (parameters,
  * gradients, AdamW moments, activations + workspace) and allocates none of it;
  * for a world of several ranks, also what rank 0 of the layout plans. world:
