@@ -240,7 +240,7 @@ static const cfg_option cfg_options[] = {
                 "heads, intermediate size, moe_intermediate_size, and the vocabulary when lm_head is untied)"),
     OPT("parallelism", "expert_parallel_degree", CFG_INT, ep, "1", .range = CFG_GE, .lo = 1,
         .help = "data-parallel ranks splitting the MoE experts' work (docs/distributed.md)"),
-    OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1", .range = CFG_GE, .lo = 1,
+    OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1",
         .help = "torchtitan's context parallel (each sequence split across ranks): not implemented, so only 1 is "
                 "taken; the key is read so that a torchtitan config holding it runs"),
     OPT("parallelism", "pipeline_parallel_degree", CFG_INT, pp, "1", .range = CFG_GE, .lo = 1,

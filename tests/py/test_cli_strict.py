@@ -321,6 +321,12 @@ def test_context_parallel_degree_is_read_and_only_1_taken(run_ctitan, tmp_path):
                             check=False)
     assert rc == 2 and ("command line: parallelism.context_parallel_degree = 2: context parallel is not "
                         "implemented; use 1") in err, (rc, err)
+    rc, _, err = run_ctitan(["train", "--parallelism.context_parallel_degree=0", "--dry-run"], check=False)
+    assert rc == 2 and "context_parallel_degree = 0: context parallel is not implemented" in err, (rc, err)
+    # --help offered ">= 1" beside a text saying only 1 is taken
+    _, out, _ = run_ctitan(["train", "--help"])
+    entry = out.split("--parallelism.context_parallel_degree=", 1)[1].split("\n  --", 1)[0]
+    assert "only 1 is taken" in entry and ">=" not in entry, entry
 
 
 @pytest.mark.parametrize("args, origin, key", [
