@@ -12,7 +12,7 @@ ifeq ($(CROSS),aarch64)
 CC      := aarch64-linux-gnu-gcc
 TRIPLET := aarch64-linux-gnu
 NO_MPI  := 1
-# GCC 12's aarch64 vectoriser dies (internal compiler error) on a loop of tests/c/test_lora.c
+# GCC 12's aarch64 vectoriser dies (internal compiler error) on a loop of tests/c/model/test_lora.c
 TEST_CFLAGS := -fno-tree-vectorize
 else
 TRIPLET := x86_64-linux-gnu
@@ -51,7 +51,11 @@ LDLIBS  += $(CAIRO_LIBS)
 
 SRCS    := $(filter-out src/cli/main.c,$(wildcard src/*/*.c src/kernels/*/*.c))
 OBJS    := $(SRCS:%.c=$(BUILD)/obj/%.o)
-TESTS   := $(patsubst tests/c/%.c,$(BUILD)/tests/%,$(wildcard tests/c/test_*.c))
+# tests/c mirrors src (tests/c/MODULE/test_NAME.c); the binaries stay flat in $(BUILD)/tests,
+# so a test's name is unique across folders.
+TEST_SRCS := $(wildcard tests/c/*/test_*.c)
+TESTS   := $(addprefix $(BUILD)/tests/,$(basename $(notdir $(TEST_SRCS))))
+vpath test_%.c $(sort $(dir $(TEST_SRCS)))
 PY      := .venv/bin/python
 # Each part of make test says its wall and CPU time (scripts/timed.sh; build/test-times.txt,
 # printed again at the end): the suite has a time budget and this says where it goes.
@@ -76,7 +80,7 @@ $(BUILD)/libctitan.so: $(OBJS)
 $(BUILD)/ctitan: $(BUILD)/obj/src/cli/main.o $(BUILD)/libctitan.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
-$(BUILD)/tests/%: tests/c/%.c $(BUILD)/libctitan.a tests/c/check.h tests/c/kern_test.h
+$(BUILD)/tests/test_%: test_%.c $(BUILD)/libctitan.a tests/c/check.h tests/c/kern_test.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(TEST_CFLAGS) -Itests/c $(LDFLAGS) -o $@ $< $(BUILD)/libctitan.a $(LDLIBS)
 

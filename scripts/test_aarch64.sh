@@ -50,7 +50,7 @@ if ! env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL CFLAGS=-O2 make --no-print-director
   exit 1
 fi
 tests=()
-for src in tests/c/test_*.c; do t=${src#tests/c/}; tests+=("$B/tests/${t%.c}"); done
+for src in tests/c/*/test_*.c; do t=${src##*/}; tests+=("$B/tests/${t%.c}"); done
 
 export QEMU_CPU=max
 export CTITAN_EMULATED=1 # tests skip what only costs emulation time, and say so

@@ -2,7 +2,7 @@
  *
  * CHECK(cond, fmt, ...) records a failure with file:line and goes on;
  * CHECK_DONE() prints "N passed, M failed" for the file's checks and returns
- * the exit status. Each tests/c/test_*.c is its own program. */
+ * the exit status. Each tests/c/MODULE/test_*.c is its own program. */
 #ifndef CT_TESTS_CHECK_H
 #define CT_TESTS_CHECK_H
 

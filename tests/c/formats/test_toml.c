@@ -1,0 +1,265 @@
+/* tests/c/formats/test_toml.c: the TOML reader accepts every value kind it claims
+ * and rejects malformed input with the right FILE:LINE. Error cases are a
+ * table of (text, expected line, expected substring) so adding one is a line. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "formats/toml.h"
+
+static int parse(const char *text, toml_doc *doc, ct_err *e) {
+    memset(e, 0, sizeof *e);
+    return toml_parse_string(text, strlen(text), "t.toml", doc, e);
+}
+
+static const toml_value *get(const toml_doc *d, const char *sec, const char *key) {
+    const toml_kv *kv = toml_find(d, sec, key);
+    return kv ? &kv->val : NULL;
+}
+
+static void test_valid(void) {
+    const char *text =
+        "# leading comment\n"
+        "top = 1\n"
+        "\n"
+        "[strings]   # trailing comment on header\n"
+        "plain = \"hello\"\n"
+        "esc = \"a\\\"b\\\\c\\nd\\te\"\n"
+        "uni = \"\\u00e9\\U0001F600\"\n"
+        "lit = 'C:\\path\\no\"escape'\n"
+        "empty = \"\"\n"
+        "utf8 = \"h\xc3\xa9\"\n"
+        "hash = \"not # a comment\" # but this is\n"
+        "[ints]\n"
+        "a = 42\n"
+        "b = -17\n"
+        "c = +5\n"
+        "d = 1_000_000\n"
+        "e = 0x1F\n"
+        "f = 0o17\n"
+        "g = 0b101\n"
+        "h = 0\n"
+        "i = 9223372036854775807\n"
+        "j = -9223372036854775808\n"
+        "[floats]\n"
+        "a = 1.5\n"
+        "b = 1e-4\n"
+        "c = 8e-4\n"
+        "d = -inf\n"
+        "e = nan\n"
+        "f = 6.02E+23\n"
+        "g = -0.0\n"
+        "h = 1_0.2_5\n"
+        "i = +inf\n"
+        "[bools]\n"
+        "t = true\n"
+        "f = false\n"
+        "[arrays]\n"
+        "ints = [1, 3]\n"
+        "empty = []\n"
+        "mixed = [ \"x\", 2.5, true, 'y' ]\n"
+        "multi = [\n"
+        "  1,  # one\n"
+        "  2,\n"
+        "\n"
+        "  3,  # trailing comma\n"
+        "]\n"
+        "after = 7\r\n"
+        "dash-key_1 = 1\n";
+    toml_doc d;
+    ct_err e;
+    int rc = parse(text, &d, &e);
+    CHECK(rc == 0, "parse failed: %s", e.msg);
+    if (rc) return;
+    const toml_value *v;
+
+    CHECK(d.n_sections == 6, "sections %d", d.n_sections);
+    CHECK(strcmp(d.sections[0].name, "") == 0, "root first");
+    v = get(&d, "", "top");
+    CHECK(v && v->kind == TOML_INT && v->i == 1, "root key");
+    CHECK(toml_find(&d, "", "top")->line == 2, "line of top");
+    CHECK(toml_find_section(&d, "strings")->line == 4, "header line");
+
+    v = get(&d, "strings", "plain");
+    CHECK(v && v->kind == TOML_STRING && strcmp(v->s, "hello") == 0, "plain");
+    v = get(&d, "strings", "esc");
+    CHECK(v && strcmp(v->s, "a\"b\\c\nd\te") == 0, "escapes: [%s]", v ? v->s : "");
+    v = get(&d, "strings", "uni");
+    CHECK(v && strcmp(v->s, "\xc3\xa9\xf0\x9f\x98\x80") == 0, "unicode escapes");
+    v = get(&d, "strings", "lit");
+    CHECK(v && strcmp(v->s, "C:\\path\\no\"escape") == 0, "literal: [%s]", v ? v->s : "");
+    v = get(&d, "strings", "empty");
+    CHECK(v && v->kind == TOML_STRING && v->s[0] == '\0', "empty string");
+    v = get(&d, "strings", "utf8");
+    CHECK(v && strcmp(v->s, "h\xc3\xa9") == 0, "raw utf8");
+    v = get(&d, "strings", "hash");
+    CHECK(v && strcmp(v->s, "not # a comment") == 0, "hash in string");
+
+    int64_t ints[] = {42, -17, 5, 1000000, 31, 15, 5, 0, INT64_MAX, INT64_MIN};
+    const char *ik[] = {"a", "b", "c", "d", "e", "f", "g", "h", "i", "j"};
+    for (int k = 0; k < 10; k++) {
+        v = get(&d, "ints", ik[k]);
+        CHECK(v && v->kind == TOML_INT && v->i == ints[k], "ints.%s", ik[k]);
+    }
+
+    double fl[] = {1.5, 1e-4, 8e-4, -INFINITY, NAN, 6.02e23, -0.0, 10.25, INFINITY};
+    const char *fk[] = {"a", "b", "c", "d", "e", "f", "g", "h", "i"};
+    for (int k = 0; k < 9; k++) {
+        v = get(&d, "floats", fk[k]);
+        CHECK(v && v->kind == TOML_FLOAT, "floats.%s kind", fk[k]);
+        if (!v) continue;
+        if (isnan(fl[k])) CHECK(isnan(v->f), "nan");
+        else CHECK(v->f == fl[k], "floats.%s = %g", fk[k], v->f);
+    }
+    v = get(&d, "floats", "g");
+    CHECK(v && signbit(v->f), "-0.0 keeps its sign");
+
+    v = get(&d, "bools", "t");
+    CHECK(v && v->kind == TOML_BOOL && v->i == 1, "true");
+    v = get(&d, "bools", "f");
+    CHECK(v && v->kind == TOML_BOOL && v->i == 0, "false");
+
+    v = get(&d, "arrays", "ints");
+    CHECK(v && v->kind == TOML_ARRAY && v->n_items == 2 && v->items[0].i == 1 &&
+              v->items[1].i == 3, "ints array");
+    v = get(&d, "arrays", "empty");
+    CHECK(v && v->kind == TOML_ARRAY && v->n_items == 0, "empty array");
+    v = get(&d, "arrays", "mixed");
+    CHECK(v && v->n_items == 4 && v->items[0].kind == TOML_STRING &&
+              strcmp(v->items[0].s, "x") == 0 && v->items[1].kind == TOML_FLOAT &&
+              v->items[2].kind == TOML_BOOL && strcmp(v->items[3].s, "y") == 0, "mixed array");
+    v = get(&d, "arrays", "multi");
+    CHECK(v && v->n_items == 3 && v->items[2].i == 3, "multi-line array");
+    CHECK(toml_find(&d, "arrays", "multi")->line == 40, "multi line %d",
+          toml_find(&d, "arrays", "multi")->line);
+    CHECK(toml_find(&d, "arrays", "after") && toml_find(&d, "arrays", "after")->line == 46,
+          "line counting through a multi-line array");
+    CHECK(get(&d, "arrays", "dash-key_1") != NULL, "bare key with dash");
+    CHECK(toml_find(&d, "nope", "a") == NULL && toml_find(&d, "ints", "zz") == NULL, "misses");
+    toml_free(&d);
+    toml_free(&d); /* idempotent */
+
+    /* Empty input and BOM. */
+    CHECK(parse("", &d, &e) == 0 && d.n_sections == 1, "empty doc");
+    toml_free(&d);
+    CHECK(parse("\xef\xbb\xbf[a]\nx = 1\n", &d, &e) == 0 && get(&d, "a", "x"), "BOM");
+    toml_free(&d);
+    /* No final newline. */
+    CHECK(parse("[a]\nx = 'q'", &d, &e) == 0 && get(&d, "a", "x"), "no final newline");
+    toml_free(&d);
+}
+
+static void test_errors(void) {
+    static const struct {
+        const char *text;
+        int line;
+        const char *msg;
+    } cases[] = {
+        {"[a]\nx = 1\nx = 2\n", 3, "duplicate key 'x'"},
+        {"[a]\nx = 1\n[b]\n[a]\n", 4, "defined twice"},
+        {"[a]\nx = \n", 2, "missing value"},
+        {"[a]\nx 1\n", 2, "expected '='"},
+        {"[a]\n\nx = \"abc\n", 3, "unterminated string"},
+        {"x = 'abc\n", 1, "unterminated literal"},
+        {"x = \"bad \\q\"\n", 1, "invalid escape"},
+        {"x = \"\\u12\"\n", 1, "hex digits"},
+        {"x = \"\\uD800\"\n", 1, "Unicode scalar"},
+        {"x = \"\\u0000\"\n", 1, "NUL"},
+        {"x = 1 2\n", 1, "expected end of line"},
+        {"x = 01\n", 1, "leading zeros"},
+        {"x = 1__0\n", 1, "misplaced '_'"},
+        {"x = 1_\n", 1, "misplaced '_'"},
+        {"x = 1.\n", 1, "digits must follow"},
+        {"x = .5\n", 1, ".5"},
+        {"x = 1e\n", 1, "exponent"},
+        {"x = 12abc\n", 1, "invalid number"},
+        {"x = 9223372036854775808\n", 1, "64 bits"},
+        {"x = 0xFFFFFFFFFFFFFFFFF\n", 1, "64 bits"},
+        {"x = 1e999\n", 1, "out of range"},
+        {"x = qwen3\n", 1, "must be quoted"},
+        {"x = True\n", 1, "must be quoted"},
+        {"x = 1979-05-27\n", 1, "dates"},
+        {"x = [1, [2]]\n", 1, "nested arrays"},
+        {"\n\nx = [1,\n 2\n", 5, "unterminated array (opened at line 3)"},
+        {"x = [1 2]\n", 1, "expected ',' or ']'"},
+        {"x = [,]\n", 1, "expected a value"},
+        {"x = {a = 1}\n", 1, "inline tables"},
+        {"x = \"\"\"a\"\"\"\n", 1, "multi-line strings"},
+        {"[a.b]\n", 1, "dotted table names"},
+        {"[[a]]\n", 1, "arrays of tables"},
+        {"[a\n", 1, "expected ']'"},
+        {"[]\n", 1, "expected a table name"},
+        {"[a] x = 1\n", 1, "after table header"},
+        {"a.b = 1\n", 1, "dotted keys"},
+        {"\"q\" = 1\n", 1, "quoted keys"},
+        {"= 1\n", 1, "expected a key"},
+        {"[a]\n\n\n  @\n", 4, "expected a key"},
+        {"x = \"tab\tok\" # fine\ny = \"\x01\"\n", 2, "control character"},
+        {"x = 1\n\xff\n", 2, "invalid UTF-8"},
+        {"x = \"\xc3\"\n", 1, "invalid UTF-8"},
+        {"x = 1\r\ny = 2\rz = 3\n", 2, "control character 0x0d after value"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        toml_doc d;
+        ct_err e;
+        int rc = parse(cases[k].text, &d, &e);
+        char want[64];
+        snprintf(want, sizeof want, "t.toml:%d: ", cases[k].line);
+        CHECK(rc == CT_ERR_FORMAT, "case %zu should fail (rc %d)", k, rc);
+        CHECK(strncmp(e.msg, want, strlen(want)) == 0, "case %zu: want prefix '%s', got '%s'", k,
+              want, e.msg);
+        CHECK(strstr(e.msg, cases[k].msg) != NULL, "case %zu: want '%s' in '%s'", k,
+              cases[k].msg, e.msg);
+        CHECK(d.n_sections == 0 && d.sections == NULL, "case %zu: doc left empty", k);
+        toml_free(&d);
+    }
+}
+
+static void test_file(void) {
+    char path[] = "/tmp/ct_test_toml_XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    if (fd < 0) return;
+    FILE *f = fdopen(fd, "w");
+    fputs("[job]\ndescription = \"from file\"\n[x]\ny = [\n1,\n2,,\n]\n", f);
+    fclose(f);
+    toml_doc d;
+    ct_err e;
+    int rc = toml_parse_file(path, &d, &e);
+    CHECK(rc == CT_ERR_FORMAT, "file error rc %d", rc);
+    char want[128];
+    snprintf(want, sizeof want, "%s:6: ", path);
+    CHECK(strncmp(e.msg, want, strlen(want)) == 0, "file error names path and line: %s", e.msg);
+    toml_free(&d);
+
+    f = fopen(path, "w");
+    fputs("[job]\ndescription = \"from file\"\n", f);
+    fclose(f);
+    rc = toml_parse_file(path, &d, &e);
+    CHECK(rc == 0, "file parse: %s", e.msg);
+    const toml_value *v = get(&d, "job", "description");
+    CHECK(v && strcmp(v->s, "from file") == 0, "file value");
+    CHECK(d.path && strcmp(d.path, path) == 0, "doc path");
+    toml_free(&d);
+    remove(path);
+
+    rc = toml_parse_file("/nonexistent/dir/cfg.toml", &d, &e);
+    CHECK(rc == CT_ERR_IO, "missing file rc %d", rc);
+    CHECK(strstr(e.msg, "/nonexistent/dir/cfg.toml") != NULL, "missing file named: %s", e.msg);
+    toml_free(&d);
+
+    rc = toml_parse_file("/tmp", &d, &e);
+    CHECK(rc == CT_ERR_IO, "directory rc %d", rc);
+    toml_free(&d);
+
+    CHECK(strcmp(toml_kind_name(TOML_FLOAT), "float") == 0, "kind name");
+}
+
+int main(void) {
+    test_valid();
+    test_errors();
+    test_file();
+    return CHECK_DONE();
+}
