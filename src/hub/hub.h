@@ -53,7 +53,7 @@ int hub_is_repo_id(const char *s);
  * (HF_HUB_OFFLINE) with the file not cached. */
 int hub_resolve(const char *path, const char *revision, unsigned what, hub_local *out, ct_err *e);
 
-/* ---- pure pieces, exposed for tests/c/test_hub.c ---- */
+/* ---- pure pieces, exposed for tests/c/hub/test_hub.c ---- */
 
 /* 1 for exactly 40 lowercase hex digits (huggingface_hub's REGEX_COMMIT_HASH). */
 int hub_is_commit(const char *s);

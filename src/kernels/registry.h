@@ -272,7 +272,7 @@ void kern_use_bf16_matmuls(kern_ops *k);
  * runs (2026-12-05) the max error reached 8.6e-4 and the mean 1.2e-6; a kernel
  * that skips the rounding errs ~1e-3 at most, under this bound, but 7e-5 to
  * 2e-4 on average, so the mean bound (KERN_CHECK_MEAN_TOL) catches it
- * (tests/c/test_kernels.c). A window of a few keys puts one flip in a sum of
+ * (tests/c/kernels/test_kernels.c). A window of a few keys puts one flip in a sum of
  * a few terms, so the bf16 cases keep their windows wide (37). */
 #define KERN_ATTN_BF16_TOL 4e-3
 

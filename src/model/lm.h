@@ -457,7 +457,7 @@ typedef struct {
     uint16_t *fstore;       /* [n_store] */
     size_t n_store;
     /* floats the loaders convert or draw at once (lm_block_rows): LM_BLOCK_ELEMS,
-     * which tests/c/test_load_rows.c lowers under emulation so that a small
+     * which tests/c/checkpoint/test_load_rows.c lowers under emulation so that a small
      * embedding spans three blocks */
     size_t block_elems;
 } lm_model;

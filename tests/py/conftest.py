@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # tests compare runs of different thread counts, layouts and batch shapes with each other to
 # 1e-5; a timed choice is per thread count and shape and follows the machine's load, so two
 # such runs could compute with different (equally correct) kernels. The timed choice has its
-# own tests (test_kernel_choice.py, tests/c/test_tune.c) and a parity pass (Makefile).
+# own tests (test_kernel_choice.py, tests/c/kernels/test_tune.c) and a parity pass (Makefile).
 os.environ.setdefault("CTITAN_KERNEL_TUNE", "0")
 # ctitan subprocesses: two threads (the machine has two cores).
 CHILD_ENV = dict(os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2")

@@ -6,7 +6,7 @@ assert_same_weights says why not element-wise). The one-process run is
 itself checked against PyTorch by test_train_loop.py, so agreeing with it ties
 every layout to PyTorch. Checkpoints move between layouts; one rank's death ends
 the job quickly; bad degrees are config errors naming the key. The MPI backend of
-the communicator runs the C test tests/c/test_comm.c under mpirun.
+the communicator runs the C test tests/c/distributed/test_comm.c under mpirun.
 
 mpirun missing is a failure, not a skip: scripts/setup.sh installs openmpi-bin."""
 import os

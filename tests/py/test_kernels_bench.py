@@ -1,6 +1,6 @@
 """`ctitan kernels bench` (cli/cmd_kernels.c, kernels/timing.c) as a user runs it: the
 figures it prints and its --cold mode, which says how much it writes between timed calls
-(tests/c/test_tune.c checks that the writing happens; no test here times anything)."""
+(tests/c/kernels/test_tune.c checks that the writing happens; no test here times anything)."""
 import re
 import subprocess
 

@@ -68,7 +68,7 @@ T256_INLINE float avx2_hmax(__m256 v) {
  * underflowing product takes a microcode assist on Intel cores): the second
  * factor is zeroed for x < -86.5 before the product, which is then an exact
  * 0. The results are bit-identical to exp16's (the polynomial and its order
- * are the same). Measured error: avx512_util.h; tests/c/test_elementwise.c
+ * are the same). Measured error: avx512_util.h; tests/c/kernels/test_elementwise.c
  * holds both to 1.2e-7 relative. A NaN input passes the clamp (minps/maxps
  * return their second operand on NaN) and the polynomial stays NaN; -inf
  * gives 0. */

@@ -84,7 +84,7 @@ T512 __attribute__((always_inline)) static inline void transpose16(__m512 r[16])
  * scaled by 2^n with vscalefps, which handles overflow to +inf. Measured
  * against double exp on 2^24 points of [-103, 88.7]: max relative error
  * 7.8e-8 (about 1.3 ulp; the same bound as libm's expf on those points), over
- * 100x inside kern_check's 1e-5 (tests/c/test_elementwise.c holds it to
+ * 100x inside kern_check's 1e-5 (tests/c/kernels/test_elementwise.c holds it to
  * 1.2e-7). The clamp keeps n finite (e^89 overflows anyway) and is written
  * so that a NaN input stays NaN, as with expf.
  *
@@ -97,7 +97,7 @@ T512 __attribute__((always_inline)) static inline void transpose16(__m512 r[16])
  * AVX-512 attention's forward ran 25% faster on a Xeon without them
  * (docs/benchmarks.md). A sum of probabilities or a sigmoid cannot see the
  * 2.6e-38 difference; -inf still gives 0. avx2_util.h's exp8 and
- * neon_util.h's neon_exp4 flush at the same -86.5 (tests/c/test_elementwise.c
+ * neon_util.h's neon_exp4 flush at the same -86.5 (tests/c/kernels/test_elementwise.c
  * holds all three to that boundary), so the three stay bit-identical. */
 T512 __attribute__((always_inline)) static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x)); /* NaN passes */
@@ -123,7 +123,7 @@ T512 __attribute__((always_inline)) static inline __m512 exp16(__m512 x) {
  * [0, 0.625] for relative error (no cancellation near 0, where 1 - e^-2a
  * would lose the low bits); above, (1 - e)/(1 + e) with e = e^-2a through
  * exp16, which underflows to 0 for large a and gives exactly 1. Measured
- * against double tanh (tests/c/test_elementwise.c): <= 2.5e-7 relative over
+ * against double tanh (tests/c/kernels/test_elementwise.c): <= 2.5e-7 relative over
  * [-12, 12]; NaN stays NaN. avx2_util.h's tanh8 is the same algorithm. */
 #define TANH_SMALL 0.625f
 #define TANH_P0 -0.3333333134651184f

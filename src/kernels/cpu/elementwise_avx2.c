@@ -64,7 +64,7 @@ T256_INLINE float ewv_hmax(ewv_t v) { return avx2_hmax(v); }
 
 #include "kernels/cpu/elementwise_vec.inc"
 
-/* Exposed for the accuracy test of the vector exp (tests/c/test_elementwise.c):
+/* Exposed for the accuracy test of the vector exp (tests/c/kernels/test_elementwise.c):
  * out[i] = e^x[i] through exp8 (avx2_util.h). */
 T256 void kern_exp_avx2(float *out, const float *x, long n) {
     for (long i = 0; i < n; i += 8) avx2_storen(out + i, exp8(avx2_loadn(x + i, n - i)), n - i);

@@ -50,7 +50,7 @@ EW_INLINE __m512 ew_load(const float *p, long n) { return avx512_loadn(p, n); }
 EW_INLINE void ew_store(float *p, __m512 v, long n) { avx512_storen(p, v, n); }
 
 
-/* Exposed for the accuracy test of the vector exp (tests/c/test_kernels.c):
+/* Exposed for the accuracy test of the vector exp (tests/c/kernels/test_kernels.c):
  * out[i] = e^x[i] through exp16 (avx512_util.h). */
 EW512 void kern_exp_avx512(float *out, const float *x, long n) {
     for (long i = 0; i < n; i += 16) ew_store(out + i, exp16(ew_load(x + i, n - i)), n - i);

@@ -64,7 +64,7 @@ NEON_INLINE float ewv_hmax(ewv_t v) { return vmaxvq_f32(v); }
 
 #include "kernels/cpu/elementwise_vec.inc"
 
-/* Exposed for the accuracy test of the vector exp (tests/c/test_elementwise.c):
+/* Exposed for the accuracy test of the vector exp (tests/c/kernels/test_elementwise.c):
  * out[i] = e^x[i] through neon_exp4. */
 void kern_exp_neon(float *out, const float *x, long n) {
     for (long i = 0; i < n; i += 4) neon_storen(out + i, neon_exp4(neon_loadn(x + i, n - i)), n - i);

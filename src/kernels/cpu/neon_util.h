@@ -86,7 +86,7 @@ NEON_INLINE uint32x4_t neon_rne_bf16_bits(float32x4_t x) {
  * exps (avx512_util.h's exp16), so every ISA's exp gives the same values.
  * NaN stays NaN (AArch64's FMIN/FMAX propagate it); -inf gives 0. Error:
  * within 1.2e-7 relative of double exp where the result is normal
- * (tests/c/test_elementwise.c). */
+ * (tests/c/kernels/test_elementwise.c). */
 NEON_INLINE float32x4_t neon_exp4(float32x4_t x) {
     x = vmaxq_f32(vdupq_n_f32(-104.0f), vminq_f32(vdupq_n_f32(89.0f), x));
     float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
