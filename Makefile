@@ -17,7 +17,7 @@ TEST_CFLAGS := -fno-tree-vectorize
 else
 TRIPLET := x86_64-linux-gnu
 endif
-CFLAGS  += -std=c11 -Wall -Wextra -fPIC -fopenmp -Isrc -I/usr/include/$(TRIPLET)/openblas-openmp -D_GNU_SOURCE
+CFLAGS  += -std=c11 -Wall -Wextra -Wshadow -fPIC -fopenmp -Isrc -I/usr/include/$(TRIPLET)/openblas-openmp -D_GNU_SOURCE
 BLASDIR := /usr/lib/$(TRIPLET)/openblas-openmp
 LDLIBS  := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -lpcre2-8 -lutf8proc -lm -fopenmp
 BUILD   ?= build

@@ -487,7 +487,7 @@ int cli_kernels(int argc, char **argv) {
             o.cold_bytes = kern_bench_cold_bytes();
             o.cold_buf = ct_malloc(o.cold_bytes);
         }
-        int rc = cmd_bench(&o);
+        rc = cmd_bench(&o);
         free(o.cold_buf);
         return rc;
     }

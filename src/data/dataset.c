@@ -676,7 +676,7 @@ int ds_set_shard(ds *d, int rank, int world, ct_err *e) {
 }
 
 /* Copies tokens [off, off + n) of the stream (and their mask). */
-static void gather(const ds *d, uint64_t off, size_t n, uint32_t *tok, uint8_t *mask) {
+static void gather(const ds *d, uint64_t off, size_t n, uint32_t *dst, uint8_t *mask) {
     int lo = 0, hi = d->n_segs - 1;
     while (lo < hi) { /* last segment with start <= off */
         int mid = (lo + hi + 1) / 2;
@@ -688,10 +688,10 @@ static void gather(const ds *d, uint64_t off, size_t n, uint32_t *tok, uint8_t *
         uint64_t at = off - s->start;
         if (at >= s->n) continue; /* empty segment */
         size_t take = s->n - at < n ? (size_t)(s->n - at) : n;
-        memcpy(tok, s->tok + at, take * sizeof *tok);
+        memcpy(dst, s->tok + at, take * sizeof *dst);
         if (s->mask) memcpy(mask, s->mask + at, take);
         else memset(mask, 1, take);
-        tok += take;
+        dst += take;
         mask += take;
         off += take;
         n -= take;

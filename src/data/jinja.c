@@ -253,13 +253,13 @@ static void scan(failer *f, arena *a, const char *src, size_t len, pieces *out) 
         if (tn) pieces_push(a, out, (piece){P_TEXT, src + pos, tn, line});
         line += count_lines(src + pos, t - pos);
         int tag_line = line;
-        size_t body = t + 2 + ((sign == '-' || sign == '+') ? 1 : 0);
+        size_t inner = t + 2 + ((sign == '-' || sign == '+') ? 1 : 0);
         size_t end; /* just past the closer and what it eats */
         if (kind == '#') {
-            size_t c = body;
+            size_t c = inner;
             while (c + 1 < len && !(src[c] == '#' && src[c + 1] == '}')) c++;
             if (c + 1 >= len) jfail(f, tag_line, "a comment {# is never closed");
-            int minus = c > body && src[c - 1] == '-', plus = c > body && src[c - 1] == '+';
+            int minus = c > inner && src[c - 1] == '-', plus = c > inner && src[c - 1] == '+';
             end = c + 2;
             if (minus) {
                 while (end < len && is_ws(src[end])) end++;
@@ -268,19 +268,19 @@ static void scan(failer *f, arena *a, const char *src, size_t len, pieces *out) 
             }
         } else {
             char close = kind == '{' ? '}' : '%';
-            long c = find_tag_end(src, len, body, close);
+            long c = find_tag_end(src, len, inner, close);
             if (c < 0) jfail(f, tag_line, "a %s tag is never closed", kind == '{' ? "{{" : "{%");
             size_t ce = (size_t)c, inner_end = ce;
             int minus = 0, plus = 0;
-            if (ce > body && src[ce - 1] == '-') minus = 1, inner_end--;
-            else if (ce > body && src[ce - 1] == '+' && kind == '%') plus = 1, inner_end--;
+            if (ce > inner && src[ce - 1] == '-') minus = 1, inner_end--;
+            else if (ce > inner && src[ce - 1] == '+' && kind == '%') plus = 1, inner_end--;
             end = ce + 2;
             if (minus) {
                 while (end < len && is_ws(src[end])) end++;
             } else if (kind == '%' && !plus && end < len && src[end] == '\n') {
                 end++;
             }
-            pieces_push(a, out, (piece){kind == '{' ? P_VAR : P_BLOCK, src + body, inner_end - body, tag_line});
+            pieces_push(a, out, (piece){kind == '{' ? P_VAR : P_BLOCK, src + inner, inner_end - inner, tag_line});
         }
         line += count_lines(src + t, end - t);
         line_starting = src[end - 1] == '\n';

@@ -179,11 +179,11 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     lm_layout(&lt, &lc);
     size_t block = 0, slice = 0;
     for (int i = 0; i < wt.n_tensors; i++) {
-        const lm_tensor *w = &wt.tensors[i], *l = &lt.tensors[i];
-        size_t b = lm_block_rows(&wt, w) * lm_tensor_cols(w);
-        b = b < w->numel ? b : w->numel;
+        const lm_tensor *tw = &wt.tensors[i], *l = &lt.tensors[i];
+        size_t b = lm_block_rows(&wt, tw) * lm_tensor_cols(tw);
+        b = b < tw->numel ? b : tw->numel;
         block = b > block ? b : block;
-        if (lm_tensor_cols(l) < lm_tensor_cols(w) && l->numel > slice) slice = l->numel;
+        if (lm_tensor_cols(l) < lm_tensor_cols(tw) && l->numel > slice) slice = l->numel;
     }
     lm_free(&wt);
     lm_free(&lt);

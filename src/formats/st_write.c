@@ -207,7 +207,7 @@ static int st_header(const char *path, const st_wtensor *ts, int n, const char *
         first = 0;
         st_sb_json_str(&h, ts[i].name);
         st_sb_printf(&h, ":{\"dtype\":\"%s\",\"shape\":[", ct_dtype_name(ts[i].dtype));
-        for (int k = 0; k < ts[i].ndim; k++) st_sb_printf(&h, k ? ",%lld" : "%lld", (long long)ts[i].shape[k]);
+        for (int d = 0; d < ts[i].ndim; d++) st_sb_printf(&h, d ? ",%lld" : "%lld", (long long)ts[i].shape[d]);
         st_sb_printf(&h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)offs[i],
                   (unsigned long long)(offs[i] + sizes[i]));
     }

@@ -386,11 +386,11 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 /* then rounds that time every survivor once each, keeping each one's best:
                  * a burst of other work then slows one round of every candidate rather
                  * than every call of one */
-                for (int r = 0; r < TUNE_ROUNDS; r++)
+                for (int round = 0; round < TUNE_ROUNDS; round++)
                     for (int i = 0; i < nc; i++) {
                         if (!alive[i]) continue;
                         double t1 = one_round(b, cand[i], bwd, wbf16);
-                        if (r == 0 || t1 < secs[i]) secs[i] = t1;
+                        if (round == 0 || t1 < secs[i]) secs[i] = t1;
                     }
                 for (int i = 0; i < nc; i++)
                     if (alive[i] && secs[i] < best) best = secs[i], win = cand[i];

@@ -200,12 +200,12 @@ static const char *model_impl(const prof *p, const span *s) {
     return s->a.m.kern == PROF_NO_KERNEL ? "model" : p->model_impl[s->a.m.kern];
 }
 
-void prof_model_op(prof *p, const char *name, const char *op, int kern_op, int64_t t0) {
+void prof_model_op(prof *p, const char *name, const char *op, int kern, int64_t t0) {
     span *s = push(p, "op", name, t0);
     if (s) {
         s->kind = ARG_MODEL;
         s->a.m.op = op;
-        s->a.m.kern = kern_op;
+        s->a.m.kern = kern;
         push_workers(p, s);
     }
 }

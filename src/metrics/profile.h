@@ -81,7 +81,7 @@ void prof_kern(prof *p, int op, const char *name, int64_t t0);
  * `op`, whose matmul runs the registry's kernel `kern_op`: the span's impl says
  * so ("matmul:avx512"). The MoE router is one: its small [N, E] matmul goes
  * through the kernels, its softmax and top-k are plain code in model/moe.c. */
-void prof_model_op(prof *p, const char *name, const char *op, int kern_op, int64_t t0);
+void prof_model_op(prof *p, const char *name, const char *op, int kern, int64_t t0);
 /* kern_op of a model op that runs no registry kernel at all (the gradient
  * norm, zeroing a layer's gradient scratch): its impl reads "model", the
  * OpenMP loops of the model code, whose threads stamp their spans as the

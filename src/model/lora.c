@@ -1340,12 +1340,12 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
                 char mod[LM_NAME_MAX], key[2 * LM_NAME_MAX];
                 if (same) snprintf(mod, sizeof mod, "%s", lora_module_path(c, p));
                 else snprintf(mod, sizeof mod, "model.layers.%d.%s", l, lora_module_path(c, p));
-                size_t n = 0;
-                for (const char *q = mod; *q && n + 3 < sizeof key; q++) {
-                    if (*q == '.') key[n++] = '\\';
-                    key[n++] = *q;
+                size_t kn = 0;
+                for (const char *q = mod; *q && kn + 3 < sizeof key; q++) {
+                    if (*q == '.') key[kn++] = '\\';
+                    key[kn++] = *q;
                 }
-                key[n] = 0;
+                key[kn] = 0;
                 cJSON_AddNumberToObject(rp, key, c->lora_kind[k - 1].rank);
                 cJSON_AddNumberToObject(ap, key, c->lora_kind[k - 1].alpha);
             }

@@ -221,12 +221,12 @@ static int read_config(run_data *r, const char *dir, ct_err *e) {
         for (int k = 0; k < d.sections[s].n_kvs; k++) {
             const toml_kv *kv = &d.sections[s].kvs[k];
             r->config = grow(r->config, r->n_config, sizeof *r->config);
-            run_setting *st = &r->config[r->n_config++];
+            run_setting *set = &r->config[r->n_config++];
             size_t n = strlen(d.sections[s].name) + strlen(kv->key) + 2;
-            st->key = malloc(n);
-            if (!st->key) abort();
-            snprintf(st->key, n, "%s%s%s", d.sections[s].name, d.sections[s].name[0] ? "." : "", kv->key);
-            st->value = value_str(&kv->val);
+            set->key = malloc(n);
+            if (!set->key) abort();
+            snprintf(set->key, n, "%s%s%s", d.sections[s].name, d.sections[s].name[0] ? "." : "", kv->key);
+            set->value = value_str(&kv->val);
         }
     toml_free(&d);
     return 0;

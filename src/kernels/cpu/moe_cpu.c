@@ -254,8 +254,8 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
     float *du = Pm + (size_t)S * I; /* [S, I] d up */
     float *dxg = du + (size_t)S * I; /* [S, H] d x in expert order */
     gather(G, dout, perm, S, k, H);
-    moe_job p = {G, wd, Pm, 0, hd};
-    grouped_gemm(ar, MOE_NN, offsets, E, H, I, &p, 1, 0);
+    moe_job job = {G, wd, Pm, 0, hd};
+    grouped_gemm(ar, MOE_NN, offsets, E, H, I, &job, 1, 0);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
