@@ -17,6 +17,8 @@ TEST_CFLAGS := -fno-tree-vectorize
 else
 TRIPLET := x86_64-linux-gnu
 endif
+# WERROR=1 (make test's build): a warning fails the build, so "warning-free" is checked, not hoped.
+CFLAGS  += $(if $(WERROR),-Werror)
 CFLAGS  += -std=c11 -Wall -Wextra -Wshadow -fPIC -fopenmp -Isrc -I/usr/include/$(TRIPLET)/openblas-openmp -D_GNU_SOURCE
 BLASDIR := /usr/lib/$(TRIPLET)/openblas-openmp
 LDLIBS  := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -lpcre2-8 -lutf8proc -lm -fopenmp
@@ -235,7 +237,7 @@ PY_ALL_A := $(filter-out $(PY_DIST_TESTS),$(wildcard tests/py/test_[a-k]*.py))
 PY_ALL_B := $(filter-out $(PY_DIST_TESTS) $(PY_ALL_A),$(wildcard tests/py/test_*.py))
 test: setup
 	@mkdir -p build && rm -f build/test-times.txt
-	@$(T) build $(MAKE) --no-print-directory -j$(TEST_JOBS) all test-bins
+	@$(T) build $(MAKE) --no-print-directory -j$(TEST_JOBS) WERROR=1 all test-bins
 	@$(T) lanes bash scripts/lanes.sh \
 	  "test-c=$(T) test-c $(MAKE) --no-print-directory test-c" \
 	  "py-passes=$(T) py-passes $(MAKE) --no-print-directory test-py-passes" \
