@@ -185,18 +185,38 @@ static int read_factors(const rdict *r, const char *key, int n, double *out) {
     return 0;
 }
 
-int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_type, int head_dim, const char *path,
-                        ct_err *e) {
-    int rc, found;
-    double v;
-    memset(p, 0, sizeof *p);
-    if (!cJSON_IsObject(root)) return ct_fail(e, CT_ERR_CONFIG, "%s: not a JSON object", path);
+/* What the stages of rope_params_from_hf share: the request, the dict found
+ * and what the earlier stages resolved. Each stage reads what those before it
+ * left and fills its own fields of p, in the order transformers checks them,
+ * so that the first problem is the one reported. */
+typedef struct {
+    rope_params *p;
+    const cJSON *root;
+    const rope_family *fam;
+    const char *layer_type; /* NULL: one RoPE for all layers */
+    int head_dim;
+    const char *path;
+    ct_err *e;
+    rdict r;                /* the RoPE dict (Gemma3: with rope_scaling overlaid) */
+    char entry_name[64];    /* Gemma3: "rope_parameters.<layer type>", r's name for the entry */
+    int synth_default;      /* Gemma3: transformers' own {"rope_type": "default"} stands for the entry */
+    const char *dname;      /* the dict's name for messages */
+    const char *type;       /* the rope type as resolved (Phi3's legacy names mapped) */
+    const char *type_where; /* the dict and key that gave it, for messages */
+    const char *type_key;
+    int top_orig, has_top_orig; /* top-level original_max_position_embeddings (Phi3: default 4096) */
+    int orig_from_top;          /* standardize_rope_params sets it from the attribute */
+    int dim;                    /* the rotary dimension */
+} rope_read;
 
+/* The request itself: a config.json object of a family with RoPE rules, a
+ * layer type where the family needs one, a head that can rotate. */
+static int check_request(const cJSON *root, const char *layer_type, int head_dim, const char *path,
+                         rope_family *fam, ct_err *e) {
+    if (!cJSON_IsObject(root)) return ct_fail(e, CT_ERR_CONFIG, "%s: not a JSON object", path);
     const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
     if (!cJSON_IsString(mt)) return ct_fail(e, CT_ERR_CONFIG, "%s: missing \"model_type\"", path);
-    rope_family famv;
-    const rope_family *fam = &famv;
-    if (lm_family_rope(mt->valuestring, &famv))
+    if (lm_family_rope(mt->valuestring, fam))
         return ct_fail(e, CT_ERR_CONFIG, "%s: model_type \"%s\": no RoPE rules for it (not a supported family)", path,
                        mt->valuestring);
     if (layer_type && strcmp(layer_type, "full_attention") && strcmp(layer_type, "sliding_attention"))
@@ -206,310 +226,422 @@ int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_typ
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: gemma3_text has one RoPE per layer type: ask for full_attention or sliding_attention", path);
     if (head_dim < 2) return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim must be at least 2 for RoPE, got %d", path, head_dim);
+    return 0;
+}
 
-    /* max_position_embeddings: dynamic's reference length, the default original length */
-    p->max_pos = fam->max_pos;
-    if ((rc = top_num(root, "max_position_embeddings", 0, &found, &v, path, e))) return rc;
-    if (found && !as_top_int(cJSON_GetObjectItemCaseSensitive(root, "max_position_embeddings"), &p->max_pos))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: \"max_position_embeddings\" must be a positive integer%s", path,
+/* max_position_embeddings: dynamic's reference length, the default original length */
+static int read_max_pos(rope_read *s) {
+    int rc, found;
+    double v;
+    s->p->max_pos = s->fam->max_pos;
+    if ((rc = top_num(s->root, "max_position_embeddings", 0, &found, &v, s->path, s->e))) return rc;
+    if (found && !as_top_int(cJSON_GetObjectItemCaseSensitive(s->root, "max_position_embeddings"), &s->p->max_pos))
+        return ct_fail(s->e, CT_ERR_CONFIG, "%s: \"max_position_embeddings\" must be a positive integer%s", s->path,
                        as_int(v, &(int){0}) ? ", written without a fraction (not as a float)" : "");
+    return 0;
+}
 
-    /* The dict, with its name for messages. */
-    const cJSON *rs, *rp;
-    if ((rc = dict_item(root, "rope_scaling", &rs, path, e)) || (rc = dict_item(root, "rope_parameters", &rp, path, e)))
-        return rc;
-    rdict r = {{NULL, NULL}, {"", ""}, path, e};
-    char entry_name[64];
-    int synth_default = 0; /* Gemma3: transformers' own {"rope_type": "default"} stands for the entry */
-    if (fam->style == ROPE_STYLE_GEMMA3) {
-        const cJSON *ent = NULL;
-        if (rp) {
-            const cJSON *it;
-            cJSON_ArrayForEach(it, rp) {
-                if (!is_layer_key(it->string) || !(cJSON_IsObject(it) || cJSON_IsNull(it)))
-                    return ct_fail(e, CT_ERR_CONFIG,
-                                   "%s: gemma3_text reads rope_parameters nested per layer type "
-                                   "({\"full_attention\": {...}, \"sliding_attention\": {...}}); key \"%s\" is not one "
-                                   "(transformers 5.24 ignores a flat dict here)",
-                                   path, it->string);
-            }
-            ent = cJSON_GetObjectItemCaseSensitive(rp, layer_type);
-            if (ent && cJSON_IsNull(ent)) ent = NULL;
-            /* Gemma3TextConfig: rope_parameters["full_attention"].update(rope_scaling) */
-            if (rs && !strcmp(layer_type, "full_attention") && !ent)
-                return ct_fail(e, CT_ERR_CONFIG,
-                               "%s: rope_scaling beside a rope_parameters without a full_attention entry "
-                               "(transformers 5.24 fails on it)",
-                               path);
+/* Gemma3: rope_parameters nested per layer type, the layer type's entry read,
+ * rope_scaling overlaid on full_attention's. */
+static int find_gemma3_dict(rope_read *s, const cJSON *rs, const cJSON *rp) {
+    const cJSON *ent = NULL;
+    if (rp) {
+        const cJSON *it;
+        cJSON_ArrayForEach(it, rp) {
+            if (!is_layer_key(it->string) || !(cJSON_IsObject(it) || cJSON_IsNull(it)))
+                return ct_fail(s->e, CT_ERR_CONFIG,
+                               "%s: gemma3_text reads rope_parameters nested per layer type "
+                               "({\"full_attention\": {...}, \"sliding_attention\": {...}}); key \"%s\" is not one "
+                               "(transformers 5.24 ignores a flat dict here)",
+                               s->path, it->string);
         }
-        snprintf(entry_name, sizeof entry_name, "rope_parameters.%s", layer_type);
-        r.d[1] = ent;
-        r.name[1] = entry_name;
-        synth_default = !ent;
-        if (rs && !strcmp(layer_type, "full_attention")) {
-            r.d[0] = rs;
-            r.name[0] = "rope_scaling";
-        }
+        ent = cJSON_GetObjectItemCaseSensitive(rp, s->layer_type);
+        if (ent && cJSON_IsNull(ent)) ent = NULL;
+        /* Gemma3TextConfig: rope_parameters["full_attention"].update(rope_scaling) */
+        if (rs && !strcmp(s->layer_type, "full_attention") && !ent)
+            return ct_fail(s->e, CT_ERR_CONFIG,
+                           "%s: rope_scaling beside a rope_parameters without a full_attention entry "
+                           "(transformers 5.24 fails on it)",
+                           s->path);
+    }
+    snprintf(s->entry_name, sizeof s->entry_name, "rope_parameters.%s", s->layer_type);
+    s->r.d[1] = ent;
+    s->r.name[1] = s->entry_name;
+    s->synth_default = !ent;
+    if (rs && !strcmp(s->layer_type, "full_attention")) {
+        s->r.d[0] = rs;
+        s->r.name[0] = "rope_scaling";
+    }
+    return 0;
+}
+
+/* The other families: `rope_scaling or rope_parameters`, one flat dict for all layers. */
+static int find_flat_dict(rope_read *s, const cJSON *rs, const cJSON *rp) {
+    /* a non-empty legacy dict wins wholesale */
+    if (rs && rs->child) {
+        s->r.d[1] = rs;
+        s->r.name[1] = "rope_scaling";
     } else {
-        /* `rope_scaling or rope_parameters`: a non-empty legacy dict wins wholesale */
-        if (rs && rs->child) {
-            r.d[1] = rs;
-            r.name[1] = "rope_scaling";
-        } else {
-            r.d[1] = rp;
-            r.name[1] = "rope_parameters";
-        }
-        if (r.d[1]) {
-            const cJSON *it;
-            cJSON_ArrayForEach(it, r.d[1]) {
-                if (is_layer_key(it->string) && cJSON_IsObject(it))
-                    return ct_fail(e, CT_ERR_CONFIG,
-                                   "%s: %s is nested per layer type (\"%s\"), but %s has one RoPE for all layers",
-                                   path, r.name[1], it->string, fam->model_type);
-            }
+        s->r.d[1] = rp;
+        s->r.name[1] = "rope_parameters";
+    }
+    if (s->r.d[1]) {
+        const cJSON *it;
+        cJSON_ArrayForEach(it, s->r.d[1]) {
+            if (is_layer_key(it->string) && cJSON_IsObject(it))
+                return ct_fail(s->e, CT_ERR_CONFIG,
+                               "%s: %s is nested per layer type (\"%s\"), but %s has one RoPE for all layers", s->path,
+                               s->r.name[1], it->string, s->fam->model_type);
         }
     }
-    const char *dname = r.d[1] ? r.name[1] : (r.d[0] ? r.name[0] : "rope_parameters");
+    return 0;
+}
 
-    /* rope_type, else the legacy type, else default */
+/* The dict, with its name for messages. */
+static int find_dict(rope_read *s) {
+    int rc;
+    const cJSON *rs, *rp;
+    if ((rc = dict_item(s->root, "rope_scaling", &rs, s->path, s->e)) ||
+        (rc = dict_item(s->root, "rope_parameters", &rp, s->path, s->e)))
+        return rc;
+    rc = s->fam->style == ROPE_STYLE_GEMMA3 ? find_gemma3_dict(s, rs, rp) : find_flat_dict(s, rs, rp);
+    if (rc) return rc;
+    s->dname = s->r.d[1] ? s->r.name[1] : (s->r.d[0] ? s->r.name[0] : "rope_parameters");
+    return 0;
+}
+
+/* rope_type, else the legacy type, else default */
+static int read_type(rope_read *s) {
     const char *rt_where = "", *ty_where = "";
-    const cJSON *rt = rd_get(&r, "rope_type", &rt_where), *ty = rd_get(&r, "type", &ty_where);
+    const cJSON *rt = rd_get(&s->r, "rope_type", &rt_where), *ty = rd_get(&s->r, "type", &ty_where);
     if (rt && !cJSON_IsString(rt))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.rope_type must be a string", path, rt_where);
-    if (ty && !cJSON_IsString(ty)) return ct_fail(e, CT_ERR_CONFIG, "%s: %s.type must be a string", path, ty_where);
+        return ct_fail(s->e, CT_ERR_CONFIG, "%s: %s.rope_type must be a string", s->path, rt_where);
+    if (ty && !cJSON_IsString(ty))
+        return ct_fail(s->e, CT_ERR_CONFIG, "%s: %s.type must be a string", s->path, ty_where);
     const char *type = rt ? rt->valuestring : NULL;
-    if (!type && synth_default && ty) {
+    if (!type && s->synth_default && ty) {
         /* the entry transformers made up has rope_type "default": a legacy type is dropped */
-        return ct_fail(e, CT_ERR_CONFIG,
+        return ct_fail(s->e, CT_ERR_CONFIG,
                        "%s: %s.type \"%s\" is ignored by transformers 5.24 for gemma3_text (%s keeps its rope_type "
                        "\"default\"); write rope_type instead",
-                       path, ty_where, ty->valuestring, entry_name);
+                       s->path, ty_where, ty->valuestring, s->entry_name);
     }
     if (type && ty && strcmp(type, ty->valuestring))
-        return ct_fail(e, CT_ERR_CONFIG,
+        return ct_fail(s->e, CT_ERR_CONFIG,
                        "%s: %s.rope_type \"%s\" and %s.type \"%s\" disagree (transformers 5.24 takes rope_type); "
                        "keep one",
-                       path, rt_where, type, ty_where, ty->valuestring);
-    if (!type) type = ty ? ty->valuestring : "default";
-    const char *type_where = rt ? rt_where : (ty ? ty_where : dname);
-    const char *type_key = rt ? "rope_type" : "type";
+                       s->path, rt_where, type, ty_where, ty->valuestring);
+    s->type = type ? type : ty ? ty->valuestring : "default";
+    s->type_where = rt ? rt_where : (ty ? ty_where : s->dname);
+    s->type_key = rt ? "rope_type" : "type";
+    return 0;
+}
 
-    /* top-level original_max_position_embeddings (Phi3: always an attribute, default 4096) */
-    int top_orig = 0, has_top_orig = 0;
-    {
-        const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, "original_max_position_embeddings");
-        if (it) {
-            if (!as_top_int(it, &top_orig))
-                return ct_fail(e, CT_ERR_CONFIG,
-                               "%s: \"original_max_position_embeddings\" must be a positive integer%s", path,
-                               cJSON_IsNumber(it) && as_int(it->valuedouble, &(int){0})
-                                   ? ", written without a fraction (not as a float)"
-                                   : "");
-            has_top_orig = 1;
-        } else if (fam->style == ROPE_STYLE_PHI3) {
-            top_orig = 4096, has_top_orig = 1;
-        }
+/* top-level original_max_position_embeddings (Phi3: always an attribute, default 4096) */
+static int read_top_original(rope_read *s) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(s->root, "original_max_position_embeddings");
+    if (it) {
+        if (!as_top_int(it, &s->top_orig))
+            return ct_fail(s->e, CT_ERR_CONFIG, "%s: \"original_max_position_embeddings\" must be a positive integer%s",
+                           s->path,
+                           cJSON_IsNumber(it) && as_int(it->valuedouble, &(int){0})
+                               ? ", written without a fraction (not as a float)"
+                               : "");
+        s->has_top_orig = 1;
+    } else if (s->fam->style == ROPE_STYLE_PHI3) {
+        s->top_orig = 4096, s->has_top_orig = 1;
     }
-    int orig_from_top = 0; /* standardize_rope_params sets it from the attribute */
-    if (fam->style == ROPE_STYLE_PHI3) {
-        /* standardize runs before Phi3 renames su / yarn, so "su" keeps only its own key */
-        if (!strcmp(type, "yarn") || !strcmp(type, "longrope") || !strcmp(type, "llama3")) orig_from_top = 1;
-        if (!strcmp(type, "su")) {
-            if (!rd_get(&r, "original_max_position_embeddings", NULL))
-                return ct_fail(e, CT_ERR_CONFIG,
-                               "%s: %s is missing \"original_max_position_embeddings\", required for rope_type "
-                               "\"longrope\" (legacy \"su\")",
-                               path, dname);
-            orig_from_top = 1;
-        }
-        if (!strcmp(type, "su") || !strcmp(type, "yarn")) type = "longrope";
-        if (strcmp(type, "default") && strcmp(type, "longrope"))
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: %s.%s \"%s\" is not supported for phi3 (transformers 5.24 accepts default and "
-                           "longrope; su and yarn are legacy names of longrope)",
-                           path, type_where, type_key, type);
-    } else if (fam->style == ROPE_STYLE_GENERIC && has_top_orig) {
-        orig_from_top = 1;
+    return 0;
+}
+
+/* Phi3's rules: the legacy names su and yarn mean longrope, only default and
+ * longrope pass its validate_rope, the original length is its attribute. */
+static int phi3_type(rope_read *s) {
+    /* standardize runs before Phi3 renames su / yarn, so "su" keeps only its own key */
+    if (!strcmp(s->type, "yarn") || !strcmp(s->type, "longrope") || !strcmp(s->type, "llama3")) s->orig_from_top = 1;
+    if (!strcmp(s->type, "su")) {
+        if (!rd_get(&s->r, "original_max_position_embeddings", NULL))
+            return ct_fail(s->e, CT_ERR_CONFIG,
+                           "%s: %s is missing \"original_max_position_embeddings\", required for rope_type "
+                           "\"longrope\" (legacy \"su\")",
+                           s->path, s->dname);
+        s->orig_from_top = 1;
+    }
+    if (!strcmp(s->type, "su") || !strcmp(s->type, "yarn")) s->type = "longrope";
+    if (strcmp(s->type, "default") && strcmp(s->type, "longrope"))
+        return ct_fail(s->e, CT_ERR_CONFIG,
+                       "%s: %s.%s \"%s\" is not supported for phi3 (transformers 5.24 accepts default and "
+                       "longrope; su and yarn are legacy names of longrope)",
+                       s->path, s->type_where, s->type_key, s->type);
+    return 0;
+}
+
+/* The type name to ROPE_*, then what the family's config class cannot build. */
+static int resolve_type(rope_read *s) {
+    rope_params *p = s->p;
+    if (s->fam->style == ROPE_STYLE_PHI3) {
+        int rc = phi3_type(s);
+        if (rc) return rc;
+    } else if (s->fam->style == ROPE_STYLE_GENERIC && s->has_top_orig) {
+        s->orig_from_top = 1;
     }
 
     p->type = -1;
     for (int i = 0; i < (int)(sizeof type_names / sizeof type_names[0]); i++)
-        if (!strcmp(type, type_names[i])) p->type = i;
+        if (!strcmp(s->type, type_names[i])) p->type = i;
     if (p->type < 0)
-        return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s \"%s\" is not supported (supported: " ROPE_TYPES ")", path,
-                       type_where, type_key, type);
+        return ct_fail(s->e, CT_ERR_CONFIG, "%s: %s.%s \"%s\" is not supported (supported: " ROPE_TYPES ")", s->path,
+                       s->type_where, s->type_key, s->type);
 
-    if (fam->head_dim_none && (p->type == ROPE_DYNAMIC || p->type == ROPE_YARN || p->type == ROPE_LONGROPE)) {
-        const cJSON *hd = cJSON_GetObjectItemCaseSensitive(root, "head_dim");
+    if (s->fam->head_dim_none && (p->type == ROPE_DYNAMIC || p->type == ROPE_YARN || p->type == ROPE_LONGROPE)) {
+        const cJSON *hd = cJSON_GetObjectItemCaseSensitive(s->root, "head_dim");
         if (!hd || cJSON_IsNull(hd))
-            return ct_fail(e, CT_ERR_CONFIG,
+            return ct_fail(s->e, CT_ERR_CONFIG,
                            "%s: %s RoPE reads config.head_dim, which %s leaves null without a \"head_dim\" key "
                            "(transformers 5.24 fails on it); give head_dim",
-                           path, type, fam->model_type);
+                           s->path, s->type, s->fam->model_type);
     }
+    return 0;
+}
 
-    /* required keys (_validate_<type>_rope_parameters) */
-    switch (p->type) {
+/* required keys (_validate_<type>_rope_parameters) */
+static int require_keys(rope_read *s) {
+    const rdict *r = &s->r;
+    const char *type = s->type;
+    int rc;
+    switch (s->p->type) {
     case ROPE_LINEAR:
     case ROPE_DYNAMIC:
     case ROPE_YARN:
-        if ((rc = rd_require(&r, "factor", type))) return rc;
-        break;
+        return rd_require(r, "factor", type);
     case ROPE_LLAMA3:
-        if ((rc = rd_require(&r, "factor", type)) || (rc = rd_require(&r, "low_freq_factor", type)) ||
-            (rc = rd_require(&r, "high_freq_factor", type)))
-            return rc;
-        break;
+        if ((rc = rd_require(r, "factor", type)) || (rc = rd_require(r, "low_freq_factor", type))) return rc;
+        return rd_require(r, "high_freq_factor", type);
     case ROPE_LONGROPE:
-        if ((rc = rd_require(&r, "short_factor", type)) || (rc = rd_require(&r, "long_factor", type))) return rc;
-        break;
+        if ((rc = rd_require(r, "short_factor", type))) return rc;
+        return rd_require(r, "long_factor", type);
     }
+    return 0;
+}
 
-    /* rope_theta: the dict's, else the top-level one (Gemma3 sliding: rope_local_base_freq), else the default */
-    if ((rc = rd_num(&r, "rope_theta", 0, &found, &p->theta))) return rc;
+/* rope_theta: the dict's, else the top-level one (Gemma3 sliding: rope_local_base_freq), else the default */
+static int read_theta(rope_read *s) {
+    rope_params *p = s->p;
+    int rc, found;
+    double v;
+    if ((rc = rd_num(&s->r, "rope_theta", 0, &found, &p->theta))) return rc;
+    if (found) return rd_positive(&s->r, "rope_theta", p->theta);
+    int local = s->fam->style == ROPE_STYLE_GEMMA3 && !strcmp(s->layer_type, "sliding_attention");
+    const char *theta_key = local ? "rope_local_base_freq" : "rope_theta";
+    p->theta = local ? s->fam->theta_local : s->fam->theta;
+    if ((rc = top_num(s->root, theta_key, 0, &found, &v, s->path, s->e))) return rc;
     if (found) {
-        if ((rc = rd_positive(&r, "rope_theta", p->theta))) return rc;
-    } else {
-        int local = fam->style == ROPE_STYLE_GEMMA3 && !strcmp(layer_type, "sliding_attention");
-        const char *theta_key = local ? "rope_local_base_freq" : "rope_theta";
-        p->theta = local ? fam->theta_local : fam->theta;
-        if ((rc = top_num(root, theta_key, 0, &found, &v, path, e))) return rc;
-        if (found) {
-            if (!(v > 0) || !isfinite(v))
-                return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be positive, got %g", path, theta_key, v);
-            p->theta = v;
-        }
+        if (!(v > 0) || !isfinite(v))
+            return ct_fail(s->e, CT_ERR_CONFIG, "%s: \"%s\" must be positive, got %g", s->path, theta_key, v);
+        p->theta = v;
     }
+    return 0;
+}
 
-    /* partial_rotary_factor: the dict's, else the top-level one (null: absent), else 1.
-     * Read and checked for every family and type, and kept as given for the
-     * export; only Phi3's RoPE and the scaled types read it (the other
-     * families' default RoPE rotates whole heads whatever it says, so there it
-     * resolves to 1; lm_config refuses the scaled types outside Phi3). A
-     * null inside the dict is refused where the factor is read: transformers'
-     * int(head_dim * None) fails there. */
-    int prf_read = p->type != ROPE_DEFAULT || fam->style == ROPE_STYLE_PHI3;
+/* partial_rotary_factor: the dict's, else the top-level one (null: absent), else 1.
+ * Read and checked for every family and type, and kept as given for the
+ * export; only Phi3's RoPE and the scaled types read it (the other
+ * families' default RoPE rotates whole heads whatever it says, so there it
+ * resolves to 1; lm_config refuses the scaled types outside Phi3). A
+ * null inside the dict is refused where the factor is read: transformers'
+ * int(head_dim * None) fails there. */
+static int read_partial_factor(rope_read *s) {
+    rope_params *p = s->p;
+    int rc, found;
+    double v;
+    int prf_read = p->type != ROPE_DEFAULT || s->fam->style == ROPE_STYLE_PHI3;
     p->partial_rotary_factor = 1.0;
-    {
-        const char *pwhere = "";
-        double prf = 1.0;
-        if ((rc = rd_num(&r, "partial_rotary_factor", !prf_read, &found, &prf))) return rc;
-        if (found) {
-            rd_get(&r, "partial_rotary_factor", &pwhere);
-        } else {
-            if ((rc = top_num(root, "partial_rotary_factor", 1, &found, &v, path, e))) return rc;
-            if (found) prf = v;
-        }
-        if (found) {
-            if (!(prf > 0 && prf <= 1))
-                return ct_fail(e, CT_ERR_CONFIG, "%s: %s%spartial_rotary_factor must be in (0, 1], got %g (model_type %s)",
-                               path, pwhere, *pwhere ? "." : "", prf, fam->model_type);
-            p->partial_rotary_factor_given = prf;
-            if (prf_read) p->partial_rotary_factor = prf;
-        }
+    const char *pwhere = "";
+    double prf = 1.0;
+    if ((rc = rd_num(&s->r, "partial_rotary_factor", !prf_read, &found, &prf))) return rc;
+    if (found) {
+        rd_get(&s->r, "partial_rotary_factor", &pwhere);
+    } else {
+        if ((rc = top_num(s->root, "partial_rotary_factor", 1, &found, &v, s->path, s->e))) return rc;
+        if (found) prf = v;
     }
-    int dim = rope_rotary_dim(p, head_dim);
+    if (found) {
+        if (!(prf > 0 && prf <= 1))
+            return ct_fail(s->e, CT_ERR_CONFIG, "%s: %s%spartial_rotary_factor must be in (0, 1], got %g (model_type %s)",
+                           s->path, pwhere, *pwhere ? "." : "", prf, s->fam->model_type);
+        p->partial_rotary_factor_given = prf;
+        if (prf_read) p->partial_rotary_factor = prf;
+    }
+    return 0;
+}
+
+/* The rotary dimension the factor leaves: even, within the tables, and above 2 for dynamic. */
+static int check_rotary_dim(rope_read *s) {
+    const rope_params *p = s->p;
+    int dim = s->dim = rope_rotary_dim(p, s->head_dim);
     if (dim < 2 || dim % 2)
-        return ct_fail(e, CT_ERR_CONFIG,
+        return ct_fail(s->e, CT_ERR_CONFIG,
                        "%s: the rotary dimension int(head_dim %d * partial_rotary_factor %g) = %d must be even and "
                        "at least 2 (model_type %s)",
-                       path, head_dim, p->partial_rotary_factor, dim, fam->model_type);
+                       s->path, s->head_dim, p->partial_rotary_factor, dim, s->fam->model_type);
     if (dim / 2 > ROPE_MAX_HALF)
-        return ct_fail(e, CT_ERR_CONFIG, "%s: rotary dimension %d is over %d", path, dim, 2 * ROPE_MAX_HALF);
+        return ct_fail(s->e, CT_ERR_CONFIG, "%s: rotary dimension %d is over %d", s->path, dim, 2 * ROPE_MAX_HALF);
     if (p->type == ROPE_DYNAMIC && dim == 2)
-        return ct_fail(e, CT_ERR_CONFIG, "%s: dynamic RoPE needs a rotary dimension above 2 (it divides by dim - 2)",
-                       path);
+        return ct_fail(s->e, CT_ERR_CONFIG, "%s: dynamic RoPE needs a rotary dimension above 2 (it divides by dim - 2)",
+                       s->path);
+    return 0;
+}
 
-    /* original_max_position_embeddings */
+/* original_max_position_embeddings: yarn's, llama3's and longrope's; max_pos for the rest */
+static int read_original(rope_read *s) {
+    rope_params *p = s->p;
+    int rc, found;
+    double v;
     p->original_max_pos = p->max_pos;
-    if (p->type == ROPE_YARN || p->type == ROPE_LLAMA3 || p->type == ROPE_LONGROPE) {
-        if (orig_from_top) {
-            p->original_max_pos = top_orig;
-        } else {
-            if ((rc = rd_num(&r, "original_max_position_embeddings", 0, &found, &v))) return rc;
-            if (found && !as_int(v, &p->original_max_pos)) {
-                const char *where = "";
-                rd_get(&r, "original_max_position_embeddings", &where);
-                return ct_fail(e, CT_ERR_CONFIG, "%s: %s.original_max_position_embeddings must be a positive integer",
-                               path, where);
-            }
-        }
+    if (p->type != ROPE_YARN && p->type != ROPE_LLAMA3 && p->type != ROPE_LONGROPE) return 0;
+    if (s->orig_from_top) {
+        p->original_max_pos = s->top_orig;
+        return 0;
     }
-
-    /* factor: required for linear, dynamic, llama3; yarn's may be null and
-     * longrope's absent, both then max_position_embeddings / original */
-    p->factor = 1.0;
-    if (p->type != ROPE_DEFAULT) {
-        int null_ok = p->type == ROPE_YARN || p->type == ROPE_LONGROPE;
-        if ((rc = rd_num(&r, "factor", null_ok, &found, &p->factor))) return rc;
-        if (found) {
-            if ((rc = rd_positive(&r, "factor", p->factor))) return rc;
-        } else if (null_ok) {
-            p->factor = (double)p->max_pos / p->original_max_pos;
-        }
-    }
-
-    if (p->type == ROPE_YARN || p->type == ROPE_LONGROPE) {
-        if ((rc = rd_num(&r, "attention_factor", 1, &p->has_attention_factor, &p->attention_factor))) return rc;
-        if (p->has_attention_factor && (rc = rd_positive(&r, "attention_factor", p->attention_factor))) return rc;
-    }
-    if (p->type == ROPE_YARN) {
-        /* `get("beta_fast") or 32`: absent, null and 0 all mean the default */
-        p->beta_fast = 32, p->beta_slow = 1;
-        if ((rc = rd_num(&r, "beta_fast", 1, &found, &v))) return rc;
-        if (found && v != 0) p->beta_fast = v;
-        if ((rc = rd_num(&r, "beta_slow", 1, &found, &v))) return rc;
-        if (found && v != 0) p->beta_slow = v;
-        if ((rc = rd_positive(&r, "beta_fast", p->beta_fast)) || (rc = rd_positive(&r, "beta_slow", p->beta_slow)))
-            return rc;
-        if ((rc = rd_num(&r, "mscale", 1, &found, &p->mscale)) || (rc = rd_num(&r, "mscale_all_dim", 1, &found,
-                                                                                &p->mscale_all_dim)))
-            return rc;
-        p->truncate = 1;
+    if ((rc = rd_num(&s->r, "original_max_position_embeddings", 0, &found, &v))) return rc;
+    if (found && !as_int(v, &p->original_max_pos)) {
         const char *where = "";
-        const cJSON *tr = rd_get(&r, "truncate", &where);
-        if (tr && fam->style != ROPE_STYLE_GEMMA3) {
-            if (cJSON_IsNull(tr))
-                p->truncate = 0; /* `if truncate:` with None */
-            else if (cJSON_IsBool(tr))
-                p->truncate = cJSON_IsTrue(tr);
-            else
-                return ct_fail(e, CT_ERR_CONFIG, "%s: %s.truncate must be true or false", path, where);
-        }
-        if (p->theta == 1.0) return ct_fail(e, CT_ERR_CONFIG, "%s: yarn divides by log(rope_theta): it cannot be 1", path);
+        rd_get(&s->r, "original_max_position_embeddings", &where);
+        return ct_fail(s->e, CT_ERR_CONFIG, "%s: %s.original_max_position_embeddings must be a positive integer",
+                       s->path, where);
     }
-    if (p->type == ROPE_LLAMA3) {
-        if ((rc = rd_num(&r, "low_freq_factor", 0, &found, &p->low_freq_factor)) ||
-            (rc = rd_num(&r, "high_freq_factor", 0, &found, &p->high_freq_factor)))
-            return rc;
-        if ((rc = rd_positive(&r, "low_freq_factor", p->low_freq_factor)) ||
-            (rc = rd_positive(&r, "high_freq_factor", p->high_freq_factor)))
-            return rc;
-        if (p->high_freq_factor == p->low_freq_factor)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: %s.high_freq_factor equals low_freq_factor (%g): llama3 RoPE divides by their difference",
-                           path, dname, p->low_freq_factor);
-    }
-    if (p->type == ROPE_LONGROPE) {
-        p->n_factors = dim / 2;
-        if ((rc = read_factors(&r, "short_factor", p->n_factors, p->short_factor)) ||
-            (rc = read_factors(&r, "long_factor", p->n_factors, p->long_factor)))
-            return rc;
-    }
+    return 0;
+}
 
-    /* Whatever got through must give finite, positive frequencies at both lengths that matter. */
+/* factor: required for linear, dynamic, llama3; yarn's may be null and
+ * longrope's absent, both then max_position_embeddings / original */
+static int read_factor(rope_read *s) {
+    rope_params *p = s->p;
+    int rc, found;
+    p->factor = 1.0;
+    if (p->type == ROPE_DEFAULT) return 0;
+    int null_ok = p->type == ROPE_YARN || p->type == ROPE_LONGROPE;
+    if ((rc = rd_num(&s->r, "factor", null_ok, &found, &p->factor))) return rc;
+    if (found) return rd_positive(&s->r, "factor", p->factor);
+    if (null_ok) p->factor = (double)p->max_pos / p->original_max_pos;
+    return 0;
+}
+
+/* attention_factor (yarn, longrope): null or absent means transformers computes it */
+static int read_attention_factor(rope_read *s) {
+    rope_params *p = s->p;
+    int rc;
+    if ((rc = rd_num(&s->r, "attention_factor", 1, &p->has_attention_factor, &p->attention_factor))) return rc;
+    if (p->has_attention_factor) return rd_positive(&s->r, "attention_factor", p->attention_factor);
+    return 0;
+}
+
+static int read_yarn(rope_read *s) {
+    rope_params *p = s->p;
+    int rc, found;
+    double v;
+    if ((rc = read_attention_factor(s))) return rc;
+    /* `get("beta_fast") or 32`: absent, null and 0 all mean the default */
+    p->beta_fast = 32, p->beta_slow = 1;
+    if ((rc = rd_num(&s->r, "beta_fast", 1, &found, &v))) return rc;
+    if (found && v != 0) p->beta_fast = v;
+    if ((rc = rd_num(&s->r, "beta_slow", 1, &found, &v))) return rc;
+    if (found && v != 0) p->beta_slow = v;
+    if ((rc = rd_positive(&s->r, "beta_fast", p->beta_fast)) || (rc = rd_positive(&s->r, "beta_slow", p->beta_slow)))
+        return rc;
+    if ((rc = rd_num(&s->r, "mscale", 1, &found, &p->mscale)) ||
+        (rc = rd_num(&s->r, "mscale_all_dim", 1, &found, &p->mscale_all_dim)))
+        return rc;
+    p->truncate = 1;
+    const char *where = "";
+    const cJSON *tr = rd_get(&s->r, "truncate", &where);
+    if (tr && s->fam->style != ROPE_STYLE_GEMMA3) {
+        if (cJSON_IsNull(tr))
+            p->truncate = 0; /* `if truncate:` with None */
+        else if (cJSON_IsBool(tr))
+            p->truncate = cJSON_IsTrue(tr);
+        else
+            return ct_fail(s->e, CT_ERR_CONFIG, "%s: %s.truncate must be true or false", s->path, where);
+    }
+    if (p->theta == 1.0)
+        return ct_fail(s->e, CT_ERR_CONFIG, "%s: yarn divides by log(rope_theta): it cannot be 1", s->path);
+    return 0;
+}
+
+static int read_llama3(rope_read *s) {
+    rope_params *p = s->p;
+    int rc, found;
+    if ((rc = rd_num(&s->r, "low_freq_factor", 0, &found, &p->low_freq_factor)) ||
+        (rc = rd_num(&s->r, "high_freq_factor", 0, &found, &p->high_freq_factor)))
+        return rc;
+    if ((rc = rd_positive(&s->r, "low_freq_factor", p->low_freq_factor)) ||
+        (rc = rd_positive(&s->r, "high_freq_factor", p->high_freq_factor)))
+        return rc;
+    if (p->high_freq_factor == p->low_freq_factor)
+        return ct_fail(s->e, CT_ERR_CONFIG,
+                       "%s: %s.high_freq_factor equals low_freq_factor (%g): llama3 RoPE divides by their difference",
+                       s->path, s->dname, p->low_freq_factor);
+    return 0;
+}
+
+static int read_longrope(rope_read *s) {
+    rope_params *p = s->p;
+    int rc;
+    if ((rc = read_attention_factor(s))) return rc;
+    p->n_factors = s->dim / 2;
+    if ((rc = read_factors(&s->r, "short_factor", p->n_factors, p->short_factor))) return rc;
+    return read_factors(&s->r, "long_factor", p->n_factors, p->long_factor);
+}
+
+/* The keys only one type reads; linear, dynamic and default have none beyond factor. */
+static int read_type_keys(rope_read *s) {
+    switch (s->p->type) {
+    case ROPE_YARN: return read_yarn(s);
+    case ROPE_LLAMA3: return read_llama3(s);
+    case ROPE_LONGROPE: return read_longrope(s);
+    default: return 0;
+    }
+}
+
+/* Whatever got through must give finite, positive frequencies at both lengths that matter. */
+static int check_frequencies(const rope_read *s) {
+    const rope_params *p = s->p;
     double inv[ROPE_MAX_HALF], att;
     int lens[2] = {1, (p->max_pos > p->original_max_pos ? p->max_pos : p->original_max_pos) + 1};
     for (int k = 0; k < 2; k++) {
-        rope_inv_freq(p, head_dim, lens[k], inv, &att);
+        rope_inv_freq(p, s->head_dim, lens[k], inv, &att);
         int ok = att > 0 && isfinite(att);
-        for (int i = 0; i < dim / 2 && ok; i++) ok = inv[i] > 0 && isfinite(inv[i]);
+        for (int i = 0; i < s->dim / 2 && ok; i++) ok = inv[i] > 0 && isfinite(inv[i]);
         if (!ok)
-            return ct_fail(e, CT_ERR_CONFIG,
+            return ct_fail(s->e, CT_ERR_CONFIG,
                            "%s: %s RoPE of %s gives non-finite or non-positive frequencies (rope_theta %g, factor %g)",
-                           path, type, dname, p->theta, p->factor);
+                           s->path, s->type, s->dname, p->theta, p->factor);
     }
     return 0;
+}
+
+/* The stages in transformers' order: the first rule a config breaks is the one named. */
+int rope_params_from_hf(rope_params *p, const cJSON *root, const char *layer_type, int head_dim, const char *path,
+                        ct_err *e) {
+    int rc;
+    memset(p, 0, sizeof *p);
+    rope_family fam;
+    if ((rc = check_request(root, layer_type, head_dim, path, &fam, e))) return rc;
+    rope_read s = {.p = p, .root = root, .fam = &fam, .layer_type = layer_type, .head_dim = head_dim, .path = path,
+                   .e = e, .r = {{NULL, NULL}, {"", ""}, path, e}};
+    if ((rc = read_max_pos(&s))) return rc;
+    if ((rc = find_dict(&s))) return rc;
+    if ((rc = read_type(&s))) return rc;
+    if ((rc = read_top_original(&s))) return rc;
+    if ((rc = resolve_type(&s))) return rc;
+    if ((rc = require_keys(&s))) return rc;
+    if ((rc = read_theta(&s))) return rc;
+    if ((rc = read_partial_factor(&s))) return rc;
+    if ((rc = check_rotary_dim(&s))) return rc;
+    if ((rc = read_original(&s))) return rc;
+    if ((rc = read_factor(&s))) return rc;
+    if ((rc = read_type_keys(&s))) return rc;
+    return check_frequencies(&s);
 }
 
 /* ---------------------------------------------------------------- frequencies */
