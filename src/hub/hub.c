@@ -912,7 +912,8 @@ static size_t on_data(char *p, size_t size, size_t nm, void *ud) {
     return n;
 }
 
-/* sha1 of "blob <size>\0" + the file's bytes (git's object id); or sha256 of the file. */
+/* sha1 of "blob <size>\0" + the file's bytes (git's object id) into hex; or the file's bytes
+ * fed into sha, which the caller finishes (hex unused there, may be NULL). */
 static int hash_file(int fd, long long upto, int git_sha1, hub_sha256_ctx *sha, char *hex) {
     enum { BUF = 1 << 16 };
     hub_sha1_ctx s1;
@@ -958,199 +959,277 @@ static const char *disk_hint(int err) {
     return err == ENOSPC || err == EDQUOT ? ": the disk is full; free space or point HF_HUB_CACHE at a larger disk" : "";
 }
 
+/* ---- a download: blob.incomplete, resumed, verified, renamed */
+
+/* One download and the state of its .incomplete file, shared by its steps. */
+typedef struct {
+    hub_ctx *h;
+    const char *file, *url, *etag, *blob;
+    int auth;                 /* the GET carries the token (the Hub itself, not a CDN) */
+    long long size;           /* the Hub's size; -1: not known */
+    ct_err *e;
+    char part[HUB_PATH + 16]; /* blob.incomplete */
+    int fd;
+    int lfs, git;             /* the etag is a sha256 (LFS) / git's blob sha1; neither: the size alone is checked */
+    long long off;            /* bytes in part; -1 after a truncate that failed */
+    int leftover;             /* part started with an earlier run's bytes, not yet found bad */
+    hub_sha256_ctx sha;       /* LFS: of part's bytes so far, streamed as they arrive */
+    prog_bar bar;
+    char label[600];
+} hub_dl;
+
+/* Opens blob.incomplete, keeping an earlier run's bytes to resume from unless
+ * they are more than the file has; an LFS leftover is hashed now so that the
+ * streamed sha256 goes on from it. Closes the file again on failure. */
+static int dl_open(hub_dl *d) {
+    if (put(d->part, sizeof d->part, "%s.incomplete", d->blob))
+        return ct_fail(d->e, CT_ERR_IO, "%s: path too long", d->blob);
+    d->fd = open(d->part, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (d->fd < 0)
+        return ct_fail(d->e, CT_ERR_IO, "%s: cannot create: %s%s", d->part, strerror(errno), disk_hint(errno));
+    d->lfs = is_hex(d->etag, 64), d->git = !d->lfs && is_hex(d->etag, 40);
+    d->off = lseek(d->fd, 0, SEEK_END);
+    if (d->off < 0 || (d->size >= 0 && d->off > d->size)) {
+        if (ftruncate(d->fd, 0) != 0 || lseek(d->fd, 0, SEEK_SET) != 0) d->off = -1;
+        else d->off = 0;
+    }
+    hub_sha256_init(&d->sha);
+    d->leftover = d->off > 0;
+    if (d->off < 0 || (d->leftover && d->lfs && hash_file(d->fd, d->off, 0, &d->sha, NULL))) {
+        int rc = ct_fail(d->e, CT_ERR_IO, "%s: cannot read: %s", d->part, strerror(errno));
+        close(d->fd);
+        return rc;
+    }
+    return 0;
+}
+
+/* Warns when the disk looks too small for the rest, and starts the bar (or,
+ * without one, says in a line what is fetched). */
+static void dl_announce(hub_dl *d) {
+    struct statvfs vfs;
+    if (d->size > d->off && fstatvfs(d->fd, &vfs) == 0 &&
+        (double)vfs.f_bavail * vfs.f_frsize < (double)(d->size - d->off)) {
+        char need[32], have[32];
+        human_bytes(need, sizeof need, (double)(d->size - d->off));
+        human_bytes(have, sizeof have, (double)vfs.f_bavail * vfs.f_frsize);
+        fprintf(stderr, "ctitan: hub: warning: %s needs %s more, %s free in %s\n", d->file, need, have, d->h->cache);
+    }
+    snprintf(d->label, sizeof d->label, "hub: %s %s", d->h->repo, d->file);
+    prog_begin(&d->bar, d->label, (double)d->size, "B", 0);
+    d->bar.done = d->bar.start = (double)d->off;
+    /* huggingface_hub's switch: no bar, the plain lines still tell what happens */
+    if (d->bar.mode == PROG_TTY && env_true(getenv("HF_HUB_DISABLE_PROGRESS_BARS"))) d->bar.mode = PROG_PLAIN;
+    if (d->bar.mode == PROG_PLAIN) {
+        char s[32];
+        human_bytes(s, sizeof s, (double)d->size);
+        fprintf(stderr, "ctitan: hub: downloading %s %s (%s%s)\n", d->h->repo, d->file,
+                d->size >= 0 ? s : "size unknown", d->off > 0 ? ", resuming" : "");
+    }
+}
+
+/* One GET of url from byte off (a Range past 0) appended to part by on_data;
+ * g and hd hold what came back, *cr and *code how it ended. -1: libcurl could not start. */
+static int dl_get(hub_dl *d, hub_get *g, hub_headers *hd, char *errbuf, CURLcode *cr, long *code) {
+    headers_reset(hd);
+    *g = (hub_get){.fd = d->fd, .off = d->off, .hd = hd, .sha = d->lfs ? &d->sha : NULL, .bar = &d->bar};
+    g->c = curl_easy_init();
+    if (!g->c) return -1;
+    errbuf[0] = 0;
+    struct curl_slist *hl = base_headers(d->h, d->auth, 0);
+    common_opts(g->c, errbuf);
+    char range[48];
+    snprintf(range, sizeof range, "%lld-", d->off);
+    curl_easy_setopt(g->c, CURLOPT_URL, d->url);
+    curl_easy_setopt(g->c, CURLOPT_HTTPHEADER, hl);
+    curl_easy_setopt(g->c, CURLOPT_FOLLOWLOCATION, 1L); /* a custom Authorization is not sent to another host */
+    curl_easy_setopt(g->c, CURLOPT_MAXREDIRS, 10L);
+    if (d->off > 0) curl_easy_setopt(g->c, CURLOPT_RANGE, range);
+    curl_easy_setopt(g->c, CURLOPT_HEADERFUNCTION, on_header);
+    curl_easy_setopt(g->c, CURLOPT_HEADERDATA, hd);
+    curl_easy_setopt(g->c, CURLOPT_WRITEFUNCTION, on_data);
+    curl_easy_setopt(g->c, CURLOPT_WRITEDATA, g);
+    long t = env_timeout("HF_HUB_DOWNLOAD_TIMEOUT");
+    curl_easy_setopt(g->c, CURLOPT_CONNECTTIMEOUT, t);
+    curl_easy_setopt(g->c, CURLOPT_LOW_SPEED_LIMIT, 1L); /* no byte for t seconds: a stalled connection */
+    curl_easy_setopt(g->c, CURLOPT_LOW_SPEED_TIME, t);
+    *cr = curl_easy_perform(g->c);
+    *code = 0;
+    curl_easy_getinfo(g->c, CURLINFO_RESPONSE_CODE, code);
+    curl_slist_free_all(hl);
+    curl_easy_cleanup(g->c);
+    return 0;
+}
+
+/* What the end of one GET from byte `before` means: an error to report (its
+ * rc, part deleted where nothing of it can be kept), a retry (*retry, with
+ * why), or, returning 0 without *retry, the file complete. */
+static int dl_outcome(hub_dl *d, const hub_get *g, const hub_headers *hd, CURLcode cr, long code, const char *errbuf,
+                      long long before, int *retry, char *why, size_t wcap) {
+    int rc;
+    *retry = 0;
+    if (g->werr) {
+        prog_break(&d->bar);
+        rc = ct_fail(d->e, CT_ERR_IO, "%s: %s %s: cannot write %s: %s%s", d->h->repo, d->file,
+                     g->werr == ENOSPC || g->werr == EDQUOT ? "disk full while downloading" : "download failed",
+                     d->part, strerror(g->werr), disk_hint(g->werr));
+        unlink(d->part); /* free the space it took; nothing partial is kept */
+        return rc;
+    } else if (g->restart) {
+        /* what was written is not the file's head: start again from byte 0 */
+        if (ftruncate(d->fd, 0) != 0 || lseek(d->fd, 0, SEEK_SET) != 0) {
+            int err = errno;
+            prog_break(&d->bar);
+            rc = ct_fail(d->e, CT_ERR_IO, "%s: cannot truncate: %s", d->part, strerror(err));
+            unlink(d->part); /* its bytes are not the file's first ones: nothing to resume from */
+            return rc;
+        }
+        d->off = 0;
+        hub_sha256_init(&d->sha);
+        snprintf(why, wcap, "the server sent another range than bytes=%lld-", before);
+        *retry = 1;
+    } else if (cr == CURLE_OK && code == 416 && d->size >= 0 && d->off == d->size) {
+        /* the file was whole already */
+    } else if (cr == CURLE_OK && (code == 408 || code == 429 || code >= 500)) {
+        snprintf(why, wcap, "HTTP %ld", code);
+        *retry = 1;
+    } else if (cr == CURLE_OK && (g->bad || code < 200 || code >= 300)) {
+        prog_break(&d->bar);
+        int denied = d->auth && (code == 401 || code == 403); /* on the Hub: the token; on a CDN: an expired link */
+        return ct_fail(d->e, denied ? CT_ERR_CONFIG : CT_ERR_IO, "%s: %s: HTTP %ld%s%s from %s%s", d->h->repo, d->file,
+                       code, hd->error_code[0] ? " " : "", hd->error_code, d->url,
+                       denied ? " (set HF_TOKEN to a token that can read the repo)" : "; run the command again");
+    } else if (cr != CURLE_OK) {
+        snprintf(why, wcap, "%s", errbuf[0] ? errbuf : curl_easy_strerror(cr));
+        *retry = 1;
+    } else if (d->size >= 0 && d->off != d->size) {
+        snprintf(why, wcap, "the connection closed after %lld of %lld bytes", d->off, d->size);
+        *retry = d->off < d->size;
+        if (!*retry) {
+            prog_break(&d->bar);
+            rc = ct_fail(d->e, CT_ERR_IO, "%s: %s: the server sent %lld bytes, the Hub said %lld (X-Linked-Size / "
+                         "Content-Length); nothing was cached", d->h->repo, d->file, d->off, d->size);
+            unlink(d->part);
+            return rc;
+        }
+    }
+    return 0;
+}
+
+/* Before the next GET: gives up after 5 retries without progress (or 1000 in
+ * all), keeping part to resume from, else waits 1 s. */
+static int dl_retry_wait(hub_dl *d, long long before, int *retries, int attempts, const char *why) {
+    if (d->off > before) *retries = 5; /* progress: the count starts again, as http_get's */
+    prog_break(&d->bar);
+    if ((*retries)-- <= 0 || attempts >= 1000) {
+        char b[32], kept[HUB_PATH + 128] = "";
+        human_bytes(b, sizeof b, (double)d->off);
+        if (d->off > 0) snprintf(kept, sizeof kept, "; the %s received are kept in %s to resume from", b, d->part);
+        return ct_fail(d->e, CT_ERR_IO,
+                       "%s: %s: the connection to the Hub was lost and the download from %s failed after 5 "
+                       "retries (%s)%s; check the network and run the command again",
+                       d->h->repo, d->file, d->url, why, kept);
+    }
+    fprintf(stderr, "ctitan: hub: %s %s: %s; resuming at byte %lld in 1 s (%d retries left)\n", d->h->repo, d->file,
+            why, d->off, *retries);
+    sleep(1);
+    return 0;
+}
+
+/* The leftover of an earlier run was the bad part: part emptied, the bar started again, once more from byte 0. */
+static int dl_from_zero(hub_dl *d) {
+    fprintf(stderr, "ctitan: hub: %s %s: the resumed file did not verify; downloading it again\n", d->h->repo, d->file);
+    d->leftover = 0;
+    if (ftruncate(d->fd, 0) != 0 || lseek(d->fd, 0, SEEK_SET) != 0)
+        return ct_fail(d->e, CT_ERR_IO, "%s: cannot truncate: %s", d->part, strerror(errno));
+    d->off = 0;
+    hub_sha256_init(&d->sha);
+    prog_mode keep = d->bar.mode;
+    prog_begin(&d->bar, d->label, (double)d->size, "B", 0);
+    d->bar.mode = keep;
+    return 0;
+}
+
+/* The complete part: fsynced, its checksum compared with the etag, then renamed
+ * to the blob. *again (with 0): a leftover did not verify and part is empty to
+ * fetch again; a checksum wrong otherwise deletes part. */
+static int dl_verify(hub_dl *d, int *again) {
+    int rc;
+    *again = 0;
+    d->bar.total = (double)d->off;
+    d->bar.done = (double)d->off;
+    prog_end(&d->bar);
+    if (fsync(d->fd) != 0) {
+        int err = errno;
+        rc = ct_fail(d->e, CT_ERR_IO, "%s: cannot write it out: %s%s", d->part, strerror(err), disk_hint(err));
+        unlink(d->part);
+        return rc;
+    }
+    const char *kind = d->lfs ? "sha256" : "git blob sha1";
+    char got[72];
+    if (d->lfs) {
+        uint8_t dg[32];
+        hub_sha256_final(&d->sha, dg);
+        hub_hex(dg, 32, got);
+    } else if (d->git && hash_file(d->fd, d->off, 1, NULL, got)) {
+        return ct_fail(d->e, CT_ERR_IO, "%s: cannot read it back: %s", d->part, strerror(errno));
+    }
+    if ((d->lfs || d->git) && strcasecmp(got, d->etag) != 0) {
+        if (d->leftover) {
+            rc = dl_from_zero(d);
+            *again = !rc;
+            return rc;
+        }
+        unlink(d->part);
+        return ct_fail(d->e, CT_ERR_IO,
+                       "%s: %s from %s is corrupt: its %s is %s, the Hub's etag says %s; it was deleted and nothing "
+                       "was cached (run the command again; if it persists, the mirror behind HF_ENDPOINT serves bad "
+                       "data)",
+                       d->h->repo, d->file, d->url, kind, got, d->etag);
+    }
+    if (rename(d->part, d->blob) != 0) {
+        rc = ct_fail(d->e, CT_ERR_IO, "%s: cannot rename it to %s: %s", d->part, d->blob, strerror(errno));
+        unlink(d->part);
+        return rc;
+    }
+    return 0;
+}
+
+/* GETs until part is complete and verified (or it fails for good): each
+ * dropped connection resumes with a Range from what part holds. */
+static int dl_transfer(hub_dl *d) {
+    int retries = 5, attempts = 0, rc;
+    char why[CURL_ERROR_SIZE + 64];
+    for (;;) {
+        hub_headers hd;
+        hub_get g;
+        char errbuf[CURL_ERROR_SIZE];
+        CURLcode cr;
+        long code;
+        long long before = d->off;
+        if (dl_get(d, &g, &hd, errbuf, &cr, &code)) return ct_fail(d->e, CT_ERR_IO, "libcurl could not start");
+        d->off = g.off;
+        attempts++;
+        int retry, again;
+        if ((rc = dl_outcome(d, &g, &hd, cr, code, errbuf, before, &retry, why, sizeof why))) return rc;
+        if (retry) {
+            if ((rc = dl_retry_wait(d, before, &retries, attempts, why))) return rc;
+            continue;
+        }
+        if ((rc = dl_verify(d, &again)) || !again) return rc;
+    }
+}
+
 /* Downloads url into blob (blobs/<etag>) through blob.incomplete; the caller holds the lock. */
 static int download(hub_ctx *h, const char *file, const char *url, int auth, const char *etag, long long size,
                     const char *blob, ct_err *e) {
-    char part[HUB_PATH + 16];
-    if (put(part, sizeof part, "%s.incomplete", blob)) return ct_fail(e, CT_ERR_IO, "%s: path too long", blob);
-    int fd = open(part, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot create: %s%s", part, strerror(errno), disk_hint(errno));
-    int lfs = is_hex(etag, 64), git = !lfs && is_hex(etag, 40);
-    long long off = lseek(fd, 0, SEEK_END);
-    if (off < 0 || (size >= 0 && off > size)) {
-        if (ftruncate(fd, 0) != 0 || lseek(fd, 0, SEEK_SET) != 0) off = -1;
-        else off = 0;
-    }
-    hub_sha256_ctx sha;
-    hub_sha256_init(&sha);
-    char got[72];
-    int leftover = off > 0, rc = 0;
-    if (off < 0 || (leftover && lfs && hash_file(fd, off, 0, &sha, got))) {
-        rc = ct_fail(e, CT_ERR_IO, "%s: cannot read: %s", part, strerror(errno));
-        close(fd);
-        return rc;
-    }
-    struct statvfs vfs;
-    if (size > off && fstatvfs(fd, &vfs) == 0 && (double)vfs.f_bavail * vfs.f_frsize < (double)(size - off)) {
-        char need[32], have[32];
-        human_bytes(need, sizeof need, (double)(size - off));
-        human_bytes(have, sizeof have, (double)vfs.f_bavail * vfs.f_frsize);
-        fprintf(stderr, "ctitan: hub: warning: %s needs %s more, %s free in %s\n", file, need, have, h->cache);
-    }
-    prog_bar bar;
-    char label[600];
-    snprintf(label, sizeof label, "hub: %s %s", h->repo, file);
-    prog_begin(&bar, label, (double)size, "B", 0);
-    bar.done = bar.start = (double)off;
-    /* huggingface_hub's switch: no bar, the plain lines still tell what happens */
-    if (bar.mode == PROG_TTY && env_true(getenv("HF_HUB_DISABLE_PROGRESS_BARS"))) bar.mode = PROG_PLAIN;
-    if (bar.mode == PROG_PLAIN) {
-        char s[32];
-        human_bytes(s, sizeof s, (double)size);
-        fprintf(stderr, "ctitan: hub: downloading %s %s (%s%s)\n", h->repo, file, size >= 0 ? s : "size unknown",
-                off > 0 ? ", resuming" : "");
-    }
+    hub_dl d = {.h = h, .file = file, .url = url, .etag = etag, .blob = blob, .auth = auth, .size = size, .e = e};
+    int rc = dl_open(&d);
+    if (rc) return rc;
+    dl_announce(&d);
     curl_once();
-    int retries = 5, attempts = 0;
-    char errbuf[CURL_ERROR_SIZE], why[CURL_ERROR_SIZE + 64];
-    for (;;) {
-        hub_headers hd;
-        headers_reset(&hd);
-        hub_get g = {.fd = fd, .off = off, .hd = &hd, .sha = lfs ? &sha : NULL, .bar = &bar};
-        g.c = curl_easy_init();
-        if (!g.c) {
-            rc = ct_fail(e, CT_ERR_IO, "libcurl could not start");
-            break;
-        }
-        errbuf[0] = 0;
-        struct curl_slist *hl = base_headers(h, auth, 0);
-        common_opts(g.c, errbuf);
-        char range[48];
-        snprintf(range, sizeof range, "%lld-", off);
-        curl_easy_setopt(g.c, CURLOPT_URL, url);
-        curl_easy_setopt(g.c, CURLOPT_HTTPHEADER, hl);
-        curl_easy_setopt(g.c, CURLOPT_FOLLOWLOCATION, 1L); /* a custom Authorization is not sent to another host */
-        curl_easy_setopt(g.c, CURLOPT_MAXREDIRS, 10L);
-        if (off > 0) curl_easy_setopt(g.c, CURLOPT_RANGE, range);
-        curl_easy_setopt(g.c, CURLOPT_HEADERFUNCTION, on_header);
-        curl_easy_setopt(g.c, CURLOPT_HEADERDATA, &hd);
-        curl_easy_setopt(g.c, CURLOPT_WRITEFUNCTION, on_data);
-        curl_easy_setopt(g.c, CURLOPT_WRITEDATA, &g);
-        long t = env_timeout("HF_HUB_DOWNLOAD_TIMEOUT");
-        curl_easy_setopt(g.c, CURLOPT_CONNECTTIMEOUT, t);
-        curl_easy_setopt(g.c, CURLOPT_LOW_SPEED_LIMIT, 1L); /* no byte for t seconds: a stalled connection */
-        curl_easy_setopt(g.c, CURLOPT_LOW_SPEED_TIME, t);
-        long long before = off;
-        CURLcode cr = curl_easy_perform(g.c);
-        long code = 0;
-        curl_easy_getinfo(g.c, CURLINFO_RESPONSE_CODE, &code);
-        curl_slist_free_all(hl);
-        curl_easy_cleanup(g.c);
-        off = g.off;
-        attempts++;
-        int retry = 0;
-        if (g.werr) {
-            prog_break(&bar);
-            rc = ct_fail(e, CT_ERR_IO, "%s: %s %s: cannot write %s: %s%s", h->repo, file,
-                         g.werr == ENOSPC || g.werr == EDQUOT ? "disk full while downloading" : "download failed", part,
-                         strerror(g.werr), disk_hint(g.werr));
-            unlink(part); /* free the space it took; nothing partial is kept */
-            break;
-        } else if (g.restart) {
-            if (ftruncate(fd, 0) != 0 || lseek(fd, 0, SEEK_SET) != 0) off = -1;
-            else off = 0;
-            hub_sha256_init(&sha);
-            snprintf(why, sizeof why, "the server sent another range than bytes=%lld-", before);
-            retry = off == 0;
-        } else if (cr == CURLE_OK && code == 416 && size >= 0 && off == size) {
-            /* the file was whole already */
-        } else if (cr == CURLE_OK && (code == 408 || code == 429 || code >= 500)) {
-            snprintf(why, sizeof why, "HTTP %ld", code);
-            retry = 1;
-        } else if (cr == CURLE_OK && (g.bad || code < 200 || code >= 300)) {
-            prog_break(&bar);
-            int denied = auth && (code == 401 || code == 403); /* on the Hub: the token; on a CDN: an expired link */
-            rc = ct_fail(e, denied ? CT_ERR_CONFIG : CT_ERR_IO, "%s: %s: HTTP %ld%s%s from %s%s", h->repo, file, code,
-                         hd.error_code[0] ? " " : "", hd.error_code, url,
-                         denied ? " (set HF_TOKEN to a token that can read the repo)" : "; run the command again");
-            break;
-        } else if (cr != CURLE_OK) {
-            snprintf(why, sizeof why, "%s", errbuf[0] ? errbuf : curl_easy_strerror(cr));
-            retry = 1;
-        } else if (size >= 0 && off != size) {
-            snprintf(why, sizeof why, "the connection closed after %lld of %lld bytes", off, size);
-            retry = off < size;
-            if (!retry) {
-                prog_break(&bar);
-                rc = ct_fail(e, CT_ERR_IO, "%s: %s: the server sent %lld bytes, the Hub said %lld (X-Linked-Size / "
-                             "Content-Length); nothing was cached", h->repo, file, off, size);
-                unlink(part);
-                break;
-            }
-        }
-        if (retry) {
-            if (off < 0) {
-                rc = ct_fail(e, CT_ERR_IO, "%s: cannot truncate: %s", part, strerror(errno));
-                break;
-            }
-            if (off > before) retries = 5; /* progress: the count starts again, as http_get's */
-            prog_break(&bar);
-            if (retries-- <= 0 || attempts >= 1000) {
-                char d[32], kept[HUB_PATH + 128] = "";
-                human_bytes(d, sizeof d, (double)off);
-                if (off > 0) snprintf(kept, sizeof kept, "; the %s received are kept in %s to resume from", d, part);
-                rc = ct_fail(e, CT_ERR_IO,
-                             "%s: %s: the connection to the Hub was lost and the download from %s failed after 5 "
-                             "retries (%s)%s; check the network and run the command again",
-                             h->repo, file, url, why, kept);
-                break;
-            }
-            fprintf(stderr, "ctitan: hub: %s %s: %s; resuming at byte %lld in 1 s (%d retries left)\n", h->repo, file,
-                    why, off, retries);
-            sleep(1);
-            continue;
-        }
-        /* complete: verify, then make it a blob */
-        bar.total = (double)off;
-        bar.done = (double)off;
-        prog_end(&bar);
-        if (fsync(fd) != 0) {
-            int err = errno;
-            rc = ct_fail(e, CT_ERR_IO, "%s: cannot write it out: %s%s", part, strerror(err), disk_hint(err));
-            unlink(part);
-            break;
-        }
-        const char *kind = lfs ? "sha256" : "git blob sha1";
-        if (lfs) {
-            uint8_t d[32];
-            hub_sha256_final(&sha, d);
-            hub_hex(d, 32, got);
-        } else if (git && hash_file(fd, off, 1, NULL, got)) {
-            rc = ct_fail(e, CT_ERR_IO, "%s: cannot read it back: %s", part, strerror(errno));
-            break;
-        }
-        if ((lfs || git) && strcasecmp(got, etag) != 0) {
-            if (leftover) { /* the leftover of an earlier run was the bad part: once more from byte 0 */
-                fprintf(stderr, "ctitan: hub: %s %s: the resumed file did not verify; downloading it again\n", h->repo,
-                        file);
-                leftover = 0;
-                if (ftruncate(fd, 0) != 0 || lseek(fd, 0, SEEK_SET) != 0) {
-                    rc = ct_fail(e, CT_ERR_IO, "%s: cannot truncate: %s", part, strerror(errno));
-                    break;
-                }
-                off = 0;
-                hub_sha256_init(&sha);
-                prog_mode keep = bar.mode;
-                prog_begin(&bar, label, (double)size, "B", 0);
-                bar.mode = keep;
-                continue;
-            }
-            unlink(part);
-            rc = ct_fail(e, CT_ERR_IO,
-                         "%s: %s from %s is corrupt: its %s is %s, the Hub's etag says %s; it was deleted and nothing "
-                         "was cached (run the command again; if it persists, the mirror behind HF_ENDPOINT serves bad "
-                         "data)",
-                         h->repo, file, url, kind, got, etag);
-            break;
-        }
-        if (rename(part, blob) != 0) {
-            rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename it to %s: %s", part, blob, strerror(errno));
-            unlink(part);
-        }
-        break;
-    }
-    if (close(fd) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: close failed: %s", part, strerror(errno));
-    if (rc && off <= 0) unlink(part); /* nothing worth resuming */
+    rc = dl_transfer(&d);
+    if (close(d.fd) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: close failed: %s", d.part, strerror(errno));
+    if (rc && d.off <= 0) unlink(d.part); /* nothing worth resuming */
     return rc;
 }
 

@@ -62,7 +62,9 @@ class FakeHub:
     """Two ThreadingHTTPServers on 127.0.0.1 (random ports): the Hub, and a CDN on another
     origin for LFS files. Faults are set per test: drop_after[file] = n (the next GET of
     that file sends n bytes, then closes the connection; once), never[file] (every GET
-    closes before a byte), corrupt[file] (the bytes served differ from the etag)."""
+    closes before a byte), corrupt[file] (the bytes served differ from the etag),
+    ignore_range[file] (a GET with Range gets 200 and the whole file; once), wrong_range[file]
+    (a GET with Range gets 206 from byte 0 instead; once)."""
 
     TOKEN = "hf_test_token_123"
 
@@ -73,6 +75,8 @@ class FakeHub:
         self.drop_after: dict[str, int] = {}
         self.never: set[str] = set()
         self.corrupt: set[str] = set()
+        self.ignore_range: set[str] = set()
+        self.wrong_range: set[str] = set()
         self.lock = threading.Lock()
         self.hub = ThreadingHTTPServer(("127.0.0.1", 0), self._handler("hub"))
         self.cdn = ThreadingHTTPServer(("127.0.0.1", 0), self._handler("cdn"))
@@ -182,9 +186,20 @@ class FakeHub:
                 """200 or (with Range) 206, with the faults set for `file`."""
                 start, code = 0, 200
                 rng = self.headers.get("Range")
+                ignore = wrong = False
+                if rng and not head:
+                    with hub.lock:  # each fault once
+                        if file in hub.ignore_range:
+                            hub.ignore_range.discard(file)
+                            ignore = True
+                        elif file in hub.wrong_range:
+                            hub.wrong_range.discard(file)
+                            wrong = True
+                if ignore:
+                    rng = None
                 if rng and not head:
                     mm = re.fullmatch(r"bytes=(\d+)-", rng)
-                    start = int(mm[1])
+                    start = 0 if wrong else int(mm[1])
                     if start >= len(data):
                         return self._send(416, {"Content-Range": f"bytes */{len(data)}"}, b"", head)
                     code = 206
@@ -473,6 +488,31 @@ def test_dropped_connection_resumes_with_range(tmp_path, fake_hub, models, ctita
     assert len(gets) == 2, [g[2] for g in gets]
     assert "Range" not in gets[0][3] and gets[1][3].get("Range") == f"bytes={size // 3}-", gets[1][3]
     assert "resuming" in err, err
+    commit = fake_hub.repos["org/tiny"].refs["main"]
+    p = snapshot(cache, "org/tiny", commit) / "model.safetensors"
+    assert sha256_of(p) == sha256_of(models["main"] / "model.safetensors")
+    assert_cache_valid(cache, "org/tiny", "main", commit, {"model.safetensors"})
+
+
+@pytest.mark.parametrize("fault", ["ignore_range", "wrong_range"])
+def test_resume_when_the_server_does_not_honour_range(tmp_path, fake_hub, models, ctitan, fault):
+    """After a dropped connection, the resuming GET's answer is not the range asked for:
+    200 with the whole file (a server that ignores Range), or 206 from another byte. What
+    was kept is not the file's head, so ctitan starts again from byte 0, and the cached
+    file is the published one (its sha256 checked against the etag)."""
+    cache = tmp_path / "cache"
+    size = (models["main"] / "model.safetensors").stat().st_size
+    fake_hub.drop_after["model.safetensors"] = size // 3
+    getattr(fake_hub, fault).add("model.safetensors")
+    out, err = ctitan(["generate", "--checkpoint", "org/tiny", *GEN], hub_env(cache, fake_hub))
+    assert out == hf_greedy(models["main"])
+    gets = fake_hub.requests("cdn", "GET")
+    assert gets[1][3].get("Range") == f"bytes={size // 3}-", gets[1][3]
+    if fault == "ignore_range":  # the 200's body is taken from its first byte, in the same GET
+        assert len(gets) == 2, [g[3] for g in gets]
+    else:  # the 206 from byte 0 is refused, and the next GET asks for the whole file
+        assert len(gets) == 3 and "Range" not in gets[2][3], [g[3] for g in gets]
+        assert "another range than bytes=" in err, err
     commit = fake_hub.repos["org/tiny"].refs["main"]
     p = snapshot(cache, "org/tiny", commit) / "model.safetensors"
     assert sha256_of(p) == sha256_of(models["main"] / "model.safetensors")
