@@ -12,12 +12,14 @@
  * writes the config.json an export of it would carry, so the flavor table can
  * be compared key by key with the published file of each size.
  *
- * Exit codes: 2 for a bad option or a config.json ctitan refuses, 1 when the
- * file cannot be read. */
+ * Exit codes: 2 for a bad option, a directory without config.json or a
+ * config.json ctitan refuses, 3 for a malformed one, 1 when a Hub id cannot be
+ * fetched. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli/cli.h"
 #include "hub/hub.h"
@@ -31,6 +33,24 @@ static void cli_describe_help(void) {
            "count, each layer's attention (sliding window, score scale) and RoPE (inverse frequencies and\n"
            "attention scaling for a forward of N positions, default 16). --json: one JSON object.\n"
            "--config-out FILE: also write the config.json ctitan writes for this model (an export's).\n");
+}
+
+/* A directory without config.json: the loader's message names
+ * model.hf_assets_path, a key the user of describe never set. A run folder
+ * (job.dump_folder) is the usual mistake, so point at its checkpoints. */
+static int describe_no_config(const char *dir) {
+    char p[4200];
+    struct stat st;
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    if (stat(p, &st) == 0) return 0;
+    snprintf(p, sizeof p, "%s/checkpoint", dir);
+    if (stat(p, &st) == 0 && S_ISDIR(st.st_mode))
+        fprintf(stderr, "ctitan: error: describe: %s/config.json: not found (this looks like a run folder: describe "
+                        "one of its checkpoints, %s/step-N)\n", dir, p);
+    else
+        fprintf(stderr, "ctitan: error: describe: %s/config.json: not found (describe reads a Hugging Face model "
+                        "directory)\n", dir);
+    return 2;
 }
 
 static void print_doubles(const double *x, int n) {
@@ -87,6 +107,7 @@ int cli_describe(int argc, char **argv) {
             return ct_exit_code(rc);
         }
         dir = loc.dir;
+        if ((rc = describe_no_config(dir))) return rc;
         rc = lm_config_from_hf(&c, dir, &e);
     }
     if (rc) {

@@ -190,3 +190,18 @@ def test_help(args, run_ctitan):
     assert "float32" in t, f"default float32 not shown: {t}"
     t = _option_text(out, "optimizer.beta2")
     assert 0.95 in _numbers(t.replace("optimizer.beta2", "")), f"default 0.95 not shown: {t}"
+
+
+def test_describe_a_folder_without_config_json(tmp_path, run_ctitan):
+    """`ctitan describe RUN_FOLDER` said "config.json: cannot read (model.hf_assets_path = ...)",
+    a key a user of describe never set. A run folder (it holds checkpoint/) is pointed at its
+    checkpoints; any other folder is told describe wants a Hugging Face model directory."""
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    rc, _, err = run_ctitan(["describe", run], check=False)
+    assert rc == 2 and f"{run}/config.json: not found" in err and f"{run}/checkpoint/step-N" in err, (rc, err)
+    assert "hf_assets_path" not in err, err
+    other = tmp_path / "other"
+    other.mkdir()
+    rc, _, err = run_ctitan(["describe", other], check=False)
+    assert rc == 2 and "Hugging Face model directory" in err and "hf_assets_path" not in err, (rc, err)
