@@ -221,6 +221,38 @@ static int in_saved_module(const char *name, const char *item) {
     return 0;
 }
 
+/* On a model with tie_word_embeddings, lm_head is the embedding: ctitan
+ * holds one tensor (model.embed_tokens.weight), and a modules_to_save entry
+ * that selects either module trains that one tensor. PEFT matches that only
+ * under ensure_weight_tying = true (LoraModel._add_modules_to_save_to_tie:
+ * the embedding's trained copy is shared by lm_head's wrapper), and only for
+ * an entry whose last dotted part is one of its EMBEDDING_LAYER_NAMES
+ * (BaseTuner._check_tied_modules: m.split(".")[-1]); any other entry that
+ * selects one of the pair ("tokens", "head", "model") gets a copy of that
+ * module alone, the other staying at the base weights. */
+static int selects_tied(const lm_config *c, const char *item) {
+    return c->tie_embeddings &&
+           (in_saved_module("model.embed_tokens.weight", item) || in_saved_module("lm_head.weight", item));
+}
+
+static int tying_name(const char *item) {
+    const char *d = strrchr(item, '.');
+    const char *last = d ? d + 1 : item;
+    return !strcmp(last, "embed_tokens") || !strcmp(last, "lm_head");
+}
+
+/* The refusal of a modules_to_save entry (key: where it was given) that
+ * selects the tied pair under another name than PEFT ties; 0 if none. */
+static int refuse_untied_name(const lm_config *c, const char *item, const char *where, const char *key, int code,
+                              ct_err *e) {
+    if (!selects_tied(c, item) || tying_name(item)) return 0;
+    return ct_fail(e, code,
+                   "%s: %s: \"%s\" selects embed_tokens or lm_head, which are one tied tensor in this model "
+                   "(tie_word_embeddings); PEFT ties the pair (ensure_weight_tying) only for an entry named "
+                   "embed_tokens or lm_head, and trains a copy of the one module otherwise: name it embed_tokens",
+                   where, key, item);
+}
+
 int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_save, const char *where,
                       ct_err *e) {
     char item[256];
@@ -229,10 +261,14 @@ int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_sa
     for (const char *p = modules_to_save; p && (p = cfg_list_next(p, item, sizeof item));) {
         if (!lora)
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.modules_to_save: needs lora.rank > 0", where);
+        int rc = refuse_untied_name(&m->cfg, item, where, "lora.modules_to_save", CT_ERR_CONFIG, e);
+        if (rc) return rc;
         int hit = 0;
         for (int i = 0; i < m->n_tensors; i++) {
             lm_tensor *t = &m->tensors[i];
-            if (t->lora || !in_saved_module(t->name, item)) continue;
+            /* tied: "lm_head" is the embedding, trained as one tensor and saved for PEFT's ensure_weight_tying */
+            int tied = t->slot == LM_S_EMBED && selects_tied(&m->cfg, item);
+            if (t->lora || !(tied || in_saved_module(t->name, item))) continue;
             t->frozen = 0;
             hit = 1;
         }
@@ -914,7 +950,6 @@ static const struct {
     {"kasa_config", 0, "KaSA is not supported"},
     {"monteclora_config", 0, "MonteCLoRA is not supported"},
     {"velora_config", 0, "not supported"},
-    {"ensure_weight_tying", 1, "not supported"},
     {"megatron_config", 0, "Megatron layers are not supported"},
 };
 
@@ -972,6 +1007,37 @@ int lora_check_saved_targets(const lm_config *c, const char *modules_to_save, co
     return saved_vs_targets(c, modules_to_save, where, "lora.modules_to_save", e);
 }
 
+/* ensure_weight_tying in adapter_config.json: whether PEFT shares one
+ * tensor between embed_tokens and lm_head as ctitan's tied model does.
+ * true asks PEFT to tie where the model is tied (tie_word_embeddings) and a
+ * modules_to_save entry names embed_tokens or lm_head (_check_tied_modules);
+ * elsewhere it ties nothing (PEFT warns and computes plain LoRA, as ctitan
+ * does), so true is read everywhere. What ctitan cannot compute is a tied
+ * model whose adapter trains one of the pair alone: an entry selecting
+ * either without ensure_weight_tying (PEFT copies that module; the other
+ * keeps the base weights), or under another name than PEFT ties. */
+static int check_tying(const cJSON *o, const lm_config *c, const char *path, ct_err *e) {
+    const cJSON *ewt = cJSON_GetObjectItemCaseSensitive(o, "ensure_weight_tying"), *it;
+    if (ewt && !cJSON_IsNull(ewt) && !cJSON_IsBool(ewt))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: ensure_weight_tying: expected true or false", path);
+    const cJSON *mts = cJSON_GetObjectItemCaseSensitive(o, "modules_to_save");
+    if (!cJSON_IsArray(mts)) return 0;
+    cJSON_ArrayForEach(it, mts) {
+        if (!cJSON_IsString(it) || !selects_tied(c, it->valuestring)) continue;
+        /* the file's own values: a malformed file (3), as plain_lora's keys */
+        int rc = refuse_untied_name(c, it->valuestring, path, "modules_to_save", CT_ERR_FORMAT, e);
+        if (rc) return rc;
+        if (!cJSON_IsTrue(ewt))
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "%s: ensure_weight_tying: modules_to_save lists \"%s\", but lm_head and embed_tokens are "
+                           "one tied tensor in this model (tie_word_embeddings) and the adapter does not set "
+                           "ensure_weight_tying = true: PEFT then trains a copy of the one module and keeps the other "
+                           "at the base weights, which ctitan's tied model cannot compute",
+                           path, it->valuestring);
+    }
+    return 0;
+}
+
 /* adapter_config.json into c's LoRA fields: rank, targets, expert
  * parameters, scale, the per-module rank_pattern / alpha_pattern (no
  * dropout: the caller's). */
@@ -1004,6 +1070,7 @@ static int read_adapter(const cJSON *o, lm_config *c, double *alpha, int *rslora
     cJSON_ArrayForEach(it, mts) {
         if (cJSON_IsString(it) && (rc = saved_vs_targets(c, it->valuestring, path, "modules_to_save", e))) return rc;
     }
+    if ((rc = check_tying(o, c, path, e))) return rc;
     rc = set_patterns(c, cJSON_GetObjectItemCaseSensitive(o, "rank_pattern"),
                       cJSON_GetObjectItemCaseSensitive(o, "alpha_pattern"), *alpha, *rslora, path, e);
     /* set_patterns' errors are config errors (2) for [lora]'s values; here the patterns are the
@@ -1151,18 +1218,66 @@ int lora_read_config(const char *dir, lm_config *c, double *alpha, int *rslora, 
 }
 
 /* An error (e set) when the adapter config o (at cpath) lists, in
- * modules_to_save, a module holding tensor NAME, whose PEFT key KEY the
- * adapter's file (at path) lacks; else 0. */
-static int adapter_lists_module(const cJSON *o, const char *cpath, const char *path, const char *name,
-                                const char *key, ct_err *e) {
+ * modules_to_save, a module holding tensor t (of the model c), whose PEFT
+ * key KEY the adapter's file (at path) lacks; else 0. */
+static int adapter_lists_module(const cJSON *o, const lm_config *c, const char *cpath, const char *path,
+                                const lm_tensor *t, const char *key, ct_err *e) {
     const cJSON *mts = cJSON_GetObjectItemCaseSensitive(o, "modules_to_save"), *it;
     if (!cJSON_IsArray(mts)) mts = NULL;
     cJSON_ArrayForEach(it, mts) {
-        if (cJSON_IsString(it) && in_saved_module(name, it->valuestring))
+        if (cJSON_IsString(it) && (in_saved_module(t->name, it->valuestring) ||
+                                   (t->slot == LM_S_EMBED && selects_tied(c, it->valuestring))))
             return ct_fail(e, CT_ERR_FORMAT, "%s: modules_to_save lists \"%s\", but %s has no \"%s\"", cpath,
                            it->valuestring, path, key);
     }
     return 0;
+}
+
+/* Whether the adapter config o trains the tied embedding as PEFT's
+ * ensure_weight_tying does (check_tying has refused every other way a tied
+ * model's embedding or lm_head could be listed). PEFT then saves the one
+ * tensor twice, as the embedding's copy and as lm_head's, and its loader
+ * needs both keys (set_peft_model_state_dict: KeyError without lm_head's). */
+static int tied_pair_saved(const cJSON *o, const lm_config *c) {
+    const cJSON *mts = cJSON_GetObjectItemCaseSensitive(o, "modules_to_save"), *it;
+    if (!c->tie_embeddings || !cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "ensure_weight_tying")) ||
+        !cJSON_IsArray(mts))
+        return 0;
+    cJSON_ArrayForEach(it, mts) {
+        if (cJSON_IsString(it) && selects_tied(c, it->valuestring)) return 1;
+    }
+    return 0;
+}
+
+#define PEFT_TIED_HEAD PEFT_PREFIX "lm_head.weight"
+
+/* The file's tensor st (key KEY) for table tensor t into buf, as fp32,
+ * checked: its shape, its dtype, finite values. */
+static int read_tensor(const lm_model *table, const lm_tensor *t, const st_tensor *st, const char *key,
+                       const char *path, float *buf, ct_err *e) {
+    if (st->ndim > 2) /* the shape messages below print two dimensions */
+        return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has %d dimensions, the model expects %d", path, key,
+                       st->ndim, t->ndim);
+    int same = st->ndim == t->ndim;
+    for (int d = 0; same && d < t->ndim; d++) same = st->shape[d] == t->shape[d];
+    if (!same && (t->slot == LM_S_LORA_EA || t->slot == LM_S_LORA_EB))
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s: tensor \"%s\" has shape [%lld%s%lld], the model expects [%lld, %lld] (an expert adapter: "
+                       "r x num_experts = %d x %d rows of lora_A, columns of lora_B)",
+                       path, key, (long long)st->shape[0], st->ndim > 1 ? ", " : "",
+                       st->ndim > 1 ? (long long)st->shape[1] : 0LL, (long long)t->shape[0], (long long)t->shape[1],
+                       table->cfg.lora_rank, table->cfg.n_experts);
+    if (!same)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has shape [%lld%s%lld], the model expects [%lld, %lld]",
+                       path, key, (long long)st->shape[0], st->ndim > 1 ? ", " : "",
+                       st->ndim > 1 ? (long long)st->shape[1] : 0LL, (long long)t->shape[0],
+                       (long long)(t->ndim > 1 ? t->shape[1] : 1));
+    if (ct_convert_to_f32(buf, st->data, st->dtype, t->numel) != 0)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64", path, key,
+                       ct_dtype_name(st->dtype));
+    /* a NaN adapter weight trained to "diverged at step 1" or generated "non-finite logits",
+     * naming nothing; merged by export it was written out */
+    return ct_check_finite(buf, t->numel, 0, path, key, e);
 }
 
 int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e) {
@@ -1183,63 +1298,56 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
         st_close(f);
         return rc;
     }
+    int pair = tied_pair_saved(cfg, &table->cfg);
     char key[LM_NAME_MAX + 32];
-    float *buf = NULL;
+    float *buf = NULL, *buf2 = NULL;
     for (int i = 0; i < table->n_tensors && !rc; i++) {
         const lm_tensor *t = &table->tensors[i];
         if (!lora_saved(t)) continue;
         snprintf(key, sizeof key, PEFT_PREFIX "%s", t->name);
         const st_tensor *st = st_find(f, key);
+        /* tied: lm_head's key is the same tensor again, which PEFT loads into the one shared parameter */
+        const st_tensor *head = pair && t->slot == LM_S_EMBED ? st_find(f, PEFT_TIED_HEAD) : NULL;
+        if (!st && head) {
+            st = head;
+            head = NULL;
+            snprintf(key, sizeof key, "%s", PEFT_TIED_HEAD);
+        }
         if (!st) {
             /* a module the run saves that the adapter never trained keeps the base's value; one that
              * the adapter's own config lists is missing from its file (PEFT: KeyError) */
-            if (!t->lora && !(rc = adapter_lists_module(cfg, cpath, path, t->name, key, e))) continue;
+            if (!t->lora && !(rc = adapter_lists_module(cfg, &table->cfg, cpath, path, t, key, e))) continue;
             if (!rc)
                 rc = ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the run's lora config needs it)", path,
                              key);
             break;
         }
-        if (st->ndim > 2) { /* the shape messages below print two dimensions */
-            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has %d dimensions, the model expects %d", path, key,
-                         st->ndim, t->ndim);
-            break;
-        }
-        int same = st->ndim == t->ndim;
-        for (int d = 0; same && d < t->ndim; d++) same = st->shape[d] == t->shape[d];
-        if (!same && (t->slot == LM_S_LORA_EA || t->slot == LM_S_LORA_EB)) {
-            rc = ct_fail(e, CT_ERR_FORMAT,
-                         "%s: tensor \"%s\" has shape [%lld%s%lld], the model expects [%lld, %lld] (an expert adapter: "
-                         "r x num_experts = %d x %d rows of lora_A, columns of lora_B)",
-                         path, key, (long long)st->shape[0], st->ndim > 1 ? ", " : "",
-                         st->ndim > 1 ? (long long)st->shape[1] : 0LL, (long long)t->shape[0], (long long)t->shape[1],
-                         table->cfg.lora_rank, table->cfg.n_experts);
-            break;
-        }
-        if (!same) {
-            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has shape [%lld%s%lld], the model expects [%lld, %lld]",
-                         path, key, (long long)st->shape[0], st->ndim > 1 ? ", " : "",
-                         st->ndim > 1 ? (long long)st->shape[1] : 0LL, (long long)t->shape[0],
-                         (long long)(t->ndim > 1 ? t->shape[1] : 1));
-            break;
-        }
         free(buf);
         buf = ct_malloc((t->numel ? t->numel : 1) * sizeof(float));
-        if (ct_convert_to_f32(buf, st->data, st->dtype, t->numel) != 0) {
-            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64", path, key,
-                         ct_dtype_name(st->dtype));
-            break;
+        if ((rc = read_tensor(table, t, st, key, path, buf, e))) break;
+        if (head) {
+            free(buf2);
+            buf2 = ct_malloc((t->numel ? t->numel : 1) * sizeof(float));
+            if ((rc = read_tensor(table, t, head, PEFT_TIED_HEAD, path, buf2, e))) break;
+            if (memcmp(buf, buf2, t->numel * sizeof(float))) {
+                rc = ct_fail(e, CT_ERR_FORMAT,
+                             "%s: tensors \"%s\" and \"%s\" differ, but they are one tied tensor in this model "
+                             "(tie_word_embeddings, ensure_weight_tying)",
+                             path, key, PEFT_TIED_HEAD);
+                break;
+            }
         }
-        /* a NaN adapter weight trained to "diverged at step 1" or generated "non-finite logits",
-         * naming nothing; merged by export it was written out */
-        if ((rc = ct_check_finite(buf, t->numel, 0, path, key, e))) break;
         s->put(s->ctx, LM_PARAMS, i, 0, t->numel / lm_tensor_cols(t), buf);
     }
     free(buf);
+    free(buf2);
+    const lm_tensor *emb = lm_find(table, "model.embed_tokens.weight");
     for (int j = 0; j < st_count(f) && !rc; j++) { /* nothing the run would silently drop */
         const char *name = st_get(f, j)->name;
         const lm_tensor *t = strncmp(name, PEFT_PREFIX, strlen(PEFT_PREFIX))
                                     ? NULL
                                     : lm_find(table, name + strlen(PEFT_PREFIX));
+        if (!t && pair && !strcmp(name, PEFT_TIED_HEAD)) t = emb; /* loaded (or compared) with it above */
         if (!t || !lora_saved(t))
             rc = ct_fail(e, CT_ERR_FORMAT,
                          "%s: tensor \"%s\" is not an adapter or module to save of this model and lora config", path,
@@ -1268,7 +1376,7 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
      * adapter_config.json always has its tensors complete */
     st_wtensor *ts = ct_calloc((size_t)table->n_tensors + 1, sizeof *ts);
     char (*keys)[LM_NAME_MAX + 32] = ct_calloc((size_t)table->n_tensors + 1, sizeof *keys);
-    int n = 0;
+    int n = 0, tied = 0;
     for (int i = 0; i < table->n_tensors; i++) {
         const lm_tensor *t = &table->tensors[i];
         if (!lora_saved(t) || !data[i]) continue;
@@ -1276,6 +1384,15 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
         ts[n] = (st_wtensor){.name = keys[n], .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim, .data = data[i]};
         for (int d = 0; d < t->ndim; d++) ts[n].shape[d] = t->shape[d];
         n++;
+        if (c->tie_embeddings && t->slot == LM_S_EMBED && !t->lora) {
+            /* the trained tied embedding is lm_head too: PEFT's ensure_weight_tying layout, the one
+             * tensor under lm_head's key as well (its loader needs both; ts and keys have room for it) */
+            ts[n] = ts[n - 1];
+            snprintf(keys[n], sizeof keys[n], "%s", PEFT_TIED_HEAD);
+            ts[n].name = keys[n];
+            n++;
+            tied = 1;
+        }
     }
     static const char *const meta[] = {"format", "pt", NULL};
     char *path = fs_join(dir, "adapter_model.safetensors");
@@ -1361,6 +1478,9 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     }
     if (modules_to_save && modules_to_save[0]) cJSON_AddItemToObject(o, "modules_to_save", string_list(modules_to_save));
     else cJSON_AddNullToObject(o, "modules_to_save");
+    /* PEFT shares the embedding's trained copy with lm_head only when asked to
+     * (_check_tied_modules); without it lm_head keeps the base weights */
+    if (tied) cJSON_AddBoolToObject(o, "ensure_weight_tying", 1);
     cJSON_AddStringToObject(o, "bias", "none");
     cJSON_AddBoolToObject(o, "fan_in_fan_out", 0);
     cJSON_AddBoolToObject(o, "init_lora_weights", 1);

@@ -97,7 +97,9 @@ void lora_experts_grad(const kern_ops *k, float *dA, float *dB, const float *dw0
 
 /* Sets tensors[i].frozen of m: with LoRA (cfg.lora_rank > 0) every base
  * tensor except those of modules_to_save (PEFT's rule: every module whose
- * path ends with the text, so "norm" is every norm); then also every tensor matching one
+ * path ends with the text, so "norm" is every norm; on a tied model
+ * "embed_tokens" and "lm_head" are the one embedding tensor, and another name
+ * selecting it is refused: PEFT would train a copy of one module alone); then also every tensor matching one
  * of the freeze patterns (HF names, * matches any run of characters).
  * Lists are comma-joined. A pattern that matches nothing, or a module name
  * that is nowhere in the model, is CT_ERR_CONFIG naming `where`: a typo must
@@ -149,7 +151,9 @@ void lora_init_each(const lm_model *table, uint64_t seed, const lm_sink *s);
  * read as PEFT reads them), and name only known target modules (a list of
  * names or full module names, or "all-linear"); every lora
  * tensor of the table must be in adapter_model.safetensors with its shape,
- * and every key of the file must be one of the table's. Errors name the file
+ * and every key of the file must be one of the table's (on a tied model
+ * with ensure_weight_tying, lm_head's key is the embedding again, and must
+ * hold its values; a tied pair trained without it is refused). Errors name the file
  * and the key (CT_ERR_FORMAT; a disagreement with the run's config
  * CT_ERR_CONFIG). */
 int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e);
@@ -169,7 +173,9 @@ int lora_saved(const lm_tensor *t);
  * needed; other files in it stay, so a training checkpoint can carry an
  * adapter). base: the base
  * model's path for base_model_name_or_path. targets/modules_to_save as in
- * the config (comma lists). */
+ * the config (comma lists). A trained tied embedding is saved as PEFT's
+ * ensure_weight_tying saves it: true in the config, the tensor under
+ * embed_tokens' and lm_head's keys. */
 int lora_save_peft(const lm_model *table, const float *const *data, const char *dir, const char *base,
                    double alpha, int rslora, double dropout, const char *modules_to_save, ct_err *e);
 

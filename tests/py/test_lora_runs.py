@@ -2,7 +2,9 @@
 an interrupted LoRA run resumes bit for bit (dropout masks replayed, gradient accumulation),
 also under FSDP 2; the frozen base never moves; FSDP 2 and DP 2 train the adapters like one
 process with the same global batch; the final last_save_in_hf save is a PEFT adapter
-directory that peft.PeftModel.from_pretrained loads and that gives ctitan's own logits;
+directory that peft.PeftModel.from_pretrained loads and that gives ctitan's own logits
+(on a tied model with modules_to_save embed_tokens or lm_head too: PEFT's
+ensure_weight_tying layout, read back both ways; what the tied tensor cannot compute refused);
 config errors exit 2 naming the key (LoRA with TP or EP, unknown target or module, a freeze
 pattern matching nothing, an adapter without a rank); training.freeze without LoRA keeps the
 frozen tensors bit for bit while the others train; a bf16-stored frozen base under FSDP 2
@@ -25,6 +27,7 @@ import torch
 from safetensors.numpy import load_file
 
 import oracle
+import oracle_lora as OL
 from conftest import BIN, CHILD_ENV, ROOT, hf_session_args, crashed
 
 R, ALPHA = 4, 8.0
@@ -320,6 +323,112 @@ def test_final_save_is_a_peft_adapter_dir(setup, tmp_path, run_ctitan, open_sess
     assert err <= 1e-4, f"ctitan logits from the adapter vs PEFT's: rel err {err:.3g}"
     moved = oracle.rel_err(want, base_logits)
     assert moved > 1e-3, f"the adapter hardly changes the logits ({moved:.3g}): the comparison proves nothing"
+
+
+# --------------------------------------------------------------------------- 4b. tied embeddings
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A tiny HF Qwen3 with tie_word_embeddings (lm_head is the embedding) and a token file."""
+    d = tmp_path_factory.mktemp("lora_tied")
+    cfg = oracle.tiny_config(vocab=VOCAB, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8, tied=True)
+    oracle.save_random_hf(d / "model", cfg, seed=23)
+    data = oracle.write_bin(d / "tokens.bin", oracle.learnable_stream(300 * (SEQ + 1), VOCAB, seed=9))
+    return d / "model", data
+
+
+def merged_logits(run_ctitan, model, ad, out, tokens):
+    """`ctitan export --checkpoint model --adapter ad --merge`, read back by transformers: its logits."""
+    run_ctitan(["export", "--checkpoint", model, "--adapter", ad, "--merge", "--out", out])
+    return oracle.hf_logits(oracle.load_hf(out), tokens)
+
+
+@pytest.mark.parametrize("name", ["embed_tokens", "lm_head"])
+def test_tied_modules_to_save_adapter_loads_in_peft(tied, tmp_path, run_ctitan, open_session, name):
+    """lora.modules_to_save = embed_tokens (or lm_head: the same tensor) on a tied model
+    trains the one embedding, which is also the lm_head. The adapter directory says so as
+    PEFT does (ensure_weight_tying true, the tensor under both keys): PeftModel.from_pretrained
+    loads it without a warning (no "tie_word_embeddings=True ... ensure_weight_tying is not
+    set"), every file tensor lands in the model, PEFT's lm_head is its trained embedding, and
+    PEFT's logits equal those of ctitan's merged export and of a ctitan session that reads
+    the adapter back."""
+    model, data = tied
+    out = tmp_path / "run"
+    run(1, train_args(model, data, out, f"--lora.modules_to_save={name}", "--checkpoint.last_save_in_hf=true",
+                      steps=3))
+    ad = ckpt(out, 3)
+    conf = json.loads((ad / "adapter_config.json").read_text())
+    assert conf.get("ensure_weight_tying") is True, f"a tied embedding saved without ensure_weight_tying: {conf}"
+    assert conf.get("modules_to_save") == [name], conf
+    saved = load_file(str(ad / "adapter_model.safetensors"))
+    emb, head = "base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"
+    assert emb in saved and head in saved, f"PEFT's tied layout has both keys: {sorted(saved)}"
+    assert np.array_equal(saved[emb], saved[head]), "the tied pair saved with two values"
+    base_emb = load_file(str(model / "model.safetensors"))["model.embed_tokens.weight"]
+    assert not np.array_equal(saved[emb], base_emb), "the embedding did not train"
+
+    pm = OL.load_adapter_strict(oracle.load_hf(model), ad)
+    assert pm.get_output_embeddings().weight.data_ptr() == pm.get_input_embeddings().weight.data_ptr(), \
+        "PEFT's lm_head is not its trained embedding"
+    tokens = oracle.random_tokens(2 * SEQ, VOCAB, seed=4).reshape(2, SEQ)
+    with torch.no_grad():
+        want = oracle.hf_logits(pm, tokens)
+    got = merged_logits(run_ctitan, model, ad, tmp_path / "merged", tokens)
+    err = oracle.rel_err(got, want)
+    assert err <= 1e-5, f"ctitan's merged export vs PEFT with ctitan's adapter: rel err {err:.3g}"
+    base_logits = oracle.hf_logits(oracle.load_hf(model), tokens)
+    assert oracle.rel_err(want, base_logits) > 1e-3, "test setup: the adapter hardly changes the logits"
+    s = open_session(hf_session_args(model, batch=2, seq_len=SEQ, extra=[
+        f"--lora.rank={R}", f"--lora.alpha={ALPHA}", f"--lora.modules_to_save={name}", f"--lora.adapter_path={ad}"]))
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= 1e-5, f"a ctitan session from the adapter vs PEFT: rel err {err:.3g}"
+
+
+def peft_tied_adapter(model, ad, ensure_weight_tying, modules_to_save=("embed_tokens",)):
+    """PEFT's own adapter on the tied model: random A and B on q_proj and v_proj, the
+    embedding's trained copy moved by noise; saved to ad. Returns the PeftModel."""
+    pm = OL.make_peft(oracle.load_hf(model), r=R, alpha=ALPHA, targets=["q_proj", "v_proj"],
+                      modules_to_save=list(modules_to_save), seed=3, ensure_weight_tying=ensure_weight_tying)
+    pm.save_pretrained(str(ad))
+    return pm
+
+
+def test_peft_tied_adapter_reads_in_ctitan(tied, tmp_path, run_ctitan, open_session):
+    """PEFT's own ensure_weight_tying adapter (modules_to_save grown to [embed_tokens,
+    model.embed_tokens], the tensor under both keys): ctitan's merged export, and a training
+    session started from it, give PEFT's logits."""
+    model, _ = tied
+    ad = tmp_path / "peft_adapter"
+    pm = peft_tied_adapter(model, ad, True)
+    conf = json.loads((ad / "adapter_config.json").read_text())
+    assert conf["ensure_weight_tying"] is True and "embed_tokens" in conf["modules_to_save"], conf
+    tokens = oracle.random_tokens(2 * SEQ, VOCAB, seed=5).reshape(2, SEQ)
+    with torch.no_grad():
+        want = oracle.hf_logits(pm, tokens)
+    err = oracle.rel_err(merged_logits(run_ctitan, model, ad, tmp_path / "merged", tokens), want)
+    assert err <= 1e-5, f"ctitan's merge of PEFT's tied adapter vs PEFT: rel err {err:.3g}"
+    s = open_session(hf_session_args(model, batch=2, seq_len=SEQ, extra=[
+        f"--lora.rank={R}", f"--lora.alpha={ALPHA}", "--lora.target_modules=q_proj,v_proj",
+        "--lora.modules_to_save=embed_tokens", f"--lora.adapter_path={ad}"]))
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= 1e-5, f"a ctitan session from PEFT's tied adapter vs PEFT: rel err {err:.3g}"
+
+
+def test_tied_adapter_ctitan_cannot_compute_is_refused(tied, tmp_path, run_ctitan):
+    """What ctitan's one tied tensor cannot compute is refused, naming the key: a PEFT
+    adapter that trains the tied embedding without ensure_weight_tying (PEFT then copies
+    embed_tokens and keeps lm_head at the base weights), and lora.modules_to_save naming
+    the pair by a suffix that PEFT does not tie ("tokens" trains a copy of embed_tokens
+    alone there)."""
+    model, data = tied
+    ad = tmp_path / "untied_adapter"
+    peft_tied_adapter(model, ad, False)
+    rc, _, err = run_ctitan(["export", "--checkpoint", model, "--adapter", ad, "--merge", "--out", tmp_path / "m"],
+                            check=False)
+    assert rc != 0 and "ensure_weight_tying" in err and "embed_tokens" in err, f"exit {rc}: {err[-2000:]}"
+    assert not (tmp_path / "m").exists(), "a refused merge wrote a model"
+    p = run(1, train_args(model, data, tmp_path / "bad", "--lora.modules_to_save=tokens"), check=False, timeout=60)
+    assert_config_error(p, "lora.modules_to_save", '"tokens"', "embed_tokens")
 
 
 # --------------------------------------------------------------------------- 5. config errors
