@@ -36,8 +36,14 @@ typedef struct {
     double lo, hi;
     const char *const *choices; /* CFG_ENUM, NULL-terminated */
     const char *help;
-    int list; /* CFG_STR holding a list: a TOML array of strings, or "a,b,c" on the command line,
-                 kept comma-joined (cfg_list_next walks it) */
+    int list; /* CFG_STR holding a list: a TOML array of strings, or "a,b,c" (or a TOML array
+                 literal, ["a", "b"]) on the command line, kept comma-joined (cfg_list_next walks it) */
+    const char *alias; /* "section.key": this is torchtitan's other name for that option (same field;
+                          not dumped, not defaulted or freed twice) */
+    int inert;         /* a torchtitan key ctitan reads and does not use (ct_config.tt): not dumped */
+    const char *noop;  /* inert: the only value taken, as typed on the command line (cfg_validate);
+                          NULL: any value */
+    const char *instead; /* inert with noop: what ctitan does instead, for the refusal */
 } cfg_option;
 
 static const char *const cfg_specs[] = {"qwen3", "hf", NULL};
@@ -51,6 +57,26 @@ static const char *const cfg_ac_modes[] = {"none", "selective", "full", NULL};
 static const char *const cfg_reshard_modes[] = {"default", "always", "never", NULL};
 static const char *const cfg_mp_dtypes[] = {"float32", "bfloat16", NULL};
 static const char *const cfg_frozen_dtypes[] = {"float32", "bfloat16", NULL};
+static const char *const cfg_opt_impls[] = {"for-loop", "foreach", "fused", NULL};
+/* torchtitan's dataset names: taken as "auto" when dataset_path says where the files are */
+static const char *const cfg_tt_datasets[] = {"c4", "c4_test", "c4_validation", NULL};
+
+#define TT_UNUSED(what) "torchtitan's key, read and not used: " what
+#define F8_KEYS(sec, i)                                                                                         \
+    OPT(sec, "enable_fsdp_float8_all_gather", CFG_BOOL, tt.f8_all_gather[i], "false", .inert = 1, .noop = "false", \
+        .instead = "ctitan has no float8 training (model.converters is empty); it trains in fp32 or bf16 "        \
+                   "(training.mixed_precision_param)",                                                          \
+        .help = "torchtitan's float8 all-gather: ctitan has no float8 training, so only false is taken"),        \
+    OPT(sec, "precompute_float8_dynamic_scale_for_fsdp", CFG_BOOL, tt.f8_precompute[i], "false", .inert = 1,     \
+        .noop = "false",                                                                                        \
+        .instead = "ctitan has no float8 training (model.converters is empty); it trains in fp32 or bf16 "        \
+                   "(training.mixed_precision_param)",                                                          \
+        .help = "torchtitan's float8 scale precompute: ctitan has no float8 training, so only false is taken"),  \
+    OPT(sec, "emulate", CFG_BOOL, tt.f8_emulate[i], "false", .inert = 1, .noop = "false",                        \
+        .instead = "ctitan has no float8 training (model.converters is empty)",                                 \
+        .help = "torchtitan's float8 emulation: ctitan has no float8 training, so only false is taken"),         \
+    OPT(sec, "filter_fqns", CFG_STR, tt.f8_filter[i], "", .list = 1, .inert = 1,                                 \
+        .help = TT_UNUSED("the modules float8 skips (ctitan has no float8 training), any list"))
 
 #define OPT(sec, k, ty, field, d, ...) \
     {.section = sec, .key = k, .type = ty, .off = offsetof(ct_config, field), .def = d, __VA_ARGS__}
@@ -59,6 +85,10 @@ static const cfg_option cfg_options[] = {
     OPT("job", "dump_folder", CFG_STR, dump_folder, "./outputs",
         .help = "folder for checkpoints, metrics and logs"),
     OPT("job", "description", CFG_STR, description, "", .help = "free text describing the run"),
+    OPT("job", "print_args", CFG_BOOL, tt.print_args, "false", .inert = 1,
+        .help = TT_UNUSED("any value (the resolved config is always written to job.dump_folder/config.toml)")),
+    OPT("job", "use_for_integration_test", CFG_BOOL, tt.integration_test, "false", .inert = 1,
+        .help = TT_UNUSED("torchtitan's test-suite marker, any value")),
 
     OPT("model", "spec", CFG_ENUM, model_spec, "qwen3", .choices = cfg_specs,
         .help = "qwen3: built-in flavor table; hf: read config.json from hf_assets_path"),
@@ -73,6 +103,16 @@ static const cfg_option cfg_options[] = {
     OPT("model", "load_balance_coeff", CFG_DBL, load_balance_coeff, "0", .range = CFG_GE, .lo = 0,
         .help = "MoE: torchtitan's aux-loss-free balancing, a per-expert routing bias moved by this much "
                 "per step towards even load (0: off, HF's routing; torchtitan uses 1e-3)"),
+    OPT("model", "name", CFG_STR, tt.model_name, "qwen3", .inert = 1,
+        .help = "torchtitan's model family: ctitan's built-in model (spec qwen3) is Qwen3, so only \"qwen3\" is "
+                "taken; other families train from their config.json with model.spec = \"hf\" (where the name is "
+                "not used)"),
+    OPT("model", "tokenizer_path", CFG_STR, hf_assets_path, "", .alias = "model.hf_assets_path",
+        .help = "torchtitan's older name of model.hf_assets_path (the tokenizer is read from there)"),
+    OPT("model", "converters", CFG_STR, tt.converters, "", .list = 1, .inert = 1, .noop = "",
+        .instead = "ctitan has no model converters (float8, mx): it trains in fp32 or bf16 "
+                   "(training.mixed_precision_param)",
+        .help = "torchtitan's model converters (float8, mx): ctitan has none, so only [] is taken"),
 
     OPT("optimizer", "name", CFG_ENUM, opt_name, "AdamW", .choices = cfg_optimizers,
         .help = "optimizer"),
@@ -86,6 +126,8 @@ static const cfg_option cfg_options[] = {
         .help = "AdamW first-moment decay"),
     OPT("optimizer", "beta2", CFG_DBL, beta2, "0.95", .range = CFG_GE | CFG_LT, .lo = 0, .hi = 1,
         .help = "AdamW second-moment decay"),
+    OPT("optimizer", "implementation", CFG_ENUM, tt.opt_impl, "fused", .choices = cfg_opt_impls, .inert = 1,
+        .help = TT_UNUSED("torch's AdamW kernels (same math); ctitan has one AdamW, any value")),
 
     OPT("lr_scheduler", "warmup_steps", CFG_INT, warmup_steps, "200", .range = CFG_GE, .lo = 0,
         .help = "linear warmup steps"),
@@ -142,6 +184,17 @@ static const cfg_option cfg_options[] = {
     OPT("training", "frozen_dtype", CFG_ENUM, frozen_dtype, "float32", .choices = cfg_frozen_dtypes,
         .help = "storage of frozen matrices: bfloat16 halves them (the products read them from the bf16 "
                 "store, never a whole fp32 copy; an fp32 base is rounded to bf16); sharded in bf16 under FSDP"),
+    OPT("training", "compile", CFG_BOOL, tt.compile, "false", .inert = 1, .noop = "false",
+        .instead = "ctitan has no torch.compile: its kernels are compiled C (see [kernels])",
+        .help = "torchtitan's older torch.compile switch: ctitan has none, so only false is taken"),
+    OPT("training", "mixed_precision_reduce", CFG_STR, tt.mp_reduce, "float32", .inert = 1, .noop = "float32",
+        .instead = "ctitan reduces gradients in fp32",
+        .help = "torchtitan's FSDP reduce dtype: ctitan reduces in fp32, so only \"float32\" is taken"),
+    OPT("training", "gc_freq", CFG_INT, tt.gc_freq, "50", .inert = 1,
+        .help = TT_UNUSED("Python's garbage-collection period (ctitan has no GC), any value")),
+
+    OPT("training.data", "name", CFG_ENUM, dataset, "auto", .choices = cfg_dataset_kinds,
+        .alias = "training.dataset", .help = "torchtitan's [training.data] name: the same as training.dataset"),
 
     OPT("lora", "rank", CFG_INT, lora_rank, "0", .range = CFG_GE, .lo = 0,
         .help = "LoRA rank r; 0: no LoRA. With r > 0 the base model is frozen and only the adapters "
@@ -200,6 +253,16 @@ static const cfg_option cfg_options[] = {
         .help = "write the final checkpoint as a Hugging Face model directory"),
     OPT("checkpoint", "export_dtype", CFG_ENUM, export_dtype, "float32",
         .choices = cfg_export_dtypes, .help = "dtype of exported weights"),
+    OPT("checkpoint", "async_mode", CFG_STR, tt.async_mode, "disabled", .inert = 1, .noop = "disabled",
+        .instead = "ctitan saves checkpoints synchronously, between steps",
+        .help = "torchtitan's asynchronous checkpointing: ctitan saves synchronously, so only \"disabled\" is "
+                "taken"),
+    OPT("checkpoint", "initial_load_model_only", CFG_BOOL, tt.initial_model_only, "true", .inert = 1,
+        .noop = "true",
+        .instead = "checkpoint.initial_load_path loads Hugging Face weights only (the model); a training "
+                   "checkpoint with its optimizer state resumes through checkpoint.folder",
+        .help = "torchtitan's model-only initial load: ctitan's initial_load_path loads the model only, so only "
+                "true is taken"),
 
     OPT("metrics", "log_freq", CFG_INT, log_freq, "10", .range = CFG_GE, .lo = 1,
         .help = "steps between metric lines"),
@@ -211,6 +274,12 @@ static const cfg_option cfg_options[] = {
         .help = "rank 0 also writes TensorBoard event files (the scalars of metrics.file)"),
     OPT("metrics", "save_tb_folder", CFG_STR, save_tb_folder, "tb",
         .help = "TensorBoard folder, relative to job.dump_folder; a new events file per (re)start"),
+    OPT("metrics", "disable_color_printing", CFG_BOOL, tt.no_color, "false", .inert = 1,
+        .help = TT_UNUSED("ctitan's log lines have no colors, any value")),
+    OPT("metrics", "enable_wandb", CFG_BOOL, tt.wandb, "false", .inert = 1, .noop = "false",
+        .instead = "ctitan has no Weights & Biases logger: metrics go to metrics.file (JSON lines) and, with "
+                   "metrics.enable_tensorboard, TensorBoard",
+        .help = "torchtitan's Weights & Biases logging: ctitan has none, so only false is taken"),
 
     OPT("profiling", "enable_profiling", CFG_BOOL, enable_profiling, "false",
         .help = "write a Chrome trace (Perfetto) of every profile_freq-th step: ops, layers, collectives"),
@@ -240,6 +309,13 @@ static const cfg_option cfg_options[] = {
                 "heads, intermediate size, moe_intermediate_size, and the vocabulary when lm_head is untied)"),
     OPT("parallelism", "expert_parallel_degree", CFG_INT, ep, "1", .range = CFG_GE, .lo = 1,
         .help = "data-parallel ranks splitting the MoE experts' work (docs/distributed.md)"),
+    OPT("parallelism", "expert_tensor_parallel_degree", CFG_INT, tt.etp, "1", .inert = 1,
+        .help = "torchtitan's tensor parallel degree of the routed experts: ctitan splits each expert like the "
+                "MLP over tensor_parallel_degree ranks, so only 1 or tensor_parallel_degree is taken (the same "
+                "math either way)"),
+    OPT("parallelism", "enable_async_tensor_parallel", CFG_BOOL, tt.async_tp, "false", .inert = 1,
+        .noop = "false", .instead = "ctitan has no asynchronous (compiled) tensor parallel",
+        .help = "torchtitan's async tensor parallel (needs torch.compile): ctitan has none, so only false is taken"),
     OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1",
         .help = "torchtitan's context parallel (each sequence split across ranks): not implemented, so only 1 is "
                 "taken; the key is read so that a torchtitan config holding it runs"),
@@ -280,6 +356,28 @@ static const cfg_option cfg_options[] = {
         .help = "validation data kind (as training.dataset)"),
     OPT("validation", "dataset_path", CFG_STR, val_dataset_path, "",
         .help = "held-out data (same formats as training.dataset_path)"),
+    OPT("validation", "seq_len", CFG_INT, tt.val_seq_len, "-1", .range = CFG_GE | CFG_UNSET, .lo = 1, .inert = 1,
+        .help = "torchtitan's validation sequence length: ctitan evaluates at training.seq_len, so only that "
+                "value is taken"),
+
+    /* torchtitan sections that only matter when they switch something on */
+    OPT("compile", "enable", CFG_BOOL, tt.compile_enable, "false", .inert = 1, .noop = "false",
+        .instead = "ctitan has no torch.compile: its kernels are compiled C (see [kernels])",
+        .help = "torchtitan's torch.compile: ctitan has none, so only false is taken"),
+    OPT("compile", "components", CFG_STR, tt.compile_components, "model,loss", .list = 1, .inert = 1,
+        .help = TT_UNUSED("what torch.compile compiles (nothing, with enable = false), any list")),
+    F8_KEYS("float8", 0),
+    F8_KEYS("quantize.linear.float8", 1),
+    OPT("quantize.grouped_mm.float8", "fqns", CFG_STR, tt.f8_grouped_fqns, "", .list = 1, .inert = 1, .noop = "",
+        .instead = "ctitan has no float8 training; its MoE experts run in fp32 or bf16 "
+                   "(training.mixed_precision_param)",
+        .help = "torchtitan's float8 MoE layers: ctitan has no float8 training, so only [] is taken"),
+    OPT("comm", "init_timeout_seconds", CFG_INT, tt.comm_init_timeout, "300", .inert = 1,
+        .help = TT_UNUSED("NCCL's timeout at start (ctitan's collectives are MPI's, which have none), any "
+                          "value")),
+    OPT("comm", "train_timeout_seconds", CFG_INT, tt.comm_train_timeout, "100", .inert = 1,
+        .help = TT_UNUSED("NCCL's timeout during training (ctitan's collectives are MPI's, which have none), any "
+                          "value")),
 };
 
 #define CFG_N_OPTIONS ((int)(sizeof cfg_options / sizeof cfg_options[0]))
@@ -299,11 +397,27 @@ static const cfg_option *cfg_lookup(const char *section, const char *key) {
     return NULL;
 }
 
+/* A section with options, or a parent of one ([quantize] of [quantize.linear.float8]). */
 static int cfg_section_known(const char *section) {
-    for (int i = 0; i < CFG_N_OPTIONS; i++)
-        if (strcmp(cfg_options[i].section, section) == 0) return 1;
+    size_t n = strlen(section);
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        const char *s = cfg_options[i].section;
+        if (strcmp(s, section) == 0 || (strncmp(s, section, n) == 0 && s[n] == '.')) return 1;
+    }
     return 0;
 }
+
+/* torchtitan keys renamed since (its older configs still hold them): the current name. */
+static const struct {
+    const char *section, *old_key, *key;
+} cfg_renamed[] = {
+    {"lr_scheduler", "lr_min", "min_lr_factor"},
+    {"checkpoint", "enable_checkpoint", "enable"},
+    {"checkpoint", "last_save_model_weights_only", "last_save_model_only"},
+    {"checkpoint", "initial_load_model_weights_only", "initial_load_model_only"},
+    {"validation", "enabled", "enable"},
+    {"training", "batch_size", "local_batch_size"},
+};
 
 /* The first option of each section starts a new section (the table is
  * grouped by section). */
@@ -332,6 +446,12 @@ static int cfg_edit_distance(const char *a, const char *b) {
  * close. The same key in another section counts as close too: a user who
  * writes training.lr means optimizer.lr. */
 static void cfg_suggest(const char *section, const char *key, char *out, size_t cap) {
+    for (size_t i = 0; i < sizeof cfg_renamed / sizeof cfg_renamed[0]; i++)
+        if (!strcmp(cfg_renamed[i].section, section) && !strcmp(cfg_renamed[i].old_key, key)) {
+            snprintf(out, cap, " (did you mean %s.%s? it is torchtitan's current name for %s)", section,
+                     cfg_renamed[i].key, key);
+            return;
+        }
     char given[160], cand[160];
     snprintf(given, sizeof given, "%s.%s", section, key);
     int best = 3;
@@ -443,14 +563,29 @@ static int cfg_store_num(ct_config *c, const cfg_option *o, double dv, int64_t i
     return 0;
 }
 
+static int cfg_tt_dataset(const char *s) {
+    for (int k = 0; cfg_tt_datasets[k]; k++)
+        if (!strcmp(cfg_tt_datasets[k], s)) return 1;
+    return 0;
+}
+
 static int cfg_check_str(const cfg_option *o, const char *s, const char *where, ct_err *e) {
     if (o->type != CFG_ENUM) return 0;
     for (int k = 0; o->choices[k]; k++)
         if (strcmp(o->choices[k], s) == 0) return 0;
-    char ch[160];
+    int dataset = o->choices == cfg_dataset_kinds;
+    if (dataset && cfg_tt_dataset(s)) return 0;
+    char ch[160], more[400] = "";
     cfg_choices_text(o, ", ", ch, sizeof ch);
-    return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: '%s' is not one of: %s", where, o->section,
-                   o->key, s, ch);
+    if (dataset) {
+        const char *sec = strcmp(o->section, "validation") ? "training" : "validation";
+        snprintf(more, sizeof more,
+                 " (the kind of the files %s.dataset_path names; auto: from their extension and first line. ctitan "
+                 "has no built-in datasets: point %s.dataset_path at local files; torchtitan's names c4, c4_test "
+                 "and c4_validation are taken as auto)", sec, sec);
+    }
+    return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: '%s' is not one of: %s%s", where, o->section,
+                   o->key, s, ch, more);
 }
 
 static int cfg_store_str(ct_config *c, const cfg_option *o, const char *s, const char *where,
@@ -458,6 +593,16 @@ static int cfg_store_str(ct_config *c, const cfg_option *o, const char *s, const
     int rc = cfg_check_str(o, s, where, e);
     if (rc) return rc;
     char **f = cfg_field(c, o);
+    if (o->choices == cfg_dataset_kinds) {
+        /* torchtitan's dataset name: the files at dataset_path say their kind */
+        char *name = c->dataset_tt[o->off == offsetof(ct_config, val_dataset)];
+        if (cfg_tt_dataset(s)) {
+            snprintf(name, sizeof c->dataset_tt[0], "%s", s);
+            s = "auto";
+        } else {
+            name[0] = '\0';
+        }
+    }
     char *old = *f;
     *f = ct_strdup(s); /* copy before freeing: s may alias the old value */
     free(old);
@@ -511,6 +656,30 @@ static const char *cfg_type_name(cfg_type t) {
  * must be the value. */
 static int cfg_set_text(ct_config *c, const cfg_option *o, const char *text, const char *where,
                         ct_err *e) {
+    if (o->list && text[0] == '[') {
+        /* a TOML array, as torchtitan users write lists: read by the TOML reader itself */
+        size_t n = strlen(text);
+        char *doc_text = ct_malloc(n + 8);
+        memcpy(doc_text, "v = ", 4);
+        memcpy(doc_text + 4, text, n + 1);
+        toml_doc d;
+        ct_err te = {0};
+        int rc = toml_parse_string(doc_text, n + 4, "list", &d, &te);
+        free(doc_text);
+        if (rc) {
+            const char *msg = strncmp(te.msg, "list:1: ", 8) == 0 ? te.msg + 8 : te.msg;
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: '%s' is not a TOML array of strings: %s", where, o->section,
+                           o->key, text, msg);
+        }
+        const toml_kv *kv = toml_find(&d, "", "v");
+        if (!kv || kv->val.kind != TOML_ARRAY || d.n_sections != 1 || d.sections[0].n_kvs != 1)
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: '%s' is not a TOML array of strings", where, o->section,
+                         o->key, text);
+        else
+            rc = cfg_store_list(c, o, &kv->val, where, e);
+        toml_free(&d);
+        return rc;
+    }
     switch (o->type) {
     case CFG_STR:
     case CFG_ENUM: return cfg_store_str(c, o, text, where, e);
@@ -602,6 +771,7 @@ void cfg_defaults(ct_config *c) {
     memset(c, 0, sizeof *c);
     for (int i = 0; i < CFG_N_OPTIONS; i++) {
         ct_err e;
+        if (cfg_options[i].alias) continue; /* its option sets the field */
         if (cfg_set_text(c, &cfg_options[i], cfg_options[i].def, "built-in default", &e)) {
             /* A broken table entry: nothing sensible can run. */
             fprintf(stderr, "ctitan: internal error: %s\n", e.msg);
@@ -614,7 +784,7 @@ void cfg_defaults(ct_config *c) {
 void cfg_free(ct_config *c) {
     for (int i = 0; i < CFG_N_OPTIONS; i++) {
         const cfg_option *o = &cfg_options[i];
-        if (o->type != CFG_STR && o->type != CFG_ENUM) continue;
+        if ((o->type != CFG_STR && o->type != CFG_ENUM) || o->alias) continue;
         char **f = cfg_field(c, o);
         free(*f);
         *f = NULL;
@@ -628,7 +798,7 @@ void cfg_free(ct_config *c) {
 }
 
 int cfg_set(ct_config *c, const char *name, const char *value, ct_err *e) {
-    const char *dot = strchr(name, '.');
+    const char *dot = strrchr(name, '.'); /* sections may have dots ([training.data]), keys not */
     char section[64];
     size_t n = dot ? (size_t)(dot - name) : 0;
     if (!dot || n >= sizeof section)
@@ -667,8 +837,13 @@ static int cfg_apply_doc(ct_config *c, const toml_doc *doc, ct_err *e) {
             return ct_fail(e, CT_ERR_CONFIG, "%s:%d: %s: key outside any [section]%s", path,
                            kv->line, kv->key, hint);
         }
+        /* [a] made only as the parent of [a.b]: [a.b] itself is checked */
+        if (sec->implicit && sec->n_kvs == 0) continue;
         if (!cfg_section_known(sec->name)) {
             cfg_section_hint(sec->name, hint, sizeof hint);
+            if (sec->n_kvs > 0)
+                return ct_fail(e, CT_ERR_CONFIG, "%s:%d: %s.%s: unknown section [%s]%s", path, sec->kvs[0].line,
+                               sec->name, sec->kvs[0].key, sec->name, hint);
             return ct_fail(e, CT_ERR_CONFIG, "%s:%d: unknown section [%s]%s", path, sec->line,
                            sec->name, hint);
         }
@@ -679,6 +854,19 @@ static int cfg_apply_doc(ct_config *c, const toml_doc *doc, ct_err *e) {
                 cfg_suggest(sec->name, kv->key, hint, sizeof hint);
                 return ct_fail(e, CT_ERR_CONFIG, "%s:%d: %s.%s: unknown key%s", path, kv->line,
                                sec->name, kv->key, hint);
+            }
+            if (o->alias) {
+                /* torchtitan's older name beside the current one: the same value, or a choice to make */
+                char tsec[64];
+                const char *tdot = strrchr(o->alias, '.');
+                snprintf(tsec, sizeof tsec, "%.*s", (int)(tdot - o->alias), o->alias);
+                const toml_kv *other = toml_find(doc, tsec, tdot + 1);
+                int same = other && other->val.kind == TOML_STRING && kv->val.kind == TOML_STRING &&
+                           !strcmp(other->val.s, kv->val.s);
+                if (other && !same)
+                    return ct_fail(e, CT_ERR_CONFIG,
+                                   "%s:%d: %s.%s: the same setting as %s (line %d), with another value: keep one",
+                                   path, kv->line, sec->name, kv->key, o->alias, other->line);
             }
             cfg_where(where, sizeof where, path, kv->line);
             int rc = cfg_set_toml(c, o, &kv->val, where, e);
@@ -807,7 +995,7 @@ int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e) {
             return ct_fail(e, CT_ERR_CONFIG, "command line: option name too long: '%.40s...'", a);
         memcpy(full, name, n);
         full[n] = '\0';
-        const char *dot = strchr(full, '.');
+        const char *dot = strrchr(full, '.'); /* sections may have dots, keys not */
         const cfg_option *o = NULL;
         if (dot) {
             char section[160];
@@ -850,6 +1038,79 @@ int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e) {
 }
 
 /* ---- validation ---- */
+
+/* An option's value as the command line would take it (lists comma-joined). */
+static void cfg_value_text(const ct_config *c, const cfg_option *o, char *out, size_t cap) {
+    const void *f = cfg_cfield(c, o);
+    switch (o->type) {
+    case CFG_STR:
+    case CFG_ENUM: snprintf(out, cap, "%s", *(char *const *)f ? *(char *const *)f : ""); break;
+    case CFG_BOOL: snprintf(out, cap, "%s", *(const int *)f ? "true" : "false"); break;
+    case CFG_INT: snprintf(out, cap, "%d", *(const int *)f); break;
+    case CFG_I64: snprintf(out, cap, "%" PRId64, *(const int64_t *)f); break;
+    case CFG_DBL: snprintf(out, cap, "%g", *(const double *)f); break;
+    }
+}
+
+/* The same as a TOML value, for a message: "x", ["a", "b"], 3, true. */
+static void cfg_value_shown(const ct_config *c, const cfg_option *o, char *out, size_t cap) {
+    char text[256];
+    cfg_value_text(c, o, text, sizeof text);
+    if (o->list) {
+        char item[128];
+        size_t n = (size_t)snprintf(out, cap, "[");
+        int first = 1;
+        for (const char *p = text; (p = cfg_list_next(p, item, sizeof item)) && n < cap; first = 0)
+            n += (size_t)snprintf(out + n, cap - n, "%s\"%s\"", first ? "" : ", ", item);
+        if (n < cap) snprintf(out + n, cap - n, "]");
+    } else if (o->type == CFG_STR || o->type == CFG_ENUM) {
+        snprintf(out, cap, "\"%.200s\"", text);
+    } else {
+        snprintf(out, cap, "%s", text);
+    }
+}
+
+/* torchtitan's keys that ctitan reads only at the value that changes nothing for it. */
+static int cfg_validate_inert(const ct_config *c, ct_err *e) {
+    char name[160], shown[300];
+    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+        const cfg_option *o = &cfg_options[i];
+        if (!o->inert || !o->noop) continue;
+        char text[256];
+        cfg_value_text(c, o, text, sizeof text);
+        if (!strcmp(text, o->noop)) continue;
+        snprintf(name, sizeof name, "%s.%s", o->section, o->key);
+        cfg_value_shown(c, o, shown, sizeof shown);
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s = %s: torchtitan's key is read, but only %s%s%s is taken: %s",
+                       cfg_origin(c, name), name, shown, o->list ? "[]" : o->type == CFG_STR ? "\"" : "",
+                       o->list ? "" : o->noop, o->type == CFG_STR && !o->list ? "\"" : "", o->instead);
+    }
+    if (strcmp(c->tt.model_name, "qwen3") && strcmp(c->model_spec, "hf"))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: model.name = \"%s\": ctitan's native model (model.spec = \"qwen3\", the flavors of "
+                       "model.flavor) is Qwen3, so only \"qwen3\" is taken; other families (Llama, Mistral, Qwen2, "
+                       "...) come through model.spec = \"hf\" with model.hf_assets_path holding their config.json",
+                       cfg_origin_any(c, "model.name,model.spec"), c->tt.model_name);
+    if (c->tt.etp != 1 && c->tt.etp != c->tp)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.expert_tensor_parallel_degree = %d: ctitan splits the routed experts over "
+                       "the tensor_parallel_degree (%d) ranks, as the MLP, so only 1%s%.0d is taken",
+                       cfg_origin_any(c, "parallelism.expert_tensor_parallel_degree,parallelism.tensor_parallel_degree"),
+                       c->tt.etp, c->tp, c->tp > 1 ? " or " : "", c->tp > 1 ? c->tp : 0);
+    if (c->tt.val_seq_len != -1 && c->tt.val_seq_len != c->seq_len)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: validation.seq_len = %d: ctitan evaluates at training.seq_len (%d); only that value "
+                       "(or no validation.seq_len) is taken",
+                       cfg_origin_any(c, "validation.seq_len,training.seq_len"), c->tt.val_seq_len, c->seq_len);
+    if (c->dataset_tt[0][0] && !c->dataset_path[0])
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: training.dataset = \"%s\": torchtitan downloads its %s dataset; ctitan reads local "
+                       "files only: set training.dataset_path to them (JSON lines with a \"text\" field, c4's "
+                       "layout, are read as kind jsonl; docs/data.md)",
+                       cfg_origin_any(c, "training.dataset,training.data.name,training.dataset_path"), c->dataset_tt[0],
+                       c->dataset_tt[0]);
+    return 0;
+}
 
 /* Each message names where the value it is about was set (cfg_origin): the
  * file, or the command line when an override set it. */
@@ -930,7 +1191,7 @@ int cfg_validate(const ct_config *c, ct_err *e) {
                        "%s: parallelism.context_parallel_degree = %d: context parallel is not implemented; use 1 "
                        "(docs/distributed.md)",
                        cfg_origin(c, "parallelism.context_parallel_degree"), c->cp);
-    return 0;
+    return cfg_validate_inert(c, e);
 }
 
 /* ---- help and dump ---- */
@@ -941,7 +1202,7 @@ static void cfg_flag_text(const cfg_option *o, char *out, size_t cap) {
         cfg_choices_text(o, "|", ch, sizeof ch);
         snprintf(out, cap, "--%s.%s=<%s>", o->section, o->key, ch);
     } else {
-        snprintf(out, cap, "--%s.%s=<%s>", o->section, o->key, cfg_type_name(o->type));
+        snprintf(out, cap, "--%s.%s=<%s>", o->section, o->key, o->list ? "list" : cfg_type_name(o->type));
     }
 }
 
@@ -958,7 +1219,8 @@ void cfg_print_help(FILE *out) {
     }
     fprintf(out, "Options. `--config FILE` reads a TOML file first (sections as below), then\n"
                  "each --section.key=value, --section.key value, or bare --section.key (booleans)\n"
-                 "overrides it, left to right.\n");
+                 "overrides it, left to right. A <list> is a,b,c or a TOML array [\"a\", \"b\"].\n"
+                 "Sections and keys are torchtitan's; [a.b] sections are its nested tables.\n");
     for (int i = 0; i < CFG_N_OPTIONS; i++) {
         const cfg_option *o = &cfg_options[i];
         if (cfg_first_of_section(i)) fprintf(out, "\n[%s]\n", o->section);
@@ -1010,10 +1272,13 @@ void cfg_write_toml(const ct_config *c, FILE *out) {
         fprintf(out, " and the command line)");
     }
     fprintf(out, "\n");
+    const char *last = NULL;
     for (int i = 0; i < CFG_N_OPTIONS; i++) {
         const cfg_option *o = &cfg_options[i];
         const void *f = cfg_cfield(c, o);
-        if (cfg_first_of_section(i)) fprintf(out, "%s[%s]\n", i ? "\n" : "", o->section);
+        if (o->alias || o->inert) continue; /* torchtitan's other names and unused keys */
+        if (!last || strcmp(last, o->section)) fprintf(out, "%s[%s]\n", last ? "\n" : "", o->section);
+        last = o->section;
         fprintf(out, "%s = ", o->key);
         switch (o->type) {
         case CFG_STR:
@@ -1046,7 +1311,7 @@ static int cfg_from_cli(const ct_config *c, const char *name, size_t n) {
     if (n >= sizeof one) return 0;
     memcpy(one, name, n);
     one[n] = '\0';
-    char *dot = strchr(one, '.');
+    char *dot = strrchr(one, '.');
     if (!dot) return 0;
     *dot = '\0';
     const cfg_option *o = cfg_lookup(one, dot + 1);

@@ -125,6 +125,40 @@ typedef struct {
     char *kernels[KERN_N_OPS];
     int kernels_tune;         /* [kernels] tune: "auto" ops chosen by timing them on the run's sizes (kernels/tune.c) */
 
+    /* torchtitan keys ctitan reads but has no use for: each is taken only at the value that
+     * changes nothing for ctitan (cfg_validate refuses the others, saying what ctitan does
+     * instead), or at any value where none changes the run's results (--help says which) */
+    struct {
+        char *model_name;           /* model.name: "qwen3" (any with model.spec = "hf") */
+        char *converters;           /* model.converters: list, only empty */
+        char *opt_impl;             /* optimizer.implementation: any (one AdamW) */
+        int compile;                /* training.compile: false */
+        char *mp_reduce;            /* training.mixed_precision_reduce: "float32" */
+        int gc_freq;                /* training.gc_freq: any */
+        int compile_enable;         /* compile.enable: false */
+        char *compile_components;   /* compile.components: any list */
+        int f8_all_gather[2];       /* [float8] / [quantize.linear.float8] enable_fsdp_float8_all_gather: false */
+        int f8_precompute[2];       /* ... precompute_float8_dynamic_scale_for_fsdp: false */
+        int f8_emulate[2];          /* ... emulate: false */
+        char *f8_filter[2];         /* ... filter_fqns: any list */
+        char *f8_grouped_fqns;      /* quantize.grouped_mm.float8.fqns: only empty */
+        int comm_init_timeout;      /* comm.init_timeout_seconds: any */
+        int comm_train_timeout;     /* comm.train_timeout_seconds: any */
+        char *async_mode;           /* checkpoint.async_mode: "disabled" */
+        int initial_model_only;     /* checkpoint.initial_load_model_only: true */
+        int async_tp;               /* parallelism.enable_async_tensor_parallel: false */
+        int etp;                    /* parallelism.expert_tensor_parallel_degree: 1 (or tensor_parallel_degree) */
+        int print_args;             /* job.print_args: any */
+        int integration_test;       /* job.use_for_integration_test: any */
+        int no_color;               /* metrics.disable_color_printing: any */
+        int wandb;                  /* metrics.enable_wandb: false */
+        int val_seq_len;            /* validation.seq_len: -1 (unset) or training.seq_len */
+    } tt;
+    /* training.dataset / validation.dataset given as one of torchtitan's dataset names (c4,
+     * c4_test, c4_validation): stored as "auto" (the files at dataset_path say their kind),
+     * the name kept here for the message when dataset_path is missing; "" otherwise */
+    char dataset_tt[2][16];
+
     char *config_path;        /* the --config file, or "" */
     /* from_cli[i]: option i (the option table's order) was last set on the
      * command line, so a message about its value names the command line,

@@ -556,9 +556,35 @@ static int toml_parse_value(toml_parser *t, toml_value *v, int in_array) {
 
 /* ---- keys and tables ---- */
 
-static int toml_parse_bare_key(toml_parser *t, char *out, size_t cap, const char *what) {
-    if (t->p < t->end && (*t->p == '"' || *t->p == '\''))
-        return toml_fail(t, "quoted %ss are not supported; use a bare name", what);
+/* A dotted name as read: its parts, unquoted ("a"."b" and a.b are the same). */
+typedef struct {
+    char part[TOML_MAX_DEPTH][128];
+    int n;
+} toml_key;
+
+/* One part of a key or table name: a bare key, or a quoted one whose text
+ * could have been written bare. Other quoted keys (spaces, dots, "") would
+ * need a name that is not a dotted path; no config key needs one. */
+static int toml_parse_key_part(toml_parser *t, char *out, size_t cap, const char *what) {
+    if (t->p < t->end && (*t->p == '"' || *t->p == '\'')) {
+        char q = *t->p, *s = NULL;
+        if (t->end - t->p >= 3 && t->p[1] == q && t->p[2] == q)
+            return toml_fail(t, "multi-line strings (%c%c%c) cannot be %ss", q, q, q, what);
+        int rc = q == '"' ? toml_parse_basic_string(t, &s) : toml_parse_literal_string(t, &s);
+        if (rc) return rc;
+        size_t n = strlen(s);
+        int bare = n > 0;
+        for (size_t i = 0; i < n; i++) bare &= toml_is_bare(s[i]);
+        if (!bare || n >= cap) {
+            rc = toml_fail(t, "quoted %s %c%.40s%c is not supported: only quoted names made of A-Z a-z 0-9 _ - "
+                           "(at most %zu), which mean the same unquoted", what, q, s, q, cap - 1);
+            free(s);
+            return rc;
+        }
+        memcpy(out, s, n + 1);
+        free(s);
+        return 0;
+    }
     const char *start = t->p;
     while (t->p < t->end && toml_is_bare(*t->p)) t->p++;
     size_t n = (size_t)(t->p - start);
@@ -572,53 +598,158 @@ static int toml_parse_bare_key(toml_parser *t, char *out, size_t cap, const char
     return 0;
 }
 
-static int toml_parse_header(toml_parser *t, toml_doc *doc, toml_section **cur) {
-    char name[128];
+/* A dotted key or table name: parts separated by '.', with optional blanks
+ * around each (TOML allows `a . b`). A loop, not recursion, bounded by
+ * TOML_MAX_DEPTH. */
+static int toml_parse_key(toml_parser *t, toml_key *k, const char *what) {
+    k->n = 0;
+    for (;;) {
+        toml_skip_ws(t);
+        if (k->n == TOML_MAX_DEPTH)
+            return toml_fail(t, "%s nested deeper than %d levels is not supported", what, TOML_MAX_DEPTH);
+        int rc = toml_parse_key_part(t, k->part[k->n], sizeof k->part[k->n], what);
+        if (rc) return rc;
+        k->n++;
+        toml_skip_ws(t);
+        if (t->p >= t->end || *t->p != '.') return 0;
+        t->p++;
+    }
+}
+
+/* base + "." + parts[0..n) into out (TOML_MAX_NAME); base "" is the root. */
+static int toml_join(toml_parser *t, const char *base, const toml_key *k, int n, char *out) {
+    size_t len = (size_t)snprintf(out, TOML_MAX_NAME, "%s", base);
+    for (int i = 0; i < n && len < TOML_MAX_NAME; i++)
+        len += (size_t)snprintf(out + len, TOML_MAX_NAME - len, "%s%s", len ? "." : "", k->part[i]);
+    if (len >= TOML_MAX_NAME) return toml_fail(t, "name too long: '%.60s...'", out);
+    return 0;
+}
+
+static int toml_section_index(const toml_doc *doc, const char *name) {
+    for (int i = 0; i < doc->n_sections; i++)
+        if (strcmp(doc->sections[i].name, name) == 0) return i;
+    return -1;
+}
+
+static const toml_kv *toml_section_kv(const toml_section *s, const char *key) {
+    for (int j = 0; j < s->n_kvs; j++)
+        if (strcmp(s->kvs[j].key, key) == 0) return &s->kvs[j];
+    return NULL;
+}
+
+/* The name of table `name` as the user sees it in a message: [name]. */
+static const char *toml_shown(const char *name) { return name[0] ? name : "(top level)"; }
+
+static int toml_parse_header(toml_parser *t, toml_doc *doc, int *cur) {
+    toml_key k;
+    char name[TOML_MAX_NAME];
     int rc;
     t->p++; /* '[' */
     if (t->p < t->end && *t->p == '[')
         return toml_fail(t, "arrays of tables ([[...]]) are not supported");
-    toml_skip_ws(t);
-    if ((rc = toml_parse_bare_key(t, name, sizeof name, "table name"))) return rc;
-    toml_skip_ws(t);
-    if (t->p < t->end && *t->p == '.')
-        return toml_fail(t, "dotted table names ([%s.x]) are not supported", name);
+    if ((rc = toml_parse_key(t, &k, "table name"))) return rc;
+    if ((rc = toml_join(t, "", &k, k.n, name))) return rc;
     if (t->p >= t->end || *t->p != ']')
         return toml_fail(t, "expected ']' to close table [%s", name);
     t->p++;
-    for (int i = 1; i < doc->n_sections; i++)
-        if (strcmp(doc->sections[i].name, name) == 0)
-            return toml_fail(t, "table [%s] defined twice (first at line %d)", name,
-                             doc->sections[i].line);
-    *cur = toml_add_section(doc, name, t->line);
+    /* each level from the top: a value there cannot become a table; a missing
+     * parent is created implicitly; the last level is defined here, once */
+    int idx = 0;
+    for (int i = 0; i < k.n; i++) {
+        char here[TOML_MAX_NAME];
+        if ((rc = toml_join(t, "", &k, i + 1, here))) return rc;
+        const toml_kv *kv = toml_section_kv(&doc->sections[idx], k.part[i]);
+        if (kv)
+            return toml_fail(t, "table [%s]: %s is already a value (line %d), not a table", name, here, kv->line);
+        idx = toml_section_index(doc, here);
+        if (i < k.n - 1) {
+            if (idx < 0) {
+                idx = doc->n_sections;
+                toml_section *s = toml_add_section(doc, here, t->line);
+                s->implicit = 1;
+            }
+        } else if (idx >= 0) {
+            toml_section *s = &doc->sections[idx];
+            if (s->dotted)
+                return toml_fail(t, "table [%s] defined twice: dotted keys at line %d defined it", name, s->line);
+            if (!s->implicit)
+                return toml_fail(t, "table [%s] defined twice (first at line %d)", name, s->line);
+            s->implicit = 0;
+            s->line = t->line;
+        } else {
+            idx = doc->n_sections;
+            toml_add_section(doc, here, t->line);
+        }
+    }
+    *cur = idx;
     return toml_expect_eol(t, "table header");
 }
 
-static int toml_parse_keyval(toml_parser *t, toml_section *sec) {
-    char key[128];
+static int toml_parse_keyval(toml_parser *t, toml_doc *doc, int cur) {
+    toml_key k;
+    char spelled[TOML_MAX_NAME];
     int rc, line = t->line;
-    if ((rc = toml_parse_bare_key(t, key, sizeof key, "key"))) return rc;
-    toml_skip_ws(t);
-    if (t->p < t->end && *t->p == '.')
-        return toml_fail(t, "dotted keys (%s.x = ...) are not supported; use a [table]", key);
-    if (t->p >= t->end || *t->p != '=') return toml_fail(t, "expected '=' after key '%s'", key);
+    if ((rc = toml_parse_key(t, &k, "key"))) return rc;
+    if ((rc = toml_join(t, "", &k, k.n, spelled))) return rc;
+    if (t->p >= t->end || *t->p != '=') return toml_fail(t, "expected '=' after key '%s'", spelled);
     t->p++;
     toml_skip_ws(t);
     if (t->p >= t->end || toml_at_newline(t) || *t->p == '#')
-        return toml_fail(t, "missing value for key '%s'", key);
-    for (int j = 0; j < sec->n_kvs; j++)
-        if (strcmp(sec->kvs[j].key, key) == 0) {
-            if (sec->name[0])
-                return toml_fail(t, "duplicate key '%s' in [%s] (first at line %d)", key,
-                                 sec->name, sec->kvs[j].line);
-            return toml_fail(t, "duplicate key '%s' (first at line %d)", key, sec->kvs[j].line);
+        return toml_fail(t, "missing value for key '%s'", spelled);
+    /* a.b.c = v in [t]: tables t.a and t.a.b, defined by these dotted keys
+     * (or already by earlier ones of the same [t]), then key c in t.a.b */
+    int idx = cur;
+    for (int i = 0; i < k.n - 1; i++) {
+        char here[TOML_MAX_NAME];
+        if ((rc = toml_join(t, doc->sections[cur].name, &k, i + 1, here))) return rc;
+        const toml_kv *kv = toml_section_kv(&doc->sections[idx], k.part[i]);
+        if (kv)
+            return toml_fail(t, "key '%s': %s is already a value (line %d), not a table", spelled, here, kv->line);
+        int next = toml_section_index(doc, here);
+        if (next < 0) {
+            next = doc->n_sections;
+            toml_section *s = toml_add_section(doc, here, line);
+            s->dotted = 1;
+            s->dotted_ctx = cur;
+        } else {
+            toml_section *s = &doc->sections[next];
+            if (!s->implicit && !s->dotted)
+                return toml_fail(t, "key '%s': table [%s] was defined by its header at line %d; dotted keys "
+                                 "cannot add to it", spelled, here, s->line);
+            if (s->dotted && s->dotted_ctx != cur)
+                return toml_fail(t, "key '%s': table [%s] was defined by dotted keys under [%s] (line %d); "
+                                 "it cannot be extended from [%s]", spelled, here,
+                                 toml_shown(doc->sections[s->dotted_ctx].name), s->line,
+                                 toml_shown(doc->sections[cur].name));
+            if (s->implicit) { /* [t.a.x] created t.a; these keys now define it */
+                s->implicit = 0;
+                s->dotted = 1;
+                s->dotted_ctx = cur;
+                s->line = line;
+            }
         }
+        idx = next;
+    }
+    const char *key = k.part[k.n - 1];
+    char full[TOML_MAX_NAME];
+    if ((rc = toml_join(t, doc->sections[cur].name, &k, k.n, full))) return rc;
+    int tab = toml_section_index(doc, full);
+    if (tab >= 0)
+        return toml_fail(t, "key '%s': %s is already a table (line %d)", spelled, full, doc->sections[tab].line);
+    toml_section *sec = &doc->sections[cur];
+    const toml_kv *dup = toml_section_kv(&doc->sections[idx], key);
+    if (dup) {
+        if (sec->name[0])
+            return toml_fail(t, "duplicate key '%s' in [%s] (first at line %d)", spelled, sec->name, dup->line);
+        return toml_fail(t, "duplicate key '%s' (first at line %d)", spelled, dup->line);
+    }
     toml_value v;
     memset(&v, 0, sizeof v);
     if ((rc = toml_parse_value(t, &v, 0))) {
         toml_value_free(&v);
         return rc;
     }
+    sec = &doc->sections[idx];
     if (sec->n_kvs == sec->cap_kvs) {
         sec->cap_kvs = sec->cap_kvs ? 2 * sec->cap_kvs : 8;
         sec->kvs = toml_grow(sec->kvs, (size_t)sec->cap_kvs * sizeof *sec->kvs);
@@ -637,7 +768,8 @@ int toml_parse_string(const char *text, size_t len, const char *name, toml_doc *
     toml_parser t = {.p = text, .end = text + len, .line = 1, .name = name, .e = e};
     int rc = toml_check_utf8(&t);
     if (t.end - t.p >= 3 && memcmp(t.p, "\xef\xbb\xbf", 3) == 0) t.p += 3; /* BOM */
-    toml_section *cur = toml_add_section(doc, "", 0);
+    toml_add_section(doc, "", 0);
+    int cur = 0; /* index: sections move when the array grows */
     while (!rc && t.p < t.end) {
         toml_skip_ws(&t);
         if (t.p >= t.end) break;
@@ -649,7 +781,7 @@ int toml_parse_string(const char *text, size_t len, const char *name, toml_doc *
         } else if (c == '[') {
             rc = toml_parse_header(&t, doc, &cur);
         } else if (toml_is_bare(c) || c == '"' || c == '\'') {
-            rc = toml_parse_keyval(&t, cur);
+            rc = toml_parse_keyval(&t, doc, cur);
         } else if (toml_is_ctrl((unsigned char)c)) {
             rc = toml_fail(&t, "unexpected control character 0x%02x", (unsigned)(unsigned char)c);
         } else {

@@ -1,18 +1,25 @@
 /* formats/toml.h: a small, strict TOML reader for config files.
  *
- * The config layer only needs one level of tables holding scalars (and, for
- * model options like mlp_only_layers, arrays of scalars), so the document is
- * flat: a list of sections, each a list of (key, value, line). Keeping the
- * line of every key lets the caller report "FILE:LINE: section.key: ..." for
- * type and range errors that only it can judge.
+ * The document is kept flat: a list of tables, each named by its full dotted
+ * path ("training", "quantize.linear.float8"), each a list of (key, value,
+ * line) holding scalars and arrays of scalars. Keeping the line of every key
+ * lets the caller report "FILE:LINE: section.key: ..." for type and range
+ * errors that only it can judge.
  *
- * Supported: comments, [table] headers, bare keys, basic strings with escapes,
- * literal strings, integers (decimal with underscores, 0x/0o/0b), floats
- * (incl. inf/nan), booleans, arrays of scalars (multi-line, trailing comma).
- * Rejected with a "not supported" error: dotted or quoted keys, dotted table
- * names, [[arrays of tables]], inline tables, multi-line strings, dates,
- * nested arrays. Anything malformed fails with "FILE:LINE: message"; nothing
- * is guessed. */
+ * Supported: comments, [table] headers, dotted headers ([a.b.c]: nested
+ * tables, the parents created implicitly), bare keys, quoted keys whose text
+ * is a bare key ("a" is a), dotted keys (a.b = 1 inside [t] sets b in table
+ * t.a), basic strings with escapes, literal strings, integers (decimal with
+ * underscores, 0x/0o/0b), floats (incl. inf/nan), booleans, arrays of scalars
+ * (multi-line, trailing comma). The errors TOML 1.0 requires of these are
+ * raised: a table defined twice (by two headers, or by a header after dotted
+ * keys made it), a key defined twice (whatever its spelling: b, "b", 'b'), a
+ * key that is both a value and a table, dotted keys adding to a table that a
+ * [header] defined. Rejected with a "not supported" error: quoted keys with
+ * other characters (spaces, dots, ...), [[arrays of tables]], inline tables,
+ * multi-line strings, dates, nested arrays, names nested deeper than
+ * TOML_MAX_DEPTH. Anything malformed fails with "FILE:LINE: message";
+ * nothing is guessed. */
 #ifndef CT_FORMATS_TOML_H
 #define CT_FORMATS_TOML_H
 
@@ -44,16 +51,27 @@ typedef struct {
     int line; /* 1-based line of the key */
 } toml_kv;
 
+/* Levels of a dotted name ([a.b.c] has 3), and the longest full name. */
+#define TOML_MAX_DEPTH 8
+#define TOML_MAX_NAME 256
+
 typedef struct {
-    char *name; /* "" for keys before the first [table] header */
-    int line;   /* line of the header (0 for the root section) */
+    char *name; /* full dotted path; "" for keys before the first [table] header */
+    int line;   /* line of the header, or of the first key or header that created it
+                   (0 for the root section) */
+    int implicit; /* created only as the parent of a [header] ([a] for [a.b]), never
+                     defined itself: may still get its own [a] header, once */
+    int dotted;   /* defined by dotted keys (a.b = 1 defines table a): no [a] header may
+                     follow (TOML 1.0) */
+    int dotted_ctx; /* the section whose dotted keys defined it (they alone may add to it) */
     toml_kv *kvs;
     int n_kvs, cap_kvs;
 } toml_section;
 
 typedef struct {
     char *path; /* the name used in error messages */
-    toml_section *sections; /* sections[0] is always the root section "" */
+    toml_section *sections; /* sections[0] is always the root section ""; every table,
+                               implicit ones (no keys) included, in order of creation */
     int n_sections, cap_sections;
 } toml_doc;
 

@@ -6,6 +6,7 @@ and a chat template for data that is not chat changed nothing and said nothing. 
 are refused now (exit 2 naming the argument), the last two warned about, once. Each case runs
 the CLI as a user would; none needs libctitan.so, so the file runs under the sanitized build."""
 import json
+import re
 import shutil
 
 import pytest
@@ -389,3 +390,119 @@ def test_dump_folder_too_long_for_its_files(run_ctitan, tmp_path):
     rc, _, err = run_ctitan(args + [f"--job.dump_folder={dump}"], check=False)
     assert rc == 2 and "command line: job.dump_folder: too long for events.jsonl beneath it (4096 bytes, at most " \
         "4095)" in err, (rc, err[-600:])
+
+
+# ------------------------------------------------------------------ torchtitan's keys ctitan has no use for
+
+TT_BASE = '[model]\nflavor = "debugmodel"\n[training]\nseq_len = 64\nlocal_batch_size = 1\n'
+
+
+def tt_dry_run(run_ctitan, tmp_path, text="", *args):
+    cfg = tmp_path / "tt.toml"
+    cfg.write_text(TT_BASE + text)
+    return run_ctitan(["train", "--config", cfg, "--dry-run", *args], check=False)
+
+
+@pytest.mark.parametrize("arg, shown, says", [
+    ("--compile.enable=true", "compile.enable = true", "ctitan has no torch.compile"),
+    ("--training.compile=true", "training.compile = true", "ctitan has no torch.compile"),
+    ("--checkpoint.async_mode=async", 'checkpoint.async_mode = "async"', 'only "disabled" is taken'),
+    ("--parallelism.enable_async_tensor_parallel=true", "parallelism.enable_async_tensor_parallel = true",
+     "no asynchronous (compiled) tensor parallel"),
+    ("--parallelism.expert_tensor_parallel_degree=2", "parallelism.expert_tensor_parallel_degree = 2", "so only 1 is taken"),
+    ("--metrics.enable_wandb=true", "metrics.enable_wandb = true", "no Weights & Biases logger"),
+    ("--model.converters=float8", 'model.converters = ["float8"]', "only [] is taken"),
+    ('--model.converters=["quantize.linear.float8"]', 'model.converters = ["quantize.linear.float8"]',
+     "ctitan has no model converters"),
+    ("--training.mixed_precision_reduce=bfloat16", 'training.mixed_precision_reduce = "bfloat16"',
+     "ctitan reduces gradients in fp32"),
+    ("--checkpoint.initial_load_model_only=false", "checkpoint.initial_load_model_only = false",
+     "loads Hugging Face weights only"),
+    ("--validation.seq_len=32", "validation.seq_len = 32", "evaluates at training.seq_len (64)"),
+    ("--model.name=llama3", 'model.name = "llama3"', 'come through model.spec = "hf"'),
+    ("--quantize.linear.float8.enable_fsdp_float8_all_gather=true", "quantize.linear.float8.enable_fsdp_float8_all_gather = true",
+     "ctitan has no float8 training"),
+    ("--float8.emulate=true", "float8.emulate = true", "ctitan has no float8 training"),
+    ("--quantize.grouped_mm.float8.fqns=experts", 'quantize.grouped_mm.float8.fqns = ["experts"]',
+     "ctitan has no float8 training"),
+], ids=lambda v: v if isinstance(v, str) and v.startswith("--") else None)
+def test_torchtitan_key_refused_past_its_noop_value(run_ctitan, tmp_path, arg, shown, says):
+    """torchtitan keys that ctitan reads only at the value that changes nothing for it (the
+    pattern of context_parallel_degree): any other value is refused (exit 2), saying what ctitan
+    does instead; they were all "unknown key" (or an unreadable TOML) before."""
+    rc, _, err = tt_dry_run(run_ctitan, tmp_path, "", arg)
+    assert rc == 2 and f"command line: {shown}" in err and says in err, err
+
+
+def test_torchtitan_refusal_names_the_file(run_ctitan, tmp_path):
+    """Set in the file, the refusal names the file."""
+    rc, _, err = tt_dry_run(run_ctitan, tmp_path, "[compile]\nenable = true\n")
+    assert rc == 2 and f"{tmp_path / 'tt.toml'}: compile.enable = true" in err, err
+
+
+def test_torchtitan_keys_at_noop_values_run(run_ctitan, tmp_path):
+    """The same keys at their no-op values, and the ones no value of which changes a result (timeouts,
+    print_args, colors, gc_freq, AdamW implementation, float8's filter list), are read."""
+    text = ('[job]\nprint_args = true\nuse_for_integration_test = true\n'
+            '[metrics]\ndisable_color_printing = true\nenable_wandb = false\n'
+            '[optimizer]\nimplementation = "foreach"\n'
+            '[checkpoint]\nasync_mode = "disabled"\ninitial_load_model_only = true\n'
+            '[parallelism]\nenable_async_tensor_parallel = false\nexpert_tensor_parallel_degree = 1\n'
+            '[validation]\nseq_len = 64\n'
+            '[compile]\nenable = false\ncomponents = ["model"]\n'
+            '[comm]\ninit_timeout_seconds = 1800\ntrain_timeout_seconds = 600\n'
+            '[quantize.linear.float8]\nfilter_fqns = ["output", "router.gate"]\n'
+            '[quantize.grouped_mm.float8]\nfqns = []\n')
+    cfg = tmp_path / "tt.toml"
+    cfg.write_text(TT_BASE.replace('[training]\n', '[training]\ncompile = false\ngc_freq = 1\n'
+                                   'mixed_precision_reduce = "float32"\n') + text)
+    rc, out, err = run_ctitan(["train", "--config", cfg, "--dry-run", "--model.name=qwen3", "--model.converters=[]"],
+                              check=False)
+    assert rc == 0 and "dry run: model debugmodel," in out, err
+
+
+def test_model_name_with_spec_hf_is_not_checked(run_ctitan, tmp_path, model):
+    """With model.spec = "hf" the family comes from config.json: model.name is read, not used."""
+    rc, out, err = tt_dry_run(run_ctitan, tmp_path, "", "--model.spec=hf", f"--model.hf_assets_path={model}",
+                              "--model.name=llama3")
+    assert rc == 0 and "dry run:" in out, err
+
+
+@pytest.mark.parametrize("text, hint", [
+    ("[lr_scheduler]\nlr_min = 0.1\n",
+     "lr_scheduler.lr_min: unknown key (did you mean lr_scheduler.min_lr_factor? it is torchtitan's current name"),
+    ("[checkpoint]\nenable_checkpoint = true\n",
+     "checkpoint.enable_checkpoint: unknown key (did you mean checkpoint.enable? it is torchtitan's current name"),
+    ("[checkpoint]\nlast_save_model_weights_only = true\n",
+     "(did you mean checkpoint.last_save_model_only? it is torchtitan's current name for "
+     "last_save_model_weights_only)"),
+], ids=["lr_min", "enable_checkpoint", "last_save_model_weights_only"])
+def test_renamed_torchtitan_keys_hint_current_name(run_ctitan, tmp_path, text, hint):
+    """torchtitan's older key names got no hint (too far from the new ones to be suggested)."""
+    rc, _, err = tt_dry_run(run_ctitan, tmp_path, text)
+    assert rc == 2 and hint in err, err
+
+
+def test_model_name_is_not_optimizer_name(run_ctitan, tmp_path):
+    """model.name was refused with "did you mean optimizer.name?": it is read now, "qwen3" taken."""
+    rc, out, err = tt_dry_run(run_ctitan, tmp_path, '[optimizer]\nname = "AdamW"\n', "--model.name=qwen3")
+    assert rc == 0 and "optimizer.name" not in err, err
+
+
+def test_dataset_not_a_kind_points_at_dataset_path(run_ctitan, tmp_path):
+    """training.dataset is the kind of the files at dataset_path: a torchtitan dataset name that
+    ctitan does not know says so and names dataset_path; "c4" without a path says to set it."""
+    rc, _, err = tt_dry_run(run_ctitan, tmp_path, '', "--training.dataset=wikitext")
+    assert rc == 2 and "'wikitext' is not one of: auto, text, jsonl, chat, tokens" in err \
+        and "point training.dataset_path at local files" in err, err
+    rc, _, err = tt_dry_run(run_ctitan, tmp_path, '', "--training.dataset=c4")
+    assert rc == 2 and 'training.dataset = "c4"' in err and "set training.dataset_path" in err, err
+
+
+def test_freeze_help_example_works_on_the_command_line(run_ctitan, tmp_path):
+    """--help's example for training.freeze is a TOML array, which the command line refused (only
+    a,b,c was read there): list options take a TOML array too."""
+    _, help_text, _ = run_ctitan(["train", "--help"])
+    example = re.search(r'e\.g\. (\[.*?\])', help_text[help_text.index("--training.freeze"):]).group(1)
+    rc, out, err = tt_dry_run(run_ctitan, tmp_path, "", f"--training.freeze={example}")
+    assert rc == 0 and "frozen:" in out, err

@@ -398,6 +398,96 @@ static void test_lists(void) {
     remove(path);
 }
 
+/* torchtitan's nested sections: [training.data] name is training.dataset, [quantize.linear.float8]
+ * and [compile] are read at the values that switch nothing on, the implicit parents ([quantize],
+ * [quantize.linear]) are not sections of their own; an unknown nested section is refused naming its
+ * first key and the file. */
+static void test_nested_sections(void) {
+    char path[64];
+    write_tmp(path, "[training]\nsteps = 3\n[training.data]\nname = \"c4\"\n"
+                    "[compile]\nenable = false\ncomponents = [\"model\", \"loss\"]\n"
+                    "[quantize.linear.float8]\nenable_fsdp_float8_all_gather = false\n"
+                    "precompute_float8_dynamic_scale_for_fsdp = false\nfilter_fqns = [\"output\"]\n"
+                    "[float8]\nfilter_fqns = [\"output\"]\n[comm]\ninit_timeout_seconds = 600\n"
+                    "train_timeout_seconds = 300\n[model]\nname = \"qwen3\"\ntokenizer_path = \"tok/dir\"\n"
+                    "converters = []\n[checkpoint]\nasync_mode = \"disabled\"\n");
+    const char *argv[] = {"--config", path, "--training.dataset_path=data.jsonl", NULL};
+    ct_config c;
+    ct_err e;
+    int rc = parse(&c, &e, argv);
+    CHECK(rc == 0, "nested sections: %s", e.msg);
+    if (!rc) {
+        CHECK(c.steps == 3 && strcmp(c.dataset, "auto") == 0 && strcmp(c.dataset_tt[0], "c4") == 0,
+              "training.data.name c4 -> auto [%s]", c.dataset);
+        CHECK(strcmp(c.hf_assets_path, "tok/dir") == 0, "tokenizer_path -> hf_assets_path [%s]", c.hf_assets_path);
+        CHECK(strcmp(c.tt.f8_filter[1], "output") == 0 && c.tt.comm_init_timeout == 600, "inert keys read");
+        char *d = dump(&c);
+        CHECK(!strstr(d, "[compile]") && !strstr(d, "float8") && !strstr(d, "tokenizer_path") &&
+                  !strstr(d, "[training.data]") && strstr(d, "hf_assets_path = \"tok/dir\""),
+              "inert keys and aliases are not dumped:\n%s", d);
+        free(d);
+    }
+    cfg_free(&c);
+    remove(path);
+    /* the same through dotted keys and the command line */
+    write_tmp(path, "[training]\ndata.name = \"text\"\n");
+    const char *dotted[] = {"--config", path, NULL};
+    rc = parse(&c, &e, dotted);
+    CHECK(rc == 0 && strcmp(c.dataset, "text") == 0, "dotted key training.data.name: %s", e.msg);
+    cfg_free(&c);
+    remove(path);
+    const char *cli[] = {"--training.data.name=jsonl", NULL};
+    rc = parse(&c, &e, cli);
+    CHECK(rc == 0 && strcmp(c.dataset, "jsonl") == 0, "--training.data.name: %s", e.msg);
+    cfg_free(&c);
+    cfg_defaults(&c);
+    CHECK(cfg_set(&c, "quantize.linear.float8.emulate", "false", &e) == 0, "cfg_set nested: %s", e.msg);
+    cfg_free(&c);
+
+    expect_file_fail("unknown nested section", "[quantize.linear.mx]\nrecipe_name = \"mxfp8\"\n",
+                     ":2: quantize.linear.mx.recipe_name: unknown section [quantize.linear.mx]", NULL);
+    expect_file_fail("unknown nested key", "[training.data]\npath = \"x\"\n", ":2: training.data.path: unknown key",
+                     NULL);
+    expect_file_fail("unknown dotted section", "[training]\ndataloader.num_workers = 2\n",
+                     "training.dataloader.num_workers: unknown section [training.dataloader]", NULL);
+    expect_file_fail("alias and its option disagree",
+                     "[model]\nhf_assets_path = \"a\"\ntokenizer_path = \"b\"\n",
+                     ":3: model.tokenizer_path: the same setting as model.hf_assets_path (line 2)", NULL);
+    write_tmp(path, "[model]\nhf_assets_path = \"a\"\ntokenizer_path = \"a\"\n");
+    rc = parse(&c, &e, dotted);
+    CHECK(rc == 0 && strcmp(c.hf_assets_path, "a") == 0, "alias with the same value: %s", e.msg);
+    cfg_free(&c);
+    remove(path);
+    /* an empty [quantize] header: a parent of known sections, nothing to set */
+    write_tmp(path, "[quantize]\n[quantize.linear]\n");
+    rc = parse(&c, &e, dotted);
+    CHECK(rc == 0, "empty parent headers: %s", e.msg);
+    cfg_free(&c);
+    remove(path);
+}
+
+/* A list option on the command line takes a TOML array too, as torchtitan users write lists. */
+static void test_cli_list_literal(void) {
+    ct_config c;
+    ct_err e;
+    const char *ok[] = {"--training.freeze=[\"model.embed_tokens.weight\", \"model.layers.*.self_attn.*\"]",
+                        "--lora.target_modules", "['q_proj','v_proj',]", "--model.converters=[]", NULL};
+    int rc = parse(&c, &e, ok);
+    CHECK(rc == 0, "list literals: %s", e.msg);
+    if (!rc)
+        CHECK(strcmp(c.freeze, "model.embed_tokens.weight,model.layers.*.self_attn.*") == 0 &&
+                  strcmp(c.lora_targets, "q_proj,v_proj") == 0 && strcmp(c.tt.converters, "") == 0,
+              "list literal values [%s] [%s]", c.freeze, c.lora_targets);
+    cfg_free(&c);
+    const char *bad1[] = {"--training.freeze=[\"a\"", NULL};
+    expect_fail("unterminated list", bad1, "command line: training.freeze:", "not a TOML array of strings",
+                "unterminated array");
+    const char *bad2[] = {"--training.freeze=[\"a\", 1]", NULL};
+    expect_fail("list of ints", bad2, "training.freeze: item 2", NULL, NULL);
+    const char *bad3[] = {"--training.freeze=[\"a\"] # x\nb = 1", NULL};
+    expect_fail("list then more", bad3, "not a TOML array of strings", NULL, NULL);
+}
+
 static void test_help(void) {
     char *buf = NULL;
     size_t n = 0;
@@ -409,7 +499,9 @@ static void test_help(void) {
                           "--lr_scheduler.decay_type=<linear|sqrt|cosine>",
                           "--training.seed=<int64>", "--training.deterministic=<bool>",
                           "(default: \"./outputs\")", "--checkpoint.enable=<bool>",
-                          "--metrics.file=<string>", "--config FILE", "in [0, 1)"};
+                          "--metrics.file=<string>", "--config FILE", "in [0, 1)",
+                          "[quantize.linear.float8]", "[training.data]", "--compile.enable=<bool>",
+                          "--training.freeze=<list>"};
     for (size_t k = 0; k < sizeof want / sizeof want[0]; k++)
         CHECK(strstr(buf, want[k]) != NULL, "help lacks '%s'", want[k]);
     free(buf);
@@ -449,6 +541,8 @@ int main(void) {
     test_errors();
     test_round_trip();
     test_lists();
+    test_nested_sections();
+    test_cli_list_literal();
     test_help();
     test_configs_dir();
     return CHECK_DONE();

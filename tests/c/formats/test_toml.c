@@ -187,13 +187,18 @@ static void test_errors(void) {
         {"x = [,]\n", 1, "expected a value"},
         {"x = {a = 1}\n", 1, "inline tables"},
         {"x = \"\"\"a\"\"\"\n", 1, "multi-line strings"},
-        {"[a.b]\n", 1, "dotted table names"},
         {"[[a]]\n", 1, "arrays of tables"},
         {"[a\n", 1, "expected ']'"},
         {"[]\n", 1, "expected a table name"},
         {"[a] x = 1\n", 1, "after table header"},
-        {"a.b = 1\n", 1, "dotted keys"},
-        {"\"q\" = 1\n", 1, "quoted keys"},
+        {"\"a b\" = 1\n", 1, "quoted key \"a b\" is not supported"},
+        {"[\"a.b\"]\n", 1, "quoted table name \"a.b\" is not supported"},
+        {"\"\" = 1\n", 1, "quoted key \"\" is not supported"},
+        {"[a.b.c.d.e.f.g.h.i]\n", 1, "deeper than 8 levels"},
+        {"a.b.c.d.e.f.g.h.i = 1\n", 1, "deeper than 8 levels"},
+        {"[a.]\n", 1, "expected a table name"},
+        {"a. = 1\n", 1, "expected a key"},
+        {"[a..b]\n", 1, "expected a table name, got '.'"},
         {"= 1\n", 1, "expected a key"},
         {"[a]\n\n\n  @\n", 4, "expected a key"},
         {"x = \"tab\tok\" # fine\ny = \"\x01\"\n", 2, "control character"},
@@ -215,6 +220,112 @@ static void test_errors(void) {
         CHECK(d.n_sections == 0 && d.sections == NULL, "case %zu: doc left empty", k);
         toml_free(&d);
     }
+}
+
+/* Dotted table headers and dotted keys (TOML 1.0: [a.b.c] defines nested tables, a.b = 1
+ * defines table a): what each document means, and which ones are errors, is what Python's
+ * tomllib says (expectations generated with it, not with this reader): `valid` lists every
+ * value by its full dotted path, sorted. */
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+static void flatten(const toml_doc *d, char *out, size_t cap) {
+    char *items[64];
+    int n = 0;
+    for (int s = 0; s < d->n_sections; s++)
+        for (int k = 0; k < d->sections[s].n_kvs && n < 64; k++) {
+            const toml_section *sec = &d->sections[s];
+            const toml_kv *kv = &sec->kvs[k];
+            char buf[512];
+            int m = snprintf(buf, sizeof buf, "%s%s%s=", sec->name, sec->name[0] ? "." : "", kv->key);
+            if (kv->val.kind == TOML_INT) snprintf(buf + m, sizeof buf - m, "%lld", (long long)kv->val.i);
+            else if (kv->val.kind == TOML_BOOL) snprintf(buf + m, sizeof buf - m, "%s", kv->val.i ? "true" : "false");
+            else if (kv->val.kind == TOML_STRING) snprintf(buf + m, sizeof buf - m, "\"%s\"", kv->val.s);
+            else snprintf(buf + m, sizeof buf - m, "?");
+            items[n] = malloc(strlen(buf) + 1);
+            strcpy(items[n++], buf);
+        }
+    qsort(items, (size_t)n, sizeof *items, cmp_str);
+    size_t len = 0;
+    out[0] = '\0';
+    for (int i = 0; i < n; i++) {
+        len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s%s", i ? ";" : "", items[i]);
+        free(items[i]);
+    }
+}
+
+static void test_nested(void) {
+    static const struct {
+        const char *text, *want;
+    } valid[] = {
+        {"[quantize.linear.float8]\nenable = false\n", "quantize.linear.float8.enable=false"},
+        {"[a.b]\nx = 1\n[a]\ny = 2\n", "a.b.x=1;a.y=2"}, /* [a] after [a.b] made it implicitly */
+        {"[a]\ny = 2\n[a.b]\nx = 1\n", "a.b.x=1;a.y=2"},
+        {"[training]\nsteps = 1\n[training.data]\nname = \"c4\"\n", "training.data.name=\"c4\";training.steps=1"},
+        {"[a]\nb.c = 1\nb.d = 2\n", "a.b.c=1;a.b.d=2"},
+        {"a.b.c = 1\n", "a.b.c=1"},
+        {"[fruit]\napple.color = \"red\"\napple.taste.sweet = true\n[fruit.apple.texture]\nsmooth = true\n",
+         "fruit.apple.color=\"red\";fruit.apple.taste.sweet=true;fruit.apple.texture.smooth=true"}, /* the spec's */
+        {"[ a . b ]\n\"x\" = 1\n'y' = 2\nz . w = 3\n", "a.b.x=1;a.b.y=2;a.b.z.w=3"},
+        {"[a.b.c]\nz = 9\n[a]\nb.d = 1\n", "a.b.c.z=9;a.b.d=1"},
+        {"a.b.c = 1\n[a.x]\nd = 2\n", "a.b.c=1;a.x.d=2"},
+        {"[\"a\".'b']\nx = 1\n", "a.b.x=1"},
+    };
+    for (size_t k = 0; k < sizeof valid / sizeof valid[0]; k++) {
+        toml_doc d;
+        ct_err e;
+        int rc = parse(valid[k].text, &d, &e);
+        CHECK(rc == 0, "nested valid %zu: %s", k, e.msg);
+        char got[1024];
+        if (!rc) flatten(&d, got, sizeof got);
+        CHECK(!rc && strcmp(got, valid[k].want) == 0, "nested valid %zu: want %s, got %s", k, valid[k].want,
+              rc ? "(error)" : got);
+        toml_free(&d);
+    }
+    /* tomllib's verdicts: "Cannot declare twice", "Cannot overwrite a value", "Cannot redefine namespace" */
+    static const struct {
+        const char *text;
+        int line;
+        const char *msg;
+    } bad[] = {
+        {"[a]\n[a]\n", 2, "table [a] defined twice (first at line 1)"},
+        {"[a.b]\n[a.b]\n", 2, "table [a.b] defined twice (first at line 1)"},
+        {"[\"a\"]\n[a]\n", 2, "table [a] defined twice"},
+        {"[a.b.c]\n[a.b]\n[a.b]\n", 3, "table [a.b] defined twice (first at line 2)"},
+        {"[a]\nb = 1\n[a.b]\n", 3, "a.b is already a value (line 2), not a table"},
+        {"[a.b]\n[a]\nb = 1\n", 3, "a.b is already a table (line 1)"},
+        {"a.b = 1\n[a]\n", 2, "table [a] defined twice: dotted keys at line 1 defined it"},
+        {"[a]\nb.c = 1\n[a.b]\n", 3, "table [a.b] defined twice: dotted keys at line 2"},
+        {"a.b = 1\n[a.b]\n", 2, "a.b is already a value (line 1)"},
+        {"[a.b.c]\nz = 9\n[a]\nb.d = 1\n[a.b]\n", 5, "table [a.b] defined twice: dotted keys at line 4"},
+        {"[a.b.c]\nz = 9\n[a]\nb.c.t = 1\n", 4, "table [a.b.c] was defined by its header at line 1"},
+        {"[a]\nb = 1\n\"b\" = 2\n", 3, "duplicate key 'b' in [a] (first at line 2)"},
+        {"[a]\nb = 1\n'b' = 2\n", 3, "duplicate key 'b' in [a] (first at line 2)"},
+        {"[a]\nb.c = 1\n\"b\".c = 2\n", 3, "duplicate key 'b.c' in [a] (first at line 2)"},
+        {"a = 1\na.b = 2\n", 2, "a is already a value (line 1), not a table"},
+        {"a.b = 1\na = 2\n", 2, "key 'a': a is already a table (line 1)"},
+        {"[a]\nb.c = 1\nb = 2\n", 3, "a.b is already a table (line 2)"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        toml_doc d;
+        ct_err e;
+        int rc = parse(bad[k].text, &d, &e);
+        char want[64];
+        snprintf(want, sizeof want, "t.toml:%d: ", bad[k].line);
+        CHECK(rc == CT_ERR_FORMAT, "nested bad %zu should fail (rc %d)", k, rc);
+        CHECK(strncmp(e.msg, want, strlen(want)) == 0, "nested bad %zu: want prefix '%s', got '%s'", k, want,
+              e.msg);
+        CHECK(strstr(e.msg, bad[k].msg) != NULL, "nested bad %zu: want '%s' in '%s'", k, bad[k].msg, e.msg);
+        toml_free(&d);
+    }
+    /* the flat view: every table by its full name, the implicit parents too (with no keys) */
+    toml_doc d;
+    ct_err e;
+    CHECK(parse("[quantize.linear.float8]\nx = 1\n", &d, &e) == 0, "implicit parents: %s", e.msg);
+    CHECK(d.n_sections == 4 && toml_find_section(&d, "quantize") && toml_find_section(&d, "quantize.linear") &&
+              toml_find_section(&d, "quantize")->implicit && !toml_find_section(&d, "quantize.linear.float8")->implicit,
+          "implicit parents listed");
+    CHECK(get(&d, "quantize.linear.float8", "x") && get(&d, "quantize.linear.float8", "x")->i == 1, "nested get");
+    toml_free(&d);
 }
 
 static void test_file(void) {
@@ -260,6 +371,7 @@ static void test_file(void) {
 int main(void) {
     test_valid();
     test_errors();
+    test_nested();
     test_file();
     return CHECK_DONE();
 }
