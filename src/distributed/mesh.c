@@ -62,6 +62,14 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
     /* an EP group lies inside one FSDP group (or, without FSDP, among the
      * replicas), so the ranks that hold the same experts form a regular
      * sub-group of it (mesh.h: edp) */
+    if (c->ep > 1 && rep * shard < c->ep) /* too few ranks: say how many there are and where they came from */
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.expert_parallel_degree = %d needs at least %d data-parallel ranks, but "
+                       "there are %d (data_parallel_replicate_degree %d x data_parallel_shard_degree %d%s, of a "
+                       "world size of %d (mpirun -np%s))",
+                       where, c->ep, c->ep, rep * shard, rep, shard,
+                       c->dp_shard == -1 ? " from -1" : "", world * pp,
+                       pp > 1 ? " / pipeline_parallel_degree" : "");
     if (c->ep > 1 && shard > 1 && shard % c->ep != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.expert_parallel_degree = %d does not divide "

@@ -125,7 +125,8 @@ def test_ep2_checkpoint_resumes_on_one_rank(setup, single_moe):
 @pytest.mark.parametrize("ranks,model,args,words", [
     (2, "model_moe", ["--parallelism.expert_parallel_degree=3"], "does not divide the model's 4 experts"),
     (2, "model_moe", ["--parallelism.expert_parallel_degree=4"],
-     "does not divide parallelism.data_parallel_shard_degree"),
+     "needs at least 4 data-parallel ranks, but there are 2 (data_parallel_replicate_degree 1 x "
+     "data_parallel_shard_degree 2 from -1, of a world size of 2"),
     (2, "model", ["--parallelism.expert_parallel_degree=2"], "no experts"),
 ])
 def test_ep_bad_degrees_exit_2(setup, tmp_path, ranks, model, args, words):
