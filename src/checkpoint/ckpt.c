@@ -429,7 +429,36 @@ static int ckpt_write_manifest(const char *tmp, int step, int model_only, const 
 }
 
 /* Puts the complete dir `tmp` in place as `final`, replacing what is there. */
+/* A final export (a finished run's model: ckpt_dir_kind) at the step a
+ * checkpoint is being saved to: the run was extended past its end (a higher
+ * training.steps) and trained that step again. The export is the model the
+ * user has, maybe already in use: it is moved aside to hf-step-N, the name a
+ * final export gets beside a checkpoint of its step (hf-step-N.K when that is
+ * taken), with a note; never replaced. One rename: a crash leaves it at
+ * either name, whole. */
+static int ckpt_keep_export(const char *folder, const char *final, int step, ct_err *e) {
+    int kind = ckpt_dir_kind(final);
+    if (kind == CKPT_DIR_CHECKPOINT) return 0;
+    char aside[CKPT_PATH], name[64];
+    int rc = 0;
+    for (int k = 1; !rc; k++) {
+        if (k == 1) snprintf(name, sizeof name, "hf-step-%d", step);
+        else snprintf(name, sizeof name, "hf-step-%d.%d", step, k);
+        if ((rc = fs_join_buf(aside, CKPT_PATH, folder, name, e))) return rc;
+        struct stat st;
+        if (lstat(aside, &st) != 0 && errno == ENOENT) break;
+    }
+    if (rename(final, aside) != 0)
+        return ct_fail(e, CT_ERR_IO, "%s: cannot move this final save aside to %s before saving a checkpoint of "
+                       "its step: %s", final, aside, strerror(errno));
+    fprintf(stderr, "ctitan: note: %s held %s (a finished run's final save); it is kept as %s and step-%d becomes a "
+            "training checkpoint\n", final, ckpt_dir_kind_name(kind), aside, step);
+    return fs_fsync(folder, 1, e);
+}
+
 static int ckpt_publish(const char *folder, const char *tmp, const char *final, int step, ct_err *e) {
+    int rc0 = ckpt_is_dir(final) ? ckpt_keep_export(folder, final, step, e) : 0;
+    if (rc0) return rc0;
     if (rename(tmp, final) == 0) return fs_fsync(folder, 1, e);
     if (errno != ENOTEMPTY && errno != EEXIST)
         return ct_fail(e, CT_ERR_IO, "%s: cannot rename %s to it: %s", final, tmp, strerror(errno));
@@ -680,6 +709,53 @@ int ckpt_list(const char *folder, int *steps, int cap) {
     return n;
 }
 
+int ckpt_dir_kind(const char *dir) {
+    char p[CKPT_PATH + 32];
+    snprintf(p, sizeof p, "%s/manifest.json", dir);
+    if (access(p, F_OK) == 0) return CKPT_DIR_CHECKPOINT;
+    snprintf(p, sizeof p, "%s/config.toml", dir);
+    if (access(p, F_OK) == 0) return CKPT_DIR_CHECKPOINT; /* lost its manifest: damaged */
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    if (access(p, F_OK) == 0) return CKPT_DIR_HF_MODEL;
+    snprintf(p, sizeof p, "%s/adapter_config.json", dir);
+    return access(p, F_OK) == 0 ? CKPT_DIR_PEFT_ADAPTER : CKPT_DIR_CHECKPOINT;
+}
+
+const char *ckpt_dir_kind_name(int kind) {
+    return kind == CKPT_DIR_HF_MODEL ? "a Hugging Face export" : kind == CKPT_DIR_PEFT_ADAPTER ? "a PEFT adapter"
+                                                                                           : "a training checkpoint";
+}
+
+int ckpt_select_model(const char *folder, char *out_dir, size_t cap, int *out_step, int *out_kind, ct_err *e) {
+    int *v, n;
+    if (ckpt_list_all(folder, &v, &n))
+        return ct_fail(e, CT_ERR_IO, "%s: cannot list the checkpoint folder: %s", folder, strerror(errno));
+    char p[CKPT_PATH], name[32];
+    int rc = n == 0 ? CKPT_NONE : 0, chosen = -1, kind = CKPT_DIR_CHECKPOINT, damaged = 0;
+    for (int i = n - 1; i >= 0 && chosen < 0 && !rc; i--) {
+        snprintf(name, sizeof name, "step-%d", v[i]);
+        if ((rc = fs_join_buf(p, CKPT_PATH, folder, name, e))) break;
+        ct_err ve = {0};
+        kind = ckpt_dir_kind(p);
+        if (kind != CKPT_DIR_CHECKPOINT || ckpt_verify(p, &ve) == 0) {
+            chosen = v[i];
+        } else {
+            damaged++;
+            fprintf(stderr, "ctitan: warning: skipping damaged checkpoint %s: %s\n", p, ve.msg);
+        }
+    }
+    if (!rc && chosen < 0)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: none of its %d checkpoints is complete and intact (see warnings)", folder,
+                     damaged);
+    free(v);
+    if (rc) return rc;
+    int k = snprintf(out_dir, cap, "%s", p);
+    if (k < 0 || (size_t)k >= cap) return ct_fail(e, CT_ERR_IO, "%s: path too long for the caller's buffer", p);
+    if (out_step) *out_step = chosen;
+    if (out_kind) *out_kind = kind;
+    return 0;
+}
+
 int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, int *out_step, ct_err *e) {
     int *v, n;
     if (ckpt_list_all(folder, &v, &n))
@@ -706,13 +782,19 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
             snprintf(name, sizeof name, "step-%d", v[i]);
             if ((rc = fs_join_buf(p, CKPT_PATH, folder, name, e))) break;
             ct_err ve = {0};
-            if (ckpt_verify(p, &ve) == 0) {
+            int kind = ckpt_dir_kind(p);
+            if (kind != CKPT_DIR_CHECKPOINT) {
+                /* a finished run's final save: a whole model, but no optimizer state to resume */
+                fprintf(stderr, "ctitan: note: %s is %s (a run's final save), not a training checkpoint: it cannot "
+                        "be resumed; looking at older steps\n", p, ckpt_dir_kind_name(kind));
+            } else if (ckpt_verify(p, &ve) == 0) {
                 chosen = v[i];
             } else {
                 damaged++;
                 fprintf(stderr, "ctitan: warning: skipping damaged checkpoint %s: %s\n", p, ve.msg);
             }
         }
+        if (!rc && chosen < 0 && !damaged) rc = CKPT_NONE; /* final exports only: no checkpoint to resume */
         if (!rc && chosen < 0)
             rc = ct_fail(e, CT_ERR_FORMAT, "%s: none of its %d checkpoints is complete and intact (see warnings)",
                          folder, damaged);
@@ -1030,8 +1112,12 @@ int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e) {
             oldest_kept = v[i];
         }
     }
-    if (!rc && kept == keep_latest_k)
-        for (int i = 0; i < n && v[i] < oldest_kept && !rc; i++) rc = ckpt_remove_step(folder, v[i], e);
+    /* a final export is a finished run's model (extended since), not a checkpoint to rotate out */
+    for (int i = 0; !rc && kept == keep_latest_k && i < n && v[i] < oldest_kept; i++) {
+        snprintf(name, sizeof name, "step-%d", v[i]);
+        if ((rc = fs_join_buf(p, CKPT_PATH, folder, name, e))) break;
+        if (ckpt_dir_kind(p) == CKPT_DIR_CHECKPOINT) rc = ckpt_remove_step(folder, v[i], e);
+    }
     free(v);
     return rc;
 }

@@ -37,7 +37,9 @@ typedef struct {
 } ckpt_info;
 
 /* Writes FOLDER/step-STEP atomically (temp dir, fsync, rename; an existing
- * step-STEP is replaced only once the new one is complete). exp_avg and
+ * step-STEP is replaced only once the new one is complete; a final export
+ * there, ckpt_dir_kind, is moved aside to hf-step-STEP instead, never
+ * deleted). exp_avg and
  * exp_avg_sq hold m->n_params floats each, or are both NULL for a model-only
  * checkpoint. state_json and config_toml are stored verbatim when non-NULL.
  * On any failure nothing under FOLDER but the temp dir changed, and the temp
@@ -66,18 +68,39 @@ void ckpt_stream_abort(ckpt_stream *s);
  * stores the first min(count, cap); -1 if FOLDER cannot be read. */
 int ckpt_list(const char *folder, int *steps, int cap);
 
+/* What a step-N directory holds. A run's final save with
+ * checkpoint.last_save_in_hf is a Hugging Face model directory (config.json
+ * and safetensors) or a LoRA run's PEFT adapter (adapter_config.json), with
+ * no manifest: complete models, written to a temp dir and renamed into place,
+ * but no training checkpoint (no optimizer state). A training checkpoint
+ * always holds config.toml, which no export writes: one that lost its
+ * manifest is a damaged checkpoint (CKPT_DIR_CHECKPOINT, for ckpt_verify to
+ * name), never taken for an export. */
+enum { CKPT_DIR_CHECKPOINT = 0, CKPT_DIR_HF_MODEL = 1, CKPT_DIR_PEFT_ADAPTER = 2 };
+int ckpt_dir_kind(const char *dir);
+/* "a Hugging Face export" / "a PEFT adapter" / "a training checkpoint", for messages. */
+const char *ckpt_dir_kind_name(int kind);
+
 /* Checks DIR/manifest.json and every file it lists (size and checksum), and
  * that the files a checkpoint needs are listed. The error names the damaged
  * file. */
 int ckpt_verify(const char *dir, ct_err *e);
 
 /* load_step < 0: the newest step-N of FOLDER that verifies; each damaged newer
- * one is reported on stderr by name and skipped. Returns CKPT_NONE (e
+ * one is reported on stderr by name and skipped, and each final export newer
+ * than it (ckpt_dir_kind) is named as such in a note: it cannot be resumed. Returns CKPT_NONE (e
  * untouched) when FOLDER has no step-N directory at all, and an error when
  * there are some but none verifies. load_step >= 0: exactly step-load_step;
  * missing or damaged is an error (never a fallback). On success out_dir gets
  * FOLDER/step-N and out_step N (either may be NULL). */
 int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, int *out_step, ct_err *e);
+/* For readers of the model (export, generate): FOLDER's newest step-N that
+ * is a model, a training checkpoint that verifies or a final export
+ * (CKPT_DIR_HF_MODEL or CKPT_DIR_PEFT_ADAPTER: nothing to verify, they are
+ * renamed into place complete); damaged checkpoints newer than it are
+ * reported on stderr and skipped, as by ckpt_select. *out_kind gets its
+ * CKPT_DIR_ kind. Returns CKPT_NONE when FOLDER has no step-N at all. */
+int ckpt_select_model(const char *folder, char *out_dir, size_t cap, int *out_step, int *out_kind, ct_err *e);
 
 /* Verifies DIR, then loads every parameter of m by name (shape checked; a
  * missing, extra or mis-shaped tensor is an error naming tensor and file),
@@ -97,7 +120,8 @@ int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state
 
 /* Keeps the newest keep_latest_k complete full checkpoints (k <= 0: keeps
  * all; model-only ones do not count) and removes every step-N older than the
- * oldest kept one; removes temp dirs
+ * oldest kept one, except final exports (ckpt_dir_kind: a finished run's
+ * model, not a checkpoint to rotate out, kept when the run is extended); removes temp dirs
  * left by crashed writers (never those of a live process). A checkpoint is
  * removed by renaming it aside first, so a crash mid-removal never leaves a
  * half-deleted step-N. "Complete" here means the manifest parses and every

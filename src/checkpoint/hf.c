@@ -12,8 +12,11 @@
 
 #include "checkpoint/ckpt.h"
 #include "core/progress.h"
+#include "formats/json.h"
 #include "formats/safetensors.h"
 #include "model/lora.h"
+
+#include <cjson/cJSON.h>
 
 /* Progress (core/progress.h) only for loads and saves still running after a
  * second: a real model's, not the tiny ones of tests and generate calls. */
@@ -207,6 +210,121 @@ int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
     return lm_config_write_hf(&m->cfg, path, torch_dtype_name(dtype), e);
+}
+
+/* --------------------------------------------------- beside the weights */
+
+static const char *const hf_asset_files[] = {"tokenizer.json",          "tokenizer_config.json",
+                                             "vocab.json",              "merges.txt",
+                                             "generation_config.json", "special_tokens_map.json",
+                                             "added_tokens.json",       "chat_template.jinja"};
+
+/* Copies SRC to DST through DST.tmp (core/fs: fsync, rename): a reader never sees half a file. */
+static int hf_copy_file(const char *src, const char *dst, ct_err *e) {
+    FILE *in = fopen(src, "rb");
+    if (!in) return ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", src, strerror(errno));
+    fs_atomic out;
+    int rc = fs_atomic_open(&out, dst, e);
+    char buf[65536];
+    size_t k;
+    int ok = 1;
+    while (!rc && ok && (k = fread(buf, 1, sizeof buf, in)) > 0) ok = fwrite(buf, 1, k, out.fp) == k;
+    int rerr = ferror(in);
+    fclose(in);
+    if (rc) return rc;
+    if (rerr) {
+        fs_atomic_abort(&out);
+        return ct_fail(e, CT_ERR_IO, "%s: read failed", src);
+    }
+    return fs_atomic_commit(&out, e); /* a failed fwrite is "DST: write failed" */
+}
+
+int hf_copy_assets(const char *src, const char *out, FILE *log, ct_err *e) {
+    int n = 0;
+    for (size_t i = 0; i < sizeof hf_asset_files / sizeof hf_asset_files[0]; i++) {
+        char *s = fs_join(src, hf_asset_files[i]), *d = fs_join(out, hf_asset_files[i]);
+        int skip = access(s, R_OK) != 0, rc = skip ? 0 : hf_copy_file(s, d, e);
+        free(s);
+        free(d);
+        if (rc) return -1;
+        if (skip) continue;
+        if (log) fprintf(log, "  copied %s\n", hf_asset_files[i]);
+        n++;
+    }
+    return n;
+}
+
+/* A token id as config.json may give it: an integer, a list of them, or null. */
+static int hf_token_id_ok(const cJSON *v) {
+    if (cJSON_IsNull(v)) return 1;
+    if (cJSON_IsNumber(v))
+        return v->valuedouble >= 0 && v->valuedouble < 2147483648.0 && v->valuedouble == floor(v->valuedouble);
+    if (!cJSON_IsArray(v)) return 0;
+    const cJSON *x;
+    cJSON_ArrayForEach(x, v) if (!cJSON_IsNumber(x) || !hf_token_id_ok(x)) return 0;
+    return 1;
+}
+
+int hf_keep_token_ids(const char *path, const char *const *src, int n, ct_err *e) {
+    static const char *const keys[] = {"bos_token_id", "eos_token_id"};
+    enum { NKEYS = sizeof keys / sizeof keys[0] };
+    cJSON *from = NULL;
+    for (int i = 0; i < n && !from; i++) {
+        if (!src[i] || !src[i][0]) continue;
+        char *p = fs_join(src[i], "config.json");
+        ct_err ignore = {0};
+        /* an unreadable or malformed source is the loader's to report; here it just has no ids */
+        from = access(p, R_OK) == 0 ? json_parse_file(p, 1 << 24, &ignore) : NULL;
+        free(p);
+        int any = 0;
+        for (int k = 0; from && k < NKEYS; k++) any |= cJSON_GetObjectItemCaseSensitive(from, keys[k]) != NULL;
+        if (!any) {
+            cJSON_Delete(from);
+            from = NULL;
+        }
+    }
+    if (!from) return 0;
+    size_t len = 0;
+    char *text = fs_read_file(path, 1 << 24, &len, e);
+    cJSON *have = text ? json_parse(text, len, path, e) : NULL;
+    int rc = have ? 0 : e ? e->code : CT_ERR_FORMAT;
+    /* inserted before the closing brace, in cJSON_Print's layout, so every byte
+     * written before (floats such as 1.0 included) stays as it was */
+    size_t end = len;
+    while (!rc && end > 0 && text[end - 1] != '}') end--;
+    if (!rc && end == 0) rc = ct_fail(e, CT_ERR_FORMAT, "%s: not a JSON object", path);
+    char *add = NULL;
+    size_t add_len = 0;
+    FILE *m = rc ? NULL : open_memstream(&add, &add_len);
+    for (int k = 0; m && k < NKEYS; k++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(from, keys[k]);
+        if (!v || !hf_token_id_ok(v) || cJSON_GetObjectItemCaseSensitive(have, keys[k])) continue;
+        char *val = cJSON_PrintUnformatted(v);
+        fprintf(m, ",\n\t\"%s\":\t%s", keys[k], val);
+        free(val);
+    }
+    if (m) fclose(m);
+    if (!rc && add_len) {
+        size_t close = end - 1; /* the object's closing brace; the text before it ends with its last member */
+        while (close > 0 && (text[close - 1] == '\n' || text[close - 1] == '\t' || text[close - 1] == ' ')) close--;
+        char *out = ct_malloc(len + add_len + 2);
+        memcpy(out, text, close);
+        memcpy(out + close, add, add_len);
+        size_t skip = close > 0 && text[close - 1] == '{'; /* no member before: no comma */
+        memmove(add, add + skip, add_len - skip);
+        add_len -= skip;
+        size_t k = close + add_len;
+        out[k++] = '\n';
+        memcpy(out + k, text + end - 1, len - (end - 1));
+        k += len - (end - 1);
+        rc = fs_write_atomic(path, out, k, e);
+        free(out);
+    }
+    free(add);
+    cJSON_Delete(have);
+    cJSON_Delete(from);
+    free(text);
+    return rc;
 }
 
 /* ------------------------------------------------------------ generation */

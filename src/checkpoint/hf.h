@@ -8,6 +8,8 @@
 #ifndef CT_CHECKPOINT_HF_H
 #define CT_CHECKPOINT_HF_H
 
+#include <stdio.h>
+
 #include "core/dtype.h"
 #include "core/err.h"
 #include "model/generate.h"
@@ -20,6 +22,28 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
 /* Writes DIR/config.json and DIR/model.safetensors (sharded with an index
  * above max_shard_bytes; 0 = default 5 GB). dtype: CT_F32, CT_BF16 or CT_F16. */
 int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e);
+/* A saved model is used as transformers' save_pretrained leaves it: with its
+ * tokenizer and generation settings beside the weights (AutoTokenizer, and
+ * model.generate stopping at the end token). These two complete a directory
+ * hf_save (or the trainer's final save) wrote; `ctitan export` and the
+ * final save share them. */
+/* Copies the tokenizer and generation files transformers looks for
+ * (tokenizer.json, tokenizer_config.json, vocab.json, merges.txt,
+ * generation_config.json, special_tokens_map.json, added_tokens.json,
+ * chat_template.jinja) that exist in SRC to OUT, each through a temporary
+ * name; "  copied NAME" lines go to log unless it is NULL. Returns how many,
+ * or -1 (e says why). */
+int hf_copy_assets(const char *src, const char *out, FILE *log, ct_err *e);
+/* config.json as ctitan writes it holds the architecture only: the model's
+ * bos_token_id and eos_token_id, which transformers' generate stops on (and
+ * GenerationConfig takes when there is no generation_config.json), come
+ * from the config.json of the model it was made from. Adds those of the
+ * first of src[0..n) whose config.json has either (an integer, a list of
+ * integers or null; any other value is ignored) to the config.json at PATH,
+ * unless PATH has them already; the rest of PATH stays byte for byte, and
+ * it is rewritten through a temporary name. No source with them: nothing to
+ * do, 0. */
+int hf_keep_token_ids(const char *path, const char *const *src, int n, ct_err *e);
 /* "float32" | "bfloat16" | "float16" -> dtype; -1 if unknown. */
 int hf_dtype_from_name(const char *name);
 

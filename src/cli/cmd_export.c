@@ -9,8 +9,13 @@
  * or the recorded model.hf_revision), resolved in the Hub cache (hub/hub.h).
  *
  * --checkpoint may name one step-N directory or a checkpoint folder; a folder
- * means its newest step that verifies (damaged newer ones are reported and
- * skipped, as on resume). The checkpoint is verified (sizes, checksums)
+ * means its newest model: a training checkpoint that verifies, or the run's
+ * final Hugging Face export (last_save_in_hf), which is what a user exporting
+ * a finished run wants (damaged newer checkpoints are reported and skipped, as
+ * on resume). A Hugging Face directory (that export, or the base of --merge)
+ * is read as one and is its own default tokenizer source. The written
+ * config.json keeps the source model's bos/eos token ids (hf_keep_token_ids),
+ * so generate in transformers stops where the model was trained to. The checkpoint is verified (sizes, checksums)
  * before a byte is exported, and the weights go through the model's tensor
  * table, so the HF directory holds exactly the model's tensors (a tied model
  * writes no lm_head.weight, as transformers does).
@@ -69,12 +74,6 @@ static const cli_opt exp_options[] = {
                               "branch, tag or commit of a Hub id given to --adapter", CLI_VALUE},
     [EXP_HELP] = {"--help", "", "", "this text", CLI_FLAG},
 };
-
-/* The files transformers' tokenizer and generation loaders look for. */
-static const char *const exp_tok_files[] = {"tokenizer.json",          "tokenizer_config.json",
-                                            "vocab.json",              "merges.txt",
-                                            "generation_config.json", "special_tokens_map.json",
-                                            "added_tokens.json",       "chat_template.jinja"};
 
 static void cli_export_help(void) {
     printf("usage: ctitan export --checkpoint DIR --out HF_DIR [options]\n\n"
@@ -145,26 +144,6 @@ static int exp_is_dir(const char *p) {
     return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-/* Copies SRC to DST through DST.tmp (core/fs: fsync, rename): a reader never sees half a file. */
-static int exp_copy_file(const char *src, const char *dst, ct_err *e) {
-    FILE *in = fopen(src, "rb");
-    if (!in) return ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", src, strerror(errno));
-    fs_atomic out;
-    int rc = fs_atomic_open(&out, dst, e);
-    char buf[65536];
-    size_t k;
-    int ok = 1;
-    while (!rc && ok && (k = fread(buf, 1, sizeof buf, in)) > 0) ok = fwrite(buf, 1, k, out.fp) == k;
-    int rerr = ferror(in);
-    fclose(in);
-    if (rc) return rc;
-    if (rerr) {
-        fs_atomic_abort(&out);
-        return ct_fail(e, CT_ERR_IO, "%s: read failed", src);
-    }
-    return fs_atomic_commit(&out, e); /* a failed fwrite is "DST: write failed" */
-}
-
 /* model.hf_assets_path from DIR/config.toml, or "" (malloc'd); *rev: its model.hf_revision
  * (malloc'd, NULL when not recorded). */
 static char *exp_assets_path(const char *ckdir, char **rev) {
@@ -186,22 +165,6 @@ static char *exp_assets_path(const char *ckdir, char **rev) {
     }
     toml_free(&doc);
     return out;
-}
-
-/* Copies the tokenizer files present in src to out; returns how many, or -1. */
-static int exp_copy_tokenizer(const char *src, const char *out, ct_err *e) {
-    int n = 0;
-    for (size_t i = 0; i < sizeof exp_tok_files / sizeof exp_tok_files[0]; i++) {
-        char *s = fs_join(src, exp_tok_files[i]), *d = fs_join(out, exp_tok_files[i]);
-        int skip = access(s, R_OK) != 0, rc = skip ? 0 : exp_copy_file(s, d, e);
-        free(s);
-        free(d);
-        if (rc) return -1;
-        if (skip) continue;
-        printf("  copied %s\n", exp_tok_files[i]);
-        n++;
-    }
-    return n;
 }
 
 int cli_export(int argc, char **argv) {
@@ -233,20 +196,27 @@ int cli_export(int argc, char **argv) {
     snprintf(mpath, sizeof mpath, "%s/manifest.json", a.checkpoint);
     snprintf(cpath, sizeof cpath, "%s/config.json", a.checkpoint);
     int hf_base = a.adapter && access(mpath, F_OK) != 0 && access(cpath, F_OK) == 0;
+    int kind = CKPT_DIR_CHECKPOINT, step = -1, from_folder = 0;
     if (hf_base) {
         snprintf(ckdir, sizeof ckdir, "%s", a.checkpoint);
-    } else if (access(mpath, F_OK) == 0 || ckpt_list(a.checkpoint, NULL, 0) <= 0) {
+        kind = CKPT_DIR_HF_MODEL;
+    } else if (access(mpath, F_OK) != 0 && ckpt_list(a.checkpoint, NULL, 0) > 0) {
+        /* a folder: its newest model, a run's final export included (what a user exporting the run wants) */
+        rc = ckpt_select_model(a.checkpoint, ckdir, sizeof ckdir, &step, &kind, &e);
+        /* the error's kind is the exit code (docs/reliability.md) */
+        if (rc) return cli_fail(rc > 0 ? rc : 1, "%s", e.msg);
+        from_folder = 1;
+    } else {
         if (snprintf(ckdir, sizeof ckdir, "%s", a.checkpoint) >= (int)sizeof ckdir)
             return cli_fail(1, "--checkpoint: path too long");
-        if (access(mpath, F_OK) != 0)
+        kind = ckpt_dir_kind(ckdir); /* a final export named directly is a model too */
+        if (kind == CKPT_DIR_CHECKPOINT && access(mpath, F_OK) != 0)
             return cli_fail(1, "--checkpoint %s: not a checkpoint (no manifest.json) and holds no step-N checkpoints",
                             a.checkpoint);
-    } else {
-        int step;
-        rc = ckpt_select(a.checkpoint, -1, ckdir, sizeof ckdir, &step, &e);
-        if (rc) return cli_fail(rc > 0 ? rc : 1, "%s", e.msg); /* the error's kind is the exit code (docs/reliability.md) */
     }
     if (fs_same_file(ckdir, a.out)) return cli_fail(2, "--out %s: is the checkpoint directory itself", a.out);
+    /* a Hugging Face directory (a merge's base, a run's final export) is its own tokenizer source */
+    int hf_src = kind == CKPT_DIR_HF_MODEL;
 
     lm_config c;
     lm_model m = {0};
@@ -254,7 +224,12 @@ int cli_export(int argc, char **argv) {
      * takes the base from its HF directory (hf_base) and the adapter from --adapter */
     char apath[4200];
     snprintf(apath, sizeof apath, "%s/adapter_config.json", ckdir);
-    if (!hf_base && access(apath, F_OK) == 0)
+    if (kind == CKPT_DIR_PEFT_ADAPTER)
+        return cli_fail(2,
+                        "export: %s is a LoRA run's final save, a PEFT adapter: it holds the adapter, not the base "
+                        "model; give the base model: --checkpoint BASE_HF_DIR --adapter %s --merge",
+                        ckdir, ckdir);
+    if (!hf_src && access(apath, F_OK) == 0)
         return cli_fail(2,
                         "export: %s is a LoRA run's checkpoint: it holds the trained tensors (the adapter), not the "
                         "frozen base; give the base model: --checkpoint BASE_HF_DIR --adapter %s --merge",
@@ -268,10 +243,11 @@ int cli_export(int argc, char **argv) {
         (rc = lm_create(&m, &c, 1, 1, &e)))
         return cli_fail(rc, "%s", e.msg);
     ckpt_info info = {0};
-    if (hf_base) { /* the base from its HF files, the adapter from its PEFT directory */
+    if (hf_src) { /* the weights from HF files (a merge's base: the adapter comes from its PEFT directory) */
         rc = hf_load(&m, ckdir, &e);
     } else {
         rc = ckpt_load(ckdir, &m, NULL, NULL, NULL, &info, &e); /* verifies sizes and checksums first */
+        step = info.step;
     }
     if (!rc && hf_base) {
         lm_copy_ctx cc;
@@ -282,11 +258,16 @@ int cli_export(int argc, char **argv) {
     size_t n_params = lm_num_params(&m);
     lm_free(&m);
     if (rc) return cli_fail(rc, "%s", e.msg); /* a damaged checkpoint exits 3, as train does */
-    printf("ctitan export: %s (step %d, %zu parameters%s) -> %s as %s\n", ckdir, info.step, n_params,
-           hf_base ? ", LoRA adapter merged" : "", a.out, a.dtype);
+    char what[64] = "";
+    if (step >= 0) snprintf(what, sizeof what, "step %d, ", step);
+    printf("ctitan export: %s (%s%zu parameters%s) -> %s as %s\n", ckdir, what, n_params,
+           hf_base ? ", LoRA adapter merged" : from_folder && hf_src ? ", the run's final Hugging Face save" : "",
+           a.out, a.dtype);
 
     char *assets_rev = NULL;
-    char *assets = a.tokenizer ? ct_strdup(a.tokenizer) : exp_assets_path(ckdir, &assets_rev);
+    char *assets = a.tokenizer ? ct_strdup(a.tokenizer)
+                   : hf_src    ? ct_strdup(ckdir)
+                               : exp_assets_path(ckdir, &assets_rev);
     int copied = 0;
     if (assets[0] && !a.tokenizer && !exp_is_dir(assets) && hub_is_repo_id(assets)) {
         /* the Hub id the checkpoint came from: its tokenizer files, from the cache or the Hub */
@@ -310,7 +291,7 @@ int cli_export(int argc, char **argv) {
         fprintf(stderr, "ctitan: warning: no tokenizer files copied: %s (model.hf_assets_path of %s/config.toml) "
                         "is not a directory (give --tokenizer DIR)\n", assets, ckdir);
     } else {
-        copied = exp_copy_tokenizer(assets, a.out, &e);
+        copied = hf_copy_assets(assets, a.out, stdout, &e);
         if (copied < 0) {
             free(assets);
             return cli_fail(1, "%s", e.msg);
@@ -321,6 +302,19 @@ int cli_export(int argc, char **argv) {
         }
         if (copied == 0)
             fprintf(stderr, "ctitan: warning: no tokenizer files found in %s (give --tokenizer DIR)\n", assets);
+    }
+    /* the end-of-text ids generate stops on: the source's own config.json (an HF
+     * directory's), else that of the model the run started from */
+    char *rev2 = NULL, *recorded = a.tokenizer && !hf_src ? exp_assets_path(ckdir, &rev2) : ct_strdup("");
+    const char *id_src[] = {ckdir, assets, recorded};
+    char out_cfg[4200];
+    snprintf(out_cfg, sizeof out_cfg, "%s/config.json", a.out);
+    rc = hf_keep_token_ids(out_cfg, id_src, 3, &e);
+    free(recorded);
+    free(rev2);
+    if (rc) {
+        free(assets);
+        return cli_fail(ct_exit_code(rc), "%s", e.msg);
     }
     free(assets);
     printf("ctitan export: done in %.2f s (%d tokenizer files)\n", ct_now() - t0, copied);

@@ -828,9 +828,17 @@ typedef struct {
     int steps_since_log;
 } run_clock;
 
-/* The run's summary on stderr (model, data, batch, layout, FLOPs and peak),
- * and k's fpt and peak. */
-static void print_run_banner(trainer *t, const ds *data, run_clock *k) {
+void trainer_print_trained(FILE *out, const char *prefix, size_t trained, size_t total, int lora) {
+    fprintf(out, "%strained: %zu parameters (%.3f%%%s) of %zu, frozen: %zu (no gradient, no moments)\n", prefix,
+            trained, total ? 100.0 * (double)trained / (double)total : 0.0,
+            lora ? ", LoRA adapters and modules_to_save" : "", total, total - trained);
+}
+
+/* The run's summary on stderr (model, batch, layout, FLOPs and peak), and
+ * k's fpt and peak. The data is not in it: ds_open has just logged its
+ * line ("data: NAME: tokens, windows, masking, each rank's share"), a
+ * superset of what a line here said a second time. */
+static void print_run_banner(trainer *t, run_clock *k) {
     const ct_config *c = &t->cfg;
     const lm_model *m = &t->model;
     int B = c->local_batch_size, T = c->seq_len;
@@ -849,18 +857,27 @@ static void print_run_banner(trainer *t, const ds *data, run_clock *k) {
     plan_layout_str(&t->plan, layout, sizeof layout);
     fprintf(stderr,
             "ctitan: model %s: %zu parameters, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
-            "ctitan: data %s: %llu tokens, %llu windows of %d%s\n"
             "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, steps %d..%d; activations %.1f MiB\n"
             "ctitan: parallelism: %s; global batch %d sequences; %d thread(s) per rank\n"
             "ctitan: %.3g FLOPs/token (6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s %s on %d "
             "threads (%s, %s%s%s)\n",
             m->cfg.name, m->n_params, m->cfg.n_layers, m->cfg.hidden, m->cfg.n_heads, m->cfg.n_kv_heads,
-            m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", ds_name(data),
-            (unsigned long long)ds_num_tokens(data), (unsigned long long)ds_num_windows(data), T + 1,
-            c->shuffle ? ", shuffled" : "", B, T, t->grad_accum, t->step + 1, c->steps,
+            m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", B, T, t->grad_accum,
+            t->step + 1, c->steps,
             lm_activation_bytes(m) / 1048576.0, layout, t->global_batch, cpu_threads(), k->fpt, k->peak / 1e9,
             bf16_mm ? "bf16" : "fp32", peak.threads, bf16_mm ? peak.bf16_isa : peak.isa, peak.source,
             peak.note[0] ? ": " : "", peak.note);
+    if (m->n_frozen && t->world->rank == 0) {
+        /* PEFT's print_trainable_parameters, counted as the dry run counts: on
+         * the whole model's table, whatever part of it this rank holds */
+        lm_model whole;
+        lm_layout(&whole, &t->plan.whole);
+        ct_err ignore = {0}; /* the run applied the same settings already */
+        if (!lora_apply_frozen(&whole, c->freeze, c->lora_modules_to_save, trainer_frozen_origin(c), &ignore))
+            trainer_print_trained(stderr, "ctitan: ", lm_trained_runs(&whole, 0, whole.n_params, NULL, NULL),
+                                  whole.n_params, c->lora_rank > 0);
+        lm_free(&whole);
+    }
     if (t->world->rank == 0) plan_describe(&t->plan, stderr);
 }
 
@@ -984,7 +1001,7 @@ int trainer_run(trainer *t, ct_err *e) {
     if ((rc = ct_mkdirs(c->dump_folder, e)) || (rc = open_run_files(t, &files, e))) goto out;
     prof *pf = files.pf;
     run_clock clock = {0};
-    print_run_banner(t, data, &clock);
+    print_run_banner(t, &clock);
 
     trainer_install_signals();
     size_t mb = (size_t)B * T;

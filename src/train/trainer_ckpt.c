@@ -139,23 +139,11 @@ int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err
     return 0;
 }
 
-/* 1 if DIR is a Hugging Face export (config.json, no manifest) or a LoRA
- * run's PEFT adapter (adapter_config.json, no manifest): a run's
- * last_save_in_hf output, not a training checkpoint. A training checkpoint
- * always holds config.toml, which no export writes: one that lost its
- * manifest is a damaged checkpoint, never an export to step over (nor, at
- * the last step, the sign of a completed run). */
-static int is_hf_export(const char *dir) {
-    char p[4200];
-    snprintf(p, sizeof p, "%s/manifest.json", dir);
-    if (access(p, F_OK) == 0) return 0;
-    snprintf(p, sizeof p, "%s/config.toml", dir);
-    if (access(p, F_OK) == 0) return 0;
-    snprintf(p, sizeof p, "%s/config.json", dir);
-    if (access(p, F_OK) == 0) return 1;
-    snprintf(p, sizeof p, "%s/adapter_config.json", dir);
-    return access(p, F_OK) == 0;
-}
+/* 1 if DIR is a run's last_save_in_hf output (an HF model directory or a
+ * LoRA run's PEFT adapter), not a training checkpoint: ckpt_dir_kind, whose
+ * rule (a checkpoint that lost its manifest still holds config.toml) keeps a
+ * damaged checkpoint from being stepped over as an export. */
+static int is_hf_export(const char *dir) { return ckpt_dir_kind(dir) != CKPT_DIR_CHECKPOINT; }
 
 /* Runs with frozen tensors (LoRA, training.freeze) checkpoint the trained
  * tensors only, with their moments: the frozen ones never change, so the run
@@ -382,12 +370,22 @@ static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_e
     const ct_config *c = &t->cfg;
     char damaged[512] = "";
     size_t dlen = 0;
-    int n_damaged = 0;
+    int n_damaged = 0, export_step = -1;
     for (int i = n - 1; i >= 0 && p->kind == PICK_NONE; i--) {
         snprintf(p->dir, sizeof p->dir, "%s/step-%d", t->ckpt_folder, steps[i]);
         p->step = steps[i];
         if (is_hf_export(p->dir)) {
             if (steps[i] >= c->steps) p->kind = PICK_COMPLETE;
+            /* a finished run extended (training.steps raised): its final save is a
+             * model, not damage, but it cannot be resumed; say what happens instead */
+            else if (export_step < 0 && t->world->rank == 0)
+                fprintf(stderr,
+                        "ctitan: note: %s is %s, the final save of a run that ended at step %d: it holds no optimizer "
+                        "state, so training.steps = %d continues from the newest training checkpoint before it and "
+                        "trains the steps after that again (if step %d is saved again, the export is kept as "
+                        "hf-step-%d)\n",
+                        p->dir, ckpt_dir_kind_name(ckpt_dir_kind(p->dir)), steps[i], c->steps, steps[i], steps[i]);
+            if (steps[i] < c->steps && export_step < 0) export_step = steps[i];
             continue;
         }
         ct_err ve = {0};
@@ -409,6 +407,12 @@ static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_e
         if (mo && steps[i] >= c->steps && steps[i] > 0) p->kind = PICK_COMPLETE;
         else if (!mo || steps[i] == 0) p->kind = PICK_LOAD; /* a model-only save mid-run cannot be resumed */
     }
+    if (p->kind == PICK_NONE && export_step >= 0 && !n_damaged && t->world->rank == 0)
+        fprintf(stderr,
+                "ctitan: warning: %s holds no training checkpoint before the final save step-%d: training starts at "
+                "step 0 (to train that model further instead, start a new checkpoint.folder with "
+                "checkpoint.initial_load_path = %s/step-%d)\n",
+                t->ckpt_folder, export_step, t->ckpt_folder, export_step);
     if (p->kind == PICK_NONE && n_damaged)
         return ct_fail(e, CT_ERR_FORMAT,
                        "%s: no checkpoint to resume from: %d damaged (%s; each file named above), none intact; not "
@@ -666,7 +670,9 @@ static int put_hf(void *ctx, const lm_model *fm, int i0, int i1, const float *x,
 
 /* Written like a checkpoint (save_gather: every rank takes part, rank 0
  * writes unit by unit), the files hf_save's: the tensors as st_write_dir
- * would shard them (5 GiB), then config.json with torch_dtype. */
+ * would shard them (5 GiB), then config.json with torch_dtype, and what
+ * `ctitan export` adds beside them (hf_copy_assets, hf_keep_token_ids): all
+ * in the temp dir, so the export appears whole or not at all. */
 int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, const char *torch_dtype,
                           ct_err *e) {
     int rank0 = t->world->rank == 0, step = t->step, rc = 0;
@@ -699,6 +705,16 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
         else rc = st_dir_stream_close(out, e);
         snprintf(p, sizeof p, "%s/config.json", tmp);
         if (!rc) rc = lm_config_write_hf(&fm->cfg, p, torch_dtype, e);
+        /* as save_pretrained leaves a fine-tuned model (and `ctitan export` its
+         * output): the tokenizer and generation files of the model the run
+         * started from, and its end-of-text ids in config.json, so generate
+         * (transformers' or ctitan's) stops where it should and the directory
+         * serves as model.hf_assets_path of a next run */
+        const ct_config *c = &t->cfg;
+        const char *assets = c->hf_assets_path[0] ? cfg_hf_dir(c) : NULL;
+        const char *id_src[] = {assets, c->initial_load_path[0] ? cfg_initial_dir(c) : NULL};
+        if (!rc && assets && hf_copy_assets(assets, tmp, NULL, e) < 0) rc = e && e->code ? e->code : CT_ERR_IO;
+        if (!rc) rc = hf_keep_token_ids(p, id_src, 2, e);
         if (!rc && access(dir, F_OK) == 0 && !is_hf_export(dir) &&
             snprintf(dir, 4096, "%s/hf-step-%d", folder, step) >= 4096)
             rc = ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");

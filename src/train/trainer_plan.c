@@ -65,9 +65,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     double w = 4.0 * (double)widened, x = 4.0 * (double)lm_expert_lora_scratch_floats(&mc);
     fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
             n / 1e9, B, c->seq_len, c->ac_mode);
-    if (trained != n)
-        fprintf(out, "  trained: %zu parameters (%.3f%%%s), frozen: %zu (no gradient, no moments)\n", trained,
-                100.0 * trained / n, c->lora_rank > 0 ? ", LoRA adapters and modules_to_save" : "", n - trained);
+    if (trained != n) trainer_print_trained(out, "  ", trained, n, c->lora_rank > 0);
     plan_dry_line(out, in_bf16 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
     plan_dry_line(out, trained < n ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
     plan_dry_line(out, trained < n ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);

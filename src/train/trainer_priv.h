@@ -44,6 +44,10 @@ void trainer_checkpoint_event(trainer *t, const char *kind, const char *dir, dou
 /* The final HF export of the run to folder/step-N (or hf-step-N beside a
  * training checkpoint of the same step); dir gets the path. Collective. */
 int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, const char *torch_dtype, ct_err *e);
+/* "PREFIXtrained: N parameters (P%) of M, frozen: F (...)", PEFT's
+ * print_trainable_parameters: the run's start-up log and the dry run
+ * (lora: name what is trained) print the same line. */
+void trainer_print_trained(FILE *out, const char *prefix, size_t trained, size_t total, int lora);
 /* [profiling] enable_memory_snapshot at step `step`: what the dry run plans
  * for this rank's model beside what its buffers hold resident now, written
  * under save_memory_snapshot_folder/iteration_N (trainer_plan.c). */
