@@ -513,6 +513,16 @@ static int initial_weights(trainer *t, ct_err *e) {
                            cfg_origin_any(c, "checkpoint.initial_load_path,checkpoint.initial_load_in_hf"),
                            c->initial_load_path);
         rc = hf_load_each(t->load.whole, cfg_initial_dir(c), &t->load.sink, e);
+        if (rc == CT_ERR_FORMAT && strcmp(c->model_spec, "hf") &&
+            (strstr(e->msg, "the model expects") || strstr(e->msg, "missing tensor"))) {
+            /* the usual cause: the native flavor (the default debugmodel) beside published
+             * weights of another size or family, where model.spec = "hf" was meant */
+            size_t n = strlen(e->msg);
+            snprintf(e->msg + n, sizeof e->msg - n,
+                     "; the model is model.flavor = \"%s\" of model.spec = \"%s\": to build it from the "
+                     "checkpoint's own config.json, set model.spec = \"hf\"",
+                     c->model_flavor, c->model_spec);
+        }
     } else {
         lm_init_random_each(t->load.whole, (uint64_t)c->seed, &t->load.sink);
     }

@@ -205,3 +205,16 @@ def test_describe_a_folder_without_config_json(tmp_path, run_ctitan):
     other.mkdir()
     rc, _, err = run_ctitan(["describe", other], check=False)
     assert rc == 2 and "Hugging Face model directory" in err and "hf_assets_path" not in err, (rc, err)
+
+
+def test_hf_weights_into_the_native_flavor_point_at_model_spec_hf(base, run_ctitan):
+    """Published weights loaded into the native model (model.spec = "qwen3", the default
+    debugmodel flavor) failed on the first tensor's shape (exit 3) with no word of the usual
+    cause: model.spec = "hf" forgotten. The message now says which model was built and the key
+    that builds it from the checkpoint's config.json."""
+    conf = oracle.write_toml(base["tmp"] / "t.toml", base["sections"])
+    rc, _, err = run_ctitan(["train", "--config", conf, "--model.spec=qwen3"], check=False)
+    assert rc == 3 and "the model expects" in err, (rc, err)
+    assert 'model.flavor = "debugmodel" of model.spec = "qwen3"' in err and 'set model.spec = "hf"' in err, err
+    rc, _, err = run_ctitan(["train", "--config", conf], check=False)  # spec hf: no hint where it trains
+    assert rc == 0 and 'set model.spec = "hf"' not in err, (rc, err)
