@@ -184,6 +184,26 @@ static int gen_file_exists(const char *dir, const char *name) {
     return ok;
 }
 
+/* --checkpoint naming a PEFT adapter: an adapter folder, or a LoRA run's
+ * training checkpoint, whose model.safetensors holds only what was trained.
+ * Its weights alone are no model, so the error says where the adapter goes;
+ * out gets "" when dir holds no adapter_config.json. */
+static void gen_adapter_hint(const char *dir, char *out, size_t cap) {
+    out[0] = 0;
+    if (!gen_file_exists(dir, "adapter_config.json")) return;
+    char *p = fs_join(dir, "adapter_config.json");
+    ct_err ignore = {0}; /* unreadable: the hint goes without the base's name */
+    cJSON *o = json_parse_file(p, 1 << 20, &ignore);
+    free(p);
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(o, "base_model_name_or_path");
+    snprintf(out, cap,
+             " (%s holds a LoRA adapter, adapter_config.json: give the base model%s%s%s as --checkpoint and %s as "
+             "--adapter)",
+             dir, cJSON_IsString(b) && b->valuestring[0] ? " (" : "", cJSON_IsString(b) ? b->valuestring : "",
+             cJSON_IsString(b) && b->valuestring[0] ? ")" : "", dir);
+    cJSON_Delete(o);
+}
+
 static int gen_id_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
 /* "1 2, 3" -> ids; 2 on anything else. The grammar: non-negative decimal
@@ -371,10 +391,18 @@ int cli_generate(int argc, char **argv) {
     a.checkpoint = ck_loc.dir;
     if (a.tokenizer) a.tokenizer = tok_loc.dir;
     if (a.prompt_ids) (void)gen_parse_ids(a.prompt_ids, &prompt); /* checked above */
+    char adapter_hint[2 * 4096 + 1400];
+    gen_adapter_hint(a.checkpoint, adapter_hint, sizeof adapter_hint);
     if (!gen_file_exists(a.checkpoint, "config.json")) {
         tok_ids_free(&prompt);
-        return cli_fail(1, "%s/config.json: not found (--checkpoint must be a Hugging Face model directory)",
-                            a.checkpoint);
+        return cli_fail(1, "%s/config.json: not found (--checkpoint must be a Hugging Face model directory)%s",
+                        a.checkpoint, adapter_hint);
+    }
+    if (adapter_hint[0] && gen_file_exists(a.checkpoint, "manifest.json")) {
+        /* a LoRA run's training checkpoint: config.json is the base's, the weights are the adapter's */
+        tok_ids_free(&prompt);
+        return cli_fail(1, "%s: a LoRA run's training checkpoint holds no base weights%s", a.checkpoint,
+                        adapter_hint);
     }
 
     ct_err e = {0};

@@ -218,3 +218,24 @@ def test_hf_weights_into_the_native_flavor_point_at_model_spec_hf(base, run_ctit
     assert 'model.flavor = "debugmodel" of model.spec = "qwen3"' in err and 'set model.spec = "hf"' in err, err
     rc, _, err = run_ctitan(["train", "--config", conf], check=False)  # spec hf: no hint where it trains
     assert rc == 0 and 'set model.spec = "hf"' not in err, (rc, err)
+
+
+def test_generate_on_an_adapter_folder_says_where_it_goes(base, run_ctitan):
+    """`generate --checkpoint` on a PEFT adapter folder said only "config.json: not found", and on a
+    LoRA run's training checkpoint (config.json of the base, model.safetensors of the adapter)
+    "missing tensor model.embed_tokens.weight". Both now say to give the base as --checkpoint
+    and the folder as --adapter, naming the base the adapter records."""
+    import json
+    ad = base["tmp"] / "adapter"
+    ad.mkdir()
+    (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "org/base"}))
+    rc, _, err = run_ctitan(["generate", "--checkpoint", ad, "--prompt-ids", "1 2", "--ids"], check=False)
+    assert rc == 1 and "config.json: not found" in err, (rc, err)
+    assert "give the base model (org/base) as --checkpoint and" in err and f"{ad} as --adapter" in err, err
+    ck = base["tmp"] / "step-4"  # as a LoRA run saves one: the base's config.json, a manifest, the adapter
+    ck.mkdir()
+    (ck / "config.json").write_text((base["hf"] / "config.json").read_text())
+    (ck / "manifest.json").write_text("{}")
+    (ck / "adapter_config.json").write_text((ad / "adapter_config.json").read_text())
+    rc, _, err = run_ctitan(["generate", "--checkpoint", ck, "--prompt-ids", "1 2", "--ids"], check=False)
+    assert rc == 1 and "training checkpoint holds no base weights" in err and f"{ck} as --adapter" in err, (rc, err)
