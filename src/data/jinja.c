@@ -11,6 +11,7 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -2002,6 +2003,74 @@ static long long length_of(rctx *R, int line, jv *v) {
 static int apply_test(rctx *R, int line, const char *t, jv *x, jv **v, int nargs);
 static jv *iter_list(rctx *R, int line, jv *x);
 
+/* The byte length of the whitespace code point at s as int() and float() strip it (str.isspace()
+ * less U+001C-U+001F), 0 when none. */
+static size_t int_space(const char *s, size_t n) {
+    if (!n) return 0;
+    size_t l;
+    uint32_t c = u8_dec(s, n, &l);
+    return py_space(c) && !(c >= 0x1c && c <= 0x1f) ? l : 0;
+}
+
+/* Digits with single underscores between them (Python's digitpart), copied without the
+ * underscores into *o; the count of bytes read, 0 when none match. */
+static size_t py_digits(const char *s, size_t n, char **o) {
+    size_t i = 0;
+    while (i < n && s[i] >= '0' && s[i] <= '9') {
+        *(*o)++ = s[i++];
+        if (i + 1 < n && s[i] == '_' && s[i + 1] >= '0' && s[i + 1] <= '9') i++;
+    }
+    return i;
+}
+
+/* jinja2's |int on a string: int(s, 10), else int(float(s)), else 0 (nan, inf and
+ * overflowing floats included, as OverflowError is caught too). Digits outside ASCII
+ * (which Python also reads) are not. */
+static long long py_str_int(rctx *R, int line, const char *s) {
+    size_t n = strlen(s), k;
+    while ((k = int_space(s, n))) s += k, n -= k;
+    while (n > 0) { /* trailing space: the last code point */
+        size_t b = n - 1;
+        while (b > 0 && ((uint8_t)s[b] & 0xC0) == 0x80) b--;
+        if (int_space(s + b, n - b) != n - b) break;
+        n = b;
+    }
+    char *buf = ar_alloc(R->a, n + 2), *o = buf;
+    size_t i = 0;
+    if (i < n && (s[i] == '+' || s[i] == '-')) *o++ = s[i++];
+    size_t d = py_digits(s + i, n - i, &o);
+    i += d;
+    if (d && i == n) { /* an integer */
+        *o = 0;
+        errno = 0;
+        long long v = strtoll(buf, NULL, 10);
+        if (errno == ERANGE) jfail(R->f, line, "'%s' | int: the value is outside the 64-bit integer range", s);
+        return v;
+    }
+    /* a float: digitpart ['.' [digitpart]] | '.' digitpart, then [e [sign] digitpart] */
+    size_t f = 0;
+    if (i < n && s[i] == '.') {
+        *o++ = s[i++];
+        f = py_digits(s + i, n - i, &o);
+        i += f;
+    }
+    if (!d && !f) return 0; /* inf, infinity, nan: float() reads them, int() of that fails (caught) */
+    if (i < n && (s[i] == 'e' || s[i] == 'E')) {
+        *o++ = s[i++];
+        if (i < n && (s[i] == '+' || s[i] == '-')) *o++ = s[i++];
+        size_t x = py_digits(s + i, n - i, &o);
+        if (!x) return 0;
+        i += x;
+    }
+    if (i != n) return 0;
+    *o = 0;
+    double v = strtod(buf, NULL);
+    if (isinf(v)) return 0; /* '1e400': float() gives inf, int() an OverflowError, caught */
+    if (!(v > -9223372036854775808.0 && v < 9223372036854775808.0))
+        jfail(R->f, line, "'%s' | int: the value is outside the 64-bit integer range", s);
+    return (long long)v;
+}
+
 static jv *filter(rctx *R, expr *e) {
     jv *x = eval(R, e->a);
     jv **v = eval_args(R, e);
@@ -2124,12 +2193,13 @@ static jv *filter(rctx *R, expr *e) {
     if (!strcmp(f, "int")) {
         check_args(R, e, f, 0, NULL);
         if (x->k == JV_INT || x->k == JV_BOOL) return mk_int(R->a, x->i);
-        if (x->k == JV_FLOAT) return mk_int(R->a, (long long)x->f);
-        if (x->k == JV_STR) {
-            char *end;
-            long long i = strtoll(x->s, &end, 10);
-            return mk_int(R->a, *end ? 0 : i);
+        if (x->k == JV_FLOAT) {
+            if (isnan(x->f)) return mk_int(R->a, 0);
+            if (!(x->f > -9223372036854775808.0 && x->f < 9223372036854775808.0))
+                jfail(R->f, line, "%g | int: the value is outside the 64-bit integer range", x->f);
+            return mk_int(R->a, (long long)x->f);
         }
+        if (x->k == JV_STR) return mk_int(R->a, py_str_int(R, line, x->s));
         return mk_int(R->a, 0);
     }
     jfail(R->f, line, "the filter '%s' is outside the supported Jinja subset", f);

@@ -11,13 +11,14 @@ Smaller templates exercise the Jinja subset one construct at a time against tran
 own jinja2 environment, and constructs outside the subset must fail naming the file.
 """
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILD = ROOT / "build"
+BUILD = ROOT / os.environ.get("CTITAN_BUILD", "build")  # another build tree, as conftest.py
 DATA = ROOT / "tests" / "data" / "chat_templates"
 TEMPLATES = sorted(p.name for p in DATA.iterdir() if (p / "tokenizer_config.json").exists())
 
@@ -231,6 +232,31 @@ SNIPPETS = [
     ("{{ strftime_now('%Y-%m') }} {{ strftime_now is defined }} {{ raise_exception is defined }}", {}),
     ("{% set x %}block {{ 1 + 1 }}{% endset %}[{{ x }}] {% for m in ms %}{% generation %}{{ m }}"
      "{% endgeneration %}-{% endfor %}", {"ms": ["a", "bc"]}),
+    # loop.revindex0 / previtem / nextitem: undefined (printed empty, `is defined` false) on the first /
+    # last iteration; over a filtered loop they follow the kept items; a one-item loop has neither
+    ("{% for x in xs %}{{ loop.revindex0 }}{{ loop.revindex }}<{{ loop.previtem }}>{{ loop.previtem is defined }}"
+     "<{{ loop.nextitem }}>{{ loop.nextitem is defined }}|{% endfor %}"
+     "{% for x in xs if x != 'b' %}{{ loop.revindex0 }}{{ loop.previtem | default('-') }}"
+     "{{ loop.nextitem | default('-') }};{% endfor %}"
+     "{% for x in ys %}{{ loop.revindex0 }}{{ loop.previtem is defined }}{{ loop.nextitem is defined }}{% endfor %}",
+     {"xs": ["a", "b", "c", "d"], "ys": ["only"]}),
+    ("{% for x in xs %}{% if loop.previtem is defined and loop.previtem == x %}={% else %}{{ x }}{% endif %}"
+     "{% if loop.nextitem is undefined %}.{% endif %}{% endfor %}", {"xs": [1, 1, 2, 2, 2, 3]}),
+    # |int: Python's int(), then int(float()) ('3.5' -> 3), else 0 ('12x', 'abc', '')
+    ("{{ '12x' | int }} {{ '3.5' | int }} {{ 'abc' | int }} {{ '' | int }} {{ '-7' | int }} {{ '+5' | int }} "
+     "{{ '-2.9' | int }} {{ ' 12 ' | int }} {{ 3.9 | int }} {{ -3.9 | int }} {{ true | int }} {{ none | int }} "
+     "{{ '7' | int + 1 }} {{ n | int }} {{ s | int }}", {"n": 42, "s": "0042"}),
+    ("{% for v in vs %}{{ v | int }},{% endfor %}",
+     {"vs": ["1_000", "1__0", "_1", "1_", "1_0.5", ".5", "5.", ".", "1e3", "1E+2", "-.5e1", "1.5e", "e5", "+-1",
+             "1.2.3", "0x10", "inf", "-Infinity", "nan", "1e400", "\u00a012\u3000", "\t\n 8 \r\v\f", "\u200b12",
+             "9223372036854775807", "-9223372036854775808", "1e18", "-0.99", "12 3", " \x1c1"]}),
+    # default(v, boolean): with boolean false only an undefined value is replaced; with true any falsy one
+    ("[{{ '' | default('d', false) }}][{{ none | default('d', false) }}][{{ 0 | default('d', false) }}]"
+     "[{{ '' | default('d', true) }}][{{ none | default('d', true) }}][{{ 0 | default('d', true) }}]"
+     "[{{ [] | default('d', true) | length }}][{{ 'v' | default('d', true) }}][{{ false | default('d') }}]"
+     "[{{ u | default('d') }}][{{ u | default('d', false) }}][{{ u | default('d', true) }}][{{ u | d('x') }}]"
+     "[{{ m.missing | default('dm') }}][{{ m.empty | default('de', false) }}][{{ m.empty | default('de', true) }}]",
+     {"m": {"empty": ""}}),
     ("{{ messages[0]['content'] }}{{ messages[5] is defined }}{{ (messages | length) - 1 }}"
      "{{ messages[-1].role }}{{ messages[1:][0].role }}", {"messages": [{"role": "a", "content": "x"},
                                                                     {"role": "b", "content": "y"}]}),
