@@ -153,6 +153,56 @@ def test_generation_markers_match_transformers_mask(family, run_ctitan, tmp_path
     assert (got == np.asarray(ids)).all() and (msk == np.asarray(mask)).all()
 
 
+# A reply rendered with a different closer when the conversation is cut right after the next message
+# (Llama 3.1 closes a turn that awaits a tool result with <|eom_id|>; here keyed on the conversation's
+# last message being the tool result): the rendering through the next message (N) parts from the one
+# through the reply (Q) inside the reply's closer, while the whole conversation (T) renders the reply
+# as Q does. Only end-of-conversation text may be cut from Q there (T must end with it), so the reply
+# keeps its whole closer (with the newline the assistant turns alone get, T does not end with Q's rest).
+PENDING_GEN = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+               "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}"
+               "{% if messages[-1]['role'] == 'ipython' %}<|eom_id|>{% else %}<|eot_id|>{% endif %}{{ '\\n' }}"
+               "{% endgeneration %}{% else %}{{ m['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+PENDING_CONVS = [
+    [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "get_weather(Oslo)"},
+     {"role": "ipython", "content": "rain, 4C"}, {"role": "user", "content": "And tomorrow?"}],
+    [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "get_weather(Oslo)"},
+     {"role": "ipython", "content": "rain, 4C"}, {"role": "assistant", "content": "Rainy, 4 degrees."},
+     {"role": "user", "content": "Thanks"}],
+]
+
+
+@pytest.mark.parametrize("family", ["llama3"], indirect=True)
+def test_closer_cut_only_at_the_conversation_end(family, run_ctitan, tmp_path):
+    """The template without markers (ctitan locates the replies) gives transformers' mask of the same
+    template with {% generation %} markers (return_assistant_tokens_mask)."""
+    name, tokdir, tok = family
+    plain = PENDING_GEN.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    ids, mask = [], []
+    for conv in PENDING_CONVS:
+        assert tok.apply_chat_template(conv, chat_template=plain, tokenize=False) == \
+            tok.apply_chat_template(conv, chat_template=PENDING_GEN, tokenize=False)
+        # the case: Q and N part inside the first reply's closer, T renders it as Q
+        q = tok.apply_chat_template(conv[:2], chat_template=plain, tokenize=False)
+        n = tok.apply_chat_template(conv[:3], chat_template=plain, tokenize=False)
+        t = tok.apply_chat_template(conv, chat_template=plain, tokenize=False)
+        k = next(j for j, (a, b) in enumerate(zip(q, n)) if a != b)
+        assert t.startswith(q) and "<|eom_id|>" in n and q.rindex("get_weather") < k < len(q)
+        assert "\n" in q[k:] and not t.endswith(q[k:])  # cutting Q at k would drop the closer's newline
+        o = tok.apply_chat_template(conv, chat_template=PENDING_GEN, tokenize=True, return_dict=True,
+                                    return_assistant_tokens_mask=True)
+        ids += list(o["input_ids"]) + [tok.convert_tokens_to_ids(tok.eos_token)]
+        mask += list(o["assistant_masks"]) + [0]
+    tmpl = tmp_path / "pending.jinja"
+    tmpl.write_text(plain)
+    _, _, got, msk = prepare(run_ctitan, tokdir, PENDING_CONVS, tmp_path / "pending", "--chat-template", tmpl)
+    assert len(got) == len(ids) and (got == np.asarray(ids)).all(), "ids differ from HF's"
+    bad = np.nonzero(msk != np.asarray(mask))[0]
+    assert not len(bad), f"mask differs from transformers' at {bad[:10]}: " + \
+        str([(tok.convert_ids_to_tokens(int(got[b])), int(msk[b]), mask[b]) for b in bad[:10]])
+
+
 # one tokenizer is enough for the error paths
 @pytest.mark.parametrize("family", ["mistral"], indirect=True)
 def test_template_errors(family, run_ctitan, tmp_path):

@@ -476,6 +476,51 @@ def test_other_pipelines(toklib, docs, tmp_path, variant):
         c.close()
 
 
+def test_duplicate_merge_later_rank_wins(toklib, tmp_path):
+    """A pair listed twice in the merges takes the rank of its LAST occurrence, as HF's merge map
+    (later insert replaces). Merges [(b,c), (a,b), (b,c)]: (a,b) outranks (b,c), so HF encodes
+    "abc" as [ab, c]; keeping the earlier rank would give [a, bc]. Both file forms: tokenizer.json
+    (HF's own writer drops the duplicate, so the file is written here) and vocab.json + merges.txt."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4, "abc": 5}
+    merges = [["b", "c"], ["a", "b"], ["b", "c"]]
+    texts = ["abc", "bc", "ab", "abcabc", "cabc", "abcbc", "aabbcc", "bcab", "babc"]
+    j = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                           "use_regex": True},
+         "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": False,
+                                             "trim_offsets": True, "use_regex": False},
+         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                   "ignore_merges": False, "vocab": vocab, "merges": merges}}
+    legacy = json.loads(json.dumps(j))
+    legacy["model"]["merges"] = [" ".join(m) for m in merges]  # the older "a b" string form
+    files = {}
+    for name, doc in (("list_form", j), ("string_form", legacy)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "tokenizer.json").write_text(json.dumps(doc))
+        files[name] = (d, Tokenizer.from_file(str(d / "tokenizer.json")))
+    d = tmp_path / "vocab_merges"
+    d.mkdir()
+    (d / "vocab.json").write_text(json.dumps(vocab))
+    (d / "merges.txt").write_text("#version: 0.2\n" + "".join(" ".join(m) + "\n" for m in merges))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": None}))
+    hf = Tokenizer(models.BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    files["vocab_merges"] = (d, hf)
+    for name, (d, hf) in files.items():
+        assert hf.encode("abc").ids == [vocab["ab"], vocab["c"]], name  # the oracle's rule, as stated
+        c = CTokenizer(toklib, d)
+        try:
+            for s in texts:
+                assert c.encode(s.encode()) == hf.encode(s).ids, f"{name}: {s!r}: ours {c.encode(s.encode())} " \
+                                                                  f"HF {hf.encode(s).ids}"
+        finally:
+            c.close()
+
+
 def test_malformed_files(toklib, qwen, tmp_path):
     """Broken files fail with a message naming the file and the field."""
     _, hf = qwen
