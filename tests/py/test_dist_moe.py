@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import oracle
-from test_dist import STEPS, assert_same_run, run, train_args, weights
+from test_dist import STEPS, assert_same_run, losses, run, train_args, weights
 
 P = "--parallelism."
 
@@ -78,6 +78,10 @@ def grad_norms(out):
     return {r["step"]: r["grad_norm"] for r in oracle.read_metrics(out / "metrics.jsonl") if "grad_norm" in r}
 
 
+def aux_losses(out):
+    return {r["step"]: r["aux_loss"] for r in oracle.read_metrics(out / "metrics.jsonl") if "aux_loss" in r}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_layout_matches_one_rank(moe_setup, name):
     d, data, ref = moe_setup
@@ -98,6 +102,37 @@ def test_moe_layout_matches_one_rank(moe_setup, name):
     assert set(got) == set(want) == set(range(1, STEPS + 1))
     for s in want:
         assert abs(got[s] - want[s]) <= 1e-5 * want[s], f"{name}: step {s} grad_norm {got[s]!r} vs {want[s]!r}"
+
+
+def _micro1(args):
+    """train_args with one sequence per micro-batch (the step's 8 sequences as 8 micro-batches)."""
+    out = [a for a in args if not a.startswith("--training.local_batch_size=")]
+    assert len(out) == len(args) - 1
+    return out + ["--training.local_batch_size=1"]
+
+
+@pytest.mark.parametrize("name", ["dp4", "tp2_fsdp2_ep2"])
+def test_moe_logged_aux_loss_matches_one_rank(moe_setup, name):
+    """metrics.jsonl's aux_loss (the load-balancing loss, logged although this model's
+    gradient leaves it out) is the mean over the step's micro-batches of every rank, so each
+    step equals one process's to 1e-5, not dp times it. The loss is a function of each
+    micro-batch's tokens and the layouts split a step's sequences into micro-batches
+    differently, so both runs here take one sequence per micro-batch: the same 8 per step
+    (the losses equal, as test_moe_layout_matches_one_rank checks), the same mean."""
+    d, data, _ = moe_setup
+    ref = d / "aux_single_mb1"
+    if not (ref / "metrics.jsonl").exists():
+        run(1, _micro1(train_args(d / "model_moe", data, ref)))
+    n, dp, args = LAYOUTS[name]
+    out = d / f"aux_{name}_mb1"
+    run(n, _micro1(train_args(d / "model_moe", data, out, *args, dp=dp)))
+    got, want = losses(out), losses(ref)
+    assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in want), f"{name}: losses {got} vs {want}"
+    got, want = aux_losses(out), aux_losses(ref)
+    assert set(got) == set(want) == set(range(1, STEPS + 1)), f"{name}: aux_loss steps {sorted(got)}"
+    for s in want:
+        assert want[s] > 0 and abs(got[s] - want[s]) <= 1e-5 * want[s], \
+            f"{name}: step {s} aux_loss {got[s]!r} vs one rank {want[s]!r}"
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_fsdp2_ep2"])

@@ -297,3 +297,42 @@ def test_oracle_partial_rotary_scaled_fails(r):
     with pytest.raises(RuntimeError, match="must match the size"):
         with torch.no_grad():
             model(input_ids=tokens)
+
+
+# --------------------------------------------------------------------------- 6. Qwen's sliding layers from max_window_layers
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_sliding_layers_without_layer_types(family, tmp_path, open_session, run_ctitan):
+    """A Qwen config.json without "layer_types" (save_pretrained always writes it, so every
+    other case reads the list; older published files lack it): transformers derives the
+    sliding layers from use_sliding_window and max_window_layers (layers i >=
+    max_window_layers slide), and so must ctitan: describe's per-layer windows and the
+    logits at T = 16 > sliding_window against the model transformers loads from the file."""
+    import json
+    from transformers import AutoConfig
+
+    kw = dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    if family == "qwen3":
+        kw["head_dim"] = 16
+    model = of.build(of.Case(f"{family}_swa6_no_layer_types", family, kw))
+    d = of.save(model, tmp_path / "hf")
+    conf = of.config_json(d)
+    assert "layer_types" in conf  # written by save_pretrained: removed to reach the legacy rule
+    del conf["layer_types"]
+    (d / "config.json").write_text(json.dumps(conf, indent=2))
+
+    hf_types = AutoConfig.from_pretrained(d).layer_types
+    want = [6 if t == "sliding_attention" else 0 for t in hf_types]
+    assert want == [0, 6, 6], hf_types  # transformers' rule: i >= max_window_layers
+    _, out, _ = run_ctitan(["describe", d, "--json"])
+    got = [layer["sliding_window"] for layer in json.loads(out)["layers"]]
+    assert got == want, f"ctitan's per-layer windows {got}, transformers' {want} ({hf_types})"
+
+    ref = of.load(d, family)
+    assert list(ref.config.layer_types) == list(hf_types)
+    T = 16
+    tokens, _ = of.batch(ref, B, T, seed=5)
+    s = open_session(hf_session_args(d, batch=B, seq_len=T))
+    err = oracle.rel_err(s.logits(tokens), of.logits(ref, family, tokens))
+    assert err <= TOL, f"logits rel err {err:.3g}"

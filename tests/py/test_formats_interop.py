@@ -84,6 +84,37 @@ int main(int argc, char **argv) {
         if (rc) { fprintf(stderr, "%s\n", e.msg); return 1; }
         return 0;
     }
+    if (argc == 4 && strcmp(argv[1], "tof32") == 0) {
+        /* the file's first tensor converted to fp32 by ct_convert_to_f32 (the loaders'
+         * conversion), raw little-endian floats written to argv[3] */
+        st_file *f = st_open(argv[2], &e);
+        if (!f) { fprintf(stderr, "%s\n", e.msg); return 1; }
+        const st_tensor *t = st_get(f, 0);
+        size_t n = t->nbytes / ct_dtype_size(t->dtype);
+        float *y = malloc((n + 1) * sizeof *y);
+        if (ct_convert_to_f32(y, t->data, t->dtype, n)) { fprintf(stderr, "not a float type\n"); return 1; }
+        FILE *o = fopen(argv[3], "wb");
+        if (!o || fwrite(y, sizeof *y, n, o) != n || fclose(o)) { fprintf(stderr, "write failed\n"); return 1; }
+        free(y);
+        st_close(f);
+        return 0;
+    }
+    if (argc == 4 && strcmp(argv[1], "writef16") == 0) {
+        /* raw fp32 values from argv[2] written by st_write as one F16 tensor "x" */
+        FILE *in = fopen(argv[2], "rb");
+        if (!in) { fprintf(stderr, "open failed\n"); return 1; }
+        fseek(in, 0, SEEK_END);
+        long nb = ftell(in);
+        fseek(in, 0, SEEK_SET);
+        size_t n = (size_t)nb / 4;
+        float *x = malloc((n + 1) * sizeof *x);
+        if (fread(x, 4, n, in) != n) { fprintf(stderr, "read failed\n"); return 1; }
+        fclose(in);
+        st_wtensor ts[] = {{"x", CT_F16, CT_F32, 1, {(int64_t)n}, x}};
+        if (st_write(argv[3], ts, 1, NULL, &e)) { fprintf(stderr, "%s\n", e.msg); return 1; }
+        free(x);
+        return 0;
+    }
     if (argc == 3 && strcmp(argv[1], "npy") == 0) {
         uint32_t *v; size_t n;
         if (npy_read_u32(argv[2], &v, &n, &e)) { fprintf(stderr, "%s\n", e.msg); return 1; }
@@ -295,3 +326,98 @@ def test_npy_rejections(helper, tmp_path, arr, needle):
     r = run(helper, "npy", p, ok=False)
     assert r.returncode == 1
     assert str(p) in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_f16_read_every_bit_pattern_as_numpy(helper, tmp_path):
+    """Every finite f16 bit pattern (subnormals, zeros of both signs, normals up to 65504),
+    written by safetensors.numpy and converted to fp32 by ctitan's loader conversion, is
+    bit for bit numpy's float16 -> float32 (exact: every f16 value is an f32 value)."""
+    from safetensors.numpy import save_file
+
+    bits = np.arange(65536, dtype=np.uint16)
+    h = bits.view(np.float16)
+    h = h[np.isfinite(h)]
+    assert h.size == 65536 - 2 * 1024  # 2 infs and 2046 NaNs left out
+    path = tmp_path / "all_f16.safetensors"
+    save_file({"x": h}, str(path))
+    out = tmp_path / "y.f32"
+    run(helper, "tof32", path, out)
+    got = np.fromfile(out, dtype=np.float32)
+    want = h.astype(np.float32)
+    assert got.shape == want.shape
+    bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, (f"{bad.size} f16 patterns differ, first: f16 bits 0x{int(h.view(np.uint16)[bad[0]]):04x} "
+                           f"-> {got[bad[0]]!r}, numpy {want[bad[0]]!r}")
+
+
+def test_f16_write_rounds_as_numpy(helper, tmp_path):
+    """ctitan's F16 writer rounds fp32 to nearest even as numpy's astype(float16) does, in
+    the subnormal range (the ties k * 2^-25, k odd: half an f16 subnormal ulp) as for the
+    normals (exact ties of the 13 dropped mantissa bits, both parities), overflow and
+    random values across the whole range."""
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(7)
+    k = np.arange(1, 2 * 2048, 2, dtype=np.float64)  # k * 2^-25 < 2^-13: subnormal ties and the
+    sub_ties = (k * 2.0 ** -25).astype(np.float32)  # ties around the smallest normal
+    near_ties = np.concatenate([np.nextafter(sub_ties, np.float32(0)), np.nextafter(sub_ties, np.float32(1))])
+    # normal ties: an f16 normal's bits widened to f32, plus exactly half an f16 ulp (bit 12)
+    hb = rng.integers(0x0400, 0x7bff, size=4000, dtype=np.uint16).view(np.float16).astype(np.float32)
+    norm_ties = (hb.view(np.uint32) | np.uint32(0x1000)).view(np.float32)
+    rand = np.concatenate([
+        rng.standard_normal(4000).astype(np.float32) * np.float32(10.0) ** rng.integers(-9, 5, 4000),
+        rng.uniform(-70000, 70000, 1000).astype(np.float32),
+        np.array([0.0, -0.0, 65504.0, 65519.996, 65520.0, 1e-8, 2.0 ** -25, 2.0 ** -24, 2.0 ** -14], np.float32),
+    ])
+    x = np.concatenate([sub_ties, -sub_ties, near_ties, norm_ties, -norm_ties, rand]).astype(np.float32)
+    raw = tmp_path / "x.f32"
+    x.tofile(raw)
+    path = tmp_path / "f16.safetensors"
+    run(helper, "writef16", raw, path)
+    got = load_file(str(path))["x"]
+    assert got.dtype == np.float16 and got.shape == x.shape
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    bad = np.flatnonzero(got.view(np.uint16) != want.view(np.uint16))
+    assert bad.size == 0, (f"{bad.size} values differ, first: {x[bad[0]]!r} -> 0x{int(got.view(np.uint16)[bad[0]]):04x}, "
+                           f"numpy 0x{int(want.view(np.uint16)[bad[0]]):04x}")
+
+
+def st_layout(path: Path):
+    """(header length, {name: (dtype, begin)}) of a safetensors file, read with struct/json."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8:8 + n])
+    head.pop("__metadata__", None)
+    return n, {k: (v["dtype"], v["data_offsets"][0]) for k, v in head.items()}
+
+
+ST_SIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
+            "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@pytest.mark.parametrize("mode", ["write", "writedir"])
+def test_written_files_are_aligned_as_safetensors_writes_them(helper, tmp_path, mode):
+    """safetensors' save_file pads the JSON header with spaces to a multiple of 8 bytes and
+    stores the data largest element size first, so every tensor starts (in the file and in
+    a mapping of it) at a multiple of its element size; ctitan's files (one file and
+    shards) must be laid out alike, the reference file showing the rule holds there too."""
+    from safetensors.numpy import save_file
+
+    ref = tmp_path / "ref.safetensors"
+    save_file({"a": np.zeros(3, np.uint8), "b": np.zeros(5, np.float16), "c": np.zeros(1, np.int64)}, str(ref))
+    files = [ref]
+    if mode == "write":
+        files.append(tmp_path / "c.safetensors")
+        run(helper, "write", files[-1], 0)
+    else:
+        d = tmp_path / "model"
+        run(helper, "writedir", d, 1000)
+        shards = sorted(d.glob("model-*.safetensors"))
+        assert len(shards) > 1
+        files += shards
+    for f in files:
+        n, layout = st_layout(f)
+        assert (8 + n) % 8 == 0, f"{f.name}: header of {n} bytes leaves the data at offset {8 + n}, not 8-aligned"
+        for name, (dtype, begin) in layout.items():
+            assert (8 + n + begin) % ST_SIZES[dtype] == 0, f"{f.name}: {name} ({dtype}) begins at {8 + n + begin}"

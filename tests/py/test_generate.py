@@ -263,6 +263,28 @@ def test_eos_stops_like_hf(tmp_path, gen):
     assert ids_of(out) == want
 
 
+def test_eos_list_stops_at_any_id_like_hf(tmp_path, gen):
+    """generation_config.json's eos_token_id as a list [x, e] (as Qwen/Llama-3 checkpoints
+    write it): generation ends at whichever id comes first, here e, the second of the list,
+    exactly where transformers' generate (reading the same file) stops."""
+    prompt = random_prompt(8, 300, seed=11)
+    free_run, _ = hf_greedy(make_model(tmp_path / "probe", seed=5), prompt)
+    e = free_run[5]
+    assert e not in free_run[:5]
+    x = next(t for t in range(1, 300) if t not in free_run)
+    model = make_model(tmp_path / "m", seed=5, eos=[x, e])
+    assert json.loads((tmp_path / "m" / "generation_config.json").read_text())["eos_token_id"] == [x, e]
+    hf_model = oracle.load_hf(tmp_path / "m")
+    inp = torch.tensor([prompt])
+    with torch.no_grad():
+        want = hf_model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
+                                 max_new_tokens=NEW, pad_token_id=0)[0, len(prompt):].tolist()
+    assert want == free_run[:6], "test setup: HF did not stop at the second EOS id"
+    del model
+    _, out, _ = gen(["--checkpoint", tmp_path / "m", "--prompt-ids", " ".join(map(str, prompt)), "--ids"])
+    assert ids_of(out) == want
+
+
 def test_max_tokens_and_prompt_id_separators(tmp_path, gen):
     model = make_model(tmp_path / "m", seed=7)
     prompt = random_prompt(5, 300, seed=2)

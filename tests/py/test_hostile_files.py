@@ -838,6 +838,47 @@ def test_transformers_unties_a_different_head(pristine, tmp_path):
     assert torch.equal(m.lm_head.weight, m.model.embed_tokens.weight)
 
 
+def test_tied_head_differing_only_in_its_last_row(tmp_path, run_ctitan):
+    """tie_word_embeddings true beside an lm_head.weight equal to the embedding except one
+    element of its last row (element 6117 of 192 x 32, past any first block a check might
+    stop at): transformers loads the two untied, as for the wholly different head above (the
+    model the files describe is not the tied one config.json names), so ctitan must refuse it
+    (exit 3, naming both) like cfg-tied-with-different-lm-head; the equal copy loads."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    cfg = oracle.tiny_config(vocab=192, hidden=32, inter=64, layers=1, heads=4, kv_heads=2, head_dim=16)
+    d = tmp_path / "hf"
+    oracle.save_random_hf(d, cfg, seed=41)
+    conf = json.loads((d / "config.json").read_text())
+    conf["tie_word_embeddings"] = True
+    (d / "config.json").write_text(json.dumps(conf))
+    st = d / "model.safetensors"
+    t = load_file(str(st))
+    emb = t["model.embed_tokens.weight"]
+    assert emb.numel() == 192 * 32 > 4096 + 32
+    args = ["generate", "--checkpoint", d, "--ids", "--prompt-ids", "1 2 3", "--max-tokens", "2"]
+
+    t["lm_head.weight"] = emb.clone()
+    save_file(t, str(st), metadata={"format": "pt"})
+    m = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+    assert torch.equal(m.lm_head.weight, m.model.embed_tokens.weight)
+    rc, _, err = run_ctitan(args, check=False)
+    assert rc == 0, f"the equal copy: exit {rc}\n{err[-2000:]}"
+
+    head = emb.clone()
+    head[-1, 5] += 0.25
+    t["lm_head.weight"] = head
+    save_file(t, str(st), metadata={"format": "pt"})
+    m = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+    assert not torch.equal(m.lm_head.weight, m.model.embed_tokens.weight), \
+        "transformers tied a different lm_head to the embedding: ctitan's refusal no longer matches it"
+    assert torch.equal(m.lm_head.weight, head)
+    rc, _, err = run_ctitan(args, check=False)
+    assert rc == 3, f"exit {rc}, want 3\n--- stderr\n{err[-3000:]}"
+    assert "lm_head.weight" in err and "tie_word_embeddings" in err, err[-3000:]
+
+
 @pytest.mark.parametrize("mutate", [st_float_offsets, st_float_shape], ids=["offsets", "shape"])
 def test_safetensors_refuses_float_numbers_too(mutate, pristine, tmp_path):
     """ctitan refuses a header whose offsets or shape are written as floats (exit 3 above); so

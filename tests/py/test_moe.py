@@ -197,6 +197,32 @@ def test_checkpoints_both_ways(tmp_path, open_session):
     assert abs(loss - ref["loss"]) <= TOL * abs(ref["loss"]), f"{loss} vs {ref['loss']}"
 
 
+def test_export_keeps_decoder_sparse_step(tmp_path, open_session):
+    """decoder_sparse_step 2 over 3 layers (layer 1 MoE, layers 0 and 2 dense): ctitan's export
+    loads in transformers with the same per-layer MoE/dense structure (nothing missing or
+    unexpected), the same decoder_sparse_step and the logits of the original model."""
+    cfg = oracle_moe.tiny_moe_config(layers=3, experts=4, top_k=3, sparse_step=2, tied=True, aux=True)
+    model = oracle_moe.build_moe_model(cfg, seed=11)
+    kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
+    assert kinds[0] == kinds[2] != kinds[1], kinds  # test setup: step 2 makes only layer 1 sparse
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(str(hf_dir))
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=13))
+    out = tmp_path / "export"
+    s.save_hf(out)
+    back = oracle.load_hf(out)  # asserts no missing / unexpected / mismatched weights
+    back.config._experts_implementation = "eager"
+    assert back.config.decoder_sparse_step == 2, json.loads((out / "config.json").read_text())
+    assert [type(layer.mlp).__name__ for layer in back.model.layers] == kinds
+    tokens, _ = make_batch(cfg.vocab_size, 2, 13, seed=6)
+    t = torch.as_tensor(tokens, dtype=torch.long)
+    with torch.no_grad():
+        want, got = model(input_ids=t).logits.float().numpy(), back(input_ids=t).logits.float().numpy()
+    assert oracle.rel_err(got, want) <= TOL
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"ctitan logits rel err {err:.3g}"
+
+
 def test_ten_steps(tmp_path, run_ctitan):
     """`ctitan train`: ten AdamW steps (2 micro-batches each, clipping, warmup + cosine)
     on a MoE model with a dense layer agree with the PyTorch loop, losses, grad norms and

@@ -184,6 +184,14 @@ CASES = [
     ("yarn-top-level-orig-wins", {**LLAMA, "original_max_position_embeddings": 1000,
                                   "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                                                       "original_max_position_embeddings": 2048}}, None, [16], "yarn"),
+    # head_dim 16, theta 10, original 1024: the high correction dim is 16 ln(1024 / 2 pi) / (2 ln 10)
+    # = 17.7, past dim - 1 = 15, where transformers clamps it (ceil 18 truncated, 17.7 not)
+    ("yarn-high-clamped", {**LLAMA, "hidden_size": 128, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 10.0, "original_max_position_embeddings": 1024}},
+     None, [16], "yarn"),
+    ("yarn-high-clamped-no-truncate", {**LLAMA, "hidden_size": 128, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 10.0, "truncate": False,
+        "original_max_position_embeddings": 1024}}, None, [16], "yarn"),
     ("yarn-partial", {**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.75,
                                                    "original_max_position_embeddings": 1024}}, None, [16], "yarn"),
     ("llama3-legacy-3.1-8b", {**LLAMA, "hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 131072,
@@ -412,3 +420,39 @@ def test_known_values(driver, tmp_path):
            "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48}}
     c = compare(driver, tmp_path, phi, None, 16, expect_type="longrope")
     assert math.isclose(c["attn_scale"], math.sqrt(1 + math.log(32) / math.log(4096)), rel_tol=1e-12)
+
+
+# --------------------------------------------------------------------------- the export keeps the RoPE
+
+# a small llama (head_dim 16) whose yarn keys are each needed to reproduce transformers' frequencies
+YARN_EXPORT = {
+    # truncate false: the correction range unrounded (0.81 .. 3.82, truncated 0 .. 4)
+    "no-truncate": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e4, "truncate": False,
+                    "original_max_position_embeddings": 512},
+    "no-truncate-high-clamped": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10.0, "truncate": False,
+                                 "original_max_position_embeddings": 1024},
+    "mscale-betas": {"rope_type": "yarn", "factor": 16.0, "rope_theta": 1e4, "beta_fast": 16.0, "beta_slow": 2.0,
+                     "mscale": 1.0, "mscale_all_dim": 0.5, "original_max_position_embeddings": 256},
+}
+
+
+@pytest.mark.parametrize("rp", list(YARN_EXPORT.values()), ids=list(YARN_EXPORT))
+def test_yarn_export_keeps_frequencies(rp, tmp_path, open_session):
+    """ctitan's HF export (save_hf) of a model with yarn RoPE writes a config.json from which
+    transformers computes the inv_freq and attention scaling it computes from the original
+    config.json, bit for bit: a yarn key left out of the export (truncate false, the betas,
+    the mscales) changes transformers' frequencies of the exported model."""
+    cfg = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=4096, rope_parameters=rp)
+    src = write_config(tmp_path, cfg)
+    s = open_session(["--model.spec=hf", f"--model.hf_assets_path={src}", "--training.local_batch_size=1",
+                      "--training.seq_len=16", "--training.seed=3"])
+    out = tmp_path / "export"
+    s.save_hf(out)
+    inv, scale, _, _ = hf_rope(src, None, 16)
+    inv2, scale2, _, _ = hf_rope(out, None, 16)
+    exported = json.loads((out / "config.json").read_text())
+    assert np.array_equal(inv2, inv), (f"transformers' inv_freq from the exported config.json differs:\n"
+                                       f"export   {inv2}\noriginal {inv}\nexported rope: "
+                                       f"{exported.get('rope_parameters', exported.get('rope_scaling'))}")
+    assert scale2 == scale, (scale2, scale)
