@@ -386,6 +386,21 @@ int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void 
         end = ct_malloc((n ? n : 1) * sizeof *end);
         rc = tok_offsets(t, T, TN, ids->v + n0, n, start, end, e);
     }
+    if (!rc && !c->gen) {
+        /* A derived span (locate_replies) can end inside a special token: where the
+         * conversation's closer and the next turn's header share a prefix (Phi-3's
+         * <|endoftext|> and <|user|> share "<|"), the text alone cannot say where the
+         * reply stops, and the cut lands after the shared characters. A special token
+         * is one unit the reply's text cannot end inside, so the span ends where that
+         * token starts; marked spans ({% generation %}) are the template's own word. */
+        int k = 0;
+        for (size_t j = 0; j < n && k < sp.n; j++) {
+            while (k < sp.n && start[j] >= sp.end[k]) k++;
+            if (k < sp.n && start[j] >= sp.start[k] && start[j] < sp.end[k] && end[j] > sp.end[k] &&
+                tok_is_special(t, ids->v[n0 + j]))
+                sp.end[k] = start[j];
+        }
+    }
     if (!rc) {
         /* transformers' rule: every token overlapping a span is a target */
         size_t m0 = mask->n;

@@ -203,6 +203,46 @@ def test_closer_cut_only_at_the_conversation_end(family, run_ctitan, tmp_path):
         str([(tok.convert_ids_to_tokens(int(got[b])), int(msk[b]), mask[b]) for b in bad[:10]])
 
 
+def test_phi3_next_header_is_no_target(docs, run_ctitan, tmp_path):
+    """Phi-3's template writes <|endoftext|> at the conversation's end only; the rendering through
+    a reply and the one through the next user turn share "<|" of <|endoftext|> and <|user|>, and
+    the reply's derived span ran 2 characters into the next header. With Phi-3's specials as
+    special tokens (as its tokenizer has them), <|user|> after every reply but the last was a
+    target. The mask of every reply that others follow now equals transformers' mask of the
+    template with {% generation %} markers around content + '<|end|>\\n' (the last reply keeps
+    the template's closing <|endoftext|>, ctitan's documented rule, so it is left out here)."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+    d = tmp_path / "tok"
+    d.mkdir()
+    tk = BUILDERS["mistral"](docs)
+    tk.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                           for s in ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>", "<|system|>"]])
+    tk.save(str(d / "tokenizer.json"))
+    cfg = json.loads((DATA / FAMILIES["phi3"] / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = AutoTokenizer.from_pretrained(str(d))
+    plain = cfg["chat_template"]
+    marked = plain.replace("{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}",
+                           "{{'<|assistant|>\n'}}{% generation %}{{ message['content'] + '<|end|>\n' }}"
+                           "{% endgeneration %}")
+    assert marked != plain
+    conv = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": " one two"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": " three"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": " four five"}]
+    o = tok.apply_chat_template(conv, chat_template=marked, tokenize=True, return_dict=True,
+                                return_assistant_tokens_mask=True)
+    want_ids, want = list(o["input_ids"]), list(o["assistant_masks"])
+    _, _, got, msk = prepare(run_ctitan, d, [conv], tmp_path / "phi3")
+    assert list(got[:len(want_ids)]) == want_ids, "ids differ from HF's"
+    last = max(i for i, t in enumerate(want_ids) if t == tok.convert_tokens_to_ids("<|assistant|>"))
+    user = tok.convert_tokens_to_ids("<|user|>")
+    assert sum(1 for t in want_ids[:last] if t == user) == 3 and want[:last].count(1) > 0
+    bad = [i for i in range(last) if int(msk[i]) != want[i]]
+    assert not bad, "mask differs from transformers' at " + \
+        str([(tok.convert_ids_to_tokens(int(got[b])), int(msk[b]), want[b]) for b in bad])
+
+
 # one tokenizer is enough for the error paths
 @pytest.mark.parametrize("family", ["mistral"], indirect=True)
 def test_template_errors(family, run_ctitan, tmp_path):
