@@ -308,12 +308,10 @@ int hf_keep_token_ids(const char *path, const char *const *src, int n, ct_err *e
         size_t close = end - 1; /* the object's closing brace; the text before it ends with its last member */
         while (close > 0 && (text[close - 1] == '\n' || text[close - 1] == '\t' || text[close - 1] == ' ')) close--;
         char *out = ct_malloc(len + add_len + 2);
-        memcpy(out, text, close);
-        memcpy(out + close, add, add_len);
         size_t skip = close > 0 && text[close - 1] == '{'; /* no member before: no comma */
-        memmove(add, add + skip, add_len - skip);
-        add_len -= skip;
-        size_t k = close + add_len;
+        memcpy(out, text, close);
+        memcpy(out + close, add + skip, add_len - skip);
+        size_t k = close + add_len - skip;
         out[k++] = '\n';
         memcpy(out + k, text + end - 1, len - (end - 1));
         k += len - (end - 1);

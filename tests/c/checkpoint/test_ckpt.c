@@ -29,6 +29,8 @@
 
 #include "check.h"
 #include "checkpoint/ckpt.h"
+#include "checkpoint/hf.h"
+#include "core/fs.h"
 #include "formats/safetensors.h"
 
 static char g_root[256];
@@ -643,6 +645,40 @@ static void test_write_failure(void) {
     tiny_free(&b);
 }
 
+/* hf_keep_token_ids adds the source's ids to a config.json, the rest of it
+ * byte for byte; an object with no member before them takes no comma (the
+ * comma was copied before it was dropped, and the closing brace cut off). */
+static void test_keep_token_ids(void) {
+    char src[4096], dst[4096], p[4096];
+    pathf(src, "%s/%s", g_root, "ids_src");
+    pathf(dst, "%s/%s", g_root, "ids_dst");
+    mkdir(src, 0755);
+    mkdir(dst, 0755);
+    pathf(p, "%s/%s", src, "config.json");
+    const char *from = "{\"bos_token_id\": 1, \"eos_token_id\": [2, 3], \"hidden_size\": 8}";
+    write_file(p, from, strlen(from));
+    const char *cases[] = {"{}", "{\n}\n", "{\n\t\"hidden_size\":\t1.0\n}", "{\"eos_token_id\": 7}"};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        pathf(p, "%s/%s", dst, "config.json");
+        write_file(p, cases[i], strlen(cases[i]));
+        const char *srcs[] = {src};
+        ct_err e = {0};
+        CHECK(hf_keep_token_ids(p, srcs, 1, &e) == 0, "case %zu: %s", i, e.msg);
+        size_t n = 0;
+        char *text = fs_read_file(p, 1 << 20, &n, &e);
+        cJSON *o = text ? cJSON_Parse(text) : NULL;
+        CHECK(o != NULL, "case %zu: not JSON after the insertion: %s", i, text ? text : "(unread)");
+        const cJSON *bos = cJSON_GetObjectItemCaseSensitive(o, "bos_token_id");
+        const cJSON *eos = cJSON_GetObjectItemCaseSensitive(o, "eos_token_id");
+        CHECK(cJSON_IsNumber(bos) && bos->valueint == 1, "case %zu: bos_token_id", i);
+        if (i == 3) CHECK(cJSON_IsNumber(eos) && eos->valueint == 7, "the file's own eos_token_id stays");
+        else CHECK(cJSON_IsArray(eos) && cJSON_GetArraySize(eos) == 2, "case %zu: eos_token_id", i);
+        if (i == 2) CHECK(text && strstr(text, "\"hidden_size\":\t1.0") != NULL, "the other bytes stay: %s", text);
+        cJSON_Delete(o);
+        free(text);
+    }
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/ctitan_test_ckpt_%ld", (long)getpid());
     rm_rf(g_root);
@@ -654,6 +690,7 @@ int main(void) {
     test_select();
     test_prune();
     test_write_failure();
+    test_keep_token_ids();
     rm_rf(g_root);
     return CHECK_DONE();
 }
