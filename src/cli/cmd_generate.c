@@ -51,6 +51,7 @@ typedef struct {
     const char *prompt_ids; /* "1 2 3" */
     const char *revision;   /* of Hub ids */
     const char *adapter_revision; /* of a Hub id in adapter */
+    const char *chat_kwargs;      /* JSON object: more chat template variables, or NULL */
     int max_tokens;
     double temperature;
     int top_k;
@@ -62,7 +63,7 @@ typedef struct {
 /* Every option once: the parser and --help both read this table. */
 enum {
     GEN_CHECKPOINT, GEN_PROMPT, GEN_PROMPT_IDS, GEN_MAX_TOKENS, GEN_TEMPERATURE, GEN_TOP_K,
-    GEN_TOP_P, GEN_SEED, GEN_CHAT, GEN_TOKENIZER, GEN_IDS, GEN_ADAPTER, GEN_REVISION, GEN_ADAPTER_REVISION,
+    GEN_TOP_P, GEN_SEED, GEN_CHAT, GEN_CHAT_KWARGS, GEN_TOKENIZER, GEN_IDS, GEN_ADAPTER, GEN_REVISION, GEN_ADAPTER_REVISION,
     GEN_HELP
 };
 static const cli_opt gen_cli_options[] = {
@@ -83,6 +84,10 @@ static const cli_opt gen_cli_options[] = {
     [GEN_CHAT] = {"--chat", "", "off",
                   "render the prompt as a user turn with the tokenizer's chat template (ChatML if it has none)",
                   CLI_FLAG},
+    [GEN_CHAT_KWARGS] = {"--chat-template-kwargs", "JSON", "(none)",
+                         "with --chat: a JSON object of more template variables, as apply_chat_template(**kwargs) "
+                         "takes them (Qwen3: '{\"enable_thinking\": false}')",
+                         CLI_VALUE},
     [GEN_TOKENIZER] = {"--tokenizer", "DIR", "--checkpoint",
                        "directory with tokenizer.json (or vocab.json + merges.txt), or a Hub id", CLI_VALUE},
     [GEN_IDS] = {"--ids", "", "off", "print the generated token ids (one line) instead of text", CLI_FLAG},
@@ -144,6 +149,7 @@ static int gen_parse_args(gen_cli_args *a, int argc, char **argv) {
         case GEN_PROMPT: a->prompt = val; break;
         case GEN_PROMPT_IDS: a->prompt_ids = val; break;
         case GEN_CHAT: a->chat = 1; break;
+        case GEN_CHAT_KWARGS: a->chat_kwargs = val; break;
         case GEN_IDS: a->ids = 1; break;
         case GEN_MAX_TOKENS: rc = gen_parse_int(name, val, 1, 1 << 24, &a->max_tokens); break;
         case GEN_TOP_K: rc = gen_parse_int(name, val, 0, 1 << 30, &a->top_k); break;
@@ -169,6 +175,15 @@ static int gen_parse_args(gen_cli_args *a, int argc, char **argv) {
     if (!a->prompt == !a->prompt_ids)
         return cli_fail(2, "generate: give exactly one of --prompt TEXT and --prompt-ids IDS");
     if (a->chat && !a->prompt) return cli_fail(2, "--chat: needs --prompt TEXT (not --prompt-ids)");
+    if (a->chat_kwargs && !a->chat) return cli_fail(2, "--chat-template-kwargs: needs --chat");
+    if (a->chat_kwargs) { /* checked before any file is read, as the other options */
+        ct_err e = {0};
+        cJSON *o = json_parse(a->chat_kwargs, strlen(a->chat_kwargs), "--chat-template-kwargs", &e);
+        int obj = cJSON_IsObject(o);
+        cJSON_Delete(o);
+        if (!o) return cli_fail(2, "%s", e.msg);
+        if (!obj) return cli_fail(2, "--chat-template-kwargs: \"%s\" is not a JSON object", a->chat_kwargs);
+    }
     return 0;
 }
 
@@ -318,10 +333,13 @@ static void gen_print_token(int32_t id, void *ctx) {
  * template (tokenizer_config.json's chat_template or chat_template.jinja, as
  * apply_chat_template(add_generation_prompt=True) renders it); Qwen's ChatML
  * when the tokenizer has no template. */
-static int gen_chat_text(const char *tdir, const char *prompt, char **text, size_t *len, ct_err *e) {
+static int gen_chat_text(const char *tdir, const char *prompt, const char *kwargs, char **text, size_t *len,
+                         ct_err *e) {
     jinja_chat *c = NULL;
     int rc = jinja_chat_open(tdir, &c, e);
     if (rc) return rc;
+    if (!c && kwargs)
+        return ct_fail(e, CT_ERR_CONFIG, "--chat-template-kwargs: %s has no chat template to pass them to", tdir);
     if (!c) {
         static const char pre[] = "<|im_start|>user\n", post[] = "<|im_end|>\n<|im_start|>assistant\n";
         *len = strlen(pre) + strlen(prompt) + strlen(post);
@@ -333,7 +351,9 @@ static int gen_chat_text(const char *tdir, const char *prompt, char **text, size
     cJSON_AddStringToObject(m, "role", "user");
     cJSON_AddStringToObject(m, "content", prompt);
     cJSON_AddItemToArray(msgs, m);
-    rc = jinja_chat_apply(c, msgs, 1, text, len, NULL, e);
+    cJSON *kw = kwargs ? json_parse(kwargs, strlen(kwargs), "--chat-template-kwargs", e) : NULL; /* checked */
+    rc = jinja_chat_apply_kw(c, msgs, 1, kw, text, len, NULL, e);
+    cJSON_Delete(kw);
     cJSON_Delete(msgs);
     jinja_chat_close(c);
     return rc;
@@ -435,7 +455,7 @@ int cli_generate(int argc, char **argv) {
         char *text = NULL;
         size_t len = 0;
         if (a.chat) {
-            rc = gen_chat_text(tdir, a.prompt, &text, &len, &e);
+            rc = gen_chat_text(tdir, a.prompt, a.chat_kwargs, &text, &len, &e);
         } else {
             text = ct_strdup(a.prompt);
             len = strlen(text);

@@ -2634,15 +2634,32 @@ const char *jinja_chat_source(const jinja_chat *c, size_t *n) {
     return c->src;
 }
 
-int jinja_chat_apply(const jinja_chat *c, const void *messages_json, int add_generation_prompt, char **out,
-                     size_t *len, jinja_spans *spans, ct_err *e) {
+int jinja_chat_apply_kw(const jinja_chat *c, const void *messages_json, int add_generation_prompt,
+                        const void *kwargs_json, char **out, size_t *len, jinja_spans *spans, ct_err *e) {
+    static const char *const own[] = {"messages", "tools", "documents", "add_generation_prompt"};
+    const cJSON *kw = kwargs_json, *it;
+    cJSON_ArrayForEach(it, kw) {
+        for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
+            if (!strcmp(it->string, own[i]))
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "chat template keyword \"%s\": apply_chat_template sets it itself", it->string);
+    }
     cJSON *vars = cJSON_Duplicate(c->vars, 1);
     /* tools and documents are None when not given, as transformers passes them */
     cJSON_AddItemToObject(vars, "messages", cJSON_Duplicate(messages_json, 1));
     cJSON_AddNullToObject(vars, "tools");
     cJSON_AddNullToObject(vars, "documents");
     cJSON_AddBoolToObject(vars, "add_generation_prompt", add_generation_prompt);
+    cJSON_ArrayForEach(it, kw) {
+        cJSON_DeleteItemFromObjectCaseSensitive(vars, it->string);
+        cJSON_AddItemToObject(vars, it->string, cJSON_Duplicate(it, 1));
+    }
     int rc = jinja_render(c->t, vars, out, len, spans, e);
     cJSON_Delete(vars);
     return rc;
+}
+
+int jinja_chat_apply(const jinja_chat *c, const void *messages_json, int add_generation_prompt, char **out,
+                     size_t *len, jinja_spans *spans, ct_err *e) {
+    return jinja_chat_apply_kw(c, messages_json, add_generation_prompt, NULL, out, len, spans, e);
 }

@@ -98,6 +98,14 @@ int jinja_chat_has_generation(const jinja_chat *c);
  * apply_chat_template(messages, tokenize=False, add_generation_prompt=...). */
 int jinja_chat_apply(const jinja_chat *c, const void *messages_json, int add_generation_prompt, char **out,
                      size_t *len, jinja_spans *spans, ct_err *e);
+/* jinja_chat_apply with more template variables: kwargs_json (a cJSON object,
+ * or NULL) as apply_chat_template(..., **kwargs) passes them (Qwen3's
+ * enable_thinking). A name apply_chat_template sets itself (messages, tools,
+ * documents, add_generation_prompt) is CT_ERR_CONFIG, as Python refuses a
+ * keyword given twice; a special token's name is overridden, as
+ * transformers' render lets kwargs win. */
+int jinja_chat_apply_kw(const jinja_chat *c, const void *messages_json, int add_generation_prompt,
+                        const void *kwargs_json, char **out, size_t *len, jinja_spans *spans, ct_err *e);
 
 /* The file the template came from (for messages). */
 const char *jinja_chat_file(const jinja_chat *c);

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import oracle  # noqa: E402
+from test_data_hf import tokdir  # noqa: E402,F401  (fixture: a BPE tokenizer with ChatML specials)
 from conftest import BUILD as DEFAULT_BUILD, CHILD_ENV, ROOT, crashed  # noqa: E402
 
 # CTITAN_BUILD: test another build tree (e.g. `make BUILD=build/x all`); default build/.
@@ -633,3 +634,48 @@ def test_help_lists_every_option(gen):
         assert "default" in line, f"{opt}: no default in --help"
         if default is not None:
             assert f"[default: {default}]" in line
+
+
+def test_chat_template_kwargs_as_apply_chat_template(tokdir, tmp_path):  # noqa: F811
+    """`generate --chat --chat-template-kwargs '{"enable_thinking": false}'` renders Qwen3's
+    published template as apply_chat_template(..., enable_thinking=False) does (the empty
+    <think></think> block), and the greedy continuation of that prompt is HF's. Keys
+    apply_chat_template sets itself, non-objects and the option without --chat exit 2."""
+    from transformers import AutoTokenizer
+    d = tmp_path / "qwen3chat"
+    d.mkdir()
+    shutil.copy(tokdir / "tokenizer.json", d / "tokenizer.json")
+    cfg = json.loads((ROOT / "tests/data/chat_templates/qwen3/tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = AutoTokenizer.from_pretrained(str(d))
+    model = oracle.build_model(oracle.tiny_config(vocab=768, hidden=32, inter=64, layers=2, heads=4, kv_heads=2,
+                                                  head_dim=8), seed=3, std=STD)
+    oracle.save_model(model, d)
+    conv = [{"role": "user", "content": "Count to three"}]
+
+    def run(*args):
+        return subprocess.run([str(BUILD / "ctitan"), "generate", "--checkpoint", str(d), *args],
+                              env=CHILD_ENV, capture_output=True, text=True, timeout=120)
+
+    lengths = []
+    for kwargs, hf_kw in [(None, {}), ('{"enable_thinking": false}', {"enable_thinking": False})]:
+        ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                      **hf_kw)["input_ids"]
+        lengths.append(len(ids))
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(ids):].tolist()
+        p = run("--prompt", conv[0]["content"], "--chat", "--ids", "--max-tokens", "5",
+                *(["--chat-template-kwargs", kwargs] if kwargs else []))
+        crashed(p.returncode, p.stderr, ["generate"])
+        assert p.returncode == 0, p.stderr
+        assert f"generate: {len(ids)} prompt tokens" in p.stderr, (len(ids), p.stderr)
+        got = [int(x) for x in p.stdout.split()]
+        assert got == want[:len(got)] and got, (got, want)  # an end token may stop ctitan sooner
+    assert "<think>\n\n</think>" in tok.decode(ids) and lengths[1] > lengths[0], lengths
+    for bad, words in [('{"add_generation_prompt": false}', "apply_chat_template sets it itself"),
+                       ("[1]", "is not a JSON object"), ('{"a": ', "--chat-template-kwargs")]:
+        p = run("--prompt", "x", "--chat", "--chat-template-kwargs", bad)
+        assert p.returncode == 2 and words in p.stderr, (bad, p.returncode, p.stderr)
+    p = run("--prompt", "x", "--chat-template-kwargs", "{}")
+    assert p.returncode == 2 and "needs --chat" in p.stderr, p.stderr
