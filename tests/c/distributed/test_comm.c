@@ -252,8 +252,16 @@ static void test_mesh_resolve(void) {
     mc.n_kv_heads = 4;
     mc.moe_intermediate = 8;
     CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == CT_ERR_CONFIG &&
-              strstr(e.msg, "does not divide the data-parallel ranks (data_parallel_replicate_degree = 2)"),
+              strstr(e.msg, "expert_parallel_degree = 4 needs at least 4 data-parallel ranks, but there are 2 "
+                            "(data_parallel_replicate_degree 2 x data_parallel_shard_degree 1,"),
           "ep 4 over 2 replicas x tp 4: %s", e.msg);
+    c.dp_replicate = 6; /* enough replicas, but not a multiple of the degree */
+    c.tp = 1;
+    CHECK(mesh_resolve(&c, 6, &mc, "t", &rep, &shard, &tp, &e) == CT_ERR_CONFIG &&
+              strstr(e.msg, "does not divide the data-parallel ranks (data_parallel_replicate_degree = 6)"),
+          "ep 4 over 6 replicas: %s", e.msg);
+    c.dp_replicate = 2;
+    c.tp = 4;
     mc.n_kv_heads = 2;
     mc.n_experts = 0;
     c.tp = 1;
