@@ -919,13 +919,29 @@ static int cfg_same_value(const ct_config *a, const ct_config *b, const cfg_opti
  * must not warn about the defaults. The keys a rank-0 run refuses (an error naming
  * them: trainer_finetune_config, lora_apply_frozen) are left to that error, and
  * lora.adapter_revision to lora.adapter_path's. */
+/* Likewise [validation] with validation.enable false: nothing is evaluated, so
+ * validation.dataset_path (or dataset, freq, steps) given without validation.enable was
+ * ignored in silence. Left out: the torchtitan keys ctitan does not use (inert), and
+ * validation.local_batch_size, which is checked and sizes the model's buffers (the
+ * trainer plans for the larger of the two batches) even with validation off. */
 void cfg_warn_unused(const ct_config *c) {
     static const char *const refused[] = {"adapter_path", "target_parameters", "rank_pattern", "alpha_pattern",
                                           "modules_to_save"};
-    if (c->lora_rank != 0) return;
     ct_config d;
     cfg_defaults(&d);
-    for (int i = 0; i < CFG_N_OPTIONS; i++) {
+    for (int i = 0; i < CFG_N_OPTIONS && !c->val_enable; i++) {
+        const cfg_option *o = &cfg_options[i];
+        if (strcmp(o->section, "validation") || !strcmp(o->key, "enable") || !strcmp(o->key, "local_batch_size") ||
+            o->inert || cfg_same_value(c, &d, o))
+            continue;
+        char name[96];
+        snprintf(name, sizeof name, "validation.%s", o->key);
+        fprintf(stderr,
+                "ctitan: warning: %s: %s has no effect: validation.enable is false (no validation; set "
+                "--validation.enable to evaluate)\n",
+                cfg_origin(c, name), name);
+    }
+    for (int i = 0; i < CFG_N_OPTIONS && c->lora_rank == 0; i++) {
         const cfg_option *o = &cfg_options[i];
         if (strcmp(o->section, "lora") || !strcmp(o->key, "rank") || cfg_same_value(c, &d, o)) continue;
         int skip = !strcmp(o->key, "adapter_revision") && c->lora_adapter_path[0];

@@ -185,7 +185,8 @@ void cfg_free(ct_config *c);
  * and the file (or "command line"). Any other argument is an error too. */
 int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e);
 /* Warns on stderr of settings that do nothing (a [lora] key other than its
- * default while lora.rank = 0), naming where each was set. For the user's own
+ * default while lora.rank = 0, a [validation] key other than its default while
+ * validation.enable is false), naming where each was set. For the user's own
  * config (cmd_train), not for a checkpoint's config.toml read back. */
 void cfg_warn_unused(const ct_config *c);
 /* The config file's path for error messages, or "command line". */

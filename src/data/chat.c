@@ -142,7 +142,23 @@ int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e) 
     *n = 0;
     if (!cJSON_IsObject(root)) return ct_fail(e, CT_ERR_FORMAT, "expected a JSON object with a \"messages\" list");
     const cJSON *list = cJSON_GetObjectItemCaseSensitive(root, "messages");
-    if (!list) return ct_fail(e, CT_ERR_FORMAT, "no \"messages\" field");
+    if (!list) {
+        const cJSON *prompt = cJSON_GetObjectItemCaseSensitive(root, "prompt");
+        if (cJSON_IsArray(prompt))
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "no \"messages\" field: \"prompt\" and \"completion\" as lists of messages are TRL's "
+                           "conversational prompt-completion format, which is not read; join them into one "
+                           "conversation, %s, and train on that (docs/data.md)",
+                           "jq -c '{messages: (.prompt + .completion)}' IN.jsonl > OUT.jsonl");
+        if (prompt)
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "no \"messages\" field: {\"prompt\", \"completion\"} is TRL's prompt-completion "
+                           "format, read as jsonl data (kind auto or jsonl, not chat), with the loss on the "
+                           "completion only (docs/data.md)");
+        if (cJSON_GetObjectItemCaseSensitive(root, "conversations"))
+            return ct_fail(e, CT_ERR_FORMAT, "no \"messages\" field: \"conversations\" is %s", CHAT_SHAREGPT_HINT);
+        return ct_fail(e, CT_ERR_FORMAT, "no \"messages\" field");
+    }
     if (!cJSON_IsArray(list)) return ct_fail(e, CT_ERR_FORMAT, "messages: expected a list of {role, content}");
     int count = cJSON_GetArraySize(list);
     if (count == 0) return ct_fail(e, CT_ERR_FORMAT, "messages: empty list");
@@ -160,8 +176,18 @@ int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e) 
         if (bad) {
             const cJSON *v = !strcmp(bad, "role") ? role : content;
             free(out);
-            return ct_fail(e, CT_ERR_FORMAT, "messages[%d].%s: %s", i, bad,
-                           v ? "expected a string" : "missing");
+            if (!v && (cJSON_GetObjectItemCaseSensitive(it, "from") || cJSON_GetObjectItemCaseSensitive(it, "value")))
+                return ct_fail(e, CT_ERR_FORMAT, "messages[%d].%s: missing; \"from\"/\"value\" turns are %s", i,
+                               bad, CHAT_SHAREGPT_HINT);
+            if (cJSON_IsArray(v) && !strcmp(bad, "content"))
+                return ct_fail(e, CT_ERR_FORMAT,
+                               "messages[%d].content: expected a string, got a list (content as a list of parts, "
+                               "[{\"type\": \"text\", \"text\": ...}], is not read): give each message's content "
+                               "as one string, e.g. jq -c '.messages[].content |= (if type == \"array\" then "
+                               "map(.text // \"\") | join(\"\") else . end)' IN.jsonl > OUT.jsonl",
+                               i);
+            return ct_fail(e, CT_ERR_FORMAT, "messages[%d].%s: %s (expected {\"role\": string, \"content\": string})",
+                           i, bad, v ? "expected a string" : "missing");
         }
         out[i] = (chat_msg){role->valuestring, strlen(role->valuestring), content->valuestring,
                             strlen(content->valuestring)};

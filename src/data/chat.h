@@ -71,6 +71,15 @@ int chat_encode(tok_enc *enc, const tok *t, const chat_msg *msgs, int n, tok_ids
  * string"); the caller prefixes the file and line. */
 int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e);
 
+/* ShareGPT's layout ({"conversations": [{"from": "human", "value": ...}, ...]}), which TRL
+ * renames to role/content (trl/data_utils.py, maybe_convert_to_chatml), is not read: the
+ * errors that meet it (chat_from_json, the jsonl reader) finish with this, the shape
+ * expected and a one-line conversion. */
+#define CHAT_SHAREGPT_HINT                                                                                      \
+    "ShareGPT's layout; ctitan reads {\"messages\": [{\"role\": \"user\", \"content\": \"...\"}, ...]}: convert " \
+    "with jq -c '{messages: [(.conversations // .messages)[] | {role: ({\"human\": \"user\", \"gpt\": "         \
+    "\"assistant\"}[.from] // .from), content: .value}]}' IN.jsonl > OUT.jsonl"
+
 /* ---------------------------------------------------------- templates
  *
  * Chat data in the model's own format: the conversation rendered by a Jinja

@@ -3,7 +3,9 @@
  * Sources (docs/data.md has the details and examples):
  *   text    plain text files; each file is one document, or one document
  *           per paragraph (blank-line separated) or per line (ds_text_split)
- *   jsonl   one JSON object per line with a "text" string (c4's layout)
+ *   jsonl   one JSON object per line with a "text" string (c4's layout), or
+ *           TRL's {"prompt": str, "completion": str} (loss on the completion:
+ *           a file whose first record has "prompt"; ds_source.c)
  *   chat    JSONL with "messages": [{role, content}, ...] rendered as ChatML
  *           or with the tokenizer's own chat template (data/chat.h,
  *           ds_tok_opts.chat_template), loss only on the assistant replies
@@ -18,10 +20,11 @@
  * if that object has "messages", else jsonl; anything else -> text.
  *
  * Stream: every document is tokenized and followed by EOS (the tokenizer's
- * eos_token, else <|endoftext|>; torchtitan/HF convention, no BOS: Qwen has
- * none); sources follow each other in the order given. Alongside the tokens
+ * eos_token, else <|endoftext|>; torchtitan/HF convention; a BOS only where the
+ * tokenizer's post-processor adds one, as HF's tokenizer(text)); sources follow each other in the order given. Alongside the tokens
  * runs a mask, 1 = the token may be a training target (all ones except for
- * chat data, where the EOS after a conversation is 0 too).
+ * chat data, where the EOS after a conversation is 0 too, and prompt-completion
+ * data, where the prompt's tokens are 0).
  *
  * Packing (torchtitan): the stream is cut into disjoint windows of
  * seq_len + 1 tokens, the tail that does not fill one is dropped;

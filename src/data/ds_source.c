@@ -150,6 +150,7 @@ int ds_detect_kind(const char *path, ds_kind *out, ct_err *e) {
 typedef struct {
     const char *path;
     ds_kind kind;
+    int pc;           /* jsonl in the prompt-completion layout (see detect_prompt_completion) */
     const char *data; /* mapping, NULL when empty */
     size_t len;
 } src_file;
@@ -185,6 +186,9 @@ typedef struct {
     chat_msg *msgs; /* chat document */
     int n_msgs;
     cJSON *json;
+    char *own;         /* prompt-completion: the malloc'd prompt + completion `text` points to */
+    size_t prompt_len; /* prompt-completion: its first prompt_len bytes are the prompt */
+    int pc;            /* a prompt-completion record: the tokens of the prompt are no targets */
     int src;
     uint64_t line; /* 1-based; 0: the whole file */
 } item;
@@ -235,6 +239,7 @@ typedef struct {
 static void free_items(batch *b) {
     for (size_t i = 0; i < b->n; i++) {
         free(b->items[i].msgs);
+        free(b->items[i].own);
         cJSON_Delete(b->items[i].json);
     }
     b->n = 0;
@@ -269,6 +274,32 @@ static void grow_cat(run *r, size_t n) {
     r->cat_cap = cap;
 }
 
+/* A prompt-completion record, as TRL's SFTTrainer tokenizes the standard (string) layout
+ * (trl/trainer/sft_trainer.py, SFTTrainer._prepare_dataset: add_eos and tokenize_fn's
+ * prompt-completion branch, completion_only_loss on by default for this layout): the
+ * tokens are those of prompt + completion encoded as one text (the tokenizer's special
+ * tokens added as its __call__ adds them), and the first as many tokens as the prompt
+ * alone encodes to are no targets; the rest, and the EOS after it, are. The count is
+ * positional, as there: a token merging the prompt's end with the completion's start
+ * is a target or not by that count alone. */
+static int encode_prompt_completion(tok_enc *enc, const item *it, tok_ids *ids, chat_mask *mask, ct_err *e) {
+    if (tok_encode(enc, it->text, it->prompt_len, ids, e)) return 1;
+    size_t np = ids->n;
+    ids->n = 0;
+    if (tok_encode(enc, it->text, it->len, ids, e)) return 1;
+    if (ids->n > mask->cap) {
+        size_t cap = mask->cap ? mask->cap : 256;
+        while (cap < ids->n) cap *= 2;
+        uint8_t *v = realloc(mask->v, cap);
+        if (!v) return ct_fail(e, CT_ERR_IO, "out of memory for a mask of %zu tokens", ids->n);
+        mask->v = v;
+        mask->cap = cap;
+    }
+    mask->n = ids->n;
+    for (size_t i = 0; i < ids->n; i++) mask->v[i] = i >= np;
+    return 0;
+}
+
 /* Tokenizes documents [lo, hi) of b on the calling thread. */
 static void encode_range(run *r, batch *b, size_t lo, size_t hi) {
     int tid = omp_get_thread_num();
@@ -285,7 +316,8 @@ static void encode_range(run *r, batch *b, size_t lo, size_t hi) {
         chat_mask mask = b->slots[i].mask;
         ids.n = mask.n = 0;
         ct_err err = {0};
-        int rc = !it->msgs ? tok_encode(r->enc[tid], it->text, it->len, &ids, &err)
+        int rc = it->pc     ? encode_prompt_completion(r->enc[tid], it, &ids, &mask, &err)
+                 : !it->msgs ? tok_encode(r->enc[tid], it->text, it->len, &ids, &err)
                  : r->chat ? chat_encode_tmpl(r->chat, r->enc[tid], r->t,
                                               cJSON_GetObjectItemCaseSensitive(it->json, "messages"), &ids, &mask, &err)
                            : chat_encode(r->enc[tid], r->t, it->msgs, it->n_msgs, &ids, &mask, &err);
@@ -332,18 +364,20 @@ static int emit(run *r, batch *b, ct_err *e) {
     for (size_t i = 0; i < b->n; i++) {
         const slot *s = &b->slots[i];
         for (size_t j = 0; j < s->ids.n; j++) r->cat[k + j] = (uint32_t)s->ids.v[j];
-        if (b->items[i].msgs) {
+        if (b->items[i].msgs || b->items[i].pc) {
             memcpy(r->catm + k, s->mask.v, s->ids.n);
             for (size_t j = 0; j < s->ids.n; j++) trainable += s->mask.v[j] != 0;
+            /* a completion's EOS is a target (TRL appends eos_token to the completion) */
+            r->catm[k + s->ids.n] = b->items[i].pc;
+            trainable += b->items[i].pc;
         } else {
             memset(r->catm + k, 1, s->ids.n + 1);
             trainable += s->ids.n + 1;
         }
         k += s->ids.n;
         r->cat[k] = (uint32_t)r->eos;
-        /* after a conversation the EOS is no target: the assistant's reply
-         * already ended with <|im_end|>, and what follows is a new document */
-        if (b->items[i].msgs) r->catm[k] = 0;
+        /* after a conversation the EOS is no target (set above): the assistant's
+         * reply already ended with <|im_end|>, and what follows is a new document */
         k++;
     }
     /* slots keep their buffers for a later chunk, except outsized ones: a
@@ -415,6 +449,48 @@ static int add_item(run *r, item it, size_t bytes, ct_err *e) {
     return 0;
 }
 
+/* The one-line recipe for TRL's conversational prompt-completion layout, which is read as
+ * chat data once its two lists are one conversation. */
+#define PC_CONVERSATIONAL_HINT                                                                              \
+    "\"prompt\" and \"completion\" as lists of messages (TRL's conversational prompt-completion format) "  \
+    "are not read: join them into one conversation, jq -c '{messages: (.prompt + .completion)}' IN.jsonl > " \
+    "OUT.jsonl, and train on that as chat data (every assistant reply, the prompt's too, is then a target; "  \
+    "docs/data.md)"
+
+/* A record of the prompt-completion layout (TRL's standard one: two strings) -> the item
+ * prompt + completion. TRL adds the tokenizer's eos_token to a completion that does not
+ * already end with it (sft_trainer.py, add_eos); here every document is followed by EOS,
+ * so a completion that ends with the EOS token's text loses that text instead. */
+static int prompt_completion_item(run *r, const cJSON *j, item *it, char *why, size_t cap) {
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(j, "prompt");
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(j, "completion");
+    if (cJSON_IsArray(p) || cJSON_IsArray(c)) {
+        snprintf(why, cap, "%s", PC_CONVERSATIONAL_HINT);
+        return -1;
+    }
+    if (!cJSON_IsString(p) || !cJSON_IsString(c)) {
+        const char *bad = !cJSON_IsString(p) ? "prompt" : "completion";
+        snprintf(why, cap,
+                 "\"%s\" %s (a prompt-completion file, as its first record has \"prompt\": every line needs "
+                 "\"prompt\" and \"completion\" strings)",
+                 bad, cJSON_GetObjectItemCaseSensitive(j, bad) ? "is not a string" : "field missing");
+        return -1;
+    }
+    size_t np = strlen(p->valuestring), nc = strlen(c->valuestring);
+    const char *eos = r->o->encode_special || !tok_is_special(r->t, r->eos) ? NULL : tok_id_to_token(r->t, r->eos);
+    size_t ne = eos ? strlen(eos) : 0;
+    if (ne && nc >= ne && !memcmp(c->valuestring + nc - ne, eos, ne)) nc -= ne;
+    it->own = ct_malloc(np + nc + 1);
+    memcpy(it->own, p->valuestring, np);
+    memcpy(it->own + np, c->valuestring, nc);
+    it->own[np + nc] = 0;
+    it->text = it->own;
+    it->len = np + nc;
+    it->prompt_len = np;
+    it->pc = 1;
+    return 0;
+}
+
 /* One JSONL line -> an item, or nothing for a blank line. */
 static int json_line(run *r, int si, const char *p, size_t n, uint64_t line, ct_err *e) {
     const src_file *s = &r->src[si];
@@ -432,15 +508,33 @@ static int json_line(run *r, int si, const char *p, size_t n, uint64_t line, ct_
             cJSON_Delete(j);
             return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: %s", s->path, (unsigned long long)line, ce.msg);
         }
+    } else if (s->pc) {
+        char why[1000];
+        if (!cJSON_IsObject(j))
+            snprintf(why, sizeof why, "expected a JSON object with \"prompt\" and \"completion\" strings");
+        if (!cJSON_IsObject(j) || prompt_completion_item(r, j, &it, why, sizeof why)) {
+            cJSON_Delete(j);
+            return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: %s", s->path, (unsigned long long)line, why);
+        }
     } else {
         const char *field = r->o->text_field ? r->o->text_field : "text";
         const cJSON *v = cJSON_IsObject(j) ? cJSON_GetObjectItemCaseSensitive(j, field) : NULL;
         if (!cJSON_IsString(v)) {
-            char why[300];
+            char why[900];
             if (!cJSON_IsObject(j))
                 snprintf(why, sizeof why, "expected a JSON object with a \"%s\" string", field);
             else
-                snprintf(why, sizeof why, "\"%s\" %s", field, v ? "is not a string" : "field missing");
+                snprintf(why, sizeof why, "\"%s\" %s%s", field, v ? "is not a string" : "field missing",
+                         v ? ""
+                         : cJSON_GetObjectItemCaseSensitive(j, "prompt")
+                             ? " (this line has \"prompt\": a file is read in one layout, the one its first "
+                               "record has; put prompt-completion records in a file of their own)"
+                         : cJSON_GetObjectItemCaseSensitive(j, "messages")
+                             ? " (this line has \"messages\": a file is read in one layout, the one its first "
+                               "record has; put conversations in a file of their own)"
+                         : cJSON_GetObjectItemCaseSensitive(j, "conversations")
+                             ? " (\"conversations\" is " CHAT_SHAREGPT_HINT ")"
+                             : "");
             cJSON_Delete(j);
             return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: %s", s->path, (unsigned long long)line, why);
         }
@@ -511,6 +605,24 @@ static int read_source(run *r, int si, uint64_t base, ct_err *e) {
     return rc;
 }
 
+/* Whether a jsonl source holds TRL's prompt-completion layout ({"prompt": ..., "completion":
+ * ...}): its first record has "prompt", and either no text field was named or that record
+ * lacks it (TRL reads "prompt" first: sft_trainer.py, tokenize_fn). The first record decides
+ * for the whole file, as it decides chat against jsonl (ds_detect_kind). */
+static int detect_prompt_completion(src_file *s, const char *text_field, ct_err *e) {
+    char *line = NULL;
+    size_t n = 0;
+    s->pc = 0;
+    if (first_line(s->path, &line, &n, e)) return e->code;
+    cJSON *j = line && line[0] == '{' ? cJSON_ParseWithLength(line, n) : NULL;
+    if (cJSON_IsObject(j) && cJSON_GetObjectItemCaseSensitive(j, "prompt") &&
+        (!text_field || !cJSON_GetObjectItemCaseSensitive(j, text_field)))
+        s->pc = 1;
+    cJSON_Delete(j);
+    free(line);
+    return 0;
+}
+
 /* A chat template named for sources none of which is chat data (training.chat_template,
  * prepare --chat-template) renders nothing: a warning says so rather than silence.
  * "auto" (the default) names none. With a note (seen), a run whose training data used
@@ -550,7 +662,7 @@ int ds_tokenize(const char *const *paths, int n_paths, const tok *t, const ds_to
                        "tokenizer has no eos_token (tokenizer_config.json) and no <|endoftext|>: "
                        "cannot separate documents");
     r.src = ct_calloc((size_t)(n_paths ? n_paths : 1), sizeof *r.src);
-    int rc = 0;
+    int rc = 0, has_chat = 0;
     for (int i = 0; i < n_paths && !rc; i++) {
         r.src[i].path = paths[i];
         r.src[i].kind = o->kind;
@@ -560,13 +672,15 @@ int ds_tokenize(const char *const *paths, int n_paths, const tok *t, const ds_to
             rc = ct_fail(e, CT_ERR_CONFIG, "%s: already tokenized; use it as training data directly", paths[i]);
             break;
         }
-        if (r.src[i].kind == DS_KIND_CHAT) r.masked = 1;
+        if (r.src[i].kind == DS_KIND_JSONL && (rc = detect_prompt_completion(&r.src[i], o->text_field, e))) break;
+        if (r.src[i].kind == DS_KIND_CHAT) has_chat = 1;
+        if (r.src[i].kind == DS_KIND_CHAT || r.src[i].pc) r.masked = 1;
         rc = map_file(&r.src[i], e);
         r.st.bytes_total += r.src[i].len;
     }
     r.st.masked = r.masked;
-    if (!rc) warn_unused_template(o->chat_template, paths, n_paths, r.src, r.masked, o->template_seen);
-    if (!rc && r.masked) rc = chat_tmpl_open(o->chat_template, o->tokenizer_dir, &r.chat, e);
+    if (!rc) warn_unused_template(o->chat_template, paths, n_paths, r.src, has_chat, o->template_seen);
+    if (!rc && has_chat) rc = chat_tmpl_open(o->chat_template, o->tokenizer_dir, &r.chat, e);
     if (!rc && r.chat && o->encode_special)
         rc = ct_fail(e, CT_ERR_CONFIG,
                      "chat data rendered with %s: encoding special tokens as text would also break the template's "

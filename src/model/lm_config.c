@@ -491,6 +491,21 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         goto done;
     }
     const lm_family *f = family_of(mt->valuestring);
+    if (!f && !strcmp(mt->valuestring, "gemma3")) {
+        /* the published gemma-3-4b/12b/27b folders: Gemma3ForConditionalGeneration, a vision
+         * tower around a gemma3_text language model (docs/families.md) */
+        const cJSON *tmt =
+            cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(root, "text_config"), "model_type");
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "%s: model_type \"gemma3\" is Gemma 3's multimodal wrapper (Gemma3ForConditionalGeneration: "
+                     "a vision tower and a language model), which ctitan does not read; its \"text_config\" is a "
+                     "%s model, which ctitan trains: save the language model as a checkpoint of its own "
+                     "(config.json = text_config, model_type \"gemma3_text\", weights named as "
+                     "Gemma3ForCausalLM names them; docs/families.md has a recipe) and point "
+                     "model.hf_assets_path at it, or start from a text-only Gemma 3 (gemma-3-1b-it)",
+                     path, cJSON_IsString(tmt) ? tmt->valuestring : "gemma3_text");
+        goto done;
+    }
     if (!f) {
         char known[256];
         family_list(known, sizeof known);

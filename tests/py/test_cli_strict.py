@@ -175,6 +175,24 @@ def test_lora_warning_once_and_not_for_the_checkpoints_config(run_ctitan, tmp_pa
                                 "lora.rank is 0 (no LoRA)"], err
 
 
+def test_validation_keys_without_enable_warn(run_ctitan, tmp_path):
+    """--validation.dataset_path=val.jsonl without --validation.enable was ignored in silence.
+    Like a [lora] key with rank 0, each [validation] key set with validation.enable false is
+    named once, with where it was set; the defaults written out, and local_batch_size (which
+    still sizes the plan), are not."""
+    conf = tmp_path / "t.toml"
+    conf.write_text("[validation]\nenable = false\nfreq = 5\n")
+    _, _, err = run_ctitan(["train", "--config", conf, "--validation.dataset_path=val.jsonl", "--dry-run"])
+    w = warnings_of(err, "validation.")
+    tail = "has no effect: validation.enable is false (no validation; set --validation.enable to evaluate)"
+    assert w == [f"ctitan: warning: {conf}: validation.freq {tail}",
+                 f"ctitan: warning: command line: validation.dataset_path {tail}"], err
+    # the defaults written out; local_batch_size sizes the model's buffers even with validation off
+    _, _, err = run_ctitan(["train", "--validation.freq=100", "--validation.steps=10",
+                            "--validation.local_batch_size=4", "--dry-run"])
+    assert not warnings_of(err, "validation."), err
+
+
 # ------------------------------------------------------------------ chat_template, not chat data
 
 @pytest.fixture(scope="module")

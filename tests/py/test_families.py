@@ -336,3 +336,53 @@ def test_qwen_sliding_layers_without_layer_types(family, tmp_path, open_session,
     s = open_session(hf_session_args(d, batch=B, seq_len=T))
     err = oracle.rel_err(s.logits(tokens), of.logits(ref, family, tokens))
     assert err <= TOL, f"logits rel err {err:.3g}"
+
+
+def tiny_gemma3_multimodal(path):
+    """A tiny Gemma3ForConditionalGeneration saved as the published gemma-3-4b-it folder is
+    laid out: config.json with model_type "gemma3" and a nested text_config."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    cfg = Gemma3Config(
+        text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=300, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(cfg).save_pretrained(path)
+    return path
+
+
+def test_gemma3_multimodal_folder_refused_with_what_to_do(tmp_path, run_ctitan, open_session):
+    """The published gemma-3-4b-it folder (model_type "gemma3") was refused as an unknown
+    model_type beside a list holding gemma3_text. The refusal now says it is the multimodal
+    wrapper, that its text_config is a gemma3_text model ctitan trains, and what to do; the
+    recipe docs/families.md gives (run here) makes a folder ctitan loads, with transformers'
+    logits."""
+    import json
+
+    import torch
+    from transformers import AutoModelForImageTextToText, Gemma3ForCausalLM
+    mm_dir = tiny_gemma3_multimodal(tmp_path / "mm")
+    rc, _, err = run_ctitan(["describe", mm_dir], check=False)
+    assert rc == 2, (rc, err)
+    assert 'model_type "gemma3" is Gemma 3\'s multimodal wrapper' in err, err
+    assert 'its "text_config" is a gemma3_text model, which ctitan trains' in err, err
+    assert "docs/families.md" in err, err
+
+    # docs/families.md's recipe
+    mm = AutoModelForImageTextToText.from_pretrained(mm_dir)
+    lm = Gemma3ForCausalLM(mm.config.text_config)
+    lm.model.load_state_dict(mm.model.language_model.state_dict())
+    lm.tie_weights()
+    lm.save_pretrained(tmp_path / "text")
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "gemma3_text"
+
+    tokens = np.array([[1, 5, 9, 200, 17, 3, 250, 4], [7, 7, 8, 100, 2, 64, 11, 0]], dtype=np.int32)
+    s = open_session(hf_session_args(tmp_path / "text", batch=2, seq_len=8))
+    with torch.no_grad():
+        want = mm(input_ids=torch.from_numpy(tokens).long()).logits.float().numpy()
+    err_rel = oracle.rel_err(s.logits(tokens), want)
+    assert err_rel <= TOL, f"logits rel err {err_rel:.3g}"
