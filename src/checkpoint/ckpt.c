@@ -110,14 +110,19 @@ static int ckpt_step_of(const char *name) {
     return strcmp(canon, name) ? -1 : (int)v;
 }
 
-/* Temp-like entries: ".step-N.tmp-PID", ".step-N.old-PID", ".step-N.del-PID".
- * Returns the kind letter ('t', 'o', 'd') and fills step and pid, else 0. */
+/* Temp-like entries: ".step-N.tmp-PID", ".step-N.old-PID", ".step-N.del-PID",
+ * and the trainer's final Hugging Face export in progress, ".hf-step-N.tmp-PID"
+ * (train/trainer_ckpt.c). Returns the kind letter ('t', 'o', 'd'; 't' for
+ * the export) and fills step and pid, else 0. */
 static int ckpt_temp_of(const char *name, int *step, long *pid) {
+    int hf = !strncmp(name, ".hf-step-", 9);
+    if (hf) name += 3; /* ".hf-step-N" -> ".step-N": the same fields */
     if (strncmp(name, ".step-", 6) != 0) return 0;
     const char *dot = strchr(name + 6, '.');
     if (!dot) return 0;
     long s;
     if (ckpt_parse_uint(name + 6, dot, &s)) return 0;
+    if (hf && strncmp(dot, ".tmp-", 5)) return 0;
     int kind = !strncmp(dot, ".tmp-", 5) ? 't' : !strncmp(dot, ".old-", 5) ? 'o' : !strncmp(dot, ".del-", 5) ? 'd' : 0;
     if (!kind || ckpt_parse_uint(dot + 5, dot + strlen(dot), pid)) return 0;
     *step = (int)s;
@@ -1067,12 +1072,12 @@ static int ckpt_pid_alive(long pid) {
     return kill((pid_t)pid, 0) == 0 || errno == EPERM;
 }
 
-int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e) {
+int ckpt_clean_temps(const char *folder, int all, int *n, char *first, size_t cap, ct_err *e) {
+    if (n) *n = 0;
+    if (cap) first[0] = 0;
     if (!ckpt_is_dir(folder)) return 0;
     char p[CKPT_PATH], q[CKPT_PATH], name[32];
     int rc = 0;
-    /* temp dirs first: an ".old" left between the two renames of a fallback
-     * replace is the only copy of its step when step-N is missing */
     DIR *d = opendir(folder);
     if (!d) return ct_fail(e, CT_ERR_IO, "%s: cannot list: %s", folder, strerror(errno));
     struct dirent *de;
@@ -1080,8 +1085,9 @@ int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e) {
         int step;
         long pid;
         int kind = ckpt_temp_of(de->d_name, &step, &pid);
-        if (!kind || ckpt_pid_alive(pid)) continue;
+        if (!kind || (!all && ckpt_pid_alive(pid))) continue;
         if ((rc = fs_join_buf(p, CKPT_PATH, folder, de->d_name, e))) break;
+        if (n && !(*n)++ && cap) snprintf(first, cap, "%s", de->d_name);
         if (kind == 'o') {
             snprintf(name, sizeof name, "step-%d", step);
             if ((rc = fs_join_buf(q, CKPT_PATH, folder, name, e))) break;
@@ -1095,6 +1101,15 @@ int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e) {
         rc = ct_rm_tree(p, e);
     }
     closedir(d);
+    return rc;
+}
+
+int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e) {
+    if (!ckpt_is_dir(folder)) return 0;
+    char p[CKPT_PATH], name[32];
+    /* temp dirs first: an ".old" left between the two renames of a fallback
+     * replace is the only copy of its step when step-N is missing */
+    int rc = ckpt_clean_temps(folder, 0, NULL, NULL, 0, e);
     if (rc || keep_latest_k <= 0) return rc;
 
     int *v, n;

@@ -128,6 +128,16 @@ int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state
  * listed file has its size (checksums are left to select/load). */
 int ckpt_prune(const char *folder, int keep_latest_k, ct_err *e);
 
+/* What ckpt_prune does first: removes FOLDER's temporary entries of saves,
+ * replaces and removals cut short (.step-N.tmp-PID, .step-N.del-PID, the
+ * trainer's .hf-step-N.tmp-PID; a .step-N.old-PID whose step-N is missing is
+ * renamed back instead): those of processes no longer alive, or with `all`
+ * every one, whatever its pid (for a caller that holds the folder's lock, so
+ * that no other process writes there: a pid may have been reused since).
+ * *n (may be NULL) gets how many were found, first[cap] the first one's name.
+ * A missing folder is no error. */
+int ckpt_clean_temps(const char *folder, int all, int *n, char *first, size_t cap, ct_err *e);
+
 /* Model-only checkpoint's state (true/false) from DIR/manifest.json; -1 on
  * error. For callers that must decide before loading (e.g. a trainer that
  * treats an imported step-0 as an initial load). */

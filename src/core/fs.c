@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -210,6 +211,38 @@ int ct_rm_tree(const char *path, ct_err *e) {
     if (!rc && rmdir(path) != 0 && errno != ENOENT)
         rc = ct_fail(e, CT_ERR_IO, "%s: cannot remove: %s", path, strerror(errno));
     return rc;
+}
+
+int fs_lock(const char *path, const char *note, int *fd, char *holder, size_t cap, ct_err *e) {
+    *fd = -1;
+    if (cap) holder[0] = 0;
+    int f = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (f < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    int rc;
+    while ((rc = flock(f, LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
+    }
+    if (rc != 0) {
+        int err = errno;
+        if (err == EWOULDBLOCK) {
+            ssize_t n = cap > 1 ? pread(f, holder, cap - 1, 0) : 0;
+            n = n < 0 ? 0 : n;
+            while (n > 0 && (holder[n - 1] == '\n' || holder[n - 1] == 0)) n--;
+            if (cap) holder[n] = 0;
+            close(f);
+            ct_fail(e, CT_ERR_IO, "%s: locked by another process", path);
+            return FS_LOCK_HELD;
+        }
+        close(f);
+        ct_fail(e, CT_ERR_IO, "%s: cannot lock: %s", path, strerror(err));
+        return err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS || err == EINVAL ? FS_LOCK_NONE : CT_ERR_IO;
+    }
+    /* what a second process shows in its message; a failure here costs that message only */
+    size_t len = strlen(note);
+    if (ftruncate(f, 0) == 0 && pwrite(f, note, len, 0) != (ssize_t)len) {
+        /* nothing to do: the lock, not the text, keeps others out */
+    }
+    *fd = f;
+    return 0;
 }
 
 int fs_same_file(const char *a, const char *b) {

@@ -61,6 +61,20 @@ int fs_write_text(const char *path, const char *text, ct_err *e);
  * a hard link or another spelling of the path is seen through), else 0. */
 int fs_same_file(const char *a, const char *b);
 
+/* Why: two runs writing one folder overwrite each other's files, and a pid
+ * file goes stale when its process is killed; an flock(2) lock is dropped by
+ * the kernel when its holder ends, however it ends.
+ * An exclusive flock of PATH (created 0644 if missing), never waiting.
+ * Returns 0 with *fd the descriptor that holds it (O_CLOEXEC; closing it, or
+ * the process's end, releases it), after writing NOTE into the file for
+ * whoever finds it held; FS_LOCK_HELD when another open file of it holds it
+ * (holder[cap] gets what the holder wrote, "" if nothing yet); FS_LOCK_NONE
+ * when the file system cannot lock (some NFS mounts: ENOLCK, EOPNOTSUPP,
+ * ENOSYS, EINVAL), e saying so and nothing held; CT_ERR_IO when PATH cannot
+ * be opened, e naming it. */
+enum { FS_LOCK_HELD = -1, FS_LOCK_NONE = -2 };
+int fs_lock(const char *path, const char *note, int *fd, char *holder, size_t cap, ct_err *e);
+
 /* mkdir -p: creates DIR and its missing parents; an error names the component
  * that failed, or DIR when it exists but is not a directory. */
 int ct_mkdirs(const char *dir, ct_err *e);

@@ -28,6 +28,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "checkpoint/ckpt.h"
 #include "checkpoint/hf.h"
 #include "core/cpu.h"
 #include "core/fs.h"
@@ -261,7 +262,12 @@ static void pick_threads(const ct_config *c) {
     cpu_set_threads(n < 1 ? 1 : n);
 }
 
-int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return trainer_init_dist(t, cfg, NULL, e); }
+static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_err *e);
+
+/* the library's sessions: they write nothing into job.dump_folder, so they claim nothing */
+int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return init_run(t, cfg, NULL, 0, e); }
+
+int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) { return init_run(t, cfg, world, 1, e); }
 
 /* [lora] and training.freeze into the model config: which projections get
  * adapters, their scale and dropout. Layouts that slice tensors (TP, EP)
@@ -416,7 +422,105 @@ static void prefault_accumulators(trainer *t) {
     }
 }
 
-int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
+/* 1 when the relative path P may lead out of the folder it is relative to:
+ * absolute, or a ".." component. */
+static int path_leaves(const char *p) {
+    if (p[0] == '/') return 1;
+    for (const char *q = p; *q;) {
+        size_t n = strcspn(q, "/");
+        if (n == 2 && q[0] == '.' && q[1] == '.') return 1;
+        q += n;
+        q += *q == '/';
+    }
+    return 0;
+}
+
+/* Every file of the run under job.dump_folder (the lock, config.toml, the
+ * logs and traces) has a path that fits, or an error naming the key whose
+ * value made it too long: checked before anything is created, so a run never
+ * trains with a file it cannot write. */
+#define RUN_PATH 4096
+static int check_run_paths(const ct_config *c, ct_err *e) {
+    char path[RUN_PATH];
+    const struct { const char *name, *key; } files[] = {
+        {"config.toml", "job.dump_folder"},           {"events.jsonl", "job.dump_folder"},
+        {".ctitan.lock", "job.dump_folder"},          {c->metrics_file, "metrics.file"},
+        {c->save_tb_folder, "metrics.save_tb_folder"}, {c->save_traces_folder, "profiling.save_traces_folder"},
+    };
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        const char *key = files[i].key, *name = files[i].name;
+        if (trainer_join_path(path, sizeof path, c->dump_folder, name)) {
+            size_t n = name[0] == '/' || !c->dump_folder[0] ? strlen(name) : strlen(c->dump_folder) + 1 + strlen(name);
+            char both[96]; /* the path joins two options' values */
+            snprintf(both, sizeof both, "job.dump_folder,%s", key);
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s: too long for %s beneath it (%zu bytes, at most %zu)",
+                           cfg_origin_any(c, both), key, name, n, sizeof path - 1);
+        }
+    }
+    return 0;
+}
+
+/* One run per job.dump_folder (docs/checkpoints.md, "One run per folder"):
+ * two runs in one folder overwrote each other's checkpoints, metrics.jsonl
+ * and events.jsonl without a word. Rank 0 takes an exclusive flock on
+ * {dump_folder}/.ctitan.lock, never waiting, and keeps it until trainer_free
+ * or its end (the kernel drops it however the process ends, so a killed run
+ * leaves nothing stale to clear by hand; the file itself stays). Held by
+ * another process: CT_ERR_CONFIG naming the folder and what the holder wrote
+ * in the file (its pid and host). A file system without flock (some NFS
+ * mounts): a warning, and the run goes on unguarded. With the lock held no
+ * other run writes in the folder, so every temporary directory of a save cut
+ * short in the checkpoint folder beneath it is stale, whatever pid it names
+ * (ckpt_prune spares live pids' ones and ran only after a save): removed, with
+ * a note. Collective: the other ranks learn of rank 0's failure and fail too
+ * (quietly, with CT_ERR_CONFIG: the error is rank 0's to tell). */
+static int claim_dump_folder(trainer *t, ct_err *e) {
+    const ct_config *c = &t->cfg;
+    int32_t code = check_run_paths(c, e); /* the same on every rank: no collective needed for it */
+    if (code) return code;
+    if (t->world->rank == 0) {
+        const char *dump = c->dump_folder[0] ? c->dump_folder : ".";
+        char path[4200], note[400], host[256] = "", holder[400];
+        gethostname(host, sizeof host - 1);
+        snprintf(note, sizeof note, "pid %ld on host %s\n", (long)getpid(), host[0] ? host : "?");
+        int fd = -1, rc = 0;
+        ct_err le = {0};
+        if (trainer_join_path(path, sizeof path, c->dump_folder, ".ctitan.lock"))
+            code = ct_fail(e, CT_ERR_CONFIG, "%s: job.dump_folder: path too long", cfg_origin(c, "job.dump_folder"));
+        else if (!(code = ct_mkdirs(dump, e)) && (rc = fs_lock(path, note, &fd, holder, sizeof holder, &le))) {
+            if (rc == FS_LOCK_HELD)
+                code = ct_fail(e, CT_ERR_CONFIG,
+                               "job.dump_folder = %s is in use by another run (%s holds %s): one run per folder; "
+                               "wait for it to end or stop it, or give this run another job.dump_folder",
+                               dump, holder[0] ? holder : "a process starting up", path);
+            else if (rc == FS_LOCK_NONE)
+                fprintf(stderr, "ctitan: warning: %s; this file system cannot lock, so a second run started in "
+                        "this folder would not be detected (one run per folder)\n", le.msg);
+            else code = ct_fail(e, rc, "%s", le.msg);
+        }
+        if (!code && !rc) t->dump_lock = fd + 1;
+        /* the checkpoint folder is the lock's when it lies beneath job.dump_folder */
+        int n = 0;
+        char first[256];
+        if (t->dump_lock && !path_leaves(c->ckpt_folder) &&
+            ckpt_clean_temps(t->ckpt_folder, 1, &n, first, sizeof first, &le))
+            fprintf(stderr, "ctitan: warning: %s (a leftover of a save cut short)\n", le.msg);
+        else if (n == 1)
+            fprintf(stderr, "ctitan: note: removed %s from %s, the leftover of a save cut short (this run holds the "
+                    "folder: no other run is writing there)\n", first, t->ckpt_folder);
+        else if (n > 1)
+            fprintf(stderr, "ctitan: note: removed %s and %d more from %s, leftovers of saves cut short (this run "
+                    "holds the folder: no other run is writing there)\n", first, n - 1, t->ckpt_folder);
+    }
+    if (t->world->size > 1) {
+        comm_allreduce(t->world, &code, 1, COMM_I32, COMM_MAX);
+        if (code && t->world->rank != 0)
+            return ct_fail(e, CT_ERR_CONFIG, "rank 0 could not claim job.dump_folder (its error says why)");
+    }
+    return code;
+}
+
+static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_err *e) {
     memset(t, 0, sizeof *t);
     t->t_launch = ev_wall_time();
     t->cfg = *cfg;
@@ -465,6 +569,9 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
             fprintf(stderr, "ctitan: frozen weights in bfloat16: %.3f GiB (fp32 would be %.3f GiB)\n",
                     n * 2.0 / (1 << 30), n * 4.0 / (1 << 30));
     }
+    /* the layout and the settings are checked; before the minutes that tuning and
+     * the weights may take, and before the checkpoint folder is looked at */
+    if (claim && (rc = claim_dump_folder(t, e))) return rc;
     /* after the bf16 store: tuning times the experts entries the run will call */
     if ((rc = select_kernels(t, e))) return rc;
     /* MoE load-balancing loss: HF adds it per forward; a step is the mean of its micro-batches' */
@@ -491,6 +598,7 @@ int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) {
 }
 
 void trainer_free(trainer *t) {
+    if (t->dump_lock) close(t->dump_lock - 1); /* releases job.dump_folder */
     plan_free(&t->plan);
     free(t->seeds);
     lm_free(&t->model);
@@ -568,7 +676,8 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
 }
 
 /* MoE: the step's load-balancing loss and, per MoE layer, the tokens of its least
- * and most loaded expert (last micro-batch): console fields, or JSON members. */
+ * and most loaded expert (last micro-batch; the extremes over the data-parallel
+ * ranks' last ones, log_step): console fields, or JSON members. */
 static void print_moe_load(FILE *f, const lm_model *m, double aux, int json) {
     fprintf(f, json ? ", \"aux_loss\": %.9g, \"moe_load_min\": [" : "  aux_loss: %.4f  load(min/max):", aux);
     for (int pass = 0; pass < (json ? 2 : 1); pass++) {
@@ -753,26 +862,12 @@ typedef struct {
  * for close_run_files. */
 static int open_run_files(trainer *t, run_files *f, ct_err *e) {
     const ct_config *c = &t->cfg;
-    char path[4096];
+    char path[RUN_PATH];
     int rank0 = t->world->rank == 0; /* files of the run are written once */
     int seen_step = -1;              /* what a resume cuts from metrics.jsonl (truncate_metrics) */
     double seen_time = NAN;
-    /* every file of the run under job.dump_folder, or an error naming the key whose path is too long */
-    const struct { const char *name, *key; } files[] = {
-        {"config.toml", "job.dump_folder"},           {"events.jsonl", "job.dump_folder"},
-        {c->metrics_file, "metrics.file"},            {c->save_tb_folder, "metrics.save_tb_folder"},
-        {c->save_traces_folder, "profiling.save_traces_folder"},
-    };
-    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
-        const char *key = files[i].key, *name = files[i].name;
-        if (trainer_join_path(path, sizeof path, c->dump_folder, name)) {
-            size_t n = name[0] == '/' || !c->dump_folder[0] ? strlen(name) : strlen(c->dump_folder) + 1 + strlen(name);
-            char both[96]; /* the path joins two options' values */
-            snprintf(both, sizeof both, "job.dump_folder,%s", key);
-            return ct_fail(e, CT_ERR_CONFIG, "%s: %s: too long for %s beneath it (%zu bytes, at most %zu)",
-                           cfg_origin_any(c, both), key, name, n, sizeof path - 1);
-        }
-    }
+    int rc = check_run_paths(c, e);
+    if (rc) return rc;
     if (rank0) {
         trainer_join_path(path, sizeof path, c->dump_folder, "config.toml");
         FILE *cf = fopen(path, "w");
@@ -852,32 +947,59 @@ static void print_run_banner(trainer *t, run_clock *k) {
      * fp32-unit utilisation it did not need */
     int bf16_mm = !strcmp(c->mixed_precision_param, "bfloat16");
     k->peak = bf16_mm ? peak.bf16_flops : peak.flops;
+    /* MFU is this rank's: the FLOPs it runs per token of its data-parallel
+     * share (its slice under TP, its stage under PP: the whole model's count
+     * shared by the ranks that run those tokens) over its own peak, which is
+     * torchtitan's whole-model FLOPs x tokens / (non-data-parallel ranks) */
     k->fpt = lm_flops_per_token(m, T);
-    char layout[256];
+    /* the model as a whole, in every layout, as the dry run and PEFT's line count it */
+    lm_model whole;
+    lm_layout(&whole, &t->plan.whole);
+    const lm_config *wc = &t->plan.whole;
+    double fpt_whole = lm_flops_per_token(&whole, T);
+    char layout[256], part[224] = "", fpt_note[96] = "";
     plan_layout_str(&t->plan, layout, sizeof layout);
+    /* "model NAME: N parameters": where this rank runs a part of the model (TP,
+     * PP, EP; not FSDP, whose ranks run all of it), that part first, as the dry
+     * run's "parameters run by this rank", said to be a part, then the whole */
+    int held = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) held += lm_holds_layer(&m->cfg, l);
+    if (m->n_params != whole.n_params) {
+        char what[96] = "";
+        size_t w = 0;
+        if (m->cfg.n_heads != wc->n_heads || m->cfg.n_kv_heads != wc->n_kv_heads)
+            w += (size_t)snprintf(what + w, sizeof what - w, ", heads %d/%d", m->cfg.n_heads, m->cfg.n_kv_heads);
+        if (held != wc->n_layers && w < sizeof what)
+            w += (size_t)snprintf(what + w, sizeof what - w, ", %d of the layers", held);
+        if (m->cfg.expert_rows && m->cfg.expert_rows != wc->n_experts && w < sizeof what)
+            snprintf(what + w, sizeof what - w, ", experts %d..%d", m->cfg.expert0,
+                     m->cfg.expert0 + m->cfg.expert_rows - 1);
+        snprintf(part, sizeof part, "%zu parameters on rank %d of %d (its part%s) of ", m->n_params, t->world->rank,
+                 t->world->size, what);
+    }
+    if (k->fpt != fpt_whole) /* MFU's and tflops' figure: this rank's */
+        snprintf(fpt_note, sizeof fpt_note, "its part of the model; the whole model: %.3g; ", fpt_whole);
     fprintf(stderr,
-            "ctitan: model %s: %zu parameters, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
+            "ctitan: model %s: %s%zu parameters%s, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
             "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, steps %d..%d; activations %.1f MiB\n"
             "ctitan: parallelism: %s; global batch %d sequences; %d thread(s) per rank\n"
-            "ctitan: %.3g FLOPs/token (6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s %s on %d "
+            "ctitan: %.3g FLOPs/token%s (%s6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s %s on %d "
             "threads (%s, %s%s%s)\n",
-            m->cfg.name, m->n_params, m->cfg.n_layers, m->cfg.hidden, m->cfg.n_heads, m->cfg.n_kv_heads,
-            m->cfg.head_dim, m->cfg.vocab_size, m->cfg.tie_embeddings ? ", tied" : "", B, T, t->grad_accum,
-            t->step + 1, c->steps,
-            lm_activation_bytes(m) / 1048576.0, layout, t->global_batch, cpu_threads(), k->fpt, k->peak / 1e9,
-            bf16_mm ? "bf16" : "fp32", peak.threads, bf16_mm ? peak.bf16_isa : peak.isa, peak.source,
+            wc->name, part, whole.n_params, part[0] ? " in the whole model" : "", wc->n_layers, wc->hidden,
+            wc->n_heads, wc->n_kv_heads, wc->head_dim, wc->vocab_size, wc->tie_embeddings ? ", tied" : "", B, T,
+            t->grad_accum, t->step + 1, c->steps,
+            lm_activation_bytes(m) / 1048576.0, layout, t->global_batch, cpu_threads(), k->fpt, fpt_note[0] ? " per rank" : "", fpt_note,
+            k->peak / 1e9, bf16_mm ? "bf16" : "fp32", peak.threads, bf16_mm ? peak.bf16_isa : peak.isa, peak.source,
             peak.note[0] ? ": " : "", peak.note);
     if (m->n_frozen && t->world->rank == 0) {
         /* PEFT's print_trainable_parameters, counted as the dry run counts: on
          * the whole model's table, whatever part of it this rank holds */
-        lm_model whole;
-        lm_layout(&whole, &t->plan.whole);
         ct_err ignore = {0}; /* the run applied the same settings already */
         if (!lora_apply_frozen(&whole, c->freeze, c->lora_modules_to_save, trainer_frozen_origin(c), &ignore))
             trainer_print_trained(stderr, "ctitan: ", lm_trained_runs(&whole, 0, whole.n_params, NULL, NULL),
                                   whole.n_params, c->lora_rank > 0);
-        lm_free(&whole);
     }
+    lm_free(&whole);
     if (t->world->rank == 0) plan_describe(&t->plan, stderr);
 }
 
@@ -902,6 +1024,16 @@ static void log_step(trainer *t, run_files *f, run_clock *k, int step, double lo
      * wall time rank 0 spent in collectives since the last line */
     double comm_pct = 100.0 * plan_take_comm_time(&t->plan) / (now - k->t_log);
     comm_allreduce(t->world, &mem, 1, COMM_F64, COMM_MAX);
+    if (m->moe.n_layers && t->plan.mesh.dp_size > 1) {
+        /* the expert loads over every data-parallel rank's last micro-batch (the
+         * fewest and the most tokens an expert got in any of them), not rank 0's
+         * alone; aux_loss is their mean already (plan_sum_loss). Logged steps only. */
+        int L = m->cfg.n_layers, *lo = t->model.moe.load_min, *hi = t->model.moe.load_max;
+        for (int l = 0; l < L; l++) lo[l] = -lo[l]; /* a min as the max of the negations */
+        comm_allreduce(&t->plan.mesh.dp, lo, (size_t)L, COMM_I32, COMM_MAX);
+        comm_allreduce(&t->plan.mesh.dp, hi, (size_t)L, COMM_I32, COMM_MAX);
+        for (int l = 0; l < L; l++) lo[l] = -lo[l];
+    }
     long overlapped = plan_take_overlapped(&t->plan);
     printf("step: %d  loss: %.4f  grad_norm: %.4f  memory: %.2f GiB  tps: %.0f  tflops: %.3f  mfu: %.2f%%", step,
            loss, gnorm, mem, tps, tflops, mfu);
@@ -973,6 +1105,14 @@ static int save_final_hf(trainer *t, ct_err *e) {
                 ct_now() - t0);
     if (!rc) trainer_checkpoint_event(t, "hf", dir, -1, ct_now() - t0);
     return rc;
+}
+
+/* The stop's message (a stop asked by `why`, after `step`, its checkpoint
+ * saved); CT_STOPPED. */
+static int stopped(int step, const char *why, int ckpt_enable) {
+    fprintf(stderr, "ctitan: stopped after step %d (%s); resume with the same command%s\n", step, why,
+            ckpt_enable ? "" : " and --checkpoint.enable=true");
+    return CT_STOPPED;
 }
 
 int trainer_run(trainer *t, ct_err *e) {
@@ -1064,18 +1204,32 @@ int trainer_run(trainer *t, ct_err *e) {
             /* preemption: save first (validation could outlast the grace period), and
              * always a full checkpoint, whatever checkpoint.enable says */
             if ((rc = trainer_save(t, data, 0, e))) goto out;
-            fprintf(stderr, "ctitan: stopped after step %d (%s); resume with the same command%s\n", step,
-                    sig ? "signal" : "training.stop_at_step",
-                    c->ckpt_enable ? "" : " and --checkpoint.enable=true");
-            rc = CT_STOPPED;
+            rc = stopped(step, sig ? "signal" : "training.stop_at_step", c->ckpt_enable);
             goto out;
         }
-        if (val && (step % c->val_freq == 0 || last)) validate(t, val, step, files.metrics, &files.tb);
+        int validated = val && (step % c->val_freq == 0 || last), saved_full = 0;
+        if (validated) validate(t, val, step, files.metrics, &files.tb);
         if (c->ckpt_enable) {
             /* as torchtitan: with last_save_in_hf the final save is the HF directory below */
             int due = (last && !c->last_save_in_hf) || (!last && step % c->ckpt_interval == 0) ||
                       (step == 1 && c->first_step_ckpt);
-            if (due && (rc = trainer_save(t, data, last && c->last_save_model_only, e))) goto out;
+            int model_only = last && c->last_save_model_only;
+            if (due && (rc = trainer_save(t, data, model_only, e))) goto out;
+            saved_full = due && !model_only;
+        }
+        /* A signal that came during this step's validation or save (seconds, where
+         * the step took milliseconds) asks for the same stop after this step: the
+         * step is done, so stop now, with the checkpoint just written when there
+         * is one, rather than run one more step and save again. Asked only after
+         * these (every rank knows when they ran): no collective in other steps. */
+        if (!last && (validated || saved_full)) {
+            sig = stop_requested;
+            comm_allreduce(t->world, &sig, 1, COMM_I32, COMM_MAX);
+            if (sig) {
+                if (!saved_full && (rc = trainer_save(t, data, 0, e))) goto out;
+                rc = stopped(step, "signal", c->ckpt_enable);
+                goto out;
+            }
         }
     }
     if (pf) prof_summary(pf, stderr); /* on the ranks CTITAN_LOG_RANKS shows */

@@ -52,6 +52,7 @@ typedef struct {
         int resumed;  /* a full checkpoint (else a model-only one seeding step 0) */
     } loaded;
     struct ev_log *events; /* rank 0 during trainer_run; NULL elsewhere */
+    int dump_lock;         /* rank 0 of trainer_init_dist: job.dump_folder's lock, its descriptor + 1 (0: none) */
     ev_energy energy;      /* RAPL reading at launch (rank 0) */
 } trainer;
 
@@ -61,7 +62,13 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e);
 /* The same on an MPI world (cli train): [parallelism] is checked against
  * world->size before anything is built, the data is split by data-parallel
  * rank, and FSDP shards the model state. world == NULL: one process. The
- * caller keeps world alive until trainer_free. */
+ * caller keeps world alive until trainer_free. Unlike trainer_init (the
+ * library's sessions, which write nothing into job.dump_folder), it claims
+ * the folder for the run: rank 0 holds an flock on {dump_folder}/.ctitan.lock
+ * until trainer_free or its end, taken before the checkpoints are looked at,
+ * and a second run on a held folder fails at once (CT_ERR_CONFIG, naming the
+ * holder's pid and host) on every rank (docs/checkpoints.md, "One run per
+ * folder"). */
 int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e);
 void trainer_free(trainer *t);
 /* Clip, AdamW at the scheduled lr, zero the gradients, step++. */

@@ -69,6 +69,38 @@ static char *state_to_json(const trainer *t, const ds *data) {
     return txt;
 }
 
+/* The global batch a checkpoint was written with differs from this run's:
+ * where this run's comes from (unset, it is local_batch_size x the
+ * data-parallel ranks, so the same command under another mpirun -np changes
+ * it) and the settings that give the checkpoint's again. */
+static int global_batch_differs(const trainer *t, double was_d, const char *dir, ct_err *e) {
+    const ct_config *c = &t->cfg;
+    int dp = t->plan.mesh.dp_size > 0 ? t->plan.mesh.dp_size : 1, L = c->local_batch_size > 0 ? c->local_batch_size : 1;
+    int set = c->global_batch_size > 0, was = fabs(was_d) < 1e9 ? (int)was_d : 0; /* any number: state.json is input */
+    char from[320], keep[400];
+    if (set)
+        snprintf(from, sizeof from, "set in %s", cfg_origin(c, "training.global_batch_size"));
+    else
+        snprintf(from, sizeof from, "not set: training.local_batch_size %d x %d data-parallel rank%s", L, dp,
+                 dp == 1 ? "" : "s");
+    if (was_d != was || was < 1 || was % dp)
+        snprintf(keep, sizeof keep, "%g sequences do not split over %d data-parallel ranks: resume with a "
+                 "data-parallel degree that divides it", was_d, dp);
+    else if (was % (L * dp) == 0) /* this local batch fits: accumulate */
+        snprintf(keep, sizeof keep, "to keep %d, set --training.global_batch_size=%d (%d micro-batch%s of %d per "
+                 "rank)", was, was, was / (L * dp), was / (L * dp) == 1 ? "" : "es", L);
+    else if (set)
+        snprintf(keep, sizeof keep, "to keep %d, set --training.global_batch_size=%d --training.local_batch_size=%d",
+                 was, was, was / dp);
+    else
+        snprintf(keep, sizeof keep, "to keep %d, set --training.local_batch_size=%d (%d sequences / %d ranks)", was,
+                 was / dp, was, dp);
+    return ct_fail(e, CT_ERR_CONFIG,
+                   "%s: training.global_batch_size is %d (%s) but the checkpoint was written with %g; resuming "
+                   "would change the data order: %s, or start a new checkpoint.folder",
+                   dir, t->global_batch, from, was_d, keep);
+}
+
 int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e) {
     char what[4200];
     snprintf(what, sizeof what, "%s/state.json", dir);
@@ -91,6 +123,10 @@ int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err
     for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, same[i].json);
         double was = cJSON_IsBool(v) ? cJSON_IsTrue(v) : cJSON_IsNumber(v) ? v->valuedouble : same[i].now;
+        if (was != same[i].now && !strcmp(same[i].json, "global_batch")) {
+            cJSON_Delete(o);
+            return global_batch_differs(t, was, dir, e);
+        }
         if (was != same[i].now) {
             cJSON_Delete(o);
             return ct_fail(e, CT_ERR_CONFIG,

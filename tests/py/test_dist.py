@@ -232,6 +232,30 @@ def test_checkpoint_moves_between_layouts(setup, single):
             assert err <= 1e-4, f"{first} -> {then}: {k} differs by {err:.3g}"
 
 
+def test_resume_under_more_ranks_says_where_the_global_batch_came_from(setup, tmp_path):
+    """A one-process run that set no global batch (local_batch_size 2: 2 sequences a step),
+    resumed by the same command under mpirun -np 2: local_batch_size is per rank, so the
+    step is 4 sequences and the data order would change. Still refused (exit 2), and the
+    message says where 4 comes from and which setting keeps 2; with it the run resumes."""
+    d, data = setup
+    out = tmp_path / "run"
+    args = [a for a in train_args(d / "model", data, out, "--training.stop_at_step=2",
+                                  "--checkpoint.last_save_model_only=false")
+            if not a.startswith(("--training.global_batch_size=", "--training.local_batch_size=",
+                                 "--validation."))] + ["--training.local_batch_size=2"]
+    p = run(1, args, check=False)
+    assert p.returncode == 75, p.stderr[-3000:]
+    p = run(2, args, check=False)
+    assert p.returncode == 2, f"exit {p.returncode}\n{p.stderr[-3000:]}"
+    err = [l for l in p.stderr.splitlines() if l.startswith("ctitan: error:")]
+    assert len(err) == 1, p.stderr[-3000:]
+    for words in ("training.global_batch_size is 4 (not set: training.local_batch_size 2 x 2 data-parallel ranks)",
+                  "the checkpoint was written with 2", "to keep 2, set --training.local_batch_size=1"):
+        assert words in err[0], err[0]
+    p = run(2, args + ["--training.local_batch_size=1"])
+    assert re.search(r"resuming from \S*/step-2 \(step 2\)", p.stderr), p.stderr[-3000:]
+
+
 def test_fsdp_memory_per_rank_shrinks(tmp_path):
     """The point of FSDP: with the model state dominant (27 M parameters, 16 bytes each:
     0.41 GiB), 4 ranks need well under half the memory of one process each."""

@@ -21,12 +21,14 @@ the sums moves it by 1%, and its update, about lr * g / (|g| + eps), by 0.3% of 
 Element-wise figures for every layout are in docs/distributed.md. No auxiliary loss in
 the gradient: it is a function of each micro-batch's tokens, which differ by layout."""
 import re
+import subprocess
 
 import numpy as np
 import pytest
 
 import oracle
-from test_dist import STEPS, assert_same_run, losses, run, train_args, weights
+from conftest import BIN
+from test_dist import ENV, STEPS, assert_same_run, losses, mpirun, run, train_args, weights
 
 P = "--parallelism."
 
@@ -45,7 +47,8 @@ def moe_setup(tmp_path_factory):
                        output_router_logits=False).save_pretrained(d / name)
     data = oracle.write_bin(d / "tokens.bin", oracle.learnable_stream(600 * 17, 251, seed=7))
     ref = d / "single"
-    run(1, train_args(d / "model_moe", data, ref, "--checkpoint.last_save_model_only=false"))
+    p = run(1, train_args(d / "model_moe", data, ref, "--checkpoint.last_save_model_only=false"))
+    (d / "single.stderr").write_text(p.stderr)  # its start-up log: the whole model's figures
     return d, data, ref
 
 
@@ -93,6 +96,23 @@ def test_moe_layout_matches_one_rank(moe_setup, name):
     ep = int(re.search(r"_ep(\d)", name).group(1)) if "_ep" in name else 1
     if "tp2" not in name:  # rank 0 stores its 1/ep of the experts and everything else
         assert held == ALL_PARAMS - EXPERT_PARAMS + EXPERT_PARAMS // ep, f"{name}: rank 0 holds {held} parameters"
+    # the model line gives the whole model in every layout, after the rank's part where it runs one
+    line = re.search(r"ctitan: model \S+: .*", p.stderr).group(0)
+    whole = f"{ALL_PARAMS} parameters{' in the whole model' if held != ALL_PARAMS else ''}, 3 layers, hidden {H}, " \
+            f"heads {NH}/{NKV} x {HD}, vocab {V}"
+    assert whole in line, f"{name}: {line}"
+    if held != ALL_PARAMS:
+        assert f": {held} parameters on rank 0 of {n} (its part" in line, f"{name}: {line}"
+        assert ("heads 2/1" in line) == ("tp2" in name), f"{name}: {line}"
+    # FLOPs per token: one process's figure, or this rank's share beside it (TP: MFU's, per rank)
+    single = re.search(r"ctitan: (\S+) FLOPs/token \(6 x", (d / "single.stderr").read_text()).group(1)
+    flops = re.search(r"ctitan: (\S+) FLOPs/token(.*)", p.stderr)
+    if "tp2" in name:
+        assert flops.group(2).startswith(f" per rank (its part of the model; the whole model: {single}; "), \
+            f"{name}: {flops.group(0)}"
+        assert float(flops.group(1)) < float(single)
+    else:
+        assert flops.group(1) == single and flops.group(2).startswith(" (6 x"), f"{name}: {flops.group(0)}"
     if ep > 1:
         assert f"expert_parallel {ep}: rank 0 runs experts 0..{E // ep - 1} of {E} and stores only those" \
             in p.stderr, p.stderr[-2000:]
@@ -133,6 +153,33 @@ def test_moe_logged_aux_loss_matches_one_rank(moe_setup, name):
     for s in want:
         assert want[s] > 0 and abs(got[s] - want[s]) <= 1e-5 * want[s], \
             f"{name}: step {s} aux_loss {got[s]!r} vs one rank {want[s]!r}"
+
+
+def test_moe_logged_loads_are_every_data_parallel_rank_s(moe_setup):
+    """load(min/max) of the console line and metrics.jsonl's moe_load_min / moe_load_max,
+    under data parallel 4 with expert parallel 2: the fewest and the most tokens an expert
+    got in any data-parallel rank's last micro-batch, as aux_loss is their mean, so every
+    rank logs the same figures (CTITAN_LOG_RANKS=all shows each one's line), not its own
+    micro-batch's, and metrics.jsonl holds what the console shows."""
+    d, data, _ = moe_setup
+    n, dp, args = LAYOUTS["dp4_ep2"]
+    out = d / "loads_dp4_ep2"
+    cmd = mpirun() + ["-np", str(n), str(BIN)] + [str(a) for a in train_args(d / "model_moe", data, out, *args,
+                                                                               dp=dp)]
+    p = subprocess.run(cmd, env=dict(ENV, CTITAN_LOG_RANKS="all"), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    by_step = {}
+    for m in re.finditer(r"^step: (\d+) .*?(aux_loss: \S+  load\(min/max\):[ 0-9/]+)", p.stdout, re.M):
+        by_step.setdefault(int(m.group(1)), []).append(m.group(2).strip())
+    assert sorted(by_step) == list(range(1, STEPS + 1)), sorted(by_step)
+    for s, lines in by_step.items():
+        assert len(lines) == n and len(set(lines)) == 1, f"step {s}: the ranks log {lines}"
+    rows = [r for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r]
+    for r in rows:
+        assert len(r["moe_load_min"]) == MOE_LAYERS and all(a <= b for a, b in zip(r["moe_load_min"],
+                                                                                   r["moe_load_max"])), r
+        shown = by_step[r["step"]][0].split("load(min/max):")[1].split()
+        assert shown == [f"{a}/{b}" for a, b in zip(r["moe_load_min"], r["moe_load_max"])], (shown, r)
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_fsdp2_ep2"])

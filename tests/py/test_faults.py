@@ -6,11 +6,13 @@ is the documented one, no checkpoint that verified before the fault is lost, and
 continued from what is left ends bit-identical (weights and AdamW moments) to an
 uninterrupted run. docs/reliability.md, "Faults during a run", has the figures."""
 import ctypes
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -46,7 +48,7 @@ def train(args, **kw):
 
 
 class _CtErr(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024)]
+    _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024), ("all_ranks", ctypes.c_int)]
 
 
 _lib = None
@@ -212,7 +214,9 @@ def test_every_checkpoint_damaged_is_an_error(setup, stopped, tmp_path):
     ck = out / "checkpoint"
     flip(ck / "step-10" / "optim.safetensors")
     truncate(ck / "step-5" / "manifest.json")
-    before = tree(out)
+    # every file but the folder's lock, which names the run that holds it (docs/checkpoints.md)
+    files = lambda: {k: v for k, v in tree(out).items() if k != ".ctitan.lock"}
+    before = files()
     p = train(fault_args(model_dir, data, out))
     assert p.returncode == 3, f"exit {p.returncode}\n{p.stderr[-3000:]}"
     for f in ("step-10/optim.safetensors", "step-5/manifest.json"):
@@ -220,7 +224,7 @@ def test_every_checkpoint_damaged_is_an_error(setup, stopped, tmp_path):
     err = [l for l in p.stderr.splitlines() if l.startswith("ctitan: error:")]
     assert len(err) == 1 and "step-10" in err[0] and "step-5" in err[0], p.stderr[-3000:]
     assert "step:" not in p.stdout, "it trained"
-    assert tree(out) == before, "the damaged run's files changed"
+    assert files() == before, "the damaged run's files changed"
 
 
 def in_small_tmpfs(cmd, mount, size, keep):
@@ -373,7 +377,15 @@ def stop_with(sig, args, out, at_step=3):
                     p.send_signal(sig)
                     p.send_signal(signal.SIGCONT)
                 break
-        rest, err = p.communicate(timeout=60)
+        # the rest through the same reader: communicate() reads the raw pipe, and lines the
+        # loop's reader had already buffered (a fast run's steps after at_step) were lost
+        timer = threading.Timer(60, p.kill)  # a hung run still ends the test
+        timer.start()
+        try:
+            rest, err = p.stdout.read(), p.stderr.read()
+            p.wait()
+        finally:
+            timer.cancel()
     finally:
         if p.poll() is None:
             p.kill()
@@ -412,6 +424,59 @@ def test_signal_stops_with_a_checkpoint(setup, reference, tmp_path, sig):
     assert p.returncode == 0, p.stderr[-3000:]
     assert re.search(rf"resuming from \S*/step-{n} \(step {n}\)", p.stderr), p.stderr[-3000:]
     assert_none_lost(before, ck)
+    assert_same_run(reference, out)
+
+
+def test_signal_during_validation_and_save_stops_after_them(setup, reference, tmp_path):
+    """A signal that comes after a step's stop check, during its validation or its periodic
+    save (seconds, where the step takes milliseconds), stops the run right after that save:
+    exit 75 at the same step, with the checkpoint just written and no other, where it ran
+    one more step and saved a second full checkpoint. Validation of 3000 batches (about a
+    second here) holds the window open: the signal goes 0.2 s after "step: 5" is logged,
+    the stop check being microseconds after that line. A signal that still landed before
+    the check (the run then skips validation, as a stop does) is tried again."""
+    tmp, model_dir, data = setup
+    out = tmp_path / "run"
+    val = ["--validation.enable", f"--validation.dataset_path={data}", "--validation.freq=5",
+           "--validation.steps=3000"]
+    args = fault_args(model_dir, data, out, *val)
+    for _ in range(TRIES):
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [str(BIN)] + [str(a) for a in args]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=CHILD_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = []
+        try:
+            for line in p.stdout:
+                seen.append(line)
+                if line.startswith("step: 5 "):
+                    time.sleep(0.2)
+                    p.send_signal(signal.SIGINT)
+                    break
+            rest, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        crashed(p.returncode, err, cmd)
+        stdout = "".join(seen) + rest
+        if "validate step: 5 " in stdout:
+            break
+    assert "validate step: 5 " in stdout, f"the signal landed before the stop check, {TRIES} times"
+    assert p.returncode == 75, f"exit {p.returncode}\n{err[-3000:]}"
+    said = [l for l in err.splitlines() if "stopped" in l or "saved" in l]
+    assert re.search(r"stopped after step 5 \(signal\)", err), said
+    logged = [int(x) for x in re.findall(r"^step: (\d+) ", stdout, re.M)]
+    assert logged[-1] == 5 and max(losses(out)) == 5, f"steps after the signal: {logged[-3:]}"
+    saves = re.findall(r"saved checkpoint \S+/(step-\d+):", err)
+    assert saves == ["step-5"], f"saves: {saves}"
+    ck = out / "checkpoint"
+    assert steps_in(ck) == [5] and not verify(ck / "step-5"), (steps_in(ck), verify(ck / "step-5"))
+    ev = [json.loads(l) for l in (out / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in ev] == [("start", 0), ("checkpoint", 5), ("exit", 5)], ev
+    assert ev[-1]["reason"] == "stopped", ev[-1]
+    # the same command, without the slow validation, continues to the uninterrupted run's bits
+    p = train(fault_args(model_dir, data, out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.search(r"resuming from \S*/step-5 \(step 5\)", p.stderr), p.stderr[-3000:]
     assert_same_run(reference, out)
 
 
