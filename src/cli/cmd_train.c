@@ -43,7 +43,7 @@ static int finish(ct_comm *world, FILE *err, int rc, const ct_err *e) {
         if (!dist) fprintf(err, "ctitan: error: %s\n", e->msg);
         else if (rc != CT_ERR_CONFIG || world->rank == 0)
             fprintf(err, "ctitan: error: [rank %d] %s\n", world->rank, e->msg);
-        if (dist && rc != CT_ERR_CONFIG) {
+        if (dist && rc != CT_ERR_CONFIG && !e->all_ranks) {
             fprintf(err, "ctitan: [rank %d] ending the job: all %d ranks stop\n", world->rank, world->size);
             comm_abort(world, code);
         }

@@ -13,6 +13,7 @@
 int ct_fail(ct_err *e, int code, const char *fmt, ...) {
     if (!e) return code;
     e->code = code;
+    e->all_ranks = 0;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(e->msg, sizeof e->msg, fmt, ap);

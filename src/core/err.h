@@ -24,9 +24,13 @@ enum {
 typedef struct {
     int code;
     char msg[1024];
+    int all_ranks; /* every rank of a job reached this error together (a collective verdict):
+                    * each can end on its own, no rank need abort the others. Last, so that
+                    * code and msg keep their offsets (the tests' ctypes mirrors) */
 } ct_err;
 
-/* Sets e->code and e->msg (printf-style) and returns code. e may be NULL. */
+/* Sets e->code and e->msg (printf-style), clears e->all_ranks, and returns
+ * code. e may be NULL. */
 int ct_fail(ct_err *e, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 

@@ -469,17 +469,24 @@ static int agree_on_pick(trainer *t, int rc, const resume_pick *p, ct_err *e) {
     int64_t r[3] = {rc, k, -k};
     comm_allreduce(t->world, r, 3, COMM_I64, COMM_MAX);
     if (rc) return rc;
-    if (r[0]) return ct_fail(e, (int)r[0], "another rank failed to load or initialise the model (its error says why)");
+    if (r[0]) {
+        ct_fail(e, (int)r[0], "another rank failed to load or initialise the model (its error says why)");
+        e->all_ranks = 1; /* the failing rank ends the job; a second abort beside it crashed mpirun */
+        return (int)r[0];
+    }
     if (r[1] == -r[2]) return 0;
     int64_t other = k == r[1] ? -r[2] : r[1];
     char theirs[64];
     if (other < 0) snprintf(theirs, sizeof theirs, "none");
     else snprintf(theirs, sizeof theirs, "step-%lld%s", (long long)(other / 2), other % 2 ? " (a final save)" : "");
-    return ct_fail(e, CT_ERR_IO,
-                   "%s: the ranks do not see the same checkpoints (rank %d of %d found %s, another rank %s): the "
-                   "checkpoint folder must be on a file system every rank sees (docs/distributed.md, \"Across "
-                   "machines\")",
-                   t->ckpt_folder, t->world->rank, t->world->size, p->kind == PICK_NONE ? "none" : p->dir, theirs);
+    ct_fail(e, CT_ERR_IO,
+            "%s: the ranks do not see the same checkpoints (rank %d of %d found %s, another rank %s): the "
+            "checkpoint folder must be on a file system every rank sees (docs/distributed.md, \"Across machines\")",
+            t->ckpt_folder, t->world->rank, t->world->size, p->kind == PICK_NONE ? "none" : p->dir, theirs);
+    /* every rank knows it from the all-reduce: each ends on its own. Ranks aborting at once
+     * crashed mpirun itself (a segfault in its PMIx log handler) in a CI run. */
+    e->all_ranks = 1;
+    return CT_ERR_IO;
 }
 
 static int load_weights(trainer *t, ct_err *e);

@@ -144,7 +144,7 @@ class DsConfig(ctypes.Structure):
 
 
 class Err(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024)]
+    _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024), ("all_ranks", ctypes.c_int)]
 
 
 class ChatMsg(ctypes.Structure):

@@ -157,7 +157,7 @@ def test_greedy_matches_hf_past_the_huge_page_size(tmp_path, gen):
 
 
 class _Err(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024)]
+    _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024), ("all_ranks", ctypes.c_int)]
 
 
 class _GenSampler(ctypes.Structure):

@@ -45,7 +45,7 @@ class _Ids(ctypes.Structure):
 
 
 class _Err(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024)]
+    _fields_ = [("code", ctypes.c_int), ("msg", ctypes.c_char * 1024), ("all_ranks", ctypes.c_int)]
 
 
 def build_library(out_dir):
