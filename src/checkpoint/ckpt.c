@@ -116,12 +116,12 @@ static int ckpt_step_of(const char *name) {
  * the export) and fills step and pid, else 0. */
 static int ckpt_temp_of(const char *name, int *step, long *pid) {
     int hf = !strncmp(name, ".hf-step-", 9);
-    if (hf) name += 3; /* ".hf-step-N" -> ".step-N": the same fields */
-    if (strncmp(name, ".step-", 6) != 0) return 0;
-    const char *dot = strchr(name + 6, '.');
+    const char *num = hf ? name + 9 : !strncmp(name, ".step-", 6) ? name + 6 : NULL; /* N's first digit */
+    if (!num) return 0;
+    const char *dot = strchr(num, '.');
     if (!dot) return 0;
     long s;
-    if (ckpt_parse_uint(name + 6, dot, &s)) return 0;
+    if (ckpt_parse_uint(num, dot, &s)) return 0;
     if (hf && strncmp(dot, ".tmp-", 5)) return 0;
     int kind = !strncmp(dot, ".tmp-", 5) ? 't' : !strncmp(dot, ".old-", 5) ? 'o' : !strncmp(dot, ".del-", 5) ? 'd' : 0;
     if (!kind || ckpt_parse_uint(dot + 5, dot + strlen(dot), pid)) return 0;
@@ -441,18 +441,28 @@ static int ckpt_write_manifest(const char *tmp, int step, int model_only, const 
  * final export gets beside a checkpoint of its step (hf-step-N.K when that is
  * taken), with a note; never replaced. One rename: a crash leaves it at
  * either name, whole. */
+int ckpt_free_export_name(const char *folder, int step, char *out, size_t cap, ct_err *e) {
+    char name[64];
+    for (int k = 1; k <= 1000; k++) {
+        if (k == 1) snprintf(name, sizeof name, "hf-step-%d", step);
+        else snprintf(name, sizeof name, "hf-step-%d.%d", step, k);
+        int rc = fs_join_buf(out, cap, folder, name, e);
+        if (rc) return rc;
+        struct stat st;
+        if (lstat(out, &st) == 0) continue;
+        if (errno == ENOENT) return 0;
+        return ct_fail(e, CT_ERR_IO, "%s: cannot tell whether it exists: %s", out, strerror(errno));
+    }
+    return ct_fail(e, CT_ERR_IO, "%s: hf-step-%d and its 999 next names (hf-step-%d.K) are all taken", folder, step,
+                   step);
+}
+
 static int ckpt_keep_export(const char *folder, const char *final, int step, ct_err *e) {
     int kind = ckpt_dir_kind(final);
     if (kind == CKPT_DIR_CHECKPOINT) return 0;
-    char aside[CKPT_PATH], name[64];
-    int rc = 0;
-    for (int k = 1; !rc; k++) {
-        if (k == 1) snprintf(name, sizeof name, "hf-step-%d", step);
-        else snprintf(name, sizeof name, "hf-step-%d.%d", step, k);
-        if ((rc = fs_join_buf(aside, CKPT_PATH, folder, name, e))) return rc;
-        struct stat st;
-        if (lstat(aside, &st) != 0 && errno == ENOENT) break;
-    }
+    char aside[CKPT_PATH];
+    int rc = ckpt_free_export_name(folder, step, aside, sizeof aside, e);
+    if (rc) return rc;
     if (rename(final, aside) != 0)
         return ct_fail(e, CT_ERR_IO, "%s: cannot move this final save aside to %s before saving a checkpoint of "
                        "its step: %s", final, aside, strerror(errno));
@@ -773,6 +783,12 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
         snprintf(name, sizeof name, "step-%d", load_step);
         rc = fs_join_buf(p, CKPT_PATH, folder, name, e);
         if (!rc && !present) rc = ct_fail(e, CT_ERR_IO, "%s: no such checkpoint (load_step %d)", p, load_step);
+        int kind = rc ? CKPT_DIR_CHECKPOINT : ckpt_dir_kind(p);
+        if (!rc && kind != CKPT_DIR_CHECKPOINT)
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "checkpoint.load_step = %d: %s holds %s, a finished run's final save, which has no "
+                         "optimizer or data state to resume from (it can seed a run: checkpoint.initial_load_path)",
+                         load_step, p, ckpt_dir_kind_name(kind));
         if (!rc) {
             ct_err ve = {0};
             if (ckpt_verify(p, &ve))

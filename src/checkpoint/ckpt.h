@@ -89,7 +89,8 @@ int ckpt_verify(const char *dir, ct_err *e);
 /* load_step < 0: the newest step-N of FOLDER that verifies; each damaged newer
  * one is reported on stderr by name and skipped, and each final export newer
  * than it (ckpt_dir_kind) is named as such in a note: it cannot be resumed. Returns CKPT_NONE (e
- * untouched) when FOLDER has no step-N directory at all, and an error when
+ * untouched) when FOLDER has no step-N directory that is a training
+ * checkpoint (none at all, or only final exports), and an error when
  * there are some but none verifies. load_step >= 0: exactly step-load_step;
  * missing or damaged is an error (never a fallback). On success out_dir gets
  * FOLDER/step-N and out_step N (either may be NULL). */
@@ -142,5 +143,11 @@ int ckpt_clean_temps(const char *folder, int all, int *n, char *first, size_t ca
  * error. For callers that must decide before loading (e.g. a trainer that
  * treats an imported step-0 as an initial load). */
 int ckpt_is_model_only(const char *dir, ct_err *e);
+
+/* The first free name for a final Hugging Face export of `step` beside what
+ * folder holds: folder/hf-step-N, else hf-step-N.2, .3, ... into out[cap].
+ * An export is never replaced: a name in use, whatever it holds, is skipped.
+ * CT_ERR_IO when a name cannot be checked or a thousand are taken. */
+int ckpt_free_export_name(const char *folder, int step, char *out, size_t cap, ct_err *e);
 
 #endif

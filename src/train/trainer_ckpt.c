@@ -768,10 +768,12 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
         const char *id_src[] = {assets, c->initial_load_path[0] ? cfg_initial_dir(c) : NULL};
         if (!rc && assets && hf_copy_assets(assets, tmp, NULL, e) < 0) rc = e && e->code ? e->code : CT_ERR_IO;
         if (!rc) rc = hf_keep_token_ids(p, id_src, 2, e);
-        if (!rc && access(dir, F_OK) == 0 && !is_hf_export(dir) &&
-            snprintf(dir, 4096, "%s/hf-step-%d", folder, step) >= 4096)
-            rc = ct_fail(e, CT_ERR_CONFIG, "checkpoint.folder: path too long");
-        if (!rc && access(dir, F_OK) == 0) ct_rm_tree(dir, NULL); /* an older export of this step */
+        /* step-N taken (a checkpoint of this step, or an earlier final save, which may
+         * be a model the user keeps): the first free hf-step-N[.K]. Nothing is deleted. */
+        if (!rc && access(dir, F_OK) == 0) {
+            rc = ckpt_free_export_name(folder, step, dir, 4096, e);
+            if (!rc) fprintf(stderr, "ctitan: note: step-%d is taken; the final save goes to %s\n", step, dir);
+        }
         if (!rc && rename(tmp, dir) != 0)
             rc = ct_fail(e, CT_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
         if (rc) ct_rm_tree(tmp, NULL);

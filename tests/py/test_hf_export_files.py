@@ -86,6 +86,16 @@ def finished(src, data, tmp_path_factory):
     return ck
 
 
+def test_load_step_of_a_final_save_says_what_it_is(finished, src, data, tmp_path, run_ctitan):
+    """checkpoint.load_step naming the final save called it "damaged" (exit 3); it is a model
+    with nothing to resume from: exit 2, saying so and what it can do (a review)."""
+    out = tmp_path / "run"
+    shutil.copytree(finished.parent, out)
+    rc, _, err = run_ctitan(train_args(src, data, out, f"--checkpoint.load_step={STEPS}", steps=STEPS + 4),
+                            check=False)
+    assert rc == 2 and "a finished run's final save" in err and "damaged" not in err, (rc, err[-2000:])
+
+
 def test_export_of_a_run_folder_takes_its_final_save(finished, tmp_path, run_ctitan):
     """Issue 1: the newest step-N is the run's final model, not a damaged checkpoint."""
     fin = finished / f"step-{STEPS}"
@@ -146,6 +156,13 @@ def test_extending_a_finished_run_keeps_its_final_export(src, data, tmp_path, ru
     assert kept.is_dir() and {f.name: f.read_bytes() for f in kept.iterdir()} == before
     assert (fin / "manifest.json").exists()
     assert_like_save_pretrained(ck / f"step-{STEPS + 4}", src)
+    # a later run ending at that step again (from step-4) puts its final save beside the kept
+    # one: the moved-aside model was deleted to make room for it (a review)
+    _, _, err = run_ctitan(train_args(src, data, out, "--checkpoint.load_step=4", steps=STEPS))
+    again = ck / f"hf-step-{STEPS}.2"
+    assert again.is_dir() and f"goes to {again}" in err, (sorted(p.name for p in ck.iterdir()), err[-2000:])
+    assert {f.name: f.read_bytes() for f in kept.iterdir()} == before
+    assert_like_save_pretrained(again, src)
 
 
 def test_merge_takes_the_tokenizer_from_its_base(src, tmp_path, run_ctitan):
