@@ -265,6 +265,14 @@ static int hf_token_id_ok(const cJSON *v) {
     return 1;
 }
 
+/* Whether every id of v (checked by hf_token_id_ok) is below vocab. */
+static int hf_token_ids_below(const cJSON *v, double vocab) {
+    if (cJSON_IsNumber(v)) return v->valuedouble < vocab;
+    const cJSON *x;
+    cJSON_ArrayForEach(x, v) if (!hf_token_ids_below(x, vocab)) return 0;
+    return 1; /* null, or every element */
+}
+
 int hf_keep_token_ids(const char *path, const char *const *src, int n, ct_err *e) {
     static const char *const keys[] = {"bos_token_id", "eos_token_id"};
     enum { NKEYS = sizeof keys / sizeof keys[0] };
@@ -296,9 +304,20 @@ int hf_keep_token_ids(const char *path, const char *const *src, int n, ct_err *e
     char *add = NULL;
     size_t add_len = 0;
     FILE *m = rc ? NULL : open_memstream(&add, &add_len);
+    /* ids of another model's config (a native flavor beside a Qwen3 hf_assets_path) that
+     * this model's vocabulary lacks would never be generated: transformers would not stop */
+    const cJSON *vs = cJSON_GetObjectItemCaseSensitive(have, "vocab_size");
+    double vocab = cJSON_IsNumber(vs) && vs->valuedouble > 0 ? vs->valuedouble : -1;
     for (int k = 0; m && k < NKEYS; k++) {
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(from, keys[k]);
         if (!v || !hf_token_id_ok(v) || cJSON_GetObjectItemCaseSensitive(have, keys[k])) continue;
+        if (vocab > 0 && !hf_token_ids_below(v, vocab)) {
+            char *val = cJSON_PrintUnformatted(v);
+            fprintf(stderr, "ctitan: warning: %s: %s %s of the source config.json is outside this model's "
+                    "vocabulary of %.0f ids: not written\n", path, keys[k], val ? val : "?", vocab);
+            free(val);
+            continue;
+        }
         char *val = cJSON_PrintUnformatted(v);
         fprintf(m, ",\n\t\"%s\":\t%s", keys[k], val);
         free(val);

@@ -677,6 +677,21 @@ static void test_keep_token_ids(void) {
         cJSON_Delete(o);
         free(text);
     }
+    /* a model whose vocabulary lacks the source's eos (another model's config): not written */
+    pathf(p, "%s/%s", dst, "config.json");
+    const char *small = "{\"vocab_size\": 3}";
+    write_file(p, small, strlen(small));
+    const char *srcs[] = {src};
+    ct_err e = {0};
+    CHECK(hf_keep_token_ids(p, srcs, 1, &e) == 0, "vocab 3: %s", e.msg);
+    size_t n = 0;
+    char *text = fs_read_file(p, 1 << 20, &n, &e);
+    cJSON *o = text ? cJSON_Parse(text) : NULL;
+    const cJSON *bos = cJSON_GetObjectItemCaseSensitive(o, "bos_token_id");
+    CHECK(cJSON_IsNumber(bos) && bos->valueint == 1, "vocab 3: bos 1 is in it");
+    CHECK(!cJSON_GetObjectItemCaseSensitive(o, "eos_token_id"), "vocab 3: eos [2, 3] has 3, outside: %s", text);
+    cJSON_Delete(o);
+    free(text);
 }
 
 int main(void) {
