@@ -1032,7 +1032,9 @@ static int check_tying(const cJSON *o, const lm_config *c, const char *path, ct_
                            "%s: ensure_weight_tying: modules_to_save lists \"%s\", but lm_head and embed_tokens are "
                            "one tied tensor in this model (tie_word_embeddings) and the adapter does not set "
                            "ensure_weight_tying = true: PEFT then trains a copy of the one module and keeps the other "
-                           "at the base weights, which ctitan's tied model cannot compute",
+                           "at the base weights, which ctitan's tied model cannot compute (an adapter ctitan wrote "
+                           "before it saved ensure_weight_tying was trained as the tied pair: set "
+                           "\"ensure_weight_tying\": true in its adapter_config.json to read it so)",
                            path, it->valuestring);
     }
     return 0;
