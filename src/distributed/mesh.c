@@ -65,11 +65,11 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
     if (c->ep > 1 && rep * shard < c->ep) /* too few ranks: say how many there are and where they came from */
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.expert_parallel_degree = %d needs at least %d data-parallel ranks, but "
-                       "there are %d (data_parallel_replicate_degree %d x data_parallel_shard_degree %d%s, of a "
-                       "world size of %d (mpirun -np%s))",
-                       where, c->ep, c->ep, rep * shard, rep, shard,
-                       c->dp_shard == -1 ? " from -1" : "", world * pp,
-                       pp > 1 ? " / pipeline_parallel_degree" : "");
+                       "there are %d (data_parallel_replicate_degree %d x data_parallel_shard_degree %d%s: %d "
+                       "ranks started by mpirun -np%s%s)",
+                       where, c->ep, c->ep, rep * shard, rep, shard, c->dp_shard == -1 ? " from -1" : "",
+                       world * pp, pp > 1 ? ", over pipeline_parallel_degree stages" : "",
+                       tp > 1 ? ", over tensor_parallel_degree" : "");
     if (c->ep > 1 && shard > 1 && shard % c->ep != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.expert_parallel_degree = %d does not divide "

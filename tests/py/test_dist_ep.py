@@ -126,7 +126,7 @@ def test_ep2_checkpoint_resumes_on_one_rank(setup, single_moe):
     (2, "model_moe", ["--parallelism.expert_parallel_degree=3"], "does not divide the model's 4 experts"),
     (2, "model_moe", ["--parallelism.expert_parallel_degree=4"],
      "needs at least 4 data-parallel ranks, but there are 2 (data_parallel_replicate_degree 1 x "
-     "data_parallel_shard_degree 2 from -1, of a world size of 2"),
+     "data_parallel_shard_degree 2 from -1: 2 ranks started by mpirun -np)"),
     (2, "model", ["--parallelism.expert_parallel_degree=2"], "no experts"),
 ])
 def test_ep_bad_degrees_exit_2(setup, tmp_path, ranks, model, args, words):

@@ -253,7 +253,8 @@ static void test_mesh_resolve(void) {
     mc.moe_intermediate = 8;
     CHECK(mesh_resolve(&c, 8, &mc, "t", &rep, &shard, &tp, &e) == CT_ERR_CONFIG &&
               strstr(e.msg, "expert_parallel_degree = 4 needs at least 4 data-parallel ranks, but there are 2 "
-                            "(data_parallel_replicate_degree 2 x data_parallel_shard_degree 1,"),
+                            "(data_parallel_replicate_degree 2 x data_parallel_shard_degree 1: 8 ranks started by "
+                            "mpirun -np, over tensor_parallel_degree)"),
           "ep 4 over 2 replicas x tp 4: %s", e.msg);
     c.dp_replicate = 6; /* enough replicas, but not a multiple of the degree */
     c.tp = 1;
