@@ -109,12 +109,15 @@ const toml_section *toml_find_section(const toml_doc *doc, const char *name) {
     return NULL;
 }
 
-const toml_kv *toml_find(const toml_doc *doc, const char *section, const char *key) {
-    const toml_section *s = toml_find_section(doc, section);
-    if (!s) return NULL;
+static const toml_kv *toml_section_kv(const toml_section *s, const char *key) {
     for (int j = 0; j < s->n_kvs; j++)
         if (strcmp(s->kvs[j].key, key) == 0) return &s->kvs[j];
     return NULL;
+}
+
+const toml_kv *toml_find(const toml_doc *doc, const char *section, const char *key) {
+    const toml_section *s = toml_find_section(doc, section);
+    return s ? toml_section_kv(s, key) : NULL;
 }
 
 static toml_section *toml_add_section(toml_doc *doc, const char *name, int line) {
@@ -625,16 +628,10 @@ static int toml_join(toml_parser *t, const char *base, const toml_key *k, int n,
     return 0;
 }
 
+/* The index of table `name` (an index: the array moves as tables are added), or -1. */
 static int toml_section_index(const toml_doc *doc, const char *name) {
-    for (int i = 0; i < doc->n_sections; i++)
-        if (strcmp(doc->sections[i].name, name) == 0) return i;
-    return -1;
-}
-
-static const toml_kv *toml_section_kv(const toml_section *s, const char *key) {
-    for (int j = 0; j < s->n_kvs; j++)
-        if (strcmp(s->kvs[j].key, key) == 0) return &s->kvs[j];
-    return NULL;
+    const toml_section *s = toml_find_section(doc, name);
+    return s ? (int)(s - doc->sections) : -1;
 }
 
 /* The name of table `name` as the user sees it in a message: [name]. */
