@@ -160,6 +160,9 @@ static const cfg_option cfg_options[] = {
         .help = "shuffle the windows of every epoch (deterministic from training.seed)"),
     OPT("training", "text_split", CFG_ENUM, text_split, "line", .choices = cfg_text_splits,
         .help = "plain text: one document per line (as HF's text loader), paragraph or file"),
+    OPT("training", "text_field", CFG_STR, text_field, "text",
+        .help = "JSON Lines data: the field holding each document's text (TRL's dataset_text_field; prepare's "
+                "--text-field); validation data is read the same way"),
     OPT("training", "chat_template", CFG_STR, chat_template, "auto",
         .help = "chat data: auto (the tokenizer's own chat template unless it is ChatML or absent, then "
                 "ChatML), chatml, tokenizer (its template, required), or a .jinja file / tokenizer directory"),
@@ -1202,6 +1205,9 @@ int cfg_validate(const ct_config *c, ct_err *e) {
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: validation.dataset_path: required when validation.enable is true",
                        cfg_origin_any(c, "validation.enable,validation.dataset_path"));
+    if (!c->text_field[0])
+        return ct_fail(e, CT_ERR_CONFIG, "%s: training.text_field: empty (the JSON Lines field holding the text)",
+                       cfg_origin(c, "training.text_field"));
     if (c->cp != 1)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.context_parallel_degree = %d: context parallel is not implemented; use 1 "

@@ -50,6 +50,7 @@ typedef struct {
     int64_t seed;             /* 0 */
     int shuffle;              /* false */
     char *text_split;         /* "line" | "paragraph" | "file" */
+    char *text_field;         /* JSON Lines: the field holding the text ("text") */
     char *chat_template;      /* "auto" | "chatml" | "tokenizer" | a path (data/chat.h) */
     int stop_at_step;         /* 0 = never */
     int deterministic;        /* false */

@@ -669,6 +669,8 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     ds_text_split sp;
     if (ds_split_parse(c->text_split, &sp) == 0) dc.tok.text_split = sp;
     dc.tok.chat_template = c->chat_template;
+    /* "text" as prepare without --text-field: a record with "prompt" is then prompt-completion data */
+    dc.tok.text_field = strcmp(c->text_field, "text") ? c->text_field : NULL;
     dc.tok.template_seen = template_seen;
     dc.tok.tokenizer_dir = c->hf_assets_path[0] ? cfg_hf_dir(c) : NULL;
     const char *paths[1] = {path};

@@ -195,3 +195,27 @@ def test_text_documents_get_the_post_processors_bos(bos_tokdir, run_ctitan, tmp_
     got = np.concatenate([np.fromfile(tmp_path / "o" / s["file"], dtype="<u4") for s in meta["shards"]])
     want = [i for t in docs for i in tok(text=t)["input_ids"] + [tok.eos_token_id]]
     assert got.tolist() == want
+
+
+def test_training_text_field_reads_another_field(tokdir, auto_tok, run_ctitan, tmp_path):  # noqa: F811
+    """TRL's dataset_text_field: a JSON Lines file whose text is under another key. The trainer
+    read "text" only (prepare had --text-field); training.text_field names the key, and the
+    tokens are the tokenizer's of each document plus its EOS, as for "text"."""
+    import oracle
+    docs = [f"document {i}: the river runs to the sea past {i * 7} stones" for i in range(60)]
+    want = sum(len(auto_tok(text=d)["input_ids"]) + 1 for d in docs)
+    m = tmp_path / "model"
+    oracle.tiny_config(vocab=len(auto_tok), hidden=32, inter=48, layers=1, heads=4, kv_heads=2,
+                       head_dim=8).save_pretrained(m)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokdir / f, m / f)
+    src = write_jsonl(tmp_path / "docs.jsonl", [{"content": d, "id": i} for i, d in enumerate(docs)])
+    args = ["train", "--model.spec=hf", f"--model.hf_assets_path={m}", f"--training.dataset_path={src}",
+            "--training.seq_len=16", "--training.local_batch_size=2", "--training.steps=1",
+            "--metrics.peak_tflops=1", f"--job.dump_folder={tmp_path / 'out'}"]
+    rc, _, err = run_ctitan(args, check=False)
+    assert rc != 0 and '"text" field missing' in err, (rc, err[-2000:])
+    _, _, err = run_ctitan(args + ["--training.text_field=content"])
+    assert f"{len(docs)} documents, {want} tokens" in err, (want, err[-2000:])
+    rc, _, err = run_ctitan(args + ["--training.text_field="], check=False)
+    assert rc == 2 and "training.text_field: empty" in err, (rc, err[-2000:])
