@@ -433,14 +433,6 @@ static int ckpt_write_manifest(const char *tmp, int step, int model_only, const 
     return rc;
 }
 
-/* Puts the complete dir `tmp` in place as `final`, replacing what is there. */
-/* A final export (a finished run's model: ckpt_dir_kind) at the step a
- * checkpoint is being saved to: the run was extended past its end (a higher
- * training.steps) and trained that step again. The export is the model the
- * user has, maybe already in use: it is moved aside to hf-step-N, the name a
- * final export gets beside a checkpoint of its step (hf-step-N.K when that is
- * taken), with a note; never replaced. One rename: a crash leaves it at
- * either name, whole. */
 int ckpt_free_export_name(const char *folder, int step, char *out, size_t cap, ct_err *e) {
     char name[64];
     for (int k = 1; k <= 1000; k++) {
@@ -457,6 +449,13 @@ int ckpt_free_export_name(const char *folder, int step, char *out, size_t cap, c
                    step);
 }
 
+/* A final export (a finished run's model: ckpt_dir_kind) at the step a
+ * checkpoint is being saved to: the run was extended past its end (a higher
+ * training.steps) and trained that step again. The export is the model the
+ * user has, maybe already in use: it is moved aside to hf-step-N, the name a
+ * final export gets beside a checkpoint of its step (hf-step-N.K when that is
+ * taken), with a note; never replaced. One rename: a crash leaves it at
+ * either name, whole. */
 static int ckpt_keep_export(const char *folder, const char *final, int step, ct_err *e) {
     int kind = ckpt_dir_kind(final);
     if (kind == CKPT_DIR_CHECKPOINT) return 0;
@@ -471,6 +470,8 @@ static int ckpt_keep_export(const char *folder, const char *final, int step, ct_
     return fs_fsync(folder, 1, e);
 }
 
+/* Puts the complete dir `tmp` in place as `final`, replacing what is there
+ * (a final export there is kept aside first: ckpt_keep_export). */
 static int ckpt_publish(const char *folder, const char *tmp, const char *final, int step, ct_err *e) {
     int rc0 = ckpt_is_dir(final) ? ckpt_keep_export(folder, final, step, e) : 0;
     if (rc0) return rc0;
@@ -741,31 +742,56 @@ const char *ckpt_dir_kind_name(int kind) {
                                                                                            : "a training checkpoint";
 }
 
+/* The newest of FOLDER's steps v[0..n) (ascending) that a reader takes: a
+ * training checkpoint that verifies or, with `exports`, a final export (a
+ * model, renamed into place whole: nothing to verify); without, each export
+ * is named in a note, as it cannot be resumed. Damaged checkpoints newer
+ * than it are reported and counted in *damaged. p[CKPT_PATH] gets its
+ * directory, *chosen its step (-1: none), *kind its ckpt_dir_kind. */
+static int ckpt_newest(const char *folder, const int *v, int n, int exports, char *p, int *chosen, int *kind,
+                       int *damaged, ct_err *e) {
+    char name[32];
+    *chosen = -1;
+    *damaged = 0;
+    for (int i = n - 1; i >= 0 && *chosen < 0; i--) {
+        snprintf(name, sizeof name, "step-%d", v[i]);
+        int rc = fs_join_buf(p, CKPT_PATH, folder, name, e);
+        if (rc) return rc;
+        ct_err ve = {0};
+        *kind = ckpt_dir_kind(p);
+        if (*kind != CKPT_DIR_CHECKPOINT && !exports) {
+            /* a finished run's final save: a whole model, but no optimizer state to resume */
+            fprintf(stderr, "ctitan: note: %s is %s (a run's final save), not a training checkpoint: it cannot "
+                    "be resumed; looking at older steps\n", p, ckpt_dir_kind_name(*kind));
+        } else if (*kind != CKPT_DIR_CHECKPOINT || ckpt_verify(p, &ve) == 0) {
+            *chosen = v[i];
+        } else {
+            (*damaged)++;
+            fprintf(stderr, "ctitan: warning: skipping damaged checkpoint %s: %s\n", p, ve.msg);
+        }
+    }
+    return 0;
+}
+
+/* The chosen directory p into the caller's out_dir[cap] (NULL: not wanted). */
+static int ckpt_give_dir(char *out_dir, size_t cap, const char *p, ct_err *e) {
+    if (!out_dir) return 0;
+    int k = snprintf(out_dir, cap, "%s", p);
+    return k < 0 || (size_t)k >= cap ? ct_fail(e, CT_ERR_IO, "%s: path too long for the caller's buffer", p) : 0;
+}
+
 int ckpt_select_model(const char *folder, char *out_dir, size_t cap, int *out_step, int *out_kind, ct_err *e) {
     int *v, n;
     if (ckpt_list_all(folder, &v, &n))
         return ct_fail(e, CT_ERR_IO, "%s: cannot list the checkpoint folder: %s", folder, strerror(errno));
-    char p[CKPT_PATH], name[32];
-    int rc = n == 0 ? CKPT_NONE : 0, chosen = -1, kind = CKPT_DIR_CHECKPOINT, damaged = 0;
-    for (int i = n - 1; i >= 0 && chosen < 0 && !rc; i--) {
-        snprintf(name, sizeof name, "step-%d", v[i]);
-        if ((rc = fs_join_buf(p, CKPT_PATH, folder, name, e))) break;
-        ct_err ve = {0};
-        kind = ckpt_dir_kind(p);
-        if (kind != CKPT_DIR_CHECKPOINT || ckpt_verify(p, &ve) == 0) {
-            chosen = v[i];
-        } else {
-            damaged++;
-            fprintf(stderr, "ctitan: warning: skipping damaged checkpoint %s: %s\n", p, ve.msg);
-        }
-    }
+    char p[CKPT_PATH];
+    int chosen = -1, kind = CKPT_DIR_CHECKPOINT, damaged = 0;
+    int rc = n == 0 ? CKPT_NONE : ckpt_newest(folder, v, n, 1, p, &chosen, &kind, &damaged, e);
     if (!rc && chosen < 0)
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: none of its %d checkpoints is complete and intact (see warnings)", folder,
                      damaged);
     free(v);
-    if (rc) return rc;
-    int k = snprintf(out_dir, cap, "%s", p);
-    if (k < 0 || (size_t)k >= cap) return ct_fail(e, CT_ERR_IO, "%s: path too long for the caller's buffer", p);
+    if (rc || (rc = ckpt_give_dir(out_dir, cap, p, e))) return rc;
     if (out_step) *out_step = chosen;
     if (out_kind) *out_kind = kind;
     return 0;
@@ -798,34 +824,15 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
     } else if (n == 0) {
         rc = CKPT_NONE;
     } else {
-        int damaged = 0;
-        for (int i = n - 1; i >= 0 && chosen < 0 && !rc; i--) {
-            snprintf(name, sizeof name, "step-%d", v[i]);
-            if ((rc = fs_join_buf(p, CKPT_PATH, folder, name, e))) break;
-            ct_err ve = {0};
-            int kind = ckpt_dir_kind(p);
-            if (kind != CKPT_DIR_CHECKPOINT) {
-                /* a finished run's final save: a whole model, but no optimizer state to resume */
-                fprintf(stderr, "ctitan: note: %s is %s (a run's final save), not a training checkpoint: it cannot "
-                        "be resumed; looking at older steps\n", p, ckpt_dir_kind_name(kind));
-            } else if (ckpt_verify(p, &ve) == 0) {
-                chosen = v[i];
-            } else {
-                damaged++;
-                fprintf(stderr, "ctitan: warning: skipping damaged checkpoint %s: %s\n", p, ve.msg);
-            }
-        }
+        int damaged = 0, kind;
+        rc = ckpt_newest(folder, v, n, 0, p, &chosen, &kind, &damaged, e);
         if (!rc && chosen < 0 && !damaged) rc = CKPT_NONE; /* final exports only: no checkpoint to resume */
         if (!rc && chosen < 0)
             rc = ct_fail(e, CT_ERR_FORMAT, "%s: none of its %d checkpoints is complete and intact (see warnings)",
                          folder, damaged);
     }
     free(v);
-    if (rc) return rc;
-    if (out_dir) {
-        int k = snprintf(out_dir, cap, "%s", p);
-        if (k < 0 || (size_t)k >= cap) return ct_fail(e, CT_ERR_IO, "%s: path too long for the caller's buffer", p);
-    }
+    if (rc || (rc = ckpt_give_dir(out_dir, cap, p, e))) return rc;
     if (out_step) *out_step = chosen;
     return 0;
 }
