@@ -15,7 +15,7 @@
 static const char IM_START[] = "<|im_start|>";
 static const char IM_END[] = "<|im_end|>";
 
-static void chat_mask_push(chat_mask *m, uint8_t v, size_t count) {
+void chat_mask_push(chat_mask *m, uint8_t v, size_t count) {
     if (m->n + count > m->cap) {
         size_t cap = m->cap ? m->cap : 256;
         while (cap < m->n + count) cap *= 2;
@@ -145,11 +145,7 @@ int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e) 
     if (!list) {
         const cJSON *prompt = cJSON_GetObjectItemCaseSensitive(root, "prompt");
         if (cJSON_IsArray(prompt))
-            return ct_fail(e, CT_ERR_FORMAT,
-                           "no \"messages\" field: \"prompt\" and \"completion\" as lists of messages are TRL's "
-                           "conversational prompt-completion format, which is not read; join them into one "
-                           "conversation, %s, and train on that (docs/data.md)",
-                           "jq -c '{messages: (.prompt + .completion)}' IN.jsonl > OUT.jsonl");
+            return ct_fail(e, CT_ERR_FORMAT, "no \"messages\" field: %s", CHAT_PC_CONVERSATIONAL_HINT);
         if (prompt)
             return ct_fail(e, CT_ERR_FORMAT,
                            "no \"messages\" field: {\"prompt\", \"completion\"} is TRL's prompt-completion "

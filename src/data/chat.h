@@ -50,6 +50,8 @@ typedef struct {
     size_t n, cap;
 } chat_mask;
 
+/* Appends count bytes of value v (exits on out of memory, as the token lists do). */
+void chat_mask_push(chat_mask *m, uint8_t v, size_t count);
 void chat_mask_free(chat_mask *m);
 
 
@@ -79,6 +81,15 @@ int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e);
     "ShareGPT's layout; ctitan reads {\"messages\": [{\"role\": \"user\", \"content\": \"...\"}, ...]}: convert " \
     "with jq -c '{messages: [(.conversations // .messages)[] | {role: ({\"human\": \"user\", \"gpt\": "         \
     "\"assistant\"}[.from] // .from), content: .value}]}' IN.jsonl > OUT.jsonl"
+
+/* TRL's conversational prompt-completion layout ("prompt" and "completion" as lists of
+ * messages) is not read: the errors that meet it (chat_from_json, the jsonl reader) say
+ * so with a one-line conversion into one conversation, which is then read as chat data. */
+#define CHAT_PC_CONVERSATIONAL_HINT                                                                          \
+    "\"prompt\" and \"completion\" as lists of messages (TRL's conversational prompt-completion format) "  \
+    "are not read: join them into one conversation, jq -c '{messages: (.prompt + .completion)}' IN.jsonl > " \
+    "OUT.jsonl, and train on that as chat data (every assistant reply, the prompt's too, is then a target; "  \
+    "docs/data.md)"
 
 /* ---------------------------------------------------------- templates
  *

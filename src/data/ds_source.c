@@ -287,16 +287,10 @@ static int encode_prompt_completion(tok_enc *enc, const item *it, tok_ids *ids, 
     size_t np = ids->n;
     ids->n = 0;
     if (tok_encode(enc, it->text, it->len, ids, e)) return 1;
-    if (ids->n > mask->cap) {
-        size_t cap = mask->cap ? mask->cap : 256;
-        while (cap < ids->n) cap *= 2;
-        uint8_t *v = realloc(mask->v, cap);
-        if (!v) return ct_fail(e, CT_ERR_IO, "out of memory for a mask of %zu tokens", ids->n);
-        mask->v = v;
-        mask->cap = cap;
-    }
-    mask->n = ids->n;
-    for (size_t i = 0; i < ids->n; i++) mask->v[i] = i >= np;
+    np = np < ids->n ? np : ids->n;
+    mask->n = 0;
+    chat_mask_push(mask, 0, np);
+    chat_mask_push(mask, 1, ids->n - np);
     return 0;
 }
 
@@ -449,14 +443,6 @@ static int add_item(run *r, item it, size_t bytes, ct_err *e) {
     return 0;
 }
 
-/* The one-line recipe for TRL's conversational prompt-completion layout, which is read as
- * chat data once its two lists are one conversation. */
-#define PC_CONVERSATIONAL_HINT                                                                              \
-    "\"prompt\" and \"completion\" as lists of messages (TRL's conversational prompt-completion format) "  \
-    "are not read: join them into one conversation, jq -c '{messages: (.prompt + .completion)}' IN.jsonl > " \
-    "OUT.jsonl, and train on that as chat data (every assistant reply, the prompt's too, is then a target; "  \
-    "docs/data.md)"
-
 /* A record of the prompt-completion layout (TRL's standard one: two strings) -> the item
  * prompt + completion. TRL adds the tokenizer's eos_token to a completion that does not
  * already end with it (sft_trainer.py, add_eos); here every document is followed by EOS,
@@ -465,7 +451,7 @@ static int prompt_completion_item(run *r, const cJSON *j, item *it, char *why, s
     const cJSON *p = cJSON_GetObjectItemCaseSensitive(j, "prompt");
     const cJSON *c = cJSON_GetObjectItemCaseSensitive(j, "completion");
     if (cJSON_IsArray(p) || cJSON_IsArray(c)) {
-        snprintf(why, cap, "%s", PC_CONVERSATIONAL_HINT);
+        snprintf(why, cap, "%s", CHAT_PC_CONVERSATIONAL_HINT);
         return -1;
     }
     if (!cJSON_IsString(p) || !cJSON_IsString(c)) {
