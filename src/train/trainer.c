@@ -480,14 +480,13 @@ static int claim_dump_folder(trainer *t, ct_err *e) {
     if (code) return code;
     if (t->world->rank == 0) {
         const char *dump = c->dump_folder[0] ? c->dump_folder : ".";
-        char path[4200], note[400], host[256] = "", holder[400];
+        char path[RUN_PATH], note[400], host[256] = "", holder[400];
         gethostname(host, sizeof host - 1);
         snprintf(note, sizeof note, "pid %ld on host %s\n", (long)getpid(), host[0] ? host : "?");
         int fd = -1, rc = 0;
         ct_err le = {0};
-        if (trainer_join_path(path, sizeof path, c->dump_folder, ".ctitan.lock"))
-            code = ct_fail(e, CT_ERR_CONFIG, "%s: job.dump_folder: path too long", cfg_origin(c, "job.dump_folder"));
-        else if (!(code = ct_mkdirs(dump, e)) && (rc = fs_lock(path, note, &fd, holder, sizeof holder, &le))) {
+        trainer_join_path(path, sizeof path, c->dump_folder, ".ctitan.lock"); /* fits: check_run_paths */
+        if (!(code = ct_mkdirs(dump, e)) && (rc = fs_lock(path, note, &fd, holder, sizeof holder, &le))) {
             if (rc == FS_LOCK_HELD)
                 code = ct_fail(e, CT_ERR_CONFIG,
                                "job.dump_folder = %s is in use by another run (%s holds %s): one run per folder; "
@@ -868,7 +867,7 @@ static int open_run_files(trainer *t, run_files *f, ct_err *e) {
     int rank0 = t->world->rank == 0; /* files of the run are written once */
     int seen_step = -1;              /* what a resume cuts from metrics.jsonl (truncate_metrics) */
     double seen_time = NAN;
-    int rc = check_run_paths(c, e);
+    int rc = check_run_paths(c, e); /* done already where claim_dump_folder ran; not for library sessions */
     if (rc) return rc;
     if (rank0) {
         trainer_join_path(path, sizeof path, c->dump_folder, "config.toml");
