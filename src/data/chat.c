@@ -136,6 +136,48 @@ int chat_encode(tok_enc *enc, const tok *t, const chat_msg *msgs, int n, tok_ids
     return rc;
 }
 
+/* The turns of list (the field `name` of a record) into out[at ...]; the list was
+ * checked to be an array. */
+static int msgs_from_list(const cJSON *list, const char *name, chat_msg *out, ct_err *e) {
+    int i = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, list) {
+        if (!cJSON_IsObject(it))
+            return ct_fail(e, CT_ERR_FORMAT, "%s[%d]: expected an object {role, content}", name, i);
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(it, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(it, "content");
+        const char *bad = !cJSON_IsString(role) ? "role" : !cJSON_IsString(content) ? "content" : NULL;
+        if (bad) {
+            const cJSON *v = !strcmp(bad, "role") ? role : content;
+            if (!v && (cJSON_GetObjectItemCaseSensitive(it, "from") || cJSON_GetObjectItemCaseSensitive(it, "value")))
+                return ct_fail(e, CT_ERR_FORMAT, "%s[%d].%s: missing; \"from\"/\"value\" turns are %s", name, i, bad,
+                               CHAT_SHAREGPT_HINT);
+            if (cJSON_IsArray(v) && !strcmp(bad, "content"))
+                return ct_fail(e, CT_ERR_FORMAT,
+                               "%s[%d].content: expected a string, got a list (content as a list of parts, "
+                               "[{\"type\": \"text\", \"text\": ...}], is not read): give each message's content "
+                               "as one string, e.g. jq -c '.%s[].content |= (if type == \"array\" then "
+                               "map(.text // \"\") | join(\"\") else . end)' IN.jsonl > OUT.jsonl",
+                               name, i, name);
+            return ct_fail(e, CT_ERR_FORMAT, "%s[%d].%s: %s (expected {\"role\": string, \"content\": string})", name,
+                           i, bad, v ? "expected a string" : "missing");
+        }
+        out[i] = (chat_msg){role->valuestring, strlen(role->valuestring), content->valuestring,
+                            strlen(content->valuestring)};
+        i++;
+    }
+    return 0;
+}
+
+/* The non-empty list of turns `name` of root, or an error saying what is there instead. */
+static int turn_list(const cJSON *root, const char *name, const cJSON **list, ct_err *e) {
+    *list = cJSON_GetObjectItemCaseSensitive(root, name);
+    if (!*list) return ct_fail(e, CT_ERR_FORMAT, "no \"%s\" field", name);
+    if (!cJSON_IsArray(*list)) return ct_fail(e, CT_ERR_FORMAT, "%s: expected a list of {role, content}", name);
+    if (!cJSON_GetArraySize(*list)) return ct_fail(e, CT_ERR_FORMAT, "%s: empty list", name);
+    return 0;
+}
+
 int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e) {
     const cJSON *root = json_object;
     *msgs = NULL;
@@ -144,53 +186,150 @@ int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e) 
     const cJSON *list = cJSON_GetObjectItemCaseSensitive(root, "messages");
     if (!list) {
         const cJSON *prompt = cJSON_GetObjectItemCaseSensitive(root, "prompt");
-        if (cJSON_IsArray(prompt))
-            return ct_fail(e, CT_ERR_FORMAT, "no \"messages\" field: %s", CHAT_PC_CONVERSATIONAL_HINT);
+        const char *other = cJSON_IsArray(prompt) ? "\"prompt\" (a conversational prompt-completion record)"
+                            : cJSON_GetObjectItemCaseSensitive(root, "conversations")
+                                ? "\"conversations\" (a ShareGPT record)"
+                                : NULL;
+        if (other)
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "no \"messages\" field: this line has %s; a file is read in one layout, the one its "
+                           "first record has: put these records in a file of their own",
+                           other);
         if (prompt)
             return ct_fail(e, CT_ERR_FORMAT,
                            "no \"messages\" field: {\"prompt\", \"completion\"} is TRL's prompt-completion "
                            "format, read as jsonl data (kind auto or jsonl, not chat), with the loss on the "
                            "completion only (docs/data.md)");
-        if (cJSON_GetObjectItemCaseSensitive(root, "conversations"))
-            return ct_fail(e, CT_ERR_FORMAT, "no \"messages\" field: \"conversations\" is %s", CHAT_SHAREGPT_HINT);
         return ct_fail(e, CT_ERR_FORMAT, "no \"messages\" field");
     }
-    if (!cJSON_IsArray(list)) return ct_fail(e, CT_ERR_FORMAT, "messages: expected a list of {role, content}");
+    int rc = turn_list(root, "messages", &list, e);
+    if (rc) return rc;
     int count = cJSON_GetArraySize(list);
-    if (count == 0) return ct_fail(e, CT_ERR_FORMAT, "messages: empty list");
     chat_msg *out = ct_calloc((size_t)count, sizeof *out);
-    int i = 0;
-    const cJSON *it;
-    cJSON_ArrayForEach(it, list) {
-        if (!cJSON_IsObject(it)) {
-            free(out);
-            return ct_fail(e, CT_ERR_FORMAT, "messages[%d]: expected an object {role, content}", i);
-        }
-        const cJSON *role = cJSON_GetObjectItemCaseSensitive(it, "role");
-        const cJSON *content = cJSON_GetObjectItemCaseSensitive(it, "content");
-        const char *bad = !cJSON_IsString(role) ? "role" : !cJSON_IsString(content) ? "content" : NULL;
-        if (bad) {
-            const cJSON *v = !strcmp(bad, "role") ? role : content;
-            free(out);
-            if (!v && (cJSON_GetObjectItemCaseSensitive(it, "from") || cJSON_GetObjectItemCaseSensitive(it, "value")))
-                return ct_fail(e, CT_ERR_FORMAT, "messages[%d].%s: missing; \"from\"/\"value\" turns are %s", i,
-                               bad, CHAT_SHAREGPT_HINT);
-            if (cJSON_IsArray(v) && !strcmp(bad, "content"))
-                return ct_fail(e, CT_ERR_FORMAT,
-                               "messages[%d].content: expected a string, got a list (content as a list of parts, "
-                               "[{\"type\": \"text\", \"text\": ...}], is not read): give each message's content "
-                               "as one string, e.g. jq -c '.messages[].content |= (if type == \"array\" then "
-                               "map(.text // \"\") | join(\"\") else . end)' IN.jsonl > OUT.jsonl",
-                               i);
-            return ct_fail(e, CT_ERR_FORMAT, "messages[%d].%s: %s (expected {\"role\": string, \"content\": string})",
-                           i, bad, v ? "expected a string" : "missing");
-        }
-        out[i] = (chat_msg){role->valuestring, strlen(role->valuestring), content->valuestring,
-                            strlen(content->valuestring)};
-        i++;
+    if ((rc = msgs_from_list(list, "messages", out, e))) {
+        free(out);
+        return rc;
     }
     *msgs = out;
     *n = count;
+    return 0;
+}
+
+chat_layout chat_layout_of(const void *json_object) {
+    const cJSON *j = json_object;
+    if (!cJSON_IsObject(j) || cJSON_GetObjectItemCaseSensitive(j, "messages")) return CHAT_MESSAGES;
+    if (cJSON_GetObjectItemCaseSensitive(j, "conversations")) return CHAT_SHAREGPT;
+    if (cJSON_IsArray(cJSON_GetObjectItemCaseSensitive(j, "prompt"))) return CHAT_PROMPT_COMPLETION;
+    return CHAT_MESSAGES;
+}
+
+/* Renames key `from` of object o to `to`, as Python's o[to] = o.pop(from): the item
+ * moves to the end, replacing an item `to` already there. */
+static void rename_key(cJSON *o, const char *from, const char *to) {
+    cJSON *v = cJSON_DetachItemFromObjectCaseSensitive(o, from);
+    if (v && !cJSON_ReplaceItemInObjectCaseSensitive(o, to, v)) cJSON_AddItemToObject(o, to, v);
+}
+
+/* trl/data_utils.py's maybe_convert_to_chatml on a record of a ShareGPT file: every
+ * turn's "from" becomes "role" and "value" "content", and "conversations" becomes
+ * "messages". ShareGPT's role names "human" and "gpt" are refused (CHAT_SHAREGPT_ROLES_HINT),
+ * and so is a turn without the two strings: TRL would render whatever it is left with. */
+static int sharegpt_convert(cJSON *root, ct_err *e) {
+    if (cJSON_GetObjectItemCaseSensitive(root, "messages"))
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "\"messages\" in a ShareGPT file (its first record has \"conversations\"): a file is read "
+                       "in one layout, the one its first record has: put these records in a file of their own");
+    if (!cJSON_GetObjectItemCaseSensitive(root, "conversations"))
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "no \"conversations\" field (a ShareGPT file, as its first record has \"conversations\": "
+                       "every line needs it)");
+    const cJSON *list;
+    int rc = turn_list(root, "conversations", &list, e);
+    if (rc) return rc;
+    int i = 0;
+    cJSON *it;
+    cJSON_ArrayForEach(it, list) {
+        const cJSON *from = cJSON_IsObject(it) ? cJSON_GetObjectItemCaseSensitive(it, "from") : NULL;
+        const cJSON *value = cJSON_IsObject(it) ? cJSON_GetObjectItemCaseSensitive(it, "value") : NULL;
+        if (!cJSON_IsObject(it))
+            return ct_fail(e, CT_ERR_FORMAT, "conversations[%d]: expected an object {from, value}", i);
+        const char *bad = !cJSON_IsString(from) ? "from" : !cJSON_IsString(value) ? "value" : NULL;
+        if (bad) {
+            const cJSON *v = bad[0] == 'f' ? from : value;
+            if (!v && cJSON_GetObjectItemCaseSensitive(it, bad[0] == 'f' ? "role" : "content"))
+                return ct_fail(e, CT_ERR_FORMAT,
+                               "conversations[%d].%s: missing (a ShareGPT turn is {\"from\": string, \"value\": "
+                               "string}; role/content turns belong under \"messages\")",
+                               i, bad);
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "conversations[%d].%s: %s (expected {\"from\": string, \"value\": string})%s", i, bad,
+                           v ? "expected a string" : "missing",
+                           cJSON_IsArray(v) ? "; content as a list of parts is not read" : "");
+        }
+        if (!strcmp(from->valuestring, "human") || !strcmp(from->valuestring, "gpt"))
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "conversations[%d].from: \"%s\" is ShareGPT's role name; TRL (maybe_convert_to_chatml) "
+                           "keeps role names as they are, so the chat template would see role \"%s\" (ChatML "
+                           "writes <|im_start|>%s, Qwen3's template nothing at all)%s: %s",
+                           i, from->valuestring, from->valuestring, from->valuestring,
+                           from->valuestring[0] == 'g' ? " and the reply would be no target" : "",
+                           CHAT_SHAREGPT_ROLES_HINT);
+        i++;
+    }
+    cJSON_ArrayForEach(it, list) {
+        rename_key(it, "from", "role");
+        rename_key(it, "value", "content");
+    }
+    rename_key(root, "conversations", "messages");
+    return 0;
+}
+
+int chat_record(void *json_object, chat_layout layout, chat_msg **msgs, int *n, int *n_prompt, ct_err *e) {
+    cJSON *root = json_object;
+    *msgs = NULL;
+    *n = *n_prompt = 0;
+    if (layout == CHAT_SHAREGPT) {
+        if (!cJSON_IsObject(root))
+            return ct_fail(e, CT_ERR_FORMAT, "expected a JSON object with a \"conversations\" list");
+        int rc = sharegpt_convert(root, e);
+        if (rc) return rc;
+    }
+    if (layout != CHAT_PROMPT_COMPLETION) return chat_from_json(root, msgs, n, e);
+    if (!cJSON_IsObject(root))
+        return ct_fail(e, CT_ERR_FORMAT, "expected a JSON object with \"prompt\" and \"completion\" lists");
+    const cJSON *p, *c;
+    if (cJSON_GetObjectItemCaseSensitive(root, "messages") || cJSON_GetObjectItemCaseSensitive(root, "conversations"))
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "this line has \"%s\" (a file is read in one layout, the one its first record has, here "
+                       "conversational prompt-completion: put these records in a file of their own)",
+                       cJSON_GetObjectItemCaseSensitive(root, "messages") ? "messages" : "conversations");
+    for (int k = 0; k < 2; k++) {
+        const char *name = k ? "completion" : "prompt";
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, name);
+        if (v && !cJSON_IsArray(v))
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "\"%s\" is not a list of messages (a conversational prompt-completion file, as its "
+                           "first record's \"prompt\" is a list: every line needs \"prompt\" and \"completion\" "
+                           "lists; TRL reads a file in the layout of its first record too)",
+                           name);
+        if (!v)
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "\"%s\" field missing (a conversational prompt-completion file: every line needs "
+                           "\"prompt\" and \"completion\" lists of messages)",
+                           name);
+    }
+    int rc = turn_list(root, "prompt", &p, e);
+    if (!rc) rc = turn_list(root, "completion", &c, e);
+    if (rc) return rc;
+    int np = cJSON_GetArraySize(p), nc = cJSON_GetArraySize(c);
+    chat_msg *out = ct_calloc((size_t)(np + nc), sizeof *out);
+    if ((rc = msgs_from_list(p, "prompt", out, e)) || (rc = msgs_from_list(c, "completion", out + np, e))) {
+        free(out);
+        return rc;
+    }
+    *msgs = out;
+    *n = np + nc;
+    *n_prompt = np;
     return 0;
 }
 
@@ -439,6 +578,62 @@ int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void 
     free(end);
     free(T);
     jinja_spans_free(&sp);
+    return rc;
+}
+
+/* list (a cJSON array) rendered by the template and tokenized as
+ * apply_chat_template(..., tokenize=True) tokenizes: the whole text, without the
+ * post-processor's specials (the template writes its own BOS). */
+static int tmpl_ids(const chat_tmpl *c, tok_enc *enc, const cJSON *list, int gen_prompt, tok_ids *ids, ct_err *e) {
+    char *T = NULL;
+    size_t TN = 0;
+    int rc = jinja_chat_apply(c->jc, list, gen_prompt, &T, &TN, NULL, e);
+    if (!rc) {
+        int add_special = tok_enc_add_special(enc);
+        tok_enc_set_add_special(enc, 0);
+        rc = tok_encode(enc, T, TN, ids, e);
+        tok_enc_set_add_special(enc, add_special);
+    }
+    free(T);
+    return rc;
+}
+
+int chat_encode_pc(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *record, const chat_msg *msgs, int n,
+                   int n_prompt, tok_ids *ids, chat_mask *mask, ct_err *e) {
+    tok_ids p = {0};
+    chat_mask scratch = {0}; /* chat_encode's assistant mask: TRL's default takes none */
+    size_t n0 = ids->n, m0 = mask->n;
+    int rc;
+    if (c) {
+        /* the record's own message objects, their other keys (reasoning_content, ...)
+         * included, as TRL hands prompt and prompt + completion to the template */
+        cJSON *prompt = cJSON_CreateArray(), *full = cJSON_CreateArray();
+        const cJSON *it;
+        cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(record, "prompt")) {
+            cJSON_AddItemReferenceToArray(prompt, (cJSON *)it);
+            cJSON_AddItemReferenceToArray(full, (cJSON *)it);
+        }
+        cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(record, "completion"))
+            cJSON_AddItemReferenceToArray(full, (cJSON *)it);
+        rc = tmpl_ids(c, enc, prompt, 1, &p, e);
+        if (!rc) rc = tmpl_ids(c, enc, full, 0, ids, e);
+        cJSON_Delete(prompt);
+        cJSON_Delete(full);
+    } else {
+        rc = chat_encode(enc, t, msgs, n_prompt, &p, &scratch, e);
+        if (!rc) rc = chat_encode(enc, t, msgs, n, ids, &scratch, e);
+    }
+    if (!rc) {
+        size_t k = 0, nf = ids->n - n0;
+        while (k < p.n && k < nf && p.v[k] == ids->v[n0 + k]) k++;
+        chat_mask_push(mask, 0, k);
+        chat_mask_push(mask, 1, nf - k);
+    } else {
+        ids->n = n0;
+        mask->n = m0;
+    }
+    tok_ids_free(&p);
+    chat_mask_free(&scratch);
     return rc;
 }
 

@@ -50,6 +50,8 @@ typedef struct {
     size_t n, cap;
 } chat_mask;
 
+typedef struct chat_tmpl chat_tmpl; /* a chat template (below) */
+
 /* Appends count bytes of value v (exits on out of memory, as the token lists do). */
 void chat_mask_push(chat_mask *m, uint8_t v, size_t count);
 void chat_mask_free(chat_mask *m);
@@ -73,23 +75,60 @@ int chat_encode(tok_enc *enc, const tok *t, const chat_msg *msgs, int n, tok_ids
  * string"); the caller prefixes the file and line. */
 int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e);
 
-/* ShareGPT's layout ({"conversations": [{"from": "human", "value": ...}, ...]}), which TRL
- * renames to role/content (trl/data_utils.py, maybe_convert_to_chatml), is not read: the
- * errors that meet it (chat_from_json, the jsonl reader) finish with this, the shape
- * expected and a one-line conversion. */
-#define CHAT_SHAREGPT_HINT                                                                                      \
-    "ShareGPT's layout; ctitan reads {\"messages\": [{\"role\": \"user\", \"content\": \"...\"}, ...]}: convert " \
-    "with jq -c '{messages: [(.conversations // .messages)[] | {role: ({\"human\": \"user\", \"gpt\": "         \
-    "\"assistant\"}[.from] // .from), content: .value}]}' IN.jsonl > OUT.jsonl"
+/* The layouts of a chat file, decided by its first record as TRL decides by its
+ * dataset's first example (trl 1.16.0, trl/trainer/sft_trainer.py, _prepare_dataset):
+ *   CHAT_MESSAGES: {"messages": [{"role", "content"}, ...]};
+ *   CHAT_SHAREGPT: {"conversations": [{"from", "value"}, ...]}, which TRL turns into
+ *     "messages" by renaming the keys alone (trl/data_utils.py, maybe_convert_to_chatml):
+ *     "from" becomes "role" and "value" "content", the role names kept as they are;
+ *   CHAT_PROMPT_COMPLETION: {"prompt": [messages], "completion": [messages]}, TRL's
+ *     conversational prompt-completion layout (chat_encode_pc). */
+typedef enum { CHAT_MESSAGES = 0, CHAT_SHAREGPT, CHAT_PROMPT_COMPLETION } chat_layout;
 
-/* TRL's conversational prompt-completion layout ("prompt" and "completion" as lists of
- * messages) is not read: the errors that meet it (chat_from_json, the jsonl reader) say
- * so with a one-line conversion into one conversation, which is then read as chat data. */
-#define CHAT_PC_CONVERSATIONAL_HINT                                                                          \
-    "\"prompt\" and \"completion\" as lists of messages (TRL's conversational prompt-completion format) "  \
-    "are not read: join them into one conversation, jq -c '{messages: (.prompt + .completion)}' IN.jsonl > " \
-    "OUT.jsonl, and train on that as chat data (every assistant reply, the prompt's too, is then a target; "  \
-    "docs/data.md)"
+/* The layout a file whose first record is json_object (a cJSON object) is read in: a
+ * "messages" field, else "conversations", else a "prompt" list; anything else reads as
+ * CHAT_MESSAGES, whose errors then say what the record lacks. */
+chat_layout chat_layout_of(const void *json_object);
+
+/* One record of a file in layout `layout` -> its turns (as chat_from_json). A ShareGPT
+ * record is converted in place first, as maybe_convert_to_chatml converts it, so that
+ * its "messages" is then what the template renders. For CHAT_PROMPT_COMPLETION the
+ * turns are the prompt's then the completion's, *n_prompt of them the prompt's
+ * (else *n_prompt = 0). Errors name the field ("prompt[1].content: ..."); the caller
+ * prefixes the file and line. */
+int chat_record(void *json_object, chat_layout layout, chat_msg **msgs, int *n, int *n_prompt, ct_err *e);
+
+/* ShareGPT's own role names. TRL keeps a role name as it is, so a "human" turn
+ * renders as role "human" (Qwen3's template writes nothing for it) and a "gpt" reply is
+ * no assistant reply: such records are refused with this recipe, which names the roles
+ * as chat templates know them. */
+#define CHAT_SHAREGPT_ROLES_HINT                                                                                   \
+    "name the roles as chat templates know them (user, assistant, system, tool): jq -c '.conversations[].from " \
+    "|= ({\"human\": \"user\", \"gpt\": \"assistant\"}[.] // .)' IN.jsonl > OUT.jsonl"
+
+/* ShareGPT's from/value turns anywhere but under "conversations" (TRL converts only a
+ * dataset whose records have "conversations": trl/data_utils.py,
+ * is_conversational_from_value): the errors that meet them finish with this. */
+#define CHAT_SHAREGPT_HINT                                                                                        \
+    "ShareGPT's layout, read under \"conversations\" only (as TRL); ctitan reads {\"messages\": [{\"role\": "   \
+    "\"user\", \"content\": \"...\"}, ...]}: convert with jq -c '{messages: [(.conversations // .messages)[] | " \
+    "{role: ({\"human\": \"user\", \"gpt\": \"assistant\"}[.from] // .from), content: .value}]}' IN.jsonl > "   \
+    "OUT.jsonl"
+
+/* TRL's conversational prompt-completion example, as SFTTrainer tokenizes it
+ * (trl 1.16.0, _prepare_dataset's tokenize_fn; completion_only_loss on by default for
+ * this layout, assistant_only_loss off): the ids are those of prompt + completion
+ * rendered by the chat template (no generation prompt) and tokenized as
+ * apply_chat_template tokenizes; the prompt alone is rendered with the generation
+ * prompt and tokenized too, and the tokens the two share from the start are no
+ * targets, every later one is (the completion starts where they part, so a prompt
+ * whose rendering is no prefix of the whole loses its differing end from the
+ * prompt, as TRL's common_prefix_length). No EOS belongs to the example (TRL adds
+ * none to conversational data). c NULL: the built-in ChatML, which, as the template
+ * it equals, writes no generation prompt. msgs/n/n_prompt: chat_record's; record:
+ * the cJSON object they came from. Nothing is appended on error. */
+int chat_encode_pc(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *record, const chat_msg *msgs, int n,
+                   int n_prompt, tok_ids *ids, chat_mask *mask, ct_err *e);
 
 /* ---------------------------------------------------------- templates
  *
@@ -103,7 +142,6 @@ int chat_from_json(const void *json_object, chat_msg **msgs, int *n, ct_err *e);
  * conversation before it with the generation prompt (TRL's prefix rule),
  * which covers the reply and the end-of-turn text the template writes after
  * it. */
-typedef struct chat_tmpl chat_tmpl;
 
 /* spec (training.chat_template, prepare --chat-template):
  *   "auto" (also NULL, ""): tokenizer_dir's template, unless it has none or it

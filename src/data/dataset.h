@@ -8,7 +8,10 @@
  *           a file whose first record has "prompt"; ds_source.c)
  *   chat    JSONL with "messages": [{role, content}, ...] rendered as ChatML
  *           or with the tokenizer's own chat template (data/chat.h,
- *           ds_tok_opts.chat_template), loss only on the assistant replies
+ *           ds_tok_opts.chat_template), loss only on the assistant replies;
+ *           ShareGPT's "conversations": [{from, value}, ...] read as TRL
+ *           converts it; TRL's conversational {"prompt": [...], "completion":
+ *           [...]}, loss on the completion as TRL computes it (chat_encode_pc)
  *   tokens  pre-tokenized: a raw little-endian uint32 `.bin`, an integer
  *           `.npy`, or a directory: one written by `ctitan prepare` (shards in
  *           meta.json's order, its counts and ids checked), or any other
@@ -17,14 +20,16 @@
  *           interrupted prepare and an error.
  * DS_KIND_AUTO picks per path: a directory, .bin, .npy -> tokens; .txt ->
  * text; .jsonl / .json / anything whose first line is a JSON object -> chat
- * if that object has "messages", else jsonl; anything else -> text.
+ * if that object has "messages", "conversations" or a "prompt" list, else
+ * jsonl; anything else -> text.
  *
  * Stream: every document is tokenized and followed by EOS (the tokenizer's
  * eos_token, else <|endoftext|>; torchtitan/HF convention; a BOS only where the
  * tokenizer's post-processor adds one, as HF's tokenizer(text)); sources follow each other in the order given. Alongside the tokens
  * runs a mask, 1 = the token may be a training target (all ones except for
  * chat data, where the EOS after a conversation is 0 too, and prompt-completion
- * data, where the prompt's tokens are 0).
+ * data, where the prompt's tokens are 0, and in the conversational layout the
+ * EOS too).
  *
  * Packing (torchtitan): the stream is cut into disjoint windows of
  * seq_len + 1 tokens, the tail that does not fill one is dropped;

