@@ -136,7 +136,8 @@ FUZZ_CC     := clang
 FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 # -Wno-pass-failed: clang's -O1 runs no loop vectorizer, so every `#pragma omp simd` (a licence to
 # vectorise, kept for the -O2 build) would be reported as a loop it could not vectorise.
-FUZZ_CFLAGS := -O1 -g -std=c11 -Wall -Wextra -Wno-pass-failed -fPIC -fopenmp -Isrc \
+# The main build's warnings (-Wshadow included), and under WERROR=1 (make test) its -Werror.
+FUZZ_CFLAGS := -O1 -g -std=c11 -Wall -Wextra -Wshadow -Wno-pass-failed $(if $(WERROR),-Werror) -fPIC -fopenmp -Isrc \
                -I/usr/include/$(TRIPLET)/openblas-openmp -D_GNU_SOURCE $(MPI_CFLAGS) $(FUZZ_SAN) -fsanitize=fuzzer-no-link
 # The SIMD kernels are no parser: clang cannot compile their target-attributed intrinsics inside
 # OpenMP regions, so they keep the main build's compiler and flags, uninstrumented: the main
@@ -245,7 +246,7 @@ test: setup
 	  "py-all-b=$(MAKE) --no-print-directory test-py-all PY_ALL_LABEL=py-all-b PY_ALL_FILES='$(PY_ALL_B)'" \
 	  "py-dist=$(T) py-dist $(PY) -m pytest -q -p no:cacheprovider --durations=10 $(PY_DIST_TESTS)" \
 	  "sanitize+fuzz=$(T) sanitize $(MAKE) --no-print-directory -j$(TEST_JOBS) sanitize && \
-	     $(T) fuzz-short $(MAKE) --no-print-directory -j$(TEST_JOBS) fuzz-short" \
+	     $(T) fuzz-short $(MAKE) --no-print-directory -j$(TEST_JOBS) WERROR=1 fuzz-short" \
 	  "aarch64=$(T) aarch64 $(MAKE) --no-print-directory test-aarch64"
 	@cat build/test-times.txt
 

@@ -31,6 +31,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checkpoint/ckpt.h"
 #include "checkpoint/hf.h"
 #include "cli/args.h"
 #include "cli/cli.h"
@@ -52,6 +53,7 @@ typedef struct {
     const char *revision;   /* of Hub ids */
     const char *adapter_revision; /* of a Hub id in adapter */
     const char *chat_kwargs;      /* JSON object: more chat template variables, or NULL */
+    cJSON *chat_kw;               /* chat_kwargs parsed (once: checked here, rendered later); cli_generate frees it */
     int max_tokens;
     double temperature;
     int top_k;
@@ -179,10 +181,12 @@ static int gen_parse_args(gen_cli_args *a, int argc, char **argv) {
     if (a->chat_kwargs) { /* checked before any file is read, as the other options */
         ct_err e = {0};
         cJSON *o = json_parse(a->chat_kwargs, strlen(a->chat_kwargs), "--chat-template-kwargs", &e);
-        int obj = cJSON_IsObject(o);
-        cJSON_Delete(o);
         if (!o) return cli_fail(2, "%s", e.msg);
-        if (!obj) return cli_fail(2, "--chat-template-kwargs: \"%s\" is not a JSON object", a->chat_kwargs);
+        if (!cJSON_IsObject(o)) {
+            cJSON_Delete(o);
+            return cli_fail(2, "--chat-template-kwargs: \"%s\" is not a JSON object", a->chat_kwargs);
+        }
+        a->chat_kw = o;
     }
     return 0;
 }
@@ -333,7 +337,7 @@ static void gen_print_token(int32_t id, void *ctx) {
  * template (tokenizer_config.json's chat_template or chat_template.jinja, as
  * apply_chat_template(add_generation_prompt=True) renders it); Qwen's ChatML
  * when the tokenizer has no template. */
-static int gen_chat_text(const char *tdir, const char *prompt, const char *kwargs, char **text, size_t *len,
+static int gen_chat_text(const char *tdir, const char *prompt, const cJSON *kwargs, char **text, size_t *len,
                          ct_err *e) {
     jinja_chat *c = NULL;
     int rc = jinja_chat_open(tdir, &c, e);
@@ -351,9 +355,7 @@ static int gen_chat_text(const char *tdir, const char *prompt, const char *kwarg
     cJSON_AddStringToObject(m, "role", "user");
     cJSON_AddStringToObject(m, "content", prompt);
     cJSON_AddItemToArray(msgs, m);
-    cJSON *kw = kwargs ? json_parse(kwargs, strlen(kwargs), "--chat-template-kwargs", e) : NULL; /* checked */
-    rc = jinja_chat_apply_kw(c, msgs, 1, kw, text, len, NULL, e);
-    cJSON_Delete(kw);
+    rc = jinja_chat_apply_kw(c, msgs, 1, kwargs, text, len, NULL, e);
     cJSON_Delete(msgs);
     jinja_chat_close(c);
     return rc;
@@ -380,10 +382,20 @@ static double gen_position_limit(const lm_config *c) {
     return limit;
 }
 
+static int gen_run(gen_cli_args a);
+
 int cli_generate(int argc, char **argv) {
     gen_cli_args a;
     int rc = gen_parse_args(&a, argc, argv);
     if (rc) return rc < 0 ? 0 : rc;
+    rc = gen_run(a); /* its many early returns leave chat_kw to be freed here, once */
+    cJSON_Delete(a.chat_kw);
+    return rc;
+}
+
+/* The command after its options parsed. */
+static int gen_run(gen_cli_args a) {
+    int rc;
     /* the ids' syntax is the command line's: checked before a Hub id is downloaded */
     tok_ids prompt = {0}, stops = {0};
     if (a.prompt_ids) {
@@ -418,8 +430,9 @@ int cli_generate(int argc, char **argv) {
         return cli_fail(1, "%s/config.json: not found (--checkpoint must be a Hugging Face model directory)%s",
                         a.checkpoint, adapter_hint);
     }
-    if (adapter_hint[0] && gen_file_exists(a.checkpoint, "manifest.json")) {
-        /* a LoRA run's training checkpoint: config.json is the base's, the weights are the adapter's */
+    if (adapter_hint[0] && ckpt_dir_kind(a.checkpoint) == CKPT_DIR_CHECKPOINT) {
+        /* a LoRA run's training checkpoint: config.json is the base's, the weights are the adapter's.
+         * ckpt_dir_kind's rule: also one that lost its manifest (config.toml is a checkpoint's alone) */
         tok_ids_free(&prompt);
         return cli_fail(1, "%s: a LoRA run's training checkpoint holds no base weights%s", a.checkpoint,
                         adapter_hint);
@@ -455,7 +468,7 @@ int cli_generate(int argc, char **argv) {
         char *text = NULL;
         size_t len = 0;
         if (a.chat) {
-            rc = gen_chat_text(tdir, a.prompt, a.chat_kwargs, &text, &len, &e);
+            rc = gen_chat_text(tdir, a.prompt, a.chat_kw, &text, &len, &e);
         } else {
             text = ct_strdup(a.prompt);
             len = strlen(text);

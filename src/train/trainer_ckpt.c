@@ -457,6 +457,41 @@ static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_e
     return 0;
 }
 
+/* Every rank learns whether any failed to load or initialise its part of the
+ * model, so that none is left waiting in the next collective; every rank
+ * calls this, also one that has failed (rc). A failure is then a verdict that
+ * every rank has (all_ranks: each ends on its own, none aborts the others;
+ * see agree_on_pick). The lowest failing rank's error reaches rank 0, whose
+ * message is the one printed (cli/cmd_train.c prints a config error on rank 0
+ * alone): a failure that is one rank's own (a checkpoint folder on each
+ * machine's disk, holding another run's step-N on one of them) was otherwise
+ * printed nowhere, rank 0 saying only that another rank had failed. Returns
+ * the code to end with: this rank's own, or the relayed error's. */
+static int agree_on_load(trainer *t, int rc, ct_err *e) {
+    if (t->world->size <= 1) return rc;
+    int32_t r[2] = {rc, rc ? -t->world->rank : INT32_MIN}; /* MAX: any failure, and the lowest failing rank */
+    comm_allreduce(t->world, r, 2, COMM_I32, COMM_MAX);
+    if (!r[0]) return 0;
+    int first = -r[1];
+    int32_t why[1 + sizeof e->msg / sizeof(int32_t)] = {0}; /* its code and message */
+    _Static_assert(sizeof e->msg % sizeof(int32_t) == 0, "the message travels as whole int32s");
+    if (t->world->rank == first) {
+        why[0] = rc;
+        memcpy(why + 1, e->msg, sizeof e->msg);
+    }
+    comm_broadcast(t->world, why, sizeof why / sizeof why[0], COMM_I32, first);
+    char msg[sizeof e->msg];
+    memcpy(msg, why + 1, sizeof msg);
+    msg[sizeof msg - 1] = 0;
+    if (t->world->rank == 0 && first != 0)
+        rc = ct_fail(e, why[0], "rank %d of %d failed to load or initialise the model: %s", first,
+                     t->world->size, msg);
+    else if (!rc)
+        rc = ct_fail(e, why[0], "rank %d failed to load or initialise the model (rank 0 prints its error)", first);
+    e->all_ranks = 1;
+    return rc;
+}
+
 /* Every rank must continue from the same checkpoint. On machines that do not
  * share the checkpoint folder the ranks of one would resume while the others
  * started afresh, and the collectives would mix the two states without a word:
@@ -464,18 +499,13 @@ static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_e
  * failed (rc), so that the collectives stay matched. */
 static int agree_on_pick(trainer *t, int rc, const resume_pick *p, ct_err *e) {
     if (t->world->size <= 1) return rc;
+    if ((rc = agree_on_load(t, rc, e))) return rc;
     /* one number per choice; MAX of it and of its negation give the range */
     int64_t k = p->kind == PICK_NONE ? -1 : (int64_t)p->step * 2 + (p->kind == PICK_COMPLETE);
-    int64_t r[3] = {rc, k, -k};
-    comm_allreduce(t->world, r, 3, COMM_I64, COMM_MAX);
-    if (rc) return rc;
-    if (r[0]) {
-        ct_fail(e, (int)r[0], "another rank failed to load or initialise the model (its error says why)");
-        e->all_ranks = 1; /* the failing rank ends the job; a second abort beside it crashed mpirun */
-        return (int)r[0];
-    }
-    if (r[1] == -r[2]) return 0;
-    int64_t other = k == r[1] ? -r[2] : r[1];
+    int64_t r[2] = {k, -k};
+    comm_allreduce(t->world, r, 2, COMM_I64, COMM_MAX);
+    if (r[0] == -r[1]) return 0;
+    int64_t other = k == r[0] ? -r[1] : r[0];
     char theirs[64];
     if (other < 0) snprintf(theirs, sizeof theirs, "none");
     else snprintf(theirs, sizeof theirs, "step-%lld%s", (long long)(other / 2), other % 2 ? " (a final save)" : "");
@@ -509,15 +539,11 @@ int trainer_init_weights(trainer *t, ct_err *e) {
         plan_load_end(&t->plan);
     }
     memset(&t->load, 0, sizeof t->load);
-    if (t->world->size > 1) {
-        int32_t worst = rc;
-        comm_allreduce(t->world, &worst, 1, COMM_I32, COMM_MAX);
-        if (!rc && worst)
-            return ct_fail(e, worst, "another rank failed to load or initialise the model (its error says why)");
-        if (!rc) /* on the ranks CTITAN_LOG_RANKS shows; tests/py/test_dist.py checks it */
-            fprintf(stderr, "ctitan: rank %d of %d: %.3f GiB peak after loading the model\n", t->world->rank,
-                    t->world->size, cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0));
-    }
+    if (rc && e->all_ranks) return rc; /* agree_on_pick has told every rank */
+    if ((rc = agree_on_load(t, rc, e))) return rc;
+    if (t->world->size > 1) /* on the ranks CTITAN_LOG_RANKS shows; tests/py/test_dist.py checks it */
+        fprintf(stderr, "ctitan: rank %d of %d: %.3f GiB peak after loading the model\n", t->world->rank,
+                t->world->size, cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0));
     return rc;
 }
 

@@ -370,6 +370,33 @@ def test_error_on_one_rank_ends_the_job(setup, tmp_path):
     assert took < 30, f"{took:.1f} s"
 
 
+def test_config_error_on_one_rank_alone_is_reported(setup, tmp_path):
+    """Checkpoint folders on each machine's own disk, where rank 1's step-2 was written by
+    another run (training.seed 6, this run's is 5): both ranks pick step-2, and rank 1 alone
+    fails the resume's config check. Rank 0 used to say only that another rank had failed
+    ("its error says why"), and rank 1's error, a config error, was never printed: config
+    errors were printed by rank 0 alone. Now rank 0 says which rank failed and why, once.
+    mpirun's MPMD form gives rank 1 its own checkpoint.folder, as its machine's disk would."""
+    d, data = setup
+    base = [a for a in train_args(d / "model", data, tmp_path / "a", "--checkpoint.last_save_model_only=false")
+            if not a.startswith(("--job.dump_folder=", "--training.seed="))]
+    for name, seed in (("a", 5), ("b", 6)):
+        p = run(1, base + [f"--job.dump_folder={tmp_path / name}", f"--training.seed={seed}",
+                           "--training.stop_at_step=2"], check=False)
+        assert p.returncode == 75, p.stderr[-3000:]
+    args = [str(a) for a in base + [f"--job.dump_folder={tmp_path / 'a'}", "--training.seed=5"]]
+    other = tmp_path / "b" / "checkpoint"
+    cmd = mpirun() + ["-np", "1", str(BIN), *args, ":", "-np", "1", str(BIN), *args, f"--checkpoint.folder={other}"]
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == 2, f"exit {p.returncode}\n{p.stderr[-3000:]}"
+    err = [l for l in p.stderr.splitlines() if "ctitan: error" in l]
+    assert len(err) == 1, f"expected the error once:\n{p.stderr[-3000:]}"
+    for words in ("rank 1", str(other / "step-2"), "training.seed is 5 but the checkpoint was written with 6"):
+        assert words in err[0], f"{words!r} not in: {err[0]}"
+    assert not (tmp_path / "a" / "checkpoint" / "step-3").exists()
+
+
 def test_sigusr1_to_mpirun_stops_every_rank_with_a_checkpoint(setup, tmp_path):
     """mpirun forwards SIGUSR1 (its own SIGTERM kills the ranks at once): every rank stops
     after the same step, rank 0 saves, the job exits 75, and the same command resumes from

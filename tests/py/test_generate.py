@@ -579,6 +579,24 @@ def test_dir_without_config_json(gen, tmp_path):
     assert rc == 1 and "config.json" in err
 
 
+def test_lora_checkpoint_without_its_manifest_says_where_the_adapter_goes(gen, tmp_path):
+    """A LoRA run's training checkpoint (the base's config.json, the run's config.toml, the
+    adapter) that lost its manifest.json is still a training checkpoint by the project's rule
+    (ckpt_dir_kind: config.toml is a checkpoint's alone, no export writes one). The hint looked
+    for manifest.json only, so generate loaded the adapter's tensors as a model and failed on a
+    missing tensor without saying where the adapter goes."""
+    base = tmp_path / "base"
+    make_model(base, seed=1)
+    ck = tmp_path / "step-4"
+    ck.mkdir()
+    shutil.copy(base / "config.json", ck / "config.json")
+    (ck / "config.toml").write_text('[lora]\nrank = 4\n')
+    (ck / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "org/base"}))
+    rc, _, err = gen(["--checkpoint", ck, "--prompt-ids", "1 2", "--ids"], check=False)
+    assert rc == 1 and "training checkpoint holds no base weights" in err, (rc, err)
+    assert "give the base model (org/base) as --checkpoint and" in err and f"{ck} as --adapter" in err, err
+
+
 @pytest.mark.parametrize("damage", ["config_json", "safetensors", "missing_weights"])
 def test_bad_files_exit_codes(gen, tmp_path, damage):
     d = tmp_path / "m"
