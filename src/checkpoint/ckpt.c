@@ -512,6 +512,8 @@ struct ckpt_stream {
     st_stream *st;
     double t0;
     prog_bar bar;    /* tensor bytes written */
+    const char *id_src[2]; /* where config.json's token ids come from (ckpt_stream_token_ids) */
+    int n_id_src;
 };
 
 static void ckpt_stream_free(ckpt_stream *s, int remove_tmp) {
@@ -522,6 +524,11 @@ static void ckpt_stream_free(ckpt_stream *s, int remove_tmp) {
         ct_rm_tree(s->tmp, &ignore); /* the error already names what failed */
     }
     free(s);
+}
+
+void ckpt_stream_token_ids(ckpt_stream *s, const char *const *src, int n) {
+    s->n_id_src = n < 2 ? n : 2;
+    for (int i = 0; i < s->n_id_src; i++) s->id_src[i] = src[i];
 }
 
 int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_model *m, int model_only,
@@ -641,6 +648,7 @@ int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_t
         names[n++] = "config.json";
         if (!(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "config.json", e)))
             rc = lm_config_write_hf(&s->m->cfg, p, "float32", e);
+        if (!rc && s->n_id_src) rc = hf_keep_token_ids(p, s->id_src, s->n_id_src, e);
         if (!rc) rc = fs_fsync(p, 0, e);
     }
     if (!rc) rc = ckpt_write_manifest(s->tmp, s->step, s->model_only, names, n, &total, e);

@@ -61,6 +61,13 @@ int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_
                       ct_err *e);
 int ckpt_stream_put(ckpt_stream *s, const float *x, size_t n, ct_err *e);
 int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e);
+/* The checkpoint's config.json is also a Hugging Face model's (transformers
+ * loads a step-N as it is): with this, it gets the bos/eos token ids of the
+ * first of src[0..n) (n <= 2) whose config.json has them, as hf_keep_token_ids
+ * gives a final save or an export, so transformers' generate stops at the end
+ * token there too. Before ckpt_stream_end: the ids are in the file the
+ * manifest checksums. The strings must outlive the stream. */
+void ckpt_stream_token_ids(ckpt_stream *s, const char *const *src, int n);
 void ckpt_stream_abort(ckpt_stream *s);
 
 /* Step numbers of FOLDER's step-N directories (complete or not; temp dirs

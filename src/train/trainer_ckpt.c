@@ -638,6 +638,14 @@ static int put_trained(void *ctx, const lm_model *fm, int i0, int i1, const floa
 }
 
 /* A checkpoint: save_gather into ckpt_stream (the file layout is ckpt_save's). */
+/* Where a saved config.json's bos/eos token ids come from (hf_keep_token_ids):
+ * the model the run started from, as save_pretrained keeps them after
+ * fine-tuning. Pointers into c. */
+static void token_id_sources(const ct_config *c, const char *src[2]) {
+    src[0] = c->hf_assets_path[0] ? cfg_hf_dir(c) : NULL;
+    src[1] = c->initial_load_path[0] ? cfg_initial_dir(c) : NULL;
+}
+
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     lm_model ftab;
     const lm_model *fm = &t->model; /* the whole model's table, on rank 0 and the stages' roots */
@@ -654,6 +662,9 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     int trained_only = t->model.n_frozen > 0; /* frozen tensors come from the run's start on resume */
     if (trained_only) trained_table_init(&tt, fm, &t->model);
     if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, trained_only ? &tt.tab : fm, model_only, e);
+    const char *id_src[2];
+    token_id_sources(&t->cfg, id_src);
+    if (rank0 && !rc) ckpt_stream_token_ids(s, id_src, 2); /* a step-N is also an HF directory */
     if (trained_only) plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 0, put_trained, s, &rc, e);
     else plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 1, put_ckpt, s, &rc, e);
     ckpt_info info;
@@ -789,9 +800,9 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
          * started from, and its end-of-text ids in config.json, so generate
          * (transformers' or ctitan's) stops where it should and the directory
          * serves as model.hf_assets_path of a next run */
-        const ct_config *c = &t->cfg;
-        const char *assets = c->hf_assets_path[0] ? cfg_hf_dir(c) : NULL;
-        const char *id_src[] = {assets, c->initial_load_path[0] ? cfg_initial_dir(c) : NULL};
+        const char *id_src[2];
+        token_id_sources(&t->cfg, id_src);
+        const char *assets = id_src[0];
         if (!rc && assets && hf_copy_assets(assets, tmp, NULL, e) < 0) rc = e && e->code ? e->code : CT_ERR_IO;
         if (!rc) rc = hf_keep_token_ids(p, id_src, 2, e);
         /* step-N taken (a checkpoint of this step, or an earlier final save, which may

@@ -123,6 +123,35 @@ def test_export_keeps_the_token_ids(finished, src, tmp_path, run_ctitan):
     assert_like_save_pretrained(tmp_path / "exp4", src)
 
 
+def test_mid_run_checkpoint_keeps_the_token_ids(finished, src):
+    """A mid-run checkpoint's step-N is also a Hugging Face directory (config.json and
+    model.safetensors, docs/checkpoints.md) that transformers loads as it is; its config.json
+    lacked the source's bos/eos ids (the final save and export have them), so with no
+    generation_config.json beside it transformers' generate never stopped at <|im_end|>.
+    Checked with transformers: the config's ids, the model's generation config, and a
+    greedy generate whose first token is forced to be the end token stops there."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+    ck = finished / "step-4"
+    assert (ck / "manifest.json").exists() and not (ck / "generation_config.json").exists()
+    want, got = AutoConfig.from_pretrained(src), AutoConfig.from_pretrained(ck)
+    assert (got.bos_token_id, got.eos_token_id) == (want.bos_token_id, want.eos_token_id), \
+        ((got.bos_token_id, got.eos_token_id), (want.bos_token_id, want.eos_token_id))
+    model = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32)
+    assert model.generation_config.eos_token_id == want.eos_token_id, model.generation_config.eos_token_id
+    eos = want.eos_token_id
+
+    class Eos(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores = torch.full_like(scores, -float("inf"))
+            scores[:, eos] = 0
+            return scores
+
+    prompt = torch.tensor([[1, 2, 3]])
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                         logits_processor=LogitsProcessorList([Eos()]))
+    assert out[0, 3:].tolist() == [eos], out.tolist()
+
+
 def test_final_hf_save_generates_and_trains_on(finished, src, tmp_path, run_ctitan):
     """The final save is a model directory to use as it is: ctitan generate reads its
     tokenizer, and a next run takes it as model.hf_assets_path (tokenizing text with it)."""
