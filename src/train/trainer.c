@@ -1133,12 +1133,11 @@ int trainer_run(trainer *t, ct_err *e) {
                        "checkpoint.initial_load_path)",
                        c->load_step, t->ckpt_folder, t->seed_step);
     int rc = open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle, &template_seen, &tk, e);
-    if (rc) goto out;
-    if (t->have_resume_data && (rc = ds_set_state(data, &t->resume_data, e))) goto out;
-    if (c->val_enable &&
-        (rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &template_seen,
-                        &tk, e)))
-        goto out;
+    if (!rc && t->have_resume_data) rc = ds_set_state(data, &t->resume_data, e);
+    if (!rc && c->val_enable)
+        rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &template_seen, &tk,
+                       e);
+    if ((rc = trainer_agree(t, rc, "open its data", e))) goto out; /* a data file one machine alone lacks */
     if ((rc = ct_mkdirs(c->dump_folder, e)) || (rc = open_run_files(t, &files, e))) goto out;
     prof *pf = files.pf;
     run_clock clock = {0};

@@ -457,17 +457,17 @@ static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_e
     return 0;
 }
 
-/* Every rank learns whether any failed to load or initialise its part of the
- * model, so that none is left waiting in the next collective; every rank
- * calls this, also one that has failed (rc). A failure is then a verdict that
- * every rank has (all_ranks: each ends on its own, none aborts the others;
- * see agree_on_pick). The lowest failing rank's error reaches rank 0, whose
- * message is the one printed (cli/cmd_train.c prints a config error on rank 0
- * alone): a failure that is one rank's own (a checkpoint folder on each
- * machine's disk, holding another run's step-N on one of them) was otherwise
- * printed nowhere, rank 0 saying only that another rank had failed. Returns
- * the code to end with: this rank's own, or the relayed error's. */
-static int agree_on_load(trainer *t, int rc, ct_err *e) {
+/* Every rank learns whether any failed at a point every rank reaches (what: "load
+ * or initialise the model", "open its data"), so that none is left waiting in the
+ * next collective; every rank calls this, also one that has failed (rc). A
+ * failure is then a verdict that every rank has (all_ranks: each ends on its own,
+ * none aborts the others; see agree_on_pick). The lowest failing rank's error
+ * reaches rank 0, whose message is the one printed (cli/cmd_train.c prints a
+ * config error on rank 0 alone): a failure that is one rank's own (a checkpoint
+ * folder or a data file on each machine's disk, another run's or another model's
+ * on one of them) was otherwise printed nowhere. Returns the code to end with:
+ * this rank's own, or the relayed error's. */
+int trainer_agree(trainer *t, int rc, const char *what, ct_err *e) {
     if (t->world->size <= 1) return rc;
     int32_t r[2] = {rc, rc ? -t->world->rank : INT32_MIN}; /* MAX: any failure, and the lowest failing rank */
     comm_allreduce(t->world, r, 2, COMM_I32, COMM_MAX);
@@ -484,10 +484,9 @@ static int agree_on_load(trainer *t, int rc, ct_err *e) {
     memcpy(msg, why + 1, sizeof msg);
     msg[sizeof msg - 1] = 0;
     if (t->world->rank == 0 && first != 0)
-        rc = ct_fail(e, why[0], "rank %d of %d failed to load or initialise the model: %s", first,
-                     t->world->size, msg);
+        rc = ct_fail(e, why[0], "rank %d of %d failed to %s: %s", first, t->world->size, what, msg);
     else if (!rc)
-        rc = ct_fail(e, why[0], "rank %d failed to load or initialise the model (rank 0 prints its error)", first);
+        rc = ct_fail(e, why[0], "rank %d failed to %s (rank 0 prints its error)", first, what);
     e->all_ranks = 1;
     return rc;
 }
@@ -499,7 +498,7 @@ static int agree_on_load(trainer *t, int rc, ct_err *e) {
  * failed (rc), so that the collectives stay matched. */
 static int agree_on_pick(trainer *t, int rc, const resume_pick *p, ct_err *e) {
     if (t->world->size <= 1) return rc;
-    if ((rc = agree_on_load(t, rc, e))) return rc;
+    if ((rc = trainer_agree(t, rc, "load or initialise the model", e))) return rc;
     /* one number per choice; MAX of it and of its negation give the range */
     int64_t k = p->kind == PICK_NONE ? -1 : (int64_t)p->step * 2 + (p->kind == PICK_COMPLETE);
     int64_t r[2] = {k, -k};
@@ -540,7 +539,7 @@ int trainer_init_weights(trainer *t, ct_err *e) {
     }
     memset(&t->load, 0, sizeof t->load);
     if (rc && e->all_ranks) return rc; /* agree_on_pick has told every rank */
-    if ((rc = agree_on_load(t, rc, e))) return rc;
+    if ((rc = trainer_agree(t, rc, "load or initialise the model", e))) return rc;
     if (t->world->size > 1) /* on the ranks CTITAN_LOG_RANKS shows; tests/py/test_dist.py checks it */
         fprintf(stderr, "ctitan: rank %d of %d: %.3f GiB peak after loading the model\n", t->world->rank,
                 t->world->size, cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0));

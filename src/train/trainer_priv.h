@@ -31,6 +31,10 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
  * the model, from a checkpoint, HF files or the seed (trainer_ckpt.c).
  * Collective: every rank learns whether another failed. */
 int trainer_init_weights(trainer *t, ct_err *e);
+/* Every rank calls it at the same point with its own rc: each learns whether any
+ * failed, and rank 0's error becomes the lowest failing rank's ("rank R of N
+ * failed to WHAT: ..."), so that an error one rank alone meets is printed. */
+int trainer_agree(trainer *t, int rc, const char *what, ct_err *e);
 /* Restores the step, the loader position and the MoE routing bias from a
  * checkpoint's state.json text (txt NULL: missing), after checking it was
  * written for the same data stream (seq_len, batch, seed, shuffle); dir

@@ -9,6 +9,7 @@ the job quickly; bad degrees are config errors naming the key. The MPI backend o
 the communicator runs the C test tests/c/distributed/test_comm.c under mpirun.
 
 mpirun missing is a failure, not a skip: scripts/setup.sh installs openmpi-bin."""
+import json
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import pytest
 
 import oracle
 from conftest import BIN, BUILD, ROOT, crashed
+from test_data_hf import tokdir  # noqa: E402,F401  (fixture: a 700-id BPE tokenizer)
 
 STEPS = 10
 GLOBAL = 8   # sequences per optimizer step, whatever the layout
@@ -395,6 +397,31 @@ def test_config_error_on_one_rank_alone_is_reported(setup, tmp_path):
     for words in ("rank 1", str(other / "step-2"), "training.seed is 5 but the checkpoint was written with 6"):
         assert words in err[0], f"{words!r} not in: {err[0]}"
     assert not (tmp_path / "a" / "checkpoint" / "step-3").exists()
+
+
+def test_data_error_on_one_rank_alone_is_reported(setup, tokdir, tmp_path):  # noqa: F811
+    """One machine's copy of the model folder holds another model's tokenizer (700 ids for
+    this model's 251), and its data is text: rank 1 alone fails to open its data, with a
+    config error. That error was printed by no rank (rank 0 prints config errors, and rank 0
+    had none), and the job hung: rank 0 waited in the first step's collectives while rank 1
+    ended (this test ran into its timeout). Now rank 0 says which rank failed and why, once,
+    and every rank exits 2.
+    mpirun's MPMD form gives rank 1 its own paths, as its machine's disk would."""
+    d, data = setup
+    other = tmp_path / "model_b"
+    shutil.copytree(d / "model", other)
+    shutil.copy(tokdir / "tokenizer.json", other / "tokenizer.json")
+    (tmp_path / "text.jsonl").write_text(json.dumps({"text": "the quick brown fox"}) + "\n")
+    args = [str(a) for a in train_args(d / "model", data, tmp_path / "out")]
+    cmd = mpirun() + ["-np", "1", str(BIN), *args, ":", "-np", "1", str(BIN), *args,
+                      f"--model.hf_assets_path={other}", f"--training.dataset_path={tmp_path / 'text.jsonl'}"]
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == 2, f"exit {p.returncode}\n{p.stderr[-3000:]}"
+    err = [l for l in p.stderr.splitlines() if "ctitan: error" in l]
+    assert len(err) == 1, f"expected the error once:\n{p.stderr[-3000:]}"
+    for words in ("rank 1 of 2 failed to open its data", "the tokenizer has", "vocabulary is 251"):
+        assert words in err[0], f"{words!r} not in: {err[0]}"
 
 
 def test_sigusr1_to_mpirun_stops_every_rank_with_a_checkpoint(setup, tmp_path):
