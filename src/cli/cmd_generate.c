@@ -483,10 +483,14 @@ static int gen_run(gen_cli_args a) {
         free(text);
         if (!rc && prompt.n == 0) rc = ct_fail(&e, CT_ERR_CONFIG, "--prompt: the text encodes to no tokens");
     }
+    /* a text prompt's ids come from the tokenizer: one past the vocabulary means it is
+     * another model's tokenizer, which is what the user has to change */
     for (size_t i = 0; !rc && i < prompt.n; i++)
         if (prompt.v[i] >= cfg.vocab_size)
-            rc = ct_fail(&e, CT_ERR_CONFIG, "%s: token id %d is outside the model's vocabulary [0, %d)",
-                         a.prompt_ids ? "--prompt-ids" : "--prompt", (int)prompt.v[i], cfg.vocab_size);
+            rc = ct_fail(&e, CT_ERR_CONFIG, "%s: token id %d is outside the model's vocabulary [0, %d)%s%s%s",
+                         a.prompt_ids ? "--prompt-ids" : "--prompt", (int)prompt.v[i], cfg.vocab_size,
+                         a.prompt_ids ? "" : ": the tokenizer in ", a.prompt_ids ? "" : tdir,
+                         a.prompt_ids ? "" : " is not this model's (give the model's own with --tokenizer DIR)");
     if (!rc && prompt.n + (size_t)a.max_tokens > (size_t)INT32_MAX)
         rc = ct_fail(&e, CT_ERR_CONFIG, "--max-tokens: %zu prompt tokens + %d new ones are too many positions",
                      prompt.n, a.max_tokens);

@@ -641,6 +641,22 @@ def test_bad_options_exit_2(gen, tmp_path, args, needle):
     assert needle in err
 
 
+def test_prompt_from_another_models_tokenizer_names_it(gen, tokdir, tmp_path):  # noqa: F811
+    """A text prompt whose ids run past the model's vocabulary was tokenized by another
+    model's tokenizer: the error names that tokenizer and says to give the model's own,
+    where it named only the id. The ids are HF tokenizers' encoding of the prompt."""
+    from tokenizers import Tokenizer
+    make_model(tmp_path / "m", vocab=300, seed=1)
+    prompt = "the quick brown fox jumps over the lazy dog"
+    ids = Tokenizer.from_file(str(tokdir / "tokenizer.json")).encode(prompt).ids
+    assert max(ids) >= 300, ids  # the case under test: an id this model cannot embed
+    rc, _, err = gen(["--checkpoint", tmp_path / "m", "--tokenizer", tokdir, "--prompt", prompt,
+                      "--max-tokens", "1"], check=False)
+    assert rc == 2, err
+    assert f"token id {next(i for i in ids if i >= 300)} is outside" in err
+    assert str(tokdir) in err and "not this model's" in err, err
+
+
 def test_help_lists_every_option(gen):
     rc, out, _ = gen(["--help"])
     text = out.decode()
