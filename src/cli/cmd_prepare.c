@@ -38,6 +38,11 @@ static void cli_prepare_help(void) {
            "                           (loss on the completion; docs/data.md)\n"
            "  --chat-template T        chat: auto | chatml | tokenizer | FILE.jinja | DIR (default auto: the\n"
            "                           tokenizer's own template unless it is ChatML or absent; docs/data.md)\n"
+           "  --assistant-only-loss B  chat: true (default) the loss on the assistant replies only; false on\n"
+           "                           every token of the conversation (TRL's default; training's\n"
+           "                           training.assistant_only_loss must then agree; docs/data.md)\n"
+           "  --completion-only-loss B prompt-completion: true (default, as TRL) the loss on the completion\n"
+           "                           only; false on every token (training.completion_only_loss must agree)\n"
            "  --eos TOKEN              document separator (default: eos_token of tokenizer_config.json,\n"
            "                           else <|endoftext|>)\n"
            "  --encode-special-tokens  special tokens written in the data are tokenized as plain text\n"
@@ -78,6 +83,7 @@ static void on_progress(void *ctx, const ds_progress *p, int final) {
 
 typedef struct {
     const char *tokenizer, *out, *kind, *split, *field, *eos, *revision, *chat_template;
+    int assistant_only, completion_only; /* the loss options (ds_tok_opts) */
     const char *inputs[MAX_INPUTS];
     int n_inputs, threads, overwrite, quiet, encode_special;
     long long shard_tokens;
@@ -105,6 +111,7 @@ static int parse_int(const char *s, long long lo, long long hi, long long *out) 
 static int parse_args(prep_args *a, int argc, char **argv) {
     memset(a, 0, sizeof *a);
     a->shard_tokens = 1LL << 27;
+    a->assistant_only = a->completion_only = 1;
     for (int i = 0; i < argc; i++) {
         const char *arg = argv[i], *val = NULL;
         char name[64];
@@ -134,7 +141,12 @@ static int parse_args(prep_args *a, int argc, char **argv) {
         else if (!strcmp(name, "--eos")) a->eos = val;
         else if (!strcmp(name, "--revision")) a->revision = val;
         else if (!strcmp(name, "--chat-template")) a->chat_template = val;
-        else if (!strcmp(name, "--input")) {
+        else if (!strcmp(name, "--assistant-only-loss") || !strcmp(name, "--completion-only-loss")) {
+            int b = !strcmp(val, "true") ? 1 : !strcmp(val, "false") ? 0 : -1;
+            if (b < 0) return fail_usage("%s: expected true or false, got \"%s\"", name, val);
+            if (name[2] == 'a') a->assistant_only = b;
+            else a->completion_only = b;
+        } else if (!strcmp(name, "--input")) {
             if (a->n_inputs == MAX_INPUTS) return fail_usage("more than %d inputs", MAX_INPUTS);
             a->inputs[a->n_inputs++] = val;
         } else if (!strcmp(name, "--threads")) {
@@ -172,6 +184,8 @@ int cli_prepare(int argc, char **argv) {
     o.text_field = a.field;
     o.threads = a.threads;
     o.encode_special = a.encode_special;
+    o.assistant_only_loss = a.assistant_only;
+    o.completion_only_loss = a.completion_only;
 
     ct_err e = {0};
     tok *t = NULL;
@@ -220,6 +234,7 @@ int cli_prepare(int argc, char **argv) {
         rc = ds_tokenize(a.inputs, a.n_inputs, t, &o, ds_writer_sink, w, on_progress, &v, &st, &e);
         prog_break(&v);
     }
+    if (!rc) ds_writer_loss(w, &o, &st);
     int32_t eos = o.eos_id;
     if (!rc && eos < 0) eos = tok_eos_id(t);
     if (!rc && eos < 0) eos = tok_token_id(t, "<|endoftext|>");

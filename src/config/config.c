@@ -166,6 +166,13 @@ static const cfg_option cfg_options[] = {
     OPT("training", "chat_template", CFG_STR, chat_template, "auto",
         .help = "chat data: auto (the tokenizer's own chat template unless it is ChatML or absent, then "
                 "ChatML), chatml, tokenizer (its template, required), or a .jinja file / tokenizer directory"),
+    OPT("training", "assistant_only_loss", CFG_BOOL, assistant_only_loss, "true",
+        .help = "chat data (messages, ShareGPT): the loss on the assistant replies only; false: on every token "
+                "of the rendered conversation, as TRL's SFTTrainer by default (its assistant_only_loss is false); "
+                "prompt-completion lists follow it only with completion_only_loss = false (docs/data.md)"),
+    OPT("training", "completion_only_loss", CFG_BOOL, completion_only_loss, "true",
+        .help = "prompt-completion data (both layouts): the loss on the completion only, as TRL's default; "
+                "false: on every token of prompt + completion (TRL's completion_only_loss)"),
     OPT("training", "stop_at_step", CFG_INT, stop_at_step, "0", .range = CFG_GE, .lo = 0,
         .help = "stop after this step with a checkpoint, as if preempted (job time limits, tests); 0: never"),
     OPT("training", "deterministic", CFG_BOOL, deterministic, "false",

@@ -52,6 +52,8 @@ typedef struct {
     char *text_split;         /* "line" | "paragraph" | "file" */
     char *text_field;         /* JSON Lines: the field holding the text ("text") */
     char *chat_template;      /* "auto" | "chatml" | "tokenizer" | a path (data/chat.h) */
+    int assistant_only_loss;  /* true: conversations train on the assistant replies (TRL's default: false) */
+    int completion_only_loss; /* true: prompt-completion data trains on the completion (TRL's default) */
     int stop_at_step;         /* 0 = never */
     int deterministic;        /* false */
     int threads;              /* 0 = OMP_NUM_THREADS or all cores */

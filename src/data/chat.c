@@ -10,6 +10,7 @@
 #include <cjson/cJSON.h>
 
 #include "data/jinja.h"
+#include "formats/json.h"
 #include "hub/hub.h"
 
 static const char IM_START[] = "<|im_start|>";
@@ -284,6 +285,65 @@ static int sharegpt_convert(cJSON *root, ct_err *e) {
     return 0;
 }
 
+/* apply_chat_template's own arguments: TRL spreads a record's chat_template_kwargs into
+ * its call, so there they would set the call's arguments (or clash with the ones TRL
+ * passes), not template variables. */
+static const char *const CALL_ARGS[] = {"conversation", "messages", "tools", "documents", "chat_template",
+                                        "add_generation_prompt", "continue_final_message", "tokenize",
+                                        "return_dict", "return_assistant_tokens_mask", "padding", "truncation",
+                                        "max_length", "return_tensors", "tokenizer_kwargs",
+                                        "sanitize_control_tokens"};
+
+/* A record's "tools" and "chat_template_kwargs", as TRL's tokenize_fn takes them
+ * (trl 1.16.0, trl/trainer/sft_trainer.py): tools given as a string is JSON text
+ * (json.loads), replaced here in the record by what it holds; then null (None), or a
+ * list of JSON schemas (objects), which transformers hands the template as they are.
+ * chat_template_kwargs is null or an object of template variables. */
+static int record_vars_check(cJSON *root, ct_err *e) {
+    cJSON *tools = cJSON_GetObjectItemCaseSensitive(root, "tools");
+    if (cJSON_IsString(tools)) {
+        ct_err je = {0};
+        cJSON *v = json_parse(tools->valuestring, strlen(tools->valuestring), "tools", &je);
+        if (!v)
+            return ct_fail(e, CT_ERR_FORMAT, "tools: a string that is not JSON (a string \"tools\" is read as "
+                           "JSON text, as TRL's json.loads reads it): %s", je.msg);
+        cJSON_ReplaceItemInObjectCaseSensitive(root, "tools", v);
+        tools = v;
+    }
+    if (tools && !cJSON_IsNull(tools)) {
+        if (!cJSON_IsArray(tools))
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "tools: expected a list of tool schemas ({\"type\": \"function\", \"function\": "
+                           "{...}}), or null");
+        int i = 0;
+        const cJSON *it;
+        cJSON_ArrayForEach(it, tools) {
+            if (!cJSON_IsObject(it))
+                return ct_fail(e, CT_ERR_FORMAT,
+                               "tools[%d]: expected a JSON schema (an object), as transformers' "
+                               "apply_chat_template takes a tool",
+                               i);
+            i++;
+        }
+    }
+    const cJSON *kw = cJSON_GetObjectItemCaseSensitive(root, "chat_template_kwargs"), *it;
+    if (!kw || cJSON_IsNull(kw)) return 0;
+    if (!cJSON_IsObject(kw))
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "chat_template_kwargs: expected an object of chat template variables (e.g. "
+                       "{\"enable_thinking\": false}), as TRL passes it to apply_chat_template(**kwargs)");
+    cJSON_ArrayForEach(it, kw) {
+        for (size_t i = 0; i < sizeof CALL_ARGS / sizeof *CALL_ARGS; i++)
+            if (!strcmp(it->string, CALL_ARGS[i]))
+                return ct_fail(e, CT_ERR_FORMAT,
+                               "chat_template_kwargs.%s: an argument of apply_chat_template itself, not a "
+                               "template variable%s",
+                               it->string,
+                               !strcmp(it->string, "tools") ? ": give the tools as the record's \"tools\"" : "");
+    }
+    return 0;
+}
+
 int chat_record(void *json_object, chat_layout layout, chat_msg **msgs, int *n, int *n_prompt, ct_err *e) {
     cJSON *root = json_object;
     *msgs = NULL;
@@ -292,6 +352,10 @@ int chat_record(void *json_object, chat_layout layout, chat_msg **msgs, int *n, 
         if (!cJSON_IsObject(root))
             return ct_fail(e, CT_ERR_FORMAT, "expected a JSON object with a \"conversations\" list");
         int rc = sharegpt_convert(root, e);
+        if (rc) return rc;
+    }
+    if (cJSON_IsObject(root)) {
+        int rc = record_vars_check(root, e);
         if (rc) return rc;
     }
     if (layout != CHAT_PROMPT_COMPLETION) return chat_from_json(root, msgs, n, e);
@@ -339,6 +403,42 @@ struct chat_tmpl {
     jinja_chat *jc;
     int gen; /* the template marks replies with {% generation %} */
 };
+
+/* What a record hands the template beside its messages: its "tools" and its
+ * "chat_template_kwargs" (record_vars_check), NULL where absent or null. */
+typedef struct {
+    const cJSON *tools, *kwargs;
+} rec_vars;
+
+static rec_vars vars_of(const cJSON *record) {
+    rec_vars v = {NULL, NULL};
+    if (!cJSON_IsObject(record)) return v;
+    v.tools = cJSON_GetObjectItemCaseSensitive(record, "tools");
+    v.kwargs = cJSON_GetObjectItemCaseSensitive(record, "chat_template_kwargs");
+    if (cJSON_IsNull(v.tools)) v.tools = NULL;
+    if (cJSON_IsNull(v.kwargs)) v.kwargs = NULL;
+    return v;
+}
+
+/* apply_chat_template(list, tools=..., add_generation_prompt=gen, **kwargs), rendered. */
+static int apply(const chat_tmpl *c, rec_vars v, const cJSON *list, int gen, char **out, size_t *n, jinja_spans *sp,
+                 ct_err *e) {
+    return jinja_chat_apply_tools(c->jc, list, gen, v.tools, v.kwargs, out, n, sp, e);
+}
+
+int chat_record_fits(const chat_tmpl *c, const void *record, ct_err *e) {
+    if (c) return 0;
+    rec_vars v = vars_of(record);
+    const char *what = cJSON_GetArraySize(v.tools) ? "tools" : cJSON_GetArraySize(v.kwargs) ? "chat_template_kwargs" : NULL;
+    if (!what) return 0;
+    return ct_fail(e, CT_ERR_CONFIG,
+                   "%s: the built-in ChatML renders none (it writes role and content only; chat_template "
+                   "\"auto\" takes it for a tokenizer whose template is ChatML or absent): render this data with "
+                   "the tokenizer's own template, training.chat_template = \"tokenizer\" (prepare "
+                   "--chat-template tokenizer), which receives each record's tools and chat_template_kwargs as "
+                   "TRL passes them",
+                   what);
+}
 
 void chat_tmpl_close(chat_tmpl *c) {
     if (!c) return;
@@ -413,25 +513,26 @@ static int is_assistant(const cJSON *m) {
 }
 
 /* Renders messages [0, k) (references into msgs; nothing is copied twice). */
-static int render_prefix(const chat_tmpl *c, const cJSON *msgs, int k, int gen_prompt, char **out, size_t *n,
-                         ct_err *e) {
+static int render_prefix(const chat_tmpl *c, rec_vars v, const cJSON *msgs, int k, int gen_prompt, char **out,
+                         size_t *n, ct_err *e) {
     cJSON *pre = cJSON_CreateArray();
     const cJSON *it = msgs->child;
     for (int i = 0; i < k && it; i++, it = it->next) cJSON_AddItemReferenceToArray(pre, (cJSON *)it);
-    int rc = jinja_chat_apply(c->jc, pre, gen_prompt, out, n, NULL, e);
+    int rc = apply(c, v, pre, gen_prompt, out, n, NULL, e);
     cJSON_Delete(pre);
     return rc;
 }
 
 /* Renders messages [0, i] with message i's content emptied. */
-static int render_emptied(const chat_tmpl *c, const cJSON *msgs, int i, char **out, size_t *n, ct_err *e) {
+static int render_emptied(const chat_tmpl *c, rec_vars v, const cJSON *msgs, int i, char **out, size_t *n,
+                          ct_err *e) {
     cJSON *pre = cJSON_CreateArray();
     const cJSON *it = msgs->child;
     for (int k = 0; k < i && it; k++, it = it->next) cJSON_AddItemReferenceToArray(pre, (cJSON *)it);
     cJSON *m = cJSON_Duplicate(it, 1);
     cJSON_ReplaceItemInObjectCaseSensitive(m, "content", cJSON_CreateString(""));
     cJSON_AddItemToArray(pre, m);
-    int rc = jinja_chat_apply(c->jc, pre, 0, out, n, NULL, e);
+    int rc = apply(c, v, pre, 0, out, n, NULL, e);
     cJSON_Delete(pre);
     return rc;
 }
@@ -464,20 +565,20 @@ static void span_push(jinja_spans *s, size_t a, size_t b) {
  * next message part, Q's rest is cut when T ends with it too. Where T does
  * not start with Q (earlier turns render differently once later ones
  * follow), the reply's text is looked up in T after the previous reply. */
-static int locate_replies(const chat_tmpl *c, const cJSON *msgs, const char *T, size_t TN, jinja_spans *sp,
-                          ct_err *e) {
+static int locate_replies(const chat_tmpl *c, rec_vars v, const cJSON *msgs, const char *T, size_t TN,
+                          jinja_spans *sp, ct_err *e) {
     size_t cursor = 0;
     int i = 0, rc = 0;
     for (const cJSON *m = msgs->child; m && !rc; m = m->next, i++) {
         if (!is_assistant(m)) continue;
         char *P = NULL, *Q = NULL, *Q0 = NULL;
         size_t PN = 0, QN = 0, Q0N = 0, at = 0;
-        if ((rc = render_prefix(c, msgs, i, 1, &P, &PN, e)) || (rc = render_prefix(c, msgs, i + 1, 0, &Q, &QN, e)))
+        if ((rc = render_prefix(c, v, msgs, i, 1, &P, &PN, e)) || (rc = render_prefix(c, v, msgs, i + 1, 0, &Q, &QN, e)))
             goto next;
         if (PN < QN && !memcmp(Q, P, PN)) {
             at = PN;
         } else {
-            if ((rc = render_emptied(c, msgs, i, &Q0, &Q0N, e))) goto next;
+            if ((rc = render_emptied(c, v, msgs, i, &Q0, &Q0N, e))) goto next;
             while (at < QN && at < Q0N && Q[at] == Q0[at]) at++;
             while (at > 0 && at < QN && ((uint8_t)Q[at] & 0xC0) == 0x80) at--; /* a whole character */
             if (at >= QN) {
@@ -492,7 +593,7 @@ static int locate_replies(const chat_tmpl *c, const cJSON *msgs, const char *T, 
             char *N = NULL;
             size_t NN = 0, k = 0;
             ct_err ne = {0}; /* a template that cannot stop there just cuts nothing */
-            if (!render_prefix(c, msgs, i + 2, 0, &N, &NN, &ne)) {
+            if (!render_prefix(c, v, msgs, i + 2, 0, &N, &NN, &ne)) {
                 while (k < QN && k < NN && Q[k] == N[k]) k++;
                 while (k > at && k < QN && ((uint8_t)Q[k] & 0xC0) == 0x80) k--;
                 if (k > at && k < QN && QN - k <= TN && !memcmp(T + TN - (QN - k), Q + k, QN - k)) QN = k;
@@ -523,14 +624,39 @@ static int locate_replies(const chat_tmpl *c, const cJSON *msgs, const char *T, 
     return rc;
 }
 
-int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *messages_json, tok_ids *ids,
-                     chat_mask *mask, ct_err *e) {
+/* list (a cJSON array) rendered by the template and tokenized as
+ * apply_chat_template(..., tokenize=True) tokenizes: the whole text, without the
+ * post-processor's specials (the template writes its own BOS). */
+static int tmpl_ids(const chat_tmpl *c, rec_vars v, tok_enc *enc, const cJSON *list, int gen_prompt, tok_ids *ids,
+                    ct_err *e) {
+    char *T = NULL;
+    size_t TN = 0;
+    int rc = apply(c, v, list, gen_prompt, &T, &TN, NULL, e);
+    if (!rc) {
+        int add_special = tok_enc_add_special(enc);
+        tok_enc_set_add_special(enc, 0);
+        rc = tok_encode(enc, T, TN, ids, e);
+        tok_enc_set_add_special(enc, add_special);
+    }
+    free(T);
+    return rc;
+}
+
+int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *record, const void *messages_json,
+                     int assistant_only, tok_ids *ids, chat_mask *mask, ct_err *e) {
     const cJSON *msgs = messages_json;
+    rec_vars v = vars_of(record);
+    if (!assistant_only) { /* TRL's assistant_only_loss=False: every token of the rendering */
+        size_t n0 = ids->n;
+        int rc = tmpl_ids(c, v, enc, msgs, 0, ids, e);
+        if (!rc) chat_mask_push(mask, 1, ids->n - n0);
+        return rc;
+    }
     char *T = NULL;
     size_t TN = 0;
     jinja_spans sp = {0};
-    int rc = jinja_chat_apply(c->jc, msgs, 0, &T, &TN, c->gen ? &sp : NULL, e);
-    if (!rc && !c->gen) rc = locate_replies(c, msgs, T, TN, &sp, e);
+    int rc = apply(c, v, msgs, 0, &T, &TN, c->gen ? &sp : NULL, e);
+    if (!rc && !c->gen) rc = locate_replies(c, v, msgs, T, TN, &sp, e);
     size_t n0 = ids->n;
     if (!rc) {
         /* apply_chat_template tokenizes the rendered text without the
@@ -581,57 +707,50 @@ int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void 
     return rc;
 }
 
-/* list (a cJSON array) rendered by the template and tokenized as
- * apply_chat_template(..., tokenize=True) tokenizes: the whole text, without the
- * post-processor's specials (the template writes its own BOS). */
-static int tmpl_ids(const chat_tmpl *c, tok_enc *enc, const cJSON *list, int gen_prompt, tok_ids *ids, ct_err *e) {
-    char *T = NULL;
-    size_t TN = 0;
-    int rc = jinja_chat_apply(c->jc, list, gen_prompt, &T, &TN, NULL, e);
-    if (!rc) {
-        int add_special = tok_enc_add_special(enc);
-        tok_enc_set_add_special(enc, 0);
-        rc = tok_encode(enc, T, TN, ids, e);
-        tok_enc_set_add_special(enc, add_special);
-    }
-    free(T);
-    return rc;
-}
-
 int chat_encode_pc(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *record, const chat_msg *msgs, int n,
-                   int n_prompt, tok_ids *ids, chat_mask *mask, ct_err *e) {
+                   int n_prompt, int completion_only, int assistant_only, tok_ids *ids, chat_mask *mask, ct_err *e) {
     tok_ids p = {0};
-    chat_mask scratch = {0}; /* chat_encode's assistant mask: TRL's default takes none */
+    chat_mask scratch = {0}; /* chat_encode's assistant mask, where it is not the one kept */
     size_t n0 = ids->n, m0 = mask->n;
+    rec_vars v = vars_of(record);
     int rc;
-    if (c) {
-        /* the record's own message objects, their other keys (reasoning_content, ...)
-         * included, as TRL hands prompt and prompt + completion to the template */
-        cJSON *prompt = cJSON_CreateArray(), *full = cJSON_CreateArray();
-        const cJSON *it;
-        cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(record, "prompt")) {
-            cJSON_AddItemReferenceToArray(prompt, (cJSON *)it);
-            cJSON_AddItemReferenceToArray(full, (cJSON *)it);
-        }
-        cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(record, "completion"))
-            cJSON_AddItemReferenceToArray(full, (cJSON *)it);
-        rc = tmpl_ids(c, enc, prompt, 1, &p, e);
-        if (!rc) rc = tmpl_ids(c, enc, full, 0, ids, e);
-        cJSON_Delete(prompt);
-        cJSON_Delete(full);
-    } else {
-        rc = chat_encode(enc, t, msgs, n_prompt, &p, &scratch, e);
-        if (!rc) rc = chat_encode(enc, t, msgs, n, ids, &scratch, e);
+    /* the record's own message objects, their other keys (reasoning_content, ...)
+     * included, as TRL hands prompt and prompt + completion to the template */
+    cJSON *prompt = cJSON_CreateArray(), *full = cJSON_CreateArray();
+    const cJSON *it;
+    cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(record, "prompt")) {
+        cJSON_AddItemReferenceToArray(prompt, (cJSON *)it);
+        cJSON_AddItemReferenceToArray(full, (cJSON *)it);
     }
-    if (!rc) {
-        size_t k = 0, nf = ids->n - n0;
-        while (k < p.n && k < nf && p.v[k] == ids->v[n0 + k]) k++;
-        chat_mask_push(mask, 0, k);
-        chat_mask_push(mask, 1, nf - k);
+    cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(record, "completion"))
+        cJSON_AddItemReferenceToArray(full, (cJSON *)it);
+    if (!completion_only) {
+        /* TRL's completion_only_loss=False: the completion mask plays no part; the
+         * targets are the assistant mask's (assistant_only_loss) or every token */
+        rc = c ? chat_encode_tmpl(c, enc, t, record, full, assistant_only, ids, mask, e)
+               : chat_encode(enc, t, msgs, n, ids, mask, e);
+        if (!rc && !c && !assistant_only) memset(mask->v + m0, 1, mask->n - m0);
     } else {
+        if (c) {
+            rc = tmpl_ids(c, v, enc, prompt, 1, &p, e);
+            if (!rc) rc = tmpl_ids(c, v, enc, full, 0, ids, e);
+        } else {
+            rc = chat_encode(enc, t, msgs, n_prompt, &p, &scratch, e);
+            if (!rc) rc = chat_encode(enc, t, msgs, n, ids, &scratch, e);
+        }
+        if (!rc) {
+            size_t k = 0, nf = ids->n - n0;
+            while (k < p.n && k < nf && p.v[k] == ids->v[n0 + k]) k++;
+            chat_mask_push(mask, 0, k);
+            chat_mask_push(mask, 1, nf - k);
+        }
+    }
+    if (rc) {
         ids->n = n0;
         mask->n = m0;
     }
+    cJSON_Delete(prompt);
+    cJSON_Delete(full);
     tok_ids_free(&p);
     chat_mask_free(&scratch);
     return rc;

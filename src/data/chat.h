@@ -92,7 +92,11 @@ chat_layout chat_layout_of(const void *json_object);
 
 /* One record of a file in layout `layout` -> its turns (as chat_from_json). A ShareGPT
  * record is converted in place first, as maybe_convert_to_chatml converts it, so that
- * its "messages" is then what the template renders. For CHAT_PROMPT_COMPLETION the
+ * its "messages" is then what the template renders. Every layout may carry what TRL
+ * hands apply_chat_template beside the messages (trl 1.16.0, tokenize_fn): "tools" (a
+ * list of JSON schemas, or that list as JSON text, parsed here in place; null: none)
+ * and "chat_template_kwargs" (an object of template variables, such as Qwen3's
+ * enable_thinking; null: none; apply_chat_template's own argument names refused). For CHAT_PROMPT_COMPLETION the
  * turns are the prompt's then the completion's, *n_prompt of them the prompt's
  * (else *n_prompt = 0). Errors name the field ("prompt[1].content: ..."); the caller
  * prefixes the file and line. */
@@ -115,9 +119,14 @@ int chat_record(void *json_object, chat_layout layout, chat_msg **msgs, int *n, 
     "{role: ({\"human\": \"user\", \"gpt\": \"assistant\"}[.from] // .from), content: .value}]}' IN.jsonl > "   \
     "OUT.jsonl"
 
+/* A record's tools and chat_template_kwargs need a template to receive them: with the
+ * built-in ChatML (c NULL) a record with a non-empty "tools" or "chat_template_kwargs"
+ * is refused, naming chat_template = "tokenizer", rather than rendered without them. */
+int chat_record_fits(const chat_tmpl *c, const void *record, ct_err *e);
+
 /* TRL's conversational prompt-completion example, as SFTTrainer tokenizes it
- * (trl 1.16.0, _prepare_dataset's tokenize_fn; completion_only_loss on by default for
- * this layout, assistant_only_loss off): the ids are those of prompt + completion
+ * (trl 1.16.0, _prepare_dataset's tokenize_fn). With completion_only (TRL's
+ * completion_only_loss, on by default for this layout): the ids are those of prompt + completion
  * rendered by the chat template (no generation prompt) and tokenized as
  * apply_chat_template tokenizes; the prompt alone is rendered with the generation
  * prompt and tokenized too, and the tokens the two share from the start are no
@@ -125,10 +134,15 @@ int chat_record(void *json_object, chat_layout layout, chat_msg **msgs, int *n, 
  * whose rendering is no prefix of the whole loses its differing end from the
  * prompt, as TRL's common_prefix_length). No EOS belongs to the example (TRL adds
  * none to conversational data). c NULL: the built-in ChatML, which, as the template
- * it equals, writes no generation prompt. msgs/n/n_prompt: chat_record's; record:
- * the cJSON object they came from. Nothing is appended on error. */
+ * it equals, writes no generation prompt. Without completion_only the same ids, with
+ * the targets of prompt + completion as a conversation: the assistant replies
+ * (assistant_only, chat_encode_tmpl's mask) or every token. (TRL with both options on
+ * takes the tokens in both masks; ctitan keeps the completion's, its behaviour before
+ * the options: see docs/data.md.) msgs/n/n_prompt: chat_record's; record: the cJSON
+ * object they came from (its tools and chat_template_kwargs reach the template).
+ * Nothing is appended on error. */
 int chat_encode_pc(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *record, const chat_msg *msgs, int n,
-                   int n_prompt, tok_ids *ids, chat_mask *mask, ct_err *e);
+                   int n_prompt, int completion_only, int assistant_only, tok_ids *ids, chat_mask *mask, ct_err *e);
 
 /* ---------------------------------------------------------- templates
  *
@@ -156,11 +170,14 @@ void chat_tmpl_close(chat_tmpl *c);
 const char *chat_tmpl_file(const chat_tmpl *c);
 
 /* Like chat_encode, for messages_json (the cJSON "messages" array, passed as
- * void *). Errors: the template fails to render (its message), a reply that
+ * void *), rendered with record's "tools" and "chat_template_kwargs" (record: the
+ * cJSON object chat_record checked, or NULL). assistant_only 0 (TRL's
+ * assistant_only_loss=False): every token is a target, and no reply is located.
+ * Errors: the template fails to render (its message), a reply that
  * cannot be located, tokens that cannot be aligned with the text. Nothing is
  * appended on error. Safe to call from many threads on one chat_tmpl. */
-int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *messages_json, tok_ids *ids,
-                     chat_mask *mask, ct_err *e);
+int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *record, const void *messages_json,
+                     int assistant_only, tok_ids *ids, chat_mask *mask, ct_err *e);
 
 /* Which template a spec renders with, recorded by `ctitan prepare` in
  * meta.json ("chat_template") and compared by the loader when a trainer

@@ -188,6 +188,43 @@ static int check_chat_template(const ds *d, const cJSON *rec, const char *meta, 
     return rc;
 }
 
+/* A prepared dataset's masks follow the loss options `ctitan prepare` built them with
+ * (meta.json's "assistant_only_loss" and "completion_only_loss"; null where an option
+ * shaped no mask). A training config that asks otherwise is refused, as a different
+ * chat template is: the masks would silently not follow it. Data prepared before the
+ * record existed was masked as both options' defaults (true) mask: its conversations
+ * (a chat_template record) on the assistant replies, its string prompt-completion data
+ * (masked without a chat template) on the completion. */
+static int check_loss_options(const ds *d, const cJSON *j, const char *meta, ct_err *e) {
+    const cJSON *masked = cJSON_GetObjectItemCaseSensitive(j, "masked");
+    int chat = cJSON_GetObjectItemCaseSensitive(j, "chat_template") != NULL;
+    for (int k = 0; k < 2; k++) {
+        const char *key = k ? "completion_only_loss" : "assistant_only_loss";
+        const char *flag = k ? "--completion-only-loss" : "--assistant-only-loss";
+        int want = k ? d->cfg.tok.completion_only_loss : d->cfg.tok.assistant_only_loss;
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, key);
+        int had, old = !v;
+        if (!v) {
+            if (!cJSON_IsTrue(masked) || (k ? chat : !chat)) continue;
+            had = 1;
+        } else if (cJSON_IsNull(v)) {
+            continue;
+        } else if (cJSON_IsBool(v)) {
+            had = cJSON_IsTrue(v);
+        } else {
+            return ct_fail(e, CT_ERR_FORMAT, "%s: %s: expected true, false or null", meta, key);
+        }
+        if (!want == !had) continue;
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "training.%s = %s, but %s was prepared with %s = %s%s: prepared masks keep the targets "
+                       "they were made with; prepare the data again with %s %s, or set training.%s = %s",
+                       key, want ? "true" : "false", meta, key, had ? "true" : "false",
+                       old ? " (prepared before the option was recorded, when it always was)" : "", flag,
+                       want ? "true" : "false", key, had ? "true" : "false");
+    }
+    return 0;
+}
+
 /* A chat template named (not "auto") for data that turned out to hold no chat
  * data: no token masked out of the loss, so the template shaped nothing. The
  * tokenizer's pass (ds_source.c) already says so of text it tokenized; this
@@ -330,6 +367,7 @@ static int add_meta_dir(ds *d, const char *dir, const char *meta, ct_err *e) {
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: shards: expected a list", meta);
     else if (!(rc = check_meta_ids(d, j, meta, e)))
         rc = check_chat_template(d, cJSON_GetObjectItemCaseSensitive(j, "chat_template"), meta, e);
+    if (!rc) rc = check_loss_options(d, j, meta, e);
     int k = 0, n_masks = 0, first_seg = d->n_segs, n_listed = 0;
     const cJSON *list = rc ? NULL : shards;
     char **listed = list ? ct_malloc(2 * (size_t)(cJSON_GetArraySize(list) + 1) * sizeof *listed) : NULL;

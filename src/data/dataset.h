@@ -29,7 +29,8 @@
  * runs a mask, 1 = the token may be a training target (all ones except for
  * chat data, where the EOS after a conversation is 0 too, and prompt-completion
  * data, where the prompt's tokens are 0, and in the conversational layout the
- * EOS too).
+ * EOS too; ds_tok_opts.assistant_only_loss / completion_only_loss 0 make every
+ * token of a conversation / prompt-completion record 1, its EOS as before).
  *
  * Packing (torchtitan): the stream is cut into disjoint windows of
  * seq_len + 1 tokens, the tail that does not fill one is dropped;
@@ -97,6 +98,10 @@ typedef struct {
     int *template_seen;        /* NULL, or the caller's note, kept across its data sets: set
                                   once chat data used the template or a warning said no
                                   source is chat data, so that a run says it at most once */
+    int assistant_only_loss;   /* TRL's: 1 (default) conversations train on the assistant
+                                  replies only; 0 on every token of the rendering */
+    int completion_only_loss;  /* TRL's: 1 (default) prompt-completion data trains on the
+                                  completion only; 0 on every token (docs/data.md) */
 } ds_tok_opts;
 
 void ds_tok_opts_default(ds_tok_opts *o);
@@ -110,6 +115,8 @@ typedef struct {
     uint64_t bytes_done;  /* input bytes consumed */
     uint64_t bytes_total; /* size of every input */
     int masked;           /* a chat source is present: the sink gets masks */
+    int conversations;    /* a chat source in the messages or ShareGPT layout was read */
+    int completions;      /* a prompt-completion source: 1 strings only, 2 a conversational one */
     int threads;          /* threads used */
 } ds_progress;
 
@@ -205,6 +212,12 @@ int ds_writer_finish(ds_writer *w, const char *kind, const char *tokenizer_dir, 
  * null). Call before ds_writer_finish; without it meta.json has no such key
  * (no chat source). */
 void ds_writer_chat_template(ds_writer *w, const chat_tmpl_id *id);
+/* The loss options the masks were built with, recorded in meta.json where they
+ * shaped them: "assistant_only_loss" (conversations, or conversational
+ * prompt-completion data without completion_only_loss) and "completion_only_loss"
+ * (prompt-completion data), as stats (ds_tokenize's) says was read. The loader
+ * refuses a training config that asks otherwise. Call before ds_writer_finish. */
+void ds_writer_loss(ds_writer *w, const ds_tok_opts *o, const ds_progress *stats);
 /* Frees. After an error (no finish) the whole shards written so far stay,
  * without meta.json (the loader refuses such a directory as an interrupted
  * prepare); the unfinished shard's NAME.tmp is removed. */

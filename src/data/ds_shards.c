@@ -34,6 +34,9 @@ struct ds_writer {
     uint64_t total;
     int has_chat;        /* chat: the template the chat sources were rendered with */
     chat_tmpl_id chat;
+    int loss_set;        /* ds_writer_loss was called: the two below go into meta.json */
+    int assistant_only;  /* -1: it shaped no mask (null), else the option's value */
+    int completion_only; /* the same */
 };
 
 static int is_ours(const char *name) {
@@ -67,6 +70,7 @@ int ds_writer_open(ds_writer **out, const char *dir, uint64_t shard_tokens, int 
     w->dir = ct_strdup(dir);
     w->shard_tokens = shard_tokens;
     w->masked = -1;
+    w->assistant_only = w->completion_only = -1;
     *out = w;
     return 0;
 }
@@ -136,6 +140,15 @@ int ds_writer_sink(void *ctx, const uint32_t *ids, const uint8_t *mask, size_t n
 
 int ds_writer_num_shards(const ds_writer *w) { return w->n_shards; }
 
+void ds_writer_loss(ds_writer *w, const ds_tok_opts *o, const ds_progress *stats) {
+    /* conversational prompt-completion data follows assistant_only_loss only
+     * without completion_only_loss (chat_encode_pc) */
+    int conv = stats->conversations || (stats->completions == 2 && !o->completion_only_loss);
+    w->loss_set = 1;
+    w->assistant_only = conv ? o->assistant_only_loss != 0 : -1;
+    w->completion_only = stats->completions ? o->completion_only_loss != 0 : -1;
+}
+
 void ds_writer_chat_template(ds_writer *w, const chat_tmpl_id *id) {
     w->chat = *id;
     w->has_chat = 1;
@@ -182,6 +195,14 @@ int ds_writer_finish(ds_writer *w, const char *kind, const char *tokenizer_dir, 
         cJSON_AddStringToObject(ct, "template", w->chat.builtin ? "built-in ChatML" : w->chat.file);
         if (w->chat.builtin) cJSON_AddNullToObject(ct, "sha256");
         else cJSON_AddStringToObject(ct, "sha256", w->chat.sha256);
+    }
+    /* the trainer refuses another setting of these for this data (dataset.c); null:
+     * the option shaped no mask here, so any setting trains it */
+    for (int k = 0; w->loss_set && k < 2; k++) {
+        int v = k ? w->completion_only : w->assistant_only;
+        const char *key = k ? "completion_only_loss" : "assistant_only_loss";
+        if (v < 0) cJSON_AddNullToObject(m, key);
+        else cJSON_AddBoolToObject(m, key, v);
     }
     cJSON *in = cJSON_AddArrayToObject(m, "inputs");
     for (int i = 0; i < n_inputs; i++) cJSON_AddItemToArray(in, cJSON_CreateString(inputs[i]));

@@ -67,6 +67,8 @@ void ds_tok_opts_default(ds_tok_opts *o) {
     o->kind = DS_KIND_AUTO;
     o->text_split = DS_SPLIT_FILE;
     o->eos_id = -1;
+    o->assistant_only_loss = 1;
+    o->completion_only_loss = 1;
 }
 
 /* ------------------------------------------------------------ detection */
@@ -288,7 +290,14 @@ static void grow_cat(run *r, size_t n) {
  * alone encodes to are no targets; the rest, and the EOS after it, are. The count is
  * positional, as there: a token merging the prompt's end with the completion's start
  * is a target or not by that count alone. */
-static int encode_prompt_completion(tok_enc *enc, const item *it, tok_ids *ids, chat_mask *mask, ct_err *e) {
+static int encode_prompt_completion(tok_enc *enc, const item *it, int completion_only, tok_ids *ids, chat_mask *mask,
+                                    ct_err *e) {
+    if (!completion_only) { /* TRL's completion_only_loss=False: every token, as for text */
+        if (tok_encode(enc, it->text, it->len, ids, e)) return 1;
+        mask->n = 0;
+        chat_mask_push(mask, 1, ids->n);
+        return 0;
+    }
     if (tok_encode(enc, it->text, it->prompt_len, ids, e)) return 1;
     size_t np = ids->n;
     ids->n = 0;
@@ -316,13 +325,17 @@ static void encode_range(run *r, batch *b, size_t lo, size_t hi) {
         chat_mask mask = b->slots[i].mask;
         ids.n = mask.n = 0;
         ct_err err = {0};
+        int conv_all = it->msgs && !it->pc && !r->o->assistant_only_loss; /* every token a target */
         int rc = it->pc == 2 ? chat_encode_pc(r->chat, r->enc[tid], r->t, it->json, it->msgs, it->n_msgs,
-                                              it->n_prompt, &ids, &mask, &err)
-                 : it->pc    ? encode_prompt_completion(r->enc[tid], it, &ids, &mask, &err)
+                                              it->n_prompt, r->o->completion_only_loss, r->o->assistant_only_loss,
+                                              &ids, &mask, &err)
+                 : it->pc    ? encode_prompt_completion(r->enc[tid], it, r->o->completion_only_loss, &ids, &mask, &err)
                  : !it->msgs ? tok_encode(r->enc[tid], it->text, it->len, &ids, &err)
-                 : r->chat ? chat_encode_tmpl(r->chat, r->enc[tid], r->t,
-                                              cJSON_GetObjectItemCaseSensitive(it->json, "messages"), &ids, &mask, &err)
+                 : r->chat ? chat_encode_tmpl(r->chat, r->enc[tid], r->t, it->json,
+                                              cJSON_GetObjectItemCaseSensitive(it->json, "messages"), !conv_all, &ids,
+                                              &mask, &err)
                            : chat_encode(r->enc[tid], r->t, it->msgs, it->n_msgs, &ids, &mask, &err);
+        if (!rc && conv_all && !r->chat) memset(mask.v, 1, mask.n);
         b->slots[i].ids = ids;
         b->slots[i].mask = mask;
         if (rc) {
@@ -503,9 +516,10 @@ static int json_line(run *r, int si, const char *p, size_t n, uint64_t line, ct_
     item it = {.json = j, .src = si, .line = line};
     if (s->kind == DS_KIND_CHAT) {
         ct_err ce = {0};
-        if (chat_record(j, s->layout, &it.msgs, &it.n_msgs, &it.n_prompt, &ce)) {
+        if (chat_record(j, s->layout, &it.msgs, &it.n_msgs, &it.n_prompt, &ce) || chat_record_fits(r->chat, j, &ce)) {
             cJSON_Delete(j);
-            return ct_fail(e, CT_ERR_FORMAT, "%s:%llu: %s", s->path, (unsigned long long)line, ce.msg);
+            free(it.msgs);
+            return ct_fail(e, ce.code, "%s:%llu: %s", s->path, (unsigned long long)line, ce.msg);
         }
         if (s->layout == CHAT_PROMPT_COMPLETION) it.pc = 2;
     } else if (s->pc) {
@@ -690,6 +704,10 @@ int ds_tokenize(const char *const *paths, int n_paths, const tok *t, const ds_to
         if (r.src[i].kind == DS_KIND_JSONL && (rc = detect_prompt_completion(&r.src[i], o->text_field, e))) break;
         if (r.src[i].kind == DS_KIND_CHAT && (rc = detect_chat_layout(&r.src[i], e))) break;
         if (r.src[i].kind == DS_KIND_CHAT) has_chat = 1;
+        /* which loss options shape the masks (ds_writer_loss records them) */
+        if (r.src[i].kind == DS_KIND_CHAT && r.src[i].layout != CHAT_PROMPT_COMPLETION) r.st.conversations = 1;
+        if (r.src[i].kind == DS_KIND_CHAT && r.src[i].layout == CHAT_PROMPT_COMPLETION) r.st.completions = 2;
+        if (r.src[i].pc && !r.st.completions) r.st.completions = 1;
         if (r.src[i].kind == DS_KIND_CHAT || r.src[i].pc) r.masked = 1;
         rc = map_file(&r.src[i], e);
         r.st.bytes_total += r.src[i].len;

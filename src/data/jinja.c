@@ -2634,8 +2634,9 @@ const char *jinja_chat_source(const jinja_chat *c, size_t *n) {
     return c->src;
 }
 
-int jinja_chat_apply_kw(const jinja_chat *c, const void *messages_json, int add_generation_prompt,
-                        const void *kwargs_json, char **out, size_t *len, jinja_spans *spans, ct_err *e) {
+int jinja_chat_apply_tools(const jinja_chat *c, const void *messages_json, int add_generation_prompt,
+                           const void *tools_json, const void *kwargs_json, char **out, size_t *len,
+                           jinja_spans *spans, ct_err *e) {
     static const char *const own[] = {"messages", "tools", "documents", "add_generation_prompt"};
     const cJSON *kw = kwargs_json, *it;
     cJSON_ArrayForEach(it, kw) {
@@ -2647,7 +2648,7 @@ int jinja_chat_apply_kw(const jinja_chat *c, const void *messages_json, int add_
     cJSON *vars = cJSON_Duplicate(c->vars, 1);
     /* tools and documents are None when not given, as transformers passes them */
     cJSON_AddItemToObject(vars, "messages", cJSON_Duplicate(messages_json, 1));
-    cJSON_AddNullToObject(vars, "tools");
+    cJSON_AddItemToObject(vars, "tools", tools_json ? cJSON_Duplicate(tools_json, 1) : cJSON_CreateNull());
     cJSON_AddNullToObject(vars, "documents");
     cJSON_AddBoolToObject(vars, "add_generation_prompt", add_generation_prompt);
     cJSON_ArrayForEach(it, kw) {
@@ -2657,6 +2658,11 @@ int jinja_chat_apply_kw(const jinja_chat *c, const void *messages_json, int add_
     int rc = jinja_render(c->t, vars, out, len, spans, e);
     cJSON_Delete(vars);
     return rc;
+}
+
+int jinja_chat_apply_kw(const jinja_chat *c, const void *messages_json, int add_generation_prompt,
+                        const void *kwargs_json, char **out, size_t *len, jinja_spans *spans, ct_err *e) {
+    return jinja_chat_apply_tools(c, messages_json, add_generation_prompt, NULL, kwargs_json, out, len, spans, e);
 }
 
 int jinja_chat_apply(const jinja_chat *c, const void *messages_json, int add_generation_prompt, char **out,

@@ -107,6 +107,13 @@ int jinja_chat_apply(const jinja_chat *c, const void *messages_json, int add_gen
 int jinja_chat_apply_kw(const jinja_chat *c, const void *messages_json, int add_generation_prompt,
                         const void *kwargs_json, char **out, size_t *len, jinja_spans *spans, ct_err *e);
 
+/* jinja_chat_apply_kw with the template's `tools` too: tools_json (a cJSON list of
+ * JSON schemas, or NULL for None) as apply_chat_template(..., tools=...) passes a list
+ * of dicts. */
+int jinja_chat_apply_tools(const jinja_chat *c, const void *messages_json, int add_generation_prompt,
+                           const void *tools_json, const void *kwargs_json, char **out, size_t *len,
+                           jinja_spans *spans, ct_err *e);
+
 /* The file the template came from (for messages). */
 const char *jinja_chat_file(const jinja_chat *c);
 /* The template's text as it was read (*n bytes), from its file or from

@@ -670,6 +670,9 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     dc.tok.chat_template = c->chat_template;
     /* "text" as prepare without --text-field: a record with "prompt" is then prompt-completion data */
     dc.tok.text_field = strcmp(c->text_field, "text") ? c->text_field : NULL;
+    /* which tokens are targets (TRL's options of the same names; ctitan's defaults: true) */
+    dc.tok.assistant_only_loss = c->assistant_only_loss;
+    dc.tok.completion_only_loss = c->completion_only_loss;
     dc.tok.template_seen = template_seen;
     dc.tok.tokenizer_dir = c->hf_assets_path[0] ? cfg_hf_dir(c) : NULL;
     const char *paths[1] = {path};

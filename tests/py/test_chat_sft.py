@@ -42,11 +42,19 @@ def as_record(conv, layout):
     return {"messages": conv}
 
 
-def reference_batch(tok, layout="messages"):
-    """The first GLOBAL windows and their labels, from transformers alone."""
+def reference_batch(tok, layout="messages", every_token=False):
+    """The first GLOBAL windows and their labels, from transformers alone. every_token: TRL's
+    assistant_only_loss=False (and completion_only_loss=False): every id apply_chat_template
+    gives for the conversation is a target, the EOS after it none (TRL adds no EOS to
+    conversational data)."""
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     ids, mask = [], []
     for conv in CONVS:
+        if every_token:
+            full = list(tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"])
+            ids += full + [eos]
+            mask += [1] * len(full) + [0]
+            continue
         if layout == "prompt_completion":  # the tokenizer's own template, as TRL renders with it
             assert conv[-1]["role"] == "assistant"
             prompt = list(tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=True,
@@ -111,4 +119,43 @@ def test_chat_sft_step_matches_transformers(setup, auto_tok, run_ctitan, layout,
                                                        for g in grads.values()])))
     assert abs(row["loss"] - loss) <= 1e-5 * loss, f"{source}: ctitan loss {row['loss']!r} vs transformers {loss!r}"
     assert abs(row["grad_norm"] - norm) <= 1e-4 * norm, f"{source}: grad_norm {row['grad_norm']!r} vs {norm!r}"
+    assert row["valid_targets"] == oracle.n_valid(y)
+
+
+EVERY_TOKEN = {"training.assistant_only_loss": False, "training.completion_only_loss": False}
+
+
+@pytest.mark.parametrize("layout, source", [("messages", "prepared"), ("messages", "jsonl"), ("sharegpt", "jsonl"),
+                                            ("prompt_completion", "prepared"), ("prompt_completion", "jsonl")])
+def test_chat_sft_every_token_step_matches_transformers(setup, auto_tok, run_ctitan, layout, source):  # noqa: F811
+    """TRL's defaults for conversations (assistant_only_loss=False), and completion_only_loss=False
+    for the prompt-completion layout: the step's loss is transformers' mean over every token of
+    the conversations (none of the EOS between them). Before: the keys were unknown (exit 2),
+    and the loss was the assistant replies' alone."""
+    d, model_dir = setup
+    chat = d / f"every_{layout}.jsonl"
+    chat.write_text("".join(json.dumps(as_record(c, layout)) + "\n" for c in CONVS))
+    ids, mask, x, y = reference_batch(auto_tok, layout, every_token=True)
+    assert 0 < oracle.n_valid(y) < y.size
+    assert oracle.n_valid(y) > oracle.n_valid(reference_batch(auto_tok, layout)[3]), "more targets than the default"
+    data = chat
+    if source == "prepared":
+        data = d / f"every_prepared_{layout}"
+        run_ctitan(["prepare", "--tokenizer", model_dir, "--input", chat, "--out", data, "--overwrite", "--quiet",
+                    "--assistant-only-loss", "false", "--completion-only-loss", "false"])
+        meta = json.loads((data / "meta.json").read_text())
+        tok = np.concatenate([np.fromfile(data / s["file"], dtype="<u4") for s in meta["shards"]])
+        msk = np.concatenate([np.fromfile(data / s["mask"], dtype=np.uint8) for s in meta["shards"]])
+        assert (tok.astype(np.int64) == ids).all() and (msk == mask).all(), "prepared tokens/mask differ from HF"
+    out = d / f"every_out_{layout}_{source}"
+    sec = oracle.train_sections(out, data, model_dir, steps=1, seq_len=L, local_bs=MICRO, global_bs=GLOBAL,
+                                lr=1e-3, options=EVERY_TOKEN)
+    run_ctitan(["train", "--config", oracle.write_toml(d / f"every_{layout}_{source}.toml", sec)])
+    row = next(r for r in oracle.read_metrics(out / "metrics.jsonl") if r.get("step") == 1 and "loss" in r)
+    model = oracle.load_hf(model_dir)
+    loss, _, grads = oracle.hf_loss_and_grads(model, x, y)
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(torch.as_tensor(g))
+                                                       for g in grads.values()])))
+    assert abs(row["loss"] - loss) <= 1e-5 * loss, f"ctitan loss {row['loss']!r} vs transformers {loss!r}"
+    assert abs(row["grad_norm"] - norm) <= 1e-4 * norm, f"grad_norm {row['grad_norm']!r} vs {norm!r}"
     assert row["valid_targets"] == oracle.n_valid(y)
