@@ -134,7 +134,8 @@ class TokOpts(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("text_split", ctypes.c_int), ("text_field", ctypes.c_char_p),
                 ("eos_id", ctypes.c_int32), ("encode_special", ctypes.c_int), ("threads", ctypes.c_int),
                 ("chunk_bytes", ctypes.c_size_t), ("chat_template", ctypes.c_char_p),
-                ("tokenizer_dir", ctypes.c_char_p)]
+                ("tokenizer_dir", ctypes.c_char_p), ("template_seen", ctypes.c_void_p),
+                ("assistant_only_loss", ctypes.c_int), ("completion_only_loss", ctypes.c_int)]
 
 
 class DsConfig(ctypes.Structure):
@@ -161,8 +162,18 @@ def built(tmp_path_factory):
     flags = ["-std=c11", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE", "-fPIC", "-fopenmp",
              "-I" + str(ROOT / "src")]
     libs = ["-lcjson", "-lpcre2-8", "-lutf8proc", "-lcurl", "-lm", "-fopenmp"]
-    subprocess.run(["gcc", *flags, "-shared", *srcs, "-o", str(so), *libs], check=True)
+    # the C side's sizes and offsets, so that the ctypes mirrors above are checked against
+    # the structs they copy (test_ctypes_mirrors_match_the_c_structs)
+    (d / "layout.c").write_text(
+        '#include <stddef.h>\n#include "data/dataset.h"\n'
+        "size_t layout_ds_config(int i) {\n"
+        "    const size_t v[] = {sizeof(ds_config), offsetof(ds_config, tok), sizeof(ds_tok_opts),\n"
+        "                        offsetof(ds_config, tokenizer_dir)};\n"
+        "    return v[i];\n}\n")
+    subprocess.run(["gcc", *flags, "-shared", *srcs, str(d / "layout.c"), "-o", str(so), *libs], check=True)
     lib = ctypes.CDLL(str(so))
+    lib.layout_ds_config.restype = ctypes.c_size_t
+    lib.layout_ds_config.argtypes = [ctypes.c_int]
     vp = ctypes.c_void_p
     lib.tok_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(vp), ctypes.POINTER(Err)]
     lib.tok_free.argtypes = [vp]
@@ -187,6 +198,15 @@ def built(tmp_path_factory):
                         f"-Wl,-rpath,{d}", *libs], check=True)
         cmd = [str(exe), "prepare"]
     return lib, cmd
+
+
+def test_ctypes_mirrors_match_the_c_structs(built):
+    """ds_config_default writes a whole ds_config into the Python buffer: a mirror that
+    lacks a field (it lacked template_seen) is written past its end, and the fields after
+    the gap are read at the wrong offsets."""
+    lib = built[0]
+    assert [lib.layout_ds_config(i) for i in range(4)] == [
+        ctypes.sizeof(DsConfig), DsConfig.tok.offset, ctypes.sizeof(TokOpts), DsConfig.tokenizer_dir.offset]
 
 
 def prepare(built, tokdir, inputs, out, *extra, check=True):
