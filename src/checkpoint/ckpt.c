@@ -821,8 +821,10 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
         if (!rc && kind != CKPT_DIR_CHECKPOINT)
             rc = ct_fail(e, CT_ERR_CONFIG,
                          "checkpoint.load_step = %d: %s holds %s, a finished run's final save, which has no "
-                         "optimizer or data state to resume from (it can seed a run: checkpoint.initial_load_path)",
-                         load_step, p, ckpt_dir_kind_name(kind));
+                         "optimizer or data state to resume from (it can seed a run: %s)",
+                         load_step, p, ckpt_dir_kind_name(kind),
+                         kind == CKPT_DIR_PEFT_ADAPTER ? "lora.adapter_path, with the base model it was trained on"
+                                                       : "checkpoint.initial_load_path");
         if (!rc) {
             ct_err ve = {0};
             if (ckpt_verify(p, &ve))

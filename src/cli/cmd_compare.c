@@ -68,7 +68,9 @@ static void cli_compare_help(void) {
            "                (default %g: float sums in another order). --no-restore skips it (four probes).\n"
            "                --probe-timeout S kills a probe still running after S seconds (default %g, 0:\n"
            "                no limit) and exits 1 naming it.\n"
-           "  tokens/s      mean of the logged tps after step 1 (warm-up), and B / A.\n"
+           "  tokens/s      the job's, (tokens_seen / step) / step_time_s (the global batch's tokens), as a\n"
+           "                mean over the logged steps after step 1 (warm-up), and B / A; beside it the\n"
+           "                logged tps, which is per rank.\n"
            "  restarts      from events.jsonl: per restart the downtime (launch - previous exit or last sign\n"
            "                of life), start-up and checkpoint load, redone steps x mean step time.\n"
            "  cost          --price-per-hour P (per machine, any currency) x machines x the sessions' wall\n"
@@ -79,7 +81,9 @@ static void cli_compare_help(void) {
            "Exit status: 0 the runs agree, 4 they differ (max r above --tolerance, or a checkpoint that\n"
            "does not restore), 1 a run directory or its metrics.jsonl missing or empty, no step logged by\n"
            "both, or a probe timed out, 2 bad flags or two different models (not one recipe), 3 a malformed\n"
-           "file. A run whose final checkpoint folder is missing is reported \"not checked\".\n",
+           "file. A run whose final checkpoint folder is missing, or whose saves are all final exports\n"
+           "(checkpoint.last_save_in_hf, a LoRA run's adapter: nothing resumes from them), is reported\n"
+           "\"not checked\", which is not a difference.\n",
            CMP_RESTORE_TOL, CMP_PROBE_TIMEOUT_S);
 }
 
@@ -179,8 +183,15 @@ static int run_world(const run_data *r) {
 
 /* The run's final training checkpoint (full or model-only: the weights are
  * what a layout must place): the latest such checkpoint event, else the
- * newest step-N of its checkpoint folder. -1 when none. */
-static int final_checkpoint(const run_data *r, const char *folder) {
+ * newest step-N of its checkpoint folder that is a training checkpoint
+ * (ckpt_dir_kind). A final save with checkpoint.last_save_in_hf, or a LoRA
+ * run's adapter, is a step-N too, but no trainer resumes from it (load_step
+ * refuses it): probing it would report a difference that is not one.
+ * -1 when none; *export_step then gets the newest step-N that is such an
+ * export (-1: none either) and *export_kind its ckpt_dir_kind. */
+static int final_checkpoint(const run_data *r, const char *folder, int *export_step, int *export_kind) {
+    *export_step = -1;
+    *export_kind = CKPT_DIR_CHECKPOINT;
     for (int i = r->n_events - 1; i >= 0; i--) {
         const run_event *v = &r->events[i];
         if (v->kind == RUN_EV_CHECKPOINT && (!strcmp(v->ckpt_kind, "full") || !strcmp(v->ckpt_kind, "model_only")))
@@ -188,8 +199,17 @@ static int final_checkpoint(const run_data *r, const char *folder) {
     }
     int steps[4096], n = ckpt_list(folder, steps, 4096);
     int best = -1;
-    for (int i = 0; i < n && i < 4096; i++)
-        if (steps[i] > best) best = steps[i];
+    for (int i = 0; i < n && i < 4096; i++) {
+        char dir[5300];
+        snprintf(dir, sizeof dir, "%s/step-%d", folder, steps[i]);
+        int kind = ckpt_dir_kind(dir);
+        if (kind == CKPT_DIR_CHECKPOINT) {
+            if (steps[i] > best) best = steps[i];
+        } else if (steps[i] > *export_step) {
+            *export_step = steps[i];
+            *export_kind = kind;
+        }
+    }
     return best;
 }
 
@@ -221,7 +241,9 @@ static const char *const arch_keys[] = {"model_type", "vocab_size", "hidden_size
 static cJSON *run_model_json(const run_data *x, char *from, size_t cap) {
     char folder[5200], path[5400], v[1024];
     run_ckpt_folder(x, folder, sizeof folder);
-    int step = final_checkpoint(x, folder);
+    int ex, ex_kind, step = final_checkpoint(x, folder, &ex, &ex_kind);
+    /* a Hugging Face export holds the trained model's config.json too */
+    if (step < 0 && ex_kind == CKPT_DIR_HF_MODEL) step = ex;
     snprintf(path, sizeof path, "%s/step-%d/config.json", folder, step);
     ct_err e = {0};
     cJSON *j = step >= 0 ? json_parse_file(path, 1 << 20, &e) : NULL;
@@ -456,7 +478,15 @@ static int restore_check(const probe_env *pe, const char *xn, const char *yn, co
         snprintf(r->why, sizeof r->why, "no config.toml in %.400s", x->dir);
         return 0;
     }
-    r->step = final_checkpoint(x, folder);
+    int ex, ex_kind;
+    r->step = final_checkpoint(x, folder, &ex, &ex_kind);
+    if (r->step < 0 && ex >= 0) {
+        /* not a difference: there is nothing a layout would resume from */
+        snprintf(r->why, sizeof r->why,
+                 "no training checkpoint in %.400s, only final saves: step-%d is %s, which no layout resumes from",
+                 folder, ex, ckpt_dir_kind_name(ex_kind));
+        return 0;
+    }
     if (r->step < 0) {
         snprintf(r->why, sizeof r->why, "no checkpoint in %.400s", folder);
         return 0;

@@ -1,6 +1,7 @@
 /* cli/cmd_import.c: `ctitan import --hf HF_DIR --out FOLDER [--step N]`.
  *
- * The other way from export: a Hugging Face Qwen3 directory (single file or
+ * The other way from export: a Hugging Face model directory of any family
+ * lm_config_from_hf reads (docs/families.md; single file or
  * sharded, F32/BF16/F16, tied with or without lm_head.weight) becomes the
  * model-only training checkpoint FOLDER/step-N (checkpoint/ckpt.h), written
  * atomically with a manifest like every checkpoint. A run can then start
@@ -42,7 +43,9 @@ typedef struct {
 enum { IMP_HF, IMP_OUT, IMP_STEP, IMP_REVISION, IMP_HELP };
 static const cli_opt imp_options[] = {
     [IMP_HF] = {"--hf", "HF_DIR", "(required)",
-                "Hugging Face Qwen3 model directory (config.json + *.safetensors), or a Hub id (Qwen/Qwen3-0.6B)",
+                "Hugging Face model directory (config.json + *.safetensors) of any family ctitan reads (qwen3, "
+                "qwen3_moe, llama, mistral, qwen2, mixtral, olmo2, phi3, gemma3_text: docs/families.md), or a Hub "
+                "id (Qwen/Qwen3-0.6B)",
                 CLI_VALUE},
     [IMP_OUT] = {"--out", "FOLDER", "(required)", "checkpoint folder; the checkpoint is FOLDER/step-N", CLI_VALUE},
     [IMP_STEP] = {"--step", "N", "0", "step number of the checkpoint (>= 0)", CLI_VALUE},

@@ -2,6 +2,7 @@
  * so stdout stays the command's data (generate's text, tokenize's ids). */
 #include "core/progress.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,20 +14,37 @@
 #define PROG_BAR_W 24
 #define PROG_TTY_GAP 0.1 /* seconds between redraws: faster only costs terminal time */
 
+/* A bad value warns, once per process and variable, and the default is used; it never
+ * fails: a bar begins deep inside work (a checkpoint save hours into a run) through an API
+ * with no error path, and the display is cosmetic. CTITAN_ISA is refused instead: it
+ * changes what is computed. */
+static void env_warn_once(atomic_flag *said, const char *name, const char *v, const char *accepted) {
+    if (!atomic_flag_test_and_set(said))
+        fprintf(stderr, "ctitan: warning: %s=\"%s\": not %s; using the default\n", name, v, accepted);
+}
+
 prog_mode prog_mode_env(void) {
+    static atomic_flag said = ATOMIC_FLAG_INIT;
     const char *v = getenv("CTITAN_PROGRESS");
     if (v && !strcmp(v, "0")) return PROG_OFF;
     if (v && !strcmp(v, "tty")) return PROG_TTY;
     if (v && !strcmp(v, "plain")) return PROG_PLAIN;
+    if (v && *v && strcmp(v, "1"))
+        env_warn_once(&said, "CTITAN_PROGRESS", v,
+                      "one of 0 (off), 1 (the default: tty when stderr is a terminal, else plain), tty, plain");
     return isatty(2) ? PROG_TTY : PROG_PLAIN;
 }
 
-static double env_seconds(const char *name, double dflt) {
+static double env_seconds(const char *name, double dflt, atomic_flag *said) {
     const char *v = getenv(name);
     if (!v || !*v) return dflt;
     char *end;
     double x = strtod(v, &end);
-    return *end || x < 0 ? dflt : x;
+    if (*end || !(x >= 0) || x > 1e9) {
+        env_warn_once(said, name, v, "a number of seconds >= 0");
+        return dflt;
+    }
+    return x;
 }
 
 void prog_fmt_eta(char *out, size_t cap, double s) {
@@ -122,8 +140,9 @@ void prog_begin(prog_bar *b, const char *label, double total, const char *unit, 
     snprintf(b->unit, sizeof b->unit, "%s", unit);
     b->total = total;
     b->mode = prog_mode_env();
-    b->min_s = env_seconds("CTITAN_PROGRESS_MIN_S", min_s);
-    b->period = env_seconds("CTITAN_PROGRESS_PERIOD", 10.0);
+    static atomic_flag said_min = ATOMIC_FLAG_INIT, said_period = ATOMIC_FLAG_INIT;
+    b->min_s = env_seconds("CTITAN_PROGRESS_MIN_S", min_s, &said_min);
+    b->period = env_seconds("CTITAN_PROGRESS_PERIOD", 10.0, &said_period);
     b->t0 = b->last = ct_now();
 }
 

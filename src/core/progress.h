@@ -15,6 +15,8 @@
  *   CTITAN_PROGRESS        0 (off) | 1 / unset (tty if stderr is a terminal, else plain) | tty | plain
  *   CTITAN_PROGRESS_PERIOD seconds between plain lines (default 10)
  *   CTITAN_PROGRESS_MIN_S  overrides every bar's min_s (0: show even instant work)
+ * Another value warns once (naming the variable and what it takes) and the default is
+ * used: never an error, as a bar may begin hours into a run (progress.c).
  * Units: "B" counts bytes (shown in KiB/MiB/GiB), any other unit is a count
  * shown with k/M/G and the unit's name ("tokens", "tensors"). */
 #ifndef CT_CORE_PROGRESS_H

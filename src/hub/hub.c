@@ -1455,10 +1455,12 @@ int hub_resolve(const char *path, const char *revision, unsigned what, hub_local
     struct stat st;
     if (!(what & HUB_NO_LOCAL) && !is_dir(path) && stat(path, &st) == 0)
         return ct_fail(e, CT_ERR_CONFIG, "%s: a file, not a model directory (give the directory that holds it)", path);
+    /* A path that does not exist is a missing file (1, docs/reliability.md's exit codes, as
+     * import and export give it); to `ctitan download`, which takes ids alone, a bad value. */
     if (!hub_is_repo_id(path))
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: no such directory, and not a Hugging Face Hub model id (owner/name, e.g. Qwen/Qwen3-0.6B)",
-                       path);
+        return ct_fail(e, what & HUB_NO_LOCAL ? CT_ERR_CONFIG : CT_ERR_IO,
+                       "%s: %snot a Hugging Face Hub model id (owner/name, e.g. Qwen/Qwen3-0.6B)", path,
+                       what & HUB_NO_LOCAL ? "" : "no such directory, and ");
     hub_ctx h;
     memset(&h, 0, sizeof h);
     h.repo = path;

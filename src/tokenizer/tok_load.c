@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "tokenizer/tok_internal.h"
 #include "core/fs.h"
@@ -931,6 +932,15 @@ int tok_load_files(const char *tokenizer_json, const char *vocab_json, const cha
 }
 
 int tok_load(const char *dir, tok **out, ct_err *e) {
+    /* a mistyped directory read "no tokenizer.json, and no vocab.json + merges.txt", as if
+     * it existed and lacked the files */
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return ct_fail(e, CT_ERR_IO, "%s: %s (the tokenizer directory: tokenizer.json, or vocab.json + merges.txt)",
+                       dir, errno == ENOENT ? "no such directory" : strerror(errno));
+    if (!S_ISDIR(st.st_mode))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: a file, not a tokenizer directory (give the directory that holds it)",
+                       dir);
     size_t n = strlen(dir) + 32;
     char *tj = ct_malloc(n), *vj = ct_malloc(n), *mt = ct_malloc(n), *cj = ct_malloc(n);
     snprintf(tj, n, "%s/tokenizer.json", dir);

@@ -1,11 +1,14 @@
 """`ctitan` on bad input: config errors (exit 2, key and file named), corrupt
 safetensors (non-zero, file named), too little data (file named); and --help."""
+import os
 import re
 import struct
+import subprocess
 
 import pytest
 
 import oracle
+from conftest import CHILD_ENV, crashed
 
 L = 16
 
@@ -239,3 +242,81 @@ def test_generate_on_an_adapter_folder_says_where_it_goes(base, run_ctitan):
     (ck / "adapter_config.json").write_text((ad / "adapter_config.json").read_text())
     rc, _, err = run_ctitan(["generate", "--checkpoint", ck, "--prompt-ids", "1 2", "--ids"], check=False)
     assert rc == 1 and "training checkpoint holds no base weights" in err and f"{ck} as --adapter" in err, (rc, err)
+
+
+# Every command that takes a model or tokenizer directory, with that directory missing (DIR).
+MISSING_DIR_CMDS = {
+    "describe": lambda d, t: ["describe", d],
+    "import": lambda d, t: ["import", "--hf", d, "--out", t / "ck"],
+    "export": lambda d, t: ["export", "--checkpoint", d, "--out", t / "o"],
+    "prepare": lambda d, t: ["prepare", "--tokenizer", d, "--input", t / "in.txt", "--out", t / "p"],
+    "tokenize": lambda d, t: ["tokenize", "--tokenizer", d, "--text", "hello"],
+}
+
+
+@pytest.mark.parametrize("form", ["bare", "dot", "absolute"])
+@pytest.mark.parametrize("cmd", sorted(MISSING_DIR_CMDS))
+def test_missing_directory_exits_1_naming_it(ctitan_bin, tmp_path, cmd, form):
+    """A model or tokenizer directory that does not exist is a missing file: exit 1 by
+    docs/reliability.md's table (import and export gave 1, describe 2), and prepare and
+    tokenize said "no tokenizer.json, and no vocab.json + merges.txt" as if it existed. A
+    string that is no Hub id (owner/name) is a path, whatever its form."""
+    (tmp_path / "in.txt").write_text("hello\n")
+    d = {"bare": "nodir", "dot": "./nodir", "absolute": str(tmp_path / "nodir")}[form]
+    args = [str(a) for a in MISSING_DIR_CMDS[cmd](d, tmp_path)]
+    env = dict(CHILD_ENV, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([str(ctitan_bin)] + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    crashed(p.returncode, p.stderr, args)
+    assert p.returncode == 1, (args, p.returncode, p.stderr)
+    assert f"{d}: no such directory" in p.stderr, p.stderr
+    assert "no tokenizer.json" not in p.stderr and not os.path.exists(tmp_path / "ck"), p.stderr
+
+
+@pytest.mark.parametrize("cmd", ["describe", "import", "prepare", "tokenize"])
+def test_missing_hub_id_offline_exits_1(ctitan_bin, tmp_path, cmd):
+    """A Hub-id-shaped name that is no directory here is an id: offline and not cached it is
+    a missing file too (docs/hub.md's table), the same 1 for every command that takes ids."""
+    (tmp_path / "in.txt").write_text("hello\n")
+    args = [str(a) for a in MISSING_DIR_CMDS[cmd]("no-such-owner/no-such-model", tmp_path)]
+    env = dict(CHILD_ENV, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([str(ctitan_bin)] + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    crashed(p.returncode, p.stderr, args)
+    assert p.returncode == 1 and "HF_HUB_OFFLINE" in p.stderr and "no-such-owner/no-such-model" in p.stderr, \
+        (args, p.returncode, p.stderr)
+
+
+@pytest.mark.parametrize("cmd, arg", [("export", "--dtyp=float32"), ("export", "--ch"), ("import", "--ste=3"),
+                                      ("generate", "--temp=0.5"), ("generate", "--max=3")])
+def test_an_option_is_its_whole_name(cmd, arg, run_ctitan):
+    """export, import and generate take an option by its whole name: a prefix of one (--dtyp for
+    --dtype) is unknown, exit 2 naming it, as argparse with allow_abbrev=False reads it (an
+    abbreviation would change meaning when an option is added: --max could mean --max-tokens
+    today and something else tomorrow)."""
+    rc, _, err = run_ctitan([cmd, arg], check=False)
+    name = arg.split("=")[0]
+    assert rc == 2 and f'{cmd}: unknown option "{name}" (see --help)' in err, (rc, err)
+
+
+@pytest.mark.parametrize("cmd, arg", [("export", "--out="), ("export", "--dtype="), ("import", "--hf="),
+                                      ("generate", "--checkpoint=")])
+def test_an_empty_option_value_is_refused_by_name(cmd, arg, run_ctitan):
+    """`--out=` (an empty value; only free text such as --prompt may be empty) is refused naming the
+    option, before the command looks at the other options or reads anything."""
+    rc, _, err = run_ctitan([cmd, arg], check=False)
+    assert rc == 2 and f"ctitan: error: {arg[:-1]}: empty value" in err, (rc, err)
+
+
+@pytest.mark.parametrize("cmd, arg", [("export", "--merge=yes"), ("generate", "--ids=1"), ("generate", "--chat=")])
+def test_a_flag_takes_no_value(cmd, arg, run_ctitan):
+    """A flag (--merge, --ids, --chat) given a value is refused naming it, not taken as set."""
+    rc, _, err = run_ctitan([cmd, arg], check=False)
+    name, value = arg.split("=", 1)
+    assert rc == 2 and f'ctitan: error: {name}: takes no value (got "{value}")' in err, (rc, err)
+
+
+@pytest.mark.parametrize("cmd", ["export", "import", "generate"])
+def test_dash_h_is_help(cmd, run_ctitan):
+    """-h is --help, as in argparse: the command's options on stdout, exit 0."""
+    rc, out, err = run_ctitan([cmd, "-h"], check=False)
+    rc2, out2, _ = run_ctitan([cmd, "--help"], check=False)
+    assert rc == 0 and rc2 == 0 and out == out2 and "--help" in out, (rc, out, err)

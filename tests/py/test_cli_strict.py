@@ -326,6 +326,21 @@ def test_final_saves_are_not_named_as_resumable(run_ctitan, tmp_path, final):
     assert rc == 0 and not warnings_of(err, "does not resume"), err
 
 
+@pytest.mark.parametrize("lora,hint,not_hint", [([], "checkpoint.initial_load_path", "lora.adapter_path"),
+                                                 (["--lora.rank=4"], "lora.adapter_path", "initial_load_path")],
+                         ids=["hf_export", "peft_adapter"])
+def test_load_step_at_a_final_save_names_how_to_use_it(run_ctitan, tmp_path, lora, hint, not_hint):
+    """checkpoint.load_step at a final save is refused with how that save can seed a run: an HF
+    export through checkpoint.initial_load_path, a PEFT adapter through lora.adapter_path
+    (config.c's key). The adapter was sent to initial_load_path, which takes no adapter."""
+    _, out, args = tiny_run(tmp_path, "--checkpoint.last_save_in_hf=true", *lora, steps=2)
+    run_ctitan(args)
+    rc, _, err = run_ctitan(args + ["--checkpoint.enable=true", "--checkpoint.load_step=2", "--training.steps=4"],
+                            check=False)
+    assert rc == 2 and f"{out / 'checkpoint' / 'step-2'} holds a" in err, (rc, err)
+    assert f"(it can seed a run: {hint}" in err and not_hint not in err, err
+
+
 # ------------------------------------------------------------------ config keys and where they were set
 
 def test_context_parallel_degree_is_read_and_only_1_taken(run_ctitan, tmp_path):
@@ -494,7 +509,16 @@ def test_model_name_with_spec_hf_is_not_checked(run_ctitan, tmp_path, model):
     ("[checkpoint]\nlast_save_model_weights_only = true\n",
      "(did you mean checkpoint.last_save_model_only? it is torchtitan's current name for "
      "last_save_model_weights_only)"),
-], ids=["lr_min", "enable_checkpoint", "last_save_model_weights_only"])
+    # torchtitan renamed training.batch_size to local_batch_size (beside the new global_batch_size)
+    ("batch_size = 8\n",  # TT_BASE ends in [training]
+     "training.batch_size: unknown key (did you mean training.local_batch_size? it is torchtitan's current name"),
+    ("[validation]\nenabled = true\n",
+     "validation.enabled: unknown key (did you mean validation.enable? it is torchtitan's current name"),
+    ("[checkpoint]\ninitial_load_model_weights_only = true\n",
+     "(did you mean checkpoint.initial_load_model_only? it is torchtitan's current name for "
+     "initial_load_model_weights_only)"),
+], ids=["lr_min", "enable_checkpoint", "last_save_model_weights_only", "batch_size", "validation_enabled",
+        "initial_load_model_weights_only"])
 def test_renamed_torchtitan_keys_hint_current_name(run_ctitan, tmp_path, text, hint):
     """torchtitan's older key names got no hint (too far from the new ones to be suggested)."""
     rc, _, err = tt_dry_run(run_ctitan, tmp_path, text)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import oracle
-from conftest import BIN, CHILD_ENV, ROOT, crashed
+from conftest import BIN, CHILD_ENV, ROOT, crashed, tiny_run
 from test_dist import ENV as MPI_ENV, mpirun
 from test_events import killed_run
 
@@ -452,3 +452,38 @@ def test_missing_checkpoint_not_checked(runs, tmp_path):
     assert not b["checked"] and str(gone / "checkpoint" / "step-") in b["why"] and "is missing" in b["why"], b
     p = compare(runs["one"], gone)
     assert p.returncode == 0 and "DOES NOT RESTORE" not in p.stdout and "not checked (its final checkpoint" in p.stdout
+
+
+@pytest.mark.parametrize("final", [[], ["--lora.rank=4"]], ids=["hf_export", "peft_adapter"])
+def test_final_exports_only_not_checked(tmp_path, final):
+    """A run whose only save is its final one with checkpoint.last_save_in_hf (make run's
+    recipe, configs/kjv.toml), or a LoRA run's final adapter, has no training checkpoint to
+    restore: compare of it and its identical copy probed the export, which load_step refuses,
+    and said DOES NOT RESTORE (exit 4). Now "not checked", naming the export, and exit 0."""
+    _, out, args = tiny_run(tmp_path, "--checkpoint.enable", "--checkpoint.interval=100",
+                            "--checkpoint.last_save_in_hf=true", *final, steps=2)
+    train(args)
+    step2 = out / "checkpoint" / "step-2"
+    marker = "adapter_config.json" if final else "config.json"
+    assert (step2 / marker).is_file() and not (step2 / "manifest.json").exists(), list(step2.iterdir())
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".ctitan.lock"))
+    p, j = report(out, copy)
+    assert p.returncode == 0, p.stdout + p.stderr
+    kind = "a PEFT adapter" if final else "a Hugging Face export"
+    for x, run in zip(j["restore"], (out, copy)):
+        assert not x["checked"], x
+        assert str(run / "checkpoint") in x["why"] and f"step-2 is {kind}" in x["why"], x
+    p = compare(out, copy)
+    assert p.returncode == 0 and "DOES NOT RESTORE" not in p.stdout, p.stdout + p.stderr
+    assert p.stdout.count("not checked (no training checkpoint in") == 2, p.stdout
+
+
+def test_help_states_the_printed_tokens_per_s():
+    """--help said the tokens/s figure was the "mean of the logged tps after step 1"; what is
+    printed first, and divided B / A, is the job's rate as docs/compare.md defines it."""
+    doc = (ROOT / "docs" / "compare.md").read_text()
+    formula = re.search(r"tokens/s of the job = (.+?)\s{2,}", doc).group(1)  # (tokens_seen / step) / step_time_s
+    p = compare("--help")
+    assert p.returncode == 0, p.stderr
+    assert formula in p.stdout and "mean of the logged tps" not in p.stdout, (formula, p.stdout)

@@ -10,6 +10,7 @@ main.c does not dispatch export/import yet, a tiny driver calling cli_export/cli
 is linked against that build's libctitan.a instead."""
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -230,3 +231,18 @@ def test_usage_errors(tmp_path, run):
     assert "--max-shard-size" in out and "--tokenizer" in out
     out, _ = run(["import", "--help"])
     assert "--hf" in out and "--step" in out
+
+
+def test_import_help_names_every_family(run):
+    """import --help said "Hugging Face Qwen3 model directory"; it imports every family
+    docs/families.md lists (model_type in its first table's first column), and Hub ids."""
+    text = (ROOT / "docs" / "families.md").read_text()
+    table = text[text.index("| model_type |"):]
+    table = table[:table.index("\n\n")]
+    types = re.findall(r"^\| `([a-z0-9_]+)` \|", table, re.M)
+    assert len(types) >= 9 and "qwen3" in types and "gemma3_text" in types, types
+    out, _ = run(["import", "--help"])
+    hf = next(ln for ln in out.splitlines() if ln.lstrip().startswith("--hf"))
+    assert "Qwen3 model directory" not in hf and "Hub id" in hf, hf
+    missing = [t for t in types if not re.search(rf"\b{t}\b", hf)]
+    assert not missing, (missing, hf)

@@ -159,6 +159,29 @@ def test_prepare_bar_on_a_terminal(corpus, tmp_path):
     assert "\r" not in out.replace("\r\n", "\n") and "[#" not in out, out
 
 
+def test_unknown_values_warn_once(corpus, tmp_path):
+    """CTITAN_PROGRESS=bogus (and a period or min_s that is not a number) were taken in silence
+    as the default. They still are (progress is cosmetic, and a bar may begin hours into a run,
+    so the variables never fail a command), but each is named once with what it takes; the
+    documented values (README.md, progress.h: 0, 1, tty, plain; unset or empty) say nothing."""
+    tok, _ = corpus
+    text = tmp_path / "t.txt"
+    text.write_text("In the beginning.\n\nAnd the earth.\n")
+    args = ["prepare", "--tokenizer", tok, "--input", text, "--text-split", "paragraph", "--threads", "1"]
+    p = run(args + ["--out", tmp_path / "o"], CTITAN_PROGRESS="bogus", CTITAN_PROGRESS_PERIOD="soon",
+            CTITAN_PROGRESS_MIN_S="-1")
+    warn = [ln for ln in p.stderr.splitlines() if "warning:" in ln]
+    assert len(warn) == 3, p.stderr
+    assert warn[0].startswith('ctitan: warning: CTITAN_PROGRESS="bogus": not one of 0 (off), 1 ') and \
+        warn[0].endswith("tty, plain; using the default"), warn
+    assert sorted(warn[1:]) == [f'ctitan: warning: {k}="{v}": not a number of seconds >= 0; using the default'
+                                for k, v in (("CTITAN_PROGRESS_MIN_S", "-1"), ("CTITAN_PROGRESS_PERIOD", "soon"))], warn
+    assert len(plain_lines(p.stderr, "prepare")) == 1, p.stderr  # the default: plain in a pipe, 10 s period
+    for i, v in enumerate(["0", "1", "tty", "plain", ""]):
+        p = run(args + ["--out", tmp_path / f"ok{i}"], CTITAN_PROGRESS=v, CTITAN_PROGRESS_PERIOD="10")
+        assert "warning" not in p.stderr, (v, p.stderr)
+
+
 # ------------------------------------------------------------- checkpoints
 
 

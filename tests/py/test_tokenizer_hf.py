@@ -560,8 +560,11 @@ def test_malformed_files(toklib, qwen, tmp_path):
     (d / "merges.txt").write_text("#version: 0.2\n\u0120 \u0120\nonly_one_token\n")
     with pytest.raises(RuntimeError, match=r"merges.txt: line 3"):
         CTokenizer(toklib, d)
-    with pytest.raises(RuntimeError, match=r"no tokenizer.json"):
+    with pytest.raises(RuntimeError, match=r"nowhere: no such directory"):
         CTokenizer(toklib, tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RuntimeError, match=r"no tokenizer.json"):
+        CTokenizer(toklib, tmp_path / "empty")
 
 
 # ----------------------------------------------------------------- benchmark

@@ -232,9 +232,14 @@ static void test_resolve_offline(const char *tmp) {
     hub_local loc;
     /* a local directory is returned as it is, whatever its name */
     CHECK(hub_resolve(tmp, NULL, HUB_MODEL, &loc, &e) == 0 && !strcmp(loc.dir, tmp) && !loc.commit[0], "%s", e.msg);
-    /* neither a directory nor an id */
-    CHECK(hub_resolve("./no/such", NULL, HUB_CONFIG, &loc, &e) == CT_ERR_CONFIG && strstr(e.msg, "./no/such"), "%s",
-          e.msg);
+    /* neither a directory nor an id: a missing directory (exit 1, as import and export give
+     * it); to `ctitan download`, which takes ids alone, a bad value */
+    CHECK(hub_resolve("./no/such", NULL, HUB_CONFIG, &loc, &e) == CT_ERR_IO && strstr(e.msg, "./no/such") &&
+              strstr(e.msg, "no such directory"),
+          "%s", e.msg);
+    CHECK(hub_resolve("./no/such", NULL, HUB_MODEL | HUB_NO_LOCAL, &loc, &e) == CT_ERR_CONFIG &&
+              strstr(e.msg, "./no/such: not a Hugging Face Hub model id"),
+          "%s", e.msg);
     /* an id, nothing cached, offline: names the id, the file and the variable */
     CHECK(hub_resolve("org/tiny", NULL, HUB_CONFIG, &loc, &e) == CT_ERR_IO && strstr(e.msg, "org/tiny") &&
               strstr(e.msg, "config.json") && strstr(e.msg, "HF_HUB_OFFLINE"),

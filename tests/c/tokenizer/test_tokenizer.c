@@ -298,6 +298,12 @@ static void test_malformed(void) {
     remove_file("merges.txt");
     rc = tok_load(dir, &t, &e);
     CHECK(rc == CT_ERR_IO && strstr(e.msg, "no tokenizer.json"), "empty dir: %s", e.msg);
+    /* a directory that is not there is named as such, not as one lacking the files */
+    char gone[600];
+    snprintf(gone, sizeof gone, "%s/gone", dir);
+    rc = tok_load(gone, &t, &e);
+    CHECK(rc == CT_ERR_IO && strstr(e.msg, "gone: no such directory") && !strstr(e.msg, "no tokenizer.json"),
+          "missing dir: %s", e.msg);
 }
 
 /* A SentencePiece-style BPE as Mistral 7B / Llama 2 / Phi-3 publish it:
