@@ -246,6 +246,7 @@ def test_generate_on_an_adapter_folder_says_where_it_goes(base, run_ctitan):
 
 # Every command that takes a model or tokenizer directory, with that directory missing (DIR).
 MISSING_DIR_CMDS = {
+    "generate": lambda d, t: ["generate", "--checkpoint", d, "--prompt-ids", "1 2", "--ids"],
     "describe": lambda d, t: ["describe", d],
     "import": lambda d, t: ["import", "--hf", d, "--out", t / "ck"],
     "export": lambda d, t: ["export", "--checkpoint", d, "--out", t / "o"],
