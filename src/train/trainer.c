@@ -1127,15 +1127,17 @@ int trainer_run(trainer *t, ct_err *e) {
     run_files files = {0};
     int32_t *tokens = NULL, *labels = NULL;
     int template_seen = t->world->rank != 0; /* only rank 0 warns of an unused chat template */
-    if (t->complete) return 0;
-    if (t->seed_step > 0)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "checkpoint.load_step = %d: %s/step-%d is a model-only save (no optimizer state): it can seed "
-                       "a new run, not resume this one, and a run started from it here would overwrite this folder's "
-                       "checkpoints (export it with `ctitan export` and start a new checkpoint.folder from it with "
-                       "checkpoint.initial_load_path)",
-                       c->load_step, t->ckpt_folder, t->seed_step);
-    int rc = open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle, &template_seen, &tk, e);
+    if (t->complete) return 0; /* the same on every rank: agree_on_pick compared the picks */
+    /* no early return before trainer_agree: the other ranks wait there */
+    int rc = t->seed_step > 0
+                 ? ct_fail(e, CT_ERR_CONFIG,
+                           "checkpoint.load_step = %d: %s/step-%d is a model-only save (no optimizer state): it can "
+                           "seed a new run, not resume this one, and a run started from it here would overwrite this "
+                           "folder's checkpoints (export it with `ctitan export` and start a new checkpoint.folder "
+                           "from it with checkpoint.initial_load_path)",
+                           c->load_step, t->ckpt_folder, t->seed_step)
+                 : open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle,
+                             &template_seen, &tk, e);
     if (!rc && t->have_resume_data) rc = ds_set_state(data, &t->resume_data, e);
     if (!rc && c->val_enable)
         rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &template_seen, &tk,

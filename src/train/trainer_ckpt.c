@@ -499,15 +499,19 @@ int trainer_agree(trainer *t, int rc, const char *what, ct_err *e) {
 static int agree_on_pick(trainer *t, int rc, const resume_pick *p, ct_err *e) {
     if (t->world->size <= 1) return rc;
     if ((rc = trainer_agree(t, rc, "load or initialise the model", e))) return rc;
-    /* one number per choice; MAX of it and of its negation give the range */
-    int64_t k = p->kind == PICK_NONE ? -1 : (int64_t)p->step * 2 + (p->kind == PICK_COMPLETE);
+    /* one number per choice (its step, whether a final save, whether model-only: a rank
+     * whose step-N is model-only refuses to resume where another resumes); MAX of it and
+     * of its negation give the range */
+    int64_t k = p->kind == PICK_NONE ? -1 : (int64_t)p->step * 4 + (p->kind == PICK_COMPLETE) * 2 + !!p->model_only;
     int64_t r[2] = {k, -k};
     comm_allreduce(t->world, r, 2, COMM_I64, COMM_MAX);
     if (r[0] == -r[1]) return 0;
     int64_t other = k == r[0] ? -r[1] : r[0];
     char theirs[64];
     if (other < 0) snprintf(theirs, sizeof theirs, "none");
-    else snprintf(theirs, sizeof theirs, "step-%lld%s", (long long)(other / 2), other % 2 ? " (a final save)" : "");
+    else
+        snprintf(theirs, sizeof theirs, "step-%lld%s%s", (long long)(other / 4), other & 2 ? " (a final save)" : "",
+                 other & 1 ? " (model-only)" : "");
     ct_fail(e, CT_ERR_IO,
             "%s: the ranks do not see the same checkpoints (rank %d of %d found %s, another rank %s): the "
             "checkpoint folder must be on a file system every rank sees (docs/distributed.md, \"Across machines\")",

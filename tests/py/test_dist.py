@@ -399,6 +399,30 @@ def test_config_error_on_one_rank_alone_is_reported(setup, tmp_path):
     assert not (tmp_path / "a" / "checkpoint" / "step-3").exists()
 
 
+def test_model_only_step_on_one_rank_alone_is_reported(setup, tmp_path):
+    """Rank 0's step-2 is a full checkpoint, rank 1's (its machine's own folder) a finished
+    run's model-only save: the picks agreed (same step), rank 1 alone refused to resume from
+    a model-only save, with a config error no rank printed, and rank 0 waited for it in a
+    collective: the job hung. Now the picks differ (model-only is part of the pick) and
+    every rank says the ranks do not see the same checkpoints."""
+    d, data = setup
+    base = [a for a in train_args(d / "model", data, tmp_path / "a") if not a.startswith("--job.dump_folder=")]
+    p = run(1, base + [f"--job.dump_folder={tmp_path / 'a'}", "--training.stop_at_step=2",
+                       "--checkpoint.last_save_model_only=false"], check=False)
+    assert p.returncode == 75, p.stderr[-3000:]
+    p = run(1, [a for a in base if not a.startswith("--training.steps=")]
+            + ["--training.steps=2", f"--job.dump_folder={tmp_path / 'b'}", "--checkpoint.last_save_model_only=true",
+               "--checkpoint.last_save_in_hf=false"])
+    other = tmp_path / "b" / "checkpoint"
+    assert (other / "step-2" / "model.safetensors").exists() and not (other / "step-2" / "optim.safetensors").exists()
+    args = [str(a) for a in base + [f"--job.dump_folder={tmp_path / 'a'}", "--checkpoint.load_step=2"]]
+    cmd = mpirun() + ["-np", "1", str(BIN), *args, ":", "-np", "1", str(BIN), *args, f"--checkpoint.folder={other}"]
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == 1, f"exit {p.returncode}\n{p.stderr[-3000:]}"
+    assert "the ranks do not see the same checkpoints" in p.stderr and "(model-only)" in p.stderr, p.stderr[-3000:]
+
+
 def test_data_error_on_one_rank_alone_is_reported(setup, tokdir, tmp_path):  # noqa: F811
     """One machine's copy of the model folder holds another model's tokenizer (700 ids for
     this model's 251), and its data is text: rank 1 alone fails to open its data, with a
