@@ -707,6 +707,21 @@ int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void 
     return rc;
 }
 
+/* Appends the generation prompt of ChatML, "<|im_start|>assistant\n", as Qwen2, 2.5
+ * and 3's templates (and ChatML templates generally) write it for
+ * add_generation_prompt=True, tokenized as apply_chat_template tokenizes (no BOS). */
+static int chatml_generation_prompt(tok_enc *enc, const tok *t, tok_ids *ids, ct_err *e) {
+    int32_t start = tok_token_id(t, IM_START);
+    if (start < 0)
+        return ct_fail(e, CT_ERR_FORMAT, "tokenizer has no %s token: it cannot encode ChatML conversations", IM_START);
+    tok_ids_push(ids, start);
+    int add_special = tok_enc_add_special(enc);
+    tok_enc_set_add_special(enc, 0);
+    int rc = tok_encode(enc, "assistant\n", 10, ids, e);
+    tok_enc_set_add_special(enc, add_special);
+    return rc;
+}
+
 int chat_encode_pc(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *record, const chat_msg *msgs, int n,
                    int n_prompt, int completion_only, int assistant_only, tok_ids *ids, chat_mask *mask, ct_err *e) {
     tok_ids p = {0};
@@ -735,7 +750,10 @@ int chat_encode_pc(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *r
             rc = tmpl_ids(c, v, enc, prompt, 1, &p, e);
             if (!rc) rc = tmpl_ids(c, v, enc, full, 0, ids, e);
         } else {
+            /* TRL renders the prompt with the generation prompt: without it the
+             * completion's own "<|im_start|>assistant\n" would be a target */
             rc = chat_encode(enc, t, msgs, n_prompt, &p, &scratch, e);
+            if (!rc) rc = chatml_generation_prompt(enc, t, &p, e);
             if (!rc) rc = chat_encode(enc, t, msgs, n, ids, &scratch, e);
         }
         if (!rc) {

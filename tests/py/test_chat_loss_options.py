@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import oracle
-from test_data_hf import CHATML, CHATML_GEN, CONVERSATIONS, auto_tok, tokdir  # noqa: F401  (fixtures)
+from test_data_hf import CHATML, CHATML_GEN, CHATML_GP, CONVERSATIONS, auto_tok, tokdir  # noqa: F401  (fixtures)
 from test_prompt_completion import (CONV_RECORDS, RECORDS, prepared, qwen3_dir,  # noqa: F401  (fixtures)
                                     trl_conversational_reference, trl_reference, write_jsonl)
 
@@ -186,7 +186,8 @@ def test_completion_only_default_ignores_assistant_only(tokdir, run_ctitan, tmp_
     completion's whatever assistant_only_loss says (docs/data.md), and meta.json records
     assistant_only_loss as shaping nothing (null)."""
     tok = tok_of(tokdir)
-    ids, mask, _ = trl_conversational_reference(tok, CONV_RECORDS)
+    # the built-in ChatML (auto on tokdir) writes the generation prompt (test_prompt_completion.py)
+    ids, mask, _ = trl_conversational_reference(tok, CONV_RECORDS, CHATML_GP)
     src = write_jsonl(tmp_path / "conv.jsonl", CONV_RECORDS)
     for flag in ("true", "false"):
         prepare(run_ctitan, tokdir, src, tmp_path / flag, "--assistant-only-loss", flag)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import oracle
-from test_data_hf import CHATML_GEN, CONVERSATIONS, auto_tok, tokdir  # noqa: F401  (fixtures)
+from test_data_hf import CHATML_GEN, CHATML_GP, CONVERSATIONS, auto_tok, tokdir  # noqa: F401  (fixtures)
 
 L, MICRO, GLOBAL = 16, 2, 4
 MORE = [
@@ -55,11 +55,12 @@ def reference_batch(tok, layout="messages", every_token=False):
             ids += full + [eos]
             mask += [1] * len(full) + [0]
             continue
-        if layout == "prompt_completion":  # the tokenizer's own template, as TRL renders with it
+        if layout == "prompt_completion":  # TRL's rule, on the ChatML auto renders (with its generation prompt)
             assert conv[-1]["role"] == "assistant"
             prompt = list(tok.apply_chat_template(conv[:-1], add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
-            full = list(tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"])
+                                                  return_dict=True, chat_template=CHATML_GP)["input_ids"])
+            full = list(tok.apply_chat_template(conv, tokenize=True, return_dict=True,
+                                                chat_template=CHATML_GP)["input_ids"])
             k = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
             ids += full + [eos]
             mask += [0] * k + [1] * (len(full) - k) + [0]

@@ -35,6 +35,9 @@ QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}")
+# ChatML with the generation prompt Qwen's templates write, which ctitan's built-in ChatML
+# stands for: the prompt alone then ends with "<|im_start|>assistant\n".
+CHATML_GP = CHATML + "{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% endif %}"
 # The same text, with the assistant replies (content + <|im_end|>) marked for
 # transformers' return_assistant_tokens_mask.
 CHATML_GEN = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"

@@ -23,7 +23,7 @@ import shutil
 import numpy as np
 import pytest
 
-from test_data_hf import CHATML, CHATML_GEN, CONVERSATIONS, auto_tok, tokdir  # noqa: F401  (fixtures)
+from test_data_hf import CHATML, CHATML_GEN, CHATML_GP, CONVERSATIONS, auto_tok, tokdir  # noqa: F401  (fixtures)
 
 RECORDS = [
     {"prompt": "Question: what colour is the sky?\nAnswer:", "completion": " Blue, mostly."},
@@ -131,10 +131,8 @@ def refused(run_ctitan, tokdir, path, *extra):  # noqa: F811
 CONV_PC = {"prompt": [{"role": "user", "content": "Colour of the sky?"}],
            "completion": [{"role": "assistant", "content": "Blue."}]}
 SHAREGPT = "jq -c '{messages: [(.conversations // .messages)[] | {role: "
-# ChatML with the generation prompt Qwen's templates write: the prompt alone then ends with
-# "<|im_start|>assistant\n", whose "\n" merges with a completion starting "\n\n" (record 2)
-CHATML_GP = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-             "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% endif %}")
+# CHATML_GP: the prompt alone ends with "<|im_start|>assistant\n", whose "\n" merges with a
+# completion starting "\n\n" (record 2)
 CONV_RECORDS = [
     CONV_PC,
     {"prompt": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a river."}],
@@ -189,11 +187,13 @@ def qwen3_dir():
 
 # (tokenizer, --chat-template, the template TRL renders with: None = the tokenizer's own)
 CONV_CASES = {
-    "tiny_auto": ("tiny", "auto", None),            # tokdir's ChatML template: the built-in ChatML renders
-    "tiny_tokenizer": ("tiny", "tokenizer", None),  # the same template through the Jinja renderer
+    # auto on a ChatML tokenizer: the built-in ChatML renders, which stands for ChatML with the
+    # generation prompt Qwen's templates write (tokdir's own template has none)
+    "tiny_auto": ("tiny", "auto", CHATML_GP),
+    "tiny_tokenizer": ("tiny", "tokenizer", None),  # tokdir's template through the Jinja renderer
     "tiny_generation_prompt": ("tiny", "gp", CHATML_GP),
     "qwen3_tokenizer": ("qwen3", "tokenizer", None),  # Qwen3's real template, as TRL renders it
-    "qwen3_auto": ("qwen3", "auto", "chatml"),         # auto on a ChatML tokenizer: the built-in ChatML
+    "qwen3_auto": ("qwen3", "auto", CHATML_GP),        # (and below: Qwen3's own, but its empty think block)
 }
 
 
@@ -209,13 +209,23 @@ def test_conversational_prompt_completion_matches_trl(case, tokdir, qwen3_dir, r
         extra = ["--chat-template", tmp_path / "gp.jinja"]
     else:
         extra = ["--chat-template", spec]
-    ids, mask, diverged = trl_conversational_reference(tok, CONV_RECORDS,
-                                                       CHATML if template == "chatml" else template)
+    ids, mask, diverged = trl_conversational_reference(tok, CONV_RECORDS, template)
     assert 0 < mask.sum() < mask.size
     if spec == "gp":
         assert diverged == 1, "the generation prompt's \\n must merge with record 2's completion"
     if case == "qwen3_tokenizer":  # what TRL trains here and ChatML does not: the empty think block
         assert "<think>\n\n</think>\n\n" in tok.decode(ids[:mask.size][mask == 1].tolist())
+    if case == "qwen3_auto":
+        # on records Qwen3's own template renders as ChatML (no leading newlines, think
+        # blocks or tool turns, which it rewrites), the ChatML reference's targets are those
+        # TRL takes with Qwen3's template (the reply and its <|im_end|>\n, without the
+        # "<|im_start|>assistant\n" header), less the empty think block it writes before the
+        # last reply (docs/data.md)
+        plain = [CONV_RECORDS[0], CONV_RECORDS[2]]
+        qids, qmask, _ = trl_conversational_reference(tok, plain)
+        cids, cmask, _ = trl_conversational_reference(tok, plain, template)
+        theirs = tok.decode(qids[qmask == 1].tolist()).replace("<think>\n\n</think>\n\n", "")
+        assert tok.decode(cids[cmask == 1].tolist()) == theirs
     src = write_jsonl(tmp_path / "conv.jsonl", CONV_RECORDS)
     out = tmp_path / "prep"
     run_ctitan(["prepare", "--tokenizer", d, "--input", src, "--out", out, "--quiet", "--threads", "2", *extra])
@@ -232,7 +242,8 @@ def test_conversational_prompt_completion_in_training_is_masked(tokdir, auto_tok
     the completion tokens as the trainable ones (TRL's, no EOS among them)."""
     import oracle
     recs = CONV_RECORDS * 20
-    ids, mask, _ = trl_conversational_reference(auto_tok, recs)
+    # auto on tokdir's ChatML template: the built-in ChatML, which writes the generation prompt
+    ids, mask, _ = trl_conversational_reference(auto_tok, recs, CHATML_GP)
     m = tmp_path / "model"
     oracle.tiny_config(vocab=len(auto_tok), hidden=32, inter=48, layers=1, heads=4, kv_heads=2,
                        head_dim=8).save_pretrained(m)
