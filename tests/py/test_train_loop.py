@@ -190,3 +190,64 @@ def test_lr_schedule_every_step(decay_type, decay_ratio, tmp_path, run_ctitan):
     assert not bad, f"(step, ctitan lr, torch lr): {bad}"
     if decay_ratio is not None:  # the schedule has a stable phase at the peak
         assert want.count(lr) >= 2, want
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_throughput_and_flops_figures(tied, tmp_path, run_ctitan):
+    """tps, step_time_s, tflops and the banner's FLOPs/token of a run with 2 micro-batches per
+    step, logged every 2 steps (steps 1, 2 and 4: intervals of 1 and 2 steps). torchtitan's tps
+    is the tokens this rank ran since the last line over the time since it, every micro-batch's
+    (ntokens_since_last_log), so tps x the mean step time is one step's tokens, GLOBAL_BS x L
+    here. FLOPs/token is torchtitan's 6 x (parameters - embedding) + 12 x layers x heads x
+    head_dim x seq_len, with the lm_head counted where it is the tied embedding (it still runs:
+    docs and the banner say "6 x matmul params incl. lm_head + attention"); the parameter
+    count is torch's. A tps without the accumulation factor, a step time not divided by the
+    steps of the interval, a 6 for the attention's 12, or a tied lm_head left out passed every
+    other test (a mutation audit)."""
+    steps = 4
+    cfg = model_cfg(tied)
+    hf_dir = tmp_path / "hf"
+    oracle.save_random_hf(hf_dir, cfg, seed=24)
+    tokens = oracle.random_tokens(16 * (L + 1), cfg.vocab_size, seed=12)
+    data = oracle.write_bin(tmp_path / "tokens.bin", tokens)
+    out = tmp_path / "out"
+    conf = oracle.write_toml(tmp_path / "train.toml", train_sections(hf_dir, data, out, steps, log_freq=2))
+    _, _, err = run_ctitan(["train", "--config", conf])
+    rows = oracle.read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 4], rows
+    for r in rows:
+        assert close(r["tps"] * r["step_time_s"], GLOBAL_BS * L, 2e-2), (r["step"], r["tps"], r["step_time_s"])
+
+    model = oracle.load_hf(hf_dir)
+    n_params = sum(p.numel() for p in model.parameters())  # a tied pair once
+    embed = cfg.vocab_size * cfg.hidden_size
+    matmul = n_params - embed + (embed if tied else 0)
+    want = 6 * matmul + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * L
+    m = re.search(r"ctitan: (\S+) FLOPs/token", err)
+    assert m, err
+    assert close(float(m.group(1)), want, 5e-3), (m.group(1), want)  # printed to 3 significant digits
+    for r in rows:
+        assert close(r["tflops"], want * r["tps"] / 1e12, 2e-2), (r, want)
+
+
+def test_warmup_longer_than_the_run(tmp_path, run_ctitan):
+    """lr_scheduler.warmup_steps above training.steps is cut to training.steps with a warning,
+    as torchtitan's build_lr_schedulers cuts it: every step's lr is LambdaLR's on torchtitan's
+    factor with warmup = steps (oracle.make_lr_lambda), so the last step reaches the peak."""
+    import torch
+
+    from conftest import tiny_run
+    steps, lr = 4, 1e-2
+    _, out, args = tiny_run(tmp_path, f"--optimizer.lr={lr}", "--lr_scheduler.warmup_steps=10", steps=steps)
+    _, _, err = run_ctitan(args)
+    assert "lr_scheduler.warmup_steps (10) exceeds training.steps (4)" in err, err
+    got = [r["lr"] for r in oracle.read_metrics(out / "metrics.jsonl")]
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, oracle.make_lr_lambda(steps, steps, None, "linear", 0.0))
+    want = []
+    for _ in range(steps):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert len(got) == steps and all(close(g, w, 1e-6) for g, w in zip(got, want)), (got, want)
+    assert close(got[-1], lr, 1e-6), got

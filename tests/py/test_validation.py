@@ -82,3 +82,20 @@ def test_validation_loss_while_training_matches_pytorch(tmp_path, run_ctitan):
     assert abs(ref[6] - ref[2]) > 100 * 1e-4 * ref[2], ref
     for s in ref:
         assert abs(rows[s] - ref[s]) <= 1e-4 * ref[s], f"step {s}: val_loss {rows[s]!r} vs PyTorch {ref[s]!r}"
+
+
+def test_validation_after_the_last_step(tmp_path, run_ctitan):
+    """validation.freq's rule (--help: "optimizer steps between evaluations (and after the last
+    step)"): a run of 5 steps at freq 2 evaluates after steps 2, 4 and 5, each equal to
+    transformers' loss (lr 0 keeps the saved model). The evaluation of the last step had no test
+    where the step count was a multiple of freq (a mutation audit)."""
+    model, train, val, val_tokens = _setup(tmp_path)
+    out = tmp_path / "out"
+    sec = oracle.train_sections(out, train, tmp_path / "model", steps=5, lr=0.0, options={
+        "validation.enable": True, "validation.freq": 2, "validation.steps": 2,
+        "validation.local_batch_size": 3, "validation.dataset_path": str(val)})
+    run_ctitan(["train", "--config", oracle.write_toml(tmp_path / "c.toml", sec)])
+    rows = [r for r in oracle.read_metrics(out / "metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in rows] == [2, 4, 5], rows
+    ref = _hf_val_loss(model, val_tokens, 6)
+    assert all(abs(r["val_loss"] - ref) <= 1e-4 * ref for r in rows), (rows, ref)

@@ -258,6 +258,21 @@ static void test_errors(void) {
     expect_fail("config twice", m22, "given twice", p1, p2);
     remove(p1);
     remove(p2);
+    /* validation.steps' range (positive or -1) holds with validation off too: a config.toml
+     * written with 0 would fail only on the run that turns validation on */
+    const char *m23[] = {"--validation.steps=0", NULL};
+    expect_fail("validation.steps 0, validation off", m23, "command line", "validation.steps", NULL);
+    /* torchtitan's expert tensor parallel degree: 1 or the tensor parallel degree (--help's
+     * rule); the second was refused by a check that compared it with 1 alone */
+    const char *ok_etp[] = {"--parallelism.tensor_parallel_degree=2", "--parallelism.expert_tensor_parallel_degree=2",
+                            NULL};
+    ct_config ce;
+    ct_err ee;
+    CHECK(parse(&ce, &ee, ok_etp) == 0, "etp = tp = 2 is taken: %s", ee.msg);
+    cfg_free(&ce);
+    const char *m24[] = {"--parallelism.tensor_parallel_degree=2", "--parallelism.expert_tensor_parallel_degree=3",
+                         NULL};
+    expect_fail("etp 3 with tp 2", m24, "parallelism.expert_tensor_parallel_degree = 3", "only 1 or 2", NULL);
 
     /* cfg_validate also catches fields set directly through the struct. */
     ct_config c;
@@ -284,7 +299,7 @@ static char *dump(const ct_config *c) {
 }
 
 static void test_round_trip(void) {
-    const char *set[] = {"--job.description=quote \" back \\ nl\n tab\t ctl\x01 utf8 \xc3\xa9",
+    const char *set[] = {"--job.description=quote \" back \\ nl\n tab\t ctl\x01 us\x1f del\x7f utf8 \xc3\xa9",
                          "--job.dump_folder=/tmp/x y",
                          "--model.spec=hf",
                          "--model.hf_assets_path=hf/Qwen3-0.6B",
@@ -383,6 +398,18 @@ static void test_lists(void) {
     cfg_free(&b);
     const char *cli[] = {"--lora.target_modules=k_proj,o_proj", NULL};
     CHECK(parse(&a, &e, cli) == 0 && strcmp(a.lora_targets, "k_proj,o_proj") == 0, "cli list [%s]", a.lora_targets);
+    cfg_free(&a);
+    /* blanks around an item are not part of it, as Python's [s.strip() for s in
+     * "q_proj , v_proj".split(",")] reads the list: ["q_proj", "v_proj"] */
+    const char *spaced[] = {"--lora.target_modules=q_proj , v_proj", NULL};
+    CHECK(parse(&a, &e, spaced) == 0, "spaced cli list: %s", e.msg);
+    p = cfg_list_next(a.lora_targets, item, sizeof item);
+    CHECK(p && strcmp(item, "q_proj") == 0, "spaced first item [%s]", item);
+    p = p ? cfg_list_next(p, item, sizeof item) : NULL;
+    CHECK(p && strcmp(item, "v_proj") == 0, "spaced second item [%s]", item);
+    d = dump(&a);
+    CHECK(strstr(d, "target_modules = [\"q_proj\", \"v_proj\"]\n") != NULL, "spaced list dump:\n%s", d);
+    free(d);
     cfg_free(&a);
     static const char *const bad[] = {"[training]\nfreeze = [1, 2]\n", "[training]\nfreeze = [\"a,b\"]\n",
                                       "[training]\nfreeze = [\"\"]\n", "[lora]\nrank = [\"x\"]\n"};

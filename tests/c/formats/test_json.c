@@ -108,6 +108,9 @@ static void test_duplicate_keys(void) {
         {"[{\"x\": 1}, {\"y\": 2, \"y\": 3}]", "y"},                  /* in an array's object */
         {"{\"a\": 1, \"\\u0061\": 2}", "a"},                         /* the same key, escaped */
         {"{\"\\ud83d\\ude00\": 1, \"\xf0\x9f\x98\x80\": 2}", "\xf0\x9f\x98\x80"}, /* a surrogate pair */
+        /* the first and last pairs (U+10000, U+10FFFF): Python's json.loads makes one key of each two */
+        {"{\"\\ud800\\udc00\": 1, \"\xf0\x90\x80\x80\": 2}", "\xf0\x90\x80\x80"},
+        {"{\"\\udbff\\udfff\": 1, \"\xf4\x8f\xbf\xbf\": 2}", "\xf4\x8f\xbf\xbf"},
         {"{\"a\": 1, \"b\": {\"a\": 2}, \"c\": [{\"a\": 3}, {\"a\": 4}]}", NULL}, /* other objects */
         {"{\"a\": {\"a\": {\"a\": 1}}, \"b\": \"a\", \"c\": [\"a\", \"a\"]}", NULL},
         {"{\"a\": 1, \"A\": 2, \"a \": 3, \"\": 4}", NULL},

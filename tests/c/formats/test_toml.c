@@ -205,6 +205,10 @@ static void test_errors(void) {
         {"x = 1\n\xff\n", 2, "invalid UTF-8"},
         {"x = \"\xc3\"\n", 1, "invalid UTF-8"},
         {"x = 1\r\ny = 2\rz = 3\n", 2, "control character 0x0d after value"},
+        /* DEL (0x7f) is a control character to TOML too: tomllib refuses each of these */
+        {"x = \"a\x7f" "b\"\n", 1, "control character 0x7f"},
+        {"x = 'a\x7f" "b'\n", 1, "control character 0x7f"},
+        {"x = 1 # a\x7f\n", 1, "control character 0x7f"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         toml_doc d;
@@ -368,8 +372,29 @@ static void test_file(void) {
     CHECK(strcmp(toml_kind_name(TOML_FLOAT), "float") == 0, "kind name");
 }
 
+/* The escapes and code points test_valid leaves out: \b \f \r, the first 3-byte code
+ * point (U+0800) beside the last 2-byte one, U+FFFF and the last scalar value
+ * U+10FFFF. The bytes are tomllib's: tomllib.loads(...)["s"].encode("utf-8"). */
+static void test_escapes_tomllib(void) {
+    const char *text = "s = \"b\\bf\\fr\\r\\u0800\\u07FF\\uFFFF\\U0010FFFF\"\n";
+    const char want[] = "b\x08" "f\x0c" "r\r\xe0\xa0\x80\xdf\xbf\xef\xbf\xbf\xf4\x8f\xbf\xbf";
+    toml_doc d;
+    ct_err e;
+    int rc = parse(text, &d, &e);
+    CHECK(rc == 0, "escapes: %s", e.msg);
+    const toml_value *v = rc ? NULL : get(&d, "", "s");
+    CHECK(v && v->kind == TOML_STRING && strcmp(v->s, want) == 0, "escapes decode as tomllib does");
+    if (v && strcmp(v->s, want) != 0) {
+        fprintf(stderr, "  got:");
+        for (const unsigned char *q = (const unsigned char *)v->s; *q; q++) fprintf(stderr, " %02x", *q);
+        fprintf(stderr, "\n");
+    }
+    toml_free(&d);
+}
+
 int main(void) {
     test_valid();
+    test_escapes_tomllib();
     test_errors();
     test_nested();
     test_file();
