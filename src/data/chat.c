@@ -151,8 +151,16 @@ static int msgs_from_list(const cJSON *list, const char *name, chat_msg *out, ct
         if (bad) {
             const cJSON *v = !strcmp(bad, "role") ? role : content;
             if (!v && (cJSON_GetObjectItemCaseSensitive(it, "from") || cJSON_GetObjectItemCaseSensitive(it, "value")))
-                return ct_fail(e, CT_ERR_FORMAT, "%s[%d].%s: missing; \"from\"/\"value\" turns are %s", name, i, bad,
-                               CHAT_SHAREGPT_HINT);
+                return strcmp(name, "messages")
+                           /* the prompt-completion lists: a recipe that keeps the layout */
+                           ? ct_fail(e, CT_ERR_FORMAT,
+                                     "%s[%d].%s: missing; \"from\"/\"value\" turns are read under \"conversations\" "
+                                     "only (as TRL): rename them with jq -c '(.prompt, .completion)[] |= {role: "
+                                     "({\"human\": \"user\", \"gpt\": \"assistant\"}[.from] // .from), content: .value}' "
+                                     "IN.jsonl > OUT.jsonl",
+                                     name, i, bad)
+                           : ct_fail(e, CT_ERR_FORMAT, "%s[%d].%s: missing; \"from\"/\"value\" turns are %s", name, i,
+                                     bad, CHAT_SHAREGPT_HINT);
             if (cJSON_IsArray(v) && !strcmp(bad, "content"))
                 return ct_fail(e, CT_ERR_FORMAT,
                                "%s[%d].content: expected a string, got a list (content as a list of parts, "
@@ -174,7 +182,9 @@ static int msgs_from_list(const cJSON *list, const char *name, chat_msg *out, ct
 static int turn_list(const cJSON *root, const char *name, const cJSON **list, ct_err *e) {
     *list = cJSON_GetObjectItemCaseSensitive(root, name);
     if (!*list) return ct_fail(e, CT_ERR_FORMAT, "no \"%s\" field", name);
-    if (!cJSON_IsArray(*list)) return ct_fail(e, CT_ERR_FORMAT, "%s: expected a list of {role, content}", name);
+    if (!cJSON_IsArray(*list))
+        return ct_fail(e, CT_ERR_FORMAT, "%s: expected a list of %s", name,
+                       strcmp(name, "conversations") ? "{role, content}" : "{from, value}");
     if (!cJSON_GetArraySize(*list)) return ct_fail(e, CT_ERR_FORMAT, "%s: empty list", name);
     return 0;
 }
@@ -225,7 +235,8 @@ chat_layout chat_layout_of(const void *json_object) {
 }
 
 /* Renames key `from` of object o to `to`, as Python's o[to] = o.pop(from): the item
- * moves to the end, replacing an item `to` already there. */
+ * moves to the end, or, where `to` is already there, takes its value in its place
+ * (as the dict assignment keeps an existing key's position). */
 static void rename_key(cJSON *o, const char *from, const char *to) {
     cJSON *v = cJSON_DetachItemFromObjectCaseSensitive(o, from);
     if (v && !cJSON_ReplaceItemInObjectCaseSensitive(o, to, v)) cJSON_AddItemToObject(o, to, v);

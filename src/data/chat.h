@@ -133,12 +133,11 @@ int chat_record_fits(const chat_tmpl *c, const void *record, ct_err *e);
  * targets, every later one is (the completion starts where they part, so a prompt
  * whose rendering is no prefix of the whole loses its differing end from the
  * prompt, as TRL's common_prefix_length). No EOS belongs to the example (TRL adds
- * none to conversational data). c NULL: the built-in ChatML, which, as the template
- * it equals, writes no generation prompt. Without completion_only the same ids, with
+ * none to conversational data). c NULL: the built-in ChatML, whose prompt ends with
+ * ChatML's generation prompt, as Qwen's templates write it. Without completion_only the same ids, with
  * the targets of prompt + completion as a conversation: the assistant replies
  * (assistant_only, chat_encode_tmpl's mask) or every token. (TRL with both options on
- * takes the tokens in both masks; ctitan keeps the completion's, its behaviour before
- * the options: see docs/data.md.) msgs/n/n_prompt: chat_record's; record: the cJSON
+ * takes the tokens in both masks; ctitan keeps the completion's: see docs/data.md.) msgs/n/n_prompt: chat_record's; record: the cJSON
  * object they came from (its tools and chat_template_kwargs reach the template).
  * Nothing is appended on error. */
 int chat_encode_pc(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *record, const chat_msg *msgs, int n,

@@ -669,7 +669,7 @@ static void warn_unused_template(const char *spec, const char *const *paths, int
     else snprintf(what, sizeof what, "and the %d sources after it: none is chat data", n_paths - 1);
     fprintf(stderr,
             "ctitan: warning: chat template \"%s\" is not applied to %s%s%s (JSON Lines whose objects have "
-            "\"messages\"), and only chat data is rendered with a template\n",
+            "\"messages\", \"conversations\" or a \"prompt\" list), and only chat data is rendered with a template\n",
             spec, paths[0], n_paths == 1 ? ": " : " ", what);
 }
 

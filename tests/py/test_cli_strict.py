@@ -208,7 +208,7 @@ def prepare(run_ctitan, tokdir, src, out, *extra):  # noqa: F811
     return run_ctitan(["prepare", "--tokenizer", tokdir, "--input", src, "--out", out, "--quiet"] + list(extra))
 
 
-TAIL = ' (JSON Lines whose objects have "messages"), and only chat data is rendered with a template'
+TAIL = ' (JSON Lines whose objects have "messages", "conversations" or a "prompt" list), and only chat data is rendered with a template'
 
 
 @pytest.mark.parametrize("src, kind", [("d.txt", "text"), ("d.jsonl", "jsonl")])

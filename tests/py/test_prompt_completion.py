@@ -318,6 +318,27 @@ def test_sharegpt_role_names_are_refused_with_a_recipe(tokdir, run_ctitan, tmp_p
                 "--out", tmp_path / "o2", "--quiet"])
 
 
+def test_from_value_turns_in_prompt_completion_get_a_recipe_that_keeps_the_layout(tokdir, run_ctitan,  # noqa: F811
+                                                                                  tmp_path):
+    """from/value turns in "prompt"/"completion" lists: TRL converts them only under
+    "conversations". The recipe named the ShareGPT program, whose `(.conversations //
+    .messages)[]` fails on such a record (jq: cannot iterate over null); it now renames the
+    turns in place, and its result (the jq program, done here in Python) trains as the
+    role/content record does."""
+    rec = {"prompt": [{"from": "human", "value": "Colour of the sky?"}],
+           "completion": [{"from": "gpt", "value": "Blue."}]}
+    err = refused(run_ctitan, tokdir, write_jsonl(tmp_path / "fv.jsonl", [rec]))
+    assert "prompt[0].role: missing" in err and "jq -c '(.prompt, .completion)[] |= {role: " in err, err
+    names = {"human": "user", "gpt": "assistant"}
+    fixed = {k: [{"role": names.get(t["from"], t["from"]), "content": t["value"]} for t in rec[k]]
+             for k in ("prompt", "completion")}
+    assert fixed == CONV_PC
+    for name, r in (("fixed", fixed), ("want", CONV_PC)):
+        run_ctitan(["prepare", "--tokenizer", tokdir, "--input", write_jsonl(tmp_path / f"{name}.jsonl", [r]),
+                    "--out", tmp_path / name, "--quiet"])
+    assert [x.tolist() for x in prepared(tmp_path / "fixed")[1:]] == [x.tolist() for x in prepared(tmp_path / "want")[1:]]
+
+
 def test_string_prompt_completion_read_as_chat_says_what_it_is(tokdir, run_ctitan, tmp_path):  # noqa: F811
     src = write_jsonl(tmp_path / "pc.jsonl", RECORDS[:1])
     err = refused(run_ctitan, tokdir, src, "--kind", "chat")
@@ -338,7 +359,7 @@ def test_string_prompt_completion_read_as_chat_says_what_it_is(tokdir, run_ctita
      '"completion" is not a list of messages (a conversational prompt-completion file'),
     ([CONV_PC, {"prompt": [{"role": "user", "content": "x"}], "completion": []}], 2, "completion: empty list"),
     ([CONV_PC, {"prompt": [{"from": "human", "value": "x"}], "completion": CONV_PC["completion"]}], 2,
-     'prompt[0].role: missing; "from"/"value" turns are ShareGPT\'s layout, read under "conversations" only'),
+     'prompt[0].role: missing; "from"/"value" turns are read under "conversations" only (as TRL): rename them with jq'),
     ([CONV_PC, {"prompt": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
                 "completion": CONV_PC["completion"]}], 2,
      "prompt[0].content: expected a string, got a list (content as a list of parts"),
