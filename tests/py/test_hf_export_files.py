@@ -194,6 +194,25 @@ def test_extending_a_finished_run_keeps_its_final_export(src, data, tmp_path, ru
     assert_like_save_pretrained(again, src)
 
 
+def test_export_carries_chat_template_jinja(finished, src, tmp_path, run_ctitan):
+    """transformers >= 4.43 saves a tokenizer's chat template as chat_template.jinja beside
+    tokenizer_config.json, and that file wins over tokenizer_config.json's "chat_template"
+    when it loads: an export from a model directory holding one must carry it, or the
+    exported tokenizer renders chats with another template. The template here differs from
+    the fixture's ChatML in tokenizer_config.json, so a missing copy shows."""
+    from transformers import AutoTokenizer
+    tok_src = tmp_path / "tok"
+    shutil.copytree(src, tok_src)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant: {% endif %}")
+    (tok_src / "chat_template.jinja").write_text(template)
+    want = AutoTokenizer.from_pretrained(tok_src).chat_template
+    assert want == template  # the file is what transformers takes, not tokenizer_config.json's
+    run_ctitan(["export", "--checkpoint", finished / "step-4", "--tokenizer", tok_src, "--out", tmp_path / "exp"])
+    assert AutoTokenizer.from_pretrained(tmp_path / "exp").chat_template == want
+    assert (tmp_path / "exp" / "chat_template.jinja").read_text() == template
+
+
 def test_merge_takes_the_tokenizer_from_its_base(src, tmp_path, run_ctitan):
     """Issue 4: with --merge, the base HF directory is the default tokenizer source."""
     from transformers import AutoConfig

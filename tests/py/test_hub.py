@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -463,6 +464,31 @@ def test_revision_other_than_main(tmp_path, fake_hub, models, ctitan):
     # a revision the repo does not have
     _, err = ctitan(["generate", "--checkpoint", "org/tiny", "--revision", "nope", *GEN], env, expect=2)
     assert "org/tiny" in err and "RevisionNotFound" in err and "nope" in err, err
+
+
+def test_commit_revision_writes_no_ref(tmp_path, fake_hub, models, ctitan):
+    """A 40-hex commit as the revision: the snapshot is filled and no refs/<commit> is
+    written, as huggingface_hub does (file_download._cache_commit_hash_for_specific_revision
+    writes refs/<revision> only when the revision is not the commit). huggingface_hub itself,
+    downloading from the same fake Hub at that commit into another cache, is the reference."""
+    commit = fake_hub.repos["org/tiny"].refs["v2"]
+    cache = tmp_path / "cache"
+    out, _ = ctitan(["download", "org/tiny", "--revision", commit], hub_env(cache, fake_hub))
+    assert out.strip() == str(snapshot(cache, "org/tiny", commit))
+    assert (snapshot(cache, "org/tiny", commit) / "config.json").is_file()
+    ref_cache = tmp_path / "hf_cache"
+    code = ("import sys; from huggingface_hub import hf_hub_download; "
+            "hf_hub_download('org/tiny', 'config.json', revision=sys.argv[1])")
+    p = subprocess.run([sys.executable, "-c", code, commit], env=hub_env(ref_cache, fake_hub), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (snapshot(ref_cache, "org/tiny", commit) / "config.json").is_file()
+
+    def refs(c):
+        d = c / "models--org--tiny" / "refs"
+        return sorted(f.name for f in d.iterdir()) if d.is_dir() else []
+    assert refs(ref_cache) == [], refs(ref_cache)  # huggingface_hub's verdict
+    assert refs(cache) == refs(ref_cache), refs(cache)
 
 
 def test_sharded_model(tmp_path, fake_hub, models, ctitan):

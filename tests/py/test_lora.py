@@ -539,6 +539,65 @@ def test_dropout_training_step_matches_peft_with_same_mask(tmp_path, open_sessio
     assert not bad, "adapter gradients with dropout differ from PEFT's with the same mask:\n" + "\n".join(bad)
 
 
+def test_dropout_masks_differ_between_micro_batches(tmp_path, run_ctitan):
+    """`ctitan train` with lora.dropout = 0.3 and two micro-batches per step (global batch
+    2 x local): each micro-batch draws its own mask (docs/lora.md: the hash takes the
+    micro-batch index), so step 1's loss and pre-clip grad norm are PEFT's with micro-batch
+    a's adapters' dropout replaced by lora_dropout_keep(seed, 1, a, ...), the gradients
+    accumulated over both as torch does. The same masks for both micro-batches give another
+    loss and norm (checked here, so the comparison can tell them apart)."""
+    p, r, alpha, seed = 0.3, 4, 12.0, 5
+    cfg = dense_cfg()
+    hf_dir, ad, pm, params, lora = OL.random_all7_adapter(tmp_path, cfg, hf_seed=43, r=r, alpha=alpha, seed=11)
+    accum = GLOBAL_BS // LOCAL_BS
+    assert accum == 2
+    stream = oracle.random_tokens(accum * LOCAL_BS * (L + 1), cfg.vocab_size, seed=17)
+    mbs = oracle.micro_batches(stream, L, LOCAL_BS, accum)
+    total = sum(oracle.n_valid(lab) for _, lab in mbs)
+    widths = {"q_proj": cfg.hidden_size, "k_proj": cfg.hidden_size, "v_proj": cfg.hidden_size,
+              "o_proj": cfg.num_attention_heads * cfg.head_dim, "gate_proj": cfg.hidden_size,
+              "up_proj": cfg.hidden_size, "down_proj": cfg.intermediate_size}
+    layers = pm.base_model.model.model.layers
+
+    def reference(micro_of):
+        """Step 1's loss and grad norm with micro-batch a's masks drawn for micro index micro_of(a)."""
+        pm.zero_grad(set_to_none=True)
+        loss = 0.0
+        for a, (inp, lab) in enumerate(mbs):
+            for l in range(cfg.num_hidden_layers):
+                for j, mod in enumerate(OL.ALL7):
+                    keep = lora_dropout_keep(seed, step=1, micro=micro_of(a), layer=l, proj=j,
+                                             n=LOCAL_BS * L * widths[mod], p=p)
+                    sub = getattr(layers[l], "self_attn" if mod in OL.ATTN else "mlp")
+                    getattr(sub, mod).lora_dropout["default"] = _FixedDropout(keep.reshape(LOCAL_BS, L, -1), p)
+            ls, _ = oracle.ce_sum(pm, inp, lab)
+            (ls / total).backward()
+            loss += ls.item()
+        norm = torch.sqrt(sum((params[n].grad.double() ** 2).sum() for n in lora)).item()
+        pm.zero_grad(set_to_none=True)
+        return loss / total, norm
+
+    want_loss, want_norm = reference(lambda a: a)
+    same_loss, same_norm = reference(lambda a: 0)
+    assert abs(same_loss - want_loss) > 100 * TOL * want_loss, "test setup: micro-batch 1's mask hardly matters"
+    assert abs(same_norm - want_norm) > 100 * TOL * want_norm, "test setup: micro-batch 1's mask hardly matters"
+
+    data = oracle.write_bin(tmp_path / "d.bin", stream)
+    out = tmp_path / "out"
+    sec = train_sections(hf_dir, data, out, 1)
+    sec["training"]["seed"] = seed
+    sec["lr_scheduler"]["warmup_steps"] = 1
+    sec["checkpoint"] = {"initial_load_path": str(hf_dir), "initial_load_in_hf": True}
+    sec["lora"] = {"rank": r, "alpha": alpha, "use_rslora": False, "adapter_path": str(ad), "dropout": p}
+    run_ctitan(["train", "--config", oracle.write_toml(tmp_path / "train.toml", sec)])
+    row = oracle.read_metrics(out / "metrics.jsonl")[0]
+    assert row["step"] == 1
+    assert close(row["loss"], want_loss, TOL), \
+        f"loss {row['loss']} vs PEFT with each micro-batch's mask {want_loss} (one mask for both: {same_loss})"
+    assert close(row["grad_norm"], want_norm, TOL), \
+        f"grad norm {row['grad_norm']} vs PEFT with each micro-batch's mask {want_norm} (one mask: {same_norm})"
+
+
 # --------------------------------------------------------------------------- 5. freeze without LoRA
 
 def test_freeze_without_lora(tmp_path, open_session):

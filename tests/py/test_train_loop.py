@@ -192,6 +192,45 @@ def test_lr_schedule_every_step(decay_type, decay_ratio, tmp_path, run_ctitan):
         assert want.count(lr) >= 2, want
 
 
+def test_shuffled_order_follows_training_seed(tmp_path, run_ctitan):
+    """docs/data.md: with training.shuffle, epoch e's window order is a permutation drawn
+    from a generator seeded with training.seed + e. With lr = 0 the loaded model never
+    changes, so step k's loss is transformers' loss on the window the loader gave step k,
+    and the order is read off the metrics: each one-epoch run takes every window once; the
+    same seed takes the same order; two runs that differ only in training.seed take
+    different orders (the weights come from initial_load_path, so the seed changes nothing
+    else)."""
+    n = 6
+    cfg = model_cfg(False)
+    hf_dir = tmp_path / "hf"
+    model = oracle.save_random_hf(hf_dir, cfg, seed=25)
+    tokens = oracle.random_tokens(n * (L + 1), cfg.vocab_size, seed=16)
+    data = oracle.write_bin(tmp_path / "tokens.bin", tokens)
+    w = oracle.windows(tokens, L)
+    per_window = [oracle.hf_loss(model, w[i:i + 1, :-1], w[i:i + 1, 1:]) for i in range(n)]
+    gap = min(abs(a - b) for i, a in enumerate(per_window) for b in per_window[i + 1:])
+    assert gap > 10 * TOL * max(per_window), per_window  # each loss names its window
+
+    def order(seed, tag):
+        out = tmp_path / f"out_{tag}"
+        sec = train_sections(hf_dir, data, out, n)
+        sec["optimizer"]["lr"] = 0.0
+        sec["training"].update(local_batch_size=1, global_batch_size=1, seed=seed, shuffle=True)
+        sec["checkpoint"] = {"initial_load_path": str(hf_dir), "initial_load_in_hf": True}
+        run_ctitan(["train", "--config", oracle.write_toml(tmp_path / f"{tag}.toml", sec)])
+        got = []
+        for r in oracle.read_metrics(out / "metrics.jsonl"):
+            k = min(range(n), key=lambda i: abs(per_window[i] - r["loss"]))
+            assert close(r["loss"], per_window[k], TOL), (r["step"], r["loss"], per_window)
+            got.append(k)
+        assert sorted(got) == list(range(n)), got  # one epoch: a permutation of the windows
+        return got
+
+    a, b, a2 = order(1, "a"), order(2, "b"), order(1, "a2")
+    assert a == a2, (a, a2)
+    assert a != b, f"training.seed 1 and 2 gave the same shuffled order {a}"
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_throughput_and_flops_figures(tied, tmp_path, run_ctitan):
     """tps, step_time_s, tflops and the banner's FLOPs/token of a run with 2 micro-batches per

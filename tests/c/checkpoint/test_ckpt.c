@@ -591,6 +591,43 @@ static void test_prune(void) {
     tiny_free(&a);
 }
 
+/* docs/checkpoints.md, "Pruning": keep_latest_k keeps the newest k *full*
+ * checkpoints (a final model-only save never pushes out the last resumable
+ * one) and never removes a final export (a finished run's model, extended
+ * since). Folder: full step-2 and step-4, a final HF export at step-3 (an
+ * extended run trained past it), a model-only step-6; k = 1 keeps step-4 (the
+ * newest full one), so only step-2 goes: step-3, step-4 and step-6 stay. */
+static void test_prune_counts_full_only(void) {
+    char folder[4096], p[4096];
+    fresh(folder, "prune_kinds");
+    tiny a;
+    tiny_make(&a, 0, 11);
+    ct_err e = {0};
+    CHECK(save(folder, 2, &a, 1, &e) == 0, "save step-2: %s", e.msg);
+    CHECK(save(folder, 4, &a, 1, &e) == 0, "save step-4: %s", e.msg);
+    CHECK(save(folder, 6, &a, 0, &e) == 0, "model-only save step-6: %s", e.msg);
+    pathf(p, "%s/%s", folder, "step-3");
+    mkdir(p, 0755);
+    char q[4096];
+    pathf(q, "%s/%s", p, "config.json");
+    write_file(q, "{}", 2);
+    pathf(q, "%s/%s", p, "model.safetensors");
+    write_file(q, "export", 6);
+    CHECK(ckpt_dir_kind(p) == CKPT_DIR_HF_MODEL, "step-3 is not seen as an HF export");
+
+    CHECK(ckpt_prune(folder, 1, &e) == 0, "prune k=1: %s", e.msg);
+    pathf(p, "%s/%s", folder, "step-4");
+    CHECK(ckpt_verify(p, &e) == 0, "k=1 removed step-4, the newest full checkpoint (model-only step-6 counted): %s",
+          e.msg);
+    pathf(p, "%s/%s", folder, "step-3/config.json");
+    CHECK(exists(p), "k=1 removed the final HF export step-3");
+    pathf(p, "%s/%s", folder, "step-6");
+    CHECK(exists(p), "k=1 removed the model-only step-6");
+    pathf(p, "%s/%s", folder, "step-2");
+    CHECK(!exists(p), "k=1 kept step-2, older than the kept step-4");
+    tiny_free(&a);
+}
+
 /* Disk full (RLIMIT_FSIZE): the save fails naming the path, the temp dir is
  * gone, and the earlier checkpoints (including the one being replaced) stay
  * intact and loadable. */
@@ -704,6 +741,7 @@ int main(void) {
     test_hostile_manifest();
     test_select();
     test_prune();
+    test_prune_counts_full_only();
     test_write_failure();
     test_keep_token_ids();
     rm_rf(g_root);
