@@ -325,17 +325,23 @@ static void encode_range(run *r, batch *b, size_t lo, size_t hi) {
         chat_mask mask = b->slots[i].mask;
         ids.n = mask.n = 0;
         ct_err err = {0};
-        int conv_all = it->msgs && !it->pc && !r->o->assistant_only_loss; /* every token a target */
-        int rc = it->pc == 2 ? chat_encode_pc(r->chat, r->enc[tid], r->t, it->json, it->msgs, it->n_msgs,
-                                              it->n_prompt, r->o->completion_only_loss, r->o->assistant_only_loss,
-                                              &ids, &mask, &err)
-                 : it->pc    ? encode_prompt_completion(r->enc[tid], it, r->o->completion_only_loss, &ids, &mask, &err)
-                 : !it->msgs ? tok_encode(r->enc[tid], it->text, it->len, &ids, &err)
-                 : r->chat ? chat_encode_tmpl(r->chat, r->enc[tid], r->t, it->json,
-                                              cJSON_GetObjectItemCaseSensitive(it->json, "messages"), !conv_all, &ids,
-                                              &mask, &err)
-                           : chat_encode(r->enc[tid], r->t, it->msgs, it->n_msgs, &ids, &mask, &err);
-        if (!rc && conv_all && !r->chat) memset(mask.v, 1, mask.n);
+        const ds_tok_opts *o = r->o;
+        int rc;
+        if (it->pc == 2) /* conversational prompt-completion */
+            rc = chat_encode_pc(r->chat, r->enc[tid], r->t, it->json, it->msgs, it->n_msgs, it->n_prompt,
+                                o->completion_only_loss, o->assistant_only_loss, &ids, &mask, &err);
+        else if (it->pc) /* prompt-completion strings */
+            rc = encode_prompt_completion(r->enc[tid], it, o->completion_only_loss, &ids, &mask, &err);
+        else if (!it->msgs) /* text */
+            rc = tok_encode(r->enc[tid], it->text, it->len, &ids, &err);
+        else if (r->chat) /* a conversation, through the template */
+            rc = chat_encode_tmpl(r->chat, r->enc[tid], r->t, it->json,
+                                  cJSON_GetObjectItemCaseSensitive(it->json, "messages"), o->assistant_only_loss, &ids,
+                                  &mask, &err);
+        else { /* a conversation, through the built-in ChatML; every token a target without assistant_only_loss */
+            rc = chat_encode(r->enc[tid], r->t, it->msgs, it->n_msgs, &ids, &mask, &err);
+            if (!rc && !o->assistant_only_loss) memset(mask.v, 1, mask.n);
+        }
         b->slots[i].ids = ids;
         b->slots[i].mask = mask;
         if (rc) {
