@@ -8,7 +8,9 @@
  * stdout and stderr; the others still report their own errors, prefixed
  * with the rank. A failure that may be one rank's alone ends the whole job
  * with MPI_Abort rather than leaving the others waiting in a collective;
- * a config error is the same on every rank and exits 2 normally. */
+ * a config error is the same on every rank and exits 2 normally, and one
+ * that a rank may meet alone (its own copy of a file, its own CPU) goes
+ * through an agreement first (trainer_agree), which makes it the same. */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <stdio.h>
@@ -116,25 +118,27 @@ int cli_train(int argc, char **argv) {
     }
     ct_config cfg;
     cfg_defaults(&cfg);
-    if (cfg_parse_args(&cfg, argc, argv, &e)) {
-        cfg_free(&cfg);
-        return finish(&world, err, e.code, &e);
-    }
-    cfg_warn_unused(&cfg); /* the ranks that do not log have no stderr by now */
-    if (dry) { /* every rank checks the layout (a bad one exits 2 everywhere); rank 0 alone prints */
-        int launched = world.be != &comm_single_backend;
-        int rc = trainer_dry_run(&cfg, launched ? world.size : 0, world.rank == 0 ? stdout : NULL, &e);
-        cfg_free(&cfg);
-        return finish(&world, err, rc, &e);
-    }
-    trainer t;
+    int rc = cfg_parse_args(&cfg, argc, argv, &e);
+    if (!rc) cfg_warn_unused(&cfg); /* the ranks that do not log have no stderr by now */
     /* the config's own errors first (a kernel name), then the files it names */
-    int rc = trainer_check_kernels(&cfg, &e);
-    if (!rc) rc = check_data(&cfg, &e);
+    if (!rc && !dry) rc = trainer_check_kernels(&cfg, &e);
+    if (!rc && !dry) rc = check_data(&cfg, &e);
+    /* Each rank reads its own machine's copy of --config and checks its own CPU and
+     * disk: one may fail alone (a broken copy of the file, a kernel its CPU lacks),
+     * and a config error is rank 0's to print. Agreed here, so that no rank goes on
+     * into the trainer's collectives without the others, and rank 0 prints it. */
+    rc = trainer_agree_world(&world, rc, "check its config, kernels and data", &e);
     if (rc) {
         cfg_free(&cfg);
         return finish(&world, err, rc, &e);
     }
+    if (dry) { /* every rank checks the layout (a bad one exits 2 everywhere); rank 0 alone prints */
+        int launched = world.be != &comm_single_backend;
+        rc = trainer_dry_run(&cfg, launched ? world.size : 0, world.rank == 0 ? stdout : NULL, &e);
+        cfg_free(&cfg);
+        return finish(&world, err, rc, &e);
+    }
+    trainer t;
     rc = trainer_init_dist(&t, &cfg, &world, &e);
     if (!rc) rc = trainer_run(&t, &e);
     if (rc && rc != CT_STOPPED && rc != CT_ERR_CONFIG && world.size > 1) return finish(&world, err, rc, &e);

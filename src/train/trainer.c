@@ -535,7 +535,9 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
     lm_config mc;
     int rc = trainer_resolve_hub(c, 0, e);
     if (!rc) rc = trainer_model_config(c, &mc, e);
-    if (rc) return rc;
+    /* each rank reads its own machine's copy of the model's config.json (or its
+     * own Hub cache): one may fail alone, where the others went on into plan_init */
+    if ((rc = trainer_agree(t, rc, "read the model's config", e))) return rc;
     /* the layout is checked before anything big is built */
     if ((rc = plan_init(&t->plan, world, c, &mc, trainer_layout_origin(c), e))) return rc;
     int dp = t->plan.mesh.dp_size, per_step = c->local_batch_size * dp;
@@ -1195,15 +1197,22 @@ int trainer_run(trainer *t, ct_err *e) {
             (rc = trainer_memory_snapshot(t, step, stderr, e)))
             goto out;
         log_step(t, &files, &clock, step, loss, gnorm, lr, aux, n_valid);
-        if (!isfinite(loss)) {
-            rc = ct_fail(e, CT_ERR_IO, "training diverged: loss is %g at step %d", loss, step);
-            goto out;
-        }
         int last = step == c->steps;
         /* a stop on the last step is just the end of the run */
-        /* every rank must stop after the same step (a signal may reach them apart) */
-        int32_t sig = stop_requested;
-        comm_allreduce(t->world, &sig, 1, COMM_I32, COMM_MAX);
+        /* every rank must stop after the same step (a signal may reach them apart),
+         * and a loss that is not finite ends every rank together: each met it alone,
+         * and each aborted the others at once (MPI_Abort on every rank, which crashed
+         * mpirun in a CI run: agree_on_pick) */
+        int32_t flags[2] = {stop_requested, !isfinite(loss)};
+        comm_allreduce(t->world, flags, 2, COMM_I32, COMM_MAX);
+        if (flags[1]) {
+            rc = isfinite(loss) ? ct_fail(e, CT_ERR_IO, "training diverged: another rank's loss is not finite at "
+                                          "step %d", step)
+                                : ct_fail(e, CT_ERR_IO, "training diverged: loss is %g at step %d", loss, step);
+            e->all_ranks = 1; /* every rank knows it from the all-reduce */
+            goto out;
+        }
+        int32_t sig = flags[0];
         int stop = !last && (sig || (c->stop_at_step > 0 && step == c->stop_at_step));
         if (stop) {
             /* preemption: save first (validation could outlast the grace period), and

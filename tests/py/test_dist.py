@@ -448,6 +448,82 @@ def test_data_error_on_one_rank_alone_is_reported(setup, tokdir, tmp_path):  # n
         assert words in err[0], f"{words!r} not in: {err[0]}"
 
 
+def mpmd(args, rank1, env1=()):
+    """mpirun's MPMD form: rank 1 runs the same command with `rank1` appended and, before it,
+    the environment `env1` (through env(1)): what another machine's disk or CPU gives it."""
+    args = [str(a) for a in args]
+    return mpirun() + ["-np", "1", str(BIN), *args, ":", "-np", "1", *(["env", *env1] if env1 else []), str(BIN),
+                       *args, *[str(a) for a in rank1]]
+
+
+def run_once_reported(cmd, code, words, timeout=120):
+    """The job ends with `code` and one error line, holding every one of `words`."""
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == code, f"exit {p.returncode}\n{p.stderr[-3000:]}"
+    err = [l for l in p.stderr.splitlines() if "ctitan: error" in l]
+    assert len(err) == 1, f"expected the error once:\n{p.stderr[-3000:]}"
+    for w in words:
+        assert w in err[0], f"{w!r} not in: {err[0]}"
+    return p
+
+
+def test_kernel_one_machine_cannot_run_is_reported(setup, tmp_path):
+    """kernels.matmul = avx512 where rank 1's machine has AVX2 only (CTITAN_ISA=avx2 there):
+    rank 1 alone met the config error, in cli_train's kernel check, and ended without a
+    word (config errors are rank 0's to print); rank 0 went on into the trainer's first
+    collectives and waited there for ever."""
+    d, data = setup
+    args = train_args(d / "model", data, tmp_path / "out", "--kernels.matmul=avx512", "--training.steps=2")
+    run_once_reported(mpmd(args, [], ["CTITAN_ISA=avx2"]), 2,
+                      ("rank 1 of 2 failed to", "matmul=avx512 needs CPU features"))
+
+
+def test_config_file_one_machine_reads_differently_is_reported(setup, tmp_path):
+    """The --config file lies on each machine's disk, and rank 1's copy is broken TOML: rank 1
+    alone met the config error while parsing it, and ended without a word; rank 0 waited in
+    the trainer's first collectives for ever."""
+    d, data = setup
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir(), bad.mkdir()
+    (good / "run.toml").write_text('[training]\nsteps = 2\n')
+    (bad / "run.toml").write_text('[training]\nsteps = = 2\n')
+    args = ["train", f"--config={good / 'run.toml'}"] + train_args(d / "model", data, tmp_path / "out")[1:]
+    args = [a for a in args if not str(a).startswith("--training.steps=")]
+    cmd = mpmd(args, [])
+    i = len(cmd) - 1 - cmd[::-1].index(f"--config={good / 'run.toml'}")
+    cmd[i] = f"--config={bad / 'run.toml'}"
+    run_once_reported(cmd, 2, ("rank 1 of 2 failed to", str(bad / "run.toml")))
+
+
+def test_model_config_one_machine_reads_differently_is_reported(setup, tmp_path):
+    """Rank 1's machine holds a broken copy of the model's config.json (num_attention_heads
+    not a multiple of num_key_value_heads): rank 1 alone failed to read the model's config
+    and ended without a word; rank 0 waited in plan_init's collectives for ever."""
+    d, data = setup
+    other = tmp_path / "model_b"
+    shutil.copytree(d / "model", other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["num_key_value_heads"] = 3
+    (other / "config.json").write_text(json.dumps(cfg))
+    args = train_args(d / "model", data, tmp_path / "out", "--training.steps=2")
+    run_once_reported(mpmd(args, [f"--model.hf_assets_path={other}"]), 2,
+                      ("rank 1 of 2 failed to", "not a multiple of num_key_value_heads"))
+
+
+def test_diverged_run_ends_every_rank_without_abort(setup, tmp_path):
+    """A loss that is not finite (lr 1e30) is met by every rank at the same step (the loss is
+    reduced over the ranks). Each rank used to take it for its own failure and call MPI_Abort,
+    all at once, which crashed mpirun itself in a CI run (trainer_ckpt.c, agree_on_pick); now
+    the ranks learn of it together, in the step's stop all-reduce, and each ends on its own."""
+    d, data = setup
+    p = run(2, train_args(d / "model", data, tmp_path / "out", "--optimizer.lr=1e30", "--lr_scheduler.warmup_steps=0",
+                          "--training.steps=20"), check=False, timeout=60)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "ctitan: error: [rank 0] training diverged: loss is nan at step" in p.stderr, p.stderr[-3000:]
+    assert "ending the job" not in p.stderr and "MPI_ABORT was invoked" not in p.stderr, p.stderr[-3000:]
+
+
 def test_sigusr1_to_mpirun_stops_every_rank_with_a_checkpoint(setup, tmp_path):
     """mpirun forwards SIGUSR1 (its own SIGTERM kills the ranks at once): every rank stops
     after the same step, rank 0 saves, the job exits 75, and the same command resumes from
