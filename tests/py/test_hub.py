@@ -669,7 +669,7 @@ def test_offline(tmp_path, fake_hub, models, ctitan):
 
 def test_local_dir_wins_and_non_ids(tmp_path, fake_hub, models, ctitan):
     """An existing directory named like an id is a directory; a missing path that is not
-    id-shaped keeps its old error and asks nothing of the Hub."""
+    id-shaped is a missing file (exit 1, in generate as in import) and asks nothing of the Hub."""
     local = tmp_path / "org" / "tiny"
     local.parent.mkdir()
     os.symlink(models["v2"], local)
@@ -680,8 +680,8 @@ def test_local_dir_wins_and_non_ids(tmp_path, fake_hub, models, ctitan):
     assert p.returncode == 0, p.stderr
     assert p.stdout == hf_greedy(models["v2"])
     assert not fake_hub.log, "a local directory went to the Hub"
-    _, err = ctitan(["generate", "--checkpoint", tmp_path / "missing", *GEN], env, expect=2)
-    assert "--checkpoint" in err and not fake_hub.log
+    _, err = ctitan(["generate", "--checkpoint", tmp_path / "missing", *GEN], env, expect=1)
+    assert "--checkpoint" in err and "no such directory" in err and not fake_hub.log
     _, err = ctitan(["import", "--hf", "./not/there", "--out", tmp_path / "ck"], env, expect=1)
     assert not fake_hub.log
 
