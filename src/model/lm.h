@@ -219,6 +219,9 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e);
 /* Writes an HF config.json that transformers loads as Qwen3ForCausalLM
  * (Qwen3MoeForCausalLM when n_experts > 0). */
 int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_name, ct_err *e);
+/* The text lm_config_write_hf writes (malloc'd; free it; NULL when out of
+ * memory): also the model's fingerprint, which the ranks of a run compare. */
+char *lm_config_hf_json(const lm_config *c, const char *dtype_name);
 /* Checks a config for sizes the model cannot run (e.g. nH % nKV != 0). */
 int lm_config_check(const lm_config *c, const char *where, ct_err *e);
 

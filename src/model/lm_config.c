@@ -632,7 +632,7 @@ static void add_float(cJSON *o, const char *key, double v) {
     }
 }
 
-int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_name, ct_err *e) {
+char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
     const lm_family *f = family_of_config(c);
     cJSON *o = cJSON_CreateObject();
     cJSON *arch = cJSON_AddArrayToObject(o, "architectures");
@@ -716,6 +716,12 @@ int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_n
     }
     char *text = cJSON_Print(o);
     cJSON_Delete(o);
+    return text; /* NULL: out of memory, cJSON's only failure */
+}
+
+int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_name, ct_err *e) {
+    char *text = lm_config_hf_json(c, dtype_name);
+    if (!text) return ct_fail(e, CT_ERR_IO, "%s: out of memory rendering it", path);
     int rc = 0;
     FILE *out = fopen(path, "wb");
     if (!out || fputs(text, out) < 0 || fputc('\n', out) < 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot write", path);

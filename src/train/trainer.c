@@ -519,6 +519,31 @@ static int claim_dump_folder(trainer *t, ct_err *e) {
     return code;
 }
 
+/* Every rank builds the model from its own machine's copy of the model's files:
+ * one that is another model's, valid but different (a rope_theta, a size), would
+ * train other maths on that rank without a word, or fail deep inside a collective.
+ * The ranks compare a fingerprint of the model as its config.json would be written
+ * (FNV-1a over lm_config_hf_json's text), before anything is built. */
+static int agree_on_model(trainer *t, const lm_config *mc, ct_err *e) {
+    if (t->world->size <= 1) return 0;
+    char *text = lm_config_hf_json(mc, "float32");
+    uint64_t h = 14695981039346656037ull;
+    for (const char *p = text ? text : ""; *p; p++) h = (h ^ (uint8_t)*p) * 1099511628211ull;
+    free(text);
+    int64_t v = (int64_t)(h >> 2); /* 62 bits, so that its negation fits */
+    int64_t r[2] = {v, -v};         /* MAX of both: equal on every rank iff one value */
+    comm_allreduce(t->world, r, 2, COMM_I64, COMM_MAX);
+    if (r[0] == -r[1]) return 0;
+    const ct_config *c = &t->cfg;
+    ct_fail(e, CT_ERR_CONFIG,
+            "the ranks built different models from their model config (model.hf_assets_path = \"%s\", "
+            "model.spec = \"%s\"; this rank's differs from another's): every machine must hold the same model "
+            "files",
+            c->hf_assets_path, c->model_spec);
+    e->all_ranks = 1; /* every rank knows it from the all-reduce */
+    return CT_ERR_CONFIG;
+}
+
 static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_err *e) {
     memset(t, 0, sizeof *t);
     t->t_launch = ev_wall_time();
@@ -538,6 +563,7 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
     /* each rank reads its own machine's copy of the model's config.json (or its
      * own Hub cache): one may fail alone, where the others went on into plan_init */
     if ((rc = trainer_agree(t, rc, "read the model's config", e))) return rc;
+    if ((rc = agree_on_model(t, &mc, e))) return rc;
     /* the layout is checked before anything big is built */
     if ((rc = plan_init(&t->plan, world, c, &mc, trainer_layout_origin(c), e))) return rc;
     int dp = t->plan.mesh.dp_size, per_step = c->local_batch_size * dp;

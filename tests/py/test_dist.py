@@ -511,6 +511,29 @@ def test_model_config_one_machine_reads_differently_is_reported(setup, tmp_path)
                       ("rank 1 of 2 failed to", "not a multiple of num_key_value_heads"))
 
 
+def test_another_valid_model_on_one_machine_is_refused(setup, tmp_path):
+    """Rank 1's machine holds another model's valid config.json (another rope_theta, which
+    changes no shape): every rank built its own model and the run trained on, each rank with
+    other maths, and exited 0. Now the ranks compare the model they built and refuse, every
+    rank with exit 2, the error printed once."""
+    d, data = setup
+    other = tmp_path / "model_b"
+    shutil.copytree(d / "model", other)
+    cfg = json.loads((other / "config.json").read_text())
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+    assert theta, cfg
+    if "rope_parameters" in cfg:
+        cfg["rope_parameters"]["rope_theta"] = theta * 2
+    if "rope_theta" in cfg:
+        cfg["rope_theta"] = theta * 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    from transformers import AutoConfig
+    assert AutoConfig.from_pretrained(other).to_dict() != AutoConfig.from_pretrained(d / "model").to_dict()
+    args = train_args(d / "model", data, tmp_path / "out", "--training.steps=2")
+    run_once_reported(mpmd(args, [f"--model.hf_assets_path={other}"]), 2,
+                      ("the ranks built different models", "every machine must hold the same model files"))
+
+
 def test_diverged_run_ends_every_rank_without_abort(setup, tmp_path):
     """A loss that is not finite (lr 1e30) is met by every rank at the same step (the loss is
     reduced over the ranks). Each rank used to take it for its own failure and call MPI_Abort,
