@@ -403,18 +403,13 @@ static int gen_run(gen_cli_args a) {
         tok_ids_free(&prompt);
         if (rc) return rc;
     }
-    /* a path that is not there is a missing file (1), as in the other commands; a file
-     * where a directory belongs is a bad value (2) */
-    struct stat st;
-    if (!gen_is_dir(a.checkpoint) && !hub_is_repo_id(a.checkpoint))
-        return stat(a.checkpoint, &st) == 0
-                   ? cli_fail(2, "--checkpoint: \"%s\" is a file, not a model directory", a.checkpoint)
-                   : cli_fail(1, "--checkpoint %s: no such directory (nor a Hub id such as Qwen/Qwen3-0.6B)",
-                              a.checkpoint);
-    if (a.tokenizer && !gen_is_dir(a.tokenizer) && !hub_is_repo_id(a.tokenizer))
-        return stat(a.tokenizer, &st) == 0
-                   ? cli_fail(2, "--tokenizer: \"%s\" is a file, not a tokenizer directory", a.tokenizer)
-                   : cli_fail(1, "--tokenizer %s: no such directory (nor a Hub id)", a.tokenizer);
+    /* both names checked before either is downloaded: a missing path is a missing file
+     * (1), a file where a directory belongs a bad value (2), as hub_resolve says */
+    ct_err ne = {0};
+    if ((rc = hub_check_name(a.checkpoint, HUB_CONFIG, &ne)))
+        return cli_fail(ct_exit_code(rc), "--checkpoint: %s", ne.msg);
+    if (a.tokenizer && (rc = hub_check_name(a.tokenizer, HUB_TOKENIZER, &ne)))
+        return cli_fail(ct_exit_code(rc), "--tokenizer: %s", ne.msg);
     /* Hub ids -> the cache's snapshot directories (downloading what is missing) */
     hub_local ck_loc, tok_loc, ad_loc;
     ct_err he = {0};

@@ -1442,13 +1442,9 @@ static int fetch_weights(hub_ctx *h, ct_err *e) {
     return rc;
 }
 
-int hub_resolve(const char *path, const char *revision, unsigned what, hub_local *out, ct_err *e) {
-    memset(out, 0, sizeof *out);
+int hub_check_name(const char *path, unsigned what, ct_err *e) {
     if (!path || !path[0]) return ct_fail(e, CT_ERR_CONFIG, "an empty model path");
-    if (!(what & HUB_NO_LOCAL) && is_dir(path)) {
-        if (put(out->dir, sizeof out->dir, "%s", path)) return ct_fail(e, CT_ERR_CONFIG, "%s: path too long", path);
-        return 0;
-    }
+    if (!(what & HUB_NO_LOCAL) && is_dir(path)) return 0;
     /* a file that exists here is the user's, never an id: "model/config.json" (the form
      * owner/name) was downloaded for, then "not in cache" after seconds of retries. Not for
      * `ctitan download`, whose argument is an id whatever this directory holds. */
@@ -1461,6 +1457,17 @@ int hub_resolve(const char *path, const char *revision, unsigned what, hub_local
         return ct_fail(e, what & HUB_NO_LOCAL ? CT_ERR_CONFIG : CT_ERR_IO,
                        "%s: %snot a Hugging Face Hub model id (owner/name, e.g. Qwen/Qwen3-0.6B)", path,
                        what & HUB_NO_LOCAL ? "" : "no such directory, and ");
+    return 0;
+}
+
+int hub_resolve(const char *path, const char *revision, unsigned what, hub_local *out, ct_err *e) {
+    memset(out, 0, sizeof *out);
+    int rc = hub_check_name(path, what, e);
+    if (rc) return rc;
+    if (!(what & HUB_NO_LOCAL) && is_dir(path)) {
+        if (put(out->dir, sizeof out->dir, "%s", path)) return ct_fail(e, CT_ERR_CONFIG, "%s: path too long", path);
+        return 0;
+    }
     hub_ctx h;
     memset(&h, 0, sizeof h);
     h.repo = path;
@@ -1476,7 +1483,7 @@ int hub_resolve(const char *path, const char *revision, unsigned what, hub_local
     if (!h.offline) h.offline = "no-curl";
 #endif
     if (!h.offline && hub_token(h.token, sizeof h.token, &h.token_from) == 0) h.token_from = NULL;
-    int have, rc = 0;
+    int have;
     if (!rc && (what & HUB_CONFIG)) rc = fetch(&h, "config.json", 0, &have, e);
     if (!rc && (what & HUB_CONFIG)) rc = fetch(&h, "generation_config.json", 1, &have, e);
     if (what & (HUB_TOKENIZER | HUB_TOKENIZER_IF_ANY)) {

@@ -52,6 +52,11 @@ int hub_is_repo_id(const char *s);
  * the network lost after retries, a wrong checksum, a full disk, or offline
  * (HF_HUB_OFFLINE) with the file not cached. */
 int hub_resolve(const char *path, const char *revision, unsigned what, hub_local *out, ct_err *e);
+/* hub_resolve's checks that need no network: 0 for a local directory or a name
+ * of an id's shape; a file (CT_ERR_CONFIG) or a missing path that is no id
+ * (CT_ERR_IO; to HUB_NO_LOCAL, CT_ERR_CONFIG) is an error. For a command that
+ * checks all its names before it downloads any. */
+int hub_check_name(const char *path, unsigned what, ct_err *e);
 
 /* ---- pure pieces, exposed for tests/c/hub/test_hub.c ---- */
 

@@ -574,7 +574,7 @@ def test_missing_checkpoint_dir(gen, tmp_path):
     assert "--checkpoint" in err and f"{missing}: no such directory" in err
     (tmp_path / "a_file").write_text("x")
     rc, _, err = gen(["--checkpoint", tmp_path / "a_file", "--prompt-ids", "1 2", "--ids"], check=False)
-    assert rc == 2 and "is a file, not a model directory" in err, err
+    assert rc == 2 and f"{tmp_path / 'a_file'}: a file, not a model directory" in err, err
 
 
 def test_dir_without_config_json(gen, tmp_path):
