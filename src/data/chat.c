@@ -137,6 +137,14 @@ int chat_encode(tok_enc *enc, const tok *t, const chat_msg *msgs, int n, tok_ids
     return rc;
 }
 
+int chat_encode_loss(tok_enc *enc, const tok *t, const chat_msg *msgs, int n, int assistant_only, tok_ids *ids,
+                     chat_mask *mask, ct_err *e) {
+    size_t m0 = mask->n;
+    int rc = chat_encode(enc, t, msgs, n, ids, mask, e);
+    if (!rc && !assistant_only) memset(mask->v + m0, 1, mask->n - m0);
+    return rc;
+}
+
 /* The turns of list (the field `name` of a record) into out[at ...]; the list was
  * checked to be an array. */
 static int msgs_from_list(const cJSON *list, const char *name, chat_msg *out, ct_err *e) {
@@ -635,20 +643,24 @@ static int locate_replies(const chat_tmpl *c, rec_vars v, const cJSON *msgs, con
     return rc;
 }
 
+/* text[0, n) tokenized as apply_chat_template tokenizes a rendering: without the
+ * post-processor's specials (add_special_tokens=False; the template writes its own BOS). */
+static int encode_rendered(tok_enc *enc, const char *text, size_t n, tok_ids *ids, ct_err *e) {
+    int add_special = tok_enc_add_special(enc);
+    tok_enc_set_add_special(enc, 0);
+    int rc = tok_encode(enc, text, n, ids, e);
+    tok_enc_set_add_special(enc, add_special);
+    return rc;
+}
+
 /* list (a cJSON array) rendered by the template and tokenized as
- * apply_chat_template(..., tokenize=True) tokenizes: the whole text, without the
- * post-processor's specials (the template writes its own BOS). */
+ * apply_chat_template(..., tokenize=True) tokenizes it (encode_rendered). */
 static int tmpl_ids(const chat_tmpl *c, rec_vars v, tok_enc *enc, const cJSON *list, int gen_prompt, tok_ids *ids,
                     ct_err *e) {
     char *T = NULL;
     size_t TN = 0;
     int rc = apply(c, v, list, gen_prompt, &T, &TN, NULL, e);
-    if (!rc) {
-        int add_special = tok_enc_add_special(enc);
-        tok_enc_set_add_special(enc, 0);
-        rc = tok_encode(enc, T, TN, ids, e);
-        tok_enc_set_add_special(enc, add_special);
-    }
+    if (!rc) rc = encode_rendered(enc, T, TN, ids, e);
     free(T);
     return rc;
 }
@@ -669,14 +681,7 @@ int chat_encode_tmpl(const chat_tmpl *c, tok_enc *enc, const tok *t, const void 
     int rc = apply(c, v, msgs, 0, &T, &TN, c->gen ? &sp : NULL, e);
     if (!rc && !c->gen) rc = locate_replies(c, v, msgs, T, TN, &sp, e);
     size_t n0 = ids->n;
-    if (!rc) {
-        /* apply_chat_template tokenizes the rendered text without the
-         * post-processor's specials: the template writes its own BOS */
-        int add_special = tok_enc_add_special(enc);
-        tok_enc_set_add_special(enc, 0);
-        rc = tok_encode(enc, T, TN, ids, e);
-        tok_enc_set_add_special(enc, add_special);
-    }
+    if (!rc) rc = encode_rendered(enc, T, TN, ids, e);
     size_t n = ids->n - n0;
     size_t *start = NULL, *end = NULL;
     if (!rc) {
@@ -726,11 +731,7 @@ static int chatml_generation_prompt(tok_enc *enc, const tok *t, tok_ids *ids, ct
     if (start < 0)
         return ct_fail(e, CT_ERR_FORMAT, "tokenizer has no %s token: it cannot encode ChatML conversations", IM_START);
     tok_ids_push(ids, start);
-    int add_special = tok_enc_add_special(enc);
-    tok_enc_set_add_special(enc, 0);
-    int rc = tok_encode(enc, "assistant\n", 10, ids, e);
-    tok_enc_set_add_special(enc, add_special);
-    return rc;
+    return encode_rendered(enc, "assistant\n", 10, ids, e);
 }
 
 int chat_encode_pc(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *record, const chat_msg *msgs, int n,
@@ -754,8 +755,7 @@ int chat_encode_pc(const chat_tmpl *c, tok_enc *enc, const tok *t, const void *r
         /* TRL's completion_only_loss=False: the completion mask plays no part; the
          * targets are the assistant mask's (assistant_only_loss) or every token */
         rc = c ? chat_encode_tmpl(c, enc, t, record, full, assistant_only, ids, mask, e)
-               : chat_encode(enc, t, msgs, n, ids, mask, e);
-        if (!rc && !c && !assistant_only) memset(mask->v + m0, 1, mask->n - m0);
+               : chat_encode_loss(enc, t, msgs, n, assistant_only, ids, mask, e);
     } else {
         if (c) {
             rc = tmpl_ids(c, v, enc, prompt, 1, &p, e);

@@ -57,6 +57,11 @@ void chat_mask_push(chat_mask *m, uint8_t v, size_t count);
 void chat_mask_free(chat_mask *m);
 
 
+/* chat_encode, with the loss option: assistant_only 0 makes every token appended a
+ * target (TRL's assistant_only_loss=False), as chat_encode_tmpl's does. */
+int chat_encode_loss(tok_enc *enc, const tok *t, const chat_msg *msgs, int n, int assistant_only, tok_ids *ids,
+                     chat_mask *mask, ct_err *e);
+
 /* Renders the ChatML text of the n turns into a malloc'd, NUL-terminated
  * string (*len excludes the terminator). */
 void chat_render(const chat_msg *msgs, int n, char **out, size_t *len);

@@ -338,10 +338,8 @@ static void encode_range(run *r, batch *b, size_t lo, size_t hi) {
             rc = chat_encode_tmpl(r->chat, r->enc[tid], r->t, it->json,
                                   cJSON_GetObjectItemCaseSensitive(it->json, "messages"), o->assistant_only_loss, &ids,
                                   &mask, &err);
-        else { /* a conversation, through the built-in ChatML; every token a target without assistant_only_loss */
-            rc = chat_encode(r->enc[tid], r->t, it->msgs, it->n_msgs, &ids, &mask, &err);
-            if (!rc && !o->assistant_only_loss) memset(mask.v, 1, mask.n);
-        }
+        else /* a conversation, through the built-in ChatML */
+            rc = chat_encode_loss(r->enc[tid], r->t, it->msgs, it->n_msgs, o->assistant_only_loss, &ids, &mask, &err);
         b->slots[i].ids = ids;
         b->slots[i].mask = mask;
         if (rc) {
@@ -708,11 +706,13 @@ int ds_tokenize(const char *const *paths, int n_paths, const tok *t, const ds_to
             break;
         }
         if (r.src[i].kind == DS_KIND_JSONL && (rc = detect_prompt_completion(&r.src[i], o->text_field, e))) break;
-        if (r.src[i].kind == DS_KIND_CHAT && (rc = detect_chat_layout(&r.src[i], e))) break;
-        if (r.src[i].kind == DS_KIND_CHAT) has_chat = 1;
-        /* which loss options shape the masks (ds_writer_loss records them) */
-        if (r.src[i].kind == DS_KIND_CHAT && r.src[i].layout != CHAT_PROMPT_COMPLETION) r.st.conversations = 1;
-        if (r.src[i].kind == DS_KIND_CHAT && r.src[i].layout == CHAT_PROMPT_COMPLETION) r.st.completions = 2;
+        if (r.src[i].kind == DS_KIND_CHAT) {
+            if ((rc = detect_chat_layout(&r.src[i], e))) break;
+            has_chat = 1;
+            /* which loss options shape the masks (ds_writer_loss records them) */
+            if (r.src[i].layout == CHAT_PROMPT_COMPLETION) r.st.completions = 2;
+            else r.st.conversations = 1;
+        }
         if (r.src[i].pc && !r.st.completions) r.st.completions = 1;
         if (r.src[i].kind == DS_KIND_CHAT || r.src[i].pc) r.masked = 1;
         rc = map_file(&r.src[i], e);
