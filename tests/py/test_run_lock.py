@@ -48,6 +48,16 @@ def start_frozen(args, out, at_step=3):
     return None
 
 
+def frozen_run(args, out, at_step=3):
+    """start_frozen, retried: a run on a busy machine may end before it is frozen. Three
+    such ends in a row fail the test."""
+    for _ in range(3):
+        p = start_frozen(args, out, at_step)
+        if p:
+            return p
+    pytest.fail(f"the run ended before it could be frozen at step {at_step}, 3 times")
+
+
 def finish(p, sig=signal.SIGCONT):
     p.send_signal(sig)
     if sig != signal.SIGKILL:
@@ -73,12 +83,7 @@ def test_second_run_in_a_held_folder_fails_at_once(setup, tmp_path):
     tmp, model_dir, data = setup
     out = tmp_path / "run"
     args = fault_args(model_dir, data, out)
-    first = None
-    for _ in range(3):
-        first = start_frozen(args, out)
-        if first:
-            break
-    assert first, "the first run ended before it could be frozen, 3 times"
+    first = frozen_run(args, out)
     try:
         lock = (out / ".ctitan.lock").read_text()
         assert lock.startswith(f"pid {first.pid} on host "), lock
@@ -116,12 +121,7 @@ def test_killed_run_leaves_no_lock_and_its_stale_saves_go(setup, tmp_path):
     for d in (live, dead):
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"\0" * 100)
-    first = None
-    for _ in range(3):
-        first = start_frozen(fault_args(model_dir, data, out), out, at_step=7)
-        if first:
-            break
-    assert first, "the run ended before it could be frozen, 3 times"
+    first = frozen_run(fault_args(model_dir, data, out), out, at_step=7)
     rc, err = finish(first, signal.SIGKILL)
     assert rc == -signal.SIGKILL, err[-3000:]
     notes = [l for l in err.splitlines() if "leftover" in l]
@@ -150,12 +150,7 @@ def test_mpirun_second_run_fails_on_every_rank(setup, tmp_path):
     tmp, model_dir, data = setup
     out = tmp_path / "run"
     args = fault_args(model_dir, data, out)
-    first = None
-    for _ in range(3):
-        first = start_frozen(args, out)
-        if first:
-            break
-    assert first, "the first run ended before it could be frozen, 3 times"
+    first = frozen_run(args, out)
     cmd = mpirun() + ["-np", "2", str(BIN)] + [str(a) for a in args] + ["--parallelism.data_parallel_shard_degree=2",
                                                                          "--training.steps=2"]
     try:
