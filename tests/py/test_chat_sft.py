@@ -88,32 +88,30 @@ def setup(tmp_path_factory, tokdir, auto_tok):  # noqa: F811
     return d, model_dir
 
 
-@pytest.mark.parametrize("layout, source", [("messages", "prepared"), ("messages", "jsonl"), ("sharegpt", "jsonl"),
-                                            ("prompt_completion", "prepared"), ("prompt_completion", "jsonl")])
-def test_chat_sft_step_matches_transformers(setup, auto_tok, run_ctitan, layout, source):  # noqa: F811
-    """Before (sharegpt, prompt_completion): the data was refused with a conversion recipe (exit 3)."""
+def step_matches_transformers(setup, run_ctitan, layout, source, ref, name, prepare_flags=(), options=None):
+    """Writes CONVS in `layout`, trains one step on it (the JSON Lines file, or what `ctitan
+    prepare` made of it, whose tokens and mask must equal ref's first) and checks the step's
+    loss, grad norm and target count against transformers' on ref = reference_batch(...)."""
     d, model_dir = setup
-    chat = d / f"{layout}.jsonl"
+    ids, mask, x, y = ref
+    chat = d / f"{name}_{layout}.jsonl"
     chat.write_text("".join(json.dumps(as_record(c, layout)) + "\n" for c in CONVS))
-    ids, mask, x, y = reference_batch(auto_tok, layout)
-    assert 0 < oracle.n_valid(y) < y.size, "the batch must hold both targets and masked tokens"
     data = chat
     if source == "prepared":
-        data = d / f"prepared_{layout}"
-        run_ctitan(["prepare", "--tokenizer", model_dir, "--input", chat, "--out", data, "--overwrite", "--quiet"])
+        data = d / f"{name}_prepared_{layout}"
+        run_ctitan(["prepare", "--tokenizer", model_dir, "--input", chat, "--out", data, "--overwrite", "--quiet",
+                    *prepare_flags])
         meta = json.loads((data / "meta.json").read_text())
         tok = np.concatenate([np.fromfile(data / s["file"], dtype="<u4") for s in meta["shards"]])
         msk = np.concatenate([np.fromfile(data / s["mask"], dtype=np.uint8) for s in meta["shards"]])
         # where a difference would come from, if the losses differ
         assert (tok.astype(np.int64) == ids).all() and (msk == mask).all(), "prepared tokens/mask differ from HF"
-
     source = f"{layout}_{source}"
-    out = d / f"out_{source}"
+    out = d / f"{name}_out_{source}"
     sec = oracle.train_sections(out, data, model_dir, steps=1, seq_len=L, local_bs=MICRO, global_bs=GLOBAL,
-                                lr=1e-3)
-    run_ctitan(["train", "--config", oracle.write_toml(d / f"{source}.toml", sec)])
+                                lr=1e-3, options=options)
+    run_ctitan(["train", "--config", oracle.write_toml(d / f"{name}_{source}.toml", sec)])
     row = next(r for r in oracle.read_metrics(out / "metrics.jsonl") if r.get("step") == 1 and "loss" in r)
-
     model = oracle.load_hf(model_dir)
     loss, _, grads = oracle.hf_loss_and_grads(model, x, y)
     norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(torch.as_tensor(g))
@@ -121,6 +119,15 @@ def test_chat_sft_step_matches_transformers(setup, auto_tok, run_ctitan, layout,
     assert abs(row["loss"] - loss) <= 1e-5 * loss, f"{source}: ctitan loss {row['loss']!r} vs transformers {loss!r}"
     assert abs(row["grad_norm"] - norm) <= 1e-4 * norm, f"{source}: grad_norm {row['grad_norm']!r} vs {norm!r}"
     assert row["valid_targets"] == oracle.n_valid(y)
+
+
+@pytest.mark.parametrize("layout, source", [("messages", "prepared"), ("messages", "jsonl"), ("sharegpt", "jsonl"),
+                                            ("prompt_completion", "prepared"), ("prompt_completion", "jsonl")])
+def test_chat_sft_step_matches_transformers(setup, auto_tok, run_ctitan, layout, source):  # noqa: F811
+    """Before (sharegpt, prompt_completion): the data was refused with a conversion recipe (exit 3)."""
+    ref = reference_batch(auto_tok, layout)
+    assert 0 < oracle.n_valid(ref[3]) < ref[3].size, "the batch must hold both targets and masked tokens"
+    step_matches_transformers(setup, run_ctitan, layout, source, ref, "default")
 
 
 EVERY_TOKEN = {"training.assistant_only_loss": False, "training.completion_only_loss": False}
@@ -133,30 +140,9 @@ def test_chat_sft_every_token_step_matches_transformers(setup, auto_tok, run_cti
     for the prompt-completion layout: the step's loss is transformers' mean over every token of
     the conversations (none of the EOS between them). Before: the keys were unknown (exit 2),
     and the loss was the assistant replies' alone."""
-    d, model_dir = setup
-    chat = d / f"every_{layout}.jsonl"
-    chat.write_text("".join(json.dumps(as_record(c, layout)) + "\n" for c in CONVS))
-    ids, mask, x, y = reference_batch(auto_tok, layout, every_token=True)
+    ref = reference_batch(auto_tok, layout, every_token=True)
+    y = ref[3]
     assert 0 < oracle.n_valid(y) < y.size
     assert oracle.n_valid(y) > oracle.n_valid(reference_batch(auto_tok, layout)[3]), "more targets than the default"
-    data = chat
-    if source == "prepared":
-        data = d / f"every_prepared_{layout}"
-        run_ctitan(["prepare", "--tokenizer", model_dir, "--input", chat, "--out", data, "--overwrite", "--quiet",
-                    "--assistant-only-loss", "false", "--completion-only-loss", "false"])
-        meta = json.loads((data / "meta.json").read_text())
-        tok = np.concatenate([np.fromfile(data / s["file"], dtype="<u4") for s in meta["shards"]])
-        msk = np.concatenate([np.fromfile(data / s["mask"], dtype=np.uint8) for s in meta["shards"]])
-        assert (tok.astype(np.int64) == ids).all() and (msk == mask).all(), "prepared tokens/mask differ from HF"
-    out = d / f"every_out_{layout}_{source}"
-    sec = oracle.train_sections(out, data, model_dir, steps=1, seq_len=L, local_bs=MICRO, global_bs=GLOBAL,
-                                lr=1e-3, options=EVERY_TOKEN)
-    run_ctitan(["train", "--config", oracle.write_toml(d / f"every_{layout}_{source}.toml", sec)])
-    row = next(r for r in oracle.read_metrics(out / "metrics.jsonl") if r.get("step") == 1 and "loss" in r)
-    model = oracle.load_hf(model_dir)
-    loss, _, grads = oracle.hf_loss_and_grads(model, x, y)
-    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(torch.as_tensor(g))
-                                                       for g in grads.values()])))
-    assert abs(row["loss"] - loss) <= 1e-5 * loss, f"ctitan loss {row['loss']!r} vs transformers {loss!r}"
-    assert abs(row["grad_norm"] - norm) <= 1e-4 * norm, f"grad_norm {row['grad_norm']!r} vs {norm!r}"
-    assert row["valid_targets"] == oracle.n_valid(y)
+    step_matches_transformers(setup, run_ctitan, layout, source, ref, "every",
+                              ("--assistant-only-loss", "false", "--completion-only-loss", "false"), EVERY_TOKEN)

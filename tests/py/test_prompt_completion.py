@@ -101,22 +101,26 @@ def test_prompt_completion_tokens_and_mask_match_trl(which, tokdir, bos_tokdir, 
     assert meta["trainable_tokens"] == int(mask.sum())
 
 
+def one_step_args(records, tokdir, vocab, tmp_path):  # noqa: F811
+    """`ctitan train` for one step on records (written as JSON Lines) with a tiny model
+    beside tokdir's tokenizer: the start-up log says how the data was read."""
+    import oracle
+    m = tmp_path / "model"
+    oracle.tiny_config(vocab=vocab, hidden=32, inter=48, layers=1, heads=4, kv_heads=2, head_dim=8).save_pretrained(m)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokdir / f, m / f)
+    src = write_jsonl(tmp_path / "data.jsonl", records)
+    return ["train", "--model.spec=hf", f"--model.hf_assets_path={m}", f"--training.dataset_path={src}",
+            "--training.seq_len=16", "--training.local_batch_size=2", "--training.steps=1",
+            "--metrics.peak_tflops=1", f"--job.dump_folder={tmp_path / 'out'}"]
+
+
 def test_prompt_completion_in_training_is_masked(tokdir, auto_tok, run_ctitan, tmp_path):  # noqa: F811
     """Given to the trainer directly, the file is tokenized with the same mask: the
     start-up line counts the completion tokens (and EOS) as the trainable ones."""
-    import oracle
     recs = RECORDS * 40
     _, mask = trl_reference(auto_tok, recs)
-    m = tmp_path / "model"
-    oracle.tiny_config(vocab=len(auto_tok), hidden=32, inter=48, layers=1, heads=4, kv_heads=2,
-                       head_dim=8).save_pretrained(m)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokdir / f, m / f)
-    src = write_jsonl(tmp_path / "pc.jsonl", recs)
-    _, _, err = run_ctitan(["train", "--model.spec=hf", f"--model.hf_assets_path={m}",
-                            f"--training.dataset_path={src}", "--training.seq_len=16",
-                            "--training.local_batch_size=2", "--training.steps=1", "--metrics.peak_tflops=1",
-                            f"--job.dump_folder={tmp_path / 'out'}"])
+    _, _, err = run_ctitan(one_step_args(recs, tokdir, len(auto_tok), tmp_path))
     assert f"{len(recs)} documents, {mask.size} tokens ({int(mask.sum())} trainable)" in err, err
     assert "loss-masked" in err, err
 
@@ -240,20 +244,10 @@ def test_conversational_prompt_completion_matches_trl(case, tokdir, qwen3_dir, r
 def test_conversational_prompt_completion_in_training_is_masked(tokdir, auto_tok, run_ctitan, tmp_path):  # noqa: F811
     """Given to the trainer directly, as the string layout above: the start-up line counts
     the completion tokens as the trainable ones (TRL's, no EOS among them)."""
-    import oracle
     recs = CONV_RECORDS * 20
     # auto on tokdir's ChatML template: the built-in ChatML, which writes the generation prompt
     ids, mask, _ = trl_conversational_reference(auto_tok, recs, CHATML_GP)
-    m = tmp_path / "model"
-    oracle.tiny_config(vocab=len(auto_tok), hidden=32, inter=48, layers=1, heads=4, kv_heads=2,
-                       head_dim=8).save_pretrained(m)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokdir / f, m / f)
-    src = write_jsonl(tmp_path / "conv.jsonl", recs)
-    _, _, err = run_ctitan(["train", "--model.spec=hf", f"--model.hf_assets_path={m}",
-                            f"--training.dataset_path={src}", "--training.seq_len=16",
-                            "--training.local_batch_size=2", "--training.steps=1", "--metrics.peak_tflops=1",
-                            f"--job.dump_folder={tmp_path / 'out'}"])
+    _, _, err = run_ctitan(one_step_args(recs, tokdir, len(auto_tok), tmp_path))
     assert f"{len(recs)} documents, {mask.size} tokens ({int(mask.sum())} trainable)" in err, err
 
 
@@ -410,18 +404,9 @@ def test_training_text_field_reads_another_field(tokdir, auto_tok, run_ctitan, t
     """TRL's dataset_text_field: a JSON Lines file whose text is under another key. The trainer
     read "text" only (prepare had --text-field); training.text_field names the key, and the
     tokens are the tokenizer's of each document plus its EOS, as for "text"."""
-    import oracle
     docs = [f"document {i}: the river runs to the sea past {i * 7} stones" for i in range(60)]
     want = sum(len(auto_tok(text=d)["input_ids"]) + 1 for d in docs)
-    m = tmp_path / "model"
-    oracle.tiny_config(vocab=len(auto_tok), hidden=32, inter=48, layers=1, heads=4, kv_heads=2,
-                       head_dim=8).save_pretrained(m)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokdir / f, m / f)
-    src = write_jsonl(tmp_path / "docs.jsonl", [{"content": d, "id": i} for i, d in enumerate(docs)])
-    args = ["train", "--model.spec=hf", f"--model.hf_assets_path={m}", f"--training.dataset_path={src}",
-            "--training.seq_len=16", "--training.local_batch_size=2", "--training.steps=1",
-            "--metrics.peak_tflops=1", f"--job.dump_folder={tmp_path / 'out'}"]
+    args = one_step_args([{"content": d, "id": i} for i, d in enumerate(docs)], tokdir, len(auto_tok), tmp_path)
     rc, _, err = run_ctitan(args, check=False)
     assert rc != 0 and '"text" field missing' in err, (rc, err[-2000:])
     _, _, err = run_ctitan(args + ["--training.text_field=content"])
