@@ -21,7 +21,17 @@
  * NULL: no down projection, nothing sent back); under LM_AC_OP a layer
  * keeps its received rows and gate/up and h is rebuilt from them before the
  * backward, as the model does with its own h. Buffers are sized for the worst
- * case (every rank sends all its rows here): ep x the local rows. */
+ * case (every rank sends all its rows here): ep x the local rows.
+ *
+ * Pipeline stages (distributed/pp.h) keep several micro-batches in flight,
+ * each in its own bank of activations (lm_bank): a layer's dispatch state
+ * belongs to the micro-batch as much as its saved activations do, so the
+ * non-rerun layers keep one set per bank, made the first time a bank is
+ * seen (the model's act.bank; NULL outside a pipeline). With one set per
+ * layer, 1F1B's second forward overwrote the first's received rows before
+ * its backward (measured: the loss of step 2 off by 1.5e-5 of one process's,
+ * growing after). The LM_AC_FULL set stays shared: the rerun refills it
+ * right before each backward. */
 #include "distributed/ep.h"
 
 #include <stdio.h>
@@ -61,10 +71,63 @@ static void ep_move(ep_layout *p, ep_scratch *s, float *out, const float *in, co
     comm_all_to_allv(p->c, out, s->a, s->b, in, s->c, s->d, COMM_F32);
 }
 
+/* One layer's buffers for R rows: the received inputs and weights, the
+ * experts' gate and up, and h unless given (a shared one). */
+static void layer_alloc(ep_layer *y, int P, int El, size_t R, int H, int Im, float *h) {
+    y->scnt = ct_calloc(4 * (size_t)P, sizeof(size_t));
+    y->sdsp = y->scnt + P, y->rcnt = y->sdsp + P, y->rdsp = y->rcnt + P;
+    y->off = ct_calloc((size_t)P * (El + 1), sizeof(int32_t));
+    y->xr = ct_calloc(R * H + 1, sizeof(float));
+    y->gate = ct_calloc((h ? 2 : 3) * R * Im + 1, sizeof(float));
+    y->up = y->gate + R * Im;
+    y->h = h ? h : y->up + R * Im;
+    y->wr = ct_calloc(R + 1, sizeof(float));
+    y->held = -1;
+}
+
+static void layer_release(ep_layer *y) {
+    free(y->scnt);
+    free(y->off);
+    free(y->xr);
+    free(y->gate);
+    free(y->wr);
+}
+
+/* Layer l's dispatch state for the micro-batch in flight: the shared
+ * LM_AC_FULL set, or the set of the bank in use, made on first sight. */
+static ep_layer *layer_state(ep_layout *p, int l) {
+    const lm_config *c = &p->m->cfg;
+    int L = c->n_layers;
+    if (p->m->act.layer[l].ac == LM_AC_FULL) return p->full;
+    const void *key = p->m->act.bank;
+    int b = 0;
+    while (b < p->n_banks && p->bank_key[b] != key) b++;
+    if (b == p->n_banks) { /* a bank not seen before: one more entry (a pipeline's pool is small and lasts) */
+        const void **keys = ct_calloc((size_t)b + 1, sizeof *keys);
+        ep_layer **sets = ct_calloc((size_t)b + 1, sizeof *sets);
+        if (b) {
+            memcpy(keys, p->bank_key, (size_t)b * sizeof *keys);
+            memcpy(sets, p->bank_sets, (size_t)b * sizeof *sets);
+        }
+        free(p->bank_key);
+        free(p->bank_sets);
+        p->bank_key = keys;
+        p->bank_sets = sets;
+        p->bank_key[b] = key;
+        p->bank_sets[b] = ct_calloc((size_t)L, sizeof(ep_layer));
+        p->n_banks++;
+    }
+    ep_layer *y = &p->bank_sets[b][l];
+    if (!y->scnt)
+        layer_alloc(y, p->c->size, p->El, p->Rmax, c->hidden, c->moe_intermediate,
+                    p->m->act.layer[l].ac == LM_AC_OP ? p->h_op : NULL);
+    return y;
+}
+
 static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route *r, const lm_layer_w *w, int N) {
     ep_layout *p = ctx;
     ep_scratch s = *p->s;
-    ep_layer *L = p->layers[l];
+    ep_layer *L = layer_state(p, l);
     const lm_config *c = &p->m->cfg;
     int H = c->hidden, Im = c->moe_intermediate, k = c->top_k, El = p->El, P = p->c->size, me = p->c->rank;
     long S = (long)N * k;
@@ -118,7 +181,7 @@ static void ep_bwd(void *ctx, int l, float *dx, lm_layer_w *g, float *dtopw, con
                    const moe_route *r, const lm_layer_w *w, int N) {
     ep_layout *p = ctx;
     ep_scratch s = *p->s;
-    ep_layer *L = p->layers[l];
+    ep_layer *L = layer_state(p, l);
     const lm_config *c = &p->m->cfg;
     int H = c->hidden, Im = c->moe_intermediate, k = c->top_k, El = p->El, P = p->c->size, me = p->c->rank;
     if (L->held != l) {
@@ -160,28 +223,6 @@ static void ep_bwd(void *ctx, int l, float *dx, lm_layer_w *g, float *dtopw, con
     }
 }
 
-/* One layer's buffers for R rows: the received inputs and weights, the
- * experts' gate and up, and h unless given (a shared one). */
-static void layer_alloc(ep_layer *y, int P, int El, size_t R, int H, int Im, float *h) {
-    y->scnt = ct_calloc(4 * (size_t)P, sizeof(size_t));
-    y->sdsp = y->scnt + P, y->rcnt = y->sdsp + P, y->rdsp = y->rcnt + P;
-    y->off = ct_calloc((size_t)P * (El + 1), sizeof(int32_t));
-    y->xr = ct_calloc(R * H + 1, sizeof(float));
-    y->gate = ct_calloc((h ? 2 : 3) * R * Im + 1, sizeof(float));
-    y->up = y->gate + R * Im;
-    y->h = h ? h : y->up + R * Im;
-    y->wr = ct_calloc(R + 1, sizeof(float));
-    y->held = -1;
-}
-
-static void layer_release(ep_layer *y) {
-    free(y->scnt);
-    free(y->off);
-    free(y->xr);
-    free(y->gate);
-    free(y->wr);
-}
-
 int ep_init(ep_layout *p, lm_model *m, ct_comm *c, ct_err *e) {
     (void)e;
     memset(p, 0, sizeof *p);
@@ -192,19 +233,16 @@ int ep_init(ep_layout *p, lm_model *m, ct_comm *c, ct_err *e) {
     p->El = cf->n_experts / P;
     p->Nmax = m->act.B * m->act.T;
     size_t S = (size_t)p->Nmax * cf->top_k, R = S * P;
-    p->layers = ct_calloc((size_t)L + 1, sizeof(ep_layer *));
-    p->sets = ct_calloc((size_t)L + 1, sizeof(ep_layer));
-    int any_op = 0;
-    for (int l = 0; l < L; l++) any_op |= lm_layer_is_moe(cf, l) && m->act.layer[l].ac == LM_AC_OP;
-    if (any_op) p->h_op = ct_calloc(R * Im + 1, sizeof(float));
+    p->Rmax = R;
+    int any_op = 0, any_full = 0;
     for (int l = 0; l < L; l++) {
-        if (!lm_layer_is_moe(cf, l)) continue;
-        int ac = m->act.layer[l].ac;
-        /* LM_AC_FULL: all rerun before their backward, so one set serves them in turn */
-        ep_layer *y = &p->sets[ac == LM_AC_FULL ? L : l];
-        if (!y->scnt) layer_alloc(y, P, p->El, R, H, Im, ac == LM_AC_OP ? p->h_op : NULL);
-        p->layers[l] = y;
+        /* the policy, not act.layer[l].ac: a pipeline stage's layers get theirs from its banks */
+        any_op |= lm_layer_is_moe(cf, l) && m->act.pol[l] == LM_AC_OP;
+        any_full |= lm_layer_is_moe(cf, l) && m->act.pol[l] == LM_AC_FULL;
     }
+    if (any_op) p->h_op = ct_calloc(R * Im + 1, sizeof(float));
+    /* LM_AC_FULL: all rerun before their backward, so one set serves them in turn */
+    if (any_full) layer_alloc(p->full = ct_calloc(1, sizeof(ep_layer)), P, p->El, R, H, Im, NULL);
     ep_scratch *s = p->s = ct_calloc(1, sizeof(ep_scratch));
     s->xs = ct_calloc(S * H + 1, sizeof(float));
     s->yr = ct_calloc(R * H + 1, sizeof(float));
@@ -225,11 +263,16 @@ int ep_init(ep_layout *p, lm_model *m, ct_comm *c, ct_err *e) {
 }
 
 void ep_free(ep_layout *p) {
-    if (!p->layers) return;
+    if (!p->s) return;
     if (p->m && p->m->moe_ep == &p->d) p->m->moe_ep = NULL;
     int L = p->m->cfg.n_layers;
-    for (int l = 0; l <= L; l++)
-        if (p->sets[l].scnt) layer_release(&p->sets[l]);
+    for (int b = 0; b < p->n_banks; b++) {
+        for (int l = 0; l < L; l++)
+            if (p->bank_sets[b][l].scnt) layer_release(&p->bank_sets[b][l]);
+        free(p->bank_sets[b]);
+    }
+    if (p->full) layer_release(p->full);
+    free(p->full);
     free(p->h_op);
     ep_scratch *s = p->s;
     free(s->xs);
@@ -243,7 +286,7 @@ void ep_free(ep_layout *p) {
     free(s->a);
     free(s);
     free(p->work);
-    free(p->layers);
-    free(p->sets);
+    free(p->bank_key);
+    free(p->bank_sets);
     memset(p, 0, sizeof *p);
 }

@@ -24,8 +24,14 @@ typedef struct {
     ct_comm *c;        /* the EP group */
     int El;            /* experts per rank */
     int Nmax;          /* tokens of the largest forward (B x T) */
-    ep_layer **layers; /* [L] what a MoE layer's backward needs (one set for all LM_AC_FULL layers) */
-    ep_layer *sets;    /* [L + 1] the sets: [l] layer l's own, [L] the LM_AC_FULL layers' */
+    size_t Rmax;       /* rows a rank can receive in one layer: ep x Nmax x top_k */
+    /* what a MoE layer's backward needs (ep.c's note): per bank in flight
+     * (the model's act.bank, NULL outside a pipeline) and layer, or one set
+     * for all LM_AC_FULL layers */
+    int n_banks;
+    const void **bank_key; /* [n_banks] */
+    ep_layer **bank_sets;  /* [n_banks][L], made on first use */
+    ep_layer *full;        /* the LM_AC_FULL layers' shared set; NULL: none */
     ep_scratch *s;     /* buffers used within one call */
     float *h_op;       /* [Rmax, Im] h of the LM_AC_OP layers, rebuilt before each backward */
     float *work;       /* experts kernel scratch for the largest receive */

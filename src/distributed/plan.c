@@ -36,11 +36,6 @@ int plan_check_pipeline(const ct_config *c, const ct_mesh *mesh, const lm_config
                        "%s: parallelism.pipeline_parallel_microbatch_size = %d does not divide the validation batch %d "
                        "(validation.local_batch_size)",
                        src, c->pp_microbatch, val_batch);
-    if (mesh->ep > 1)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.pipeline_parallel_degree = %d with expert_parallel_degree %d: not supported "
-                       "yet (pipeline stages compose with FSDP, tensor parallel and data parallel replicas)",
-                       src, mesh->pp, mesh->ep);
     if (mc->n_experts > 0 && mc->output_router_logits && mc->router_aux_loss_coef > 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.pipeline_parallel_degree = %d with the load-balancing loss in the gradient "

@@ -549,6 +549,7 @@ void lm_bank_use(lm_model *m, const lm_bank *b) {
         m->act.lnf_rstd = b->lnf_rstd;
     }
     m->act.scratch_layer = -1; /* the scratch holds another micro-batch's recomputation, if any */
+    m->act.bank = b;           /* expert parallel keeps its dispatch state per bank (distributed/ep.c) */
 }
 
 void lm_bank_free(lm_bank *b) {

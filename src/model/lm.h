@@ -341,6 +341,7 @@ typedef struct {
     int *pol;               /* [L] LM_AC_* of each layer */
     lm_layer_acts scratch;  /* shared by checkpointed layers (res unused); NULLs if none */
     int scratch_layer;      /* layer whose activations scratch holds now; -1: none */
+    const void *bank;       /* the lm_bank in use (a pipeline stage's micro-batch); NULL: this plan's own */
     float *res_out;         /* [BT, H] residual after the last layer */
     float *lnf;             /* [BT, H] */
     float *lnf_rstd;        /* [BT] */
