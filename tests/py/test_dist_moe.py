@@ -3,7 +3,8 @@ expert split like the dense MLP, the router replicated), TP x FSDP, TP x FSDP x 
 DP 4, FSDP 4, EP 4 over FSDP 4 (one expert per rank), EP 2 over FSDP 4 (each expert
 sharded over the two FSDP ranks that hold it), EP 2 over DP 4 (each expert's gradient
 summed over the two replicas that hold it), and pipeline stages with EP inside each
-(PP 2 x DP 2 x EP 2, PP 2 x FSDP 2 x EP 2, with activation checkpointing). Under EP a rank stores only its own experts:
+(PP 2 x DP 2 x EP 2, PP 2 x FSDP 2 x EP 2, with activation checkpointing, and
+PP 2 x TP 2 x FSDP 2 x EP 2 over 8 ranks). Under EP a rank stores only its own experts:
 the parameter count rank 0 reports is checked against the config's.
 
 Each layout trains like one process with the same global batch: the loss of 10 steps,
@@ -142,12 +143,15 @@ PP_EP = {
                                              P + "expert_parallel_degree=2", PM + "=1",
                                              P + "pipeline_parallel_schedule=GPipe",
                                              "--activation_checkpoint.mode=full"]),
+    # every layout at once: 8 ranks, each stage's experts over the EP ranks of its TP slice
+    "pp2_tp2_fsdp2_ep2": (8, 2, [P + "pipeline_parallel_degree=2", P + "tensor_parallel_degree=2",
+                                 P + "data_parallel_shard_degree=2", P + "expert_parallel_degree=2", PM + "=2"]),
 }
 
 
 @pytest.mark.parametrize("name", list(PP_EP))
 def test_moe_pipeline_with_expert_parallel_matches_one_rank(moe_setup, name):
-    """PP 2 x (DP or FSDP) 2 x EP 2: each stage's MoE layers send their rows to the stage's
+    """PP 2 x (DP or FSDP) 2 x EP 2, and with TP 2: each stage's MoE layers send their rows to the stage's
     EP ranks while other micro-batches wait in their banks for their backward; the losses,
     validation losses, gradient norms and final weights equal one process's, and rank 0
     stores half the experts of its stage's layers. With one dispatch state per layer (not
@@ -157,7 +161,7 @@ def test_moe_pipeline_with_expert_parallel_matches_one_rank(moe_setup, name):
     out = d / name
     p = run(n, train_args(d / "model_moe", data, out, *args, dp=dp))
     assert "expert_parallel 2: rank 0 runs experts 0..1 of 4 and stores only those" in p.stderr, p.stderr[-2000:]
-    assert re.search(r"^ctitan: parallelism: world 4 .*pipeline\w* 2\b", p.stderr, re.M), p.stderr[-2000:]
+    assert re.search(rf"^ctitan: parallelism: world {n} .*pipeline\w* 2\b", p.stderr, re.M), p.stderr[-2000:]
     assert_same_run(out, ref, name)
     got, want = grad_norms(out), grad_norms(ref)
     assert set(got) == set(want) == set(range(1, STEPS + 1))
