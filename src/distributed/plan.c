@@ -24,8 +24,7 @@ int plan_init(ct_plan *p, ct_comm *world, const ct_config *c, const lm_config *m
     return mesh_init(&p->mesh, world, c, mc, where, e);
 }
 
-int plan_check_pipeline(const ct_config *c, const ct_mesh *mesh, const lm_config *mc, int val_batch, const char *src,
-                        ct_err *e) {
+int plan_check_pipeline(const ct_config *c, int val_batch, const char *src, ct_err *e) {
     if (c->local_batch_size % c->pp_microbatch != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.pipeline_parallel_microbatch_size = %d does not divide training.local_batch_size "
@@ -36,12 +35,6 @@ int plan_check_pipeline(const ct_config *c, const ct_mesh *mesh, const lm_config
                        "%s: parallelism.pipeline_parallel_microbatch_size = %d does not divide the validation batch %d "
                        "(validation.local_batch_size)",
                        src, c->pp_microbatch, val_batch);
-    if (mc->n_experts > 0 && mc->output_router_logits && mc->router_aux_loss_coef > 0)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.pipeline_parallel_degree = %d with the load-balancing loss in the gradient "
-                       "(config.json output_router_logits): its gradient needs every stage's routing before any "
-                       "backward; not supported yet",
-                       src, mesh->pp);
     return 0;
 }
 
@@ -53,7 +46,7 @@ int plan_local_model(ct_plan *p, lm_config *mc, int grad_accum, int val_batch, i
     p->grad_accum = grad_accum;
     p->whole = *mc;
     if (p->mesh.pp > 1) { /* its layers only, a micro-batch at a time */
-        if ((rc = plan_check_pipeline(c, &p->mesh, mc, val_batch, where, e))) return rc;
+        if ((rc = plan_check_pipeline(c, val_batch, where, e))) return rc;
         p->pp = ct_calloc(1, sizeof *p->pp);
         int M = grad_accum * (c->local_batch_size / c->pp_microbatch);
         if ((rc = pp_plan(p->pp, c, mc, p->mesh.pp, p->mesh.pp_rank, M, where, e))) return rc;

@@ -73,10 +73,9 @@ typedef struct {
 /* The mesh over the world ([parallelism] checked against the model before
  * anything is built: CT_ERR_CONFIG naming the key). */
 int plan_init(ct_plan *p, ct_comm *world, const ct_config *c, const lm_config *mc, const char *where, ct_err *e);
-/* What pipeline parallel cannot run with (yet) and the batch sizes its
- * micro-batches must divide (the run and the dry run check alike). */
-int plan_check_pipeline(const ct_config *c, const ct_mesh *mesh, const lm_config *mc, int val_batch, const char *where,
-                        ct_err *e);
+/* The batch sizes a pipeline's micro-batches must divide (the run and the
+ * dry run check alike). */
+int plan_check_pipeline(const ct_config *c, int val_batch, const char *where, ct_err *e);
 /* This rank's model config: mc in, the whole model; out, its stages' layers
  * and its slice. grad_accum: micro-batches of local_batch_size per step;
  * *batch in, the sequences the model plans for; out, a pipeline's micro-batch. */

@@ -242,8 +242,12 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     size_t bank_f = rc ? 0 : pp_bank_floats(p, &lm, &n_banks);
     lm_free(&lm);
     if (rc || !out) return rc;
-    /* pp_bind: per local stage and micro-batch, 4 messages (activation in and out, gradient in and out) */
-    double p2p = 4.0 * p->S * p->M * 4 * ((double)mb * T * mc->hidden);
+    /* pp_bind: per local stage and micro-batch, 4 messages (activation in and out, gradient in and out), and
+     * a MoE model's 4 of expert counts beside them (E doubles each: the load-balancing loss) */
+    int E = 0;
+    for (int l = 0; l < L; l++)
+        if (lm_layer_is_moe(mc, l)) E = mc->n_experts;
+    double p2p = 4.0 * p->S * p->M * 4 * ((double)mb * T * mc->hidden) + 8.0 * p->S * p->M * 4 * E;
     double w = 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16, go = 12.0 * (double)trained;
     double banks = 4.0 * (double)bank_f, a = (double)act + banks, wide = 4.0 * (double)widened;
     double x = 4.0 * (double)lm_expert_lora_scratch_floats(&sc);
@@ -273,17 +277,8 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
 int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp,
                       const char *where, ct_err *e) {
     int P = c->pp, dp = rep * shard;
-    ct_mesh mesh;
-    memset(&mesh, 0, sizeof mesh);
-    mesh.pp = P;
-    mesh.stage = world / P;
-    mesh.dp_replicate = rep;
-    mesh.dp_shard = shard;
-    mesh.tp = tp;
-    mesh.ep = c->ep > 1 ? c->ep : 1;
-    mesh.dp_size = dp;
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
-    int rc = plan_check_pipeline(c, &mesh, mc, val_b, where, e);
+    int rc = plan_check_pipeline(c, val_b, where, e);
     if (rc) return rc;
     /* trainer_init_dist's micro-batches of a step */
     int per_step = c->local_batch_size * dp, global = c->global_batch_size > 0 ? c->global_batch_size : per_step;

@@ -279,6 +279,8 @@ enum { BUF_AIN, BUF_GIN, BUF_AOUT, BUF_GOUT };
 
 static float *buf(pp_sched *p, int c, int i, int k) { return p->buf + (((size_t)c * p->M + i) * 4 + k) * p->n; }
 static comm_req *req(pp_sched *p, int c, int i, int k) { return &p->req[((size_t)c * p->M + i) * 4 + k]; }
+static double *cnt(pp_sched *p, int c, int i, int k) { return p->cnt + (((size_t)c * p->M + i) * 4 + k) * p->E; }
+static comm_req *cnt_req(pp_sched *p, int c, int i, int k) { return &p->cnt_req[((size_t)c * p->M + i) * 4 + k]; }
 
 void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts) {
     p->comm = comm;
@@ -291,11 +293,15 @@ void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts) {
     p->n_pool = ct_calloc((size_t)p->S, sizeof *p->n_pool);
     p->E = n_experts;
     p->moe_stats = ct_calloc((size_t)p->M * 2 * (n_experts ? n_experts : 1), sizeof(double));
+    p->cnt = ct_calloc(slots * (n_experts ? n_experts : 1), sizeof(double));
+    p->cnt_req = ct_calloc(slots, sizeof *p->cnt_req);
 }
 
 void pp_free(pp_sched *p) {
     if (p->req)
         for (size_t i = 0; i < (size_t)p->S * p->M * 4; i++) comm_wait(&p->req[i]);
+    if (p->cnt_req)
+        for (size_t i = 0; i < (size_t)p->S * p->M * 4; i++) comm_wait(&p->cnt_req[i]);
     if (p->pool)
         for (int c = 0; c < p->S; c++)
             for (int k = 0; k < p->n_pool[c]; k++) lm_bank_free(p->pool[(size_t)c * (p->max_banks + 1) + k]);
@@ -307,6 +313,8 @@ void pp_free(pp_sched *p) {
     free(p->buf);
     free(p->req);
     free(p->moe_stats);
+    free(p->cnt);
+    free(p->cnt_req);
     free(p->first);
     free(p->cost);
     free(p->act);
@@ -352,6 +360,7 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
                float grad_scale) {
     double t_step = ct_now();
     int B = p->mb_size, T = m->act.T, V = p->V, E = p->E;
+    int aux = E && lm_aux_in_grad(&m->cfg); /* the expert counts travel too (pp.h) */
     size_t mbt = (size_t)B * T;
     /* every receive of the step, up front */
     for (int c = 0; c < p->S; c++) {
@@ -360,6 +369,12 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
             if (v > 0) comm_irecv(p->comm, buf(p, c, i, BUF_AIN), p->n, COMM_F32, owner(p, v - 1), 2 * v, req(p, c, i, BUF_AIN));
             if (v < V - 1)
                 comm_irecv(p->comm, buf(p, c, i, BUF_GIN), p->n, COMM_F32, owner(p, v + 1), 2 * v + 1, req(p, c, i, BUF_GIN));
+            if (aux && v > 0)
+                comm_irecv(p->comm, cnt(p, c, i, BUF_AIN), (size_t)E, COMM_F64, owner(p, v - 1), 2 * V + 2 * v,
+                           cnt_req(p, c, i, BUF_AIN));
+            if (aux && v < V - 1)
+                comm_irecv(p->comm, cnt(p, c, i, BUF_GIN), (size_t)E, COMM_F64, owner(p, v + 1), 2 * V + 2 * v + 1,
+                           cnt_req(p, c, i, BUF_GIN));
         }
     }
     if (E) memset(p->moe_stats, 0, (size_t)p->M * 2 * E * sizeof(double));
@@ -384,10 +399,26 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
                     p->moe_stats[(size_t)i * 2 * E + x] += m->moe.count[x];
                     p->moe_stats[(size_t)i * 2 * E + E + x] += m->moe.psum[x];
                 }
+            if (aux) { /* the counts of the stages so far, this one's added; on the last stage the totals */
+                double *in = cnt(p, c, i, BUF_AIN), *out = cnt(p, c, i, BUF_AOUT);
+                if (v > 0) wait_input(p, cnt_req(p, c, i, BUF_AIN));
+                for (int x = 0; x < E; x++) out[x] = (v > 0 ? in[x] : 0.0) + m->moe.count[x];
+                if (v < V - 1)
+                    comm_isend(p->comm, out, (size_t)E, COMM_F64, owner(p, v + 1), 2 * V + 2 * (v + 1),
+                               cnt_req(p, c, i, BUF_AOUT));
+            }
         } else {
             lm_bank *b = p->banks[(size_t)c * p->M + i];
             lm_bank_use(m, b);
             if (v < V - 1) wait_input(p, req(p, c, i, BUF_GIN));
+            if (aux) { /* the micro-batch's totals: the last stage's own, or those it sent back */
+                double *tot = cnt(p, c, i, v == V - 1 ? BUF_AOUT : BUF_GIN);
+                if (v < V - 1) wait_input(p, cnt_req(p, c, i, BUF_GIN));
+                lm_stage_aux_grad(m, tot, B, T);
+                if (v > 0)
+                    comm_isend(p->comm, tot, (size_t)E, COMM_F64, owner(p, v - 1), 2 * V + 2 * (v - 1) + 1,
+                               cnt_req(p, c, i, BUF_GOUT));
+            }
             fsdp_open(p, 0, v == V - 1, l0);
             loss += lm_stage_backward(m, l0, l1, tk, lb, buf(p, c, i, BUF_GIN), buf(p, c, i, BUF_GOUT), B, T,
                                       grad_scale, NULL);
@@ -402,9 +433,14 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
         for (int x = 0; x < p->S; x++) {
             if (vstage(p, x) < V - 1) comm_test(req(p, x, i, BUF_AOUT));
             if (vstage(p, x) > 0) comm_test(req(p, x, i, BUF_GOUT));
+            comm_test(cnt_req(p, x, i, BUF_AOUT)); /* unposted (no aux loss): nothing to do */
+            comm_test(cnt_req(p, x, i, BUF_GOUT));
         }
     }
-    for (size_t x = 0; x < (size_t)p->S * p->M * 4; x++) comm_wait(&p->req[x]);
+    for (size_t x = 0; x < (size_t)p->S * p->M * 4; x++) {
+        comm_wait(&p->req[x]);
+        comm_wait(&p->cnt_req[x]);
+    }
     p->step_s += ct_now() - t_step;
     return loss;
 }

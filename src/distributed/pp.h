@@ -36,6 +36,18 @@
  * (2 v: activations into stage v, 2 v + 1: gradients into stage v) in
  * send order, and every stage sends in micro-batch order.
  *
+ * HF's load-balancing loss in the gradient (lm_aux_in_grad) needs, in every
+ * MoE layer's backward, the micro-batch's expert counts summed over ALL the
+ * model's MoE layers. So a second, small message (E doubles) travels beside
+ * each activation and each gradient, tags 2 V + 2 v and 2 V + 2 v + 1: a
+ * forward adds its layers' counts to those stage v - 1 sent and passes the
+ * sum on; the last stage then holds the micro-batch's totals, sets the aux
+ * gradient from them (lm_stage_aux_grad) before its backward and sends them
+ * back upstream with the gradient, each stage doing the same before its own.
+ * The unit of the aux loss is the pipeline micro-batch, as for the logged
+ * aux_loss: a run trains like one process with local_batch_size =
+ * pipeline_parallel_microbatch_size and the same global batch.
+ *
  * Gradient scaling is the one-rank run's: the trainer computes the step's
  * valid-target count before any backward and every micro-batch's loss is
  * scaled by its inverse, so the stages' gradients add up to the gradient
@@ -82,6 +94,9 @@ typedef struct {
     int *n_pool;         /* [S] */
     double *moe_stats;   /* [M][2 E] this rank's routing sums of each micro-batch (E = 0: none) */
     int E;
+    double *cnt;         /* [S][M][4][E] expert counts (aux loss): in with the activation, in with the
+                            gradient, out with the activation, out with the gradient */
+    comm_req *cnt_req;   /* [S][M][4] */
     double wait_s, step_s; /* seconds waiting for inputs, and in pp_step, since pp_take_times */
 } pp_sched;
 
@@ -99,7 +114,9 @@ void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts);
 void pp_free(pp_sched *p);
 /* One optimizer step's forwards and backwards: tokens, labels
  * [M][mb_size x T]; seeds[M] LoRA's dropout seed of each micro-batch.
- * Gradients of (CE sum) x grad_scale are added to m->grads. Returns this
+ * Gradients of (CE sum) x grad_scale are added to m->grads, and with
+ * lm_aux_in_grad those of router_aux_loss_coef x m->moe.aux_scale x each
+ * micro-batch's load-balancing loss. Returns this
  * rank's CE sum (the last stage's: 0 elsewhere); p->moe_stats holds its
  * routing sums per micro-batch. Collective over the pipeline. */
 double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, const uint64_t *seeds,

@@ -1653,6 +1653,10 @@ static void forward_layers(lm_model *m, int l0, int l1, float *out, int B, int T
     }
 }
 
+int lm_aux_in_grad(const lm_config *c) {
+    return c->n_experts > 0 && c->output_router_logits && c->router_aux_loss_coef > 0;
+}
+
 /* HF's load-balancing loss of this forward's routing sums (0 if dense). */
 static void forward_aux(lm_model *m, int BT) {
     const lm_config *c = &m->cfg;
@@ -1660,6 +1664,14 @@ static void forward_aux(lm_model *m, int BT) {
     if (m->moe.n_layers)
         m->moe.aux_loss = moe_aux_loss(m->ws.moe_dprob_all, m->moe.count, m->moe.psum, BT, m->moe.n_layers, c->n_experts,
                                    c->output_router_logits ? c->router_aux_loss_coef * m->moe.aux_scale : 0.0);
+}
+
+void lm_stage_aux_grad(lm_model *m, const double *count, int B, int T) {
+    const lm_config *c = &m->cfg;
+    if (!m->moe.n_layers || !lm_aux_in_grad(c)) return;
+    /* the same scale as forward_aux's, so a stage's routers get the one-process gradient bit for bit */
+    moe_aux_loss(m->ws.moe_dprob_all, count, NULL, B * T, m->moe.n_layers, c->n_experts,
+                 c->router_aux_loss_coef * m->moe.aux_scale);
 }
 
 /* act.lnf[BT, H] = RMSNorm(act.res_out[BT, H]), lnf_rstd[BT] kept for the backward. */
@@ -2075,7 +2087,7 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
      * intermediate slices; the router's own d(ln2), added next, is not */
     reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
     reduce_d_input(m, m->ws.moe_dtopw, (size_t)BT * k);
-    int aux = c->output_router_logits && c->router_aux_loss_coef > 0;
+    int aux = lm_aux_in_grad(c);
     int64_t rt0 = PROF_T0(m->prof);
     moe_route_bwd(&m->k, m->ws.d_ln, g->router, m->ws.moe_dprobs, m->ws.moe_dtopw, aux ? m->ws.moe_dprob_all : NULL, a->ln2,
                   w->router, frozen_bf16(m, w->router), r, BT, H, E, k, c->norm_topk_prob);

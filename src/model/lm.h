@@ -392,8 +392,8 @@ typedef struct {
     double *tokens;         /* [L, E] tokens per expert since the last update (training forwards) */
     int count_tokens;       /* set by forward_backward around its forward */
     float aux_scale;        /* weight of router_aux_loss_coef * aux in the gradient (1 per optimizer
-                               step: a trainer with n micro-batches sets 1/n); used when
-                               cfg.output_router_logits */
+                               step: a trainer with n micro-batches sets 1/n; under a pipeline
+                               the unit is its micro-batch); used when cfg.output_router_logits */
 } lm_moe_state;
 
 /* Calls around each layer for layouts that move parameters (FSDP gathers a
@@ -659,5 +659,14 @@ double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, con
                          const float *d_out, float *d_in, int B, int T, float grad_scale, long *n_valid);
 /* After the forward of a range ending the model: the CE sum of labels (evaluation). */
 double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_valid);
+/* Whether HF's load-balancing loss is in the gradient (a MoE model with
+ * output_router_logits and router_aux_loss_coef > 0). */
+int lm_aux_in_grad(const lm_config *c);
+/* Before a stage's backward of a micro-batch of B x T tokens: the
+ * load-balancing gradient its MoE layers add to every router probability,
+ * from count[E], the micro-batch's expert choices summed over EVERY MoE
+ * layer of the model (all stages'); R counts the whole model's MoE layers,
+ * as the one-process forward does. No-op unless lm_aux_in_grad. */
+void lm_stage_aux_grad(lm_model *m, const double *count, int B, int T);
 
 #endif

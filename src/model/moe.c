@@ -144,7 +144,8 @@ double moe_aux_loss(float *dprob_all, const double *count, const double *psum, i
                     double scale) {
     double R = (double)N * n_layers, aux = 0;
     if (R <= 0) return 0;
-    for (int e = 0; e < E; e++) aux += (count[e] / R) * (psum[e] / R);
+    if (psum)
+        for (int e = 0; e < E; e++) aux += (count[e] / R) * (psum[e] / R);
     if (dprob_all)
         for (int e = 0; e < E; e++) dprob_all[e] = (float)(scale * E * count[e] / (R * R));
     return aux * E;

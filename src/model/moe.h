@@ -61,7 +61,8 @@ void moe_route_stats(double *count, double *psum, const moe_route *r, int N, int
  * moe_route_stats over n_layers layers of N tokens:
  *   aux = E * sum_e (count[e] / R) (psum[e] / R),  R = N * n_layers.
  * If dprob_all is non-NULL it receives d(scale * aux) / d probs[t, e] for every
- * layer and token: scale * E * count[e] / R^2 (the counts carry no gradient). */
+ * layer and token: scale * E * count[e] / R^2 (the counts carry no gradient).
+ * psum NULL: the gradient only (it needs the counts alone), returning 0. */
 double moe_aux_loss(float *dprob_all, const double *count, const double *psum, int N, int n_layers, int E,
                     double scale);
 

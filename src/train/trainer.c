@@ -601,8 +601,10 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
     if (claim && (rc = claim_dump_folder(t, e))) return rc;
     /* after the bf16 store: tuning times the experts entries the run will call */
     if ((rc = select_kernels(t, e))) return rc;
-    /* MoE load-balancing loss: HF adds it per forward; a step is the mean of its micro-batches' */
-    t->model.moe.aux_scale = (float)c->local_batch_size / (float)t->global_batch;
+    /* MoE load-balancing loss: HF adds it per forward; a step is the mean of its micro-batches'
+     * (a pipeline's forward is one of its micro-batches: distributed/pp.h) */
+    int fwd_batch = t->plan.pp ? c->pp_microbatch : c->local_batch_size;
+    t->model.moe.aux_scale = (float)fwd_batch / (float)t->global_batch;
     if (t->model.cfg.lazy_buffers) adamw_init_lazy(&t->opt, t->model.n_params);
     else adamw_init(&t->opt, t->model.n_params);
     t->hp = (adamw_hparams){c->lr, c->beta1, c->beta2, c->eps, c->weight_decay};

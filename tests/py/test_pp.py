@@ -11,7 +11,8 @@ agreeing with it ties every pipeline layout to PyTorch.
 Covered: 1F1B, GPipe and Interleaved1F1B (2 stages a rank) over 2 and 4 ranks, split by
 cost and at explicit split points, with data-parallel replicas (PP 2 x DP 2), micro-batches
 of 1 and 2 sequences, tied and untied embeddings, the gradient norm; a Qwen3-MoE model (its
-aux_loss metric too, and the load-balancing bias); checkpoints moving between pipeline, FSDP
+aux_loss metric too, and the load-balancing bias), and with HF's load-balancing loss in the
+gradient under every schedule, PP x DP, FSDP, TP and FSDP x EP; checkpoints moving between pipeline, FSDP
 and one-process layouts, and a resume under the same pipeline bit for bit; activation
 checkpointing, bf16 and LoRA (dropout 0 and 0.1) under PP 2; each stage holding its layers
 only (memory); the config errors (exit 2, naming the key); the dry run with the pipeline
@@ -47,8 +48,9 @@ LAYERS = 4
 def setup(tmp_path_factory):
     """4-layer tiny models (PP 4 needs 4 layers, Interleaved1F1B over 2 ranks 4 stages):
     Qwen3 untied and tied, sizes no degree divides (hidden 30, intermediate 49, vocab 251);
-    a Qwen3-MoE (layer 0 dense, layers 1-3 sparse, no aux loss in the gradient); a TP-able
-    Qwen3 (intermediate 48, vocab 256) for PP x TP; a 3-layer one for too many stages."""
+    a Qwen3-MoE (layer 0 dense, layers 1-3 sparse), without and with the aux loss in the
+    gradient (output_router_logits), and the latter TP-able; a TP-able Qwen3 (intermediate
+    48, vocab 256) for PP x TP; a 3-layer one for too many stages."""
     d = tmp_path_factory.mktemp("pp")
     for tied in (False, True):
         oracle.tiny_config(vocab=251, hidden=30, inter=49, layers=LAYERS, heads=4, kv_heads=2, head_dim=8,
@@ -58,8 +60,10 @@ def setup(tmp_path_factory):
     oracle.tiny_config(vocab=251, hidden=30, inter=49, layers=3, heads=4, kv_heads=2, head_dim=8
                        ).save_pretrained(d / "model_l3")
     from transformers import Qwen3MoeConfig
-    for name, aux in (("model_moe", False), ("model_moe_aux", True)):
-        Qwen3MoeConfig(vocab_size=251, hidden_size=30, intermediate_size=49, moe_intermediate_size=20, num_experts=4,
+    for name, aux in (("model_moe", False), ("model_moe_aux", True), ("model_moe_aux_tp", True)):
+        tp = name.endswith("_tp")  # sizes tensor parallel 2 divides
+        Qwen3MoeConfig(vocab_size=256 if tp else 251, hidden_size=32 if tp else 30, intermediate_size=48 if tp else 49,
+                       moe_intermediate_size=20, num_experts=4,
                        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                        max_position_embeddings=256, tie_word_embeddings=False, output_router_logits=aux,
@@ -218,6 +222,66 @@ def test_moe_pipeline_matches_one_process(setup, single, n, mb, extra):
         assert abs(got[s]["aux_loss"] - want[s]["aux_loss"]) <= 1e-5 * abs(want[s]["aux_loss"]), \
             f"step {s}: aux_loss {got[s]['aux_loss']!r} vs one process's with the same micro-batches " \
             f"{want[s]['aux_loss']!r}"
+
+
+# HF's load-balancing loss in the gradient (output_router_logits): its unit is the pipeline
+# micro-batch, so each layout is compared with one process whose local_batch_size is it
+AUX_LAYOUTS = {  # name: (ranks, data-parallel degree, micro-batch, pipeline args)
+    "pp2_1f1b_mb1": (2, 1, 1, [f"{PP}=2", f"{SCHED}=1F1B"]),
+    "pp4_gpipe_mb2": (4, 1, 2, [f"{PP}=4", f"{SCHED}=GPipe"]),
+    "pp2_interleaved_mb1": (2, 1, 1, [f"{PP}=2", f"{SCHED}=Interleaved1F1B"]),
+    # micro-batches of 1: which replica a sequence lands on cannot change its own aux loss
+    "pp2_dp2_mb1": (4, 2, 1, [f"{PP}=2", "--parallelism.data_parallel_replicate_degree=2"]),
+    "pp2_fsdp2_mb1": (4, 2, 1, [f"{PP}=2", "--parallelism.data_parallel_shard_degree=2"]),
+    "pp2_tp2_mb1": (4, 1, 1, [f"{PP}=2", "--parallelism.tensor_parallel_degree=2",
+                              "--parallelism.data_parallel_shard_degree=1"]),
+    "pp2_fsdp2_ep2_mb1": (4, 2, 1, [f"{PP}=2", "--parallelism.data_parallel_shard_degree=2",
+                                    "--parallelism.expert_parallel_degree=2"]),
+}
+
+
+def aux_single(single, model, mb):
+    return single(model) if mb == 2 else single(model, f"--training.local_batch_size={mb}")
+
+
+@pytest.mark.parametrize("name", list(AUX_LAYOUTS))
+def test_moe_aux_loss_in_the_gradient_under_pp(setup, single, name):
+    """Qwen3-MoE with output_router_logits (router_aux_loss_coef 0.01): every stage's
+    routers get the load-balancing gradient of the micro-batch's expert counts over ALL the
+    model's MoE layers (the counts travel with the activations and back with the
+    gradients). The losses, validation losses, gradient norms, aux_loss and final weights
+    equal one process's with local_batch_size = the pipeline micro-batch and the same global
+    batch (test_moe.py ties that run's aux gradient to transformers)."""
+    n, dp, mb, args = AUX_LAYOUTS[name]
+    model = "model_moe_aux_tp" if "tp2" in name else "model_moe_aux"
+    ref = aux_single(single, model, mb)
+    out, _ = pp_run(setup, f"moe_aux_{name}", n, *args, f"{MB}={mb}", model=model, dp=dp)
+    what = f"MoE aux loss {name}"
+    assert_same_run(out, ref, what)
+    got = {r["step"]: r for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r}
+    want = {r["step"]: r for r in oracle.read_metrics(ref / "metrics.jsonl") if "loss" in r}
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), sorted(got)
+    for s in want:
+        for k in ("grad_norm", "aux_loss"):
+            assert abs(got[s][k] - want[s][k]) <= 1e-5 * abs(want[s][k]), \
+                f"{what}: step {s} {k} {got[s][k]!r} vs one process {want[s][k]!r}"
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+def test_moe_aux_loss_changes_the_training(setup, single, mb):
+    """What makes the test above bite: model_moe and model_moe_aux differ only in
+    output_router_logits, and start from the same weights (the same step-1 loss, which is
+    the cross-entropy alone), yet their one-process runs end with final weights far apart
+    (the routers most): a pipeline that dropped the aux gradient anywhere would fail there."""
+    d, _ = setup
+    import json
+    a, b = (json.loads((d / m / "config.json").read_text()) for m in ("model_moe", "model_moe_aux"))
+    assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {"output_router_logits"}, (a, b)
+    off, on = aux_single(single, "model_moe", mb), aux_single(single, "model_moe_aux", mb)
+    assert losses(off)[1] == losses(on)[1], f"not the same initial weights: {losses(off)[1]} vs {losses(on)[1]}"
+    wa, wb = weights(off), weights(on)
+    router = max(np.linalg.norm(wa[k] - wb[k]) / np.linalg.norm(wb[k]) for k in wb if k.endswith("mlp.gate.weight"))
+    assert router > 1e-3, f"the aux loss moved the routers by {router:.3g} only (norm-wise), too close to 1e-5"
 
 
 def test_moe_load_lists_every_layer(setup, single):
@@ -439,11 +503,10 @@ def run_bounded(n, args, timeout):
     (2, "model", [f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{MB}=2", "--training.global_batch_size=6"],
      ["Interleaved1F1B", "pipeline_parallel_degree", "has 3"]),
     (2, "model", [f"{PP}=2", f"{SCHED}=ZeroBubble"], ["pipeline_parallel_schedule", "ZeroBubble"]),
-    (2, "model_moe_aux", [f"{PP}=2"], ["pipeline_parallel_degree", "output_router_logits"]),
 ], ids=["mb_not_dividing_local", "mb_not_dividing_validation", "degree_not_dividing_world", "more_stages_than_layers",
         "interleaved_too_few_layers", "split_out_of_order", "split_repeated", "split_out_of_range",
         "split_not_a_layer", "split_too_many_stages", "interleaved_split_one_stage_a_rank",
-        "interleaved_microbatches_not_multiple", "unknown_schedule", "moe_aux_loss_in_gradient"])
+        "interleaved_microbatches_not_multiple", "unknown_schedule"])
 def test_pipeline_config_errors_exit_2(setup, tmp_path, ranks, model, args, words):
     d, data = setup
     p = run_bounded(ranks, train_args(d / model, data, tmp_path / "bad", *args), timeout=8)
@@ -485,20 +548,24 @@ def test_pp2_x_tp2_x_fsdp2(setup, single):
 
 @pytest.mark.parametrize("ranks,args", [
     (0, [f"{PP}=2", f"{MB}=1"]),
+    (0, [f"{PP}=2", f"{MB}=1", "model_moe_aux"]),
     (0, [f"{PP}=2", f"{SPLIT}=layers.1", "--parallelism.data_parallel_replicate_degree=2",
          "--parallelism.data_parallel_shard_degree=1"]),
     (2, [f"{PP}=2", f"{MB}=1"]),
     (4, [f"{PP}=4", f"{SCHED}=GPipe", f"{MB}=2"]),
     (2, [f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{MB}=1"]),
     (4, [f"{PP}=2", f"{SPLIT}=layers.1", "--parallelism.data_parallel_replicate_degree=2"]),
-], ids=["pp2", "pp2_split_dp2", "mpirun_pp2", "mpirun_pp4_gpipe", "mpirun_pp2_interleaved", "mpirun_pp2_split_dp2"])
+], ids=["pp2", "pp2_moe_aux", "pp2_split_dp2", "mpirun_pp2", "mpirun_pp4_gpipe", "mpirun_pp2_interleaved", "mpirun_pp2_split_dp2"])
 def test_dry_run_with_pipeline_keys(setup, tmp_path, ranks, args):
     """`ctitan train --dry-run` with the pipeline keys, without mpirun (the degrees fixed)
-    and under mpirun -np 2, exits 0 and plans. (Per-stage figures are coming; only that it
+    and under mpirun -np 2, exits 0 and plans (a MoE model with the aux loss in the gradient
+    too: a run no longer refuses it). (Per-stage figures are coming; only that it
     runs is checked here.)"""
     d, data = setup
+    model = args[-1] if args[-1].startswith("model") else "model"
+    args = [a for a in args if a != model]
     cmd = ([str(BIN)] if ranks == 0 else mpirun() + ["-np", str(ranks), str(BIN)]) + \
-        [str(a) for a in train_args(d / "model", data, tmp_path / "dry", *args, "--dry-run")]
+        [str(a) for a in train_args(d / model, data, tmp_path / "dry", *args, "--dry-run")]
     p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     assert p.stdout.count("dry run: model") == 1, p.stdout[-2000:]
