@@ -1293,6 +1293,31 @@ static void cfg_write_double(double v, FILE *out) {
     fputs(buf, out);
 }
 
+/* One option's value as TOML writes it. */
+static void cfg_write_value(const ct_config *c, const cfg_option *o, FILE *out) {
+    const void *f = cfg_cfield(c, o);
+    switch (o->type) {
+    case CFG_STR:
+        if (o->list) {
+            char item[512];
+            fputc('[', out);
+            int first = 1;
+            for (const char *p = *(char *const *)f; (p = cfg_list_next(p, item, sizeof item)); first = 0) {
+                if (!first) fputs(", ", out);
+                cfg_write_string(item, out);
+            }
+            fputc(']', out);
+            break;
+        }
+        /* fall through */
+    case CFG_ENUM: cfg_write_string(*(char *const *)f ? *(char *const *)f : "", out); break;
+    case CFG_INT: fprintf(out, "%d", *(const int *)f); break;
+    case CFG_I64: fprintf(out, "%" PRId64, *(const int64_t *)f); break;
+    case CFG_DBL: cfg_write_double(*(const double *)f, out); break;
+    case CFG_BOOL: fputs(*(const int *)f ? "true" : "false", out); break;
+    }
+}
+
 void cfg_write_toml(const ct_config *c, FILE *out) {
     fprintf(out, "# ctitan resolved configuration");
     if (c->config_path && c->config_path[0]) {
@@ -1304,33 +1329,52 @@ void cfg_write_toml(const ct_config *c, FILE *out) {
     const char *last = NULL;
     for (int i = 0; i < CFG_N_OPTIONS; i++) {
         const cfg_option *o = &cfg_options[i];
-        const void *f = cfg_cfield(c, o);
         if (o->alias || o->inert) continue; /* torchtitan's other names and unused keys */
         if (!last || strcmp(last, o->section)) fprintf(out, "%s[%s]\n", last ? "\n" : "", o->section);
         last = o->section;
         fprintf(out, "%s = ", o->key);
-        switch (o->type) {
-        case CFG_STR:
-            if (o->list) {
-                char item[512];
-                fputc('[', out);
-                int first = 1;
-                for (const char *p = *(char *const *)f; (p = cfg_list_next(p, item, sizeof item)); first = 0) {
-                    if (!first) fputs(", ", out);
-                    cfg_write_string(item, out);
-                }
-                fputc(']', out);
-                break;
-            }
-            /* fall through */
-        case CFG_ENUM: cfg_write_string(*(char *const *)f ? *(char *const *)f : "", out); break;
-        case CFG_INT: fprintf(out, "%d", *(const int *)f); break;
-        case CFG_I64: fprintf(out, "%" PRId64, *(const int64_t *)f); break;
-        case CFG_DBL: cfg_write_double(*(const double *)f, out); break;
-        case CFG_BOOL: fputs(*(const int *)f ? "true" : "false", out); break;
-        }
+        cfg_write_value(c, o, out);
         fputc('\n', out);
     }
+}
+
+/* Options the ranks of one run may hold differently: where each machine keeps
+ * its files (the model, data, run and trace folders: each machine its own
+ * copy), how it computes the same numbers (threads, [kernels], the logits
+ * block, its peak) and how long it waits. Every other option changes the
+ * maths or which collectives run when, so it must be alike on every rank. */
+static int cfg_per_machine(const cfg_option *o) {
+    static const char *const names[] = {
+        "job.dump_folder", "job.description", "job.print_args", "model.hf_assets_path", "model.tokenizer_path",
+        "training.dataset_path", "training.threads", "training.logits_chunk_rows", "lora.adapter_path",
+        "checkpoint.folder", "checkpoint.initial_load_path", "metrics.file", "metrics.peak_tflops", "metrics.save_tb_folder",
+        "metrics.disable_color_printing", "profiling.save_traces_folder", "profiling.save_memory_snapshot_folder",
+        "validation.dataset_path", "comm.init_timeout_seconds", "comm.train_timeout_seconds"};
+    if (!strcmp(o->section, "kernels")) return 1;
+    char name[128];
+    snprintf(name, sizeof name, "%s.%s", o->section, o->key);
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(name, names[i])) return 1;
+    return 0;
+}
+
+int cfg_n_options(void) { return CFG_N_OPTIONS; }
+
+char *cfg_shared_text(const ct_config *c, int i) {
+    if (i < 0 || i >= CFG_N_OPTIONS) return NULL;
+    const cfg_option *o = &cfg_options[i];
+    if (o->alias || o->inert || cfg_per_machine(o)) return NULL;
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) { /* no memory for a few bytes: nothing later would have any either */
+        fprintf(stderr, "ctitan: error: out of memory\n");
+        exit(1);
+    }
+    fprintf(f, "%s.%s = ", o->section, o->key);
+    cfg_write_value(c, o, f);
+    fclose(f);
+    return text;
 }
 
 const char *cfg_source(const ct_config *c) { return c->config_path[0] ? c->config_path : "command line"; }

@@ -225,4 +225,13 @@ void cfg_print_help(FILE *out);
 /* The resolved config as TOML (parseable back by cfg_parse_args). */
 void cfg_write_toml(const ct_config *c, FILE *out);
 
+/* For the ranks of one run to compare their recipes: options are numbered
+ * 0 .. cfg_n_options() - 1; cfg_shared_text gives option i as
+ * "section.key = value" (the value as config.toml writes it; the caller
+ * frees it), or NULL for an option that may differ from machine to machine
+ * (paths, threads, [kernels], timeouts: config.c's cfg_per_machine) or that
+ * is only another name or an unused torchtitan key. */
+int cfg_n_options(void);
+char *cfg_shared_text(const ct_config *c, int i);
+
 #endif

@@ -36,3 +36,9 @@ double ct_rng_normal(ct_rng *r) {
     if (u1 < 1e-300) u1 = 1e-300;
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
+
+uint64_t ct_hash_text(const char *s) {
+    uint64_t h = 14695981039346656037ull;
+    for (const char *p = s ? s : ""; *p; p++) h = (h ^ (uint8_t)*p) * 1099511628211ull;
+    return h;
+}

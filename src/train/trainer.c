@@ -33,6 +33,7 @@
 #include "core/cpu.h"
 #include "core/fs.h"
 #include "core/progress.h"
+#include "core/rng.h"
 #include "core/timer.h"
 #include "hub/hub.h"
 #include "metrics/profile.h"
@@ -523,14 +524,12 @@ static int claim_dump_folder(trainer *t, ct_err *e) {
  * one that is another model's, valid but different (a rope_theta, a size), would
  * train other maths on that rank without a word, or fail deep inside a collective.
  * The ranks compare a fingerprint of the model as its config.json would be written
- * (FNV-1a over lm_config_hf_json's text), before anything is built. */
+ * (ct_hash_text of lm_config_hf_json's text), before anything is built. */
 static int agree_on_model(trainer *t, const lm_config *mc, ct_err *e) {
     if (t->world->size <= 1) return 0;
     char *text = lm_config_hf_json(mc, "float32");
-    uint64_t h = 14695981039346656037ull;
-    for (const char *p = text ? text : ""; *p; p++) h = (h ^ (uint8_t)*p) * 1099511628211ull;
+    int64_t v = (int64_t)(ct_hash_text(text) >> 2); /* 62 bits, so that its negation fits */
     free(text);
-    int64_t v = (int64_t)(h >> 2); /* 62 bits, so that its negation fits */
     int64_t r[2] = {v, -v};         /* MAX of both: equal on every rank iff one value */
     comm_allreduce(t->world, r, 2, COMM_I64, COMM_MAX);
     if (r[0] == -r[1]) return 0;
@@ -558,7 +557,9 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
     if (world->rank == 0) ev_energy_start(&t->energy);
     pick_threads(c);
     lm_config mc;
-    int rc = trainer_resolve_hub(c, 0, e);
+    int rc = trainer_agree_config(t, e);
+    if (rc) return rc;
+    rc = trainer_resolve_hub(c, 0, e);
     if (!rc) rc = trainer_model_config(c, &mc, e);
     /* each rank reads its own machine's copy of the model's config.json (or its
      * own Hub cache): one may fail alone, where the others went on into plan_init */
@@ -819,8 +820,7 @@ static void write_start_event(trainer *t, int seen_step, double seen_time) {
     /* machines: distinct host names over the ranks, by a hash of each */
     char host[256] = "";
     gethostname(host, sizeof host - 1);
-    uint64_t h = 1469598103934665603ull, *all = ct_malloc(sizeof(uint64_t) * t->world->size);
-    for (const char *p = host; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;
+    uint64_t h = ct_hash_text(host), *all = ct_malloc(sizeof(uint64_t) * t->world->size);
     comm_all_gather(t->world, all, &h, 1, COMM_I64);
     int machines = 0;
     for (int i = 0; i < t->world->size; i++) {

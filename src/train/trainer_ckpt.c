@@ -33,6 +33,7 @@
 #include "checkpoint/hf.h"
 #include "core/cpu.h"
 #include "core/fs.h"
+#include "core/rng.h"
 #include "core/timer.h"
 #include "formats/json.h"
 #include "formats/safetensors.h"
@@ -491,6 +492,40 @@ int trainer_agree_world(ct_comm *w, int rc, const char *what, ct_err *e) {
         rc = ct_fail(e, why[0], "rank %d failed to %s (rank 0 prints its error)", first, what);
     e->all_ranks = 1;
     return rc;
+}
+
+/* Every rank reads its own copy of --config and its own command line (mpirun's
+ * MPMD form gives each machine its own): a rank given another recipe (a batch
+ * size, a learning rate, a save interval) mixed other maths into the sums
+ * without a word, or waited in a collective the others never made. The ranks
+ * compare every option that must agree (config.h's cfg_shared_text: all but
+ * paths, threads, [kernels] and timeouts) by its hash, and every rank names the
+ * first that differs, with rank 0's value (rank 0 prints it). */
+int trainer_agree_config(trainer *t, ct_err *e) {
+    ct_comm *w = t->world;
+    if (w->size <= 1) return 0;
+    int n = cfg_n_options();
+    int64_t *r = ct_calloc(2 * (size_t)n, sizeof *r);
+    for (int i = 0; i < n; i++) {
+        char *text = cfg_shared_text(&t->cfg, i);
+        r[2 * i] = (int64_t)(ct_hash_text(text) >> 2); /* 62 bits, so that its negation fits */
+        r[2 * i + 1] = -r[2 * i];                      /* MAX of both: equal on every rank iff one value */
+        free(text);
+    }
+    comm_allreduce(w, r, 2 * (size_t)n, COMM_I64, COMM_MAX);
+    int bad = 0;
+    while (bad < n && r[2 * bad] == -r[2 * bad + 1]) bad++;
+    free(r);
+    if (bad == n) return 0;
+    char *text = cfg_shared_text(&t->cfg, bad), name[128];
+    snprintf(name, sizeof name, "%.*s", (int)strcspn(text, " "), text);
+    ct_fail(e, CT_ERR_CONFIG,
+            "%s: %s differs between the ranks (rank %d has %s): every rank must be given the same recipe; only "
+            "paths, training.threads, [kernels] and the comm timeouts may differ from machine to machine",
+            cfg_origin(&t->cfg, name), name, w->rank, text);
+    free(text);
+    e->all_ranks = 1; /* every rank knows it from the all-reduce */
+    return CT_ERR_CONFIG;
 }
 
 /* Every rank must continue from the same checkpoint. On machines that do not

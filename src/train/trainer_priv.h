@@ -35,6 +35,8 @@ int trainer_init_weights(trainer *t, ct_err *e);
  * failed, and rank 0's error becomes the lowest failing rank's ("rank R of N
  * failed to WHAT: ..."), so that an error one rank alone meets is printed. */
 int trainer_agree(trainer *t, int rc, const char *what, ct_err *e);
+/* The ranks' options that must agree (all but per-machine ones) compared; CT_ERR_CONFIG on every rank if not. */
+int trainer_agree_config(trainer *t, ct_err *e);
 /* Restores the step, the loader position and the MoE routing bias from a
  * checkpoint's state.json text (txt NULL: missing), after checking it was
  * written for the same data stream (seq_len, batch, seed, shuffle); dir
