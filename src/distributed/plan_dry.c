@@ -213,13 +213,14 @@ static void dry_pp_layers(const pp_sched *p, char *out, size_t cap) {
 }
 
 /* One pipeline rank's plan (the rank of the plan p): what trainer_init_dist builds for it, the stage's model
- * (pp_hold) for a micro-batch, its activation banks and the point-to-point buffers of pp_bind. Prints its line
- * when out. */
-static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, const pp_sched *p, const char *where,
-                        ct_err *e) {
-    int mb = c->pp_microbatch, T = c->seq_len, L = mc->n_layers;
-    lm_config sc = *mc;
-    pp_hold(p, &sc);
+ * (pp_hold) cut to TP rank 0's and EP rank 0's slice (plan_local_model's order) and, under FSDP, its shard, for a
+ * micro-batch; its activation banks and the point-to-point buffers of pp_bind. Prints its line when out. */
+static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, const pp_sched *p, int shard, int tp,
+                        const char *where, ct_err *e) {
+    int mb = c->pp_microbatch, T = c->seq_len, L = mc->n_layers, ep = c->ep > 1 ? c->ep : 1;
+    lm_config stage = *mc, sc;
+    pp_hold(p, &stage);
+    tp_local_config(&sc, &stage, tp, 0, ep, 0);
     size_t n = 0, act = 0;
     int rc = lm_plan_memory(&sc, mb, T, c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
@@ -228,9 +229,19 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     size_t trained = n, in_bf16 = 0, widened = 0;
     rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, where, e);
     if (!rc) trained = lm_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
+    int frozen = lm.n_frozen > 0;
     if (!rc && lm.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) {
         in_bf16 = lm_store_frozen_bf16(&lm);
         widened = lm_frozen_widened_floats(&lm);
+    }
+    double stored = (double)(n - in_bf16), gathered = 0; /* fp32 parameters this rank keeps */
+    if (!rc && shard > 1) {
+        plan_fsdp_mem d;
+        rc = plan_fsdp_memory(&lm, shard, ep > 1 ? shard / ep : 0, strcmp(c->fsdp_reshard, "never") != 0, &d, e);
+        stored = d.stored;
+        in_bf16 = (size_t)d.in_bf16;
+        trained = (size_t)d.trained;
+        gathered = d.gathered_bytes;
     }
     /* the banks are planned on the run's model: a micro-batch of mb x T, each layer's checkpointing policy */
     lm.act.B = mb;
@@ -248,11 +259,11 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     for (int l = 0; l < L; l++)
         if (lm_layer_is_moe(mc, l)) E = mc->n_experts;
     double p2p = 4.0 * p->S * p->M * 4 * ((double)mb * T * mc->hidden) + 8.0 * p->S * p->M * 4 * E;
-    double w = 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16, go = 12.0 * (double)trained;
+    double w = 4.0 * stored + 2.0 * (double)in_bf16, go = 12.0 * (double)trained;
     double banks = 4.0 * (double)bank_f, a = (double)act + banks, wide = 4.0 * (double)widened;
     double x = 4.0 * (double)lm_expert_lora_scratch_floats(&sc);
-    double total = w + go + a + p2p + wide + x;
-    char layers[512];
+    double total = w + go + gathered + a + p2p + wide + x;
+    char layers[512], slice[160] = "", sharded[96] = "";
     dry_pp_layers(p, layers, sizeof layers);
     int embed = lm_holds_layer(&sc, 0), head = lm_holds_head(&sc);
     const char *holds = embed && head ? ", embedding, final norm + lm_head"
@@ -260,10 +271,14 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
                         : head        ? (sc.tie_embeddings ? ", final norm + lm_head (the tied embedding's copy)"
                                                            : ", final norm + lm_head")
                                       : "";
+    if (tp > 1 || ep > 1)
+        snprintf(slice, sizeof slice, " (its slice: TP rank 0 of %d, EP rank 0 of %d)", tp, ep);
+    if (shard > 1) snprintf(sharded, sizeof sharded, ", FSDP over %d ranks: %.0f stored", shard, stored + in_bf16);
     fprintf(out,
-            "  pipeline rank %d: layers %s%s: %zu parameters; bytes: parameters %.0f, gradients + AdamW %.0f%s, "
-            "activations %.0f (shared %zu + %d bank%s %.0f), point-to-point %.0f",
-            p->rank, layers, holds, n, w, go, trained < n ? " (trained only)" : "", a, act, n_banks,
+            "  pipeline rank %d: layers %s%s: %zu parameters%s%s; bytes: parameters %.0f, gradients + AdamW %.0f%s, ",
+            p->rank, layers, holds, n, slice, sharded, w, go, frozen ? " (trained only)" : "");
+    if (shard > 1) fprintf(out, "FSDP gathered %.0f, ", gathered);
+    fprintf(out, "activations %.0f (shared %zu + %d bank%s %.0f), point-to-point %.0f", a, act, n_banks,
             n_banks == 1 ? "" : "s", banks, p2p);
     if (wide > 0) fprintf(out, ", frozen bf16 lm_head logits block %.0f", wide);
     if (x > 0) fprintf(out, ", expert LoRA fold + weight gradient %.0f", x);
@@ -292,8 +307,9 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
             double book = (double)(P - 1) / ((inter ? (double)S * M : (double)M) + P - 1);
             fprintf(out,
                     "pipeline: world %d = pipeline_parallel %d x data_parallel_replicate %d x data_parallel_shard "
-                    "%d x tensor_parallel %d (each pipeline rank's plan; its replicas plan the same)\n",
-                    world, P, rep, shard, tp);
+                    "%d x tensor_parallel %d, expert_parallel %d (each pipeline rank's plan; its replicas plan the "
+                    "same)\n",
+                    world, P, rep, shard, tp, c->ep > 1 ? c->ep : 1);
             fprintf(out,
                     "  schedule %s: %d stage%s per rank, %d micro-batches of %d sequence%s per step (gradient "
                     "accumulation %d x local_batch_size %d / pipeline_parallel_microbatch_size %d)\n",
@@ -303,7 +319,7 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
                     "%.4f = (P-1)/(%sM+P-1)\n",
                     p.bubble, book, inter ? "S*" : "");
         }
-        if (!rc) rc = dry_pp_stage(out, c, mc, &p, where, e);
+        if (!rc) rc = dry_pp_stage(out, c, mc, &p, shard, tp, where, e);
         pp_free(&p);
         if (rc) return rc;
     }

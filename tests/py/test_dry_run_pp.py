@@ -246,6 +246,36 @@ def test_dry_run_pp_parameters_match_a_run(pp_models, tmp_path):
         assert n_run == plan["stages"][r]["n"], (r, n_run, plan["stages"][r])
 
 
+@pytest.mark.parametrize("n,extra", [
+    (4, ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1",
+         "--parallelism.expert_parallel_degree=2"]),
+    (8, ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2",
+         "--parallelism.expert_parallel_degree=2"]),
+], ids=["pp2_dp2_ep2", "pp2_tp2_fsdp2_ep2"])
+def test_dry_run_pp_plans_each_ranks_slice(pp_models, tmp_path, n, extra):
+    """Under PP x TP / EP each pipeline rank's line plans TP rank 0's and EP rank 0's slice of
+    its stage (fewer heads, half the experts), as the run builds it: the parameter count that
+    the first rank of each pipeline stage logs in a 1-step run. The line counted the whole
+    stage before (the plan ignored every slice within a stage)."""
+    from transformers import Qwen3MoeConfig
+    _, data = pp_models
+    Qwen3MoeConfig(vocab_size=256, hidden_size=30, intermediate_size=48, moe_intermediate_size=20, num_experts=4,
+                   num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
+                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   max_position_embeddings=256, tie_word_embeddings=False).save_pretrained(tmp_path / "moe")
+    args = pp_args(tmp_path / "moe", data, tmp_path / "out", 2, *extra, local=2)
+    out = ok(launch(0, args + ["--dry-run"])).stdout
+    tp = 2 if any("tensor_parallel_degree=2" in a for a in extra) else 1
+    assert re.search(rf"^pipeline: world {n} = .* x tensor_parallel {tp}, expert_parallel 2 ", out, re.M), out
+    lines = re.findall(rf"^  pipeline rank (\d+): .*?: (\d+) parameters \(its slice: TP rank 0 of {tp}, EP rank 0 of "
+                       r"2\)", out, re.M)
+    assert [int(r) for r, _ in lines] == [0, 1], out
+    err = ok(launch(n, args, env=dict(ENV, CTITAN_LOG_RANKS="all"))).stderr
+    held = {int(r): int(k) for k, r in re.findall(r"ctitan: model \S+: (\d+) parameters on rank (\d+) of", err)}
+    for r, k in lines:  # pipeline rank r's first world rank: stages are the outermost layout
+        assert held[int(r) * (n // 2)] == int(k), (r, k, held)
+
+
 MIB = 2**20
 
 
