@@ -303,6 +303,12 @@ static double clip_sharded(ct_plan *p, const float *g, size_t n, double max_norm
  * of this rank's slice; an EP group lies inside the shard group, so every
  * expert is counted once) and then over the TP group. Without FSDP the
  * experts' squares are summed over the EP group. */
+struct tp_sq_runs { ct_plan *p; const float *g; double sq; };
+/* A held fp32 run of the shard (fsdp_held_runs): flat [x, x + n) at shard position s. */
+static void tp_sq_run(void *ctx, size_t x, size_t n, size_t s) {
+    struct tp_sq_runs *r = ctx;
+    r->sq += tp_sq_range(r->p->tp, r->g + s, x, n, TP_SQ_ALL);
+}
 static double clip_tp(ct_plan *p, const float *g, size_t n, double max_norm, float *scale) {
     double sq = 0;
     fsdp *f = p->fsdp;
@@ -311,12 +317,11 @@ static double clip_tp(ct_plan *p, const float *g, size_t n, double max_norm, flo
         if (p->mesh.ep > 1) comm_allreduce(&p->mesh.epg, &se, 1, COMM_F64, COMM_SUM);
         sq = tp_sq_range(p->tp, g, 0, n, TP_SQ_DENSE) + se;
     } else {
-        for (int i = 0; i < f->n_pieces; i++) {
-            const fsdp_piece *q = &f->p[i];
-            size_t lo, cnt;
-            fsdp_piece_held(f, i, &lo, &cnt);
-            if (cnt) sq += tp_sq_range(p->tp, g + q->shard_off, q->off + lo, cnt, TP_SQ_ALL);
-        }
+        /* by held runs: a piece with bf16-stored frozen matrices keeps its fp32 tensors
+         * apart from their flat positions */
+        struct tp_sq_runs r = {p, g, 0};
+        for (int i = 0; i < f->n_pieces; i++) fsdp_held_runs(f, i, tp_sq_run, &r);
+        sq = r.sq;
         comm_allreduce(f->comm, &sq, 1, COMM_F64, COMM_SUM);
     }
     comm_allreduce(p->tp->comm, &sq, 1, COMM_F64, COMM_SUM);
@@ -343,6 +348,15 @@ static double clip_by(double sq, double max_norm, float *scale) {
  * the frozen ones keep their weights bit for bit (no weight decay either)
  * and their untouched gradient and moment pages are never written. Every
  * run steps with the same step count, as one AdamW over them all. */
+static void step_runs(ct_plan *p, float *P, float *G, float scale, double lr, const adamw_hparams *hp) {
+    long step0 = p->opt->step;
+    for (int i = 0; i < p->n_opt_ranges; i++) { /* AdamW also zeroes the run's gradients */
+        const struct plan_range *r = &p->opt_ranges[i];
+        adamw_state s = {r->n, p->opt->m + r->off, p->opt->v + r->off, step0, 0};
+        ADAMW(p->m, &s, P + r->off, G + r->off, scale, lr, hp);
+    }
+    p->opt->step = step0 + 1;
+}
 static double step_ranges(ct_plan *p, float *P, float *G, double lr, const adamw_hparams *hp, double max_norm) {
     lm_model *m = p->m;
     double sq = 0;
@@ -354,13 +368,7 @@ static double step_ranges(ct_plan *p, float *P, float *G, double lr, const adamw
     sq = pp_sq(p, G, sq);
     float scale;
     double norm = clip_by(sq, max_norm, &scale);
-    long step0 = p->opt->step;
-    for (int i = 0; i < p->n_opt_ranges; i++) { /* AdamW also zeroes the run's gradients */
-        const struct plan_range *r = &p->opt_ranges[i];
-        adamw_state s = {r->n, p->opt->m + r->off, p->opt->v + r->off, step0, 0};
-        ADAMW(m, &s, P + r->off, G + r->off, scale, lr, hp);
-    }
-    p->opt->step = step0 + 1;
+    step_runs(p, P, G, scale, lr, hp);
     return norm;
 }
 
@@ -375,7 +383,10 @@ double plan_optimizer_step(ct_plan *p, double lr, const adamw_hparams *hp, doubl
         fsdp *f = p->fsdp;
         norm = p->tp ? clip_tp(p, f->grads, f->shard_n, max_norm, &scale)
                      : clip_sharded(p, f->grads, f->shard_n, max_norm, &p->mesh.shard, &scale);
-        ADAMW(m, p->opt, f->params, f->grads, scale, lr, hp); /* and zeroes the gradients */
+        /* under TP with frozen tensors: the norm over all (frozen gradients read as zeros), AdamW over
+         * the trained runs only, as step_ranges */
+        if (p->n_opt_ranges >= 0) step_runs(p, f->params, f->grads, scale, lr, hp);
+        else ADAMW(m, p->opt, f->params, f->grads, scale, lr, hp); /* and zeroes the gradients */
     } else {
         if (p->tp) {
             norm = clip_tp(p, m->grads, m->n_params, max_norm, &scale);
@@ -386,7 +397,8 @@ double plan_optimizer_step(ct_plan *p, double lr, const adamw_hparams *hp, doubl
             norm = grad_norm(m, m->grads, m->n_params);
             scale = optim_clip_scale(norm, max_norm);
         }
-        ADAMW(m, p->opt, m->params, m->grads, scale, lr, hp);
+        if (p->n_opt_ranges >= 0) step_runs(p, m->params, m->grads, scale, lr, hp);
+        else ADAMW(m, p->opt, m->params, m->grads, scale, lr, hp);
     }
     return norm;
 }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/timer.h"
+#include "model/lora.h"
 
 void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, int ep, int ep_rank) {
     *local = *full;
@@ -18,6 +19,7 @@ void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, i
         local->expert0 = ep_rank * local->expert_rows;
     }
     local->tp_degree = t;
+    local->tp_rank = rank;
     local->n_heads = full->n_heads / t;
     local->n_kv_heads = full->n_kv_heads / t;
     local->intermediate = full->intermediate / t;
@@ -50,36 +52,59 @@ static void hook_post_forward(void *ctx, int l) {
     tp_layout *p = ctx;
     if (p->inner) p->inner->post_forward(p->inner->ctx, l);
 }
-/* After FSDP's (which gathers and zeroes the layer's gradients): what the
- * q/k norm gradients hold before this micro-batch's backward of the layer,
- * so that only its own contribution is summed over the group. */
+/* The column-parallel projections, whose LoRA A is replicated. */
+static const int col_lora[] = {LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_GATE, LM_LORA_UP};
+#define N_COL_LORA ((int)(sizeof col_lora / sizeof col_lora[0]))
+
+/* Layer l's replicated tensors whose gradient each rank computes from its
+ * slice only (a partial sum): the per-head q/k norms (this rank's heads) and
+ * the LoRA A of a column-parallel projection (du = scale dy B is summed over
+ * this rank's output rows only). Not frozen ones, nor OLMo2's q/k norm over
+ * the projection (sliced with the heads). g[k], n[k]: gradient and floats;
+ * returns how many. A fused module's projections share one A: listed once. */
+static int partial_grads(const tp_layout *p, int l, float **g, size_t *n) {
+    const lm_layer_w *gl = &p->m->g.layer[l];
+    int k = 0;
+    if (p->local.qk_norm == LM_QK_HEAD) {
+        const float *qk[2] = {gl->qn, gl->kn};
+        for (int j = 0; j < 2; j++)
+            if (qk[j]) g[k] = (float *)qk[j], n[k++] = (size_t)p->local.head_dim;
+    }
+    for (int j = 0; j < N_COL_LORA; j++) {
+        float *a = gl->lora_a[col_lora[j]];
+        int seen = 0;
+        for (int h = 0; h < k; h++) seen |= g[h] == a;
+        if (!a || seen) continue;
+        g[k] = a;
+        n[k++] = (size_t)lm_lora_rank(&p->local, l, col_lora[j]) * (size_t)p->local.hidden;
+    }
+    return k;
+}
+
+/* After FSDP's (which gathers and zeroes the layer's gradients): what those
+ * gradients hold before this micro-batch's backward of the layer, so that
+ * only its own contribution is summed over the group. */
 static void hook_pre_backward(void *ctx, int l) {
     tp_layout *p = ctx;
     if (p->inner) p->inner->pre_backward(p->inner->ctx, l);
-    /* no q/k norms (or frozen), or OLMo2's over the projection (sliced with the heads): nothing replicated */
-    if (!p->m->g.layer[l].qn || p->local.qk_norm != LM_QK_HEAD) return;
-    int hd = p->local.head_dim;
-    memcpy(p->qk_before, p->m->g.layer[l].qn, (size_t)hd * sizeof(float));
-    memcpy(p->qk_before + hd, p->m->g.layer[l].kn, (size_t)hd * sizeof(float));
+    float *g[2 + N_COL_LORA];
+    size_t n[2 + N_COL_LORA], off = 0;
+    int k = partial_grads(p, l, g, n);
+    for (int j = 0; j < k; off += n[j], j++) memcpy(p->before + off, g[j], n[j] * sizeof(float));
 }
 /* Before FSDP's reduce-scatter: g = before + (sum over ranks of g - before). */
 static void hook_post_backward(void *ctx, int l) {
     tp_layout *p = ctx;
-    if (!p->m->g.layer[l].qn || p->local.qk_norm != LM_QK_HEAD) {
-        if (p->inner) p->inner->post_backward(p->inner->ctx, l);
-        return;
-    }
-    int hd = p->local.head_dim;
-    float *qn = p->m->g.layer[l].qn, *kn = p->m->g.layer[l].kn, *d = p->qk_before, *delta = p->qk_before + 2 * hd;
-    for (int i = 0; i < hd; i++) {
-        delta[i] = qn[i] - d[i];
-        delta[hd + i] = kn[i] - d[hd + i];
-    }
-    reduce(p, delta, 2 * (size_t)hd);
-    for (int i = 0; i < hd; i++) {
-        qn[i] = d[i] + delta[i];
-        kn[i] = d[hd + i] + delta[hd + i];
-    }
+    float *g[2 + N_COL_LORA];
+    size_t n[2 + N_COL_LORA], off = 0;
+    int k = partial_grads(p, l, g, n);
+    float *delta = p->before + p->n_before;
+    for (int j = 0; j < k; off += n[j], j++)
+        for (size_t i = 0; i < n[j]; i++) delta[off + i] = g[j][i] - p->before[off + i];
+    if (off) reduce(p, delta, off);
+    off = 0;
+    for (int j = 0; j < k; off += n[j], j++)
+        for (size_t i = 0; i < n[j]; i++) g[j][i] = p->before[off + i] + delta[off + i];
     if (p->inner) p->inner->post_backward(p->inner->ctx, l);
 }
 
@@ -92,12 +117,20 @@ void tp_init(tp_layout *p, const lm_config *full, ct_comm *group, int ep, int ep
     p->comm = group;
     p->full = *full;
     tp_local_config(&p->local, full, p->t, p->rank, ep, ep_rank);
-    p->qk_before = ct_calloc(4 * (size_t)full->head_dim, sizeof(float));
+    /* the most floats partial_grads gives for one layer (fused A counted per projection) */
+    for (int l = 0; l < full->n_layers; l++) {
+        size_t n = 2 * (size_t)full->head_dim;
+        for (int j = 0; j < N_COL_LORA; j++)
+            if (lm_lora_on(full, l, col_lora[j]))
+                n += (size_t)lm_lora_rank(full, l, col_lora[j]) * (size_t)full->hidden;
+        if (n > p->n_before) p->n_before = n;
+    }
+    p->before = ct_calloc(2 * p->n_before, sizeof(float)); /* before, then the deltas */
 }
 
 void tp_free(tp_layout *p) {
     if (p->m && p->m->hooks == &p->hooks) p->m->hooks = p->inner;
-    free(p->qk_before);
+    free(p->before);
     free(p->sharded);
     free(p->expert);
     for (int i = 0; p->ep_tables && i < p->ep; i++) lm_free(&p->ep_tables[i]);
@@ -128,13 +161,16 @@ static void dims(const lm_tensor *t, size_t *rows, size_t *cols) {
 int tp_row_blocks(const tp_layout *p, const lm_tensor *ft, size_t fb[3]) {
     size_t fr, fc;
     dims(ft, &fr, &fc);
-    if (ft->slot == LM_S_WQKV) {
+    /* a fused module's LoRA B follows its base's row blocks */
+    unsigned lt = p->full.lora_targets;
+    int b = ft->slot == LM_S_LORA_B;
+    if (ft->slot == LM_S_WQKV || (b && ft->expert == LM_LORA_Q && (lt & LORA_FUSED_QKV))) {
         size_t hd = (size_t)p->full.head_dim;
         fb[0] = (size_t)p->full.n_heads * hd;
         fb[1] = fb[2] = (size_t)p->full.n_kv_heads * hd;
         return 3;
     }
-    if (ft->slot == LM_S_WGU) {
+    if (ft->slot == LM_S_WGU || (b && ft->expert == LM_LORA_GATE && (lt & LORA_FUSED_GATE_UP))) {
         fb[0] = fb[1] = fr / 2;
         return 2;
     }

@@ -23,6 +23,13 @@
  *     (etp = tp in torchtitan's terms);
  *   - the per-head q/k norm weights [hd] see only this rank's heads: their
  *     gradient of each layer's backward is all-reduced (post_backward);
+ *   - LoRA adapters follow their base projection: a column-parallel one's
+ *     B [out, r] is sliced by rows like W (a fused module's by its row
+ *     blocks), its A [r, in] replicated, A's gradient a partial sum
+ *     all-reduced like the q/k norms'; a row-parallel one's A by columns
+ *     like W and its B replicated: u = scale A x is summed over the group
+ *     before B (model/lm.c), so B's gradient is the same on every rank and
+ *     A's and d(x)'s are local. Dropout masks index the whole input;
  *   - lm_head (untied) is vocabulary-parallel: rank r holds rows
  *     [r V/t, (r+1) V/t) and its logits only; the loss combines the row max,
  *     sum of exponentials and target logit over the group (hooks.reduce_max,
@@ -60,7 +67,8 @@ typedef struct {
     char *expert;             /* [n_tensors] 1: an expert's tensor (held by one EP rank) */
     lm_model *ep_tables;   /* [ep] tensor table of each EP index's ranks (every TP index of one
                                * has the same), built on the first tp_gather_range that needs them */
-    float *qk_before;         /* [4 * hd] a layer's q_norm, k_norm gradients before its backward; their deltas */
+    size_t n_before;          /* the most floats of one layer's partial-sum replicated gradients */
+    float *before;            /* [2 n_before] those gradients before a layer's backward; their deltas */
     double comm_s;            /* seconds in collectives since the last tp_take_comm_time */
 } tp_layout;
 

@@ -1067,20 +1067,33 @@ static uint64_t lora_key(const lm_model *m, int l, int p) {
 static int lora_kept(uint64_t key, size_t i, uint32_t cut) { return (uint32_t)(lora_mix(key + i) >> 40) >= cut; }
 static uint32_t lora_cut(const lm_model *m) { return (uint32_t)((double)m->cfg.lora_dropout * 16777216.0); }
 
-static const float *lora_input(lm_model *m, int l, int p, const float *x, size_t n) {
+/* Under tensor parallelism o_proj's and down_proj's input is this rank's
+ * block of K columns of the whole [BT, K t] input; element i of it is
+ * element lora_elem of the whole, so the mask is one process's. */
+static int lora_row_parallel(const lm_model *m, int p) {
+    return m->cfg.tp_degree > 1 && (p == LM_LORA_O || p == LM_LORA_DOWN);
+}
+static size_t lora_elem(const lm_model *m, int p, size_t i, size_t K) {
+    if (!lora_row_parallel(m, p)) return i;
+    return (i / K) * K * (size_t)m->cfg.tp_degree + (size_t)m->cfg.tp_rank * K + i % K;
+}
+
+/* x[BT, K] */
+static const float *lora_input(lm_model *m, int l, int p, const float *x, int BT, int K) {
     if (!(m->cfg.lora_dropout > 0) || !m->lora_train) return x;
     uint64_t key = lora_key(m, l, p);
     uint32_t cut = lora_cut(m);
     float keep = 1.0f / (1.0f - m->cfg.lora_dropout);
     float *d = m->ws.lora_x;
-    long nn = (long)n;
+    long nn = (long)BT * K;
     int64_t t0 = PROF_T0(m->prof);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
 #pragma omp for schedule(static) nowait
-        for (long i = 0; i < nn; i++) d[i] = lora_kept(key, (size_t)i, cut) ? x[i] * keep : 0.0f;
+        for (long i = 0; i < nn; i++)
+            d[i] = lora_kept(key, lora_elem(m, p, (size_t)i, (size_t)K), cut) ? x[i] * keep : 0.0f;
         KERN_TRACE_EXIT(kt_);
     }
     if (m->prof) prof_model_op(m->prof, "lora_dropout_fwd", "lora_dropout", PROF_NO_KERNEL, t0);
@@ -1088,12 +1101,23 @@ static const float *lora_input(lm_model *m, int l, int p, const float *x, size_t
 }
 
 /* y[BT, N] += B (scale A drop(x[BT, K])): PEFT's LoRA branch beside the
- * linear of projection p in layer l; u[BT, r] keeps scale A drop(x). */
+ * linear of projection p in layer l; u[BT, r] keeps scale A drop(x).
+ * Row-parallel under tensor parallelism (o_proj, down_proj: A holds this
+ * rank's columns, B is whole): A x is a partial sum, summed over the group
+ * before B, so B u is added once, on every rank alike, beside the base's
+ * output that was summed already. */
 static void lora_fwd(lm_model *m, int l, int p, float *y, float *u, const float *x, const lm_layer_w *w, int BT,
                      int K, int N) {
-    const float *xd = lora_input(m, l, p, x, (size_t)BT * K);
-    lora_apply(&m->k, y, u, xd, w->lora_a[p], w->lora_b[p], BT, K, N, lm_lora_rank(&m->cfg, l, p),
-               lm_lora_scale(&m->cfg, l, p));
+    const float *xd = lora_input(m, l, p, x, BT, K);
+    int r = lm_lora_rank(&m->cfg, l, p);
+    float sc = lm_lora_scale(&m->cfg, l, p);
+    if (!lora_row_parallel(m, p) || !m->hooks || !m->hooks->reduce_partial) {
+        lora_apply(&m->k, y, u, xd, w->lora_a[p], w->lora_b[p], BT, K, N, r, sc);
+        return;
+    }
+    lora_apply(&m->k, NULL, u, xd, w->lora_a[p], NULL, BT, K, N, r, sc); /* u alone */
+    m->hooks->reduce_partial(m->hooks->ctx, u, (size_t)BT * r);
+    K(MATMUL, matmul_fwd, y, u, w->lora_b[p], BT, r, N, 1);
 }
 
 /* Its backward from dy[BT, N]: dB += dy^T u, dA += du^T drop(x), dx += (du A)
@@ -1109,7 +1133,7 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
     K(MATMUL, matmul_bwd, du, g->lora_b[p], dy, u, w->lora_b[p], BT, r, N, 0);
     float sc = lm_lora_scale(&m->cfg, l, p);
     for (size_t i = 0; i < (size_t)BT * r; i++) du[i] *= sc;
-    const float *xd = lora_input(m, l, p, x, n);
+    const float *xd = lora_input(m, l, p, x, BT, K);
     if (xd == x) {
         K(MATMUL, matmul_bwd, dx, g->lora_a[p], du, x, w->lora_a[p], BT, K, r, 1);
         return;
@@ -1127,7 +1151,7 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
         KERN_TRACE_ENTER(kt_);
 #pragma omp for schedule(static) nowait
         for (long i = 0; i < nn; i++) /* d drop(x) / dx: 1 / (1 - p) where the mask kept x, 0 where it dropped it */
-            if (lora_kept(key, (size_t)i, cut)) dx[i] += dxd[i] * keep;
+            if (lora_kept(key, lora_elem(m, p, (size_t)i, (size_t)K), cut)) dx[i] += dxd[i] * keep;
         KERN_TRACE_EXIT(kt_);
     }
     if (m->prof) prof_model_op(m->prof, "lora_dropout_bwd", "lora_dropout", PROF_NO_KERNEL, t0);
@@ -1143,7 +1167,8 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
  * reads its own drop(x) in the one m->ws.lora_x: one at a time, as before. */
 static void lora_fwd_n(lm_model *m, int l, const lm_layer_w *w, const float *x, int BT, int K, int np, const int *ps,
                        float *const *ys, float *const *us, const int *Ns) {
-    if (m->cfg.lora_dropout > 0 && m->lora_train) {
+    /* dropout, or a row-parallel adapter (u summed over the group): one at a time */
+    if ((m->cfg.lora_dropout > 0 && m->lora_train) || (np == 1 && lora_row_parallel(m, ps[0]))) {
         for (int j = 0; j < np; j++)
             if (LORA(w, ps[j])) lora_fwd(m, l, ps[j], ys[j], us[j], x, w, BT, K, Ns[j]);
         return;

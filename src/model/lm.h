@@ -111,8 +111,10 @@ typedef struct {
     int vocab_rows, vocab_row0;
     /* Tensor-parallel degree this local config's heads were divided by
      * (distributed/tp.c; 0 or 1: whole). A q/k norm over the whole projection
-     * (LM_QK_PROJ) then spans tp_degree ranks: its row sums go through hooks. */
-    int tp_degree;
+     * (LM_QK_PROJ) then spans tp_degree ranks: its row sums go through hooks.
+     * tp_rank: this slice's index, which places a row-parallel input's
+     * columns in the whole tensor (LoRA dropout masks of o_proj, down_proj). */
+    int tp_degree, tp_rank;
     /* Expert parallel storage (distributed/ep.h): this model holds experts
      * [expert0, expert0 + expert_rows) of every MoE layer; the others' tensors
      * keep their names in the table with no elements, so tables of every

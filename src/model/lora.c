@@ -321,7 +321,7 @@ static void fwd_rows(const kern_ops *k, const float *x, int K, const lora_proj *
     float *u = p->u + i0 * r;
     k->matmul_fwd(u, x + i0 * K, p->A, n, K, r, 0);
     for (long i = 0; i < (long)n * r; i++) u[i] *= p->scale;
-    k->matmul_fwd(p->y + i0 * p->N, u, p->B, n, r, p->N, 1);
+    if (p->B) k->matmul_fwd(p->y + i0 * p->N, u, p->B, n, r, p->N, 1);
 }
 
 void lora_fwd_group(const kern_ops *k, const float *x, int n, int K, const lora_proj *p, int np) {

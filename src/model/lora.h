@@ -109,7 +109,8 @@ int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_sa
 
 /* y[n, N] += B (scale A x[n, K]): the adapter branch beside a linear, with
  * A [r, K], B [N, r]; u[n, r] receives scale A x (the backward's input for
- * B). lora_fwd_group with one adapter. */
+ * B). lora_fwd_group with one adapter. B NULL: u alone (a row-parallel
+ * adapter sums it over the tensor-parallel group before B). */
 void lora_apply(const kern_ops *k, float *y, float *u, const float *x, const float *A, const float *B, int n, int K,
                 int N, int r, float scale);
 
@@ -117,7 +118,7 @@ void lora_apply(const kern_ops *k, float *y, float *u, const float *x, const flo
  * up; or one projection alone). */
 typedef struct {
     const float *A, *B; /* A [r, K], B [N, r] */
-    float *y;           /* forward: y[n, N] += B u */
+    float *y;           /* forward: y[n, N] += B u (B NULL: u alone) */
     float *u;           /* [n, r]: scale A x; written by the forward, read by the backward */
     const float *dy;    /* backward: d y [n, N] */
     float *du;          /* backward scratch [n, r], one per adapter of the group */

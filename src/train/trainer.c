@@ -271,8 +271,9 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return init_run(t, cfg
 int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) { return init_run(t, cfg, world, 1, e); }
 
 /* [lora] and training.freeze into the model config: which projections get
- * adapters, their scale and dropout. Layouts that slice tensors (TP, EP)
- * would have to slice the adapters with their base projections: not yet. */
+ * adapters, their scale and dropout. Tensor parallel slices the projections'
+ * adapters with their base (distributed/tp.h); expert parallel, and under
+ * TP the experts' adapters, are not done yet. */
 int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, ct_err *e) {
     /* each message names where its key was set: the file, or the command line */
     const char *src = cfg_source(c), *tm_src = cfg_origin(c, "lora.target_modules");
@@ -280,11 +281,11 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
     int partial = c->lora_rank > 0 || c->freeze[0];
     mc->lazy_buffers = partial; /* the frozen tensors' gradients are never written: no pages for them */
     mc->logit_rows = c->logits_chunk_rows;
-    if (partial && (tp > 1 || ep > 1))
+    if (partial && ep > 1)
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: lora / training.freeze with tensor_parallel_degree %d and expert_parallel_degree %d: "
-                       "not supported yet (data parallel and FSDP are)",
-                       src, tp, ep);
+                       "%s: lora / training.freeze with expert_parallel_degree %d: not supported yet (data "
+                       "parallel, FSDP and tensor parallel are)",
+                       src, ep);
     if (c->lora_rank <= 0) {
         if (c->lora_adapter_path[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.adapter_path: needs lora.rank > 0",
@@ -358,6 +359,15 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
                            "v_proj, o_proj",
                            tm_src, mc->model_type);
     }
+    /* the experts' A [r E, in] and B [out, r E] would have to be sliced with
+     * moe_intermediate: not done */
+    if (experts && tp > 1)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: LoRA on the fused experts (lora.target_parameters, or gate_proj / up_proj / down_proj "
+                       "in lora.target_modules of a MoE model) with tensor_parallel_degree %d: not supported yet; "
+                       "under tensor parallelism adapt a MoE model's attention projections only (q_proj, k_proj, "
+                       "v_proj, o_proj)",
+                       cfg_origin_any(c, "lora.target_parameters,lora.target_modules"), tp);
     /* PEFT's ParamWrapper refuses dropout: B A drop(x) has no W' x form */
     if (experts && c->lora_dropout > 0)
         return ct_fail(e, CT_ERR_CONFIG,

@@ -5,7 +5,7 @@ process with the same global batch; the final last_save_in_hf save is a PEFT ada
 directory that peft.PeftModel.from_pretrained loads and that gives ctitan's own logits
 (on a tied model with modules_to_save embed_tokens or lm_head too: PEFT's
 ensure_weight_tying layout, read back both ways; what the tied tensor cannot compute refused);
-config errors exit 2 naming the key (LoRA with TP or EP, unknown target or module, a freeze
+config errors exit 2 naming the key (LoRA with EP, unknown target or module, a freeze
 pattern matching nothing, an adapter without a rank); training.freeze without LoRA keeps the
 frozen tensors bit for bit while the others train; a bf16-stored frozen base under FSDP 2
 (frozen_dtype bfloat16) trains like one process with bf16 storage, resumes bit for bit,
@@ -467,36 +467,28 @@ def test_adapter_path_without_rank_exits_2(setup, tmp_path):
     assert_config_error(p, "lora.adapter_path")
 
 
-@pytest.mark.parametrize("key,extra", [
-    ("tensor_parallel_degree", ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"]),
-    ("expert_parallel_degree", ["--parallelism.expert_parallel_degree=2"]),
-], ids=["tp2", "ep2"])
-def test_lora_with_tp_or_ep_exits_2(setup, tmp_path, key, extra):
-    """Under mpirun -np 2: LoRA with tensor or expert parallelism is refused, once, naming
-    the degree and lora. The models (config.json only: initialised from training.seed)
-    are ones the degree divides, a MoE one for EP, so that the layout without LoRA runs."""
+def test_lora_with_ep_exits_2(setup, tmp_path):
+    """Under mpirun -np 2: LoRA with expert parallelism is refused, once, naming the degree
+    and lora (tensor parallel runs it: test_lora_tp.py). The model (config.json only:
+    initialised from training.seed) is a MoE one EP 2 divides, so that the layout without
+    LoRA runs."""
     d, model, data = setup
     model = tmp_path / "model"
-    if key == "expert_parallel_degree":
-        from transformers import Qwen3MoeConfig
-        Qwen3MoeConfig(vocab_size=256, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
-                       norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-                       output_router_logits=False).save_pretrained(model)
-    else:
-        oracle.tiny_config(vocab=256, hidden=32, inter=48, layers=2, heads=4, kv_heads=2,
-                           head_dim=8).save_pretrained(model)
+    from transformers import Qwen3MoeConfig
+    Qwen3MoeConfig(vocab_size=256, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                   num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
+                   norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
+                   output_router_logits=False).save_pretrained(model)
     args = [a for a in train_args(model, data, tmp_path / "bad", ranks=2)
             if not a.startswith(("--parallelism.", "--checkpoint.initial_load"))]
-    args += ["--parallelism.data_parallel_shard_degree=2"] if key == "expert_parallel_degree" else []
-    args += extra
+    args += ["--parallelism.data_parallel_shard_degree=2", "--parallelism.expert_parallel_degree=2"]
     # the same layout without LoRA is valid: the refusal is LoRA's
     ok = [a for a in args if not a.startswith("--lora.")] + ["--training.steps=1",
                                                              f"--job.dump_folder={tmp_path / 'ok'}"]
     run(2, ok, timeout=60)
     p = run(2, args, check=False, timeout=60)
-    assert_config_error(p, key, "lora")
+    assert_config_error(p, "expert_parallel_degree", "lora")
 
 
 # --------------------------------------------------------------------------- 6. freeze without LoRA
