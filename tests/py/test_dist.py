@@ -116,6 +116,20 @@ def assert_same_run(out, ref, what, steps=range(1, STEPS + 1), weights_too=True)
         assert_same_weights(out, ref, what)
 
 
+def grad_norms(out):
+    return {r["step"]: r["grad_norm"] for r in oracle.read_metrics(Path(out) / "metrics.jsonl") if "grad_norm" in r}
+
+
+def assert_same_norms(out, ref, what):
+    """The logged gradient norm (clipping's, over every shard) of each step, to 1e-5 relative.
+    With these models it stays under training.max_norm 1, so clipping never acts and a norm
+    summed over the wrong ranks would leave the losses and weights unchanged."""
+    got, want = grad_norms(out), grad_norms(ref)
+    assert set(got) == set(want) == set(range(1, STEPS + 1)), f"{what}: grad_norm steps {sorted(got)}"
+    for s in want:
+        assert abs(got[s] - want[s]) <= 1e-5 * want[s], f"{what}: step {s} grad_norm {got[s]!r} vs one rank {want[s]!r}"
+
+
 def assert_same_weights(out, ref, what):
     """Final weights per tensor: ||a - b|| / ||b|| <= 1e-5. Not element by element: one
     process against itself with another micro-batch split (the same math, other fp32
@@ -153,6 +167,9 @@ LAYOUTS = {  # name: (ranks, replicate, shard, extra)
     "dp4": (4, 4, 1, []),
     "fsdp4": (4, 1, -1, []),
     "hsdp2x2": (4, 2, 2, ["--activation_checkpoint.mode=full"]),
+    # 2 micro-batches per rank: the replicas' sum of a layer's shard must wait for the last
+    # one (with one micro-batch per rank, as above, a sum started in every micro-batch agrees)
+    "hsdp2x2_accum2": (4, 2, 2, ["--training.local_batch_size=1"]),
 }
 
 
@@ -167,6 +184,7 @@ def test_layout_matches_one_rank(setup, single, name):
     assert len([l for l in p.stdout.splitlines() if l.startswith("step: 1 ")]) == 1, p.stdout
     assert "comm:" in p.stdout
     assert_same_run(out, single[False], name)
+    assert_same_norms(out, single[False], name)
 
 
 def test_fsdp_tied_embeddings(setup, single):
@@ -175,6 +193,25 @@ def test_fsdp_tied_embeddings(setup, single):
     run(4, train_args(d / "model_tied", data, out, "--activation_checkpoint.mode=selective",
                       "--activation_checkpoint.selective_ac_option=op", dp=4))
     assert_same_run(out, single[True], "fsdp4 tied")
+    assert_same_norms(out, single[True], "fsdp4 tied")
+
+
+def test_frozen_tensors_under_fsdp_and_dp(setup, tmp_path):
+    """training.freeze (the embedding and layer 0) under FSDP 2 and DP 2: AdamW and clipping's
+    norm then run over the trainable runs only (each rank's held part of them under FSDP), the
+    DP all-reduce over those runs only. max_norm 0.2, under every step's norm, so clipping
+    acts and a norm summed over too few ranks changes the weights as well as the logged norm."""
+    d, data = setup
+    extra = ["--training.freeze=model.embed_tokens.weight,model.layers.0.*", "--training.max_norm=0.2"]
+    ref = tmp_path / "one"
+    run(1, train_args(d / "model", data, ref, *extra))
+    assert min(grad_norms(ref).values()) > 0.2, grad_norms(ref)
+    for name, rep, shard in (("fsdp2", 1, 2), ("dp2", 2, 1)):
+        out = tmp_path / name
+        run(2, train_args(d / "model", data, out, f"--parallelism.data_parallel_replicate_degree={rep}",
+                          f"--parallelism.data_parallel_shard_degree={shard}", *extra, dp=2))
+        assert_same_run(out, ref, f"frozen, {name}")
+        assert_same_norms(out, ref, f"frozen, {name}")
 
 
 @pytest.mark.parametrize("rep,shard", [(2, 1), (1, 2), (2, 2)])
@@ -209,6 +246,7 @@ def test_moe_layouts_match_one_rank(setup, single, rep, shard):
                       f"--parallelism.data_parallel_shard_degree={shard}", dp=2))
     assert any(".mlp.experts." in k for k in weights(out)), "the MoE model has no expert tensors"
     assert_same_run(out, single["moe"], f"MoE {rep}x{shard}")
+    assert_same_norms(out, single["moe"], f"MoE {rep}x{shard}")
 
 
 def test_checkpoint_moves_between_layouts(setup, single):
@@ -306,6 +344,37 @@ def test_no_rank_builds_the_whole_model(tmp_path, source):
         assert len(after) == 4, p.stderr[-3000:]
         assert max(after) < whole, f"{name} from {source}: a rank peaked at {max(after) / 2**30:.3f} GiB while " \
             f"loading; the whole model is {whole / 2**30:.3f} GiB"
+
+
+def test_tensors_loaded_in_row_blocks(tmp_path):
+    """The loaders hand a tensor over in blocks of rows (4 M floats, model/lm.h LM_BLOCK_ELEMS);
+    each block goes to its place in every rank's FSDP shard or TP slice. Here the embedding and
+    lm_head (6144 x 1024) are two blocks each (rows 0-4095 and 4096-6143, a third of the tokens
+    of the data), drawn from training.seed (the same draws on any layout) under FSDP 2 and
+    TP 2 (replicated embedding, vocabulary-parallel lm_head), and, with the embedding frozen
+    in bf16, into FSDP's bf16 shard: 2 steps' losses and gradient norms equal one process's."""
+    cfg = oracle.tiny_config(vocab=6144, hidden=1024, inter=16, layers=1, heads=2, kv_heads=2, head_dim=8)
+    cfg.save_pretrained(tmp_path / "model")
+    assert cfg.vocab_size * cfg.hidden_size > 4 << 20
+    data = oracle.write_bin(tmp_path / "tokens.bin", oracle.learnable_stream(2000, 6144, seed=2))
+    base = ["train", "--model.spec=hf", f"--model.hf_assets_path={tmp_path / 'model'}",
+            f"--training.dataset_path={data}", "--training.seq_len=16", "--training.local_batch_size=2",
+            "--training.global_batch_size=4", "--training.steps=2", "--training.seed=5", "--metrics.log_freq=1",
+            "--metrics.peak_tflops=1"]
+    frozen = ["--training.freeze=model.embed_tokens.weight", "--training.frozen_dtype=bfloat16"]
+    cases = {"one": (1, []), "fsdp2": (2, ["--parallelism.data_parallel_shard_degree=2"]),
+             "tp2": (2, ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"]),
+             "one_frozen": (1, frozen), "fsdp2_frozen": (2, ["--parallelism.data_parallel_shard_degree=2", *frozen])}
+    rows = {}
+    for name, (n, extra) in cases.items():
+        run(n, base + [f"--job.dump_folder={tmp_path / name}", *extra])
+        rows[name] = {r["step"]: r for r in oracle.read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in r}
+    for name, ref in (("fsdp2", "one"), ("tp2", "one"), ("fsdp2_frozen", "one_frozen")):
+        assert set(rows[name]) == set(rows[ref]) == {1, 2}, f"{name}: steps {sorted(rows[name])}"
+        for s in (1, 2):
+            for k in ("loss", "grad_norm"):
+                got, want = rows[name][s][k], rows[ref][s][k]
+                assert abs(got - want) <= 1e-5 * abs(want), f"{name}: step {s} {k} {got!r} vs one process {want!r}"
 
 
 def rank_pids(mpirun_pid):

@@ -18,7 +18,8 @@ is a function of each micro-batch's own tokens, which differ by layout
 import numpy as np
 import pytest
 
-from test_dist import assert_same_run, losses, run, setup, train_args, weights  # noqa: F401 (setup: fixture)
+from test_dist import (assert_same_norms, assert_same_run, losses, run, setup,  # noqa: F401 (setup: fixture)
+                       train_args, weights)
 
 EP2 = ["--parallelism.expert_parallel_degree=2"]
 
@@ -59,6 +60,8 @@ def test_ep2_matches_one_rank(setup, single_moe, ep_fsdp2, rep, shard):
     assert "expert_parallel 2: rank 0 runs experts 0..1 of 4 and stores only those" in p.stderr, p.stderr[-2000:]
     assert any(".mlp.experts.3." in k for k in weights(out)), "every expert must be in the checkpoint"
     assert_same_run(out, single_moe, f"EP2 over DP {rep}x{shard}")
+    # each expert's squares counted once: over the EP group without FSDP, in the shard group with it
+    assert_same_norms(out, single_moe, f"EP2 over DP {rep}x{shard}")
 
 
 def assert_same_bits(out, ref, what):

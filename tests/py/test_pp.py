@@ -24,6 +24,7 @@ only, LoRA's training-format checkpoint under PP, the start-up parallelism line 
 the pipeline degree) are fixed; their tests are plain tests now.
 
 mpirun missing is a failure, not a skip: scripts/setup.sh installs openmpi-bin."""
+import json
 import os
 import re
 import shutil
@@ -282,6 +283,22 @@ def test_moe_aux_loss_changes_the_training(setup, single, mb):
     wa, wb = weights(off), weights(on)
     router = max(np.linalg.norm(wa[k] - wb[k]) / np.linalg.norm(wb[k]) for k in wb if k.endswith("mlp.gate.weight"))
     assert router > 1e-3, f"the aux loss moved the routers by {router:.3g} only (norm-wise), too close to 1e-5"
+
+
+def test_moe_bias_saved_twice_under_pp(setup, single):
+    """torchtitan's load-balancing bias (load_balance_coeff) saved at steps 5 and 10 under
+    PP 2: each save gathers the stages' bias rows (plan_gather_bias) into state.json, and both
+    equal one process's. The mutation audit found a gather that kept the previous save's rows
+    of the other stage's layers (only the second save was wrong, and no test read the bias)."""
+    ref = single("model_moe", BIAS, "--checkpoint.interval=5")
+    out, _ = pp_run(setup, "moe_bias_twice", 2, f"{PP}=2", f"{MB}=2", BIAS, "--checkpoint.interval=5",
+                    model="model_moe")
+    assert_same_run(out, ref, "MoE PP 2, bias, saved at steps 5 and 10")
+    for step in (5, 10):
+        a, b = (np.array(json.loads((o / "checkpoint" / f"step-{step}" / "state.json").read_text())["moe_expert_bias"])
+                for o in (out, ref))
+        assert np.abs(b).max() > 0, b
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), f"step {step}: bias {a} vs one process {b}"
 
 
 def test_moe_load_lists_every_layer(setup, single):
