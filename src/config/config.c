@@ -326,9 +326,10 @@ static const cfg_option cfg_options[] = {
     OPT("parallelism", "enable_async_tensor_parallel", CFG_BOOL, tt.async_tp, "false", .inert = 1,
         .noop = "false", .instead = "ctitan has no asynchronous (compiled) tensor parallel",
         .help = "torchtitan's async tensor parallel (needs torch.compile): ctitan has none, so only false is taken"),
-    OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1",
-        .help = "torchtitan's context parallel (each sequence split across ranks): not implemented, so only 1 is "
-                "taken; the key is read so that a torchtitan config holding it runs"),
+    OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1", .range = CFG_GE, .lo = 1,
+        .help = "ranks splitting each sequence into chunks of consecutive positions (training.seq_len / degree "
+                "each); attention runs over the whole prefix; with data parallel and FSDP, not with tensor, "
+                "pipeline or expert parallel, LoRA or training.freeze (docs/distributed.md)"),
     OPT("parallelism", "pipeline_parallel_degree", CFG_INT, pp, "1", .range = CFG_GE, .lo = 1,
         .help = "pipeline stages: ranks each holding a range of layers, passing activations forward and "
                 "gradients back (docs/distributed.md)"),
@@ -1215,11 +1216,29 @@ int cfg_validate(const ct_config *c, ct_err *e) {
     if (!c->text_field[0])
         return ct_fail(e, CT_ERR_CONFIG, "%s: training.text_field: empty (the JSON Lines field holding the text)",
                        cfg_origin(c, "training.text_field"));
-    if (c->cp != 1)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.context_parallel_degree = %d: context parallel is not implemented; use 1 "
-                       "(docs/distributed.md)",
-                       cfg_origin(c, "parallelism.context_parallel_degree"), c->cp);
+    if (c->cp > 1) { /* what context parallel does not compose with (docs/distributed.md) */
+        const struct { int on; const char *key; } no[] = {
+            {c->tp > 1, "parallelism.tensor_parallel_degree"},
+            {c->pp > 1, "parallelism.pipeline_parallel_degree"},
+            {c->ep > 1, "parallelism.expert_parallel_degree"},
+            {c->lora_rank > 0, "lora.rank"},
+            {c->freeze[0] != 0, "training.freeze"}};
+        for (size_t i = 0; i < sizeof no / sizeof no[0]; i++) {
+            char keys[160];
+            snprintf(keys, sizeof keys, "parallelism.context_parallel_degree,%s", no[i].key);
+            if (no[i].on)
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: parallelism.context_parallel_degree = %d with %s: context parallel does not "
+                               "compose with it yet; set one of them to its default (docs/distributed.md)",
+                               cfg_origin_any(c, keys), c->cp, no[i].key);
+        }
+        if (c->seq_len % c->cp != 0)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.context_parallel_degree = %d does not divide training.seq_len = %d "
+                           "(each rank runs seq_len / degree positions; validation runs at training.seq_len too)",
+                           cfg_origin_any(c, "parallelism.context_parallel_degree,training.seq_len"), c->cp,
+                           c->seq_len);
+    }
     return cfg_validate_inert(c, e);
 }
 

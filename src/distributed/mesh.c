@@ -19,6 +19,28 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
                        "%s: parallelism.pipeline_parallel_degree = %d: the model has only %d layers (a stage needs one)",
                        where, pp, mc->n_layers);
     world /= pp;
+    /* context parallel (distributed/cp.h): each sequence's chunks over cp ranks that
+     * otherwise act as one data-parallel rank; the degrees below split what is left */
+    int cp = c->cp > 1 ? c->cp : 1;
+    if (world % cp != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.context_parallel_degree = %d does not divide the world size %d (ranks "
+                       "started by mpirun -np)%s",
+                       where, cp, world * pp, pp > 1 ? " / pipeline_parallel_degree" : "");
+    if (cp > 1 && lm_aux_in_grad(mc))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.context_parallel_degree = %d with the model's load-balancing loss in the "
+                       "gradient (config.json output_router_logits with router_aux_loss_coef %g): its sums are "
+                       "per forward, and a context-parallel forward sees a chunk of each sequence; set "
+                       "context_parallel_degree = 1 or output_router_logits = false",
+                       where, cp, mc->router_aux_loss_coef);
+    world /= cp;
+    /* after pp and cp: what the messages below name as the divisor of the world size */
+    const char *by = pp > 1 && cp > 1 ? " / pipeline_parallel_degree / context_parallel_degree"
+                     : pp > 1         ? " / pipeline_parallel_degree"
+                     : cp > 1         ? " / context_parallel_degree"
+                                      : "";
+    int all = world * pp * cp;
     /* the model's shape first: it does not depend on how many ranks were started */
     int dense = 0, sparse = 0; /* which MLP kinds the model has: only those are split */
     for (int l = 0; l < mc->n_layers; l++) {
@@ -50,15 +72,14 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.data_parallel_replicate_degree (%d) x parallelism.tensor_parallel_degree "
                        "(%d) = %d does not divide the world size %d (ranks started by mpirun -np)%s",
-                       where, rep, tp, rep * tp, world * pp, pp > 1 ? " / pipeline_parallel_degree" : "");
+                       where, rep, tp, rep * tp, all, by);
     if (shard == -1) shard = world / (rep * tp);
     if (rep * shard * tp != world)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.data_parallel_replicate_degree (%d) x parallelism.data_parallel_shard_degree "
                        "(%d) x parallelism.tensor_parallel_degree (%d) = %d, but the world size is %d (ranks "
                        "started by mpirun -np)%s; set data_parallel_shard_degree = -1 to use the rest",
-                       where, rep, shard, tp, rep * shard * tp, world * pp,
-                       pp > 1 ? " / pipeline_parallel_degree" : "");
+                       where, rep, shard, tp, rep * shard * tp, all, by);
     /* an EP group lies inside one FSDP group (or, without FSDP, among the
      * replicas), so the ranks that hold the same experts form a regular
      * sub-group of it (mesh.h: edp) */
@@ -68,7 +89,7 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
                        "there are %d (data_parallel_replicate_degree %d x data_parallel_shard_degree %d%s: %d "
                        "ranks started by mpirun -np%s%s)",
                        where, c->ep, c->ep, rep * shard, rep, shard, c->dp_shard == -1 ? " from -1" : "",
-                       world * pp, pp > 1 ? ", over pipeline_parallel_degree stages" : "",
+                       all, pp > 1 ? ", over pipeline_parallel_degree stages" : "",
                        tp > 1 ? ", over tensor_parallel_degree" : "");
     if (c->ep > 1 && shard > 1 && shard % c->ep != 0)
         return ct_fail(e, CT_ERR_CONFIG,
@@ -100,18 +121,26 @@ int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const lm_config *m
     m->pp_rank = world->rank / m->stage;
     int r = world->rank % m->stage, P = m->pp, pr = m->pp_rank;
     if ((rc = comm_split(world, r, m->pp_rank, &m->ppg, e))) return rc;
+    m->cp = c->cp > 1 ? c->cp : 1;
+    int C = m->cp;
     m->tp_rank = r % m->tp;
-    m->shard_rank = (r / m->tp) % m->dp_shard;
-    m->rep_rank = r / (m->tp * m->dp_shard);
+    m->cp_rank = (r / m->tp) % C;
+    m->shard_rank = (r / (m->tp * C)) % m->dp_shard;
+    m->rep_rank = r / (m->tp * C * m->dp_shard);
     m->dp_rank = m->rep_rank * m->dp_shard + m->shard_rank;
     m->dp_size = m->dp_replicate * m->dp_shard;
+    /* (cp index, tp index): the place of a rank inside its data-parallel rank; with cp = 1 the tp index */
+    int ct = m->cp_rank * m->tp + m->tp_rank;
 #define IN_STAGE(color) ((color) * P + pr)
-    if ((rc = comm_split(world, IN_STAGE(m->shard_rank * m->tp + m->tp_rank), m->rep_rank, &m->rep, e))) return rc;
-    if ((rc = comm_split(world, IN_STAGE(m->rep_rank * m->tp + m->tp_rank), m->shard_rank, &m->shard, e))) return rc;
-    if ((rc = comm_split(world, IN_STAGE(m->tp_rank), m->dp_rank, &m->dp, e))) return rc;
-    if ((rc = comm_split(world, IN_STAGE(m->dp_rank), m->tp_rank, &m->tpg, e))) return rc;
+    if ((rc = comm_split(world, IN_STAGE(m->shard_rank * C * m->tp + ct), m->rep_rank, &m->rep, e))) return rc;
+    if ((rc = comm_split(world, IN_STAGE(m->rep_rank * C * m->tp + ct), m->shard_rank, &m->shard, e))) return rc;
+    if ((rc = comm_split(world, IN_STAGE(ct), m->dp_rank, &m->dp, e))) return rc;
+    if ((rc = comm_split(world, IN_STAGE(m->dp_rank * C + m->cp_rank), m->tp_rank, &m->tpg, e))) return rc;
+    if (C > 1 && (rc = comm_split(world, IN_STAGE(m->dp_rank * m->tp + m->tp_rank), m->cp_rank, &m->cpg, e)))
+        return rc;
     m->ep = c->ep > 1 ? c->ep : 1;
-    int in = m->dp_rank < m->ep;
+    /* a checkpoint is gathered from chunk 0's ranks (the others hold the same model) */
+    int in = m->dp_rank < m->ep && m->cp_rank == 0;
     if ((rc = comm_split(world, IN_STAGE(in ? 0 : 1 + r), in ? m->dp_rank * m->tp + m->tp_rank : 0, &m->slices, e)))
         return rc;
     if (m->ep <= 1) return 0;
@@ -135,6 +164,7 @@ void mesh_free(ct_mesh *m) {
     if (m->epg.be) comm_free(&m->epg);
     if (m->edp.be) comm_free(&m->edp);
     if (m->slices.be) comm_free(&m->slices);
+    if (m->cpg.be) comm_free(&m->cpg);
     if (m->ppg.be) comm_free(&m->ppg);
     memset(m, 0, sizeof *m);
 }

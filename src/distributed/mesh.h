@@ -5,10 +5,12 @@
  * The order is torchtitan's ["pp", "dp_replicate", "dp_shard", "cp", "tp"] with the
  * last dimension varying fastest, so a tensor-parallel group is made of
  * consecutive ranks (on one machine when ranks are packed by node):
- *   rank = pp_index * stage + (replicate_index * dp_shard + shard_index) * tp + tp_index,
- * stage = dp_replicate * dp_shard * tp ranks holding one pipeline stage.
+ *   rank = pp_index * stage + ((replicate_index * dp_shard + shard_index) * cp + cp_index) * tp + tp_index,
+ * stage = dp_replicate * dp_shard * cp * tp ranks holding one pipeline stage.
  * Data-parallel rank (which windows of data a rank reads) is
- * replicate_index * dp_shard + shard_index, over dp_replicate * dp_shard.
+ * replicate_index * dp_shard + shard_index, over dp_replicate * dp_shard: the
+ * context-parallel ranks of one sequence (distributed/cp.h) share it, as the
+ * tensor-parallel ranks do, and each takes its chunk of every window.
  * An expert-parallel group is expert_parallel_degree consecutive
  * data-parallel ranks with the same tp index (distributed/ep.h), inside one FSDP
  * group when dp_shard > 1 (ep must divide dp_shard), else among the replicas
@@ -26,20 +28,23 @@ typedef struct {
     int pp, pp_rank;  /* pipeline stages (1: off) and this rank's; the outermost dimension */
     int stage;        /* ranks per stage: world size / pp; the degrees below split them */
     ct_comm ppg;      /* the same place in every stage: one pipeline (its rank is pp_rank) */
-    int dp_replicate, dp_shard, tp;  /* degrees; their product is the world size */
+    int dp_replicate, dp_shard, tp;  /* degrees; their product (x cp) is the world size */
+    int cp, cp_rank;                 /* context parallel degree (1: off) and this rank's chunk */
     int rep_rank, shard_rank, tp_rank;
     int dp_rank, dp_size;            /* data-parallel coordinate over replicate x shard */
-    ct_comm rep;    /* same shard and tp index: the replicas of one shard (all-reduce of gradients) */
-    ct_comm shard;  /* same replica and tp index: one FSDP group */
-    ct_comm dp;     /* same tp index: every data-parallel rank (loss and token counts) */
-    ct_comm tpg;    /* same replica and shard index: one tensor-parallel group (consecutive ranks) */
+    ct_comm rep;    /* same shard, cp and tp index: the replicas of one shard (all-reduce of gradients) */
+    ct_comm shard;  /* same replica, cp and tp index: one FSDP group */
+    ct_comm dp;     /* same cp and tp index: every data-parallel rank (loss and token counts) */
+    ct_comm tpg;    /* same replica, shard and cp index: one tensor-parallel group (consecutive ranks) */
+    ct_comm cpg;    /* same replica, shard and tp index: the chunks of one sequence (only when cp > 1) */
     int ep, ep_rank; /* expert parallel degree (1: off) and this rank's index in its group */
     ct_comm epg;    /* expert_parallel_degree consecutive data-parallel ranks with this tp index */
     ct_comm edp;    /* the ranks holding the same experts (same ep_rank and tp index): within the
                      * FSDP group when dp_shard > 1 (the experts' FSDP group; dp_shard / ep ranks),
                      * else among the replicas (their gradients' all-reduce; dp_replicate / ep) */
-    ct_comm slices; /* data-parallel ranks 0 .. ep-1, every tp index: together they hold the whole
-                     * model (rank ep_rank * tp + tp_rank); a checkpoint is gathered over it.
+    ct_comm slices; /* data-parallel ranks 0 .. ep-1 (of chunk 0 under cp), every tp index: together
+                     * they hold the whole model (rank ep_rank * tp + tp_rank); a checkpoint is
+                     * gathered over it.
                      * A rank outside it gets a group of its own. */
 } ct_mesh;
 

@@ -82,6 +82,10 @@ int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e) {
         }
         if (p->pp) p->pp->fsdp = p->fsdp;
     }
+    if (!rc && p->mesh.cp > 1) { /* 5. its chunk's RoPE positions and the attention over the whole sequence */
+        p->cp = ct_calloc(1, sizeof *p->cp);
+        cp_init(p->cp, m, &p->mesh.cpg, m->act.B, p->cfg->seq_len);
+    }
     return rc;
 }
 
@@ -250,6 +254,14 @@ void plan_reduce_grads(ct_plan *p) {
         } else {
             comm_allreduce(&p->mesh.rep, p->m->grads, p->m->n_params, COMM_F32, COMM_SUM);
         }
+    }
+    if (p->cp) { /* the chunks' ranks hold replicas: their gradients summed, as the replicas' */
+        p->comm_s += cp_take_comm_time(p->cp); /* the attention's, during the step */
+        if (p->fsdp) comm_allreduce(&p->mesh.cpg, p->fsdp->grads, p->fsdp->shard_n, COMM_F32, COMM_SUM);
+        else comm_allreduce(&p->mesh.cpg, p->m->grads, p->m->n_params, COMM_F32, COMM_SUM);
+        lm_model *m = p->m; /* the aux-loss-free balancing's counts: every chunk's tokens */
+        if (p->cfg->load_balance_coeff > 0 && m->moe.n_layers)
+            comm_allreduce(&p->mesh.cpg, m->moe.tokens, (size_t)m->cfg.n_layers * m->cfg.n_experts, COMM_F64, COMM_SUM);
     }
     if (p->pp && p->m->cfg.tie_embeddings && p->tie.size > 1 && p->m->g.wte) { /* the embedding's two copies:
                                                                                         * one gradient */
@@ -494,7 +506,7 @@ int plan_ready(ct_plan *p, ct_err *e) {
 void plan_profile(ct_plan *p, struct prof *pf) {
     ct_mesh *ms = &p->mesh;
     ct_comm *all[] = {ms->world, &ms->ppg, &ms->rep, &ms->shard, &ms->dp, &ms->tpg, &ms->epg, &ms->edp, &ms->slices,
-                      &p->tie};
+                      &p->tie, &ms->cpg};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++)
         if (all[i]) all[i]->prof = pf;
     if (p->m) p->m->prof = pf;
@@ -506,6 +518,8 @@ void plan_free(ct_plan *p) {
     free(p->pp);
     if (p->ep) ep_free(p->ep);
     free(p->ep);
+    if (p->cp) cp_free(p->cp);
+    free(p->cp);
     if (p->tp) tp_free(p->tp);
     free(p->tp);
     dp_overlap_free(p);
@@ -550,6 +564,8 @@ void plan_load_end(ct_plan *p) {
 
 int plan_microbatches(const ct_plan *p) { return p->pp ? p->pp->M : p->grad_accum; }
 
+int plan_seq_len(const ct_plan *p) { return p->cfg->seq_len / (p->mesh.cp > 1 ? p->mesh.cp : 1); }
+
 double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *labels, int B, int T, float scale,
                              const uint64_t *seeds, double *aux_sum) {
     lm_model *m = p->m;
@@ -562,7 +578,13 @@ double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *l
         if (p->dpo) p->dpo->armed = a == p->grad_accum - 1; /* the gradients are final in the last one */
         if (p->fsdp) p->fsdp->rep_armed = a == p->grad_accum - 1;
         m->lora_seed = seeds[a];
-        loss += lm_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
+        if (p->cp) { /* this rank's chunk of the micro-batch's sequences */
+            cp_chunk(p->cp, tokens + a * mb, labels + a * mb, B);
+            loss += lm_forward_backward(m, p->cp->tok, p->cp->lab, B, p->cp->Tl, scale, NULL);
+            cp_moe_aux(p->cp, B);
+        } else {
+            loss += lm_forward_backward(m, tokens + a * mb, labels + a * mb, B, T, scale, NULL);
+        }
         if (p->dpo) p->dpo->armed = 0;
         if (p->fsdp) fsdp_microbatch_end(p->fsdp);
         *aux_sum += m->moe.aux_loss;
@@ -597,6 +619,8 @@ void plan_sum_loss(ct_plan *p, double *loss_sum, double *aux_sum, double *aux_me
         comm_allreduce(&p->mesh.ppg, p->m->moe.load_max, (size_t)p->m->cfg.n_layers, COMM_I32, COMM_MAX);
     }
     comm_allreduce(&p->mesh.dp, loss_sum, 1, COMM_F64, COMM_SUM);
+    /* every chunk's targets (the load-balancing loss is already the whole sequences', cp_moe_aux) */
+    if (p->cp) comm_allreduce(&p->mesh.cpg, loss_sum, 1, COMM_F64, COMM_SUM);
     if (moe) comm_allreduce(&p->mesh.dp, aux_sum, 1, COMM_F64, COMM_SUM);
     *aux_mean = *aux_sum / ((double)plan_microbatches(p) * p->mesh.dp_size);
     p->comm_s += ct_now() - t0;
@@ -614,7 +638,14 @@ double plan_eval(ct_plan *p, const int32_t *tokens, const int32_t *labels, int B
         f->fwd_only = 1; /* forward only: every layer is freed right after its forward */
         fsdp_microbatch_begin(f);
     }
-    double sum = p->pp ? pp_eval(p->pp, p->m, tokens, labels, B, T, n_valid) : lm_loss(p->m, tokens, labels, B, T, n_valid);
+    double sum;
+    if (p->cp) { /* validation runs under context parallel too: this rank's chunk */
+        cp_chunk(p->cp, tokens, labels, B);
+        sum = lm_loss(p->m, p->cp->tok, p->cp->lab, B, p->cp->Tl, n_valid);
+    } else {
+        sum = p->pp ? pp_eval(p->pp, p->m, tokens, labels, B, T, n_valid)
+                    : lm_loss(p->m, tokens, labels, B, T, n_valid);
+    }
     if (f) {
         fsdp_microbatch_end(f);
         f->fwd_only = 0;
@@ -630,6 +661,10 @@ void plan_sum_eval(ct_plan *p, double *sum, long *n) {
     }
     comm_allreduce(&p->mesh.dp, sum, 1, COMM_F64, COMM_SUM); /* every data-parallel rank its own windows */
     comm_allreduce(&p->mesh.dp, &nn, 1, COMM_I64, COMM_SUM);
+    if (p->cp) { /* and every chunk of them */
+        comm_allreduce(&p->mesh.cpg, sum, 1, COMM_F64, COMM_SUM);
+        comm_allreduce(&p->mesh.cpg, &nn, 1, COMM_I64, COMM_SUM);
+    }
     *n = (long)nn;
 }
 
@@ -676,7 +711,8 @@ void plan_save_gather(ct_plan *p, const lm_model *fm, int kinds, int frozen_too,
     /* each pipeline stage gathers the units it holds to its own root, which
      * passes them on to rank 0 (the root of stage 0) */
     int sroot = plan_save_root(p);
-    int fsdp_part = p->fsdp && p->mesh.rep_rank == 0;
+    int fsdp_part = p->fsdp && p->mesh.rep_rank == 0 && p->mesh.cp_rank == 0; /* chunk 0's ranks: the others
+                                                                                 * hold the same shards */
     int fsdp_root = fsdp_part && p->mesh.shard_rank < p->mesh.ep;
     int in_slices = p->tp && p->mesh.dp_rank < p->mesh.ep;
     int *u = ct_malloc(((size_t)L + 3) * sizeof *u);
@@ -769,9 +805,11 @@ double plan_take_bubble(ct_plan *p) {
 void plan_layout_str(const ct_plan *p, char *buf, size_t cap) {
     const ct_mesh *ms = &p->mesh;
     char pp[48] = "";
+    char cp[40] = "";
     if (ms->pp > 1) snprintf(pp, sizeof pp, "pipeline_parallel %d x ", ms->pp);
-    snprintf(buf, cap, "world %d = %sdata_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d (%s)",
-             ms->world->size, pp, ms->dp_replicate, ms->dp_shard, ms->tp, ms->world->be->name);
+    if (ms->cp > 1) snprintf(cp, sizeof cp, "context_parallel %d x ", ms->cp);
+    snprintf(buf, cap, "world %d = %sdata_parallel_replicate %d x data_parallel_shard %d x %stensor_parallel %d (%s)",
+             ms->world->size, pp, ms->dp_replicate, ms->dp_shard, cp, ms->tp, ms->world->be->name);
 }
 
 void plan_describe(const ct_plan *p, FILE *f) {
@@ -785,6 +823,10 @@ void plan_describe(const ct_plan *p, FILE *f) {
         for (int v = 0; v < s->V; v++) fprintf(f, " %d", s->first[v]);
         fprintf(f, "\n");
     }
+    if (p->cp)
+        fprintf(f, "ctitan: context_parallel %d: each rank runs %d consecutive positions of every sequence; "
+                   "attention over the whole prefix (rank %d, the last chunk, attends over all %d)\n",
+                ms->cp, p->cp->Tl, ms->cp - 1, c->seq_len);
     if (p->ep)
         fprintf(f, "ctitan: expert_parallel %d: rank 0 runs experts 0..%d of %d and stores only those, the others "
                    "theirs, on every rank's tokens\n",

@@ -17,7 +17,10 @@
  *      columns, vocabulary rows and experts sliced over its TP / EP group;
  *   3. FSDP (fsdp.h): the slice's flat buffers sharded over the shard group;
  *   4. data parallel replicas: gradients summed over the replicate group
- *      (HSDP with 3, or an overlapped per-layer all-reduce without it).
+ *      (HSDP with 3, or an overlapped per-layer all-reduce without it);
+ *   5. context parallel (cp.h, alone or with 3 and 4): the model runs on a
+ *      chunk of each sequence; gradients, CE sums and counts are summed over
+ *      the chunks' ranks after the others' reductions.
  * The model sees one set of per-layer hooks, composed here: a layer's
  * pre-forward and pre-backward run the outer layout's hook before the
  * inner's (FSDP gathers the parameters and zeroes the gradients before TP
@@ -32,6 +35,7 @@
 #include "config/config.h"
 #include "core/err.h"
 #include "distributed/comm.h"
+#include "distributed/cp.h"
 #include "distributed/ep.h"
 #include "distributed/fsdp.h"
 #include "distributed/mesh.h"
@@ -50,6 +54,7 @@ typedef struct {
     tp_layout *tp;       /* NULL unless tensor or expert parallel: the model is this rank's slice */
     ep_layout *ep;       /* NULL unless expert_parallel_degree > 1 */
     fsdp *fsdp;          /* NULL unless data_parallel_shard_degree > 1 */
+    cp_layout *cp;       /* NULL unless context_parallel_degree > 1: the model runs on a chunk of each sequence */
     struct plan_dpo *dpo; /* NULL unless replicas without FSDP: per-layer all-reduce during the backward */
     ct_comm tie;         /* pipeline with tied embeddings: the first and last stages of this place */
     int grad_accum;      /* micro-batches of local_batch_size per step (without a pipeline) */
@@ -81,6 +86,9 @@ int plan_check_pipeline(const ct_config *c, int val_batch, const char *where, ct
  * *batch in, the sequences the model plans for; out, a pipeline's micro-batch. */
 int plan_local_model(ct_plan *p, lm_config *mc, int grad_accum, int val_batch, int *batch, const char *where,
                      ct_err *e);
+/* Positions of a sequence the model runs at once: training.seq_len, or its
+ * chunk under context parallel (the length to plan the model for). */
+int plan_seq_len(const ct_plan *p);
 /* The model and its optimizer state, before any weight loads: FSDP's shard
  * buffers (opt is re-made for the shard) and the pipeline's buffers. */
 int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e);

@@ -1523,6 +1523,8 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         attn_round_bf16(m, 3, (float *const[]){a->qr, a->kr, a->v}, (const long[]){(long)BT * qd, (long)BT * kvd,
                                                                                    (long)BT * kvd}, "attention_in_bf16");
     if (kv) kv_attention(m, kv, l, a->att, a->qr, T, &ao); /* over the cache, positions 0 .. p0+T-1 */
+    else if (m->attn_cp) /* context parallel: over the whole sequence's keys (distributed/cp.h) */
+        m->attn_cp->fwd(m->attn_cp->ctx, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
     else K(ATTENTION, attention_fwd, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
     if (w->ln_ao) { /* res_mid = res + norm(o_proj(att)) */
         proj_reduced(m, a->ao, a->att, w->wo, w->bo, BT, qd, H);
@@ -2209,8 +2211,12 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     kern_attn_opt ao = attn_opt(m, l);
     if (ao.bf16) attn_round_bf16(m, 1, (float *const[]){m->ws.d_att}, (const long[]){(long)BT * qd}, "attention_dout_bf16");
     /* d_q, d_k, d_v: their first product, overwritten */
-    K(ATTENTION, attention_bwd, m->ws.d_q, m->ws.d_k, m->ws.d_v, m->ws.d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV,
-                       hd, &ao, 0);
+    if (m->attn_cp) /* context parallel: over the whole sequence's keys (distributed/cp.h) */
+        m->attn_cp->bwd(m->attn_cp->ctx, m->ws.d_q, m->ws.d_k, m->ws.d_v, m->ws.d_att, a->att, a->lse, a->qr, a->kr,
+                        a->v, B, T, nH, nKV, hd, &ao);
+    else
+        K(ATTENTION, attention_bwd, m->ws.d_q, m->ws.d_k, m->ws.d_v, m->ws.d_att, a->att, a->lse, a->qr, a->kr, a->v, B, T,
+          nH, nKV, hd, &ao, 0);
     /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->
      * d_q2, d_k2 (w.r.t. the projections' outputs) */
     qk_bwd(m, m->ws.d_q2, g->qn, m->ws.d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);

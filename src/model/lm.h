@@ -430,6 +430,22 @@ typedef struct {
                 const moe_route *r, const lm_layer_w *w, int N);
 } lm_moe_dispatch;
 
+/* Context parallel (distributed/cp.c; NULL otherwise): each rank holds a chunk
+ * of consecutive positions of every sequence. fwd and bwd take the place of
+ * the attention kernels (ops.h's contract, on this rank's rows: q, k, v, out,
+ * lse, dq, dk, dv are [B, T] of its chunk) and attend over the whole
+ * sequence's keys up to each row: the other chunks' k and v travel, and bwd
+ * sends d k, d v of their positions back to their owners. Every rank of the
+ * group calls them for the same layers in the same order (collectives). */
+typedef struct {
+    void *ctx;
+    void (*fwd)(void *ctx, float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                int nh, int nkv, int hd, const kern_attn_opt *o);
+    void (*bwd)(void *ctx, float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
+                const kern_attn_opt *o);
+} lm_attn_dispatch;
+
 typedef struct {
     lm_config cfg;
     kern_ops k;             /* the kernels this model runs (reference until the run chooses) */
@@ -446,6 +462,7 @@ typedef struct {
     lm_moe_state moe;       /* MoE routing state: the last forward's sums, the balancing bias */
     const lm_hooks *hooks; /* NULL: none; set by a parallel layout (distributed/fsdp.h) */
     const lm_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by distributed/ep.h */
+    const lm_attn_dispatch *attn_cp; /* NULL: the whole sequence is here; set by distributed/cp.h */
     struct prof *prof;      /* NULL: not profiled; else spans of ops and layers (metrics/profile.h, the trainer's) */
     /* LoRA dropout (cfg.lora_rank > 0) */
     uint64_t lora_seed;     /* dropout masks: a hash of (this, layer, projection, element); the trainer

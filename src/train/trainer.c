@@ -591,7 +591,9 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
     /* this rank's part of the model: its pipeline stages, its slice */
     if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, trainer_layout_origin(c), e)))
         return rc;
-    if ((rc = lm_create_ac(&t->model, &mc, plan_b, c->seq_len, c->ac_mode, c->ac_selective_option, e))) return rc;
+    /* context parallel: the model runs on a chunk of each sequence (plan_seq_len) */
+    if ((rc = lm_create_ac(&t->model, &mc, plan_b, plan_seq_len(&t->plan), c->ac_mode, c->ac_selective_option, e)))
+        return rc;
     t->seeds = ct_calloc((size_t)plan_microbatches(&t->plan), sizeof *t->seeds);
     if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_frozen_origin(c), e)))
         return rc;
@@ -1054,7 +1056,9 @@ static void log_step(trainer *t, run_files *f, run_clock *k, int step, double lo
                      double aux, long n_valid) {
     const ct_config *c = &t->cfg;
     const lm_model *m = &t->model;
-    k->tokens_since_log += (long)c->local_batch_size * c->seq_len * t->grad_accum;
+    /* this rank's tokens: under context parallel its chunk of each sequence (torchtitan's tps
+     * divides by the degree likewise) */
+    k->tokens_since_log += (long)c->local_batch_size * plan_seq_len(&t->plan) * t->grad_accum;
     k->steps_since_log++;
     if (!(step == 1 || step % c->log_freq == 0)) return;
     double now = ct_now();

@@ -29,8 +29,8 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     cc.hf_assets_dir = NULL;
     if (rc) return rc;
     /* the world: mpirun's, else what fixed degrees multiply to, else one process */
-    int pp = c->pp > 1 ? c->pp : 1;
-    if (world <= 0) world = (c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1) * pp;
+    int pp = c->pp > 1 ? c->pp : 1, cp = c->cp > 1 ? c->cp : 1;
+    if (world <= 0) world = (c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1) * pp * cp;
     int rep, shard, tp;
     if ((rc = mesh_resolve(c, world, &mc, trainer_layout_origin(c), &rep, &shard, &tp, e))) return rc;
     if ((rc = trainer_check_global_batch(c, rep * shard, e))) return rc;
@@ -56,8 +56,11 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
         lm_free(&lm);
         if (rc) return rc;
     }
+    /* context parallel: a rank's model runs seq_len / cp positions (distributed/cp.h) */
+    ct_config cr = cc;
+    cr.seq_len /= cp;
     if (world > 1 && pp == 1) { /* checked before anything prints, so an error comes alone */
-        if ((rc = plan_dry_rank(NULL, c, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e))) return rc;
+        if ((rc = plan_dry_rank(NULL, &cr, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e))) return rc;
     }
     if (!out) return 0;
     /* bf16-stored frozen matrices: 2 bytes each, and a stored lm_head's fp32 block of logits */
@@ -75,7 +78,16 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     plan_dry_line(out, "total planned", p + g + o + a + w + x);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
     if (pp > 1) return plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, trainer_layout_origin(c), e);
-    return world > 1 ? plan_dry_rank(out, c, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e) : 0;
+    if (world > 1 && (rc = plan_dry_rank(out, &cr, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e)))
+        return rc;
+    if (cp > 1) { /* cp.c's padded problem: q, out, dq, d(out) and k, v twice, dk, dv, gathered twice, and lse */
+        double bt = (double)B * c->seq_len, q = bt * mc.n_heads * mc.head_dim, kv = bt * mc.n_kv_heads * mc.head_dim;
+        fprintf(out, "context_parallel %d: the per-rank figures are a rank's running %d of the %d positions of each "
+                     "sequence, plus its attention's whole-sequence scratch (distributed/cp.h):\n",
+                cp, cr.seq_len, c->seq_len);
+        plan_dry_line(out, "context parallel attention scratch", 4.0 * (4 * q + 6 * kv + bt * mc.n_heads));
+    }
+    return 0;
 }
 
 /* Bytes of [p, p + n) resident in this process now (mincore): a buffer's
@@ -117,7 +129,7 @@ int trainer_memory_snapshot(trainer *t, int step, FILE *log, ct_err *e) {
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
     size_t n = 0, act = 0;
-    int rc = lm_plan_memory(&m->cfg, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    int rc = lm_plan_memory(&m->cfg, B, plan_seq_len(&t->plan), c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
     const fsdp *f = t->plan.fsdp;
     const adamw_state *o = t->plan.opt;

@@ -343,24 +343,26 @@ def test_load_step_at_a_final_save_names_how_to_use_it(run_ctitan, tmp_path, lor
 
 # ------------------------------------------------------------------ config keys and where they were set
 
-def test_context_parallel_degree_is_read_and_only_1_taken(run_ctitan, tmp_path):
-    """torchtitan's [parallelism] has context_parallel_degree; a config holding it was refused
-    as an unknown key though the docs said it was read. 1 runs; another value names the key
-    and why."""
+def test_context_parallel_degree_is_read_and_checked(run_ctitan, tmp_path):
+    """torchtitan's [parallelism] context_parallel_degree: 1 runs as before; 2 plans a
+    context-parallel dry run (docs/distributed.md, CP); 0 is out of range; CP with tensor
+    parallel names both keys; --help describes it."""
     conf = tmp_path / "cp.toml"
     conf.write_text("[parallelism]\ncontext_parallel_degree = 1\n")
     rc, _, err = run_ctitan(["train", "--config", conf, "--dry-run"], check=False)
     assert rc == 0, err
-    rc, _, err = run_ctitan(["train", "--config", conf, "--parallelism.context_parallel_degree=2", "--dry-run"],
-                            check=False)
-    assert rc == 2 and ("command line: parallelism.context_parallel_degree = 2: context parallel is not "
-                        "implemented; use 1") in err, (rc, err)
+    rc, out, err = run_ctitan(["train", "--config", conf, "--parallelism.context_parallel_degree=2", "--dry-run"],
+                              check=False)
+    assert rc == 0 and "context_parallel 2:" in out, (rc, err)
     rc, _, err = run_ctitan(["train", "--parallelism.context_parallel_degree=0", "--dry-run"], check=False)
-    assert rc == 2 and "context_parallel_degree = 0: context parallel is not implemented" in err, (rc, err)
-    # --help offered ">= 1" beside a text saying only 1 is taken
+    assert rc == 2 and "parallelism.context_parallel_degree: must be >= 1 (got 0)" in err, (rc, err)
+    rc, _, err = run_ctitan(["train", "--config", conf, "--parallelism.context_parallel_degree=2",
+                             "--parallelism.tensor_parallel_degree=2", "--dry-run"], check=False)
+    assert rc == 2 and ("parallelism.context_parallel_degree = 2 with parallelism.tensor_parallel_degree"
+                        in err), (rc, err)
     _, out, _ = run_ctitan(["train", "--help"])
     entry = out.split("--parallelism.context_parallel_degree=", 1)[1].split("\n  --", 1)[0]
-    assert "only 1 is taken" in entry and ">=" not in entry, entry
+    assert "chunks of consecutive positions" in entry and "only 1 is taken" not in entry, entry
 
 
 @pytest.mark.parametrize("args, origin, key", [

@@ -1,0 +1,173 @@
+"""Context parallel (parallelism.context_parallel_degree, docs/distributed.md): each
+sequence split into chunks of consecutive positions over cp ranks.
+
+Every layout must train like one process with the same global batch (test_dist's
+helpers and tolerances: losses and validation losses to 1e-5 relative, final weights
+norm-wise per tensor to 1e-5), and here also the gradient norms to 1e-5. The one-process
+runs are tied to PyTorch by test_train_loop.py and test_families.py. A checkpoint written
+under CP resumes on one process and back; what CP does not compose with is refused."""
+import numpy as np
+import pytest
+
+import oracle
+import oracle_families as fam
+from test_dist import STEPS, assert_same_run, run, train_args, weights
+
+CP = "--parallelism.context_parallel_degree"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cp")
+    # sizes that no world size divides (test_dist's dense model)
+    oracle.tiny_config(vocab=251, hidden=30, inter=49, layers=3, heads=4, kv_heads=2, head_dim=8,
+                       tied=False).save_pretrained(d / "model")
+    from transformers import Qwen3MoeConfig
+    Qwen3MoeConfig(vocab_size=251, hidden_size=30, intermediate_size=49, moe_intermediate_size=20, num_experts=4,
+                   num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
+                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   max_position_embeddings=256, tie_word_embeddings=False, output_router_logits=False,
+                   ).save_pretrained(d / "model_moe")
+    # Gemma3: sliding window 4 on layers 0 and 2 with their own RoPE base, per-head q/k norms,
+    # a final soft cap, tied embeddings
+    fam.make_config(fam.CASE["gemma3_text"]).save_pretrained(d / "fam_gemma3")
+    # Phi3's longrope over T = 16 > original_max_position_embeddings 8: the long factors, which
+    # a chunk of 8 positions would not pick; RoPE on 12 of each head's 16 features
+    fam.make_config(fam.CASE["phi3_partial075_longrope"]).save_pretrained(d / "fam_phi3")
+    data = oracle.write_bin(d / "tokens.bin", oracle.learnable_stream(600 * 17, 251, seed=7))
+    oracle.write_bin(d / "tokens128.bin", oracle.learnable_stream(600 * 17, 128, seed=7))  # the families' vocabulary
+    return d, data
+
+
+def data_for(d, data, model):
+    return d / "tokens128.bin" if model.startswith("fam_") else data
+
+
+_refs = {}
+
+
+def single(setup, name, model, *extra):
+    """The one-process run a layout is compared with (made once per module)."""
+    d, data = setup
+    if (d, name) not in _refs:
+        out = d / f"single_{name}"
+        run(1, train_args(d / model, data_for(d, data, model), out, *extra))
+        _refs[(d, name)] = out
+    return _refs[(d, name)]
+
+
+def grad_norms(out):
+    return {r["step"]: r["grad_norm"] for r in oracle.read_metrics(out / "metrics.jsonl") if "grad_norm" in r}
+
+
+def aux_losses(out):
+    return {r["step"]: r["aux_loss"] for r in oracle.read_metrics(out / "metrics.jsonl") if "aux_loss" in r}
+
+
+def assert_same_cp(out, ref, what, steps=range(1, STEPS + 1), wtol=1e-5, gtol=1e-5):
+    """test_dist's checks (losses and validation losses to 1e-5) and the gradient norms to
+    gtol, the final weights norm-wise to wtol (test_dist: 1e-5). Looser only where one
+    process against itself with another micro-batch split (the same math) already
+    differs by more than 1e-5, measured on these models after 10 steps:
+    bf16 (1e-3 both): a last-bit fp32 difference (here the order of the chunks' partial
+    sums of d k, d v) flips an element to its neighbouring bf16 value and AdamW spreads
+    it: local_batch_size 1 instead of 2 moved the worst tensor by 1.7e-4 and a gradient
+    norm by 3.1e-4 (DP 2: 1.0e-4, 1.7e-4; CP 2: 1.0e-4, 1.8e-4).
+    load_balance_coeff (weights 1e-4): the bias makes top-k choices near ties, which a
+    last-bit difference flips: local_batch_size 1 moved the embedding by 1.01e-5, FSDP 2
+    by 6.3e-5 (CP 2: 1.01e-5)."""
+    assert_same_run(out, ref, what, steps=steps, weights_too=False)
+    a, b = weights(out), weights(ref)
+    assert a.keys() == b.keys(), f"{what}: tensor names differ"
+    for k in b:
+        err = np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-30)
+        assert err <= wtol, f"{what}: final {k} differs from one rank by {err:.3g} norm-wise"
+    got, want = grad_norms(out), grad_norms(ref)
+    for s in steps:
+        assert abs(got[s] - want[s]) <= gtol * abs(want[s]), f"{what}: step {s} grad_norm {got[s]!r} vs {want[s]!r}"
+
+
+LAYOUTS = {  # name: (ranks, data-parallel ranks, model, reference, extra)
+    "cp2": (2, 1, "model", "dense", [f"{CP}=2"]),
+    "cp2_dp2": (4, 2, "model", "dense", [f"{CP}=2", "--parallelism.data_parallel_replicate_degree=2",
+                                         "--parallelism.data_parallel_shard_degree=1"]),
+    "cp2_fsdp2": (4, 2, "model", "dense", [f"{CP}=2", "--parallelism.data_parallel_shard_degree=2"]),
+    "cp2_hsdp2x2_ac_op": (8, 4, "model", "dense", [f"{CP}=2", "--parallelism.data_parallel_replicate_degree=2",
+                                                   "--parallelism.data_parallel_shard_degree=2",
+                                                   "--activation_checkpoint.mode=selective",
+                                                   "--activation_checkpoint.selective_ac_option=op"]),
+    "cp4": (4, 1, "model", "dense", [f"{CP}=4"]),
+    "cp2_ac_full": (2, 1, "model", "dense", [f"{CP}=2", "--activation_checkpoint.mode=full"]),
+    "cp2_bf16": (2, 1, "model", "bf16", [f"{CP}=2", "--training.mixed_precision_param=bfloat16"]),
+    "cp2_moe": (2, 1, "model_moe", "moe", [f"{CP}=2"]),
+    # torchtitan's aux-loss-free balancing: the bias moves by every chunk's expert counts
+    "cp2_moe_bias": (2, 1, "model_moe", "moe_bias", [f"{CP}=2", "--model.load_balance_coeff=1e-3"]),
+    "cp4_gemma3": (4, 1, "fam_gemma3", "gemma3", [f"{CP}=4"]),
+    "cp2_phi3_longrope": (2, 1, "fam_phi3", "phi3", [f"{CP}=2"]),
+}
+REF_EXTRA = {"bf16": ["--training.mixed_precision_param=bfloat16"], "moe_bias": ["--model.load_balance_coeff=1e-3"]}
+TOL = {"bf16": dict(wtol=1e-3, gtol=1e-3), "moe_bias": dict(wtol=1e-4)}  # assert_same_cp says why
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_cp_matches_one_rank(setup, name):
+    d, data = setup
+    n, dp, model, ref, extra = LAYOUTS[name]
+    want = single(setup, ref, model, *REF_EXTRA.get(ref, []))
+    out = d / name
+    p = run(n, train_args(d / model, data_for(d, data, model), out, *extra, dp=dp), timeout=300)
+    assert "context_parallel" in p.stderr, p.stderr[-2000:]
+    assert_same_cp(out, want, name, **TOL.get(ref, {}))
+    if model == "model_moe":  # HF's load-balancing loss (logged): of the whole sequences, not a chunk's
+        assert any(".mlp.experts." in k for k in weights(out)), "the MoE model has no expert tensors"
+        got, exp = aux_losses(out), aux_losses(want)
+        assert got.keys() == exp.keys() and all(abs(got[s] - exp[s]) <= 1e-5 * exp[s] for s in exp), (got, exp)
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+def test_checkpoint_moves_between_cp_and_one_rank(setup, first, then):
+    """Stopped at step 4 under CP 2 and resumed on one process (and back): the steps after
+    the checkpoint and the final weights are the uninterrupted one-process run's."""
+    d, data = setup
+    ref = single(setup, "dense", "model")
+    out = d / f"move_cp{first}_to_cp{then}"
+    cp = lambda k: [f"{CP}={k}"] if k > 1 else []  # noqa: E731
+    stop = ["--training.stop_at_step=4", "--checkpoint.last_save_model_only=false"]
+    p = run(first, train_args(d / "model", data, out, *stop, *cp(first)), check=False)
+    assert p.returncode == 75, f"stop_at_step should exit 75 after saving\n{p.stderr[-3000:]}"
+    run(then, train_args(d / "model", data, out, "--checkpoint.last_save_model_only=false", *cp(then)))
+    assert_same_cp(out, ref, f"cp {first} -> {then}", steps=range(5, STEPS + 1))
+
+
+@pytest.mark.parametrize("ranks,model,args,keys", [
+    (2, "model", ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"],
+     ["parallelism.tensor_parallel_degree"]),
+    (2, "model", ["--parallelism.pipeline_parallel_degree=2"], ["parallelism.pipeline_parallel_degree"]),
+    (2, "model_moe", ["--parallelism.expert_parallel_degree=2"], ["parallelism.expert_parallel_degree"]),
+    (1, "model", ["--lora.rank=4"], ["lora.rank"]),
+    (1, "model", ["--training.freeze=model.embed_tokens.weight"], ["training.freeze"]),
+    (1, "model", ["--training.seq_len=15"], ["training.seq_len", "does not divide"]),
+    (2, "model", [f"{CP}=4"], ["world size 2"]),
+])
+def test_cp_refusals_exit_2(setup, tmp_path, ranks, model, args, keys):
+    d, data = setup
+    cp = [] if any(a.startswith(CP) for a in args) else [f"{CP}=2"]
+    p = run(ranks, train_args(d / model, data, tmp_path / "bad", *cp, *args), check=False, timeout=60)
+    assert p.returncode == 2, f"exit {p.returncode}\n{p.stderr[-2000:]}"
+    err = [l for l in p.stderr.splitlines() if "ctitan: error" in l]
+    assert len(err) == 1, f"expected the error once (rank 0):\n{p.stderr[-2000:]}"
+    for k in ["parallelism.context_parallel_degree", *keys]:
+        assert k in err[0], err[0]
+
+
+def test_cp_refuses_the_aux_loss_in_the_gradient(setup, tmp_path):
+    d, data = setup
+    from transformers import Qwen3MoeConfig
+    m = tmp_path / "moe_aux"
+    Qwen3MoeConfig(vocab_size=251, hidden_size=30, intermediate_size=49, moe_intermediate_size=20, num_experts=4,
+                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, output_router_logits=True, router_aux_loss_coef=0.01).save_pretrained(m)
+    p = run(2, train_args(m, data, tmp_path / "bad", f"{CP}=2"), check=False, timeout=60)
+    assert p.returncode == 2, f"exit {p.returncode}\n{p.stderr[-2000:]}"
+    assert "parallelism.context_parallel_degree" in p.stderr and "output_router_logits" in p.stderr, p.stderr[-2000:]
+
