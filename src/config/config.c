@@ -1357,24 +1357,30 @@ void cfg_write_toml(const ct_config *c, FILE *out) {
     }
 }
 
-/* Options the ranks of one run may hold differently: where each machine keeps
- * its files (the model, data, run and trace folders: each machine its own
- * copy), how it computes the same numbers (threads, [kernels], the logits
- * block, its peak) and how long it waits. Every other option changes the
- * maths or which collectives run when, so it must be alike on every rank. */
+/* Options the ranks of one run may hold differently. CFG_OWN_PATH: where each
+ * machine keeps its files (the model, data, run and trace folders: each
+ * machine its own copy), but whether one is set must agree (an
+ * initial_load_path on one machine alone loaded other weights there).
+ * CFG_OWN: its threads, its peak and the run's description. Every other
+ * option changes the maths or which collectives run when, so it must be alike
+ * on every rank: [kernels] too (under tensor parallel some replicated tensors
+ * step from gradients each rank computes itself, so other kernels' last bits
+ * would split them), and the logits block (under tensor parallel each block
+ * of rows is a collective). */
+enum { CFG_SHARED, CFG_OWN_PATH, CFG_OWN };
 static int cfg_per_machine(const cfg_option *o) {
-    static const char *const names[] = {
-        "job.dump_folder", "job.description", "job.print_args", "model.hf_assets_path", "model.tokenizer_path",
-        "training.dataset_path", "training.threads", "training.logits_chunk_rows", "lora.adapter_path",
-        "checkpoint.folder", "checkpoint.initial_load_path", "metrics.file", "metrics.peak_tflops", "metrics.save_tb_folder",
-        "metrics.disable_color_printing", "profiling.save_traces_folder", "profiling.save_memory_snapshot_folder",
-        "validation.dataset_path", "comm.init_timeout_seconds", "comm.train_timeout_seconds"};
-    if (!strcmp(o->section, "kernels")) return 1;
+    static const char *const paths[] = {
+        "job.dump_folder", "model.hf_assets_path", "training.dataset_path", "lora.adapter_path", "checkpoint.folder",
+        "checkpoint.initial_load_path", "metrics.file", "metrics.save_tb_folder", "profiling.save_traces_folder",
+        "profiling.save_memory_snapshot_folder", "validation.dataset_path"};
+    static const char *const own[] = {"job.description", "training.threads", "metrics.peak_tflops"};
     char name[128];
     snprintf(name, sizeof name, "%s.%s", o->section, o->key);
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (!strcmp(name, names[i])) return 1;
-    return 0;
+    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++)
+        if (!strcmp(name, paths[i])) return CFG_OWN_PATH;
+    for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
+        if (!strcmp(name, own[i])) return CFG_OWN;
+    return CFG_SHARED;
 }
 
 int cfg_n_options(void) { return CFG_N_OPTIONS; }
@@ -1382,7 +1388,8 @@ int cfg_n_options(void) { return CFG_N_OPTIONS; }
 char *cfg_shared_text(const ct_config *c, int i) {
     if (i < 0 || i >= CFG_N_OPTIONS) return NULL;
     const cfg_option *o = &cfg_options[i];
-    if (o->alias || o->inert || cfg_per_machine(o)) return NULL;
+    int own = cfg_per_machine(o);
+    if (o->alias || o->inert || own == CFG_OWN) return NULL;
     char *text = NULL;
     size_t len = 0;
     FILE *f = open_memstream(&text, &len);
@@ -1391,7 +1398,10 @@ char *cfg_shared_text(const ct_config *c, int i) {
         exit(1);
     }
     fprintf(f, "%s.%s = ", o->section, o->key);
-    cfg_write_value(c, o, f);
+    if (own == CFG_OWN_PATH) /* a machine's own path: only whether it is set */
+        fputs(*(char *const *)cfg_cfield(c, o) && **(char *const *)cfg_cfield(c, o) ? "(set)" : "(unset)", f);
+    else
+        cfg_write_value(c, o, f);
     fclose(f);
     return text;
 }

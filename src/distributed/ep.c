@@ -94,7 +94,10 @@ static void layer_release(ep_layer *y) {
 }
 
 /* Layer l's dispatch state for the micro-batch in flight: the shared
- * LM_AC_FULL set, or the set of the bank in use, made on first sight. */
+ * LM_AC_FULL set, or the set of the bank in use, made on first sight. A
+ * pipeline keeps its banks for the whole run (pp.c's pool holds its peak + 1),
+ * so the table stops growing after the first step; a bank freed and another
+ * made at its address would take over its set, which every forward refills. */
 static ep_layer *layer_state(ep_layout *p, int l) {
     const lm_config *c = &p->m->cfg;
     int L = c->n_layers;

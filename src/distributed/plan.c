@@ -310,17 +310,19 @@ static double clip_sharded(ct_plan *p, const float *g, size_t n, double max_norm
     return clip_by(pp_sq(p, g, sq), max_norm, scale);
 }
 
-/* The same under tensor or expert parallelism: replicated tensors count
- * once (tp.h), summed over the shard group (FSDP: per piece, the flat range
- * of this rank's slice; an EP group lies inside the shard group, so every
- * expert is counted once) and then over the TP group. Without FSDP the
- * experts' squares are summed over the EP group. */
-struct tp_sq_runs { ct_plan *p; const float *g; double sq; };
-/* A held fp32 run of the shard (fsdp_held_runs): flat [x, x + n) at shard position s. */
-static void tp_sq_run(void *ctx, size_t x, size_t n, size_t s) {
-    struct tp_sq_runs *r = ctx;
+/* A held fp32 run of the shard (fsdp_held_runs): flat [x, x + n) at shard
+ * position s, its squares added as tp_sq_range counts them. */
+struct held_sq { ct_plan *p; const float *g; double sq; };
+static void held_run_sq(void *ctx, size_t x, size_t n, size_t s) {
+    struct held_sq *r = ctx;
     r->sq += tp_sq_range(r->p->tp, r->g + s, x, n, TP_SQ_ALL);
 }
+
+/* The same under tensor or expert parallelism: replicated tensors count
+ * once (tp.h), summed over the shard group (FSDP: per held run of this
+ * rank's slice; an EP group lies inside the shard group, so every expert is
+ * counted once) and then over the TP group. Without FSDP the experts'
+ * squares are summed over the EP group. */
 static double clip_tp(ct_plan *p, const float *g, size_t n, double max_norm, float *scale) {
     double sq = 0;
     fsdp *f = p->fsdp;
@@ -331,8 +333,8 @@ static double clip_tp(ct_plan *p, const float *g, size_t n, double max_norm, flo
     } else {
         /* by held runs: a piece with bf16-stored frozen matrices keeps its fp32 tensors
          * apart from their flat positions */
-        struct tp_sq_runs r = {p, g, 0};
-        for (int i = 0; i < f->n_pieces; i++) fsdp_held_runs(f, i, tp_sq_run, &r);
+        struct held_sq r = {p, g, 0};
+        for (int i = 0; i < f->n_pieces; i++) fsdp_held_runs(f, i, held_run_sq, &r);
         sq = r.sq;
         comm_allreduce(f->comm, &sq, 1, COMM_F64, COMM_SUM);
     }
@@ -356,8 +358,8 @@ static double clip_by(double sq, double max_norm, float *scale) {
         if ((m)->prof) prof_kern((m)->prof, KERN_OP_ADAMW, "adamw_step", a_t0_);                                \
     } while (0)
 
-/* With frozen tensors: clipping and AdamW over the trainable runs only, so
- * the frozen ones keep their weights bit for bit (no weight decay either)
+/* With frozen tensors, AdamW over the trainable runs only (clipped by scale),
+ * so the frozen ones keep their weights bit for bit (no weight decay either)
  * and their untouched gradient and moment pages are never written. Every
  * run steps with the same step count, as one AdamW over them all. */
 static void step_runs(ct_plan *p, float *P, float *G, float scale, double lr, const adamw_hparams *hp) {
@@ -369,6 +371,8 @@ static void step_runs(ct_plan *p, float *P, float *G, float scale, double lr, co
     }
     p->opt->step = step0 + 1;
 }
+
+/* Clipping by the trainable runs' norm, then step_runs. */
 static double step_ranges(ct_plan *p, float *P, float *G, double lr, const adamw_hparams *hp, double max_norm) {
     lm_model *m = p->m;
     double sq = 0;

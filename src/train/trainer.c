@@ -194,6 +194,12 @@ static int select_kernels(trainer *t, ct_err *e) {
     int tune = t->cfg.kernels_tune;
     const char *tune_env = getenv("CTITAN_KERNEL_TUNE");
     if (tune_env && *tune_env) tune = strcmp(tune_env, "0") != 0;
+    if (t->world->size > 1) { /* rank 0's: tuning ends in a broadcast every rank must enter (another
+                               * machine's kernels.tune or CTITAN_KERNEL_TUNE hung the job) */
+        int32_t tn = tune;
+        comm_broadcast(t->world, &tn, 1, COMM_I32, 0);
+        tune = tn;
+    }
     if (tune) {
         size_t nt;
         const kern_impl *tab = kern_registry(&nt);
@@ -1187,6 +1193,7 @@ int trainer_run(trainer *t, ct_err *e) {
         rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &template_seen, &tk,
                        e);
     if ((rc = trainer_agree(t, rc, "open its data", e))) goto out; /* a data file one machine alone lacks */
+    if ((rc = trainer_agree_data(t, data, val, e))) goto out;
     if ((rc = ct_mkdirs(c->dump_folder, e)) || (rc = open_run_files(t, &files, e))) goto out;
     prof *pf = files.pf;
     run_clock clock = {0};

@@ -499,8 +499,9 @@ int trainer_agree_world(ct_comm *w, int rc, const char *what, ct_err *e) {
  * size, a learning rate, a save interval) mixed other maths into the sums
  * without a word, or waited in a collective the others never made. The ranks
  * compare every option that must agree (config.h's cfg_shared_text: all but
- * paths, threads, [kernels] and timeouts) by its hash, and every rank names the
- * first that differs, with rank 0's value (rank 0 prints it). */
+ * where each machine keeps its files (whether it is set, not where), threads,
+ * the peak and timeouts) by its hash; every rank names the first that differs,
+ * with its own value, and rank 0's message is the one printed. */
 int trainer_agree_config(trainer *t, ct_err *e) {
     ct_comm *w = t->world;
     if (w->size <= 1) return 0;
@@ -521,9 +522,34 @@ int trainer_agree_config(trainer *t, ct_err *e) {
     snprintf(name, sizeof name, "%.*s", (int)strcspn(text, " "), text);
     ct_fail(e, CT_ERR_CONFIG,
             "%s: %s differs between the ranks (rank %d has %s): every rank must be given the same recipe; only "
-            "paths, training.threads, [kernels] and the comm timeouts may differ from machine to machine",
+            "where each machine keeps its files, training.threads and metrics.peak_tflops may differ",
             cfg_origin(&t->cfg, name), name, w->rank, text);
     free(text);
+    e->all_ranks = 1; /* every rank knows it from the all-reduce */
+    return CT_ERR_CONFIG;
+}
+
+/* Each rank opens its own machine's copy of the data: copies of other sizes made
+ * the ranks run other numbers of steps' windows and of validation batches
+ * (validation.steps = -1: one machine's longer file hung the job in the
+ * evaluation's collectives). The ranks compare the window counts, and every
+ * rank names the file that differs. A copy of the same size with other tokens
+ * is not seen. */
+int trainer_agree_data(trainer *t, const ds *train, const ds *val, ct_err *e) {
+    if (t->world->size <= 1) return 0;
+    int64_t r[4] = {(int64_t)ds_num_windows(train), 0, val ? (int64_t)ds_num_windows(val) : 0, 0};
+    r[1] = -r[0], r[3] = -r[2]; /* MAX of both: equal on every rank iff one value */
+    comm_allreduce(t->world, r, 4, COMM_I64, COMM_MAX);
+    int bad = r[0] != -r[1] ? 0 : r[2] != -r[3] ? 2 : -1;
+    if (bad < 0) return 0;
+    const ct_config *c = &t->cfg;
+    const char *key = bad ? "validation.dataset_path" : "training.dataset_path";
+    ct_fail(e, CT_ERR_CONFIG,
+            "%s: %s = \"%s\": the ranks' copies hold different data (rank %d's: %lld windows of %d tokens; "
+            "another rank's: %lld): every machine must hold the same data",
+            cfg_origin(c, key), key, bad ? c->val_dataset_path : c->dataset_path, t->world->rank,
+            (long long)ds_num_windows(bad ? val : train), c->seq_len + 1,
+            (long long)(r[bad] == (int64_t)ds_num_windows(bad ? val : train) ? -r[bad + 1] : r[bad]));
     e->all_ranks = 1; /* every rank knows it from the all-reduce */
     return CT_ERR_CONFIG;
 }

@@ -37,6 +37,9 @@ int trainer_init_weights(trainer *t, ct_err *e);
 int trainer_agree(trainer *t, int rc, const char *what, ct_err *e);
 /* The ranks' options that must agree (all but per-machine ones) compared; CT_ERR_CONFIG on every rank if not. */
 int trainer_agree_config(trainer *t, ct_err *e);
+/* The ranks' copies of the training and validation data hold the same number
+ * of windows; CT_ERR_CONFIG on every rank, naming the key, if not. */
+int trainer_agree_data(trainer *t, const ds *train, const ds *val, ct_err *e);
 /* Restores the step, the loader position and the MoE routing bias from a
  * checkpoint's state.json text (txt NULL: missing), after checking it was
  * written for the same data stream (seq_len, batch, seed, shuffle); dir

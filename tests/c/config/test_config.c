@@ -563,27 +563,32 @@ static void test_configs_dir(void) {
 }
 
 /* What the ranks of a run compare (cfg_shared_text): every option that shapes the
- * maths or the collectives, as config.toml writes it; not the per-machine ones. */
+ * maths or the collectives, as config.toml writes it ([kernels] too); of a
+ * machine's own paths only whether they are set; not its threads or peak. */
 static void test_shared_options(void) {
     ct_config c;
     cfg_defaults(&c);
     ct_err e = {0};
     CHECK(cfg_set(&c, "training.local_batch_size", "3", &e) == 0, "%s", e.msg);
     CHECK(cfg_set(&c, "optimizer.lr", "3e-3", &e) == 0, "%s", e.msg);
-    int n = cfg_n_options(), shared = 0, batch = 0, lr = 0, per_machine = 0;
+    CHECK(cfg_set(&c, "job.dump_folder", "/somewhere/run", &e) == 0, "%s", e.msg);
+    int n = cfg_n_options(), shared = 0, batch = 0, lr = 0, dump = 0, load = 0, matmul = 0, own = 0;
     for (int i = 0; i < n; i++) {
         char *t = cfg_shared_text(&c, i);
         if (!t) continue;
         shared++;
         batch += !strcmp(t, "training.local_batch_size = 3");
         lr += !strcmp(t, "optimizer.lr = 0.003");
-        per_machine += !strncmp(t, "training.threads ", 17) || !strncmp(t, "kernels.", 8) ||
-                       !strncmp(t, "job.dump_folder ", 16) || !strncmp(t, "model.hf_assets_path ", 21) ||
-                       !strncmp(t, "training.dataset_path ", 22) || !strncmp(t, "checkpoint.folder ", 18);
+        dump += !strcmp(t, "job.dump_folder = (set)");
+        load += !strcmp(t, "checkpoint.initial_load_path = (unset)");
+        matmul += !strncmp(t, "kernels.matmul = ", 17);
+        own += !strncmp(t, "training.threads ", 17) || !strncmp(t, "metrics.peak_tflops ", 20) || strstr(t, "/somewhere");
         free(t);
     }
     CHECK(batch == 1 && lr == 1, "local_batch_size %d, lr %d times among the shared options", batch, lr);
-    CHECK(per_machine == 0, "%d per-machine options among the shared ones", per_machine);
+    CHECK(dump == 1 && load == 1, "the paths' set-ness: dump_folder %d, initial_load_path %d", dump, load);
+    CHECK(matmul == 1, "kernels.matmul %d times", matmul);
+    CHECK(own == 0, "%d per-machine values among the shared ones", own);
     CHECK(shared > 50 && shared < n, "%d of %d options shared", shared, n);
     CHECK(cfg_shared_text(&c, -1) == NULL && cfg_shared_text(&c, n) == NULL, "out of range");
     cfg_free(&c);
