@@ -168,6 +168,19 @@ static void add_expert_lora(lm_model *m, int *cap, int l) {
         add_tensor(m, cap, n, out, r * E, 1, LM_S_LORA_EB, l, p);
         m->tensors[m->n_tensors - 1].lora = 1;
     }
+    /* the router's weight [E, H], a 2-D parameter: PEFT's ParamWrapper with
+     * one "expert", A [r, H] and B [E, r] under mlp.gate (Mixtral's too:
+     * transformers v5 renames its block_sparse_moe to mlp) */
+    if (lm_lora_expert_on(c, l, LM_LORA_EXP_R)) {
+        int64_t r = lm_lora_exp_rank(c, LM_LORA_EXP_R);
+        char n[LM_NAME_MAX];
+        snprintf(n, sizeof n, "model.layers.%d.mlp.gate.lora_A.weight", l);
+        add_tensor(m, cap, n, r, H, 1, LM_S_LORA_EA, l, LM_LORA_EXP_R);
+        m->tensors[m->n_tensors - 1].lora = 1;
+        snprintf(n, sizeof n, "model.layers.%d.mlp.gate.lora_B.weight", l);
+        add_tensor(m, cap, n, E, r, 1, LM_S_LORA_EB, l, LM_LORA_EXP_R);
+        m->tensors[m->n_tensors - 1].lora = 1;
+    }
 }
 
 /* The HF names of a layer's norms, by placement: [0] before attention, [1]
@@ -756,6 +769,8 @@ void lm_free(lm_model *m) {
     free(m->fstore);
     free(m->ws.lora_ew);
     free(m->ws.lora_dew);
+    free(m->ws.lora_rw);
+    free(m->ws.lora_drw);
     free(m->ws.head_tmp);
     free(m->w.layer);
     free(m->g.layer);
@@ -1327,6 +1342,24 @@ static void experts_adapted_grad(lm_model *m, const lm_layer_w *w, lm_layer_w *g
             for (size_t i = 0; i < ex; i++) base[x][i] += dew[(size_t)x * ex + i];
 }
 
+/* Router LoRA (target_parameters gate.weight): the routing runs on
+ * W + scale B A [E, H], formed per layer and pass in m->ws.lora_rw as PEFT's
+ * parametrization forms it (a bf16-stored router widened first); the base
+ * router where layer l has no such adapter. */
+static const float *router_adapted(lm_model *m, const lm_layer_w *w) {
+    if (!w->lora_ea[LM_LORA_EXP_R]) return w->router;
+    const lm_config *c = &m->cfg;
+    int E = c->n_experts, H = c->hidden;
+    size_t n = (size_t)E * H;
+    if (!m->ws.lora_rw) m->ws.lora_rw = ct_malloc(n * sizeof(float));
+    const uint16_t *h = frozen_bf16(m, w->router);
+    if (h) ct_convert_to_f32(m->ws.lora_rw, h, CT_BF16, n);
+    else memcpy(m->ws.lora_rw, w->router, n * sizeof(float));
+    lora_experts_delta(&m->k, m->ws.lora_rw, NULL, w->lora_ea[LM_LORA_EXP_R], w->lora_eb[LM_LORA_EXP_R], 1,
+                       lm_lora_exp_rank(c, LM_LORA_EXP_R), H, E, E, lm_lora_exp_scale(c, LM_LORA_EXP_R));
+    return m->ws.lora_rw;
+}
+
 /* ------------------------------------------------- family pieces */
 
 /* The family's small elementwise pieces of the forward, shared by training's
@@ -1544,8 +1577,9 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         int E = c->n_experts, k = c->top_k;
         moe_route *r = &a->route;
         int64_t rt0 = PROF_T0(m->prof);
-        moe_route_fwd(&m->k, r, a->ln2, w->router, frozen_bf16(m, w->router), m->moe.bias + (size_t)l * E, BT, H, E, k,
-                      c->norm_topk_prob);
+        const float *wr = router_adapted(m, w);
+        moe_route_fwd(&m->k, r, a->ln2, wr, wr == w->router ? frozen_bf16(m, w->router) : NULL,
+                      m->moe.bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
         if (m->prof) prof_model_op(m->prof, "moe_route_fwd", "moe_route", KERN_OP_MATMUL, rt0);
         /* Under tensor parallelism every expert holds this rank's slice of
          * moe_intermediate, so its output is a partial sum: it goes to a
@@ -2116,8 +2150,22 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
     reduce_d_input(m, m->ws.moe_dtopw, (size_t)BT * k);
     int aux = lm_aux_in_grad(c);
     int64_t rt0 = PROF_T0(m->prof);
-    moe_route_bwd(&m->k, m->ws.d_ln, g->router, m->ws.moe_dprobs, m->ws.moe_dtopw, aux ? m->ws.moe_dprob_all : NULL, a->ln2,
-                  w->router, frozen_bf16(m, w->router), r, BT, H, E, k, c->norm_topk_prob);
+    const float *wr = router_adapted(m, w);
+    float *dwr = g->router;
+    if (wr != w->router) { /* d(W + scale B A) into scratch: dA, dB come from it */
+        if (!m->ws.lora_drw) m->ws.lora_drw = ct_malloc((size_t)E * H * sizeof(float));
+        dwr = m->ws.lora_drw;
+        zero(dwr, (size_t)E * H);
+    }
+    moe_route_bwd(&m->k, m->ws.d_ln, dwr, m->ws.moe_dprobs, m->ws.moe_dtopw, aux ? m->ws.moe_dprob_all : NULL, a->ln2,
+                  wr, wr == w->router ? frozen_bf16(m, w->router) : NULL, r, BT, H, E, k, c->norm_topk_prob);
+    if (wr != w->router) {
+        lora_experts_grad(&m->k, g->lora_ea[LM_LORA_EXP_R], g->lora_eb[LM_LORA_EXP_R], dwr, NULL,
+                          w->lora_ea[LM_LORA_EXP_R], w->lora_eb[LM_LORA_EXP_R], 1, lm_lora_exp_rank(c, LM_LORA_EXP_R),
+                          H, E, E, lm_lora_exp_scale(c, LM_LORA_EXP_R));
+        if (g->router) /* a trained base router too: d(W + scale B A) / dW = 1 */
+            for (size_t i = 0; i < (size_t)E * H; i++) g->router[i] += dwr[i];
+    }
     if (m->prof) prof_model_op(m->prof, "moe_route_bwd", "moe_route", KERN_OP_MATMUL, rt0);
 }
 

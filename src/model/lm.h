@@ -151,15 +151,16 @@ typedef struct {
     /* PEFT's target_parameters on a MoE layer's fused experts (ParamWrapper):
      * bit 1 << LM_LORA_EXP_* of lora_experts[l] adapts layer l's
      * mlp.experts.gate_up_proj [E, 2 Im, H] / down_proj [E, H, Im] with
-     * A [r E, in] and B [out, r E] (lora.h: lora_experts_delta). */
+     * A [r E, in] and B [out, r E] (lora.h: lora_experts_delta); bit
+     * LM_LORA_EXP_R its router mlp.gate.weight [E, H], A [r, H], B [E, r]. */
     unsigned char lora_experts[LM_MAX_LAYERS];
     /* Per expert parameter (LM_LORA_EXP_*), PEFT's rank_pattern /
      * alpha_pattern: its rewrite of target_modules gate_proj + up_proj on a
      * MoE model gives gate_up_proj rank 2 r and alpha 2 alpha. 0: lora_rank
      * and lora_scale apply (read through lm_lora_exp_rank / _scale). */
-    int lora_exp_rank[2];
-    float lora_exp_scale[2];
-    double lora_exp_alpha[2]; /* the pattern's alpha, for adapter_config.json */
+    int lora_exp_rank[3]; /* [LM_LORA_PARAM_N] */
+    float lora_exp_scale[3];
+    double lora_exp_alpha[3]; /* the pattern's alpha, for adapter_config.json */
     /* params and grads are addressed over the whole model but get pages only
      * where written (ct_alloc_lazy): runs with frozen tensors, whose
      * gradients are never written and whose weights may live in bf16 */
@@ -176,6 +177,9 @@ int lm_lora_rank(const lm_config *c, int l, int p);
 float lm_lora_scale(const lm_config *c, int l, int p);
 /* The fused expert parameters LoRA can adapt (target_parameters), in table order. */
 enum { LM_LORA_EXP_GU, LM_LORA_EXP_D, LM_LORA_EXP_N };
+/* The MoE router's weight (PEFT's target_parameters gate.weight), a 2-D
+ * parameter adapted as the experts are (one "expert"): after them. */
+enum { LM_LORA_EXP_R = LM_LORA_EXP_N, LM_LORA_PARAM_N };
 /* Whether layer l (a MoE layer) has adapters on its fused experts p (LM_LORA_EXP_*). */
 int lm_lora_expert_on(const lm_config *c, int l, int p);
 /* Floats of the two transient buffers expert LoRA keeps (lm.c:
@@ -277,7 +281,7 @@ typedef struct {
     /* LoRA (NULL where a projection has none): A [r, in], B [out, r] per LM_LORA_* */
     float *lora_a[LM_LORA_N], *lora_b[LM_LORA_N];
     /* expert LoRA (NULL where none): A [r E, in], B [out, r E] per LM_LORA_EXP_* */
-    float *lora_ea[LM_LORA_EXP_N], *lora_eb[LM_LORA_EXP_N];
+    float *lora_ea[LM_LORA_PARAM_N], *lora_eb[LM_LORA_PARAM_N]; /* [LM_LORA_EXP_R]: the router's */
 } lm_layer_w;
 
 typedef struct {
@@ -375,6 +379,7 @@ typedef struct {
     float *lora_x, *lora_dx; /* [BT, max in] drop(x) and its gradient; only with dropout */
     float *lora_ew, *lora_dew; /* [3 E Im H] each: a layer's adapted expert weights W + scale B A and their
                                   gradient, with expert LoRA (allocated at first use) */
+    float *lora_rw, *lora_drw; /* [E H] each: a router adapter's W + scale B A and its gradient (first use) */
     float *head_tmp; /* a bf16-stored lm_head: [<= 16, block] logits of one block of its rows for a
                         forward of few rows (allocated at first use) */
 } lm_work;

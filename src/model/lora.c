@@ -74,6 +74,15 @@ int lora_check_fused(const lm_config *c, const char *where, const char *key, ct_
 
 static const char *const exp_param[LM_LORA_EXP_N] = {"gate_up_proj", "down_proj"};
 
+/* Parameter x's (LM_LORA_EXP_*, the router LM_LORA_EXP_R) name in a layer
+ * without "model.layers.N.", as PEFT names it ("mlp.experts.down_proj",
+ * "mlp.gate.weight") */
+static const char *param_path(int x) {
+    static const char *const p[LM_LORA_PARAM_N] = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                                   "mlp.gate.weight"};
+    return x >= 0 && x < LM_LORA_PARAM_N ? p[x] : "?";
+}
+
 /* PEFT's _inject_parameters: the key equals the target or ends with "." + target */
 static int key_matches(const char *key, const char *target) {
     size_t nk = strlen(key), nt = strlen(target);
@@ -90,8 +99,8 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
         int hit = 0;
         for (int l = 0; experts && l < c->n_layers; l++) {
             if (!lm_layer_is_moe(c, l)) continue;
-            for (int x = 0; x < LM_LORA_EXP_N; x++) {
-                snprintf(full, sizeof full, "model.layers.%d.mlp.experts.%s", l, exp_param[x]);
+            for (int x = 0; x < LM_LORA_PARAM_N; x++) {
+                snprintf(full, sizeof full, "model.layers.%d.%s", l, param_path(x));
                 if (key_matches(full, item)) {
                     c->lora_experts[l] |= (unsigned char)(1u << x);
                     hit = 1;
@@ -101,18 +110,15 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
         if (!hit && !experts)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: %s: \"%s\": this model has no fused MoE experts (target_parameters adapts "
-                           "mlp.experts.gate_up_proj and mlp.experts.down_proj of qwen3_moe and mixtral models)",
-                           where, key, item);
-        size_t n = strlen(item);
-        if (!hit && n >= 11 && !strcmp(item + n - 11, "gate.weight")) /* PEFT's all-linear on a MoE model */
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: %s: \"%s\" is the MoE router's weight (mlp.gate), which ctitan cannot adapt",
+                           "mlp.experts.gate_up_proj, mlp.experts.down_proj and the router mlp.gate.weight of "
+                           "qwen3_moe and mixtral models)",
                            where, key, item);
         if (!hit)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: %s: \"%s\" names no parameter ctitan adapts; target_parameters may name the fused "
-                           "experts mlp.experts.gate_up_proj and mlp.experts.down_proj (or a suffix of "
-                           "model.layers.N.mlp.experts.X, as PEFT matches)",
+                           "experts mlp.experts.gate_up_proj and mlp.experts.down_proj and the router mlp.gate.weight "
+                           "(or a suffix of model.layers.N.mlp.experts.X / model.layers.N.mlp.gate.weight, as PEFT "
+                           "matches)",
                            where, key, item);
     }
     return 0;
@@ -129,16 +135,16 @@ static char *lora_target_params_text(const lm_config *c) {
         if (ref < 0) ref = bits;
         else if (bits != ref) uniform = 0;
     }
-    size_t cap = 64 + (size_t)c->n_layers * 2 * 64, n = 0;
+    size_t cap = 64 + (size_t)c->n_layers * LM_LORA_PARAM_N * 64, n = 0;
     char *s = ct_malloc(cap);
     s[0] = 0;
     int layers = uniform ? 1 : c->n_layers; /* uniform: one pass of the short names */
     for (int l = 0; l < layers; l++)
-        for (int x = 0; x < LM_LORA_EXP_N; x++) {
+        for (int x = 0; x < LM_LORA_PARAM_N; x++) {
             int on = uniform ? ref > 0 && (ref >> x & 1) : lm_lora_expert_on(c, l, x);
             if (!on) continue;
-            if (uniform) n += (size_t)snprintf(s + n, cap - n, "%smlp.experts.%s", n ? "," : "", exp_param[x]);
-            else n += (size_t)snprintf(s + n, cap - n, "%smodel.layers.%d.mlp.experts.%s", n ? "," : "", l, exp_param[x]);
+            if (uniform) n += (size_t)snprintf(s + n, cap - n, "%s%s", n ? "," : "", param_path(x));
+            else n += (size_t)snprintf(s + n, cap - n, "%smodel.layers.%d.%s", n ? "," : "", l, param_path(x));
         }
     return s;
 }
@@ -476,17 +482,7 @@ int lora_is_all_linear(const char *targets) {
 }
 
 int lora_all_linear(const lm_config *c, unsigned *bits, const char *where, const char *key, ct_err *e) {
-    /* PEFT 0.21 on transformers v5 resolves all-linear of a MoE model to leaf
-     * names and then adds the router "gate" (-> target_parameters
-     * gate.weight) with the experts (_resolve_string_target_modules,
-     * _convert_peft_config_moe): ctitan has no adapter on a router */
-    if (c->n_experts > 0)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: %s: \"all-linear\" on model_type \"%s\": PEFT then also adapts every MoE layer's router "
-                       "mlp.gate (target_parameters gate.weight), which ctitan cannot adapt; list the modules "
-                       "instead (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj adapt the attention "
-                       "and the experts as PEFT does)",
-                       where, key, c->model_type);
+    (void)where, (void)key, (void)e;
     /* every nn.Linear of a decoder layer but the output layer (lm_head), which
      * PEFT's _maybe_include_all_linear_layers leaves out: the projections */
     *bits = 0;
@@ -656,6 +652,14 @@ static int json_targets(const cJSON *o, const cJSON *tm, lm_config *c, const cha
             return ct_fail(e, CT_ERR_FORMAT,
                            "%s: target_modules: \"%s\": a regular expression is not supported; list the modules",
                            path, tm->valuestring);
+        /* PEFT saves all-linear of a MoE model resolved (q..o_proj and
+         * target_parameters); the unresolved form would need its rewrite here */
+        if (c->n_experts > 0)
+            return ct_fail(e, CT_ERR_FORMAT,
+                           "%s: target_modules: \"all-linear\" on model_type \"%s\": give it resolved as PEFT saves "
+                           "it (target_modules q_proj, k_proj, v_proj, o_proj and target_parameters gate.weight, "
+                           "gate_up_proj, down_proj with rank_pattern / alpha_pattern .*\\.gate_up_proj at 2 r, 2 alpha)",
+                           path, c->model_type);
         return lora_all_linear(c, &c->lora_targets, path, "target_modules", e);
     }
     size_t cap = 1, n = 0;
@@ -793,21 +797,22 @@ static int set_patterns(lm_config *c, const cJSON *rank_pattern, const cJSON *al
         }
     /* an expert parameter keeps one rank and scale over the MoE layers
      * (lora_exp_rank): PEFT's own patterns (.*\.gate_up_proj) select all */
-    for (int x = 0; x < LM_LORA_EXP_N && !rc; x++) {
+    for (int x = 0; x < LM_LORA_PARAM_N && !rc; x++) {
         int seen = -1, r0 = 0;
         double a0 = 0;
         for (int l = 0; l < c->n_layers && !rc; l++) {
             if (!lm_lora_expert_on(c, l, x)) continue;
-            snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%s", l, exp_param[x]);
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, param_path(x));
             int r;
             double a;
             pats_pick(R, nr, A, na, name, md, c->lora_rank, alpha, &r, &a);
             if (seen < 0) seen = l, r0 = r, a0 = a;
             else if (r != r0 || a != a0)
                 rc = ct_fail(e, CT_ERR_CONFIG,
-                             "%s: rank_pattern / alpha_pattern: mlp.experts.%s gets rank %d, alpha %g in layer %d but "
-                             "rank %d, alpha %g in layer %d; ctitan keeps one rank and alpha per expert parameter",
-                             where, exp_param[x], r0, a0, seen, r, a, l);
+                             "%s: rank_pattern / alpha_pattern: %s gets rank %d, alpha %g in layer %d but "
+                             "rank %d, alpha %g in layer %d; ctitan keeps one rank and alpha per expert (router) "
+                             "parameter",
+                             where, param_path(x), r0, a0, seen, r, a, l);
         }
         if (!rc && seen >= 0 && (r0 != c->lora_rank || a0 != alpha)) {
             c->lora_exp_rank[x] = r0;
@@ -877,7 +882,7 @@ int lora_config_patterns(lm_config *c, const char *rank_pattern, const char *alp
 
 static int lora_any_expert(const lm_config *c) {
     for (int l = 0; l < c->n_layers; l++)
-        if (lm_lora_expert_on(c, l, LM_LORA_EXP_GU) || lm_lora_expert_on(c, l, LM_LORA_EXP_D)) return 1;
+        if (c->lora_rank > 0 && lm_layer_is_moe(c, l) && c->lora_experts[l]) return 1;
     return 0;
 }
 
@@ -916,10 +921,16 @@ static int check_target_params(const cJSON *tp, const lm_config *c, const char *
     lm_config *own = ct_malloc(sizeof *own);
     *own = *c;
     int rc = json_target_params(tp, own, path, e);
-    if (!rc && memcmp(own->lora_experts, c->lora_experts, sizeof own->lora_experts))
-        rc = ct_fail(e, CT_ERR_CONFIG,
-                     "%s: target_parameters: the adapter adapts other expert parameters than lora.target_parameters",
-                     path);
+    for (int l = 0; !rc && l < c->n_layers; l++)
+        for (int x = 0; !rc && x < LM_LORA_PARAM_N; x++) {
+            int oa = lm_lora_expert_on(own, l, x), on = lm_lora_expert_on(c, l, x);
+            if (oa != on)
+                rc = ct_fail(e, CT_ERR_CONFIG,
+                             "%s: target_parameters: the adapter %s model.layers.%d.%s%s, the run's [lora] %s it "
+                             "(lora.target_parameters; all-linear on a MoE model adapts the experts and the routers)",
+                             path, oa ? "adapts" : "does not adapt", l, param_path(x),
+                             x == LM_LORA_EXP_R ? " (the MoE router)" : "", on ? "adapts" : "does not adapt");
+        }
     free(own);
     return rc;
 }
@@ -1105,7 +1116,7 @@ static int compare_adapter(const lm_config *ad, const lm_config *c, const char *
                                "the adapter's)",
                                path, name, ra, (double)sa, rr, (double)sr);
         }
-    for (int x = 0; x < LM_LORA_EXP_N; x++) {
+    for (int x = 0; x < LM_LORA_PARAM_N; x++) {
         int on = 0;
         for (int l = 0; l < c->n_layers; l++) on |= lm_lora_expert_on(c, l, x);
         if (!on) continue;
@@ -1113,11 +1124,11 @@ static int compare_adapter(const lm_config *ad, const lm_config *c, const char *
         float sa = lm_lora_exp_scale(ad, x), sr = lm_lora_exp_scale(c, x);
         if (ra != rr || fabsf(sa - sr) > 1e-6f * sr)
             return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: rank_pattern / alpha_pattern: the adapter's mlp.experts.%s has rank %d and scaling %g, "
+                           "%s: rank_pattern / alpha_pattern: the adapter's %s has rank %d and scaling %g, "
                            "the run's %d and %g (gate_proj + up_proj in lora.target_modules of a MoE model give "
                            "gate_up_proj rank 2 r and alpha 2 alpha, as PEFT's rewrite; lora.target_parameters alone r "
                            "and alpha)",
-                           path, exp_param[x], ra, (double)sa, rr, (double)sr);
+                           path, param_path(x), ra, (double)sa, rr, (double)sr);
     }
     return 0;
 }
@@ -1471,10 +1482,11 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
             if (same) break;
         }
     }
-    for (int x = 0; x < LM_LORA_EXP_N; x++) {
+    for (int x = 0; x < LM_LORA_PARAM_N; x++) {
         if (!c->lora_exp_rank[x]) continue;
         char key[64];
-        snprintf(key, sizeof key, ".*\\.%s", exp_param[x]);
+        if (x == LM_LORA_EXP_R) snprintf(key, sizeof key, ".*\\.gate\\.weight");
+        else snprintf(key, sizeof key, ".*\\.%s", exp_param[x]);
         cJSON_AddNumberToObject(rp, key, c->lora_exp_rank[x]);
         cJSON_AddNumberToObject(ap, key, c->lora_exp_alpha[x]);
     }
@@ -1497,9 +1509,22 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     return rc;
 }
 
-/* W_e += scale B_e A_e on a layer's stacked experts (PEFT's ParamWrapper.merge) */
+/* W_e += scale B_e A_e on a layer's stacked experts (PEFT's ParamWrapper.merge);
+ * the router's W += scale B A */
 static void merge_experts(lm_model *m, const lm_tensor *ta, const lm_tensor *tb) {
     const lm_config *c = &m->cfg;
+    if (ta->expert == LM_LORA_EXP_R) {
+        const lm_tensor *tw = NULL;
+        for (int i = 0; i < m->n_tensors && !tw; i++)
+            if (m->tensors[i].slot == LM_S_ROUTER && m->tensors[i].layer == ta->layer) tw = &m->tensors[i];
+        if (!tw) return;
+        float *B = m->params + tb->offset;
+        lora_experts_delta(&m->k, m->params + tw->offset, NULL, m->params + ta->offset, B, 1,
+                           lm_lora_exp_rank(c, LM_LORA_EXP_R), c->hidden, c->n_experts, c->n_experts,
+                           lm_lora_exp_scale(c, LM_LORA_EXP_R));
+        memset(B, 0, tb->numel * sizeof(float));
+        return;
+    }
     int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate, gu = ta->expert == LM_LORA_EXP_GU;
     char name[LM_NAME_MAX];
     float *w[2] = {NULL, NULL};

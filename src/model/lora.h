@@ -39,8 +39,10 @@ int lora_is_all_linear(const char *targets);
 /* What "all-linear" adapts on c's model as PEFT resolves it
  * (_maybe_include_all_linear_layers: every nn.Linear but the output layer):
  * every projection of the layers (Phi3: qkv_proj, o_proj, gate_up_proj,
- * down_proj) -> *bits. On a MoE model PEFT also adapts each router
- * (mlp.gate), which ctitan cannot: CT_ERR_CONFIG naming `where`, `key` and it. */
+ * down_proj) -> *bits. On a MoE model PEFT then rewrites the MLP names into
+ * the experts' target_parameters (which drops the dense mlp_only layers'
+ * MLPs) and adds every router, gate.weight (_convert_peft_config_moe): the
+ * caller's part (trainer_finetune_config). Never fails today. */
 int lora_all_linear(const lm_config *c, unsigned *bits, const char *where, const char *key, ct_err *e);
 
 /* PEFT's rank_pattern / alpha_pattern (LoraConfig): JSON objects
@@ -74,7 +76,8 @@ float lora_scaling(double alpha, int r, int rslora);
 
 /* PEFT's target_parameters (comma list) -> c->lora_experts[]: a name
  * selects layer l's fused experts parameter "model.layers.l.mlp.experts.X"
- * (X gate_up_proj or down_proj) when it equals it or ends with "." + it,
+ * (X gate_up_proj or down_proj), or its router "model.layers.l.mlp.gate.weight"
+ * (bit LM_LORA_EXP_R), when it equals it or ends with "." + it,
  * PEFT's rule, so "mlp.experts.down_proj" is every MoE layer's and
  * "layers.3.mlp.experts.down_proj" layer 3's. A name that selects no expert
  * parameter of this model (or any name on a model without Qwen3-MoE

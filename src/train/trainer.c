@@ -320,7 +320,8 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
         else strcat(strcat(rest, rest[0] ? "," : ""), item);
     }
     /* PEFT's "all-linear": every projection, as PEFT resolves it on the model */
-    int rc = lora_is_all_linear(rest) ? lora_all_linear(mc, &mc->lora_targets, tm_src, "lora.target_modules", e)
+    int all_linear = lora_is_all_linear(rest);
+    int rc = all_linear ? lora_all_linear(mc, &mc->lora_targets, tm_src, "lora.target_modules", e)
              : (experts || mx_named) && !rest[0] ? 0
                                                 : lora_parse_targets(rest, mc, tm_src, e);
     free(rest);
@@ -343,7 +344,7 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
     unsigned mlp = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN);
     int gate_up_fused = 0;
     if (mc->n_experts > 0 && ((mc->lora_targets & mlp) || mx_named)) {
-        unsigned named = mx ? mx_named : mc->lora_targets;
+        unsigned named = mx && !all_linear ? mx_named : mc->lora_targets;
         mc->lora_targets &= ~mlp;
         int gate = named >> LM_LORA_GATE & 1, up = named >> LM_LORA_UP & 1, down = named >> LM_LORA_DOWN & 1;
         const char *gn = mx ? "w1" : "gate_proj", *un = mx ? "w3" : "up_proj";
@@ -365,20 +366,29 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
                            "v_proj, o_proj",
                            tm_src, mc->model_type);
     }
+    /* all-linear on a MoE model: PEFT's rewrite also adds target_parameters
+     * gate.weight, an adapter on every MoE layer's router */
+    if (all_linear && mc->n_experts > 0) {
+        for (int l = 0; l < mc->n_layers; l++)
+            if (lm_layer_is_moe(mc, l)) mc->lora_experts[l] |= (unsigned char)(1u << LM_LORA_EXP_R);
+        experts = 1;
+    }
     /* the experts' A [r E, in] and B [out, r E] would have to be sliced with
-     * moe_intermediate: not done */
+     * moe_intermediate, and the replicated router's adapter kept out of the
+     * group's gradient sums: not done */
     if (experts && tp > 1)
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: LoRA on the fused experts (lora.target_parameters, or gate_proj / up_proj / down_proj "
-                       "in lora.target_modules of a MoE model) with tensor_parallel_degree %d: not supported yet; "
-                       "under tensor parallelism adapt a MoE model's attention projections only (q_proj, k_proj, "
-                       "v_proj, o_proj)",
+                       "%s: LoRA on the fused experts or the router (lora.target_parameters, gate_proj / up_proj / "
+                       "down_proj in lora.target_modules of a MoE model, or all-linear there) with "
+                       "tensor_parallel_degree %d: not supported yet; under tensor parallelism adapt a MoE model's "
+                       "attention projections only (q_proj, k_proj, v_proj, o_proj)",
                        cfg_origin_any(c, "lora.target_parameters,lora.target_modules"), tp);
     /* PEFT's ParamWrapper refuses dropout: B A drop(x) has no W' x form */
     if (experts && c->lora_dropout > 0)
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: lora.dropout = %g with adapters on the fused experts (lora.target_parameters, or "
-                       "gate_proj / up_proj / down_proj in lora.target_modules of a MoE model): PEFT's adapters on "
+                       "%s: lora.dropout = %g with adapters on the fused experts or the router "
+                       "(lora.target_parameters, gate_proj / up_proj / down_proj in lora.target_modules of a MoE "
+                       "model, or all-linear there): PEFT's adapters on "
                        "parameters do not work with dropout (lora_dropout != 0 is refused there); set lora.dropout = 0",
                        cfg_origin(c, "lora.dropout"), c->lora_dropout);
     mc->lora_rank = c->lora_rank;

@@ -6,12 +6,15 @@ adapters on the attention projections: logits, loss, every adapter gradient and 
 ways (PEFT -> ctitan through lora.adapter_path, ctitan -> PEFT through save_adapter, which
 PeftModel.from_pretrained loads without a warning), the fresh init, and the refusals
 (a wrong expert-adapter shape, an unknown parameter name, dropout, as PEFT refuses it).
+The router (target_parameters gate.weight, and all-linear on Qwen3-MoE / Mixtral, which
+PEFT resolves to the attention Linears, the experts and the routers) the same way.
 
 Every expected number comes from PEFT / torch (oracle_lora.py)."""
 import json
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 import oracle
@@ -142,9 +145,9 @@ def _fewer_experts(ad):
 def _unknown_param(ad):
     f = ad / "adapter_config.json"
     c = json.loads(f.read_text())
-    c["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.gate.weight"]
+    c["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.gate_proj"]
     f.write_text(json.dumps(c))
-    return "mlp.gate.weight"
+    return "mlp.experts.gate_proj"
 
 
 @pytest.mark.parametrize("damage", [None, _fewer_experts, _unknown_param], ids=["intact", "fewer_experts",
@@ -417,3 +420,230 @@ def test_rewritten_adapter_patterns_checked(damage, tmp_path, open_session):
         return
     msg = open_error(open_session, args, tmp_path)
     assert needle in msg and "adapter_config.json" in msg, f"the error names neither {needle!r} nor the file: {msg}"
+
+
+# --------------------------------------------------------------------------- the router (mlp.gate.weight)
+
+ROUTER = [f"model.layers.1.mlp.gate.lora_{x}.weight" for x in "AB"]
+# (LoraConfig target_modules, target_parameters, use_rslora); "all-linear" on a MoE model is
+# PEFT's q/k/v/o_proj Linears plus target_parameters gate.weight, gate_up_proj (2 r, 2 alpha)
+# and down_proj, and no adapter on the dense layer's MLP
+ROUTER_CASES = {"all_linear": ("all-linear", None, False), "gate_weight_only": ([], ["gate.weight"], False),
+                "all_linear_rslora": ("all-linear", None, True)}
+
+
+def router_args(targets, tparams, rslora=False, adapter=None):
+    a = [f"--lora.rank={R}", f"--lora.alpha={ALPHA}",
+         "--lora.target_modules=" + (targets if isinstance(targets, str) else ",".join(targets))]
+    if tparams:
+        a.append("--lora.target_parameters=" + ",".join(tparams))
+    if rslora:
+        a.append("--lora.use_rslora=true")
+    if adapter is not None:
+        a.append(f"--lora.adapter_path={adapter}")
+    return a
+
+
+def expected_router_lora(cfg, targets):
+    """ctitan's adapter names in table order: per layer the attention ones, then (MoE
+    layers) the experts', then the router's."""
+    out = []
+    for l in range(cfg.num_hidden_layers):
+        if targets == "all-linear":
+            out += OL.lora_names([l], OL.ATTN)
+        if l not in cfg.mlp_only_layers:
+            if targets == "all-linear":
+                out += OL.expert_lora_names(l, ("gate_up_proj", "down_proj"))
+            out += [f"model.layers.{l}.mlp.gate.lora_{x}.weight" for x in "AB"]
+    return out
+
+
+@pytest.mark.parametrize("case", list(ROUTER_CASES))
+def test_router_parity_from_peft_adapter(case, tmp_path, open_session):
+    """PEFT's LoraConfig(target_modules="all-linear") on a Qwen3-MoE (dense layer 0, sparse
+    layer 1), and target_parameters ["gate.weight"] alone, with random non-zero A and B:
+    ctitan with the same [lora] loads the directory, has PEFT's tensors (the router's
+    A [r, H], B [E, r] under mlp.gate), trains exactly them, gives PEFT's logits, loss and
+    every adapter gradient, and 3 AdamW steps equal torch's; the base stays bit-identical;
+    the adapter ctitan then saves loads in PEFT strictly with ctitan's logits."""
+    targets, tparams, rslora = ROUTER_CASES[case]
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ad = tmp_path / "adapter"
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=targets, rslora=rslora, target_parameters=tparams, seed=6)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    lora = expected_router_lora(cfg, targets)
+    assert sorted(params) == sorted(lora), f"test setup: PEFT trains {sorted(params)}"
+    assert tuple(params[ROUTER[0]].shape) == (R, cfg.hidden_size) and \
+        tuple(params[ROUTER[1]].shape) == (cfg.num_experts, R), "test setup: the router's adapter shapes"
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=7)
+    ref_loss, ref_logits, ref_grads = OL.loss_logits_grads(pm, params, tokens, labels)
+    assert oracle.rel_err(ref_logits, oracle.hf_logits(base(), tokens)) > 100 * TOL, \
+        "test setup: the adapter hardly changes the logits"
+    assert np.abs(ref_grads[ROUTER[1]]).max() > 0, "test setup: no gradient reaches the router's B"
+
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=OPT_ARGS + router_args(
+        targets, tparams, rslora, ad)))
+    names = [n for n in s.names() if ".lora_" in n]
+    assert names == lora, f"adapters: {names}"
+    bad = [n for n in lora if s.shapes[n] != tuple(params[n].shape)]
+    assert not bad, f"shapes differ from PEFT's: {[(n, s.shapes[n], tuple(params[n].shape)) for n in bad]}"
+    assert trained_in_session(s) == set(params)
+    saved = OL.saved_state(pm)
+    bad = [n for n in saved if not np.array_equal(s.get_param(n), saved[n])]
+    assert not bad, f"adapter tensors not loaded exactly: {bad}"
+    assert_base_unchanged(s, hf_dir)
+
+    assert_step_matches(s, tokens, labels, ref_loss, ref_logits, ref_grads, lora)
+    stream = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=12)
+    compare_steps(session_steps(s, stream, lora), train_ref(pm, params, stream))
+    assert_base_unchanged(s, hf_dir)
+
+    out = tmp_path / "saved"
+    s.save_adapter(out)
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert "mlp.gate.weight" in conf["target_parameters"], conf
+    back = OL.load_adapter_strict(base(), out)
+    err = oracle.rel_err(s.logits(tokens), oracle.hf_logits(back, tokens))
+    assert err <= TOL, f"PEFT with ctitan's adapter: logits rel err {err:.3g}"
+
+
+def test_router_all_linear_fresh_save_loads_in_peft(tmp_path, open_session):
+    """lora.target_modules = all-linear on a Qwen3-MoE from ctitan's fresh init: the table
+    is PEFT's (the router's A uniform in +-1/sqrt(H), B zero), the adapters set to random
+    values are saved with PEFT's resolved config (q/k/v/o_proj, target_parameters with the
+    router, gate_up_proj's rank_pattern / alpha_pattern at 2 r, 2 alpha) and load in PEFT
+    strictly with ctitan's logits."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, seed=4, extra=router_args("all-linear", None)))
+    names = [n for n in s.names() if ".lora_" in n]
+    assert names == expected_router_lora(cfg, "all-linear"), names
+    A0, B0 = s.get_param(ROUTER[0]), s.get_param(ROUTER[1])
+    bound = 1 / np.sqrt(cfg.hidden_size)
+    assert not np.any(B0) and np.all(np.abs(A0) <= bound) and np.abs(A0).max() > 0.5 * bound
+    ad = tmp_path / "saved"
+    random_adapters_load_in_peft(s, cfg, base, ad, ".lora_")
+    conf = json.loads((ad / "adapter_config.json").read_text())
+    assert sorted(conf["target_modules"]) == sorted(OL.ATTN), conf["target_modules"]
+    assert sorted(conf["target_parameters"]) == sorted(OL.EXPERTS + ["mlp.gate.weight"]), conf["target_parameters"]
+    assert conf["rank_pattern"] == {r".*\.gate_up_proj": 2 * R} and \
+        conf["alpha_pattern"] == {r".*\.gate_up_proj": 2 * ALPHA}, conf
+
+
+def test_router_lora_dropout_refused(tmp_path, open_session):
+    """PEFT's ParamWrapper refuses lora_dropout on the router as on the experts; so does
+    ctitan (all-linear brings the router in)."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    msg = open_error(open_session, hf_session_args(hf_dir, extra=router_args([], ["gate.weight"]) + [
+        "--lora.dropout=0.1"]), tmp_path)
+    assert "lora.dropout" in msg and "router" in msg, msg
+
+
+def test_mixtral_all_linear_router_parity_and_merge(tmp_path, open_session):
+    """PEFT's all-linear on Mixtral (transformers v5: router mlp.gate, experts stacked as
+    Qwen3-MoE's): ctitan loads PEFT's adapter and gives its logits, loss and every adapter
+    gradient (the routers' among them); its saved adapter loads in PEFT strictly with its
+    logits; merge keeps the logits."""
+    import oracle_families as fam
+    from test_families_lora import session_matches_peft
+    case = fam.CASE["mixtral_e4k2"]
+    model = fam.build(case)
+    hf_dir, ad, out = tmp_path / "hf", tmp_path / "adapter", tmp_path / "saved"
+    fam.save(model, hf_dir)
+
+    def loaded():
+        return fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
+
+    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets="all-linear", seed=5)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    routers = [n for n in params if ".mlp.gate.lora_" in n]
+    assert len(routers) == 2 * model.config.num_hidden_layers, f"test setup: PEFT trains {sorted(params)}"
+    tokens, labels = fam.batch(model, 2, case.T, seed=5)
+    ref = OL.loss_logits_grads(pm, params, tokens, labels)
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=router_args("all-linear", None, False, ad)))
+    assert all(s.shapes[n] == tuple(params[n].shape) for n in params)
+    want = session_matches_peft(s, params, tokens, labels, ref, loaded, out)
+    s.merge_adapter()
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"after merge: logits rel err {err:.3g}"
+
+
+def test_router_rank_pattern_and_layers_to_transform_as_peft(tmp_path, open_session):
+    """rank_pattern / alpha_pattern on the router (PEFT matches them against the parameter's
+    full name model.layers.N.mlp.gate.weight: rank 2 r, alpha 3 alpha) and layers_to_transform
+    [0] (PEFT's target_parameters ignore it: the router of layer 1 keeps its adapter while
+    q_proj is adapted in layer 0 only): ctitan with the same modules and patterns loads PEFT's
+    adapter, gives its logits, loss and every adapter gradient, and its saved adapter loads in
+    PEFT strictly with its logits."""
+    from test_families_lora import session_matches_peft
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ad = tmp_path / "adapter"
+    pat = {"mlp.gate.weight": 2 * R}, {"mlp.gate.weight": 3 * ALPHA}
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=["gate.weight"],
+                      rank_pattern=pat[0], alpha_pattern=pat[1], layers_to_transform=[0], seed=6)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    assert sorted(params) == sorted(OL.lora_names([0], ["q_proj"]) + ROUTER), f"test setup: {sorted(params)}"
+    assert tuple(params[ROUTER[0]].shape) == (2 * R, cfg.hidden_size), "test setup: the router's rank"
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=7)
+    ref = OL.loss_logits_grads(pm, params, tokens, labels)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=[
+        f"--lora.rank={R}", f"--lora.alpha={ALPHA}", "--lora.target_modules=model.layers.0.self_attn.q_proj",
+        "--lora.target_parameters=gate.weight", f"--lora.rank_pattern={json.dumps(pat[0])}",
+        f"--lora.alpha_pattern={json.dumps(pat[1])}", f"--lora.adapter_path={ad}"]))
+    assert all(s.shapes[n] == tuple(params[n].shape) for n in params)
+    session_matches_peft(s, params, tokens, labels, ref, base, tmp_path / "saved", load=load_router_pattern_adapter)
+
+
+def load_router_pattern_adapter(model, ad):
+    """OL.load_adapter_strict's checks, less PEFT 0.21.2's warning on a rank_pattern /
+    alpha_pattern key of the router: that check looks at the Linear targets only, while the
+    ParamWrapper does take the router's rank and alpha from it (its tensors are 2 r wide)."""
+    import warnings
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any "
+                                r"targeted module and were ignored: \['\.\*\\\\\.gate\\\\\.weight'\]\.$",
+                                category=RuntimeWarning)
+        pm = PeftModel.from_pretrained(model, str(ad))
+    pm.eval()
+    file = {k: v.float().numpy() for k, v in load_file(str(ad / "adapter_model.safetensors")).items()}
+    got = {OL.PREFIX + k: v for k, v in OL.saved_state(pm).items()}
+    assert set(file) == set(got), sorted(set(file) ^ set(got))
+    assert all(np.array_equal(file[k], got[k]) for k in file), "tensors loaded with other values"
+    return pm
+
+
+def test_router_adapter_bf16_frozen_storage_is_bit_identical(tmp_path, open_session):
+    """all-linear on a Qwen3-MoE whose weights are bf16 already: with training.frozen_dtype
+    bfloat16 the frozen router is stored in bf16 and its adapter folds into its widening
+    (W + scale B A in fp32, as PEFT's fold of an fp32 base): losses, the routers' adapter
+    gradients over 3 steps, the logits and every tensor equal frozen_dtype float32's bit for
+    bit."""
+    cfg = oracle_moe.tiny_moe_config(vocab=256, layers=3, mlp_only=(1,))
+    oracle_moe.build_moe_model(cfg, seed=11).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, 256, (2, 16)).astype(np.int32)
+    lab = rng.integers(0, 256, (2, 16)).astype(np.int32)
+    runs = []
+    for fd in ("float32", "bfloat16"):
+        s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=16, extra=router_args("all-linear", None) + [
+            f"--training.frozen_dtype={fd}"]))
+        routers = [n for n in s.names() if ".mlp.gate.lora_" in n]
+        assert len(routers) == 4, routers
+        out = []
+        for _ in range(3):
+            out.append(s.forward_backward(tok, lab, 32))
+            out += [s.get_grad(n) for n in routers]
+            s.optimizer_step()
+        out.append(s.logits(tok))
+        out += [s.get_param(n) for n in s.names()]
+        runs.append(out)
+        s.close()
+    assert np.any(runs[0][2 + 4]), "test setup: no gradient reaches the routers' B after a step"
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), f"item {i} differs between fp32 and bf16 storage"

@@ -245,3 +245,115 @@ def test_rewritten_mlp_targets_fsdp2_matches_one_process(setup):
     base = oracle.load_hf(model)
     base.config._experts_implementation = "eager"
     OL.load_adapter_strict(base, ad)
+
+
+# --------------------------------------------------------------------------- the router (all-linear)
+
+ALL_LINEAR = ["--lora.target_modules=all-linear", "--optimizer.eps=1e-4"]
+
+
+def test_all_linear_router_fsdp2_matches_one_process(setup, run_ctitan):
+    """`ctitan train` with lora.target_modules = all-linear on a Qwen3-MoE (PEFT's: the
+    attention Linears, the experts at gate_up_proj 2r, and every router's gate.weight):
+    the dry run's trained count is PEFT's trainable parameters (get_nb_trainable_parameters
+    on the same model); FSDP 2 against one process with the same global batch, losses to
+    1e-5 relative and final adapters (the routers' moved away from B = 0) to 1e-5 of each
+    tensor's largest element; the final adapter directory loads in PEFT strictly."""
+    import re
+    d, model, data = setup
+    base = oracle.load_hf(model)
+    base.config._experts_implementation = "eager"
+    pm = OL.make_peft(base, r=R, alpha=ALPHA, targets="all-linear")
+    want_trained, want_all = pm.get_nb_trainable_parameters()
+    _, out, _ = run_ctitan(train_args(model, data, d / "al_dry", *ALL_LINEAR, "--dry-run"))
+    m = re.search(r"trained: (\d+) parameters .* of (\d+), frozen", out)
+    assert m and (int(m.group(1)), int(m.group(2))) == (want_trained, want_all), (m and m.groups(), want_trained,
+                                                                                 want_all, out)
+    ref_out, got_out = d / "al_gb8", d / "al_fsdp2"
+    run(1, train_args(model, data, ref_out, *ALL_LINEAR, accum=4))
+    run(2, train_args(model, data, got_out, *ALL_LINEAR, ranks=2))
+    want, got = losses(ref_out), losses(got_out)
+    bad = [(s, got[s], want[s]) for s in want if not abs(got[s] - want[s]) <= 1e-5 * abs(want[s])]
+    assert not bad, f"(step, loss, one process's) beyond 1e-5: {bad}"
+    x = tensors(got_out, files=("adapter_model.safetensors",))
+    y = tensors(ref_out, files=("adapter_model.safetensors",))
+    routers = [k for k in lora_names(y) if ".mlp.gate.lora_" in k]
+    assert x.keys() == y.keys() and len(routers) == 2 * 2, routers  # 2 MoE layers x A, B
+    assert all(np.any(y[k]) for k in routers if "lora_B" in k), "a router's lora_B never left zero"
+    for k in lora_names(y):
+        err = np.max(np.abs(x[k] - y[k])) / max(float(np.max(np.abs(y[k]))), 1e-30)
+        assert err <= 1e-5, f"{k} differs from one process by {err:.3g}"
+    ad = ckpt(got_out)
+    conf = json.loads((ad / "adapter_config.json").read_text())
+    assert "mlp.gate.weight" in conf["target_parameters"], conf
+    base = oracle.load_hf(model)
+    base.config._experts_implementation = "eager"
+    OL.load_adapter_strict(base, ad)
+
+
+def peft_all_linear_adapter(tmp_path, tparams=None):
+    """A tiny Qwen3-MoE and PEFT's all-linear adapter (or target_parameters tparams alone)
+    with random A, B -> the PeftModel (eval)."""
+    cfg = oracle_moe.tiny_moe_config(vocab=256, layers=2, experts=4, top_k=2, mlp_only=(0,))
+    oracle_moe.build_moe_model(cfg, seed=3).save_pretrained(str(tmp_path / "hf"))
+    base = oracle.load_hf(tmp_path / "hf")
+    base.config._experts_implementation = "eager"
+    pm = OL.make_peft(base, r=R, alpha=ALPHA, targets=[] if tparams else "all-linear", target_parameters=tparams,
+                      seed=9, std=0.3)
+    pm.save_pretrained(str(tmp_path / "adapter"))
+    return pm
+
+
+@pytest.mark.parametrize("tparams", [None, ["gate.weight"]], ids=["all_linear", "gate_weight_only"])
+def test_router_adapter_generate_and_export_merge_match_peft(tparams, tmp_path, run_ctitan):
+    """`generate --adapter` equals PEFT's greedy continuation; `export --merge` gives PEFT's
+    merge_and_unload weights (the routers' W + scale B A among them) and its logits."""
+    from transformers import AutoModelForCausalLM
+    pm = peft_all_linear_adapter(tmp_path, tparams)
+    prompt = [5, 17, 200, 3, 99]
+    with torch.no_grad():
+        ref = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
+        with pm.disable_adapter():
+            base_ids = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
+    assert base_ids != ref, "test setup: the adapter must change the greedy continuation"
+    _, out, _ = run_ctitan(["generate", "--checkpoint", tmp_path / "hf", "--adapter", tmp_path / "adapter",
+                            "--prompt-ids", " ".join(map(str, prompt)), "--max-tokens", "8", "--ids"])
+    assert [int(x) for x in out.split()] == ref
+
+    tok = torch.tensor(np.random.default_rng(1).integers(0, 256, (2, 12)))
+    with torch.no_grad():
+        want = pm(input_ids=tok).logits.numpy()
+    run_ctitan(["export", "--checkpoint", tmp_path / "hf", "--adapter", tmp_path / "adapter", "--merge",
+                "--out", tmp_path / "merged"])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                  attn_implementation="eager")
+    merged.config._experts_implementation = "eager"
+    with torch.no_grad():
+        got = merged(input_ids=tok).logits.numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    ref_sd = pm.merge_and_unload().state_dict()
+    sd = merged.state_dict()
+    assert sd.keys() == ref_sd.keys()
+    base = oracle.load_hf(tmp_path / "hf").state_dict()
+    n = "model.layers.1.mlp.gate.weight"
+    assert np.abs(ref_sd[n].numpy() - base[n].numpy()).max() > 1e-3, "test setup: the merge changes no router"
+    for k in ref_sd:
+        assert np.abs(sd[k].numpy() - ref_sd[k].numpy()).max() <= 1e-5 * np.abs(ref_sd[k].numpy()).max(), k
+
+
+@pytest.mark.parametrize("target", ["--lora.target_modules=all-linear", "--lora.target_parameters=gate.weight"],
+                         ids=["all_linear", "gate_weight"])
+def test_router_adapter_under_tp_refused(setup, target, tmp_path):
+    """The router's adapter (all-linear on a MoE model, or target_parameters gate.weight) with
+    tensor_parallel_degree 2: exit 2 naming the router and the degree, before training."""
+    d, _, data = setup
+    model = tmp_path / "hf"  # sizes tensor parallel 2 divides
+    cfg = oracle_moe.tiny_moe_config(vocab=VOCAB + 1, layers=2, experts=4, top_k=2, mlp_only=(0,))
+    oracle_moe.build_moe_model(cfg, seed=3).save_pretrained(str(model))
+    a = train_args(model, data, tmp_path / "bad", "--lora.target_modules=q_proj", target,
+                   "--parallelism.tensor_parallel_degree=2")
+    p = run(2, a, check=False, timeout=60)
+    assert p.returncode == 2, p.stderr[-3000:]
+    err = [l for l in p.stderr.splitlines() if "ctitan: error" in l]
+    assert len(err) == 1 and "router" in err[0] and "tensor_parallel_degree 2" in err[0], p.stderr[-3000:]
+    assert "step:" not in p.stdout
