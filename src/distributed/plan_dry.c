@@ -141,10 +141,13 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     lm_free(&lm);
     if (rc) return rc;
     if (!out) return 0; /* checked only */
+    int cp = c->cp > 1 ? c->cp : 1;
+    char cps[40] = "";
+    if (cp > 1) snprintf(cps, sizeof cps, "context_parallel %d x ", cp);
     fprintf(out,
-            "per rank: world %d = data_parallel_replicate %d x data_parallel_shard %d x tensor_parallel %d, "
+            "per rank: world %d = data_parallel_replicate %d x data_parallel_shard %d x %stensor_parallel %d, "
             "expert_parallel %d (rank 0's slice: TP rank 0, EP rank 0)\n",
-            world, rep, shard, tp, ep);
+            world, rep, shard, cps, tp, ep);
     fprintf(out, "  model %s: %zu parameters run by this rank (heads %d/%d, intermediate %d", lc.name, n, lc.n_heads,
             lc.n_kv_heads, lc.intermediate);
     if (lc.n_experts) fprintf(out, ", experts %d of %d x moe_intermediate %d", lc.expert_rows ? lc.expert_rows : lc.n_experts,
@@ -161,7 +164,11 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
         fprintf(out, "  FSDP over %d ranks: %.0f parameters stored\n", shard, stored);
     double p = 4 * stored + 2 * in_bf16, g = 4 * trained, o = 8 * trained, a = (double)act, w = 4 * widened;
     double x = 4.0 * (double)lm_expert_lora_scratch_floats(&lc);
-    double total = p + g + o + gathered + a + w + x;
+    /* context parallel (c->seq_len is then a rank's chunk): cp.c's padded problem over the whole
+     * sequence, q, out, dq, d(out) and k, v twice, dk, dv gathered twice, and lse */
+    double bt = (double)B * c->seq_len * cp, q = bt * lc.n_heads * lc.head_dim, kv = bt * lc.n_kv_heads * lc.head_dim;
+    double cps_bytes = cp > 1 ? 4.0 * (4 * q + 6 * kv + bt * lc.n_heads) : 0;
+    double total = p + g + o + gathered + a + w + x + cps_bytes;
     plan_dry_line(out, in_bf16 > 0 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
     plan_dry_line(out, trained < stored + in_bf16 ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
     plan_dry_line(out,
@@ -170,6 +177,7 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     plan_dry_line(out, "activations + workspace (planned)", a);
     if (w > 0) plan_dry_line(out, "frozen bf16 lm_head logits block", w);
     if (x > 0) plan_dry_line(out, "expert LoRA fold + weight gradient", x);
+    if (cp > 1) plan_dry_line(out, "context parallel attention scratch", cps_bytes);
     plan_dry_line(out, "total planned per rank", total);
     /* trainer_init_weights: the loaders hand over a block of rows at a time
      * and the rank keeps its part, so loading adds one block (lm_block_rows)

@@ -522,7 +522,8 @@ int trainer_agree_config(trainer *t, ct_err *e) {
     snprintf(name, sizeof name, "%.*s", (int)strcspn(text, " "), text);
     ct_fail(e, CT_ERR_CONFIG,
             "%s: %s differs between the ranks (rank %d has %s): every rank must be given the same recipe; only "
-            "where each machine keeps its files, training.threads and metrics.peak_tflops may differ",
+            "where each machine keeps its files, training.threads, metrics.peak_tflops and job.description may "
+            "differ",
             cfg_origin(&t->cfg, name), name, w->rank, text);
     free(text);
     e->all_ranks = 1; /* every rank knows it from the all-reduce */

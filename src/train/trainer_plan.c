@@ -80,13 +80,10 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     if (pp > 1) return plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, trainer_layout_origin(c), e);
     if (world > 1 && (rc = plan_dry_rank(out, &cr, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e)))
         return rc;
-    if (cp > 1) { /* cp.c's padded problem: q, out, dq, d(out) and k, v twice, dk, dv, gathered twice, and lse */
-        double bt = (double)B * c->seq_len, q = bt * mc.n_heads * mc.head_dim, kv = bt * mc.n_kv_heads * mc.head_dim;
-        fprintf(out, "context_parallel %d: the per-rank figures are a rank's running %d of the %d positions of each "
-                     "sequence, plus its attention's whole-sequence scratch (distributed/cp.h):\n",
+    if (cp > 1)
+        fprintf(out, "(context_parallel %d: the per-rank figures are a rank's running %d of the %d positions of each "
+                     "sequence, with its attention's whole-sequence scratch: distributed/cp.h)\n",
                 cp, cr.seq_len, c->seq_len);
-        plan_dry_line(out, "context parallel attention scratch", 4.0 * (4 * q + 6 * kv + bt * mc.n_heads));
-    }
     return 0;
 }
 

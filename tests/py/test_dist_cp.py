@@ -171,3 +171,35 @@ def test_cp_refuses_the_aux_loss_in_the_gradient(setup, tmp_path):
     assert p.returncode == 2, f"exit {p.returncode}\n{p.stderr[-2000:]}"
     assert "parallelism.context_parallel_degree" in p.stderr and "output_router_logits" in p.stderr, p.stderr[-2000:]
 
+
+
+def test_cp_dry_run_plans_the_chunk_and_the_scratch(setup, tmp_path):
+    """--dry-run under CP 2 x FSDP 2: the per-rank world line multiplies out with the cp factor
+    (it named replicate x shard x tp alone, 2 for a world of 4), and the attention's
+    whole-sequence scratch is one of the lines that make up the total and the planned peak
+    (it came after the peak, outside it). Its size is cp.c's padded problem counted here from
+    the model's shapes: q, out, dq, d(out) (4 x B T nh hd), k and v twice and dk, dv gathered
+    twice (6 x B T nkv hd), lse (B T nh), in fp32 over the whole sequence."""
+    import re
+    import subprocess
+    from conftest import BIN
+    d, data = setup
+    args = [a for a in train_args(d / "model", data, tmp_path / "out", dp=2)
+            if not a.startswith("--parallelism.")]
+    p = subprocess.run([str(BIN), *args, "--parallelism.data_parallel_shard_degree=2", f"{CP}=2", "--dry-run"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = re.search(r"^per rank: world (\d+) = data_parallel_replicate (\d+) x data_parallel_shard (\d+) x "
+                  r"context_parallel (\d+) x tensor_parallel (\d+),", p.stdout, re.M)
+    assert m, p.stdout
+    world, rep, shard, cp, tp = map(int, m.groups())
+    assert (world, cp) == (4, 2) and rep * shard * cp * tp == world, m.group(0)
+    section = p.stdout[m.end():]
+    lines = dict((k.strip(), int(v)) for k, v in re.findall(r"^  (\S.*?)\s+[0-9.]+ GiB\s+(\d+) bytes$", section, re.M))
+    B, T, nh, nkv, hd = 2, 16, 4, 2, 8  # train_args' local batch and seq_len; the model's heads
+    bt = B * T
+    assert lines["context parallel attention scratch"] == 4 * (4 * bt * nh * hd + 6 * bt * nkv * hd + bt * nh), lines
+    parts = [v for k, v in lines.items() if k not in ("total planned per rank", "loading (row block + a slice)",
+                                                      "planned peak per rank")]
+    assert lines["total planned per rank"] == sum(parts), lines
+    assert lines["planned peak per rank"] >= lines["total planned per rank"], lines

@@ -99,10 +99,11 @@ def test_data_of_another_size_on_one_rank_is_refused(setup, tmp_path, key):
 
 @pytest.mark.parametrize("tune0,tune1", [("0", "1"), ("1", "0")], ids=["rank0_off", "rank0_on"])
 def test_kernel_tuning_is_rank_0s(setup, tmp_path, tune0, tune1):
-    """CTITAN_KERNEL_TUNE (or kernels.tune) set otherwise on one machine: rank 0 tunes and
-    broadcasts its picks, a collective the other rank entered or not by its own setting, so
-    with tuning off on rank 0 alone the job hung (the review's reproduction). Now every rank
-    follows rank 0's setting, and the run trains as a uniform one."""
+    """CTITAN_KERNEL_TUNE set otherwise on one machine (kernels.tune itself is a shared
+    option, compared like the others): rank 0 tunes and broadcasts its picks, a collective the
+    other rank entered or not by its own setting, so with tuning off on rank 0 alone the job
+    hung (the review's reproduction). Now every rank follows rank 0's setting, and the run
+    trains as a uniform one."""
     d, data = setup
     ref = tmp_path / "uniform"
     run(2, args_dp2(d, data, ref))
