@@ -89,8 +89,35 @@ static int key_matches(const char *key, const char *target) {
     return !strcmp(key, target) || (nk > nt && key[nk - nt - 1] == '.' && !strcmp(key + nk - nt, target));
 }
 
+/* The first parameter of the model, other than the fused experts and the
+ * routers, that `item` selects by PEFT's rule (NULL: none). PEFT wraps every
+ * parameter a target_parameters item matches, so an item such as "weight"
+ * also reaches the norms and projections, where its ParamWrapper raises on a
+ * 1-D parameter; ctitan adapting the routers alone would train another model.
+ * The names are the HF ones of ctitan's table, which are the module tree's
+ * (transformers v5) but for the experts and routers skipped here. */
+static const char *other_param(const lm_config *c, const char *item, char *buf, size_t cap) {
+    lm_config base = *c;
+    base.lora_rank = 0; /* the base model's parameters only */
+    lm_model m;
+    lm_layout(&m, &base);
+    const char *hit = NULL;
+    for (int i = 0; i < m.n_tensors && !hit; i++) {
+        const lm_tensor *t = &m.tensors[i];
+        if (t->lora || t->slot == LM_S_ROUTER || t->slot == LM_S_EXP_G || t->slot == LM_S_EXP_U ||
+            t->slot == LM_S_EXP_D)
+            continue;
+        if (key_matches(t->name, item)) {
+            snprintf(buf, cap, "%s", t->name);
+            hit = buf;
+        }
+    }
+    free(m.tensors);
+    return hit;
+}
+
 int lora_parse_target_params(const char *list, lm_config *c, const char *where, const char *key, ct_err *e) {
-    char item[256], full[128];
+    char item[256], full[128], other[LM_NAME_MAX];
     memset(c->lora_experts, 0, sizeof c->lora_experts);
     /* transformers v5 stacks Mixtral's w1|w3 and w2 into the same
      * mlp.experts.gate_up_proj / down_proj as Qwen3-MoE's, PEFT's keys alike */
@@ -113,6 +140,13 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
                            "mlp.experts.gate_up_proj, mlp.experts.down_proj and the router mlp.gate.weight of "
                            "qwen3_moe and mixtral models)",
                            where, key, item);
+        if (hit && other_param(c, item, other, sizeof other))
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: %s: \"%s\" also selects %s (PEFT wraps every parameter whose name equals the "
+                           "item or ends with \".\" + the item: it would adapt that one too, and raises on a 1-D one); name the fused experts' "
+                           "and the routers' parameters only (mlp.experts.gate_up_proj, mlp.experts.down_proj, "
+                           "gate.weight)",
+                           where, key, item, other);
         if (!hit)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: %s: \"%s\" names no parameter ctitan adapts; target_parameters may name the fused "

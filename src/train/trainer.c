@@ -311,18 +311,25 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
      * module, which PEFT skips as long as another target matches */
     int mx = mc->n_experts > 0 && mc->moe_keys == LM_MOE_KEYS_MIXTRAL;
     unsigned mx_named = 0;
+    /* "gate", PEFT's v4 name of the router module (or any name ending in
+     * ".gate", a whole layer's too: PEFT maps it by suffix): its rewrite
+     * turns it into target_parameters gate.weight, every MoE layer's router */
+    int router_named = 0;
     char *rest = ct_malloc(strlen(c->lora_targets) + 1), item[128];
     rest[0] = 0;
     for (const char *p = c->lora_targets; (p = cfg_list_next(p, item, sizeof item));) {
         int w = !mx ? -1 : !strcmp(item, "w1") ? LM_LORA_GATE : !strcmp(item, "w3") ? LM_LORA_UP
                          : !strcmp(item, "w2") ? LM_LORA_DOWN : -1;
+        size_t ni = strlen(item);
+        int router = mc->n_experts > 0 && (!strcmp(item, "gate") || (ni > 5 && !strcmp(item + ni - 5, ".gate")));
         if (w >= 0) mx_named |= 1u << w;
+        else if (router) router_named = 1;
         else strcat(strcat(rest, rest[0] ? "," : ""), item);
     }
     /* PEFT's "all-linear": every projection, as PEFT resolves it on the model */
     int all_linear = lora_is_all_linear(rest);
     int rc = all_linear ? lora_all_linear(mc, &mc->lora_targets, tm_src, "lora.target_modules", e)
-             : (experts || mx_named) && !rest[0] ? 0
+             : (experts || mx_named || router_named) && !rest[0] ? 0
                                                 : lora_parse_targets(rest, mc, tm_src, e);
     free(rest);
     /* fused projections in the files (Phi3's qkv_proj, gate_up_proj) are named
@@ -366,9 +373,10 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
                            "v_proj, o_proj",
                            tm_src, mc->model_type);
     }
-    /* all-linear on a MoE model: PEFT's rewrite also adds target_parameters
-     * gate.weight, an adapter on every MoE layer's router */
-    if (all_linear && mc->n_experts > 0) {
+    /* all-linear on a MoE model, or "gate" named: PEFT's rewrite adds
+     * target_parameters gate.weight, an adapter on every MoE layer's router
+     * (the dense mlp_only layers' MLPs have no "gate" and get none) */
+    if ((all_linear || router_named) && mc->n_experts > 0) {
         for (int l = 0; l < mc->n_layers; l++)
             if (lm_layer_is_moe(mc, l)) mc->lora_experts[l] |= (unsigned char)(1u << LM_LORA_EXP_R);
         experts = 1;

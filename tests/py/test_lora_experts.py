@@ -647,3 +647,122 @@ def test_router_adapter_bf16_frozen_storage_is_bit_identical(tmp_path, open_sess
     assert np.any(runs[0][2 + 4]), "test setup: no gradient reaches the routers' B after a step"
     for i, (a, b) in enumerate(zip(*runs)):
         assert np.array_equal(np.asarray(a), np.asarray(b)), f"item {i} differs between fp32 and bf16 storage"
+
+
+def test_target_parameter_beyond_experts_and_routers_refused_as_peft(tmp_path, open_session):
+    """target_parameters ["weight"]: PEFT matches an item against every parameter's name (equal,
+    or ending with "." + the item), so besides the routers it wraps the embedding, the
+    projections and the norms, and raises on a norm's 1-D weight. ctitan, which adapted the
+    routers alone and trained another model, refuses it, naming the key, the item and a
+    parameter PEFT's rule selects that is neither an expert's nor a router's."""
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    with pytest.raises(ValueError, match="1 dimensional"):
+        OL.make_peft(base(), r=R, alpha=ALPHA, targets=[], target_parameters=["weight"], seed=6)
+    msg = open_error(open_session, hf_session_args(hf_dir, extra=router_args([], ["weight"])), tmp_path)
+    assert 'lora.target_parameters: "weight" also selects ' in msg, msg
+    other = msg.split(" also selects ", 1)[1].split(" ", 1)[0]
+    names = [n for n, _ in base().named_parameters()]
+    assert other in names and other.endswith(".weight") and ".mlp.gate." not in other and \
+        ".mlp.experts." not in other, f"{other!r} is not another parameter PEFT's rule selects"
+
+
+# target_modules holding "gate", PEFT's transformers-v4 name of the router module: PEFT
+# 0.21.2's _convert_peft_config_moe maps it to target_parameters "gate.weight"
+GATE_CASES = {"gate": ["gate"], "q_proj_gate": ["q_proj", "gate"]}
+
+
+@pytest.mark.parametrize("case", list(GATE_CASES))
+def test_gate_in_target_modules_adapts_the_routers_as_peft(case, tmp_path, open_session):
+    """LoraConfig(target_modules=["gate"]) / ["q_proj", "gate"] on a Qwen3-MoE (dense layer 0,
+    sparse layer 1): PEFT trains the MoE layer's router (and q_proj), not the dense layer's
+    MLP, and saves target_modules without "gate" and target_parameters ["gate.weight"].
+    ctitan with the same lora.target_modules trains PEFT's set from a fresh start; with PEFT's
+    random adapter it gives PEFT's logits, loss and every adapter gradient; the adapter it
+    saves has PEFT's target_modules, target_parameters selecting the same parameters, and
+    loads in PEFT strictly with ctitan's logits."""
+    from test_families_lora import session_matches_peft
+    targets = GATE_CASES[case]
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ad = tmp_path / "adapter"
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=targets, seed=6)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    attn = [t for t in targets if t != "gate"]
+    want = []
+    for l in range(cfg.num_hidden_layers):
+        want += OL.lora_names([l], attn)
+        if l not in cfg.mlp_only_layers:
+            want += [f"model.layers.{l}.mlp.gate.lora_{x}.weight" for x in "AB"]
+    assert sorted(params) == sorted(want), f"test setup: PEFT trains {sorted(params)}"
+    peft_conf = json.loads((ad / "adapter_config.json").read_text())
+    assert sorted(peft_conf["target_modules"]) == attn and peft_conf["target_parameters"] == ["gate.weight"], \
+        f"test setup: PEFT saved {peft_conf}"
+
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=router_args(targets, None)))
+    assert [n for n in s.names() if ".lora_" in n] == want
+    assert trained_in_session(s) == set(params)
+    s.close()
+
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=7)
+    ref = OL.loss_logits_grads(pm, params, tokens, labels)
+    assert np.abs(ref[2][ROUTER[1]]).max() > 0, "test setup: no gradient reaches the router's B"
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=router_args(targets, None, False, ad)))
+    out = tmp_path / "saved"
+    session_matches_peft(s, params, tokens, labels, ref, base, out)
+    conf = json.loads((out / "adapter_config.json").read_text())
+    # ctitan writes null where no Linear is adapted, PEFT's rewrite an empty list: both load alike
+    assert sorted(conf["target_modules"] or []) == attn, conf
+
+    def selected(items):  # PEFT's rule for target_parameters over the model's parameter names
+        return {n for n, _ in base().named_parameters() for t in items if n == t or n.endswith("." + t)}
+    assert selected(conf["target_parameters"]) == selected(peft_conf["target_parameters"]), conf
+
+
+def test_router_adapter_with_aux_loss_in_gradient_matches_peft(tmp_path, open_session):
+    """output_router_logits true, router_aux_loss_coef 0.5: HF adds coef x the load-balancing
+    loss to the loss, and its gradient reaches the router's adapter through the routing
+    softmax. With PEFT's target_parameters ["gate.weight"] (random A, B), the router's A and B
+    gradients of ctitan equal torch's of CE / n + coef x aux_loss, and the aux term is a
+    sizeable share of them (the test sees it)."""
+    cfg = oracle_moe.tiny_moe_config(vocab=128, layers=2, experts=4, top_k=2, mlp_only=(0,), aux=True,
+                                     aux_coef=0.5)
+    hf_dir = tmp_path / "hf"
+    oracle_moe.build_moe_model(cfg, seed=13).save_pretrained(str(hf_dir))
+
+    def base():
+        m = oracle.load_hf(hf_dir)
+        m.config._experts_implementation = "eager"
+        return m
+
+    ad = tmp_path / "adapter"
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=[], target_parameters=["gate.weight"], seed=6)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    assert sorted(params) == sorted(ROUTER), f"test setup: PEFT trains {sorted(params)}"
+    tokens, labels = make_batch(cfg.vocab_size, 2, L, seed=7)
+    n = oracle.n_valid(labels)
+    t = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
+    lab = torch.as_tensor(np.asarray(labels), dtype=torch.long).reshape(-1)
+
+    def grads(aux):
+        pm.zero_grad(set_to_none=True)
+        out = pm(input_ids=t, output_router_logits=aux)
+        loss = torch.nn.functional.cross_entropy(out.logits.float().reshape(lab.numel(), -1), lab,
+                                                 ignore_index=-100, reduction="sum") / n
+        if aux:
+            loss = loss + cfg.router_aux_loss_coef * out.aux_loss
+        loss.backward()
+        return {k: p.grad.detach().numpy().copy() for k, p in params.items()}
+
+    ref, ce_only = grads(True), grads(False)
+    for k in ref:
+        share = oracle.rel_err(ce_only[k], ref[k])
+        assert share > 0.1, f"test setup: the aux term is {share:.3g} of {k}'s gradient"
+
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=L, extra=["--training.global_batch_size=2"] +
+                                     router_args([], ["gate.weight"], False, ad)))
+    s.zero_grad()
+    s.forward_backward(tokens, labels, n)
+    bad = [f"{k}: rel err {oracle.rel_err(s.get_grad(k), ref[k]):.3g}" for k in ref
+           if not oracle.rel_err(s.get_grad(k), ref[k]) <= TOL]
+    assert not bad, "router adapter gradients differ from PEFT's with the aux loss:\n" + "\n".join(bad)
