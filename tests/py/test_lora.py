@@ -225,8 +225,10 @@ def test_dense_parity_from_peft_adapter(case, tmp_path, open_session):
 
 # --------------------------------------------------------------------------- 2. MoE parity
 
-def moe_dense_layer0(tmp_path):
-    cfg = oracle_moe.tiny_moe_config(vocab=128, layers=2, experts=4, top_k=2, mlp_only=(0,))
+def moe_dense_layer0(tmp_path, **cfg_kw):
+    """A tiny Qwen3-MoE (layer 0 dense, layer 1 sparse; cfg_kw: tiny_moe_config's, e.g. the
+    load-balancing loss) saved in tmp_path / "hf", and a loader of it with eager experts."""
+    cfg = oracle_moe.tiny_moe_config(vocab=128, layers=2, experts=4, top_k=2, mlp_only=(0,), **cfg_kw)
     hf_dir = tmp_path / "hf"
     oracle_moe.build_moe_model(cfg, seed=13).save_pretrained(str(hf_dir))
 

@@ -41,6 +41,26 @@ def expected_lora(cfg, attn, experts=("gate_up_proj", "down_proj")):
     return out
 
 
+def check_loaded_adapter(s, pm, params, lora, hf_dir, cfg, tokens, labels, ref):
+    """A session that loaded PEFT model pm's saved adapter: PEFT's adapter tensors (names in
+    order, shapes) and only those trained, loaded bit for bit; PEFT's loss, logits and every
+    adapter gradient (ref: OL.loss_logits_grads of pm on tokens, labels); 3 AdamW steps equal
+    torch's; the base never moves."""
+    names = [n for n in s.names() if ".lora_" in n]
+    assert names == lora, f"adapters: {names}"
+    bad = [n for n in lora if s.shapes[n] != tuple(params[n].shape)]
+    assert not bad, f"shapes differ from PEFT's: {[(n, s.shapes[n], tuple(params[n].shape)) for n in bad]}"
+    assert trained_in_session(s) == set(params)
+    saved = OL.saved_state(pm)
+    bad = [n for n in saved if not np.array_equal(s.get_param(n), saved[n])]
+    assert not bad, f"adapter tensors not loaded exactly: {bad}"
+    assert_base_unchanged(s, hf_dir)
+    assert_step_matches(s, tokens, labels, *ref, lora)
+    stream = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=12)
+    compare_steps(session_steps(s, stream, lora), train_ref(pm, params, stream))
+    assert_base_unchanged(s, hf_dir)
+
+
 CASES = [("alpha_over_r", False), ("rslora", True)]
 
 
@@ -65,20 +85,7 @@ def test_expert_parity_from_peft_adapter(rslora, tmp_path, open_session):
 
     s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=OPT_ARGS + lora_args(
         targets=attn, rslora=rslora, adapter=ad) + [EXP_ARG]))
-    names = s.names()
-    assert [n for n in names if ".lora_" in n] == lora, f"adapters: {[n for n in names if '.lora_' in n]}"
-    bad = [n for n in lora if s.shapes[n] != tuple(params[n].shape)]
-    assert not bad, f"shapes differ from PEFT's: {[(n, s.shapes[n], tuple(params[n].shape)) for n in bad]}"
-    assert trained_in_session(s) == set(params)
-    saved = OL.saved_state(pm)
-    bad = [n for n in saved if not np.array_equal(s.get_param(n), saved[n])]
-    assert not bad, f"adapter tensors not loaded exactly: {bad}"
-    assert_base_unchanged(s, hf_dir)
-
-    assert_step_matches(s, tokens, labels, ref_loss, ref_logits, ref_grads, lora)
-    stream = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=12)
-    compare_steps(session_steps(s, stream, lora), train_ref(pm, params, stream))
-    assert_base_unchanged(s, hf_dir)
+    check_loaded_adapter(s, pm, params, lora, hf_dir, cfg, tokens, labels, (ref_loss, ref_logits, ref_grads))
 
 
 def test_expert_adapter_saved_loads_in_peft(tmp_path, open_session):
@@ -484,20 +491,7 @@ def test_router_parity_from_peft_adapter(case, tmp_path, open_session):
 
     s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=OPT_ARGS + router_args(
         targets, tparams, rslora, ad)))
-    names = [n for n in s.names() if ".lora_" in n]
-    assert names == lora, f"adapters: {names}"
-    bad = [n for n in lora if s.shapes[n] != tuple(params[n].shape)]
-    assert not bad, f"shapes differ from PEFT's: {[(n, s.shapes[n], tuple(params[n].shape)) for n in bad]}"
-    assert trained_in_session(s) == set(params)
-    saved = OL.saved_state(pm)
-    bad = [n for n in saved if not np.array_equal(s.get_param(n), saved[n])]
-    assert not bad, f"adapter tensors not loaded exactly: {bad}"
-    assert_base_unchanged(s, hf_dir)
-
-    assert_step_matches(s, tokens, labels, ref_loss, ref_logits, ref_grads, lora)
-    stream = oracle.random_tokens(8 * (L + 1), cfg.vocab_size, seed=12)
-    compare_steps(session_steps(s, stream, lora), train_ref(pm, params, stream))
-    assert_base_unchanged(s, hf_dir)
+    check_loaded_adapter(s, pm, params, lora, hf_dir, cfg, tokens, labels, (ref_loss, ref_logits, ref_grads))
 
     out = tmp_path / "saved"
     s.save_adapter(out)
@@ -724,16 +718,7 @@ def test_router_adapter_with_aux_loss_in_gradient_matches_peft(tmp_path, open_se
     softmax. With PEFT's target_parameters ["gate.weight"] (random A, B), the router's A and B
     gradients of ctitan equal torch's of CE / n + coef x aux_loss, and the aux term is a
     sizeable share of them (the test sees it)."""
-    cfg = oracle_moe.tiny_moe_config(vocab=128, layers=2, experts=4, top_k=2, mlp_only=(0,), aux=True,
-                                     aux_coef=0.5)
-    hf_dir = tmp_path / "hf"
-    oracle_moe.build_moe_model(cfg, seed=13).save_pretrained(str(hf_dir))
-
-    def base():
-        m = oracle.load_hf(hf_dir)
-        m.config._experts_implementation = "eager"
-        return m
-
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path, aux=True, aux_coef=0.5)
     ad = tmp_path / "adapter"
     pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=[], target_parameters=["gate.weight"], seed=6)
     pm.save_pretrained(str(ad))

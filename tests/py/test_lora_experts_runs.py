@@ -148,10 +148,9 @@ def peft_expert_adapter(tmp_path, targets=("q_proj",), rewrite=False):
     return pm
 
 
-@pytest.mark.parametrize("targets,rewrite", [(("q_proj",), False), ((), False), (("q_proj",), True)],
-                         ids=["q_and_experts", "experts_only", "rewritten_mlp_targets_rslora"])
-def test_generate_with_expert_adapter_matches_peft(targets, rewrite, tmp_path, run_ctitan):
-    pm = peft_expert_adapter(tmp_path, targets, rewrite)
+def generate_matches_peft(pm, tmp_path, run_ctitan):
+    """`generate --adapter` (base tmp_path/hf, adapter tmp_path/adapter) gives PeftModel pm's
+    greedy continuation of a prompt, one the adapter changes."""
     prompt = [5, 17, 200, 3, 99]
     with torch.no_grad():
         ref = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
@@ -163,10 +162,11 @@ def test_generate_with_expert_adapter_matches_peft(targets, rewrite, tmp_path, r
     assert [int(x) for x in out.split()] == ref
 
 
-@pytest.mark.parametrize("rewrite", [False, True], ids=["target_parameters", "rewritten_mlp_targets_rslora"])
-def test_export_merge_expert_adapter_matches_peft(rewrite, tmp_path, run_ctitan):
+def export_merge_matches_peft(pm, tmp_path, run_ctitan):
+    """`export --merge` of tmp_path/hf + tmp_path/adapter loads in transformers with PeftModel
+    pm's logits (which the adapter changes); returns the merged state dict and PEFT's
+    merge_and_unload one, for the caller's tensors."""
     from transformers import AutoModelForCausalLM
-    pm = peft_expert_adapter(tmp_path, rewrite=rewrite)
     tok = torch.tensor(np.random.default_rng(1).integers(0, 256, (2, 12)))
     with torch.no_grad():
         want = pm(input_ids=tok).logits.numpy()
@@ -181,8 +181,20 @@ def test_export_merge_expert_adapter_matches_peft(rewrite, tmp_path, run_ctitan)
     with torch.no_grad():
         got = merged(input_ids=tok).logits.numpy()
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-    ref = pm.merge_and_unload().state_dict()
-    sd = merged.state_dict()
+    return merged.state_dict(), pm.merge_and_unload().state_dict()
+
+
+@pytest.mark.parametrize("targets,rewrite", [(("q_proj",), False), ((), False), (("q_proj",), True)],
+                         ids=["q_and_experts", "experts_only", "rewritten_mlp_targets_rslora"])
+def test_generate_with_expert_adapter_matches_peft(targets, rewrite, tmp_path, run_ctitan):
+    pm = peft_expert_adapter(tmp_path, targets, rewrite)
+    generate_matches_peft(pm, tmp_path, run_ctitan)
+
+
+@pytest.mark.parametrize("rewrite", [False, True], ids=["target_parameters", "rewritten_mlp_targets_rslora"])
+def test_export_merge_expert_adapter_matches_peft(rewrite, tmp_path, run_ctitan):
+    pm = peft_expert_adapter(tmp_path, rewrite=rewrite)
+    sd, ref = export_merge_matches_peft(pm, tmp_path, run_ctitan)
     for n in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
         assert np.abs(sd[n].numpy() - ref[n].numpy()).max() <= 1e-5 * np.abs(ref[n].numpy()).max(), n
 
@@ -308,31 +320,10 @@ def peft_all_linear_adapter(tmp_path, tparams=None):
 def test_router_adapter_generate_and_export_merge_match_peft(tparams, tmp_path, run_ctitan):
     """`generate --adapter` equals PEFT's greedy continuation; `export --merge` gives PEFT's
     merge_and_unload weights (the routers' W + scale B A among them) and its logits."""
-    from transformers import AutoModelForCausalLM
     pm = peft_all_linear_adapter(tmp_path, tparams)
-    prompt = [5, 17, 200, 3, 99]
-    with torch.no_grad():
-        ref = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
-        with pm.disable_adapter():
-            base_ids = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
-    assert base_ids != ref, "test setup: the adapter must change the greedy continuation"
-    _, out, _ = run_ctitan(["generate", "--checkpoint", tmp_path / "hf", "--adapter", tmp_path / "adapter",
-                            "--prompt-ids", " ".join(map(str, prompt)), "--max-tokens", "8", "--ids"])
-    assert [int(x) for x in out.split()] == ref
+    generate_matches_peft(pm, tmp_path, run_ctitan)
 
-    tok = torch.tensor(np.random.default_rng(1).integers(0, 256, (2, 12)))
-    with torch.no_grad():
-        want = pm(input_ids=tok).logits.numpy()
-    run_ctitan(["export", "--checkpoint", tmp_path / "hf", "--adapter", tmp_path / "adapter", "--merge",
-                "--out", tmp_path / "merged"])
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
-                                                  attn_implementation="eager")
-    merged.config._experts_implementation = "eager"
-    with torch.no_grad():
-        got = merged(input_ids=tok).logits.numpy()
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
-    ref_sd = pm.merge_and_unload().state_dict()
-    sd = merged.state_dict()
+    sd, ref_sd = export_merge_matches_peft(pm, tmp_path, run_ctitan)
     assert sd.keys() == ref_sd.keys()
     base = oracle.load_hf(tmp_path / "hf").state_dict()
     n = "model.layers.1.mlp.gate.weight"
