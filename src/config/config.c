@@ -328,8 +328,8 @@ static const cfg_option cfg_options[] = {
         .help = "torchtitan's async tensor parallel (needs torch.compile): ctitan has none, so only false is taken"),
     OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1", .range = CFG_GE, .lo = 1,
         .help = "ranks splitting each sequence into chunks of consecutive positions (training.seq_len / degree "
-                "each); attention runs over the whole prefix; with data parallel and FSDP, not with tensor, "
-                "pipeline or expert parallel, LoRA or training.freeze (docs/distributed.md)"),
+                "each); attention runs over the whole prefix; with data parallel, FSDP, LoRA and training.freeze, "
+                "not with tensor, pipeline or expert parallel (docs/distributed.md)"),
     OPT("parallelism", "pipeline_parallel_degree", CFG_INT, pp, "1", .range = CFG_GE, .lo = 1,
         .help = "pipeline stages: ranks each holding a range of layers, passing activations forward and "
                 "gradients back (docs/distributed.md)"),
@@ -1220,9 +1220,7 @@ int cfg_validate(const ct_config *c, ct_err *e) {
         const struct { int on; const char *key; } no[] = {
             {c->tp > 1, "parallelism.tensor_parallel_degree"},
             {c->pp > 1, "parallelism.pipeline_parallel_degree"},
-            {c->ep > 1, "parallelism.expert_parallel_degree"},
-            {c->lora_rank > 0, "lora.rank"},
-            {c->freeze[0] != 0, "training.freeze"}};
+            {c->ep > 1, "parallelism.expert_parallel_degree"}};
         for (size_t i = 0; i < sizeof no / sizeof no[0]; i++) {
             char keys[160];
             snprintf(keys, sizeof keys, "parallelism.context_parallel_degree,%s", no[i].key);

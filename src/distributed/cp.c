@@ -123,12 +123,13 @@ void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T) {
     lm_rope_tables(mc, 0, T, p0, cp->Tl, m->ws.rope_cos, m->ws.rope_sin);
     if (m->ws.rope_cos_l != m->ws.rope_cos) lm_rope_tables(mc, 1, T, p0, cp->Tl, m->ws.rope_cos_l, m->ws.rope_sin_l);
     m->ws.rope_T = cp->Tl;
+    m->cp_T = T, m->cp_Tl = cp->Tl, m->cp_p0 = p0;
     cp->d = (lm_attn_dispatch){cp, cp_fwd, cp_bwd};
     m->attn_cp = &cp->d;
 }
 
 void cp_free(cp_layout *cp) {
-    if (cp->m && cp->m->attn_cp == &cp->d) cp->m->attn_cp = NULL;
+    if (cp->m && cp->m->attn_cp == &cp->d) cp->m->attn_cp = NULL, cp->m->cp_T = 0;
     float *f[] = {cp->kg, cp->vg, cp->kp, cp->vp, cp->dkp, cp->dvp, cp->qp, cp->op, cp->dqp, cp->dop, cp->lp};
     for (size_t i = 0; i < sizeof f / sizeof *f; i++) free(f[i]);
     free(cp->tok);

@@ -19,7 +19,9 @@
  * The dummy rows are wasted work: the last rank runs a whole T attention, so
  * attention does not shrink with cp (the other activations do, by cp).
  * Gradients of the replicated model are summed over the group (plan.c), as
- * over data-parallel replicas, and so are the CE sums and the MoE counts. */
+ * over data-parallel replicas (with frozen tensors: the trained runs, LoRA
+ * adapters included), and so are the CE sums and the MoE counts. LoRA
+ * dropout masks are drawn for the chunk's global rows (lm_model.cp_T). */
 #ifndef CT_DISTRIBUTED_CP_H
 #define CT_DISTRIBUTED_CP_H
 

@@ -257,8 +257,13 @@ void plan_reduce_grads(ct_plan *p) {
     }
     if (p->cp) { /* the chunks' ranks hold replicas: their gradients summed, as the replicas' */
         p->comm_s += cp_take_comm_time(p->cp); /* the attention's, during the step */
-        if (p->fsdp) comm_allreduce(&p->mesh.cpg, p->fsdp->grads, p->fsdp->shard_n, COMM_F32, COMM_SUM);
-        else comm_allreduce(&p->mesh.cpg, p->m->grads, p->m->n_params, COMM_F32, COMM_SUM);
+        float *g = p->fsdp ? p->fsdp->grads : p->m->grads;
+        if (p->n_opt_ranges >= 0) /* frozen tensors: the trained runs alone (of the shard under FSDP); the
+                                   * frozen gradients' pages are never written, and summing them would map them */
+            for (int i = 0; i < p->n_opt_ranges; i++)
+                comm_allreduce(&p->mesh.cpg, g + p->opt_ranges[i].off, p->opt_ranges[i].n, COMM_F32, COMM_SUM);
+        else
+            comm_allreduce(&p->mesh.cpg, g, p->fsdp ? p->fsdp->shard_n : p->m->n_params, COMM_F32, COMM_SUM);
         lm_model *m = p->m; /* the aux-loss-free balancing's counts: every chunk's tokens */
         if (p->cfg->load_balance_coeff > 0 && m->moe.n_layers)
             comm_allreduce(&p->mesh.cpg, m->moe.tokens, (size_t)m->cfg.n_layers * m->cfg.n_experts, COMM_F64, COMM_SUM);

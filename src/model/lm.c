@@ -1082,15 +1082,18 @@ static uint64_t lora_key(const lm_model *m, int l, int p) {
 static int lora_kept(uint64_t key, size_t i, uint32_t cut) { return (uint32_t)(lora_mix(key + i) >> 40) >= cut; }
 static uint32_t lora_cut(const lm_model *m) { return (uint32_t)((double)m->cfg.lora_dropout * 16777216.0); }
 
-/* Under tensor parallelism o_proj's and down_proj's input is this rank's
- * block of K columns of the whole [BT, K t] input; element i of it is
- * element lora_elem of the whole, so the mask is one process's. */
+/* Element i of the input [BT, K] is element lora_elem of one process's, so
+ * the mask is one process's: under tensor parallelism o_proj's and
+ * down_proj's input is this rank's block of K columns of the whole [BT, K t];
+ * under context parallel its rows are a chunk of each sequence's. */
 static int lora_row_parallel(const lm_model *m, int p) {
     return m->cfg.tp_degree > 1 && (p == LM_LORA_O || p == LM_LORA_DOWN);
 }
 static size_t lora_elem(const lm_model *m, int p, size_t i, size_t K) {
-    if (!lora_row_parallel(m, p)) return i;
-    return (i / K) * K * (size_t)m->cfg.tp_degree + (size_t)m->cfg.tp_rank * K + i % K;
+    size_t row = i / K, col = i % K, W = K;
+    if (lora_row_parallel(m, p)) col += (size_t)m->cfg.tp_rank * K, W = K * (size_t)m->cfg.tp_degree;
+    if (m->cp_T) row = row / (size_t)m->cp_Tl * (size_t)m->cp_T + (size_t)m->cp_p0 + row % (size_t)m->cp_Tl;
+    return row * W + col;
 }
 
 /* x[BT, K] */

@@ -4,10 +4,13 @@ sequence split into chunks of consecutive positions over cp ranks.
 Every layout must train like one process with the same global batch (test_dist's
 helpers and tolerances: losses and validation losses to 1e-5 relative, final weights
 norm-wise per tensor to 1e-5), and here also the gradient norms to 1e-5. The one-process
-runs are tied to PyTorch by test_train_loop.py and test_families.py. A checkpoint written
-under CP resumes on one process and back; what CP does not compose with is refused."""
+runs are tied to PyTorch by test_train_loop.py and test_families.py (LoRA's and freeze's by
+test_lora_runs.py). LoRA, training.freeze and the bf16 frozen base train like one process
+too, dropout masks included. A checkpoint written under CP resumes on one process and back;
+what CP does not compose with is refused."""
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import oracle
 import oracle_families as fam
@@ -124,6 +127,77 @@ def test_cp_matches_one_rank(setup, name):
         assert got.keys() == exp.keys() and all(abs(got[s] - exp[s]) <= 1e-5 * exp[s] for s in exp), (got, exp)
 
 
+LORA = ["--lora.rank=4", "--lora.alpha=8",
+        "--lora.target_modules=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+FROZEN = ("model.embed_tokens.weight", "model.layers.0.")
+KEEP = ["--checkpoint.last_save_model_only=false"]
+TRAINED = {  # reference: what the one-process run and the CP run both take
+    "lora": KEEP + LORA + ["--lora.dropout=0"],
+    "lora_dropout": KEEP + LORA + ["--lora.dropout=0.1"],
+    "bf16_base": KEEP + LORA + ["--lora.dropout=0", "--training.frozen_dtype=bfloat16"],
+    # the final save is the HF model, frozen tensors included
+    "freeze": [f"--training.freeze={FROZEN[0]},{FROZEN[1]}*", "--checkpoint.last_save_in_hf=true",
+               "--checkpoint.last_save_model_only=true"],
+}
+ADAPTED = {  # name: (ranks, data-parallel ranks, reference, extra)
+    "cp2_lora": (2, 1, "lora", [f"{CP}=2"]),
+    # a rank's row t of sequence b is row b T + c T/cp + t of the mask one process draws
+    "cp2_lora_dropout": (2, 1, "lora_dropout", [f"{CP}=2"]),
+    "cp2_fsdp2_lora": (4, 2, "lora", [f"{CP}=2", "--parallelism.data_parallel_shard_degree=2"]),
+    "cp2_freeze": (2, 1, "freeze", [f"{CP}=2"]),
+    # the frozen base stored in bf16 (FSDP: its own bf16 shard, no gradient)
+    "cp2_bf16_base": (2, 1, "bf16_base", [f"{CP}=2"]),
+    "cp2_fsdp2_bf16_base": (4, 2, "bf16_base", [f"{CP}=2", "--parallelism.data_parallel_shard_degree=2"]),
+}
+
+
+def trained_line(stderr):
+    lines = [l for l in stderr.splitlines() if l.startswith("ctitan: trained:")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", list(ADAPTED))
+def test_cp_trains_adapters_and_frozen_models_like_one_rank(setup, name):
+    """LoRA (r 4 on all seven projections) and training.freeze under CP: the adapters and the
+    trained tensors are replicas whose gradients are summed over the chunks, the frozen ones
+    neither summed nor stepped, and dropout masks are drawn for the chunk's global rows. The
+    losses, validation losses, gradient norms (1e-5), the final adapter_model.safetensors or
+    trained weights (norm-wise 1e-5; frozen ones bit for bit) and the trained-parameter line
+    are the one-process run's."""
+    d, data = setup
+    n, dp, ref, extra = ADAPTED[name]
+    key = (d, "trained_" + ref)
+    if key not in _refs:
+        out = d / f"single_trained_{ref}"
+        p = run(1, train_args(d / "model", data, out, *TRAINED[ref]))
+        (out / "stderr.txt").write_text(p.stderr)
+        _refs[key] = out
+    want = _refs[key]
+    out = d / name
+    p = run(n, train_args(d / "model", data, out, *TRAINED[ref], *extra, dp=dp), timeout=300)
+    assert "context_parallel" in p.stderr, p.stderr[-2000:]
+    assert_same_run(out, want, name, weights_too=False)
+    got, exp = grad_norms(out), grad_norms(want)
+    assert set(got) == set(exp) == set(range(1, STEPS + 1)), (got, exp)
+    for s in exp:
+        assert abs(got[s] - exp[s]) <= 1e-5 * exp[s], f"{name}: step {s} grad_norm {got[s]!r} vs {exp[s]!r}"
+    if ref == "freeze":
+        a, b = (oracle.read_hf_tensors(o / "checkpoint" / f"step-{STEPS}") for o in (out, want))
+        assert any(k.startswith(FROZEN) for k in b), sorted(b)
+    else:
+        f = f"checkpoint/step-{STEPS}/adapter_model.safetensors"
+        a, b = load_file(str(out / f)), load_file(str(want / f))
+    assert a.keys() == b.keys() and b, f"{name}: tensor names differ: {sorted(a.keys() ^ b.keys())}"
+    for k in b:
+        if ref == "freeze" and k.startswith(FROZEN):
+            assert np.array_equal(a[k], b[k]), f"{name}: frozen {k} differs from one rank's"
+            continue
+        err = np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-30)
+        assert err <= 1e-5, f"{name}: final {k} differs from one rank by {err:.3g} norm-wise"
+    assert trained_line(p.stderr) == trained_line((want / "stderr.txt").read_text())
+
+
 @pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
 def test_checkpoint_moves_between_cp_and_one_rank(setup, first, then):
     """Stopped at step 4 under CP 2 and resumed on one process (and back): the steps after
@@ -144,8 +218,6 @@ def test_checkpoint_moves_between_cp_and_one_rank(setup, first, then):
      ["parallelism.tensor_parallel_degree"]),
     (2, "model", ["--parallelism.pipeline_parallel_degree=2"], ["parallelism.pipeline_parallel_degree"]),
     (2, "model_moe", ["--parallelism.expert_parallel_degree=2"], ["parallelism.expert_parallel_degree"]),
-    (1, "model", ["--lora.rank=4"], ["lora.rank"]),
-    (1, "model", ["--training.freeze=model.embed_tokens.weight"], ["training.freeze"]),
     (1, "model", ["--training.seq_len=15"], ["training.seq_len", "does not divide"]),
     (2, "model", [f"{CP}=4"], ["world size 2"]),
 ])
