@@ -133,6 +133,14 @@ void comm_all_to_all(ct_comm *c, void *out, const void *in, size_t n, comm_dtype
     free(v);
 }
 
+void comm_range_i64(ct_comm *c, const int64_t *x, int64_t *lo, int64_t *hi, size_t n) {
+    int64_t *r = ct_malloc(2 * n * sizeof *r + 1);
+    for (size_t i = 0; i < n; i++) r[2 * i] = x[i], r[2 * i + 1] = -x[i];
+    comm_allreduce(c, r, 2 * n, COMM_I64, COMM_MAX);
+    for (size_t i = 0; i < n; i++) hi[i] = r[2 * i], lo[i] = -r[2 * i + 1];
+    free(r);
+}
+
 static size_t sum_counts(const ct_comm *c, const size_t *counts) {
     size_t n = 0;
     for (int r = 0; r < c->size; r++) n += counts[r];

@@ -26,6 +26,7 @@
 #define CT_DISTRIBUTED_COMM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "core/err.h"
 
@@ -101,6 +102,11 @@ void comm_all_gather(ct_comm *c, void *out, const void *in, size_t n, comm_dtype
 void comm_broadcast(ct_comm *c, void *buf, size_t n, comm_dtype t, int root);
 /* in[size * n]: block r goes to rank r; out[size * n]: block r came from rank r. */
 void comm_all_to_all(ct_comm *c, void *out, const void *in, size_t n, comm_dtype t);
+/* lo[n], hi[n] = the least and the greatest of each x[i] over the ranks, in one
+ * all-reduce (the MAX of x and of -x): every rank holds the same x[i] iff
+ * lo[i] == hi[i]. For the ranks to check they agree on what each read for
+ * itself (a config, a checkpoint, a data file); no x[i] may be INT64_MIN. */
+void comm_range_i64(ct_comm *c, const int64_t *x, int64_t *lo, int64_t *hi, size_t n);
 /* Counts and displacements in elements, [size] each. */
 void comm_all_to_allv(ct_comm *c, void *out, const size_t *rcounts, const size_t *rdispls, const void *in,
                       const size_t *scounts, const size_t *sdispls, comm_dtype t);

@@ -562,11 +562,10 @@ static int claim_dump_folder(trainer *t, ct_err *e) {
 static int agree_on_model(trainer *t, const lm_config *mc, ct_err *e) {
     if (t->world->size <= 1) return 0;
     char *text = lm_config_hf_json(mc, "float32");
-    int64_t v = (int64_t)(ct_hash_text(text) >> 2); /* 62 bits, so that its negation fits */
+    int64_t v = (int64_t)(ct_hash_text(text) >> 2), lo, hi; /* 62 bits: its negation fits */
     free(text);
-    int64_t r[2] = {v, -v};         /* MAX of both: equal on every rank iff one value */
-    comm_allreduce(t->world, r, 2, COMM_I64, COMM_MAX);
-    if (r[0] == -r[1]) return 0;
+    comm_range_i64(t->world, &v, &lo, &hi, 1);
+    if (lo == hi) return 0;
     const ct_config *c = &t->cfg;
     ct_fail(e, CT_ERR_CONFIG,
             "the ranks built different models from their model config (model.hf_assets_path = \"%s\", "

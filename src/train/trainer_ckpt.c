@@ -506,17 +506,16 @@ int trainer_agree_config(trainer *t, ct_err *e) {
     ct_comm *w = t->world;
     if (w->size <= 1) return 0;
     int n = cfg_n_options();
-    int64_t *r = ct_calloc(2 * (size_t)n, sizeof *r);
+    int64_t *h = ct_calloc(3 * (size_t)n, sizeof *h), *lo = h + n, *hi = lo + n;
     for (int i = 0; i < n; i++) {
         char *text = cfg_shared_text(&t->cfg, i);
-        r[2 * i] = (int64_t)(ct_hash_text(text) >> 2); /* 62 bits, so that its negation fits */
-        r[2 * i + 1] = -r[2 * i];                      /* MAX of both: equal on every rank iff one value */
+        h[i] = (int64_t)(ct_hash_text(text) >> 2); /* 62 bits: its negation fits */
         free(text);
     }
-    comm_allreduce(w, r, 2 * (size_t)n, COMM_I64, COMM_MAX);
+    comm_range_i64(w, h, lo, hi, (size_t)n);
     int bad = 0;
-    while (bad < n && r[2 * bad] == -r[2 * bad + 1]) bad++;
-    free(r);
+    while (bad < n && lo[bad] == hi[bad]) bad++;
+    free(h);
     if (bad == n) return 0;
     char *text = cfg_shared_text(&t->cfg, bad), name[128];
     snprintf(name, sizeof name, "%.*s", (int)strcspn(text, " "), text);
@@ -538,10 +537,9 @@ int trainer_agree_config(trainer *t, ct_err *e) {
  * is not seen. */
 int trainer_agree_data(trainer *t, const ds *train, const ds *val, ct_err *e) {
     if (t->world->size <= 1) return 0;
-    int64_t r[4] = {(int64_t)ds_num_windows(train), 0, val ? (int64_t)ds_num_windows(val) : 0, 0};
-    r[1] = -r[0], r[3] = -r[2]; /* MAX of both: equal on every rank iff one value */
-    comm_allreduce(t->world, r, 4, COMM_I64, COMM_MAX);
-    int bad = r[0] != -r[1] ? 0 : r[2] != -r[3] ? 2 : -1;
+    int64_t n[2] = {(int64_t)ds_num_windows(train), val ? (int64_t)ds_num_windows(val) : 0}, lo[2], hi[2];
+    comm_range_i64(t->world, n, lo, hi, 2);
+    int bad = lo[0] != hi[0] ? 0 : lo[1] != hi[1] ? 1 : -1;
     if (bad < 0) return 0;
     const ct_config *c = &t->cfg;
     const char *key = bad ? "validation.dataset_path" : "training.dataset_path";
@@ -549,8 +547,7 @@ int trainer_agree_data(trainer *t, const ds *train, const ds *val, ct_err *e) {
             "%s: %s = \"%s\": the ranks' copies hold different data (rank %d's: %lld windows of %d tokens; "
             "another rank's: %lld): every machine must hold the same data",
             cfg_origin(c, key), key, bad ? c->val_dataset_path : c->dataset_path, t->world->rank,
-            (long long)ds_num_windows(bad ? val : train), c->seq_len + 1,
-            (long long)(r[bad] == (int64_t)ds_num_windows(bad ? val : train) ? -r[bad + 1] : r[bad]));
+            (long long)n[bad], c->seq_len + 1, (long long)(n[bad] == hi[bad] ? lo[bad] : hi[bad]));
     e->all_ranks = 1; /* every rank knows it from the all-reduce */
     return CT_ERR_CONFIG;
 }
@@ -564,13 +561,12 @@ static int agree_on_pick(trainer *t, int rc, const resume_pick *p, ct_err *e) {
     if (t->world->size <= 1) return rc;
     if ((rc = trainer_agree(t, rc, "load or initialise the model", e))) return rc;
     /* one number per choice (its step, whether a final save, whether model-only: a rank
-     * whose step-N is model-only refuses to resume where another resumes); MAX of it and
-     * of its negation give the range */
+     * whose step-N is model-only refuses to resume where another resumes), and its range */
     int64_t k = p->kind == PICK_NONE ? -1 : (int64_t)p->step * 4 + (p->kind == PICK_COMPLETE) * 2 + !!p->model_only;
-    int64_t r[2] = {k, -k};
-    comm_allreduce(t->world, r, 2, COMM_I64, COMM_MAX);
-    if (r[0] == -r[1]) return 0;
-    int64_t other = k == r[0] ? -r[1] : r[0];
+    int64_t lo, hi;
+    comm_range_i64(t->world, &k, &lo, &hi, 1);
+    if (lo == hi) return 0;
+    int64_t other = k == hi ? lo : hi;
     char theirs[64];
     if (other < 0) snprintf(theirs, sizeof theirs, "none");
     else

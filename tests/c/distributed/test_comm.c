@@ -148,6 +148,18 @@ static void test_misc(ct_comm *c) {
     comm_free(&sub);
 }
 
+/* comm_range_i64: element 0 alike on every rank, element 1 the rank's own
+ * (rank - 2: negatives too), element 2 alike but negative. */
+static void test_range(ct_comm *c) {
+    int N = c->size;
+    int64_t x[3] = {42, (int64_t)c->rank - 2, -7}, lo[3], hi[3];
+    comm_range_i64(c, x, lo, hi, 3);
+    CHECK(lo[0] == 42 && hi[0] == 42, "range of one value: %lld..%lld", (long long)lo[0], (long long)hi[0]);
+    CHECK(lo[1] == -2 && hi[1] == N - 3, "range of the ranks' values: %lld..%lld", (long long)lo[1],
+          (long long)hi[1]);
+    CHECK(lo[2] == -7 && hi[2] == -7, "range of one negative value: %lld..%lld", (long long)lo[2], (long long)hi[2]);
+}
+
 /* Point to point around a ring, as pipeline stages pass activations: every
  * rank posts its receives first, two messages per neighbour pair told apart
  * by tag and, within a tag, by order. */
@@ -293,6 +305,7 @@ int main(int argc, char **argv) {
     test_gathers(&c);
     test_all_to_all(&c);
     test_misc(&c);
+    test_range(&c);
     test_p2p(&c);
     if (c.rank == 0) test_mesh_resolve();
     /* every rank must pass: rank 0 reports the failures of all, every rank exits with the verdict */
