@@ -226,6 +226,18 @@ static void reduce_dp_experts(ct_plan *p) {
     }
 }
 
+/* g[n] summed over group: with frozen tensors the trained runs alone (their
+ * offsets are g's: the flat buffer's, or the shard's under FSDP), since the
+ * frozen gradients' pages are never written and summing them would map them. */
+static void sum_trained(ct_plan *p, ct_comm *group, float *g, size_t n) {
+    if (p->n_opt_ranges < 0) {
+        comm_allreduce(group, g, n, COMM_F32, COMM_SUM);
+        return;
+    }
+    for (int i = 0; i < p->n_opt_ranges; i++)
+        comm_allreduce(group, g + p->opt_ranges[i].off, p->opt_ranges[i].n, COMM_F32, COMM_SUM);
+}
+
 void plan_reduce_grads(ct_plan *p) {
     double t0 = ct_now();
     if (p->tp) p->comm_s += tp_take_comm_time(p->tp);
@@ -247,23 +259,14 @@ void plan_reduce_grads(ct_plan *p) {
             d->lo = d->hi = 0;
         } else if (p->mesh.ep > 1) {
             reduce_dp_experts(p);
-        } else if (p->n_opt_ranges >= 0) { /* frozen tensors: their gradients are not written, nor summed */
-            for (int i = 0; i < p->n_opt_ranges; i++)
-                comm_allreduce(&p->mesh.rep, p->m->grads + p->opt_ranges[i].off, p->opt_ranges[i].n, COMM_F32,
-                               COMM_SUM);
         } else {
-            comm_allreduce(&p->mesh.rep, p->m->grads, p->m->n_params, COMM_F32, COMM_SUM);
+            sum_trained(p, &p->mesh.rep, p->m->grads, p->m->n_params);
         }
     }
     if (p->cp) { /* the chunks' ranks hold replicas: their gradients summed, as the replicas' */
         p->comm_s += cp_take_comm_time(p->cp); /* the attention's, during the step */
-        float *g = p->fsdp ? p->fsdp->grads : p->m->grads;
-        if (p->n_opt_ranges >= 0) /* frozen tensors: the trained runs alone (of the shard under FSDP); the
-                                   * frozen gradients' pages are never written, and summing them would map them */
-            for (int i = 0; i < p->n_opt_ranges; i++)
-                comm_allreduce(&p->mesh.cpg, g + p->opt_ranges[i].off, p->opt_ranges[i].n, COMM_F32, COMM_SUM);
-        else
-            comm_allreduce(&p->mesh.cpg, g, p->fsdp ? p->fsdp->shard_n : p->m->n_params, COMM_F32, COMM_SUM);
+        if (p->fsdp) sum_trained(p, &p->mesh.cpg, p->fsdp->grads, p->fsdp->shard_n);
+        else sum_trained(p, &p->mesh.cpg, p->m->grads, p->m->n_params);
         lm_model *m = p->m; /* the aux-loss-free balancing's counts: every chunk's tokens */
         if (p->cfg->load_balance_coeff > 0 && m->moe.n_layers)
             comm_allreduce(&p->mesh.cpg, m->moe.tokens, (size_t)m->cfg.n_layers * m->cfg.n_experts, COMM_F64, COMM_SUM);
