@@ -143,9 +143,9 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
         if (hit && other_param(c, item, other, sizeof other))
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: %s: \"%s\" also selects %s (PEFT wraps every parameter whose name equals the "
-                           "item or ends with \".\" + the item: it would adapt that one too, and raises on a 1-D one); name the fused experts' "
-                           "and the routers' parameters only (mlp.experts.gate_up_proj, mlp.experts.down_proj, "
-                           "gate.weight)",
+                           "item or ends with \".\" + the item: it would adapt that one too, and raises on a 1-D "
+                           "one); name the fused experts' and the routers' parameters only (mlp.experts.gate_up_proj, "
+                           "mlp.experts.down_proj, gate.weight)",
                            where, key, item, other);
         if (!hit)
             return ct_fail(e, CT_ERR_CONFIG,
@@ -515,15 +515,14 @@ int lora_is_all_linear(const char *targets) {
     return p && !strcasecmp(item, "all-linear") && !cfg_list_next(p, item, sizeof item);
 }
 
-int lora_all_linear(const lm_config *c, unsigned *bits, const char *where, const char *key, ct_err *e) {
-    (void)where, (void)key, (void)e;
+unsigned lora_all_linear(const lm_config *c) {
     /* every nn.Linear of a decoder layer but the output layer (lm_head), which
      * PEFT's _maybe_include_all_linear_layers leaves out: the projections */
-    *bits = 0;
-    for (int p = 0; p < LM_LORA_N; p++) *bits |= 1u << p;
-    if (c->fused_qkv) *bits |= LORA_FUSED_QKV;
-    if (c->fused_gate_up) *bits |= LORA_FUSED_GATE_UP;
-    return 0;
+    unsigned bits = 0;
+    for (int p = 0; p < LM_LORA_N; p++) bits |= 1u << p;
+    if (c->fused_qkv) bits |= LORA_FUSED_QKV;
+    if (c->fused_gate_up) bits |= LORA_FUSED_GATE_UP;
+    return bits;
 }
 
 /* target_modules names (comma list) into c->lora_targets and, where they
@@ -694,7 +693,8 @@ static int json_targets(const cJSON *o, const cJSON *tm, lm_config *c, const cha
                            "it (target_modules q_proj, k_proj, v_proj, o_proj and target_parameters gate.weight, "
                            "gate_up_proj, down_proj with rank_pattern / alpha_pattern .*\\.gate_up_proj at 2 r, 2 alpha)",
                            path, c->model_type);
-        return lora_all_linear(c, &c->lora_targets, path, "target_modules", e);
+        c->lora_targets = lora_all_linear(c);
+        return 0;
     }
     size_t cap = 1, n = 0;
     const cJSON *it;

@@ -39,11 +39,11 @@ int lora_is_all_linear(const char *targets);
 /* What "all-linear" adapts on c's model as PEFT resolves it
  * (_maybe_include_all_linear_layers: every nn.Linear but the output layer):
  * every projection of the layers (Phi3: qkv_proj, o_proj, gate_up_proj,
- * down_proj) -> *bits. On a MoE model PEFT then rewrites the MLP names into
- * the experts' target_parameters (which drops the dense mlp_only layers'
- * MLPs) and adds every router, gate.weight (_convert_peft_config_moe): the
- * caller's part (trainer_finetune_config). Never fails today. */
-int lora_all_linear(const lm_config *c, unsigned *bits, const char *where, const char *key, ct_err *e);
+ * down_proj), as lora_targets bits. On a MoE model PEFT then rewrites the
+ * MLP names into the experts' target_parameters (which drops the dense
+ * mlp_only layers' MLPs) and adds every router, gate.weight
+ * (_convert_peft_config_moe): the caller's part (trainer_finetune_config). */
+unsigned lora_all_linear(const lm_config *c);
 
 /* PEFT's rank_pattern / alpha_pattern (LoraConfig): JSON objects
  * {regex: value} as text ("" none), tried in order against each adapted

@@ -328,9 +328,9 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
     }
     /* PEFT's "all-linear": every projection, as PEFT resolves it on the model */
     int all_linear = lora_is_all_linear(rest);
-    int rc = all_linear ? lora_all_linear(mc, &mc->lora_targets, tm_src, "lora.target_modules", e)
-             : (experts || mx_named || router_named) && !rest[0] ? 0
-                                                : lora_parse_targets(rest, mc, tm_src, e);
+    int rc = 0;
+    if (all_linear) mc->lora_targets = lora_all_linear(mc);
+    else if (!((experts || mx_named || router_named) && !rest[0])) rc = lora_parse_targets(rest, mc, tm_src, e);
     free(rest);
     /* fused projections in the files (Phi3's qkv_proj, gate_up_proj) are named
      * and adapted as PEFT does: one adapter over the fused Linear */
