@@ -136,6 +136,16 @@ def test_phi3_fused_adapter_generate_and_merge(tmp_path, run_ctitan):
     assert oracle.rel_err(got, want) <= TOL
 
 
+def saved_case(cid, tmp_path):
+    """Family case cid's random model saved in tmp_path / "hf": (case, the torch model, the
+    folder, a loader of the saved model prepared as transformers runs it for the tests)."""
+    case = fam.CASE[cid]
+    base = fam.build(case)
+    hf_dir = tmp_path / "hf"
+    fam.save(base, hf_dir)
+    return case, base, hf_dir, lambda: fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
+
+
 def session_matches_peft(s, params, tokens, labels, ref, loaded, out, load=OL.load_adapter_strict):
     """Session s holds PEFT's adapter: its adapter tensors are PEFT's trainable ones, and its
     logits, loss and every adapter gradient are PEFT's (ref = loss, logits, grads); the
@@ -167,14 +177,8 @@ def test_mixtral_expert_adapters_parity_and_round_trip(tmp_path, open_session):
     PEFT adapter on q_proj and both expert parameters (random A, B) gives ctitan PEFT's
     logits, loss and every adapter gradient; the adapter ctitan saves loads in PEFT
     strictly with ctitan's logits, and `merge` (PEFT's merge_and_unload) keeps them."""
-    case = fam.CASE["mixtral_e4k2"]
-    base = fam.build(case)
-    hf_dir, ad, out = tmp_path / "hf", tmp_path / "adapter", tmp_path / "saved"
-    fam.save(base, hf_dir)
-
-    def loaded():
-        return fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
-
+    case, base, hf_dir, loaded = saved_case("mixtral_e4k2", tmp_path)
+    ad, out = tmp_path / "adapter", tmp_path / "saved"
     exp = "--lora.target_parameters=" + ",".join(OL.EXPERTS)
     pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=OL.EXPERTS, seed=5)
     pm.save_pretrained(str(ad))
@@ -200,14 +204,8 @@ def test_mixtral_rewritten_expert_targets(tmp_path, open_session):
     with the same target_modules loads PEFT's adapter and gives its logits, loss and
     adapter gradients; its saved adapter loads in PEFT strictly with its logits. w1
     without w3 is refused by both."""
-    case = fam.CASE["mixtral_e4k2"]
-    base = fam.build(case)
-    hf_dir, ad, out = tmp_path / "hf", tmp_path / "adapter", tmp_path / "saved"
-    fam.save(base, hf_dir)
-
-    def loaded():
-        return fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
-
+    case, base, hf_dir, loaded = saved_case("mixtral_e4k2", tmp_path)
+    ad, out = tmp_path / "adapter", tmp_path / "saved"
     targets = ["q_proj", "w1", "w3", "w2"]
     pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=targets, rslora=True, seed=5)
     pm.save_pretrained(str(ad))

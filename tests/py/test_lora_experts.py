@@ -539,15 +539,9 @@ def test_mixtral_all_linear_router_parity_and_merge(tmp_path, open_session):
     gradient (the routers' among them); its saved adapter loads in PEFT strictly with its
     logits; merge keeps the logits."""
     import oracle_families as fam
-    from test_families_lora import session_matches_peft
-    case = fam.CASE["mixtral_e4k2"]
-    model = fam.build(case)
-    hf_dir, ad, out = tmp_path / "hf", tmp_path / "adapter", tmp_path / "saved"
-    fam.save(model, hf_dir)
-
-    def loaded():
-        return fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
-
+    from test_families_lora import saved_case, session_matches_peft
+    case, model, hf_dir, loaded = saved_case("mixtral_e4k2", tmp_path)
+    ad, out = tmp_path / "adapter", tmp_path / "saved"
     pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets="all-linear", seed=5)
     pm.save_pretrained(str(ad))
     params = OL.trainable(pm)

@@ -56,6 +56,22 @@ def expert_names(t):
     return [k for k in lora_names(t) if ".mlp.experts." in k]
 
 
+def assert_adapters_match(out, ref_out, what):
+    """Run out trained like the one-process run ref_out: every step's loss to 1e-5 relative,
+    the same final adapter tensors, each to 1e-5 of its largest element. Returns both
+    adapters (out's, ref_out's) for the caller's checks."""
+    want, got = losses(ref_out), losses(out)
+    bad = [(s, got[s], want[s]) for s in want if not abs(got[s] - want[s]) <= 1e-5 * abs(want[s])]
+    assert not bad, f"{what}: (step, loss, one process's) beyond 1e-5: {bad}"
+    x = tensors(out, files=("adapter_model.safetensors",))
+    y = tensors(ref_out, files=("adapter_model.safetensors",))
+    assert x.keys() == y.keys(), f"{what}: adapter tensors differ: {sorted(set(x) ^ set(y))}"
+    for k in lora_names(y):
+        err = np.max(np.abs(x[k] - y[k])) / max(float(np.max(np.abs(y[k]))), 1e-30)
+        assert err <= 1e-5, f"{what}: {k} differs from one process by {err:.3g}"
+    return x, y
+
+
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1proc", "fsdp2"])
 def test_expert_lora_resume_is_bit_identical(setup, straight, ranks):
     """Stopped at step 3 and resumed to 6: every loss and the final adapters and AdamW
@@ -92,15 +108,8 @@ def test_expert_lora_layout_matches_one_process(setup, name, rep, shard):
     a = [x for x in args(setup, out, ranks=2) if not x.startswith("--parallelism.")]
     run(2, a + [f"--parallelism.data_parallel_replicate_degree={rep}",
                 f"--parallelism.data_parallel_shard_degree={shard}"])
-    want, got = losses(ref_out), losses(out)
-    bad = [(s, got[s], want[s]) for s in want if not abs(got[s] - want[s]) <= 1e-5 * abs(want[s])]
-    assert not bad, f"{name}: (step, loss, one process's) beyond 1e-5: {bad}"
-    x = tensors(out, files=("adapter_model.safetensors",))
-    y = tensors(ref_out, files=("adapter_model.safetensors",))
-    assert x.keys() == y.keys() and expert_names(y)
-    for k in lora_names(y):
-        err = np.max(np.abs(x[k] - y[k])) / max(float(np.max(np.abs(y[k]))), 1e-30)
-        assert err <= 1e-5, f"{name}: {k} differs from one process by {err:.3g}"
+    x, y = assert_adapters_match(out, ref_out, name)
+    assert expert_names(y)
 
 
 def test_expert_lora_activation_checkpointing_same_bits(setup, straight):
@@ -242,15 +251,8 @@ def test_rewritten_mlp_targets_fsdp2_matches_one_process(setup):
     ref_out, out = d / "rw_gb8", d / "rw_fsdp2"
     run(1, train_args(model, data, ref_out, *tm, accum=4))
     run(2, train_args(model, data, out, *tm, ranks=2))
-    want, got = losses(ref_out), losses(out)
-    bad = [(s, got[s], want[s]) for s in want if not abs(got[s] - want[s]) <= 1e-5 * abs(want[s])]
-    assert not bad, f"(step, loss, one process's) beyond 1e-5: {bad}"
-    x = tensors(out, files=("adapter_model.safetensors",))
-    y = tensors(ref_out, files=("adapter_model.safetensors",))
-    assert x.keys() == y.keys() and expert_names(y)
-    for k in lora_names(y):
-        err = np.max(np.abs(x[k] - y[k])) / max(float(np.max(np.abs(y[k]))), 1e-30)
-        assert err <= 1e-5, f"{k} differs from one process by {err:.3g}"
+    x, y = assert_adapters_match(out, ref_out, "FSDP 2, rewritten MLP targets")
+    assert expert_names(y)
     ad = ckpt(out)
     conf = json.loads((ad / "adapter_config.json").read_text())
     assert conf["rank_pattern"] == {r".*\.gate_up_proj": 2 * R}, conf["rank_pattern"]
@@ -284,17 +286,10 @@ def test_all_linear_router_fsdp2_matches_one_process(setup, run_ctitan):
     ref_out, got_out = d / "al_gb8", d / "al_fsdp2"
     run(1, train_args(model, data, ref_out, *ALL_LINEAR, accum=4))
     run(2, train_args(model, data, got_out, *ALL_LINEAR, ranks=2))
-    want, got = losses(ref_out), losses(got_out)
-    bad = [(s, got[s], want[s]) for s in want if not abs(got[s] - want[s]) <= 1e-5 * abs(want[s])]
-    assert not bad, f"(step, loss, one process's) beyond 1e-5: {bad}"
-    x = tensors(got_out, files=("adapter_model.safetensors",))
-    y = tensors(ref_out, files=("adapter_model.safetensors",))
+    x, y = assert_adapters_match(got_out, ref_out, "FSDP 2, all-linear")
     routers = [k for k in lora_names(y) if ".mlp.gate.lora_" in k]
-    assert x.keys() == y.keys() and len(routers) == 2 * 2, routers  # 2 MoE layers x A, B
+    assert len(routers) == 2 * 2, routers  # 2 MoE layers x A, B
     assert all(np.any(y[k]) for k in routers if "lora_B" in k), "a router's lora_B never left zero"
-    for k in lora_names(y):
-        err = np.max(np.abs(x[k] - y[k])) / max(float(np.max(np.abs(y[k]))), 1e-30)
-        assert err <= 1e-5, f"{k} differs from one process by {err:.3g}"
     ad = ckpt(got_out)
     conf = json.loads((ad / "adapter_config.json").read_text())
     assert "mlp.gate.weight" in conf["target_parameters"], conf
