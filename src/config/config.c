@@ -27,6 +27,18 @@ typedef enum { CFG_STR, CFG_INT, CFG_I64, CFG_DBL, CFG_BOOL, CFG_ENUM } cfg_type
 /* Range flags. CFG_UNSET: -1 is also accepted and means "not set". */
 enum { CFG_GE = 1, CFG_GT = 2, CFG_LE = 4, CFG_LT = 8, CFG_UNSET = 16 };
 
+/* Options the ranks of one run may hold differently (cfg_option.own). CFG_OWN_PATH:
+ * where each machine keeps its files (the model, data, run and trace folders:
+ * each machine its own copy), but whether one is set must agree (an
+ * initial_load_path on one machine alone loaded other weights there). CFG_OWN:
+ * its threads, its peak and the run's description. Every other option changes
+ * the maths or which collectives run when, so it must be alike on every rank:
+ * [kernels] too (under tensor parallel some replicated tensors step from
+ * gradients each rank computes itself, so other kernels' last bits would split
+ * them), and the logits block (under tensor parallel each block of rows is a
+ * collective). */
+enum { CFG_SHARED, CFG_OWN_PATH, CFG_OWN };
+
 typedef struct {
     const char *section, *key;
     cfg_type type;
@@ -44,6 +56,7 @@ typedef struct {
     const char *noop;  /* inert: the only value taken, as typed on the command line (cfg_validate);
                           NULL: any value */
     const char *instead; /* inert with noop: what ctitan does instead, for the refusal */
+    int own;             /* CFG_OWN_PATH or CFG_OWN: may differ from machine to machine (cfg_shared_text) */
 } cfg_option;
 
 static const char *const cfg_specs[] = {"qwen3", "hf", NULL};
@@ -82,9 +95,9 @@ static const char *const cfg_tt_datasets[] = {"c4", "c4_test", "c4_validation", 
     {.section = sec, .key = k, .type = ty, .off = offsetof(ct_config, field), .def = d, __VA_ARGS__}
 
 static const cfg_option cfg_options[] = {
-    OPT("job", "dump_folder", CFG_STR, dump_folder, "./outputs",
+    OPT("job", "dump_folder", CFG_STR, dump_folder, "./outputs", .own = CFG_OWN_PATH,
         .help = "folder for checkpoints, metrics and logs"),
-    OPT("job", "description", CFG_STR, description, "", .help = "free text describing the run"),
+    OPT("job", "description", CFG_STR, description, "", .own = CFG_OWN, .help = "free text describing the run"),
     OPT("job", "print_args", CFG_BOOL, tt.print_args, "false", .inert = 1,
         .help = TT_UNUSED("any value (the resolved config is always written to job.dump_folder/config.toml)")),
     OPT("job", "use_for_integration_test", CFG_BOOL, tt.integration_test, "false", .inert = 1,
@@ -95,7 +108,7 @@ static const cfg_option cfg_options[] = {
     OPT("model", "flavor", CFG_STR, model_flavor, "debugmodel",
         .help = "model size for spec qwen3 (debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B, debugmodel_moe, "
                 "30B-A3B, 235B-A22B)"),
-    OPT("model", "hf_assets_path", CFG_STR, hf_assets_path, "",
+    OPT("model", "hf_assets_path", CFG_STR, hf_assets_path, "", .own = CFG_OWN_PATH,
         .help = "Hugging Face model directory (config.json, tokenizer, weights), or a Hub id such as "
                 "Qwen/Qwen3-0.6B (cached under HF_HUB_CACHE, downloaded when missing)"),
     OPT("model", "hf_revision", CFG_STR, hf_revision, "main",
@@ -153,7 +166,7 @@ static const cfg_option cfg_options[] = {
         .help = "optimizer steps to train"),
     OPT("training", "dataset", CFG_ENUM, dataset, "auto", .choices = cfg_dataset_kinds,
         .help = "kind of training.dataset_path; auto: from the extension / first line"),
-    OPT("training", "dataset_path", CFG_STR, dataset_path, "",
+    OPT("training", "dataset_path", CFG_STR, dataset_path, "", .own = CFG_OWN_PATH,
         .help = "path to the dataset (e.g. a pre-tokenized .bin file)"),
     OPT("training", "seed", CFG_I64, seed, "0", .help = "random seed for init and data order"),
     OPT("training", "shuffle", CFG_BOOL, shuffle, "false",
@@ -178,7 +191,7 @@ static const cfg_option cfg_options[] = {
     OPT("training", "deterministic", CFG_BOOL, deterministic, "false",
         .help = "torchtitan's key, read and ignored: every ctitan run is bit-identical for the same config "
                 "and thread count, whatever it says"),
-    OPT("training", "threads", CFG_INT, threads, "0", .range = CFG_GE, .lo = 0,
+    OPT("training", "threads", CFG_INT, threads, "0", .own = CFG_OWN, .range = CFG_GE, .lo = 0,
         .help = "CPU threads; 0: OMP_NUM_THREADS or all cores"),
     OPT("training", "logits_chunk_rows", CFG_INT, logits_chunk_rows, "0", .range = CFG_GE, .lo = 0,
         .help = "rows of logits the fused lm_head + loss holds at once (fewer: less memory, more passes over "
@@ -231,14 +244,14 @@ static const cfg_option cfg_options[] = {
     OPT("lora", "modules_to_save", CFG_STR, lora_modules_to_save, "", .list = 1,
         .help = "base modules trained in full beside the adapters and saved with them; PEFT's rule: every "
                 "module whose path ends with the text (lm_head, embed_tokens; norm: every norm)"),
-    OPT("lora", "adapter_path", CFG_STR, lora_adapter_path, "",
+    OPT("lora", "adapter_path", CFG_STR, lora_adapter_path, "", .own = CFG_OWN_PATH,
         .help = "a PEFT adapter directory or Hub id to start from (adapter_config.json + "
                 "adapter_model.safetensors) instead of the fresh initialisation"),
     OPT("lora", "adapter_revision", CFG_STR, lora_adapter_revision, "main",
         .help = "branch, tag or commit when lora.adapter_path is a Hub id"),
 
     OPT("checkpoint", "enable", CFG_BOOL, ckpt_enable, "false", .help = "save checkpoints"),
-    OPT("checkpoint", "folder", CFG_STR, ckpt_folder, "checkpoint",
+    OPT("checkpoint", "folder", CFG_STR, ckpt_folder, "checkpoint", .own = CFG_OWN_PATH,
         .help = "checkpoint folder, relative to job.dump_folder"),
     OPT("checkpoint", "interval", CFG_INT, ckpt_interval, "500", .range = CFG_GE, .lo = 1,
         .help = "steps between checkpoints"),
@@ -253,7 +266,7 @@ static const cfg_option cfg_options[] = {
         .help = "the checkpoint after the last step holds the model only (no optimizer state)"),
     OPT("checkpoint", "enable_first_step_checkpoint", CFG_BOOL, first_step_ckpt, "false",
         .help = "also save a checkpoint after step 1"),
-    OPT("checkpoint", "initial_load_path", CFG_STR, initial_load_path, "",
+    OPT("checkpoint", "initial_load_path", CFG_STR, initial_load_path, "", .own = CFG_OWN_PATH,
         .help = "Hugging Face model directory or Hub id (at model.hf_revision) whose weights start the run when "
                 "checkpoint.folder holds no checkpoint; needs initial_load_in_hf = true (a training checkpoint "
                 "resumes through checkpoint.folder)"),
@@ -276,13 +289,13 @@ static const cfg_option cfg_options[] = {
 
     OPT("metrics", "log_freq", CFG_INT, log_freq, "10", .range = CFG_GE, .lo = 1,
         .help = "steps between metric lines"),
-    OPT("metrics", "file", CFG_STR, metrics_file, "metrics.jsonl",
+    OPT("metrics", "file", CFG_STR, metrics_file, "metrics.jsonl", .own = CFG_OWN_PATH,
         .help = "JSON-lines metrics file, relative to job.dump_folder; \"\" disables"),
-    OPT("metrics", "peak_tflops", CFG_DBL, peak_tflops, "0.0", .range = CFG_GE, .lo = 0,
+    OPT("metrics", "peak_tflops", CFG_DBL, peak_tflops, "0.0", .own = CFG_OWN, .range = CFG_GE, .lo = 0,
         .help = "peak TFLOP/s for MFU; 0: measure once and cache"),
     OPT("metrics", "enable_tensorboard", CFG_BOOL, enable_tensorboard, "false",
         .help = "rank 0 also writes TensorBoard event files (the scalars of metrics.file)"),
-    OPT("metrics", "save_tb_folder", CFG_STR, save_tb_folder, "tb",
+    OPT("metrics", "save_tb_folder", CFG_STR, save_tb_folder, "tb", .own = CFG_OWN_PATH,
         .help = "TensorBoard folder, relative to job.dump_folder; a new events file per (re)start"),
     OPT("metrics", "disable_color_printing", CFG_BOOL, tt.no_color, "false", .inert = 1,
         .help = TT_UNUSED("ctitan's log lines have no colors, any value")),
@@ -293,13 +306,14 @@ static const cfg_option cfg_options[] = {
 
     OPT("profiling", "enable_profiling", CFG_BOOL, enable_profiling, "false",
         .help = "write a Chrome trace (Perfetto) of every profile_freq-th step: ops, layers, collectives"),
-    OPT("profiling", "save_traces_folder", CFG_STR, save_traces_folder, "profile_trace",
+    OPT("profiling", "save_traces_folder", CFG_STR, save_traces_folder, "profile_trace", .own = CFG_OWN_PATH,
         .help = "trace folder, relative to job.dump_folder: iteration_N/rankR_trace.json"),
     OPT("profiling", "profile_freq", CFG_INT, profile_freq, "10", .range = CFG_GE, .lo = 1,
         .help = "the steps that are multiples of this are traced (and memory-snapshotted)"),
     OPT("profiling", "enable_memory_snapshot", CFG_BOOL, enable_memory_snapshot, "false",
         .help = "write planned versus measured memory by category at the traced steps"),
     OPT("profiling", "save_memory_snapshot_folder", CFG_STR, save_memory_snapshot_folder, "memory_snapshot",
+        .own = CFG_OWN_PATH,
         .help = "snapshot folder, relative to job.dump_folder: iteration_N/rankR_memory_snapshot.json"),
 
     OPT("activation_checkpoint", "mode", CFG_ENUM, ac_mode, "none", .choices = cfg_ac_modes,
@@ -365,7 +379,7 @@ static const cfg_option cfg_options[] = {
         .help = "sequences per validation batch; 0: training.local_batch_size"),
     OPT("validation", "dataset", CFG_ENUM, val_dataset, "auto", .choices = cfg_dataset_kinds,
         .help = "validation data kind (as training.dataset)"),
-    OPT("validation", "dataset_path", CFG_STR, val_dataset_path, "",
+    OPT("validation", "dataset_path", CFG_STR, val_dataset_path, "", .own = CFG_OWN_PATH,
         .help = "held-out data (same formats as training.dataset_path)"),
     OPT("validation", "seq_len", CFG_INT, tt.val_seq_len, "-1", .range = CFG_GE | CFG_UNSET, .lo = 1, .inert = 1,
         .help = "torchtitan's validation sequence length: ctitan evaluates at training.seq_len, so only that "
@@ -1355,39 +1369,12 @@ void cfg_write_toml(const ct_config *c, FILE *out) {
     }
 }
 
-/* Options the ranks of one run may hold differently. CFG_OWN_PATH: where each
- * machine keeps its files (the model, data, run and trace folders: each
- * machine its own copy), but whether one is set must agree (an
- * initial_load_path on one machine alone loaded other weights there).
- * CFG_OWN: its threads, its peak and the run's description. Every other
- * option changes the maths or which collectives run when, so it must be alike
- * on every rank: [kernels] too (under tensor parallel some replicated tensors
- * step from gradients each rank computes itself, so other kernels' last bits
- * would split them), and the logits block (under tensor parallel each block
- * of rows is a collective). */
-enum { CFG_SHARED, CFG_OWN_PATH, CFG_OWN };
-static int cfg_per_machine(const cfg_option *o) {
-    static const char *const paths[] = {
-        "job.dump_folder", "model.hf_assets_path", "training.dataset_path", "lora.adapter_path", "checkpoint.folder",
-        "checkpoint.initial_load_path", "metrics.file", "metrics.save_tb_folder", "profiling.save_traces_folder",
-        "profiling.save_memory_snapshot_folder", "validation.dataset_path"};
-    static const char *const own[] = {"job.description", "training.threads", "metrics.peak_tflops"};
-    char name[128];
-    snprintf(name, sizeof name, "%s.%s", o->section, o->key);
-    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++)
-        if (!strcmp(name, paths[i])) return CFG_OWN_PATH;
-    for (size_t i = 0; i < sizeof own / sizeof own[0]; i++)
-        if (!strcmp(name, own[i])) return CFG_OWN;
-    return CFG_SHARED;
-}
-
 int cfg_n_options(void) { return CFG_N_OPTIONS; }
 
 char *cfg_shared_text(const ct_config *c, int i) {
     if (i < 0 || i >= CFG_N_OPTIONS) return NULL;
     const cfg_option *o = &cfg_options[i];
-    int own = cfg_per_machine(o);
-    if (o->alias || o->inert || own == CFG_OWN) return NULL;
+    if (o->alias || o->inert || o->own == CFG_OWN) return NULL;
     char *text = NULL;
     size_t len = 0;
     FILE *f = open_memstream(&text, &len);
@@ -1396,7 +1383,7 @@ char *cfg_shared_text(const ct_config *c, int i) {
         exit(1);
     }
     fprintf(f, "%s.%s = ", o->section, o->key);
-    if (own == CFG_OWN_PATH) /* a machine's own path: only whether it is set */
+    if (o->own == CFG_OWN_PATH) /* a machine's own path: only whether it is set */
         fputs(*(char *const *)cfg_cfield(c, o) && **(char *const *)cfg_cfield(c, o) ? "(set)" : "(unset)", f);
     else
         cfg_write_value(c, o, f);

@@ -230,7 +230,7 @@ void cfg_write_toml(const ct_config *c, FILE *out);
  * "section.key = value" (the value as config.toml writes it; the caller
  * frees it); for a path each machine holds its own of, "section.key = (set)"
  * or "(unset)"; NULL for an option that may differ from machine to machine
- * (threads, the peak, the description: config.c's cfg_per_machine) or that is
+ * (threads, the peak, the description: config.c's cfg_option.own) or that is
  * only another name or an unused torchtitan key. */
 int cfg_n_options(void);
 char *cfg_shared_text(const ct_config *c, int i);
