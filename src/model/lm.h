@@ -47,6 +47,11 @@ enum { LM_MOE_KEYS_QWEN = 0, /* mlp.gate, mlp.experts.N.{gate,up,down}_proj */
 /* The projections LoRA can adapt, in the tensor table's order within a layer. */
 enum { LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_O, LM_LORA_GATE, LM_LORA_UP, LM_LORA_DOWN,
        LM_LORA_N };
+/* The fused expert parameters LoRA can adapt (target_parameters), in table order. */
+enum { LM_LORA_EXP_GU, LM_LORA_EXP_D, LM_LORA_EXP_N };
+/* The MoE router's weight (PEFT's target_parameters gate.weight), a 2-D
+ * parameter adapted as the experts are (one "expert"): after them. */
+enum { LM_LORA_EXP_R = LM_LORA_EXP_N, LM_LORA_PARAM_N };
 /* lm_config.lora_lp: no adapter on that projection of that layer */
 #define LM_LORA_LP_OFF 255
 /* distinct (rank, alpha) pairs a rank_pattern / alpha_pattern may give */
@@ -158,9 +163,9 @@ typedef struct {
      * alpha_pattern: its rewrite of target_modules gate_proj + up_proj on a
      * MoE model gives gate_up_proj rank 2 r and alpha 2 alpha. 0: lora_rank
      * and lora_scale apply (read through lm_lora_exp_rank / _scale). */
-    int lora_exp_rank[3]; /* [LM_LORA_PARAM_N] */
-    float lora_exp_scale[3];
-    double lora_exp_alpha[3]; /* the pattern's alpha, for adapter_config.json */
+    int lora_exp_rank[LM_LORA_PARAM_N];
+    float lora_exp_scale[LM_LORA_PARAM_N];
+    double lora_exp_alpha[LM_LORA_PARAM_N]; /* the pattern's alpha, for adapter_config.json */
     /* params and grads are addressed over the whole model but get pages only
      * where written (ct_alloc_lazy): runs with frozen tensors, whose
      * gradients are never written and whose weights may live in bf16 */
@@ -175,11 +180,6 @@ int lm_lora_on(const lm_config *c, int l, int p);
 /* The rank and scale of layer l's adapter on projection p (lora_lp). */
 int lm_lora_rank(const lm_config *c, int l, int p);
 float lm_lora_scale(const lm_config *c, int l, int p);
-/* The fused expert parameters LoRA can adapt (target_parameters), in table order. */
-enum { LM_LORA_EXP_GU, LM_LORA_EXP_D, LM_LORA_EXP_N };
-/* The MoE router's weight (PEFT's target_parameters gate.weight), a 2-D
- * parameter adapted as the experts are (one "expert"): after them. */
-enum { LM_LORA_EXP_R = LM_LORA_EXP_N, LM_LORA_PARAM_N };
 /* Whether layer l (a MoE layer) has adapters on its fused experts p (LM_LORA_EXP_*). */
 int lm_lora_expert_on(const lm_config *c, int l, int p);
 /* Floats of the two transient buffers expert LoRA keeps (lm.c:
