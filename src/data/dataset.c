@@ -777,6 +777,50 @@ int ds_set_state(ds *d, const ds_state *s, ct_err *e) {
     return 0;
 }
 
+/* FNV-1a's 64-bit offset basis and prime, applied to whole words rather than
+ * bytes: xor and multiplication by an odd number are each one-to-one, so a
+ * sequence that differs from another in one word always ends in another state. */
+#define DS_FNV_BASIS 0xcbf29ce484222325ULL
+#define DS_FNV_PRIME 0x100000001b3ULL
+#define DS_DIGEST_BLOCK ((uint64_t)1 << 20) /* tokens per block: the blocks are hashed in parallel */
+
+/* The digest of tokens [off, off + n) of the stream, each with its mask bit. */
+static uint64_t digest_range(const ds *d, uint64_t off, uint64_t n) {
+    int lo = 0, hi = d->n_segs - 1;
+    while (lo < hi) { /* last segment with start <= off, as gather */
+        int mid = (lo + hi + 1) / 2;
+        if (d->segs[mid].start <= off) lo = mid;
+        else hi = mid - 1;
+    }
+    uint64_t h = DS_FNV_BASIS;
+    for (int i = lo; n; i++) {
+        const ds_seg *s = &d->segs[i];
+        uint64_t at = off - s->start;
+        if (at >= s->n) continue; /* empty segment */
+        uint64_t take = s->n - at < n ? s->n - at : n;
+        for (uint64_t k = at; k < at + take; k++)
+            h = (h ^ ((uint64_t)s->tok[k] | (uint64_t)(!s->mask || s->mask[k]) << 32)) * DS_FNV_PRIME;
+        off += take;
+        n -= take;
+    }
+    return h;
+}
+
+uint64_t ds_digest(const ds *d) {
+    uint64_t n = d->n_windows * ((uint64_t)d->cfg.seq_len + 1);
+    int64_t nb = (int64_t)((n + DS_DIGEST_BLOCK - 1) / DS_DIGEST_BLOCK);
+    uint64_t *part = ct_malloc(((size_t)nb + 1) * sizeof *part);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t b = 0; b < nb; b++) {
+        uint64_t off = (uint64_t)b * DS_DIGEST_BLOCK;
+        part[b] = digest_range(d, off, n - off < DS_DIGEST_BLOCK ? n - off : DS_DIGEST_BLOCK);
+    }
+    uint64_t h = (DS_FNV_BASIS ^ n) * DS_FNV_PRIME; /* the length first: equal prefixes differ */
+    for (int64_t b = 0; b < nb; b++) h = (h ^ part[b]) * DS_FNV_PRIME;
+    free(part);
+    return h;
+}
+
 uint64_t ds_num_tokens(const ds *d) { return d->n_tokens; }
 uint64_t ds_num_windows(const ds *d) { return d->n_windows; }
 uint64_t ds_windows_per_rank(const ds *d) { return d->n_windows / (uint64_t)d->world; }

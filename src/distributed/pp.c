@@ -298,6 +298,10 @@ void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts) {
 }
 
 void pp_free(pp_sched *p) {
+    double waited = p->wait_all + p->wait_s, took = p->step_all + p->step_s;
+    if (took > 0) /* this stage's part of the logged bubble (pp.h), on the ranks CTITAN_LOG_RANKS shows */
+        fprintf(stderr, "ctitan: pipeline rank %d of %d waited for its inputs %.6f s of the %.6f s its steps took "
+                "(%.6f)\n", p->rank, p->P, waited, took, waited / took);
     if (p->req)
         for (size_t i = 0; i < (size_t)p->S * p->M * 4; i++) comm_wait(&p->req[i]);
     if (p->cnt_req)
@@ -504,6 +508,8 @@ size_t pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks) {
 
 double pp_take_bubble(pp_sched *p) {
     double b = p->step_s > 0 ? p->wait_s / p->step_s : -1;
+    p->wait_all += p->wait_s;
+    p->step_all += p->step_s;
     p->wait_s = p->step_s = 0;
     return b;
 }

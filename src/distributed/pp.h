@@ -97,7 +97,8 @@ typedef struct {
     double *cnt;         /* [S][M][4][E] expert counts (aux loss): in with the activation, in with the
                             gradient, out with the activation, out with the gradient */
     comm_req *cnt_req;   /* [S][M][4] */
-    double wait_s, step_s; /* seconds waiting for inputs, and in pp_step, since pp_take_times */
+    double wait_s, step_s; /* seconds waiting for inputs, and in pp_step, since pp_take_bubble */
+    double wait_all, step_all; /* the same taken by pp_take_bubble before: pp_free prints the run's */
 } pp_sched;
 
 /* The split and this rank's schedule for P ranks and a step of M
@@ -132,7 +133,10 @@ int pp_unit_stage(const pp_sched *p, int x, int L);
  * *n_banks. table: the stage's model (plan or layout, with act.B, act.T
  * and act.pol set), for the dry run. */
 size_t pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks);
-/* The measured share of pp_step's time spent waiting for inputs since the last call (-1: no step). */
+/* The measured share of pp_step's time spent waiting for inputs since the last call (-1: no step).
+ * The trainer logs the pipeline ranks' mean; each rank's own share over the whole run is the
+ * line pp_free prints on stderr ("ctitan: pipeline rank R of P waited ..."), so the mean can be
+ * checked against its parts. */
 double pp_take_bubble(pp_sched *p);
 
 #endif

@@ -532,24 +532,43 @@ int trainer_agree_config(trainer *t, ct_err *e) {
 /* Each rank opens its own machine's copy of the data: copies of other sizes made
  * the ranks run other numbers of steps' windows and of validation batches
  * (validation.steps = -1: one machine's longer file hung the job in the
- * evaluation's collectives). The ranks compare the window counts, and every
- * rank names the file that differs. A copy of the same size with other tokens
- * is not seen. */
+ * evaluation's collectives), and a copy of the same size with other tokens
+ * trained the job on mixed data at exit 0. Every rank compares its window
+ * counts and its data's digest (ds_digest: the tokens and masks the windows
+ * hold) with rank 0's; the lowest rank that differs names its own file. */
 int trainer_agree_data(trainer *t, const ds *train, const ds *val, ct_err *e) {
     if (t->world->size <= 1) return 0;
-    int64_t n[2] = {(int64_t)ds_num_windows(train), val ? (int64_t)ds_num_windows(val) : 0}, lo[2], hi[2];
-    comm_range_i64(t->world, n, lo, hi, 2);
-    int bad = lo[0] != hi[0] ? 0 : lo[1] != hi[1] ? 1 : -1;
-    if (bad < 0) return 0;
-    const ct_config *c = &t->cfg;
-    const char *key = bad ? "validation.dataset_path" : "training.dataset_path";
-    ct_fail(e, CT_ERR_CONFIG,
-            "%s: %s = \"%s\": the ranks' copies hold different data (rank %d's: %lld windows of %d tokens; "
-            "another rank's: %lld): every machine must hold the same data",
-            cfg_origin(c, key), key, bad ? c->val_dataset_path : c->dataset_path, t->world->rank,
-            (long long)n[bad], c->seq_len + 1, (long long)(n[bad] == hi[bad] ? lo[bad] : hi[bad]));
-    e->all_ranks = 1; /* every rank knows it from the all-reduce */
-    return CT_ERR_CONFIG;
+    const ds *set[2] = {train, val};
+    int64_t mine[4] = {0}, root[4];
+    for (int i = 0; i < 2; i++)
+        if (set[i]) {
+            uint64_t h = ds_digest(set[i]);
+            mine[2 * i] = (int64_t)ds_num_windows(set[i]);
+            memcpy(&mine[2 * i + 1], &h, sizeof h);
+        }
+    memcpy(root, mine, sizeof root);
+    comm_broadcast(t->world, root, 4, COMM_I64, 0);
+    int bad = 0;
+    while (bad < 2 && !memcmp(&mine[2 * bad], &root[2 * bad], 2 * sizeof *mine)) bad++;
+    int rc = 0;
+    if (bad < 2) {
+        const ct_config *c = &t->cfg;
+        const char *key = bad ? "validation.dataset_path" : "training.dataset_path";
+        const int64_t *m = mine + 2 * bad, *r = root + 2 * bad; /* windows, digest */
+        char how[160];
+        if (m[0] != r[0])
+            snprintf(how, sizeof how, "rank 0's: %lld windows of %d tokens; this rank's: %lld", (long long)r[0],
+                     c->seq_len + 1, (long long)m[0]);
+        else
+            snprintf(how, sizeof how,
+                     "the same %lld windows of %d tokens, other tokens or loss masks: digest %016llx here, %016llx on "
+                     "rank 0",
+                     (long long)m[0], c->seq_len + 1, (unsigned long long)m[1], (unsigned long long)r[1]);
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "%s: %s = \"%s\": the ranks' copies hold different data (%s): every machine must hold the same "
+                     "data", cfg_origin(c, key), key, bad ? c->val_dataset_path : c->dataset_path, how);
+    }
+    return trainer_agree(t, rc, "hold rank 0's data", e);
 }
 
 /* Every rank must continue from the same checkpoint. On machines that do not

@@ -687,3 +687,47 @@ def test_run_train_script(setup, tmp_path):
     assert "world 2 = data_parallel_replicate 1 x data_parallel_shard 2" in p.stderr
     assert [l for l in p.stdout.splitlines() if l.startswith("step: 2 ")] != [], p.stdout
     assert len([l for l in p.stdout.splitlines() if l.startswith("step: ")]) == 2, p.stdout  # rank 0 only
+
+
+def test_fsdp_untied_embedding_released_after_the_lookup(tmp_path):
+    """FSDP gathers the untied embedding for the lookup and gives its pages back at layer 0's
+    forward, so the head (final norm, lm_head), gathered after the last layer, is the most a
+    rank holds whole at once (fsdp.h). Kept gathered through the layers (the fourth mutation
+    audit's mutant) trained the same numbers and held one embedding more at the head: here
+    16384 x 512 floats, 32 MiB. Each rank's measured `peak memory` over a tiny model's (the
+    runtime: MPI, libraries) against what transformers' tensor sizes give for FSDP 2: every
+    piece's slice of the parameters, gradients and AdamW moments (16 bytes a float), the
+    head's parameters and gradients whole, and the dry run's activations; at least the
+    first two, and no more than all three + 12 MiB (test_dry_run.py's 8 MiB for MPI's and
+    the allocator's buffers, and 4 for the runtime's peak, which moves by 2 MiB from run to
+    run): the mutant's 32 MiB exceed it by 20."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch
+    from test_dry_run import field, fsdp_stored, launch, layout_args, ok
+    data = oracle.write_bin(tmp_path / "t.bin", oracle.random_tokens(64 * 33, 254, seed=3))
+    shapes = {"tiny": dict(vocab=254, hidden=31, inter=48, layers=3, heads=4, kv_heads=2, head_dim=8),
+              "big": dict(vocab=16384, hidden=512, inter=64, layers=2, heads=4, kv_heads=2, head_dim=16)}
+    state, act, peak = {}, {}, {}
+    for size, kw in shapes.items():
+        model = tmp_path / f"model_{size}"
+        oracle.tiny_config(**kw).save_pretrained(model)
+        with torch.device("meta"):
+            sizes = {k: p.numel() for k, p in
+                     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).named_parameters()}
+        head = sum(n for k, n in sizes.items() if not k.startswith(("model.layers.", "model.embed_tokens.")))
+        assert head == kw["vocab"] * kw["hidden"] + kw["hidden"], sizes  # lm_head and the final norm
+        state[size] = 16 * fsdp_stored(model, 2, 1) + 8 * head
+        args = layout_args(model, data, tmp_path / size, (1, 2, 1, 1))
+        act[size] = field(ok(launch(0, args + ["--dry-run"])).stdout.split("per rank: ")[1],
+                          "activations + workspace (planned)")
+        err = ok(launch(2, args, env=dict(ENV, CTITAN_LOG_RANKS="all"))).stderr
+        got = {int(r): float(g) * 2**30 for r, g in re.findall(r"rank (\d) of 2: peak memory ([0-9.]+) GiB", err)}
+        assert sorted(got) == [0, 1], err[-3000:]
+        peak[size] = got
+    low = state["big"] - state["tiny"]
+    high = low + act["big"] - act["tiny"] + 12 * 2**20
+    for r in (0, 1):
+        grew = peak["big"][r] - peak["tiny"][r]
+        print(f"rank {r}: {grew / 2**20:.1f} MiB over the runtime; tensors {low / 2**20:.1f} MiB, "
+              f"allowed {high / 2**20:.1f} MiB")
+        assert low <= grew <= high, (r, grew / 2**20, low / 2**20, high / 2**20)

@@ -351,3 +351,49 @@ def test_dry_run_pp_bad_split_points(pp_models, tmp_path, split, words):
     p = launch(0, pp_args(d / "untied", data, tmp_path, 2, f"--parallelism.pipeline_parallel_split_points={split}")
                + ["--dry-run"], timeout=60)
     assert p.returncode == 2 and words in p.stderr, p.stderr
+
+
+def torch_banks(schedule, P, S, M, r):
+    """Per local stage of pipeline rank r, the most forwards whose backward has not run, in
+    PyTorch's schedules (torch.distributed.pipelining.schedules): Schedule1F1B warms up with
+    min(M, P - r) forwards and then runs one backward before each further forward;
+    ScheduleGPipe runs every forward first; ScheduleInterleaved1F1B's order is its own
+    pipeline_order for rank r (its warm-up and 1F1B ops, built by its module's functions)."""
+    if schedule == "1F1B":
+        return [min(M, P - r)]
+    if schedule == "GPipe":
+        return [M]
+    from torch.distributed.pipelining import schedules as ts
+    rounds = max(1, M // P)
+    per_round = M // rounds
+    warm = ts._get_warmup_ops(r, S, per_round, P, M)
+    fwd_bwd = S * M - warm
+    ops = ts._get_1f1b_rank_ops(S, P, warm, fwd_bwd, S * M - fwd_bwd, r,
+                                lambda k: (k // per_round) % S * P + r,
+                                lambda k: (S - 1 - (k - warm) // per_round % S) * P + r)
+    live, most = [0] * S, [0] * S
+    for a in ops:
+        if a is None:
+            continue
+        c = a.stage_index // P
+        live[c] += 1 if a.computation_type == ts._ComputationType.FORWARD else -1
+        most[c] = max(most[c], live[c])
+    assert all(n == 0 for n in live), ops
+    return most
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_dry_run_pp_banks_are_torchs_forwards_in_flight(pp_models, tmp_path, name):
+    """Each pipeline rank's activation banks (one per forward whose backward has not run, per
+    local stage) are the most forwards PyTorch's schedule of the same name keeps in flight on
+    that rank. A 1F1B warm-up one forward longer trains to the same numbers and kept one more
+    bank per stage (the fourth mutation audit): only this count shows it."""
+    kind, P, extra, local, global_ = CASES[name]
+    d, data = pp_models
+    args = pp_args(d / kind, data, tmp_path, P, *extra, local=local, global_=global_)
+    plan = parse(ok(launch(0, args + ["--dry-run"])).stdout)
+    S, M = plan["S"], plan["M"]
+    assert M > P, f"{name}: {M} micro-batches: a warm-up one longer must have a forward left to run"
+    for s in plan["stages"]:
+        want = sum(torch_banks(plan["schedule"], P, S, M, s["rank"]))
+        assert s["n_banks"] == want, f"{name} rank {s['rank']}: {s['n_banks']} banks, torch keeps {want} in flight"

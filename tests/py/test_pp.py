@@ -587,3 +587,36 @@ def test_dry_run_with_pipeline_keys(setup, tmp_path, ranks, args):
     assert p.returncode == 0, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     assert p.stdout.count("dry run: model") == 1, p.stdout[-2000:]
     assert not (tmp_path / "dry" / "metrics.jsonl").exists(), "the dry run trained"
+
+
+# --------------------------------------------------------------------------- 8. the logged bubble
+
+@pytest.mark.parametrize("P,sched", [(4, "GPipe"), (2, "1F1B")])
+def test_logged_bubble_is_the_stages_mean(setup, tmp_path, P, sched):
+    """The logged bubble (the console's `bubble`, metrics.jsonl's pp_bubble) is the mean over
+    the pipeline ranks of the share of its step each spent waiting for an input; each rank
+    prints its own share of the run at its end. A 1-step run: the logged figure is the mean
+    of the printed ones (to their printed precision), a share between 0 and 1. The stages'
+    sum, logged instead of their mean (the fourth mutation audit), trained the same numbers
+    and logged P times the mean; timings on a shared machine vary too much for a bound alone
+    to tell the two apart."""
+    d, data = setup
+    out = tmp_path / "out"
+    cmd = mpirun() + ["-np", str(P), str(BIN)] + [str(a) for a in train_args(
+        d / "model", data, out, f"{PP}={P}", f"{SCHED}={sched}", "--training.steps=1")]
+    p = subprocess.run(cmd, env=dict(ENV, CTITAN_LOG_RANKS="all"), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    share = {int(r): (float(w), float(s), float(x)) for r, w, s, x in re.findall(
+        rf"ctitan: pipeline rank (\d) of {P} waited for its inputs ([0-9.]+) s of the ([0-9.]+) s its steps took "
+        r"\(([0-9.]+)\)", p.stderr)}
+    assert sorted(share) == list(range(P)), p.stderr[-3000:]
+    for r, (w, s, x) in share.items():
+        assert 0 <= w <= s and x == pytest.approx(w / s, abs=2e-6 / s + 1e-6), (r, w, s, x)
+    rows = [r for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1], rows
+    mean = sum(x for _, _, x in share.values()) / P
+    logged = rows[0]["pp_bubble"]
+    assert logged == pytest.approx(mean, abs=6e-5), f"logged {logged}, the ranks' shares {share} (mean {mean:.6f})"
+    shown = float(re.search(r"^step: 1 .*  bubble: ([0-9.]+)%", p.stdout, re.M).group(1))
+    assert shown == pytest.approx(100 * logged, abs=0.051), (shown, logged)
+    assert 0 < logged <= 1

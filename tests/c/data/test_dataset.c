@@ -785,6 +785,65 @@ static void test_open_text(const tok *t) {
     CHECK(ds_open(&d, p, 1, NULL, &c, &e) && strstr(e.msg, "needs a tokenizer"), "%s", e.msg);
 }
 
+/* ds_digest, which the ranks compare (train/trainer_ckpt.c): of what the windows
+ * hold, whatever the files. A stream past 2^20 tokens, so that it is hashed in
+ * more than one block (DS_DIGEST_BLOCK), and a tail of 4 tokens no window takes. */
+static uint64_t digest_of(const char *name, int T, int *ok) {
+    ct_err e = {0};
+    ds *d = open1(name, T, 0, 0, 0, 1, &e);
+    CHECK(d != NULL, "%s", e.msg);
+    *ok &= d != NULL;
+    uint64_t h = d ? ds_digest(d) : 0;
+    ds_close(d);
+    return h;
+}
+
+static void test_digest(void) {
+    enum { T = 9, NW = 110000, N = NW * (T + 1) + 4, CUT = (1 << 20) - 3 };
+    uint32_t *v = malloc((size_t)N * sizeof *v);
+    uint8_t *m = malloc(N);
+    for (size_t i = 0; i < N; i++) v[i] = (uint32_t)(i * 7919 % 50000);
+    memset(m, 1, N);
+    write_file("dg.bin", v, (size_t)N * 4);
+    int ok = 1;
+    uint64_t h = digest_of("dg.bin", T, &ok);
+    /* the same stream cut into two files mid-window, just before the second block */
+    mkdir(tpath("dg_cut"), 0777);
+    write_file("dg_cut/p0.bin", v, (size_t)CUT * 4);
+    write_file("dg_cut/p1.bin", v + CUT, (size_t)(N - CUT) * 4);
+    CHECK(digest_of("dg_cut", T, &ok) == h, "the same tokens cut into two files");
+    /* with a mask of all ones: every token a target, as without one */
+    mkdir(tpath("dg_mask"), 0777);
+    write_file("dg_mask/a.bin", v, (size_t)N * 4);
+    write_file("dg_mask/a.mask", m, N);
+    CHECK(digest_of("dg_mask", T, &ok) == h, "a mask of all ones");
+    /* the tail no window takes: left out */
+    write_file("dg_short.bin", v, (size_t)(N - 4) * 4);
+    CHECK(digest_of("dg_short.bin", T, &ok) == h, "without the tail");
+    v[N - 1] ^= 1;
+    write_file("dg_tail.bin", v, (size_t)N * 4);
+    CHECK(digest_of("dg_tail.bin", T, &ok) == h, "another tail");
+    v[N - 1] ^= 1;
+    /* one token, in the first block and in the last */
+    const size_t at[] = {5, CUT + 10, NW * (T + 1) - 1};
+    for (size_t k = 0; k < sizeof at / sizeof *at; k++) {
+        v[at[k]] += 1;
+        write_file("dg_one.bin", v, (size_t)N * 4);
+        CHECK(digest_of("dg_one.bin", T, &ok) != h, "token %zu changed", at[k]);
+        v[at[k]] -= 1;
+    }
+    /* one mask byte */
+    m[CUT + 10] = 0;
+    write_file("dg_mask/a.mask", m, N);
+    CHECK(digest_of("dg_mask", T, &ok) != h, "a mask byte changed");
+    /* the same tokens as other windows: one window fewer */
+    write_file("dg_less.bin", v, (size_t)(N - 4 - (T + 1)) * 4);
+    CHECK(digest_of("dg_less.bin", T, &ok) != h, "one window fewer");
+    CHECK(ok, "every file opened");
+    free(v);
+    free(m);
+}
+
 int main(void) {
     snprintf(tmpdir, sizeof tmpdir, "/tmp/ctitan_test_dataset_XXXXXX");
     if (!mkdtemp(tmpdir)) {
@@ -801,6 +860,7 @@ int main(void) {
     test_shards();
     test_prepare_integrity();
     test_open_text(t);
+    test_digest();
     tok_free(t);
     nftw(tmpdir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
     return CHECK_DONE();
