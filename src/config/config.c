@@ -342,8 +342,8 @@ static const cfg_option cfg_options[] = {
         .help = "torchtitan's async tensor parallel (needs torch.compile): ctitan has none, so only false is taken"),
     OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1", .range = CFG_GE, .lo = 1,
         .help = "ranks splitting each sequence into chunks of consecutive positions (training.seq_len / degree "
-                "each); attention runs over the whole prefix; with data parallel, FSDP, LoRA and training.freeze, "
-                "not with tensor, pipeline or expert parallel (docs/distributed.md)"),
+                "each); attention runs over the whole prefix; composes with data parallel, FSDP, tensor, pipeline "
+                "and expert parallel, LoRA and training.freeze (docs/distributed.md)"),
     OPT("parallelism", "pipeline_parallel_degree", CFG_INT, pp, "1", .range = CFG_GE, .lo = 1,
         .help = "pipeline stages: ranks each holding a range of layers, passing activations forward and "
                 "gradients back (docs/distributed.md)"),
@@ -1230,27 +1230,13 @@ int cfg_validate(const ct_config *c, ct_err *e) {
     if (!c->text_field[0])
         return ct_fail(e, CT_ERR_CONFIG, "%s: training.text_field: empty (the JSON Lines field holding the text)",
                        cfg_origin(c, "training.text_field"));
-    if (c->cp > 1) { /* what context parallel does not compose with (docs/distributed.md) */
-        const struct { int on; const char *key; } no[] = {
-            {c->tp > 1, "parallelism.tensor_parallel_degree"},
-            {c->pp > 1, "parallelism.pipeline_parallel_degree"},
-            {c->ep > 1, "parallelism.expert_parallel_degree"}};
-        for (size_t i = 0; i < sizeof no / sizeof no[0]; i++) {
-            char keys[160];
-            snprintf(keys, sizeof keys, "parallelism.context_parallel_degree,%s", no[i].key);
-            if (no[i].on)
-                return ct_fail(e, CT_ERR_CONFIG,
-                               "%s: parallelism.context_parallel_degree = %d with %s: context parallel does not "
-                               "compose with it yet; set one of them to its default (docs/distributed.md)",
-                               cfg_origin_any(c, keys), c->cp, no[i].key);
-        }
-        if (c->seq_len % c->cp != 0)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: parallelism.context_parallel_degree = %d does not divide training.seq_len = %d "
-                           "(each rank runs seq_len / degree positions; validation runs at training.seq_len too)",
-                           cfg_origin_any(c, "parallelism.context_parallel_degree,training.seq_len"), c->cp,
-                           c->seq_len);
-    }
+    /* context parallel composes with every other layout (docs/distributed.md); what it needs
+     * of the model (no load-balancing loss in the gradient) mesh_resolve checks */
+    if (c->cp > 1 && c->seq_len % c->cp != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.context_parallel_degree = %d does not divide training.seq_len = %d "
+                       "(each rank runs seq_len / degree positions; validation runs at training.seq_len too)",
+                       cfg_origin_any(c, "parallelism.context_parallel_degree,training.seq_len"), c->cp, c->seq_len);
     return cfg_validate_inert(c, e);
 }
 

@@ -92,7 +92,7 @@ static void cp_bwd(void *ctx, float *dq, float *dk, float *dv, const float *dout
     cp->comm_s += ct_now() - t1;
 }
 
-void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T) {
+void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq) {
     memset(cp, 0, sizeof *cp);
     cp->m = m;
     cp->c = c;
@@ -114,8 +114,9 @@ void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T) {
     cp->dqp = ct_malloc(q * sizeof(float));
     cp->dop = ct_malloc(q * sizeof(float));
     cp->lp = ct_malloc((size_t)B * mc->n_heads * T * sizeof(float));
-    cp->tok = ct_malloc((size_t)B * cp->Tl * sizeof(int32_t));
-    cp->lab = ct_malloc((size_t)B * cp->Tl * sizeof(int32_t));
+    if (n_seq < B) n_seq = B;
+    cp->tok = ct_malloc((size_t)n_seq * cp->Tl * sizeof(int32_t));
+    cp->lab = ct_malloc((size_t)n_seq * cp->Tl * sizeof(int32_t));
     /* RoPE of the chunk's global positions, for a forward over the whole
      * sequence (dynamic RoPE depends on its length); rope_T = Tl keeps the
      * model from rebuilding them for positions 0 .. Tl-1 */

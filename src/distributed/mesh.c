@@ -139,20 +139,23 @@ int mesh_init(ct_mesh *m, ct_comm *world, const ct_config *c, const lm_config *m
     if (C > 1 && (rc = comm_split(world, IN_STAGE(m->dp_rank * m->tp + m->tp_rank), m->cp_rank, &m->cpg, e)))
         return rc;
     m->ep = c->ep > 1 ? c->ep : 1;
-    /* a checkpoint is gathered from chunk 0's ranks (the others hold the same model) */
+    /* a checkpoint is gathered from chunk 0's ranks (the others hold the same model;
+     * plan_save_gather leaves them out of its TP and FSDP gathers too) */
     int in = m->dp_rank < m->ep && m->cp_rank == 0;
     if ((rc = comm_split(world, IN_STAGE(in ? 0 : 1 + r), in ? m->dp_rank * m->tp + m->tp_rank : 0, &m->slices, e)))
         return rc;
     if (m->ep <= 1) return 0;
-    /* consecutive data-parallel ranks with the same tp index: under TP each
-     * rank of the group holds the same tp slice of its experts */
+    /* consecutive data-parallel ranks with the same cp and tp index (ct): under TP
+     * each rank of the group holds the same tp slice of its experts, and under CP
+     * the group exchanges one chunk's tokens, whose experts' gradients the cp group
+     * then sums as the rest (plan_reduce_grads) */
     m->ep_rank = m->dp_rank % m->ep;
-    if ((rc = comm_split(world, IN_STAGE((m->dp_rank / m->ep) * m->tp + m->tp_rank), m->ep_rank, &m->epg, e)))
+    if ((rc = comm_split(world, IN_STAGE((m->dp_rank / m->ep) * C * m->tp + ct), m->ep_rank, &m->epg, e)))
         return rc;
     if (m->dp_shard > 1)
-        return comm_split(world, IN_STAGE((m->rep_rank * m->tp + m->tp_rank) * m->ep + m->ep_rank), m->shard_rank,
+        return comm_split(world, IN_STAGE((m->rep_rank * C * m->tp + ct) * m->ep + m->ep_rank), m->shard_rank,
                           &m->edp, e);
-    return comm_split(world, IN_STAGE(m->tp_rank * m->ep + m->ep_rank), m->rep_rank, &m->edp, e);
+    return comm_split(world, IN_STAGE(ct * m->ep + m->ep_rank), m->rep_rank, &m->edp, e);
 #undef IN_STAGE
 }
 

@@ -12,7 +12,7 @@
  * context-parallel ranks of one sequence (distributed/cp.h) share it, as the
  * tensor-parallel ranks do, and each takes its chunk of every window.
  * An expert-parallel group is expert_parallel_degree consecutive
- * data-parallel ranks with the same tp index (distributed/ep.h), inside one FSDP
+ * data-parallel ranks with the same cp and tp index (distributed/ep.h), inside one FSDP
  * group when dp_shard > 1 (ep must divide dp_shard), else among the replicas
  * (ep must divide dp_replicate). */
 #ifndef CT_DISTRIBUTED_MESH_H
@@ -38,8 +38,8 @@ typedef struct {
     ct_comm tpg;    /* same replica, shard and cp index: one tensor-parallel group (consecutive ranks) */
     ct_comm cpg;    /* same replica, shard and tp index: the chunks of one sequence (only when cp > 1) */
     int ep, ep_rank; /* expert parallel degree (1: off) and this rank's index in its group */
-    ct_comm epg;    /* expert_parallel_degree consecutive data-parallel ranks with this tp index */
-    ct_comm edp;    /* the ranks holding the same experts (same ep_rank and tp index): within the
+    ct_comm epg;    /* expert_parallel_degree consecutive data-parallel ranks with this cp and tp index */
+    ct_comm edp;    /* the ranks holding the same experts (same ep_rank, cp and tp index): within the
                      * FSDP group when dp_shard > 1 (the experts' FSDP group; dp_shard / ep ranks),
                      * else among the replicas (their gradients' all-reduce; dp_replicate / ep) */
     ct_comm slices; /* data-parallel ranks 0 .. ep-1 (of chunk 0 under cp), every tp index: together

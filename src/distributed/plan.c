@@ -68,8 +68,8 @@ int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e) {
     p->m = m;
     p->opt = opt;
     int rc = 0;
-    if (p->pp)
-        pp_bind(p->pp, &p->mesh.ppg, p->cfg->pp_microbatch, p->cfg->seq_len, m->cfg.hidden,
+    if (p->pp) /* messages of a micro-batch's rows: under context parallel, of its chunk */
+        pp_bind(p->pp, &p->mesh.ppg, p->cfg->pp_microbatch, plan_seq_len(p), m->cfg.hidden,
                 m->moe.n_layers ? m->cfg.n_experts : 0);
     if (p->mesh.dp_shard > 1) {
         p->fsdp = ct_calloc(1, sizeof *p->fsdp);
@@ -84,7 +84,15 @@ int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e) {
     }
     if (!rc && p->mesh.cp > 1) { /* 5. its chunk's RoPE positions and the attention over the whole sequence */
         p->cp = ct_calloc(1, sizeof *p->cp);
-        cp_init(p->cp, m, &p->mesh.cpg, m->act.B, p->cfg->seq_len);
+        /* a pipeline takes the step's sequences at once (its micro-batches, pp_step) and
+         * validation's batch whole (pp_eval splits it): each chunked before */
+        int n_seq = m->act.B;
+        if (p->pp) {
+            const ct_config *c = p->cfg;
+            int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
+            n_seq = p->pp->M * p->pp->mb_size > val_b ? p->pp->M * p->pp->mb_size : val_b;
+        }
+        cp_init(p->cp, m, &p->mesh.cpg, m->act.B, p->cfg->seq_len, n_seq);
     }
     return rc;
 }
@@ -582,6 +590,10 @@ double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *l
                              const uint64_t *seeds, double *aux_sum) {
     lm_model *m = p->m;
     *aux_sum = 0;
+    if (p->pp && p->cp) { /* the schedule owns the step, on this rank's chunk of every sequence */
+        cp_chunk(p->cp, tokens, labels, p->pp->M * p->pp->mb_size);
+        return pp_step(p->pp, m, p->cp->tok, p->cp->lab, seeds, scale);
+    }
     if (p->pp) return pp_step(p->pp, m, tokens, labels, seeds, scale); /* the schedule owns the step */
     size_t mb = (size_t)B * T;
     double loss = 0;
@@ -610,6 +622,8 @@ static double pp_aux_sum(ct_plan *p) {
     pp_sched *s = p->pp;
     int E = s->E;
     comm_allreduce(&p->mesh.ppg, s->moe_stats, (size_t)s->M * 2 * E, COMM_F64, COMM_SUM);
+    if (p->cp) /* every chunk's tokens: the loss of the whole sequences (as cp_moe_aux) */
+        comm_allreduce(&p->mesh.cpg, s->moe_stats, (size_t)s->M * 2 * E, COMM_F64, COMM_SUM);
     double sum = 0;
     for (int i = 0; i < s->M; i++)
         sum += moe_aux_loss(NULL, s->moe_stats + (size_t)i * 2 * E, s->moe_stats + (size_t)i * 2 * E + E,
@@ -653,7 +667,8 @@ double plan_eval(ct_plan *p, const int32_t *tokens, const int32_t *labels, int B
     double sum;
     if (p->cp) { /* validation runs under context parallel too: this rank's chunk */
         cp_chunk(p->cp, tokens, labels, B);
-        sum = lm_loss(p->m, p->cp->tok, p->cp->lab, B, p->cp->Tl, n_valid);
+        sum = p->pp ? pp_eval(p->pp, p->m, p->cp->tok, p->cp->lab, B, p->cp->Tl, n_valid)
+                    : lm_loss(p->m, p->cp->tok, p->cp->lab, B, p->cp->Tl, n_valid);
     } else {
         sum = p->pp ? pp_eval(p->pp, p->m, tokens, labels, B, T, n_valid)
                     : lm_loss(p->m, tokens, labels, B, T, n_valid);
@@ -726,7 +741,7 @@ void plan_save_gather(ct_plan *p, const lm_model *fm, int kinds, int frozen_too,
     int fsdp_part = p->fsdp && p->mesh.rep_rank == 0 && p->mesh.cp_rank == 0; /* chunk 0's ranks: the others
                                                                                  * hold the same shards */
     int fsdp_root = fsdp_part && p->mesh.shard_rank < p->mesh.ep;
-    int in_slices = p->tp && p->mesh.dp_rank < p->mesh.ep;
+    int in_slices = p->tp && p->mesh.dp_rank < p->mesh.ep && p->mesh.cp_rank == 0; /* mesh.slices: chunk 0's */
     int *u = ct_malloc(((size_t)L + 3) * sizeof *u);
     save_units(lm, u);
     for (int k = 0; k < kinds; k++) {

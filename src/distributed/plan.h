@@ -18,7 +18,7 @@
  *   3. FSDP (fsdp.h): the slice's flat buffers sharded over the shard group;
  *   4. data parallel replicas: gradients summed over the replicate group
  *      (HSDP with 3, or an overlapped per-layer all-reduce without it);
- *   5. context parallel (cp.h, alone or with 3 and 4): the model runs on a
+ *   5. context parallel (cp.h, alone or with any of 1-4): the model runs on a
  *      chunk of each sequence; gradients, CE sums and counts are summed over
  *      the chunks' ranks after the others' reductions.
  * The model sees one set of per-layer hooks, composed here: a layer's

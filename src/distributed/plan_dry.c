@@ -35,6 +35,14 @@ typedef struct {
 
 static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
+/* Bytes of cp.c's padded attention problem for B sequences of the whole
+ * length T on the heads of lc (a TP slice's): q, out, dq, d(out), k and v
+ * twice, dk, dv gathered twice, and lse, in fp32. */
+static double dry_cp_scratch(const lm_config *lc, int B, int T) {
+    double bt = (double)B * T, q = bt * lc->n_heads * lc->head_dim, kv = bt * lc->n_kv_heads * lc->head_dim;
+    return 4.0 * (4 * q + 6 * kv + bt * lc->n_heads);
+}
+
 static int dry_fsdp_plan(const lm_model *m, int n, int n_exp, dry_fsdp *d, ct_err *e) {
     memset(d, 0, sizeof *d);
     int L = m->cfg.n_layers;
@@ -164,10 +172,8 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
         fprintf(out, "  FSDP over %d ranks: %.0f parameters stored\n", shard, stored);
     double p = 4 * stored + 2 * in_bf16, g = 4 * trained, o = 8 * trained, a = (double)act, w = 4 * widened;
     double x = 4.0 * (double)lm_expert_lora_scratch_floats(&lc);
-    /* context parallel (c->seq_len is then a rank's chunk): cp.c's padded problem over the whole
-     * sequence, q, out, dq, d(out) and k, v twice, dk, dv gathered twice, and lse */
-    double bt = (double)B * c->seq_len * cp, q = bt * lc.n_heads * lc.head_dim, kv = bt * lc.n_kv_heads * lc.head_dim;
-    double cps_bytes = cp > 1 ? 4.0 * (4 * q + 6 * kv + bt * lc.n_heads) : 0;
+    /* context parallel (c->seq_len is then a rank's chunk) */
+    double cps_bytes = cp > 1 ? dry_cp_scratch(&lc, B, c->seq_len * cp) : 0;
     double total = p + g + o + gathered + a + w + x + cps_bytes;
     plan_dry_line(out, in_bf16 > 0 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
     plan_dry_line(out, trained < stored + in_bf16 ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
@@ -225,7 +231,9 @@ static void dry_pp_layers(const pp_sched *p, char *out, size_t cap) {
  * micro-batch; its activation banks and the point-to-point buffers of pp_bind. Prints its line when out. */
 static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, const pp_sched *p, int shard, int tp,
                         const char *where, ct_err *e) {
-    int mb = c->pp_microbatch, T = c->seq_len, L = mc->n_layers, ep = c->ep > 1 ? c->ep : 1;
+    /* context parallel: the stage runs a chunk of each sequence (plan_seq_len) */
+    int cp = c->cp > 1 ? c->cp : 1;
+    int mb = c->pp_microbatch, T = c->seq_len / cp, L = mc->n_layers, ep = c->ep > 1 ? c->ep : 1;
     lm_config stage = *mc, sc;
     pp_hold(p, &stage);
     tp_local_config(&sc, &stage, tp, 0, ep, 0);
@@ -270,7 +278,8 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     double w = 4.0 * stored + 2.0 * (double)in_bf16, go = 12.0 * (double)trained;
     double banks = 4.0 * (double)bank_f, a = (double)act + banks, wide = 4.0 * (double)widened;
     double x = 4.0 * (double)lm_expert_lora_scratch_floats(&sc);
-    double total = w + go + gathered + a + p2p + wide + x;
+    double cps = cp > 1 ? dry_cp_scratch(&sc, mb, c->seq_len) : 0;
+    double total = w + go + gathered + a + p2p + wide + x + cps;
     char layers[512], slice[160] = "", sharded[96] = "";
     dry_pp_layers(p, layers, sizeof layers);
     int embed = lm_holds_layer(&sc, 0), head = lm_holds_head(&sc);
@@ -290,6 +299,7 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
             n_banks == 1 ? "" : "s", banks, p2p);
     if (wide > 0) fprintf(out, ", frozen bf16 lm_head logits block %.0f", wide);
     if (x > 0) fprintf(out, ", expert LoRA fold + weight gradient %.0f", x);
+    if (cps > 0) fprintf(out, ", context parallel attention scratch %.0f", cps);
     fprintf(out, "; total %.0f (%.3f GiB)\n", total, total / (1024.0 * 1024.0 * 1024.0));
     return 0;
 }
@@ -306,6 +316,8 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
     /* trainer_init_dist's micro-batches of a step */
     int per_step = c->local_batch_size * dp, global = c->global_batch_size > 0 ? c->global_batch_size : per_step;
     int accum = global / per_step, mb = c->pp_microbatch, M = accum * (c->local_batch_size / mb);
+    char cps[40] = "";
+    if (c->cp > 1) snprintf(cps, sizeof cps, "context_parallel %d x ", c->cp);
     for (int r = 0; r < P; r++) {
         pp_sched p;
         rc = pp_plan(&p, c, mc, P, r, M, where, e);
@@ -315,9 +327,9 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
             double book = (double)(P - 1) / ((inter ? (double)S * M : (double)M) + P - 1);
             fprintf(out,
                     "pipeline: world %d = pipeline_parallel %d x data_parallel_replicate %d x data_parallel_shard "
-                    "%d x tensor_parallel %d, expert_parallel %d (each pipeline rank's plan; its replicas plan the "
+                    "%d x %stensor_parallel %d, expert_parallel %d (each pipeline rank's plan; its replicas plan the "
                     "same)\n",
-                    world, P, rep, shard, tp, c->ep > 1 ? c->ep : 1);
+                    world, P, rep, shard, cps, tp, c->ep > 1 ? c->ep : 1);
             fprintf(out,
                     "  schedule %s: %d stage%s per rank, %d micro-batches of %d sequence%s per step (gradient "
                     "accumulation %d x local_batch_size %d / pipeline_parallel_microbatch_size %d)\n",

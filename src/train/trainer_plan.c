@@ -77,9 +77,10 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     if (x > 0) plan_dry_line(out, "expert LoRA fold + weight gradient", x);
     plan_dry_line(out, "total planned", p + g + o + a + w + x);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
-    if (pp > 1) return plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, trainer_layout_origin(c), e);
-    if (world > 1 && (rc = plan_dry_rank(out, &cr, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e)))
-        return rc;
+    /* a pipeline plans each stage's chunk itself: the split is costed at the whole seq_len, as the run's */
+    if (pp > 1) rc = plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, trainer_layout_origin(c), e);
+    else if (world > 1) rc = plan_dry_rank(out, &cr, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e);
+    if (rc) return rc;
     if (cp > 1)
         fprintf(out, "(context_parallel %d: the per-rank figures are a rank's running %d of the %d positions of each "
                      "sequence, with its attention's whole-sequence scratch: distributed/cp.h)\n",

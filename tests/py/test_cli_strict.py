@@ -356,10 +356,11 @@ def test_context_parallel_degree_is_read_and_checked(run_ctitan, tmp_path):
     assert rc == 0 and "context_parallel 2:" in out, (rc, err)
     rc, _, err = run_ctitan(["train", "--parallelism.context_parallel_degree=0", "--dry-run"], check=False)
     assert rc == 2 and "parallelism.context_parallel_degree: must be >= 1 (got 0)" in err, (rc, err)
-    rc, _, err = run_ctitan(["train", "--config", conf, "--parallelism.context_parallel_degree=2",
-                             "--parallelism.tensor_parallel_degree=2", "--dry-run"], check=False)
-    assert rc == 2 and ("parallelism.context_parallel_degree = 2 with parallelism.tensor_parallel_degree"
-                        in err), (rc, err)
+    # CP composes with TP (stop 48): the dry run plans 4 ranks of cp 2 x tp 2
+    rc, out, err = run_ctitan(["train", "--config", conf, "--parallelism.context_parallel_degree=2",
+                               "--parallelism.tensor_parallel_degree=2",
+                               "--parallelism.data_parallel_shard_degree=1", "--dry-run"], check=False)
+    assert rc == 0 and "context_parallel 2 x tensor_parallel 2" in out + err, (rc, out, err)
     _, out, _ = run_ctitan(["train", "--help"])
     entry = out.split("--parallelism.context_parallel_degree=", 1)[1].split("\n  --", 1)[0]
     assert "chunks of consecutive positions" in entry and "only 1 is taken" not in entry, entry

@@ -6,8 +6,9 @@ helpers and tolerances: losses and validation losses to 1e-5 relative, final wei
 norm-wise per tensor to 1e-5), and here also the gradient norms to 1e-5. The one-process
 runs are tied to PyTorch by test_train_loop.py and test_families.py (LoRA's and freeze's by
 test_lora_runs.py). LoRA, training.freeze and the bf16 frozen base train like one process
-too, dropout masks included. A checkpoint written under CP resumes on one process and back;
-what CP does not compose with is refused."""
+too, dropout masks included. CP composed with TP, EP and PP (and FSDP under them) trains like
+one process too. A checkpoint written under CP (and CP x TP) resumes on one process and back;
+what CP cannot run with is refused."""
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -17,6 +18,13 @@ import oracle_families as fam
 from test_dist import STEPS, assert_same_run, run, train_args, weights
 
 CP = "--parallelism.context_parallel_degree"
+TPD = "--parallelism.tensor_parallel_degree"
+EPD = "--parallelism.expert_parallel_degree"
+REP = "--parallelism.data_parallel_replicate_degree"
+SHARD = "--parallelism.data_parallel_shard_degree"
+PPD = "--parallelism.pipeline_parallel_degree"
+PPMB = "--parallelism.pipeline_parallel_microbatch_size"
+LB1 = "--training.local_batch_size=1"
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +45,21 @@ def setup(tmp_path_factory):
     # Phi3's longrope over T = 16 > original_max_position_embeddings 8: the long factors, which
     # a chunk of 8 positions would not pick; RoPE on 12 of each head's 16 features
     fam.make_config(fam.CASE["phi3_partial075_longrope"]).save_pretrained(d / "fam_phi3")
+    # for CP x TP: heads 4, kv heads 2, intermediate 48, vocabulary 256 (an untied,
+    # vocabulary-parallel lm_head), which TP 2 divides; the data's tokens are < 251
+    oracle.tiny_config(vocab=256, hidden=30, inter=48, layers=3, heads=4, kv_heads=2, head_dim=8,
+                       tied=False).save_pretrained(d / "model_tp")
+    Qwen3MoeConfig(vocab_size=256, hidden_size=30, intermediate_size=48, moe_intermediate_size=20, num_experts=4,
+                   num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
+                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   max_position_embeddings=256, tie_word_embeddings=False, output_router_logits=False,
+                   ).save_pretrained(d / "model_moe_tp")
+    # Mistral: a sliding window of 5 on every layer, over chunks of 8 positions (vocabulary 160,
+    # intermediate 48: TP 2 divides both)
+    fam.make_config(fam.CASE["mistral_swa5"]).save_pretrained(d / "fam_mistral")
+    # for CP x Interleaved1F1B over 2 ranks (4 stages of a layer each)
+    oracle.tiny_config(vocab=251, hidden=30, inter=49, layers=4, heads=4, kv_heads=2, head_dim=8,
+                       tied=False).save_pretrained(d / "model_4l")
     data = oracle.write_bin(d / "tokens.bin", oracle.learnable_stream(600 * 17, 251, seed=7))
     oracle.write_bin(d / "tokens128.bin", oracle.learnable_stream(600 * 17, 128, seed=7))  # the families' vocabulary
     return d, data
@@ -107,9 +130,36 @@ LAYOUTS = {  # name: (ranks, data-parallel ranks, model, reference, extra)
     "cp2_moe_bias": (2, 1, "model_moe", "moe_bias", [f"{CP}=2", "--model.load_balance_coeff=1e-3"]),
     "cp4_gemma3": (4, 1, "fam_gemma3", "gemma3", [f"{CP}=4"]),
     "cp2_phi3_longrope": (2, 1, "fam_phi3", "phi3", [f"{CP}=2"]),
+    # CP x TP: the CP group is the ranks of one TP index (mesh.h); each runs the padded
+    # attention on its own heads, and its TP slice's gradients are summed over the chunks
+    "cp2_tp2": (4, 1, "model_tp", "dense_tp", [f"{CP}=2", f"{TPD}=2", f"{SHARD}=1"]),
+    "cp2_tp2_fsdp2": (8, 2, "model_tp", "dense_tp", [f"{CP}=2", f"{TPD}=2", f"{SHARD}=2"]),
+    "cp2_tp2_mistral_swa5": (4, 1, "fam_mistral", "mistral", [f"{CP}=2", f"{TPD}=2", f"{SHARD}=1"]),
+    # CP x EP: the EP group exchanges one chunk's tokens (the ranks of one cp index); one
+    # sequence per micro-batch, so the logged load-balancing loss (per micro-batch, of the
+    # whole sequences: cp_moe_aux) averages the same sequences' losses however the
+    # data-parallel ranks split them
+    "cp2_ep2_fsdp2": (4, 2, "model_moe", "moe_lb1", [f"{CP}=2", f"{EPD}=2", f"{SHARD}=2", LB1]),
+    "cp2_ep2_dp2_bias": (4, 2, "model_moe", "moe_lb1_bias", [f"{CP}=2", f"{EPD}=2", f"{REP}=2", f"{SHARD}=1", LB1,
+                                                            "--model.load_balance_coeff=1e-3"]),
+    "cp2_tp2_ep2_fsdp2": (8, 2, "model_moe_tp", "moe_tp_lb1", [f"{CP}=2", f"{TPD}=2", f"{EPD}=2", f"{SHARD}=2",
+                                                               LB1]),
+    # CP x PP: each stage runs the chunks of the step's micro-batches (pipeline micro-batches of 1
+    # sequence: the unit of the logged load-balancing loss, whose routing sums are summed over
+    # the stages and then over the chunks)
+    "cp2_pp2": (4, 1, "model", "dense", [f"{CP}=2", f"{PPD}=2"]),
+    "cp2_pp2_interleaved": (4, 1, "model_4l", "dense_4l", [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1",
+                                                          "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"]),
+    "cp2_pp2_tp2": (8, 1, "model_tp", "dense_tp", [f"{CP}=2", f"{PPD}=2", f"{TPD}=2", f"{SHARD}=1"]),
+    "cp2_pp2_moe_gpipe": (4, 1, "model_moe", "moe_lb1", [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1",
+                                                         "--parallelism.pipeline_parallel_schedule=GPipe"]),
+    "cp2_pp2_fsdp2_ep2": (8, 2, "model_moe", "moe_lb1", [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1", f"{SHARD}=2",
+                                                         f"{EPD}=2", LB1]),
 }
-REF_EXTRA = {"bf16": ["--training.mixed_precision_param=bfloat16"], "moe_bias": ["--model.load_balance_coeff=1e-3"]}
-TOL = {"bf16": dict(wtol=1e-3, gtol=1e-3), "moe_bias": dict(wtol=1e-4)}  # assert_same_cp says why
+REF_EXTRA = {"bf16": ["--training.mixed_precision_param=bfloat16"], "moe_bias": ["--model.load_balance_coeff=1e-3"],
+             "moe_lb1": [LB1], "moe_tp_lb1": [LB1], "moe_lb1_bias": [LB1, "--model.load_balance_coeff=1e-3"]}
+TOL = {"bf16": dict(wtol=1e-3, gtol=1e-3), "moe_bias": dict(wtol=1e-4),  # assert_same_cp says why
+       "moe_lb1_bias": dict(wtol=1e-4)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -120,8 +170,13 @@ def test_cp_matches_one_rank(setup, name):
     out = d / name
     p = run(n, train_args(d / model, data_for(d, data, model), out, *extra, dp=dp), timeout=300)
     assert "context_parallel" in p.stderr, p.stderr[-2000:]
+    said = {TPD: "x tensor_parallel {} (", EPD: "expert_parallel {}:", PPD: "= pipeline_parallel {} x"}
+    for k, words in said.items():  # the layout ran as asked (the start-up log)
+        for a in extra:
+            if a.startswith(k + "="):
+                assert words.format(a.split("=")[1]) in p.stderr, p.stderr[-2000:]
     assert_same_cp(out, want, name, **TOL.get(ref, {}))
-    if model == "model_moe":  # HF's load-balancing loss (logged): of the whole sequences, not a chunk's
+    if model.startswith("model_moe"):  # HF's load-balancing loss (logged): of the whole sequences, not a chunk's
         assert any(".mlp.experts." in k for k in weights(out)), "the MoE model has no expert tensors"
         got, exp = aux_losses(out), aux_losses(want)
         assert got.keys() == exp.keys() and all(abs(got[s] - exp[s]) <= 1e-5 * exp[s] for s in exp), (got, exp)
@@ -213,11 +268,29 @@ def test_checkpoint_moves_between_cp_and_one_rank(setup, first, then):
     assert_same_cp(out, ref, f"cp {first} -> {then}", steps=range(5, STEPS + 1))
 
 
+CP_TP = {"one": (1, 1, []), "cp2_tp2": (4, 1, [f"{CP}=2", f"{TPD}=2", f"{SHARD}=1"]),  # ranks, dp, args
+         "cp2_tp2_fsdp2": (8, 2, [f"{CP}=2", f"{TPD}=2", f"{SHARD}=2"])}
+
+
+@pytest.mark.parametrize("first,then", [("cp2_tp2", "one"), ("one", "cp2_tp2"), ("cp2_tp2_fsdp2", "cp2_tp2")])
+def test_checkpoint_moves_between_cp_tp_and_one_rank(setup, first, then):
+    """A checkpoint (weights and AdamW moments, whole tensors) saved at step 4 under CP 2 x TP 2
+    (gathered from chunk 0's TP slices) resumes on one process, and one process's under CP x TP
+    (each rank taking its heads' slices); the steps after it and the final weights are the
+    uninterrupted one-process run's."""
+    d, data = setup
+    ref = single(setup, "dense_tp", "model_tp")
+    out = d / f"move_{first}_to_{then}"
+    stop = ["--training.stop_at_step=4", "--checkpoint.last_save_model_only=false"]
+    n, dp, args = CP_TP[first]
+    p = run(n, train_args(d / "model_tp", data, out, *stop, *args, dp=dp), check=False, timeout=300)
+    assert p.returncode == 75, f"stop_at_step should exit 75 after saving\n{p.stderr[-3000:]}"
+    n, dp, args = CP_TP[then]
+    run(n, train_args(d / "model_tp", data, out, "--checkpoint.last_save_model_only=false", *args, dp=dp), timeout=300)
+    assert_same_cp(out, ref, f"{first} -> {then}", steps=range(5, STEPS + 1))
+
+
 @pytest.mark.parametrize("ranks,model,args,keys", [
-    (2, "model", ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"],
-     ["parallelism.tensor_parallel_degree"]),
-    (2, "model", ["--parallelism.pipeline_parallel_degree=2"], ["parallelism.pipeline_parallel_degree"]),
-    (2, "model_moe", ["--parallelism.expert_parallel_degree=2"], ["parallelism.expert_parallel_degree"]),
     (1, "model", ["--training.seq_len=15"], ["training.seq_len", "does not divide"]),
     (2, "model", [f"{CP}=4"], ["world size 2"]),
 ])
@@ -275,3 +348,56 @@ def test_cp_dry_run_plans_the_chunk_and_the_scratch(setup, tmp_path):
                                                       "planned peak per rank")]
     assert lines["total planned per rank"] == sum(parts), lines
     assert lines["planned peak per rank"] >= lines["total planned per rank"], lines
+
+
+def test_cp_tp_dry_run_plans_the_local_heads(setup, tmp_path):
+    """--dry-run under CP 2 x TP 2 x FSDP 2 (a world of 8): the per-rank line names all four
+    degrees, the model line rank 0's heads (2 of 4 query, 1 of 2 kv), and the attention
+    scratch is cp.c's padded problem over the whole sequence on those local heads (counted
+    as in test_cp_dry_run_plans_the_chunk_and_the_scratch, with nh / tp and nkv / tp)."""
+    import re
+    import subprocess
+    from conftest import BIN
+    d, data = setup
+    args = [a for a in train_args(d / "model_tp", data, tmp_path / "out", dp=2)
+            if not a.startswith("--parallelism.")]
+    p = subprocess.run([str(BIN), *args, f"{SHARD}=2", f"{CP}=2", f"{TPD}=2", "--dry-run"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = re.search(r"^per rank: world (\d+) = data_parallel_replicate (\d+) x data_parallel_shard (\d+) x "
+                  r"context_parallel (\d+) x tensor_parallel (\d+),", p.stdout, re.M)
+    assert m, p.stdout
+    assert tuple(map(int, m.groups())) == (8, 1, 2, 2, 2), m.group(0)
+    assert "(heads 2/1, intermediate 24, lm_head rows 128 of 256)" in p.stdout, p.stdout
+    section = p.stdout[m.end():]
+    lines = dict((k.strip(), int(v)) for k, v in re.findall(r"^  (\S.*?)\s+[0-9.]+ GiB\s+(\d+) bytes$", section, re.M))
+    B, T, nh, nkv, hd, tp = 2, 16, 4, 2, 8, 2
+    bt = B * T
+    want = 4 * (4 * bt * nh // tp * hd + 6 * bt * nkv // tp * hd + bt * nh // tp)
+    assert lines["context parallel attention scratch"] == want, lines
+
+
+def test_cp_pp_dry_run_plans_each_stage_on_its_chunk(setup, tmp_path):
+    """--dry-run under CP 2 x PP 2 x TP 2 (a world of 8): the pipeline line names the cp degree,
+    and each pipeline rank's plan is for micro-batches of the chunk: its point-to-point buffers
+    hold 4 messages per micro-batch of 1 x seq_len / cp rows of the hidden size (pp_bind, here
+    8 micro-batches: accumulation 4 x local batch 2 / micro-batch 1), and its attention scratch
+    is cp.c's padded problem over the whole sequence on TP rank 0's heads."""
+    import re
+    import subprocess
+    from conftest import BIN
+    d, data = setup
+    args = [a for a in train_args(d / "model_tp", data, tmp_path / "out") if not a.startswith("--parallelism.")]
+    p = subprocess.run([str(BIN), *args, f"{SHARD}=1", f"{CP}=2", f"{TPD}=2", f"{PPD}=2", "--dry-run"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert re.search(r"^pipeline: world 8 = pipeline_parallel 2 x data_parallel_replicate 1 x data_parallel_shard 1 "
+                     r"x context_parallel 2 x tensor_parallel 2,", p.stdout, re.M), p.stdout
+    stages = re.findall(r"^  pipeline rank (\d+):.*point-to-point (\d+), context parallel attention scratch (\d+);",
+                        p.stdout, re.M)
+    assert [s[0] for s in stages] == ["0", "1"], p.stdout
+    M, mb, T, cp, H, nh, nkv, hd, tp = 8, 1, 16, 2, 30, 4, 2, 8, 2
+    bt = mb * T
+    for _, p2p, scratch in stages:
+        assert int(p2p) == 4 * M * 4 * mb * (T // cp) * H, p.stdout
+        assert int(scratch) == 4 * (4 * bt * nh // tp * hd + 6 * bt * nkv // tp * hd + bt * nh // tp), p.stdout
