@@ -127,7 +127,16 @@ static ep_layer *layer_state(ep_layout *p, int l) {
     return y;
 }
 
-static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route *r, const lm_layer_w *w, int N) {
+/* ew's projections from this rank's experts on (o floats in; bf16 ones: o words in) */
+static void ep_weights(const lm_experts_w *ew, size_t o, const float *w[3], const uint16_t *h[3]) {
+    for (int j = 0; j < 3; j++) {
+        w[j] = ew->w[j] + o;
+        h[j] = ew->h[j] ? ew->h[j] + o : NULL;
+    }
+}
+
+static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route *r, const lm_experts_w *ew,
+                   int N) {
     ep_layout *p = ctx;
     ep_scratch s = *p->s;
     ep_layer *L = layer_state(p, l);
@@ -157,16 +166,25 @@ static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route
     ep_move(p, &s, L->xr, s.xs, L, 0, (size_t)H);
     ep_move(p, &s, L->wr, s.ws, L, 0, 1);
     /* this rank's experts in the stacked tensors (which start at expert0 when they hold only some) */
-    size_t eo = (size_t)(me * El - c->expert0) * Im * H;
+    const float *w[3];
+    const uint16_t *hw[3];
+    ep_weights(ew, (size_t)(me * El - c->expert0) * Im * H, w, hw);
+    int bf = hw[0] || hw[1] || hw[2]; /* a frozen base read from its bf16 store, as the model does */
     if (out) memset(s.yr, 0, R * H * sizeof(float));
     for (int q = 0; q < P; q++) {
         size_t n = L->rcnt[q], o = L->rdsp[q];
         if (!n) continue;
         int64_t t0 = PROF_T0(p->m->prof); /* the experts kernel on the rows from rank q: an op span */
-        p->m->k.moe_fwd(out ? s.yr + o * H : NULL, L->gate + o * Im, L->up + o * Im, L->h + o * Im, p->work,
-                        L->xr + o * H, w->ewg + eo, w->ewu + eo, w->ewd + eo, s.iota, s.iota,
-                        L->off + (size_t)q * (El + 1), L->wr + o, (int)n, H, Im, El, 1);
-        if (p->m->prof) prof_kern(p->m->prof, KERN_OP_MOE, "moe_fwd", t0);
+        float *yo = out ? s.yr + o * H : NULL;
+        const int32_t *off = L->off + (size_t)q * (El + 1);
+        if (bf)
+            p->m->k.moe_fwd_wbf16(yo, L->gate + o * Im, L->up + o * Im, L->h + o * Im, p->work, L->xr + o * H, w[0],
+                                  w[1], w[2], hw[0], hw[1], hw[2], s.iota, s.iota, off, L->wr + o, (int)n, H, Im, El,
+                                  1);
+        else
+            p->m->k.moe_fwd(yo, L->gate + o * Im, L->up + o * Im, L->h + o * Im, p->work, L->xr + o * H, w[0], w[1],
+                            w[2], s.iota, s.iota, off, L->wr + o, (int)n, H, Im, El, 1);
+        if (p->m->prof) prof_kern(p->m->prof, KERN_OP_MOE, bf ? "moe_fwd_wbf16" : "moe_fwd", t0);
     }
     if (!out) return; /* recomputation before the backward: the owner's activations are all it needs */
     ep_move(p, &s, s.ys, s.yr, L, 1, (size_t)H);
@@ -180,8 +198,8 @@ static void ep_fwd(void *ctx, int l, float *out, const float *x, const moe_route
     }
 }
 
-static void ep_bwd(void *ctx, int l, float *dx, lm_layer_w *g, float *dtopw, const float *dout,
-                   const moe_route *r, const lm_layer_w *w, int N) {
+static void ep_bwd(void *ctx, int l, float *dx, float *const dw[3], float *dtopw, const float *dout,
+                   const moe_route *r, const lm_experts_w *ew, int N) {
     ep_layout *p = ctx;
     ep_scratch s = *p->s;
     ep_layer *L = layer_state(p, l);
@@ -203,15 +221,26 @@ static void ep_bwd(void *ctx, int l, float *dx, lm_layer_w *g, float *dtopw, con
     ep_move(p, &s, s.dxs, s.xs, L, 0, (size_t)H); /* dxs: [R, H] d outputs received */
     memset(dxr, 0, R * H * sizeof(float));
     size_t eo = (size_t)(me * El - c->expert0) * Im * H;
+    const float *w[3];
+    const uint16_t *hw[3];
+    ep_weights(ew, eo, w, hw);
+    int bf = hw[0] || hw[1] || hw[2];
+    float *dwl[3]; /* NULL stays NULL: a frozen projection's gradient is not wanted */
+    for (int j = 0; j < 3; j++) dwl[j] = dw[j] ? dw[j] + eo : NULL;
     for (int q = 0; q < P; q++) { /* in source order: see the top of the file */
         size_t n = L->rcnt[q], o = L->rdsp[q];
         if (!n) continue;
         int64_t t0 = PROF_T0(p->m->prof);
-        p->m->k.moe_bwd(dxr + o * H, g->ewg + eo, g->ewu + eo, g->ewd + eo, s.dtopw1 + o, p->work, s.dxs + o * H,
-                        L->xr + o * H, w->ewg + eo, w->ewu + eo, w->ewd + eo, L->gate + o * Im, L->up + o * Im,
-                        L->h + o * Im, s.iota, s.iota, L->off + (size_t)q * (El + 1), L->wr + o, (int)n, H, Im, El,
-                        1);
-        if (p->m->prof) prof_kern(p->m->prof, KERN_OP_MOE, "moe_bwd", t0);
+        const int32_t *off = L->off + (size_t)q * (El + 1);
+        if (bf)
+            p->m->k.moe_bwd_wbf16(dxr + o * H, dwl[0], dwl[1], dwl[2], s.dtopw1 + o, p->work, s.dxs + o * H,
+                                  L->xr + o * H, w[0], w[1], w[2], hw[0], hw[1], hw[2], L->gate + o * Im,
+                                  L->up + o * Im, L->h + o * Im, s.iota, s.iota, off, L->wr + o, (int)n, H, Im, El, 1);
+        else
+            p->m->k.moe_bwd(dxr + o * H, dwl[0], dwl[1], dwl[2], s.dtopw1 + o, p->work, s.dxs + o * H, L->xr + o * H,
+                            w[0], w[1], w[2], L->gate + o * Im, L->up + o * Im, L->h + o * Im, s.iota, s.iota, off,
+                            L->wr + o, (int)n, H, Im, El, 1);
+        if (p->m->prof) prof_kern(p->m->prof, KERN_OP_MOE, bf ? "moe_bwd_wbf16" : "moe_bwd", t0);
     }
     ep_move(p, &s, s.xs, dxr, L, 1, (size_t)H); /* d inputs back, in this rank's expert order */
     ep_move(p, &s, s.ws, s.dtopw1, L, 1, 1);

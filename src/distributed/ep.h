@@ -8,8 +8,11 @@
  * one rank.
  * The backward mirrors it. A rank stores only its experts' weights,
  * gradients and moments (lm_config.expert_rows, set by distributed/tp.h's local
- * config); their gradients are summed over the ranks that hold the same
- * experts only (mesh.edp), and a checkpoint gathers them (tp_gather_range). */
+ * config), and their LoRA adapters' rows and columns; their gradients are
+ * summed over the ranks that hold the same experts only (mesh.edp), and a
+ * checkpoint gathers them (tp_gather_range). The experts run on what the
+ * model hands over: the adapted copy W + scale B A, or the base read from
+ * its bf16 store when it is frozen there. */
 #ifndef CT_DISTRIBUTED_EP_H
 #define CT_DISTRIBUTED_EP_H
 

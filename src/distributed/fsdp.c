@@ -303,12 +303,14 @@ int fsdp_layer_range(const lm_model *m, int l, size_t *lo, size_t *hi, ct_err *e
     return 0;
 }
 
-/* [a, b) of layer l's experts' tensors (every expert's name, held or not); a == b: none. */
+/* [a, b) of layer l's experts' tensors (every expert's name, held or not) and
+ * their LoRA adapters, which are held with them (not the router's); a == b: none. */
 static void fsdp_expert_range(const lm_model *m, int l, size_t *a, size_t *b) {
     *a = SIZE_MAX, *b = 0;
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_tensor *t = &m->tensors[i];
-        if (t->layer != l || t->slot < LM_S_EXP_G || t->slot > LM_S_EXP_D) continue;
+        int adapter = (t->slot == LM_S_LORA_EA || t->slot == LM_S_LORA_EB) && t->expert != LM_LORA_EXP_R;
+        if (t->layer != l || ((t->slot < LM_S_EXP_G || t->slot > LM_S_EXP_D) && !adapter)) continue;
         if (t->offset < *a) *a = t->offset;
         if (t->offset + t->numel > *b) *b = t->offset + t->numel;
     }

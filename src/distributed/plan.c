@@ -220,16 +220,24 @@ static void build_opt_ranges(ct_plan *p) {
         fsdp_held_runs(p->fsdp, pi, held_opt_runs, &o);
 }
 
+struct dp_sum { float *g; ct_comm *group; };
+static void sum_run(void *ctx, size_t x, size_t y) {
+    struct dp_sum *d = ctx;
+    comm_allreduce(d->group, d->g + x, y - x, COMM_F32, COMM_SUM);
+}
+
 /* Data parallel replicate under expert parallel: the replicas hold
- * different experts, so each run of expert tensors is summed over the
- * replicas that hold the same ones (mesh.edp) and the rest over all. */
+ * different experts, so each run of expert tensors (their adapters too) is
+ * summed over the replicas that hold the same ones (mesh.edp) and the rest
+ * over all; frozen tensors not at all (sum_trained says why). */
 static void reduce_dp_experts(ct_plan *p) {
     const lm_model *m = p->m;
     for (int i = 0; i < m->n_tensors;) {
         int ex = p->tp->expert[i], j = i;
         size_t lo = m->tensors[i].offset, hi = lo;
         for (; j < m->n_tensors && p->tp->expert[j] == ex; j++) hi = m->tensors[j].offset + m->tensors[j].numel;
-        if (hi > lo) comm_allreduce(ex ? &p->mesh.edp : &p->mesh.rep, m->grads + lo, hi - lo, COMM_F32, COMM_SUM);
+        struct dp_sum d = {m->grads, ex ? &p->mesh.edp : &p->mesh.rep};
+        if (hi > lo) lm_trained_runs(m, lo, hi, sum_run, &d);
         i = j;
     }
 }

@@ -50,12 +50,14 @@ static int dry_fsdp_plan(const lm_model *m, int n, int n_exp, dry_fsdp *d, ct_er
     int *lp = ct_calloc((size_t)L + 1, sizeof(int));
     int np = fsdp_cut(m, n_exp > 0, p, lp, e); /* fsdp_init's own cut */
     size_t *per = ct_calloc((size_t)n, sizeof *per); /* trained floats of each rank's slices */
+    size_t *slice = ct_calloc((size_t)n, sizeof *slice); /* of one piece's slices */
     for (int i = 0; i < np; i++) {
         int g = p[i].experts ? n_exp : n;
         size_t chunk = ceil_div(p[i].n32, (size_t)g);
         d->shard += chunk;
         d->sshard += ceil_div(p[i].sn, (size_t)g);
-        /* rank r holds packed positions [r chunk, (r + 1) chunk) of the piece's fp32 tensors */
+        /* slice r holds packed positions [r chunk, (r + 1) chunk) of the piece's fp32 tensors */
+        memset(slice, 0, (size_t)n * sizeof *slice);
         size_t k = 0;
         for (int t = p[i].t0; t < p[i].t1; t++) {
             const lm_tensor *q = &m->tensors[t];
@@ -64,12 +66,17 @@ static int dry_fsdp_plan(const lm_model *m, int n, int n_exp, dry_fsdp *d, ct_er
                 size_t a = (size_t)r * chunk, b = a + chunk;
                 a = a > k ? a : k;
                 b = b < k + q->numel ? b : k + q->numel;
-                if (a < b) per[r] += b - a;
+                if (a < b) slice[r] += b - a;
             }
             k += q->numel;
         }
+        /* an experts piece is sharded over the ranks holding the same experts
+         * (mesh.edp: shard ranks s with one s % ep, ordered by s), so shard rank s
+         * holds its slice s / ep; every other piece's slice s */
+        for (int s = 0; s < n; s++) per[s] += slice[p[i].experts ? s / (n / n_exp) : s];
     }
     for (int r = 0; r < n; r++) d->trained = per[r] > d->trained ? per[r] : d->trained;
+    free(slice);
     free(per);
     for (int l = 0; l < L; l++) {
         double lpb = 0, lgb = 0;

@@ -56,11 +56,27 @@ static void hook_post_forward(void *ctx, int l) {
 static const int col_lora[] = {LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_GATE, LM_LORA_UP};
 #define N_COL_LORA ((int)(sizeof col_lora / sizeof col_lora[0]))
 
+/* The adapters of a MoE layer's experts whose gradient is a partial sum
+ * under TP (exp_slice): gate_up_proj's A, dA_e = scale B_e^T dW_e over the
+ * 2 Im rows of which a rank holds its slice's, and down_proj's B,
+ * dB_e = scale dW_e A_e^T over the Im columns likewise. The other two are
+ * sliced with the weights and complete; the router's adapter, like the
+ * router, gets the same whole gradient on every rank (from the summed
+ * d(routing weights)) and stays out of the sums. */
+#define N_EXP_PARTIAL 2
+static size_t exp_partial_floats(const lm_config *c, int l, int which) {
+    int p = which ? LM_LORA_EXP_D : LM_LORA_EXP_GU;
+    if (!lm_lora_expert_on(c, l, p)) return 0;
+    size_t El = (size_t)(c->expert_rows ? c->expert_rows : c->n_experts);
+    return (size_t)lm_lora_exp_rank(c, p) * El * (size_t)c->hidden;
+}
+
 /* Layer l's replicated tensors whose gradient each rank computes from its
- * slice only (a partial sum): the per-head q/k norms (this rank's heads) and
+ * slice only (a partial sum): the per-head q/k norms (this rank's heads),
  * the LoRA A of a column-parallel projection (du = scale dy B is summed over
- * this rank's output rows only). Not frozen ones, nor OLMo2's q/k norm over
- * the projection (sliced with the heads). g[k], n[k]: gradient and floats;
+ * this rank's output rows only) and two of the experts' adapters
+ * (exp_partial_floats). Not frozen ones, nor OLMo2's q/k norm over the
+ * projection (sliced with the heads). g[k], n[k]: gradient and floats;
  * returns how many. A fused module's projections share one A: listed once. */
 static int partial_grads(const tp_layout *p, int l, float **g, size_t *n) {
     const lm_layer_w *gl = &p->m->g.layer[l];
@@ -78,6 +94,9 @@ static int partial_grads(const tp_layout *p, int l, float **g, size_t *n) {
         g[k] = a;
         n[k++] = (size_t)lm_lora_rank(&p->local, l, col_lora[j]) * (size_t)p->local.hidden;
     }
+    float *ex[N_EXP_PARTIAL] = {gl->lora_ea[LM_LORA_EXP_GU], gl->lora_eb[LM_LORA_EXP_D]};
+    for (int j = 0; j < N_EXP_PARTIAL; j++)
+        if (ex[j]) g[k] = ex[j], n[k++] = exp_partial_floats(&p->local, l, j);
     return k;
 }
 
@@ -87,16 +106,16 @@ static int partial_grads(const tp_layout *p, int l, float **g, size_t *n) {
 static void hook_pre_backward(void *ctx, int l) {
     tp_layout *p = ctx;
     if (p->inner) p->inner->pre_backward(p->inner->ctx, l);
-    float *g[2 + N_COL_LORA];
-    size_t n[2 + N_COL_LORA], off = 0;
+    float *g[2 + N_COL_LORA + N_EXP_PARTIAL];
+    size_t n[2 + N_COL_LORA + N_EXP_PARTIAL], off = 0;
     int k = partial_grads(p, l, g, n);
     for (int j = 0; j < k; off += n[j], j++) memcpy(p->before + off, g[j], n[j] * sizeof(float));
 }
 /* Before FSDP's reduce-scatter: g = before + (sum over ranks of g - before). */
 static void hook_post_backward(void *ctx, int l) {
     tp_layout *p = ctx;
-    float *g[2 + N_COL_LORA];
-    size_t n[2 + N_COL_LORA], off = 0;
+    float *g[2 + N_COL_LORA + N_EXP_PARTIAL];
+    size_t n[2 + N_COL_LORA + N_EXP_PARTIAL], off = 0;
     int k = partial_grads(p, l, g, n);
     float *delta = p->before + p->n_before;
     for (int j = 0; j < k; off += n[j], j++)
@@ -123,6 +142,7 @@ void tp_init(tp_layout *p, const lm_config *full, ct_comm *group, int ep, int ep
         for (int j = 0; j < N_COL_LORA; j++)
             if (lm_lora_on(full, l, col_lora[j]))
                 n += (size_t)lm_lora_rank(full, l, col_lora[j]) * (size_t)full->hidden;
+        for (int j = 0; j < N_EXP_PARTIAL; j++) n += exp_partial_floats(&p->local, l, j);
         if (n > p->n_before) p->n_before = n;
     }
     p->before = ct_calloc(2 * p->n_before, sizeof(float)); /* before, then the deltas */
@@ -153,6 +173,49 @@ static void dims(const lm_tensor *t, size_t *rows, size_t *cols) {
     *cols = t->ndim == 2 ? (size_t)t->shape[1] : 1;
 }
 
+/* An adapter on the fused experts (not the router's): held with its experts. */
+static int exp_adapter(const lm_tensor *t) {
+    return (t->slot == LM_S_LORA_EA || t->slot == LM_S_LORA_EB) && t->expert != LM_LORA_EXP_R;
+}
+
+/* The part of a whole expert adapter that TP index tr of EP index x holds:
+ * whole rows {k rs + r0 + i : k < rn, i < rw} and columns
+ * {j cs + c0 + i : j < cn, i < cw}, in that order in the local tensor. */
+typedef struct {
+    size_t r0, rw, rs, rn, c0, cw, cs, cn;
+} exp_sel;
+
+/* Expert e's A_e is rows [e r, e r + r) of A [r E, in] and its B_e column j
+ * is column j E + e of B [out, r E] (lora_experts_delta), so EP index x's
+ * experts [x El, x El + El) are one run of A's rows and r runs of El of B's
+ * columns. Under TP each expert is cut along moe_intermediate (Im) as its
+ * weights are: gate_up_proj's B [2 Im, .] by rows, gate's Im then up's Im
+ * (rows of each, like the experts' gate and up); down_proj's A [., Im] by
+ * columns (like its weight's); the other two, over the hidden size, whole. */
+static exp_sel exp_slice(const tp_layout *p, const lm_tensor *ft, int tr, int x) {
+    size_t E = (size_t)p->full.n_experts, El = E / (size_t)p->ep, fr, fc;
+    size_t Im = (size_t)p->full.moe_intermediate, It = Im / (size_t)p->t;
+    dims(ft, &fr, &fc);
+    int gu = ft->expert == LM_LORA_EXP_GU;
+    if (ft->slot == LM_S_LORA_EA) {
+        size_t r = fr / E;
+        return (exp_sel){(size_t)x * El * r, El * r, 0, 1, gu ? 0 : (size_t)tr * It, gu ? fc : It, 0, 1};
+    }
+    return (exp_sel){gu ? (size_t)tr * It : 0, gu ? It : fr, Im, gu ? 2 : 1, (size_t)x * El, El, E, fc / E};
+}
+
+/* Copies an expert adapter's part between whole (w) and local (s) forms as move_slice. */
+static void move_exp(const exp_sel *q, float *s, float *w, size_t fc, int to_local) {
+    size_t lc = q->cw * q->cn;
+    for (size_t k = 0; k < q->rn; k++)
+        for (size_t i = 0; i < q->rw; i++) {
+            float *a = s + (k * q->rw + i) * lc, *b = w + (k * q->rs + q->r0 + i) * fc + q->c0;
+            for (size_t j = 0; j < q->cn; j++)
+                memcpy(to_local ? a + j * q->cw : b + j * q->cs, to_local ? b + j * q->cs : a + j * q->cw,
+                       q->cw * sizeof(float));
+        }
+}
+
 /* The row blocks of a whole tensor that are column-parallel each on their
  * own: Phi3's fused qkv_proj is q, k and v stacked (rank r holds its heads'
  * rows of each: [q_r; k_r; v_r] is its local qkv_proj, the layout the local
@@ -164,6 +227,11 @@ int tp_row_blocks(const tp_layout *p, const lm_tensor *ft, size_t fb[3]) {
     /* a fused module's LoRA B follows its base's row blocks */
     unsigned lt = p->full.lora_targets;
     int b = ft->slot == LM_S_LORA_B;
+    if (exp_adapter(ft)) { /* its row runs (exp_slice): gate_up's B has two */
+        int n = (int)exp_slice(p, ft, 0, 0).rn;
+        fb[0] = fb[1] = fr / (size_t)n;
+        return n;
+    }
     if (ft->slot == LM_S_WQKV || (b && ft->expert == LM_LORA_Q && (lt & LORA_FUSED_QKV))) {
         size_t hd = (size_t)p->full.head_dim;
         fb[0] = (size_t)p->full.n_heads * hd;
@@ -178,15 +246,20 @@ int tp_row_blocks(const tp_layout *p, const lm_tensor *ft, size_t fb[3]) {
     return 1;
 }
 
-/* Copies rank r's slice of one tensor between its whole form (w) and its
- * local form (s): to_local 1 reads w, 0 writes it. An expert another EP
- * rank holds has no rows here: nothing moves. */
-static void move_slice(const tp_layout *p, const lm_tensor *lt, float *s, const lm_tensor *ft, float *w, int r,
+/* Copies the slice of TP index r, EP index x of one tensor between its
+ * whole form (w) and its local form (s): to_local 1 reads w, 0 writes it.
+ * An expert another EP rank holds has no rows here: nothing moves. */
+static void move_slice(const tp_layout *p, const lm_tensor *lt, float *s, const lm_tensor *ft, float *w, int r, int x,
                        int to_local) {
     size_t lr, lc, fr, fc, fb[3];
     dims(lt, &lr, &lc);
     dims(ft, &fr, &fc);
     if (!lt->numel) return; /* an expert another EP rank holds (fewer rows, but not a TP slice) */
+    if (exp_adapter(ft)) {
+        exp_sel q = exp_slice(p, ft, r, x);
+        move_exp(&q, s, w, fc, to_local);
+        return;
+    }
     if (lr < fr) { /* column-parallel: a block of rows of each row block */
         int nb = tp_row_blocks(p, ft, fb);
         size_t f0 = 0, l0 = 0;
@@ -211,8 +284,12 @@ void tp_classify(tp_layout *p, const lm_model *lm, const lm_model *fm) {
     if (!p->sharded) p->sharded = ct_calloc((size_t)lm->n_tensors + 1, 1);
     if (!p->expert) p->expert = ct_calloc((size_t)lm->n_tensors + 1, 1);
     for (int i = 0; i < lm->n_tensors; i++) {
-        p->sharded[i] = lm->tensors[i].numel != fm->tensors[i].numel;
-        p->expert[i] = lm->tensors[i].slot >= LM_S_EXP_G && lm->tensors[i].slot <= LM_S_EXP_D;
+        const lm_tensor *t = &lm->tensors[i];
+        p->sharded[i] = t->numel != fm->tensors[i].numel;
+        /* an expert adapter is cut by EP too: sliced over the TP group only where exp_slice cuts Im */
+        if (exp_adapter(t)) /* gate_up's B and down's A (exp_slice) */
+            p->sharded[i] = p->t > 1 && (t->slot == LM_S_LORA_EA) != (t->expert == LM_LORA_EXP_GU);
+        p->expert[i] = (t->slot >= LM_S_EXP_G && t->slot <= LM_S_EXP_D) || exp_adapter(t);
     }
 }
 
@@ -222,6 +299,21 @@ size_t tp_take_rows(const tp_layout *p, const lm_tensor *lt, const lm_tensor *ft
     dims(lt, &lr, &lc);
     dims(ft, &fr, &fc);
     if (!lt->numel) return 0; /* an expert another EP rank holds */
+    if (exp_adapter(ft)) { /* row run blk of exp_slice, its columns picked into tmp unless whole */
+        exp_sel q = exp_slice(p, ft, p->rank, p->ep_rank);
+        size_t R = (size_t)blk * q.rs + q.r0, a = r0 > R ? r0 : R, b = r1 < R + q.rw ? r1 : R + q.rw;
+        if ((size_t)blk >= q.rn || a >= b) return 0;
+        *la = (size_t)blk * q.rw + (a - R);
+        if (q.cn == 1 && q.cw == fc) {
+            *out = rows + (a - r0) * fc;
+            return b - a;
+        }
+        for (size_t k = a; k < b; k++)
+            for (size_t j = 0; j < q.cn; j++)
+                memcpy(tmp + (k - a) * lc + j * q.cw, rows + (k - r0) * fc + j * q.cs + q.c0, q.cw * sizeof(float));
+        *out = tmp;
+        return b - a;
+    }
     if (lr < fr) { /* column-parallel: whole rows [R, R + n) of row block blk are this rank's */
         int nb = tp_row_blocks(p, ft, fb);
         if (blk >= nb) return 0;
@@ -289,7 +381,7 @@ void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const lm_model *f
                 /* the rest is the same on every EP rank, and under FSDP gathered on EP index 0 only */
                 if (r >= p->t && !p->expert[i]) continue;
                 move_slice(p, lt, all + (size_t)r * n + (lt->offset - rbase), ft, full + (ft->offset - fbase),
-                           r % p->t, 0);
+                           r % p->t, r / p->t, 0);
             }
         }
     }

@@ -30,6 +30,12 @@
  *     like W and its B replicated: u = scale A x is summed over the group
  *     before B (model/lm.c), so B's gradient is the same on every rank and
  *     A's and d(x)'s are local. Dropout masks index the whole input;
+ *   - the fused experts' adapters (A [r E, in], B [out, r E]) are cut with
+ *     their experts along moe_intermediate: gate_up_proj's B by rows (gate's
+ *     then up's), its A replicated with a partial-sum gradient; down_proj's
+ *     A by columns, its B replicated with a partial-sum gradient (both
+ *     all-reduced like the q/k norms'). The router's adapter is replicated
+ *     and gets the whole gradient on every rank, as the router does;
  *   - lm_head (untied) is vocabulary-parallel: rank r holds rows
  *     [r V/t, (r+1) V/t) and its logits only; the loss combines the row max,
  *     sum of exponentials and target logit over the group (hooks.reduce_max,
@@ -43,8 +49,10 @@
  * Expert parallel storage uses the same slicing: under
  * expert_parallel_degree ep the local config also holds only experts
  * [ep_rank E/ep, (ep_rank + 1) E/ep) (lm_config.expert_rows); the other
- * experts' tensors have no elements. So this layout exists whenever t > 1 or
- * ep > 1; its hooks are installed only for t > 1. */
+ * experts' tensors have no elements. The experts' adapters hold those
+ * experts' rows of A and columns of B: A [r El, in] and B [out, r El], B's
+ * column j El + (e - expert0) being the whole one's j E + e. So this layout
+ * exists whenever t > 1 or ep > 1; its hooks are installed only for t > 1. */
 #ifndef CT_DISTRIBUTED_TP_H
 #define CT_DISTRIBUTED_TP_H
 
@@ -64,7 +72,7 @@ typedef struct {
     const lm_hooks *inner; /* hooks installed before (FSDP's), called inside ours; NULL: none */
     lm_hooks hooks;
     char *sharded;            /* [n_tensors] 1: sliced over the group, 0: replicated (set by tp_classify) */
-    char *expert;             /* [n_tensors] 1: an expert's tensor (held by one EP rank) */
+    char *expert;             /* [n_tensors] 1: an expert's tensor or its adapter (held by one EP rank) */
     lm_model *ep_tables;   /* [ep] tensor table of each EP index's ranks (every TP index of one
                                * has the same), built on the first tp_gather_range that needs them */
     size_t n_before;          /* the most floats of one layer's partial-sum replicated gradients */

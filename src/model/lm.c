@@ -141,7 +141,7 @@ int lm_lora_expert_on(const lm_config *c, int l, int p) {
 size_t lm_expert_lora_scratch_floats(const lm_config *c) {
     for (int l = 0; l < c->n_layers; l++)
         if (lm_holds_layer(c, l) && (lm_lora_expert_on(c, l, LM_LORA_EXP_GU) || lm_lora_expert_on(c, l, LM_LORA_EXP_D)))
-            return 2 * 3 * (size_t)c->n_experts * c->moe_intermediate * c->hidden;
+            return 2 * 3 * (size_t)(c->expert_rows ? c->expert_rows : c->n_experts) * c->moe_intermediate * c->hidden;
     return 0;
 }
 
@@ -150,10 +150,15 @@ float lm_lora_exp_scale(const lm_config *c, int p) { return c->lora_exp_rank[p] 
 
 /* Layer l's adapters on its fused experts, PEFT's ParamWrapper keys: one
  * wrapper per parameter, nested in the experts' declaration order, so with
- * both adapted gate_up_proj's lies under the outer wrapper's base_layer. */
+ * both adapted gate_up_proj's lies under the outer wrapper's base_layer.
+ * Expert e's A rows and B columns (lora_experts_delta) are held with it:
+ * under expert parallel A [r El, in] and B [out, r El] for the El held
+ * experts, column j El + (e - expert0) of B being the whole B's j E + e
+ * (distributed/tp.c slices them so). */
 static void add_expert_lora(lm_model *m, int *cap, int l) {
     const lm_config *c = &m->cfg;
     int64_t E = c->n_experts, H = c->hidden, Im = c->moe_intermediate;
+    int64_t El = c->expert_rows ? c->expert_rows : E;
     int both = lm_lora_expert_on(c, l, LM_LORA_EXP_GU) && lm_lora_expert_on(c, l, LM_LORA_EXP_D);
     for (int p = 0; p < LM_LORA_EXP_N; p++) {
         if (!lm_lora_expert_on(c, l, p)) continue;
@@ -162,25 +167,28 @@ static void add_expert_lora(lm_model *m, int *cap, int l) {
         const char *nest = both && p == LM_LORA_EXP_GU ? "base_layer." : "";
         char n[LM_NAME_MAX];
         snprintf(n, sizeof n, "model.layers.%d.mlp.experts.%slora_A.weight", l, nest);
-        add_tensor(m, cap, n, r * E, in, 1, LM_S_LORA_EA, l, p);
+        add_tensor(m, cap, n, r * El, in, 1, LM_S_LORA_EA, l, p);
         m->tensors[m->n_tensors - 1].lora = 1;
         snprintf(n, sizeof n, "model.layers.%d.mlp.experts.%slora_B.weight", l, nest);
-        add_tensor(m, cap, n, out, r * E, 1, LM_S_LORA_EB, l, p);
+        add_tensor(m, cap, n, out, r * El, 1, LM_S_LORA_EB, l, p);
         m->tensors[m->n_tensors - 1].lora = 1;
     }
-    /* the router's weight [E, H], a 2-D parameter: PEFT's ParamWrapper with
-     * one "expert", A [r, H] and B [E, r] under mlp.gate (Mixtral's too:
-     * transformers v5 renames its block_sparse_moe to mlp) */
-    if (lm_lora_expert_on(c, l, LM_LORA_EXP_R)) {
-        int64_t r = lm_lora_exp_rank(c, LM_LORA_EXP_R);
-        char n[LM_NAME_MAX];
-        snprintf(n, sizeof n, "model.layers.%d.mlp.gate.lora_A.weight", l);
-        add_tensor(m, cap, n, r, H, 1, LM_S_LORA_EA, l, LM_LORA_EXP_R);
-        m->tensors[m->n_tensors - 1].lora = 1;
-        snprintf(n, sizeof n, "model.layers.%d.mlp.gate.lora_B.weight", l);
-        add_tensor(m, cap, n, E, r, 1, LM_S_LORA_EB, l, LM_LORA_EXP_R);
-        m->tensors[m->n_tensors - 1].lora = 1;
-    }
+}
+
+/* the router's weight [E, H], a 2-D parameter: PEFT's ParamWrapper with
+ * one "expert", A [r, H] and B [E, r] under mlp.gate (Mixtral's too:
+ * transformers v5 renames its block_sparse_moe to mlp); whole on every rank */
+static void add_router_lora(lm_model *m, int *cap, int l) {
+    const lm_config *c = &m->cfg;
+    if (!lm_lora_expert_on(c, l, LM_LORA_EXP_R)) return;
+    int64_t r = lm_lora_exp_rank(c, LM_LORA_EXP_R);
+    char n[LM_NAME_MAX];
+    snprintf(n, sizeof n, "model.layers.%d.mlp.gate.lora_A.weight", l);
+    add_tensor(m, cap, n, r, c->hidden, 1, LM_S_LORA_EA, l, LM_LORA_EXP_R);
+    m->tensors[m->n_tensors - 1].lora = 1;
+    snprintf(n, sizeof n, "model.layers.%d.mlp.gate.lora_B.weight", l);
+    add_tensor(m, cap, n, c->n_experts, r, 1, LM_S_LORA_EB, l, LM_LORA_EXP_R);
+    m->tensors[m->n_tensors - 1].lora = 1;
 }
 
 /* The HF names of a layer's norms, by placement: [0] before attention, [1]
@@ -203,7 +211,8 @@ static void norm_names(const lm_config *c, const char *n[4]) {
 
 /* The tensor table, in HF names, ordered by layer so each layer is contiguous
  * (a layer's LoRA adapters last among its tensors, PEFT's names without
- * PEFT's "base_model.model." prefix). q, k and v are adjacent (one block:
+ * PEFT's "base_model.model." prefix; in a MoE layer the experts and their
+ * adapters after the others). q, k and v are adjacent (one block:
  * Phi3's qkv_proj is exactly their concatenation, and frozen bf16 storage
  * widens them together), so are gate and up. A Qwen3 model's order is the
  * one ctitan always had. */
@@ -252,23 +261,10 @@ static void build_layout(lm_model *m) {
             snprintf(sfx, sizeof sfx, "%s.weight", nn[2]);
             T_(sfx, H, 0, 0, LM_S_LN_PRE_MLP);
         }
-        if (lm_layer_is_moe(c, l)) {
-            /* HF's per-expert keys, ordered so each projection's experts are
-             * one stacked [E, ., .] block for the grouped kernels */
-            int64_t E = c->n_experts, Im = c->moe_intermediate;
-            int mx = c->moe_keys == LM_MOE_KEYS_MIXTRAL;
-            const char *blk = mx ? "block_sparse_moe" : "mlp";
-            snprintf(sfx, sizeof sfx, "%s.gate.weight", blk);
-            T_(sfx, E, H, 1, LM_S_ROUTER);
-            static const char *const proj[2][3] = {{"gate_proj", "up_proj", "down_proj"}, {"w1", "w3", "w2"}};
-            static const int slot[3] = {LM_S_EXP_G, LM_S_EXP_U, LM_S_EXP_D};
-            for (int p = 0; p < 3; p++)
-                for (int64_t x = 0; x < E; x++) {
-                    snprintf(sfx, sizeof sfx, "%s.experts.%lld.%s.weight", blk, (long long)x, proj[mx][p]);
-                    int held = !c->expert_rows || (x >= c->expert0 && x < c->expert0 + c->expert_rows);
-                    T_(sfx, held ? (p < 2 ? Im : H) : 0, p < 2 ? H : Im, 1, slot[p]);
-                    m->tensors[m->n_tensors - 1].expert = (int)x;
-                }
+        if (lm_layer_is_moe(c, l)) { /* the router here, the experts at the layer's end (below) */
+            snprintf(sfx, sizeof sfx, "%s.gate.weight",
+                     c->moe_keys == LM_MOE_KEYS_MIXTRAL ? "block_sparse_moe" : "mlp");
+            T_(sfx, c->n_experts, H, 1, LM_S_ROUTER);
         } else {
             if (c->fused_gate_up) {
                 T_("mlp.gate_up_proj.weight", 2 * I, H, 1, LM_S_WGU);
@@ -303,7 +299,27 @@ static void build_layout(lm_model *m) {
             m->tensors[m->n_tensors - 1].lora = 1;
             m->tensors[m->n_tensors - 1].expert = p;
         }
-        add_expert_lora(m, &cap, l);
+        /* a MoE layer's experts and their adapters last: under expert parallel
+         * they are what the ranks hold apart (FSDP shards them as a piece of
+         * their own, distributed/fsdp.h) */
+        if (lm_layer_is_moe(c, l)) {
+            add_router_lora(m, &cap, l);
+            int64_t E = c->n_experts, Im = c->moe_intermediate;
+            int mx = c->moe_keys == LM_MOE_KEYS_MIXTRAL;
+            static const char *const proj[2][3] = {{"gate_proj", "up_proj", "down_proj"}, {"w1", "w3", "w2"}};
+            static const int slot[3] = {LM_S_EXP_G, LM_S_EXP_U, LM_S_EXP_D};
+            /* HF's per-expert keys, ordered so each projection's experts are
+             * one stacked [E, ., .] block for the grouped kernels */
+            for (int p = 0; p < 3; p++)
+                for (int64_t x = 0; x < E; x++) {
+                    snprintf(sfx, sizeof sfx, "%s.experts.%lld.%s.weight", mx ? "block_sparse_moe" : "mlp",
+                             (long long)x, proj[mx][p]);
+                    int held = !c->expert_rows || (x >= c->expert0 && x < c->expert0 + c->expert_rows);
+                    T_(sfx, held ? (p < 2 ? Im : H) : 0, p < 2 ? H : Im, 1, slot[p]);
+                    m->tensors[m->n_tensors - 1].expert = (int)x;
+                }
+            add_expert_lora(m, &cap, l);
+        }
 #undef T_
     }
     add_tensor(m, &cap, "model.norm.weight", H, 0, 0, LM_S_LNF, -1, -1);
@@ -1242,6 +1258,14 @@ static void experts_copy(const lm_model *m, float *dst, const float *w, size_t n
     else memcpy(dst, w, n * sizeof(float));
 }
 
+/* The weights an expert-parallel dispatch runs on (lm_experts_w): eg, eu,
+ * ed and, for a bf16-stored base projection, its store. */
+static lm_experts_w experts_w(const lm_model *m, const float *eg, const float *eu, const float *ed) {
+    const lm_config *c = &m->cfg;
+    size_t ex = (size_t)(c->expert_rows ? c->expert_rows : c->n_experts) * c->moe_intermediate * c->hidden;
+    return (lm_experts_w){{eg, eu, ed}, {experts_bf16(m, eg, ex), experts_bf16(m, eu, ex), experts_bf16(m, ed, ex)}};
+}
+
 /* The experts op on weights eg, eu, ed (base or adapted): the wbf16 entries
  * when any of them is a bf16-stored base projection, which they read from
  * the store (the same bits as on its fp32 widening); else the fp32 ones.
@@ -1274,7 +1298,8 @@ static void experts_h(lm_model *m, int fwd, float *out, float *dx, float *dg, fl
 
 /* Expert LoRA (target_parameters, PEFT's ParamWrapper): the experts kernels
  * run on the adapted weights W + scale B A, formed per layer and pass in
- * m->ws.lora_ew [3, E, Im, H] (gate, up, down), exactly what PEFT's
+ * m->ws.lora_ew [3, E, Im, H] (gate, up, down; E the held experts under
+ * expert parallel, whose adapters are held with them), exactly what PEFT's
  * parametrization computes; *eg, *eu, *ed point there, or at the base
  * experts when layer l has no expert adapter. Costs a copy of the layer's
  * experts and the delta's 6 r E Im H FLOPs per pass (docs/lora.md). */
@@ -1282,7 +1307,7 @@ static void experts_adapted(lm_model *m, const lm_layer_w *w, const float **eg, 
     const lm_config *c = &m->cfg;
     *eg = w->ewg, *eu = w->ewu, *ed = w->ewd;
     if (!w->lora_ea[LM_LORA_EXP_GU] && !w->lora_ea[LM_LORA_EXP_D]) return;
-    int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate;
+    int E = c->expert_rows ? c->expert_rows : c->n_experts, H = c->hidden, Im = c->moe_intermediate;
     int rg = lm_lora_exp_rank(c, LM_LORA_EXP_GU), rd = lm_lora_exp_rank(c, LM_LORA_EXP_D);
     size_t ex = (size_t)E * Im * H;
     if (!m->ws.lora_ew) m->ws.lora_ew = ct_malloc(3 * ex * sizeof(float));
@@ -1313,7 +1338,7 @@ static void experts_adapted_dw(lm_model *m, const lm_layer_w *w, const lm_layer_
     const lm_config *c = &m->cfg;
     *dg = g->ewg, *du = g->ewu, *dd = g->ewd;
     if (!w->lora_ea[LM_LORA_EXP_GU] && !w->lora_ea[LM_LORA_EXP_D]) return;
-    size_t ex = (size_t)c->n_experts * c->moe_intermediate * c->hidden;
+    size_t ex = (size_t)(c->expert_rows ? c->expert_rows : c->n_experts) * c->moe_intermediate * c->hidden;
     if (!m->ws.lora_dew) m->ws.lora_dew = ct_malloc(3 * ex * sizeof(float));
     zero(m->ws.lora_dew, 3 * ex);
     /* a projection with neither an adapter nor a trained base (gate and up frozen under a
@@ -1327,7 +1352,7 @@ static void experts_adapted_dw(lm_model *m, const lm_layer_w *w, const lm_layer_
 static void experts_adapted_grad(lm_model *m, const lm_layer_w *w, lm_layer_w *g) {
     const lm_config *c = &m->cfg;
     if (!w->lora_ea[LM_LORA_EXP_GU] && !w->lora_ea[LM_LORA_EXP_D]) return;
-    int E = c->n_experts, H = c->hidden, Im = c->moe_intermediate;
+    int E = c->expert_rows ? c->expert_rows : c->n_experts, H = c->hidden, Im = c->moe_intermediate;
     int rg = lm_lora_exp_rank(c, LM_LORA_EXP_GU), rd = lm_lora_exp_rank(c, LM_LORA_EXP_D);
     size_t ex = (size_t)E * Im * H;
     const float *dew = m->ws.lora_dew;
@@ -1595,9 +1620,10 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         else if (y) memcpy(y, a->res_mid, n * sizeof(float));
         const float *eg, *eu, *ed;
         experts_adapted(m, w, &eg, &eu, &ed);
-        if (m->moe_ep) /* never with frozen experts (trainer_finetune_config refuses freezing under EP) */
-            m->moe_ep->fwd(m->moe_ep->ctx, l, y, a->ln2, r, w, BT);
-        else
+        if (m->moe_ep) {
+            lm_experts_w ew = experts_w(m, eg, eu, ed);
+            m->moe_ep->fwd(m->moe_ep->ctx, l, y, a->ln2, r, &ew, BT);
+        } else
             experts_h(m, 1, y, NULL, NULL, NULL, NULL, NULL, NULL, a, kv ? kv->moe_work : m->ws.moe_work, eg, eu, ed,
                       BT);
         if (y && tp) {
@@ -2142,9 +2168,11 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
     float *dg, *du, *dd;
     experts_adapted(m, w, &eg, &eu, &ed);
     experts_adapted_dw(m, w, g, &dg, &du, &dd);
-    if (m->moe_ep)
-        m->moe_ep->bwd(m->moe_ep->ctx, l, m->ws.d_ln, g, m->ws.moe_dtopw, m->ws.d_res, r, w, BT);
-    else
+    if (m->moe_ep) {
+        lm_experts_w ew = experts_w(m, eg, eu, ed);
+        m->moe_ep->bwd(m->moe_ep->ctx, l, m->ws.d_ln, (float *const[3]){dg, du, dd}, m->ws.moe_dtopw, m->ws.d_res,
+                       r, &ew, BT);
+    } else
         experts_h(m, 0, NULL, m->ws.d_ln, dg, du, dd, m->ws.moe_dtopw, m->ws.d_res, a, m->ws.moe_work, eg, eu, ed, BT);
     experts_adapted_grad(m, w, g);
     /* under tensor parallelism both are partial sums over the experts'

@@ -156,8 +156,9 @@ typedef struct {
     /* PEFT's target_parameters on a MoE layer's fused experts (ParamWrapper):
      * bit 1 << LM_LORA_EXP_* of lora_experts[l] adapts layer l's
      * mlp.experts.gate_up_proj [E, 2 Im, H] / down_proj [E, H, Im] with
-     * A [r E, in] and B [out, r E] (lora.h: lora_experts_delta); bit
-     * LM_LORA_EXP_R its router mlp.gate.weight [E, H], A [r, H], B [E, r]. */
+     * A [r E, in] and B [out, r E] (lora.h: lora_experts_delta; E the held
+     * experts under expert parallel, distributed/tp.h); bit LM_LORA_EXP_R
+     * its router mlp.gate.weight [E, H], A [r, H], B [E, r]. */
     unsigned char lora_experts[LM_MAX_LAYERS];
     /* Per expert parameter (LM_LORA_EXP_*), PEFT's rank_pattern /
      * alpha_pattern: its rewrite of target_modules gate_proj + up_proj on a
@@ -421,18 +422,27 @@ typedef struct {
     void (*reduce_max)(void *ctx, float *x, size_t n);
 } lm_hooks;
 
+/* The held experts' weights a MoE layer runs on, each projection [held, ., .]:
+ * the base experts, or their copy with the LoRA delta folded in (model/lora.h);
+ * h[p] the bf16 store w[p] is read from (a frozen base stored in bf16), else NULL. */
+typedef struct {
+    const float *w[3]; /* gate, up, down */
+    const uint16_t *h[3];
+} lm_experts_w;
+
 /* Expert parallel (distributed/ep.c; NULL otherwise): runs a MoE layer's experts
  * on the ranks that hold them. fwd adds sum_j topw_j expert_j(x) onto out
  * (NULL: keep the state only, for a recomputation), as the experts kernel
- * does; bwd accumulates dx and the held experts' gradients into g and
- * overwrites dtopw, as the kernel's backward. Every rank of the group must
- * call them for the same layers in the same order (collectives). */
+ * does; bwd accumulates dx and the held experts' gradients into dw[3] (gate,
+ * up, down like ew; NULL: not wanted, a frozen projection) and overwrites
+ * dtopw, as the kernel's backward. Every rank of the group must call them for
+ * the same layers in the same order (collectives). */
 typedef struct {
     void *ctx;
-    void (*fwd)(void *ctx, int layer, float *out, const float *x, const moe_route *r, const lm_layer_w *w,
+    void (*fwd)(void *ctx, int layer, float *out, const float *x, const moe_route *r, const lm_experts_w *ew,
                 int N);
-    void (*bwd)(void *ctx, int layer, float *dx, lm_layer_w *g, float *dtopw, const float *dout,
-                const moe_route *r, const lm_layer_w *w, int N);
+    void (*bwd)(void *ctx, int layer, float *dx, float *const dw[3], float *dtopw, const float *dout,
+                const moe_route *r, const lm_experts_w *ew, int N);
 } lm_moe_dispatch;
 
 /* Context parallel (distributed/cp.c; NULL otherwise): each rank holds a chunk

@@ -277,21 +277,16 @@ int trainer_init(trainer *t, ct_config *cfg, ct_err *e) { return init_run(t, cfg
 int trainer_init_dist(trainer *t, ct_config *cfg, ct_comm *world, ct_err *e) { return init_run(t, cfg, world, 1, e); }
 
 /* [lora] and training.freeze into the model config: which projections get
- * adapters, their scale and dropout. Tensor parallel slices the projections'
- * adapters with their base (distributed/tp.h); expert parallel, and under
- * TP the experts' adapters, are not done yet. */
-int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, ct_err *e) {
+ * adapters, their scale and dropout. Every layout runs them: tensor and
+ * expert parallel slice the adapters with their base projections and
+ * experts later (distributed/tp.h). */
+int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e) {
     /* each message names where its key was set: the file, or the command line */
-    const char *src = cfg_source(c), *tm_src = cfg_origin(c, "lora.target_modules");
+    const char *tm_src = cfg_origin(c, "lora.target_modules");
     int rp = c->lora_rank_pattern && c->lora_rank_pattern[0]; /* rank_pattern is set (else only alpha_pattern) */
     int partial = c->lora_rank > 0 || c->freeze[0];
     mc->lazy_buffers = partial; /* the frozen tensors' gradients are never written: no pages for them */
     mc->logit_rows = c->logits_chunk_rows;
-    if (partial && ep > 1)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: lora / training.freeze with expert_parallel_degree %d: not supported yet (data "
-                       "parallel, FSDP and tensor parallel are)",
-                       src, ep);
     if (c->lora_rank <= 0) {
         if (c->lora_adapter_path[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.adapter_path: needs lora.rank > 0",
@@ -381,16 +376,6 @@ int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, c
             if (lm_layer_is_moe(mc, l)) mc->lora_experts[l] |= (unsigned char)(1u << LM_LORA_EXP_R);
         experts = 1;
     }
-    /* the experts' A [r E, in] and B [out, r E] would have to be sliced with
-     * moe_intermediate, and the replicated router's adapter kept out of the
-     * group's gradient sums: not done */
-    if (experts && tp > 1)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: LoRA on the fused experts or the router (lora.target_parameters, gate_proj / up_proj / "
-                       "down_proj in lora.target_modules of a MoE model, or all-linear there) with "
-                       "tensor_parallel_degree %d: not supported yet; under tensor parallelism adapt a MoE model's "
-                       "attention projections only (q_proj, k_proj, v_proj, o_proj)",
-                       cfg_origin_any(c, "lora.target_parameters,lora.target_modules"), tp);
     /* PEFT's ParamWrapper refuses dropout: B A drop(x) has no W' x form */
     if (experts && c->lora_dropout > 0)
         return ct_fail(e, CT_ERR_CONFIG,
@@ -610,7 +595,7 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
         return ct_fail(e, CT_ERR_CONFIG, "%s: checkpoint.folder: path too long",
                        cfg_origin_any(c, "job.dump_folder,checkpoint.folder"));
     const ct_mesh *ms = &t->plan.mesh;
-    if ((rc = trainer_finetune_config(c, ms->tp, ms->ep, &mc, e))) return rc;
+    if ((rc = trainer_finetune_config(c, &mc, e))) return rc;
     /* this rank's part of the model: its pipeline stages, its slice */
     if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, trainer_layout_origin(c), e)))
         return rc;

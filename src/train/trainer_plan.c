@@ -37,7 +37,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     if ((rc = trainer_check_kernels(c, e))) return rc;
     int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
     int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
-    if ((rc = trainer_finetune_config(c, tp, c->ep, &mc, e))) return rc;
+    if ((rc = trainer_finetune_config(c, &mc, e))) return rc;
     /* the run checks its pipeline before it builds the model: an error comes alone, before anything prints */
     if (pp > 1 && (rc = plan_dry_pipeline(NULL, c, &mc, world, rep, shard, tp, trainer_layout_origin(c), e))) return rc;
     size_t n = 0, act = 0;

@@ -24,9 +24,9 @@ const char *trainer_frozen_origin(const ct_config *c);
  * error: the run and the dry run reject it alike. */
 int trainer_check_global_batch(const ct_config *c, int dp, ct_err *e);
 /* [lora] and training.freeze into the model config mc: which projections
- * get adapters, their scale and dropout; what tp/ep cannot run yet is
- * CT_ERR_CONFIG. The run and the dry run share it. */
-int trainer_finetune_config(const ct_config *c, int tp, int ep, lm_config *mc, ct_err *e);
+ * get adapters, their scale and dropout (every layout runs them; its slices
+ * come later, distributed/tp.h). The run and the dry run share it. */
+int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e);
 /* The weights (and on resume the moments and state) of this rank's part of
  * the model, from a checkpoint, HF files or the seed (trainer_ckpt.c).
  * Collective: every rank learns whether another failed. */

@@ -114,8 +114,9 @@ def compare_steps(got, ref):
 
 
 def assert_table(s, base_names, layers, targets, ref_shapes):
-    """ctitan's tensor table: the base tensors, and after each layer's base tensors that
-    layer's adapters (q, k, v, o, gate, up, down; lora_A then lora_B), with PEFT's shapes."""
+    """ctitan's tensor table: the base tensors, and after each layer's base tensors (but
+    before a MoE layer's experts) that layer's adapters (q, k, v, o, gate, up, down; lora_A
+    then lora_B), with PEFT's shapes."""
     lora = OL.lora_names(range(layers), targets)
     names = s.names()
     assert set(names) == set(base_names) | set(lora), \
@@ -125,7 +126,8 @@ def assert_table(s, base_names, layers, targets, ref_shapes):
     pos = {n: i for i, n in enumerate(names)}
     for l in range(layers):
         mine = [pos[n] for n in lora if n.startswith(f"model.layers.{l}.")]
-        base_l = [pos[n] for n in base_names if n.startswith(f"model.layers.{l}.")]
+        # a MoE layer's experts come after the adapters: they and their own adapters end the layer
+        base_l = [pos[n] for n in base_names if n.startswith(f"model.layers.{l}.") and ".experts." not in n]
         base_next = [pos[n] for n in base_names if n.startswith(f"model.layers.{l + 1}.")]
         if mine:
             assert min(mine) > max(base_l), f"layer {l}: adapters before the layer's base tensors"

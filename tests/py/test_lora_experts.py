@@ -453,15 +453,15 @@ def router_args(targets, tparams, rslora=False, adapter=None):
 
 def expected_router_lora(cfg, targets):
     """ctitan's adapter names in table order: per layer the attention ones, then (MoE
-    layers) the experts', then the router's."""
+    layers) the router's, then the experts' (with the experts, at the layer's end)."""
     out = []
     for l in range(cfg.num_hidden_layers):
         if targets == "all-linear":
             out += OL.lora_names([l], OL.ATTN)
         if l not in cfg.mlp_only_layers:
+            out += [f"model.layers.{l}.mlp.gate.lora_{x}.weight" for x in "AB"]
             if targets == "all-linear":
                 out += OL.expert_lora_names(l, ("gate_up_proj", "down_proj"))
-            out += [f"model.layers.{l}.mlp.gate.lora_{x}.weight" for x in "AB"]
     return out
 
 

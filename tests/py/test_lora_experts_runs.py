@@ -325,21 +325,3 @@ def test_router_adapter_generate_and_export_merge_match_peft(tparams, tmp_path, 
     assert np.abs(ref_sd[n].numpy() - base[n].numpy()).max() > 1e-3, "test setup: the merge changes no router"
     for k in ref_sd:
         assert np.abs(sd[k].numpy() - ref_sd[k].numpy()).max() <= 1e-5 * np.abs(ref_sd[k].numpy()).max(), k
-
-
-@pytest.mark.parametrize("target", ["--lora.target_modules=all-linear", "--lora.target_parameters=gate.weight"],
-                         ids=["all_linear", "gate_weight"])
-def test_router_adapter_under_tp_refused(setup, target, tmp_path):
-    """The router's adapter (all-linear on a MoE model, or target_parameters gate.weight) with
-    tensor_parallel_degree 2: exit 2 naming the router and the degree, before training."""
-    d, _, data = setup
-    model = tmp_path / "hf"  # sizes tensor parallel 2 divides
-    cfg = oracle_moe.tiny_moe_config(vocab=VOCAB + 1, layers=2, experts=4, top_k=2, mlp_only=(0,))
-    oracle_moe.build_moe_model(cfg, seed=3).save_pretrained(str(model))
-    a = train_args(model, data, tmp_path / "bad", "--lora.target_modules=q_proj", target,
-                   "--parallelism.tensor_parallel_degree=2")
-    p = run(2, a, check=False, timeout=60)
-    assert p.returncode == 2, p.stderr[-3000:]
-    err = [l for l in p.stderr.splitlines() if "ctitan: error" in l]
-    assert len(err) == 1 and "router" in err[0] and "tensor_parallel_degree 2" in err[0], p.stderr[-3000:]
-    assert "step:" not in p.stdout

@@ -467,30 +467,6 @@ def test_adapter_path_without_rank_exits_2(setup, tmp_path):
     assert_config_error(p, "lora.adapter_path")
 
 
-def test_lora_with_ep_exits_2(setup, tmp_path):
-    """Under mpirun -np 2: LoRA with expert parallelism is refused, once, naming the degree
-    and lora (tensor parallel runs it: test_lora_tp.py). The model (config.json only:
-    initialised from training.seed) is a MoE one EP 2 divides, so that the layout without
-    LoRA runs."""
-    d, model, data = setup
-    model = tmp_path / "model"
-    from transformers import Qwen3MoeConfig
-    Qwen3MoeConfig(vocab_size=256, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                   num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
-                   norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-                   output_router_logits=False).save_pretrained(model)
-    args = [a for a in train_args(model, data, tmp_path / "bad", ranks=2)
-            if not a.startswith(("--parallelism.", "--checkpoint.initial_load"))]
-    args += ["--parallelism.data_parallel_shard_degree=2", "--parallelism.expert_parallel_degree=2"]
-    # the same layout without LoRA is valid: the refusal is LoRA's
-    ok = [a for a in args if not a.startswith("--lora.")] + ["--training.steps=1",
-                                                             f"--job.dump_folder={tmp_path / 'ok'}"]
-    run(2, ok, timeout=60)
-    p = run(2, args, check=False, timeout=60)
-    assert_config_error(p, "expert_parallel_degree", "lora")
-
-
 # --------------------------------------------------------------------------- 6. freeze without LoRA
 
 def test_freeze_without_lora(setup, tmp_path):
