@@ -83,6 +83,13 @@ static const char *param_path(int x) {
     return x >= 0 && x < LM_LORA_PARAM_N ? p[x] : "?";
 }
 
+/* Parameter x's last name components that select it in every MoE layer and
+ * nothing else: PEFT's spelling in target_parameters after its rewrite */
+static const char *param_short(int x) {
+    static const char *const p[LM_LORA_PARAM_N] = {"gate_up_proj", "down_proj", "gate.weight"};
+    return x >= 0 && x < LM_LORA_PARAM_N ? p[x] : "?";
+}
+
 /* PEFT's _inject_parameters: the key equals the target or ends with "." + target */
 static int key_matches(const char *key, const char *target) {
     size_t nk = strlen(key), nt = strlen(target);
@@ -159,8 +166,11 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
 }
 
 /* c->lora_experts[] back as a target_parameters list (comma-joined, to
- * free): the short names when every MoE layer has the same, else every
- * layer's full parameter name. "" when none. */
+ * free): when every MoE layer has the same, the names PEFT's rewrite of
+ * target_modules saves ("gate_up_proj", "down_proj", "gate.weight"), so a
+ * file diffs clean against PEFT's for the same recipe; else every layer's
+ * full parameter name, the only spelling that selects those layers alone.
+ * "" when none. */
 static char *lora_target_params_text(const lm_config *c) {
     int uniform = 1, ref = -1;
     for (int l = 0; l < c->n_layers; l++) {
@@ -177,7 +187,7 @@ static char *lora_target_params_text(const lm_config *c) {
         for (int x = 0; x < LM_LORA_PARAM_N; x++) {
             int on = uniform ? ref > 0 && (ref >> x & 1) : lm_lora_expert_on(c, l, x);
             if (!on) continue;
-            if (uniform) n += (size_t)snprintf(s + n, cap - n, "%s%s", n ? "," : "", param_path(x));
+            if (uniform) n += (size_t)snprintf(s + n, cap - n, "%s%s", n ? "," : "", param_short(x));
             else n += (size_t)snprintf(s + n, cap - n, "%smodel.layers.%d.%s", n ? "," : "", l, param_path(x));
         }
     return s;
@@ -1479,7 +1489,7 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
             cJSON_AddItemToArray(tm, cJSON_CreateString(fq ? "qkv_proj" : fg ? "gate_up_proj" : target_names[p]));
         }
     } else {
-        cJSON_AddNullToObject(o, "target_modules"); /* adapters on expert parameters only */
+        cJSON_AddArrayToObject(o, "target_modules"); /* expert parameters only: PEFT writes [] (older ctitan null) */
     }
     char *params = lora_target_params_text(c);
     if (params[0]) cJSON_AddItemToObject(o, "target_parameters", string_list(params));

@@ -236,3 +236,66 @@ def test_peft_loads_the_layout_adapter(setup, one, layout):
     assert err <= 1e-5, f"PEFT's logits with the {layout} adapter vs the one-process adapter: rel err {err:.3g}"
     moved = oracle.rel_err(logits["one"], plain)
     assert moved > 1e-3, f"the adapter hardly changes the logits ({moved:.3g}): the comparison proves nothing"
+
+
+
+def fsdp_trained_floats(pm, base, shard, ep, experts_slice=lambda s, ep, g: s // ep):
+    """[trained fp32 floats of shard rank s's FSDP slices for s in range(shard)], from PEFT's
+    adapter shapes and HF's parameter sizes, by the piece layout of docs/distributed.md
+    ("FSDP") and docs/lora.md ("Layouts"): the embedding and the head are frozen; a layer's
+    piece is its base tensors and then its adapters (a MoE layer's: attention's, then the
+    router's), its experts and their adapters apart in a piece of their own, the EP rank's
+    E / ep experts and its share of each expert adapter (A's rows, B's columns), the adapters
+    last. A piece of n floats over g ranks is cut in slices of ceil(n / g); a layer piece's
+    slice s is shard rank s's; the experts piece is cut over the g = shard / ep ranks holding
+    the same experts (mesh.edp: the shard ranks of one s % ep, in order), so rank s holds
+    its slice s // ep (experts_slice(s, ep, g); None: none)."""
+    sizes = {n: p.numel() for n, p in base.named_parameters()}
+    trained = {n: p.numel() for n, p in pm.named_parameters() if p.requires_grad}
+
+    def slices(n, tail, g):  # trained floats (the last `tail` of n) in each of g slices
+        c = -(-n // g)
+        return [max(0, min(n, (r + 1) * c) - max(n - tail, r * c)) for r in range(g)]
+    per = [0] * shard
+    for l in range(base.config.num_hidden_layers):
+        b = {n: v for n, v in sizes.items() if n.startswith(f"model.layers.{l}.")}
+        a = {n: v for n, v in trained.items() if f".layers.{l}." in n}
+        exp_b = sum(v for n, v in b.items() if ".mlp.experts." in n)
+        exp_a = sum(v for n, v in a.items() if ".mlp.experts." in n)
+        other_a = sum(a.values()) - exp_a
+        for s, x in enumerate(slices(sum(b.values()) - exp_b + other_a, other_a, shard)):
+            per[s] += x
+        if exp_b:
+            g = shard // ep
+            held = slices((exp_b + exp_a) // ep, exp_a // ep, g)
+            for s in range(shard):
+                k = experts_slice(s, ep, g)
+                per[s] += held[k] if k is not None else 0
+    return per
+
+
+@pytest.mark.parametrize("shard", [4, 2], ids=["fsdp4_ep2", "fsdp2_ep2"])
+def test_dry_run_trained_bytes_per_rank_fsdp_ep(setup, run_ctitan, shard):
+    """--dry-run of all-linear on the tiny Qwen3-MoE under FSDP `shard` x EP 2: its per-rank
+    "gradients (fp32, trained only)" line is 4 bytes x the trained floats of the shard rank
+    that holds the most (plan_dry.c's dry_fsdp_plan takes the maximum over the shard ranks,
+    not rank 0's, which here holds none: the adapters end each piece, in its last slices),
+    computed by fsdp_trained_floats from PEFT's adapter shapes. The layer pieces' adapters
+    sit in the last shard ranks' slices, the experts' adapters in the last edp slice, which
+    the last shard ranks hold too: crediting the experts piece's slice r to shard rank r
+    (r < shard / ep), as the dry run did before commit b8bf05d, gives a smaller maximum,
+    which the test setup checks, so the line tells the two apart."""
+    import re
+    base = oracle.load_hf(setup / "qwen")
+    pm = OL.make_peft(oracle.load_hf(setup / "qwen"), r=4, alpha=8.0, targets="all-linear")
+    per = fsdp_trained_floats(pm, base, shard, 2)
+    want = 4 * max(per)
+    old = 4 * max(fsdp_trained_floats(pm, base, shard, 2, lambda s, ep, g: s if s < g else None))
+    assert want != old and per[0] < max(per), f"test setup: the layouts give {per} ({want} vs {old} bytes)"
+    _, out, _ = run_ctitan(args(setup, "all_linear", setup / f"dry_fsdp{shard}_ep2", None, "--dry-run",
+                                P + f"data_parallel_shard_degree={shard}", EP2))
+    block = out.split("per rank:")[-1]
+    assert f"FSDP over {shard} ranks, the experts over the {shard // 2} holding the same ones" in block, block
+    got = [int(v) for v in re.findall(r"^\s+gradients \(fp32, trained only\)\s+[\d.]+ GiB\s+(\d+) bytes$", block,
+                                      re.M)]
+    assert got == [want], f"per-rank trained gradient bytes {got}, want {want} (floats per shard rank {per}):\n{block}"

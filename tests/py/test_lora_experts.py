@@ -111,7 +111,7 @@ def test_expert_adapter_saved_loads_in_peft(tmp_path, open_session):
     ad = tmp_path / "saved"
     s.save_adapter(ad)
     conf = json.loads((ad / "adapter_config.json").read_text())
-    assert conf.get("target_parameters") == ["mlp.experts.down_proj"] and not conf.get("target_modules"), conf
+    assert conf.get("target_parameters") == ["down_proj"] and conf.get("target_modules") == [], conf
     tokens, _ = make_batch(cfg.vocab_size, 2, L, seed=9)
     logits = s.logits(tokens)
     pm = OL.load_adapter_strict(base(), ad)
@@ -496,7 +496,7 @@ def test_router_parity_from_peft_adapter(case, tmp_path, open_session):
     out = tmp_path / "saved"
     s.save_adapter(out)
     conf = json.loads((out / "adapter_config.json").read_text())
-    assert "mlp.gate.weight" in conf["target_parameters"], conf
+    assert "gate.weight" in conf["target_parameters"], conf
     back = OL.load_adapter_strict(base(), out)
     err = oracle.rel_err(s.logits(tokens), oracle.hf_logits(back, tokens))
     assert err <= TOL, f"PEFT with ctitan's adapter: logits rel err {err:.3g}"
@@ -519,7 +519,8 @@ def test_router_all_linear_fresh_save_loads_in_peft(tmp_path, open_session):
     random_adapters_load_in_peft(s, cfg, base, ad, ".lora_")
     conf = json.loads((ad / "adapter_config.json").read_text())
     assert sorted(conf["target_modules"]) == sorted(OL.ATTN), conf["target_modules"]
-    assert sorted(conf["target_parameters"]) == sorted(OL.EXPERTS + ["mlp.gate.weight"]), conf["target_parameters"]
+    assert sorted(conf["target_parameters"]) == sorted(["gate_up_proj", "down_proj", "gate.weight"]), \
+        conf["target_parameters"]
     assert conf["rank_pattern"] == {r".*\.gate_up_proj": 2 * R} and \
         conf["alpha_pattern"] == {r".*\.gate_up_proj": 2 * ALPHA}, conf
 
@@ -698,8 +699,7 @@ def test_gate_in_target_modules_adapts_the_routers_as_peft(case, tmp_path, open_
     out = tmp_path / "saved"
     session_matches_peft(s, params, tokens, labels, ref, base, out)
     conf = json.loads((out / "adapter_config.json").read_text())
-    # ctitan writes null where no Linear is adapted, PEFT's rewrite an empty list: both load alike
-    assert sorted(conf["target_modules"] or []) == attn, conf
+    assert sorted(conf["target_modules"]) == attn, conf
 
     def selected(items):  # PEFT's rule for target_parameters over the model's parameter names
         return {n for n, _ in base().named_parameters() for t in items if n == t or n.endswith("." + t)}
@@ -745,3 +745,83 @@ def test_router_adapter_with_aux_loss_in_gradient_matches_peft(tmp_path, open_se
     bad = [f"{k}: rel err {oracle.rel_err(s.get_grad(k), ref[k]):.3g}" for k in ref
            if not oracle.rel_err(s.get_grad(k), ref[k]) <= TOL]
     assert not bad, "router adapter gradients differ from PEFT's with the aux loss:\n" + "\n".join(bad)
+
+
+# --------------------------------------------------------------------------- adapter_config.json as PEFT spells it
+
+# recipe: (LoraConfig / [lora] target_modules, target_parameters or None). ctitan's spelling of
+# target_parameters is one canonical form (the short names PEFT's rewrite writes) whatever the
+# items it was given, so the recipes that give target_parameters directly give them in that form
+SPELLING_CASES = {
+    "all_linear": ("all-linear", None),
+    "seven": (OL.ALL7, None),
+    "mlp": (OL.MLP, None),
+    "q_proj_mlp": (["q_proj"] + OL.MLP, None),
+    "gate": (["gate"], None),
+    "q_proj_gate": (["q_proj", "gate"], None),
+    "params_only": ([], ["gate_up_proj", "down_proj", "gate.weight"]),
+    "q_proj_down_router": (["q_proj"], ["down_proj", "gate.weight"]),
+    "mixtral_all_linear": ("all-linear", None),
+    "mixtral_mlp": (["w1", "w3", "w2"], None),
+}
+
+
+@pytest.mark.parametrize("case", list(SPELLING_CASES))
+def test_saved_adapter_config_spelled_as_peft(case, tmp_path, open_session):
+    """For the same recipe on a Qwen3-MoE (dense layer 0, sparse layer 1) or a Mixtral, the
+    adapter_config.json ctitan saves holds PEFT 0.21's target_modules (a list, [] where no
+    Linear is adapted, not null), target_parameters (the short names gate_up_proj, down_proj,
+    gate.weight of PEFT's rewrite), rank_pattern and alpha_pattern. PEFT builds its lists
+    from sets (all-linear's target_modules come out in set order), so the lists compare as
+    sets; each list must hold no repeated item either."""
+    targets, tparams = SPELLING_CASES[case]
+    if case.startswith("mixtral"):
+        from test_families_lora import saved_case
+        _, _, hf_dir, base = saved_case("mixtral_e4k2", tmp_path)
+    else:
+        _, hf_dir, base = moe_dense_layer0(tmp_path)
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=targets, target_parameters=tparams)
+    pm.save_pretrained(str(tmp_path / "peft"))
+    want = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=router_args(targets, tparams)))
+    assert sorted(n for n in s.names() if ".lora_" in n) == sorted(OL.trainable(pm)), "test setup: other adapters"
+    s.save_adapter(tmp_path / "saved")
+    got = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
+    bad = []
+    for k in ("target_modules", "target_parameters"):
+        w, g = want.get(k), got.get(k)
+        if not isinstance(w, list):
+            bad.append(f"test setup: PEFT's {k} is {w!r}, not a list")
+        elif not isinstance(g, list) or len(set(g)) != len(g) or set(g) != set(w):
+            bad.append(f"{k}: ctitan {g!r}, PEFT {w!r}")
+    bad += [f"{k}: ctitan {got.get(k)!r}, PEFT {want.get(k)!r}" for k in ("rank_pattern", "alpha_pattern")
+            if got.get(k) != want.get(k)]
+    assert not bad, "adapter_config.json differs from PEFT's:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("spelling", ["peft", "older_ctitan"])
+def test_adapter_config_read_in_either_spelling(spelling, tmp_path, open_session):
+    """PEFT's adapter with random A and B on the experts and the router alone (target_modules
+    [], target_parameters gate_up_proj, down_proj, gate.weight), as PEFT saved it and as
+    ctitan saved such an adapter before it wrote PEFT's spelling (target_modules null,
+    target_parameters mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight):
+    ctitan loads both with PEFT's logits."""
+    tparams = ["gate_up_proj", "down_proj", "gate.weight"]
+    cfg, hf_dir, base = moe_dense_layer0(tmp_path)
+    ad = tmp_path / "adapter"
+    pm = OL.make_peft(base(), r=R, alpha=ALPHA, targets=[], target_parameters=tparams, seed=6)
+    pm.save_pretrained(str(ad))
+    f = ad / "adapter_config.json"
+    c = json.loads(f.read_text())
+    assert c["target_modules"] == [] and sorted(c["target_parameters"]) == sorted(tparams), f"test setup: {c}"
+    if spelling == "older_ctitan":
+        c["target_modules"] = None
+        c["target_parameters"] = OL.EXPERTS + ["mlp.gate.weight"]
+        f.write_text(json.dumps(c))
+    tokens, _ = make_batch(cfg.vocab_size, 2, L, seed=7)
+    want = oracle.hf_logits(pm, tokens)
+    assert oracle.rel_err(want, oracle.hf_logits(base(), tokens)) > 100 * TOL, "test setup: the adapter does nothing"
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=router_args([], tparams, False, ad)))
+    assert sorted(n for n in s.names() if ".lora_" in n) == sorted(OL.trainable(pm))
+    err = oracle.rel_err(s.logits(tokens), want)
+    assert err <= TOL, f"ctitan logits with the adapter in {spelling}'s spelling: rel err {err:.3g}"
