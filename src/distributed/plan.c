@@ -308,7 +308,9 @@ static double grad_norm(const lm_model *m, const float *g, size_t n) {
 }
 
 /* Pipeline stages: the squares of every stage's gradients, the tied
- * embedding's second copy (on the last stage) counted once. sq: this rank's. */
+ * embedding's second copy (on the last stage) counted once. sq: this rank's
+ * place's (summed over its FSDP and TP groups, so the copy's squares are
+ * taken over those groups too). */
 static double pp_sq(ct_plan *p, const float *g, double sq) {
     if (!p->pp) return sq;
     const lm_model *m = p->m;
@@ -317,6 +319,7 @@ static double pp_sq(ct_plan *p, const float *g, double sq) {
         if (p->fsdp) fsdp_piece_held(p->fsdp, 0, &off, &n), off = p->fsdp->p[0].shard_off; /* this rank's slice */
         double d = grad_norm(m, g + off, n), dq = d * d;
         if (p->fsdp) comm_allreduce(&p->mesh.shard, &dq, 1, COMM_F64, COMM_SUM);
+        if (m->cfg.vocab_rows) comm_allreduce(p->tp->comm, &dq, 1, COMM_F64, COMM_SUM); /* its TP slices */
         sq -= dq;
     }
     comm_allreduce(&p->mesh.ppg, &sq, 1, COMM_F64, COMM_SUM);

@@ -169,6 +169,10 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
                               lc.n_experts, lc.moe_intermediate);
     if (lc.vocab_rows) fprintf(out, ", lm_head rows %d of %d", lc.vocab_rows, lc.vocab_size);
     fprintf(out, ")\n");
+    if (lc.vocab_rows) /* what the parameter count above holds of the largest tensor */
+        fprintf(out, "  embedding: rows %d..%d of %d here (%zu parameters%s)\n", lc.vocab_row0,
+                lc.vocab_row0 + lc.vocab_rows - 1, lc.vocab_size, (size_t)lc.vocab_rows * (size_t)lc.hidden,
+                lc.tie_embeddings ? ", also the tied lm_head" : "");
     if (shard > 1 && ep > 1)
         fprintf(out, "  FSDP over %d ranks, the experts over the %d holding the same ones: %.0f parameters stored\n",
                 shard, shard / ep, stored);

@@ -24,7 +24,10 @@ void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, i
     local->n_kv_heads = full->n_kv_heads / t;
     local->intermediate = full->intermediate / t;
     local->moe_intermediate = full->moe_intermediate / t; /* every expert's gate/up rows, down columns */
-    if (!full->tie_embeddings && t > 1) { /* a tied lm_head is the embedding: replicated with it */
+    /* the embedding and lm_head (tied: the same tensor) by vocabulary rows. A
+     * vocabulary t does not divide keeps them whole: mesh_resolve refuses it
+     * untied; tied, the whole table and loss stay on every rank as before */
+    if (t > 1 && full->vocab_size % t == 0) {
         local->vocab_rows = full->vocab_size / t;
         local->vocab_row0 = rank * local->vocab_rows;
     }

@@ -1,8 +1,8 @@
 /* distributed/tp.h: tensor parallelism (torchtitan's Qwen3 plan, dense and MoE).
  *
  * The model's math stays in model/lm.c, run on a LOCAL config: n_heads,
- * n_kv_heads, intermediate and (untied) the lm_head's vocab_rows divided by
- * the degree t. This file decides
+ * n_kv_heads, intermediate and the vocab_rows of the embedding and lm_head
+ * divided by the degree t. This file decides
  * which slice of each whole tensor a rank holds and when a collective runs:
  *   - column-parallel q/k/v_proj and gate/up_proj: rank r holds rows
  *     [r * n / t, (r + 1) * n / t) (its heads, kv heads, intermediate slice);
@@ -12,8 +12,8 @@
  *     are partial sums, all-reduced over the group (hooks.reduce_partial)
  *     before the residual is added once;
  *   - the backward of a column-parallel layer all-reduces d(its input), so
- *     the replicated RMSNorm weights and embedding (and a tied lm_head) get
- *     the same gradient on every rank;
+ *     the replicated RMSNorm weights get the same gradient on every rank,
+ *     and every rank has the whole d(embedding output);
  *   - MoE layers: the router is replicated (every rank routes the same
  *     replicated ln2 identically); each expert is split like the dense MLP,
  *     gate/up rows and down columns of moe_intermediate, so the experts'
@@ -36,11 +36,16 @@
  *     A by columns, its B replicated with a partial-sum gradient (both
  *     all-reduced like the q/k norms'). The router's adapter is replicated
  *     and gets the whole gradient on every rank, as the router does;
- *   - lm_head (untied) is vocabulary-parallel: rank r holds rows
- *     [r V/t, (r+1) V/t) and its logits only; the loss combines the row max,
- *     sum of exponentials and target logit over the group (hooks.reduce_max,
- *     reduce_partial) and d(final norm) is all-reduced. A tied lm_head is the
- *     embedding, replicated with it.
+ *   - the embedding and lm_head (tied or not) are vocabulary-parallel: rank r
+ *     holds rows [r V/t, (r+1) V/t) of each (torchtitan's RowwiseParallel
+ *     embedding). The lookup gives this rank's tokens their rows and the
+ *     others zeros, summed over the group (hooks.reduce_partial); its
+ *     backward adds the whole d(output) rows of this rank's tokens to its
+ *     rows. The head computes its logits only; the loss combines the row
+ *     max, sum of exponentials and target logit over the group
+ *     (hooks.reduce_max, reduce_partial) and d(final norm) is all-reduced.
+ *     A tied model whose vocabulary t does not divide keeps both whole on
+ *     every rank (an untied one is refused: mesh_resolve).
  * Which kind a tensor is follows from its shapes alone (local vs whole): a
  * smaller first dimension is a row slice, a smaller second one a column
  * slice, equal shapes replicated. The hooks wrap FSDP's (inner) when both
@@ -81,8 +86,8 @@ typedef struct {
 } tp_layout;
 
 /* local = full with n_heads, n_kv_heads, intermediate, moe_intermediate
- * divided by t and, when lm_head is not tied, rank's 1/t of the vocabulary
- * rows; with ep > 1, only EP index ep_rank's experts (the caller checked
+ * divided by t and rank's 1/t of the vocabulary rows (the embedding's and
+ * lm_head's; none when t does not divide the vocabulary); with ep > 1, only EP index ep_rank's experts (the caller checked
  * divisibility: mesh_resolve). */
 void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, int ep, int ep_rank);
 void tp_init(tp_layout *p, const lm_config *full, ct_comm *group, int ep, int ep_rank);

@@ -224,7 +224,8 @@ static void build_layout(lm_model *m) {
     int64_t qd = (int64_t)c->n_heads * hd, kvd = (int64_t)c->n_kv_heads * hd;
     const char *nn[4];
     norm_names(c, nn);
-    add_tensor(m, &cap, "model.embed_tokens.weight", c->vocab_size, H, 1, LM_S_EMBED, -1, -1);
+    add_tensor(m, &cap, "model.embed_tokens.weight", c->vocab_rows ? c->vocab_rows : c->vocab_size, H, 1, LM_S_EMBED,
+               -1, -1);
     for (int l = 0; l < c->n_layers; l++) {
 #define T_(suffix, d0, d1, mat, slot)                                        \
     snprintf(n, sizeof n, "model.layers.%d.%s", l, suffix);                 \
@@ -535,6 +536,7 @@ static void plan_activations(lm_model *m, carver *cv) {
     m->ws.cap_t = c->final_softcap > 0 ? carve(cv, (size_t)m->ws.logit_rows * Vr) : NULL;
     m->ws.logits = carve(cv, (size_t)m->ws.logit_rows * Vr);
     if (c->vocab_rows) m->ws.ce_stats = carve(cv, 3 * (size_t)m->ws.logit_rows);
+    m->ws.embed_ids = c->vocab_rows ? (int32_t *)carve(cv, BT) : NULL; /* int32 is a float's size */
     m->ws.d_res = carve(cv, BT * H);
     m->ws.d_ln = carve(cv, BT * H);
     m->ws.d_att = carve(cv, BT * qd);
@@ -934,7 +936,8 @@ double lm_flops_per_token(const lm_model *m, int T) {
     /* a pipeline stage counts what it runs: its layers, the lookup or the lm_head where it has them */
     double VH = (double)m->tensors[0].numel; /* V x H, or 0 on a stage without the embedding */
     double matmul_params = (double)m->n_params - VH;             /* no lookup */
-    if (c->tie_embeddings && lm_holds_head(c)) matmul_params += (double)c->vocab_size * c->hidden; /* lm_head runs */
+    if (c->tie_embeddings && lm_holds_head(c)) /* lm_head runs: its rows of the vocabulary */
+        matmul_params += (double)(c->vocab_rows ? c->vocab_rows : c->vocab_size) * c->hidden;
     /* a token runs k of the E experts of each MoE layer (on some rank, under expert parallel) */
     int held = c->expert_rows ? c->expert_rows : c->n_experts, moe = 0, layers = 0;
     for (int l = 0; l < c->n_layers; l++) {
@@ -1704,17 +1707,30 @@ static void moe_layer_stats(lm_model *m, int l, int BT) {
     }
 }
 
-/* x0[BT, H] = the (scaled) embedding rows of tokens. */
+/* x0[BT, H] = the (scaled) embedding rows of tokens. Vocabulary-parallel,
+ * this model's rows give its tokens' rows and zeros for the others, summed
+ * over the ranks: each element is one rank's row plus zeros, so the bits of
+ * the whole lookup. */
 static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
-    int H = m->cfg.hidden;
+    const lm_config *c = &m->cfg;
+    int H = c->hidden, V = c->vocab_rows, v0 = c->vocab_row0;
     const lm_tensor *te = &m->tensors[0];
-    if (te->store != LM_NO_STORE) { /* a bf16-stored embedding: its rows widened as they are looked up */
+    if (V) {
+        for (int n = 0; n < BT; n++) {
+            float *x = x0 + (size_t)n * H;
+            size_t r = (size_t)(tokens[n] - v0);
+            if (tokens[n] < v0 || tokens[n] >= v0 + V) zero(x, (size_t)H);
+            else if (te->store != LM_NO_STORE) ct_convert_to_f32(x, m->fstore + te->store + r * H, CT_BF16, (size_t)H);
+            else memcpy(x, m->w.wte + r * H, (size_t)H * sizeof(float));
+        }
+        m->hooks->reduce_partial(m->hooks->ctx, x0, (size_t)BT * H);
+    } else if (te->store != LM_NO_STORE) { /* a bf16-stored embedding: its rows widened as they are looked up */
         for (int n = 0; n < BT; n++)
             ct_convert_to_f32(x0 + (size_t)n * H, m->fstore + te->store + (size_t)tokens[n] * H, CT_BF16, (size_t)H);
     } else {
         K(EMBEDDING, embedding_fwd, x0, tokens, m->w.wte, BT, H);
     }
-    lm_embed_scale(&m->cfg, x0, (size_t)BT * H);
+    lm_embed_scale(c, x0, (size_t)BT * H);
 }
 
 /* What every forward sets before its first layer. */
@@ -2339,6 +2355,17 @@ static void embed_bwd(lm_model *m, const int32_t *tokens, int BT) {
     if (c->has_pad) /* torch's padding_idx: the lookup adds nothing to that row */
         for (int i = 0; i < BT; i++)
             if (tokens[i] == c->pad_token) zero(m->ws.d_res + (size_t)i * H, (size_t)H);
+    if (c->vocab_rows) { /* d_res is whole on every rank: this rank's tokens' rows, moved up in order, to its rows
+                          * (the kernel adds a row's tokens in order, so the bits of the whole table's) */
+        int n = 0;
+        for (int i = 0; i < BT; i++) {
+            if (tokens[i] < c->vocab_row0 || tokens[i] >= c->vocab_row0 + c->vocab_rows) continue;
+            if (n < i) memcpy(m->ws.d_res + (size_t)n * H, m->ws.d_res + (size_t)i * H, (size_t)H * sizeof(float));
+            m->ws.embed_ids[n++] = tokens[i] - c->vocab_row0;
+        }
+        if (n) K(EMBEDDING, embedding_bwd, m->g.wte, m->ws.d_res, m->ws.embed_ids, n, H);
+        return;
+    }
     K(EMBEDDING, embedding_bwd, m->g.wte, m->ws.d_res, tokens, BT, H);
 }
 

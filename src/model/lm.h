@@ -109,10 +109,12 @@ typedef struct {
     int mlp_only_layers[LM_MAX_MLP_ONLY];
     int output_router_logits; /* add router_aux_loss_coef * HF's load-balancing loss to the loss */
     double router_aux_loss_coef;
-    /* Vocabulary-parallel lm_head (distributed/tp.c; untied models): this model holds
-     * rows [vocab_row0, vocab_row0 + vocab_rows) of lm_head and computes only
-     * those logits, the loss's max, sum of exponentials and target logit being
-     * combined over ranks by hooks. vocab_rows == 0: the whole vocabulary. */
+    /* Vocabulary-parallel embedding and lm_head (distributed/tp.c; tied or not):
+     * this model holds rows [vocab_row0, vocab_row0 + vocab_rows) of each. The
+     * lookup gives other rows' tokens zeros and sums over ranks by hooks; the
+     * head computes only those logits, the loss's max, sum of exponentials and
+     * target logit being combined over ranks by hooks. vocab_rows == 0: the
+     * whole vocabulary. */
     int vocab_rows, vocab_row0;
     /* Tensor-parallel degree this local config's heads were divided by
      * (distributed/tp.c; 0 or 1: whole). A q/k norm over the whole projection
@@ -368,6 +370,7 @@ typedef struct {
     int logit_rows;         /* rows of logits materialised at once (lm_logit_rows) */
     float *logits;          /* [logit_rows, V] (V: vocab_rows when vocabulary-parallel) */
     float *ce_stats;        /* [3, logit_rows] vocabulary-parallel loss: row max, sum of exp, target logit */
+    int32_t *embed_ids;     /* [BT] vocabulary-parallel embedding backward: its tokens' local rows */
     /* backward scratch */
     float *d_res, *d_ln, *d_att, *d_q, *d_q2, *d_k, *d_k2, *d_v, *d_h, *d_gate, *d_up; /* see lm.c */
     /* MoE layers (NULL for a dense model) */

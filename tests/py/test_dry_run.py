@@ -182,3 +182,29 @@ def test_dry_run_bad_layout_exits_2(models, tmp_path, ranks, degrees, words):
     err = [l for l in p.stderr.splitlines() if "ctitan: error" in l]
     assert len(err) == 1 and words in err[0], p.stderr
     assert "dry run" not in p.stdout
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_dry_run_per_rank_embedding_slice(tmp_path, tied):
+    """Under TP 2 the embedding is vocabulary-parallel, tied or not: the dry run's rank 0
+    holds rows 0 .. V/2 - 1, V/2 x H parameters (transformers' sizes), and its per-rank
+    parameter count is every matrix's half plus the whole norms (transformers' tensors cut as
+    the TP plan cuts them) and the count a TP 2 run prints for rank 0."""
+    cfg = oracle.tiny_config(vocab=256, hidden=32, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8, tied=tied)
+    cfg.save_pretrained(tmp_path / "m")
+    data = oracle.write_bin(tmp_path / "t.bin", oracle.random_tokens(64 * 33, 256, seed=3))
+    args = layout_args(tmp_path / "m", data, tmp_path / "o", (1, 1, 2, 1))
+    out = ok(launch(0, args + ["--dry-run"])).stdout
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "m"))
+    emb = model.get_input_embeddings().weight
+    V, H = emb.shape
+    want = sum(p.numel() // 2 if p.ndim == 2 else p.numel() for p in model.parameters())
+    n_plan = int(re.search(r"(\d+) parameters run by this rank", out).group(1))
+    assert n_plan == want, f"the dry run plans {n_plan} parameters on rank 0, transformers' tensors cut by TP 2: {want}"
+    m = re.search(r"embedding: rows 0\.\.(\d+) of (\d+) here \((\d+) parameters", out)
+    assert m, out
+    assert (int(m.group(1)) + 1, int(m.group(2)), int(m.group(3))) == (V // 2, V, V // 2 * H), out
+    err = ok(launch(2, args)).stderr
+    n_run = int(re.search(r"ctitan: model \S+: (\d+) parameters", err).group(1))
+    assert n_run == n_plan, err[-2000:]
