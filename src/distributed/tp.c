@@ -307,7 +307,7 @@ size_t tp_take_rows(const tp_layout *p, const lm_tensor *lt, const lm_tensor *ft
         size_t R = (size_t)blk * q.rs + q.r0, a = r0 > R ? r0 : R, b = r1 < R + q.rw ? r1 : R + q.rw;
         if ((size_t)blk >= q.rn || a >= b) return 0;
         *la = (size_t)blk * q.rw + (a - R);
-        if (q.cn == 1 && q.cw == fc) {
+        if (q.cn * q.cw == fc) { /* whole rows (an expert B without EP: r runs of E columns): no pick */
             *out = rows + (a - r0) * fc;
             return b - a;
         }

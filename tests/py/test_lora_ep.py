@@ -299,3 +299,26 @@ def test_dry_run_trained_bytes_per_rank_fsdp_ep(setup, run_ctitan, shard):
     got = [int(v) for v in re.findall(r"^\s+gradients \(fp32, trained only\)\s+[\d.]+ GiB\s+(\d+) bytes$", block,
                                       re.M)]
     assert got == [want], f"per-rank trained gradient bytes {got}, want {want} (floats per shard rank {per}):\n{block}"
+
+
+def test_tp_loads_an_expert_b_wider_than_every_row_slice(tmp_path):
+    """Under TP without EP an expert adapter's B [out, r E] keeps its whole rows, which the
+    loader used to copy into a scratch sized for the row-parallel slices alone: with 16
+    experts at rank 16 (B of down_proj 30 x 256 floats per layer against o_proj's 30 x 16)
+    the copy ran past it (a heap overflow, then a crash at the first load). TP 2 (and
+    TP 2 x FSDP 2) must train this model like one process: every step's loss and gradient
+    norm to 1e-5."""
+    cfg = oracle_moe.tiny_moe_config(vocab=256, hidden=30, inter=48, layers=2, heads=4, kv_heads=2, head_dim=8,
+                                     experts=16, top_k=2, moe_inter=12, mlp_only=())
+    oracle_moe.build_moe_model(cfg, seed=21).save_pretrained(str(tmp_path / "moe16"))
+    oracle.write_bin(tmp_path / "moe16.bin", oracle.learnable_stream(300 * 17, 251, seed=7))
+    wide = LORA + ["--lora.rank=16", "--lora.alpha=32"]  # after train_args' rank 4: the last one counts
+
+    def go(name, ranks, layout):
+        out = tmp_path / name
+        run(ranks, train_args(tmp_path / "moe16", tmp_path / "moe16.bin", out, *wide, accum=4, steps=3) + layout,
+            timeout=240)
+        return out
+    ref = go("one", 1, [])
+    for name, ranks, layout in (("tp2", 2, LAYOUTS["tp2"][1]), ("tp2_fsdp2", 4, LAYOUTS["tp2_fsdp2"][1])):
+        assert_same_steps(go(name, ranks, layout), ref, name, steps=range(1, 4))
