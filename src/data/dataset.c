@@ -792,14 +792,17 @@ static uint64_t digest_range(const ds *d, uint64_t off, uint64_t n) {
         if (d->segs[mid].start <= off) lo = mid;
         else hi = mid - 1;
     }
-    uint64_t h = DS_FNV_BASIS;
+    uint64_t h = DS_FNV_BASIS, W = (uint64_t)d->cfg.seq_len + 1;
     for (int i = lo; n; i++) {
         const ds_seg *s = &d->segs[i];
         uint64_t at = off - s->start;
         if (at >= s->n) continue; /* empty segment */
         uint64_t take = s->n - at < n ? s->n - at : n;
-        for (uint64_t k = at; k < at + take; k++)
-            h = (h ^ ((uint64_t)s->tok[k] | (uint64_t)(!s->mask || s->mask[k]) << 32)) * DS_FNV_PRIME;
+        for (uint64_t k = at; k < at + take; k++) {
+            /* a window's first token is never a target: its mask bit trains nothing */
+            int bit = !s->mask || s->mask[k] || (s->start + k) % W == 0;
+            h = (h ^ ((uint64_t)s->tok[k] | (uint64_t)bit << 32)) * DS_FNV_PRIME;
+        }
         off += take;
         n -= take;
     }

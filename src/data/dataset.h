@@ -189,10 +189,11 @@ int ds_has_mask(const ds *d);                   /* some target may be -100 */
 /* Short description for logs: the first source and how many more. */
 const char *ds_name(const ds *d);
 /* A 64-bit digest of what the windows hold: the stream's first num_windows *
- * (seq_len + 1) tokens, each with its mask bit (1 where no mask), in order; the
+ * (seq_len + 1) tokens, each with its mask bit (1 where no mask, and at a window's first
+ * token, which is never a target), in order; the
  * tail no window takes is left out. It depends on neither how the stream is cut
- * into files or shards nor the thread count; one token or mask bit changed
- * always changes it. The ranks compare it (each reads its own machine's copy);
+ * into files or shards nor the thread count; one token or target's mask bit
+ * changed always changes it. The ranks compare it (each reads its own machine's copy);
  * it reads every token once, as the vocabulary check does. */
 uint64_t ds_digest(const ds *d);
 

@@ -5,7 +5,7 @@ process with the same global batch; the final last_save_in_hf save is a PEFT ada
 directory that peft.PeftModel.from_pretrained loads and that gives ctitan's own logits
 (on a tied model with modules_to_save embed_tokens or lm_head too: PEFT's
 ensure_weight_tying layout, read back both ways; what the tied tensor cannot compute refused);
-config errors exit 2 naming the key (LoRA with EP, unknown target or module, a freeze
+config errors exit 2 naming the key (an unknown target or module, a freeze
 pattern matching nothing, an adapter without a rank); training.freeze without LoRA keeps the
 frozen tensors bit for bit while the others train; a bf16-stored frozen base under FSDP 2
 (frozen_dtype bfloat16) trains like one process with bf16 storage, resumes bit for bit,

@@ -836,6 +836,12 @@ static void test_digest(void) {
     m[CUT + 10] = 0;
     write_file("dg_mask/a.mask", m, N);
     CHECK(digest_of("dg_mask", T, &ok) != h, "a mask byte changed");
+    /* a window's first token is never a target (labels are tokens 1 .. T): its mask byte
+     * trains nothing, so copies that differ there hold the same data */
+    m[CUT + 10] = 1;
+    m[(size_t)(CUT / (T + 1) + 3) * (T + 1)] = 0;
+    write_file("dg_mask/a.mask", m, N);
+    CHECK(digest_of("dg_mask", T, &ok) == h, "a window's first mask byte changed");
     /* the same tokens as other windows: one window fewer */
     write_file("dg_less.bin", v, (size_t)(N - 4 - (T + 1)) * 4);
     CHECK(digest_of("dg_less.bin", T, &ok) != h, "one window fewer");
