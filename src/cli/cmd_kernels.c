@@ -182,7 +182,7 @@ static int cmd_list(void) {
     ct_err e = {0};
     if (kern_select(&k, NULL, log, sizeof log, &e)) {
         fprintf(stderr, "ctitan: error: %s\n", e.msg);
-        return 1;
+        return e.code;
     }
     printf("cpu features: %s\n", have);
     if (kern_sve_vector_bits()) printf("sve vector length: %d bits\n", kern_sve_vector_bits());
@@ -466,6 +466,14 @@ int cli_kernels(int argc, char **argv) {
     kern_cli_opts o = {.reps = 5, .seed = 1234};
     int rc = parse_opts(sub, argc - 1, argv + 1, &o);
     if (rc) return rc < 0 ? 0 : rc;
+    { /* an unknown CTITAN_ISA is a config error here as in train and generate, not the whole CPU */
+        kern_ops k;
+        ct_err e = {0};
+        if (kern_select(&k, NULL, NULL, 0, &e)) {
+            fprintf(stderr, "ctitan: error: %s\n", e.msg);
+            return e.code;
+        }
+    }
     if (o.impl) {
         size_t n;
         const kern_impl *t = kern_registry(&n);

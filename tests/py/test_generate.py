@@ -565,6 +565,52 @@ def test_first_token_distribution_matches_hf_warpers(tmp_path, gen, genlib, temp
             f"token {t}: frequency {counts[t] / N:.3f} vs HF probability {p[t]:.3f}"
 
 
+class _SampleBuf(ctypes.Structure):  # model/generate.h gen_sample_buf
+    _fields_ = [("V", ctypes.c_int), ("cand", ctypes.c_void_p), ("prob", ctypes.c_void_p)]
+
+
+class _Rng(ctypes.Structure):  # core/rng.h ct_rng
+    _fields_ = [("s", ctypes.c_uint64 * 4)]
+
+
+def sample(genlib, logits, temperature, top_k, top_p, seeds):
+    """gen_sample on logits for each seed: the tokens drawn."""
+    genlib.gen_sample_buf_init.argtypes = [ctypes.POINTER(_SampleBuf), ctypes.c_int]
+    genlib.gen_sample_buf_free.argtypes = [ctypes.POINTER(_SampleBuf)]
+    genlib.ct_rng_seed.argtypes = [ctypes.POINTER(_Rng), ctypes.c_uint64]
+    genlib.gen_sample.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.POINTER(_GenSampler),
+                                  ctypes.POINTER(_Rng), ctypes.POINTER(_SampleBuf)]
+    genlib.gen_sample.restype = ctypes.c_int32
+    x = np.ascontiguousarray(logits, dtype=np.float32)
+    buf, rng, smp = _SampleBuf(), _Rng(), _GenSampler(temperature, top_k, top_p)
+    genlib.gen_sample_buf_init(ctypes.byref(buf), len(x))
+    try:
+        out = []
+        for seed in seeds:
+            genlib.ct_rng_seed(ctypes.byref(rng), seed)
+            out.append(genlib.gen_sample(x.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ctypes.byref(smp),
+                                         ctypes.byref(rng), ctypes.byref(buf)))
+        return out
+    finally:
+        genlib.gen_sample_buf_free(ctypes.byref(buf))
+
+
+def test_sampling_edges_match_hf(genlib):
+    """Where the rules meet their edges exactly: greedy over tied maxima takes the first, as
+    torch.argmax (HF's greedy search) does; and top-p over four equally likely tokens at
+    top_p = 0.5 keeps exactly two, since TopPLogitsWarper drops every token whose cumulative
+    probability (its own and the less likely ones') is <= 1 - top_p, here 0.25 and 0.5 exactly
+    (which two of the tied tokens is the sort's choice, so only the count is compared)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+    tied = [1.0, 3.0, 3.0, 0.0, 3.0]
+    assert sample(genlib, tied, 0.0, 0, 1.0, [0]) == [int(torch.argmax(torch.tensor(tied)))]
+    flat = torch.zeros(1, 4)
+    kept = int((TopPLogitsWarper(0.5)(torch.zeros(1, 1, dtype=torch.long), flat.clone()) > -math.inf).sum())
+    assert kept == 2, "test setup: HF keeps two of four tied tokens at top_p 0.5"
+    drawn = set(sample(genlib, [0.0] * 4, 1.0, 0, 0.5, range(200)))
+    assert len(drawn) == kept, f"top_p 0.5 over four tied tokens drew {sorted(drawn)}, HF keeps {kept}"
+
+
 # --------------------------------------------------------------------------- errors and help
 
 def test_missing_checkpoint_dir(gen, tmp_path):
@@ -642,6 +688,16 @@ def test_bad_options_exit_2(gen, tmp_path, args, needle):
     rc, _, err = gen(base + args, check=False)
     assert rc == 2, err
     assert needle in err
+
+
+def test_unknown_ctitan_isa_exit_2(gen, tmp_path):
+    """An unknown CTITAN_ISA is refused by generate as by train (tests/py/test_kernel_choice.py):
+    exit 2 naming it, not a run on every instruction set the CPU has."""
+    make_model(tmp_path / "m", seed=1)
+    rc, _, err = gen(["--checkpoint", tmp_path / "m", "--prompt-ids", "1 2 3", "--ids", "--max-tokens", "1"],
+                     check=False, env=dict(CHILD_ENV, CTITAN_ISA="avx9000"))
+    assert rc == 2, (rc, err)
+    assert 'CTITAN_ISA="avx9000": unknown instruction-set level' in err, err
 
 
 def test_prompt_from_another_models_tokenizer_names_it(gen, tokdir, tmp_path):  # noqa: F811

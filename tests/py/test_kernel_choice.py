@@ -119,3 +119,16 @@ def test_ctitan_isa_limits_the_kernels(tmp_path, home):
     p, _ = tiny_run(tmp_path, home, "bogus", env_extra={"CTITAN_ISA": "avx9000"})
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert 'CTITAN_ISA="avx9000": unknown instruction-set level' in p.stderr
+
+
+@pytest.mark.parametrize("sub", [["list"], ["check", "--op", "add", "--quick"], ["bench", "--op", "add"], ["peak"]])
+def test_kernels_refuses_an_unknown_isa(sub):
+    """An unknown CTITAN_ISA is a config error (exit 2 naming the value) in every `kernels`
+    subcommand, as in train and generate: check, bench and peak used to run on the whole
+    CPU at exit 0, and list exited 1 (the fifth mutation audit)."""
+    env = dict(CHILD_ENV, CTITAN_ISA="avx9000")
+    p = subprocess.run([str(BIN), "kernels", *sub], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    crashed(p.returncode, p.stderr, [BIN, "kernels", *sub])
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert 'CTITAN_ISA="avx9000": unknown instruction-set level' in p.stderr, p.stderr[-2000:]
+    assert "cpu features" not in p.stdout and "GFLOP" not in p.stdout, p.stdout[-2000:]

@@ -12,7 +12,7 @@ import torch.optim.optimizer as torch_opt
 import oracle
 import oracle_moe
 import test_generate as tg
-from conftest import hf_session_args
+from conftest import LIB, hf_session_args
 from test_generate import gen, gen_cmd  # noqa: F401  (fixtures)
 from test_parity import make_batch
 from test_train_loop import GLOBAL_BS, HP, LOCAL_BS, L, close, train_sections
@@ -339,6 +339,29 @@ def test_load_balance_coeff_matches_torchtitan_rule(tmp_path, open_session):
     want = oracle_moe.per_expert({n: torch.from_numpy(v) for n, v in ref["params"].items()})
     bad = [n for n in s.names() if not oracle.rel_err(s.get_param(n), want[n]) <= TOL]
     assert not bad, f"weights differ from the PyTorch loop: {bad}"
+
+
+def test_expert_bias_update_is_torchtitans():
+    """One update of the expert bias (moe_update_bias) against torchtitan's rule as
+    oracle_moe.update_expert_bias applies it to torch tensors: d = coeff * sign(mean - count)
+    (0 for an expert at the mean: two here), re-centred to mean 0 (the signs here sum to 1,
+    so the re-centring moves every bias), then the counts zeroed. The runs above compare
+    losses, which the bias moves only where it changes a choice: a constant added to every
+    bias, or an expert at the mean by a little, changes none."""
+    lib = ctypes.CDLL(str(LIB))
+    lib.moe_update_bias.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_double), ctypes.c_int,
+                                    ctypes.c_double]
+    counts = [1.0, 2.0, 4.0, 4.0, 9.0]  # mean 4
+    bias0 = [0.1, -0.2, 0.0, 0.05, 0.3]
+    coeff = 0.01
+    b, c = torch.tensor(bias0, dtype=torch.float32), torch.tensor(counts, dtype=torch.float32)
+    oracle_moe.update_expert_bias({0: (b, c)}, coeff)
+    got = np.array(bias0, dtype=np.float32)
+    tok = np.array(counts, dtype=np.float64)
+    lib.moe_update_bias(got.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                        tok.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), len(counts), coeff)
+    assert np.allclose(got, b.numpy(), rtol=0, atol=1e-8), (got, b.numpy())
+    assert not tok.any(), tok
 
 
 def test_load_balance_bias_resumes_exactly(tmp_path, run_ctitan):

@@ -183,6 +183,19 @@ def test_trace_single_rank(setup, run_ctitan):
         for c in spans(trace, "collective"):
             assert {"bytes", "count", "dtype", "op", "comm_size"} <= set(c["args"])
             assert c["args"]["bytes"] == c["args"]["count"] * {"f32": 4, "f64": 8, "i32": 4, "i64": 8}[c["args"]["dtype"]]
+    # the table's head: the traced steps and their time, the step spans' durations summed
+    head = re.search(r"^ctitan: profile of rank 0, (\d+) traced step\(s\), ([\d.]+) ms of steps:$", err, re.M)
+    assert head, err[-2000:]
+    step_us = sum(spans(load(out / "profile_trace" / f"iteration_{s}" / "rank0_trace.json"), "step")[0]["dur"]
+                  for s in traced)
+    assert int(head[1]) == len(traced)
+    assert abs(Decimal(head[2]) - step_us / 1000) <= Decimal("0.0005"), (head[2], step_us)
+    # each row's %step is its total over the traced steps' total (all of them, not one step's)
+    pct = [re.match(r"ctitan: profile: (?:op|collective)\s.*\s([\d.]+)\s+([\d.]+)$", l) for l in err.splitlines()]
+    pct = [m for m in pct if m]
+    assert len(pct) >= len(MODEL_OPS)
+    for m in pct:
+        assert abs(Decimal(m[2]) - 100 * Decimal(m[1]) * 1000 / step_us) <= Decimal("0.0051"), (m[0], step_us)
     # the table at the end: the trace's durations summed per op (ns kept exactly in both)
     rows = summary_rows(err)
     got = {k[1]: v for k, v in rows.items() if k[0] == "op"}
@@ -251,6 +264,10 @@ def check_worker_spans(trace, rank):
     assert len(ops) == len(spans(trace, "op"))
     for w in workers:
         assert any(o["name"] == w["name"] and o["args"] == w["args"] and inside(w, o) for o in ops), w
+    # a worker's span is its own thread's time, from its first entry into the op's regions (after
+    # the op began), not the op's start copied: the ns clock tells them apart
+    later = sum(any(o["name"] == w["name"] and inside(w, o) and w["ts"] > o["ts"] for o in ops) for w in workers)
+    assert later >= 0.9 * len(workers), f"only {later} of {len(workers)} worker spans start after their op"
     # one span per thread per op call: never more worker spans of an op than its calls times threads
     for name in {w["name"] for w in workers}:
         calls = sum(o["name"] == name for o in ops)
@@ -510,6 +527,23 @@ def test_bf16_matmuls_are_the_bf16_op(setup, run_ctitan):
     trace = load(out / "profile_trace" / f"iteration_{FREQ}" / "rank0_trace.json")
     mm = [e for e in spans(trace, "op") if e["name"].startswith("matmul_")]
     assert mm and all(e["args"]["op"] == "matmul_bf16" and e["args"]["impl"] == chosen["matmul_bf16"] for e in mm)
+
+
+def test_bf16_experts_are_the_bf16_op(tmp_path, run_ctitan):
+    """The same for the MoE experts: under bf16 mixed precision the model's experts calls run
+    moe_experts_bf16's choice, and their spans say so."""
+    import oracle_moe
+    _, out, args = tiny_run(tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq=2", steps=2)
+    moe_dir = tmp_path / "moe_model"
+    oracle_moe.tiny_moe_config(vocab=128, hidden=32, layers=2, mlp_only=(1,)).save_pretrained(moe_dir)
+    args = [f"--model.hf_assets_path={moe_dir}" if a.startswith("--model.hf_assets_path=") else a for a in args]
+    _, _, err = run_ctitan(args + ["--training.mixed_precision_param=bfloat16"])
+    chosen = kernels_line(err)
+    trace = load(out / "profile_trace" / "iteration_2" / "rank0_trace.json")
+    ex = [e for e in spans(trace, "op") if e["name"] in ("moe_fwd", "moe_bwd")]
+    assert {e["name"] for e in ex} == {"moe_fwd", "moe_bwd"}, sorted({e["name"] for e in spans(trace, "op")})
+    assert all(e["args"] == {"op": "moe_experts_bf16", "impl": chosen["moe_experts_bf16"]} for e in ex), \
+        [e["args"] for e in ex]
 
 
 def test_moe_router_spans(tmp_path, run_ctitan):

@@ -7,6 +7,7 @@ error exits.
 Chromium is Debian's `chromium` package, which scripts/setup.sh installs: these tests fail,
 never skip, where it is missing, so `make test` cannot pass without the browser check."""
 import html.parser
+import json
 import math
 import os
 import re
@@ -274,6 +275,28 @@ def test_png(runs, tmp_path):
     assert rc == 0, err
     assert Image.open(tmp_path / "named.png").size == (1920, 840)
     assert color_pixels(Image.open(tmp_path / "named.png").convert("RGB"), RUN_COLORS[1]) == 0  # one run only
+
+
+def test_png_dashes_what_the_page_dashes(tmp_path):
+    """The PNG draws the page's chart (report/png.c): a logged loss curve, which the page draws
+    without a stroke-dasharray, is solid in the PNG too. A flat loss of one run (no events,
+    no validation, no smoothing) is one horizontal line: its pixels of the run's colour on
+    the line's row form one unbroken stretch."""
+    run = tmp_path / "flat"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.0}) + "\n" for s in range(1, 21)))
+    rc, _, err = ctitan(["report", run, "-o", tmp_path / "r.html", "--png", "--smoothing", "0"])
+    assert rc == 0, err
+    (line,) = read(tmp_path / "r.html").find("polyline", svg="chart-loss", data_run="flat", data_series="loss")
+    assert "stroke-dasharray" not in line
+    img = np.asarray(Image.open(tmp_path / "r.png").convert("RGB")).astype(int)
+    mask = np.abs(img - np.array(RUN_COLORS[0])).max(axis=2) <= 6
+    below_legend = 2 * 52  # the plot's top (chart.c: top 52), at the PNG's twice the size
+    y = below_legend + int(mask[below_legend:].sum(axis=1).argmax())
+    xs = np.nonzero(mask[y])[0]
+    assert xs.size > 1000, f"row {y}: {xs.size} pixels of the run's colour"
+    gaps = int(xs.max() - xs.min() + 1 - xs.size)
+    assert gaps <= 2, f"the loss line is broken by {gaps} pixels on row {y}: drawn dashed"
 
 
 def test_hostile_strings_escaped(runs, tmp_path):

@@ -174,6 +174,12 @@ CASES = [
     ("yarn-betas", {**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "beta_fast": 64.0,
                                                  "beta_slow": 2.0, "original_max_position_embeddings": 256}}, None, [16],
      "yarn"),
+    # a correction range of one point: beta_fast 200 and beta_slow 90 turns fit in 512 positions
+    # at dimensions -3.1 and -0.35 of 64, clamped and rounded to [0, 0]; transformers'
+    # linear_ramp_factor widens it by 0.001 rather than divide 0 by 0 at dimension 0
+    ("yarn-one-point-ramp", {**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 200.0,
+                                                          "beta_slow": 90.0, "original_max_position_embeddings": 512}},
+     None, [16], "yarn"),
     ("yarn-beta-zero-is-default", {**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "beta_fast": 0,
                                                                 "original_max_position_embeddings": 256}}, None, [16],
      "yarn"),

@@ -188,6 +188,9 @@ int main(void) {
     j = load(path);
     CHECK(j && num(j, "total_planned") == 150 && num(j, "peak_rss") == 4096 && num(j, "step") == 4,
           "snapshot totals");
+    /* the measured total sums the categories measured; an unmeasured one (null) adds nothing */
+    CHECK(j && num(j, "total_measured") == 100, "total_measured %g, want 100 (the null category left out)",
+          j ? num(j, "total_measured") : -1);
     const cJSON *mc = j ? cJSON_GetArrayItem(cJSON_GetObjectItem(j, "categories"), 1) : NULL;
     CHECK(mc && cJSON_IsNull(cJSON_GetObjectItem(mc, "measured")), "unmeasured is null");
     cJSON_Delete(j);

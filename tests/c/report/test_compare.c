@@ -4,7 +4,10 @@
  * cut its lines), downtime, redone steps, wall, machine- and core-hours,
  * cost with and without billed downtime, CPU and energy with a session that
  * has no exit; the loss curves' max and mean relative difference, its step,
- * and steps only one run logged; a run without events.jsonl. */
+ * and steps only one run logged; a run without events.jsonl; a resume whose
+ * launch reads earlier than the previous session's end (another machine's
+ * clock): downtime 0, never negative (docs/compare.md); a step logged twice
+ * (a resume that did not cut the file): compared once, with its later loss. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,9 +98,53 @@ static void test_sessions(void) {
     run_free(&r);
 }
 
+static void test_clock_skew_and_repeated_steps(void) {
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/c", tmp);
+    ct_mkdirs(dir, NULL);
+    /* session 1 (launch 2000) exits at 2010 after step 4; session 2 was launched on a machine
+     * whose clock reads 2008 then; step 2 is in the file twice, 3.3 then 3.0 */
+    check_put(tmp, "c/metrics.jsonl",
+        "{\"step\": 1, \"loss\": 4.0, \"step_time_s\": 1.0, \"time\": 2003}\n"
+        "{\"step\": 2, \"loss\": 3.3, \"step_time_s\": 1.0, \"time\": 2004}\n"
+        "{\"step\": 2, \"loss\": 3.0, \"step_time_s\": 1.0, \"time\": 2005}\n"
+        "{\"step\": 3, \"loss\": 2.0, \"step_time_s\": 1.0, \"time\": 2006}\n");
+    check_put(tmp, "c/events.jsonl",
+        "{\"event\":\"start\",\"time\":2001,\"step\":0,\"launch_time\":2000,\"startup_s\":1}\n"
+        "{\"event\":\"exit\",\"time\":2010,\"reason\":\"stopped\",\"step\":4}\n"
+        "{\"event\":\"start\",\"time\":2009,\"step\":4,\"launch_time\":2008,\"startup_s\":1}\n"
+        "{\"event\":\"exit\",\"time\":2020,\"reason\":\"done\",\"step\":8}\n");
+    run_data r;
+    ct_err e = {0};
+    CHECK(run_load(&r, dir, &e) == 0, "load: %s", e.msg);
+    run_summary c;
+    run_summarise(&r, &c);
+    CHECK(c.n_sessions == 2 && NEAR(c.s[1].downtime_s, 0) && NEAR(c.downtime_s, 0) && NEAR(c.downtime_machine_s, 0),
+          "a launch 2 s before the previous end: downtime %g (total %g), want 0", c.n_sessions == 2 ? c.s[1].downtime_s : NAN,
+          c.downtime_s);
+    CHECK(NEAR(c.lost_s, 1), "lost: the restart's start-up alone, %g", c.lost_s);
+
+    snprintf(dir, sizeof dir, "%s/d", tmp);
+    ct_mkdirs(dir, NULL);
+    check_put(tmp, "d/metrics.jsonl", "{\"step\": 1, \"loss\": 4.0}\n{\"step\": 2, \"loss\": 3.0}\n{\"step\": 3, \"loss\": 2.0}\n");
+    run_data rd;
+    CHECK(run_load(&rd, dir, &e) == 0, "load d: %s", e.msg);
+    cmp_loss l;
+    cmp_loss_diff(&r, &rd, &l);
+    CHECK(l.n == 3 && l.n_only_a == 0 && l.n_only_b == 0, "steps 1-3 once each: n %d, only in A %d, only in B %d", l.n,
+          l.n_only_a, l.n_only_b);
+    CHECK(l.n >= 2 && l.steps[1] == 2 && l.a[1] == 3.0 && l.max_rel == 0,
+          "step 2 compared with its later loss 3.0: %g (max relative difference %g)", l.n >= 2 ? l.a[1] : NAN, l.max_rel);
+    cmp_loss_free(&l);
+    run_summary_free(&c);
+    run_free(&rd);
+    run_free(&r);
+}
+
 int main(void) {
     if (!mkdtemp(tmp)) return 1;
     test_sessions();
+    test_clock_skew_and_repeated_steps();
     ct_rm_tree(tmp, NULL);
     return CHECK_DONE();
 }

@@ -12,7 +12,9 @@
  *   value wins, steps stay increasing), NaN values left out, markers for the
  *   events, and the pixel mapping at the plot's corners;
  * - the PNG back end: a PNG signature where cairo is built in, the
- *   "not built in" error where it is not (the aarch64 cross build). */
+ *   "not built in" error where it is not (the aarch64 cross build);
+ * - event labels at one step (a stop and its resume) stacked, not overprinted;
+ * - the config table of two runs: a key one run lacks is a difference. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -144,8 +146,85 @@ static void test_chart(void) {
     run_free(&r);
 }
 
+/* A stop at step 6 and its resume at step 6: two labelled markers at one step, whose
+ * labels (10 px text) must stack instead of overprinting each other. */
+static void test_labels_stack(void) {
+    run_data r;
+    memset(&r, 0, sizeof r);
+    snprintf(r.dir, sizeof r.dir, "runs/s");
+    r.n_points = 10;
+    r.points = calloc(10, sizeof *r.points);
+    for (int i = 0; i < 10; i++) {
+        r.points[i].step = i + 1;
+        for (int f = 0; f < RUN_N_FIELDS; f++) r.points[i].v[f] = NAN;
+        r.points[i].v[RUN_LOSS] = 5 - 0.1 * i;
+    }
+    r.n_events = 3;
+    r.events = calloc(3, sizeof *r.events);
+    r.events[0] = (run_event){.kind = RUN_EV_START, .step = 0};
+    r.events[1] = (run_event){.kind = RUN_EV_EXIT, .step = 6};
+    snprintf(r.events[1].reason, sizeof r.events[1].reason, "stopped");
+    r.events[2] = (run_event){.kind = RUN_EV_START, .step = 6};
+    snprintf(r.events[2].resumed_from, sizeof r.events[2].resumed_from, "runs/s/checkpoint/step-6");
+    const char *names[] = {"s"};
+    report_chart c;
+    report_chart_build(&c, REPORT_CHART_LOSS, &r, names, 1, 0);
+    CHECK(c.n_markers == 3 && c.markers[1].labelled && c.markers[2].labelled, "%d markers", c.n_markers);
+    if (c.n_markers == 3)
+        CHECK(fabs(c.markers[2].label_y - c.markers[1].label_y) >= 10,
+              "the stop's and the resume's labels at step 6 overprint: y %g and %g", c.markers[1].label_y,
+              c.markers[2].label_y);
+    report_chart_free(&c);
+    run_free(&r);
+}
+
+static run_setting setting(const char *k, const char *v) { return (run_setting){strdup(k), strdup(v)}; }
+
+/* The config table of two runs: a key that one run lacks differs (that run shows a dash),
+ * one with equal values does not. */
+static void test_config_diff(void) {
+    run_data r[2];
+    memset(r, 0, sizeof r);
+    for (int i = 0; i < 2; i++) {
+        snprintf(r[i].dir, sizeof r[i].dir, "runs/%c", 'a' + i);
+        r[i].n_points = 1;
+        r[i].points = calloc(1, sizeof *r[i].points);
+        r[i].points[0].step = 1;
+        for (int f = 0; f < RUN_N_FIELDS; f++) r[i].points[0].v[f] = NAN;
+        r[i].points[0].v[RUN_LOSS] = 3;
+    }
+    r[0].n_config = 3;
+    r[0].config = calloc(3, sizeof *r[0].config);
+    r[0].config[0] = setting("training.steps", "10");
+    r[0].config[1] = setting("lora.rank", "8");
+    r[0].config[2] = setting("optimizer.lr", "0.001");
+    r[1].n_config = 2;
+    r[1].config = calloc(2, sizeof *r[1].config);
+    r[1].config[0] = setting("training.steps", "10");
+    r[1].config[1] = setting("optimizer.lr", "0.002");
+    char dir[] = "/tmp/ct-test-report-XXXXXX", page[64];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(page, sizeof page, "%s/r.html", dir);
+    report_opts o = {0, page, NULL};
+    ct_err e = {0};
+    CHECK(report_write(r, 2, &o, &e) == 0, "report_write: %s", e.msg);
+    char *text = fs_read_file(page, 0, NULL, &e);
+    CHECK(text && strstr(text, "<tr class=\"diff\" data-key=\"lora.rank\">"), "a key only run a has is not highlighted");
+    CHECK(text && strstr(text, "<tr class=\"diff\" data-key=\"optimizer.lr\">"), "differing values not highlighted");
+    CHECK(text && strstr(text, "<tr data-key=\"training.steps\">"), "equal values highlighted");
+    CHECK(text && strstr(text, "<p>2 of 3 keys differ"), "the count of differing keys");
+    free(text);
+    remove(page);
+    remove(dir);
+    for (int i = 0; i < 2; i++) run_free(&r[i]);
+}
+
 int main(void) {
     check_ticks(0.13, 0.97, 5, 0, 1, 0.2, 6);
+    /* a raw spacing of 6 rounds to 5, not 10: Heckbert's nice numbers ("Nice numbers for graph
+     * labels", Graphics Gems, 1990) round a fraction below 1.5 to 1, below 3 to 2, below 7 to 5 */
+    check_ticks(0, 24, 5, 0, 25, 5, 6);
+    check_ticks(0, 11.6, 5, 0, 12, 2, 7); /* 2.9 rounds to 2 */
     check_ticks(1, 10, 8, 1, 10, 1, 10);
     check_ticks(5, 5, 5, 4.4, 5.6, 0.2, 7);  /* flat: widened by 10% each way */
     check_ticks(-3.2, 7.9, 5, -4, 8, 2, 7);
@@ -189,5 +268,7 @@ int main(void) {
     check_names((const char *[]){"/r/z", "/r/z"}, 2, (const char *[]){"r/z", "r/z #2"});
 
     test_chart();
+    test_labels_stack();
+    test_config_diff();
     return CHECK_DONE();
 }
