@@ -1,28 +1,83 @@
-"""Context parallel on one machine: step time and peak RSS per rank of CP2 against one rank, on
-W1's model (Qwen3-0.6B shapes cut to 4 layers) at a long sequence (2048 by default).
+"""Context parallel on one machine: step time, peak RSS and attention time per rank of CP2 in
+its two layouts (parallelism.context_parallel_load_balancer: "headtail", the default, and
+"none", consecutive chunks) against one rank, on W1's model (Qwen3-0.6B shapes cut to 4 layers)
+at a long sequence (2048 by default).
 
 Every run trains the same recipe from the same random init: local batch 1 sequence, a few
 steps; the first steps are warm-up. The one-rank run gets every core; CP's ranks one thread
-each, so on a 2-core machine CP cannot be faster. What the table shows is what a rank holds:
-every rank keeps the whole model, its gradients and AdamW moments (FSDP would shard them), and
-the activations of its chunk of seq_len / cp positions, plus the attention's whole-sequence
-scratch (docs/distributed.md, CP). The padded-prefix attention makes the last rank run a
-whole-sequence attention, so the step time is bounded below by it.
+each, so on a 2-core machine CP cannot be faster. Each rank keeps the whole model, its
+gradients and AdamW moments (FSDP would shard them) and the activations of its chunk of
+seq_len / cp positions, plus the attention's scratch (docs/distributed.md, CP). The last
+columns are each rank's last step, read from its profiler trace (profiling.enable_profiling):
+the step's span, its attention kernels (forward + backward, every layer) and its collectives.
+Under "none" the last rank's chunk attends over the whole prefix and costs (2 - 1/cp) times
+the mean, and the others wait for it in the collectives; under "headtail" every rank's two
+pieces cost the same. torchtitan's debugmodel (--shape debugmodel: 16 heads of 128, a
+2048-token vocabulary) is a model where attention is most of the step.
 
-Run:  .venv/bin/python bench/bench_cp.py [--steps 5] [--seq 2048]
+Run:  .venv/bin/python bench/bench_cp.py [--steps 5] [--seq 2048] [--shape debugmodel]
+            [--runs "CP2 none,CP2 headtail"]
+CTITAN_BUILD=build/x selects the build directory (default build).
 """
 import argparse
+import glob
+import json
 import os
+import re
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_pp import make_model_and_data, run_layout  # noqa: E402
+from bench_pp import ROOT, make_model_and_data  # noqa: E402
 from bench_train import SHAPES  # noqa: E402
 
+CP2 = "--parallelism.context_parallel_degree=2"
 RUNS = [  # name, ranks, extra flags
     ("1 rank", 1, []),
-    ("CP2", 2, ["--parallelism.context_parallel_degree=2"]),
+    ("CP2 none", 2, [CP2, "--parallelism.context_parallel_load_balancer=none"]),
+    ("CP2 headtail", 2, [CP2, "--parallelism.context_parallel_load_balancer=headtail"]),
 ]
+
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def traced_ms(trace):
+    """A rank's traced step in milliseconds (its profiler trace): (the step's span, its
+    attention calls, its collectives: under "none" rank 0 waits there for rank 1)."""
+    ev = json.load(open(trace))
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    ms = lambda names: sum(e.get("dur", 0) for e in ev if e.get("cat") != "thread" and e.get("name") in names) / 1e3
+    return ms(("step",)), ms(("attention_fwd", "attention_bwd")), ms(COLLECTIVES)
+
+
+def run(a, tmp, model, data, cores, name, ranks, extra):
+    """One ctitan run of the recipe, its last step traced: one rank on every core, or `ranks`
+    MPI ranks of one thread each. Returns (steady step seconds, peak RSS text, final loss,
+    traced_ms per rank) or None when it failed."""
+    out = os.path.join(tmp, re.sub(r"\W+", "_", name))
+    threads = cores if ranks == 1 else 1
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+               CTITAN_LOG_RANKS="all", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    binary = os.path.join(ROOT, os.environ.get("CTITAN_BUILD", "build"), "ctitan")
+    cmd = [binary, "train", "--model.spec=hf", f"--model.hf_assets_path={model}", f"--training.dataset_path={data}",
+           f"--training.local_batch_size={a.batch}", f"--training.seq_len={a.seq}", f"--training.steps={a.steps}",
+           "--metrics.log_freq=1", f"--job.dump_folder={out}", f"--training.threads={threads}",
+           "--profiling.enable_profiling", f"--profiling.profile_freq={a.steps}"] + extra
+    if ranks > 1:
+        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks)] + cmd
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(f"{name:14s} failed: {p.stderr.strip().splitlines()[-1:]}")
+        return None
+    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
+    step_s = (rows[-1]["elapsed_s"] - rows[a.warmup - 1]["elapsed_s"]) / (len(rows) - a.warmup)
+    rss = sorted((int(m.group(1)), float(m.group(2))) for m in
+                 re.finditer(r"rank (\d+) of \d+: peak memory ([\d.]+) GiB", p.stderr))
+    rss_txt = f"{max(r['memory_gib'] for r in rows):.2f}" if ranks == 1 else " ".join(f"{g:.2f}" for _, g in rss)
+    traces = sorted(glob.glob(os.path.join(out, "profile_trace", f"iteration_{a.steps}", "rank*_trace.json")),
+                    key=lambda f: int(re.search(r"rank(\d+)_", f).group(1)))
+    return step_s, rss_txt, rows[-1]["loss"], [traced_ms(t) for t in traces]
 
 
 def main():
@@ -32,15 +87,20 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--shape", default="qwen3-0.6b-4l", choices=sorted(SHAPES))
+    ap.add_argument("--runs", default=",".join(r[0] for r in RUNS), help="comma-separated names of RUNS")
     a = ap.parse_args()
     tmp, model, data, cores = make_model_and_data(a, "bench_cp_", "CP bench")
-    print(f"{'run':10s} {'step s':>8s} {'tok/s':>8s} {'peak RSS per rank (GiB)':>26s} {'final loss':>11s}")
+    print(f"{'run':14s} {'step s':>7s} {'tok/s':>6s} {'peak RSS/rank GiB':>17s} {'final loss':>10s}  "
+          f"last step, ms per rank: step / attention / collectives")
     for name, ranks, extra in RUNS:
-        got = run_layout(a, tmp, model, data, cores, name, ranks, extra)
+        if name not in a.runs.split(","):
+            continue
+        got = run(a, tmp, model, data, cores, name, ranks, extra)
         if got is None:
             continue
-        _, rows, step_s, rss_txt = got
-        print(f"{name:10s} {step_s:8.3f} {a.batch * a.seq / step_s:8.0f} {rss_txt:>26s} {rows[-1]['loss']:11.5f}")
+        step_s, rss_txt, loss, traced = got
+        print(f"{name:14s} {step_s:7.3f} {a.batch * a.seq / step_s:6.0f} {rss_txt:>17s} {loss:10.5f}  "
+              + ", ".join(" / ".join(f"{x:.0f}" for x in r) for r in traced))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ static const char *const cfg_dataset_kinds[] = {"auto", "text", "jsonl", "chat",
 static const char *const cfg_pp_schedules[] = {"1F1B", "GPipe", "Interleaved1F1B", NULL};
 static const char *const cfg_text_splits[] = {"line", "paragraph", "file", NULL};
 static const char *const cfg_ac_modes[] = {"none", "selective", "full", NULL};
+/* torchtitan's context_parallel_load_balancer: "headtail" or None (here "none"); its "ptrr"
+ * balances FlexAttention's document masks, which ctitan does not have */
+static const char *const cfg_cp_balancers[] = {"headtail", "none", NULL};
 static const char *const cfg_reshard_modes[] = {"default", "always", "never", NULL};
 static const char *const cfg_mp_dtypes[] = {"float32", "bfloat16", NULL};
 static const char *const cfg_frozen_dtypes[] = {"float32", "bfloat16", NULL};
@@ -341,9 +344,15 @@ static const cfg_option cfg_options[] = {
         .noop = "false", .instead = "ctitan has no asynchronous (compiled) tensor parallel",
         .help = "torchtitan's async tensor parallel (needs torch.compile): ctitan has none, so only false is taken"),
     OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1", .range = CFG_GE, .lo = 1,
-        .help = "ranks splitting each sequence into chunks of consecutive positions (training.seq_len / degree "
-                "each); attention runs over the whole prefix; composes with data parallel, FSDP, tensor, pipeline "
-                "and expert parallel, LoRA and training.freeze (docs/distributed.md)"),
+        .help = "ranks splitting each sequence into chunks of training.seq_len / degree positions (two pieces "
+                "each, context_parallel_load_balancer; with it \"none\", chunks of consecutive positions); "
+                "attention runs over the whole prefix; composes with data parallel, FSDP, tensor, pipeline and "
+                "expert parallel, LoRA and training.freeze (docs/distributed.md)"),
+    OPT("parallelism", "context_parallel_load_balancer", CFG_ENUM, cp_balancer, "headtail",
+        .choices = cfg_cp_balancers,
+        .help = "the positions each context-parallel rank holds: headtail (rank c holds pieces c and 2 degree - 1 - c "
+                "of 2 degree, so causal attention costs every rank the same; training.seq_len must be a multiple "
+                "of 2 degree) or none (consecutive chunks: the last rank's attention costs the most)"),
     OPT("parallelism", "pipeline_parallel_degree", CFG_INT, pp, "1", .range = CFG_GE, .lo = 1,
         .help = "pipeline stages: ranks each holding a range of layers, passing activations forward and "
                 "gradients back (docs/distributed.md)"),
@@ -1237,6 +1246,14 @@ int cfg_validate(const ct_config *c, ct_err *e) {
                        "%s: parallelism.context_parallel_degree = %d does not divide training.seq_len = %d "
                        "(each rank runs seq_len / degree positions; validation runs at training.seq_len too)",
                        cfg_origin_any(c, "parallelism.context_parallel_degree,training.seq_len"), c->cp, c->seq_len);
+    if (c->cp > 1 && !strcmp(c->cp_balancer, "headtail") && c->seq_len % (2 * c->cp) != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.context_parallel_load_balancer = \"headtail\" cuts training.seq_len = %d into "
+                       "2 x parallelism.context_parallel_degree = %d pieces, which do not divide it (a multiple of "
+                       "%d, or context_parallel_load_balancer = \"none\")",
+                       cfg_origin_any(c, "parallelism.context_parallel_load_balancer,parallelism.context_parallel_degree,"
+                                         "training.seq_len"),
+                       c->seq_len, 2 * c->cp, 2 * c->cp);
     return cfg_validate_inert(c, e);
 }
 

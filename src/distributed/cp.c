@@ -1,6 +1,6 @@
-/* distributed/cp.c: context parallel's attention over the whole sequence from
- * a chunk of it (cp.h: the padded-prefix problem), and the chunking of the
- * step's windows. */
+/* distributed/cp.c: context parallel's attention over the whole prefix from
+ * a chunk of a sequence (cp.h: each piece against the keys before it, the
+ * attention op's offset form), and the chunking of the step's windows. */
 #include "distributed/cp.h"
 
 #include <stdlib.h>
@@ -10,89 +10,154 @@
 #include "metrics/profile.h"
 #include "model/moe.h"
 
-/* k and v of chunks 0 .. rank of every sequence, from the group, into the
- * padded problem's [B, T', kvd] (T' = (rank + 1) Tl). */
-static void cp_gather_kv(cp_layout *cp, const float *k, const float *v, int B, int Tl, int kvd) {
-    size_t n = (size_t)B * Tl * kvd, row = (size_t)Tl * kvd;
-    int Tp = (cp->rank + 1) * Tl;
+/* The first position of piece i of rank j's chunk: headtail gives rank j the
+ * pieces j and 2n-1-j of 2n, contiguous the piece j of n. */
+static int cp_piece_pos(const cp_layout *cp, int j, int i) {
+    if (cp->np == 1) return j * cp->L;
+    return (i ? 2 * cp->n - 1 - j : j) * cp->L;
+}
+
+/* The rank holding the piece that starts at position ci L, and which of its pieces it is. */
+static void cp_owner(const cp_layout *cp, int ci, int *j, int *i) {
+    if (cp->np == 1 || ci < cp->n) *j = ci, *i = 0;
+    else *j = 2 * cp->n - 1 - ci, *i = 1;
+}
+
+/* dst [B, Tk, w] = the first Tk positions of each sequence, from src [n][B, Tl, w]
+ * (block j: rank j's chunk, its pieces in order). */
+static void cp_prefix(const cp_layout *cp, float *dst, const float *src, int B, int Tk, int w) {
+    size_t blk = (size_t)B * cp->Tl * w, piece = (size_t)cp->L * w;
+    for (int b = 0; b < B; b++)
+        for (int ci = 0; ci < Tk / cp->L; ci++) {
+            int j, i;
+            cp_owner(cp, ci, &j, &i);
+            memcpy(dst + ((size_t)b * Tk + (size_t)ci * cp->L) * w,
+                   src + (size_t)j * blk + ((size_t)b * cp->Tl + (size_t)i * cp->L) * w, piece * sizeof(float));
+        }
+}
+
+/* x [B, Tk, w] -> [B, Tk2, w] in place, Tk2 <= Tk: each sequence's first Tk2
+ * rows (row blocks move down, to where no later one is read from). */
+static void cp_shorten(float *x, int B, int Tk, int Tk2, int w) {
+    for (int b = 1; b < B; b++)
+        memmove(x + (size_t)b * Tk2 * w, x + (size_t)b * Tk * w, (size_t)Tk2 * w * sizeof(float));
+}
+
+/* send [n][B, Tl, w] += d [B, Tk, w]: each position's gradient into its owner's block */
+static void cp_scatter_add(const cp_layout *cp, float *send, const float *d, int B, int Tk, int w) {
+    size_t blk = (size_t)B * cp->Tl * w, piece = (size_t)cp->L * w;
+    for (int b = 0; b < B; b++)
+        for (int ci = 0; ci < Tk / cp->L; ci++) {
+            int j, i;
+            cp_owner(cp, ci, &j, &i);
+            float *o = send + (size_t)j * blk + ((size_t)b * cp->Tl + (size_t)i * cp->L) * w;
+            const float *s = d + ((size_t)b * Tk + (size_t)ci * cp->L) * w;
+            for (size_t e = 0; e < piece; e++) o[e] += s[e];
+        }
+}
+
+/* Rows of piece i: dst [B, L, w] = src [B, Tl, w]'s (w = 1, B = B nh: lse's), and back. */
+static void cp_rows_out(const cp_layout *cp, float *dst, const float *src, int B, int i, int w) {
+    size_t piece = (size_t)cp->L * w;
+    for (int b = 0; b < B; b++)
+        memcpy(dst + (size_t)b * piece, src + ((size_t)b * cp->Tl + (size_t)i * cp->L) * w, piece * sizeof(float));
+}
+static void cp_rows_in(const cp_layout *cp, float *dst, const float *src, int B, int i, int w) {
+    size_t piece = (size_t)cp->L * w;
+    for (int b = 0; b < B; b++)
+        memcpy(dst + ((size_t)b * cp->Tl + (size_t)i * cp->L) * w, src + (size_t)b * piece, piece * sizeof(float));
+}
+
+/* kp, vp [B, Tk, kvd] = the keys of every position up to the end of this rank's
+ * last piece (the longest prefix), from k, v [B, Tl, kvd] of every rank; returns Tk.
+ * kg, vg are free afterwards (the backward's send buffers). */
+static int cp_gather_keys(cp_layout *cp, const float *k, const float *v, int B, int kvd) {
+    size_t n = (size_t)B * cp->Tl * kvd;
     double t0 = ct_now();
     comm_all_gather(cp->c, cp->kg, k, n, COMM_F32);
     comm_all_gather(cp->c, cp->vg, v, n, COMM_F32);
     cp->comm_s += ct_now() - t0;
-    for (int b = 0; b < B; b++)
-        for (int j = 0; j <= cp->rank; j++) { /* chunk j of sequence b came from rank j */
-            size_t dst = ((size_t)b * Tp + (size_t)j * Tl) * kvd, src = (size_t)j * n + (size_t)b * row;
-            memcpy(cp->kp + dst, cp->kg + src, row * sizeof(float));
-            memcpy(cp->vp + dst, cp->vg + src, row * sizeof(float));
-        }
+    int Tk = cp_piece_pos(cp, cp->rank, cp->np - 1) + cp->L;
+    cp_prefix(cp, cp->kp, cp->kg, B, Tk, kvd);
+    cp_prefix(cp, cp->vp, cp->vg, B, Tk, kvd);
+    return Tk;
 }
 
-/* dst [B, T', w] = zero rows for the other chunks' positions, then src [B, Tl, w]. */
-static void cp_pad(float *dst, const float *src, int B, int Tl, int Tp, int w) {
-    size_t pre = (size_t)(Tp - Tl) * w, own = (size_t)Tl * w;
-    for (int b = 0; b < B; b++) {
-        float *d = dst + (size_t)b * Tp * w;
-        memset(d, 0, pre * sizeof(float));
-        memcpy(d + pre, src + (size_t)b * own, own * sizeof(float));
+/* kp, vp cut down in place from [B, Tk] to piece i's prefix; returns its length. */
+static int cp_keys_of_piece(cp_layout *cp, int i, int Tk, int B, int kvd) {
+    int Tk2 = cp_piece_pos(cp, cp->rank, i) + cp->L;
+    if (Tk2 != Tk) {
+        cp_shorten(cp->kp, B, Tk, Tk2, kvd);
+        cp_shorten(cp->vp, B, Tk, Tk2, kvd);
     }
+    return Tk2;
 }
 
-/* dst [B, Tl, w] = the own rows (the last Tl) of src [B, T', w]. */
-static void cp_own(float *dst, const float *src, int B, int Tl, int Tp, int w) {
-    size_t pre = (size_t)(Tp - Tl) * w, own = (size_t)Tl * w;
-    for (int b = 0; b < B; b++) memcpy(dst + (size_t)b * own, src + (size_t)b * Tp * w + pre, own * sizeof(float));
-}
-
+/* The pieces from the last (the longest prefix: its keys are gathered once into
+ * kp, vp, and each earlier piece's are the start of them). */
 static void cp_fwd(void *ctx, float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
                    int nh, int nkv, int hd, const kern_attn_opt *o) {
     cp_layout *cp = ctx;
     lm_model *m = cp->m;
-    int Tp = (cp->rank + 1) * T, qd = nh * hd, kvd = nkv * hd;
-    cp_gather_kv(cp, k, v, B, T, kvd);
-    cp_pad(cp->qp, q, B, T, Tp, qd);
-    int64_t t0 = PROF_T0(m->prof);
-    m->k.attention_fwd(cp->op, cp->lp, cp->qp, cp->kp, cp->vp, B, Tp, nh, nkv, hd, o);
-    if (m->prof) prof_kern(m->prof, KERN_OP_ATTENTION, "attention_fwd", t0);
-    cp_own(out, cp->op, B, T, Tp, qd);
-    cp_own(lse, cp->lp, B * nh, T, Tp, 1); /* lse is [B, nh, T']: one row per (sequence, head) */
+    int qd = nh * hd, kvd = nkv * hd, L = cp->L;
+    (void)T; /* the chunk: cp->Tl */
+    int Tk = cp_gather_keys(cp, k, v, B, kvd);
+    for (int i = cp->np - 1; i >= 0; i--) {
+        Tk = cp_keys_of_piece(cp, i, Tk, B, kvd);
+        int64_t t0 = PROF_T0(m->prof);
+        if (cp->np == 1) { /* the chunk is the piece: q, out and lse as they are */
+            m->k.attention_fwd_q0(out, lse, q, cp->kp, cp->vp, B, L, Tk, nh, nkv, hd, o);
+        } else {
+            cp_rows_out(cp, cp->qp, q, B, i, qd);
+            m->k.attention_fwd_q0(cp->op, cp->lp, cp->qp, cp->kp, cp->vp, B, L, Tk, nh, nkv, hd, o);
+        }
+        if (m->prof) prof_kern(m->prof, KERN_OP_ATTENTION, "attention_fwd", t0);
+        if (cp->np > 1) {
+            cp_rows_in(cp, out, cp->op, B, i, qd);
+            cp_rows_in(cp, lse, cp->lp, B * nh, i, 1); /* lse is [B, nh, Tl]: one row per (sequence, head) */
+        }
+    }
 }
 
-/* The dummy rows have q = 0, d(out) = 0 and out = 0, lse = 0: the softmax
- * backward's D and dP are 0 there, so dS = P (dP - D) = 0 and they add
- * nothing to dk, dv (P = exp(0) = 1 stays finite). */
+/* As the forward, the pieces from the last; each one's d k, d v (its whole
+ * prefix's) are added into the owners' blocks of the send buffers (the gather's
+ * receive buffers, free once kp, vp hold the keys), reduce-scattered at the end. */
 static void cp_bwd(void *ctx, float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                    const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
                    const kern_attn_opt *o) {
     cp_layout *cp = ctx;
     lm_model *m = cp->m;
-    int Tp = (cp->rank + 1) * T, qd = nh * hd, kvd = nkv * hd;
-    cp_gather_kv(cp, k, v, B, T, kvd);
-    cp_pad(cp->qp, q, B, T, Tp, qd);
-    cp_pad(cp->op, out, B, T, Tp, qd);
-    cp_pad(cp->dop, dout, B, T, Tp, qd);
-    cp_pad(cp->lp, lse, B * nh, T, Tp, 1);
-    int64_t t0 = PROF_T0(m->prof);
-    m->k.attention_bwd(cp->dqp, cp->dkp, cp->dvp, cp->dop, cp->op, cp->lp, cp->qp, cp->kp, cp->vp, B, Tp, nh, nkv,
-                       hd, o, 0);
-    if (m->prof) prof_kern(m->prof, KERN_OP_ATTENTION, "attention_bwd", t0);
-    cp_own(dq, cp->dqp, B, T, Tp, qd);
-    /* d k, d v of chunk j to rank j: block j of the send buffers (chunks past this rank's: zero) */
-    size_t n = (size_t)B * T * kvd, row = (size_t)T * kvd;
-    memset(cp->kg + (size_t)(cp->rank + 1) * n, 0, (size_t)(cp->n - cp->rank - 1) * n * sizeof(float));
-    memset(cp->vg + (size_t)(cp->rank + 1) * n, 0, (size_t)(cp->n - cp->rank - 1) * n * sizeof(float));
-    for (int b = 0; b < B; b++)
-        for (int j = 0; j <= cp->rank; j++) {
-            size_t src = ((size_t)b * Tp + (size_t)j * T) * kvd, dst = (size_t)j * n + (size_t)b * row;
-            memcpy(cp->kg + dst, cp->dkp + src, row * sizeof(float));
-            memcpy(cp->vg + dst, cp->dvp + src, row * sizeof(float));
+    int qd = nh * hd, kvd = nkv * hd, L = cp->L;
+    size_t n = (size_t)B * T * kvd;
+    int Tk = cp_gather_keys(cp, k, v, B, kvd);
+    memset(cp->kg, 0, (size_t)cp->n * n * sizeof(float));
+    memset(cp->vg, 0, (size_t)cp->n * n * sizeof(float));
+    for (int i = cp->np - 1; i >= 0; i--) {
+        Tk = cp_keys_of_piece(cp, i, Tk, B, kvd);
+        int64_t t0 = PROF_T0(m->prof);
+        if (cp->np == 1) {
+            m->k.attention_bwd_q0(dq, cp->dkp, cp->dvp, dout, out, lse, q, cp->kp, cp->vp, B, L, Tk, nh, nkv, hd, o,
+                                  0);
+        } else {
+            cp_rows_out(cp, cp->qp, q, B, i, qd);
+            cp_rows_out(cp, cp->op, out, B, i, qd);
+            cp_rows_out(cp, cp->dop, dout, B, i, qd);
+            cp_rows_out(cp, cp->lp, lse, B * nh, i, 1);
+            m->k.attention_bwd_q0(cp->dqp, cp->dkp, cp->dvp, cp->dop, cp->op, cp->lp, cp->qp, cp->kp, cp->vp, B, L,
+                                  Tk, nh, nkv, hd, o, 0);
         }
+        if (m->prof) prof_kern(m->prof, KERN_OP_ATTENTION, "attention_bwd", t0);
+        if (cp->np > 1) cp_rows_in(cp, dq, cp->dqp, B, i, qd);
+        cp_scatter_add(cp, cp->kg, cp->dkp, B, Tk, kvd);
+        cp_scatter_add(cp, cp->vg, cp->dvp, B, Tk, kvd);
+    }
     double t1 = ct_now();
     comm_reduce_scatter(cp->c, dk, cp->kg, n, COMM_F32);
     comm_reduce_scatter(cp->c, dv, cp->vg, n, COMM_F32);
     cp->comm_s += ct_now() - t1;
 }
 
-void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq) {
+void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, int headtail) {
     memset(cp, 0, sizeof *cp);
     cp->m = m;
     cp->c = c;
@@ -101,30 +166,41 @@ void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq) {
     cp->B = B;
     cp->T = T;
     cp->Tl = T / cp->n;
+    cp->np = headtail ? 2 : 1;
+    cp->L = cp->Tl / cp->np;
     const lm_config *mc = &m->cfg;
-    size_t q = (size_t)B * T * mc->n_heads * mc->head_dim, kv = (size_t)B * T * mc->n_kv_heads * mc->head_dim;
+    size_t kv = (size_t)B * T * mc->n_kv_heads * mc->head_dim;
     cp->kg = ct_malloc(kv * sizeof(float));
     cp->vg = ct_malloc(kv * sizeof(float));
     cp->kp = ct_malloc(kv * sizeof(float));
     cp->vp = ct_malloc(kv * sizeof(float));
     cp->dkp = ct_malloc(kv * sizeof(float));
     cp->dvp = ct_malloc(kv * sizeof(float));
-    cp->qp = ct_malloc(q * sizeof(float));
-    cp->op = ct_malloc(q * sizeof(float));
-    cp->dqp = ct_malloc(q * sizeof(float));
-    cp->dop = ct_malloc(q * sizeof(float));
-    cp->lp = ct_malloc((size_t)B * mc->n_heads * T * sizeof(float));
+    if (cp->np > 1) { /* a piece's query rows, out of the chunk's two */
+        size_t q = (size_t)B * cp->L * mc->n_heads * mc->head_dim;
+        cp->qp = ct_malloc(q * sizeof(float));
+        cp->op = ct_malloc(q * sizeof(float));
+        cp->dqp = ct_malloc(q * sizeof(float));
+        cp->dop = ct_malloc(q * sizeof(float));
+        cp->lp = ct_malloc((size_t)B * mc->n_heads * cp->L * sizeof(float));
+    }
     if (n_seq < B) n_seq = B;
     cp->tok = ct_malloc((size_t)n_seq * cp->Tl * sizeof(int32_t));
     cp->lab = ct_malloc((size_t)n_seq * cp->Tl * sizeof(int32_t));
-    /* RoPE of the chunk's global positions, for a forward over the whole
-     * sequence (dynamic RoPE depends on its length); rope_T = Tl keeps the
-     * model from rebuilding them for positions 0 .. Tl-1 */
-    int p0 = cp->rank * cp->Tl;
-    lm_rope_tables(mc, 0, T, p0, cp->Tl, m->ws.rope_cos, m->ws.rope_sin);
-    if (m->ws.rope_cos_l != m->ws.rope_cos) lm_rope_tables(mc, 1, T, p0, cp->Tl, m->ws.rope_cos_l, m->ws.rope_sin_l);
+    /* RoPE of the pieces' global positions, for a forward over the whole
+     * sequence (dynamic RoPE depends on its length): each piece's rows of the
+     * tables; rope_T = Tl keeps the model from rebuilding them for 0 .. Tl-1 */
+    size_t half = (size_t)lm_rotary_dim(mc) / 2;
+    for (int i = 0; i < cp->np; i++) {
+        int p = cp_piece_pos(cp, cp->rank, i);
+        size_t at = (size_t)i * cp->L * half;
+        lm_rope_tables(mc, 0, T, p, cp->L, m->ws.rope_cos + at, m->ws.rope_sin + at);
+        if (m->ws.rope_cos_l != m->ws.rope_cos)
+            lm_rope_tables(mc, 1, T, p, cp->L, m->ws.rope_cos_l + at, m->ws.rope_sin_l + at);
+    }
     m->ws.rope_T = cp->Tl;
-    m->cp_T = T, m->cp_Tl = cp->Tl, m->cp_p0 = p0;
+    m->cp_T = T, m->cp_Tl = cp->Tl, m->cp_p0 = cp_piece_pos(cp, cp->rank, 0);
+    m->cp_p1 = cp->np > 1 ? cp_piece_pos(cp, cp->rank, 1) : 0;
     cp->d = (lm_attn_dispatch){cp, cp_fwd, cp_bwd};
     m->attn_cp = &cp->d;
 }
@@ -139,11 +215,13 @@ void cp_free(cp_layout *cp) {
 }
 
 void cp_chunk(cp_layout *cp, const int32_t *tokens, const int32_t *labels, int B) {
-    size_t Tl = (size_t)cp->Tl, off = (size_t)cp->rank * Tl;
-    for (int b = 0; b < B; b++) {
-        memcpy(cp->tok + b * Tl, tokens + (size_t)b * cp->T + off, Tl * sizeof(int32_t));
-        memcpy(cp->lab + b * Tl, labels + (size_t)b * cp->T + off, Tl * sizeof(int32_t));
-    }
+    size_t Tl = (size_t)cp->Tl, L = (size_t)cp->L;
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < cp->np; i++) {
+            size_t src = (size_t)b * cp->T + (size_t)cp_piece_pos(cp, cp->rank, i), dst = b * Tl + i * L;
+            memcpy(cp->tok + dst, tokens + src, L * sizeof(int32_t));
+            memcpy(cp->lab + dst, labels + src, L * sizeof(int32_t));
+        }
 }
 
 void cp_moe_aux(cp_layout *cp, int B) {
@@ -161,4 +239,16 @@ double cp_take_comm_time(cp_layout *cp) {
     double s = cp->comm_s;
     cp->comm_s = 0;
     return s;
+}
+
+void cp_describe(const cp_layout *cp, FILE *f) {
+    if (cp->np > 1)
+        fprintf(f, "ctitan: context_parallel %d (headtail): rank c runs pieces c and %d - c of the %d pieces of %d "
+                   "positions of every sequence (seq_len %d), each attending over the whole prefix before it: the "
+                   "same causal attention work on every rank\n",
+                cp->n, 2 * cp->n - 1, 2 * cp->n, cp->L, cp->T);
+    else
+        fprintf(f, "ctitan: context_parallel %d (contiguous): each rank runs %d consecutive positions of every "
+                   "sequence, attending over the whole prefix (rank %d, the last chunk, over all %d)\n",
+                cp->n, cp->Tl, cp->n - 1, cp->T);
 }

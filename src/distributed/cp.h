@@ -1,35 +1,44 @@
 /* distributed/cp.h: context parallel (parallelism.context_parallel_degree).
  *
  * The cp ranks of a group read the same windows (they share a data-parallel
- * rank, distributed/mesh.h) and rank c keeps chunk c of each: the T/cp
- * consecutive positions c T/cp .. (c+1) T/cp - 1 of every sequence, tokens
- * and labels. The ranks of a group hold the same model (the whole one, or
- * under TP, EP and PP the same slice and stage: mesh.h builds the group from
- * ranks of one tp index, and EP groups from ranks of one cp index); the model
- * runs on its chunk as on a shorter sequence, except in two places:
+ * rank, distributed/mesh.h) and each keeps its chunk of every sequence, tokens
+ * and labels: T/cp positions, laid out as parallelism.context_parallel_load_balancer
+ * says (PyTorch's context parallel and torchtitan, whose default is headtail):
+ *   - headtail (the default): the sequence cut into 2 cp pieces of T/(2 cp),
+ *     rank c holding pieces c and 2cp-1-c (in that order): causal attention
+ *     costs every rank the same (PyTorch's _HeadTailLoadBalancer);
+ *   - none: rank c holds the T/cp consecutive positions c T/cp .. (c+1) T/cp - 1.
+ * The ranks of a group hold the same model (the whole one, or under TP, EP and
+ * PP the same slice and stage: mesh.h builds the group from ranks of one tp
+ * index, and EP groups from ranks of one cp index); the model runs on its chunk
+ * as on a shorter sequence, except in two places:
  *   - RoPE: the model's cos/sin tables are rebuilt for the chunk's global
- *     positions (as transformers computes them for the whole forward);
+ *     positions, piece by piece (as transformers computes them for the whole
+ *     forward);
  *   - attention, the one op that mixes positions (lm_attn_dispatch): rank c
- *     all-gathers k and v (its own heads' under TP), lays out a causal
- *     problem of T' = (c+1) T/cp rows whose first c T/cp query rows are zeros
- *     and whose last T/cp are its own queries, runs the model's own attention
- *     kernels on it and keeps its rows. Positions in that problem are the
- *     global ones, so the causal mask, sliding windows and soft caps come out
- *     as on one process. The backward rebuilds the problem (k and v gathered
- *     again) with d(out) zero on the dummy rows, which then contribute
- *     nothing; d k, d v of the prefix are reduce-scattered (summed) onto the
+ *     all-gathers k and v (its own heads' under TP) and runs each of its
+ *     pieces with the attention op's offset form (kernels/ops.h,
+ *     op_attention_fwd_q0: the piece's query rows at their global positions
+ *     against the keys of every position up to the piece's end), so the causal
+ *     mask, sliding windows and soft caps come out as on one process. The
+ *     backward gathers k and v again, and each piece's d k, d v (of its whole
+ *     prefix) are summed into the owners' blocks and reduce-scattered onto the
  *     chunks' owners.
- * The dummy rows are wasted work: the last rank runs a whole T attention, so
- * attention does not shrink with cp (the other activations do, by cp).
+ * Attention work: a piece at position p of length L costs ~ L (p + L/2) key
+ * rows; under headtail the two pieces of every rank add up to the same, T^2 /
+ * (2 cp) each (a whole sequence's T^2 / 2 over cp ranks), under none rank
+ * cp-1's chunk costs 2 - 1/cp times that mean. The other activations shrink by cp.
  * Gradients of the replicated model (under TP: of the slice, sliced and
  * replicated tensors alike) are summed over the group (plan.c), as over
  * data-parallel replicas (with frozen tensors: the trained runs, LoRA
- * adapters included), and so are the CE sums and the MoE counts. LoRA
- * dropout masks are drawn for the chunk's global rows (lm_model.cp_T). */
+ * adapters included), and so are the CE sums and the MoE counts: per token,
+ * whichever positions a rank holds. LoRA dropout masks are drawn for the
+ * chunk's global rows (lm_model.cp_T, cp_p0, cp_p1). */
 #ifndef CT_DISTRIBUTED_CP_H
 #define CT_DISTRIBUTED_CP_H
 
 #include <stdint.h>
+#include <stdio.h>
 
 #include "distributed/comm.h"
 #include "model/lm.h"
@@ -39,12 +48,13 @@ typedef struct {
     ct_comm *c;      /* the chunks of one sequence (mesh.cpg) */
     int n, rank;     /* degree and this rank's chunk */
     int B, T, Tl;    /* most sequences of a forward; whole sequence; chunk (T / n) */
-    /* the padded problem and its gradients, for at most B x T rows */
+    int np, L;       /* pieces per chunk (headtail 2, none 1) and positions per piece (Tl / np) */
+    /* a piece's attention problem, for at most B sequences of T keys */
     float *kg, *vg;  /* [n][B, Tl, kvd] what the all-gather brings; the backward's send buffers */
-    float *kp, *vp;  /* [B, T', kvd] */
-    float *qp, *op, *dqp, *dop; /* [B, T', qd] */
-    float *dkp, *dvp; /* [B, T', kvd] */
-    float *lp;       /* [B, nh, T'] */
+    float *kp, *vp;  /* [B, Tk, kvd] the keys of the positions up to the piece's end (Tk <= T) */
+    float *dkp, *dvp; /* [B, Tk, kvd] */
+    float *qp, *op, *dqp, *dop; /* [B, L, qd] the piece's query rows (headtail; none runs the chunk's own) */
+    float *lp;       /* [B, nh, L] */
     int32_t *tok, *lab; /* [n_seq, Tl] the chunks being run */
     double comm_s;   /* seconds in collectives since cp_take_comm_time */
     lm_attn_dispatch d;
@@ -52,9 +62,11 @@ typedef struct {
 
 /* Binds the model (planned for B x T / n, no other layout hooking its
  * attention): its RoPE tables for this chunk's positions, its attention
- * dispatch, the scratch. T: the whole sequence (n divides it). n_seq: the
- * most sequences cp_chunk takes at once (B, or a pipeline's whole step). */
-void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq);
+ * dispatch, the scratch. T: the whole sequence (n divides it; 2 n with
+ * headtail, which config.c checks). n_seq: the most sequences cp_chunk takes
+ * at once (B, or a pipeline's whole step). headtail: 1 for the load-balanced
+ * layout, 0 for consecutive chunks (parallelism.context_parallel_load_balancer). */
+void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, int headtail);
 void cp_free(cp_layout *cp);
 /* cp->tok, cp->lab [B, Tl] = this rank's chunk of tokens, labels [B, T]
  * (B <= n_seq). */
@@ -64,5 +76,7 @@ void cp_chunk(cp_layout *cp, const int32_t *tokens, const int32_t *labels, int B
  * logged only: cp refuses it in the gradient). */
 void cp_moe_aux(cp_layout *cp, int B);
 double cp_take_comm_time(cp_layout *cp);
+/* The start-up log line: the layout and what each rank runs. */
+void cp_describe(const cp_layout *cp, FILE *f);
 
 #endif

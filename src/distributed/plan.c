@@ -92,7 +92,7 @@ int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e) {
             int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
             n_seq = p->pp->M * p->pp->mb_size > val_b ? p->pp->M * p->pp->mb_size : val_b;
         }
-        cp_init(p->cp, m, &p->mesh.cpg, m->act.B, p->cfg->seq_len, n_seq);
+        cp_init(p->cp, m, &p->mesh.cpg, m->act.B, p->cfg->seq_len, n_seq, !strcmp(p->cfg->cp_balancer, "headtail"));
     }
     return rc;
 }
@@ -861,10 +861,7 @@ void plan_describe(const ct_plan *p, FILE *f) {
         for (int v = 0; v < s->V; v++) fprintf(f, " %d", s->first[v]);
         fprintf(f, "\n");
     }
-    if (p->cp)
-        fprintf(f, "ctitan: context_parallel %d: each rank runs %d consecutive positions of every sequence; "
-                   "attention over the whole prefix (rank %d, the last chunk, attends over all %d)\n",
-                ms->cp, p->cp->Tl, ms->cp - 1, c->seq_len);
+    if (p->cp) cp_describe(p->cp, f);
     if (p->ep)
         fprintf(f, "ctitan: expert_parallel %d: rank 0 runs experts 0..%d of %d and stores only those, the others "
                    "theirs, on every rank's tokens\n",

@@ -134,10 +134,14 @@ static inline float kern_attn_softcap(const kern_attn_opt *opt) { return opt && 
 static inline int kern_attn_bf16(const kern_attn_opt *opt) { return opt && opt->bf16; }
 /* The backward's acc 0 for an implementation that sums into dq, dk, dv in
  * place: they are zeroed first, as its caller did before the flag. */
-static inline void kern_attn_zero_grads(float *dq, float *dk, float *dv, int B, int T, int nh, int nkv, int hd) {
-    size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd;
+static inline void kern_attn_zero_grads_q0(float *dq, float *dk, float *dv, int B, int Tq, int Tk, int nh, int nkv,
+                                           int hd) {
+    size_t nq = (size_t)B * Tq * nh * hd, nk = (size_t)B * Tk * nkv * hd;
     for (size_t i = 0; i < nq; i++) dq[i] = 0.0f;
     for (size_t i = 0; i < nk; i++) dk[i] = dv[i] = 0.0f;
+}
+static inline void kern_attn_zero_grads(float *dq, float *dk, float *dv, int B, int T, int nh, int nkv, int hd) {
+    kern_attn_zero_grads_q0(dq, dk, dv, B, T, T, nh, nkv, hd);
 }
 
 /* Causal GQA attention, never holding [T x T] scores: the forward saves only
@@ -160,11 +164,29 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
 void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                       const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
                       const kern_attn_opt *opt, int acc);
+/* The same attention for the last Tq of Tk positions (the query offset q0 = Tk - Tq,
+ * 0 <= q0): query row r is position q0 + r and sees keys j <= q0 + r of the Tk (and
+ * j > q0 + r - window), the mask and window by position as above. q, out, dout, dq
+ * [B,Tq,nh,hd], lse [B,nh,Tq]; k, v, dk, dv [B,Tk,nkv,hd], every dk/dv row written
+ * (acc 0) or added to. No query rows for the first q0 positions: context parallel
+ * (distributed/cp.h) runs a chunk of a sequence against its whole prefix's keys. Tq = Tk
+ * is op_attention_fwd/bwd, bit for bit (the whole-sequence forms call these); every
+ * implementation of the attention op has the pair (kern_impl's fn.attention.fwd_q0). */
+void op_attention_fwd_q0(float *out, float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                         int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt);
+void op_attention_bwd_q0(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                         const float *q, const float *k, const float *v, int B, int Tq, int Tk, int nh, int nkv,
+                         int hd, const kern_attn_opt *opt, int acc);
 void op_attention_fwd_tiled(float *out, float *lse, const float *q, const float *k, const float *v,
                             int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled(float *dq, float *dk, float *dv, const float *dout, const float *out,
                             const float *lse, const float *q, const float *k, const float *v, int B, int T,
                             int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
+void op_attention_fwd_q0_tiled(float *out, float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                               int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt);
+void op_attention_bwd_q0_tiled(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                               const float *q, const float *k, const float *v, int B, int Tq, int Tk, int nh, int nkv,
+                               int hd, const kern_attn_opt *opt, int acc);
 #if defined(__x86_64__)
 /* The tiled pair compiled for AVX-512 (call only where the CPU has it;
  * the registry checks). Bit-identical to the generic tiled pair. */
@@ -173,12 +195,22 @@ void op_attention_fwd_tiled_avx512(float *out, float *lse, const float *q, const
 void op_attention_bwd_tiled_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                    const float *lse, const float *q, const float *k, const float *v, int B, int T,
                                    int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
+void op_attention_fwd_q0_tiled_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                      int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt);
+void op_attention_bwd_q0_tiled_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                      const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                      int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 /* The same for AVX2 + FMA ("tiled_avx2"; bit-identical to the generic pair too). */
 void op_attention_fwd_tiled_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
                                  int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                  const float *lse, const float *q, const float *k, const float *v, int B, int T,
                                  int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
+void op_attention_fwd_q0_tiled_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                    int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt);
+void op_attention_bwd_q0_tiled_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                    const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                    int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 #elif defined(__aarch64__)
 /* The tiled pair compiled for SVE (call only where the CPU has it). Bit-identical
  * to the generic tiled pair, which on aarch64 is the NEON build. */
@@ -187,6 +219,11 @@ void op_attention_fwd_tiled_sve(float *out, float *lse, const float *q, const fl
 void op_attention_bwd_tiled_sve(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                 const float *lse, const float *q, const float *k, const float *v, int B, int T,
                                 int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
+void op_attention_fwd_q0_tiled_sve(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                   int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt);
+void op_attention_bwd_q0_tiled_sve(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                   const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                   int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 #endif
 
 /* out[N] = silu(gate) * up */

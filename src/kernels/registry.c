@@ -86,29 +86,37 @@ static const kern_impl registry[] = {
 #if defined(__x86_64__)
     {KERN_OP_ATTENTION, "blocked_avx512bf16", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16, 0,
      "blocked_avx512 with vdpbf16ps products under bf16 mixed precision (scores, and the whole backward)",
-     .fn.attention = {kern_attention_fwd_avx512bf16, kern_attention_bwd_avx512bf16}},
+     .fn.attention = {kern_attention_fwd_avx512bf16, kern_attention_bwd_avx512bf16, kern_attention_fwd_q0_avx512bf16,
+                      kern_attention_bwd_q0_avx512bf16}},
     {KERN_OP_ATTENTION, "blocked_avx512", "cpu", KERN_FEAT_AVX512, 0,
      "tiles as \"tiled\", 4x64 zmm register blocks for every product (hd % 64 == 0; else tiled_avx512)",
-     .fn.attention = {kern_attention_fwd_avx512, kern_attention_bwd_avx512}},
+     .fn.attention = {kern_attention_fwd_avx512, kern_attention_bwd_avx512, kern_attention_fwd_q0_avx512,
+                      kern_attention_bwd_q0_avx512}},
     {KERN_OP_ATTENTION, "tiled_avx512", "cpu", KERN_FEAT_AVX512, 0, "\"tiled\" compiled for AVX-512 (same results)",
-     .fn.attention = {op_attention_fwd_tiled_avx512, op_attention_bwd_tiled_avx512}},
+     .fn.attention = {op_attention_fwd_tiled_avx512, op_attention_bwd_tiled_avx512, op_attention_fwd_q0_tiled_avx512,
+                      op_attention_bwd_q0_tiled_avx512}},
     {KERN_OP_ATTENTION, "blocked_avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, 0,
      "tiles as \"tiled\", 6x16 ymm register blocks for every product (hd % 16 == 0; else tiled_avx2)",
-     .fn.attention = {kern_attention_fwd_avx2, kern_attention_bwd_avx2}},
+     .fn.attention = {kern_attention_fwd_avx2, kern_attention_bwd_avx2, kern_attention_fwd_q0_avx2,
+                      kern_attention_bwd_q0_avx2}},
     {KERN_OP_ATTENTION, "tiled_avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, 0,
      "\"tiled\" compiled for AVX2 + FMA (same results)",
-     .fn.attention = {op_attention_fwd_tiled_avx2, op_attention_bwd_tiled_avx2}},
+     .fn.attention = {op_attention_fwd_tiled_avx2, op_attention_bwd_tiled_avx2, op_attention_fwd_q0_tiled_avx2,
+                      op_attention_bwd_q0_tiled_avx2}},
 #elif defined(__aarch64__)
     {KERN_OP_ATTENTION, "blocked_neon", "cpu", KERN_FEAT_NEON, 0,
      "tiles as \"tiled\", 12x8 NEON register blocks, fmla by lane, rows in lanes (hd % 8 == 0; else tiled)",
-     .fn.attention = {kern_attention_fwd_neon, kern_attention_bwd_neon}},
+     .fn.attention = {kern_attention_fwd_neon, kern_attention_bwd_neon, kern_attention_fwd_q0_neon,
+                      kern_attention_bwd_q0_neon}},
     {KERN_OP_ATTENTION, "tiled_sve", "cpu", KERN_FEAT_SVE, 0, "\"tiled\" compiled for SVE (same results)",
-     .fn.attention = {op_attention_fwd_tiled_sve, op_attention_bwd_tiled_sve}},
+     .fn.attention = {op_attention_fwd_tiled_sve, op_attention_bwd_tiled_sve, op_attention_fwd_q0_tiled_sve,
+                      op_attention_bwd_q0_tiled_sve}},
 #endif
     {KERN_OP_ATTENTION, "tiled", "cpu", 0, 0, "kernels/ref/attention.c: 32x64 tiles, online softmax, recompute in bwd",
-     .fn.attention = {op_attention_fwd_tiled, op_attention_bwd_tiled}},
+     .fn.attention = {op_attention_fwd_tiled, op_attention_bwd_tiled, op_attention_fwd_q0_tiled,
+                      op_attention_bwd_q0_tiled}},
     {KERN_OP_ATTENTION, "ref", "cpu", 0, 0, "kernels/ref: a row at a time, saves lse [B,nh,T], recompute in bwd",
-     .fn.attention = {op_attention_fwd, op_attention_bwd}},
+     .fn.attention = {op_attention_fwd, op_attention_bwd, op_attention_fwd_q0, op_attention_bwd_q0}},
 #if defined(__x86_64__)
     {KERN_OP_SWIGLU, "avx512", "cpu", KERN_FEAT_AVX512, 0, "zmm, vector exp (2 ulp)",
      .fn.swiglu = {kern_swiglu_fwd_avx512, kern_swiglu_bwd_avx512}},
@@ -402,6 +410,10 @@ kern_impl kern_impl_complete(const kern_impl *im) {
         if (!c.fn.matmul.fwd_wbf16) c.fn.matmul.fwd_wbf16 = b16 ? op_matmul_bf16_fwd_wbf16 : op_matmul_fwd_wbf16;
         if (!c.fn.matmul.dinp_wbf16) c.fn.matmul.dinp_wbf16 = b16 ? op_matmul_bf16_dinp_wbf16 : op_matmul_dinp_wbf16;
         break;
+    case KERN_OP_ATTENTION:
+        if (!c.fn.attention.fwd_q0) c.fn.attention.fwd_q0 = op_attention_fwd_q0;
+        if (!c.fn.attention.bwd_q0) c.fn.attention.bwd_q0 = op_attention_bwd_q0;
+        break;
     case KERN_OP_MOE:
     case KERN_OP_MOE_BF16:
         if (!c.fn.moe.fwd_wbf16) c.fn.moe.fwd_wbf16 = b16 ? op_moe_experts_bf16_fwd_wbf16 : op_moe_experts_fwd_wbf16;
@@ -431,7 +443,12 @@ static void install(kern_ops *k, const kern_impl *entry) {
         k->qknorm_rope_fwd = im->fn.rope.qknorm_fwd;
         k->qknorm_rope_bwd = im->fn.rope.qknorm_bwd;
         break;
-    case KERN_OP_ATTENTION: k->attention_fwd = im->fn.attention.fwd; k->attention_bwd = im->fn.attention.bwd; break;
+    case KERN_OP_ATTENTION:
+        k->attention_fwd = im->fn.attention.fwd;
+        k->attention_bwd = im->fn.attention.bwd;
+        k->attention_fwd_q0 = im->fn.attention.fwd_q0;
+        k->attention_bwd_q0 = im->fn.attention.bwd_q0;
+        break;
     case KERN_OP_SWIGLU: k->swiglu_fwd = im->fn.swiglu.fwd; k->swiglu_bwd = im->fn.swiglu.bwd; break;
     case KERN_OP_GEGLU: k->geglu_fwd = im->fn.geglu.fwd; k->geglu_bwd = im->fn.geglu.bwd; break;
     case KERN_OP_CROSSENTROPY:

@@ -81,6 +81,12 @@ typedef void (*kern_attention_fwd_fn)(float *out, float *lse, const float *q, co
 typedef void (*kern_attention_bwd_fn)(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                       const float *lse, const float *q, const float *k, const float *v, int B,
                                       int T, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
+/* The offset form (op_attention_fwd_q0 / _bwd_q0): Tq query rows at positions Tk - Tq .. Tk - 1 */
+typedef void (*kern_attention_fwd_q0_fn)(float *out, float *lse, const float *q, const float *k, const float *v,
+                                         int B, int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt);
+typedef void (*kern_attention_bwd_q0_fn)(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                         const float *lse, const float *q, const float *k, const float *v, int B,
+                                         int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 typedef void (*kern_swiglu_fwd_fn)(float *out, const float *gate, const float *up, int N);
 typedef void (*kern_swiglu_bwd_fn)(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
                                    int N, int acc);
@@ -145,7 +151,10 @@ typedef struct {
             kern_rope_fn fwd; kern_rope_fn bwd;
             kern_qknorm_rope_fwd_fn qknorm_fwd; kern_qknorm_rope_bwd_fn qknorm_bwd;
         } rope;
-        struct { kern_attention_fwd_fn fwd; kern_attention_bwd_fn bwd; } attention;
+        struct { /* and the offset form (context parallel's chunks); NULL: kern_impl_complete's */
+            kern_attention_fwd_fn fwd; kern_attention_bwd_fn bwd;
+            kern_attention_fwd_q0_fn fwd_q0; kern_attention_bwd_q0_fn bwd_q0;
+        } attention;
         struct { kern_swiglu_fwd_fn fwd; kern_swiglu_bwd_fn bwd; } swiglu;
         struct { kern_geglu_fwd_fn fwd; kern_geglu_bwd_fn bwd; } geglu;
         struct { /* whole rows, and the vocabulary-parallel phases (op_crossentropy_vp_*) */
@@ -179,6 +188,8 @@ typedef struct {
     kern_qknorm_rope_bwd_fn qknorm_rope_bwd;
     kern_attention_fwd_fn attention_fwd;
     kern_attention_bwd_fn attention_bwd;
+    kern_attention_fwd_q0_fn attention_fwd_q0; /* from the attention op's entry (distributed/cp.c) */
+    kern_attention_bwd_q0_fn attention_bwd_q0;
     kern_swiglu_fwd_fn swiglu_fwd;
     kern_swiglu_bwd_fn swiglu_bwd;
     kern_geglu_fwd_fn geglu_fwd;
@@ -304,9 +315,9 @@ typedef struct {
     int I, E, k;           /* moe_experts: expert width, experts, top-k */
 } kern_shape;
 
-/* im with the bf16-weight entries it leaves out (a test's own table) filled
- * with its op's reference ones: what a run calls for it, so kern_select
- * installs this and the timings time it. */
+/* im with the bf16-weight entries and the attention's offset form it leaves
+ * out (a test's own table) filled with its op's reference ones: what a run
+ * calls for it, so kern_select installs this and the timings time it. */
 kern_impl kern_impl_complete(const kern_impl *im);
 
 /* Every input of one op at one shape (kernels/timing.c), allocated once so

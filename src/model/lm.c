@@ -1111,7 +1111,11 @@ static int lora_row_parallel(const lm_model *m, int p) {
 static size_t lora_elem(const lm_model *m, int p, size_t i, size_t K) {
     size_t row = i / K, col = i % K, W = K;
     if (lora_row_parallel(m, p)) col += (size_t)m->cfg.tp_rank * K, W = K * (size_t)m->cfg.tp_degree;
-    if (m->cp_T) row = row / (size_t)m->cp_Tl * (size_t)m->cp_T + (size_t)m->cp_p0 + row % (size_t)m->cp_Tl;
+    if (m->cp_T) {
+        size_t t = row % (size_t)m->cp_Tl, half = (size_t)m->cp_Tl / 2;
+        size_t pos = m->cp_p1 && t >= half ? (size_t)m->cp_p1 + t - half : (size_t)m->cp_p0 + t;
+        row = row / (size_t)m->cp_Tl * (size_t)m->cp_T + pos;
+    }
     return row * W + col;
 }
 

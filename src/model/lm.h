@@ -488,8 +488,9 @@ typedef struct {
     int lora_train;         /* set by forward_backward: dropout applies to training forwards only */
     /* Context parallel (distributed/cp.h): the model runs positions [cp_p0, cp_p0 + cp_Tl)
      * of sequences of cp_T, so its row t of sequence b is row b cp_T + cp_p0 + t of one
-     * process's (LoRA dropout masks). cp_T 0: the whole sequence is here. */
-    int cp_T, cp_Tl, cp_p0;
+     * process's (LoRA dropout masks). cp_T 0: the whole sequence is here. cp_p1 > 0
+     * (the headtail layout): rows cp_Tl/2 .. cp_Tl-1 are positions cp_p1 .. instead. */
+    int cp_T, cp_Tl, cp_p0, cp_p1;
     /* bf16 mixed precision (the trainer sets it with kern_use_bf16_matmuls): the
      * attention takes bf16 q, k, v and d(out) (rounded in place, as autocast's
      * projections hand them over) and multiplies P and dS as bf16 (kern_attn_opt.bf16) */

@@ -1,5 +1,7 @@
 """Context parallel (parallelism.context_parallel_degree, docs/distributed.md): each
-sequence split into chunks of consecutive positions over cp ranks.
+sequence split into chunks over cp ranks: by default (context_parallel_load_balancer =
+"headtail", PyTorch's and torchtitan's) rank c holds pieces c and 2cp-1-c of 2cp, with "none"
+the chunks of consecutive positions.
 
 Every layout must train like one process with the same global batch (test_dist's
 helpers and tolerances: losses and validation losses to 1e-5 relative, final weights
@@ -25,6 +27,7 @@ SHARD = "--parallelism.data_parallel_shard_degree"
 PPD = "--parallelism.pipeline_parallel_degree"
 PPMB = "--parallelism.pipeline_parallel_microbatch_size"
 LB1 = "--training.local_batch_size=1"
+NONE = "--parallelism.context_parallel_load_balancer=none"  # consecutive chunks instead of headtail's pieces
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +158,24 @@ LAYOUTS = {  # name: (ranks, data-parallel ranks, model, reference, extra)
                                                          "--parallelism.pipeline_parallel_schedule=GPipe"]),
     "cp2_pp2_fsdp2_ep2": (8, 2, "model_moe", "moe_lb1", [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1", f"{SHARD}=2",
                                                          f"{EPD}=2", LB1]),
+    # the contiguous layout (context_parallel_load_balancer = "none"): consecutive chunks, 2 and 4
+    # of them, with Gemma3's windows and per-layer RoPE, and Mistral's window across TP
+    "cp2_none": (2, 1, "model", "dense", [f"{CP}=2", NONE]),
+    "cp4_none": (4, 1, "model", "dense", [f"{CP}=4", NONE]),
+    "cp4_gemma3_none": (4, 1, "fam_gemma3", "gemma3", [f"{CP}=4", NONE]),
+    "cp2_tp2_mistral_swa5_none": (4, 1, "fam_mistral", "mistral", [f"{CP}=2", f"{TPD}=2", f"{SHARD}=1", NONE]),
 }
 REF_EXTRA = {"bf16": ["--training.mixed_precision_param=bfloat16"], "moe_bias": ["--model.load_balance_coeff=1e-3"],
              "moe_lb1": [LB1], "moe_tp_lb1": [LB1], "moe_lb1_bias": [LB1, "--model.load_balance_coeff=1e-3"]}
 TOL = {"bf16": dict(wtol=1e-3, gtol=1e-3), "moe_bias": dict(wtol=1e-4),  # assert_same_cp says why
        "moe_lb1_bias": dict(wtol=1e-4)}
+
+
+def assert_layout(stderr, extra):
+    """The start-up line names the layout the run asked for: headtail unless NONE is given."""
+    cp = next(a.split("=")[1] for a in extra if a.startswith(CP + "="))
+    want = f"context_parallel {cp} ({'contiguous' if NONE in extra else 'headtail'}):"
+    assert want in stderr, stderr[-2000:]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -169,7 +185,7 @@ def test_cp_matches_one_rank(setup, name):
     want = single(setup, ref, model, *REF_EXTRA.get(ref, []))
     out = d / name
     p = run(n, train_args(d / model, data_for(d, data, model), out, *extra, dp=dp), timeout=300)
-    assert "context_parallel" in p.stderr, p.stderr[-2000:]
+    assert_layout(p.stderr, extra)
     said = {TPD: "x tensor_parallel {} (", EPD: "expert_parallel {}:", PPD: "= pipeline_parallel {} x"}
     for k, words in said.items():  # the layout ran as asked (the start-up log)
         for a in extra:
@@ -198,6 +214,7 @@ ADAPTED = {  # name: (ranks, data-parallel ranks, reference, extra)
     "cp2_lora": (2, 1, "lora", [f"{CP}=2"]),
     # a rank's row t of sequence b is row b T + c T/cp + t of the mask one process draws
     "cp2_lora_dropout": (2, 1, "lora_dropout", [f"{CP}=2"]),
+    "cp2_lora_dropout_none": (2, 1, "lora_dropout", [f"{CP}=2", NONE]),
     "cp2_fsdp2_lora": (4, 2, "lora", [f"{CP}=2", "--parallelism.data_parallel_shard_degree=2"]),
     "cp2_freeze": (2, 1, "freeze", [f"{CP}=2"]),
     # the frozen base stored in bf16 (FSDP: its own bf16 shard, no gradient)
@@ -231,7 +248,7 @@ def test_cp_trains_adapters_and_frozen_models_like_one_rank(setup, name):
     want = _refs[key]
     out = d / name
     p = run(n, train_args(d / "model", data, out, *TRAINED[ref], *extra, dp=dp), timeout=300)
-    assert "context_parallel" in p.stderr, p.stderr[-2000:]
+    assert_layout(p.stderr, extra)
     assert_same_run(out, want, name, weights_too=False)
     got, exp = grad_norms(out), grad_norms(want)
     assert set(got) == set(exp) == set(range(1, STEPS + 1)), (got, exp)
@@ -293,6 +310,9 @@ def test_checkpoint_moves_between_cp_tp_and_one_rank(setup, first, then):
 @pytest.mark.parametrize("ranks,model,args,keys", [
     (1, "model", ["--training.seq_len=15"], ["training.seq_len", "does not divide"]),
     (2, "model", [f"{CP}=4"], ["world size 2"]),
+    # headtail's 2 cp pieces must divide seq_len (PyTorch's balancer asks the same); "none" runs it
+    (2, "model", ["--training.seq_len=18"], ["parallelism.context_parallel_load_balancer", "headtail",
+                                             "training.seq_len = 18", "= 4 pieces"]),
 ])
 def test_cp_refusals_exit_2(setup, tmp_path, ranks, model, args, keys):
     d, data = setup
@@ -303,6 +323,24 @@ def test_cp_refusals_exit_2(setup, tmp_path, ranks, model, args, keys):
     assert len(err) == 1, f"expected the error once (rank 0):\n{p.stderr[-2000:]}"
     for k in ["parallelism.context_parallel_degree", *keys]:
         assert k in err[0], err[0]
+
+
+def test_cp_load_balancer_option(setup, tmp_path):
+    """parallelism.context_parallel_load_balancer: torchtitan's key, whose default is "headtail"
+    (--help says so); its other value None is "none" here (TOML has no None), and "ptrr"
+    (FlexAttention's per-document balancing, which ctitan has no use for) is refused, naming
+    the values taken."""
+    import subprocess
+    from conftest import BIN
+    p = subprocess.run([str(BIN), "train", "--help"], capture_output=True, text=True, timeout=60)
+    entry = p.stdout.split("--parallelism.context_parallel_load_balancer=", 1)[1].split("\n  --", 1)[0]
+    assert entry.startswith("<headtail|none>") and '(default: "headtail")' in entry, entry
+    d, data = setup
+    p = subprocess.run([str(BIN), *train_args(d / "model", data, tmp_path / "bad", f"{CP}=2",
+                                              "--parallelism.context_parallel_load_balancer=ptrr"), "--dry-run"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "parallelism.context_parallel_load_balancer: 'ptrr' is not one of: headtail, none" in p.stderr, p.stderr
 
 
 def test_cp_refuses_the_aux_loss_in_the_gradient(setup, tmp_path):

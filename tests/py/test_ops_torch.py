@@ -437,3 +437,80 @@ def test_add(lib, gen):
     out = np.zeros(N, np.float32)
     lib.op_add(P(out), P(a), P(b), N)
     np.testing.assert_array_equal(out, a + b)
+
+
+# ------------------------------------------------------ attention with a query offset
+
+class AttnOptFull(ctypes.Structure):
+    """kern_attn_opt with every field (AttnOpt above stops before bf16, which the C side reads too)."""
+    _fields_ = [("scale", c_float), ("window", c_int), ("softcap", c_float), ("bf16", c_int)]
+
+
+def torch_attention_q0(q, k, v, scale=None, window=0, softcap=0.0):
+    """q [B,Tq,nh,hd] at positions q0 .. q0+Tq-1 (q0 = Tk - Tq), k/v [B,Tk,nkv,hd] -> out
+    [B,Tq,nh,hd], lse [B,nh,Tq]: HF's eager attention of those query rows over the whole
+    sequence's keys, with the causal mask and window by position (no query rows for the
+    first q0 positions)."""
+    B, Tq, nh, hd = q.shape
+    Tk, nkv = k.shape[1], k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    kh = kh.repeat_interleave(nh // nkv, dim=1)
+    vh = vh.repeat_interleave(nh // nkv, dim=1)
+    scores = torch.matmul(qh, kh.transpose(2, 3)) * (hd ** -0.5 if scale is None else scale)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos, kv_idx = torch.arange(Tk - Tq, Tk)[:, None], torch.arange(Tk)[None, :]
+    visible = kv_idx <= q_pos
+    if window > 0:
+        visible &= kv_idx > q_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.matmul(probs, vh).transpose(1, 2), torch.logsumexp(scores, dim=-1)
+
+
+Q0_FWD = [F32P] * 5 + [c_int] * 6 + [ctypes.POINTER(AttnOptFull)]
+Q0_BWD = [F32P] * 9 + [c_int] * 6 + [ctypes.POINTER(AttnOptFull), c_int]
+
+
+@pytest.mark.parametrize("scale,window,softcap", [(0.0, 0, 0.0), (0.0, 5, 0.0), (0.0, 37, 0.0), (0.25, 7, 5.0)])
+@pytest.mark.parametrize("B,Tk,Tq,nh,nkv,hd", [
+    (2, 16, 8, 4, 2, 6),      # context parallel 2's second chunk
+    (1, 16, 4, 4, 2, 6),      # headtail's piece 2 of 4 (positions 4..7) is Tk 8; this: the last of 4
+    (2, 9, 1, 4, 2, 6),       # the last row alone
+    (1, 70, 70, 2, 1, 64),    # q0 = 0: the whole sequence
+    (1, 150, 37, 4, 2, 16),   # q0 = 113: inside a tile, several key tiles before it
+    (1, 96, 24, 4, 1, 8),     # MQA, q0 = 72
+])
+@pytest.mark.parametrize("impl", ["", "_tiled", "_tiled_avx512"])
+def test_attention_query_offset(lib, gen, impl, B, Tk, Tq, nh, nkv, hd, scale, window, softcap):
+    """op_attention_fwd_q0 / _bwd_q0 (kernels/ops.h): the last Tq of Tk positions' attention,
+    forward, lse and the three gradients (dk, dv of every key position, acc 1 and 0), against
+    torch's softmax over the same keys with the causal mask and window by position."""
+    if impl == "_tiled_avx512" and not _has_avx512():
+        pytest.skip("no AVX-512")
+    name = "op_attention_%s_q0" + impl
+    fwd, bwd = getattr(lib, name % "fwd"), getattr(lib, name % "bwd")
+    fwd.restype, fwd.argtypes, bwd.restype, bwd.argtypes = None, Q0_FWD, None, Q0_BWD
+    q = randn(gen, B, Tq, nh, hd, scale=1.5).requires_grad_()
+    k = randn(gen, B, Tk, nkv, hd, scale=1.5).requires_grad_()
+    v = randn(gen, B, Tk, nkv, hd).requires_grad_()
+    out_t, lse_t = torch_attention_q0(q, k, v, scale=scale or None, window=window, softcap=softcap)
+    opt = ctypes.byref(AttnOptFull(scale, window, softcap, 0))
+    out, lse = np.full((B, Tq, nh, hd), np.nan, np.float32), np.full((B, nh, Tq), np.nan, np.float32)
+    fwd(P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, Tq, Tk, nh, nkv, hd, opt)
+    what = f"attention q0={Tk - Tq} scale={scale} window={window} softcap={softcap}"
+    assert_close(out, out_t, what + " fwd")
+    assert_close(lse, lse_t, what + " lse")
+    g, (dq_t, dk_t, dv_t) = backward(out_t, (q, k, v), gen)
+    dq0, dk0, dv0 = np32(randn(gen, *q.shape)), np32(randn(gen, *k.shape)), np32(randn(gen, *v.shape))
+    dq, dk, dv = dq0.copy(), dk0.copy(), dv0.copy()
+    args = (P(np32(g)), P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, Tq, Tk, nh, nkv, hd, opt)
+    bwd(P(dq), P(dk), P(dv), *args, 1)
+    assert_close(dq - dq0, dq_t, what + " dq")
+    assert_close(dk - dk0, dk_t, what + " dk")
+    assert_close(dv - dv0, dv_t, what + " dv")
+    dq, dk, dv = np.full_like(dq0, np.nan), np.full_like(dk0, np.nan), np.full_like(dv0, np.nan)  # acc 0
+    bwd(P(dq), P(dk), P(dv), *args, 0)
+    assert_close(dq, dq_t, what + " dq (acc 0)")
+    assert_close(dk, dk_t, what + " dk (acc 0)")
+    assert_close(dv, dv_t, what + " dv (acc 0)")

@@ -252,22 +252,24 @@ T256_INLINE __m256 att2_keymask(int lo, int n, int kc0, int half) {
  * or an and with all lanes set changes nothing). */
 T256_INLINE int att2_part_hidden(int lo, int n, int j) { return 8 * j < lo || 8 * j + 8 > n; }
 
-T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
-                                  int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
-    // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
+/* The offset form (ops.h): Tq query rows at positions q0 = Tk - Tq on, in blocks
+ * from q0 (t0: a block's first position, lt0 = t0 - q0 its first row of q). */
+T256 void kern_attention_fwd_q0_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                     int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    // out[B,Tq,nh,hd], lse[B,nh,Tq], q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
     if (hd % KC) {
-        op_attention_fwd_tiled_avx2(out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        op_attention_fwd_q0_tiled_avx2(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
         return;
     }
-    int group = nh / nkv;
-    int nqb = (T + BQ - 1) / BQ;
+    int group = nh / nkv, q0 = Tk - Tq;
+    int nqb = (Tq + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
-    int Tp = (T + BK - 1) / BK * BK;
-    float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
-    float *VH = att2_heads(v, B, T, nkv, hd);          // [B*nkv, hd/KC, T, KC]
+    int Tp = (Tk + BK - 1) / BK * BK;
+    float *KT = att2_transpose(k, B, Tk, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
+    float *VH = att2_heads(v, B, Tk, nkv, hd);          // [B*nkv, hd/KC, Tk, KC]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -282,11 +284,11 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
         for (int b = 0; b < B; b++) {
             for (int h = 0; h < nh; h++) {
                 for (int qb = 0; qb < nqb; qb++) {
-                    int kh = h / group, t0 = qb * BQ;
-                    int nq = T - t0 < BQ ? T - t0 : BQ, nmb = (nq + MR - 1) / MR;
+                    int kh = h / group, lt0 = qb * BQ, t0 = q0 + lt0;
+                    int nq = Tk - t0 < BQ ? Tk - t0 : BQ, nmb = (nq + MR - 1) / MR;
                     const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp; // chunk of key j0 at + j0*hd
-                    const float *vh = VH + ((size_t)b * nkv + kh) * T * hd;  // slab c0, row j at + c0*T + j*KC
-                    kern_rows_in(QB, hd, q + (((size_t)b * T + t0) * nh + h) * hd, qs, nq, hd); // row r at + r*hd
+                    const float *vh = VH + ((size_t)b * nkv + kh) * Tk * hd; // slab c0, row j at + c0*Tk + j*KC
+                    kern_rows_in(QB, hd, q + (((size_t)b * Tq + lt0) * nh + h) * hd, qs, nq, hd); // row r at + r*hd
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
                     // from the tile of the first key the block sees (the window) up to the diagonal
@@ -395,22 +397,21 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
                                 int cmin = mbc[mb][0], ncmax = mbc[mb][1];
                                 if (last) /* the block's out rows (qs floats apart), ahead of the stores below */
                                     for (int r = mb * MR; r < (mb + 1) * MR && r < nq; r++)
-                                        __builtin_prefetch(out + ((size_t)b * T + t0 + r) * qs + (size_t)h * hd + c0, 1, 3);
+                                        __builtin_prefetch(out + ((size_t)b * Tq + lt0 + r) * qs + (size_t)h * hd + c0, 1, 3);
                                 if (!ncmax) continue;
                                 att2_rows6_axpy(acc + (size_t)c0 * BQ + (size_t)mb * MR * KC, KC, alpha + mb * MR,
-                                                P + (size_t)mb * MR * BK + cmin, vh + (size_t)c0 * T + (size_t)(j0 + cmin) * KC,
+                                                P + (size_t)mb * MR * BK + cmin, vh + (size_t)c0 * Tk + (size_t)(j0 + cmin) * KC,
                                                 KC, ncmax - cmin);
                             }
                     }
                     for (int r = 0; r < nq; r++) {
-                        int t = t0 + r;
-                        float *ot = out + ((size_t)b * T + t) * qs + (size_t)h * hd;
+                        float *ot = out + ((size_t)b * Tq + lt0 + r) * qs + (size_t)h * hd;
                         __m256 inv = _mm256_set1_ps(1.0f / l[r]);
                         for (int i = 0; i < hd; i += 8) {
                             const float *ar = acc + (size_t)(i / KC) * KC * BQ + (size_t)r * KC + i % KC;
                             _mm256_storeu_ps(ot + i, _mm256_mul_ps(_mm256_loadu_ps(ar), inv));
                         }
-                        lse[((size_t)b * nh + h) * T + t] = m[r] + logf(l[r]);
+                        lse[((size_t)b * nh + h) * Tq + lt0 + r] = m[r] + logf(l[r]);
                     }
                 }
             }
@@ -423,26 +424,33 @@ T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const 
     free(VH);
 }
 
-T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
-                                  const float *lse, const float *q, const float *k, const float *v, int B, int T,
-                                  int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
-    // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
-    // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
+T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                  int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    kern_attention_fwd_q0_avx2(out, lse, q, k, v, B, T, T, nh, nkv, hd, opt);
+}
+
+/* The offset form as the forward's: the query side's rows (q, dout, out, lse, dq
+ * and their copies here) indexed from q0 (lt0 = t0 - q0), the keys' by position. */
+T256 void kern_attention_bwd_q0_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                     const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                     int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
+    // dq[B,Tq,nh,hd], dk[B,Tk,nkv,hd], dv[B,Tk,nkv,hd], dout[B,Tq,nh,hd], out[B,Tq,nh,hd], lse[B,nh,Tq],
+    // q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
     if (hd % KC) {
-        op_attention_bwd_tiled_avx2(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, acc);
+        op_attention_bwd_q0_tiled_avx2(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
         return;
     }
-    int group = nh / nkv;
-    int nqb = (T + BQ - 1) / BQ;
+    int group = nh / nkv, q0 = Tk - Tq;
+    int nqb = (Tq + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd, ks = nkv * hd;
     int hdp = hd + KC; /* row stride of the q and dout copies (QS, GS) */
     int b16 = kern_attn_bf16(opt);
-    int Tp = (T + BK - 1) / BK * BK;
-    float *KT = att2_transpose(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
-    float *VT = att2_transpose(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
+    int Tp = (Tk + BK - 1) / BK * BK;
+    float *KT = att2_transpose(k, B, Tk, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
+    float *VT = att2_transpose(v, B, Tk, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -457,8 +465,8 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
          * apart: the dV / dK products read 16 columns of the block's 48 rows,
          * which at a 512-byte stride fell into 8 of L1's 64 sets (measured
          * together with the gradient rows below, not apart). */
-        float *KS = ct_malloc64(((size_t)4 * T * hd + (size_t)MR * hd + (size_t)2 * T * hdp + T) * sizeof(float));
-        float *QS = KS + (size_t)T * hd, *GS = QS + (size_t)T * hdp;
+        float *KS = ct_malloc64(((size_t)(3 * Tk + Tq + MR) * hd + (size_t)2 * Tq * hdp + Tq) * sizeof(float));
+        float *QS = KS + (size_t)Tk * hd, *GS = QS + (size_t)Tq * hdp;
         /* dk, dv of the kv head and dq of the query head, accumulated here as
          * [T][hd] rows (copied in, summed in the same order, copied back: the
          * same bits as summing in place). In place, the 6 rows a register
@@ -469,43 +477,43 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
          * apart in one page. Rows, not [hd/16][T][16] slabs: the copies move
          * whole 512-byte rows, and measured 4% faster than slabs (8 x 64-byte
          * pieces per row). */
-        float *DKS = GS + (size_t)T * hdp, *DVS = DKS + (size_t)T * hd, *DQS = DVS + (size_t)T * hd;
+        float *DKS = GS + (size_t)Tq * hdp, *DVS = DKS + (size_t)Tk * hd, *DQS = DVS + (size_t)Tk * hd;
         /* DQS has MR rows past T, so the dS K product runs a partial last micro-block
          * as a whole one: its padded rows have dS = 0 and are never copied back
          * (row by row, each column chunk was one dependent FMA chain) */
-        memset(DQS + (size_t)T * hd, 0, (size_t)MR * hd * sizeof(float));
-        float *D = DQS + (size_t)(T + MR) * hd; /* [T] rowsum(dout * out) of the query head */
+        memset(DQS + (size_t)Tq * hd, 0, (size_t)MR * hd * sizeof(float));
+        float *D = DQS + (size_t)(Tq + MR) * hd; /* [Tq] rowsum(dout * out) of the query head */
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
         // the dq rows of the group's query heads, so every sum is its own.
 #pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < B; b++) {
             for (int kh = 0; kh < nkv; kh++) {
                 const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp, *vth = VT + ((size_t)b * nkv + kh) * hd * Tp;
-                const float *kh_ = KS; // slabs [hd/KC][T][KC] (att2_slabs_in)
-                float *dkh = dk + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
-                float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
-                att2_slabs_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
-                kern_rows_sum_in(DKS, dkh, ks, T, hd, acc); // row j at + j*hd
-                kern_rows_sum_in(DVS, dvh, ks, T, hd, acc);
+                const float *kh_ = KS; // slabs [hd/KC][Tk][KC] (att2_slabs_in)
+                float *dkh = dk + ((size_t)b * Tk * nkv + kh) * hd; // row j at + j*ks
+                float *dvh = dv + ((size_t)b * Tk * nkv + kh) * hd;
+                att2_slabs_in(KS, k + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, hd);
+                kern_rows_sum_in(DKS, dkh, ks, Tk, hd, acc); // row j at + j*hd
+                kern_rows_sum_in(DVS, dvh, ks, Tk, hd, acc);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
-                    const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
-                    const float *qh = QS, *gh = GS;                        // row t at + t*hdp
-                    float *dqh = dq + ((size_t)b * T * nh + h) * hd;       // row t at + t*qs
-                    kern_rows_sum_in(DQS, dqh, qs, T, hd, acc); // row t at + t*hd
-                    kern_rows_in(QS, hdp, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
-                    kern_rows_in(GS, hdp, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                    const float *oh = out + ((size_t)b * Tq * nh + h) * hd; // position t at + (t - q0)*qs
+                    const float *qh = QS, *gh = GS;                         // position t at + (t - q0)*hdp
+                    float *dqh = dq + ((size_t)b * Tq * nh + h) * hd;       // position t at + (t - q0)*qs
+                    kern_rows_sum_in(DQS, dqh, qs, Tq, hd, acc); // position t at + (t - q0)*hd
+                    kern_rows_in(QS, hdp, q + ((size_t)b * Tq * nh + h) * hd, qs, Tq, hd);
+                    kern_rows_in(GS, hdp, dout + ((size_t)b * Tq * nh + h) * hd, qs, Tq, hd);
                     /* D = rowsum(dout * out) = sum_j p_j dp_j, the head's rows in one loop: out's
                      * rows are qs floats apart, a page or two each, which no hardware prefetcher
                      * follows; a block's 48 at a time (and in between, the tile products) left
                      * ~5% of W3's backward waiting on them; here the next rows are prefetched */
-                    for (int t = 0; t < T; t++) {
-                        if (t + KERN_ROWS_PF < T) kern_prefetch_row(oh + (size_t)(t + KERN_ROWS_PF) * qs, hd, 0);
+                    for (int t = 0; t < Tq; t++) {
+                        if (t + KERN_ROWS_PF < Tq) kern_prefetch_row(oh + (size_t)(t + KERN_ROWS_PF) * qs, hd, 0);
                         D[t] = att2_dot(gh + (size_t)t * hdp, oh + (size_t)t * qs, hd);
                     }
                     for (int qb = 0; qb < nqb; qb++) {
-                        int t0 = qb * BQ;
-                        int nq = T - t0 < BQ ? T - t0 : BQ, nmb = (nq + MR - 1) / MR;
-                        for (int r = 0; r < nq; r++) L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
+                        int lt0 = qb * BQ, t0 = q0 + lt0;
+                        int nq = Tk - t0 < BQ ? Tk - t0 : BQ, nmb = (nq + MR - 1) / MR;
+                        for (int r = 0; r < nq; r++) L[r] = lse[((size_t)b * nh + h) * Tq + lt0 + r];
                         // from the tile of the first key the block sees (the window) up to the diagonal
                         for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
                             int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
@@ -539,7 +547,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
 #pragma GCC unroll 6
                                         for (int r = 0; r < MR; r++) {
                                             int rr = mb * MR + r < nq ? mb * MR + r : nq - 1;
-                                            x[r] = xh + (size_t)(t0 + rr) * hdp;
+                                            x[r] = xh + (size_t)(lt0 + rr) * hdp;
                                         }
                                         att2_dots6(sb + (size_t)mb * MR * BK + ch * KC, x,
                                                    yt + (size_t)(j0 + ch * KC) * hd, KC, hd);
@@ -552,7 +560,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                                 __m256 vsc = _mm256_set1_ps(scale), vc = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f);
                                 for (int r = 0; r < MR; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1, lo = clo[r0 + r], hi = ncr[r0 + r];
-                                    __m256 vl = _mm256_set1_ps(L[rr]), vd = _mm256_set1_ps(D[t0 + rr]);
+                                    __m256 vl = _mm256_set1_ps(L[rr]), vd = _mm256_set1_ps(D[lt0 + rr]);
                                     float *pr = pb + (size_t)r * BK, *dr = db + (size_t)r * BK;
                                     for (int j = 2 * ch0; j < 2 * nch; j++) {
                                         __m256 x = _mm256_mul_ps(_mm256_loadu_ps(pr + 8 * j), vsc), p, ds;
@@ -596,7 +604,7 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             // each group over the query rows rs <= r < re that see one of its keys: from the
                             // first row that sees its first key, to the last that sees its last (a window)
                             for (int c0 = 0; c0 < hd; c0 += KC) {
-                                const float *gx = gh + (size_t)t0 * hdp + c0, *qx = qh + (size_t)t0 * hdp + c0;
+                                const float *gx = gh + (size_t)lt0 * hdp + c0, *qx = qh + (size_t)lt0 * hdp + c0;
                                 int c = 0;
                                 while (c < nk) {
                                     int keys = nk - c >= 6 ? 6 : nk - c >= 4 ? 4 : nk - c >= 2 ? 2 : 1;
@@ -628,20 +636,20 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
                             // sees, a 16-column slab of the tile's k rows (4 KB, in L1) across the
                             // micro-blocks (a partial last one too: its rows past T are DQS's pad)
                             for (int c0 = 0; c0 < hd; c0 += KC) {
-                                const float *ks_ = kh_ + (size_t)c0 * T; // key j's 16 at + j*KC
+                                const float *ks_ = kh_ + (size_t)c0 * Tk; // key j's 16 at + j*KC
                                 for (int mb = 0; mb < nmb; mb++) {
                                     int r0 = mb * MR, ncmax = ncm[mb], cm = cmm[mb];
                                     if (!ncmax) continue;
-                                    att2_rows6_axpy(DQS + (size_t)(t0 + r0) * hd + c0, hd, NULL, dS + (size_t)r0 * BK + cm,
+                                    att2_rows6_axpy(DQS + (size_t)(lt0 + r0) * hd + c0, hd, NULL, dS + (size_t)r0 * BK + cm,
                                                     ks_ + (size_t)(j0 + cm) * KC, KC, ncmax - cm);
                                 }
                             }
                         }
                     }
-                    kern_rows_out(dqh, qs, DQS, T, hd);
+                    kern_rows_out(dqh, qs, DQS, Tq, hd);
                 }
-                kern_rows_out(dkh, ks, DKS, T, hd);
-                kern_rows_out(dvh, ks, DVS, T, hd);
+                kern_rows_out(dkh, ks, DKS, Tk, hd);
+                kern_rows_out(dvh, ks, DVS, Tk, hd);
             }
         }
         free(P);
@@ -651,6 +659,12 @@ T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *
     }
     free(KT);
     free(VT);
+}
+
+T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                  const float *lse, const float *q, const float *k, const float *v, int B, int T,
+                                  int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
+    kern_attention_bwd_q0_avx2(dq, dk, dv, dout, out, lse, q, k, v, B, T, T, nh, nkv, hd, opt, acc);
 }
 
 #endif /* __x86_64__ */

@@ -475,7 +475,7 @@ AB_INLINE void att_dq_bf16(float *dq, long qs, int nr, const uint32_t *sr, const
  * to whole pairs of keys (the rows and keys they add hold P = dS = 0 there, and the
  * operands' padding rows are zeros). cmb / ceb: each micro-block's first and end
  * key column. dqh, dkh, dvh: the backward's contiguous copies, rows hd floats apart. */
-AB_CALL void att_bf16_products(float *dqh, float *dkh, float *dvh, int hd, int j0, int t0, int nq,
+AB_CALL void att_bf16_products(float *dqh, float *dkh, float *dvh, int hd, int j0, int t0, int lt0, int nq,
                                int nk, int window, const int *cmb, const int *ceb, const uint32_t *PT,
                                const uint32_t *ST, const uint32_t *SR, const uint32_t *KR, const uint32_t *QR,
                                const uint32_t *GR) {
@@ -490,15 +490,15 @@ AB_CALL void att_bf16_products(float *dqh, float *dkh, float *dvh, int hd, int j
             if (re > rs) {
                 int rp0 = rs / 2, rp1 = (re + 1) / 2;
                 att_dvdk_bf16(dvh + (size_t)(j0 + c) * hd + c0, dkh + (size_t)(j0 + c) * hd + c0, hd, keys,
-                              PT + (size_t)rp0 * BK, ST + (size_t)rp0 * BK, c, GR + (size_t)(t0 / 2 + rp0) * hd + c0,
-                              QR + (size_t)(t0 / 2 + rp0) * hd + c0, hd, rp1 - rp0);
+                              PT + (size_t)rp0 * BK, ST + (size_t)rp0 * BK, c, GR + (size_t)(lt0 / 2 + rp0) * hd + c0,
+                              QR + (size_t)(lt0 / 2 + rp0) * hd + c0, hd, rp1 - rp0);
             }
             c += keys;
         }
     for (int r0 = 0; r0 < nq; r0 += 4) {
         int cm = cmb[r0 / 4], ce = ceb[r0 / 4]; /* keys past ce: dS = 0 */
         if (cm >= ce) continue;
-        att_dq_bf16(dqh + (size_t)(t0 + r0) * hd, hd, nq - r0 < 4 ? nq - r0 : 4, SR + (size_t)r0 * (BK / 2),
+        att_dq_bf16(dqh + (size_t)(lt0 + r0) * hd, hd, nq - r0 < 4 ? nq - r0 : 4, SR + (size_t)r0 * (BK / 2),
                     KR + (size_t)(j0 / 2) * hd, hd, cm / 2, (ce + 1) / 2);
     }
 }
@@ -508,20 +508,22 @@ AB_CALL void att_block_bf16(uint32_t *qb, const float *q, long qs, int nq, int h
     att_rows_bf16(qb, q, qs, nq, BQ, hd);
 }
 
-/* The forward of both kernels: vb = 1 takes the scores as bf16 products. */
-A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
-                           int nh, int nkv, int hd, const kern_attn_opt *opt, int vb) {
-    // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
-    int group = nh / nkv;
-    int nqb = (T + BQ - 1) / BQ;
+/* The forward of both kernels: vb = 1 takes the scores as bf16 products. The
+ * offset form (ops.h): Tq query rows at positions q0 = Tk - Tq on, in blocks
+ * from q0 (t0: a block's first position, lt0 = t0 - q0 its first row of q). */
+A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                           int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int vb) {
+    // out[B,Tq,nh,hd], lse[B,nh,Tq], q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
+    int group = nh / nkv, q0 = Tk - Tq;
+    int nqb = (Tq + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
-    int Tp = (T + BK - 1) / BK * BK, hp = hd / 2;
-    float *KT = vb ? NULL : att_tiles(k, B, T, nkv, hd, Tp, 0);                 // [B*nkv, Tp/BK, hd, BK]
-    uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, T, nkv, hd, Tp, 1) : NULL;  // [B*nkv, Tp/BK, hd/2, BK] pairs
-    float *VH = att_heads(v, B, T, nkv, hd);         // [B*nkv, T, hd]
+    int Tp = (Tk + BK - 1) / BK * BK, hp = hd / 2;
+    float *KT = vb ? NULL : att_tiles(k, B, Tk, nkv, hd, Tp, 0);                 // [B*nkv, Tp/BK, hd, BK]
+    uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, Tk, nkv, hd, Tp, 1) : NULL;  // [B*nkv, Tp/BK, hd/2, BK] pairs
+    float *VH = att_heads(v, B, Tk, nkv, hd);         // [B*nkv, Tk, hd]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -535,13 +537,13 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
         for (int b = 0; b < B; b++) {
             for (int h = 0; h < nh; h++) {
                 for (int qb = 0; qb < nqb; qb++) {
-                    int kh = h / group, t0 = qb * BQ;
-                    int nq = T - t0 < BQ ? T - t0 : BQ;
-                    const float *qh = q + ((size_t)b * T * nh + h) * hd; // row t at qh + t*qs
+                    int kh = h / group, lt0 = qb * BQ, t0 = q0 + lt0;
+                    int nq = Tk - t0 < BQ ? Tk - t0 : BQ;
+                    const float *qh = q + ((size_t)b * Tq * nh + h) * hd; // position t at qh + (t - q0)*qs
                     const float *kth = vb ? NULL : KT + ((size_t)b * nkv + kh) * hd * Tp; // tile at + j0*hd
                     const uint32_t *kph = vb ? KP + ((size_t)b * nkv + kh) * hp * Tp : NULL; // tile at + j0*hp
-                    const float *vh = VH + ((size_t)b * nkv + kh) * T * hd; // row j at vh + j*hd
-                    if (vb) att_block_bf16(QB, qh + (size_t)t0 * qs, qs, nq, hd);
+                    const float *vh = VH + ((size_t)b * nkv + kh) * Tk * hd; // row j at vh + j*hd
+                    if (vb) att_block_bf16(QB, qh + (size_t)lt0 * qs, qs, nq, hd);
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
                     // from the tile of the first key the block sees (the window) up to the diagonal
@@ -558,7 +560,7 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
                             #pragma GCC unroll 4
                             for (int r = 0; r < 4; r++) {
                                 int rr = r0 + r < nq ? r0 + r : nq - 1; /* rows past T repeat the last */
-                                x[r] = qh + (size_t)(t0 + rr) * qs;
+                                x[r] = qh + (size_t)(lt0 + rr) * qs;
                                 xb[r] = vb ? QB + (size_t)rr * hp : NULL;
                                 int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk; // keys j0..t
                                 int c0 = kern_attn_first_key(t0 + rr, window) - j0;  // and from lo(t) on
@@ -633,7 +635,7 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
                              * page each, cold) ahead of the stores below, as blocked_avx2 does */
                             if (last)
                                 for (int r = r0; r < r0 + 4 && r < nq; r++) {
-                                    const float *orow = out + ((size_t)b * T + t0 + r) * qs + (size_t)h * hd;
+                                    const float *orow = out + ((size_t)b * Tq + lt0 + r) * qs + (size_t)h * hd;
                                     for (int i = 0; i < hd; i += 16) __builtin_prefetch(orow + i, 1, 3);
                                 }
                             if (!ncmax) continue;
@@ -644,12 +646,11 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
                         }
                     }
                     for (int r = 0; r < nq; r++) {
-                        int t = t0 + r;
-                        float *ot = out + ((size_t)b * T + t) * qs + (size_t)h * hd;
+                        float *ot = out + ((size_t)b * Tq + lt0 + r) * qs + (size_t)h * hd;
                         __m512 inv = _mm512_set1_ps(1.0f / l[r]);
                         for (int i = 0; i < hd; i += 16)
                             _mm512_storeu_ps(ot + i, _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)r * hd + i), inv));
-                        lse[((size_t)b * nh + h) * T + t] = m[r] + logf(l[r]);
+                        lse[((size_t)b * nh + h) * Tq + lt0 + r] = m[r] + logf(l[r]);
                     }
                 }
             }
@@ -663,43 +664,55 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
     free(VH);
 }
 
-A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B,
-                                    int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+A512 void kern_attention_fwd_q0_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                       int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
     if (hd % HC) {
-        op_attention_fwd_tiled_avx512(out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        op_attention_fwd_q0_tiled_avx512(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
         return;
     }
-    att_fwd_body(out, lse, q, k, v, B, T, nh, nkv, hd, opt, 0);
+    att_fwd_body(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 0);
+}
+
+A512 void kern_attention_fwd_q0_avx512bf16(float *out, float *lse, const float *q, const float *k, const float *v,
+                                           int B, int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    if (!kern_attn_bf16(opt) || hd % HC) {
+        kern_attention_fwd_q0_avx512(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
+        return;
+    }
+    att_fwd_body(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 1);
+}
+
+A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                    int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    kern_attention_fwd_q0_avx512(out, lse, q, k, v, B, T, T, nh, nkv, hd, opt);
 }
 
 A512 void kern_attention_fwd_avx512bf16(float *out, float *lse, const float *q, const float *k, const float *v, int B,
                                         int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
-    if (!kern_attn_bf16(opt) || hd % HC) {
-        kern_attention_fwd_avx512(out, lse, q, k, v, B, T, nh, nkv, hd, opt);
-        return;
-    }
-    att_fwd_body(out, lse, q, k, v, B, T, nh, nkv, hd, opt, 1);
+    kern_attention_fwd_q0_avx512bf16(out, lse, q, k, v, B, T, T, nh, nkv, hd, opt);
 }
 
 /* The backward of both kernels: vb = 1 runs every product as bf16 pairs; acc 0
- * overwrites dq, dk and dv (their row copies start from 0). */
+ * overwrites dq, dk and dv (their row copies start from 0). The offset form as
+ * the forward's: the query side's rows (q, dout, out, lse, dq and their copies
+ * here) indexed from q0 (lt0 = t0 - q0), the keys' by position. */
 A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
-                           const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
-                           const kern_attn_opt *opt, int vb, int acc) {
-    // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
-    // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
-    int group = nh / nkv;
-    int nqb = (T + BQB - 1) / BQB;
+                           const float *q, const float *k, const float *v, int B, int Tq, int Tk, int nh, int nkv,
+                           int hd, const kern_attn_opt *opt, int vb, int acc) {
+    // dq[B,Tq,nh,hd], dk[B,Tk,nkv,hd], dv[B,Tk,nkv,hd], dout[B,Tq,nh,hd], out[B,Tq,nh,hd], lse[B,nh,Tq],
+    // q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
+    int group = nh / nkv, q0 = Tk - Tq;
+    int nqb = (Tq + BQB - 1) / BQB;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd, ks = nkv * hd;
     int b16 = kern_attn_bf16(opt);
-    int Tp = (T + BK - 1) / BK * BK, hp = hd / 2, Tz = nqb * BQB; /* Tz: the query rows the blocks cover */
-    float *KT = vb ? NULL : att_tiles(k, B, T, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
-    float *VT = vb ? NULL : att_tiles(v, B, T, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
-    uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, T, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
-    uint32_t *VP = vb ? (uint32_t *)att_tiles(v, B, T, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
+    int Tp = (Tk + BK - 1) / BK * BK, hp = hd / 2, Tz = nqb * BQB; /* Tz: the query rows the blocks cover */
+    float *KT = vb ? NULL : att_tiles(k, B, Tk, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
+    float *VT = vb ? NULL : att_tiles(v, B, Tk, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
+    uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, Tk, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
+    uint32_t *VP = vb ? (uint32_t *)att_tiles(v, B, Tk, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -722,14 +735,14 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
         /* the rows the products stream, contiguous (kern_rows_in): k of the kv
          * head (dS K reads 64 of them per tile), q and dout of the query head
          * (dV and dK read up to BQB per tile). */
-        float *KS = vb ? NULL : ct_malloc64((size_t)3 * T * hd * sizeof(float));
-        float *QS = vb ? NULL : KS + (size_t)T * hd, *GS = vb ? NULL : QS + (size_t)T * hd;
+        float *KS = vb ? NULL : ct_malloc64(((size_t)Tk + 2 * (size_t)Tq) * hd * sizeof(float));
+        float *QS = vb ? NULL : KS + (size_t)Tk * hd, *GS = vb ? NULL : QS + (size_t)Tq * hd;
         /* the gradients' rows, contiguous while they are summed: in place, dk and dv rows
          * are ks floats apart (4 KB at Qwen3's 8 kv heads of 128) and dq rows qs apart
          * (8 KB), so the rows of a tile fell into a few L1 sets and every register tile
          * of them was re-read from L2 (kern_rows_in) */
-        float *DQ = ct_malloc64((size_t)3 * T * hd * sizeof(float)); // [T, hd] the query head's dq rows
-        float *DK = DQ + (size_t)T * hd, *DV = DK + (size_t)T * hd;   // [T, hd] the kv head's dk, dv rows
+        float *DQ = ct_malloc64(((size_t)Tq + 2 * (size_t)Tk) * hd * sizeof(float)); // [Tq, hd] the dq rows
+        float *DK = DQ + (size_t)Tq * hd, *DV = DK + (size_t)Tk * hd; // [Tk, hd] the kv head's dk, dv rows
         // One thread per (b, kv head): it owns the dk/dv rows of that head and
         // the dq rows of the group's query heads, so every sum is its own.
 #pragma omp for collapse(2) schedule(static)
@@ -741,31 +754,31 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                 const uint32_t *vph = vb ? VP + ((size_t)b * nkv + kh) * hp * Tp : NULL;
                 const float *kh_ = KS; // row j at + j*hd
                 float *dkh = DK, *dvh = DV; // row j at + j*hd
-                kern_rows_sum_in(DK, dk + ((size_t)b * T * nkv + kh) * hd, ks, T, hd, acc);
-                kern_rows_sum_in(DV, dv + ((size_t)b * T * nkv + kh) * hd, ks, T, hd, acc);
-                if (vb) att_kpairs_bf16(KR, k + ((size_t)b * T * nkv + kh) * hd, ks, T, Tp, hd);
-                else kern_rows_in(KS, hd, k + ((size_t)b * T * nkv + kh) * hd, ks, T, hd);
+                kern_rows_sum_in(DK, dk + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, hd, acc);
+                kern_rows_sum_in(DV, dv + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, hd, acc);
+                if (vb) att_kpairs_bf16(KR, k + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, Tp, hd);
+                else kern_rows_in(KS, hd, k + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
-                    const float *oh = out + ((size_t)b * T * nh + h) * hd; // row t at + t*qs
-                    const float *qh = QS, *gh = GS; // row t at + t*hd
-                    float *dqh = DQ; // row t at + t*hd
-                    kern_rows_sum_in(DQ, dq + ((size_t)b * T * nh + h) * hd, qs, T, hd, acc);
+                    const float *oh = out + ((size_t)b * Tq * nh + h) * hd; // position t at + (t - q0)*qs
+                    const float *qh = QS, *gh = GS; // position t at + (t - q0)*hd
+                    float *dqh = DQ; // position t at + (t - q0)*hd
+                    kern_rows_sum_in(DQ, dq + ((size_t)b * Tq * nh + h) * hd, qs, Tq, hd, acc);
                     if (vb) {
-                        att_head_bf16(QB, GB, QR, GR, q + ((size_t)b * T * nh + h) * hd,
-                                      dout + ((size_t)b * T * nh + h) * hd, qs, T, Tz, hd);
-                        gh = dout + ((size_t)b * T * nh + h) * hd; /* D below: rows qs apart */
+                        att_head_bf16(QB, GB, QR, GR, q + ((size_t)b * Tq * nh + h) * hd,
+                                      dout + ((size_t)b * Tq * nh + h) * hd, qs, Tq, Tz, hd);
+                        gh = dout + ((size_t)b * Tq * nh + h) * hd; /* D below: rows qs apart */
                     } else {
-                        kern_rows_in(QS, hd, q + ((size_t)b * T * nh + h) * hd, qs, T, hd);
-                        kern_rows_in(GS, hd, dout + ((size_t)b * T * nh + h) * hd, qs, T, hd);
+                        kern_rows_in(QS, hd, q + ((size_t)b * Tq * nh + h) * hd, qs, Tq, hd);
+                        kern_rows_in(GS, hd, dout + ((size_t)b * Tq * nh + h) * hd, qs, Tq, hd);
                     }
                     long gs = vb ? qs : hd; /* the row stride of gh */
                     for (int qb = 0; qb < nqb; qb++) {
-                        int t0 = qb * BQB;
-                        int nq = T - t0 < BQB ? T - t0 : BQB;
+                        int lt0 = qb * BQB, t0 = q0 + lt0;
+                        int nq = Tk - t0 < BQB ? Tk - t0 : BQB;
                         for (int r = 0; r < nq; r++) {
                             // D = rowsum(dout * out) = sum_j p_j dp_j
-                            D[r] = att_dot(gh + (size_t)(t0 + r) * gs, oh + (size_t)(t0 + r) * qs, hd);
-                            L[r] = lse[((size_t)b * nh + h) * T + t0 + r];
+                            D[r] = att_dot(gh + (size_t)(lt0 + r) * gs, oh + (size_t)(lt0 + r) * qs, hd);
+                            L[r] = lse[((size_t)b * nh + h) * Tq + lt0 + r];
                         }
                         // from the tile of the first key the block sees (the window) up to the diagonal
                         for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
@@ -779,10 +792,10 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                                 #pragma GCC unroll 4
                                 for (int r = 0; r < 4; r++) {
                                     int rr = r0 + r < nq ? r0 + r : nq - 1;
-                                    xq[r] = vb ? NULL : qh + (size_t)(t0 + rr) * hd;
-                                    xg[r] = vb ? NULL : gh + (size_t)(t0 + rr) * hd;
-                                    bq[r] = vb ? QB + (size_t)(t0 + rr) * hp : NULL;
-                                    bg[r] = vb ? GB + (size_t)(t0 + rr) * hp : NULL;
+                                    xq[r] = vb ? NULL : qh + (size_t)(lt0 + rr) * hd;
+                                    xg[r] = vb ? NULL : gh + (size_t)(lt0 + rr) * hd;
+                                    bq[r] = vb ? QB + (size_t)(lt0 + rr) * hp : NULL;
+                                    bg[r] = vb ? GB + (size_t)(lt0 + rr) * hp : NULL;
                                     int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk;
                                     int c0 = kern_attn_first_key(t0 + rr, window) - j0;
                                     clo[r] = c0 > 0 ? c0 : 0;
@@ -836,7 +849,7 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                             }
                             if (vb) { /* the products below take P and dS as bf16 pairs */
                                 att_tile_pairs_bf16(PT, ST, SR, P, dS, (nq + 3) & ~3);
-                                att_bf16_products(dqh, dkh, dvh, hd, j0, t0, nq, nk, window, cmb, ceb, PT, ST,
+                                att_bf16_products(dqh, dkh, dvh, hd, j0, t0, lt0, nq, nk, window, cmb, ceb, PT, ST,
                                                   SR, KR, QR, GR);
                                 continue;
                             }
@@ -859,8 +872,8 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                                     }
                                     if (re > rs) {
                                         const float *pw = P + (size_t)rs * BK, *sw = dS + (size_t)rs * BK;
-                                        const float *gx = gh + (size_t)(t0 + rs) * hd + c0;
-                                        const float *qx = qh + (size_t)(t0 + rs) * hd + c0;
+                                        const float *gx = gh + (size_t)(lt0 + rs) * hd + c0;
+                                        const float *qx = qh + (size_t)(lt0 + rs) * hd + c0;
                                         float *dvr = dvh + (size_t)(j0 + c) * hd + c0, *dkr = dkh + (size_t)(j0 + c) * hd + c0;
                                         if (keys == 4) {
                                             att_keys_axpy(dvr, hd, 4, pw, c, gx, hd, re - rs);
@@ -881,13 +894,13 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                                 if (cm >= ce) continue;
                                 if (r0 + 4 <= nq) {
                                     for (int c0 = 0; c0 < hd; c0 += HC)
-                                        att_rows4_axpy(dqh + (size_t)(t0 + r0) * hd + c0, hd, NULL,
+                                        att_rows4_axpy(dqh + (size_t)(lt0 + r0) * hd + c0, hd, NULL,
                                                        dS + (size_t)r0 * BK + cm, kh_ + (size_t)(j0 + cm) * hd + c0,
                                                        hd, ce - cm);
                                     continue;
                                 }
                                 for (int r = r0; r < nq; r++) {
-                                    float *dqr = dqh + (size_t)(t0 + r) * hd;
+                                    float *dqr = dqh + (size_t)(lt0 + r) * hd;
                                     const float *dr = dS + (size_t)r * BK;
                                     for (int c0 = 0; c0 < hd; c0 += 16) {
                                         __m512 a = _mm512_loadu_ps(dqr + c0);
@@ -900,10 +913,10 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                             }
                         }
                     }
-                    kern_rows_out(dq + ((size_t)b * T * nh + h) * hd, qs, DQ, T, hd);
+                    kern_rows_out(dq + ((size_t)b * Tq * nh + h) * hd, qs, DQ, Tq, hd);
                 }
-                kern_rows_out(dk + ((size_t)b * T * nkv + kh) * hd, ks, DK, T, hd);
-                kern_rows_out(dv + ((size_t)b * T * nkv + kh) * hd, ks, DV, T, hd);
+                kern_rows_out(dk + ((size_t)b * Tk * nkv + kh) * hd, ks, DK, Tk, hd);
+                kern_rows_out(dv + ((size_t)b * Tk * nkv + kh) * hd, ks, DV, Tk, hd);
             }
         }
         free(P);
@@ -920,23 +933,36 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
     free(VP);
 }
 
+A512 void kern_attention_bwd_q0_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                       const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                       int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
+    if (hd % HC) {
+        op_attention_bwd_q0_tiled_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
+        return;
+    }
+    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 0, acc);
+}
+
+A512 void kern_attention_bwd_q0_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                           const float *lse, const float *q, const float *k, const float *v, int B,
+                                           int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt,
+                                           int acc) {
+    if (!kern_attn_bf16(opt) || hd % HC) {
+        kern_attention_bwd_q0_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
+        return;
+    }
+    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 1, acc);
+}
+
 A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                     const float *lse, const float *q, const float *k, const float *v, int B, int T,
                                     int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
-    if (hd % HC) {
-        op_attention_bwd_tiled_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, acc);
-        return;
-    }
-    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, 0, acc);
+    kern_attention_bwd_q0_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, T, nh, nkv, hd, opt, acc);
 }
 
 A512 void kern_attention_bwd_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                         const float *lse, const float *q, const float *k, const float *v, int B,
                                         int T, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
-    if (!kern_attn_bf16(opt) || hd % HC) {
-        kern_attention_bwd_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, acc);
-        return;
-    }
-    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, 1, acc);
+    kern_attention_bwd_q0_avx512bf16(dq, dk, dv, dout, out, lse, q, k, v, B, T, T, nh, nkv, hd, opt, acc);
 }
 #endif /* __x86_64__ */

@@ -305,22 +305,24 @@ NEON_INLINE float att_dot(const float *x, const float *y, int n) {
 
 /* ---------------------------------------------------------------- forward */
 
-void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
-                             int nh, int nkv, int hd, const kern_attn_opt *opt) {
-    // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
+/* The offset form (ops.h): Tq query rows at positions q0 = Tk - Tq on, in blocks
+ * from q0 (t0: a block's first position, lt0 = t0 - q0 its first row of q). */
+void kern_attention_fwd_q0_neon(float *out, float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    // out[B,Tq,nh,hd], lse[B,nh,Tq], q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
     if (hd % NC) {
-        op_attention_fwd_tiled(out, lse, q, k, v, B, T, nh, nkv, hd, opt);
+        op_attention_fwd_q0_tiled(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
         return;
     }
-    int group = nh / nkv;
-    int nqb = (T + BQ - 1) / BQ;
+    int group = nh / nkv, q0 = Tk - Tq;
+    int nqb = (Tq + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
-    int Tp = (T + BK - 1) / BK * BK;
-    float *KT = att_heads_t(k, B, T, nkv, hd, Tp);  // [B*nkv, Tp/NC, hd, NC]
-    float *VS = att_heads_slabs(v, B, T, nkv, hd);  // [B*nkv, hd/NC, T, NC]
+    int Tp = (Tk + BK - 1) / BK * BK;
+    float *KT = att_heads_t(k, B, Tk, nkv, hd, Tp);  // [B*nkv, Tp/NC, hd, NC]
+    float *VS = att_heads_slabs(v, B, Tk, nkv, hd);  // [B*nkv, hd/NC, Tk, NC]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -336,11 +338,11 @@ void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float
         for (int b = 0; b < B; b++) {
             for (int h = 0; h < nh; h++) {
                 for (int qb = 0; qb < nqb; qb++) {
-                    int kh = h / group, t0 = qb * BQ;
-                    int nq = imin(T - t0, BQ), nmb = (nq + MR - 1) / MR;
+                    int kh = h / group, lt0 = qb * BQ, t0 = q0 + lt0;
+                    int nq = imin(Tk - t0, BQ), nmb = (nq + MR - 1) / MR;
                     const float *kth = KT + ((size_t)b * nkv + kh) * Tp * hd; // chunk of key j0 at + j0*hd
-                    const float *vsh = VS + ((size_t)b * nkv + kh) * T * hd;  // slab c0, key j at + c0*T + j*NC
-                    att_block_t(QT, q + (((size_t)b * T + t0) * nh + h) * hd, qs, nq, hd);
+                    const float *vsh = VS + ((size_t)b * nkv + kh) * Tk * hd; // slab c0, key j at + c0*Tk + j*NC
+                    att_block_t(QT, q + (((size_t)b * Tq + lt0) * nh + h) * hd, qs, nq, hd);
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)hd * BQ * sizeof(float));
                     // from the tile of the first key the block sees (the window) up to the diagonal
@@ -395,19 +397,18 @@ void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float
                                 if (!ncmax) continue;
                                 att_rows_axpy(acc + (size_t)c0 * BQ + mb * MR * NC, alpha + mb * MR,
                                               S + (size_t)cmin * BQ + mb * MR,
-                                              vsh + (size_t)c0 * T + (size_t)(j0 + cmin) * NC, ncmax - cmin);
+                                              vsh + (size_t)c0 * Tk + (size_t)(j0 + cmin) * NC, ncmax - cmin);
                             }
                     }
                     for (int r = 0; r < nq; r++) {
-                        int t = t0 + r;
-                        float *ot = out + ((size_t)b * T + t) * qs + (size_t)h * hd;
+                        float *ot = out + ((size_t)b * Tq + lt0 + r) * qs + (size_t)h * hd;
                         float inv = 1.0f / l[r];
                         for (int c0 = 0; c0 < hd; c0 += NC) {
                             const float *ar = acc + (size_t)c0 * BQ + (size_t)r * NC;
                             vst1q_f32(ot + c0, vmulq_n_f32(vld1q_f32(ar), inv));
                             vst1q_f32(ot + c0 + 4, vmulq_n_f32(vld1q_f32(ar + 4), inv));
                         }
-                        lse[((size_t)b * nh + h) * T + t] = m[r] + logf(l[r]);
+                        lse[((size_t)b * nh + h) * Tq + lt0 + r] = m[r] + logf(l[r]);
                     }
                 }
             }
@@ -419,6 +420,11 @@ void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float
     }
     free(KT);
     free(VS);
+}
+
+void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                             int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    kern_attention_fwd_q0_neon(out, lse, q, k, v, B, T, T, nh, nkv, hd, opt);
 }
 
 /* --------------------------------------------------------------- backward */
@@ -435,32 +441,35 @@ void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float
 #define ATT_NO_PRESCHED
 #endif
 
-ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, const float *dout, const float *out,
-                                             const float *lse, const float *q, const float *k, const float *v, int B,
-                                             int T, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
-    // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
-    // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
+/* The offset form as the forward's: the query side's rows (q, dout, out, lse, dq)
+ * indexed from q0 (lt0 = t0 - q0), the keys' by position. */
+ATT_NO_PRESCHED void kern_attention_bwd_q0_neon(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                                const float *lse, const float *q, const float *k, const float *v,
+                                                int B, int Tq, int Tk, int nh, int nkv, int hd,
+                                                const kern_attn_opt *opt, int acc) {
+    // dq[B,Tq,nh,hd], dk[B,Tk,nkv,hd], dv[B,Tk,nkv,hd], dout[B,Tq,nh,hd], out[B,Tq,nh,hd], lse[B,nh,Tq],
+    // q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
     if (hd % NC) {
-        op_attention_bwd_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, acc);
+        op_attention_bwd_q0_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
         return;
     }
-    if (!acc) kern_attn_zero_grads(dq, dk, dv, B, T, nh, nkv, hd); /* dk, dv are summed in place */
-    int group = nh / nkv;
-    int nqb = (T + BQ - 1) / BQ;
+    if (!acc) kern_attn_zero_grads_q0(dq, dk, dv, B, Tq, Tk, nh, nkv, hd); /* dk, dv are summed in place */
+    int group = nh / nkv, q0 = Tk - Tq;
+    int nqb = (Tq + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd, ks = nkv * hd; // row strides
     int b16 = kern_attn_bf16(opt);
-    int Tp = (T + BK - 1) / BK * BK;
-    float *KT = att_heads_t(k, B, T, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]
-    float *VT = att_heads_t(v, B, T, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]
+    int Tp = (Tk + BK - 1) / BK * BK;
+    float *KT = att_heads_t(k, B, Tk, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]
+    float *VT = att_heads_t(v, B, Tk, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
         size_t blk = (size_t)hd * BQ;
-        float *KS = ct_malloc64((size_t)T * hd * sizeof(float)); // [hd/NC, T, NC] the kv head's k rows (dS K)
+        float *KS = ct_malloc64((size_t)Tk * hd * sizeof(float)); // [hd/NC, Tk, NC] the kv head's k rows (dS K)
         float *QT = ct_malloc64(5 * blk * sizeof(float));       // [hd, BQ] the block's q rows, transposed
         float *GT = QT + blk;                                  // [hd, BQ] its dout rows, transposed
         float *QS = GT + blk;                                  // [hd/NC, BQ, NC] its q rows as slabs (dK)
@@ -479,14 +488,14 @@ ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, co
             for (int kh = 0; kh < nkv; kh++) {
                 const float *kth = KT + ((size_t)b * nkv + kh) * Tp * hd; // chunk of key j0 at + j0*hd
                 const float *vth = VT + ((size_t)b * nkv + kh) * Tp * hd;
-                float *dkh = dk + ((size_t)b * T * nkv + kh) * hd; // row j at + j*ks
-                float *dvh = dv + ((size_t)b * T * nkv + kh) * hd;
-                att_slabs_in(KS, k + ((size_t)b * T * nkv + kh) * hd, ks, T, T, hd);
+                float *dkh = dk + ((size_t)b * Tk * nkv + kh) * hd; // row j at + j*ks
+                float *dvh = dv + ((size_t)b * Tk * nkv + kh) * hd;
+                att_slabs_in(KS, k + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, Tk, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     for (int qb = 0; qb < nqb; qb++) {
-                        int t0 = qb * BQ;
-                        int nq = imin(T - t0, BQ), nmb = (nq + MR - 1) / MR;
-                        size_t row0 = ((size_t)b * T + t0) * nh + h; // the block's first row of q, dout, out, dq
+                        int lt0 = qb * BQ, t0 = q0 + lt0;
+                        int nq = imin(Tk - t0, BQ), nmb = (nq + MR - 1) / MR;
+                        size_t row0 = ((size_t)b * Tq + lt0) * nh + h; // the block's first row of q, dout, out, dq
                         // the block's rows of q, dout, out: row r at + r*qs
                         const float *qb_ = q + row0 * hd, *gb = dout + row0 * hd, *ob = out + row0 * hd;
                         att_block_t(QT, qb_, qs, nq, hd);
@@ -496,7 +505,7 @@ ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, co
                         memset(DQ, 0, blk * sizeof(float));
                         for (int r = 0; r < BQ; r++) { // padded rows: masked everywhere
                             D[r] = r < nq ? att_dot(gb + (size_t)r * qs, ob + (size_t)r * qs, hd) : 0.0f;
-                            L[r] = r < nq ? lse[((size_t)b * nh + h) * T + t0 + r] : 0.0f;
+                            L[r] = r < nq ? lse[((size_t)b * nh + h) * Tq + lt0 + r] : 0.0f;
                         }
                         // from the tile of the first key the block sees (the window) up to the diagonal
                         for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
@@ -588,7 +597,7 @@ ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, co
                                     if (!ncmax) continue;
                                     att_rows_axpy(DQ + (size_t)c0 * BQ + mb * MR * NC, NULL,
                                                   dS + (size_t)cmin * BQ + mb * MR,
-                                                  KS + (size_t)c0 * T + (size_t)(j0 + cmin) * NC, ncmax - cmin);
+                                                  KS + (size_t)c0 * Tk + (size_t)(j0 + cmin) * NC, ncmax - cmin);
                                 }
                         }
                         for (int r = 0; r < nq; r++) { /* dq += the block's sum */
@@ -610,6 +619,12 @@ ATT_NO_PRESCHED void kern_attention_bwd_neon(float *dq, float *dk, float *dv, co
     }
     free(KT);
     free(VT);
+}
+
+void kern_attention_bwd_neon(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                             const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
+                             const kern_attn_opt *opt, int acc) {
+    kern_attention_bwd_q0_neon(dq, dk, dv, dout, out, lse, q, k, v, B, T, T, nh, nkv, hd, opt, acc);
 }
 
 #endif /* __aarch64__ */

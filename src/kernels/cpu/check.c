@@ -87,6 +87,10 @@ static double mean_err(const float *x, const float *ref, size_t n) {
     return rmax > 0 && n ? esum / (double)n / rmax : INFINITY;
 }
 
+/* The numbers of a case's shape (the ops' tables below; unused trailing ones 0):
+ * attention's are the most, B T nh nkv hd, its options and the offset form's Tq. */
+#define CHK_DIMS 7
+
 /* Collects the parts of one case: "fwd 1.2e-07 dinp 3.0e-07 ..." and the worst;
  * worst_mean: the largest mean_err, for the ops that bound it (KERN_CHECK_MEAN_TOL). */
 typedef struct {
@@ -274,6 +278,27 @@ static void memo_attention_bwd(float *dq, float *dk, float *dv, const float *dou
     MEMO_CALL(4, memo.ref->fn.attention.bwd(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, opt, acc));
 }
 
+static void memo_attention_fwd_q0(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                  int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    size_t nq = (size_t)B * Tq * nh * hd, nk = (size_t)B * Tk * nkv * hd, np = (size_t)B * nh * Tq;
+    int64_t sc[] = {B, Tq, Tk, nh, nkv, hd};
+    memo_buf in[] = {FB(q, nq), FB(k, nk), FB(v, nk), {(void *)opt, opt ? sizeof *opt : 0}},
+             out_[] = {FB(out, nq), FB(lse, np)};
+    MEMO_CALL(9, memo.ref->fn.attention.fwd_q0(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt));
+}
+
+static void memo_attention_bwd_q0(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                  const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                  int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
+    size_t nq = (size_t)B * Tq * nh * hd, nk = (size_t)B * Tk * nkv * hd, np = (size_t)B * nh * Tq;
+    int64_t sc[] = {B, Tq, Tk, nh, nkv, hd, acc};
+    memo_buf in[] = {FB(dout, nq), FB(out, nq), FB(lse, np), FB(q, nq), FB(k, nk), FB(v, nk),
+                     {(void *)opt, opt ? sizeof *opt : 0}},
+             out_[] = {FB(dq, nq), FB(dk, nk), FB(dv, nk)};
+    MEMO_CALL(10, memo.ref->fn.attention.bwd_q0(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt,
+                                                acc));
+}
+
 /* work: scratch, neither read before written nor compared */
 static void memo_moe_fwd(float *out, float *gate, float *up, float *h, float *work, const float *x, const float *wg,
                          const float *wu, const float *wd, const int32_t *perm, const int32_t *pos,
@@ -348,6 +373,8 @@ static kern_impl memo_ref_entry(const kern_impl *ref) {
     case KERN_OP_ATTENTION:
         r.fn.attention.fwd = memo_attention_fwd;
         r.fn.attention.bwd = memo_attention_bwd;
+        if (ref->fn.attention.fwd_q0) r.fn.attention.fwd_q0 = memo_attention_fwd_q0;
+        if (ref->fn.attention.bwd_q0) r.fn.attention.bwd_q0 = memo_attention_bwd_q0;
         break;
     case KERN_OP_MOE:
     case KERN_OP_MOE_BF16:
@@ -497,7 +524,7 @@ static void case_matmul(chk_case *c, const kern_impl *ref, const kern_impl *im, 
     free(inp), free(w), free(dout), free(o1), free(o2), free(di1), free(dw1), free(di2), free(dw2);
 }
 
-static const int shapes_matmul[][6] = {
+static const int shapes_matmul[][CHK_DIMS] = {
     {1, 1, 1},      {1, 17, 33},    {3, 1, 5},      {7, 5, 1},     {1, 1024, 3},  {4, 40, 7},
     {2, 33, 100},   {5, 16, 9},     {6, 8, 16},
     {14, 32, 32},   {15, 33, 31},   {13, 16, 17},   {29, 64, 47},  {77, 131, 45}, {64, 256, 96},
@@ -516,7 +543,7 @@ static const int shapes_matmul[][6] = {
  * kernel (32 x 32 blocks of 16 x 16 tiles, k in steps of 32, 1024-deep k
  * blocks): 48 x 33 and 17 x 48 leave edge blocks of <= 16 and > 16 rows /
  * columns, K = 513 one k past whole steps, 1025 two k blocks (544 + 481). */
-static const int shapes_matmul_bf16[][6] = {
+static const int shapes_matmul_bf16[][CHK_DIMS] = {
     {1, 1, 1},     {1, 17, 33},    {3, 1, 5},      {7, 5, 1},      {1, 1023, 3},    {4, 41, 7},   {2, 33, 100},
     {5, 15, 9},    {6, 9, 16},     {14, 31, 32},   {15, 33, 31},   {13, 3, 17},     {29, 65, 47}, {77, 131, 45},
     {64, 256, 96}, {33, 769, 65},  {20, 1537, 40}, {130, 257, 70}, {5, 301, 2049},  {1030, 21, 2050},
@@ -547,7 +574,7 @@ static void case_embedding(chk_case *c, const kern_impl *ref, const kern_impl *i
     free(tok), free(wte), free(o1), free(o2), free(dout), free(d1), free(d2);
 }
 
-static const int shapes_embedding[][6] = {{1, 1, 1}, {5, 7, 3}, {17, 16, 4}, {64, 33, 10}, {33, 256, 100},
+static const int shapes_embedding[][CHK_DIMS] = {{1, 1, 1}, {5, 7, 3}, {17, 16, 4}, {64, 33, 10}, {33, 256, 100},
                                           {9, 130, 6}};
 
 /* ------------------------------------------------------------ rmsnorm */
@@ -582,7 +609,7 @@ static void case_rmsnorm(chk_case *c, const kern_impl *ref, const kern_impl *im,
         free(dw2);
 }
 
-static const int shapes_rmsnorm[][6] = {{1, 1}, {3, 7}, {5, 17}, {2, 15}, {16, 256}, {7, 1000}, {40, 128}};
+static const int shapes_rmsnorm[][CHK_DIMS] = {{1, 1}, {3, 7}, {5, 17}, {2, 15}, {16, 256}, {7, 1000}, {40, 128}};
 
 /* --------------------------------------------------------------- rope */
 
@@ -655,7 +682,7 @@ static void case_rope(chk_case *c, const kern_impl *ref, const kern_impl *im, co
     free(w), free(rs1), free(rs2), free(dw1), free(dw2);
 }
 
-static const int shapes_rope[][6] = {{1, 1, 1, 2}, {2, 3, 2, 4},    {1, 5, 3, 34},
+static const int shapes_rope[][CHK_DIMS] = {{1, 1, 1, 2}, {2, 3, 2, 4},    {1, 5, 3, 34},
                                      {2, 7, 4, 128}, {1, 17, 1, 30}, {3, 9, 5, 66},
                                      /* several 64-row blocks of the fused backward's dw, the last partial */
                                      {2, 40, 3, 16},
@@ -689,14 +716,41 @@ static const struct {
 };
 #define ATT_OPT_NULL 0    /* index of the NULL pointer case */
 
+/* The whole-sequence pair (q0form 0, Tq = Tk) or the offset form's (ops.h: the
+ * last Tq of Tk positions) of an entry. */
+static void att_fwd_of(const kern_impl *im, int q0form, float *out, float *lse, const float *q, const float *k,
+                       const float *v, int B, int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    if (q0form) im->fn.attention.fwd_q0(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
+    else im->fn.attention.fwd(out, lse, q, k, v, B, Tk, nh, nkv, hd, opt);
+}
+static void att_bwd_of(const kern_impl *im, int q0form, float *dq, float *dk, float *dv, const float *dout,
+                       const float *out, const float *lse, const float *q, const float *k, const float *v, int B,
+                       int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
+    if (q0form) im->fn.attention.bwd_q0(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
+    else im->fn.attention.bwd(dq, dk, dv, dout, out, lse, q, k, v, B, Tk, nh, nkv, hd, opt, acc);
+}
+
+/* s: B T nh nkv hd, the options (attn_opts[]), and Tq: 0 for the whole-sequence
+ * pair, else the offset form's query rows (the last Tq of the T positions; at
+ * most T, which --quick may have capped). */
 static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
-    int B = s[0], T = s[1], nh = s[2], nkv = s[3], hd = s[4];
+    int B = s[0], Tk = s[1], nh = s[2], nkv = s[3], hd = s[4], q0form = s[6] > 0;
+    int Tq = q0form ? (s[6] < Tk ? s[6] : Tk) : Tk;
     const kern_attn_opt *opt = s[5] == ATT_OPT_NULL ? NULL : &attn_opts[s[5]].opt;
+    if (q0form) { /* the offset form's rows, before the options and the errors */
+        int w = snprintf(c->detail + c->len, sizeof c->detail - c->len, "[Tq=%d q0=%d]", Tq, Tk - Tq);
+        if (w > 0) c->len += (size_t)w;
+        if (!im->fn.attention.fwd_q0 || !im->fn.attention.bwd_q0) { /* a test's table: kern_impl_complete's */
+            w = snprintf(c->detail + c->len, sizeof c->detail - c->len, " no offset form of its own");
+            if (w > 0) c->len += (size_t)w;
+            return;
+        }
+    }
     if (s[5] != ATT_OPT_NULL) { /* the options of the case, before the errors */
         int w = snprintf(c->detail + c->len, sizeof c->detail - c->len, "[%s]", attn_opts[s[5]].name);
         if (w > 0) c->len += (size_t)w;
     }
-    size_t nq = (size_t)B * T * nh * hd, nk = (size_t)B * T * nkv * hd, np = (size_t)B * nh * T; // np: lse
+    size_t nq = (size_t)B * Tq * nh * hd, nk = (size_t)B * Tk * nkv * hd, np = (size_t)B * nh * Tq; // np: lse
     float *q = fbuf(nq), *k = fbuf(nk), *v = fbuf(nk), *dout = fbuf(nq);
     fill(q, nq, r, -2, 2);
     fill(k, nk, r, -2, 2);
@@ -711,8 +765,8 @@ static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *i
     fill_nan(o2, nq);
     fill_nan(p1, np);
     fill_nan(p2, np);
-    ref->fn.attention.fwd(o1, p1, q, k, v, B, T, nh, nkv, hd, opt);
-    im->fn.attention.fwd(o2, p2, q, k, v, B, T, nh, nkv, hd, opt);
+    att_fwd_of(ref, q0form, o1, p1, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
+    att_fwd_of(im, q0form, o2, p2, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
     part(c, "fwd", rel_err(o2, o1, nq));
     part(c, "lse", rel_err(p2, p1, np));
     float *dq1 = fbuf(nq), *dk1 = fbuf(nk), *dv1 = fbuf(nk);
@@ -721,17 +775,18 @@ static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *i
     fill(dv1, nk, r, -1, 1);
     float *dq2 = dup(dq1, nq), *dk2 = dup(dk1, nk), *dv2 = dup(dv1, nk);
     /* both backwards read the reference's out and lse, so only the backward is compared */
-    ref->fn.attention.bwd(dq1, dk1, dv1, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt, 1);
-    im->fn.attention.bwd(dq2, dk2, dv2, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt, 1);
+    att_bwd_of(ref, q0form, dq1, dk1, dv1, dout, o1, p1, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 1);
+    att_bwd_of(im, q0form, dq2, dk2, dv2, dout, o1, p1, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 1);
     part(c, "dq+=", rel_err(dq2, dq1, nq));
     part(c, "dk+=", rel_err(dk2, dk1, nk));
     part(c, "dv+=", rel_err(dv2, dv1, nk));
-    /* acc 0 overwrites: into NaN (a read of it shows), the bits of acc 1 onto zeros */
+    /* acc 0 overwrites: into NaN (a read of it shows), the bits of acc 1 onto zeros (the
+     * offset form: every dk, dv row, those of the first q0 positions too) */
     float *dq3 = fbuf(nq), *dk3 = fbuf(nk), *dv3 = fbuf(nk), *dq4 = fbuf(nq), *dk4 = fbuf(nk), *dv4 = fbuf(nk);
     memset(dq3, 0, nq * sizeof(float)), memset(dk3, 0, nk * sizeof(float)), memset(dv3, 0, nk * sizeof(float));
     fill_nan(dq4, nq), fill_nan(dk4, nk), fill_nan(dv4, nk);
-    im->fn.attention.bwd(dq3, dk3, dv3, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt, 1);
-    im->fn.attention.bwd(dq4, dk4, dv4, dout, o1, p1, q, k, v, B, T, nh, nkv, hd, opt, 0);
+    att_bwd_of(im, q0form, dq3, dk3, dv3, dout, o1, p1, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 1);
+    att_bwd_of(im, q0form, dq4, dk4, dv4, dout, o1, p1, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 0);
     part(c, "dq=", bits_err(dq4, dq3, nq));
     part(c, "dk=", bits_err(dk4, dk3, nk));
     part(c, "dv=", bits_err(dv4, dv3, nk));
@@ -754,8 +809,8 @@ static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *i
     free(dq3), free(dk3), free(dv3), free(dq4), free(dk4), free(dv4);
 }
 
-/* B T nh nkv hd opt (opt: attn_opts[]) */
-static const int shapes_attention[][6] = {
+/* B T nh nkv hd opt Tq (opt: attn_opts[]; Tq: case_attention) */
+static const int shapes_attention[][CHK_DIMS] = {
     {1, 1, 1, 1, 1}, {1, 3, 2, 1, 4}, {2, 5, 4, 2, 17}, {1, 33, 4, 4, 16}, {1, 64, 16, 8, 128}, {2, 17, 3, 1, 8},
     /* across the 32 x 64 tiles: partial blocks, several key blocks per row, diagonal inside a block */
     {1, 65, 2, 1, 8}, {1, 97, 2, 2, 5}, {2, 130, 4, 2, 16}, {1, 200, 1, 1, 3},
@@ -791,6 +846,17 @@ static const int shapes_attention[][6] = {
     {1, 200, 4, 2, 64, 15},  {1, 97, 2, 1, 128, 15}, {2, 70, 4, 2, 24, 15},
     {1, 1, 1, 1, 64, 14},    {1, 2, 2, 1, 128, 15},  {1, 70, 2, 1, 256, 14}, /* one and two rows; hd 256 */
     {1, 130, 4, 2, 64, 16},  {2, 130, 4, 2, 128, 16}, {1, 40, 4, 2, 16, 16},
+    /* the offset form, s[6] = Tq (the last Tq of T positions; q0 = T - Tq): q0 0 (the whole
+     * sequence, one row), the last row alone, context parallel's chunks (half, a quarter, the
+     * second and fourth of four) with q0 and Tq inside tiles and on their edges, windows that
+     * reach back past q0 and ones that do not, scale, soft caps, GQA groups of 1-3, bf16 */
+    {1, 1, 1, 1, 1, 0, 1},       {1, 5, 2, 1, 4, 0, 1},       {1, 130, 2, 1, 8, 0, 130},
+    {2, 64, 4, 2, 16, 0, 32},    {2, 96, 4, 2, 16, 0, 24},    {1, 128, 2, 2, 64, 0, 64},
+    {1, 200, 4, 2, 64, 0, 50},   {3, 33, 6, 2, 8, 0, 11},     {1, 70, 2, 1, 128, 1, 3},
+    {2, 150, 4, 2, 16, 2, 37},   {1, 260, 4, 2, 64, 3, 100},  {1, 200, 2, 1, 64, 4, 33},
+    {2, 97, 4, 2, 16, 5, 60},    {1, 130, 4, 2, 64, 7, 65},   {2, 97, 4, 2, 16, 8, 40},
+    {1, 150, 2, 1, 24, 10, 75},  {1, 260, 4, 2, 64, 11, 130}, {1, 40, 2, 1, 7, 12, 13},
+    {1, 128, 4, 2, 128, 14, 32}, {2, 150, 4, 2, 16, 15, 50},  {1, 97, 2, 1, 64, 16, 31},
 };
 
 /* ------------------------------------------------------------- swiglu */
@@ -834,7 +900,7 @@ static void case_swiglu(chk_case *c, const kern_impl *ref, const kern_impl *im, 
     free(g), free(u), free(dout), free(o1), free(o2), free(dg1), free(du1), free(dg2), free(du2);
 }
 
-static const int shapes_swiglu[][6] = {{1}, {7}, {15}, {16}, {17}, {33}, {1000}, {4099}};
+static const int shapes_swiglu[][CHK_DIMS] = {{1}, {7}, {15}, {16}, {17}, {33}, {1000}, {4099}};
 
 /* -------------------------------------------------------------- geglu */
 
@@ -868,7 +934,7 @@ static void case_geglu(chk_case *c, const kern_impl *ref, const kern_impl *im, c
     free(g), free(u), free(dout), free(o1), free(o2), free(dg1), free(du1), free(dg2), free(du2);
 }
 
-static const int shapes_geglu[][6] = {{1}, {5}, {7}, {15}, {16}, {17}, {33}, {1000}, {4099}};
+static const int shapes_geglu[][CHK_DIMS] = {{1}, {5}, {7}, {15}, {16}, {17}, {33}, {1000}, {4099}};
 
 /* ------------------------------------------------------- crossentropy */
 
@@ -966,7 +1032,7 @@ static void case_crossentropy(chk_case *c, const kern_impl *ref, const kern_impl
 
 /* v0: the first column of the vocabulary-parallel case (the rank's offset);
  * 75968 is Qwen3's 151936 over two ranks, the second rank's half. */
-static const int shapes_crossentropy[][6] = {{1, 1, 0},     {3, 5, 5},       {4, 17, 17},   {7, 16, 3},
+static const int shapes_crossentropy[][CHK_DIMS] = {{1, 1, 0},     {3, 5, 5},       {4, 17, 17},   {7, 16, 3},
                                              {5, 100, 200}, {8, 2048, 1000}, {3, 151936, 0}, {1, 37, 74},
                                              {9, 75968, 75968}};
 
@@ -989,7 +1055,7 @@ static void case_add(chk_case *c, const kern_impl *ref, const kern_impl *im, con
     free(a), free(b), free(o1), free(o2), free(a2);
 }
 
-static const int shapes_add[][6] = {{1}, {15}, {16}, {17}, {1000}, {65537}};
+static const int shapes_add[][CHK_DIMS] = {{1}, {15}, {16}, {17}, {1000}, {65537}};
 
 /* -------------------------------------------------------------- adamw */
 
@@ -1026,7 +1092,7 @@ static void case_adamw(chk_case *c, const kern_impl *ref, const kern_impl *im, c
 
 /* the last at and above ADAMW_PARALLEL_MIN (optim.h): the only one that runs the
  * implementations' parallel path, the others step on one thread */
-static const int shapes_adamw[][6] = {{1}, {15}, {17}, {1000}, {65537}, {ADAMW_PARALLEL_MIN + 37}};
+static const int shapes_adamw[][CHK_DIMS] = {{1}, {15}, {17}, {1000}, {65537}, {ADAMW_PARALLEL_MIN + 37}};
 
 /* -------------------------------------------------------- moe_experts */
 
@@ -1216,7 +1282,7 @@ static void case_moe(chk_case *c, const kern_impl *ref, const kern_impl *im, con
  * rest empty), 2 the upper half of the experts empty; small segments (experts
  * spread over threads) and large ones (each GEMM split over threads, several
  * k blocks) */
-static const int shapes_moe[][6] = {
+static const int shapes_moe[][CHK_DIMS] = {
     {1, 1, 1, 1, 1, 0},    {5, 7, 3, 4, 2, 0},      {17, 16, 9, 8, 2, 2},  {33, 20, 14, 8, 1, 1},
     {40, 33, 17, 4, 4, 0}, {64, 48, 32, 16, 2, 2},  {300, 64, 48, 4, 2, 0}, {300, 64, 48, 8, 3, 1},
     {700, 300, 96, 2, 1, 1}, {1000, 256, 160, 2, 2, 0},
@@ -1228,7 +1294,7 @@ typedef void (*case_fn)(chk_case *, const kern_impl *, const kern_impl *, const 
 
 static const struct {
     case_fn run;
-    const int (*shapes)[6];
+    const int (*shapes)[CHK_DIMS];
     int nshapes;
     int ndims;
     const char *dims; /* names of the shape fields */
@@ -1238,7 +1304,7 @@ static const struct {
     [KERN_OP_EMBEDDING] = {case_embedding, SHAPES(shapes_embedding), 3, "N C V"},
     [KERN_OP_RMSNORM] = {case_rmsnorm, SHAPES(shapes_rmsnorm), 2, "N C"},
     [KERN_OP_ROPE] = {case_rope, SHAPES(shapes_rope), 5, "B T nh hd rd"},
-    [KERN_OP_ATTENTION] = {case_attention, SHAPES(shapes_attention), 5, "B T nh nkv hd"}, /* + [options] */
+    [KERN_OP_ATTENTION] = {case_attention, SHAPES(shapes_attention), 5, "B T nh nkv hd"}, /* + [Tq], [options] */
     [KERN_OP_SWIGLU] = {case_swiglu, SHAPES(shapes_swiglu), 1, "N"},
     [KERN_OP_CROSSENTROPY] = {case_crossentropy, SHAPES(shapes_crossentropy), 3, "N V v0"},
     [KERN_OP_ADD] = {case_add, SHAPES(shapes_add), 1, "N"},
@@ -1354,7 +1420,7 @@ int kern_check(const kern_impl *t, size_t n, const kern_check_opts *o) {
             if (li < n_lv) lv[li].ran++;
             double tol = im->tol > 0 ? im->tol : KERN_CHECK_TOL;
             for (int sh = 0; sh < op_cases[op].nshapes; sh++) {
-                int s[6];
+                int s[CHK_DIMS];
                 memcpy(s, op_cases[op].shapes[sh], sizeof s);
                 if (o && o->quick && quick_cap[op].cap && s[quick_cap[op].dim] > quick_cap[op].cap)
                     s[quick_cap[op].dim] = quick_cap[op].cap;

@@ -362,6 +362,12 @@ void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const flo
 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                const float *lse, const float *q, const float *k, const float *v, int B, int T, int nh,
                                int nkv, int hd, const kern_attn_opt *opt, int acc);
+/* And their offset forms (ops.h, op_attention_fwd_q0: the last Tq of Tk positions). */
+void kern_attention_fwd_q0_avx512(float *out, float *lse, const float *q, const float *k, const float *v,
+                                  int B, int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt);
+void kern_attention_bwd_q0_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                  const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                  int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 /* The same with vdpbf16ps products under kern_attn_opt.bf16 (AVX512_BF16; without the
  * option, or hd % 64 != 0, the kernels above). */
 void kern_attention_fwd_avx512bf16(float *out, float *lse, const float *q, const float *k, const float *v, int B,
@@ -369,6 +375,11 @@ void kern_attention_fwd_avx512bf16(float *out, float *lse, const float *q, const
 void kern_attention_bwd_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                    const float *lse, const float *q, const float *k, const float *v, int B, int T,
                                    int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
+void kern_attention_fwd_q0_avx512bf16(float *out, float *lse, const float *q, const float *k, const float *v,
+                                      int B, int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt);
+void kern_attention_bwd_q0_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                      const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                      int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 /* out[i] = e^x[i] with the vector exp of the kernels above (for its accuracy test). */
 void kern_exp_avx512(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with avx512_util.h's tanh16 (attention's soft cap; for its accuracy test). */
@@ -413,6 +424,12 @@ void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const float
 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                              const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
                              const kern_attn_opt *opt, int acc);
+/* And their offset forms (ops.h, op_attention_fwd_q0). */
+void kern_attention_fwd_q0_avx2(float *out, float *lse, const float *q, const float *k, const float *v,
+                                int B, int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt);
+void kern_attention_bwd_q0_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 /* out[i] = e^x[i] with the AVX2 vector exp (avx2_util.h's exp8; for its accuracy test). */
 void kern_exp_avx2(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with avx2_util.h's tanh8 (for its accuracy test). */
@@ -483,6 +500,12 @@ void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float
 void kern_attention_bwd_neon(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                              const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
                              const kern_attn_opt *opt, int acc);
+/* And their offset forms (ops.h, op_attention_fwd_q0). */
+void kern_attention_fwd_q0_neon(float *out, float *lse, const float *q, const float *k, const float *v,
+                                int B, int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt);
+void kern_attention_bwd_q0_neon(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
 /* out[i] = e^x[i] with neon_util.h's neon_exp4 (for its accuracy test). */
 void kern_exp_neon(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with neon_util.h's neon_tanh4 (geglu; for its accuracy test). */

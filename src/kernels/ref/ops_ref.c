@@ -352,19 +352,20 @@ void op_rope_bwd(float *dinp, const float *dout, const float *cos, const float *
 /* --------------------------------------------------------------- attention */
 
 /* The plain form of the recompute-in-backward attention: one query row at a
- * time, a two-pass softmax over the keys it sees in a [T] scratch row, and
+ * time, a two-pass softmax over the keys it sees in a [Tk] scratch row, and
  * the row's log-sum-exp kept instead of its probabilities. The tiled kernel
  * (attention.c) runs the same algorithm a block at a time and is checked
  * against this. Options (kern_attn_opt): the scale, a sliding window (keys
  * lo..t, lo = kern_attn_first_key) and the soft cap s = cap tanh(x / cap) of
  * the scaled score x, differentiated as cap tanh' = 1 - tanh^2 (the cap
  * cancels). Without options every expression is the one of the plain causal
- * attention, so results do not change. */
+ * attention, so results do not change. Written for the offset form (the last
+ * Tq of Tk positions, ops.h); the whole-sequence op is its Tq = Tk case. */
 
-void op_attention_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
-                      int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
-    // out[B,T,nh,hd], lse[B,nh,T], q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
-    int group = nh / nkv;
+void op_attention_fwd_q0(float *out, float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                         int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    // out[B,Tq,nh,hd], lse[B,nh,Tq], q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
+    int group = nh / nkv, q0 = Tk - Tq;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
@@ -372,17 +373,17 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
-        float *p = ct_malloc((size_t)(T > 0 ? T : 1) * sizeof(float)); // [T] scores of one row
+        float *p = ct_malloc((size_t)(Tk > 0 ? Tk : 1) * sizeof(float)); // [Tk] scores of one row
 #pragma omp for collapse(3) schedule(static)
         for (int b = 0; b < B; b++) {
             for (int h = 0; h < nh; h++) {
-                for (int t = 0; t < T; t++) {
-                    int kh = h / group, lo = kern_attn_first_key(t, window);
-                    const float *qt = q + (((size_t)b * T + t) * nh + h) * hd;
+                for (int r = 0; r < Tq; r++) { /* query row r: position t */
+                    int t = q0 + r, kh = h / group, lo = kern_attn_first_key(t, window);
+                    const float *qt = q + (((size_t)b * Tq + r) * nh + h) * hd;
                     // scores, causal: keys lo..t only
                     float maxv = -INFINITY;
                     for (int t2 = lo; t2 <= t; t2++) {
-                        const float *kt = k + (((size_t)b * T + t2) * nkv + kh) * hd;
+                        const float *kt = k + (((size_t)b * Tk + t2) * nkv + kh) * hd;
                         float dot = 0.0f;
                         for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
                         float sc = dot * scale; // HF: (q @ k^T) * scaling
@@ -395,12 +396,12 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
                         p[t2] = expf(p[t2] - maxv);
                         sum += p[t2];
                     }
-                    lse[((size_t)b * nh + h) * T + t] = maxv + logf(sum);
+                    lse[((size_t)b * nh + h) * Tq + r] = maxv + logf(sum);
                     // out = softmax @ v
-                    float *ot = out + (((size_t)b * T + t) * nh + h) * hd;
+                    float *ot = out + (((size_t)b * Tq + r) * nh + h) * hd;
                     for (int i = 0; i < hd; i++) ot[i] = 0.0f;
                     for (int t2 = lo; t2 <= t; t2++) {
-                        const float *vt = v + (((size_t)b * T + t2) * nkv + kh) * hd;
+                        const float *vt = v + (((size_t)b * Tk + t2) * nkv + kh) * hd;
                         float pt = p[t2] / sum;
                         for (int i = 0; i < hd; i++) ot[i] += pt * vt[i];
                     }
@@ -412,16 +413,16 @@ void op_attention_fwd(float *out, float *lse, const float *q, const float *k, co
     }
 }
 
-void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
-                      const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
-                      const kern_attn_opt *opt, int acc) {
-    // dq[B,T,nh,hd], dk[B,T,nkv,hd], dv[B,T,nkv,hd], dout[B,T,nh,hd], out[B,T,nh,hd], lse[B,nh,T],
-    // q[B,T,nh,hd], k[B,T,nkv,hd], v[B,T,nkv,hd]
+void op_attention_bwd_q0(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                         const float *q, const float *k, const float *v, int B, int Tq, int Tk, int nh, int nkv,
+                         int hd, const kern_attn_opt *opt, int acc) {
+    // dq[B,Tq,nh,hd], dk[B,Tk,nkv,hd], dv[B,Tk,nkv,hd], dout[B,Tq,nh,hd], out[B,Tq,nh,hd], lse[B,nh,Tq],
+    // q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
     // All query heads of a group and all query positions add into the same kv
     // rows, so one thread owns a whole (b, kv head) and walks them in order;
     // it then also owns the dq rows of the group's query heads.
-    if (!acc) kern_attn_zero_grads(dq, dk, dv, B, T, nh, nkv, hd);
-    int group = nh / nkv;
+    if (!acc) kern_attn_zero_grads_q0(dq, dk, dv, B, Tq, Tk, nh, nkv, hd);
+    int group = nh / nkv, q0 = Tk - Tq;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
@@ -434,20 +435,21 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
         for (int b = 0; b < B; b++) {
             for (int kh = 0; kh < nkv; kh++) {
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
-                    for (int t = 0; t < T; t++) {
-                        const float *qt = q + (((size_t)b * T + t) * nh + h) * hd;
-                        const float *ot = out + (((size_t)b * T + t) * nh + h) * hd;
-                        const float *dot_ = dout + (((size_t)b * T + t) * nh + h) * hd;
-                        float *dqt = dq + (((size_t)b * T + t) * nh + h) * hd;
-                        float L = lse[((size_t)b * nh + h) * T + t];
+                    for (int r = 0; r < Tq; r++) { /* query row r: position t */
+                        int t = q0 + r;
+                        const float *qt = q + (((size_t)b * Tq + r) * nh + h) * hd;
+                        const float *ot = out + (((size_t)b * Tq + r) * nh + h) * hd;
+                        const float *dot_ = dout + (((size_t)b * Tq + r) * nh + h) * hd;
+                        float *dqt = dq + (((size_t)b * Tq + r) * nh + h) * hd;
+                        float L = lse[((size_t)b * nh + h) * Tq + r];
                         // softmax backward needs sum_j p_j dp_j = dout . out (out = sum_j p_j v_j)
                         float D = 0.0f;
                         for (int i = 0; i < hd; i++) D += dot_[i] * ot[i];
                         for (int t2 = kern_attn_first_key(t, window); t2 <= t; t2++) {
-                            const float *kt = k + (((size_t)b * T + t2) * nkv + kh) * hd;
-                            const float *vt = v + (((size_t)b * T + t2) * nkv + kh) * hd;
-                            float *dkt = dk + (((size_t)b * T + t2) * nkv + kh) * hd;
-                            float *dvt = dv + (((size_t)b * T + t2) * nkv + kh) * hd;
+                            const float *kt = k + (((size_t)b * Tk + t2) * nkv + kh) * hd;
+                            const float *vt = v + (((size_t)b * Tk + t2) * nkv + kh) * hd;
+                            float *dkt = dk + (((size_t)b * Tk + t2) * nkv + kh) * hd;
+                            float *dvt = dv + (((size_t)b * Tk + t2) * nkv + kh) * hd;
                             // recompute p = exp(score - lse)
                             float dot = 0.0f;
                             for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
@@ -478,6 +480,17 @@ void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const 
         }
         KERN_TRACE_EXIT(kt_);
     }
+}
+
+void op_attention_fwd(float *out, float *lse, const float *q, const float *k, const float *v,
+                      int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    op_attention_fwd_q0(out, lse, q, k, v, B, T, T, nh, nkv, hd, opt);
+}
+
+void op_attention_bwd(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                      const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
+                      const kern_attn_opt *opt, int acc) {
+    op_attention_bwd_q0(dq, dk, dv, dout, out, lse, q, k, v, B, T, T, nh, nkv, hd, opt, acc);
 }
 
 /* ------------------------------------------------------------------ swiglu */

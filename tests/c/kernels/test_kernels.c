@@ -14,14 +14,19 @@
  * - the fast GEMMs are bit-identical at 1 and 2 threads (determinism), and so are
  *   the blocked attentions (blocked_neon on aarch64, blocked_avx2 and blocked_avx512
  *   on x86-64) at 1, 2 and 3;
+ * - every attention's offset form (context parallel's pieces) gives its whole-sequence
+ *   form's rows, and kern_check catches offset forms that forget the offset or drop the
+ *   prefix's d k, d v;
  * - activation checkpointing (which reruns these kernels) shrinks the model's
  *   activation plan and leaves its gradients bit-identical. */
+#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
 #include "config/config.h"
+#include "core/dtype.h"
 #include "kernels/cpu/kern_cpu.h"
 #include "kernels/ops.h"
 #include "kernels/registry.h"
@@ -330,6 +335,37 @@ static void att_bwd_unrounded(float *dq, float *dk, float *dv, const float *dout
     op_attention_bwd_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, T, nh, nkv, hd, &o, acc);
 }
 
+/* Offset forms (op_attention_fwd_q0) with the mistakes a context-parallel chunk invites:
+ * "q0-ignored" runs the Tq query rows as the sequence's first positions (against keys
+ * 0 .. Tq-1: the offset forgotten); "prefix-dk-dropped" computes everything right but
+ * leaves d k, d v of the first q0 positions zero (the prefix's gradients not sent back). */
+static void att_fwd_q0_ignored(float *out, float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                               int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    for (int b = 0; b < B; b++)
+        op_attention_fwd_tiled(out + (size_t)b * Tq * nh * hd, lse + (size_t)b * nh * Tq, q + (size_t)b * Tq * nh * hd,
+                               k + (size_t)b * Tk * nkv * hd, v + (size_t)b * Tk * nkv * hd, 1, Tq, nh, nkv, hd, opt);
+}
+static void att_bwd_q0_ignored(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                               const float *q, const float *k, const float *v, int B, int Tq, int Tk, int nh, int nkv,
+                               int hd, const kern_attn_opt *opt, int acc) {
+    if (!acc) kern_attn_zero_grads_q0(dq, dk, dv, B, Tq, Tk, nh, nkv, hd);
+    for (int b = 0; b < B; b++) {
+        size_t qo = (size_t)b * Tq * nh * hd, ko = (size_t)b * Tk * nkv * hd;
+        op_attention_bwd_tiled(dq + qo, dk + ko, dv + ko, dout + qo, out + qo, lse + (size_t)b * nh * Tq, q + qo,
+                               k + ko, v + ko, 1, Tq, nh, nkv, hd, opt, 1);
+    }
+}
+static void att_bwd_prefix_dropped(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                   const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                   int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
+    op_attention_bwd_q0_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
+    for (int b = 0; b < B; b++) {
+        size_t row = (size_t)nkv * hd;
+        memset(dk + (size_t)b * Tk * row, 0, (size_t)(Tk - Tq) * row * sizeof(float));
+        memset(dv + (size_t)b * Tk * row, 0, (size_t)(Tk - Tq) * row * sizeof(float));
+    }
+}
+
 /* Every FAIL line of `log` is impl's and names an option containing `opt`; returns their count. */
 static int fails_only_with(const char *log, const char *impl, const char *opt) {
     int n = 0;
@@ -342,6 +378,19 @@ static int fails_only_with(const char *log, const char *impl, const char *opt) {
             if (!strstr(line, impl) || !strstr(line, opt)) return -1;
             n++;
         }
+        p = end ? end + 1 : NULL;
+    }
+    return n;
+}
+
+/* The lines of `log` that contain `has` and not `lacks`. */
+static int lines_with(const char *log, const char *has, const char *lacks) {
+    int n = 0;
+    for (const char *p = log; p && *p;) {
+        const char *end = strchr(p, '\n');
+        char line[512];
+        snprintf(line, sizeof line, "%.*s", (int)(end ? end - p : (long)strlen(p)), p);
+        if (strstr(line, has) && !strstr(line, lacks)) n++;
         p = end ? end + 1 : NULL;
     }
     return n;
@@ -417,18 +466,33 @@ static void test_check_catches_bugs(void) {
          .fn.attention = {att_fwd_unrounded, att_bwd_unrounded}},
     };
     log = check_log(att, 2, NULL);
-    int bf16_cases = 0; /* those with something to round: a single row's P is 1 and its dS 0 */
-    for (const char *p = log; p && *p;) {
-        const char *end = strchr(p, '\n');
-        char line[512];
-        snprintf(line, sizeof line, "%.*s", (int)(end ? end - p : (long)strlen(p)), p);
-        if (strstr(line, "[bf16") && !strstr(line, " T=1 ")) bf16_cases++;
-        p = end ? end + 1 : NULL;
-    }
+    int bf16_cases = lines_with(log, "[bf16", " T=1 "); /* something to round: a single row's P is 1, its dS 0 */
     int n = fails_only_with(log, "unrounded", "[bf16");
     CHECK(bf16_cases > 0 && n == bf16_cases, "an attention without the bf16 rounding: %d of %d bf16 cases failed:\n%s",
           n, bf16_cases, log);
     free(log);
+    /* offset forms that forget the offset or drop the prefix's d k, d v: caught on the offset
+     * form's cases with q0 > 0 ("[Tq="), and only there (their whole-sequence pair is the reference) */
+    static const struct {
+        const char *name;
+        kern_attention_fwd_q0_fn fwd;
+        kern_attention_bwd_q0_fn bwd;
+    } bad_q0[] = {{"q0-ignored", att_fwd_q0_ignored, att_bwd_q0_ignored},
+                  {"prefix-dk-dropped", op_attention_fwd_q0_tiled, att_bwd_prefix_dropped}};
+    for (size_t b = 0; b < sizeof bad_q0 / sizeof bad_q0[0]; b++) {
+        kern_impl q0t[2] = {
+            {KERN_OP_ATTENTION, "ref", "cpu", 0, 0, "reference",
+             .fn.attention = {op_attention_fwd, op_attention_bwd, op_attention_fwd_q0, op_attention_bwd_q0}},
+            {KERN_OP_ATTENTION, bad_q0[b].name, "cpu", 0, 0, "broken offset form",
+             .fn.attention = {op_attention_fwd_tiled, op_attention_bwd_tiled, bad_q0[b].fwd, bad_q0[b].bwd}},
+        };
+        log = check_log(q0t, 2, NULL);
+        int offset_cases = lines_with(log, "[Tq=", " q0=0]"); /* the offset form's cases with q0 > 0 */
+        n = fails_only_with(log, bad_q0[b].name, "[Tq=");
+        CHECK(offset_cases > 10 && n > offset_cases / 2, "attention \"%s\": %d of %d offset cases failed:\n%s",
+              bad_q0[b].name, n, offset_cases, log);
+        free(log);
+    }
 }
 
 /* Every op's check cases run (and pass) on a table where each reference is
@@ -763,6 +827,107 @@ static void test_attention_threads(void) {
     }
 }
 
+/* Every attention implementation this CPU runs: its offset form (op_attention_fwd_q0) on the
+ * last Tq of Tk positions gives its whole-sequence forward's last Tq rows of out and lse, and
+ * its backward (acc 0) the whole backward's dq rows and every dk, dv row when the first q0 rows
+ * of d(out) are zero (those rows then add nothing: context parallel's former padded problem),
+ * bit for bit (query blocks from q0, key tiles from 0: each sum in the whole sequence's order;
+ * blocked_avx512bf16's bf16 products to 1e-6, below); and the same bits at 1 and 3 threads.
+ * Shapes: a CP chunk on a whole number of tiles, q0 and Tq inside them (q0 odd too), hd on each
+ * kernel's register path (64, 128) and its fallbacks (40, 12); Qwen3's options and a window +
+ * scale + soft cap, with and without bf16 products. */
+static void test_attention_offset_matches_whole(void) {
+    size_t n;
+    const kern_impl *t = kern_registry(&n);
+    unsigned cpu = kern_cpu_features();
+    static const int shapes[][6] = {{2, 128, 64, 4, 2, 64}, {1, 150, 37, 6, 2, 40}, {2, 77, 45, 4, 2, 128},
+                                    {1, 96, 24, 2, 1, 12},  {1, 101, 50, 4, 2, 64}}; // B Tk Tq nh nkv hd
+    const kern_attn_opt wcap = {0.2f, 29, 5.0f, 0}, b16 = {0, 0, 0, 1}, b16w = {0.2f, 29, 5.0f, 1};
+    const kern_attn_opt *opts[4] = {NULL, &wcap, &b16, &b16w};
+    /* under qemu (a minute of emulation in full): Qwen3's options and all of them with bf16, and
+     * not the row-at-a-time ref (kernels check holds its offset form to the others) */
+    int emu = getenv("CTITAN_EMULATED") != NULL, tried = 0;
+    if (emu) printf("skip under emulation: ref and 2 of 4 option sets in the offset-form comparison\n");
+    for (size_t i = 0; i < n; i++) {
+        if (t[i].op != KERN_OP_ATTENTION || (t[i].features & ~cpu) || (emu && !strcmp(t[i].name, "ref"))) continue;
+        const kern_impl *im = &t[i];
+        CHECK(im->fn.attention.fwd_q0 && im->fn.attention.bwd_q0, "attention %s has no offset form", im->name);
+        if (!im->fn.attention.fwd_q0 || !im->fn.attention.bwd_q0) continue;
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            int B = shapes[si][0], Tk = shapes[si][1], Tq = shapes[si][2], nh = shapes[si][3], nkv = shapes[si][4],
+                hd = shapes[si][5], q0 = Tk - Tq, qd = nh * hd;
+            size_t nq = (size_t)B * Tk * qd, nk = (size_t)B * Tk * nkv * hd, nl = (size_t)B * nh * Tk;
+            size_t mq = (size_t)B * Tq * qd, ml = (size_t)B * nh * Tq;
+            float *q = malloc(nq * 4), *k = malloc(nk * 4), *v = malloc(nk * 4), *g = malloc(nq * 4);
+            float *o = malloc(nq * 4), *l = malloc(nl * 4), *dq = malloc(nq * 4), *dk = malloc(nk * 4),
+                  *dv = malloc(nk * 4);
+            float *qs = malloc(mq * 4), *gs = malloc(mq * 4), *os = malloc(mq * 4), *ls = malloc(ml * 4);
+            float *o2[2], *l2[2], *dq2[2], *dk2[2], *dv2[2];
+            for (int th = 0; th < 2; th++)
+                o2[th] = malloc(mq * 4), l2[th] = malloc(ml * 4), dq2[th] = malloc(mq * 4),
+                dk2[th] = malloc(nk * 4), dv2[th] = malloc(nk * 4);
+            uint32_t s = 17 + (uint32_t)si;
+            fill_lcg(q, nq, &s), fill_lcg(k, nk, &s), fill_lcg(v, nk, &s), fill_lcg(g, nq, &s);
+            for (int b = 0; b < B; b++) /* d(out) 0 on the first q0 rows; qs, gs: the last Tq rows */
+                memset(g + (size_t)b * Tk * qd, 0, (size_t)q0 * qd * 4);
+            for (int oi = 0; oi < 4; oi += emu ? 3 : 1) {
+                if (kern_attn_bf16(opts[oi])) { /* the contract: bf16 values in */
+                    ct_round_bf16(q, nq), ct_round_bf16(k, nk), ct_round_bf16(v, nk), ct_round_bf16(g, nq);
+                }
+                for (int b = 0; b < B; b++) {
+                    memcpy(qs + (size_t)b * Tq * qd, q + ((size_t)b * Tk + q0) * qd, (size_t)Tq * qd * 4);
+                    memcpy(gs + (size_t)b * Tq * qd, g + ((size_t)b * Tk + q0) * qd, (size_t)Tq * qd * 4);
+                }
+                im->fn.attention.fwd(o, l, q, k, v, B, Tk, nh, nkv, hd, opts[oi]);
+                im->fn.attention.bwd(dq, dk, dv, g, o, l, q, k, v, B, Tk, nh, nkv, hd, opts[oi], 0);
+                for (int b = 0; b < B; b++) {
+                    memcpy(os + (size_t)b * Tq * qd, o + ((size_t)b * Tk + q0) * qd, (size_t)Tq * qd * 4);
+                    for (int h = 0; h < nh; h++)
+                        memcpy(ls + ((size_t)b * nh + h) * Tq, l + ((size_t)b * nh + h) * Tk + q0, (size_t)Tq * 4);
+                }
+                int saved = omp_get_max_threads();
+                for (int th = 0; th < 2; th++) {
+                    omp_set_num_threads(th ? 3 : 1);
+                    for (size_t e = 0; e < nk; e++) dk2[th][e] = dv2[th][e] = NAN; /* acc 0: every row written */
+                    im->fn.attention.fwd_q0(o2[th], l2[th], qs, k, v, B, Tq, Tk, nh, nkv, hd, opts[oi]);
+                    im->fn.attention.bwd_q0(dq2[th], dk2[th], dv2[th], gs, os, ls, qs, k, v, B, Tq, Tk, nh, nkv, hd,
+                                            opts[oi], 0);
+                }
+                omp_set_num_threads(saved);
+                CHECK(!memcmp(o2[0], o2[1], mq * 4) && !memcmp(l2[0], l2[1], ml * 4) &&
+                          !memcmp(dq2[0], dq2[1], mq * 4) && !memcmp(dk2[0], dk2[1], nk * 4) &&
+                          !memcmp(dv2[0], dv2[1], nk * 4),
+                      "attention %s offset form differs between 1 and 3 threads (shape %zu, opt %d)", im->name, si,
+                      oi);
+                for (int b = 0; b < B; b++) /* the whole backward's dq rows of the Tq positions */
+                    memmove(dq + (size_t)b * Tq * qd, dq + ((size_t)b * Tk + q0) * qd, (size_t)Tq * qd * 4);
+                const float *got[] = {o2[0], l2[0], dq2[0], dk2[0], dv2[0]}, *want[] = {os, ls, dq, dk, dv};
+                const size_t len[] = {mq, ml, mq, nk, nk};
+                const char *what[] = {"out", "lse", "dq", "dk", "dv"};
+                for (int x = 0; x < 5; x++) {
+                    double worst = 0, big = 0;
+                    for (size_t e = 0; e < len[x]; e++) {
+                        double d = fabs((double)got[x][e] - want[x][e]);
+                        if (!(d <= worst)) worst = d; /* NaN counts */
+                        if (fabs(want[x][e]) > big) big = fabs(want[x][e]);
+                    }
+                    /* the same sums in the same order: bit for bit, but for blocked_avx512bf16's bf16
+                     * products (pairs of query rows from q0: an odd q0 pairs them otherwise) */
+                    int exact = !(kern_attn_bf16(opts[oi]) && !strcmp(im->name, "blocked_avx512bf16"));
+                    CHECK(exact ? worst == 0 : worst <= 1e-6 * big,
+                          "attention %s: offset form's %s differs from the whole sequence's by %.3g (max %.3g; shape "
+                          "%zu, opt %d)", im->name, what[x], worst, big, si, oi);
+                }
+            }
+            free(q), free(k), free(v), free(g), free(o), free(l), free(dq), free(dk), free(dv);
+            free(qs), free(gs), free(os), free(ls);
+            for (int th = 0; th < 2; th++) free(o2[th]), free(l2[th]), free(dq2[th]), free(dk2[th]), free(dv2[th]);
+        }
+        tried++;
+    }
+    CHECK(tried >= 2, "only %d attention implementations tried", tried);
+}
+
 /* N = 0 (an empty sum over dout's columns): every matmul this CPU runs gives
  * d(input) = 0 when told to overwrite and leaves it alone when told to add,
  * through both entries (bwd and the bf16-stored dinp_wbf16), and never
@@ -822,6 +987,7 @@ int main(void) {
     test_determinism();
     test_attention_tiled_avx512();
     test_attention_threads();
+    test_attention_offset_matches_whole();
     test_activation_checkpointing();
     return CHECK_DONE();
 }
