@@ -30,8 +30,9 @@ c_int, c_long, c_float = ctypes.c_int, ctypes.c_long, ctypes.c_float
 
 
 class AttnOpt(ctypes.Structure):
-    """kernels/ops.h's kern_attn_opt: what a model family changes in attention."""
-    _fields_ = [("scale", c_float), ("window", c_int), ("softcap", c_float)]
+    """kernels/ops.h's kern_attn_opt: what a model family changes in attention, every field
+    (the C side reads bf16 too: a struct that stopped before it let the kernels read past it)."""
+    _fields_ = [("scale", c_float), ("window", c_int), ("softcap", c_float), ("bf16", c_int)]
 
 
 OPTP = ctypes.POINTER(AttnOpt)
@@ -441,11 +442,6 @@ def test_add(lib, gen):
 
 # ------------------------------------------------------ attention with a query offset
 
-class AttnOptFull(ctypes.Structure):
-    """kern_attn_opt with every field (AttnOpt above stops before bf16, which the C side reads too)."""
-    _fields_ = [("scale", c_float), ("window", c_int), ("softcap", c_float), ("bf16", c_int)]
-
-
 def torch_attention_q0(q, k, v, scale=None, window=0, softcap=0.0):
     """q [B,Tq,nh,hd] at positions q0 .. q0+Tq-1 (q0 = Tk - Tq), k/v [B,Tk,nkv,hd] -> out
     [B,Tq,nh,hd], lse [B,nh,Tq]: HF's eager attention of those query rows over the whole
@@ -468,8 +464,8 @@ def torch_attention_q0(q, k, v, scale=None, window=0, softcap=0.0):
     return torch.matmul(probs, vh).transpose(1, 2), torch.logsumexp(scores, dim=-1)
 
 
-Q0_FWD = [F32P] * 5 + [c_int] * 6 + [ctypes.POINTER(AttnOptFull)]
-Q0_BWD = [F32P] * 9 + [c_int] * 6 + [ctypes.POINTER(AttnOptFull), c_int]
+Q0_FWD = [F32P] * 5 + [c_int] * 6 + [ctypes.POINTER(AttnOpt)]
+Q0_BWD = [F32P] * 9 + [c_int] * 6 + [ctypes.POINTER(AttnOpt), c_int]
 
 
 @pytest.mark.parametrize("scale,window,softcap", [(0.0, 0, 0.0), (0.0, 5, 0.0), (0.0, 37, 0.0), (0.25, 7, 5.0)])
@@ -495,7 +491,7 @@ def test_attention_query_offset(lib, gen, impl, B, Tk, Tq, nh, nkv, hd, scale, w
     k = randn(gen, B, Tk, nkv, hd, scale=1.5).requires_grad_()
     v = randn(gen, B, Tk, nkv, hd).requires_grad_()
     out_t, lse_t = torch_attention_q0(q, k, v, scale=scale or None, window=window, softcap=softcap)
-    opt = ctypes.byref(AttnOptFull(scale, window, softcap, 0))
+    opt = ctypes.byref(AttnOpt(scale, window, softcap, 0))
     out, lse = np.full((B, Tq, nh, hd), np.nan, np.float32), np.full((B, nh, Tq), np.nan, np.float32)
     fwd(P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, Tq, Tk, nh, nkv, hd, opt)
     what = f"attention q0={Tk - Tq} scale={scale} window={window} softcap={softcap}"
