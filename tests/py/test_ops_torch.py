@@ -242,23 +242,24 @@ def test_rope(lib, gen, B, T, nh, hd, rd):
 # ------------------------------------------------------------------------- attention
 
 def torch_attention(q, k, v, scale=None, window=0, softcap=0.0):
-    """q [B,T,nh,hd], k/v [B,T,nkv,hd] -> out [B,T,nh,hd], lse [B,nh,T], as HF eager: scores times
-    `scale` (default hd^-0.5), then softcap * tanh(scores / softcap) (gemma), then the causal mask
-    and, with a window, transformers' sliding_window_overlay (keep kv_idx > q_idx - window)."""
-    B, T, nh, hd = q.shape
-    nkv = k.shape[2]
+    """q [B,Tq,nh,hd] at positions q0 .. q0+Tq-1 (q0 = Tk - Tq; 0 for a whole sequence), k/v
+    [B,Tk,nkv,hd] -> out [B,Tq,nh,hd], lse [B,nh,Tq], as HF eager: scores times `scale` (default
+    hd^-0.5), then softcap * tanh(scores / softcap) (gemma), then the causal mask and, with a
+    window, transformers' sliding_window_overlay (keep kv_idx > q_idx - window), both by
+    position (no query rows for the first q0 positions: the kernels' query-offset form)."""
+    B, Tq, nh, hd = q.shape
+    Tk, nkv = k.shape[1], k.shape[2]
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     kh = kh.repeat_interleave(nh // nkv, dim=1)
     vh = vh.repeat_interleave(nh // nkv, dim=1)
     scores = torch.matmul(qh, kh.transpose(2, 3)) * (hd ** -0.5 if scale is None else scale)
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
-    q_idx, kv_idx = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    visible = kv_idx <= q_idx
+    q_pos, kv_idx = torch.arange(Tk - Tq, Tk)[:, None], torch.arange(Tk)[None, :]
+    visible = kv_idx <= q_pos
     if window > 0:
-        visible &= kv_idx > q_idx - window
-    mask = ~visible
-    scores = scores.masked_fill(mask, float("-inf"))
+        visible &= kv_idx > q_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     return torch.matmul(probs, vh).transpose(1, 2), torch.logsumexp(scores, dim=-1)
 
@@ -442,28 +443,6 @@ def test_add(lib, gen):
 
 # ------------------------------------------------------ attention with a query offset
 
-def torch_attention_q0(q, k, v, scale=None, window=0, softcap=0.0):
-    """q [B,Tq,nh,hd] at positions q0 .. q0+Tq-1 (q0 = Tk - Tq), k/v [B,Tk,nkv,hd] -> out
-    [B,Tq,nh,hd], lse [B,nh,Tq]: HF's eager attention of those query rows over the whole
-    sequence's keys, with the causal mask and window by position (no query rows for the
-    first q0 positions)."""
-    B, Tq, nh, hd = q.shape
-    Tk, nkv = k.shape[1], k.shape[2]
-    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    kh = kh.repeat_interleave(nh // nkv, dim=1)
-    vh = vh.repeat_interleave(nh // nkv, dim=1)
-    scores = torch.matmul(qh, kh.transpose(2, 3)) * (hd ** -0.5 if scale is None else scale)
-    if softcap > 0:
-        scores = torch.tanh(scores / softcap) * softcap
-    q_pos, kv_idx = torch.arange(Tk - Tq, Tk)[:, None], torch.arange(Tk)[None, :]
-    visible = kv_idx <= q_pos
-    if window > 0:
-        visible &= kv_idx > q_pos - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    return torch.matmul(probs, vh).transpose(1, 2), torch.logsumexp(scores, dim=-1)
-
-
 Q0_FWD = [F32P] * 5 + [c_int] * 6 + [ctypes.POINTER(AttnOpt)]
 Q0_BWD = [F32P] * 9 + [c_int] * 6 + [ctypes.POINTER(AttnOpt), c_int]
 
@@ -490,7 +469,7 @@ def test_attention_query_offset(lib, gen, impl, B, Tk, Tq, nh, nkv, hd, scale, w
     q = randn(gen, B, Tq, nh, hd, scale=1.5).requires_grad_()
     k = randn(gen, B, Tk, nkv, hd, scale=1.5).requires_grad_()
     v = randn(gen, B, Tk, nkv, hd).requires_grad_()
-    out_t, lse_t = torch_attention_q0(q, k, v, scale=scale or None, window=window, softcap=softcap)
+    out_t, lse_t = torch_attention(q, k, v, scale=scale or None, window=window, softcap=softcap)
     opt = ctypes.byref(AttnOpt(scale, window, softcap, 0))
     out, lse = np.full((B, Tq, nh, hd), np.nan, np.float32), np.full((B, nh, Tq), np.nan, np.float32)
     fwd(P(out), P(lse), P(np32(q)), P(np32(k)), P(np32(v)), B, Tq, Tk, nh, nkv, hd, opt)
