@@ -16,7 +16,7 @@
 struct ct_session {
     trainer t;
     ct_err err;
-    long microbatch; /* forward_backward calls since the last optimizer step */
+    long seqs; /* sequences given to forward_backward since the last zero_grad or optimizer step */
 };
 
 ct_session *ctitan_open(int argc, const char **argv, char *err, int errlen) {
@@ -112,6 +112,7 @@ int ctitan_logits(ct_session *s, const int32_t *tokens, int B, int T, float *log
 
 int ctitan_zero_grad(ct_session *s) {
     memset(s->t.model.grads, 0, s->t.model.n_params * sizeof(float));
+    s->seqs = 0; /* a new accumulation: its calls hold the step's sequences from the first */
     return 0;
 }
 
@@ -120,8 +121,12 @@ int ctitan_forward_backward(ct_session *s, const int32_t *tokens, const int32_t 
     int rc = check_batch(s, tokens, labels, B, T);
     if (rc) return rc;
     if (n_valid_total < 1) return ct_fail(&s->err, CT_ERR_CONFIG, "n_valid_total must be positive");
-    /* LoRA dropout: one mask set per optimizer step and micro-batch of it, as the trainer draws them */
-    s->t.model.lora_seed = trainer_lora_seed(&s->t, s->t.step + 1, s->microbatch++);
+    /* LoRA dropout: the step's masks, for the sequences that follow the step's earlier calls'
+     * (as the trainer's micro-batches follow each other), so any split of a step's batch into
+     * calls draws the trainer's masks */
+    s->t.model.lora_seed = trainer_lora_seed(&s->t, s->t.step + 1);
+    s->t.model.lora_seq0 = s->seqs, s->t.model.lora_seq_stride = 1;
+    s->seqs += B;
     double l = lm_forward_backward(&s->t.model, tokens, labels, B, T, 1.0f / (float)n_valid_total, NULL);
     if (loss_sum) *loss_sum = l;
     return 0;
@@ -134,7 +139,7 @@ int ctitan_aux_loss(const ct_session *s, double *aux) {
 
 int ctitan_optimizer_step(ct_session *s, double *grad_norm, double *lr) {
     trainer_optimizer_step(&s->t, grad_norm, lr);
-    s->microbatch = 0;
+    s->seqs = 0;
     return 0;
 }
 

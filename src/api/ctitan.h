@@ -41,7 +41,10 @@ int ctitan_zero_grad(ct_session *s);
 /* Forward and backward of one micro-batch. labels == -100 are ignored. Gradients
  * of (sum of CE over valid labels) / n_valid_total are ADDED to the gradient
  * buffers, so calling it per micro-batch with the step's total count gives
- * gradient accumulation. *loss_sum receives the micro-batch's CE sum. */
+ * gradient accumulation. *loss_sum receives the micro-batch's CE sum. LoRA
+ * dropout: the calls since the last zero_grad or optimizer_step hold the step's
+ * sequences in order, and each draws the masks the trainer draws for those
+ * sequences, so any split of a batch into calls gives the same gradients. */
 int ctitan_forward_backward(ct_session *s, const int32_t *tokens, const int32_t *labels, int B, int T,
                             long n_valid_total, double *loss_sum);
 /* MoE models: transformers' load-balancing loss (load_balancing_loss_func, without

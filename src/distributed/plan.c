@@ -598,21 +598,26 @@ int plan_microbatches(const ct_plan *p) { return p->pp ? p->pp->M : p->grad_accu
 int plan_seq_len(const ct_plan *p) { return p->cfg->seq_len / (p->mesh.cp > 1 ? p->mesh.cp : 1); }
 
 double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *labels, int B, int T, float scale,
-                             const uint64_t *seeds, double *aux_sum) {
+                             uint64_t seed, double *aux_sum) {
     lm_model *m = p->m;
     *aux_sum = 0;
+    /* LoRA dropout: row j of tokens is sequence j D + r of the step's global batch
+     * (ds_set_shard's rank r of D), whatever the micro-batch split */
+    int D = p->mesh.dp_size > 0 ? p->mesh.dp_size : 1;
+    long r = p->mesh.dp_rank;
+    m->lora_seed = seed;
     if (p->pp && p->cp) { /* the schedule owns the step, on this rank's chunk of every sequence */
         cp_chunk(p->cp, tokens, labels, p->pp->M * p->pp->mb_size);
-        return pp_step(p->pp, m, p->cp->tok, p->cp->lab, seeds, scale);
+        return pp_step(p->pp, m, p->cp->tok, p->cp->lab, r, D, scale);
     }
-    if (p->pp) return pp_step(p->pp, m, tokens, labels, seeds, scale); /* the schedule owns the step */
+    if (p->pp) return pp_step(p->pp, m, tokens, labels, r, D, scale); /* the schedule owns the step */
     size_t mb = (size_t)B * T;
     double loss = 0;
     for (int a = 0; a < p->grad_accum; a++) {
         if (p->fsdp) fsdp_microbatch_begin(p->fsdp);
         if (p->dpo) p->dpo->armed = a == p->grad_accum - 1; /* the gradients are final in the last one */
         if (p->fsdp) p->fsdp->rep_armed = a == p->grad_accum - 1;
-        m->lora_seed = seeds[a];
+        m->lora_seq0 = r + (long)a * B * D, m->lora_seq_stride = D;
         if (p->cp) { /* this rank's chunk of the micro-batch's sequences */
             cp_chunk(p->cp, tokens + a * mb, labels + a * mb, B);
             loss += lm_forward_backward(m, p->cp->tok, p->cp->lab, B, p->cp->Tl, scale, NULL);

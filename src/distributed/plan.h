@@ -108,12 +108,13 @@ void plan_profile(ct_plan *p, struct prof *pf);
 /* Micro-batches of a step (the accumulation count, or the pipeline's). */
 int plan_microbatches(const ct_plan *p);
 /* One step's forwards and backwards over tokens, labels [grad_accum][B x T]
- * (the whole step's sequences of this data-parallel rank); seeds
- * [plan_microbatches] LoRA's dropout seed of each. Gradients of
+ * (the whole step's sequences of this data-parallel rank: rank r of D holds
+ * sequences r, r + D, ... of the step's global batch, the data set's order);
+ * seed: LoRA's dropout seed of the step. Gradients of
  * (CE sum) x scale are added. Returns this rank's CE sum; *aux_sum gets the
  * sum of the micro-batches' load-balancing losses (MoE). */
 double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *labels, int B, int T, float scale,
-                             const uint64_t *seeds, double *aux_sum);
+                             uint64_t seed, double *aux_sum);
 /* Gradients summed over the data-parallel ranks (and the tied embedding's two copies). */
 void plan_reduce_grads(ct_plan *p);
 /* The step's CE sum and load-balancing sum over every rank that has a part

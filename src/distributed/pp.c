@@ -360,7 +360,7 @@ static void wait_input(pp_sched *p, comm_req *r) {
     p->wait_s += ct_now() - t0;
 }
 
-double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, const uint64_t *seeds,
+double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, long seq0, int seq_stride,
                float grad_scale) {
     double t_step = ct_now();
     int B = p->mb_size, T = m->act.T, V = p->V, E = p->E;
@@ -387,7 +387,7 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
         pp_action a = p->act[k];
         int c = a.stage, i = a.mb, v = vstage(p, c), l0 = p->first[v], l1 = p->first[v + 1];
         const int32_t *tk = tokens + (size_t)i * mbt, *lb = labels + (size_t)i * mbt;
-        m->lora_seed = seeds[i];
+        m->lora_seq0 = seq0 + (long)i * B * seq_stride, m->lora_seq_stride = seq_stride;
         if (a.kind == 'F') {
             lm_bank *b = p->banks[(size_t)c * p->M + i] = take_bank(p, m, c);
             lm_bank_use(m, b);

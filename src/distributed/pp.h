@@ -114,13 +114,14 @@ void pp_hold(const pp_sched *p, lm_config *mc);
 void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts);
 void pp_free(pp_sched *p);
 /* One optimizer step's forwards and backwards: tokens, labels
- * [M][mb_size x T]; seeds[M] LoRA's dropout seed of each micro-batch.
+ * [M][mb_size x T], row j of them sequence seq0 + j seq_stride of the
+ * step's global batch (LoRA's dropout masks, m->lora_seed the step's).
  * Gradients of (CE sum) x grad_scale are added to m->grads, and with
  * lm_aux_in_grad those of router_aux_loss_coef x m->moe.aux_scale x each
  * micro-batch's load-balancing loss. Returns this
  * rank's CE sum (the last stage's: 0 elsewhere); p->moe_stats holds its
  * routing sums per micro-batch. Collective over the pipeline. */
-double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, const uint64_t *seeds,
+double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, long seq0, int seq_stride,
                float grad_scale);
 /* Forward only of one batch of B x T (B = mb_size x any): the CE sum of
  * labels on the last stage (0 elsewhere) and its valid labels in *n_valid. */

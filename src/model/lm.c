@@ -1101,22 +1101,28 @@ static uint64_t lora_key(const lm_model *m, int l, int p) {
 static int lora_kept(uint64_t key, size_t i, uint32_t cut) { return (uint32_t)(lora_mix(key + i) >> 40) >= cut; }
 static uint32_t lora_cut(const lm_model *m) { return (uint32_t)((double)m->cfg.lora_dropout * 16777216.0); }
 
-/* Element i of the input [BT, K] is element lora_elem of one process's, so
- * the mask is one process's: under tensor parallelism o_proj's and
- * down_proj's input is this rank's block of K columns of the whole [BT, K t];
- * under context parallel its rows are a chunk of each sequence's. */
+/* Row `row` of the input [BT, K] starts at element lora_row_elem of the
+ * step's whole input [global batch x T, K] (one process's, had it run the
+ * step as one micro-batch), and its K columns follow on, so the mask is
+ * every layout's: its row b is sequence lora_seq0 + b lora_seq_stride of the
+ * global batch (data-parallel ranks and micro-batches hold interleaved or
+ * consecutive ones); under tensor parallelism o_proj's and down_proj's input
+ * is this rank's block of K columns of the whole [BT, K t]; under context
+ * parallel its rows are a chunk of each sequence's. */
 static int lora_row_parallel(const lm_model *m, int p) {
     return m->cfg.tp_degree > 1 && (p == LM_LORA_O || p == LM_LORA_DOWN);
 }
-static size_t lora_elem(const lm_model *m, int p, size_t i, size_t K) {
-    size_t row = i / K, col = i % K, W = K;
+static size_t lora_row_elem(const lm_model *m, int p, size_t row, size_t K) {
+    size_t col = 0, W = K, Tl = (size_t)m->act.fwd_T, T = Tl, pos = row % Tl;
+    size_t stride = m->lora_seq_stride > 0 ? (size_t)m->lora_seq_stride : 1;
     if (lora_row_parallel(m, p)) col += (size_t)m->cfg.tp_rank * K, W = K * (size_t)m->cfg.tp_degree;
     if (m->cp_T) {
-        size_t t = row % (size_t)m->cp_Tl, half = (size_t)m->cp_Tl / 2;
-        size_t pos = m->cp_p1 && t >= half ? (size_t)m->cp_p1 + t - half : (size_t)m->cp_p0 + t;
-        row = row / (size_t)m->cp_Tl * (size_t)m->cp_T + pos;
+        size_t half = Tl / 2;
+        pos = m->cp_p1 && pos >= half ? (size_t)m->cp_p1 + pos - half : (size_t)m->cp_p0 + pos;
+        T = (size_t)m->cp_T;
     }
-    return row * W + col;
+    size_t seq = (size_t)m->lora_seq0 + row / Tl * stride;
+    return (seq * T + pos) * W + col;
 }
 
 /* x[BT, K] */
@@ -1126,15 +1132,17 @@ static const float *lora_input(lm_model *m, int l, int p, const float *x, int BT
     uint32_t cut = lora_cut(m);
     float keep = 1.0f / (1.0f - m->cfg.lora_dropout);
     float *d = m->ws.lora_x;
-    long nn = (long)BT * K;
     int64_t t0 = PROF_T0(m->prof);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
 #pragma omp for schedule(static) nowait
-        for (long i = 0; i < nn; i++)
-            d[i] = lora_kept(key, lora_elem(m, p, (size_t)i, (size_t)K), cut) ? x[i] * keep : 0.0f;
+        for (long row = 0; row < BT; row++) {
+            size_t e = lora_row_elem(m, p, (size_t)row, (size_t)K), i = (size_t)row * K;
+            for (size_t c = 0; c < (size_t)K; c++)
+                d[i + c] = lora_kept(key, e + c, cut) ? x[i + c] * keep : 0.0f;
+        }
         KERN_TRACE_EXIT(kt_);
     }
     if (m->prof) prof_model_op(m->prof, "lora_dropout_fwd", "lora_dropout", PROF_NO_KERNEL, t0);
@@ -1169,7 +1177,6 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
     const lm_layer_w *w = &m->w.layer[l];
     lm_layer_w *g = &m->g.layer[l];
     int r = lm_lora_rank(&m->cfg, l, p);
-    size_t n = (size_t)BT * K;
     float *du = m->ws.lora_du; /* [BT, r] */
     K(MATMUL, matmul_bwd, du, g->lora_b[p], dy, u, w->lora_b[p], BT, r, N, 0);
     float sc = lm_lora_scale(&m->cfg, l, p);
@@ -1184,15 +1191,17 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
     if (!dx) return;
     uint64_t key = lora_key(m, l, p);
     uint32_t cut = lora_cut(m);
-    long nn = (long)n;
     int64_t t0 = PROF_T0(m->prof);
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
 #pragma omp for schedule(static) nowait
-        for (long i = 0; i < nn; i++) /* d drop(x) / dx: 1 / (1 - p) where the mask kept x, 0 where it dropped it */
-            if (lora_kept(key, lora_elem(m, p, (size_t)i, (size_t)K), cut)) dx[i] += dxd[i] * keep;
+        for (long row = 0; row < BT; row++) { /* d drop(x) / dx: 1 / (1 - p) where the mask kept x, 0 where it dropped it */
+            size_t e = lora_row_elem(m, p, (size_t)row, (size_t)K), i = (size_t)row * K;
+            for (size_t c = 0; c < (size_t)K; c++)
+                if (lora_kept(key, e + c, cut)) dx[i + c] += dxd[i + c] * keep;
+        }
         KERN_TRACE_EXIT(kt_);
     }
     if (m->prof) prof_model_op(m->prof, "lora_dropout_bwd", "lora_dropout", PROF_NO_KERNEL, t0);

@@ -484,7 +484,12 @@ typedef struct {
     struct prof *prof;      /* NULL: not profiled; else spans of ops and layers (metrics/profile.h, the trainer's) */
     /* LoRA dropout (cfg.lora_rank > 0) */
     uint64_t lora_seed;     /* dropout masks: a hash of (this, layer, projection, element); the trainer
-                               sets it per micro-batch from training.seed and the step */
+                               sets it per step from training.seed and the step alone */
+    /* Row b of a training forward holds sequence lora_seq0 + b lora_seq_stride of the step's
+     * global batch (stride 0 acts as 1): the element of a mask counts that sequence's rows,
+     * so every data-parallel rank, micro-batch split and pipeline draws one process's masks */
+    long lora_seq0;
+    int lora_seq_stride;
     int lora_train;         /* set by forward_backward: dropout applies to training forwards only */
     /* Context parallel (distributed/cp.h): the model runs positions [cp_p0, cp_p0 + cp_Tl)
      * of sequences of cp_T, so its row t of sequence b is row b cp_T + cp_p0 + t of one

@@ -396,9 +396,8 @@ int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e) {
                                 gate_up_fused, cfg_origin(c, rp ? "lora.rank_pattern" : "lora.alpha_pattern"), e);
 }
 
-uint64_t trainer_lora_seed(const trainer *t, int step, long micro) {
-    return ((uint64_t)t->cfg.seed * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)step << 20) ^
-           ((uint64_t)t->plan.mesh.dp_rank << 44) ^ (uint64_t)micro;
+uint64_t trainer_lora_seed(const trainer *t, int step) {
+    return ((uint64_t)t->cfg.seed * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)step << 20);
 }
 
 /* A batch the data-parallel ranks cannot split evenly is a layout error:
@@ -602,7 +601,6 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
     /* context parallel: the model runs on a chunk of each sequence (plan_seq_len) */
     if ((rc = lm_create_ac(&t->model, &mc, plan_b, plan_seq_len(&t->plan), c->ac_mode, c->ac_selective_option, e)))
         return rc;
-    t->seeds = ct_calloc((size_t)plan_microbatches(&t->plan), sizeof *t->seeds);
     if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_frozen_origin(c), e)))
         return rc;
     if (t->model.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) { /* before the weights load into it */
@@ -650,7 +648,6 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
 void trainer_free(trainer *t) {
     if (t->dump_lock) close(t->dump_lock - 1); /* releases job.dump_folder */
     plan_free(&t->plan);
-    free(t->seeds);
     lm_free(&t->model);
     adamw_free(&t->opt);
     cfg_free(&t->cfg);
@@ -1228,12 +1225,11 @@ int trainer_run(trainer *t, ct_err *e) {
         n_valid = (long)nv;
         float scale = n_valid ? 1.0f / (float)n_valid : 0.0f;
         if (sp) prof_span(sp, "phase", "data", t_data);
-        int n_micro = plan_microbatches(&t->plan);
-        for (int i = 0; i < n_micro; i++) t->seeds[i] = trainer_lora_seed(t, step, i);
         double aux_sum = 0, aux; /* MoE: HF's load-balancing loss, summed over micro-batches; their mean */
         double loss_sum, gnorm, lr;
         PROF_SPAN(sp, "phase", "forward_backward",
-                  loss_sum = plan_forward_backward(&t->plan, tokens, labels, B, T, scale, t->seeds, &aux_sum));
+                  loss_sum = plan_forward_backward(&t->plan, tokens, labels, B, T, scale,
+                                                   trainer_lora_seed(t, step), &aux_sum));
         PROF_SPAN(sp, "phase", "reduce", plan_reduce_grads(&t->plan);
                   plan_sum_loss(&t->plan, &loss_sum, &aux_sum, &aux));
         double loss = n_valid ? loss_sum / n_valid : 0.0;

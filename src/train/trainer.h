@@ -43,7 +43,6 @@ typedef struct {
         lm_sink sink;
     } load;
     int global_batch; /* sequences per optimizer step over every data-parallel rank */
-    uint64_t *seeds;  /* [plan_microbatches] LoRA dropout seed of each micro-batch of the step */
     /* for events.jsonl (metrics/events.h) */
     double t_launch;  /* Unix time trainer_init began */
     struct {          /* what the weights came from, when a checkpoint */
@@ -85,10 +84,12 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e);
  * [parallelism] fixes them all, else 1). The layout is checked as a run
  * checks it (CT_ERR_CONFIG). out NULL: check only, print nothing. */
 int trainer_dry_run(const ct_config *cfg, int world, FILE *out, ct_err *e);
-/* The seed of LoRA's dropout masks (lm_model.lora_seed) for micro-batch
- * `micro` of optimizer step `step` (1-based) on this data-parallel rank:
- * a function of training.seed and the position alone, so resume replays them. */
-uint64_t trainer_lora_seed(const trainer *t, int step, long micro);
+/* The seed of LoRA's dropout masks (lm_model.lora_seed) of optimizer step
+ * `step` (1-based): a function of training.seed and the step alone, so resume
+ * replays them. The caller tells the model which sequences of the step's
+ * global batch each forward holds (lm_model.lora_seq0, lora_seq_stride), so
+ * every layout and every split of the batch draws one process's masks. */
+uint64_t trainer_lora_seed(const trainer *t, int step);
 /* LoRA: the adapters' tensors (and modules_to_save) of the current model as
  * a PEFT adapter directory (model/lora.h) at dir; files already there stay
  * (a checkpoint can carry one). Collective. */

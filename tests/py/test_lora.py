@@ -466,20 +466,20 @@ def _splitmix(z):
     return z ^ (z >> _U64(31))
 
 
-def lora_dropout_keep(seed, step, micro, layer, proj, n, p, dp_rank=0):
+def lora_dropout_keep(seed, step, layer, proj, n, p, first=0):
     """ctitan's documented LoRA dropout mask (docs/lora.md: a counter hash of training.seed,
-    step, data-parallel rank, micro-batch, layer, projection, element), re-implemented from
-    the rule, not read from ctitan: the mask seed is seed * golden ^ step << 20 ^ dp_rank << 44
-    ^ micro (trainer_lora_seed), the key mix(mask seed ^ mix(layer << 8 | projection)) with
-    projection q k v o gate up down = 0..6, and element i of the adapter's input [B*T, in]
-    (row-major) is kept when the top 24 bits of mix(key + i) are >= float32(p) * 2^24.
-    Returns a bool array of n."""
+    step, layer, projection and the element of the step's whole adapter input), re-implemented
+    from the rule, not read from ctitan: the mask seed is seed * golden ^ step << 20
+    (trainer_lora_seed), the key mix(mask seed ^ mix(layer << 8 | projection)) with
+    projection q k v o gate up down = 0..6, and element e of the step's adapter input
+    [global batch x T, in] (row-major: sequence s of the step's global batch starts at
+    e = s T in) is kept when the top 24 bits of mix(key + e) are >= float32(p) * 2^24.
+    Returns a bool array of the n elements from `first`."""
     with np.errstate(over="ignore"):
-        s = (_U64(seed) * _U64(0x9E3779B97F4A7C15)) ^ (_U64(step) << _U64(20)) ^ \
-            (_U64(dp_rank) << _U64(44)) ^ _U64(micro)
+        s = (_U64(seed) * _U64(0x9E3779B97F4A7C15)) ^ (_U64(step) << _U64(20))
         key = _splitmix(np.array([s ^ _splitmix(np.array([(layer << 8) | proj], dtype=_U64))[0]], dtype=_U64))[0]
         cut = int(float(np.float32(p)) * 16777216.0)
-        return (_splitmix(key + np.arange(n, dtype=_U64)) >> _U64(40)) >= _U64(cut)
+        return (_splitmix(key + np.arange(first, first + n, dtype=_U64)) >> _U64(40)) >= _U64(cut)
 
 
 class _FixedDropout(torch.nn.Module):
@@ -521,7 +521,7 @@ def test_dropout_training_step_matches_peft_with_same_mask(tmp_path, open_sessio
     for l in range(cfg.num_hidden_layers):
         for j, mod in enumerate(OL.ALL7):
             n = LOCAL_BS * L * widths[mod]
-            keep = lora_dropout_keep(seed, step=1, micro=0, layer=l, proj=j, n=n, p=p)
+            keep = lora_dropout_keep(seed, step=1, layer=l, proj=j, n=n, p=p)
             frac = keep.mean()
             assert abs(frac - (1 - p)) < 0.1, f"layer {l} {mod}: mask keeps {frac:.3f}, not about {1 - p}"
             kept, total = kept + int(keep.sum()), total + n
@@ -543,13 +543,48 @@ def test_dropout_training_step_matches_peft_with_same_mask(tmp_path, open_sessio
     assert not bad, "adapter gradients with dropout differ from PEFT's with the same mask:\n" + "\n".join(bad)
 
 
-def test_dropout_masks_differ_between_micro_batches(tmp_path, run_ctitan):
+def test_dropout_session_split_into_calls_draws_the_whole_batchs_masks(tmp_path, open_session):
+    """The session API with lora.dropout = 0.3: one forward_backward of 2 x LOCAL_BS sequences
+    and, after zero_grad, two calls of LOCAL_BS each (the second holding sequences LOCAL_BS..)
+    give the same loss sums and adapter gradients: each call draws the masks of the sequences
+    it holds in the step (ctitan.h), as the trainer's micro-batches do. A second call that drew
+    the first call's masks (or a per-call seed) gives other gradients; the guard below shows
+    the masks matter at this size."""
+    p, r, alpha, seed = 0.3, 4, 12.0, 5
+    cfg = dense_cfg()
+    hf_dir, ad, pm, params, lora = OL.random_all7_adapter(tmp_path, cfg, hf_seed=47, r=r, alpha=alpha, seed=13)
+    tokens, labels = make_batch(cfg.vocab_size, 2 * LOCAL_BS, L, seed=8)
+    nv = oracle.n_valid(labels)
+    s = open_session(hf_session_args(hf_dir, batch=2 * LOCAL_BS, seq_len=L, seed=seed, extra=lora_args(
+        r=r, alpha=alpha, adapter=ad) + [f"--lora.dropout={p}"]))
+    s.zero_grad()
+    whole = s.forward_backward(tokens, labels, nv)
+    g_whole = {n: s.get_grad(n) for n in lora}
+    s.zero_grad()
+    halves = [s.forward_backward(tokens[h * LOCAL_BS:(h + 1) * LOCAL_BS], labels[h * LOCAL_BS:(h + 1) * LOCAL_BS], nv)
+              for h in range(2)]
+    g_split = {n: s.get_grad(n) for n in lora}
+    assert close(sum(halves), whole, TOL), f"loss sums: two calls {halves} vs one call {whole}"
+    bad = [f"{n}: rel err {oracle.rel_err(g_split[n], g_whole[n]):.3g}" for n in lora
+           if not oracle.rel_err(g_split[n], g_whole[n]) <= TOL]
+    assert not bad, "two calls' adapter gradients differ from one call's:\n" + "\n".join(bad)
+    # guard: the second half through a fresh accumulation (its masks are sequences 0.. of the step)
+    s.zero_grad()
+    s.forward_backward(tokens[:LOCAL_BS], labels[:LOCAL_BS], nv)
+    s.zero_grad()
+    other = s.forward_backward(tokens[LOCAL_BS:], labels[LOCAL_BS:], nv)
+    assert abs(other - halves[1]) > 10 * TOL * abs(halves[1]), \
+        f"test setup: the second half's loss hardly depends on its masks ({other} vs {halves[1]})"
+
+
+def test_dropout_masks_follow_the_sequence_index(tmp_path, run_ctitan):
     """`ctitan train` with lora.dropout = 0.3 and two micro-batches per step (global batch
-    2 x local): each micro-batch draws its own mask (docs/lora.md: the hash takes the
-    micro-batch index), so step 1's loss and pre-clip grad norm are PEFT's with micro-batch
-    a's adapters' dropout replaced by lora_dropout_keep(seed, 1, a, ...), the gradients
-    accumulated over both as torch does. The same masks for both micro-batches give another
-    loss and norm (checked here, so the comparison can tell them apart)."""
+    2 x local): micro-batch a holds sequences a x local .. of the step's global batch and
+    draws their masks (docs/lora.md: the hash takes the element of the step's whole input),
+    so step 1's loss and pre-clip grad norm are PEFT's with micro-batch a's adapters'
+    dropout replaced by lora_dropout_keep(seed, 1, ..., first = a x local x T x width), the
+    gradients accumulated over both as torch does. The same masks for both micro-batches
+    give another loss and norm (checked here, so the comparison can tell them apart)."""
     p, r, alpha, seed = 0.3, 4, 12.0, 5
     cfg = dense_cfg()
     hf_dir, ad, pm, params, lora = OL.random_all7_adapter(tmp_path, cfg, hf_seed=43, r=r, alpha=alpha, seed=11)
@@ -563,15 +598,16 @@ def test_dropout_masks_differ_between_micro_batches(tmp_path, run_ctitan):
               "up_proj": cfg.hidden_size, "down_proj": cfg.intermediate_size}
     layers = pm.base_model.model.model.layers
 
-    def reference(micro_of):
-        """Step 1's loss and grad norm with micro-batch a's masks drawn for micro index micro_of(a)."""
+    def reference(first_of):
+        """Step 1's loss and grad norm with micro-batch a's masks drawn for its first sequence first_of(a)."""
         pm.zero_grad(set_to_none=True)
         loss = 0.0
         for a, (inp, lab) in enumerate(mbs):
             for l in range(cfg.num_hidden_layers):
                 for j, mod in enumerate(OL.ALL7):
-                    keep = lora_dropout_keep(seed, step=1, micro=micro_of(a), layer=l, proj=j,
-                                             n=LOCAL_BS * L * widths[mod], p=p)
+                    n = LOCAL_BS * L * widths[mod]
+                    keep = lora_dropout_keep(seed, step=1, layer=l, proj=j, n=n, p=p,
+                                             first=first_of(a) * L * widths[mod])
                     sub = getattr(layers[l], "self_attn" if mod in OL.ATTN else "mlp")
                     getattr(sub, mod).lora_dropout["default"] = _FixedDropout(keep.reshape(LOCAL_BS, L, -1), p)
             ls, _ = oracle.ce_sum(pm, inp, lab)
@@ -581,7 +617,7 @@ def test_dropout_masks_differ_between_micro_batches(tmp_path, run_ctitan):
         pm.zero_grad(set_to_none=True)
         return loss / total, norm
 
-    want_loss, want_norm = reference(lambda a: a)
+    want_loss, want_norm = reference(lambda a: a * LOCAL_BS)
     same_loss, same_norm = reference(lambda a: 0)
     assert abs(same_loss - want_loss) > 100 * TOL * want_loss, "test setup: micro-batch 1's mask hardly matters"
     assert abs(same_norm - want_norm) > 100 * TOL * want_norm, "test setup: micro-batch 1's mask hardly matters"
