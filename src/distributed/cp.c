@@ -224,15 +224,24 @@ void cp_chunk(cp_layout *cp, const int32_t *tokens, const int32_t *labels, int B
         }
 }
 
-void cp_moe_aux(cp_layout *cp, int B) {
+void cp_moe_aux(cp_layout *cp, int B, double *loads) {
     lm_model *m = cp->m;
     if (!m->moe.n_layers) return;
-    int E = m->cfg.n_experts;
+    int E = m->cfg.n_experts, L = m->cfg.n_layers;
+    /* this forward's tokens per expert of each layer: what it added to moe.tokens */
+    for (size_t i = 0; i < (size_t)L * E; i++) loads[i] = m->moe.tokens[i] - loads[i];
     double t0 = ct_now();
     comm_allreduce(cp->c, m->moe.count, (size_t)E, COMM_F64, COMM_SUM);
     comm_allreduce(cp->c, m->moe.psum, (size_t)E, COMM_F64, COMM_SUM);
+    comm_allreduce(cp->c, loads, (size_t)L * E, COMM_F64, COMM_SUM);
     cp->comm_s += ct_now() - t0;
+    for (int l = 0; l < L; l++) {
+        if (m->moe.load_min[l] < 0) continue; /* a dense layer */
+        moe_load_range(loads + (size_t)l * E, E, &m->moe.load_min[l], &m->moe.load_max[l]);
+    }
     m->moe.aux_loss = moe_aux_loss(NULL, m->moe.count, m->moe.psum, B * cp->T, m->moe.n_layers, E, 0.0);
+    /* the gradient of the whole sequences' loss: R counts all B T tokens, not the chunk's */
+    lm_stage_aux_grad(m, m->moe.count, B, cp->T);
 }
 
 double cp_take_comm_time(cp_layout *cp) {

@@ -71,10 +71,15 @@ void cp_free(cp_layout *cp);
 /* cp->tok, cp->lab [B, Tl] = this rank's chunk of tokens, labels [B, T]
  * (B <= n_seq). */
 void cp_chunk(cp_layout *cp, const int32_t *tokens, const int32_t *labels, int B);
-/* After a forward of B sequences: the MoE routing sums over the group, and
- * m->moe.aux_loss recomputed from them (HF's loss of the whole sequences;
- * logged only: cp refuses it in the gradient). */
-void cp_moe_aux(cp_layout *cp, int B);
+/* Between the training forward of B sequences and its backward (MoE models):
+ * the routing sums of every MoE layer summed over the group, so that
+ * m->moe.aux_loss is HF's loss of the whole sequences and, with
+ * output_router_logits, every rank's routers get that loss's gradient for
+ * their own tokens (lm_stage_aux_grad with all B T tokens: counted once, as
+ * the group's gradients are summed); and moe.load_min/max the whole
+ * sequences' loads. loads [L, E]: in, moe.tokens before the forward;
+ * out, the forward's tokens per expert of each layer over the group. */
+void cp_moe_aux(cp_layout *cp, int B, double *loads);
 double cp_take_comm_time(cp_layout *cp);
 /* The start-up log line: the layout and what each rank runs. */
 void cp_describe(const cp_layout *cp, FILE *f);

@@ -27,13 +27,6 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
                        "%s: parallelism.context_parallel_degree = %d does not divide the world size %d (ranks "
                        "started by mpirun -np)%s",
                        where, cp, world * pp, pp > 1 ? " / pipeline_parallel_degree" : "");
-    if (cp > 1 && lm_aux_in_grad(mc))
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.context_parallel_degree = %d with the model's load-balancing loss in the "
-                       "gradient (config.json output_router_logits with router_aux_loss_coef %g): its sums are "
-                       "per forward, and a context-parallel forward sees a chunk of each sequence; set "
-                       "context_parallel_degree = 1 or output_router_logits = false",
-                       where, cp, mc->router_aux_loss_coef);
     world /= cp;
     /* after pp and cp: what the messages below name as the divisor of the world size */
     const char *by = pp > 1 && cp > 1 ? " / pipeline_parallel_degree / context_parallel_degree"

@@ -418,7 +418,10 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
             if (aux) { /* the micro-batch's totals: the last stage's own, or those it sent back */
                 double *tot = cnt(p, c, i, v == V - 1 ? BUF_AOUT : BUF_GIN);
                 if (v < V - 1) wait_input(p, cnt_req(p, c, i, BUF_GIN));
-                lm_stage_aux_grad(m, tot, B, T);
+                /* context parallel: the last stage's totals are a chunk's; summed over the chunks
+                 * they are the whole sequences', which it sends back to the earlier stages */
+                if (v == V - 1 && p->cpg) comm_allreduce(p->cpg, tot, (size_t)E, COMM_F64, COMM_SUM);
+                lm_stage_aux_grad(m, tot, B, p->cpg ? p->cp_T : T);
                 if (v > 0)
                     comm_isend(p->comm, tot, (size_t)E, COMM_F64, owner(p, v - 1), 2 * V + 2 * (v - 1) + 1,
                                cnt_req(p, c, i, BUF_GOUT));

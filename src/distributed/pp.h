@@ -86,6 +86,9 @@ typedef struct {
     /* run time (pp_bind) */
     ct_comm *comm;       /* one pipeline: rank v % P holds virtual stage v */
     fsdp *fsdp;          /* the stage's FSDP (NULL: none): each action is one of its micro-batches */
+    ct_comm *cpg;        /* context parallel (NULL: none): the chunks of this stage's sequences, whose
+                            expert counts the aux gradient sums (cp_T: the whole sequence) */
+    int cp_T;
     size_t n;            /* floats of one message: micro-batch rows x hidden */
     float *buf;          /* [S][M][4][n]: activation in, gradient in, activation out, gradient out */
     comm_req *req;       /* [S][M][4] */

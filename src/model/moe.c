@@ -126,6 +126,15 @@ void moe_route_stats(double *count, double *psum, const moe_route *r, int N, int
         for (int e = 0; e < E; e++) psum[e] += r->probs[(size_t)t * E + e];
 }
 
+void moe_load_range(const double *count, int E, int *lo, int *hi) {
+    double mn = count[0], mx = count[0];
+    for (int e = 1; e < E; e++) {
+        mn = count[e] < mn ? count[e] : mn;
+        mx = count[e] > mx ? count[e] : mx;
+    }
+    *lo = (int)mn, *hi = (int)mx;
+}
+
 void moe_update_bias(float *bias, double *tokens, int E, double coeff) {
     double mean = 0, dmean = 0;
     for (int e = 0; e < E; e++) mean += tokens[e] / E;

@@ -57,6 +57,10 @@ void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, c
  * probs[:, e]. */
 void moe_route_stats(double *count, double *psum, const moe_route *r, int N, int E);
 
+/* The fewest and the most tokens any of E experts got, from count[E] (the
+ * logged per-layer load; counts summed over ranks stay whole numbers). */
+void moe_load_range(const double *count, int E, int *lo, int *hi);
+
 /* transformers' load_balancing_loss_func (no attention mask) from the sums of
  * moe_route_stats over n_layers layers of N tokens:
  *   aux = E * sum_e (count[e] / R) (psum[e] / R),  R = N * n_layers.
