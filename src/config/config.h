@@ -115,6 +115,7 @@ typedef struct {
     int dp_replicate;         /* 1: data_parallel_replicate_degree */
     int dp_shard;             /* -1: data_parallel_shard_degree; -1 = what the other degrees leave */
     int tp;                   /* 1: tensor_parallel_degree */
+    int sequence_parallel;    /* 1: parallelism.sequence_parallel (distributed/tp.h) */
     int ep;                   /* 1: expert_parallel_degree */
     char *fsdp_reshard;       /* "default" | "always" | "never": fsdp_reshard_after_forward */
     int cp;                   /* 1: context_parallel_degree (distributed/cp.h) */

@@ -58,6 +58,10 @@ int plan_local_model(ct_plan *p, lm_config *mc, int grad_accum, int val_batch, i
     if (p->mesh.tp > 1 || p->mesh.ep > 1) { /* fewer heads, a narrower MLP, its experts only */
         p->tp = ct_calloc(1, sizeof *p->tp);
         tp_init(p->tp, mc, &p->mesh.tpg, p->mesh.ep, p->mesh.ep_rank);
+        if (p->mesh.tp > 1 && c->sequence_parallel) {
+            if ((rc = tp_check_seq(c, p->mesh.tp, plan_seq_len(p), p->mesh.pp > 1, val_batch, where, e))) return rc;
+            p->tp->local.tp_seq = 1;
+        }
         *mc = p->tp->local;
     }
     return 0;

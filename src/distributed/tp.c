@@ -47,6 +47,21 @@ static void hook_reduce_max(void *ctx, float *x, size_t n) {
     p->comm_s += ct_now() - t0;
 }
 
+/* Sequence parallel (lm_seq_dispatch): a rank's rows are block `rank` of
+ * the group's; the reduce-scatter sums in rank order, as the all-reduce. */
+static void sp_gather(void *ctx, float *full, const float *local, size_t n) {
+    tp_layout *p = ctx;
+    double t0 = ct_now();
+    comm_all_gather(p->comm, full, local, n, COMM_F32);
+    p->comm_s += ct_now() - t0;
+}
+static void sp_scatter(void *ctx, float *local, const float *full, size_t n) {
+    tp_layout *p = ctx;
+    double t0 = ct_now();
+    comm_reduce_scatter(p->comm, local, full, n, COMM_F32);
+    p->comm_s += ct_now() - t0;
+}
+
 static void hook_pre_forward(void *ctx, int l) {
     tp_layout *p = ctx;
     if (p->inner) p->inner->pre_forward(p->inner->ctx, l);
@@ -153,6 +168,7 @@ void tp_init(tp_layout *p, const lm_config *full, ct_comm *group, int ep, int ep
 
 void tp_free(tp_layout *p) {
     if (p->m && p->m->hooks == &p->hooks) p->m->hooks = p->inner;
+    if (p->m && p->m->sp == &p->sp) p->m->sp = NULL;
     free(p->before);
     free(p->sharded);
     free(p->expert);
@@ -168,6 +184,10 @@ void tp_attach(tp_layout *p, lm_model *m) {
     p->hooks = (lm_hooks){p, hook_pre_forward, hook_post_forward, hook_pre_backward, hook_post_backward,
                              hook_reduce_partial, hook_reduce_max};
     m->hooks = &p->hooks;
+    if (p->local.tp_seq) {
+        p->sp = (lm_seq_dispatch){p, p->t, p->rank, sp_gather, sp_scatter};
+        m->sp = &p->sp;
+    }
 }
 
 /* Rows and columns of a tensor (a vector is rows x 1). */
@@ -404,6 +424,20 @@ double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n, int 
         for (size_t k = a; k < b; k++) sq += (double)x[k - lo] * x[k - lo];
     }
     return sq;
+}
+
+int tp_check_seq(const ct_config *c, int t, int T, int pp, int val_batch, const char *src, ct_err *e) {
+    int b[2] = {pp ? c->pp_microbatch : c->local_batch_size, val_batch};
+    const char *what[2] = {pp ? "parallelism.pipeline_parallel_microbatch_size" : "training.local_batch_size",
+                           "the validation batch (validation.local_batch_size)"};
+    for (int i = 0; i < 2 - pp; i++) /* a pipeline validates a micro-batch at a time too */
+        if ((long long)b[i] * T % t != 0)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.sequence_parallel = true: %s %d x %d positions per sequence "
+                           "(training.seq_len / context_parallel_degree) = %lld rows are not a multiple of "
+                           "parallelism.tensor_parallel_degree = %d",
+                           src, what[i], b[i], T, (long long)b[i] * T, t);
+    return 0;
 }
 
 double tp_take_comm_time(tp_layout *p) {

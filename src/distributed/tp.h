@@ -45,7 +45,20 @@
  *     max, sum of exponentials and target logit over the group
  *     (hooks.reduce_max, reduce_partial) and d(final norm) is all-reduced.
  *     A tied model whose vocabulary t does not divide keeps both whole on
- *     every rank (an untied one is refused: mesh_resolve).
+ *     every rank (an untied one is refused: mesh_resolve);
+ *   - sequence parallel (parallelism.sequence_parallel, local.tp_seq;
+ *     torchtitan's SequenceParallel on the norms): rank r holds rows
+ *     [r R, (r + 1) R) of the B T rows (R = B T / t) of the residual stream,
+ *     the norms' inputs, outputs and saved statistics. Where the above
+ *     all-reduces a row-parallel output (o_proj, down_proj, the experts', the
+ *     embedding's partial lookup, d of the head's input) it reduce-scatters
+ *     to those rows; a column-parallel block's input (q/k/v, gate/up, the
+ *     router and experts, the head) is all-gathered first, and again in the
+ *     backward, where d(output) of a row-parallel block is all-gathered and
+ *     d(input) of a column-parallel one reduce-scattered. Each norm weight's
+ *     gradient then comes from this rank's rows: summed over the group in
+ *     model/lm.c (norm_bwd). A pipeline stage's messages hold all rows
+ *     (gathered at the boundary), so pp.c is unaware of it.
  * Which kind a tensor is follows from its shapes alone (local vs whole): a
  * smaller first dimension is a row slice, a smaller second one a column
  * slice, equal shapes replicated. The hooks wrap FSDP's (inner) when both
@@ -63,6 +76,7 @@
 
 #include <stddef.h>
 
+#include "config/config.h"
 #include "core/err.h"
 #include "distributed/comm.h"
 #include "model/lm.h"
@@ -76,6 +90,7 @@ typedef struct {
     lm_model *m;           /* the local model, once attached */
     const lm_hooks *inner; /* hooks installed before (FSDP's), called inside ours; NULL: none */
     lm_hooks hooks;
+    lm_seq_dispatch sp;       /* sequence parallel's collectives (local.tp_seq) */
     char *sharded;            /* [n_tensors] 1: sliced over the group, 0: replicated (set by tp_classify) */
     char *expert;             /* [n_tensors] 1: an expert's tensor or its adapter (held by one EP rank) */
     lm_model *ep_tables;   /* [ep] tensor table of each EP index's ranks (every TP index of one
@@ -127,5 +142,11 @@ enum { TP_SQ_ALL, TP_SQ_DENSE, TP_SQ_EXPERTS };
  * TP group is the whole model's (over the EP group too, for the experts). */
 double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n, int which);
 double tp_take_comm_time(tp_layout *p);
+/* Sequence parallel cuts the rows of every forward, B x T (T: a context-
+ * parallel rank's positions per sequence), into t equal blocks: the training
+ * micro-batch (a pipeline's, which validates by it too) and the validation
+ * batch; refuses (CT_ERR_CONFIG, src naming the config) where t does not
+ * divide them. */
+int tp_check_seq(const ct_config *c, int t, int T, int pp, int val_batch, const char *src, ct_err *e);
 
 #endif

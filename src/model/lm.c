@@ -426,22 +426,28 @@ static void carve_route(carver *cv, moe_route *r, int N, int E, int k) {
     else memset(r, 0, sizeof *r);
 }
 
+/* Rows of the residual stream and the norms this model holds: under
+ * sequence parallel 1/tp_degree of the B x T rows (lm_config.tp_seq). */
+static size_t seq_rows(const lm_config *c, size_t BT) {
+    return c->tp_seq && c->tp_degree > 1 ? BT / (size_t)c->tp_degree : BT;
+}
+
 /* Every per-layer activation but res: name, floats, and whether LM_AC_OP
  * keeps it (1: a matmul or attention output, costly to rerun) or reruns it
  * (0: a norm, RoPE or SwiGLU output, cheap elementwise work). */
 #define LAYER_ACTS(X)                                                          \
-    X(ln1, BT * H, 0) X(ln1_rstd, BT, 0) X(q, BT * qd, 1) X(q_rstd, BT * nH, 0) \
+    X(ln1, BS * H, 0) X(ln1_rstd, BS, 0) X(q, BT * qd, 1) X(q_rstd, BT * nH, 0) \
     X(qr, BT * qd, 0) X(k, BT * kvd, 1) X(k_rstd, BT * nKV, 0) X(kr, BT * kvd, 0) \
-    X(v, BT * kvd, 1) X(lse, BT * nH, 1) X(att, BT * qd, 1) X(res_mid, BT * H, 1) \
-    X(ln2, BT * H, 0) X(ln2_rstd, BT, 0) X(gate, BT * I, 1) X(up, BT * I, 1) X(h, BT * I, 0)             \
-    X(ao, BT * H * pa, 1) X(ao_rstd, BT * pa, 0) X(mo, BT * H * pa, 1) X(mo_rstd, BT * pa, 0)
+    X(v, BT * kvd, 1) X(lse, BT * nH, 1) X(att, BT * qd, 1) X(res_mid, BS * H, 1) \
+    X(ln2, BS * H, 0) X(ln2_rstd, BS, 0) X(gate, BT * I, 1) X(up, BT * I, 1) X(h, BT * I, 0)             \
+    X(ao, BS * H * pa, 1) X(ao_rstd, BS * pa, 0) X(mo, BS * H * pa, 1) X(mo_rstd, BS * pa, 0)
 
 /* One layer's saved activations (what a micro-batch in flight keeps until
  * its backward): kept ones carved from cv, the others pointing into the
  * shared checkpointing scratch (plan_activations carves it first). */
 static void plan_layer(const lm_model *m, carver *cv, lm_layer_acts *a, int l) {
     const lm_config *c = &m->cfg;
-    size_t BT = (size_t)m->act.B * m->act.T, H = c->hidden, I, hd = c->head_dim;
+    size_t BT = (size_t)m->act.B * m->act.T, BS = seq_rows(c, BT), H = c->hidden, I, hd = c->head_dim;
     size_t nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     size_t pa = c->norm_place != LM_NORM_PRE; /* the attention and MLP outputs have norms */
     const lm_layer_acts *sc = &m->act.scratch;
@@ -449,7 +455,7 @@ static void plan_layer(const lm_model *m, carver *cv, lm_layer_acts *a, int l) {
     a->ac = ac;
     a->moe = lm_layer_is_moe(c, l);
     I = a->moe ? (size_t)c->top_k * c->moe_intermediate : (size_t)c->intermediate;
-    a->res = carve(cv, BT * H); /* always kept: the layer's input, where recomputation starts */
+    a->res = carve(cv, BS * H); /* always kept: the layer's input, where recomputation starts */
 #define OWN(name, n, keep) a->name = ac == LM_AC_NONE || (ac == LM_AC_OP && (keep)) ? carve(cv, n) : sc->name;
     LAYER_ACTS(OWN)
 #undef OWN
@@ -468,19 +474,19 @@ static void plan_layer(const lm_model *m, carver *cv, lm_layer_acts *a, int l) {
 static void plan_range(const lm_model *m, carver *cv, lm_layer_acts *acts, int l0, int l1, float **res_out,
                        float **lnf, float **lnf_rstd) {
     const lm_config *c = &m->cfg;
-    size_t BT = (size_t)m->act.B * m->act.T, H = c->hidden;
+    size_t BS = seq_rows(c, (size_t)m->act.B * m->act.T), H = c->hidden;
     for (int l = l0; l < l1; l++) plan_layer(m, cv, &acts[l - l0], l);
     if (l1 == c->n_layers) {
-        *res_out = carve(cv, BT * H);
-        *lnf = carve(cv, BT * H);
-        *lnf_rstd = carve(cv, BT);
+        *res_out = carve(cv, BS * H);
+        *lnf = carve(cv, BS * H);
+        *lnf_rstd = carve(cv, BS);
     }
 }
 
 static void plan_activations(lm_model *m, carver *cv) {
     const lm_config *c = &m->cfg;
     const int *ac = m->act.pol; /* [L] LM_AC_* per layer */
-    size_t BT = (size_t)m->act.B * m->act.T, H = c->hidden, I, hd = c->head_dim;
+    size_t BT = (size_t)m->act.B * m->act.T, BS = seq_rows(c, BT), H = c->hidden, I, hd = c->head_dim;
     size_t nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     size_t pa = c->norm_place != LM_NORM_PRE;
     /* I below is the width of a layer's gate/up/h rows per token: the dense
@@ -537,8 +543,13 @@ static void plan_activations(lm_model *m, carver *cv) {
     m->ws.logits = carve(cv, (size_t)m->ws.logit_rows * Vr);
     if (c->vocab_rows) m->ws.ce_stats = carve(cv, 3 * (size_t)m->ws.logit_rows);
     m->ws.embed_ids = c->vocab_rows ? (int32_t *)carve(cv, BT) : NULL; /* int32 is a float's size */
-    m->ws.d_res = carve(cv, BT * H);
+    m->ws.d_res = carve(cv, BS * H);
     m->ws.d_ln = carve(cv, BT * H);
+    if (BS < BT) {
+        m->ws.sp_x = carve(cv, BT * H);
+        m->ws.sp_dy = carve(cv, BT * H);
+        m->ws.sp_dw = carve(cv, H);
+    }
     m->ws.d_att = carve(cv, BT * qd);
     m->ws.d_q = carve(cv, BT * qd);
     m->ws.d_q2 = carve(cv, BT * qd);
@@ -1058,10 +1069,37 @@ static void zero_layer_scratch(lm_model *m, int BT) {
     }
 }
 
+/* Sequence parallel (m->sp): the residual stream and the norms hold this
+ * rank's block of the BT rows, the projections between them all rows. */
+static int sp_rows(const lm_model *m, int BT) { return m->sp ? BT / m->sp->t : BT; }
+static size_t sp_row0(const lm_model *m, int BT) { return m->sp ? (size_t)m->sp->rank * (size_t)sp_rows(m, BT) : 0; }
+/* x: this rank's rows [BT / t, H] -> full[BT, H], every rank's in order;
+ * without sequence parallel x holds all rows already. */
+static float *sp_gather(lm_model *m, float *full, const float *x, int BT, int H) {
+    if (!m->sp) return (float *)x;
+    m->sp->gather(m->sp->ctx, full, x, (size_t)sp_rows(m, BT) * H);
+    return full;
+}
+/* x[BT, H], a partial sum over the tensor-parallel group -> the sum of the
+ * rows this rank holds: all of them (all-reduce in place), or under
+ * sequence parallel its block, reduce-scattered in place (returned). */
+static float *sum_rows(lm_model *m, float *x, int BT, int H) {
+    if (m->sp) {
+        size_t n = (size_t)sp_rows(m, BT) * H;
+        float *mine = x + (size_t)m->sp->rank * n;
+        m->sp->scatter(m->sp->ctx, mine, x, n);
+        return mine;
+    }
+    if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, x, (size_t)BT * H);
+    return x;
+}
+
 /* out[BT, N] = base + in[BT, K] @ w[N, K]^T, the residual add of o_proj and
  * down_proj. Under tensor parallelism (hooks->reduce_partial) this rank's
  * product covers only its slice of K: the partial products are summed over
- * the ranks first and base is added once. */
+ * the ranks first and base is added once; under sequence parallel out and
+ * base are this rank's rows, the sum a reduce-scatter (through d_ln, free
+ * in a forward and before a layer's backward). */
 static void residual_matmul(lm_model *m, float *out, const float *base, const float *in, const float *w, int BT,
                             int K, int N) {
     size_t n = (size_t)BT * N;
@@ -1070,13 +1108,20 @@ static void residual_matmul(lm_model *m, float *out, const float *base, const fl
         mm_fwd(m, out, in, w, BT, K, N, 1);
         return;
     }
+    if (m->sp) {
+        mm_fwd(m, m->ws.d_ln, in, w, BT, K, N, 0);
+        const float *y = sum_rows(m, m->ws.d_ln, BT, N);
+        for (size_t i = 0; i < (size_t)sp_rows(m, BT) * N; i++) out[i] = base[i] + y[i];
+        return;
+    }
     mm_fwd(m, out, in, w, BT, K, N, 0);
     m->hooks->reduce_partial(m->hooks->ctx, out, n);
     for (size_t i = 0; i < n; i++) out[i] += base[i];
 }
 
-/* After a column-parallel backward (q/k/v, gate/up): d of their common input
- * is a partial sum under tensor parallelism. */
+/* A partial sum under tensor parallelism that every rank needs whole (the
+ * MoE experts' d(routing weights)); d of a column-parallel block's input
+ * goes through sum_rows. */
 static void reduce_d_input(lm_model *m, float *d, size_t n) {
     if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, d, n);
 }
@@ -1166,7 +1211,8 @@ static void lora_fwd(lm_model *m, int l, int p, float *y, float *u, const float 
     }
     lora_apply(&m->k, NULL, u, xd, w->lora_a[p], NULL, BT, K, N, r, sc); /* u alone */
     m->hooks->reduce_partial(m->hooks->ctx, u, (size_t)BT * r);
-    K(MATMUL, matmul_fwd, y, u, w->lora_b[p], BT, r, N, 1);
+    /* under sequence parallel y holds this rank's rows only */
+    K(MATMUL, matmul_fwd, y, u + sp_row0(m, BT) * (size_t)r, w->lora_b[p], sp_rows(m, BT), r, N, 1);
 }
 
 /* Its backward from dy[BT, N]: dB += dy^T u, dA += du^T drop(x), dx += (du A)
@@ -1542,6 +1588,12 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
  * row-parallel projection whose output a norm reads before the residual. */
 static void proj_reduced(lm_model *m, float *out, const float *in, const float *w, const float *b, int BT, int K,
                          int N) {
+    if (m->sp) { /* out: this rank's rows, reduce-scattered through d_ln (as residual_matmul) */
+        mm_fwd(m, m->ws.d_ln, in, w, BT, K, N, 0);
+        memcpy(out, sum_rows(m, m->ws.d_ln, BT, N), (size_t)sp_rows(m, BT) * N * sizeof(float));
+        if (b) op_bias_add(out, b, sp_rows(m, BT), N);
+        return;
+    }
     mm_fwd(m, out, in, w, BT, K, N, 0);
     if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, out, (size_t)BT * N);
     if (b) op_bias_add(out, b, BT, N);
@@ -1569,6 +1621,9 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
     float eps = (float)c->rms_eps;
     size_t n = (size_t)BT * H;
+    /* under sequence parallel the residual stream and the norms: this rank's rows */
+    int BS = sp_rows(m, BT);
+    size_t ns = (size_t)BS * H;
     /* cos/sin were tabulated for m->act.T positions; rows 0..T-1 serve any T <= m->act.T
      * (the cache's: the rows in flight, positions kv->p0 ..) */
     const float *cs, *sn;
@@ -1579,8 +1634,8 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         rope_of(m, l, &cs, &sn);
     }
     /* attention block */
-    if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BT, H, eps);
-    const float *xa = attn_in(m, a); /* [BT, H] */
+    if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BS, H, eps);
+    const float *xa = sp_gather(m, m->ws.sp_x, attn_in(m, a), BT, H); /* [BT, H] */
     mm_fwd(m, a->q, xa, w->wq, BT, H, qd, 0);
     mm_fwd(m, a->k, xa, w->wk, BT, H, kvd, 0);
     mm_fwd(m, a->v, xa, w->wv, BT, H, kvd, 0);
@@ -1606,23 +1661,23 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     if (w->ln_ao) { /* res_mid = res + norm(o_proj(att)) */
         proj_reduced(m, a->ao, a->att, w->wo, w->bo, BT, qd, H);
         lora_fwd_n(m, l, w, a->att, BT, qd, 1, (const int[]){LM_LORA_O}, &a->ao, &a->lora_u[LM_LORA_O], &H);
-        K(RMSNORM, rmsnorm_fwd, a->res_mid, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
-        K(ADD, add, a->res_mid, a->res_mid, a->res, (long)n);
+        K(RMSNORM, rmsnorm_fwd, a->res_mid, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BS, H, eps);
+        K(ADD, add, a->res_mid, a->res_mid, a->res, (long)ns);
     } else { /* res_mid = res + o_proj(att) */
         residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H);
-        if (w->bo) op_bias_add(a->res_mid, w->bo, BT, H);
+        if (w->bo) op_bias_add(a->res_mid, w->bo, BS, H);
         lora_fwd_n(m, l, w, a->att, BT, qd, 1, (const int[]){LM_LORA_O}, &a->res_mid, &a->lora_u[LM_LORA_O], &H);
     }
     /* MLP block */
-    if (w->ln2) K(RMSNORM, rmsnorm_fwd, a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BT, H, eps);
-    const float *xm = mlp_in(m, a); /* [BT, H] */
+    if (w->ln2) K(RMSNORM, rmsnorm_fwd, a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BS, H, eps);
+    const float *xm = sp_gather(m, m->ws.sp_x, mlp_in(m, a), BT, H); /* [BT, H] */
     if (a->moe) {
         /* sparse: route, then the experts kernel adds sum_j w_j expert_j(ln2) onto res_mid */
         int E = c->n_experts, k = c->top_k;
         moe_route *r = &a->route;
         int64_t rt0 = PROF_T0(m->prof);
         const float *wr = router_adapted(m, w);
-        moe_route_fwd(&m->k, r, a->ln2, wr, wr == w->router ? frozen_bf16(m, w->router) : NULL,
+        moe_route_fwd(&m->k, r, xm, wr, wr == w->router ? frozen_bf16(m, w->router) : NULL,
                       m->moe.bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
         if (m->prof) prof_model_op(m->prof, "moe_route_fwd", "moe_route", KERN_OP_MATMUL, rt0);
         /* Under tensor parallelism every expert holds this rank's slice of
@@ -1636,15 +1691,17 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         else if (y) memcpy(y, a->res_mid, n * sizeof(float));
         const float *eg, *eu, *ed;
         experts_adapted(m, w, &eg, &eu, &ed);
+        lm_layer_acts ag = *a; /* the experts read ln2: all rows, gathered under sequence parallel */
+        ag.ln2 = (float *)xm;
         if (m->moe_ep) {
             lm_experts_w ew = experts_w(m, eg, eu, ed);
-            m->moe_ep->fwd(m->moe_ep->ctx, l, y, a->ln2, r, &ew, BT);
+            m->moe_ep->fwd(m->moe_ep->ctx, l, y, xm, r, &ew, BT);
         } else
-            experts_h(m, 1, y, NULL, NULL, NULL, NULL, NULL, NULL, a, kv ? kv->moe_work : m->ws.moe_work, eg, eu, ed,
-                      BT);
+            experts_h(m, 1, y, NULL, NULL, NULL, NULL, NULL, NULL, &ag, kv ? kv->moe_work : m->ws.moe_work, eg, eu,
+                      ed, BT);
         if (y && tp) {
-            m->hooks->reduce_partial(m->hooks->ctx, y, n);
-            for (size_t i = 0; i < n; i++) res_next[i] = a->res_mid[i] + y[i];
+            const float *ys = sum_rows(m, y, BT, H);
+            for (size_t i = 0; i < ns; i++) res_next[i] = a->res_mid[i] + ys[i];
         }
         return;
     }
@@ -1661,13 +1718,13 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         proj_reduced(m, a->mo, a->h, w->wd, w->bd, BT, I, H);
         lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &a->mo, &a->lora_u[LM_LORA_DOWN], &H);
         float *y = res_next ? res_next : m->ws.d_ln; /* d_ln: free scratch before this layer's backward */
-        K(RMSNORM, rmsnorm_fwd, y, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
-        if (res_next) K(ADD, add, res_next, res_next, a->res_mid, (long)n);
+        K(RMSNORM, rmsnorm_fwd, y, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BS, H, eps);
+        if (res_next) K(ADD, add, res_next, res_next, a->res_mid, (long)ns);
         return;
     }
     if (!res_next) return; /* a recomputation: the down adapter's u was kept */
     residual_matmul(m, res_next, a->res_mid, a->h, w->wd, BT, I, H);
-    if (w->bd) op_bias_add(res_next, w->bd, BT, H);
+    if (w->bd) op_bias_add(res_next, w->bd, BS, H);
     lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &res_next, &a->lora_u[LM_LORA_DOWN], &H);
 }
 
@@ -1692,17 +1749,18 @@ static void layer_recompute(lm_model *m, int l, int B, int T) {
     float eps = (float)c->rms_eps;
     const float *cs, *sn;
     rope_of(m, l, &cs, &sn);
-    if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BT, H, eps);
+    int BS = sp_rows(m, BT); /* the norms' rows: this rank's under sequence parallel */
+    if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BS, H, eps);
     qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
     /* the norms of kept outputs: only their rstd is read, the output goes to a free scratch */
-    if (w->ln_ao) K(RMSNORM, rmsnorm_fwd, m->ws.d_ln, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BT, H, eps);
-    if (w->ln2) K(RMSNORM, rmsnorm_fwd, a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BT, H, eps);
+    if (w->ln_ao) K(RMSNORM, rmsnorm_fwd, m->ws.d_ln, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BS, H, eps);
+    if (w->ln2) K(RMSNORM, rmsnorm_fwd, a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BS, H, eps);
     if (a->moe) /* the experts kernels compute h with the reference SwiGLU (ops.h contract): so do we */
         op_swiglu_fwd(a->h, a->gate, a->up, BT * c->top_k * c->moe_intermediate);
     else
         glu_fwd(m, a->h, a->gate, a->up, BT * I);
-    if (w->ln_mo) K(RMSNORM, rmsnorm_fwd, m->ws.d_ln, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BT, H, eps);
+    if (w->ln_mo) K(RMSNORM, rmsnorm_fwd, m->ws.d_ln, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BS, H, eps);
 }
 
 /* After MoE layer l's forward, while a checkpointed layer's routing is still
@@ -1726,9 +1784,18 @@ static void moe_layer_stats(lm_model *m, int l, int BT) {
  * the whole lookup. */
 static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
     const lm_config *c = &m->cfg;
-    int H = c->hidden, V = c->vocab_rows, v0 = c->vocab_row0;
+    int H = c->hidden, V = c->vocab_rows, v0 = c->vocab_row0, BS = sp_rows(m, BT);
     const lm_tensor *te = &m->tensors[0];
-    if (V) {
+    if (V && m->sp) { /* sequence parallel: all rows' partial lookups, reduce-scattered to this rank's rows */
+        for (int n = 0; n < BT; n++) {
+            float *x = m->ws.d_ln + (size_t)n * H; /* d_ln: free before the first layer */
+            size_t r = (size_t)(tokens[n] - v0);
+            if (tokens[n] < v0 || tokens[n] >= v0 + V) zero(x, (size_t)H);
+            else if (te->store != LM_NO_STORE) ct_convert_to_f32(x, m->fstore + te->store + r * H, CT_BF16, (size_t)H);
+            else memcpy(x, m->w.wte + r * H, (size_t)H * sizeof(float));
+        }
+        memcpy(x0, sum_rows(m, m->ws.d_ln, BT, H), (size_t)BS * H * sizeof(float));
+    } else if (V) {
         for (int n = 0; n < BT; n++) {
             float *x = x0 + (size_t)n * H;
             size_t r = (size_t)(tokens[n] - v0);
@@ -1738,16 +1805,22 @@ static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
         }
         m->hooks->reduce_partial(m->hooks->ctx, x0, (size_t)BT * H);
     } else if (te->store != LM_NO_STORE) { /* a bf16-stored embedding: its rows widened as they are looked up */
-        for (int n = 0; n < BT; n++)
+        tokens += sp_row0(m, BT); /* a whole table: this rank's rows' own lookups */
+        for (int n = 0; n < BS; n++)
             ct_convert_to_f32(x0 + (size_t)n * H, m->fstore + te->store + (size_t)tokens[n] * H, CT_BF16, (size_t)H);
     } else {
-        K(EMBEDDING, embedding_fwd, x0, tokens, m->w.wte, BT, H);
+        K(EMBEDDING, embedding_fwd, x0, tokens + sp_row0(m, BT), m->w.wte, BS, H);
     }
-    lm_embed_scale(c, x0, (size_t)BT * H);
+    lm_embed_scale(c, x0, (size_t)BS * H);
 }
 
 /* What every forward sets before its first layer. */
 static void forward_begin(lm_model *m, const int32_t *tokens, int B, int T) {
+    if (m->sp && B * T % m->sp->t) { /* the run refuses such a batch (tp_check_seq); a library caller may not */
+        fprintf(stderr, "ctitan: error: sequence parallel: a forward of %d x %d rows is not a multiple of "
+                        "tensor_parallel_degree %d\n", B, T, m->sp->t);
+        exit(2);
+    }
     m->act.tokens = tokens;
     m->act.fwd_B = B;
     m->act.fwd_T = T;
@@ -1796,7 +1869,8 @@ void lm_stage_aux_grad(lm_model *m, const double *count, int B, int T) {
 /* act.lnf[BT, H] = RMSNorm(act.res_out[BT, H]), lnf_rstd[BT] kept for the backward. */
 static void final_norm_fwd(lm_model *m, int BT) {
     int H = m->cfg.hidden;
-    K(RMSNORM, rmsnorm_fwd, m->act.lnf, m->act.lnf_rstd, m->act.res_out, nw(m, m->w.lnf, H), BT, H, (float)m->cfg.rms_eps);
+    K(RMSNORM, rmsnorm_fwd, m->act.lnf, m->act.lnf_rstd, m->act.res_out, nw(m, m->w.lnf, H), sp_rows(m, BT), H,
+      (float)m->cfg.rms_eps);
 }
 
 /* The transformer stack up to the final norm: fills m->act.layer, m->act.lnf. */
@@ -1956,12 +2030,13 @@ size_t lm_frozen_widened_floats(const lm_model *m) {
 void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) {
     forward_stack(m, tokens, B, T);
     int V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
+    const float *lnf = sp_gather(m, m->ws.sp_x, m->act.lnf, B * T, m->cfg.hidden); /* the head reads all rows */
     if (!head_stored(m)) {
-        K(MATMUL, matmul_fwd, logits, m->act.lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
+        K(MATMUL, matmul_fwd, logits, lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
     } else {
         for (int r0 = 0; r0 < B * T; r0 += m->ws.logit_rows) { /* head_fwd's scratch holds logit_rows rows */
             int n = B * T - r0 < m->ws.logit_rows ? B * T - r0 : m->ws.logit_rows;
-            head_fwd(m, logits + (size_t)r0 * V, m->act.lnf + (size_t)r0 * m->cfg.hidden, n);
+            head_fwd(m, logits + (size_t)r0 * V, lnf + (size_t)r0 * m->cfg.hidden, n);
         }
     }
     lm_final_softcap(&m->cfg, logits, (size_t)B * T * V, NULL);
@@ -2185,7 +2260,20 @@ void lm_kv_forward(lm_model *m, lm_kv *kv, const int32_t *tokens, int p0, int n,
  * same as d of the MLP's output): d_ln[BT, H] = d(ln2), gradients of the
  * experts and the router. Reuses the forward's routing; the load-balancing term, if on,
  * enters d probs through moe_dprob_all. */
-static void moe_layer_bwd(lm_model *m, int l, int BT) {
+/* RMSNorm backward over the rows this model holds: dx += d(input), dw +=
+ * d(weight) (NULL: frozen). Under sequence parallel a rank's rows give part
+ * of dw: summed over the group (through sp_dw) before it is added. */
+static void norm_bwd(lm_model *m, float *dx, float *dw, const float *dout, const float *x, const float *w,
+                     const float *rstd, int rows, int H) {
+    float *pw = m->sp && dw ? m->ws.sp_dw : dw;
+    if (pw != dw) zero(pw, (size_t)H);
+    K(RMSNORM, rmsnorm_bwd, dx, pw, dout, x, nw(m, w, H), rstd, rows, H);
+    if (pw == dw) return;
+    m->hooks->reduce_partial(m->hooks->ctx, pw, (size_t)H);
+    for (int i = 0; i < H; i++) dw[i] += pw[i];
+}
+
+static float *moe_layer_bwd(lm_model *m, int l, int BT) {
     const lm_config *c = &m->cfg;
     lm_layer_acts *a = &m->act.layer[l];
     const lm_layer_w *w = &m->w.layer[l];
@@ -2197,16 +2285,22 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
     float *dg, *du, *dd;
     experts_adapted(m, w, &eg, &eu, &ed);
     experts_adapted_dw(m, w, g, &dg, &du, &dd);
+    /* the experts and the router run on all rows: under sequence parallel
+     * ln2 and d(output) are gathered */
+    const float *dy = sp_gather(m, m->ws.sp_dy, m->ws.d_res, BT, H);
+    lm_layer_acts ag = *a;
+    ag.ln2 = sp_gather(m, m->ws.sp_x, a->ln2, BT, H);
     if (m->moe_ep) {
         lm_experts_w ew = experts_w(m, eg, eu, ed);
-        m->moe_ep->bwd(m->moe_ep->ctx, l, m->ws.d_ln, (float *const[3]){dg, du, dd}, m->ws.moe_dtopw, m->ws.d_res,
-                       r, &ew, BT);
+        m->moe_ep->bwd(m->moe_ep->ctx, l, m->ws.d_ln, (float *const[3]){dg, du, dd}, m->ws.moe_dtopw, dy, r, &ew,
+                       BT);
     } else
-        experts_h(m, 0, NULL, m->ws.d_ln, dg, du, dd, m->ws.moe_dtopw, m->ws.d_res, a, m->ws.moe_work, eg, eu, ed, BT);
+        experts_h(m, 0, NULL, m->ws.d_ln, dg, du, dd, m->ws.moe_dtopw, dy, &ag, m->ws.moe_work, eg, eu, ed, BT);
     experts_adapted_grad(m, w, g);
     /* under tensor parallelism both are partial sums over the experts'
-     * intermediate slices; the router's own d(ln2), added next, is not */
-    reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
+     * intermediate slices; the router's own d(ln2), added next, is not
+     * (its rows outside this rank's block, under sequence parallel, unread) */
+    float *dl = sum_rows(m, m->ws.d_ln, BT, H);
     reduce_d_input(m, m->ws.moe_dtopw, (size_t)BT * k);
     int aux = lm_aux_in_grad(c);
     int64_t rt0 = PROF_T0(m->prof);
@@ -2217,7 +2311,7 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
         dwr = m->ws.lora_drw;
         zero(dwr, (size_t)E * H);
     }
-    moe_route_bwd(&m->k, m->ws.d_ln, dwr, m->ws.moe_dprobs, m->ws.moe_dtopw, aux ? m->ws.moe_dprob_all : NULL, a->ln2,
+    moe_route_bwd(&m->k, m->ws.d_ln, dwr, m->ws.moe_dprobs, m->ws.moe_dtopw, aux ? m->ws.moe_dprob_all : NULL, ag.ln2,
                   wr, wr == w->router ? frozen_bf16(m, w->router) : NULL, r, BT, H, E, k, c->norm_topk_prob);
     if (wr != w->router) {
         lora_experts_grad(&m->k, g->lora_ea[LM_LORA_EXP_R], g->lora_eb[LM_LORA_EXP_R], dwr, NULL,
@@ -2227,6 +2321,7 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
             for (size_t i = 0; i < (size_t)E * H; i++) g->router[i] += dwr[i];
     }
     if (m->prof) prof_model_op(m->prof, "moe_route_bwd", "moe_route", KERN_OP_MATMUL, rt0);
+    return dl;
 }
 
 /* The backward of x[BT, H] += [norm](in[BT, K] @ w^T + b) (+ LoRA adapter p):
@@ -2237,13 +2332,14 @@ static void moe_layer_bwd(lm_model *m, int l, int BT) {
  * norm, d(output) is d_res itself). d_ln is the scratch for d(y). */
 static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in, const float *w, float *gw, float *gb,
                          const float *ln, float *gln, const float *y, const float *rstd, int BT, int K) {
-    int H = m->cfg.hidden;
-    const float *dy = m->ws.d_res; /* [BT, H] */
+    int H = m->cfg.hidden, BS = sp_rows(m, BT);
+    const float *dy = m->ws.d_res; /* [BT, H]; under sequence parallel this rank's rows, then gathered */
     if (ln) {
-        zero(m->ws.d_ln, (size_t)BT * H);
-        K(RMSNORM, rmsnorm_bwd, m->ws.d_ln, gln, m->ws.d_res, y, nw(m, ln, H), rstd, BT, H);
+        zero(m->ws.d_ln, (size_t)BS * H);
+        norm_bwd(m, m->ws.d_ln, gln, m->ws.d_res, y, ln, rstd, BS, H);
         dy = m->ws.d_ln;
     }
+    dy = sp_gather(m, m->ws.sp_dy, dy, BT, H);
     if (gb) op_bias_bwd(gb, dy, BT, H);
     /* din (d_h or d_att): this is its first product */
     mm_bwd(m, din, gw, dy, in, w, BT, K, H, 0);
@@ -2257,9 +2353,10 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
     const lm_config *c = &m->cfg;
     int H = c->hidden;
     double loss_sum = 0; /* d_ln: d(final norm output) [BT, H], each block's rows written by head_bwd */
+    const float *lnf = sp_gather(m, m->ws.sp_x, m->act.lnf, BT, H); /* the head reads all rows */
     for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
         int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
-        const float *x = m->act.lnf + (size_t)r0 * H;
+        const float *x = lnf + (size_t)r0 * H;
         size_t nv = (size_t)n * (c->vocab_rows ? c->vocab_rows : c->vocab_size);
         head_fwd(m, m->ws.logits, x, n);
         lm_final_softcap(c, m->ws.logits, nv, m->ws.cap_t); /* tanh kept for softcap_bwd */
@@ -2267,10 +2364,12 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
         softcap_bwd(m, m->ws.logits, nv);
         head_bwd(m, m->ws.d_ln + (size_t)r0 * H, m->ws.logits, x, n);
     }
-    if (c->vocab_rows) reduce_d_input(m, m->ws.d_ln, (size_t)BT * H); /* each rank's rows of lm_head: partial */
+    /* each rank's rows of lm_head: partial; a whole head: every row whole, this rank's taken */
+    const float *dl = c->vocab_rows ? sum_rows(m, m->ws.d_ln, BT, H) : m->ws.d_ln + sp_row0(m, BT) * H;
     /* d_res carries d(residual stream) downwards */
-    zero(m->ws.d_res, (size_t)BT * H);
-    K(RMSNORM, rmsnorm_bwd, m->ws.d_res, m->g.lnf, m->ws.d_ln, m->act.res_out, nw(m, m->w.lnf, H), m->act.lnf_rstd, BT, H);
+    int BS = sp_rows(m, BT);
+    zero(m->ws.d_res, (size_t)BS * H);
+    norm_bwd(m, m->ws.d_res, m->g.lnf, dl, m->act.res_out, m->w.lnf, m->act.lnf_rstd, BS, H);
     return loss_sum;
 }
 
@@ -2279,7 +2378,8 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
 static void layer_backward(lm_model *m, int l, int B, int T) {
     const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim;
-    int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
+    int nH = c->n_heads, nKV = c->n_kv_heads, qd = nH * hd, kvd = nKV * hd, BS = sp_rows(m, BT);
+    float *dl; /* d of a norm's output: the rows this rank holds */
     layer_recompute(m, l, B, T);
     lm_layer_acts *a = &m->act.layer[l];
     if (m->cfg.qk_norm != LM_QK_HEAD) {
@@ -2292,7 +2392,7 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     const float *cs, *sn;
     rope_of(m, l, &cs, &sn);
     if (a->moe) {
-        moe_layer_bwd(m, l, BT);
+        dl = moe_layer_bwd(m, l, BT);
     } else {
         /* res_next = res_mid + [norm](down(h) + bd): d_res flows to res_mid unchanged, plus the MLP path */
         out_proj_bwd(m, l, LM_LORA_DOWN, m->ws.d_h, a->h, w->wd, g->wd, g->bd, w->ln_mo, g->ln_mo, a->mo, a->mo_rstd,
@@ -2303,15 +2403,15 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
         else K(SWIGLU, swiglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I, 0);
         if (g->bg) op_bias_bwd(g->bg, m->ws.d_gate, BT, I);
         if (g->bu) op_bias_bwd(g->bu, m->ws.d_up, BT, I);
-        const float *xm = mlp_in(m, a);
+        const float *xm = sp_gather(m, m->ws.sp_x, mlp_in(m, a), BT, H);
         mm_bwd(m, m->ws.d_ln, g->wg, m->ws.d_gate, xm, w->wg, BT, H, I, 0);
         mm_bwd(m, m->ws.d_ln, g->wu, m->ws.d_up, xm, w->wu, BT, H, I, 1);
         lora_bwd_n(m, l, m->ws.d_ln, xm, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP},
                    (const float *const[]){m->ws.d_gate, m->ws.d_up}, (const int[]){I, I});
-        reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
+        dl = sum_rows(m, m->ws.d_ln, BT, H);
     }
-    if (w->ln2) K(RMSNORM, rmsnorm_bwd, m->ws.d_res, g->ln2, m->ws.d_ln, a->res_mid, nw(m, w->ln2, H), a->ln2_rstd, BT, H);
-    else K(ADD, add, m->ws.d_res, m->ws.d_res, m->ws.d_ln, (long)BT * H); /* the MLP read res_mid itself */
+    if (w->ln2) norm_bwd(m, m->ws.d_res, g->ln2, dl, a->res_mid, w->ln2, a->ln2_rstd, BS, H);
+    else K(ADD, add, m->ws.d_res, m->ws.d_res, dl, (long)BS * H); /* the MLP read res_mid itself */
 
     /* res_mid = res + [norm](o_proj(att) + bo) */
     out_proj_bwd(m, l, LM_LORA_O, m->ws.d_att, a->att, w->wo, g->wo, g->bo, w->ln_ao, g->ln_ao, a->ao, a->ao_rstd, BT,
@@ -2335,16 +2435,16 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     /* the embedding and layer 0's input norm frozen: nothing below wants d(ln1) of
      * layer 0 (autograd skips these input-gradient products too) */
     float *dln = l > 0 || m->g.wte || g->ln1 ? m->ws.d_ln : NULL; /* [BT, H] */
-    const float *xa = attn_in(m, a);
+    const float *xa = sp_gather(m, m->ws.sp_x, attn_in(m, a), BT, H);
     mm_bwd(m, dln, g->wq, m->ws.d_q2, xa, w->wq, BT, H, qd, 0);
     mm_bwd(m, dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd, 1);
     mm_bwd(m, dln, g->wv, m->ws.d_v, xa, w->wv, BT, H, kvd, 1);
     lora_bwd_n(m, l, dln, xa, BT, H, 3, (const int[]){LM_LORA_Q, LM_LORA_K, LM_LORA_V},
                (const float *const[]){m->ws.d_q2, m->ws.d_k2, m->ws.d_v}, (const int[]){qd, kvd, kvd});
     if (dln) {
-        reduce_d_input(m, m->ws.d_ln, (size_t)BT * H);
-        if (w->ln1) K(RMSNORM, rmsnorm_bwd, m->ws.d_res, g->ln1, m->ws.d_ln, a->res, nw(m, w->ln1, H), a->ln1_rstd, BT, H);
-        else K(ADD, add, m->ws.d_res, m->ws.d_res, m->ws.d_ln, (long)BT * H); /* attention read res itself */
+        dl = sum_rows(m, m->ws.d_ln, BT, H);
+        if (w->ln1) norm_bwd(m, m->ws.d_res, g->ln1, dl, a->res, w->ln1, a->ln1_rstd, BS, H);
+        else K(ADD, add, m->ws.d_res, m->ws.d_res, dl, (long)BS * H); /* attention read res itself */
     }
 }
 
@@ -2364,22 +2464,24 @@ static void embed_bwd(lm_model *m, const int32_t *tokens, int BT) {
     const lm_config *c = &m->cfg;
     int H = c->hidden;
     if (!m->g.wte) return;
-    lm_embed_scale(c, m->ws.d_res, (size_t)BT * H); /* d(lookup) = sqrt(H) d(scaled) */
+    /* under sequence parallel every rank adds all rows (gathered), as without it */
+    float *d = sp_gather(m, m->ws.sp_dy, m->ws.d_res, BT, H);
+    lm_embed_scale(c, d, (size_t)BT * H); /* d(lookup) = sqrt(H) d(scaled) */
     if (c->has_pad) /* torch's padding_idx: the lookup adds nothing to that row */
         for (int i = 0; i < BT; i++)
-            if (tokens[i] == c->pad_token) zero(m->ws.d_res + (size_t)i * H, (size_t)H);
-    if (c->vocab_rows) { /* d_res is whole on every rank: this rank's tokens' rows, moved up in order, to its rows
+            if (tokens[i] == c->pad_token) zero(d + (size_t)i * H, (size_t)H);
+    if (c->vocab_rows) { /* d is whole on every rank: this rank's tokens' rows, moved up in order, to its rows
                           * (the kernel adds a row's tokens in order, so the bits of the whole table's) */
         int n = 0;
         for (int i = 0; i < BT; i++) {
             if (tokens[i] < c->vocab_row0 || tokens[i] >= c->vocab_row0 + c->vocab_rows) continue;
-            if (n < i) memcpy(m->ws.d_res + (size_t)n * H, m->ws.d_res + (size_t)i * H, (size_t)H * sizeof(float));
+            if (n < i) memcpy(d + (size_t)n * H, d + (size_t)i * H, (size_t)H * sizeof(float));
             m->ws.embed_ids[n++] = tokens[i] - c->vocab_row0;
         }
-        if (n) K(EMBEDDING, embedding_bwd, m->g.wte, m->ws.d_res, m->ws.embed_ids, n, H);
+        if (n) K(EMBEDDING, embedding_bwd, m->g.wte, d, m->ws.embed_ids, n, H);
         return;
     }
-    K(EMBEDDING, embedding_bwd, m->g.wte, m->ws.d_res, tokens, BT, H);
+    K(EMBEDDING, embedding_bwd, m->g.wte, d, tokens, BT, H);
 }
 
 double lm_forward_backward(lm_model *m, const int32_t *tokens, const int32_t *labels, int B, int T,
@@ -2404,9 +2506,13 @@ void lm_stage_forward(lm_model *m, int l0, int l1, const int32_t *tokens, const 
     forward_begin(m, tokens, B, T);
     m->moe.count_tokens = train;
     m->lora_train = train;
+    /* x_in, x_out hold all rows; under sequence parallel the layers this rank's */
+    size_t ns = (size_t)sp_rows(m, BT) * H;
     if (l0 == 0) embed_fwd(m, L ? m->act.layer[0].res : m->act.res_out, tokens, BT);
-    else memcpy(m->act.layer[l0].res, x_in, (size_t)BT * H * sizeof(float));
-    forward_layers(m, l0, l1, l1 == L ? m->act.res_out : x_out, B, T);
+    else memcpy(m->act.layer[l0].res, x_in + sp_row0(m, BT) * H, ns * sizeof(float));
+    float *out = l1 == L ? m->act.res_out : m->sp ? m->ws.sp_dy : x_out; /* sp_dy: free in a forward */
+    forward_layers(m, l0, l1, out, B, T);
+    if (l1 < L && m->sp) m->sp->gather(m->sp->ctx, x_out, out, ns);
     if (l1 == L) final_norm_fwd(m, BT);
     m->moe.count_tokens = 0;
     m->lora_train = 0;
@@ -2418,11 +2524,13 @@ double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, con
     double loss_sum = 0;
     long count = 0;
     m->lora_train = 1;
+    size_t ns = (size_t)sp_rows(m, BT) * H; /* d_out, d_in: all rows; d_res: this rank's (sp_gather) */
     if (l1 == L) loss_sum = head_loss_bwd(m, labels, BT, grad_scale, &count);
-    else memcpy(m->ws.d_res, d_out, (size_t)BT * H * sizeof(float));
+    else memcpy(m->ws.d_res, d_out + sp_row0(m, BT) * H, ns * sizeof(float));
     if (n_valid) *n_valid = count;
     backward_layers(m, l0, l1, B, T);
     if (l0 == 0) embed_bwd(m, tokens, BT);
+    else if (m->sp) m->sp->gather(m->sp->ctx, d_in, m->ws.d_res, ns);
     else memcpy(d_in, m->ws.d_res, (size_t)BT * H * sizeof(float));
     m->lora_train = 0;
     return loss_sum;
@@ -2432,9 +2540,10 @@ double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_v
     int BT = B * T, H = m->cfg.hidden;
     double sum = 0;
     long count = 0;
+    const float *lnf = sp_gather(m, m->ws.sp_x, m->act.lnf, BT, H); /* the head reads all rows */
     for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
         int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
-        head_fwd(m, m->ws.logits, m->act.lnf + (size_t)r0 * H, n);
+        head_fwd(m, m->ws.logits, lnf + (size_t)r0 * H, n);
         lm_final_softcap(&m->cfg, m->ws.logits, (size_t)n * (m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size),
                          NULL);
         sum += crossentropy(m, m->ws.logits, labels + r0, n, 0.0f, &count);

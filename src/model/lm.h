@@ -122,6 +122,11 @@ typedef struct {
      * tp_rank: this slice's index, which places a row-parallel input's
      * columns in the whole tensor (LoRA dropout masks of o_proj, down_proj). */
     int tp_degree, tp_rank;
+    /* Sequence parallel under tensor parallel (distributed/tp.h): the residual
+     * stream, the norms and what they keep hold rows [tp_rank R, (tp_rank + 1) R)
+     * of the B x T rows only, R = B T / tp_degree (lm_model.sp runs the
+     * collectives). 0: every rank holds all rows. */
+    int tp_seq;
     /* Expert parallel storage (distributed/ep.h): this model holds experts
      * [expert0, expert0 + expert_rows) of every MoE layer; the others' tensors
      * keep their names in the table with no elements, so tables of every
@@ -373,6 +378,9 @@ typedef struct {
     int32_t *embed_ids;     /* [BT] vocabulary-parallel embedding backward: its tokens' local rows */
     /* backward scratch */
     float *d_res, *d_ln, *d_att, *d_q, *d_q2, *d_k, *d_k2, *d_v, *d_h, *d_gate, *d_up; /* see lm.c */
+    /* sequence parallel (cfg.tp_seq): [BT, H] the gathered rows of a norm's output (sp_x) and of a
+     * d(output) (sp_dy); [H] a norm weight's partial gradient before it is summed over the group */
+    float *sp_x, *sp_dy, *sp_dw;
     /* MoE layers (NULL for a dense model) */
     float *moe_work;        /* [KERN_MOE_WORK(BT*k, H, Im)] experts kernel scratch */
     float *moe_dtopw;       /* [BT*k] */
@@ -464,6 +472,18 @@ typedef struct {
                 const kern_attn_opt *o);
 } lm_attn_dispatch;
 
+/* Sequence parallel (distributed/tp.c; NULL otherwise, cfg.tp_seq set): the
+ * t ranks of the tensor-parallel group hold consecutive blocks of the rows.
+ * gather: full[t n] = every rank's local[n], in rank order; scatter:
+ * local[n] = the sum over ranks of their full[t n]'s block `rank` (full may
+ * hold it in place: local == full + rank n). */
+typedef struct {
+    void *ctx;
+    int t, rank;
+    void (*gather)(void *ctx, float *full, const float *local, size_t n);
+    void (*scatter)(void *ctx, float *local, const float *full, size_t n);
+} lm_seq_dispatch;
+
 typedef struct {
     lm_config cfg;
     kern_ops k;             /* the kernels this model runs (reference until the run chooses) */
@@ -481,6 +501,7 @@ typedef struct {
     const lm_hooks *hooks; /* NULL: none; set by a parallel layout (distributed/fsdp.h) */
     const lm_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by distributed/ep.h */
     const lm_attn_dispatch *attn_cp; /* NULL: the whole sequence is here; set by distributed/cp.h */
+    const lm_seq_dispatch *sp; /* NULL: every rank holds all rows; set by distributed/tp.h under cfg.tp_seq */
     struct prof *prof;      /* NULL: not profiled; else spans of ops and layers (metrics/profile.h, the trainer's) */
     /* LoRA dropout (cfg.lora_rank > 0) */
     uint64_t lora_seed;     /* dropout masks: a hash of (this, layer, projection, element); the trainer
