@@ -1,6 +1,7 @@
 """Context parallel on one machine: step time, peak RSS and attention time per rank of CP2 in
 its two layouts (parallelism.context_parallel_load_balancer: "headtail", the default, and
-"none", consecutive chunks) against one rank, on W1's model (Qwen3-0.6B shapes cut to 4 layers)
+"none", consecutive chunks) against one rank, and of CP 2 and 4 under ring attention
+(context_parallel_rotate_method = "alltoall") against the all-gather, on W1's model (Qwen3-0.6B shapes cut to 4 layers)
 at a long sequence (2048 by default).
 
 Every run trains the same recipe from the same random init: local batch 1 sequence, a few
@@ -17,6 +18,8 @@ pieces cost the same. torchtitan's debugmodel (--shape debugmodel: 16 heads of 1
 
 Run:  .venv/bin/python bench/bench_cp.py [--steps 5] [--seq 2048] [--shape debugmodel]
             [--runs "CP2 none,CP2 headtail"]
+      ring vs gather: --shape qwen3-0.6b-attn --seq 4096 --steps 2 --warmup 1
+            --runs "CP2 headtail,CP2 ring,CP2 gather tiled,CP4 headtail,CP4 ring,CP4 gather tiled"
 CTITAN_BUILD=build/x selects the build directory (default build).
 """
 import argparse
@@ -32,14 +35,29 @@ from bench_pp import ROOT, make_model_and_data  # noqa: E402
 from bench_train import SHAPES  # noqa: E402
 
 CP2 = "--parallelism.context_parallel_degree=2"
+CP4 = "--parallelism.context_parallel_degree=4"
+RING = "--parallelism.context_parallel_rotate_method=alltoall"
+# the tiled kernels: the ring's block form is "tiled"'s (the register-blocked entries have none
+# of their own), so this runs the all-gather on the same inner loops, the methods apart
+TILED = "--kernels.attention=tiled_avx512"
 RUNS = [  # name, ranks, extra flags
     ("1 rank", 1, []),
     ("CP2 none", 2, [CP2, "--parallelism.context_parallel_load_balancer=none"]),
     ("CP2 headtail", 2, [CP2, "--parallelism.context_parallel_load_balancer=headtail"]),
+    # ring attention (context_parallel_rotate_method = "alltoall") against the all-gather, both
+    # on headtail
+    ("CP2 ring", 2, [CP2, RING]),
+    ("CP2 gather tiled", 2, [CP2, TILED]),
+    ("CP4 headtail", 4, [CP4]),
+    ("CP4 ring", 4, [CP4, RING]),
+    ("CP4 gather tiled", 4, [CP4, TILED]),
 ]
+# Qwen3-0.6B's widths and attention (16 heads, 8 kv heads of 128) in one layer with a 2048-token
+# vocabulary: attention at T 2048-4096 is most of the step, not the 151936-row lm_head
+SHAPES.setdefault("qwen3-0.6b-attn", dict(SHAPES["qwen3-0.6b"], num_hidden_layers=1, vocab_size=2048))
 
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "wait")
 
 
 def traced_ms(trace):

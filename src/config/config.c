@@ -70,6 +70,9 @@ static const char *const cfg_ac_modes[] = {"none", "selective", "full", NULL};
 /* torchtitan's context_parallel_load_balancer: "headtail" or None (here "none"); its "ptrr"
  * balances FlexAttention's document masks, which ctitan does not have */
 static const char *const cfg_cp_balancers[] = {"headtail", "none", NULL};
+/* torchtitan's context_parallel_rotate_method (PyTorch's set_rotate_method): "allgather" gathers
+ * every rank's k, v at once, "alltoall" passes them round the ring a chunk at a time */
+static const char *const cfg_cp_rotates[] = {"allgather", "alltoall", NULL};
 static const char *const cfg_reshard_modes[] = {"default", "always", "never", NULL};
 static const char *const cfg_mp_dtypes[] = {"float32", "bfloat16", NULL};
 static const char *const cfg_frozen_dtypes[] = {"float32", "bfloat16", NULL};
@@ -359,6 +362,13 @@ static const cfg_option cfg_options[] = {
         .help = "the positions each context-parallel rank holds: headtail (rank c holds pieces c and 2 degree - 1 - c "
                 "of 2 degree, so causal attention costs every rank the same; training.seq_len must be a multiple "
                 "of 2 degree) or none (consecutive chunks: the last rank's attention costs the most)"),
+    OPT("parallelism", "context_parallel_rotate_method", CFG_ENUM, cp_rotate, "allgather",
+        .choices = cfg_cp_rotates,
+        .help = "how context-parallel attention meets the other ranks' keys: allgather (torchtitan's default: "
+                "every rank gathers the whole sequence's k and v for each layer, 6 x batch x seq_len x kv width "
+                "floats of scratch) or alltoall (ring attention: the chunks of k and v travel round the ranks one "
+                "at a time, merged by online softmax, 8 x batch x seq_len / degree x kv width floats; the "
+                "backward sends dk, dv round with them; the same results to rounding)"),
     OPT("parallelism", "pipeline_parallel_degree", CFG_INT, pp, "1", .range = CFG_GE, .lo = 1,
         .help = "pipeline stages: ranks each holding a range of layers, passing activations forward and "
                 "gradients back (docs/distributed.md)"),

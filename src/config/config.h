@@ -120,6 +120,7 @@ typedef struct {
     char *fsdp_reshard;       /* "default" | "always" | "never": fsdp_reshard_after_forward */
     int cp;                   /* 1: context_parallel_degree (distributed/cp.h) */
     char *cp_balancer;        /* "headtail" | "none": context_parallel_load_balancer (distributed/cp.h) */
+    char *cp_rotate;          /* "allgather" | "alltoall": context_parallel_rotate_method (distributed/cp.h) */
     int pp;                   /* 1: pipeline_parallel_degree */
     char *pp_schedule;        /* "1F1B" | "GPipe" | "Interleaved1F1B" */
     int pp_microbatch;        /* 1: pipeline_parallel_microbatch_size */

@@ -3,6 +3,7 @@
  * attention op's offset form), and the chunking of the step's windows. */
 #include "distributed/cp.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -157,7 +158,140 @@ static void cp_bwd(void *ctx, float *dq, float *dk, float *dv, const float *dout
     cp->comm_s += ct_now() - t1;
 }
 
-void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, int headtail) {
+/* ------------------------------------------------------------------ the ring
+ * (context_parallel_rotate_method = "alltoall", PyTorch's _AllToAllRotater): each
+ * rank keeps its own k, v; in step s it holds the chunk of rank (rank - s) mod n,
+ * merges each of that chunk's pieces into those of its own pieces whose causal
+ * prefix (and window) reach it, and passes the chunk on to rank + 1 while the
+ * next one arrives from rank - 1. Pieces line up (every piece is L positions at
+ * a multiple of L), so a block is a piece's diagonal, wholly in its past, or
+ * wholly in its future (skipped). The backward sends the chunk round again with
+ * its dk, dv accumulators, which the last step hands back to their owner. */
+
+#define CP_TAG_K 0x4350
+#define CP_TAG_DK (CP_TAG_K + 2)
+
+/* Whether piece (position pq) needs the keys of the piece at pk: not in its future,
+ * and, with a window, some key inside the first row's window (later rows see further). */
+static int cp_ring_reaches(const cp_layout *cp, int pq, int pk, int window) {
+    return pk <= pq && !(window > 0 && pk + cp->L - 1 <= pq - window);
+}
+
+static kern_attn_blk cp_ring_geo(const cp_layout *cp, int B, int nh, int nkv, int hd, int pq, int pk) {
+    return (kern_attn_blk){B, nh, nkv, hd, cp->L, pq, cp->Tl, cp->L, pk, cp->Tl};
+}
+
+/* The blocks of rank src's chunk (kb, vb [B, Tl, kvd]) into this rank's pieces. */
+static void cp_ring_fwd_step(cp_layout *cp, float *out, float *lse, const float *q, const float *kb, const float *vb,
+                             int src, int B, int nh, int nkv, int hd, const kern_attn_opt *o) {
+    int qd = nh * hd, kvd = nkv * hd, L = cp->L, window = kern_attn_window(o);
+    for (int i = 0; i < cp->np; i++)
+        for (int j = 0; j < cp->np; j++) {
+            int pq = cp_piece_pos(cp, cp->rank, i), pk = cp_piece_pos(cp, src, j);
+            if (!cp_ring_reaches(cp, pq, pk, window)) continue;
+            kern_attn_blk g = cp_ring_geo(cp, B, nh, nkv, hd, pq, pk);
+            size_t qo = (size_t)i * L, ko = (size_t)j * L * kvd;
+            cp->m->k.attention_fwd_blk(out + qo * qd, lse + qo, cp->rl + qo, q + qo * qd, kb + ko, vb + ko, &g, o);
+        }
+}
+
+static void cp_ring_bwd_step(cp_layout *cp, float *dq, float *dkb, float *dvb, const float *dout, const float *lse,
+                             const float *q, const float *kb, const float *vb, int src, int B, int nh, int nkv, int hd,
+                             const kern_attn_opt *o) {
+    int qd = nh * hd, kvd = nkv * hd, L = cp->L, window = kern_attn_window(o);
+    for (int i = 0; i < cp->np; i++)
+        for (int j = 0; j < cp->np; j++) {
+            int pq = cp_piece_pos(cp, cp->rank, i), pk = cp_piece_pos(cp, src, j);
+            if (!cp_ring_reaches(cp, pq, pk, window)) continue;
+            kern_attn_blk g = cp_ring_geo(cp, B, nh, nkv, hd, pq, pk);
+            size_t qo = (size_t)i * L, ko = (size_t)j * L * kvd;
+            cp->m->k.attention_bwd_blk(dq + qo * qd, dkb + ko, dvb + ko, dout + qo * qd, lse + qo, cp->rl + qo,
+                                       q + qo * qd, kb + ko, vb + ko, &g, o);
+        }
+}
+
+static void cp_ring_wait(cp_layout *cp, comm_req *r, int n) {
+    double t0 = ct_now();
+    for (int i = 0; i < n; i++) comm_wait(&r[i]);
+    cp->comm_s += ct_now() - t0;
+}
+
+static void cp_ring_fwd(void *ctx, float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                        int nh, int nkv, int hd, const kern_attn_opt *o) {
+    cp_layout *cp = ctx;
+    lm_model *m = cp->m;
+    int n = cp->n, next = (cp->rank + 1) % n, prev = (cp->rank + n - 1) % n;
+    size_t kn = (size_t)B * T * nkv * hd, rows = (size_t)B * nh * T; /* T: the chunk, cp->Tl */
+    memset(out, 0, (size_t)B * T * nh * hd * sizeof(float));
+    for (size_t i = 0; i < rows; i++) lse[i] = -INFINITY, cp->rl[i] = 0.0f;
+    const float *kb = k, *vb = v;
+    for (int s = 0; s < n; s++) {
+        comm_req r[4];
+        int nr = 0;
+        float *nb = cp->rb[s & 1];
+        if (s < n - 1) { /* the next chunk arrives during this step's blocks */
+            comm_irecv(cp->c, nb, kn, COMM_F32, prev, CP_TAG_K, &r[nr++]);
+            comm_irecv(cp->c, nb + kn, kn, COMM_F32, prev, CP_TAG_K + 1, &r[nr++]);
+            comm_isend(cp->c, kb, kn, COMM_F32, next, CP_TAG_K, &r[nr++]);
+            comm_isend(cp->c, vb, kn, COMM_F32, next, CP_TAG_K + 1, &r[nr++]);
+        }
+        int64_t t0 = PROF_T0(m->prof);
+        cp_ring_fwd_step(cp, out, lse, q, kb, vb, (cp->rank - s + n) % n, B, nh, nkv, hd, o);
+        if (m->prof) prof_kern(m->prof, KERN_OP_ATTENTION, "attention_fwd", t0);
+        cp_ring_wait(cp, r, nr);
+        kb = nb, vb = nb + kn;
+    }
+    kern_attn_blk g = {B, nh, nkv, hd, T, 0, T, 0, 0, T};
+    op_attention_blk_finish(out, lse, cp->rl, &g);
+}
+
+static void cp_ring_bwd(void *ctx, float *dq, float *dk, float *dv, const float *dout, const float *out,
+                        const float *lse, const float *q, const float *k, const float *v, int B, int T, int nh,
+                        int nkv, int hd, const kern_attn_opt *o) {
+    cp_layout *cp = ctx;
+    lm_model *m = cp->m;
+    int n = cp->n, next = (cp->rank + 1) % n, prev = (cp->rank + n - 1) % n;
+    size_t kn = (size_t)B * T * nkv * hd;
+    kern_attn_blk g = {B, nh, nkv, hd, T, 0, T, 0, 0, T};
+    op_attention_blk_rowdot(cp->rl, dout, out, &g);
+    memset(dq, 0, (size_t)B * T * nh * hd * sizeof(float));
+    memset(dk, 0, kn * sizeof(float)); /* this rank's own chunk's accumulators, sent on after step 0 */
+    memset(dv, 0, kn * sizeof(float));
+    const float *kb = k, *vb = v;
+    float *dkb = dk, *dvb = dv;
+    for (int s = 0; s < n; s++) {
+        comm_req r[8];
+        int nr = 0;
+        float *nb = cp->rb[s & 1];
+        /* the last step's arrivals are this rank's own dk, dv, complete */
+        float *ndk = s < n - 1 ? nb + 2 * kn : dk, *ndv = s < n - 1 ? nb + 3 * kn : dv;
+        if (s < n - 1) {
+            comm_irecv(cp->c, nb, kn, COMM_F32, prev, CP_TAG_K, &r[nr++]);
+            comm_irecv(cp->c, nb + kn, kn, COMM_F32, prev, CP_TAG_K + 1, &r[nr++]);
+            comm_isend(cp->c, kb, kn, COMM_F32, next, CP_TAG_K, &r[nr++]);
+            comm_isend(cp->c, vb, kn, COMM_F32, next, CP_TAG_K + 1, &r[nr++]);
+        }
+        comm_irecv(cp->c, ndk, kn, COMM_F32, prev, CP_TAG_DK, &r[nr++]);
+        comm_irecv(cp->c, ndv, kn, COMM_F32, prev, CP_TAG_DK + 1, &r[nr++]);
+        int64_t t0 = PROF_T0(m->prof);
+        cp_ring_bwd_step(cp, dq, dkb, dvb, dout, lse, q, kb, vb, (cp->rank - s + n) % n, B, nh, nkv, hd, o);
+        if (m->prof) prof_kern(m->prof, KERN_OP_ATTENTION, "attention_bwd", t0);
+        comm_isend(cp->c, dkb, kn, COMM_F32, next, CP_TAG_DK, &r[nr++]);
+        comm_isend(cp->c, dvb, kn, COMM_F32, next, CP_TAG_DK + 1, &r[nr++]);
+        cp_ring_wait(cp, r, nr);
+        kb = nb, vb = nb + kn, dkb = ndk, dvb = ndv;
+    }
+}
+
+double cp_scratch_floats(int B, int T, int n, int headtail, int ring, int nh, int nkv, int hd) {
+    double Tl = (double)T / n, kv = (double)B * nkv * hd, qw = (double)B * nh * hd;
+    if (ring) return 8 * kv * Tl + (double)B * nh * Tl;
+    if (!headtail) return 6 * kv * T;
+    double L = Tl / 2;
+    return 6 * kv * T + 4 * qw * L + (double)B * nh * L;
+}
+
+void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, int headtail, int ring) {
     memset(cp, 0, sizeof *cp);
     cp->m = m;
     cp->c = c;
@@ -169,14 +303,23 @@ void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, in
     cp->np = headtail ? 2 : 1;
     cp->L = cp->Tl / cp->np;
     const lm_config *mc = &m->cfg;
-    size_t kv = (size_t)B * T * mc->n_kv_heads * mc->head_dim;
-    cp->kg = ct_malloc(kv * sizeof(float));
-    cp->vg = ct_malloc(kv * sizeof(float));
-    cp->kp = ct_malloc(kv * sizeof(float));
-    cp->vp = ct_malloc(kv * sizeof(float));
-    cp->dkp = ct_malloc(kv * sizeof(float));
-    cp->dvp = ct_malloc(kv * sizeof(float));
-    if (cp->np > 1) { /* a piece's query rows, out of the chunk's two */
+    cp->ring = ring;
+    if (ring) {
+        size_t kvl = (size_t)B * cp->Tl * mc->n_kv_heads * mc->head_dim;
+        cp->rb[0] = ct_malloc(4 * kvl * sizeof(float));
+        cp->rb[1] = ct_malloc(4 * kvl * sizeof(float));
+        cp->rl = ct_malloc((size_t)B * mc->n_heads * cp->Tl * sizeof(float));
+    }
+    if (!ring) { /* the gather path: every rank's keys */
+        size_t kv = (size_t)B * T * mc->n_kv_heads * mc->head_dim;
+        cp->kg = ct_malloc(kv * sizeof(float));
+        cp->vg = ct_malloc(kv * sizeof(float));
+        cp->kp = ct_malloc(kv * sizeof(float));
+        cp->vp = ct_malloc(kv * sizeof(float));
+        cp->dkp = ct_malloc(kv * sizeof(float));
+        cp->dvp = ct_malloc(kv * sizeof(float));
+    }
+    if (cp->np > 1 && !ring) { /* a piece's query rows, out of the chunk's two */
         size_t q = (size_t)B * cp->L * mc->n_heads * mc->head_dim;
         cp->qp = ct_malloc(q * sizeof(float));
         cp->op = ct_malloc(q * sizeof(float));
@@ -201,13 +344,14 @@ void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, in
     m->ws.rope_T = cp->Tl;
     m->cp_T = T, m->cp_Tl = cp->Tl, m->cp_p0 = cp_piece_pos(cp, cp->rank, 0);
     m->cp_p1 = cp->np > 1 ? cp_piece_pos(cp, cp->rank, 1) : 0;
-    cp->d = (lm_attn_dispatch){cp, cp_fwd, cp_bwd};
+    cp->d = ring ? (lm_attn_dispatch){cp, cp_ring_fwd, cp_ring_bwd} : (lm_attn_dispatch){cp, cp_fwd, cp_bwd};
     m->attn_cp = &cp->d;
 }
 
 void cp_free(cp_layout *cp) {
     if (cp->m && cp->m->attn_cp == &cp->d) cp->m->attn_cp = NULL, cp->m->cp_T = 0;
-    float *f[] = {cp->kg, cp->vg, cp->kp, cp->vp, cp->dkp, cp->dvp, cp->qp, cp->op, cp->dqp, cp->dop, cp->lp};
+    float *f[] = {cp->kg,  cp->vg,  cp->kp,    cp->vp,    cp->dkp,   cp->dvp, cp->qp,
+                  cp->op,  cp->dqp, cp->dop,   cp->lp,    cp->rb[0], cp->rb[1], cp->rl};
     for (size_t i = 0; i < sizeof f / sizeof *f; i++) free(f[i]);
     free(cp->tok);
     free(cp->lab);
@@ -254,10 +398,15 @@ void cp_describe(const cp_layout *cp, FILE *f) {
     if (cp->np > 1)
         fprintf(f, "ctitan: context_parallel %d (headtail): rank c runs pieces c and %d - c of the %d pieces of %d "
                    "positions of every sequence (seq_len %d), each attending over the whole prefix before it: the "
-                   "same causal attention work on every rank\n",
+                   "same causal attention work on every rank",
                 cp->n, 2 * cp->n - 1, 2 * cp->n, cp->L, cp->T);
     else
         fprintf(f, "ctitan: context_parallel %d (contiguous): each rank runs %d consecutive positions of every "
-                   "sequence, attending over the whole prefix (rank %d, the last chunk, over all %d)\n",
+                   "sequence, attending over the whole prefix (rank %d, the last chunk, over all %d)",
                 cp->n, cp->Tl, cp->n - 1, cp->T);
+    if (cp->ring)
+        fprintf(f, "; ring attention (context_parallel_rotate_method alltoall): the chunks of k and v pass round the "
+                   "%d ranks, one at a time\n", cp->n);
+    else
+        fprintf(f, "; every rank all-gathers k and v (context_parallel_rotate_method allgather)\n");
 }

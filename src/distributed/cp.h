@@ -23,7 +23,17 @@
  *     mask, sliding windows and soft caps come out as on one process. The
  *     backward gathers k and v again, and each piece's d k, d v (of its whole
  *     prefix) are summed into the owners' blocks and reduce-scattered onto the
- *     chunks' owners.
+ *     chunks' owners. That is parallelism.context_parallel_rotate_method =
+ *     "allgather" (torchtitan's default). With "alltoall" (PyTorch's
+ *     _AllToAllRotater) attention is a ring instead: each rank keeps its own
+ *     k, v, and in step s of n it holds rank (c - s) mod n's chunk, adds each
+ *     of its pieces into those of its own pieces it does not lie in the future
+ *     of (the attention op's block form, kernels/ops.h op_attention_fwd_blk:
+ *     online softmax, finished after the last step) and passes it on to rank
+ *     c + 1 while the next arrives from c - 1. The backward sends the chunks
+ *     round again with their dk, dv accumulators, which the last hop hands to
+ *     their owner. No rank ever holds more than two chunks of k, v, dk, dv
+ *     (8 B T/n kv-width floats of scratch, against the gather's 6 B T).
  * Attention work: a piece at position p of length L costs ~ L (p + L/2) key
  * rows; under headtail the two pieces of every rank add up to the same, T^2 /
  * (2 cp) each (a whole sequence's T^2 / 2 over cp ranks), under none rank
@@ -55,6 +65,10 @@ typedef struct {
     float *dkp, *dvp; /* [B, Tk, kvd] */
     float *qp, *op, *dqp, *dop; /* [B, L, qd] the piece's query rows (headtail; none runs the chunk's own) */
     float *lp;       /* [B, nh, L] */
+    /* the ring (parallelism.context_parallel_rotate_method = "alltoall"): no kg .. lp above */
+    int ring;
+    float *rb[2];    /* [4][B, Tl, kvd] each: k, v, dk, dv of the block arriving from the previous rank */
+    float *rl;       /* [B, nh, Tl] the forward's running sums l, the backward's D = rowsum(dout * out) */
     int32_t *tok, *lab; /* [n_seq, Tl] the chunks being run */
     double comm_s;   /* seconds in collectives since cp_take_comm_time */
     lm_attn_dispatch d;
@@ -66,7 +80,12 @@ typedef struct {
  * headtail, which config.c checks). n_seq: the most sequences cp_chunk takes
  * at once (B, or a pipeline's whole step). headtail: 1 for the load-balanced
  * layout, 0 for consecutive chunks (parallelism.context_parallel_load_balancer). */
-void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, int headtail);
+void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, int headtail, int ring);
+/* The floats of attention scratch cp_init allocates for B sequences of T positions on n
+ * ranks, nh query and nkv kv heads of hd (a TP slice's heads): the gather path's
+ * 6 B T kvd (+ a piece's q rows under headtail, 4 B T/(2n) q-width, and its lse) or the
+ * ring's 8 B T/n kvd + B nh T/n. The dry run reports it (plan_dry.c). */
+double cp_scratch_floats(int B, int T, int n, int headtail, int ring, int nh, int nkv, int hd);
 void cp_free(cp_layout *cp);
 /* cp->tok, cp->lab [B, Tl] = this rank's chunk of tokens, labels [B, T]
  * (B <= n_seq). */

@@ -97,7 +97,8 @@ int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e) {
             n_seq = p->pp->M * p->pp->mb_size > val_b ? p->pp->M * p->pp->mb_size : val_b;
         }
         if (p->pp) p->pp->cpg = &p->mesh.cpg, p->pp->cp_T = p->cfg->seq_len; /* the aux gradient's counts */
-        cp_init(p->cp, m, &p->mesh.cpg, m->act.B, p->cfg->seq_len, n_seq, !strcmp(p->cfg->cp_balancer, "headtail"));
+        cp_init(p->cp, m, &p->mesh.cpg, m->act.B, p->cfg->seq_len, n_seq, !strcmp(p->cfg->cp_balancer, "headtail"),
+                !strcmp(p->cfg->cp_rotate, "alltoall"));
     }
     return rc;
 }

@@ -4,6 +4,7 @@
  * (tp_local_config, lm_plan_memory, FSDP's cut of the tensor table), or with
  * pipeline stages what every stage's rank plans (pp_plan, pp_hold) and the
  * schedule's bubble. Nothing is allocated beyond tensor tables. */
+#include "distributed/cp.h"
 #include "distributed/plan.h"
 
 #include <stdio.h>
@@ -35,12 +36,12 @@ typedef struct {
 
 static size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 
-/* Bytes of cp.c's padded attention problem for B sequences of the whole
- * length T on the heads of lc (a TP slice's): q, out, dq, d(out), k and v
- * twice, dk, dv gathered twice, and lse, in fp32. */
-static double dry_cp_scratch(const lm_config *lc, int B, int T) {
-    double bt = (double)B * T, q = bt * lc->n_heads * lc->head_dim, kv = bt * lc->n_kv_heads * lc->head_dim;
-    return 4.0 * (4 * q + 6 * kv + bt * lc->n_heads);
+/* Bytes of context parallel's attention scratch, B sequences of the whole length
+ * T on the heads of lc (a TP slice's): what cp_init allocates for the
+ * configured load balancer and rotate method (cp_scratch_floats, in fp32). */
+static double dry_cp_scratch(const lm_config *lc, int B, int T, const ct_config *c) {
+    return 4.0 * cp_scratch_floats(B, T, c->cp, !strcmp(c->cp_balancer, "headtail"),
+                                   !strcmp(c->cp_rotate, "alltoall"), lc->n_heads, lc->n_kv_heads, lc->head_dim);
 }
 
 static int dry_fsdp_plan(const lm_model *m, int n, int n_exp, dry_fsdp *d, ct_err *e) {
@@ -192,7 +193,7 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     double p = 4 * stored + 2 * in_bf16, g = 4 * trained, o = 8 * trained, a = (double)act, w = 4 * widened;
     double x = 4.0 * (double)lm_expert_lora_scratch_floats(&lc);
     /* context parallel (c->seq_len is then a rank's chunk) */
-    double cps_bytes = cp > 1 ? dry_cp_scratch(&lc, B, c->seq_len * cp) : 0;
+    double cps_bytes = cp > 1 ? dry_cp_scratch(&lc, B, c->seq_len * cp, c) : 0;
     double total = p + g + o + gathered + a + w + x + cps_bytes;
     plan_dry_line(out, in_bf16 > 0 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
     plan_dry_line(out, trained < stored + in_bf16 ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
@@ -302,7 +303,7 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     double w = 4.0 * stored + 2.0 * (double)in_bf16, go = 12.0 * (double)trained;
     double banks = 4.0 * (double)bank_f, a = (double)act + banks, wide = 4.0 * (double)widened;
     double x = 4.0 * (double)lm_expert_lora_scratch_floats(&sc);
-    double cps = cp > 1 ? dry_cp_scratch(&sc, mb, c->seq_len) : 0;
+    double cps = cp > 1 ? dry_cp_scratch(&sc, mb, c->seq_len, c) : 0;
     double total = w + go + gathered + a + p2p + wide + x + cps;
     char layers[512], slice[160] = "", sharded[96] = "";
     dry_pp_layers(p, layers, sizeof layers);

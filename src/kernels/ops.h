@@ -177,6 +177,47 @@ void op_attention_fwd_q0(float *out, float *lse, const float *q, const float *k,
 void op_attention_bwd_q0(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                          const float *q, const float *k, const float *v, int B, int Tq, int Tk, int nh, int nkv,
                          int hd, const kern_attn_opt *opt, int acc);
+/* The block form (ring attention, distributed/cp.h): the Tq query rows at positions q0 ..
+ * q0 + Tq - 1 against one block of Tk keys at positions k0 .. k0 + Tk - 1, each row seeing
+ * the keys its causal prefix and window allow (as above, by position; a block wholly in a
+ * row's future adds nothing). Rows and keys are strided so a chunk's pieces are used in
+ * place: q, acc, dq, dout row (b, r) at ((b * ldq + r) * nh + h) * hd, m, l, lse, D row at
+ * (b * nh + h) * ldq + r; k, v, dk, dv row (b, j) at ((b * ldk + j) * nkv + kh) * hd. */
+typedef struct {
+    int B, nh, nkv, hd;
+    int Tq, q0, ldq; /* query rows, the first one's position, rows per sequence in q's buffer */
+    int Tk, k0, ldk;
+} kern_attn_blk;
+/* Online softmax over blocks: acc (unnormalised sum of exp(s - m) v), m (the row's running
+ * max, -INFINITY before any key) and l (sum of exp(s - m)) absorb one block, rescaled when the
+ * max grows, so blocks merge exactly in any order; start from acc 0, m -inf, l 0. Rows that
+ * see no key of the block are untouched. */
+void op_attention_fwd_blk(float *acc, float *m, float *l, const float *q, const float *k, const float *v,
+                          const kern_attn_blk *g, const kern_attn_opt *opt);
+/* After the last block: out = acc / l (in place in acc) and lse = m + log l (in place in m). */
+void op_attention_blk_finish(float *acc, float *m, const float *l, const kern_attn_blk *g);
+/* The backward of one block, given the whole row's lse (the finished forward's) and
+ * D = rowsum(dout * out) (op_attention_blk_rowdot): dq += the block's share, dk, dv += the
+ * block's keys' gradients from these rows; always adds. */
+void op_attention_bwd_blk(float *dq, float *dk, float *dv, const float *dout, const float *lse, const float *D,
+                          const float *q, const float *k, const float *v, const kern_attn_blk *g,
+                          const kern_attn_opt *opt);
+/* D [B, nh, ldq] rows = rowsum(dout * out) of the Tq query rows (the layout of lse). */
+void op_attention_blk_rowdot(float *D, const float *dout, const float *out, const kern_attn_blk *g);
+/* The pair a tile of keys at a time (kernels/ref/attention_blk.c: attention.c's tiling, the
+ * results of the above to rounding); _avx512 compiled for AVX-512 (call only where the CPU has it). */
+void op_attention_fwd_blk_tiled(float *acc, float *m, float *l, const float *q, const float *k, const float *v,
+                                const kern_attn_blk *g, const kern_attn_opt *opt);
+void op_attention_bwd_blk_tiled(float *dq, float *dk, float *dv, const float *dout, const float *lse, const float *D,
+                                const float *q, const float *k, const float *v, const kern_attn_blk *g,
+                                const kern_attn_opt *opt);
+#if defined(__x86_64__)
+void op_attention_fwd_blk_tiled_avx512(float *acc, float *m, float *l, const float *q, const float *k,
+                                       const float *v, const kern_attn_blk *g, const kern_attn_opt *opt);
+void op_attention_bwd_blk_tiled_avx512(float *dq, float *dk, float *dv, const float *dout, const float *lse,
+                                       const float *D, const float *q, const float *k, const float *v,
+                                       const kern_attn_blk *g, const kern_attn_opt *opt);
+#endif
 void op_attention_fwd_tiled(float *out, float *lse, const float *q, const float *k, const float *v,
                             int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
 void op_attention_bwd_tiled(float *dq, float *dk, float *dv, const float *dout, const float *out,

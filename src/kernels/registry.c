@@ -87,14 +87,17 @@ static const kern_impl registry[] = {
     {KERN_OP_ATTENTION, "blocked_avx512bf16", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16, 0,
      "blocked_avx512 with vdpbf16ps products under bf16 mixed precision (scores, and the whole backward)",
      .fn.attention = {kern_attention_fwd_avx512bf16, kern_attention_bwd_avx512bf16, kern_attention_fwd_q0_avx512bf16,
-                      kern_attention_bwd_q0_avx512bf16}},
+                      kern_attention_bwd_q0_avx512bf16, op_attention_fwd_blk_tiled_avx512,
+                      op_attention_bwd_blk_tiled_avx512}},
     {KERN_OP_ATTENTION, "blocked_avx512", "cpu", KERN_FEAT_AVX512, 0,
      "tiles as \"tiled\", 4x64 zmm register blocks for every product (hd % 64 == 0; else tiled_avx512)",
      .fn.attention = {kern_attention_fwd_avx512, kern_attention_bwd_avx512, kern_attention_fwd_q0_avx512,
-                      kern_attention_bwd_q0_avx512}},
+                      kern_attention_bwd_q0_avx512, op_attention_fwd_blk_tiled_avx512,
+                      op_attention_bwd_blk_tiled_avx512}},
     {KERN_OP_ATTENTION, "tiled_avx512", "cpu", KERN_FEAT_AVX512, 0, "\"tiled\" compiled for AVX-512 (same results)",
      .fn.attention = {op_attention_fwd_tiled_avx512, op_attention_bwd_tiled_avx512, op_attention_fwd_q0_tiled_avx512,
-                      op_attention_bwd_q0_tiled_avx512}},
+                      op_attention_bwd_q0_tiled_avx512, op_attention_fwd_blk_tiled_avx512,
+                      op_attention_bwd_blk_tiled_avx512}},
     {KERN_OP_ATTENTION, "blocked_avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, 0,
      "tiles as \"tiled\", 6x16 ymm register blocks for every product (hd % 16 == 0; else tiled_avx2)",
      .fn.attention = {kern_attention_fwd_avx2, kern_attention_bwd_avx2, kern_attention_fwd_q0_avx2,
@@ -114,9 +117,10 @@ static const kern_impl registry[] = {
 #endif
     {KERN_OP_ATTENTION, "tiled", "cpu", 0, 0, "kernels/ref/attention.c: 32x64 tiles, online softmax, recompute in bwd",
      .fn.attention = {op_attention_fwd_tiled, op_attention_bwd_tiled, op_attention_fwd_q0_tiled,
-                      op_attention_bwd_q0_tiled}},
+                      op_attention_bwd_q0_tiled, op_attention_fwd_blk_tiled, op_attention_bwd_blk_tiled}},
     {KERN_OP_ATTENTION, "ref", "cpu", 0, 0, "kernels/ref: a row at a time, saves lse [B,nh,T], recompute in bwd",
-     .fn.attention = {op_attention_fwd, op_attention_bwd, op_attention_fwd_q0, op_attention_bwd_q0}},
+     .fn.attention = {op_attention_fwd, op_attention_bwd, op_attention_fwd_q0, op_attention_bwd_q0,
+                      op_attention_fwd_blk, op_attention_bwd_blk}},
 #if defined(__x86_64__)
     {KERN_OP_SWIGLU, "avx512", "cpu", KERN_FEAT_AVX512, 0, "zmm, vector exp (2 ulp)",
      .fn.swiglu = {kern_swiglu_fwd_avx512, kern_swiglu_bwd_avx512}},
@@ -413,6 +417,9 @@ kern_impl kern_impl_complete(const kern_impl *im) {
     case KERN_OP_ATTENTION:
         if (!c.fn.attention.fwd_q0) c.fn.attention.fwd_q0 = op_attention_fwd_q0;
         if (!c.fn.attention.bwd_q0) c.fn.attention.bwd_q0 = op_attention_bwd_q0;
+        /* the entries without a block form of their own run "tiled"'s (checked there) */
+        if (!c.fn.attention.fwd_blk) c.fn.attention.fwd_blk = op_attention_fwd_blk_tiled;
+        if (!c.fn.attention.bwd_blk) c.fn.attention.bwd_blk = op_attention_bwd_blk_tiled;
         break;
     case KERN_OP_MOE:
     case KERN_OP_MOE_BF16:
@@ -448,6 +455,8 @@ static void install(kern_ops *k, const kern_impl *entry) {
         k->attention_bwd = im->fn.attention.bwd;
         k->attention_fwd_q0 = im->fn.attention.fwd_q0;
         k->attention_bwd_q0 = im->fn.attention.bwd_q0;
+        k->attention_fwd_blk = im->fn.attention.fwd_blk;
+        k->attention_bwd_blk = im->fn.attention.bwd_blk;
         break;
     case KERN_OP_SWIGLU: k->swiglu_fwd = im->fn.swiglu.fwd; k->swiglu_bwd = im->fn.swiglu.bwd; break;
     case KERN_OP_GEGLU: k->geglu_fwd = im->fn.geglu.fwd; k->geglu_bwd = im->fn.geglu.bwd; break;

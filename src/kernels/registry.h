@@ -87,6 +87,12 @@ typedef void (*kern_attention_fwd_q0_fn)(float *out, float *lse, const float *q,
 typedef void (*kern_attention_bwd_q0_fn)(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                          const float *lse, const float *q, const float *k, const float *v, int B,
                                          int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
+/* The block form (op_attention_fwd_blk / _bwd_blk: ring attention's blocks, distributed/cp.c) */
+typedef void (*kern_attention_fwd_blk_fn)(float *acc, float *m, float *l, const float *q, const float *k,
+                                          const float *v, const kern_attn_blk *g, const kern_attn_opt *opt);
+typedef void (*kern_attention_bwd_blk_fn)(float *dq, float *dk, float *dv, const float *dout, const float *lse,
+                                          const float *D, const float *q, const float *k, const float *v,
+                                          const kern_attn_blk *g, const kern_attn_opt *opt);
 typedef void (*kern_swiglu_fwd_fn)(float *out, const float *gate, const float *up, int N);
 typedef void (*kern_swiglu_bwd_fn)(float *dgate, float *dup, const float *dout, const float *gate, const float *up,
                                    int N, int acc);
@@ -154,6 +160,7 @@ typedef struct {
         struct { /* and the offset form (context parallel's chunks); NULL: kern_impl_complete's */
             kern_attention_fwd_fn fwd; kern_attention_bwd_fn bwd;
             kern_attention_fwd_q0_fn fwd_q0; kern_attention_bwd_q0_fn bwd_q0;
+            kern_attention_fwd_blk_fn fwd_blk; kern_attention_bwd_blk_fn bwd_blk; /* NULL: the generic tiled pair */
         } attention;
         struct { kern_swiglu_fwd_fn fwd; kern_swiglu_bwd_fn bwd; } swiglu;
         struct { kern_geglu_fwd_fn fwd; kern_geglu_bwd_fn bwd; } geglu;
@@ -190,6 +197,8 @@ typedef struct {
     kern_attention_bwd_fn attention_bwd;
     kern_attention_fwd_q0_fn attention_fwd_q0; /* from the attention op's entry (distributed/cp.c) */
     kern_attention_bwd_q0_fn attention_bwd_q0;
+    kern_attention_fwd_blk_fn attention_fwd_blk; /* the block form, from the attention op's entry (cp.c's ring) */
+    kern_attention_bwd_blk_fn attention_bwd_blk;
     kern_swiglu_fwd_fn swiglu_fwd;
     kern_swiglu_bwd_fn swiglu_bwd;
     kern_geglu_fwd_fn geglu_fwd;

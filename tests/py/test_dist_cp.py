@@ -350,9 +350,10 @@ def test_cp_dry_run_plans_the_chunk_and_the_scratch(setup, tmp_path):
     """--dry-run under CP 2 x FSDP 2: the per-rank world line multiplies out with the cp factor
     (it named replicate x shard x tp alone, 2 for a world of 4), and the attention's
     whole-sequence scratch is one of the lines that make up the total and the planned peak
-    (it came after the peak, outside it). Its size is cp.c's padded problem counted here from
-    the model's shapes: q, out, dq, d(out) (4 x B T nh hd), k and v twice and dk, dv gathered
-    twice (6 x B T nkv hd), lse (B T nh), in fp32 over the whole sequence."""
+    (it came after the peak, outside it). Its size is what cp.c's all-gather (the default
+    rotate method) allocates, counted here from the model's shapes: k and v gathered, the
+    prefix's k, v and their gradients (6 x B T nkv hd), and one headtail piece's q, out, dq,
+    d(out) (4 x B L nh hd, L = T / 2cp) and lse (B nh L), in fp32."""
     import re
     import subprocess
     from conftest import BIN
@@ -370,8 +371,8 @@ def test_cp_dry_run_plans_the_chunk_and_the_scratch(setup, tmp_path):
     section = p.stdout[m.end():]
     lines = dict((k.strip(), int(v)) for k, v in re.findall(r"^  (\S.*?)\s+[0-9.]+ GiB\s+(\d+) bytes$", section, re.M))
     B, T, nh, nkv, hd = 2, 16, 4, 2, 8  # train_args' local batch and seq_len; the model's heads
-    bt = B * T
-    assert lines["context parallel attention scratch"] == 4 * (4 * bt * nh * hd + 6 * bt * nkv * hd + bt * nh), lines
+    bl = B * T // (2 * cp)
+    assert lines["context parallel attention scratch"] == 4 * (4 * bl * nh * hd + 6 * B * T * nkv * hd + bl * nh), lines
     parts = [v for k, v in lines.items() if k not in ("total planned per rank", "loading (row block + a slice)",
                                                       "planned peak per rank")]
     assert lines["total planned per rank"] == sum(parts), lines
@@ -381,8 +382,8 @@ def test_cp_dry_run_plans_the_chunk_and_the_scratch(setup, tmp_path):
 def test_cp_tp_dry_run_plans_the_local_heads(setup, tmp_path):
     """--dry-run under CP 2 x TP 2 x FSDP 2 (a world of 8): the per-rank line names all four
     degrees, the model line rank 0's heads (2 of 4 query, 1 of 2 kv), and the attention
-    scratch is cp.c's padded problem over the whole sequence on those local heads (counted
-    as in test_cp_dry_run_plans_the_chunk_and_the_scratch, with nh / tp and nkv / tp)."""
+    scratch is cp.c's all-gather scratch on those local heads (counted as in
+    test_cp_dry_run_plans_the_chunk_and_the_scratch, with nh / tp and nkv / tp)."""
     import re
     import subprocess
     from conftest import BIN
@@ -399,9 +400,9 @@ def test_cp_tp_dry_run_plans_the_local_heads(setup, tmp_path):
     assert "(heads 2/1, intermediate 24, lm_head rows 128 of 256)" in p.stdout, p.stdout
     section = p.stdout[m.end():]
     lines = dict((k.strip(), int(v)) for k, v in re.findall(r"^  (\S.*?)\s+[0-9.]+ GiB\s+(\d+) bytes$", section, re.M))
-    B, T, nh, nkv, hd, tp = 2, 16, 4, 2, 8, 2
-    bt = B * T
-    want = 4 * (4 * bt * nh // tp * hd + 6 * bt * nkv // tp * hd + bt * nh // tp)
+    B, T, nh, nkv, hd, tp, cp = 2, 16, 4, 2, 8, 2, 2
+    bl = B * T // (2 * cp)
+    want = 4 * (4 * bl * nh // tp * hd + 6 * B * T * nkv // tp * hd + bl * nh // tp)
     assert lines["context parallel attention scratch"] == want, lines
 
 
@@ -410,7 +411,8 @@ def test_cp_pp_dry_run_plans_each_stage_on_its_chunk(setup, tmp_path):
     and each pipeline rank's plan is for micro-batches of the chunk: its point-to-point buffers
     hold 4 messages per micro-batch of 1 x seq_len / cp rows of the hidden size (pp_bind, here
     8 micro-batches: accumulation 4 x local batch 2 / micro-batch 1), and its attention scratch
-    is cp.c's padded problem over the whole sequence on TP rank 0's heads."""
+    is cp.c's all-gather scratch (test_cp_dry_run_plans_the_chunk_and_the_scratch) on TP rank
+    0's heads for a micro-batch."""
     import re
     import subprocess
     from conftest import BIN
@@ -425,7 +427,7 @@ def test_cp_pp_dry_run_plans_each_stage_on_its_chunk(setup, tmp_path):
                         p.stdout, re.M)
     assert [s[0] for s in stages] == ["0", "1"], p.stdout
     M, mb, T, cp, H, nh, nkv, hd, tp = 8, 1, 16, 2, 30, 4, 2, 8, 2
-    bt = mb * T
+    bl = mb * T // (2 * cp)
     for _, p2p, scratch in stages:
         assert int(p2p) == 4 * M * 4 * mb * (T // cp) * H, p.stdout
-        assert int(scratch) == 4 * (4 * bt * nh // tp * hd + 6 * bt * nkv // tp * hd + bt * nh // tp), p.stdout
+        assert int(scratch) == 4 * (4 * bl * nh // tp * hd + 6 * mb * T * nkv // tp * hd + bl * nh // tp), p.stdout

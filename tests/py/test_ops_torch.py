@@ -489,3 +489,137 @@ def test_attention_query_offset(lib, gen, impl, B, Tk, Tq, nh, nkv, hd, scale, w
     assert_close(dq, dq_t, what + " dq (acc 0)")
     assert_close(dk, dk_t, what + " dk (acc 0)")
     assert_close(dv, dv_t, what + " dv (acc 0)")
+
+
+# ---------------------------------------------------------- attention, block form (ring)
+
+class AttnBlk(ctypes.Structure):
+    """kernels/ops.h's kern_attn_blk: the query rows and the key block of one block call."""
+    _fields_ = [(n, c_int) for n in ("B", "nh", "nkv", "hd", "Tq", "q0", "ldq", "Tk", "k0", "ldk")]
+
+
+BLK_SIGS = {
+    "op_attention_blk_finish": [F32P, F32P, F32P, ctypes.POINTER(AttnBlk)],
+    "op_attention_blk_rowdot": [F32P, F32P, F32P, ctypes.POINTER(AttnBlk)],
+}
+for _impl in ("", "_tiled", "_tiled_avx512"):
+    BLK_SIGS["op_attention_fwd_blk" + _impl] = [F32P] * 6 + [ctypes.POINTER(AttnBlk), OPTP]
+    BLK_SIGS["op_attention_bwd_blk" + _impl] = [F32P] * 9 + [ctypes.POINTER(AttnBlk), OPTP]
+
+
+def _blk_lib(lib):
+    for name, args in BLK_SIGS.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, args
+    return lib
+
+
+def PA(a, elems):
+    """ctypes pointer `elems` floats into the contiguous float32 array a (a strided piece used in place)."""
+    assert a.flags["C_CONTIGUOUS"] and a.dtype == np.float32
+    return ctypes.cast(a.ctypes.data + 4 * elems, F32P)
+
+
+def _cuts(T, sizes):
+    """[(start, length)] covering 0..T-1 with the given lengths (the last takes the rest)."""
+    out, p = [], 0
+    for s in sizes:
+        if p >= T:
+            break
+        s = min(s, T - p)
+        out.append((p, s))
+        p += s
+    if p < T:
+        out.append((p, T - p))
+    return out
+
+
+# (B, T, nh, nkv, hd, query pieces' lengths, key blocks' lengths, (scale, window, softcap))
+ATTN_BLK_CASES = [
+    (2, 12, 4, 2, 6, [3] * 4, [3] * 4, (0.0, 0, 0.0)),         # ring pieces: diagonal, past, future blocks
+    (1, 16, 4, 1, 8, [2, 6, 6, 2], [2, 6, 6, 2], (0.0, 0, 0.0)),  # headtail-like uneven order, MQA
+    (2, 13, 3, 3, 6, [5, 8], [4, 4, 5], (0.0, 0, 0.0)),        # blocks cutting across the query pieces' diagonal
+    (1, 40, 4, 2, 16, [10] * 4, [10] * 4, (0.0, 6, 0.0)),       # a window: whole blocks left of it skipped
+    (1, 40, 4, 2, 16, [7, 13, 20], [9, 11, 20], (0.0, 13, 0.0)),
+    (1, 24, 2, 1, 8, [6] * 4, [6] * 4, (0.0, 0, 2.0)),          # a soft cap that bites
+    (1, 24, 2, 1, 8, [12, 12], [5, 7, 12], (0.25, 7, 5.0)),     # all three options
+    (1, 33, 4, 2, 128, [11] * 3, [11] * 3, (0.0, 0, 0.0)),      # real head_dim
+    (1, 300, 4, 2, 16, [150] * 2, [130, 170], (0.0, 0, 0.0)),   # several 32-row, 64-key tiles, partial ones
+    (1, 300, 4, 2, 16, [100] * 3, [100] * 3, (0.0, 70, 3.0)),   # tiles across a window and a cap
+]
+
+
+@pytest.mark.parametrize("B,T,nh,nkv,hd,qcuts,kcuts,o", ATTN_BLK_CASES)
+@pytest.mark.parametrize("impl", ["", "_tiled", "_tiled_avx512"])
+def test_attention_blocks(lib, gen, impl, B, T, nh, nkv, hd, qcuts, kcuts, o):
+    """Each query piece against every key block (in a scrambled order, future blocks
+    included), merged by the online softmax and finished, is torch's causal attention of
+    those rows over the whole sequence; the blocks' backward sums to torch's gradients."""
+    if impl == "_tiled_avx512" and not _has_avx512():
+        pytest.skip("no AVX-512")
+    _blk_lib(lib)
+    fwd_blk, bwd_blk = getattr(lib, "op_attention_fwd_blk" + impl), getattr(lib, "op_attention_bwd_blk" + impl)
+    scale, window, softcap = o
+    q = randn(gen, B, T, nh, hd, scale=1.5).requires_grad_()
+    k = randn(gen, B, T, nkv, hd, scale=1.5).requires_grad_()
+    v = randn(gen, B, T, nkv, hd).requires_grad_()
+    out_t, lse_t = torch_attention(q, k, v, scale=scale or None, window=window, softcap=softcap)
+    g, (dq_t, dk_t, dv_t) = backward(out_t, (q, k, v), gen)
+    qn, kn, vn, gn = np32(q), np32(k), np32(v), np32(g)
+    opt = ctypes.byref(AttnOpt(scale, window, softcap, 0))
+    out = np.zeros((B, T, nh, hd), np.float32)       # acc, then out, in place
+    lse = np.full((B, nh, T), -np.inf, np.float32)   # m, then lse
+    l = np.zeros((B, nh, T), np.float32)
+    blocks = _cuts(T, kcuts)
+    order = list(range(len(blocks)))
+    order = order[1::2] + order[0::2][::-1]          # not position order: the merge must not care
+    pieces = _cuts(T, qcuts)
+    geo = lambda q0, Lq, k0, Lk: ctypes.byref(AttnBlk(B, nh, nkv, hd, Lq, q0, T, Lk, k0, T))
+    for q0, Lq in pieces:
+        for bi in order:
+            k0, Lk = blocks[bi]
+            fwd_blk(PA(out, q0 * nh * hd), PA(lse, q0), PA(l, q0), PA(qn, q0 * nh * hd),
+                                     PA(kn, k0 * nkv * hd), PA(vn, k0 * nkv * hd), geo(q0, Lq, k0, Lk), opt)
+        lib.op_attention_blk_finish(PA(out, q0 * nh * hd), PA(lse, q0), PA(l, q0), geo(q0, Lq, 0, 0))
+    what = f"attention blocks q{qcuts} k{kcuts} opt {o}"
+    assert_close(out, out_t, what + " fwd")
+    assert_close(lse, lse_t, what + " lse")
+    dq0, dk0, dv0 = np32(randn(gen, *q.shape)), np32(randn(gen, *k.shape)), np32(randn(gen, *v.shape))
+    dq, dk, dv = dq0.copy(), dk0.copy(), dv0.copy()
+    D = np.full((B, nh, T), np.nan, np.float32)
+    for q0, Lq in pieces:
+        lib.op_attention_blk_rowdot(PA(D, q0), PA(gn, q0 * nh * hd), PA(out, q0 * nh * hd), geo(q0, Lq, 0, 0))
+        for bi in order:
+            k0, Lk = blocks[bi]
+            qo, ko = q0 * nh * hd, k0 * nkv * hd
+            bwd_blk(PA(dq, qo), PA(dk, ko), PA(dv, ko), PA(gn, qo), PA(lse, q0), PA(D, q0),
+                                     PA(qn, qo), PA(kn, ko), PA(vn, ko), geo(q0, Lq, k0, Lk), opt)
+    assert_close(dq - dq0, dq_t, what + " dq")
+    assert_close(dk - dk0, dk_t, what + " dk")
+    assert_close(dv - dv0, dv_t, what + " dv")
+
+
+@pytest.mark.parametrize("impl", ["", "_tiled", "_tiled_avx512"])
+def test_attention_blocks_bf16(lib, gen, impl):
+    """Under bf16 products the blocks' backward rounds P and dS as the offset form's
+    reference does (checked against torch above in fp32): the two agree to 1e-5."""
+    if impl == "_tiled_avx512" and not _has_avx512():
+        pytest.skip("no AVX-512")
+    _blk_lib(lib)
+    B, T, nh, nkv, hd = 1, 20, 4, 2, 8
+    bf = lambda t: np32(t.to(torch.bfloat16).float())
+    q, k, v, g = (bf(randn(gen, B, T, n, hd)) for n in (nh, nkv, nkv, nh))
+    opt = ctypes.byref(AttnOpt(0.0, 0, 0.0, 1))
+    out, lse = np.zeros((B, T, nh, hd), np.float32), np.zeros((B, nh, T), np.float32)
+    lib.op_attention_fwd(P(out), P(lse), P(q), P(k), P(v), B, T, nh, nkv, hd, opt)
+    want = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
+    lib.op_attention_bwd(*(P(x) for x in want), P(g), P(out), P(lse), P(q), P(k), P(v), B, T, nh, nkv, hd, opt, 0)
+    got = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
+    D = np.zeros((B, nh, T), np.float32)
+    lib.op_attention_blk_rowdot(P(D), P(g), P(out), ctypes.byref(AttnBlk(B, nh, nkv, hd, T, 0, T, 0, 0, T)))
+    for k0 in range(0, T, 5):
+        getattr(lib, "op_attention_bwd_blk" + impl)(P(got[0]), PA(got[1], k0 * nkv * hd), PA(got[2], k0 * nkv * hd), P(g), P(lse), P(D),
+                                 P(q), PA(k, k0 * nkv * hd), PA(v, k0 * nkv * hd),
+                                 ctypes.byref(AttnBlk(B, nh, nkv, hd, T, 0, T, 5, k0, T)), opt)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert_close(a, b, "attention blocks bf16 " + name)

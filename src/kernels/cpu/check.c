@@ -730,10 +730,77 @@ static void att_bwd_of(const kern_impl *im, int q0form, float *dq, float *dk, fl
     else im->fn.attention.bwd(dq, dk, dv, dout, out, lse, q, k, v, B, Tk, nh, nkv, hd, opt, acc);
 }
 
+/* The block form (ring attention): the sequence of T cut into P = -s[6] pieces, the last
+ * piece's rows against every piece as a block (the ring's order: its own first), each
+ * implementation's forward merging them into acc, m, l from the same start, then its
+ * backward of every block from the reference's finished out, lse and D. */
+static void case_attention_blk(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    int B = s[0], T = s[1], nh = s[2], nkv = s[3], hd = s[4], P = -s[6];
+    int L = T / P, q0 = T - L;
+    const kern_attn_opt *opt = s[5] == ATT_OPT_NULL ? NULL : &attn_opts[s[5]].opt;
+    int w = snprintf(c->detail + c->len, sizeof c->detail - c->len, "[blocks of %d, rows %d..]", L, q0);
+    if (w > 0) c->len += (size_t)w;
+    if (!im->fn.attention.fwd_blk || !im->fn.attention.bwd_blk) { /* a test's table: kern_impl_complete's */
+        w = snprintf(c->detail + c->len, sizeof c->detail - c->len, " no block form of its own");
+        if (w > 0) c->len += (size_t)w;
+        return;
+    }
+    if (s[5] != ATT_OPT_NULL) {
+        w = snprintf(c->detail + c->len, sizeof c->detail - c->len, "[%s]", attn_opts[s[5]].name);
+        if (w > 0) c->len += (size_t)w;
+    }
+    size_t nq = (size_t)B * L * nh * hd, nk = (size_t)B * T * nkv * hd, nl = (size_t)B * nh * L;
+    float *q = fbuf(nq), *k = fbuf(nk), *v = fbuf(nk), *dout = fbuf(nq);
+    fill(q, nq, r, -2, 2);
+    fill(k, nk, r, -2, 2);
+    fill(v, nk, r, -1, 1);
+    fill(dout, nq, r, -1, 1);
+    if (kern_attn_bf16(opt)) ct_round_bf16(q, nq), ct_round_bf16(k, nk), ct_round_bf16(v, nk), ct_round_bf16(dout, nq);
+    float *a1 = fbuf(nq), *a2 = fbuf(nq), *m1 = fbuf(nl), *m2 = fbuf(nl), *l1 = fbuf(nl), *l2 = fbuf(nl);
+    memset(a1, 0, nq * sizeof(float)), memset(a2, 0, nq * sizeof(float));
+    memset(l1, 0, nl * sizeof(float)), memset(l2, 0, nl * sizeof(float));
+    for (size_t i = 0; i < nl; i++) m1[i] = m2[i] = -INFINITY;
+    for (int i = 0; i < P; i++) {
+        int bk = (P - 1 + i) % P;
+        kern_attn_blk g = {B, nh, nkv, hd, L, q0, L, L, bk * L, T};
+        size_t ko = (size_t)bk * L * nkv * hd;
+        ref->fn.attention.fwd_blk(a1, m1, l1, q, k + ko, v + ko, &g, opt);
+        im->fn.attention.fwd_blk(a2, m2, l2, q, k + ko, v + ko, &g, opt);
+    }
+    part(c, "acc", rel_err(a2, a1, nq));
+    part(c, "m", rel_err(m2, m1, nl));
+    part(c, "l", rel_err(l2, l1, nl));
+    kern_attn_blk gq = {B, nh, nkv, hd, L, q0, L, 0, 0, T};
+    float *D = fbuf(nl);
+    op_attention_blk_finish(a1, m1, l1, &gq); /* the reference's out and lse */
+    op_attention_blk_rowdot(D, dout, a1, &gq);
+    float *dq1 = fbuf(nq), *dk1 = fbuf(nk), *dv1 = fbuf(nk);
+    fill(dq1, nq, r, -1, 1);
+    fill(dk1, nk, r, -1, 1);
+    fill(dv1, nk, r, -1, 1);
+    float *dq2 = dup(dq1, nq), *dk2 = dup(dk1, nk), *dv2 = dup(dv1, nk);
+    for (int i = 0; i < P; i++) {
+        int bk = (P - 1 + i) % P;
+        kern_attn_blk g = {B, nh, nkv, hd, L, q0, L, L, bk * L, T};
+        size_t ko = (size_t)bk * L * nkv * hd;
+        ref->fn.attention.bwd_blk(dq1, dk1 + ko, dv1 + ko, dout, m1, D, q, k + ko, v + ko, &g, opt);
+        im->fn.attention.bwd_blk(dq2, dk2 + ko, dv2 + ko, dout, m1, D, q, k + ko, v + ko, &g, opt);
+    }
+    part(c, "dq+=", rel_err(dq2, dq1, nq));
+    part(c, "dk+=", rel_err(dk2, dk1, nk));
+    part(c, "dv+=", rel_err(dv2, dv1, nk));
+    free(q), free(k), free(v), free(dout), free(a1), free(a2), free(m1), free(m2), free(l1), free(l2), free(D);
+    free(dq1), free(dk1), free(dv1), free(dq2), free(dk2), free(dv2);
+}
+
 /* s: B T nh nkv hd, the options (attn_opts[]), and Tq: 0 for the whole-sequence
  * pair, else the offset form's query rows (the last Tq of the T positions; at
  * most T, which --quick may have capped). */
 static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *im, const int *s, chk_rng *r) {
+    if (s[6] < 0) { /* the block form's case */
+        case_attention_blk(c, ref, im, s, r);
+        return;
+    }
     int B = s[0], Tk = s[1], nh = s[2], nkv = s[3], hd = s[4], q0form = s[6] > 0;
     int Tq = q0form ? (s[6] < Tk ? s[6] : Tk) : Tk;
     const kern_attn_opt *opt = s[5] == ATT_OPT_NULL ? NULL : &attn_opts[s[5]].opt;
@@ -809,7 +876,7 @@ static void case_attention(chk_case *c, const kern_impl *ref, const kern_impl *i
     free(dq3), free(dk3), free(dv3), free(dq4), free(dk4), free(dv4);
 }
 
-/* B T nh nkv hd opt Tq (opt: attn_opts[]; Tq: case_attention) */
+/* B T nh nkv hd opt Tq (opt: attn_opts[]; Tq: case_attention, < 0: case_attention_blk) */
 static const int shapes_attention[][CHK_DIMS] = {
     {1, 1, 1, 1, 1}, {1, 3, 2, 1, 4}, {2, 5, 4, 2, 17}, {1, 33, 4, 4, 16}, {1, 64, 16, 8, 128}, {2, 17, 3, 1, 8},
     /* across the 32 x 64 tiles: partial blocks, several key blocks per row, diagonal inside a block */
@@ -857,6 +924,11 @@ static const int shapes_attention[][CHK_DIMS] = {
     {2, 97, 4, 2, 16, 5, 60},    {1, 130, 4, 2, 64, 7, 65},   {2, 97, 4, 2, 16, 8, 40},
     {1, 150, 2, 1, 24, 10, 75},  {1, 260, 4, 2, 64, 11, 130}, {1, 40, 2, 1, 7, 12, 13},
     {1, 128, 4, 2, 128, 14, 32}, {2, 150, 4, 2, 16, 15, 50},  {1, 97, 2, 1, 64, 16, 31},
+    /* the block form, s[6] = -P (case_attention_blk: the last of P pieces against each): pieces
+     * inside a tile and across several, windows that skip whole blocks, caps, bf16 */
+    {1, 12, 2, 1, 5, 0, -4},     {1, 128, 4, 2, 64, 0, -4},   {2, 150, 4, 2, 16, 3, -2},
+    {1, 200, 2, 1, 128, 11, -4}, {1, 260, 4, 2, 64, 7, -2},   {2, 66, 3, 1, 24, 10, -3},
+    {1, 97, 4, 2, 64, 14, -3},   {1, 130, 4, 2, 64, 16, -2},
 };
 
 /* ------------------------------------------------------------- swiglu */
