@@ -430,7 +430,8 @@ int tp_check_seq(const ct_config *c, int t, int T, int pp, int val_batch, const 
     int b[2] = {pp ? c->pp_microbatch : c->local_batch_size, val_batch};
     const char *what[2] = {pp ? "parallelism.pipeline_parallel_microbatch_size" : "training.local_batch_size",
                            "the validation batch (validation.local_batch_size)"};
-    for (int i = 0; i < 2 - pp; i++) /* a pipeline validates a micro-batch at a time too */
+    /* a pipeline validates a micro-batch at a time too; without validation there is no validation batch */
+    for (int i = 0; i < (pp || !c->val_enable ? 1 : 2); i++)
         if ((long long)b[i] * T % t != 0)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: parallelism.sequence_parallel = true: %s %d x %d positions per sequence "

@@ -227,6 +227,23 @@ def test_sp_refuses_rows_the_degree_does_not_divide(sp_setup, ranks, extra, word
     assert "parallelism.sequence_parallel = true" in p.stderr and words in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry_run"])
+def test_sp_without_validation_ignores_the_validation_batch(sp_setup, dry):
+    """validation.local_batch_size x T that TP 2 does not divide is no reason to refuse a run
+    that does not validate (validation.enable = false): it trains (and --dry-run plans) as
+    the same run did before sequence parallel became the default."""
+    d, data, _ = sp_setup
+    args = [a for a in train_args(d / "model", data, d / "noval", SP, TP2, "--parallelism.data_parallel_shard_degree=1",
+                                  "--training.seq_len=16", "--training.steps=2", "--validation.local_batch_size=1")
+            if not str(a).startswith("--validation.enable")] + (["--dry-run"] if dry else [])
+    args = [str(a).replace("--training.seq_len=16", "--training.seq_len=15") for a in args]
+    cmd = ([str(BIN)] if dry else mpirun() + ["-np", "2", str(BIN)]) + args
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "validation batch" not in p.stderr, p.stderr[-2000:]
+
+
 def field(out, label):
     return int(re.search(re.escape(label) + r"\s+[0-9.]+ GiB\s+(\d+) bytes", out).group(1))
 
