@@ -17,6 +17,11 @@
  *   tensors go through the safetensors stream writer (its own tmp + rename
  *   inside the temp dir is harmless), so a distributed save hands them over
  *   piece by piece as they are gathered and no rank holds the whole state.
+ * - Under mpirun the tensor files may instead be laid out by one process
+ *   (headers written, files sized) and filled by every process at the
+ *   offsets the headers fix (ckpt_part_*); the rest of the save is the
+ *   same. Loading reads the rows a caller names with pread, a bounded block
+ *   at a time, so a rank reads its share, not the files.
  * - The manifest is written by hand, like the safetensors header, so byte
  *   counts above 2^31 never come out in exponent form. It is read with cJSON
  *   as untrusted input: size-capped, every field type-checked, file names
@@ -330,8 +335,10 @@ static int ckpt_read_manifest(const char *dir, ckpt_manifest *man, ct_err *e) {
     return 0;
 }
 
-/* Checks every listed file: size always, checksum when `full`. */
-static int ckpt_check_files(const char *dir, const ckpt_manifest *man, int full, prog_bar *bar, ct_err *e) {
+/* Checks every listed file: size always, checksum when `full`; *hashed
+ * (may be NULL) gets the bytes read for the checksums. */
+static int ckpt_check_files(const char *dir, const ckpt_manifest *man, int full, prog_bar *bar, uint64_t *hashed,
+                            ct_err *e) {
     char p[CKPT_PATH];
     for (int i = 0; i < man->n; i++) {
         const ckpt_file *f = &man->f[i];
@@ -347,6 +354,7 @@ static int ckpt_check_files(const char *dir, const ckpt_manifest *man, int full,
         if (!full) continue;
         uint64_t bytes, hash;
         if ((rc = ckpt_hash_file(p, &bytes, &hash, bar, e))) return rc;
+        if (hashed) *hashed += bytes;
         if (bytes != f->bytes)
             return ct_fail(e, CT_ERR_FORMAT, "%s: changed size while being read", p);
         if (hash != f->hash)
@@ -357,13 +365,28 @@ static int ckpt_check_files(const char *dir, const ckpt_manifest *man, int full,
 
 static int ckpt_verify_level(const char *dir, int full, ckpt_manifest *man, ct_err *e) {
     int rc = ckpt_read_manifest(dir, man, e);
-    if (!rc) rc = ckpt_check_files(dir, man, full, NULL, e);
+    if (!rc) rc = ckpt_check_files(dir, man, full, NULL, NULL, e);
     return rc;
 }
 
-int ckpt_verify(const char *dir, ct_err *e) {
+int ckpt_verify(const char *dir, ct_err *e) { return ckpt_verify_hashed(dir, NULL, e); }
+
+int ckpt_verify_hashed(const char *dir, uint64_t *hashed, ct_err *e) {
     ckpt_manifest man;
-    return ckpt_verify_level(dir, 1, &man, e);
+    if (hashed) *hashed = 0;
+    int rc = ckpt_read_manifest(dir, &man, e);
+    if (!rc) rc = ckpt_check_files(dir, &man, 1, NULL, hashed, e);
+    return rc;
+}
+
+int ckpt_verify_sizes(const char *dir, ct_err *e) {
+    ckpt_manifest man;
+    return ckpt_verify_level(dir, 0, &man, e);
+}
+
+/* The verification ckpt_select_with was given, or ckpt_verify. */
+static int ckpt_verify_by(ckpt_verify_fn verify, void *vctx, const char *dir, int step, ct_err *e) {
+    return verify ? verify(vctx, dir, step, e) : ckpt_verify(dir, e);
 }
 
 int ckpt_is_model_only(const char *dir, ct_err *e) {
@@ -377,6 +400,30 @@ int ckpt_is_model_only(const char *dir, ct_err *e) {
 /* Opens the stream of model.safetensors (file 0: every parameter) or
  * optim.safetensors (file 1: every "NAME.exp_avg", then every
  * "NAME.exp_avg_sq"), fp32, in m's table order. */
+/* The tensors of model.safetensors (file 0) or optim.safetensors (file 1)
+ * as st_write takes them (no data); *names holds the moments' names. */
+static st_wtensor *ckpt_file_tensors(const lm_model *m, int file, int *count, char **names_out) {
+    int n = m->n_tensors;
+    int nt = file ? 2 * n : n;
+    st_wtensor *ts = ct_calloc((size_t)nt + 1, sizeof *ts);
+    char *names = file ? ct_malloc((size_t)nt * (LM_NAME_MAX + 16)) : NULL;
+    for (int k = 0; k < (file ? 2 : 1); k++)
+        for (int i = 0; i < n; i++) {
+            const lm_tensor *t = &m->tensors[i];
+            st_wtensor *w = &ts[k * n + i];
+            *w = (st_wtensor){.name = t->name, .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim};
+            if (file) {
+                char *nm = names + (size_t)(k * n + i) * (LM_NAME_MAX + 16);
+                snprintf(nm, LM_NAME_MAX + 16, "%s.%s", t->name, k ? "exp_avg_sq" : "exp_avg");
+                w->name = nm;
+            }
+            for (int d = 0; d < t->ndim; d++) w->shape[d] = t->shape[d];
+        }
+    *count = nt;
+    *names_out = names;
+    return ts;
+}
+
 static int ckpt_open_file(st_stream **out, const char *path, const lm_model *m, int file, ct_err *e) {
     int n = m->n_tensors;
     int nt = file ? 2 * n : n;
@@ -514,6 +561,7 @@ struct ckpt_stream {
     prog_bar bar;    /* tensor bytes written */
     const char *id_src[2]; /* where config.json's token ids come from (ckpt_stream_token_ids) */
     int n_id_src;
+    int parts;       /* ckpt_stream_begin_parts: the tensor files were written by ckpt_part_write */
 };
 
 static void ckpt_stream_free(ckpt_stream *s, int remove_tmp) {
@@ -622,6 +670,177 @@ void ckpt_stream_abort(ckpt_stream *s) {
     if (s) ckpt_stream_free(s, 1);
 }
 
+/* ------------------------------------------------- a save in parts */
+
+int ckpt_tmp_dir(char *out, size_t cap, const char *folder, int step, long pid, ct_err *e) {
+    char name[64];
+    snprintf(name, sizeof name, ".step-%d.tmp-%ld", step, pid);
+    return fs_join_buf(out, cap, folder, name, e);
+}
+
+/* Writes tensor file `file` of m (0 model, 1 optim) at PATH: its header,
+ * and its size set so every tensor's bytes lie at their offsets (a sparse
+ * file until the writers fill it). */
+static int ckpt_lay_file(const char *path, const lm_model *m, int file, ct_err *e) {
+    int nt;
+    char *names, *head = NULL;
+    st_wtensor *ts = ckpt_file_tensors(m, file, &nt, &names);
+    uint64_t *offs = ct_malloc(((size_t)nt + 1) * sizeof *offs), total = 0;
+    size_t hl = 0;
+    const char *meta[] = {"format", "pt", NULL};
+    int rc = st_layout(path, ts, nt, meta, &head, &hl, offs, &total, e);
+    if (!rc) {
+        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd < 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", path, strerror(errno));
+        for (size_t done = 0; !rc && done < hl;) {
+            ssize_t k = pwrite(fd, head + done, hl - done, (off_t)done);
+            if (k < 0 && errno == EINTR) continue;
+            if (k <= 0) rc = ct_fail(e, CT_ERR_IO, "%s: write failed: %s", path, k < 0 ? strerror(errno) : "no progress");
+            else done += (size_t)k;
+        }
+        if (!rc && ftruncate(fd, (off_t)total) != 0)
+            rc = ct_fail(e, CT_ERR_IO, "%s: cannot size it to %llu bytes: %s", path, (unsigned long long)total,
+                         strerror(errno));
+        if (fd >= 0 && close(fd) != 0 && !rc) rc = ct_fail(e, CT_ERR_IO, "%s: cannot close: %s", path, strerror(errno));
+    }
+    free(head);
+    free(offs);
+    free(names);
+    free(ts);
+    return rc;
+}
+
+int ckpt_stream_begin_parts(ckpt_stream **out, const char *folder, int step, const lm_model *m, int model_only,
+                            ct_err *e) {
+    *out = NULL;
+    double t0 = ct_now();
+    if (step < 0) return ct_fail(e, CT_ERR_IO, "%s: checkpoint step %d is negative", folder, step);
+    ckpt_stream *s = ct_calloc(1, sizeof *s);
+    s->step = step;
+    s->model_only = model_only;
+    s->m = m;
+    s->t0 = t0;
+    s->parts = 1;
+    s->file = 2; /* the tensors' bytes come from ckpt_part_write, in every process */
+    snprintf(s->folder, sizeof s->folder, "%s", folder);
+    char name[64], p[CKPT_PATH];
+    prog_begin(&s->bar, "checkpoint save", 0, "B", 1e30); /* nothing streams through here */
+    int rc = ckpt_tmp_dir(s->tmp, CKPT_PATH, folder, step, (long)getpid(), e);
+    snprintf(name, sizeof name, "step-%d", step);
+    if (!rc) rc = fs_join_buf(s->final, CKPT_PATH, folder, name, e);
+    if (!rc) rc = ct_mkdirs(folder, e);
+    if (!rc) rc = ct_rm_tree(s->tmp, e);
+    if (!rc && mkdir(s->tmp, 0755) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", s->tmp, strerror(errno));
+    if (rc) {
+        free(s);
+        return rc;
+    }
+    if (!(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "model.safetensors", e))) rc = ckpt_lay_file(p, m, 0, e);
+    if (!rc && !model_only && !(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "optim.safetensors", e)))
+        rc = ckpt_lay_file(p, m, 1, e);
+    if (rc) {
+        ckpt_stream_free(s, 1);
+        return rc;
+    }
+    *out = s;
+    return 0;
+}
+
+struct ckpt_part {
+    char final[CKPT_PATH]; /* for messages: the step-N this save becomes */
+    char path[2][CKPT_PATH];
+    int fd[2];
+    const lm_model *m;
+    int model_only;
+    uint64_t *offs[2]; /* each tensor's data offset in the file */
+    uint64_t written;
+};
+
+int ckpt_part_open(ckpt_part **out, const char *tmp, const char *final, const lm_model *m, int model_only,
+                   ct_err *e) {
+    *out = NULL;
+    ckpt_part *w = ct_calloc(1, sizeof *w);
+    w->m = m;
+    w->model_only = model_only;
+    w->fd[0] = w->fd[1] = -1;
+    snprintf(w->final, sizeof w->final, "%s", final);
+    int rc = 0;
+    for (int f = 0; f < (model_only ? 1 : 2) && !rc; f++) {
+        rc = fs_join_buf(w->path[f], CKPT_PATH, tmp, f ? "optim.safetensors" : "model.safetensors", e);
+        if (rc) break;
+        int nt;
+        char *names, *head = NULL;
+        st_wtensor *ts = ckpt_file_tensors(m, f, &nt, &names);
+        w->offs[f] = ct_malloc(((size_t)nt + 1) * sizeof *w->offs[f]);
+        uint64_t total;
+        size_t hl;
+        const char *meta[] = {"format", "pt", NULL};
+        rc = st_layout(w->path[f], ts, nt, meta, &head, &hl, w->offs[f], &total, e); /* rank 0 laid it out alike */
+        free(head);
+        free(names);
+        free(ts);
+        if (!rc && (w->fd[f] = open(w->path[f], O_WRONLY | O_CLOEXEC)) < 0)
+            rc = ct_fail(e, CT_ERR_IO, "%s: cannot open for writing: %s", w->path[f], strerror(errno));
+    }
+    if (rc) {
+        ckpt_part_abort(w);
+        return rc;
+    }
+    *out = w;
+    return 0;
+}
+
+int ckpt_part_write(ckpt_part *w, int kind, int i, size_t at, const float *x, size_t n, ct_err *e) {
+    const lm_model *m = w->m;
+    const lm_tensor *t = &m->tensors[i];
+    int f = kind != LM_PARAMS;
+    if (f && w->model_only) return 0;
+    if (i < 0 || i >= m->n_tensors || at + n > t->numel)
+        return ct_fail(e, CT_ERR_IO, "%s: elements [%zu, %zu) are outside tensor %d (%zu elements)", w->final, at,
+                       at + n, i, (size_t)(i >= 0 && i < m->n_tensors ? t->numel : 0));
+    size_t bad = ct_first_nonfinite(x, n);
+    if (bad < n)
+        return ct_fail(e, CT_ERR_IO,
+                       "%s: not saved: %s%s holds a non-finite value (%g at element %zu); the run has diverged, and "
+                       "a checkpoint of it would resume the divergence (older checkpoints are left as they are)",
+                       w->final, t->name, kind == LM_EXP_AVG ? ".exp_avg" : kind == LM_EXP_AVG_SQ ? ".exp_avg_sq" : "",
+                       (double)x[bad], at + bad);
+    uint64_t off = w->offs[f][(kind == LM_EXP_AVG_SQ ? m->n_tensors : 0) + i] + (uint64_t)at * sizeof(float);
+    size_t len = n * sizeof(float), done = 0;
+    while (done < len) {
+        ssize_t k = pwrite(w->fd[f], (const char *)x + done, len - done, (off_t)(off + done));
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0)
+            return ct_fail(e, CT_ERR_IO, "%s: write failed at byte %llu: %s", w->path[f],
+                           (unsigned long long)(off + done), k < 0 ? strerror(errno) : "no progress");
+        done += (size_t)k;
+    }
+    w->written += len;
+    return 0;
+}
+
+uint64_t ckpt_part_written(const ckpt_part *w) { return w ? w->written : 0; }
+
+static int ckpt_part_free(ckpt_part *w, int sync, ct_err *e) {
+    int rc = 0;
+    for (int f = 0; f < 2; f++) {
+        if (w->fd[f] < 0) continue;
+        /* each writer flushes its own pages: on a network file system rank 0's fsync would not */
+        if (sync && !rc && fsync(w->fd[f]) != 0)
+            rc = ct_fail(e, CT_ERR_IO, "%s: cannot sync: %s", w->path[f], strerror(errno));
+        if (close(w->fd[f]) != 0 && sync && !rc)
+            rc = ct_fail(e, CT_ERR_IO, "%s: cannot close: %s", w->path[f], strerror(errno));
+        free(w->offs[f]);
+    }
+    free(w);
+    return rc;
+}
+
+int ckpt_part_close(ckpt_part *w, ct_err *e) { return w ? ckpt_part_free(w, 1, e) : 0; }
+void ckpt_part_abort(ckpt_part *w) {
+    if (w) ckpt_part_free(w, 0, NULL);
+}
+
 int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_toml, ckpt_info *info, ct_err *e) {
     const char *names[8];
     char p[CKPT_PATH];
@@ -632,6 +851,8 @@ int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_t
                      s->file ? "optim.safetensors" : "model.safetensors");
     names[n++] = "model.safetensors";
     if (!s->model_only) names[n++] = "optim.safetensors";
+    for (int i = 0; i < n && !rc && s->parts; i++) /* every writer synced its own pages; this is the file's */
+        if (!(rc = fs_join_buf(p, CKPT_PATH, s->tmp, names[i], e))) rc = fs_fsync(p, 0, e);
     if (!rc && !s->model_only && !state_json)
         rc = ct_fail(e, CT_ERR_IO, "%s: a full checkpoint needs the trainer state (state.json)", s->final);
     if (!rc && state_json) {
@@ -756,8 +977,8 @@ const char *ckpt_dir_kind_name(int kind) {
  * is named in a note, as it cannot be resumed. Damaged checkpoints newer
  * than it are reported and counted in *damaged. p[CKPT_PATH] gets its
  * directory, *chosen its step (-1: none), *kind its ckpt_dir_kind. */
-static int ckpt_newest(const char *folder, const int *v, int n, int exports, char *p, int *chosen, int *kind,
-                       int *damaged, ct_err *e) {
+static int ckpt_newest(const char *folder, const int *v, int n, int exports, ckpt_verify_fn verify, void *vctx,
+                       char *p, int *chosen, int *kind, int *damaged, ct_err *e) {
     char name[32];
     *chosen = -1;
     *damaged = 0;
@@ -771,7 +992,7 @@ static int ckpt_newest(const char *folder, const int *v, int n, int exports, cha
             /* a finished run's final save: a whole model, but no optimizer state to resume */
             fprintf(stderr, "ctitan: note: %s is %s (a run's final save), not a training checkpoint: it cannot "
                     "be resumed; looking at older steps\n", p, ckpt_dir_kind_name(*kind));
-        } else if (*kind != CKPT_DIR_CHECKPOINT || ckpt_verify(p, &ve) == 0) {
+        } else if (*kind != CKPT_DIR_CHECKPOINT || ckpt_verify_by(verify, vctx, p, v[i], &ve) == 0) {
             *chosen = v[i];
         } else {
             (*damaged)++;
@@ -794,7 +1015,7 @@ int ckpt_select_model(const char *folder, char *out_dir, size_t cap, int *out_st
         return ct_fail(e, CT_ERR_IO, "%s: cannot list the checkpoint folder: %s", folder, strerror(errno));
     char p[CKPT_PATH];
     int chosen = -1, kind = CKPT_DIR_CHECKPOINT, damaged = 0;
-    int rc = n == 0 ? CKPT_NONE : ckpt_newest(folder, v, n, 1, p, &chosen, &kind, &damaged, e);
+    int rc = n == 0 ? CKPT_NONE : ckpt_newest(folder, v, n, 1, NULL, NULL, p, &chosen, &kind, &damaged, e);
     if (!rc && chosen < 0)
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: none of its %d checkpoints is complete and intact (see warnings)", folder,
                      damaged);
@@ -806,6 +1027,11 @@ int ckpt_select_model(const char *folder, char *out_dir, size_t cap, int *out_st
 }
 
 int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, int *out_step, ct_err *e) {
+    return ckpt_select_with(folder, load_step, NULL, NULL, out_dir, cap, out_step, e);
+}
+
+int ckpt_select_with(const char *folder, int load_step, ckpt_verify_fn verify, void *vctx, char *out_dir, size_t cap,
+                     int *out_step, ct_err *e) {
     int *v, n;
     if (ckpt_list_all(folder, &v, &n))
         return ct_fail(e, CT_ERR_IO, "%s: cannot list the checkpoint folder: %s", folder, strerror(errno));
@@ -827,7 +1053,7 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
                                                        : "checkpoint.initial_load_path");
         if (!rc) {
             ct_err ve = {0};
-            if (ckpt_verify(p, &ve))
+            if (ckpt_verify_by(verify, vctx, p, load_step, &ve))
                 rc = ct_fail(e, ve.code, "checkpoint step %d is damaged, not loading it: %s", load_step, ve.msg);
         }
         if (!rc) chosen = load_step;
@@ -835,7 +1061,7 @@ int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, in
         rc = CKPT_NONE;
     } else {
         int damaged = 0, kind;
-        rc = ckpt_newest(folder, v, n, 0, p, &chosen, &kind, &damaged, e);
+        rc = ckpt_newest(folder, v, n, 0, verify, vctx, p, &chosen, &kind, &damaged, e);
         if (!rc && chosen < 0 && !damaged) rc = CKPT_NONE; /* final exports only: no checkpoint to resume */
         if (!rc && chosen < 0)
             rc = ct_fail(e, CT_ERR_FORMAT, "%s: none of its %d checkpoints is complete and intact (see warnings)",
@@ -861,19 +1087,112 @@ static void ckpt_shape_str(char *out, size_t cap, int ndim, const int64_t *shape
  * written, and a NaN loaded here surfaced steps later as "loss is nan",
  * naming nothing. Saves refuse such values (stream_check_finite); this
  * catches a file written otherwise. */
-static int ckpt_check_values(const char *path, const char *name, const float *x, size_t n, int nonneg, ct_err *e) {
-    int rc = ct_check_finite(x, n, 0, path, name, e);
+static int ckpt_check_values(const char *path, const char *name, const float *x, size_t n, size_t first, int nonneg,
+                             ct_err *e) {
+    int rc = ct_check_finite(x, n, first, path, name, e);
     for (size_t i = 0; !rc && nonneg && i < n; i++)
         if (x[i] < 0.0f)
             rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" holds %g at element %zu (a second moment is never "
-                         "negative)", path, name, (double)x[i], i);
+                         "negative)", path, name, (double)x[i], first + i);
     return rc;
 }
 
-/* Hands, for every model tensor T, the tensor "T" + suffix of file f to the
- * sink as `kind`, and checks that f holds nothing else. */
-static int ckpt_load_tensors(st_file *f, const lm_model *m, const char *suffix, const lm_sink *s, int kind,
-                             prog_bar *bar, ct_err *e) {
+/* A load in progress: where the rows go, which ones this process keeps,
+ * and the one block buffer they are read into. */
+typedef struct {
+    const lm_model *m;
+    const lm_sink *sink;
+    const ckpt_rows *want;
+    prog_bar *bar;
+    float *buf;
+    size_t buf_cap;   /* floats */
+    size_t (*runs)[2]; /* the wanted rows of the tensor being read */
+    int n_runs, runs_cap;
+    uint64_t read;    /* tensor bytes read */
+} ckpt_reader;
+
+/* Rows read at once: 8 MiB, or one row when a row is larger. */
+#define CKPT_BLOCK_BYTES ((size_t)8 << 20)
+
+static void ckpt_runs_add(void *acc, size_t r0, size_t r1) {
+    ckpt_reader *r = acc;
+    if (r0 >= r1) return;
+    if (r->n_runs && r->runs[r->n_runs - 1][1] >= r0) { /* adjacent or overlapping: one pread */
+        if (r1 > r->runs[r->n_runs - 1][1]) r->runs[r->n_runs - 1][1] = r1;
+        return;
+    }
+    if (r->n_runs == r->runs_cap) {
+        r->runs_cap = r->runs_cap ? 2 * r->runs_cap : 16;
+        size_t(*g)[2] = ct_malloc((size_t)r->runs_cap * sizeof *g);
+        if (r->n_runs) memcpy(g, r->runs, (size_t)r->n_runs * sizeof *g);
+        free(r->runs);
+        r->runs = g;
+    }
+    r->runs[r->n_runs][0] = r0;
+    r->runs[r->n_runs][1] = r1;
+    r->n_runs++;
+}
+
+/* Bytes [off, off + n) of fd into dst. The file's size matched the
+ * manifest and the header was validated, so a short read is damage. */
+static int ckpt_pread(int fd, const char *path, void *dst, size_t n, uint64_t off, ct_err *e) {
+    size_t done = 0;
+    while (done < n) {
+        ssize_t k = pread(fd, (char *)dst + done, n - done, (off_t)(off + done));
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0)
+            return ct_fail(e, CT_ERR_IO, "%s: read failed at byte %llu: %s", path,
+                           (unsigned long long)(off + done), strerror(errno));
+        if (k == 0)
+            return ct_fail(e, CT_ERR_FORMAT, "%s: ends at byte %llu, inside tensor data (truncated)", path,
+                           (unsigned long long)(off + done));
+        done += (size_t)k;
+    }
+    return 0;
+}
+
+/* Tensor st (named nm) of file f, open as fd, into the sink as rows of
+ * model tensor i: only the runs of rows r->want names, a block at a time,
+ * each checked before the sink sees it. */
+static int ckpt_read_tensor(ckpt_reader *r, st_file *f, int fd, const st_tensor *st, const char *nm, int i, int kind,
+                            ct_err *e) {
+    const lm_tensor *t = &r->m->tensors[i];
+    const char *path = st_path(f);
+    size_t cols = lm_tensor_cols(t), rows = cols ? t->numel / cols : 0;
+    if (!r->buf) r->buf = ct_malloc((r->buf_cap = 1) * sizeof(float));
+    if (!rows) {
+        r->sink->put(r->sink->ctx, kind, i, 0, 0, r->buf);
+        return 0;
+    }
+    r->n_runs = 0;
+    if (r->want && r->want->rows) r->want->rows(r->want->ctx, kind, i, ckpt_runs_add, r);
+    else ckpt_runs_add(r, 0, rows);
+    size_t block = CKPT_BLOCK_BYTES / sizeof(float) / cols;
+    if (!block) block = 1;
+    uint64_t base = st_data_offset(f, st);
+    for (int k = 0; k < r->n_runs; k++) {
+        size_t a = r->runs[k][0], b = r->runs[k][1] < rows ? r->runs[k][1] : rows;
+        for (size_t r0 = a; r0 < b; r0 += block) {
+            size_t r1 = r0 + block < b ? r0 + block : b, n = (r1 - r0) * cols;
+            if (n > r->buf_cap) {
+                free(r->buf);
+                r->buf = ct_malloc((r->buf_cap = n) * sizeof(float));
+            }
+            int rc = ckpt_pread(fd, path, r->buf, n * sizeof(float), base + (uint64_t)r0 * cols * sizeof(float), e);
+            if (!rc) rc = ckpt_check_values(path, nm, r->buf, n, r0 * cols, kind == LM_EXP_AVG_SQ, e);
+            if (rc) return rc;
+            r->sink->put(r->sink->ctx, kind, i, r0, r1, r->buf);
+            r->read += (uint64_t)n * sizeof(float);
+            if (r->bar) prog_add(r->bar, (double)n * sizeof(float));
+        }
+    }
+    return 0;
+}
+
+/* Hands, for every model tensor T, the tensor "T" + suffix of file f (open
+ * as fd) to the sink as `kind`, and checks that f holds nothing else. */
+static int ckpt_load_tensors(ckpt_reader *r, st_file *f, int fd, const char *suffix, int kind, ct_err *e) {
+    const lm_model *m = r->m;
     const char *path = st_path(f);
     char nm[LM_NAME_MAX + 16];
     for (int i = 0; i < m->n_tensors; i++) {
@@ -893,11 +1212,8 @@ static int ckpt_load_tensors(st_file *f, const lm_model *m, const char *suffix, 
         if (st->dtype != CT_F32)
             return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" is %s; checkpoints hold F32", path, nm,
                            ct_dtype_name(st->dtype));
-        int rc = ckpt_check_values(path, nm, st->data, t->numel, 0, e);
+        int rc = ckpt_read_tensor(r, f, fd, st, nm, i, kind, e);
         if (rc) return rc;
-        s->put(s->ctx, kind, i, 0, t->numel / lm_tensor_cols(t), st->data); /* mapped: all rows at once */
-        st_drop(st);
-        if (bar) prog_add(bar, (double)t->numel * sizeof(float));
     }
     if (st_count(f) != m->n_tensors) {
         /* counts differ and every needed name was found: some name is extra */
@@ -973,24 +1289,33 @@ int ckpt_load(const char *dir, lm_model *m, float *exp_avg, float *exp_avg_sq, c
     return ckpt_load_each(dir, m, exp_avg || exp_avg_sq, state_json, info, &s, e);
 }
 
-static int ckpt_load_checked(const char *dir, const ckpt_manifest *mp, const lm_model *m, int moments,
-                             char **state_json, const lm_sink *sink, prog_bar *bar, ct_err *e);
+static int ckpt_load_checked(const char *dir, const ckpt_manifest *mp, ckpt_reader *r, int moments, int verified,
+                             char **state_json, uint64_t *hashed, ct_err *e);
 
 int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state_json, ckpt_info *info,
                    const lm_sink *sink, ct_err *e) {
+    return ckpt_load_part(dir, m, moments, state_json, info, sink, NULL, 0, e);
+}
+
+int ckpt_load_part(const char *dir, const lm_model *m, int moments, char **state_json, ckpt_info *info,
+                   const lm_sink *sink, const ckpt_rows *want, int verified, ct_err *e) {
     double t0 = ct_now();
     if (state_json) *state_json = NULL;
     ckpt_manifest man;
     int rc = ckpt_read_manifest(dir, &man, e);
     if (rc) return rc;
-    /* one bar over both passes: every file read for its checksum, then the tensors copied */
+    /* one bar over both passes: every file read for its checksum, then the tensors (at most all of them) */
     double total = (double)m->n_params * sizeof(float) * (moments && !man.model_only ? 3 : 1);
-    for (int i = 0; i < man.n; i++) total += (double)man.f[i].bytes;
+    for (int i = 0; i < man.n && !verified; i++) total += (double)man.f[i].bytes;
     char label[64];
-    snprintf(label, sizeof label, "checkpoint load step-%d (verify + read)", man.step);
+    snprintf(label, sizeof label, "checkpoint load step-%d (%s)", man.step, verified ? "read" : "verify + read");
     prog_bar bar;
     prog_begin(&bar, label, total, "B", CKPT_PROG_MIN_S);
-    rc = ckpt_load_checked(dir, &man, m, moments, state_json, sink, &bar, e);
+    ckpt_reader r = {.m = m, .sink = sink, .want = want, .bar = &bar};
+    uint64_t hashed = 0;
+    rc = ckpt_load_checked(dir, &man, &r, moments, verified, state_json, &hashed, e);
+    free(r.buf);
+    free(r.runs);
     if (rc) {
         prog_break(&bar);
         return rc;
@@ -1002,30 +1327,48 @@ int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state
         info->bytes = 0;
         for (int i = 0; i < man.n; i++) info->bytes += man.f[i].bytes;
         info->seconds = ct_now() - t0;
+        info->read_bytes = r.read;
+        info->hashed_bytes = hashed;
     }
     return 0;
 }
 
-/* ckpt_load_each once the manifest is read: checksums, config, tensors, state. */
-static int ckpt_load_checked(const char *dir, const ckpt_manifest *mp, const lm_model *m, int moments,
-                             char **state_json, const lm_sink *sink, prog_bar *bar, ct_err *e) {
+/* st_open's parse of the header (the mapping is not read beyond it) and an
+ * fd for pread of the rows wanted. */
+static st_file *ckpt_open_tensors(const char *path, int *fd, ct_err *e) {
+    st_file *f = st_open(path, e);
+    if (!f) return NULL;
+    if ((*fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
+        ct_fail(e, CT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+        st_close(f);
+        return NULL;
+    }
+    return f;
+}
+
+/* ckpt_load_part once the manifest is read: checksums, config, tensors, state. */
+static int ckpt_load_checked(const char *dir, const ckpt_manifest *mp, ckpt_reader *r, int moments, int verified,
+                             char **state_json, uint64_t *hashed, ct_err *e) {
     const ckpt_manifest man = *mp;
-    int rc = ckpt_check_files(dir, &man, 1, bar, e);
+    const lm_model *m = r->m;
+    int rc = ckpt_check_files(dir, &man, !verified, r->bar, hashed, e);
     if (rc) return rc;
     if (moments && man.model_only)
         return ct_fail(e, CT_ERR_FORMAT,
                        "%s: a model-only checkpoint (no optim.safetensors): it can seed a run, not resume one", dir);
     if ((rc = ckpt_check_config(dir, &m->cfg, e))) return rc;
     char p[CKPT_PATH];
+    int fd = -1;
     if ((rc = fs_join_buf(p, CKPT_PATH, dir, "model.safetensors", e))) return rc;
-    st_file *f = st_open(p, e);
+    st_file *f = ckpt_open_tensors(p, &fd, e);
     if (!f) return e ? e->code : CT_ERR_FORMAT;
-    rc = ckpt_load_tensors(f, m, "", sink, LM_PARAMS, bar, e);
+    rc = ckpt_load_tensors(r, f, fd, "", LM_PARAMS, e);
+    close(fd);
     st_close(f);
     if (rc) return rc;
     if (moments) {
         if ((rc = fs_join_buf(p, CKPT_PATH, dir, "optim.safetensors", e))) return rc;
-        if (!(f = st_open(p, e))) return e ? e->code : CT_ERR_FORMAT;
+        if (!(f = ckpt_open_tensors(p, &fd, e))) return e ? e->code : CT_ERR_FORMAT;
         /* the file holds both moments: check each half, then that nothing else is there */
         const char *sfx[2] = {".exp_avg", ".exp_avg_sq"};
         char nm[LM_NAME_MAX + 16];
@@ -1048,11 +1391,7 @@ static int ckpt_load_checked(const char *dir, const ckpt_manifest *mp, const lm_
                                  ct_dtype_name(st->dtype), got, want);
                     break;
                 }
-                if ((rc = ckpt_check_values(p, nm, st->data, t->numel, k, e))) break;
-                sink->put(sink->ctx, k ? LM_EXP_AVG_SQ : LM_EXP_AVG, i, 0, t->numel / lm_tensor_cols(t),
-                          st->data);
-                st_drop(st);
-                prog_add(bar, (double)t->numel * sizeof(float));
+                rc = ckpt_read_tensor(r, f, fd, st, nm, i, k ? LM_EXP_AVG_SQ : LM_EXP_AVG, e);
             }
         if (!rc && st_count(f) != 2 * m->n_tensors) {
             for (int i = 0; i < st_count(f) && !rc; i++) {
@@ -1068,6 +1407,7 @@ static int ckpt_load_checked(const char *dir, const ckpt_manifest *mp, const lm_
                 if (!ok) rc = ct_fail(e, CT_ERR_FORMAT, "%s: unexpected tensor \"%s\" (not part of this model)", p, sn);
             }
         }
+        close(fd);
         st_close(f);
         if (rc) return rc;
     }

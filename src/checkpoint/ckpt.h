@@ -34,6 +34,8 @@ typedef struct {
     char dir[4096];  /* the checkpoint directory written or read */
     uint64_t bytes;  /* bytes of every file in it, manifest included */
     double seconds;  /* wall time of the save or load, verification included */
+    uint64_t read_bytes;   /* a load: tensor bytes this process read (its rows only: ckpt_load_part) */
+    uint64_t hashed_bytes; /* a load: bytes this process read for the checksums (0: verified before) */
 } ckpt_info;
 
 /* Writes FOLDER/step-STEP atomically (temp dir, fsync, rename; an existing
@@ -70,6 +72,36 @@ int ckpt_stream_end(ckpt_stream *s, const char *state_json, const char *config_t
 void ckpt_stream_token_ids(ckpt_stream *s, const char *const *src, int n);
 void ckpt_stream_abort(ckpt_stream *s);
 
+/* A save that every process writes its part of, when all of them see the
+ * checkpoint folder (the same files): begin_parts (one process) creates the
+ * temp dir and lays out model.safetensors and optim.safetensors (headers
+ * written, files sized: the bytes every tensor's data takes are fixed by
+ * its shape); each writer then opens them (ckpt_part_open, with the temp
+ * dir as it sees it: ckpt_tmp_dir of the first process's pid) and pwrites
+ * the elements it holds at their offsets, each element by exactly one
+ * writer; once every writer has closed (fsynced), the first process ends
+ * the stream as ckpt_stream_end does (it fsyncs the files again, reads
+ * them back for the checksums, writes the manifest and publishes). The
+ * files are ckpt_save's, byte for byte. */
+int ckpt_stream_begin_parts(ckpt_stream **out, const char *folder, int step, const lm_model *m, int model_only,
+                            ct_err *e);
+/* FOLDER/.step-STEP.tmp-PID: the temp dir of the save PID begins. */
+int ckpt_tmp_dir(char *out, size_t cap, const char *folder, int step, long pid, ct_err *e);
+typedef struct ckpt_part ckpt_part;
+/* m: the table begin_parts was given (the tensors the files hold); final
+ * names the checkpoint in messages. */
+int ckpt_part_open(ckpt_part **out, const char *tmp, const char *final, const lm_model *m, int model_only,
+                   ct_err *e);
+/* Elements [at, at + n) of tensor i of the table, as `kind` (LM_PARAMS,
+ * LM_EXP_AVG, LM_EXP_AVG_SQ: moments are ignored for a model-only save).
+ * A non-finite value is refused as ckpt_stream_put refuses it. */
+int ckpt_part_write(ckpt_part *w, int kind, int i, size_t at, const float *x, size_t n, ct_err *e);
+/* Tensor bytes written so far. */
+uint64_t ckpt_part_written(const ckpt_part *w);
+/* fsyncs and closes; frees w whatever it returns. */
+int ckpt_part_close(ckpt_part *w, ct_err *e);
+void ckpt_part_abort(ckpt_part *w);
+
 /* Step numbers of FOLDER's step-N directories (complete or not; temp dirs
  * ignored), ascending. Returns how many exist (a missing folder has 0) and
  * stores the first min(count, cap); -1 if FOLDER cannot be read. */
@@ -92,6 +124,12 @@ const char *ckpt_dir_kind_name(int kind);
  * that the files a checkpoint needs are listed. The error names the damaged
  * file. */
 int ckpt_verify(const char *dir, ct_err *e);
+/* ckpt_verify, with *hashed (may be NULL) the bytes read for the checksums. */
+int ckpt_verify_hashed(const char *dir, uint64_t *hashed, ct_err *e);
+/* The manifest and every listed file's size, not the checksums: for a
+ * process whose files another one has verified (ranks that see the same
+ * folder share one verdict: train/trainer_ckpt.c). */
+int ckpt_verify_sizes(const char *dir, ct_err *e);
 
 /* load_step < 0: the newest step-N of FOLDER that verifies; each damaged newer
  * one is reported on stderr by name and skipped, and each final export newer
@@ -102,6 +140,12 @@ int ckpt_verify(const char *dir, ct_err *e);
  * missing or damaged is an error (never a fallback). On success out_dir gets
  * FOLDER/step-N and out_step N (either may be NULL). */
 int ckpt_select(const char *folder, int load_step, char *out_dir, size_t cap, int *out_step, ct_err *e);
+/* ckpt_select with `verify` in place of ckpt_verify (dir and its step;
+ * NULL: ckpt_verify), for callers that share one verdict between
+ * processes. */
+typedef int (*ckpt_verify_fn)(void *ctx, const char *dir, int step, ct_err *e);
+int ckpt_select_with(const char *folder, int load_step, ckpt_verify_fn verify, void *vctx, char *out_dir, size_t cap,
+                     int *out_step, ct_err *e);
 /* For readers of the model (export, generate): FOLDER's newest step-N that
  * is a model, a training checkpoint that verifies or a final export
  * (CKPT_DIR_HF_MODEL or CKPT_DIR_PEFT_ADAPTER: nothing to verify, they are
@@ -125,6 +169,25 @@ int ckpt_load(const char *dir, lm_model *m, float *exp_avg, float *exp_avg_sq, c
  * during the call, so nothing whole-model-sized is allocated. */
 int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state_json, ckpt_info *info,
                    const lm_sink *sink, ct_err *e);
+/* Which rows of each tensor a loading process keeps (its FSDP shard, TP
+ * slice, experts, stages): rows(ctx, kind, i, add, acc) calls add(acc, r0,
+ * r1) for runs [r0, r1) of whole rows of tensor i of the loader's table
+ * (lm_sink's rows), ascending. It may name rows the sink then drops, never
+ * fewer than it keeps. */
+typedef void (*ckpt_rows_add)(void *acc, size_t r0, size_t r1);
+typedef struct {
+    void (*rows)(void *ctx, int kind, int i, ckpt_rows_add add, void *acc);
+    void *ctx;
+} ckpt_rows;
+/* ckpt_load_each reading only the rows `want` names (NULL: every row), with
+ * pread at the offsets the safetensors headers give, a bounded block of
+ * rows at a time: a rank reads about its share of the files, not all of
+ * them. The values checks cover what is read. verified: the caller has
+ * checked the checksums already (ckpt_verify, or the verdict of a process
+ * that sees the same files): the manifest and sizes are checked again, the
+ * checksums not. info->read_bytes and hashed_bytes say what was read. */
+int ckpt_load_part(const char *dir, const lm_model *m, int moments, char **state_json, ckpt_info *info,
+                   const lm_sink *sink, const ckpt_rows *want, int verified, ct_err *e);
 
 /* Keeps the newest keep_latest_k complete full checkpoints (k <= 0: keeps
  * all; model-only ones do not count) and removes every step-N older than the

@@ -483,6 +483,58 @@ static void load_put(void *ctx, int kind, int i, size_t r0, size_t r1, const flo
     }
 }
 
+/* A held run of an FSDP shard (fsdp_held_runs): flat [x, x + n) of the
+ * local buffer; marks the local rows of tensor lt it touches. */
+typedef struct {
+    const lm_tensor *lt;
+    size_t cols;
+    unsigned char *need;
+} held_rows_ctx;
+
+static void held_rows(void *ctx, size_t x, size_t n, size_t s) {
+    (void)s;
+    held_rows_ctx *c = ctx;
+    size_t a = c->lt->offset, b = a + c->lt->numel, lo = x > a ? x : a, hi = x + n < b ? x + n : b;
+    if (lo < hi) memset(c->need + (lo - a) / c->cols, 1, (hi - a + c->cols - 1) / c->cols - (lo - a) / c->cols);
+}
+
+void plan_load_rows(const ct_plan *p, int kind, int i, void (*add)(void *acc, size_t r0, size_t r1), void *acc) {
+    const lm_tensor *lt = &p->m->tensors[i], *ft = &p->load.whole->tensors[i];
+    size_t fc = lm_tensor_cols(ft), fr = fc ? ft->numel / fc : 0;
+    if (!lt->numel || !fr) return; /* another stage's layer, another EP rank's expert */
+    size_t lc = lm_tensor_cols(lt), lr = lt->numel / lc;
+    unsigned char *need = ct_calloc(lr + 1, 1); /* the local rows kept */
+    if (p->fsdp && !(kind == LM_PARAMS && lt->store != LM_NO_STORE)) {
+        held_rows_ctx c = {lt, lc, need};
+        for (int k = 0; k < p->fsdp->n_pieces; k++) {
+            const fsdp_piece *q = &p->fsdp->p[k];
+            if (q->off < lt->offset + lt->numel && q->off + q->n > lt->offset) fsdp_held_runs(p->fsdp, k, held_rows, &c);
+        }
+    } else {
+        memset(need, 1, lr); /* a bf16-stored frozen tensor's shard is cut otherwise: all of its rows */
+    }
+    float *row = p->tp ? ct_calloc(fc, sizeof(float)) : NULL;
+    size_t fb[3], start = 0;
+    int nb = p->tp ? tp_row_blocks(p->tp, ft, fb) : 1, open = 0;
+    for (size_t r = 0; r < fr; r++) {
+        int keep = 0;
+        if (!p->tp) {
+            keep = r < lr && need[r]; /* no slice: local rows are the whole tensor's */
+        } else {
+            /* which local row (if any) whole row r becomes: tp_take_rows on that one row, as load_put calls it */
+            for (int k = 0; k < nb && !keep; k++) {
+                const float *src;
+                size_t la = 0, n = tp_take_rows(p->tp, lt, ft, k, r, r + 1, row, p->load.tmp, &src, &la);
+                keep = n && la < lr && need[la];
+            }
+        }
+        if (keep && !open) start = r, open = 1;
+        if (!keep && open) add(acc, start, r), open = 0;
+    }
+    if (open) add(acc, start, fr);
+    free(row);
+    free(need);
+}
 
 /* ------------------------------------------------------------ the hooks */
 
@@ -821,6 +873,55 @@ void plan_save_gather(ct_plan *p, const lm_model *fm, int kinds, int frozen_too,
     free(u);
 }
 
+
+/* A held FSDP run (fsdp_held_runs) cut at the local tensors' boundaries. */
+typedef struct {
+    const lm_model *m;
+    const float *src; /* the shard buffer of this kind */
+    const unsigned char *mine; /* [tensor] this stage writes it (a tied embedding's other copy is not) */
+    int kind, rc;
+    plan_part_fn put;
+    void *ctx;
+    ct_err *e;
+} parts_ctx;
+
+static void held_parts(void *ctx, size_t x, size_t n, size_t s) {
+    parts_ctx *c = ctx;
+    for (int j = 0; j < c->m->n_tensors && !c->rc; j++) {
+        const lm_tensor *t = &c->m->tensors[j];
+        size_t a = x > t->offset ? x : t->offset, b = x + n < t->offset + t->numel ? x + n : t->offset + t->numel;
+        if (a < b && c->mine[j]) c->rc = c->put(c->ctx, c->kind, j, a - t->offset, c->src + s + (a - x), b - a, c->e);
+    }
+}
+
+int plan_parts_ok(const ct_plan *p) { return !p->tp; }
+
+int plan_save_parts(ct_plan *p, int kinds, plan_part_fn put, void *ctx, ct_err *e) {
+    lm_model *lm = p->m;
+    /* the other replicas and chunks hold the same values */
+    if (p->tp || p->mesh.rep_rank != 0 || p->mesh.cp_rank != 0 || (!p->fsdp && p->mesh.dp_rank != 0)) return 0;
+    int L = lm->cfg.n_layers, *u = ct_malloc(((size_t)L + 3) * sizeof *u);
+    unsigned char *mine = ct_calloc((size_t)lm->n_tensors + 1, 1);
+    save_units(lm, u);
+    for (int x = 0; x < L + 2; x++) /* the stage plan_save_gather takes each unit from */
+        for (int j = u[x]; j < u[x + 1]; j++) mine[j] = !p->pp || pp_unit_stage(p->pp, x, L) == p->mesh.pp_rank;
+    free(u);
+    parts_ctx c = {lm, NULL, mine, 0, 0, put, ctx, e};
+    for (int k = 0; k < kinds && !c.rc; k++) {
+        c.kind = k == 0 ? LM_PARAMS : k == 1 ? LM_EXP_AVG : LM_EXP_AVG_SQ;
+        c.src = k == 0 ? (p->fsdp ? p->fsdp->params : lm->params) : k == 1 ? p->opt->m : p->opt->v;
+        if (p->fsdp) {
+            for (int i = 0; i < p->fsdp->n_pieces && !c.rc; i++) fsdp_held_runs(p->fsdp, i, held_parts, &c);
+            continue;
+        }
+        for (int j = 0; j < lm->n_tensors && !c.rc; j++) { /* under a pipeline, another stage's tensors are empty */
+            const lm_tensor *t = &lm->tensors[j];
+            if (t->numel && mine[j]) c.rc = put(ctx, c.kind, j, 0, c.src + t->offset, t->numel, e);
+        }
+    }
+    free(mine);
+    return c.rc;
+}
 
 /* ------------------------------------------------------------ saving */
 

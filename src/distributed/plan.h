@@ -97,6 +97,13 @@ int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e);
  * model's table they walk. plan_load_end frees what loading needed. */
 lm_sink plan_load_begin(ct_plan *p, const lm_model **whole);
 void plan_load_end(ct_plan *p);
+/* Between plan_load_begin and plan_load_end: the rows of the whole model's
+ * tensor i (its loaders' table) whose values this rank keeps as `kind`
+ * (its stages, TP/EP part, FSDP shard), as ascending runs add(acc, r0, r1):
+ * a loader that can seek reads only these (checkpoint/ckpt.h,
+ * ckpt_load_part). Whole rows: a run may hold values the sink then drops,
+ * never lack one it keeps. */
+void plan_load_rows(const ct_plan *p, int kind, int i, void (*add)(void *acc, size_t r0, size_t r1), void *acc);
 /* After the weights are in: the trained runs AdamW steps, the hooks. */
 int plan_ready(ct_plan *p, ct_err *e);
 void plan_free(ct_plan *p);
@@ -149,6 +156,17 @@ int plan_save_root(const ct_plan *p);
  * frozen_too: bf16-stored frozen weights widened for the read. */
 void plan_save_gather(ct_plan *p, const lm_model *fm, int kinds, int frozen_too, plan_put_fn put, void *ctx, int *rc,
                       ct_err *e);
+/* A save without the gather, for layouts whose slices are runs of whole
+ * tensors' elements (no tensor or expert parallel: plan_parts_ok): every
+ * rank hands put(ctx, kind, i, at, x, n) the elements [at, at + n) of the
+ * whole model's tensor i it holds, x their values: its FSDP shard's runs
+ * (replica 0's, context-parallel chunk 0's), or without FSDP the whole
+ * local tensors of the first data-parallel rank of each stage; every
+ * element by one rank. kinds as plan_save_gather's. Collective-free.
+ * Returns put's first failure (the loop stops). */
+typedef int (*plan_part_fn)(void *ctx, int kind, int i, size_t at, const float *x, size_t n, ct_err *e);
+int plan_parts_ok(const ct_plan *p);
+int plan_save_parts(ct_plan *p, int kinds, plan_part_fn put, void *ctx, ct_err *e);
 /* Aux-loss-free MoE balancing under a pipeline: every stage's rows of the
  * routing bias onto every rank before a save (collective; a no-op elsewhere). */
 void plan_gather_bias(ct_plan *p);

@@ -39,6 +39,9 @@ const st_tensor *st_find(const st_file *f, const char *name);
 /* Value of __metadata__[key], or NULL. */
 const char *st_metadata(const st_file *f, const char *key);
 const char *st_path(const st_file *f);
+/* Byte offset in the file of t's data (t from f): for a reader that takes
+ * part of a tensor with pread instead of through the mapping. */
+uint64_t st_data_offset(const st_file *f, const st_tensor *t);
 /* Done with a tensor's data for now: its pages leave this process's
  * resident set (they stay in the page cache and read back on the next
  * touch), so streaming through a large file does not grow RSS by its size. */
@@ -90,6 +93,14 @@ int st_write_dir(const char *dir, const st_wtensor *ts, int n, size_t max_shard_
  * that every byte came, fsyncs and renames to PATH. Any error (more data
  * than declared, less at close, I/O) names the path. close and abort always
  * free the stream and leave no PATH.tmp; after a failed write, abort. */
+/* The file st_write writes for ts, laid out without its data: *head
+ * (malloc'd, *head_len bytes: the length prefix and the header, padded),
+ * offs[n] each tensor's data offset in the file, *total the file's size.
+ * For writers that place the data themselves (several processes' pwrite:
+ * checkpoint/ckpt.h, ckpt_part_*); the bytes are st_write's. */
+int st_layout(const char *path, const st_wtensor *ts, int n, const char *const *meta, char **head, size_t *head_len,
+              uint64_t *offs, uint64_t *total, ct_err *e);
+
 typedef struct st_stream st_stream;
 int st_stream_open(st_stream **out, const char *path, const st_wtensor *ts, int n, const char *const *meta,
                    ct_err *e);

@@ -383,6 +383,9 @@ void st_drop(const st_tensor *t) {
 }
 
 const char *st_path(const st_file *f) { return f->path; }
+uint64_t st_data_offset(const st_file *f, const st_tensor *t) {
+    return t->data ? (uint64_t)((const char *)t->data - (const char *)f->map) : f->map_size;
+}
 
 const st_tensor *st_find(const st_file *f, const char *name) {
     const st_tensor *const *r = bsearch(name, f->by_name, (size_t)f->n, sizeof *f->by_name, st_cmp_key_tensor);

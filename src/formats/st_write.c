@@ -173,7 +173,7 @@ static int st_atomic_write(const char *path, const char *head, size_t head_len, 
 /* The file's first bytes (8-byte length, then the header padded to 8) in
  * *all (malloc'd, *all_len bytes); order[n] gets the data order. */
 static int st_header(const char *path, const st_wtensor *ts, int n, const char *const *meta, const uint64_t *sizes,
-                     int *order, char **all, size_t *all_len, ct_err *e) {
+                     int *order, char **all, size_t *all_len, uint64_t *offs_out, ct_err *e) {
     st_buf h = {0};
     st_sb_puts(&h, "{");
     int first = 1;
@@ -211,6 +211,7 @@ static int st_header(const char *path, const st_wtensor *ts, int n, const char *
         st_sb_printf(&h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)offs[i],
                   (unsigned long long)(offs[i] + sizes[i]));
     }
+    if (offs_out) memcpy(offs_out, offs, (size_t)n * sizeof *offs);
     free(offs);
     st_sb_puts(&h, "}");
     while (h.n % 8) st_sb_puts(&h, " ");
@@ -232,7 +233,7 @@ int st_write_checked(const char *path, const st_wtensor *ts, int n, const char *
     int *order = ct_malloc(((size_t)n + 1) * sizeof *order);
     char *all = NULL;
     size_t all_len = 0;
-    int rc = st_header(path, ts, n, meta, sizes, order, &all, &all_len, e);
+    int rc = st_header(path, ts, n, meta, sizes, order, &all, &all_len, NULL, e);
     st_body body = {ts, n, sizes, order};
     if (!rc) rc = st_atomic_write(path, all, all_len, &body, e);
     free(order);
@@ -292,7 +293,7 @@ int st_stream_open(st_stream **out, const char *path, const st_wtensor *ts, int 
     }
     char *all = NULL;
     size_t all_len = 0;
-    if ((rc = st_header(path, ts, n, meta, sizes, s->order, &all, &all_len, e))) {
+    if ((rc = st_header(path, ts, n, meta, sizes, s->order, &all, &all_len, NULL, e))) {
         st_stream_free(s);
         return rc;
     }
@@ -359,4 +360,23 @@ void st_stream_abort(st_stream *s) {
     if (!s) return;
     fs_atomic_abort(&s->out);
     st_stream_free(s);
+}
+
+int st_layout(const char *path, const st_wtensor *ts, int n, const char *const *meta, char **head, size_t *head_len,
+              uint64_t *offs, uint64_t *total, ct_err *e) {
+    *head = NULL;
+    uint64_t *sizes = ct_malloc(((size_t)(n > 0 ? n : 0) + 1) * sizeof *sizes);
+    int *order = ct_malloc(((size_t)(n > 0 ? n : 0) + 1) * sizeof *order);
+    int rc = st_wvalidate(path, ts, n, meta, sizes, 0, e);
+    if (!rc) rc = st_header(path, ts, n, meta, sizes, order, head, head_len, offs, e);
+    if (!rc) {
+        *total = *head_len;
+        for (int i = 0; i < n; i++) {
+            offs[i] += *head_len; /* from the data's start to the file's */
+            *total += sizes[i];
+        }
+    }
+    free(order);
+    free(sizes);
+    return rc;
 }

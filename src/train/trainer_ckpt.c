@@ -9,22 +9,29 @@
  * loaders (checkpoint, HF safetensors, the seeded init) hand over each
  * tensor a block of rows at a time in the whole model's table order
  * (lm_sink) and each rank keeps its TP/EP part and, under FSDP, its
- * shard's part of it.
- * Saving: every rank runs one loop over units (embedding, each layer, head;
- * parameters, then each moment), the unit's parts are gathered to rank 0,
- * which appends them to files whose headers it wrote first. The files are
- * the same whatever the layout (docs/checkpoints.md). */
+ * shard's part of it; a checkpoint's rows a rank does not keep are not even
+ * read (ckpt_load_part with plan_load_rows), and the ranks that see rank
+ * 0's checkpoint folder take its checksum verdicts (pick_shared).
+ * Saving: where every rank sees rank 0's folder and holds runs of whole
+ * tensors' elements (no TP/EP), each pwrites its part into the files rank 0
+ * laid out (save_parts). Otherwise every rank runs one loop over units
+ * (embedding, each layer, head; parameters, then each moment), the unit's
+ * parts are gathered to rank 0, which appends them to files whose headers
+ * it wrote first. The files are the same whatever the layout
+ * (docs/checkpoints.md). */
 #define _XOPEN_SOURCE 700
 #include "train/trainer.h"
 #include "train/trainer_priv.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -193,6 +200,7 @@ typedef struct {
     lm_model tab;
     int *full;
     const lm_sink *inner; /* loading: where the whole model's tensors go */
+    const ckpt_rows *inner_rows; /* and which of their rows this rank keeps */
 } trained_table;
 
 static void trained_table_init(trained_table *s, const lm_model *whole, const lm_model *flags) {
@@ -220,20 +228,35 @@ static void trained_put(void *ctx, int kind, int i, size_t r0, size_t r1, const 
     s->inner->put(s->inner->ctx, kind, s->full[i], r0, r1, rows);
 }
 
-static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const lm_model *whole, ct_err *e);
+static void trained_rows(void *ctx, int kind, int i, ckpt_rows_add add, void *acc) {
+    trained_table *s = ctx;
+    s->inner_rows->rows(s->inner_rows->ctx, kind, s->full[i], add, acc);
+}
 
-static int load_checkpoint(trainer *t, const char *dir, int model_only, ct_err *e) {
+/* ckpt_rows over the plan: the rows of each tensor this rank keeps. */
+static void plan_rows(void *ctx, int kind, int i, ckpt_rows_add add, void *acc) {
+    plan_load_rows(ctx, kind, i, add, acc);
+}
+
+static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const lm_model *whole,
+                              const ckpt_rows *want, uint64_t hashed, ct_err *e);
+
+/* hashed: the bytes this rank read to verify the checkpoint (pick_shared) */
+static int load_checkpoint(trainer *t, const char *dir, int model_only, uint64_t hashed, ct_err *e) {
     int rc;
     const lm_model *whole = t->load.whole;
     trained_table tt;
     lm_sink outer = t->load.sink;
+    ckpt_rows want = {plan_rows, &t->plan}, outer_rows = want;
     if (t->model.n_frozen) { /* the checkpoint holds the trained tensors only */
         trained_table_init(&tt, whole, &t->model);
         tt.inner = &outer;
+        tt.inner_rows = &outer_rows;
         whole = &tt.tab;
         t->load.sink = (lm_sink){trained_put, &tt};
+        want = (ckpt_rows){trained_rows, &tt};
     }
-    rc = load_checkpoint_of(t, dir, model_only, whole, e);
+    rc = load_checkpoint_of(t, dir, model_only, whole, &want, hashed, e);
     if (t->model.n_frozen) {
         t->load.sink = outer;
         trained_table_free(&tt);
@@ -289,12 +312,27 @@ static int same_trained_tensors(const trainer *t, const char *dir, ct_err *e) {
     return rc;
 }
 
-static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const lm_model *whole, ct_err *e) {
+/* What this rank read of a checkpoint (its rows of the tensors, and what it
+ * checksummed), on the ranks CTITAN_LOG_RANKS shows: the load is spread over
+ * the ranks (tests/py/test_ckpt_parallel_io.py checks the shares). */
+static void note_read(const trainer *t, const ckpt_info *info, uint64_t hashed) {
+    if (t->world->size > 1)
+        fprintf(stderr, "ctitan: rank %d of %d: read %llu bytes of checkpoint tensors and checksummed %llu bytes "
+                "(%s, %llu bytes in all)\n", t->world->rank, t->world->size, (unsigned long long)info->read_bytes,
+                (unsigned long long)(hashed + info->hashed_bytes), info->dir, (unsigned long long)info->bytes);
+}
+
+/* The checkpoint was verified when it was picked (pick_shared: by this rank,
+ * or by a rank that sees the same files), so the load checks sizes only and
+ * reads the rows `want` names. */
+static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const lm_model *whole,
+                              const ckpt_rows *want, uint64_t hashed, ct_err *e) {
     ckpt_info info;
     int rc;
     if (model_only) {
         /* a model-only checkpoint (an import) seeds a new run at step 0 */
-        if ((rc = ckpt_load_each(dir, whole, 0, NULL, &info, &t->load.sink, e))) return rc;
+        if ((rc = ckpt_load_part(dir, whole, 0, NULL, &info, &t->load.sink, want, 1, e))) return rc;
+        note_read(t, &info, hashed);
         note_loaded(t, dir, &info, 0);
         fprintf(stderr, "ctitan: loaded model-only checkpoint %s as initial weights (%.1f MiB in %.2f s)\n", dir,
                 info.bytes / 1048576.0, info.seconds);
@@ -302,7 +340,8 @@ static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const
     }
     char *state = NULL;
     if ((rc = same_trained_tensors(t, dir, e))) return rc;
-    if ((rc = ckpt_load_each(dir, whole, 1, &state, &info, &t->load.sink, e))) return rc;
+    if ((rc = ckpt_load_part(dir, whole, 1, &state, &info, &t->load.sink, want, 1, e))) return rc;
+    note_read(t, &info, hashed);
     rc = trainer_state_from_json(t, state, dir, e);
     free(state);
     if (rc) return rc;
@@ -347,9 +386,45 @@ enum { PICK_NONE, PICK_LOAD, PICK_COMPLETE };
 typedef struct {
     int kind, step, model_only;
     char dir[4200];
+    uint64_t hashed; /* bytes this rank read to verify checkpoints */
 } resume_pick;
 
-static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_err *e);
+/* One checksum pass per file system, not per rank: rank 0 verifies what it
+ * looks at and records each verdict; a rank that sees rank 0's folder (the
+ * same files, sees_rank0_folder) takes those verdicts and checks only the
+ * manifest and the sizes itself. A rank told of damage verifies the files
+ * itself, so that its error names the damaged file as rank 0's does. Ranks
+ * that do not see rank 0's folder (per-machine folders) verify their own. */
+#define SV_MAX 64
+typedef struct {
+    int follow;            /* takes rank 0's verdicts */
+    int n;                 /* verdicts recorded (rank 0) or received */
+    int32_t v[2 * SV_MAX]; /* step, rc */
+    uint64_t hashed;       /* bytes this rank read for checksums */
+} shared_verify;
+
+static int sv_verify(void *ctx, const char *dir, int step, ct_err *e) {
+    shared_verify *sv = ctx;
+    int k = -1;
+    for (int i = 0; sv->follow && i < sv->n && k < 0; i++)
+        if (sv->v[2 * i] == step) k = i;
+    if (k >= 0 && !sv->v[2 * k + 1]) return ckpt_verify_sizes(dir, e);
+    uint64_t h = 0;
+    int rc = ckpt_verify_hashed(dir, &h, e);
+    sv->hashed += h;
+    if (k >= 0 && !rc) /* read intact here, damaged on rank 0: rank 0's verdict stands, as the ranks must agree */
+        return ct_fail(e, sv->v[2 * k + 1] > 0 ? sv->v[2 * k + 1] : CT_ERR_FORMAT,
+                       "%s: rank 0 found this checkpoint damaged (its message names the file), this rank reads it "
+                       "intact", dir);
+    if (!sv->follow && sv->n < SV_MAX) {
+        sv->v[2 * sv->n] = step;
+        sv->v[2 * sv->n + 1] = rc;
+        sv->n++;
+    }
+    return rc;
+}
+
+static int pick_newest(trainer *t, resume_pick *p, shared_verify *sv, const int *steps, int n, ct_err *e);
 
 /* A stop saves whatever checkpoint.enable says, so a folder may hold a
  * checkpoint this run will not resume from: rerunning the stopped command as
@@ -374,7 +449,7 @@ static void warn_not_resumed(trainer *t) {
     free(steps);
 }
 
-static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
+static int pick_resume(trainer *t, resume_pick *p, shared_verify *sv, ct_err *e) {
     ct_config *c = &t->cfg;
     p->kind = PICK_NONE;
     if (!c->ckpt_enable) {
@@ -382,7 +457,7 @@ static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
         return 0;
     }
     if (c->load_step >= 0) {
-        int rc = ckpt_select(t->ckpt_folder, c->load_step, p->dir, sizeof p->dir, &p->step, e);
+        int rc = ckpt_select_with(t->ckpt_folder, c->load_step, sv_verify, sv, p->dir, sizeof p->dir, &p->step, e);
         if (rc == CKPT_NONE) return 0; /* an error once the ranks agree that there is none */
         if (rc) return rc;
         if ((p->model_only = ckpt_is_model_only(p->dir, e)) < 0) return e ? e->code : CT_ERR_FORMAT;
@@ -397,13 +472,13 @@ static int pick_resume(trainer *t, resume_pick *p, ct_err *e) {
     }
     int n, *steps = list_steps(t->ckpt_folder, &n);
     if (n < 0) return ct_fail(e, CT_ERR_IO, "%s: cannot list checkpoints", t->ckpt_folder);
-    int rc = pick_newest(t, p, steps, n, e);
+    int rc = pick_newest(t, p, sv, steps, n, e);
     free(steps);
     return rc;
 }
 
 /* load_step -1's choice among the folder's steps (ascending), newest first. */
-static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_err *e) {
+static int pick_newest(trainer *t, resume_pick *p, shared_verify *sv, const int *steps, int n, ct_err *e) {
     const ct_config *c = &t->cfg;
     char damaged[512] = "";
     size_t dlen = 0;
@@ -426,7 +501,7 @@ static int pick_newest(trainer *t, resume_pick *p, const int *steps, int n, ct_e
             continue;
         }
         ct_err ve = {0};
-        if (ckpt_verify(p->dir, &ve)) {
+        if (sv_verify(sv, p->dir, steps[i], &ve)) {
             if (!c->ckpt_fallback)
                 return ct_fail(e, ve.code, "%s (checkpoint.fallback = false: not falling back to an older checkpoint)",
                                ve.msg);
@@ -601,6 +676,79 @@ static int agree_on_pick(trainer *t, int rc, const resume_pick *p, ct_err *e) {
     return CT_ERR_IO;
 }
 
+/* Whether this rank sees rank 0's checkpoint folder, the same files and not
+ * only the same path (a per-machine folder elsewhere has the same name):
+ * rank 0 writes a random token into a new file there, every rank looks for
+ * it, and rank 0 removes it once all have looked. 1 on rank 0 when it could
+ * write it; 0 everywhere when it could not (no folder yet: nothing to
+ * verify). A file system that shows a new file late (some NFS caches) only
+ * makes a rank verify for itself. Collective. */
+static int sees_rank0_folder(trainer *t) {
+    ct_comm *w = t->world;
+    int64_t probe[2] = {0, 0}; /* the file's name, its content */
+    char path[4300], want[32];
+    if (w->rank == 0) {
+        uint64_t r[2];
+        if (getrandom(r, sizeof r, 0) != (ssize_t)sizeof r) {
+            r[0] = (uint64_t)getpid() * 0x9E3779B97F4A7C15ull ^ (uint64_t)(ct_now() * 1e9);
+            r[1] = r[0] * 0xBF58476D1CE4E5B9ull + 1;
+        }
+        r[0] |= 1; /* never 0: 0 says "no probe" */
+        snprintf(path, sizeof path, "%s/.ctitan-fs-probe-%016llx", t->ckpt_folder, (unsigned long long)r[0]);
+        int len = snprintf(want, sizeof want, "%016llx\n", (unsigned long long)r[1]);
+        int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        int ok = fd >= 0 && write(fd, want, (size_t)len) == len;
+        if (fd >= 0 && close(fd) != 0) ok = 0;
+        if (ok) memcpy(probe, r, sizeof r);
+        else if (fd >= 0) unlink(path);
+    }
+    comm_broadcast(w, probe, 2, COMM_I64, 0);
+    int seen = probe[0] != 0 && w->rank == 0;
+    if (probe[0] && w->rank != 0) {
+        snprintf(path, sizeof path, "%s/.ctitan-fs-probe-%016llx", t->ckpt_folder, (unsigned long long)probe[0]);
+        int len = snprintf(want, sizeof want, "%016llx\n", (unsigned long long)probe[1]);
+        char got[32];
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            ssize_t k = read(fd, got, sizeof got);
+            close(fd);
+            seen = k == len && !memcmp(got, want, (size_t)len);
+        }
+    }
+    int32_t looked = 0;
+    comm_allreduce(w, &looked, 1, COMM_I32, COMM_MAX); /* every rank has looked: the file can go */
+    if (w->rank == 0 && probe[0]) unlink(path);
+    return seen;
+}
+
+/* pick_resume on every rank, with the checksums read once per file system
+ * (shared_verify): rank 0 picks first and sends its verdicts to the ranks
+ * that see its folder, which then pick with them. Every rank calls this,
+ * also one that has failed (rc): the collectives stay matched. */
+static int pick_shared(trainer *t, int rc, resume_pick *p, ct_err *e) {
+    shared_verify sv = {0};
+    ct_comm *w = t->world;
+    if (w->size > 1 && t->cfg.ckpt_enable) {
+        sv.follow = sees_rank0_folder(t) && w->rank != 0;
+        if (!rc && !sv.follow) rc = pick_resume(t, p, &sv, e);
+        int32_t v[1 + 2 * SV_MAX] = {0};
+        if (w->rank == 0) {
+            v[0] = sv.n;
+            memcpy(v + 1, sv.v, sizeof sv.v);
+        }
+        comm_broadcast(w, v, 1 + 2 * SV_MAX, COMM_I32, 0);
+        if (sv.follow) {
+            sv.n = v[0] < SV_MAX ? v[0] : SV_MAX;
+            memcpy(sv.v, v + 1, sizeof sv.v);
+            if (!rc) rc = pick_resume(t, p, &sv, e);
+        }
+    } else if (!rc) {
+        rc = pick_resume(t, p, &sv, e);
+    }
+    p->hashed = sv.hashed;
+    return rc;
+}
+
 static int load_weights(trainer *t, ct_err *e);
 
 /* The weights (and on resume the moments) of this rank's part of the model,
@@ -637,7 +785,7 @@ static int load_weights(trainer *t, ct_err *e) {
     /* with frozen tensors a checkpoint holds the trained ones only: the rest
      * come from where the run started, first */
     if (t->model.n_frozen) rc = initial_weights(t, e);
-    if (!rc) rc = pick_resume(t, &p, e);
+    rc = pick_shared(t, rc, &p, e);
     if ((rc = agree_on_pick(t, rc, &p, e))) return rc;
     if (p.kind == PICK_NONE && t->cfg.ckpt_enable && t->cfg.load_step >= 0)
         return ct_fail(e, CT_ERR_CONFIG, "checkpoint.load_step = %d: %s has no checkpoints", t->cfg.load_step,
@@ -647,7 +795,7 @@ static int load_weights(trainer *t, ct_err *e) {
         fprintf(stderr, "ctitan: %s is this run's final save (step %d of %d): nothing to do\n", p.dir, p.step,
                 t->cfg.steps);
     }
-    if (p.kind == PICK_LOAD) return load_checkpoint(t, p.dir, p.model_only, e);
+    if (p.kind == PICK_LOAD) return load_checkpoint(t, p.dir, p.model_only, p.hashed, e);
     if (t->model.n_frozen) return 0;
     return initial_weights(t, e);
 }
@@ -728,11 +876,72 @@ static void token_id_sources(const ct_config *c, const char *src[2]) {
     src[1] = c->initial_load_path[0] ? cfg_initial_dir(c) : NULL;
 }
 
+/* save_parts' put: whole tensor i's elements into the file's tensor idx[i]
+ * (the trained table's; -1: frozen, not saved). */
+typedef struct {
+    ckpt_part *w;
+    const int *idx;
+} part_ctx;
+
+static int put_part(void *ctx, int kind, int i, size_t at, const float *x, size_t n, ct_err *e) {
+    part_ctx *c = ctx;
+    int j = c->idx ? c->idx[i] : i;
+    return j < 0 ? 0 : ckpt_part_write(c->w, kind, j, at, x, n, e);
+}
+
+static int sees_rank0_folder(trainer *t);
+
+/* Whether every rank can write its part of a save itself (ckpt_part_*):
+ * a layout whose slices are runs of elements (plan_parts_ok) and every rank
+ * seeing rank 0's checkpoint folder (sees_rank0_folder; rank 0 creates the
+ * folder first). Collective. */
+static int save_in_parts(trainer *t) {
+    /* CTITAN_CKPT_GATHER=1: rank 0 writes, as before (a debug knob: the tests compare the two paths' files) */
+    const char *g = getenv("CTITAN_CKPT_GATHER");
+    if (t->world->size <= 1 || !plan_parts_ok(&t->plan) || (g && *g && strcmp(g, "0"))) return 0;
+    if (t->world->rank == 0) ct_mkdirs(t->ckpt_folder, NULL); /* a failure is the save's to report */
+    int32_t blind = !sees_rank0_folder(t);
+    comm_allreduce(t->world, &blind, 1, COMM_I32, COMM_MAX);
+    return !blind;
+}
+
+/* trainer_save's writing when every rank writes its part: rank 0 lays out
+ * the files, every rank pwrites the elements it holds (plan_save_parts),
+ * every rank's outcome reaches every rank (trainer_agree), and rank 0
+ * finishes (*s ended or aborted). tab: the files' tensors; idx: tab's index
+ * of each whole tensor (NULL: the same). */
+static int save_parts(trainer *t, const lm_model *tab, const int *idx, int model_only, ckpt_stream **s, ct_err *e) {
+    int rank0 = t->world->rank == 0, rc = 0;
+    const char *id_src[2];
+    token_id_sources(&t->cfg, id_src);
+    if (rank0 && !(rc = ckpt_stream_begin_parts(s, t->ckpt_folder, t->step, tab, model_only, e)))
+        ckpt_stream_token_ids(*s, id_src, 2); /* a step-N is also an HF directory */
+    rc = trainer_agree(t, rc, "begin the checkpoint", e);
+    int64_t pid = (int64_t)getpid(); /* rank 0's names the temp dir */
+    comm_broadcast(t->world, &pid, 1, COMM_I64, 0);
+    if (rc) return rc;
+    char tmp[4200], final[4200];
+    snprintf(final, sizeof final, "%s/step-%d", t->ckpt_folder, t->step);
+    ckpt_part *w = NULL;
+    int mine = ckpt_tmp_dir(tmp, sizeof tmp, t->ckpt_folder, t->step, (long)pid, e);
+    if (!mine) mine = ckpt_part_open(&w, tmp, final, tab, model_only, e);
+    part_ctx pc = {w, idx};
+    if (!mine) mine = plan_save_parts(&t->plan, model_only ? 1 : 3, put_part, &pc, e);
+    uint64_t wrote = ckpt_part_written(w);
+    if (!mine) mine = ckpt_part_close(w, e);
+    else ckpt_part_abort(w);
+    if (!mine) /* on the ranks CTITAN_LOG_RANKS shows: the save is spread over the ranks */
+        fprintf(stderr, "ctitan: rank %d of %d: wrote %llu bytes of checkpoint tensors into %s\n", t->world->rank,
+                t->world->size, (unsigned long long)wrote, tmp);
+    return trainer_agree(t, mine, "write its part of the checkpoint", e);
+}
+
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     lm_model ftab;
     const lm_model *fm = &t->model; /* the whole model's table, on rank 0 and the stages' roots */
-    int rank0 = t->world->rank == 0, rc = 0;
-    int whole_tab = plan_save_root(&t->plan) && plan_holds_part(&t->plan);
+    int rank0 = t->world->rank == 0, rc = 0, parts = save_in_parts(t);
+    /* in parts every rank lays out the files: each needs the whole table */
+    int whole_tab = (parts || plan_save_root(&t->plan)) && plan_holds_part(&t->plan);
     ckpt_stream *s = NULL;
     if (whole_tab) {
         lm_layout(&ftab, &t->plan.whole);
@@ -743,12 +952,23 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     trained_table tt;
     int trained_only = t->model.n_frozen > 0; /* frozen tensors come from the run's start on resume */
     if (trained_only) trained_table_init(&tt, fm, &t->model);
-    if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, trained_only ? &tt.tab : fm, model_only, e);
-    const char *id_src[2];
-    token_id_sources(&t->cfg, id_src);
-    if (rank0 && !rc) ckpt_stream_token_ids(s, id_src, 2); /* a step-N is also an HF directory */
-    if (trained_only) plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 0, put_trained, s, &rc, e);
-    else plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 1, put_ckpt, s, &rc, e);
+    if (parts) {
+        int *idx = NULL;
+        if (trained_only) { /* whole tensor -> its index in the trained table */
+            idx = ct_malloc(((size_t)fm->n_tensors + 1) * sizeof *idx);
+            for (int i = 0; i < fm->n_tensors; i++) idx[i] = -1;
+            for (int j = 0; j < tt.tab.n_tensors; j++) idx[tt.full[j]] = j;
+        }
+        rc = save_parts(t, trained_only ? &tt.tab : fm, idx, model_only, &s, e);
+        free(idx);
+    } else {
+        if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, trained_only ? &tt.tab : fm, model_only, e);
+        const char *id_src[2];
+        token_id_sources(&t->cfg, id_src);
+        if (rank0 && !rc) ckpt_stream_token_ids(s, id_src, 2); /* a step-N is also an HF directory */
+        if (trained_only) plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 0, put_trained, s, &rc, e);
+        else plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 1, put_ckpt, s, &rc, e);
+    }
     ckpt_info info;
     if (rank0 && rc) ckpt_stream_abort(s);
     if (rank0 && !rc) {
