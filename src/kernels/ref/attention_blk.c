@@ -79,28 +79,40 @@ void op_attention_fwd_blk(float *acc, float *m, float *l, const float *q, const 
 
 void op_attention_blk_finish(float *acc, float *m, const float *l, const kern_attn_blk *g) {
     int nh = g->nh, hd = g->hd;
-#pragma omp parallel for collapse(3) schedule(static)
-    for (int b = 0; b < g->B; b++)
-        for (int h = 0; h < nh; h++)
-            for (int r = 0; r < g->Tq; r++) {
-                size_t row = ((size_t)b * nh + h) * g->ldq + r;
-                float *at = acc + (((size_t)b * g->ldq + r) * nh + h) * hd, inv = 1.0f / l[row];
-                for (int i = 0; i < hd; i++) at[i] *= inv;
-                m[row] += logf(l[row]);
-            }
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(3) schedule(static)
+        for (int b = 0; b < g->B; b++)
+            for (int h = 0; h < nh; h++)
+                for (int r = 0; r < g->Tq; r++) {
+                    size_t row = ((size_t)b * nh + h) * g->ldq + r;
+                    float *at = acc + (((size_t)b * g->ldq + r) * nh + h) * hd, inv = 1.0f / l[row];
+                    for (int i = 0; i < hd; i++) at[i] *= inv;
+                    m[row] += logf(l[row]);
+                }
+        KERN_TRACE_EXIT(kt_);
+    }
 }
 
 void op_attention_blk_rowdot(float *D, const float *dout, const float *out, const kern_attn_blk *g) {
     int nh = g->nh, hd = g->hd;
-#pragma omp parallel for collapse(3) schedule(static)
-    for (int b = 0; b < g->B; b++)
-        for (int h = 0; h < nh; h++)
-            for (int r = 0; r < g->Tq; r++) {
-                size_t at = (((size_t)b * g->ldq + r) * nh + h) * hd;
-                float s = 0.0f;
-                for (int i = 0; i < hd; i++) s += dout[at + i] * out[at + i];
-                D[((size_t)b * nh + h) * g->ldq + r] = s;
-            }
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for collapse(3) schedule(static)
+        for (int b = 0; b < g->B; b++)
+            for (int h = 0; h < nh; h++)
+                for (int r = 0; r < g->Tq; r++) {
+                    size_t at = (((size_t)b * g->ldq + r) * nh + h) * hd;
+                    float s = 0.0f;
+                    for (int i = 0; i < hd; i++) s += dout[at + i] * out[at + i];
+                    D[((size_t)b * nh + h) * g->ldq + r] = s;
+                }
+        KERN_TRACE_EXIT(kt_);
+    }
 }
 
 void op_attention_bwd_blk(float *dq, float *dk, float *dv, const float *dout, const float *lse, const float *D,
