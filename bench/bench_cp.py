@@ -20,6 +20,8 @@ Run:  .venv/bin/python bench/bench_cp.py [--steps 5] [--seq 2048] [--shape debug
             [--runs "CP2 none,CP2 headtail"]
       ring vs gather: --shape qwen3-0.6b-attn --seq 4096 --steps 2 --warmup 1
             --runs "CP2 headtail,CP2 ring,CP2 gather tiled,CP4 headtail,CP4 ring,CP4 gather tiled"
+            [--repeat 3: the chosen runs 3 times, interleaved, so a shared machine's load spreads
+            over all of them]
 CTITAN_BUILD=build/x selects the build directory (default build).
 """
 import argparse
@@ -37,8 +39,9 @@ from bench_train import SHAPES  # noqa: E402
 CP2 = "--parallelism.context_parallel_degree=2"
 CP4 = "--parallelism.context_parallel_degree=4"
 RING = "--parallelism.context_parallel_rotate_method=alltoall"
-# the tiled kernels: the ring's block form is "tiled"'s (the register-blocked entries have none
-# of their own), so this runs the all-gather on the same inner loops, the methods apart
+# the tiled kernels on both sides: "CPn headtail" (the all-gather) and "CPn ring" run the default
+# register-blocked kernel (its offset form and its block form), "gather tiled" the all-gather on
+# tiled_avx512's loops, the kernel the ring ran before the register-blocked block forms
 TILED = "--kernels.attention=tiled_avx512"
 RUNS = [  # name, ranks, extra flags
     ("1 rank", 1, []),
@@ -106,11 +109,12 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--shape", default="qwen3-0.6b-4l", choices=sorted(SHAPES))
     ap.add_argument("--runs", default=",".join(r[0] for r in RUNS), help="comma-separated names of RUNS")
+    ap.add_argument("--repeat", type=int, default=1, help="run the chosen runs this many times, interleaved")
     a = ap.parse_args()
     tmp, model, data, cores = make_model_and_data(a, "bench_cp_", "CP bench")
     print(f"{'run':14s} {'step s':>7s} {'tok/s':>6s} {'peak RSS/rank GiB':>17s} {'final loss':>10s}  "
           f"last step, ms per rank: step / attention / collectives")
-    for name, ranks, extra in RUNS:
+    for name, ranks, extra in [r for _ in range(a.repeat) for r in RUNS]:
         if name not in a.runs.split(","):
             continue
         got = run(a, tmp, model, data, cores, name, ranks, extra)

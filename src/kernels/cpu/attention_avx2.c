@@ -57,6 +57,9 @@
  * tiled_avx2 ("tiled" compiled for AVX2, kernels/ref/attention.c), which has
  * the same contract.
  *
+ * Block form (ops.h, kern_attn_blk: ring attention): att2_fwd_body / att2_bwd_body,
+ * as blocked_avx512's (the offset form is the block with k0 = 0, the same bits).
+ *
  * Determinism: forward work is split by (b, head, query block), backward by
  * (b, kv head) as in the tiled kernel, so each output element is summed by
  * one thread in a fixed order; results do not depend on the thread count.
@@ -89,7 +92,7 @@
  * T = 256) the rows of a chunk fell into a few L1 sets and were re-read from
  * L2 by every micro-block. The transposes are 8 x 8 in registers (a scalar
  * gather before: the same values moved, so results do not change). */
-T256 static float *att2_transpose(const float *x, int B, int T, int nkv, int hd, int Tp) {
+T256 static float *att2_transpose(const float *x, int B, int T, int ld, int nkv, int hd, int Tp) {
     // returns xt[B*nkv, Tp/KC, hd, KC]; x[B,T,nkv,hd]
     float *xt = ct_malloc64((size_t)B * nkv * hd * Tp * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
@@ -102,7 +105,7 @@ T256 static float *att2_transpose(const float *x, int B, int T, int nkv, int hd,
                 float *dst = xt + ((size_t)b * nkv + kh) * hd * Tp;
                 for (int j0 = 0; j0 < Tp; j0 += 8) { /* 8 keys x 8 of hd per transpose */
                     int n = T - j0 < 8 ? (T - j0 > 0 ? T - j0 : 0) : 8;
-                    const float *src = x + (((size_t)b * T + j0) * nkv + kh) * hd; // key j0 + c at + c*nkv*hd
+                    const float *src = x + (((size_t)b * ld + j0) * nkv + kh) * hd; // key j0 + c at + c*nkv*hd
                     float *ch = dst + (size_t)(j0 / KC) * KC * hd + j0 % KC;
                     for (int i0 = 0; i0 < hd; i0 += 8) { /* hd is a multiple of KC here */
                         __m256 r[8];
@@ -134,7 +137,7 @@ T256 static void att2_slabs_in(float *dst, const float *x, long xs, int T, int h
 }
 
 /* vh[b * nkv + kh] = v[b, :, kh, :] as slabs (att2_slabs_in), for the forward's P V. */
-T256 static float *att2_heads(const float *v, int B, int T, int nkv, int hd) {
+T256 static float *att2_heads(const float *v, int B, int T, int ld, int nkv, int hd) {
     float *vh = ct_malloc64((size_t)B * nkv * T * hd * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
@@ -143,7 +146,7 @@ T256 static float *att2_heads(const float *v, int B, int T, int nkv, int hd) {
 #pragma omp for collapse(2) schedule(static) nowait
         for (int b = 0; b < B; b++)
             for (int kh = 0; kh < nkv; kh++)
-                att2_slabs_in(vh + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * T * nkv + kh) * hd,
+                att2_slabs_in(vh + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * ld * nkv + kh) * hd,
                               (long)nkv * hd, T, hd);
         KERN_TRACE_EXIT(kt_);
     }
@@ -252,24 +255,26 @@ T256_INLINE __m256 att2_keymask(int lo, int n, int kc0, int half) {
  * or an and with all lanes set changes nothing). */
 T256_INLINE int att2_part_hidden(int lo, int n, int j) { return 8 * j < lo || 8 * j + 8 > n; }
 
-/* The offset form (ops.h): Tq query rows at positions q0 = Tk - Tq on, in blocks
- * from q0 (t0: a block's first position, lt0 = t0 - q0 its first row of q). */
-T256 void kern_attention_fwd_q0_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
-                                     int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
-    // out[B,Tq,nh,hd], lse[B,nh,Tq], q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
-    if (hd % KC) {
-        op_attention_fwd_q0_tiled_avx2(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
-        return;
-    }
-    int group = nh / nkv, q0 = Tk - Tq;
+/* The forward, written for the block form (ops.h, kern_attn_blk): Tq query rows at
+ * positions q0.. against the Tk keys at positions k0.., in blocks of rows from q0 (t0:
+ * a block's first position, lt0 = t0 - q0 its first row of q); key tiles are by index
+ * in the block (j0), their masks by position (p0 = k0 + j0). With ls (the running sums
+ * l) it is the block form: out, lse are the state acc, m, read first and written back;
+ * without, the offset form (q0 = Tk - Tq, k0 = 0, unstrided), which starts from m =
+ * -inf, l = 0 and finishes out = acc / l, lse = m + log l. hd % KC == 0. */
+T256 static void att2_fwd_body(float *out, float *lse, float *ls, const float *q, const float *k, const float *v,
+                               const kern_attn_blk *g, const kern_attn_opt *opt) {
+    // out[B,ldq,nh,hd], lse[B,nh,ldq], q[B,ldq,nh,hd], k[B,ldk,nkv,hd], v[B,ldk,nkv,hd]
+    int B = g->B, Tq = g->Tq, Tk = g->Tk, nh = g->nh, nkv = g->nkv, hd = g->hd;
+    int group = nh / nkv, q0 = g->q0, k0 = g->k0, ldq = g->ldq;
     int nqb = (Tq + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
     int Tp = (Tk + BK - 1) / BK * BK;
-    float *KT = att2_transpose(k, B, Tk, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
-    float *VH = att2_heads(v, B, Tk, nkv, hd);          // [B*nkv, hd/KC, Tk, KC]
+    float *KT = att2_transpose(k, B, Tk, g->ldk, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
+    float *VH = att2_heads(v, B, Tk, g->ldk, nkv, hd);          // [B*nkv, hd/KC, Tk, KC]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -285,15 +290,27 @@ T256 void kern_attention_fwd_q0_avx2(float *out, float *lse, const float *q, con
             for (int h = 0; h < nh; h++) {
                 for (int qb = 0; qb < nqb; qb++) {
                     int kh = h / group, lt0 = qb * BQ, t0 = q0 + lt0;
-                    int nq = Tk - t0 < BQ ? Tk - t0 : BQ, nmb = (nq + MR - 1) / MR;
+                    int nq = Tq - lt0 < BQ ? Tq - lt0 : BQ, nmb = (nq + MR - 1) / MR;
                     const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp; // chunk of key j0 at + j0*hd
                     const float *vh = VH + ((size_t)b * nkv + kh) * Tk * hd; // slab c0, row j at + c0*Tk + j*KC
-                    kern_rows_in(QB, hd, q + (((size_t)b * Tq + lt0) * nh + h) * hd, qs, nq, hd); // row r at + r*hd
+                    float *sm = lse + ((size_t)b * nh + h) * ldq + lt0; // the rows' m (lse), l
+                    /* the keys of the block that some row sees: from the tile of the first
+                     * row's first key (the window) up to the last row's diagonal */
+                    int jlo = kern_attn_first_key(t0, window) - k0, jend = t0 + nq - k0;
+                    jlo = jlo > 0 ? jlo / BK * BK : 0, jend = jend < Tk ? jend : Tk;
+                    if (ls && jlo >= jend) continue; /* the state stays as it is */
+                    kern_rows_in(QB, hd, q + (((size_t)b * ldq + lt0) * nh + h) * hd, qs, nq, hd); // row r at + r*hd
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
-                    // from the tile of the first key the block sees (the window) up to the diagonal
-                    for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
-                        int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
+                    if (ls)
+                        for (int r = 0; r < nq; r++) {
+                            const float *ar = out + (((size_t)b * ldq + lt0 + r) * nh + h) * hd;
+                            m[r] = sm[r], l[r] = ls[sm - lse + r];
+                            for (int i = 0; i < hd; i += KC)
+                                memcpy(acc + (size_t)(i / KC) * KC * BQ + (size_t)r * KC, ar + i, KC * sizeof(float));
+                        }
+                    for (int j0 = jlo; j0 < jend; j0 += BK) {
+                        int nk = jend - j0 < BK ? jend - j0 : BK, p0 = k0 + j0; /* p0: the tile's first position */
                         /* Each product loops over the block's micro-blocks inside the loop over
                          * its operand's pieces: a 16-key chunk of K (8 KB at hd 128), a 16-column
                          * slab of the tile's V rows (4 KB), so the piece stays in L1 (Zen 3:
@@ -304,8 +321,8 @@ T256 void kern_attention_fwd_q0_avx2(float *out, float *lse, const float *q, con
                             int ncmax = 0, cmin = BK;
                             for (int r = mb * MR; r < (mb + 1) * MR; r++) {
                                 int rr = r < nq ? r : nq - 1;                           /* rows past T repeat the last */
-                                int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk; // keys j0..t
-                                int c0 = kern_attn_first_key(t0 + rr, window) - j0;    // and from lo(t) on
+                                int nc = t0 + rr - p0 + 1 < nk ? t0 + rr - p0 + 1 : nk; // keys p0..t
+                                int c0 = kern_attn_first_key(t0 + rr, window) - p0;    // and from lo(t) on
                                 clo[r] = c0 > 0 ? c0 : 0;
                                 ncr[r] = nc > clo[r] ? nc : 0;
                                 if (ncr[r] > ncmax) ncmax = ncr[r];
@@ -391,13 +408,13 @@ T256 void kern_attention_fwd_q0_avx2(float *out, float *lse, const float *q, con
                             }
                         }
                         /* P V over keys cmin.. only: the columns before it are masked in every row */
-                        int last = j0 + BK >= t0 + nq;
+                        int last = !ls && j0 + BK >= jend;
                         for (int c0 = 0; c0 < hd; c0 += KC)
                             for (int mb = 0; mb < nmb; mb++) {
                                 int cmin = mbc[mb][0], ncmax = mbc[mb][1];
                                 if (last) /* the block's out rows (qs floats apart), ahead of the stores below */
                                     for (int r = mb * MR; r < (mb + 1) * MR && r < nq; r++)
-                                        __builtin_prefetch(out + ((size_t)b * Tq + lt0 + r) * qs + (size_t)h * hd + c0, 1, 3);
+                                        __builtin_prefetch(out + ((size_t)b * ldq + lt0 + r) * qs + (size_t)h * hd + c0, 1, 3);
                                 if (!ncmax) continue;
                                 att2_rows6_axpy(acc + (size_t)c0 * BQ + (size_t)mb * MR * KC, KC, alpha + mb * MR,
                                                 P + (size_t)mb * MR * BK + cmin, vh + (size_t)c0 * Tk + (size_t)(j0 + cmin) * KC,
@@ -405,13 +422,19 @@ T256 void kern_attention_fwd_q0_avx2(float *out, float *lse, const float *q, con
                             }
                     }
                     for (int r = 0; r < nq; r++) {
-                        float *ot = out + ((size_t)b * Tq + lt0 + r) * qs + (size_t)h * hd;
+                        float *ot = out + ((size_t)b * ldq + lt0 + r) * qs + (size_t)h * hd;
+                        if (ls) { /* the state, unnormalised: the block form's finish divides */
+                            for (int i = 0; i < hd; i += KC)
+                                memcpy(ot + i, acc + (size_t)(i / KC) * KC * BQ + (size_t)r * KC, KC * sizeof(float));
+                            sm[r] = m[r], ls[sm - lse + r] = l[r];
+                            continue;
+                        }
                         __m256 inv = _mm256_set1_ps(1.0f / l[r]);
                         for (int i = 0; i < hd; i += 8) {
                             const float *ar = acc + (size_t)(i / KC) * KC * BQ + (size_t)r * KC + i % KC;
                             _mm256_storeu_ps(ot + i, _mm256_mul_ps(_mm256_loadu_ps(ar), inv));
                         }
-                        lse[((size_t)b * nh + h) * Tq + lt0 + r] = m[r] + logf(l[r]);
+                        sm[r] = m[r] + logf(l[r]);
                     }
                 }
             }
@@ -424,23 +447,33 @@ T256 void kern_attention_fwd_q0_avx2(float *out, float *lse, const float *q, con
     free(VH);
 }
 
+T256 void kern_attention_fwd_q0_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
+                                     int Tq, int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    if (hd % KC) {
+        op_attention_fwd_q0_tiled_avx2(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
+        return;
+    }
+    kern_attn_blk g = {B, nh, nkv, hd, Tq, Tk - Tq, Tq, Tk, 0, Tk};
+    att2_fwd_body(out, lse, NULL, q, k, v, &g, opt);
+}
+
 T256 void kern_attention_fwd_avx2(float *out, float *lse, const float *q, const float *k, const float *v, int B,
                                   int T, int nh, int nkv, int hd, const kern_attn_opt *opt) {
     kern_attention_fwd_q0_avx2(out, lse, q, k, v, B, T, T, nh, nkv, hd, opt);
 }
 
-/* The offset form as the forward's: the query side's rows (q, dout, out, lse, dq
- * and their copies here) indexed from q0 (lt0 = t0 - q0), the keys' by position. */
-T256 void kern_attention_bwd_q0_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
-                                     const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
-                                     int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
-    // dq[B,Tq,nh,hd], dk[B,Tk,nkv,hd], dv[B,Tk,nkv,hd], dout[B,Tq,nh,hd], out[B,Tq,nh,hd], lse[B,nh,Tq],
-    // q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
-    if (hd % KC) {
-        op_attention_bwd_q0_tiled_avx2(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
-        return;
-    }
-    int group = nh / nkv, q0 = Tk - Tq;
+/* The backward, for the block form as the forward: the query side's rows (q, dout,
+ * out, lse, dq and their copies here) indexed from q0 (lt0 = t0 - q0), the keys' from
+ * k0 (the tile at index j0 is at position p0 = k0 + j0), masks by position. With Dg
+ * (the block form) D is given and out unused; without, D = rowsum(dout * out) here.
+ * acc 0 overwrites dq, dk and dv. hd % KC == 0. */
+T256 static void att2_bwd_body(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                               const float *lse, const float *Dg, const float *q, const float *k, const float *v,
+                               const kern_attn_blk *g, const kern_attn_opt *opt, int acc) {
+    // dq[B,ldq,nh,hd], dk[B,ldk,nkv,hd], dv[B,ldk,nkv,hd], dout[B,ldq,nh,hd], out[B,ldq,nh,hd], lse[B,nh,ldq],
+    // q[B,ldq,nh,hd], k[B,ldk,nkv,hd], v[B,ldk,nkv,hd]
+    int B = g->B, Tq = g->Tq, Tk = g->Tk, nh = g->nh, nkv = g->nkv, hd = g->hd;
+    int group = nh / nkv, q0 = g->q0, k0 = g->k0, ldq = g->ldq, ldk = g->ldk;
     int nqb = (Tq + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
@@ -449,8 +482,8 @@ T256 void kern_attention_bwd_q0_avx2(float *dq, float *dk, float *dv, const floa
     int hdp = hd + KC; /* row stride of the q and dout copies (QS, GS) */
     int b16 = kern_attn_bf16(opt);
     int Tp = (Tk + BK - 1) / BK * BK;
-    float *KT = att2_transpose(k, B, Tk, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
-    float *VT = att2_transpose(v, B, Tk, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
+    float *KT = att2_transpose(k, B, Tk, ldk, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
+    float *VT = att2_transpose(v, B, Tk, ldk, nkv, hd, Tp); // [B*nkv, Tp/KC, hd, KC]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -490,33 +523,43 @@ T256 void kern_attention_bwd_q0_avx2(float *dq, float *dk, float *dv, const floa
             for (int kh = 0; kh < nkv; kh++) {
                 const float *kth = KT + ((size_t)b * nkv + kh) * hd * Tp, *vth = VT + ((size_t)b * nkv + kh) * hd * Tp;
                 const float *kh_ = KS; // slabs [hd/KC][Tk][KC] (att2_slabs_in)
-                float *dkh = dk + ((size_t)b * Tk * nkv + kh) * hd; // row j at + j*ks
-                float *dvh = dv + ((size_t)b * Tk * nkv + kh) * hd;
-                att2_slabs_in(KS, k + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, hd);
+                size_t ko = ((size_t)b * ldk * nkv + kh) * hd; /* the kv head's first row */
+                float *dkh = dk + ko; // row j at + j*ks
+                float *dvh = dv + ko;
+                att2_slabs_in(KS, k + ko, ks, Tk, hd);
                 kern_rows_sum_in(DKS, dkh, ks, Tk, hd, acc); // row j at + j*hd
                 kern_rows_sum_in(DVS, dvh, ks, Tk, hd, acc);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
-                    const float *oh = out + ((size_t)b * Tq * nh + h) * hd; // position t at + (t - q0)*qs
-                    const float *qh = QS, *gh = GS;                         // position t at + (t - q0)*hdp
-                    float *dqh = dq + ((size_t)b * Tq * nh + h) * hd;       // position t at + (t - q0)*qs
+                    size_t qo = ((size_t)b * ldq * nh + h) * hd; /* the query head's first row */
+                    const float *oh = Dg ? NULL : out + qo; // position t at + (t - q0)*qs
+                    const float *qh = QS, *gh = GS;         // position t at + (t - q0)*hdp
+                    float *dqh = dq + qo;                   // position t at + (t - q0)*qs
+                    const float *lh = lse + ((size_t)b * nh + h) * ldq; /* lse (and Dg) of row r at + r */
                     kern_rows_sum_in(DQS, dqh, qs, Tq, hd, acc); // position t at + (t - q0)*hd
-                    kern_rows_in(QS, hdp, q + ((size_t)b * Tq * nh + h) * hd, qs, Tq, hd);
-                    kern_rows_in(GS, hdp, dout + ((size_t)b * Tq * nh + h) * hd, qs, Tq, hd);
+                    kern_rows_in(QS, hdp, q + qo, qs, Tq, hd);
+                    kern_rows_in(GS, hdp, dout + qo, qs, Tq, hd);
                     /* D = rowsum(dout * out) = sum_j p_j dp_j, the head's rows in one loop: out's
                      * rows are qs floats apart, a page or two each, which no hardware prefetcher
                      * follows; a block's 48 at a time (and in between, the tile products) left
                      * ~5% of W3's backward waiting on them; here the next rows are prefetched */
                     for (int t = 0; t < Tq; t++) {
+                        if (Dg) { /* the block form: given */
+                            D[t] = Dg[lh - lse + t];
+                            continue;
+                        }
                         if (t + KERN_ROWS_PF < Tq) kern_prefetch_row(oh + (size_t)(t + KERN_ROWS_PF) * qs, hd, 0);
                         D[t] = att2_dot(gh + (size_t)t * hdp, oh + (size_t)t * qs, hd);
                     }
                     for (int qb = 0; qb < nqb; qb++) {
                         int lt0 = qb * BQ, t0 = q0 + lt0;
-                        int nq = Tk - t0 < BQ ? Tk - t0 : BQ, nmb = (nq + MR - 1) / MR;
-                        for (int r = 0; r < nq; r++) L[r] = lse[((size_t)b * nh + h) * Tq + lt0 + r];
-                        // from the tile of the first key the block sees (the window) up to the diagonal
-                        for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
-                            int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
+                        int nq = Tq - lt0 < BQ ? Tq - lt0 : BQ, nmb = (nq + MR - 1) / MR;
+                        /* the keys of the block that some row sees (the forward's range) */
+                        int jlo = kern_attn_first_key(t0, window) - k0, jend = t0 + nq - k0;
+                        jlo = jlo > 0 ? jlo / BK * BK : 0, jend = jend < Tk ? jend : Tk;
+                        if (jlo >= jend) continue;
+                        for (int r = 0; r < nq; r++) L[r] = lh[lt0 + r];
+                        for (int j0 = jlo; j0 < jend; j0 += BK) {
+                            int nk = jend - j0 < BK ? jend - j0 : BK, p0 = k0 + j0; /* p0: the tile's first position */
                             /* keys cmm <= c < ncm visible to each micro-block (cmm = 0 without a window) */
                             int ncm[BQ / MR], cmm[BQ / MR];
                             int ncr[BQ], clo[BQ]; /* row r: keys clo[r] <= c < ncr[r] */
@@ -524,8 +567,8 @@ T256 void kern_attention_bwd_q0_avx2(float *dq, float *dk, float *dv, const floa
                                 int ncmax = 0, cmin = BK;
                                 for (int r = mb * MR; r < (mb + 1) * MR; r++) {
                                     int rr = r < nq ? r : nq - 1;
-                                    int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk;
-                                    int c0 = kern_attn_first_key(t0 + rr, window) - j0;
+                                    int nc = t0 + rr - p0 + 1 < nk ? t0 + rr - p0 + 1 : nk;
+                                    int c0 = kern_attn_first_key(t0 + rr, window) - p0;
                                     clo[r] = c0 > 0 ? c0 : 0;
                                     ncr[r] = r < nq && nc > clo[r] ? nc : 0; /* padded rows: all masked */
                                     if (ncr[r] > ncmax) ncmax = ncr[r];
@@ -608,9 +651,9 @@ T256 void kern_attention_bwd_q0_avx2(float *dq, float *dk, float *dv, const floa
                                 int c = 0;
                                 while (c < nk) {
                                     int keys = nk - c >= 6 ? 6 : nk - c >= 4 ? 4 : nk - c >= 2 ? 2 : 1;
-                                    int rs = j0 + c - t0 > 0 ? j0 + c - t0 : 0, re = nq;
+                                    int rs = p0 + c - t0 > 0 ? p0 + c - t0 : 0, re = nq;
                                     if (window) { /* row t sees key j iff j <= t < j + window */
-                                        re = j0 + c + keys - 1 + window - t0;
+                                        re = p0 + c + keys - 1 + window - t0;
                                         re = re < nq ? re : nq;
                                     }
                                     float *dvr = DVS + (size_t)(j0 + c) * hd + c0;
@@ -661,10 +704,42 @@ T256 void kern_attention_bwd_q0_avx2(float *dq, float *dk, float *dv, const floa
     free(VT);
 }
 
+T256 void kern_attention_bwd_q0_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                     const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                     int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
+    if (hd % KC) {
+        op_attention_bwd_q0_tiled_avx2(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
+        return;
+    }
+    kern_attn_blk g = {B, nh, nkv, hd, Tq, Tk - Tq, Tq, Tk, 0, Tk};
+    att2_bwd_body(dq, dk, dv, dout, out, lse, NULL, q, k, v, &g, opt, acc);
+}
+
 T256 void kern_attention_bwd_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                   const float *lse, const float *q, const float *k, const float *v, int B, int T,
                                   int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
     kern_attention_bwd_q0_avx2(dq, dk, dv, dout, out, lse, q, k, v, B, T, T, nh, nkv, hd, opt, acc);
+}
+
+/* The block form (ops.h, kern_attn_blk; ring attention): the bodies above with the
+ * block's state and strides; the generic tiled pair for head dims they do not take. */
+T256 void kern_attention_fwd_blk_avx2(float *acc, float *m, float *l, const float *q, const float *k, const float *v,
+                                      const kern_attn_blk *g, const kern_attn_opt *opt) {
+    if (g->hd % KC) {
+        op_attention_fwd_blk_tiled(acc, m, l, q, k, v, g, opt);
+        return;
+    }
+    att2_fwd_body(acc, m, l, q, k, v, g, opt);
+}
+
+T256 void kern_attention_bwd_blk_avx2(float *dq, float *dk, float *dv, const float *dout, const float *lse,
+                                      const float *D, const float *q, const float *k, const float *v,
+                                      const kern_attn_blk *g, const kern_attn_opt *opt) {
+    if (g->hd % KC) {
+        op_attention_bwd_blk_tiled(dq, dk, dv, dout, lse, D, q, k, v, g, opt);
+        return;
+    }
+    att2_bwd_body(dq, dk, dv, dout, NULL, lse, D, q, k, v, g, opt, 1);
 }
 
 #endif /* __x86_64__ */

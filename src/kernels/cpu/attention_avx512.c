@@ -44,6 +44,11 @@
  * prefetches the block's out rows during its P V, as blocked_avx2 does: the
  * same bits, W3's forward -8 to -10% (docs/benchmarks.md).
  *
+ * Block form (ops.h, kern_attn_blk: ring attention): att_fwd_body / att_bwd_body are
+ * written for a block of keys at k0 against query rows at q0, strided in place; the
+ * offset form is the block with k0 = 0, unstrided, started from m = -inf and finished
+ * (the same operations as before: the same bits).
+ *
  * Determinism: forward work is split by (b, head, query block), backward by
  * (b, kv head) as in the tiled kernel, so each output element is summed by
  * one thread in a fixed order; results do not depend on the thread count.
@@ -112,8 +117,8 @@ AB_CALL void att_gather16_pairs(__m512 r[16], const float *head, long ks, int j0
  * (hd 128): with rows Tp floats apart (1 KB at T = 256) its 128 rows fell into 16
  * of L1's 64 sets, 32 rows for 12 ways, and the tile was re-read from L2 by every
  * micro-block. */
-A512 static float *att_tiles(const float *x, int B, int T, int nkv, int hd, int Tp, int pairs) {
-    // returns xt[B*nkv, Tp/BK, rows, BK]; x[B,T,nkv,hd]
+A512 static float *att_tiles(const float *x, int B, int T, int ld, int nkv, int hd, int Tp, int pairs) {
+    // returns xt[B*nkv, Tp/BK, rows, BK]; x[B,ld,nkv,hd], its first T rows per sequence
     int rows = pairs ? hd / 2 : hd, step = pairs ? 32 : 16; /* step: columns of hd per transpose */
     float *xt = ct_malloc64((size_t)B * nkv * rows * Tp * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
@@ -124,7 +129,7 @@ A512 static float *att_tiles(const float *x, int B, int T, int nkv, int hd, int 
         for (int b = 0; b < B; b++)
             for (int kh = 0; kh < nkv; kh++) {
                 float *dst = xt + ((size_t)b * nkv + kh) * rows * Tp;
-                const float *head = x + ((size_t)b * T * nkv + kh) * hd; // key j at + j * nkv * hd
+                const float *head = x + ((size_t)b * ld * nkv + kh) * hd; // key j at + j * nkv * hd
                 for (int j0 = 0; j0 < Tp; j0 += 16) { /* 16 keys x 16 slots: one in-register transpose */
                     int n = T - j0 < 16 ? (T - j0 > 0 ? T - j0 : 0) : 16;
                     float *tile = dst + (size_t)(j0 / BK) * BK * rows + j0 % BK;
@@ -143,9 +148,9 @@ A512 static float *att_tiles(const float *x, int B, int T, int nkv, int hd, int 
     return xt;
 }
 
-/* vh[(b * nkv + kh) * T + j][i] = v[b, j, kh, i]: every V head's rows contiguous
- * (kern_rows_in), for the forward's P V product. */
-A512 static float *att_heads(const float *v, int B, int T, int nkv, int hd) {
+/* vh[(b * nkv + kh) * T + j][i] = v[b, j, kh, i] (v: [B, ld, nkv, hd]): every V head's
+ * rows contiguous (kern_rows_in), for the forward's P V product. */
+A512 static float *att_heads(const float *v, int B, int T, int ld, int nkv, int hd) {
     float *vh = ct_malloc64((size_t)B * nkv * T * hd * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
@@ -154,7 +159,7 @@ A512 static float *att_heads(const float *v, int B, int T, int nkv, int hd) {
 #pragma omp for collapse(2) schedule(static) nowait
         for (int b = 0; b < B; b++)
             for (int kh = 0; kh < nkv; kh++)
-                kern_rows_in(vh + ((size_t)b * nkv + kh) * T * hd, hd, v + ((size_t)b * T * nkv + kh) * hd,
+                kern_rows_in(vh + ((size_t)b * nkv + kh) * T * hd, hd, v + ((size_t)b * ld * nkv + kh) * hd,
                              (long)nkv * hd, T, hd);
         KERN_TRACE_EXIT(kt_);
     }
@@ -470,7 +475,8 @@ AB_INLINE void att_dq_bf16(float *dq, long qs, int nr, const uint32_t *sr, const
 }
 
 /* A tile's dv, dk and dq products from its bf16 operands (att_tile_pairs_bf16, the
- * head's att_head_bf16 and att_kpairs_bf16): the fp32 kernel's loops and ranges,
+ * head's att_head_bf16 and att_kpairs_bf16): the fp32 kernel's loops and ranges (t0:
+ * the query block's first position less the key block's, k0),
  * the row ranges of dv / dk widened to whole pairs of rows and the key range of dq
  * to whole pairs of keys (the rows and keys they add hold P = dS = 0 there, and the
  * operands' padding rows are zeros). cmb / ceb: each micro-block's first and end
@@ -508,22 +514,28 @@ AB_CALL void att_block_bf16(uint32_t *qb, const float *q, long qs, int nq, int h
     att_rows_bf16(qb, q, qs, nq, BQ, hd);
 }
 
-/* The forward of both kernels: vb = 1 takes the scores as bf16 products. The
- * offset form (ops.h): Tq query rows at positions q0 = Tk - Tq on, in blocks
- * from q0 (t0: a block's first position, lt0 = t0 - q0 its first row of q). */
-A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *k, const float *v, int B, int Tq,
-                           int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int vb) {
-    // out[B,Tq,nh,hd], lse[B,nh,Tq], q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
-    int group = nh / nkv, q0 = Tk - Tq;
+/* The forward of both kernels: vb = 1 takes the scores as bf16 products. Written
+ * for the block form (ops.h, kern_attn_blk): Tq query rows at positions q0.. against
+ * the Tk keys at positions k0.., in blocks of rows from q0 (t0: a block's first
+ * position, lt0 = t0 - q0 its first row of q); key tiles are by index in the block
+ * (j0), their masks by position (k0 + j0). With ls (the running sums l) it is the
+ * block form: out, lse are the state acc, m, read first and written back; without,
+ * the offset form (q0 = Tk - Tq, k0 = 0, unstrided), which starts from m = -inf,
+ * l = 0 and finishes out = acc / l, lse = m + log l. */
+A_INLINE void att_fwd_body(float *out, float *lse, float *ls, const float *q, const float *k, const float *v,
+                           const kern_attn_blk *g, const kern_attn_opt *opt, int vb) {
+    // out[B,ldq,nh,hd], lse[B,nh,ldq], q[B,ldq,nh,hd], k[B,ldk,nkv,hd], v[B,ldk,nkv,hd]
+    int B = g->B, Tq = g->Tq, Tk = g->Tk, nh = g->nh, nkv = g->nkv, hd = g->hd;
+    int group = nh / nkv, q0 = g->q0, k0 = g->k0, ldq = g->ldq;
     int nqb = (Tq + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
     int Tp = (Tk + BK - 1) / BK * BK, hp = hd / 2;
-    float *KT = vb ? NULL : att_tiles(k, B, Tk, nkv, hd, Tp, 0);                 // [B*nkv, Tp/BK, hd, BK]
-    uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, Tk, nkv, hd, Tp, 1) : NULL;  // [B*nkv, Tp/BK, hd/2, BK] pairs
-    float *VH = att_heads(v, B, Tk, nkv, hd);         // [B*nkv, Tk, hd]
+    float *KT = vb ? NULL : att_tiles(k, B, Tk, g->ldk, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
+    uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, Tk, g->ldk, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK]
+    float *VH = att_heads(v, B, Tk, g->ldk, nkv, hd);         // [B*nkv, Tk, hd]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -538,17 +550,28 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
             for (int h = 0; h < nh; h++) {
                 for (int qb = 0; qb < nqb; qb++) {
                     int kh = h / group, lt0 = qb * BQ, t0 = q0 + lt0;
-                    int nq = Tk - t0 < BQ ? Tk - t0 : BQ;
-                    const float *qh = q + ((size_t)b * Tq * nh + h) * hd; // position t at qh + (t - q0)*qs
+                    int nq = Tq - lt0 < BQ ? Tq - lt0 : BQ;
+                    const float *qh = q + ((size_t)b * ldq * nh + h) * hd; // position t at qh + (t - q0)*qs
                     const float *kth = vb ? NULL : KT + ((size_t)b * nkv + kh) * hd * Tp; // tile at + j0*hd
                     const uint32_t *kph = vb ? KP + ((size_t)b * nkv + kh) * hp * Tp : NULL; // tile at + j0*hp
                     const float *vh = VH + ((size_t)b * nkv + kh) * Tk * hd; // row j at vh + j*hd
+                    float *sm = lse + ((size_t)b * nh + h) * ldq + lt0; // the rows' m (lse), l
+                    /* the keys of the block that some row sees: from the tile of the first
+                     * row's first key (the window) up to the last row's diagonal */
+                    int jlo = kern_attn_first_key(t0, window) - k0, jend = t0 + nq - k0;
+                    jlo = jlo > 0 ? jlo / BK * BK : 0, jend = jend < Tk ? jend : Tk;
+                    if (ls && jlo >= jend) continue; /* the state stays as it is */
                     if (vb) att_block_bf16(QB, qh + (size_t)lt0 * qs, qs, nq, hd);
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)BQ * hd * sizeof(float));
-                    // from the tile of the first key the block sees (the window) up to the diagonal
-                    for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
-                        int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
+                    if (ls)
+                        for (int r = 0; r < nq; r++) {
+                            m[r] = sm[r], l[r] = ls[sm - lse + r];
+                            memcpy(acc + (size_t)r * hd, out + ((size_t)b * ldq + lt0 + r) * qs + (size_t)h * hd,
+                                   (size_t)hd * sizeof(float));
+                        }
+                    for (int j0 = jlo; j0 < jend; j0 += BK) {
+                        int nk = jend - j0 < BK ? jend - j0 : BK, p0 = k0 + j0; /* p0: the tile's first position */
                         /* Two passes over the tile's micro-blocks: every score row first (the
                          * K tile, 32 KB at hd 128, stays in L1 across them), then every P V
                          * (the V tile stays in L1). One pass per micro-block needed both
@@ -562,8 +585,8 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
                                 int rr = r0 + r < nq ? r0 + r : nq - 1; /* rows past T repeat the last */
                                 x[r] = qh + (size_t)(lt0 + rr) * qs;
                                 xb[r] = vb ? QB + (size_t)rr * hp : NULL;
-                                int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk; // keys j0..t
-                                int c0 = kern_attn_first_key(t0 + rr, window) - j0;  // and from lo(t) on
+                                int nc = t0 + rr - p0 + 1 < nk ? t0 + rr - p0 + 1 : nk; // keys p0..t
+                                int c0 = kern_attn_first_key(t0 + rr, window) - p0;  // and from lo(t) on
                                 clo[r] = c0 > 0 ? c0 : 0;
                                 ncr[r] = nc > clo[r] ? nc : 0;
                                 if (ncr[r] > ncmax) ncmax = ncr[r];
@@ -628,14 +651,14 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
                                 l[r0 + r] = l[r0 + r] * alpha[r0 + r] + _mm512_reduce_add_ps(sum);
                             }
                         }
-                        int last = j0 + BK >= t0 + nq;
+                        int last = !ls && j0 + BK >= jend;
                         for (int r0 = 0; r0 < nq; r0 += 4) {
                             int cmin = mbc[r0 / 4][0], ncmax = mbc[r0 / 4][1];
                             /* the last tile prefetches the block's out rows (qs floats apart, a
                              * page each, cold) ahead of the stores below, as blocked_avx2 does */
                             if (last)
                                 for (int r = r0; r < r0 + 4 && r < nq; r++) {
-                                    const float *orow = out + ((size_t)b * Tq + lt0 + r) * qs + (size_t)h * hd;
+                                    const float *orow = out + ((size_t)b * ldq + lt0 + r) * qs + (size_t)h * hd;
                                     for (int i = 0; i < hd; i += 16) __builtin_prefetch(orow + i, 1, 3);
                                 }
                             if (!ncmax) continue;
@@ -646,11 +669,16 @@ A_INLINE void att_fwd_body(float *out, float *lse, const float *q, const float *
                         }
                     }
                     for (int r = 0; r < nq; r++) {
-                        float *ot = out + ((size_t)b * Tq + lt0 + r) * qs + (size_t)h * hd;
+                        float *ot = out + ((size_t)b * ldq + lt0 + r) * qs + (size_t)h * hd;
+                        if (ls) { /* the state, unnormalised: the block form's finish divides */
+                            memcpy(ot, acc + (size_t)r * hd, (size_t)hd * sizeof(float));
+                            sm[r] = m[r], ls[sm - lse + r] = l[r];
+                            continue;
+                        }
                         __m512 inv = _mm512_set1_ps(1.0f / l[r]);
                         for (int i = 0; i < hd; i += 16)
                             _mm512_storeu_ps(ot + i, _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)r * hd + i), inv));
-                        lse[((size_t)b * nh + h) * Tq + lt0 + r] = m[r] + logf(l[r]);
+                        sm[r] = m[r] + logf(l[r]);
                     }
                 }
             }
@@ -670,7 +698,8 @@ A512 void kern_attention_fwd_q0_avx512(float *out, float *lse, const float *q, c
         op_attention_fwd_q0_tiled_avx512(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
         return;
     }
-    att_fwd_body(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 0);
+    kern_attn_blk g = {B, nh, nkv, hd, Tq, Tk - Tq, Tq, Tk, 0, Tk};
+    att_fwd_body(out, lse, NULL, q, k, v, &g, opt, 0);
 }
 
 A512 void kern_attention_fwd_q0_avx512bf16(float *out, float *lse, const float *q, const float *k, const float *v,
@@ -679,7 +708,8 @@ A512 void kern_attention_fwd_q0_avx512bf16(float *out, float *lse, const float *
         kern_attention_fwd_q0_avx512(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
         return;
     }
-    att_fwd_body(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 1);
+    kern_attn_blk g = {B, nh, nkv, hd, Tq, Tk - Tq, Tq, Tk, 0, Tk};
+    att_fwd_body(out, lse, NULL, q, k, v, &g, opt, 1);
 }
 
 A512 void kern_attention_fwd_avx512(float *out, float *lse, const float *q, const float *k, const float *v, int B,
@@ -693,15 +723,18 @@ A512 void kern_attention_fwd_avx512bf16(float *out, float *lse, const float *q, 
 }
 
 /* The backward of both kernels: vb = 1 runs every product as bf16 pairs; acc 0
- * overwrites dq, dk and dv (their row copies start from 0). The offset form as
- * the forward's: the query side's rows (q, dout, out, lse, dq and their copies
- * here) indexed from q0 (lt0 = t0 - q0), the keys' by position. */
+ * overwrites dq, dk and dv (their row copies start from 0). The block form as the
+ * forward's: the query side's rows (q, dout, out, lse, dq and their copies here)
+ * indexed from q0 (lt0 = t0 - q0), the keys' from k0 (the tile at index j0 is at
+ * position p0 = k0 + j0), masks by position. With Dg (the block form) D is given
+ * and out unused; without, D = rowsum(dout * out) here. */
 A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
-                           const float *q, const float *k, const float *v, int B, int Tq, int Tk, int nh, int nkv,
-                           int hd, const kern_attn_opt *opt, int vb, int acc) {
-    // dq[B,Tq,nh,hd], dk[B,Tk,nkv,hd], dv[B,Tk,nkv,hd], dout[B,Tq,nh,hd], out[B,Tq,nh,hd], lse[B,nh,Tq],
-    // q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
-    int group = nh / nkv, q0 = Tk - Tq;
+                           const float *Dg, const float *q, const float *k, const float *v, const kern_attn_blk *g,
+                           const kern_attn_opt *opt, int vb, int acc) {
+    // dq[B,ldq,nh,hd], dk[B,ldk,nkv,hd], dv[B,ldk,nkv,hd], dout[B,ldq,nh,hd], out[B,ldq,nh,hd], lse[B,nh,ldq],
+    // q[B,ldq,nh,hd], k[B,ldk,nkv,hd], v[B,ldk,nkv,hd]
+    int B = g->B, Tq = g->Tq, Tk = g->Tk, nh = g->nh, nkv = g->nkv, hd = g->hd;
+    int group = nh / nkv, q0 = g->q0, k0 = g->k0, ldq = g->ldq, ldk = g->ldk;
     int nqb = (Tq + BQB - 1) / BQB;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
@@ -709,10 +742,10 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
     int qs = nh * hd, ks = nkv * hd;
     int b16 = kern_attn_bf16(opt);
     int Tp = (Tk + BK - 1) / BK * BK, hp = hd / 2, Tz = nqb * BQB; /* Tz: the query rows the blocks cover */
-    float *KT = vb ? NULL : att_tiles(k, B, Tk, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
-    float *VT = vb ? NULL : att_tiles(v, B, Tk, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
-    uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, Tk, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
-    uint32_t *VP = vb ? (uint32_t *)att_tiles(v, B, Tk, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK] pairs
+    float *KT = vb ? NULL : att_tiles(k, B, Tk, ldk, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
+    float *VT = vb ? NULL : att_tiles(v, B, Tk, ldk, nkv, hd, Tp, 0);                // [B*nkv, Tp/BK, hd, BK]
+    uint32_t *KP = vb ? (uint32_t *)att_tiles(k, B, Tk, ldk, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK]
+    uint32_t *VP = vb ? (uint32_t *)att_tiles(v, B, Tk, ldk, nkv, hd, Tp, 1) : NULL; // [B*nkv, Tp/BK, hd/2, BK]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -754,35 +787,42 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                 const uint32_t *vph = vb ? VP + ((size_t)b * nkv + kh) * hp * Tp : NULL;
                 const float *kh_ = KS; // row j at + j*hd
                 float *dkh = DK, *dvh = DV; // row j at + j*hd
-                kern_rows_sum_in(DK, dk + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, hd, acc);
-                kern_rows_sum_in(DV, dv + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, hd, acc);
-                if (vb) att_kpairs_bf16(KR, k + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, Tp, hd);
-                else kern_rows_in(KS, hd, k + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, hd);
+                /* the rows of the kv head (key j at + j * ks) and of a query head (row r at + r * qs) */
+                size_t ko = ((size_t)b * ldk * nkv + kh) * hd;
+                kern_rows_sum_in(DK, dk + ko, ks, Tk, hd, acc);
+                kern_rows_sum_in(DV, dv + ko, ks, Tk, hd, acc);
+                if (vb) att_kpairs_bf16(KR, k + ko, ks, Tk, Tp, hd);
+                else kern_rows_in(KS, hd, k + ko, ks, Tk, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
-                    const float *oh = out + ((size_t)b * Tq * nh + h) * hd; // position t at + (t - q0)*qs
+                    size_t qo = ((size_t)b * ldq * nh + h) * hd;
+                    const float *oh = Dg ? NULL : out + qo; // position t at + (t - q0)*qs
                     const float *qh = QS, *gh = GS; // position t at + (t - q0)*hd
                     float *dqh = DQ; // position t at + (t - q0)*hd
-                    kern_rows_sum_in(DQ, dq + ((size_t)b * Tq * nh + h) * hd, qs, Tq, hd, acc);
+                    kern_rows_sum_in(DQ, dq + qo, qs, Tq, hd, acc);
                     if (vb) {
-                        att_head_bf16(QB, GB, QR, GR, q + ((size_t)b * Tq * nh + h) * hd,
-                                      dout + ((size_t)b * Tq * nh + h) * hd, qs, Tq, Tz, hd);
-                        gh = dout + ((size_t)b * Tq * nh + h) * hd; /* D below: rows qs apart */
+                        att_head_bf16(QB, GB, QR, GR, q + qo, dout + qo, qs, Tq, Tz, hd);
+                        gh = dout + qo; /* D below: rows qs apart */
                     } else {
-                        kern_rows_in(QS, hd, q + ((size_t)b * Tq * nh + h) * hd, qs, Tq, hd);
-                        kern_rows_in(GS, hd, dout + ((size_t)b * Tq * nh + h) * hd, qs, Tq, hd);
+                        kern_rows_in(QS, hd, q + qo, qs, Tq, hd);
+                        kern_rows_in(GS, hd, dout + qo, qs, Tq, hd);
                     }
                     long gs = vb ? qs : hd; /* the row stride of gh */
                     for (int qb = 0; qb < nqb; qb++) {
                         int lt0 = qb * BQB, t0 = q0 + lt0;
-                        int nq = Tk - t0 < BQB ? Tk - t0 : BQB;
+                        int nq = Tq - lt0 < BQB ? Tq - lt0 : BQB;
+                        size_t ro = ((size_t)b * nh + h) * ldq + lt0; /* the rows' lse, D */
+                        /* the keys of the block that some row sees (the forward's range) */
+                        int jlo = kern_attn_first_key(t0, window) - k0, jend = t0 + nq - k0;
+                        jlo = jlo > 0 ? jlo / BK * BK : 0, jend = jend < Tk ? jend : Tk;
+                        if (jlo >= jend) continue;
                         for (int r = 0; r < nq; r++) {
-                            // D = rowsum(dout * out) = sum_j p_j dp_j
-                            D[r] = att_dot(gh + (size_t)(lt0 + r) * gs, oh + (size_t)(lt0 + r) * qs, hd);
-                            L[r] = lse[((size_t)b * nh + h) * Tq + lt0 + r];
+                            // D = rowsum(dout * out) = sum_j p_j dp_j (the block form: given)
+                            D[r] = Dg ? Dg[ro + r]
+                                      : att_dot(gh + (size_t)(lt0 + r) * gs, oh + (size_t)(lt0 + r) * qs, hd);
+                            L[r] = lse[ro + r];
                         }
-                        // from the tile of the first key the block sees (the window) up to the diagonal
-                        for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
-                            int nk = t0 + nq - j0 < BK ? t0 + nq - j0 : BK;
+                        for (int j0 = jlo; j0 < jend; j0 += BK) {
+                            int nk = jend - j0 < BK ? jend - j0 : BK, p0 = k0 + j0; /* p0: the tile's first position */
                             int cmb[BQB / 4]; /* first key column a micro-block sees (0 without a window) */
                             int ceb[BQB / 4]; /* and the end of the columns it sees (the diagonal) */
                             for (int r0 = 0; r0 < nq; r0 += 4) {
@@ -796,8 +836,8 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                                     xg[r] = vb ? NULL : gh + (size_t)(lt0 + rr) * hd;
                                     bq[r] = vb ? QB + (size_t)(lt0 + rr) * hp : NULL;
                                     bg[r] = vb ? GB + (size_t)(lt0 + rr) * hp : NULL;
-                                    int nc = t0 + rr - j0 + 1 < nk ? t0 + rr - j0 + 1 : nk;
-                                    int c0 = kern_attn_first_key(t0 + rr, window) - j0;
+                                    int nc = t0 + rr - p0 + 1 < nk ? t0 + rr - p0 + 1 : nk;
+                                    int c0 = kern_attn_first_key(t0 + rr, window) - p0;
                                     clo[r] = c0 > 0 ? c0 : 0;
                                     ncr[r] = r0 + r < nq && nc > clo[r] ? nc : 0; /* padded rows: all masked */
                                     if (ncr[r] && clo[r] < cmin) cmin = clo[r];
@@ -849,8 +889,8 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                             }
                             if (vb) { /* the products below take P and dS as bf16 pairs */
                                 att_tile_pairs_bf16(PT, ST, SR, P, dS, (nq + 3) & ~3);
-                                att_bf16_products(dqh, dkh, dvh, hd, j0, t0, lt0, nq, nk, window, cmb, ceb, PT, ST,
-                                                  SR, KR, QR, GR);
+                                att_bf16_products(dqh, dkh, dvh, hd, j0, t0 - k0, lt0, nq, nk, window, cmb, ceb, PT,
+                                                  ST, SR, KR, QR, GR);
                                 continue;
                             }
                             if (b16) { /* the products below take P and dS as bf16 (dS from fp32 P above) */
@@ -865,9 +905,9 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                                     int keys = c + 4 <= nk ? 4 : 1;
                                     /* row t sees key j iff j <= t (< j + window): the rows above the
                                      * diagonal hold P = dS = 0 and are skipped */
-                                    int rs = j0 + c - t0 > 0 ? j0 + c - t0 : 0, re = nq;
+                                    int rs = p0 + c - t0 > 0 ? p0 + c - t0 : 0, re = nq;
                                     if (window) {
-                                        re = j0 + c + keys - 1 + window - t0;
+                                        re = p0 + c + keys - 1 + window - t0;
                                         re = re < nq ? re : nq;
                                     }
                                     if (re > rs) {
@@ -913,10 +953,10 @@ A_INLINE void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, c
                             }
                         }
                     }
-                    kern_rows_out(dq + ((size_t)b * Tq * nh + h) * hd, qs, DQ, Tq, hd);
+                    kern_rows_out(dq + qo, qs, DQ, Tq, hd);
                 }
-                kern_rows_out(dk + ((size_t)b * Tk * nkv + kh) * hd, ks, DK, Tk, hd);
-                kern_rows_out(dv + ((size_t)b * Tk * nkv + kh) * hd, ks, DV, Tk, hd);
+                kern_rows_out(dk + ko, ks, DK, Tk, hd);
+                kern_rows_out(dv + ko, ks, DV, Tk, hd);
             }
         }
         free(P);
@@ -940,7 +980,8 @@ A512 void kern_attention_bwd_q0_avx512(float *dq, float *dk, float *dv, const fl
         op_attention_bwd_q0_tiled_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
         return;
     }
-    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 0, acc);
+    kern_attn_blk g = {B, nh, nkv, hd, Tq, Tk - Tq, Tq, Tk, 0, Tk};
+    att_bwd_body(dq, dk, dv, dout, out, lse, NULL, q, k, v, &g, opt, 0, acc);
 }
 
 A512 void kern_attention_bwd_q0_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *out,
@@ -951,7 +992,8 @@ A512 void kern_attention_bwd_q0_avx512bf16(float *dq, float *dk, float *dv, cons
         kern_attention_bwd_q0_avx512(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
         return;
     }
-    att_bwd_body(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, 1, acc);
+    kern_attn_blk g = {B, nh, nkv, hd, Tq, Tk - Tq, Tq, Tk, 0, Tk};
+    att_bwd_body(dq, dk, dv, dout, out, lse, NULL, q, k, v, &g, opt, 1, acc);
 }
 
 A512 void kern_attention_bwd_avx512(float *dq, float *dk, float *dv, const float *dout, const float *out,
@@ -964,5 +1006,46 @@ A512 void kern_attention_bwd_avx512bf16(float *dq, float *dk, float *dv, const f
                                         const float *lse, const float *q, const float *k, const float *v, int B,
                                         int T, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc) {
     kern_attention_bwd_q0_avx512bf16(dq, dk, dv, dout, out, lse, q, k, v, B, T, T, nh, nkv, hd, opt, acc);
+}
+
+/* The block form (ops.h, kern_attn_blk; ring attention): the bodies above with the
+ * state and strides of the block, and the tiled AVX-512 pair where they do not apply
+ * (hd not a multiple of HC; blocked_avx512bf16 without bf16 products). */
+A512 void kern_attention_fwd_blk_avx512(float *acc, float *m, float *l, const float *q, const float *k,
+                                        const float *v, const kern_attn_blk *g, const kern_attn_opt *opt) {
+    if (g->hd % HC) {
+        op_attention_fwd_blk_tiled_avx512(acc, m, l, q, k, v, g, opt);
+        return;
+    }
+    att_fwd_body(acc, m, l, q, k, v, g, opt, 0);
+}
+
+A512 void kern_attention_fwd_blk_avx512bf16(float *acc, float *m, float *l, const float *q, const float *k,
+                                            const float *v, const kern_attn_blk *g, const kern_attn_opt *opt) {
+    if (!kern_attn_bf16(opt) || g->hd % HC) {
+        kern_attention_fwd_blk_avx512(acc, m, l, q, k, v, g, opt);
+        return;
+    }
+    att_fwd_body(acc, m, l, q, k, v, g, opt, 1);
+}
+
+A512 void kern_attention_bwd_blk_avx512(float *dq, float *dk, float *dv, const float *dout, const float *lse,
+                                        const float *D, const float *q, const float *k, const float *v,
+                                        const kern_attn_blk *g, const kern_attn_opt *opt) {
+    if (g->hd % HC) {
+        op_attention_bwd_blk_tiled_avx512(dq, dk, dv, dout, lse, D, q, k, v, g, opt);
+        return;
+    }
+    att_bwd_body(dq, dk, dv, dout, NULL, lse, D, q, k, v, g, opt, 0, 1);
+}
+
+A512 void kern_attention_bwd_blk_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *lse,
+                                            const float *D, const float *q, const float *k, const float *v,
+                                            const kern_attn_blk *g, const kern_attn_opt *opt) {
+    if (!kern_attn_bf16(opt) || g->hd % HC) {
+        kern_attention_bwd_blk_avx512(dq, dk, dv, dout, lse, D, q, k, v, g, opt);
+        return;
+    }
+    att_bwd_body(dq, dk, dv, dout, NULL, lse, D, q, k, v, g, opt, 1, 1);
 }
 #endif /* __x86_64__ */

@@ -59,6 +59,9 @@
  * "tiled" (kernels/ref/attention.c, NEON through `omp simd` on aarch64),
  * which has the same contract.
  *
+ * Block form (ops.h, kern_attn_blk: ring attention): att_fwd_body / att_bwd_body,
+ * as blocked_avx512's (the offset form is the block with k0 = 0, the same bits).
+ *
  * Determinism: forward work is split by (b, head, query block), backward by
  * (b, kv head) as in the tiled kernel, so each output element is summed by
  * one thread in a fixed order; results do not depend on the thread count.
@@ -92,8 +95,8 @@ static int imax(int a, int b) { return a > b ? a : b; }
  * element [i][c] = x[b, jc * NC + c, kh, i], zeros for keys >= T. A score
  * step reads the 8 keys' values at one element of hd as 2 vectors, and a
  * chunk (4 KB at hd 128) is read front to back by every micro-block. */
-static float *att_heads_t(const float *x, int B, int T, int nkv, int hd, int Tp) {
-    // returns xt[B*nkv, Tp/NC, hd, NC]; x[B,T,nkv,hd]
+static float *att_heads_t(const float *x, int B, int T, int ld, int nkv, int hd, int Tp) {
+    // returns xt[B*nkv, Tp/NC, hd, NC]; x[B,ld,nkv,hd], its first T rows per sequence
     float *xt = ct_malloc64((size_t)B * nkv * Tp * hd * sizeof(float));
     long xs = (long)nkv * hd; // row stride of x
     kern_trace *kt_ = kern_trace_armed();
@@ -104,7 +107,7 @@ static float *att_heads_t(const float *x, int B, int T, int nkv, int hd, int Tp)
         for (int b = 0; b < B; b++)
             for (int kh = 0; kh < nkv; kh++) {
                 float *dst = xt + ((size_t)b * nkv + kh) * Tp * hd;
-                const float *src = x + (size_t)b * T * xs + (size_t)kh * hd; // key j at + j*xs
+                const float *src = x + (size_t)b * ld * xs + (size_t)kh * hd; // key j at + j*xs
                 for (int j0 = 0; j0 < Tp; j0 += 4) {                          /* 4 keys x hd per slab */
                     int n = imax(imin(T - j0, 4), 0);
                     neon_transpose_slab4(dst + (size_t)(j0 / NC) * NC * hd + j0 % NC, NC,
@@ -133,8 +136,8 @@ static void att_slabs_in(float *dst, const float *x, long xs, int rows, int n, i
 }
 
 /* vs[b * nkv + kh] = v[b, :, kh, :] as slabs (att_slabs_in), for the forward's P V. */
-static float *att_heads_slabs(const float *v, int B, int T, int nkv, int hd) {
-    // returns vs[B*nkv, hd/NC, T, NC]; v[B,T,nkv,hd]
+static float *att_heads_slabs(const float *v, int B, int T, int ld, int nkv, int hd) {
+    // returns vs[B*nkv, hd/NC, T, NC]; v[B,ld,nkv,hd], its first T rows per sequence
     float *vs = ct_malloc64((size_t)B * nkv * T * hd * sizeof(float));
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
@@ -143,7 +146,7 @@ static float *att_heads_slabs(const float *v, int B, int T, int nkv, int hd) {
 #pragma omp for collapse(2) schedule(static) nowait
         for (int b = 0; b < B; b++)
             for (int kh = 0; kh < nkv; kh++)
-                att_slabs_in(vs + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * T * nkv + kh) * hd,
+                att_slabs_in(vs + ((size_t)b * nkv + kh) * T * hd, v + ((size_t)b * ld * nkv + kh) * hd,
                              (long)nkv * hd, T, T, hd);
         KERN_TRACE_EXIT(kt_);
     }
@@ -160,7 +163,7 @@ static void att_block_t(float *dst, const float *x, long xs, int rows, int hd) {
     }
 }
 
-/* Which keys of the tile at key j0 (nk keys) each row of the block at t0 (nq
+/* Which keys of the tile at key position j0 (nk keys) each row of the block at t0 (nq
  * rows) sees: row r sees tile keys clo[r] <= c < ncr[r] (ncr[r] = 0: none;
  * rows past nq see none); micro-block mb's rows see keys mbc[mb][0] <=
  * c < mbc[mb][1] between them (0, 0: none). */
@@ -305,24 +308,26 @@ NEON_INLINE float att_dot(const float *x, const float *y, int n) {
 
 /* ---------------------------------------------------------------- forward */
 
-/* The offset form (ops.h): Tq query rows at positions q0 = Tk - Tq on, in blocks
- * from q0 (t0: a block's first position, lt0 = t0 - q0 its first row of q). */
-void kern_attention_fwd_q0_neon(float *out, float *lse, const float *q, const float *k, const float *v, int B, int Tq,
-                                int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
-    // out[B,Tq,nh,hd], lse[B,nh,Tq], q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
-    if (hd % NC) {
-        op_attention_fwd_q0_tiled(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
-        return;
-    }
-    int group = nh / nkv, q0 = Tk - Tq;
+/* The forward, written for the block form (ops.h, kern_attn_blk): Tq query rows at
+ * positions q0.. against the Tk keys at positions k0.., in blocks of rows from q0 (t0:
+ * a block's first position, lt0 = t0 - q0 its first row of q); key tiles are by index
+ * in the block (j0), their masks by position (p0 = k0 + j0). With ls (the running sums
+ * l) it is the block form: out, lse are the state acc, m, read first and written back;
+ * without, the offset form (q0 = Tk - Tq, k0 = 0, unstrided), which starts from m =
+ * -inf, l = 0 and finishes out = acc / l, lse = m + log l. hd % NC == 0. */
+static void att_fwd_body(float *out, float *lse, float *ls, const float *q, const float *k, const float *v,
+                         const kern_attn_blk *g, const kern_attn_opt *opt) {
+    // out[B,ldq,nh,hd], lse[B,nh,ldq], q[B,ldq,nh,hd], k[B,ldk,nkv,hd], v[B,ldk,nkv,hd]
+    int B = g->B, Tq = g->Tq, Tk = g->Tk, nh = g->nh, nkv = g->nkv, hd = g->hd;
+    int group = nh / nkv, q0 = g->q0, k0 = g->k0, ldq = g->ldq;
     int nqb = (Tq + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
     float cap = kern_attn_softcap(opt);
     int qs = nh * hd; // row stride of q and out
     int Tp = (Tk + BK - 1) / BK * BK;
-    float *KT = att_heads_t(k, B, Tk, nkv, hd, Tp);  // [B*nkv, Tp/NC, hd, NC]
-    float *VS = att_heads_slabs(v, B, Tk, nkv, hd);  // [B*nkv, hd/NC, Tk, NC]
+    float *KT = att_heads_t(k, B, Tk, g->ldk, nkv, hd, Tp);  // [B*nkv, Tp/NC, hd, NC]
+    float *VS = att_heads_slabs(v, B, Tk, g->ldk, nkv, hd);  // [B*nkv, hd/NC, Tk, NC]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -339,16 +344,28 @@ void kern_attention_fwd_q0_neon(float *out, float *lse, const float *q, const fl
             for (int h = 0; h < nh; h++) {
                 for (int qb = 0; qb < nqb; qb++) {
                     int kh = h / group, lt0 = qb * BQ, t0 = q0 + lt0;
-                    int nq = imin(Tk - t0, BQ), nmb = (nq + MR - 1) / MR;
+                    int nq = imin(Tq - lt0, BQ), nmb = (nq + MR - 1) / MR;
                     const float *kth = KT + ((size_t)b * nkv + kh) * Tp * hd; // chunk of key j0 at + j0*hd
                     const float *vsh = VS + ((size_t)b * nkv + kh) * Tk * hd; // slab c0, key j at + c0*Tk + j*NC
-                    att_block_t(QT, q + (((size_t)b * Tq + lt0) * nh + h) * hd, qs, nq, hd);
+                    float *sm = lse + ((size_t)b * nh + h) * ldq + lt0; // the rows' m (lse), l
+                    /* the keys of the block that some row sees: from the tile of the first
+                     * row's first key (the window) up to the last row's diagonal */
+                    int jlo = kern_attn_first_key(t0, window) - k0, jend = imin(t0 + nq - k0, Tk);
+                    jlo = jlo > 0 ? jlo / BK * BK : 0;
+                    if (ls && jlo >= jend) continue; /* the state stays as it is */
+                    att_block_t(QT, q + (((size_t)b * ldq + lt0) * nh + h) * hd, qs, nq, hd);
                     for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
                     memset(acc, 0, (size_t)hd * BQ * sizeof(float));
-                    // from the tile of the first key the block sees (the window) up to the diagonal
-                    for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
-                        int nk = imin(t0 + nq - j0, BK);
-                        att_visible(clo, ncr, mbc, t0, nq, j0, nk, window);
+                    if (ls)
+                        for (int r = 0; r < nq; r++) {
+                            const float *ar = out + (((size_t)b * ldq + lt0 + r) * nh + h) * hd;
+                            m[r] = sm[r], l[r] = ls[sm - lse + r];
+                            for (int c0 = 0; c0 < hd; c0 += NC)
+                                memcpy(acc + (size_t)c0 * BQ + (size_t)r * NC, ar + c0, NC * sizeof(float));
+                        }
+                    for (int j0 = jlo; j0 < jend; j0 += BK) {
+                        int nk = imin(jend - j0, BK);
+                        att_visible(clo, ncr, mbc, t0, nq, k0 + j0, nk, window); /* by position */
                         /* scores: each 8-key chunk of K^T (4 KB at hd 128) across the micro-blocks
                          * that see one of its keys, while it stays in L1 beside the block's q^T */
                         for (int ch = 0; ch < BK / NC; ch++)
@@ -401,14 +418,20 @@ void kern_attention_fwd_q0_neon(float *out, float *lse, const float *q, const fl
                             }
                     }
                     for (int r = 0; r < nq; r++) {
-                        float *ot = out + ((size_t)b * Tq + lt0 + r) * qs + (size_t)h * hd;
+                        float *ot = out + ((size_t)b * ldq + lt0 + r) * qs + (size_t)h * hd;
+                        if (ls) { /* the state, unnormalised: the block form's finish divides */
+                            for (int c0 = 0; c0 < hd; c0 += NC)
+                                memcpy(ot + c0, acc + (size_t)c0 * BQ + (size_t)r * NC, NC * sizeof(float));
+                            sm[r] = m[r], ls[sm - lse + r] = l[r];
+                            continue;
+                        }
                         float inv = 1.0f / l[r];
                         for (int c0 = 0; c0 < hd; c0 += NC) {
                             const float *ar = acc + (size_t)c0 * BQ + (size_t)r * NC;
                             vst1q_f32(ot + c0, vmulq_n_f32(vld1q_f32(ar), inv));
                             vst1q_f32(ot + c0 + 4, vmulq_n_f32(vld1q_f32(ar + 4), inv));
                         }
-                        lse[((size_t)b * nh + h) * Tq + lt0 + r] = m[r] + logf(l[r]);
+                        sm[r] = m[r] + logf(l[r]);
                     }
                 }
             }
@@ -420,6 +443,16 @@ void kern_attention_fwd_q0_neon(float *out, float *lse, const float *q, const fl
     }
     free(KT);
     free(VS);
+}
+
+void kern_attention_fwd_q0_neon(float *out, float *lse, const float *q, const float *k, const float *v, int B, int Tq,
+                                int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    if (hd % NC) {
+        op_attention_fwd_q0_tiled(out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt);
+        return;
+    }
+    kern_attn_blk g = {B, nh, nkv, hd, Tq, Tk - Tq, Tq, Tk, 0, Tk};
+    att_fwd_body(out, lse, NULL, q, k, v, &g, opt);
 }
 
 void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
@@ -434,27 +467,25 @@ void kern_attention_fwd_neon(float *out, float *lse, const float *q, const float
  * then rotates the 16 accumulators through vector moves: the 8-key loop came
  * out as 98 instructions (64 FMAs, 15 moves) against 80 without it (64 FMAs,
  * 12 loads, 4 of loop; the other loops of the file are the same either way).
- * Out-of-order cores reorder for themselves; only this function opts out. */
+ * Out-of-order cores reorder for themselves; only the backward opts out. */
 #if defined(__GNUC__) && !defined(__clang__)
 #define ATT_NO_PRESCHED __attribute__((optimize("no-schedule-insns")))
 #else
 #define ATT_NO_PRESCHED
 #endif
 
-/* The offset form as the forward's: the query side's rows (q, dout, out, lse, dq)
- * indexed from q0 (lt0 = t0 - q0), the keys' by position. */
-ATT_NO_PRESCHED void kern_attention_bwd_q0_neon(float *dq, float *dk, float *dv, const float *dout, const float *out,
-                                                const float *lse, const float *q, const float *k, const float *v,
-                                                int B, int Tq, int Tk, int nh, int nkv, int hd,
-                                                const kern_attn_opt *opt, int acc) {
-    // dq[B,Tq,nh,hd], dk[B,Tk,nkv,hd], dv[B,Tk,nkv,hd], dout[B,Tq,nh,hd], out[B,Tq,nh,hd], lse[B,nh,Tq],
-    // q[B,Tq,nh,hd], k[B,Tk,nkv,hd], v[B,Tk,nkv,hd]
-    if (hd % NC) {
-        op_attention_bwd_q0_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
-        return;
-    }
-    if (!acc) kern_attn_zero_grads_q0(dq, dk, dv, B, Tq, Tk, nh, nkv, hd); /* dk, dv are summed in place */
-    int group = nh / nkv, q0 = Tk - Tq;
+/* The backward, for the block form as the forward: the query side's rows (q, dout,
+ * out, lse, dq) indexed from q0 (lt0 = t0 - q0), the keys' from k0 (the tile at index
+ * j0 is at position p0 = k0 + j0), masks by position. With Dg (the block form) D is
+ * given and out unused; without, D = rowsum(dout * out) here. Adds into dq, dk, dv
+ * (the offset form's acc 0 zeroes them first). hd % NC == 0. */
+ATT_NO_PRESCHED static void att_bwd_body(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                         const float *lse, const float *Dg, const float *q, const float *k,
+                                         const float *v, const kern_attn_blk *g, const kern_attn_opt *opt) {
+    // dq[B,ldq,nh,hd], dk[B,ldk,nkv,hd], dv[B,ldk,nkv,hd], dout[B,ldq,nh,hd], out[B,ldq,nh,hd], lse[B,nh,ldq],
+    // q[B,ldq,nh,hd], k[B,ldk,nkv,hd], v[B,ldk,nkv,hd]
+    int B = g->B, Tq = g->Tq, Tk = g->Tk, nh = g->nh, nkv = g->nkv, hd = g->hd;
+    int group = nh / nkv, q0 = g->q0, k0 = g->k0, ldq = g->ldq, ldk = g->ldk;
     int nqb = (Tq + BQ - 1) / BQ;
     float scale = kern_attn_scale(opt, hd);
     int window = kern_attn_window(opt);
@@ -462,8 +493,8 @@ ATT_NO_PRESCHED void kern_attention_bwd_q0_neon(float *dq, float *dk, float *dv,
     int qs = nh * hd, ks = nkv * hd; // row strides
     int b16 = kern_attn_bf16(opt);
     int Tp = (Tk + BK - 1) / BK * BK;
-    float *KT = att_heads_t(k, B, Tk, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]
-    float *VT = att_heads_t(v, B, Tk, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]
+    float *KT = att_heads_t(k, B, Tk, ldk, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]
+    float *VT = att_heads_t(v, B, Tk, ldk, nkv, hd, Tp); // [B*nkv, Tp/NC, hd, NC]
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -488,29 +519,36 @@ ATT_NO_PRESCHED void kern_attention_bwd_q0_neon(float *dq, float *dk, float *dv,
             for (int kh = 0; kh < nkv; kh++) {
                 const float *kth = KT + ((size_t)b * nkv + kh) * Tp * hd; // chunk of key j0 at + j0*hd
                 const float *vth = VT + ((size_t)b * nkv + kh) * Tp * hd;
-                float *dkh = dk + ((size_t)b * Tk * nkv + kh) * hd; // row j at + j*ks
-                float *dvh = dv + ((size_t)b * Tk * nkv + kh) * hd;
-                att_slabs_in(KS, k + ((size_t)b * Tk * nkv + kh) * hd, ks, Tk, Tk, hd);
+                size_t ko = ((size_t)b * ldk * nkv + kh) * hd; /* the kv head's first row */
+                float *dkh = dk + ko; // row j at + j*ks
+                float *dvh = dv + ko;
+                att_slabs_in(KS, k + ko, ks, Tk, Tk, hd);
                 for (int h = kh * group; h < (kh + 1) * group; h++) {
                     for (int qb = 0; qb < nqb; qb++) {
                         int lt0 = qb * BQ, t0 = q0 + lt0;
-                        int nq = imin(Tk - t0, BQ), nmb = (nq + MR - 1) / MR;
-                        size_t row0 = ((size_t)b * Tq + lt0) * nh + h; // the block's first row of q, dout, out, dq
+                        int nq = imin(Tq - lt0, BQ), nmb = (nq + MR - 1) / MR;
+                        size_t row0 = ((size_t)b * ldq + lt0) * nh + h; // the block's first row of q, dout, out, dq
+                        size_t ro = ((size_t)b * nh + h) * ldq + lt0;   // its first row of lse (and Dg)
+                        /* the keys of the block that some row sees (the forward's range) */
+                        int jlo = kern_attn_first_key(t0, window) - k0, jend = imin(t0 + nq - k0, Tk);
+                        jlo = jlo > 0 ? jlo / BK * BK : 0;
+                        if (jlo >= jend) continue;
                         // the block's rows of q, dout, out: row r at + r*qs
-                        const float *qb_ = q + row0 * hd, *gb = dout + row0 * hd, *ob = out + row0 * hd;
+                        const float *qb_ = q + row0 * hd, *gb = dout + row0 * hd, *ob = Dg ? NULL : out + row0 * hd;
                         att_block_t(QT, qb_, qs, nq, hd);
                         att_block_t(GT, gb, qs, nq, hd);
                         att_slabs_in(QS, qb_, qs, nq, BQ, hd);
                         att_slabs_in(GS, gb, qs, nq, BQ, hd);
                         memset(DQ, 0, blk * sizeof(float));
                         for (int r = 0; r < BQ; r++) { // padded rows: masked everywhere
-                            D[r] = r < nq ? att_dot(gb + (size_t)r * qs, ob + (size_t)r * qs, hd) : 0.0f;
-                            L[r] = r < nq ? lse[((size_t)b * nh + h) * Tq + lt0 + r] : 0.0f;
+                            D[r] = r >= nq ? 0.0f
+                                   : Dg  ? Dg[ro + r] /* the block form: given */
+                                         : att_dot(gb + (size_t)r * qs, ob + (size_t)r * qs, hd);
+                            L[r] = r < nq ? lse[ro + r] : 0.0f;
                         }
-                        // from the tile of the first key the block sees (the window) up to the diagonal
-                        for (int j0 = kern_attn_first_key(t0, window) / BK * BK; j0 < t0 + nq; j0 += BK) {
-                            int nk = imin(t0 + nq - j0, BK);
-                            att_visible(clo, ncr, mbc, t0, nq, j0, nk, window);
+                        for (int j0 = jlo; j0 < jend; j0 += BK) {
+                            int nk = imin(jend - j0, BK), p0 = k0 + j0; /* p0: the tile's first position */
+                            att_visible(clo, ncr, mbc, t0, nq, p0, nk, window);
                             /* S^T = K Q^T, then dP^T = V dO^T, a chunk of K^T (V^T) at a time across the
                              * micro-blocks that see it (the forward's order) */
                             for (int pass = 0; pass < 2; pass++) {
@@ -563,8 +601,8 @@ ATT_NO_PRESCHED void kern_attention_bwd_q0_neon(float *dq, float *dk, float *dv,
                                 const float *gx = GS + (size_t)c0 * BQ, *qx = QS + (size_t)c0 * BQ; // row r at + r*NC
                                 for (int c = 0; c < nk;) {
                                     int keys = nk - c >= 8 ? 8 : nk - c >= 4 ? 4 : nk - c >= 2 ? 2 : 1;
-                                    int rs = imax(j0 + c - t0, 0), re = nq;
-                                    if (window) re = imin(j0 + c + keys - 1 + window - t0, nq); /* t < j + window */
+                                    int rs = imax(p0 + c - t0, 0), re = nq;
+                                    if (window) re = imin(p0 + c + keys - 1 + window - t0, nq); /* t < j + window */
                                     if (re > rs) {
                                         rs &= ~3;
                                         re = (re + 3) & ~3;
@@ -621,10 +659,44 @@ ATT_NO_PRESCHED void kern_attention_bwd_q0_neon(float *dq, float *dk, float *dv,
     free(VT);
 }
 
+ATT_NO_PRESCHED void kern_attention_bwd_q0_neon(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                                const float *lse, const float *q, const float *k, const float *v,
+                                                int B, int Tq, int Tk, int nh, int nkv, int hd,
+                                                const kern_attn_opt *opt, int acc) {
+    if (hd % NC) {
+        op_attention_bwd_q0_tiled(dq, dk, dv, dout, out, lse, q, k, v, B, Tq, Tk, nh, nkv, hd, opt, acc);
+        return;
+    }
+    if (!acc) kern_attn_zero_grads_q0(dq, dk, dv, B, Tq, Tk, nh, nkv, hd); /* dk, dv are summed in place */
+    kern_attn_blk g = {B, nh, nkv, hd, Tq, Tk - Tq, Tq, Tk, 0, Tk};
+    att_bwd_body(dq, dk, dv, dout, out, lse, NULL, q, k, v, &g, opt);
+}
+
 void kern_attention_bwd_neon(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
                              const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
                              const kern_attn_opt *opt, int acc) {
     kern_attention_bwd_q0_neon(dq, dk, dv, dout, out, lse, q, k, v, B, T, T, nh, nkv, hd, opt, acc);
+}
+
+/* The block form (ops.h, kern_attn_blk; ring attention): the bodies above with the
+ * block's state and strides; the generic tiled pair for head dims they do not take. */
+void kern_attention_fwd_blk_neon(float *acc, float *m, float *l, const float *q, const float *k, const float *v,
+                                 const kern_attn_blk *g, const kern_attn_opt *opt) {
+    if (g->hd % NC) {
+        op_attention_fwd_blk_tiled(acc, m, l, q, k, v, g, opt);
+        return;
+    }
+    att_fwd_body(acc, m, l, q, k, v, g, opt);
+}
+
+void kern_attention_bwd_blk_neon(float *dq, float *dk, float *dv, const float *dout, const float *lse, const float *D,
+                                 const float *q, const float *k, const float *v, const kern_attn_blk *g,
+                                 const kern_attn_opt *opt) {
+    if (g->hd % NC) {
+        op_attention_bwd_blk_tiled(dq, dk, dv, dout, lse, D, q, k, v, g, opt);
+        return;
+    }
+    att_bwd_body(dq, dk, dv, dout, NULL, lse, D, q, k, v, g, opt);
 }
 
 #endif /* __aarch64__ */

@@ -380,6 +380,17 @@ void kern_attention_fwd_q0_avx512bf16(float *out, float *lse, const float *q, co
 void kern_attention_bwd_q0_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                       const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
                                       int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
+/* The block forms of both (ops.h, op_attention_fwd_blk: ring attention). */
+void kern_attention_fwd_blk_avx512(float *acc, float *m, float *l, const float *q, const float *k, const float *v,
+                                   const kern_attn_blk *g, const kern_attn_opt *opt);
+void kern_attention_bwd_blk_avx512(float *dq, float *dk, float *dv, const float *dout, const float *lse,
+                                   const float *D, const float *q, const float *k, const float *v,
+                                   const kern_attn_blk *g, const kern_attn_opt *opt);
+void kern_attention_fwd_blk_avx512bf16(float *acc, float *m, float *l, const float *q, const float *k,
+                                       const float *v, const kern_attn_blk *g, const kern_attn_opt *opt);
+void kern_attention_bwd_blk_avx512bf16(float *dq, float *dk, float *dv, const float *dout, const float *lse,
+                                       const float *D, const float *q, const float *k, const float *v,
+                                       const kern_attn_blk *g, const kern_attn_opt *opt);
 /* out[i] = e^x[i] with the vector exp of the kernels above (for its accuracy test). */
 void kern_exp_avx512(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with avx512_util.h's tanh16 (attention's soft cap; for its accuracy test). */
@@ -430,6 +441,12 @@ void kern_attention_fwd_q0_avx2(float *out, float *lse, const float *q, const fl
 void kern_attention_bwd_q0_avx2(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                 const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
                                 int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
+/* And their block form (ops.h, op_attention_fwd_blk: ring attention). */
+void kern_attention_fwd_blk_avx2(float *acc, float *m, float *l, const float *q, const float *k, const float *v,
+                                 const kern_attn_blk *g, const kern_attn_opt *opt);
+void kern_attention_bwd_blk_avx2(float *dq, float *dk, float *dv, const float *dout, const float *lse, const float *D,
+                                 const float *q, const float *k, const float *v, const kern_attn_blk *g,
+                                 const kern_attn_opt *opt);
 /* out[i] = e^x[i] with the AVX2 vector exp (avx2_util.h's exp8; for its accuracy test). */
 void kern_exp_avx2(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with avx2_util.h's tanh8 (for its accuracy test). */
@@ -506,6 +523,12 @@ void kern_attention_fwd_q0_neon(float *out, float *lse, const float *q, const fl
 void kern_attention_bwd_q0_neon(float *dq, float *dk, float *dv, const float *dout, const float *out,
                                 const float *lse, const float *q, const float *k, const float *v, int B, int Tq,
                                 int Tk, int nh, int nkv, int hd, const kern_attn_opt *opt, int acc);
+/* And their block form (ops.h, op_attention_fwd_blk: ring attention). */
+void kern_attention_fwd_blk_neon(float *acc, float *m, float *l, const float *q, const float *k, const float *v,
+                                 const kern_attn_blk *g, const kern_attn_opt *opt);
+void kern_attention_bwd_blk_neon(float *dq, float *dk, float *dv, const float *dout, const float *lse, const float *D,
+                                 const float *q, const float *k, const float *v, const kern_attn_blk *g,
+                                 const kern_attn_opt *opt);
 /* out[i] = e^x[i] with neon_util.h's neon_exp4 (for its accuracy test). */
 void kern_exp_neon(float *out, const float *x, long n);
 /* out[i] = tanh(x[i]) with neon_util.h's neon_tanh4 (geglu; for its accuracy test). */

@@ -20,6 +20,7 @@
 #include "core/dtype.h"
 #include "core/err.h"
 #include "kernels/ops.h"
+#include "kernels/ref/attention_bwd_elem.h"
 
 /* The block's keys query position t sees: [*lo, *hi] (as indices into the block); 0 when none. */
 static int attn_blk_span(const kern_attn_blk *g, int t, int window, int *lo, int *hi) {
@@ -143,26 +144,7 @@ void op_attention_bwd_blk(float *dq, float *dk, float *dv, const float *dout, co
                             size_t ka = (((size_t)b * g->ldk + j) * nkv + kh) * hd;
                             const float *kt = k + ka, *vt = v + ka;
                             float *dkt = dk + ka, *dvt = dv + ka;
-                            float dot = 0.0f;
-                            for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
-                            float th = 0.0f, p;
-                            if (cap > 0.0f) {
-                                th = tanhf(dot * scale / cap);
-                                p = expf(cap * th - L);
-                            } else {
-                                p = expf(dot * scale - L);
-                            }
-                            float dp = 0.0f, pw = b16 ? ct_bf16_to_f32(ct_f32_to_bf16(p)) : p;
-                            for (int i = 0; i < hd; i++) {
-                                dp += dot_[i] * vt[i];
-                                dvt[i] += pw * dot_[i];
-                            }
-                            float gs = cap > 0.0f ? p * (dp - Dr) * (1.0f - th * th) * scale : p * (dp - Dr) * scale;
-                            if (b16) gs = ct_bf16_to_f32(ct_f32_to_bf16(gs));
-                            for (int i = 0; i < hd; i++) {
-                                dqt[i] += gs * kt[i];
-                                dkt[i] += gs * qt[i];
-                            }
+                            op_attention_bwd_elem(dqt, dkt, dvt, qt, kt, vt, dot_, L, Dr, hd, scale, cap, b16);
                         }
                     }
         KERN_TRACE_EXIT(kt_);

@@ -26,6 +26,7 @@
 
 #include "core/dtype.h"
 #include "core/err.h"
+#include "kernels/ref/attention_bwd_elem.h"
 
 /* Column chunk for reductions over rows: wide enough to vectorise, narrow
  * enough to give each thread work on small C. */
@@ -450,29 +451,8 @@ void op_attention_bwd_q0(float *dq, float *dk, float *dv, const float *dout, con
                             const float *vt = v + (((size_t)b * Tk + t2) * nkv + kh) * hd;
                             float *dkt = dk + (((size_t)b * Tk + t2) * nkv + kh) * hd;
                             float *dvt = dv + (((size_t)b * Tk + t2) * nkv + kh) * hd;
-                            // recompute p = exp(score - lse)
-                            float dot = 0.0f;
-                            for (int i = 0; i < hd; i++) dot += qt[i] * kt[i];
-                            float th = 0.0f, p;
-                            if (cap > 0.0f) {
-                                th = tanhf(dot * scale / cap);
-                                p = expf(cap * th - L);
-                            } else {
-                                p = expf(dot * scale - L);
-                            }
-                            // dp = dout . v ; dv += p * dout (p rounded to bf16 under bf16 products)
-                            float dp = 0.0f, pw = b16 ? ct_bf16_to_f32(ct_f32_to_bf16(p)) : p;
-                            for (int i = 0; i < hd; i++) {
-                                dp += dot_[i] * vt[i];
-                                dvt[i] += pw * dot_[i];
-                            }
-                            // ds = p * (dp - D); scores = scale * q . k (capped: times 1 - tanh^2)
-                            float g = cap > 0.0f ? p * (dp - D) * (1.0f - th * th) * scale : p * (dp - D) * scale;
-                            if (b16) g = ct_bf16_to_f32(ct_f32_to_bf16(g));
-                            for (int i = 0; i < hd; i++) {
-                                dqt[i] += g * kt[i];
-                                dkt[i] += g * qt[i];
-                            }
+                            /* p = exp(score - lse), dv += p dout, ds = p (dout . v - D), dq, dk */
+                            op_attention_bwd_elem(dqt, dkt, dvt, qt, kt, vt, dot_, L, D, hd, scale, cap, b16);
                         }
                     }
                 }

@@ -1,12 +1,16 @@
 /* tests/c/kernels/test_attention_blk.c: the block form of attention (ops.h,
- * kern_attn_blk), as ring attention uses it (distributed/cp.c), for the reference and the
- * tiled pair (and its AVX-512 copy where the CPU has it):
+ * kern_attn_blk), as ring attention uses it (distributed/cp.c), for every registered
+ * implementation with a block form of its own that this CPU runs (the reference, the
+ * tiled pair and its AVX-512 copy, the register-blocked kernels):
  *
  * - a headtail chunk's pieces against every rank's chunk, taken in ring order
  *   (each rank's own first) and merged by online softmax, then finished, give the
  *   offset form's rows (op_attention_fwd_q0 over the piece's whole prefix), with
  *   and without a window and a soft cap; the blocks' backward sums to its dq and
- *   to its dk, dv of the prefix;
+ *   to its dk, dv of the prefix; in pieces of 5 rows (inside a tile) and of 70 (past a
+ *   64-key tile and a 32-row query tile, pieces starting inside tiles), head dims 8 and
+ *   64 (the register-blocked kernels' path), GQA groups of 2 and 3, a window that
+ *   crosses the blocks' edges, scale with a soft cap, bf16 products;
  * - a block wholly in the pieces' future, or left of every row's window, leaves
  *   acc, m, l and the gradients bit for bit as they were. */
 #include <math.h>
@@ -14,8 +18,10 @@
 #include <string.h>
 
 #include "check.h"
+#include "core/dtype.h"
 #include "core/rng.h"
 #include "kernels/ops.h"
+#include "kernels/registry.h"
 
 typedef struct {
     const char *name;
@@ -42,14 +48,23 @@ static double rel_err(const float *a, const float *b, size_t n) {
     return e / m;
 }
 
+/* B, nh, nkv, hd and the piece's rows L of a check_piece */
+typedef struct {
+    int B, nh, nkv, hd, L;
+} blk_shape;
+
 /* Piece at position pq (L rows of the whole sequence's q [B, T, ...]) against the whole
  * sequence cut into 2n pieces of L keys, in ring order from `first`; compared with the
  * offset form over the prefix pq + L. */
-static void check_piece(const blk_impl *im, ct_rng *r, int n, int piece, const kern_attn_opt *o) {
-    int B = 2, nh = 4, nkv = 2, hd = 8, L = 5, T = 2 * n * L, pq = piece * L, Tk = pq + L;
+static void check_piece(const blk_impl *im, ct_rng *r, const blk_shape *sh, int n, int piece,
+                        const kern_attn_opt *o) {
+    int B = sh->B, nh = sh->nh, nkv = sh->nkv, hd = sh->hd, L = sh->L, T = 2 * n * L, pq = piece * L, Tk = pq + L;
     size_t qd = (size_t)nh * hd, kvd = (size_t)nkv * hd;
     float *q = randn(r, (size_t)B * T * qd), *k = randn(r, (size_t)B * T * kvd), *v = randn(r, (size_t)B * T * kvd);
     float *dout = randn(r, (size_t)B * T * qd);
+    if (kern_attn_bf16(o)) /* the contract's bf16 operands */
+        ct_round_bf16(q, (size_t)B * T * qd), ct_round_bf16(k, (size_t)B * T * kvd),
+            ct_round_bf16(v, (size_t)B * T * kvd), ct_round_bf16(dout, (size_t)B * T * qd);
     /* the offset form's inputs: the piece's rows, the prefix's keys */
     float *qp = malloc((size_t)B * L * qd * sizeof(float)), *dp = malloc((size_t)B * L * qd * sizeof(float));
     float *kp = malloc((size_t)B * Tk * kvd * sizeof(float)), *vp = malloc((size_t)B * Tk * kvd * sizeof(float));
@@ -96,16 +111,19 @@ static void check_piece(const blk_impl *im, ct_rng *r, int n, int piece, const k
     }
     int w = o ? o->window : 0;
     const char *nm = im->name;
-    CHECK(rel_err(acc, out1, nq) <= 1e-5, "%s n %d piece %d window %d: out err %.3g", nm, n, piece, w,
-          rel_err(acc, out1, nq));
-    CHECK(rel_err(m, lse1, nl) <= 1e-5, "%s n %d piece %d window %d: lse err %.3g", nm, n, piece, w,
-          rel_err(m, lse1, nl));
-    CHECK(rel_err(dq2, dq1, nq) <= 1e-5, "%s n %d piece %d window %d: dq err %.3g", nm, n, piece, w,
-          rel_err(dq2, dq1, nq));
-    CHECK(rel_err(dk2p, dk1, nk) <= 1e-5, "%s n %d piece %d window %d: dk err %.3g", nm, n, piece, w,
-          rel_err(dk2p, dk1, nk));
-    CHECK(rel_err(dv2p, dv1, nk) <= 1e-5, "%s n %d piece %d window %d: dv err %.3g", nm, n, piece, w,
-          rel_err(dv2p, dv1, nk));
+    /* bf16: P and dS rounded to bf16 from fp32 values that differ in the last bits flip
+     * some roundings (registry.h's bound for the bf16 kernels) */
+    double bt = kern_attn_bf16(o) ? KERN_ATTN_BF16_TOL : 1e-5;
+    CHECK(rel_err(acc, out1, nq) <= 1e-5, "%s L %d hd %d n %d piece %d window %d: out err %.3g", nm, L, hd, n,
+          piece, w, rel_err(acc, out1, nq));
+    CHECK(rel_err(m, lse1, nl) <= 1e-5, "%s L %d hd %d n %d piece %d window %d: lse err %.3g", nm, L, hd, n, piece,
+          w, rel_err(m, lse1, nl));
+    CHECK(rel_err(dq2, dq1, nq) <= bt, "%s L %d hd %d n %d piece %d window %d: dq err %.3g", nm, L, hd, n, piece,
+          w, rel_err(dq2, dq1, nq));
+    CHECK(rel_err(dk2p, dk1, nk) <= bt, "%s L %d hd %d n %d piece %d window %d: dk err %.3g", nm, L, hd, n,
+          piece, w, rel_err(dk2p, dk1, nk));
+    CHECK(rel_err(dv2p, dv1, nk) <= bt, "%s L %d hd %d n %d piece %d window %d: dv err %.3g", nm, L, hd, n,
+          piece, w, rel_err(dv2p, dv1, nk));
     CHECK(tail == 0.0, "%s n %d piece %d: the future's keys got gradients (%g)", nm, n, piece, tail);
     float *f[] = {q, k, v, dout, qp, dp, kp, vp, out1, lse1, dq1, dk1, dv1, acc, m, l, dq2, dk2, dv2, D, dk2p, dv2p};
     for (size_t i = 0; i < sizeof f / sizeof *f; i++) free(f[i]);
@@ -151,23 +169,28 @@ int main(void) {
     ct_rng r;
     ct_rng_seed(&r, 77);
     kern_attn_opt win = {0.0f, 7, 0.0f, 0}, cap = {0.3f, 0, 2.0f, 0};
-    blk_impl impls[3] = {{"ref", op_attention_fwd_blk, op_attention_bwd_blk},
-                         {"tiled", op_attention_fwd_blk_tiled, op_attention_bwd_blk_tiled}};
-    int n_impl = 2;
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        impls[n_impl++] =
-            (blk_impl){"tiled_avx512", op_attention_fwd_blk_tiled_avx512, op_attention_bwd_blk_tiled_avx512};
-#endif
+    /* L 70: a window of 90 reaches back across one block's edge; with a cap; bf16 */
+    kern_attn_opt win90 = {0.0f, 90, 0.0f, 0}, wcap = {0.2f, 90, 3.0f, 0}, b16 = {0.0f, 0, 0.0f, 1};
+    kern_attn_opt b16w = {0.0f, 90, 5.0f, 1};
+    const kern_attn_opt *small[] = {NULL, &win, &cap}, *big[] = {NULL, &win90, &wcap, &cap, &b16, &b16w};
+    blk_shape s5 = {2, 4, 2, 8, 5}, s70 = {1, 6, 2, 64, 70}, s70b = {2, 3, 1, 128, 70};
+    blk_impl impls[16];
+    int n_impl = 0;
+    size_t nreg;
+    const kern_impl *reg = kern_registry(&nreg);
+    unsigned feat = kern_cpu_features();
+    for (size_t i = 0; i < nreg && n_impl < 16; i++)
+        if (reg[i].op == KERN_OP_ATTENTION && reg[i].fn.attention.fwd_blk && (reg[i].features & ~feat) == 0)
+            impls[n_impl++] = (blk_impl){reg[i].name, reg[i].fn.attention.fwd_blk, reg[i].fn.attention.bwd_blk};
+    CHECK(n_impl >= 2, "the registry lists %d block forms (ref and tiled at least)", n_impl);
     for (int i = 0; i < n_impl; i++) {
         for (int n = 2; n <= 4; n += 2)
-            for (int piece = 0; piece < 2 * n; piece++) {
-                check_piece(&impls[i], &r, n, piece, NULL);
-                check_piece(&impls[i], &r, n, piece, &win);
-                check_piece(&impls[i], &r, n, piece, &cap);
-            }
+            for (int piece = 0; piece < 2 * n; piece++)
+                for (size_t o = 0; o < sizeof small / sizeof *small; o++)
+                    check_piece(&impls[i], &r, &s5, n, piece, small[o]);
+        for (int piece = 0; piece < 4; piece++)
+            for (size_t o = 0; o < sizeof big / sizeof *big; o++)
+                check_piece(&impls[i], &r, piece % 2 ? &s70b : &s70, 2, piece, big[o]);
         check_untouched(&impls[i], &r);
     }
     return CHECK_DONE();
