@@ -297,3 +297,26 @@ def test_a_failed_write_on_any_rank_leaves_no_step(setup, tmp_path):
         assert left == [], f"a failed save leaves nothing: {left}"
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_non_finite_value_a_rank_reads_mid_tensor_is_named_at_its_element(setup, reference, tmp_path):
+    """A NaN in the last row of the embedding, which FSDP 2 leaves to rank 1 (its shard of
+    the embedding's piece starts at row 125): the load stops (exit 3, a format error),
+    naming the tensor and the element's index in the whole tensor, row * columns + column,
+    as a one-process load does (test_ckpt_integrity.py). A rank's block read from row r0
+    named element r0 + its offset in the block (6082 here) instead."""
+    from test_ckpt_integrity import resign, set_float
+    d, data = setup
+    _, stopped = reference
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    step = out / "checkpoint" / f"step-{STOP}"
+    name, rows, cols = "model.embed_tokens.weight", 250, 48  # [vocab, hidden] of setup's model
+    at = (rows - 1) * cols + 5
+    set_float(step / "model.safetensors", name, at, float("nan"))
+    resign(step)
+    a = [str(x) for x in args(d, data, out, "--parallelism.data_parallel_shard_degree=2",
+                              "--checkpoint.fallback=false")]
+    p = run(mpirun() + ["-np", "2", str(BIN), *a], code=3)
+    want = f'model.safetensors: tensor "{name}" holds a non-finite value (nan) at element {at}'
+    assert want in p.stderr, p.stderr[-4000:]
