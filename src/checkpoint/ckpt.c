@@ -397,9 +397,6 @@ int ckpt_is_model_only(const char *dir, ct_err *e) {
 
 /* ---------------------------------------------------------------- save */
 
-/* Opens the stream of model.safetensors (file 0: every parameter) or
- * optim.safetensors (file 1: every "NAME.exp_avg", then every
- * "NAME.exp_avg_sq"), fp32, in m's table order. */
 /* The tensors of model.safetensors (file 0) or optim.safetensors (file 1)
  * as st_write takes them (no data); *names holds the moments' names. */
 static st_wtensor *ckpt_file_tensors(const lm_model *m, int file, int *count, char **names_out) {
@@ -424,23 +421,13 @@ static st_wtensor *ckpt_file_tensors(const lm_model *m, int file, int *count, ch
     return ts;
 }
 
+/* Opens the stream of model.safetensors (file 0: every parameter) or
+ * optim.safetensors (file 1: every "NAME.exp_avg", then every
+ * "NAME.exp_avg_sq"), fp32, in m's table order. */
 static int ckpt_open_file(st_stream **out, const char *path, const lm_model *m, int file, ct_err *e) {
-    int n = m->n_tensors;
-    int nt = file ? 2 * n : n;
-    st_wtensor *ts = ct_calloc((size_t)nt + 1, sizeof *ts);
-    char *names = file ? ct_malloc((size_t)nt * (LM_NAME_MAX + 16)) : NULL;
-    for (int k = 0; k < (file ? 2 : 1); k++)
-        for (int i = 0; i < n; i++) {
-            const lm_tensor *t = &m->tensors[i];
-            st_wtensor *w = &ts[k * n + i];
-            *w = (st_wtensor){.name = t->name, .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim};
-            if (file) {
-                char *nm = names + (size_t)(k * n + i) * (LM_NAME_MAX + 16);
-                snprintf(nm, LM_NAME_MAX + 16, "%s.%s", t->name, k ? "exp_avg_sq" : "exp_avg");
-                w->name = nm;
-            }
-            for (int d = 0; d < t->ndim; d++) w->shape[d] = t->shape[d];
-        }
+    int nt;
+    char *names;
+    st_wtensor *ts = ckpt_file_tensors(m, file, &nt, &names);
     const char *meta[] = {"format", "pt", NULL};
     int rc = st_stream_open(out, path, ts, nt, meta, e);
     free(names);
