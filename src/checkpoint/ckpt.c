@@ -566,8 +566,17 @@ void ckpt_stream_token_ids(ckpt_stream *s, const char *const *src, int n) {
     for (int i = 0; i < s->n_id_src; i++) s->id_src[i] = src[i];
 }
 
-int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_model *m, int model_only,
-                      ct_err *e) {
+int ckpt_tmp_dir(char *out, size_t cap, const char *folder, int step, long pid, ct_err *e) {
+    char name[64];
+    snprintf(name, sizeof name, ".step-%d.tmp-%ld", step, pid);
+    return fs_join_buf(out, cap, folder, name, e);
+}
+
+/* What both kinds of save begin with: the stream's fields, its progress bar
+ * (label, shown after min_s), and a fresh FOLDER/.step-N.tmp-PID beside
+ * the step-N it becomes. *out NULL on failure. */
+static int ckpt_stream_new(ckpt_stream **out, const char *folder, int step, const lm_model *m, int model_only,
+                           const char *label, double total, double min_s, ct_err *e) {
     *out = NULL;
     double t0 = ct_now();
     if (step < 0) return ct_fail(e, CT_ERR_IO, "%s: checkpoint step %d is negative", folder, step);
@@ -577,25 +586,31 @@ int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_
     s->m = m;
     s->t0 = t0;
     snprintf(s->folder, sizeof s->folder, "%s", folder);
-    char label[64];
-    snprintf(label, sizeof label, "checkpoint save step-%d", step);
-    prog_begin(&s->bar, label, (double)m->n_params * sizeof(float) * (model_only ? 1 : 3), "B", CKPT_PROG_MIN_S);
-    char name[64], p[CKPT_PATH];
-    snprintf(name, sizeof name, ".step-%d.tmp-%ld", step, (long)getpid());
-    int rc = fs_join_buf(s->tmp, CKPT_PATH, folder, name, e);
+    prog_begin(&s->bar, label, total, "B", min_s);
+    char name[64];
+    int rc = ckpt_tmp_dir(s->tmp, CKPT_PATH, folder, step, (long)getpid(), e);
     snprintf(name, sizeof name, "step-%d", step);
     if (!rc) rc = fs_join_buf(s->final, CKPT_PATH, folder, name, e);
     if (!rc) rc = ct_mkdirs(folder, e);
     if (!rc) rc = ct_rm_tree(s->tmp, e); /* left by an earlier crash of a process with our pid */
+    if (!rc && mkdir(s->tmp, 0755) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", s->tmp, strerror(errno));
     if (rc) {
         free(s);
         return rc;
     }
-    if (mkdir(s->tmp, 0755) != 0) {
-        rc = ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", s->tmp, strerror(errno));
-        free(s);
-        return rc;
-    }
+    *out = s;
+    return 0;
+}
+
+int ckpt_stream_begin(ckpt_stream **out, const char *folder, int step, const lm_model *m, int model_only,
+                      ct_err *e) {
+    char label[64], p[CKPT_PATH];
+    snprintf(label, sizeof label, "checkpoint save step-%d", step);
+    ckpt_stream *s;
+    int rc = ckpt_stream_new(&s, folder, step, m, model_only, label,
+                             (double)m->n_params * sizeof(float) * (model_only ? 1 : 3), CKPT_PROG_MIN_S, e);
+    *out = NULL;
+    if (rc) return rc;
     if (!(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "model.safetensors", e))) rc = ckpt_open_file(&s->st, p, m, 0, e);
     if (rc) {
         ckpt_stream_free(s, 1);
@@ -659,12 +674,6 @@ void ckpt_stream_abort(ckpt_stream *s) {
 
 /* ------------------------------------------------- a save in parts */
 
-int ckpt_tmp_dir(char *out, size_t cap, const char *folder, int step, long pid, ct_err *e) {
-    char name[64];
-    snprintf(name, sizeof name, ".step-%d.tmp-%ld", step, pid);
-    return fs_join_buf(out, cap, folder, name, e);
-}
-
 /* Writes tensor file `file` of m (0 model, 1 optim) at PATH: its header,
  * and its size set so every tensor's bytes lie at their offsets (a sparse
  * file until the writers fill it). */
@@ -699,29 +708,14 @@ static int ckpt_lay_file(const char *path, const lm_model *m, int file, ct_err *
 
 int ckpt_stream_begin_parts(ckpt_stream **out, const char *folder, int step, const lm_model *m, int model_only,
                             ct_err *e) {
+    char p[CKPT_PATH];
+    ckpt_stream *s;
+    /* nothing streams through here: no bar */
+    int rc = ckpt_stream_new(&s, folder, step, m, model_only, "checkpoint save", 0, 1e30, e);
     *out = NULL;
-    double t0 = ct_now();
-    if (step < 0) return ct_fail(e, CT_ERR_IO, "%s: checkpoint step %d is negative", folder, step);
-    ckpt_stream *s = ct_calloc(1, sizeof *s);
-    s->step = step;
-    s->model_only = model_only;
-    s->m = m;
-    s->t0 = t0;
+    if (rc) return rc;
     s->parts = 1;
     s->file = 2; /* the tensors' bytes come from ckpt_part_write, in every process */
-    snprintf(s->folder, sizeof s->folder, "%s", folder);
-    char name[64], p[CKPT_PATH];
-    prog_begin(&s->bar, "checkpoint save", 0, "B", 1e30); /* nothing streams through here */
-    int rc = ckpt_tmp_dir(s->tmp, CKPT_PATH, folder, step, (long)getpid(), e);
-    snprintf(name, sizeof name, "step-%d", step);
-    if (!rc) rc = fs_join_buf(s->final, CKPT_PATH, folder, name, e);
-    if (!rc) rc = ct_mkdirs(folder, e);
-    if (!rc) rc = ct_rm_tree(s->tmp, e);
-    if (!rc && mkdir(s->tmp, 0755) != 0) rc = ct_fail(e, CT_ERR_IO, "%s: cannot create: %s", s->tmp, strerror(errno));
-    if (rc) {
-        free(s);
-        return rc;
-    }
     if (!(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "model.safetensors", e))) rc = ckpt_lay_file(p, m, 0, e);
     if (!rc && !model_only && !(rc = fs_join_buf(p, CKPT_PATH, s->tmp, "optim.safetensors", e)))
         rc = ckpt_lay_file(p, m, 1, e);
