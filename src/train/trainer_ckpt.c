@@ -682,8 +682,9 @@ static int agree_on_pick(trainer *t, int rc, const resume_pick *p, ct_err *e) {
  * it, and rank 0 removes it once all have looked. 1 on rank 0 when it could
  * write it; 0 everywhere when it could not (no folder yet: nothing to
  * verify). A file system that shows a new file late (some NFS caches) only
- * makes a rank verify for itself. Collective. */
-static int sees_rank0_folder(trainer *t) {
+ * makes a rank verify for itself. *all (may be NULL): whether every rank
+ * saw it. Collective. */
+static int sees_rank0_folder(trainer *t, int *all) {
     ct_comm *w = t->world;
     int64_t probe[2] = {0, 0}; /* the file's name, its content */
     char path[4300], want[32];
@@ -715,9 +716,10 @@ static int sees_rank0_folder(trainer *t) {
             seen = k == len && !memcmp(got, want, (size_t)len);
         }
     }
-    int32_t looked = 0;
-    comm_allreduce(w, &looked, 1, COMM_I32, COMM_MAX); /* every rank has looked: the file can go */
+    int32_t blind = !seen; /* once every rank has looked, the file can go */
+    comm_allreduce(w, &blind, 1, COMM_I32, COMM_MAX);
     if (w->rank == 0 && probe[0]) unlink(path);
+    if (all) *all = !blind;
     return seen;
 }
 
@@ -729,7 +731,7 @@ static int pick_shared(trainer *t, int rc, resume_pick *p, ct_err *e) {
     shared_verify sv = {0};
     ct_comm *w = t->world;
     if (w->size > 1 && t->cfg.ckpt_enable) {
-        sv.follow = sees_rank0_folder(t) && w->rank != 0;
+        sv.follow = sees_rank0_folder(t, NULL) && w->rank != 0;
         if (!rc && !sv.follow) rc = pick_resume(t, p, &sv, e);
         int32_t v[1 + 2 * SV_MAX] = {0};
         if (w->rank == 0) {
@@ -889,7 +891,7 @@ static int put_part(void *ctx, int kind, int i, size_t at, const float *x, size_
     return j < 0 ? 0 : ckpt_part_write(c->w, kind, j, at, x, n, e);
 }
 
-static int sees_rank0_folder(trainer *t);
+static int sees_rank0_folder(trainer *t, int *all);
 
 /* Whether every rank can write its part of a save itself (ckpt_part_*):
  * a layout whose slices are runs of elements (plan_parts_ok) and every rank
@@ -900,9 +902,9 @@ static int save_in_parts(trainer *t) {
     const char *g = getenv("CTITAN_CKPT_GATHER");
     if (t->world->size <= 1 || !plan_parts_ok(&t->plan) || (g && *g && strcmp(g, "0"))) return 0;
     if (t->world->rank == 0) ct_mkdirs(t->ckpt_folder, NULL); /* a failure is the save's to report */
-    int32_t blind = !sees_rank0_folder(t);
-    comm_allreduce(t->world, &blind, 1, COMM_I32, COMM_MAX);
-    return !blind;
+    int all;
+    sees_rank0_folder(t, &all);
+    return all;
 }
 
 /* trainer_save's writing when every rank writes its part: rank 0 lays out
