@@ -327,6 +327,7 @@ void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, in
         cp->dop = ct_malloc(q * sizeof(float));
         cp->lp = ct_malloc((size_t)B * mc->n_heads * cp->L * sizeof(float));
     }
+    if (m->moe.n_layers) cp->loads = ct_malloc((size_t)mc->n_layers * mc->n_experts * sizeof(double));
     if (n_seq < B) n_seq = B;
     cp->tok = ct_malloc((size_t)n_seq * cp->Tl * sizeof(int32_t));
     cp->lab = ct_malloc((size_t)n_seq * cp->Tl * sizeof(int32_t));
@@ -355,6 +356,7 @@ void cp_free(cp_layout *cp) {
     for (size_t i = 0; i < sizeof f / sizeof *f; i++) free(f[i]);
     free(cp->tok);
     free(cp->lab);
+    free(cp->loads);
     memset(cp, 0, sizeof *cp);
 }
 
@@ -368,9 +370,10 @@ void cp_chunk(cp_layout *cp, const int32_t *tokens, const int32_t *labels, int B
         }
 }
 
-void cp_moe_aux(cp_layout *cp, int B, double *loads) {
+/* cp_moe_forward_backward's middle: loads [L, E] holds moe.tokens before the
+ * forward, and then the forward's tokens per expert of each layer over the group. */
+static void cp_moe_aux(cp_layout *cp, int B, double *loads) {
     lm_model *m = cp->m;
-    if (!m->moe.n_layers) return;
     int E = m->cfg.n_experts, L = m->cfg.n_layers;
     /* this forward's tokens per expert of each layer: what it added to moe.tokens */
     for (size_t i = 0; i < (size_t)L * E; i++) loads[i] = m->moe.tokens[i] - loads[i];
@@ -386,6 +389,16 @@ void cp_moe_aux(cp_layout *cp, int B, double *loads) {
     m->moe.aux_loss = moe_aux_loss(NULL, m->moe.count, m->moe.psum, B * cp->T, m->moe.n_layers, E, 0.0);
     /* the gradient of the whole sequences' loss: R counts all B T tokens, not the chunk's */
     lm_stage_aux_grad(m, m->moe.count, B, cp->T);
+}
+
+double cp_moe_forward_backward(cp_layout *cp, const int32_t *tokens, const int32_t *labels, int B, float scale) {
+    lm_model *m = cp->m;
+    int L = m->cfg.n_layers;
+    cp_chunk(cp, tokens, labels, B);
+    memcpy(cp->loads, m->moe.tokens, (size_t)L * m->cfg.n_experts * sizeof(double));
+    lm_stage_forward(m, 0, L, cp->tok, NULL, NULL, B, cp->Tl, 1);
+    cp_moe_aux(cp, B, cp->loads);
+    return lm_stage_backward(m, 0, L, cp->tok, cp->lab, NULL, NULL, B, cp->Tl, scale, NULL);
 }
 
 double cp_take_comm_time(cp_layout *cp) {

@@ -69,6 +69,7 @@ typedef struct {
     int ring;
     float *rb[2];    /* [4][B, Tl, kvd] each: k, v, dk, dv of the block arriving from the previous rank */
     float *rl;       /* [B, nh, Tl] the forward's running sums l, the backward's D = rowsum(dout * out) */
+    double *loads;   /* [L, E] MoE models: moe.tokens before a forward (cp_moe_forward_backward) */
     int32_t *tok, *lab; /* [n_seq, Tl] the chunks being run */
     double comm_s;   /* seconds in collectives since cp_take_comm_time */
     lm_attn_dispatch d;
@@ -90,15 +91,15 @@ void cp_free(cp_layout *cp);
 /* cp->tok, cp->lab [B, Tl] = this rank's chunk of tokens, labels [B, T]
  * (B <= n_seq). */
 void cp_chunk(cp_layout *cp, const int32_t *tokens, const int32_t *labels, int B);
-/* Between the training forward of B sequences and its backward (MoE models):
- * the routing sums of every MoE layer summed over the group, so that
+/* One training forward and backward of a MoE model on this rank's chunk of
+ * B sequences (tokens, labels [B, T]); returns the chunk's CE sum. Between the
+ * two, the routing sums of every MoE layer are summed over the group, so that
  * m->moe.aux_loss is HF's loss of the whole sequences and, with
  * output_router_logits, every rank's routers get that loss's gradient for
  * their own tokens (lm_stage_aux_grad with all B T tokens: counted once, as
- * the group's gradients are summed); and moe.load_min/max the whole
- * sequences' loads. loads [L, E]: in, moe.tokens before the forward;
- * out, the forward's tokens per expert of each layer over the group. */
-void cp_moe_aux(cp_layout *cp, int B, double *loads);
+ * the group's gradients are summed); and moe.load_min/max are the whole
+ * sequences' loads. */
+double cp_moe_forward_backward(cp_layout *cp, const int32_t *tokens, const int32_t *labels, int B, float scale);
 double cp_take_comm_time(cp_layout *cp);
 /* The start-up log line: the layout and what each rank runs. */
 void cp_describe(const cp_layout *cp, FILE *f);

@@ -671,22 +671,13 @@ double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *l
     if (p->pp) return pp_step(p->pp, m, tokens, labels, r, D, scale); /* the schedule owns the step */
     size_t mb = (size_t)B * T;
     double loss = 0;
-    /* context parallel, MoE: moe.tokens before each forward (cp_moe_aux) */
-    double *loads = p->cp && m->moe.n_layers
-                        ? ct_malloc((size_t)m->cfg.n_layers * m->cfg.n_experts * sizeof(double))
-                        : NULL;
     for (int a = 0; a < p->grad_accum; a++) {
         if (p->fsdp) fsdp_microbatch_begin(p->fsdp);
         if (p->dpo) p->dpo->armed = a == p->grad_accum - 1; /* the gradients are final in the last one */
         if (p->fsdp) p->fsdp->rep_armed = a == p->grad_accum - 1;
         m->lora_seq0 = r + (long)a * B * D, m->lora_seq_stride = D;
         if (p->cp && m->moe.n_layers) { /* the routing sums of the whole sequences before the backward */
-            int L = m->cfg.n_layers;
-            cp_chunk(p->cp, tokens + a * mb, labels + a * mb, B);
-            memcpy(loads, m->moe.tokens, (size_t)L * m->cfg.n_experts * sizeof(double));
-            lm_stage_forward(m, 0, L, p->cp->tok, NULL, NULL, B, p->cp->Tl, 1);
-            cp_moe_aux(p->cp, B, loads);
-            loss += lm_stage_backward(m, 0, L, p->cp->tok, p->cp->lab, NULL, NULL, B, p->cp->Tl, scale, NULL);
+            loss += cp_moe_forward_backward(p->cp, tokens + a * mb, labels + a * mb, B, scale);
         } else if (p->cp) { /* this rank's chunk of the micro-batch's sequences */
             cp_chunk(p->cp, tokens + a * mb, labels + a * mb, B);
             loss += lm_forward_backward(m, p->cp->tok, p->cp->lab, B, p->cp->Tl, scale, NULL);
@@ -697,7 +688,6 @@ double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *l
         if (p->fsdp) fsdp_microbatch_end(p->fsdp);
         *aux_sum += m->moe.aux_loss;
     }
-    free(loads);
     return loss;
 }
 
