@@ -1080,6 +1080,13 @@ static float *sp_gather(lm_model *m, float *full, const float *x, int BT, int H)
     m->sp->gather(m->sp->ctx, full, x, (size_t)sp_rows(m, BT) * H);
     return full;
 }
+/* A partial sum under tensor parallelism that every rank needs whole (the
+ * MoE experts' d(routing weights)); d of a column-parallel block's input
+ * goes through sum_rows. */
+static void reduce_d_input(lm_model *m, float *d, size_t n) {
+    if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, d, n);
+}
+
 /* x[BT, H], a partial sum over the tensor-parallel group -> the sum of the
  * rows this rank holds: all of them (all-reduce in place), or under
  * sequence parallel its block, reduce-scattered in place (returned). */
@@ -1090,7 +1097,7 @@ static float *sum_rows(lm_model *m, float *x, int BT, int H) {
         m->sp->scatter(m->sp->ctx, mine, x, n);
         return mine;
     }
-    if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, x, (size_t)BT * H);
+    reduce_d_input(m, x, (size_t)BT * H);
     return x;
 }
 
@@ -1117,13 +1124,6 @@ static void residual_matmul(lm_model *m, float *out, const float *base, const fl
     mm_fwd(m, out, in, w, BT, K, N, 0);
     m->hooks->reduce_partial(m->hooks->ctx, out, n);
     for (size_t i = 0; i < n; i++) out[i] += base[i];
-}
-
-/* A partial sum under tensor parallelism that every rank needs whole (the
- * MoE experts' d(routing weights)); d of a column-parallel block's input
- * goes through sum_rows. */
-static void reduce_d_input(lm_model *m, float *d, size_t n) {
-    if (m->hooks && m->hooks->reduce_partial) m->hooks->reduce_partial(m->hooks->ctx, d, n);
 }
 
 /* ------------------------------------------------------------------ LoRA */
