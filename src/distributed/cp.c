@@ -309,8 +309,7 @@ void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, in
         cp->rb[0] = ct_malloc(4 * kvl * sizeof(float));
         cp->rb[1] = ct_malloc(4 * kvl * sizeof(float));
         cp->rl = ct_malloc((size_t)B * mc->n_heads * cp->Tl * sizeof(float));
-    }
-    if (!ring) { /* the gather path: every rank's keys */
+    } else { /* the gather path: every rank's keys */
         size_t kv = (size_t)B * T * mc->n_kv_heads * mc->head_dim;
         cp->kg = ct_malloc(kv * sizeof(float));
         cp->vg = ct_malloc(kv * sizeof(float));
