@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "core/timer.h"
+#include "model/moe.h"
 
 /* Parses pipeline_parallel_schedule (CT_ERR_CONFIG naming the key). */
 static int pp_schedule_parse(const char *name, int *schedule, const char *where, ct_err *e) {
@@ -295,6 +296,7 @@ void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts) {
     p->moe_stats = ct_calloc((size_t)p->M * 2 * (n_experts ? n_experts : 1), sizeof(double));
     p->cnt = ct_calloc(slots * (n_experts ? n_experts : 1), sizeof(double));
     p->cnt_req = ct_calloc(slots, sizeof *p->cnt_req);
+    p->loads = ct_calloc((size_t)p->first[p->V] * (n_experts ? n_experts : 1), sizeof(double));
 }
 
 void pp_free(pp_sched *p) {
@@ -319,6 +321,7 @@ void pp_free(pp_sched *p) {
     free(p->moe_stats);
     free(p->cnt);
     free(p->cnt_req);
+    free(p->loads);
     free(p->first);
     free(p->cost);
     free(p->act);
@@ -360,6 +363,27 @@ static void wait_input(pp_sched *p, comm_req *r) {
     p->wait_s += ct_now() - t0;
 }
 
+/* Context parallel: a forward's moe_layer_stats saw a chunk, so the logged
+ * loads are rebuilt from the tokens per expert the last forward of each
+ * stage added to moe.tokens (what one rank's forward logs), summed over the
+ * chunks. Every rank of cpg runs the same schedule: the sum pairs the same
+ * micro-batch. */
+static void loads_before(pp_sched *p, const lm_model *m, int l0, int l1) {
+    size_t E = (size_t)p->E;
+    memcpy(p->loads + l0 * E, m->moe.tokens + l0 * E, (size_t)(l1 - l0) * E * sizeof(double));
+}
+static void loads_after(pp_sched *p, const lm_model *m, int l0, int l1) {
+    size_t E = (size_t)p->E;
+    for (size_t x = l0 * E; x < l1 * E; x++) p->loads[x] = m->moe.tokens[x] - p->loads[x];
+}
+static void loads_sum(pp_sched *p, lm_model *m) {
+    int L = p->first[p->V], E = p->E;
+    comm_allreduce(p->cpg, p->loads, (size_t)L * E, COMM_F64, COMM_SUM);
+    for (int l = 0; l < L; l++)
+        if (lm_holds_layer(&m->cfg, l) && lm_layer_is_moe(&m->cfg, l))
+            moe_load_range(p->loads + (size_t)l * E, E, &m->moe.load_min[l], &m->moe.load_max[l]);
+}
+
 double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, long seq0, int seq_stride,
                float grad_scale) {
     double t_step = ct_now();
@@ -393,7 +417,9 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
             lm_bank_use(m, b);
             if (v > 0) wait_input(p, req(p, c, i, BUF_AIN));
             fsdp_open(p, 1, 0, l0);
+            if (E && p->cpg) loads_before(p, m, l0, l1);
             lm_stage_forward(m, l0, l1, tk, buf(p, c, i, BUF_AIN), buf(p, c, i, BUF_AOUT), B, T, 1);
+            if (E && p->cpg) loads_after(p, m, l0, l1);
             fsdp_close(p);
             if (v < V - 1)
                 comm_isend(p->comm, buf(p, c, i, BUF_AOUT), p->n, COMM_F32, owner(p, v + 1), 2 * (v + 1),
@@ -448,6 +474,7 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
         comm_wait(&p->req[x]);
         comm_wait(&p->cnt_req[x]);
     }
+    if (E && p->cpg) loads_sum(p, m);
     p->step_s += ct_now() - t_step;
     return loss;
 }

@@ -87,8 +87,11 @@ typedef struct {
     ct_comm *comm;       /* one pipeline: rank v % P holds virtual stage v */
     fsdp *fsdp;          /* the stage's FSDP (NULL: none): each action is one of its micro-batches */
     ct_comm *cpg;        /* context parallel (NULL: none): the chunks of this stage's sequences, whose
-                            expert counts the aux gradient sums (cp_T: the whole sequence) */
+                            expert counts the aux gradient and the logged loads sum (cp_T: the whole
+                            sequence) */
     int cp_T;
+    double *loads;       /* [L][E] under cpg: each held MoE layer's tokens per expert in its stage's
+                            last forward (pp_step sums them over the chunks into moe.load_min/max) */
     size_t n;            /* floats of one message: micro-batch rows x hidden */
     float *buf;          /* [S][M][4][n]: activation in, gradient in, activation out, gradient out */
     comm_req *req;       /* [S][M][4] */
@@ -123,7 +126,9 @@ void pp_free(pp_sched *p);
  * lm_aux_in_grad those of router_aux_loss_coef x m->moe.aux_scale x each
  * micro-batch's load-balancing loss. Returns this
  * rank's CE sum (the last stage's: 0 elsewhere); p->moe_stats holds its
- * routing sums per micro-batch. Collective over the pipeline. */
+ * routing sums per micro-batch, and m->moe.load_min/max of its MoE layers
+ * their stage's last forward's loads (under context parallel the whole
+ * sequences': summed over p->cpg). Collective over the pipeline (and cpg). */
 double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, long seq0, int seq_stride,
                float grad_scale);
 /* Forward only of one batch of B x T (B = mb_size x any): the CE sum of

@@ -730,8 +730,8 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
 /* MoE: the step's load-balancing loss and, per MoE layer, the tokens of its least
  * and most loaded expert (last micro-batch; the extremes over the data-parallel
  * ranks' last ones, log_step; under context parallel the whole sequences' loads,
- * cp_moe_aux, except a pipeline's, which stay its chunk's): console fields, or
- * JSON members. */
+ * summed over the chunks by cp_moe_forward_backward, or by pp_step under a
+ * pipeline): console fields, or JSON members. */
 static void print_moe_load(FILE *f, const lm_model *m, double aux, int json) {
     fprintf(f, json ? ", \"aux_loss\": %.9g, \"moe_load_min\": [" : "  aux_loss: %.4f  load(min/max):", aux);
     for (int pass = 0; pass < (json ? 2 : 1); pass++) {

@@ -10,10 +10,13 @@ loss is counted once.
 Every layout trains like one process with the same micro-batches (test_dist_cp's checks:
 losses, validation losses and gradient norms to 1e-5 relative, final weights norm-wise per
 tensor to 1e-5), and logs the same aux_loss (1e-5) and the same per-layer least / most
-loaded expert counts: the whole sequences' loads, not a chunk's. The one-process runs with
+loaded expert counts: the whole sequences' loads of the step's last micro-batch, not a
+chunk's, under a pipeline for every stage's layers (Interleaved1F1B: a rank's two stages),
+with the aux loss in the gradient or not. The one-process runs with
 the aux loss are tied to transformers by test_moe.py, test_families.py and
 test_lora_experts.py. With data parallel the aux loss is per micro-batch of each replica,
-so those layouts take micro-batches of one sequence (test_pp.py does the same)."""
+so those layouts take micro-batches of one sequence (test_pp.py does the same), and their
+loads are compared with those replicas alone (LOADS_REF)."""
 import json
 
 import numpy as np
@@ -46,6 +49,12 @@ def setup(tmp_path_factory):
                        norm_topk_prob=True, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
                        output_router_logits=aux, router_aux_loss_coef=COEF).save_pretrained(d / name)
+    # 4 layers (0 dense): Interleaved1F1B over 2 pipeline ranks runs 4 stages of a layer each
+    Qwen3MoeConfig(vocab_size=256, hidden_size=30, intermediate_size=48, moe_intermediate_size=20,
+                   num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
+                   norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
+                   output_router_logits=True, router_aux_loss_coef=COEF).save_pretrained(d / "qwen_aux_4l")
     # Mixtral: every layer sparse, no top-k renormalisation choice (always normalised)
     MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_local_experts=4,
                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -93,6 +102,11 @@ LAYOUTS = {  # name: (ranks, data-parallel ranks, model, reference's extra, extr
                                                        "--parallelism.pipeline_parallel_schedule=GPipe"]),
     "qwen_cp2_pp2_fsdp2_ep2": (8, 2, "qwen_aux", [LB1], [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1", f"{SHARD}=2",
                                                            f"{EPD}=2", LB1]),
+    # a rank holds two stages (layers 0 and 2, or 1 and 3), each logging its own layers' loads
+    "qwen4_cp2_pp2_interleaved": (4, 1, "qwen_aux_4l", [LB1], [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1",
+                                                                "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"]),
+    # no aux loss in the gradient: no expert counts travel along the stages, the loads are logged still
+    "qwen_noaux_cp2_pp2_1f1b": (4, 1, "qwen_noaux", [LB1], [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1"]),
     "mixtral_cp2": (2, 1, "mixtral_aux", [], [f"{CP}=2"]),
     "mixtral_cp4_none": (4, 1, "mixtral_aux", [], [f"{CP}=4", NONE]),
     "mixtral_cp2_tp2": (4, 1, "mixtral_aux", [], [f"{CP}=2", f"{TPD}=2", f"{SHARD}=1"]),
@@ -106,8 +120,10 @@ LAYOUTS = {  # name: (ranks, data-parallel ranks, model, reference's extra, extr
 # (docs/distributed.md, Numerics), so CP 2 x TP 2 is held to 1e-5 of TP 2 alone, which
 # isolates what CP adds (CP 2 alone is 8.8e-7 from one process).
 REF_LAYOUT = {"mixtral_cp2_tp2": (2, [f"{TPD}=2", f"{SHARD}=1"])}
-# The loads logged under PP are still a stage's last forward's, a chunk's (docs/distributed.md)
-NO_LOADS = {"qwen_cp2_pp2_1f1b", "qwen_cp2_pp2_gpipe", "qwen_cp2_pp2_fsdp2_ep2"}
+# With data parallel the logged loads are the extremes over the replicas' last micro-batches,
+# other sequences than one process's last: those layouts' loads are compared with 2 replicas
+# alone (ranks, extra), which take the same sequences
+LOADS_REF = {"qwen_aux": (2, [LB1, f"{SHARD}=2"]), "mixtral_aux": (2, [LB1, f"{REP}=2", f"{SHARD}=1"])}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -123,12 +139,14 @@ def test_cp_aux_loss_in_the_gradient_matches_one_rank(setup, name):
     assert got.keys() == exp.keys() == set(range(1, STEPS + 1)), (sorted(got), sorted(exp))
     for s in exp:
         assert abs(got[s] - exp[s]) <= 1e-5 * exp[s], f"{name}: step {s} aux_loss {got[s]!r} vs one rank {exp[s]!r}"
-    if dp > 1 or name in NO_LOADS:  # with dp, the extremes over the replicas' last micro-batches: other sequences
-        return
+    if dp > 1:
+        ranks, ref_extra = LOADS_REF[model]
+        want = single(setup, model, *ref_extra, ranks=ranks)
     got, exp = loads(out), loads(want)
     assert got.keys() == exp.keys() == set(range(1, STEPS + 1))
     for s in exp:  # the whole sequences' loads: a chunk's are about 1/cp of them
-        assert got[s] == exp[s], f"{name}: step {s} expert loads (min, max per MoE layer) {got[s]} vs one rank {exp[s]}"
+        assert got[s] == exp[s], (f"{name}: step {s} expert loads (min, max per MoE layer) {got[s]} vs "
+                                  f"{'the replicas' if dp > 1 else 'one rank'} {exp[s]}")
 
 
 def test_the_aux_loss_moves_the_routers(setup):
