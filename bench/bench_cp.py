@@ -29,12 +29,11 @@ import glob
 import json
 import os
 import re
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_pp import ROOT, make_model_and_data  # noqa: E402
 from bench_train import SHAPES  # noqa: E402
+from layout_runner import make_model_and_data, run_layout  # noqa: E402
 
 CP2 = "--parallelism.context_parallel_degree=2"
 CP4 = "--parallelism.context_parallel_degree=4"
@@ -76,29 +75,13 @@ def run(a, tmp, model, data, cores, name, ranks, extra):
     """One ctitan run of the recipe, its last step traced: one rank on every core, or `ranks`
     MPI ranks of one thread each. Returns (steady step seconds, peak RSS text, final loss,
     traced_ms per rank) or None when it failed."""
-    out = os.path.join(tmp, re.sub(r"\W+", "_", name))
-    threads = cores if ranks == 1 else 1
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-               CTITAN_LOG_RANKS="all", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    binary = os.path.join(ROOT, os.environ.get("CTITAN_BUILD", "build"), "ctitan")
-    cmd = [binary, "train", "--model.spec=hf", f"--model.hf_assets_path={model}", f"--training.dataset_path={data}",
-           f"--training.local_batch_size={a.batch}", f"--training.seq_len={a.seq}", f"--training.steps={a.steps}",
-           "--metrics.log_freq=1", f"--job.dump_folder={out}", f"--training.threads={threads}",
-           "--profiling.enable_profiling", f"--profiling.profile_freq={a.steps}"] + extra
-    if ranks > 1:
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks)] + cmd
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        print(f"{name:14s} failed: {p.stderr.strip().splitlines()[-1:]}")
+    got = run_layout(a, tmp, model, data, cores, name, ranks,
+                     ["--profiling.enable_profiling", f"--profiling.profile_freq={a.steps}"] + extra, width=14)
+    if got is None:
         return None
-    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
-    step_s = (rows[-1]["elapsed_s"] - rows[a.warmup - 1]["elapsed_s"]) / (len(rows) - a.warmup)
-    rss = sorted((int(m.group(1)), float(m.group(2))) for m in
-                 re.finditer(r"rank (\d+) of \d+: peak memory ([\d.]+) GiB", p.stderr))
-    rss_txt = f"{max(r['memory_gib'] for r in rows):.2f}" if ranks == 1 else " ".join(f"{g:.2f}" for _, g in rss)
-    traces = sorted(glob.glob(os.path.join(out, "profile_trace", f"iteration_{a.steps}", "rank*_trace.json")),
+    traces = sorted(glob.glob(os.path.join(got.out, "profile_trace", f"iteration_{a.steps}", "rank*_trace.json")),
                     key=lambda f: int(re.search(r"rank(\d+)_", f).group(1)))
-    return step_s, rss_txt, rows[-1]["loss"], [traced_ms(t) for t in traces]
+    return got.step_s, got.rss_txt, got.rows[-1]["loss"], [traced_ms(t) for t in traces]
 
 
 def main():

@@ -13,18 +13,16 @@ run's log: every stage's cost, the lm_head's on the last, backward = 2 forwards)
 textbook (P - 1) / (M + P - 1) for equal stages.
 
 Run:  .venv/bin/python bench/bench_pp.py [--steps 6] [--seq 512]
+CTITAN_BUILD=build/x selects the build directory (default build).
 """
 import argparse
-import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import SHAPES  # noqa: E402
+from layout_runner import make_model_and_data, run_layout  # noqa: E402
 
 RUNS = [  # name, ranks, extra flags
     ("1 rank", 1, []),
@@ -34,56 +32,6 @@ RUNS = [  # name, ranks, extra flags
                                 "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"]),
     ("PP4 1F1B", 4, ["--parallelism.pipeline_parallel_degree=4"]),
 ]
-
-
-def make_model_and_data(a, prefix, title):
-    """A random-init model of shape a.shape (config.json only) and a random token stream
-    long enough for a.steps steps of a.batch x a.seq, in a new temporary folder; prints the
-    bench's header line (title) and the CPU. Returns (folder, model dir, tokens path, cores)."""
-    from transformers import AutoConfig
-    import numpy as np
-    tmp = tempfile.mkdtemp(prefix=prefix)
-    shape = dict(SHAPES[a.shape])
-    mt = shape.pop("model_type", "qwen3")
-    model = os.path.join(tmp, "model")
-    AutoConfig.for_model(mt, **shape, max_position_embeddings=max(4096, a.seq)).save_pretrained(model)
-    data = os.path.join(tmp, "tokens.bin")
-    np.random.default_rng(0).integers(0, shape["vocab_size"], size=(a.batch * (a.seq + 1) * (a.steps + 2) * 4,),
-                                      dtype=np.uint32).tofile(data)
-    cores = os.cpu_count()
-    print(f"{title}: {a.shape}, batch {a.batch} x {a.seq}, {a.steps} steps ({a.warmup} warm-up), "
-          f"{cores} cores")
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name"):
-            print("cpu:", line.split(":", 1)[1].strip())
-    return tmp, model, data, cores
-
-
-def run_layout(a, tmp, model, data, cores, name, ranks, extra):
-    """One ctitan run of the recipe: one rank on every core, or `ranks` MPI ranks of one thread
-    each (oversubscribed past the core count). Returns (stderr, metrics rows, steady step
-    seconds, peak RSS text: the one rank's, or every rank's), or None when the run failed."""
-    out = os.path.join(tmp, re.sub(r"\W+", "_", name))
-    threads = cores if ranks == 1 else 1
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-               CTITAN_LOG_RANKS="all", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [os.path.join(ROOT, "build", "ctitan"), "train", "--model.spec=hf", f"--model.hf_assets_path={model}",
-           f"--training.dataset_path={data}", f"--training.local_batch_size={a.batch}",
-           f"--training.seq_len={a.seq}", f"--training.steps={a.steps}", "--metrics.log_freq=1",
-           f"--job.dump_folder={out}", f"--training.threads={threads}"] + extra
-    if ranks > 1:
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks)] + cmd
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        print(f"{name:22s} failed: {p.stderr.strip().splitlines()[-1:]}")
-        return None
-    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in l]
-    t_a, t_b = rows[a.warmup - 1]["elapsed_s"], rows[-1]["elapsed_s"]
-    step_s = (t_b - t_a) / (len(rows) - a.warmup)
-    rss = sorted((int(m.group(1)), float(m.group(2))) for m in
-                 re.finditer(r"rank (\d+) of \d+: peak memory ([\d.]+) GiB", p.stderr))
-    rss_txt = f"{max(r['memory_gib'] for r in rows):.2f}" if ranks == 1 else " ".join(f"{g:.2f}" for _, g in rss)
-    return p.stderr, rows, step_s, rss_txt
 
 
 def main():
@@ -99,10 +47,10 @@ def main():
           f"{'simulated':>10s} {'textbook':>9s}")
     for name, ranks, extra in RUNS:
         got = run_layout(a, tmp, model, data, cores, name, ranks,
-                         ["--parallelism.pipeline_parallel_microbatch_size=1"] + extra)
+                         ["--parallelism.pipeline_parallel_microbatch_size=1"] + extra, width=22)
         if got is None:
             continue
-        err, rows, step_s, rss_txt = got
+        err, rows, step_s, rss_txt = got.stderr, got.rows, got.step_s, got.rss_txt
         tps = a.batch * a.seq / step_s
         bub = [r["pp_bubble"] for r in rows[a.warmup:] if "pp_bubble" in r]
         sim = re.search(r"simulated bubble ([\d.]+)%; stages' first layers:([\d ]+)", err)
