@@ -340,9 +340,9 @@ static const cfg_option cfg_options[] = {
     OPT("parallelism", "sequence_parallel", CFG_BOOL, sequence_parallel, "true",
         .help = "under tensor parallel each rank holds the residual stream and the norms for 1/degree of a "
                 "forward's rows (torchtitan's SequenceParallel, always on there): all-gathers before the "
-                "column-parallel projections, reduce-scatters after the row-parallel ones; the micro-batch "
-                "(and validation batch) x training.seq_len / context_parallel_degree must be a multiple of "
-                "tensor_parallel_degree. false: every rank holds all rows and all-reduces"),
+                "column-parallel projections, reduce-scatters after the row-parallel ones; rows the degree "
+                "does not divide are cut in chunks of ceil(rows / degree), as DTensor's Shard cuts them. "
+                "false: every rank holds all rows and all-reduces"),
     OPT("parallelism", "expert_parallel_degree", CFG_INT, ep, "1", .range = CFG_GE, .lo = 1,
         .help = "data-parallel ranks splitting the MoE experts' work (docs/distributed.md)"),
     OPT("parallelism", "expert_tensor_parallel_degree", CFG_INT, tt.etp, "1", .inert = 1,

@@ -133,12 +133,10 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     lm_config lc;
     tp_local_config(&lc, mc, tp, 0, ep, 0);
     size_t n = 0, act = 0;
-    int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size, rc;
-    if (tp > 1 && c->sequence_parallel) { /* the residual stream and the norms: 1/tp of the rows */
-        if ((rc = tp_check_seq(c, tp, c->seq_len, 0, val_b, where, e))) return rc;
-        lc.tp_seq = 1;
-    }
-    rc = lm_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    /* sequence parallel: the residual stream and the norms for a chunk of ceil(rows / tp) rows
+     * (rank 0's, the largest: DTensor Shard's last chunks are shorter) */
+    lc.tp_seq = tp > 1 && c->sequence_parallel;
+    int rc = lm_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
     double stored = (double)n, in_bf16 = 0, trained = (double)n, gathered = 0, widened = 0;
     lm_model lm;
@@ -175,9 +173,20 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
                               lc.n_experts, lc.moe_intermediate);
     if (lc.vocab_rows) fprintf(out, ", lm_head rows %d of %d", lc.vocab_rows, lc.vocab_size);
     fprintf(out, ")\n");
-    if (lc.tp_seq)
-        fprintf(out, "  sequence parallel: the residual stream and norms of %d of the %d rows (batch %d x %d)\n",
-                B * c->seq_len / tp, B * c->seq_len, B, c->seq_len);
+    if (lc.tp_seq) {
+        int BT = B * c->seq_len, C = (BT + tp - 1) / tp;
+        fprintf(out, "  sequence parallel: the residual stream and norms of %d of the %d rows (batch %d x %d)", C, BT,
+                B, c->seq_len);
+        if (BT % tp) { /* DTensor Shard's uneven chunks: the last ranks' shorter or empty */
+            fprintf(out, "; rows per rank");
+            for (int r = 0; r < tp; r++) {
+                int rows = BT - r * C < C ? BT - r * C : C;
+                fprintf(out, "%s %d", r ? "," : "", rows > 0 ? rows : 0);
+            }
+            fprintf(out, ", padded to %d in the collectives", C);
+        }
+        fprintf(out, "\n");
+    }
     if (lc.vocab_rows) /* what the parameter count above holds of the largest tensor */
         fprintf(out, "  embedding: rows %d..%d of %d here (%zu parameters%s)\n", lc.vocab_row0,
                 lc.vocab_row0 + lc.vocab_rows - 1, lc.vocab_size, (size_t)lc.vocab_rows * (size_t)lc.hidden,
@@ -258,12 +267,8 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     pp_hold(p, &stage);
     tp_local_config(&sc, &stage, tp, 0, ep, 0);
     size_t n = 0, act = 0;
-    int rc;
-    if (tp > 1 && c->sequence_parallel) { /* a micro-batch's rows, 1/tp of them in the residual stream */
-        if ((rc = tp_check_seq(c, tp, T, 1, 0, where, e))) return rc;
-        sc.tp_seq = 1;
-    }
-    rc = lm_plan_memory(&sc, mb, T, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    sc.tp_seq = tp > 1 && c->sequence_parallel; /* a micro-batch's rows, a ceil(rows / tp) chunk of them */
+    int rc = lm_plan_memory(&sc, mb, T, c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
     lm_model lm;
     lm_layout(&lm, &sc);

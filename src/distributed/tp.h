@@ -48,7 +48,9 @@
  *     every rank (an untied one is refused: mesh_resolve);
  *   - sequence parallel (parallelism.sequence_parallel, local.tp_seq;
  *     torchtitan's SequenceParallel on the norms): rank r holds rows
- *     [r R, (r + 1) R) of the B T rows (R = B T / t) of the residual stream,
+ *     [r R, min((r + 1) R, B T)) of the B T rows (R = ceil(B T / t), DTensor
+ *     Shard's chunks: the last ranks' shorter or empty, padded to R rows in
+ *     the collectives) of the residual stream,
  *     the norms' inputs, outputs and saved statistics. Where the above
  *     all-reduces a row-parallel output (o_proj, down_proj, the experts', the
  *     embedding's partial lookup, d of the head's input) it reduce-scatters
@@ -56,9 +58,11 @@
  *     router and experts, the head) is all-gathered first, and again in the
  *     backward, where d(output) of a row-parallel block is all-gathered and
  *     d(input) of a column-parallel one reduce-scattered. Each norm weight's
- *     gradient then comes from this rank's rows: summed over the group in
- *     model/lm.c (norm_bwd). A pipeline stage's messages hold all rows
- *     (gathered at the boundary), so pp.c is unaware of it.
+ *     gradient then comes from this rank's rows: a layer's norms' partial
+ *     sums wait in one buffer (lm_norm_partials) and go through the group in
+ *     the layer's post-backward all-reduce beside the q/k norms' and LoRA
+ *     A's; the final norm's in one of its own. A pipeline stage's messages
+ *     hold all rows (gathered at the boundary), so pp.c is unaware of it.
  * Which kind a tensor is follows from its shapes alone (local vs whole): a
  * smaller first dimension is a row slice, a smaller second one a column
  * slice, equal shapes replicated. The hooks wrap FSDP's (inner) when both
@@ -143,10 +147,9 @@ enum { TP_SQ_ALL, TP_SQ_DENSE, TP_SQ_EXPERTS };
 double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n, int which);
 double tp_take_comm_time(tp_layout *p);
 /* Sequence parallel cuts the rows of every forward, B x T (T: a context-
- * parallel rank's positions per sequence), into t equal blocks: the training
- * micro-batch (a pipeline's, which validates by it too) and the validation
- * batch; refuses (CT_ERR_CONFIG, src naming the config) where t does not
- * divide them. */
+ * parallel rank's positions per sequence), in chunks of ceil(B T / t) as
+ * DTensor's Shard does, so no batch is refused: returns 0. Kept only while
+ * plan.c still calls it (its call and this go together). */
 int tp_check_seq(const ct_config *c, int t, int T, int pp, int val_batch, const char *src, ct_err *e);
 
 #endif

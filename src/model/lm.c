@@ -426,10 +426,21 @@ static void carve_route(carver *cv, moe_route *r, int N, int E, int k) {
     else memset(r, 0, sizeof *r);
 }
 
-/* Rows of the residual stream and the norms this model holds: under
- * sequence parallel 1/tp_degree of the B x T rows (lm_config.tp_seq). */
+/* Rows of the residual stream and the norms this model holds room for:
+ * under sequence parallel (lm_config.tp_seq) the chunk of the B x T rows,
+ * ceil(BT / tp_degree) as DTensor's Shard cuts them (a rank holding fewer
+ * pads its block to it for the collectives). */
 static size_t seq_rows(const lm_config *c, size_t BT) {
-    return c->tp_seq && c->tp_degree > 1 ? BT / (size_t)c->tp_degree : BT;
+    return c->tp_seq && c->tp_degree > 1 ? (BT + (size_t)c->tp_degree - 1) / (size_t)c->tp_degree : BT;
+}
+/* Rows of a buffer that holds every rank's chunk, gathered: tp_degree chunks. */
+static size_t seq_all_rows(const lm_config *c, size_t BT) {
+    return c->tp_seq && c->tp_degree > 1 ? seq_rows(c, BT) * (size_t)c->tp_degree : BT;
+}
+/* The norm weights of one layer (lm_layer_w's ln1, ln_ao, ln2, ln_mo)
+ * whose gradients, partial under sequence parallel, are summed together. */
+static size_t seq_norms(const lm_config *c) {
+    return c->norm_place == LM_NORM_SANDWICH ? 4 : 2;
 }
 
 /* Every per-layer activation but res: name, floats, and whether LM_AC_OP
@@ -544,11 +555,11 @@ static void plan_activations(lm_model *m, carver *cv) {
     if (c->vocab_rows) m->ws.ce_stats = carve(cv, 3 * (size_t)m->ws.logit_rows);
     m->ws.embed_ids = c->vocab_rows ? (int32_t *)carve(cv, BT) : NULL; /* int32 is a float's size */
     m->ws.d_res = carve(cv, BS * H);
-    m->ws.d_ln = carve(cv, BT * H);
-    if (BS < BT) {
-        m->ws.sp_x = carve(cv, BT * H);
-        m->ws.sp_dy = carve(cv, BT * H);
-        m->ws.sp_dw = carve(cv, H);
+    m->ws.d_ln = carve(cv, seq_all_rows(c, BT) * H); /* reduce-scattered in place: every rank's chunk */
+    if (c->tp_seq && c->tp_degree > 1) {
+        m->ws.sp_x = carve(cv, seq_all_rows(c, BT) * H);
+        m->ws.sp_dy = carve(cv, seq_all_rows(c, BT) * H);
+        m->ws.sp_dw = carve(cv, seq_norms(c) * H);
     }
     m->ws.d_att = carve(cv, BT * qd);
     m->ws.d_q = carve(cv, BT * qd);
@@ -1070,14 +1081,26 @@ static void zero_layer_scratch(lm_model *m, int BT) {
 }
 
 /* Sequence parallel (m->sp): the residual stream and the norms hold this
- * rank's block of the BT rows, the projections between them all rows. */
-static int sp_rows(const lm_model *m, int BT) { return m->sp ? BT / m->sp->t : BT; }
-static size_t sp_row0(const lm_model *m, int BT) { return m->sp ? (size_t)m->sp->rank * (size_t)sp_rows(m, BT) : 0; }
-/* x: this rank's rows [BT / t, H] -> full[BT, H], every rank's in order;
- * without sequence parallel x holds all rows already. */
+ * rank's block of the BT rows, the projections between them all rows. The
+ * blocks are DTensor Shard's: chunks of C = ceil(BT / t) rows, rank r's
+ * rows [r C, min((r + 1) C, BT)), so the last ranks' are shorter or empty.
+ * The collectives move whole chunks: a short block is padded (rows nobody
+ * reads), and since only the ranks after every full one are short, the
+ * first BT rows of t gathered chunks are all rows in order. */
+static int sp_chunk(const lm_model *m, int BT) { return m->sp ? (BT + m->sp->t - 1) / m->sp->t : BT; }
+static size_t sp_row0(const lm_model *m, int BT) {
+    size_t r0 = m->sp ? (size_t)m->sp->rank * (size_t)sp_chunk(m, BT) : 0;
+    return r0 < (size_t)BT ? r0 : (size_t)BT;
+}
+static int sp_rows(const lm_model *m, int BT) {
+    int n = BT - (int)sp_row0(m, BT), C = sp_chunk(m, BT);
+    return n < C ? n : C;
+}
+/* x: this rank's chunk [C, H] -> full[t C, H], every rank's in order (its
+ * first BT rows all rows); without sequence parallel x holds all rows. */
 static float *sp_gather(lm_model *m, float *full, const float *x, int BT, int H) {
     if (!m->sp) return (float *)x;
-    m->sp->gather(m->sp->ctx, full, x, (size_t)sp_rows(m, BT) * H);
+    m->sp->gather(m->sp->ctx, full, x, (size_t)sp_chunk(m, BT) * H);
     return full;
 }
 /* A partial sum under tensor parallelism that every rank needs whole (the
@@ -1089,10 +1112,12 @@ static void reduce_d_input(lm_model *m, float *d, size_t n) {
 
 /* x[BT, H], a partial sum over the tensor-parallel group -> the sum of the
  * rows this rank holds: all of them (all-reduce in place), or under
- * sequence parallel its block, reduce-scattered in place (returned). */
+ * sequence parallel its block, reduce-scattered in place (returned); x then
+ * has room for t chunks (d_ln), the rows past BT padding summed into the
+ * short ranks' padding. */
 static float *sum_rows(lm_model *m, float *x, int BT, int H) {
     if (m->sp) {
-        size_t n = (size_t)sp_rows(m, BT) * H;
+        size_t n = (size_t)sp_chunk(m, BT) * H;
         float *mine = x + (size_t)m->sp->rank * n;
         m->sp->scatter(m->sp->ctx, mine, x, n);
         return mine;
@@ -1816,11 +1841,6 @@ static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
 
 /* What every forward sets before its first layer. */
 static void forward_begin(lm_model *m, const int32_t *tokens, int B, int T) {
-    if (m->sp && B * T % m->sp->t) { /* the run refuses such a batch (tp_check_seq); a library caller may not */
-        fprintf(stderr, "ctitan: error: sequence parallel: a forward of %d x %d rows is not a multiple of "
-                        "tensor_parallel_degree %d\n", B, T, m->sp->t);
-        exit(2);
-    }
     m->act.tokens = tokens;
     m->act.fwd_B = B;
     m->act.fwd_T = T;
@@ -2262,15 +2282,41 @@ void lm_kv_forward(lm_model *m, lm_kv *kv, const int32_t *tokens, int p0, int n,
  * enters d probs through moe_dprob_all. */
 /* RMSNorm backward over the rows this model holds: dx += d(input), dw +=
  * d(weight) (NULL: frozen). Under sequence parallel a rank's rows give part
- * of dw: summed over the group (through sp_dw) before it is added. */
+ * of dw: it waits in the next [H] block of sp_dw, so that a layer's norms
+ * are summed over the group in one all-reduce (lm_norm_partials), then
+ * added. */
 static void norm_bwd(lm_model *m, float *dx, float *dw, const float *dout, const float *x, const float *w,
                      const float *rstd, int rows, int H) {
-    float *pw = m->sp && dw ? m->ws.sp_dw : dw;
-    if (pw != dw) zero(pw, (size_t)H);
+    if (!m->sp || !dw) {
+        K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, H), rstd, rows, H);
+        return;
+    }
+    float *pw = m->ws.sp_dw + (size_t)m->sp_norm_n * H;
+    zero(pw, (size_t)H);
     K(RMSNORM, rmsnorm_bwd, dx, pw, dout, x, nw(m, w, H), rstd, rows, H);
-    if (pw == dw) return;
-    m->hooks->reduce_partial(m->hooks->ctx, pw, (size_t)H);
-    for (int i = 0; i < H; i++) dw[i] += pw[i];
+    m->sp_norm_dw[m->sp_norm_n++] = dw;
+}
+
+size_t lm_norm_partials(lm_model *m, float **buf) {
+    *buf = m->ws.sp_dw;
+    return (size_t)m->sp_norm_n * (size_t)m->cfg.hidden;
+}
+
+void lm_norm_partials_add(lm_model *m) {
+    size_t H = (size_t)m->cfg.hidden;
+    for (int k = 0; k < m->sp_norm_n; k++)
+        for (size_t i = 0; i < H; i++) m->sp_norm_dw[k][i] += m->ws.sp_dw[k * H + i];
+    m->sp_norm_n = 0;
+}
+
+/* The pending norm partials summed here, where no hook took them (the final
+ * norm's, before any layer; a layer's when the hooks do not batch them). */
+static void norm_flush(lm_model *m) {
+    float *buf;
+    size_t n = lm_norm_partials(m, &buf);
+    if (!n) return;
+    m->hooks->reduce_partial(m->hooks->ctx, buf, n);
+    lm_norm_partials_add(m);
 }
 
 static float *moe_layer_bwd(lm_model *m, int l, int BT) {
@@ -2370,6 +2416,7 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
     int BS = sp_rows(m, BT);
     zero(m->ws.d_res, (size_t)BS * H);
     norm_bwd(m, m->ws.d_res, m->g.lnf, dl, m->act.res_out, m->w.lnf, m->act.lnf_rstd, BS, H);
+    norm_flush(m); /* on its own: the last layer's are summed after its backward */
     return loss_sum;
 }
 
@@ -2455,7 +2502,8 @@ static void backward_layers(lm_model *m, int l0, int l1, int B, int T) {
         int64_t t0 = PROF_T0(m->prof);
         layer_backward(m, l, B, T);
         if (m->prof) prof_layer(m->prof, "layer_bwd", l, t0);
-        if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
+        if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l); /* tensor parallel's sums the norms' */
+        norm_flush(m);
     }
 }
 
@@ -2512,7 +2560,8 @@ void lm_stage_forward(lm_model *m, int l0, int l1, const int32_t *tokens, const 
     else memcpy(m->act.layer[l0].res, x_in + sp_row0(m, BT) * H, ns * sizeof(float));
     float *out = l1 == L ? m->act.res_out : m->sp ? m->ws.sp_dy : x_out; /* sp_dy: free in a forward */
     forward_layers(m, l0, l1, out, B, T);
-    if (l1 < L && m->sp) m->sp->gather(m->sp->ctx, x_out, out, ns);
+    if (l1 < L && m->sp) /* t padded chunks, then the BT rows the message holds */
+        memcpy(x_out, sp_gather(m, m->ws.sp_x, out, BT, H), (size_t)BT * H * sizeof(float));
     if (l1 == L) final_norm_fwd(m, BT);
     m->moe.count_tokens = 0;
     m->lora_train = 0;
@@ -2530,7 +2579,7 @@ double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, con
     if (n_valid) *n_valid = count;
     backward_layers(m, l0, l1, B, T);
     if (l0 == 0) embed_bwd(m, tokens, BT);
-    else if (m->sp) m->sp->gather(m->sp->ctx, d_in, m->ws.d_res, ns);
+    else if (m->sp) memcpy(d_in, sp_gather(m, m->ws.sp_dy, m->ws.d_res, BT, H), (size_t)BT * H * sizeof(float));
     else memcpy(d_in, m->ws.d_res, (size_t)BT * H * sizeof(float));
     m->lora_train = 0;
     return loss_sum;

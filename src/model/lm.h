@@ -124,8 +124,9 @@ typedef struct {
     int tp_degree, tp_rank;
     /* Sequence parallel under tensor parallel (distributed/tp.h): the residual
      * stream, the norms and what they keep hold rows [tp_rank R, (tp_rank + 1) R)
-     * of the B x T rows only, R = B T / tp_degree (lm_model.sp runs the
-     * collectives). 0: every rank holds all rows. */
+     * of the B x T rows only (R = ceil(B T / tp_degree), the last ranks' rows
+     * fewer or none, their buffers R rows; lm_model.sp runs the collectives).
+     * 0: every rank holds all rows. */
     int tp_seq;
     /* Expert parallel storage (distributed/ep.h): this model holds experts
      * [expert0, expert0 + expert_rows) of every MoE layer; the others' tensors
@@ -378,8 +379,9 @@ typedef struct {
     int32_t *embed_ids;     /* [BT] vocabulary-parallel embedding backward: its tokens' local rows */
     /* backward scratch */
     float *d_res, *d_ln, *d_att, *d_q, *d_q2, *d_k, *d_k2, *d_v, *d_h, *d_gate, *d_up; /* see lm.c */
-    /* sequence parallel (cfg.tp_seq): [BT, H] the gathered rows of a norm's output (sp_x) and of a
-     * d(output) (sp_dy); [H] a norm weight's partial gradient before it is summed over the group */
+    /* sequence parallel (cfg.tp_seq): [t C, H] (C = ceil(BT / t)) the gathered chunks of a norm's
+     * output (sp_x) and of a d(output) (sp_dy); [k, H] a layer's k norm weights' partial gradients
+     * before they are summed over the group (lm_norm_partials) */
     float *sp_x, *sp_dy, *sp_dw;
     /* MoE layers (NULL for a dense model) */
     float *moe_work;        /* [KERN_MOE_WORK(BT*k, H, Im)] experts kernel scratch */
@@ -502,6 +504,8 @@ typedef struct {
     const lm_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by distributed/ep.h */
     const lm_attn_dispatch *attn_cp; /* NULL: the whole sequence is here; set by distributed/cp.h */
     const lm_seq_dispatch *sp; /* NULL: every rank holds all rows; set by distributed/tp.h under cfg.tp_seq */
+    float *sp_norm_dw[4];   /* sequence parallel: the gradients ws.sp_dw's pending blocks add into */
+    int sp_norm_n;          /* how many blocks are pending */
     struct prof *prof;      /* NULL: not profiled; else spans of ops and layers (metrics/profile.h, the trainer's) */
     /* LoRA dropout (cfg.lora_rank > 0) */
     uint64_t lora_seed;     /* dropout masks: a hash of (this, layer, projection, element); the trainer
@@ -736,5 +740,14 @@ int lm_aux_in_grad(const lm_config *c);
  * layer of the model (all stages'); R counts the whole model's MoE layers,
  * as the one-process forward does. No-op unless lm_aux_in_grad. */
 void lm_stage_aux_grad(lm_model *m, const double *count, int B, int T);
+/* Sequence parallel: the norm weights' gradients from this rank's rows
+ * that a backward left pending (a layer's, between its backward and the
+ * hooks' post_backward), k blocks of [H] in one buffer: returns their floats
+ * (0: none) and *buf. A hook sums buf over the group in place (in one
+ * collective with its own partial sums) and calls lm_norm_partials_add,
+ * which adds each block into its gradient and clears them; what no hook
+ * takes the backward sums itself. */
+size_t lm_norm_partials(lm_model *m, float **buf);
+void lm_norm_partials_add(lm_model *m);
 
 #endif
