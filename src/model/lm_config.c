@@ -265,7 +265,12 @@ static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, co
  * defaults of its transformers config class (5.x) for keys a config.json may
  * leave out. Adding a family is a row here plus whatever new op it needs in
  * model/lm.c; nothing outside the model folder names a family. */
-enum { WIN_NONE, WIN_ALL, WIN_TYPES, WIN_GEMMA };
+enum { WIN_NONE, WIN_ALL, WIN_TYPES, WIN_GEMMA, WIN_GEMMA2 };
+/* What a family does with Gemma's soft-caps (final_logit_softcapping,
+ * attn_logit_softcapping) and query_pre_attn_scalar. */
+enum { CAPS_NONE,   /* the caps are not part of the family: refused unless absent, null or 0 */
+       CAPS_GEMMA3, /* final cap applied; the attention cap carried to the export, applied nowhere */
+       CAPS_GEMMA2  /* both applied (Gemma2's eager attention caps the scores) */ };
 
 typedef struct {
     const char *type, *arch;
@@ -283,6 +288,9 @@ typedef struct {
     int win_default;    /* sliding_window when absent (0: None) */
     const char *win_gate; /* a bool key that must be true for the window to exist (use_sliding_window) */
     const char *act_key;
+    int act_gelu_is_tanh; /* GemmaConfig: hidden_act "gelu" means the tanh approximation */
+    int caps;           /* CAPS_* (query_pre_attn_scalar is read where the caps are) */
+    double final_cap_default, attn_cap_default; /* absent keys; 0: None */
     double theta, theta_local; /* RoPE (model/rope.h): default_theta; Gemma3's sliding layers' */
     int rope_style, rope_head_dim_none;
 } lm_family;
@@ -311,7 +319,17 @@ static const lm_family families[] = {
     {.type = "gemma3_text", .arch = "Gemma3ForCausalLM", .norm_place = LM_NORM_SANDWICH, .norm_plus_one = 1,
      .embed_scaled = 1, .has_attn_bias = 1, .kv_default = 4, .hd_default = 256, .eps = 1e-6, .tied = 1,
      .max_pos = 131072, .pad = 0, .win = WIN_GEMMA, .win_default = 4096, .act_key = "hidden_activation",
-     .theta = 1e6, .theta_local = 1e4, .rope_style = ROPE_STYLE_GEMMA3},
+     .caps = CAPS_GEMMA3, .theta = 1e6, .theta_local = 1e4, .rope_style = ROPE_STYLE_GEMMA3},
+    /* Gemma2: Gemma3's layer without q/k norms, one RoPE for every layer, sliding and full
+     * layers alternating unless layer_types says otherwise, both soft-caps applied */
+    {.type = "gemma2", .arch = "Gemma2ForCausalLM", .norm_place = LM_NORM_SANDWICH, .norm_plus_one = 1,
+     .qk_norm = LM_QK_NONE, .embed_scaled = 1, .has_attn_bias = 1, .kv_default = 4, .hd_default = 256, .eps = 1e-6,
+     .tied = 1, .max_pos = 8192, .pad = 0, .win = WIN_GEMMA2, .win_default = 4096, .act_key = "hidden_activation",
+     .caps = CAPS_GEMMA2, .final_cap_default = 30.0, .attn_cap_default = 50.0, .theta = 1e4},
+    /* Gemma: Llama's pre-norms with Gemma's (1 + w) RMSNorm, scaled embeddings and GELU-tanh */
+    {.type = "gemma", .arch = "GemmaForCausalLM", .norm_plus_one = 1, .qk_norm = LM_QK_NONE, .embed_scaled = 1,
+     .has_attn_bias = 1, .kv_default = 16, .hd_default = 256, .eps = 1e-6, .tied = 1, .max_pos = 8192, .pad = 0,
+     .act_key = "hidden_act", .act_gelu_is_tanh = 1, .theta = 1e4},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -385,6 +403,8 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
                                "%s: \"layer_types\"[%d] must be \"full_attention\" or \"sliding_attention\"", path, l);
             c->layer_sliding[l++] = (unsigned char)sl;
         }
+    } else if (f->win == WIN_GEMMA2) { /* Gemma2Config: even layers slide, odd ones are global */
+        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = (l + 1) % 2 != 0;
     } else if (f->win == WIN_GEMMA) { /* the legacy period: every pattern-th layer is global */
         int pat = 6;
         if ((rc = json_int(root, "sliding_window_pattern", &pat, 0, path, e))) return rc;
@@ -405,7 +425,7 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
 /* RoPE of the full-attention and the sliding layers (model/rope.h resolves
  * rope_parameters, the legacy keys and transformers' precedence). */
 static int read_rope(lm_config *c, const lm_family *f, const cJSON *root, const char *path, ct_err *e) {
-    int rc, gemma = f->win == WIN_GEMMA;
+    int rc, gemma = f->rope_style == ROPE_STYLE_GEMMA3;
     if ((rc = rope_params_from_hf(&c->rope, root, gemma ? "full_attention" : NULL, c->head_dim, path, e))) return rc;
     c->rope_local = c->rope;
     if (gemma && (rc = rope_params_from_hf(&c->rope_local, root, "sliding_attention", c->head_dim, path, e)))
@@ -467,6 +487,38 @@ static void write_rope(cJSON *o, const rope_params *p) {
             cJSON_AddItemToArray(lf, cJSON_CreateNumber(p->long_factor[i]));
         }
     }
+}
+
+/* A soft-cap: absent, the config class's default; null, none; else a positive
+ * number (transformers divides by it: 0 would give NaN or flat scores, and a
+ * negative cap computes what its absolute value does, so neither is a model). */
+static int read_cap(const cJSON *root, const char *key, double def, double *out, const char *path, ct_err *e) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    *out = def;
+    if (!it) return 0;
+    if (cJSON_IsNull(it)) {
+        *out = 0;
+        return 0;
+    }
+    if (!cJSON_IsNumber(it) || !(it->valuedouble > 0) || !isfinite(it->valuedouble))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be a positive number or null", path, key);
+    *out = it->valuedouble;
+    return 0;
+}
+
+/* Gemma's files carry hidden_act ("gelu", which GemmaConfig reads as the tanh
+ * approximation) and often hidden_activation too, which transformers 4.x's
+ * GemmaMLP preferred and 5.x ignores: where the two name different functions
+ * the versions compute different models, so ctitan refuses the file. */
+static int gemma_act_agrees(const lm_config *c, const cJSON *root, const char *path, ct_err *e) {
+    const cJSON *ha = cJSON_GetObjectItemCaseSensitive(root, "hidden_activation");
+    if (!ha || cJSON_IsNull(ha)) return 0;
+    const char *mine = c->act == LM_ACT_GELU_TANH ? "gelu_pytorch_tanh" : "silu";
+    if (cJSON_IsString(ha) && strcmp(ha->valuestring, mine) == 0) return 0;
+    return ct_fail(e, CT_ERR_CONFIG,
+                   "%s: \"hidden_activation\" = \"%s\" disagrees with \"hidden_act\" (%s): transformers 5.x "
+                   "computes hidden_act, 4.x hidden_activation; make them name the same function",
+                   path, cJSON_IsString(ha) ? ha->valuestring : "?", mine);
 }
 
 int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
@@ -580,32 +632,39 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     if (act && !cJSON_IsNull(act)) {
         if (cJSON_IsString(act) && strcmp(act->valuestring, "silu") == 0) c->act = LM_ACT_SILU;
         else if (cJSON_IsString(act) && strcmp(act->valuestring, "gelu_pytorch_tanh") == 0) c->act = LM_ACT_GELU_TANH;
+        else if (f->act_gelu_is_tanh && cJSON_IsString(act) && strcmp(act->valuestring, "gelu") == 0)
+            c->act = LM_ACT_GELU_TANH; /* GemmaConfig maps the published files' "gelu" so */
         else {
             rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" = \"%s\" is not supported (supported: silu, gelu_pytorch_tanh)",
                          path, f->act_key, cJSON_IsString(act) ? act->valuestring : "?");
             goto done;
         }
     } else {
-        c->act = strcmp(f->act_key, "hidden_activation") == 0 ? LM_ACT_GELU_TANH : LM_ACT_SILU;
+        c->act = f->norm_plus_one ? LM_ACT_GELU_TANH : LM_ACT_SILU; /* the Gemma config classes' default */
     }
+    if (f->act_gelu_is_tanh && (rc = gemma_act_agrees(c, root, path, e))) goto done;
     if ((rc = read_windows(c, f, root, path, e)) || (rc = read_rope(c, f, root, path, e))) goto done;
-    if (f->win == WIN_GEMMA) {
-        int qs = 256; /* Gemma3TextConfig declares it int: 256.0 and 256.5 fail there */
+    if (f->caps) {
+        int qs = 256; /* Gemma2/3 declare it int: 256.0 and 256.5 fail there */
         if ((rc = json_int(root, "query_pre_attn_scalar", &qs, 0, path, e))) goto done;
         if (!(qs > 0)) {
             rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"query_pre_attn_scalar\" must be positive", path);
             goto done;
         }
         c->attn_scale = 1.0 / sqrt(qs);
-        /* attn_logit_softcapping: Gemma3Attention (transformers 5.24) keeps it but never
-         * hands it to the attention function, so it changes nothing there, nor here; it
-         * is only carried to the exported config.json */
-        if ((rc = json_float(root, "final_logit_softcapping", &c->final_softcap, path, e)) ||
-            (rc = json_float(root, "attn_logit_softcapping", &c->attn_softcap_unused, path, e)) ||
+        /* attn_logit_softcapping: Gemma2's eager attention applies it; Gemma3Attention
+         * (transformers 5.24) keeps it but never hands it to the attention function, so
+         * there it changes nothing, nor here: it is only carried to the exported config */
+        if ((rc = read_cap(root, "final_logit_softcapping", f->final_cap_default, &c->final_softcap, path, e)) ||
+            (rc = f->caps == CAPS_GEMMA2
+                      ? read_cap(root, "attn_logit_softcapping", f->attn_cap_default, &c->attn_softcap, path, e)
+                      : json_float(root, "attn_logit_softcapping", &c->attn_softcap_unused, path, e)) ||
             (rc = refuse_nonzero(root, "use_bidirectional_attention", "ctitan trains causal attention", path, e)))
             goto done;
     } else if ((rc = refuse_nonzero(root, "final_logit_softcapping", "not part of this family", path, e)) ||
-               (rc = refuse_nonzero(root, "attn_logit_softcapping", "not part of this family", path, e))) {
+               (rc = refuse_nonzero(root, "attn_logit_softcapping", "not part of this family", path, e)) ||
+               (f->norm_plus_one &&
+                (rc = refuse_nonzero(root, "use_bidirectional_attention", "ctitan trains causal attention", path, e)))) {
         goto done;
     }
     /* dropout would change what a training step computes; ctitan has none */
@@ -652,7 +711,7 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
     /* flavors: default RoPE with rope_theta (partial_rotary_factor 1), sliding layers alike */
     rope_params rg = lm_rope_params(c, 0), rl = lm_rope_params(c, 1);
     cJSON *rp = cJSON_AddObjectToObject(o, "rope_parameters");
-    if (f->win == WIN_GEMMA) {
+    if (f->rope_style == ROPE_STYLE_GEMMA3) {
         write_rope(cJSON_AddObjectToObject(rp, "full_attention"), &rg);
         write_rope(cJSON_AddObjectToObject(rp, "sliding_attention"), &rl);
     } else {
@@ -673,19 +732,20 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
             any = 1;
             if (l < first) first = l;
         }
-    if (f->win == WIN_ALL || f->win == WIN_TYPES || f->win == WIN_GEMMA) {
+    int gemma_win = f->win == WIN_GEMMA || f->win == WIN_GEMMA2;
+    if (f->win == WIN_ALL || f->win == WIN_TYPES || gemma_win) {
         if (any) cJSON_AddNumberToObject(o, "sliding_window", c->sliding_window);
-        else if (f->win != WIN_GEMMA) cJSON_AddNullToObject(o, "sliding_window");
+        else if (!gemma_win) cJSON_AddNullToObject(o, "sliding_window");
         else cJSON_AddNumberToObject(o, "sliding_window", c->sliding_window > 0 ? c->sliding_window : 4096);
     }
     if (f->win_gate) cJSON_AddBoolToObject(o, f->win_gate, any);
     if (f->win == WIN_TYPES) cJSON_AddNumberToObject(o, "max_window_layers", first);
-    if (f->win == WIN_TYPES || f->win == WIN_GEMMA) {
+    if (f->win == WIN_TYPES || gemma_win) {
         cJSON *lt = cJSON_AddArrayToObject(o, "layer_types");
         for (int l = 0; l < c->n_layers; l++)
             cJSON_AddItemToArray(lt, cJSON_CreateString(c->layer_sliding[l] ? "sliding_attention" : "full_attention"));
     }
-    if (f->win == WIN_GEMMA) {
+    if (f->caps) {
         double sc = c->attn_scale > 0 ? c->attn_scale : 1.0 / sqrt((double)c->head_dim);
         cJSON_AddNumberToObject(o, "query_pre_attn_scalar", round(1.0 / (sc * sc)));
         if (c->final_softcap > 0) add_float(o, "final_logit_softcapping", c->final_softcap);

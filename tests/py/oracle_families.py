@@ -1,10 +1,10 @@
 """oracle_families.py: the transformers reference for ctitan's model families (issue 15).
 
 One tiny random model per case, built with transformers' OWN config and model classes
-(llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3, gemma3_text) with the
-family's distinctive options on, eager attention (and eager experts), fp32, seeded weights:
-matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (gemma3, whose RMSNorm scales
-by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
+(llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3, gemma, gemma2, gemma3_text)
+with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
+weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
+whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
 torch.optim only; nothing here reads a number ctitan produced.
 
 Names: ctitan names its tensors as the safetensors files that save_pretrained writes.
@@ -48,14 +48,17 @@ FAMILIES = {
     "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
     "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
     "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+    "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+    "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
 }
 MOE = {"qwen3_moe", "mixtral"}
+GEMMA = {"gemma", "gemma2", "gemma3_text"}  # RMSNorm by (1 + w)
 
 # sizes every case shares unless it overrides them
 BASE = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, use_cache=False, tie_word_embeddings=False,
             bos_token_id=1, eos_token_id=2)
-# pad_token_id stays each family's default where that is inside the tiny vocabulary (gemma3 0,
+# pad_token_id stays each family's default where that is inside the tiny vocabulary (gemmas 0,
 # olmo2 1; None for the others) and phi3 sets one (its default 32000 is outside): transformers
 # builds nn.Embedding(padding_idx=pad_token_id), whose backward gives the pad row no gradient from
 # the embedding lookup. `batch` puts the pad token into the inputs so that this shows.
@@ -180,6 +183,29 @@ CASES = [
         keys=("layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar",
               "final_logit_softcapping", "attn_logit_softcapping", "hidden_activation", "tie_word_embeddings",
               "head_dim")),
+    # ------------------------------------------------------------------ gemma2
+    # Gemma3's sandwich layer without q/k norms, one RoPE, and attn_logit_softcapping applied by
+    # the eager attention (Gemma2's attention passes softcap=): a cap of 1.0 on scores of about
+    # 0.4 moves them by several percent, final_logit_softcapping 2.0 the logits likewise.
+    # layer_types left to Gemma2Config's default (sliding, full, sliding), head_dim 16 of
+    # hidden 48 / 4 heads = 12 (head_dim is its own key), query_pre_attn_scalar 24 != head_dim.
+    Case("gemma2", "gemma2", dict(
+        hidden_size=48, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        final_logit_softcapping=2.0, attn_logit_softcapping=1.0, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1),
+        keys=("layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar",
+              "final_logit_softcapping", "attn_logit_softcapping", "hidden_activation", "tie_word_embeddings",
+              "head_dim")),
+    # ------------------------------------------------------------------ gemma
+    # Llama's pre-norm layer with Gemma's (1 + w) RMSNorm, sqrt(H)-scaled embeddings and
+    # hidden_act "gelu", which GemmaConfig reads as gelu_pytorch_tanh (the published files say
+    # "gelu"); attention_bias on; scores scaled by head_dim^-0.5 (no query_pre_attn_scalar)
+    Case("gemma_gelu_attnbias", "gemma", dict(
+        hidden_size=48, head_dim=16, hidden_act="gelu", attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1),
+        keys=("hidden_act", "attention_bias", "rope_parameters", "tie_word_embeddings", "head_dim")),
 ]
 CASE = {c.id: c for c in CASES}
 
@@ -216,6 +242,8 @@ PARTIAL_DEFAULT_CASES = [
     _partial_default("mixtral", "mixtral_default_partial025_ignored", 0.25, top_level=True),
     _partial_default("olmo2", "olmo2_default_partial05_ignored", 0.5, top_level=False),
     _partial_default("gemma3_text", "gemma3_default_partial05_ignored", 0.5, top_level=False),
+    _partial_default("gemma2", "gemma2_default_partial05_ignored", 0.5, top_level=True),
+    _partial_default("gemma", "gemma_default_partial075_ignored", 0.75, top_level=False),
 ]
 CASE.update({c.id: c for c in PARTIAL_DEFAULT_CASES})
 
@@ -290,6 +318,22 @@ REFUSALS = [
     # bidirectional attention (Gemma3 embedding models): the mask is not causal
     Refusal("gemma3_bidirectional", "gemma3_text", dict(use_bidirectional_attention=True),
             "use_bidirectional_attention"),
+    Refusal("gemma2_bidirectional", "gemma2", dict(use_bidirectional_attention=True),
+            "use_bidirectional_attention"),
+    Refusal("gemma_bidirectional", "gemma", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    Refusal("gemma2_yarn_partial_rotary", "gemma2", dict(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor", ("0.5", "gemma2", "yarn")),
+    # a cap of 0: transformers divides the scores by it (flat or NaN attention), not a model
+    Refusal("gemma2_attn_softcap_zero", "gemma2", dict(attn_logit_softcapping=0.0), "attn_logit_softcapping"),
+    # exact (erf) GELU: Gemma2 reads hidden_activation as it is (only GemmaConfig maps "gelu")
+    Refusal("gemma2_hidden_activation_gelu", "gemma2", dict(hidden_activation="gelu"), "hidden_activation"),
+    # transformers 4.x's GemmaMLP computed hidden_activation, 5.x computes hidden_act: a file
+    # whose two keys disagree is a different model under each
+    Refusal("gemma_hidden_activation_disagrees", "gemma", dict(hidden_activation="silu"), "hidden_activation",
+            ("hidden_act", "silu")),
+    Refusal("gemma_final_softcap", "gemma", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
 ]
 
 
@@ -313,7 +357,7 @@ def make_config(case: Case):
 
 def init_weights(model, family: str, seed: int, std: float = 0.1, norm_jitter: float = 0.2):
     """Matrices (and 3-D expert stacks) and biases N(0, std); norm weights 1 + U(-j, j),
-    gemma3's (which scale by 1 + w) U(-j, j)."""
+    the Gemma families' (which scale by 1 + w) U(-j, j)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -321,7 +365,7 @@ def init_weights(model, family: str, seed: int, std: float = 0.1, norm_jitter: f
                 p.copy_(std * torch.randn(p.shape, generator=g))
             else:
                 u = norm_jitter * (2 * torch.rand(p.shape, generator=g) - 1)
-                p.copy_(u if family == "gemma3_text" else 1.0 + u)
+                p.copy_(u if family in GEMMA else 1.0 + u)
 
 
 def build(case: Case, seed: int | None = None):

@@ -1,5 +1,5 @@
 """Model families from config.json (issue 15): ctitan against transformers' own classes for
-llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3 and gemma3_text on tiny random
+llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3, gemma, gemma2 and gemma3_text on tiny random
 models with each family's distinctive options on (the cases: oracle_families.CASES).
 
 Per case: tensor names / shapes / loaded weights as save_pretrained wrote them; logits, loss
@@ -7,7 +7,7 @@ Per case: tensor names / shapes / loaded weights as save_pretrained wrote them; 
 against torch.optim.AdamW; ctitan's HF export loaded by AutoModelForCausalLM (same class,
 config, weights, logits); activation checkpointing bit-identical to none. Per family: a
 config option ctitan cannot compute as transformers does is refused, naming config.json and
-the key (oracle_families.REFUSALS). Where a config sets pad_token_id (gemma3, olmo2, phi3
+the key (oracle_families.REFUSALS). Where a config sets pad_token_id (the gemmas, olmo2, phi3
 here) the inputs hold the pad token: transformers' nn.Embedding(padding_idx=...) gives that
 row no gradient from the lookup."""
 import ctypes
@@ -262,6 +262,21 @@ def test_oracle_gemma3_attn_softcap_is_inert():
     assert np.array_equal(la, of.logits(c, case.family, tokens))
 
 
+def test_oracle_gemma2_caps_change_the_model():
+    """The gemma2 case's soft-caps are not inert in transformers (Gemma2Attention passes
+    softcap= to the eager attention; Gemma2ForCausalLM caps the logits): without either the
+    logits move by far more than the tests' tolerance, so a ctitan that drops one fails them."""
+    import dataclasses
+    case = of.CASE["gemma2"]
+    a = of.build(case)
+    tokens, _ = of.batch(a, B, case.T, seed=5)
+    la = of.logits(a, case.family, tokens)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        b = of.build(dataclasses.replace(case, kw={**case.kw, key: None}))
+        err = oracle.rel_err(of.logits(b, case.family, tokens), la)
+        assert err > 100 * TOL, f"{key}: dropping it moves the logits by only {err:.3g}"
+
+
 PARTIAL_SCALED = [r for r in of.REFUSALS if r.key == "partial_rotary_factor" and r.family != "phi3"]
 
 
@@ -386,3 +401,72 @@ def test_gemma3_multimodal_folder_refused_with_what_to_do(tmp_path, run_ctitan, 
         want = mm(input_ids=torch.from_numpy(tokens).long()).logits.float().numpy()
     err_rel = oracle.rel_err(s.logits(tokens), want)
     assert err_rel <= TOL, f"logits rel err {err_rel:.3g}"
+
+
+# --------------------------------------------------------------------------- 7. the Gemma 1 and 2 files as published
+
+def test_gemma2_sliding_layers_without_layer_types(tmp_path, open_session, run_ctitan):
+    """A Gemma 2 config.json without "layer_types" (the published gemma-2 files have none):
+    Gemma2Config makes layers 0, 2, 4, ... sliding and 1, 3, ... global; ctitan's describe
+    gives those windows, and its logits at T = 16 > sliding_window equal transformers' on
+    the model loaded from the file."""
+    import json
+    from transformers import AutoConfig
+    case = of.CASE["gemma2"]
+    model = of.build(case)
+    d = of.save(model, tmp_path / "hf")
+    conf = of.config_json(d)
+    del conf["layer_types"]
+    (d / "config.json").write_text(json.dumps(conf, indent=2))
+    hf_types = AutoConfig.from_pretrained(d).layer_types
+    want = [4 if t == "sliding_attention" else 0 for t in hf_types]
+    assert want == [4, 0, 4], hf_types
+    _, out, _ = run_ctitan(["describe", d, "--json"])
+    got = [layer["sliding_window"] for layer in json.loads(out)["layers"]]
+    assert got == want, f"ctitan's per-layer windows {got}, transformers' {want}"
+    ref = of.load(d, case.family)
+    tokens, _ = of.batch(ref, B, case.T, seed=5)
+    s = open_session(hf_session_args(d, batch=B, seq_len=case.T))
+    err = oracle.rel_err(s.logits(tokens), of.logits(ref, case.family, tokens))
+    assert err <= TOL, f"logits rel err {err:.3g}"
+
+
+def test_gemma2_caps_and_scalar_defaults(tmp_path, run_ctitan):
+    """Keys a Gemma 2 file leaves out take Gemma2Config's defaults (attn cap 50, final cap 30,
+    query_pre_attn_scalar 256, head_dim 256, 4 kv heads, pad 0, tied); null caps are None.
+    ctitan's export of each file says what transformers read from it."""
+    import json
+    from transformers import AutoConfig
+    base = {"model_type": "gemma2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 8}
+    for extra in ({}, {"attn_logit_softcapping": None, "final_logit_softcapping": None}):
+        d = tmp_path / f"m{len(extra)}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**base, **extra}))
+        hf = AutoConfig.from_pretrained(d)
+        run_ctitan(["describe", d, "--config-out", d / "out.json"])
+        out = json.loads((d / "out.json").read_text())
+        for k in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "head_dim",
+                  "num_key_value_heads", "pad_token_id", "tie_word_embeddings", "layer_types", "sliding_window",
+                  "hidden_activation", "max_position_embeddings", "rms_norm_eps"):
+            assert out.get(k) == getattr(hf, k), f"{extra}: {k} = {out.get(k)!r}, transformers {getattr(hf, k)!r}"
+        assert out["rope_parameters"]["rope_theta"] == hf.rope_parameters["rope_theta"]
+
+
+def test_gemma_hidden_act_gelu_is_tanh(tmp_path, open_session):
+    """The published Gemma files say hidden_act "gelu", which GemmaConfig reads as
+    gelu_pytorch_tanh (save_pretrained writes the mapped name, so the case's file lacks the
+    legacy spelling): a file with "gelu" opens in ctitan with transformers' logits."""
+    import json
+    case = of.CASE["gemma_gelu_attnbias"]
+    model = of.build(case)
+    d = of.save(model, tmp_path / "hf")
+    conf = of.config_json(d)
+    conf["hidden_act"] = "gelu"
+    (d / "config.json").write_text(json.dumps(conf, indent=2))
+    ref = of.load(d, case.family)
+    assert ref.config.hidden_act == "gelu_pytorch_tanh"
+    tokens, _ = of.batch(ref, B, case.T, seed=5)
+    s = open_session(hf_session_args(d, batch=B, seq_len=case.T))
+    err = oracle.rel_err(s.logits(tokens), of.logits(ref, case.family, tokens))
+    assert err <= TOL, f"logits rel err {err:.3g}"

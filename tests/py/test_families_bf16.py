@@ -2,7 +2,8 @@
 emulation of ctitan's bf16 semantics that test_bf16.py uses for Qwen3: every nn.Linear of
 the transformers model rounds its input, its weight and (backward) its output gradient to
 bf16 and multiplies in fp32; its bias (Qwen2, Llama) is added in fp32 after the product;
-the attention rounds q, k, v, d(out) and the backward's P and dS (test_bf16._Bf16Attention).
+the attention rounds q, k, v, d(out) and the backward's P and dS (test_bf16._Bf16Attention;
+Gemma2's soft-capped scores: _Bf16CappedAttention below).
 The comparison and its measured bounds are test_bf16.assert_like_emulation's. The MoE
 families' experts are not nn.Linear modules in transformers 5 (test_moe.py covers bf16
 experts)."""
@@ -14,10 +15,47 @@ import torch
 import oracle
 import oracle_families as fam
 from conftest import hf_session_args
-from test_bf16 import BF16, _Bf16Linear, assert_like_emulation, emulate_bf16_attention, with_float64_twin
+from test_bf16 import (BF16, _bf16_attention, _Bf16Linear, assert_like_emulation, bf16r, emulate_bf16_attention,
+                       with_float64_twin)
 
 CASES = ["llama_rope3_attnbias_hd16", "mistral_swa5", "qwen2_swa6_layers", "olmo2", "phi3_longrope_short_swa7",
-         "gemma3_text"]
+         "gemma3_text", "gemma2", "gemma_gelu_attnbias"]
+
+
+class _Bf16CappedAttention(torch.autograd.Function):
+    """test_bf16._Bf16Attention with Gemma2's soft cap on the scaled scores, as ctitan's
+    attention kernels apply it under bf16: s = cap tanh(x / cap) of x = scale q.k in fp32
+    (bf16 q, k), before the mask; backward dS = P (dP - D) (1 - tanh^2) scale, rounded."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling, cap):
+        qr, kr, vr = bf16r(q), bf16r(k), bf16r(v)
+        th = torch.tanh(qr @ kr.transpose(-1, -2) * scaling / cap)
+        s = cap * th
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+        p = torch.softmax(s, dim=-1)
+        out = p @ vr
+        ctx.save_for_backward(qr, kr, vr, p, out, th)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        qr, kr, vr, p, out, th = ctx.saved_tensors
+        gr = bf16r(g)
+        d = (gr * out).sum(-1, keepdim=True)
+        ds = bf16r(p * (gr @ vr.transpose(-1, -2) - d) * (1 - th * th) * ctx.scaling)
+        return ds @ kr, ds.transpose(-1, -2) @ qr, bf16r(p).transpose(-1, -2) @ gr, None, None, None
+
+
+def _bf16_capped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, **kw):
+    if not softcap:
+        return _bf16_attention(module, query, key, value, attention_mask, scaling, dropout, **kw)
+    g = module.num_key_value_groups
+    k, v = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    T = query.shape[2]
+    mask = attention_mask if attention_mask is not None else torch.ones(T, T, dtype=torch.bool).tril()
+    return _Bf16CappedAttention.apply(query, k, v, mask, scaling, softcap).transpose(1, 2).contiguous(), None
 
 
 def emulate(model):
@@ -27,7 +65,14 @@ def emulate(model):
                 y = _Bf16Linear.apply(x, mod.weight)
                 return y if mod.bias is None else y + mod.bias
             m.forward = fwd
-    return emulate_bf16_attention(model)
+    emulate_bf16_attention(model)
+    if getattr(model.config, "attn_logit_softcapping", None) and model.config.model_type == "gemma2":
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+        AttentionInterface.register("ctitan_bf16_cap", _bf16_capped_attention)
+        AttentionMaskInterface.register("ctitan_bf16_cap", eager_mask)
+        model.set_attn_implementation("ctitan_bf16_cap")
+    return model
 
 
 def grads_of(model, family, tokens, labels):

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 import oracle_families as fam
-from test_generate import cached_logits, gen_session, genlib  # noqa: F401 (genlib: the fixture)
+from test_generate import MIN_MARGIN, cached_logits, gen, gen_cmd, gen_session, genlib, hf_greedy  # noqa: F401
+# (gen, gen_cmd, genlib: the fixtures)
 
 # one case per family; the sequence is longer than every window and crosses a prefill chunk
 # (64 rows) so windows slide inside the cache and across chunks
 IDS = ["llama_rope3_attnbias_hd16", "llama_mlpbias_tied", "mistral_swa5", "qwen2_swa6_layers", "qwen3_yarn",
-       "qwen3_moe_aux", "mixtral_e4k2_aux_hd16", "olmo2", "phi3_longrope_short_swa7", "gemma3_text"]
+       "qwen3_moe_aux", "mixtral_e4k2_aux_hd16", "olmo2", "phi3_longrope_short_swa7", "gemma3_text",
+       "gemma2", "gemma_gelu_attnbias"]
 PIECES = [70, 1, 1, 5, 1, 1]  # prefill (two chunks), decode, a warm 5-row prefill, decode
 
 
@@ -40,3 +42,21 @@ def test_cached_logits_match_hf(cid, genlib, tmp_path):
             # fp32 against fp32; a window, RoPE base or norm slip moves logits by 1e-2 of their scale
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max(),
                                        err_msg=f"{cid}: logits after {pos} tokens (piece of {n})")
+
+
+# greedy `ctitan generate` = transformers' model.generate (its own cache: Gemma2's sliding
+# layers keep a window of keys, the caps apply at every decode step), past every window
+GREEDY = {"gemma2": 7, "gemma_gelu_attnbias": 3}  # case: weight seed with top-2 margins > MIN_MARGIN
+
+
+@pytest.mark.parametrize("cid", list(GREEDY))
+def test_greedy_matches_model_generate(cid, gen, tmp_path):
+    case = fam.CASE[cid]
+    model = fam.build(case, seed=GREEDY[cid])
+    fam.save(model, tmp_path / "m")
+    prompt = np.random.default_rng(3).integers(0, model.config.vocab_size, 12).tolist()
+    want, margin = hf_greedy(model, prompt, new=16)
+    assert margin > MIN_MARGIN, f"test setup: near-tie in HF logits (margin {margin}): change the seed"
+    _, out, _ = gen(["--checkpoint", tmp_path / "m", "--prompt-ids", " ".join(map(str, prompt)), "--ids",
+                     "--max-tokens", 16])
+    assert [int(x) for x in out.decode().split()] == want

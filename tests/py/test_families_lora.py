@@ -29,6 +29,8 @@ CASES = {  # case id: target modules
     "qwen2_swa6_layers": ["q_proj", "k_proj", "v_proj", "down_proj"],
     "olmo2": OL.ALL7,
     "gemma3_text": OL.ALL7,
+    "gemma2": OL.ALL7,
+    "gemma_gelu_attnbias": OL.ALL7,
     "phi3_longrope_short_swa7": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "mixtral_e4k2": OL.ATTN,
 }

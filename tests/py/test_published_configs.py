@@ -142,3 +142,25 @@ def test_flavor_matches_published_config(flavor, run_ctitan, tmp_path):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     assert got["num_parameters"] == sum(p.numel() for p in model.parameters()), flavor
+
+
+# The Gemma 1 / 2 keys the descriptor does not show (its scaling is query_pre_attn_scalar's):
+# the soft-caps, the activation and the window layout ctitan's export writes for a published
+# file are what transformers reads from the file itself.
+GEMMA_FILES = [p for p in CONFIGS if json.loads(p.read_text()).get("model_type") in ("gemma", "gemma2")]
+
+
+@pytest.mark.parametrize("path", GEMMA_FILES, ids=[p.stem for p in GEMMA_FILES])
+def test_gemma_caps_and_activation_as_transformers_reads_them(path, run_ctitan, tmp_path):
+    pub, out = tmp_path / "published", tmp_path / "export"
+    pub.mkdir()
+    out.mkdir()
+    shutil.copy(path, pub / "config.json")
+    run_ctitan(["describe", pub, "--config-out", out / "config.json"])
+    a, b = AutoConfig.from_pretrained(pub), AutoConfig.from_pretrained(out)
+    assert b.model_type == a.model_type
+    keys = ["hidden_act"] if a.model_type == "gemma" else [
+        "hidden_activation", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+        "layer_types", "sliding_window"]
+    for k in keys + ["tie_word_embeddings", "pad_token_id", "head_dim", "num_key_value_heads", "rope_parameters"]:
+        assert getattr(b, k) == getattr(a, k), f"{path.stem}: {k} = {getattr(b, k)!r}, transformers {getattr(a, k)!r}"

@@ -41,6 +41,8 @@ ROTARY = {
     "olmo2": ("olmo2", "Olmo2RotaryEmbedding"),
     "phi3": ("phi3", "Phi3RotaryEmbedding"),
     "gemma3_text": ("gemma3", "Gemma3RotaryEmbedding"),
+    "gemma2": ("gemma2", "Gemma2RotaryEmbedding"),
+    "gemma": ("gemma", "GemmaRotaryEmbedding"),
 }
 
 
