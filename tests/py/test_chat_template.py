@@ -172,7 +172,7 @@ def test_template_renders_like_transformers(name, driver, tmp_path):
                 assert "tokenizer_config.json" in stderr
                 raised += 1
     assert rendered >= 10, f"{name}: only {rendered} conversations rendered"
-    if name in ("mistral-7b-instruct-v0.3", "gemma-3-it"):
+    if name in ("mistral-7b-instruct-v0.3", "gemma-3-it", "gemma-it", "gemma-2-it"):
         assert raised >= 2, f"{name}: the raise_exception path was never taken"
 
 
