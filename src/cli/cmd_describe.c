@@ -30,8 +30,9 @@ static void cli_describe_help(void) {
            "                       [--config-out FILE]\n\n"
            "Prints what ctitan derives from MODEL_DIR/config.json (a Hub id fetches config.json only)\n"
            "or from a native flavor (model.flavor of model.spec \"qwen3\"): the family and sizes, the parameter\n"
-           "count, each layer's attention (sliding window, score scale) and RoPE (inverse frequencies and\n"
-           "attention scaling for a forward of N positions, default 16). --json: one JSON object.\n"
+           "count, each layer's attention (sliding window, score scale), the soft-caps applied, and RoPE\n"
+           "(inverse frequencies and attention scaling for a forward of N positions, default 16).\n"
+           "--json: one JSON object.\n"
            "--config-out FILE: also write the config.json ctitan writes for this model (an export's).\n");
 }
 
@@ -51,6 +52,15 @@ static int describe_no_config(const char *dir) {
         fprintf(stderr, "ctitan: error: describe: %s/config.json: not found (describe reads a Hugging Face model "
                         "directory)\n", dir);
     return 2;
+}
+
+/* A soft-cap the forward applies (null: none). Gemma 3's attention cap, which
+ * transformers carries and never applies, is null here as in ctitan's forward. */
+static void print_cap(const char *key, double cap) {
+    if (cap > 0)
+        printf(" \"%s\": %.17g,\n", key, cap);
+    else
+        printf(" \"%s\": null,\n", key);
 }
 
 static void print_doubles(const double *x, int n) {
@@ -139,7 +149,10 @@ int cli_describe(int argc, char **argv) {
             printf("%s{\"sliding_window\": %d, \"rope\": \"%s\", \"moe\": %s}", l ? ", " : "",
                    c.layer_sliding[l] ? c.sliding_window : 0, c.layer_sliding[l] ? "sliding" : "full",
                    lm_layer_is_moe(&c, l) ? "true" : "false");
-        printf("],\n \"scaling\": %.17g,\n \"rope\": {", attn);
+        printf("],\n \"scaling\": %.17g,\n", attn);
+        print_cap("attn_logit_softcapping", c.attn_softcap);
+        print_cap("final_logit_softcapping", c.final_softcap);
+        printf(" \"rope\": {");
         for (int k = 0; k < 2; k++) {
             printf("%s\"%s\": {\"type\": \"%s\", \"attention_scaling\": %.17g, \"inv_freq\": [", k ? ", " : "",
                    k ? "sliding" : "full", rope_type_name(lm_rope_params(&c, k).type), scale[k]);
@@ -159,6 +172,12 @@ int cli_describe(int argc, char **argv) {
     for (int l = 0; l < c.n_layers; l++) sliding += c.layer_sliding[l];
     printf("attention: scale %.6g, %d of %d layers slide over %d keys\n", attn, sliding, c.n_layers,
            c.sliding_window);
+    if (c.attn_softcap > 0 || c.final_softcap > 0) {
+        printf("soft-caps:");
+        if (c.attn_softcap > 0) printf(" attention scores %g", c.attn_softcap);
+        if (c.final_softcap > 0) printf("%s logits %g", c.attn_softcap > 0 ? "," : "", c.final_softcap);
+        printf(" (x = cap tanh(x / cap))\n");
+    }
     for (int k = 0; k < (lm_rope_local_differs(&c) ? 2 : 1); k++)
         printf("rope%s: %s, theta %g, attention scaling %.6g at %d positions, rotates %d of %d features\n",
                k ? " (sliding layers)" : "", rope_type_name(lm_rope_params(&c, k).type), lm_rope_params(&c, k).theta,

@@ -59,6 +59,11 @@ def test_descriptor_matches_transformers(path, run_ctitan, tmp_path):
     attn0 = model.model.layers[0].self_attn
     assert got["head_dim"] == attn0.head_dim
     assert got["scaling"] == pytest.approx(attn0.scaling, rel=1e-12)
+    # the soft-caps the forward applies: the logits' wherever the config sets one (Gemma2/3's
+    # CausalLM forward); the attention scores' only in Gemma2's eager attention (Gemma3 keeps the
+    # key and never hands it to the attention function: test_families.py pins both on the logits)
+    assert got["final_logit_softcapping"] == getattr(cfg, "final_logit_softcapping", None)
+    assert got["attn_logit_softcapping"] == (cfg.attn_logit_softcapping if cfg.model_type == "gemma2" else None)
     layer_types = getattr(cfg, "layer_types", None)
     for i, layer in enumerate(model.model.layers):
         a = layer.self_attn
