@@ -30,6 +30,8 @@ RUNS = [  # name, ranks, extra flags
     ("PP2 GPipe", 2, ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=GPipe"]),
     ("PP2 Interleaved1F1B", 2, ["--parallelism.pipeline_parallel_degree=2",
                                 "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"]),
+    ("PP2 LoopedBFS", 2, ["--parallelism.pipeline_parallel_degree=2",
+                          "--parallelism.pipeline_parallel_schedule=LoopedBFS"]),
     ("PP4 1F1B", 4, ["--parallelism.pipeline_parallel_degree=4"]),
 ]
 

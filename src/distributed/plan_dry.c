@@ -337,6 +337,8 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
 /* Pipeline parallel: the checks a run makes (plan_check_pipeline, then pp_plan's on every pipeline rank, in the
  * run's order), and with out the schedule and every pipeline rank's plan (its replicas plan the same).
  * mc: the whole model after [lora] (trainer_finetune_config). */
+enum { DRY_PP_ORDER_MAX = 256 }; /* actions a rank's order line lists: 2 x stages x micro-batches */
+
 int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp,
                       const char *where, ct_err *e) {
     int P = c->pp, dp = rep * shard;
@@ -353,7 +355,7 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
         rc = pp_plan(&p, c, mc, P, r, M, where, e);
         if (!rc && out && r == 0) {
             /* the simulation runs every rank: its bubble is the schedule's, the same in every plan */
-            int S = p.S, inter = p.schedule == PP_INTERLEAVED;
+            int S = p.S, inter = p.schedule == PP_INTERLEAVED || p.schedule == PP_LOOPED_BFS;
             double book = (double)(P - 1) / ((inter ? (double)S * M : (double)M) + P - 1);
             fprintf(out,
                     "pipeline: world %d = pipeline_parallel %d x data_parallel_replicate %d x data_parallel_shard "
@@ -370,6 +372,14 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
                     p.bubble, book, inter ? "S*" : "");
         }
         if (!rc) rc = dry_pp_stage(out, c, mc, &p, shard, tp, where, e);
+        if (!rc && out) { /* the order as torch's _Action prints it: virtual stage, F or B, micro-batch */
+            fprintf(out, "    rank %d order:", r);
+            if (p.n_act <= DRY_PP_ORDER_MAX)
+                for (int k = 0; k < p.n_act; k++)
+                    fprintf(out, " %d%c%d", p.act[k].stage * P + r, p.act[k].kind, p.act[k].mb);
+            else fprintf(out, " %d actions (listed up to %d)", p.n_act, DRY_PP_ORDER_MAX);
+            fputc('\n', out);
+        }
         pp_free(&p);
         if (rc) return rc;
     }

@@ -12,14 +12,15 @@
 
 /* Parses pipeline_parallel_schedule (CT_ERR_CONFIG naming the key). */
 static int pp_schedule_parse(const char *name, int *schedule, const char *where, ct_err *e) {
-    static const char *const names[] = {"1F1B", "GPipe", "Interleaved1F1B"};
-    for (int i = 0; i < 3; i++)
+    static const char *const names[] = {"1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS"}; /* PP_* order */
+    for (int i = 0; i < 4; i++)
         if (!strcmp(name, names[i])) {
             *schedule = i;
             return 0;
         }
     return ct_fail(e, CT_ERR_CONFIG,
-                   "%s: parallelism.pipeline_parallel_schedule = \"%s\" is not one of 1F1B, GPipe, Interleaved1F1B",
+                   "%s: parallelism.pipeline_parallel_schedule = \"%s\" is not one of 1F1B, GPipe, Interleaved1F1B, "
+                   "LoopedBFS",
                    where, name);
 }
 
@@ -122,6 +123,15 @@ static void build_orders(pp_sched *p, pp_action *fwd, pp_action *bwd, int *warmu
             for (int c = S - 1; c >= 0; c--)
                 for (int i = g; i < g + P && i < M; i++) bwd[nb++] = (pp_action){'B', c, i};
         *warmup = 2 * (P - r - 1) + (S - 1) * P;
+    } else if (p->schedule == PP_LOOPED_BFS) {
+        /* torch's ScheduleLoopedBFS: every micro-batch through local stage 0,
+         * then stage 1, ...; the backwards from the last local stage down,
+         * each stage's micro-batches last to first */
+        for (int c = 0; c < S; c++)
+            for (int i = 0; i < M; i++) fwd[nf++] = (pp_action){'F', c, i};
+        for (int c = S - 1; c >= 0; c--)
+            for (int i = M - 1; i >= 0; i--) bwd[nb++] = (pp_action){'B', c, i};
+        *warmup = S * M;
     } else {
         for (int i = 0; i < M; i++) {
             fwd[nf++] = (pp_action){'F', 0, i};
@@ -139,6 +149,33 @@ static void interleave(pp_action *out, const pp_action *fwd, const pp_action *bw
         if (f < n) out[k++] = fwd[f++];
         if (b < n) out[k++] = bwd[b++];
     }
+}
+
+/* The order each virtual stage's forwards and backwards run in, from its
+ * rank's schedule (LoopedBFS runs backwards last micro-batch first). */
+static void send_orders(pp_sched *p) {
+    int P = p->P, M = p->M, n = 2 * p->S * M, warm;
+    p->fseq = malloc((size_t)p->V * M * sizeof *p->fseq);
+    p->bseq = malloc((size_t)p->V * M * sizeof *p->bseq);
+    int *nf = calloc((size_t)p->V, sizeof *nf), *nb = calloc((size_t)p->V, sizeof *nb);
+    pp_action *fw = malloc((size_t)n * sizeof *fw), *bw = malloc((size_t)n * sizeof *bw);
+    pp_action *ord = malloc((size_t)n * sizeof *ord);
+    for (int r = 0; r < P; r++) {
+        pp_sched q = *p;
+        q.rank = r;
+        build_orders(&q, fw, bw, &warm);
+        interleave(ord, fw, bw, n / 2, warm);
+        for (int k = 0; k < n; k++) {
+            int v = ord[k].stage * P + r;
+            if (ord[k].kind == 'F') p->fseq[(size_t)v * M + nf[v]++] = ord[k].mb;
+            else p->bseq[(size_t)v * M + nb[v]++] = ord[k].mb;
+        }
+    }
+    free(nf);
+    free(nb);
+    free(fw);
+    free(bw);
+    free(ord);
 }
 
 /* Runs every rank's order with stage costs (B = 2 F), dependencies
@@ -212,7 +249,8 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     memset(p, 0, sizeof *p);
     int rc = pp_schedule_parse(c->pp_schedule, &p->schedule, where, e);
     if (rc) return rc;
-    int L = mc->n_layers;
+    /* torchtitan's looped schedules: 2 stages a rank by default, at least 2 with split points */
+    int L = mc->n_layers, multi = p->schedule == PP_INTERLEAVED || p->schedule == PP_LOOPED_BFS;
     p->P = P;
     p->rank = rank;
     p->M = M;
@@ -224,15 +262,15 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
         if (V < 0) return CT_ERR_CONFIG;
         p->first[V] = L;
     } else {
-        V = p->schedule == PP_INTERLEAVED ? 2 * P : P;
+        V = multi ? 2 * P : P;
         if (V > L) V = P;
     }
-    if (V % P != 0 || (p->schedule != PP_INTERLEAVED && V != P) || (p->schedule == PP_INTERLEAVED && V < 2 * P))
+    if (V % P != 0 || (!multi && V != P) || (multi && V < 2 * P))
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.pipeline_parallel_schedule = \"%s\" with pipeline_parallel_degree %d needs %s "
                        "stages, but %s gives %d",
                        where, c->pp_schedule, P,
-                       p->schedule == PP_INTERLEAVED ? "a multiple of the degree, at least twice it," : "one per rank, P",
+                       multi ? "a multiple of the degree, at least twice it," : "one per rank, P",
                        c->pp_split[0] ? "pipeline_parallel_split_points" : "the model's layers", V);
     if (V > L)
         return ct_fail(e, CT_ERR_CONFIG, "%s: %d pipeline stages need at least %d layers; the model has %d", where, V,
@@ -258,6 +296,7 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     interleave(p->act, fw, bw, n / 2, warm);
     free(fw);
     free(bw);
+    send_orders(p);
     p->bubble = simulate(p, &p->max_banks);
     if (p->bubble < 0)
         return ct_fail(e, CT_ERR_CONFIG, "%s: pipeline schedule %s with %d ranks and %d micro-batches would deadlock",
@@ -325,6 +364,8 @@ void pp_free(pp_sched *p) {
     free(p->first);
     free(p->cost);
     free(p->act);
+    free(p->fseq);
+    free(p->bseq);
     memset(p, 0, sizeof *p);
 }
 
@@ -390,16 +431,19 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
     int B = p->mb_size, T = m->act.T, V = p->V, E = p->E;
     int aux = E && lm_aux_in_grad(&m->cfg); /* the expert counts travel too (pp.h) */
     size_t mbt = (size_t)B * T;
-    /* every receive of the step, up front */
+    /* every receive of the step, up front, in the order the neighbour sends: MPI
+     * matches a pair's messages of one tag in posting order */
     for (int c = 0; c < p->S; c++) {
         int v = vstage(p, c);
-        for (int i = 0; i < p->M; i++) {
+        for (int k = 0; k < p->M; k++) {
+            int i = v > 0 ? p->fseq[(size_t)(v - 1) * p->M + k] : 0;
             if (v > 0) comm_irecv(p->comm, buf(p, c, i, BUF_AIN), p->n, COMM_F32, owner(p, v - 1), 2 * v, req(p, c, i, BUF_AIN));
-            if (v < V - 1)
-                comm_irecv(p->comm, buf(p, c, i, BUF_GIN), p->n, COMM_F32, owner(p, v + 1), 2 * v + 1, req(p, c, i, BUF_GIN));
             if (aux && v > 0)
                 comm_irecv(p->comm, cnt(p, c, i, BUF_AIN), (size_t)E, COMM_F64, owner(p, v - 1), 2 * V + 2 * v,
                            cnt_req(p, c, i, BUF_AIN));
+            i = v < V - 1 ? p->bseq[(size_t)(v + 1) * p->M + k] : 0;
+            if (v < V - 1)
+                comm_irecv(p->comm, buf(p, c, i, BUF_GIN), p->n, COMM_F32, owner(p, v + 1), 2 * v + 1, req(p, c, i, BUF_GIN));
             if (aux && v < V - 1)
                 comm_irecv(p->comm, cnt(p, c, i, BUF_GIN), (size_t)E, COMM_F64, owner(p, v + 1), 2 * V + 2 * v + 1,
                            cnt_req(p, c, i, BUF_GIN));

@@ -5,9 +5,10 @@
  * A stage is a contiguous layer range [first[v], first[v + 1]); the first
  * also holds the embedding, the last the final norm and lm_head (tied
  * models: the embedding too, its gradient summed with the first stage's).
- * With S stages per rank (Interleaved1F1B, S >= 2) there are V = P x S
- * virtual stages and rank r holds v = r, r + P, ..., torchtitan's "loop"
- * placement, so activations always go to the next rank.
+ * With S stages per rank (Interleaved1F1B and LoopedBFS, S >= 2, 2 unless
+ * split points say otherwise, as torchtitan's multi-stage schedules) there
+ * are V = P x S virtual stages and rank r holds v = r, r + P, ...,
+ * torchtitan's "loop" placement, so activations always go to the next rank.
  *
  * The split is torchtitan's pipeline_parallel_split_points when given,
  * otherwise the one that minimises the most expensive stage, each layer
@@ -19,7 +20,10 @@
  * a number of warm-up forwards (after which forwards and backwards
  * alternate): GPipe runs every forward first; 1F1B warms up with P - r - 1
  * forwards; Interleaved1F1B takes micro-batches in groups of P, chunk by
- * chunk (Megatron's order), warming up with 2 (P - r - 1) + (S - 1) P.
+ * chunk (Megatron's order), warming up with 2 (P - r - 1) + (S - 1) P;
+ * LoopedBFS (torch's ScheduleLoopedBFS) runs every forward first, stage by
+ * stage, then the backwards from its last stage down, each stage's
+ * micro-batches last to first.
  * Every order is checked by simulating all ranks with each stage's cost
  * (a backward costs two forwards), which also gives the schedule's bubble:
  * the share of rank-time spent waiting.
@@ -34,7 +38,9 @@
  * computes while its neighbours' messages travel; it waits only for an
  * input it needs now. MPI matches messages between a pair of ranks by tag
  * (2 v: activations into stage v, 2 v + 1: gradients into stage v) in
- * send order, and every stage sends in micro-batch order.
+ * send order, so a stage posts its receives in the order its neighbour's
+ * schedule sends (fseq, bseq: LoopedBFS sends gradients last micro-batch
+ * first).
  *
  * HF's load-balancing loss in the gradient (lm_aux_in_grad) needs, in every
  * MoE layer's backward, the micro-batch's expert counts summed over ALL the
@@ -63,7 +69,7 @@
 #include "distributed/fsdp.h"
 #include "model/lm.h"
 
-enum { PP_1F1B, PP_GPIPE, PP_INTERLEAVED };
+enum { PP_1F1B, PP_GPIPE, PP_INTERLEAVED, PP_LOOPED_BFS };
 
 typedef struct {
     char kind;  /* 'F' or 'B' */
@@ -81,6 +87,8 @@ typedef struct {
     int mb_size;         /* sequences per micro-batch */
     int n_act;           /* this rank's actions, 2 S M */
     pp_action *act;
+    int *fseq, *bseq;    /* [V][M] the micro-batches of each virtual stage's forwards, backwards, in its
+                            rank's order: the order its messages leave in (a receiver posts in it) */
     double bubble;       /* simulated share of idle rank-time in a step */
     int max_banks;       /* most forwards of this rank in flight at once (activation banks) */
     /* run time (pp_bind) */
