@@ -21,7 +21,8 @@
  *   (headers written, files sized) and filled by every process at the
  *   offsets the headers fix (ckpt_part_*); the rest of the save is the
  *   same. Loading reads the rows a caller names with pread, a bounded block
- *   at a time, so a rank reads its share, not the files.
+ *   at a time, and of them only the columns it names (a TP rank's block of a
+ *   row-parallel weight), so a rank reads its share, not the files.
  * - The manifest is written by hand, like the safetensors header, so byte
  *   counts above 2^31 never come out in exponent form. It is read with cJSON
  *   as untrusted input: size-capped, every field type-checked, file names
@@ -375,7 +376,18 @@ int ckpt_verify_hashed(const char *dir, uint64_t *hashed, ct_err *e) {
     ckpt_manifest man;
     if (hashed) *hashed = 0;
     int rc = ckpt_read_manifest(dir, &man, e);
-    if (!rc) rc = ckpt_check_files(dir, &man, 1, NULL, hashed, e);
+    if (rc) return rc;
+    /* a resume's pick reads every byte here before the load reads its share: as long as the load, so it
+     * gets a bar of its own */
+    double total = 0;
+    for (int i = 0; i < man.n; i++) total += (double)man.f[i].bytes;
+    char label[64];
+    snprintf(label, sizeof label, "checkpoint verify step-%d", man.step);
+    prog_bar bar;
+    prog_begin(&bar, label, total, "B", CKPT_PROG_MIN_S);
+    rc = ckpt_check_files(dir, &man, 1, &bar, hashed, e);
+    if (rc) prog_break(&bar);
+    else prog_end(&bar);
     return rc;
 }
 
@@ -1087,10 +1099,17 @@ typedef struct {
     prog_bar *bar;
     float *buf;
     size_t buf_cap;   /* floats */
-    size_t (*runs)[2]; /* the wanted rows of the tensor being read */
+    size_t (*runs)[2]; /* the wanted rows of the tensor being read, then (cols) its wanted columns */
     int n_runs, runs_cap;
     uint64_t read;    /* tensor bytes read */
 } ckpt_reader;
+
+/* The pending pread of a strided read: file bytes [off, off + len) into dst. */
+typedef struct {
+    uint64_t off;
+    size_t len;
+    char *dst;
+} ckpt_piece;
 
 /* Rows read at once: 8 MiB, or one row when a row is larger. */
 #define CKPT_BLOCK_BYTES ((size_t)8 << 20)
@@ -1132,42 +1151,85 @@ static int ckpt_pread(int fd, const char *path, void *dst, size_t n, uint64_t of
     return 0;
 }
 
+/* Reads and checks a pending piece (ckpt_read_tensor's column runs): elem
+ * is its first element's index in the tensor, for the messages. */
+static int ckpt_read_piece(ckpt_reader *r, int fd, const char *path, const char *nm, int kind, uint64_t base,
+                           ckpt_piece *pc, ct_err *e) {
+    if (!pc->len) return 0;
+    size_t n = pc->len / sizeof(float);
+    int rc = ckpt_pread(fd, path, pc->dst, pc->len, pc->off, e);
+    if (!rc) rc = ckpt_check_values(path, nm, (const float *)pc->dst, n, (size_t)((pc->off - base) / sizeof(float)),
+                                    kind == LM_EXP_AVG_SQ, e);
+    r->read += pc->len;
+    if (r->bar) prog_add(r->bar, (double)pc->len);
+    pc->len = 0;
+    return rc;
+}
+
 /* Tensor st (named nm) of file f, open as fd, into the sink as rows of
  * model tensor i: only the runs of rows r->want names, a block at a time,
- * each checked before the sink sees it. */
+ * each checked before the sink sees it; of each row only the columns
+ * want->cols names (a TP rank's block of a row-parallel weight), one pread
+ * per piece, or per run of pieces that lie end to end in the file. */
 static int ckpt_read_tensor(ckpt_reader *r, st_file *f, int fd, const st_tensor *st, const char *nm, int i, int kind,
                             ct_err *e) {
     const lm_tensor *t = &r->m->tensors[i];
     const char *path = st_path(f);
     size_t cols = lm_tensor_cols(t), rows = cols ? t->numel / cols : 0;
-    if (!r->buf) r->buf = ct_malloc((r->buf_cap = 1) * sizeof(float));
+    if (!r->buf) r->buf = ct_calloc((r->buf_cap = 1), sizeof(float));
     if (!rows) {
         r->sink->put(r->sink->ctx, kind, i, 0, 0, r->buf);
         return 0;
     }
+    /* the wanted columns first (the runs buffer is reused for the rows) */
+    r->n_runs = 0;
+    if (r->want && r->want->cols) r->want->cols(r->want->ctx, kind, i, ckpt_runs_add, r);
+    int nc = r->n_runs;
+    size_t(*cr)[2] = nc ? ct_malloc((size_t)nc * sizeof *cr) : NULL;
+    if (nc) memcpy(cr, r->runs, (size_t)nc * sizeof *cr);
+    if (nc == 1 && cr[0][0] == 0 && cr[0][1] >= cols) nc = 0; /* every column: whole rows */
     r->n_runs = 0;
     if (r->want && r->want->rows) r->want->rows(r->want->ctx, kind, i, ckpt_runs_add, r);
     else ckpt_runs_add(r, 0, rows);
     size_t block = CKPT_BLOCK_BYTES / sizeof(float) / cols;
     if (!block) block = 1;
     uint64_t base = st_data_offset(f, st);
-    for (int k = 0; k < r->n_runs; k++) {
+    int rc = 0;
+    for (int k = 0; k < r->n_runs && !rc; k++) {
         size_t a = r->runs[k][0], b = r->runs[k][1] < rows ? r->runs[k][1] : rows;
-        for (size_t r0 = a; r0 < b; r0 += block) {
+        for (size_t r0 = a; r0 < b && !rc; r0 += block) {
             size_t r1 = r0 + block < b ? r0 + block : b, n = (r1 - r0) * cols;
-            if (n > r->buf_cap) {
+            if (n > r->buf_cap) { /* zeroed: the columns not read stay finite, never uninitialised */
                 free(r->buf);
-                r->buf = ct_malloc((r->buf_cap = n) * sizeof(float));
+                r->buf = ct_calloc((r->buf_cap = n), sizeof(float));
             }
-            int rc = ckpt_pread(fd, path, r->buf, n * sizeof(float), base + (uint64_t)r0 * cols * sizeof(float), e);
-            if (!rc) rc = ckpt_check_values(path, nm, r->buf, n, r0 * cols, kind == LM_EXP_AVG_SQ, e);
-            if (rc) return rc;
-            r->sink->put(r->sink->ctx, kind, i, r0, r1, r->buf);
-            r->read += (uint64_t)n * sizeof(float);
-            if (r->bar) prog_add(r->bar, (double)n * sizeof(float));
+            if (!nc) {
+                rc = ckpt_pread(fd, path, r->buf, n * sizeof(float), base + (uint64_t)r0 * cols * sizeof(float), e);
+                if (!rc) rc = ckpt_check_values(path, nm, r->buf, n, r0 * cols, kind == LM_EXP_AVG_SQ, e);
+                r->read += (uint64_t)n * sizeof(float);
+                if (r->bar) prog_add(r->bar, (double)n * sizeof(float));
+            } else {
+                ckpt_piece pc = {0, 0, NULL};
+                for (size_t row = r0; row < r1 && !rc; row++)
+                    for (int j = 0; j < nc && !rc; j++) {
+                        size_t c0 = cr[j][0], c1 = cr[j][1] < cols ? cr[j][1] : cols;
+                        if (c0 >= c1) continue;
+                        uint64_t off = base + ((uint64_t)row * cols + c0) * sizeof(float);
+                        char *dst = (char *)(r->buf + (row - r0) * cols + c0);
+                        if (pc.len && pc.off + pc.len == off) { /* end to end in the file (and in buf) */
+                            pc.len += (c1 - c0) * sizeof(float);
+                            continue;
+                        }
+                        rc = ckpt_read_piece(r, fd, path, nm, kind, base, &pc, e);
+                        pc = (ckpt_piece){off, (c1 - c0) * sizeof(float), dst};
+                    }
+                if (!rc) rc = ckpt_read_piece(r, fd, path, nm, kind, base, &pc, e);
+            }
+            if (!rc) r->sink->put(r->sink->ctx, kind, i, r0, r1, r->buf);
         }
     }
-    return 0;
+    free(cr);
+    return rc;
 }
 
 /* Hands, for every model tensor T, the tensor "T" + suffix of file f (open

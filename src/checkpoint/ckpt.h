@@ -173,11 +173,14 @@ int ckpt_load_each(const char *dir, const lm_model *m, int moments, char **state
  * slice, experts, stages): rows(ctx, kind, i, add, acc) calls add(acc, r0,
  * r1) for runs [r0, r1) of whole rows of tensor i of the loader's table
  * (lm_sink's rows), ascending. It may name rows the sink then drops, never
- * fewer than it keeps. */
+ * fewer than it keeps. cols (may be NULL) likewise names the columns
+ * [c0, c1) of each of those rows it keeps, ascending (no call: whole rows):
+ * only they are read, the rest of the rows the sink gets is left as it was. */
 typedef void (*ckpt_rows_add)(void *acc, size_t r0, size_t r1);
 typedef struct {
     void (*rows)(void *ctx, int kind, int i, ckpt_rows_add add, void *acc);
     void *ctx;
+    void (*cols)(void *ctx, int kind, int i, ckpt_rows_add add, void *acc);
 } ckpt_rows;
 /* ckpt_load_each reading only the rows `want` names (NULL: every row), with
  * pread at the offsets the safetensors headers give, a bounded block of

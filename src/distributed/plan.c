@@ -58,10 +58,8 @@ int plan_local_model(ct_plan *p, lm_config *mc, int grad_accum, int val_batch, i
     if (p->mesh.tp > 1 || p->mesh.ep > 1) { /* fewer heads, a narrower MLP, its experts only */
         p->tp = ct_calloc(1, sizeof *p->tp);
         tp_init(p->tp, mc, &p->mesh.tpg, p->mesh.ep, p->mesh.ep_rank);
-        if (p->mesh.tp > 1 && c->sequence_parallel) {
-            if ((rc = tp_check_seq(c, p->mesh.tp, plan_seq_len(p), p->mesh.pp > 1, val_batch, where, e))) return rc;
-            p->tp->local.tp_seq = 1;
-        }
+        /* sequence parallel: every B x T, cut in DTensor Shard's ceil chunks (model/lm.c) */
+        p->tp->local.tp_seq = p->mesh.tp > 1 && c->sequence_parallel;
         *mc = p->tp->local;
     }
     return 0;
@@ -864,51 +862,185 @@ void plan_save_gather(ct_plan *p, const lm_model *fm, int kinds, int frozen_too,
 }
 
 
-/* A held FSDP run (fsdp_held_runs) cut at the local tensors' boundaries. */
+/* Where a TP/EP rank's local tensor lt lies in the whole tensor ft: local
+ * row k is whole row row[k], and in every local row the local columns
+ * [cr[j][0], + cr[j][2]) are whole columns [cr[j][1], + cr[j][2]) (a
+ * row-parallel weight's block, an expert adapter's picks; one run of every
+ * column otherwise). Probed through tp_take_rows, the load's own slicing,
+ * on a row holding its column indices, so a save in parts and a load agree
+ * with the gather (tp_gather_range) by construction rather than by a second
+ * copy of the rules. */
+typedef struct {
+    size_t *row; /* [local rows]; NULL: lt is the whole tensor, not a slice */
+    size_t (*cr)[3];
+    int ncr;
+    int mixed;   /* some row's columns are not the first's (never, by tp.c's slicing; a save refuses it) */
+    size_t lc, fc;
+} slice_map;
+
+/* first_only: the column runs only (stops at the first row this rank keeps) */
+static void slice_map_build(const tp_layout *tp, const lm_tensor *lt, const lm_tensor *ft, int first_only,
+                            slice_map *s) {
+    memset(s, 0, sizeof *s);
+    size_t fc = lm_tensor_cols(ft), fr = fc ? ft->numel / fc : 0, lc = lm_tensor_cols(lt);
+    s->lc = lc, s->fc = fc;
+    if (!lt->numel || !fr) return;
+    size_t lr = lt->numel / lc, fb[3];
+    float *idx = ct_malloc((fc + 1) * sizeof(float)), *tmp = ct_malloc((lc + 1) * sizeof(float));
+    for (size_t c = 0; c < fc; c++) idx[c] = (float)c; /* exact: a row has far fewer than 2^24 columns */
+    if (!first_only) s->row = ct_calloc(lr + 1, sizeof *s->row);
+    int nb = tp_row_blocks(tp, ft, fb), got = 0;
+    for (size_t r = 0; r < fr && !(first_only && got); r++)
+        for (int k = 0; k < nb; k++) {
+            const float *src;
+            size_t la = 0;
+            if (!tp_take_rows(tp, lt, ft, k, r, r + 1, idx, tmp, &src, &la) || la >= lr) continue;
+            if (s->row) s->row[la] = r;
+            if (got++) { /* the columns are the first row's in every row: checked where a save relies on it */
+                for (int q = 0; q < s->ncr && !first_only && !s->mixed; q++)
+                    for (size_t w = 0; w < s->cr[q][2] && !s->mixed; w++)
+                        s->mixed = (size_t)src[s->cr[q][0] + w] != s->cr[q][1] + w;
+                continue;
+            }
+            s->cr = ct_malloc((lc + 1) * sizeof *s->cr);
+            for (size_t j = 0; j < lc;) {
+                size_t c = (size_t)src[j], w = 1;
+                while (j + w < lc && (size_t)src[j + w] == c + w) w++;
+                s->cr[s->ncr][0] = j, s->cr[s->ncr][1] = c, s->cr[s->ncr][2] = w;
+                s->ncr++;
+                j += w;
+            }
+        }
+    free(idx);
+    free(tmp);
+}
+
+static void slice_map_free(slice_map *s) {
+    free(s->row);
+    free(s->cr);
+    memset(s, 0, sizeof *s);
+}
+
+void plan_load_cols(const ct_plan *p, int kind, int i, void (*add)(void *acc, size_t c0, size_t c1), void *acc) {
+    (void)kind; /* a tensor's moments are sliced as its parameters */
+    if (!p->tp) return;
+    slice_map s;
+    slice_map_build(p->tp, &p->m->tensors[i], &p->load.whole->tensors[i], 1, &s);
+    int whole = s.ncr == 1 && s.cr[0][2] == s.fc;
+    for (int j = 0; j < s.ncr && !whole; j++) add(acc, s.cr[j][1], s.cr[j][1] + s.cr[j][2]);
+    slice_map_free(&s);
+}
+
+/* A held FSDP run (fsdp_held_runs) cut at the local tensors' boundaries,
+ * then (TP/EP: maps[j].row) into runs of the whole tensor; consecutive
+ * pieces that are contiguous both in the whole tensor and in x go to put
+ * as one (a column-parallel slice's rows, a row-parallel one's rows never). */
 typedef struct {
     const lm_model *m;
     const float *src; /* the shard buffer of this kind */
-    const unsigned char *mine; /* [tensor] this stage writes it (a tied embedding's other copy is not) */
+    const unsigned char *mine; /* [tensor] this rank writes it (a tied embedding's other copy, another TP or
+                                * EP rank's replica and frozen tensors not) */
+    const slice_map *maps;     /* [tensor] under TP/EP; NULL: local tensors are the whole ones */
     int kind, rc;
+    int pj;                    /* the pending run: whole tensor pj's [pat, pat + pn) from px */
+    size_t pat, pn;
+    const float *px;
     plan_part_fn put;
     void *ctx;
     ct_err *e;
 } parts_ctx;
+
+static void parts_flush(parts_ctx *c) {
+    if (c->pn && !c->rc) c->rc = c->put(c->ctx, c->kind, c->pj, c->pat, c->px, c->pn, c->e);
+    c->pn = 0;
+}
+
+static void parts_put(parts_ctx *c, int j, size_t at, const float *x, size_t n) {
+    if (c->pn && c->pj == j && c->pat + c->pn == at && c->px + c->pn == x) {
+        c->pn += n;
+        return;
+    }
+    parts_flush(c);
+    c->pj = j, c->pat = at, c->px = x, c->pn = n;
+}
+
+/* Elements [a, a + n) of local tensor j, x their values, to their places in the whole tensor. */
+static void parts_local(parts_ctx *c, int j, size_t a, const float *x, size_t n) {
+    const slice_map *s = c->maps ? &c->maps[j] : NULL;
+    if (!s || !s->row) {
+        parts_put(c, j, a, x, n);
+        return;
+    }
+    for (size_t k = a; k < a + n && !c->rc;) {
+        size_t lrow = k / s->lc, base = lrow * s->lc, end = base + s->lc < a + n ? base + s->lc : a + n;
+        for (int q = 0; q < s->ncr; q++) { /* this row's part [k, end) of each column run */
+            size_t l0 = base + s->cr[q][0], l1 = l0 + s->cr[q][2];
+            size_t u = k > l0 ? k : l0, v = end < l1 ? end : l1;
+            if (u < v) parts_put(c, j, s->row[lrow] * s->fc + s->cr[q][1] + (u - l0), x + (u - a), v - u);
+        }
+        k = end;
+    }
+}
 
 static void held_parts(void *ctx, size_t x, size_t n, size_t s) {
     parts_ctx *c = ctx;
     for (int j = 0; j < c->m->n_tensors && !c->rc; j++) {
         const lm_tensor *t = &c->m->tensors[j];
         size_t a = x > t->offset ? x : t->offset, b = x + n < t->offset + t->numel ? x + n : t->offset + t->numel;
-        if (a < b && c->mine[j]) c->rc = c->put(c->ctx, c->kind, j, a - t->offset, c->src + s + (a - x), b - a, c->e);
+        if (a < b && c->mine[j]) parts_local(c, j, a - t->offset, c->src + s + (a - x), b - a);
     }
 }
 
-int plan_parts_ok(const ct_plan *p) { return !p->tp; }
-
 int plan_save_parts(ct_plan *p, int kinds, plan_part_fn put, void *ctx, ct_err *e) {
     lm_model *lm = p->m;
-    /* the other replicas and chunks hold the same values */
-    if (p->tp || p->mesh.rep_rank != 0 || p->mesh.cp_rank != 0 || (!p->fsdp && p->mesh.dp_rank != 0)) return 0;
-    int L = lm->cfg.n_layers, *u = ct_malloc(((size_t)L + 3) * sizeof *u);
+    /* the other replicas and chunks hold the same values; without FSDP the first data-parallel rank
+     * writes (under expert parallel, which runs among the replicas then, the first ep: their experts) */
+    if (p->mesh.cp_rank != 0 || (p->fsdp ? p->mesh.rep_rank != 0 : p->mesh.dp_rank >= p->mesh.ep)) return 0;
+    int rc = 0, L = lm->cfg.n_layers, *u = ct_malloc(((size_t)L + 3) * sizeof *u);
     unsigned char *mine = ct_calloc((size_t)lm->n_tensors + 1, 1);
     save_units(lm, u);
     for (int x = 0; x < L + 2; x++) /* the stage plan_save_gather takes each unit from */
-        for (int j = u[x]; j < u[x + 1]; j++) mine[j] = !p->pp || pp_unit_stage(p->pp, x, L) == p->mesh.pp_rank;
+        for (int j = u[x]; j < u[x + 1]; j++)
+            mine[j] = !lm->tensors[j].frozen && (!p->pp || pp_unit_stage(p->pp, x, L) == p->mesh.pp_rank);
     free(u);
-    parts_ctx c = {lm, NULL, mine, 0, 0, put, ctx, e};
+    slice_map *maps = NULL;
+    if (p->tp) {
+        lm_model fm;
+        lm_layout(&fm, &p->whole);
+        tp_classify(p->tp, lm, &fm); /* which tensors are sliced, which are experts' */
+        maps = ct_calloc((size_t)lm->n_tensors + 1, sizeof *maps);
+        for (int j = 0; j < lm->n_tensors; j++) {
+            /* replicated over the TP group: TP index 0's; a non-expert tensor without FSDP is on every EP
+             * rank whole (under FSDP the shard group, EP ranks included, holds one copy between them) */
+            if ((!p->tp->sharded[j] && p->tp->rank != 0) || (!p->fsdp && !p->tp->expert[j] && p->tp->ep_rank != 0))
+                mine[j] = 0;
+            if (mine[j]) slice_map_build(p->tp, &lm->tensors[j], &fm.tensors[j], 0, &maps[j]);
+            if (maps[j].mixed && !rc)
+                rc = ct_fail(e, CT_ERR_IO, "%s: this rank's slice takes other columns in different rows; a save "
+                             "in parts cannot place it (CTITAN_CKPT_GATHER=1 gathers it)", lm->tensors[j].name);
+            if (maps[j].row && lm->tensors[j].numel == fm.tensors[j].numel && maps[j].ncr == 1 && !maps[j].cr[0][1]) {
+                free(maps[j].row); /* whole: written as it is */
+                maps[j].row = NULL;
+            }
+        }
+        lm_free(&fm);
+    }
+    parts_ctx c = {.m = lm, .mine = mine, .maps = maps, .rc = rc, .put = put, .ctx = ctx, .e = e};
     for (int k = 0; k < kinds && !c.rc; k++) {
         c.kind = k == 0 ? LM_PARAMS : k == 1 ? LM_EXP_AVG : LM_EXP_AVG_SQ;
         c.src = k == 0 ? (p->fsdp ? p->fsdp->params : lm->params) : k == 1 ? p->opt->m : p->opt->v;
         if (p->fsdp) {
             for (int i = 0; i < p->fsdp->n_pieces && !c.rc; i++) fsdp_held_runs(p->fsdp, i, held_parts, &c);
-            continue;
+        } else {
+            for (int j = 0; j < lm->n_tensors && !c.rc; j++) { /* under a pipeline, another stage's tensors are empty */
+                const lm_tensor *t = &lm->tensors[j];
+                if (t->numel && mine[j]) parts_local(&c, j, 0, c.src + t->offset, t->numel);
+            }
         }
-        for (int j = 0; j < lm->n_tensors && !c.rc; j++) { /* under a pipeline, another stage's tensors are empty */
-            const lm_tensor *t = &lm->tensors[j];
-            if (t->numel && mine[j]) c.rc = put(ctx, c.kind, j, 0, c.src + t->offset, t->numel, e);
-        }
+        parts_flush(&c);
     }
+    for (int j = 0; maps && j < lm->n_tensors; j++) slice_map_free(&maps[j]);
+    free(maps);
     free(mine);
     return c.rc;
 }

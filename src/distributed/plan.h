@@ -104,6 +104,12 @@ void plan_load_end(ct_plan *p);
  * ckpt_load_part). Whole rows: a run may hold values the sink then drops,
  * never lack one it keeps. */
 void plan_load_rows(const ct_plan *p, int kind, int i, void (*add)(void *acc, size_t r0, size_t r1), void *acc);
+/* Between plan_load_begin and plan_load_end: the columns [c0, c1) of every
+ * row plan_load_rows names that this rank keeps of tensor i, ascending, or
+ * no call when it keeps whole rows: a row-parallel weight's TP slice is a
+ * block of columns (an expert adapter's, a few), so a loader that can seek
+ * reads those pieces of each row only. */
+void plan_load_cols(const ct_plan *p, int kind, int i, void (*add)(void *acc, size_t c0, size_t c1), void *acc);
 /* After the weights are in: the trained runs AdamW steps, the hooks. */
 int plan_ready(ct_plan *p, ct_err *e);
 void plan_free(ct_plan *p);
@@ -156,16 +162,19 @@ int plan_save_root(const ct_plan *p);
  * frozen_too: bf16-stored frozen weights widened for the read. */
 void plan_save_gather(ct_plan *p, const lm_model *fm, int kinds, int frozen_too, plan_put_fn put, void *ctx, int *rc,
                       ct_err *e);
-/* A save without the gather, for layouts whose slices are runs of whole
- * tensors' elements (no tensor or expert parallel: plan_parts_ok): every
- * rank hands put(ctx, kind, i, at, x, n) the elements [at, at + n) of the
- * whole model's tensor i it holds, x their values: its FSDP shard's runs
- * (replica 0's, context-parallel chunk 0's), or without FSDP the whole
- * local tensors of the first data-parallel rank of each stage; every
- * element by one rank. kinds as plan_save_gather's. Collective-free.
- * Returns put's first failure (the loop stops). */
+/* A save without the gather: every rank hands put(ctx, kind, i, at, x, n)
+ * the elements [at, at + n) of the whole model's tensor i it holds, x their
+ * values, in runs contiguous in the whole tensor: its FSDP shard's runs
+ * (replica 0's, context-parallel chunk 0's), or without FSDP the local
+ * tensors of the first data-parallel rank of each stage (under expert
+ * parallel the first ep, each its experts); a TP slice is cut into its
+ * rows' pieces (a row-parallel weight's block of columns: one run per row),
+ * a tensor replicated over the TP group is put by TP index 0 only, one
+ * replicated over the EP group by EP index 0 only: every element by one
+ * rank. Frozen tensors are skipped (a checkpoint holds the trained ones).
+ * kinds as plan_save_gather's. Collective-free. Returns put's first failure
+ * (the loop stops). */
 typedef int (*plan_part_fn)(void *ctx, int kind, int i, size_t at, const float *x, size_t n, ct_err *e);
-int plan_parts_ok(const ct_plan *p);
 int plan_save_parts(ct_plan *p, int kinds, plan_part_fn put, void *ctx, ct_err *e);
 /* Aux-loss-free MoE balancing under a pipeline: every stage's rows of the
  * routing bias onto every rank before a save (collective; a no-op elsewhere). */

@@ -436,12 +436,6 @@ double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n, int 
     return sq;
 }
 
-int tp_check_seq(const ct_config *c, int t, int T, int pp, int val_batch, const char *src, ct_err *e) {
-    /* every B x T now runs (uneven rows are padded: model/lm.c's sp_chunk); nothing is refused */
-    (void)c, (void)t, (void)T, (void)pp, (void)val_batch, (void)src, (void)e;
-    return 0;
-}
-
 double tp_take_comm_time(tp_layout *p) {
     double s = p->comm_s;
     p->comm_s = 0;

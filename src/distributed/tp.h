@@ -146,10 +146,5 @@ enum { TP_SQ_ALL, TP_SQ_DENSE, TP_SQ_EXPERTS };
  * TP group is the whole model's (over the EP group too, for the experts). */
 double tp_sq_range(const tp_layout *p, const float *x, size_t lo, size_t n, int which);
 double tp_take_comm_time(tp_layout *p);
-/* Sequence parallel cuts the rows of every forward, B x T (T: a context-
- * parallel rank's positions per sequence), in chunks of ceil(B T / t) as
- * DTensor's Shard does, so no batch is refused: returns 0. Kept only while
- * plan.c still calls it (its call and this go together). */
-int tp_check_seq(const ct_config *c, int t, int T, int pp, int val_batch, const char *src, ct_err *e);
 
 #endif

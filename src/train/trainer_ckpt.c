@@ -10,11 +10,12 @@
  * tensor a block of rows at a time in the whole model's table order
  * (lm_sink) and each rank keeps its TP/EP part and, under FSDP, its
  * shard's part of it; a checkpoint's rows a rank does not keep are not even
- * read (ckpt_load_part with plan_load_rows), and the ranks that see rank
- * 0's checkpoint folder take its checksum verdicts (pick_shared).
- * Saving: where every rank sees rank 0's folder and holds runs of whole
- * tensors' elements (no TP/EP), each pwrites its part into the files rank 0
- * laid out (save_parts). Otherwise every rank runs one loop over units
+ * read, nor the columns of a row-parallel weight outside its TP slice
+ * (ckpt_load_part with plan_load_rows, plan_load_cols), and the ranks that
+ * see rank 0's checkpoint folder take its checksum verdicts (pick_shared).
+ * Saving: where every rank sees rank 0's folder, each pwrites its part
+ * (its shard's runs, its TP slice's row pieces, its experts) into the files
+ * rank 0 laid out (save_parts). Otherwise every rank runs one loop over units
  * (embedding, each layer, head; parameters, then each moment), the unit's
  * parts are gathered to rank 0, which appends them to files whose headers
  * it wrote first. The files are the same whatever the layout
@@ -233,9 +234,19 @@ static void trained_rows(void *ctx, int kind, int i, ckpt_rows_add add, void *ac
     s->inner_rows->rows(s->inner_rows->ctx, kind, s->full[i], add, acc);
 }
 
-/* ckpt_rows over the plan: the rows of each tensor this rank keeps. */
+static void trained_cols(void *ctx, int kind, int i, ckpt_rows_add add, void *acc) {
+    trained_table *s = ctx;
+    s->inner_rows->cols(s->inner_rows->ctx, kind, s->full[i], add, acc);
+}
+
+/* ckpt_rows over the plan: the rows of each tensor this rank keeps, and of
+ * them the columns (a TP slice of a row-parallel weight). */
 static void plan_rows(void *ctx, int kind, int i, ckpt_rows_add add, void *acc) {
     plan_load_rows(ctx, kind, i, add, acc);
+}
+
+static void plan_cols(void *ctx, int kind, int i, ckpt_rows_add add, void *acc) {
+    plan_load_cols(ctx, kind, i, add, acc);
 }
 
 static int load_checkpoint_of(trainer *t, const char *dir, int model_only, const lm_model *whole,
@@ -247,14 +258,14 @@ static int load_checkpoint(trainer *t, const char *dir, int model_only, uint64_t
     const lm_model *whole = t->load.whole;
     trained_table tt;
     lm_sink outer = t->load.sink;
-    ckpt_rows want = {plan_rows, &t->plan}, outer_rows = want;
+    ckpt_rows want = {plan_rows, &t->plan, plan_cols}, outer_rows = want;
     if (t->model.n_frozen) { /* the checkpoint holds the trained tensors only */
         trained_table_init(&tt, whole, &t->model);
         tt.inner = &outer;
         tt.inner_rows = &outer_rows;
         whole = &tt.tab;
         t->load.sink = (lm_sink){trained_put, &tt};
-        want = (ckpt_rows){trained_rows, &tt};
+        want = (ckpt_rows){trained_rows, &tt, trained_cols};
     }
     rc = load_checkpoint_of(t, dir, model_only, whole, &want, hashed, e);
     if (t->model.n_frozen) {
@@ -893,14 +904,13 @@ static int put_part(void *ctx, int kind, int i, size_t at, const float *x, size_
 
 static int sees_rank0_folder(trainer *t, int *all);
 
-/* Whether every rank can write its part of a save itself (ckpt_part_*):
- * a layout whose slices are runs of elements (plan_parts_ok) and every rank
- * seeing rank 0's checkpoint folder (sees_rank0_folder; rank 0 creates the
- * folder first). Collective. */
+/* Whether every rank can write its part of a save itself (ckpt_part_*,
+ * plan_save_parts; any layout): every rank sees rank 0's checkpoint folder
+ * (sees_rank0_folder; rank 0 creates the folder first). Collective. */
 static int save_in_parts(trainer *t) {
     /* CTITAN_CKPT_GATHER=1: rank 0 writes, as before (a debug knob: the tests compare the two paths' files) */
     const char *g = getenv("CTITAN_CKPT_GATHER");
-    if (t->world->size <= 1 || !plan_parts_ok(&t->plan) || (g && *g && strcmp(g, "0"))) return 0;
+    if (t->world->size <= 1 || (g && *g && strcmp(g, "0"))) return 0;
     if (t->world->rank == 0) ct_mkdirs(t->ckpt_folder, NULL); /* a failure is the save's to report */
     int all;
     sees_rank0_folder(t, &all);

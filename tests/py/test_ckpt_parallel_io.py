@@ -118,8 +118,9 @@ LAYOUTS = {  # name: (ranks, [parallelism], the most of the tensor bytes one ran
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree=2"], 0.5),
     "pp2": (2, ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_microbatch_size=2"],
             0.75),
-    # TP's row-parallel weights (o_proj, down_proj) are column slices: their whole rows are read
-    "tp2": (2, ["--parallelism.tensor_parallel_degree=2"], 0.8),
+    # TP's row-parallel weights (o_proj, down_proj) are column slices: a rank reads its pieces of their rows
+    # (test_ckpt_tp_io.py checks the exact shares)
+    "tp2": (2, ["--parallelism.tensor_parallel_degree=2"], 0.55),
 }
 
 
@@ -214,9 +215,9 @@ SAVE_LAYOUTS = {  # name: (ranks, [parallelism and run options], whether the ran
     # a frozen base stored in bf16 (not in the checkpoint), the rest trained
     "bf16_frozen_fsdp2": (2, [f"{FSDP}=2", "--training.freeze=model.embed_tokens.weight,model.layers.0.*",
                               "--training.frozen_dtype=bfloat16"], True),
-    # column slices of row-parallel weights: rank 0 gathers, as before
-    "tp2": (2, ["--parallelism.tensor_parallel_degree=2"], False),
-    "tp2_fsdp2": (4, ["--parallelism.tensor_parallel_degree=2", f"{FSDP}=2"], False),
+    # column slices of row-parallel weights: each rank writes its pieces of their rows (test_ckpt_tp_io.py)
+    "tp2": (2, ["--parallelism.tensor_parallel_degree=2"], True),
+    "tp2_fsdp2": (4, ["--parallelism.tensor_parallel_degree=2", f"{FSDP}=2"], True),
 }
 
 
@@ -320,3 +321,30 @@ def test_a_non_finite_value_a_rank_reads_mid_tensor_is_named_at_its_element(setu
     p = run(mpirun() + ["-np", "2", str(BIN), *a], code=3)
     want = f'model.safetensors: tensor "{name}" holds a non-finite value (nan) at element {at}'
     assert want in p.stderr, p.stderr[-4000:]
+
+
+def test_resume_pick_checksum_pass_has_a_bar(setup, reference, tmp_path):
+    """The pick's checksum pass reads every byte of the files on rank 0 (as long as the load
+    itself, or longer): it has its own bar, "checkpoint verify step-N", whose total is the
+    bytes of the files the manifest lists, before the load's "(read)" bar. Before: no bar
+    while the files were checksummed."""
+    from test_progress import check_plain, fields
+    d, data = setup
+    _, stopped = reference
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    a = [str(x) for x in args(d, data, out, f"{FSDP}=2")]
+    cmd = mpirun() + ["-x", "CTITAN_PROGRESS", "-x", "CTITAN_PROGRESS_MIN_S", "-x", "CTITAN_PROGRESS_PERIOD",
+                      "-np", "2", str(BIN), *a]
+    p = subprocess.run(cmd, env=dict(ENV, CTITAN_LOG_RANKS="0", CTITAN_PROGRESS="plain", CTITAN_PROGRESS_MIN_S="0",
+                                     CTITAN_PROGRESS_PERIOD="0"), capture_output=True, text=True, timeout=300)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == 0, p.stderr[-4000:]
+    label = f"checkpoint verify step-{STOP}"
+    lines = check_plain(p.stderr, label)
+    total = fields(lines[-1]).group(4)
+    size = file_bytes(out / "checkpoint" / f"step-{STOP}")
+    n = float(total.split()[0]) * {"B": 1, "KiB": 1024, "MiB": 1 << 20}[total.split()[1]]
+    assert abs(n - size) <= 0.06 * (1 << 20) + 0.01 * size, (total, size)
+    err = p.stderr
+    assert err.index(lines[-1]) < err.index(f"checkpoint load step-{STOP} (read)"), err[-3000:]
