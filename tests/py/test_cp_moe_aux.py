@@ -111,6 +111,20 @@ LAYOUTS = {  # name: (ranks, data-parallel ranks, model, reference's extra, extr
     "mixtral_cp4_none": (4, 1, "mixtral_aux", [], [f"{CP}=4", NONE]),
     "mixtral_cp2_tp2": (4, 1, "mixtral_aux", [], [f"{CP}=2", f"{TPD}=2", f"{SHARD}=1"]),
     "mixtral_cp2_ep2_dp2": (4, 2, "mixtral_aux", [LB1], [f"{CP}=2", f"{EPD}=2", f"{REP}=2", f"{SHARD}=1", LB1]),
+    # the review's: AC full (a recomputed forward), two pipeline micro-batches per local batch,
+    # GPipe without the aux loss, and CP x PP x TP with even and uneven SP rows
+    "qwen_cp2_pp2_ac_full": (4, 1, "qwen_aux", [LB1], [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1",
+                                                       "--activation_checkpoint.mode=full"]),
+    "qwen_cp2_pp2_mb2": (4, 1, "qwen_aux", [LB1], [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1",
+                                                   "--training.local_batch_size=2"]),
+    "qwen_noaux_cp2_pp2_gpipe": (4, 1, "qwen_noaux", [LB1], [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1",
+                                 "--parallelism.pipeline_parallel_schedule=GPipe"]),
+    # CP 2 x PP 2 x TP 2: a CP rank's 8 positions of a 1-sequence micro-batch, 4 per TP rank;
+    # seq 14 (7 positions a chunk, uneven for TP 2 with SP)
+    "qwen_cp2_pp2_tp2": (8, 1, "qwen_aux", [LB1], [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1", f"{TPD}=2", f"{SHARD}=1"]),
+    "qwen_cp2_pp2_tp2_uneven": (8, 1, "qwen_aux", [LB1, "--training.seq_len=14"],
+                                [f"{CP}=2", f"{PPD}=2", f"{PPMB}=1", f"{TPD}=2", f"{SHARD}=1",
+                                 "--training.seq_len=14", "--parallelism.context_parallel_load_balancer=none"]),
 }
 
 

@@ -1,0 +1,126 @@
+"""Gemma2 (attention soft-cap in the kernels, alternating sliding layers, window 4 over
+chunks of 4 or 8 positions) under context parallel, ring ("alltoall") and all-gather, balanced
+and not, alone and beside TP / PP: each run trains like one process (test_families_dist's
+assert_same, Gemma2's eps 1e-5)."""
+import pytest
+
+from test_dist import assert_same_norms, run, train_args
+from test_families_dist import EPS, assert_same, data, model_dir  # noqa: F401 (fixture)
+
+CP2 = ["--parallelism.context_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"]
+A2A = "--parallelism.context_parallel_rotate_method=alltoall"
+NOLB = "--parallelism.context_parallel_load_balancer=none"
+LAYOUTS = {
+    "cp2_allgather": (2, CP2),
+    "cp2_alltoall": (2, CP2 + [A2A]),
+    "cp2_alltoall_nolb": (2, CP2 + [A2A, NOLB]),
+    "cp2_allgather_nolb": (2, CP2 + [NOLB]),
+    "tp2_cp2_alltoall": (4, CP2 + [A2A, "--parallelism.tensor_parallel_degree=2"]),
+    "cp2_pp2_alltoall": (4, CP2 + [A2A, "--parallelism.pipeline_parallel_degree=2",
+                                   "--parallelism.pipeline_parallel_microbatch_size=1"]),
+    "cp4_alltoall_nolb": (4, ["--parallelism.context_parallel_degree=4", "--parallelism.data_parallel_shard_degree=1",
+                              A2A, NOLB]),
+    # a CP rank's 9 positions of 18 cut 5, 4 by sequence parallel; window 4 inside and across chunks
+    "tp2_cp2_alltoall_nolb_uneven": (4, CP2 + [A2A, NOLB, "--parallelism.tensor_parallel_degree=2",
+                                               "--training.seq_len=18", "--training.local_batch_size=1",
+                                               "--validation.local_batch_size=1"]),
+}
+# compared with one process's bf16 run at test_tp_sp's bf16 tolerances (losses, weights, norms)
+BF16 = ["--training.mixed_precision_param=bfloat16"]
+BF16_LAYOUTS = {
+    "cp2_alltoall_bf16": (2, CP2 + [A2A]),
+    "cp2_alltoall_nolb_bf16": (2, CP2 + [A2A, NOLB]),
+    "tp2_bf16": (2, ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BF16_LAYOUTS))
+def test_gemma2_bf16_layouts_near_one_rank(data, name):
+    from test_tp_sp import assert_close
+    d, tokens = data
+    m = model_dir(d, "gemma2")
+    eps = EPS["gemma2"]
+    ref = d / "gemma2_single_bf16"
+    if not (ref / "metrics.jsonl").exists():
+        run(1, train_args(m, tokens, ref, *eps, *BF16), timeout=300)
+    n, extra = BF16_LAYOUTS[name]
+    out = d / f"gemma2_{name}"
+    run(n, train_args(m, tokens, out, *extra, *eps, *BF16), timeout=300)
+    assert_close(out, ref, name, 1e-4, 1e-2, 1e-3)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_gemma2_cp_matches_one_rank(data, name):
+    d, tokens = data
+    m = model_dir(d, "gemma2")
+    eps = EPS["gemma2"]
+    ref = d / "gemma2_single"
+    if not (ref / "metrics.jsonl").exists():
+        run(1, train_args(m, tokens, ref, *eps), timeout=300)
+    n, extra = LAYOUTS[name]
+    if "--training.seq_len=18" in extra:  # its own one-process run
+        ref = d / "gemma2_single_18"
+        if not (ref / "metrics.jsonl").exists():
+            run(1, train_args(m, tokens, ref, *eps, *extra[-3:]), timeout=300)
+    out = d / f"gemma2_{name}"
+    run(n, train_args(m, tokens, out, *extra, *eps), timeout=300)
+    assert_same(out, ref, f"gemma2 {name}")
+    assert_same_norms(out, ref, f"gemma2 {name}")
+
+
+# the soft-cap in each attention implementation's block form (the ring's blocks and the
+# all-gather's offset form), Gemma2 with head_dim 64 so that blocked_avx512 runs its 4x64
+# register blocks (head_dim 16 falls back to tiled_avx512)
+KERNELS = ["ref", "tiled", "tiled_avx512", "blocked_avx2", "blocked_avx512", "blocked_avx512bf16"]
+
+
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
+@pytest.mark.parametrize("impl", KERNELS)
+def test_gemma2_hd64_cp_each_attention_kernel(data, impl, rotate):
+    import dataclasses
+    import oracle_families as fam
+    d, tokens = data
+    m = d / "cfg_gemma2_hd64"
+    if not m.exists():
+        c = fam.CASE["gemma2"]
+        fam.make_config(dataclasses.replace(c, kw={**c.kw, "head_dim": 64})).save_pretrained(m)
+    eps = EPS["gemma2"]
+    k = [f"--kernels.attention={impl}"]
+    ref = d / f"gemma2_hd64_single_{impl}"
+    if not (ref / "metrics.jsonl").exists():
+        run(1, train_args(m, tokens, ref, *eps, *k), timeout=300)
+    out = d / f"gemma2_hd64_{impl}_{rotate}"
+    run(2, train_args(m, tokens, out, *CP2, f"--parallelism.context_parallel_rotate_method={rotate}", NOLB,
+                      *eps, *k), timeout=300)
+    assert_same(out, ref, f"gemma2 hd64 {impl} {rotate}")
+    assert_same_norms(out, ref, f"gemma2 hd64 {impl} {rotate}")
+
+
+# the new families in layouts test_families_dist.py does not run: (case, ranks, args)
+FAMILY_LAYOUTS = {
+    "gemma2_pp2": ("gemma2", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                 "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=1"]),
+    "gemma_pp2_cp2": ("gemma_gelu_attnbias", 4, ["--parallelism.pipeline_parallel_degree=2",
+                                                 "--parallelism.pipeline_parallel_microbatch_size=1",
+                                                 "--training.local_batch_size=1"] + CP2),
+    "gemma_cp2_alltoall": ("gemma_gelu_attnbias", 2, CP2 + [A2A]),
+    "gemma2_tp2_fsdp2": ("gemma2", 4, ["--parallelism.tensor_parallel_degree=2",
+                                       "--parallelism.data_parallel_shard_degree=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_LAYOUTS))
+def test_new_families_more_layouts(data, name):
+    d, tokens = data
+    cid, n, extra = FAMILY_LAYOUTS[name]
+    m = model_dir(d, cid)
+    eps = EPS[cid]
+    lb1 = [a for a in extra if a == "--training.local_batch_size=1"]
+    ref = d / f"{cid}_single_{len(lb1)}"
+    if not (ref / "metrics.jsonl").exists():
+        run(1, train_args(m, tokens, ref, *eps, *lb1), timeout=300)
+    out = d / f"fam_{name}"
+    dp = 2 if "--parallelism.data_parallel_shard_degree=2" in extra else 1
+    run(n, train_args(m, tokens, out, *extra, *eps, dp=dp), timeout=300)
+    assert_same(out, ref, name)
+    assert_same_norms(out, ref, name)
