@@ -223,7 +223,11 @@ SAVE_LAYOUTS = {  # name: (ranks, [parallelism and run options], whether the ran
 
 def save_run(setup, out, n, layout, gather, *extra):
     d, data = setup
-    a = [str(x) for x in args(d, data, out, *layout, *extra)]
+    return run_saving([str(x) for x in args(d, data, out, *layout, *extra)], n, gather)
+
+
+def run_saving(a, n, gather):
+    """ctitan's arguments a on n ranks, saving in parts or (gather) gathered to rank 0"""
     cmd = mpirun() + ["-x", "CTITAN_CKPT_GATHER", "-np", str(n), str(BIN), *a]  # the knob on every rank
     p = subprocess.run(cmd, env=dict(ENV, CTITAN_CKPT_GATHER="1" if gather else "0"), capture_output=True, text=True,
                        timeout=300)

@@ -23,7 +23,7 @@ import pytest
 import oracle
 import oracle_moe
 from conftest import BIN, crashed
-from test_ckpt_parallel_io import ENV, READ, WROTE, file_bytes, losses, run
+from test_ckpt_parallel_io import ENV, READ, WROTE, file_bytes, losses, run, run_saving
 from test_dist import mpirun
 
 STEPS, STOP = 4, 2
@@ -188,13 +188,7 @@ SAVES = {
 
 
 def save_run(d, data, model, out, n, layout, gather):
-    a = [str(x) for x in args(d, model, data, out, *layout)]
-    cmd = mpirun() + ["-x", "CTITAN_CKPT_GATHER", "-np", str(n), str(BIN), *a]  # the knob on every rank
-    p = subprocess.run(cmd, env=dict(ENV, CTITAN_CKPT_GATHER="1" if gather else "0"), capture_output=True, text=True,
-                       timeout=300)
-    crashed(p.returncode, p.stderr, cmd)
-    assert p.returncode == 0, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stderr[-4000:]}"
-    return p
+    return run_saving([str(x) for x in args(d, model, data, out, *layout)], n, gather)
 
 
 @pytest.mark.parametrize("name", list(SAVES))
