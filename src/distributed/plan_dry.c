@@ -125,6 +125,23 @@ int plan_fsdp_memory(const lm_model *m, int shard, int n_exp, int reshard, plan_
     return rc;
 }
 
+/* Sequence parallel's cut of a forward's B x T rows over the TP ranks: rank
+ * 0's chunk, and each rank's rows where DTensor Shard's chunks are uneven. */
+static void dry_sp_rows(FILE *out, int B, int T, int tp) {
+    int BT = B * T, C = (BT + tp - 1) / tp;
+    fprintf(out, "  sequence parallel: the residual stream and norms of %d of the %d rows (batch %d x %d)", C, BT, B,
+            T);
+    if (BT % tp) { /* the last ranks' chunks shorter or empty */
+        fprintf(out, "; rows per rank");
+        for (int r = 0; r < tp; r++) {
+            int rows = BT - r * C < C ? BT - r * C : C;
+            fprintf(out, "%s %d", r ? "," : "", rows > 0 ? rows : 0);
+        }
+        fprintf(out, ", padded to %d in the collectives", C);
+    }
+    fprintf(out, "\n");
+}
+
 /* What rank 0 of the layout plans; the others' slices are the same size
  * (equal heads, columns, experts per rank) up to FSDP's padding. */
 int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp, int B,
@@ -173,20 +190,7 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
                               lc.n_experts, lc.moe_intermediate);
     if (lc.vocab_rows) fprintf(out, ", lm_head rows %d of %d", lc.vocab_rows, lc.vocab_size);
     fprintf(out, ")\n");
-    if (lc.tp_seq) {
-        int BT = B * c->seq_len, C = (BT + tp - 1) / tp;
-        fprintf(out, "  sequence parallel: the residual stream and norms of %d of the %d rows (batch %d x %d)", C, BT,
-                B, c->seq_len);
-        if (BT % tp) { /* DTensor Shard's uneven chunks: the last ranks' shorter or empty */
-            fprintf(out, "; rows per rank");
-            for (int r = 0; r < tp; r++) {
-                int rows = BT - r * C < C ? BT - r * C : C;
-                fprintf(out, "%s %d", r ? "," : "", rows > 0 ? rows : 0);
-            }
-            fprintf(out, ", padded to %d in the collectives", C);
-        }
-        fprintf(out, "\n");
-    }
+    if (lc.tp_seq) dry_sp_rows(out, B, c->seq_len, tp);
     if (lc.vocab_rows) /* what the parameter count above holds of the largest tensor */
         fprintf(out, "  embedding: rows %d..%d of %d here (%zu parameters%s)\n", lc.vocab_row0,
                 lc.vocab_row0 + lc.vocab_rows - 1, lc.vocab_size, (size_t)lc.vocab_rows * (size_t)lc.hidden,
@@ -370,6 +374,8 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
                     "  bubble: simulated %.4f (stages costed by their FLOPs, the lm_head on the last), textbook "
                     "%.4f = (P-1)/(%sM+P-1)\n",
                     p.bubble, book, inter ? "S*" : "");
+            /* a stage's forward is one micro-batch of a CP rank's positions */
+            if (tp > 1 && c->sequence_parallel) dry_sp_rows(out, mb, c->seq_len / (c->cp > 1 ? c->cp : 1), tp);
         }
         if (!rc) rc = dry_pp_stage(out, c, mc, &p, shard, tp, where, e);
         if (!rc && out) { /* the order as torch's _Action prints it: virtual stage, F or B, micro-batch */

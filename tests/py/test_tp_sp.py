@@ -281,20 +281,24 @@ UNEVEN_LOOSE = {"tp4_fewer_rows_than_ranks": (1e-5, 1e-4, 1e-5), "tp3": (1e-5, 1
                 "tp2_gemma3": (1e-5, 1e-4, 1e-5)}
 
 
-@pytest.mark.parametrize("ranks, seq, batch", [(2, 15, 1), (4, 15, 2), (4, 3, 1), (4, 6, 1), (3, 16, 2)])
-def test_sp_dry_run_names_the_dtensor_chunks(sp_setup, ranks, seq, batch):
+@pytest.mark.parametrize("ranks, seq, batch, pp", [(2, 15, 1, 1), (4, 15, 2, 1), (4, 3, 1, 1), (4, 6, 1, 1),
+                                                   (3, 16, 2, 1), (2, 15, 2, 2), (4, 6, 2, 2)])
+def test_sp_dry_run_names_the_dtensor_chunks(sp_setup, ranks, seq, batch, pp):
     """--dry-run plans a rank's residual stream for the largest chunk and names every rank's
     rows: torch's own Shard(0)._split_tensor of the batch's rows over the TP degree (the
-    plan's batch: the larger of training's and validation's, the same here)."""
+    plan's batch: the larger of training's and validation's, the same here; under PP a
+    stage's forward, one pipeline micro-batch of 1 sequence)."""
     import torch
     from torch.distributed.tensor.placement_types import Shard
     d, data, _ = sp_setup
     model = "model_h6" if ranks == 3 else "model"
     args = train_args(d / model, data, d / "dry", SP, f"--parallelism.tensor_parallel_degree={ranks}",
                       "--parallelism.data_parallel_shard_degree=1", f"--training.seq_len={seq}",
-                      f"--training.local_batch_size={batch}", f"--validation.local_batch_size={batch}", "--dry-run")
+                      f"--training.local_batch_size={batch}", f"--validation.local_batch_size={batch}",
+                      f"--parallelism.pipeline_parallel_degree={pp}", "--dry-run")
     p = subprocess.run([str(BIN), *map(str, args)], env=ENV, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
+    batch = 1 if pp > 1 else batch
     rows = batch * seq
     shards, pads = Shard(0)._split_tensor(torch.empty(rows), ranks, with_padding=True)
     sizes = [int(x.numel()) - pad for x, pad in zip(shards, pads)]
