@@ -437,6 +437,15 @@ static size_t seq_rows(const lm_config *c, size_t BT) {
 static size_t seq_all_rows(const lm_config *c, size_t BT) {
     return c->tp_seq && c->tp_degree > 1 ? seq_rows(c, BT) * (size_t)c->tp_degree : BT;
 }
+/* Granite's residual_multiplier as the factor a branch's output is scaled
+ * by before its residual add; 0 where the family adds it as it is. */
+static float resid_mult(const lm_config *c) {
+    return c->residual_mult != 0 && c->residual_mult != 1 ? (float)c->residual_mult : 0.0f;
+}
+/* Whether a layer's attention and MLP outputs get buffers of their own (ao,
+ * mo): a norm reads them (OLMo2, Gemma), or they are scaled before the add. */
+static size_t branch_bufs(const lm_config *c) { return c->norm_place != LM_NORM_PRE || resid_mult(c) != 0; }
+
 /* The norm weights of one layer (lm_layer_w's ln1, ln_ao, ln2, ln_mo)
  * whose gradients, partial under sequence parallel, are summed together. */
 static size_t seq_norms(const lm_config *c) {
@@ -470,7 +479,10 @@ static void plan_layer(const lm_model *m, carver *cv, lm_layer_acts *a, int l) {
 #define OWN(name, n, keep) a->name = ac == LM_AC_NONE || (ac == LM_AC_OP && (keep)) ? carve(cv, n) : sc->name;
     LAYER_ACTS(OWN)
 #undef OWN
-    if (!pa) a->ao = a->ao_rstd = a->mo = a->mo_rstd = NULL;
+    if (!pa) { /* no norm reads them: Granite's scaled branches share one buffer (else none) */
+        a->ao = a->mo = m->ws.branch;
+        a->ao_rstd = a->mo_rstd = NULL;
+    }
     /* LoRA's [BT, r] products are small: every layer keeps its own (a recomputation rewrites the same bits) */
     for (int p = 0; p < LM_LORA_N; p++)
         a->lora_u[p] = lm_lora_on(c, l, p) ? carve(cv, BT * (size_t)lm_lora_rank(c, l, p)) : NULL;
@@ -525,6 +537,7 @@ static void plan_activations(lm_model *m, carver *cv) {
     if (any_ac) { LAYER_ACTS(SCRATCH) }
 #undef SCRATCH
     if (full_moe) carve_route(cv, &sc->route, m->act.B * m->act.T, E, c->top_k);
+    m->ws.branch = !pa && branch_bufs(c) ? carve(cv, BS * H) : NULL; /* before the layers point at it */
     /* a pipeline stage's micro-batches keep theirs in banks (lm_bank_new) */
     if (!c->pp_stage) plan_range(m, cv, m->act.layer, 0, c->n_layers, &m->act.res_out, &m->act.lnf, &m->act.lnf_rstd);
     I = I_dense; /* the dense backward's scratch below */
@@ -1493,14 +1506,22 @@ static const float *nw(lm_model *m, const float *w, int n) { return lm_norm_weig
 /* x[n] *= sqrt(hidden), rounded to fp32, where the family scales its
  * embeddings (Gemma); a no-op elsewhere. */
 static void lm_embed_scale(const lm_config *c, float *x, size_t n) {
-    if (!c->embed_scaled) return;
-    float sc = (float)sqrt((double)c->hidden); /* transformers' fp32 buffer */
+    if (!c->embed_scaled && (c->embed_mult == 0 || c->embed_mult == 1)) return;
+    /* Gemma's sqrt(H) is transformers' fp32 buffer; Granite's multiplier a Python float
+     * that torch rounds to the tensor's fp32 */
+    float sc = c->embed_scaled ? (float)sqrt((double)c->hidden) : (float)c->embed_mult;
     for (size_t i = 0; i < n; i++) x[i] *= sc;
 }
 
 /* x[n] = cap tanh(x / cap) where the family caps its final logits, keeping
- * tanh in t[n] (NULL: not kept); a no-op elsewhere. */
+ * tanh in t[n] (NULL: not kept); x[n] /= logits_scaling where it divides them
+ * (Granite: a division, as GraniteForCausalLM's, so the same fp32 bits); a
+ * no-op elsewhere. */
 static void lm_final_softcap(const lm_config *c, float *x, size_t n, float *t) {
+    if (c->logits_div != 0 && c->logits_div != 1) {
+        float s = (float)c->logits_div;
+        for (size_t i = 0; i < n; i++) x[i] /= s;
+    }
     if (!(c->final_softcap > 0)) return;
     float cap = (float)c->final_softcap;
     for (size_t i = 0; i < n; i++) {
@@ -1624,6 +1645,15 @@ static void proj_reduced(lm_model *m, float *out, const float *in, const float *
     if (b) op_bias_add(out, b, BT, N);
 }
 
+/* out[n] = base[n] + y[n] rm, the product rounded to fp32 before the add as
+ * transformers' `residual + hidden_states * residual_multiplier` is. */
+static void scaled_add(float *out, const float *base, const float *y, float rm, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float p = y[i] * rm;
+        out[i] = base[i] + p;
+    }
+}
+
 /* The gated MLP's activation: h[n] = act(gate[n]) * up[n] (n = BT x I). */
 static void glu_fwd(lm_model *m, float *h, const float *gate, const float *up, int n) {
     if (m->cfg.act == LM_ACT_GELU_TANH) K(GEGLU, geglu_fwd, h, gate, up, n);
@@ -1683,11 +1713,16 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     else if (m->attn_cp) /* context parallel: over the whole sequence's keys (distributed/cp.h) */
         m->attn_cp->fwd(m->attn_cp->ctx, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
     else K(ATTENTION, attention_fwd, a->att, a->lse, a->qr, a->kr, a->v, B, T, nH, nKV, hd, &ao);
-    if (w->ln_ao) { /* res_mid = res + norm(o_proj(att)) */
+    float rm = resid_mult(c);
+    if (w->ln_ao || rm != 0) { /* res_mid = res + norm(o_proj(att)), or res + rm o_proj(att) */
         proj_reduced(m, a->ao, a->att, w->wo, w->bo, BT, qd, H);
         lora_fwd_n(m, l, w, a->att, BT, qd, 1, (const int[]){LM_LORA_O}, &a->ao, &a->lora_u[LM_LORA_O], &H);
-        K(RMSNORM, rmsnorm_fwd, a->res_mid, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BS, H, eps);
-        K(ADD, add, a->res_mid, a->res_mid, a->res, (long)ns);
+        if (w->ln_ao) {
+            K(RMSNORM, rmsnorm_fwd, a->res_mid, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BS, H, eps);
+            K(ADD, add, a->res_mid, a->res_mid, a->res, (long)ns);
+        } else {
+            scaled_add(a->res_mid, a->res, a->ao, rm, ns);
+        }
     } else { /* res_mid = res + o_proj(att) */
         residual_matmul(m, a->res_mid, a->res, a->att, w->wo, BT, qd, H);
         if (w->bo) op_bias_add(a->res_mid, w->bo, BS, H);
@@ -1748,6 +1783,12 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         return;
     }
     if (!res_next) return; /* a recomputation: the down adapter's u was kept */
+    if (rm != 0) { /* res_next = res_mid + rm down(h) */
+        proj_reduced(m, a->mo, a->h, w->wd, w->bd, BT, I, H);
+        lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &a->mo, &a->lora_u[LM_LORA_DOWN], &H);
+        scaled_add(res_next, a->res_mid, a->mo, rm, ns);
+        return;
+    }
     residual_matmul(m, res_next, a->res_mid, a->h, w->wd, BT, I, H);
     if (w->bd) op_bias_add(res_next, w->bd, BS, H);
     lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &res_next, &a->lora_u[LM_LORA_DOWN], &H);
@@ -1903,10 +1944,14 @@ static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
     final_norm_fwd(m, BT);
 }
 
-/* d(raw logits) = d(capped) (1 - t^2), in place. */
+/* d(raw logits) = d(capped) (1 - t^2), then / logits_scaling, in place. */
 static void softcap_bwd(lm_model *m, float *dlogits, size_t n) {
-    if (!(m->cfg.final_softcap > 0)) return;
-    for (size_t i = 0; i < n; i++) dlogits[i] *= 1.0f - m->ws.cap_t[i] * m->ws.cap_t[i];
+    if (m->cfg.final_softcap > 0)
+        for (size_t i = 0; i < n; i++) dlogits[i] *= 1.0f - m->ws.cap_t[i] * m->ws.cap_t[i];
+    if (m->cfg.logits_div != 0 && m->cfg.logits_div != 1) {
+        float s = (float)m->cfg.logits_div;
+        for (size_t i = 0; i < n; i++) dlogits[i] /= s;
+    }
 }
 
 /* Cross-entropy of n rows of logits against labels, in place into
@@ -2191,7 +2236,7 @@ size_t lm_kv_layout(lm_kv *kv, const lm_config *c, int max_len, int rows, int n_
     carver cv = {base, 0};
     size_t L = (size_t)c->n_layers, H = (size_t)c->hidden, I = (size_t)c->intermediate, hd = (size_t)c->head_dim;
     size_t nH = (size_t)c->n_heads, nKV = (size_t)c->n_kv_heads, qd = nH * hd, kvd = nKV * hd;
-    size_t T = (size_t)max_len, R = (size_t)rows, pa = c->norm_place != LM_NORM_PRE;
+    size_t T = (size_t)max_len, R = (size_t)rows, pa = branch_bufs(c);
     int moe = c->n_experts > 0;
     size_t Ik = (size_t)c->top_k * c->moe_intermediate; /* a MoE layer's gate/up/h per token */
     if (moe && Ik > I) I = Ik;
@@ -2380,9 +2425,13 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
                          const float *ln, float *gln, const float *y, const float *rstd, int BT, int K) {
     int H = m->cfg.hidden, BS = sp_rows(m, BT);
     const float *dy = m->ws.d_res; /* [BT, H]; under sequence parallel this rank's rows, then gathered */
+    float rm = resid_mult(&m->cfg);
     if (ln) {
         zero(m->ws.d_ln, (size_t)BS * H);
         norm_bwd(m, m->ws.d_ln, gln, m->ws.d_res, y, ln, rstd, BS, H);
+        dy = m->ws.d_ln;
+    } else if (rm != 0) { /* the branch was scaled before the add: d(branch) = rm d(residual) */
+        for (size_t i = 0; i < (size_t)BS * H; i++) m->ws.d_ln[i] = m->ws.d_res[i] * rm;
         dy = m->ws.d_ln;
     }
     dy = sp_gather(m, m->ws.sp_dy, dy, BT, H);

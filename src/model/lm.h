@@ -88,6 +88,10 @@ typedef struct {
     double attn_softcap_unused; /* Gemma3's attn_logit_softcapping, which transformers reads and never
                                    applies: only written back to config.json */
     double final_softcap;  /* > 0: logits = cap tanh(logits / cap) */
+    /* Granite's scalars (0: the family has none, as 1 would be) */
+    double embed_mult;     /* embedding_multiplier: the embedding output times it */
+    double residual_mult;  /* residual_multiplier: each branch's output times it before the residual add */
+    double logits_div;     /* logits_scaling: the logits divided by it (before the loss and generation) */
     int sliding_window;    /* keys a sliding layer's query sees, itself included */
     unsigned char layer_sliding[LM_MAX_LAYERS]; /* 1: layer l uses the window and the local RoPE */
     int has_rope;          /* rope / rope_local hold config.json's resolved RoPE (model/rope.h);
@@ -373,6 +377,8 @@ typedef struct {
     int rope_T;             /* the forward length the tables were built for (lm_rope_by_length) */
     float *norm_w;          /* [max(H, nH*hd)] 1 + w of a Gemma norm while a kernel reads it */
     float *cap_t;           /* [logit_rows, V] tanh(logits / final_softcap) of the block in flight */
+    float *branch;          /* [BS, H] Granite: the attention or MLP output in flight, before it is scaled
+                               and added (read once, in the forward: every layer's ao and mo) */
     int logit_rows;         /* rows of logits materialised at once (lm_logit_rows) */
     float *logits;          /* [logit_rows, V] (V: vocab_rows when vocabulary-parallel) */
     float *ce_stats;        /* [3, logit_rows] vocabulary-parallel loss: row max, sum of exp, target logit */

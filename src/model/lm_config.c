@@ -293,6 +293,7 @@ typedef struct {
     double final_cap_default, attn_cap_default; /* absent keys; 0: None */
     double theta, theta_local; /* RoPE (model/rope.h): default_theta; Gemma3's sliding layers' */
     int rope_style, rope_head_dim_none;
+    int granite;        /* the four Granite scalars (embedding_multiplier ...) are read */
 } lm_family;
 
 static const lm_family families[] = {
@@ -327,6 +328,10 @@ static const lm_family families[] = {
      .tied = 1, .max_pos = 8192, .pad = 0, .win = WIN_GEMMA2, .win_default = 4096, .act_key = "hidden_activation",
      .caps = CAPS_GEMMA2, .final_cap_default = 30.0, .attn_cap_default = 50.0, .theta = 1e4},
     /* Gemma: Llama's pre-norms with Gemma's (1 + w) RMSNorm, scaled embeddings and GELU-tanh */
+    /* Granite 3.x: Llama's layer with its embeddings, branches, attention scores and
+     * logits scaled by four config scalars */
+    {.type = "granite", .arch = "GraniteForCausalLM", .qk_norm = LM_QK_NONE, .has_attn_bias = 1, .has_mlp_bias = 1,
+     .eps = 1e-6, .max_pos = 2048, .pad = -1, .act_key = "hidden_act", .theta = 1e4, .granite = 1},
     {.type = "gemma", .arch = "GemmaForCausalLM", .norm_plus_one = 1, .qk_norm = LM_QK_NONE, .embed_scaled = 1,
      .has_attn_bias = 1, .kv_default = 16, .hd_default = 256, .eps = 1e-6, .tied = 1, .max_pos = 8192, .pad = 0,
      .act_key = "hidden_act", .act_gelu_is_tanh = 1, .theta = 1e4},
@@ -521,6 +526,20 @@ static int gemma_act_agrees(const lm_config *c, const cJSON *root, const char *p
                    path, cJSON_IsString(ha) ? ha->valuestring : "?", mine);
 }
 
+/* One of Granite's scalars: absent or null, GraniteConfig's default 1.0; else
+ * a positive finite number (the published files' are; 0 would zero the
+ * stream or divide the logits by 0, and ctitan reads an attention scale of 0
+ * as head_dim^-0.5). */
+static int read_granite_scalar(const cJSON *root, const char *key, double *out, const char *path, ct_err *e) {
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
+    *out = 1.0;
+    if (!it || cJSON_IsNull(it)) return 0;
+    if (!cJSON_IsNumber(it) || !(it->valuedouble > 0) || !isfinite(it->valuedouble))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be a positive number", path, key);
+    *out = it->valuedouble;
+    return 0;
+}
+
 int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -667,6 +686,11 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
                 (rc = refuse_nonzero(root, "use_bidirectional_attention", "ctitan trains causal attention", path, e)))) {
         goto done;
     }
+    if (f->granite && ((rc = read_granite_scalar(root, "embedding_multiplier", &c->embed_mult, path, e)) ||
+                       (rc = read_granite_scalar(root, "residual_multiplier", &c->residual_mult, path, e)) ||
+                       (rc = read_granite_scalar(root, "attention_multiplier", &c->attn_scale, path, e)) ||
+                       (rc = read_granite_scalar(root, "logits_scaling", &c->logits_div, path, e))))
+        goto done;
     /* dropout would change what a training step computes; ctitan has none */
     if ((rc = refuse_nonzero(root, "attention_dropout", "ctitan trains without dropout", path, e)) ||
         (rc = refuse_nonzero(root, "resid_pdrop", "ctitan trains without dropout", path, e)) ||
@@ -753,6 +777,12 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         double asc = c->attn_softcap > 0 ? c->attn_softcap : c->attn_softcap_unused;
         if (asc > 0) add_float(o, "attn_logit_softcapping", asc);
         else cJSON_AddNullToObject(o, "attn_logit_softcapping");
+    }
+    if (f->granite) {
+        add_float(o, "embedding_multiplier", c->embed_mult > 0 ? c->embed_mult : 1.0);
+        add_float(o, "residual_multiplier", c->residual_mult > 0 ? c->residual_mult : 1.0);
+        add_float(o, "attention_multiplier", c->attn_scale > 0 ? c->attn_scale : 1.0 / sqrt((double)c->head_dim));
+        add_float(o, "logits_scaling", c->logits_div > 0 ? c->logits_div : 1.0);
     }
     cJSON_AddBoolToObject(o, "use_cache", 1);
     add_float(o, "initializer_range", 0.02);

@@ -1,7 +1,8 @@
 """oracle_families.py: the transformers reference for ctitan's model families (issue 15).
 
 One tiny random model per case, built with transformers' OWN config and model classes
-(llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3, gemma, gemma2, gemma3_text)
+(llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3, gemma, gemma2, gemma3_text,
+granite)
 with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
 weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
 whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
@@ -50,6 +51,7 @@ FAMILIES = {
     "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
     "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+    "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
 }
 MOE = {"qwen3_moe", "mixtral"}
 GEMMA = {"gemma", "gemma2", "gemma3_text"}  # RMSNorm by (1 + w)
@@ -206,6 +208,17 @@ CASES = [
         rope_parameters={"rope_type": "default", "rope_theta": 1e4},
         tie_word_embeddings=True, bos_token_id=2, eos_token_id=1),
         keys=("hidden_act", "attention_bias", "rope_parameters", "tie_word_embeddings", "head_dim")),
+    # ------------------------------------------------------------------ granite
+    # Llama's layer with Granite 3.x's four scalars at the published granite-3.0-2b values:
+    # embeddings x 12, each branch x 0.22 before its residual add, scores x 1/64 instead of
+    # head_dim^-0.5 (= 1/4 here), logits / 8; head_dim 16 of hidden 48 / 4 heads = 12;
+    # tied embeddings as the published files; attention and MLP biases on.
+    Case("granite", "granite", dict(
+        hidden_size=48, head_dim=16, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.015625, logits_scaling=8.0, attention_bias=True, mlp_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, tie_word_embeddings=True),
+        keys=("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+              "attention_bias", "mlp_bias", "head_dim", "rope_parameters", "tie_word_embeddings")),
 ]
 CASE = {c.id: c for c in CASES}
 
@@ -244,6 +257,7 @@ PARTIAL_DEFAULT_CASES = [
     _partial_default("gemma3_text", "gemma3_default_partial05_ignored", 0.5, top_level=False),
     _partial_default("gemma2", "gemma2_default_partial05_ignored", 0.5, top_level=True),
     _partial_default("gemma", "gemma_default_partial075_ignored", 0.75, top_level=False),
+    _partial_default("granite", "granite_default_partial05_ignored", 0.5, top_level=True),
 ]
 CASE.update({c.id: c for c in PARTIAL_DEFAULT_CASES})
 
@@ -334,6 +348,10 @@ REFUSALS = [
     Refusal("gemma_hidden_activation_disagrees", "gemma", dict(hidden_activation="silu"), "hidden_activation",
             ("hidden_act", "silu")),
     Refusal("gemma_final_softcap", "gemma", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
+    # logits / 0 (inf, nan) and a zero scale (ctitan reads 0 as head_dim^-0.5): not models
+    Refusal("granite_logits_scaling_zero", "granite", dict(logits_scaling=0.0), "logits_scaling"),
+    Refusal("granite_attention_multiplier_zero", "granite", dict(attention_multiplier=0.0), "attention_multiplier"),
+    Refusal("granite_attention_dropout", "granite", dict(attention_dropout=0.1), "attention_dropout"),
 ]
 
 

@@ -171,6 +171,36 @@ def test_config_json_must_describe_the_same_model(copy, key, value, want):
     assert p.returncode == 2 and "step-4/config.json" in p.stderr and want in p.stderr, p.stderr[-2000:]
 
 
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory):
+    """A run of a tiny Granite model (its four scalars away from 1) with its checkpoints."""
+    from transformers import GraniteConfig
+    tmp = tmp_path_factory.mktemp("granite")
+    GraniteConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+                  attention_multiplier=0.015625, logits_scaling=8.0).save_pretrained(tmp / "model")
+    data = oracle.write_bin(tmp / "tokens.bin", oracle.learnable_stream(40 * 17 + 5, 256, seed=5))
+    p = run(train_args(tmp / "model", data, tmp / "run"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return tmp / "model", data, tmp / "run"
+
+
+@pytest.mark.parametrize("key,value", [("residual_multiplier", 0.5), ("embedding_multiplier", 1.0),
+                                       ("attention_multiplier", 0.25), ("logits_scaling", 1.0)])
+def test_a_checkpoint_of_other_granite_scalars_is_refused(granite, tmp_path, key, value):
+    """Granite's scalars change what every layer computes without changing a tensor's shape:
+    a checkpoint whose config.json has another value must not load into the model as if it
+    were the same one (transformers' GraniteConfig reads each of them)."""
+    model_dir, data, out = granite
+    dst = tmp_path / "run"
+    shutil.copytree(out, dst)
+    d = dst / "checkpoint" / "step-5"  # the newest, the one a resume takes
+    edit_json(d / "config.json", lambda c: c.update({key: value}))
+    resign(d)
+    p = resume((model_dir, data, dst), "--training.steps=6")
+    assert p.returncode == 2 and "step-5/config.json" in p.stderr and key in p.stderr, p.stderr[-2000:]
+
+
 @pytest.mark.parametrize("flag,key", [
     ("--training.freeze=model.embed_tokens.weight", "training.freeze"),
     ("--lora.rank=2", "lora.rank"),

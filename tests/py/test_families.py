@@ -1,5 +1,5 @@
 """Model families from config.json (issue 15): ctitan against transformers' own classes for
-llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3, gemma, gemma2 and gemma3_text on tiny random
+llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3, gemma, gemma2, gemma3_text and granite on tiny random
 models with each family's distinctive options on (the cases: oracle_families.CASES).
 
 Per case: tensor names / shapes / loaded weights as save_pretrained wrote them; logits, loss
@@ -470,3 +470,49 @@ def test_gemma_hidden_act_gelu_is_tanh(tmp_path, open_session):
     s = open_session(hf_session_args(d, batch=B, seq_len=case.T))
     err = oracle.rel_err(s.logits(tokens), of.logits(ref, case.family, tokens))
     assert err <= TOL, f"logits rel err {err:.3g}"
+
+
+# --------------------------------------------------------------------------- 8. Granite's four scalars
+
+GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+
+
+def test_oracle_granite_scalars_change_the_model():
+    """Each of the granite case's scalars matters in transformers itself: set back to
+    GraniteConfig's default 1.0 it moves the logits by far more than the tests' tolerance,
+    so a ctitan that drops one fails them."""
+    import dataclasses
+    case = of.CASE["granite"]
+    a = of.build(case)
+    tokens, _ = of.batch(a, B, case.T, seed=5)
+    la = of.logits(a, case.family, tokens)
+    for key in GRANITE_SCALARS:
+        b = of.build(dataclasses.replace(case, kw={**case.kw, key: 1.0}))
+        err = oracle.rel_err(of.logits(b, case.family, tokens), la)
+        assert err > 100 * TOL, f"{key}: dropping it moves the logits by only {err:.3g}"
+
+
+def test_granite_scalar_defaults(tmp_path, open_session, run_ctitan):
+    """A Granite file without the four scalars: GraniteConfig reads each as 1.0 (the attention
+    scale too, not head_dim^-0.5). ctitan's logits equal transformers' on the model loaded
+    from that file, and its export writes back what transformers read."""
+    import json
+    from transformers import AutoConfig
+    case = of.CASE["granite"]
+    model = of.build(case)
+    d = of.save(model, tmp_path / "hf")
+    conf = of.config_json(d)
+    for k in GRANITE_SCALARS:
+        del conf[k]
+    (d / "config.json").write_text(json.dumps(conf, indent=2))
+    hf = AutoConfig.from_pretrained(d)
+    assert all(getattr(hf, k) == 1.0 for k in GRANITE_SCALARS)
+    ref = of.load(d, case.family)
+    tokens, _ = of.batch(ref, B, case.T, seed=5)
+    s = open_session(hf_session_args(d, batch=B, seq_len=case.T))
+    err = oracle.rel_err(s.logits(tokens), of.logits(ref, case.family, tokens))
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    run_ctitan(["describe", d, "--config-out", d / "out.json"])
+    out = json.loads((d / "out.json").read_text())
+    for k in GRANITE_SCALARS + ("num_key_value_heads", "head_dim", "tie_word_embeddings", "pad_token_id"):
+        assert out.get(k) == getattr(hf, k), f"{k} = {out.get(k)!r}, transformers {getattr(hf, k)!r}"

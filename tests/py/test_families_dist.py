@@ -17,6 +17,7 @@ from test_dist import STEPS, assert_same_run, run, train_args, weights
 # case, layouts: name -> (ranks, extra args, data-parallel ranks)
 FSDP2 = (2, ["--parallelism.data_parallel_shard_degree=2"], 2)
 TP2 = (2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.tensor_parallel_degree=2"], 1)
+TP2_NOSP = (2, TP2[1] + ["--parallelism.sequence_parallel=false"], 1)
 HSDP_AC = (4, ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2",
                "--activation_checkpoint.mode=full"], 4)
 EP2 = (2, ["--parallelism.data_parallel_shard_degree=2", "--parallelism.expert_parallel_degree=2"], 2)
@@ -37,6 +38,9 @@ CASES = {
     "gemma2": {"tp2": TP2, "hsdp_ac": HSDP_AC},
     "gemma_gelu_attnbias": {"fsdp2": FSDP2, "tp2": TP2},
     "mixtral_e4k2": {"ep2": EP2, "tp2": TP2},
+    # residual_multiplier on each branch: added once after the TP sum, with sequence parallel
+    # (this rank's rows) and without; scaled embeddings and logits under the vocabulary-parallel loss
+    "granite": {"fsdp2": FSDP2, "tp2": TP2, "tp2_nosp": TP2_NOSP},
 }
 # AdamW's eps per case where 1e-8 lets rounding noise decide the test (test_dist_debugmodel.py
 # says why): llama_mlpbias_tied's mlp biases have gradients near zero, so a last-bit

@@ -31,6 +31,8 @@ CASES = {  # case id: target modules
     "gemma3_text": OL.ALL7,
     "gemma2": OL.ALL7,
     "gemma_gelu_attnbias": OL.ALL7,
+    # o_proj's and down_proj's adapters feed the branch that residual_multiplier scales
+    "granite": OL.ALL7,
     "phi3_longrope_short_swa7": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "mixtral_e4k2": OL.ATTN,
 }

@@ -169,3 +169,22 @@ def test_gemma_caps_and_activation_as_transformers_reads_them(path, run_ctitan, 
         "layer_types", "sliding_window"]
     for k in keys + ["tie_word_embeddings", "pad_token_id", "head_dim", "num_key_value_heads", "rope_parameters"]:
         assert getattr(b, k) == getattr(a, k), f"{path.stem}: {k} = {getattr(b, k)!r}, transformers {getattr(a, k)!r}"
+
+
+# Granite's four scalars (the descriptor shows only the score scale): ctitan's export of a
+# published file carries what transformers reads from the file.
+GRANITE_FILES = [p for p in CONFIGS if json.loads(p.read_text()).get("model_type") == "granite"]
+
+
+@pytest.mark.parametrize("path", GRANITE_FILES, ids=[p.stem for p in GRANITE_FILES])
+def test_granite_scalars_as_transformers_reads_them(path, run_ctitan, tmp_path):
+    pub, out = tmp_path / "published", tmp_path / "export"
+    pub.mkdir()
+    out.mkdir()
+    shutil.copy(path, pub / "config.json")
+    run_ctitan(["describe", pub, "--config-out", out / "config.json"])
+    a, b = AutoConfig.from_pretrained(pub), AutoConfig.from_pretrained(out)
+    assert b.model_type == a.model_type == "granite"
+    for k in ["embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+              "tie_word_embeddings", "pad_token_id", "num_key_value_heads", "rope_parameters", "rms_norm_eps"]:
+        assert getattr(b, k) == getattr(a, k), f"{path.stem}: {k} = {getattr(b, k)!r}, transformers {getattr(a, k)!r}"

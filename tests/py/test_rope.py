@@ -43,6 +43,7 @@ ROTARY = {
     "gemma3_text": ("gemma3", "Gemma3RotaryEmbedding"),
     "gemma2": ("gemma2", "Gemma2RotaryEmbedding"),
     "gemma": ("gemma", "GemmaRotaryEmbedding"),
+    "granite": ("granite", "GraniteRotaryEmbedding"),
 }
 
 
