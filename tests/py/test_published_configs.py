@@ -149,14 +149,22 @@ def test_flavor_matches_published_config(flavor, run_ctitan, tmp_path):
     assert got["num_parameters"] == sum(p.numel() for p in model.parameters()), flavor
 
 
-# The Gemma 1 / 2 keys the descriptor does not show (its scaling is query_pre_attn_scalar's):
-# the soft-caps, the activation and the window layout ctitan's export writes for a published
-# file are what transformers reads from the file itself.
-GEMMA_FILES = [p for p in CONFIGS if json.loads(p.read_text()).get("model_type") in ("gemma", "gemma2")]
+# The keys the descriptor does not show, per family (Gemma's scaling is query_pre_attn_scalar's,
+# Granite's attention_multiplier): the soft-caps, the activation, the window layout and
+# Granite's four scalars that ctitan's export writes for a published file are what
+# transformers reads from the file itself.
+EXPORTED_KEYS = {
+    "gemma": ["hidden_act", "head_dim"],
+    "gemma2": ["hidden_activation", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+               "layer_types", "sliding_window", "head_dim"],
+    "granite": ["embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+                "rms_norm_eps"],
+}
+KEYED_FILES = [p for p in CONFIGS if json.loads(p.read_text()).get("model_type") in EXPORTED_KEYS]
 
 
-@pytest.mark.parametrize("path", GEMMA_FILES, ids=[p.stem for p in GEMMA_FILES])
-def test_gemma_caps_and_activation_as_transformers_reads_them(path, run_ctitan, tmp_path):
+@pytest.mark.parametrize("path", KEYED_FILES, ids=[p.stem for p in KEYED_FILES])
+def test_family_keys_as_transformers_reads_them(path, run_ctitan, tmp_path):
     pub, out = tmp_path / "published", tmp_path / "export"
     pub.mkdir()
     out.mkdir()
@@ -164,27 +172,6 @@ def test_gemma_caps_and_activation_as_transformers_reads_them(path, run_ctitan, 
     run_ctitan(["describe", pub, "--config-out", out / "config.json"])
     a, b = AutoConfig.from_pretrained(pub), AutoConfig.from_pretrained(out)
     assert b.model_type == a.model_type
-    keys = ["hidden_act"] if a.model_type == "gemma" else [
-        "hidden_activation", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
-        "layer_types", "sliding_window"]
-    for k in keys + ["tie_word_embeddings", "pad_token_id", "head_dim", "num_key_value_heads", "rope_parameters"]:
-        assert getattr(b, k) == getattr(a, k), f"{path.stem}: {k} = {getattr(b, k)!r}, transformers {getattr(a, k)!r}"
-
-
-# Granite's four scalars (the descriptor shows only the score scale): ctitan's export of a
-# published file carries what transformers reads from the file.
-GRANITE_FILES = [p for p in CONFIGS if json.loads(p.read_text()).get("model_type") == "granite"]
-
-
-@pytest.mark.parametrize("path", GRANITE_FILES, ids=[p.stem for p in GRANITE_FILES])
-def test_granite_scalars_as_transformers_reads_them(path, run_ctitan, tmp_path):
-    pub, out = tmp_path / "published", tmp_path / "export"
-    pub.mkdir()
-    out.mkdir()
-    shutil.copy(path, pub / "config.json")
-    run_ctitan(["describe", pub, "--config-out", out / "config.json"])
-    a, b = AutoConfig.from_pretrained(pub), AutoConfig.from_pretrained(out)
-    assert b.model_type == a.model_type == "granite"
-    for k in ["embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
-              "tie_word_embeddings", "pad_token_id", "num_key_value_heads", "rope_parameters", "rms_norm_eps"]:
+    for k in EXPORTED_KEYS[a.model_type] + ["tie_word_embeddings", "pad_token_id", "num_key_value_heads",
+                                           "rope_parameters"]:
         assert getattr(b, k) == getattr(a, k), f"{path.stem}: {k} = {getattr(b, k)!r}, transformers {getattr(a, k)!r}"
