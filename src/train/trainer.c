@@ -1032,16 +1032,27 @@ static void print_run_banner(trainer *t, run_clock *k) {
     }
     if (k->fpt != fpt_whole) /* MFU's and tflops' figure: this rank's */
         snprintf(fpt_note, sizeof fpt_note, "its part of the model; the whole model: %.3g; ", fpt_whole);
+    /* a pipeline stage keeps each forward in flight in a bank beside the shared arena: the
+     * total is what the dry run plans (its pool's peak, pp_bank_floats) */
+    double act_mib = lm_activation_bytes(m) / 1048576.0;
+    char banks[96] = "";
+    if (t->plan.pp) {
+        int nb = 0;
+        double bank_mib = 4.0 * (double)pp_bank_floats(t->plan.pp, m, &nb) / 1048576.0;
+        snprintf(banks, sizeof banks, " (shared %.1f MiB + %d bank%s %.1f MiB)", act_mib, nb, nb == 1 ? "" : "s",
+                 bank_mib);
+        act_mib += bank_mib;
+    }
     fprintf(stderr,
             "ctitan: model %s: %s%zu parameters%s, %d layers, hidden %d, heads %d/%d x %d, vocab %d%s\n"
-            "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, steps %d..%d; activations %.1f MiB\n"
+            "ctitan: batch %d x %d tokens, %d micro-batch(es) per step, steps %d..%d; activations %.1f MiB%s\n"
             "ctitan: parallelism: %s; global batch %d sequences; %d thread(s) per rank\n"
             "ctitan: %.3g FLOPs/token%s (%s6 x matmul params incl. lm_head + attention); peak %.1f GFLOP/s %s on %d "
             "threads (%s, %s%s%s)\n",
             wc->name, part, whole.n_params, part[0] ? " in the whole model" : "", wc->n_layers, wc->hidden,
             wc->n_heads, wc->n_kv_heads, wc->head_dim, wc->vocab_size, wc->tie_embeddings ? ", tied" : "", B, T,
             t->grad_accum, t->step + 1, c->steps,
-            lm_activation_bytes(m) / 1048576.0, layout, t->global_batch, cpu_threads(), k->fpt, fpt_note[0] ? " per rank" : "", fpt_note,
+            act_mib, banks, layout, t->global_batch, cpu_threads(), k->fpt, fpt_note[0] ? " per rank" : "", fpt_note,
             k->peak / 1e9, bf16_mm ? "bf16" : "fp32", peak.threads, bf16_mm ? peak.bf16_isa : peak.isa, peak.source,
             peak.note[0] ? ": " : "", peak.note);
     if (m->n_frozen && t->world->rank == 0) {

@@ -48,7 +48,8 @@ def test_pipeline_stage_plan_counts_sequence_parallel_rows(medium, tmp_path):
     the last stage's bank by the final norm's input and output and its rstd; the shared
     workspace gains the two [BT, H] buffers of gathered rows and gradients (and the norm
     weights' partial sums) and keeps d(residual) for BT/t rows. Sizes from the HF config.
-    Each stage's run logs the shared figure it planned. The stage plan counted whole rows under SP (its
+    Each stage's run logs the activations it planned: the shared arena, its banks (their count
+    too) and their total. The stage plan counted whole rows under SP (its
     config's tp_seq unset), so SP on and off planned the same bytes."""
     from transformers import AutoConfig
     d, data = medium
@@ -65,11 +66,17 @@ def test_pipeline_stage_plan_counts_sequence_parallel_rows(medium, tmp_path):
         assert sorted(stages) == [0, 1] and all(s["tp"] == t for s in stages.values()), out
         plan[sp] = stages
         err = ok(launch(4, args, env=dict(ENV, CTITAN_LOG_RANKS="all"))).stderr
-        logged = [float(x) for x in re.findall(r"ctitan: batch .* activations ([0-9.]+) MiB", err)]
+        logged = re.findall(r"ctitan: batch .* activations ([0-9.]+) MiB \(shared ([0-9.]+) MiB \+ (\d+) banks? "
+                            r"([0-9.]+) MiB\)", err)
         assert len(logged) == 4, err[-3000:]
-        for rank, mib in enumerate(logged):  # stages are the outermost dimension: ranks 0-1 stage 0
-            want = stages[rank // 2]["shared"] / MIB
-            assert abs(mib - want) < 0.05, (sp, rank, mib, want)
+
+        def planned(got, s):  # the run's line is the stage's plan, to the log's 0.1 MiB
+            return got[2] == s["n_banks"] and all(abs(g - b / MIB) < 0.05 for g, b in zip(
+                (got[0], got[1], got[3]), (s["shared"] + s["banks"], s["shared"], s["banks"])))
+        # the ranks' lines come in any order: each stage's two TP ranks log its plan
+        got = [(float(a), float(b), int(n), float(c)) for a, b, n, c in logged]
+        for v, s in stages.items():
+            assert sum(planned(g, s) for g in got) == 2, (sp, v, s, got)
     BT, BS = mb * T, mb * T // t
     per_layer = 4 * (r16(BT * H) - r16(BS * H)) + 2 * (r16(BT) - r16(BS))
     final = 2 * (r16(BT * H) - r16(BS * H)) + r16(BT) - r16(BS)
