@@ -327,11 +327,11 @@ static const lm_family families[] = {
      .qk_norm = LM_QK_NONE, .embed_scaled = 1, .has_attn_bias = 1, .kv_default = 4, .hd_default = 256, .eps = 1e-6,
      .tied = 1, .max_pos = 8192, .pad = 0, .win = WIN_GEMMA2, .win_default = 4096, .act_key = "hidden_activation",
      .caps = CAPS_GEMMA2, .final_cap_default = 30.0, .attn_cap_default = 50.0, .theta = 1e4},
-    /* Gemma: Llama's pre-norms with Gemma's (1 + w) RMSNorm, scaled embeddings and GELU-tanh */
     /* Granite 3.x: Llama's layer with its embeddings, branches, attention scores and
      * logits scaled by four config scalars */
     {.type = "granite", .arch = "GraniteForCausalLM", .qk_norm = LM_QK_NONE, .has_attn_bias = 1, .has_mlp_bias = 1,
      .eps = 1e-6, .max_pos = 2048, .pad = -1, .act_key = "hidden_act", .theta = 1e4, .granite = 1},
+    /* Gemma: Llama's pre-norms with Gemma's (1 + w) RMSNorm, scaled embeddings and GELU-tanh */
     {.type = "gemma", .arch = "GemmaForCausalLM", .norm_plus_one = 1, .qk_norm = LM_QK_NONE, .embed_scaled = 1,
      .has_attn_bias = 1, .kv_default = 16, .hd_default = 256, .eps = 1e-6, .tied = 1, .max_pos = 8192, .pad = 0,
      .act_key = "hidden_act", .act_gelu_is_tanh = 1, .theta = 1e4},
@@ -494,15 +494,19 @@ static void write_rope(cJSON *o, const rope_params *p) {
     }
 }
 
-/* A soft-cap: absent, the config class's default; null, none; else a positive
- * number (transformers divides by it: 0 would give NaN or flat scores, and a
- * negative cap computes what its absolute value does, so neither is a model). */
-static int read_cap(const cJSON *root, const char *key, double def, double *out, const char *path, ct_err *e) {
+/* A positive scalar of the config: absent, the config class's default def;
+ * null, if_null; else a positive finite number. Gemma's soft-caps (null:
+ * none) are divided by, so 0 would give NaN or flat scores and a negative
+ * cap computes what its absolute value does; Granite's scalars (null: 1.0)
+ * at 0 would zero the stream or divide the logits by 0, and ctitan reads an
+ * attention scale of 0 as head_dim^-0.5. */
+static int read_positive(const cJSON *root, const char *key, double def, double if_null, double *out,
+                         const char *path, ct_err *e) {
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
     *out = def;
     if (!it) return 0;
     if (cJSON_IsNull(it)) {
-        *out = 0;
+        *out = if_null;
         return 0;
     }
     if (!cJSON_IsNumber(it) || !(it->valuedouble > 0) || !isfinite(it->valuedouble))
@@ -524,20 +528,6 @@ static int gemma_act_agrees(const lm_config *c, const cJSON *root, const char *p
                    "%s: \"hidden_activation\" = \"%s\" disagrees with \"hidden_act\" (%s): transformers 5.x "
                    "computes hidden_act, 4.x hidden_activation; make them name the same function",
                    path, cJSON_IsString(ha) ? ha->valuestring : "?", mine);
-}
-
-/* One of Granite's scalars: absent or null, GraniteConfig's default 1.0; else
- * a positive finite number (the published files' are; 0 would zero the
- * stream or divide the logits by 0, and ctitan reads an attention scale of 0
- * as head_dim^-0.5). */
-static int read_granite_scalar(const cJSON *root, const char *key, double *out, const char *path, ct_err *e) {
-    const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
-    *out = 1.0;
-    if (!it || cJSON_IsNull(it)) return 0;
-    if (!cJSON_IsNumber(it) || !(it->valuedouble > 0) || !isfinite(it->valuedouble))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be a positive number", path, key);
-    *out = it->valuedouble;
-    return 0;
 }
 
 int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
@@ -674,9 +664,10 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         /* attn_logit_softcapping: Gemma2's eager attention applies it; Gemma3Attention
          * (transformers 5.24) keeps it but never hands it to the attention function, so
          * there it changes nothing, nor here: it is only carried to the exported config */
-        if ((rc = read_cap(root, "final_logit_softcapping", f->final_cap_default, &c->final_softcap, path, e)) ||
+        if ((rc = read_positive(root, "final_logit_softcapping", f->final_cap_default, 0, &c->final_softcap, path,
+                                e)) ||
             (rc = f->caps == CAPS_GEMMA2
-                      ? read_cap(root, "attn_logit_softcapping", f->attn_cap_default, &c->attn_softcap, path, e)
+                      ? read_positive(root, "attn_logit_softcapping", f->attn_cap_default, 0, &c->attn_softcap, path, e)
                       : json_float(root, "attn_logit_softcapping", &c->attn_softcap_unused, path, e)) ||
             (rc = refuse_nonzero(root, "use_bidirectional_attention", "ctitan trains causal attention", path, e)))
             goto done;
@@ -686,10 +677,11 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
                 (rc = refuse_nonzero(root, "use_bidirectional_attention", "ctitan trains causal attention", path, e)))) {
         goto done;
     }
-    if (f->granite && ((rc = read_granite_scalar(root, "embedding_multiplier", &c->embed_mult, path, e)) ||
-                       (rc = read_granite_scalar(root, "residual_multiplier", &c->residual_mult, path, e)) ||
-                       (rc = read_granite_scalar(root, "attention_multiplier", &c->attn_scale, path, e)) ||
-                       (rc = read_granite_scalar(root, "logits_scaling", &c->logits_div, path, e))))
+    /* Granite's scalars: absent or null, GraniteConfig's default 1.0 */
+    if (f->granite && ((rc = read_positive(root, "embedding_multiplier", 1, 1, &c->embed_mult, path, e)) ||
+                       (rc = read_positive(root, "residual_multiplier", 1, 1, &c->residual_mult, path, e)) ||
+                       (rc = read_positive(root, "attention_multiplier", 1, 1, &c->attn_scale, path, e)) ||
+                       (rc = read_positive(root, "logits_scaling", 1, 1, &c->logits_div, path, e))))
         goto done;
     /* dropout would change what a training step computes; ctitan has none */
     if ((rc = refuse_nonzero(root, "attention_dropout", "ctitan trains without dropout", path, e)) ||
