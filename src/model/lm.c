@@ -445,6 +445,11 @@ static float resid_mult(const lm_config *c) {
 /* Whether a layer's attention and MLP outputs get buffers of their own (ao,
  * mo): a norm reads them (OLMo2, Gemma), or they are scaled before the add. */
 static size_t branch_bufs(const lm_config *c) { return c->norm_place != LM_NORM_PRE || resid_mult(c) != 0; }
+/* Granite's logits_scaling as the divisor of the logits; 0 where the family
+ * does not divide them. */
+static float logits_div(const lm_config *c) {
+    return c->logits_div != 0 && c->logits_div != 1 ? (float)c->logits_div : 0.0f;
+}
 
 /* The norm weights of one layer (lm_layer_w's ln1, ln_ao, ln2, ln_mo)
  * whose gradients, partial under sequence parallel, are summed together. */
@@ -1518,10 +1523,9 @@ static void lm_embed_scale(const lm_config *c, float *x, size_t n) {
  * (Granite: a division, as GraniteForCausalLM's, so the same fp32 bits); a
  * no-op elsewhere. */
 static void lm_final_softcap(const lm_config *c, float *x, size_t n, float *t) {
-    if (c->logits_div != 0 && c->logits_div != 1) {
-        float s = (float)c->logits_div;
+    float s = logits_div(c);
+    if (s != 0)
         for (size_t i = 0; i < n; i++) x[i] /= s;
-    }
     if (!(c->final_softcap > 0)) return;
     float cap = (float)c->final_softcap;
     for (size_t i = 0; i < n; i++) {
@@ -1774,21 +1778,20 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     lora_fwd_n(m, l, w, xm, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP}, (float *const[]){a->gate, a->up},
                (float *const[]){a->lora_u[LM_LORA_GATE], a->lora_u[LM_LORA_UP]}, (const int[]){I, I});
     glu_fwd(m, a->h, a->gate, a->up, BT * I);
-    if (w->ln_mo) { /* res_next = res_mid + norm(down(h)); a recomputation needs mo and its rstd */
+    /* res_next = res_mid + norm(down(h)) (a recomputation needs mo and its rstd), or res_mid + rm down(h) */
+    if (w->ln_mo || (rm != 0 && res_next)) {
         proj_reduced(m, a->mo, a->h, w->wd, w->bd, BT, I, H);
         lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &a->mo, &a->lora_u[LM_LORA_DOWN], &H);
+        if (!w->ln_mo) {
+            scaled_add(res_next, a->res_mid, a->mo, rm, ns);
+            return;
+        }
         float *y = res_next ? res_next : m->ws.d_ln; /* d_ln: free scratch before this layer's backward */
         K(RMSNORM, rmsnorm_fwd, y, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BS, H, eps);
         if (res_next) K(ADD, add, res_next, res_next, a->res_mid, (long)ns);
         return;
     }
     if (!res_next) return; /* a recomputation: the down adapter's u was kept */
-    if (rm != 0) { /* res_next = res_mid + rm down(h) */
-        proj_reduced(m, a->mo, a->h, w->wd, w->bd, BT, I, H);
-        lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &a->mo, &a->lora_u[LM_LORA_DOWN], &H);
-        scaled_add(res_next, a->res_mid, a->mo, rm, ns);
-        return;
-    }
     residual_matmul(m, res_next, a->res_mid, a->h, w->wd, BT, I, H);
     if (w->bd) op_bias_add(res_next, w->bd, BS, H);
     lora_fwd_n(m, l, w, a->h, BT, I, 1, (const int[]){LM_LORA_DOWN}, &res_next, &a->lora_u[LM_LORA_DOWN], &H);
@@ -1948,10 +1951,9 @@ static void forward_stack(lm_model *m, const int32_t *tokens, int B, int T) {
 static void softcap_bwd(lm_model *m, float *dlogits, size_t n) {
     if (m->cfg.final_softcap > 0)
         for (size_t i = 0; i < n; i++) dlogits[i] *= 1.0f - m->ws.cap_t[i] * m->ws.cap_t[i];
-    if (m->cfg.logits_div != 0 && m->cfg.logits_div != 1) {
-        float s = (float)m->cfg.logits_div;
+    float s = logits_div(&m->cfg);
+    if (s != 0)
         for (size_t i = 0; i < n; i++) dlogits[i] /= s;
-    }
 }
 
 /* Cross-entropy of n rows of logits against labels, in place into
