@@ -1181,13 +1181,17 @@ static int ckpt_read_tensor(ckpt_reader *r, st_file *f, int fd, const st_tensor 
         r->sink->put(r->sink->ctx, kind, i, 0, 0, r->buf);
         return 0;
     }
-    /* the wanted columns first (the runs buffer is reused for the rows) */
+    /* the wanted columns first (the runs buffer is reused for the rows); none named: whole rows, one
+     * run of every column, whose rows lie end to end so that a block is one pread */
     r->n_runs = 0;
     if (r->want && r->want->cols) r->want->cols(r->want->ctx, kind, i, ckpt_runs_add, r);
-    int nc = r->n_runs;
-    size_t(*cr)[2] = nc ? ct_malloc((size_t)nc * sizeof *cr) : NULL;
-    if (nc) memcpy(cr, r->runs, (size_t)nc * sizeof *cr);
-    if (nc == 1 && cr[0][0] == 0 && cr[0][1] >= cols) nc = 0; /* every column: whole rows */
+    size_t every[1][2] = {{0, cols}}, (*cr)[2] = every;
+    int nc = 1;
+    if (r->n_runs && !(r->n_runs == 1 && r->runs[0][0] == 0 && r->runs[0][1] >= cols)) {
+        nc = r->n_runs;
+        cr = ct_malloc((size_t)nc * sizeof *cr);
+        memcpy(cr, r->runs, (size_t)nc * sizeof *cr);
+    }
     r->n_runs = 0;
     if (r->want && r->want->rows) r->want->rows(r->want->ctx, kind, i, ckpt_runs_add, r);
     else ckpt_runs_add(r, 0, rows);
@@ -1203,32 +1207,25 @@ static int ckpt_read_tensor(ckpt_reader *r, st_file *f, int fd, const st_tensor 
                 free(r->buf);
                 r->buf = ct_calloc((r->buf_cap = n), sizeof(float));
             }
-            if (!nc) {
-                rc = ckpt_pread(fd, path, r->buf, n * sizeof(float), base + (uint64_t)r0 * cols * sizeof(float), e);
-                if (!rc) rc = ckpt_check_values(path, nm, r->buf, n, r0 * cols, kind == LM_EXP_AVG_SQ, e);
-                r->read += (uint64_t)n * sizeof(float);
-                if (r->bar) prog_add(r->bar, (double)n * sizeof(float));
-            } else {
-                ckpt_piece pc = {0, 0, NULL};
-                for (size_t row = r0; row < r1 && !rc; row++)
-                    for (int j = 0; j < nc && !rc; j++) {
-                        size_t c0 = cr[j][0], c1 = cr[j][1] < cols ? cr[j][1] : cols;
-                        if (c0 >= c1) continue;
-                        uint64_t off = base + ((uint64_t)row * cols + c0) * sizeof(float);
-                        char *dst = (char *)(r->buf + (row - r0) * cols + c0);
-                        if (pc.len && pc.off + pc.len == off) { /* end to end in the file (and in buf) */
-                            pc.len += (c1 - c0) * sizeof(float);
-                            continue;
-                        }
-                        rc = ckpt_read_piece(r, fd, path, nm, kind, base, &pc, e);
-                        pc = (ckpt_piece){off, (c1 - c0) * sizeof(float), dst};
+            ckpt_piece pc = {0, 0, NULL};
+            for (size_t row = r0; row < r1 && !rc; row++)
+                for (int j = 0; j < nc && !rc; j++) {
+                    size_t c0 = cr[j][0], c1 = cr[j][1] < cols ? cr[j][1] : cols;
+                    if (c0 >= c1) continue;
+                    uint64_t off = base + ((uint64_t)row * cols + c0) * sizeof(float);
+                    char *dst = (char *)(r->buf + (row - r0) * cols + c0);
+                    if (pc.len && pc.off + pc.len == off) { /* end to end in the file (and in buf) */
+                        pc.len += (c1 - c0) * sizeof(float);
+                        continue;
                     }
-                if (!rc) rc = ckpt_read_piece(r, fd, path, nm, kind, base, &pc, e);
-            }
+                    rc = ckpt_read_piece(r, fd, path, nm, kind, base, &pc, e);
+                    pc = (ckpt_piece){off, (c1 - c0) * sizeof(float), dst};
+                }
+            if (!rc) rc = ckpt_read_piece(r, fd, path, nm, kind, base, &pc, e);
             if (!rc) r->sink->put(r->sink->ctx, kind, i, r0, r1, r->buf);
         }
     }
-    free(cr);
+    if (cr != every) free(cr);
     return rc;
 }
 
