@@ -151,31 +151,39 @@ static void interleave(pp_action *out, const pp_action *fwd, const pp_action *bw
     }
 }
 
-/* The order each virtual stage's forwards and backwards run in, from its
- * rank's schedule (LoopedBFS runs backwards last micro-batch first). */
-static void send_orders(pp_sched *p) {
-    int P = p->P, M = p->M, n = 2 * p->S * M, warm;
-    p->fseq = malloc((size_t)p->V * M * sizeof *p->fseq);
-    p->bseq = malloc((size_t)p->V * M * sizeof *p->bseq);
-    int *nf = calloc((size_t)p->V, sizeof *nf), *nb = calloc((size_t)p->V, sizeof *nb);
+/* Every rank's order of actions, [P][2 S M] (malloc'd rows): the schedule
+ * its rank runs, which the simulation and the receives' order both read. */
+static pp_action **rank_orders(const pp_sched *p) {
+    int n = 2 * p->S * p->M, warm;
+    pp_action **ord = calloc((size_t)p->P, sizeof *ord);
     pp_action *fw = malloc((size_t)n * sizeof *fw), *bw = malloc((size_t)n * sizeof *bw);
-    pp_action *ord = malloc((size_t)n * sizeof *ord);
-    for (int r = 0; r < P; r++) {
+    for (int r = 0; r < p->P; r++) {
         pp_sched q = *p;
         q.rank = r;
         build_orders(&q, fw, bw, &warm);
-        interleave(ord, fw, bw, n / 2, warm);
-        for (int k = 0; k < n; k++) {
-            int v = ord[k].stage * P + r;
-            if (ord[k].kind == 'F') p->fseq[(size_t)v * M + nf[v]++] = ord[k].mb;
-            else p->bseq[(size_t)v * M + nb[v]++] = ord[k].mb;
-        }
+        ord[r] = malloc((size_t)n * sizeof **ord);
+        interleave(ord[r], fw, bw, n / 2, warm);
     }
-    free(nf);
-    free(nb);
     free(fw);
     free(bw);
-    free(ord);
+    return ord;
+}
+
+/* The order each virtual stage's forwards and backwards run in, from its
+ * rank's schedule (LoopedBFS runs backwards last micro-batch first). */
+static void send_orders(pp_sched *p, pp_action *const *ord) {
+    int P = p->P, M = p->M, n = 2 * p->S * M;
+    p->fseq = malloc((size_t)p->V * M * sizeof *p->fseq);
+    p->bseq = malloc((size_t)p->V * M * sizeof *p->bseq);
+    int *nf = calloc((size_t)p->V, sizeof *nf), *nb = calloc((size_t)p->V, sizeof *nb);
+    for (int r = 0; r < P; r++)
+        for (int k = 0; k < n; k++) {
+            int v = ord[r][k].stage * P + r;
+            if (ord[r][k].kind == 'F') p->fseq[(size_t)v * M + nf[v]++] = ord[r][k].mb;
+            else p->bseq[(size_t)v * M + nb[v]++] = ord[r][k].mb;
+        }
+    free(nf);
+    free(nb);
 }
 
 /* Runs every rank's order with stage costs (B = 2 F), dependencies
@@ -183,22 +191,12 @@ static void send_orders(pp_sched *p) {
  * bubble (idle share of P x makespan), or -1 when no rank can go on
  * (an order that would deadlock). max_inflight: this rank's most forwards
  * whose backward has not run. */
-static double simulate(const pp_sched *p0, int *max_inflight) {
+static double simulate(const pp_sched *p0, pp_action *const *ord, int *max_inflight) {
     int P = p0->P, V = p0->V, M = p0->M, n = 2 * p0->S * M;
-    pp_action **ord = calloc((size_t)P, sizeof *ord);
     int *pos = calloc((size_t)P, sizeof *pos);
     double *clock = calloc((size_t)P, sizeof *clock), busy = 0;
     double *fdone = malloc((size_t)V * M * sizeof *fdone), *bdone = malloc((size_t)V * M * sizeof *bdone);
     for (size_t i = 0; i < (size_t)V * M; i++) fdone[i] = bdone[i] = -1;
-    pp_action *fw = malloc((size_t)n * sizeof *fw), *bw = malloc((size_t)n * sizeof *bw);
-    for (int r = 0; r < P; r++) {
-        pp_sched q = *p0;
-        q.rank = r;
-        int warm;
-        build_orders(&q, fw, bw, &warm);
-        ord[r] = malloc((size_t)n * sizeof **ord);
-        interleave(ord[r], fw, bw, n / 2, warm);
-    }
     int left = P * n, inflight = 0, most = 0;
     while (left) {
         int moved = 0;
@@ -231,14 +229,10 @@ static double simulate(const pp_sched *p0, int *max_inflight) {
     }
     double span = 0;
     for (int r = 0; r < P; r++) span = clock[r] > span ? clock[r] : span;
-    for (int r = 0; r < P; r++) free(ord[r]);
-    free(ord);
     free(pos);
     free(clock);
     free(fdone);
     free(bdone);
-    free(fw);
-    free(bw);
     *max_inflight = most;
     if (left) return -1;
     return span > 0 ? 1.0 - busy / (P * span) : 0;
@@ -288,16 +282,14 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
         for (int l = p->first[v]; l < p->first[v + 1]; l++) p->cost[v] += layer_cost(mc, l, c->seq_len);
         if (v == V - 1) p->cost[v] += head_cost(mc);
     }
-    int n = 2 * p->S * M, warm;
-    pp_action *fw = malloc((size_t)n * sizeof *fw), *bw = malloc((size_t)n * sizeof *bw);
-    build_orders(p, fw, bw, &warm);
-    p->act = malloc((size_t)n * sizeof *p->act);
-    p->n_act = n;
-    interleave(p->act, fw, bw, n / 2, warm);
-    free(fw);
-    free(bw);
-    send_orders(p);
-    p->bubble = simulate(p, &p->max_banks);
+    pp_action **ord = rank_orders(p);
+    p->n_act = 2 * p->S * M;
+    p->act = ord[rank]; /* this rank's, kept */
+    send_orders(p, ord);
+    p->bubble = simulate(p, ord, &p->max_banks);
+    for (int r = 0; r < P; r++)
+        if (r != rank) free(ord[r]);
+    free(ord);
     if (p->bubble < 0)
         return ct_fail(e, CT_ERR_CONFIG, "%s: pipeline schedule %s with %d ranks and %d micro-batches would deadlock",
                        where, c->pp_schedule, P, M);
