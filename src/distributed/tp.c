@@ -24,6 +24,7 @@ void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, i
     local->n_kv_heads = full->n_kv_heads / t;
     local->intermediate = full->intermediate / t;
     local->moe_intermediate = full->moe_intermediate / t; /* every expert's gate/up rows, down columns */
+    local->shared_intermediate = full->shared_intermediate / t; /* a shared expert: split as the dense MLP */
     /* the embedding and lm_head (tied: the same tensor) by vocabulary rows. A
      * vocabulary t does not divide keeps them whole: mesh_resolve refuses it
      * untied; tied, the whole table and loss stay on every rank as before */

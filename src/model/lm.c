@@ -266,6 +266,13 @@ static void build_layout(lm_model *m) {
             snprintf(sfx, sizeof sfx, "%s.gate.weight",
                      c->moe_keys == LM_MOE_KEYS_MIXTRAL ? "block_sparse_moe" : "mlp");
             T_(sfx, c->n_experts, H, 1, LM_S_ROUTER);
+            if (c->shared_intermediate > 0) { /* qwen2_moe: a dense MLP under its own name, and its gate */
+                int64_t Is = c->shared_intermediate;
+                T_("mlp.shared_expert.gate_proj.weight", Is, H, 1, LM_S_WG);
+                T_("mlp.shared_expert.up_proj.weight", Is, H, 1, LM_S_WU);
+                T_("mlp.shared_expert.down_proj.weight", H, Is, 1, LM_S_WD);
+                T_("mlp.shared_expert_gate.weight", 1, H, 1, LM_S_SHARED_GATE);
+            }
         } else {
             if (c->fused_gate_up) {
                 T_("mlp.gate_up_proj.weight", 2 * I, H, 1, LM_S_WGU);
@@ -374,6 +381,7 @@ static void bind_weights(lm_weights *w, const lm_model *m, float *base, int grad
         case LM_S_BD: lw->bd = p; break;
         case LM_S_LN_MLP_OUT: lw->ln_mo = p; break;
         case LM_S_ROUTER: lw->router = p; break;
+        case LM_S_SHARED_GATE: lw->shgate = p; break;
         /* a projection's experts are one stacked block from its first held expert */
         case LM_S_EXP_G: if (!lw->ewg && t->numel) lw->ewg = p; break;
         case LM_S_EXP_U: if (!lw->ewu && t->numel) lw->ewu = p; break;
@@ -465,7 +473,8 @@ static size_t seq_norms(const lm_config *c) {
     X(qr, BT * qd, 0) X(k, BT * kvd, 1) X(k_rstd, BT * nKV, 0) X(kr, BT * kvd, 0) \
     X(v, BT * kvd, 1) X(lse, BT * nH, 1) X(att, BT * qd, 1) X(res_mid, BS * H, 1) \
     X(ln2, BS * H, 0) X(ln2_rstd, BS, 0) X(gate, BT * I, 1) X(up, BT * I, 1) X(h, BT * I, 0)             \
-    X(ao, BS * H * pa, 1) X(ao_rstd, BS * pa, 0) X(mo, BS * H * pa, 1) X(mo_rstd, BS * pa, 0)
+    X(ao, BS * H * pa, 1) X(ao_rstd, BS * pa, 0) X(mo, BS * H * pa, 1) X(mo_rstd, BS * pa, 0)   \
+    X(sgate, BT * Is, 1) X(sup, BT * Is, 1) X(sh, BT * Is, 0) X(so, BT * H * (Is > 0), 1) X(sg, BT * (Is > 0), 1)
 
 /* One layer's saved activations (what a micro-batch in flight keeps until
  * its backward): kept ones carved from cv, the others pointing into the
@@ -480,10 +489,12 @@ static void plan_layer(const lm_model *m, carver *cv, lm_layer_acts *a, int l) {
     a->ac = ac;
     a->moe = lm_layer_is_moe(c, l);
     I = a->moe ? (size_t)c->top_k * c->moe_intermediate : (size_t)c->intermediate;
+    size_t Is = a->moe ? (size_t)c->shared_intermediate : 0; /* the shared expert's width (0: none) */
     a->res = carve(cv, BS * H); /* always kept: the layer's input, where recomputation starts */
 #define OWN(name, n, keep) a->name = ac == LM_AC_NONE || (ac == LM_AC_OP && (keep)) ? carve(cv, n) : sc->name;
     LAYER_ACTS(OWN)
 #undef OWN
+    if (!Is) a->sgate = a->sup = a->sh = a->so = a->sg = NULL;
     if (!pa) { /* no norm reads them: Granite's scaled branches share one buffer (else none) */
         a->ao = a->mo = m->ws.branch;
         a->ao_rstd = a->mo_rstd = NULL;
@@ -519,7 +530,7 @@ static void plan_activations(lm_model *m, carver *cv) {
     size_t pa = c->norm_place != LM_NORM_PRE;
     /* I below is the width of a layer's gate/up/h rows per token: the dense
      * intermediate, or k * Im for a MoE layer (k expert rows per token) */
-    size_t I_moe = (size_t)c->top_k * c->moe_intermediate, I_max = 0, I_dense = 0;
+    size_t I_moe = (size_t)c->top_k * c->moe_intermediate, I_max = 0, I_dense = 0, Is = 0;
     int E = c->n_experts, Nk = m->act.B * m->act.T * c->top_k;
     /* one scratch set that every checkpointed layer's forward, recomputation
      * and backward use in turn (layers run one at a time) */
@@ -533,6 +544,7 @@ static void plan_activations(lm_model *m, carver *cv) {
         any_ac |= ac[l] != LM_AC_NONE;
         if (ac[l] != LM_AC_NONE && Il > I_max) I_max = Il;
         if (!moe) I_dense = (size_t)c->intermediate;
+        if (moe && ac[l] != LM_AC_NONE) Is = (size_t)c->shared_intermediate;
         full_moe |= moe && ac[l] == LM_AC_FULL;
     }
     lm_layer_acts *sc = &m->act.scratch;
@@ -545,7 +557,12 @@ static void plan_activations(lm_model *m, carver *cv) {
     m->ws.branch = !pa && branch_bufs(c) ? carve(cv, BS * H) : NULL; /* before the layers point at it */
     /* a pipeline stage's micro-batches keep theirs in banks (lm_bank_new) */
     if (!c->pp_stage) plan_range(m, cv, m->act.layer, 0, c->n_layers, &m->act.res_out, &m->act.lnf, &m->act.lnf_rstd);
-    I = I_dense; /* the dense backward's scratch below */
+    I = I_dense; /* the dense backward's scratch below, the shared expert's too */
+    if (m->moe.n_layers && (size_t)c->shared_intermediate > I) I = (size_t)c->shared_intermediate;
+    if (m->moe.n_layers && c->shared_intermediate > 0) {
+        m->ws.d_so = carve(cv, BT * H);
+        m->ws.d_sg = carve(cv, BT);
+    }
     if (m->moe.n_layers) {
         m->ws.moe_work = carve(cv, KERN_MOE_WORK(Nk, H, c->moe_intermediate));
         m->ws.moe_dtopw = carve(cv, (size_t)Nk);
@@ -556,6 +573,7 @@ static void plan_activations(lm_model *m, carver *cv) {
         m->ws.lora_du = carve(cv, LM_LORA_GROUP * BT * (size_t)lm_lora_max_rank(c)); /* lora_bwd_n: one per adapter */
         size_t kmax = H > qd ? H : qd;
         kmax = kmax > (size_t)c->intermediate ? kmax : (size_t)c->intermediate;
+        kmax = kmax > (size_t)c->shared_intermediate ? kmax : (size_t)c->shared_intermediate;
         m->ws.lora_x = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
         m->ws.lora_dx = c->lora_dropout > 0 ? carve(cv, BT * kmax) : NULL;
     }
@@ -1664,6 +1682,40 @@ static void glu_fwd(lm_model *m, float *h, const float *gate, const float *up, i
     else K(SWIGLU, swiglu_fwd, h, gate, up, n);
 }
 
+/* The gated MLP's input side, the dense MLP's and a shared expert's alike:
+ * gate, up [BT, I] = x wg^T (+ bg), x wu^T (+ bu) (+ their adapters), then
+ * h [BT, I] = act(gate) * up. x [BT, H]. */
+static void mlp_up_fwd(lm_model *m, int l, const lm_layer_w *w, lm_layer_acts *a, const float *x, float *gate,
+                       float *up, float *h, int BT, int I) {
+    int H = m->cfg.hidden;
+    mm_fwd(m, gate, x, w->wg, BT, H, I, 0);
+    mm_fwd(m, up, x, w->wu, BT, H, I, 0);
+    if (w->bg) {
+        op_bias_add(gate, w->bg, BT, I);
+        op_bias_add(up, w->bu, BT, I);
+    }
+    lora_fwd_n(m, l, w, x, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP}, (float *const[]){gate, up},
+               (float *const[]){a->lora_u[LM_LORA_GATE], a->lora_u[LM_LORA_UP]}, (const int[]){I, I});
+    glu_fwd(m, h, gate, up, BT * I);
+}
+
+/* A MoE layer's shared expert (qwen2_moe's sparse block): y[BT, H] +=
+ * sigmoid(x shgate^T) * down(act(gate(x)) * up(x)), the dense MLP's products
+ * on width Is, for every token. y NULL: only the activations (recomputation).
+ * Under tensor parallelism so is this rank's partial sum over its Is slice
+ * and y the partial sum the caller reduces; the gate logit is whole. */
+static void shared_expert_fwd(lm_model *m, int l, lm_layer_acts *a, const lm_layer_w *w, const float *x, float *y,
+                              int BT) {
+    int H = m->cfg.hidden, Is = m->cfg.shared_intermediate;
+    mlp_up_fwd(m, l, w, a, x, a->sgate, a->sup, a->sh, BT, Is); /* [BT, Is] each */
+    mm_fwd(m, a->so, a->sh, w->wd, BT, Is, H, 0);                /* [BT, H] */
+    mm_fwd(m, a->sg, x, w->shgate, BT, H, 1, 0);                 /* [BT] the gate's logits */
+    for (int t = 0; t < BT; t++) a->sg[t] = 1.0f / (1.0f + expf(-a->sg[t]));
+    if (!y) return;
+    for (size_t t = 0; t < (size_t)BT; t++)
+        for (size_t j = 0; j < (size_t)H; j++) y[t * H + j] += a->sg[t] * a->so[t * H + j];
+}
+
 static void kv_attention(lm_model *m, lm_kv *kv, int l, float *out, const float *q, int n,
                          const kern_attn_opt *at);
 
@@ -1763,21 +1815,14 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         } else
             experts_h(m, 1, y, NULL, NULL, NULL, NULL, NULL, NULL, &ag, kv ? kv->moe_work : m->ws.moe_work, eg, eu,
                       ed, BT);
+        if (w->shgate) shared_expert_fwd(m, l, a, w, xm, y, BT);
         if (y && tp) {
             const float *ys = sum_rows(m, y, BT, H);
             for (size_t i = 0; i < ns; i++) res_next[i] = a->res_mid[i] + ys[i];
         }
         return;
     }
-    mm_fwd(m, a->gate, xm, w->wg, BT, H, I, 0);
-    mm_fwd(m, a->up, xm, w->wu, BT, H, I, 0);
-    if (w->bg) {
-        op_bias_add(a->gate, w->bg, BT, I);
-        op_bias_add(a->up, w->bu, BT, I);
-    }
-    lora_fwd_n(m, l, w, xm, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP}, (float *const[]){a->gate, a->up},
-               (float *const[]){a->lora_u[LM_LORA_GATE], a->lora_u[LM_LORA_UP]}, (const int[]){I, I});
-    glu_fwd(m, a->h, a->gate, a->up, BT * I);
+    mlp_up_fwd(m, l, w, a, xm, a->gate, a->up, a->h, BT, I);
     /* res_next = res_mid + norm(down(h)) (a recomputation needs mo and its rstd), or res_mid + rm down(h) */
     if (w->ln_mo || (rm != 0 && res_next)) {
         proj_reduced(m, a->mo, a->h, w->wd, w->bd, BT, I, H);
@@ -1825,6 +1870,7 @@ static void layer_recompute(lm_model *m, int l, int B, int T) {
     /* the norms of kept outputs: only their rstd is read, the output goes to a free scratch */
     if (w->ln_ao) K(RMSNORM, rmsnorm_fwd, m->ws.d_ln, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BS, H, eps);
     if (w->ln2) K(RMSNORM, rmsnorm_fwd, a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BS, H, eps);
+    if (a->sgate) glu_fwd(m, a->sh, a->sgate, a->sup, BT * c->shared_intermediate); /* as shared_expert_fwd */
     if (a->moe) /* the experts kernels compute h with the reference SwiGLU (ops.h contract): so do we */
         op_swiglu_fwd(a->h, a->gate, a->up, BT * c->top_k * c->moe_intermediate);
     else
@@ -2270,6 +2316,14 @@ size_t lm_kv_layout(lm_kv *kv, const lm_config *c, int max_len, int rows, int n_
     a->h = carve(&cv, R * I);
     a->mo = pa ? carve(&cv, R * H) : NULL;
     a->mo_rstd = pa ? carve(&cv, R) : NULL;
+    if (moe && c->shared_intermediate > 0) {
+        size_t Is = (size_t)c->shared_intermediate;
+        a->sgate = carve(&cv, R * Is);
+        a->sup = carve(&cv, R * Is);
+        a->sh = carve(&cv, R * Is);
+        a->so = carve(&cv, R * H);
+        a->sg = carve(&cv, R);
+    }
     if (moe) {
         carve_route(&cv, &a->route, rows, c->n_experts, c->top_k);
         kv->moe_work = carve(&cv, KERN_MOE_WORK(R * c->top_k, H, c->moe_intermediate));
@@ -2366,6 +2420,51 @@ static void norm_flush(lm_model *m) {
     lm_norm_partials_add(m);
 }
 
+/* The gated MLP's input side backward, the dense MLP's and a shared
+ * expert's alike, from d_h[BT, I] = d(h): d_gate, d_up (their first
+ * product, overwritten), the biases', weights' and adapters' gradients
+ * (+=), and d_ln[BT, H] = d(x) (acc 0: overwritten; 1: added). */
+static void mlp_up_bwd(lm_model *m, int l, const lm_layer_w *w, lm_layer_w *g, const float *x, const float *gate,
+                       const float *up, int BT, int I, int acc) {
+    int H = m->cfg.hidden;
+    if (m->cfg.act == LM_ACT_GELU_TANH) K(GEGLU, geglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, gate, up, BT * I, 0);
+    else K(SWIGLU, swiglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, gate, up, BT * I, 0);
+    if (g->bg) op_bias_bwd(g->bg, m->ws.d_gate, BT, I);
+    if (g->bu) op_bias_bwd(g->bu, m->ws.d_up, BT, I);
+    mm_bwd(m, m->ws.d_ln, g->wg, m->ws.d_gate, x, w->wg, BT, H, I, acc);
+    mm_bwd(m, m->ws.d_ln, g->wu, m->ws.d_up, x, w->wu, BT, H, I, 1);
+    lora_bwd_n(m, l, m->ws.d_ln, x, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP},
+               (const float *const[]){m->ws.d_gate, m->ws.d_up}, (const int[]){I, I});
+}
+
+/* The shared expert's backward (shared_expert_fwd) from dy[BT, H] = d(block
+ * output): d_ln[BT, H] += d(x) through the expert, the gradients of its
+ * weights accumulate, and ws.d_sg[BT] = d(gate logit), whole under tensor
+ * parallelism (summed over the Is slices); the gate's own share of d(x),
+ * not a partial sum, is shared_gate_bwd's. */
+static void shared_expert_bwd(lm_model *m, int l, const lm_layer_acts *a, const lm_layer_w *w, lm_layer_w *g,
+                              const float *x, const float *dy, int BT) {
+    size_t H = (size_t)m->cfg.hidden;
+    int Is = m->cfg.shared_intermediate;
+    float *dso = m->ws.d_so, *dsg = m->ws.d_sg; /* [BT, H], [BT] */
+    for (size_t t = 0; t < (size_t)BT; t++) {
+        float s = a->sg[t], dot = 0;
+        for (size_t j = 0; j < H; j++) {
+            dot += dy[t * H + j] * a->so[t * H + j];
+            dso[t * H + j] = s * dy[t * H + j];
+        }
+        dsg[t] = dot * s * (1.0f - s); /* sigmoid' = s (1 - s) */
+    }
+    reduce_d_input(m, dsg, (size_t)BT);
+    mm_bwd(m, m->ws.d_h, g->wd, dso, a->sh, w->wd, BT, Is, (int)H, 0); /* d_h [BT, Is], overwritten */
+    mlp_up_bwd(m, l, w, g, x, a->sgate, a->sup, BT, Is, 1);
+}
+
+/* The shared expert gate's backward: d shgate [1, H] += d_sg^T x, dx[BT, H] += d_sg shgate. */
+static void shared_gate_bwd(lm_model *m, float *dx, const lm_layer_w *w, lm_layer_w *g, const float *x, int BT) {
+    mm_bwd(m, dx, g->shgate, m->ws.d_sg, x, w->shgate, BT, m->cfg.hidden, 1, 1);
+}
+
 static float *moe_layer_bwd(lm_model *m, int l, int BT) {
     const lm_config *c = &m->cfg;
     lm_layer_acts *a = &m->act.layer[l];
@@ -2390,6 +2489,7 @@ static float *moe_layer_bwd(lm_model *m, int l, int BT) {
     } else
         experts_h(m, 0, NULL, m->ws.d_ln, dg, du, dd, m->ws.moe_dtopw, dy, &ag, m->ws.moe_work, eg, eu, ed, BT);
     experts_adapted_grad(m, w, g);
+    if (w->shgate) shared_expert_bwd(m, l, a, w, g, ag.ln2, dy, BT);
     /* under tensor parallelism both are partial sums over the experts'
      * intermediate slices; the router's own d(ln2), added next, is not
      * (its rows outside this rank's block, under sequence parallel, unread) */
@@ -2414,6 +2514,7 @@ static float *moe_layer_bwd(lm_model *m, int l, int BT) {
             for (size_t i = 0; i < (size_t)E * H; i++) g->router[i] += dwr[i];
     }
     if (m->prof) prof_model_op(m->prof, "moe_route_bwd", "moe_route", KERN_OP_MATMUL, rt0);
+    if (w->shgate) shared_gate_bwd(m, m->ws.d_ln, w, g, ag.ln2, BT); /* whole, as the router's, after the sum */
     return dl;
 }
 
@@ -2495,17 +2596,8 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
         /* res_next = res_mid + [norm](down(h) + bd): d_res flows to res_mid unchanged, plus the MLP path */
         out_proj_bwd(m, l, LM_LORA_DOWN, m->ws.d_h, a->h, w->wd, g->wd, g->bd, w->ln_mo, g->ln_mo, a->mo, a->mo_rstd,
                      BT, I);
-        /* d_gate, d_up: their first product, overwritten */
-        if (c->act == LM_ACT_GELU_TANH) K(GEGLU, geglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up,
-                                          BT * I, 0);
-        else K(SWIGLU, swiglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, a->gate, a->up, BT * I, 0);
-        if (g->bg) op_bias_bwd(g->bg, m->ws.d_gate, BT, I);
-        if (g->bu) op_bias_bwd(g->bu, m->ws.d_up, BT, I);
         const float *xm = sp_gather(m, m->ws.sp_x, mlp_in(m, a), BT, H);
-        mm_bwd(m, m->ws.d_ln, g->wg, m->ws.d_gate, xm, w->wg, BT, H, I, 0);
-        mm_bwd(m, m->ws.d_ln, g->wu, m->ws.d_up, xm, w->wu, BT, H, I, 1);
-        lora_bwd_n(m, l, m->ws.d_ln, xm, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP},
-                   (const float *const[]){m->ws.d_gate, m->ws.d_up}, (const int[]){I, I});
+        mlp_up_bwd(m, l, w, g, xm, a->gate, a->up, BT, I, 0);
         dl = sum_rows(m, m->ws.d_ln, BT, H);
     }
     if (w->ln2) norm_bwd(m, m->ws.d_res, g->ln2, dl, a->res_mid, w->ln2, a->ln2_rstd, BS, H);

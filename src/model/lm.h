@@ -113,6 +113,10 @@ typedef struct {
     int mlp_only_layers[LM_MAX_MLP_ONLY];
     int output_router_logits; /* add router_aux_loss_coef * HF's load-balancing loss to the loss */
     double router_aux_loss_coef;
+    /* qwen2_moe's shared expert (shared_expert_intermediate_size; 0: none): every
+     * sparse layer also runs a dense gated MLP this wide on every token, its
+     * output times sigmoid(shared_expert_gate(x)) added to the experts' */
+    int shared_intermediate;
     /* Vocabulary-parallel embedding and lm_head (distributed/tp.c; tied or not):
      * this model holds rows [vocab_row0, vocab_row0 + vocab_rows) of each. The
      * lookup gives other rows' tokens zeros and sums over ranks by hooks; the
@@ -250,7 +254,8 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e);
 enum { LM_S_EMBED, LM_S_LN_IN, LM_S_WQ, LM_S_WK, LM_S_WV, LM_S_WQKV, LM_S_BQ, LM_S_BK, LM_S_BV, LM_S_WO, LM_S_BO,
        LM_S_QN, LM_S_KN, LM_S_LN_ATTN_OUT, LM_S_LN_PRE_MLP, LM_S_WG, LM_S_WU, LM_S_WGU, LM_S_WD, LM_S_BG, LM_S_BU,
        LM_S_BD, LM_S_ROUTER, LM_S_EXP_G, LM_S_EXP_U, LM_S_EXP_D, LM_S_LN_MLP_OUT, LM_S_LORA_A, LM_S_LORA_B, LM_S_LNF,
-       LM_S_HEAD, LM_S_LORA_EA, LM_S_LORA_EB /* an expert adapter (lm_tensor.expert: its LM_LORA_EXP_*) */ };
+       LM_S_HEAD, LM_S_LORA_EA, LM_S_LORA_EB /* an expert adapter (lm_tensor.expert: its LM_LORA_EXP_*) */,
+       LM_S_SHARED_GATE /* [1, H] a sparse layer's mlp.shared_expert_gate (its shared expert: LM_S_WG, _WU, _WD) */ };
 
 typedef struct {
     char name[LM_NAME_MAX]; /* HF key */
@@ -291,6 +296,8 @@ typedef struct {
     float *ewg;    /* [E, Im, H] mlp.experts.{0..E-1}.gate_proj, stacked (E: expert_rows if set) */
     float *ewu;    /* [E, Im, H] up_proj */
     float *ewd;    /* [E, H, Im] down_proj */
+    /* a MoE layer's shared expert (qwen2_moe) is wg, wu, wd [Is, H], [Is, H], [H, Is]; its gate: */
+    float *shgate; /* [1, H] mlp.shared_expert_gate (NULL: no shared expert) */
     /* LoRA (NULL where a projection has none): A [r, in], B [out, r] per LM_LORA_* */
     float *lora_a[LM_LORA_N], *lora_b[LM_LORA_N];
     /* expert LoRA (NULL where none): A [r E, in], B [out, r E] per LM_LORA_EXP_* */
@@ -311,8 +318,9 @@ typedef struct {
 enum {
     LM_AC_NONE = 0, /* everything the backward reads */
     LM_AC_FULL = 1, /* only the input residual `res`; the layer's forward reruns before its backward */
-    LM_AC_OP = 2,   /* res and the matmul/attention outputs (q, k, v, lse, att, res_mid, gate, up);
-                          the norms, RoPE and SwiGLU rerun (ln1, qr, kr, ln2, h and the rstds) */
+    LM_AC_OP = 2,   /* res and the matmul/attention outputs (q, k, v, lse, att, res_mid, gate, up; a
+                          shared expert's sgate, sup, so and its gate sg); the norms, RoPE and SwiGLU
+                          rerun (ln1, qr, kr, ln2, h, sh and the rstds) */
 };
 
 /* Activations saved by forward for backward, one set per layer. Under
@@ -345,6 +353,12 @@ typedef struct {
     /* MoE layers: gate, up, h are [BT*k, Im] in expert order, and the routing: */
     int moe;         /* 1: this layer is sparse */
     moe_route route; /* kept under LM_AC_NONE and _OP; rerun under _FULL */
+    /* a MoE layer's shared expert (cfg.shared_intermediate = Is; NULL otherwise): */
+    float *sgate;    /* [BT, Is]  its gate_proj output */
+    float *sup;      /* [BT, Is]  up_proj */
+    float *sh;       /* [BT, Is]  act(sgate) * sup */
+    float *so;       /* [BT, H]   down_proj output, before the gate */
+    float *sg;       /* [BT]      sigmoid(shared_expert_gate(ln2)) */
     float *lora_u[LM_LORA_N]; /* [BT, r] scale * A drop(x) per adapted projection; always kept (small) */
 } lm_layer_acts;
 
@@ -394,6 +408,8 @@ typedef struct {
     float *moe_dtopw;       /* [BT*k] */
     float *moe_dprobs;      /* [BT, E] */
     float *moe_dprob_all;   /* [E] d(aux term)/d probs, the same for every layer and token */
+    float *d_so;            /* [BT, H] d of the shared expert's output before its gate (qwen2_moe) */
+    float *d_sg;            /* [BT] d of the shared expert gate's logit */
     /* LoRA (cfg.lora_rank > 0) */
     float *lora_du;         /* [BT, r] d of an adapter's A output */
     float *lora_x, *lora_dx; /* [BT, max in] drop(x) and its gradient; only with dropout */

@@ -78,7 +78,9 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
      * gradients and moments): sizes whose product nears 2^64 would wrap into a small
      * allocation, so refuse far below that (2^50 parameters is 4 PiB of fp32) */
     double H = c->hidden, I = c->intermediate, E = c->n_experts > 0 ? c->n_experts : 0;
+    double Is = c->shared_intermediate > 0 ? c->shared_intermediate : 0; /* and its gate, H */
     double layer = H * (2.0 * qkv) + 3.0 * H * I + E * (3.0 * H * (c->moe_intermediate > 0 ? c->moe_intermediate : 0) + H);
+    layer += 3.0 * H * Is + H;
     double total = 2.0 * (double)c->vocab_size * H + (double)c->n_layers * layer;
     if (total > LM_MAX_PARAMS)
         return ct_fail(e, CT_ERR_CONFIG,
@@ -212,12 +214,15 @@ static int json_bool(const cJSON *root, const char *key, int *out, const char *p
     return 0;
 }
 
-/* The qwen3_moe keys, with Qwen3MoeConfig's defaults. */
-static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, const char *path, ct_err *e) {
+/* The qwen3_moe keys, with Qwen3MoeConfig's defaults (MixtralConfig's,
+ * Qwen2MoeConfig's: qwen2_moe adds its shared expert's width). */
+static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, int shared, const char *path,
+                                ct_err *e) {
     int rc;
-    c->n_experts = mixtral ? 8 : 128;
-    c->top_k = mixtral ? 2 : 8;
-    c->moe_intermediate = 768;
+    c->n_experts = mixtral ? 8 : shared ? 60 : 128;
+    c->top_k = mixtral ? 2 : shared ? 4 : 8;
+    c->moe_intermediate = shared ? 1408 : 768;
+    c->shared_intermediate = shared ? 5632 : 0;
     c->norm_topk_prob = 0;
     c->decoder_sparse_step = 1;
     c->output_router_logits = 0;
@@ -230,11 +235,15 @@ static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, co
         (rc = json_bool(root, "norm_topk_prob", &c->norm_topk_prob, path, e)) ||
         (rc = json_int(root, "decoder_sparse_step", &c->decoder_sparse_step, 0, path, e)) ||
         (rc = json_bool(root, "output_router_logits", &c->output_router_logits, path, e)) ||
-        (rc = json_float(root, "router_aux_loss_coef", &c->router_aux_loss_coef, path, e)))
+        (rc = json_float(root, "router_aux_loss_coef", &c->router_aux_loss_coef, path, e)) ||
+        (shared && (rc = json_int(root, "shared_expert_intermediate_size", &c->shared_intermediate, 0, path, e))))
         return rc;
     if (c->n_experts < 1)
-        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" = %d: a qwen3_moe model needs at least one expert", path, ek,
-                       c->n_experts);
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" = %d: a %s model needs at least one expert", path, ek,
+                       c->n_experts, mixtral ? "mixtral" : shared ? "qwen2_moe" : "qwen3_moe");
+    if (shared && c->shared_intermediate < 1)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"shared_expert_intermediate_size\" must be positive, got %d", path,
+                       c->shared_intermediate);
     const cJSON *mo = cJSON_GetObjectItemCaseSensitive(root, "mlp_only_layers");
     if (mo && !cJSON_IsNull(mo)) {
         if (!cJSON_IsArray(mo))
@@ -265,7 +274,7 @@ static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, co
  * defaults of its transformers config class (5.x) for keys a config.json may
  * leave out. Adding a family is a row here plus whatever new op it needs in
  * model/lm.c; nothing outside the model folder names a family. */
-enum { WIN_NONE, WIN_ALL, WIN_TYPES, WIN_GEMMA, WIN_GEMMA2 };
+enum { WIN_NONE, WIN_ALL, WIN_TYPES, WIN_GEMMA, WIN_GEMMA2, WIN_QWEN2_MOE };
 /* What a family does with Gemma's soft-caps (final_logit_softcapping,
  * attn_logit_softcapping) and query_pre_attn_scalar. */
 enum { CAPS_NONE,   /* the caps are not part of the family: refused unless absent, null or 0 */
@@ -294,6 +303,7 @@ typedef struct {
     double theta, theta_local; /* RoPE (model/rope.h): default_theta; Gemma3's sliding layers' */
     int rope_style, rope_head_dim_none;
     int granite;        /* the four Granite scalars (embedding_multiplier ...) are read */
+    int shared_expert;  /* qwen2_moe: a gated shared expert in every sparse layer, q/k/v biases by "qkv_bias" */
 } lm_family;
 
 static const lm_family families[] = {
@@ -331,6 +341,12 @@ static const lm_family families[] = {
      * logits scaled by four config scalars */
     {.type = "granite", .arch = "GraniteForCausalLM", .qk_norm = LM_QK_NONE, .has_attn_bias = 1, .has_mlp_bias = 1,
      .eps = 1e-6, .max_pos = 2048, .pad = -1, .act_key = "hidden_act", .theta = 1e4, .granite = 1},
+    /* Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (q/k/v biases as "qkv_bias" says, default on)
+     * with Qwen3-MoE's sparse layers plus a gated shared expert in each */
+    {.type = "qwen2_moe", .arch = "Qwen2MoeForCausalLM", .moe = 1 + LM_MOE_KEYS_QWEN, .qk_norm = LM_QK_NONE,
+     .qkv_bias = 1, .kv_default = 16, .eps = 1e-6, .max_pos = 32768, .pad = -1, .win = WIN_QWEN2_MOE,
+     .win_default = 4096, .win_gate = "use_sliding_window", .act_key = "hidden_act", .theta = 1e4,
+     .shared_expert = 1},
     /* Gemma: Llama's pre-norms with Gemma's (1 + w) RMSNorm, scaled embeddings and GELU-tanh */
     {.type = "gemma", .arch = "GemmaForCausalLM", .norm_plus_one = 1, .qk_norm = LM_QK_NONE, .embed_scaled = 1,
      .has_attn_bias = 1, .kv_default = 16, .hd_default = 256, .eps = 1e-6, .tied = 1, .max_pos = 8192, .pad = 0,
@@ -415,6 +431,10 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
         if ((rc = json_int(root, "sliding_window_pattern", &pat, 0, path, e))) return rc;
         if (pat < 1) return ct_fail(e, CT_ERR_CONFIG, "%s: \"sliding_window_pattern\" must be >= 1", path);
         for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = (l + 1) % pat != 0;
+    } else if (f->win == WIN_QWEN2_MOE) { /* Qwen2MoeConfig: even layers below max_window_layers slide */
+        int mw = 28;
+        if ((rc = json_int(root, "max_window_layers", &mw, 0, path, e))) return rc;
+        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = win > 0 && (l + 1) % 2 && l < mw;
     } else { /* Qwen: layers from max_window_layers on slide, when a window exists */
         int mw = 28;
         if ((rc = json_int(root, "max_window_layers", &mw, 0, path, e))) return rc;
@@ -616,7 +636,10 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
                      LM_MAX_LAYERS);
         goto done;
     }
-    if (f->moe && (rc = moe_config_from_json(c, root, f->moe == 1 + LM_MOE_KEYS_MIXTRAL, path, e))) goto done;
+    if (f->moe &&
+        (rc = moe_config_from_json(c, root, f->moe == 1 + LM_MOE_KEYS_MIXTRAL, f->shared_expert, path, e)))
+        goto done;
+    if (f->shared_expert && (rc = json_bool(root, "qkv_bias", &c->qkv_bias, path, e))) goto done;
     if (f->moe == 1 + LM_MOE_KEYS_MIXTRAL) {
         /* MixtralTopKRouter always renormalises the top k; its experts are intermediate_size wide */
         c->norm_topk_prob = 1;
@@ -749,14 +772,15 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
             if (l < first) first = l;
         }
     int gemma_win = f->win == WIN_GEMMA || f->win == WIN_GEMMA2;
-    if (f->win == WIN_ALL || f->win == WIN_TYPES || gemma_win) {
+    int types = f->win == WIN_TYPES || f->win == WIN_QWEN2_MOE;
+    if (f->win == WIN_ALL || types || gemma_win) {
         if (any) cJSON_AddNumberToObject(o, "sliding_window", c->sliding_window);
         else if (!gemma_win) cJSON_AddNullToObject(o, "sliding_window");
         else cJSON_AddNumberToObject(o, "sliding_window", c->sliding_window > 0 ? c->sliding_window : 4096);
     }
     if (f->win_gate) cJSON_AddBoolToObject(o, f->win_gate, any);
-    if (f->win == WIN_TYPES) cJSON_AddNumberToObject(o, "max_window_layers", first);
-    if (f->win == WIN_TYPES || gemma_win) {
+    if (types) cJSON_AddNumberToObject(o, "max_window_layers", first);
+    if (types || gemma_win) {
         cJSON *lt = cJSON_AddArrayToObject(o, "layer_types");
         for (int l = 0; l < c->n_layers; l++)
             cJSON_AddItemToArray(lt, cJSON_CreateString(c->layer_sliding[l] ? "sliding_attention" : "full_attention"));
@@ -795,7 +819,9 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         for (int i = 0; i < c->n_mlp_only; i++) cJSON_AddItemToArray(mo, cJSON_CreateNumber(c->mlp_only_layers[i]));
         cJSON_AddBoolToObject(o, "output_router_logits", c->output_router_logits);
         add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
+        if (f->shared_expert) cJSON_AddNumberToObject(o, "shared_expert_intermediate_size", c->shared_intermediate);
     }
+    if (f->shared_expert) cJSON_AddBoolToObject(o, "qkv_bias", c->qkv_bias);
     char *text = cJSON_Print(o);
     cJSON_Delete(o);
     return text; /* NULL: out of memory, cJSON's only failure */

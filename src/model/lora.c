@@ -52,6 +52,17 @@ int lora_check_fused(const lm_config *c, const char *where, const char *key, ct_
     unsigned qkv = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V);
     unsigned gu = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP);
     unsigned t = c->lora_targets;
+    unsigned mlp = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN);
+    /* qwen2_moe: PEFT adapts these Linears in the dense layers and in each sparse layer's
+     * shared expert (it rewrites nothing into the experts' target_parameters, as it does
+     * for qwen3_moe); ctitan has no adapters on a shared expert */
+    if (c->shared_intermediate > 0 && (t & mlp))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: %s: gate_proj, up_proj, down_proj (or all-linear) on model_type \"%s\": PEFT adapts "
+                       "them in the dense layers and in every sparse layer's shared expert "
+                       "(mlp.shared_expert.gate_proj, ...), which ctitan does not support; name some of q_proj, "
+                       "k_proj, v_proj, o_proj (the experts: target_parameters)",
+                       where, key, c->model_type);
     if (c->fused_qkv && (t & qkv) && !(t & LORA_FUSED_QKV))
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: %s: model_type \"%s\" holds q, k and v as one qkv_proj: name qkv_proj "

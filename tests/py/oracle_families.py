@@ -1,8 +1,8 @@
 """oracle_families.py: the transformers reference for ctitan's model families (issue 15).
 
 One tiny random model per case, built with transformers' OWN config and model classes
-(llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3, gemma, gemma2, gemma3_text,
-granite)
+(llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmo2, phi3, gemma, gemma2,
+gemma3_text, granite)
 with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
 weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
 whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
@@ -12,7 +12,8 @@ Names: ctitan names its tensors as the safetensors files that save_pretrained wr
 transformers 5 keeps some tensors differently in memory; `to_file_names` maps the in-memory
 parameters (and their gradients) to the file names:
   qwen3_moe  mlp.experts.gate_up_proj [E, 2I, H] -> mlp.experts.e.{gate,up}_proj.weight
-             mlp.experts.down_proj [E, H, I]     -> mlp.experts.e.down_proj.weight
+  qwen2_moe  mlp.experts.down_proj [E, H, I]     -> mlp.experts.e.down_proj.weight
+             (qwen2_moe's shared expert and its gate keep their names)
   mixtral    mlp.gate.weight                      -> block_sparse_moe.gate.weight
              mlp.experts.gate_up_proj [E, 2I, H]  -> block_sparse_moe.experts.e.{w1,w3}.weight
              mlp.experts.down_proj [E, H, I]      -> block_sparse_moe.experts.e.w2.weight
@@ -45,6 +46,7 @@ FAMILIES = {
     "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
     "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+    "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
     "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
     "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
     "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
@@ -53,7 +55,7 @@ FAMILIES = {
     "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
     "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
 }
-MOE = {"qwen3_moe", "mixtral"}
+MOE = {"qwen3_moe", "qwen2_moe", "mixtral"}
 GEMMA = {"gemma", "gemma2", "gemma3_text"}  # RMSNorm by (1 + w)
 
 # sizes every case shares unless it overrides them
@@ -128,6 +130,28 @@ CASES = [
         seed=13,  # MoE seeds: every router top-k gap of the tests' batches and steps >= 1e-4
         keys=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
               "output_router_logits", "router_aux_loss_coef")),
+    # ------------------------------------------------------------------ qwen2_moe
+    # Qwen2's q/k/v biases (qkv_bias, on by default) with sparse layers that add a shared
+    # expert (shared_expert_intermediate_size 40, the experts' 24) gated by sigmoid(x W_g).
+    # decoder_sparse_step 2: layer 1 sparse, layers 0 and 2 dense MLPs of intermediate_size;
+    # softmax top-k not renormalised (Qwen2MoeConfig's default), the aux loss in the loss.
+    Case("qwen2_moe_step2_aux", "qwen2_moe", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, decoder_sparse_step=2, norm_topk_prob=False,
+        output_router_logits=True, router_aux_loss_coef=0.05,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=13,
+        keys=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+              "decoder_sparse_step", "norm_topk_prob", "output_router_logits", "router_aux_loss_coef",
+              "qkv_bias", "mlp_only_layers")),
+    # mlp_only_layers [0]: layer 0 dense, 1 and 2 sparse; renormalised top-k; no q/k/v biases
+    Case("qwen2_moe_mlponly_norm_nobias", "qwen2_moe", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=40, mlp_only_layers=[0], norm_topk_prob=True, qkv_bias=False,
+        output_router_logits=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        seed=13,
+        keys=("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers",
+              "norm_topk_prob", "qkv_bias", "rope_parameters")),
     # ------------------------------------------------------------------ mixtral
     Case("mixtral_e4k2", "mixtral", dict(
         num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
@@ -252,6 +276,7 @@ PARTIAL_DEFAULT_CASES = [
     _partial_default("qwen2", "qwen2_default_partial05_ignored", 0.5, top_level=False),
     _partial_default("qwen3", "qwen3_default_partial05_ignored", 0.5, top_level=True),
     _partial_default("qwen3_moe", "qwen3_moe_default_partial05_ignored", 0.5, top_level=False),
+    _partial_default("qwen2_moe", "qwen2_moe_default_partial05_ignored", 0.5, top_level=True),
     _partial_default("mixtral", "mixtral_default_partial025_ignored", 0.25, top_level=True),
     _partial_default("olmo2", "olmo2_default_partial05_ignored", 0.5, top_level=False),
     _partial_default("gemma3_text", "gemma3_default_partial05_ignored", 0.5, top_level=False),
@@ -284,6 +309,8 @@ REFUSALS = [
     Refusal("qwen3_attention_dropout", "qwen3", dict(attention_dropout=0.1), "attention_dropout"),
     Refusal("qwen3_moe_hidden_act_relu2", "qwen3_moe", dict(hidden_act="relu2"), "hidden_act"),
     Refusal("mixtral_router_jitter", "mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
+    Refusal("qwen2_moe_attention_dropout", "qwen2_moe", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("qwen2_moe_hidden_act_relu2", "qwen2_moe", dict(hidden_act="relu2"), "hidden_act"),
     Refusal("olmo2_attention_dropout", "olmo2", dict(attention_dropout=0.1), "attention_dropout"),
     Refusal("phi3_resid_pdrop", "phi3", dict(resid_pdrop=0.1), "resid_pdrop"),
     # partial_rotary_factor with a scaled RoPE type outside phi3: the type's init function
@@ -436,7 +463,7 @@ def _mixtral_files(named: dict) -> dict[str, np.ndarray]:
 
 def to_file_names(family: str, named: dict) -> dict[str, np.ndarray]:
     """{transformers in-memory name: tensor} -> {safetensors file (= ctitan) name: ndarray}."""
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen2_moe"):
         return oracle_moe.per_expert(named)
     if family == "mixtral":
         return _mixtral_files(named)

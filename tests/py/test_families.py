@@ -1,6 +1,6 @@
 """Model families from config.json (issue 15): ctitan against transformers' own classes for
-llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmo2, phi3, gemma, gemma2, gemma3_text and granite on tiny random
-models with each family's distinctive options on (the cases: oracle_families.CASES).
+llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmo2, phi3, gemma, gemma2, gemma3_text and granite on
+tiny random models with each family's distinctive options on (the cases: oracle_families.CASES).
 
 Per case: tensor names / shapes / loaded weights as save_pretrained wrote them; logits, loss
 (some labels -100), aux loss and every gradient against torch autograd; three AdamW steps

@@ -114,6 +114,19 @@ FAMILY_LAYOUTS = {
                                          "--parallelism.tensor_parallel_degree=2",
                                          "--activation_checkpoint.mode=selective",
                                          "--activation_checkpoint.selective_ac_option=op"]),
+    # qwen2_moe's shared expert and gate across a stage boundary under full AC, recomputed at op
+    # level under TP (the aux-loss case: TP keeps the batch whole), and EP with TP and FSDP
+    "qwen2_moe_pp2_ac": ("qwen2_moe_mlponly_norm_nobias", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                                             "--parallelism.pipeline_parallel_microbatch_size=1",
+                                                             "--training.local_batch_size=1",
+                                                             "--activation_checkpoint.mode=full"]),
+    "qwen2_moe_tp2_ac_op": ("qwen2_moe_step2_aux", 2, ["--parallelism.data_parallel_shard_degree=1",
+                                                       "--parallelism.tensor_parallel_degree=2",
+                                                       "--activation_checkpoint.mode=selective",
+                                                       "--activation_checkpoint.selective_ac_option=op"]),
+    "qwen2_moe_ep2_tp2_fsdp2": ("qwen2_moe_mlponly_norm_nobias", 4, ["--parallelism.tensor_parallel_degree=2",
+                                                                     "--parallelism.data_parallel_shard_degree=2",
+                                                                     "--parallelism.expert_parallel_degree=2"]),
 }
 
 

@@ -38,6 +38,13 @@ CASES = {
     "gemma2": {"tp2": TP2, "hsdp_ac": HSDP_AC},
     "gemma_gelu_attnbias": {"fsdp2": FSDP2, "tp2": TP2},
     "mixtral_e4k2": {"ep2": EP2, "tp2": TP2},
+    # the shared expert and its gate: sharded by FSDP, held whole by every EP rank (their
+    # gradients summed as the dense tensors'), column / row split under TP with the gate
+    # replicated (its logit's gradient summed over the ranks' slices). The aux loss is not
+    # linear in the batch (HF computes it over the rows a forward sees), so the case with it
+    # on runs the layouts without data parallelism only: TP, with and without SP
+    "qwen2_moe_mlponly_norm_nobias": {"fsdp2": FSDP2, "ep2": EP2, "tp2": TP2},
+    "qwen2_moe_step2_aux": {"tp2": TP2, "tp2_nosp": TP2_NOSP},
     # residual_multiplier on each branch: added once after the TP sum, with sequence parallel
     # (this rank's rows) and without; scaled embeddings and logits under the vocabulary-parallel loss
     "granite": {"fsdp2": FSDP2, "tp2": TP2, "tp2_nosp": TP2_NOSP},

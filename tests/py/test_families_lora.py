@@ -35,6 +35,7 @@ CASES = {  # case id: target modules
     "granite": OL.ALL7,
     "phi3_longrope_short_swa7": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "mixtral_e4k2": OL.ATTN,
+    "qwen2_moe_mlponly_norm_nobias": OL.ATTN,  # (no aux loss: PEFT's reference loss is the CE)
 }
 
 
@@ -254,3 +255,39 @@ def test_phi3_all_linear_as_peft(tmp_path, open_session):
     session_matches_peft(s, params, tokens, labels, ref,
                          lambda: fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), out,
                          load=lambda base_model, d: PeftModel.from_pretrained(base_model, str(d)).eval())
+
+
+def test_qwen2_moe_expert_adapters_parity_and_round_trip(tmp_path, open_session):
+    """qwen2_moe's routed experts are Qwen3-MoE's stacked mlp.experts.gate_up_proj /
+    down_proj: PEFT's target_parameters on them (with q_proj) on the mixed sparse / dense
+    model with shared experts gives ctitan PEFT's logits, loss and adapter gradients, and
+    ctitan's saved adapter loads in PEFT strictly with its logits."""
+    case, base, hf_dir, loaded = saved_case("qwen2_moe_mlponly_norm_nobias", tmp_path)
+    ad, out = tmp_path / "adapter", tmp_path / "saved"
+    exp = "--lora.target_parameters=" + ",".join(OL.EXPERTS)
+    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=OL.EXPERTS, seed=5)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    assert any(".mlp.experts." in n for n in params), f"test setup: PEFT trains {sorted(params)}"
+    assert not any("shared_expert" in n for n in params), f"test setup: PEFT trains {sorted(params)}"
+    tokens, labels = fam.batch(base, 2, case.T, seed=5)
+    ref_loss, ref_logits, ref_grads = OL.loss_logits_grads(pm, params, tokens, labels)
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=lora_args(["q_proj"], ad) + [exp]))
+    session_matches_peft(s, params, tokens, labels, (ref_loss, ref_logits, ref_grads), loaded, out)
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "gate_proj", "up_proj"], ["down_proj"], ["all-linear"]])
+def test_qwen2_moe_mlp_targets_refused(targets, tmp_path, open_session):
+    """PEFT matches gate_proj / up_proj / down_proj of a qwen2_moe model in the dense layers
+    AND in every sparse layer's shared expert (no rewrite into the experts' parameters as on
+    qwen3_moe); ctitan has no shared-expert adapters, so it refuses the names rather than
+    adapt fewer modules than PEFT."""
+    case, base, hf_dir, loaded = saved_case("qwen2_moe_mlponly_norm_nobias", tmp_path)
+    if targets != ["all-linear"]:
+        pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=targets)
+        shared = [n for n in OL.trainable(pm) if ".mlp.shared_expert." in n]
+        assert shared, "test setup: PEFT adapts no shared expert"
+    with pytest.raises(CtitanError) as ei:
+        open_session(hf_session_args(hf_dir, extra=[f"--lora.rank={R}", f"--lora.target_modules={','.join(targets)}"]))
+    msg = str(ei.value)
+    assert "lora.target_modules" in msg and "qwen2_moe" in msg and "shared_expert" in msg, msg

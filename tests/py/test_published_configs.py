@@ -159,6 +159,9 @@ EXPORTED_KEYS = {
                "layer_types", "sliding_window", "head_dim"],
     "granite": ["embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
                 "rms_norm_eps"],
+    "qwen2_moe": ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
+                  "output_router_logits", "qkv_bias", "layer_types", "sliding_window", "intermediate_size"],
 }
 KEYED_FILES = [p for p in CONFIGS if json.loads(p.read_text()).get("model_type") in EXPORTED_KEYS]
 

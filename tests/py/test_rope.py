@@ -37,6 +37,7 @@ ROTARY = {
     "qwen2": ("qwen2", "Qwen2RotaryEmbedding"),
     "qwen3": ("qwen3", "Qwen3RotaryEmbedding"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeRotaryEmbedding"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeRotaryEmbedding"),
     "mixtral": ("mixtral", "MixtralRotaryEmbedding"),
     "olmo2": ("olmo2", "Olmo2RotaryEmbedding"),
     "phi3": ("phi3", "Phi3RotaryEmbedding"),
