@@ -1322,6 +1322,11 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is %s there but %s in the model being trained "
                            "(mlp_only_layers)", p, l, lm_layer_is_moe(&c, l) ? "sparse" : "dense",
                            lm_layer_is_moe(mc, l) ? "sparse" : "dense");
+    for (int l = 0; l < c.n_layers; l++)
+        if (c.layer_nope[l] != mc->layer_nope[l])
+            return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d %s RoPE there but %s in the model being trained "
+                           "(no_rope_layers)", p, l, c.layer_nope[l] ? "has no" : "has",
+                           mc->layer_nope[l] ? "none" : "RoPE");
 #undef CKPT_SAME
     return 0;
 }

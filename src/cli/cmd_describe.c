@@ -147,7 +147,8 @@ int cli_describe(int argc, char **argv) {
                type, c.head_dim, rd, n_params, seq, c.tie_embeddings ? "true" : "false");
         for (int l = 0; l < c.n_layers; l++)
             printf("%s{\"sliding_window\": %d, \"rope\": \"%s\", \"moe\": %s}", l ? ", " : "",
-                   c.layer_sliding[l] ? c.sliding_window : 0, c.layer_sliding[l] ? "sliding" : "full",
+                   c.layer_sliding[l] ? c.sliding_window : 0,
+                   c.layer_nope[l] ? "none" : c.layer_sliding[l] ? "sliding" : "full",
                    lm_layer_is_moe(&c, l) ? "true" : "false");
         printf("],\n \"scaling\": %.17g,\n", attn);
         print_cap("attn_logit_softcapping", c.attn_softcap);

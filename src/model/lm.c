@@ -1580,11 +1580,15 @@ static void attn_round_bf16(lm_model *m, int n, float *const xs[], const long ns
     if (m->prof) prof_model_op(m->prof, name, "round_bf16", PROF_NO_KERNEL, t0);
 }
 
-/* Layer l's RoPE tables: the sliding layers' own base where a family has one. */
+/* Layer l's RoPE tables: the sliding layers' own base where a family has one;
+ * NULL for a NoPE layer (SmolLM3), which qk_fwd / qk_bwd then leave unrotated.
+ * Every path that rotates q/k (training, recompute, the KV cache, context
+ * parallel's gathered keys) takes its tables from here, so NoPE holds in all. */
 static void rope_of(const lm_model *m, int l, const float **cs, const float **sn) {
     int loc = m->cfg.layer_sliding[l];
     *cs = loc ? m->ws.rope_cos_l : m->ws.rope_cos;
     *sn = loc ? m->ws.rope_sin_l : m->ws.rope_sin;
+    if (m->cfg.layer_nope[l]) *cs = *sn = NULL;
 }
 
 /* The inputs of the attention and MLP projections: the pre-norms' outputs,
@@ -1602,11 +1606,17 @@ static int qk_norm_split(const lm_model *m) {
     return m->cfg.tp_degree > 1 && m->hooks && m->hooks->reduce_partial;
 }
 
-/* out[BT, nh*hd] = RoPE(q/k norm(x)), by the family's q/k norm kind. */
+/* out[BT, nh*hd] = RoPE(q/k norm(x)), by the family's q/k norm kind; cs NULL:
+ * a NoPE layer, out = q/k norm(x) (lm_config_check refuses NoPE with the fused
+ * per-head norm + RoPE). */
 static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const float *w, const float *cs,
                    const float *sn, int B, int T, int nh, int hd) {
     float eps = (float)m->cfg.rms_eps;
     int rd = lm_rotary_dim(&m->cfg); /* the fused per-head op rotates whole heads: read_rope refuses rd < hd with it */
+    if (!cs && m->cfg.qk_norm == LM_QK_NONE) {
+        if (out != x) memcpy(out, x, (size_t)B * T * nh * hd * sizeof(float));
+        return;
+    }
     switch (m->cfg.qk_norm) {
     case LM_QK_HEAD: K(ROPE, qknorm_rope_fwd, out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps); break;
     case LM_QK_PROJ: /* one norm over all heads of a token, then RoPE in place */
@@ -1619,7 +1629,7 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
         } else {
             K(RMSNORM, rmsnorm_fwd, out, rstd, x, nw(m, w, nh * hd), B * T, nh * hd, eps);
         }
-        K(ROPE, rope_fwd, out, out, cs, sn, B, T, nh, hd, rd);
+        if (cs) K(ROPE, rope_fwd, out, out, cs, sn, B, T, nh, hd, rd);
         break;
     default: K(ROPE, rope_fwd, out, x, cs, sn, B, T, nh, hd, rd);
     }
@@ -1631,12 +1641,17 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
 static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *x, const float *w, const float *rstd,
                    const float *cs, const float *sn, int B, int T, int nh, int hd) {
     int rd = lm_rotary_dim(&m->cfg);
+    if (!cs && m->cfg.qk_norm == LM_QK_NONE) { /* NoPE: the identity's gradient, added as rope_bwd adds */
+        size_t n = (size_t)B * T * nh * hd;
+        for (size_t i = 0; i < n; i++) dx[i] += dout[i];
+        return;
+    }
     switch (m->cfg.qk_norm) {
     case LM_QK_HEAD: /* dx: its first product, overwritten (zero_layer_scratch skips it) */
         K(ROPE, qknorm_rope_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd, 0);
         break;
     case LM_QK_PROJ:
-        K(ROPE, rope_bwd, dout, dout, cs, sn, B, T, nh, hd, rd); /* in place: dout = R^T dout */
+        if (cs) K(ROPE, rope_bwd, dout, dout, cs, sn, B, T, nh, hd, rd); /* in place: dout = R^T dout */
         if (qk_norm_split(m)) { /* the row's dot(dout, w x) spans the ranks' heads: summed over them */
             int C = nh * hd;
             float *dot = ct_malloc((size_t)B * T * sizeof(float)); /* [BT] */
@@ -1741,6 +1756,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     if (kv) {
         cs = c->layer_sliding[l] ? kv->rope_cos_l : kv->rope_cos;
         sn = c->layer_sliding[l] ? kv->rope_sin_l : kv->rope_sin;
+        if (c->layer_nope[l]) cs = sn = NULL; /* as rope_of */
     } else {
         rope_of(m, l, &cs, &sn);
     }

@@ -94,6 +94,7 @@ typedef struct {
     double logits_div;     /* logits_scaling: the logits divided by it (before the loss and generation) */
     int sliding_window;    /* keys a sliding layer's query sees, itself included */
     unsigned char layer_sliding[LM_MAX_LAYERS]; /* 1: layer l uses the window and the local RoPE */
+    unsigned char layer_nope[LM_MAX_LAYERS];    /* 1: layer l applies no RoPE (SmolLM3's NoPE layers) */
     int has_rope;          /* rope / rope_local hold config.json's resolved RoPE (model/rope.h);
                               0: default RoPE with rope_theta (flavors, configs built field by field) */
     rope_params rope;      /* full-attention layers */

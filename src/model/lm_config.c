@@ -97,6 +97,10 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     if (c->n_layers > LM_MAX_LAYERS)
         return ct_fail(e, CT_ERR_CONFIG, "%s: num_hidden_layers = %d: at most %d are supported", where, c->n_layers,
                        LM_MAX_LAYERS);
+    for (int l = 0; l < c->n_layers && l < LM_MAX_LAYERS; l++)
+        if (c->layer_nope[l] && c->qk_norm == LM_QK_HEAD) /* its kernel fuses the norm with the rotation */
+            return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d has no RoPE (no_rope_layers), which is supported without "
+                           "per-head q/k norms only", where, l);
     if (c->n_experts > 0 && (c->norm_place != LM_NORM_PRE || c->act != LM_ACT_SILU || c->mlp_bias))
         return ct_fail(e, CT_ERR_CONFIG, "%s: MoE layers are supported with pre-norms, SiLU and no MLP bias only",
                        where);
@@ -274,7 +278,9 @@ static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, in
  * defaults of its transformers config class (5.x) for keys a config.json may
  * leave out. Adding a family is a row here plus whatever new op it needs in
  * model/lm.c; nothing outside the model folder names a family. */
-enum { WIN_NONE, WIN_ALL, WIN_TYPES, WIN_GEMMA, WIN_GEMMA2, WIN_QWEN2_MOE };
+enum { WIN_NONE, WIN_ALL, WIN_TYPES, WIN_GEMMA, WIN_GEMMA2, WIN_QWEN2_MOE,
+       WIN_SMOLLM3, /* layer_types, else the NoPE layers slide when use_sliding_window and sliding_window */
+       WIN_OLMO3 /* layer_types, else every 4th layer full, the others sliding */ };
 /* What a family does with Gemma's soft-caps (final_logit_softcapping,
  * attn_logit_softcapping) and query_pre_attn_scalar. */
 enum { CAPS_NONE,   /* the caps are not part of the family: refused unless absent, null or 0 */
@@ -300,10 +306,11 @@ typedef struct {
     int act_gelu_is_tanh; /* GemmaConfig: hidden_act "gelu" means the tanh approximation */
     int caps;           /* CAPS_* (query_pre_attn_scalar is read where the caps are) */
     double final_cap_default, attn_cap_default; /* absent keys; 0: None */
-    double theta, theta_local; /* RoPE (model/rope.h): default_theta; Gemma3's sliding layers' */
+    double theta, theta_local; /* RoPE (model/rope.h): default_theta; Gemma3's and Olmo3's sliding layers' */
     int rope_style, rope_head_dim_none;
     int granite;        /* the four Granite scalars (embedding_multiplier ...) are read */
     int shared_expert;  /* qwen2_moe: a gated shared expert in every sparse layer, q/k/v biases by "qkv_bias" */
+    int nope;           /* SmolLM3: no_rope_layers / no_rope_layer_interval pick layers without RoPE */
 } lm_family;
 
 static const lm_family families[] = {
@@ -351,6 +358,15 @@ static const lm_family families[] = {
     {.type = "gemma", .arch = "GemmaForCausalLM", .norm_plus_one = 1, .qk_norm = LM_QK_NONE, .embed_scaled = 1,
      .has_attn_bias = 1, .kv_default = 16, .hd_default = 256, .eps = 1e-6, .tied = 1, .max_pos = 8192, .pad = 0,
      .act_key = "hidden_act", .act_gelu_is_tanh = 1, .theta = 1e4},
+    /* SmolLM3: Llama's layer, some layers without RoPE (NoPE), tied embeddings */
+    {.type = "smollm3", .arch = "SmolLM3ForCausalLM", .qk_norm = LM_QK_NONE, .has_attn_bias = 1, .has_mlp_bias = 1,
+     .kv_default = 4, .eps = 1e-6, .tied = 1, .max_pos = 32768, .pad = 128004, .win = WIN_SMOLLM3,
+     .win_gate = "use_sliding_window", .act_key = "hidden_act", .theta = 2e6, .nope = 1},
+    /* Olmo3: OLMo2's post-norm layer and whole-projection q/k norms, sliding layers with
+     * their own RoPE (rope_scaling applies to the full layers only) */
+    {.type = "olmo3", .arch = "Olmo3ForCausalLM", .norm_place = LM_NORM_POST, .qk_norm = LM_QK_PROJ,
+     .has_attn_bias = 1, .eps = 1e-5, .max_pos = 2048, .pad = 1, .win = WIN_OLMO3, .win_default = 4096,
+     .act_key = "hidden_act", .theta = 5e5, .theta_local = 5e5, .rope_style = ROPE_STYLE_OLMO3},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -390,6 +406,36 @@ static int refuse_nonzero(const cJSON *root, const char *key, const char *why, c
     return rc;
 }
 
+/* SmolLM3's NoPE layers: no_rope_layers (1: the layer uses RoPE; at least
+ * num_hidden_layers entries, as SmolLM3Attention indexes it), else every
+ * no_rope_layer_interval-th layer has none (SmolLM3Config.__post_init__). */
+static int read_nope(lm_config *c, const cJSON *root, const char *path, ct_err *e) {
+    memset(c->layer_nope, 0, sizeof c->layer_nope);
+    const cJSON *nl = cJSON_GetObjectItemCaseSensitive(root, "no_rope_layers");
+    if (!nl || cJSON_IsNull(nl)) {
+        int iv = 4, rc;
+        if ((rc = json_int(root, "no_rope_layer_interval", &iv, 0, path, e))) return rc;
+        if (iv < 1)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: \"no_rope_layer_interval\" must be >= 1, got %d", path, iv);
+        for (int l = 0; l < c->n_layers; l++) c->layer_nope[l] = (l + 1) % iv == 0;
+        return 0;
+    }
+    if (!cJSON_IsArray(nl) || cJSON_GetArraySize(nl) < c->n_layers)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: \"no_rope_layers\" must be a list of at least num_hidden_layers = %d entries (1: RoPE, "
+                       "0: none)", path, c->n_layers);
+    int l = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, nl) {
+        int v = -1;
+        if (int_of(it, &v) || (v != 0 && v != 1))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: \"no_rope_layers\"[%d] must be 1 (RoPE) or 0 (none)", path, l);
+        if (l < c->n_layers) c->layer_nope[l] = v == 0;
+        l++;
+    }
+    return 0;
+}
+
 /* Which layers slide, by the family's rule (transformers' config classes). */
 static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, const char *path, ct_err *e) {
     int rc, win = f->win_default;
@@ -426,6 +472,10 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
         }
     } else if (f->win == WIN_GEMMA2) { /* Gemma2Config: even layers slide, odd ones are global */
         for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = (l + 1) % 2 != 0;
+    } else if (f->win == WIN_OLMO3) { /* Olmo3Config: every 4th layer is global */
+        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = (l + 1) % 4 != 0;
+    } else if (f->win == WIN_SMOLLM3) { /* SmolLM3Config: the NoPE layers slide, when a window exists */
+        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = win > 0 && c->layer_nope[l];
     } else if (f->win == WIN_GEMMA) { /* the legacy period: every pattern-th layer is global */
         int pat = 6;
         if ((rc = json_int(root, "sliding_window_pattern", &pat, 0, path, e))) return rc;
@@ -450,7 +500,7 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
 /* RoPE of the full-attention and the sliding layers (model/rope.h resolves
  * rope_parameters, the legacy keys and transformers' precedence). */
 static int read_rope(lm_config *c, const lm_family *f, const cJSON *root, const char *path, ct_err *e) {
-    int rc, gemma = f->rope_style == ROPE_STYLE_GEMMA3;
+    int rc, gemma = f->rope_style == ROPE_STYLE_GEMMA3 || f->rope_style == ROPE_STYLE_OLMO3; /* nested per layer type */
     if ((rc = rope_params_from_hf(&c->rope, root, gemma ? "full_attention" : NULL, c->head_dim, path, e))) return rc;
     c->rope_local = c->rope;
     if (gemma && (rc = rope_params_from_hf(&c->rope_local, root, "sliding_attention", c->head_dim, path, e)))
@@ -675,6 +725,7 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         c->act = f->norm_plus_one ? LM_ACT_GELU_TANH : LM_ACT_SILU; /* the Gemma config classes' default */
     }
     if (f->act_gelu_is_tanh && (rc = gemma_act_agrees(c, root, path, e))) goto done;
+    if (f->nope && (rc = read_nope(c, root, path, e))) goto done;
     if ((rc = read_windows(c, f, root, path, e)) || (rc = read_rope(c, f, root, path, e))) goto done;
     if (f->caps) {
         int qs = 256; /* Gemma2/3 declare it int: 256.0 and 256.5 fail there */
@@ -750,7 +801,7 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
     /* flavors: default RoPE with rope_theta (partial_rotary_factor 1), sliding layers alike */
     rope_params rg = lm_rope_params(c, 0), rl = lm_rope_params(c, 1);
     cJSON *rp = cJSON_AddObjectToObject(o, "rope_parameters");
-    if (f->rope_style == ROPE_STYLE_GEMMA3) {
+    if (f->rope_style == ROPE_STYLE_GEMMA3 || f->rope_style == ROPE_STYLE_OLMO3) {
         write_rope(cJSON_AddObjectToObject(rp, "full_attention"), &rg);
         write_rope(cJSON_AddObjectToObject(rp, "sliding_attention"), &rl);
     } else {
@@ -771,15 +822,16 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
             any = 1;
             if (l < first) first = l;
         }
-    int gemma_win = f->win == WIN_GEMMA || f->win == WIN_GEMMA2;
-    int types = f->win == WIN_TYPES || f->win == WIN_QWEN2_MOE;
+    /* Olmo3 as Gemma: a window always written (its default would apply otherwise) */
+    int gemma_win = f->win == WIN_GEMMA || f->win == WIN_GEMMA2 || f->win == WIN_OLMO3;
+    int types = f->win == WIN_TYPES || f->win == WIN_QWEN2_MOE || f->win == WIN_SMOLLM3;
     if (f->win == WIN_ALL || types || gemma_win) {
         if (any) cJSON_AddNumberToObject(o, "sliding_window", c->sliding_window);
         else if (!gemma_win) cJSON_AddNullToObject(o, "sliding_window");
         else cJSON_AddNumberToObject(o, "sliding_window", c->sliding_window > 0 ? c->sliding_window : 4096);
     }
     if (f->win_gate) cJSON_AddBoolToObject(o, f->win_gate, any);
-    if (types) cJSON_AddNumberToObject(o, "max_window_layers", first);
+    if (f->win == WIN_TYPES || f->win == WIN_QWEN2_MOE) cJSON_AddNumberToObject(o, "max_window_layers", first);
     if (types || gemma_win) {
         cJSON *lt = cJSON_AddArrayToObject(o, "layer_types");
         for (int l = 0; l < c->n_layers; l++)
@@ -793,6 +845,10 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         double asc = c->attn_softcap > 0 ? c->attn_softcap : c->attn_softcap_unused;
         if (asc > 0) add_float(o, "attn_logit_softcapping", asc);
         else cJSON_AddNullToObject(o, "attn_logit_softcapping");
+    }
+    if (f->nope) {
+        cJSON *nl = cJSON_AddArrayToObject(o, "no_rope_layers");
+        for (int l = 0; l < c->n_layers; l++) cJSON_AddItemToArray(nl, cJSON_CreateNumber(!c->layer_nope[l]));
     }
     if (f->granite) {
         add_float(o, "embedding_multiplier", c->embed_mult > 0 ? c->embed_mult : 1.0);

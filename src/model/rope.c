@@ -26,7 +26,9 @@
  *  - rope_theta: the dict's, else the top-level rope_theta, else the
  *    family's default_theta (1e6 for mixtral, 1e4 for the rest); Gemma3:
  *    top-level rope_theta (default 1e6) for full_attention,
- *    rope_local_base_freq (default 1e4) for sliding_attention.
+ *    rope_local_base_freq (default 1e4) for sliding_attention; Olmo3 (nested
+ *    as Gemma3): top-level rope_theta for full_attention only, sliding_attention
+ *    its entry's or default_theta 5e5 (Olmo3Config pops the key for the first).
  *  - partial_rotary_factor: the dict's, else the top-level one, else 1.
  *    Phi3's default RoPE and every scaled type's init function read it; the
  *    other families' default RoPE
@@ -41,7 +43,7 @@
  *  - Phi3: legacy rope types "su" and "yarn" mean longrope; only default and
  *    longrope pass its validate_rope; "su" must carry the key itself.
  *  - yarn's `truncate` is read from config.rope_parameters, which for
- *    Gemma3 is the nested dict: it is always true there.
+ *    Gemma3 and Olmo3 is the nested dict: it is always true there.
  *  - Validation raises only for missing required keys (and odd heads); a
  *    factor below 1 or a wrong list length only warns, and the latter then
  *    fails in the model. We refuse non-numbers, non-positive values, list
@@ -199,7 +201,7 @@ typedef struct {
     ct_err *e;
     rdict r;                /* the RoPE dict (Gemma3: with rope_scaling overlaid) */
     char entry_name[64];    /* Gemma3: "rope_parameters.<layer type>", r's name for the entry */
-    int synth_default;      /* Gemma3: transformers' own {"rope_type": "default"} stands for the entry */
+    int synth_default;      /* Gemma3, Olmo3: transformers' own {"rope_type": "default"} stands for the entry */
     const char *dname;      /* the dict's name for messages */
     const char *type;       /* the rope type as resolved (Phi3's legacy names mapped) */
     const char *type_where; /* the dict and key that gave it, for messages */
@@ -222,9 +224,10 @@ static int check_request(const cJSON *root, const char *layer_type, int head_dim
     if (layer_type && strcmp(layer_type, "full_attention") && strcmp(layer_type, "sliding_attention"))
         return ct_fail(e, CT_ERR_CONFIG, "%s: layer type \"%s\" has no RoPE (expected full_attention or sliding_attention)",
                        path, layer_type);
-    if (fam->style == ROPE_STYLE_GEMMA3 && !layer_type)
+    if ((fam->style == ROPE_STYLE_GEMMA3 || fam->style == ROPE_STYLE_OLMO3) && !layer_type)
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: gemma3_text has one RoPE per layer type: ask for full_attention or sliding_attention", path);
+                       "%s: %s has one RoPE per layer type: ask for full_attention or sliding_attention", path,
+                       fam->model_type);
     if (head_dim < 2) return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim must be at least 2 for RoPE, got %d", path, head_dim);
     return 0;
 }
@@ -250,14 +253,14 @@ static int find_gemma3_dict(rope_read *s, const cJSON *rs, const cJSON *rp) {
         cJSON_ArrayForEach(it, rp) {
             if (!is_layer_key(it->string) || !(cJSON_IsObject(it) || cJSON_IsNull(it)))
                 return ct_fail(s->e, CT_ERR_CONFIG,
-                               "%s: gemma3_text reads rope_parameters nested per layer type "
+                               "%s: %s reads rope_parameters nested per layer type "
                                "({\"full_attention\": {...}, \"sliding_attention\": {...}}); key \"%s\" is not one "
                                "(transformers 5.24 ignores a flat dict here)",
-                               s->path, it->string);
+                               s->path, s->fam->model_type, it->string);
         }
         ent = cJSON_GetObjectItemCaseSensitive(rp, s->layer_type);
         if (ent && cJSON_IsNull(ent)) ent = NULL;
-        /* Gemma3TextConfig: rope_parameters["full_attention"].update(rope_scaling) */
+        /* Gemma3TextConfig, Olmo3Config: rope_parameters["full_attention"].update(rope_scaling) */
         if (rs && !strcmp(s->layer_type, "full_attention") && !ent)
             return ct_fail(s->e, CT_ERR_CONFIG,
                            "%s: rope_scaling beside a rope_parameters without a full_attention entry "
@@ -304,7 +307,8 @@ static int find_dict(rope_read *s) {
     if ((rc = dict_item(s->root, "rope_scaling", &rs, s->path, s->e)) ||
         (rc = dict_item(s->root, "rope_parameters", &rp, s->path, s->e)))
         return rc;
-    rc = s->fam->style == ROPE_STYLE_GEMMA3 ? find_gemma3_dict(s, rs, rp) : find_flat_dict(s, rs, rp);
+    int nested = s->fam->style == ROPE_STYLE_GEMMA3 || s->fam->style == ROPE_STYLE_OLMO3;
+    rc = nested ? find_gemma3_dict(s, rs, rp) : find_flat_dict(s, rs, rp);
     if (rc) return rc;
     s->dname = s->r.d[1] ? s->r.name[1] : (s->r.d[0] ? s->r.name[0] : "rope_parameters");
     return 0;
@@ -322,9 +326,9 @@ static int read_type(rope_read *s) {
     if (!type && s->synth_default && ty) {
         /* the entry transformers made up has rope_type "default": a legacy type is dropped */
         return ct_fail(s->e, CT_ERR_CONFIG,
-                       "%s: %s.type \"%s\" is ignored by transformers 5.24 for gemma3_text (%s keeps its rope_type "
+                       "%s: %s.type \"%s\" is ignored by transformers 5.24 for %s (%s keeps its rope_type "
                        "\"default\"); write rope_type instead",
-                       s->path, ty_where, ty->valuestring, s->entry_name);
+                       s->path, ty_where, ty->valuestring, s->fam->model_type, s->entry_name);
     }
     if (type && ty && strcmp(type, ty->valuestring))
         return ct_fail(s->e, CT_ERR_CONFIG,
@@ -431,7 +435,14 @@ static int read_theta(rope_read *s) {
     double v;
     if ((rc = rd_num(&s->r, "rope_theta", 0, &found, &p->theta))) return rc;
     if (found) return rd_positive(&s->r, "rope_theta", p->theta);
-    int local = s->fam->style == ROPE_STYLE_GEMMA3 && !strcmp(s->layer_type, "sliding_attention");
+    int sliding = s->layer_type && !strcmp(s->layer_type, "sliding_attention");
+    int local = s->fam->style == ROPE_STYLE_GEMMA3 && sliding;
+    /* Olmo3Config: kwargs.pop("rope_theta") fills full_attention, so the sliding
+     * entry's setdefault finds it gone and takes default_theta */
+    if (s->fam->style == ROPE_STYLE_OLMO3 && sliding) {
+        p->theta = s->fam->theta_local;
+        return 0;
+    }
     const char *theta_key = local ? "rope_local_base_freq" : "rope_theta";
     p->theta = local ? s->fam->theta_local : s->fam->theta;
     if ((rc = top_num(s->root, theta_key, 0, &found, &v, s->path, s->e))) return rc;
@@ -555,7 +566,7 @@ static int read_yarn(rope_read *s) {
     p->truncate = 1;
     const char *where = "";
     const cJSON *tr = rd_get(&s->r, "truncate", &where);
-    if (tr && s->fam->style != ROPE_STYLE_GEMMA3) {
+    if (tr && s->fam->style != ROPE_STYLE_GEMMA3 && s->fam->style != ROPE_STYLE_OLMO3) {
         if (cJSON_IsNull(tr))
             p->truncate = 0; /* `if truncate:` with None */
         else if (cJSON_IsBool(tr))

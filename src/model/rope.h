@@ -55,12 +55,15 @@ typedef struct {
 /* What RoPE reads of a family's config class. The family table of
  * model/lm_config.c holds it beside the rest of each family's description,
  * so that adding a family stays one row there. */
-enum { ROPE_STYLE_GENERIC, ROPE_STYLE_PHI3, ROPE_STYLE_GEMMA3 };
+/* ROPE_STYLE_OLMO3: rope_parameters nested per layer type as Gemma3's, but
+ * Olmo3Config pops the top-level rope_theta into full_attention only: the
+ * sliding layers take default_theta unless their own entry names one. */
+enum { ROPE_STYLE_GENERIC, ROPE_STYLE_PHI3, ROPE_STYLE_GEMMA3, ROPE_STYLE_OLMO3 };
 typedef struct {
     const char *model_type;
     int max_pos;        /* max_position_embeddings' default */
     double theta;       /* default_theta (Gemma3: full_attention's) */
-    double theta_local; /* Gemma3: sliding_attention's */
+    double theta_local; /* Gemma3, Olmo3: sliding_attention's */
     int style;          /* ROPE_STYLE_*: Phi3's and Gemma3's own rules */
     int head_dim_none;  /* head_dim stays None when absent: yarn, dynamic and longrope then fail */
 } rope_family;

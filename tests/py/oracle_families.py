@@ -2,7 +2,7 @@
 
 One tiny random model per case, built with transformers' OWN config and model classes
 (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmo2, phi3, gemma, gemma2,
-gemma3_text, granite)
+gemma3_text, granite, smollm3, olmo3)
 with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
 weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
 whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
@@ -54,6 +54,8 @@ FAMILIES = {
     "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
     "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
     "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+    "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
+    "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
 }
 MOE = {"qwen3_moe", "qwen2_moe", "mixtral"}
 GEMMA = {"gemma", "gemma2", "gemma3_text"}  # RMSNorm by (1 + w)
@@ -243,6 +245,32 @@ CASES = [
         rope_parameters={"rope_type": "default", "rope_theta": 1e4}, tie_word_embeddings=True),
         keys=("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
               "attention_bias", "mlp_bias", "head_dim", "rope_parameters", "tie_word_embeddings")),
+    # ------------------------------------------------------------------ smollm3
+    # Llama's layer where no_rope_layers' 0 entries (layers 1 and 3) apply no RoPE; with
+    # use_sliding_window and a window, SmolLM3Config makes exactly those NoPE layers slide
+    # (layer_types derived, window 5 < T = 16); pad_token_id set (the default 128004 is outside
+    # the tiny vocabulary); MLP biases on, embeddings tied (the default). attention_bias stays
+    # off: without RoPE a key bias adds one vector to every key, which the softmax cancels, so
+    # its gradient is zero up to rounding and no relative tolerance can compare it
+    Case("smollm3_nope_swa5", "smollm3", dict(
+        num_hidden_layers=4, hidden_size=48, head_dim=16, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True,
+        sliding_window=5, attention_bias=False, mlp_bias=True, pad_token_id=3, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        keys=("no_rope_layers", "layer_types", "use_sliding_window", "sliding_window", "attention_bias", "mlp_bias",
+              "head_dim", "rope_parameters", "tie_word_embeddings")),
+    # ------------------------------------------------------------------ olmo3
+    # OLMo2's post-norm layer and whole-projection q/k norms; layer_types left to Olmo3Config's
+    # default (sliding, sliding, sliding, full) over a window of 5 < T = 16; the full layer's
+    # RoPE is yarn, the sliding layers' default with another theta (one RoPE per layer type)
+    Case("olmo3_swa5_yarn", "olmo3", dict(
+        num_hidden_layers=4, head_dim=16, hidden_size=48, sliding_window=5,
+        rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                            "original_max_position_embeddings": 32},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}),
+        # seed 11's bf16 logits sit where AMX's summation order flips bf16 roundings at 41% of
+        # positions (bit-equal to the emulation with matmul_bf16=ref); seeds 12-15 do not
+        seed=12,
+        keys=("layer_types", "sliding_window", "rope_parameters", "head_dim", "rms_norm_eps")),
 ]
 CASE = {c.id: c for c in CASES}
 
@@ -283,6 +311,7 @@ PARTIAL_DEFAULT_CASES = [
     _partial_default("gemma2", "gemma2_default_partial05_ignored", 0.5, top_level=True),
     _partial_default("gemma", "gemma_default_partial075_ignored", 0.75, top_level=False),
     _partial_default("granite", "granite_default_partial05_ignored", 0.5, top_level=True),
+    _partial_default("smollm3", "smollm3_default_partial05_ignored", 0.5, top_level=False),
 ]
 CASE.update({c.id: c for c in PARTIAL_DEFAULT_CASES})
 
@@ -300,6 +329,8 @@ class Refusal:
     key: str
     also: tuple = ()  # further text the message must hold (the value, the family)
 
+
+_SMOL_TYPES = ["full_attention", "sliding_attention"] * 2  # the smollm3 case's, given explicitly
 
 REFUSALS = [
     Refusal("llama_attention_dropout", "llama", dict(attention_dropout=0.1), "attention_dropout"),
@@ -379,6 +410,20 @@ REFUSALS = [
     Refusal("granite_logits_scaling_zero", "granite", dict(logits_scaling=0.0), "logits_scaling"),
     Refusal("granite_attention_multiplier_zero", "granite", dict(attention_multiplier=0.0), "attention_multiplier"),
     Refusal("granite_attention_dropout", "granite", dict(attention_dropout=0.1), "attention_dropout"),
+    # SmolLM3Attention indexes no_rope_layers by layer: a shorter list fails there
+    Refusal("smollm3_no_rope_layers_short", "smollm3", dict(no_rope_layers=[1, 0, 1], layer_types=_SMOL_TYPES),
+            "no_rope_layers"),
+    Refusal("smollm3_no_rope_layers_two", "smollm3", dict(no_rope_layers=[1, 0, 2, 1]), "no_rope_layers"),
+    # layer_types slides a layer while use_sliding_window is off: the eager mask slides, the
+    # flash path (sliding_window=None) does not; ctitan refuses rather than pick one
+    Refusal("smollm3_sliding_without_use_sliding_window", "smollm3", dict(use_sliding_window=False,
+                                                                          layer_types=_SMOL_TYPES),
+            "use_sliding_window"),
+    Refusal("olmo3_attention_dropout", "olmo3", dict(attention_dropout=0.1), "attention_dropout"),
+    # a flat rope_parameters: Olmo3Config keeps its keys beside the per-type entries it
+    # fills with default_theta, so the flat rope_theta is ignored
+    Refusal("olmo3_flat_rope_parameters", "olmo3", dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}), "rope_parameters"),
 ]
 
 

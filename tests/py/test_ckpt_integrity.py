@@ -201,6 +201,32 @@ def test_a_checkpoint_of_other_granite_scalars_is_refused(granite, tmp_path, key
     assert p.returncode == 2 and "step-5/config.json" in p.stderr and key in p.stderr, p.stderr[-2000:]
 
 
+@pytest.fixture(scope="module")
+def smollm3(tmp_path_factory):
+    """A run of a tiny SmolLM3 model (layers 1 and 3 without RoPE) with its checkpoints."""
+    from transformers import SmolLM3Config
+    tmp = tmp_path_factory.mktemp("smollm3")
+    SmolLM3Config(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, pad_token_id=3, no_rope_layers=[1, 0, 1, 0]).save_pretrained(tmp / "model")
+    data = oracle.write_bin(tmp / "tokens.bin", oracle.learnable_stream(40 * 17 + 5, 256, seed=5))
+    p = run(train_args(tmp / "model", data, tmp / "run"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return tmp / "model", data, tmp / "run"
+
+
+def test_a_checkpoint_of_other_nope_layers_is_refused(smollm3, tmp_path):
+    """SmolLM3's no_rope_layers change what a layer computes without changing a tensor's shape:
+    a checkpoint whose config.json moves a NoPE layer must not load into the model."""
+    model_dir, data, out = smollm3
+    dst = tmp_path / "run"
+    shutil.copytree(out, dst)
+    d = dst / "checkpoint" / "step-5"
+    edit_json(d / "config.json", lambda c: c.update({"no_rope_layers": [1, 1, 0, 0]}))
+    resign(d)
+    p = resume((model_dir, data, dst), "--training.steps=6")
+    assert p.returncode == 2 and "step-5/config.json" in p.stderr and "no_rope_layers" in p.stderr, p.stderr[-2000:]
+
+
 @pytest.mark.parametrize("flag,key", [
     ("--training.freeze=model.embed_tokens.weight", "training.freeze"),
     ("--lora.rank=2", "lora.rank"),

@@ -516,3 +516,134 @@ def test_granite_scalar_defaults(tmp_path, open_session, run_ctitan):
     out = json.loads((d / "out.json").read_text())
     for k in GRANITE_SCALARS + ("num_key_value_heads", "head_dim", "tie_word_embeddings", "pad_token_id"):
         assert out.get(k) == getattr(hf, k), f"{k} = {out.get(k)!r}, transformers {getattr(hf, k)!r}"
+
+
+# --------------------------------------------------------------------------- 9. SmolLM3's NoPE layers, Olmo3's windows
+
+def _logits_moved(case, kw, tokens=None):
+    import dataclasses
+    a = of.build(case)
+    if tokens is None:
+        tokens, _ = of.batch(a, B, case.T, seed=5)
+    b = of.build(dataclasses.replace(case, kw={**case.kw, **kw}))
+    return oracle.rel_err(of.logits(b, case.family, tokens), of.logits(a, case.family, tokens))
+
+
+def test_oracle_smollm3_nope_and_windows_change_the_model():
+    """In transformers itself the smollm3 case's NoPE layers and its sliding layers matter:
+    RoPE on every layer, the list read inverted, or no window each move the logits by far more
+    than the tests' tolerance (layer_types kept where only the RoPE changes)."""
+    case = of.CASE["smollm3_nope_swa5"]
+    types = ["full_attention", "sliding_attention"] * 2
+    for what, kw in [("NoPE ignored", dict(no_rope_layers=[1, 1, 1, 1], layer_types=types)),
+                     ("list inverted", dict(no_rope_layers=[0, 1, 0, 1], layer_types=types)),
+                     ("interval off by one", dict(no_rope_layers=[1, 1, 0, 1], layer_types=types)),
+                     ("no window", dict(use_sliding_window=False))]:
+        err = _logits_moved(case, kw)
+        assert err > 100 * TOL, f"{what}: moves the logits by only {err:.3g}"
+
+
+def test_oracle_olmo3_windows_and_rope_change_the_model():
+    """In transformers itself the olmo3 case's layer pattern and its per-type RoPE matter: the
+    full layer one place earlier, or the sliding layers on the full layers' RoPE, move the
+    logits by far more than the tests' tolerance."""
+    case = of.CASE["olmo3_swa5_yarn"]
+    rp = case.kw["rope_parameters"]
+    for what, kw in [("pattern off by one", dict(layer_types=["sliding_attention"] * 2 + ["full_attention",
+                                                                                          "sliding_attention"])),
+                     ("one RoPE", dict(rope_parameters={"full_attention": rp["full_attention"],
+                                                         "sliding_attention": rp["full_attention"]}))]:
+        err = _logits_moved(case, kw)
+        assert err > 100 * TOL, f"{what}: moves the logits by only {err:.3g}"
+
+
+def _rewrite(d, drop=(), **set_):
+    import json
+    conf = of.config_json(d)
+    for k in drop:
+        conf.pop(k, None)
+    conf.update(set_)
+    (d / "config.json").write_text(json.dumps(conf, indent=2))
+
+
+@pytest.mark.parametrize("interval", [2, 3])
+def test_smollm3_nope_from_interval(interval, tmp_path, open_session, run_ctitan):
+    """A SmolLM3 config.json without no_rope_layers and layer_types: SmolLM3Config makes every
+    no_rope_layer_interval-th layer NoPE and (use_sliding_window, sliding_window set) those
+    layers slide. ctitan's describe gives the same layers; its logits equal transformers' on the
+    model loaded from the file; its export writes the list back."""
+    import json
+    from transformers import AutoConfig
+    case = of.CASE["smollm3_nope_swa5"]
+    d = of.save(of.build(case), tmp_path / "hf")
+    _rewrite(d, drop=("no_rope_layers", "layer_types"), no_rope_layer_interval=interval)
+    hf = AutoConfig.from_pretrained(d)
+    want_nope = [1 - u for u in hf.no_rope_layers]
+    assert want_nope == [int((i + 1) % interval == 0) for i in range(4)], hf.no_rope_layers
+    _, out, _ = run_ctitan(["describe", d, "--json"])
+    layers = json.loads(out)["layers"]
+    assert [int(x["rope"] == "none") for x in layers] == want_nope, layers
+    assert [x["sliding_window"] for x in layers] == [5 if t == "sliding_attention" else 0 for t in hf.layer_types]
+    ref = of.load(d, case.family)
+    tokens, _ = of.batch(ref, B, case.T, seed=5)
+    s = open_session(hf_session_args(d, batch=B, seq_len=case.T))
+    err = oracle.rel_err(s.logits(tokens), of.logits(ref, case.family, tokens))
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    run_ctitan(["describe", d, "--config-out", d / "out.json"])
+    back = json.loads((d / "out.json").read_text())
+    assert back["no_rope_layers"] == hf.no_rope_layers and back["layer_types"] == hf.layer_types
+
+
+def test_smollm3_defaults(tmp_path, open_session, run_ctitan):
+    """A SmolLM3 config.json that leaves out what SmolLM3Config defaults (num_key_value_heads 4,
+    tied embeddings, rope_theta 2e6, interval 4, no window): ctitan reads the same model."""
+    import json
+    from transformers import AutoConfig
+    case = of.CASE["smollm3_nope_swa5"]
+    d = of.save(of.build(case), tmp_path / "hf")
+    conf = {"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "vocab_size": 160, "hidden_size": 32,
+            "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 8, "pad_token_id": 3}
+    (d / "config.json").write_text(json.dumps(conf))
+    hf = AutoConfig.from_pretrained(d)
+    assert (hf.num_key_value_heads, hf.tie_word_embeddings, hf.rope_parameters["rope_theta"],
+            hf.no_rope_layers, set(hf.layer_types)) == (4, True, 2e6, [1, 1, 1, 0], {"full_attention"})
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_config(hf)
+    of.init_weights(ref, "smollm3", 3)
+    ref = of.prepare_loaded(ref, "smollm3")
+    ref.save_pretrained(str(d))
+    (d / "config.json").write_text(json.dumps(conf))
+    tokens, _ = of.batch(ref, B, case.T, seed=5)
+    s = open_session(hf_session_args(d, batch=B, seq_len=case.T))
+    err = oracle.rel_err(s.logits(tokens), of.logits(ref, "smollm3", tokens))
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    run_ctitan(["describe", d, "--config-out", d / "out.json"])
+    out = json.loads((d / "out.json").read_text())
+    for k in ("num_key_value_heads", "tie_word_embeddings", "no_rope_layers", "layer_types", "use_sliding_window"):
+        assert out.get(k) == getattr(hf, k), f"{k} = {out.get(k)!r}, transformers {getattr(hf, k)!r}"
+    assert out["rope_parameters"]["rope_theta"] == 2e6
+
+
+def test_olmo3_published_keys(tmp_path, open_session, run_ctitan):
+    """An Olmo 3 config.json as the published files write it: no layer_types (Olmo3Config: every
+    4th layer full), a top-level rope_theta and a legacy rope_scaling (yarn), which Olmo3Config
+    gives to the full layers only; the sliding layers keep the default RoPE with default_theta
+    5e5 (the top-level rope_theta is popped for the full layers). ctitan reads the same model."""
+    import json
+    from transformers import AutoConfig
+    case = of.CASE["olmo3_swa5_yarn"]
+    d = of.save(of.build(case), tmp_path / "hf")
+    _rewrite(d, drop=("layer_types", "rope_parameters"), rope_theta=1e4,
+             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    hf = AutoConfig.from_pretrained(d)
+    assert hf.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+    assert hf.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 5e5}
+    assert hf.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    assert hf.rope_parameters["full_attention"]["rope_theta"] == 1e4
+    ref = of.load(d, case.family)
+    tokens, _ = of.batch(ref, B, case.T, seed=5)
+    s = open_session(hf_session_args(d, batch=B, seq_len=case.T))
+    err = oracle.rel_err(s.logits(tokens), of.logits(ref, case.family, tokens))
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    _, out, _ = run_ctitan(["describe", d, "--json"])
+    assert [x["sliding_window"] for x in json.loads(out)["layers"]] == [5, 5, 5, 0]

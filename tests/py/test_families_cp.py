@@ -127,6 +127,17 @@ FAMILY_LAYOUTS = {
     "qwen2_moe_ep2_tp2_fsdp2": ("qwen2_moe_mlponly_norm_nobias", 4, ["--parallelism.tensor_parallel_degree=2",
                                                                      "--parallelism.data_parallel_shard_degree=2",
                                                                      "--parallelism.expert_parallel_degree=2"]),
+    # SmolLM3's NoPE layers (which also slide) under CP: each rank's q/k of those layers stay
+    # unrotated in the all-gather and ring kernels, and in the recompute of full AC
+    "smollm3_cp2_allgather": ("smollm3_nope_swa5", 2, CP2),
+    "smollm3_cp2_alltoall_nolb": ("smollm3_nope_swa5", 2, CP2 + [A2A, NOLB]),
+    "smollm3_cp2_alltoall_ac": ("smollm3_nope_swa5", 2, CP2 + [A2A, "--activation_checkpoint.mode=full"]),
+    # a stage holding layers 2, 3 reads their NoPE flags by global layer index
+    "smollm3_pp2": ("smollm3_nope_swa5", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                             "--parallelism.pipeline_parallel_microbatch_size=1",
+                                             "--training.local_batch_size=1"]),
+    # Olmo3's per-type RoPE tables cut by CP rank, its windows across the ranks' chunks
+    "olmo3_cp2_alltoall": ("olmo3_swa5_yarn", 2, CP2 + [A2A]),
 }
 
 

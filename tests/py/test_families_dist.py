@@ -48,6 +48,10 @@ CASES = {
     # residual_multiplier on each branch: added once after the TP sum, with sequence parallel
     # (this rank's rows) and without; scaled embeddings and logits under the vocabulary-parallel loss
     "granite": {"fsdp2": FSDP2, "tp2": TP2, "tp2_nosp": TP2_NOSP},
+    # NoPE layers (their own sliding windows) under TP with sequence parallel
+    "smollm3_nope_swa5": {"fsdp2": FSDP2, "tp2": TP2},
+    # the whole-projection q/k norms under TP, per-type RoPE and windows
+    "olmo3_swa5_yarn": {"fsdp2": FSDP2, "tp2": TP2},
 }
 # AdamW's eps per case where 1e-8 lets rounding noise decide the test (test_dist_debugmodel.py
 # says why): llama_mlpbias_tied's mlp biases have gradients near zero, so a last-bit
@@ -60,9 +64,16 @@ CASES = {
 # process's to 9e-9 (gemma2) and 0 (gemma), yet the final weights end up to 1.3e-4 (gemma2: every
 # tensor, the zero-initialised (1 + w) norm weights most, the gap growing from 3e-7 at step 2 to
 # 3e-5 at step 7 with or without the attention cap) and 2e-5 (gemma: one gate_proj element)
-# apart; with eps 1e-5 (gemma2) and 1e-6 (gemma) the largest is 2.5e-6.
+# apart; with eps 1e-5 (gemma2) and 1e-6 (gemma) the largest is 2.5e-6. olmo3_swa5_yarn (4 layers,
+# yarn on the full layer) under TP 2 and CP 2 with eps 1e-8: step 1's gradient norm equal to 2e-8,
+# then the gap grows step by step (TP 2: final embeddings 1.1e-4 apart; CP 2 ring: gradient norms
+# 2e-5 apart by step 9 with eps 1e-6 and 1e-5); with eps 1e-4 the largest gradient-norm gap is
+# 8.5e-6 (step 6).
+# smollm3_nope_swa5 under CP 2 (ring, no load balancing) with eps 1e-8: the losses equal, one
+# up_proj 1.02e-5 apart.
 EPS = {"llama_mlpbias_tied": ["--optimizer.eps=1e-6"], "gemma2": ["--optimizer.eps=1e-5"],
-       "gemma_gelu_attnbias": ["--optimizer.eps=1e-6"]}
+       "gemma_gelu_attnbias": ["--optimizer.eps=1e-6"], "olmo3_swa5_yarn": ["--optimizer.eps=1e-4"],
+       "smollm3_nope_swa5": ["--optimizer.eps=1e-6"]}
 
 
 def assert_same(out, ref, what, steps=range(1, STEPS + 1)):

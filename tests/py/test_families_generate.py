@@ -20,7 +20,8 @@ from test_generate import MIN_MARGIN, cached_logits, gen, gen_cmd, gen_session, 
 # (64 rows) so windows slide inside the cache and across chunks
 IDS = ["llama_rope3_attnbias_hd16", "llama_mlpbias_tied", "mistral_swa5", "qwen2_swa6_layers", "qwen3_yarn",
        "qwen3_moe_aux", "qwen2_moe_step2_aux", "qwen2_moe_mlponly_norm_nobias", "mixtral_e4k2_aux_hd16", "olmo2",
-       "phi3_longrope_short_swa7", "gemma3_text", "gemma2", "gemma_gelu_attnbias", "granite"]
+       "phi3_longrope_short_swa7", "gemma3_text", "gemma2", "gemma_gelu_attnbias", "granite", "smollm3_nope_swa5",
+       "olmo3_swa5_yarn"]
 PIECES = [70, 1, 1, 5, 1, 1]  # prefill (two chunks), decode, a warm 5-row prefill, decode
 
 
@@ -47,7 +48,8 @@ def test_cached_logits_match_hf(cid, genlib, tmp_path):
 # greedy `ctitan generate` = transformers' model.generate (its own cache: Gemma2's sliding
 # layers keep a window of keys, the caps apply at every decode step), past every window
 # case: weight seed with top-2 margins > MIN_MARGIN
-GREEDY = {"gemma2": 7, "gemma_gelu_attnbias": 3, "granite": 3, "qwen2_moe_step2_aux": 13}
+GREEDY = {"gemma2": 7, "gemma_gelu_attnbias": 3, "granite": 3, "qwen2_moe_step2_aux": 13, "smollm3_nope_swa5": 3,
+          "olmo3_swa5_yarn": 3}
 
 
 @pytest.mark.parametrize("cid", list(GREEDY))

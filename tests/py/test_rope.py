@@ -45,6 +45,8 @@ ROTARY = {
     "gemma2": ("gemma2", "Gemma2RotaryEmbedding"),
     "gemma": ("gemma", "GemmaRotaryEmbedding"),
     "granite": ("granite", "GraniteRotaryEmbedding"),
+    "smollm3": ("smollm3", "SmolLM3RotaryEmbedding"),
+    "olmo3": ("olmo3", "Olmo3RotaryEmbedding"),
 }
 
 
@@ -86,7 +88,7 @@ def hf_rope(cfg_dir: Path, layer_type, seq_len: int):
     x = torch.zeros(1, dtype=torch.float32)
     pos = torch.arange(seq_len)[None]
     with torch.no_grad():
-        if config.model_type == "gemma3_text":
+        if config.model_type in NESTED:
             cos, sin = rotary(x, pos, layer_type)
             inv = getattr(rotary, f"{layer_type}_inv_freq")
             scale = getattr(rotary, f"{layer_type}_attention_scaling")
@@ -132,6 +134,9 @@ SF = [1.0 + 0.05 * i for i in range(32)]
 LF = [1.5 + 0.4 * i for i in range(32)]
 GEMMA = dict(model_type="gemma3_text", hidden_size=640, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
              num_hidden_layers=6, max_position_embeddings=2048)
+OLMO3 = dict(model_type="olmo3", hidden_size=512, num_attention_heads=4, num_hidden_layers=4,
+             max_position_embeddings=65536)
+NESTED = ("gemma3_text", "olmo3")  # one RoPE per layer type
 PHI3 = dict(model_type="phi3", hidden_size=512, num_attention_heads=8, num_hidden_layers=2,
             max_position_embeddings=8192, original_max_position_embeddings=1024)
 
@@ -286,6 +291,24 @@ CASES = [
     ("gemma3-longrope-full", {**GEMMA, "rope_parameters": {"full_attention": {
         "rope_type": "longrope", "short_factor": SF, "long_factor": LF, "original_max_position_embeddings": 1024}}},
      "full_attention", [16, 2048], "longrope"),
+    # Olmo3: default_theta 5e5; the published files' top-level rope_theta and rope_scaling (yarn)
+    # reach the full layers only (Olmo3Config pops rope_theta into full_attention's entry, so the
+    # sliding entry's setdefault falls back to default_theta)
+    ("olmo3-defaults-full", {**OLMO3}, "full_attention", [16], "default"),
+    ("olmo3-defaults-sliding", {**OLMO3}, "sliding_attention", [16], "default"),
+    ("olmo3-legacy-yarn-full", {**OLMO3, "rope_theta": 1e4, "rope_scaling": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+        "attention_factor": 1.2079441541679836, "beta_fast": 32.0, "beta_slow": 1.0}}, "full_attention", [16], "yarn"),
+    ("olmo3-legacy-yarn-sliding", {**OLMO3, "rope_theta": 1e4, "rope_scaling": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}}, "sliding_attention", [16],
+     "default"),
+    ("olmo3-v5-sliding", {**OLMO3, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                       "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                             "rope_theta": 3e4}}},
+     "sliding_attention", [16], "linear"),
+    # SmolLM3: one RoPE (its NoPE layers apply none), default_theta 2e6
+    ("smollm3-defaults", {**LLAMA, "model_type": "smollm3"}, None, [16], "default"),
+    ("smollm3-legacy-theta", {**LLAMA, "model_type": "smollm3", "rope_theta": 5e6}, None, [16], "default"),
 ]
 
 
@@ -366,6 +389,11 @@ ERRORS = [
      ["high_freq_factor equals low_freq_factor"], False),
     # driver-level misuse
     ("gemma3-needs-layer-type", {**GEMMA}, None, ["one RoPE per layer type"], None),
+    ("olmo3-needs-layer-type", {**OLMO3}, None, ["olmo3 has one RoPE per layer type"], None),
+    ("olmo3-flat", {**OLMO3, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "full_attention",
+     ["olmo3 reads rope_parameters nested per layer type", 'key "rope_type"'], False),
+    ("olmo3-legacy-type-dropped", {**OLMO3, "rope_scaling": {"type": "linear", "factor": 8.0}}, "full_attention",
+     ['rope_scaling.type "linear" is ignored by transformers 5.24 for olmo3'], False),
     ("unknown-model-type", {**LLAMA, "model_type": "gpt2"}, None, ['model_type "gpt2": no RoPE rules'], None),
 ]
 
@@ -391,11 +419,11 @@ def published():
 
 
 def layer_types(cfg: dict):
-    if cfg.get("model_type") != "gemma3_text":
+    if cfg.get("model_type") not in NESTED:
         return [None]
     lt = cfg.get("layer_types")
     if lt is None:
-        pattern = cfg.get("sliding_window_pattern", 6)
+        pattern = cfg.get("sliding_window_pattern", 6) if cfg["model_type"] == "gemma3_text" else 4  # Olmo3Config
         lt = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg["num_hidden_layers"])]
     return sorted(set(lt))
 
