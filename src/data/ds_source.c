@@ -574,6 +574,48 @@ static size_t line_end(const char *p, size_t n, size_t at) {
     return nl ? (size_t)(nl - p) : n;
 }
 
+/* What a binary file that is not text most likely is, by its first bytes: the formats
+ * a Hugging Face user has at hand (the Hub's parquet, c4's .json.gz, datasets' arrow). */
+static const char *binary_format(const unsigned char *p, size_t n) {
+    if (n >= 2 && p[0] == 0x1F && p[1] == 0x8B) return "gzip-compressed (gunzip it first)";
+    if (n >= 4 && !memcmp(p, "\x28\xB5\x2F\xFD", 4)) return "zstd-compressed (unzstd it first)";
+    if (n >= 3 && !memcmp(p, "BZh", 3)) return "bzip2-compressed (bunzip2 it first)";
+    if (n >= 6 && !memcmp(p, "\xFD" "7zXZ\x00", 6)) return "xz-compressed (unxz it first)";
+    if (n >= 4 && !memcmp(p, "PK\x03\x04", 4)) return "a zip archive";
+    if (n >= 4 && !memcmp(p, "PAR1", 4))
+        return "Parquet (convert it to JSON Lines, e.g. datasets' Dataset.from_parquet(F).to_json(OUT))";
+    if ((n >= 6 && !memcmp(p, "ARROW1", 6)) || (n >= 4 && !memcmp(p, "\xFF\xFF\xFF\xFF", 4)))
+        return "Arrow (datasets' save_to_disk; write JSON Lines with Dataset.to_json(OUT))";
+    return NULL;
+}
+
+/* A text source must be UTF-8, as Python and HF's text loader read it: anything else
+ * (most often a compressed or columnar file) is refused naming the line, where the
+ * byte-level tokenizer would have trained on its bytes. */
+static int check_text_utf8(const src_file *s, ct_err *e) {
+    const unsigned char *p = (const unsigned char *)s->data;
+    size_t n = s->len;
+    uint64_t line = 1;
+    for (size_t i = 0; i < n;) {
+        if (p[i] < 0x80) {
+            line += p[i] == '\n';
+            i++;
+            continue;
+        }
+        size_t k = json_utf8_len(p + i, n - i);
+        if (k) {
+            i += k;
+            continue;
+        }
+        const char *what = binary_format(p, n);
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s:%llu: not UTF-8 text (byte 0x%02x at offset %zu)%s%s; a file read as text (kind text, or auto "
+                       "for a file that is not JSON Lines) must be UTF-8",
+                       s->path, (unsigned long long)line, p[i], i, what ? ": it looks like " : "", what ? what : "");
+    }
+    return 0;
+}
+
 /* Cuts source si (starting at byte `base` of all inputs) into documents. */
 static int read_source(run *r, int si, uint64_t base, ct_err *e) {
     src_file *s = &r->src[si];
@@ -581,6 +623,7 @@ static int read_source(run *r, int si, uint64_t base, ct_err *e) {
     size_t n = s->len, at = 0;
     uint64_t line = 1;
     int rc = 0;
+    if (s->kind == DS_KIND_TEXT && (rc = check_text_utf8(s, e))) return rc;
     if (s->kind == DS_KIND_TEXT && r->o->text_split == DS_SPLIT_FILE) {
         r->read_to = base + n;
         if (n) return add_item(r, (item){.text = p, .len = n, .src = si}, n, e);

@@ -81,10 +81,7 @@ static void *json_grow(void *p, size_t *room, size_t need, size_t sz) {
 
 /* ------------------------------------------------------------------ UTF-8 */
 
-/* Length of the well-formed UTF-8 sequence at s (s[0] >= 0x80), 0 if it is
- * ill-formed: the Unicode standard's table 3-7, which Python's and Rust's
- * decoders follow. */
-static size_t json_utf8_len(const unsigned char *s, size_t avail) {
+size_t json_utf8_len(const unsigned char *s, size_t avail) {
     unsigned c = s[0];
     if (c < 0xC2 || c > 0xF4) return 0; /* continuation, overlong C0/C1, past U+10FFFF */
     if (c < 0xE0) return avail >= 2 && (s[1] & 0xC0) == 0x80 ? 2 : 0;

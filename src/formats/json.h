@@ -32,6 +32,11 @@ struct cJSON;
  * cJSON checks the syntax. */
 size_t json_bad_byte(const char *text, size_t len);
 
+/* Length of the well-formed UTF-8 sequence at s (s[0] >= 0x80, avail bytes
+ * readable), 0 if it is ill-formed: the Unicode standard's table 3-7, which
+ * Python's and Rust's decoders follow. Text sources (data/) check with it too. */
+size_t json_utf8_len(const unsigned char *s, size_t avail);
+
 /* text[0, len) as one JSON value; what names the file in messages. NULL on
  * error with e set (CT_ERR_FORMAT, "WHAT: ... at byte N", or "WHAT: duplicate
  * key \"K\"" for an object, at any depth, that repeats a key). Its numbers
