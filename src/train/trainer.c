@@ -560,6 +560,22 @@ static int agree_on_model(trainer *t, const lm_config *mc, ct_err *e) {
     return CT_ERR_CONFIG;
 }
 
+static int open_data(trainer *t, ds **out, const char *kind_name, const char *path, const char *key, int shuffle,
+                     int *template_seen, tok **tk, ct_err *e);
+
+/* The run's training and validation data, checked by every rank together. */
+static int open_run_data(trainer *t, ct_err *e) {
+    const ct_config *c = &t->cfg;
+    t->template_seen = t->world->rank != 0; /* only rank 0 warns of an unused chat template */
+    int rc = open_data(t, &t->data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle,
+                       &t->template_seen, &t->tk, e);
+    if (!rc && c->val_enable)
+        rc = open_data(t, &t->val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0,
+                       &t->template_seen, &t->tk, e);
+    if ((rc = trainer_agree(t, rc, "open its data", e))) return rc; /* a data file one machine alone lacks */
+    return trainer_agree_data(t, t->data, t->val, e);
+}
+
 static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_err *e) {
     memset(t, 0, sizeof *t);
     t->t_launch = ev_wall_time();
@@ -618,6 +634,10 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
     /* the layout and the settings are checked; before the minutes that tuning and
      * the weights may take, and before the checkpoint folder is looked at */
     if (claim && (rc = claim_dump_folder(t, e))) return rc;
+    /* the CLI's run: its data before tuning and the weights, which may take minutes, so that
+     * a missing tokenizer, a malformed file or one too short for seq_len is said at once
+     * (torchtitan builds its dataloader before the model) */
+    if (claim && (rc = open_run_data(t, e))) return rc;
     /* after the bf16 store: tuning times the experts entries the run will call */
     if ((rc = select_kernels(t, e))) return rc;
     /* MoE load-balancing loss: HF adds it per forward; a step is the mean of its micro-batches'
@@ -646,6 +666,9 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
 }
 
 void trainer_free(trainer *t) {
+    ds_close(t->val);
+    ds_close(t->data);
+    tok_free(t->tk);
     if (t->dump_lock) close(t->dump_lock - 1); /* releases job.dump_folder */
     plan_free(&t->plan);
     lm_free(&t->model);
@@ -724,7 +747,14 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     dc.tok.template_seen = template_seen;
     dc.tok.tokenizer_dir = c->hf_assets_path[0] ? cfg_hf_dir(c) : NULL;
     const char *paths[1] = {path};
-    return ds_open(out, paths, 1, *tk, &dc, e);
+    int rc2 = ds_open(out, paths, 1, *tk, &dc, e);
+    /* data/chat.c names the spec as prepare's --chat-template and this key share it: say which key */
+    if (rc2 && !strncmp(e->msg, "chat_template = ", 16)) {
+        char msg[sizeof e->msg];
+        snprintf(msg, sizeof msg, "%s", e->msg);
+        return ct_fail(e, rc2, "%s: training.%s", cfg_origin(c, "training.chat_template"), msg);
+    }
+    return rc2;
 }
 
 /* MoE: the step's load-balancing loss and, per MoE layer, the tokens of its least
@@ -976,10 +1006,23 @@ typedef struct {
     int steps_since_log;
 } run_clock;
 
-void trainer_print_trained(FILE *out, const char *prefix, size_t trained, size_t total, int lora) {
+/* PEFT's get_nb_trainable_parameters counts a modules_to_save module twice: the
+ * original it wraps (frozen) and the trained copy. ctitan trains the one tensor, so
+ * PEFT's total is the model's plus these tensors once more (a tied pair is one
+ * tensor, as ensure_weight_tying shares one copy). */
+size_t trainer_saved_params(const lm_model *m) {
+    size_t n = 0;
+    if (m->cfg.lora_rank <= 0) return 0;
+    for (int i = 0; i < m->n_tensors; i++)
+        if (!m->tensors[i].frozen && !m->tensors[i].lora) n += m->tensors[i].numel;
+    return n;
+}
+
+void trainer_print_trained(FILE *out, const char *prefix, size_t trained, size_t total, size_t saved, int lora) {
+    size_t all = total + saved; /* PEFT's "all params" */
     fprintf(out, "%strained: %zu parameters (%.3f%%%s) of %zu, frozen: %zu (no gradient, no moments)\n", prefix,
-            trained, total ? 100.0 * (double)trained / (double)total : 0.0,
-            lora ? ", LoRA adapters and modules_to_save" : "", total, total - trained);
+            trained, all ? 100.0 * (double)trained / (double)all : 0.0,
+            lora ? ", LoRA adapters and modules_to_save" : "", all, total - trained);
 }
 
 /* The run's summary on stderr (model, batch, layout, FLOPs and peak), and
@@ -1061,7 +1104,7 @@ static void print_run_banner(trainer *t, run_clock *k) {
         ct_err ignore = {0}; /* the run applied the same settings already */
         if (!lora_apply_frozen(&whole, c->freeze, c->lora_modules_to_save, trainer_frozen_origin(c), &ignore))
             trainer_print_trained(stderr, "ctitan: ", lm_trained_runs(&whole, 0, whole.n_params, NULL, NULL),
-                                  whole.n_params, c->lora_rank > 0);
+                                  whole.n_params, trainer_saved_params(&whole), c->lora_rank > 0);
     }
     lm_free(&whole);
     if (t->world->rank == 0) plan_describe(&t->plan, stderr);
@@ -1184,12 +1227,15 @@ static int stopped(int step, const char *why, int ckpt_enable) {
 int trainer_run(trainer *t, ct_err *e) {
     ct_config *c = &t->cfg;
     int B = c->local_batch_size, T = c->seq_len;
-    ds *data = NULL, *val = NULL;
-    tok *tk = NULL;
+    ds *data = t->data, *val = t->val; /* opened by init_run (the CLI), else here */
+    tok *tk = t->tk;
+    int opened = data != NULL;
     run_files files = {0};
     int32_t *tokens = NULL, *labels = NULL;
-    int template_seen = t->world->rank != 0; /* only rank 0 warns of an unused chat template */
+    int template_seen = opened ? t->template_seen : t->world->rank != 0; /* only rank 0 warns of an unused template */
     if (t->complete) return 0; /* the same on every rank: agree_on_pick compared the picks */
+    t->data = t->val = NULL; /* closed at out: below */
+    t->tk = NULL;
     /* no early return before trainer_agree: the other ranks wait there */
     int rc = t->seed_step > 0
                  ? ct_fail(e, CT_ERR_CONFIG,
@@ -1198,14 +1244,15 @@ int trainer_run(trainer *t, ct_err *e) {
                            "folder's checkpoints (export it with `ctitan export` and start a new checkpoint.folder "
                            "from it with checkpoint.initial_load_path)",
                            c->load_step, t->ckpt_folder, t->seed_step)
+                 : opened ? 0
                  : open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle,
                              &template_seen, &tk, e);
     if (!rc && t->have_resume_data) rc = ds_set_state(data, &t->resume_data, e);
-    if (!rc && c->val_enable)
+    if (!rc && !opened && c->val_enable)
         rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &template_seen, &tk,
                        e);
     if ((rc = trainer_agree(t, rc, "open its data", e))) goto out; /* a data file one machine alone lacks */
-    if ((rc = trainer_agree_data(t, data, val, e))) goto out;
+    if (!opened && (rc = trainer_agree_data(t, data, val, e))) goto out;
     if ((rc = ct_mkdirs(c->dump_folder, e)) || (rc = open_run_files(t, &files, e))) goto out;
     prof *pf = files.pf;
     run_clock clock = {0};

@@ -53,6 +53,11 @@ typedef struct {
     struct ev_log *events; /* rank 0 during trainer_run; NULL elsewhere */
     int dump_lock;         /* rank 0 of trainer_init_dist: job.dump_folder's lock, its descriptor + 1 (0: none) */
     ev_energy energy;      /* RAPL reading at launch (rank 0) */
+    /* the CLI's data (trainer_init_dist), opened before the kernels are timed and the
+     * weights load; trainer_run takes them over, trainer_free closes what it did not */
+    ds *data, *val;
+    tok *tk;
+    int template_seen;
 } trainer;
 
 /* Takes ownership of *cfg (the caller must not free it). Builds the model from

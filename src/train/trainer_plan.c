@@ -43,12 +43,13 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     size_t n = 0, act = 0;
     if ((rc = lm_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
     /* frozen tensors (LoRA's base, training.freeze): no gradient, no moments */
-    size_t trained = n, in_bf16 = 0, widened = 0;
+    size_t trained = n, in_bf16 = 0, widened = 0, saved = 0;
     {
         lm_model lm;
         lm_layout(&lm, &mc);
         rc = lora_apply_frozen(&lm, c->freeze, c->lora_modules_to_save, trainer_frozen_origin(c), e);
         if (!rc) trained = lm_trained_runs(&lm, 0, lm.n_params, NULL, NULL);
+        if (!rc) saved = trainer_saved_params(&lm);
         if (!rc && lm.n_frozen && !strcmp(c->frozen_dtype, "bfloat16")) {
             in_bf16 = lm_store_frozen_bf16(&lm);
             widened = lm_frozen_widened_floats(&lm);
@@ -68,7 +69,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     double w = 4.0 * (double)widened, x = 4.0 * (double)lm_expert_lora_scratch_floats(&mc);
     fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
             n / 1e9, B, c->seq_len, c->ac_mode);
-    if (trained != n) trainer_print_trained(out, "  ", trained, n, c->lora_rank > 0);
+    if (trained != n) trainer_print_trained(out, "  ", trained, n, saved, c->lora_rank > 0);
     plan_dry_line(out, in_bf16 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
     plan_dry_line(out, trained < n ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
     plan_dry_line(out, trained < n ? "AdamW moments (2 x fp32, trained only)" : "AdamW moments (2 x fp32)", o);

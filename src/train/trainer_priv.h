@@ -56,7 +56,8 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
 /* "PREFIXtrained: N parameters (P%) of M, frozen: F (...)", PEFT's
  * print_trainable_parameters: the run's start-up log and the dry run
  * (lora: name what is trained) print the same line. */
-void trainer_print_trained(FILE *out, const char *prefix, size_t trained, size_t total, int lora);
+size_t trainer_saved_params(const lm_model *m);
+void trainer_print_trained(FILE *out, const char *prefix, size_t trained, size_t total, size_t saved, int lora);
 /* [profiling] enable_memory_snapshot at step `step`: what the dry run plans
  * for this rank's model beside what its buffers hold resident now, written
  * under save_memory_snapshot_folder/iteration_N (trainer_plan.c). */
