@@ -257,7 +257,13 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
         p->first[V] = L;
     } else {
         V = multi ? 2 * P : P;
-        if (V > L) V = P;
+        if (V > L) /* the default needs a layer per stage: say so, not the stage count it fell back to */
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.pipeline_parallel_schedule = \"%s\" with pipeline_parallel_degree %d "
+                           "needs %d stages (%s), each of at least one layer, but the model has %d layer%s: use "
+                           "%sa smaller pipeline_parallel_degree",
+                           where, c->pp_schedule, P, V, multi ? "two per rank" : "one per rank", L, L == 1 ? "" : "s",
+                           multi ? "1F1B or GPipe, or " : "");
     }
     if (V % P != 0 || (!multi && V != P) || (multi && V < 2 * P))
         return ct_fail(e, CT_ERR_CONFIG,
