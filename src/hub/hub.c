@@ -590,8 +590,10 @@ static int not_cached(const hub_ctx *h, const char *file, ct_err *e) {
         why = h->net_why[0] ? h->net_why : "the Hub could not be reached";
         todo = "check the network and HF_ENDPOINT";
     }
-    return ct_fail(e, CT_ERR_IO, "%s: %s (revision %s) is not in the Hugging Face cache %s%s, and %s; %s", h->repo,
-                   file, h->rev, h->storage, snap, why, todo);
+    return ct_fail(e, CT_ERR_IO,
+                   "%s: no such local directory, and as a Hub id: %s (revision %s) is not in the Hugging Face cache "
+                   "%s%s, and %s; %s",
+                   h->repo, file, h->rev, h->storage, snap, why, todo);
 }
 
 /* The cached copy of file in the revision's snapshot, if any: 1 and the commit set. */
@@ -1275,8 +1277,9 @@ static int fetch_online(hub_ctx *h, const char *file, int optional, int *have, c
         if (tries == 3) {
             snprintf(h->net_why, sizeof h->net_why, "the Hub could not be reached: %s", why);
             return ct_fail(e, CT_ERR_IO,
-                           "%s: cannot download %s: %s (%s, 4 tries) and it is not in the Hugging Face cache %s; check "
-                           "the network and HF_ENDPOINT, or use a cached copy",
+                           "%s: no such local directory, and as a Hub id: cannot download %s: %s (%s, 4 tries) and "
+                           "it is not in the Hugging Face cache %s; check the path, or the network and HF_ENDPOINT, "
+                           "or use a cached copy",
                            h->repo, file, why, h->endpoint, h->storage);
         }
         fprintf(stderr, "ctitan: hub: %s %s: %s; trying again in %d s\n", h->repo, file, why, 1 << tries);
