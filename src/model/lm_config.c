@@ -565,22 +565,25 @@ static void write_rope(cJSON *o, const rope_params *p) {
 }
 
 /* A positive scalar of the config: absent, the config class's default def;
- * null, if_null; else a positive finite number. Gemma's soft-caps (null:
- * none) are divided by, so 0 would give NaN or flat scores and a negative
- * cap computes what its absolute value does; Granite's scalars (null: 1.0)
- * at 0 would zero the stream or divide the logits by 0, and ctitan reads an
- * attention scale of 0 as head_dim^-0.5. */
+ * null, if_null (NAN: refused, where the config class types the field
+ * float | int and transformers' strict validation refuses a null); else a
+ * positive finite number. Gemma's soft-caps (null: none) are divided by, so
+ * 0 would give NaN or flat scores and a negative cap computes what its
+ * absolute value does; Granite's scalars at 0 would zero the stream or
+ * divide the logits by 0, and ctitan reads an attention scale of 0 as
+ * head_dim^-0.5. */
 static int read_positive(const cJSON *root, const char *key, double def, double if_null, double *out,
                          const char *path, ct_err *e) {
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, key);
     *out = def;
     if (!it) return 0;
-    if (cJSON_IsNull(it)) {
+    if (cJSON_IsNull(it) && !isnan(if_null)) {
         *out = if_null;
         return 0;
     }
     if (!cJSON_IsNumber(it) || !(it->valuedouble > 0) || !isfinite(it->valuedouble))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be a positive number or null", path, key);
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" must be a positive number%s", path, key,
+                       isnan(if_null) ? "" : " or null");
     *out = it->valuedouble;
     return 0;
 }
@@ -751,11 +754,11 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
                 (rc = refuse_nonzero(root, "use_bidirectional_attention", "ctitan trains causal attention", path, e)))) {
         goto done;
     }
-    /* Granite's scalars: absent or null, GraniteConfig's default 1.0 */
-    if (f->granite && ((rc = read_positive(root, "embedding_multiplier", 1, 1, &c->embed_mult, path, e)) ||
-                       (rc = read_positive(root, "residual_multiplier", 1, 1, &c->residual_mult, path, e)) ||
-                       (rc = read_positive(root, "attention_multiplier", 1, 1, &c->attn_scale, path, e)) ||
-                       (rc = read_positive(root, "logits_scaling", 1, 1, &c->logits_div, path, e))))
+    /* Granite's scalars: absent, GraniteConfig's default 1.0; null refused, as GraniteConfig refuses it */
+    if (f->granite && ((rc = read_positive(root, "embedding_multiplier", 1, NAN, &c->embed_mult, path, e)) ||
+                       (rc = read_positive(root, "residual_multiplier", 1, NAN, &c->residual_mult, path, e)) ||
+                       (rc = read_positive(root, "attention_multiplier", 1, NAN, &c->attn_scale, path, e)) ||
+                       (rc = read_positive(root, "logits_scaling", 1, NAN, &c->logits_div, path, e))))
         goto done;
     /* dropout would change what a training step computes; ctitan has none */
     if ((rc = refuse_nonzero(root, "attention_dropout", "ctitan trains without dropout", path, e)) ||
