@@ -10,8 +10,9 @@ APT_PKGS=(gcc make libc6-dev libcjson-dev libopenblas-openmp-dev libpcre2-dev li
           bible-kjv bible-kjv-text python3-pip
           python3 python3-venv
           clang libclang-rt-14-dev libomp-14-dev
-          libcairo2-dev fonts-dejavu-core)
+          libcairo2-dev fonts-dejavu-core strace)
 # cairo renders `ctitan report --png` (src/report/png.c), its text in DejaVu Sans.
+# strace counts a checkpoint load's preads in tests/py/test_ckpt_pread_count.py.
 # clang 14 builds the fuzz targets (make fuzz, tests/fuzz): libclang-rt-14-dev holds libFuzzer and
 # the sanitizer runtimes, libomp-14-dev the omp.h clang's -fopenmp needs.
 # Installs those of the named packages that are missing (root only); $1 names them in messages.
