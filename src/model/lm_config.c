@@ -442,10 +442,16 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
     const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
     if (sw && cJSON_IsNull(sw)) win = 0;
     else if ((rc = json_int(root, "sliding_window", &win, 0, path, e))) return rc;
+    /* a window of 0 is a value, not None: SmolLM3Config still makes the NoPE layers slide
+     * over it, and a sliding layer's mask over 0 keys fails in transformers' forward */
+    int win_set = !(sw && cJSON_IsNull(sw)) && (sw || f->win_default > 0);
     if (f->win_gate) { /* Qwen: sliding_window = sliding_window if use_sliding_window else None */
         int on = 0;
         if ((rc = json_bool(root, f->win_gate, &on, path, e))) return rc;
-        if (!on) win = 0;
+        if (!on) {
+            win = 0;
+            win_set = 0;
+        }
     }
     if (f->win == WIN_NONE) win = 0;
     if (win < 0) return ct_fail(e, CT_ERR_CONFIG, "%s: \"sliding_window\" must be positive, got %d", path, win);
@@ -475,7 +481,7 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
     } else if (f->win == WIN_OLMO3) { /* Olmo3Config: every 4th layer is global */
         for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = (l + 1) % 4 != 0;
     } else if (f->win == WIN_SMOLLM3) { /* SmolLM3Config: the NoPE layers slide, when a window exists */
-        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = win > 0 && c->layer_nope[l];
+        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = win_set && c->layer_nope[l];
     } else if (f->win == WIN_GEMMA) { /* the legacy period: every pattern-th layer is global */
         int pat = 6;
         if ((rc = json_int(root, "sliding_window_pattern", &pat, 0, path, e))) return rc;
@@ -493,7 +499,8 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
     for (int l = 0; l < c->n_layers; l++)
         if (c->layer_sliding[l] && win <= 0)
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is a sliding_attention layer but \"sliding_window\" is %s",
-                           path, l, f->win_gate ? "off (use_sliding_window false or sliding_window null)" : "null");
+                           path, l, win_set ? "0 (a window must hold at least the query's own key)"
+                                    : f->win_gate ? "off (use_sliding_window false or sliding_window null)" : "null");
     return 0;
 }
 
