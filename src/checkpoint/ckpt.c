@@ -1327,6 +1327,27 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d %s RoPE there but %s in the model being trained "
                            "(no_rope_layers)", p, l, c.layer_nope[l] ? "has no" : "has",
                            mc->layer_nope[l] ? "none" : "RoPE");
+    for (int l = 0; l < c.n_layers; l++)
+        if (c.layer_sliding[l] != mc->layer_sliding[l])
+            return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is %s there but %s in the model being trained (layer_types)",
+                           p, l, c.layer_sliding[l] ? "sliding_attention" : "full_attention",
+                           mc->layer_sliding[l] ? "sliding_attention" : "full_attention");
+    /* the RoPE each layer kind computes (rope_parameters): its frequencies and scale at the
+     * longest length either side allows (dynamic RoPE's depend on it), not the keys' spelling */
+    for (int k = 0; k < 2; k++) {
+        rope_params a = lm_rope_params(&c, k), b = lm_rope_params(mc, k);
+        int L = a.max_pos > b.max_pos ? a.max_pos : b.max_pos, ra = rope_rotary_dim(&a, c.head_dim);
+        double ia[ROPE_MAX_HALF], ib[ROPE_MAX_HALF], sa = 1, sb = 1;
+        int same = ra == rope_rotary_dim(&b, mc->head_dim);
+        if (same) {
+            rope_inv_freq(&a, c.head_dim, L > 0 ? L : 1, ia, &sa);
+            rope_inv_freq(&b, mc->head_dim, L > 0 ? L : 1, ib, &sb);
+            same = sa == sb && memcmp(ia, ib, (size_t)ra / 2 * sizeof(double)) == 0;
+        }
+        if (!same)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: the %s layers' RoPE differs from the model being trained's "
+                           "(rope_parameters)", p, k ? "sliding" : "full-attention");
+    }
 #undef CKPT_SAME
     return 0;
 }
