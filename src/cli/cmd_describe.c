@@ -183,5 +183,13 @@ int cli_describe(int argc, char **argv) {
         printf("rope%s: %s, theta %g, attention scaling %.6g at %d positions, rotates %d of %d features\n",
                k ? " (sliding layers)" : "", rope_type_name(lm_rope_params(&c, k).type), lm_rope_params(&c, k).theta,
                scale[k], seq, rd, c.head_dim);
+    int nope = 0;
+    for (int l = 0; l < c.n_layers; l++) nope += c.layer_nope[l];
+    if (nope) { /* the lines above would otherwise read as every layer's */
+        printf("rope: none on %d of %d layers (no_rope_layers):", nope, c.n_layers);
+        for (int l = 0; l < c.n_layers; l++)
+            if (c.layer_nope[l]) printf(" %d", l);
+        printf("\n");
+    }
     return 0;
 }
