@@ -1642,8 +1642,7 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
                    const float *cs, const float *sn, int B, int T, int nh, int hd) {
     int rd = lm_rotary_dim(&m->cfg);
     if (!cs && m->cfg.qk_norm == LM_QK_NONE) { /* NoPE: the identity's gradient, added as rope_bwd adds */
-        size_t n = (size_t)B * T * nh * hd;
-        for (size_t i = 0; i < n; i++) dx[i] += dout[i];
+        K(ADD, add, dx, dx, dout, (long)B * T * nh * hd);
         return;
     }
     switch (m->cfg.qk_norm) {
