@@ -258,6 +258,14 @@ CASES = [
         rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
         keys=("no_rope_layers", "layer_types", "use_sliding_window", "sliding_window", "attention_bias", "mlp_bias",
               "head_dim", "rope_parameters", "tie_word_embeddings")),
+    # review4: every layer kind: 0 full NoPE, 1 sliding RoPE, 2 sliding NoPE, 3 full RoPE
+    Case("smollm3_kinds", "smollm3", dict(
+        num_hidden_layers=4, hidden_size=48, head_dim=16, no_rope_layers=[0, 1, 0, 1], use_sliding_window=True,
+        sliding_window=5, attention_bias=False, mlp_bias=False, pad_token_id=3, tie_word_embeddings=False,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        keys=("no_rope_layers", "layer_types", "use_sliding_window", "sliding_window", "head_dim",
+              "rope_parameters", "tie_word_embeddings")),
     # ------------------------------------------------------------------ olmo3
     # OLMo2's post-norm layer and whole-projection q/k norms; layer_types left to Olmo3Config's
     # default (sliding, sliding, sliding, full) over a window of 5 < T = 16; the full layer's

@@ -21,7 +21,7 @@ from test_generate import MIN_MARGIN, cached_logits, gen, gen_cmd, gen_session, 
 IDS = ["llama_rope3_attnbias_hd16", "llama_mlpbias_tied", "mistral_swa5", "qwen2_swa6_layers", "qwen3_yarn",
        "qwen3_moe_aux", "qwen2_moe_step2_aux", "qwen2_moe_mlponly_norm_nobias", "mixtral_e4k2_aux_hd16", "olmo2",
        "phi3_longrope_short_swa7", "gemma3_text", "gemma2", "gemma_gelu_attnbias", "granite", "smollm3_nope_swa5",
-       "olmo3_swa5_yarn"]
+       "olmo3_swa5_yarn", "smollm3_kinds"]
 PIECES = [70, 1, 1, 5, 1, 1]  # prefill (two chunks), decode, a warm 5-row prefill, decode
 
 

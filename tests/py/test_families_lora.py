@@ -36,6 +36,7 @@ CASES = {  # case id: target modules
     # q_proj's and k_proj's adapters on the NoPE layers reach the scores unrotated
     "smollm3_nope_swa5": OL.ALL7,
     "olmo3_swa5_yarn": OL.ALL7,
+    "smollm3_kinds": OL.ALL7,
     "phi3_longrope_short_swa7": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "mixtral_e4k2": OL.ATTN,
     "qwen2_moe_mlponly_norm_nobias": OL.ATTN,  # (no aux loss: PEFT's reference loss is the CE)

@@ -306,6 +306,15 @@ CASES = [
                                                        "sliding_attention": {"rope_type": "linear", "factor": 2.0,
                                                                              "rope_theta": 3e4}}},
      "sliding_attention", [16], "linear"),
+    # review4
+    ("r4-olmo3-fullonly-toptheta-sliding", {**OLMO3, "rope_theta": 1e4, "rope_parameters": {"full_attention": {"rope_type": "default"}}}, "sliding_attention", [16], "default"),
+    ("r4-olmo3-fullonly-toptheta-full", {**OLMO3, "rope_theta": 1e4, "rope_parameters": {"full_attention": {"rope_type": "default"}}}, "full_attention", [16], "default"),
+    ("r4-olmo3-both-toptheta-full", {**OLMO3, "rope_theta": 1e4, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 3e4}, "sliding_attention": {"rope_type": "default"}}}, "full_attention", [16], "default"),
+    ("r4-olmo3-both-toptheta-sliding", {**OLMO3, "rope_theta": 1e4, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 3e4}, "sliding_attention": {"rope_type": "default"}}}, "sliding_attention", [16], "default"),
+    ("r4-olmo3-scaling-theta-full", {**OLMO3, "rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 7e4}}, "full_attention", [16], "linear"),
+    ("r4-olmo3-scaling-theta-sliding", {**OLMO3, "rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 7e4}}, "sliding_attention", [16], "default"),
+    ("r4-olmo3-dynamic-full", {**OLMO3, "max_position_embeddings": 64, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "full_attention", [16, 200], "dynamic"),
+    ("r4-olmo3-partial-top-yarn-sliding", {**OLMO3, "partial_rotary_factor": 0.5, "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}}, "sliding_attention", [16], "default"),
     # SmolLM3: one RoPE (its NoPE layers apply none), default_theta 2e6
     ("smollm3-defaults", {**LLAMA, "model_type": "smollm3"}, None, [16], "default"),
     ("smollm3-legacy-theta", {**LLAMA, "model_type": "smollm3", "rope_theta": 5e6}, None, [16], "default"),
