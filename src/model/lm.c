@@ -1584,11 +1584,15 @@ static void attn_round_bf16(lm_model *m, int n, float *const xs[], const long ns
  * NULL for a NoPE layer (SmolLM3), which qk_fwd / qk_bwd then leave unrotated.
  * Every path that rotates q/k (training, recompute, the KV cache, context
  * parallel's gathered keys) takes its tables from here, so NoPE holds in all. */
+static void rope_pick(const lm_config *c, int l, const float *cos, const float *sin, const float *cos_l,
+                      const float *sin_l, const float **cs, const float **sn) {
+    int loc = c->layer_sliding[l];
+    *cs = c->layer_nope[l] ? NULL : loc ? cos_l : cos;
+    *sn = c->layer_nope[l] ? NULL : loc ? sin_l : sin;
+}
+
 static void rope_of(const lm_model *m, int l, const float **cs, const float **sn) {
-    int loc = m->cfg.layer_sliding[l];
-    *cs = loc ? m->ws.rope_cos_l : m->ws.rope_cos;
-    *sn = loc ? m->ws.rope_sin_l : m->ws.rope_sin;
-    if (m->cfg.layer_nope[l]) *cs = *sn = NULL;
+    rope_pick(&m->cfg, l, m->ws.rope_cos, m->ws.rope_sin, m->ws.rope_cos_l, m->ws.rope_sin_l, cs, sn);
 }
 
 /* The inputs of the attention and MLP projections: the pre-norms' outputs,
@@ -1752,13 +1756,8 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     /* cos/sin were tabulated for m->act.T positions; rows 0..T-1 serve any T <= m->act.T
      * (the cache's: the rows in flight, positions kv->p0 ..) */
     const float *cs, *sn;
-    if (kv) {
-        cs = c->layer_sliding[l] ? kv->rope_cos_l : kv->rope_cos;
-        sn = c->layer_sliding[l] ? kv->rope_sin_l : kv->rope_sin;
-        if (c->layer_nope[l]) cs = sn = NULL; /* as rope_of */
-    } else {
-        rope_of(m, l, &cs, &sn);
-    }
+    if (kv) rope_pick(c, l, kv->rope_cos, kv->rope_sin, kv->rope_cos_l, kv->rope_sin_l, &cs, &sn);
+    else rope_of(m, l, &cs, &sn);
     /* attention block */
     if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BS, H, eps);
     const float *xa = sp_gather(m, m->ws.sp_x, attn_in(m, a), BT, H); /* [BT, H] */

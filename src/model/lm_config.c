@@ -97,7 +97,7 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     if (c->n_layers > LM_MAX_LAYERS)
         return ct_fail(e, CT_ERR_CONFIG, "%s: num_hidden_layers = %d: at most %d are supported", where, c->n_layers,
                        LM_MAX_LAYERS);
-    for (int l = 0; l < c->n_layers && l < LM_MAX_LAYERS; l++)
+    for (int l = 0; l < c->n_layers; l++)
         if (c->layer_nope[l] && c->qk_norm == LM_QK_HEAD) /* its kernel fuses the norm with the rotation */
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d has no RoPE (no_rope_layers), which is supported without "
                            "per-head q/k norms only", where, l);
@@ -306,7 +306,7 @@ typedef struct {
     int act_gelu_is_tanh; /* GemmaConfig: hidden_act "gelu" means the tanh approximation */
     int caps;           /* CAPS_* (query_pre_attn_scalar is read where the caps are) */
     double final_cap_default, attn_cap_default; /* absent keys; 0: None */
-    double theta, theta_local; /* RoPE (model/rope.h): default_theta; Gemma3's and Olmo3's sliding layers' */
+    double theta, theta_local; /* RoPE (model/rope.h): default_theta; Gemma3's sliding layers' */
     int rope_style, rope_head_dim_none;
     int granite;        /* the four Granite scalars (embedding_multiplier ...) are read */
     int shared_expert;  /* qwen2_moe: a gated shared expert in every sparse layer, q/k/v biases by "qkv_bias" */
@@ -366,7 +366,7 @@ static const lm_family families[] = {
      * their own RoPE (rope_scaling applies to the full layers only) */
     {.type = "olmo3", .arch = "Olmo3ForCausalLM", .norm_place = LM_NORM_POST, .qk_norm = LM_QK_PROJ,
      .has_attn_bias = 1, .eps = 1e-5, .max_pos = 2048, .pad = 1, .win = WIN_OLMO3, .win_default = 4096,
-     .act_key = "hidden_act", .theta = 5e5, .theta_local = 5e5, .rope_style = ROPE_STYLE_OLMO3},
+     .act_key = "hidden_act", .theta = 5e5, .rope_style = ROPE_STYLE_OLMO3},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -507,7 +507,7 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
 /* RoPE of the full-attention and the sliding layers (model/rope.h resolves
  * rope_parameters, the legacy keys and transformers' precedence). */
 static int read_rope(lm_config *c, const lm_family *f, const cJSON *root, const char *path, ct_err *e) {
-    int rc, gemma = f->rope_style == ROPE_STYLE_GEMMA3 || f->rope_style == ROPE_STYLE_OLMO3; /* nested per layer type */
+    int rc, gemma = rope_style_nested(f->rope_style); /* nested per layer type */
     if ((rc = rope_params_from_hf(&c->rope, root, gemma ? "full_attention" : NULL, c->head_dim, path, e))) return rc;
     c->rope_local = c->rope;
     if (gemma && (rc = rope_params_from_hf(&c->rope_local, root, "sliding_attention", c->head_dim, path, e)))
@@ -811,7 +811,7 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
     /* flavors: default RoPE with rope_theta (partial_rotary_factor 1), sliding layers alike */
     rope_params rg = lm_rope_params(c, 0), rl = lm_rope_params(c, 1);
     cJSON *rp = cJSON_AddObjectToObject(o, "rope_parameters");
-    if (f->rope_style == ROPE_STYLE_GEMMA3 || f->rope_style == ROPE_STYLE_OLMO3) {
+    if (rope_style_nested(f->rope_style)) {
         write_rope(cJSON_AddObjectToObject(rp, "full_attention"), &rg);
         write_rope(cJSON_AddObjectToObject(rp, "sliding_attention"), &rl);
     } else {

@@ -224,7 +224,7 @@ static int check_request(const cJSON *root, const char *layer_type, int head_dim
     if (layer_type && strcmp(layer_type, "full_attention") && strcmp(layer_type, "sliding_attention"))
         return ct_fail(e, CT_ERR_CONFIG, "%s: layer type \"%s\" has no RoPE (expected full_attention or sliding_attention)",
                        path, layer_type);
-    if ((fam->style == ROPE_STYLE_GEMMA3 || fam->style == ROPE_STYLE_OLMO3) && !layer_type)
+    if (rope_style_nested(fam->style) && !layer_type)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: %s has one RoPE per layer type: ask for full_attention or sliding_attention", path,
                        fam->model_type);
@@ -307,7 +307,7 @@ static int find_dict(rope_read *s) {
     if ((rc = dict_item(s->root, "rope_scaling", &rs, s->path, s->e)) ||
         (rc = dict_item(s->root, "rope_parameters", &rp, s->path, s->e)))
         return rc;
-    int nested = s->fam->style == ROPE_STYLE_GEMMA3 || s->fam->style == ROPE_STYLE_OLMO3;
+    int nested = rope_style_nested(s->fam->style);
     rc = nested ? find_gemma3_dict(s, rs, rp) : find_flat_dict(s, rs, rp);
     if (rc) return rc;
     s->dname = s->r.d[1] ? s->r.name[1] : (s->r.d[0] ? s->r.name[0] : "rope_parameters");
@@ -440,7 +440,7 @@ static int read_theta(rope_read *s) {
     /* Olmo3Config: kwargs.pop("rope_theta") fills full_attention, so the sliding
      * entry's setdefault finds it gone and takes default_theta */
     if (s->fam->style == ROPE_STYLE_OLMO3 && sliding) {
-        p->theta = s->fam->theta_local;
+        p->theta = s->fam->theta; /* default_theta */
         return 0;
     }
     const char *theta_key = local ? "rope_local_base_freq" : "rope_theta";
@@ -566,7 +566,7 @@ static int read_yarn(rope_read *s) {
     p->truncate = 1;
     const char *where = "";
     const cJSON *tr = rd_get(&s->r, "truncate", &where);
-    if (tr && s->fam->style != ROPE_STYLE_GEMMA3 && s->fam->style != ROPE_STYLE_OLMO3) {
+    if (tr && !rope_style_nested(s->fam->style)) {
         if (cJSON_IsNull(tr))
             p->truncate = 0; /* `if truncate:` with None */
         else if (cJSON_IsBool(tr))

@@ -59,11 +59,13 @@ typedef struct {
  * Olmo3Config pops the top-level rope_theta into full_attention only: the
  * sliding layers take default_theta unless their own entry names one. */
 enum { ROPE_STYLE_GENERIC, ROPE_STYLE_PHI3, ROPE_STYLE_GEMMA3, ROPE_STYLE_OLMO3 };
+/* Whether a style nests rope_parameters per layer type (Gemma3's and Olmo3's configs). */
+static inline int rope_style_nested(int style) { return style == ROPE_STYLE_GEMMA3 || style == ROPE_STYLE_OLMO3; }
 typedef struct {
     const char *model_type;
     int max_pos;        /* max_position_embeddings' default */
     double theta;       /* default_theta (Gemma3: full_attention's) */
-    double theta_local; /* Gemma3, Olmo3: sliding_attention's */
+    double theta_local; /* Gemma3: sliding_attention's (Olmo3's take theta, its default_theta) */
     int style;          /* ROPE_STYLE_*: Phi3's and Gemma3's own rules */
     int head_dim_none;  /* head_dim stays None when absent: yarn, dynamic and longrope then fail */
 } rope_family;
