@@ -45,6 +45,8 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
         {"kv heads", mc->n_kv_heads, 1},
         {"intermediate size", mc->intermediate, dense},
         {"moe_intermediate_size", mc->moe_intermediate, sparse}, /* each expert is split like the MLP */
+        /* a sparse layer's shared expert (qwen2_moe) too */
+        {"shared_expert_intermediate_size", mc->shared_intermediate, sparse && mc->shared_intermediate > 0},
         {"vocabulary size (its lm_head is split by rows)", mc->vocab_size, !mc->tie_embeddings}};
     for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
         if (split[i].used && split[i].n % tp != 0)

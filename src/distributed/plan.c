@@ -56,12 +56,6 @@ int plan_local_model(ct_plan *p, lm_config *mc, int grad_accum, int val_batch, i
         if ((rc = comm_split(&p->mesh.ppg, ends ? 0 : 1 + p->mesh.pp_rank, p->mesh.pp_rank, &p->tie, e))) return rc;
     }
     if (p->mesh.tp > 1 || p->mesh.ep > 1) { /* fewer heads, a narrower MLP, its experts only */
-        /* a shared expert (qwen2_moe) is split as the dense MLP (mesh_resolve checks the others' widths) */
-        if (p->mesh.tp > 1 && mc->shared_intermediate % p->mesh.tp != 0)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: parallelism.tensor_parallel_degree = %d does not divide the model's "
-                           "shared_expert_intermediate_size (%d)",
-                           where, p->mesh.tp, mc->shared_intermediate);
         p->tp = ct_calloc(1, sizeof *p->tp);
         tp_init(p->tp, mc, &p->mesh.tpg, p->mesh.ep, p->mesh.ep_rank);
         /* sequence parallel: every B x T, cut in DTensor Shard's ceil chunks (model/lm.c) */

@@ -147,11 +147,6 @@ static void dry_sp_rows(FILE *out, int B, int T, int tp) {
 int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp, int B,
                   const char *where, ct_err *e) {
     int ep = c->ep > 1 ? c->ep : 1;
-    if (tp > 1 && mc->shared_intermediate % tp != 0) /* as plan_local_model refuses it */
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.tensor_parallel_degree = %d does not divide the model's "
-                       "shared_expert_intermediate_size (%d)",
-                       where, tp, mc->shared_intermediate);
     lm_config lc;
     tp_local_config(&lc, mc, tp, 0, ep, 0);
     size_t n = 0, act = 0;

@@ -60,18 +60,25 @@ static void add_tensor(lm_model *m, int *cap, const char *name, int64_t d0, int6
 /* The most adapters that read one input (q, k, v): lora_fwd_n / lora_bwd_n's groups. */
 #define LM_LORA_GROUP 3
 
-/* Projection p's input and output widths, and its module path in a layer. */
-static void lora_dims(const lm_config *c, int p, int64_t *in, int64_t *out) {
-    int64_t H = c->hidden, I = c->intermediate, qd = (int64_t)c->n_heads * c->head_dim;
+/* Projection p's input and output widths in layer l, and its module path in a
+ * layer. A sparse layer's MLP projections are its shared expert's (qwen2_moe;
+ * the trainer leaves no MLP adapter on a MoE layer without one): width Is. */
+static void lora_dims(const lm_config *c, int l, int p, int64_t *in, int64_t *out) {
+    int shared = c->shared_intermediate > 0 && lm_layer_is_moe(c, l);
+    int64_t H = c->hidden, I = shared ? c->shared_intermediate : c->intermediate;
+    int64_t qd = (int64_t)c->n_heads * c->head_dim;
     int64_t kvd = (int64_t)c->n_kv_heads * c->head_dim;
-    static const int in_kind[LM_LORA_N] = {0, 0, 0, 1, 0, 0, 2}, out_kind[LM_LORA_N] = {1, 3, 3, 0, 2, 2, 0};
-    const int64_t w[4] = {H, qd, I, kvd};
+    static const int in_kind[LM_LORA_N] = {0, 0, 0, 1, 0, 0, 2, 0}, out_kind[LM_LORA_N] = {1, 3, 3, 0, 2, 2, 0, 4};
+    const int64_t w[5] = {H, qd, I, kvd, 1};
     *in = w[in_kind[p]];
     *out = w[out_kind[p]];
 }
 static const char *const lora_module[LM_LORA_N] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                       "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
-                                                      "mlp.down_proj"};
+                                                      "mlp.down_proj",    "mlp.shared_expert_gate"};
+static const char *const lora_shared_module[LM_LORA_N] = {[LM_LORA_GATE] = "mlp.shared_expert.gate_proj",
+                                                             [LM_LORA_UP] = "mlp.shared_expert.up_proj",
+                                                             [LM_LORA_DOWN] = "mlp.shared_expert.down_proj"};
 
 /* A projection whose adapter is part of a fused module's (Phi3's k, v under
  * qkv_proj; up under gate_up_proj): the module's one A and B are listed at
@@ -104,7 +111,10 @@ static void lora_bind_fused(const lm_config *c, lm_layer_w *lw, const lm_tensor 
 }
 
 int lm_lora_on(const lm_config *c, int l, int p) {
-    /* on MoE models the trainer keeps only the attention targets */
+    /* on MoE models the trainer keeps only the attention targets (and, with a shared
+     * expert, the MLP's, its own); a shared expert's gate exists in sparse layers only */
+    if (p == LM_LORA_SHGATE && !(l >= 0 && l < c->n_layers && c->shared_intermediate > 0 && lm_layer_is_moe(c, l)))
+        return 0;
     return c->lora_rank > 0 && (c->lora_targets & (1u << p)) &&
            !(l >= 0 && l < c->n_layers && c->lora_lp[l][p] == LM_LORA_LP_OFF);
 }
@@ -294,8 +304,9 @@ static void build_layout(lm_model *m) {
         for (int p = 0; p < LM_LORA_N; p++) {
             if (!lm_lora_on(c, l, p) || lora_fused_member(c, p)) continue;
             int64_t in, out;
-            lora_dims(c, p, &in, &out);
-            const char *mod = lora_module[p];
+            lora_dims(c, l, p, &in, &out);
+            int shared = lora_shared_module[p] && c->shared_intermediate > 0 && lm_layer_is_moe(c, l);
+            const char *mod = shared ? lora_shared_module[p] : lora_module[p];
             if ((c->lora_targets & LORA_FUSED_QKV) && p == LM_LORA_Q) mod = "self_attn.qkv_proj", out = qd + 2 * kvd;
             if ((c->lora_targets & LORA_FUSED_GATE_UP) && p == LM_LORA_GATE) mod = "mlp.gate_up_proj", out = 2 * I;
             snprintf(sfx, sizeof sfx, "%s.lora_A.weight", mod);
@@ -1717,6 +1728,26 @@ static void mlp_up_fwd(lm_model *m, int l, const lm_layer_w *w, lm_layer_acts *a
     glu_fwd(m, h, gate, up, BT * I);
 }
 
+/* The shared expert's down_proj adapter: so[BT, H] += B (scale A drop(sh)).
+ * Under tensor parallelism so is this rank's partial sum over its Is slice,
+ * as is A sh: u is summed over the group and B u added on rank 0 alone, so
+ * the ranks' so still sum to the whole (and the gate logit's gradient, a dot
+ * with so, to its whole); lora_fwd's row-parallel add, once on every rank,
+ * is for an output that was summed already. */
+static void shared_down_lora_fwd(lm_model *m, int l, lm_layer_acts *a, const lm_layer_w *w, int BT) {
+    int H = m->cfg.hidden, Is = m->cfg.shared_intermediate, p = LM_LORA_DOWN;
+    if (!LORA(w, p)) return;
+    if (!lora_row_parallel(m, p) || !m->hooks || !m->hooks->reduce_partial) {
+        lora_fwd_n(m, l, w, a->sh, BT, Is, 1, &p, &a->so, &a->lora_u[p], &H);
+        return;
+    }
+    int r = lm_lora_rank(&m->cfg, l, p);
+    const float *xd = lora_input(m, l, p, a->sh, BT, Is);
+    lora_apply(&m->k, NULL, a->lora_u[p], xd, w->lora_a[p], NULL, BT, Is, H, r, lm_lora_scale(&m->cfg, l, p));
+    m->hooks->reduce_partial(m->hooks->ctx, a->lora_u[p], (size_t)BT * r);
+    if (m->cfg.tp_rank == 0) K(MATMUL, matmul_fwd, a->so, a->lora_u[p], w->lora_b[p], BT, r, H, 1);
+}
+
 /* A MoE layer's shared expert (qwen2_moe's sparse block): y[BT, H] +=
  * sigmoid(x shgate^T) * down(act(gate(x)) * up(x)), the dense MLP's products
  * on width Is, for every token. y NULL: only the activations (recomputation).
@@ -1727,7 +1758,10 @@ static void shared_expert_fwd(lm_model *m, int l, lm_layer_acts *a, const lm_lay
     int H = m->cfg.hidden, Is = m->cfg.shared_intermediate;
     mlp_up_fwd(m, l, w, a, x, a->sgate, a->sup, a->sh, BT, Is); /* [BT, Is] each */
     mm_fwd(m, a->so, a->sh, w->wd, BT, Is, H, 0);                /* [BT, H] */
+    shared_down_lora_fwd(m, l, a, w, BT);
     mm_fwd(m, a->sg, x, w->shgate, BT, H, 1, 0);                 /* [BT] the gate's logits */
+    lora_fwd_n(m, l, w, x, BT, H, 1, (const int[]){LM_LORA_SHGATE}, &a->sg, &a->lora_u[LM_LORA_SHGATE],
+               (const int[]){1}); /* whole on every rank, as the gate (its input is) */
     for (int t = 0; t < BT; t++) a->sg[t] = 1.0f / (1.0f + expf(-a->sg[t]));
     if (!y) return;
     for (size_t t = 0; t < (size_t)BT; t++)
@@ -2471,12 +2505,18 @@ static void shared_expert_bwd(lm_model *m, int l, const lm_layer_acts *a, const 
     }
     reduce_d_input(m, dsg, (size_t)BT);
     mm_bwd(m, m->ws.d_h, g->wd, dso, a->sh, w->wd, BT, Is, (int)H, 0); /* d_h [BT, Is], overwritten */
+    lora_bwd_n(m, l, m->ws.d_h, a->sh, BT, Is, 1, (const int[]){LM_LORA_DOWN}, (const float *const[]){dso},
+               (const int[]){(int)H});
     mlp_up_bwd(m, l, w, g, x, a->sgate, a->sup, BT, Is, 1);
 }
 
-/* The shared expert gate's backward: d shgate [1, H] += d_sg^T x, dx[BT, H] += d_sg shgate. */
-static void shared_gate_bwd(lm_model *m, float *dx, const lm_layer_w *w, lm_layer_w *g, const float *x, int BT) {
+/* The shared expert gate's backward: d shgate [1, H] += d_sg^T x, dx[BT, H] += d_sg shgate
+ * (and its adapter's, whole gradients on every rank under TP, as the gate's). */
+static void shared_gate_bwd(lm_model *m, int l, float *dx, const lm_layer_w *w, lm_layer_w *g, const float *x,
+                            int BT) {
     mm_bwd(m, dx, g->shgate, m->ws.d_sg, x, w->shgate, BT, m->cfg.hidden, 1, 1);
+    lora_bwd_n(m, l, dx, x, BT, m->cfg.hidden, 1, (const int[]){LM_LORA_SHGATE}, (const float *const[]){m->ws.d_sg},
+               (const int[]){1});
 }
 
 static float *moe_layer_bwd(lm_model *m, int l, int BT) {
@@ -2528,7 +2568,7 @@ static float *moe_layer_bwd(lm_model *m, int l, int BT) {
             for (size_t i = 0; i < (size_t)E * H; i++) g->router[i] += dwr[i];
     }
     if (m->prof) prof_model_op(m->prof, "moe_route_bwd", "moe_route", KERN_OP_MATMUL, rt0);
-    if (w->shgate) shared_gate_bwd(m, m->ws.d_ln, w, g, ag.ln2, BT); /* whole, as the router's, after the sum */
+    if (w->shgate) shared_gate_bwd(m, l, m->ws.d_ln, w, g, ag.ln2, BT); /* whole, as the router's, after the sum */
     return dl;
 }
 

@@ -46,6 +46,7 @@ enum { LM_MOE_KEYS_QWEN = 0, /* mlp.gate, mlp.experts.N.{gate,up,down}_proj */
 
 /* The projections LoRA can adapt, in the tensor table's order within a layer. */
 enum { LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_O, LM_LORA_GATE, LM_LORA_UP, LM_LORA_DOWN,
+       LM_LORA_SHGATE /* a sparse layer's mlp.shared_expert_gate [1, H] (qwen2_moe; PEFT's all-linear) */,
        LM_LORA_N };
 /* The fused expert parameters LoRA can adapt (target_parameters), in table order. */
 enum { LM_LORA_EXP_GU, LM_LORA_EXP_D, LM_LORA_EXP_N };

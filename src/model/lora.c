@@ -28,7 +28,7 @@
 #include "kernels/ops.h"
 
 static const char *const target_names[LM_LORA_N] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
-                                                       "gate_proj", "up_proj", "down_proj"};
+                                                       "gate_proj", "up_proj", "down_proj", "shared_expert_gate"};
 #define PEFT_PREFIX "base_model.model."
 
 static int target_index(const char *name) {
@@ -52,17 +52,9 @@ int lora_check_fused(const lm_config *c, const char *where, const char *key, ct_
     unsigned qkv = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V);
     unsigned gu = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP);
     unsigned t = c->lora_targets;
-    unsigned mlp = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN);
-    /* qwen2_moe: PEFT adapts these Linears in the dense layers and in each sparse layer's
-     * shared expert (it rewrites nothing into the experts' target_parameters, as it does
-     * for qwen3_moe); ctitan has no adapters on a shared expert */
-    if (c->shared_intermediate > 0 && (t & mlp))
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: %s: gate_proj, up_proj, down_proj (or all-linear) on model_type \"%s\": PEFT adapts "
-                       "them in the dense layers and in every sparse layer's shared expert "
-                       "(mlp.shared_expert.gate_proj, ...), which ctitan does not support; name some of q_proj, "
-                       "k_proj, v_proj, o_proj (the experts: target_parameters)",
-                       where, key, c->model_type);
+    if ((t & (1u << LM_LORA_SHGATE)) && !c->shared_intermediate)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s: model_type \"%s\" has no shared_expert_gate (qwen2_moe's)", where,
+                       key, c->model_type);
     if (c->fused_qkv && (t & qkv) && !(t & LORA_FUSED_QKV))
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: %s: model_type \"%s\" holds q, k and v as one qkv_proj: name qkv_proj "
@@ -505,12 +497,17 @@ void lora_init_each(const lm_model *table, uint64_t seed, const lm_sink *s) {
 
 static const char *const module_paths[LM_LORA_N] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                        "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
-                                                       "mlp.down_proj"};
+                                                       "mlp.down_proj",    "mlp.shared_expert_gate"};
 
-/* Projection p's module path in a layer of c's model ("self_attn.q_proj";
- * a fused model's "self_attn.qkv_proj" for q, k and v). */
-static const char *lora_module_path(const lm_config *c, int p) {
+/* Projection p's module path in layer l of c's model ("self_attn.q_proj";
+ * a fused model's "self_attn.qkv_proj" for q, k and v; a sparse layer's MLP
+ * is its shared expert's, qwen2_moe's "mlp.shared_expert.gate_proj"). */
+static const char *lora_module_path(const lm_config *c, int l, int p) {
+    static const char *const shared[3] = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+                                          "mlp.shared_expert.down_proj"};
     if (p < 0 || p >= LM_LORA_N) return "?";
+    if (p >= LM_LORA_GATE && p <= LM_LORA_DOWN && c->shared_intermediate > 0 && lm_layer_is_moe(c, l))
+        return shared[p - LM_LORA_GATE];
     if (c->fused_qkv && p <= LM_LORA_V) return "self_attn.qkv_proj";
     if (c->fused_gate_up && (p == LM_LORA_GATE || p == LM_LORA_UP)) return "mlp.gate_up_proj";
     return module_paths[p];
@@ -525,9 +522,11 @@ static int module_head(const lm_config *c, int p) {
 }
 
 /* Whether layer l has the module of projection p in its files: a MoE
- * layer's MLP is its experts (target_parameters), not Linears. */
+ * layer's MLP is its experts (target_parameters), not Linears, but for its
+ * shared expert's (qwen2_moe). */
 static int module_exists(const lm_config *c, int l, int p) {
-    return p < LM_LORA_GATE || !lm_layer_is_moe(c, l);
+    if (p == LM_LORA_SHGATE) return lm_layer_is_moe(c, l) && c->shared_intermediate > 0;
+    return p < LM_LORA_GATE || !lm_layer_is_moe(c, l) || c->shared_intermediate > 0;
 }
 
 int lora_is_all_linear(const char *targets) {
@@ -541,6 +540,7 @@ unsigned lora_all_linear(const lm_config *c) {
      * PEFT's _maybe_include_all_linear_layers leaves out: the projections */
     unsigned bits = 0;
     for (int p = 0; p < LM_LORA_N; p++) bits |= 1u << p;
+    if (!c->shared_intermediate) bits &= ~(1u << LM_LORA_SHGATE); /* qwen2_moe's shared_expert_gate: a Linear */
     if (c->fused_qkv) bits |= LORA_FUSED_QKV;
     if (c->fused_gate_up) bits |= LORA_FUSED_GATE_UP;
     return bits;
@@ -570,7 +570,7 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
         for (int l = 0; l < c->n_layers; l++)
             for (int p = 0; p < LM_LORA_N; p++) {
                 if (module_head(c, p) != p || !module_exists(c, l, p)) continue;
-                snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
+                snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, l, p));
                 if (!key_matches(full, name)) continue;
                 unsigned mb = target_bits(strrchr(full, '.') + 1);
                 if (exact && !strcmp(full, name)) exact[l] |= mb; /* layers_to_transform spares it */
@@ -671,7 +671,7 @@ static int apply_layers(const cJSON *o, const cJSON *tm, lm_config *c, const uns
                 any = 1;
                 continue;
             }
-            snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
+            snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, l, p));
             long idx = -1;
             for (int i = 0; i < np && idx < 0; i++) /* the first pattern that matches gives the index */
                 if (pcre2_match(re[i], (PCRE2_SPTR)full, strlen(full), 0, 0, md, NULL) >= 0) {
@@ -829,7 +829,7 @@ static int set_patterns(lm_config *c, const cJSON *rank_pattern, const cJSON *al
     for (int l = 0; !rc && l < c->n_layers; l++)
         for (int p = 0; p < LM_LORA_N && !rc; p++) {
             if (!lm_lora_on(c, l, p) || module_head(c, p) != p) continue;
-            snprintf(name, sizeof name, "model.layers.%d.%s", l, lora_module_path(c, p));
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, lora_module_path(c, l, p));
             int r;
             double a;
             pats_pick(R, nr, A, na, name, md, c->lora_rank, alpha, &r, &a);
@@ -1056,7 +1056,7 @@ static int saved_vs_targets(const lm_config *c, const char *list, const char *wh
         for (int l = 0; re && !rc && l < c->n_layers; l++)
             for (int p = 0; p < LM_LORA_N && !rc; p++) {
                 if (!lm_lora_on(c, l, p) || module_head(c, p) != p) continue;
-                snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
+                snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, l, p));
                 if (pcre2_match(re, (PCRE2_SPTR)full, strlen(full), 0, 0, md, NULL) >= 0)
                     rc = ct_fail(e, CT_ERR_CONFIG,
                                  "%s: %s: \"%s\" holds the adapted module %s: PEFT puts no adapter inside a module "
@@ -1157,7 +1157,7 @@ static int compare_adapter(const lm_config *ad, const lm_config *c, const char *
         for (int p = 0; p < LM_LORA_N; p++) {
             int oa = lm_lora_on(ad, l, p), on = lm_lora_on(c, l, p);
             if ((!oa && !on) || module_head(c, p) != p) continue;
-            snprintf(name, sizeof name, "model.layers.%d.%s", l, lora_module_path(c, p));
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, lora_module_path(c, l, p));
             if (oa != on)
                 return ct_fail(e, CT_ERR_CONFIG,
                                "%s: target_modules: the adapter %s %s, the run's lora.target_modules %s it",
@@ -1479,20 +1479,22 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     cJSON_AddNumberToObject(o, "lora_dropout", dropout);
     int per_layer = 0; /* some layer lacks a target: every adapted module by its full name, as PEFT saves */
     for (int l = 0; l < c->n_layers; l++)
-        for (int p = 0; p < LM_LORA_N; p++) per_layer |= (c->lora_targets >> p & 1) && !lm_lora_on(c, l, p);
+        for (int p = 0; p < LM_LORA_N; p++)
+            per_layer |= (c->lora_targets >> p & 1) && module_exists(c, l, p) && !lm_lora_on(c, l, p);
     if (c->lora_targets && per_layer) {
         cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
         char full[LM_NAME_MAX];
         for (int l = 0; l < c->n_layers; l++)
             for (int p = 0; p < LM_LORA_N; p++) {
                 if (!lm_lora_on(c, l, p) || module_head(c, p) != p) continue;
-                snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, p));
+                snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, l, p));
                 cJSON_AddItemToArray(tm, cJSON_CreateString(full));
             }
     } else if (c->lora_targets) {
         cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
         for (int p = 0; p < LM_LORA_N; p++) {
             if (!(c->lora_targets & (1u << p))) continue;
+            if (p == LM_LORA_SHGATE && !c->shared_intermediate) continue; /* a name no module of this model has */
             /* a fused module is one entry, at its first projection */
             int fq = (c->lora_targets & LORA_FUSED_QKV) && p <= LM_LORA_V;
             int fg = (c->lora_targets & LORA_FUSED_GATE_UP) && (p == LM_LORA_GATE || p == LM_LORA_UP);
@@ -1513,18 +1515,18 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
      * modules, so their order does not matter to PEFT's first match */
     for (int p = 0; p < LM_LORA_N; p++) {
         if (module_head(c, p) != p) continue;
-        int kind = -1, same = 1;
+        int kind = -1, same = 1, l0 = 0; /* same: one key for every layer (their module paths alike) */
         for (int l = 0; l < c->n_layers; l++) {
             if (!lm_lora_on(c, l, p)) continue;
-            if (kind < 0) kind = c->lora_lp[l][p];
-            else same &= kind == c->lora_lp[l][p];
+            if (kind < 0) kind = c->lora_lp[l][p], l0 = l;
+            else same &= kind == c->lora_lp[l][p] && !strcmp(lora_module_path(c, l, p), lora_module_path(c, l0, p));
         }
         for (int l = 0; l < c->n_layers && kind >= 0; l++) {
             int k = same ? kind : lm_lora_on(c, l, p) ? c->lora_lp[l][p] : 0;
             if (k) {
                 char mod[LM_NAME_MAX], key[2 * LM_NAME_MAX];
-                if (same) snprintf(mod, sizeof mod, "%s", lora_module_path(c, p));
-                else snprintf(mod, sizeof mod, "model.layers.%d.%s", l, lora_module_path(c, p));
+                if (same) snprintf(mod, sizeof mod, "%s", lora_module_path(c, l0, p));
+                else snprintf(mod, sizeof mod, "model.layers.%d.%s", l, lora_module_path(c, l, p));
                 size_t kn = 0;
                 for (const char *q = mod; *q && kn + 3 < sizeof key; q++) {
                     if (*q == '.') key[kn++] = '\\';

@@ -207,9 +207,11 @@ static int select_kernels(trainer *t, ct_err *e) {
         const lm_config *mc = &t->model.cfg;
         int32_t pick[KERN_N_OPS];
         if (t->world->rank == 0) {
+            /* the dense MLP's width; with every layer sparse none runs, but a shared expert
+             * (qwen2_moe) runs the same products and activation at its own width */
+            int all_sparse = mc->n_experts > 0 && mc->n_mlp_only == 0 && mc->decoder_sparse_step == 1;
             kern_run_sizes rs = {.B = t->cfg.local_batch_size, .T = t->cfg.seq_len, .hidden = mc->hidden,
-                                 .inter = mc->n_experts > 0 && mc->n_mlp_only == 0 && mc->decoder_sparse_step == 1
-                                              ? 0 : mc->intermediate,
+                                 .inter = all_sparse ? mc->shared_intermediate : mc->intermediate,
                                  .vocab = mc->vocab_size, .n_heads = mc->n_heads, .n_kv_heads = mc->n_kv_heads,
                                  .head_dim = mc->head_dim, .n_experts = mc->n_experts,
                                  .moe_inter = mc->moe_intermediate, .top_k = mc->top_k,
@@ -324,6 +326,18 @@ int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e) {
     /* PEFT's "all-linear": every projection, as PEFT resolves it on the model */
     int all_linear = lora_is_all_linear(rest);
     int rc = 0;
+    /* qwen2_moe: PEFT rewrites nothing into target_parameters for this model (all-linear
+     * adapts its Linears, mlp.shared_expert_gate among them, and not the router), and
+     * refuses "gate": its router (Qwen2MoeTopKRouter) is no Linear */
+    int shared = mc->shared_intermediate > 0;
+    if (shared && router_named) {
+        free(rest);
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: lora.target_modules: \"gate\" on model_type \"%s\" names the router, which PEFT "
+                       "refuses there (\"Target module Qwen2MoeTopKRouter() is not supported\": it is no "
+                       "Linear); adapt the experts through lora.target_parameters",
+                       tm_src, mc->model_type);
+    }
     if (all_linear) mc->lora_targets = lora_all_linear(mc);
     else if (!((experts || mx_named || router_named) && !rest[0])) rc = lora_parse_targets(rest, mc, tm_src, e);
     free(rest);
@@ -345,7 +359,9 @@ int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e) {
      * Mixtral the same with w1 + w3 and w2 (above). */
     unsigned mlp = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN);
     int gate_up_fused = 0;
-    if (mc->n_experts > 0 && ((mc->lora_targets & mlp) || mx_named)) {
+    /* qwen2_moe: the names stay Linear targets, the dense layers' MLPs and every sparse
+     * layer's shared expert (mlp.shared_expert.gate_proj, ...), as PEFT adapts them */
+    if (mc->n_experts > 0 && !shared && ((mc->lora_targets & mlp) || mx_named)) {
         unsigned named = mx && !all_linear ? mx_named : mc->lora_targets;
         mc->lora_targets &= ~mlp;
         int gate = named >> LM_LORA_GATE & 1, up = named >> LM_LORA_UP & 1, down = named >> LM_LORA_DOWN & 1;
@@ -371,7 +387,7 @@ int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e) {
     /* all-linear on a MoE model, or "gate" named: PEFT's rewrite adds
      * target_parameters gate.weight, an adapter on every MoE layer's router
      * (the dense mlp_only layers' MLPs have no "gate" and get none) */
-    if ((all_linear || router_named) && mc->n_experts > 0) {
+    if ((all_linear || router_named) && mc->n_experts > 0 && !shared) {
         for (int l = 0; l < mc->n_layers; l++)
             if (lm_layer_is_moe(mc, l)) mc->lora_experts[l] |= (unsigned char)(1u << LM_LORA_EXP_R);
         experts = 1;

@@ -44,7 +44,8 @@ CASES = {  # case id: target modules
 
 
 def lora_args(targets, adapter=None):
-    a = [f"--lora.rank={R}", f"--lora.alpha={ALPHA}", f"--lora.target_modules={','.join(targets)}"]
+    tm = targets if isinstance(targets, str) else ",".join(targets)
+    a = [f"--lora.rank={R}", f"--lora.alpha={ALPHA}", f"--lora.target_modules={tm}"]
     return a + ([f"--lora.adapter_path={adapter}"] if adapter else [])
 
 
@@ -280,18 +281,151 @@ def test_qwen2_moe_expert_adapters_parity_and_round_trip(tmp_path, open_session)
     session_matches_peft(s, params, tokens, labels, (ref_loss, ref_logits, ref_grads), loaded, out)
 
 
-@pytest.mark.parametrize("targets", [["q_proj", "gate_proj", "up_proj"], ["down_proj"], ["all-linear"]])
-def test_qwen2_moe_mlp_targets_refused(targets, tmp_path, open_session):
-    """PEFT matches gate_proj / up_proj / down_proj of a qwen2_moe model in the dense layers
-    AND in every sparse layer's shared expert (no rewrite into the experts' parameters as on
-    qwen3_moe); ctitan has no shared-expert adapters, so it refuses the names rather than
-    adapt fewer modules than PEFT."""
-    case, base, hf_dir, loaded = saved_case("qwen2_moe_mlponly_norm_nobias", tmp_path)
-    if targets != ["all-linear"]:
-        pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=targets)
-        shared = [n for n in OL.trainable(pm) if ".mlp.shared_expert." in n]
-        assert shared, "test setup: PEFT adapts no shared expert"
+# qwen2_moe's two cases: layer 0 dense, 1 and 2 sparse; layers 0 and 2 dense, 1 sparse (its aux
+# loss off here: PEFT's reference loss is the CE). Targets: the MLP names alone, with attention,
+# and all-linear (which adds every sparse layer's mlp.shared_expert_gate, a [1, H] Linear).
+QWEN2_MOE = [("qwen2_moe_mlponly_norm_nobias", OL.MLP), ("qwen2_moe_step2_aux", OL.ALL7),
+             ("qwen2_moe_mlponly_norm_nobias", "all-linear"), ("qwen2_moe_step2_aux", "all-linear")]
+
+
+def qwen2_moe_case(cid, tmp_path):
+    """saved_case with the aux loss off (the layers as the case has them)."""
+    case = fam.CASE[cid]
+    base = fam.build(case)
+    base.config.output_router_logits = False
+    hf_dir = tmp_path / "hf"
+    fam.save(base, hf_dir)
+    return case, base, hf_dir, lambda: fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
+
+
+def qwen2_moe_peft(loaded, targets, ad, seed):
+    """PEFT's adapter on targets, saved in ad; asserts it adapts the dense layers' MLP at
+    intermediate_size and every sparse layer's shared expert at its own width (and, under
+    all-linear only, the shared expert's gate, B [1, r])."""
+    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=targets, seed=seed)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    cfg = pm.base_model.model.config
+    for i, layer in enumerate(pm.base_model.model.model.layers):
+        shared = hasattr(layer.mlp, "shared_expert")
+        pre, width = (f"layers.{i}.mlp.shared_expert.", cfg.shared_expert_intermediate_size) if shared else \
+            (f"layers.{i}.mlp.", cfg.intermediate_size)
+        for mod in ("gate_proj", "up_proj", "down_proj"):
+            b = next(n for n in params if pre + mod + ".lora_B" in n)
+            a = next(n for n in params if pre + mod + ".lora_A" in n)
+            assert params[a if mod == "down_proj" else b].shape[1 if mod == "down_proj" else 0] == width, \
+                f"test setup: {a} / {b}"
+        gate = [n for n in params if f"layers.{i}.mlp.shared_expert_gate.lora_B" in n]
+        want = [(1, R)] if shared and targets == "all-linear" else []
+        assert [tuple(params[n].shape) for n in gate] == want, f"test setup: layer {i}: {gate}"
+    assert not any(".experts." in n for n in params), sorted(params)
+    return pm, params
+
+
+@pytest.mark.parametrize("cid,targets", QWEN2_MOE)
+def test_qwen2_moe_shared_expert_adapters(cid, targets, tmp_path, open_session):
+    """PEFT's gate_proj / up_proj / down_proj on qwen2_moe adapt the dense layers' MLP and
+    every sparse layer's shared expert (mlp.shared_expert.X, Is wide; no rewrite into the
+    experts' target_parameters): ctitan, given PEFT's adapter, has PEFT's keys and shapes,
+    logits, loss and every adapter gradient; the adapter it saves loads in PEFT strictly
+    with its logits."""
+    case, base, hf_dir, loaded = qwen2_moe_case(cid, tmp_path)
+    ad, out = tmp_path / "adapter", tmp_path / "saved"
+    pm, params = qwen2_moe_peft(loaded, targets, ad, seed=5)
+    tokens, labels = fam.batch(base, 2, case.T, seed=5)
+    ref = OL.loss_logits_grads(pm, params, tokens, labels)
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=lora_args(targets, ad)))
+    assert all(s.shapes[n] == tuple(params[n].shape) for n in params)
+    session_matches_peft(s, params, tokens, labels, ref, loaded, out)
+
+
+@pytest.mark.parametrize("ranks,alphas", [({"shared_expert.down_proj": 6, "gate_proj": 2}, {"up_proj": 3}),
+                                          ({"mlp.up_proj": 6}, {"mlp.up_proj": 12})])
+def test_qwen2_moe_shared_expert_rank_pattern(ranks, alphas, tmp_path, open_session):
+    """rank_pattern / alpha_pattern over the dense MLP and the shared experts, whose full names
+    differ (mlp.X / mlp.shared_expert.X): ctitan, given the patterns, has PEFT's shapes, logits,
+    loss and gradients; its saved adapter (its patterns per layer where the names differ)
+    loads in PEFT strictly with its logits."""
+    case, base, hf_dir, loaded = qwen2_moe_case("qwen2_moe_mlponly_norm_nobias", tmp_path)
+    ad, out = tmp_path / "adapter", tmp_path / "saved"
+    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=OL.MLP, seed=5, rank_pattern=ranks, alpha_pattern=alphas)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    assert len({tuple(p.shape) for n, p in params.items() if ".lora_A" in n}) > 2, "test setup: one rank"
+    tokens, labels = fam.batch(base, 2, case.T, seed=5)
+    ref = OL.loss_logits_grads(pm, params, tokens, labels)
+    extra = lora_args(OL.MLP, ad) + [f"--lora.rank_pattern={json.dumps(ranks)}",
+                                     f"--lora.alpha_pattern={json.dumps(alphas)}"]
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=extra))
+    assert all(s.shapes[n] == tuple(params[n].shape) for n in params)
+    session_matches_peft(s, params, tokens, labels, ref, loaded, out)
+
+
+@pytest.mark.parametrize("cid,targets", QWEN2_MOE)
+def test_qwen2_moe_shared_expert_adamw_steps(cid, targets, tmp_path, open_session):
+    """PEFT's adapter on the dense MLPs and shared experts loaded by ctitan: three AdamW
+    steps (accumulation, clipping, weight decay, warmup) equal PEFT + torch's loop over the
+    adapters: loss, grad norm, every adapter tensor."""
+    from test_lora import SCHED, compare_steps, opt_args, session_steps
+    from test_train_loop import GLOBAL_BS, HP, LOCAL_BS, L
+    case, base, hf_dir, loaded = qwen2_moe_case(cid, tmp_path)
+    ad = tmp_path / "adapter"
+    pm, params = qwen2_moe_peft(loaded, targets, ad, seed=7)
+    stream = oracle.random_tokens(8 * (L + 1), base.config.vocab_size, seed=16)
+    ref = OL.train(pm, params, stream, seq_len=L, local_bs=LOCAL_BS, global_bs=GLOBAL_BS, steps=SCHED, run_steps=3,
+                   **HP)
+    s = open_session(hf_session_args(hf_dir, batch=LOCAL_BS, seq_len=L, extra=lora_args(targets, ad) + opt_args()))
+    compare_steps(session_steps(s, stream, list(params), run=3), ref)
+
+
+@pytest.mark.parametrize("targets", [OL.MLP, "all-linear"])
+def test_qwen2_moe_shared_expert_generate_and_merge(targets, tmp_path, run_ctitan):
+    """The shared experts' adapters outside training: `generate --adapter` continues as
+    greedy decoding with PEFT's model does, and `export --merge` writes PEFT's
+    merge_and_unload (loaded by transformers: the adapted model's logits)."""
+    from transformers import AutoModelForCausalLM
+    case, base, hf_dir, loaded = qwen2_moe_case("qwen2_moe_mlponly_norm_nobias", tmp_path)
+    ad = tmp_path / "adapter"
+    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=targets, seed=9, std=0.3)
+    pm.save_pretrained(str(ad))
+    prompt = [5, 17, 20, 3, 9]
+
+    def greedy(model, n=6):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        return seq[len(prompt):]
+    ref = greedy(pm)
+    assert greedy(loaded()) != ref, "the test adapter must change the greedy continuation"
+    _, out, _ = run_ctitan(["generate", "--checkpoint", hf_dir, "--adapter", ad, "--prompt-ids",
+                            " ".join(map(str, prompt)), "--max-tokens", "6", "--ids"])
+    assert [int(x) for x in out.split()] == ref
+    tokens, _ = fam.batch(base, 2, case.T, seed=6)
+    with torch.no_grad():
+        want = pm(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    run_ctitan(["export", "--checkpoint", hf_dir, "--adapter", ad, "--merge", "--out", tmp_path / "merged"])
+    merged = fam.prepare_loaded(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32),
+                                case.family)
+    with torch.no_grad():
+        got = merged(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    assert oracle.rel_err(got, want) <= TOL
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "gate"], ["mlp.gate"]])
+def test_qwen2_moe_router_refused(targets, tmp_path, open_session):
+    """"gate" names qwen2_moe's router, which PEFT refuses (no Linear, and no rewrite into
+    target_parameters for this model, unlike qwen3_moe): refused naming PEFT's refusal.
+    shared_expert_gate on a model without one is refused by name."""
+    case, base, hf_dir, loaded = qwen2_moe_case("qwen2_moe_mlponly_norm_nobias", tmp_path)
+    with pytest.raises(ValueError, match="Qwen2MoeTopKRouter"):
+        OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=targets)
     with pytest.raises(CtitanError) as ei:
-        open_session(hf_session_args(hf_dir, extra=[f"--lora.rank={R}", f"--lora.target_modules={','.join(targets)}"]))
+        open_session(hf_session_args(hf_dir, extra=lora_args(targets)))
     msg = str(ei.value)
-    assert "lora.target_modules" in msg and "qwen2_moe" in msg and "shared_expert" in msg, msg
+    assert "lora.target_modules" in msg and "qwen2_moe" in msg and "Qwen2MoeTopKRouter" in msg, msg
+    case = fam.CASE["llama_rope3_attnbias_hd16"]
+    fam.save(fam.build(case), tmp_path / "llama")
+    with pytest.raises(CtitanError) as ei:
+        open_session(hf_session_args(tmp_path / "llama", extra=lora_args(["q_proj", "shared_expert_gate"])))
+    assert "has no shared_expert_gate" in str(ei.value), str(ei.value)
