@@ -1915,6 +1915,9 @@ static void layer_recompute(lm_model *m, int l, int B, int T) {
     if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BS, H, eps);
     qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
+    if (attn_opt(m, l).bf16) /* the forward rounded them in place: the backward must read those bits */
+        attn_round_bf16(m, 2, (float *const[]){a->qr, a->kr}, (const long[]){(long)BT * nH * hd, (long)BT * nKV * hd},
+                        "attention_in_bf16");
     /* the norms of kept outputs: only their rstd is read, the output goes to a free scratch */
     if (w->ln_ao) K(RMSNORM, rmsnorm_fwd, m->ws.d_ln, a->ao_rstd, a->ao, nw(m, w->ln_ao, H), BS, H, eps);
     if (w->ln2) K(RMSNORM, rmsnorm_fwd, a->ln2, a->ln2_rstd, a->res_mid, nw(m, w->ln2, H), BS, H, eps);
