@@ -1294,7 +1294,7 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
         return ct_fail(e, CT_ERR_CONFIG, "%s: the activation is %s but the model being trained uses %s", p,
                        c.act == LM_ACT_SILU ? "silu" : "gelu_pytorch_tanh",
                        mc->act == LM_ACT_SILU ? "silu" : "gelu_pytorch_tanh");
-    CKPT_SAME(qkv_bias, "attention_bias")
+    CKPT_SAME(qkv_bias, strcmp(now, "qwen2_moe") ? "attention_bias" : "qkv_bias") /* qwen2_moe's own key */
     CKPT_SAME(sliding_window, "sliding_window")
     CKPT_SAME(attn_softcap, "attn_logit_softcapping")
     CKPT_SAME(final_softcap, "final_logit_softcapping")
@@ -1317,6 +1317,7 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
     CKPT_SAME(moe_intermediate, "moe_intermediate_size")
     CKPT_SAME(norm_topk_prob, "norm_topk_prob")
     CKPT_SAME(decoder_sparse_step, "decoder_sparse_step")
+    CKPT_SAME(shared_intermediate, "shared_expert_intermediate_size")
     for (int l = 0; l < c.n_layers; l++)
         if (lm_layer_is_moe(&c, l) != lm_layer_is_moe(mc, l))
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is %s there but %s in the model being trained "

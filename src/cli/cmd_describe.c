@@ -143,8 +143,9 @@ int cli_describe(int argc, char **argv) {
     double attn = c.attn_scale > 0 ? c.attn_scale : 1.0 / sqrt((double)c.head_dim);
     if (json) {
         printf("{\"model_type\": \"%s\", \"head_dim\": %d, \"rotary_dim\": %d, \"num_parameters\": %zu, "
-               "\"seq_len\": %d, \"tie_word_embeddings\": %s,\n \"layers\": [",
-               type, c.head_dim, rd, n_params, seq, c.tie_embeddings ? "true" : "false");
+               "\"seq_len\": %d, \"tie_word_embeddings\": %s, \"shared_expert_intermediate_size\": %d,\n "
+               "\"layers\": [",
+               type, c.head_dim, rd, n_params, seq, c.tie_embeddings ? "true" : "false", c.shared_intermediate);
         for (int l = 0; l < c.n_layers; l++)
             printf("%s{\"sliding_window\": %d, \"rope\": \"%s\", \"moe\": %s}", l ? ", " : "",
                    c.layer_sliding[l] ? c.sliding_window : 0,
@@ -167,8 +168,12 @@ int cli_describe(int argc, char **argv) {
            type, c.n_layers, c.hidden, c.intermediate, c.n_heads, c.head_dim, c.n_kv_heads, c.vocab_size,
            c.tie_embeddings ? ", tied embeddings" : "");
     printf("parameters: %zu (%.3f B)\n", n_params, n_params / 1e9);
-    if (c.n_experts)
-        printf("experts: %d of %d per token, %d wide\n", c.top_k, c.n_experts, c.moe_intermediate);
+    if (c.n_experts) {
+        printf("experts: %d of %d per token, %d wide", c.top_k, c.n_experts, c.moe_intermediate);
+        /* qwen2_moe: the shared expert is half or more of a sparse layer's active MLP */
+        if (c.shared_intermediate > 0) printf(", and a shared expert %d wide (sigmoid-gated)", c.shared_intermediate);
+        printf("\n");
+    }
     int sliding = 0;
     for (int l = 0; l < c.n_layers; l++) sliding += c.layer_sliding[l];
     printf("attention: scale %.6g, %d of %d layers slide over %d keys\n", attn, sliding, c.n_layers,

@@ -722,13 +722,19 @@ static int plan_model(lm_model *m, const lm_config *c, int B, int T, const char 
         /* a layer's activations are ~20 buffers of B x T x a width: refuse before their
          * size_t sums could wrap (see LM_MAX_PARAMS) */
         double w = (double)c->hidden + ((double)c->n_heads + 2.0 * c->n_kv_heads) * c->head_dim +
-                   (c->n_experts > 0 ? (double)c->top_k * c->moe_intermediate : (double)c->intermediate);
+                   (c->n_experts > 0 ? (double)c->top_k * c->moe_intermediate : (double)c->intermediate) +
+                   (c->shared_intermediate > 0 ? (double)c->shared_intermediate : 0); /* beside the experts' */
         double acts = (double)B * T * 8.0 * w * (c->n_layers + 1);
-        if (acts > LM_MAX_PARAMS)
+        if (acts > LM_MAX_PARAMS) {
+            char sh[64] = "";
+            if (c->shared_intermediate > 0)
+                snprintf(sh, sizeof sh, ", shared_expert_intermediate_size %d", c->shared_intermediate);
             return ct_fail(e, CT_ERR_CONFIG,
                            "model: training.local_batch_size %d x training.seq_len %d x the layers' widths "
-                           "(hidden_size %d, intermediate_size %d) give about %.3g activation floats, out of range "
-                           "(at most 2^50)", B, T, c->hidden, c->intermediate, acts);
+                           "(hidden_size %d, intermediate_size %d%s) give about %.3g activation floats, out of "
+                           "range (at most 2^50)",
+                           B, T, c->hidden, c->intermediate, sh, acts);
+        }
     }
     int *pol = ct_calloc((size_t)c->n_layers + 1, sizeof(int)); // [L] policy per layer
     for (int l = 0; l < c->n_layers; l++) {

@@ -826,11 +826,12 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
     if (f->has_mlp_bias) cJSON_AddBoolToObject(o, "mlp_bias", c->mlp_bias);
     add_float(o, "attention_dropout", 0);
     /* windows: the family's own keys, so that its config class derives the same layers */
-    int any = 0, first = c->n_layers;
+    int any = 0, first = c->n_layers, past = 0; /* past: one after the last sliding layer */
     for (int l = 0; l < c->n_layers; l++)
         if (c->layer_sliding[l]) {
             any = 1;
             if (l < first) first = l;
+            past = l + 1;
         }
     /* Olmo3 as Gemma: a window always written (its default would apply otherwise) */
     int gemma_win = f->win == WIN_GEMMA || f->win == WIN_GEMMA2 || f->win == WIN_OLMO3;
@@ -841,7 +842,9 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         else cJSON_AddNumberToObject(o, "sliding_window", c->sliding_window > 0 ? c->sliding_window : 4096);
     }
     if (f->win_gate) cJSON_AddBoolToObject(o, f->win_gate, any);
-    if (f->win == WIN_TYPES || f->win == WIN_QWEN2_MOE) cJSON_AddNumberToObject(o, "max_window_layers", first);
+    /* Qwen2's layers from max_window_layers on slide; Qwen2MoeConfig's (even) ones below it */
+    if (f->win == WIN_TYPES || f->win == WIN_QWEN2_MOE)
+        cJSON_AddNumberToObject(o, "max_window_layers", f->win == WIN_QWEN2_MOE ? past : first);
     if (types || gemma_win) {
         cJSON *lt = cJSON_AddArrayToObject(o, "layer_types");
         for (int l = 0; l < c->n_layers; l++)
