@@ -959,6 +959,20 @@ int ckpt_dir_kind(const char *dir) {
     return access(p, F_OK) == 0 ? CKPT_DIR_PEFT_ADAPTER : CKPT_DIR_CHECKPOINT;
 }
 
+void ckpt_adapter_hint(const char *dir, const char *base_as, const char *adapter_as, char *out, size_t cap) {
+    char p[CKPT_PATH + 32];
+    out[0] = 0;
+    snprintf(p, sizeof p, "%s/adapter_config.json", dir);
+    if (access(p, F_OK) != 0) return;
+    ct_err ignore = {0}; /* unreadable: the hint goes without the base's name */
+    cJSON *o = json_parse_file(p, 1 << 20, &ignore);
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(o, "base_model_name_or_path");
+    int named = cJSON_IsString(b) && b->valuestring[0];
+    snprintf(out, cap, " (%s holds a LoRA adapter, adapter_config.json: give the base model%s%s%s as %s and %s as %s)",
+             dir, named ? " (" : "", named ? b->valuestring : "", named ? ")" : "", base_as, dir, adapter_as);
+    cJSON_Delete(o);
+}
+
 const char *ckpt_dir_kind_name(int kind) {
     return kind == CKPT_DIR_HF_MODEL ? "a Hugging Face export" : kind == CKPT_DIR_PEFT_ADAPTER ? "a PEFT adapter"
                                                                                            : "a training checkpoint";

@@ -117,6 +117,11 @@ int ckpt_list(const char *folder, int *steps, int cap);
  * name), never taken for an export. */
 enum { CKPT_DIR_CHECKPOINT = 0, CKPT_DIR_HF_MODEL = 1, CKPT_DIR_PEFT_ADAPTER = 2 };
 int ckpt_dir_kind(const char *dir);
+/* A model directory that holds a PEFT adapter (adapter_config.json) is no model:
+ * out gets " (DIR holds a LoRA adapter ...: give the base model (BASE) as BASE_AS
+ * and DIR as ADAPTER_AS)", the same words from every command that reads a model
+ * directory; "" when DIR holds no adapter_config.json. */
+void ckpt_adapter_hint(const char *dir, const char *base_as, const char *adapter_as, char *out, size_t cap);
 /* "a Hugging Face export" / "a PEFT adapter" / "a training checkpoint", for messages. */
 const char *ckpt_dir_kind_name(int kind);
 

@@ -21,6 +21,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "checkpoint/ckpt.h"
 #include "cli/cli.h"
 #include "hub/hub.h"
 #include "model/lm.h"
@@ -48,10 +49,14 @@ static int describe_no_config(const char *dir) {
     if (stat(p, &st) == 0 && S_ISDIR(st.st_mode))
         fprintf(stderr, "ctitan: error: describe: %s/config.json: not found (this looks like a run folder: describe "
                         "one of its checkpoints, %s/step-N)\n", dir, p);
-    else
+    else {
+        char hint[2 * 4096 + 400];
+        ckpt_adapter_hint(dir, "the directory to describe", "train's lora.adapter_path (or generate's --adapter)", hint,
+                          sizeof hint);
         fprintf(stderr, "ctitan: error: describe: %s/config.json: not found (describe reads a Hugging Face model "
-                        "directory)\n", dir);
-    return 2;
+                        "directory)%s\n", dir, hint);
+    }
+    return 1; /* a missing file (docs/reliability.md, "Exit codes"), as generate and import say it */
 }
 
 /* A soft-cap the forward applies (null: none). Gemma 3's attention cap, which

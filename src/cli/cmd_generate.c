@@ -208,19 +208,7 @@ static int gen_file_exists(const char *dir, const char *name) {
  * Its weights alone are no model, so the error says where the adapter goes;
  * out gets "" when dir holds no adapter_config.json. */
 static void gen_adapter_hint(const char *dir, char *out, size_t cap) {
-    out[0] = 0;
-    if (!gen_file_exists(dir, "adapter_config.json")) return;
-    char *p = fs_join(dir, "adapter_config.json");
-    ct_err ignore = {0}; /* unreadable: the hint goes without the base's name */
-    cJSON *o = json_parse_file(p, 1 << 20, &ignore);
-    free(p);
-    const cJSON *b = cJSON_GetObjectItemCaseSensitive(o, "base_model_name_or_path");
-    snprintf(out, cap,
-             " (%s holds a LoRA adapter, adapter_config.json: give the base model%s%s%s as --checkpoint and %s as "
-             "--adapter)",
-             dir, cJSON_IsString(b) && b->valuestring[0] ? " (" : "", cJSON_IsString(b) ? b->valuestring : "",
-             cJSON_IsString(b) && b->valuestring[0] ? ")" : "", dir);
-    cJSON_Delete(o);
+    ckpt_adapter_hint(dir, "--checkpoint", "--adapter", out, cap);
 }
 
 static int gen_id_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
@@ -361,27 +349,6 @@ static int gen_chat_text(const char *tdir, const char *prompt, const cJSON *kwar
     return rc;
 }
 
-/* The positions a model may be asked for. transformers generates past
- * max_position_embeddings with at most a warning, but what comes out there is
- * what the model never saw, so ctitan stops instead (docs/generate.md). A RoPE
- * scaling that stretches the positions moves the limit as vLLM derives it:
- * factor x original_max_position_embeddings (x max_position_embeddings for
- * linear); dynamic NTK rescales by length, so it has none (0). */
-static double gen_position_limit(const lm_config *c) {
-    double limit = c->max_pos > 0 ? c->max_pos : 0;
-    if (!c->has_rope || limit == 0) return limit;
-    const rope_params *ps[2] = {&c->rope, &c->rope_local};
-    for (int i = 0; i < 2; i++) {
-        const rope_params *p = ps[i];
-        if (p->type == ROPE_DYNAMIC) return 0;
-        if (p->type == ROPE_LINEAR || p->type == ROPE_YARN || p->type == ROPE_LLAMA3) {
-            double ext = p->factor * (p->original_max_pos > 0 ? p->original_max_pos : c->max_pos);
-            if (ext > limit) limit = ext;
-        }
-    }
-    return limit;
-}
-
 static int gen_run(gen_cli_args a);
 
 int cli_generate(int argc, char **argv) {
@@ -496,7 +463,10 @@ static int gen_run(gen_cli_args a) {
     if (!rc && prompt.n + (size_t)a.max_tokens > (size_t)INT32_MAX)
         rc = ct_fail(&e, CT_ERR_CONFIG, "--max-tokens: %zu prompt tokens + %d new ones are too many positions",
                      prompt.n, a.max_tokens);
-    double limit = rc ? 0 : gen_position_limit(&cfg);
+    /* transformers generates past the model's positions with at most a warning, but what
+     * comes out there is what the model never saw, so ctitan stops (docs/generate.md);
+     * train only warns past the same limit (trainer_warn_positions) */
+    double limit = rc ? 0 : lm_position_limit(&cfg);
     if (!rc && limit > 0 && (double)(prompt.n + (size_t)a.max_tokens) > limit)
         rc = ct_fail(&e, CT_ERR_CONFIG,
                      "--max-tokens: %zu prompt tokens + %d new ones need %zu positions, more than the %.0f the model "

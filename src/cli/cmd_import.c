@@ -126,8 +126,11 @@ int cli_import(int argc, char **argv) {
     lm_model m = {0};
     char cfg_path[4200];
     snprintf(cfg_path, sizeof cfg_path, "%s/config.json", a.hf);
-    if (access(cfg_path, R_OK) != 0)
-        return cli_fail(1, "--hf %s: no readable config.json (not a Hugging Face model directory)", a.hf);
+    if (access(cfg_path, R_OK) != 0) {
+        char hint[2 * 4096 + 400];
+        ckpt_adapter_hint(a.hf, "--hf", "train's lora.adapter_path (or generate's --adapter)", hint, sizeof hint);
+        return cli_fail(1, "--hf %s: no readable config.json (not a Hugging Face model directory)%s", a.hf, hint);
+    }
     /* the codes of train and generate: a config.json value 2, a malformed file 3, a
      * missing one 1 (docs/reliability.md, "Exit codes") */
     if ((rc = lm_config_from_hf(&c, a.hf, &e))) return cli_fail(ct_exit_code(rc), "%s", e.msg);

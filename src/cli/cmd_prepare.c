@@ -166,6 +166,42 @@ static int parse_args(prep_args *a, int argc, char **argv) {
     return 0;
 }
 
+/* The length of the shortest prefix of dir (at a '/') that does not exist:
+ * the directories from there down are the ones ds_writer_open will create;
+ * 0 when dir exists (nothing to create). */
+static size_t prep_first_new(const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) == 0) return 0;
+    size_t n = strlen(dir);
+    for (size_t i = 1; i < n; i++) {
+        if (dir[i] != '/' || dir[i - 1] == '/') continue;
+        char *p = strndup(dir, i);
+        int there = p && stat(p, &st) == 0;
+        free(p);
+        if (!there) return i;
+    }
+    return n;
+}
+
+/* A failed prepare takes back the directories it created, where they are
+ * still empty (whole shards it wrote stay: an interrupted prepare's, which
+ * the loader refuses; docs/data.md), deepest first; a folder that was there
+ * before is never touched. */
+static void prep_remove_created(const char *dir, size_t first_new) {
+    if (!first_new) return;
+    char *p = strdup(dir);
+    if (!p) return;
+    size_t n = strlen(p);
+    while (n > 1 && p[n - 1] == '/') p[--n] = 0;
+    while (n >= first_new && n > 0) {
+        if (rmdir(p) != 0) break; /* not empty, or not ours to remove */
+        while (n > 0 && p[n - 1] != '/') n--;
+        while (n > 1 && p[n - 1] == '/') n--;
+        p[n] = 0;
+    }
+    free(p);
+}
+
 int cli_prepare(int argc, char **argv) {
     for (int i = 0; i < argc; i++)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
@@ -216,6 +252,7 @@ int cli_prepare(int argc, char **argv) {
         o.eos_id = tok_token_id(t, a.eos);
         if (o.eos_id < 0) rc = ct_fail(&e, CT_ERR_CONFIG, "--eos: %s is not a token of %s", a.eos, a.tokenizer);
     }
+    size_t first_new = rc ? 0 : prep_first_new(a.out);
     if (!rc) rc = ds_writer_open(&w, a.out, (uint64_t)a.shard_tokens, a.overwrite, &e);
     /* meta.json records the template the chat sources are rendered with (the
      * same resolution ds_tokenize makes), so that a trainer naming another
@@ -258,6 +295,7 @@ int cli_prepare(int argc, char **argv) {
     ds_writer_free(w);
     if (t) tok_free(t);
     if (rc) {
+        prep_remove_created(a.out, first_new);
         fprintf(stderr, "ctitan: error: %s\n", e.msg);
         return ct_exit_code(rc);
     }

@@ -247,6 +247,9 @@ int lm_config_write_hf(const lm_config *c, const char *path, const char *dtype_n
 /* The text lm_config_write_hf writes (malloc'd; free it; NULL when out of
  * memory): also the model's fingerprint, which the ranks of a run compare. */
 char *lm_config_hf_json(const lm_config *c, const char *dtype_name);
+/* The positions the model was trained for (max_position_embeddings, extended by
+ * a RoPE scaling factor); 0 when it has no such limit (dynamic NTK). */
+double lm_position_limit(const lm_config *c);
 /* Checks a config for sizes the model cannot run (e.g. nH % nKV != 0). */
 int lm_config_check(const lm_config *c, const char *where, ct_err *e);
 

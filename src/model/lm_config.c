@@ -120,6 +120,26 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     return 0;
 }
 
+/* The positions the model was trained for: max_position_embeddings, moved by a
+ * RoPE scaling that stretches the positions as vLLM derives it (factor x
+ * original_max_position_embeddings, x max_position_embeddings for linear);
+ * dynamic NTK rescales by length, so it has none (0). generate refuses more,
+ * train warns (cmd_generate.c, trainer.c). */
+double lm_position_limit(const lm_config *c) {
+    double limit = c->max_pos > 0 ? c->max_pos : 0;
+    if (!c->has_rope || limit == 0) return limit;
+    const rope_params *ps[2] = {&c->rope, &c->rope_local};
+    for (int i = 0; i < 2; i++) {
+        const rope_params *p = ps[i];
+        if (p->type == ROPE_DYNAMIC) return 0;
+        if (p->type == ROPE_LINEAR || p->type == ROPE_YARN || p->type == ROPE_LLAMA3) {
+            double ext = p->factor * (p->original_max_pos > 0 ? p->original_max_pos : c->max_pos);
+            if (ext > limit) limit = ext;
+        }
+    }
+    return limit;
+}
+
 int lm_config_from_flavor(lm_config *c, const char *flavor, ct_err *e) {
     for (size_t i = 0; i < sizeof flavors / sizeof flavors[0]; i++) {
         const flavor_row *f = &flavors[i];

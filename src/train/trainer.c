@@ -130,7 +130,18 @@ int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e) {
         if (!cfg->hf_assets_path[0])
             return ct_fail(e, CT_ERR_CONFIG, "%s: model.hf_assets_path: required when model.spec = \"hf\"",
                            cfg_source(cfg));
-        return lm_config_from_hf(mc, cfg_hf_dir(cfg), e);
+        /* a directory without config.json is a missing file (exit 1), as generate,
+         * import and describe say it; a PEFT adapter there is pointed where it goes */
+        const char *dir = cfg_hf_dir(cfg);
+        char p[4200];
+        snprintf(p, sizeof p, "%s/config.json", dir);
+        if (access(p, F_OK) != 0) {
+            char hint[2 * 4096 + 200];
+            ckpt_adapter_hint(dir, "model.hf_assets_path", "lora.adapter_path", hint, sizeof hint);
+            return ct_fail(e, CT_ERR_IO, "%s: model.hf_assets_path: %s: not found (a Hugging Face model directory "
+                           "has config.json)%s", cfg_origin(cfg, "model.hf_assets_path"), p, hint);
+        }
+        return lm_config_from_hf(mc, dir, e);
     }
     int rc = lm_config_from_flavor(mc, cfg->model_flavor, e);
     if (rc && e) {
@@ -139,6 +150,22 @@ int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e) {
         ct_fail(e, rc, "%s: %s", cfg_origin(cfg, "model.flavor"), msg);
     }
     return rc;
+}
+
+/* A seq_len past the positions the model was trained for: torchtitan's model
+ * args warn and train on, transformers' tokenizer warns ("Token indices sequence
+ * length is longer than ...") and its model runs (RoPE extrapolates), so a run
+ * does too; generate refuses such lengths by the same limit (lm_position_limit). */
+void trainer_warn_positions(const ct_config *c, const lm_config *mc) {
+    double limit = lm_position_limit(mc);
+    if (limit <= 0 || c->seq_len <= limit) return;
+    int hf = strcmp(c->model_spec, "hf") == 0;
+    fprintf(stderr,
+            "ctitan: warning: %s: training.seq_len (%d) exceeds the %.0f positions the model was trained for "
+            "(max_position_embeddings %d of %s%s%s): positions past them are extrapolated, and generate refuses "
+            "lengths past them\n",
+            cfg_origin(c, "training.seq_len"), c->seq_len, limit, mc->max_pos, hf ? cfg_hf_dir(c) : "model.flavor ",
+            hf ? "/config.json" : c->model_flavor, limit > mc->max_pos ? ", extended by its RoPE scaling factor" : "");
 }
 
 /* Each [kernels] override alone, so the message names where that one was
@@ -614,6 +641,7 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
      * own Hub cache): one may fail alone, where the others went on into plan_init */
     if ((rc = trainer_agree(t, rc, "read the model's config", e))) return rc;
     if ((rc = agree_on_model(t, &mc, e))) return rc;
+    if (world->rank == 0) trainer_warn_positions(c, &mc);
     /* the layout is checked before anything big is built */
     if ((rc = plan_init(&t->plan, world, c, &mc, trainer_layout_origin(c), e))) return rc;
     int dp = t->plan.mesh.dp_size, per_step = c->local_batch_size * dp;
@@ -1280,6 +1308,10 @@ int trainer_run(trainer *t, ct_err *e) {
     labels = ct_malloc(mb * t->grad_accum * sizeof(int32_t));
     clock.t_start = clock.t_log = clock.t_first_end = ct_now();
     clock.first_step = t->step + 1;
+    /* the stop that wrote the checkpoint skipped this step's validation: done now,
+     * so that the curve has the point an uninterrupted run has */
+    if (t->val_pending && val && t->step > 0) validate(t, val, t->step, files.metrics, &files.tb);
+    t->val_pending = 0;
     while (t->step < c->steps) {
         int step = t->step + 1;
         int traced = pf && step % c->profile_freq == 0;
@@ -1339,7 +1371,9 @@ int trainer_run(trainer *t, ct_err *e) {
         int stop = !last && (sig || (c->stop_at_step > 0 && step == c->stop_at_step));
         if (stop) {
             /* preemption: save first (validation could outlast the grace period), and
-             * always a full checkpoint, whatever checkpoint.enable says */
+             * always a full checkpoint, whatever checkpoint.enable says; a validation
+             * due at this step is left to the resumed run (val_pending) */
+            t->val_pending = val && step % c->val_freq == 0;
             if ((rc = trainer_save(t, data, 0, e))) goto out;
             rc = stopped(step, sig ? "signal" : "training.stop_at_step", c->ckpt_enable);
             goto out;

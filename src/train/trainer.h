@@ -32,6 +32,7 @@ typedef struct {
     int val_batch;    /* sequences per validation batch */
     ds_state resume_data; /* loader position restored from a checkpoint */
     int have_resume_data;
+    int val_pending;  /* the stop at this step skipped its validation: the resumed run does it first */
     int seed_step;    /* > 0: checkpoint.load_step named this model-only step-N: weights only, training refused */
     char ckpt_folder[4096]; /* {dump_folder}/{checkpoint.folder} */
     /* distributed run: the world, and the plan of the layout over it (distributed/plan.h) */
@@ -104,6 +105,8 @@ int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e);
 /* Every [kernels] override runs on this CPU (the message names where it was set):
  * checked by the run, the dry run and, before anything else is built, the CLI. */
 int trainer_check_kernels(const ct_config *c, ct_err *e);
+/* Warns (stderr) when training.seq_len exceeds the model's positions (lm_position_limit). */
+void trainer_warn_positions(const ct_config *c, const lm_config *mc);
 /* Every rank of w calls it at the same point with its own rc (0 or an error):
  * each learns whether any failed, and rank 0's error becomes the lowest failing
  * rank's ("rank R of N failed to WHAT: ..."), marked all_ranks, so that an error

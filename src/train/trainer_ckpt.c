@@ -58,6 +58,7 @@ static char *state_to_json(const trainer *t, const ds *data) {
     cJSON_AddNumberToObject(o, "global_batch", (double)t->global_batch);
     cJSON_AddBoolToObject(o, "shuffle", t->cfg.shuffle);
     cJSON_AddNumberToObject(o, "training_steps", t->cfg.steps);
+    if (t->val_pending) cJSON_AddBoolToObject(o, "validation_pending", 1);
     if (data) {
         ds_state s;
         ds_get_state(data, &s);
@@ -144,6 +145,7 @@ int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err
                            dir, same[i].key, same[i].now, was);
         }
     }
+    t->val_pending = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "validation_pending"));
     const cJSON *ts = cJSON_GetObjectItemCaseSensitive(o, "training_steps");
     if (cJSON_IsNumber(ts) && ts->valuedouble != c->steps)
         fprintf(stderr, "ctitan: warning: training.steps was %g and is now %d: the LR schedule changes from here\n",
@@ -283,6 +285,15 @@ static void note_loaded(trainer *t, const char *dir, const ckpt_info *info, int 
     t->loaded.resumed = resumed;
 }
 
+/* A number as the user wrote it: the shortest of %.15g / %.17g that reads back. */
+typedef struct { char s[32]; } alpha_str;
+static alpha_str alpha_text(double v) {
+    alpha_str a;
+    snprintf(a.s, sizeof a.s, "%.15g", v);
+    if (strtod(a.s, NULL) != v) snprintf(a.s, sizeof a.s, "%.17g", v);
+    return a;
+}
+
 /* A checkpoint holds its run's trained tensors only (frozen ones come from
  * where the run started), so it resumes only a run that trains the same
  * ones. With another training.freeze or [lora] the load failed on a
@@ -318,6 +329,27 @@ static int same_trained_tensors(const trainer *t, const char *dir, ct_err *e) {
                              "checkpoint resumes only the same trained tensors (use the same setting, or a new "
                              "checkpoint.folder)",
                              dir, str[i].key, str[i].then, str[i].now);
+        /* the same tensors under another scale are another model: PEFT keeps alpha,
+         * use_rslora and alpha_pattern in adapter_config.json beside the weights
+         * (lora.dropout only adds noise to training, and may change) */
+        if (!rc && c->lora_rank > 0 && was.lora_alpha != c->lora_alpha)
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: saved by a run with lora.alpha = %s (its config.toml), this run has %s: the "
+                         "adapters were trained under the checkpoint's scale, and resuming would change the model "
+                         "(use the same setting, or a new checkpoint.folder)",
+                         dir, alpha_text(was.lora_alpha).s, alpha_text(c->lora_alpha).s);
+        if (!rc && c->lora_rank > 0 && !was.lora_rslora != !c->lora_rslora)
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: saved by a run with lora.use_rslora = %s (its config.toml), this run has %s: the "
+                         "adapters were trained under the checkpoint's scale, and resuming would change the model "
+                         "(use the same setting, or a new checkpoint.folder)",
+                         dir, was.lora_rslora ? "true" : "false", c->lora_rslora ? "true" : "false");
+        if (!rc && c->lora_rank > 0 && strcmp(was.lora_alpha_pattern, c->lora_alpha_pattern))
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: saved by a run with lora.alpha_pattern = \"%s\" (its config.toml), this run has "
+                         "\"%s\": the adapters were trained under the checkpoint's scale, and resuming would change "
+                         "the model (use the same setting, or a new checkpoint.folder)",
+                         dir, was.lora_alpha_pattern, c->lora_alpha_pattern);
     }
     cfg_free(&was);
     return rc;

@@ -28,6 +28,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     free(cc.hf_assets_dir);
     cc.hf_assets_dir = NULL;
     if (rc) return rc;
+    trainer_warn_positions(c, &mc);
     /* the world: mpirun's, else what fixed degrees multiply to, else one process */
     int pp = c->pp > 1 ? c->pp : 1, cp = c->cp > 1 ? c->cp : 1;
     if (world <= 0) world = (c->dp_shard > 0 ? c->dp_replicate * c->dp_shard * c->tp : 1) * pp * cp;
