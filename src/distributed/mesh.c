@@ -46,8 +46,8 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
         {"intermediate size", mc->intermediate, dense},
         {"moe_intermediate_size", mc->moe_intermediate, sparse}, /* each expert is split like the MLP */
         /* a sparse layer's shared expert (qwen2_moe) too */
-        {"shared_expert_intermediate_size", mc->shared_intermediate, sparse && mc->shared_intermediate > 0},
-        {"vocabulary size (its lm_head is split by rows)", mc->vocab_size, !mc->tie_embeddings}};
+        {"shared_expert_intermediate_size", mc->shared_intermediate, sparse && mc->shared_intermediate > 0}};
+    /* not the vocabulary: tp_local_config cuts it in DTensor Shard(0)'s ceil chunks, whatever tp */
     for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
         if (split[i].used && split[i].n % tp != 0)
             return ct_fail(e, CT_ERR_CONFIG,

@@ -323,7 +323,7 @@ static double pp_sq(ct_plan *p, const float *g, double sq) {
         if (p->fsdp) fsdp_piece_held(p->fsdp, 0, &off, &n), off = p->fsdp->p[0].shard_off; /* this rank's slice */
         double d = grad_norm(m, g + off, n), dq = d * d;
         if (p->fsdp) comm_allreduce(&p->mesh.shard, &dq, 1, COMM_F64, COMM_SUM);
-        if (m->cfg.vocab_rows) comm_allreduce(p->tp->comm, &dq, 1, COMM_F64, COMM_SUM); /* its TP slices */
+        if (m->cfg.tp_degree > 1) comm_allreduce(p->tp->comm, &dq, 1, COMM_F64, COMM_SUM); /* its TP slices */
         sq -= dq;
     }
     comm_allreduce(&p->mesh.ppg, &sq, 1, COMM_F64, COMM_SUM);

@@ -143,7 +143,8 @@ static void dry_sp_rows(FILE *out, int B, int T, int tp) {
 }
 
 /* What rank 0 of the layout plans; the others' slices are the same size
- * (equal heads, columns, experts per rank) up to FSDP's padding. */
+ * (equal heads, columns, experts per rank) up to FSDP's padding, or smaller
+ * (the last ranks' vocabulary blocks where t does not divide it). */
 int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp, int B,
                   const char *where, ct_err *e) {
     int ep = c->ep > 1 ? c->ep : 1;
@@ -195,6 +196,14 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
         fprintf(out, "  embedding: rows %d..%d of %d here (%zu parameters%s)\n", lc.vocab_row0,
                 lc.vocab_row0 + lc.vocab_rows - 1, lc.vocab_size, (size_t)lc.vocab_rows * (size_t)lc.hidden,
                 lc.tie_embeddings ? ", also the tied lm_head" : "");
+    if (tp > 1 && lc.vocab_size % tp) { /* rank 0's block is the largest; the last ones shorter or empty */
+        fprintf(out, "  vocabulary rows per TP rank");
+        for (int r = 0; r < tp; r++) {
+            size_t r0;
+            fprintf(out, "%s %zu", r ? "," : "", tp_chunk((size_t)lc.vocab_size, tp, r, &r0));
+        }
+        fprintf(out, " (chunks of %d, as DTensor Shard(0) cuts them)\n", lc.vocab_rows);
+    }
     if (shard > 1 && ep > 1)
         fprintf(out, "  FSDP over %d ranks, the experts over the %d holding the same ones: %.0f parameters stored\n",
                 shard, shard / ep, stored);

@@ -12,6 +12,12 @@
 #include "core/timer.h"
 #include "model/lora.h"
 
+size_t tp_chunk(size_t n, int t, int r, size_t *start) {
+    size_t c = (n + (size_t)t - 1) / (size_t)t, a = (size_t)r * c < n ? (size_t)r * c : n;
+    *start = a;
+    return n - a < c ? n - a : c;
+}
+
 void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, int ep, int ep_rank) {
     *local = *full;
     if (ep > 1) {
@@ -25,12 +31,14 @@ void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, i
     local->intermediate = full->intermediate / t;
     local->moe_intermediate = full->moe_intermediate / t; /* every expert's gate/up rows, down columns */
     local->shared_intermediate = full->shared_intermediate / t; /* a shared expert: split as the dense MLP */
-    /* the embedding and lm_head (tied: the same tensor) by vocabulary rows. A
-     * vocabulary t does not divide keeps them whole: mesh_resolve refuses it
-     * untied; tied, the whole table and loss stay on every rank as before */
-    if (t > 1 && full->vocab_size % t == 0) {
-        local->vocab_rows = full->vocab_size / t;
-        local->vocab_row0 = rank * local->vocab_rows;
+    /* the embedding and lm_head (tied: the same tensor) by vocabulary rows,
+     * in DTensor Shard(0)'s ceil chunks whatever t and V: the last ranks'
+     * blocks shorter or empty (vocab_rows 0 with tp_degree > 1 is an empty
+     * block, not the whole vocabulary) */
+    if (t > 1) {
+        size_t r0, n = tp_chunk((size_t)full->vocab_size, t, rank, &r0);
+        local->vocab_rows = (int)n;
+        local->vocab_row0 = (int)r0;
     }
 }
 
@@ -183,7 +191,7 @@ void tp_free(tp_layout *p) {
     free(p->before);
     free(p->sharded);
     free(p->expert);
-    for (int i = 0; p->ep_tables && i < p->ep; i++) lm_free(&p->ep_tables[i]);
+    for (int i = 0; p->ep_tables && i < p->n_tables; i++) lm_free(&p->ep_tables[i]);
     free(p->ep_tables);
     memset(p, 0, sizeof *p);
 }
@@ -298,8 +306,8 @@ static void move_slice(const tp_layout *p, const lm_tensor *lt, float *s, const 
         int nb = tp_row_blocks(p, ft, fb);
         size_t f0 = 0, l0 = 0;
         for (int k = 0; k < nb; k++) {
-            size_t n = fb[k] / (size_t)p->t; /* this rank's rows of block k */
-            float *a = s + l0 * lc, *b = w + (f0 + (size_t)r * n) * lc;
+            size_t c0, n = tp_chunk(fb[k], p->t, r, &c0); /* this rank's rows of block k */
+            float *a = s + l0 * lc, *b = w + (f0 + c0) * lc;
             memcpy(to_local ? a : b, to_local ? b : a, n * lc * sizeof(float));
             f0 += fb[k];
             l0 += n;
@@ -351,12 +359,12 @@ size_t tp_take_rows(const tp_layout *p, const lm_tensor *lt, const lm_tensor *ft
     if (lr < fr) { /* column-parallel: whole rows [R, R + n) of row block blk are this rank's */
         int nb = tp_row_blocks(p, ft, fb);
         if (blk >= nb) return 0;
-        size_t f0 = 0, l0 = 0;
+        size_t f0 = 0, l0 = 0, c0;
         for (int k = 0; k < blk; k++) {
             f0 += fb[k];
-            l0 += fb[k] / (size_t)p->t;
+            l0 += tp_chunk(fb[k], p->t, p->rank, &c0);
         }
-        size_t n = fb[blk] / (size_t)p->t, R = f0 + (size_t)p->rank * n;
+        size_t n = tp_chunk(fb[blk], p->t, p->rank, &c0), R = f0 + c0;
         size_t a = r0 > R ? r0 : R, b = r1 < R + n ? r1 : R + n;
         if (a >= b) return 0;
         *out = rows + (a - r0) * fc;
@@ -383,38 +391,40 @@ static size_t tensor_start(const lm_model *m, int i) {
 void tp_gather_range(tp_layout *p, ct_comm *g, int ta, int tb, const lm_model *fm, float *full,
                      const lm_model *lm, const float *local) {
     int t = g->size, root = g->rank == 0;
-    size_t n = tensor_start(lm, tb) - tensor_start(lm, ta); /* the same on every member: equal slices and
-                                                             * expert counts */
-    float *all = root ? ct_malloc(((size_t)t * n + 1) * sizeof(float)) : NULL;
+    if (root && !p->ep_tables) { /* member r's own table says where its tensors are: TP index r % t's
+                                  * vocabulary block (uneven: ceil chunks), EP index r / t's experts */
+        p->ep_tables = ct_calloc((size_t)t, sizeof *p->ep_tables);
+        for (int r = 0; r < t; r++) {
+            lm_config rcfg;
+            tp_local_config(&rcfg, &p->full, p->t, r % p->t, p->ep, r / p->t);
+            lm_layout(&p->ep_tables[r], &rcfg);
+        }
+        p->n_tables = t;
+    }
+    /* a member's floats of [ta, tb): the vocabulary's blocks may differ in size */
+    size_t n = tensor_start(lm, tb) - tensor_start(lm, ta), total = 0;
     size_t *v = ct_calloc(4 * (size_t)t, sizeof(size_t));
     size_t *sc = v, *sd = v + t, *rc = v + 2 * t, *rd = v + 3 * t;
     sc[0] = n;
-    for (int r = 0; r < t; r++) {
-        rc[r] = root ? n : 0;
-        rd[r] = (size_t)r * n;
+    for (int r = 0; root && r < t; r++) {
+        rc[r] = tensor_start(&p->ep_tables[r], tb) - tensor_start(&p->ep_tables[r], ta);
+        rd[r] = total;
+        total += rc[r];
     }
+    float *all = root ? ct_malloc((total + 1) * sizeof(float)) : NULL;
     double t0 = ct_now();
     comm_all_to_allv(g, all, rc, rd, local, sc, sd, COMM_F32);
     p->comm_s += ct_now() - t0;
     if (root) {
         size_t fbase = tensor_start(fm, ta);
-        if (!p->ep_tables) { /* member r's own table says where its tensors are; the TP slices of
-                              * one EP index have the same shapes, so one table per EP index */
-            p->ep_tables = ct_calloc((size_t)p->ep, sizeof *p->ep_tables);
-            for (int x = 0; x < p->ep; x++) {
-                lm_config rcfg;
-                tp_local_config(&rcfg, &p->full, p->t, 0, p->ep, x);
-                lm_layout(&p->ep_tables[x], &rcfg);
-            }
-        }
         for (int r = 0; r < t; r++) {
-            const lm_model *rm = &p->ep_tables[r / p->t];
+            const lm_model *rm = &p->ep_tables[r];
             size_t rbase = tensor_start(rm, ta);
             for (int i = ta; i < tb; i++) {
                 const lm_tensor *lt = &rm->tensors[i], *ft = &fm->tensors[i];
                 /* the rest is the same on every EP rank, and under FSDP gathered on EP index 0 only */
                 if (r >= p->t && !p->expert[i]) continue;
-                move_slice(p, lt, all + (size_t)r * n + (lt->offset - rbase), ft, full + (ft->offset - fbase),
+                move_slice(p, lt, all + rd[r] + (lt->offset - rbase), ft, full + (ft->offset - fbase),
                            r % p->t, r / p->t, 0);
             }
         }

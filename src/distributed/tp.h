@@ -37,15 +37,18 @@
  *     all-reduced like the q/k norms'). The router's adapter is replicated
  *     and gets the whole gradient on every rank, as the router does;
  *   - the embedding and lm_head (tied or not) are vocabulary-parallel: rank r
- *     holds rows [r V/t, (r+1) V/t) of each (torchtitan's RowwiseParallel
- *     embedding). The lookup gives this rank's tokens their rows and the
+ *     holds rows [r C, min((r + 1) C, V)) of each, C = ceil(V / t)
+ *     (torchtitan's RowwiseParallel embedding, a DTensor Shard(0): where t
+ *     does not divide V the last ranks' blocks are shorter or empty,
+ *     tp_chunk). The lookup gives this rank's tokens their rows and the
  *     others zeros, summed over the group (hooks.reduce_partial); its
  *     backward adds the whole d(output) rows of this rank's tokens to its
  *     rows. The head computes its logits only; the loss combines the row
  *     max, sum of exponentials and target logit over the group
  *     (hooks.reduce_max, reduce_partial) and d(final norm) is all-reduced.
- *     A tied model whose vocabulary t does not divide keeps both whole on
- *     every rank (an untied one is refused: mesh_resolve);
+ *     An empty block's row max is -inf and its sums 0, so it takes part in
+ *     every collective without changing them; all ranks cut their logits
+ *     into the same blocks of rows (lm_logit_rows, by the largest block);
  *   - sequence parallel (parallelism.sequence_parallel, local.tp_seq;
  *     torchtitan's SequenceParallel on the norms): rank r holds rows
  *     [r R, min((r + 1) R, B T)) of the B T rows (R = ceil(B T / t), DTensor
@@ -97,18 +100,24 @@ typedef struct {
     lm_seq_dispatch sp;       /* sequence parallel's collectives (local.tp_seq) */
     char *sharded;            /* [n_tensors] 1: sliced over the group, 0: replicated (set by tp_classify) */
     char *expert;             /* [n_tensors] 1: an expert's tensor or its adapter (held by one EP rank) */
-    lm_model *ep_tables;   /* [ep] tensor table of each EP index's ranks (every TP index of one
-                               * has the same), built on the first tp_gather_range that needs them */
+    lm_model *ep_tables;   /* [n_tables] tensor table of each member of tp_gather_range's group (its
+                               * TP index's vocabulary block, its EP index's experts), built on
+                               * the first call that needs them */
+    int n_tables;
     size_t n_before;          /* the most floats of one layer's partial-sum replicated gradients */
     float *before;            /* [2 n_before] those gradients before a layer's backward; their deltas */
     double comm_s;            /* seconds in collectives since the last tp_take_comm_time */
 } tp_layout;
 
 /* local = full with n_heads, n_kv_heads, intermediate, moe_intermediate
- * divided by t and rank's 1/t of the vocabulary rows (the embedding's and
- * lm_head's; none when t does not divide the vocabulary); with ep > 1, only EP index ep_rank's experts (the caller checked
- * divisibility: mesh_resolve). */
+ * divided by t and rank's block of the vocabulary rows (the embedding's and
+ * lm_head's: tp_chunk's, for any t > 1); with ep > 1, only EP index ep_rank's
+ * experts (the caller checked divisibility: mesh_resolve). */
 void tp_local_config(lm_config *local, const lm_config *full, int t, int rank, int ep, int ep_rank);
+/* DTensor Shard(0)'s chunk r of n rows over t ranks (torch.chunk): rows
+ * [*start, *start + returned) with chunks of ceil(n / t), the last ranks'
+ * shorter or empty. */
+size_t tp_chunk(size_t n, int t, int r, size_t *start);
 void tp_init(tp_layout *p, const lm_config *full, ct_comm *group, int ep, int ep_rank);
 void tp_free(tp_layout *p);
 /* Binds the local model m; for t > 1 installs the hooks on m (wrapping

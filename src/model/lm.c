@@ -29,6 +29,13 @@
 
 /* ---------------------------------------------------------------- layout */
 
+/* Vocabulary-parallel (distributed/tp.c): under TP every vocabulary is cut
+ * by rows in ceil chunks, so a rank may hold none (vocab_rows 0 is then an
+ * empty block, not the whole table). */
+static int vocab_par(const lm_config *c) { return c->tp_degree > 1; }
+/* Rows of the embedding and lm_head this model holds. */
+static int vocab_held(const lm_config *c) { return vocab_par(c) ? c->vocab_rows : c->vocab_size; }
+
 static void add_tensor(lm_model *m, int *cap, const char *name, int64_t d0, int64_t d1, int is_matrix, int slot,
                        int layer, int expert) {
     if (m->n_tensors == *cap) {
@@ -234,7 +241,7 @@ static void build_layout(lm_model *m) {
     int64_t qd = (int64_t)c->n_heads * hd, kvd = (int64_t)c->n_kv_heads * hd;
     const char *nn[4];
     norm_names(c, nn);
-    add_tensor(m, &cap, "model.embed_tokens.weight", c->vocab_rows ? c->vocab_rows : c->vocab_size, H, 1, LM_S_EMBED,
+    add_tensor(m, &cap, "model.embed_tokens.weight", vocab_held(c), H, 1, LM_S_EMBED,
                -1, -1);
     for (int l = 0; l < c->n_layers; l++) {
 #define T_(suffix, d0, d1, mat, slot)                                        \
@@ -343,7 +350,7 @@ static void build_layout(lm_model *m) {
     }
     add_tensor(m, &cap, "model.norm.weight", H, 0, 0, LM_S_LNF, -1, -1);
     if (!c->tie_embeddings)
-        add_tensor(m, &cap, "lm_head.weight", c->vocab_rows ? c->vocab_rows : c->vocab_size, H, 1, LM_S_HEAD, -1, -1);
+        add_tensor(m, &cap, "lm_head.weight", vocab_held(c), H, 1, LM_S_HEAD, -1, -1);
 }
 
 /* Points a weights view at a flat buffer by each tensor's slot.
@@ -596,11 +603,11 @@ static void plan_activations(lm_model *m, carver *cv) {
         m->ws.rope_sin_l = carve(cv, (size_t)m->act.T * hd / 2);
     }
     m->ws.norm_w = c->norm_plus_one ? carve(cv, H > qd ? H : qd) : NULL;
-    size_t Vr = c->vocab_rows ? c->vocab_rows : c->vocab_size;
+    size_t Vr = vocab_held(c);
     m->ws.cap_t = c->final_softcap > 0 ? carve(cv, (size_t)m->ws.logit_rows * Vr) : NULL;
     m->ws.logits = carve(cv, (size_t)m->ws.logit_rows * Vr);
-    if (c->vocab_rows) m->ws.ce_stats = carve(cv, 3 * (size_t)m->ws.logit_rows);
-    m->ws.embed_ids = c->vocab_rows ? (int32_t *)carve(cv, BT) : NULL; /* int32 is a float's size */
+    if (vocab_par(c)) m->ws.ce_stats = carve(cv, 3 * (size_t)m->ws.logit_rows);
+    m->ws.embed_ids = vocab_par(c) ? (int32_t *)carve(cv, BT) : NULL; /* int32 is a float's size */
     m->ws.d_res = carve(cv, BS * H);
     m->ws.d_ln = carve(cv, seq_all_rows(c, BT) * H); /* reduce-scattered in place: every rank's chunk */
     if (c->tp_seq && c->tp_degree > 1) {
@@ -695,7 +702,12 @@ int lm_create(lm_model *m, const lm_config *c, int B, int T, ct_err *e) {
 #define LM_LOGITS_BUDGET ((size_t)512 << 20)
 int lm_logit_rows(const lm_config *c, int BT) {
     if (c->logit_rows > 0) return c->logit_rows < BT ? c->logit_rows : BT;
-    size_t V = (size_t)(c->vocab_rows ? c->vocab_rows : c->vocab_size);
+    /* vocabulary-parallel: every rank the same rows (their loss's collectives pair block by block),
+     * sized by the largest block, rank 0's ceil(V / t); a config that gives its rows without a
+     * degree (tests/c/model/test_lm.c) by those */
+    size_t V = vocab_par(c)   ? ((size_t)c->vocab_size + c->tp_degree - 1) / (size_t)c->tp_degree
+               : c->vocab_rows ? (size_t)c->vocab_rows
+                               : (size_t)c->vocab_size;
     size_t blocks = ((size_t)BT * V * sizeof(float) + LM_LOGITS_BUDGET - 1) / LM_LOGITS_BUDGET;
     int rows = (int)(((size_t)BT + blocks - 1) / blocks), least = BT < 256 ? BT : 256;
     return rows > least ? rows : least;
@@ -1012,7 +1024,7 @@ double lm_flops_per_token(const lm_model *m, int T) {
     double VH = (double)m->tensors[0].numel; /* V x H, or 0 on a stage without the embedding */
     double matmul_params = (double)m->n_params - VH;             /* no lookup */
     if (c->tie_embeddings && lm_holds_head(c)) /* lm_head runs: its rows of the vocabulary */
-        matmul_params += (double)(c->vocab_rows ? c->vocab_rows : c->vocab_size) * c->hidden;
+        matmul_params += (double)vocab_held(c) * c->hidden;
     /* a token runs k of the E experts of each MoE layer (on some rank, under expert parallel) */
     int held = c->expert_rows ? c->expert_rows : c->n_experts, moe = 0, layers = 0;
     for (int l = 0; l < c->n_layers; l++) {
@@ -1956,9 +1968,9 @@ static void moe_layer_stats(lm_model *m, int l, int BT) {
  * the whole lookup. */
 static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
     const lm_config *c = &m->cfg;
-    int H = c->hidden, V = c->vocab_rows, v0 = c->vocab_row0, BS = sp_rows(m, BT);
+    int H = c->hidden, V = c->vocab_rows, v0 = c->vocab_row0, BS = sp_rows(m, BT), vp = vocab_par(c);
     const lm_tensor *te = &m->tensors[0];
-    if (V && m->sp) { /* sequence parallel: all rows' partial lookups, reduce-scattered to this rank's rows */
+    if (vp && m->sp) { /* sequence parallel: all rows' partial lookups, reduce-scattered to this rank's rows */
         for (int n = 0; n < BT; n++) {
             float *x = m->ws.d_ln + (size_t)n * H; /* d_ln: free before the first layer */
             size_t r = (size_t)(tokens[n] - v0);
@@ -1967,7 +1979,7 @@ static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
             else memcpy(x, m->w.wte + r * H, (size_t)H * sizeof(float));
         }
         memcpy(x0, sum_rows(m, m->ws.d_ln, BT, H), (size_t)BS * H * sizeof(float));
-    } else if (V) {
+    } else if (vp) {
         for (int n = 0; n < BT; n++) {
             float *x = x0 + (size_t)n * H;
             size_t r = (size_t)(tokens[n] - v0);
@@ -2069,7 +2081,7 @@ static double crossentropy(lm_model *m, float *logits, const int32_t *labels, in
                            long *count) {
     const lm_config *c = &m->cfg;
     double loss;
-    if (!c->vocab_rows) {
+    if (!vocab_par(c)) {
         K_RET(loss, CROSSENTROPY, crossentropy_fwdbwd, logits, labels, n, c->vocab_size, grad_scale, count);
         return loss;
     }
@@ -2106,8 +2118,9 @@ static void head_scratch(lm_model *m) { /* only head_fwd's few-rows path uses it
 
 /* logits[n, V] = x[n, H] @ lm_head^T */
 static void head_fwd(lm_model *m, float *logits, const float *x, int n) {
-    int H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
+    int H = m->cfg.hidden, V = vocab_held(&m->cfg);
     const lm_tensor *t = head_stored(m);
+    if (!V) return; /* a vocabulary-parallel rank past the last row: no logits */
     if (!t) {
         K(MATMUL, matmul_fwd, logits, x, m->w.lm_head, n, H, V, 0);
         return;
@@ -2130,8 +2143,12 @@ static void head_fwd(lm_model *m, float *logits, const float *x, int n) {
 /* dx[n, H] = dlogits[n, V] @ lm_head (overwritten); d lm_head += dlogits^T x
  * (not for a stored, frozen one) */
 static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *x, int n) {
-    int H = m->cfg.hidden, V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
+    int H = m->cfg.hidden, V = vocab_held(&m->cfg);
     const lm_tensor *t = head_stored(m);
+    if (!V) { /* no rows here: this rank's part of d(input), summed over the group, is zero */
+        zero(dx, (size_t)n * H);
+        return;
+    }
     if (!t) {
         K(MATMUL, matmul_bwd, dx, m->g.lm_head, dlogits, x, m->w.lm_head, n, H, V, 0);
         return;
@@ -2182,7 +2199,7 @@ int lm_projections_read_bf16(const lm_model *m) {
             }
     }
     if (lm_holds_head(c)) { /* head_fwd / head_bwd: the wbf16 entries over the whole vocabulary */
-        double v = (double)(c->vocab_rows ? c->vocab_rows : c->vocab_size) * H;
+        double v = (double)vocab_held(c) * H;
         all += v;
         if (head_stored(m)) stored += v;
     }
@@ -2199,8 +2216,9 @@ size_t lm_frozen_widened_floats(const lm_model *m) {
 
 void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) {
     forward_stack(m, tokens, B, T);
-    int V = m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size;
+    int V = vocab_held(&m->cfg);
     const float *lnf = sp_gather(m, m->ws.sp_x, m->act.lnf, B * T, m->cfg.hidden); /* the head reads all rows */
+    if (!V) return; /* a vocabulary-parallel rank past the last row */
     if (!head_stored(m)) {
         K(MATMUL, matmul_fwd, logits, lnf, m->w.lm_head, B * T, m->cfg.hidden, V, 0);
     } else {
@@ -2618,7 +2636,7 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
     for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
         int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
         const float *x = lnf + (size_t)r0 * H;
-        size_t nv = (size_t)n * (c->vocab_rows ? c->vocab_rows : c->vocab_size);
+        size_t nv = (size_t)n * vocab_held(c);
         head_fwd(m, m->ws.logits, x, n);
         lm_final_softcap(c, m->ws.logits, nv, m->ws.cap_t); /* tanh kept for softcap_bwd */
         loss_sum += crossentropy(m, m->ws.logits, labels + r0, n, grad_scale, count);
@@ -2626,7 +2644,7 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
         head_bwd(m, m->ws.d_ln + (size_t)r0 * H, m->ws.logits, x, n);
     }
     /* each rank's rows of lm_head: partial; a whole head: every row whole, this rank's taken */
-    const float *dl = c->vocab_rows ? sum_rows(m, m->ws.d_ln, BT, H) : m->ws.d_ln + sp_row0(m, BT) * H;
+    const float *dl = vocab_par(c) ? sum_rows(m, m->ws.d_ln, BT, H) : m->ws.d_ln + sp_row0(m, BT) * H;
     /* d_res carries d(residual stream) downwards */
     int BS = sp_rows(m, BT);
     zero(m->ws.d_res, (size_t)BS * H);
@@ -2724,7 +2742,7 @@ static void embed_bwd(lm_model *m, const int32_t *tokens, int BT) {
     if (c->has_pad) /* torch's padding_idx: the lookup adds nothing to that row */
         for (int i = 0; i < BT; i++)
             if (tokens[i] == c->pad_token) zero(d + (size_t)i * H, (size_t)H);
-    if (c->vocab_rows) { /* d is whole on every rank: this rank's tokens' rows, moved up in order, to its rows
+    if (vocab_par(c)) { /* d is whole on every rank: this rank's tokens' rows, moved up in order, to its rows
                           * (the kernel adds a row's tokens in order, so the bits of the whole table's) */
         int n = 0;
         for (int i = 0; i < BT; i++) {
@@ -2799,7 +2817,7 @@ double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_v
     for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
         int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
         head_fwd(m, m->ws.logits, lnf + (size_t)r0 * H, n);
-        lm_final_softcap(&m->cfg, m->ws.logits, (size_t)n * (m->cfg.vocab_rows ? m->cfg.vocab_rows : m->cfg.vocab_size),
+        lm_final_softcap(&m->cfg, m->ws.logits, (size_t)n * vocab_held(&m->cfg),
                          NULL);
         sum += crossentropy(m, m->ws.logits, labels + r0, n, 0.0f, &count);
     }

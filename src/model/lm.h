@@ -123,8 +123,10 @@ typedef struct {
      * this model holds rows [vocab_row0, vocab_row0 + vocab_rows) of each. The
      * lookup gives other rows' tokens zeros and sums over ranks by hooks; the
      * head computes only those logits, the loss's max, sum of exponentials and
-     * target logit being combined over ranks by hooks. vocab_rows == 0: the
-     * whole vocabulary. */
+     * target logit being combined over ranks by hooks. Rows come in DTensor
+     * Shard(0)'s ceil chunks, so a rank may hold none: under TP (tp_degree > 1)
+     * vocab_rows == 0 is that empty block; without TP it means the whole
+     * vocabulary. */
     int vocab_rows, vocab_row0;
     /* Tensor-parallel degree this local config's heads were divided by
      * (distributed/tp.c; 0 or 1: whole). A q/k norm over the whole projection
