@@ -114,7 +114,6 @@ def test_phi3_fused_adapter_generate_and_merge(tmp_path, run_ctitan):
     """The fused adapter outside training: `generate --adapter` continues as greedy decoding
     with PEFT's model does, and `export --merge` writes PEFT's merge_and_unload (loaded by
     transformers: the adapted model's logits)."""
-    from transformers import AutoModelForCausalLM
     case, targets = fam.CASE["phi3_longrope_short_swa7"], CASES["phi3_longrope_short_swa7"]
     base = fam.build(case)
     hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
@@ -122,6 +121,14 @@ def test_phi3_fused_adapter_generate_and_merge(tmp_path, run_ctitan):
     pm = OL.make_peft(fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), r=R, alpha=ALPHA,
                       targets=targets, seed=9, std=0.3)
     pm.save_pretrained(str(ad))
+    check_generate_and_merge(run_ctitan, tmp_path, case, base, base, pm, hf_dir, ad)
+
+
+def check_generate_and_merge(run_ctitan, tmp_path, case, base, plain, pm, hf_dir, ad):
+    """`generate --adapter` continues a prompt as greedy decoding with PEFT's model pm does
+    (plain: the model without the adapter, whose continuation must differ), and `export
+    --merge` writes PEFT's merge_and_unload (loaded by transformers: pm's logits)."""
+    from transformers import AutoModelForCausalLM
     prompt = [5, 17, 20, 3, 9]
 
     def greedy(model, n=6):  # full forwards (HF's cached generate has its own window/longrope quirks)
@@ -131,7 +138,7 @@ def test_phi3_fused_adapter_generate_and_merge(tmp_path, run_ctitan):
                 seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
         return seq[len(prompt):]
     ref = greedy(pm)
-    assert greedy(base) != ref, "the test adapter must change the greedy continuation"
+    assert greedy(plain) != ref, "the test adapter must change the greedy continuation"
     _, out, _ = run_ctitan(["generate", "--checkpoint", hf_dir, "--adapter", ad, "--prompt-ids",
                             " ".join(map(str, prompt)), "--max-tokens", "6", "--ids"])
     assert [int(x) for x in out.split()] == ref
@@ -383,33 +390,11 @@ def test_qwen2_moe_shared_expert_generate_and_merge(targets, tmp_path, run_ctita
     """The shared experts' adapters outside training: `generate --adapter` continues as
     greedy decoding with PEFT's model does, and `export --merge` writes PEFT's
     merge_and_unload (loaded by transformers: the adapted model's logits)."""
-    from transformers import AutoModelForCausalLM
     case, base, hf_dir, loaded = qwen2_moe_case("qwen2_moe_mlponly_norm_nobias", tmp_path)
     ad = tmp_path / "adapter"
     pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=targets, seed=9, std=0.3)
     pm.save_pretrained(str(ad))
-    prompt = [5, 17, 20, 3, 9]
-
-    def greedy(model, n=6):
-        seq = list(prompt)
-        with torch.no_grad():
-            for _ in range(n):
-                seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-        return seq[len(prompt):]
-    ref = greedy(pm)
-    assert greedy(loaded()) != ref, "the test adapter must change the greedy continuation"
-    _, out, _ = run_ctitan(["generate", "--checkpoint", hf_dir, "--adapter", ad, "--prompt-ids",
-                            " ".join(map(str, prompt)), "--max-tokens", "6", "--ids"])
-    assert [int(x) for x in out.split()] == ref
-    tokens, _ = fam.batch(base, 2, case.T, seed=6)
-    with torch.no_grad():
-        want = pm(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
-    run_ctitan(["export", "--checkpoint", hf_dir, "--adapter", ad, "--merge", "--out", tmp_path / "merged"])
-    merged = fam.prepare_loaded(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32),
-                                case.family)
-    with torch.no_grad():
-        got = merged(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
-    assert oracle.rel_err(got, want) <= TOL
+    check_generate_and_merge(run_ctitan, tmp_path, case, base, loaded(), pm, hf_dir, ad)
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "gate"], ["mlp.gate"]])
