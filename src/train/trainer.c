@@ -609,12 +609,12 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
 /* The run's training and validation data, checked by every rank together. */
 static int open_run_data(trainer *t, ct_err *e) {
     const ct_config *c = &t->cfg;
-    t->template_seen = t->world->rank != 0; /* only rank 0 warns of an unused chat template */
+    int template_seen = t->world->rank != 0; /* only rank 0 warns of an unused chat template */
     int rc = open_data(t, &t->data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle,
-                       &t->template_seen, &t->tk, e);
+                       &template_seen, &t->tk, e);
     if (!rc && c->val_enable)
-        rc = open_data(t, &t->val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0,
-                       &t->template_seen, &t->tk, e);
+        rc = open_data(t, &t->val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &template_seen,
+                       &t->tk, e);
     if ((rc = trainer_agree(t, rc, "open its data", e))) return rc; /* a data file one machine alone lacks */
     return trainer_agree_data(t, t->data, t->val, e);
 }
@@ -1271,13 +1271,14 @@ static int stopped(int step, const char *why, int ckpt_enable) {
 int trainer_run(trainer *t, ct_err *e) {
     ct_config *c = &t->cfg;
     int B = c->local_batch_size, T = c->seq_len;
-    ds *data = t->data, *val = t->val; /* opened by init_run (the CLI), else here */
+    /* opened by trainer_init_dist before the kernels were timed and the weights loaded */
+    ds *data = t->data, *val = t->val;
     tok *tk = t->tk;
-    int opened = data != NULL;
     run_files files = {0};
     int32_t *tokens = NULL, *labels = NULL;
-    int template_seen = opened ? t->template_seen : t->world->rank != 0; /* only rank 0 warns of an unused template */
     if (t->complete) return 0; /* the same on every rank: agree_on_pick compared the picks */
+    if (!data) /* trainer_init (the session API) opens none: it feeds its own batches */
+        return ct_fail(e, CT_ERR_CONFIG, "trainer_run: a run started by trainer_init_dist has its data; this one none");
     t->data = t->val = NULL; /* closed at out: below */
     t->tk = NULL;
     /* no early return before trainer_agree: the other ranks wait there */
@@ -1288,15 +1289,9 @@ int trainer_run(trainer *t, ct_err *e) {
                            "folder's checkpoints (export it with `ctitan export` and start a new checkpoint.folder "
                            "from it with checkpoint.initial_load_path)",
                            c->load_step, t->ckpt_folder, t->seed_step)
-                 : opened ? 0
-                 : open_data(t, &data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle,
-                             &template_seen, &tk, e);
+                 : 0;
     if (!rc && t->have_resume_data) rc = ds_set_state(data, &t->resume_data, e);
-    if (!rc && !opened && c->val_enable)
-        rc = open_data(t, &val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &template_seen, &tk,
-                       e);
-    if ((rc = trainer_agree(t, rc, "open its data", e))) goto out; /* a data file one machine alone lacks */
-    if (!opened && (rc = trainer_agree_data(t, data, val, e))) goto out;
+    if ((rc = trainer_agree(t, rc, "open its data", e))) goto out; /* a data position one rank alone fails to set */
     if ((rc = ct_mkdirs(c->dump_folder, e)) || (rc = open_run_files(t, &files, e))) goto out;
     prof *pf = files.pf;
     run_clock clock = {0};

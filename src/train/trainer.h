@@ -58,7 +58,6 @@ typedef struct {
      * weights load; trainer_run takes them over, trainer_free closes what it did not */
     ds *data, *val;
     tok *tk;
-    int template_seen;
 } trainer;
 
 /* Takes ownership of *cfg (the caller must not free it). Builds the model from
