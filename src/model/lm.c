@@ -351,6 +351,14 @@ static void build_layout(lm_model *m) {
     add_tensor(m, &cap, "model.norm.weight", H, 0, 0, LM_S_LNF, -1, -1);
     if (!c->tie_embeddings)
         add_tensor(m, &cap, "lm_head.weight", vocab_held(c), H, 1, LM_S_HEAD, -1, -1);
+    /* lm_head's adapter, tied or not (PEFT's LoRA Linear on lm_head): A whole
+     * on every rank, B this rank's vocabulary rows, as lm_head's */
+    if (c->lora_rank > 0 && (c->lora_targets & LORA_HEAD)) {
+        add_tensor(m, &cap, "lm_head.lora_A.weight", c->lora_rank, H, 1, LM_S_HEAD_LA, -1, -1);
+        m->tensors[m->n_tensors - 1].lora = 1;
+        add_tensor(m, &cap, "lm_head.lora_B.weight", vocab_held(c), c->lora_rank, 1, LM_S_HEAD_LB, -1, -1);
+        m->tensors[m->n_tensors - 1].lora = 1;
+    }
 }
 
 /* Points a weights view at a flat buffer by each tensor's slot.
@@ -360,7 +368,7 @@ static void bind_weights(lm_weights *w, const lm_model *m, float *base, int grad
     size_t H = c->hidden, qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
     size_t I = c->intermediate;
     for (int l = 0; l < c->n_layers; l++) memset(&w->layer[l], 0, sizeof w->layer[l]);
-    w->wte = w->lnf = w->lm_head = NULL;
+    w->wte = w->lnf = w->lm_head = w->head_a = w->head_b = NULL;
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_tensor *t = &m->tensors[i];
         float *p = grads && t->frozen ? NULL : base + t->offset;
@@ -369,6 +377,8 @@ static void bind_weights(lm_weights *w, const lm_model *m, float *base, int grad
         case LM_S_EMBED: w->wte = p; break;
         case LM_S_LNF: w->lnf = p; break;
         case LM_S_HEAD: w->lm_head = p; break;
+        case LM_S_HEAD_LA: w->head_a = p; break;
+        case LM_S_HEAD_LB: w->head_b = p; break;
         case LM_S_LN_IN: lw->ln1 = p; break;
         case LM_S_WQ: lw->wq = p; break;
         case LM_S_WK: lw->wk = p; break;
@@ -877,6 +887,9 @@ void lm_free(lm_model *m) {
     free(m->ws.lora_rw);
     free(m->ws.lora_drw);
     free(m->ws.head_tmp);
+    free(m->ws.head_u);
+    free(m->ws.head_du);
+    free(m->ws.head_da);
     free(m->w.layer);
     free(m->g.layer);
     free(m->act.layer);
@@ -2109,7 +2122,9 @@ static double crossentropy(lm_model *m, float *logits, const int32_t *labels, in
 #define HEAD_VBLOCK 8192
 #define HEAD_ONE_CALL_ROWS 16
 static const lm_tensor *head_stored(const lm_model *m) {
-    const lm_tensor *t = m->cfg.tie_embeddings ? &m->tensors[0] : &m->tensors[m->n_tensors - 1];
+    const lm_tensor *t = &m->tensors[0];
+    if (!m->cfg.tie_embeddings) /* the last tensor, or before its adapter's */
+        for (int i = m->n_tensors - 1; i >= 0 && (t = &m->tensors[i])->slot != LM_S_HEAD; i--) {}
     return t->store != LM_NO_STORE ? t : NULL;
 }
 static void head_scratch(lm_model *m) { /* only head_fwd's few-rows path uses it */
@@ -2161,6 +2176,94 @@ static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *
         const uint16_t *hw = m->fstore + t->store + (size_t)v0 * H; /* [nv, H] */
         K(MATMUL, matmul_dinp_wbf16, dx, dlogits + v0, hw, n, H, nv, V, v0 > 0);
     }
+}
+
+/* ------------------------------------------- lm_head's adapter (LORA_HEAD)
+ *
+ * PEFT's LoRA Linear on the output layer: logits += B (scale A drop(x)), at
+ * lora_rank and lora_scale, before the final soft cap. It runs beside each
+ * block of logits rows of the fused head + cross-entropy: u = scale A drop(x)
+ * [n, r] once per row, then B's rows add their rank-r products to the
+ * block's logits, so no logits beyond the block's exist. Vocabulary-parallel,
+ * A is whole on every rank and B holds the rank's vocabulary rows: u is the
+ * same on every rank, B u is this rank's columns only, and d u, hence dA and
+ * d x, are partial sums over the group (dA summed in head_loss_bwd, d x with
+ * lm_head's own). Its dropout mask is the layers' rule with layer index
+ * n_layers, projection 0 (a key no layer has), over the input [rows, H]. */
+static void head_lora_scratch(lm_model *m) {
+    if (m->ws.head_u) return;
+    size_t rows = m->ws.logit_rows > 1 ? (size_t)m->ws.logit_rows : 1, r = (size_t)m->cfg.lora_rank;
+    m->ws.head_u = ct_malloc(rows * r * sizeof(float));
+    m->ws.head_du = ct_malloc(rows * r * sizeof(float));
+    m->ws.head_da = ct_malloc(r * (size_t)m->cfg.hidden * sizeof(float));
+}
+
+static int head_lora_dropout(const lm_model *m) { return m->cfg.lora_dropout > 0 && m->lora_train; }
+
+/* drop(x) of rows [r0, r0 + n) of the head's input x [n, H] (x itself outside
+ * training or without dropout); dx != NULL: dx += d drop(x) / dx of dxd. */
+static const float *head_lora_input(lm_model *m, const float *x, int r0, int n, float *dx, const float *dxd) {
+    if (!head_lora_dropout(m)) return x;
+    const lm_config *c = &m->cfg;
+    int H = c->hidden;
+    uint64_t key = lora_key(m, c->n_layers, LM_LORA_Q);
+    uint32_t cut = lora_cut(m);
+    float keep = 1.0f / (1.0f - c->lora_dropout), *d = m->ws.lora_x;
+    int64_t t0 = PROF_T0(m->prof);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long row = 0; row < n; row++) {
+            size_t e = lora_row_elem(m, LM_LORA_Q, (size_t)(r0 + row), (size_t)H), i = (size_t)row * H;
+            for (size_t k = 0; k < (size_t)H; k++) {
+                int kept = lora_kept(key, e + k, cut);
+                if (dx) {
+                    if (kept) dx[i + k] += dxd[i + k] * keep;
+                } else {
+                    d[i + k] = kept ? x[i + k] * keep : 0.0f;
+                }
+            }
+        }
+        KERN_TRACE_EXIT(kt_);
+    }
+    if (m->prof)
+        prof_model_op(m->prof, dx ? "lora_dropout_bwd" : "lora_dropout_fwd", "lora_dropout", PROF_NO_KERNEL, t0);
+    return d;
+}
+
+/* logits[n, V] += B (scale A drop(x[n, H])) for rows [r0, r0 + n) of the step;
+ * m->ws.head_u keeps scale A drop(x) for the backward. */
+static void head_lora_fwd(lm_model *m, float *logits, const float *x, int r0, int n) {
+    if (!m->w.head_a) return;
+    const lm_config *c = &m->cfg;
+    int V = vocab_held(c);
+    head_lora_scratch(m);
+    const float *xd = head_lora_input(m, x, r0, n, NULL, NULL);
+    lora_apply(&m->k, V ? logits : NULL, m->ws.head_u, xd, m->w.head_a, V ? m->w.head_b : NULL, n, c->hidden, V,
+               c->lora_rank, c->lora_scale);
+}
+
+/* Its backward from dlogits[n, V] (head_lora_fwd's rows just before):
+ * dB += dlogits^T u, du = scale dlogits B, dx[n, H] += du A through the
+ * dropout, and dA += du^T drop(x) into da (a partial sum when
+ * vocabulary-parallel). */
+static void head_lora_bwd(lm_model *m, float *dx, float *da, const float *dlogits, const float *x, int r0, int n) {
+    if (!m->w.head_a) return;
+    const lm_config *c = &m->cfg;
+    int V = vocab_held(c), H = c->hidden, r = c->lora_rank;
+    if (!V) return; /* no rows of B here: du is zero */
+    float *du = m->ws.head_du;
+    K(MATMUL, matmul_bwd, du, m->g.head_b, dlogits, m->ws.head_u, m->w.head_b, n, r, V, 0);
+    for (size_t i = 0; i < (size_t)n * r; i++) du[i] *= c->lora_scale;
+    const float *xd = head_lora_input(m, x, r0, n, NULL, NULL);
+    if (!head_lora_dropout(m)) {
+        K(MATMUL, matmul_bwd, dx, da, du, x, m->w.head_a, n, H, r, 1);
+        return;
+    }
+    K(MATMUL, matmul_bwd, m->ws.lora_dx, da, du, xd, m->w.head_a, n, H, r, 0);
+    head_lora_input(m, x, r0, n, dx, m->ws.lora_dx);
 }
 
 int lm_experts_read_bf16(const lm_model *m) {
@@ -2226,6 +2329,10 @@ void lm_logits(lm_model *m, const int32_t *tokens, int B, int T, float *logits) 
             int n = B * T - r0 < m->ws.logit_rows ? B * T - r0 : m->ws.logit_rows;
             head_fwd(m, logits + (size_t)r0 * V, lnf + (size_t)r0 * m->cfg.hidden, n);
         }
+    }
+    for (int r0 = 0; m->w.head_a && r0 < B * T; r0 += m->ws.logit_rows) { /* head_u holds logit_rows rows */
+        int n = B * T - r0 < m->ws.logit_rows ? B * T - r0 : m->ws.logit_rows;
+        head_lora_fwd(m, logits + (size_t)r0 * V, lnf + (size_t)r0 * m->cfg.hidden, r0, n);
     }
     lm_final_softcap(&m->cfg, logits, (size_t)B * T * V, NULL);
 }
@@ -2447,6 +2554,7 @@ void lm_kv_forward(lm_model *m, lm_kv *kv, const int32_t *tokens, int p0, int n,
     const float *x = kv->x[c->n_layers & 1] + (size_t)(n - 1) * H;
     K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, x, nw(m, m->w.lnf, H), 1, H, (float)c->rms_eps);
     head_fwd(m, logits, a->ln1, 1);
+    head_lora_fwd(m, logits, a->ln1, 0, 1);
     lm_final_softcap(c, logits, (size_t)c->vocab_size, NULL);
 }
 
@@ -2633,15 +2741,24 @@ static double head_loss_bwd(lm_model *m, const int32_t *labels, int BT, float gr
     int H = c->hidden;
     double loss_sum = 0; /* d_ln: d(final norm output) [BT, H], each block's rows written by head_bwd */
     const float *lnf = sp_gather(m, m->ws.sp_x, m->act.lnf, BT, H); /* the head reads all rows */
+    /* the adapter's dA: partial over the vocabulary-parallel group, summed once below */
+    float *da = m->w.head_a && vocab_par(c) && m->g.head_a ? (head_lora_scratch(m), m->ws.head_da) : m->g.head_a;
+    if (da && da != m->g.head_a) zero(da, (size_t)c->lora_rank * H);
     for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
         int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
         const float *x = lnf + (size_t)r0 * H;
         size_t nv = (size_t)n * vocab_held(c);
         head_fwd(m, m->ws.logits, x, n);
+        head_lora_fwd(m, m->ws.logits, x, r0, n);
         lm_final_softcap(c, m->ws.logits, nv, m->ws.cap_t); /* tanh kept for softcap_bwd */
         loss_sum += crossentropy(m, m->ws.logits, labels + r0, n, grad_scale, count);
         softcap_bwd(m, m->ws.logits, nv);
         head_bwd(m, m->ws.d_ln + (size_t)r0 * H, m->ws.logits, x, n);
+        head_lora_bwd(m, m->ws.d_ln + (size_t)r0 * H, da, m->ws.logits, x, r0, n);
+    }
+    if (da && da != m->g.head_a) {
+        reduce_d_input(m, da, (size_t)c->lora_rank * H);
+        for (size_t i = 0; i < (size_t)c->lora_rank * H; i++) m->g.head_a[i] += da[i];
     }
     /* each rank's rows of lm_head: partial; a whole head: every row whole, this rank's taken */
     const float *dl = vocab_par(c) ? sum_rows(m, m->ws.d_ln, BT, H) : m->ws.d_ln + sp_row0(m, BT) * H;
@@ -2817,6 +2934,7 @@ double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_v
     for (int r0 = 0; r0 < BT; r0 += m->ws.logit_rows) {
         int n = BT - r0 < m->ws.logit_rows ? BT - r0 : m->ws.logit_rows;
         head_fwd(m, m->ws.logits, lnf + (size_t)r0 * H, n);
+        head_lora_fwd(m, m->ws.logits, lnf + (size_t)r0 * H, r0, n);
         lm_final_softcap(&m->cfg, m->ws.logits, (size_t)n * vocab_held(&m->cfg),
                          NULL);
         sum += crossentropy(m, m->ws.logits, labels + r0, n, 0.0f, &count);

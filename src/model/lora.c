@@ -316,6 +316,13 @@ int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_sa
             return ct_fail(e, CT_ERR_CONFIG, "%s: lora.modules_to_save: needs lora.rank > 0", where);
         int rc = refuse_untied_name(&m->cfg, item, where, "lora.modules_to_save", CT_ERR_CONFIG, e);
         if (rc) return rc;
+        /* PEFT's ensure_weight_tying would put the pair's trained copy under lm_head's
+         * adapter as well, which ctitan's one tied tensor plus a head adapter does not compute */
+        if ((m->cfg.lora_targets & LORA_HEAD) && selects_tied(&m->cfg, item))
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: lora.modules_to_save: \"%s\" trains the tied embedding, and lora.target_modules "
+                           "adapts lm_head, the same tied tensor (tie_word_embeddings): choose one",
+                           where, item);
         int hit = 0;
         for (int i = 0; i < m->n_tensors; i++) {
             lm_tensor *t = &m->tensors[i];
@@ -562,6 +569,17 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
     for (const char *q = list; q && (q = cfg_list_next(q, name, sizeof name));) {
         unsigned b = target_bits(name);
         int hit = 0;
+        if (!strcmp(name, "lm_head")) { /* the output layer, whose full name is "lm_head" (PEFT's rule) */
+            all |= LORA_HEAD;
+            continue;
+        }
+        if (!strcmp(name, "embed_tokens") || !strcmp(name, "model.embed_tokens")) {
+            rc = ct_fail(e, code,
+                         "%s: %s: \"%s\": LoRA on the embedding (PEFT's lora_embedding_A / lora_embedding_B) is "
+                         "not supported; train it in full with lora.modules_to_save = [\"embed_tokens\"]",
+                         where, key, name);
+            break;
+        }
         if (b) { /* a module name: every layer's (the trainer strips a MoE model's MLP names) */
             for (int l = 0; l < c->n_layers; l++) bits[l] |= b;
             all |= b;
@@ -581,7 +599,7 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
         if (!hit) {
             rc = ct_fail(e, code,
                          "%s: %s: \"%s\" is not a projection ctitan adapts (q_proj, k_proj, v_proj, o_proj, "
-                         "gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj; or one layer's, "
+                         "gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj; lm_head; or one layer's, "
                          "model.layers.N.self_attn.q_proj)",
                          where, key, name);
             break;
@@ -875,6 +893,17 @@ static int set_patterns(lm_config *c, const cJSON *rank_pattern, const cJSON *al
             c->lora_exp_scale[x] = lora_scaling(a0, r0, rslora);
         }
     }
+    /* lm_head's adapter is held at lora_rank and lora_scale (build_layout) */
+    if (!rc && (c->lora_targets & LORA_HEAD)) {
+        int r;
+        double a;
+        pats_pick(R, nr, A, na, "lm_head", md, c->lora_rank, alpha, &r, &a);
+        if (r != c->lora_rank || a != alpha)
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: rank_pattern / alpha_pattern: a key selects lm_head (rank %d, alpha %g); ctitan adapts "
+                         "lm_head at lora.rank and lora.alpha (%d, %g) only",
+                         where, r, a, c->lora_rank, alpha);
+    }
     /* PEFT warns on a key that selects no adapted module and ignores it: a
      * typo here would silently leave the rank of the module it meant */
     for (int w = 0; w < 2 && !rc; w++)
@@ -1063,6 +1092,12 @@ static int saved_vs_targets(const lm_config *c, const char *list, const char *wh
                                  "to save (it would train the module in full instead); adapt or save it, not both",
                                  where, key, item, full);
             }
+        if (re && !rc && (c->lora_targets & LORA_HEAD) &&
+            pcre2_match(re, (PCRE2_SPTR) "lm_head", 7, 0, 0, md, NULL) >= 0)
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: %s: \"%s\" holds the adapted module lm_head: PEFT puts no adapter inside a module "
+                         "to save (it would train the module in full instead); adapt or save it, not both",
+                         where, key, item);
         pcre2_code_free(re);
     }
     pcre2_match_data_free(md);
@@ -1086,6 +1121,13 @@ static int check_tying(const cJSON *o, const lm_config *c, const char *path, ct_
     const cJSON *ewt = cJSON_GetObjectItemCaseSensitive(o, "ensure_weight_tying"), *it;
     if (ewt && !cJSON_IsNull(ewt) && !cJSON_IsBool(ewt))
         return ct_fail(e, CT_ERR_FORMAT, "%s: ensure_weight_tying: expected true or false", path);
+    /* PEFT with ensure_weight_tying moves an lm_head target of a tied model onto the
+     * embedding (LoraModel._add_targets_to_tie: lora_embedding_A / B, lm_head sharing them) */
+    if (c->tie_embeddings && (c->lora_targets & LORA_HEAD) && cJSON_IsTrue(ewt))
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s: ensure_weight_tying: true with target_modules lm_head on a tied model: PEFT then adapts "
+                       "embed_tokens (lora_embedding_A / B) and ties lm_head to it, which ctitan does not support",
+                       path);
     const cJSON *mts = cJSON_GetObjectItemCaseSensitive(o, "modules_to_save");
     if (!cJSON_IsArray(mts)) return 0;
     cJSON_ArrayForEach(it, mts) {
@@ -1153,6 +1195,11 @@ static int read_adapter(const cJSON *o, lm_config *c, double *alpha, int *rslora
 /* The adapter's modules, ranks and scales (ad) against the run's (c) */
 static int compare_adapter(const lm_config *ad, const lm_config *c, const char *path, ct_err *e) {
     char name[LM_NAME_MAX];
+    if ((ad->lora_targets ^ c->lora_targets) & LORA_HEAD)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: target_modules: the adapter %s lm_head, the run's lora.target_modules %s it", path,
+                       ad->lora_targets & LORA_HEAD ? "adapts" : "does not adapt",
+                       c->lora_targets & LORA_HEAD ? "adapts" : "does not adapt");
     for (int l = 0; l < c->n_layers; l++)
         for (int p = 0; p < LM_LORA_N; p++) {
             int oa = lm_lora_on(ad, l, p), on = lm_lora_on(c, l, p);
@@ -1318,6 +1365,7 @@ static int tied_pair_saved(const cJSON *o, const lm_config *c) {
 }
 
 #define PEFT_TIED_HEAD PEFT_PREFIX "lm_head.weight"
+#define PEFT_HEAD_BASE PEFT_PREFIX "lm_head.base_layer.weight"
 
 /* The file's tensor st (key KEY) for table tensor t into buf, as fp32,
  * checked: its shape, its dtype, finite values. */
@@ -1407,6 +1455,18 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
         }
         s->put(s->ctx, LM_PARAMS, i, 0, t->numel / lm_tensor_cols(t), buf);
     }
+    /* PEFT saves an adapted lm_head's base weight beside its adapter
+     * (save_embedding_layers "auto": lm_head is one of its EMBEDDING_LAYER_NAMES)
+     * and its loader puts it into the base layer: tied, the one shared tensor */
+    const lm_tensor *head_w =
+        lm_find(table, table->cfg.tie_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+    const st_tensor *hb = (table->cfg.lora_targets & LORA_HEAD) && head_w ? st_find(f, PEFT_HEAD_BASE) : NULL;
+    if (hb && !rc) {
+        free(buf);
+        buf = ct_malloc((head_w->numel ? head_w->numel : 1) * sizeof(float));
+        if (!(rc = read_tensor(table, head_w, hb, PEFT_HEAD_BASE, path, buf, e)))
+            s->put(s->ctx, LM_PARAMS, (int)(head_w - table->tensors), 0, head_w->numel / lm_tensor_cols(head_w), buf);
+    }
     free(buf);
     free(buf2);
     const lm_tensor *emb = lm_find(table, "model.embed_tokens.weight");
@@ -1416,6 +1476,7 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
                                     ? NULL
                                     : lm_find(table, name + strlen(PEFT_PREFIX));
         if (!t && pair && !strcmp(name, PEFT_TIED_HEAD)) t = emb; /* loaded (or compared) with it above */
+        if (hb && !strcmp(name, PEFT_HEAD_BASE)) continue; /* loaded above */
         if (!t || !lora_saved(t))
             rc = ct_fail(e, CT_ERR_FORMAT,
                          "%s: tensor \"%s\" is not an adapter or module to save of this model and lora config", path,
@@ -1490,6 +1551,7 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
                 snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, l, p));
                 cJSON_AddItemToArray(tm, cJSON_CreateString(full));
             }
+        if (c->lora_targets & LORA_HEAD) cJSON_AddItemToArray(tm, cJSON_CreateString("lm_head"));
     } else if (c->lora_targets) {
         cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
         for (int p = 0; p < LM_LORA_N; p++) {
@@ -1501,6 +1563,7 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
             if ((fq && p != LM_LORA_Q) || (fg && p != LM_LORA_GATE)) continue;
             cJSON_AddItemToArray(tm, cJSON_CreateString(fq ? "qkv_proj" : fg ? "gate_up_proj" : target_names[p]));
         }
+        if (c->lora_targets & LORA_HEAD) cJSON_AddItemToArray(tm, cJSON_CreateString("lm_head"));
     } else {
         cJSON_AddArrayToObject(o, "target_modules"); /* expert parameters only: PEFT writes [] (older ctitan null) */
     }
@@ -1607,12 +1670,19 @@ void lora_merge(lm_model *m) {
             merge_experts(m, ta, tb);
             continue;
         }
-        if (!ta->lora || ta->slot != LM_S_LORA_A || !suffix) continue;
+        int head = ta->slot == LM_S_HEAD_LA;
+        if (!ta->lora || (ta->slot != LM_S_LORA_A && !head) || !suffix) continue;
         char base[LM_NAME_MAX];
         snprintf(base, sizeof base, "%.*s.weight", (int)(suffix - ta->name), ta->name);
-        const lm_tensor *tw = lm_find(m, base);
+        /* tied, lm_head's weight is the embedding: PEFT's merge_and_unload folds the
+         * adapter into the one shared tensor, so the lookup changes too (it warns) */
+        const lm_tensor *tw = head && c->tie_embeddings ? lm_find(m, "model.embed_tokens.weight") : lm_find(m, base);
+        if (head && c->tie_embeddings)
+            fprintf(stderr, "ctitan: warning: merging the lm_head adapter into the tied embedding "
+                            "(tie_word_embeddings): the merged model's input embeddings change too, as PEFT's "
+                            "merge_and_unload does; it no longer computes the adapted model\n");
         int K = (int)ta->shape[1], N = (int)tb->shape[0], r = (int)ta->shape[0];
-        float scale = lm_lora_scale(c, ta->layer, ta->expert);
+        float scale = head ? c->lora_scale : lm_lora_scale(c, ta->layer, ta->expert);
         /* W[N, K] += scale B[N, r] A[r, K], PEFT's merge (get_delta_weight), summed in double */
         float *W = m->params + tw->offset, *A = m->params + ta->offset, *B = m->params + tb->offset;
         for (int n = 0; n < N; n++)

@@ -28,6 +28,11 @@
  * them so). */
 #define LORA_FUSED_QKV (1u << 16)
 #define LORA_FUSED_GATE_UP (1u << 17)
+/* target_modules named lm_head (PEFT's LoRA Linear on the output layer):
+ * logits += scale B A drop(x), A [r, H], B [V, r], at lora_rank / lora_scale.
+ * On a tied model PEFT (without ensure_weight_tying) adapts lm_head alone, the
+ * embedding lookup untouched: so does ctitan. */
+#define LORA_HEAD (1u << 18)
 
 /* Whether c's targets name its modules as its files hold them: a fused
  * model's q/k/v (gate/up) only as qkv_proj (gate_up_proj), and the fused
