@@ -64,9 +64,14 @@ static const char *const cfg_optimizers[] = {"AdamW", NULL};
 static const char *const cfg_decay_types[] = {"linear", "sqrt", "cosine", NULL};
 static const char *const cfg_export_dtypes[] = {"float32", "bfloat16", "float16", NULL};
 static const char *const cfg_dataset_kinds[] = {"auto", "text", "jsonl", "chat", "tokens", NULL};
-static const char *const cfg_pp_schedules[] = {"1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", NULL};
-/* torch's schedules that torchtitan takes and ctitan refuses: each splits a stage's backward in two */
-static const char *const cfg_pp_refused[] = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", NULL};
+static const char *const cfg_pp_schedules[] = {"1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS",
+                                                "InterleavedZeroBubble", "ZBVZeroBubble", NULL};
+/* torch's schedules that torchtitan takes and ctitan refuses, and why */
+static const char *const cfg_pp_refused[] = {"DualPipeV", NULL};
+static const char *const cfg_pp_refused_why[] = {
+    "overlaps the forward of one micro-batch with the backward of another on each rank's two stages (the V "
+    "placement, rank r holding stages r and 2P-1-r, as ZBVZeroBubble), with their communication; ctitan runs one "
+    "action at a time"};
 static const char *const cfg_text_splits[] = {"line", "paragraph", "file", NULL};
 static const char *const cfg_ac_modes[] = {"none", "selective", "full", NULL};
 /* torchtitan's context_parallel_load_balancer: "headtail" or None (here "none"); its "ptrr"
@@ -639,9 +644,7 @@ static int cfg_check_str(const cfg_option *o, const char *s, const char *where, 
     }
     for (int k = 0; o->choices == cfg_pp_schedules && cfg_pp_refused[k]; k++)
         if (!strcmp(cfg_pp_refused[k], s))
-            snprintf(more, sizeof more,
-                     " (torch's %s splits each stage's backward into its input gradient and its weight gradients, "
-                     "which ctitan does not do yet)", s);
+            snprintf(more, sizeof more, " (torch's %s %s)", s, cfg_pp_refused_why[k]);
     return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: '%s' is not one of: %s%s", where, o->section,
                    o->key, s, ch, more);
 }

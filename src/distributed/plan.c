@@ -52,7 +52,9 @@ int plan_local_model(ct_plan *p, lm_config *mc, int grad_accum, int val_batch, i
         if ((rc = pp_plan(p->pp, c, mc, p->mesh.pp, p->mesh.pp_rank, M, where, e))) return rc;
         pp_hold(p->pp, mc);
         *batch = c->pp_microbatch;
-        int P = p->mesh.pp, ends = p->mesh.pp_rank == 0 || p->mesh.pp_rank == P - 1;
+        /* the ranks of the first and last stages: a tied embedding's two copies (one rank under the V) */
+        int L = mc->n_layers, r = p->mesh.pp_rank;
+        int ends = r == pp_unit_stage(p->pp, 0, L) || r == pp_unit_stage(p->pp, L + 1, L);
         if ((rc = comm_split(&p->mesh.ppg, ends ? 0 : 1 + p->mesh.pp_rank, p->mesh.pp_rank, &p->tie, e))) return rc;
     }
     if (p->mesh.tp > 1 || p->mesh.ep > 1) { /* fewer heads, a narrower MLP, its experts only */

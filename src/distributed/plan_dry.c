@@ -260,7 +260,7 @@ static void dry_pp_layers(const pp_sched *p, char *out, size_t cap) {
     size_t k = 0;
     out[0] = 0;
     for (int s = 0; s < p->S && k < cap; s++) {
-        int v = s * p->P + p->rank, a = p->first[v], b = p->first[v + 1] - 1;
+        int v = pp_vstage(p, p->rank, s), a = p->first[v], b = p->first[v + 1] - 1;
         int w = a == b ? snprintf(out + k, cap - k, "%s%d", s ? ", " : "", a)
                        : snprintf(out + k, cap - k, "%s%d-%d", s ? ", " : "", a, b);
         if (w < 0) break;
@@ -350,7 +350,7 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
 /* Pipeline parallel: the checks a run makes (plan_check_pipeline, then pp_plan's on every pipeline rank, in the
  * run's order), and with out the schedule and every pipeline rank's plan (its replicas plan the same).
  * mc: the whole model after [lora] (trainer_finetune_config). */
-enum { DRY_PP_ORDER_MAX = 256 }; /* actions a rank's order line lists: 2 x stages x micro-batches */
+enum { DRY_PP_ORDER_MAX = 256 }; /* actions a rank's order line lists: 2 (zero bubble 3) x stages x micro-batches */
 
 int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp,
                       const char *where, ct_err *e) {
@@ -368,7 +368,8 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
         rc = pp_plan(&p, c, mc, P, r, M, where, e);
         if (!rc && out && r == 0) {
             /* the simulation runs every rank: its bubble is the schedule's, the same in every plan */
-            int S = p.S, inter = p.schedule == PP_INTERLEAVED || p.schedule == PP_LOOPED_BFS;
+            int S = p.S,
+                inter = p.schedule == PP_INTERLEAVED || p.schedule == PP_LOOPED_BFS || p.schedule >= PP_ZB_INTERLEAVED;
             double book = (double)(P - 1) / ((inter ? (double)S * M : (double)M) + P - 1);
             fprintf(out,
                     "pipeline: world %d = pipeline_parallel %d x data_parallel_replicate %d x data_parallel_shard "
@@ -387,11 +388,11 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
             if (tp > 1 && c->sequence_parallel) dry_sp_rows(out, mb, c->seq_len / (c->cp > 1 ? c->cp : 1), tp);
         }
         if (!rc) rc = dry_pp_stage(out, c, mc, &p, shard, tp, where, e);
-        if (!rc && out) { /* the order as torch's _Action prints it: virtual stage, F or B, micro-batch */
+        if (!rc && out) { /* the order as torch's _Action prints it: virtual stage, F, B, I or W, micro-batch */
             fprintf(out, "    rank %d order:", r);
             if (p.n_act <= DRY_PP_ORDER_MAX)
                 for (int k = 0; k < p.n_act; k++)
-                    fprintf(out, " %d%c%d", p.act[k].stage * P + r, p.act[k].kind, p.act[k].mb);
+                    fprintf(out, " %d%c%d", pp_vstage(&p, r, p.act[k].stage), p.act[k].kind, p.act[k].mb);
             else fprintf(out, " %d actions (listed up to %d)", p.n_act, DRY_PP_ORDER_MAX);
             fputc('\n', out);
         }

@@ -12,17 +12,28 @@
 
 /* Parses pipeline_parallel_schedule (CT_ERR_CONFIG naming the key). */
 static int pp_schedule_parse(const char *name, int *schedule, const char *where, ct_err *e) {
-    static const char *const names[] = {"1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS"}; /* PP_* order */
-    for (int i = 0; i < 4; i++)
+    static const char *const names[] = {"1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS",
+                                        "InterleavedZeroBubble", "ZBVZeroBubble"}; /* PP_* order */
+    for (int i = 0; i < 6; i++)
         if (!strcmp(name, names[i])) {
             *schedule = i;
             return 0;
         }
     return ct_fail(e, CT_ERR_CONFIG,
                    "%s: parallelism.pipeline_parallel_schedule = \"%s\" is not one of 1F1B, GPipe, Interleaved1F1B, "
-                   "LoopedBFS",
+                   "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble",
                    where, name);
 }
+
+/* Placement (pp.h): the virtual stage of rank r's local stage c, and the
+ * rank and local index of virtual stage v. The loop: v = c P + r; the V
+ * (ZBVZeroBubble, 2 stages a rank): r and 2 P - 1 - r. */
+static int vstage_of(const pp_sched *p, int r, int c) {
+    return p->schedule == PP_ZBV ? (c ? 2 * p->P - 1 - r : r) : c * p->P + r;
+}
+static int owner(const pp_sched *p, int v) { return p->schedule == PP_ZBV && v >= p->P ? 2 * p->P - 1 - v : v % p->P; }
+static int local_of(const pp_sched *p, int v) { return p->schedule == PP_ZBV ? v >= p->P : v / p->P; }
+int pp_vstage(const pp_sched *p, int r, int c) { return vstage_of(p, r, c); }
 
 /* ------------------------------------------------------------------ split */
 
@@ -153,17 +164,100 @@ static void interleave(pp_action *out, const pp_action *fwd, const pp_action *bw
     }
 }
 
-/* Every rank's order of actions, [P][2 S M] (malloc'd rows): the schedule
+/* torch's ScheduleInterleavedZeroBubble (ZB1P) for rank r, its no-op
+ * padding left out: ops 0 .. S M + warm-up - 1, forwards alone during the
+ * warm-up, then a forward and an input backward (I) each, then input
+ * backwards alone; from the (r + 1)-th I on, each is followed by the weight
+ * backward (W) of the oldest I still without one, and the W's left over end
+ * the step. Local stages go round in blocks of micro-batches of a round
+ * (M / max(1, M / P)): forwards 0 .. S-1, input backwards S-1 .. 0. */
+static void zb_order(const pp_sched *p, int r, pp_action *out) {
+    int P = p->P, S = p->S, M = p->M, rounds = M / P > 1 ? M / P : 1, per = M / rounds;
+    int warm = (S - 1) * per + (P - 1 - r), n_mb = S * M, k = 0, nw = 0;
+    if (warm > n_mb) warm = n_mb;
+    int *fmb = calloc((size_t)3 * S, sizeof *fmb), *bmb = fmb + S, *wmb = fmb + 2 * S;
+#define ZB_BSTAGE(op) (S - 1 - (((op) - warm) / per) % S)
+    for (int op = 0; op < n_mb + warm; op++) {
+        if (op < n_mb) {
+            int c = (op / per) % S;
+            out[k++] = (pp_action){'F', c, fmb[c]++};
+        }
+        if (op < warm) continue;
+        int c = ZB_BSTAGE(op);
+        out[k++] = (pp_action){'I', c, bmb[c]++};
+        if (op - warm >= r) { /* the W of the nw-th I: op ids of the I's are warm, warm + 1, ... */
+            int cw = ZB_BSTAGE(warm + nw);
+            out[k++] = (pp_action){'W', cw, wmb[cw]++};
+            nw++;
+        }
+    }
+    while (nw < n_mb) {
+        int cw = ZB_BSTAGE(warm + nw);
+        out[k++] = (pp_action){'W', cw, wmb[cw]++};
+        nw++;
+    }
+#undef ZB_BSTAGE
+    free(fmb);
+}
+
+/* Actions of a rank in a step: a forward and a backward of each (local stage,
+ * micro-batch), the zero-bubble schedules' backward as two, I and W. */
+static int n_actions(const pp_sched *p) { return (p->schedule >= PP_ZB_INTERLEAVED ? 3 : 2) * p->S * p->M; }
+
+/* torch's ScheduleZBVZeroBubble for rank r (local stage 0: v = r, 1: v = 2 P - 1 - r), its
+ * no-op padding left out: the order of max(2 P - 1, M) micro-batches, those past M dropped. */
+static void zbv_put(pp_action *out, int *k, int M, char kind, int c, int i) {
+    if (i < M) out[(*k)++] = (pp_action){kind, c, i};
+}
+static void zbv_order(const pp_sched *p, int r, pp_action *out) {
+    int P = p->P, M = p->M, n = M > 2 * P - 1 ? M : 2 * P - 1, k = 0;
+    int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
+    for (int j = 0; j < 2 * (P - r) - 1; j++) zbv_put(out, &k, M, 'F', 0, f0++);
+    for (int j = 0; j < r; j++) {
+        zbv_put(out, &k, M, 'F', 1, f1++);
+        zbv_put(out, &k, M, 'F', 0, f0++);
+    }
+    for (int j = 0; j < P - r; j++) {
+        zbv_put(out, &k, M, 'F', 1, f1++);
+        zbv_put(out, &k, M, 'I', 1, b1);
+        zbv_put(out, &k, M, 'W', 1, b1++);
+    }
+    while (f1 < f0 || f0 < n) {
+        if (f0 < n) zbv_put(out, &k, M, 'F', 0, f0++);
+        zbv_put(out, &k, M, 'I', 0, b0);
+        zbv_put(out, &k, M, 'W', 0, b0++);
+        zbv_put(out, &k, M, 'F', 1, f1++);
+        zbv_put(out, &k, M, 'I', 1, b1);
+        zbv_put(out, &k, M, 'W', 1, b1++);
+    }
+    int w0 = b0, w1 = b1; /* the cooldown: input backwards first, the weights' after */
+    for (int j = 0; j < r; j++) {
+        zbv_put(out, &k, M, 'I', 0, b0++);
+        zbv_put(out, &k, M, 'I', 1, b1++);
+    }
+    for (int j = 0; j < P - r; j++) {
+        zbv_put(out, &k, M, 'I', 0, b0++);
+        zbv_put(out, &k, M, 'W', 0, w0++);
+    }
+    while (w1 < b1) zbv_put(out, &k, M, 'W', 1, w1++);
+    while (w0 < b0) zbv_put(out, &k, M, 'W', 0, w0++);
+}
+
+/* Every rank's order of actions, [P][n_actions] (malloc'd rows): the schedule
  * its rank runs, which the simulation and the receives' order both read. */
 static pp_action **rank_orders(const pp_sched *p) {
     int n = 2 * p->S * p->M, warm;
     pp_action **ord = calloc((size_t)p->P, sizeof *ord);
     pp_action *fw = malloc((size_t)n * sizeof *fw), *bw = malloc((size_t)n * sizeof *bw);
     for (int r = 0; r < p->P; r++) {
+        ord[r] = malloc((size_t)n_actions(p) * sizeof **ord);
+        if (p->schedule == PP_ZB_INTERLEAVED || p->schedule == PP_ZBV) {
+            (p->schedule == PP_ZBV ? zbv_order : zb_order)(p, r, ord[r]);
+            continue;
+        }
         pp_sched q = *p;
         q.rank = r;
         build_orders(&q, fw, bw, &warm);
-        ord[r] = malloc((size_t)n * sizeof **ord);
         interleave(ord[r], fw, bw, n / 2, warm);
     }
     free(fw);
@@ -174,27 +268,28 @@ static pp_action **rank_orders(const pp_sched *p) {
 /* The order each virtual stage's forwards and backwards run in, from its
  * rank's schedule (LoopedBFS runs backwards last micro-batch first). */
 static void send_orders(pp_sched *p, pp_action *const *ord) {
-    int P = p->P, M = p->M, n = 2 * p->S * M;
+    int P = p->P, M = p->M, n = n_actions(p);
     p->fseq = malloc((size_t)p->V * M * sizeof *p->fseq);
     p->bseq = malloc((size_t)p->V * M * sizeof *p->bseq);
     int *nf = calloc((size_t)p->V, sizeof *nf), *nb = calloc((size_t)p->V, sizeof *nb);
     for (int r = 0; r < P; r++)
         for (int k = 0; k < n; k++) {
-            int v = ord[r][k].stage * P + r;
+            int v = vstage_of(p, r, ord[r][k].stage);
             if (ord[r][k].kind == 'F') p->fseq[(size_t)v * M + nf[v]++] = ord[r][k].mb;
-            else p->bseq[(size_t)v * M + nb[v]++] = ord[r][k].mb;
+            else if (ord[r][k].kind != 'W') p->bseq[(size_t)v * M + nb[v]++] = ord[r][k].mb;
         }
     free(nf);
     free(nb);
 }
 
-/* Runs every rank's order with stage costs (B = 2 F), dependencies
- * F(v, i) after F(v-1, i), B(v, i) after B(v+1, i) and F(v, i). Returns the
- * bubble (idle share of P x makespan), or -1 when no rank can go on
- * (an order that would deadlock). max_inflight: this rank's most forwards
- * whose backward has not run. */
+/* Runs every rank's order with stage costs (B = 2 F, its halves I = W = F),
+ * dependencies F(v, i) after F(v-1, i), B or I(v, i) after B or I(v+1, i)
+ * and F(v, i), W(v, i) after I(v, i). Returns the bubble (idle share of P x
+ * makespan), or -1 when no rank can go on (an order that would deadlock:
+ * also a W before its I). max_inflight: this rank's most forwards whose
+ * backward (B or I: W reads copies, not the bank) has not run. */
 static double simulate(const pp_sched *p0, pp_action *const *ord, int *max_inflight) {
-    int P = p0->P, V = p0->V, M = p0->M, n = 2 * p0->S * M;
+    int P = p0->P, V = p0->V, M = p0->M, n = n_actions(p0);
     int *pos = calloc((size_t)P, sizeof *pos);
     double *clock = calloc((size_t)P, sizeof *clock), busy = 0;
     double *fdone = malloc((size_t)V * M * sizeof *fdone), *bdone = malloc((size_t)V * M * sizeof *bdone);
@@ -205,20 +300,21 @@ static double simulate(const pp_sched *p0, pp_action *const *ord, int *max_infli
         for (int r = 0; r < P; r++) {
             while (pos[r] < n) {
                 pp_action a = ord[r][pos[r]];
-                int v = a.stage * P + r;
+                int v = vstage_of(p0, r, a.stage);
                 double ready;
                 if (a.kind == 'F') ready = v == 0 ? 0 : fdone[(size_t)(v - 1) * M + a.mb];
+                else if (a.kind == 'W') ready = bdone[(size_t)v * M + a.mb];
                 else {
                     double x = fdone[(size_t)v * M + a.mb], y = v == V - 1 ? 0 : bdone[(size_t)(v + 1) * M + a.mb];
                     ready = x < 0 || y < 0 ? -1 : (x > y ? x : y);
                 }
                 if (ready < 0) break;
-                double cost = p0->cost[v] * (a.kind == 'F' ? 1.0 : 2.0);
+                double cost = p0->cost[v] * (a.kind == 'B' ? 2.0 : 1.0);
                 double start = clock[r] > ready ? clock[r] : ready;
                 clock[r] = start + cost;
                 busy += cost;
-                (a.kind == 'F' ? fdone : bdone)[(size_t)v * M + a.mb] = clock[r];
-                if (r == p0->rank) {
+                if (a.kind != 'W') (a.kind == 'F' ? fdone : bdone)[(size_t)v * M + a.mb] = clock[r];
+                if (r == p0->rank && a.kind != 'W') {
                     inflight += a.kind == 'F' ? 1 : -1;
                     if (inflight > most) most = inflight;
                 }
@@ -246,7 +342,8 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     int rc = pp_schedule_parse(c->pp_schedule, &p->schedule, where, e);
     if (rc) return rc;
     /* torchtitan's looped schedules: 2 stages a rank by default, at least 2 with split points */
-    int L = mc->n_layers, multi = p->schedule == PP_INTERLEAVED || p->schedule == PP_LOOPED_BFS;
+    int L = mc->n_layers, multi = p->schedule == PP_INTERLEAVED || p->schedule == PP_LOOPED_BFS ||
+                                  p->schedule == PP_ZB_INTERLEAVED || p->schedule == PP_ZBV;
     p->P = P;
     p->rank = rank;
     p->M = M;
@@ -277,6 +374,11 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     if (V > L)
         return ct_fail(e, CT_ERR_CONFIG, "%s: %d pipeline stages need at least %d layers; the model has %d", where, V,
                        V, L);
+    if (p->schedule == PP_ZBV && V != 2 * P) /* torch's ZBV: exactly two a rank */
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_schedule = \"ZBVZeroBubble\" needs exactly 2 stages per "
+                       "rank (%d with pipeline_parallel_degree %d), but pipeline_parallel_split_points gives %d",
+                       where, 2 * P, P, V);
     p->V = V;
     p->S = V / P;
     if (!c->pp_split[0]) split_by_cost(mc, V, c->seq_len, p->first);
@@ -285,13 +387,19 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
                        "%s: Interleaved1F1B takes micro-batches in groups of pipeline_parallel_degree (%d), but a step "
                        "has %d (local_batch_size / pipeline_parallel_microbatch_size x gradient accumulation)",
                        where, P, M);
+    if (p->schedule == PP_ZB_INTERLEAVED && M % (M / P > 1 ? M / P : 1) != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: InterleavedZeroBubble takes micro-batches in %d rounds (micro-batches / "
+                       "pipeline_parallel_degree %d), which must divide them, but a step has %d (local_batch_size / "
+                       "pipeline_parallel_microbatch_size x gradient accumulation)",
+                       where, M / P, P, M);
     p->cost = calloc((size_t)V, sizeof *p->cost);
     for (int v = 0; v < V; v++) {
         for (int l = p->first[v]; l < p->first[v + 1]; l++) p->cost[v] += layer_cost(mc, l, c->seq_len);
         if (v == V - 1) p->cost[v] += head_cost(mc);
     }
     pp_action **ord = rank_orders(p);
-    p->n_act = 2 * p->S * M;
+    p->n_act = n_actions(p);
     p->act = ord[rank]; /* this rank's, kept */
     send_orders(p, ord);
     p->bubble = simulate(p, ord, &p->max_banks);
@@ -308,7 +416,7 @@ void pp_hold(const pp_sched *p, lm_config *mc) {
     mc->pp_stage = 1;
     memset(mc->layer_held, 0, sizeof mc->layer_held);
     for (int c = 0; c < p->S; c++) {
-        int v = c * p->P + p->rank;
+        int v = vstage_of(p, p->rank, c);
         for (int l = p->first[v]; l < p->first[v + 1]; l++) mc->layer_held[l] = 1;
     }
 }
@@ -336,6 +444,13 @@ void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts) {
     p->cnt = ct_calloc(slots * (n_experts ? n_experts : 1), sizeof(double));
     p->cnt_req = ct_calloc(slots, sizeof *p->cnt_req);
     p->loads = ct_calloc((size_t)p->first[p->V] * (n_experts ? n_experts : 1), sizeof(double));
+    if (p->schedule >= PP_ZB_INTERLEAVED) p->wst = ct_calloc((size_t)p->S * p->M, sizeof *p->wst);
+}
+
+size_t pp_wstore_peak(const pp_sched *p) {
+    size_t most = 0;
+    for (size_t i = 0; p->wst && i < (size_t)p->S * p->M; i++) most = p->wst[i].peak > most ? p->wst[i].peak : most;
+    return most;
 }
 
 void pp_free(pp_sched *p) {
@@ -343,6 +458,16 @@ void pp_free(pp_sched *p) {
     if (took > 0) /* this stage's part of the logged bubble (pp.h), on the ranks CTITAN_LOG_RANKS shows */
         fprintf(stderr, "ctitan: pipeline rank %d of %d waited for its inputs %.6f s of the %.6f s its steps took "
                 "(%.6f)\n", p->rank, p->P, waited, took, waited / took);
+    if (p->wst) { /* the split backward's deferred products: what they cost in memory */
+        size_t sum = 0;
+        for (size_t i = 0; i < (size_t)p->S * p->M; i++) sum += p->wst[i].size;
+        if (sum)
+            fprintf(stderr, "ctitan: pipeline rank %d of %d: the weight-gradient stores held at most %.0f bytes per "
+                    "(stage, micro-batch); their %d buffers take %.0f bytes\n", p->rank, p->P,
+                    4.0 * (double)pp_wstore_peak(p), p->S * p->M, 4.0 * (double)sum);
+        for (size_t i = 0; i < (size_t)p->S * p->M; i++) lm_wstore_free(&p->wst[i]);
+        free(p->wst);
+    }
     if (p->req)
         for (size_t i = 0; i < (size_t)p->S * p->M * 4; i++) comm_wait(&p->req[i]);
     if (p->cnt_req)
@@ -369,8 +494,7 @@ void pp_free(pp_sched *p) {
     memset(p, 0, sizeof *p);
 }
 
-static int vstage(const pp_sched *p, int c) { return c * p->P + p->rank; }
-static int owner(const pp_sched *p, int v) { return v % p->P; }
+static int vstage(const pp_sched *p, int c) { return vstage_of(p, p->rank, c); }
 
 /* A bank for a forward of local stage c: a free one, or a new one (the
  * first steps grow the pool to the schedule's peak, then nothing is allocated). */
@@ -481,6 +605,13 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
                     comm_isend(p->comm, out, (size_t)E, COMM_F64, owner(p, v + 1), 2 * V + 2 * (v + 1),
                                cnt_req(p, c, i, BUF_AOUT));
             }
+        } else if (a.kind == 'W') { /* the weight gradients I left (pp.h): they reduce into FSDP's shard here */
+            lm_wstore *st = &p->wst[(size_t)c * p->M + i];
+            if (st->n) { /* none: nothing trained is a projection (LoRA), alike on every rank of a group */
+                fsdp_open(p, 0, v == V - 1, l0);
+                lm_stage_backward_weight(m, st, l0, l1);
+                fsdp_close(p);
+            }
         } else {
             lm_bank *b = p->banks[(size_t)c * p->M + i];
             lm_bank_use(m, b);
@@ -497,8 +628,10 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
                                cnt_req(p, c, i, BUF_GOUT));
             }
             fsdp_open(p, 0, v == V - 1, l0);
+            if (a.kind == 'I') m->wdefer = &p->wst[(size_t)c * p->M + i];
             loss += lm_stage_backward(m, l0, l1, tk, lb, buf(p, c, i, BUF_GIN), buf(p, c, i, BUF_GOUT), B, T,
                                       grad_scale, NULL);
+            m->wdefer = NULL;
             fsdp_close(p);
             if (v > 0)
                 comm_isend(p->comm, buf(p, c, i, BUF_GOUT), p->n, COMM_F32, owner(p, v - 1), 2 * (v - 1) + 1,
@@ -535,14 +668,17 @@ double pp_eval(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
         const int32_t *tk = tokens + (size_t)s0 * T, *lb = labels + (size_t)s0 * T;
         for (int v = 0; v < V; v++) {
             if (owner(p, v) != p->rank) continue;
-            int c = v / p->P;
+            int c = local_of(p, v);
             lm_bank *b = take_bank(p, m, c);
             lm_bank_use(m, b);
-            if (v > 0) comm_recv(p->comm, in, n, COMM_F32, owner(p, v - 1), 2 * v);
+            /* the V's turn (stages P-1 and P on one rank): the output is the next input, no message */
+            if (v > 0 && owner(p, v - 1) == p->rank) memcpy(in, out, n * sizeof(float));
+            else if (v > 0) comm_recv(p->comm, in, n, COMM_F32, owner(p, v - 1), 2 * v);
             fsdp_open(p, 1, v == V - 1, p->first[v]);
             lm_stage_forward(m, p->first[v], p->first[v + 1], tk, in, out, mb, T, 0);
-            if (v < V - 1) comm_send(p->comm, out, n, COMM_F32, owner(p, v + 1), 2 * (v + 1));
-            else {
+            if (v < V - 1 && owner(p, v + 1) != p->rank)
+                comm_send(p->comm, out, n, COMM_F32, owner(p, v + 1), 2 * (v + 1));
+            else if (v == V - 1) {
                 long nv = 0;
                 sum += lm_stage_loss(m, lb, mb, T, &nv); /* the head: still gathered after the last layer */
                 count += nv;
@@ -570,7 +706,7 @@ size_t pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks) {
     for (int c = 0; c < p->S; c++) {
         int v = vstage(p, c), live = 0, most = 0;
         for (int k = 0; k < p->n_act; k++) {
-            if (p->act[k].stage != c) continue;
+            if (p->act[k].stage != c || p->act[k].kind == 'W') continue;
             live += p->act[k].kind == 'F' ? 1 : -1;
             most = live > most ? live : most;
         }

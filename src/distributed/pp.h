@@ -5,10 +5,15 @@
  * A stage is a contiguous layer range [first[v], first[v + 1]); the first
  * also holds the embedding, the last the final norm and lm_head (tied
  * models: the embedding too, its gradient summed with the first stage's).
- * With S stages per rank (Interleaved1F1B and LoopedBFS, S >= 2, 2 unless
- * split points say otherwise, as torchtitan's multi-stage schedules) there
- * are V = P x S virtual stages and rank r holds v = r, r + P, ...,
- * torchtitan's "loop" placement, so activations always go to the next rank.
+ * With S stages per rank (Interleaved1F1B, LoopedBFS and InterleavedZeroBubble,
+ * S >= 2, 2 unless split points say otherwise, as torchtitan's multi-stage
+ * schedules) there are V = P x S virtual stages and rank r holds v = r, r + P,
+ * ..., torchtitan's "loop" placement, so activations always go to the next
+ * rank. ZBVZeroBubble takes exactly 2 a rank in a V: rank r holds r and
+ * 2P - 1 - r (rank 0 the embedding and the lm_head: a tied embedding has one
+ * copy; rank P - 1 hands stage P - 1's output to its own stage P, a message
+ * to itself in a step, a copy in evaluation). pp_vstage maps (rank, local
+ * stage) to v.
  *
  * The split is torchtitan's pipeline_parallel_split_points when given,
  * otherwise the one that minimises the most expensive stage, each layer
@@ -24,14 +29,27 @@
  * LoopedBFS (torch's ScheduleLoopedBFS) runs every forward first, stage by
  * stage, then the backwards from its last stage down, each stage's
  * micro-batches last to first.
+ * The zero-bubble schedules split a backward into I, d(input), sent upstream
+ * when it ends, and W, the weight gradients of the dense projections and the
+ * lm_head, replayed later from the copies I recorded (model/lm.h, lm_wstore:
+ * one store per local stage and micro-batch, kept between steps; pp_free
+ * prints their size). Their orders are torch's: InterleavedZeroBubble's ZB1P
+ * (ScheduleInterleavedZeroBubble: 1F1B-like with rounds of M / max(1, M / P)
+ * micro-batches, each I from the (r + 1)-th on followed by the oldest W
+ * pending) and ZBVZeroBubble's (ScheduleZBVZeroBubble). Every W of a step
+ * runs inside pp_step, so clipping, FSDP's replicas and the data-parallel
+ * sum (after pp_step) see whole gradients.
  * Every order is checked by simulating all ranks with each stage's cost
- * (a backward costs two forwards), which also gives the schedule's bubble:
- * the share of rank-time spent waiting.
+ * (a backward costs two forwards, I and W one each; W waits for its I),
+ * which also gives the schedule's bubble: the share of rank-time spent
+ * waiting.
  *
  * Under FSDP each action is one FSDP micro-batch of the stage's layers:
  * a forward gathers and frees them as evaluation does, a backward reduces
  * its gradients into the shard before the next action (the last stage's
- * head, whose forward runs inside its backward, is gathered again there).
+ * head, whose forward runs inside its backward, is gathered again there);
+ * I and W each reduce what they computed (W runs the layer hooks too: the
+ * reduce-scatter of a layer happens once per action, the shard adds both).
  *
  * At run time a stage posts every receive of the step at its start (one
  * buffer per stage and micro-batch) and sends without blocking, so a rank
@@ -69,11 +87,11 @@
 #include "distributed/fsdp.h"
 #include "model/lm.h"
 
-enum { PP_1F1B, PP_GPIPE, PP_INTERLEAVED, PP_LOOPED_BFS };
+enum { PP_1F1B, PP_GPIPE, PP_INTERLEAVED, PP_LOOPED_BFS, PP_ZB_INTERLEAVED, PP_ZBV }; /* from PP_ZB_*: split B */
 
 typedef struct {
-    char kind;  /* 'F' or 'B' */
-    int stage;  /* local stage index c: virtual stage c * P + rank */
+    char kind;  /* 'F', 'B', or a zero-bubble schedule's halves of B: 'I' (input) and 'W' (weight) */
+    int stage;  /* local stage index c: virtual stage pp_vstage(p, rank, c) */
     int mb;     /* micro-batch */
 } pp_action;
 
@@ -85,7 +103,7 @@ typedef struct {
     int schedule;        /* PP_* */
     int M;               /* micro-batches per optimizer step */
     int mb_size;         /* sequences per micro-batch */
-    int n_act;           /* this rank's actions, 2 S M */
+    int n_act;           /* this rank's actions, 2 S M (zero bubble: 3 S M) */
     pp_action *act;
     int *fseq, *bseq;    /* [V][M] the micro-batches of each virtual stage's forwards, backwards, in its
                             rank's order: the order its messages leave in (a receiver posts in it) */
@@ -108,6 +126,7 @@ typedef struct {
     int *n_pool;         /* [S] */
     double *moe_stats;   /* [M][2 E] this rank's routing sums of each micro-batch (E = 0: none) */
     int E;
+    lm_wstore *wst;      /* [S][M] zero bubble: each I's deferred weight products until its W (NULL: none) */
     double *cnt;         /* [S][M][4][E] expert counts (aux loss): in with the activation, in with the
                             gradient, out with the activation, out with the gradient */
     comm_req *cnt_req;   /* [S][M][4] */
@@ -155,5 +174,11 @@ size_t pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks);
  * line pp_free prints on stderr ("ctitan: pipeline rank R of P waited ..."), so the mean can be
  * checked against its parts. */
 double pp_take_bubble(pp_sched *p);
+/* The virtual stage of rank r's local stage c: c P + r (the loop), or under
+ * ZBVZeroBubble's V r (c = 0) and 2 P - 1 - r (c = 1). */
+int pp_vstage(const pp_sched *p, int r, int c);
+/* Zero bubble: the most floats one (stage, micro-batch)'s weight-gradient
+ * store has held (0: none yet, or another schedule). */
+size_t pp_wstore_peak(const pp_sched *p);
 
 #endif

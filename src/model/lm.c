@@ -1115,12 +1115,49 @@ static void mm_fwd(lm_model *m, float *out, const float *in, const float *w, int
     else K(MATMUL, matmul_fwd, out, in, w, M, K, N, accumulate);
 }
 
+/* I of a split backward (lm.h, lm_wstore): dw's product, recorded instead of run. */
+static void wdefer_put(lm_model *m, float *dw, const float *dout, const float *in, const float *w, int M, int K,
+                       int N) {
+    lm_wstore *s = m->wdefer;
+    size_t nx = (size_t)M * K, ny = (size_t)M * N;
+    if (s->n == s->cap) { /* the first steps grow it to the stage's size, then it is reused */
+        s->cap = s->cap ? 2 * s->cap : 64;
+        lm_wrec *r = ct_malloc((size_t)s->cap * sizeof *r);
+        if (s->n) memcpy(r, s->rec, (size_t)s->n * sizeof *r);
+        free(s->rec);
+        s->rec = r;
+    }
+    if (s->used + nx + ny > s->size) {
+        s->size = 2 * (s->used + nx + ny);
+        float *d = ct_malloc64(s->size * sizeof(float));
+        if (s->used) memcpy(d, s->data, s->used * sizeof(float));
+        free(s->data);
+        s->data = d;
+    }
+    /* q, k and v read one input, as gate and up do: a layer's products in a row on the same
+     * buffer share its copy */
+    const lm_wrec *last = s->n ? &s->rec[s->n - 1] : NULL;
+    if (last && last->layer == s->cur && s->xsrc == in && last->M == M && last->K == K) nx = 0;
+    size_t x = nx ? s->used : last ? last->x : 0;
+    s->rec[s->n++] = (lm_wrec){s->cur, x, s->used + nx, dw, w, M, K, N};
+    if (nx) memcpy(s->data + s->used, in, nx * sizeof(float));
+    memcpy(s->data + s->used + nx, dout, ny * sizeof(float));
+    s->xsrc = in;
+    s->used += nx + ny;
+    if (s->used > s->peak) s->peak = s->used;
+}
+
 /* matmul_bwd's din[M, K] (+)= dout[M, N] w[N, K] (acc 0: din's first product,
  * overwritten) and dw[N, K] += dout^T in[M, K]; a bf16-stored w is frozen, so
- * it has no dw (NULL) and only din runs, from the store. */
+ * it has no dw (NULL) and only din runs, from the store. Under m->wdefer
+ * (I of a split backward) dw's product is recorded, not run. */
 static void mm_bwd(lm_model *m, float *din, float *dw, const float *dout, const float *in, const float *w, int M, int K,
                    int N, int acc) {
     const uint16_t *h = frozen_bf16(m, w);
+    if (!h && dw && m->wdefer) {
+        wdefer_put(m, dw, dout, in, w, M, K, N);
+        dw = NULL;
+    }
     if (!h) K(MATMUL, matmul_bwd, din, dw, dout, in, w, M, K, N, acc);
     else if (din) K(MATMUL, matmul_dinp_wbf16, din, dout, h, M, K, N, N, acc);
 }
@@ -2164,7 +2201,8 @@ static void head_bwd(lm_model *m, float *dx, const float *dlogits, const float *
         zero(dx, (size_t)n * H);
         return;
     }
-    if (!t) {
+    if (!t) { /* not deferred by a split backward: its d(output) is [rows, V], which the fused
+               * head never holds whole (lm.h, lm_wstore) */
         K(MATMUL, matmul_bwd, dx, m->g.lm_head, dlogits, x, m->w.lm_head, n, H, V, 0);
         return;
     }
@@ -2840,6 +2878,7 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
 static void backward_layers(lm_model *m, int l0, int l1, int B, int T) {
     for (int l = l1 - 1; l >= l0; l--) {
         if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
+        if (m->wdefer) m->wdefer->cur = l;
         int64_t t0 = PROF_T0(m->prof);
         layer_backward(m, l, B, T);
         if (m->prof) prof_layer(m->prof, "layer_bwd", l, t0);
@@ -2924,6 +2963,26 @@ double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, con
     else memcpy(d_in, m->ws.d_res, (size_t)BT * H * sizeof(float));
     m->lora_train = 0;
     return loss_sum;
+}
+
+void lm_stage_backward_weight(lm_model *m, lm_wstore *s, int l0, int l1) {
+    int k = 0;
+    const lm_wrec *r;
+    /* each layer's inside its hooks, as the fused backward ran them */
+    for (int l = l1 - 1; l >= l0; l--) {
+        if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
+        for (; k < s->n && (r = &s->rec[k])->layer == l; k++)
+            K(MATMUL, matmul_bwd, NULL, r->dw, s->data + r->dy, s->data + r->x, r->w, r->M, r->K, r->N, 0);
+        if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
+    }
+    s->n = 0;
+    s->used = 0;
+}
+
+void lm_wstore_free(lm_wstore *s) {
+    free(s->rec);
+    free(s->data);
+    memset(s, 0, sizeof *s);
 }
 
 double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_valid) {

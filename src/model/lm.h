@@ -534,6 +534,8 @@ typedef struct {
     lm_work ws;             /* the per-step workspace: scratch every range of layers reuses */
     lm_moe_state moe;       /* MoE routing state: the last forward's sums, the balancing bias */
     const lm_hooks *hooks; /* NULL: none; set by a parallel layout (distributed/fsdp.h) */
+    struct lm_wstore *wdefer; /* NULL: a backward computes every gradient; else the input-gradient half of a
+                               zero-bubble pipeline's split backward (lm_stage_backward_weight) */
     const lm_moe_dispatch *moe_ep; /* NULL: every expert runs here; set by distributed/ep.h */
     const lm_attn_dispatch *attn_cp; /* NULL: the whole sequence is here; set by distributed/cp.h */
     const lm_seq_dispatch *sp; /* NULL: every rank holds all rows; set by distributed/tp.h under cfg.tp_seq */
@@ -762,6 +764,42 @@ void lm_stage_forward(lm_model *m, int l0, int l1, const int32_t *tokens, const 
  * d(x_in), or with l0 == 0 the embedding's gradient is added instead. */
 double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, const int32_t *labels,
                          const float *d_out, float *d_in, int B, int T, float grad_scale, long *n_valid);
+/* Zero-bubble pipelines (distributed/pp.h) split a stage's backward into I,
+ * d(input), which the stage upstream waits for, and W, the weight
+ * gradients, which fill the schedule's idle slots. I is lm_stage_backward
+ * with m->wdefer set: each dense projection's matmul backward then
+ * computes d(input) only and records here a copy of its input (one for q,
+ * k and v, one for gate and up), a copy of its d(output) and where its dW
+ * goes: per micro-batch and stage B T floats x the layers' 4 H + 2 (q + kv
+ * widths) + 3 intermediate (each its rank's share under TP). The lm_head's
+ * dW stays in I: deferring it would keep d(logits) [B T, V] whole, which
+ * the fused head + loss never holds (1.2 GB a 2048-token micro-batch at
+ * Qwen3's vocabulary). W
+ * (lm_stage_backward_weight) replays those records, dW += dy^T x with the
+ * same GEMM call, layer by layer inside the hooks' pre/post_backward (FSDP
+ * reduces each layer's gradients there), and empties the store. The rest
+ * stays in I: the lm_head, norms, q/k norms, biases, the router, the experts, LoRA's
+ * adapters and the embedding (they are small, or read state that the next
+ * backward overwrites). I then W gives the fused backward's bits: the same
+ * products on the same values, each dW's sum in the same order. */
+typedef struct {
+    int layer;         /* the layer whose backward recorded it */
+    size_t x, dy;      /* offsets into data of the input [M, K] and d(output) [M, N] copies */
+    float *dw;         /* [N, K], added to */
+    const float *w;    /* the weight: the kernel's argument, unread without d(input) */
+    int M, K, N;
+} lm_wrec;
+typedef struct lm_wstore {
+    lm_wrec *rec;
+    int n, cap, cur;   /* records, their room, the layer the backward is in */
+    float *data;
+    size_t used, size; /* floats */
+    size_t peak;       /* most floats held at once since created */
+    const float *xsrc; /* the input the last record copied */
+} lm_wstore;
+void lm_stage_backward_weight(lm_model *m, lm_wstore *s, int l0, int l1);
+void lm_wstore_free(lm_wstore *s);
+
 /* After the forward of a range ending the model: the CE sum of labels (evaluation). */
 double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_valid);
 /* Whether HF's load-balancing loss is in the gradient (a MoE model with

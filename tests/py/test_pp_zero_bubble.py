@@ -1,0 +1,244 @@
+"""The zero-bubble pipeline schedules InterleavedZeroBubble (torch's
+ScheduleInterleavedZeroBubble, ZB1P) and ZBVZeroBubble (ScheduleZBVZeroBubble, ZB-V),
+parallelism.pipeline_parallel_schedule.
+
+Each stage's backward runs as two actions: I, d(input), sent upstream when it ends, and W,
+the weight gradients of the dense projections and the lm_head, replayed later from what I
+recorded (model/lm.h, lm_wstore; tests/c/model/test_lm_wsplit.c shows I then W is the fused
+backward bit for bit). Each rank holds 2 stages: InterleavedZeroBubble as Interleaved1F1B
+(rank r: stages r and r + P), ZBVZeroBubble in a V (rank r: stages r and 2P-1-r, so rank 0
+holds the embedding and the lm_head, and a tied embedding has one copy).
+
+1. The order each rank runs is the one torch builds (its _calculate_single_rank_operations,
+   called here with the schedule's own fields), read from the dry run's `rank R order:`
+   lines, for PP 2 and PP 4; every I comes before its W, so d(input) leaves before W; the
+   simulated bubble is recomputed here from those orders (I = W = a forward); the dry run's
+   layers per rank follow the placement.
+2. A schedule only reorders the work, so a run trains like one process (test_pp.py's
+   tolerance, 1e-5): losses, validation losses, gradient norms, final weights; with FSDP 2, TP 2,
+   a MoE with the aux loss in the gradient, LoRA, full activation checkpointing, bf16,
+   clipping that acts, and gradient accumulation (every case: 8 sequences a step in micro-
+   batches of 1 or 2).
+3. DualPipeV stays refused (it overlaps a forward with a backward), the message naming every
+   accepted schedule and why; ZBVZeroBubble takes exactly 2 stages a rank."""
+import re
+import types
+
+import pytest
+from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+
+import oracle
+from test_dist import STEPS, assert_same_run, run, train_args
+from test_dry_run import launch, ok
+from test_dry_run_pp import parse, pp_args, pp_models, stage_costs  # noqa: F401 (fixture)
+from test_pp import (MB, PP, SCHED, assert_config_error, assert_same_tensors, aux_single, lora_args,  # noqa: F401
+                     lora_model, pp_run, run_bounded, setup, single)
+
+ZB = f"{SCHED}=InterleavedZeroBubble"
+ACCEPTED = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
+SCHEDS = ["InterleavedZeroBubble", "ZBVZeroBubble"]
+
+
+# --------------------------------------------------------------------------- 1. the order
+
+def torch_order(sched, P, S, M, r):
+    """torch's actions of rank r as its _Action prints them ("2F0", "0I7", "0W3"), without its
+    no-op padding (InterleavedZeroBubble's _add_bubbles_to_actions only adds no-ops)."""
+    if sched == "ZBVZeroBubble":
+        fake = types.SimpleNamespace(pp_group_size=P, _n_microbatches=M, num_stages=P * S)
+        return [str(a) for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, r) if a is not None]
+    rounds = max(1, M // P)
+    fake = types.SimpleNamespace(pp_group_size=P, n_local_stages=S, _n_microbatches=M, number_of_rounds=rounds,
+                                 microbatches_per_round=M // rounds, rank=r)
+    return [str(a) for a in ScheduleInterleavedZeroBubble._calculate_single_rank_operations(fake, r)
+            if a is not None]
+
+
+def simulate(ords, P, V, M, cost):
+    """The run's simulation on explicit orders: F, I and W each cost a forward; F(v, i) waits
+    for F(v-1, i), I(v, i) for F(v, i) and I(v+1, i), W(v, i) for I(v, i)."""
+    acts = [[(int(m.group(1)), m.group(2), int(m.group(3))) for m in (re.fullmatch(r"(\d+)([FIW])(\d+)", a)
+                                                                     for a in o)] for o in ords]
+    done, clock, pos = {}, [0.0] * P, [0] * P
+    while any(pos[r] < len(acts[r]) for r in range(P)):
+        moved = False
+        for r in range(P):
+            while pos[r] < len(acts[r]):
+                v, k, i = acts[r][pos[r]]
+                deps = {"F": [("F", v - 1, i)] if v > 0 else [],
+                        "I": [("F", v, i)] + ([("I", v + 1, i)] if v < V - 1 else []),
+                        "W": [("I", v, i)]}[k]
+                if any(d not in done for d in deps):
+                    break
+                clock[r] = max([clock[r]] + [done[d] for d in deps]) + cost[v]
+                done[(k, v, i)] = clock[r]
+                pos[r] += 1
+                moved = True
+        assert moved, "deadlock"
+    return 1 - sum(3 * c for c in cost) * M / (P * max(clock))
+
+
+@pytest.mark.parametrize("sched", SCHEDS)
+@pytest.mark.parametrize("P,local,global_", [
+    (2, 4, 0),   # 4 micro-batches: 2 rounds of 2
+    (2, 2, 6),   # 6: 3 rounds of 2
+    (4, 2, 6),   # 4 ranks, 3 micro-batches, fewer than ranks: 1 round (ZBV: fewer than 2P-1)
+    (4, 4, 8),   # 8: 2 rounds of 4
+])
+def test_zero_bubble_order_is_torchs(pp_models, tmp_path, sched, P, local, global_):
+    """The dry run lists each pipeline rank's actions: torch's order, each W after its I, and
+    the simulated bubble that of those orders; each rank holds the stages of its placement."""
+    d, data = pp_models
+    p = ok(launch(0, pp_args(d / "untied", data, tmp_path, P, f"{SCHED}={sched}", local=local, global_=global_)
+                  + ["--dry-run"]))
+    plan = parse(p.stdout)
+    assert plan["schedule"] == sched and plan["S"] == 2, plan
+    S, M = plan["S"], plan["M"]
+    for st in plan["stages"]:  # 8 layers, 2 P stages of 8 / (2 P) layers each (equal costs but the head's)
+        r = st["rank"]
+        vs = [r, r + P] if sched == "InterleavedZeroBubble" else [r, 2 * P - 1 - r]
+        assert ("embedding" in st["holds"]) == (0 in vs) and ("lm_head" in st["holds"]) == (2 * P - 1 in vs), st
+        assert [a for a, _ in st["ranges"]] == sorted(a for a, _ in st["ranges"]) and len(st["ranges"]) == 2, st
+    ords = {int(r): o.split() for r, o in re.findall(r"^    rank (\d+) order: (.*)$", p.stdout, re.M)}
+    assert sorted(ords) == list(range(P)), p.stdout[-3000:]
+    for r in range(P):
+        want = torch_order(sched, P, S, M, r)
+        assert ords[r] == want, f"rank {r}: {ords[r]} vs torch's {want}"
+        # I (d(input), sent when it ends) before its W; every (stage, micro-batch) once each
+        for a in ords[r]:
+            if "W" in a:
+                i = a.replace("W", "I")
+                assert i in ords[r] and ords[r].index(i) < ords[r].index(a), f"rank {r}: {a} before {i}"
+        vs = [r, r + P] if sched == "InterleavedZeroBubble" else [r, 2 * P - 1 - r]
+        assert sorted(ords[r]) == sorted(f"{v}{k}{i}" for v in vs for k in "FIW" for i in range(M))
+    cost = stage_costs(plan, 254, 8) if sched == "InterleavedZeroBubble" else zbv_costs(plan, 254, 8)
+    want = simulate([ords[r] for r in range(P)], P, P * S, M, cost)
+    assert plan["sim"] == pytest.approx(want, abs=6e-5), (plan["sim"], want)
+
+
+def zbv_costs(plan, vocab, L):
+    """stage_costs under the V: rank r's second range is stage 2P-1-r."""
+    from test_dry_run_pp import HIDDEN, layer_cost
+    P = plan["P"]
+    cost = [0.0] * (2 * P)
+    for st in plan["stages"]:
+        for v, (a, b) in zip([st["rank"], 2 * P - 1 - st["rank"]], st["ranges"]):
+            cost[v] = (b - a) * layer_cost(vocab) + (2.0 * vocab * HIDDEN if b == L else 0)
+    return cost
+
+
+def test_zbv_needs_two_stages_a_rank(pp_models, tmp_path):
+    """torch's ScheduleZBVZeroBubble takes exactly 2 stages a rank: split points giving 3 a
+    rank (6 on PP 2) are refused, naming the schedule."""
+    d, data = pp_models
+    p = launch(0, pp_args(d / "untied", data, tmp_path, 2, f"{SCHED}=ZBVZeroBubble",
+                          "--parallelism.pipeline_parallel_split_points=layers.1,layers.2,layers.3,layers.4,layers.5")
+               + ["--dry-run"])
+    assert_config_error(p, "ZBVZeroBubble", "exactly 2 stages per rank")
+
+
+def test_zero_bubble_rounds_must_divide_the_micro_batches(setup, tmp_path):
+    """torch's rule: the micro-batches split into M // P rounds of equal size (5 into 2: no)."""
+    d, data = setup
+    p = launch(0, pp_args(d / "model", data, tmp_path, 2, ZB, local=5, global_=0) + ["--dry-run"])
+    assert_config_error(p, "InterleavedZeroBubble", "rounds")
+
+
+# --------------------------------------------------------------------------- 2. against one process
+
+CLIP = "--training.max_norm=0.2"  # under every step's norm: clipping acts
+BF16 = "--training.mixed_precision_param=bfloat16"
+AC = "--activation_checkpoint.mode=full"
+LAYOUTS = {  # name: (ranks, data-parallel degree, micro-batch, model, args, the one process's extra args)
+    "pp2_mb1": (2, 1, 1, "model", [f"{PP}=2"], []),
+    "pp2_mb2_tied_clip": (2, 1, 2, "model_tied", [f"{PP}=2", CLIP], [CLIP]),
+    # tied: under the V rank 0 holds both copies (one FSDP piece for the lookup and the head)
+    "pp2_fsdp2_mb1_tied": (4, 2, 1, "model_tied", [f"{PP}=2", "--parallelism.data_parallel_shard_degree=2"], []),
+    "pp2_tp2_mb2": (4, 1, 2, "model_tp", [f"{PP}=2", "--parallelism.tensor_parallel_degree=2",
+                                          "--parallelism.data_parallel_shard_degree=1"], []),
+    "pp2_ac_full_bf16_mb2": (2, 1, 2, "model", [f"{PP}=2", AC, BF16], [AC, BF16]),
+}
+
+
+@pytest.mark.parametrize("sched", SCHEDS)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_zero_bubble_matches_one_process(setup, single, sched, name):
+    """8 or 4 micro-batches a step through 4 stages on 2 ranks: losses, validation losses,
+    final weights and the gradient norm equal one process's."""
+    n, dp, mb, model, args, ref_args = LAYOUTS[name]
+    out, p = pp_run(setup, f"zb_{sched}_{name}", n, *args, f"{SCHED}={sched}", f"{MB}={mb}", model=model, dp=dp)
+    assert "weight-gradient stores held" in p.stderr, p.stderr[-2000:]
+    ref = single(model, *ref_args)
+    assert_same_run(out, ref, f"{sched} {name}")
+    want = {r["step"]: r["grad_norm"] for r in oracle.read_metrics(ref / "metrics.jsonl") if "loss" in r}
+    got = {r["step"]: r["grad_norm"] for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r}
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in want:
+        assert abs(got[s] - want[s]) <= 1e-5 * want[s], f"{name}: step {s} grad_norm {got[s]!r} vs {want[s]!r}"
+    if name == "pp2_mb1":
+        # the store's size (model/lm.h): rank 0 holds one layer a stage; per layer B T x
+        # (4 H + 2 (q + kv widths) + 3 intermediate) floats, from transformers' config; the
+        # head's dW is never deferred (under the V rank 0 holds the head's stage too)
+        from transformers import AutoConfig
+        c = AutoConfig.from_pretrained(setup[0] / model)
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        per = 4 * 16 * (4 * c.hidden_size + 2 * (q + kv) + 3 * c.intermediate_size)
+        assert f"rank 0 of 2: the weight-gradient stores held at most {per} bytes per" in p.stderr, p.stderr[-2000:]
+    if CLIP in args:
+        assert all(g > 0.2 for g in want.values()), f"clipping never acted: {want}"
+
+
+@pytest.mark.parametrize("sched", SCHEDS)
+def test_zero_bubble_moe_aux_loss_matches_one_process(setup, single, sched):
+    """Qwen3-MoE with HF's load-balancing loss in the gradient, micro-batches of 1: the expert
+    counts travel back with I's gradient; aux_loss and grad_norm too."""
+    ref = aux_single(single, "model_moe_aux", 1)
+    out, _ = pp_run(setup, f"zb_moe_aux_{sched}", 2, f"{PP}=2", f"{SCHED}={sched}", f"{MB}=1", model="model_moe_aux")
+    assert_same_run(out, ref, f"{sched} MoE aux")
+    got = {r["step"]: r for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r}
+    want = {r["step"]: r for r in oracle.read_metrics(ref / "metrics.jsonl") if "loss" in r}
+    for s in want:
+        for k in ("grad_norm", "aux_loss"):
+            assert abs(got[s][k] - want[s][k]) <= 1e-5 * abs(want[s][k]), \
+                f"step {s} {k} {got[s][k]!r} vs one process {want[s][k]!r}"
+
+
+@pytest.mark.parametrize("sched", SCHEDS)
+def test_zero_bubble_lora(setup, sched):
+    """LoRA (rank 4, dropout 0.1, micro-batches of 2) on HF weights: the PEFT adapter after 10
+    steps equals one process's (the base is frozen: W has nothing to do, I everything)."""
+    d, data = setup
+    model = lora_model(setup)
+    lora = lora_args(model, 0.1) + ["--checkpoint.last_save_in_hf"]
+    ref, out = d / "zb_lora_single", d / f"zb_lora_pp2_{sched}"
+    if not ref.exists():
+        run(1, train_args(model, data, ref, *lora))
+    run(2, train_args(model, data, out, *lora, f"{PP}=2", f"{SCHED}={sched}", f"{MB}=2"))
+    assert_same_run(out, ref, f"LoRA {sched}", weights_too=False)
+    assert_same_tensors(out, ref, f"LoRA {sched}", "adapter_model.safetensors", 2 * 7 * 4)
+
+
+# --------------------------------------------------------------------------- 3. refusals
+
+def test_dualpipev_refused_naming_every_accepted_one(setup, tmp_path):
+    d, data = setup
+    p = run_bounded(2, train_args(d / "model", data, tmp_path / "bad", f"{PP}=2", f"{SCHED}=DualPipeV"), timeout=8)
+    err = assert_config_error(p, "pipeline_parallel_schedule", "DualPipeV", *ACCEPTED)
+    assert "overlaps the forward" in err, err  # why
+
+
+def test_resume_from_interleaved_under_zbv(setup, single):
+    """A full checkpoint written at step 4 under Interleaved1F1B (rank 1 holds stages 1 and 3,
+    the lm_head) resumed under ZBVZeroBubble (rank 1: stages 1 and 2; rank 0 the lm_head):
+    each rank loads its new stages' units; steps 5-10 and the final weights equal one
+    process's."""
+    d, data = setup
+    full = "--checkpoint.last_save_model_only=false"
+    ref = single("model", full)
+    out = d / "inter_to_zbv"
+    p = run(2, train_args(d / "model", data, out, f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{MB}=1", full,
+                          "--training.stop_at_step=4"), check=False)
+    assert p.returncode == 75, p.stderr[-3000:]
+    p = run(2, train_args(d / "model", data, out, f"{PP}=2", f"{SCHED}=ZBVZeroBubble", f"{MB}=1", full))
+    assert "resuming from" in p.stderr and "step-4" in p.stderr, p.stderr[-3000:]
+    assert_same_run(out, ref, "Interleaved1F1B -> ZBVZeroBubble", steps=range(5, STEPS + 1))
