@@ -82,11 +82,19 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     double layer = H * (2.0 * qkv) + 3.0 * H * I + E * (3.0 * H * (c->moe_intermediate > 0 ? c->moe_intermediate : 0) + H);
     layer += 3.0 * H * Is + H;
     double total = 2.0 * (double)c->vocab_size * H + (double)c->n_layers * layer;
-    if (total > LM_MAX_PARAMS)
+    if (total > LM_MAX_PARAMS) {
+        char moe[128] = ""; /* the experts' and the shared expert's widths, which the sum counts too */
+        if (E > 0)
+            snprintf(moe, sizeof moe, ", num_experts %d x moe_intermediate_size %d", c->n_experts,
+                     c->moe_intermediate);
+        if (Is > 0)
+            snprintf(moe + strlen(moe), sizeof moe - strlen(moe), ", shared_expert_intermediate_size %d",
+                     c->shared_intermediate);
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: vocab_size %d, hidden_size %d, intermediate_size %d, num_hidden_layers %d and the heads "
-                       "give about %.3g parameters, out of range (at most 2^50)", where, c->vocab_size, c->hidden,
-                       c->intermediate, c->n_layers, total);
+                       "%s: vocab_size %d, hidden_size %d, intermediate_size %d%s, num_hidden_layers %d and the "
+                       "heads give about %.3g parameters, out of range (at most 2^50)",
+                       where, c->vocab_size, c->hidden, c->intermediate, moe, c->n_layers, total);
+    }
     if (c->head_dim % 2) return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim must be even for RoPE, got %d", where, c->head_dim);
     if (c->head_dim > 2 * ROPE_MAX_HALF)
         return ct_fail(e, CT_ERR_CONFIG, "%s: head_dim = %d: at most %d is supported", where, c->head_dim,
