@@ -1331,7 +1331,8 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
     CKPT_SAME(moe_intermediate, "moe_intermediate_size")
     CKPT_SAME(norm_topk_prob, "norm_topk_prob")
     CKPT_SAME(decoder_sparse_step, "decoder_sparse_step")
-    CKPT_SAME(shared_intermediate, "shared_expert_intermediate_size")
+    CKPT_SAME(shared_intermediate, strcmp(now, "granitemoeshared") ? "shared_expert_intermediate_size"
+                                                                    : "shared_intermediate_size")
     for (int l = 0; l < c.n_layers; l++)
         if (lm_layer_is_moe(&c, l) != lm_layer_is_moe(mc, l))
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is %s there but %s in the model being trained "

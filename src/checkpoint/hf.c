@@ -72,6 +72,61 @@ static int hf_check_tied_head(const st_set *s, const st_tensor *head, const char
     return rc;
 }
 
+/* GraniteMoE's files fuse what the table holds apart (model/lm.h:
+ * LM_MOE_KEYS_GRANITE): block_sparse_moe.input_linear [E, 2 Im, H] holds each
+ * expert's gate rows then its up rows, output_linear [E, H, Im] each expert's
+ * down_proj, and GraniteMoeShared's shared_mlp.input_linear [2 S, H] the shared
+ * MLP's gate rows then its up rows. Each table piece is one run of elements of
+ * the file's tensor. Returns 1 for such a piece with the file tensor's name,
+ * shape and the element where the piece starts; 0 for a tensor stored whole
+ * under its own name. */
+typedef struct {
+    char name[LM_NAME_MAX];
+    int ndim;
+    int64_t shape[3];
+    size_t off;
+    int first; /* the piece that starts the file tensor */
+} hf_fused;
+
+static int hf_fused_piece(const lm_config *c, const lm_tensor *t, hf_fused *f) {
+    if (c->moe_keys != LM_MOE_KEYS_GRANITE || t->layer < 0 || t->lora) return 0;
+    int64_t H = c->hidden;
+    if (t->slot == LM_S_EXP_G || t->slot == LM_S_EXP_U || t->slot == LM_S_EXP_D) {
+        int64_t E = c->n_experts, Im = c->moe_intermediate, x = t->expert;
+        int down = t->slot == LM_S_EXP_D;
+        snprintf(f->name, sizeof f->name, "model.layers.%d.block_sparse_moe.%s.weight", t->layer,
+                 down ? "output_linear" : "input_linear");
+        f->ndim = 3;
+        f->shape[0] = E;
+        f->shape[1] = down ? H : 2 * Im;
+        f->shape[2] = down ? Im : H;
+        f->off = (size_t)(down ? x * H * Im : (2 * x + (t->slot == LM_S_EXP_U)) * Im * H);
+        f->first = x == 0 && t->slot != LM_S_EXP_U;
+        return 1;
+    }
+    if (c->shared_intermediate > 0 && (t->slot == LM_S_WG || t->slot == LM_S_WU) && lm_layer_is_moe(c, t->layer)) {
+        int64_t S = c->shared_intermediate;
+        snprintf(f->name, sizeof f->name, "model.layers.%d.shared_mlp.input_linear.weight", t->layer);
+        f->ndim = 2;
+        f->shape[0] = 2 * S;
+        f->shape[1] = H;
+        f->off = (size_t)(t->slot == LM_S_WU ? S * H : 0);
+        f->first = t->slot == LM_S_WG;
+        return 1;
+    }
+    return 0;
+}
+
+int hf_fuses_tensors(const lm_config *c) { return c->n_experts > 0 && c->moe_keys == LM_MOE_KEYS_GRANITE; }
+
+/* Whether NAME is a fused file tensor hf_fused_piece maps some table tensor of M into. */
+static int hf_is_fused_name(const lm_model *m, const char *name) {
+    hf_fused f;
+    for (int i = 0; i < m->n_tensors; i++)
+        if (hf_fused_piece(&m->cfg, &m->tensors[i], &f) && f.first && !strcmp(f.name, name)) return 1;
+    return 0;
+}
+
 int hf_load(lm_model *m, const char *dir, ct_err *e) {
     lm_copy_ctx cc;
     lm_sink sink = lm_copy_sink(&cc, m, NULL, NULL);
@@ -102,7 +157,11 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
     double total = 0;
     for (int i = 0; i < m->n_tensors; i++) {
         const st_tensor *st = m->tensors[i].lora ? NULL : st_set_find(s, m->tensors[i].name, NULL);
-        if (st) total += (double)st->numel * (double)ct_dtype_size(st->dtype);
+        hf_fused fz;
+        if (!st && !m->tensors[i].lora && hf_fused_piece(&m->cfg, &m->tensors[i], &fz) &&
+            (st = st_set_find(s, fz.name, NULL)))
+            total += (double)m->tensors[i].numel * (double)ct_dtype_size(st->dtype);
+        else if (st) total += (double)st->numel * (double)ct_dtype_size(st->dtype);
     }
     prog_bar bar;
     prog_begin(&bar, "load HF model", total, "B", HF_PROG_MIN_S);
@@ -111,25 +170,34 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
         if (t->lora) continue; /* adapters are not part of an HF model (model/lora.h loads them) */
         const char *file = NULL;
         const st_tensor *st = st_set_find(s, t->name, &file);
+        /* a piece of a fused tensor (GraniteMoE) where the file does not hold it under
+         * the table's own name (ctitan's checkpoints do) */
+        hf_fused fz;
+        int fused = !st && hf_fused_piece(&m->cfg, t, &fz);
+        if (fused) st = st_set_find(s, fz.name, &file);
+        const char *want_name = fused ? fz.name : t->name;
         if (!st) {
-            rc = ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the model needs it)", dir, t->name);
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: missing tensor \"%s\" (the model needs it)", dir, want_name);
             break;
         }
-        int same = st->ndim == t->ndim;
-        for (int d = 0; same && d < t->ndim; d++) same = st->shape[d] == t->shape[d];
+        int want_nd = fused ? fz.ndim : t->ndim;
+        const int64_t *want_shape = fused ? fz.shape : t->shape;
+        int same = st->ndim == want_nd;
+        for (int d = 0; same && d < want_nd; d++) same = st->shape[d] == want_shape[d];
         if (!same) {
             char got[128], want[128];
             shape_str(got, sizeof got, st->ndim, st->shape);
-            shape_str(want, sizeof want, t->ndim, t->shape);
-            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has shape %s, the model expects %s", file, t->name, got,
-                         want);
+            shape_str(want, sizeof want, want_nd, want_shape);
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has shape %s, the model expects %s", file, want_name,
+                         got, want);
             break;
         }
         size_t cols = lm_tensor_cols(t), rows = t->numel / cols, step = lm_block_rows(m, t);
         size_t es = ct_dtype_size(st->dtype);
+        const char *base = (const char *)st->data + (fused ? fz.off * es : 0);
         for (size_t r0 = 0; r0 < rows && !rc; r0 += step) {
             size_t r1 = r0 + step < rows ? r0 + step : rows;
-            if (ct_convert_to_f32(buf, (const char *)st->data + r0 * cols * es, st->dtype, (r1 - r0) * cols) != 0)
+            if (ct_convert_to_f32(buf, base + r0 * cols * es, st->dtype, (r1 - r0) * cols) != 0)
                 rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64",
                              file, t->name, ct_dtype_name(st->dtype));
             else
@@ -146,7 +214,7 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
     else prog_end(&bar);
     for (int i = 0; i < st_set_count(s) && !rc; i++) {
         const st_tensor *st = st_set_get(s, i);
-        if (lm_find(m, st->name)) continue;
+        if (lm_find(m, st->name) || hf_is_fused_name(m, st->name)) continue;
         const char *file = NULL;
         st_set_find(s, st->name, &file);
         if (m->cfg.tie_embeddings && strcmp(st->name, "lm_head.weight") == 0) {
@@ -166,46 +234,92 @@ static size_t hf_numel(const st_wtensor *t) {
     return n;
 }
 
-int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e) {
-    int rc = ct_mkdirs(dir, e);
-    if (rc) return rc;
-    st_wtensor *ts = ct_calloc((size_t)m->n_tensors, sizeof *ts);
+int hf_file_tensors(const lm_model *m, ct_dtype dtype, st_wtensor *ts, char (*names)[LM_NAME_MAX]) {
     int n = 0;
     for (int j = 0; j < m->n_tensors; j++) {
         const lm_tensor *t = &m->tensors[j];
         if (t->lora) continue; /* an HF model has no adapters: the base alone (to fold them in: lora_merge first) */
-        int i = n++;
-        ts[i].name = t->name;
-        ts[i].dtype = dtype;
-        ts[i].src_dtype = CT_F32;
-        ts[i].ndim = t->ndim;
-        ts[i].shape[0] = t->shape[0];
-        ts[i].shape[1] = t->shape[1];
-        ts[i].data = m->params + t->offset;
+        hf_fused fz;
+        int fu = hf_fused_piece(&m->cfg, t, &fz);
+        if (fu && !fz.first) continue; /* written with the piece that starts its file tensor */
+        st_wtensor *w = &ts[n++];
+        *w = (st_wtensor){.name = t->name, .dtype = dtype, .src_dtype = CT_F32, .ndim = t->ndim};
+        for (int d = 0; d < t->ndim; d++) w->shape[d] = t->shape[d];
+        if (fu) { /* the fused tensor's own name (kept in names) and shape */
+            snprintf(names[n - 1], LM_NAME_MAX, "%s", fz.name);
+            w->name = names[n - 1];
+            w->ndim = fz.ndim;
+            for (int d = 0; d < fz.ndim; d++) w->shape[d] = fz.shape[d];
+        }
     }
+    return n;
+}
+
+/* One run of floats to the stream in HF_SAVE_CHUNK pieces (the bar follows). */
+static int hf_write_run(st_dir_stream *d, const float *x, size_t numel, size_t es, prog_bar *bar, ct_err *e) {
+    for (size_t off = 0; off < numel; off += HF_SAVE_CHUNK) {
+        size_t k = numel - off < HF_SAVE_CHUNK ? numel - off : HF_SAVE_CHUNK;
+        int rc = st_dir_stream_write(d, x + off, k, e);
+        if (rc) return rc;
+        if (bar) prog_add(bar, (double)(k * es));
+    }
+    return 0;
+}
+
+int hf_write_unit(const lm_model *m, int i0, int i1, const float *x, st_dir_stream *d, size_t es, prog_bar *bar,
+                  ct_err *e) {
+    size_t base = m->tensors[i0].offset;
+    for (int j = i0; j < i1; j++) {
+        const lm_tensor *t = &m->tensors[j];
+        hf_fused fz;
+        if (t->lora) continue;
+        if (!hf_fused_piece(&m->cfg, t, &fz)) {
+            int rc = hf_write_run(d, x + (t->offset - base), t->numel, es, bar, e);
+            if (rc) return rc;
+            continue;
+        }
+        if (!fz.first) continue;
+        /* the fused tensor's pieces (all in this unit: one layer's), in the file's element
+         * order: they tile it, so the next starts where the last ended */
+        char name[LM_NAME_MAX];
+        snprintf(name, sizeof name, "%s", fz.name);
+        for (size_t at = 0;;) {
+            const lm_tensor *next = NULL;
+            for (int k = i0; k < i1 && !next; k++)
+                if (hf_fused_piece(&m->cfg, &m->tensors[k], &fz) && !strcmp(fz.name, name) && fz.off == at)
+                    next = &m->tensors[k];
+            if (!next) break;
+            int rc = hf_write_run(d, x + (next->offset - base), next->numel, es, bar, e);
+            if (rc) return rc;
+            at += next->numel;
+        }
+    }
+    return 0;
+}
+
+int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e) {
+    int rc = ct_mkdirs(dir, e);
+    if (rc) return rc;
+    st_wtensor *ts = ct_calloc((size_t)m->n_tensors + 1, sizeof *ts);
+    char (*names)[LM_NAME_MAX] = ct_calloc((size_t)m->n_tensors + 1, sizeof *names);
+    int n = hf_file_tensors(m, dtype, ts, names);
     const char *meta[] = {"format", "pt", NULL};
     if (max_shard_bytes == 0) max_shard_bytes = (size_t)5 << 30;
     /* streamed tensor by tensor (the files st_write_dir writes) so the bar can follow */
     double total = 0;
     for (int i = 0; i < n; i++) total += (double)hf_numel(&ts[i]);
     prog_bar bar;
-    prog_begin(&bar, "save HF model", total * (double)ct_dtype_size(dtype), "B", HF_PROG_MIN_S);
+    size_t es = ct_dtype_size(dtype);
+    prog_begin(&bar, "save HF model", total * (double)es, "B", HF_PROG_MIN_S);
     st_dir_stream *d = NULL;
     rc = st_dir_stream_open(&d, dir, ts, n, max_shard_bytes, meta, e);
-    for (int i = 0; i < n && !rc; i++) {
-        size_t numel = hf_numel(&ts[i]);
-        const float *x = ts[i].data;
-        for (size_t off = 0; off < numel && !rc; off += HF_SAVE_CHUNK) {
-            size_t k = numel - off < HF_SAVE_CHUNK ? numel - off : HF_SAVE_CHUNK;
-            rc = st_dir_stream_write(d, x + off, k, e);
-            prog_add(&bar, (double)(k * ct_dtype_size(dtype)));
-        }
-    }
+    if (!rc) rc = hf_write_unit(m, 0, m->n_tensors, m->params + m->tensors[0].offset, d, es, &bar, e);
     if (!rc) rc = st_dir_stream_close(d, e);
-    else st_dir_stream_abort(d);
+    else if (d) st_dir_stream_abort(d);
     if (rc) prog_break(&bar);
     else prog_end(&bar);
     free(ts);
+    free(names);
     if (rc) return rc;
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);

@@ -12,6 +12,8 @@
 
 #include "core/dtype.h"
 #include "core/err.h"
+#include "core/progress.h"
+#include "formats/safetensors.h"
 #include "model/generate.h"
 #include "model/lm.h"
 
@@ -22,6 +24,21 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
 /* Writes DIR/config.json and DIR/model.safetensors (sharded with an index
  * above max_shard_bytes; 0 = default 5 GB). dtype: CT_F32, CT_BF16 or CT_F16. */
 int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e);
+/* 1 when the HF files of c's model fuse tensors its table holds apart
+ * (GraniteMoE's block_sparse_moe.input_linear / output_linear, GraniteMoeShared's
+ * shared_mlp.input_linear): writers go through hf_file_tensors / hf_write_unit;
+ * hf_load_each reads both the fused files and ctitan's checkpoints. */
+int hf_fuses_tensors(const lm_config *c);
+/* The tensors of m's HF files, in the order hf_write_unit writes them, into
+ * ts[m->n_tensors] (adapters left out; a fused tensor once, named in
+ * names[m->n_tensors]); returns how many. */
+int hf_file_tensors(const lm_model *m, ct_dtype dtype, st_wtensor *ts, char (*names)[LM_NAME_MAX]);
+/* Writes the file tensors that start among m's tensors [i0, i1) to d, from x
+ * (their floats, tensors[i0] first, as the table lays them out): a fused
+ * tensor's pieces in the file's order, so they must be in the same range (a
+ * layer's are). es: bytes per written element, for bar (NULL: none). */
+int hf_write_unit(const lm_model *m, int i0, int i1, const float *x, st_dir_stream *d, size_t es, prog_bar *bar,
+                  ct_err *e);
 /* A saved model is used as transformers' save_pretrained leaves it: with its
  * tokenizer and generation settings beside the weights (AutoTokenizer, and
  * model.generate stopping at the end token). These two complete a directory

@@ -176,7 +176,9 @@ int cli_describe(int argc, char **argv) {
     if (c.n_experts) {
         printf("experts: %d of %d per token, %d wide", c.top_k, c.n_experts, c.moe_intermediate);
         /* qwen2_moe: the shared expert is half or more of a sparse layer's active MLP */
-        if (c.shared_intermediate > 0) printf(", and a shared expert %d wide (sigmoid-gated)", c.shared_intermediate);
+        if (c.shared_intermediate > 0)
+            printf(", and a shared expert %d wide (%s)", c.shared_intermediate,
+                   c.moe_keys == LM_MOE_KEYS_GRANITE ? "ungated" : "sigmoid-gated");
         printf("\n");
     }
     int sliding = 0;

@@ -280,10 +280,18 @@ static void build_layout(lm_model *m) {
             T_(sfx, H, 0, 0, LM_S_LN_PRE_MLP);
         }
         if (lm_layer_is_moe(c, l)) { /* the router here, the experts at the layer's end (below) */
-            snprintf(sfx, sizeof sfx, "%s.gate.weight",
-                     c->moe_keys == LM_MOE_KEYS_MIXTRAL ? "block_sparse_moe" : "mlp");
+            snprintf(sfx, sizeof sfx, "%s", c->moe_keys == LM_MOE_KEYS_MIXTRAL   ? "block_sparse_moe.gate.weight"
+                                            : c->moe_keys == LM_MOE_KEYS_GRANITE ? "block_sparse_moe.router.layer.weight"
+                                                                                 : "mlp.gate.weight");
             T_(sfx, c->n_experts, H, 1, LM_S_ROUTER);
-            if (c->shared_intermediate > 0) { /* qwen2_moe: a dense MLP under its own name, and its gate */
+            if (c->shared_intermediate > 0 && c->moe_keys == LM_MOE_KEYS_GRANITE) {
+                /* GraniteMoeShared's shared_mlp, ungated: its files fuse gate and up rows into
+                 * shared_mlp.input_linear [2 S, H] (checkpoint/hf.c maps the two names) */
+                int64_t Is = c->shared_intermediate;
+                T_("shared_mlp.gate_proj.weight", Is, H, 1, LM_S_WG);
+                T_("shared_mlp.up_proj.weight", Is, H, 1, LM_S_WU);
+                T_("shared_mlp.output_linear.weight", H, Is, 1, LM_S_WD);
+            } else if (c->shared_intermediate > 0) { /* qwen2_moe: a dense MLP under its own name, and its gate */
                 int64_t Is = c->shared_intermediate;
                 T_("mlp.shared_expert.gate_proj.weight", Is, H, 1, LM_S_WG);
                 T_("mlp.shared_expert.up_proj.weight", Is, H, 1, LM_S_WU);
@@ -338,7 +346,8 @@ static void build_layout(lm_model *m) {
              * one stacked [E, ., .] block for the grouped kernels */
             for (int p = 0; p < 3; p++)
                 for (int64_t x = 0; x < E; x++) {
-                    snprintf(sfx, sizeof sfx, "%s.experts.%lld.%s.weight", mx ? "block_sparse_moe" : "mlp",
+                    snprintf(sfx, sizeof sfx, "%s.experts.%lld.%s.weight",
+                             mx || c->moe_keys == LM_MOE_KEYS_GRANITE ? "block_sparse_moe" : "mlp",
                              (long long)x, proj[mx][p]);
                     int held = !c->expert_rows || (x >= c->expert0 && x < c->expert0 + c->expert_rows);
                     T_(sfx, held ? (p < 2 ? Im : H) : 0, p < 2 ? H : Im, 1, slot[p]);
@@ -591,6 +600,7 @@ static void plan_activations(lm_model *m, carver *cv) {
         m->ws.d_so = carve(cv, BT * H);
         m->ws.d_sg = carve(cv, BT);
     }
+    if (m->moe.n_layers && resid_mult(c) != 0) m->ws.d_moe = carve(cv, BT * H);
     if (m->moe.n_layers) {
         m->ws.moe_work = carve(cv, KERN_MOE_WORK(Nk, H, c->moe_intermediate));
         m->ws.moe_dtopw = carve(cv, (size_t)Nk);
@@ -1827,6 +1837,11 @@ static void shared_expert_fwd(lm_model *m, int l, lm_layer_acts *a, const lm_lay
     mlp_up_fwd(m, l, w, a, x, a->sgate, a->sup, a->sh, BT, Is); /* [BT, Is] each */
     mm_fwd(m, a->so, a->sh, w->wd, BT, Is, H, 0);                /* [BT, H] */
     shared_down_lora_fwd(m, l, a, w, BT);
+    if (!w->shgate) { /* GraniteMoeShared: the shared MLP's output added as it is */
+        if (y)
+            for (size_t i = 0; i < (size_t)BT * H; i++) y[i] += a->so[i];
+        return;
+    }
     mm_fwd(m, a->sg, x, w->shgate, BT, H, 1, 0);                 /* [BT] the gate's logits */
     lora_fwd_n(m, l, w, x, BT, H, 1, (const int[]){LM_LORA_SHGATE}, &a->sg, &a->lora_u[LM_LORA_SHGATE],
                (const int[]){1}); /* whole on every rank, as the gate (its input is) */
@@ -1918,8 +1933,12 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
          * and the residual is added once, as residual_matmul does. The router
          * and its top-k run on the replicated ln2, identically on every rank. */
         int tp = m->hooks && m->hooks->reduce_partial;
-        float *y = res_next && tp ? m->ws.d_ln : res_next; /* [BT, H] */
-        if (y && tp) zero(y, n);
+        /* Granite's residual_multiplier scales the whole branch (experts and shared MLP)
+         * before the add: it too goes through the scratch */
+        int scr = tp || rm != 0;
+        /* generate's cache has no d_ln but keeps the branch buffer mo (branch_bufs) */
+        float *y = res_next && scr ? (kv ? a->mo : m->ws.d_ln) : res_next; /* [BT, H] */
+        if (y && scr) zero(y, n);
         else if (y) memcpy(y, a->res_mid, n * sizeof(float));
         const float *eg, *eu, *ed;
         experts_adapted(m, w, &eg, &eu, &ed);
@@ -1931,10 +1950,12 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         } else
             experts_h(m, 1, y, NULL, NULL, NULL, NULL, NULL, NULL, &ag, kv ? kv->moe_work : m->ws.moe_work, eg, eu,
                       ed, BT);
-        if (w->shgate) shared_expert_fwd(m, l, a, w, xm, y, BT);
-        if (y && tp) {
-            const float *ys = sum_rows(m, y, BT, H);
-            for (size_t i = 0; i < ns; i++) res_next[i] = a->res_mid[i] + ys[i];
+        if (c->shared_intermediate > 0) shared_expert_fwd(m, l, a, w, xm, y, BT);
+        if (y && scr) {
+            const float *ys = tp ? sum_rows(m, y, BT, H) : y;
+            if (rm != 0) scaled_add(res_next, a->res_mid, ys, rm, ns);
+            else
+                for (size_t i = 0; i < ns; i++) res_next[i] = a->res_mid[i] + ys[i];
         }
         return;
     }
@@ -2668,7 +2689,9 @@ static void shared_expert_bwd(lm_model *m, int l, const lm_layer_acts *a, const 
     size_t H = (size_t)m->cfg.hidden;
     int Is = m->cfg.shared_intermediate;
     float *dso = m->ws.d_so, *dsg = m->ws.d_sg; /* [BT, H], [BT] */
-    for (size_t t = 0; t < (size_t)BT; t++) {
+    if (!w->shgate) /* ungated (GraniteMoeShared): d(output) is the branch's */
+        memcpy(dso, dy, (size_t)BT * H * sizeof(float));
+    for (size_t t = 0; t < (size_t)BT && w->shgate; t++) {
         float s = a->sg[t], dot = 0;
         for (size_t j = 0; j < H; j++) {
             dot += dy[t * H + j] * a->so[t * H + j];
@@ -2676,7 +2699,7 @@ static void shared_expert_bwd(lm_model *m, int l, const lm_layer_acts *a, const 
         }
         dsg[t] = dot * s * (1.0f - s); /* sigmoid' = s (1 - s) */
     }
-    reduce_d_input(m, dsg, (size_t)BT);
+    if (w->shgate) reduce_d_input(m, dsg, (size_t)BT);
     mm_bwd(m, m->ws.d_h, g->wd, dso, a->sh, w->wd, BT, Is, (int)H, 0); /* d_h [BT, Is], overwritten */
     lora_bwd_n(m, l, m->ws.d_h, a->sh, BT, Is, 1, (const int[]){LM_LORA_DOWN}, (const float *const[]){dso},
                (const int[]){(int)H});
@@ -2707,6 +2730,11 @@ static float *moe_layer_bwd(lm_model *m, int l, int BT) {
     /* the experts and the router run on all rows: under sequence parallel
      * ln2 and d(output) are gathered */
     const float *dy = sp_gather(m, m->ws.sp_dy, m->ws.d_res, BT, H);
+    float rm = resid_mult(c);
+    if (rm != 0) { /* the branch was scaled before the add: d(branch) = rm d(residual) */
+        for (size_t i = 0; i < (size_t)BT * H; i++) m->ws.d_moe[i] = dy[i] * rm;
+        dy = m->ws.d_moe;
+    }
     lm_layer_acts ag = *a;
     ag.ln2 = sp_gather(m, m->ws.sp_x, a->ln2, BT, H);
     if (m->moe_ep) {
@@ -2716,7 +2744,7 @@ static float *moe_layer_bwd(lm_model *m, int l, int BT) {
     } else
         experts_h(m, 0, NULL, m->ws.d_ln, dg, du, dd, m->ws.moe_dtopw, dy, &ag, m->ws.moe_work, eg, eu, ed, BT);
     experts_adapted_grad(m, w, g);
-    if (w->shgate) shared_expert_bwd(m, l, a, w, g, ag.ln2, dy, BT);
+    if (c->shared_intermediate > 0) shared_expert_bwd(m, l, a, w, g, ag.ln2, dy, BT);
     /* under tensor parallelism both are partial sums over the experts'
      * intermediate slices; the router's own d(ln2), added next, is not
      * (its rows outside this rank's block, under sequence parallel, unread) */

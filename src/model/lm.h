@@ -42,7 +42,12 @@ enum { LM_QK_HEAD = 0,       /* q_norm/k_norm over each head's hd (Qwen3, Gemma3
        LM_QK_PROJ = 2        /* over the whole projection, nH*hd and nKV*hd (OLMo2) */ };
 enum { LM_ACT_SILU = 0, LM_ACT_GELU_TANH = 1 /* gelu_pytorch_tanh */ };
 enum { LM_MOE_KEYS_QWEN = 0, /* mlp.gate, mlp.experts.N.{gate,up,down}_proj */
-       LM_MOE_KEYS_MIXTRAL = 1 /* block_sparse_moe.gate, block_sparse_moe.experts.N.{w1,w3,w2} */ };
+       LM_MOE_KEYS_MIXTRAL = 1, /* block_sparse_moe.gate, block_sparse_moe.experts.N.{w1,w3,w2} */
+       /* GraniteMoE: block_sparse_moe.router.layer; the files fuse every expert into
+        * block_sparse_moe.input_linear [E, 2 Im, H] (each expert's gate rows, then its up
+        * rows) and output_linear [E, H, Im], which the table holds per expert as
+        * block_sparse_moe.experts.N.{gate,up,down}_proj (checkpoint/hf.c maps them) */
+       LM_MOE_KEYS_GRANITE = 2 };
 
 /* The projections LoRA can adapt, in the tensor table's order within a layer. */
 enum { LM_LORA_Q, LM_LORA_K, LM_LORA_V, LM_LORA_O, LM_LORA_GATE, LM_LORA_UP, LM_LORA_DOWN,
@@ -418,6 +423,7 @@ typedef struct {
     float *moe_dprobs;      /* [BT, E] */
     float *moe_dprob_all;   /* [E] d(aux term)/d probs, the same for every layer and token */
     float *d_so;            /* [BT, H] d of the shared expert's output before its gate (qwen2_moe) */
+    float *d_moe;           /* [BT, H] d of a sparse layer's branch, residual_multiplier x d(res) (GraniteMoE) */
     float *d_sg;            /* [BT] d of the shared expert gate's logit */
     /* LoRA (cfg.lora_rank > 0) */
     float *lora_du;         /* [BT, r] d of an adapter's A output */

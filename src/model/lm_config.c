@@ -248,19 +248,21 @@ static int json_bool(const cJSON *root, const char *key, int *out, const char *p
 
 /* The qwen3_moe keys, with Qwen3MoeConfig's defaults (MixtralConfig's,
  * Qwen2MoeConfig's: qwen2_moe adds its shared expert's width). */
-static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, int shared, const char *path,
-                                ct_err *e) {
+static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, int shared, int olmoe,
+                                const char *type, const char *path, ct_err *e) {
     int rc;
-    c->n_experts = mixtral ? 8 : shared ? 60 : 128;
+    c->n_experts = mixtral ? 8 : shared ? 60 : olmoe ? 64 : 128;
     c->top_k = mixtral ? 2 : shared ? 4 : 8;
     c->moe_intermediate = shared ? 1408 : 768;
     c->shared_intermediate = shared ? 5632 : 0;
     c->norm_topk_prob = 0;
     c->decoder_sparse_step = 1;
     c->output_router_logits = 0;
-    c->router_aux_loss_coef = 0.001;
-    /* transformers writes num_local_experts (its attribute_map), Qwen's files num_experts */
-    const char *ek = cJSON_GetObjectItemCaseSensitive(root, "num_local_experts") ? "num_local_experts" : "num_experts";
+    c->router_aux_loss_coef = olmoe ? 0.01 : 0.001; /* OlmoeConfig's default */
+    /* transformers writes num_local_experts (its attribute_map), Qwen's files num_experts;
+     * GraniteMoeConfig has no num_experts (the key would be an unused attribute there) */
+    const char *ek = cJSON_GetObjectItemCaseSensitive(root, "num_local_experts") || !strncmp(type, "granitemoe", 10)
+                         ? "num_local_experts" : "num_experts";
     if ((rc = json_int(root, ek, &c->n_experts, 0, path, e)) ||
         (rc = json_int(root, "num_experts_per_tok", &c->top_k, 0, path, e)) ||
         (rc = json_int(root, "moe_intermediate_size", &c->moe_intermediate, 0, path, e)) ||
@@ -272,7 +274,7 @@ static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, in
         return rc;
     if (c->n_experts < 1)
         return ct_fail(e, CT_ERR_CONFIG, "%s: \"%s\" = %d: a %s model needs at least one expert", path, ek,
-                       c->n_experts, mixtral ? "mixtral" : shared ? "qwen2_moe" : "qwen3_moe");
+                       c->n_experts, type);
     if (shared && c->shared_intermediate < 1)
         return ct_fail(e, CT_ERR_CONFIG, "%s: \"shared_expert_intermediate_size\" must be positive, got %d", path,
                        c->shared_intermediate);
@@ -339,6 +341,9 @@ typedef struct {
     int granite;        /* the four Granite scalars (embedding_multiplier ...) are read */
     int shared_expert;  /* qwen2_moe: a gated shared expert in every sparse layer, q/k/v biases by "qkv_bias" */
     int nope;           /* SmolLM3: no_rope_layers / no_rope_layer_interval pick layers without RoPE */
+    int granite_shared; /* GraniteMoeShared: an ungated shared MLP of shared_intermediate_size (0: none) */
+    int olmoe;          /* OLMoE: every layer sparse, experts intermediate_size wide, clip_qkv, q/k norms
+                           over hidden_size (head_dim must be hidden_size / num_attention_heads) */
 } lm_family;
 
 static const lm_family families[] = {
@@ -395,6 +400,22 @@ static const lm_family families[] = {
     {.type = "olmo3", .arch = "Olmo3ForCausalLM", .norm_place = LM_NORM_POST, .qk_norm = LM_QK_PROJ,
      .has_attn_bias = 1, .eps = 1e-5, .max_pos = 2048, .pad = 1, .win = WIN_OLMO3, .win_default = 4096,
      .act_key = "hidden_act", .theta = 5e5, .rope_style = ROPE_STYLE_OLMO3},
+    /* OLMoE: Llama's pre-norm layer with OLMo2's whole-projection q/k norms, and Qwen3-MoE's
+     * router and experts (softmax top-k, renormalised as norm_topk_prob says) in every layer */
+    {.type = "olmoe", .arch = "OlmoeForCausalLM", .moe = 1 + LM_MOE_KEYS_QWEN, .qk_norm = LM_QK_PROJ,
+     .has_attn_bias = 1, .eps = 1e-5, .max_pos = 4096, .pad = 1, .act_key = "hidden_act", .theta = 1e4,
+     .olmoe = 1},
+    /* GraniteMoE (granite-3.0-1b-a400m, 3b-a800m): Granite's four scalars around Mixtral's
+     * layer: every layer sparse, experts intermediate_size wide, softmax over the top-k
+     * logits (the renormalised top-k softmax), the files fusing each layer's experts */
+    {.type = "granitemoe", .arch = "GraniteMoeForCausalLM", .moe = 1 + LM_MOE_KEYS_GRANITE, .qk_norm = LM_QK_NONE,
+     .has_attn_bias = 1, .eps = 1e-6, .max_pos = 2048, .pad = -1, .act_key = "hidden_act", .theta = 1e4,
+     .granite = 1},
+    /* GraniteMoeShared: GraniteMoE plus an ungated shared MLP (shared_intermediate_size; 0,
+     * the default: none) added to the experts' output in every layer */
+    {.type = "granitemoeshared", .arch = "GraniteMoeSharedForCausalLM", .moe = 1 + LM_MOE_KEYS_GRANITE,
+     .qk_norm = LM_QK_NONE, .has_attn_bias = 1, .eps = 1e-6, .max_pos = 2048, .pad = -1, .act_key = "hidden_act",
+     .theta = 1e4, .granite = 1, .granite_shared = 1},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -724,17 +745,53 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
                      LM_MAX_LAYERS);
         goto done;
     }
-    if (f->moe &&
-        (rc = moe_config_from_json(c, root, f->moe == 1 + LM_MOE_KEYS_MIXTRAL, f->shared_expert, path, e)))
+    /* GraniteMoeConfig: Mixtral's keys and defaults (num_local_experts 8, 2 per token) */
+    int mixlike = f->moe == 1 + LM_MOE_KEYS_MIXTRAL || f->moe == 1 + LM_MOE_KEYS_GRANITE;
+    if (f->moe && (rc = moe_config_from_json(c, root, mixlike, f->shared_expert, f->olmoe, f->type, path, e)))
         goto done;
+    if (f->olmoe) {
+        /* OlmoeSparseMoeBlock in every layer, its experts intermediate_size wide: OlmoeConfig
+         * has no moe_intermediate_size, decoder_sparse_step nor mlp_only_layers */
+        c->moe_intermediate = c->intermediate;
+        c->n_mlp_only = 0;
+        c->decoder_sparse_step = 1;
+        /* q_norm spans hidden_size and k_norm (hidden_size / heads) x kv heads, whatever
+         * head_dim says: other head widths fail in transformers' forward */
+        if (c->n_heads > 0 && (long long)c->n_heads * c->head_dim != c->hidden) {
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: \"head_dim\" = %d with hidden_size %d and num_attention_heads %d: model_type olmoe "
+                         "needs head_dim x num_attention_heads = hidden_size (OlmoeAttention's q_norm spans "
+                         "hidden_size)", path, c->head_dim, c->hidden, c->n_heads);
+            goto done;
+        }
+        const cJSON *clip = cJSON_GetObjectItemCaseSensitive(root, "clip_qkv");
+        if (clip && !cJSON_IsNull(clip)) {
+            char *v = cJSON_PrintUnformatted(clip);
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"clip_qkv\" = %s is not supported (ctitan does not clamp q, k "
+                         "and v); only null is", path, v ? v : "?");
+            free(v);
+            goto done;
+        }
+    }
     if (f->shared_expert && (rc = json_bool(root, "qkv_bias", &c->qkv_bias, path, e))) goto done;
-    if (f->moe == 1 + LM_MOE_KEYS_MIXTRAL) {
-        /* MixtralTopKRouter always renormalises the top k; its experts are intermediate_size wide */
+    if (f->granite_shared) {
+        if ((rc = json_int(root, "shared_intermediate_size", &c->shared_intermediate, 0, path, e))) goto done;
+        if (c->shared_intermediate < 0) {
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"shared_intermediate_size\" must be >= 0 (0: no shared MLP), got %d",
+                         path, c->shared_intermediate);
+            goto done;
+        }
+    }
+    if (mixlike) {
+        /* MixtralTopKRouter always renormalises the top k, GraniteMoeTopKRouter takes the
+         * softmax of the top-k logits (the same weights); the experts are intermediate_size wide */
         c->norm_topk_prob = 1;
         c->moe_intermediate = c->intermediate;
         c->n_mlp_only = 0;
         c->decoder_sparse_step = 1;
-        if ((rc = refuse_nonzero(root, "router_jitter_noise", "ctitan's router adds no noise", path, e))) goto done;
+        if (f->moe == 1 + LM_MOE_KEYS_MIXTRAL &&
+            (rc = refuse_nonzero(root, "router_jitter_noise", "ctitan's router adds no noise", path, e)))
+            goto done;
     }
     if (f->has_attn_bias) {
         int b = 0;
@@ -900,12 +957,20 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
     cJSON_AddBoolToObject(o, "use_cache", 1);
     add_float(o, "initializer_range", 0.02);
     cJSON_AddStringToObject(o, "dtype", dtype_name);
-    if (moe && mixtral) {
+    if (moe && (mixtral || c->moe_keys == LM_MOE_KEYS_GRANITE)) {
         cJSON_AddNumberToObject(o, "num_local_experts", c->n_experts);
         cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);
         cJSON_AddBoolToObject(o, "output_router_logits", c->output_router_logits);
         add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
-        add_float(o, "router_jitter_noise", 0);
+        if (mixtral) add_float(o, "router_jitter_noise", 0);
+        if (f->granite_shared) cJSON_AddNumberToObject(o, "shared_intermediate_size", c->shared_intermediate);
+    } else if (moe && f->olmoe) { /* the experts' width is intermediate_size, every layer sparse */
+        cJSON_AddNumberToObject(o, "num_experts", c->n_experts);
+        cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);
+        cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk_prob);
+        cJSON_AddBoolToObject(o, "output_router_logits", c->output_router_logits);
+        add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
+        cJSON_AddNullToObject(o, "clip_qkv");
     } else if (moe) {
         cJSON_AddNumberToObject(o, "num_experts", c->n_experts);
         cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);

@@ -936,6 +936,19 @@ static int pattern_text(const char *text, const char *what, cJSON **out, const c
 
 int lora_config_patterns(lm_config *c, const char *rank_pattern, const char *alpha_pattern, double alpha, int rslora,
                          int gate_up_fused, const char *where, ct_err *e) {
+    /* GraniteMoE: PEFT rewrites no target into its fused experts or router (their
+     * modules are no Linear; "all-linear" adapts q/k/v/o_proj only, gate_proj and the
+     * like name nothing there), where the MoE rewrite above would adapt them */
+    unsigned attn = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | (1u << LM_LORA_O);
+    if (c->moe_keys == LM_MOE_KEYS_GRANITE)
+        for (int l = 0; l < c->n_layers; l++)
+            /* GraniteMoeShared's shared MLP is held as gate/up/down_proj, names PEFT
+             * does not find there (its modules are shared_mlp.input_linear, output_linear) */
+            if (c->lora_experts[l] || (c->lora_targets & ~attn & ((1u << LM_LORA_N) - 1)))
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: lora.target_modules / lora.target_parameters: model_type \"%s\" has no "
+                               "Linear experts or router for PEFT to adapt (its \"all-linear\" adapts q_proj, "
+                               "k_proj, v_proj and o_proj only); name those", where, c->model_type);
     cJSON *rp, *ap;
     int rc = pattern_text(rank_pattern, "rank_pattern", &rp, where, e);
     if (!rc) rc = pattern_text(alpha_pattern, "alpha_pattern", &ap, where, e);

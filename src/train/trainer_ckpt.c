@@ -1100,8 +1100,8 @@ int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
  * the same step (that would break its manifest): then it goes to hf-step-N.
  * An earlier HF export of the step is replaced. `dir` gets the final path. */
 static int put_hf(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
-    (void)fm, (void)i0, (void)i1;
-    return st_dir_stream_write(ctx, x, n, e);
+    (void)n; /* a unit is one layer (or the embedding, the head): a fused tensor's pieces all come in one */
+    return hf_write_unit(fm, i0, i1, x, ctx, 0, NULL, e);
 }
 
 /* Written like a checkpoint (save_gather: every rank takes part, rank 0
@@ -1122,17 +1122,15 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
         lm_layout(&ftab, &t->plan.whole);
         fm = &ftab;
     }
-    if (rank0) {
+    if (rank0) { /* the files' tensors: GraniteMoE's fused experts as transformers reads them (checkpoint/hf.h) */
         ct_rm_tree(tmp, NULL);
         st_wtensor *ts = ct_calloc((size_t)fm->n_tensors + 1, sizeof *ts);
-        for (int i = 0; i < fm->n_tensors; i++) {
-            const lm_tensor *q = &fm->tensors[i];
-            ts[i] = (st_wtensor){.name = q->name, .dtype = dtype, .src_dtype = CT_F32, .ndim = q->ndim};
-            for (int d = 0; d < q->ndim; d++) ts[i].shape[d] = q->shape[d];
-        }
+        char (*names)[LM_NAME_MAX] = ct_calloc((size_t)fm->n_tensors + 1, sizeof *names);
+        int n = hf_file_tensors(fm, dtype, ts, names);
         static const char *const meta[] = {"format", "pt", NULL};
-        rc = st_dir_stream_open(&out, tmp, ts, fm->n_tensors, (size_t)5 << 30, meta, e);
+        rc = st_dir_stream_open(&out, tmp, ts, n, (size_t)5 << 30, meta, e);
         free(ts);
+        free(names);
     }
     plan_save_gather(&t->plan, fm, 1, 1, put_hf, out, &rc, e);
     if (rank0) {

@@ -2,7 +2,7 @@
 
 One tiny random model per case, built with transformers' OWN config and model classes
 (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmo2, phi3, gemma, gemma2,
-gemma3_text, granite, smollm3, olmo3)
+gemma3_text, granite, smollm3, olmo3, olmoe, granitemoe, granitemoeshared)
 with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
 weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
 whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
@@ -13,6 +13,7 @@ transformers 5 keeps some tensors differently in memory; `to_file_names` maps th
 parameters (and their gradients) to the file names:
   qwen3_moe  mlp.experts.gate_up_proj [E, 2I, H] -> mlp.experts.e.{gate,up}_proj.weight
   qwen2_moe  mlp.experts.down_proj [E, H, I]     -> mlp.experts.e.down_proj.weight
+  olmoe
              (qwen2_moe's shared expert and its gate keep their names)
   mixtral    mlp.gate.weight                      -> block_sparse_moe.gate.weight
              mlp.experts.gate_up_proj [E, 2I, H]  -> block_sparse_moe.experts.e.{w1,w3}.weight
@@ -56,8 +57,11 @@ FAMILIES = {
     "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
     "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
     "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
+    "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+    "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
+    "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM),
 }
-MOE = {"qwen3_moe", "qwen2_moe", "mixtral"}
+MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"}
 GEMMA = {"gemma", "gemma2", "gemma3_text"}  # RMSNorm by (1 + w)
 
 # sizes every case shares unless it overrides them
@@ -154,6 +158,65 @@ CASES = [
         seed=13,
         keys=("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "mlp_only_layers",
               "norm_topk_prob", "qkv_bias", "rope_parameters")),
+    # ------------------------------------------------------------------ olmoe
+    # Llama's pre-norm layer with q_norm / k_norm over the whole projections (32 and 16 wide)
+    # and every layer sparse: experts intermediate_size (24) wide, softmax top-k not
+    # renormalised (OlmoeConfig's default), attention biases, the aux loss in the loss; pad 1
+    Case("olmoe_aux_bias", "olmoe", dict(
+        intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, attention_bias=True,
+        output_router_logits=True, router_aux_loss_coef=0.05, rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": 1e4}),
+        seed=13,
+        keys=("num_experts", "num_experts_per_tok", "intermediate_size", "norm_topk_prob", "attention_bias",
+              "output_router_logits", "router_aux_loss_coef", "clip_qkv", "pad_token_id")),
+    # renormalised top-k, 3 layers, tied embeddings, no aux loss
+    Case("olmoe_norm_topk_tied", "olmoe", dict(
+        num_hidden_layers=3, intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        tie_word_embeddings=True, output_router_logits=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+        seed=14,
+        keys=("num_experts", "intermediate_size", "norm_topk_prob", "tie_word_embeddings", "rope_parameters")),
+    # ------------------------------------------------------------------ granitemoe
+    # Granite's four scalars around every-layer-sparse experts (intermediate_size 24), stored
+    # fused (input_linear [E, 2I, H]: each expert's gate rows, then up); the softmax of the
+    # top-k router logits; the aux loss in the loss
+    Case("granitemoe_aux", "granitemoe", dict(
+        intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.05, embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2,
+        logits_scaling=2.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=15,
+        keys=("num_local_experts", "num_experts_per_tok", "intermediate_size", "output_router_logits",
+              "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+              "logits_scaling")),
+    # 3 of 4 experts per token, tied embeddings, attention biases, no aux loss
+    Case("granitemoe_k3_tied_bias", "granitemoe", dict(
+        num_hidden_layers=3, intermediate_size=16, num_local_experts=4, num_experts_per_tok=3,
+        attention_bias=True, tie_word_embeddings=True, output_router_logits=False, embedding_multiplier=2.0,
+        residual_multiplier=0.7, attention_multiplier=0.3, logits_scaling=1.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+        seed=14,
+        keys=("num_local_experts", "num_experts_per_tok", "attention_bias", "tie_word_embeddings",
+              "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")),
+    # ------------------------------------------------------------------ granitemoeshared
+    # granitemoe plus an ungated shared MLP (shared_intermediate_size 40, wider than the
+    # experts' 24) in every layer, its gate and up rows fused in shared_mlp.input_linear
+    Case("granitemoeshared_aux", "granitemoeshared", dict(
+        intermediate_size=24, shared_intermediate_size=40, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.05, embedding_multiplier=3.0, residual_multiplier=0.4,
+        attention_multiplier=0.2, logits_scaling=2.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=19,
+        keys=("num_local_experts", "intermediate_size", "shared_intermediate_size", "output_router_logits",
+              "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+              "logits_scaling")),
+    # a shared MLP narrower than the experts (8 < 16), 3 layers, tied, no aux loss
+    Case("granitemoeshared_narrow_tied", "granitemoeshared", dict(
+        num_hidden_layers=3, intermediate_size=16, shared_intermediate_size=8, num_local_experts=4,
+        num_experts_per_tok=2, tie_word_embeddings=True, output_router_logits=False, embedding_multiplier=2.0,
+        residual_multiplier=0.7, attention_multiplier=0.3, logits_scaling=1.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+        seed=19,
+        keys=("num_local_experts", "shared_intermediate_size", "tie_word_embeddings", "residual_multiplier",
+              "logits_scaling")),
     # ------------------------------------------------------------------ mixtral
     Case("mixtral_e4k2", "mixtral", dict(
         num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
@@ -351,6 +414,12 @@ REFUSALS = [
     Refusal("qwen2_moe_attention_dropout", "qwen2_moe", dict(attention_dropout=0.1), "attention_dropout"),
     Refusal("qwen2_moe_hidden_act_relu2", "qwen2_moe", dict(hidden_act="relu2"), "hidden_act"),
     Refusal("olmo2_attention_dropout", "olmo2", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("granitemoe_attention_dropout", "granitemoe", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("granitemoe_logits_scaling_zero", "granitemoe", dict(logits_scaling=0.0), "logits_scaling"),
+    # clip_qkv clamps q, k and v (test_families_olmoe shows it moves transformers' output)
+    Refusal("olmoe_clip_qkv", "olmoe", dict(clip_qkv=0.05), "clip_qkv", ("0.05",)),
+    # q_norm spans hidden_size: a head_dim with heads x head_dim != hidden fails in transformers
+    Refusal("olmoe_head_dim", "olmoe", dict(head_dim=16), "head_dim", ("olmoe",)),
     Refusal("phi3_resid_pdrop", "phi3", dict(resid_pdrop=0.1), "resid_pdrop"),
     # partial_rotary_factor with a scaled RoPE type outside phi3: the type's init function
     # (modeling_rope_utils) reads the factor and returns inv_freq for int(head_dim * factor)
@@ -514,12 +583,62 @@ def _mixtral_files(named: dict) -> dict[str, np.ndarray]:
     return out
 
 
+GRANITE_MOE = {"granitemoe", "granitemoeshared"}
+
+
+def _granite_split(named: dict, fused_names: dict) -> dict[str, np.ndarray]:
+    """GraniteMoE's fused expert tensors [E, 2I, H] / [E, H, I] (and the shared MLP's
+    input_linear [2S, H]) split as ctitan's table holds them: expert e's gate rows are the
+    first I of its slice (GraniteMoeExperts chunks gate_up_proj's output as gate, up), its up
+    rows the rest; GraniteMoeSharedMLP chunks input_linear's output the same way."""
+    out = {}
+    for n, t in named.items():
+        a = _np(t)
+        kind = next((k for k in fused_names if n.endswith(k)), None)
+        if kind is None:
+            out[n] = a
+            continue
+        base = n[: -len(kind)]
+        what = fused_names[kind]
+        if what == "gate_up":
+            im = a.shape[1] // 2
+            for e in range(a.shape[0]):
+                out[f"{base}block_sparse_moe.experts.{e}.gate_proj.weight"] = a[e, :im]
+                out[f"{base}block_sparse_moe.experts.{e}.up_proj.weight"] = a[e, im:]
+        elif what == "down":
+            for e in range(a.shape[0]):
+                out[f"{base}block_sparse_moe.experts.{e}.down_proj.weight"] = a[e]
+        elif what == "router":
+            out[f"{base}block_sparse_moe.router.layer.weight"] = a
+        else:  # the shared MLP's input_linear
+            s = a.shape[0] // 2
+            out[f"{base}shared_mlp.gate_proj.weight"] = a[:s]
+            out[f"{base}shared_mlp.up_proj.weight"] = a[s:]
+    return out
+
+
+# in-memory names (transformers 5 renames the files' on load) and the files' own
+_GRANITE_MEM = {"block_sparse_moe.experts.gate_up_proj": "gate_up", "block_sparse_moe.experts.down_proj": "down",
+                "block_sparse_moe.router.weight": "router", "shared_mlp.input_linear.weight": "shared"}
+_GRANITE_FILE = {"block_sparse_moe.input_linear.weight": "gate_up", "block_sparse_moe.output_linear.weight": "down",
+                 "block_sparse_moe.router.layer.weight": "router", "shared_mlp.input_linear.weight": "shared"}
+
+
+def ctitan_view(family: str, files: dict) -> dict[str, np.ndarray]:
+    """{safetensors file name: ndarray} -> {ctitan tensor name: ndarray}: the same but for
+    GraniteMoE, whose files fuse what ctitan holds per expert."""
+    return _granite_split(files, _GRANITE_FILE) if family in GRANITE_MOE else files
+
+
 def to_file_names(family: str, named: dict) -> dict[str, np.ndarray]:
-    """{transformers in-memory name: tensor} -> {safetensors file (= ctitan) name: ndarray}."""
-    if family in ("qwen3_moe", "qwen2_moe"):
+    """{transformers in-memory name: tensor} -> {safetensors file (= ctitan) name: ndarray}
+    (GraniteMoE: ctitan's names, ctitan_view of the file's)."""
+    if family in ("qwen3_moe", "qwen2_moe", "olmoe"):
         return oracle_moe.per_expert(named)
     if family == "mixtral":
         return _mixtral_files(named)
+    if family in GRANITE_MOE:
+        return _granite_split(named, _GRANITE_MEM)
     return {n: _np(t) for n, t in named.items()}
 
 

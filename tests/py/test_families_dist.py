@@ -52,6 +52,15 @@ CASES = {
     "smollm3_nope_swa5": {"fsdp2": FSDP2, "tp2": TP2},
     # the whole-projection q/k norms under TP, per-type RoPE and windows
     "olmo3_swa5_yarn": {"fsdp2": FSDP2, "tp2": TP2},
+    # olmoe: every layer sparse with whole-projection q/k norms (summed over the TP ranks' heads)
+    "olmoe_norm_topk_tied": {"ep2": EP2, "tp2": TP2},
+    # granitemoe: the files' fused experts split per expert (TP cuts each expert's gate and up
+    # rows as qwen3_moe's); residual_multiplier on the sparse branch after the TP sum, with the
+    # aux loss (not linear in the batch: TP only)
+    "granitemoe_aux": {"tp2": TP2},
+    # the ungated shared MLP: whole on every EP rank, split as the dense MLP under TP (its
+    # input_linear's gate and up rows each cut by the ranks)
+    "granitemoeshared_narrow_tied": {"ep2": EP2, "tp2": TP2},
 }
 # AdamW's eps per case where 1e-8 lets rounding noise decide the test (test_dist_debugmodel.py
 # says why): llama_mlpbias_tied's mlp biases have gradients near zero, so a last-bit

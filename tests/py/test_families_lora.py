@@ -40,6 +40,12 @@ CASES = {  # case id: target modules
     "phi3_longrope_short_swa7": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "mixtral_e4k2": OL.ATTN,
     "qwen2_moe_mlponly_norm_nobias": OL.ATTN,  # (no aux loss: PEFT's reference loss is the CE)
+    # olmoe maps to qwen2_moe's conversion: PEFT rewrites gate_proj + up_proj / down_proj into
+    # target_parameters of the fused experts (gate_up_proj at 2 r, 2 alpha), as for qwen3_moe
+    "olmoe_norm_topk_tied": OL.ALL7,
+    # granitemoe: what PEFT's all-linear adapts there (its experts and router are no Linear)
+    "granitemoe_k3_tied_bias": OL.ATTN,
+    "granitemoeshared_narrow_tied": OL.ATTN,
 }
 
 

@@ -47,6 +47,8 @@ ROTARY = {
     "granite": ("granite", "GraniteRotaryEmbedding"),
     "smollm3": ("smollm3", "SmolLM3RotaryEmbedding"),
     "olmo3": ("olmo3", "Olmo3RotaryEmbedding"),
+    "olmoe": ("olmoe", "OlmoeRotaryEmbedding"),
+    "granitemoe": ("granitemoe", "GraniteMoeRotaryEmbedding"),
 }
 
 
@@ -318,6 +320,11 @@ CASES = [
     # SmolLM3: one RoPE (its NoPE layers apply none), default_theta 2e6
     ("smollm3-defaults", {**LLAMA, "model_type": "smollm3"}, None, [16], "default"),
     ("smollm3-legacy-theta", {**LLAMA, "model_type": "smollm3", "rope_theta": 5e6}, None, [16], "default"),
+    # OLMoE: default_theta 1e4 when config.json gives none
+    ("olmoe-defaults", {**LLAMA, "model_type": "olmoe"}, None, [16], "default"),
+    ("olmoe-legacy-yarn", {**LLAMA, "model_type": "olmoe", "rope_theta": 5e5, "rope_scaling": {
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}}, None, [16], "yarn"),
+    ("granitemoe-defaults", {**LLAMA, "model_type": "granitemoe"}, None, [16], "default"),
 ]
 
 
