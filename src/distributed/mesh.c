@@ -40,13 +40,18 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
         if (lm_layer_is_moe(mc, l)) sparse = 1;
         else dense = 1;
     }
+    /* the config.json keys of the experts' and the shared MLP's widths: OLMoE's and GraniteMoE's
+     * experts are intermediate_size wide, GraniteMoeShared's shared MLP is shared_intermediate_size */
+    int granite = mc->moe_keys == LM_MOE_KEYS_GRANITE, olmoe = !strcmp(mc->model_type, "olmoe");
     struct { const char *what; int n, used; } split[] = {
         {"attention heads", mc->n_heads, 1},
         {"kv heads", mc->n_kv_heads, 1},
         {"intermediate size", mc->intermediate, dense},
-        {"moe_intermediate_size", mc->moe_intermediate, sparse}, /* each expert is split like the MLP */
-        /* a sparse layer's shared expert (qwen2_moe) too */
-        {"shared_expert_intermediate_size", mc->shared_intermediate, sparse && mc->shared_intermediate > 0}};
+        /* each expert is split like the MLP */
+        {granite || olmoe ? "experts' intermediate_size" : "moe_intermediate_size", mc->moe_intermediate, sparse},
+        /* a sparse layer's shared expert (qwen2_moe, granitemoeshared) too */
+        {granite ? "shared_intermediate_size" : "shared_expert_intermediate_size", mc->shared_intermediate,
+         sparse && mc->shared_intermediate > 0}};
     /* not the vocabulary: tp_local_config cuts it in DTensor Shard(0)'s ceil chunks, whatever tp */
     for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
         if (split[i].used && split[i].n % tp != 0)

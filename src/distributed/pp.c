@@ -43,8 +43,8 @@ static double layer_cost(const lm_config *c, int l, int T) {
     double attn = H * (qd + 2 * kvd) + qd * H + 2.0 * qd * T; /* projections, then scores and values */
     double mlp = lm_layer_is_moe(c, l) ? (double)c->top_k * 3.0 * H * c->moe_intermediate + (double)c->n_experts * H
                                        : 3.0 * H * c->intermediate;
-    if (lm_layer_is_moe(c, l) && c->shared_intermediate > 0) /* qwen2_moe's shared expert and its gate, every token */
-        mlp += 3.0 * H * c->shared_intermediate + H;
+    if (lm_layer_is_moe(c, l) && c->shared_intermediate > 0) /* the shared expert, every token; qwen2_moe's gate */
+        mlp += 3.0 * H * c->shared_intermediate + (c->moe_keys == LM_MOE_KEYS_GRANITE ? 0 : H);
     return 2.0 * (attn + mlp);
 }
 

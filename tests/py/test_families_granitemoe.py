@@ -284,3 +284,26 @@ def test_bf16_files_read_and_written_fused(tmp_path, open_session):
     assert set(a) == set(b)
     bad = [n for n in a if a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])]
     assert not bad, f"bf16 export differs from the bf16 file: {bad}"
+
+
+@pytest.mark.parametrize("family, kw, key", [
+    ("granitemoe", dict(intermediate_size=21), "experts' intermediate_size (21)"),
+    ("granitemoeshared", dict(intermediate_size=16, shared_intermediate_size=41), "shared_intermediate_size (41)"),
+    ("olmoe", dict(intermediate_size=21), "experts' intermediate_size (21)"),
+])
+def test_tp_width_refusal_names_the_familys_key(tmp_path, run_ctitan, family, kw, key):
+    """A TP degree that does not divide the experts' or the shared MLP's width is refused naming
+    the key these families' config.json has (GraniteMoE and OLMoE have no moe_intermediate_size,
+    GraniteMoeShared no shared_expert_intermediate_size); the config class says which exist."""
+    from transformers import AutoConfig
+    cfg = of.make_config(of.Case("w", family, dict(num_hidden_layers=2, **kw)))
+    cfg.save_pretrained(tmp_path / "m")
+    names = set(AutoConfig.from_pretrained(tmp_path / "m").to_dict())
+    assert key.split(" (")[0].split()[-1] in names and "moe_intermediate_size" not in names, "test setup"
+    data = oracle.write_bin(tmp_path / "t.bin", oracle.random_tokens(8 * 17, 160, seed=1))
+    rc, _, err = run_ctitan(["train", "--dry-run", "--model.spec=hf", f"--model.hf_assets_path={tmp_path / 'm'}",
+                             "--training.seq_len=16", "--training.local_batch_size=2", f"--training.dataset_path={data}",
+                             "--training.steps=1", f"--job.dump_folder={tmp_path / 'o'}",
+                             "--parallelism.data_parallel_shard_degree=1", "--parallelism.tensor_parallel_degree=2"],
+                            check=False)
+    assert rc == 2 and f"tensor_parallel_degree = 2 does not divide the model's {key}" in err, err[-2000:]
