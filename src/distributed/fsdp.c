@@ -18,6 +18,7 @@
 
 #include "core/dtype.h"
 #include "core/timer.h"
+#include "model/lora.h"
 
 static void release_range(float *base, size_t off, size_t n) { ct_drop_pages(base + off, n * sizeof(float)); }
 
@@ -242,7 +243,9 @@ static void release_layer(fsdp *f, int l) {
  * reduced when needed (its group is the FSDP group's 1/ep). */
 static void hook_pre_forward(void *ctx, int l) {
     fsdp *f = ctx;
-    if (l == 0 && !f->tied) release_params(f, 0); /* the lookup is done */
+    /* the lookup is done, unless LoRA on embed_tokens reads A and B again in the embedding's backward */
+    int embed_lora = f->m->cfg.lora_rank > 0 && (f->m->cfg.lora_targets & LORA_EMBED);
+    if (l == 0 && !f->tied && !embed_lora) release_params(f, 0);
     gather_layer(f, l);
     start_prefetch(f, f->lp[l + 1]); /* the next layer, or the head after the last one */
 }

@@ -49,7 +49,8 @@ static void add_tensor(lm_model *m, int *cap, const char *name, int64_t d0, int6
     /* another pipeline stage's tensor: its name, no elements */
     const lm_config *c = &m->cfg;
     if (layer >= 0 ? !lm_holds_layer(c, layer)
-                   : slot == LM_S_EMBED ? !lm_holds_embed(c) : !lm_holds_head(c))
+                   : slot == LM_S_EMBED || slot == LM_S_EMB_LA || slot == LM_S_EMB_LB ? !lm_holds_embed(c)
+                                                                                      : !lm_holds_head(c))
         d0 = 0;
     t->ndim = d1 ? 2 : 1;
     t->shape[0] = d0;
@@ -243,6 +244,16 @@ static void build_layout(lm_model *m) {
     norm_names(c, nn);
     add_tensor(m, &cap, "model.embed_tokens.weight", vocab_held(c), H, 1, LM_S_EMBED,
                -1, -1);
+    /* embed_tokens' adapter beside it (FSDP's piece 0, the first stage's; PEFT's keys
+     * have no ".weight": they are parameters, not modules). A whole on every rank, also
+     * vocabulary-parallel: the adapter's rows are added once, after the blocks' lookups are summed */
+    if (c->lora_rank > 0 && (c->lora_targets & LORA_EMBED)) {
+        add_tensor(m, &cap, "model.embed_tokens.lora_embedding_A", c->lora_rank, c->vocab_size, 1, LM_S_EMB_LA, -1,
+                   -1);
+        m->tensors[m->n_tensors - 1].lora = 1;
+        add_tensor(m, &cap, "model.embed_tokens.lora_embedding_B", H, c->lora_rank, 1, LM_S_EMB_LB, -1, -1);
+        m->tensors[m->n_tensors - 1].lora = 1;
+    }
     for (int l = 0; l < c->n_layers; l++) {
 #define T_(suffix, d0, d1, mat, slot)                                        \
     snprintf(n, sizeof n, "model.layers.%d.%s", l, suffix);                 \
@@ -377,7 +388,7 @@ static void bind_weights(lm_weights *w, const lm_model *m, float *base, int grad
     size_t H = c->hidden, qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
     size_t I = c->intermediate;
     for (int l = 0; l < c->n_layers; l++) memset(&w->layer[l], 0, sizeof w->layer[l]);
-    w->wte = w->lnf = w->lm_head = w->head_a = w->head_b = NULL;
+    w->wte = w->lnf = w->lm_head = w->head_a = w->head_b = w->emb_a = w->emb_b = NULL;
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_tensor *t = &m->tensors[i];
         float *p = grads && t->frozen ? NULL : base + t->offset;
@@ -388,6 +399,8 @@ static void bind_weights(lm_weights *w, const lm_model *m, float *base, int grad
         case LM_S_HEAD: w->lm_head = p; break;
         case LM_S_HEAD_LA: w->head_a = p; break;
         case LM_S_HEAD_LB: w->head_b = p; break;
+        case LM_S_EMB_LA: w->emb_a = t->numel ? p : NULL; break;
+        case LM_S_EMB_LB: w->emb_b = t->numel ? p : NULL; break;
         case LM_S_LN_IN: lw->ln1 = p; break;
         case LM_S_WQ: lw->wq = p; break;
         case LM_S_WK: lw->wk = p; break;
@@ -900,6 +913,7 @@ void lm_free(lm_model *m) {
     free(m->ws.head_u);
     free(m->ws.head_du);
     free(m->ws.head_da);
+    free(m->ws.emb_du);
     free(m->w.layer);
     free(m->g.layer);
     free(m->act.layer);
@@ -2033,6 +2047,69 @@ static void moe_layer_stats(lm_model *m, int l, int BT) {
     }
 }
 
+/* ------------------------------------- embed_tokens' adapter (LORA_EMBED)
+ *
+ * PEFT's LoRA Embedding: the row of id gains scale B A[:, id], A [r, V]
+ * looked up as an embedding of its transpose (no dropout on ids), added to
+ * the base row before embed_scale (Gemma's normalizer multiplies the sum; a
+ * scaled embedding module has PEFT multiply the adapter's part alike). Its
+ * backward from d = d(the unscaled row): dB += scale d A[:, id]^T over all
+ * rows, dA[:, id] += scale B^T d, the looked-up columns only, none for
+ * padding_idx (torch's embedding leaves that column's gradient zero, and it
+ * is A that PEFT looks up with the base's padding_idx). */
+static void embed_lora_fwd(lm_model *m, float *x0, const int32_t *tokens, int n) {
+    const lm_config *c = &m->cfg;
+    const float *A = m->w.emb_a, *Bw = m->w.emb_b;
+    if (!A || !Bw) return;
+    int H = c->hidden, r = c->lora_rank, V = c->vocab_size;
+    float sc = c->lora_scale;
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < n; i++) {
+        size_t id = (size_t)tokens[i];
+        float *x = x0 + (size_t)i * H;
+        for (int h = 0; h < H; h++) {
+            float s = 0; /* (A[:, id] @ B^T)[h], then the scale: PEFT's order */
+            for (int j = 0; j < r; j++) s += A[(size_t)j * V + id] * Bw[(size_t)h * r + j];
+            x[h] += s * sc;
+        }
+    }
+}
+
+static void embed_lora_bwd(lm_model *m, const float *d, const int32_t *tokens, int n) {
+    const lm_config *c = &m->cfg;
+    const float *A = m->w.emb_a, *Bw = m->w.emb_b;
+    float *dA = m->g.emb_a, *dB = m->g.emb_b;
+    if (!A || !Bw) return;
+    int H = c->hidden, r = c->lora_rank, V = c->vocab_size;
+    float sc = c->lora_scale;
+    if (dB) {
+#pragma omp parallel for schedule(static)
+        for (long h = 0; h < H; h++)
+            for (int j = 0; j < r; j++) {
+                double s = 0;
+                for (int i = 0; i < n; i++) s += (double)d[(size_t)i * H + h] * A[(size_t)j * V + tokens[i]];
+                dB[(size_t)h * r + j] += (float)(s * sc);
+            }
+    }
+    if (!dA) return;
+    if (n > m->ws.emb_du_rows) {
+        free(m->ws.emb_du);
+        m->ws.emb_du = ct_malloc((size_t)n * r * sizeof(float));
+        m->ws.emb_du_rows = n;
+    }
+    float *du = m->ws.emb_du; /* du[i] = scale B^T d[i] for every row, then scattered */
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < n; i++)
+        for (int j = 0; j < r; j++) {
+            double s = 0;
+            for (int h = 0; h < H; h++) s += (double)d[(size_t)i * H + h] * Bw[(size_t)h * r + j];
+            du[(size_t)i * r + j] = (float)(s * sc);
+        }
+    for (int i = 0; i < n; i++) /* in row order: a repeated id's column sums as torch's index_add */
+        if (!(c->has_pad && tokens[i] == c->pad_token))
+            for (int j = 0; j < r; j++) dA[(size_t)j * V + tokens[i]] += du[(size_t)i * r + j];
+}
+
 /* x0[BT, H] = the (scaled) embedding rows of tokens. Vocabulary-parallel,
  * this model's rows give its tokens' rows and zeros for the others, summed
  * over the ranks: each element is one rank's row plus zeros, so the bits of
@@ -2066,6 +2143,7 @@ static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
     } else {
         K(EMBEDDING, embedding_fwd, x0, tokens + sp_row0(m, BT), m->w.wte, BS, H);
     }
+    embed_lora_fwd(m, x0, tokens + sp_row0(m, BT), BS);
     lm_embed_scale(c, x0, (size_t)BS * H);
 }
 
@@ -2888,7 +2966,7 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     if (g->bv) op_bias_bwd(g->bv, m->ws.d_v, BT, kvd);
     /* the embedding and layer 0's input norm frozen: nothing below wants d(ln1) of
      * layer 0 (autograd skips these input-gradient products too) */
-    float *dln = l > 0 || m->g.wte || g->ln1 ? m->ws.d_ln : NULL; /* [BT, H] */
+    float *dln = l > 0 || m->g.wte || m->g.emb_a || m->g.emb_b || g->ln1 ? m->ws.d_ln : NULL; /* [BT, H] */
     const float *xa = sp_gather(m, m->ws.sp_x, attn_in(m, a), BT, H);
     mm_bwd(m, dln, g->wq, m->ws.d_q2, xa, w->wq, BT, H, qd, 0);
     mm_bwd(m, dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd, 1);
@@ -2919,10 +2997,12 @@ static void backward_layers(lm_model *m, int l0, int l1, int B, int T) {
 static void embed_bwd(lm_model *m, const int32_t *tokens, int BT) {
     const lm_config *c = &m->cfg;
     int H = c->hidden;
-    if (!m->g.wte) return;
+    if (!m->g.wte && !m->g.emb_a && !m->g.emb_b) return;
     /* under sequence parallel every rank adds all rows (gathered), as without it */
     float *d = sp_gather(m, m->ws.sp_dy, m->ws.d_res, BT, H);
     lm_embed_scale(c, d, (size_t)BT * H); /* d(lookup) = sqrt(H) d(scaled) */
+    embed_lora_bwd(m, d, tokens, BT); /* before padding_idx's rows are zeroed: B's gradient has them */
+    if (!m->g.wte) return;
     if (c->has_pad) /* torch's padding_idx: the lookup adds nothing to that row */
         for (int i = 0; i < BT; i++)
             if (tokens[i] == c->pad_token) zero(d + (size_t)i * H, (size_t)H);

@@ -268,7 +268,8 @@ enum { LM_S_EMBED, LM_S_LN_IN, LM_S_WQ, LM_S_WK, LM_S_WV, LM_S_WQKV, LM_S_BQ, LM
        LM_S_BD, LM_S_ROUTER, LM_S_EXP_G, LM_S_EXP_U, LM_S_EXP_D, LM_S_LN_MLP_OUT, LM_S_LORA_A, LM_S_LORA_B, LM_S_LNF,
        LM_S_HEAD, LM_S_LORA_EA, LM_S_LORA_EB /* an expert adapter (lm_tensor.expert: its LM_LORA_EXP_*) */,
        LM_S_SHARED_GATE /* [1, H] a sparse layer's mlp.shared_expert_gate (its shared expert: LM_S_WG, _WU, _WD) */,
-       LM_S_HEAD_LA, LM_S_HEAD_LB /* lm_head's adapter (model/lora.h LORA_HEAD): A [r, H], B [vocab rows, r] */ };
+       LM_S_HEAD_LA, LM_S_HEAD_LB /* lm_head's adapter (model/lora.h LORA_HEAD): A [r, H], B [vocab rows, r] */,
+       LM_S_EMB_LA, LM_S_EMB_LB /* embed_tokens' adapter (LORA_EMBED): lora_embedding_A [r, V], _B [H, r] */ };
 
 typedef struct {
     char name[LM_NAME_MAX]; /* HF key */
@@ -323,6 +324,7 @@ typedef struct {
     float *lnf;        /* [H] */
     float *lm_head;    /* [V, H]; == wte when tied */
     float *head_a, *head_b; /* lm_head's LoRA A [r, H], B [V, r] (NULL: none; tied or not, never the embedding's) */
+    float *emb_a, *emb_b;   /* embed_tokens' LoRA A [r, V], B [H, r] (NULL: none; the lookup only, never lm_head) */
 } lm_weights;
 
 /* Activation checkpointing ([activation_checkpoint]): what one layer keeps
@@ -433,6 +435,8 @@ typedef struct {
     float *lora_rw, *lora_drw; /* [E H] each: a router adapter's W + scale B A and its gradient (first use) */
     float *head_u, *head_du; /* [logit rows, r] lm_head's adapter: scale A drop(x) and d of it */
     float *head_da;          /* [r, H] its dA of one backward, summed over the vocabulary-parallel group */
+    float *emb_du;           /* [rows, r] embed_tokens' adapter: d of each row's A[:, id] (first use) */
+    int emb_du_rows;         /* the rows emb_du holds */
     float *head_tmp; /* a bf16-stored lm_head: [<= 16, block] logits of one block of its rows for a
                         forward of few rows (allocated at first use) */
 } lm_work;

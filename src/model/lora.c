@@ -318,11 +318,11 @@ int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_sa
         if (rc) return rc;
         /* PEFT's ensure_weight_tying would put the pair's trained copy under lm_head's
          * adapter as well, which ctitan's one tied tensor plus a head adapter does not compute */
-        if ((m->cfg.lora_targets & LORA_HEAD) && selects_tied(&m->cfg, item))
+        if ((m->cfg.lora_targets & (LORA_HEAD | LORA_EMBED)) && selects_tied(&m->cfg, item))
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: lora.modules_to_save: \"%s\" trains the tied embedding, and lora.target_modules "
-                           "adapts lm_head, the same tied tensor (tie_word_embeddings): choose one",
-                           where, item);
+                           "adapts %s, the same tied tensor (tie_word_embeddings): choose one",
+                           where, item, m->cfg.lora_targets & LORA_HEAD ? "lm_head" : "embed_tokens");
         int hit = 0;
         for (int i = 0; i < m->n_tensors; i++) {
             lm_tensor *t = &m->tensors[i];
@@ -495,6 +495,9 @@ void lora_init_each(const lm_model *table, uint64_t seed, const lm_sink *s) {
         int is_a = strstr(t->name, ".lora_A.") != NULL;
         double bound = 1.0 / sqrt((double)t->shape[1]); /* kaiming_uniform(a = sqrt(5)): 1 / sqrt(fan_in) */
         for (size_t j = 0; j < t->numel; j++) buf[j] = is_a ? (float)((2.0 * ct_rng_uniform(&r) - 1.0) * bound) : 0.0f;
+        /* an embedding's the other way round (PEFT: A zeros, B normal_ with std 1) */
+        if (t->slot == LM_S_EMB_LB)
+            for (size_t j = 0; j < t->numel; j++) buf[j] = (float)ct_rng_normal(&r);
         s->put(s->ctx, LM_PARAMS, i, 0, (size_t)t->shape[0], buf);
     }
     free(buf);
@@ -573,12 +576,9 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
             all |= LORA_HEAD;
             continue;
         }
-        if (!strcmp(name, "embed_tokens") || !strcmp(name, "model.embed_tokens")) {
-            rc = ct_fail(e, code,
-                         "%s: %s: \"%s\": LoRA on the embedding (PEFT's lora_embedding_A / lora_embedding_B) is "
-                         "not supported; train it in full with lora.modules_to_save = [\"embed_tokens\"]",
-                         where, key, name);
-            break;
+        if (!strcmp(name, "embed_tokens") || !strcmp(name, "model.embed_tokens")) { /* PEFT's LoRA Embedding */
+            all |= LORA_EMBED;
+            continue;
         }
         if (b) { /* a module name: every layer's (the trainer strips a MoE model's MLP names) */
             for (int l = 0; l < c->n_layers; l++) bits[l] |= b;
@@ -599,7 +599,8 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
         if (!hit) {
             rc = ct_fail(e, code,
                          "%s: %s: \"%s\" is not a projection ctitan adapts (q_proj, k_proj, v_proj, o_proj, "
-                         "gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj; lm_head; or one layer's, "
+                         "gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj; lm_head; embed_tokens; or one "
+                         "layer's, "
                          "model.layers.N.self_attn.q_proj)",
                          where, key, name);
             break;
@@ -904,6 +905,16 @@ static int set_patterns(lm_config *c, const cJSON *rank_pattern, const cJSON *al
                          "lm_head at lora.rank and lora.alpha (%d, %g) only",
                          where, r, a, c->lora_rank, alpha);
     }
+    if (!rc && (c->lora_targets & LORA_EMBED)) { /* held at lora_rank and lora_scale too */
+        int r;
+        double a;
+        pats_pick(R, nr, A, na, "model.embed_tokens", md, c->lora_rank, alpha, &r, &a);
+        if (r != c->lora_rank || a != alpha)
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: rank_pattern / alpha_pattern: a key selects embed_tokens (rank %d, alpha %g); ctitan "
+                         "adapts embed_tokens at lora.rank and lora.alpha (%d, %g) only",
+                         where, r, a, c->lora_rank, alpha);
+    }
     /* PEFT warns on a key that selects no adapted module and ignores it: a
      * typo here would silently leave the rank of the module it meant */
     for (int w = 0; w < 2 && !rc; w++)
@@ -1111,6 +1122,12 @@ static int saved_vs_targets(const lm_config *c, const char *list, const char *wh
                          "%s: %s: \"%s\" holds the adapted module lm_head: PEFT puts no adapter inside a module "
                          "to save (it would train the module in full instead); adapt or save it, not both",
                          where, key, item);
+        if (re && !rc && (c->lora_targets & LORA_EMBED) &&
+            pcre2_match(re, (PCRE2_SPTR) "model.embed_tokens", 18, 0, 0, md, NULL) >= 0)
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: %s: \"%s\" holds the adapted module embed_tokens: PEFT puts no adapter inside a "
+                         "module to save (it would train the module in full instead); adapt or save it, not both",
+                         where, key, item);
         pcre2_code_free(re);
     }
     pcre2_match_data_free(md);
@@ -1140,6 +1157,12 @@ static int check_tying(const cJSON *o, const lm_config *c, const char *path, ct_
         return ct_fail(e, CT_ERR_FORMAT,
                        "%s: ensure_weight_tying: true with target_modules lm_head on a tied model: PEFT then adapts "
                        "embed_tokens (lora_embedding_A / B) and ties lm_head to it, which ctitan does not support",
+                       path);
+    /* and with an embed_tokens target it gives lm_head the same adapter (TiedEmbedding) */
+    if (c->tie_embeddings && (c->lora_targets & LORA_EMBED) && cJSON_IsTrue(ewt))
+        return ct_fail(e, CT_ERR_FORMAT,
+                       "%s: ensure_weight_tying: true with target_modules embed_tokens on a tied model: PEFT then "
+                       "adapts lm_head with the embedding's adapter too, which ctitan does not support",
                        path);
     const cJSON *mts = cJSON_GetObjectItemCaseSensitive(o, "modules_to_save");
     if (!cJSON_IsArray(mts)) return 0;
@@ -1208,6 +1231,11 @@ static int read_adapter(const cJSON *o, lm_config *c, double *alpha, int *rslora
 /* The adapter's modules, ranks and scales (ad) against the run's (c) */
 static int compare_adapter(const lm_config *ad, const lm_config *c, const char *path, ct_err *e) {
     char name[LM_NAME_MAX];
+    if ((ad->lora_targets ^ c->lora_targets) & LORA_EMBED)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: target_modules: the adapter %s embed_tokens, the run's lora.target_modules %s it", path,
+                       ad->lora_targets & LORA_EMBED ? "adapts" : "does not adapt",
+                       c->lora_targets & LORA_EMBED ? "adapts" : "does not adapt");
     if ((ad->lora_targets ^ c->lora_targets) & LORA_HEAD)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: target_modules: the adapter %s lm_head, the run's lora.target_modules %s it", path,
@@ -1379,6 +1407,7 @@ static int tied_pair_saved(const cJSON *o, const lm_config *c) {
 
 #define PEFT_TIED_HEAD PEFT_PREFIX "lm_head.weight"
 #define PEFT_HEAD_BASE PEFT_PREFIX "lm_head.base_layer.weight"
+#define PEFT_EMBED_BASE PEFT_PREFIX "model.embed_tokens.base_layer.weight"
 
 /* The file's tensor st (key KEY) for table tensor t into buf, as fp32,
  * checked: its shape, its dtype, finite values. */
@@ -1480,6 +1509,17 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
         if (!(rc = read_tensor(table, head_w, hb, PEFT_HEAD_BASE, path, buf, e)))
             s->put(s->ctx, LM_PARAMS, (int)(head_w - table->tensors), 0, head_w->numel / lm_tensor_cols(head_w), buf);
     }
+    /* the same for an adapted embedding's base weight */
+    const st_tensor *eb = (table->cfg.lora_targets & LORA_EMBED) && lm_find(table, "model.embed_tokens.weight")
+                              ? st_find(f, PEFT_EMBED_BASE)
+                              : NULL;
+    if (eb && !rc) {
+        const lm_tensor *ew = lm_find(table, "model.embed_tokens.weight");
+        free(buf);
+        buf = ct_malloc((ew->numel ? ew->numel : 1) * sizeof(float));
+        if (!(rc = read_tensor(table, ew, eb, PEFT_EMBED_BASE, path, buf, e)))
+            s->put(s->ctx, LM_PARAMS, (int)(ew - table->tensors), 0, ew->numel / lm_tensor_cols(ew), buf);
+    }
     free(buf);
     free(buf2);
     const lm_tensor *emb = lm_find(table, "model.embed_tokens.weight");
@@ -1490,6 +1530,7 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
                                     : lm_find(table, name + strlen(PEFT_PREFIX));
         if (!t && pair && !strcmp(name, PEFT_TIED_HEAD)) t = emb; /* loaded (or compared) with it above */
         if (hb && !strcmp(name, PEFT_HEAD_BASE)) continue; /* loaded above */
+        if (eb && !strcmp(name, PEFT_EMBED_BASE)) continue;
         if (!t || !lora_saved(t))
             rc = ct_fail(e, CT_ERR_FORMAT,
                          "%s: tensor \"%s\" is not an adapter or module to save of this model and lora config", path,
@@ -1565,6 +1606,7 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
                 cJSON_AddItemToArray(tm, cJSON_CreateString(full));
             }
         if (c->lora_targets & LORA_HEAD) cJSON_AddItemToArray(tm, cJSON_CreateString("lm_head"));
+        if (c->lora_targets & LORA_EMBED) cJSON_AddItemToArray(tm, cJSON_CreateString("embed_tokens"));
     } else if (c->lora_targets) {
         cJSON *tm = cJSON_AddArrayToObject(o, "target_modules");
         for (int p = 0; p < LM_LORA_N; p++) {
@@ -1577,6 +1619,7 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
             cJSON_AddItemToArray(tm, cJSON_CreateString(fq ? "qkv_proj" : fg ? "gate_up_proj" : target_names[p]));
         }
         if (c->lora_targets & LORA_HEAD) cJSON_AddItemToArray(tm, cJSON_CreateString("lm_head"));
+        if (c->lora_targets & LORA_EMBED) cJSON_AddItemToArray(tm, cJSON_CreateString("embed_tokens"));
     } else {
         cJSON_AddArrayToObject(o, "target_modules"); /* expert parameters only: PEFT writes [] (older ctitan null) */
     }
@@ -1674,6 +1717,28 @@ static void merge_experts(lm_model *m, const lm_tensor *ta, const lm_tensor *tb)
     memset(B, 0, tb->numel * sizeof(float)); /* folded in: the adapter now adds nothing */
 }
 
+/* W[V, H] += scale (B A)^T, PEFT's Embedding.get_delta_weight. Tied, W is
+ * lm_head too: PEFT's merge writes the shared parameter, so its output
+ * layer changes as well (unmerged, only the lookup had the adapter). */
+static void merge_embedding(lm_model *m, const lm_tensor *ta, const lm_tensor *tb) {
+    const lm_config *c = &m->cfg;
+    const lm_tensor *tw = lm_find(m, "model.embed_tokens.weight");
+    if (!tw || !tw->numel) return;
+    if (c->tie_embeddings)
+        fprintf(stderr, "ctitan: warning: merging the embed_tokens adapter into the tied embedding "
+                        "(tie_word_embeddings): the merged model's lm_head changes too, as PEFT's "
+                        "merge_and_unload does; it no longer computes the adapted model\n");
+    int V = (int)ta->shape[1], H = (int)tb->shape[0], r = (int)ta->shape[0];
+    float *W = m->params + tw->offset, *A = m->params + ta->offset, *B = m->params + tb->offset;
+    for (int v = 0; v < V; v++)
+        for (int h = 0; h < H; h++) {
+            double sum = 0;
+            for (int j = 0; j < r; j++) sum += (double)B[(size_t)h * r + j] * A[(size_t)j * V + v];
+            W[(size_t)v * H + h] += (float)(c->lora_scale * sum);
+        }
+    memset(B, 0, (size_t)H * r * sizeof(float)); /* folded in: the adapter now adds nothing */
+}
+
 void lora_merge(lm_model *m) {
     const lm_config *c = &m->cfg;
     for (int i = 0; i + 1 < m->n_tensors; i++) {
@@ -1681,6 +1746,10 @@ void lora_merge(lm_model *m) {
         const char *suffix = strstr(ta->name, ".lora_A.weight");
         if (ta->slot == LM_S_LORA_EA) {
             merge_experts(m, ta, tb);
+            continue;
+        }
+        if (ta->slot == LM_S_EMB_LA && ta->numel) {
+            merge_embedding(m, ta, tb);
             continue;
         }
         int head = ta->slot == LM_S_HEAD_LA;

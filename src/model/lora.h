@@ -33,6 +33,11 @@
  * On a tied model PEFT (without ensure_weight_tying) adapts lm_head alone, the
  * embedding lookup untouched: so does ctitan. */
 #define LORA_HEAD (1u << 18)
+/* target_modules named embed_tokens (PEFT's LoRA Embedding): the lookup of id
+ * adds scale B A[:, id] (lora_embedding_A [r, V], _B [H, r]) before any
+ * embed_scale, which scales both; no dropout; PEFT's init A zeros, B normal.
+ * Tied, lm_head keeps the base weight (PEFT without ensure_weight_tying). */
+#define LORA_EMBED (1u << 19)
 
 /* Whether c's targets name its modules as its files hold them: a fused
  * model's q/k/v (gate/up) only as qkv_proj (gate_up_proj), and the fused

@@ -75,6 +75,9 @@ def ctitan_name(peft_name: str) -> str:
     assert n.startswith(PREFIX), n
     n = n[len(PREFIX):]
     n = n.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+    for emb in (".lora_embedding_A.default", ".lora_embedding_B.default"):  # an Embedding's: parameters, no .weight
+        if n.endswith(emb):
+            n = n[: -len(".default")]
     n = n.replace(".modules_to_save.default.", ".")
     for wrapped in (".base_layer.weight", ".original_module.weight"):  # the wrapped base tensor itself
         if n.endswith(wrapped):
