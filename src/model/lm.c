@@ -1240,6 +1240,9 @@ static int sp_rows(const lm_model *m, int BT) {
 static float *sp_gather(lm_model *m, float *full, const float *x, int BT, int H) {
     if (!m->sp) return (float *)x;
     m->sp->gather(m->sp->ctx, full, x, (size_t)sp_chunk(m, BT) * H);
+    /* full now holds other rows: a deferred product's copy of its old ones must not be shared
+     * with the next record reading full (gate / up, then q when o_proj records nothing) */
+    if (m->wdefer) m->wdefer->xsrc = NULL;
     return full;
 }
 /* A partial sum under tensor parallelism that every rank needs whole (the
