@@ -444,8 +444,22 @@ void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts) {
     p->cnt = ct_calloc(slots * (n_experts ? n_experts : 1), sizeof(double));
     p->cnt_req = ct_calloc(slots, sizeof *p->cnt_req);
     p->loads = ct_calloc((size_t)p->first[p->V] * (n_experts ? n_experts : 1), sizeof(double));
-    if (p->schedule >= PP_ZB_INTERLEAVED) p->wst = ct_calloc((size_t)p->S * p->M, sizeof *p->wst);
+    if (p->schedule >= PP_ZB_INTERLEAVED) {
+        p->wst = ct_calloc((size_t)p->S * p->M, sizeof *p->wst);
+        p->wcur = ct_calloc((size_t)p->S * p->M, sizeof *p->wcur);
+        p->wfree = ct_calloc((size_t)p->S * p->M, sizeof *p->wfree);
+        p->n_wfree = ct_calloc((size_t)p->S, sizeof *p->n_wfree);
+        p->n_wst = ct_calloc((size_t)p->S, sizeof *p->n_wst);
+    }
 }
+
+/* The store an I of local stage c fills: a replayed one, or one not used yet
+ * (the first steps reach the order's most pending, then none is added). */
+static lm_wstore *take_wstore(pp_sched *p, int c) {
+    if (p->n_wfree[c]) return p->wfree[(size_t)c * p->M + --p->n_wfree[c]];
+    return &p->wst[(size_t)c * p->M + p->n_wst[c]++];
+}
+static void give_wstore(pp_sched *p, int c, lm_wstore *st) { p->wfree[(size_t)c * p->M + p->n_wfree[c]++] = st; }
 
 size_t pp_wstore_peak(const pp_sched *p) {
     size_t most = 0;
@@ -460,13 +474,18 @@ void pp_free(pp_sched *p) {
                 "(%.6f)\n", p->rank, p->P, waited, took, waited / took);
     if (p->wst) { /* the split backward's deferred products: what they cost in memory */
         size_t sum = 0;
-        for (size_t i = 0; i < (size_t)p->S * p->M; i++) sum += p->wst[i].size;
+        int n = 0;
+        for (size_t i = 0; i < (size_t)p->S * p->M; i++) sum += p->wst[i].size, n += p->wst[i].size > 0;
         if (sum)
             fprintf(stderr, "ctitan: pipeline rank %d of %d: the weight-gradient stores held at most %.0f bytes per "
                     "(stage, micro-batch); their %d buffers take %.0f bytes\n", p->rank, p->P,
-                    4.0 * (double)pp_wstore_peak(p), p->S * p->M, 4.0 * (double)sum);
+                    4.0 * (double)pp_wstore_peak(p), n, 4.0 * (double)sum);
         for (size_t i = 0; i < (size_t)p->S * p->M; i++) lm_wstore_free(&p->wst[i]);
         free(p->wst);
+        free(p->wcur);
+        free(p->wfree);
+        free(p->n_wfree);
+        free(p->n_wst);
     }
     if (p->req)
         for (size_t i = 0; i < (size_t)p->S * p->M * 4; i++) comm_wait(&p->req[i]);
@@ -606,12 +625,14 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
                                cnt_req(p, c, i, BUF_AOUT));
             }
         } else if (a.kind == 'W') { /* the weight gradients I left (pp.h): they reduce into FSDP's shard here */
-            lm_wstore *st = &p->wst[(size_t)c * p->M + i];
+            lm_wstore *st = p->wcur[(size_t)c * p->M + i];
+            p->wcur[(size_t)c * p->M + i] = NULL;
             if (st->n) { /* none: nothing trained is a projection (LoRA), alike on every rank of a group */
                 fsdp_open(p, 0, v == V - 1, l0);
                 lm_stage_backward_weight(m, st, l0, l1);
                 fsdp_close(p);
             }
+            give_wstore(p, c, st); /* emptied: the stage's next I fills it */
         } else {
             lm_bank *b = p->banks[(size_t)c * p->M + i];
             lm_bank_use(m, b);
@@ -628,7 +649,7 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
                                cnt_req(p, c, i, BUF_GOUT));
             }
             fsdp_open(p, 0, v == V - 1, l0);
-            if (a.kind == 'I') m->wdefer = &p->wst[(size_t)c * p->M + i];
+            if (a.kind == 'I') m->wdefer = p->wcur[(size_t)c * p->M + i] = take_wstore(p, c);
             loss += lm_stage_backward(m, l0, l1, tk, lb, buf(p, c, i, BUF_GIN), buf(p, c, i, BUF_GOUT), B, T,
                                       grad_scale, NULL);
             m->wdefer = NULL;

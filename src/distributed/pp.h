@@ -32,8 +32,10 @@
  * The zero-bubble schedules split a backward into I, d(input), sent upstream
  * when it ends, and W, the weight gradients of the dense projections and the
  * lm_head, replayed later from the copies I recorded (model/lm.h, lm_wstore:
- * one store per local stage and micro-batch, kept between steps; pp_free
- * prints their size). Their orders are torch's: InterleavedZeroBubble's ZB1P
+ * an I takes a free store of its stage and its W gives it back, so a stage
+ * keeps as many as its order ever holds pending at once (at most P for
+ * InterleavedZeroBubble and 2P - 1 for ZBV across both stages, where S x M
+ * would be one per micro-batch); pp_free prints their size). Their orders are torch's: InterleavedZeroBubble's ZB1P
  * (ScheduleInterleavedZeroBubble: 1F1B-like with rounds of M / max(1, M / P)
  * micro-batches, each I from the (r + 1)-th on followed by the oldest W
  * pending) and ZBVZeroBubble's (ScheduleZBVZeroBubble). Every W of a step
@@ -126,7 +128,10 @@ typedef struct {
     int *n_pool;         /* [S] */
     double *moe_stats;   /* [M][2 E] this rank's routing sums of each micro-batch (E = 0: none) */
     int E;
-    lm_wstore *wst;      /* [S][M] zero bubble: each I's deferred weight products until its W (NULL: none) */
+    lm_wstore *wst;      /* [S][M] zero bubble: the weight-gradient stores (NULL: none), a stage's used in turn */
+    lm_wstore **wcur;    /* [S][M] the store an I of (stage, micro-batch) filled, until its W replays it */
+    lm_wstore **wfree;   /* [S][M] stores replayed, free for the next I of the stage */
+    int *n_wfree, *n_wst; /* [S] how many free; how many of the stage's ever taken */
     double *cnt;         /* [S][M][4][E] expert counts (aux loss): in with the activation, in with the
                             gradient, out with the activation, out with the gradient */
     comm_req *cnt_req;   /* [S][M][4] */

@@ -28,7 +28,7 @@ import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
 import oracle
-from test_dist import STEPS, assert_same_run, run, train_args
+from test_dist import GLOBAL as GLOBAL_MB, STEPS, assert_same_run, run, train_args
 from test_dry_run import launch, ok
 from test_dry_run_pp import parse, pp_args, pp_models, stage_costs  # noqa: F401 (fixture)
 from test_pp import (MB, PP, SCHED, assert_config_error, assert_same_tensors, aux_single, lora_args,  # noqa: F401
@@ -184,6 +184,17 @@ def test_zero_bubble_matches_one_process(setup, single, sched, name):
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         per = 4 * 16 * (4 * c.hidden_size + 2 * (q + kv) + 3 * c.intermediate_size)
         assert f"rank 0 of 2: the weight-gradient stores held at most {per} bytes per" in p.stderr, p.stderr[-2000:]
+        # an I takes a store its stage's W gives back: rank 0 keeps, per stage, the most I's its
+        # order (torch's, 8 micro-batches) ever has pending before their W, not one per micro-batch
+        pending, most = {}, {}
+        for a in torch_order(sched, 2, 2, GLOBAL_MB, 0):
+            st, kind, _ = re.fullmatch(r"(\d+)([FIWB])(\d+)", a).groups()
+            pending[st] = pending.get(st, 0) + {"I": 1, "W": -1}.get(kind, 0)
+            most[st] = max(most.get(st, 0), pending[st])
+        n = sum(most.values())
+        assert n < 2 * GLOBAL_MB, f"test setup: {most}"
+        assert f"rank 0 of 2: the weight-gradient stores held at most {per} bytes per (stage, micro-batch); " \
+               f"their {n} buffers take" in p.stderr, p.stderr[-2000:]
     if CLIP in args:
         assert all(g > 0.2 for g in want.values()), f"clipping never acted: {want}"
 
