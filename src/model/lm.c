@@ -1337,9 +1337,13 @@ static size_t lora_row_elem(const lm_model *m, int p, size_t row, size_t K) {
     return (seq * T + pos) * W + col;
 }
 
-/* x[BT, K] */
-static const float *lora_input(lm_model *m, int l, int p, const float *x, int BT, int K) {
-    if (!(m->cfg.lora_dropout > 0) || !m->lora_train) return x;
+/* PEFT's dropout on an adapter's input, rows [r0, r0 + BT) of the step's
+ * x[., K] of projection p in layer l (the head's adapter: l = n_layers):
+ * dx NULL: drop(x) into m->ws.lora_x, returned; else the backward,
+ * dx += d drop(x) / dx of dxd (1 / (1 - p) where the mask kept x, 0 where it
+ * dropped it). */
+static const float *lora_mask(lm_model *m, int l, int p, const float *x, int r0, int BT, int K, float *dx,
+                              const float *dxd) {
     uint64_t key = lora_key(m, l, p);
     uint32_t cut = lora_cut(m);
     float keep = 1.0f / (1.0f - m->cfg.lora_dropout);
@@ -1351,14 +1355,27 @@ static const float *lora_input(lm_model *m, int l, int p, const float *x, int BT
         KERN_TRACE_ENTER(kt_);
 #pragma omp for schedule(static) nowait
         for (long row = 0; row < BT; row++) {
-            size_t e = lora_row_elem(m, p, (size_t)row, (size_t)K), i = (size_t)row * K;
-            for (size_t c = 0; c < (size_t)K; c++)
-                d[i + c] = lora_kept(key, e + c, cut) ? x[i + c] * keep : 0.0f;
+            size_t e = lora_row_elem(m, p, (size_t)(r0 + row), (size_t)K), i = (size_t)row * K;
+            for (size_t c = 0; c < (size_t)K; c++) {
+                int kept = lora_kept(key, e + c, cut);
+                if (dx) {
+                    if (kept) dx[i + c] += dxd[i + c] * keep;
+                } else {
+                    d[i + c] = kept ? x[i + c] * keep : 0.0f;
+                }
+            }
         }
         KERN_TRACE_EXIT(kt_);
     }
-    if (m->prof) prof_model_op(m->prof, "lora_dropout_fwd", "lora_dropout", PROF_NO_KERNEL, t0);
+    if (m->prof) prof_model_op(m->prof, dx ? "lora_dropout_bwd" : "lora_dropout_fwd", "lora_dropout", PROF_NO_KERNEL, t0);
     return d;
+}
+
+static int lora_dropping(const lm_model *m) { return m->cfg.lora_dropout > 0 && m->lora_train; }
+
+/* x[BT, K] */
+static const float *lora_input(lm_model *m, int l, int p, const float *x, int BT, int K) {
+    return lora_dropping(m) ? lora_mask(m, l, p, x, 0, BT, K, NULL, NULL) : x;
 }
 
 /* y[BT, N] += B (scale A drop(x[BT, K])): PEFT's LoRA branch beside the
@@ -1399,25 +1416,9 @@ static void lora_bwd(lm_model *m, int l, int p, float *dx, const float *dy, cons
         K(MATMUL, matmul_bwd, dx, g->lora_a[p], du, x, w->lora_a[p], BT, K, r, 1);
         return;
     }
-    float *dxd = dx ? m->ws.lora_dx : NULL, keep = 1.0f / (1.0f - m->cfg.lora_dropout);
+    float *dxd = dx ? m->ws.lora_dx : NULL;
     K(MATMUL, matmul_bwd, dxd, g->lora_a[p], du, xd, w->lora_a[p], BT, K, r, 0);
-    if (!dx) return;
-    uint64_t key = lora_key(m, l, p);
-    uint32_t cut = lora_cut(m);
-    int64_t t0 = PROF_T0(m->prof);
-    kern_trace *kt_ = kern_trace_armed();
-#pragma omp parallel
-    {
-        KERN_TRACE_ENTER(kt_);
-#pragma omp for schedule(static) nowait
-        for (long row = 0; row < BT; row++) { /* d drop(x) / dx: 1 / (1 - p) where the mask kept x, 0 where it dropped it */
-            size_t e = lora_row_elem(m, p, (size_t)row, (size_t)K), i = (size_t)row * K;
-            for (size_t c = 0; c < (size_t)K; c++)
-                if (lora_kept(key, e + c, cut)) dx[i + c] += dxd[i + c] * keep;
-        }
-        KERN_TRACE_EXIT(kt_);
-    }
-    if (m->prof) prof_model_op(m->prof, "lora_dropout_bwd", "lora_dropout", PROF_NO_KERNEL, t0);
+    if (dx) lora_mask(m, l, p, NULL, 0, BT, K, dx, dxd);
 }
 
 /* Whether projection p of layer l has an adapter (its A is bound). */
@@ -2338,39 +2339,13 @@ static void head_lora_scratch(lm_model *m) {
     m->ws.head_da = ct_malloc(r * (size_t)m->cfg.hidden * sizeof(float));
 }
 
-static int head_lora_dropout(const lm_model *m) { return m->cfg.lora_dropout > 0 && m->lora_train; }
-
 /* drop(x) of rows [r0, r0 + n) of the head's input x [n, H] (x itself outside
- * training or without dropout); dx != NULL: dx += d drop(x) / dx of dxd. */
+ * training or without dropout); dx != NULL: dx += d drop(x) / dx of dxd. Its
+ * mask is the layers' rule with layer index n_layers, projection 0 (a key no
+ * layer has). */
 static const float *head_lora_input(lm_model *m, const float *x, int r0, int n, float *dx, const float *dxd) {
-    if (!head_lora_dropout(m)) return x;
-    const lm_config *c = &m->cfg;
-    int H = c->hidden;
-    uint64_t key = lora_key(m, c->n_layers, LM_LORA_Q);
-    uint32_t cut = lora_cut(m);
-    float keep = 1.0f / (1.0f - c->lora_dropout), *d = m->ws.lora_x;
-    int64_t t0 = PROF_T0(m->prof);
-    kern_trace *kt_ = kern_trace_armed();
-#pragma omp parallel
-    {
-        KERN_TRACE_ENTER(kt_);
-#pragma omp for schedule(static) nowait
-        for (long row = 0; row < n; row++) {
-            size_t e = lora_row_elem(m, LM_LORA_Q, (size_t)(r0 + row), (size_t)H), i = (size_t)row * H;
-            for (size_t k = 0; k < (size_t)H; k++) {
-                int kept = lora_kept(key, e + k, cut);
-                if (dx) {
-                    if (kept) dx[i + k] += dxd[i + k] * keep;
-                } else {
-                    d[i + k] = kept ? x[i + k] * keep : 0.0f;
-                }
-            }
-        }
-        KERN_TRACE_EXIT(kt_);
-    }
-    if (m->prof)
-        prof_model_op(m->prof, dx ? "lora_dropout_bwd" : "lora_dropout_fwd", "lora_dropout", PROF_NO_KERNEL, t0);
-    return d;
+    if (!lora_dropping(m)) return x;
+    return lora_mask(m, m->cfg.n_layers, LM_LORA_Q, x, r0, n, m->cfg.hidden, dx, dxd);
 }
 
 /* logits[n, V] += B (scale A drop(x[n, H])) for rows [r0, r0 + n) of the step;
@@ -2398,7 +2373,7 @@ static void head_lora_bwd(lm_model *m, float *dx, float *da, const float *dlogit
     K(MATMUL, matmul_bwd, du, m->g.head_b, dlogits, m->ws.head_u, m->w.head_b, n, r, V, 0);
     for (size_t i = 0; i < (size_t)n * r; i++) du[i] *= c->lora_scale;
     const float *xd = head_lora_input(m, x, r0, n, NULL, NULL);
-    if (!head_lora_dropout(m)) {
+    if (!lora_dropping(m)) {
         K(MATMUL, matmul_bwd, dx, da, du, x, m->w.head_a, n, H, r, 1);
         return;
     }
