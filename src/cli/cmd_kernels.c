@@ -41,10 +41,11 @@ static const struct {
 } kern_subs[] = {
     {"list", SUB_LIST, "  list                         registered implementations, CPU features, defaults\n"},
     {"check", SUB_CHECK,
-     "  check [--op NAME] [--impl NAME] [--seed N] [--threads N] [--quick]\n"
+     "  check [--op NAME] [--impl NAME] [--seed N] [--threads N] [--quick] [--quick-cap N]\n"
      "                               every implementation against \"ref\"; exit 1 on a mismatch\n"
      "                               (--quick caps the long side of the largest cases: for qemu and\n"
-     "                               the sanitizers)\n"},
+     "                               the sanitizers; --quick-cap N, N >= 2: --quick with those caps\n"
+     "                               lowered to N, e.g. matmul's M for a re-check at another SVE width)\n"},
     {"bench", SUB_BENCH,
      "  bench [--op NAME] [--impl NAME] [--threads N] [--reps N] [--quick] [--peak GFLOPS] [--cold]\n"
      "                               GFLOP/s (matmul, attention) or GB/s of each implementation\n"
@@ -65,7 +66,7 @@ static const struct {
 } kern_opts[] = {
     {"--op", 1, SUB_CHECK | SUB_BENCH},   {"--impl", 1, SUB_CHECK | SUB_BENCH},
     {"--seed", 1, SUB_CHECK},             {"--threads", 1, SUB_CHECK | SUB_BENCH | SUB_PEAK},
-    {"--quick", 0, SUB_CHECK | SUB_BENCH}, {"--reps", 1, SUB_BENCH},
+    {"--quick", 0, SUB_CHECK | SUB_BENCH}, {"--quick-cap", 1, SUB_CHECK}, {"--reps", 1, SUB_BENCH},
     {"--peak", 1, SUB_BENCH},             {"--cold", 0, SUB_BENCH},
     {"--json", 0, SUB_PEAK},
 };
@@ -135,7 +136,8 @@ static int parse_opts(size_t sub, int argc, char **argv, kern_cli_opts *o) {
             return 2;
         }
         if (!kern_opts[k].value) {
-            *(a[2] == 'q' ? &o->quick : a[2] == 'j' ? &o->json : &o->cold) = 1;
+            if (a[2] == 'q') o->quick = o->quick ? o->quick : 1; /* after --quick-cap N: still N */
+            else *(a[2] == 'j' ? &o->json : &o->cold) = 1;
             continue;
         }
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
@@ -151,6 +153,14 @@ static int parse_opts(size_t sub, int argc, char **argv, kern_cli_opts *o) {
             o->op = val;
         } else if (!strcmp(a, "--impl")) {
             o->impl = val;
+        } else if (!strcmp(a, "--quick-cap")) { /* kern_check_opts.quick > 1: the caps lowered to it */
+            double v;
+            if (opt_number(a, val, 2, 1 << 20, &v)) return 2;
+            if (v != floor(v)) {
+                fprintf(stderr, "ctitan: error: kernels: %s: expected an integer, got \"%s\"\n", a, val);
+                return 2;
+            }
+            o->quick = (int)v;
         } else if (!strcmp(a, "--threads") || !strcmp(a, "--reps") || !strcmp(a, "--seed")) {
             double v;
             int seed = a[2] == 's';
@@ -208,7 +218,10 @@ static int cmd_check(const kern_cli_opts *o) {
     const kern_impl *t = kern_registry(&n);
     kern_check_opts co = {.out = stdout, .op = o->op, .impl = o->impl, .features = kern_cpu_features(),
                           .seed = o->seed, .quick = o->quick};
-    printf("threads: %d%s\n", cpu_threads(), o->quick ? " (--quick: the largest cases capped)" : "");
+    if (o->quick > 1)
+        printf("threads: %d (--quick-cap %d: the largest cases capped at %d)\n", cpu_threads(), o->quick, o->quick);
+    else
+        printf("threads: %d%s\n", cpu_threads(), o->quick ? " (--quick: the largest cases capped)" : "");
     /* the SVE GEMM's tile is 3 vectors wide: a check log says which width it tested */
     if (kern_sve_vector_bits()) printf("sve vector length: %d bits\n", kern_sve_vector_bits());
     int failed = kern_check(t, n, &co);

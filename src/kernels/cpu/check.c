@@ -1431,7 +1431,12 @@ static const struct {
  * T 150-260 were ~80% of its time). The caps keep what those cases are there
  * for: several 32-row and 64-key tiles with partial edges, MoE segments large
  * enough that a GEMM is split over threads (MOE_PIECE_MIN_FLOPS) over several
- * k blocks. The other dimensions stay as they are. */
+ * k blocks. The other dimensions stay as they are.
+ * quick > 1 (`kernels check --quick-cap N`) lowers those caps to N, for a
+ * re-check that needs fewer of that dimension's tiles: scripts/test_aarch64.sh
+ * re-runs the SVE GEMMs at other vector lengths with M capped at 20, since the
+ * length changes only their tiles' width (N) and k blocks, while M's tiles
+ * (8 rows; 20 = two and a 4-row edge) are the same at every length. */
 static const struct {
     int dim, cap;
 } quick_cap[KERN_N_OPS] = {
@@ -1531,8 +1536,9 @@ int kern_check(const kern_impl *t, size_t n, const kern_check_opts *o) {
             for (int sh = 0; sh < op_cases[op].nshapes; sh++) {
                 int s[CHK_DIMS];
                 memcpy(s, op_cases[op].shapes[sh], sizeof s);
-                if (o && o->quick && quick_cap[op].cap && s[quick_cap[op].dim] > quick_cap[op].cap)
-                    s[quick_cap[op].dim] = quick_cap[op].cap;
+                int cap = quick_cap[op].cap;
+                if (o && o->quick > 1 && cap && o->quick < cap) cap = o->quick; /* --quick-cap: lower only */
+                if (o && o->quick && cap && s[quick_cap[op].dim] > cap) s[quick_cap[op].dim] = cap;
                 chk_case c = {.len = 0, .worst = 0, .worst_mean = 0, .tol = 0};
                 c.detail[0] = 0;
                 /* the same inputs for every implementation: the generator seeded per (op, shape) */

@@ -12,6 +12,7 @@
  * and strided (packed), must give the same bits. The 28 x 16 tile for narrow
  * C (avx512_n16, LoRA's rank side) must also give the bits of the 14 x 32 one
  * on every C at most 16 wide, with and without accumulation. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
@@ -185,10 +186,17 @@ int main(void) {
      * 2-column edge */
     static const int shapes[][3] = {{5, 7, 3}, {37, 1100, 45}, {64, 300, 100}, {20, 40, 17}, {134, 600, 70},
                                     {400, 37, 2210}};
+    /* Under qemu (scripts/test_aarch64.sh) the last shape was ~3/4 of this test's 54 s. Its 400
+     * rows are for avx2's row blocks (mcb, x86 only: the native run covers them); 40 rows keep
+     * what the Arm archs' packers get from it, N over several column blocks with an edge. */
+    int emu = getenv("CTITAN_EMULATED") != NULL;
+    if (emu) printf("skip under emulation: 400 rows of the 400 x 37 x 2210 case (avx2's row blocks): 40 here\n");
     for (int i = 0; i < n; i++) {
         printf("gemm packers: %s\n", archs[i].name);
-        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
-            check_arch(&archs[i], shapes[s][0], shapes[s][1], shapes[s][2]);
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            int M = shapes[s][0] == 400 && emu ? 40 : shapes[s][0];
+            check_arch(&archs[i], M, shapes[s][1], shapes[s][2]);
+        }
     }
 #if defined(__x86_64__)
     if ((kern_cpu_hw_features() & KERN_FEAT_AVX512) == KERN_FEAT_AVX512) {
