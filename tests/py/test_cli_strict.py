@@ -77,6 +77,7 @@ NOT_THEIRS = [
     (["check", "--op", "add", "--quick", "--peak", "5"], "--peak"),
     (["bench", "--op", "add", "--reps", "1", "--seed", "7"], "--seed"),
     (["bench", "--op", "add", "--reps", "1", "--json"], "--json"),
+    (["bench", "--op", "add", "--reps", "1", "--quick-cap", "20"], "--quick-cap"),
 ]
 
 
@@ -92,6 +93,7 @@ def test_kernels_refuses_options_of_other_subcommands(run_ctitan, args, bad):
 @pytest.mark.parametrize("args", [
     ["list"],
     ["check", "--op", "add", "--seed", "3", "--threads", "1", "--quick"],
+    ["check", "--op", "matmul", "--impl", "avx2", "--threads", "1", "--quick-cap", "20"],
     ["bench", "--op", "add", "--impl", "ref", "--threads", "1", "--reps", "1", "--quick", "--peak", "10", "--cold"],
     ["peak", "--threads", "1", "--json"],
 ], ids=lambda a: a[0])
@@ -106,7 +108,7 @@ def test_kernels_subcommands_take_their_options(run_ctitan, args):
 
 @pytest.mark.parametrize("sub, has, hasnt", [
     ("peak", ["--threads", "--json"], ["--op", "--reps", "check"]),
-    ("check", ["--op", "--seed", "--quick"], ["--reps", "--json", "peak"]),
+    ("check", ["--op", "--seed", "--quick", "--quick-cap"], ["--reps", "--json", "peak"]),
     ("list", ["list"], ["--", "bench"]),
 ])
 def test_kernels_help_of_a_subcommand(run_ctitan, sub, has, hasnt):
@@ -551,3 +553,10 @@ def test_freeze_help_example_works_on_the_command_line(run_ctitan, tmp_path):
     example = re.search(r'e\.g\. (\[.*?\])', help_text[help_text.index("--training.freeze"):]).group(1)
     rc, out, err = tt_dry_run(run_ctitan, tmp_path, "", f"--training.freeze={example}")
     assert rc == 0 and "frozen:" in out, err
+
+
+@pytest.mark.parametrize("value", ["1", "2.5", "x", "0"])
+def test_kernels_check_quick_cap_takes_a_whole_number_of_2_or_more(run_ctitan, value):
+    """--quick-cap N lowers --quick's caps to N rows: a value it cannot use is refused naming it."""
+    rc, out, err = run_ctitan(["kernels", "check", "--op", "add", "--quick-cap", value], check=False)
+    assert rc == 2 and "--quick-cap" in err and out == "", (rc, out, err)
