@@ -114,8 +114,11 @@ static void lora_bind_fused(const lm_config *c, lm_layer_w *lw, const lm_tensor 
         v[LM_LORA_K] = p && b ? p + qd * r : p;
         v[LM_LORA_V] = p && b ? p + (qd + kvd) * r : p;
     }
-    if ((c->lora_targets & LORA_FUSED_GATE_UP) && t->expert == LM_LORA_GATE)
-        v[LM_LORA_UP] = p && b ? p + (size_t)c->intermediate * r : p;
+    if ((c->lora_targets & LORA_FUSED_GATE_UP) && t->expert == LM_LORA_GATE) {
+        int64_t in, rows; /* the gate's rows: GraniteMoeShared's shared width S in its sparse layers */
+        lora_dims(c, t->layer, LM_LORA_GATE, &in, &rows);
+        v[LM_LORA_UP] = p && b ? p + (size_t)rows * r : p;
+    }
 }
 
 int lm_lora_on(const lm_config *c, int l, int p) {
@@ -333,8 +336,11 @@ static void build_layout(lm_model *m) {
             lora_dims(c, l, p, &in, &out);
             int shared = lora_shared_module[p] && c->shared_intermediate > 0 && lm_layer_is_moe(c, l);
             const char *mod = shared ? lora_shared_module[p] : lora_module[p];
+            int granite = shared && c->moe_keys == LM_MOE_KEYS_GRANITE; /* PEFT's shared_mlp Linears */
+            if (granite) mod = p == LM_LORA_DOWN ? "shared_mlp.output_linear" : "shared_mlp.input_linear";
             if ((c->lora_targets & LORA_FUSED_QKV) && p == LM_LORA_Q) mod = "self_attn.qkv_proj", out = qd + 2 * kvd;
-            if ((c->lora_targets & LORA_FUSED_GATE_UP) && p == LM_LORA_GATE) mod = "mlp.gate_up_proj", out = 2 * I;
+            if ((c->lora_targets & LORA_FUSED_GATE_UP) && p == LM_LORA_GATE)
+                mod = granite ? "shared_mlp.input_linear" : "mlp.gate_up_proj", out = 2 * out;
             snprintf(sfx, sizeof sfx, "%s.lora_A.weight", mod);
             T_(sfx, lm_lora_rank(c, l, p), in, 1, LM_S_LORA_A);
             m->tensors[m->n_tensors - 1].lora = 1;

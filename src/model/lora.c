@@ -37,10 +37,22 @@ static int target_index(const char *name) {
     return -1;
 }
 
+/* Whether c is GraniteMoeShared, whose shared MLP PEFT sees as two Linears:
+ * shared_mlp.input_linear [2 S, H] (gate rows, then up rows) and
+ * shared_mlp.output_linear [H, S]; ctitan holds them as gate/up/down_proj. */
+static int granite_shared(const lm_config *c) {
+    return c->moe_keys == LM_MOE_KEYS_GRANITE && c->shared_intermediate > 0;
+}
+
 /* A target_modules name -> its bits: one projection, or the fused module of
- * the files (Phi3's qkv_proj, gate_up_proj), which PEFT adapts as one Linear.
- * 0: not a module ctitan adapts. */
-static unsigned target_bits(const char *name) {
+ * the files (Phi3's qkv_proj, gate_up_proj; GraniteMoeShared's input_linear),
+ * which PEFT adapts as one Linear. 0: not a module ctitan adapts. */
+static unsigned target_bits(const lm_config *c, const char *name) {
+    if (granite_shared(c)) { /* its names for the shared MLP; gate_proj and the like name nothing there */
+        if (!strcmp(name, "input_linear"))
+            return (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | LORA_FUSED_GATE_UP;
+        if (!strcmp(name, "output_linear")) return 1u << LM_LORA_DOWN;
+    }
     if (!strcmp(name, "qkv_proj"))
         return (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | LORA_FUSED_QKV;
     if (!strcmp(name, "gate_up_proj")) return (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | LORA_FUSED_GATE_UP;
@@ -65,7 +77,13 @@ int lora_check_fused(const lm_config *c, const char *where, const char *key, ct_
                        "%s: %s: model_type \"%s\" holds gate and up as one gate_up_proj: name "
                        "gate_up_proj",
                        where, key, c->model_type);
-    if ((!c->fused_qkv && (t & LORA_FUSED_QKV)) || (!c->fused_gate_up && (t & LORA_FUSED_GATE_UP)))
+    if (granite_shared(c) && (t & gu) && !(t & LORA_FUSED_GATE_UP))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: %s: model_type \"%s\" holds its shared MLP's gate and up as one "
+                       "shared_mlp.input_linear: name input_linear",
+                       where, key, c->model_type);
+    if ((!c->fused_qkv && (t & LORA_FUSED_QKV)) ||
+        (!c->fused_gate_up && !granite_shared(c) && (t & LORA_FUSED_GATE_UP)))
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: %s: model_type \"%s\" has no %s: name %s",
                        where, key, c->model_type, !c->fused_qkv && (t & LORA_FUSED_QKV) ? "qkv_proj" : "gate_up_proj",
@@ -516,6 +534,8 @@ static const char *lora_module_path(const lm_config *c, int l, int p) {
     static const char *const shared[3] = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
                                           "mlp.shared_expert.down_proj"};
     if (p < 0 || p >= LM_LORA_N) return "?";
+    if (granite_shared(c) && p >= LM_LORA_GATE && p <= LM_LORA_DOWN)
+        return p == LM_LORA_DOWN ? "shared_mlp.output_linear" : "shared_mlp.input_linear";
     if (p >= LM_LORA_GATE && p <= LM_LORA_DOWN && c->shared_intermediate > 0 && lm_layer_is_moe(c, l))
         return shared[p - LM_LORA_GATE];
     if (c->fused_qkv && p <= LM_LORA_V) return "self_attn.qkv_proj";
@@ -527,7 +547,7 @@ static const char *lora_module_path(const lm_config *c, int l, int p) {
  * tensor table lists them; p itself otherwise. */
 static int module_head(const lm_config *c, int p) {
     if (c->fused_qkv && (p == LM_LORA_K || p == LM_LORA_V)) return LM_LORA_Q;
-    if (c->fused_gate_up && p == LM_LORA_UP) return LM_LORA_GATE;
+    if ((c->fused_gate_up || granite_shared(c)) && p == LM_LORA_UP) return LM_LORA_GATE;
     return p;
 }
 
@@ -550,6 +570,14 @@ unsigned lora_all_linear(const lm_config *c) {
      * PEFT's _maybe_include_all_linear_layers leaves out: the projections */
     unsigned bits = 0;
     for (int p = 0; p < LM_LORA_N; p++) bits |= 1u << p;
+    /* GraniteMoE: the experts and the router are no Linear (PEFT adapts none of
+     * them); GraniteMoeShared's shared MLP is: its input_linear, output_linear */
+    if (c->moe_keys == LM_MOE_KEYS_GRANITE) {
+        bits &= (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | (1u << LM_LORA_O);
+        if (granite_shared(c))
+            bits |= (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN) | LORA_FUSED_GATE_UP;
+        return bits;
+    }
     if (!c->shared_intermediate) bits &= ~(1u << LM_LORA_SHGATE); /* qwen2_moe's shared_expert_gate: a Linear */
     if (c->fused_qkv) bits |= LORA_FUSED_QKV;
     if (c->fused_gate_up) bits |= LORA_FUSED_GATE_UP;
@@ -570,7 +598,7 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
     char name[256], full[LM_NAME_MAX];
     int rc = 0;
     for (const char *q = list; q && (q = cfg_list_next(q, name, sizeof name));) {
-        unsigned b = target_bits(name);
+        unsigned b = target_bits(c, name);
         int hit = 0;
         if (!strcmp(name, "lm_head")) { /* the output layer, whose full name is "lm_head" (PEFT's rule) */
             all |= LORA_HEAD;
@@ -580,6 +608,11 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
             all |= LORA_EMBED;
             continue;
         }
+        /* GraniteMoE: gate_proj / up_proj / down_proj name no Linear (PEFT skips such a
+         * name beside one that matches; the trainer refuses a list of them alone) */
+        if (c->moe_keys == LM_MOE_KEYS_GRANITE && c->n_experts > 0 && (b & ~LORA_FUSED_GATE_UP) &&
+            !(b & ((1u << LM_LORA_GATE) - 1)) && strcmp(name, "input_linear") && strcmp(name, "output_linear"))
+            continue;
         if (b) { /* a module name: every layer's (the trainer strips a MoE model's MLP names) */
             for (int l = 0; l < c->n_layers; l++) bits[l] |= b;
             all |= b;
@@ -590,7 +623,7 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
                 if (module_head(c, p) != p || !module_exists(c, l, p)) continue;
                 snprintf(full, sizeof full, "model.layers.%d.%s", l, lora_module_path(c, l, p));
                 if (!key_matches(full, name)) continue;
-                unsigned mb = target_bits(strrchr(full, '.') + 1);
+                unsigned mb = target_bits(c, strrchr(full, '.') + 1);
                 if (exact && !strcmp(full, name)) exact[l] |= mb; /* layers_to_transform spares it */
                 bits[l] |= mb;
                 all |= mb;
@@ -599,8 +632,8 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
         if (!hit) {
             rc = ct_fail(e, code,
                          "%s: %s: \"%s\" is not a projection ctitan adapts (q_proj, k_proj, v_proj, o_proj, "
-                         "gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj; lm_head; embed_tokens; or one "
-                         "layer's, "
+                         "gate_proj, up_proj, down_proj; Phi3's qkv_proj, gate_up_proj; GraniteMoeShared's "
+                         "input_linear, output_linear; lm_head; embed_tokens; or one layer's, "
                          "model.layers.N.self_attn.q_proj)",
                          where, key, name);
             break;
@@ -726,8 +759,9 @@ static int json_targets(const cJSON *o, const cJSON *tm, lm_config *c, const cha
                            "%s: target_modules: \"%s\": a regular expression is not supported; list the modules",
                            path, tm->valuestring);
         /* PEFT saves all-linear of a MoE model resolved (q..o_proj and
-         * target_parameters); the unresolved form would need its rewrite here */
-        if (c->n_experts > 0)
+         * target_parameters); the unresolved form would need its rewrite here
+         * (GraniteMoE has none: its Linears are lora_all_linear's) */
+        if (c->n_experts > 0 && c->moe_keys != LM_MOE_KEYS_GRANITE)
             return ct_fail(e, CT_ERR_FORMAT,
                            "%s: target_modules: \"all-linear\" on model_type \"%s\": give it resolved as PEFT saves "
                            "it (target_modules q_proj, k_proj, v_proj, o_proj and target_parameters gate.weight, "
@@ -947,19 +981,23 @@ static int pattern_text(const char *text, const char *what, cJSON **out, const c
 
 int lora_config_patterns(lm_config *c, const char *rank_pattern, const char *alpha_pattern, double alpha, int rslora,
                          int gate_up_fused, const char *where, ct_err *e) {
-    /* GraniteMoE: PEFT rewrites no target into its fused experts or router (their
-     * modules are no Linear; "all-linear" adapts q/k/v/o_proj only, gate_proj and the
-     * like name nothing there), where the MoE rewrite above would adapt them */
+    /* GraniteMoE: PEFT rewrites no target_modules name into its experts or router (they
+     * are no Linear: "all-linear" adapts q/k/v/o_proj and GraniteMoeShared's
+     * shared_mlp.input_linear / output_linear only); its target_parameters do reach
+     * block_sparse_moe.experts.gate_up_proj / down_proj and router.weight, which ctitan
+     * does not adapt on this family */
     unsigned attn = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | (1u << LM_LORA_O);
+    if (granite_shared(c)) attn |= (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN);
     if (c->moe_keys == LM_MOE_KEYS_GRANITE)
         for (int l = 0; l < c->n_layers; l++)
-            /* GraniteMoeShared's shared MLP is held as gate/up/down_proj, names PEFT
-             * does not find there (its modules are shared_mlp.input_linear, output_linear) */
             if (c->lora_experts[l] || (c->lora_targets & ~attn & ((1u << LM_LORA_N) - 1)))
                 return ct_fail(e, CT_ERR_CONFIG,
-                               "%s: lora.target_modules / lora.target_parameters: model_type \"%s\" has no "
-                               "Linear experts or router for PEFT to adapt (its \"all-linear\" adapts q_proj, "
-                               "k_proj, v_proj and o_proj only); name those", where, c->model_type);
+                               "%s: lora.target_modules / lora.target_parameters: model_type \"%s\": ctitan does "
+                               "not adapt its experts or router (PEFT reaches them through target_parameters "
+                               "block_sparse_moe.experts.gate_up_proj / down_proj, router.weight; its "
+                               "\"all-linear\" adapts q_proj, k_proj, v_proj, o_proj and a shared MLP's "
+                               "input_linear, output_linear only)",
+                               where, c->model_type);
     cJSON *rp, *ap;
     int rc = pattern_text(rank_pattern, "rank_pattern", &rp, where, e);
     if (!rc) rc = pattern_text(alpha_pattern, "alpha_pattern", &ap, where, e);
@@ -1616,7 +1654,10 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
             int fq = (c->lora_targets & LORA_FUSED_QKV) && p <= LM_LORA_V;
             int fg = (c->lora_targets & LORA_FUSED_GATE_UP) && (p == LM_LORA_GATE || p == LM_LORA_UP);
             if ((fq && p != LM_LORA_Q) || (fg && p != LM_LORA_GATE)) continue;
-            cJSON_AddItemToArray(tm, cJSON_CreateString(fq ? "qkv_proj" : fg ? "gate_up_proj" : target_names[p]));
+            const char *nm = fq ? "qkv_proj" : fg ? "gate_up_proj" : target_names[p];
+            if (granite_shared(c) && p >= LM_LORA_GATE && p <= LM_LORA_DOWN)
+                nm = p == LM_LORA_DOWN ? "output_linear" : "input_linear";
+            cJSON_AddItemToArray(tm, cJSON_CreateString(nm));
         }
         if (c->lora_targets & LORA_HEAD) cJSON_AddItemToArray(tm, cJSON_CreateString("lm_head"));
         if (c->lora_targets & LORA_EMBED) cJSON_AddItemToArray(tm, cJSON_CreateString("embed_tokens"));
@@ -1759,6 +1800,17 @@ void lora_merge(lm_model *m) {
         /* tied, lm_head's weight is the embedding: PEFT's merge_and_unload folds the
          * adapter into the one shared tensor, so the lookup changes too (it warns) */
         const lm_tensor *tw = head && c->tie_embeddings ? lm_find(m, "model.embed_tokens.weight") : lm_find(m, base);
+        /* GraniteMoeShared's shared_mlp.input_linear is held as gate_proj then up_proj:
+         * B's first S rows fold into the gate, the rest into the up projection */
+        const lm_tensor *tw2 = NULL;
+        size_t split = (size_t)tb->shape[0];
+        if (!tw && granite_shared(c) && ta->expert == LM_LORA_GATE) {
+            snprintf(base, sizeof base, "model.layers.%d.shared_mlp.gate_proj.weight", ta->layer);
+            tw = lm_find(m, base);
+            snprintf(base, sizeof base, "model.layers.%d.shared_mlp.up_proj.weight", ta->layer);
+            tw2 = lm_find(m, base);
+            split = (size_t)c->shared_intermediate;
+        }
         if (head && c->tie_embeddings)
             fprintf(stderr, "ctitan: warning: merging the lm_head adapter into the tied embedding "
                             "(tie_word_embeddings): the merged model's input embeddings change too, as PEFT's "
@@ -1766,13 +1818,16 @@ void lora_merge(lm_model *m) {
         int K = (int)ta->shape[1], N = (int)tb->shape[0], r = (int)ta->shape[0];
         float scale = head ? c->lora_scale : lm_lora_scale(c, ta->layer, ta->expert);
         /* W[N, K] += scale B[N, r] A[r, K], PEFT's merge (get_delta_weight), summed in double */
-        float *W = m->params + tw->offset, *A = m->params + ta->offset, *B = m->params + tb->offset;
-        for (int n = 0; n < N; n++)
+        float *A = m->params + ta->offset, *B = m->params + tb->offset;
+        for (int n = 0; n < N; n++) {
+            float *W = (size_t)n < split ? m->params + tw->offset + (size_t)n * K
+                                         : m->params + tw2->offset + ((size_t)n - split) * K;
             for (int k = 0; k < K; k++) {
                 double sum = 0;
                 for (int j = 0; j < r; j++) sum += (double)B[(size_t)n * r + j] * A[(size_t)j * K + k];
-                W[(size_t)n * K + k] += (float)(scale * sum);
+                W[k] += (float)(scale * sum);
             }
+        }
         memset(B, 0, (size_t)N * r * sizeof(float)); /* folded in: the adapter now adds nothing */
     }
 }

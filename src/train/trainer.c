@@ -339,9 +339,21 @@ int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e) {
      * ".gate", a whole layer's too: PEFT maps it by suffix): its rewrite
      * turns it into target_parameters gate.weight, every MoE layer's router */
     int router_named = 0;
+    /* GraniteMoE: gate_proj, up_proj, down_proj and gate name no module (its experts
+     * and router are no Linear, and PEFT rewrites nothing for this family): PEFT
+     * skips a name that matches nothing while another matches, and raises "Target
+     * modules {...} not found in the base model" when none does */
+    int granite = mc->n_experts > 0 && mc->moe_keys == LM_MOE_KEYS_GRANITE, kept = 0;
     char *rest = ct_malloc(strlen(c->lora_targets) + 1), item[128];
-    rest[0] = 0;
+    char *unmatched = ct_malloc(2 * strlen(c->lora_targets) + 1); /* ", " between names */
+    rest[0] = unmatched[0] = 0;
     for (const char *p = c->lora_targets; (p = cfg_list_next(p, item, sizeof item));) {
+        if (granite && (!strcmp(item, "gate_proj") || !strcmp(item, "up_proj") || !strcmp(item, "down_proj") ||
+                        !strcmp(item, "gate"))) {
+            strcat(strcat(unmatched, unmatched[0] ? ", " : ""), item);
+            continue;
+        }
+        kept++;
         int w = !mx ? -1 : !strcmp(item, "w1") ? LM_LORA_GATE : !strcmp(item, "w3") ? LM_LORA_UP
                          : !strcmp(item, "w2") ? LM_LORA_DOWN : -1;
         size_t ni = strlen(item);
@@ -353,11 +365,23 @@ int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e) {
     /* PEFT's "all-linear": every projection, as PEFT resolves it on the model */
     int all_linear = lora_is_all_linear(rest);
     int rc = 0;
+    if (granite && unmatched[0] && !kept && !experts)
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "%s: lora.target_modules: %s: no module of model_type \"%s\" has these names (PEFT: \"Target "
+                     "modules not found in the base model\"; its experts and router are no Linear); name q_proj, "
+                     "k_proj, v_proj, o_proj%s",
+                     tm_src, unmatched, mc->model_type,
+                     mc->shared_intermediate > 0 ? ", input_linear or output_linear (the shared MLP)" : "");
+    free(unmatched);
+    if (rc) {
+        free(rest);
+        return rc;
+    }
     /* qwen2_moe: PEFT rewrites nothing into target_parameters for this model (all-linear
      * adapts its Linears, mlp.shared_expert_gate among them, and not the router), and
      * refuses "gate": its router (Qwen2MoeTopKRouter) is no Linear */
     int shared = mc->shared_intermediate > 0;
-    if (shared && router_named) {
+    if (shared && router_named && !granite) {
         free(rest);
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: lora.target_modules: \"gate\" on model_type \"%s\" names the router, which PEFT "
@@ -388,7 +412,7 @@ int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e) {
     int gate_up_fused = 0;
     /* qwen2_moe: the names stay Linear targets, the dense layers' MLPs and every sparse
      * layer's shared expert (mlp.shared_expert.gate_proj, ...), as PEFT adapts them */
-    if (mc->n_experts > 0 && !shared && ((mc->lora_targets & mlp) || mx_named)) {
+    if (mc->n_experts > 0 && !shared && !granite && ((mc->lora_targets & mlp) || mx_named)) {
         unsigned named = mx && !all_linear ? mx_named : mc->lora_targets;
         mc->lora_targets &= ~mlp;
         int gate = named >> LM_LORA_GATE & 1, up = named >> LM_LORA_UP & 1, down = named >> LM_LORA_DOWN & 1;
@@ -414,7 +438,7 @@ int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e) {
     /* all-linear on a MoE model, or "gate" named: PEFT's rewrite adds
      * target_parameters gate.weight, an adapter on every MoE layer's router
      * (the dense mlp_only layers' MLPs have no "gate" and get none) */
-    if ((all_linear || router_named) && mc->n_experts > 0 && !shared) {
+    if ((all_linear || router_named) && mc->n_experts > 0 && !shared && !granite) {
         for (int l = 0; l < mc->n_layers; l++)
             if (lm_layer_is_moe(mc, l)) mc->lora_experts[l] |= (unsigned char)(1u << LM_LORA_EXP_R);
         experts = 1;
