@@ -928,26 +928,19 @@ static int set_patterns(lm_config *c, const cJSON *rank_pattern, const cJSON *al
             c->lora_exp_scale[x] = lora_scaling(a0, r0, rslora);
         }
     }
-    /* lm_head's adapter is held at lora_rank and lora_scale (build_layout) */
-    if (!rc && (c->lora_targets & LORA_HEAD)) {
+    /* lm_head's and embed_tokens' adapters are held at lora_rank and lora_scale (build_layout) */
+    static const struct { unsigned bit; const char *path, *name; } held[] = {
+        {LORA_HEAD, "lm_head", "lm_head"}, {LORA_EMBED, "model.embed_tokens", "embed_tokens"}};
+    for (size_t k = 0; k < sizeof held / sizeof held[0] && !rc; k++) {
+        if (!(c->lora_targets & held[k].bit)) continue;
         int r;
         double a;
-        pats_pick(R, nr, A, na, "lm_head", md, c->lora_rank, alpha, &r, &a);
+        pats_pick(R, nr, A, na, held[k].path, md, c->lora_rank, alpha, &r, &a);
         if (r != c->lora_rank || a != alpha)
             rc = ct_fail(e, CT_ERR_CONFIG,
-                         "%s: rank_pattern / alpha_pattern: a key selects lm_head (rank %d, alpha %g); ctitan adapts "
-                         "lm_head at lora.rank and lora.alpha (%d, %g) only",
-                         where, r, a, c->lora_rank, alpha);
-    }
-    if (!rc && (c->lora_targets & LORA_EMBED)) { /* held at lora_rank and lora_scale too */
-        int r;
-        double a;
-        pats_pick(R, nr, A, na, "model.embed_tokens", md, c->lora_rank, alpha, &r, &a);
-        if (r != c->lora_rank || a != alpha)
-            rc = ct_fail(e, CT_ERR_CONFIG,
-                         "%s: rank_pattern / alpha_pattern: a key selects embed_tokens (rank %d, alpha %g); ctitan "
-                         "adapts embed_tokens at lora.rank and lora.alpha (%d, %g) only",
-                         where, r, a, c->lora_rank, alpha);
+                         "%s: rank_pattern / alpha_pattern: a key selects %s (rank %d, alpha %g); ctitan adapts "
+                         "%s at lora.rank and lora.alpha (%d, %g) only",
+                         where, held[k].name, r, a, held[k].name, c->lora_rank, alpha);
     }
     /* PEFT warns on a key that selects no adapted module and ignores it: a
      * typo here would silently leave the rank of the module it meant */
