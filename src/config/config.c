@@ -245,8 +245,8 @@ static const cfg_option cfg_options[] = {
                            "gate_up_proj at 2 r and 2 alpha, as PEFT rewrites them)"),
     OPT("lora", "target_parameters", CFG_STR, lora_target_params, "", .list = 1,
         .help = "PEFT's target_parameters: fused MoE expert parameters that get adapters (Qwen3-MoE, Mixtral: "
-                "mlp.experts.gate_up_proj, mlp.experts.down_proj; any suffix of model.layers.N.mlp.experts.X, "
-                "as PEFT matches)"),
+                "mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight; GraniteMoE: "
+                "block_sparse_moe.experts.X, block_sparse_moe.router.weight; any suffix, as PEFT matches)"),
     OPT("lora", "rank_pattern", CFG_STR, lora_rank_pattern, "",
         .help = "PEFT's rank_pattern as JSON text, e.g. '{\"q_proj\": 2, \"layers.1.mlp.down_proj\": 8}': "
                 "the first key (a regex) matching the end of a module's full name gives its rank"),

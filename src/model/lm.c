@@ -169,6 +169,12 @@ size_t lm_expert_lora_scratch_floats(const lm_config *c) {
 int lm_lora_exp_rank(const lm_config *c, int p) { return c->lora_exp_rank[p] ? c->lora_exp_rank[p] : c->lora_rank; }
 float lm_lora_exp_scale(const lm_config *c, int p) { return c->lora_exp_rank[p] ? c->lora_exp_scale[p] : c->lora_scale; }
 
+/* The module holding a MoE layer's experts and router in PEFT's names:
+ * transformers v5's mlp (Mixtral's too), GraniteMoE's block_sparse_moe */
+static const char *moe_module(const lm_config *c) {
+    return c->moe_keys == LM_MOE_KEYS_GRANITE ? "block_sparse_moe" : "mlp";
+}
+
 /* Layer l's adapters on its fused experts, PEFT's ParamWrapper keys: one
  * wrapper per parameter, nested in the experts' declaration order, so with
  * both adapted gate_up_proj's lies under the outer wrapper's base_layer.
@@ -187,10 +193,10 @@ static void add_expert_lora(lm_model *m, int *cap, int l) {
         int64_t in = p == LM_LORA_EXP_GU ? H : Im, out = p == LM_LORA_EXP_GU ? 2 * Im : H;
         const char *nest = both && p == LM_LORA_EXP_GU ? "base_layer." : "";
         char n[LM_NAME_MAX];
-        snprintf(n, sizeof n, "model.layers.%d.mlp.experts.%slora_A.weight", l, nest);
+        snprintf(n, sizeof n, "model.layers.%d.%s.experts.%slora_A.weight", l, moe_module(c), nest);
         add_tensor(m, cap, n, r * El, in, 1, LM_S_LORA_EA, l, p);
         m->tensors[m->n_tensors - 1].lora = 1;
-        snprintf(n, sizeof n, "model.layers.%d.mlp.experts.%slora_B.weight", l, nest);
+        snprintf(n, sizeof n, "model.layers.%d.%s.experts.%slora_B.weight", l, moe_module(c), nest);
         add_tensor(m, cap, n, out, r * El, 1, LM_S_LORA_EB, l, p);
         m->tensors[m->n_tensors - 1].lora = 1;
     }
@@ -198,16 +204,18 @@ static void add_expert_lora(lm_model *m, int *cap, int l) {
 
 /* the router's weight [E, H], a 2-D parameter: PEFT's ParamWrapper with
  * one "expert", A [r, H] and B [E, r] under mlp.gate (Mixtral's too:
- * transformers v5 renames its block_sparse_moe to mlp); whole on every rank */
+ * transformers v5 renames its block_sparse_moe to mlp; GraniteMoE's
+ * block_sparse_moe.router); whole on every rank */
 static void add_router_lora(lm_model *m, int *cap, int l) {
     const lm_config *c = &m->cfg;
     if (!lm_lora_expert_on(c, l, LM_LORA_EXP_R)) return;
     int64_t r = lm_lora_exp_rank(c, LM_LORA_EXP_R);
     char n[LM_NAME_MAX];
-    snprintf(n, sizeof n, "model.layers.%d.mlp.gate.lora_A.weight", l);
+    const char *gate = c->moe_keys == LM_MOE_KEYS_GRANITE ? "block_sparse_moe.router" : "mlp.gate";
+    snprintf(n, sizeof n, "model.layers.%d.%s.lora_A.weight", l, gate);
     add_tensor(m, cap, n, r, c->hidden, 1, LM_S_LORA_EA, l, LM_LORA_EXP_R);
     m->tensors[m->n_tensors - 1].lora = 1;
-    snprintf(n, sizeof n, "model.layers.%d.mlp.gate.lora_B.weight", l);
+    snprintf(n, sizeof n, "model.layers.%d.%s.lora_B.weight", l, gate);
     add_tensor(m, cap, n, c->n_experts, r, 1, LM_S_LORA_EB, l, LM_LORA_EXP_R);
     m->tensors[m->n_tensors - 1].lora = 1;
 }

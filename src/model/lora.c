@@ -97,18 +97,22 @@ static const char *const exp_param[LM_LORA_EXP_N] = {"gate_up_proj", "down_proj"
 
 /* Parameter x's (LM_LORA_EXP_*, the router LM_LORA_EXP_R) name in a layer
  * without "model.layers.N.", as PEFT names it ("mlp.experts.down_proj",
- * "mlp.gate.weight") */
-static const char *param_path(int x) {
-    static const char *const p[LM_LORA_PARAM_N] = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj",
-                                                   "mlp.gate.weight"};
-    return x >= 0 && x < LM_LORA_PARAM_N ? p[x] : "?";
+ * "mlp.gate.weight"; GraniteMoE's module tree holds them under
+ * block_sparse_moe, its router's weight as router.weight) */
+static const char *param_path(const lm_config *c, int x) {
+    static const char *const p[2][LM_LORA_PARAM_N] = {
+        {"mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"},
+        {"block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj",
+         "block_sparse_moe.router.weight"}};
+    return x >= 0 && x < LM_LORA_PARAM_N ? p[c->moe_keys == LM_MOE_KEYS_GRANITE][x] : "?";
 }
 
 /* Parameter x's last name components that select it in every MoE layer and
  * nothing else: PEFT's spelling in target_parameters after its rewrite */
-static const char *param_short(int x) {
-    static const char *const p[LM_LORA_PARAM_N] = {"gate_up_proj", "down_proj", "gate.weight"};
-    return x >= 0 && x < LM_LORA_PARAM_N ? p[x] : "?";
+static const char *param_short(const lm_config *c, int x) {
+    static const char *const p[2][LM_LORA_PARAM_N] = {{"gate_up_proj", "down_proj", "gate.weight"},
+                                                      {"gate_up_proj", "down_proj", "router.weight"}};
+    return x >= 0 && x < LM_LORA_PARAM_N ? p[c->moe_keys == LM_MOE_KEYS_GRANITE][x] : "?";
 }
 
 /* PEFT's _inject_parameters: the key equals the target or ends with "." + target */
@@ -155,7 +159,7 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
         for (int l = 0; experts && l < c->n_layers; l++) {
             if (!lm_layer_is_moe(c, l)) continue;
             for (int x = 0; x < LM_LORA_PARAM_N; x++) {
-                snprintf(full, sizeof full, "model.layers.%d.%s", l, param_path(x));
+                snprintf(full, sizeof full, "model.layers.%d.%s", l, param_path(c, x));
                 if (key_matches(full, item)) {
                     c->lora_experts[l] |= (unsigned char)(1u << x);
                     hit = 1;
@@ -180,7 +184,7 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
                            "%s: %s: \"%s\" names no parameter ctitan adapts; target_parameters may name the fused "
                            "experts mlp.experts.gate_up_proj and mlp.experts.down_proj and the router mlp.gate.weight "
                            "(or a suffix of model.layers.N.mlp.experts.X / model.layers.N.mlp.gate.weight, as PEFT "
-                           "matches)",
+                           "matches; GraniteMoE's block_sparse_moe.experts.X, block_sparse_moe.router.weight)",
                            where, key, item);
     }
     return 0;
@@ -208,8 +212,8 @@ static char *lora_target_params_text(const lm_config *c) {
         for (int x = 0; x < LM_LORA_PARAM_N; x++) {
             int on = uniform ? ref > 0 && (ref >> x & 1) : lm_lora_expert_on(c, l, x);
             if (!on) continue;
-            if (uniform) n += (size_t)snprintf(s + n, cap - n, "%s%s", n ? "," : "", param_short(x));
-            else n += (size_t)snprintf(s + n, cap - n, "%smodel.layers.%d.%s", n ? "," : "", l, param_path(x));
+            if (uniform) n += (size_t)snprintf(s + n, cap - n, "%s%s", n ? "," : "", param_short(c, x));
+            else n += (size_t)snprintf(s + n, cap - n, "%smodel.layers.%d.%s", n ? "," : "", l, param_path(c, x));
         }
     return s;
 }
@@ -910,7 +914,7 @@ static int set_patterns(lm_config *c, const cJSON *rank_pattern, const cJSON *al
         double a0 = 0;
         for (int l = 0; l < c->n_layers && !rc; l++) {
             if (!lm_lora_expert_on(c, l, x)) continue;
-            snprintf(name, sizeof name, "model.layers.%d.%s", l, param_path(x));
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, param_path(c, x));
             int r;
             double a;
             pats_pick(R, nr, A, na, name, md, c->lora_rank, alpha, &r, &a);
@@ -920,7 +924,7 @@ static int set_patterns(lm_config *c, const cJSON *rank_pattern, const cJSON *al
                              "%s: rank_pattern / alpha_pattern: %s gets rank %d, alpha %g in layer %d but "
                              "rank %d, alpha %g in layer %d; ctitan keeps one rank and alpha per expert (router) "
                              "parameter",
-                             where, param_path(x), r0, a0, seen, r, a, l);
+                             where, param_path(c, x), r0, a0, seen, r, a, l);
         }
         if (!rc && seen >= 0 && (r0 != c->lora_rank || a0 != alpha)) {
             c->lora_exp_rank[x] = r0;
@@ -976,21 +980,17 @@ int lora_config_patterns(lm_config *c, const char *rank_pattern, const char *alp
                          int gate_up_fused, const char *where, ct_err *e) {
     /* GraniteMoE: PEFT rewrites no target_modules name into its experts or router (they
      * are no Linear: "all-linear" adapts q/k/v/o_proj and GraniteMoeShared's
-     * shared_mlp.input_linear / output_linear only); its target_parameters do reach
-     * block_sparse_moe.experts.gate_up_proj / down_proj and router.weight, which ctitan
-     * does not adapt on this family */
+     * shared_mlp.input_linear / output_linear only); target_parameters reach them
+     * (block_sparse_moe.experts.gate_up_proj / down_proj, block_sparse_moe.router.weight) */
     unsigned attn = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V) | (1u << LM_LORA_O);
     if (granite_shared(c)) attn |= (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN);
-    if (c->moe_keys == LM_MOE_KEYS_GRANITE)
-        for (int l = 0; l < c->n_layers; l++)
-            if (c->lora_experts[l] || (c->lora_targets & ~attn & ((1u << LM_LORA_N) - 1)))
-                return ct_fail(e, CT_ERR_CONFIG,
-                               "%s: lora.target_modules / lora.target_parameters: model_type \"%s\": ctitan does "
-                               "not adapt its experts or router (PEFT reaches them through target_parameters "
-                               "block_sparse_moe.experts.gate_up_proj / down_proj, router.weight; its "
-                               "\"all-linear\" adapts q_proj, k_proj, v_proj, o_proj and a shared MLP's "
-                               "input_linear, output_linear only)",
-                               where, c->model_type);
+    if (c->moe_keys == LM_MOE_KEYS_GRANITE && (c->lora_targets & ~attn & ((1u << LM_LORA_N) - 1)))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: lora.target_modules: model_type \"%s\" has no Linear experts or router (PEFT "
+                       "reaches them through lora.target_parameters block_sparse_moe.experts.gate_up_proj / "
+                       "down_proj, router.weight; its \"all-linear\" adapts q_proj, k_proj, v_proj, o_proj and a "
+                       "shared MLP's input_linear, output_linear only)",
+                       where, c->model_type);
     cJSON *rp, *ap;
     int rc = pattern_text(rank_pattern, "rank_pattern", &rp, where, e);
     if (!rc) rc = pattern_text(alpha_pattern, "alpha_pattern", &ap, where, e);
@@ -1067,7 +1067,7 @@ static int check_target_params(const cJSON *tp, const lm_config *c, const char *
                 rc = ct_fail(e, CT_ERR_CONFIG,
                              "%s: target_parameters: the adapter %s model.layers.%d.%s%s, the run's [lora] %s it "
                              "(lora.target_parameters; all-linear on a MoE model adapts the experts and the routers)",
-                             path, oa ? "adapts" : "does not adapt", l, param_path(x),
+                             path, oa ? "adapts" : "does not adapt", l, param_path(c, x),
                              x == LM_LORA_EXP_R ? " (the MoE router)" : "", on ? "adapts" : "does not adapt");
         }
     free(own);
@@ -1302,7 +1302,7 @@ static int compare_adapter(const lm_config *ad, const lm_config *c, const char *
                            "the run's %d and %g (gate_proj + up_proj in lora.target_modules of a MoE model give "
                            "gate_up_proj rank 2 r and alpha 2 alpha, as PEFT's rewrite; lora.target_parameters alone r "
                            "and alpha)",
-                           path, param_path(x), ra, (double)sa, rr, (double)sr);
+                           path, param_path(c, x), ra, (double)sa, rr, (double)sr);
     }
     return 0;
 }
@@ -1695,7 +1695,8 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     for (int x = 0; x < LM_LORA_PARAM_N; x++) {
         if (!c->lora_exp_rank[x]) continue;
         char key[64];
-        if (x == LM_LORA_EXP_R) snprintf(key, sizeof key, ".*\\.gate\\.weight");
+        if (x == LM_LORA_EXP_R)
+            snprintf(key, sizeof key, ".*\\.%s\\.weight", c->moe_keys == LM_MOE_KEYS_GRANITE ? "router" : "gate");
         else snprintf(key, sizeof key, ".*\\.%s", exp_param[x]);
         cJSON_AddNumberToObject(rp, key, c->lora_exp_rank[x]);
         cJSON_AddNumberToObject(ap, key, c->lora_exp_alpha[x]);
@@ -1742,7 +1743,7 @@ static void merge_experts(lm_model *m, const lm_tensor *ta, const lm_tensor *tb)
     int mx = c->moe_keys == LM_MOE_KEYS_MIXTRAL;
     for (int x = 0; x < (gu ? 2 : 1); x++) { /* each projection's experts are one stacked block from expert 0 */
         snprintf(name, sizeof name, "model.layers.%d.%s.experts.0.%s.weight", ta->layer,
-                 mx ? "block_sparse_moe" : "mlp", proj[mx][gu ? x : 2]);
+                 mx || c->moe_keys == LM_MOE_KEYS_GRANITE ? "block_sparse_moe" : "mlp", proj[mx][gu ? x : 2]);
         w[x] = m->params + lm_find(m, name)->offset;
     }
     float *A = m->params + ta->offset, *B = m->params + tb->offset;

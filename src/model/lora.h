@@ -87,7 +87,9 @@ float lora_scaling(double alpha, int r, int rslora);
 /* PEFT's target_parameters (comma list) -> c->lora_experts[]: a name
  * selects layer l's fused experts parameter "model.layers.l.mlp.experts.X"
  * (X gate_up_proj or down_proj), or its router "model.layers.l.mlp.gate.weight"
- * (bit LM_LORA_EXP_R), when it equals it or ends with "." + it,
+ * (bit LM_LORA_EXP_R; GraniteMoE's "model.layers.l.block_sparse_moe.experts.X"
+ * and "model.layers.l.block_sparse_moe.router.weight", its module tree's
+ * names), when it equals it or ends with "." + it,
  * PEFT's rule, so "mlp.experts.down_proj" is every MoE layer's and
  * "layers.3.mlp.experts.down_proj" layer 3's. A name that selects no expert
  * parameter of this model (or any name on a model without Qwen3-MoE
