@@ -89,13 +89,11 @@ typedef struct {
 } hf_fused;
 
 static int hf_fused_piece(const lm_config *c, const lm_tensor *t, hf_fused *f) {
-    if (c->moe_keys != LM_MOE_KEYS_GRANITE || t->layer < 0 || t->lora) return 0;
+    if (!lm_fused_file_name(c, t, f->name, sizeof f->name)) return 0;
     int64_t H = c->hidden;
     if (t->slot == LM_S_EXP_G || t->slot == LM_S_EXP_U || t->slot == LM_S_EXP_D) {
         int64_t E = c->n_experts, Im = c->moe_intermediate, x = t->expert;
         int down = t->slot == LM_S_EXP_D;
-        snprintf(f->name, sizeof f->name, "model.layers.%d.block_sparse_moe.%s.weight", t->layer,
-                 down ? "output_linear" : "input_linear");
         f->ndim = 3;
         f->shape[0] = E;
         f->shape[1] = down ? H : 2 * Im;
@@ -104,17 +102,13 @@ static int hf_fused_piece(const lm_config *c, const lm_tensor *t, hf_fused *f) {
         f->first = x == 0 && t->slot != LM_S_EXP_U;
         return 1;
     }
-    if (c->shared_intermediate > 0 && (t->slot == LM_S_WG || t->slot == LM_S_WU) && lm_layer_is_moe(c, t->layer)) {
-        int64_t S = c->shared_intermediate;
-        snprintf(f->name, sizeof f->name, "model.layers.%d.shared_mlp.input_linear.weight", t->layer);
-        f->ndim = 2;
-        f->shape[0] = 2 * S;
-        f->shape[1] = H;
-        f->off = (size_t)(t->slot == LM_S_WU ? S * H : 0);
-        f->first = t->slot == LM_S_WG;
-        return 1;
-    }
-    return 0;
+    int64_t S = c->shared_intermediate; /* GraniteMoeShared's shared_mlp.input_linear */
+    f->ndim = 2;
+    f->shape[0] = 2 * S;
+    f->shape[1] = H;
+    f->off = (size_t)(t->slot == LM_S_WU ? S * H : 0);
+    f->first = t->slot == LM_S_WG;
+    return 1;
 }
 
 int hf_fuses_tensors(const lm_config *c) { return c->n_experts > 0 && c->moe_keys == LM_MOE_KEYS_GRANITE; }

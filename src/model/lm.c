@@ -2081,15 +2081,21 @@ static void embed_lora_fwd(lm_model *m, float *x0, const int32_t *tokens, int n)
     if (!A || !Bw) return;
     int H = c->hidden, r = c->lora_rank, V = c->vocab_size;
     float sc = c->lora_scale;
-#pragma omp parallel for schedule(static)
-    for (long i = 0; i < n; i++) {
-        size_t id = (size_t)tokens[i];
-        float *x = x0 + (size_t)i * H;
-        for (int h = 0; h < H; h++) {
-            float s = 0; /* (A[:, id] @ B^T)[h], then the scale: PEFT's order */
-            for (int j = 0; j < r; j++) s += A[(size_t)j * V + id] * Bw[(size_t)h * r + j];
-            x[h] += s * sc;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long i = 0; i < n; i++) {
+            size_t id = (size_t)tokens[i];
+            float *x = x0 + (size_t)i * H;
+            for (int h = 0; h < H; h++) {
+                float s = 0; /* (A[:, id] @ B^T)[h], then the scale: PEFT's order */
+                for (int j = 0; j < r; j++) s += A[(size_t)j * V + id] * Bw[(size_t)h * r + j];
+                x[h] += s * sc;
+            }
         }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -2100,14 +2106,20 @@ static void embed_lora_bwd(lm_model *m, const float *d, const int32_t *tokens, i
     if (!A || !Bw) return;
     int H = c->hidden, r = c->lora_rank, V = c->vocab_size;
     float sc = c->lora_scale;
+    kern_trace *kt_ = kern_trace_armed();
     if (dB) {
-#pragma omp parallel for schedule(static)
-        for (long h = 0; h < H; h++)
-            for (int j = 0; j < r; j++) {
-                double s = 0;
-                for (int i = 0; i < n; i++) s += (double)d[(size_t)i * H + h] * A[(size_t)j * V + tokens[i]];
-                dB[(size_t)h * r + j] += (float)(s * sc);
-            }
+#pragma omp parallel
+        {
+            KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+            for (long h = 0; h < H; h++)
+                for (int j = 0; j < r; j++) {
+                    double s = 0;
+                    for (int i = 0; i < n; i++) s += (double)d[(size_t)i * H + h] * A[(size_t)j * V + tokens[i]];
+                    dB[(size_t)h * r + j] += (float)(s * sc);
+                }
+            KERN_TRACE_EXIT(kt_);
+        }
     }
     if (!dA) return;
     if (n > m->ws.emb_du_rows) {
@@ -2116,13 +2128,18 @@ static void embed_lora_bwd(lm_model *m, const float *d, const int32_t *tokens, i
         m->ws.emb_du_rows = n;
     }
     float *du = m->ws.emb_du; /* du[i] = scale B^T d[i] for every row, then scattered */
-#pragma omp parallel for schedule(static)
-    for (long i = 0; i < n; i++)
-        for (int j = 0; j < r; j++) {
-            double s = 0;
-            for (int h = 0; h < H; h++) s += (double)d[(size_t)i * H + h] * Bw[(size_t)h * r + j];
-            du[(size_t)i * r + j] = (float)(s * sc);
-        }
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long i = 0; i < n; i++)
+            for (int j = 0; j < r; j++) {
+                double s = 0;
+                for (int h = 0; h < H; h++) s += (double)d[(size_t)i * H + h] * Bw[(size_t)h * r + j];
+                du[(size_t)i * r + j] = (float)(s * sc);
+            }
+        KERN_TRACE_EXIT(kt_);
+    }
     for (int i = 0; i < n; i++) /* in row order: a repeated id's column sums as torch's index_add */
         if (!(c->has_pad && tokens[i] == c->pad_token))
             for (int j = 0; j < r; j++) dA[(size_t)j * V + tokens[i]] += du[(size_t)i * r + j];

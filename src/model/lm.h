@@ -287,6 +287,13 @@ typedef struct {
 } lm_tensor;
 #define LM_NO_STORE ((size_t)-1)
 
+/* The name of the HF file tensor that holds t as one piece of it (GraniteMoE's
+ * block_sparse_moe.input_linear / output_linear, GraniteMoeShared's
+ * shared_mlp.input_linear) into name[n]: 1, or 0 for a tensor the files hold
+ * under its own name. checkpoint/hf.c places the piece; training.freeze
+ * matches either name. */
+int lm_fused_file_name(const lm_config *c, const lm_tensor *t, char *name, size_t n);
+
 /* Pointers to one layer's tensors inside a flat buffer (params or grads). */
 typedef struct {
     float *ln1;   /* [H] input_layernorm (NULL: LM_NORM_POST) */

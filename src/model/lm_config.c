@@ -54,6 +54,20 @@ int lm_layer_is_moe(const lm_config *c, int l) {
     return (l + 1) % c->decoder_sparse_step == 0;
 }
 
+int lm_fused_file_name(const lm_config *c, const lm_tensor *t, char *name, size_t n) {
+    if (c->moe_keys != LM_MOE_KEYS_GRANITE || t->layer < 0 || t->lora) return 0;
+    if (t->slot == LM_S_EXP_G || t->slot == LM_S_EXP_U || t->slot == LM_S_EXP_D) {
+        snprintf(name, n, "model.layers.%d.block_sparse_moe.%s.weight", t->layer,
+                 t->slot == LM_S_EXP_D ? "output_linear" : "input_linear");
+        return 1;
+    }
+    if (c->shared_intermediate > 0 && (t->slot == LM_S_WG || t->slot == LM_S_WU) && lm_layer_is_moe(c, t->layer)) {
+        snprintf(name, n, "model.layers.%d.shared_mlp.input_linear.weight", t->layer);
+        return 1;
+    }
+    return 0;
+}
+
 int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     struct { const char *k; int v; } pos[] = {
         {"vocab_size", c->vocab_size}, {"hidden_size", c->hidden}, {"intermediate_size", c->intermediate},

@@ -351,6 +351,14 @@ int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_sa
             /* tied: "lm_head" is the embedding, trained as one tensor and saved for PEFT's ensure_weight_tying */
             int tied = t->slot == LM_S_EMBED && selects_tied(&m->cfg, item);
             if (t->lora || !(tied || in_saved_module(t->name, item))) continue;
+            /* lora_save_peft writes the table's names, which PEFT does not find in a
+             * GraniteMoE model (its files fuse these: checkpoint/hf.c) */
+            char fused[LM_NAME_MAX];
+            if (lm_fused_file_name(&m->cfg, t, fused, sizeof fused))
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: lora.modules_to_save: \"%s\" selects %s, a fused tensor of model_type \"%s\" "
+                               "that ctitan's adapter file cannot hold as PEFT saves it: leave it out",
+                               where, item, fused, m->cfg.model_type);
             t->frozen = 0;
             hit = 1;
         }
@@ -362,8 +370,14 @@ int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_sa
     }
     for (const char *p = freeze; p && (p = cfg_list_next(p, item, sizeof item));) {
         int hit = 0;
-        for (int i = 0; i < m->n_tensors; i++)
-            if (fnmatch(item, m->tensors[i].name, 0) == 0) m->tensors[i].frozen = hit = 1;
+        for (int i = 0; i < m->n_tensors; i++) {
+            /* GraniteMoE's files name fused tensors the table holds apart: such a
+             * name freezes every piece of it */
+            char fused[LM_NAME_MAX];
+            if (fnmatch(item, m->tensors[i].name, 0) == 0 ||
+                (lm_fused_file_name(&m->cfg, &m->tensors[i], fused, sizeof fused) && fnmatch(item, fused, 0) == 0))
+                m->tensors[i].frozen = hit = 1;
+        }
         if (!hit)
             return ct_fail(e, CT_ERR_CONFIG, "%s: training.freeze: \"%s\" matches no tensor of this model", where,
                            item);
