@@ -187,13 +187,24 @@ int main(void) {
      * tiled's are portable C, which the native run checks the same way */
     int emu = getenv("CTITAN_EMULATED") != NULL;
     if (emu) printf("skip under emulation: the portable block forms (ref, tiled), checked by the native run\n");
+    /* Under the sanitizers (make sanitize sets CTITAN_SANITIZE) they look for memory and UB errors,
+     * which follow the source, not the target it was compiled for: tiled_avx512 is "tiled"'s
+     * source (attention_blk_tiled.inc) again, and of the 70-row pieces the last two reach between
+     * them every kind of block (the future: piece 2; wholly left of a window: piece 3; partly
+     * seen, past and diagonal: both, at head dims 64 and 128); the first two were half of this
+     * test's ~43 CPU s under ASan. */
+    int san = getenv("CTITAN_SANITIZE") != NULL;
+    if (san)
+        printf("skip under the sanitizers: tiled_avx512 (tiled's source again), and the 70-row pieces 0 and 1 "
+               "(pieces 2 and 3 reach every kind of block)\n");
     for (int i = 0; i < n_impl; i++) {
         if (emu && (!strcmp(impls[i].name, "ref") || !strcmp(impls[i].name, "tiled"))) continue;
+        if (san && !strcmp(impls[i].name, "tiled_avx512")) continue;
         for (int n = 2; n <= 4; n += 2)
             for (int piece = 0; piece < 2 * n; piece++)
                 for (size_t o = 0; o < sizeof small / sizeof *small; o++)
                     check_piece(&impls[i], &r, &s5, n, piece, small[o]);
-        for (int piece = 0; piece < 4; piece++)
+        for (int piece = san ? 2 : 0; piece < 4; piece++)
             for (size_t o = 0; o < sizeof big / sizeof *big; o++)
                 check_piece(&impls[i], &r, piece % 2 ? &s70b : &s70, 2, piece, big[o]);
         check_untouched(&impls[i], &r);
