@@ -18,7 +18,7 @@ import oracle
 import oracle_lora as OL
 from conftest import hf_session_args
 from test_lora import OPT_ARGS, close, compare_steps, session_steps, train_ref
-from test_lora_lm_head import cfg_qwen3, load_quietly, lora_args
+from test_lora_lm_head import cfg_qwen3, check_generate_and_merge_as_peft, load_quietly, lora_args
 from test_parity import make_batch
 from test_train_loop import LOCAL_BS, L
 
@@ -154,19 +154,7 @@ def test_saved_adapter_generate_and_merge(tmp_path, open_session, run_ctitan):
     assert err <= TOL, f"session vs PEFT with its saved adapter: {err:.3g}"
     assert oracle.rel_err(want, oracle.hf_logits(oracle.load_hf(hf_dir), tokens)) > 1e-3, "test setup"
 
-    prompt = [5, 17, 200, 3, 99]
-    with torch.no_grad():
-        ref = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
-        with pm.disable_adapter():
-            base_ids = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
-    assert ref != base_ids, "test setup: the adapter does not change the greedy continuation"
-    _, out, _ = run_ctitan(["generate", "--checkpoint", hf_dir, "--adapter", ad, "--prompt-ids",
-                            " ".join(map(str, prompt)), "--max-tokens", "8", "--ids"])
-    assert [int(x) for x in out.split()] == ref
-
-    run_ctitan(["export", "--checkpoint", hf_dir, "--adapter", ad, "--merge", "--out", tmp_path / "merged"])
-    err = oracle.rel_err(oracle.hf_logits(oracle.load_hf(tmp_path / "merged"), tokens), want)
-    assert err <= 1e-5, f"merged export vs PEFT: {err:.3g}"
+    check_generate_and_merge_as_peft(run_ctitan, tmp_path, pm, hf_dir, ad, tokens, want)
 
 
 def test_tied_merge_folds_into_the_shared_tensor_as_peft(tmp_path, run_ctitan):

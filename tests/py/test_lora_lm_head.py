@@ -189,6 +189,13 @@ def test_saved_adapter_generate_and_merge(tmp_path, open_session, run_ctitan):
     base = oracle.hf_logits(oracle.load_hf(hf_dir), tokens)
     assert oracle.rel_err(want, base) > 1e-3, "test setup: the adapter hardly changes the logits"
 
+    check_generate_and_merge_as_peft(run_ctitan, tmp_path, pm, hf_dir, ad, tokens, want)
+
+
+def check_generate_and_merge_as_peft(run_ctitan, tmp_path, pm, hf_dir, ad, tokens, want):
+    """`generate --adapter` continues a prompt as PEFT's model pm greedily does (and the adapter
+    changes that continuation), and `export --merge` read back by transformers gives want, pm's
+    logits of tokens."""
     prompt = [5, 17, 200, 3, 99]
     with torch.no_grad():
         ref = pm.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
