@@ -1807,11 +1807,20 @@ static void proj_reduced(lm_model *m, float *out, const float *in, const float *
 }
 
 /* out[n] = base[n] + y[n] rm, the product rounded to fp32 before the add as
- * transformers' `residual + hidden_states * residual_multiplier` is. */
+ * transformers' `residual + hidden_states * residual_multiplier` is; base
+ * NULL: out = y rm (a scaled branch's backward). Threaded: at B T x H per
+ * layer a serial pass costs as much as a small projection. */
 static void scaled_add(float *out, const float *base, const float *y, float rm, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        float p = y[i] * rm;
-        out[i] = base[i] + p;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (size_t i = 0; i < n; i++) {
+            float p = y[i] * rm;
+            out[i] = base ? base[i] + p : p;
+        }
+        KERN_TRACE_EXIT(kt_);
     }
 }
 
@@ -1985,9 +1994,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         if (c->shared_intermediate > 0) shared_expert_fwd(m, l, a, w, xm, y, BT);
         if (y && scr) {
             const float *ys = tp ? sum_rows(m, y, BT, H) : y;
-            if (rm != 0) scaled_add(res_next, a->res_mid, ys, rm, ns);
-            else
-                for (size_t i = 0; i < ns; i++) res_next[i] = a->res_mid[i] + ys[i];
+            scaled_add(res_next, a->res_mid, ys, rm != 0 ? rm : 1.0f, ns); /* y 1 is y: the same bits */
         }
         return;
     }
@@ -2776,8 +2783,6 @@ static void shared_expert_bwd(lm_model *m, int l, const lm_layer_acts *a, const 
     size_t H = (size_t)m->cfg.hidden;
     int Is = m->cfg.shared_intermediate;
     float *dso = m->ws.d_so, *dsg = m->ws.d_sg; /* [BT, H], [BT] */
-    if (!w->shgate) /* ungated (GraniteMoeShared): d(output) is the branch's */
-        memcpy(dso, dy, (size_t)BT * H * sizeof(float));
     for (size_t t = 0; t < (size_t)BT && w->shgate; t++) {
         float s = a->sg[t], dot = 0;
         for (size_t j = 0; j < H; j++) {
@@ -2787,8 +2792,9 @@ static void shared_expert_bwd(lm_model *m, int l, const lm_layer_acts *a, const 
         dsg[t] = dot * s * (1.0f - s); /* sigmoid' = s (1 - s) */
     }
     if (w->shgate) reduce_d_input(m, dsg, (size_t)BT);
-    mm_bwd(m, m->ws.d_h, g->wd, dso, a->sh, w->wd, BT, Is, (int)H, 0); /* d_h [BT, Is], overwritten */
-    lora_bwd_n(m, l, m->ws.d_h, a->sh, BT, Is, 1, (const int[]){LM_LORA_DOWN}, (const float *const[]){dso},
+    const float *dout = w->shgate ? dso : dy; /* ungated (GraniteMoeShared): d(output) is the branch's */
+    mm_bwd(m, m->ws.d_h, g->wd, dout, a->sh, w->wd, BT, Is, (int)H, 0); /* d_h [BT, Is], overwritten */
+    lora_bwd_n(m, l, m->ws.d_h, a->sh, BT, Is, 1, (const int[]){LM_LORA_DOWN}, (const float *const[]){dout},
                (const int[]){(int)H});
     mlp_up_bwd(m, l, w, g, x, a->sgate, a->sup, BT, Is, 1);
 }
@@ -2819,7 +2825,7 @@ static float *moe_layer_bwd(lm_model *m, int l, int BT) {
     const float *dy = sp_gather(m, m->ws.sp_dy, m->ws.d_res, BT, H);
     float rm = resid_mult(c);
     if (rm != 0) { /* the branch was scaled before the add: d(branch) = rm d(residual) */
-        for (size_t i = 0; i < (size_t)BT * H; i++) m->ws.d_moe[i] = dy[i] * rm;
+        scaled_add(m->ws.d_moe, NULL, dy, rm, (size_t)BT * H);
         dy = m->ws.d_moe;
     }
     lm_layer_acts ag = *a;
@@ -2876,7 +2882,7 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
         norm_bwd(m, m->ws.d_ln, gln, m->ws.d_res, y, ln, rstd, BS, H);
         dy = m->ws.d_ln;
     } else if (rm != 0) { /* the branch was scaled before the add: d(branch) = rm d(residual) */
-        for (size_t i = 0; i < (size_t)BS * H; i++) m->ws.d_ln[i] = m->ws.d_res[i] * rm;
+        scaled_add(m->ws.d_ln, NULL, m->ws.d_res, rm, (size_t)BS * H);
         dy = m->ws.d_ln;
     }
     dy = sp_gather(m, m->ws.sp_dy, dy, BT, H);
