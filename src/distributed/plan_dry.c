@@ -310,6 +310,8 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
         if ((lm.act.pol[l] = lm_ac_layer(c->ac_mode, c->ac_selective_option, l, e)) < 0) rc = CT_ERR_CONFIG;
     int n_banks = 0;
     size_t bank_f = rc ? 0 : pp_bank_floats(p, &lm, &n_banks);
+    int n_stores = 0; /* zero bubble: the weight-gradient stores I fills and W empties */
+    size_t store_f = rc ? 0 : pp_wstore_floats(p, &lm, (size_t)mb * T, &n_stores);
     lm_free(&lm);
     if (rc || !out) return rc;
     /* pp_bind: per local stage and micro-batch, 4 messages (activation in and out, gradient in and out), and
@@ -322,7 +324,8 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     double banks = 4.0 * (double)bank_f, a = (double)act + banks, wide = 4.0 * (double)widened;
     double x = 4.0 * (double)lm_expert_lora_scratch_floats(&sc);
     double cps = cp > 1 ? dry_cp_scratch(&sc, mb, c->seq_len, c) : 0;
-    double total = w + go + gathered + a + p2p + wide + x + cps;
+    double stores = 4.0 * (double)store_f;
+    double total = w + go + gathered + a + p2p + wide + x + cps + stores;
     char layers[512], slice[160] = "", sharded[96] = "";
     dry_pp_layers(p, layers, sizeof layers);
     int embed = lm_holds_layer(&sc, 0), head = lm_holds_head(&sc);
@@ -343,6 +346,8 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     if (wide > 0) fprintf(out, ", frozen bf16 lm_head logits block %.0f", wide);
     if (x > 0) fprintf(out, ", expert LoRA fold + weight gradient %.0f", x);
     if (cps > 0) fprintf(out, ", context parallel attention scratch %.0f", cps);
+    if (n_stores > 0)
+        fprintf(out, ", weight-gradient stores %.0f (%d of them)", stores, n_stores);
     fprintf(out, "; total %.0f (%.3f GiB)\n", total, total / (1024.0 * 1024.0 * 1024.0));
     return 0;
 }

@@ -453,11 +453,14 @@ void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts) {
     }
 }
 
-/* The store an I of local stage c fills: a replayed one, or one not used yet
+/* The store an I of local stage c (layers l0 .. l1-1, rows a micro-batch's)
+ * fills: a replayed one, or one not used yet, sized to what it will hold
  * (the first steps reach the order's most pending, then none is added). */
-static lm_wstore *take_wstore(pp_sched *p, int c) {
+static lm_wstore *take_wstore(pp_sched *p, int c, const lm_model *m, int l0, int l1, size_t rows) {
     if (p->n_wfree[c]) return p->wfree[(size_t)c * p->M + --p->n_wfree[c]];
-    return &p->wst[(size_t)c * p->M + p->n_wst[c]++];
+    lm_wstore *s = &p->wst[(size_t)c * p->M + p->n_wst[c]++];
+    lm_wstore_reserve(s, lm_wstore_floats(m, l0, l1, rows), 12 * (l1 - l0));
+    return s;
 }
 static void give_wstore(pp_sched *p, int c, lm_wstore *st) { p->wfree[(size_t)c * p->M + p->n_wfree[c]++] = st; }
 
@@ -649,7 +652,8 @@ double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *l
                                cnt_req(p, c, i, BUF_GOUT));
             }
             fsdp_open(p, 0, v == V - 1, l0);
-            if (a.kind == 'I') m->wdefer = p->wcur[(size_t)c * p->M + i] = take_wstore(p, c);
+            if (a.kind == 'I')
+                m->wdefer = p->wcur[(size_t)c * p->M + i] = take_wstore(p, c, m, l0, l1, (size_t)B * T);
             loss += lm_stage_backward(m, l0, l1, tk, lb, buf(p, c, i, BUF_GIN), buf(p, c, i, BUF_GOUT), B, T,
                                       grad_scale, NULL);
             m->wdefer = NULL;
@@ -733,6 +737,23 @@ size_t pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks) {
         }
         total += (size_t)most * lm_bank_floats(table, p->first[v], p->first[v + 1]);
         *n_banks += most;
+    }
+    return total;
+}
+
+size_t pp_wstore_floats(const pp_sched *p, const lm_model *table, size_t rows, int *n_stores) {
+    /* each local stage keeps a pool of stores: its peak of I's whose W is still to run */
+    size_t total = 0;
+    *n_stores = 0;
+    for (int c = 0; p->schedule >= PP_ZB_INTERLEAVED && c < p->S; c++) {
+        int v = vstage(p, c), live = 0, most = 0;
+        for (int k = 0; k < p->n_act; k++) {
+            if (p->act[k].stage != c || (p->act[k].kind != 'I' && p->act[k].kind != 'W')) continue;
+            live += p->act[k].kind == 'I' ? 1 : -1;
+            most = live > most ? live : most;
+        }
+        total += (size_t)most * lm_wstore_floats(table, p->first[v], p->first[v + 1], rows);
+        *n_stores += most;
     }
     return total;
 }

@@ -174,6 +174,11 @@ int pp_unit_stage(const pp_sched *p, int x, int L);
  * *n_banks. table: the stage's model (plan or layout, with act.B, act.T
  * and act.pol set), for the dry run. */
 size_t pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks);
+/* A zero-bubble schedule's weight-gradient stores (model/lm.h, lm_wstore) on
+ * this rank, in floats, for micro-batches of rows: per local stage the most
+ * I's its order has waiting for their W, each lm_wstore_floats of the
+ * stage's layers; *n_stores gets how many. 0 for the other schedules. */
+size_t pp_wstore_floats(const pp_sched *p, const lm_model *table, size_t rows, int *n_stores);
 /* The measured share of pp_step's time spent waiting for inputs since the last call (-1: no step).
  * The trainer logs the pipeline ranks' mean; each rank's own share over the whole run is the
  * line pp_free prints on stderr ("ctitan: pipeline rank R of P waited ..."), so the mean can be

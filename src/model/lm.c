@@ -1165,17 +1165,17 @@ static void wdefer_put(lm_model *m, float *dw, const float *dout, const float *i
         free(s->rec);
         s->rec = r;
     }
-    if (s->used + nx + ny > s->size) {
+    /* q, k and v read one input, as gate and up do: a layer's products in a row on the same
+     * buffer share its copy */
+    const lm_wrec *last = s->n ? &s->rec[s->n - 1] : NULL;
+    if (last && last->layer == s->cur && s->xsrc == in && last->M == M && last->K == K) nx = 0;
+    if (s->used + nx + ny > s->size) { /* past lm_wstore_reserve's size (a store not sized first) */
         s->size = 2 * (s->used + nx + ny);
         float *d = ct_malloc64(s->size * sizeof(float));
         if (s->used) memcpy(d, s->data, s->used * sizeof(float));
         free(s->data);
         s->data = d;
     }
-    /* q, k and v read one input, as gate and up do: a layer's products in a row on the same
-     * buffer share its copy */
-    const lm_wrec *last = s->n ? &s->rec[s->n - 1] : NULL;
-    if (last && last->layer == s->cur && s->xsrc == in && last->M == M && last->K == K) nx = 0;
     size_t x = nx ? s->used : last ? last->x : 0;
     s->rec[s->n++] = (lm_wrec){s->cur, x, s->used + nx, dw, w, M, K, N};
     if (nx) memcpy(s->data + s->used, in, nx * sizeof(float));
@@ -3100,6 +3100,49 @@ void lm_stage_backward_weight(lm_model *m, lm_wstore *s, int l0, int l1) {
     }
     s->n = 0;
     s->used = 0;
+}
+
+size_t lm_wstore_floats(const lm_model *m, int l0, int l1, size_t rows) {
+    size_t total = 0;
+    for (int l = l0; l < l1; l++) {
+        /* per group (q/k/v, gate/up): whether a member records, and its inputs' width K */
+        size_t qkv = 0, gu = 0;
+        int shared_gate = 0;
+        for (int i = 0; i < m->n_tensors; i++) {
+            const lm_tensor *t = &m->tensors[i];
+            if (t->layer != l || t->lora || t->frozen || t->ndim != 2) continue;
+            size_t N = (size_t)t->shape[0], K = (size_t)t->shape[1];
+            switch (t->slot) {
+            case LM_S_WQ: case LM_S_WK: case LM_S_WV: case LM_S_WQKV: qkv = K; total += rows * N; break;
+            case LM_S_WG: case LM_S_WU: case LM_S_WGU: gu = K; total += rows * N; break;
+            case LM_S_WO: case LM_S_WD: total += rows * (N + K); break;
+            case LM_S_SHARED_GATE: shared_gate = 1; total += rows * N; break;
+            default: break;
+            }
+        }
+        /* the shared gate reads the shared expert's input: a copy of its own only
+         * where that expert's gate and up record nothing */
+        if (shared_gate && !gu) gu = (size_t)m->cfg.hidden;
+        total += rows * (qkv + gu);
+    }
+    return total;
+}
+
+void lm_wstore_reserve(lm_wstore *s, size_t floats, int records) {
+    if (floats > s->size) {
+        float *d = ct_malloc64(floats * sizeof(float));
+        if (s->used) memcpy(d, s->data, s->used * sizeof(float));
+        free(s->data);
+        s->data = d;
+        s->size = floats;
+    }
+    if (records > s->cap) {
+        lm_wrec *r = ct_malloc((size_t)records * sizeof *r);
+        if (s->n) memcpy(r, s->rec, (size_t)s->n * sizeof *r);
+        free(s->rec);
+        s->rec = r;
+        s->cap = records;
+    }
 }
 
 void lm_wstore_free(lm_wstore *s) {

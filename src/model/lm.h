@@ -816,6 +816,16 @@ typedef struct lm_wstore {
 } lm_wstore;
 void lm_stage_backward_weight(lm_model *m, lm_wstore *s, int l0, int l1);
 void lm_wstore_free(lm_wstore *s);
+/* The floats a store holds after I of layers l0 .. l1-1 on a micro-batch of
+ * rows (B T, whole under sequence parallel: the products read gathered rows),
+ * read from m's table as the recording does: each trained dense projection
+ * [N, K] copies d(output) [rows, N] and its input [rows, K], one input for a
+ * layer's q/k/v, one for its gate/up (and a shared expert's gate beside
+ * them). pp.c sizes each store with it; the dry run prints it. */
+size_t lm_wstore_floats(const lm_model *m, int l0, int l1, size_t rows);
+/* Room for floats (and the records of layers l0 .. l1-1) before the first I,
+ * so a store takes what it holds rather than a doubled buffer. */
+void lm_wstore_reserve(lm_wstore *s, size_t floats, int records);
 
 /* After the forward of a range ending the model: the CE sum of labels (evaluation). */
 double lm_stage_loss(lm_model *m, const int32_t *labels, int B, int T, long *n_valid);

@@ -43,7 +43,8 @@ def pp_args(model_dir, data, out, P, *extra, local=4, global_=0):
 STAGE = re.compile(r"^  pipeline rank (\d+): layers ([0-9, -]+?)((?:, embedding)?(?:, final norm \+ lm_head"
                    r"(?: \(the tied embedding's copy\))?)?): (\d+) parameters; bytes: parameters (\d+), "
                    r"gradients \+ AdamW (\d+), activations (\d+) \(shared (\d+) \+ (\d+) banks? (\d+)\), "
-                   r"point-to-point (\d+); total (\d+) \([0-9.]+ GiB\)$", re.M)
+                   r"point-to-point (\d+)(?:, weight-gradient stores (\d+) \((\d+) of them\))?; "
+                   r"total (\d+) \([0-9.]+ GiB\)$", re.M)
 
 
 def parse(out):
@@ -59,8 +60,9 @@ def parse(out):
         for part in m.group(2).split(", "):
             a, _, b = part.partition("-")
             ranges.append((int(a), int(b or a) + 1))
-        keys = ("rank", "n", "params", "grad_opt", "act", "shared", "n_banks", "banks", "p2p", "total")
-        vals = [int(m.group(i)) for i in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12)]
+        keys = ("rank", "n", "params", "grad_opt", "act", "shared", "n_banks", "banks", "p2p", "stores", "n_stores",
+                "total")
+        vals = [int(m.group(i) or 0) for i in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)]
         stages.append(dict(zip(keys, vals), ranges=ranges, holds=m.group(3)))
     return dict(world=int(world.group(1)), P=int(world.group(2)), rep=int(world.group(3)), schedule=sched.group(1),
                 S=int(sched.group(2)), M=int(sched.group(3)), mb=int(sched.group(4)), accum=int(sched.group(5)),

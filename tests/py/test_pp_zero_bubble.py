@@ -116,6 +116,41 @@ def test_zero_bubble_order_is_torchs(pp_models, tmp_path, sched, P, local, globa
     assert plan["sim"] == pytest.approx(want, abs=6e-5), (plan["sim"], want)
 
 
+@pytest.mark.parametrize("sched", SCHEDS)
+def test_zero_bubble_dry_run_counts_the_stores(pp_models, tmp_path, sched):
+    """The dry run adds each rank's weight-gradient stores to its total: per local stage the most
+    I's torch's order has waiting for their W, each holding, per layer, a micro-batch's rows x
+    (4 H + 2 (q + kv widths) + 3 intermediate) floats (the inputs and d(outputs) of the dense
+    projections, from transformers' config); the other schedules have none. With o_proj and
+    down_proj frozen (training.freeze) their 2 H + q width + intermediate leave the count."""
+    from test_dry_run_pp import T
+    from transformers import AutoConfig
+    d, data = pp_models
+    c = AutoConfig.from_pretrained(d / "untied")
+    H, I = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    freeze = "--training.freeze=model.layers.*.self_attn.o_proj.weight,model.layers.*.mlp.down_proj.weight"
+    for per_layer, extra in ((4 * H + 2 * (q + kv) + 3 * I, []), (2 * H + q + 2 * kv + 2 * I, [freeze])):
+        p = ok(launch(0, pp_args(d / "untied", data, tmp_path, 2, f"{SCHED}={sched}", *extra, local=4, global_=0)
+                      + ["--dry-run"]))
+        plan = parse(p.stdout)
+        rows, P, S, M = plan["mb"] * T, plan["P"], plan["S"], plan["M"]
+        for st in plan["stages"]:
+            r = st["rank"]
+            vs = [r, r + P] if sched == "InterleavedZeroBubble" else [r, 2 * P - 1 - r]
+            pending, most = {}, {}
+            for a in torch_order(sched, P, S, M, r):
+                v, kind, _ = re.fullmatch(r"(\d+)([FIW])(\d+)", a).groups()
+                pending[int(v)] = pending.get(int(v), 0) + {"I": 1, "W": -1}.get(kind, 0)
+                most[int(v)] = max(most.get(int(v), 0), pending[int(v)])
+            want = sum(most[v] * 4 * rows * per_layer * (b - a) for v, (a, b) in zip(vs, st["ranges"]))
+            assert st["n_stores"] == sum(most.values()) and st["stores"] == want, (st, most, want)
+            assert st["total"] == st["params"] + st["grad_opt"] + st["act"] + st["p2p"] + st["stores"], st
+    p = ok(launch(0, pp_args(d / "untied", data, tmp_path, 2, f"{SCHED}=Interleaved1F1B", local=4, global_=0)
+                  + ["--dry-run"]))
+    assert all(st["stores"] == 0 for st in parse(p.stdout)["stages"]) and "weight-gradient" not in p.stdout
+
+
 def zbv_costs(plan, vocab, L):
     """stage_costs under the V: rank r's second range is stage 2P-1-r."""
     from test_dry_run_pp import HIDDEN, layer_cost
@@ -193,8 +228,9 @@ def test_zero_bubble_matches_one_process(setup, single, sched, name):
             most[st] = max(most.get(st, 0), pending[st])
         n = sum(most.values())
         assert n < 2 * GLOBAL_MB, f"test setup: {most}"
+        # each store is sized to what it holds (lm_wstore_floats), not grown by doubling
         assert f"rank 0 of 2: the weight-gradient stores held at most {per} bytes per (stage, micro-batch); " \
-               f"their {n} buffers take" in p.stderr, p.stderr[-2000:]
+               f"their {n} buffers take {n * per} bytes" in p.stderr, p.stderr[-2000:]
     if CLIP in args:
         assert all(g > 0.2 for g in want.values()), f"clipping never acted: {want}"
 
