@@ -127,6 +127,19 @@ FAMILY_LAYOUTS = {
     "qwen2_moe_ep2_tp2_fsdp2": ("qwen2_moe_mlponly_norm_nobias", 4, ["--parallelism.tensor_parallel_degree=2",
                                                                      "--parallelism.data_parallel_shard_degree=2",
                                                                      "--parallelism.expert_parallel_degree=2"]),
+    # the MoE families of stop 52 across a stage boundary and under CP: OLMoE's tied embedding
+    # (the head's stage holds its copy), GraniteMoE's aux loss (the expert counts travel with
+    # the activations; under CP summed over the ranks' chunks) and residual_multiplier on the
+    # sparse branch recomputed under full AC, GraniteMoeShared's ungated shared MLP over chunks
+    "olmoe_pp2": ("olmoe_norm_topk_tied", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                             "--parallelism.pipeline_parallel_microbatch_size=1",
+                                             "--training.local_batch_size=1"]),
+    "granitemoe_aux_pp2_ac": ("granitemoe_aux", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                                    "--parallelism.pipeline_parallel_microbatch_size=1",
+                                                    "--training.local_batch_size=1",
+                                                    "--activation_checkpoint.mode=full"]),
+    "granitemoe_aux_cp2_alltoall": ("granitemoe_aux", 2, CP2 + [A2A]),
+    "granitemoeshared_cp2_allgather": ("granitemoeshared_narrow_tied", 2, CP2),
     # SmolLM3's NoPE layers (which also slide) under CP: each rank's q/k of those layers stay
     # unrotated in the all-gather and ring kernels, and in the recompute of full AC
     "smollm3_cp2_allgather": ("smollm3_nope_swa5", 2, CP2),
