@@ -64,14 +64,8 @@ static const char *const cfg_optimizers[] = {"AdamW", NULL};
 static const char *const cfg_decay_types[] = {"linear", "sqrt", "cosine", NULL};
 static const char *const cfg_export_dtypes[] = {"float32", "bfloat16", "float16", NULL};
 static const char *const cfg_dataset_kinds[] = {"auto", "text", "jsonl", "chat", "tokens", NULL};
-static const char *const cfg_pp_schedules[] = {"1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS",
-                                                "InterleavedZeroBubble", "ZBVZeroBubble", NULL};
-/* torch's schedules that torchtitan takes and ctitan refuses, and why */
-static const char *const cfg_pp_refused[] = {"DualPipeV", NULL};
-static const char *const cfg_pp_refused_why[] = {
-    "overlaps the forward of one micro-batch with the backward of another on each rank's two stages (the V "
-    "placement, rank r holding stages r and 2P-1-r, as ZBVZeroBubble), with their communication; ctitan runs one "
-    "action at a time"};
+static const char *const cfg_pp_schedules[] = {"1F1B",          "GPipe",     "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                                "ZBVZeroBubble", "DualPipeV", NULL};
 static const char *const cfg_text_splits[] = {"line", "paragraph", "file", NULL};
 static const char *const cfg_ac_modes[] = {"none", "selective", "full", NULL};
 /* torchtitan's context_parallel_load_balancer: "headtail" or None (here "none"); its "ptrr"
@@ -382,7 +376,8 @@ static const cfg_option cfg_options[] = {
     OPT("parallelism", "pipeline_parallel_schedule", CFG_ENUM, pp_schedule, "1F1B", .choices = cfg_pp_schedules,
         .help = "order of the micro-batches' forwards and backwards: 1F1B, GPipe, or, with several stages per "
                 "rank (2 by default), Interleaved1F1B or LoopedBFS (every micro-batch through a rank's first stage, "
-                "then its next; the backwards in reverse); torch's zero-bubble schedules are refused"),
+                "then its next; the backwards in reverse), InterleavedZeroBubble, and ZBVZeroBubble or DualPipeV "
+                "(exactly 2 stages a rank, in a V) whose backwards run as input and weight parts"),
     OPT("parallelism", "pipeline_parallel_microbatch_size", CFG_INT, pp_microbatch, "1", .range = CFG_GE, .lo = 1,
         .help = "sequences per pipeline micro-batch; must divide training.local_batch_size"),
     OPT("parallelism", "pipeline_parallel_split_points", CFG_STR, pp_split, "", .list = 1,
@@ -642,9 +637,6 @@ static int cfg_check_str(const cfg_option *o, const char *s, const char *where, 
                  "has no built-in datasets: point %s.dataset_path at local files; torchtitan's names c4, c4_test "
                  "and c4_validation are taken as auto)", sec, sec);
     }
-    for (int k = 0; o->choices == cfg_pp_schedules && cfg_pp_refused[k]; k++)
-        if (!strcmp(cfg_pp_refused[k], s))
-            snprintf(more, sizeof more, " (torch's %s %s)", s, cfg_pp_refused_why[k]);
     return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: '%s' is not one of: %s%s", where, o->section,
                    o->key, s, ch, more);
 }

@@ -12,27 +12,28 @@
 
 /* Parses pipeline_parallel_schedule (CT_ERR_CONFIG naming the key). */
 static int pp_schedule_parse(const char *name, int *schedule, const char *where, ct_err *e) {
-    static const char *const names[] = {"1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS",
-                                        "InterleavedZeroBubble", "ZBVZeroBubble"}; /* PP_* order */
-    for (int i = 0; i < 6; i++)
+    static const char *const names[] = {"1F1B",          "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                        "ZBVZeroBubble", "DualPipeV"}; /* PP_* order */
+    for (int i = 0; i < 7; i++)
         if (!strcmp(name, names[i])) {
             *schedule = i;
             return 0;
         }
     return ct_fail(e, CT_ERR_CONFIG,
                    "%s: parallelism.pipeline_parallel_schedule = \"%s\" is not one of 1F1B, GPipe, Interleaved1F1B, "
-                   "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble",
+                   "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
                    where, name);
 }
 
 /* Placement (pp.h): the virtual stage of rank r's local stage c, and the
  * rank and local index of virtual stage v. The loop: v = c P + r; the V
- * (ZBVZeroBubble, 2 stages a rank): r and 2 P - 1 - r. */
+ * (ZBVZeroBubble and DualPipeV, 2 stages a rank): r and 2 P - 1 - r. */
+static int v_placed(const pp_sched *p) { return p->schedule == PP_ZBV || p->schedule == PP_DUALPIPEV; }
 static int vstage_of(const pp_sched *p, int r, int c) {
-    return p->schedule == PP_ZBV ? (c ? 2 * p->P - 1 - r : r) : c * p->P + r;
+    return v_placed(p) ? (c ? 2 * p->P - 1 - r : r) : c * p->P + r;
 }
-static int owner(const pp_sched *p, int v) { return p->schedule == PP_ZBV && v >= p->P ? 2 * p->P - 1 - v : v % p->P; }
-static int local_of(const pp_sched *p, int v) { return p->schedule == PP_ZBV ? v >= p->P : v / p->P; }
+static int owner(const pp_sched *p, int v) { return v_placed(p) && v >= p->P ? 2 * p->P - 1 - v : v % p->P; }
+static int local_of(const pp_sched *p, int v) { return v_placed(p) ? v >= p->P : v / p->P; }
 int pp_vstage(const pp_sched *p, int r, int c) { return vstage_of(p, r, c); }
 
 /* ------------------------------------------------------------------ split */
@@ -201,7 +202,8 @@ static void zb_order(const pp_sched *p, int r, pp_action *out) {
 }
 
 /* Actions of a rank in a step: a forward and a backward of each (local stage,
- * micro-batch), the zero-bubble schedules' backward as two, I and W. */
+ * micro-batch), the zero-bubble schedules' backward as two, I and W (at most:
+ * DualPipeV splits some backwards only). */
 static int n_actions(const pp_sched *p) { return (p->schedule >= PP_ZB_INTERLEAVED ? 3 : 2) * p->S * p->M; }
 
 /* torch's ScheduleZBVZeroBubble for rank r (local stage 0: v = r, 1: v = 2 P - 1 - r), its
@@ -243,14 +245,65 @@ static void zbv_order(const pp_sched *p, int r, pp_action *out) {
     while (w0 < b0) zbv_put(out, &k, M, 'W', 0, w0++);
 }
 
-/* Every rank's order of actions, [P][n_actions] (malloc'd rows): the schedule
- * its rank runs, which the simulation and the receives' order both read. */
-static pp_action **rank_orders(const pp_sched *p) {
+/* torch's ScheduleDualPipeV for rank r (the V placement, as ZBV; M >= 2 P),
+ * its steps 1-8 as torch builds them: forwards, whole backwards (B), input
+ * backwards (I) whose W torch queues and emits oldest first, and its
+ * OVERLAP_F_B pairs (a forward of one local stage beside a whole backward of
+ * the other) as the forward then the backward: torch's runtime runs a pair's
+ * two sub-actions one after the other unless a model registers a function
+ * that overlaps them, and on a CPU both would share the same cores. Returns
+ * the action count (B counts once where I and W count twice). */
+typedef struct {
+    pp_action *out;
+    int k, f[2], b[2]; /* actions so far; next forward / backward micro-batch per local stage */
+    pp_action *wq;     /* the I's waiting for their W, oldest first */
+    int wq0, wqn;
+} dpv_state;
+static void dpv_add(dpv_state *d, char kind, int c) {
+    int mb = kind == 'F' ? d->f[c]++ : d->b[c]++;
+    d->out[d->k++] = (pp_action){kind, c, mb};
+    if (kind == 'I') d->wq[d->wqn++] = (pp_action){'W', c, mb};
+}
+static void dpv_w(dpv_state *d) {
+    if (d->wq0 < d->wqn) d->out[d->k++] = d->wq[d->wq0++];
+}
+static int dualpipev_order(const pp_sched *p, int r, pp_action *out) {
+    int P = p->P, M = p->M, zb = 0;
+    dpv_state d = {.out = out, .wq = malloc((size_t)2 * M * sizeof(pp_action))};
+    for (int j = 0; j < 2 * (P - r - 1); j++) dpv_add(&d, 'F', 0);
+    for (int j = 0; j < r + 1; j++) dpv_add(&d, 'F', 0), dpv_add(&d, 'F', 1);
+    for (int j = 0; j < P - r - 1; j++) dpv_add(&d, 'I', 1), dpv_w(&d), dpv_add(&d, 'F', 1);
+    for (int j = 0; j < M - 2 * P + r + 1; j++) { /* F0 B1, F1 B0: torch's overlapped pairs */
+        dpv_add(&d, 'F', 0), dpv_add(&d, 'B', 1);
+        dpv_add(&d, 'F', 1), dpv_add(&d, 'B', 0);
+    }
+    for (int j = 0; j < P - r - 1; j++) dpv_add(&d, 'B', 1), dpv_add(&d, 'F', 1), dpv_add(&d, 'B', 0);
+    for (int j = 0; j < r + 1; j++) { /* the second half of the backwards split, from the middle on */
+        if (j == (r + 1) / 2 && r % 2 == 1) zb = 1;
+        dpv_add(&d, zb ? 'I' : 'B', 1);
+        if (j == (r + 1) / 2 && r % 2 == 0) zb = 1;
+        dpv_add(&d, zb ? 'I' : 'B', 0);
+    }
+    for (int j = 0; j < P - r - 1; j++) dpv_w(&d), dpv_add(&d, zb ? 'I' : 'B', 0);
+    for (int j = 0; j < r + 1; j++) dpv_w(&d);
+    free(d.wq);
+    return d.k;
+}
+
+/* Every rank's order of actions, [P][n_actions at most] (malloc'd rows; len[r]
+ * gets rank r's count): the schedule its rank runs, which the simulation and
+ * the receives' order both read. */
+static pp_action **rank_orders(const pp_sched *p, int *len) {
     int n = 2 * p->S * p->M, warm;
     pp_action **ord = calloc((size_t)p->P, sizeof *ord);
     pp_action *fw = malloc((size_t)n * sizeof *fw), *bw = malloc((size_t)n * sizeof *bw);
     for (int r = 0; r < p->P; r++) {
         ord[r] = malloc((size_t)n_actions(p) * sizeof **ord);
+        len[r] = p->schedule >= PP_ZB_INTERLEAVED ? 3 * n / 2 : n;
+        if (p->schedule == PP_DUALPIPEV) {
+            len[r] = dualpipev_order(p, r, ord[r]);
+            continue;
+        }
         if (p->schedule == PP_ZB_INTERLEAVED || p->schedule == PP_ZBV) {
             (p->schedule == PP_ZBV ? zbv_order : zb_order)(p, r, ord[r]);
             continue;
@@ -267,13 +320,13 @@ static pp_action **rank_orders(const pp_sched *p) {
 
 /* The order each virtual stage's forwards and backwards run in, from its
  * rank's schedule (LoopedBFS runs backwards last micro-batch first). */
-static void send_orders(pp_sched *p, pp_action *const *ord) {
-    int P = p->P, M = p->M, n = n_actions(p);
+static void send_orders(pp_sched *p, pp_action *const *ord, const int *len) {
+    int P = p->P, M = p->M;
     p->fseq = malloc((size_t)p->V * M * sizeof *p->fseq);
     p->bseq = malloc((size_t)p->V * M * sizeof *p->bseq);
     int *nf = calloc((size_t)p->V, sizeof *nf), *nb = calloc((size_t)p->V, sizeof *nb);
     for (int r = 0; r < P; r++)
-        for (int k = 0; k < n; k++) {
+        for (int k = 0; k < len[r]; k++) {
             int v = vstage_of(p, r, ord[r][k].stage);
             if (ord[r][k].kind == 'F') p->fseq[(size_t)v * M + nf[v]++] = ord[r][k].mb;
             else if (ord[r][k].kind != 'W') p->bseq[(size_t)v * M + nb[v]++] = ord[r][k].mb;
@@ -288,17 +341,19 @@ static void send_orders(pp_sched *p, pp_action *const *ord) {
  * makespan), or -1 when no rank can go on (an order that would deadlock:
  * also a W before its I). max_inflight: this rank's most forwards whose
  * backward (B or I: W reads copies, not the bank) has not run. */
-static double simulate(const pp_sched *p0, pp_action *const *ord, int *max_inflight) {
-    int P = p0->P, V = p0->V, M = p0->M, n = n_actions(p0);
-    int *pos = calloc((size_t)P, sizeof *pos);
-    double *clock = calloc((size_t)P, sizeof *clock), busy = 0;
+static double simulate(const pp_sched *p0, pp_action *const *ord, const int *len, int *max_inflight) {
+    int P = p0->P, V = p0->V, M = p0->M;
+    size_t nr = P > 0 ? (size_t)P : 1;
+    int *pos = calloc(nr, sizeof *pos);
+    double *clock = calloc(nr, sizeof *clock), busy = 0;
     double *fdone = malloc((size_t)V * M * sizeof *fdone), *bdone = malloc((size_t)V * M * sizeof *bdone);
     for (size_t i = 0; i < (size_t)V * M; i++) fdone[i] = bdone[i] = -1;
-    int left = P * n, inflight = 0, most = 0;
+    int left = 0, inflight = 0, most = 0;
+    for (int r = 0; r < P; r++) left += len[r];
     while (left) {
         int moved = 0;
         for (int r = 0; r < P; r++) {
-            while (pos[r] < n) {
+            while (pos[r] < len[r]) {
                 pp_action a = ord[r][pos[r]];
                 int v = vstage_of(p0, r, a.stage);
                 double ready;
@@ -343,7 +398,7 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     if (rc) return rc;
     /* torchtitan's looped schedules: 2 stages a rank by default, at least 2 with split points */
     int L = mc->n_layers, multi = p->schedule == PP_INTERLEAVED || p->schedule == PP_LOOPED_BFS ||
-                                  p->schedule == PP_ZB_INTERLEAVED || p->schedule == PP_ZBV;
+                                  p->schedule >= PP_ZB_INTERLEAVED;
     p->P = P;
     p->rank = rank;
     p->M = M;
@@ -374,11 +429,16 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     if (V > L)
         return ct_fail(e, CT_ERR_CONFIG, "%s: %d pipeline stages need at least %d layers; the model has %d", where, V,
                        V, L);
-    if (p->schedule == PP_ZBV && V != 2 * P) /* torch's ZBV: exactly two a rank */
+    if (v_placed(p) && V != 2 * P) /* torch's ZBV and DualPipeV: exactly two a rank */
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.pipeline_parallel_schedule = \"ZBVZeroBubble\" needs exactly 2 stages per "
-                       "rank (%d with pipeline_parallel_degree %d), but pipeline_parallel_split_points gives %d",
-                       where, 2 * P, P, V);
+                       "%s: parallelism.pipeline_parallel_schedule = \"%s\" needs exactly 2 stages per rank (%d "
+                       "with pipeline_parallel_degree %d), but pipeline_parallel_split_points gives %d",
+                       where, c->pp_schedule, 2 * P, P, V);
+    if (p->schedule == PP_DUALPIPEV && M < V) /* torch's rule: its warm-up fills both stages of every rank */
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: DualPipeV needs at least as many micro-batches as stages (%d), but a step has %d "
+                       "(local_batch_size / pipeline_parallel_microbatch_size x gradient accumulation)",
+                       where, V, M);
     p->V = V;
     p->S = V / P;
     if (!c->pp_split[0]) split_by_cost(mc, V, c->seq_len, p->first);
@@ -398,11 +458,13 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
         for (int l = p->first[v]; l < p->first[v + 1]; l++) p->cost[v] += layer_cost(mc, l, c->seq_len);
         if (v == V - 1) p->cost[v] += head_cost(mc);
     }
-    pp_action **ord = rank_orders(p);
-    p->n_act = n_actions(p);
+    int *len = calloc((size_t)P, sizeof *len);
+    pp_action **ord = rank_orders(p, len);
+    p->n_act = len[rank];
     p->act = ord[rank]; /* this rank's, kept */
-    send_orders(p, ord);
-    p->bubble = simulate(p, ord, &p->max_banks);
+    send_orders(p, ord, len);
+    p->bubble = simulate(p, ord, len, &p->max_banks);
+    free(len);
     for (int r = 0; r < P; r++)
         if (r != rank) free(ord[r]);
     free(ord);

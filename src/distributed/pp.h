@@ -38,7 +38,10 @@
  * would be one per micro-batch); pp_free prints their size). Their orders are torch's: InterleavedZeroBubble's ZB1P
  * (ScheduleInterleavedZeroBubble: 1F1B-like with rounds of M / max(1, M / P)
  * micro-batches, each I from the (r + 1)-th on followed by the oldest W
- * pending) and ZBVZeroBubble's (ScheduleZBVZeroBubble). Every W of a step
+ * pending) and ZBVZeroBubble's (ScheduleZBVZeroBubble). DualPipeV (torch's
+ * ScheduleDualPipeV, on ZBV's V) mixes whole backwards with split ones, and
+ * runs each of its forward-backward pairs as the forward then the backward,
+ * as torch's runtime does without an overlap function. Every W of a step
  * runs inside pp_step, so clipping, FSDP's replicas and the data-parallel
  * sum (after pp_step) see whole gradients.
  * Every order is checked by simulating all ranks with each stage's cost
@@ -89,7 +92,7 @@
 #include "distributed/fsdp.h"
 #include "model/lm.h"
 
-enum { PP_1F1B, PP_GPIPE, PP_INTERLEAVED, PP_LOOPED_BFS, PP_ZB_INTERLEAVED, PP_ZBV }; /* from PP_ZB_*: split B */
+enum { PP_1F1B, PP_GPIPE, PP_INTERLEAVED, PP_LOOPED_BFS, PP_ZB_INTERLEAVED, PP_ZBV, PP_DUALPIPEV }; /* from PP_ZB_*: split B */
 
 typedef struct {
     char kind;  /* 'F', 'B', or a zero-bubble schedule's halves of B: 'I' (input) and 'W' (weight) */
@@ -105,7 +108,7 @@ typedef struct {
     int schedule;        /* PP_* */
     int M;               /* micro-batches per optimizer step */
     int mb_size;         /* sequences per micro-batch */
-    int n_act;           /* this rank's actions, 2 S M (zero bubble: 3 S M) */
+    int n_act;           /* this rank's actions, 2 S M (zero bubble: 3 S M; DualPipeV between) */
     pp_action *act;
     int *fseq, *bseq;    /* [V][M] the micro-batches of each virtual stage's forwards, backwards, in its
                             rank's order: the order its messages leave in (a receiver posts in it) */
