@@ -36,6 +36,8 @@ RUNS = [  # name, ranks, extra flags
                               "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"]),
     ("PP2 ZBVZeroBubble", 2, ["--parallelism.pipeline_parallel_degree=2",
                               "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"]),
+    ("PP2 DualPipeV", 2, ["--parallelism.pipeline_parallel_degree=2",
+                          "--parallelism.pipeline_parallel_schedule=DualPipeV"]),
     ("PP4 1F1B", 4, ["--parallelism.pipeline_parallel_degree=4"]),
 ]
 
@@ -69,10 +71,10 @@ def main():
         bub = [r["pp_bubble"] for r in rows[a.warmup:] if "pp_bubble" in r]
         sim = re.search(r"simulated bubble ([\d.]+)%; stages' first layers:([\d ]+)", err)
         m = a.batch  # micro-batches per step
-        S = 2 if "Interleaved" in name or "BFS" in name or "ZBV" in name else 1
+        S = 2 if "Interleaved" in name or "BFS" in name or "ZBV" in name or "DualPipeV" in name else 1
         book = (ranks - 1) / (S * m + ranks - 1) if ranks > 1 else 0
         # the zero-bubble schedules have no closed-form bubble here (their W fills it as costs allow)
-        book_txt = "-" if "ZB" in name else f"{100 * book:.1f}%"
+        book_txt = "-" if "ZB" in name or "DualPipeV" in name else f"{100 * book:.1f}%"
         print(f"{name:22s} {step_s:8.3f} {tps:8.0f} {rss_txt:>28s} "
               f"{(100 * sum(bub) / len(bub)) if bub else 0:11.1f}% {float(sim.group(1)) if sim else 0:9.1f}% "
               f"{book_txt:>9s}" + (f"   stages start at layers{sim.group(2)}" if sim else ""))
