@@ -60,7 +60,7 @@ typedef struct {
 } cfg_option;
 
 static const char *const cfg_specs[] = {"qwen3", "hf", NULL};
-static const char *const cfg_optimizers[] = {"AdamW", NULL};
+static const char *const cfg_optimizers[] = {"AdamW", "Adam", NULL};
 static const char *const cfg_decay_types[] = {"linear", "sqrt", "cosine", NULL};
 static const char *const cfg_export_dtypes[] = {"float32", "bfloat16", "float16", NULL};
 static const char *const cfg_dataset_kinds[] = {"auto", "text", "jsonl", "chat", "tokens", NULL};
@@ -135,13 +135,14 @@ static const cfg_option cfg_options[] = {
         .help = "torchtitan's model converters (float8, mx): ctitan has none, so only [] is taken"),
 
     OPT("optimizer", "name", CFG_ENUM, opt_name, "AdamW", .choices = cfg_optimizers,
-        .help = "optimizer"),
+        .help = "torchtitan's optimizers: AdamW (torch.optim.AdamW: decoupled weight decay) or Adam "
+                "(torch.optim.Adam: weight_decay added to the gradient after clipping)"),
     OPT("optimizer", "lr", CFG_DBL, lr, "8e-4", .range = CFG_GE, .lo = 0,
         .help = "peak learning rate"),
     OPT("optimizer", "eps", CFG_DBL, eps, "1e-8", .range = CFG_GT, .lo = 0,
         .help = "AdamW epsilon"),
     OPT("optimizer", "weight_decay", CFG_DBL, weight_decay, "0.1", .range = CFG_GE, .lo = 0,
-        .help = "decoupled weight decay"),
+        .help = "weight decay: decoupled (AdamW), or added to the gradient (Adam)"),
     OPT("optimizer", "beta1", CFG_DBL, beta1, "0.9", .range = CFG_GE | CFG_LT, .lo = 0, .hi = 1,
         .help = "AdamW first-moment decay"),
     OPT("optimizer", "beta2", CFG_DBL, beta2, "0.95", .range = CFG_GE | CFG_LT, .lo = 0, .hi = 1,

@@ -28,7 +28,7 @@ typedef struct {
     char *hf_revision;        /* "main": revision of the Hub ids (hf_assets_path, initial_load_path) */
     double load_balance_coeff; /* 0: off; MoE expert-bias step (torchtitan's aux-loss-free balancing) */
     /* [optimizer] */
-    char *opt_name;           /* "AdamW" (only value for now) */
+    char *opt_name;           /* "AdamW" or "Adam" (optim/optim.h) */
     double lr;                /* 8e-4 */
     double eps;               /* 1e-8 */
     double weight_decay;      /* 0.1 */

@@ -383,13 +383,20 @@ static double clip_by(double sq, double max_norm, float *scale) {
     return norm;
 }
 
-/* The AdamW kernel, an "op" span of the model's profiler when it has one. */
-#define ADAMW(m, ...)                                                                                            \
-    do {                                                                                                         \
-        int64_t a_t0_ = PROF_T0((m)->prof);                                                                      \
-        (m)->k.adamw_step(__VA_ARGS__);                                                                          \
-        if ((m)->prof) prof_kern((m)->prof, KERN_OP_ADAMW, "adamw_step", a_t0_);                                \
-    } while (0)
+/* The AdamW kernel, an "op" span of the model's profiler when it has one;
+ * Adam's (hp->l2) after its weight decay is added to the gradient. */
+static void opt_step(lm_model *m, adamw_state *s, float *P, float *G, float scale, double lr,
+                     const adamw_hparams *hp) {
+    int64_t t0 = PROF_T0(m->prof);
+    adamw_hparams h = *hp;
+    if (hp->l2) {
+        adam_l2_grad(G, P, scale, hp->weight_decay, s->n);
+        scale = 1.0f;
+        h.weight_decay = 0;
+    }
+    m->k.adamw_step(s, P, G, scale, lr, &h);
+    if (m->prof) prof_kern(m->prof, KERN_OP_ADAMW, "adamw_step", t0);
+}
 
 /* With frozen tensors, AdamW over the trainable runs only (clipped by scale),
  * so the frozen ones keep their weights bit for bit (no weight decay either)
@@ -400,7 +407,7 @@ static void step_runs(ct_plan *p, float *P, float *G, float scale, double lr, co
     for (int i = 0; i < p->n_opt_ranges; i++) { /* AdamW also zeroes the run's gradients */
         const struct plan_range *r = &p->opt_ranges[i];
         adamw_state s = {r->n, p->opt->m + r->off, p->opt->v + r->off, step0, 0};
-        ADAMW(p->m, &s, P + r->off, G + r->off, scale, lr, hp);
+        opt_step(p->m, &s, P + r->off, G + r->off, scale, lr, hp);
     }
     p->opt->step = step0 + 1;
 }
@@ -435,7 +442,7 @@ double plan_optimizer_step(ct_plan *p, double lr, const adamw_hparams *hp, doubl
         /* under TP with frozen tensors: the norm over all (frozen gradients read as zeros), AdamW over
          * the trained runs only, as step_ranges */
         if (p->n_opt_ranges >= 0) step_runs(p, f->params, f->grads, scale, lr, hp);
-        else ADAMW(m, p->opt, f->params, f->grads, scale, lr, hp); /* and zeroes the gradients */
+        else opt_step(m, p->opt, f->params, f->grads, scale, lr, hp); /* and zeroes the gradients */
     } else {
         if (p->tp) {
             norm = clip_tp(p, m->grads, m->n_params, max_norm, &scale);
@@ -447,7 +454,7 @@ double plan_optimizer_step(ct_plan *p, double lr, const adamw_hparams *hp, doubl
             scale = optim_clip_scale(norm, max_norm);
         }
         if (p->n_opt_ranges >= 0) step_runs(p, m->params, m->grads, scale, lr, hp);
-        else ADAMW(m, p->opt, m->params, m->grads, scale, lr, hp);
+        else opt_step(m, p->opt, m->params, m->grads, scale, lr, hp);
     }
     return norm;
 }

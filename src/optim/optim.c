@@ -80,6 +80,22 @@ void adamw_step(adamw_state *s, float *params, float *grads, float gscale, doubl
     }
 }
 
+void adam_l2_grad(float *grads, const float *params, float gscale, double wd, size_t n) {
+    const float w = (float)wd; /* torch's alpha: the Python float as the tensor's fp32 */
+    long len = (long)n;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel if (len >= ADAMW_PARALLEL_MIN)
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long i = 0; i < len; i++) {
+            float g = grads[i] * gscale; /* what the clipping pass stored */
+            grads[i] = g + w * params[i];
+        }
+        KERN_TRACE_EXIT(kt_);
+    }
+}
+
 /* The squares of one block in a fixed order: element i into lane i % NORM_LANES,
  * each lane a sequential chain, then the lanes summed as a fixed tree. The
  * order depends on the block alone, never on threads or on the instruction

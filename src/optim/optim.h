@@ -1,8 +1,11 @@
-/* optim/optim.h: AdamW, the learning-rate schedule, gradient clipping.
+/* optim/optim.h: AdamW (and Adam), the learning-rate schedule, gradient clipping.
  *
  * AdamW follows torch.optim.AdamW step for step (decoupled weight decay
  * applied first, bias-corrected moments, eps added after the sqrt), so the
- * same hyperparameters give the same weights as a PyTorch loop. The schedule
+ * same hyperparameters give the same weights as a PyTorch loop. Adam
+ * (torch.optim.Adam, optimizer.name = "Adam") is the same step after its
+ * weight decay is added to the gradient (adam_l2_grad): the kernels run it
+ * with a decoupled decay of 0. The schedule
  * is torchtitan's linear warmup -> optional stable phase -> decay. The
  * optimizer works on one flat buffer: the model keeps params, grads and both
  * moments in the same layout. */
@@ -13,6 +16,7 @@
 
 typedef struct {
     double lr, beta1, beta2, eps, weight_decay;
+    int l2; /* Adam: weight_decay is added to the gradient (L2), not to the weights */
 } adamw_hparams;
 
 typedef struct {
@@ -59,6 +63,12 @@ void adamw_step(adamw_state *s, float *params, float *grads, float gscale, doubl
  * was 0.27 ms, so an idle machine loses < 0.1 ms per call. Larger ranges
  * (Qwen3-4B's ~0.9M per layer) and whole models keep both threads. */
 #define ADAMW_PARALLEL_MIN (1L << 19)
+
+/* Adam's weight decay (torch.optim.Adam: grad = grad + weight_decay param,
+ * after clipping): grads[i] = grads[i] gscale + wd params[i], the clipped
+ * gradient as the clipping pass stores it. The step then runs with gscale 1
+ * and no decoupled decay. */
+void adam_l2_grad(float *grads, const float *params, float gscale, double wd, size_t n);
 
 /* Global L2 norm of g[n] (double accumulation, fixed order). */
 double optim_grad_norm(const float *g, size_t n);

@@ -714,7 +714,7 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
     t->model.moe.aux_scale = (float)fwd_batch / (float)t->global_batch;
     if (t->model.cfg.lazy_buffers) adamw_init_lazy(&t->opt, t->model.n_params);
     else adamw_init(&t->opt, t->model.n_params);
-    t->hp = (adamw_hparams){c->lr, c->beta1, c->beta2, c->eps, c->weight_decay};
+    t->hp = (adamw_hparams){c->lr, c->beta1, c->beta2, c->eps, c->weight_decay, !strcmp(c->opt_name, "Adam")};
     int dt = lr_decay_type_from_name(c->decay_type);
     /* torchtitan's build_lr_schedulers: a warmup longer than the run is cut
      * to the run, with a warning (uncut, the lr never got near its peak) */

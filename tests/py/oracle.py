@@ -234,10 +234,11 @@ def learnable_stream(n, vocab, seed, strides=(1, 2, 3), seg=(8, 24)) -> np.ndarr
 
 def reference_train(model, tokens, *, seq_len, local_bs, global_bs, steps, lr, betas=(0.9, 0.95),
                     eps=1e-8, weight_decay=0.1, max_norm=1.0, warmup_steps=0, decay_ratio=None,
-                    decay_type="linear", min_lr_factor=0.0, run_steps=None, after_step=None):
+                    decay_type="linear", min_lr_factor=0.0, run_steps=None, after_step=None, optimizer="AdamW"):
     """torchtitan's loop in PyTorch: per step, global_bs/local_bs micro-batches, each adding
     the gradient of (its CE sum)/(valid targets of the whole step); clip_grad_norm_; AdamW
-    (weight decay on every parameter); LambdaLR stepped after every optimizer step.
+    (weight decay on every parameter; `optimizer` "Adam": torch.optim.Adam, the decay added to
+    the gradient); LambdaLR stepped after every optimizer step.
     Trains `run_steps` (default `steps`) steps; the schedule is laid out for `steps`.
     after_step(step, model), if given, runs after each optimizer step (step counts from 1),
     with the model in eval mode (a validation pass).
@@ -246,7 +247,8 @@ def reference_train(model, tokens, *, seq_len, local_bs, global_bs, steps, lr, b
     accum = global_bs // local_bs
     run_steps = steps if run_steps is None else run_steps
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    opt = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[optimizer](
+        params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, make_lr_lambda(steps, warmup_steps, decay_ratio, decay_type, min_lr_factor))
     mbs = micro_batches(tokens, seq_len, local_bs, run_steps * accum)
