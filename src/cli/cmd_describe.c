@@ -137,7 +137,7 @@ int cli_describe(int argc, char **argv) {
     lm_layout(&table, &c);
     size_t n_params = table.n_params;
     lm_free(&table);
-    int rd = lm_rotary_dim(&c), half = rd / 2; /* partial_rotary_factor (Phi3): inv_freq over rd features */
+    int rd = lm_rotary_dim(&c), half = rd / 2; /* partial_rotary_factor (Phi3, GLM): inv_freq over rd features */
     double inv[2][ROPE_MAX_HALF], scale[2];
     for (int k = 0; k < 2; k++) {
         rope_params p = lm_rope_params(&c, k);
@@ -156,7 +156,7 @@ int cli_describe(int argc, char **argv) {
                    c.layer_sliding[l] ? c.sliding_window : 0,
                    c.layer_nope[l] ? "none" : c.layer_sliding[l] ? "sliding" : "full",
                    lm_layer_is_moe(&c, l) ? "true" : "false");
-        printf("],\n \"scaling\": %.17g,\n", attn);
+        printf("],\n \"rope_interleaved\": %s,\n \"scaling\": %.17g,\n", c.rope_interleaved ? "true" : "false", attn);
         print_cap("attn_logit_softcapping", c.attn_softcap);
         print_cap("final_logit_softcapping", c.final_softcap);
         printf(" \"rope\": {");
@@ -192,9 +192,9 @@ int cli_describe(int argc, char **argv) {
         printf(" (x = cap tanh(x / cap))\n");
     }
     for (int k = 0; k < (lm_rope_local_differs(&c) ? 2 : 1); k++)
-        printf("rope%s: %s, theta %g, attention scaling %.6g at %d positions, rotates %d of %d features\n",
+        printf("rope%s: %s, theta %g, attention scaling %.6g at %d positions, rotates %d of %d features%s\n",
                k ? " (sliding layers)" : "", rope_type_name(lm_rope_params(&c, k).type), lm_rope_params(&c, k).theta,
-               scale[k], seq, rd, c.head_dim);
+               scale[k], seq, rd, c.head_dim, c.rope_interleaved ? " in interleaved pairs (2i, 2i+1)" : "");
     int nope = 0;
     for (int l = 0; l < c.n_layers; l++) nope += c.layer_nope[l];
     if (nope) { /* the lines above would otherwise read as every layer's */

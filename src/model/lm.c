@@ -227,6 +227,12 @@ static void norm_names(const lm_config *c, const char *n[4]) {
     if (c->norm_place == LM_NORM_POST) {
         n[1] = "post_attention_layernorm";
         n[3] = "post_feedforward_layernorm";
+    } else if (c->norm_place == LM_NORM_SANDWICH && !strcmp(c->model_type, "glm4")) {
+        /* Glm4DecoderLayer: its post_attention_layernorm is the MLP's pre-norm */
+        n[0] = "input_layernorm";
+        n[1] = "post_self_attn_layernorm";
+        n[2] = "post_attention_layernorm";
+        n[3] = "post_mlp_layernorm";
     } else if (c->norm_place == LM_NORM_SANDWICH) {
         n[0] = "input_layernorm";
         n[1] = "post_attention_layernorm";
@@ -1731,6 +1737,53 @@ static int qk_norm_split(const lm_model *m) {
     return m->cfg.tp_degree > 1 && m->hooks && m->hooks->reduce_partial;
 }
 
+/* GLM's interleaved RoPE, the one place it is held: the rotary part's pairs
+ * (2i, 2i+1) are gathered to (i, i + rd/2) of each head row, where the
+ * rotate-half kernels rotate them; the tail stays. q and k are gathered alike,
+ * so every score q.k is the one transformers computes and v is untouched: the
+ * gathered q and k (attention's inputs, the KV cache) never leave the layer.
+ * The backward scatters the gradient back (adding, as rope_bwd adds). */
+static void rope_pairs_gather(float *out, const float *x, long rows, int hd, int rd) {
+    int half = rd / 2;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long r = 0; r < rows; r++) {
+            float tmp[2 * ROPE_MAX_HALF]; /* out may alias x */
+            const float *xr = x + (size_t)r * hd;
+            float *o = out + (size_t)r * hd;
+            memcpy(tmp, xr, (size_t)rd * sizeof(float));
+            for (int i = 0; i < half; i++) {
+                o[i] = tmp[2 * i];
+                o[half + i] = tmp[2 * i + 1];
+            }
+            if (o != xr) memcpy(o + rd, xr + rd, (size_t)(hd - rd) * sizeof(float));
+        }
+        KERN_TRACE_EXIT(kt_);
+    }
+}
+static void rope_pairs_scatter_add(float *dx, const float *d, long rows, int hd, int rd) {
+    int half = rd / 2;
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long r = 0; r < rows; r++) {
+            const float *dr = d + (size_t)r * hd;
+            float *o = dx + (size_t)r * hd;
+            for (int i = 0; i < half; i++) {
+                o[2 * i] += dr[i];
+                o[2 * i + 1] += dr[half + i];
+            }
+            for (int i = rd; i < hd; i++) o[i] += dr[i];
+        }
+        KERN_TRACE_EXIT(kt_);
+    }
+}
+
 /* out[BT, nh*hd] = RoPE(q/k norm(x)), by the family's q/k norm kind; cs NULL:
  * a NoPE layer, out = q/k norm(x) (lm_config_check refuses NoPE with the fused
  * per-head norm + RoPE). */
@@ -1756,7 +1809,13 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
         }
         if (cs) K(ROPE, rope_fwd, out, out, cs, sn, B, T, nh, hd, rd);
         break;
-    default: K(ROPE, rope_fwd, out, x, cs, sn, B, T, nh, hd, rd);
+    default:
+        if (m->cfg.rope_interleaved && cs) { /* the GLM families have no q/k norms */
+            rope_pairs_gather(out, x, (long)B * T * nh, hd, rd);
+            K(ROPE, rope_fwd, out, out, cs, sn, B, T, nh, hd, rd);
+        } else {
+            K(ROPE, rope_fwd, out, x, cs, sn, B, T, nh, hd, rd);
+        }
     }
 }
 /* dx[BT, nh*hd] (+)= d(x) and dw[hd] or [nh*hd] (the norm's weight) += from
@@ -1787,7 +1846,13 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
             K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, nh * hd), rstd, B * T, nh * hd);
         }
         break;
-    default: K(ROPE, rope_bwd, dx, dout, cs, sn, B, T, nh, hd, rd);
+    default:
+        if (m->cfg.rope_interleaved && cs) { /* dout is scratch: R^T in place, then scattered */
+            K(ROPE, rope_bwd, dout, dout, cs, sn, B, T, nh, hd, rd);
+            rope_pairs_scatter_add(dx, dout, (long)B * T * nh, hd, rd);
+        } else {
+            K(ROPE, rope_bwd, dx, dout, cs, sn, B, T, nh, hd, rd);
+        }
     }
 }
 

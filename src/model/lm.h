@@ -105,6 +105,7 @@ typedef struct {
                               0: default RoPE with rope_theta (flavors, configs built field by field) */
     rope_params rope;      /* full-attention layers */
     rope_params rope_local; /* sliding layers (Gemma3's own base; a copy of rope elsewhere) */
+    int rope_interleaved;  /* RoPE rotates the pairs (2i, 2i+1) of the rotary part, not its halves (GLM) */
     int has_pad, pad_token; /* pad_token_id: nn.Embedding's padding_idx, whose row gets no gradient
                                from the lookup (OLMo2, Phi3 and Gemma3 set one by default) */
     /* Mixture of experts (HF model_type qwen3_moe; model/moe.h). n_experts == 0:

@@ -331,11 +331,16 @@ enum { CAPS_NONE,   /* the caps are not part of the family: refused unless absen
        CAPS_GEMMA3, /* final cap applied; the attention cap carried to the export, applied nowhere */
        CAPS_GEMMA2  /* both applied (Gemma2's eager attention caps the scores) */ };
 
+/* The projections a family's files fuse: Phi3's qkv_proj and gate_up_proj, GLM's gate_up_proj only. */
+enum { FUSED_NONE, FUSED_QKV_GATE_UP, FUSED_GATE_UP };
+
 typedef struct {
     const char *type, *arch;
     int moe;            /* 0 dense; 1 + LM_MOE_KEYS_* */
-    int norm_place, norm_plus_one, qk_norm, fused, embed_scaled;
+    int norm_place, norm_plus_one, qk_norm, fused, embed_scaled; /* fused: FUSED_* */
     int qkv_bias;       /* 1: always (Qwen2); 0: the attention_bias key (q, k, v and o) when has_attn_bias */
+    int attn_bias_qkv;  /* GLM: attention_bias (default true) gives q, k and v biases, o_proj has none */
+    int interleaved;    /* GLM: RoPE on the pairs (2i, 2i+1) of the rotary part (lm_config.rope_interleaved) */
     int has_attn_bias, has_mlp_bias;
     int kv_default;     /* num_key_value_heads when absent; 0: num_attention_heads */
     int hd_default;     /* head_dim when absent; 0: hidden_size / num_attention_heads */
@@ -379,7 +384,7 @@ static const lm_family families[] = {
      .theta = 1e6, .rope_head_dim_none = 1},
     {.type = "olmo2", .arch = "Olmo2ForCausalLM", .norm_place = LM_NORM_POST, .qk_norm = LM_QK_PROJ,
      .has_attn_bias = 1, .eps = 1e-5, .max_pos = 2048, .pad = 1, .act_key = "hidden_act", .theta = 1e4},
-    {.type = "phi3", .arch = "Phi3ForCausalLM", .qk_norm = LM_QK_NONE, .fused = 1, .eps = 1e-5, .max_pos = 4096,
+    {.type = "phi3", .arch = "Phi3ForCausalLM", .qk_norm = LM_QK_NONE, .fused = FUSED_QKV_GATE_UP, .eps = 1e-5, .max_pos = 4096,
      .pad = 32000, .win = WIN_ALL, .act_key = "hidden_act", .theta = 1e4, .rope_style = ROPE_STYLE_PHI3},
     {.type = "gemma3_text", .arch = "Gemma3ForCausalLM", .norm_place = LM_NORM_SANDWICH, .norm_plus_one = 1,
      .embed_scaled = 1, .has_attn_bias = 1, .kv_default = 4, .hd_default = 256, .eps = 1e-6, .tied = 1,
@@ -430,6 +435,17 @@ static const lm_family families[] = {
     {.type = "granitemoeshared", .arch = "GraniteMoeSharedForCausalLM", .moe = 1 + LM_MOE_KEYS_GRANITE,
      .qk_norm = LM_QK_NONE, .has_attn_bias = 1, .eps = 1e-6, .max_pos = 2048, .pad = -1, .act_key = "hidden_act",
      .theta = 1e4, .granite = 1, .granite_shared = 1},
+    /* GLM-4 (glm-4-9b-chat-hf): Llama's pre-norm layer with q/k/v biases, the files' fused
+     * gate_up_proj, and RoPE on the interleaved pairs of the first half of each head */
+    {.type = "glm", .arch = "GlmForCausalLM", .qk_norm = LM_QK_NONE, .fused = FUSED_GATE_UP, .has_attn_bias = 1,
+     .attn_bias_qkv = 1, .interleaved = 1, .kv_default = 2, .hd_default = 128, .eps = 0.00000015625,
+     .max_pos = 131072, .pad = 151329, .act_key = "hidden_act", .theta = 1e4, .rope_style = ROPE_STYLE_GLM},
+    /* GLM-4-0414 (GLM-4-9B-0414, GLM-Z1): GLM's layer with a norm on each branch's output
+     * before its residual add (Gemma3's sandwich under other names, model/lm.c norm_names) */
+    {.type = "glm4", .arch = "Glm4ForCausalLM", .norm_place = LM_NORM_SANDWICH, .qk_norm = LM_QK_NONE,
+     .fused = FUSED_GATE_UP, .has_attn_bias = 1, .attn_bias_qkv = 1, .interleaved = 1, .kv_default = 2,
+     .hd_default = 128, .eps = 0.00000015625, .max_pos = 131072, .pad = 151329, .act_key = "hidden_act",
+     .theta = 1e4, .rope_style = ROPE_STYLE_GLM},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -575,8 +591,8 @@ static int read_rope(lm_config *c, const lm_family *f, const cJSON *root, const 
     c->rope_local = c->rope;
     if (gemma && (rc = rope_params_from_hf(&c->rope_local, root, "sliding_attention", c->head_dim, path, e)))
         return rc;
-    /* Only Phi3's apply_rotary_pos_emb rotates the first rotary_dim features and
-     * passes the rest through (lm_rotary_dim). The other families' default RoPE
+    /* Only Phi3's and GLM's apply_rotary_pos_emb rotate the first rotary_dim
+     * features and pass the rest through (lm_rotary_dim). The other families' default RoPE
      * ignores the factor (rope.c resolves it to 1 there, as transformers does),
      * but their scaled types' init functions (linear, dynamic, yarn, llama3,
      * longrope) do read it, and their apply_rotary_pos_emb then multiplies whole
@@ -586,12 +602,13 @@ static int read_rope(lm_config *c, const lm_family *f, const cJSON *root, const 
     const rope_params *ps[2] = {&c->rope, &c->rope_local};
     for (int i = 0; i < 2; i++)
         if (rope_rotary_dim(ps[i], c->head_dim) != c->head_dim &&
-            (f->rope_style != ROPE_STYLE_PHI3 || gemma || c->qk_norm == LM_QK_HEAD))
+            ((f->rope_style != ROPE_STYLE_PHI3 && f->rope_style != ROPE_STYLE_GLM) || gemma ||
+             c->qk_norm == LM_QK_HEAD))
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: \"partial_rotary_factor\" = %g with rope_type \"%s\" is not supported for model_type %s: "
                            "it rotates %d of head_dim %d, and transformers' %s attention rotates whole heads (its "
-                           "forward fails); partial RoPE is supported for model_type phi3 (default, longrope), and "
-                           "the default RoPE of the other families ignores the factor",
+                           "forward fails); partial RoPE is supported for model_type phi3 (default, longrope), glm "
+                           "and glm4, and the default RoPE of the other families ignores the factor",
                            path, ps[i]->partial_rotary_factor, rope_type_name(ps[i]->type), f->type,
                            rope_rotary_dim(ps[i], c->head_dim), c->head_dim, f->type);
     c->has_rope = 1;
@@ -721,7 +738,9 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     c->norm_place = f->norm_place;
     c->norm_plus_one = f->norm_plus_one;
     c->qk_norm = f->qk_norm;
-    c->fused_qkv = c->fused_gate_up = f->fused;
+    c->fused_qkv = f->fused == FUSED_QKV_GATE_UP;
+    c->fused_gate_up = f->fused != FUSED_NONE;
+    c->rope_interleaved = f->interleaved;
     c->embed_scaled = f->embed_scaled;
     c->qkv_bias = f->qkv_bias;
     c->moe_keys = f->moe ? f->moe - 1 : 0;
@@ -808,9 +827,10 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
             goto done;
     }
     if (f->has_attn_bias) {
-        int b = 0;
+        int b = f->attn_bias_qkv; /* GlmConfig's default true */
         if ((rc = json_bool(root, "attention_bias", &b, path, e))) goto done;
-        c->qkv_bias = c->o_bias = b;
+        c->qkv_bias = b;
+        c->o_bias = b && !f->attn_bias_qkv;
     } else if ((rc = refuse_nonzero(root, "attention_bias", "this family's attention has no biases", path, e))) {
         goto done;
     }
@@ -921,7 +941,7 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
     cJSON_AddBoolToObject(o, "tie_word_embeddings", c->tie_embeddings);
     if (c->has_pad) cJSON_AddNumberToObject(o, "pad_token_id", c->pad_token);
     else cJSON_AddNullToObject(o, "pad_token_id");
-    if (f->has_attn_bias) cJSON_AddBoolToObject(o, "attention_bias", c->o_bias);
+    if (f->has_attn_bias) cJSON_AddBoolToObject(o, "attention_bias", f->attn_bias_qkv ? c->qkv_bias : c->o_bias);
     if (f->has_mlp_bias) cJSON_AddBoolToObject(o, "mlp_bias", c->mlp_bias);
     add_float(o, "attention_dropout", 0);
     /* windows: the family's own keys, so that its config class derives the same layers */

@@ -29,8 +29,9 @@
  *    rope_local_base_freq (default 1e4) for sliding_attention; Olmo3 (nested
  *    as Gemma3): top-level rope_theta for full_attention only, sliding_attention
  *    its entry's or default_theta 5e5 (Olmo3Config pops the key for the first).
- *  - partial_rotary_factor: the dict's, else the top-level one, else 1.
- *    Phi3's default RoPE and every scaled type's init function read it; the
+ *  - partial_rotary_factor: the dict's, else the top-level one, else 1
+ *    (GlmConfig's 0.5 for glm and glm4). Phi3's and GLM's default RoPE and
+ *    every scaled type's init function read it; the
  *    other families' default RoPE
  *    (<Family>RotaryEmbedding.compute_default_rope_parameters) rotates the
  *    whole head whatever it says, so it resolves to 1 there (the value
@@ -454,9 +455,9 @@ static int read_theta(rope_read *s) {
     return 0;
 }
 
-/* partial_rotary_factor: the dict's, else the top-level one (null: absent), else 1.
- * Read and checked for every family and type, and kept as given for the
- * export; only Phi3's RoPE and the scaled types read it (the other
+/* partial_rotary_factor: the dict's, else the top-level one (null: absent), else 1
+ * (GLM: 0.5). Read and checked for every family and type, and kept as given for
+ * the export; only Phi3's and GLM's RoPE and the scaled types read it (the other
  * families' default RoPE rotates whole heads whatever it says, so there it
  * resolves to 1; lm_config refuses the scaled types outside Phi3). A
  * null inside the dict is refused where the factor is read: transformers'
@@ -465,8 +466,9 @@ static int read_partial_factor(rope_read *s) {
     rope_params *p = s->p;
     int rc, found;
     double v;
-    int prf_read = p->type != ROPE_DEFAULT || s->fam->style == ROPE_STYLE_PHI3;
-    p->partial_rotary_factor = 1.0;
+    int glm = s->fam->style == ROPE_STYLE_GLM;
+    int prf_read = p->type != ROPE_DEFAULT || s->fam->style == ROPE_STYLE_PHI3 || glm;
+    p->partial_rotary_factor = glm ? 0.5 : 1.0; /* GlmConfig's kwargs.setdefault */
     const char *pwhere = "";
     double prf = 1.0;
     if ((rc = rd_num(&s->r, "partial_rotary_factor", !prf_read, &found, &prf))) return rc;

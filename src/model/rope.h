@@ -58,7 +58,9 @@ typedef struct {
 /* ROPE_STYLE_OLMO3: rope_parameters nested per layer type as Gemma3's, but
  * Olmo3Config pops the top-level rope_theta into full_attention only: the
  * sliding layers take default_theta unless their own entry names one. */
-enum { ROPE_STYLE_GENERIC, ROPE_STYLE_PHI3, ROPE_STYLE_GEMMA3, ROPE_STYLE_OLMO3 };
+/* ROPE_STYLE_GLM: GlmConfig / Glm4Config default partial_rotary_factor to 0.5,
+ * and their default RoPE reads it (a partial rotation as Phi3's). */
+enum { ROPE_STYLE_GENERIC, ROPE_STYLE_PHI3, ROPE_STYLE_GEMMA3, ROPE_STYLE_OLMO3, ROPE_STYLE_GLM };
 /* Whether a style nests rope_parameters per layer type (Gemma3's and Olmo3's configs). */
 static inline int rope_style_nested(int style) { return style == ROPE_STYLE_GEMMA3 || style == ROPE_STYLE_OLMO3; }
 typedef struct {

@@ -2,7 +2,7 @@
 
 One tiny random model per case, built with transformers' OWN config and model classes
 (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmo2, phi3, gemma, gemma2,
-gemma3_text, granite, smollm3, olmo3, olmoe, granitemoe, granitemoeshared)
+gemma3_text, granite, smollm3, olmo3, olmoe, granitemoe, granitemoeshared, glm, glm4)
 with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
 weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
 whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
@@ -20,7 +20,7 @@ parameters (and their gradients) to the file names:
              mlp.experts.down_proj [E, H, I]      -> block_sparse_moe.experts.e.w2.weight
   (conversion_mapping.py: mixtral renames .block_sparse_moe. -> .mlp. and merges w1|w3 on load;
   save_pretrained reverses both). Every other family: the same names in memory and in the file
-  (phi3's fused qkv_proj / gate_up_proj are fused in the file too). Tied models have no
+  (phi3's fused qkv_proj / gate_up_proj and glm's gate_up_proj are fused in the file too). Tied models have no
   lm_head.weight in memory (named_parameters de-duplicates) nor in the file.
 """
 from __future__ import annotations
@@ -60,6 +60,8 @@ FAMILIES = {
     "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
     "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
     "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM),
+    "glm": (tf.GlmConfig, tf.GlmForCausalLM),
+    "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
 }
 MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"}
 GEMMA = {"gemma", "gemma2", "gemma3_text"}  # RMSNorm by (1 + w)
@@ -342,6 +344,23 @@ CASES = [
         # positions (bit-equal to the emulation with matmul_bf16=ref); seeds 12-15 do not
         seed=12,
         keys=("layer_types", "sliding_window", "rope_parameters", "head_dim", "rms_norm_eps")),
+    # ------------------------------------------------------------------ glm, glm4
+    # GLM's RoPE: the pairs (2i, 2i+1) of the first int(head_dim x partial_rotary_factor)
+    # features of each head (GlmConfig's default factor 0.5: 8 of 16 here), the rest passed
+    # through; q/k/v biases (attention_bias, default on; o_proj never has one); the file's
+    # mlp.gate_up_proj (gate rows first); eps 1.5625e-7 (the config class's default); pad 3
+    # (the default 151329 is outside the tiny vocabulary)
+    Case("glm_bias_partial05", "glm", dict(
+        hidden_size=48, head_dim=16, pad_token_id=3, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        keys=("attention_bias", "head_dim", "rope_parameters", "rms_norm_eps", "pad_token_id")),
+    # glm4: GLM's layer with post_self_attn_layernorm / post_mlp_layernorm on each branch's
+    # output before its residual add; 12 of 16 features rotated, no biases, tied, 3 layers
+    Case("glm4_partial075_tied", "glm4", dict(
+        hidden_size=48, num_hidden_layers=3, head_dim=16, pad_token_id=3, attention_bias=False,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.75}),
+        seed=12,
+        keys=("attention_bias", "head_dim", "rope_parameters", "tie_word_embeddings", "pad_token_id")),
 ]
 CASE = {c.id: c for c in CASES}
 

@@ -179,6 +179,11 @@ FAMILY_LAYOUTS = {
                                                   "--parallelism.sequence_parallel=false"]),
     # Olmo3's per-type RoPE tables cut by CP rank, its windows across the ranks' chunks
     "olmo3_cp2_alltoall": ("olmo3_swa5_yarn", 2, CP2 + [A2A]),
+    # glm4's four norms a layer split across the stages; GLM's RoPE on the CP ranks' chunks
+    "glm4_pp2": ("glm4_partial075_tied", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                             "--parallelism.pipeline_parallel_microbatch_size=1",
+                                             "--training.local_batch_size=1"]),
+    "glm_cp2_alltoall": ("glm_bias_partial05", 2, CP2 + [A2A]),
 }
 
 

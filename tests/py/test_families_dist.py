@@ -61,6 +61,10 @@ CASES = {
     # the ungated shared MLP: whole on every EP rank, split as the dense MLP under TP (its
     # input_linear's gate and up rows each cut by the ranks)
     "granitemoeshared_narrow_tied": {"ep2": EP2, "tp2": TP2},
+    # glm: the interleaved partial RoPE on each rank's whole heads, q/k/v biases and the fused
+    # gate_up_proj cut into each rank's gate and up rows; glm4's post-branch norms after the TP sum
+    "glm_bias_partial05": {"fsdp2": FSDP2, "tp2": TP2},
+    "glm4_partial075_tied": {"tp2": TP2},
 }
 # AdamW's eps per case where 1e-8 lets rounding noise decide the test (test_dist_debugmodel.py
 # says why): llama_mlpbias_tied's mlp biases have gradients near zero, so a last-bit
@@ -82,9 +86,12 @@ CASES = {
 # up_proj 1.02e-5 apart.
 # smollm3_kinds (untied embeddings) under TP 2, with and without SP, eps 1e-6: step 1 losses equal
 # and gradient norms 1e-8 apart, final embed_tokens 1.2e-5 apart; with eps 1e-4 within 1e-5.
+# glm_bias_partial05 with eps 1e-8: losses and gradient norms equal, yet FSDP 2's final
+# v_proj.weight 1.8e-5 and CP 2's (all-to-all) embed_tokens 1.5e-5 apart; with eps 1e-6 within 1e-5.
 EPS = {"llama_mlpbias_tied": ["--optimizer.eps=1e-6"], "gemma2": ["--optimizer.eps=1e-5"],
        "gemma_gelu_attnbias": ["--optimizer.eps=1e-6"], "olmo3_swa5_yarn": ["--optimizer.eps=1e-4"],
-       "smollm3_nope_swa5": ["--optimizer.eps=1e-6"], "smollm3_kinds": ["--optimizer.eps=1e-4"]}
+       "smollm3_nope_swa5": ["--optimizer.eps=1e-6"], "smollm3_kinds": ["--optimizer.eps=1e-4"],
+       "glm_bias_partial05": ["--optimizer.eps=1e-6"]}
 
 
 def assert_same(out, ref, what, steps=range(1, STEPS + 1)):

@@ -22,7 +22,7 @@ IDS = ["llama_rope3_attnbias_hd16", "llama_mlpbias_tied", "mistral_swa5", "qwen2
        "qwen3_moe_aux", "qwen2_moe_step2_aux", "qwen2_moe_mlponly_norm_nobias", "mixtral_e4k2_aux_hd16", "olmo2",
        "phi3_longrope_short_swa7", "gemma3_text", "gemma2", "gemma_gelu_attnbias", "granite", "smollm3_nope_swa5",
        "olmo3_swa5_yarn", "smollm3_kinds", "olmoe_aux_bias", "olmoe_norm_topk_tied", "granitemoe_aux",
-       "granitemoe_k3_tied_bias", "granitemoeshared_aux"]
+       "granitemoe_k3_tied_bias", "granitemoeshared_aux", "glm_bias_partial05", "glm4_partial075_tied"]
 PIECES = [70, 1, 1, 5, 1, 1]  # prefill (two chunks), decode, a warm 5-row prefill, decode
 
 
@@ -50,7 +50,7 @@ def test_cached_logits_match_hf(cid, genlib, tmp_path):
 # layers keep a window of keys, the caps apply at every decode step), past every window
 # case: weight seed with top-2 margins > MIN_MARGIN
 GREEDY = {"gemma2": 7, "gemma_gelu_attnbias": 3, "granite": 3, "qwen2_moe_step2_aux": 13, "smollm3_nope_swa5": 3,
-          "olmo3_swa5_yarn": 3, "olmoe_aux_bias": 13, "granitemoe_aux": 5}
+          "olmo3_swa5_yarn": 3, "olmoe_aux_bias": 13, "granitemoe_aux": 5, "glm4_partial075_tied": 3}
 
 
 @pytest.mark.parametrize("cid", list(GREEDY))

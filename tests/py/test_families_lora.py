@@ -46,6 +46,10 @@ CASES = {  # case id: target modules
     # granitemoe: what PEFT's all-linear adapts there (its experts and router are no Linear)
     "granitemoe_k3_tied_bias": OL.ATTN,
     "granitemoeshared_narrow_tied": OL.ATTN,
+    # GLM's fused gate_up_proj (as Phi3's); q_proj's and k_proj's adapters reach the scores
+    # through the interleaved partial RoPE (their B rows in transformers' feature order)
+    "glm_bias_partial05": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "glm4_partial075_tied": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
 }
 
 
@@ -121,6 +125,20 @@ def test_phi3_fused_adapter_generate_and_merge(tmp_path, run_ctitan):
     with PEFT's model does, and `export --merge` writes PEFT's merge_and_unload (loaded by
     transformers: the adapted model's logits)."""
     case, targets = fam.CASE["phi3_longrope_short_swa7"], CASES["phi3_longrope_short_swa7"]
+    base = fam.build(case)
+    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
+    fam.save(base, hf_dir)
+    pm = OL.make_peft(fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), r=R, alpha=ALPHA,
+                      targets=targets, seed=9, std=0.3)
+    pm.save_pretrained(str(ad))
+    check_generate_and_merge(run_ctitan, tmp_path, case, base, base, pm, hf_dir, ad)
+
+
+def test_glm4_adapter_generate_and_merge(tmp_path, run_ctitan):
+    """A PEFT adapter on GLM-4's q, k, v, o, fused gate_up and down projections outside
+    training: `generate --adapter` (the KV cache's interleaved RoPE over adapted q and k)
+    continues as PEFT's model, and `export --merge` writes PEFT's merge_and_unload."""
+    case, targets = fam.CASE["glm4_partial075_tied"], CASES["glm4_partial075_tied"]
     base = fam.build(case)
     hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
     fam.save(base, hf_dir)
@@ -252,12 +270,14 @@ def test_mixtral_rewritten_expert_targets(tmp_path, open_session):
     assert "lora.target_modules" in str(ei.value) and "w3" in str(ei.value), str(ei.value)
 
 
-def test_phi3_all_linear_as_peft(tmp_path, open_session):
+@pytest.mark.parametrize("cid", ["phi3_longrope_short_swa7", "glm4_partial075_tied"])
+def test_phi3_all_linear_as_peft(cid, tmp_path, open_session):
     """PEFT's target_modules "all-linear" on Phi3 adapts its four Linears per layer, the fused
-    qkv_proj and gate_up_proj among them (not lm_head); ctitan's lora.target_modules =
+    qkv_proj and gate_up_proj among them (not lm_head; on GLM-4 q, k, v, o_proj, the fused
+    gate_up_proj and down_proj, not the tied lm_head); ctitan's lora.target_modules =
     all-linear adapts the same and, from PEFT's adapter, gives PEFT's logits, loss and
     gradients; its save loads back in PEFT with its logits."""
-    case, fused = fam.CASE["phi3_longrope_short_swa7"], CASES["phi3_longrope_short_swa7"]
+    case, fused = fam.CASE[cid], CASES[cid]
     base = fam.build(case)
     hf_dir, ad, out = tmp_path / "hf", tmp_path / "adapter", tmp_path / "saved"
     fam.save(base, hf_dir)
@@ -266,7 +286,7 @@ def test_phi3_all_linear_as_peft(tmp_path, open_session):
     pm.save_pretrained(str(ad))
     params = OL.trainable(pm)
     mods = {n.split(".lora_")[0].rsplit(".", 1)[1] for n in params}
-    assert mods == set(fused), f"PEFT's all-linear on phi3 adapts {sorted(mods)}"
+    assert mods == set(fused), f"PEFT's all-linear on {case.family} adapts {sorted(mods)}"
     tokens, labels = fam.batch(base, 2, case.T, seed=12)
     ref = OL.loss_logits_grads(pm, params, tokens, labels)
     s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=lora_args(["all-linear"], ad)))

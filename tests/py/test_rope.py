@@ -49,6 +49,8 @@ ROTARY = {
     "olmo3": ("olmo3", "Olmo3RotaryEmbedding"),
     "olmoe": ("olmoe", "OlmoeRotaryEmbedding"),
     "granitemoe": ("granitemoe", "GraniteMoeRotaryEmbedding"),
+    "glm": ("glm", "GlmRotaryEmbedding"),
+    "glm4": ("glm4", "Glm4RotaryEmbedding"),
 }
 
 
@@ -141,6 +143,8 @@ OLMO3 = dict(model_type="olmo3", hidden_size=512, num_attention_heads=4, num_hid
 NESTED = ("gemma3_text", "olmo3")  # one RoPE per layer type
 PHI3 = dict(model_type="phi3", hidden_size=512, num_attention_heads=8, num_hidden_layers=2,
             max_position_embeddings=8192, original_max_position_embeddings=1024)
+GLM = dict(model_type="glm", hidden_size=512, num_attention_heads=4, num_hidden_layers=2, head_dim=64,
+           max_position_embeddings=4096, pad_token_id=0)
 
 # (id, config, layer_type, seq_lens, expected ctitan type)
 CASES = [
@@ -244,6 +248,12 @@ CASES = [
     ("phi3-partial-longrope", {**PHI3, "partial_rotary_factor": 0.75,
                                "rope_scaling": {"type": "longrope", "short_factor": SF[:24], "long_factor": LF[:24]}},
      None, [16, 2048], "longrope"),
+    # GlmConfig / Glm4Config: partial_rotary_factor 0.5 when absent, read by the default RoPE
+    # and by the scaled types (their apply_rotary_pos_emb rotates the first rotary_dim features)
+    ("glm-partial-absent", {**GLM, "rope_theta": 1e4}, None, [16], "default"),
+    ("glm4-partial-top", {**GLM, "model_type": "glm4", "partial_rotary_factor": 0.75}, None, [16], "default"),
+    ("glm-partial-yarn", {**GLM, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                     "original_max_position_embeddings": 1024}}, None, [16], "yarn"),
     # the conflict: a legacy rope_scaling replaces rope_parameters wholesale
     ("precedence-yarn-over-default", {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                                       "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
