@@ -72,23 +72,7 @@ static int hf_check_tied_head(const st_set *s, const st_tensor *head, const char
     return rc;
 }
 
-/* GraniteMoE's files fuse what the table holds apart (model/lm.h:
- * LM_MOE_KEYS_GRANITE): block_sparse_moe.input_linear [E, 2 Im, H] holds each
- * expert's gate rows then its up rows, output_linear [E, H, Im] each expert's
- * down_proj, and GraniteMoeShared's shared_mlp.input_linear [2 S, H] the shared
- * MLP's gate rows then its up rows. Each table piece is one run of elements of
- * the file's tensor. Returns 1 for such a piece with the file tensor's name,
- * shape and the element where the piece starts; 0 for a tensor stored whole
- * under its own name. */
-typedef struct {
-    char name[LM_NAME_MAX];
-    int ndim;
-    int64_t shape[3];
-    size_t off;
-    int first; /* the piece that starts the file tensor */
-} hf_fused;
-
-static int hf_fused_piece(const lm_config *c, const lm_tensor *t, hf_fused *f) {
+int hf_fused_piece(const lm_config *c, const lm_tensor *t, hf_fused *f) {
     if (!lm_fused_file_name(c, t, f->name, sizeof f->name)) return 0;
     int64_t H = c->hidden;
     if (t->slot == LM_S_EXP_G || t->slot == LM_S_EXP_U || t->slot == LM_S_EXP_D) {

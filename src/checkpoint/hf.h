@@ -24,6 +24,22 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
 /* Writes DIR/config.json and DIR/model.safetensors (sharded with an index
  * above max_shard_bytes; 0 = default 5 GB). dtype: CT_F32, CT_BF16 or CT_F16. */
 int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e);
+/* GraniteMoE's files fuse what the table holds apart (model/lm.h:
+ * LM_MOE_KEYS_GRANITE): block_sparse_moe.input_linear [E, 2 Im, H] holds each
+ * expert's gate rows then its up rows, output_linear [E, H, Im] each expert's
+ * down_proj, and GraniteMoeShared's shared_mlp.input_linear [2 S, H] the shared
+ * MLP's gate rows then its up rows. Each table piece is one run of elements of
+ * the file's tensor. Returns 1 for such a piece with the file tensor's name,
+ * shape and the element where the piece starts; 0 for a tensor stored whole
+ * under its own name. */
+typedef struct {
+    char name[LM_NAME_MAX];
+    int ndim;
+    int64_t shape[3];
+    size_t off;
+    int first; /* the piece that starts the file tensor */
+} hf_fused;
+int hf_fused_piece(const lm_config *c, const lm_tensor *t, hf_fused *f);
 /* 1 when the HF files of c's model fuse tensors its table holds apart
  * (GraniteMoE's block_sparse_moe.input_linear / output_linear, GraniteMoeShared's
  * shared_mlp.input_linear): writers go through hf_file_tensors / hf_write_unit;

@@ -20,6 +20,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include "checkpoint/hf.h"
 #include "config/config.h"
 #include "core/fs.h"
 #include "formats/json.h"
@@ -148,12 +149,41 @@ static const char *other_param(const lm_config *c, const char *item, char *buf, 
     return hit;
 }
 
+/* GraniteMoE's modules that are no Linear (transformers v5's module tree:
+ * the MoE block, its router and experts, the layer, its norms, the shared
+ * MLP as a whole): the first one that target_modules entry `name` selects
+ * by PEFT's rule, into buf; NULL if none. PEFT raises on such a module
+ * ("Target module ... is not supported") and skips an entry that selects no
+ * module at all while another entry matches. */
+static const char *granite_other_module(const lm_config *c, const char *name, char *buf, size_t cap) {
+    static const char *const top[] = {"model", "model.layers", "model.norm", "model.rotary_emb"};
+    static const char *const sub[] = {"",
+                                      ".self_attn",
+                                      ".input_layernorm",
+                                      ".post_attention_layernorm",
+                                      ".block_sparse_moe",
+                                      ".block_sparse_moe.router",
+                                      ".block_sparse_moe.experts",
+                                      ".block_sparse_moe.experts.act_fn",
+                                      ".shared_mlp",
+                                      ".shared_mlp.activation"};
+    for (size_t i = 0; i < sizeof top / sizeof top[0]; i++)
+        if (key_matches(top[i], name)) return snprintf(buf, cap, "%s", top[i]), buf;
+    for (int l = 0; l < c->n_layers; l++)
+        for (size_t i = 0; i < sizeof sub / sizeof sub[0]; i++) {
+            if (!strncmp(sub[i], ".shared_mlp", 11) && !granite_shared(c)) continue;
+            snprintf(buf, cap, "model.layers.%d%s", l, sub[i]);
+            if (key_matches(buf, name)) return buf;
+        }
+    return NULL;
+}
+
 int lora_parse_target_params(const char *list, lm_config *c, const char *where, const char *key, ct_err *e) {
     char item[256], full[128], other[LM_NAME_MAX];
     memset(c->lora_experts, 0, sizeof c->lora_experts);
     /* transformers v5 stacks Mixtral's w1|w3 and w2 into the same
      * mlp.experts.gate_up_proj / down_proj as Qwen3-MoE's, PEFT's keys alike */
-    int experts = c->n_experts > 0;
+    int experts = c->n_experts > 0, skipped = 0, any = 0;
     for (const char *p = list; p && (p = cfg_list_next(p, item, sizeof item));) {
         int hit = 0;
         for (int l = 0; experts && l < c->n_layers; l++) {
@@ -179,6 +209,15 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
                            "one); name the fused experts' and the routers' parameters only (mlp.experts.gate_up_proj, "
                            "mlp.experts.down_proj, gate.weight)",
                            where, key, item, other);
+        /* GraniteMoE: PEFT's _inject_parameters skips an item that names no parameter of the
+         * model (v4's block_sparse_moe.input_linear.weight, router.layer.weight among them) */
+        if (!hit && c->moe_keys == LM_MOE_KEYS_GRANITE && !other_param(c, item, other, sizeof other)) {
+            fprintf(stderr, "ctitan: warning: %s: %s: \"%s\" names no parameter of model_type \"%s\"; skipped, as "
+                            "PEFT skips it\n", where, key, item, c->model_type);
+            skipped++;
+            continue;
+        }
+        any |= hit;
         if (!hit)
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: %s: \"%s\" names no parameter ctitan adapts; target_parameters may name the fused "
@@ -187,6 +226,11 @@ int lora_parse_target_params(const char *list, lm_config *c, const char *where, 
                            "matches; GraniteMoE's block_sparse_moe.experts.X, block_sparse_moe.router.weight)",
                            where, key, item);
     }
+    if (skipped && !any && !c->lora_targets)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: %s: %s: no parameter of model_type \"%s\" has these names, and no target_modules "
+                       "matched (PEFT: \"No `target_modules` passed but also no `target_parameters` found\")",
+                       where, key, list, c->model_type);
     return 0;
 }
 
@@ -296,6 +340,41 @@ static int in_saved_module(const char *name, const char *item) {
     return 0;
 }
 
+/* The key PEFT saves modules_to_save tensor t under (its wrapper's
+ * state_dict over transformers v5's module tree), without PEFT_PREFIX: the
+ * table's name, but for GraniteMoE, whose files name tensors that tree
+ * lacks: a fused piece (hf_fused_piece; f then its place, and 1 returned)
+ * is part of block_sparse_moe.experts.gate_up_proj / down_proj or of
+ * shared_mlp.input_linear.weight, and the router is
+ * block_sparse_moe.router.weight (the files' router.layer.weight). */
+static int peft_module_key(const lm_config *c, const lm_tensor *t, char *key, size_t n, hf_fused *f) {
+    static const char *const tree[][2] = {
+        {"block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj"},
+        {"block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj"},
+        {"block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"}};
+    int fused = !t->lora && hf_fused_piece(c, t, f);
+    const char *name = fused ? f->name : t->name;
+    size_t nl = strlen(name);
+    for (size_t i = 0; !t->lora && c->moe_keys == LM_MOE_KEYS_GRANITE && i < sizeof tree / sizeof tree[0]; i++) {
+        size_t fl = strlen(tree[i][0]);
+        if (nl > fl && name[nl - fl - 1] == '.' && !strcmp(name + nl - fl, tree[i][0])) {
+            snprintf(key, n, "%.*s%s", (int)(nl - fl), name, tree[i][1]);
+            return fused;
+        }
+    }
+    snprintf(key, n, "%s", name);
+    return fused;
+}
+
+/* Whether table tensor t lies in a module modules_to_save entry `item`
+ * selects, by the module tree PEFT sees (peft_module_key's names) */
+static int in_saved_module_of(const lm_config *c, const lm_tensor *t, const char *item) {
+    char key[LM_NAME_MAX];
+    hf_fused f;
+    peft_module_key(c, t, key, sizeof key, &f);
+    return in_saved_module(key, item);
+}
+
 /* On a model with tie_word_embeddings, lm_head is the embedding: ctitan
  * holds one tensor (model.embed_tokens.weight), and a modules_to_save entry
  * that selects either module trains that one tensor. PEFT matches that only
@@ -350,15 +429,9 @@ int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_sa
             lm_tensor *t = &m->tensors[i];
             /* tied: "lm_head" is the embedding, trained as one tensor and saved for PEFT's ensure_weight_tying */
             int tied = t->slot == LM_S_EMBED && selects_tied(&m->cfg, item);
-            if (t->lora || !(tied || in_saved_module(t->name, item))) continue;
-            /* lora_save_peft writes the table's names, which PEFT does not find in a
-             * GraniteMoE model (its files fuse these: checkpoint/hf.c) */
-            char fused[LM_NAME_MAX];
-            if (lm_fused_file_name(&m->cfg, t, fused, sizeof fused))
-                return ct_fail(e, CT_ERR_CONFIG,
-                               "%s: lora.modules_to_save: \"%s\" selects %s, a fused tensor of model_type \"%s\" "
-                               "that ctitan's adapter file cannot hold as PEFT saves it: leave it out",
-                               where, item, fused, m->cfg.model_type);
+            /* GraniteMoE's fused tensors by PEFT's names: every piece of one (lora_save_peft
+             * writes it whole) */
+            if (t->lora || !(tied || in_saved_module_of(&m->cfg, t, item))) continue;
             t->frozen = 0;
             hit = 1;
         }
@@ -613,8 +686,8 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
     c->n_lora_kinds = 0;
     c->lora_targets = 0;
     unsigned *bits = ct_calloc((size_t)c->n_layers + 1, sizeof *bits), all = 0;
-    char name[256], full[LM_NAME_MAX];
-    int rc = 0;
+    char name[256], full[LM_NAME_MAX], skipped_names[512] = "";
+    int rc = 0, skipped = 0;
     for (const char *q = list; q && (q = cfg_list_next(q, name, sizeof name));) {
         unsigned b = target_bits(c, name);
         int hit = 0;
@@ -647,6 +720,26 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
                 all |= mb;
                 hit = 1;
             }
+        if (!hit && c->moe_keys == LM_MOE_KEYS_GRANITE) {
+            char other[LM_NAME_MAX];
+            if (granite_other_module(c, name, other, sizeof other)) {
+                rc = ct_fail(e, code,
+                             "%s: %s: \"%s\" selects %s, which is no Linear: PEFT refuses it (\"Target module ... "
+                             "is not supported\"); GraniteMoE's experts and router take lora.target_parameters "
+                             "(block_sparse_moe.experts.gate_up_proj, down_proj, router.weight)",
+                             where, key, name, other);
+                break;
+            }
+            /* PEFT skips an entry that selects no module beside one that matches; a typo
+             * is then at least visible */
+            fprintf(stderr, "ctitan: warning: %s: %s: \"%s\" selects no module of model_type \"%s\"; skipped, as "
+                            "PEFT skips it\n", where, key, name, c->model_type);
+            skipped = 1;
+            if (strlen(skipped_names) + strlen(name) + 3 < sizeof skipped_names)
+                snprintf(skipped_names + strlen(skipped_names), sizeof skipped_names - strlen(skipped_names), "%s%s",
+                         skipped_names[0] ? ", " : "", name);
+            continue;
+        }
         if (!hit) {
             rc = ct_fail(e, code,
                          "%s: %s: \"%s\" is not a projection ctitan adapts (q_proj, k_proj, v_proj, o_proj, "
@@ -657,6 +750,11 @@ static int targets_from_list(const char *list, lm_config *c, const char *where, 
             break;
         }
     }
+    if (!rc && skipped && !all && code == CT_ERR_CONFIG)
+        rc = ct_fail(e, code,
+                     "%s: %s: %s: no module of model_type \"%s\" has these names (PEFT: \"Target modules {...} not "
+                     "found in the base model\")",
+                     where, key, skipped_names, c->model_type);
     if (!rc) {
         c->lora_targets = all;
         for (int l = 0; l < c->n_layers; l++)
@@ -1426,7 +1524,7 @@ static int adapter_lists_module(const cJSON *o, const lm_config *c, const char *
     const cJSON *mts = cJSON_GetObjectItemCaseSensitive(o, "modules_to_save"), *it;
     if (!cJSON_IsArray(mts)) mts = NULL;
     cJSON_ArrayForEach(it, mts) {
-        if (cJSON_IsString(it) && (in_saved_module(t->name, it->valuestring) ||
+        if (cJSON_IsString(it) && (in_saved_module_of(c, t, it->valuestring) ||
                                    (t->slot == LM_S_EMBED && selects_tied(c, it->valuestring))))
             return ct_fail(e, CT_ERR_FORMAT, "%s: modules_to_save lists \"%s\", but %s has no \"%s\"", cpath,
                            it->valuestring, path, key);
@@ -1483,6 +1581,27 @@ static int read_tensor(const lm_model *table, const lm_tensor *t, const st_tenso
     return ct_check_finite(buf, t->numel, 0, path, key, e);
 }
 
+/* Table tensor t, a piece of fused file tensor st (f: its place), into buf */
+static int read_piece(const lm_tensor *t, const hf_fused *f, const st_tensor *st, const char *key, const char *path,
+                      float *buf, ct_err *e) {
+    int same = st->ndim == f->ndim;
+    for (int d = 0; same && d < f->ndim; d++) same = st->shape[d] == f->shape[d];
+    if (!same) {
+        char got[96] = "", want[96] = "";
+        for (int d = 0; d < st->ndim && d < 3; d++)
+            snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", d ? ", " : "", (long long)st->shape[d]);
+        for (int d = 0; d < f->ndim; d++)
+            snprintf(want + strlen(want), sizeof want - strlen(want), "%s%lld", d ? ", " : "", (long long)f->shape[d]);
+        return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has shape [%s], the model expects [%s]", path, key, got,
+                       want);
+    }
+    const char *src = (const char *)st->data + f->off * ct_dtype_size(st->dtype);
+    if (ct_convert_to_f32(buf, src, st->dtype, t->numel) != 0)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64", path, key,
+                       ct_dtype_name(st->dtype));
+    return ct_check_finite(buf, t->numel, f->off, path, key, e);
+}
+
 int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s, ct_err *e) {
     char path[4200];
     snprintf(path, sizeof path, "%s/adapter_model.safetensors", dir);
@@ -1507,7 +1626,10 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
     for (int i = 0; i < table->n_tensors && !rc; i++) {
         const lm_tensor *t = &table->tensors[i];
         if (!lora_saved(t)) continue;
-        snprintf(key, sizeof key, PEFT_PREFIX "%s", t->name);
+        hf_fused fz;
+        char mod[LM_NAME_MAX];
+        int fused = peft_module_key(&table->cfg, t, mod, sizeof mod, &fz);
+        snprintf(key, sizeof key, PEFT_PREFIX "%s", mod);
         const st_tensor *st = st_find(f, key);
         /* tied: lm_head's key is the same tensor again, which PEFT loads into the one shared parameter */
         const st_tensor *head = pair && t->slot == LM_S_EMBED ? st_find(f, PEFT_TIED_HEAD) : NULL;
@@ -1527,7 +1649,9 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
         }
         free(buf);
         buf = ct_malloc((t->numel ? t->numel : 1) * sizeof(float));
-        if ((rc = read_tensor(table, t, st, key, path, buf, e))) break;
+        if (fused) {
+            if ((rc = read_piece(t, &fz, st, key, path, buf, e))) break;
+        } else if ((rc = read_tensor(table, t, st, key, path, buf, e))) break;
         if (head) {
             free(buf2);
             buf2 = ct_malloc((t->numel ? t->numel : 1) * sizeof(float));
@@ -1574,6 +1698,12 @@ int lora_load_peft_each(const lm_model *table, const char *dir, const lm_sink *s
                                     ? NULL
                                     : lm_find(table, name + strlen(PEFT_PREFIX));
         if (!t && pair && !strcmp(name, PEFT_TIED_HEAD)) t = emb; /* loaded (or compared) with it above */
+        for (int i = 0; !t && !strncmp(name, PEFT_PREFIX, strlen(PEFT_PREFIX)) && i < table->n_tensors; i++) {
+            hf_fused fz; /* GraniteMoE's names of PEFT's module tree */
+            char mod[LM_NAME_MAX];
+            peft_module_key(&table->cfg, &table->tensors[i], mod, sizeof mod, &fz);
+            if (!strcmp(mod, name + strlen(PEFT_PREFIX))) t = &table->tensors[i];
+        }
         if (hb && !strcmp(name, PEFT_HEAD_BASE)) continue; /* loaded above */
         if (eb && !strcmp(name, PEFT_EMBED_BASE)) continue;
         if (!t || !lora_saved(t))
@@ -1604,13 +1734,31 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
      * adapter_config.json always has its tensors complete */
     st_wtensor *ts = ct_calloc((size_t)table->n_tensors + 1, sizeof *ts);
     char (*keys)[LM_NAME_MAX + 32] = ct_calloc((size_t)table->n_tensors + 1, sizeof *keys);
+    float **whole = ct_calloc((size_t)table->n_tensors + 1, sizeof *whole); /* fused tensors put together */
     int n = 0, tied = 0;
     for (int i = 0; i < table->n_tensors; i++) {
         const lm_tensor *t = &table->tensors[i];
         if (!lora_saved(t) || !data[i]) continue;
-        snprintf(keys[n], sizeof keys[n], PEFT_PREFIX "%s", t->name);
+        hf_fused f;
+        char mod[LM_NAME_MAX];
+        int fused = peft_module_key(c, t, mod, sizeof mod, &f);
+        if (fused && !f.first) continue; /* written with the piece that starts it */
+        snprintf(keys[n], sizeof keys[n], PEFT_PREFIX "%s", mod);
         ts[n] = (st_wtensor){.name = keys[n], .dtype = CT_F32, .src_dtype = CT_F32, .ndim = t->ndim, .data = data[i]};
         for (int d = 0; d < t->ndim; d++) ts[n].shape[d] = t->shape[d];
+        if (fused) { /* GraniteMoE: PEFT's one tensor from every piece of the table (all saved together) */
+            size_t numel = 1;
+            for (int d = 0; d < f.ndim; d++) numel *= (size_t)(ts[n].shape[d] = f.shape[d]);
+            ts[n].ndim = f.ndim;
+            whole[n] = ct_calloc(numel, sizeof(float));
+            for (int j = 0; j < table->n_tensors; j++) {
+                hf_fused g;
+                const lm_tensor *u = &table->tensors[j];
+                if (data[j] && !u->lora && hf_fused_piece(c, u, &g) && !strcmp(g.name, f.name))
+                    memcpy(whole[n] + g.off, data[j], u->numel * sizeof(float));
+            }
+            ts[n].data = whole[n];
+        }
         n++;
         if (c->tie_embeddings && t->slot == LM_S_EMBED && !t->lora) {
             /* the trained tied embedding is lm_head too: PEFT's ensure_weight_tying layout, the one
@@ -1626,6 +1774,8 @@ int lora_save_peft(const lm_model *table, const float *const *data, const char *
     char *path = fs_join(dir, "adapter_model.safetensors");
     rc = st_write(path, ts, n, meta, e); /* itself through path.tmp and a rename */
     free(path);
+    for (int i = 0; i < n; i++) free(whole[i]);
+    free(whole);
     free(ts);
     free(keys);
     if (rc) return rc;

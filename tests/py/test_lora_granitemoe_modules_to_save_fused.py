@@ -1,28 +1,58 @@
-"""review8: lora.modules_to_save over GraniteMoE's fused tensors (shared_mlp, block_sparse_moe):
-the adapter file must load in PEFT (PeftModel.from_pretrained over transformers' model) or the
-run must be refused naming the fused tensor; before, ctitan wrote shared_mlp.gate_proj.weight
-and the like, and PEFT failed with KeyError shared_mlp.input_linear.weight."""
+"""lora.modules_to_save over GraniteMoE's fused tensors (review8), as PEFT saves them: its
+ModulesToSaveWrapper copies transformers' modules, so the adapter file holds
+block_sparse_moe.experts.gate_up_proj [E, 2 I, H] / down_proj, block_sparse_moe.router.weight and
+shared_mlp.input_linear.weight [2 S, H], where ctitan's table holds per-expert, per-projection
+tensors (and the files' router.layer.weight). PEFT's adapter read by ctitan gives PEFT's logits;
+ctitan's, after an AdamW step, loads strictly in PEFT with ctitan's logits; generate --adapter and
+export --merge follow PEFT. Before, ctitan refused these (or wrote names PEFT could not load)."""
 import pytest
+import torch
+from peft import PeftModel
 
 import oracle
-import oracle_families as of
+import oracle_families as fam
+import oracle_lora as OL
+from conftest import hf_session_args
+from test_families_lora import check_generate_and_merge
+
+R, ALPHA, TOL = 4, 8.0, 1e-4
+CASES = {"shared_all": ("granitemoeshared_narrow_tied", ["block_sparse_moe", "shared_mlp"]),
+         "shared_parts": ("granitemoeshared_aux", ["experts", "input_linear"]),
+         "router": ("granitemoe_aux", ["router"])}
 
 
-@pytest.mark.parametrize("mts", ["shared_mlp", "block_sparse_moe"])
-def test_modules_to_save_fused(mts, tmp_path, run_ctitan):
-    from peft import PeftModel
-    case = of.CASE["granitemoeshared_narrow_tied"]
-    of.build(case).save_pretrained(tmp_path / "a")
-    data = oracle.write_bin(tmp_path / "t.bin", oracle.random_tokens(40 * 17, 160, seed=1))
-    a = tmp_path / "a"
-    rc, _, err = run_ctitan(["train", "--model.spec=hf", f"--model.hf_assets_path={a}",
-                             f"--checkpoint.initial_load_path={a}", "--checkpoint.initial_load_in_hf",
-                             f"--training.dataset_path={data}", "--training.seq_len=16",
-                             "--training.local_batch_size=2", "--training.steps=1", f"--job.dump_folder={tmp_path / 'o'}",
-                             "--lora.rank=4", "--lora.target_modules=q_proj", f"--lora.modules_to_save={mts}",
-                             "--checkpoint.enable", "--checkpoint.last_save_in_hf=true"], check=False)
-    if rc != 0:
-        assert rc == 2 and "fused tensor" in err and "input_linear" in err, err[-1500:]
-        return
-    base = of.prepare_loaded(of.load(a, case.family), case.family)
-    PeftModel.from_pretrained(base, str(tmp_path / "o" / "checkpoint" / "step-1"))
+@pytest.mark.parametrize("cid", list(CASES))
+def test_modules_to_save_fused_as_peft(cid, tmp_path, open_session, run_ctitan):
+    cname, mts = CASES[cid]
+    case = fam.CASE[cname]
+    hf_dir, ad, out = tmp_path / "hf", tmp_path / "ad", tmp_path / "saved"
+    base = fam.build(case)
+    fam.save(base, hf_dir)
+
+    def loaded():
+        return fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
+    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=["q_proj"], modules_to_save=mts, seed=5, std=0.5)
+    assert any(".modules_to_save." in n for n, _ in pm.named_parameters()), "test setup: nothing to save"
+    pm.save_pretrained(str(ad))
+    tokens, labels = fam.batch(base, 2, case.T, seed=5)
+    with torch.no_grad():
+        ref = pm(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    extra = [f"--lora.rank={R}", f"--lora.alpha={ALPHA}", "--lora.target_modules=q_proj",
+             f"--lora.modules_to_save={','.join(mts)}", f"--lora.adapter_path={ad}", "--optimizer.lr=0.05"]
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T, extra=extra))
+    err = oracle.rel_err(s.logits(tokens), ref)
+    assert err <= TOL, f"ctitan with PEFT's adapter: logits rel err {err:.3g}"
+    # a step moves every saved tensor; ctitan's file then loads in PEFT, every key used, with its logits
+    s.zero_grad()
+    s.forward_backward(tokens, labels, oracle.n_valid(labels))
+    s.optimizer_step()
+    s.save_adapter(out)
+    back = OL.load_adapter_strict(loaded(), out)
+    with torch.no_grad():
+        want = back(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+    got = s.logits(tokens)
+    assert oracle.rel_err(got, ref) > 5 * TOL, "test setup: the step changed nothing"
+    err = oracle.rel_err(got, want)
+    assert err <= TOL, f"PEFT with ctitan's adapter: logits rel err {err:.3g}"
+    if cid == "shared_all":
+        check_generate_and_merge(run_ctitan, tmp_path, case, base, loaded(), pm, hf_dir, ad)

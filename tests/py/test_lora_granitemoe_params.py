@@ -213,15 +213,16 @@ def test_granite_params_under_tp_and_ep(layout, tmp_path):
         assert err <= 1e-5, f"{layout}: final {k} differs from one rank by {err:.3g} norm-wise"
 
 
-def test_granite_params_refused_on_old_names(tmp_path, open_session):
-    """Qwen3-MoE's router name mlp.gate.weight selects no parameter on GraniteMoE (PEFT,
-    shown here, adapts q_proj alone and no router); ctitan refuses the name rather than
-    train without the router adapter asked for."""
+def test_granite_params_old_names_skipped_as_peft(tmp_path, open_session, capfd):
+    """Qwen3-MoE's router name mlp.gate.weight selects no parameter on GraniteMoE: PEFT
+    (shown here) adapts q_proj alone and no router, and so does ctitan, warning that it
+    skipped the name."""
     case, base, hf_dir, loaded = granite_case(MOE, tmp_path)
     pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=["q_proj"], target_parameters=["mlp.gate.weight"])
-    assert not any("router" in n or "experts" in n for n in OL.trainable(pm)), sorted(OL.trainable(pm))
-    with pytest.raises(CtitanError) as ei:
-        open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T,
+    want = sorted(n for n in OL.trainable(pm))
+    assert not any("router" in n or "experts" in n for n in want), want
+    s = open_session(hf_session_args(hf_dir, batch=2, seq_len=case.T,
                                      extra=params_args(["q_proj"], ["mlp.gate.weight"])))
-    msg = str(ei.value)
-    assert "mlp.gate.weight" in msg and "lora.target_parameters" in msg, msg
+    assert sorted(n for n in s.names() if ".lora_" in n) == want
+    err = capfd.readouterr().err
+    assert "mlp.gate.weight" in err and "skipped, as PEFT skips it" in err, err
