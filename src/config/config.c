@@ -148,7 +148,7 @@ static const cfg_option cfg_options[] = {
     OPT("optimizer", "beta2", CFG_DBL, beta2, "0.95", .range = CFG_GE | CFG_LT, .lo = 0, .hi = 1,
         .help = "AdamW second-moment decay"),
     OPT("optimizer", "implementation", CFG_ENUM, tt.opt_impl, "fused", .choices = cfg_opt_impls, .inert = 1,
-        .help = TT_UNUSED("torch's AdamW kernels (same math); ctitan has one AdamW, any value")),
+        .help = TT_UNUSED("torch's optimizer kernels (same math); ctitan has one implementation of each optimizer, any value")),
 
     OPT("lr_scheduler", "warmup_steps", CFG_INT, warmup_steps, "200", .range = CFG_GE, .lo = 0,
         .help = "linear warmup steps"),

@@ -137,7 +137,7 @@ typedef struct {
     struct {
         char *model_name;           /* model.name: "qwen3" (any with model.spec = "hf") */
         char *converters;           /* model.converters: list, only empty */
-        char *opt_impl;             /* optimizer.implementation: any (one AdamW) */
+        char *opt_impl;             /* optimizer.implementation: any (one implementation of each optimizer) */
         int compile;                /* training.compile: false */
         char *mp_reduce;            /* training.mixed_precision_reduce: "float32" */
         int gc_freq;                /* training.gc_freq: any */
