@@ -64,8 +64,8 @@ static const char *const cfg_optimizers[] = {"AdamW", "Adam", NULL};
 static const char *const cfg_decay_types[] = {"linear", "sqrt", "cosine", NULL};
 static const char *const cfg_export_dtypes[] = {"float32", "bfloat16", "float16", NULL};
 static const char *const cfg_dataset_kinds[] = {"auto", "text", "jsonl", "chat", "tokens", NULL};
-static const char *const cfg_pp_schedules[] = {"1F1B",          "GPipe",     "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                                                "ZBVZeroBubble", "DualPipeV", NULL};
+static const char *const cfg_pp_schedules[] = {"1F1B",          "GPipe",         "Interleaved1F1B", "LoopedBFS",
+                                                "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", NULL};
 static const char *const cfg_text_splits[] = {"line", "paragraph", "file", NULL};
 static const char *const cfg_ac_modes[] = {"none", "selective", "full", NULL};
 /* torchtitan's context_parallel_load_balancer: "headtail" or None (here "none"); its "ptrr"
@@ -148,7 +148,8 @@ static const cfg_option cfg_options[] = {
     OPT("optimizer", "beta2", CFG_DBL, beta2, "0.95", .range = CFG_GE | CFG_LT, .lo = 0, .hi = 1,
         .help = "AdamW second-moment decay"),
     OPT("optimizer", "implementation", CFG_ENUM, tt.opt_impl, "fused", .choices = cfg_opt_impls, .inert = 1,
-        .help = TT_UNUSED("torch's optimizer kernels (same math); ctitan has one implementation of each optimizer, any value")),
+        .help = TT_UNUSED("torch's optimizer kernels (same math); ctitan has one implementation of each "
+                          "optimizer, any value")),
 
     OPT("lr_scheduler", "warmup_steps", CFG_INT, warmup_steps, "200", .range = CFG_GE, .lo = 0,
         .help = "linear warmup steps"),

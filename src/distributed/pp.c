@@ -12,8 +12,8 @@
 
 /* Parses pipeline_parallel_schedule (CT_ERR_CONFIG naming the key). */
 static int pp_schedule_parse(const char *name, int *schedule, const char *where, ct_err *e) {
-    static const char *const names[] = {"1F1B",          "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                                        "ZBVZeroBubble", "DualPipeV"}; /* PP_* order */
+    static const char *const names[] = {"1F1B",          "GPipe",         "Interleaved1F1B", "LoopedBFS",
+                                        "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}; /* PP_* order */
     for (int i = 0; i < 7; i++)
         if (!strcmp(name, names[i])) {
             *schedule = i;
