@@ -92,7 +92,8 @@
 #include "distributed/fsdp.h"
 #include "model/lm.h"
 
-enum { PP_1F1B, PP_GPIPE, PP_INTERLEAVED, PP_LOOPED_BFS, PP_ZB_INTERLEAVED, PP_ZBV, PP_DUALPIPEV }; /* from PP_ZB_*: split B */
+/* from PP_ZB_INTERLEAVED on, backwards split into I and W */
+enum { PP_1F1B, PP_GPIPE, PP_INTERLEAVED, PP_LOOPED_BFS, PP_ZB_INTERLEAVED, PP_ZBV, PP_DUALPIPEV };
 
 typedef struct {
     char kind;  /* 'F', 'B', or a zero-bubble schedule's halves of B: 'I' (input) and 'W' (weight) */
