@@ -24,7 +24,8 @@ import re
 import types
 
 import pytest
-from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+from torch.distributed.pipelining.schedules import (ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
+                                                    ScheduleZBVZeroBubble)
 
 import oracle
 from test_dist import GLOBAL as GLOBAL_MB, STEPS, assert_same_run, run, train_args
@@ -35,13 +36,20 @@ from test_pp import (MB, PP, SCHED, assert_config_error, assert_same_tensors, au
 
 ZB = f"{SCHED}=InterleavedZeroBubble"
 SCHEDS = ["InterleavedZeroBubble", "ZBVZeroBubble"]
+# the runs against one process take DualPipeV too (test_pp_dualpipev.py: its order and rules)
+RUN_SCHEDS = SCHEDS + ["DualPipeV"]
 
 
 # --------------------------------------------------------------------------- 1. the order
 
 def torch_order(sched, P, S, M, r):
-    """torch's actions of rank r as its _Action prints them ("2F0", "0I7", "0W3"), without its
-    no-op padding (InterleavedZeroBubble's _add_bubbles_to_actions only adds no-ops)."""
+    """torch's actions of rank r as its _Action prints them ("2F0", "0I7", "0W3", "3B1"), without
+    its no-op padding (InterleavedZeroBubble's _add_bubbles_to_actions only adds no-ops), each
+    DualPipeV OVERLAP_F_B replaced by its (forward, whole backward) sub-actions in order."""
+    if sched == "DualPipeV":
+        fake = types.SimpleNamespace(pp_group_size=P, _n_microbatches=M, num_stages=2 * P)
+        acts = [a for a in ScheduleDualPipeV._calculate_single_rank_operations(fake, r) if a is not None]
+        return [str(x) for a in acts for x in (a.sub_actions or (a,))]
     if sched == "ZBVZeroBubble":
         fake = types.SimpleNamespace(pp_group_size=P, _n_microbatches=M, num_stages=P * S)
         return [str(a) for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, r) if a is not None]
@@ -53,9 +61,9 @@ def torch_order(sched, P, S, M, r):
 
 
 def simulate(ords, P, V, M, cost):
-    """The run's simulation on explicit orders: F, I and W each cost a forward; F(v, i) waits
-    for F(v-1, i), I(v, i) for F(v, i) and I(v+1, i), W(v, i) for I(v, i)."""
-    acts = [[(int(m.group(1)), m.group(2), int(m.group(3))) for m in (re.fullmatch(r"(\d+)([FIW])(\d+)", a)
+    """The run's simulation on explicit orders: F, I and W each cost a forward, a whole B two;
+    F(v, i) waits for F(v-1, i), B or I(v, i) for F(v, i) and B or I(v+1, i), W(v, i) for I(v, i)."""
+    acts = [[(int(m.group(1)), m.group(2), int(m.group(3))) for m in (re.fullmatch(r"(\d+)([FBIW])(\d+)", a)
                                                                      for a in o)] for o in ords]
     done, clock, pos = {}, [0.0] * P, [0] * P
     while any(pos[r] < len(acts[r]) for r in range(P)):
@@ -63,13 +71,13 @@ def simulate(ords, P, V, M, cost):
         for r in range(P):
             while pos[r] < len(acts[r]):
                 v, k, i = acts[r][pos[r]]
-                deps = {"F": [("F", v - 1, i)] if v > 0 else [],
-                        "I": [("F", v, i)] + ([("I", v + 1, i)] if v < V - 1 else []),
-                        "W": [("I", v, i)]}[k]
+                back = [("I", v + 1, i)] if v < V - 1 else []  # a B stands as its I: d(input) sent
+                deps = {"F": [("F", v - 1, i)] if v > 0 else [], "I": [("F", v, i)] + back,
+                        "B": [("F", v, i)] + back, "W": [("I", v, i)]}[k]
                 if any(d not in done for d in deps):
                     break
-                clock[r] = max([clock[r]] + [done[d] for d in deps]) + cost[v]
-                done[(k, v, i)] = clock[r]
+                clock[r] = max([clock[r]] + [done[d] for d in deps]) + cost[v] * (2 if k == "B" else 1)
+                done[("I" if k == "B" else k, v, i)] = clock[r]
                 pos[r] += 1
                 moved = True
         assert moved, "deadlock"
@@ -193,7 +201,7 @@ LAYOUTS = {  # name: (ranks, data-parallel degree, micro-batch, model, args, the
 }
 
 
-@pytest.mark.parametrize("sched", SCHEDS)
+@pytest.mark.parametrize("sched", RUN_SCHEDS)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_zero_bubble_matches_one_process(setup, single, sched, name):
     """8 or 4 micro-batches a step through 4 stages on 2 ranks: losses, validation losses,
@@ -233,7 +241,7 @@ def test_zero_bubble_matches_one_process(setup, single, sched, name):
         assert all(g > 0.2 for g in want.values()), f"clipping never acted: {want}"
 
 
-@pytest.mark.parametrize("sched", SCHEDS)
+@pytest.mark.parametrize("sched", RUN_SCHEDS)
 def test_zero_bubble_moe_aux_loss_matches_one_process(setup, single, sched):
     """Qwen3-MoE with HF's load-balancing loss in the gradient, micro-batches of 1: the expert
     counts travel back with I's gradient; aux_loss and grad_norm too."""
@@ -248,7 +256,7 @@ def test_zero_bubble_moe_aux_loss_matches_one_process(setup, single, sched):
                 f"step {s} {k} {got[s][k]!r} vs one process {want[s][k]!r}"
 
 
-@pytest.mark.parametrize("sched", SCHEDS)
+@pytest.mark.parametrize("sched", RUN_SCHEDS)
 def test_zero_bubble_lora(setup, sched):
     """LoRA (rank 4, dropout 0.1, micro-batches of 2) on HF weights: the PEFT adapter after 10
     steps equals one process's (the base is frozen: W has nothing to do, I everything)."""
