@@ -120,25 +120,14 @@ def test_fused_names_follow_the_files(tmp_path, open_session):
     assert "lora.target_modules" in msg and "has no qkv_proj" in msg, msg
 
 
-def test_phi3_fused_adapter_generate_and_merge(tmp_path, run_ctitan):
-    """The fused adapter outside training: `generate --adapter` continues as greedy decoding
-    with PEFT's model does, and `export --merge` writes PEFT's merge_and_unload (loaded by
-    transformers: the adapted model's logits)."""
-    case, targets = fam.CASE["phi3_longrope_short_swa7"], CASES["phi3_longrope_short_swa7"]
-    base = fam.build(case)
-    hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
-    fam.save(base, hf_dir)
-    pm = OL.make_peft(fam.prepare_loaded(fam.load(hf_dir, case.family), case.family), r=R, alpha=ALPHA,
-                      targets=targets, seed=9, std=0.3)
-    pm.save_pretrained(str(ad))
-    check_generate_and_merge(run_ctitan, tmp_path, case, base, base, pm, hf_dir, ad)
-
-
-def test_glm4_adapter_generate_and_merge(tmp_path, run_ctitan):
-    """A PEFT adapter on GLM-4's q, k, v, o, fused gate_up and down projections outside
-    training: `generate --adapter` (the KV cache's interleaved RoPE over adapted q and k)
-    continues as PEFT's model, and `export --merge` writes PEFT's merge_and_unload."""
-    case, targets = fam.CASE["glm4_partial075_tied"], CASES["glm4_partial075_tied"]
+@pytest.mark.parametrize("cid", ["phi3_longrope_short_swa7", "glm4_partial075_tied"])
+def test_fused_adapter_generate_and_merge(tmp_path, run_ctitan, cid):
+    """A PEFT adapter outside training, on Phi3's fused qkv_proj / gate_up_proj and on GLM-4's
+    q, k, v, o, fused gate_up and down projections (the KV cache's interleaved RoPE over
+    adapted q and k): `generate --adapter` continues as greedy decoding with PEFT's model
+    does, and `export --merge` writes PEFT's merge_and_unload (loaded by transformers: the
+    adapted model's logits)."""
+    case, targets = fam.CASE[cid], CASES[cid]
     base = fam.build(case)
     hf_dir, ad = tmp_path / "hf", tmp_path / "adapter"
     fam.save(base, hf_dir)
