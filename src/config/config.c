@@ -19,6 +19,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "formats/toml.h"
 
@@ -474,6 +475,24 @@ static const struct {
     {"training", "batch_size", "local_batch_size"},
 };
 
+/* torchtitan keys of a pipeline's split that ctitan does not take: what says the same here. */
+static const struct {
+    const char *section, *key, *instead;
+} cfg_tt_split[] = {
+    {"parallelism", "pipeline_parallel_layers_per_stage",
+     "give the stages' first layers as parallelism.pipeline_parallel_split_points (layers_per_stage k: "
+     "[\"layers.k\", \"layers.2k\", ...]) or leave them to ctitan's split by cost"},
+    {"parallelism", "pipeline_parallel_first_stage_less_layers",
+     "ctitan splits by each stage's cost (the embedding and lm_head included); to place layers yourself use "
+     "parallelism.pipeline_parallel_split_points"},
+    {"parallelism", "pipeline_parallel_last_stage_less_layers",
+     "ctitan splits by each stage's cost (the embedding and lm_head included); to place layers yourself use "
+     "parallelism.pipeline_parallel_split_points"},
+    {"parallelism", "pipeline_parallel_schedule_csv",
+     "ctitan builds its schedules' orders itself (parallelism.pipeline_parallel_schedule); a CSV schedule is "
+     "not read"},
+};
+
 /* The first option of each section starts a new section (the table is
  * grouped by section). */
 static int cfg_first_of_section(int i) {
@@ -505,6 +524,11 @@ static void cfg_suggest(const char *section, const char *key, char *out, size_t 
         if (!strcmp(cfg_renamed[i].section, section) && !strcmp(cfg_renamed[i].old_key, key)) {
             snprintf(out, cap, " (did you mean %s.%s? it is torchtitan's current name for %s)", section,
                      cfg_renamed[i].key, key);
+            return;
+        }
+    for (size_t i = 0; i < sizeof cfg_tt_split / sizeof cfg_tt_split[0]; i++)
+        if (!strcmp(cfg_tt_split[i].section, section) && !strcmp(cfg_tt_split[i].key, key)) {
+            snprintf(out, cap, " (torchtitan's key; %s)", cfg_tt_split[i].instead);
             return;
         }
     char given[160], cand[160];
@@ -645,6 +669,10 @@ static int cfg_check_str(const cfg_option *o, const char *s, const char *where, 
 
 static int cfg_store_str(ct_config *c, const cfg_option *o, const char *s, const char *where,
                          ct_err *e) {
+    /* torch's get_schedule_class matches a schedule name in any case, so a torchtitan
+     * config may spell it "interleaved1f1b": keep the canonical spelling */
+    for (int k = 0; o->choices == cfg_pp_schedules && o->choices[k]; k++)
+        if (!strcasecmp(o->choices[k], s)) s = o->choices[k];
     int rc = cfg_check_str(o, s, where, e);
     if (rc) return rc;
     char **f = cfg_field(c, o);

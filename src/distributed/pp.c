@@ -419,6 +419,13 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
                            where, c->pp_schedule, P, V, multi ? "two per rank" : "one per rank", L, L == 1 ? "" : "s",
                            multi ? "1F1B or GPipe, or " : "");
     }
+    /* torch's ZBV and DualPipeV: exactly two a rank; said before the looped schedules'
+     * rule, which 3 P stages would meet */
+    if (v_placed(p) && V != 2 * P)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_schedule = \"%s\" needs exactly 2 stages per rank (%d "
+                       "with pipeline_parallel_degree %d), but pipeline_parallel_split_points gives %d",
+                       where, c->pp_schedule, 2 * P, P, V);
     if (V % P != 0 || (!multi && V != P) || (multi && V < 2 * P))
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.pipeline_parallel_schedule = \"%s\" with pipeline_parallel_degree %d needs %s "
@@ -429,11 +436,6 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     if (V > L)
         return ct_fail(e, CT_ERR_CONFIG, "%s: %d pipeline stages need at least %d layers; the model has %d", where, V,
                        V, L);
-    if (v_placed(p) && V != 2 * P) /* torch's ZBV and DualPipeV: exactly two a rank */
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.pipeline_parallel_schedule = \"%s\" needs exactly 2 stages per rank (%d "
-                       "with pipeline_parallel_degree %d), but pipeline_parallel_split_points gives %d",
-                       where, c->pp_schedule, 2 * P, P, V);
     if (p->schedule == PP_DUALPIPEV && M < V) /* torch's rule: its warm-up fills both stages of every rank */
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: DualPipeV needs at least as many micro-batches as stages (%d), but a step has %d "

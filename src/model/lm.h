@@ -294,6 +294,11 @@ typedef struct {
  * under its own name. checkpoint/hf.c places the piece; training.freeze
  * matches either name. */
 int lm_fused_file_name(const lm_config *c, const lm_tensor *t, char *name, size_t n);
+/* The name transformers' named_parameters() gives the parameter t is (part of) where it
+ * differs from the file's: the fused experts (mlp.experts.gate_up_proj, down_proj; GraniteMoE
+ * under block_sparse_moe) and the routers Mixtral and GraniteMoE keep under another path.
+ * 1 and the name in name[n], or 0. */
+int lm_module_param_name(const lm_config *c, const lm_tensor *t, char *name, size_t n);
 
 /* Pointers to one layer's tensors inside a flat buffer (params or grads). */
 typedef struct {

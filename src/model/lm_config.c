@@ -68,6 +68,22 @@ int lm_fused_file_name(const lm_config *c, const lm_tensor *t, char *name, size_
     return 0;
 }
 
+int lm_module_param_name(const lm_config *c, const lm_tensor *t, char *name, size_t n) {
+    if (t->layer < 0 || t->lora) return 0;
+    const char *moe = c->moe_keys == LM_MOE_KEYS_GRANITE ? "block_sparse_moe" : "mlp";
+    if (t->slot == LM_S_EXP_G || t->slot == LM_S_EXP_U || t->slot == LM_S_EXP_D) {
+        snprintf(name, n, "model.layers.%d.%s.experts.%s", t->layer, moe,
+                 t->slot == LM_S_EXP_D ? "down_proj" : "gate_up_proj");
+        return 1;
+    }
+    if (t->slot == LM_S_ROUTER && c->moe_keys != LM_MOE_KEYS_QWEN) {
+        snprintf(name, n, "model.layers.%d.%s", t->layer,
+                 c->moe_keys == LM_MOE_KEYS_GRANITE ? "block_sparse_moe.router.weight" : "mlp.gate.weight");
+        return 1;
+    }
+    return 0;
+}
+
 int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     struct { const char *k; int v; } pos[] = {
         {"vocab_size", c->vocab_size}, {"hidden_size", c->hidden}, {"intermediate_size", c->intermediate},

@@ -346,23 +346,12 @@ static int in_saved_module(const char *name, const char *item) {
  * lacks: a fused piece (hf_fused_piece; f then its place, and 1 returned)
  * is part of block_sparse_moe.experts.gate_up_proj / down_proj or of
  * shared_mlp.input_linear.weight, and the router is
- * block_sparse_moe.router.weight (the files' router.layer.weight). */
+ * block_sparse_moe.router.weight (the files' router.layer.weight): transformers'
+ * names, lm_module_param_name. */
 static int peft_module_key(const lm_config *c, const lm_tensor *t, char *key, size_t n, hf_fused *f) {
-    static const char *const tree[][2] = {
-        {"block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj"},
-        {"block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj"},
-        {"block_sparse_moe.router.layer.weight", "block_sparse_moe.router.weight"}};
     int fused = !t->lora && hf_fused_piece(c, t, f);
-    const char *name = fused ? f->name : t->name;
-    size_t nl = strlen(name);
-    for (size_t i = 0; !t->lora && c->moe_keys == LM_MOE_KEYS_GRANITE && i < sizeof tree / sizeof tree[0]; i++) {
-        size_t fl = strlen(tree[i][0]);
-        if (nl > fl && name[nl - fl - 1] == '.' && !strcmp(name + nl - fl, tree[i][0])) {
-            snprintf(key, n, "%.*s%s", (int)(nl - fl), name, tree[i][1]);
-            return fused;
-        }
-    }
-    snprintf(key, n, "%s", name);
+    if (!t->lora && c->moe_keys == LM_MOE_KEYS_GRANITE && lm_module_param_name(c, t, key, n)) return fused;
+    snprintf(key, n, "%s", fused ? f->name : t->name);
     return fused;
 }
 
@@ -444,16 +433,21 @@ int lora_apply_frozen(lm_model *m, const char *freeze, const char *modules_to_sa
     for (const char *p = freeze; p && (p = cfg_list_next(p, item, sizeof item));) {
         int hit = 0;
         for (int i = 0; i < m->n_tensors; i++) {
-            /* GraniteMoE's files name fused tensors the table holds apart: such a
-             * name freezes every piece of it */
-            char fused[LM_NAME_MAX];
+            /* GraniteMoE's files name fused tensors the table holds apart, and transformers
+             * names the experts (and some routers) otherwise again: such a name freezes
+             * every piece of it */
+            char fused[LM_NAME_MAX], module[LM_NAME_MAX];
             if (fnmatch(item, m->tensors[i].name, 0) == 0 ||
-                (lm_fused_file_name(&m->cfg, &m->tensors[i], fused, sizeof fused) && fnmatch(item, fused, 0) == 0))
+                (lm_fused_file_name(&m->cfg, &m->tensors[i], fused, sizeof fused) && fnmatch(item, fused, 0) == 0) ||
+                (lm_module_param_name(&m->cfg, &m->tensors[i], module, sizeof module) &&
+                 fnmatch(item, module, 0) == 0))
                 m->tensors[i].frozen = hit = 1;
         }
         if (!hit)
-            return ct_fail(e, CT_ERR_CONFIG, "%s: training.freeze: \"%s\" matches no tensor of this model", where,
-                           item);
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: training.freeze: \"%s\" matches no tensor of this model (the names of its "
+                           "safetensors files or of transformers' named_parameters(), e.g. %s)",
+                           where, item, m->n_tensors > 1 ? m->tensors[1].name : m->tensors[0].name);
     }
     if (!lm_trained_runs(m, 0, m->n_params, NULL, NULL))
         return ct_fail(e, CT_ERR_CONFIG, "%s: training.freeze: every tensor is frozen", where);
