@@ -1240,13 +1240,15 @@ static void log_step(trainer *t, run_files *f, run_clock *k, int step, double lo
         fflush(f->metrics);
     }
     if (f->tb) { /* tags are the metrics.jsonl keys (docs/formats.md, "TensorBoard") */
-        /* each with its format in the line above */
+        /* each with its format in the line above; the per-layer expert loads stay in the file */
         const char *tags[] = {"loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu",
-                              "step_time_s", "tokens_seen"};
-        const char *fmts[] = {"%.9g", "%.9g", "%.9g", "%.4f", "%.2f", "%.6f", "%.4f", "%.6f", "%.0f"};
-        double vals[] = {loss, gnorm, lr, mem, tps, tflops, mfu, step_time, tokens_seen};
+                              "step_time_s", "tokens_seen", "comm_pct", "pp_bubble", "aux_loss"};
+        const char *fmts[] = {"%.9g", "%.9g", "%.9g", "%.4f", "%.2f", "%.6f", "%.4f", "%.6f", "%.0f", "%.3f", "%.4f",
+                              "%.9g"};
+        double vals[] = {loss, gnorm, lr, mem, tps, tflops, mfu, step_time, tokens_seen, comm_pct, bubble, aux};
+        int has[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, bubble >= 0, m->moe.n_layers > 0};
         for (size_t i = 0; i < sizeof vals / sizeof *vals; i++)
-            tb_scalar(f->tb, step, tags[i], as_logged(fmts[i], vals[i]));
+            if (has[i]) tb_scalar(f->tb, step, tags[i], as_logged(fmts[i], vals[i]));
         tb_flush_or_drop(&f->tb);
     }
     k->t_log = now;

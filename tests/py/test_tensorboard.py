@@ -18,7 +18,9 @@ from tensorboard.compat.tensorflow_stub import errors as tb_errors
 from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 
 STEPS = 10
-TRAIN_TAGS = ["loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "step_time_s", "tokens_seen"]
+TRAIN_TAGS = ["loss", "grad_norm", "lr", "memory_gib", "tps", "tflops", "mfu", "step_time_s", "tokens_seen",
+              "comm_pct"]
+RUN_TAGS = ["pp_bubble", "aux_loss"]  # a pipeline run's, a MoE model's
 VAL_TAGS = ["val_loss", "val_perplexity"]
 
 
@@ -49,7 +51,8 @@ def scalars(tb_dir):
 
 def expected(out):
     rows = oracle.read_metrics(out / "metrics.jsonl")
-    return {tag: [(r["step"], r[tag]) for r in rows if tag in r] for tag in TRAIN_TAGS + VAL_TAGS}
+    want = {tag: [(r["step"], r[tag]) for r in rows if tag in r] for tag in TRAIN_TAGS + VAL_TAGS + RUN_TAGS}
+    return {tag: v for tag, v in want.items() if v or tag in TRAIN_TAGS}
 
 
 def assert_matches(tb, want):
@@ -167,3 +170,32 @@ def test_two_ranks_one_writer(setup):
     want = expected(out)
     assert [v for _, v in want["tokens_seen"]] == [4 * 16 * s for s in (1, 2, 3)]
     assert_matches(scalars(out / "tb"), want)
+
+
+def run_mpi(n, args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [shutil.which("mpirun"), "--oversubscribe", "--bind-to", "none", "-np", str(n), str(BIN), *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    crashed(p.returncode, p.stderr, cmd)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_pipeline_bubble_and_moe_aux_loss(tmp_path):
+    """A pipeline run's pp_bubble and a MoE model's aux_loss reach TensorBoard as metrics.jsonl
+    prints them (a dense one-process run has neither: test_scalars_match_metrics)."""
+    from transformers import Qwen3MoeConfig
+    _, out, args = tiny_run(tmp_path, "--metrics.enable_tensorboard", layers=2, steps=3)
+    run_mpi(2, args + ["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=2"])
+    want = expected(out)
+    assert len(want["pp_bubble"]) == 3 and "aux_loss" not in want, sorted(want)
+    assert_matches(scalars(out / "tb"), want)
+    moe = tmp_path / "moe"
+    Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                   num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, output_router_logits=True, router_aux_loss_coef=0.01).save_pretrained(moe)
+    out2 = tmp_path / "out_moe"
+    run_mpi(1, [a.replace(str(tmp_path / "model"), str(moe)).replace(str(out), str(out2)) for a in args])
+    want = expected(out2)
+    assert len(want["aux_loss"]) == 3 and "pp_bubble" not in want, sorted(want)
+    assert_matches(scalars(out2 / "tb"), want)
