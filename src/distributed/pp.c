@@ -128,15 +128,17 @@ static int parse_points(const char *list, int L, int *first, int max, const char
 static void build_orders(pp_sched *p, pp_action *fwd, pp_action *bwd, int *warmup) {
     int P = p->P, S = p->S, M = p->M, r = p->rank, nf = 0, nb = 0;
     if (p->schedule == PP_INTERLEAVED) {
-        /* Megatron's interleaved order: groups of P micro-batches, chunk by
-         * chunk forwards (0 .. S-1) and backwards (S-1 .. 0) */
-        for (int g = 0; g < M; g += P)
+        /* torch's ScheduleInterleaved1F1B (Megatron's order, made flexible): rounds of
+         * per = M / max(1, M / P) micro-batches (P when P divides M), chunk by chunk
+         * forwards (0 .. S-1) and backwards (S-1 .. 0) */
+        int per = M / (M / P > 1 ? M / P : 1);
+        for (int g = 0; g < M; g += per)
             for (int c = 0; c < S; c++)
-                for (int i = g; i < g + P && i < M; i++) fwd[nf++] = (pp_action){'F', c, i};
-        for (int g = 0; g < M; g += P)
+                for (int i = g; i < g + per && i < M; i++) fwd[nf++] = (pp_action){'F', c, i};
+        for (int g = 0; g < M; g += per)
             for (int c = S - 1; c >= 0; c--)
-                for (int i = g; i < g + P && i < M; i++) bwd[nb++] = (pp_action){'B', c, i};
-        *warmup = 2 * (P - r - 1) + (S - 1) * P;
+                for (int i = g; i < g + per && i < M; i++) bwd[nb++] = (pp_action){'B', c, i};
+        *warmup = 2 * (P - r - 1) + (S - 1) * per;
     } else if (p->schedule == PP_LOOPED_BFS) {
         /* torch's ScheduleLoopedBFS: every micro-batch through local stage 0,
          * then stage 1, ...; the backwards from the last local stage down,
@@ -444,17 +446,13 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     p->V = V;
     p->S = V / P;
     if (!c->pp_split[0]) split_by_cost(mc, V, c->seq_len, p->first);
-    if (p->schedule == PP_INTERLEAVED && M % P != 0)
+    /* torch's interleaved schedules: max(1, M / P) rounds of equal size */
+    if ((p->schedule == PP_INTERLEAVED || p->schedule == PP_ZB_INTERLEAVED) && M % (M / P > 1 ? M / P : 1) != 0)
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: Interleaved1F1B takes micro-batches in groups of pipeline_parallel_degree (%d), but a step "
-                       "has %d (local_batch_size / pipeline_parallel_microbatch_size x gradient accumulation)",
-                       where, P, M);
-    if (p->schedule == PP_ZB_INTERLEAVED && M % (M / P > 1 ? M / P : 1) != 0)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: InterleavedZeroBubble takes micro-batches in %d rounds (micro-batches / "
-                       "pipeline_parallel_degree %d), which must divide them, but a step has %d (local_batch_size / "
-                       "pipeline_parallel_microbatch_size x gradient accumulation)",
-                       where, M / P, P, M);
+                       "%s: %s takes micro-batches in %d rounds (micro-batches / pipeline_parallel_degree %d), which "
+                       "must divide them, but a step has %d (local_batch_size / pipeline_parallel_microbatch_size x "
+                       "gradient accumulation)",
+                       where, c->pp_schedule, M / P, P, M);
     p->cost = calloc((size_t)V, sizeof *p->cost);
     for (int v = 0; v < V; v++) {
         for (int l = p->first[v]; l < p->first[v + 1]; l++) p->cost[v] += layer_cost(mc, l, c->seq_len);

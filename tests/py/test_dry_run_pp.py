@@ -318,9 +318,9 @@ ERRORS = [  # (ranks of the dry run (0: no mpirun), ranks of the run, P, extra a
      "pipeline_parallel_microbatch_size = 3 does not divide training.local_batch_size = 4"),
     (0, 2, 2, ["--parallelism.data_parallel_replicate_degree=3"],
      "does not divide the world size 2 (ranks started by mpirun -np) / pipeline_parallel_degree"),
-    (0, 2, 2, ["--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
-               "--parallelism.pipeline_parallel_microbatch_size=4"],
-     "Interleaved1F1B takes micro-batches in groups of pipeline_parallel_degree (2), but a step has 1"),
+    (0, 2, 2, ["--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--training.local_batch_size=5"],
+     "Interleaved1F1B takes micro-batches in 2 rounds (micro-batches / pipeline_parallel_degree 2), which must "
+     "divide them, but a step has 5"),
     (0, 2, 2, ["--parallelism.pipeline_parallel_split_points=layers.2,layers.4"],
      "gives 3"),
     (0, 9, 9, [], "pipeline_parallel_degree = 9: the model has only 8 layers"),

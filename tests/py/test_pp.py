@@ -516,9 +516,10 @@ def run_bounded(n, args, timeout):
     (2, "model", [f"{PP}=2", f"{SPLIT}=layers.1,layers.2"], ["pipeline_parallel_split_points", "1F1B"]),
     (2, "model", [f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{SPLIT}=layers.2"],
      ["pipeline_parallel_split_points", "Interleaved1F1B"]),
-    # a step of 3 micro-batches (global batch 6, micro-batches of 2) is not a multiple of 2
-    (2, "model", [f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{MB}=2", "--training.global_batch_size=6"],
-     ["Interleaved1F1B", "pipeline_parallel_degree", "has 3"]),
+    # a step of 5 micro-batches (global batch 10, micro-batches of 2): torch's max(1, 5 // 2) = 2
+    # rounds do not divide them
+    (2, "model", [f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{MB}=2", "--training.global_batch_size=10"],
+     ["Interleaved1F1B", "2 rounds", "has 5"]),
     (2, "model", [f"{PP}=2", f"{SCHED}=ZeroBubble"], ["pipeline_parallel_schedule", "ZeroBubble"]),
 ], ids=["mb_not_dividing_local", "mb_not_dividing_validation", "degree_not_dividing_world", "more_stages_than_layers",
         "interleaved_too_few_layers", "split_out_of_order", "split_repeated", "split_out_of_range",

@@ -19,7 +19,7 @@ import re
 import types
 
 import pytest
-from torch.distributed.pipelining.schedules import ScheduleLoopedBFS
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleLoopedBFS
 
 import oracle
 from test_dist import STEPS, assert_same_run, run, train_args
@@ -38,6 +38,15 @@ def torch_order(P, S, M, r):
     its no-op padding."""
     fake = types.SimpleNamespace(pp_group_size=P, _stages=list(range(S)), _n_microbatches=M)
     return [str(a) for a in ScheduleLoopedBFS._calculate_single_rank_operations(fake, r) if a is not None]
+
+
+def torch_interleaved_order(P, S, M, r):
+    """torch's Interleaved1F1B actions of rank r (its flexible rounds: max(1, M // P) of
+    M // rounds micro-batches), without its no-op padding."""
+    rounds = max(1, M // P)
+    fake = types.SimpleNamespace(pp_group_size=P, n_local_stages=S, number_of_rounds=rounds,
+                                 microbatches_per_round=M // rounds, _n_microbatches=M)
+    return [str(a) for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, r) if a is not None]
 
 
 def simulate(ords, P, V, M, cost):
@@ -165,9 +174,9 @@ def test_resume_from_interleaved_under_looped_bfs(setup, single):
 ACCEPTED = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
-@pytest.mark.parametrize("name", ["ZeroBubble", "dualpipev"])
+@pytest.mark.parametrize("name", ["ZeroBubble", "DualPipe"])
 def test_refused_schedules_name_every_accepted_one(setup, tmp_path, name):
-    """Not torch's names (they are case-sensitive, as torch's get_schedule_class)."""
+    """Not torch's names (in any case: test_pp_schedule_toml.py)."""
     d, data = setup
     p = run_bounded(2, train_args(d / "model", data, tmp_path / "bad", f"{PP}=2", f"{SCHED}={name}"), timeout=8)
     assert_config_error(p, "pipeline_parallel_schedule", name, *ACCEPTED)
@@ -183,7 +192,7 @@ def test_looped_bfs_needs_two_stages_a_rank(setup, tmp_path):
 
 
 @pytest.mark.parametrize("name,code", [("LoopedBFS", 0), ("InterleavedZeroBubble", 0), ("ZBVZeroBubble", 0),
-                                       ("DualPipeV", 0), ("Interleaved1f1b", 2)])
+                                       ("DualPipeV", 0), ("Interleaved1F1Bv2", 2)])
 def test_torchtitan_toml_schedule(setup, tmp_path, name, code):
     """A torchtitan toml naming the schedule (`ctitan train --config F --dry-run`): LoopedBFS is
     planned with 2 stages a rank, and the zero-bubble ones and DualPipeV; a misspelt name is refused
@@ -200,3 +209,33 @@ def test_torchtitan_toml_schedule(setup, tmp_path, name, code):
     else:
         plan = parse(ok(p).stdout)
         assert plan["schedule"] == name and plan["S"] == 2 and plan["M"] == 4, plan
+
+
+@pytest.mark.parametrize("P,local,global_", [
+    (2, 4, 0),    # 4 micro-batches: 2 rounds of P, Megatron's order
+    (2, 3, 0),    # 3: fewer than 2 rounds, 1 round of 3 (torch's flexible rounds)
+    (4, 6, 0),    # 6 on 4 ranks: 1 round of 6
+    (4, 10, 0),   # 10 on 4 ranks: 2 rounds of 5
+])
+def test_interleaved_order_is_torchs(pp_models, tmp_path, P, local, global_):
+    """Interleaved1F1B's order is torch's ScheduleInterleaved1F1B's, whose rounds need not be
+    of P micro-batches (M a multiple of max(1, M // P)): each rank's actions from the dry run."""
+    d, data = pp_models
+    p = ok(launch(0, pp_args(d / "untied", data, tmp_path, P, f"{SCHED}=Interleaved1F1B", local=local,
+                             global_=global_) + ["--dry-run"]))
+    plan = parse(p.stdout)
+    ords = {int(r): o.split() for r, o in re.findall(r"^    rank (\d+) order: (.*)$", p.stdout, re.M)}
+    for r in range(P):
+        want = torch_interleaved_order(P, plan["S"], plan["M"], r)
+        assert ords[r] == want, f"rank {r}: {ords[r]} vs torch's {want}"
+
+
+def test_interleaved_three_micro_batches_match_one_process(setup):
+    """3 micro-batches a step on PP 2 (one round of 3, which P = 2 does not divide; refused
+    before, as Megatron's groups of P needed): losses and weights equal one process's."""
+    d, data = setup
+    three = ["--training.local_batch_size=3", "--training.global_batch_size=3", "--validation.local_batch_size=3"]
+    ref, out = d / "inter3_single", d / "inter3_pp2"
+    run(1, train_args(d / "model", data, ref, *three))
+    run(2, train_args(d / "model", data, out, *three, f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{MB}=1"))
+    assert_same_run(out, ref, "Interleaved1F1B, 3 micro-batches")
