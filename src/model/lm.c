@@ -2244,9 +2244,9 @@ static void embed_fwd(lm_model *m, float *x0, const int32_t *tokens, int BT) {
         }
         m->hooks->reduce_partial(m->hooks->ctx, x0, (size_t)BT * H);
     } else if (te->store != LM_NO_STORE) { /* a bf16-stored embedding: its rows widened as they are looked up */
-        tokens += sp_row0(m, BT); /* a whole table: this rank's rows' own lookups */
+        const int32_t *own = tokens + sp_row0(m, BT); /* a whole table: this rank's rows' own lookups */
         for (int n = 0; n < BS; n++)
-            ct_convert_to_f32(x0 + (size_t)n * H, m->fstore + te->store + (size_t)tokens[n] * H, CT_BF16, (size_t)H);
+            ct_convert_to_f32(x0 + (size_t)n * H, m->fstore + te->store + (size_t)own[n] * H, CT_BF16, (size_t)H);
     } else {
         K(EMBEDDING, embedding_fwd, x0, tokens + sp_row0(m, BT), m->w.wte, BS, H);
     }
