@@ -269,6 +269,27 @@ static void build_id(char *out, size_t cap) {
     dl_iterate_phdr(build_id_cb, &q);
 }
 
+/* A build under AddressSanitizer (make sanitize) checks the candidates at
+ * kern_check's --quick sizes: ASan runs the references ~10x slower, and the
+ * capped cases still cross every tile and block edge (check.c, quick_cap),
+ * which is what the sanitizer is there to watch. Any other build checks in full. */
+#if defined(__SANITIZE_ADDRESS__)
+#define TUNE_CHECK_QUICK 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TUNE_CHECK_QUICK 1
+#endif
+#endif
+#ifndef TUNE_CHECK_QUICK
+#define TUNE_CHECK_QUICK 0
+#endif
+
+static void check_record(const char *path, const char *bid, const kern_impl *im, int ok) {
+    char line[256];
+    snprintf(line, sizeof line, "check %s %s %s %s\n", bid, kern_op_name(im->op), im->name, ok ? "ok" : "fail");
+    cache_append(path, line);
+}
+
 /* kern_check of one implementation on this CPU, through the cache (verdicts
  * keyed by the build: a rebuilt kernel is checked again). */
 static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_impl *im, const char *cache,
@@ -278,12 +299,51 @@ static int passes_check(const kern_impl *t, size_t n, unsigned cpu, const kern_i
     build_id(bid, sizeof bid);
     snprintf(what, sizeof what, "%s %s", kern_op_name(im->op), im->name);
     if (cache_find(cache, "check", bid, what, v, sizeof v, NULL)) return !strcmp(v, "ok");
-    kern_check_opts o = {.out = NULL, .op = kern_op_name(im->op), .impl = im->name, .features = cpu, .seed = 1};
+    kern_check_opts o = {.out = NULL, .op = kern_op_name(im->op), .impl = im->name, .features = cpu, .seed = 1,
+                         .quick = TUNE_CHECK_QUICK};
     int ok = kern_check(t, n, &o) == 0;
-    char line[256];
-    snprintf(line, sizeof line, "check %s %s %s\n", bid, what, ok ? "ok" : "fail");
-    cache_append(path, line);
+    check_record(path, bid, im, ok);
     return ok;
+}
+
+/* The verdicts of one op's candidates (ok[i]: passes_check of cand[i]). Those
+ * without a cached verdict are first checked together, in one kern_check over
+ * the reference and them: it computes each case's reference outputs once for
+ * all of them (check.c's memo) instead of once per candidate, and the
+ * reference is most of a check's time (the MoE experts' and the matmuls'
+ * loops). Only where that finds a failure is each checked on its own, to
+ * know which one failed: the same cases, inputs and bounds either way. */
+static void check_candidates(const kern_impl *t, size_t n, unsigned cpu, const kern_impl *const *cand, int nc,
+                             const char *cache, const char *path, int *ok) {
+    char v[16], bid[64], what[160];
+    build_id(bid, sizeof bid);
+    const kern_impl *ref = NULL;
+    kern_impl *sub = malloc(((size_t)nc + 1) * sizeof *sub);
+    int ns = 0, pending[32];
+    for (size_t i = 0; i < n && !ref; i++)
+        if (t[i].op == cand[0]->op && !strcmp(t[i].name, "ref")) ref = &t[i];
+    for (int i = 0; i < nc; i++) {
+        snprintf(what, sizeof what, "%s %s", kern_op_name(cand[i]->op), cand[i]->name);
+        pending[i] = 0;
+        if (!strcmp(cand[i]->name, "ref")) ok[i] = 1;
+        else if (cache_find(cache, "check", bid, what, v, sizeof v, NULL)) ok[i] = !strcmp(v, "ok");
+        else pending[i] = 1, ok[i] = -1;
+        if (pending[i] && sub) sub[ns++] = *cand[i];
+    }
+    if (ns > 1 && ref && sub) {
+        sub[ns++] = *ref;
+        kern_check_opts o = {.out = NULL, .op = kern_op_name(cand[0]->op), .impl = NULL, .features = cpu, .seed = 1,
+                             .quick = TUNE_CHECK_QUICK};
+        if (kern_check(sub, (size_t)ns, &o) == 0)
+            for (int i = 0; i < nc; i++)
+                if (pending[i]) {
+                    ok[i] = 1;
+                    check_record(path, bid, cand[i], 1);
+                }
+    }
+    free(sub);
+    for (int i = 0; i < nc; i++)
+        if (ok[i] < 0) ok[i] = passes_check(t, n, cpu, cand[i], cache, path);
 }
 
 /* Whether a pick's -<name> fields (rest: the line after its value,
@@ -372,10 +432,10 @@ int kern_tune(kern_ops *k, const kern_impl *t, size_t n, unsigned cpu, const cha
                 double secs[32], first = INFINITY, best = INFINITY;
                 int alive[32];
                 const kern_impl *win = NULL;
+                check_candidates(t, n, cpu, cand, nc, cache, path, alive);
                 /* one call each (pages faulted in, workspaces grown); hopeless ones stop here */
                 for (int i = 0; i < nc; i++) {
                     secs[i] = NAN;
-                    alive[i] = passes_check(t, n, cpu, cand[i], cache, path);
                     if (!alive[i]) continue;
                     double t1 = one_round(b, cand[i], bwd, wbf16);
                     if (t1 > TUNE_CUTOFF * first) t1 = fmin(t1, one_round(b, cand[i], bwd, wbf16));

@@ -542,9 +542,24 @@ static void test_check_every_op(void) {
     free(table);
 }
 
+/* Attention entries that compute nothing: test_check_quick reads the shapes
+ * kern_check gives them, not their errors. */
+static void attn_fwd_none(float *out, float *lse, const float *q, const float *k, const float *v, int B, int T,
+                          int nh, int nkv, int hd, const kern_attn_opt *opt) {
+    (void)out, (void)lse, (void)q, (void)k, (void)v, (void)B, (void)T, (void)nh, (void)nkv, (void)hd, (void)opt;
+}
+static void attn_bwd_none(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                          const float *q, const float *k, const float *v, int B, int T, int nh, int nkv, int hd,
+                          const kern_attn_opt *opt, int acc) {
+    (void)dq, (void)dk, (void)dv, (void)dout, (void)out, (void)lse, (void)q, (void)k, (void)v, (void)B, (void)T;
+    (void)nh, (void)nkv, (void)hd, (void)opt, (void)acc;
+}
+
 /* --quick caps the long side of the largest cases and drops none: the matmul
  * case with M = 1030 runs at M = 130, and every shape still gives a line;
- * --quick-cap lowers that cap. */
+ * --quick-cap lowers that cap, but for attention's block form, whose
+ * two-piece cases keep pieces past one 64-key tile (scripts/test_aarch64.sh
+ * checks attention at --quick-cap 80). */
 static void test_check_quick(void) {
     kern_impl table[2] = {
         {KERN_OP_MATMUL, "ref", "cpu", 0, 0, "reference", .fn.matmul = {op_matmul_fwd, op_matmul_bwd}},
@@ -588,6 +603,30 @@ static void test_check_quick(void) {
         CHECK(failed == 0 && n == lines && mmax == want[c] && small == 2,
               "--quick-cap %d: %d failed, %d case lines (want %d), largest M %d (want %d), M 13 and 15: %d of 2",
               caps[c], failed, n, lines, mmax, want[c], small);
+        free(log);
+    }
+    kern_impl att[2] = {
+        {KERN_OP_ATTENTION, "ref", "cpu", 0, 0, "none", .fn.attention = {attn_fwd_none, attn_bwd_none}},
+        {KERN_OP_ATTENTION, "none", "cpu", 0, 0, "none", .fn.attention = {attn_fwd_none, attn_bwd_none}},
+    };
+    const int acaps[] = {1, 80}, want_t[] = {130, 80};
+    for (int c = 0; c < 2; c++) {
+        log = NULL, len = 0;
+        f = open_memstream(&log, &len);
+        kern_check_opts ao = {.out = f, .op = "attention", .features = 0, .seed = 4, .quick = acaps[c]};
+        kern_check(att, 2, &ao);
+        fclose(f);
+        int tmax = 0, bmax = 0, t, n = 0;
+        for (char *line = strtok(log, "\n"); line; line = strtok(NULL, "\n")) {
+            const char *p = strstr(line, " T=");
+            if (!p || sscanf(p, " T=%d", &t) != 1) continue;
+            n++;
+            if (strstr(line, "[blocks of")) bmax = t > bmax ? t : bmax;
+            else tmax = t > tmax ? t : tmax;
+        }
+        CHECK(n > 100 && tmax == want_t[c] && bmax == 130,
+              "attention at quick %d: %d case lines, largest T %d (want %d), of the block form %d (want 130)",
+              acaps[c], n, tmax, want_t[c], bmax);
         free(log);
     }
 }
