@@ -1308,7 +1308,12 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
         return ct_fail(e, CT_ERR_CONFIG, "%s: the activation is %s but the model being trained uses %s", p,
                        c.act == LM_ACT_SILU ? "silu" : "gelu_pytorch_tanh",
                        mc->act == LM_ACT_SILU ? "silu" : "gelu_pytorch_tanh");
-    CKPT_SAME(qkv_bias, strcmp(now, "qwen2_moe") ? "attention_bias" : "qkv_bias") /* qwen2_moe's own key */
+    /* each bias under the key that switches it in the family's config (qwen2_moe's qkv_bias,
+     * ERNIE's one use_bias, Seed-OSS's attention_out_bias for o_proj) */
+    int ernie = !strcmp(now, "ernie4_5");
+    CKPT_SAME(qkv_bias, !strcmp(now, "qwen2_moe") ? "qkv_bias" : ernie ? "use_bias" : "attention_bias")
+    CKPT_SAME(o_bias, ernie ? "use_bias" : !strcmp(now, "seed_oss") ? "attention_out_bias" : "attention_bias")
+    CKPT_SAME(mlp_bias, ernie ? "use_bias" : "mlp_bias")
     CKPT_SAME(sliding_window, "sliding_window")
     CKPT_SAME(attn_softcap, "attn_logit_softcapping")
     CKPT_SAME(final_softcap, "final_logit_softcapping")

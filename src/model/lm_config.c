@@ -357,6 +357,9 @@ typedef struct {
     int qkv_bias;       /* 1: always (Qwen2); 0: the attention_bias key (q, k, v and o) when has_attn_bias */
     int attn_bias_qkv;  /* GLM: attention_bias (default true) gives q, k and v biases, o_proj has none */
     int interleaved;    /* GLM: RoPE on the pairs (2i, 2i+1) of the rotary part (lm_config.rope_interleaved) */
+    int use_bias;       /* Ernie 4.5: one use_bias key (default false) for q/k/v/o and the MLP's three */
+    int out_bias;       /* Seed-OSS: attention_out_bias (default false) for o_proj beside attention_bias's q/k/v */
+    int dropout_default; /* Seed-OSS: attention_dropout and residual_dropout default to 0.1 when absent */
     int has_attn_bias, has_mlp_bias;
     int kv_default;     /* num_key_value_heads when absent; 0: num_attention_heads */
     int hd_default;     /* head_dim when absent; 0: hidden_size / num_attention_heads */
@@ -462,6 +465,16 @@ static const lm_family families[] = {
      .fused = FUSED_GATE_UP, .has_attn_bias = 1, .attn_bias_qkv = 1, .interleaved = 1, .kv_default = 2,
      .hd_default = 128, .eps = 0.00000015625, .max_pos = 131072, .pad = 151329, .act_key = "hidden_act",
      .theta = 1e4, .rope_style = ROPE_STYLE_GLM},
+    /* ERNIE 4.5 (ERNIE-4.5-0.3B): Llama's layer with GLM's interleaved RoPE over the whole
+     * head (its default RoPE ignores partial_rotary_factor) and one use_bias switch */
+    {.type = "ernie4_5", .arch = "Ernie4_5ForCausalLM", .qk_norm = LM_QK_NONE, .interleaved = 1, .use_bias = 1,
+     .kv_default = 2, .hd_default = 128, .eps = 1e-5, .tied = 1, .max_pos = 131072, .pad = 0,
+     .act_key = "hidden_act", .theta = 5e5},
+    /* Seed-OSS (Seed-OSS-36B): Llama's layer with q/k/v biases (attention_bias, default true),
+     * o_proj's by attention_out_bias, and dropouts that default to 0.1 */
+    {.type = "seed_oss", .arch = "SeedOssForCausalLM", .qk_norm = LM_QK_NONE, .has_attn_bias = 1,
+     .attn_bias_qkv = 1, .out_bias = 1, .has_mlp_bias = 1, .dropout_default = 1, .kv_default = 8,
+     .hd_default = 128, .eps = 1e-6, .max_pos = 524288, .pad = 1, .act_key = "hidden_act", .theta = 1e4},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -744,7 +757,7 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         goto done;
     }
     if (!f) {
-        char known[256];
+        char known[512];
         family_list(known, sizeof known);
         rc = ct_fail(e, CT_ERR_CONFIG, "%s: model_type \"%s\" is not supported (supported: %s)", path,
                      mt->valuestring, known);
@@ -850,6 +863,12 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     } else if ((rc = refuse_nonzero(root, "attention_bias", "this family's attention has no biases", path, e))) {
         goto done;
     }
+    if (f->out_bias && (rc = json_bool(root, "attention_out_bias", &c->o_bias, path, e))) goto done;
+    if (f->use_bias) {
+        int b = 0;
+        if ((rc = json_bool(root, "use_bias", &b, path, e))) goto done;
+        c->qkv_bias = c->o_bias = c->mlp_bias = b;
+    }
     if (f->has_mlp_bias) {
         if ((rc = json_bool(root, "mlp_bias", &c->mlp_bias, path, e))) goto done;
     } else if ((rc = refuse_nonzero(root, "mlp_bias", "this family's MLP has no biases", path, e))) {
@@ -905,8 +924,23 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     /* dropout would change what a training step computes; ctitan has none */
     if ((rc = refuse_nonzero(root, "attention_dropout", "ctitan trains without dropout", path, e)) ||
         (rc = refuse_nonzero(root, "resid_pdrop", "ctitan trains without dropout", path, e)) ||
-        (rc = refuse_nonzero(root, "embd_pdrop", "ctitan trains without dropout", path, e)))
+        (rc = refuse_nonzero(root, "embd_pdrop", "ctitan trains without dropout", path, e)) ||
+        (f->dropout_default &&
+         (rc = refuse_nonzero(root, "residual_dropout", "ctitan trains without dropout", path, e))))
         goto done;
+    /* SeedOssConfig trains with 0.1 where the key is absent (and refuses null) */
+    if (f->dropout_default)
+        for (int i = 0; i < 2; i++) {
+            const char *k = i ? "residual_dropout" : "attention_dropout";
+            const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, k);
+            if (!it || cJSON_IsNull(it)) {
+                rc = ct_fail(e, CT_ERR_CONFIG,
+                             "%s: \"%s\" is %s, which model_type %s reads as %s; ctitan trains without "
+                             "dropout: set it to 0.0 in config.json",
+                             path, k, it ? "null" : "absent", f->type, it ? "an error" : "0.1");
+                goto done;
+            }
+        }
     snprintf(c->name, sizeof c->name, "hf");
     rc = lm_config_check(c, path, e);
 done:
@@ -958,8 +992,11 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
     if (c->has_pad) cJSON_AddNumberToObject(o, "pad_token_id", c->pad_token);
     else cJSON_AddNullToObject(o, "pad_token_id");
     if (f->has_attn_bias) cJSON_AddBoolToObject(o, "attention_bias", f->attn_bias_qkv ? c->qkv_bias : c->o_bias);
+    if (f->out_bias) cJSON_AddBoolToObject(o, "attention_out_bias", c->o_bias);
     if (f->has_mlp_bias) cJSON_AddBoolToObject(o, "mlp_bias", c->mlp_bias);
+    if (f->use_bias) cJSON_AddBoolToObject(o, "use_bias", c->qkv_bias);
     add_float(o, "attention_dropout", 0);
+    if (f->dropout_default) add_float(o, "residual_dropout", 0);
     /* windows: the family's own keys, so that its config class derives the same layers */
     int any = 0, first = c->n_layers, past = 0; /* past: one after the last sliding layer */
     for (int l = 0; l < c->n_layers; l++)

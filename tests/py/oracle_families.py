@@ -2,7 +2,8 @@
 
 One tiny random model per case, built with transformers' OWN config and model classes
 (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmo2, phi3, gemma, gemma2,
-gemma3_text, granite, smollm3, olmo3, olmoe, granitemoe, granitemoeshared, glm, glm4)
+gemma3_text, granite, smollm3, olmo3, olmoe, granitemoe, granitemoeshared, glm, glm4, ernie4_5,
+seed_oss)
 with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
 weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
 whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
@@ -62,6 +63,8 @@ FAMILIES = {
     "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM),
     "glm": (tf.GlmConfig, tf.GlmForCausalLM),
     "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
+    "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),
+    "seed_oss": (tf.SeedOssConfig, tf.SeedOssForCausalLM),
 }
 MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"}
 GEMMA = {"gemma", "gemma2", "gemma3_text"}  # RMSNorm by (1 + w)
@@ -361,6 +364,21 @@ CASES = [
         rope_parameters={"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.75}),
         seed=12,
         keys=("attention_bias", "head_dim", "rope_parameters", "tie_word_embeddings", "pad_token_id")),
+    # ------------------------------------------------------------------ ernie4_5, seed_oss
+    # ERNIE 4.5: GLM's interleaved pairs over the whole head (its default RoPE reads no
+    # partial_rotary_factor), use_bias on all seven projections (q, k, v, o, gate, up, down),
+    # tied (the config class's default), pad 0 (its default)
+    Case("ernie4_5_bias_tied", "ernie4_5", dict(
+        hidden_size=48, head_dim=16, use_bias=True, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+        keys=("use_bias", "head_dim", "rope_parameters", "tie_word_embeddings", "pad_token_id")),
+    # Seed-OSS: q/k/v biases (attention_bias, default true), o_proj's by attention_out_bias,
+    # the MLP's by mlp_bias; the dropouts (default 0.1 in SeedOssConfig) written as 0.0
+    Case("seed_oss_outbias_mlpbias", "seed_oss", dict(
+        hidden_size=48, head_dim=16, attention_out_bias=True, mlp_bias=True, attention_dropout=0.0,
+        residual_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        keys=("attention_bias", "attention_out_bias", "mlp_bias", "head_dim", "rope_parameters",
+              "attention_dropout", "residual_dropout")),
 ]
 CASE = {c.id: c for c in CASES}
 
@@ -516,6 +534,9 @@ REFUSALS = [
                                                                           layer_types=_SMOL_TYPES),
             "use_sliding_window"),
     Refusal("olmo3_attention_dropout", "olmo3", dict(attention_dropout=0.1), "attention_dropout"),
+    # SeedOssConfig's defaults (0.1 each, set here explicitly; absent: test_families_ernie_seed)
+    Refusal("seed_oss_attention_dropout", "seed_oss", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("seed_oss_residual_dropout", "seed_oss", dict(residual_dropout=0.1), "residual_dropout"),
     # a flat rope_parameters: Olmo3Config keeps its keys beside the per-type entries it
     # fills with default_theta, so the flat rope_theta is ignored
     Refusal("olmo3_flat_rope_parameters", "olmo3", dict(

@@ -184,6 +184,12 @@ FAMILY_LAYOUTS = {
                                              "--parallelism.pipeline_parallel_microbatch_size=1",
                                              "--training.local_batch_size=1"]),
     "glm_cp2_alltoall": ("glm_bias_partial05", 2, CP2 + [A2A]),
+    # ERNIE's whole-head interleaved RoPE on the CP ranks' chunks; Seed-OSS's three bias
+    # switches split across the stages
+    "ernie4_5_cp2_alltoall": ("ernie4_5_bias_tied", 2, CP2 + [A2A]),
+    "seed_oss_pp2": ("seed_oss_outbias_mlpbias", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                                     "--parallelism.pipeline_parallel_microbatch_size=1",
+                                                     "--training.local_batch_size=1"]),
 }
 
 

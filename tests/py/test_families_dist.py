@@ -65,6 +65,12 @@ CASES = {
     # gate_up_proj cut into each rank's gate and up rows; glm4's post-branch norms after the TP sum
     "glm_bias_partial05": {"fsdp2": FSDP2, "tp2": TP2},
     "glm4_partial075_tied": {"tp2": TP2},
+    # ernie4_5: the interleaved whole-head RoPE on each rank's heads, the seven projections'
+    # biases (column-split q/k/v/gate/up, o_proj's and down_proj's added once after the TP sum)
+    "ernie4_5_bias_tied": {"fsdp2": FSDP2, "tp2": TP2},
+    # seed_oss: q/k/v biases split with their heads, o_proj's (attention_out_bias) and
+    # down_proj's after the TP sum
+    "seed_oss_outbias_mlpbias": {"tp2": TP2},
 }
 # AdamW's eps per case where 1e-8 lets rounding noise decide the test (test_dist_debugmodel.py
 # says why): llama_mlpbias_tied's mlp biases have gradients near zero, so a last-bit

@@ -22,7 +22,8 @@ IDS = ["llama_rope3_attnbias_hd16", "llama_mlpbias_tied", "mistral_swa5", "qwen2
        "qwen3_moe_aux", "qwen2_moe_step2_aux", "qwen2_moe_mlponly_norm_nobias", "mixtral_e4k2_aux_hd16", "olmo2",
        "phi3_longrope_short_swa7", "gemma3_text", "gemma2", "gemma_gelu_attnbias", "granite", "smollm3_nope_swa5",
        "olmo3_swa5_yarn", "smollm3_kinds", "olmoe_aux_bias", "olmoe_norm_topk_tied", "granitemoe_aux",
-       "granitemoe_k3_tied_bias", "granitemoeshared_aux", "glm_bias_partial05", "glm4_partial075_tied"]
+       "granitemoe_k3_tied_bias", "granitemoeshared_aux", "glm_bias_partial05", "glm4_partial075_tied",
+       "ernie4_5_bias_tied", "seed_oss_outbias_mlpbias"]
 PIECES = [70, 1, 1, 5, 1, 1]  # prefill (two chunks), decode, a warm 5-row prefill, decode
 
 

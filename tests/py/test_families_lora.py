@@ -50,6 +50,10 @@ CASES = {  # case id: target modules
     # through the interleaved partial RoPE (their B rows in transformers' feature order)
     "glm_bias_partial05": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
     "glm4_partial075_tied": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+    # ERNIE's q_proj / k_proj adapters reach the scores through the whole-head interleaved RoPE;
+    # every adapted projection has a bias (use_bias), Seed-OSS's o_proj one of its own switch
+    "ernie4_5_bias_tied": OL.ALL7,
+    "seed_oss_outbias_mlpbias": OL.ALL7,
 }
 
 
@@ -259,7 +263,7 @@ def test_mixtral_rewritten_expert_targets(tmp_path, open_session):
     assert "lora.target_modules" in str(ei.value) and "w3" in str(ei.value), str(ei.value)
 
 
-@pytest.mark.parametrize("cid", ["phi3_longrope_short_swa7", "glm4_partial075_tied"])
+@pytest.mark.parametrize("cid", ["phi3_longrope_short_swa7", "glm4_partial075_tied", "ernie4_5_bias_tied"])
 def test_phi3_all_linear_as_peft(cid, tmp_path, open_session):
     """PEFT's target_modules "all-linear" on Phi3 adapts its four Linears per layer, the fused
     qkv_proj and gate_up_proj among them (not lm_head; on GLM-4 q, k, v, o_proj, the fused

@@ -51,6 +51,8 @@ ROTARY = {
     "granitemoe": ("granitemoe", "GraniteMoeRotaryEmbedding"),
     "glm": ("glm", "GlmRotaryEmbedding"),
     "glm4": ("glm4", "Glm4RotaryEmbedding"),
+    "ernie4_5": ("ernie4_5", "Ernie4_5RotaryEmbedding"),
+    "seed_oss": ("seed_oss", "SeedOssRotaryEmbedding"),
 }
 
 
@@ -254,6 +256,18 @@ CASES = [
     ("glm4-partial-top", {**GLM, "model_type": "glm4", "partial_rotary_factor": 0.75}, None, [16], "default"),
     ("glm-partial-yarn", {**GLM, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                                      "original_max_position_embeddings": 1024}}, None, [16], "yarn"),
+    # Ernie4_5Config: default_theta 5e5 when absent; its default RoPE rotates whole heads
+    # whatever partial_rotary_factor says (the remote-code files' flat rope_theta read too)
+    ("ernie-theta-absent-partial-ignored", {**GLM, "model_type": "ernie4_5", "partial_rotary_factor": 0.5}, None,
+     [16], "default"),
+    ("ernie-legacy-theta", {**GLM, "model_type": "ernie4_5", "rope_theta": 500000}, None, [16], "default"),
+    # SeedOssConfig: default_theta 1e4 when absent; Seed-OSS-36B's files name rope_theta 1e7
+    # beside a legacy rope_scaling {"rope_type": "default"}
+    ("seed-oss-theta-absent", {**GLM, "model_type": "seed_oss", "attention_dropout": 0.0, "residual_dropout": 0.0},
+     None, [16], "default"),
+    ("seed-oss-legacy-theta", {**GLM, "model_type": "seed_oss", "rope_theta": 1e7,
+                               "rope_scaling": {"rope_type": "default"}, "attention_dropout": 0.0,
+                               "residual_dropout": 0.0}, None, [16], "default"),
     # the issue's conflict: a legacy rope_scaling replaces rope_parameters wholesale
     ("precedence-yarn-over-default", {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                                       "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
