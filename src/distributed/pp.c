@@ -814,8 +814,10 @@ size_t pp_wstore_floats(const pp_sched *p, const lm_model *table, size_t rows, i
             live += p->act[k].kind == 'I' ? 1 : -1;
             most = live > most ? live : most;
         }
-        total += (size_t)most * lm_wstore_floats(table, p->first[v], p->first[v + 1], rows);
-        *n_stores += most;
+        size_t f = lm_wstore_floats(table, p->first[v], p->first[v + 1], rows);
+        total += (size_t)most * f;
+        /* a stage that records nothing (all frozen, or LoRA's) keeps no buffer: the run counts none */
+        if (f) *n_stores += most;
     }
     return total;
 }

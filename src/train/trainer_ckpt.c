@@ -344,6 +344,15 @@ static int same_trained_tensors(const trainer *t, const char *dir, ct_err *e) {
                          "adapters were trained under the checkpoint's scale, and resuming would change the model "
                          "(use the same setting, or a new checkpoint.folder)",
                          dir, was.lora_rslora ? "true" : "false", c->lora_rslora ? "true" : "false");
+        /* AdamW's moments resumed under Adam's update (or the reverse) would be neither run:
+         * torch's Adam loading AdamW's state keeps its decoupled_weight_decay, so the same
+         * resume there goes on with AdamW */
+        if (!rc && strcmp(was.opt_name, c->opt_name))
+            rc = ct_fail(e, CT_ERR_CONFIG,
+                         "%s: saved by a run with optimizer.name = \"%s\" (its config.toml), this run has \"%s\": "
+                         "the moments belong to the checkpoint's update rule (use the same optimizer, or start a new "
+                         "checkpoint.folder from this one's weights with checkpoint.initial_load_path)",
+                         dir, was.opt_name, c->opt_name);
         if (!rc && c->lora_rank > 0 && strcmp(was.lora_alpha_pattern, c->lora_alpha_pattern))
             rc = ct_fail(e, CT_ERR_CONFIG,
                          "%s: saved by a run with lora.alpha_pattern = \"%s\" (its config.toml), this run has "

@@ -71,3 +71,20 @@ def test_adam_fsdp2_matches_one_process(tmp_path):
     run(1, train_args(hf_dir, data, ref, *adam))
     run(2, train_args(hf_dir, data, out, *adam, "--parallelism.data_parallel_shard_degree=2", dp=2))
     assert_same_run(out, ref, "Adam FSDP 2")
+
+
+def test_resume_refuses_another_optimizer(tmp_path):
+    """A checkpoint's moments belong to its update rule: resuming AdamW's under Adam is refused
+    naming optimizer.name (torch's Adam loading AdamW's state would keep its decoupled decay,
+    so it would not run Adam either); the same optimizer resumes."""
+    hf_dir, tokens, data = setup_run(tmp_path, 37)
+    out = tmp_path / "run"
+    full = ["--checkpoint.last_save_model_only=false", "--checkpoint.interval=2", "--training.steps=4",
+            "--validation.enable=false"]
+    p = run(1, train_args(hf_dir, data, out, *full, "--training.stop_at_step=2"), check=False)
+    assert p.returncode == 75, p.stderr[-2000:]
+    p = run(1, train_args(hf_dir, data, out, *full, "--optimizer.name=Adam"), check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "optimizer.name" in p.stderr and "\"AdamW\"" in p.stderr and "\"Adam\"" in p.stderr, p.stderr[-2000:]
+    p = run(1, train_args(hf_dir, data, out, *full))
+    assert "resuming from" in p.stderr, p.stderr[-2000:]
