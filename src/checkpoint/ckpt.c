@@ -1346,8 +1346,9 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
     for (int l = 0; l < c.n_layers; l++)
         if (c.layer_nope[l] != mc->layer_nope[l])
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d %s RoPE there but %s in the model being trained "
-                           "(no_rope_layers)", p, l, c.layer_nope[l] ? "has no" : "has",
-                           mc->layer_nope[l] ? "none" : "RoPE");
+                           "(%s)", p, l, c.layer_nope[l] ? "has no" : "has",
+                           mc->layer_nope[l] ? "none" : "RoPE",
+                           strcmp(now, "exaone4") ? "no_rope_layers" : "sliding_window and layer_types");
     for (int l = 0; l < c.n_layers; l++)
         if (c.layer_sliding[l] != mc->layer_sliding[l])
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is %s there but %s in the model being trained (layer_types)",

@@ -198,7 +198,9 @@ int cli_describe(int argc, char **argv) {
     int nope = 0;
     for (int l = 0; l < c.n_layers; l++) nope += c.layer_nope[l];
     if (nope) { /* the lines above would otherwise read as every layer's */
-        printf("rope: none on %d of %d layers (no_rope_layers):", nope, c.n_layers);
+        /* EXAONE 4 has no such key: its full layers go without RoPE while a window is set */
+        printf("rope: none on %d of %d layers (%s):", nope, c.n_layers,
+               strcmp(c.model_type, "exaone4") ? "no_rope_layers" : "the full layers, as sliding_window is set");
         for (int l = 0; l < c.n_layers; l++)
             if (c.layer_nope[l]) printf(" %d", l);
         printf("\n");

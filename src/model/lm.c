@@ -1785,8 +1785,7 @@ static void rope_pairs_scatter_add(float *dx, const float *d, long rows, int hd,
 }
 
 /* out[BT, nh*hd] = RoPE(q/k norm(x)), by the family's q/k norm kind; cs NULL:
- * a NoPE layer, out = q/k norm(x) (lm_config_check refuses NoPE with the fused
- * per-head norm + RoPE). */
+ * a NoPE layer, out = q/k norm(x). */
 static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const float *w, const float *cs,
                    const float *sn, int B, int T, int nh, int hd) {
     float eps = (float)m->cfg.rms_eps;
@@ -1796,7 +1795,10 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
         return;
     }
     switch (m->cfg.qk_norm) {
-    case LM_QK_HEAD: K(ROPE, qknorm_rope_fwd, out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps); break;
+    case LM_QK_HEAD:
+        if (cs) K(ROPE, qknorm_rope_fwd, out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps);
+        else K(RMSNORM, rmsnorm_fwd, out, rstd, x, nw(m, w, hd), B * T * nh, hd, eps); /* EXAONE 4's NoPE layers */
+        break;
     case LM_QK_PROJ: /* one norm over all heads of a token, then RoPE in place */
         if (qk_norm_split(m)) { /* this rank's heads are 1/tp of the row: sum the squares over ranks */
             int C = nh * hd, Cw = C * m->cfg.tp_degree;
@@ -1831,7 +1833,12 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
     }
     switch (m->cfg.qk_norm) {
     case LM_QK_HEAD: /* dx: its first product, overwritten (zero_layer_scratch skips it) */
-        K(ROPE, qknorm_rope_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd, 0);
+        if (cs) {
+            K(ROPE, qknorm_rope_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd, 0);
+        } else { /* rmsnorm_bwd adds */
+            zero(dx, (size_t)B * T * nh * hd);
+            K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, B * T * nh, hd);
+        }
         break;
     case LM_QK_PROJ:
         if (cs) K(ROPE, rope_bwd, dout, dout, cs, sn, B, T, nh, hd, rd); /* in place: dout = R^T dout */

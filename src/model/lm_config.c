@@ -135,10 +135,6 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     if (c->n_layers > LM_MAX_LAYERS)
         return ct_fail(e, CT_ERR_CONFIG, "%s: num_hidden_layers = %d: at most %d are supported", where, c->n_layers,
                        LM_MAX_LAYERS);
-    for (int l = 0; l < c->n_layers; l++)
-        if (c->layer_nope[l] && c->qk_norm == LM_QK_HEAD) /* its kernel fuses the norm with the rotation */
-            return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d has no RoPE (no_rope_layers), which is supported without "
-                           "per-head q/k norms only", where, l);
     if (c->n_experts > 0 && (c->norm_place != LM_NORM_PRE || c->act != LM_ACT_SILU || c->mlp_bias))
         return ct_fail(e, CT_ERR_CONFIG, "%s: MoE layers are supported with pre-norms, SiLU and no MLP bias only",
                        where);
@@ -340,7 +336,9 @@ static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, in
  * model/lm.c; nothing outside the model folder names a family. */
 enum { WIN_NONE, WIN_ALL, WIN_TYPES, WIN_GEMMA, WIN_GEMMA2, WIN_QWEN2_MOE,
        WIN_SMOLLM3, /* layer_types, else the NoPE layers slide when use_sliding_window and sliding_window */
-       WIN_OLMO3 /* layer_types, else every 4th layer full, the others sliding */ };
+       WIN_OLMO3, /* layer_types, else every 4th layer full, the others sliding */
+       WIN_MINISTRAL, /* layer_types, else every layer slides when a window exists */
+       WIN_EXAONE4 /* layer_types, else sliding_window_pattern; with a window the full layers are NoPE */ };
 /* What a family does with Gemma's soft-caps (final_logit_softcapping,
  * attn_logit_softcapping) and query_pre_attn_scalar. */
 enum { CAPS_NONE,   /* the caps are not part of the family: refused unless absent, null or 0 */
@@ -363,6 +361,7 @@ typedef struct {
     int has_attn_bias, has_mlp_bias;
     int kv_default;     /* num_key_value_heads when absent; 0: num_attention_heads */
     int hd_default;     /* head_dim when absent; 0: hidden_size / num_attention_heads */
+    int hd_required;    /* Ministral: an absent or null head_dim fails in transformers (the config keeps None) */
     double eps;
     int tied;
     int max_pos;
@@ -395,6 +394,17 @@ static const lm_family families[] = {
      .eps = 1e-6, .max_pos = 2048, .pad = -1, .act_key = "hidden_act", .theta = 1e4},
     {.type = "mistral", .arch = "MistralForCausalLM", .qk_norm = LM_QK_NONE, .kv_default = 8, .eps = 1e-6,
      .max_pos = 131072, .pad = -1, .win = WIN_ALL, .win_default = 4096, .act_key = "hidden_act", .theta = 1e4},
+    /* Ministral (Ministral-8B-Instruct-2410): Mistral's layer with sliding and full layers
+     * from layer_types; MinistralConfig derives no head_dim */
+    {.type = "ministral", .arch = "MinistralForCausalLM", .qk_norm = LM_QK_NONE, .kv_default = 8,
+     .hd_required = 1, .eps = 1e-6, .max_pos = 131072, .pad = -1, .win = WIN_MINISTRAL, .win_default = 4096,
+     .act_key = "hidden_act", .theta = 1e4},
+    /* EXAONE 4.0: OLMo2's post-norm layer with Qwen3's per-head q/k norms, sliding layers
+     * from layer_types or sliding_window_pattern, and no RoPE on the full layers while a
+     * window exists */
+    {.type = "exaone4", .arch = "Exaone4ForCausalLM", .norm_place = LM_NORM_POST, .qk_norm = LM_QK_HEAD,
+     .kv_default = 32, .eps = 1e-5, .max_pos = 2048, .pad = -1, .win = WIN_EXAONE4, .win_default = 4096,
+     .act_key = "hidden_act", .theta = 1e4},
     {.type = "qwen2", .arch = "Qwen2ForCausalLM", .qk_norm = LM_QK_NONE, .qkv_bias = 1, .kv_default = 32,
      .eps = 1e-6, .max_pos = 32768, .pad = -1, .win = WIN_TYPES, .win_default = 4096,
      .win_gate = "use_sliding_window", .act_key = "hidden_act", .theta = 1e4},
@@ -586,6 +596,22 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
         }
     } else if (f->win == WIN_GEMMA2) { /* Gemma2Config: even layers slide, odd ones are global */
         for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = (l + 1) % 2 != 0;
+    } else if (f->win == WIN_MINISTRAL) { /* MinistralConfig: all slide unless sliding_window is null */
+        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = win_set;
+    } else if (f->win == WIN_EXAONE4) { /* Exaone4Config: every pattern-th layer is global */
+        const cJSON *pt = cJSON_GetObjectItemCaseSensitive(root, "sliding_window_pattern");
+        int pat = 4;
+        if (!win_set)
+            return ct_fail(e, CT_ERR_CONFIG, "%s: \"sliding_window\" is null and \"layer_types\" absent: "
+                           "Exaone4Config then divides by a sliding_window_pattern of 0 and fails; give "
+                           "layer_types", path);
+        if (pt && cJSON_IsString(pt))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: \"sliding_window_pattern\" = \"%s\": Exaone4Config takes the "
+                           "remainder by it and fails on a string; give an integer or layer_types", path,
+                           pt->valuestring);
+        if ((rc = json_int(root, "sliding_window_pattern", &pat, 0, path, e))) return rc;
+        if (pat < 1) return ct_fail(e, CT_ERR_CONFIG, "%s: \"sliding_window_pattern\" must be >= 1", path);
+        for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = (l + 1) % pat != 0;
     } else if (f->win == WIN_OLMO3) { /* Olmo3Config: every 4th layer is global */
         for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = (l + 1) % 4 != 0;
     } else if (f->win == WIN_SMOLLM3) { /* SmolLM3Config: the NoPE layers slide, when a window exists */
@@ -604,6 +630,9 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
         if ((rc = json_int(root, "max_window_layers", &mw, 0, path, e))) return rc;
         for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = win > 0 && l >= mw;
     }
+    /* Exaone4Attention rotates every layer when sliding_window is null, else the sliding ones only */
+    if (f->win == WIN_EXAONE4)
+        for (int l = 0; l < c->n_layers; l++) c->layer_nope[l] = win_set && !c->layer_sliding[l];
     for (int l = 0; l < c->n_layers; l++)
         if (c->layer_sliding[l] && win <= 0)
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is a sliding_attention layer but \"sliding_window\" is %s",
@@ -741,6 +770,10 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         goto done;
     }
     const lm_family *f = family_of(mt->valuestring);
+    /* AutoConfig reads a mistral file that has the key layer_types (null included) as a
+     * ministral one, so transformers builds MinistralForCausalLM from it */
+    if (f && !strcmp(f->type, "mistral") && cJSON_GetObjectItemCaseSensitive(root, "layer_types"))
+        f = family_of("ministral");
     if (!f && !strcmp(mt->valuestring, "gemma3")) {
         /* the published gemma-3-4b/12b/27b folders: Gemma3ForConditionalGeneration, a vision
          * tower around a gemma3_text language model (docs/families.md) */
@@ -801,6 +834,13 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         goto done;
     }
     if (c->n_kv_heads == -1) c->n_kv_heads = c->n_heads;
+    const cJSON *hd = cJSON_GetObjectItemCaseSensitive(root, "head_dim");
+    if (f->hd_required && (!hd || cJSON_IsNull(hd))) {
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "%s: \"head_dim\" is %s: model_type %s needs it given (its config class derives none and "
+                     "transformers' attention fails without it)", path, hd ? "null" : "absent", f->type);
+        goto done;
+    }
     if (c->head_dim == -1) c->head_dim = c->n_heads > 0 ? c->hidden / c->n_heads : 0;
     if (c->n_layers > LM_MAX_LAYERS) {
         rc = ct_fail(e, CT_ERR_CONFIG, "%s: num_hidden_layers = %d: at most %d are supported", path, c->n_layers,
@@ -1007,7 +1047,10 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         }
     /* Olmo3 as Gemma: a window always written (its default would apply otherwise) */
     int gemma_win = f->win == WIN_GEMMA || f->win == WIN_GEMMA2 || f->win == WIN_OLMO3;
-    int types = f->win == WIN_TYPES || f->win == WIN_QWEN2_MOE || f->win == WIN_SMOLLM3;
+    int types = f->win == WIN_TYPES || f->win == WIN_QWEN2_MOE || f->win == WIN_SMOLLM3 || f->win == WIN_MINISTRAL ||
+                f->win == WIN_EXAONE4;
+    /* EXAONE 4: a window (even one no layer uses) takes RoPE off the full layers */
+    for (int l = 0; f->win == WIN_EXAONE4 && l < c->n_layers; l++) any |= c->layer_nope[l];
     if (f->win == WIN_ALL || types || gemma_win) {
         if (any) cJSON_AddNumberToObject(o, "sliding_window", c->sliding_window);
         else if (!gemma_win) cJSON_AddNullToObject(o, "sliding_window");

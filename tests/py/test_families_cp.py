@@ -190,6 +190,12 @@ FAMILY_LAYOUTS = {
     "seed_oss_pp2": ("seed_oss_outbias_mlpbias", 2, ["--parallelism.pipeline_parallel_degree=2",
                                                      "--parallelism.pipeline_parallel_microbatch_size=1",
                                                      "--training.local_batch_size=1"]),
+    # Ministral's full layer between sliding ones across the CP ranks' chunks
+    "ministral_cp2_alltoall": ("ministral_types_swa5", 2, CP2 + [A2A]),
+    # EXAONE 4's NoPE full layer and its post-norms split across the stages
+    "exaone4_pp2": ("exaone4_swa5_nope_tied", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                                  "--parallelism.pipeline_parallel_microbatch_size=1",
+                                                  "--training.local_batch_size=1"]),
 }
 
 

@@ -71,6 +71,11 @@ CASES = {
     # seed_oss: q/k/v biases split with their heads, o_proj's (attention_out_bias) and
     # down_proj's after the TP sum
     "seed_oss_outbias_mlpbias": {"tp2": TP2},
+    # ministral: each layer's own window (layer_types) on each TP rank's heads
+    "ministral_types_swa5": {"tp2": TP2},
+    # exaone4: per-head q/k norms on each rank's heads, with and without RoPE; the post-norms
+    # after the TP sum
+    "exaone4_swa5_nope_tied": {"fsdp2": FSDP2, "tp2": TP2},
 }
 # AdamW's eps per case where 1e-8 lets rounding noise decide the test (test_dist_debugmodel.py
 # says why): llama_mlpbias_tied's mlp biases have gradients near zero, so a last-bit
@@ -94,10 +99,16 @@ CASES = {
 # and gradient norms 1e-8 apart, final embed_tokens 1.2e-5 apart; with eps 1e-4 within 1e-5.
 # glm_bias_partial05 with eps 1e-8: losses and gradient norms equal, yet FSDP 2's final
 # v_proj.weight 1.8e-5 and CP 2's (all-to-all) embed_tokens 1.5e-5 apart; with eps 1e-6 within 1e-5.
+# ministral_types_swa5 with eps 1e-8: TP 2's final embed_tokens 1.2e-4 and CP 2's (all-to-all)
+# 5.0e-5 apart; with eps 1e-6 within 1e-5.
+# exaone4_swa5_nope_tied under TP 2 (losses equal every step) with eps 1e-8: layer 1's gate_proj
+# 1.01e-5 apart; with eps 1e-6 layer 0's q_proj 1.2e-5 (the per-head q norm leaves q_proj no
+# gradient along each head's scale, only rounding noise there); with eps 1e-4 within 1e-5.
 EPS = {"llama_mlpbias_tied": ["--optimizer.eps=1e-6"], "gemma2": ["--optimizer.eps=1e-5"],
        "gemma_gelu_attnbias": ["--optimizer.eps=1e-6"], "olmo3_swa5_yarn": ["--optimizer.eps=1e-4"],
        "smollm3_nope_swa5": ["--optimizer.eps=1e-6"], "smollm3_kinds": ["--optimizer.eps=1e-4"],
-       "glm_bias_partial05": ["--optimizer.eps=1e-6"]}
+       "glm_bias_partial05": ["--optimizer.eps=1e-6"], "ministral_types_swa5": ["--optimizer.eps=1e-6"],
+       "exaone4_swa5_nope_tied": ["--optimizer.eps=1e-4"]}
 
 
 def assert_same(out, ref, what, steps=range(1, STEPS + 1)):

@@ -54,6 +54,11 @@ CASES = {  # case id: target modules
     # every adapted projection has a bias (use_bias), Seed-OSS's o_proj one of its own switch
     "ernie4_5_bias_tied": OL.ALL7,
     "seed_oss_outbias_mlpbias": OL.ALL7,
+    # Ministral: Mistral's seven projections under layer_types' mixed windows
+    "ministral_types_swa5": OL.ALL7,
+    # EXAONE 4: q_proj / k_proj adapters through the per-head q/k norms, with RoPE on the
+    # sliding layers and none on the full one
+    "exaone4_swa5_nope_tied": OL.ALL7,
 }
 
 

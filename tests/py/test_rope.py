@@ -53,6 +53,8 @@ ROTARY = {
     "glm4": ("glm4", "Glm4RotaryEmbedding"),
     "ernie4_5": ("ernie4_5", "Ernie4_5RotaryEmbedding"),
     "seed_oss": ("seed_oss", "SeedOssRotaryEmbedding"),
+    "ministral": ("ministral", "MinistralRotaryEmbedding"),
+    "exaone4": ("exaone4", "Exaone4RotaryEmbedding"),
 }
 
 
@@ -268,6 +270,20 @@ CASES = [
     ("seed-oss-legacy-theta", {**GLM, "model_type": "seed_oss", "rope_theta": 1e7,
                                "rope_scaling": {"rope_type": "default"}, "attention_dropout": 0.0,
                                "residual_dropout": 0.0}, None, [16], "default"),
+    # MinistralConfig: default_theta 1e4 when absent; Ministral-8B-Instruct-2410's files name a
+    # flat rope_theta 1e8 (a sliding layer's RoPE is the full layers')
+    ("ministral-theta-absent", {**GLM, "model_type": "ministral"}, None, [16], "default"),
+    ("ministral-legacy-theta-sliding", {**GLM, "model_type": "ministral", "rope_theta": 1e8, "sliding_window": 8},
+     "sliding_attention", [16], "default"),
+    # Exaone4Config: default_theta 1e4 when absent; EXAONE-4.0's files name a flat rope_theta
+    # (1e6) and a legacy llama3 rope_scaling; one RoPE for the layers that rotate
+    ("exaone4-theta-absent", {**GLM, "model_type": "exaone4", "sliding_window": 8}, "sliding_attention", [16],
+     "default"),
+    ("exaone4-legacy-llama3", {**GLM, "model_type": "exaone4", "rope_theta": 1e6, "sliding_window": None,
+                               "layer_types": ["full_attention"] * 2,
+                               "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     None, [16], "llama3"),
     # the issue's conflict: a legacy rope_scaling replaces rope_parameters wholesale
     ("precedence-yarn-over-default", {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                                       "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
