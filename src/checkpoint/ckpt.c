@@ -1331,6 +1331,9 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
     CKPT_SAME(tie_embeddings, "tie_word_embeddings")
     CKPT_SAME(rope_theta, "rope_theta")
     CKPT_SAME(rms_eps, "rms_norm_eps")
+    /* Ministral 3's q scale by position (both keys change the model) */
+    CKPT_SAME(q_scale_beta, "rope_parameters.llama_4_scaling_beta")
+    CKPT_SAME(q_scale_len, "rope_parameters.original_max_position_embeddings (the q scale's length)")
     CKPT_SAME(n_experts, "num_experts")
     CKPT_SAME(top_k, "num_experts_per_tok")
     CKPT_SAME(moe_intermediate, "moe_intermediate_size")

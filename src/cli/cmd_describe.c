@@ -195,6 +195,9 @@ int cli_describe(int argc, char **argv) {
         printf("rope%s: %s, theta %g, attention scaling %.6g at %d positions, rotates %d of %d features%s\n",
                k ? " (sliding layers)" : "", rope_type_name(lm_rope_params(&c, k).type), lm_rope_params(&c, k).theta,
                scale[k], seq, rd, c.head_dim, c.rope_interleaved ? " in interleaved pairs (2i, 2i+1)" : "");
+    if (c.q_scale_len > 0) /* Ministral 3 (Llama 4's attention scaling) */
+        printf("q scale: q times 1 + %g log(1 + floor(pos / %d)) after RoPE (rope_parameters' "
+               "llama_4_scaling_beta, original_max_position_embeddings)\n", c.q_scale_beta, c.q_scale_len);
     int nope = 0;
     for (int l = 0; l < c.n_layers; l++) nope += c.layer_nope[l];
     if (nope) { /* the lines above would otherwise read as every layer's */

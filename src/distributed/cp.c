@@ -340,6 +340,9 @@ void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, in
         lm_rope_tables(mc, 0, T, p, cp->L, m->ws.rope_cos + at, m->ws.rope_sin + at);
         if (m->ws.rope_cos_l != m->ws.rope_cos)
             lm_rope_tables(mc, 1, T, p, cp->L, m->ws.rope_cos_l + at, m->ws.rope_sin_l + at);
+        if (m->ws.rope_cos_q != m->ws.rope_cos) /* Ministral 3: q's scale by global position */
+            lm_rope_q_tables(mc, p, cp->L, m->ws.rope_cos + at, m->ws.rope_sin + at, m->ws.rope_cos_q + at,
+                             m->ws.rope_sin_q + at);
     }
     m->ws.rope_T = cp->Tl;
     m->cp_T = T, m->cp_Tl = cp->Tl, m->cp_p0 = cp_piece_pos(cp, cp->rank, 0);

@@ -655,6 +655,11 @@ static void plan_activations(lm_model *m, carver *cv) {
         m->ws.rope_cos_l = carve(cv, (size_t)m->act.T * hd / 2);
         m->ws.rope_sin_l = carve(cv, (size_t)m->act.T * hd / 2);
     }
+    m->ws.rope_cos_q = m->ws.rope_cos, m->ws.rope_sin_q = m->ws.rope_sin;
+    if (c->q_scale_len > 0) {
+        m->ws.rope_cos_q = carve(cv, (size_t)m->act.T * hd / 2);
+        m->ws.rope_sin_q = carve(cv, (size_t)m->act.T * hd / 2);
+    }
     m->ws.norm_w = c->norm_plus_one ? carve(cv, H > qd ? H : qd) : NULL;
     size_t Vr = vocab_held(c);
     m->ws.cap_t = c->final_softcap > 0 ? carve(cv, (size_t)m->ws.logit_rows * Vr) : NULL;
@@ -854,6 +859,20 @@ void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T,
     rope_tables(cos, sin, p0, T, rope_rotary_dim(&p, c->head_dim) / 2, inv, scale);
 }
 
+void lm_rope_q_tables(const lm_config *c, int p0, int T, const float *cos, const float *sin, float *qcos,
+                      float *qsin) {
+    size_t half = (size_t)lm_rotary_dim(c) / 2;
+    for (int t = 0; t < T; t++) {
+        /* get_llama_4_attn_scale: float32 tensor ops on the integer positions */
+        float fl = floorf((float)(p0 + t) / (float)c->q_scale_len);
+        float s = 1.0f + (float)c->q_scale_beta * logf(1.0f + fl);
+        for (size_t i = 0; i < half; i++) {
+            qcos[(size_t)t * half + i] = cos[(size_t)t * half + i] * s;
+            qsin[(size_t)t * half + i] = sin[(size_t)t * half + i] * s;
+        }
+    }
+}
+
 int lm_rotary_dim(const lm_config *c) {
     /* lm_config_from_hf refuses a sliding-layer RoPE that rotates another width */
     return c->has_rope ? rope_rotary_dim(&c->rope, c->head_dim) : c->head_dim;
@@ -863,6 +882,8 @@ int lm_rotary_dim(const lm_config *c) {
 static void rope_build(lm_model *m, int T) {
     lm_rope_tables(&m->cfg, 0, T, 0, T, m->ws.rope_cos, m->ws.rope_sin);
     if (m->ws.rope_cos_l != m->ws.rope_cos) lm_rope_tables(&m->cfg, 1, T, 0, T, m->ws.rope_cos_l, m->ws.rope_sin_l);
+    if (m->ws.rope_cos_q != m->ws.rope_cos)
+        lm_rope_q_tables(&m->cfg, 0, T, m->ws.rope_cos, m->ws.rope_sin, m->ws.rope_cos_q, m->ws.rope_sin_q);
     m->ws.rope_T = T;
 }
 
@@ -1722,6 +1743,15 @@ static void rope_of(const lm_model *m, int l, const float **cs, const float **sn
     rope_pick(&m->cfg, l, m->ws.rope_cos, m->ws.rope_sin, m->ws.rope_cos_l, m->ws.rope_sin_l, cs, sn);
 }
 
+/* q's tables where k's are cs/sn: Ministral 3's scaled pair (it has no NoPE or
+ * sliding-only RoPE: lm_config_check), else k's own. */
+static void rope_q_pick(const lm_config *c, const float *cs, const float *sn, const float *cos_q, const float *sin_q,
+                        const float **qcs, const float **qsn) {
+    int scaled = c->q_scale_len > 0 && cs;
+    *qcs = scaled ? cos_q : cs;
+    *qsn = scaled ? sin_q : sn;
+}
+
 /* The inputs of the attention and MLP projections: the pre-norms' outputs,
  * or (OLMo2, no pre-norms) the residual stream itself. */
 static const float *attn_in(const lm_model *m, const lm_layer_acts *a) {
@@ -1986,8 +2016,11 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
     /* cos/sin were tabulated for m->act.T positions; rows 0..T-1 serve any T <= m->act.T
      * (the cache's: the rows in flight, positions kv->p0 ..) */
     const float *cs, *sn;
+    const float *qcs, *qsn;
     if (kv) rope_pick(c, l, kv->rope_cos, kv->rope_sin, kv->rope_cos_l, kv->rope_sin_l, &cs, &sn);
     else rope_of(m, l, &cs, &sn);
+    if (kv) rope_q_pick(c, cs, sn, kv->rope_cos_q, kv->rope_sin_q, &qcs, &qsn);
+    else rope_q_pick(c, cs, sn, m->ws.rope_cos_q, m->ws.rope_sin_q, &qcs, &qsn);
     /* attention block */
     if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BS, H, eps);
     const float *xa = sp_gather(m, m->ws.sp_x, attn_in(m, a), BT, H); /* [BT, H] */
@@ -2003,7 +2036,7 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
                (float *const[]){a->lora_u[LM_LORA_Q], a->lora_u[LM_LORA_K], a->lora_u[LM_LORA_V]},
                (const int[]){qd, kvd, kvd});
     /* q/k norms (per head: fused with RoPE, one pass) then RoPE */
-    qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
+    qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, qcs, qsn, B, T, nH, hd);
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
     kern_attn_opt ao = attn_opt(m, l);
     if (ao.bf16 && !kv) /* the backward reads the same saved (or recomputed) bf16 values */
@@ -2109,11 +2142,12 @@ static void layer_recompute(lm_model *m, int l, int B, int T) {
     const lm_config *c = &m->cfg;
     int BT = B * T, H = c->hidden, I = c->intermediate, hd = c->head_dim, nH = c->n_heads, nKV = c->n_kv_heads;
     float eps = (float)c->rms_eps;
-    const float *cs, *sn;
+    const float *cs, *sn, *qcs, *qsn;
     rope_of(m, l, &cs, &sn);
+    rope_q_pick(c, cs, sn, m->ws.rope_cos_q, m->ws.rope_sin_q, &qcs, &qsn);
     int BS = sp_rows(m, BT); /* the norms' rows: this rank's under sequence parallel */
     if (w->ln1) K(RMSNORM, rmsnorm_fwd, a->ln1, a->ln1_rstd, a->res, nw(m, w->ln1, H), BS, H, eps);
-    qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, cs, sn, B, T, nH, hd);
+    qk_fwd(m, a->qr, a->q_rstd, a->q, w->qn, qcs, qsn, B, T, nH, hd);
     qk_fwd(m, a->kr, a->k_rstd, a->k, w->kn, cs, sn, B, T, nKV, hd);
     if (attn_opt(m, l).bf16) /* the forward rounded them in place: the backward must read those bits */
         attn_round_bf16(m, 2, (float *const[]){a->qr, a->kr}, (const long[]){(long)BT * nH * hd, (long)BT * nKV * hd},
@@ -2746,6 +2780,11 @@ size_t lm_kv_layout(lm_kv *kv, const lm_config *c, int max_len, int rows, int n_
         kv->rope_cos_l = carve(&cv, R * hd / 2);
         kv->rope_sin_l = carve(&cv, R * hd / 2);
     }
+    kv->rope_cos_q = kv->rope_cos, kv->rope_sin_q = kv->rope_sin;
+    if (c->q_scale_len > 0) {
+        kv->rope_cos_q = carve(&cv, R * hd / 2);
+        kv->rope_sin_q = carve(&cv, R * hd / 2);
+    }
     kv->scores = carve(&cv, (size_t)n_threads * T);
     kv->kh = carve(&cv, T * hd);
     kv->vht = carve(&cv, hd * T);
@@ -2765,6 +2804,8 @@ void lm_kv_forward(lm_model *m, lm_kv *kv, const int32_t *tokens, int p0, int n,
     int len = lm_rope_by_length(c) ? p0 + n : kv->max_len;
     lm_rope_tables(c, 0, len, p0, n, kv->rope_cos, kv->rope_sin);
     if (kv->rope_cos_l != kv->rope_cos) lm_rope_tables(c, 1, len, p0, n, kv->rope_cos_l, kv->rope_sin_l);
+    if (kv->rope_cos_q != kv->rope_cos)
+        lm_rope_q_tables(c, p0, n, kv->rope_cos, kv->rope_sin, kv->rope_cos_q, kv->rope_sin_q);
     embed_fwd(m, kv->x[0], tokens, n);
     for (int l = 0; l < c->n_layers; l++) {
         size_t rows0 = ((size_t)l * kv->max_len + p0) * kvd; /* layer l's cache rows p0 .. p0+n-1 */
@@ -3017,8 +3058,9 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
     }
     const lm_layer_w *w = &m->w.layer[l];
     lm_layer_w *g = &m->g.layer[l];
-    const float *cs, *sn;
+    const float *cs, *sn, *qcs, *qsn;
     rope_of(m, l, &cs, &sn);
+    rope_q_pick(&m->cfg, cs, sn, m->ws.rope_cos_q, m->ws.rope_sin_q, &qcs, &qsn);
     if (a->moe) {
         dl = moe_layer_bwd(m, l, BT);
     } else {
@@ -3046,7 +3088,7 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
           nH, nKV, hd, &ao, 0);
     /* through RoPE and the q/k norms: d_q, d_k (w.r.t. the rotated q, k) ->
      * d_q2, d_k2 (w.r.t. the projections' outputs) */
-    qk_bwd(m, m->ws.d_q2, g->qn, m->ws.d_q, a->q, w->qn, a->q_rstd, cs, sn, B, T, nH, hd);
+    qk_bwd(m, m->ws.d_q2, g->qn, m->ws.d_q, a->q, w->qn, a->q_rstd, qcs, qsn, B, T, nH, hd);
     qk_bwd(m, m->ws.d_k2, g->kn, m->ws.d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
     if (g->bq) op_bias_bwd(g->bq, m->ws.d_q2, BT, qd);
     if (g->bk) op_bias_bwd(g->bk, m->ws.d_k2, BT, kvd);

@@ -106,6 +106,10 @@ typedef struct {
     rope_params rope;      /* full-attention layers */
     rope_params rope_local; /* sliding layers (Gemma3's own base; a copy of rope elsewhere) */
     int rope_interleaved;  /* RoPE rotates the pairs (2i, 2i+1) of the rotary part, not its halves (GLM) */
+    /* Ministral 3 (Llama 4's attention scaling): q after RoPE times
+     * 1 + q_scale_beta * log(1 + floor(pos / q_scale_len)); q_scale_len 0: off */
+    double q_scale_beta;
+    int q_scale_len;
     int has_pad, pad_token; /* pad_token_id: nn.Embedding's padding_idx, whose row gets no gradient
                                from the lookup (OLMo2, Phi3 and Gemma3 set one by default) */
     /* Mixture of experts (HF model_type qwen3_moe; model/moe.h). n_experts == 0:
@@ -225,6 +229,11 @@ rope_params lm_rope_params(const lm_config *c, int sliding);
  * as transformers' rotary embedding computes them for that forward
  * (dynamic and longrope depend on seq_len). */
 void lm_rope_tables(const lm_config *c, int sliding, int seq_len, int p0, int T, float *cos, float *sin);
+/* q's tables of positions p0 .. p0+T-1 from the plain ones: each row times
+ * Ministral 3's scale of its position (q_scale_len > 0 only). RoPE is linear,
+ * so rotating by them gives s(pos) R(pos) q, and rope_bwd by them its gradient. */
+void lm_rope_q_tables(const lm_config *c, int p0, int T, const float *cos, const float *sin, float *qcos,
+                      float *qsin);
 /* The features of each head RoPE rotates (int(head_dim * partial_rotary_factor),
  * Phi3 only; the rest pass through): the width of the cos/sin tables is half of it. */
 int lm_rotary_dim(const lm_config *c);
@@ -417,6 +426,7 @@ typedef struct {
 typedef struct {
     float *rope_cos, *rope_sin; /* [T, hd/2] */
     float *rope_cos_l, *rope_sin_l; /* [T, hd/2] the sliding layers' (== rope_cos/sin when they share) */
+    float *rope_cos_q, *rope_sin_q; /* [T, hd/2] q's, times its position scale (== rope_cos/sin without one) */
     int rope_T;             /* the forward length the tables were built for (lm_rope_by_length) */
     float *norm_w;          /* [max(H, nH*hd)] 1 + w of a Gemma norm while a kernel reads it */
     float *cap_t;           /* [logit_rows, V] tanh(logits / final_softcap) of the block in flight */
@@ -743,6 +753,7 @@ typedef struct {
     float *x[2];      /* [rows, H] residual stream entering / leaving a layer */
     float *rope_cos, *rope_sin;     /* [rows, hd/2] tables of the rows in flight */
     float *rope_cos_l, *rope_sin_l; /* the sliding layers' (== the above when they share) */
+    float *rope_cos_q, *rope_sin_q; /* q's (lm_rope_q_tables; == rope_cos/sin without a q scale) */
     float *scores;    /* [n_threads, max_len] decode attention: one score row per thread */
     float *kh, *vht;  /* [max_len, hd], [hd, max_len] prefill attention: one kv head's K and V^T */
     float *qh, *oh;   /* [rows, hd] one query head and its output */

@@ -135,6 +135,13 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
     if (c->n_layers > LM_MAX_LAYERS)
         return ct_fail(e, CT_ERR_CONFIG, "%s: num_hidden_layers = %d: at most %d are supported", where, c->n_layers,
                        LM_MAX_LAYERS);
+    if (c->q_scale_len < 0 || (c->q_scale_len > 0 && !isfinite(c->q_scale_beta)))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: q scale (llama_4_scaling_beta %g, original_max_position_embeddings %d) "
+                       "invalid", where, c->q_scale_beta, c->q_scale_len);
+    for (int l = 0; c->q_scale_len > 0 && l < c->n_layers; l++) /* q takes one scaled pair of tables */
+        if (c->layer_nope[l] || c->qk_norm != LM_QK_NONE || lm_rope_local_differs(c))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: the q scale (llama_4_scaling_beta) is supported with RoPE on every "
+                           "layer and no q/k norms only", where);
     if (c->n_experts > 0 && (c->norm_place != LM_NORM_PRE || c->act != LM_ACT_SILU || c->mlp_bias))
         return ct_fail(e, CT_ERR_CONFIG, "%s: MoE layers are supported with pre-norms, SiLU and no MLP bias only",
                        where);
@@ -379,6 +386,7 @@ typedef struct {
     int shared_expert;  /* qwen2_moe: a gated shared expert in every sparse layer, q/k/v biases by "qkv_bias" */
     int nope;           /* SmolLM3: no_rope_layers / no_rope_layer_interval pick layers without RoPE */
     int granite_shared; /* GraniteMoeShared: an ungated shared MLP of shared_intermediate_size (0: none) */
+    int q_scale;        /* Ministral 3: q times Llama 4's position scale, its keys in rope_parameters */
     int olmoe;          /* OLMoE: every layer sparse, experts intermediate_size wide, clip_qkv, q/k norms
                            over hidden_size (head_dim must be hidden_size / num_attention_heads) */
 } lm_family;
@@ -399,6 +407,12 @@ static const lm_family families[] = {
     {.type = "ministral", .arch = "MinistralForCausalLM", .qk_norm = LM_QK_NONE, .kv_default = 8,
      .hd_required = 1, .eps = 1e-6, .max_pos = 131072, .pad = -1, .win = WIN_MINISTRAL, .win_default = 4096,
      .act_key = "hidden_act", .theta = 1e4},
+    /* Ministral 3 (Ministral-3-3B/8B/14B): Mistral's layer (one sliding_window for all, None
+     * by default) with q scaled by position after RoPE (llama_4_scaling_beta and
+     * original_max_position_embeddings in rope_parameters) */
+    {.type = "ministral3", .arch = "Ministral3ForCausalLM", .qk_norm = LM_QK_NONE, .kv_default = 8,
+     .hd_default = 128, .eps = 1e-5, .max_pos = 262144, .pad = 11, .win = WIN_ALL, .win_default = 0,
+     .act_key = "hidden_act", .theta = 1e4, .q_scale = 1},
     /* EXAONE 4.0: OLMo2's post-norm layer with Qwen3's per-head q/k norms, sliding layers
      * from layer_types or sliding_window_pattern, and no RoPE on the full layers while a
      * window exists */
@@ -638,6 +652,34 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is a sliding_attention layer but \"sliding_window\" is %s",
                            path, l, win_set ? "0 (a window must hold at least the query's own key)"
                                     : f->win_gate ? "off (use_sliding_window false or sliding_window null)" : "null");
+    return 0;
+}
+
+/* Ministral 3's q scale: Ministral3Attention reads both keys from the
+ * rope_parameters dict itself (a missing one fails there), and
+ * Ministral3Config's default dict when rope_parameters is absent is a yarn
+ * one that we do not synthesize: refused, naming the key. */
+static int read_q_scale(lm_config *c, const cJSON *root, const char *path, ct_err *e) {
+    const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
+    if (!cJSON_IsObject(rp))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: model_type ministral3 needs \"rope_parameters\" given as an object "
+                       "with llama_4_scaling_beta and original_max_position_embeddings (transformers' default "
+                       "for an absent one is not reproduced)", path);
+    if (cJSON_GetObjectItemCaseSensitive(root, "rope_scaling") || cJSON_GetObjectItemCaseSensitive(root,
+                                                                      "original_max_position_embeddings"))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: model_type ministral3: give the RoPE in \"rope_parameters\" only "
+                       "(a top-level rope_scaling or original_max_position_embeddings is refused)", path);
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(rp, "llama_4_scaling_beta");
+    if (!cJSON_IsNumber(b) || !isfinite(b->valuedouble))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: rope_parameters.llama_4_scaling_beta must be a number (Ministral3Attention "
+                       "multiplies q by 1 + beta * log(1 + floor(pos / original_max_position_embeddings)))", path);
+    int len = 0, rc;
+    if ((rc = json_int(rp, "original_max_position_embeddings", &len, 1, path, e))) return rc;
+    if (len <= 0)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: rope_parameters.original_max_position_embeddings must be positive, got %d",
+                       path, len);
+    c->q_scale_beta = b->valuedouble;
+    c->q_scale_len = len;
     return 0;
 }
 
@@ -931,6 +973,7 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     if (f->act_gelu_is_tanh && (rc = gemma_act_agrees(c, root, path, e))) goto done;
     if (f->nope && (rc = read_nope(c, root, path, e))) goto done;
     if ((rc = read_windows(c, f, root, path, e)) || (rc = read_rope(c, f, root, path, e))) goto done;
+    if (f->q_scale && (rc = read_q_scale(c, root, path, e))) goto done;
     if (f->caps) {
         int qs = 256; /* Gemma2/3 declare it int: 256.0 and 256.5 fail there */
         if ((rc = json_int(root, "query_pre_attn_scalar", &qs, 0, path, e))) goto done;
@@ -1025,6 +1068,11 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         write_rope(cJSON_AddObjectToObject(rp, "sliding_attention"), &rl);
     } else {
         write_rope(rp, &rg);
+    }
+    if (c->q_scale_len > 0) { /* Ministral3Attention reads them from this dict */
+        cJSON_DeleteItemFromObjectCaseSensitive(rp, "original_max_position_embeddings");
+        cJSON_AddNumberToObject(rp, "original_max_position_embeddings", c->q_scale_len);
+        add_float(rp, "llama_4_scaling_beta", c->q_scale_beta);
     }
     if (strcmp(f->type, "phi3") == 0 && rg.original_max_pos > 0) /* a Phi3Config attribute of its own */
         cJSON_AddNumberToObject(o, "original_max_position_embeddings", rg.original_max_pos);

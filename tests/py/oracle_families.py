@@ -3,7 +3,7 @@
 One tiny random model per case, built with transformers' OWN config and model classes
 (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmo2, phi3, gemma, gemma2,
 gemma3_text, granite, smollm3, olmo3, olmoe, granitemoe, granitemoeshared, glm, glm4, ernie4_5,
-seed_oss, ministral, exaone4)
+seed_oss, ministral, exaone4, ministral3)
 with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
 weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
 whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
@@ -67,6 +67,7 @@ FAMILIES = {
     "seed_oss": (tf.SeedOssConfig, tf.SeedOssForCausalLM),
     "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM),
     "exaone4": (tf.Exaone4Config, tf.Exaone4ForCausalLM),
+    "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM),
 }
 MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"}
 GEMMA = {"gemma", "gemma2", "gemma3_text"}  # RMSNorm by (1 + w)
@@ -400,6 +401,15 @@ CASES = [
         num_hidden_layers=4, head_dim=8, sliding_window=5, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4}), seed=12,
         keys=("sliding_window", "layer_types", "head_dim", "rope_parameters", "tie_word_embeddings")),
+    # ------------------------------------------------------------------ ministral3
+    # Ministral 3: Mistral's layer with q times 1 + beta log(1 + floor(pos / 4)) after RoPE
+    # (positions 0-15 cross floors 0-3: scales 1 .. 1.42); yarn as the published files
+    # (mscale = mscale_all_dim = 1), its original length the same 4
+    Case("ministral3_yarn_qscale", "ministral3", dict(
+        num_hidden_layers=2, head_dim=16, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 4,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.3}),
+        keys=("head_dim", "rope_parameters", "sliding_window")),
 ]
 CASE = {c.id: c for c in CASES}
 

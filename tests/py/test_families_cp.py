@@ -193,6 +193,11 @@ FAMILY_LAYOUTS = {
     # Ministral's full layer between sliding ones across the CP ranks' chunks
     "ministral_cp2_alltoall": ("ministral_types_swa5", 2, CP2 + [A2A]),
     # EXAONE 4's NoPE full layer and its post-norms split across the stages
+    # Ministral 3's q scale by global position: each CP rank's chunks past the original length 4
+    "ministral3_cp2_ring": ("ministral3_yarn_qscale", 2, CP2),
+    "ministral3_pp2": ("ministral3_yarn_qscale", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                                     "--parallelism.pipeline_parallel_microbatch_size=1",
+                                                     "--training.local_batch_size=1"]),
     "exaone4_pp2": ("exaone4_swa5_nope_tied", 2, ["--parallelism.pipeline_parallel_degree=2",
                                                   "--parallelism.pipeline_parallel_microbatch_size=1",
                                                   "--training.local_batch_size=1"]),

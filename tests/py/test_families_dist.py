@@ -76,6 +76,8 @@ CASES = {
     # exaone4: per-head q/k norms on each rank's heads, with and without RoPE; the post-norms
     # after the TP sum
     "exaone4_swa5_nope_tied": {"fsdp2": FSDP2, "tp2": TP2},
+    # ministral3: q's position scale on each TP rank's heads
+    "ministral3_yarn_qscale": {"tp2": TP2},
 }
 # AdamW's eps per case where 1e-8 lets rounding noise decide the test (test_dist_debugmodel.py
 # says why): llama_mlpbias_tied's mlp biases have gradients near zero, so a last-bit

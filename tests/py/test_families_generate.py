@@ -24,7 +24,7 @@ IDS = ["llama_rope3_attnbias_hd16", "llama_mlpbias_tied", "mistral_swa5", "qwen2
        "olmo3_swa5_yarn", "smollm3_kinds", "olmoe_aux_bias", "olmoe_norm_topk_tied", "granitemoe_aux",
        "granitemoe_k3_tied_bias", "granitemoeshared_aux", "glm_bias_partial05", "glm4_partial075_tied",
        "ernie4_5_bias_tied", "seed_oss_outbias_mlpbias", "ministral_types_swa5",
-       "exaone4_swa5_nope_tied"]
+       "exaone4_swa5_nope_tied", "ministral3_yarn_qscale"]
 PIECES = [70, 1, 1, 5, 1, 1]  # prefill (two chunks), decode, a warm 5-row prefill, decode
 
 

@@ -59,6 +59,8 @@ CASES = {  # case id: target modules
     # EXAONE 4: q_proj / k_proj adapters through the per-head q/k norms, with RoPE on the
     # sliding layers and none on the full one
     "exaone4_swa5_nope_tied": OL.ALL7,
+    # Ministral 3: q_proj's adapter under q's position scale
+    "ministral3_yarn_qscale": OL.ALL7,
 }
 
 

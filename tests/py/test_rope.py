@@ -55,6 +55,7 @@ ROTARY = {
     "seed_oss": ("seed_oss", "SeedOssRotaryEmbedding"),
     "ministral": ("ministral", "MinistralRotaryEmbedding"),
     "exaone4": ("exaone4", "Exaone4RotaryEmbedding"),
+    "ministral3": ("ministral3", "Ministral3RotaryEmbedding"),
 }
 
 
@@ -284,6 +285,13 @@ CASES = [
                                "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
      None, [16], "llama3"),
+    # Ministral3Config's own default dict (the published files' text model): the legacy key
+    # "type" yarn, mscale = mscale_all_dim = 1 (attention factor 1), and the q scale's keys,
+    # which the rotary embedding does not read
+    ("ministral3-default-dict-yarn", {**GLM, "model_type": "ministral3", "rope_parameters": {
+        "type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 256,
+        "max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0,
+        "mscale": 1.0, "llama_4_scaling_beta": 0.1}}, None, [16, 4096], "yarn"),
     # the issue's conflict: a legacy rope_scaling replaces rope_parameters wholesale
     ("precedence-yarn-over-default", {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                                       "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
