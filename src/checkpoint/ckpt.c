@@ -1301,6 +1301,10 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
      * would otherwise load into this model's tensors of the same shapes */
     const char *was = c.model_type[0] ? c.model_type : c.n_experts ? "qwen3_moe" : "qwen3";
     const char *now = mc->model_type[0] ? mc->model_type : mc->n_experts ? "qwen3_moe" : "qwen3";
+    /* a mistral file with layer_types is read as ministral (as AutoConfig reads it) since
+     * cd2f196; the builds before saved its checkpoints as mistral: Mistral's layers either
+     * way, the windows each layer gets compared below (layer_types) */
+    if (!strcmp(was, "mistral") && !strcmp(now, "ministral")) was = now;
     if (strcmp(was, now))
         return ct_fail(e, CT_ERR_CONFIG, "%s: model_type is \"%s\" but the model being trained is \"%s\"", p, was,
                        now);

@@ -875,8 +875,14 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
                      c->pad_token, c->vocab_size);
         goto done;
     }
+    /* null, in the config classes that take None, derives num_attention_heads and
+     * hidden_size / num_attention_heads whatever the absent key's default (ERNIE's 2 and
+     * 128, Seed-OSS's 8 and 128, Qwen2's 32 kv heads); the others fail on it */
+    const cJSON *kvn = cJSON_GetObjectItemCaseSensitive(root, "num_key_value_heads");
+    if (kvn && cJSON_IsNull(kvn)) c->n_kv_heads = -1;
     if (c->n_kv_heads == -1) c->n_kv_heads = c->n_heads;
     const cJSON *hd = cJSON_GetObjectItemCaseSensitive(root, "head_dim");
+    if (hd && cJSON_IsNull(hd)) c->head_dim = -1;
     if (f->hd_required && (!hd || cJSON_IsNull(hd))) {
         rc = ct_fail(e, CT_ERR_CONFIG,
                      "%s: \"head_dim\" is %s: model_type %s needs it given (its config class derives none and "

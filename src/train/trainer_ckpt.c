@@ -351,7 +351,8 @@ static int same_trained_tensors(const trainer *t, const char *dir, ct_err *e) {
             rc = ct_fail(e, CT_ERR_CONFIG,
                          "%s: saved by a run with optimizer.name = \"%s\" (its config.toml), this run has \"%s\": "
                          "the moments belong to the checkpoint's update rule (use the same optimizer, or start a new "
-                         "checkpoint.folder from this one's weights with checkpoint.initial_load_path)",
+                         "checkpoint.folder from this one's weights: checkpoint.initial_load_path = it, "
+                         "checkpoint.initial_load_in_hf = true)",
                          dir, was.opt_name, c->opt_name);
         if (!rc && c->lora_rank > 0 && strcmp(was.lora_alpha_pattern, c->lora_alpha_pattern))
             rc = ct_fail(e, CT_ERR_CONFIG,
