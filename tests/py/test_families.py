@@ -520,6 +520,16 @@ def test_granite_scalar_defaults(tmp_path, open_session, run_ctitan):
 
 # --------------------------------------------------------------------------- 9. SmolLM3's NoPE layers, Olmo3's windows
 
+def _changed_moved(case, change):
+    """rel err of the case's logits after change(model) against the model as built."""
+    a, b = of.build(case), of.build(case)
+    import torch
+    change(b)
+    tokens, _ = of.batch(a, B, case.T, seed=5)
+    with torch.no_grad():
+        return oracle.rel_err(of.logits(b, case.family, tokens), of.logits(a, case.family, tokens))
+
+
 def _logits_moved(case, kw, tokens=None):
     import dataclasses
     a = of.build(case)

@@ -21,18 +21,9 @@ import torch
 import oracle
 import oracle_families as of
 from conftest import CtitanError, hf_session_args
-from test_families import B, TOL, _rewrite
+from test_families import B, TOL, _changed_moved as _moved, _rewrite
 
 ERNIE, SEED = of.CASE["ernie4_5_bias_tied"], of.CASE["seed_oss_outbias_mlpbias"]
-
-
-def _moved(case, change):
-    """rel err of the case's logits after change(model) against the model as built."""
-    a, b = of.build(case), of.build(case)
-    change(b)
-    tokens, _ = of.batch(a, B, case.T, seed=5)
-    with torch.no_grad():
-        return oracle.rel_err(of.logits(b, case.family, tokens), of.logits(a, case.family, tokens))
 
 
 def test_oracle_ernie_rope_interleaved(monkeypatch):

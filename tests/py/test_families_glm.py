@@ -20,18 +20,9 @@ import torch
 import oracle
 import oracle_families as of
 from conftest import hf_session_args
-from test_families import B, TOL, _logits_moved, _rewrite
+from test_families import B, TOL, _changed_moved as _moved, _logits_moved, _rewrite
 
 GLM, GLM4 = of.CASE["glm_bias_partial05"], of.CASE["glm4_partial075_tied"]
-
-
-def _moved(case, change):
-    """rel err of the case's logits after change(model) against the model as built."""
-    a, b = of.build(case), of.build(case)
-    change(b)
-    tokens, _ = of.batch(a, B, case.T, seed=5)
-    with torch.no_grad():
-        return oracle.rel_err(of.logits(b, case.family, tokens), of.logits(a, case.family, tokens))
 
 
 @pytest.mark.parametrize("case", [GLM, GLM4], ids=["glm", "glm4"])
