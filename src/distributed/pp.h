@@ -24,8 +24,9 @@
  * B(stage, micro-batch), built from a forward order, a backward order and
  * a number of warm-up forwards (after which forwards and backwards
  * alternate): GPipe runs every forward first; 1F1B warms up with P - r - 1
- * forwards; Interleaved1F1B takes micro-batches in groups of P, chunk by
- * chunk (Megatron's order), warming up with 2 (P - r - 1) + (S - 1) P;
+ * forwards; Interleaved1F1B (torch's, Megatron's order with flexible
+ * rounds) takes micro-batches in rounds of R = M / max(1, M / P) (P when P
+ * divides M), chunk by chunk, warming up with 2 (P - r - 1) + (S - 1) R;
  * LoopedBFS (torch's ScheduleLoopedBFS) runs every forward first, stage by
  * stage, then the backwards from its last stage down, each stage's
  * micro-batches last to first.
