@@ -139,18 +139,8 @@ def test_seed_oss_absent_dropout_refused(key, null, tmp_path, open_session):
 def test_resume_refuses_another_bias_switch(case, edit, key, tmp_path):
     """A checkpoint whose config.json turns a bias switch off (the biases still in its
     tensors: another model) is refused on resume naming the key; the unedited one resumes."""
-    import shutil
-    from test_ckpt_integrity import edit_json, resign, resume
-    from test_ckpt_rope_params_check import _train
+    from test_ckpt_rope_params_check import _refused_after, _train
     cfg = of.make_config(case)
     cfg.vocab_size = 256
     data, out = _train(tmp_path, cfg)
-    dst = tmp_path / "edited"
-    shutil.copytree(out, dst)
-    d = dst / "checkpoint" / "step-5"
-    edit_json(d / "config.json", lambda c: c.update(edit))
-    resign(d)
-    p = resume((tmp_path / "model", data, dst), "--training.steps=6")
-    assert p.returncode == 2 and "step-5/config.json" in p.stderr and key in p.stderr, p.stderr[-2000:]
-    p = resume((tmp_path / "model", data, out), "--training.steps=6")
-    assert p.returncode == 0, p.stderr[-2000:]
+    _refused_after(tmp_path, data, out, lambda c: c.update(edit), key)

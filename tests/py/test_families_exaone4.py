@@ -134,18 +134,8 @@ def test_configs_transformers_fails_on_refused(extra, needle, tmp_path, run_ctit
 def test_resume_refuses_window_removed(tmp_path):
     """A checkpoint whose config.json drops the window (every layer rotating, none sliding:
     another model on the same tensors) is refused on resume; the unedited one resumes."""
-    import shutil
-    from test_ckpt_integrity import edit_json, resign, resume
-    from test_ckpt_rope_params_check import _train
+    from test_ckpt_rope_params_check import _refused_after, _train
     cfg = of.make_config(EX)
     cfg.vocab_size = 256
     data, out = _train(tmp_path, cfg)
-    dst = tmp_path / "edited"
-    shutil.copytree(out, dst)
-    d = dst / "checkpoint" / "step-5"
-    edit_json(d / "config.json", lambda c: c.update(sliding_window=None, layer_types=["full_attention"] * 4))
-    resign(d)
-    p = resume((tmp_path / "model", data, dst), "--training.steps=6")
-    assert p.returncode == 2 and "step-5/config.json" in p.stderr and "sliding_window" in p.stderr, p.stderr[-2000:]
-    p = resume((tmp_path / "model", data, out), "--training.steps=6")
-    assert p.returncode == 0, p.stderr[-2000:]
+    _refused_after(tmp_path, data, out, lambda c: c.update(sliding_window=None, layer_types=["full_attention"] * 4), "sliding_window")

@@ -12,7 +12,6 @@ tested with every family (oracle_families' glm cases); the planted mistakes of t
 (half-rotation, the post norms skipped or misnamed, the factor's default) each move
 transformers' logits far past those tests' tolerance (the tests here)."""
 import json
-import shutil
 
 import pytest
 import torch
@@ -150,17 +149,11 @@ def test_glm_resume_refuses_another_partial_rotary_factor(tmp_path):
 def test_glm4_checkpoint_is_not_resumed_as_glm(tmp_path):
     """glm and glm4 share every tensor but the two post norms; a glm4 checkpoint edited to
     model_type glm is another model (its norms would be dropped) and is refused by name."""
-    from test_ckpt_integrity import edit_json, resign, resume
-    from test_ckpt_rope_params_check import _train
+    from test_ckpt_rope_params_check import _refused_after, _train
     from transformers import Glm4Config
     cfg = Glm4Config(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                      pad_token_id=3, eos_token_id=2, bos_token_id=1)
     data, out = _train(tmp_path, cfg)
-    dst = tmp_path / "edited"
-    shutil.copytree(out, dst)
-    d = dst / "checkpoint" / "step-5"
-    edit_json(d / "config.json", lambda c: c.update(model_type="glm", architectures=["GlmForCausalLM"]))
-    resign(d)
-    p = resume((tmp_path / "model", data, dst), "--training.steps=6")
-    assert p.returncode == 2 and "model_type" in p.stderr and "glm4" in p.stderr, p.stderr[-2000:]
+    _refused_after(tmp_path, data, out, lambda c: c.update(model_type="glm", architectures=["GlmForCausalLM"]),
+                   "model_type", "glm4")

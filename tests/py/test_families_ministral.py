@@ -116,18 +116,8 @@ def test_head_dim_required(null, tmp_path, open_session):
 def test_resume_refuses_other_layer_types(tmp_path):
     """A checkpoint whose config.json makes the full layer slide (the same tensors: another
     model) is refused on resume naming layer_types; the unedited one resumes."""
-    import shutil
-    from test_ckpt_integrity import edit_json, resign, resume
-    from test_ckpt_rope_params_check import _train
+    from test_ckpt_rope_params_check import _refused_after, _train
     cfg = of.make_config(MIN)
     cfg.vocab_size = 256
     data, out = _train(tmp_path, cfg)
-    dst = tmp_path / "edited"
-    shutil.copytree(out, dst)
-    d = dst / "checkpoint" / "step-5"
-    edit_json(d / "config.json", lambda c: c.update(layer_types=["sliding_attention"] * 3))
-    resign(d)
-    p = resume((tmp_path / "model", data, dst), "--training.steps=6")
-    assert p.returncode == 2 and "step-5/config.json" in p.stderr and "layer_types" in p.stderr, p.stderr[-2000:]
-    p = resume((tmp_path / "model", data, out), "--training.steps=6")
-    assert p.returncode == 0, p.stderr[-2000:]
+    _refused_after(tmp_path, data, out, lambda c: c.update(layer_types=["sliding_attention"] * 3), "layer_types")

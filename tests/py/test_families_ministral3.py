@@ -143,19 +143,8 @@ def test_describe_and_import_help(tmp_path, run_ctitan):
 def test_resume_refuses_other_q_scale(edit, tmp_path):
     """A checkpoint whose config.json has another beta or original length (the same tensors:
     another model) is refused on resume naming the key; the unedited one resumes."""
-    import shutil
-    from test_ckpt_integrity import edit_json, resign, resume
-    from test_ckpt_rope_params_check import _train
+    from test_ckpt_rope_params_check import _refused_after, _train
     cfg = of.make_config(DEFAULT)
     cfg.vocab_size = 256
     data, out = _train(tmp_path, cfg)
-    dst = tmp_path / "edited"
-    shutil.copytree(out, dst)
-    d = dst / "checkpoint" / "step-5"
-    edit_json(d / "config.json", lambda c: c["rope_parameters"].update(edit))
-    resign(d)
-    p = resume((tmp_path / "model", data, dst), "--training.steps=6")
-    key = next(iter(edit))
-    assert p.returncode == 2 and "step-5/config.json" in p.stderr and key in p.stderr, p.stderr[-2000:]
-    p = resume((tmp_path / "model", data, out), "--training.steps=6")
-    assert p.returncode == 0, p.stderr[-2000:]
+    _refused_after(tmp_path, data, out, lambda c: c["rope_parameters"].update(edit), next(iter(edit)))
