@@ -152,7 +152,6 @@ def check_generate_and_merge(run_ctitan, tmp_path, case, base, plain, pm, hf_dir
     """`generate --adapter` continues a prompt as greedy decoding with PEFT's model pm does
     (plain: the model without the adapter, whose continuation must differ), and `export
     --merge` writes PEFT's merge_and_unload (loaded by transformers: pm's logits)."""
-    from transformers import AutoModelForCausalLM
     prompt = [5, 17, 20, 3, 9]
 
     def greedy(model, n=6):  # full forwards (HF's cached generate has its own window/longrope quirks)
@@ -166,6 +165,13 @@ def check_generate_and_merge(run_ctitan, tmp_path, case, base, plain, pm, hf_dir
     _, out, _ = run_ctitan(["generate", "--checkpoint", hf_dir, "--adapter", ad, "--prompt-ids",
                             " ".join(map(str, prompt)), "--max-tokens", "6", "--ids"])
     assert [int(x) for x in out.split()] == ref
+    check_merge(run_ctitan, tmp_path, case, base, pm, hf_dir, ad)
+
+
+def check_merge(run_ctitan, tmp_path, case, base, pm, hf_dir, ad):
+    """`export --merge` of the adapter in ad writes PEFT's merge_and_unload: transformers
+    reading the merged files gives pm's logits."""
+    from transformers import AutoModelForCausalLM
     tokens, _ = fam.batch(base, 2, case.T, seed=6)
     with torch.no_grad():
         want = pm(input_ids=torch.as_tensor(tokens)).logits.float().numpy()

@@ -22,7 +22,7 @@ import oracle
 import oracle_families as fam
 import oracle_lora as OL
 from conftest import CtitanError, hf_session_args
-from test_families_lora import lora_args, session_matches_peft
+from test_families_lora import check_merge, lora_args, session_matches_peft
 
 TOL = 1e-4
 R, ALPHA = 4, 8
@@ -114,20 +114,11 @@ def test_granite_params_adamw_steps(cid, tmp_path, open_session):
 def test_granite_params_merge(cid, tmp_path, run_ctitan):
     """`export --merge` folds the expert and router adapters into the base weights as PEFT's
     merge_and_unload does: transformers reading the merged files gives the adapted logits."""
-    from transformers import AutoModelForCausalLM
     tm, tp, mods = TARGETS["both"]
     case, base, hf_dir, loaded = granite_case(cid, tmp_path)
     ad = tmp_path / "adapter"
     pm, _ = granite_peft(loaded, tm, tp, mods, ad, seed=9, std=0.3)
-    tokens, _ = fam.batch(base, 2, case.T, seed=6)
-    with torch.no_grad():
-        want = pm(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
-    run_ctitan(["export", "--checkpoint", hf_dir, "--adapter", ad, "--merge", "--out", tmp_path / "merged"])
-    merged = fam.prepare_loaded(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32),
-                                case.family)
-    with torch.no_grad():
-        got = merged(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
-    assert oracle.rel_err(got, want) <= TOL
+    check_merge(run_ctitan, tmp_path, case, base, pm, hf_dir, ad)
 
 
 def test_granite_params_rank_pattern(tmp_path, open_session):
