@@ -786,17 +786,25 @@ int pp_unit_stage(const pp_sched *p, int x, int L) {
     return owner(p, v);
 }
 
+/* The most of local stage c's actions of a kind in opens that this rank's
+ * order has running before one of a kind in closes ends them (its pool's
+ * size: banks, F then B or I; stores, I then W). */
+static int most_pending(const pp_sched *p, int c, const char *opens, const char *closes) {
+    int live = 0, most = 0;
+    for (int k = 0; k < p->n_act; k++) {
+        if (p->act[k].stage != c) continue;
+        live += strchr(opens, p->act[k].kind) ? 1 : strchr(closes, p->act[k].kind) ? -1 : 0;
+        most = live > most ? live : most;
+    }
+    return most;
+}
+
 size_t pp_bank_floats(const pp_sched *p, const lm_model *table, int *n_banks) {
     /* each local stage keeps a pool of its own banks: its peak of forwards in flight */
     size_t total = 0;
     *n_banks = 0;
     for (int c = 0; c < p->S; c++) {
-        int v = vstage(p, c), live = 0, most = 0;
-        for (int k = 0; k < p->n_act; k++) {
-            if (p->act[k].stage != c || p->act[k].kind == 'W') continue;
-            live += p->act[k].kind == 'F' ? 1 : -1;
-            most = live > most ? live : most;
-        }
+        int v = vstage(p, c), most = most_pending(p, c, "F", "BI");
         total += (size_t)most * lm_bank_floats(table, p->first[v], p->first[v + 1]);
         *n_banks += most;
     }
@@ -808,12 +816,7 @@ size_t pp_wstore_floats(const pp_sched *p, const lm_model *table, size_t rows, i
     size_t total = 0;
     *n_stores = 0;
     for (int c = 0; p->schedule >= PP_ZB_INTERLEAVED && c < p->S; c++) {
-        int v = vstage(p, c), live = 0, most = 0;
-        for (int k = 0; k < p->n_act; k++) {
-            if (p->act[k].stage != c || (p->act[k].kind != 'I' && p->act[k].kind != 'W')) continue;
-            live += p->act[k].kind == 'I' ? 1 : -1;
-            most = live > most ? live : most;
-        }
+        int v = vstage(p, c), most = most_pending(p, c, "I", "W");
         size_t f = lm_wstore_floats(table, p->first[v], p->first[v + 1], rows);
         total += (size_t)most * f;
         /* a stage that records nothing (all frozen, or LoRA's) keeps no buffer: the run counts none */
