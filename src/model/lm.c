@@ -1185,24 +1185,13 @@ static void wdefer_put(lm_model *m, float *dw, const float *dout, const float *i
                        int N) {
     lm_wstore *s = m->wdefer;
     size_t nx = (size_t)M * K, ny = (size_t)M * N;
-    if (s->n == s->cap) { /* the first steps grow it to the stage's size, then it is reused */
-        s->cap = s->cap ? 2 * s->cap : 64;
-        lm_wrec *r = ct_malloc((size_t)s->cap * sizeof *r);
-        if (s->n) memcpy(r, s->rec, (size_t)s->n * sizeof *r);
-        free(s->rec);
-        s->rec = r;
-    }
+    /* past lm_wstore_reserve's room (a store not sized first): grown by doubling */
+    if (s->n == s->cap) lm_wstore_reserve(s, 0, s->cap ? 2 * s->cap : 64);
     /* q, k and v read one input, as gate and up do: a layer's products in a row on the same
      * buffer share its copy */
     const lm_wrec *last = s->n ? &s->rec[s->n - 1] : NULL;
     if (last && last->layer == s->cur && s->xsrc == in && last->M == M && last->K == K) nx = 0;
-    if (s->used + nx + ny > s->size) { /* past lm_wstore_reserve's size (a store not sized first) */
-        s->size = 2 * (s->used + nx + ny);
-        float *d = ct_malloc64(s->size * sizeof(float));
-        if (s->used) memcpy(d, s->data, s->used * sizeof(float));
-        free(s->data);
-        s->data = d;
-    }
+    if (s->used + nx + ny > s->size) lm_wstore_reserve(s, 2 * (s->used + nx + ny), 0);
     size_t x = nx ? s->used : last ? last->x : 0;
     s->rec[s->n++] = (lm_wrec){s->cur, x, s->used + nx, dw, w, M, K, N};
     if (nx) memcpy(s->data + s->used, in, nx * sizeof(float));
