@@ -386,6 +386,19 @@ static const cfg_option cfg_options[] = {
     OPT("parallelism", "pipeline_parallel_split_points", CFG_STR, pp_split, "", .list = 1,
         .help = "first layer of each stage after the first, as torchtitan names them (layers.4); empty: "
                 "split by each layer's cost"),
+    OPT("parallelism", "pipeline_parallel_layers_per_stage", CFG_INT, pp_layers_per_stage, "-1",
+        .range = CFG_GE | CFG_UNSET, .lo = 1,
+        .help = "layers per pipeline stage, the embedding and the final norm + lm_head counted as "
+                "first_stage_less_layers and last_stage_less_layers layers: ceil((layers + both) / this) stages, "
+                "split as torchtitan splits them; unset: split by each layer's cost"),
+    OPT("parallelism", "pipeline_parallel_first_stage_less_layers", CFG_INT, pp_first_less, "-1",
+        .range = CFG_GE | CFG_UNSET, .lo = 0,
+        .help = "layers the embedding counts as in torchtitan's even split (1 when unset); setting it (or "
+                "pipeline_parallel_layers_per_stage) splits evenly as torchtitan does instead of by cost"),
+    OPT("parallelism", "pipeline_parallel_last_stage_less_layers", CFG_INT, pp_last_less, "-1",
+        .range = CFG_GE | CFG_UNSET, .lo = 0,
+        .help = "layers the final norm + lm_head count as in torchtitan's even split (1 when unset); setting "
+                "it (or pipeline_parallel_layers_per_stage) splits evenly as torchtitan does instead of by cost"),
     OPT("parallelism", "fsdp_reshard_after_forward", CFG_ENUM, fsdp_reshard, "default",
         .choices = cfg_reshard_modes,
         .help = "free a layer's gathered parameters after its forward and gather them again for its backward; "
@@ -479,15 +492,6 @@ static const struct {
 static const struct {
     const char *section, *key, *instead;
 } cfg_tt_split[] = {
-    {"parallelism", "pipeline_parallel_layers_per_stage",
-     "give the stages' first layers as parallelism.pipeline_parallel_split_points (layers_per_stage k: "
-     "[\"layers.k\", \"layers.2k\", ...]) or leave them to ctitan's split by cost"},
-    {"parallelism", "pipeline_parallel_first_stage_less_layers",
-     "ctitan splits by each stage's cost (the embedding and lm_head included); to place layers yourself use "
-     "parallelism.pipeline_parallel_split_points"},
-    {"parallelism", "pipeline_parallel_last_stage_less_layers",
-     "ctitan splits by each stage's cost (the embedding and lm_head included); to place layers yourself use "
-     "parallelism.pipeline_parallel_split_points"},
     {"parallelism", "pipeline_parallel_schedule_csv",
      "ctitan builds its schedules' orders itself (parallelism.pipeline_parallel_schedule); a CSV schedule is "
      "not read"},

@@ -125,6 +125,9 @@ typedef struct {
     char *pp_schedule;        /* "1F1B" | "GPipe" | "Interleaved1F1B" */
     int pp_microbatch;        /* 1: pipeline_parallel_microbatch_size */
     char *pp_split;           /* "": pipeline_parallel_split_points, comma-joined ("layers.4,layers.8") */
+    int pp_layers_per_stage;  /* -1: pipeline_parallel_layers_per_stage (torchtitan's even split; else by cost) */
+    int pp_first_less;        /* -1 (1 when used): pipeline_parallel_first_stage_less_layers */
+    int pp_last_less;         /* -1 (1 when used): pipeline_parallel_last_stage_less_layers */
 
     /* [kernels]: implementation per op ("auto" = fastest this CPU runs); kernels[KERN_OP_x] is the key
      * of op x, one per op of kernels/ops_list.h */

@@ -88,6 +88,43 @@ static void split_by_cost(const lm_config *c, int V, int T, int *first) {
     free(cut);
 }
 
+/* torchtitan's even split (pipeline_parallel_layers_per_stage and the
+ * *_stage_less_layers keys): the embedding counts as `in` layers and the
+ * final norm + lm_head as `out`, the L + in + out "effective layers" are
+ * dealt out evenly over V stages (the first (L + in + out) % V one more), and
+ * each stage takes that many real layers less what it carries besides. torch-
+ * titan's checks are kept (in or out above the smallest share is refused); a
+ * stage left with no layer, which torchtitan would build around the embedding
+ * or the head alone, is refused: a ctitan stage holds at least one layer.
+ * Returns 0 with first[0 .. V] set, or CT_ERR_CONFIG naming the keys. */
+static int split_even(int V, int L, int in, int out, int *first, const char *where, ct_err *e) {
+    int eff = L + in + out, per = eff / V, extra = eff % V;
+    if (V > eff || per == 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: %d pipeline stages over %d layers + pipeline_parallel_first_stage_less_layers %d + "
+                       "pipeline_parallel_last_stage_less_layers %d would leave a stage empty",
+                       where, V, L, in, out);
+    if (in > per || out > per)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_%s_stage_less_layers = %d exceeds the %d layers each of the "
+                       "%d stages holds at least (as torchtitan refuses it)",
+                       where, in > per ? "first" : "last", in > per ? in : out, per, V);
+    int l = 0;
+    for (int v = 0; v < V; v++) {
+        int take = per + (v < extra) - (v == 0 ? in : 0) - (v == V - 1 ? out : 0);
+        first[v] = l;
+        l = l + take < L ? l + take : L;
+        if (l == first[v])
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: torchtitan's even split of %d layers into %d stages (pipeline_parallel_first_stage_"
+                           "less_layers %d, pipeline_parallel_last_stage_less_layers %d) leaves stage %d without a "
+                           "layer; ctitan's stages hold at least one: lower those keys or use fewer stages",
+                           where, L, V, in, out, v);
+    }
+    first[V] = L;
+    return 0;
+}
+
 /* torchtitan names a split point by the module that starts the stage:
  * "layers.4" (or the bare number). Returns the stages, or -1 with *e set. */
 static int parse_points(const char *list, int L, int *first, int max, const char *where, ct_err *e) {
@@ -406,11 +443,33 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     p->M = M;
     p->mb_size = c->pp_microbatch;
     p->first = calloc((size_t)L + 2, sizeof *p->first);
-    int V;
+    int V, even = c->pp_layers_per_stage > 0 || c->pp_first_less >= 0 || c->pp_last_less >= 0;
+    int in = c->pp_first_less >= 0 ? c->pp_first_less : 1, out = c->pp_last_less >= 0 ? c->pp_last_less : 1;
+    if (even && c->pp_split[0])
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_split_points and pipeline_parallel_%s both place the layers: "
+                       "give one of them",
+                       where, c->pp_layers_per_stage > 0 ? "layers_per_stage"
+                              : c->pp_first_less >= 0    ? "first_stage_less_layers"
+                                                         : "last_stage_less_layers");
     if (c->pp_split[0]) {
         V = parse_points(c->pp_split, L, p->first, L + 1, where, e);
         if (V < 0) return CT_ERR_CONFIG;
         p->first[V] = L;
+    } else if (c->pp_layers_per_stage > 0) { /* torchtitan's count: ceil of the effective layers */
+        int k = c->pp_layers_per_stage;
+        V = (L + in + out + k - 1) / k;
+        const char *fix = V % P ? "to a value giving a multiple of the degree"
+                          : !multi && V != P ? "so that each rank holds one stage"
+                          : multi && V < 2 * P ? "so that each rank holds at least 2 stages"
+                          : v_placed(p) && V != 2 * P ? "so that each rank holds exactly 2 stages"
+                                                      : NULL;
+        if (fix)
+            return ct_fail(e, CT_ERR_CONFIG,
+                           "%s: parallelism.pipeline_parallel_layers_per_stage = %d gives ceil((%d layers + %d + %d) / "
+                           "%d) = %d stages over pipeline_parallel_degree %d, which schedule \"%s\" cannot take: "
+                           "change it %s",
+                           where, k, L, in, out, k, V, P, c->pp_schedule, fix);
     } else {
         V = multi ? 2 * P : P;
         if (V > L) /* the default needs a layer per stage: say so, not the stage count it fell back to */
@@ -435,6 +494,7 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
                        where, c->pp_schedule, P,
                        multi ? "a multiple of the degree, at least twice it," : "one per rank, P",
                        c->pp_split[0] ? "pipeline_parallel_split_points" : "the model's layers", V);
+    if (even && (rc = split_even(V, L, in, out, p->first, where, e))) return rc; /* its own words first */
     if (V > L)
         return ct_fail(e, CT_ERR_CONFIG, "%s: %d pipeline stages need at least %d layers; the model has %d", where, V,
                        V, L);
@@ -445,7 +505,7 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
                        where, V, M);
     p->V = V;
     p->S = V / P;
-    if (!c->pp_split[0]) split_by_cost(mc, V, c->seq_len, p->first);
+    if (!even && !c->pp_split[0]) split_by_cost(mc, V, c->seq_len, p->first);
     /* torch's interleaved schedules: max(1, M / P) rounds of equal size */
     if ((p->schedule == PP_INTERLEAVED || p->schedule == PP_ZB_INTERLEAVED) && M % (M / P > 1 ? M / P : 1) != 0)
         return ct_fail(e, CT_ERR_CONFIG,

@@ -108,6 +108,9 @@ LAYOUTS = {  # name: (ranks, data-parallel degree, pipeline args)
     "pp2_split": (2, 1, [f"{PP}=2", f"{SPLIT}=layers.1"]),
     "pp2_interleaved_split": (2, 1, [f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{SPLIT}=layers.1,layers.2,3"]),
     "pp2_dp2": (4, 2, [f"{PP}=2", "--parallelism.data_parallel_replicate_degree=2"]),
+    # torchtitan's even split (test_pp_layers_per_stage.py checks where it puts the layers):
+    # the head counted as 3 layers of 4 + 1 + 3, so stage 0 takes layers 0-2, stage 1 layer 3
+    "pp2_last_less": (2, 1, [f"{PP}=2", "--parallelism.pipeline_parallel_last_stage_less_layers=3"]),
 }
 
 

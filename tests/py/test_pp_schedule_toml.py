@@ -64,14 +64,11 @@ def test_zbv_three_stages_names_its_own_rule(run_ctitan, tmp_path):
     assert "at least twice it" not in err, err
 
 
-# torchtitan's [parallelism] keys for the split and a CSV schedule (its JobConfig's
-# Parallelism: pipeline_parallel_layers_per_stage, *_first/last_stage_less_layers,
-# pipeline_parallel_schedule_csv). ctitan takes none of them; "unknown key" alone left a
-# torchtitan user without the key that does the same here.
+# torchtitan's [parallelism] key for a CSV schedule (its JobConfig's Parallelism:
+# pipeline_parallel_schedule_csv). ctitan does not take it; "unknown key" alone left a
+# torchtitan user without the key that does the same here. (Its split keys are taken:
+# test_pp_layers_per_stage.py.)
 @pytest.mark.parametrize("line,points_at", [
-    ("pipeline_parallel_layers_per_stage = 1", "pipeline_parallel_split_points"),
-    ("pipeline_parallel_first_stage_less_layers = 1", "pipeline_parallel_split_points"),
-    ("pipeline_parallel_last_stage_less_layers = 1", "pipeline_parallel_split_points"),
     ('pipeline_parallel_schedule_csv = "sched.csv"', "pipeline_parallel_schedule"),
 ])
 def test_torchtitan_split_keys_point_at_ctitans(line, points_at, run_ctitan, tmp_path):
