@@ -50,7 +50,8 @@ typedef struct {
     const char *const *choices; /* CFG_ENUM, NULL-terminated */
     const char *help;
     int list; /* CFG_STR holding a list: a TOML array of strings, or "a,b,c" (or a TOML array
-                 literal, ["a", "b"]) on the command line, kept comma-joined (cfg_list_next walks it) */
+                 literal, ["a", "b"]) on the command line, kept comma-joined (cfg_list_next walks it);
+                 2: a list of lists (["a", "b"], ["c"]]), or "a,b;c", kept as groups joined by ';' */
     const char *alias; /* "section.key": this is torchtitan's other name for that option (same field;
                           not dumped, not defaulted or freed twice) */
     int inert;         /* a torchtitan key ctitan reads and does not use (ct_config.tt): not dumped */
@@ -386,6 +387,10 @@ static const cfg_option cfg_options[] = {
     OPT("parallelism", "pipeline_parallel_split_points", CFG_STR, pp_split, "", .list = 1,
         .help = "first layer of each stage after the first, as torchtitan names them (layers.4); empty: "
                 "split by each layer's cost"),
+    OPT("parallelism", "module_fqns_per_model_part", CFG_STR, pp_fqns, "", .list = 2,
+        .help = "each pipeline stage's modules in order, as torchtitan names them: [[\"tok_embeddings\", "
+                "\"layers.0\"], [\"layers.1\", \"norm\", \"output\"]] (HF's embed_tokens / lm_head too); each "
+                "stage holds consecutive layers, the embedding in the first, the final norm and head in the last"),
     OPT("parallelism", "pipeline_parallel_layers_per_stage", CFG_INT, pp_layers_per_stage, "-1",
         .range = CFG_GE | CFG_UNSET, .lo = 1,
         .help = "layers per pipeline stage, the embedding and the final norm + lm_head counted as "
@@ -696,23 +701,48 @@ static int cfg_store_str(ct_config *c, const cfg_option *o, const char *s, const
     return 0;
 }
 
-/* A TOML array of strings into a list option, comma-joined; a comma inside
- * an item could not be told from the separator, so it is refused. */
+/* A TOML array of strings into a list option, comma-joined (a list of lists:
+ * each inner array so, the groups joined by ';'); a comma or ';' inside an
+ * item could not be told from the separators, so it is refused. */
 static int cfg_store_list(ct_config *c, const cfg_option *o, const toml_value *v, const char *where, ct_err *e) {
     size_t len = 1;
     for (int i = 0; i < v->n_items; i++) {
-        const toml_value *it = &v->items[i];
-        if (it->kind != TOML_STRING || !it->s[0] || strchr(it->s, ','))
-            return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: item %d: expected a non-empty string without commas", where,
+        const toml_value *g = &v->items[i];
+        int nested = o->list == 2, n = nested ? g->n_items : 1;
+        if (nested && (g->kind != TOML_ARRAY || !g->n_items))
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: item %d: expected a non-empty array of strings", where,
                            o->section, o->key, i + 1);
-        len += strlen(it->s) + 1;
+        for (int j = 0; j < n; j++) {
+            const toml_value *it = nested ? &g->items[j] : g;
+            if (it->kind != TOML_STRING || !it->s[0] || strpbrk(it->s, ",;"))
+                return ct_fail(e, CT_ERR_CONFIG, "%s: %s.%s: item %d%s: expected a non-empty string without commas",
+                               where, o->section, o->key, i + 1, nested ? "'s items" : "");
+            len += strlen(it->s) + 1;
+        }
     }
     char *joined = ct_malloc(len), *p = joined;
     *p = '\0';
-    for (int i = 0; i < v->n_items; i++) p += sprintf(p, "%s%s", i ? "," : "", v->items[i].s);
+    for (int i = 0; i < v->n_items; i++) {
+        const toml_value *g = &v->items[i];
+        if (o->list != 2) {
+            p += sprintf(p, "%s%s", i ? "," : "", g->s);
+            continue;
+        }
+        for (int j = 0; j < g->n_items; j++) p += sprintf(p, "%s%s", j ? "," : i ? ";" : "", g->items[j].s);
+    }
     int rc = cfg_store_str(c, o, joined, where, e);
     free(joined);
     return rc;
+}
+
+const char *cfg_group_next(const char *list, char *group, size_t cap) {
+    if (!list || !*list) return NULL;
+    if (*list == ';') list++;
+    size_t n = strcspn(list, ";");
+    size_t k = n < cap - 1 ? n : cap - 1;
+    memcpy(group, list, k);
+    group[k] = '\0';
+    return list + n;
 }
 
 const char *cfg_list_next(const char *list, char *item, size_t cap) {
@@ -1160,11 +1190,17 @@ static void cfg_value_shown(const ct_config *c, const cfg_option *o, char *out, 
     char text[256];
     cfg_value_text(c, o, text, sizeof text);
     if (o->list) {
-        char item[128];
+        char item[128], group[256];
         size_t n = (size_t)snprintf(out, cap, "[");
-        int first = 1;
-        for (const char *p = text; (p = cfg_list_next(p, item, sizeof item)) && n < cap; first = 0)
-            n += (size_t)snprintf(out + n, cap - n, "%s\"%s\"", first ? "" : ", ", item);
+        int g = 0;
+        for (const char *q = text; (q = o->list == 2 ? cfg_group_next(q, group, sizeof group) : q) && n < cap; g++) {
+            const char *p = o->list == 2 ? group : text;
+            if (o->list == 2) n += (size_t)snprintf(out + n, cap - n, "%s[", g ? ", " : "");
+            for (int first = 1; n < cap && (p = cfg_list_next(p, item, sizeof item)); first = 0)
+                n += (size_t)snprintf(out + n, cap - n, "%s\"%s\"", first ? "" : ", ", item);
+            if (o->list != 2) break;
+            if (n < cap) n += (size_t)snprintf(out + n, cap - n, "]");
+        }
         if (n < cap) snprintf(out + n, cap - n, "]");
     } else if (o->type == CFG_STR || o->type == CFG_ENUM) {
         snprintf(out, cap, "\"%.200s\"", text);
@@ -1386,12 +1422,18 @@ static void cfg_write_value(const ct_config *c, const cfg_option *o, FILE *out) 
     switch (o->type) {
     case CFG_STR:
         if (o->list) {
-            char item[512];
+            char item[512], group[4096];
+            const char *text = *(char *const *)f;
             fputc('[', out);
-            int first = 1;
-            for (const char *p = *(char *const *)f; (p = cfg_list_next(p, item, sizeof item)); first = 0) {
-                if (!first) fputs(", ", out);
-                cfg_write_string(item, out);
+            for (int g = 0; (text = o->list == 2 ? cfg_group_next(text, group, sizeof group) : text); g++) {
+                const char *p = o->list == 2 ? group : text;
+                if (o->list == 2) fputs(g ? ", [" : "[", out);
+                for (int first = 1; (p = cfg_list_next(p, item, sizeof item)); first = 0) {
+                    if (!first) fputs(", ", out);
+                    cfg_write_string(item, out);
+                }
+                if (o->list != 2) break;
+                fputc(']', out);
             }
             fputc(']', out);
             break;

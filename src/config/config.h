@@ -125,6 +125,7 @@ typedef struct {
     char *pp_schedule;        /* "1F1B" | "GPipe" | "Interleaved1F1B" */
     int pp_microbatch;        /* 1: pipeline_parallel_microbatch_size */
     char *pp_split;           /* "": pipeline_parallel_split_points, comma-joined ("layers.4,layers.8") */
+    char *pp_fqns;            /* "": module_fqns_per_model_part, each stage's modules ("tok_embeddings,layers.0;layers.1") */
     int pp_layers_per_stage;  /* -1: pipeline_parallel_layers_per_stage (torchtitan's even split; else by cost) */
     int pp_first_less;        /* -1 (1 when used): pipeline_parallel_first_stage_less_layers */
     int pp_last_less;         /* -1 (1 when used): pipeline_parallel_last_stage_less_layers */
@@ -224,6 +225,9 @@ int cfg_validate(const ct_config *c, ct_err *e);
 /* Walks a list option ("a,b,c"): copies the next item into item[cap] and
  * returns where to continue, or NULL after the last one. */
 const char *cfg_list_next(const char *list, char *item, size_t cap);
+/* Walks a list of lists ("a,b;c"): copies the next group ("a,b") into
+ * group[cap] and returns where to continue, or NULL after the last one. */
+const char *cfg_group_next(const char *list, char *group, size_t cap);
 
 /* Every option with its type, default and help, grouped by section. */
 void cfg_print_help(FILE *out);

@@ -159,6 +159,69 @@ static int parse_points(const char *list, int L, int *first, int max, const char
     return n + 1; /* stages */
 }
 
+static int pp_name_in(const char *name, const char *const *set, int n) {
+    for (int i = 0; i < n; i++)
+        if (!strcmp(name, set[i])) return 1;
+    return 0;
+}
+
+/* torchtitan's module_fqns_per_model_part: each stage's modules by name
+ * (its own model's or Hugging Face's). ctitan's stages are contiguous runs of
+ * layers with the embedding on the first and the final norm + head on the
+ * last, so a list that places them otherwise is refused by name rather than
+ * run in another order. Returns the stages with first[] set, or -1. */
+static int parse_fqns(const char *fqns, int L, int *first, const char *where, ct_err *e) {
+    static const char *const embed[] = {"tok_embeddings", "embed_tokens", "model.embed_tokens"};
+    static const char *const norm[] = {"norm", "model.norm"}, *const head[] = {"output", "lm_head"};
+#define PP_IS(name, set) pp_name_in(name, set, (int)(sizeof set / sizeof set[0]))
+    char group[4096], item[128];
+    int V = 0, next = 0, has_embed = 0, has_norm = 0, has_head = 0;
+    const char *key = "parallelism.module_fqns_per_model_part";
+    for (const char *g = fqns; (g = cfg_group_next(g, group, sizeof group)); V++) {
+        if (V >= L) return ct_fail(e, CT_ERR_CONFIG, "%s: %s: more stages than the model's %d layers", where, key, L), -1;
+        first[V] = next;
+        for (const char *q = group; (q = cfg_list_next(q, item, sizeof item));) {
+            const char *num = !strncmp(item, "layers.", 7) ? item + 7 : !strncmp(item, "model.layers.", 13) ? item + 13
+                                                                                                           : NULL;
+            if (num) {
+                char *end;
+                long l = strtol(num, &end, 10);
+                if (end == num || *end || l < 0 || l >= L)
+                    return ct_fail(e, CT_ERR_CONFIG, "%s: %s: stage %d: \"%s\" is not a layer of the model's %d",
+                                   where, key, V, item, L), -1;
+                if (l != next)
+                    return ct_fail(e, CT_ERR_CONFIG,
+                                   "%s: %s: stage %d: \"%s\" where layers.%d comes next: ctitan's stages hold "
+                                   "consecutive layers, each once, in order",
+                                   where, key, V, item, next), -1;
+                next++;
+            } else if (PP_IS(item, embed) || PP_IS(item, norm) || PP_IS(item, head)) {
+                int is_embed = PP_IS(item, embed);
+                if (is_embed ? V != 0 : g[0] != '\0')
+                    return ct_fail(e, CT_ERR_CONFIG, "%s: %s: stage %d holds \"%s\", which ctitan runs on the %s stage",
+                                   where, key, V, item, is_embed ? "first" : "last"), -1;
+                *(is_embed ? &has_embed : PP_IS(item, norm) ? &has_norm : &has_head) = 1;
+            } else {
+                return ct_fail(e, CT_ERR_CONFIG,
+                               "%s: %s: stage %d: \"%s\" is not a module ctitan places (tok_embeddings, layers.N, "
+                               "norm, output; or embed_tokens, lm_head)",
+                               where, key, V, item), -1;
+            }
+        }
+        if (next == first[V])
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s: stage %d holds no layer; ctitan's stages hold at least one",
+                           where, key, V), -1;
+    }
+#undef PP_IS
+    if (next != L || !has_embed || !has_norm || !has_head)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: %s: %s", where, key,
+                       next != L   ? "the stages do not hold every layer"
+                       : !has_embed ? "the first stage must hold tok_embeddings"
+                                    : "the last stage must hold norm and output"), -1;
+    first[V] = L;
+    return V;
+}
+
 /* -------------------------------------------------------------- schedules */
 
 /* This rank's forward order, backward order and warm-up count. */
@@ -445,17 +508,27 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     p->first = calloc((size_t)L + 2, sizeof *p->first);
     int V, even = c->pp_layers_per_stage > 0 || c->pp_first_less >= 0 || c->pp_last_less >= 0;
     int in = c->pp_first_less >= 0 ? c->pp_first_less : 1, out = c->pp_last_less >= 0 ? c->pp_last_less : 1;
+    /* what places the layers, if anything but the split by cost does */
+    const char *placer = c->pp_split[0] ? "pipeline_parallel_split_points"
+                         : c->pp_fqns[0] ? "module_fqns_per_model_part"
+                                         : "the model's layers";
+    const char *even_key = c->pp_layers_per_stage > 0 ? "pipeline_parallel_layers_per_stage"
+                           : c->pp_first_less >= 0    ? "pipeline_parallel_first_stage_less_layers"
+                                                      : "pipeline_parallel_last_stage_less_layers";
+    if ((even || c->pp_split[0]) && c->pp_fqns[0])
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.module_fqns_per_model_part and %s both place the layers: give one of them",
+                       where, even ? even_key : "pipeline_parallel_split_points");
     if (even && c->pp_split[0])
         return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: parallelism.pipeline_parallel_split_points and pipeline_parallel_%s both place the layers: "
-                       "give one of them",
-                       where, c->pp_layers_per_stage > 0 ? "layers_per_stage"
-                              : c->pp_first_less >= 0    ? "first_stage_less_layers"
-                                                         : "last_stage_less_layers");
+                       "%s: parallelism.pipeline_parallel_split_points and %s both place the layers: give one of them",
+                       where, even_key);
     if (c->pp_split[0]) {
         V = parse_points(c->pp_split, L, p->first, L + 1, where, e);
         if (V < 0) return CT_ERR_CONFIG;
         p->first[V] = L;
+    } else if (c->pp_fqns[0]) {
+        if ((V = parse_fqns(c->pp_fqns, L, p->first, where, e)) < 0) return CT_ERR_CONFIG;
     } else if (c->pp_layers_per_stage > 0) { /* torchtitan's count: ceil of the effective layers */
         int k = c->pp_layers_per_stage;
         V = (L + in + out + k - 1) / k;
@@ -485,15 +558,15 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     if (v_placed(p) && V != 2 * P)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.pipeline_parallel_schedule = \"%s\" needs exactly 2 stages per rank (%d "
-                       "with pipeline_parallel_degree %d), but pipeline_parallel_split_points gives %d",
-                       where, c->pp_schedule, 2 * P, P, V);
+                       "with pipeline_parallel_degree %d), but %s gives %d",
+                       where, c->pp_schedule, 2 * P, P, placer, V);
     if (V % P != 0 || (!multi && V != P) || (multi && V < 2 * P))
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.pipeline_parallel_schedule = \"%s\" with pipeline_parallel_degree %d needs %s "
                        "stages, but %s gives %d",
                        where, c->pp_schedule, P,
                        multi ? "a multiple of the degree, at least twice it," : "one per rank, P",
-                       c->pp_split[0] ? "pipeline_parallel_split_points" : "the model's layers", V);
+                       placer, V);
     if (even && (rc = split_even(V, L, in, out, p->first, where, e))) return rc; /* its own words first */
     if (V > L)
         return ct_fail(e, CT_ERR_CONFIG, "%s: %d pipeline stages need at least %d layers; the model has %d", where, V,
@@ -505,7 +578,7 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
                        where, V, M);
     p->V = V;
     p->S = V / P;
-    if (!even && !c->pp_split[0]) split_by_cost(mc, V, c->seq_len, p->first);
+    if (!even && !c->pp_split[0] && !c->pp_fqns[0]) split_by_cost(mc, V, c->seq_len, p->first);
     /* torch's interleaved schedules: max(1, M / P) rounds of equal size */
     if ((p->schedule == PP_INTERLEAVED || p->schedule == PP_ZB_INTERLEAVED) && M % (M / P > 1 ? M / P : 1) != 0)
         return ct_fail(e, CT_ERR_CONFIG,

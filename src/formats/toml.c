@@ -488,7 +488,7 @@ static int toml_parse_bare_value(toml_parser *t, toml_value *v) {
     return toml_parse_number(t, tok, v);
 }
 
-static int toml_parse_value(toml_parser *t, toml_value *v, int in_array);
+static int toml_parse_value(toml_parser *t, toml_value *v, int depth);
 
 static int toml_skip_array_space(toml_parser *t) {
     for (;;) {
@@ -505,7 +505,7 @@ static int toml_skip_array_space(toml_parser *t) {
     }
 }
 
-static int toml_parse_array(toml_parser *t, toml_value *v) {
+static int toml_parse_array(toml_parser *t, toml_value *v, int depth) {
     int open_line = t->line, cap = 0, rc;
     v->kind = TOML_ARRAY;
     t->p++; /* '[' */
@@ -519,7 +519,7 @@ static int toml_parse_array(toml_parser *t, toml_value *v) {
         }
         toml_value *it = &v->items[v->n_items];
         memset(it, 0, sizeof *it);
-        if ((rc = toml_parse_value(t, it, 1))) return rc;
+        if ((rc = toml_parse_value(t, it, depth + 1))) return rc;
         v->n_items++;
         if ((rc = toml_skip_array_space(t))) return rc;
         if (t->p >= t->end) goto unterminated;
@@ -536,7 +536,8 @@ unterminated:
     return toml_fail(t, "unterminated array (opened at line %d)", open_line);
 }
 
-static int toml_parse_value(toml_parser *t, toml_value *v, int in_array) {
+/* depth: the arrays the value is inside of (0 for a key's own value). */
+static int toml_parse_value(toml_parser *t, toml_value *v, int depth) {
     if (t->p >= t->end) return toml_fail(t, "expected a value");
     char c = *t->p;
     if ((c == '"' || c == '\'') && t->end - t->p >= 3 && t->p[1] == c && t->p[2] == c)
@@ -550,8 +551,8 @@ static int toml_parse_value(toml_parser *t, toml_value *v, int in_array) {
         return toml_parse_literal_string(t, &v->s);
     }
     if (c == '[') {
-        if (in_array) return toml_fail(t, "nested arrays are not supported");
-        return toml_parse_array(t, v);
+        if (depth > 1) return toml_fail(t, "arrays nested more than two deep are not supported");
+        return toml_parse_array(t, v, depth);
     }
     if (c == '{') return toml_fail(t, "inline tables ({...}) are not supported");
     return toml_parse_bare_value(t, v);

@@ -2,7 +2,8 @@
  *
  * The document is kept flat: a list of tables, each named by its full dotted
  * path ("training", "quantize.linear.float8"), each a list of (key, value,
- * line) holding scalars and arrays of scalars. Keeping the line of every key
+ * line) holding scalars and arrays (of scalars, or of arrays of scalars: torch-
+ * titan's module_fqns_per_model_part is a list of lists). Keeping the line of every key
  * lets the caller report "FILE:LINE: section.key: ..." for type and range
  * errors that only it can judge.
  *
@@ -11,13 +12,13 @@
  * is a bare key ("a" is a), dotted keys (a.b = 1 inside [t] sets b in table
  * t.a), basic strings with escapes, literal strings, integers (decimal with
  * underscores, 0x/0o/0b), floats (incl. inf/nan), booleans, arrays of scalars
- * (multi-line, trailing comma). The errors TOML 1.0 requires of these are
+ * and arrays of such arrays (multi-line, trailing comma). The errors TOML 1.0 requires of these are
  * raised: a table defined twice (by two headers, or by a header after dotted
  * keys made it), a key defined twice (whatever its spelling: b, "b", 'b'), a
  * key that is both a value and a table, dotted keys adding to a table that a
  * [header] defined. Rejected with a "not supported" error: quoted keys with
  * other characters (spaces, dots, ...), [[arrays of tables]], inline tables,
- * multi-line strings, dates, nested arrays, names nested deeper than
+ * multi-line strings, dates, arrays nested more than two deep, names nested deeper than
  * TOML_MAX_DEPTH. Anything malformed fails with "FILE:LINE: message";
  * nothing is guessed. */
 #ifndef CT_FORMATS_TOML_H
@@ -41,7 +42,7 @@ typedef struct toml_value {
     char *s;                  /* TOML_STRING: UTF-8, NUL-terminated, no NUL inside */
     int64_t i;                /* TOML_INT; TOML_BOOL (0 or 1) */
     double f;                 /* TOML_FLOAT */
-    struct toml_value *items; /* TOML_ARRAY: scalars only */
+    struct toml_value *items; /* TOML_ARRAY: scalars, or arrays of scalars (one level) */
     int n_items;
 } toml_value;
 

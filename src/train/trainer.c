@@ -72,7 +72,7 @@ const char *trainer_layout_origin(const ct_config *c) {
                              "parallelism.tensor_parallel_degree,parallelism.expert_parallel_degree,"
                              "parallelism.pipeline_parallel_degree,parallelism.pipeline_parallel_schedule,"
                              "parallelism.pipeline_parallel_microbatch_size,parallelism.pipeline_parallel_split_points,"
-                             "parallelism.pipeline_parallel_layers_per_stage,"
+                             "parallelism.pipeline_parallel_layers_per_stage,parallelism.module_fqns_per_model_part,"
                              "parallelism.pipeline_parallel_first_stage_less_layers,"
                              "parallelism.pipeline_parallel_last_stage_less_layers,"
                              "training.local_batch_size,training.global_batch_size,training.seq_len,"

@@ -157,3 +157,94 @@ def test_split_points_beside_the_keys_is_refused(models):
                        "--parallelism.pipeline_parallel_split_points=layers.4", f"--parallelism.{key}=2"])
         assert p.returncode == 2, p.stdout + p.stderr
         assert "pipeline_parallel_split_points" in p.stderr and key in p.stderr, p.stderr
+
+
+# ---------------------------------------------------------------- module_fqns_per_model_part
+
+def _fqns_toml(parts):
+    return "[" + ", ".join("[" + ", ".join(f'"{m}"' for m in part) + "]" for part in parts) + "]"
+
+
+def dry_fqns(models, L, P, schedule, parts, extra=()):
+    d, data = models
+    f = d / f"fqns_{abs(hash((L, P, schedule, str(parts), extra)))}.toml"
+    f.write_text(f"""[model]
+spec = "hf"
+hf_assets_path = "{d / f'L{L}'}"
+[training]
+dataset_path = "{data}"
+seq_len = 16
+local_batch_size = 8
+[parallelism]
+pipeline_parallel_degree = {P}
+pipeline_parallel_schedule = "{schedule}"
+module_fqns_per_model_part = {_fqns_toml(parts)}
+""")
+    p = launch(0, ["train", "--dry-run", "--config", f, *extra])
+    return p.returncode, p.stdout + p.stderr
+
+
+def _torchtitan_parts(V, L, w_in, w_out, head="output"):
+    _, fqns = _torchtitan()
+    return [[head if m == "output" else m for m in part] for part in fqns(V, L, w_in, w_out)]
+
+
+@pytest.mark.parametrize("L,P,schedule,V,w_in,w_out,head", [
+    (8, 2, "1F1B", 2, 1, 1, "output"),            # torchtitan's own model's names
+    (8, 2, "1F1B", 2, 3, 0, "lm_head"),           # its Hugging Face backend's
+    (7, 2, "Interleaved1F1B", 4, 0, 1, "output"),
+    (8, 2, "ZBVZeroBubble", 4, 1, 1, "output"),
+])
+def test_module_fqns_place_the_layers_as_torchtitan_lists_them(models, L, P, schedule, V, w_in, w_out, head):
+    """The lists torchtitan's own generator makes, given to ctitan as the key: each stage
+    holds the layers its list names."""
+    parts = _torchtitan_parts(V, L, w_in, w_out, head)
+    rc, out = dry_fqns(models, L, P, schedule, parts)
+    assert rc == 0, out[-2000:]
+    want = [[int(m.split(".")[1]) for m in part if m.startswith("layers.")] for part in parts]
+    assert ctitan_split(out, P, V, schedule == "ZBVZeroBubble") == want, out
+
+
+@pytest.mark.parametrize("parts,words", [
+    ([["tok_embeddings", "layers.0", "layers.1"], ["layers.3", "layers.2", "layers.4", "layers.5", "layers.6",
+                                                  "layers.7", "norm", "output"]], "layers.2 comes next"),
+    ([["layers.0", "layers.1"], ["tok_embeddings", "layers.2", "layers.3", "layers.4", "layers.5", "layers.6",
+                                 "layers.7", "norm", "output"]], "on the first stage"),
+    ([["tok_embeddings", "layers.0", "norm"], ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5",
+                                               "layers.6", "layers.7", "output"]], "on the last stage"),
+    ([["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "layers.6",
+                                       "layers.7", "norm"]], "must hold norm and output"),
+    ([["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"], ["layers.4", "layers.5", "layers.6",
+                                                                          "norm", "output"]], "every layer"),
+    ([["tok_embeddings", "layers.0", "rope"], ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5",
+                                               "layers.6", "layers.7", "norm", "output"]], "\"rope\" is not a module"),
+    ([["tok_embeddings"], ["layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "layers.6",
+                           "layers.7", "norm", "output"]], "stage 0 holds no layer"),
+])
+def test_module_fqns_refused_with_the_stage_and_name(models, parts, words):
+    rc, out = dry_fqns(models, 8, 2, "1F1B", parts)
+    assert rc == 2 and "module_fqns_per_model_part" in out and words in out, out[-2000:]
+
+
+def test_module_fqns_beside_another_split_is_refused(models):
+    parts = _torchtitan_parts(2, 8, 1, 1)
+    for extra in ("--parallelism.pipeline_parallel_split_points=layers.4",
+                  "--parallelism.pipeline_parallel_layers_per_stage=5"):
+        rc, out = dry_fqns(models, 8, 2, "1F1B", parts, (extra,))
+        assert rc == 2 and "both place the layers" in out and extra.split("=")[0][2:].split(".")[1] in out, out
+
+
+def test_module_fqns_run_matches_one_process_and_its_config_reads_back(models, tmp_path):
+    """A real 2-rank pipeline run placed by the key trains as one process does, and the
+    config.toml it writes holds the list of lists as TOML (Python's tomllib the reader)."""
+    import tomllib
+    from test_dist import losses, run, train_args
+    d, data = models
+    parts = _torchtitan_parts(2, 4, 0, 2, "lm_head")  # stage 0: layers 0-2, stage 1: layer 3 and the head
+    single = run(1, train_args(d / "L4", data, tmp_path / "one"))
+    pp = run(2, train_args(d / "L4", data, tmp_path / "pp", "--parallelism.pipeline_parallel_degree=2",
+                           f"--parallelism.module_fqns_per_model_part={_fqns_toml(parts)}"))
+    assert losses(tmp_path / "pp") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    conf = tomllib.loads((tmp_path / "pp" / "config.toml").read_text())
+    assert conf["parallelism"]["module_fqns_per_model_part"] == parts
+    assert single.returncode == 0

@@ -181,7 +181,7 @@ static void test_errors(void) {
         {"x = qwen3\n", 1, "must be quoted"},
         {"x = True\n", 1, "must be quoted"},
         {"x = 1979-05-27\n", 1, "dates"},
-        {"x = [1, [2]]\n", 1, "nested arrays"},
+        {"x = [[1], [[2]]]\n", 1, "more than two deep"},
         {"\n\nx = [1,\n 2\n", 5, "unterminated array (opened at line 3)"},
         {"x = [1 2]\n", 1, "expected ',' or ']'"},
         {"x = [,]\n", 1, "expected a value"},
@@ -342,6 +342,23 @@ static void test_nested(void) {
     toml_free(&d);
 }
 
+/* Arrays of arrays, one level (torchtitan's module_fqns_per_model_part is a list
+ * of lists); Python's tomllib reads these the same way. */
+static void test_array_of_arrays(void) {
+    toml_doc d;
+    ct_err e;
+    CHECK(parse("x = [[\"a\", \"b\"],\n  [\"c\"], [],]\n", &d, &e) == 0, "array of arrays: %s", e.msg);
+    const toml_value *v = get(&d, "", "x");
+    CHECK(v && v->kind == TOML_ARRAY && v->n_items == 3, "three inner arrays");
+    if (v && v->n_items == 3) {
+        CHECK(v->items[0].kind == TOML_ARRAY && v->items[0].n_items == 2 && !strcmp(v->items[0].items[1].s, "b"),
+              "first inner array");
+        CHECK(v->items[1].n_items == 1 && !strcmp(v->items[1].items[0].s, "c"), "second inner array");
+        CHECK(v->items[2].kind == TOML_ARRAY && v->items[2].n_items == 0, "empty inner array");
+    }
+    toml_free(&d);
+}
+
 static void test_file(void) {
     char path[] = "/tmp/ct_test_toml_XXXXXX";
     int fd = mkstemp(path);
@@ -407,6 +424,7 @@ int main(void) {
     test_escapes_tomllib();
     test_errors();
     test_nested();
+    test_array_of_arrays();
     test_file();
     return CHECK_DONE();
 }
