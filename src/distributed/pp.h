@@ -32,7 +32,7 @@
  * micro-batches last to first.
  * The zero-bubble schedules split a backward into I, d(input), sent upstream
  * when it ends, and W, the weight gradients of the decoder layers' dense
- * projections, replayed later from the copies I recorded (model/lm.h, lm_wstore:
+ * projections and MoE experts, replayed later from the copies I recorded (model/lm.h, lm_wstore:
  * an I takes a free store of its stage and its W gives it back, so a stage
  * keeps as many as its order ever holds pending at once (at most P for
  * InterleavedZeroBubble and 2P - 1 for ZBV across both stages, where S x M

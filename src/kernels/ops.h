@@ -342,11 +342,27 @@ void op_moe_experts_fwd(float *out, float *gate, float *up, float *h, float *wor
                         const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
 /* Backward from the forward's gate, up, h and metadata (no re-routing):
  * dx[N,H], dwg, dwu, dwd += ...; dtopw[N*k] = d/d topw (overwritten). A NULL
- * weight gradient (frozen experts) is skipped, with its product. */
+ * weight gradient (frozen experts) is skipped, with its product. Whatever
+ * the weight gradients, it leaves in work d gate [N*k, Im] (KERN_MOE_DGATE)
+ * and d up [N*k, Im] (KERN_MOE_DUP), rows in expert order: the operands of
+ * op_moe_experts_bwd_w, which a split backward (a zero-bubble pipeline's I
+ * with the weight gradients NULL, then its W) hands on. */
+#define KERN_MOE_DGATE(work, S, Im) (work)
+#define KERN_MOE_DUP(work, S, Im) ((work) + (size_t)(S) * (size_t)(Im))
 void op_moe_experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
                         const float *x, const float *wg, const float *wu, const float *wd, const float *gate,
                         const float *up, const float *h, const int32_t *perm, const int32_t *pos,
                         const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
+/* The weight gradients alone, the rest of a backward that ran with them
+ * NULL: dwg, dwu, dwd (NULL: skipped) += exactly what op_moe_experts_bwd
+ * would have added, the same products summed in the same order (the same
+ * bits), from its dout [N,H] and x [N,H], the forward's h [N*k, Im] and the
+ * d gate / d up [N*k, Im] the backward left in its work (read only for dwg /
+ * dwu), and the routing metadata. work: KERN_MOE_WORK(N*k, H, Im) floats of
+ * scratch, not overlapping dgate / dup. The weights are not read. */
+void op_moe_experts_bwd_w(float *dwg, float *dwu, float *dwd, float *work, const float *dout, const float *x,
+                          const float *h, const float *dgate, const float *dup, const int32_t *perm,
+                          const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
 /* The same under bf16 mixed precision (the moe_experts_bf16 op): each expert
  * projection's products (forward, d input, d weight) take both factors
  * rounded to bf16 and sum in fp32, as op_matmul_bf16_*; routing weights,
@@ -360,6 +376,9 @@ void op_moe_experts_bf16_bwd(float *dx, float *dwg, float *dwu, float *dwd, floa
                              const float *gate, const float *up, const float *h, const int32_t *perm,
                              const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,
                              int E, int k);
+void op_moe_experts_bf16_bwd_w(float *dwg, float *dwu, float *dwd, float *work, const float *dout, const float *x,
+                               const float *h, const float *dgate, const float *dup, const int32_t *perm,
+                               const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
 
 /* The same two with any of the three expert weights given in bf16 (a frozen
  * projection read from its bf16 store, model/lm.c): hg, hu, hd [E, Im, H] /

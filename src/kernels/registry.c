@@ -221,18 +221,22 @@ static const kern_impl registry[] = {
     {KERN_OP_MOE, "grouped_avx512", "cpu", KERN_FEAT_AVX512, 0,
      "permuted tokens, grouped GEMM per projection (14x32 zmm tiles)",
      .fn.moe = {kern_moe_fwd_avx512, kern_moe_bwd_avx512,
-                kern_moe_fwd_wbf16_avx512, kern_moe_bwd_wbf16_avx512}},
+                kern_moe_fwd_wbf16_avx512, kern_moe_bwd_wbf16_avx512,
+                kern_moe_bwd_w_avx512}},
     {KERN_OP_MOE, "grouped_avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, 0,
      "permuted tokens, grouped GEMM per projection (6x16 ymm tiles)",
      .fn.moe = {kern_moe_fwd_avx2, kern_moe_bwd_avx2,
-                kern_moe_fwd_wbf16_avx2, kern_moe_bwd_wbf16_avx2}},
+                kern_moe_fwd_wbf16_avx2, kern_moe_bwd_wbf16_avx2,
+                kern_moe_bwd_w_avx2}},
 #elif defined(__aarch64__)
     {KERN_OP_MOE, "grouped_neon", "cpu", KERN_FEAT_NEON, 0,
      "permuted tokens, grouped GEMM per projection (8x12 NEON tiles)", .fn.moe = {kern_moe_fwd_neon, kern_moe_bwd_neon,
-                kern_moe_fwd_wbf16_neon, kern_moe_bwd_wbf16_neon}},
+                kern_moe_fwd_wbf16_neon, kern_moe_bwd_wbf16_neon,
+                kern_moe_bwd_w_neon}},
 #endif
     {KERN_OP_MOE, "ref", "cpu", 0, 0, "kernels/ref/moe.c: a loop over experts, one token row at a time",
-     .fn.moe = {op_moe_experts_fwd, op_moe_experts_bwd, op_moe_experts_fwd_wbf16, op_moe_experts_bwd_wbf16}},
+     .fn.moe = {op_moe_experts_fwd, op_moe_experts_bwd, op_moe_experts_fwd_wbf16, op_moe_experts_bwd_wbf16,
+                op_moe_experts_bwd_w}},
 
     /* moe_experts_bf16: the grouped experts on matmul_bf16's GEMMs (bf16 rounding when packed).
      * Their own tolerance: the forward rounds h and the backward d gate / d up, fp32 values
@@ -256,31 +260,37 @@ static const kern_impl registry[] = {
      KERN_MOE_BF16_TOL,
      "grouped GEMMs on bf16 pairs (AMX tiles), fp32 sums",
      .fn.moe = {kern_moe_fwd_bf16_amx, kern_moe_bwd_bf16_amx,
-                kern_moe_fwd_wbf16_bf16_amx, kern_moe_bwd_wbf16_bf16_amx}},
+                kern_moe_fwd_wbf16_bf16_amx, kern_moe_bwd_wbf16_bf16_amx,
+                kern_moe_bwd_w_bf16_amx}},
     {KERN_OP_MOE_BF16, "grouped_avx512bf16", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16, KERN_MOE_BF16_TOL,
      "grouped GEMMs on bf16 pairs (vdpbf16ps), fp32 sums",
      .fn.moe = {kern_moe_fwd_bf16_avx512bf16, kern_moe_bwd_bf16_avx512bf16,
-                kern_moe_fwd_wbf16_bf16_avx512bf16, kern_moe_bwd_wbf16_bf16_avx512bf16}},
+                kern_moe_fwd_wbf16_bf16_avx512bf16, kern_moe_bwd_wbf16_bf16_avx512bf16,
+                kern_moe_bwd_w_bf16_avx512bf16}},
     {KERN_OP_MOE_BF16, "grouped_avx512", "cpu", KERN_FEAT_AVX512, KERN_MOE_BF16_TOL,
      "grouped GEMMs, zmm tiles on panels rounded to bf16",
      .fn.moe = {kern_moe_fwd_bf16_avx512, kern_moe_bwd_bf16_avx512,
-                kern_moe_fwd_wbf16_bf16_avx512, kern_moe_bwd_wbf16_bf16_avx512}},
+                kern_moe_fwd_wbf16_bf16_avx512, kern_moe_bwd_wbf16_bf16_avx512,
+                kern_moe_bwd_w_bf16_avx512}},
     {KERN_OP_MOE_BF16, "grouped_avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, KERN_MOE_BF16_TOL,
      "grouped GEMMs, ymm tiles on panels rounded to bf16",
      .fn.moe = {kern_moe_fwd_bf16_avx2, kern_moe_bwd_bf16_avx2,
-                kern_moe_fwd_wbf16_bf16_avx2, kern_moe_bwd_wbf16_bf16_avx2}},
+                kern_moe_fwd_wbf16_bf16_avx2, kern_moe_bwd_wbf16_bf16_avx2,
+                kern_moe_bwd_w_bf16_avx2}},
 #elif defined(__aarch64__)
     {KERN_OP_MOE_BF16, "grouped_bfmmla", "cpu", KERN_FEAT_NEON | KERN_FEAT_ARM_BF16, KERN_MOE_BF16_TOL,
      "grouped GEMMs, bf16 BFMMLA tiles, fp32 sums", .fn.moe = {kern_moe_fwd_bf16_bfmmla, kern_moe_bwd_bf16_bfmmla,
-                kern_moe_fwd_wbf16_bf16_bfmmla, kern_moe_bwd_wbf16_bf16_bfmmla}},
+                kern_moe_fwd_wbf16_bf16_bfmmla, kern_moe_bwd_wbf16_bf16_bfmmla,
+                kern_moe_bwd_w_bf16_bfmmla}},
     {KERN_OP_MOE_BF16, "grouped_neon", "cpu", KERN_FEAT_NEON, KERN_MOE_BF16_TOL,
      "grouped GEMMs, NEON tiles on panels rounded to bf16",
      .fn.moe = {kern_moe_fwd_bf16_neon, kern_moe_bwd_bf16_neon,
-                kern_moe_fwd_wbf16_bf16_neon, kern_moe_bwd_wbf16_bf16_neon}},
+                kern_moe_fwd_wbf16_bf16_neon, kern_moe_bwd_wbf16_bf16_neon,
+                kern_moe_bwd_w_bf16_neon}},
 #endif
     {KERN_OP_MOE_BF16, "ref", "cpu", 0, 0, "kernels/ref/moe.c with every projection factor rounded to bf16",
      .fn.moe = {op_moe_experts_bf16_fwd, op_moe_experts_bf16_bwd, op_moe_experts_bf16_fwd_wbf16,
-                op_moe_experts_bf16_bwd_wbf16}},
+                op_moe_experts_bf16_bwd_wbf16, op_moe_experts_bf16_bwd_w}},
 };
 
 const kern_impl *kern_registry(size_t *n) {
@@ -479,12 +489,14 @@ static void install(kern_ops *k, const kern_impl *entry) {
         k->moe_bwd = im->fn.moe.bwd;
         k->moe_fwd_wbf16 = im->fn.moe.fwd_wbf16;
         k->moe_bwd_wbf16 = im->fn.moe.bwd_wbf16;
+        k->moe_bwd_w = im->fn.moe.bwd_w;
         break;
     case KERN_OP_MOE_BF16:
         k->moe_bf16_fwd = im->fn.moe.fwd;
         k->moe_bf16_bwd = im->fn.moe.bwd;
         k->moe_bf16_fwd_wbf16 = im->fn.moe.fwd_wbf16;
         k->moe_bf16_bwd_wbf16 = im->fn.moe.bwd_wbf16;
+        k->moe_bf16_bwd_w = im->fn.moe.bwd_w;
         break;
     } /* no default: -Wswitch names an op of ops_list.h left out here */
 }
@@ -594,4 +606,5 @@ void kern_use_bf16_matmuls(kern_ops *k) {
     k->moe_bwd = k->moe_bf16_bwd;
     k->moe_fwd_wbf16 = k->moe_bf16_fwd_wbf16;
     k->moe_bwd_wbf16 = k->moe_bf16_bwd_wbf16;
+    k->moe_bwd_w = k->moe_bf16_bwd_w;
 }

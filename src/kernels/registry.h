@@ -124,6 +124,10 @@ typedef void (*kern_moe_bwd_fn)(float *dx, float *dwg, float *dwu, float *dwd, f
                                 const float *gate, const float *up, const float *h, const int32_t *perm,
                                 const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H, int Im,
                                 int E, int k);
+/* op_moe_experts_bwd_w (ops.h): the weight gradients a backward with them NULL left to do */
+typedef void (*kern_moe_bwd_w_fn)(float *dwg, float *dwu, float *dwd, float *work, const float *dout, const float *x,
+                                  const float *h, const float *dgate, const float *dup, const int32_t *perm,
+                                  const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
 /* op_moe_experts_fwd_wbf16 / _bwd_wbf16 (ops.h): any expert weight read from a bf16 store */
 typedef void (*kern_moe_fwd_wbf16_fn)(float *out, float *gate, float *up, float *h, float *work, const float *x,
                                       const float *wg, const float *wu, const float *wd, const uint16_t *hg,
@@ -174,6 +178,7 @@ typedef struct {
         struct { /* moe_experts and moe_experts_bf16; the wbf16 pair reads weights from a bf16 store */
             kern_moe_fwd_fn fwd; kern_moe_bwd_fn bwd;
             kern_moe_fwd_wbf16_fn fwd_wbf16; kern_moe_bwd_wbf16_fn bwd_wbf16;
+            kern_moe_bwd_w_fn bwd_w; /* a split backward's weight gradients (zero-bubble W) */
         } moe;
     } fn;
 } kern_impl;
@@ -218,10 +223,12 @@ typedef struct {
     kern_moe_bwd_fn moe_bwd;
     kern_moe_fwd_wbf16_fn moe_fwd_wbf16; /* frozen experts read from their bf16 store */
     kern_moe_bwd_wbf16_fn moe_bwd_wbf16;
+    kern_moe_bwd_w_fn moe_bwd_w; /* a split backward's expert weight gradients (model/lm.h, lm_wstore) */
     kern_moe_fwd_fn moe_bf16_fwd; /* not called by the model directly: see kern_use_bf16_matmuls */
     kern_moe_bwd_fn moe_bf16_bwd;
     kern_moe_fwd_wbf16_fn moe_bf16_fwd_wbf16;
     kern_moe_bwd_wbf16_fn moe_bf16_bwd_wbf16;
+    kern_moe_bwd_w_fn moe_bf16_bwd_w;
     const kern_impl *chosen[KERN_N_OPS]; /* the entries behind the pointers above */
 } kern_ops;
 

@@ -1193,12 +1193,63 @@ static void wdefer_put(lm_model *m, float *dw, const float *dout, const float *i
     if (last && last->layer == s->cur && s->xsrc == in && last->M == M && last->K == K) nx = 0;
     if (s->used + nx + ny > s->size) lm_wstore_reserve(s, 2 * (s->used + nx + ny), 0);
     size_t x = nx ? s->used : last ? last->x : 0;
-    s->rec[s->n++] = (lm_wrec){s->cur, x, s->used + nx, dw, w, M, K, N};
+    s->rec[s->n++] = (lm_wrec){.layer = s->cur, .x = x, .dy = s->used + nx, .dw = dw, .w = w, .M = M, .K = K, .N = N};
     if (nx) memcpy(s->data + s->used, in, nx * sizeof(float));
     memcpy(s->data + s->used + nx, dout, ny * sizeof(float));
     s->xsrc = in;
     s->used += nx + ny;
     if (s->used > s->peak) s->peak = s->used;
+}
+
+/* I of a split backward on a MoE layer's experts (lm.h, lm_wstore): the
+ * experts kernel ran with its weight gradients NULL (d(input) and d topw
+ * only) and left d gate / d up in work; recorded here, copies all, is what
+ * op_moe_experts_bwd_w needs to add dg, du, dd (NULL: frozen) later, on the
+ * same operands: x [BT, H] (ln2, all rows) for gate / up, dout [BT, H] and
+ * the forward's h [BT k, Im] for down, and the routing (perm, topw,
+ * offsets). Copies, not references: h and the routing live in the
+ * micro-batch's bank, which the stage's next forward may refill (or, under
+ * checkpointing, the scratch layer, the next recomputation) before W, and
+ * d gate / d up in the experts' scratch, which the next MoE layer's
+ * backward overwrites. */
+static void wdefer_experts(lm_model *m, float *dg, float *du, float *dd, const float *dout, const lm_layer_acts *a,
+                           const float *work, int BT) {
+    const lm_config *c = &m->cfg;
+    lm_wstore *s = m->wdefer;
+    int H = c->hidden, E = c->n_experts, k = c->top_k, Im = c->moe_intermediate;
+    size_t S = (size_t)BT * k, nx = dg || du ? (size_t)BT * H : 0, nd = dd ? (size_t)BT * H : 0;
+    size_t nh = dd ? S * Im : 0, ng = dg ? S * Im : 0, nu = du ? S * Im : 0, nr = S + (dd ? S : 0) + (size_t)E + 1;
+    size_t need = nx + nd + nh + ng + nu + nr;
+    if (s->n == s->cap) lm_wstore_reserve(s, 0, s->cap ? 2 * s->cap : 64);
+    if (s->used + need > s->size) lm_wstore_reserve(s, 2 * (s->used + need), 0);
+    const moe_route *r = &a->route;
+    lm_wrec *w = &s->rec[s->n++];
+    memset(w, 0, sizeof *w);
+    w->layer = s->cur, w->experts = 1, w->dw = dg, w->dwu = du, w->dwd = dd, w->M = BT, w->K = H, w->N = Im;
+    w->E = E, w->k = k;
+    float *d = s->data;
+    size_t o = s->used;
+    /* each copy at its offset (o advances); an operand not needed keeps offset 0, unread */
+#define WCOPY(field, src, n)                                                                                          \
+    do {                                                                                                              \
+        w->field = o;                                                                                                 \
+        if (n) memcpy(d + o, src, (n) * sizeof(float));                                                               \
+        o += (n);                                                                                                     \
+    } while (0)
+    WCOPY(x, a->ln2, nx);
+    WCOPY(dy, dout, nd);
+    WCOPY(h, a->h, nh);
+    WCOPY(dg, KERN_MOE_DGATE(work, S, Im), ng);
+    WCOPY(du, KERN_MOE_DUP(work, S, Im), nu);
+#undef WCOPY
+    w->route = o; /* perm [S], offsets [E + 1], topw [S] (dd only): int32 as 4 bytes each */
+    memcpy(d + o, r->perm, S * sizeof(int32_t));
+    memcpy(d + o + S, r->offsets, ((size_t)E + 1) * sizeof(int32_t));
+    if (dd) memcpy(d + o + S + E + 1, r->topw, S * sizeof(float));
+    s->used += need;
+    s->xsrc = NULL; /* a dense product after it copies its own input */
+    if (s->used > s->peak) s->peak = s->used;
+    s->n_experts++;
 }
 
 /* matmul_bwd's din[M, K] (+)= dout[M, N] w[N, K] (acc 0: din's first product,
@@ -2910,6 +2961,17 @@ static void shared_gate_bwd(lm_model *m, int l, float *dx, const lm_layer_w *w, 
                (const int[]){1});
 }
 
+/* Whether a split backward's I leaves layer l's expert weight gradients to
+ * W: not under expert parallel (its dispatch runs the kernel per source
+ * rank, whole in I), nor with expert adapters (their dA, dB are reduced from
+ * d(W + s B A) right after the kernel, in I); lm_wstore_floats asks the same
+ * of the tensor table. */
+static int experts_deferred(const lm_model *m, int l) {
+    const lm_layer_w *w = &m->w.layer[l];
+    return m->wdefer && !m->moe_ep && !m->cfg.expert_rows && !w->lora_ea[LM_LORA_EXP_GU] &&
+           !w->lora_ea[LM_LORA_EXP_D];
+}
+
 static float *moe_layer_bwd(lm_model *m, int l, int BT) {
     const lm_config *c = &m->cfg;
     lm_layer_acts *a = &m->act.layer[l];
@@ -2932,10 +2994,13 @@ static float *moe_layer_bwd(lm_model *m, int l, int BT) {
     }
     lm_layer_acts ag = *a;
     ag.ln2 = sp_gather(m, m->ws.sp_x, a->ln2, BT, H);
-    if (m->moe_ep) {
+    if (m->moe_ep) { /* the dispatch's own backward, whole in I (lm.h, lm_wstore) */
         lm_experts_w ew = experts_w(m, eg, eu, ed);
         m->moe_ep->bwd(m->moe_ep->ctx, l, m->ws.d_ln, (float *const[3]){dg, du, dd}, m->ws.moe_dtopw, dy, r, &ew,
                        BT);
+    } else if (experts_deferred(m, l) && (dg || du || dd)) { /* I: d(input) now, the weight gradients in W */
+        experts_h(m, 0, NULL, m->ws.d_ln, NULL, NULL, NULL, m->ws.moe_dtopw, dy, &ag, m->ws.moe_work, eg, eu, ed, BT);
+        wdefer_experts(m, dg, du, dd, dy, &ag, m->ws.moe_work, BT);
     } else
         experts_h(m, 0, NULL, m->ws.d_ln, dg, du, dd, m->ws.moe_dtopw, dy, &ag, m->ws.moe_work, eg, eu, ed, BT);
     experts_adapted_grad(m, w, g);
@@ -3197,12 +3262,47 @@ void lm_stage_backward_weight(lm_model *m, lm_wstore *s, int l0, int l1) {
     /* each layer's inside its hooks, as the fused backward ran them */
     for (int l = l1 - 1; l >= l0; l--) {
         if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
-        for (; k < s->n && (r = &s->rec[k])->layer == l; k++)
-            K(MATMUL, matmul_bwd, NULL, r->dw, s->data + r->dy, s->data + r->x, r->w, r->M, r->K, r->N, 0);
+        for (; k < s->n && (r = &s->rec[k])->layer == l; k++) {
+            if (!r->experts) {
+                K(MATMUL, matmul_bwd, NULL, r->dw, s->data + r->dy, s->data + r->x, r->w, r->M, r->K, r->N, 0);
+                continue;
+            }
+            /* the experts' [E, ...] gradients, from I's copies (wdefer_experts), with
+             * the experts' scratch as the op's work (free between two layers' ops) */
+            const float *d = s->data;
+            const int32_t *perm = (const int32_t *)(d + r->route), *off = perm + (size_t)r->M * r->k;
+            const float *topw = d + r->route + (size_t)r->M * r->k + r->E + 1;
+            K(MOE, moe_bwd_w, r->dw, r->dwu, r->dwd, m->ws.moe_work, d + r->dy, d + r->x, d + r->h, d + r->dg,
+              d + r->du, perm, off, topw, r->M, r->K, r->N, r->E, r->k);
+        }
         if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
     }
     s->n = 0;
     s->used = 0;
+    s->n_experts = 0;
+}
+
+/* What wdefer_experts copies for layer l's experts, from the table: each
+ * token takes exactly top_k experts, so the permuted rows are rows k
+ * whatever the routing (only their split between experts varies, and the
+ * copies hold all of them at once). x [rows, H] for trained gate or up, d
+ * gate / d up [rows k, Im] each trained, dout [rows, H], h [rows k, Im] and
+ * topw [rows k] for trained down, perm [rows k] and offsets [E + 1]. */
+static size_t experts_store_floats(const lm_model *m, int l, size_t rows) {
+    const lm_config *c = &m->cfg;
+    if (c->expert_rows || !lm_layer_is_moe(c, l)) return 0;
+    int tg = 0, tu = 0, td = 0;
+    for (int i = 0; i < m->n_tensors; i++) {
+        const lm_tensor *t = &m->tensors[i];
+        if (t->layer != l) continue;
+        if (t->slot == LM_S_LORA_EA && (t->expert == LM_LORA_EXP_GU || t->expert == LM_LORA_EXP_D)) return 0;
+        if (t->frozen || t->expert != 0) continue; /* a projection's experts are trained or frozen together */
+        tg |= t->slot == LM_S_EXP_G, tu |= t->slot == LM_S_EXP_U, td |= t->slot == LM_S_EXP_D;
+    }
+    if (!tg && !tu && !td) return 0;
+    size_t S = rows * (size_t)c->top_k, H = (size_t)c->hidden, Im = (size_t)c->moe_intermediate;
+    return (tg || tu ? rows * H : 0) + (size_t)(tg + tu) * S * Im + (td ? rows * H + S * Im + S : 0) + S +
+           (size_t)c->n_experts + 1;
 }
 
 size_t lm_wstore_floats(const lm_model *m, int l0, int l1, size_t rows) {
@@ -3226,7 +3326,7 @@ size_t lm_wstore_floats(const lm_model *m, int l0, int l1, size_t rows) {
         /* the shared gate reads the shared expert's input: a copy of its own only
          * where that expert's gate and up record nothing */
         if (shared_gate && !gu) gu = (size_t)m->cfg.hidden;
-        total += rows * (qkv + gu);
+        total += rows * (qkv + gu) + experts_store_floats(m, l, rows);
     }
     return total;
 }

@@ -808,24 +808,40 @@ double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, con
  * widths) + 3 intermediate (each its rank's share under TP). The lm_head's
  * dW stays in I: deferring it would keep d(logits) [B T, V] whole, which
  * the fused head + loss never holds (1.2 GB a 2048-token micro-batch at
- * Qwen3's vocabulary). W
- * (lm_stage_backward_weight) replays those records, dW += dy^T x with the
- * same GEMM call, layer by layer inside the hooks' pre/post_backward (FSDP
+ * Qwen3's vocabulary). A MoE layer's routed experts are deferred too: the
+ * experts kernel runs with its weight gradients NULL and I records copies
+ * of the operands of its weight-gradient half (op_moe_experts_bwd_w): x and
+ * dout [B T, H], h, d gate, d up [B T k, Im], and the routing (perm, topw
+ * [B T k], offsets [E + 1]); copies, as h and the routing sit in the bank
+ * or checkpointing scratch and d gate / d up in the experts' scratch, all
+ * refilled before W. Not under expert parallel (ep.c runs the kernel per
+ * source rank) nor with expert adapters (their dA, dB follow the kernel in
+ * I). W (lm_stage_backward_weight) replays those records, dW += dy^T x with
+ * the same GEMM call (the experts: op_moe_experts_bwd_w, the same grouped
+ * GEMMs), layer by layer inside the hooks' pre/post_backward (FSDP
  * reduces each layer's gradients there), and empties the store. The rest
- * stays in I: the lm_head, norms, q/k norms, biases, the router, the experts, LoRA's
+ * stays in I: the lm_head, norms, q/k norms, biases, the router, LoRA's
  * adapters and the embedding (they are small, or read state that the next
  * backward overwrites). I then W gives the fused backward's bits: the same
  * products on the same values, each dW's sum in the same order. */
 typedef struct {
     int layer;         /* the layer whose backward recorded it */
-    size_t x, dy;      /* offsets into data of the input [M, K] and d(output) [M, N] copies */
-    float *dw;         /* [N, K], added to */
-    const float *w;    /* the weight: the kernel's argument, unread without d(input) */
-    int M, K, N;
+    int experts;       /* 0: a dense projection's dW += dy^T x; 1: a MoE layer's experts (op_moe_experts_bwd_w) */
+    size_t x, dy;      /* offsets into data of the input [M, K] and d(output) [M, N] copies (experts: x and
+                          dout [M, K], M tokens, K = H) */
+    float *dw;         /* [N, K], added to (experts: d gate_proj [E, N, K], NULL: frozen) */
+    const float *w;    /* the weight: the kernel's argument, unread without d(input) (experts: NULL) */
+    int M, K, N;       /* experts: tokens, hidden, moe_intermediate */
+    /* experts only: d up_proj [E, N, K] and d down_proj [E, K, N] (NULL: frozen); offsets of the
+     * copies of h, d gate, d up [M k, N] and of the routing (perm [M k], offsets [E + 1], topw [M k]) */
+    float *dwu, *dwd;
+    size_t h, dg, du, route;
+    int E, k;
 } lm_wrec;
 typedef struct lm_wstore {
     lm_wrec *rec;
     int n, cap, cur;   /* records, their room, the layer the backward is in */
+    int n_experts;     /* of the records, the MoE experts' (emptied by W) */
     float *data;
     size_t used, size; /* floats */
     size_t peak;       /* most floats held at once since created */
@@ -838,7 +854,10 @@ void lm_wstore_free(lm_wstore *s);
  * read from m's table as the recording does: each trained dense projection
  * [N, K] copies d(output) [rows, N] and its input [rows, K], one input for a
  * layer's q/k/v, one for its gate/up (and a shared expert's gate beside
- * them). pp.c sizes each store with it; the dry run prints it. */
+ * them), and a deferred experts record's copies (above): each token takes
+ * exactly top_k experts, so its B T k permuted rows are known before the
+ * forward and the figure is exact whatever the routing. pp.c sizes each
+ * store with it; the dry run prints it. */
 size_t lm_wstore_floats(const lm_model *m, int l0, int l1, size_t rows);
 /* Room for floats (and the records of layers l0 .. l1-1) before the first I,
  * so a store takes what it holds rather than a doubled buffer. */

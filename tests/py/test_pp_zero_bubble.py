@@ -3,7 +3,7 @@ ScheduleInterleavedZeroBubble, ZB1P) and ZBVZeroBubble (ScheduleZBVZeroBubble, Z
 parallelism.pipeline_parallel_schedule.
 
 Each stage's backward runs as two actions: I, d(input), sent upstream when it ends, and W,
-the weight gradients of the dense projections and the lm_head, replayed later from what I
+the weight gradients of the dense projections and the MoE experts, replayed later from what I
 recorded (model/lm.h, lm_wstore; tests/c/model/test_lm_wsplit.c shows I then W is the fused
 backward bit for bit). Each rank holds 2 stages: InterleavedZeroBubble as Interleaved1F1B
 (rank r: stages r and r + P), ZBVZeroBubble in a V (rank r: stages r and 2P-1-r, so rank 0
@@ -254,6 +254,30 @@ def test_zero_bubble_moe_aux_loss_matches_one_process(setup, single, sched):
         for k in ("grad_norm", "aux_loss"):
             assert abs(got[s][k] - want[s][k]) <= 1e-5 * abs(want[s][k]), \
                 f"step {s} {k} {got[s][k]!r} vs one process {want[s][k]!r}"
+
+
+def test_zero_bubble_defers_the_experts_bit_for_bit(setup):
+    """Qwen3-MoE (layers 1-3 sparse, the aux loss in the gradient): I leaves the routed experts'
+    gate / up / down gradients to W too (model/lm.h lm_wstore, op_moe_experts_bwd_w), and W adds
+    the fused backward's bits. InterleavedZeroBubble runs the stages Interleaved1F1B runs, on
+    the same ranks, with each stage's micro-batches in the same order, but its backward split:
+    losses, gradient norms and final weights (experts included) equal Interleaved1F1B's exactly.
+    (tests/c/model/test_lm_wsplit.c checks the same per stage, and that I alone leaves the experts'
+    gradients untouched; test_pp_zero_bubble_store_sizes.py the stores' sizes with experts.)"""
+    from test_dist import weights
+    split, _ = pp_run(setup, "zb_moe_aux_split", 2, f"{PP}=2", f"{SCHED}=InterleavedZeroBubble", f"{MB}=1",
+                      model="model_moe_aux")
+    fused, _ = pp_run(setup, "zb_moe_aux_fused", 2, f"{PP}=2", f"{SCHED}=Interleaved1F1B", f"{MB}=1",
+                      model="model_moe_aux")
+    keys = ("loss", "grad_norm", "aux_loss")
+    got = [{k: r[k] for k in keys} for r in oracle.read_metrics(split / "metrics.jsonl") if "loss" in r]
+    want = [{k: r[k] for k in keys} for r in oracle.read_metrics(fused / "metrics.jsonl") if "loss" in r]
+    assert got and got == want, (got, want)
+    a, b = weights(split), weights(fused)
+    assert any(".mlp.experts." in k for k in b), sorted(b)[:8]
+    assert a.keys() == b.keys()
+    bad = [k for k in b if a[k].tobytes() != b[k].tobytes()]
+    assert not bad, f"final weights differ from the non-split backward's: {bad[:6]}"
 
 
 @pytest.mark.parametrize("sched", RUN_SCHEDS)

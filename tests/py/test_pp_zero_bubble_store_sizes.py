@@ -15,7 +15,9 @@ layouts and tensor tables lm_wstore_floats reads (review9):
 
 Per trained projection [N, K] a store holds d(output) [rows, N], plus its input [rows, K] for
 o_proj / down_proj and one input [rows, H] per layer for q/k/v and one for gate/up (with the
-shared gate). Each local stage keeps the most I's its order has waiting for their W. A run
+shared gate); a sparse layer's routed experts their input and d(output) [rows, H], h, d gate and
+d up [rows top_k, Im], and the routing (topw, perm [rows top_k], offsets [E + 1]).
+Each local stage keeps the most I's its order has waiting for their W. A run
 checks that the dry run's bytes are what a run allocates (its `their N buffers take B bytes`)."""
 import re
 
@@ -71,7 +73,13 @@ def layer_floats(cfg, layer, rows, tp, frozen):
         total += N + (K if group is None else 0)
         if group:
             groups.add(group)
-    return rows * (total + H * len(groups))
+    experts = 0
+    if sparse and "experts" not in frozen:
+        # the routed experts (op_moe_experts_bwd_w's operands): x and dout [rows, H], h, d gate, d up
+        # [rows k, Im], topw and perm [rows k], offsets [E + 1]; every token takes exactly k experts
+        S, Im = rows * cfg.num_experts_per_tok, cfg.moe_intermediate_size // tp
+        experts = 2 * rows * H + 3 * S * Im + 2 * S + cfg.num_experts + 1
+    return rows * (total + H * len(groups)) + experts
 
 
 def most_pending(P, r):

@@ -1379,6 +1379,24 @@ static void case_moe(chk_case *c, const kern_impl *ref, const kern_impl *im, con
                    k);
     part(c, "dw=NULL dx", rel_err(dx3, dx0, nx));
     part(c, "dw=NULL dtopw", rel_err(dt3, dt2, S));
+    /* a zero-bubble pipeline's split backward: I (the weight gradients NULL) leaves d gate
+     * and d up in work, W (bwd_w) adds the weight gradients from them; both from the same
+     * starting gradients as the fused backward above, which they must give */
+    if (im->fn.moe.bwd_w) {
+        float *sg = fbuf(nw), *su = fbuf(nw), *sd = fbuf(nw), *fg = fbuf(nw), *fu = fbuf(nw), *fd = fbuf(nw);
+        fill(fg, nw, r, -1, 1), fill(fu, nw, r, -1, 1), fill(fd, nw, r, -1, 1);
+        memcpy(sg, fg, nw * sizeof *sg), memcpy(su, fu, nw * sizeof *su), memcpy(sd, fd, nw * sizeof *sd);
+        im->fn.moe.bwd(dx3, fg, fu, fd, dt3, work, dout, x, wg, wu, wd, g1, u1, h1, perm, pos, off, topw, N, H, I,
+                       E, k);
+        im->fn.moe.bwd(dx3, NULL, NULL, NULL, dt3, work, dout, x, wg, wu, wd, g1, u1, h1, perm, pos, off, topw, N, H,
+                       I, E, k);
+        float *dgt = dup(KERN_MOE_DGATE(work, S, I), ns), *dup_ = dup(KERN_MOE_DUP(work, S, I), ns);
+        fill_nan(work, KERN_MOE_WORK(S, H, I)); /* W reads nothing else I left there */
+        im->fn.moe.bwd_w(sg, su, sd, work, dout, x, h1, dgt, dup_, perm, off, topw, N, H, I, E, k);
+        double eg = rel_err(sg, fg, nw), eu = rel_err(su, fu, nw), ed = rel_err(sd, fd, nw);
+        part(c, "I then W", eg > eu ? (eg > ed ? eg : ed) : (eu > ed ? eu : ed));
+        free(sg), free(su), free(sd), free(fg), free(fu), free(fd), free(dgt), free(dup_);
+    }
     free(dx3), free(dt3), free(dx0);
     if (ref->fn.moe.fwd_wbf16) /* last, as case_matmul's wbf16 part */
         case_moe_wbf16(c, ref, im, N, H, I, E, k, perm, pos, off, topw, x, wg, wu, wd, dout, r);

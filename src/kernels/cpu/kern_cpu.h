@@ -306,7 +306,10 @@ void kern_matmul_bwd_openblas(float *dinp, float *dw, const float *dout, const f
                                   const float *wd, const uint16_t *hg, const uint16_t *hu, const uint16_t *hd,       \
                                   const float *gate, const float *up, const float *h, const int32_t *perm,           \
                                   const int32_t *pos, const int32_t *offsets, const float *topw, int N, int H,       \
-                                  int Im, int E, int k);
+                                  int Im, int E, int k);                                                             \
+    void kern_moe_bwd_w_##SUF(float *dwg, float *dwu, float *dwd, float *work, const float *dout, const float *x,  \
+                              const float *h, const float *dgate, const float *dup, const int32_t *perm,             \
+                              const int32_t *offsets, const float *topw, int N, int H, int Im, int E, int k);
 #if defined(__x86_64__)
 KERN_MOE_DECL(avx512) /* moe_experts "grouped_avx512" (fp32) */
 KERN_MOE_DECL(avx2)   /* moe_experts "grouped_avx2" (fp32) */

@@ -249,10 +249,10 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
                     const float *up, const float *h, const int32_t *perm, const int32_t *pos, const int32_t *offsets,
                     const float *topw, int N, int H, int I, int E, int k) {
     long S = (long)N * k;
-    float *G = work;              /* [S, H] dout in expert order, then w * dout, then the gathered x */
-    float *Pm = G + (size_t)S * H; /* [S, I] wd_e^T dout, then d gate */
-    float *du = Pm + (size_t)S * I; /* [S, I] d up */
-    float *dxg = du + (size_t)S * I; /* [S, H] d x in expert order */
+    float *Pm = KERN_MOE_DGATE(work, S, I); /* [S, I] wd_e^T dout, then d gate (left there: ops.h) */
+    float *du = KERN_MOE_DUP(work, S, I);   /* [S, I] d up (left there too) */
+    float *G = du + (size_t)S * I;         /* [S, H] dout in expert order, then w * dout, then the gathered x */
+    float *dxg = G + (size_t)S * H;         /* [S, H] d x in expert order */
     gather(G, dout, perm, S, k, H);
     moe_job job = {G, wd, Pm, 0, hd};
     grouped_gemm(ar, MOE_NN, offsets, E, H, I, &job, 1, 0);
@@ -298,9 +298,47 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
     }
 }
 
-/* The four entries of one implementation on arch expression AR (evaluated
+/* G[S, H] = w * dout in expert order: moe_bwd's d(output) of the down projection */
+static void gather_scaled(float *G, const float *dout, const int32_t *perm, const float *topw, long S, int k, int H) {
+    gather(G, dout, perm, S, k, H);
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long p = 0; p < S; p++) {
+            float w = topw[perm[p]], *gr = G + (size_t)p * H;
+            for (int c = 0; c < H; c++) gr[c] *= w; /* the product moe_bwd forms: the same bits */
+        }
+        KERN_TRACE_EXIT(kt_);
+    }
+}
+
+/* moe_bwd's weight gradients alone (op_moe_experts_bwd_w), from the d gate /
+ * d up it left: its operands rebuilt with the same gathers and products and
+ * its grouped TN GEMMs with the same jobs, so each element is the same GEMM's
+ * sum over the same rows, in the same order. */
+static void moe_bwd_w(const gemm_arch *ar, float *dwg, float *dwu, float *dwd, float *work, const float *dout,
+                      const float *x, const float *h, const float *dgate, const float *dup, const int32_t *perm,
+                      const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    long S = (long)N * k;
+    float *G = work; /* [S, H] w * dout in expert order, then the gathered x */
+    if (dwd) {
+        gather_scaled(G, dout, perm, topw, S, k, H);
+        moe_job dd = {G, h, dwd, 1, NULL};
+        grouped_gemm(ar, MOE_TN, offsets, E, H, I, &dd, 1, 0);
+    }
+    if (!dwg && !dwu) return;
+    gather(G, x, perm, S, k, H);
+    moe_job dgu[2] = {{dgate, G, dwg, 1, NULL}, {dup, G, dwu, 1, NULL}};
+    if (dwg && dwu) grouped_gemm(ar, MOE_TN, offsets, E, I, H, dgu, 2, 0);
+    else grouped_gemm(ar, MOE_TN, offsets, E, I, H, dwg ? &dgu[0] : &dgu[1], 1, 0);
+}
+
+/* The five entries of one implementation on arch expression AR (evaluated
  * in each, as a gemm_arch value) with SwiGLU backward DACT: fwd / bwd of the
- * op, and their wbf16 forms (ops.h), which only pass the bf16 views on. */
+ * op, their wbf16 forms (ops.h), which only pass the bf16 views on, and the
+ * split backward's weight gradients (bwd_w). */
 #define MOE_ENTRIES(SUF, AR, DACT)                                                                                     \
     void kern_moe_fwd_##SUF(float *out, float *gate, float *up, float *h, float *work, const float *x,                 \
                             const float *wg, const float *wu, const float *wd, const int32_t *perm,                    \
@@ -335,6 +373,12 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
         gemm_arch ar = AR;                                                                                             \
         moe_bwd(&ar, DACT, dx, dwg, dwu, dwd, dtopw, work, dout, x, wg, wu, wd, hg, hu, hd, gate, up, h, perm, pos,    \
                 offsets, topw, N, H, I, E, k);                                                                         \
+    }                                                                                                                  \
+    void kern_moe_bwd_w_##SUF(float *dwg, float *dwu, float *dwd, float *work, const float *dout, const float *x,      \
+                              const float *h, const float *dgate, const float *dup, const int32_t *perm,               \
+                              const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {          \
+        gemm_arch ar = AR;                                                                                             \
+        moe_bwd_w(&ar, dwg, dwu, dwd, work, dout, x, h, dgate, dup, perm, offsets, topw, N, H, I, E, k);               \
     }
 
 #if defined(__x86_64__)

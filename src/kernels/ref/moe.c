@@ -88,11 +88,11 @@ static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dt
                         const float *x, wsrc wg, wsrc wu, wsrc wd, const float *gate, const float *up, const float *h,
                         const int32_t *perm, const int32_t *pos, const int32_t *offsets, const float *topw, int N,
                         int H, int I, int E, int k, int bf) {
-    // dx[N,H] +=, dwg/dwu [E,I,H] +=, dwd [E,H,I] +=, dtopw[N*k] =, work [3I]
+    // dx[N,H] +=, dwg/dwu [E,I,H] +=, dwd [E,H,I] +=, dtopw[N*k] =, work: d gate, d up [N*k, I]
     (void)pos;
-    (void)N;
-    float *dh = work, *dg = work + I, *du = work + 2 * (size_t)I; /* [I] each */
-    size_t n = (size_t)I * H;
+    size_t n = (size_t)I * H, S = (size_t)N * k;
+    float *dh = ct_malloc((size_t)(I ? I : 1) * sizeof(float)); /* [I] one row's wd_e^T dout */
+    float *dga = KERN_MOE_DGATE(work, S, I), *dua = KERN_MOE_DUP(work, S, I); /* kept for op_moe_experts_bwd_w */
     float *sc = expert_scratch(wg, wu, wd, n);
     for (int e = 0; e < E; e++) {
         if (offsets[e + 1] == offsets[e]) continue; /* no rows: no gradient either */
@@ -104,6 +104,7 @@ static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dt
             int s = perm[p], t = s / k;
             const float *xt = x + (size_t)t * H, *dot_ = dout + (size_t)t * H;
             const float *gp = gate + (size_t)p * I, *upp = up + (size_t)p * I, *hp = h + (size_t)p * I;
+            float *dg = dga + (size_t)p * I, *du = dua + (size_t)p * I;
             float w = topw[s];
             /* y = wd_e h; out += w y: dy = w dout, dw = dout . y = (wd_e^T dout) . h */
             for (int i = 0; i < I; i++) {
@@ -134,6 +135,51 @@ static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dt
         }
     }
     free(sc);
+    free(dh);
+}
+
+/* experts_bwd's weight-gradient products alone, on the d gate / d up it kept
+ * in its work: each element's terms in the same row order, the same factors. */
+static void experts_bwd_w(float *dwg, float *dwu, float *dwd, const float *dout, const float *x, const float *h,
+                          const float *dga, const float *dua, const int32_t *perm, const int32_t *offsets,
+                          const float *topw, int H, int I, int E, int k, int bf) {
+    // dwg/dwu [E,I,H] +=, dwd [E,H,I] +=; dout, x [N,H]; h, dga, dua [N*k, I]
+    for (int e = 0; e < E; e++) {
+        float *dg_e = dwg ? dwg + (size_t)e * I * H : NULL, *du_e = dwu ? dwu + (size_t)e * I * H : NULL;
+        float *dd_e = dwd ? dwd + (size_t)e * H * I : NULL;
+        for (int p = offsets[e]; p < offsets[e + 1]; p++) {
+            int s = perm[p], t = s / k;
+            const float *xt = x + (size_t)t * H, *dot_ = dout + (size_t)t * H, *hp = h + (size_t)p * I;
+            float w = topw[s];
+            for (int c = 0; dd_e && c < H; c++) {
+                float dy = rb(w * dot_[c], bf);
+                for (int i = 0; i < I; i++) dd_e[(size_t)c * I + i] += dy * rb(hp[i], bf);
+            }
+            for (int i = 0; (dg_e || du_e) && i < I; i++) {
+                float dgi = dg_e ? rb(dga[(size_t)p * I + i], bf) : 0, dui = du_e ? rb(dua[(size_t)p * I + i], bf) : 0;
+                for (int c = 0; c < H; c++) {
+                    float xc = rb(xt[c], bf);
+                    if (dg_e) dg_e[(size_t)i * H + c] += dgi * xc;
+                    if (du_e) du_e[(size_t)i * H + c] += dui * xc;
+                }
+            }
+        }
+    }
+}
+
+void op_moe_experts_bwd_w(float *dwg, float *dwu, float *dwd, float *work, const float *dout, const float *x,
+                          const float *h, const float *dgate, const float *dup, const int32_t *perm,
+                          const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    (void)work;
+    (void)N;
+    experts_bwd_w(dwg, dwu, dwd, dout, x, h, dgate, dup, perm, offsets, topw, H, I, E, k, 0);
+}
+void op_moe_experts_bf16_bwd_w(float *dwg, float *dwu, float *dwd, float *work, const float *dout, const float *x,
+                               const float *h, const float *dgate, const float *dup, const int32_t *perm,
+                               const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
+    (void)work;
+    (void)N;
+    experts_bwd_w(dwg, dwu, dwd, dout, x, h, dgate, dup, perm, offsets, topw, H, I, E, k, 1);
 }
 
 #define W3H(g, u, d, a, b, c) (wsrc){g, a}, (wsrc){u, b}, (wsrc){d, c}

@@ -12,16 +12,30 @@
 #include <string.h>
 
 #include "check.h"
+#include "kernels/registry.h"
 #include "model/lm.h"
 
 enum { B = 2, T = 8 };
 
-static lm_config tiny(int tied) {
+/* The name of the tensor holding parameter i (a failure's first difference). */
+static const char *lm_tensor_at(const lm_model *m, size_t i) {
+    for (int t = 0; t < m->n_tensors; t++)
+        if (i >= m->tensors[t].offset && i < m->tensors[t].offset + m->tensors[t].numel) return m->tensors[t].name;
+    return "?";
+}
+
+/* moe: 0 dense; 1 every other layer sparse (1 of 3: layer 1), 4 experts top 2; 2 the same with
+ * qwen2_moe's shared expert beside the experts */
+static lm_config tiny(int tied, int moe) {
     lm_config c;
     memset(&c, 0, sizeof c);
     c.vocab_size = 37, c.hidden = 16, c.intermediate = 24, c.n_layers = 3, c.n_heads = 4, c.n_kv_heads = 2;
     c.head_dim = 8, c.max_pos = 64, c.rope_theta = 1e4, c.rms_eps = 1e-6, c.decoder_sparse_step = 1;
     c.tie_embeddings = tied;
+    if (moe) {
+        c.n_experts = 4, c.top_k = 2, c.moe_intermediate = 12, c.norm_topk_prob = 1, c.decoder_sparse_step = 2;
+        c.shared_intermediate = moe == 2 ? 20 : 0;
+    }
     snprintf(c.name, sizeof c.name, "tiny");
     c.lazy_buffers = 1;
     return c;
@@ -30,7 +44,7 @@ static lm_config tiny(int tied) {
 /* Two micro-batches through layers [l0, l1): forward, then the backward
  * fused (split 0) or as I then W; the gradients in m->grads, each
  * micro-batch's d(input) in d_in. */
-static void run(lm_model *m, int l0, int l1, int split, float *d_in, int skip_w) {
+static void run(lm_model *m, int l0, int l1, int split, float *d_in, int skip_w, int *n_exp) {
     int L = m->cfg.n_layers, H = m->cfg.hidden;
     size_t n = (size_t)B * T * H;
     int32_t tok[B * T], lab[B * T];
@@ -50,50 +64,78 @@ static void run(lm_model *m, int l0, int l1, int split, float *d_in, int skip_w)
     }
     if (split && !skip_w) CHECK(st.n == 0 && st.used == 0, "W leaves its store empty (%d records)", st.n);
     if (split) CHECK(st.peak > 0, "I recorded the projections' products");
+    if (split && skip_w) /* one experts record per sparse layer of the stage and micro-batch */
+        for (int l = l0; l < l1; l++) *n_exp -= 2 * lm_layer_is_moe(&m->cfg, l);
+    if (split && skip_w) *n_exp += st.n_experts;
     lm_wstore_free(&st);
     free(x);
     free(xo);
     free(dy);
 }
 
-static void check_split(int tied, int l0, int l1) {
+/* kmode: the model's kernels, 0 the references (lm_create's), 1 the machine's default choice (the grouped
+ * experts), 2 that under bf16 mixed precision (moe_experts_bf16) */
+static void check_split_k(int tied, int moe, int l0, int l1, int kmode) {
     lm_model m;
     ct_err e;
-    lm_config c = tiny(tied);
+    lm_config c = tiny(tied, moe);
     CHECK(lm_create(&m, &c, B, T, &e) == 0, "%s", e.msg);
+    if (kmode) CHECK(kern_select(&m.k, NULL, NULL, 0, &e) == 0, "kern_select: %s", e.msg);
+    if (kmode == 2) kern_use_bf16_matmuls(&m.k);
     lm_init_random(&m, 7);
     size_t n = (size_t)2 * B * T * c.hidden;
     float *g0 = malloc(m.n_params * sizeof(float)), *d0 = calloc(n, sizeof(float)), *d1 = calloc(n, sizeof(float));
-    run(&m, l0, l1, 0, d0, 0);
+    int n_exp = 0;
+    run(&m, l0, l1, 0, d0, 0, &n_exp);
     memcpy(g0, m.grads, m.n_params * sizeof(float));
-    run(&m, l0, l1, 1, d1, 0);
+    run(&m, l0, l1, 1, d1, 0, &n_exp);
     size_t bad = 0, first = 0;
     for (size_t i = 0; i < m.n_params; i++)
         if (memcmp(&g0[i], &m.grads[i], sizeof(float)) && !bad++) first = i;
-    CHECK(!bad, "tied %d layers [%d, %d): I then W differs from the fused backward in %zu gradients (first at %zu: %g "
-          "vs %g)", tied, l0, l1, bad, first, bad ? m.grads[first] : 0.0, bad ? g0[first] : 0.0);
-    if (l0 > 0) CHECK(!memcmp(d0, d1, n * sizeof(float)), "tied %d layers [%d, %d): d(input) differs", tied, l0, l1);
+    CHECK(!bad, "kernels %d tied %d moe %d layers [%d, %d): I then W differs from the fused backward in %zu "
+          "gradients (first at %zu, %s: %g vs %g)", kmode, tied, moe, l0, l1, bad, first, bad ? lm_tensor_at(&m, first) : "", bad ?
+          m.grads[first] : 0.0, bad ? g0[first] : 0.0);
+    if (l0 > 0)
+        CHECK(!memcmp(d0, d1, n * sizeof(float)), "tied %d moe %d layers [%d, %d): d(input) differs", tied, moe, l0,
+              l1);
     /* I alone: every projection's dW is still to come */
-    run(&m, l0, l1, 1, d1, 1);
-    const lm_tensor *t = lm_find(&m, "model.layers.1.self_attn.q_proj.weight");
-    CHECK(t != NULL, "q_proj of layer 1");
-    double s = 0, s0 = 0;
-    for (size_t i = 0; t && i < t->numel; i++) s += fabs(m.grads[t->offset + i]), s0 += fabs(g0[t->offset + i]);
-    CHECK(s == 0 && s0 > 0, "I alone: q_proj's gradient %g (fused %g)", s, s0);
+    run(&m, l0, l1, 1, d1, 1, &n_exp);
+    CHECK(n_exp == 0, "moe %d layers [%d, %d): I recorded %d experts records too few (one per sparse layer and "
+          "micro-batch)", moe, l0, l1, -n_exp);
+    static const char *const deferred[] = {"model.layers.1.self_attn.q_proj.weight",
+                                           "model.layers.1.mlp.experts.0.gate_proj.weight",
+                                           "model.layers.1.mlp.experts.3.up_proj.weight",
+                                           "model.layers.1.mlp.experts.2.down_proj.weight"};
+    for (int d = 0; d < (moe ? 4 : 1); d++) {
+        const lm_tensor *t = lm_find(&m, deferred[d]);
+        CHECK(t != NULL, "%s", deferred[d]);
+        double s = 0, s0 = 0;
+        for (size_t i = 0; t && i < t->numel; i++) s += fabs(m.grads[t->offset + i]), s0 += fabs(g0[t->offset + i]);
+        CHECK(s == 0 && s0 > 0, "I alone: %s's gradient %g (fused %g)", deferred[d], s, s0);
+    }
     free(g0);
     free(d0);
     free(d1);
     lm_free(&m);
 }
 
+static void check_split(int tied, int moe, int l0, int l1) { check_split_k(tied, moe, l0, l1, 0); }
+
 int main(void) {
-    check_split(0, 0, 3); /* the whole model: the embedding, the layers and the head */
+    check_split(0, 0, 0, 3); /* the whole model: the embedding, the layers and the head */
     /* tied: the head's dW lands in the embedding's gradient; both stay in I, in the fused
      * backward's order, so even one stage holding both is bit-identical */
-    check_split(1, 0, 3);
-    check_split(1, 1, 3);
-    check_split(1, 0, 2);
-    check_split(0, 1, 3); /* a last stage: from x_in, d(input) out */
-    check_split(0, 1, 2); /* a middle stage: from d_out */
+    check_split(1, 0, 0, 3);
+    check_split(1, 0, 1, 3);
+    check_split(1, 0, 0, 2);
+    check_split(0, 0, 1, 3); /* a last stage: from x_in, d(input) out */
+    check_split(0, 0, 1, 2); /* a middle stage: from d_out */
+    /* MoE (layer 1 sparse): the experts' gate / up / down gradients deferred too, the
+     * router and the shared expert's gate with them in their own halves */
+    check_split(0, 1, 0, 3);
+    check_split(0, 1, 1, 2);
+    check_split(0, 2, 1, 3);
+    check_split_k(0, 2, 1, 3, 1); /* the grouped experts (op_moe_experts_bwd_w's own GEMMs) */
+    check_split_k(0, 1, 0, 2, 2);
     return CHECK_DONE();
 }
