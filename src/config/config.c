@@ -65,6 +65,7 @@ static const char *const cfg_specs[] = {"qwen3", "hf", NULL};
 static const char *const cfg_optimizers[] = {"AdamW", "Adam", NULL};
 static const char *const cfg_decay_types[] = {"linear", "sqrt", "cosine", NULL};
 static const char *const cfg_export_dtypes[] = {"float32", "bfloat16", "float16", NULL};
+static const char *const cfg_async_modes[] = {"disabled", "async", "async_with_pinned_mem", NULL};
 static const char *const cfg_dataset_kinds[] = {"auto", "text", "jsonl", "chat", "tokens", NULL};
 static const char *const cfg_pp_schedules[] = {"1F1B",          "GPipe",         "Interleaved1F1B", "LoopedBFS",
                                                 "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", NULL};
@@ -287,10 +288,10 @@ static const cfg_option cfg_options[] = {
         .help = "write the final checkpoint as a Hugging Face model directory"),
     OPT("checkpoint", "export_dtype", CFG_ENUM, export_dtype, "float32",
         .choices = cfg_export_dtypes, .help = "dtype of exported weights"),
-    OPT("checkpoint", "async_mode", CFG_STR, tt.async_mode, "disabled", .inert = 1, .noop = "disabled",
-        .instead = "ctitan saves checkpoints synchronously, between steps",
-        .help = "torchtitan's asynchronous checkpointing: ctitan saves synchronously, so only \"disabled\" is "
-                "taken"),
+    OPT("checkpoint", "async_mode", CFG_ENUM, ckpt_async_mode, "disabled", .choices = cfg_async_modes,
+        .help = "\"async\": a save between steps stages a copy of the checkpoint and a background thread writes it "
+                "while training goes on (the next save, the end of the run and its exits wait for it); "
+                "\"async_with_pinned_mem\" is the same on CPU; the run's last save stays synchronous"),
     OPT("checkpoint", "initial_load_model_only", CFG_BOOL, tt.initial_model_only, "true", .inert = 1,
         .noop = "true",
         .instead = "checkpoint.initial_load_path loads Hugging Face weights only (the model); a training "

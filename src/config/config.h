@@ -86,6 +86,7 @@ typedef struct {
     int initial_load_in_hf;   /* false */
     int last_save_in_hf;      /* false */
     char *export_dtype;       /* "float32" | "bfloat16" | "float16" */
+    char *ckpt_async_mode;    /* checkpoint.async_mode: "disabled" | "async" | "async_with_pinned_mem" */
     /* [metrics] */
     int log_freq;             /* 10 */
     char *metrics_file;       /* "metrics.jsonl" (relative to dump_folder); "" disables */
@@ -154,7 +155,6 @@ typedef struct {
         char *f8_grouped_fqns;      /* quantize.grouped_mm.float8.fqns: only empty */
         int comm_init_timeout;      /* comm.init_timeout_seconds: any */
         int comm_train_timeout;     /* comm.train_timeout_seconds: any */
-        char *async_mode;           /* checkpoint.async_mode: "disabled" */
         int initial_model_only;     /* checkpoint.initial_load_model_only: true */
         int async_tp;               /* parallelism.enable_async_tensor_parallel: false */
         int etp;                    /* parallelism.expert_tensor_parallel_degree: 1 (or tensor_parallel_degree) */

@@ -737,6 +737,9 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
 }
 
 void trainer_free(trainer *t) {
+    ct_err we = {0};
+    if (trainer_save_wait(t, 0, &we)) /* trainer_run waits; this is for a caller that did not run it out */
+        fprintf(stderr, "ctitan: error: the checkpoint in the background failed: %s\n", we.msg);
     ds_close(t->val);
     ds_close(t->data);
     tok_free(t->tk);
@@ -1409,7 +1412,9 @@ int trainer_run(trainer *t, ct_err *e) {
             int due = (last && !c->last_save_in_hf) || (!last && step % c->ckpt_interval == 0) ||
                       (step == 1 && c->first_step_ckpt);
             int model_only = last && c->last_save_model_only;
-            if (due && (rc = trainer_save(t, data, model_only, e))) goto out;
+            /* checkpoint.async_mode: a save between steps is written in the background; the last one is not
+             * (the run ends at it: nothing to overlap) */
+            if (due && (rc = last ? trainer_save(t, data, model_only, e) : trainer_save_async(t, data, e))) goto out;
             saved_full = due && !model_only;
         }
         /* A signal that came during this step's validation or save (seconds, where
@@ -1422,17 +1427,26 @@ int trainer_run(trainer *t, ct_err *e) {
             comm_allreduce(t->world, &sig, 1, COMM_I32, COMM_MAX);
             if (sig) {
                 if (!saved_full && (rc = trainer_save(t, data, 0, e))) goto out;
+                if ((rc = trainer_save_wait(t, 1, e))) goto out; /* the stop's checkpoint, written in full */
                 rc = stopped(step, "signal", c->ckpt_enable);
                 goto out;
             }
         }
     }
+    if ((rc = trainer_save_wait(t, 1, e))) goto out; /* a save still in the background ends with the run */
     if (pf) prof_summary(pf, stderr); /* on the ranks CTITAN_LOG_RANKS shows */
     if (t->world->size > 1) /* on the ranks CTITAN_LOG_RANKS shows: what each one needed */
         fprintf(stderr, "ctitan: rank %d of %d: peak memory %.3f GiB\n", t->world->rank, t->world->size,
                 cpu_peak_rss_bytes() / (1024.0 * 1024.0 * 1024.0));
     if (c->last_save_in_hf) rc = save_final_hf(t, e);
 out:
+    if (t->async_save.pending) { /* an error on the way: this rank alone waits (no collective), so that no
+                                  * thread writes past the run; a save it completes is as good as any */
+        ct_err we = {0};
+        int wrc = trainer_save_wait(t, 0, &we);
+        if (wrc && !rc) rc = wrc, *e = we;
+        else if (wrc) fprintf(stderr, "ctitan: error: the checkpoint in the background failed too: %s\n", we.msg);
+    }
     write_exit_event(t, rc, e);
     if (ev_close(t->events)) fprintf(stderr, "ctitan: warning: %s/events.jsonl: write failed\n", c->dump_folder);
     t->events = NULL;

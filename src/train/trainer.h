@@ -58,6 +58,13 @@ typedef struct {
      * weights load; trainer_run takes them over, trainer_free closes what it did not */
     ds *data, *val;
     tok *tk;
+    /* checkpoint.async_mode: the save a background thread is writing (trainer_ckpt.c); pending on every rank
+     * (the wait's outcome is agreed), job on rank 0 only, which writes it */
+    struct {
+        struct trainer_ckpt_job *job;
+        int pending;
+        int step; /* the step it saves */
+    } async_save;
 } trainer;
 
 /* Takes ownership of *cfg (the caller must not free it). Builds the model from

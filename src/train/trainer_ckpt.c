@@ -29,10 +29,13 @@
 #include <float.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -905,19 +908,37 @@ static int save_outcome(trainer *t, int rc, const char *what, ct_err *e) {
     return rc;
 }
 
+/* Where save_gather's floats go: the stream (a synchronous save), or, for
+ * checkpoint.async_mode, the staging copy the background thread streams
+ * later, in the same order (so the files are the same bytes). */
+typedef struct {
+    ckpt_stream *s;
+    float *stage; /* [cap] or NULL */
+    size_t at, cap;
+} save_sink;
+
+static int sink_put(save_sink *k, const float *x, size_t n, ct_err *e) {
+    if (!k->stage) return ckpt_stream_put(k->s, x, n, e);
+    if (n > k->cap - k->at)
+        return ct_fail(e, CT_ERR_IO, "checkpoint staging: %zu floats more than a checkpoint of this model holds", n);
+    memcpy(k->stage + k->at, x, n * sizeof(float));
+    k->at += n;
+    return 0;
+}
+
 static int put_ckpt(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
     (void)fm, (void)i0, (void)i1;
-    return ckpt_stream_put(ctx, x, n, e);
+    return sink_put(ctx, x, n, e);
 }
 
 /* save_gather's put for a checkpoint of the trained tensors only: their
- * floats, parameters then each moment, go on to the stream. */
+ * floats, parameters then each moment, go on to the sink. */
 static int put_trained(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
     (void)n;
     int rc = 0;
     for (int i = i0; i < i1 && !rc; i++) {
         const lm_tensor *q = &fm->tensors[i];
-        if (!q->frozen) rc = ckpt_stream_put(ctx, x + (q->offset - fm->tensors[i0].offset), q->numel, e);
+        if (!q->frozen) rc = sink_put(ctx, x + (q->offset - fm->tensors[i0].offset), q->numel, e);
     }
     return rc;
 }
@@ -990,10 +1011,143 @@ static int save_parts(trainer *t, const lm_model *tab, const int *idx, int model
     return trainer_agree(t, mine, "write its part of the checkpoint", e);
 }
 
-int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
+/* checkpoint.async_mode: a save staged by the main thread (every rank takes
+ * part in the gather to rank 0) and written by a background thread of rank 0
+ * while training goes on. The thread owns all it reads: the files' tensor
+ * table, the staged floats, the texts; it never touches the trainer, calls no
+ * collective (MPI runs without THREAD_MULTIPLE) and takes the same path as a
+ * synchronous save (ckpt_stream: temp dir, fsync, manifest last, rename), so
+ * a kill at any moment leaves no step-N that is not complete. */
+static int put_adapter(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e);
+
+typedef struct trainer_ckpt_job {
+    pthread_t th;
+    int joinable;             /* th runs (else the job ran on the main thread: no thread could start) */
+    char folder[4096];        /* the checkpoint folder */
+    int step;
+    lm_model tab;             /* the files' tensors (table_copy: config and tensors, no buffers) */
+    float *stage;             /* [n]: parameters, exp_avg, exp_avg_sq of tab, in the stream's order */
+    size_t n;
+    char *state, *toml;       /* state.json, config.toml as the step left them */
+    char *id_src[2];          /* where config.json's token ids come from (ckpt_stream_token_ids) */
+    int keep_k;               /* checkpoint.keep_latest_k */
+    int lora;                 /* a LoRA run: its PEFT adapter goes into step-N after the rename */
+    lm_model atab;            /* the adapter's table */
+    float **adata;            /* [atab.n_tensors]: copies of the saved tensors (NULL: not saved) */
+    char *base, *modules_to_save;
+    double alpha, dropout;
+    int rslora;
+    double sleep_s;           /* CTITAN_CKPT_ASYNC_TEST_SLEEP (test-only): pause mid-write */
+    double staged_s;          /* the main thread's part */
+    int rc;                   /* the thread's outcome */
+    ct_err err;
+    ckpt_info info;
+    double write_s;
+} trainer_ckpt_job;
+
+/* A table with m's config and tensors and no buffers, for a reader that
+ * outlives m (the stream reads cfg, n_params, tensors; lora_save_peft the same). */
+static void table_copy(lm_model *dst, const lm_model *src) {
+    memset(dst, 0, sizeof *dst);
+    dst->cfg = src->cfg;
+    dst->n_tensors = src->n_tensors;
+    dst->n_params = src->n_params;
+    dst->n_frozen = src->n_frozen;
+    dst->tensors = ct_malloc(((size_t)src->n_tensors + 1) * sizeof *dst->tensors);
+    memcpy(dst->tensors, src->tensors, (size_t)src->n_tensors * sizeof *dst->tensors);
+}
+
+static void job_free(trainer_ckpt_job *j) {
+    if (!j) return;
+    free(j->tab.tensors);
+    free(j->stage);
+    free(j->state);
+    free(j->toml);
+    for (int i = 0; i < 2; i++) free(j->id_src[i]);
+    if (j->adata)
+        for (int i = 0; i < j->atab.n_tensors; i++) free(j->adata[i]);
+    free(j->adata);
+    free(j->atab.tensors);
+    free(j->base);
+    free(j->modules_to_save);
+    free(j);
+}
+
+/* After a full save: keep_latest_k. It counts from the newest step-N in the
+ * folder. After a fallback past a damaged checkpoint (or a load_step older
+ * than the newest) the folder holds steps beyond this one: counted as kept
+ * (pruning checks sizes, not checksums), they would push out the checkpoint
+ * just written and the intact ones before it, leaving only what the run fell
+ * back from. Until the run passes them (saving their step replaces them),
+ * only leftover temporary directories go. */
+static void prune_after_save(const char *folder, int step, int k) {
+    int n, *steps = list_steps(folder, &n);
+    if (n > 0 && steps[n - 1] > step) k = 0;
+    free(steps);
+    ct_err pe = {0};
+    if (ckpt_prune(folder, k, &pe))
+        fprintf(stderr, "ctitan: warning: the checkpoint is saved but pruning old ones failed: %s\n", pe.msg);
+}
+
+/* The background thread: the staged floats into a checkpoint, as ckpt_save
+ * writes it, then the adapter, then keep_latest_k (only once it is complete). */
+static void *job_run(void *arg) {
+    trainer_ckpt_job *j = arg;
+    double t0 = ct_now();
+    ckpt_stream *s = NULL;
+    ct_err *e = &j->err;
+    int rc = ckpt_stream_begin(&s, j->folder, j->step, &j->tab, 0, e);
+    if (!rc) ckpt_stream_token_ids(s, (const char *const *)j->id_src, 2); /* a step-N is also an HF directory */
+    size_t first = 0;
+    if (!rc && j->sleep_s > 0) { /* test-only: a save caught mid-write, its temp dir half filled */
+        first = j->n / 2;
+        rc = ckpt_stream_put(s, j->stage, first, e);
+        if (!rc) {
+            struct timespec ts = {(time_t)j->sleep_s, (long)((j->sleep_s - (double)(time_t)j->sleep_s) * 1e9)};
+            while (nanosleep(&ts, &ts) && errno == EINTR) {}
+        }
+    }
+    if (!rc) rc = ckpt_stream_put(s, j->stage + first, j->n - first, e);
+    if (rc) ckpt_stream_abort(s);
+    else rc = ckpt_stream_end(s, j->state, j->toml, &j->info, e);
+    if (!rc && j->lora) /* a LoRA run's checkpoint is also a PEFT adapter directory */
+        rc = lora_save_peft(&j->atab, (const float *const *)j->adata, j->info.dir, j->base, j->alpha, j->rslora,
+                            j->dropout, j->modules_to_save, e);
+    if (!rc) prune_after_save(j->folder, j->step, j->keep_k);
+    j->write_s = ct_now() - t0;
+    if (!rc)
+        fprintf(stderr, "ctitan: saved checkpoint %s: %.1f MiB, staged in %.2f s, finished in the background in "
+                        "%.2f s\n", j->info.dir, j->info.bytes / 1048576.0, j->staged_s, j->write_s);
+    j->rc = rc;
+    return NULL;
+}
+
+/* The adapters' tensors (and modules_to_save) of the current model gathered
+ * to rank 0: *tab their table (table_copy), *data copies of them. Collective. */
+static int adapter_gather(trainer *t, lm_model *tab, float ***data, ct_err *e) {
+    /* TP and EP do not run LoRA: the whole table is the model's, or (a pipeline stage) its layout */
+    lm_model ftab;
+    const lm_model *fm = &t->model;
+    int rc = 0, whole_tab = plan_holds_part(&t->plan);
+    if (whole_tab) {
+        lm_layout(&ftab, &t->plan.whole);
+        for (int i = 0; i < ftab.n_tensors; i++) ftab.tensors[i].frozen = t->model.tensors[i].frozen; /* lora_saved */
+        fm = &ftab;
+    }
+    *data = ct_calloc((size_t)fm->n_tensors + 1, sizeof(float *)); /* [n_tensors] */
+    plan_save_gather(&t->plan, fm, 1, 0, put_adapter, *data, &rc, e); /* adapters and modules_to_save: trained, fp32 */
+    table_copy(tab, fm);
+    if (whole_tab) lm_free(&ftab);
+    return rc;
+}
+
+/* trainer_save, or with job (checkpoint.async_mode, a full save) the same
+ * gather into job's staging copy, the texts into job, no file written. */
+static int save_checkpoint(trainer *t, const ds *data, int model_only, trainer_ckpt_job *job, ct_err *e) {
     lm_model ftab;
     const lm_model *fm = &t->model; /* the whole model's table, on rank 0 and the stages' roots */
-    int rank0 = t->world->rank == 0, rc = 0, parts = save_in_parts(t);
+    /* staged: gathered to rank 0 (the gather's collectives stay on this thread; the files are the same) */
+    int rank0 = t->world->rank == 0, rc = 0, parts = !job && save_in_parts(t);
     /* in parts every rank lays out the files: each needs the whole table */
     int whole_tab = (parts || plan_save_root(&t->plan)) && plan_holds_part(&t->plan);
     ckpt_stream *s = NULL;
@@ -1016,12 +1170,27 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
         rc = save_parts(t, trained_only ? &tt.tab : fm, idx, model_only, &s, e);
         free(idx);
     } else {
-        if (rank0) rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, trained_only ? &tt.tab : fm, model_only, e);
+        const lm_model *files = trained_only ? &tt.tab : fm;
+        save_sink sk = {0};
+        if (rank0 && job) { /* the staging copy: one more of what the checkpoint holds */
+            table_copy(&job->tab, files);
+            sk.cap = files->n_params * (model_only ? 1 : 3);
+            sk.stage = job->stage = ct_malloc((sk.cap ? sk.cap : 1) * sizeof(float));
+        } else if (rank0) {
+            rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, files, model_only, e);
+        }
         const char *id_src[2];
         token_id_sources(&t->cfg, id_src);
-        if (rank0 && !rc) ckpt_stream_token_ids(s, id_src, 2); /* a step-N is also an HF directory */
-        if (trained_only) plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 0, put_trained, s, &rc, e);
-        else plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 1, put_ckpt, s, &rc, e);
+        if (rank0 && !rc && s) ckpt_stream_token_ids(s, id_src, 2); /* a step-N is also an HF directory */
+        sk.s = s;
+        if (trained_only) plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 0, put_trained, &sk, &rc, e);
+        else plan_save_gather(&t->plan, fm, model_only ? 1 : 3, 1, put_ckpt, &sk, &rc, e);
+        if (rank0 && job) {
+            job->n = sk.at;
+            for (int i = 0; i < 2; i++) job->id_src[i] = id_src[i] ? ct_strdup(id_src[i]) : NULL;
+            if (!rc && sk.at != sk.cap)
+                rc = ct_fail(e, CT_ERR_IO, "checkpoint staging: %zu of %zu floats", sk.at, sk.cap);
+        }
     }
     ckpt_info info;
     if (rank0 && rc) ckpt_stream_abort(s);
@@ -1034,38 +1203,125 @@ int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
             cfg_write_toml(&t->cfg, mf);
             fclose(mf);
         }
-        rc = ckpt_stream_end(s, state, toml, &info, e);
+        if (job) { /* the step's state now: the loader moves on before the thread writes it */
+            job->state = state;
+            job->toml = toml;
+            state = toml = NULL;
+        } else {
+            rc = ckpt_stream_end(s, state, toml, &info, e);
+        }
         free(state);
         free(toml);
     }
     if (whole_tab) lm_free(&ftab);
     if (trained_only) trained_table_free(&tt); /* the stream read it until its end */
-    rc = save_outcome(t, rc, "checkpoint", e);
+    rc = save_outcome(t, rc, job ? "stage the checkpoint of" : "checkpoint", e);
     if (!rc && t->cfg.lora_rank > 0) { /* a LoRA run's checkpoint is also a PEFT adapter directory; resume reads
                                          * only the manifest's files */
-        char dir[4200];
-        snprintf(dir, sizeof dir, "%s/step-%d", t->ckpt_folder, t->step);
-        rc = trainer_save_adapter(t, dir, e);
+        if (job) { /* gathered now, written by the thread into step-N once it is in place */
+            rc = adapter_gather(t, &job->atab, &job->adata, e);
+            job->lora = 1;
+            rc = save_outcome(t, rc, "stage the PEFT adapter of", e);
+        } else {
+            char dir[4200];
+            snprintf(dir, sizeof dir, "%s/step-%d", t->ckpt_folder, t->step);
+            rc = trainer_save_adapter(t, dir, e);
+        }
     }
-    if (rc || !rank0) return rc;
+    if (rc || !rank0 || job) return rc;
     fprintf(stderr, "ctitan: saved %scheckpoint %s: %.1f MiB in %.2f s\n", model_only ? "model-only " : "", info.dir,
             info.bytes / 1048576.0, info.seconds);
     trainer_checkpoint_event(t, model_only ? "model_only" : "full", info.dir, info.bytes / 1048576.0, info.seconds);
-
-    /* keep_latest_k counts from the newest step-N in the folder. After a
-     * fallback past a damaged checkpoint (or a load_step older than the
-     * newest) the folder holds steps beyond this one: counted as kept (pruning
-     * checks sizes, not checksums), they would push out the checkpoint just
-     * written and the intact ones before it, leaving only what the run fell
-     * back from. Until the run passes them (saving their step replaces
-     * them), only leftover temporary directories go. */
-    int k = t->cfg.keep_latest_k, n, *steps = list_steps(t->ckpt_folder, &n);
-    if (n > 0 && steps[n - 1] > t->step) k = 0;
-    free(steps);
-    ct_err pe = {0};
-    if (ckpt_prune(t->ckpt_folder, k, &pe))
-        fprintf(stderr, "ctitan: warning: the checkpoint is saved but pruning old ones failed: %s\n", pe.msg);
+    prune_after_save(t->ckpt_folder, t->step, t->cfg.keep_latest_k);
     return 0;
+}
+
+int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
+    int rc = trainer_save_wait(t, 1, e); /* one save at a time: the one in the background first */
+    return rc ? rc : save_checkpoint(t, data, model_only, NULL, e);
+}
+
+static int async_on(const ct_config *c) { return c->ckpt_async_mode && strcmp(c->ckpt_async_mode, "disabled"); }
+
+int trainer_save_async(trainer *t, const ds *data, ct_err *e) {
+    if (!async_on(&t->cfg)) return trainer_save(t, data, 0, e);
+    int rc = trainer_save_wait(t, 1, e); /* as torchtitan: the previous save ends before the next stages */
+    if (rc) return rc;
+    double t0 = ct_now();
+    trainer_ckpt_job *j = ct_calloc(1, sizeof *j);
+    rc = save_checkpoint(t, data, 0, j, e);
+    if (rc || t->world->rank != 0) { /* only rank 0 writes; every rank waits for it at the same points */
+        job_free(j);
+        if (!rc) t->async_save.pending = 1, t->async_save.step = t->step;
+        return rc;
+    }
+    const ct_config *c = &t->cfg;
+    snprintf(j->folder, sizeof j->folder, "%s", t->ckpt_folder);
+    j->step = t->step;
+    j->keep_k = c->keep_latest_k;
+    j->base = ct_strdup(c->initial_load_path[0] ? c->initial_load_path : c->hf_assets_path);
+    j->modules_to_save = c->lora_modules_to_save ? ct_strdup(c->lora_modules_to_save) : NULL;
+    j->alpha = c->lora_alpha;
+    j->rslora = c->lora_rslora;
+    j->dropout = c->lora_dropout;
+    const char *sl = getenv("CTITAN_CKPT_ASYNC_TEST_SLEEP"); /* test-only (docs/checkpoints.md) */
+    j->sleep_s = sl && *sl ? atof(sl) : 0;
+    j->staged_s = ct_now() - t0;
+    fprintf(stderr, "ctitan: staged checkpoint step-%d (%.1f MiB of tensors) in %.2f s; writing it in the "
+                    "background\n", j->step, (double)j->n * sizeof(float) / 1048576.0, j->staged_s);
+    /* the stop signals go to the step loop's thread (trainer.c's handler), never interrupt the writer */
+    sigset_t stop, was;
+    sigemptyset(&stop);
+    sigaddset(&stop, SIGTERM);
+    sigaddset(&stop, SIGINT);
+    sigaddset(&stop, SIGUSR1);
+    pthread_sigmask(SIG_BLOCK, &stop, &was);
+    int err = pthread_create(&j->th, NULL, job_run, j);
+    pthread_sigmask(SIG_SETMASK, &was, NULL);
+    j->joinable = err == 0;
+    if (!j->joinable) { /* no thread to be had: the save is written now, as a synchronous one */
+        fprintf(stderr, "ctitan: warning: cannot start the checkpoint thread: %s; saving synchronously\n",
+                strerror(err));
+        job_run(j);
+    }
+    t->async_save.job = j;
+    t->async_save.pending = 1;
+    t->async_save.step = t->step;
+    return 0;
+}
+
+int trainer_save_wait(trainer *t, int collective, ct_err *e) {
+    if (!t->async_save.pending) return 0;
+    trainer_ckpt_job *j = t->async_save.job;
+    int step = t->async_save.step, rc = 0;
+    t->async_save.job = NULL;
+    t->async_save.pending = 0;
+    if (j) {
+        double w0 = ct_now();
+        if (j->joinable) pthread_join(j->th, NULL);
+        double waited = ct_now() - w0;
+        if (waited >= 0.01)
+            fprintf(stderr, "ctitan: waited %.2f s for the checkpoint of step %d written in the background\n", waited,
+                    step);
+        rc = j->rc;
+        if (rc && e) *e = j->err;
+        if (!rc) { /* events.jsonl's line names the step it saved */
+            int now = t->step;
+            t->step = step;
+            trainer_checkpoint_event(t, "full", j->info.dir, j->info.bytes / 1048576.0, j->write_s);
+            t->step = now;
+        }
+        job_free(j);
+    }
+    if (!collective) return rc;
+    int32_t bad = rc != 0;
+    comm_allreduce(t->world, &bad, 1, COMM_I32, COMM_MAX);
+    if (bad && !rc) { /* as save_outcome: rank 0's own error says what went wrong first */
+        sleep(5);
+        rc = ct_fail(e, CT_ERR_IO, "checkpoint step %d (written in the background): rank 0 could not write it (its "
+                     "error says why)", step);
+    }
+    return rc;
 }
 
 /* save_gather's put for an adapter: copies of the saved tensors (small),
@@ -1083,25 +1339,17 @@ static int put_adapter(void *ctx, const lm_model *fm, int i0, int i1, const floa
 }
 
 int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
-    /* TP and EP do not run LoRA: the whole table is the model's, or (a pipeline stage) its layout */
-    lm_model ftab;
-    const lm_model *fm = &t->model;
-    int rank0 = t->world->rank == 0, rc = 0, whole_tab = plan_holds_part(&t->plan);
-    if (whole_tab) {
-        lm_layout(&ftab, &t->plan.whole);
-        for (int i = 0; i < ftab.n_tensors; i++) ftab.tensors[i].frozen = t->model.tensors[i].frozen; /* lora_saved */
-        fm = &ftab;
-    }
-    float **data = ct_calloc((size_t)fm->n_tensors + 1, sizeof(float *)); /* [n_tensors] */
-    plan_save_gather(&t->plan, fm, 1, 0, put_adapter, data, &rc, e); /* adapters and modules_to_save: trained, fp32 */
+    lm_model tab;
+    float **data;
+    int rank0 = t->world->rank == 0, rc = adapter_gather(t, &tab, &data, e);
     const ct_config *c = &t->cfg;
     const char *base = c->initial_load_path[0] ? c->initial_load_path : c->hf_assets_path;
     if (rank0 && !rc)
-        rc = lora_save_peft(fm, (const float *const *)data, dir, base, c->lora_alpha, c->lora_rslora, c->lora_dropout,
+        rc = lora_save_peft(&tab, (const float *const *)data, dir, base, c->lora_alpha, c->lora_rslora, c->lora_dropout,
                             c->lora_modules_to_save, e);
-    for (int i = 0; i < fm->n_tensors; i++) free(data[i]);
+    for (int i = 0; i < tab.n_tensors; i++) free(data[i]);
     free(data);
-    if (whole_tab) lm_free(&ftab);
+    free(tab.tensors);
     return save_outcome(t, rc, "PEFT adapter", e);
 }
 

@@ -77,12 +77,19 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     plan_dry_line(out, "activations + workspace (planned)", a);
     if (w > 0) plan_dry_line(out, "frozen bf16 lm_head logits block", w);
     if (x > 0) plan_dry_line(out, "expert LoRA fold + weight gradient", x);
-    plan_dry_line(out, "total planned", p + g + o + a + w + x);
+    /* checkpoint.async_mode: a save between steps is staged whole on rank 0 (the trained tensors and their two
+     * moments, fp32) while a thread writes it */
+    double st = c->ckpt_async_mode && strcmp(c->ckpt_async_mode, "disabled") ? 12.0 * (double)trained : 0;
+    if (st > 0) plan_dry_line(out, "checkpoint staging (async_mode)", st);
+    plan_dry_line(out, "total planned", p + g + o + a + w + x + st);
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
     /* a pipeline plans each stage's chunk itself: the split is costed at the whole seq_len, as the run's */
     if (pp > 1) rc = plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, trainer_layout_origin(c), e);
     else if (world > 1) rc = plan_dry_rank(out, &cr, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e);
     if (rc) return rc;
+    if (st > 0 && world > 1)
+        fprintf(out, "(checkpoint.async_mode: rank 0 also holds the %.3f GiB staging copy of a checkpoint: the save "
+                     "is gathered to it and its thread writes it)\n", st / (1024.0 * 1024.0 * 1024.0));
     if (cp > 1)
         fprintf(out, "(context_parallel %d: the per-rank figures are a rank's running %d of the %d positions of each "
                      "sequence, with its attention's whole-sequence scratch: distributed/cp.h)\n",

@@ -46,6 +46,14 @@ int trainer_agree_data(trainer *t, const ds *train, const ds *val, ct_err *e);
  * names the checkpoint in errors. Non-static so the fuzz target
  * (tests/fuzz/fuzz_train_state.c) can feed it. */
 int trainer_state_from_json(trainer *t, const char *txt, const char *dir, ct_err *e);
+/* checkpoint.async_mode "async" (or "async_with_pinned_mem", the same on CPU): a full checkpoint of the current
+ * step staged now (every rank takes part: the gather to rank 0 is collective) and written by a background
+ * thread of rank 0 while training goes on; "disabled": trainer_save. It first waits for the previous one. */
+int trainer_save_async(trainer *t, const ds *data, ct_err *e);
+/* Waits for the save in the background, if any. collective: every rank calls it at the same point and each
+ * learns whether rank 0's write failed (its error on rank 0); else (an error or exit path, or trainer_free)
+ * this rank alone waits, and a failure is its error. No-op when none is pending. */
+int trainer_save_wait(trainer *t, int collective, ct_err *e);
 /* events.jsonl's "checkpoint" line for a save of the current step (rank 0's
  * log; nothing elsewhere): kind full, model_only, hf or adapter; mib < 0 when
  * the save does not count its bytes. */

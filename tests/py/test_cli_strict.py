@@ -444,7 +444,6 @@ def tt_dry_run(run_ctitan, tmp_path, text="", *args):
 @pytest.mark.parametrize("arg, shown, says", [
     ("--compile.enable=true", "compile.enable = true", "ctitan has no torch.compile"),
     ("--training.compile=true", "training.compile = true", "ctitan has no torch.compile"),
-    ("--checkpoint.async_mode=async", 'checkpoint.async_mode = "async"', 'only "disabled" is taken'),
     ("--parallelism.enable_async_tensor_parallel=true", "parallelism.enable_async_tensor_parallel = true",
      "no asynchronous (compiled) tensor parallel"),
     ("--parallelism.expert_tensor_parallel_degree=2", "parallelism.expert_tensor_parallel_degree = 2", "so only 1 is taken"),
