@@ -83,8 +83,12 @@ static const char *const cfg_frozen_dtypes[] = {"float32", "bfloat16", NULL};
 static const char *const cfg_opt_impls[] = {"for-loop", "foreach", "fused", NULL};
 /* torchtitan's dataset names: taken as "auto" when dataset_path says where the files are */
 static const char *const cfg_tt_datasets[] = {"c4", "c4_test", "c4_validation", NULL};
+/* torchtitan 0.3's Literal choices of keys ctitan takes at one value (or at any) */
+static const char *const cfg_tt_spmd[] = {"partial_dtensor", "full_dtensor", "spmd_types", NULL};
+static const char *const cfg_tt_comm_modes[] = {"default", "fake_backend", "local_tensor", "torchcomms", NULL};
 
 #define TT_UNUSED(what) "torchtitan's key, read and not used: " what
+#define TT03(what) "torchtitan 0.3's name of " what
 #define F8_KEYS(sec, i)                                                                                         \
     OPT(sec, "enable_fsdp_float8_all_gather", CFG_BOOL, tt.f8_all_gather[i], "false", .inert = 1, .noop = "false", \
         .instead = "ctitan has no float8 training (model.converters is empty); it trains in fp32 or bf16 "        \
@@ -153,6 +157,14 @@ static const cfg_option cfg_options[] = {
     OPT("optimizer", "implementation", CFG_ENUM, tt.opt_impl, "fused", .choices = cfg_opt_impls, .inert = 1,
         .help = TT_UNUSED("torch's optimizer kernels (same math); ctitan has one implementation of each "
                           "optimizer, any value")),
+    OPT("optimizer", "param_groups", CFG_STR, tt.param_groups, "", .list = 1, .inert = 1, .noop = "",
+        .instead = "ctitan has one optimizer for every trained tensor, set by optimizer.name, lr, eps, weight_decay, "
+                   "beta1 and beta2 (training.freeze leaves tensors out)",
+        .help = "torchtitan 0.3's per-parameter-group optimizers: ctitan has one for all tensors (the [optimizer] "
+                "keys), so only [] is taken"),
+    OPT("optimizer", "optimizer_factory_kwargs_by_name", CFG_STR, tt.factory_kwargs, "{}", .inert = 1, .noop = "{}",
+        .instead = "ctitan builds its one optimizer from the [optimizer] keys",
+        .help = "torchtitan 0.3's extra arguments per optimizer factory: ctitan has none, so only {} is taken"),
 
     OPT("lr_scheduler", "warmup_steps", CFG_INT, warmup_steps, "200", .range = CFG_GE, .lo = 0,
         .help = "linear warmup steps"),
@@ -163,6 +175,10 @@ static const cfg_option cfg_options[] = {
         .help = "shape of the decay"),
     OPT("lr_scheduler", "min_lr_factor", CFG_DBL, min_lr_factor, "0.0",
         .range = CFG_GE | CFG_LE, .lo = 0, .hi = 1, .help = "final lr as a fraction of lr"),
+    OPT("lr_scheduler", "total_steps", CFG_STR, tt.total_steps, "None", .inert = 1, .noop = "None",
+        .instead = "ctitan's schedule spans training.steps; set that",
+        .help = "torchtitan 0.3's schedule length (None: training.steps): ctitan's spans training.steps, so only "
+                "None is taken"),
 
     OPT("training", "local_batch_size", CFG_INT, local_batch_size, "8", .range = CFG_GE, .lo = 1,
         .help = "sequences per micro-batch per rank"),
@@ -227,6 +243,18 @@ static const cfg_option cfg_options[] = {
         .help = "torchtitan's FSDP reduce dtype: ctitan reduces in fp32, so only \"float32\" is taken"),
     OPT("training", "gc_freq", CFG_INT, tt.gc_freq, "50", .inert = 1,
         .help = TT_UNUSED("Python's garbage-collection period (ctitan has no GC), any value")),
+    OPT("training", "gc_debug", CFG_BOOL, tt.gc_debug, "false", .inert = 1,
+        .help = TT_UNUSED("Python's garbage-collection debugging (ctitan has no GC), any value")),
+    OPT("training", "enable_cpu_offload", CFG_BOOL, tt.cpu_offload, "false", .inert = 1,
+        .help = TT_UNUSED("FSDP's offload to CPU memory, where ctitan keeps everything anyway; any value")),
+    OPT("training", "disable_cuda_graphs", CFG_BOOL, tt.no_cuda_graphs, "false", .inert = 1,
+        .help = TT_UNUSED("CUDA graph capture (the same math; ctitan runs on CPUs), any value")),
+    OPT("training", "dtype", CFG_ENUM, tt.dtype, "float32", .choices = cfg_mp_dtypes, .inert = 1, .noop = "float32",
+        .instead = "ctitan keeps weights, gradients and AdamW moments in fp32; training.mixed_precision_param = "
+                   "\"bfloat16\" rounds the products' inputs to bf16 (and training.frozen_dtype stores frozen "
+                   "matrices in bf16)",
+        .help = "torchtitan 0.3's full-bf16 training (weights, gradients, optimizer states in bf16): ctitan keeps "
+                "them in fp32, so only \"float32\" is taken"),
 
     OPT("training.data", "name", CFG_ENUM, dataset, "auto", .choices = cfg_dataset_kinds,
         .alias = "training.dataset", .help = "torchtitan's [training.data] name: the same as training.dataset"),
@@ -298,6 +326,22 @@ static const cfg_option cfg_options[] = {
                    "checkpoint with its optimizer state resumes through checkpoint.folder",
         .help = "torchtitan's model-only initial load: ctitan's initial_load_path loads the model only, so only "
                 "true is taken"),
+    OPT("checkpoint", "initial_load_in_hf_quantized", CFG_BOOL, tt.quantized_load, "false", .inert = 1,
+        .noop = "false",
+        .instead = "ctitan reads Hugging Face safetensors in float32, bfloat16 or float16; quantized checkpoints are "
+                   "not read",
+        .help = "torchtitan 0.3's quantized Hugging Face initial load: ctitan reads none, so only false is taken"),
+    OPT("checkpoint", "exclude_from_loading", CFG_STR, tt.exclude_loading, "", .list = 1, .inert = 1, .noop = "",
+        .instead = "ctitan resumes every part of its checkpoints (model, optimizer, schedule, data position); to "
+                   "start from weights alone use checkpoint.initial_load_path",
+        .help = "torchtitan's parts of a checkpoint not to resume: ctitan resumes all of them, so only [] is taken"),
+    OPT("checkpoint", "create_seed_checkpoint", CFG_BOOL, tt.seed_ckpt, "false", .inert = 1, .noop = "false",
+        .instead = "ctitan initialises the same weights from training.seed on any layout; it needs no seed checkpoint",
+        .help = "torchtitan's seed-checkpoint mode: ctitan has none (and needs none), so only false is taken"),
+    OPT("checkpoint", "load_only", CFG_BOOL, tt.load_only, "false", .inert = 1, .noop = "false",
+        .instead = "ctitan has no load-only mode: checkpoint.enable both resumes and saves (checkpoint.initial_load_"
+                   "path starts from Hugging Face weights without a checkpoint folder)",
+        .help = "torchtitan 0.3's resume-without-saving: ctitan has no such mode, so only false is taken"),
 
     OPT("metrics", "log_freq", CFG_INT, log_freq, "10", .range = CFG_GE, .lo = 1,
         .help = "steps between metric lines"),
@@ -315,6 +359,9 @@ static const cfg_option cfg_options[] = {
         .instead = "ctitan has no Weights & Biases logger: metrics go to metrics.file (JSON lines) and, with "
                    "metrics.enable_tensorboard, TensorBoard",
         .help = "torchtitan's Weights & Biases logging: ctitan has none, so only false is taken"),
+    OPT("metrics", "save_for_all_ranks", CFG_BOOL, tt.all_ranks_metrics, "false", .inert = 1, .noop = "false",
+        .instead = "rank 0 writes ctitan's metrics (metrics.file, TensorBoard) for the whole run",
+        .help = "torchtitan 0.3's per-rank metric logs: ctitan's rank 0 writes them, so only false is taken"),
 
     OPT("profiling", "enable_profiling", CFG_BOOL, enable_profiling, "false",
         .help = "write a Chrome trace (Perfetto) of every profile_freq-th step: ops, layers, collectives"),
@@ -334,6 +381,23 @@ static const cfg_option cfg_options[] = {
     OPT("activation_checkpoint", "selective_ac_option", CFG_STR, ac_selective_option, "2",
         .help = "mode selective: a period N (every N-th layer recomputed in full, the others keep "
                 "everything) or \"op\" (keep matmul/attention outputs, rerun norms, RoPE, SwiGLU)"),
+    OPT("activation_checkpoint", "preserve_rng_state", CFG_BOOL, tt.ac_rng, "true", .inert = 1, .noop = "true",
+        .instead = "ctitan's recomputation replays the same random numbers (its dropout is a function of "
+                   "training.seed, the step and the micro-batch)",
+        .help = "torch checkpoint's RNG replay: ctitan's recomputation always replays it, so only true is taken"),
+    OPT("activation_checkpoint", "determinism_check", CFG_STR, tt.ac_det_check, "default", .inert = 1,
+        .help = TT_UNUSED("torch checkpoint's check of recomputed shapes (a check), any value")),
+    OPT("activation_checkpoint", "debug", CFG_BOOL, tt.ac_debug, "false", .inert = 1,
+        .help = TT_UNUSED("torch checkpoint's debug log, any value")),
+    OPT("activation_checkpoint", "force_recompute_mm_shapes_by_fqns", CFG_STR, tt.ac_mm_fqns, "moe.router.gate",
+        .list = 1, .inert = 1,
+        .help = TT_UNUSED("matmuls torchtitan 0.3's selective mode recomputes rather than keeps (memory, not "
+                          "results), any list")),
+    OPT("activation_checkpoint", "memory_budget", CFG_DBL, tt.ac_budget, "0.5", .inert = 1,
+        .help = TT_UNUSED("the budget of torchtitan 0.3's compiled memory-budget mode (its subcommand "
+                          "activation_checkpoint:memory-budget, which ctitan does not take), any value")),
+    OPT("activation_checkpoint", "visualize_memory_budget_pareto", CFG_BOOL, tt.ac_pareto, "false", .inert = 1,
+        .help = TT_UNUSED("the memory-budget mode's plot, any value")),
 
     OPT("parallelism", "data_parallel_replicate_degree", CFG_INT, dp_replicate, "1", .range = CFG_GE, .lo = 1,
         .help = "ranks holding whole replicas; gradients all-reduced across them"),
@@ -358,6 +422,21 @@ static const cfg_option cfg_options[] = {
     OPT("parallelism", "enable_async_tensor_parallel", CFG_BOOL, tt.async_tp, "false", .inert = 1,
         .noop = "false", .instead = "ctitan has no asynchronous (compiled) tensor parallel",
         .help = "torchtitan's async tensor parallel (needs torch.compile): ctitan has none, so only false is taken"),
+    OPT("parallelism", "enable_sequence_parallel", CFG_BOOL, sequence_parallel, "true",
+        .alias = "parallelism.sequence_parallel", .help = TT03("parallelism.sequence_parallel")),
+    OPT("parallelism", "enable_fsdp_symm_mem", CFG_BOOL, tt.symm_mem, "false", .inert = 1,
+        .help = TT_UNUSED("FSDP's symmetric-memory collectives (the same sums; ctitan's are MPI's), any value")),
+    OPT("parallelism", "spmd_backend", CFG_ENUM, tt.spmd_backend, "spmd_types", .choices = cfg_tt_spmd, .inert = 1,
+        .help = TT_UNUSED("which DTensor code path torchtitan 0.3 shards with (the same math; ctitan shards in "
+                          "its own C), any value")),
+    OPT("parallelism", "context_parallel_ptrr_mask_key", CFG_STR, tt.ptrr_key, "None", .inert = 1,
+        .help = TT_UNUSED("the FlexAttention mask the \"ptrr\" balancer shards by (ctitan has no \"ptrr\", and "
+                          "torchtitan ignores the key without it), any value")),
+    OPT("parallelism", "pipeline_parallel_schedule_csv", CFG_STR, tt.pp_csv, "", .inert = 1, .noop = "",
+        .instead = "ctitan builds its schedules' orders itself (parallelism.pipeline_parallel_schedule); a CSV "
+                   "schedule is not read",
+        .help = "torchtitan's CSV pipeline schedule: ctitan builds its schedules' orders itself "
+                "(pipeline_parallel_schedule), so only \"\" is taken"),
     OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1", .range = CFG_GE, .lo = 1,
         .help = "ranks splitting each sequence into chunks of training.seq_len / degree positions (two pieces "
                 "each, context_parallel_load_balancer; with it \"none\", chunks of consecutive positions); "
@@ -441,6 +520,11 @@ static const cfg_option cfg_options[] = {
         .help = "torchtitan's torch.compile: ctitan has none, so only false is taken"),
     OPT("compile", "components", CFG_STR, tt.compile_components, "model,loss", .list = 1, .inert = 1,
         .help = TT_UNUSED("what torch.compile compiles (nothing, with enable = false), any list")),
+    OPT("compile", "backend", CFG_STR, tt.compile_backend, "inductor", .inert = 1,
+        .help = TT_UNUSED("torch.compile's backend (nothing is compiled, with enable = false), any value")),
+    OPT("compile", "enable_async_tensor_parallel", CFG_BOOL, tt.async_tp, "false",
+        .alias = "parallelism.enable_async_tensor_parallel",
+        .help = TT03("parallelism.enable_async_tensor_parallel (only false is taken)")),
     F8_KEYS("float8", 0),
     F8_KEYS("quantize.linear.float8", 1),
     OPT("quantize.grouped_mm.float8", "fqns", CFG_STR, tt.f8_grouped_fqns, "", .list = 1, .inert = 1, .noop = "",
@@ -453,6 +537,117 @@ static const cfg_option cfg_options[] = {
     OPT("comm", "train_timeout_seconds", CFG_INT, tt.comm_train_timeout, "100", .inert = 1,
         .help = TT_UNUSED("NCCL's timeout during training (ctitan's collectives are MPI's, which have none), any "
                           "value")),
+    OPT("comm", "trace_buf_size", CFG_INT, tt.comm_trace_buf, "20000", .inert = 1,
+        .help = TT_UNUSED("NCCL's flight-recorder ring size (ctitan's collectives are MPI's), any value")),
+    OPT("comm", "save_traces_folder", CFG_STR, tt.comm_traces[0], "comm_traces", .inert = 1,
+        .help = TT_UNUSED("NCCL's flight-recorder folder, any value")),
+    OPT("comm", "save_traces_file_prefix", CFG_STR, tt.comm_traces[1], "rank_", .inert = 1,
+        .help = TT_UNUSED("NCCL's flight-recorder file prefix, any value")),
+    OPT("comm", "mode", CFG_ENUM, tt.comm_mode, "default", .choices = cfg_tt_comm_modes, .inert = 1,
+        .noop = "default",
+        .instead = "ctitan's collectives are real (MPI, or one process alone); a layout is checked without running "
+                   "it by train --dry-run, and there is no fake or simulated backend",
+        .help = "torchtitan 0.3's communication mode (fake, simulated, torchcomms): ctitan's collectives are MPI's, "
+                "so only \"default\" is taken"),
+
+    /* torchtitan 0.3's sections: its dataclass config renamed [profiling] to [profiler], [validation] to
+     * [validator], [training] dataset keys to [dataloader], and added [debug], [loss], [override] */
+    OPT("profiler", "enable_profiling", CFG_BOOL, enable_profiling, "false", .alias = "profiling.enable_profiling",
+        .help = TT03("profiling.enable_profiling")),
+    OPT("profiler", "save_traces_folder", CFG_STR, save_traces_folder, "profile_trace",
+        .alias = "profiling.save_traces_folder", .help = TT03("profiling.save_traces_folder")),
+    OPT("profiler", "profile_freq", CFG_INT, profile_freq, "10", .range = CFG_GE, .lo = 1,
+        .alias = "profiling.profile_freq", .help = TT03("profiling.profile_freq")),
+    OPT("profiler", "profiler_active", CFG_INT, tt.prof_active, "1", .inert = 1, .noop = "1",
+        .instead = "ctitan traces one step, each multiple of profiler.profile_freq",
+        .help = "torchtitan 0.3's steps traced per period: ctitan traces one, so only 1 is taken"),
+    OPT("profiler", "profiler_warmup", CFG_INT, tt.prof_warmup, "3", .inert = 1,
+        .help = TT_UNUSED("torch.profiler's untraced warm-up steps (ctitan's tracer needs none), any value")),
+    OPT("profiler", "profiler_repeat", CFG_STR, tt.prof_sched[0], "None", .inert = 1, .noop = "None",
+        .instead = "ctitan traces every multiple of profiler.profile_freq until the run ends",
+        .help = "torchtitan 0.3's number of trace periods: ctitan traces every period, so only None is taken"),
+    OPT("profiler", "profiler_skip_first", CFG_STR, tt.prof_sched[1], "None", .inert = 1, .noop = "None",
+        .instead = "ctitan traces every multiple of profiler.profile_freq from the first",
+        .help = "torchtitan 0.3's steps skipped before tracing: ctitan skips none, so only None is taken"),
+    OPT("profiler", "profiler_skip_first_wait", CFG_STR, tt.prof_sched[2], "None", .inert = 1, .noop = "None",
+        .instead = "ctitan traces every multiple of profiler.profile_freq from the first",
+        .help = "torchtitan 0.3's wait-skipping switch: ctitan skips nothing, so only None is taken"),
+    OPT("profiler", "enable_memory_snapshot", CFG_BOOL, enable_memory_snapshot, "false",
+        .alias = "profiling.enable_memory_snapshot", .help = TT03("profiling.enable_memory_snapshot")),
+    OPT("profiler", "memory_snapshot_freq", CFG_STR, tt.prof_sched[3], "None", .inert = 1, .noop = "None",
+        .instead = "ctitan snapshots memory at the traced steps (profiler.profile_freq)",
+        .help = "torchtitan 0.3's memory-snapshot period: ctitan snapshots at the traced steps, so only None is "
+                "taken"),
+    OPT("profiler", "save_memory_snapshot_folder", CFG_STR, save_memory_snapshot_folder, "memory_snapshot",
+        .alias = "profiling.save_memory_snapshot_folder", .help = TT03("profiling.save_memory_snapshot_folder")),
+    OPT("profiler", "memory_snapshot_max_entries", CFG_INT, tt.prof_max_entries, "1000000", .inert = 1,
+        .help = TT_UNUSED("the CUDA allocator history's length (ctitan's snapshot is by category), any value")),
+
+    OPT("dataloader", "dataset", CFG_ENUM, dataset, "auto", .choices = cfg_dataset_kinds,
+        .alias = "training.dataset", .help = TT03("training.dataset")),
+    OPT("dataloader", "dataset_path", CFG_STR, dataset_path, "", .alias = "training.dataset_path",
+        .help = TT03("training.dataset_path")),
+    OPT("dataloader", "infinite", CFG_BOOL, tt.dl_infinite, "true", .inert = 1, .noop = "true",
+        .instead = "ctitan starts another epoch when the data runs out",
+        .help = "torchtitan 0.3's looping over the data: ctitan always starts another epoch, so only true is taken"),
+    OPT("dataloader", "num_workers", CFG_INT, tt.dl_workers, "0", .inert = 1,
+        .help = TT_UNUSED("torch DataLoader's worker processes (the same batches), any value")),
+    OPT("dataloader", "persistent_workers", CFG_BOOL, tt.dl_persistent, "false", .inert = 1,
+        .help = TT_UNUSED("torch DataLoader's worker lifetime, any value")),
+    OPT("dataloader", "pin_memory", CFG_BOOL, tt.dl_pin, "false", .inert = 1,
+        .help = TT_UNUSED("torch DataLoader's pinned host memory, any value")),
+    OPT("dataloader", "prefetch_factor", CFG_STR, tt.dl_prefetch, "None", .inert = 1,
+        .help = TT_UNUSED("torch DataLoader's batches loaded ahead, any value")),
+
+    OPT("validator", "enable", CFG_BOOL, val_enable, "false", .alias = "validation.enable",
+        .help = TT03("validation.enable")),
+    OPT("validator", "freq", CFG_INT, val_freq, "100", .range = CFG_GE, .lo = 1, .alias = "validation.freq",
+        .help = TT03("validation.freq")),
+    OPT("validator", "steps", CFG_INT, val_steps, "10", .range = CFG_GE, .lo = -1, .alias = "validation.steps",
+        .help = TT03("validation.steps")),
+    OPT("validator.dataloader", "dataset", CFG_ENUM, val_dataset, "auto", .choices = cfg_dataset_kinds,
+        .alias = "validation.dataset", .help = TT03("validation.dataset")),
+    OPT("validator.dataloader", "dataset_path", CFG_STR, val_dataset_path, "", .alias = "validation.dataset_path",
+        .help = TT03("validation.dataset_path")),
+
+    OPT("debug", "seed", CFG_I64, seed, "0", .alias = "training.seed", .help = TT03("training.seed")),
+    OPT("debug", "deterministic", CFG_BOOL, deterministic, "false", .alias = "training.deterministic",
+        .help = TT03("training.deterministic (read and ignored: every ctitan run is bit-identical)")),
+    OPT("debug", "deterministic_warn_only", CFG_BOOL, tt.det_warn_only, "false", .inert = 1,
+        .help = TT_UNUSED("torch's warn-only deterministic mode (every ctitan run is bit-identical), any value")),
+    OPT("debug", "print_config", CFG_BOOL, tt.print_args, "false", .alias = "job.print_args",
+        .help = TT03("job.print_args (any value: the resolved config is always written to "
+                     "job.dump_folder/config.toml)")),
+    OPT("debug", "save_config_file", CFG_STR, tt.save_config, "None", .inert = 1,
+        .help = TT_UNUSED("a JSON copy of the config (ctitan always writes job.dump_folder/config.toml), any value")),
+    OPT("debug", "spmd_typechecking", CFG_BOOL, tt.spmd_check, "false", .inert = 1,
+        .help = TT_UNUSED("torchtitan 0.3's check of its DTensor types (a check; ctitan has no DTensor), any value")),
+    OPT("debug", "detect_anomaly", CFG_BOOL, tt.detect_anomaly, "false", .inert = 1,
+        .help = TT_UNUSED("torch autograd's anomaly detection (a check; ctitan's backward is its own C), any "
+                          "value")),
+    OPT("debug", "enable_structured_logging", CFG_BOOL, tt.structured_log, "true", .inert = 1,
+        .help = TT_UNUSED("torchtitan 0.3's per-rank trace log (ctitan's is profiling.enable_profiling), any value")),
+    OPT("debug", "moe_force_load_balance", CFG_BOOL, tt.moe_force_balance, "false", .inert = 1, .noop = "false",
+        .instead = "ctitan routes each token to its router's top-k experts, as the model does (model."
+                   "load_balance_coeff is torchtitan's bias balancing)",
+        .help = "torchtitan's round-robin expert routing for debugging: ctitan routes as the model does, so only "
+                "false is taken"),
+    OPT("debug", "batch_invariant", CFG_BOOL, tt.batch_invariant, "false", .inert = 1, .noop = "false",
+        .instead = "ctitan has no batch-invariant mode (torchtitan 0.3 refuses it in pre-training too)",
+        .help = "torchtitan 0.3's batch-invariant kernels: ctitan has none, so only false is taken"),
+
+    OPT("loss", "num_chunks", CFG_INT, tt.loss_chunks, "8", .inert = 1,
+        .help = TT_UNUSED("chunks of the chunked cross-entropy (the same loss; ctitan's chunking is "
+                          "training.logits_chunk_rows), any value")),
+    OPT("loss.loss_fn", "global_vocab_size", CFG_STR, tt.loss_vocab, "None", .inert = 1, .noop = "None",
+        .instead = "ctitan's loss spans the model's vocabulary (model.flavor or its config.json)",
+        .help = "torchtitan 0.3's loss vocabulary, set by its model registry: ctitan's is the model's, so only "
+                "None is taken"),
+
+    OPT("override", "imports", CFG_STR, tt.override_imports, "", .list = 1, .inert = 1, .noop = "",
+        .instead = "ctitan swaps no model code; each op's implementation is chosen in [kernels] (kernels.<op>)",
+        .help = "torchtitan 0.3's component overrides (fused kernels and the like): ctitan has none, so only [] "
+                "is taken"),
 };
 
 #define CFG_N_OPTIONS ((int)(sizeof cfg_options / sizeof cfg_options[0]))
@@ -494,13 +689,13 @@ static const struct {
     {"training", "batch_size", "local_batch_size"},
 };
 
-/* torchtitan keys of a pipeline's split that ctitan does not take: what says the same here. */
+/* torchtitan keys ctitan does not read at all: what says the same here (none at present: torchtitan's
+ * pipeline_parallel_schedule_csv is read and refused at any value but "" (cfg_options), so that a
+ * torchtitan 0.3 command line carrying its default runs). NULL-terminated. */
 static const struct {
     const char *section, *key, *instead;
 } cfg_tt_split[] = {
-    {"parallelism", "pipeline_parallel_schedule_csv",
-     "ctitan builds its schedules' orders itself (parallelism.pipeline_parallel_schedule); a CSV schedule is "
-     "not read"},
+    {NULL, NULL, NULL},
 };
 
 /* The first option of each section starts a new section (the table is
@@ -536,7 +731,7 @@ static void cfg_suggest(const char *section, const char *key, char *out, size_t 
                      cfg_renamed[i].key, key);
             return;
         }
-    for (size_t i = 0; i < sizeof cfg_tt_split / sizeof cfg_tt_split[0]; i++)
+    for (size_t i = 0; cfg_tt_split[i].section; i++)
         if (!strcmp(cfg_tt_split[i].section, section) && !strcmp(cfg_tt_split[i].key, key)) {
             snprintf(out, cap, " (torchtitan's key; %s)", cfg_tt_split[i].instead);
             return;
@@ -774,6 +969,18 @@ static const char *cfg_type_name(cfg_type t) {
  * must be the value. */
 static int cfg_set_text(ct_config *c, const cfg_option *o, const char *text, const char *where,
                         ct_err *e) {
+    /* torchtitan 0.3's command line (tyro) writes Python's None for "not set": ctitan's own unset
+     * value where it has one (-1, "", an empty list, the choice "none"); other options keep the
+     * text and refuse it as any other bad value (an inert key defaulting to "None" takes it) */
+    if (!strcmp(text, "None") && strcmp(where, "built-in default")) {
+        int unset_str = o->type == CFG_STR && (o->list || !strcmp(o->def, ""));
+        int unset_num = o->type != CFG_STR && o->type != CFG_ENUM && o->type != CFG_BOOL && (o->range & CFG_UNSET);
+        int none_choice = 0;
+        for (int k = 0; o->type == CFG_ENUM && o->choices[k]; k++) none_choice |= !strcmp(o->choices[k], "none");
+        if (unset_str) text = "";
+        else if (unset_num) text = "-1";
+        else if (none_choice) text = "none";
+    }
     if (o->list && text[0] == '[') {
         /* a TOML array, as torchtitan users write lists: read by the TOML reader itself */
         size_t n = strlen(text);

@@ -15,7 +15,7 @@
 #include "kernels/ops_list.h" /* KERN_N_OPS */
 
 /* Room for the option table (config.c checks that it fits). */
-#define CFG_MAX_OPTIONS 192
+#define CFG_MAX_OPTIONS 320
 
 typedef struct {
     /* [job] */
@@ -163,6 +163,51 @@ typedef struct {
         int no_color;               /* metrics.disable_color_printing: any */
         int wandb;                  /* metrics.enable_wandb: false */
         int val_seq_len;            /* validation.seq_len: -1 (unset) or training.seq_len */
+        /* torchtitan 0.3's keys (its dataclass config, docs/config.md) */
+        char *prof_sched[4];        /* profiler.profiler_repeat, _skip_first, _skip_first_wait, memory_snapshot_freq:
+                                       "None" */
+        int prof_active;            /* profiler.profiler_active: 1 */
+        int prof_warmup;            /* profiler.profiler_warmup: any */
+        int prof_max_entries;       /* profiler.memory_snapshot_max_entries: any */
+        int all_ranks_metrics;      /* metrics.save_for_all_ranks: false */
+        char *param_groups;         /* optimizer.param_groups: only empty */
+        char *factory_kwargs;       /* optimizer.optimizer_factory_kwargs_by_name: "{}" */
+        char *total_steps;          /* lr_scheduler.total_steps: "None" */
+        int cpu_offload;            /* training.enable_cpu_offload: any */
+        int no_cuda_graphs;         /* training.disable_cuda_graphs: any */
+        char *dtype;                /* training.dtype: "float32" */
+        int gc_debug;               /* training.gc_debug: any */
+        int symm_mem;               /* parallelism.enable_fsdp_symm_mem: any */
+        char *spmd_backend;         /* parallelism.spmd_backend: any */
+        char *pp_csv;               /* parallelism.pipeline_parallel_schedule_csv: "" */
+        char *ptrr_key;             /* parallelism.context_parallel_ptrr_mask_key: any */
+        int quantized_load;         /* checkpoint.initial_load_in_hf_quantized: false */
+        char *exclude_loading;      /* checkpoint.exclude_from_loading: only empty */
+        int seed_ckpt;              /* checkpoint.create_seed_checkpoint: false */
+        int load_only;              /* checkpoint.load_only: false */
+        int ac_rng;                 /* activation_checkpoint.preserve_rng_state: true */
+        char *ac_det_check;         /* activation_checkpoint.determinism_check: any */
+        int ac_debug;               /* activation_checkpoint.debug: any */
+        char *ac_mm_fqns;           /* activation_checkpoint.force_recompute_mm_shapes_by_fqns: any list */
+        double ac_budget;           /* activation_checkpoint.memory_budget: any */
+        int ac_pareto;              /* activation_checkpoint.visualize_memory_budget_pareto: any */
+        char *compile_backend;      /* compile.backend: any */
+        int comm_trace_buf;         /* comm.trace_buf_size: any */
+        char *comm_traces[2];       /* comm.save_traces_folder, save_traces_file_prefix: any */
+        char *comm_mode;            /* comm.mode: "default" */
+        int spmd_check;             /* debug.spmd_typechecking: any */
+        int det_warn_only;          /* debug.deterministic_warn_only: any */
+        int moe_force_balance;      /* debug.moe_force_load_balance: false */
+        int detect_anomaly;         /* debug.detect_anomaly: any */
+        int batch_invariant;        /* debug.batch_invariant: false */
+        char *save_config;          /* debug.save_config_file: any */
+        int structured_log;         /* debug.enable_structured_logging: any */
+        char *override_imports;     /* override.imports: only empty */
+        int dl_workers, dl_persistent, dl_pin; /* dataloader.num_workers, persistent_workers, pin_memory: any */
+        char *dl_prefetch;          /* dataloader.prefetch_factor: any */
+        int dl_infinite;            /* dataloader.infinite: true */
+        int loss_chunks;            /* loss.num_chunks: any */
+        char *loss_vocab;           /* loss.loss_fn.global_vocab_size: "None" */
     } tt;
     /* training.dataset / validation.dataset given as one of torchtitan's dataset names (c4,
      * c4_test, c4_validation): stored as "auto" (the files at dataset_path say their kind),
