@@ -129,6 +129,10 @@ static int probe(int argc, char **argv) {
                          dp->size);
         else {
             int T = t.cfg.seq_len, chunk = t.val_batch > 0 ? t.val_batch : 1, vocab = t.plan.whole.vocab_size;
+            /* the model's rows hold val_batch windows of validation.seq_len: a shorter one than
+             * training's leaves room for fewer of training's length (a pipeline's: a micro-batch's) */
+            int fit = t.model.act.B * t.model.act.T / plan_seq_len(&t.plan);
+            if (!t.plan.pp && chunk > fit) chunk = fit > 0 ? fit : 1;
             long mine = G / dp->size, first = dp->rank * mine, n = 0;
             int32_t *x = ct_malloc((size_t)chunk * T * sizeof *x), *y = ct_malloc((size_t)chunk * T * sizeof *y);
             double sum = 0;

@@ -510,9 +510,9 @@ static const cfg_option cfg_options[] = {
         .help = "validation data kind (as training.dataset)"),
     OPT("validation", "dataset_path", CFG_STR, val_dataset_path, "", .own = CFG_OWN_PATH,
         .help = "held-out data (same formats as training.dataset_path)"),
-    OPT("validation", "seq_len", CFG_INT, tt.val_seq_len, "-1", .range = CFG_GE | CFG_UNSET, .lo = 1, .inert = 1,
-        .help = "torchtitan's validation sequence length: ctitan evaluates at training.seq_len, so only that "
-                "value is taken"),
+    OPT("validation", "seq_len", CFG_INT, val_seq_len, "-1", .range = CFG_GE | CFG_UNSET, .lo = 1,
+        .help = "tokens per validation window (torchtitan's): shorter or longer than training.seq_len; -1: "
+                "training.seq_len"),
 
     /* torchtitan sections that only matter when they switch something on */
     OPT("compile", "enable", CFG_BOOL, tt.compile_enable, "false", .inert = 1, .noop = "false",
@@ -1444,11 +1444,6 @@ static int cfg_validate_inert(const ct_config *c, ct_err *e) {
                        "the tensor_parallel_degree (%d) ranks, as the MLP, so only 1%s%.0d is taken",
                        cfg_origin_any(c, "parallelism.expert_tensor_parallel_degree,parallelism.tensor_parallel_degree"),
                        c->tt.etp, c->tp, c->tp > 1 ? " or " : "", c->tp > 1 ? c->tp : 0);
-    if (c->tt.val_seq_len != -1 && c->tt.val_seq_len != c->seq_len)
-        return ct_fail(e, CT_ERR_CONFIG,
-                       "%s: validation.seq_len = %d: ctitan evaluates at training.seq_len (%d); only that value "
-                       "(or no validation.seq_len) is taken",
-                       cfg_origin_any(c, "validation.seq_len,training.seq_len"), c->tt.val_seq_len, c->seq_len);
     if (c->dataset_tt[0][0] && !c->dataset_path[0])
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: training.dataset = \"%s\": torchtitan downloads its %s dataset; ctitan reads local "
@@ -1487,16 +1482,19 @@ int cfg_validate(const ct_config *c, ct_err *e) {
     }
     /* a micro-batch's rows (batch x sequence) are counted in an int by the model: a
      * product past INT_MAX would wrap, and a --dry-run would plan from the wrapped value */
-    const struct { const char *key; int batch; } rows[] = {{"training", c->local_batch_size},
-                                                           {"validation", c->val_local_batch_size}};
+    const struct { const char *key, *len; int batch, T; } rows[] = {
+        {"training", "training.seq_len", c->local_batch_size, c->seq_len},
+        {"validation", cfg_val_seq_len(c) != c->seq_len ? "validation.seq_len" : "training.seq_len",
+         c->val_local_batch_size,
+         cfg_val_seq_len(c)}};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
-        if ((long long)rows[i].batch * c->seq_len > INT_MAX)
-            return ct_fail(e, CT_ERR_CONFIG,
-                           "%s: %s.local_batch_size (%d) x training.seq_len (%d) = %lld, out of range (at most %d)",
-                           cfg_origin_any(c, i ? "validation.local_batch_size,training.seq_len"
-                                                : "training.local_batch_size,training.seq_len"),
-                           rows[i].key, rows[i].batch, c->seq_len, (long long)rows[i].batch * c->seq_len,
-                           INT_MAX);
+        if ((long long)rows[i].batch * rows[i].T > INT_MAX) {
+            char keys[96];
+            snprintf(keys, sizeof keys, "%s.local_batch_size,%s", rows[i].key, rows[i].len);
+            return ct_fail(e, CT_ERR_CONFIG, "%s: %s.local_batch_size (%d) x %s (%d) = %lld, out of range (at most %d)",
+                           cfg_origin_any(c, keys), rows[i].key, rows[i].batch, rows[i].len, rows[i].T,
+                           (long long)rows[i].batch * rows[i].T, INT_MAX);
+        }
     if (c->global_batch_size != -1 && c->global_batch_size % c->local_batch_size != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: training.global_batch_size (%d) must be -1 or a positive multiple "
@@ -1541,7 +1539,7 @@ int cfg_validate(const ct_config *c, ct_err *e) {
     if (c->cp > 1 && c->seq_len % c->cp != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: parallelism.context_parallel_degree = %d does not divide training.seq_len = %d "
-                       "(each rank runs seq_len / degree positions; validation runs at training.seq_len too)",
+                       "(each rank runs seq_len / degree positions)",
                        cfg_origin_any(c, "parallelism.context_parallel_degree,training.seq_len"), c->cp, c->seq_len);
     if (c->cp > 1 && !strcmp(c->cp_balancer, "headtail") && c->seq_len % (2 * c->cp) != 0)
         return ct_fail(e, CT_ERR_CONFIG,
@@ -1551,8 +1549,26 @@ int cfg_validate(const ct_config *c, ct_err *e) {
                        cfg_origin_any(c, "parallelism.context_parallel_load_balancer,parallelism.context_parallel_degree,"
                                          "training.seq_len"),
                        c->seq_len, 2 * c->cp, 2 * c->cp);
+    /* validation's windows are chunked as training's (distributed/cp.h): the same rules for their length */
+    if (c->cp > 1 && c->val_enable && c->val_seq_len > 0 && c->val_seq_len % c->cp != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.context_parallel_degree = %d does not divide validation.seq_len = %d "
+                       "(each rank runs seq_len / degree positions of a validation window too)",
+                       cfg_origin_any(c, "validation.seq_len,parallelism.context_parallel_degree"), c->cp,
+                       c->val_seq_len);
+    if (c->cp > 1 && c->val_enable && c->val_seq_len > 0 && !strcmp(c->cp_balancer, "headtail") &&
+        c->val_seq_len % (2 * c->cp) != 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.context_parallel_load_balancer = \"headtail\" cuts validation.seq_len = %d "
+                       "into 2 x parallelism.context_parallel_degree = %d pieces, which do not divide it (a multiple of "
+                       "%d, or context_parallel_load_balancer = \"none\")",
+                       cfg_origin_any(c, "validation.seq_len,parallelism.context_parallel_load_balancer,"
+                                         "parallelism.context_parallel_degree"),
+                       c->val_seq_len, 2 * c->cp, 2 * c->cp);
     return cfg_validate_inert(c, e);
 }
+
+int cfg_val_seq_len(const ct_config *c) { return c->val_enable && c->val_seq_len > 0 ? c->val_seq_len : c->seq_len; }
 
 /* ---- help and dump ---- */
 

@@ -105,6 +105,7 @@ typedef struct {
     int val_freq;             /* 100 */
     int val_steps;            /* 10; -1 = one pass */
     int val_local_batch_size; /* 0 = training.local_batch_size */
+    int val_seq_len;          /* -1 = training.seq_len (cfg_val_seq_len) */
     char *val_dataset;        /* "auto" (as training.dataset) */
     char *val_dataset_path;   /* "" */
 
@@ -162,7 +163,6 @@ typedef struct {
         int integration_test;       /* job.use_for_integration_test: any */
         int no_color;               /* metrics.disable_color_printing: any */
         int wandb;                  /* metrics.enable_wandb: false */
-        int val_seq_len;            /* validation.seq_len: -1 (unset) or training.seq_len */
         /* torchtitan 0.3's keys (its dataclass config, docs/config.md) */
         char *prof_sched[4];        /* profiler.profiler_repeat, _skip_first, _skip_first_wait, memory_snapshot_freq:
                                        "None" */
@@ -255,6 +255,9 @@ const char *cfg_origin_any(const ct_config *c, const char *names);
 /* model.hf_assets_path and checkpoint.initial_load_path as local directories: the Hub
  * snapshot they resolved to (hf_assets_dir / initial_load_dir), else the option as written. */
 const char *cfg_hf_dir(const ct_config *c);
+/* Tokens per validation window: validation.seq_len, or training.seq_len where it is -1 or
+ * validation.enable is false (nothing is evaluated: training's shapes alone size the model). */
+int cfg_val_seq_len(const ct_config *c);
 const char *cfg_initial_dir(const ct_config *c);
 /* lora.adapter_path as a local directory, the same way. */
 const char *cfg_adapter_dir(const ct_config *c);

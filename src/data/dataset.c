@@ -601,7 +601,9 @@ int ds_open(ds **out, const char *const *paths, int n_paths, const tok *t, const
     *out = NULL;
     if (n_paths < 1 || !paths[0] || !paths[0][0])
         return ct_fail(e, CT_ERR_CONFIG, "training.dataset_path: no dataset given");
-    if (c->seq_len < 1) return ct_fail(e, CT_ERR_CONFIG, "training.seq_len: must be positive (got %d)", c->seq_len);
+    if (c->seq_len < 1)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: must be positive (got %d)", c->seq_key ? c->seq_key : "training.seq_len",
+                       c->seq_len);
     ds *d = ct_calloc(1, sizeof *d);
     d->cfg = *c;
     int seen = 0; /* the template note of a caller that keeps none: the tokenizer's and ours, once */
@@ -651,8 +653,8 @@ int ds_open(ds **out, const char *const *paths, int n_paths, const tok *t, const
     d->n_windows = d->n_tokens / ((uint64_t)c->seq_len + 1);
     if (!rc && d->n_windows == 0)
         rc = ct_fail(e, CT_ERR_FORMAT,
-                     "%s: %llu tokens is too short for one window of training.seq_len + 1 = %d tokens", d->name,
-                     (unsigned long long)d->n_tokens, c->seq_len + 1);
+                     "%s: %llu tokens is too short for one window of %s + 1 = %d tokens", d->name,
+                     (unsigned long long)d->n_tokens, c->seq_key ? c->seq_key : "training.seq_len", c->seq_len + 1);
     if (!rc) {
         d->wtok = ct_malloc(((size_t)c->seq_len + 1) * sizeof *d->wtok);
         d->wmask = ct_malloc((size_t)c->seq_len + 1);

@@ -146,6 +146,7 @@ typedef struct {
     ds_tok_opts tok;  /* for text/jsonl/chat sources */
     const char *tokenizer_dir; /* loaded at open when a text source needs it and
                                   ds_open got no tokenizer; NULL: none */
+    const char *seq_key; /* the option seq_len came from, for messages (NULL: "training.seq_len") */
 } ds_config;
 
 void ds_config_default(ds_config *c);

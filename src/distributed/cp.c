@@ -330,6 +330,19 @@ void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, in
     if (n_seq < B) n_seq = B;
     cp->tok = ct_malloc((size_t)n_seq * cp->Tl * sizeof(int32_t));
     cp->lab = ct_malloc((size_t)n_seq * cp->Tl * sizeof(int32_t));
+    cp->T = 0;
+    cp_set_len(cp, T);
+    cp->d = ring ? (lm_attn_dispatch){cp, cp_ring_fwd, cp_ring_bwd} : (lm_attn_dispatch){cp, cp_fwd, cp_bwd};
+    m->attn_cp = &cp->d;
+}
+
+void cp_set_len(cp_layout *cp, int T) {
+    if (cp->T == T) return;
+    lm_model *m = cp->m;
+    const lm_config *mc = &m->cfg;
+    cp->T = T;
+    cp->Tl = T / cp->n;
+    cp->L = cp->Tl / cp->np;
     /* RoPE of the pieces' global positions, for a forward over the whole
      * sequence (dynamic RoPE depends on its length): each piece's rows of the
      * tables; rope_T = Tl keeps the model from rebuilding them for 0 .. Tl-1 */
@@ -347,8 +360,6 @@ void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, in
     m->ws.rope_T = cp->Tl;
     m->cp_T = T, m->cp_Tl = cp->Tl, m->cp_p0 = cp_piece_pos(cp, cp->rank, 0);
     m->cp_p1 = cp->np > 1 ? cp_piece_pos(cp, cp->rank, 1) : 0;
-    cp->d = ring ? (lm_attn_dispatch){cp, cp_ring_fwd, cp_ring_bwd} : (lm_attn_dispatch){cp, cp_fwd, cp_bwd};
-    m->attn_cp = &cp->d;
 }
 
 void cp_free(cp_layout *cp) {

@@ -57,7 +57,7 @@ typedef struct {
     lm_model *m;
     ct_comm *c;      /* the chunks of one sequence (mesh.cpg) */
     int n, rank;     /* degree and this rank's chunk */
-    int B, T, Tl;    /* most sequences of a forward; whole sequence; chunk (T / n) */
+    int B, T, Tl;    /* most sequences of a forward; whole sequence now (cp_set_len); chunk (T / n) */
     int np, L;       /* pieces per chunk (headtail 2, none 1) and positions per piece (Tl / np) */
     /* a piece's attention problem, for at most B sequences of T keys */
     float *kg, *vg;  /* [n][B, Tl, kvd] what the all-gather brings; the backward's send buffers */
@@ -78,10 +78,16 @@ typedef struct {
 /* Binds the model (planned for B x T / n, no other layout hooking its
  * attention): its RoPE tables for this chunk's positions, its attention
  * dispatch, the scratch. T: the whole sequence (n divides it; 2 n with
- * headtail, which config.c checks). n_seq: the most sequences cp_chunk takes
- * at once (B, or a pipeline's whole step). headtail: 1 for the load-balanced
- * layout, 0 for consecutive chunks (parallelism.context_parallel_load_balancer). */
+ * headtail, which config.c checks), the longest the run has (training's or
+ * validation's windows: the scratch holds B x T rows); the layout starts at
+ * that length. n_seq: the most sequences of T cp_chunk takes at once (B, or a
+ * pipeline's whole step). headtail: 1 for the load-balanced layout, 0 for
+ * consecutive chunks (parallelism.context_parallel_load_balancer). */
 void cp_init(cp_layout *cp, lm_model *m, ct_comm *c, int B, int T, int n_seq, int headtail, int ring);
+/* The whole sequences' length from now on (training's or validation's windows,
+ * at most cp_init's T and its rows): the chunk, the pieces and their RoPE
+ * tables. Nothing is done when T is the current length. */
+void cp_set_len(cp_layout *cp, int T);
 /* The floats of attention scratch cp_init allocates for B sequences of T positions on n
  * ranks, nh query and nkv kv heads of hd (a TP slice's heads): the gather path's
  * 6 B T kvd (+ a piece's q rows under headtail, 4 B T/(2n) q-width, and its lse) or the

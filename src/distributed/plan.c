@@ -87,18 +87,22 @@ int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e) {
         if (p->pp) p->pp->fsdp = p->fsdp;
     }
     if (!rc && p->mesh.cp > 1) { /* 5. its chunk's RoPE positions and the attention over the whole sequence */
+        const ct_config *c = p->cfg;
         p->cp = ct_calloc(1, sizeof *p->cp);
-        /* a pipeline takes the step's sequences at once (its micro-batches, pp_step) and
-         * validation's batch whole (pp_eval splits it): each chunked before */
-        int n_seq = m->act.B;
+        /* the scratch for the model's planned rows at the longer of training's and
+         * validation's lengths (plan_model_shape), chunked: m->act.T = Tmax / cp */
+        int Tmax = m->act.T * p->mesh.cp, n_seq = m->act.B;
         if (p->pp) {
-            const ct_config *c = p->cfg;
+            /* a pipeline takes the step's sequences at once (its micro-batches, pp_step) and
+             * validation's batch whole (pp_eval splits it): each chunked before */
             int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
-            n_seq = p->pp->M * p->pp->mb_size > val_b ? p->pp->M * p->pp->mb_size : val_b;
+            long rows = (long)p->pp->M * p->pp->mb_size * c->seq_len, vrows = (long)val_b * cfg_val_seq_len(c);
+            n_seq = (int)(((rows > vrows ? rows : vrows) + Tmax - 1) / Tmax);
         }
-        if (p->pp) p->pp->cpg = &p->mesh.cpg, p->pp->cp_T = p->cfg->seq_len; /* the aux gradient's counts */
-        cp_init(p->cp, m, &p->mesh.cpg, m->act.B, p->cfg->seq_len, n_seq, !strcmp(p->cfg->cp_balancer, "headtail"),
-                !strcmp(p->cfg->cp_rotate, "alltoall"));
+        if (p->pp) p->pp->cpg = &p->mesh.cpg, p->pp->cp_T = c->seq_len; /* the aux gradient's counts */
+        cp_init(p->cp, m, &p->mesh.cpg, m->act.B, Tmax, n_seq, !strcmp(c->cp_balancer, "headtail"),
+                !strcmp(c->cp_rotate, "alltoall"));
+        cp_set_len(p->cp, c->seq_len); /* training's; plan_eval switches to validation's and back */
     }
     return rc;
 }
@@ -662,6 +666,16 @@ int plan_microbatches(const ct_plan *p) { return p->pp ? p->pp->M : p->grad_accu
 
 int plan_seq_len(const ct_plan *p) { return p->cfg->seq_len / (p->mesh.cp > 1 ? p->mesh.cp : 1); }
 
+void plan_model_shape(const ct_config *c, int pipeline, int cp, int *B, int *T) {
+    int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
+    int tb = pipeline ? c->pp_microbatch : c->local_batch_size, vb = pipeline ? c->pp_microbatch : val_b;
+    int Tt = c->seq_len / cp, Tv = cfg_val_seq_len(c) / cp;
+    long rows = (long)tb * Tt, vrows = (long)vb * Tv;
+    if (vrows > rows) rows = vrows;
+    *T = Tt > Tv ? Tt : Tv;
+    *B = (int)((rows + *T - 1) / *T);
+}
+
 double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *labels, int B, int T, float scale,
                              uint64_t seed, double *aux_sum) {
     lm_model *m = p->m;
@@ -671,6 +685,7 @@ double plan_forward_backward(ct_plan *p, const int32_t *tokens, const int32_t *l
     int D = p->mesh.dp_size > 0 ? p->mesh.dp_size : 1;
     long r = p->mesh.dp_rank;
     m->lora_seed = seed;
+    if (p->cp) cp_set_len(p->cp, p->cfg->seq_len); /* after a validation at another length */
     if (p->pp && p->cp) { /* the schedule owns the step, on this rank's chunk of every sequence */
         cp_chunk(p->cp, tokens, labels, p->pp->M * p->pp->mb_size);
         return pp_step(p->pp, m, p->cp->tok, p->cp->lab, r, D, scale);
@@ -747,7 +762,8 @@ double plan_eval(ct_plan *p, const int32_t *tokens, const int32_t *labels, int B
         fsdp_microbatch_begin(f);
     }
     double sum;
-    if (p->cp) { /* validation runs under context parallel too: this rank's chunk */
+    if (p->cp) { /* validation runs under context parallel too: this rank's chunk of its windows' length */
+        cp_set_len(p->cp, T);
         cp_chunk(p->cp, tokens, labels, B);
         sum = p->pp ? pp_eval(p->pp, p->m, p->cp->tok, p->cp->lab, B, p->cp->Tl, n_valid)
                     : lm_loss(p->m, p->cp->tok, p->cp->lab, B, p->cp->Tl, n_valid);

@@ -89,6 +89,13 @@ int plan_local_model(ct_plan *p, lm_config *mc, int grad_accum, int val_batch, i
 /* Positions of a sequence the model runs at once: training.seq_len, or its
  * chunk under context parallel (the length to plan the model for). */
 int plan_seq_len(const ct_plan *p);
+/* The forward the model is planned for (lm_create_ac, the dry run, the memory snapshot):
+ * *T the longer of training's and validation's sequences (training.seq_len,
+ * cfg_val_seq_len; their chunks under context parallel of degree cp), *B enough of
+ * them for the larger of training's and validation's rows (local_batch_size and
+ * validation's batch, or a pipeline's micro-batch for both), so a validation shorter
+ * than training's adds no memory. */
+void plan_model_shape(const ct_config *c, int pipeline, int cp, int *B, int *T);
 /* The model and its optimizer state, before any weight loads: FSDP's shard
  * buffers (opt is re-made for the shard) and the pipeline's buffers. */
 int plan_attach(ct_plan *p, lm_model *m, adamw_state *opt, ct_err *e);
@@ -188,10 +195,11 @@ long plan_take_overlapped(ct_plan *p);
 double plan_take_bubble(ct_plan *p);
 /* --dry-run (distributed/plan_dry.c): what rank 0 of the layout plans
  * (world of rep x shard x tp ranks, its TP/EP slice and FSDP shard, for
- * micro-batches of B), or with pipeline stages every stage's rank and the
- * schedule. mc: the whole model after [lora]. out NULL: check only. */
+ * forwards of B x T: plan_model_shape's, T a rank's chunk under context parallel), or with
+ * pipeline stages every stage's rank and the schedule. mc: the whole model after [lora].
+ * out NULL: check only. */
 int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp, int B,
-                  const char *where, ct_err *e);
+                  int T, const char *where, ct_err *e);
 int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp,
                       const char *where, ct_err *e);
 /* What FSDP plans for one rank of a shard group of `shard` (its experts over

@@ -146,7 +146,7 @@ static void dry_sp_rows(FILE *out, int B, int T, int tp) {
  * (equal heads, columns, experts per rank) up to FSDP's padding, or smaller
  * (the last ranks' vocabulary blocks where t does not divide it). */
 int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world, int rep, int shard, int tp, int B,
-                  const char *where, ct_err *e) {
+                  int T, const char *where, ct_err *e) {
     int ep = c->ep > 1 ? c->ep : 1;
     lm_config lc;
     tp_local_config(&lc, mc, tp, 0, ep, 0);
@@ -154,7 +154,7 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
     /* sequence parallel: the residual stream and the norms for a chunk of ceil(rows / tp) rows
      * (rank 0's, the largest: DTensor Shard's last chunks are shorter) */
     lc.tp_seq = tp > 1 && c->sequence_parallel;
-    int rc = lm_plan_memory(&lc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    int rc = lm_plan_memory(&lc, B, T, c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
     double stored = (double)n, in_bf16 = 0, trained = (double)n, gathered = 0, widened = 0;
     lm_model lm;
@@ -191,7 +191,7 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
                               lc.n_experts, lc.moe_intermediate);
     if (lc.vocab_rows) fprintf(out, ", lm_head rows %d of %d", lc.vocab_rows, lc.vocab_size);
     fprintf(out, ")\n");
-    if (lc.tp_seq) dry_sp_rows(out, B, c->seq_len, tp);
+    if (lc.tp_seq) dry_sp_rows(out, B, T, tp);
     if (lc.vocab_rows) /* what the parameter count above holds of the largest tensor */
         fprintf(out, "  embedding: rows %d..%d of %d here (%zu parameters%s)\n", lc.vocab_row0,
                 lc.vocab_row0 + lc.vocab_rows - 1, lc.vocab_size, (size_t)lc.vocab_rows * (size_t)lc.hidden,
@@ -214,8 +214,8 @@ int plan_dry_rank(FILE *out, const ct_config *c, const lm_config *mc, int world,
         fprintf(out, "  FSDP over %d ranks: %.0f parameters stored\n", shard, stored);
     double p = 4 * stored + 2 * in_bf16, g = 4 * trained, o = 8 * trained, a = (double)act, w = 4 * widened;
     double x = 4.0 * (double)lm_expert_lora_scratch_floats(&lc);
-    /* context parallel (c->seq_len is then a rank's chunk) */
-    double cps_bytes = cp > 1 ? dry_cp_scratch(&lc, B, c->seq_len * cp, c) : 0;
+    /* context parallel (T is then a rank's chunk) */
+    double cps_bytes = cp > 1 ? dry_cp_scratch(&lc, B, T * cp, c) : 0;
     double total = p + g + o + gathered + a + w + x + cps_bytes;
     plan_dry_line(out, in_bf16 > 0 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
     plan_dry_line(out, trained < stored + in_bf16 ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
@@ -276,12 +276,14 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     /* context parallel: the stage runs a chunk of each sequence (plan_seq_len) */
     int cp = c->cp > 1 ? c->cp : 1;
     int mb = c->pp_microbatch, T = c->seq_len / cp, L = mc->n_layers, ep = c->ep > 1 ? c->ep : 1;
+    int Bm, Tm; /* the model's planned forward: a micro-batch of the longer of training's and validation's */
+    plan_model_shape(c, 1, cp, &Bm, &Tm);
     lm_config stage = *mc, sc;
     pp_hold(p, &stage);
     tp_local_config(&sc, &stage, tp, 0, ep, 0);
     size_t n = 0, act = 0;
     sc.tp_seq = tp > 1 && c->sequence_parallel; /* a micro-batch's rows, a ceil(rows / tp) chunk of them */
-    int rc = lm_plan_memory(&sc, mb, T, c->ac_mode, c->ac_selective_option, &n, &act, e);
+    int rc = lm_plan_memory(&sc, Bm, Tm, c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
     lm_model lm;
     lm_layout(&lm, &sc);
@@ -303,8 +305,8 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
         gathered = d.gathered_bytes;
     }
     /* the banks are planned on the run's model: a micro-batch of mb x T, each layer's checkpointing policy */
-    lm.act.B = mb;
-    lm.act.T = T;
+    lm.act.B = Bm;
+    lm.act.T = Tm;
     lm.act.pol = ct_calloc((size_t)L + 1, sizeof(int));
     for (int l = 0; !rc && l < L; l++)
         if ((lm.act.pol[l] = lm_ac_layer(c->ac_mode, c->ac_selective_option, l, e)) < 0) rc = CT_ERR_CONFIG;
@@ -323,7 +325,7 @@ static int dry_pp_stage(FILE *out, const ct_config *c, const lm_config *mc, cons
     double w = 4.0 * stored + 2.0 * (double)in_bf16, go = 12.0 * (double)trained;
     double banks = 4.0 * (double)bank_f, a = (double)act + banks, wide = 4.0 * (double)widened;
     double x = 4.0 * (double)lm_expert_lora_scratch_floats(&sc);
-    double cps = cp > 1 ? dry_cp_scratch(&sc, mb, c->seq_len, c) : 0;
+    double cps = cp > 1 ? dry_cp_scratch(&sc, Bm, Tm * cp, c) : 0;
     double stores = 4.0 * (double)store_f;
     double total = w + go + gathered + a + p2p + wide + x + cps + stores;
     char layers[512], slice[160] = "", sharded[96] = "";

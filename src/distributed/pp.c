@@ -627,6 +627,7 @@ static comm_req *cnt_req(pp_sched *p, int c, int i, int k) { return &p->cnt_req[
 
 void pp_bind(pp_sched *p, ct_comm *comm, int B, int T, int H, int n_experts) {
     p->comm = comm;
+    p->T = T;
     p->n = (size_t)B * T * H;
     size_t slots = (size_t)p->S * p->M * 4;
     p->buf = ct_calloc(slots * p->n + 1, sizeof(float));
@@ -769,7 +770,7 @@ static void loads_sum(pp_sched *p, lm_model *m) {
 double pp_step(pp_sched *p, lm_model *m, const int32_t *tokens, const int32_t *labels, long seq0, int seq_stride,
                float grad_scale) {
     double t_step = ct_now();
-    int B = p->mb_size, T = m->act.T, V = p->V, E = p->E;
+    int B = p->mb_size, T = p->T, V = p->V, E = p->E; /* training's length: the model may plan validation's */
     int aux = E && lm_aux_in_grad(&m->cfg); /* the expert counts travel too (pp.h) */
     size_t mbt = (size_t)B * T;
     /* every receive of the step, up front, in the order the neighbour sends: MPI

@@ -125,6 +125,8 @@ typedef struct {
     int cp_T;
     double *loads;       /* [L][E] under cpg: each held MoE layer's tokens per expert in its stage's
                             last forward (pp_step sums them over the chunks into moe.load_min/max) */
+    int T;               /* positions of a training sequence a stage runs (the model may plan more:
+                            validation's longer windows, pp_eval) */
     size_t n;            /* floats of one message: micro-batch rows x hidden */
     float *buf;          /* [S][M][4][n]: activation in, gradient in, activation out, gradient out */
     comm_req *req;       /* [S][M][4] */

@@ -655,16 +655,36 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
     return 0;
 }
 
+/* Ministral3Config.__post_init__: a config without rope_parameters (absent or
+ * null) gets transformers' own dict, a yarn RoPE (which rope.c reads as any
+ * other: factor, beta_fast/slow, mscale and mscale_all_dim) with the q scale's
+ * two keys; its max_position_embeddings is the config's. A top-level rope_theta
+ * is then ignored, as there (the dict's 1e6 wins). A top-level rope_scaling is
+ * left to read_q_scale's refusal. */
+static void q_scale_default_rope(cJSON *root) {
+    cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
+    if ((rp && !cJSON_IsNull(rp)) || cJSON_GetObjectItemCaseSensitive(root, "rope_scaling")) return;
+    const cJSON *mp = cJSON_GetObjectItemCaseSensitive(root, "max_position_embeddings");
+    cJSON *d = cJSON_CreateObject();
+    cJSON_AddStringToObject(d, "type", "yarn");
+    cJSON_AddStringToObject(d, "rope_type", "yarn"); /* standardize's copy of the legacy key */
+    const struct { const char *key; double v; } nums[] = {
+        {"rope_theta", 1e6}, {"factor", 16.0}, {"original_max_position_embeddings", 16384},
+        {"max_position_embeddings", cJSON_IsNumber(mp) ? mp->valuedouble : 262144}, {"beta_fast", 32.0},
+        {"beta_slow", 1.0}, {"mscale_all_dim", 1.0}, {"mscale", 1.0}, {"llama_4_scaling_beta", 0.1}};
+    for (size_t i = 0; i < sizeof nums / sizeof nums[0]; i++) cJSON_AddNumberToObject(d, nums[i].key, nums[i].v);
+    if (rp) cJSON_ReplaceItemInObjectCaseSensitive(root, "rope_parameters", d);
+    else cJSON_AddItemToObject(root, "rope_parameters", d);
+}
+
 /* Ministral 3's q scale: Ministral3Attention reads both keys from the
- * rope_parameters dict itself (a missing one fails there), and
- * Ministral3Config's default dict when rope_parameters is absent is a yarn
- * one that we do not synthesize: refused, naming the key. */
+ * rope_parameters dict itself (a missing one fails there); an absent dict is
+ * transformers' default (q_scale_default_rope). */
 static int read_q_scale(lm_config *c, const cJSON *root, const char *path, ct_err *e) {
     const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
     if (!cJSON_IsObject(rp))
         return ct_fail(e, CT_ERR_CONFIG, "%s: model_type ministral3 needs \"rope_parameters\" given as an object "
-                       "with llama_4_scaling_beta and original_max_position_embeddings (transformers' default "
-                       "for an absent one is not reproduced)", path);
+                       "with llama_4_scaling_beta and original_max_position_embeddings", path);
     if (cJSON_GetObjectItemCaseSensitive(root, "rope_scaling") || cJSON_GetObjectItemCaseSensitive(root,
                                                                       "original_max_position_embeddings"))
         return ct_fail(e, CT_ERR_CONFIG, "%s: model_type ministral3: give the RoPE in \"rope_parameters\" only "
@@ -978,6 +998,7 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     }
     if (f->act_gelu_is_tanh && (rc = gemma_act_agrees(c, root, path, e))) goto done;
     if (f->nope && (rc = read_nope(c, root, path, e))) goto done;
+    if (f->q_scale) q_scale_default_rope(root); /* before read_rope: the dict is its RoPE too */
     if ((rc = read_windows(c, f, root, path, e)) || (rc = read_rope(c, f, root, path, e))) goto done;
     if (f->q_scale && (rc = read_q_scale(c, root, path, e))) goto done;
     if (f->caps) {

@@ -161,14 +161,20 @@ int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e) {
  * does too; generate refuses such lengths by the same limit (lm_position_limit). */
 void trainer_warn_positions(const ct_config *c, const lm_config *mc) {
     double limit = lm_position_limit(mc);
-    if (limit <= 0 || c->seq_len <= limit) return;
     int hf = strcmp(c->model_spec, "hf") == 0;
-    fprintf(stderr,
-            "ctitan: warning: %s: training.seq_len (%d) exceeds the %.0f positions the model was trained for "
-            "(max_position_embeddings %d of %s%s%s): positions past them are extrapolated, and generate refuses "
-            "lengths past them\n",
-            cfg_origin(c, "training.seq_len"), c->seq_len, limit, mc->max_pos, hf ? cfg_hf_dir(c) : "model.flavor ",
-            hf ? "/config.json" : c->model_flavor, limit > mc->max_pos ? ", extended by its RoPE scaling factor" : "");
+    /* training's windows, then validation's (validation.seq_len, when it is another length) */
+    const struct { const char *key; int len; } lens[2] = {{"training.seq_len", c->seq_len},
+                                                          {"validation.seq_len", cfg_val_seq_len(c)}};
+    for (int i = 0; i < 2; i++) {
+        if (limit <= 0 || lens[i].len <= limit || (i && lens[1].len == c->seq_len)) continue;
+        fprintf(stderr,
+                "ctitan: warning: %s: %s (%d) exceeds the %.0f positions the model was trained for "
+                "(max_position_embeddings %d of %s%s%s): positions past them are extrapolated, and generate refuses "
+                "lengths past them\n",
+                cfg_origin(c, lens[i].key), lens[i].key, lens[i].len, limit, mc->max_pos,
+                hf ? cfg_hf_dir(c) : "model.flavor ", hf ? "/config.json" : c->model_flavor,
+                limit > mc->max_pos ? ", extended by its RoPE scaling factor" : "");
+    }
 }
 
 /* Each [kernels] override alone, so the message names where that one was
@@ -630,18 +636,18 @@ static int agree_on_model(trainer *t, const lm_config *mc, ct_err *e) {
     return CT_ERR_CONFIG;
 }
 
-static int open_data(trainer *t, ds **out, const char *kind_name, const char *path, const char *key, int shuffle,
-                     int *template_seen, tok **tk, ct_err *e);
+static int open_data(trainer *t, ds **out, const char *kind_name, const char *path, const char *key, int seq_len,
+                     int shuffle, int *template_seen, tok **tk, ct_err *e);
 
 /* The run's training and validation data, checked by every rank together. */
 static int open_run_data(trainer *t, ct_err *e) {
     const ct_config *c = &t->cfg;
     int template_seen = t->world->rank != 0; /* only rank 0 warns of an unused chat template */
-    int rc = open_data(t, &t->data, c->dataset, c->dataset_path, "training.dataset_path", c->shuffle,
+    int rc = open_data(t, &t->data, c->dataset, c->dataset_path, "training.dataset_path", c->seq_len, c->shuffle,
                        &template_seen, &t->tk, e);
-    if (!rc && c->val_enable)
-        rc = open_data(t, &t->val, c->val_dataset, c->val_dataset_path, "validation.dataset_path", 0, &template_seen,
-                       &t->tk, e);
+    if (!rc && c->val_enable) /* windows of validation.seq_len + 1 tokens */
+        rc = open_data(t, &t->val, c->val_dataset, c->val_dataset_path, "validation.dataset_path",
+                       cfg_val_seq_len(c), 0, &template_seen, &t->tk, e);
     if ((rc = trainer_agree(t, rc, "open its data", e))) return rc; /* a data file one machine alone lacks */
     return trainer_agree_data(t, t->data, t->val, e);
 }
@@ -685,8 +691,11 @@ static int init_run(trainer *t, ct_config *cfg, ct_comm *world, int claim, ct_er
     /* this rank's part of the model: its pipeline stages, its slice */
     if ((rc = plan_local_model(&t->plan, &mc, t->grad_accum, t->val_batch, &plan_b, trainer_layout_origin(c), e)))
         return rc;
-    /* context parallel: the model runs on a chunk of each sequence (plan_seq_len) */
-    if ((rc = lm_create_ac(&t->model, &mc, plan_b, plan_seq_len(&t->plan), c->ac_mode, c->ac_selective_option, e)))
+    /* context parallel: the model runs on a chunk of each sequence (plan_seq_len); its buffers
+     * hold the larger of training's and validation's forwards (validation.seq_len) */
+    int plan_T;
+    plan_model_shape(c, t->plan.pp != NULL, ms->cp > 1 ? ms->cp : 1, &plan_b, &plan_T);
+    if ((rc = lm_create_ac(&t->model, &mc, plan_b, plan_T, c->ac_mode, c->ac_selective_option, e)))
         return rc;
     if ((rc = lora_apply_frozen(&t->model, c->freeze, c->lora_modules_to_save, trainer_frozen_origin(c), e)))
         return rc;
@@ -781,8 +790,8 @@ static int needs_tokenizer(const char *kind_name, const char *path, int *needs, 
 
 /* template_seen: the run's note on training.chat_template (ds_tok_opts), shared
  * by its training and validation data. */
-static int open_data(trainer *t, ds **out, const char *kind_name, const char *path, const char *key, int shuffle,
-                     int *template_seen, tok **tk, ct_err *e) {
+static int open_data(trainer *t, ds **out, const char *kind_name, const char *path, const char *key, int seq_len,
+                     int shuffle, int *template_seen, tok **tk, ct_err *e) {
     const ct_config *c = &t->cfg;
     if (!path[0]) return ct_fail(e, CT_ERR_CONFIG, "%s: %s: no data given", cfg_origin(c, key), key);
     int need = 0, rc = needs_tokenizer(kind_name, path, &need, e);
@@ -801,7 +810,8 @@ static int open_data(trainer *t, ds **out, const char *kind_name, const char *pa
     }
     ds_config dc;
     ds_config_default(&dc);
-    dc.seq_len = c->seq_len;
+    dc.seq_len = seq_len;
+    dc.seq_key = seq_len != c->seq_len ? "validation.seq_len" : "training.seq_len";
     dc.vocab_size = t->model.cfg.vocab_size;
     dc.shuffle = shuffle;
     dc.seed = (uint64_t)c->seed;
@@ -901,7 +911,7 @@ static double as_logged(const char *fmt, double v) {
 /* Held-out loss over validation.steps batches from the start of the set. */
 static int validate(trainer *t, ds *val, int step, FILE *mf, tb_writer **tb) {
     const ct_config *c = &t->cfg;
-    int B = t->val_batch, T = c->seq_len;
+    int B = t->val_batch, T = cfg_val_seq_len(c); /* validation.seq_len's windows */
     ds_state zero = {0, 0};
     ds_set_state(val, &zero, NULL);
     long batches = c->val_steps;

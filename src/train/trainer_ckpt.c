@@ -686,15 +686,16 @@ int trainer_agree_data(trainer *t, const ds *train, const ds *val, ct_err *e) {
         const ct_config *c = &t->cfg;
         const char *key = bad ? "validation.dataset_path" : "training.dataset_path";
         const int64_t *m = mine + 2 * bad, *r = root + 2 * bad; /* windows, digest */
+        int len = bad ? cfg_val_seq_len(c) : c->seq_len; /* validation.seq_len's windows */
         char how[160];
         if (m[0] != r[0])
             snprintf(how, sizeof how, "rank 0's: %lld windows of %d tokens; this rank's: %lld", (long long)r[0],
-                     c->seq_len + 1, (long long)m[0]);
+                     len + 1, (long long)m[0]);
         else
             snprintf(how, sizeof how,
                      "the same %lld windows of %d tokens, other tokens or loss masks: digest %016llx here, %016llx on "
                      "rank 0",
-                     (long long)m[0], c->seq_len + 1, (unsigned long long)m[1], (unsigned long long)r[1]);
+                     (long long)m[0], len + 1, (unsigned long long)m[1], (unsigned long long)r[1]);
         rc = ct_fail(e, CT_ERR_CONFIG,
                      "%s: %s = \"%s\": the ranks' copies hold different data (%s): every machine must hold the same "
                      "data", cfg_origin(c, key), key, bad ? c->val_dataset_path : c->dataset_path, how);

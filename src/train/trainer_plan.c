@@ -36,13 +36,14 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     if ((rc = mesh_resolve(c, world, &mc, trainer_layout_origin(c), &rep, &shard, &tp, e))) return rc;
     if ((rc = trainer_check_global_batch(c, rep * shard, e))) return rc;
     if ((rc = trainer_check_kernels(c, e))) return rc;
-    int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
-    int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
+    /* the larger of training's and validation's forwards (batch, validation.seq_len): what the model plans */
+    int B, T;
+    plan_model_shape(c, 0, 1, &B, &T);
     if ((rc = trainer_finetune_config(c, &mc, e))) return rc;
     /* the run checks its pipeline before it builds the model: an error comes alone, before anything prints */
     if (pp > 1 && (rc = plan_dry_pipeline(NULL, c, &mc, world, rep, shard, tp, trainer_layout_origin(c), e))) return rc;
     size_t n = 0, act = 0;
-    if ((rc = lm_plan_memory(&mc, B, c->seq_len, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
+    if ((rc = lm_plan_memory(&mc, B, T, c->ac_mode, c->ac_selective_option, &n, &act, e))) return rc;
     /* frozen tensors (LoRA's base, training.freeze): no gradient, no moments */
     size_t trained = n, in_bf16 = 0, widened = 0, saved = 0;
     {
@@ -59,17 +60,22 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
         if (rc) return rc;
     }
     /* context parallel: a rank's model runs seq_len / cp positions (distributed/cp.h) */
-    ct_config cr = cc;
-    cr.seq_len /= cp;
+    int Br, Tr;
+    plan_model_shape(c, 0, cp, &Br, &Tr);
     if (world > 1 && pp == 1) { /* checked before anything prints, so an error comes alone */
-        if ((rc = plan_dry_rank(NULL, &cr, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e))) return rc;
+        if ((rc = plan_dry_rank(NULL, c, &mc, world, rep, shard, tp, Br, Tr, trainer_layout_origin(c), e))) return rc;
     }
     if (!out) return 0;
     /* bf16-stored frozen matrices: 2 bytes each, and a stored lm_head's fp32 block of logits */
     double p = 4.0 * (double)(n - in_bf16) + 2.0 * (double)in_bf16, g = 4.0 * trained, o = 8.0 * trained, a = (double)act;
     double w = 4.0 * (double)widened, x = 4.0 * (double)lm_expert_lora_scratch_floats(&mc);
     fprintf(out, "dry run: model %s, %zu parameters (%.2f B), batch %d x %d, activation_checkpoint %s\n", mc.name, n,
-            n / 1e9, B, c->seq_len, c->ac_mode);
+            n / 1e9, B, T, c->ac_mode);
+    if (cfg_val_seq_len(c) != c->seq_len) /* the batch above is the larger forward's rows */
+        fprintf(out, "  validation.seq_len %d (training.seq_len %d): the buffers hold the larger forward, %d x %d "
+                     "rows of training or %d x %d of validation\n",
+                cfg_val_seq_len(c), c->seq_len, c->local_batch_size, c->seq_len,
+                c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size, cfg_val_seq_len(c));
     if (trained != n) trainer_print_trained(out, "  ", trained, n, saved, c->lora_rank > 0);
     plan_dry_line(out, in_bf16 ? "parameters (fp32; frozen matrices bf16)" : "parameters (fp32)", p);
     plan_dry_line(out, trained < n ? "gradients (fp32, trained only)" : "gradients (fp32)", g);
@@ -85,7 +91,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     fprintf(out, "(plus the token data and, on resume, one checkpoint file mapped at a time)\n");
     /* a pipeline plans each stage's chunk itself: the split is costed at the whole seq_len, as the run's */
     if (pp > 1) rc = plan_dry_pipeline(out, c, &mc, world, rep, shard, tp, trainer_layout_origin(c), e);
-    else if (world > 1) rc = plan_dry_rank(out, &cr, &mc, world, rep, shard, tp, B, trainer_layout_origin(c), e);
+    else if (world > 1) rc = plan_dry_rank(out, c, &mc, world, rep, shard, tp, Br, Tr, trainer_layout_origin(c), e);
     if (rc) return rc;
     if (st > 0 && world > 1)
         fprintf(out, "(checkpoint.async_mode: rank 0 also holds the %.3f GiB staging copy of a checkpoint: the save "
@@ -93,7 +99,7 @@ int trainer_dry_run(const ct_config *c0, int world, FILE *out, ct_err *e) {
     if (cp > 1)
         fprintf(out, "(context_parallel %d: the per-rank figures are a rank's running %d of the %d positions of each "
                      "sequence, with its attention's whole-sequence scratch: distributed/cp.h)\n",
-                cp, cr.seq_len, c->seq_len);
+                cp, c->seq_len / cp, c->seq_len);
     return 0;
 }
 
@@ -133,10 +139,10 @@ int trainer_memory_snapshot(trainer *t, int step, FILE *log, ct_err *e) {
     const ct_config *c = &t->cfg;
     lm_model *m = &t->model;
     /* planned: trainer_dry_run's figures, for this rank's model */
-    int val_b = c->val_local_batch_size > 0 ? c->val_local_batch_size : c->local_batch_size;
-    int B = val_b > c->local_batch_size ? val_b : c->local_batch_size;
+    int B, T; /* the model's planned forward (as trainer_dry_run, one process's batch) */
+    plan_model_shape(c, 0, t->plan.mesh.cp > 1 ? t->plan.mesh.cp : 1, &B, &T);
     size_t n = 0, act = 0;
-    int rc = lm_plan_memory(&m->cfg, B, plan_seq_len(&t->plan), c->ac_mode, c->ac_selective_option, &n, &act, e);
+    int rc = lm_plan_memory(&m->cfg, B, T, c->ac_mode, c->ac_selective_option, &n, &act, e);
     if (rc) return rc;
     const fsdp *f = t->plan.fsdp;
     const adamw_state *o = t->plan.opt;

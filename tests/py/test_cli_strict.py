@@ -455,7 +455,6 @@ def tt_dry_run(run_ctitan, tmp_path, text="", *args):
      "ctitan reduces gradients in fp32"),
     ("--checkpoint.initial_load_model_only=false", "checkpoint.initial_load_model_only = false",
      "loads Hugging Face weights only"),
-    ("--validation.seq_len=32", "validation.seq_len = 32", "evaluates at training.seq_len (64)"),
     ("--model.name=llama3", 'model.name = "llama3"', 'come through model.spec = "hf"'),
     ("--quantize.linear.float8.enable_fsdp_float8_all_gather=true", "quantize.linear.float8.enable_fsdp_float8_all_gather = true",
      "ctitan has no float8 training"),

@@ -144,7 +144,7 @@ class TokOpts(ctypes.Structure):
 class DsConfig(ctypes.Structure):
     _fields_ = [("seq_len", ctypes.c_int), ("vocab_size", ctypes.c_int), ("shuffle", ctypes.c_int),
                 ("seed", ctypes.c_uint64), ("rank", ctypes.c_int), ("world", ctypes.c_int), ("quiet", ctypes.c_int),
-                ("tok", TokOpts), ("tokenizer_dir", ctypes.c_char_p)]
+                ("tok", TokOpts), ("tokenizer_dir", ctypes.c_char_p), ("seq_key", ctypes.c_char_p)]
 
 
 class Err(ctypes.Structure):

@@ -108,22 +108,17 @@ def test_default_rope_q_scale(tmp_path, open_session):
     assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("drop", ["llama_4_scaling_beta", "original_max_position_embeddings", "rope_parameters"])
+@pytest.mark.parametrize("drop", ["llama_4_scaling_beta", "original_max_position_embeddings"])
 def test_missing_key_refused(drop, tmp_path, open_session):
     """transformers fails without either key in rope_parameters (Ministral3Attention reads
-    both there) and fills its own yarn dict where rope_parameters is absent; ctitan refuses
-    all three naming the key."""
+    both there); ctitan refuses both naming the key."""
     d = of.save(of.build(DEFAULT), tmp_path / "hf")
     conf = of.config_json(d)
-    if drop == "rope_parameters":
-        conf.pop("rope_parameters")
-    else:
-        conf["rope_parameters"].pop(drop)
+    conf["rope_parameters"].pop(drop)
     (d / "config.json").write_text(json.dumps(conf))
-    if drop != "rope_parameters":
-        from transformers import AutoConfig, AutoModelForCausalLM
-        with pytest.raises(Exception):
-            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d))(torch.zeros(1, 8, dtype=torch.long))
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with pytest.raises(Exception):
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d))(torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(CtitanError) as ei:
         open_session(hf_session_args(d, load=False, batch=B, seq_len=16))
     msg = str(ei.value)
@@ -148,3 +143,44 @@ def test_resume_refuses_other_q_scale(edit, tmp_path):
     cfg.vocab_size = 256
     data, out = _train(tmp_path, cfg)
     _refused_after(tmp_path, data, out, lambda c: c["rope_parameters"].update(edit), next(iter(edit)))
+
+
+@pytest.mark.parametrize("how", ["absent", "null", "absent_top_theta"])
+def test_no_rope_parameters_is_transformers_default(how, tmp_path, open_session):
+    """Ministral3Config fills its own dict where config.json has no rope_parameters (absent or
+    null): yarn (rope_theta 1e6, factor 16, original_max_position_embeddings 16384, beta_fast 32,
+    beta_slow 1, mscale and mscale_all_dim 1) with llama_4_scaling_beta 0.1, and a top-level
+    rope_theta is then ignored. ctitan takes such a config as transformers does: logits, loss
+    and every gradient against transformers' model loaded from the same directory, at
+    positions past max_position_embeddings' small value (yarn's dict reads it too)."""
+    T = 24
+    d = of.save(of.build(DEFAULT), tmp_path / "hf")
+    conf = of.config_json(d)
+    conf.pop("rope_parameters")
+    if how == "null":
+        conf["rope_parameters"] = None
+    if how == "absent_top_theta":
+        conf["rope_theta"] = 5000.0
+    conf["max_position_embeddings"] = 20
+    (d / "config.json").write_text(json.dumps(conf))
+    model = of.load(d, "ministral3")
+    rp = model.config.rope_parameters
+    assert rp["rope_type"] == "yarn" and rp["rope_theta"] == 1e6 and rp["llama_4_scaling_beta"] == 0.1, rp
+    tokens, labels = of.batch(model, B, T, seed=5)
+    ref = of.loss_and_grads(model, "ministral3", tokens, labels)
+    # the dict matters: the same weights under default RoPE at its rope_theta give other logits
+    plain = of.build(_rp(DEFAULT, rope_type="default", rope_theta=1e6))
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        err = oracle.rel_err(of.logits(plain, "ministral3", tokens), ref["logits"])
+    assert err > 100 * TOL, f"yarn's default dict moves the logits by only {err:.3g}"
+    s = open_session(hf_session_args(d, batch=B, seq_len=T))
+    err = oracle.rel_err(s.logits(tokens), ref["logits"])
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    ce = s.forward_backward(tokens, labels, nv) / nv
+    assert abs(ce - ref["ce"]) <= TOL * abs(ref["ce"]), (ce, ref["ce"])
+    bad = [f"{n}: {oracle.rel_err(s.get_grad(n), g):.3g}" for n, g in sorted(ref["grads"].items())
+           if not oracle.rel_err(s.get_grad(n), g) <= TOL]
+    assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
