@@ -103,15 +103,17 @@ def weights(out, step=STEPS, file="model.safetensors"):
     return res
 
 
-def assert_same_run(out, ref, what, steps=range(1, STEPS + 1), weights_too=True):
+def assert_same_run(out, ref, what, steps=range(1, STEPS + 1), weights_too=True, ltol=1e-5):
+    """Losses and validation losses to ltol relative (1e-5; looser only where the caller
+    measured one process against itself, the same math, differing by more)."""
     got, want = losses(out), losses(ref)
     for s in steps:
         assert s in got, f"{what}: no loss for step {s}"
-        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), f"{what}: step {s} loss {got[s]!r} vs one rank {want[s]!r}"
+        assert abs(got[s] - want[s]) <= ltol * abs(want[s]), f"{what}: step {s} loss {got[s]!r} vs one rank {want[s]!r}"
     got, want = val_losses(out), val_losses(ref)
     assert set(want) == {5, 10} and set(got) == set(want), f"{what}: validation steps {sorted(got)} vs {sorted(want)}"
     for s in want:
-        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), f"{what}: step {s} val_loss {got[s]!r} vs {want[s]!r}"
+        assert abs(got[s] - want[s]) <= ltol * abs(want[s]), f"{what}: step {s} val_loss {got[s]!r} vs {want[s]!r}"
     if weights_too:
         assert_same_weights(out, ref, what)
 

@@ -93,7 +93,7 @@ def aux_losses(out):
     return {r["step"]: r["aux_loss"] for r in oracle.read_metrics(out / "metrics.jsonl") if "aux_loss" in r}
 
 
-def assert_same_cp(out, ref, what, steps=range(1, STEPS + 1), wtol=1e-5, gtol=1e-5):
+def assert_same_cp(out, ref, what, steps=range(1, STEPS + 1), wtol=1e-5, gtol=1e-5, ltol=1e-5):
     """test_dist's checks (losses and validation losses to 1e-5) and the gradient norms to
     gtol, the final weights norm-wise to wtol (test_dist: 1e-5). Looser only where one
     process against itself with another micro-batch split (the same math) already
@@ -104,8 +104,13 @@ def assert_same_cp(out, ref, what, steps=range(1, STEPS + 1), wtol=1e-5, gtol=1e
     norm by 3.1e-4 (DP 2: 1.0e-4, 1.7e-4; CP 2: 1.0e-4, 1.8e-4).
     load_balance_coeff (weights 1e-4): the bias makes top-k choices near ties, which a
     last-bit difference flips: local_batch_size 1 moved the embedding by 1.01e-5, FSDP 2
-    by 6.3e-5 (CP 2: 1.01e-5)."""
-    assert_same_run(out, ref, what, steps=steps, weights_too=False)
+    by 6.3e-5 (CP 2: 1.01e-5).
+    bf16 losses (ltol 1e-4): the same flips reach the loss. One process against itself with
+    the reference attention kernel instead of the default (the same math) moved a step's
+    loss by 2.0e-5 relative and the validation loss by 5.5e-6 (AMD Zen 5, avx512bf16
+    kernels, 2026-12-07); on the Intel AMX guest the ring stayed under 1e-5 and on Zen 5
+    it reached 1.04e-5."""
+    assert_same_run(out, ref, what, steps=steps, weights_too=False, ltol=ltol)
     a, b = weights(out), weights(ref)
     assert a.keys() == b.keys(), f"{what}: tensor names differ"
     for k in b:
@@ -167,7 +172,7 @@ LAYOUTS = {  # name: (ranks, data-parallel ranks, model, reference, extra)
 }
 REF_EXTRA = {"bf16": ["--training.mixed_precision_param=bfloat16"], "moe_bias": ["--model.load_balance_coeff=1e-3"],
              "moe_lb1": [LB1], "moe_tp_lb1": [LB1], "moe_lb1_bias": [LB1, "--model.load_balance_coeff=1e-3"]}
-TOL = {"bf16": dict(wtol=1e-3, gtol=1e-3), "moe_bias": dict(wtol=1e-4),  # assert_same_cp says why
+TOL = {"bf16": dict(wtol=1e-3, gtol=1e-3, ltol=1e-4), "moe_bias": dict(wtol=1e-4),  # assert_same_cp says why
        "moe_lb1_bias": dict(wtol=1e-4)}
 
 
