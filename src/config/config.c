@@ -1287,6 +1287,38 @@ static int cfg_is_config_flag(const char *name, size_t n) {
            (n == 15 && strncmp(name, "job.config_file", 15) == 0);
 }
 
+/* torchtitan 0.3 picks its activation checkpointing policy by a tyro
+ * subcommand word; each is a mode here. Its "selective" is per-op (it keeps
+ * the outputs of compute ops and also recomputes every second matmul): the
+ * nearest is ctitan's selective_ac_option = "op", which keeps every matmul
+ * output (the same numbers, more memory, less recomputation). */
+static int cfg_ac_subcommand(ct_config *c, const char *word, ct_err *e) {
+    static const struct {
+        const char *word, *mode, *option;
+    } map[] = {{"none", "none", NULL}, {"full", "full", NULL}, {"selective", "selective", "op"}};
+    for (size_t k = 0; k < sizeof map / sizeof map[0]; k++) {
+        if (strcmp(word, map[k].word) != 0) continue;
+        const cfg_option *o = cfg_lookup("activation_checkpoint", "mode");
+        int rc = cfg_set_text(c, o, map[k].mode, "command line", e);
+        if (rc) return rc;
+        c->from_cli[o - cfg_options] = 1;
+        if (map[k].option) {
+            o = cfg_lookup("activation_checkpoint", "selective_ac_option");
+            if ((rc = cfg_set_text(c, o, map[k].option, "command line", e))) return rc;
+            c->from_cli[o - cfg_options] = 1;
+        }
+        return 0;
+    }
+    if (!strcmp(word, "memory-budget"))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "command line: activation_checkpoint:memory-budget: torchtitan's compiler-chosen recomputation "
+                       "(it needs torch.compile) is not built; use activation_checkpoint.mode = \"selective\" or "
+                       "\"full\"");
+    return ct_fail(e, CT_ERR_CONFIG,
+                   "command line: activation_checkpoint:%s: not one of torchtitan's policies none, full, selective, "
+                   "memory-budget", word);
+}
+
 int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e) {
     /* Pass 1: the config file, wherever it appears, so that every override
      * on the line wins over it regardless of order. */
@@ -1318,9 +1350,17 @@ int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e) {
         if (rc) return rc;
     }
 
-    /* Pass 2: overrides, in order. */
+    /* Pass 2: overrides, in order. torchtitan 0.3's command line is tyro's: a
+     * policy picked by a subcommand word (activation_checkpoint:full), names
+     * written with '-' for '_' (ctitan's names have no '-'), and --x.no-flag
+     * for a boolean's false. */
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
+        if (!strncmp(a, "activation_checkpoint:", 22)) {
+            int rc = cfg_ac_subcommand(c, a + 22, e);
+            if (rc) return rc;
+            continue;
+        }
         if (strncmp(a, "--", 2) != 0 || !a[2])
             return ct_fail(e, CT_ERR_CONFIG,
                            "command line: unexpected argument '%s' (options look like "
@@ -1336,13 +1376,24 @@ int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e) {
             return ct_fail(e, CT_ERR_CONFIG, "command line: option name too long: '%.40s...'", a);
         memcpy(full, name, n);
         full[n] = '\0';
+        for (char *p = full; *p; p++)
+            if (*p == '-') *p = '_';
         const char *dot = strrchr(full, '.'); /* sections may have dots, keys not */
         const cfg_option *o = NULL;
+        int negated = 0;
         if (dot) {
             char section[160];
             memcpy(section, full, (size_t)(dot - full));
             section[dot - full] = '\0';
             o = cfg_lookup(section, dot + 1);
+            if (!o && !strncmp(dot + 1, "no_", 3)) { /* tyro's --section.no-flag */
+                o = cfg_lookup(section, dot + 4);
+                if (o && (o->type != CFG_BOOL || eq))
+                    return ct_fail(e, CT_ERR_CONFIG, "command line: %s: %s", a,
+                                   o->type != CFG_BOOL ? "only a boolean takes the no- form"
+                                                       : "the no- form takes no value (it means false)");
+                negated = o != NULL;
+            }
         }
         if (!o) {
             if (!dot) {
@@ -1354,7 +1405,9 @@ int cfg_parse_args(ct_config *c, int argc, char **argv, ct_err *e) {
             return cfg_set(c, full, "", e); /* reports the unknown section or key */
         }
         const char *val;
-        if (eq) {
+        if (negated) {
+            val = "false";
+        } else if (eq) {
             val = eq + 1;
         } else if (o->type == CFG_BOOL) {
             /* A bare flag means true; the next argument is taken only if it
