@@ -80,7 +80,9 @@ static const char *const cfg_cp_rotates[] = {"allgather", "alltoall", NULL};
 static const char *const cfg_reshard_modes[] = {"default", "always", "never", NULL};
 static const char *const cfg_mp_dtypes[] = {"float32", "bfloat16", NULL};
 static const char *const cfg_frozen_dtypes[] = {"float32", "bfloat16", NULL};
-static const char *const cfg_opt_impls[] = {"for-loop", "foreach", "fused", NULL};
+/* torchtitan 0.3's fused_opt_states_bf16 keeps AdamW's moments in bf16: a different
+ * optimizer, refused by cfg_validate with its reason (the others are the same math) */
+static const char *const cfg_opt_impls[] = {"for-loop", "foreach", "fused", "fused_opt_states_bf16", NULL};
 /* torchtitan's dataset names: taken as "auto" when dataset_path says where the files are */
 static const char *const cfg_tt_datasets[] = {"c4", "c4_test", "c4_validation", NULL};
 /* torchtitan 0.3's Literal choices of keys ctitan takes at one value (or at any) */
@@ -1511,6 +1513,11 @@ static int cfg_validate_inert(const ct_config *c, ct_err *e) {
  * file, or the command line when an override set it. */
 int cfg_validate(const ct_config *c, ct_err *e) {
     const char *file = c->config_path && c->config_path[0] ? c->config_path : "command line";
+    if (c->tt.opt_impl && !strcmp(c->tt.opt_impl, "fused_opt_states_bf16"))
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: optimizer.implementation = \"fused_opt_states_bf16\" keeps AdamW's moments in bfloat16; "
+                       "ctitan keeps them in float32 (torch's default): use fused, foreach or for-loop",
+                       cfg_origin(c, "optimizer.implementation"));
     /* Per-option checks again: the library API may have set fields directly. */
     for (int i = 0; i < CFG_N_OPTIONS; i++) {
         const cfg_option *o = &cfg_options[i];

@@ -87,3 +87,20 @@ def test_no_flag_is_false(run_ctitan, tmp_path):
     assert rc == 2 and "--training.no-shuffle=true" in err and "takes no value" in err, err
     rc, out, err = run_ctitan(common + ["--training.no-seq-len"], check=False)
     assert rc == 2 and "only a boolean" in err, err
+
+
+def test_optimizer_implementations(run_ctitan):
+    """Every optimizer.implementation torchtitan 0.3 offers (its Literal, read from its
+    source): the same math is taken, bf16 moments are refused saying so."""
+    spec = importlib.util.find_spec("torchtitan")
+    src = Path(spec.submodule_search_locations[0]) / "components" / "optimizer" / "optimizer.py"
+    lit = next(n for n in ast.walk(ast.parse(src.read_text()))
+               if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "implementation")
+    choices = [e.value for e in ast.walk(lit.annotation) if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    assert "fused" in choices and "fused_opt_states_bf16" in choices, choices
+    for ch in choices:
+        rc, got = _dry(run_ctitan, f"--optimizer.implementation={ch}")
+        if "bf16" in ch:
+            assert rc == 2 and "optimizer.implementation" in got and "bfloat16" in got, got[-1500:]
+        else:
+            assert rc == 0, got[-1500:]
