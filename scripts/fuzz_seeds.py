@@ -138,6 +138,9 @@ def main():
         '[training]\nsteps = 10\nlr = 3e-4 # comment\nshuffle = true\n[parallelism]\n'
         'pipeline_parallel_split_points = ["layers.1", "layers.2"]\n[model]\nname = \'qwen3\'\n'
         'flavor = """debugmodel"""\n')
+    put(out, "fuzz_toml", "nested.toml",  # arrays of arrays: module_fqns_per_model_part (a list of lists)
+        '[parallelism]\npipeline_parallel_degree = 2\nmodule_fqns_per_model_part = [\n  ["tok_embeddings", '
+        '"layers.0"],\n  ["layers.1", "norm", "output"], # last\n]\npipeline_parallel_layers_per_stage = 2\n')
     # tokenizers
     for name, t in tokenizers().items():
         put(out, "fuzz_tokenizer", name + ".json", json.dumps(t, indent=1))

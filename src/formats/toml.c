@@ -519,7 +519,10 @@ static int toml_parse_array(toml_parser *t, toml_value *v, int depth) {
         }
         toml_value *it = &v->items[v->n_items];
         memset(it, 0, sizeof *it);
-        if ((rc = toml_parse_value(t, it, depth + 1))) return rc;
+        if ((rc = toml_parse_value(t, it, depth + 1))) {
+            toml_value_free(it); /* an inner array that failed part way holds items v's n_items does not count */
+            return rc;
+        }
         v->n_items++;
         if ((rc = toml_skip_array_space(t))) return rc;
         if (t->p >= t->end) goto unterminated;
