@@ -240,7 +240,8 @@ static void norm_names(const lm_config *c, const char *n[4]) {
         n[3] = "post_feedforward_layernorm";
     } else {
         n[0] = "input_layernorm";
-        n[2] = "post_attention_layernorm";
+        /* VaultGemmaDecoderLayer: Gemma2's MLP pre-norm, its post-norms dropped */
+        n[2] = strcmp(c->model_type, "vaultgemma") ? "post_attention_layernorm" : "pre_feedforward_layernorm";
     }
 }
 
@@ -295,9 +296,9 @@ static void build_layout(lm_model *m) {
         T_("self_attn.o_proj.weight", H, qd, 1, LM_S_WO);
         if (c->o_bias) { T_("self_attn.o_proj.bias", H, 0, 0, LM_S_BO); }
         if (c->qk_norm != LM_QK_NONE) {
-            int proj = c->qk_norm == LM_QK_PROJ;
-            T_("self_attn.q_norm.weight", proj ? qd : hd, 0, 0, LM_S_QN);
-            T_("self_attn.k_norm.weight", proj ? kvd : hd, 0, 0, LM_S_KN);
+            int proj = c->qk_norm == LM_QK_PROJ, hy = c->qk_norm_after_rope; /* HunYuan's names */
+            T_(hy ? "self_attn.query_layernorm.weight" : "self_attn.q_norm.weight", proj ? qd : hd, 0, 0, LM_S_QN);
+            T_(hy ? "self_attn.key_layernorm.weight" : "self_attn.k_norm.weight", proj ? kvd : hd, 0, 0, LM_S_KN);
         }
         if (nn[1]) {
             snprintf(sfx, sizeof sfx, "%s.weight", nn[1]);
@@ -839,8 +840,10 @@ static rope_params rope_default(const lm_config *c) {
 
 /* Whether the tables depend on the forward's length (dynamic, longrope). */
 static int lm_rope_by_length(const lm_config *c) {
-    return c->has_rope && (c->rope.type == ROPE_DYNAMIC || c->rope.type == ROPE_LONGROPE ||
-                           c->rope_local.type == ROPE_DYNAMIC || c->rope_local.type == ROPE_LONGROPE);
+    /* HunYuan's dynamic with alpha (ntk_alpha) has a fixed base */
+    return c->has_rope && ((c->rope.type == ROPE_DYNAMIC && c->rope.alpha == 0) || c->rope.type == ROPE_LONGROPE ||
+                           (c->rope_local.type == ROPE_DYNAMIC && c->rope_local.alpha == 0) ||
+                           c->rope_local.type == ROPE_LONGROPE);
 }
 
 int lm_rope_local_differs(const lm_config *c) {
@@ -1866,7 +1869,13 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
     }
     switch (m->cfg.qk_norm) {
     case LM_QK_HEAD:
-        if (cs) K(ROPE, qknorm_rope_fwd, out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps);
+        if (cs && m->cfg.qk_norm_after_rope) { /* HunYuan: norm(R x), R x in a scratch */
+            size_t nrow = (size_t)B * T * nh;
+            float *t = ct_malloc(nrow * hd * sizeof(float)); /* [BT, nh, hd] R x */
+            K(ROPE, rope_fwd, t, x, cs, sn, B, T, nh, hd, rd);
+            K(RMSNORM, rmsnorm_fwd, out, rstd, t, nw(m, w, hd), (int)nrow, hd, eps);
+            free(t);
+        } else if (cs) K(ROPE, qknorm_rope_fwd, out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps);
         else K(RMSNORM, rmsnorm_fwd, out, rstd, x, nw(m, w, hd), B * T * nh, hd, eps); /* EXAONE 4's NoPE layers */
         break;
     case LM_QK_PROJ: /* one norm over all heads of a token, then RoPE in place */
@@ -1903,7 +1912,15 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
     }
     switch (m->cfg.qk_norm) {
     case LM_QK_HEAD: /* dx: its first product, overwritten (zero_layer_scratch skips it) */
-        if (cs) {
+        if (cs && m->cfg.qk_norm_after_rope) { /* out = norm(t), t = R x: dx = R^T d(t) */
+            size_t nrow = (size_t)B * T * nh;
+            float *t = ct_malloc(nrow * hd * sizeof(float)); /* [BT, nh, hd] R x, recomputed */
+            K(ROPE, rope_fwd, t, x, cs, sn, B, T, nh, hd, rd);
+            zero(dx, nrow * hd); /* rmsnorm_bwd adds: d(t) into dx, then R^T in place */
+            K(RMSNORM, rmsnorm_bwd, dx, dw, dout, t, nw(m, w, hd), rstd, (int)nrow, hd);
+            K(ROPE, rope_bwd, dx, dx, cs, sn, B, T, nh, hd, rd);
+            free(t);
+        } else if (cs) {
             K(ROPE, qknorm_rope_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd, 0);
         } else { /* rmsnorm_bwd adds */
             zero(dx, (size_t)B * T * nh * hd);

@@ -106,6 +106,8 @@ typedef struct {
     rope_params rope;      /* full-attention layers */
     rope_params rope_local; /* sliding layers (Gemma3's own base; a copy of rope elsewhere) */
     int rope_interleaved;  /* RoPE rotates the pairs (2i, 2i+1) of the rotary part, not its halves (GLM) */
+    int qk_norm_after_rope; /* LM_QK_HEAD applied to the rotated q and k (HunYuan: query_layernorm /
+                               key_layernorm), not before RoPE (Qwen3) */
     /* Ministral 3 (Llama 4's attention scaling): q after RoPE times
      * 1 + q_scale_beta * log(1 + floor(pos / q_scale_len)); q_scale_len 0: off */
     double q_scale_beta;

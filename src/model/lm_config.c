@@ -172,7 +172,7 @@ double lm_position_limit(const lm_config *c) {
     const rope_params *ps[2] = {&c->rope, &c->rope_local};
     for (int i = 0; i < 2; i++) {
         const rope_params *p = ps[i];
-        if (p->type == ROPE_DYNAMIC) return 0;
+        if (p->type == ROPE_DYNAMIC && p->alpha == 0) return 0; /* HunYuan's alpha: a fixed base */
         if (p->type == ROPE_LINEAR || p->type == ROPE_YARN || p->type == ROPE_LLAMA3) {
             double ext = p->factor * (p->original_max_pos > 0 ? p->original_max_pos : c->max_pos);
             if (ext > limit) limit = ext;
@@ -352,6 +352,11 @@ enum { CAPS_NONE,   /* the caps are not part of the family: refused unless absen
        CAPS_GEMMA3, /* final cap applied; the attention cap carried to the export, applied nowhere */
        CAPS_GEMMA2  /* both applied (Gemma2's eager attention caps the scores) */ };
 
+/* Shapes a family's transformers classes fail on (the config is refused, naming them). */
+enum { HEADS_ANY,
+       HEADS_O_HIDDEN, /* Helium: o_proj is Linear(hidden_size, hidden_size), so heads x head_dim = hidden_size */
+       HEADS_DIVIDE    /* VaultGemmaConfig.validate_architecture: num_attention_heads divides hidden_size */ };
+
 /* The projections a family's files fuse: Phi3's qkv_proj and gate_up_proj, GLM's gate_up_proj only. */
 enum { FUSED_NONE, FUSED_QKV_GATE_UP, FUSED_GATE_UP };
 
@@ -360,7 +365,8 @@ typedef struct {
     int moe;            /* 0 dense; 1 + LM_MOE_KEYS_* */
     int norm_place, norm_plus_one, qk_norm, fused, embed_scaled; /* fused: FUSED_* */
     int qkv_bias;       /* 1: always (Qwen2); 0: the attention_bias key (q, k, v and o) when has_attn_bias */
-    int attn_bias_qkv;  /* GLM: attention_bias (default true) gives q, k and v biases, o_proj has none */
+    int attn_bias_qkv;  /* attention_bias gives q, k and v biases, o_proj has none: 1 GLM (default true),
+                           2 Helium (default false) */
     int interleaved;    /* GLM: RoPE on the pairs (2i, 2i+1) of the rotary part (lm_config.rope_interleaved) */
     int use_bias;       /* Ernie 4.5: one use_bias key (default false) for q/k/v/o and the MLP's three */
     int out_bias;       /* Seed-OSS: attention_out_bias (default false) for o_proj beside attention_bias's q/k/v */
@@ -389,6 +395,8 @@ typedef struct {
     int q_scale;        /* Ministral 3: q times Llama 4's position scale, its keys in rope_parameters */
     int olmoe;          /* OLMoE: every layer sparse, experts intermediate_size wide, clip_qkv, q/k norms
                            over hidden_size (head_dim must be hidden_size / num_attention_heads) */
+    int heads_check;    /* HEADS_*: a shape rule of the family's transformers classes */
+    int qk_after_rope;  /* HunYuan: the per-head q/k norms (query_layernorm, key_layernorm) after RoPE */
 } lm_family;
 
 static const lm_family families[] = {
@@ -499,6 +507,26 @@ static const lm_family families[] = {
     {.type = "seed_oss", .arch = "SeedOssForCausalLM", .qk_norm = LM_QK_NONE, .has_attn_bias = 1,
      .attn_bias_qkv = 1, .out_bias = 1, .has_mlp_bias = 1, .dropout_default = 1, .kv_default = 8,
      .hd_default = 128, .eps = 1e-6, .max_pos = 524288, .pad = 1, .act_key = "hidden_act", .theta = 1e4},
+    /* Helium (kyutai/helium-1-preview-2b, helium-1-2b): Llama's layer with GLM's interleaved
+     * RoPE over the whole head, q/k/v biases by attention_bias (o_proj never has one) */
+    {.type = "helium", .arch = "HeliumForCausalLM", .qk_norm = LM_QK_NONE, .has_attn_bias = 1, .attn_bias_qkv = 2,
+     .has_mlp_bias = 1, .interleaved = 1, .kv_default = 20, .hd_default = 128, .eps = 1e-8, .max_pos = 4096,
+     .pad = 3, .act_key = "hidden_act", .theta = 1e5, .heads_check = HEADS_O_HIDDEN},
+    /* VaultGemma (google/vaultgemma-1b): Gemma2's pre-norm layer without its post-norms
+     * (input_layernorm, pre_feedforward_layernorm: model/lm.c norm_names), both soft-caps,
+     * query_pre_attn_scalar, alternating sliding layers, attention biases on q, k, v and o */
+    {.type = "vaultgemma", .arch = "VaultGemmaForCausalLM", .norm_plus_one = 1, .qk_norm = LM_QK_NONE,
+     .embed_scaled = 1, .has_attn_bias = 1, .kv_default = 4, .hd_default = 256, .eps = 1e-6, .tied = 1,
+     .max_pos = 8192, .pad = 0, .win = WIN_GEMMA2, .win_default = 4096, .act_key = "hidden_activation",
+     .caps = CAPS_GEMMA2, .final_cap_default = 30.0, .attn_cap_default = 50.0, .theta = 1e4,
+     .heads_check = HEADS_DIVIDE},
+    /* HunYuan dense (tencent/Hunyuan-0.5B/1.8B/4B/7B-Instruct): Llama's layer with per-head
+     * q/k RMSNorms applied to the rotated q and k (query_layernorm, key_layernorm), attention
+     * biases on q, k, v and o; num_key_value_heads num_attention_heads when absent; head_dim
+     * required (the config keeps None and HunYuanDenseV1Attention fails on it) */
+    {.type = "hunyuan_v1_dense", .arch = "HunYuanDenseV1ForCausalLM", .qk_norm = LM_QK_HEAD, .qk_after_rope = 1,
+     .has_attn_bias = 1, .hd_required = 1, .eps = 1e-5, .max_pos = 2048, .pad = 0, .act_key = "hidden_act",
+     .theta = 1e4},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -747,6 +775,7 @@ static void write_rope(cJSON *o, const rope_params *p) {
     if (p->partial_rotary_factor_given > 0) add_float(o, "partial_rotary_factor", p->partial_rotary_factor_given);
     if (p->type == ROPE_DEFAULT) return;
     if (p->type != ROPE_LONGROPE) add_float(o, "factor", p->factor);
+    if (p->alpha > 0) add_float(o, "alpha", p->alpha); /* HunYuan's ntk_alpha */
     if (p->type == ROPE_YARN || p->type == ROPE_LLAMA3 || p->type == ROPE_LONGROPE)
         cJSON_AddNumberToObject(o, "original_max_position_embeddings", p->original_max_pos);
     if (p->has_attention_factor) add_float(o, "attention_factor", p->attention_factor);
@@ -865,6 +894,7 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     c->fused_qkv = f->fused == FUSED_QKV_GATE_UP;
     c->fused_gate_up = f->fused != FUSED_NONE;
     c->rope_interleaved = f->interleaved;
+    c->qk_norm_after_rope = f->qk_after_rope;
     c->embed_scaled = f->embed_scaled;
     c->qkv_bias = f->qkv_bias;
     c->moe_keys = f->moe ? f->moe - 1 : 0;
@@ -910,6 +940,19 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         goto done;
     }
     if (c->head_dim == -1) c->head_dim = c->n_heads > 0 ? c->hidden / c->n_heads : 0;
+    if (f->heads_check == HEADS_O_HIDDEN && c->n_heads > 0 && (long long)c->n_heads * c->head_dim != c->hidden) {
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "%s: \"head_dim\" = %d with hidden_size %d and num_attention_heads %d: model_type %s needs "
+                     "head_dim x num_attention_heads = hidden_size (its o_proj maps hidden_size features; "
+                     "transformers' forward fails otherwise)", path, c->head_dim, c->hidden, c->n_heads, f->type);
+        goto done;
+    }
+    if (f->heads_check == HEADS_DIVIDE && c->n_heads > 0 && c->hidden % c->n_heads) {
+        rc = ct_fail(e, CT_ERR_CONFIG,
+                     "%s: hidden_size %d is not a multiple of num_attention_heads %d, which model_type %s's "
+                     "config class refuses", path, c->hidden, c->n_heads, f->type);
+        goto done;
+    }
     if (c->n_layers > LM_MAX_LAYERS) {
         rc = ct_fail(e, CT_ERR_CONFIG, "%s: num_hidden_layers = %d: at most %d are supported", path, c->n_layers,
                      LM_MAX_LAYERS);
@@ -964,7 +1007,7 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
             goto done;
     }
     if (f->has_attn_bias) {
-        int b = f->attn_bias_qkv; /* GlmConfig's default true */
+        int b = f->attn_bias_qkv == 1; /* GlmConfig's default true */
         if ((rc = json_bool(root, "attention_bias", &b, path, e))) goto done;
         c->qkv_bias = b;
         c->o_bias = b && !f->attn_bias_qkv;

@@ -606,9 +606,23 @@ static int read_longrope(rope_read *s) {
     return read_factors(&s->r, "long_factor", p->n_factors, p->long_factor);
 }
 
-/* The keys only one type reads; linear, dynamic and default have none beyond factor. */
+/* HunYuanDenseV1RotaryEmbedding: a dynamic RoPE whose alpha is truthy is its
+ * ntk_alpha type (the other families' dynamic never reads the key). */
+static int read_ntk_alpha(rope_read *s) {
+    int rc, found;
+    double v = 0;
+    if (strcmp(s->fam->model_type, "hunyuan_v1_dense")) return 0;
+    if ((rc = rd_num(&s->r, "alpha", 1, &found, &v))) return rc;
+    if (!found || v == 0) return 0;
+    if ((rc = rd_positive(&s->r, "alpha", v))) return rc;
+    s->p->alpha = v;
+    return 0;
+}
+
+/* The keys only one type reads; linear and default have none beyond factor. */
 static int read_type_keys(rope_read *s) {
     switch (s->p->type) {
+    case ROPE_DYNAMIC: return read_ntk_alpha(s);
     case ROPE_YARN: return read_yarn(s);
     case ROPE_LLAMA3: return read_llama3(s);
     case ROPE_LONGROPE: return read_longrope(s);
@@ -684,6 +698,11 @@ void rope_inv_freq(const rope_params *p, int head_dim, int seq_len, double *inv_
         break;
     }
     case ROPE_DYNAMIC: {
+        if (p->alpha > 0) { /* HunYuan's ntk_alpha: base = theta * alpha ** (dim / (dim - 2)) in Python floats */
+            float b = (float)(p->theta * pow(p->alpha, (double)dim / (dim - 2)));
+            for (int i = 0; i < half; i++) inv_freq[i] = 1.0f / powf(b, (float)(2 * i) / fdim);
+            break;
+        }
         /* base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2)), seq_len
          * at least max_pos: a Python int at init (double arithmetic), the tensor
          * max(position_ids) + 1 once a forward outgrows max_pos (float32 arithmetic) */

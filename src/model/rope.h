@@ -43,6 +43,8 @@ typedef struct {
     double mscale, mscale_all_dim; /* mscale, mscale_all_dim (0: absent) */
     int truncate;               /* truncate (yarn; absent: true, null: false) */
     double low_freq_factor, high_freq_factor; /* llama3 */
+    double alpha;               /* HunYuan's dynamic with alpha (its ntk_alpha): theta times
+                                   alpha^(dim / (dim - 2)), whatever the length; 0: none */
     int n_factors;              /* longrope: entries of short_factor / long_factor (= rotary_dim / 2) */
     double short_factor[ROPE_MAX_HALF], long_factor[ROPE_MAX_HALF];
     double partial_rotary_factor; /* partial_rotary_factor as the frequencies use it: 1 for

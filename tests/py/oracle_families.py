@@ -3,7 +3,8 @@
 One tiny random model per case, built with transformers' OWN config and model classes
 (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmo2, phi3, gemma, gemma2,
 gemma3_text, granite, smollm3, olmo3, olmoe, granitemoe, granitemoeshared, glm, glm4, ernie4_5,
-seed_oss, ministral, exaone4, ministral3)
+seed_oss, ministral, exaone4, ministral3, helium, vaultgemma,
+hunyuan_v1_dense)
 with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
 weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
 whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
@@ -68,9 +69,12 @@ FAMILIES = {
     "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM),
     "exaone4": (tf.Exaone4Config, tf.Exaone4ForCausalLM),
     "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM),
+    "helium": (tf.HeliumConfig, tf.HeliumForCausalLM),
+    "vaultgemma": (tf.VaultGemmaConfig, tf.VaultGemmaForCausalLM),
+    "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),
 }
 MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"}
-GEMMA = {"gemma", "gemma2", "gemma3_text"}  # RMSNorm by (1 + w)
+GEMMA = {"gemma", "gemma2", "gemma3_text", "vaultgemma"}  # RMSNorm by (1 + w)
 
 # sizes every case shares unless it overrides them
 BASE = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -410,6 +414,34 @@ CASES = [
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 4,
             "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.3}),
         keys=("head_dim", "rope_parameters", "sliding_window")),
+    # ------------------------------------------------------------------ helium
+    # Helium: Llama's layer with RoPE on the interleaved pairs (2i, 2i+1) of the whole head,
+    # q/k/v biases (attention_bias; o_proj never has one), MLP biases, HeliumConfig's
+    # pad 3, eps 1e-8 and theta 1e5 (its defaults: not given); heads x head_dim = hidden_size
+    # (o_proj is Linear(hidden_size, hidden_size))
+    Case("helium_bias_interleaved", "helium", dict(
+        hidden_size=48, head_dim=12, attention_bias=True, mlp_bias=True),
+        keys=("attention_bias", "mlp_bias", "head_dim", "rope_parameters", "rms_norm_eps", "pad_token_id")),
+    # ------------------------------------------------------------------ vaultgemma
+    # VaultGemma: Gemma 2's pre-norm layer without its post-norms (input_layernorm,
+    # pre_feedforward_layernorm), (1 + w) RMSNorm, sqrt(H) embeddings, both soft-caps,
+    # query_pre_attn_scalar 24 != head_dim 16, layer_types left to the default (sliding, full,
+    # sliding) over a window of 4; attention biases on q, k, v and o; tied
+    Case("vaultgemma_caps_bias", "vaultgemma", dict(
+        hidden_size=48, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, final_logit_softcapping=2.0,
+        attn_logit_softcapping=1.0, hidden_activation="gelu_pytorch_tanh", attention_bias=True,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1),
+        keys=("layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar",
+              "final_logit_softcapping", "attn_logit_softcapping", "hidden_activation", "tie_word_embeddings",
+              "head_dim", "attention_bias")),
+    # ------------------------------------------------------------------ hunyuan_v1_dense
+    # HunYuan dense: Llama's layer with per-head RMSNorms (query_layernorm / key_layernorm, norm
+    # weights 1 + U(-0.2, 0.2): not symmetric in a RoPE pair, so the order shows) applied AFTER
+    # RoPE; attention biases on q, k, v and o; head_dim 16 != hidden 32 / 4 heads; pad 0 (default)
+    Case("hunyuan_qknorm_after_rope_bias", "hunyuan_v1_dense", dict(
+        head_dim=16, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        keys=("attention_bias", "head_dim", "rope_parameters", "pad_token_id", "num_key_value_heads")),
 ]
 CASE = {c.id: c for c in CASES}
 
@@ -571,6 +603,22 @@ REFUSALS = [
     Refusal("seed_oss_residual_dropout", "seed_oss", dict(residual_dropout=0.1), "residual_dropout"),
     # a flat rope_parameters: Olmo3Config keeps its keys beside the per-type entries it
     # fills with default_theta, so the flat rope_theta is ignored
+    # Helium's o_proj maps hidden_size features: heads x head_dim != hidden_size fails in transformers
+    Refusal("helium_head_dim_not_hidden", "helium", dict(head_dim=16), "head_dim", ("helium", "hidden_size")),
+    Refusal("helium_attention_dropout", "helium", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("helium_linear_partial_rotary", "helium", dict(
+        rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor", ("0.5", "helium", "linear")),
+    Refusal("vaultgemma_yarn_partial_rotary", "vaultgemma", dict(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor", ("0.5", "vaultgemma", "yarn")),
+    Refusal("vaultgemma_attn_softcap_zero", "vaultgemma", dict(attn_logit_softcapping=0.0), "attn_logit_softcapping"),
+    Refusal("vaultgemma_attention_dropout", "vaultgemma", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("hunyuan_attention_dropout", "hunyuan_v1_dense", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("hunyuan_linear_partial_rotary", "hunyuan_v1_dense", dict(
+        rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor", ("0.5", "hunyuan_v1_dense", "linear")),
     Refusal("olmo3_flat_rope_parameters", "olmo3", dict(
         rope_parameters={"rope_type": "default", "rope_theta": 1e4}), "rope_parameters"),
 ]

@@ -21,7 +21,8 @@ from test_bf16 import (BF16, _bf16_attention, _Bf16Linear, assert_like_emulation
 CASES = ["llama_rope3_attnbias_hd16", "mistral_swa5", "qwen2_swa6_layers", "olmo2", "phi3_longrope_short_swa7",
          "gemma3_text", "gemma2", "gemma_gelu_attnbias", "granite", "smollm3_nope_swa5", "olmo3_swa5_yarn", "smollm3_kinds",
          "glm_bias_partial05", "glm4_partial075_tied", "ernie4_5_bias_tied", "seed_oss_outbias_mlpbias",
-         "ministral_types_swa5", "exaone4_swa5_nope_tied", "ministral3_yarn_qscale"]
+         "ministral_types_swa5", "exaone4_swa5_nope_tied", "ministral3_yarn_qscale",
+         "helium_bias_interleaved", "vaultgemma_caps_bias", "hunyuan_qknorm_after_rope_bias"]
 
 
 class _Bf16CappedAttention(torch.autograd.Function):
@@ -68,7 +69,7 @@ def emulate(model):
                 return y if mod.bias is None else y + mod.bias
             m.forward = fwd
     emulate_bf16_attention(model)
-    if getattr(model.config, "attn_logit_softcapping", None) and model.config.model_type == "gemma2":
+    if getattr(model.config, "attn_logit_softcapping", None) and model.config.model_type in ("gemma2", "vaultgemma"):
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, eager_mask
         AttentionInterface.register("ctitan_bf16_cap", _bf16_capped_attention)

@@ -198,6 +198,15 @@ FAMILY_LAYOUTS = {
     "ministral3_pp2": ("ministral3_yarn_qscale", 2, ["--parallelism.pipeline_parallel_degree=2",
                                                      "--parallelism.pipeline_parallel_microbatch_size=1",
                                                      "--training.local_batch_size=1"]),
+    # Helium's interleaved RoPE on the CP ranks' chunks; VaultGemma's two norms a layer and
+    # both caps split across the stages
+    "helium_cp2_alltoall": ("helium_bias_interleaved", 2, CP2 + [A2A]),
+    "vaultgemma_pp2": ("vaultgemma_caps_bias", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                                   "--parallelism.pipeline_parallel_microbatch_size=1",
+                                                   "--training.local_batch_size=1"]),
+    # HunYuan's q/k norms after RoPE: each CP rank's chunks rotated at their global positions
+    # before the norm
+    "hunyuan_cp2_ring": ("hunyuan_qknorm_after_rope_bias", 2, CP2),
     "exaone4_pp2": ("exaone4_swa5_nope_tied", 2, ["--parallelism.pipeline_parallel_degree=2",
                                                   "--parallelism.pipeline_parallel_microbatch_size=1",
                                                   "--training.local_batch_size=1"]),

@@ -61,6 +61,12 @@ CASES = {  # case id: target modules
     "exaone4_swa5_nope_tied": OL.ALL7,
     # Ministral 3: q_proj's adapter under q's position scale
     "ministral3_yarn_qscale": OL.ALL7,
+    # Helium: q_proj / k_proj adapters through the interleaved RoPE; q/k/v and MLP biases
+    "helium_bias_interleaved": OL.ALL7,
+    # VaultGemma: the seven projections (o_proj with its bias) under both soft-caps
+    "vaultgemma_caps_bias": OL.ALL7,
+    # HunYuan: q_proj / k_proj adapters through RoPE, then the per-head norms
+    "hunyuan_qknorm_after_rope_bias": OL.ALL7,
 }
 
 

@@ -56,6 +56,9 @@ ROTARY = {
     "ministral": ("ministral", "MinistralRotaryEmbedding"),
     "exaone4": ("exaone4", "Exaone4RotaryEmbedding"),
     "ministral3": ("ministral3", "Ministral3RotaryEmbedding"),
+    "helium": ("helium", "HeliumRotaryEmbedding"),
+    "vaultgemma": ("vaultgemma", "VaultGemmaRotaryEmbedding"),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", "HunYuanDenseV1RotaryEmbedding"),
 }
 
 
@@ -373,6 +376,25 @@ CASES = [
     ("olmoe-legacy-yarn", {**LLAMA, "model_type": "olmoe", "rope_theta": 5e5, "rope_scaling": {
         "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}}, None, [16], "yarn"),
     ("granitemoe-defaults", {**LLAMA, "model_type": "granitemoe"}, None, [16], "default"),
+    # HeliumConfig: default_theta 1e5 when absent; a legacy theta and yarn read as for Llama
+    ("helium-theta-absent", {**GLM, "model_type": "helium", "head_dim": 128}, None, [16], "default"),
+    ("helium-legacy-yarn", {**GLM, "model_type": "helium", "head_dim": 128, "rope_theta": 2e4, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}, None, [16], "yarn"),
+    # VaultGemmaConfig: default_theta 1e4, one RoPE for the sliding and the full layers
+    ("vaultgemma-theta-absent", {**GLM, "model_type": "vaultgemma"}, "sliding_attention", [16], "default"),
+    ("vaultgemma-legacy-theta", {**GLM, "model_type": "vaultgemma", "rope_theta": 5e4}, "full_attention", [16],
+     "default"),
+    # HunYuanDenseV1Config: default_theta 1e4; a dynamic rope_scaling without alpha is dynamic
+    ("hunyuan-theta-absent", {**GLM, "model_type": "hunyuan_v1_dense"}, None, [16], "default"),
+    ("hunyuan-legacy-dynamic", {**GLM, "model_type": "hunyuan_v1_dense", "max_position_embeddings": 256,
+                                "rope_theta": 3e4, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, None,
+     [16, 512], "dynamic"),
+    # HunYuan's ntk_alpha (dynamic with alpha): a fixed base theta * alpha^(d / (d - 2)), also
+    # past max_position_embeddings; the published files' legacy rope_scaling
+    ("hunyuan-ntk-alpha", {**GLM, "model_type": "hunyuan_v1_dense", "max_position_embeddings": 256,
+                           "rope_theta": 1e4, "rope_scaling": {"type": "dynamic", "factor": 1.0, "alpha": 1000.0,
+                                                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                                               "mscale_all_dim": 1.0}}, None, [16, 512], "dynamic"),
 ]
 
 
