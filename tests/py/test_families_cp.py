@@ -34,6 +34,15 @@ BF16_LAYOUTS = {
 }
 
 
+# Measured on AMD Zen 5's avx512bf16 kernels, one process against itself with the same math
+# after 10 steps: the reference bf16 matmul instead of the default moves Gemma2's bf16
+# gradient norm by 1.8e-3 and its worst final tensor by 1.1e-2 norm-wise (the norm weights,
+# (1 + w) with w starting at 0, so a small norm to divide by); the reference attention 1.2e-3
+# and 4.7e-3. The bounds are about twice that, as test_cp_ring's bf16 bounds. (The Intel AMX
+# guest stayed under 1e-3 and 1e-2; on Zen 5 TP 2 gave 2.3e-3 and 1.4e-2, the ring 1.1e-3.)
+GEMMA2_BF16_GTOL, GEMMA2_BF16_WTOL = 4e-3, 2.5e-2
+
+
 @pytest.mark.parametrize("name", list(BF16_LAYOUTS))
 def test_gemma2_bf16_layouts_near_one_rank(data, name):
     from test_tp_sp import assert_close
@@ -46,7 +55,7 @@ def test_gemma2_bf16_layouts_near_one_rank(data, name):
     n, extra = BF16_LAYOUTS[name]
     out = d / f"gemma2_{name}"
     run(n, train_args(m, tokens, out, *extra, *eps, *BF16), timeout=300)
-    assert_close(out, ref, name, 1e-4, 1e-2, 1e-3)
+    assert_close(out, ref, name, 1e-4, GEMMA2_BF16_WTOL, GEMMA2_BF16_GTOL)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -1,11 +1,12 @@
 """sequence parallel with rows the TP degree does not divide, in layouts
 test_tp_sp.py's UNEVEN does not try. Each run must train like one process (test_tp_sp's
 tolerances), or where TP without SP is itself looser, like TP without SP to 1e-5."""
+import numpy as np
 import pytest
 
 import oracle
 import oracle_families as fam
-from test_dist import assert_same_norms, assert_same_run, grad_norms
+from test_dist import assert_same_norms, assert_same_run, grad_norms, weights
 from test_tp_sp import (LORA, ONE_ROW, TP2, assert_close, sp_run, sp_setup)  # noqa: F401 (fixture)
 from test_families_dist import assert_same as assert_same_family
 
@@ -147,7 +148,13 @@ def test_uneven_more_layouts_match_tp(extra_models, name):
     shard = [f"--parallelism.data_parallel_shard_degree={dp}"]
     out = sp_run(d, data, f"r3v_{name}", model, n, dp, args + shard, both)
     tp = sp_run(d, data, f"r3v_{name}_no_sp", model, n, dp, args + shard, both, sp=False)
-    assert_same_run(out, tp, f"{name}: SP vs TP")
+    assert_same_run(out, tp, f"{name}: SP vs TP", weights_too=name not in BF16_FLIP_WTOL)
+    if name in BF16_FLIP_WTOL:
+        a, b = weights(out), weights(tp)
+        assert a.keys() == b.keys() and b
+        for k in b:
+            err = np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-30)
+            assert err <= BF16_FLIP_WTOL[name], f"{name}: SP vs TP: final {k} differs by {err:.3g} norm-wise"
     if name in NORM_TOL:
         g, w = grad_norms(out), grad_norms(tp)
         assert set(g) == set(w) and w
@@ -163,5 +170,11 @@ def test_uneven_more_layouts_match_tp(extra_models, name):
 # or without SP, is 1.2e-3 (Qwen3) and 2.6e-3 (Gemma2) from one process on the gradient norm
 # in these one-sequence micro-batches, past test_tp_sp's bf16 tolerance of 1e-3: hence the
 # comparison with TP.
-NORM_TOL = {"tp2_gemma2_bf16": 1e-4}
+NORM_TOL = {"tp2_gemma2_bf16": 1e-4, "tp2_gemma2_bf16_even": 1e-4}
+# 16 rows (8 + 8) on AMD Zen 5's avx512bf16 kernels: a flip reaches the final weights, 4.9e-5
+# norm-wise in input_layernorm (the Intel AMX guest stayed under 1e-5). One process against
+# itself with the same math (the reference bf16 matmul instead of avx512bf16's) moves
+# Gemma2's bf16 gradient norm by 1.8e-3 on that machine; the weights are held to 1e-3, the
+# bound test_dist_cp.assert_same_cp measured for bf16 flips.
+BF16_FLIP_WTOL = {"tp2_gemma2_bf16_even": 1e-3}
 
