@@ -905,3 +905,27 @@ def scaled_copy(model, factor):
         for p in m.parameters():
             p.mul_(factor)
     return m
+
+
+def zero_biases(*names):
+    """A model edit: the biases of the named projections set to 0 (the tests that show a
+    family's bias switch moves transformers' own output)."""
+    def f(m):
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if any(n.endswith(x + ".bias") for x in names):
+                    p.zero_()
+    return f
+
+
+def halves_rope_err(monkeypatch, case, family, modeling, B, seed=5):
+    """How far transformers' logits move when a family's RoPE on interleaved pairs is
+    replaced by Llama's rotate_half on the halves of the head (its modeling module's
+    apply_rotary_pos_emb patched): what a halves-for-pairs mistake in ctitan would cost."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as halves
+    a = build(case)
+    tokens, _ = batch(a, B, case.T, seed=seed)
+    with torch.no_grad():
+        want = logits(a, family, tokens)
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", halves)
+        return oracle.rel_err(logits(a, family, tokens), want)

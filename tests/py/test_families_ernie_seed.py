@@ -16,9 +16,7 @@ out or misplaced, moves transformers' logits far past those tests' tolerance."""
 import json
 
 import pytest
-import torch
 
-import oracle
 import oracle_families as of
 from conftest import CtitanError, hf_session_args
 from test_families import B, TOL, _changed_moved as _moved, _rewrite
@@ -30,23 +28,11 @@ def test_oracle_ernie_rope_interleaved(monkeypatch):
     """Llama's rotate_half on the halves of the head instead of ERNIE's pairs moves
     transformers' logits by far more than the tests' tolerance."""
     from transformers.models.ernie4_5 import modeling_ernie4_5
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as halves
-    a = of.build(ERNIE)
-    tokens, _ = of.batch(a, B, ERNIE.T, seed=5)
-    with torch.no_grad():
-        want = of.logits(a, "ernie4_5", tokens)
-        monkeypatch.setattr(modeling_ernie4_5, "apply_rotary_pos_emb", halves)
-        err = oracle.rel_err(of.logits(a, "ernie4_5", tokens), want)
+    err = of.halves_rope_err(monkeypatch, ERNIE, "ernie4_5", modeling_ernie4_5, B)
     assert err > 100 * TOL, f"halves instead of pairs: moves the logits by only {err:.3g}"
 
 
-def _zero(*names):
-    def f(m):
-        with torch.no_grad():
-            for n, p in m.named_parameters():
-                if any(n.endswith(x + ".bias") for x in names):
-                    p.zero_()
-    return f
+_zero = of.zero_biases
 
 
 @pytest.mark.parametrize("case,names", [

@@ -52,23 +52,11 @@ def test_oracle_helium_rope_interleaved(monkeypatch):
     """Llama's rotate_half on the halves of the head instead of Helium's pairs moves
     transformers' logits by far more than the tests' tolerance."""
     from transformers.models.helium import modeling_helium
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as halves
-    a = of.build(HEL)
-    tokens, _ = of.batch(a, B, HEL.T, seed=5)
-    with torch.no_grad():
-        want = of.logits(a, "helium", tokens)
-        monkeypatch.setattr(modeling_helium, "apply_rotary_pos_emb", halves)
-        err = oracle.rel_err(of.logits(a, "helium", tokens), want)
+    err = of.halves_rope_err(monkeypatch, HEL, "helium", modeling_helium, B)
     assert err > 100 * TOL, f"halves instead of pairs: moves the logits by only {err:.3g}"
 
 
-def _zero(*names):
-    def f(m):
-        with torch.no_grad():
-            for n, p in m.named_parameters():
-                if any(n.endswith(x + ".bias") for x in names):
-                    p.zero_()
-    return f
+_zero = of.zero_biases
 
 
 @pytest.mark.parametrize("case,names", [

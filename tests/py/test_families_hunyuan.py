@@ -19,7 +19,6 @@ hunyuan_qknorm_after_rope_bias case)."""
 import json
 
 import pytest
-import torch
 
 import oracle
 import oracle_families as of
@@ -51,13 +50,7 @@ def _no_qk_norm(m):
             n.forward = lambda x: x
 
 
-def _zero(*names):
-    def f(m):
-        with torch.no_grad():
-            for n, p in m.named_parameters():
-                if any(n.endswith(x + ".bias") for x in names):
-                    p.zero_()
-    return f
+_zero = of.zero_biases
 
 
 @pytest.mark.parametrize("change", [_no_qk_norm, _zero("q_proj", "k_proj", "v_proj"), _zero("o_proj")],
