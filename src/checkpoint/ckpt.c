@@ -1314,7 +1314,8 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
                        mc->act == LM_ACT_SILU ? "silu" : "gelu_pytorch_tanh");
     /* each bias under the key that switches it in the family's config (qwen2_moe's qkv_bias,
      * ERNIE's one use_bias, Seed-OSS's attention_out_bias for o_proj) */
-    int ernie = !strcmp(now, "ernie4_5");
+    int ernie = !strcmp(now, "ernie4_5") || !strcmp(now, "ernie4_5_moe");
+    int emoe = !strcmp(now, "ernie4_5_moe"); /* its MoE keys: moe_num_experts, moe_k, moe_layer_* */
     CKPT_SAME(qkv_bias, !strcmp(now, "qwen2_moe") ? "qkv_bias" : ernie ? "use_bias" : "attention_bias")
     CKPT_SAME(o_bias, ernie ? "use_bias" : !strcmp(now, "seed_oss") ? "attention_out_bias" : "attention_bias")
     CKPT_SAME(mlp_bias, ernie ? "use_bias" : "mlp_bias")
@@ -1338,18 +1339,20 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
     /* Ministral 3's q scale by position (both keys change the model) */
     CKPT_SAME(q_scale_beta, "rope_parameters.llama_4_scaling_beta")
     CKPT_SAME(q_scale_len, "rope_parameters.original_max_position_embeddings (the q scale's length)")
-    CKPT_SAME(n_experts, "num_experts")
-    CKPT_SAME(top_k, "num_experts_per_tok")
+    CKPT_SAME(n_experts, emoe ? "moe_num_experts" : "num_experts")
+    CKPT_SAME(top_k, emoe ? "moe_k" : "num_experts_per_tok")
     CKPT_SAME(moe_intermediate, "moe_intermediate_size")
     CKPT_SAME(norm_topk_prob, "norm_topk_prob")
-    CKPT_SAME(decoder_sparse_step, "decoder_sparse_step")
-    CKPT_SAME(shared_intermediate, strcmp(now, "granitemoeshared") ? "shared_expert_intermediate_size"
-                                                                    : "shared_intermediate_size")
+    CKPT_SAME(decoder_sparse_step, emoe ? "moe_layer_interval" : "decoder_sparse_step")
+    CKPT_SAME(shared_intermediate, emoe ? "the shared experts' width (moe_num_shared_experts x moe_intermediate_size)"
+                                   : strcmp(now, "granitemoeshared") ? "shared_expert_intermediate_size"
+                                                                      : "shared_intermediate_size")
     for (int l = 0; l < c.n_layers; l++)
         if (lm_layer_is_moe(&c, l) != lm_layer_is_moe(mc, l))
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d is %s there but %s in the model being trained "
-                           "(mlp_only_layers)", p, l, lm_layer_is_moe(&c, l) ? "sparse" : "dense",
-                           lm_layer_is_moe(mc, l) ? "sparse" : "dense");
+                           "(%s)", p, l, lm_layer_is_moe(&c, l) ? "sparse" : "dense",
+                           lm_layer_is_moe(mc, l) ? "sparse" : "dense",
+                           emoe ? "moe_layer_start_index, moe_layer_end_index" : "mlp_only_layers");
     for (int l = 0; l < c.n_layers; l++)
         if (c.layer_nope[l] != mc->layer_nope[l])
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d %s RoPE there but %s in the model being trained "

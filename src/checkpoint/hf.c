@@ -105,6 +105,36 @@ static int hf_is_fused_name(const lm_model *m, const char *name) {
     return 0;
 }
 
+/* Whether NAME is a sparse layer's router selection bias of M's family (lm_router_bias_name). */
+static int hf_is_router_bias(const lm_model *m, const char *name) {
+    char bn[LM_NAME_MAX];
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (lm_router_bias_name(&m->cfg, l, bn, sizeof bn) && !strcmp(bn, name)) return 1;
+    return 0;
+}
+
+/* ERNIE 4.5 MoE's e_score_correction_bias [1, E] (or [E]): ctitan routes as transformers
+ * does with it zero (the chosen experts by probability alone); a non-zero one, which shifts
+ * transformers' choice of experts, is refused by name. Absent, transformers zeros it too. */
+static int hf_check_router_bias(const lm_config *c, const st_tensor *st, const char *file, ct_err *e) {
+    int64_t E = c->n_experts;
+    int shape_ok = (st->ndim == 2 && st->shape[0] == 1 && st->shape[1] == E) || (st->ndim == 1 && st->shape[0] == E);
+    if (!shape_ok)
+        return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" must have shape [1, %lld]", file, st->name, (long long)E);
+    float *v = ct_calloc((size_t)E, sizeof(float));
+    int rc = 0;
+    if (ct_convert_to_f32(v, st->data, st->dtype, (size_t)E) != 0)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64", file,
+                     st->name, ct_dtype_name(st->dtype));
+    for (int64_t x = 0; !rc && x < E; x++)
+        if (v[x] != 0.0f)
+            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" is not zero (expert %lld: %g): a router selection "
+                         "bias (e_score_correction_bias) is not supported yet; ctitan routes as transformers does "
+                         "with it zero", file, st->name, (long long)x, (double)v[x]);
+    free(v);
+    return rc;
+}
+
 int hf_load(lm_model *m, const char *dir, ct_err *e) {
     lm_copy_ctx cc;
     lm_sink sink = lm_copy_sink(&cc, m, NULL, NULL);
@@ -195,6 +225,10 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
         if (lm_find(m, st->name) || hf_is_fused_name(m, st->name)) continue;
         const char *file = NULL;
         st_set_find(s, st->name, &file);
+        if (hf_is_router_bias(m, st->name)) {
+            rc = hf_check_router_bias(&m->cfg, st, file ? file : dir, e);
+            continue;
+        }
         if (m->cfg.tie_embeddings && strcmp(st->name, "lm_head.weight") == 0) {
             rc = hf_check_tied_head(s, st, file ? file : dir, e);
             continue;
@@ -212,6 +246,8 @@ static size_t hf_numel(const st_wtensor *t) {
     return n;
 }
 
+size_t hf_file_tensor_cap(const lm_model *m) { return (size_t)m->n_tensors + (size_t)m->cfg.n_layers + 1; }
+
 int hf_file_tensors(const lm_model *m, ct_dtype dtype, st_wtensor *ts, char (*names)[LM_NAME_MAX]) {
     int n = 0;
     for (int j = 0; j < m->n_tensors; j++) {
@@ -228,6 +264,12 @@ int hf_file_tensors(const lm_model *m, ct_dtype dtype, st_wtensor *ts, char (*na
             w->name = names[n - 1];
             w->ndim = fz.ndim;
             for (int d = 0; d < fz.ndim; d++) w->shape[d] = fz.shape[d];
+        }
+        if (t->slot == LM_S_ROUTER && lm_router_bias_name(&m->cfg, t->layer, names[n], LM_NAME_MAX)) {
+            /* ERNIE 4.5 MoE's selection bias [1, E] after its router (zeros: hf_write_unit) */
+            ts[n] = (st_wtensor){.name = names[n], .dtype = dtype, .src_dtype = CT_F32, .ndim = 2,
+                                 .shape = {1, m->cfg.n_experts}};
+            n++;
         }
     }
     return n;
@@ -253,6 +295,12 @@ int hf_write_unit(const lm_model *m, int i0, int i1, const float *x, st_dir_stre
         if (t->lora) continue;
         if (!hf_fused_piece(&m->cfg, t, &fz)) {
             int rc = hf_write_run(d, x + (t->offset - base), t->numel, es, bar, e);
+            char bn[LM_NAME_MAX];
+            if (!rc && t->slot == LM_S_ROUTER && lm_router_bias_name(&m->cfg, t->layer, bn, sizeof bn)) {
+                float *zero = ct_calloc((size_t)m->cfg.n_experts, sizeof(float)); /* HF's routing: no shift */
+                rc = hf_write_run(d, zero, (size_t)m->cfg.n_experts, es, bar, e);
+                free(zero);
+            }
             if (rc) return rc;
             continue;
         }
@@ -278,8 +326,8 @@ int hf_write_unit(const lm_model *m, int i0, int i1, const float *x, st_dir_stre
 int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e) {
     int rc = ct_mkdirs(dir, e);
     if (rc) return rc;
-    st_wtensor *ts = ct_calloc((size_t)m->n_tensors + 1, sizeof *ts);
-    char (*names)[LM_NAME_MAX] = ct_calloc((size_t)m->n_tensors + 1, sizeof *names);
+    st_wtensor *ts = ct_calloc(hf_file_tensor_cap(m), sizeof *ts);
+    char (*names)[LM_NAME_MAX] = ct_calloc(hf_file_tensor_cap(m), sizeof *names);
     int n = hf_file_tensors(m, dtype, ts, names);
     const char *meta[] = {"format", "pt", NULL};
     if (max_shard_bytes == 0) max_shard_bytes = (size_t)5 << 30;

@@ -46,9 +46,12 @@ int hf_fused_piece(const lm_config *c, const lm_tensor *t, hf_fused *f);
  * hf_load_each reads both the fused files and ctitan's checkpoints. */
 int hf_fuses_tensors(const lm_config *c);
 /* The tensors of m's HF files, in the order hf_write_unit writes them, into
- * ts[m->n_tensors] (adapters left out; a fused tensor once, named in
+ * ts[hf_file_tensor_cap(m)] (adapters left out; a fused tensor once, named in
  * names[m->n_tensors]); returns how many. */
 int hf_file_tensors(const lm_model *m, ct_dtype dtype, st_wtensor *ts, char (*names)[LM_NAME_MAX]);
+/* Entries ts and names need for hf_file_tensors (beside the table's tensors, ERNIE 4.5
+ * MoE's router bias of each sparse layer, lm_router_bias_name). */
+size_t hf_file_tensor_cap(const lm_model *m);
 /* Writes the file tensors that start among m's tensors [i0, i1) to d, from x
  * (their floats, tensors[i0] first, as the table lays them out): a fused
  * tensor's pieces in the file's order, so they must be in the same range (a

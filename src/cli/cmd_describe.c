@@ -178,7 +178,7 @@ int cli_describe(int argc, char **argv) {
         /* qwen2_moe: the shared expert is half or more of a sparse layer's active MLP */
         if (c.shared_intermediate > 0)
             printf(", and a shared expert %d wide (%s)", c.shared_intermediate,
-                   c.moe_keys == LM_MOE_KEYS_GRANITE ? "ungated" : "sigmoid-gated");
+                   c.moe_keys == LM_MOE_KEYS_GRANITE || lm_shared_experts_ungated(&c) ? "ungated" : "sigmoid-gated");
         printf("\n");
     }
     int sliding = 0;

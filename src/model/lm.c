@@ -87,6 +87,9 @@ static const char *const lora_module[LM_LORA_N] = {"self_attn.q_proj", "self_att
 static const char *const lora_shared_module[LM_LORA_N] = {[LM_LORA_GATE] = "mlp.shared_expert.gate_proj",
                                                              [LM_LORA_UP] = "mlp.shared_expert.up_proj",
                                                              [LM_LORA_DOWN] = "mlp.shared_expert.down_proj"};
+static const char *const lora_shared_experts_module[LM_LORA_N] = {[LM_LORA_GATE] = "mlp.shared_experts.gate_proj",
+                                                                     [LM_LORA_UP] = "mlp.shared_experts.up_proj",
+                                                                     [LM_LORA_DOWN] = "mlp.shared_experts.down_proj"};
 
 /* A projection whose adapter is part of a fused module's (Phi3's k, v under
  * qkv_proj; up under gate_up_proj): the module's one A and B are listed at
@@ -320,6 +323,13 @@ static void build_layout(lm_model *m) {
                 T_("shared_mlp.gate_proj.weight", Is, H, 1, LM_S_WG);
                 T_("shared_mlp.up_proj.weight", Is, H, 1, LM_S_WU);
                 T_("shared_mlp.output_linear.weight", H, Is, 1, LM_S_WD);
+            } else if (c->shared_intermediate > 0 && lm_shared_experts_ungated(c)) {
+                /* Ernie4_5_MoeSparseMoeBlock's shared_experts: one MLP of moe_num_shared_experts x
+                 * moe_intermediate_size, ungated, added to the routed experts' output */
+                int64_t Is = c->shared_intermediate;
+                T_("mlp.shared_experts.gate_proj.weight", Is, H, 1, LM_S_WG);
+                T_("mlp.shared_experts.up_proj.weight", Is, H, 1, LM_S_WU);
+                T_("mlp.shared_experts.down_proj.weight", H, Is, 1, LM_S_WD);
             } else if (c->shared_intermediate > 0) { /* qwen2_moe: a dense MLP under its own name, and its gate */
                 int64_t Is = c->shared_intermediate;
                 T_("mlp.shared_expert.gate_proj.weight", Is, H, 1, LM_S_WG);
@@ -351,6 +361,7 @@ static void build_layout(lm_model *m) {
             lora_dims(c, l, p, &in, &out);
             int shared = lora_shared_module[p] && c->shared_intermediate > 0 && lm_layer_is_moe(c, l);
             const char *mod = shared ? lora_shared_module[p] : lora_module[p];
+            if (shared && lm_shared_experts_ungated(c)) mod = lora_shared_experts_module[p]; /* ERNIE 4.5 */
             int granite = shared && c->moe_keys == LM_MOE_KEYS_GRANITE; /* PEFT's shared_mlp Linears */
             if (granite) mod = p == LM_LORA_DOWN ? "shared_mlp.output_linear" : "shared_mlp.input_linear";
             if ((c->lora_targets & LORA_FUSED_QKV) && p == LM_LORA_Q) mod = "self_attn.qkv_proj", out = qd + 2 * kvd;

@@ -125,6 +125,8 @@ typedef struct {
     int decoder_sparse_step;  /* >= 1 */
     int n_mlp_only;           /* entries of mlp_only_layers */
     int mlp_only_layers[LM_MAX_MLP_ONLY];
+    int moe_layer_start, moe_layer_end; /* ernie4_5_moe's moe_layer_{start,end}_index (the export's keys;
+                                           the rule itself is in mlp_only_layers) */
     int output_router_logits; /* add router_aux_loss_coef * HF's load-balancing loss to the loss */
     double router_aux_loss_coef;
     /* qwen2_moe's shared expert (shared_expert_intermediate_size; 0: none): every
@@ -305,6 +307,13 @@ typedef struct {
  * under its own name. checkpoint/hf.c places the piece; training.freeze
  * matches either name. */
 int lm_fused_file_name(const lm_config *c, const lm_tensor *t, char *name, size_t n);
+/* ERNIE 4.5 MoE: a sparse layer's shared experts are one ungated MLP under mlp.shared_experts. */
+int lm_shared_experts_ungated(const lm_config *c);
+/* The HF name of layer l's router selection bias (ERNIE 4.5 MoE's
+ * mlp.moe_statics.e_score_correction_bias [1, E], a frozen buffer) into name[n]: 1, or 0
+ * where the layer's files hold none. ctitan routes by a zero bias (HF's routing: the
+ * reader refuses a non-zero one) and writes zeros back. */
+int lm_router_bias_name(const lm_config *c, int l, char *name, size_t n);
 /* The name transformers' named_parameters() gives the parameter t is (part of) where it
  * differs from the file's: the fused experts (mlp.experts.gate_up_proj, down_proj; GraniteMoE
  * under block_sparse_moe) and the routers Mixtral and GraniteMoE keep under another path.

@@ -54,6 +54,14 @@ int lm_layer_is_moe(const lm_config *c, int l) {
     return (l + 1) % c->decoder_sparse_step == 0;
 }
 
+int lm_shared_experts_ungated(const lm_config *c) { return !strcmp(c->model_type, "ernie4_5_moe"); }
+
+int lm_router_bias_name(const lm_config *c, int l, char *name, size_t n) {
+    if (strcmp(c->model_type, "ernie4_5_moe") || !lm_layer_is_moe(c, l)) return 0;
+    snprintf(name, n, "model.layers.%d.mlp.moe_statics.e_score_correction_bias", l);
+    return 1;
+}
+
 int lm_fused_file_name(const lm_config *c, const lm_tensor *t, char *name, size_t n) {
     if (c->moe_keys != LM_MOE_KEYS_GRANITE || t->layer < 0 || t->lora) return 0;
     if (t->slot == LM_S_EXP_G || t->slot == LM_S_EXP_U || t->slot == LM_S_EXP_D) {
@@ -335,6 +343,57 @@ static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, in
     return 0;
 }
 
+/* Ernie4_5_MoeConfig's keys and defaults (64 experts, 6 per token, 1536 wide, 2 shared
+ * experts, sparse layers 1 .. L-1 at interval 1, moe_norm_min 1e-12, aux coef 0.001).
+ * Ernie4_5_MoeTopKRouter always renormalises the top k by max(sum, moe_norm_min). The
+ * sparse-layer rule (l + 1) % interval == 0 and start <= l <= end is held as
+ * decoder_sparse_step = interval and the layers outside [start, end] as mlp_only_layers. */
+static int ernie_moe_from_json(lm_config *c, const cJSON *root, const char *path, ct_err *e) {
+    int rc, n_shared = 2, start = 1, end = -1, interval = 1;
+    double norm_min = 1e-12;
+    c->n_experts = 64, c->top_k = 6, c->moe_intermediate = 1536;
+    if ((rc = json_int(root, "moe_intermediate_size", &c->moe_intermediate, 0, path, e))) return rc;
+    /* output_router_logits and router_aux_loss_coef (default 0.001): moe_config_from_json read them */
+    c->norm_topk_prob = 1, c->n_mlp_only = 0;
+    if ((rc = json_int(root, "num_experts", &c->n_experts, 0, path, e)) || /* attribute_map's aliases */
+        (rc = json_int(root, "num_experts_per_tok", &c->top_k, 0, path, e)) ||
+        (rc = json_int(root, "moe_num_experts", &c->n_experts, 0, path, e)) ||
+        (rc = json_int(root, "moe_k", &c->top_k, 0, path, e)) ||
+        (rc = json_int(root, "moe_num_shared_experts", &n_shared, 0, path, e)) ||
+        (rc = json_int(root, "moe_layer_start_index", &start, 0, path, e)) ||
+        (rc = json_int(root, "moe_layer_end_index", &end, 0, path, e)) ||
+        (rc = json_int(root, "moe_layer_interval", &interval, 0, path, e)) ||
+        (rc = json_float(root, "moe_norm_min", &norm_min, path, e)))
+        return rc;
+    if (c->moe_intermediate < 1)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"moe_intermediate_size\" must be positive, got %d", path,
+                       c->moe_intermediate);
+    if (c->n_experts < 1 || c->top_k < 1 || c->top_k > c->n_experts)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"moe_k\" = %d with \"moe_num_experts\" = %d: need 1 <= moe_k <= "
+                       "moe_num_experts", path, c->top_k, c->n_experts);
+    if (n_shared < 0 || (long long)n_shared * c->moe_intermediate > INT_MAX)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"moe_num_shared_experts\" = %d is out of range", path, n_shared);
+    if (interval < 1)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"moe_layer_interval\" must be >= 1, got %d", path, interval);
+    /* the top k of a softmax sum to at least k / E, so a smaller floor never binds */
+    if (!(norm_min >= 0) || norm_min > (double)c->top_k / c->n_experts)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"moe_norm_min\" = %g is not supported (a floor above moe_k / "
+                       "moe_num_experts = %g would bind; ctitan renormalises by the sum itself)", path, norm_min,
+                       (double)c->top_k / c->n_experts);
+    c->shared_intermediate = n_shared * c->moe_intermediate;
+    c->decoder_sparse_step = interval;
+    c->moe_layer_start = start;
+    c->moe_layer_end = end == -1 ? c->n_layers - 1 : end; /* Ernie4_5_MoeConfig.__post_init__ */
+    for (int l = 0; l < c->n_layers; l++)
+        if (l < start || l > c->moe_layer_end) {
+            if (c->n_mlp_only == LM_MAX_MLP_ONLY)
+                return ct_fail(e, CT_ERR_CONFIG, "%s: more than %d dense layers outside moe_layer_start_index .. "
+                               "moe_layer_end_index", path, LM_MAX_MLP_ONLY);
+            c->mlp_only_layers[c->n_mlp_only++] = l;
+        }
+    return 0;
+}
+
 /* ------------------------------------------------------------ families
  *
  * One row per HF model_type: what its decoder layer computes and the
@@ -397,6 +456,8 @@ typedef struct {
                            over hidden_size (head_dim must be hidden_size / num_attention_heads) */
     int heads_check;    /* HEADS_*: a shape rule of the family's transformers classes */
     int qk_after_rope;  /* HunYuan: the per-head q/k norms (query_layernorm, key_layernorm) after RoPE */
+    int ernie_moe;      /* ERNIE 4.5 MoE: moe_* keys, sparse layers from moe_layer_{start,end}_index and
+                           moe_layer_interval, ungated shared experts (moe_num_shared_experts) */
 } lm_family;
 
 static const lm_family families[] = {
@@ -527,6 +588,12 @@ static const lm_family families[] = {
     {.type = "hunyuan_v1_dense", .arch = "HunYuanDenseV1ForCausalLM", .qk_norm = LM_QK_HEAD, .qk_after_rope = 1,
      .has_attn_bias = 1, .hd_required = 1, .eps = 1e-5, .max_pos = 2048, .pad = 0, .act_key = "hidden_act",
      .theta = 1e4},
+    /* ERNIE 4.5 MoE (ERNIE-4.5-21B-A3B): ERNIE 4.5's layer (interleaved RoPE over the whole
+     * head) with a softmax top-k router always renormalised, ungated shared experts and
+     * dense layers outside moe_layer_{start,end}_index / off moe_layer_interval */
+    {.type = "ernie4_5_moe", .arch = "Ernie4_5_MoeForCausalLM", .moe = 1 + LM_MOE_KEYS_QWEN, .qk_norm = LM_QK_NONE,
+     .interleaved = 1, .use_bias = 1, .kv_default = 4, .eps = 1e-5, .tied = 1, .max_pos = 131072, .pad = 0,
+     .act_key = "hidden_act", .theta = 5e5, .ernie_moe = 1},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -962,6 +1029,7 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     int mixlike = f->moe == 1 + LM_MOE_KEYS_MIXTRAL || f->moe == 1 + LM_MOE_KEYS_GRANITE;
     if (f->moe && (rc = moe_config_from_json(c, root, mixlike, f->shared_expert, f->olmoe, f->type, path, e)))
         goto done;
+    if (f->ernie_moe && (rc = ernie_moe_from_json(c, root, path, e))) goto done;
     if (f->olmoe) {
         /* OlmoeSparseMoeBlock in every layer, its experts intermediate_size wide: OlmoeConfig
          * has no moe_intermediate_size, decoder_sparse_step nor mlp_only_layers */
@@ -1019,6 +1087,11 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         int b = 0;
         if ((rc = json_bool(root, "use_bias", &b, path, e))) goto done;
         c->qkv_bias = c->o_bias = c->mlp_bias = b;
+        if (b && f->ernie_moe) { /* its shared experts and lm_head take biases too: not built */
+            rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"use_bias\" = true is not supported for model_type ernie4_5_moe "
+                         "(biases on its shared experts and lm_head are not built); only false is", path);
+            goto done;
+        }
     }
     if (f->has_mlp_bias) {
         if ((rc = json_bool(root, "mlp_bias", &c->mlp_bias, path, e))) goto done;
@@ -1212,6 +1285,17 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
         if (mixtral) add_float(o, "router_jitter_noise", 0);
         if (f->granite_shared) cJSON_AddNumberToObject(o, "shared_intermediate_size", c->shared_intermediate);
+    } else if (moe && f->ernie_moe) {
+        cJSON_AddNumberToObject(o, "moe_num_experts", c->n_experts);
+        cJSON_AddNumberToObject(o, "moe_k", c->top_k);
+        cJSON_AddNumberToObject(o, "moe_intermediate_size", c->moe_intermediate);
+        cJSON_AddNumberToObject(o, "moe_num_shared_experts", c->shared_intermediate / c->moe_intermediate);
+        cJSON_AddNumberToObject(o, "moe_layer_start_index", c->moe_layer_start);
+        cJSON_AddNumberToObject(o, "moe_layer_end_index", c->moe_layer_end);
+        cJSON_AddNumberToObject(o, "moe_layer_interval", c->decoder_sparse_step);
+        add_float(o, "moe_norm_min", 1e-12);
+        cJSON_AddBoolToObject(o, "output_router_logits", c->output_router_logits);
+        add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
     } else if (moe && f->olmoe) { /* the experts' width is intermediate_size, every layer sparse */
         cJSON_AddNumberToObject(o, "num_experts", c->n_experts);
         cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);

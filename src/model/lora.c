@@ -65,7 +65,7 @@ int lora_check_fused(const lm_config *c, const char *where, const char *key, ct_
     unsigned qkv = (1u << LM_LORA_Q) | (1u << LM_LORA_K) | (1u << LM_LORA_V);
     unsigned gu = (1u << LM_LORA_GATE) | (1u << LM_LORA_UP);
     unsigned t = c->lora_targets;
-    if ((t & (1u << LM_LORA_SHGATE)) && !c->shared_intermediate)
+    if ((t & (1u << LM_LORA_SHGATE)) && (!c->shared_intermediate || lm_shared_experts_ungated(c)))
         return ct_fail(e, CT_ERR_CONFIG, "%s: %s: model_type \"%s\" has no shared_expert_gate (qwen2_moe's)", where,
                        key, c->model_type);
     if (c->fused_qkv && (t & qkv) && !(t & LORA_FUSED_QKV))
@@ -618,11 +618,13 @@ static const char *const module_paths[LM_LORA_N] = {"self_attn.q_proj", "self_at
 static const char *lora_module_path(const lm_config *c, int l, int p) {
     static const char *const shared[3] = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
                                           "mlp.shared_expert.down_proj"};
+    static const char *const shared_experts[3] = {"mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
+                                                  "mlp.shared_experts.down_proj"}; /* ERNIE 4.5 MoE */
     if (p < 0 || p >= LM_LORA_N) return "?";
     if (granite_shared(c) && p >= LM_LORA_GATE && p <= LM_LORA_DOWN)
         return p == LM_LORA_DOWN ? "shared_mlp.output_linear" : "shared_mlp.input_linear";
     if (p >= LM_LORA_GATE && p <= LM_LORA_DOWN && c->shared_intermediate > 0 && lm_layer_is_moe(c, l))
-        return shared[p - LM_LORA_GATE];
+        return lm_shared_experts_ungated(c) ? shared_experts[p - LM_LORA_GATE] : shared[p - LM_LORA_GATE];
     if (c->fused_qkv && p <= LM_LORA_V) return "self_attn.qkv_proj";
     if (c->fused_gate_up && (p == LM_LORA_GATE || p == LM_LORA_UP)) return "mlp.gate_up_proj";
     return module_paths[p];
@@ -663,7 +665,8 @@ unsigned lora_all_linear(const lm_config *c) {
             bits |= (1u << LM_LORA_GATE) | (1u << LM_LORA_UP) | (1u << LM_LORA_DOWN) | LORA_FUSED_GATE_UP;
         return bits;
     }
-    if (!c->shared_intermediate) bits &= ~(1u << LM_LORA_SHGATE); /* qwen2_moe's shared_expert_gate: a Linear */
+    /* qwen2_moe's shared_expert_gate: a Linear (ERNIE 4.5 MoE's shared experts have none) */
+    if (!c->shared_intermediate || lm_shared_experts_ungated(c)) bits &= ~(1u << LM_LORA_SHGATE);
     if (c->fused_qkv) bits |= LORA_FUSED_QKV;
     if (c->fused_gate_up) bits |= LORA_FUSED_GATE_UP;
     return bits;

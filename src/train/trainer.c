@@ -388,8 +388,11 @@ int trainer_finetune_config(const ct_config *c, lm_config *mc, ct_err *e) {
     }
     /* qwen2_moe: PEFT rewrites nothing into target_parameters for this model (all-linear
      * adapts its Linears, mlp.shared_expert_gate among them, and not the router), and
-     * refuses "gate": its router (Qwen2MoeTopKRouter) is no Linear */
-    int shared = mc->shared_intermediate > 0;
+     * refuses "gate": its router (Qwen2MoeTopKRouter) is no Linear. ERNIE 4.5 MoE's shared
+     * experts do not count: PEFT maps ernie4_5_moe to qwen3_moe's rewrite (gate_proj, up_proj,
+     * down_proj into the experts' target_parameters, the shared experts' and the dense layers'
+     * MLPs left without adapters, "gate" to gate.weight) */
+    int shared = mc->shared_intermediate > 0 && !lm_shared_experts_ungated(mc);
     if (shared && router_named && !granite) {
         free(rest);
         return ct_fail(e, CT_ERR_CONFIG,

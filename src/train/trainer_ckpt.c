@@ -1383,8 +1383,8 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
     }
     if (rank0) { /* the files' tensors: GraniteMoE's fused experts as transformers reads them (checkpoint/hf.h) */
         ct_rm_tree(tmp, NULL);
-        st_wtensor *ts = ct_calloc((size_t)fm->n_tensors + 1, sizeof *ts);
-        char (*names)[LM_NAME_MAX] = ct_calloc((size_t)fm->n_tensors + 1, sizeof *names);
+        st_wtensor *ts = ct_calloc(hf_file_tensor_cap(fm), sizeof *ts);
+        char (*names)[LM_NAME_MAX] = ct_calloc(hf_file_tensor_cap(fm), sizeof *names);
         int n = hf_file_tensors(fm, dtype, ts, names);
         static const char *const meta[] = {"format", "pt", NULL};
         rc = st_dir_stream_open(&out, tmp, ts, n, (size_t)5 << 30, meta, e);

@@ -72,8 +72,11 @@ FAMILIES = {
     "helium": (tf.HeliumConfig, tf.HeliumForCausalLM),
     "vaultgemma": (tf.VaultGemmaConfig, tf.VaultGemmaForCausalLM),
     "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),
+    "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
 }
-MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"}
+MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe"}
+# ERNIE 4.5 MoE's router selection bias: a frozen parameter in memory, its own name in the file
+ERNIE_BIAS_MEM = "mlp.gate.moe_statics.e_score_correction_bias"
 GEMMA = {"gemma", "gemma2", "gemma3_text", "vaultgemma"}  # RMSNorm by (1 + w)
 
 # sizes every case shares unless it overrides them
@@ -209,6 +212,33 @@ CASES = [
         seed=14,
         keys=("num_local_experts", "num_experts_per_tok", "attention_bias", "tie_word_embeddings",
               "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")),
+    # ------------------------------------------------------------------ ernie4_5_moe
+    # 4 layers: layer 0 dense (moe_layer_start_index 1), layers 1 and 3 sparse
+    # (moe_layer_interval 2: (l + 1) % 2 == 0), layer 2 dense; 2 shared experts (width 2 x 12),
+    # softmax top-2 of 4 renormalised, aux loss on, GLM's interleaved RoPE, tied
+    Case("ernie4_5_moe_interval2_aux", "ernie4_5_moe", dict(
+        num_hidden_layers=4, moe_num_experts=4, moe_k=2, moe_intermediate_size=12, moe_num_shared_experts=2,
+        moe_layer_start_index=1, moe_layer_interval=2, output_router_logits=True, router_aux_loss_coef=0.05,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=23,
+        keys=("moe_num_experts", "moe_k", "moe_intermediate_size", "moe_num_shared_experts",
+              "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "output_router_logits",
+              "router_aux_loss_coef", "tie_word_embeddings")),
+    # no shared experts, every layer up to moe_layer_end_index 1 sparse from 0, untied, no aux
+    Case("ernie4_5_moe_noshared_end1", "ernie4_5_moe", dict(
+        num_hidden_layers=3, moe_num_experts=4, moe_k=3, moe_intermediate_size=16, moe_num_shared_experts=0,
+        moe_layer_start_index=0, moe_layer_end_index=1, output_router_logits=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+        seed=24,
+        keys=("moe_num_shared_experts", "moe_layer_start_index", "moe_layer_end_index", "tie_word_embeddings")),
+    # 3 shared experts (width 3 x 8), every layer sparse (the defaults' start 1 moved to 0), no
+    # aux loss, untied: the layouts with data parallelism (FSDP, EP) and LoRA run on this one
+    Case("ernie4_5_moe_shared3_untied", "ernie4_5_moe", dict(
+        num_hidden_layers=2, moe_num_experts=4, moe_k=2, moe_intermediate_size=8, moe_num_shared_experts=3,
+        moe_layer_start_index=0, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=26,
+        keys=("moe_num_shared_experts", "moe_intermediate_size", "moe_layer_start_index", "tie_word_embeddings")),
     # ------------------------------------------------------------------ granitemoeshared
     # granitemoe plus an ungated shared MLP (shared_intermediate_size 40, wider than the
     # experts' 24) in every layer, its gate and up rows fused in shared_mlp.input_linear
@@ -519,6 +549,10 @@ REFUSALS = [
     Refusal("granitemoe_logits_scaling_zero", "granitemoe", dict(logits_scaling=0.0), "logits_scaling"),
     # clip_qkv clamps q, k and v (test_families_olmoe shows it moves transformers' output)
     Refusal("olmoe_clip_qkv", "olmoe", dict(clip_qkv=0.05), "clip_qkv", ("0.05",)),
+    # ERNIE 4.5 MoE: biases on every Linear (its shared experts' and lm_head's too), and a
+    # renormalisation floor above moe_k / moe_num_experts (it would bind: ctitan divides by the sum)
+    Refusal("ernie4_5_moe_use_bias", "ernie4_5_moe", dict(use_bias=True), "use_bias", ("ernie4_5_moe",)),
+    Refusal("ernie4_5_moe_norm_min", "ernie4_5_moe", dict(moe_norm_min=0.9), "moe_norm_min", ("0.9",)),
     # q_norm spans hidden_size: a head_dim with heads x head_dim != hidden fails in transformers
     Refusal("olmoe_head_dim", "olmoe", dict(head_dim=16), "head_dim", ("olmoe",)),
     Refusal("phi3_resid_pdrop", "phi3", dict(resid_pdrop=0.1), "resid_pdrop"),
@@ -653,6 +687,9 @@ def init_weights(model, family: str, seed: int, std: float = 0.1, norm_jitter: f
             else:
                 u = norm_jitter * (2 * torch.rand(p.shape, generator=g) - 1)
                 p.copy_(u if family in GEMMA else 1.0 + u)
+        for name, p in model.named_parameters():
+            if name.endswith(ERNIE_BIAS_MEM):  # ctitan routes by a zero bias (it refuses others)
+                p.zero_()
 
 
 def build(case: Case, seed: int | None = None):
@@ -747,6 +784,10 @@ _GRANITE_FILE = {"block_sparse_moe.input_linear.weight": "gate_up", "block_spars
 def ctitan_view(family: str, files: dict) -> dict[str, np.ndarray]:
     """{safetensors file name: ndarray} -> {ctitan tensor name: ndarray}: the same but for
     GraniteMoE, whose files fuse what ctitan holds per expert."""
+    if family == "ernie4_5_moe":  # the router bias the file holds is no ctitan tensor: zero, as built
+        bias = {n for n in files if n.endswith("mlp.moe_statics.e_score_correction_bias")}
+        assert bias and all(not np.any(files[n]) for n in bias), sorted(bias)
+        return {n: a for n, a in files.items() if n not in bias}
     return _granite_split(files, _GRANITE_FILE) if family in GRANITE_MOE else files
 
 
@@ -755,6 +796,8 @@ def to_file_names(family: str, named: dict) -> dict[str, np.ndarray]:
     (GraniteMoE: ctitan's names, ctitan_view of the file's)."""
     if family in ("qwen3_moe", "qwen2_moe", "olmoe"):
         return oracle_moe.per_expert(named)
+    if family == "ernie4_5_moe":  # the frozen router bias is no parameter of ctitan's
+        return oracle_moe.per_expert({n: t for n, t in named.items() if not n.endswith(ERNIE_BIAS_MEM)})
     if family == "mixtral":
         return _mixtral_files(named)
     if family in GRANITE_MOE:

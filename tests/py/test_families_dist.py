@@ -68,6 +68,10 @@ CASES = {
     # ernie4_5: the interleaved whole-head RoPE on each rank's heads, the seven projections'
     # biases (column-split q/k/v/gate/up, o_proj's and down_proj's added once after the TP sum)
     "ernie4_5_bias_tied": {"fsdp2": FSDP2, "tp2": TP2},
+    # ernie4_5_moe: the ungated shared experts (mlp.shared_experts) whole on every EP rank, split
+    # as the dense MLP under TP; dense layers between sparse ones with the aux loss (TP only)
+    "ernie4_5_moe_shared3_untied": {"fsdp2": FSDP2, "ep2": EP2, "tp2": TP2},
+    "ernie4_5_moe_interval2_aux": {"tp2": TP2},
     # seed_oss: q/k/v biases split with their heads, o_proj's (attention_out_bias) and
     # down_proj's after the TP sum
     "seed_oss_outbias_mlpbias": {"tp2": TP2},

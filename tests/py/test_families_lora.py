@@ -67,6 +67,10 @@ CASES = {  # case id: target modules
     "vaultgemma_caps_bias": OL.ALL7,
     # HunYuan: q_proj / k_proj adapters through RoPE, then the per-head norms
     "hunyuan_qknorm_after_rope_bias": OL.ALL7,
+    # ERNIE 4.5 MoE: gate_proj / up_proj / down_proj on the ungated shared experts
+    # (mlp.shared_experts) of every sparse layer, q/k adapters through the interleaved RoPE
+    "ernie4_5_moe_shared3_untied": OL.ALL7,
+    "ernie4_5_moe_noshared_end1": OL.ALL7,
 }
 
 
