@@ -3,6 +3,7 @@
 #include "core/fs.h"
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -113,35 +114,57 @@ static int hf_is_router_bias(const lm_model *m, const char *name) {
     return 0;
 }
 
-/* ERNIE 4.5 MoE's e_score_correction_bias [1, E] (or [E]): ctitan routes as transformers
- * does with it zero (the chosen experts by probability alone); a non-zero one, which shifts
- * transformers' choice of experts, is refused by name. Absent, transformers zeros it too. */
-static int hf_check_router_bias(const lm_config *c, const st_tensor *st, const char *file, ct_err *e) {
-    int64_t E = c->n_experts;
+/* ERNIE 4.5 MoE's e_score_correction_bias [1, E] (or [E]) of layer l: a frozen buffer that
+ * transformers adds to the probabilities only to choose the experts; ctitan routes by it the
+ * same way (lm_moe_state.bias) and writes it back. bias [L, E] receives it (NULL: checked only).
+ * Absent, transformers zeros it, and so does the caller's bias. */
+static int hf_read_router_bias(const lm_model *m, const st_tensor *st, const char *file, float *bias, ct_err *e) {
+    int64_t E = m->cfg.n_experts;
     int shape_ok = (st->ndim == 2 && st->shape[0] == 1 && st->shape[1] == E) || (st->ndim == 1 && st->shape[0] == E);
     if (!shape_ok)
         return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" must have shape [1, %lld]", file, st->name, (long long)E);
-    float *v = ct_calloc((size_t)E, sizeof(float));
+    int l = 0;
+    char bn[LM_NAME_MAX];
+    while (l < m->cfg.n_layers && !(lm_router_bias_name(&m->cfg, l, bn, sizeof bn) && !strcmp(bn, st->name))) l++;
+    float *v = ct_calloc((size_t)E, sizeof(float)); /* [E] */
     int rc = 0;
     if (ct_convert_to_f32(v, st->data, st->dtype, (size_t)E) != 0)
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" has dtype %s; expected F32, BF16, F16 or F64", file,
                      st->name, ct_dtype_name(st->dtype));
-    for (int64_t x = 0; !rc && x < E; x++)
-        if (v[x] != 0.0f)
-            rc = ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" is not zero (expert %lld: %g): a router selection "
-                         "bias (e_score_correction_bias) is not supported yet; ctitan routes as transformers does "
-                         "with it zero", file, st->name, (long long)x, (double)v[x]);
+    if (!rc) rc = ct_check_finite(v, (size_t)E, 0, file, st->name, e);
+    if (!rc && bias) memcpy(bias + (size_t)l * E, v, (size_t)E * sizeof(float));
     free(v);
+    return rc;
+}
+
+int hf_ckpt_router_bias(const lm_model *m, const char *dir, float *bias, ct_err *e) {
+    char bn[LM_NAME_MAX], path[4200];
+    int has = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) has |= lm_router_bias_name(&m->cfg, l, bn, sizeof bn);
+    snprintf(path, sizeof path, "%s/state.json", dir);
+    if (!has || !bias || access(path, F_OK) != 0) return 0;
+    cJSON *o = json_parse_file(path, (size_t)1 << 30, e);
+    if (!o) return e ? e->code : CT_ERR_FORMAT;
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(o, "moe_expert_bias"), *v;
+    size_t nb = (size_t)m->cfg.n_layers * m->cfg.n_experts, i = 0;
+    int bad = b && (!cJSON_IsArray(b) || (size_t)cJSON_GetArraySize(b) != nb);
+    for (v = b && !bad ? b->child : NULL; v; v = v->next) /* a double beyond float range does not convert */
+        bad |= !cJSON_IsNumber(v) || !(fabs(v->valuedouble) <= FLT_MAX);
+    int rc = 0;
+    if (bad)
+        rc = ct_fail(e, CT_ERR_FORMAT, "%s: \"moe_expert_bias\" must hold %zu numbers (layers x experts)", path, nb);
+    if (b && !rc) cJSON_ArrayForEach(v, b) bias[i++] = (float)v->valuedouble;
+    cJSON_Delete(o);
     return rc;
 }
 
 int hf_load(lm_model *m, const char *dir, ct_err *e) {
     lm_copy_ctx cc;
     lm_sink sink = lm_copy_sink(&cc, m, NULL, NULL);
-    return hf_load_each(m, dir, &sink, e);
+    return hf_load_each(m, dir, &sink, m->moe.bias, e);
 }
 
-int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err *e) {
+int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, float *router_bias, ct_err *e) {
     /* A training checkpoint's step-N is an HF directory too (config.json,
      * model.safetensors) and is loaded as one by generate, import and
      * initial_load_path: its manifest is checked first, or a damaged
@@ -154,6 +177,8 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
     }
     st_set *s = st_set_open(dir, e);
     if (!s) return e ? e->code : CT_ERR_IO;
+    if (router_bias && m->cfg.n_experts > 0) /* [L, E] an absent bias is zero (transformers' init) */
+        memset(router_bias, 0, (size_t)m->cfg.n_layers * m->cfg.n_experts * sizeof(float));
     int rc = 0;
     size_t most = 1;
     for (int i = 0; i < m->n_tensors; i++) {
@@ -226,7 +251,7 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
         const char *file = NULL;
         st_set_find(s, st->name, &file);
         if (hf_is_router_bias(m, st->name)) {
-            rc = hf_check_router_bias(&m->cfg, st, file ? file : dir, e);
+            rc = hf_read_router_bias(m, st, file ? file : dir, router_bias, e);
             continue;
         }
         if (m->cfg.tie_embeddings && strcmp(st->name, "lm_head.weight") == 0) {
@@ -237,6 +262,9 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err
                      st->name);
     }
     st_set_close(s);
+    /* a training checkpoint's model.safetensors holds the table's tensors alone: its
+     * selection biases are in its state.json (trainer_ckpt.c) */
+    if (!rc && access(mpath, F_OK) == 0) rc = hf_ckpt_router_bias(m, dir, router_bias, e);
     return rc;
 }
 
@@ -266,7 +294,7 @@ int hf_file_tensors(const lm_model *m, ct_dtype dtype, st_wtensor *ts, char (*na
             for (int d = 0; d < fz.ndim; d++) w->shape[d] = fz.shape[d];
         }
         if (t->slot == LM_S_ROUTER && lm_router_bias_name(&m->cfg, t->layer, names[n], LM_NAME_MAX)) {
-            /* ERNIE 4.5 MoE's selection bias [1, E] after its router (zeros: hf_write_unit) */
+            /* ERNIE 4.5 MoE's selection bias [1, E] after its router (hf_write_unit) */
             ts[n] = (st_wtensor){.name = names[n], .dtype = dtype, .src_dtype = CT_F32, .ndim = 2,
                                  .shape = {1, m->cfg.n_experts}};
             n++;
@@ -286,8 +314,8 @@ static int hf_write_run(st_dir_stream *d, const float *x, size_t numel, size_t e
     return 0;
 }
 
-int hf_write_unit(const lm_model *m, int i0, int i1, const float *x, st_dir_stream *d, size_t es, prog_bar *bar,
-                  ct_err *e) {
+int hf_write_unit(const lm_model *m, const float *router_bias, int i0, int i1, const float *x, st_dir_stream *d,
+                  size_t es, prog_bar *bar, ct_err *e) {
     size_t base = m->tensors[i0].offset;
     for (int j = i0; j < i1; j++) {
         const lm_tensor *t = &m->tensors[j];
@@ -297,9 +325,11 @@ int hf_write_unit(const lm_model *m, int i0, int i1, const float *x, st_dir_stre
             int rc = hf_write_run(d, x + (t->offset - base), t->numel, es, bar, e);
             char bn[LM_NAME_MAX];
             if (!rc && t->slot == LM_S_ROUTER && lm_router_bias_name(&m->cfg, t->layer, bn, sizeof bn)) {
-                float *zero = ct_calloc((size_t)m->cfg.n_experts, sizeof(float)); /* HF's routing: no shift */
-                rc = hf_write_run(d, zero, (size_t)m->cfg.n_experts, es, bar, e);
-                free(zero);
+                size_t E = (size_t)m->cfg.n_experts;
+                float *b = ct_calloc(E, sizeof(float)); /* [E] the layer's selection bias (none: zeros) */
+                if (router_bias) memcpy(b, router_bias + (size_t)t->layer * E, E * sizeof(float));
+                rc = hf_write_run(d, b, E, es, bar, e);
+                free(b);
             }
             if (rc) return rc;
             continue;
@@ -339,7 +369,7 @@ int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard
     prog_begin(&bar, "save HF model", total * (double)es, "B", HF_PROG_MIN_S);
     st_dir_stream *d = NULL;
     rc = st_dir_stream_open(&d, dir, ts, n, max_shard_bytes, meta, e);
-    if (!rc) rc = hf_write_unit(m, 0, m->n_tensors, m->params + m->tensors[0].offset, d, es, &bar, e);
+    if (!rc) rc = hf_write_unit(m, m->moe.bias, 0, m->n_tensors, m->params + m->tensors[0].offset, d, es, &bar, e);
     if (!rc) rc = st_dir_stream_close(d, e);
     else if (d) st_dir_stream_abort(d);
     if (rc) prog_break(&bar);

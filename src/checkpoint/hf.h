@@ -19,8 +19,14 @@
 
 int hf_load(lm_model *m, const char *dir, ct_err *e);
 /* The same checks, each tensor converted to fp32 in turn and handed to sink
- * (m's buffers untouched: m may be a bare lm_layout). */
-int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, ct_err *e);
+ * (m's buffers untouched: m may be a bare lm_layout). router_bias [L, E] (NULL:
+ * not kept) receives the sparse layers' router selection biases (ERNIE 4.5 MoE's
+ * e_score_correction_bias, lm_router_bias_name), zeros where the files hold none. */
+int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, float *router_bias, ct_err *e);
+/* A training checkpoint DIR's router selection biases of a family whose files hold
+ * them (lm_router_bias_name): its state.json's "moe_expert_bias" [L, E] into bias,
+ * which stays as it is where DIR has no state.json or the state no bias. */
+int hf_ckpt_router_bias(const lm_model *m, const char *dir, float *bias, ct_err *e);
 /* Writes DIR/config.json and DIR/model.safetensors (sharded with an index
  * above max_shard_bytes; 0 = default 5 GB). dtype: CT_F32, CT_BF16 or CT_F16. */
 int hf_save(const lm_model *m, const char *dir, ct_dtype dtype, size_t max_shard_bytes, ct_err *e);
@@ -55,9 +61,11 @@ size_t hf_file_tensor_cap(const lm_model *m);
 /* Writes the file tensors that start among m's tensors [i0, i1) to d, from x
  * (their floats, tensors[i0] first, as the table lays them out): a fused
  * tensor's pieces in the file's order, so they must be in the same range (a
- * layer's are). es: bytes per written element, for bar (NULL: none). */
-int hf_write_unit(const lm_model *m, int i0, int i1, const float *x, st_dir_stream *d, size_t es, prog_bar *bar,
-                  ct_err *e);
+ * layer's are). es: bytes per written element, for bar (NULL: none). router_bias
+ * [L, E]: the router selection biases written after each router that has one
+ * (lm_router_bias_name; NULL: zeros). */
+int hf_write_unit(const lm_model *m, const float *router_bias, int i0, int i1, const float *x, st_dir_stream *d,
+                  size_t es, prog_bar *bar, ct_err *e);
 /* A saved model is used as transformers' save_pretrained leaves it: with its
  * tokenizer and generation settings beside the weights (AutoTokenizer, and
  * model.generate stopping at the end token). These two complete a directory

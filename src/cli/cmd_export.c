@@ -247,6 +247,7 @@ int cli_export(int argc, char **argv) {
         rc = hf_load(&m, ckdir, &e);
     } else {
         rc = ckpt_load(ckdir, &m, NULL, NULL, NULL, &info, &e); /* verifies sizes and checksums first */
+        if (!rc) rc = hf_ckpt_router_bias(&m, ckdir, m.moe.bias, &e); /* ERNIE 4.5 MoE's, in state.json */
         step = info.step;
     }
     if (!rc && hf_base) {

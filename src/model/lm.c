@@ -2236,7 +2236,13 @@ static void layer_recompute(lm_model *m, int l, int B, int T) {
 static void moe_layer_stats(lm_model *m, int l, int BT) {
     int E = m->cfg.n_experts;
     const moe_route *r = &m->act.layer[l].route;
-    moe_route_stats(m->moe.count, m->moe.psum, r, BT, E);
+    char bn[LM_NAME_MAX];
+    /* a family with a file selection bias: HF's loss counts the top k of the probabilities alone
+     * (the chosen experts are those where the layer's bias is zero) */
+    int k_probs = 0;
+    for (int e = 0; e < E && lm_router_bias_name(&m->cfg, l, bn, sizeof bn); e++)
+        k_probs = m->moe.bias[(size_t)l * E + e] != 0.0f ? m->cfg.top_k : k_probs;
+    moe_route_stats(m->moe.count, m->moe.psum, r, BT, E, k_probs);
     if (m->moe.count_tokens)
         for (int e = 0; e < E; e++) m->moe.tokens[(size_t)l * E + e] += r->offsets[e + 1] - r->offsets[e];
     for (int e = 0; e < E; e++) {

@@ -311,8 +311,8 @@ int lm_fused_file_name(const lm_config *c, const lm_tensor *t, char *name, size_
 int lm_shared_experts_ungated(const lm_config *c);
 /* The HF name of layer l's router selection bias (ERNIE 4.5 MoE's
  * mlp.moe_statics.e_score_correction_bias [1, E], a frozen buffer) into name[n]: 1, or 0
- * where the layer's files hold none. ctitan routes by a zero bias (HF's routing: the
- * reader refuses a non-zero one) and writes zeros back. */
+ * where the layer's files hold none. The loader puts it in lm_moe_state.bias (selection
+ * only, as transformers routes), the HF writers write it back from there. */
 int lm_router_bias_name(const lm_config *c, int l, char *name, size_t n);
 /* The name transformers' named_parameters() gives the parameter t is (part of) where it
  * differs from the file's: the fused experts (mlp.experts.gate_up_proj, down_proj; GraniteMoE
@@ -486,7 +486,8 @@ typedef struct {
     /* torchtitan's aux-loss-free balancing (model.load_balance_coeff > 0): experts
      * are CHOSEN by probs + bias, weighted by the probs alone; the trainer
      * moves the bias after each step (moe_update_bias) and checkpoints it */
-    float *bias;            /* [L, E] zeros: HF's routing */
+    float *bias;            /* [L, E] zeros: HF's routing; ERNIE 4.5 MoE: the files' frozen
+                               e_score_correction_bias (lm_router_bias_name) */
     double *tokens;         /* [L, E] tokens per expert since the last update (training forwards) */
     int count_tokens;       /* set by forward_backward around its forward */
     float aux_scale;        /* weight of router_aux_loss_coef * aux in the gradient (1 per optimizer

@@ -120,8 +120,17 @@ void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, c
     else if (dx) kops->matmul_dinp_wbf16(dx, dprobs, wrh, N, H, E, E, 1); /* a stored router is frozen: no dwr */
 }
 
-void moe_route_stats(double *count, double *psum, const moe_route *r, int N, int E) {
-    for (int e = 0; e < E; e++) count[e] += r->offsets[e + 1] - r->offsets[e];
+void moe_route_stats(double *count, double *psum, const moe_route *r, int N, int E, int k_probs) {
+    if (!k_probs)
+        for (int e = 0; e < E; e++) count[e] += r->offsets[e + 1] - r->offsets[e];
+    for (int t = 0; t < N && k_probs; t++) { /* the k largest probabilities, whatever chose the experts */
+        const float *p = r->probs + (size_t)t * E;
+        for (int e = 0; e < E; e++) {
+            int above = 0; /* experts ranked before e: larger, or equal at a lower index */
+            for (int x = 0; x < E && above < k_probs; x++) above += p[x] > p[e] || (p[x] == p[e] && x < e);
+            count[e] += above < k_probs;
+        }
+    }
     for (int t = 0; t < N; t++)
         for (int e = 0; e < E; e++) psum[e] += r->probs[(size_t)t * E + e];
 }

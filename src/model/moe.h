@@ -54,8 +54,10 @@ void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, c
 
 /* Load-balancing statistics of one layer, accumulated over the MoE layers of
  * a forward: count[e] += tokens routed to e, psum[e] += sum over tokens of
- * probs[:, e]. */
-void moe_route_stats(double *count, double *psum, const moe_route *r, int N, int E);
+ * probs[:, e]. k_probs > 0: count[e] counts the tokens whose k_probs largest
+ * probabilities hold e instead (ERNIE 4.5 MoE: transformers' loss takes its own
+ * top-k of the router logits, blind to the selection bias that chose the experts). */
+void moe_route_stats(double *count, double *psum, const moe_route *r, int N, int E, int k_probs);
 
 /* The fewest and the most tokens any of E experts got, from count[E] (the
  * logged per-layer load; counts summed over ranks stay whole numbers). */

@@ -70,7 +70,10 @@ static char *state_to_json(const trainer *t, const ds *data) {
         cJSON_AddNumberToObject(d, "pos", (double)s.pos);
     }
     const lm_model *m = &t->model;
-    if (m->moe.n_layers && t->cfg.load_balance_coeff > 0) {
+    int biased = 0; /* a file's frozen selection bias (ERNIE 4.5 MoE's e_score_correction_bias) */
+    for (size_t i = 0; m->moe.n_layers && i < (size_t)m->cfg.n_layers * m->cfg.n_experts; i++)
+        biased |= m->moe.bias[i] != 0.0f;
+    if (m->moe.n_layers && (t->cfg.load_balance_coeff > 0 || biased)) {
         /* the routing bias [L][E] (dense layers' rows stay 0); cJSON prints
          * doubles round-trip exact, so floats come back bit-identical */
         cJSON *b = cJSON_AddArrayToObject(o, "moe_expert_bias");
@@ -870,7 +873,18 @@ static int initial_weights(trainer *t, ct_err *e) {
                            "can be loaded as initial weights; set checkpoint.initial_load_in_hf = true",
                            cfg_origin_any(c, "checkpoint.initial_load_path,checkpoint.initial_load_in_hf"),
                            c->initial_load_path);
-        rc = hf_load_each(t->load.whole, cfg_initial_dir(c), &t->load.sink, e);
+        rc = hf_load_each(t->load.whole, cfg_initial_dir(c), &t->load.sink, t->model.moe.bias, e);
+        if (!rc && c->load_balance_coeff > 0 && t->model.moe.n_layers) {
+            /* a file's selection bias (ERNIE 4.5 MoE's e_score_correction_bias) is frozen in
+             * transformers; torchtitan's balancing would move it from a start it never has */
+            size_t nb = (size_t)t->model.cfg.n_layers * t->model.cfg.n_experts;
+            for (size_t i = 0; i < nb && !rc; i++)
+                if (t->model.moe.bias[i] != 0.0f)
+                    rc = ct_fail(e, CT_ERR_CONFIG, "%s: model.load_balance_coeff = %g with a non-zero router "
+                                 "selection bias in %s (e_score_correction_bias) is not supported: set "
+                                 "model.load_balance_coeff = 0", cfg_origin(c, "model.load_balance_coeff"),
+                                 c->load_balance_coeff, cfg_initial_dir(c));
+        }
         if (rc == CT_ERR_FORMAT && strcmp(c->model_spec, "hf") &&
             (strstr(e->msg, "the model expects") || strstr(e->msg, "missing tensor"))) {
             /* the usual cause: the native flavor (the default debugmodel) beside published
@@ -1358,9 +1372,14 @@ int trainer_save_adapter(trainer *t, const char *dir, ct_err *e) {
  * never leaves half an export. It never merges into a training checkpoint of
  * the same step (that would break its manifest): then it goes to hf-step-N.
  * An earlier HF export of the step is replaced. `dir` gets the final path. */
+typedef struct {
+    st_dir_stream *out;
+    const float *bias; /* [L, E] the model's router selection biases (lm_moe_state.bias) */
+} hf_put_ctx;
 static int put_hf(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e) {
     (void)n; /* a unit is one layer (or the embedding, the head): a fused tensor's pieces all come in one */
-    return hf_write_unit(fm, i0, i1, x, ctx, 0, NULL, e);
+    const hf_put_ctx *h = ctx;
+    return hf_write_unit(fm, h->bias, i0, i1, x, h->out, 0, NULL, e);
 }
 
 /* Written like a checkpoint (save_gather: every rank takes part, rank 0
@@ -1391,7 +1410,8 @@ int trainer_save_hf(trainer *t, const char *folder, char *dir, ct_dtype dtype, c
         free(ts);
         free(names);
     }
-    plan_save_gather(&t->plan, fm, 1, 1, put_hf, out, &rc, e);
+    hf_put_ctx hp = {out, t->model.moe.bias};
+    plan_save_gather(&t->plan, fm, 1, 1, put_hf, &hp, &rc, e);
     if (rank0) {
         char p[4300];
         if (rc) st_dir_stream_abort(out);

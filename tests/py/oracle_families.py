@@ -103,6 +103,8 @@ class Case:
     seed: int = 11                 # weights
     # config attributes that the export must carry back (compared on the reloaded config)
     keys: tuple = ()
+    # ERNIE 4.5 MoE: std of a random e_score_correction_bias per sparse layer (0: zero, as built)
+    score_bias: float = 0.0
 
     @property
     def moe(self) -> bool:
@@ -239,6 +241,14 @@ CASES = [
         rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
         seed=26,
         keys=("moe_num_shared_experts", "moe_intermediate_size", "moe_layer_start_index", "tie_word_embeddings")),
+    # a random e_score_correction_bias (std 0.3 against probabilities of 4 experts) that moves
+    # the top 2 of many tokens; the aux loss on, every layer sparse, 3 shared experts
+    Case("ernie4_5_moe_score_bias", "ernie4_5_moe", dict(
+        num_hidden_layers=2, moe_num_experts=4, moe_k=2, moe_intermediate_size=8, moe_num_shared_experts=3,
+        moe_layer_start_index=0, output_router_logits=True, router_aux_loss_coef=0.05, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=27, score_bias=0.3,
+        keys=("moe_num_experts", "moe_k", "moe_layer_start_index", "router_aux_loss_coef")),
     # ------------------------------------------------------------------ granitemoeshared
     # granitemoe plus an ungated shared MLP (shared_intermediate_size 40, wider than the
     # experts' 24) in every layer, its gate and up rows fused in shared_mlp.input_linear
@@ -697,6 +707,12 @@ def build(case: Case, seed: int | None = None):
     _, M = FAMILIES[case.family]
     model = M(cfg).to(torch.float32)
     init_weights(model, case.family, case.seed if seed is None else seed)
+    if case.score_bias:
+        g = torch.Generator().manual_seed(1000 + case.seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(ERNIE_BIAS_MEM):
+                    p.copy_(case.score_bias * torch.randn(p.shape, generator=g))
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     model.eval()
@@ -784,9 +800,9 @@ _GRANITE_FILE = {"block_sparse_moe.input_linear.weight": "gate_up", "block_spars
 def ctitan_view(family: str, files: dict) -> dict[str, np.ndarray]:
     """{safetensors file name: ndarray} -> {ctitan tensor name: ndarray}: the same but for
     GraniteMoE, whose files fuse what ctitan holds per expert."""
-    if family == "ernie4_5_moe":  # the router bias the file holds is no ctitan tensor: zero, as built
+    if family == "ernie4_5_moe":  # the router bias the file holds is no ctitan tensor (router_biases)
         bias = {n for n in files if n.endswith("mlp.moe_statics.e_score_correction_bias")}
-        assert bias and all(not np.any(files[n]) for n in bias), sorted(bias)
+        assert bias, sorted(files)
         return {n: a for n, a in files.items() if n not in bias}
     return _granite_split(files, _GRANITE_FILE) if family in GRANITE_MOE else files
 
@@ -852,13 +868,23 @@ def forward(model, family, tokens, labels):
     return ce, aux, logits, router
 
 
-def _router_stats(router, k):
+def router_biases(model) -> list:
+    """ERNIE 4.5 MoE's e_score_correction_bias [E] of each sparse layer in order (the routers'
+    order in router_logits); [] for a family without one."""
+    return [p.detach().reshape(-1).float() for n, p in model.named_parameters() if n.endswith(ERNIE_BIAS_MEM)]
+
+
+def _router_stats(router, k, biases=()):
+    """The smallest gap between a router's k-th and (k+1)-th probability, and (a selection bias)
+    between its k-th and (k+1)-th biased score: a near-tie in either would let float rounding
+    change the chosen experts or the aux loss's own top k."""
     gaps = []
-    for rl in router:
+    for i, rl in enumerate(router):
         p = torch.softmax(rl.detach().float(), dim=-1)
-        top = torch.topk(p, min(k + 1, p.shape[-1]), dim=-1).values
-        if top.shape[-1] > k:
-            gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+        for score in (p, p + biases[i]) if i < len(biases) else (p,):
+            top = torch.topk(score, min(k + 1, p.shape[-1]), dim=-1).values
+            if top.shape[-1] > k:
+                gaps.append(float((top[:, k - 1] - top[:, k]).min()))
     return min(gaps) if gaps else 1.0
 
 
@@ -874,7 +900,7 @@ def loss_and_grads(model, family, tokens, labels):
     grads = to_file_names(family, {n: p.grad for n, p in model.named_parameters()})
     grads = {n: g.copy() for n, g in grads.items()}
     model.zero_grad(set_to_none=True)
-    gap = _router_stats(router, model.config.num_experts_per_tok) if family in MOE else 1.0
+    gap = _router_stats(router, model.config.num_experts_per_tok, router_biases(model)) if family in MOE else 1.0
     return {"loss": loss.item(), "ce": ce_mean.item(), "aux": None if aux is None else float(aux.detach()),
             "logits": logits.detach().numpy(), "grads": grads, "min_gap": gap}
 
@@ -912,7 +938,7 @@ def reference_steps(model, family, mbs, *, accum, steps, run_steps, lr, betas, e
             loss.backward()
             ce_sum += ce.item()
             if family in MOE:
-                gaps.append(_router_stats(router, model.config.num_experts_per_tok))
+                gaps.append(_router_stats(router, model.config.num_experts_per_tok, router_biases(model)))
         gn = torch.nn.utils.clip_grad_norm_(params, max_norm)
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
@@ -942,11 +968,13 @@ def load(path, family):
 
 
 def scaled_copy(model, factor):
-    """A deep copy with every parameter multiplied by `factor` (exact in fp32 for 1.5)."""
+    """A deep copy with every parameter multiplied by `factor` (exact in fp32 for 1.5), but for
+    ERNIE 4.5 MoE's frozen router bias (no ctitan parameter: a session moves the others)."""
     m = copy.deepcopy(model)
     with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(factor)
+        for n, p in m.named_parameters():
+            if not n.endswith(ERNIE_BIAS_MEM):
+                p.mul_(factor)
     return m
 
 

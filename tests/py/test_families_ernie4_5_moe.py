@@ -4,7 +4,8 @@ export, checkpointing, generation, LoRA and the parallel layouts).
 
 Here: what each ERNIE-only rule does in transformers itself (so a ctitan that drops one fails
 the parity tests): the ungated shared experts, the always-renormalised top k, the sparse-layer
-range, router_aux_loss_coef; the zero-only e_score_correction_bias; Ernie4_5_MoeConfig's
+range, router_aux_loss_coef; the e_score_correction_bias (selection only, frozen, exported
+back, under EP / FSDP and resume); Ernie4_5_MoeConfig's
 defaults read from a file that leaves the keys out; PEFT's rewrite of gate_proj / up_proj /
 down_proj into the experts' target_parameters (the shared experts get no adapter); planted
 mistakes caught by the logits check. Expected values come from transformers and PEFT only."""
@@ -71,8 +72,8 @@ def _gated_shared(m):
 
 def test_oracle_ernie4_5_moe_rules_change_the_model():
     """In transformers itself, on the 4-layer case (layers 1 and 3 sparse): dropping the shared
-    experts, skipping the top-k renormalisation, a non-zero e_score_correction_bias (which ctitan
-    refuses), a moe_norm_min floor above k / E (refused) and moe_k 3 each move the logits by far
+    experts, skipping the top-k renormalisation, a non-zero e_score_correction_bias, a
+    moe_norm_min floor above k / E (refused) and moe_k 3 each move the logits by far
     more than the tolerance; router_aux_loss_coef moves the loss."""
     case = of.CASE["ernie4_5_moe_interval2_aux"]
     want = _logits_with(case, lambda m: None)
@@ -107,19 +108,149 @@ def test_oracle_ernie4_5_moe_sparse_layers():
         assert [i for i, layer in enumerate(m.model.layers) if hasattr(layer.mlp, "experts")] == want, cid
 
 
-def test_ernie4_5_moe_nonzero_correction_bias_refused(tmp_path, open_session):
-    """A checkpoint whose e_score_correction_bias is not zero routes otherwise in transformers
-    (the test above): ctitan refuses it, naming the tensor; the zero one opens."""
-    case = of.CASE["ernie4_5_moe_interval2_aux"]
-    m = of.build(case)
-    open_session(hf_session_args(of.save(m, tmp_path / "ok"), batch=B, seq_len=case.T)).close()
+BIASED = "ernie4_5_moe_score_bias"
+
+
+def _chosen(m, tokens, layer, with_bias=True):
+    """transformers' chosen experts [N, k] at a sparse layer's router (its input captured by a
+    hook), selected by probs + e_score_correction_bias or (with_bias False) by probs alone."""
+    seen = {}
+    gate = m.model.layers[layer].mlp.gate
+    def keep(mod, inp, out):
+        seen.setdefault("x", inp[0])  # returns None: the output stays the router's
+    h = gate.register_forward_hook(keep)
     with torch.no_grad():
-        m.model.layers[3].mlp.gate.moe_statics.e_score_correction_bias[0, 2] = 0.25
-    d = of.save(m, tmp_path / "bad")
+        m(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long))
+        h.remove()
+        if with_bias:
+            return gate(seen["x"])[2]
+        p = torch.softmax(torch.nn.functional.linear(seen["x"].float(), gate.weight.float()), dim=-1)
+        return torch.topk(p, gate.top_k, dim=-1).indices
+
+
+def _router_variant(m, kind):
+    """Planted mistakes in the router: "ignored" chooses by the probabilities alone; "weighted"
+    chooses by probs + bias and weights the experts by their biased scores too."""
+    for mlp in _sparse(m):
+        r = mlp.gate
+
+        def fwd(h, r=r):
+            logits = torch.nn.functional.linear(h.float(), r.weight.float())
+            p = torch.softmax(logits, dim=1)
+            score = p + r.moe_statics.e_score_correction_bias.reshape(1, -1)
+            _, idx = torch.topk(p if kind == "ignored" else score, r.top_k, dim=-1)
+            w = torch.gather(score if kind == "weighted" else p, -1, idx)
+            return logits, (w / w.sum(dim=-1, keepdim=True)).to(h.dtype), idx
+        r.forward = fwd
+
+
+def test_oracle_ernie4_5_moe_correction_bias_changes_the_choice():
+    """In transformers itself, on the biased case: the bias changes the chosen experts of many
+    tokens in every sparse layer, and the logits move by far more than the tolerance when it is
+    ignored in the choice or also applied to the weights. The aux loss counts transformers' own
+    top k of the unbiased probabilities (load_balancing_loss_func): zeroing the bias after the
+    forward leaves it as it was, for the same router logits."""
+    case = of.CASE[BIASED]
+    m = of.build(case)
+    assert all(mlp.gate.moe_statics.e_score_correction_bias.abs().max() > 0.1 for mlp in _sparse(m))
+    tokens, _ = of.batch(m, B, case.T, seed=5)
+    for layer in range(len(m.model.layers)):
+        a, b = _chosen(m, tokens, layer), _chosen(m, tokens, layer, with_bias=False)
+        moved = int((a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1).sum())
+        assert moved >= 4, f"layer {layer}: the bias moves the choice of only {moved} tokens"
+    want = of.logits(m, FAMILY, tokens)
+    for kind in ("ignored", "weighted"):
+        err = oracle.rel_err(_logits_with(case, lambda mm, k=kind: _router_variant(mm, k)), want)
+        assert err > 100 * TOL, f"bias {kind}: the logits move by only {err:.3g}"
+    from transformers.models.ernie4_5_moe import modeling_ernie4_5_moe as me
+    with torch.no_grad():
+        out = m(input_ids=torch.as_tensor(tokens, dtype=torch.long), output_router_logits=True)
+        E, k = case.kw["moe_num_experts"], case.kw["moe_k"]
+        assert float(me.load_balancing_loss_func(out.router_logits, E, k)) == float(out.aux_loss)
+
+
+def test_ernie4_5_moe_correction_bias_loads_routes_and_exports(tmp_path, open_session):
+    """ctitan reads the non-zero e_score_correction_bias and routes by it: its logits match
+    transformers' (test_families.py checks the loss, aux loss, gradients and AdamW steps on
+    the same case) and not the planted mistakes' (the bias ignored in the choice, or applied
+    to the weights too); its export holds the file's biases, read back by transformers."""
+    case = of.CASE[BIASED]
+    m = of.build(case)
+    d = of.save(m, tmp_path / "hf")
+    tokens, _ = of.batch(m, B, case.T, seed=5)
+    s = open_session(hf_session_args(d, batch=B, seq_len=case.T))
+    got = s.logits(tokens)
+    assert oracle.rel_err(got, of.logits(m, FAMILY, tokens)) <= TOL
+    for kind in ("ignored", "weighted"):
+        err = oracle.rel_err(got, _logits_with(case, lambda mm, k=kind: _router_variant(mm, k)))
+        assert err > 100 * TOL, f"bias {kind}: ctitan's logits are within {err:.3g} of it"
+    s.save_hf(tmp_path / "out")
+    back = of.load(tmp_path / "out", FAMILY)
+    want, have = of.router_biases(m), of.router_biases(back)
+    assert len(want) == len(have) == 2 and all(torch.equal(a, b) for a, b in zip(want, have))
+    err = oracle.rel_err(of.logits(back, FAMILY, tokens), of.logits(m, FAMILY, tokens))
+    assert err <= TOL, f"logits of the reloaded export: rel err {err:.3g}"
+
+
+def test_ernie4_5_moe_correction_bias_with_load_balance_coeff_refused(tmp_path, open_session):
+    """torchtitan's balancing would move a bias transformers keeps frozen: refused with a
+    non-zero one, naming the setting; with the zero one it opens."""
+    case = of.CASE["ernie4_5_moe_shared3_untied"]
+    extra = ["--model.load_balance_coeff=0.001"]
+    open_session(hf_session_args(of.save(of.build(case), tmp_path / "ok"), batch=B, seq_len=case.T,
+                                 extra=extra)).close()
+    case = of.CASE[BIASED]
+    d = of.save(of.build(case), tmp_path / "bad")
     with pytest.raises(CtitanError) as ei:
-        open_session(hf_session_args(d, batch=B, seq_len=case.T))
-    msg = str(ei.value)
-    assert "model.layers.3.mlp.moe_statics.e_score_correction_bias" in msg, msg
+        open_session(hf_session_args(d, batch=B, seq_len=case.T, extra=extra))
+    assert "load_balance_coeff" in str(ei.value) and "e_score_correction_bias" in str(ei.value), str(ei.value)
+
+
+def test_ernie4_5_moe_correction_bias_layouts_and_resume(tmp_path):
+    """The biased model loaded from its files trains 10 steps on one process, under EP 2, FSDP 2
+    and TP 2 (each rank routes by every layer's bias) with the same losses and weights; stopped
+    at step 4 under EP 2 and resumed on one process (the bias from the checkpoint's
+    state.json), it continues the same run; the step-N checkpoint exports the file's biases.
+    The aux loss is off (not linear in the batch: test_families_dist.py)."""
+    from test_dist import losses, run, train_args
+    from test_families_dist import EP2, FSDP2, TP2, assert_same
+    case = of.CASE[BIASED]
+    m = of.build(case)
+    m.config.output_router_logits = False
+    m0 = of.build(case)  # its biases (m's are zeroed below)
+    hf = of.save(m, tmp_path / "hf")
+    data = oracle.write_bin(tmp_path / "tokens.bin", oracle.learnable_stream(600 * 17, 128, seed=7))
+    load = [f"--checkpoint.initial_load_path={hf}", "--checkpoint.initial_load_in_hf"]
+    ref = tmp_path / "single"
+    run(1, train_args(hf, data, ref, *load), timeout=300)
+    zero = tmp_path / "hf0"  # the planted mistake "bias ignored": the same weights, zero biases
+    with torch.no_grad():
+        for mlp in _sparse(m):
+            mlp.gate.moe_statics.e_score_correction_bias.zero_()
+    of.save(m, zero)
+    run(1, train_args(zero, data, tmp_path / "zero", f"--checkpoint.initial_load_path={zero}",
+                      "--checkpoint.initial_load_in_hf", "--training.steps=2"), timeout=300)
+    a, b = losses(tmp_path / "zero"), losses(ref)
+    assert abs(a[1] - b[1]) > 1e-4 * abs(b[1]), f"the bias leaves the first loss as it was: {a[1]} vs {b[1]}"
+    for name, (n, extra, dp) in (("ep2", EP2), ("fsdp2", FSDP2), ("tp2", TP2)):
+        out = tmp_path / name
+        run(n, train_args(hf, data, out, *load, *extra, dp=dp), timeout=300)
+        assert_same(out, ref, name)
+    n, extra, dp = EP2
+    out = tmp_path / "resume"
+    p = run(n, train_args(hf, data, out, *load, *extra, "--training.stop_at_step=4",
+                          "--checkpoint.last_save_model_only=false", dp=dp), check=False, timeout=300)
+    assert p.returncode == 75, p.stderr[-3000:]
+    run(1, train_args(hf, data, out, *load, "--checkpoint.last_save_model_only=false"), timeout=300)
+    assert_same(out, ref, "ep2 -> 1 rank", steps=range(5, 11))
+    from test_dist import BIN, ENV, STEPS
+    import subprocess
+    step = ref / "checkpoint" / f"step-{STEPS}"
+    p = subprocess.run([str(BIN), "export", "--checkpoint", str(step), "--out", str(tmp_path / "exported"),
+                        "--tokenizer", str(hf)], env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    back = of.load(tmp_path / "exported", FAMILY)
+    assert all(torch.equal(a, b) for a, b in zip(of.router_biases(back), of.router_biases(m0)))
 
 
 def test_ernie4_5_moe_defaults(tmp_path, open_session, run_ctitan):
