@@ -1000,3 +1000,21 @@ def halves_rope_err(monkeypatch, case, family, modeling, B, seed=5):
         want = logits(a, family, tokens)
         monkeypatch.setattr(modeling, "apply_rotary_pos_emb", halves)
         return oracle.rel_err(logits(a, family, tokens), want)
+
+
+def resume_with_other_config(tmp_path, run_ctitan, family, kw, **change):
+    """A 4-step run of family's config kw stopped at step 2 (exit 75, its checkpoint kept),
+    then resumed with config.json kw + change: asserts the resume is refused and returns
+    its stderr, for the caller to check the key it names."""
+    make_config(Case("a", family, kw)).save_pretrained(tmp_path / "a")
+    make_config(Case("b", family, dict(kw, **change))).save_pretrained(tmp_path / "b")
+    data = oracle.write_bin(tmp_path / "t.bin", oracle.random_tokens(40 * 17, 160, seed=1))
+    args = ["train", "--model.spec=hf", f"--training.dataset_path={data}", "--training.seq_len=16",
+            "--training.local_batch_size=2", "--training.steps=4", "--checkpoint.enable", "--checkpoint.interval=2",
+            "--checkpoint.last_save_model_only=false", f"--job.dump_folder={tmp_path / 'o'}"]
+    rc, _, err = run_ctitan(args + [f"--model.hf_assets_path={tmp_path / 'a'}", "--training.stop_at_step=2"],
+                            check=False)
+    assert rc == 75, err
+    rc, _, err = run_ctitan(args + [f"--model.hf_assets_path={tmp_path / 'b'}"], check=False)
+    assert rc != 0, f"resumed with {change}"
+    return err

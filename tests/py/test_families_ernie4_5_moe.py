@@ -378,16 +378,6 @@ def test_ernie4_5_moe_resume_with_other_moe_keys_names_them(key, value, tmp_path
     """A checkpoint of the 4-layer case resumed with another moe_k (same tensors, other
     routing), sparse-layer rule, shared-expert count or expert count is refused, naming the
     ERNIE key (not qwen's num_experts_per_tok, decoder_sparse_step, ...)."""
-    kw = of.CASE["ernie4_5_moe_interval2_aux"].kw
-    of.make_config(of.Case("a", FAMILY, kw)).save_pretrained(tmp_path / "a")
-    of.make_config(of.Case("b", FAMILY, dict(kw, **{key: value}))).save_pretrained(tmp_path / "b")
-    data = oracle.write_bin(tmp_path / "t.bin", oracle.random_tokens(40 * 17, 160, seed=1))
-    args = ["train", "--model.spec=hf", f"--training.dataset_path={data}", "--training.seq_len=16",
-            "--training.local_batch_size=2", "--training.steps=4", "--checkpoint.enable", "--checkpoint.interval=2",
-            "--checkpoint.last_save_model_only=false", f"--job.dump_folder={tmp_path / 'o'}"]
-    rc, _, err = run_ctitan(args + [f"--model.hf_assets_path={tmp_path / 'a'}", "--training.stop_at_step=2"],
-                            check=False)
-    assert rc == 75, err
-    rc, _, err = run_ctitan(args + [f"--model.hf_assets_path={tmp_path / 'b'}"], check=False)
-    assert rc != 0, f"resumed with {key} = {value}"
+    err = of.resume_with_other_config(tmp_path, run_ctitan, FAMILY, of.CASE["ernie4_5_moe_interval2_aux"].kw,
+                                      **{key: value})
     assert "config.json: " in err and key in err.split("config.json: ", 1)[1], err

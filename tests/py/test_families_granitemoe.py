@@ -138,18 +138,8 @@ def test_lora_beyond_attention_refused(cid, targets, tmp_path, open_session):
 
 
 def test_resume_with_other_residual_multiplier_names_it(tmp_path, run_ctitan):
-    kw = of.CASE["granitemoe_k3_tied_bias"].kw
-    of.make_config(of.Case("a", "granitemoe", kw)).save_pretrained(tmp_path / "a")
-    of.make_config(of.Case("b", "granitemoe", dict(kw, residual_multiplier=0.5))).save_pretrained(tmp_path / "b")
-    data = oracle.write_bin(tmp_path / "t.bin", oracle.random_tokens(40 * 17, 160, seed=1))
-    args = ["train", "--model.spec=hf", f"--training.dataset_path={data}", "--training.seq_len=16",
-            "--training.local_batch_size=2", "--training.steps=4", "--checkpoint.enable", "--checkpoint.interval=2",
-            "--checkpoint.last_save_model_only=false", f"--job.dump_folder={tmp_path / 'o'}"]
-    rc, _, err = run_ctitan(args + [f"--model.hf_assets_path={tmp_path / 'a'}", "--training.stop_at_step=2"],
-                            check=False)
-    assert rc == 75, err
-    rc, _, err = run_ctitan(args + [f"--model.hf_assets_path={tmp_path / 'b'}"], check=False)
-    assert rc != 0
+    err = of.resume_with_other_config(tmp_path, run_ctitan, "granitemoe", of.CASE["granitemoe_k3_tied_bias"].kw,
+                                      residual_multiplier=0.5)
     assert "config.json: residual_multiplier is" in err, err
 
 

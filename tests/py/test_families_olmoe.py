@@ -93,18 +93,8 @@ def test_olmoe_defaults(tmp_path, open_session, run_ctitan):
 
 
 def test_olmoe_resume_with_other_norm_topk_prob_names_it(tmp_path, run_ctitan):
-    kw = of.CASE["olmoe_norm_topk_tied"].kw
-    of.make_config(of.Case("a", "olmoe", kw)).save_pretrained(tmp_path / "a")
-    of.make_config(of.Case("b", "olmoe", dict(kw, norm_topk_prob=False))).save_pretrained(tmp_path / "b")
-    data = oracle.write_bin(tmp_path / "t.bin", oracle.random_tokens(40 * 17, 160, seed=1))
-    args = ["train", "--model.spec=hf", f"--training.dataset_path={data}", "--training.seq_len=16",
-            "--training.local_batch_size=2", "--training.steps=4", "--checkpoint.enable", "--checkpoint.interval=2",
-            "--checkpoint.last_save_model_only=false", f"--job.dump_folder={tmp_path / 'o'}"]
-    rc, _, err = run_ctitan(args + [f"--model.hf_assets_path={tmp_path / 'a'}", "--training.stop_at_step=2"],
-                            check=False)
-    assert rc == 75, err
-    rc, _, err = run_ctitan(args + [f"--model.hf_assets_path={tmp_path / 'b'}"], check=False)
-    assert rc != 0
+    err = of.resume_with_other_config(tmp_path, run_ctitan, "olmoe", of.CASE["olmoe_norm_topk_tied"].kw,
+                                      norm_topk_prob=False)
     assert "config.json: norm_topk_prob is" in err, err
 
 
