@@ -71,6 +71,20 @@ def _off(mm):
     mm.get_llama_4_attn_scale = lambda p, beta, L: torch.ones(p.shape)[:, None, :, None]
 
 
+def _assert_like_torch(s, tokens, labels, ref):
+    """ctitan's session s gives transformers' logits, loss and every gradient (ref:
+    oracle_families.loss_and_grads) to TOL."""
+    err = oracle.rel_err(s.logits(tokens), ref["logits"])
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    ce = s.forward_backward(tokens, labels, nv) / nv
+    assert abs(ce - ref["ce"]) <= TOL * abs(ref["ce"]), (ce, ref["ce"])
+    bad = [f"{n}: {oracle.rel_err(s.get_grad(n), g):.3g}" for n, g in sorted(ref["grads"].items())
+           if not oracle.rel_err(s.get_grad(n), g) <= TOL]
+    assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize("what", ["beta0", "length64", "no_floor", "k_too", "scale_off"])
 def test_oracle_q_scale_matters(what):
     """transformers' own logits move by far more than the tolerance when beta is 0, the
@@ -96,16 +110,7 @@ def test_default_rope_q_scale(tmp_path, open_session):
     d = of.save(model, tmp_path / "hf")
     tokens, labels = of.batch(model, B, DEFAULT.T, seed=5)
     ref = of.loss_and_grads(model, DEFAULT.family, tokens, labels)
-    s = open_session(hf_session_args(d, batch=B, seq_len=DEFAULT.T))
-    err = oracle.rel_err(s.logits(tokens), ref["logits"])
-    assert err <= TOL, f"logits rel err {err:.3g}"
-    s.zero_grad()
-    nv = oracle.n_valid(labels)
-    ce = s.forward_backward(tokens, labels, nv) / nv
-    assert abs(ce - ref["ce"]) <= TOL * abs(ref["ce"]), (ce, ref["ce"])
-    bad = [f"{n}: {oracle.rel_err(s.get_grad(n), g):.3g}" for n, g in sorted(ref["grads"].items())
-           if not oracle.rel_err(s.get_grad(n), g) <= TOL]
-    assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
+    _assert_like_torch(open_session(hf_session_args(d, batch=B, seq_len=DEFAULT.T)), tokens, labels, ref)
 
 
 @pytest.mark.parametrize("drop", ["llama_4_scaling_beta", "original_max_position_embeddings"])
@@ -174,13 +179,4 @@ def test_no_rope_parameters_is_transformers_default(how, tmp_path, open_session)
     with torch.no_grad():
         err = oracle.rel_err(of.logits(plain, "ministral3", tokens), ref["logits"])
     assert err > 100 * TOL, f"yarn's default dict moves the logits by only {err:.3g}"
-    s = open_session(hf_session_args(d, batch=B, seq_len=T))
-    err = oracle.rel_err(s.logits(tokens), ref["logits"])
-    assert err <= TOL, f"logits rel err {err:.3g}"
-    s.zero_grad()
-    nv = oracle.n_valid(labels)
-    ce = s.forward_backward(tokens, labels, nv) / nv
-    assert abs(ce - ref["ce"]) <= TOL * abs(ref["ce"]), (ce, ref["ce"])
-    bad = [f"{n}: {oracle.rel_err(s.get_grad(n), g):.3g}" for n, g in sorted(ref["grads"].items())
-           if not oracle.rel_err(s.get_grad(n), g) <= TOL]
-    assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
+    _assert_like_torch(open_session(hf_session_args(d, batch=B, seq_len=T)), tokens, labels, ref)
