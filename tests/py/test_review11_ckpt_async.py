@@ -12,7 +12,6 @@
 - PP, TP and LoRA under FSDP under mpirun, with keep_latest_k: async's files are the
   synchronous run's and it keeps the same ones.
 CTITAN_CKPT_ASYNC_TEST_SLEEP (test-only) pauses the thread halfway through its write."""
-import os
 import resource
 import signal
 import subprocess
@@ -22,35 +21,7 @@ import pytest
 
 import oracle
 from conftest import BIN, crashed, tiny_run
-
-ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMP_WAIT_POLICY="passive",
-           OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-FILES = ("model.safetensors", "optim.safetensors", "state.json", "config.json")
-SAVE = ["--checkpoint.enable", "--checkpoint.interval=2", "--checkpoint.last_save_model_only=false"]
-ASYNC = "--checkpoint.async_mode=async"
-
-
-def run(args, code=0, sleep=None, preexec=None):
-    cmd = [str(BIN)] + [str(a) for a in args]
-    env = dict(ENV, CTITAN_CKPT_ASYNC_TEST_SLEEP=str(sleep)) if sleep else ENV
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, preexec_fn=preexec)
-    crashed(p.returncode, p.stderr, cmd)
-    assert p.returncode == code, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stderr[-3000:]}"
-    return p
-
-
-def losses(out):
-    return {r["step"]: r["loss"] for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r}
-
-
-def steps_in(out):
-    return sorted(int(p.name[5:]) for p in (out / "checkpoint").glob("step-*"))
-
-
-def same_files(a, b, step, files=FILES):
-    for f in files:
-        x, y = (a / "checkpoint" / f"step-{step}" / f).read_bytes(), (b / "checkpoint" / f"step-{step}" / f).read_bytes()
-        assert x == y, f"step-{step}/{f} differs between {a.name} and {b.name}"
+from test_ckpt_async import ASYNC, ENV, FILES, SAVE, losses, run, same_files, steps_in
 
 
 def small_files():

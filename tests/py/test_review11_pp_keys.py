@@ -9,8 +9,8 @@ and trains the same losses (to float rounding)."""
 import os
 import subprocess
 
-import oracle
 from conftest import BIN, crashed, tiny_run
+from test_dist import losses
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMP_WAIT_POLICY="passive",
            OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -26,10 +26,6 @@ def mpi(args, code=0):
     crashed(p.returncode, p.stderr, cmd)
     assert p.returncode == code, f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stderr[-3000:]}"
     return p
-
-
-def losses(out):
-    return {r["step"]: r["loss"] for r in oracle.read_metrics(out / "metrics.jsonl") if "loss" in r}
 
 
 def test_fqns_placement_round_trip_and_resume(tmp_path):
