@@ -691,15 +691,6 @@ static const struct {
     {"training", "batch_size", "local_batch_size"},
 };
 
-/* torchtitan keys ctitan does not read at all: what says the same here (none at present: torchtitan's
- * pipeline_parallel_schedule_csv is read and refused at any value but "" (cfg_options), so that a
- * torchtitan 0.3 command line carrying its default runs). NULL-terminated. */
-static const struct {
-    const char *section, *key, *instead;
-} cfg_tt_split[] = {
-    {NULL, NULL, NULL},
-};
-
 /* The first option of each section starts a new section (the table is
  * grouped by section). */
 static int cfg_first_of_section(int i) {
@@ -731,11 +722,6 @@ static void cfg_suggest(const char *section, const char *key, char *out, size_t 
         if (!strcmp(cfg_renamed[i].section, section) && !strcmp(cfg_renamed[i].old_key, key)) {
             snprintf(out, cap, " (did you mean %s.%s? it is torchtitan's current name for %s)", section,
                      cfg_renamed[i].key, key);
-            return;
-        }
-    for (size_t i = 0; cfg_tt_split[i].section; i++)
-        if (!strcmp(cfg_tt_split[i].section, section) && !strcmp(cfg_tt_split[i].key, key)) {
-            snprintf(out, cap, " (torchtitan's key; %s)", cfg_tt_split[i].instead);
             return;
         }
     char given[160], cand[160];
