@@ -243,6 +243,22 @@ static void dact_neon(float *dg, float *du, const float *gate, const float *up, 
 }
 #endif
 
+/* The experts' weight gradients from G[S, H] = w * dout in expert order (then
+ * overwritten with the gathered x), h and d gate / d up [S, I]: the grouped TN
+ * GEMMs both the fused backward (moe_bwd) and a split one's W (moe_bwd_w) run,
+ * so the two give each element the same sum. NULL: frozen, skipped. */
+static void moe_dw(const gemm_arch *ar, float *dwg, float *dwu, float *dwd, float *G, const float *x, const float *h,
+                   const float *dgate, const float *dup, const int32_t *perm, const int32_t *offsets, long S, int k,
+                   int H, int I, int E) {
+    moe_job dd = {G, h, dwd, 1, NULL};
+    if (dwd) grouped_gemm(ar, MOE_TN, offsets, E, H, I, &dd, 1, 0);
+    if (!dwg && !dwu) return;
+    gather(G, x, perm, S, k, H);
+    moe_job dgu[2] = {{dgate, G, dwg, 1, NULL}, {dup, G, dwu, 1, NULL}};
+    if (dwg && dwu) grouped_gemm(ar, MOE_TN, offsets, E, I, H, dgu, 2, 0);
+    else grouped_gemm(ar, MOE_TN, offsets, E, I, H, dwg ? &dgu[0] : &dgu[1], 1, 0);
+}
+
 static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg, float *dwu, float *dwd,
                     float *dtopw, float *work, const float *dout, const float *x, const float *wg, const float *wu,
                     const float *wd, const uint16_t *hg, const uint16_t *hu, const uint16_t *hd, const float *gate,
@@ -274,13 +290,7 @@ static void moe_bwd(const gemm_arch *ar, moe_dact_fn dact, float *dx, float *dwg
         }
         KERN_TRACE_EXIT(kt_);
     }
-    /* NULL weight gradients: frozen experts, only dx and dtopw are wanted */
-    moe_job dd = {G, h, dwd, 1, NULL};
-    if (dwd) grouped_gemm(ar, MOE_TN, offsets, E, H, I, &dd, 1, 0);
-    if (dwg || dwu) gather(G, x, perm, S, k, H);
-    moe_job dgu[2] = {{Pm, G, dwg, 1, NULL}, {du, G, dwu, 1, NULL}};
-    if (dwg && dwu) grouped_gemm(ar, MOE_TN, offsets, E, I, H, dgu, 2, 0);
-    else if (dwg || dwu) grouped_gemm(ar, MOE_TN, offsets, E, I, H, dwg ? &dgu[0] : &dgu[1], 1, 0);
+    moe_dw(ar, dwg, dwu, dwd, G, x, h, Pm, du, perm, offsets, S, k, H, I, E);
     moe_job dx2[2] = {{Pm, wg, dxg, 0, hg}, {du, wu, dxg, 1, hu}}; /* the same rows: one piece runs both, in order */
     grouped_gemm(ar, MOE_NN, offsets, E, I, H, dx2, 2, 1);
 #pragma omp parallel
@@ -323,16 +333,8 @@ static void moe_bwd_w(const gemm_arch *ar, float *dwg, float *dwu, float *dwd, f
                       const int32_t *offsets, const float *topw, int N, int H, int I, int E, int k) {
     long S = (long)N * k;
     float *G = work; /* [S, H] w * dout in expert order, then the gathered x */
-    if (dwd) {
-        gather_scaled(G, dout, perm, topw, S, k, H);
-        moe_job dd = {G, h, dwd, 1, NULL};
-        grouped_gemm(ar, MOE_TN, offsets, E, H, I, &dd, 1, 0);
-    }
-    if (!dwg && !dwu) return;
-    gather(G, x, perm, S, k, H);
-    moe_job dgu[2] = {{dgate, G, dwg, 1, NULL}, {dup, G, dwu, 1, NULL}};
-    if (dwg && dwu) grouped_gemm(ar, MOE_TN, offsets, E, I, H, dgu, 2, 0);
-    else grouped_gemm(ar, MOE_TN, offsets, E, I, H, dwg ? &dgu[0] : &dgu[1], 1, 0);
+    if (dwd) gather_scaled(G, dout, perm, topw, S, k, H);
+    moe_dw(ar, dwg, dwu, dwd, G, x, h, dgate, dup, perm, offsets, S, k, H, I, E);
 }
 
 /* The five entries of one implementation on arch expression AR (evaluated
