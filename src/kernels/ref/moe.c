@@ -84,62 +84,10 @@ static void experts_fwd(float *out, float *gate, float *up, float *h, float *wor
     free(sc);
 }
 
-static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
-                        const float *x, wsrc wg, wsrc wu, wsrc wd, const float *gate, const float *up, const float *h,
-                        const int32_t *perm, const int32_t *pos, const int32_t *offsets, const float *topw, int N,
-                        int H, int I, int E, int k, int bf) {
-    // dx[N,H] +=, dwg/dwu [E,I,H] +=, dwd [E,H,I] +=, dtopw[N*k] =, work: d gate, d up [N*k, I]
-    (void)pos;
-    size_t n = (size_t)I * H, S = (size_t)N * k;
-    float *dh = ct_malloc((size_t)(I ? I : 1) * sizeof(float)); /* [I] one row's wd_e^T dout */
-    float *dga = KERN_MOE_DGATE(work, S, I), *dua = KERN_MOE_DUP(work, S, I); /* kept for op_moe_experts_bwd_w */
-    float *sc = expert_scratch(wg, wu, wd, n);
-    for (int e = 0; e < E; e++) {
-        if (offsets[e + 1] == offsets[e]) continue; /* no rows: no gradient either */
-        const float *g_e = expert_w(wg, e, n, sc), *u_e = expert_w(wu, e, n, sc + n), *d_e = expert_w(wd, e, n, sc + 2 * n);
-        /* NULL weight gradients: frozen experts (only dx and dtopw are wanted) */
-        float *dg_e = dwg ? dwg + (size_t)e * I * H : NULL, *du_e = dwu ? dwu + (size_t)e * I * H : NULL;
-        float *dd_e = dwd ? dwd + (size_t)e * H * I : NULL;
-        for (int p = offsets[e]; p < offsets[e + 1]; p++) {
-            int s = perm[p], t = s / k;
-            const float *xt = x + (size_t)t * H, *dot_ = dout + (size_t)t * H;
-            const float *gp = gate + (size_t)p * I, *upp = up + (size_t)p * I, *hp = h + (size_t)p * I;
-            float *dg = dga + (size_t)p * I, *du = dua + (size_t)p * I;
-            float w = topw[s];
-            /* y = wd_e h; out += w y: dy = w dout, dw = dout . y = (wd_e^T dout) . h */
-            for (int i = 0; i < I; i++) {
-                float a = 0;
-                for (int c = 0; c < H; c++) a += rb(dot_[c], bf) * rb(d_e[(size_t)c * I + i], bf);
-                dh[i] = a;
-            }
-            dtopw[s] = dot(dh, hp, I, 0);
-            for (int c = 0; dd_e && c < H; c++) {
-                float dy = rb(w * dot_[c], bf); /* d y = w dout, the down projection's output gradient */
-                for (int i = 0; i < I; i++) dd_e[(size_t)c * I + i] += dy * rb(hp[i], bf);
-            }
-            for (int i = 0; i < I; i++) {
-                float g = gp[i], sig = 1.0f / (1.0f + expf(-g)), d = w * dh[i];
-                dg[i] = d * upp[i] * sig * (1.0f + g * (1.0f - sig));
-                du[i] = d * g * sig;
-            }
-            float *dxt = dx + (size_t)t * H;
-            for (int i = 0; i < I; i++) {
-                float dgi = rb(dg[i], bf), dui = rb(du[i], bf);
-                for (int c = 0; c < H; c++) {
-                    float xc = rb(xt[c], bf);
-                    if (dg_e) dg_e[(size_t)i * H + c] += dgi * xc;
-                    if (du_e) du_e[(size_t)i * H + c] += dui * xc;
-                    dxt[c] += dgi * rb(g_e[(size_t)i * H + c], bf) + dui * rb(u_e[(size_t)i * H + c], bf);
-                }
-            }
-        }
-    }
-    free(sc);
-    free(dh);
-}
-
-/* experts_bwd's weight-gradient products alone, on the d gate / d up it kept
- * in its work: each element's terms in the same row order, the same factors. */
+/* The experts' weight gradients from d gate / d up [N*k, I] (experts_bwd's
+ * work): experts_bwd calls it after its rows, a split backward's W
+ * (op_moe_experts_bwd_w) on its own, so both give each element the same terms
+ * in the same row order. */
 static void experts_bwd_w(float *dwg, float *dwu, float *dwd, const float *dout, const float *x, const float *h,
                           const float *dga, const float *dua, const int32_t *perm, const int32_t *offsets,
                           const float *topw, int H, int I, int E, int k, int bf) {
@@ -165,6 +113,51 @@ static void experts_bwd_w(float *dwg, float *dwu, float *dwd, const float *dout,
             }
         }
     }
+}
+
+static void experts_bwd(float *dx, float *dwg, float *dwu, float *dwd, float *dtopw, float *work, const float *dout,
+                        const float *x, wsrc wg, wsrc wu, wsrc wd, const float *gate, const float *up, const float *h,
+                        const int32_t *perm, const int32_t *pos, const int32_t *offsets, const float *topw, int N,
+                        int H, int I, int E, int k, int bf) {
+    // dx[N,H] +=, dwg/dwu [E,I,H] +=, dwd [E,H,I] +=, dtopw[N*k] =, work: d gate, d up [N*k, I]
+    (void)pos;
+    size_t n = (size_t)I * H, S = (size_t)N * k;
+    float *dh = ct_malloc((size_t)(I ? I : 1) * sizeof(float)); /* [I] one row's wd_e^T dout */
+    float *dga = KERN_MOE_DGATE(work, S, I), *dua = KERN_MOE_DUP(work, S, I); /* kept for op_moe_experts_bwd_w */
+    float *sc = expert_scratch(wg, wu, wd, n);
+    for (int e = 0; e < E; e++) {
+        if (offsets[e + 1] == offsets[e]) continue; /* no rows: no gradient either */
+        const float *g_e = expert_w(wg, e, n, sc), *u_e = expert_w(wu, e, n, sc + n), *d_e = expert_w(wd, e, n, sc + 2 * n);
+        for (int p = offsets[e]; p < offsets[e + 1]; p++) {
+            int s = perm[p], t = s / k;
+            const float *dot_ = dout + (size_t)t * H;
+            const float *gp = gate + (size_t)p * I, *upp = up + (size_t)p * I, *hp = h + (size_t)p * I;
+            float *dg = dga + (size_t)p * I, *du = dua + (size_t)p * I;
+            float w = topw[s];
+            /* y = wd_e h; out += w y: dy = w dout, dw = dout . y = (wd_e^T dout) . h */
+            for (int i = 0; i < I; i++) {
+                float a = 0;
+                for (int c = 0; c < H; c++) a += rb(dot_[c], bf) * rb(d_e[(size_t)c * I + i], bf);
+                dh[i] = a;
+            }
+            dtopw[s] = dot(dh, hp, I, 0);
+            for (int i = 0; i < I; i++) {
+                float g = gp[i], sig = 1.0f / (1.0f + expf(-g)), d = w * dh[i];
+                dg[i] = d * upp[i] * sig * (1.0f + g * (1.0f - sig));
+                du[i] = d * g * sig;
+            }
+            float *dxt = dx + (size_t)t * H;
+            for (int i = 0; i < I; i++) {
+                float dgi = rb(dg[i], bf), dui = rb(du[i], bf);
+                for (int c = 0; c < H; c++)
+                    dxt[c] += dgi * rb(g_e[(size_t)i * H + c], bf) + dui * rb(u_e[(size_t)i * H + c], bf);
+            }
+        }
+    }
+    free(sc);
+    free(dh);
+    /* NULL weight gradients (frozen experts) are skipped there */
+    experts_bwd_w(dwg, dwu, dwd, dout, x, h, dga, dua, perm, offsets, topw, H, I, E, k, bf);
 }
 
 void op_moe_experts_bwd_w(float *dwg, float *dwu, float *dwd, float *work, const float *dout, const float *x,
