@@ -434,11 +434,6 @@ static const cfg_option cfg_options[] = {
     OPT("parallelism", "context_parallel_ptrr_mask_key", CFG_STR, tt.ptrr_key, "None", .inert = 1,
         .help = TT_UNUSED("the FlexAttention mask the \"ptrr\" balancer shards by (ctitan has no \"ptrr\", and "
                           "torchtitan ignores the key without it), any value")),
-    OPT("parallelism", "pipeline_parallel_schedule_csv", CFG_STR, tt.pp_csv, "", .inert = 1, .noop = "",
-        .instead = "ctitan builds its schedules' orders itself (parallelism.pipeline_parallel_schedule); a CSV "
-                   "schedule is not read",
-        .help = "torchtitan's CSV pipeline schedule: ctitan builds its schedules' orders itself "
-                "(pipeline_parallel_schedule), so only \"\" is taken"),
     OPT("parallelism", "context_parallel_degree", CFG_INT, cp, "1", .range = CFG_GE, .lo = 1,
         .help = "ranks splitting each sequence into chunks of training.seq_len / degree positions (two pieces "
                 "each, context_parallel_load_balancer; with it \"none\", chunks of consecutive positions); "
@@ -464,6 +459,11 @@ static const cfg_option cfg_options[] = {
                 "rank (2 by default), Interleaved1F1B or LoopedBFS (every micro-batch through a rank's first stage, "
                 "then its next; the backwards in reverse), InterleavedZeroBubble, and ZBVZeroBubble or DualPipeV "
                 "(exactly 2 stages a rank, in a V) whose backwards run as input and weight parts"),
+    OPT("parallelism", "pipeline_parallel_schedule_csv", CFG_STR, pp_csv, "", .own = CFG_OWN_PATH,
+        .help = "torchtitan's CSV schedule (torch's _load_csv, \"compute_only\"): row r is pipeline rank r's "
+                "actions in order, [stage][F, B, I or W][micro-batch] (2F0, 0B3), an empty cell none; the stages "
+                "and their ranks are pipeline_parallel_schedule's, I and W only where it splits the backward; "
+                "\"\": the schedule's own order"),
     OPT("parallelism", "pipeline_parallel_microbatch_size", CFG_INT, pp_microbatch, "1", .range = CFG_GE, .lo = 1,
         .help = "sequences per pipeline micro-batch; must divide training.local_batch_size"),
     OPT("parallelism", "pipeline_parallel_split_points", CFG_STR, pp_split, "", .list = 1,
@@ -1265,6 +1265,10 @@ void cfg_warn_unused(const ct_config *c) {
         fprintf(stderr, "ctitan: warning: %s: %s has no effect: lora.rank is 0 (no LoRA)\n", cfg_origin(c, name),
                 name);
     }
+    if (c->pp <= 1 && c->pp_csv[0]) /* as torchtitan, which reads it only to build a pipeline schedule */
+        fprintf(stderr, "ctitan: warning: %s: parallelism.pipeline_parallel_schedule_csv has no effect: "
+                "pipeline_parallel_degree is 1 (no pipeline)\n",
+                cfg_origin(c, "parallelism.pipeline_parallel_schedule_csv"));
     cfg_free(&d);
 }
 

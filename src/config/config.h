@@ -128,6 +128,7 @@ typedef struct {
     int pp_microbatch;        /* 1: pipeline_parallel_microbatch_size */
     char *pp_split;           /* "": pipeline_parallel_split_points, comma-joined ("layers.4,layers.8") */
     char *pp_fqns;            /* "": module_fqns_per_model_part, each stage's modules ("tok_embeddings,layers.0;layers.1") */
+    char *pp_csv;             /* "": pipeline_parallel_schedule_csv, every rank's actions (distributed/pp.h) */
     int pp_layers_per_stage;  /* -1: pipeline_parallel_layers_per_stage (torchtitan's even split; else by cost) */
     int pp_first_less;        /* -1 (1 when used): pipeline_parallel_first_stage_less_layers */
     int pp_last_less;         /* -1 (1 when used): pipeline_parallel_last_stage_less_layers */
@@ -179,7 +180,6 @@ typedef struct {
         int gc_debug;               /* training.gc_debug: any */
         int symm_mem;               /* parallelism.enable_fsdp_symm_mem: any */
         char *spmd_backend;         /* parallelism.spmd_backend: any */
-        char *pp_csv;               /* parallelism.pipeline_parallel_schedule_csv: "" */
         char *ptrr_key;             /* parallelism.context_parallel_ptrr_mask_key: any */
         int quantized_load;         /* checkpoint.initial_load_in_hf_quantized: false */
         char *exclude_loading;      /* checkpoint.exclude_from_loading: only empty */

@@ -1125,9 +1125,10 @@ void plan_describe(const ct_plan *p, FILE *f) {
     const ct_config *c = p->cfg;
     if (ms->pp > 1) {
         const pp_sched *s = p->pp;
-        fprintf(f, "ctitan: pipeline_parallel %d (%s): %d stage(s) per rank, %d micro-batches of %d per step, "
+        fprintf(f, "ctitan: pipeline_parallel %d (%s%s%s): %d stage(s) per rank, %d micro-batches of %d per step, "
                    "simulated bubble %.1f%%; stages' first layers:",
-                ms->pp, c->pp_schedule, s->S, s->M, s->mb_size, 100.0 * s->bubble);
+                ms->pp, c->pp_schedule, c->pp_csv[0] ? ", the order of " : "", c->pp_csv, s->S, s->M, s->mb_size,
+                100.0 * s->bubble);
         for (int v = 0; v < s->V; v++) fprintf(f, " %d", s->first[v]);
         fprintf(f, "\n");
     }

@@ -387,6 +387,8 @@ int plan_dry_pipeline(FILE *out, const ct_config *c, const lm_config *mc, int wo
                     "  schedule %s: %d stage%s per rank, %d micro-batches of %d sequence%s per step (gradient "
                     "accumulation %d x local_batch_size %d / pipeline_parallel_microbatch_size %d)\n",
                     c->pp_schedule, S, S == 1 ? "" : "s", M, mb, mb == 1 ? "" : "s", accum, c->local_batch_size, mb);
+            if (c->pp_csv[0]) /* the name gave the stages and their ranks, the file the order */
+                fprintf(out, "  order: pipeline_parallel_schedule_csv \"%s\" (each rank's order below)\n", c->pp_csv);
             fprintf(out,
                     "  bubble: simulated %.4f (stages costed by their FLOPs, the lm_head on the last), textbook "
                     "%.4f = (P-1)/(%sM+P-1)\n",

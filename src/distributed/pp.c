@@ -3,9 +3,12 @@
 #include "distributed/pp.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
 
 #include "core/timer.h"
 #include "model/moe.h"
@@ -420,6 +423,238 @@ static pp_action **rank_orders(const pp_sched *p, int *len) {
     return ord;
 }
 
+/* ------------------------------------------------------------ CSV orders */
+
+/* torchtitan's pipeline_parallel_schedule_csv: torch's _PipelineScheduleRuntime
+ * reads it (_load_csv, format "compute_only"): one row per pipeline rank, one
+ * cell per action as torch's _Action prints it, [virtual stage][kind][micro-
+ * batch] ("2F0", "0B3", "1I2", "1W2"), an empty cell a no-op; an OVERLAP_F_B
+ * cell "(0F4;3B1)OVERLAP_F_B" (DualPipeV's pairs) runs its sub-actions one
+ * after the other, as torch's runtime does without an overlap function. The
+ * stages and their ranks are the schedule name's (torchtitan builds the stages
+ * from it: one a rank for 1F1B and GPipe, else 2 or the split's, the loop or
+ * the V), so a cell of a stage another rank holds is refused, where torch
+ * would move the stage. A cell's text, for the errors. */
+typedef struct {
+    const char *path, *where, *text;
+    int row, cell;
+} csv_at;
+
+static int csv_fail(ct_err *e, const csv_at *at, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int csv_fail(ct_err *e, const csv_at *at, const char *fmt, ...) {
+    char why[640];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    if (at->cell > 0)
+        return ct_fail(e, CT_ERR_CONFIG,
+                       "%s: parallelism.pipeline_parallel_schedule_csv \"%s\": row %d (pipeline rank %d), cell %d "
+                       "\"%s\": %s",
+                       at->where, at->path, at->row + 1, at->row, at->cell, at->text, why);
+    if (at->row >= 0)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: parallelism.pipeline_parallel_schedule_csv \"%s\": row %d (pipeline "
+                       "rank %d): %s", at->where, at->path, at->row + 1, at->row, why);
+    return ct_fail(e, CT_ERR_CONFIG, "%s: parallelism.pipeline_parallel_schedule_csv \"%s\": %s", at->where,
+                   at->path, why);
+}
+
+/* One action "[stage][kind][micro-batch]" of s (length n), F B I W only. */
+static int csv_action(const char *s, size_t n, pp_action *a, int *v, const csv_at *at, ct_err *e) {
+    /* torch's other kinds: the compute_comms format's, which a compute_only schedule may not hold */
+    static const char *const comms[] = {"WAIT_REDUCE_GRAD", "WAIT_SEND_F", "WAIT_SEND_B", "REDUCE_GRAD", "UNSHARD",
+                                        "RESHARD", "SEND_F", "RECV_F", "SEND_B", "RECV_B"};
+    size_t k = 0;
+    long stage = 0, mb = 0;
+    while (k < n && s[k] >= '0' && s[k] <= '9' && stage < 1000000) stage = stage * 10 + (s[k++] - '0');
+    if (k == 0 || k == n)
+        return csv_fail(e, at, "not an action [stage][F, B, I or W][micro-batch] as torch's _Action prints it "
+                        "(e.g. 2F0)");
+    for (size_t j = 0; j < sizeof comms / sizeof *comms; j++)
+        if (n - k >= strlen(comms[j]) && !strncmp(s + k, comms[j], strlen(comms[j])))
+            return csv_fail(e, at, "%s is a communication action, of torch's \"compute_comms\" format; torchtitan "
+                            "loads the \"compute_only\" format (F, B, I, W; the sends and receives derived), as "
+                            "ctitan does", comms[j]);
+    if (!strchr("FBIW", s[k]))
+        return csv_fail(e, at, "not an action [stage][F, B, I or W][micro-batch] as torch's _Action prints it "
+                        "(e.g. 2F0)");
+    char kind = s[k++];
+    size_t m0 = k;
+    while (k < n && s[k] >= '0' && s[k] <= '9' && mb < 1000000) mb = mb * 10 + (s[k++] - '0');
+    if (k == m0)
+        return csv_fail(e, at, "%c has no micro-batch (e.g. %ld%c0)", kind, stage, kind);
+    if (k != n)
+        return csv_fail(e, at, "not an action [stage][F, B, I or W][micro-batch] as torch's _Action prints it "
+                        "(e.g. 2F0)");
+    *a = (pp_action){kind, 0, (int)mb};
+    *v = (int)stage;
+    return 0;
+}
+
+/* Splits a CSV line into cells (commas; a cell in double quotes may hold
+ * them, "" is a quote), trimmed of blanks as torch's _Action.from_str. */
+static int csv_cells(char *line, char ***cells) {
+    int n = 0, cap = 16;
+    char **out = malloc((size_t)cap * sizeof *out);
+    char *w = line;
+    for (const char *r = line;;) {
+        if (n == cap) out = realloc(out, (size_t)(cap *= 2) * sizeof *out);
+        char *start = w;
+        int quoted = 0;
+        while (*r && (quoted || *r != ',')) {
+            if (*r == '"' && quoted && r[1] == '"') *w++ = '"', r += 2;
+            else if (*r == '"') quoted = !quoted, r++;
+            else *w++ = *r++;
+        }
+        int end = !*r;
+        r += !end;
+        *w++ = '\0';
+        while (*start == ' ' || *start == '\t') start++;
+        for (size_t l = strlen(start); l && (start[l - 1] == ' ' || start[l - 1] == '\t');) start[--l] = '\0';
+        out[n++] = start;
+        if (end) break;
+    }
+    *cells = out;
+    return n;
+}
+
+/* Every rank's order from the CSV at path, [P][...] (len[r]: rank r's count),
+ * checked: one row per rank; each (stage, micro-batch) forward once on the
+ * rank holding the stage and its backward once, as B or as I then W (I and W
+ * with a schedule that splits the backward only); stages and micro-batches in
+ * range. NULL with *e set, naming the file and the cell. cell[r][k]: the cell
+ * of action k (for the deadlock's error). */
+static pp_action **csv_orders(const pp_sched *p, const char *path, const char *sched, int *len, int ***cellp,
+                              const char *where, ct_err *e) {
+    int P = p->P, V = p->V, M = p->M, split = p->schedule >= PP_ZB_INTERLEAVED, rows = 0, rc = 0;
+    csv_at at = {path, where, "", -1, 0};
+    struct stat st;
+    FILE *f = stat(path, &st) == 0 && S_ISREG(st.st_mode) ? fopen(path, "r") : NULL;
+    if (!f) {
+        csv_fail(e, &at, "does not exist or is not a file (torchtitan's FileNotFoundError)");
+        return NULL;
+    }
+    char **lines = NULL, *line = NULL;
+    size_t cap = 0;
+    for (ssize_t got; (got = getline(&line, &cap, f)) >= 0; rows++) {
+        while (got > 0 && (line[got - 1] == '\n' || line[got - 1] == '\r')) line[--got] = '\0';
+        lines = realloc(lines, (size_t)(rows + 1) * sizeof *lines);
+        lines[rows] = strdup(line);
+    }
+    free(line);
+    fclose(f);
+    pp_action **ord = calloc((size_t)P, sizeof *ord);
+    int **cell = calloc((size_t)P, sizeof *cell);
+    /* per (stage, micro-batch): the cell of its F, B, I, W (0: none yet) */
+    size_t vm = (size_t)V * M;
+    int *fcell = calloc(4 * vm, sizeof *fcell), *bcell = fcell + vm, *icell = bcell + vm, *wcell = icell + vm;
+    if (rows != P)
+        rc = csv_fail(e, &at, "%d rows, but parallelism.pipeline_parallel_degree is %d: one row per pipeline rank",
+                      rows, P);
+    for (int r = 0; !rc && r < P; r++) {
+        char **cells;
+        int n = csv_cells(lines[r], &cells), most = 0;
+        for (int k = 0; k < n; k++) /* a cell's actions: 1, a group's one more a ';' */
+            for (const char *q = cells[k]; *q; q++) most += q == cells[k] || *q == ';';
+        ord[r] = malloc((size_t)(most + 1) * sizeof **ord);
+        cell[r] = malloc((size_t)(most + 1) * sizeof **cell);
+        len[r] = 0;
+        for (int k = 0; !rc && k < n; k++) {
+            at = (csv_at){path, where, cells[k], r, k + 1};
+            const char *s = cells[k], *close = strchr(s, ')');
+            if (!*s) continue; /* torch's no-op (None) */
+            int pair = s[0] == '(' && close;
+            if (pair && strcmp(close + 1, "OVERLAP_F_B")) {
+                rc = csv_fail(e, &at, "a group of actions is taken as OVERLAP_F_B only (torch's compute kinds: F, "
+                              "B, I, W, OVERLAP_F_B)");
+                break;
+            }
+            /* the group's sub-actions in order, or the cell's one action */
+            for (const char *a0 = pair ? s + 1 : s; !rc;) {
+                const char *a1 = pair ? a0 + strcspn(a0, ";)") : s + strlen(s);
+                while (a0 < a1 && *a0 == ' ') a0++;
+                size_t an = (size_t)(a1 - a0);
+                while (an && a0[an - 1] == ' ') an--;
+                pp_action a = {0, 0, 0};
+                int v = 0;
+                if ((rc = csv_action(a0, an, &a, &v, &at, e))) break;
+                if (v >= V) {
+                    rc = csv_fail(e, &at, "stage %d: schedule %s gives %d stages (0 .. %d)", v, sched, V, V - 1);
+                    break;
+                }
+                if (a.mb >= M) {
+                    rc = csv_fail(e, &at, "micro-batch %d: a step has %d (0 .. %d)", a.mb, M, M - 1);
+                    break;
+                }
+                if (owner(p, v) != r) {
+                    rc = csv_fail(e, &at, "stage %d is held by pipeline rank %d (schedule %s's placement: %s), not "
+                                  "by rank %d", v, owner(p, v), sched,
+                                  v_placed(p) ? "the V, rank r holds r and 2P-1-r" : "the loop, rank r holds r, "
+                                  "r+P, ...", r);
+                    break;
+                }
+                if ((a.kind == 'I' || a.kind == 'W') && !split) {
+                    rc = csv_fail(e, &at, "%c: a split backward (I then W) is taken only with a schedule that "
+                                  "splits it (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); schedule %s runs "
+                                  "whole backwards (B)", a.kind, sched);
+                    break;
+                }
+                size_t x = (size_t)v * M + a.mb;
+                int *seen = a.kind == 'F' ? fcell : a.kind == 'W' ? wcell : a.kind == 'B' ? bcell : icell;
+                int back = bcell[x] ? bcell[x] : icell[x]; /* its backward's cell, B or I */
+                if (seen[x] || ((a.kind == 'B' || a.kind == 'I') && back)) {
+                    rc = csv_fail(e, &at, "a second %s of stage %d micro-batch %d (the first: cell %d)",
+                                  a.kind == 'F' ? "forward" : a.kind == 'W' ? "W" : "backward", v, a.mb,
+                                  seen[x] ? seen[x] : back);
+                    break;
+                }
+                if (a.kind != 'F' && a.kind != 'W' && !fcell[x]) {
+                    rc = csv_fail(e, &at, "the backward of stage %d micro-batch %d comes before its forward (%dF%d)",
+                                  v, a.mb, v, a.mb);
+                    break;
+                }
+                if (a.kind == 'W' && !icell[x]) {
+                    rc = bcell[x] ? csv_fail(e, &at, "W of stage %d micro-batch %d, whose backward ran whole (B, cell "
+                                             "%d): a W follows its I", v, a.mb, bcell[x])
+                                  : csv_fail(e, &at, "W of stage %d micro-batch %d comes before its I (%dI%d): the "
+                                             "weight gradients need what I records", v, a.mb, v, a.mb);
+                    break;
+                }
+                seen[x] = k + 1;
+                a.stage = local_of(p, v);
+                cell[r][len[r]] = k + 1;
+                ord[r][len[r]++] = a;
+                if (!pair || !*a1 || *a1 == ')') break;
+                a0 = a1 + 1;
+            }
+        }
+        free(cells);
+    }
+    for (int v = 0; !rc && v < V; v++)
+        for (int i = 0; !rc && i < M; i++) {
+            size_t x = (size_t)v * M + i;
+            at = (csv_at){path, where, "", owner(p, v), 0};
+            if (!fcell[x]) rc = csv_fail(e, &at, "stage %d micro-batch %d has no forward (%dF%d)", v, i, v, i);
+            else if (!bcell[x] && !icell[x])
+                rc = csv_fail(e, &at, "stage %d micro-batch %d has no backward (%dB%d%s)", v, i, v, i,
+                              split ? ", or I then W" : "");
+            else if (icell[x] && !wcell[x])
+                rc = csv_fail(e, &at, "stage %d micro-batch %d has its I (cell %d) but no W (%dW%d)", v, i, icell[x],
+                              v, i);
+        }
+    free(fcell);
+    for (int r = 0; r < rows; r++) free(lines[r]);
+    free(lines);
+    if (rc) {
+        for (int r = 0; r < P; r++) free(ord[r]), free(cell[r]);
+        free(ord);
+        free(cell);
+        return NULL;
+    }
+    *cellp = cell;
+    return ord;
+}
+
 /* The order each virtual stage's forwards and backwards run in, from its
  * rank's schedule (LoopedBFS runs backwards last micro-batch first). */
 static void send_orders(pp_sched *p, pp_action *const *ord, const int *len) {
@@ -442,8 +677,9 @@ static void send_orders(pp_sched *p, pp_action *const *ord, const int *len) {
  * and F(v, i), W(v, i) after I(v, i). Returns the bubble (idle share of P x
  * makespan), or -1 when no rank can go on (an order that would deadlock:
  * also a W before its I). max_inflight: this rank's most forwards whose
- * backward (B or I: W reads copies, not the bank) has not run. */
-static double simulate(const pp_sched *p0, pp_action *const *ord, const int *len, int *max_inflight) {
+ * backward (B or I: W reads copies, not the bank) has not run. stuck (NULL:
+ * not wanted): [P] where each rank's order stopped (len[r]: it ended). */
+static double simulate(const pp_sched *p0, pp_action *const *ord, const int *len, int *max_inflight, int *stuck) {
     int P = p0->P, V = p0->V, M = p0->M;
     size_t nr = P > 0 ? (size_t)P : 1;
     int *pos = calloc(nr, sizeof *pos);
@@ -484,6 +720,7 @@ static double simulate(const pp_sched *p0, pp_action *const *ord, const int *len
     }
     double span = 0;
     for (int r = 0; r < P; r++) span = clock[r] > span ? clock[r] : span;
+    if (stuck) memcpy(stuck, pos, (size_t)P * sizeof *pos);
     free(pos);
     free(clock);
     free(fdone);
@@ -571,7 +808,8 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     if (V > L)
         return ct_fail(e, CT_ERR_CONFIG, "%s: %d pipeline stages need at least %d layers; the model has %d", where, V,
                        V, L);
-    if (p->schedule == PP_DUALPIPEV && M < V) /* torch's rule: its warm-up fills both stages of every rank */
+    const char *csv = c->pp_csv; /* a CSV order (torch's _PipelineScheduleRuntime): the name's own rules go */
+    if (!csv[0] && p->schedule == PP_DUALPIPEV && M < V) /* torch's rule: its warm-up fills both stages of every rank */
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: DualPipeV needs at least as many micro-batches as stages (%d), but a step has %d "
                        "(local_batch_size / pipeline_parallel_microbatch_size x gradient accumulation)",
@@ -580,7 +818,8 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
     p->S = V / P;
     if (!even && !c->pp_split[0] && !c->pp_fqns[0]) split_by_cost(mc, V, c->seq_len, p->first);
     /* torch's interleaved schedules: max(1, M / P) rounds of equal size */
-    if ((p->schedule == PP_INTERLEAVED || p->schedule == PP_ZB_INTERLEAVED) && M % (M / P > 1 ? M / P : 1) != 0)
+    if (!csv[0] && (p->schedule == PP_INTERLEAVED || p->schedule == PP_ZB_INTERLEAVED) &&
+        M % (M / P > 1 ? M / P : 1) != 0)
         return ct_fail(e, CT_ERR_CONFIG,
                        "%s: %s takes micro-batches in %d rounds (micro-batches / pipeline_parallel_degree %d), which "
                        "must divide them, but a step has %d (local_batch_size / pipeline_parallel_microbatch_size x "
@@ -591,20 +830,47 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
         for (int l = p->first[v]; l < p->first[v + 1]; l++) p->cost[v] += layer_cost(mc, l, c->seq_len);
         if (v == V - 1) p->cost[v] += head_cost(mc);
     }
-    int *len = calloc((size_t)P, sizeof *len);
-    pp_action **ord = rank_orders(p, len);
+    int *len = calloc((size_t)P, sizeof *len), *stuck = calloc((size_t)P, sizeof *stuck), **cell = NULL;
+    pp_action **ord = csv[0] ? csv_orders(p, csv, c->pp_schedule, len, &cell, where, e) : rank_orders(p, len);
+    if (!ord) {
+        free(len);
+        free(stuck);
+        return CT_ERR_CONFIG;
+    }
     p->n_act = len[rank];
     p->act = ord[rank]; /* this rank's, kept */
     send_orders(p, ord, len);
-    p->bubble = simulate(p, ord, len, &p->max_banks);
+    p->bubble = simulate(p, ord, len, &p->max_banks, stuck);
+    if (p->bubble < 0 && csv[0]) { /* each rank's first action that waits for what never comes */
+        char ranks[320] = "";
+        int r0 = -1;
+        for (int r = 0, k = 0; r < P; r++)
+            if (stuck[r] < len[r]) {
+                pp_action a = ord[r][stuck[r]];
+                if (r0 < 0) r0 = r;
+                else if (k < (int)sizeof ranks - 64)
+                    k += snprintf(ranks + k, sizeof ranks - (size_t)k, "; row %d waits at cell %d (%d%c%d)", r + 1,
+                                  cell[r][stuck[r]], vstage_of(p, r, a.stage), a.kind, a.mb);
+            }
+        pp_action a = ord[r0][stuck[r0]];
+        char text[32];
+        snprintf(text, sizeof text, "%d%c%d", vstage_of(p, r0, a.stage), a.kind, a.mb);
+        csv_at at = {csv, where, text, r0, cell[r0][stuck[r0]]};
+        csv_fail(e, &at, "the order would deadlock: this action waits for one that never runs, every rank being "
+                 "stuck on an action that waits too%s", ranks);
+    } else if (p->bubble < 0) {
+        ct_fail(e, CT_ERR_CONFIG, "%s: pipeline schedule %s with %d ranks and %d micro-batches would deadlock",
+                where, c->pp_schedule, P, M);
+    }
     free(len);
-    for (int r = 0; r < P; r++)
+    free(stuck);
+    for (int r = 0; r < P; r++) {
         if (r != rank) free(ord[r]);
+        if (cell) free(cell[r]);
+    }
     free(ord);
-    if (p->bubble < 0)
-        return ct_fail(e, CT_ERR_CONFIG, "%s: pipeline schedule %s with %d ranks and %d micro-batches would deadlock",
-                       where, c->pp_schedule, P, M);
-    return 0;
+    free(cell);
+    return p->bubble < 0 ? CT_ERR_CONFIG : 0;
 }
 
 void pp_hold(const pp_sched *p, lm_config *mc) {

@@ -45,6 +45,16 @@
  * as torch's runtime does without an overlap function. Every W of a step
  * runs inside pp_step, so clipping, FSDP's replicas and the data-parallel
  * sum (after pp_step) see whole gradients.
+ * torchtitan's pipeline_parallel_schedule_csv replaces the orders by a file's
+ * (torch's _PipelineScheduleRuntime._load_csv, "compute_only"): row r is rank
+ * r's actions as torch's _Action prints them ("2F0", "0B3", "1I2", "1W2"; an
+ * empty cell a no-op; "(0F4;3B1)OVERLAP_F_B" its two in turn). The schedule
+ * name still gives the stages and their ranks, as in torchtitan, and whether
+ * backwards may split (I and W with the zero-bubble schedules only: their
+ * stores). pp_plan refuses, naming the file and the cell, any other action,
+ * a stage or micro-batch out of range or on a rank that does not hold it, a
+ * (stage, micro-batch) without exactly one forward and one backward (B, or
+ * I then W), and, from the simulation below, an order that would deadlock.
  * Every order is checked by simulating all ranks with each stage's cost
  * (a backward costs two forwards, I and W one each; W waits for its I),
  * which also gives the schedule's bubble: the share of rank-time spent
