@@ -40,9 +40,10 @@ int mesh_resolve(const ct_config *c, int world, const lm_config *mc, const char 
         if (lm_layer_is_moe(mc, l)) sparse = 1;
         else dense = 1;
     }
-    /* the config.json keys of the experts' and the shared MLP's widths: OLMoE's and GraniteMoE's
-     * experts are intermediate_size wide, GraniteMoeShared's shared MLP is shared_intermediate_size */
-    int granite = mc->moe_keys == LM_MOE_KEYS_GRANITE, olmoe = !strcmp(mc->model_type, "olmoe");
+    /* the config.json keys of the experts' and the shared MLP's widths: OLMoE's, FlexOlmo's and
+     * GraniteMoE's experts are intermediate_size wide, GraniteMoeShared's shared MLP is shared_intermediate_size */
+    int granite = mc->moe_keys == LM_MOE_KEYS_GRANITE;
+    int olmoe = !strcmp(mc->model_type, "olmoe") || !strcmp(mc->model_type, "flex_olmo");
     struct { const char *what; int n, used; } split[] = {
         {"attention heads", mc->n_heads, 1},
         {"kv heads", mc->n_kv_heads, 1},

@@ -645,7 +645,8 @@ static void plan_activations(lm_model *m, carver *cv) {
         m->ws.d_so = carve(cv, BT * H);
         m->ws.d_sg = carve(cv, BT);
     }
-    if (m->moe.n_layers && resid_mult(c) != 0) m->ws.d_moe = carve(cv, BT * H);
+    /* d of a sparse layer's branch: scaled (GraniteMoE) or through its output norm (FlexOlmo) */
+    if (m->moe.n_layers && (resid_mult(c) != 0 || pa)) m->ws.d_moe = carve(cv, BT * H);
     if (m->moe.n_layers) {
         m->ws.moe_work = carve(cv, KERN_MOE_WORK(Nk, H, c->moe_intermediate));
         m->ws.moe_dtopw = carve(cv, (size_t)Nk);
@@ -2152,6 +2153,13 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         int scr = tp || rm != 0;
         /* generate's cache has no d_ln but keeps the branch buffer mo (branch_bufs) */
         float *y = res_next && scr ? (kv ? a->mo : m->ws.d_ln) : res_next; /* [BT, H] */
+        /* FlexOlmo: res_next = res_mid + norm(branch). The branch alone is built (a
+         * recomputation too: the backward reads it, mo, and its rstd), in mo itself, or
+         * under tensor parallelism in d_ln (room for every rank's rows) before the sum */
+        if (w->ln_mo) {
+            scr = 1;
+            y = tp && !kv ? m->ws.d_ln : a->mo;
+        }
         if (y && scr) zero(y, n);
         else if (y) memcpy(y, a->res_mid, n * sizeof(float));
         const float *eg, *eu, *ed;
@@ -2165,6 +2173,14 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
             experts_h(m, 1, y, NULL, NULL, NULL, NULL, NULL, NULL, &ag, kv ? kv->moe_work : m->ws.moe_work, eg, eu,
                       ed, BT);
         if (c->shared_intermediate > 0) shared_expert_fwd(m, l, a, w, xm, y, BT);
+        if (w->ln_mo) { /* mo [BS, H] = the branch summed over the group; then as the dense MLP's */
+            const float *ys = tp ? sum_rows(m, y, BT, H) : y;
+            if (ys != a->mo) memcpy(a->mo, ys, ns * sizeof(float));
+            float *yn = res_next ? res_next : m->ws.d_ln; /* d_ln: free scratch before this layer's backward */
+            K(RMSNORM, rmsnorm_fwd, yn, a->mo_rstd, a->mo, nw(m, w->ln_mo, H), BS, H, eps);
+            if (res_next) K(ADD, add, res_next, res_next, a->res_mid, (long)ns);
+            return;
+        }
         if (y && scr) {
             const float *ys = tp ? sum_rows(m, y, BT, H) : y;
             scaled_add(res_next, a->res_mid, ys, rm != 0 ? rm : 1.0f, ns); /* y 1 is y: the same bits */
@@ -3019,15 +3035,22 @@ static float *moe_layer_bwd(lm_model *m, int l, int BT) {
     experts_adapted(m, w, &eg, &eu, &ed);
     experts_adapted_dw(m, w, g, &dg, &du, &dd);
     /* the experts and the router run on all rows: under sequence parallel
-     * ln2 and d(output) are gathered */
-    const float *dy = sp_gather(m, m->ws.sp_dy, m->ws.d_res, BT, H);
+     * their input (ln2, or res_mid without pre-norms) and d(output) are gathered */
+    const float *dy = m->ws.d_res; /* [BS, H] */
+    if (w->ln_mo) { /* res_next = res_mid + norm(branch) (FlexOlmo): d(branch) [BS, H] through the norm */
+        int BS = sp_rows(m, BT);
+        zero(m->ws.d_moe, (size_t)BS * H);
+        norm_bwd(m, m->ws.d_moe, g->ln_mo, m->ws.d_res, a->mo, w->ln_mo, a->mo_rstd, BS, H);
+        dy = m->ws.d_moe;
+    }
+    dy = sp_gather(m, m->ws.sp_dy, dy, BT, H); /* [BT, H] */
     float rm = resid_mult(c);
     if (rm != 0) { /* the branch was scaled before the add: d(branch) = rm d(residual) */
         scaled_add(m->ws.d_moe, NULL, dy, rm, (size_t)BT * H);
         dy = m->ws.d_moe;
     }
     lm_layer_acts ag = *a;
-    ag.ln2 = sp_gather(m, m->ws.sp_x, a->ln2, BT, H);
+    ag.ln2 = sp_gather(m, m->ws.sp_x, mlp_in(m, a), BT, H);
     if (m->moe_ep) { /* the dispatch's own backward, whole in I (lm.h, lm_wstore) */
         lm_experts_w ew = experts_w(m, eg, eu, ed);
         m->moe_ep->bwd(m->moe_ep->ctx, l, m->ws.d_ln, (float *const[3]){dg, du, dd}, m->ws.moe_dtopw, dy, r, &ew,

@@ -459,7 +459,7 @@ typedef struct {
     float *moe_dprobs;      /* [BT, E] */
     float *moe_dprob_all;   /* [E] d(aux term)/d probs, the same for every layer and token */
     float *d_so;            /* [BT, H] d of the shared expert's output before its gate (qwen2_moe) */
-    float *d_moe;           /* [BT, H] d of a sparse layer's branch, residual_multiplier x d(res) (GraniteMoE) */
+    float *d_moe;           /* [BT, H] d(sparse branch): rm x d(res) (GraniteMoE), through its norm (FlexOlmo) */
     float *d_sg;            /* [BT] d of the shared expert gate's logit */
     /* LoRA (cfg.lora_rank > 0) */
     float *lora_du;         /* [BT, r] d of an adapter's A output */

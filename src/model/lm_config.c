@@ -150,9 +150,10 @@ int lm_config_check(const lm_config *c, const char *where, ct_err *e) {
         if (c->layer_nope[l] || c->qk_norm != LM_QK_NONE || lm_rope_local_differs(c))
             return ct_fail(e, CT_ERR_CONFIG, "%s: the q scale (llama_4_scaling_beta) is supported with RoPE on every "
                            "layer and no q/k norms only", where);
-    if (c->n_experts > 0 && (c->norm_place != LM_NORM_PRE || c->act != LM_ACT_SILU || c->mlp_bias))
-        return ct_fail(e, CT_ERR_CONFIG, "%s: MoE layers are supported with pre-norms, SiLU and no MLP bias only",
-                       where);
+    /* a post-norm sparse layer (FlexOlmo) norms the branch before its add; sandwich norms are not built */
+    if (c->n_experts > 0 && (c->norm_place == LM_NORM_SANDWICH || c->act != LM_ACT_SILU || c->mlp_bias))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: MoE layers are supported with pre-norms or post-norms (OLMo2's), "
+                       "SiLU and no MLP bias only", where);
     if (c->n_experts > 0) {
         if (c->top_k < 1 || c->top_k > c->n_experts)
             return ct_fail(e, CT_ERR_CONFIG, "%s: num_experts_per_tok must be in [1, num_experts = %d], got %d", where,
@@ -287,19 +288,24 @@ static int json_bool(const cJSON *root, const char *key, int *out, const char *p
     return 0;
 }
 
+/* lm_family.olmoe: OLMoE's sparse block (every layer, experts intermediate_size wide) in
+ * OlmoeConfig (pre-norms, clip_qkv, q_norm over hidden_size) or FlexOlmoConfig (OLMo2's
+ * post-norms, q_norm over heads x head_dim, no clip_qkv key). */
+enum { OLMOE_NONE, OLMOE_OLMOE, OLMOE_FLEX };
+
 /* The qwen3_moe keys, with Qwen3MoeConfig's defaults (MixtralConfig's,
  * Qwen2MoeConfig's: qwen2_moe adds its shared expert's width). */
 static int moe_config_from_json(lm_config *c, const cJSON *root, int mixtral, int shared, int olmoe,
                                 const char *type, const char *path, ct_err *e) {
     int rc;
-    c->n_experts = mixtral ? 8 : shared ? 60 : olmoe ? 64 : 128;
-    c->top_k = mixtral ? 2 : shared ? 4 : 8;
+    c->n_experts = mixtral ? 8 : shared ? 60 : olmoe == OLMOE_FLEX ? 7 : olmoe ? 64 : 128; /* FlexOlmoConfig: 7, 5 */
+    c->top_k = mixtral ? 2 : shared ? 4 : olmoe == OLMOE_FLEX ? 5 : 8;
     c->moe_intermediate = shared ? 1408 : 768;
     c->shared_intermediate = shared ? 5632 : 0;
     c->norm_topk_prob = 0;
     c->decoder_sparse_step = 1;
     c->output_router_logits = 0;
-    c->router_aux_loss_coef = olmoe ? 0.01 : 0.001; /* OlmoeConfig's default */
+    c->router_aux_loss_coef = olmoe ? 0.01 : 0.001; /* OlmoeConfig's and FlexOlmoConfig's default */
     /* transformers writes num_local_experts (its attribute_map), Qwen's files num_experts;
      * GraniteMoeConfig has no num_experts (the key would be an unused attribute there) */
     const char *ek = cJSON_GetObjectItemCaseSensitive(root, "num_local_experts") || !strncmp(type, "granitemoe", 10)
@@ -452,8 +458,8 @@ typedef struct {
     int nope;           /* SmolLM3: no_rope_layers / no_rope_layer_interval pick layers without RoPE */
     int granite_shared; /* GraniteMoeShared: an ungated shared MLP of shared_intermediate_size (0: none) */
     int q_scale;        /* Ministral 3: q times Llama 4's position scale, its keys in rope_parameters */
-    int olmoe;          /* OLMoE: every layer sparse, experts intermediate_size wide, clip_qkv, q/k norms
-                           over hidden_size (head_dim must be hidden_size / num_attention_heads) */
+    int olmoe;          /* OLMOE_*: every layer sparse, experts intermediate_size wide; OLMoE's clip_qkv and
+                           q/k norms over hidden_size (head_dim must be hidden_size / num_attention_heads) */
     int heads_check;    /* HEADS_*: a shape rule of the family's transformers classes */
     int qk_after_rope;  /* HunYuan: the per-head q/k norms (query_layernorm, key_layernorm) after RoPE */
     int ernie_moe;      /* ERNIE 4.5 MoE: moe_* keys, sparse layers from moe_layer_{start,end}_index and
@@ -535,7 +541,13 @@ static const lm_family families[] = {
      * router and experts (softmax top-k, renormalised as norm_topk_prob says) in every layer */
     {.type = "olmoe", .arch = "OlmoeForCausalLM", .moe = 1 + LM_MOE_KEYS_QWEN, .qk_norm = LM_QK_PROJ,
      .has_attn_bias = 1, .eps = 1e-5, .max_pos = 4096, .pad = 1, .act_key = "hidden_act", .theta = 1e4,
-     .olmoe = 1},
+     .olmoe = OLMOE_OLMOE},
+    /* FlexOlmo (FlexOlmo-7x7B-1T): OLMo2's post-norm layer (norms on the attention's and the
+     * sparse block's outputs before each residual add, q/k norms over the whole projections)
+     * around OLMoE's sparse block; 7 experts, 5 per token by default */
+    {.type = "flex_olmo", .arch = "FlexOlmoForCausalLM", .moe = 1 + LM_MOE_KEYS_QWEN, .norm_place = LM_NORM_POST,
+     .qk_norm = LM_QK_PROJ, .has_attn_bias = 1, .eps = 1e-6, .max_pos = 4096, .pad = 100277,
+     .act_key = "hidden_act", .theta = 5e5, .olmoe = OLMOE_FLEX},
     /* GraniteMoE (granite-3.0-1b-a400m, 3b-a800m): Granite's four scalars around Mixtral's
      * layer: every layer sparse, experts intermediate_size wide, softmax over the top-k
      * logits (the renormalised top-k softmax), the files fusing each layer's experts */
@@ -1036,17 +1048,18 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
         c->moe_intermediate = c->intermediate;
         c->n_mlp_only = 0;
         c->decoder_sparse_step = 1;
-        /* q_norm spans hidden_size and k_norm (hidden_size / heads) x kv heads, whatever
-         * head_dim says: other head widths fail in transformers' forward */
-        if (c->n_heads > 0 && (long long)c->n_heads * c->head_dim != c->hidden) {
+        /* OLMoE's q_norm spans hidden_size and k_norm (hidden_size / heads) x kv heads,
+         * whatever head_dim says: other head widths fail in transformers' forward */
+        if (f->olmoe == OLMOE_OLMOE && c->n_heads > 0 && (long long)c->n_heads * c->head_dim != c->hidden) {
             rc = ct_fail(e, CT_ERR_CONFIG,
                          "%s: \"head_dim\" = %d with hidden_size %d and num_attention_heads %d: model_type olmoe "
                          "needs head_dim x num_attention_heads = hidden_size (OlmoeAttention's q_norm spans "
                          "hidden_size)", path, c->head_dim, c->hidden, c->n_heads);
             goto done;
         }
+        /* FlexOlmoConfig has no clip_qkv: FlexOlmoAttention clamps nothing, whatever the file says */
         const cJSON *clip = cJSON_GetObjectItemCaseSensitive(root, "clip_qkv");
-        if (clip && !cJSON_IsNull(clip)) {
+        if (f->olmoe == OLMOE_OLMOE && clip && !cJSON_IsNull(clip)) {
             char *v = cJSON_PrintUnformatted(clip);
             rc = ct_fail(e, CT_ERR_CONFIG, "%s: \"clip_qkv\" = %s is not supported (ctitan does not clamp q, k "
                          "and v); only null is", path, v ? v : "?");
@@ -1302,7 +1315,7 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk_prob);
         cJSON_AddBoolToObject(o, "output_router_logits", c->output_router_logits);
         add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
-        cJSON_AddNullToObject(o, "clip_qkv");
+        if (f->olmoe == OLMOE_OLMOE) cJSON_AddNullToObject(o, "clip_qkv");
     } else if (moe) {
         cJSON_AddNumberToObject(o, "num_experts", c->n_experts);
         cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);

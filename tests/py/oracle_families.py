@@ -4,7 +4,7 @@ One tiny random model per case, built with transformers' OWN config and model cl
 (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, olmo2, phi3, gemma, gemma2,
 gemma3_text, granite, smollm3, olmo3, olmoe, granitemoe, granitemoeshared, glm, glm4, ernie4_5,
 seed_oss, ministral, exaone4, ministral3, helium, vaultgemma,
-hunyuan_v1_dense)
+hunyuan_v1_dense, ernie4_5_moe, flex_olmo)
 with the family's distinctive options on, eager attention (and eager experts), fp32, seeded
 weights: matrices and biases N(0, 0.1), norm weights 1 + U(-0.2, 0.2) (the Gemma families,
 whose RMSNorm scales by 1 + w: U(-0.2, 0.2)). Expected values come from transformers and torch autograd /
@@ -15,7 +15,7 @@ transformers 5 keeps some tensors differently in memory; `to_file_names` maps th
 parameters (and their gradients) to the file names:
   qwen3_moe  mlp.experts.gate_up_proj [E, 2I, H] -> mlp.experts.e.{gate,up}_proj.weight
   qwen2_moe  mlp.experts.down_proj [E, H, I]     -> mlp.experts.e.down_proj.weight
-  olmoe
+  olmoe, flex_olmo
              (qwen2_moe's shared expert and its gate keep their names)
   mixtral    mlp.gate.weight                      -> block_sparse_moe.gate.weight
              mlp.experts.gate_up_proj [E, 2I, H]  -> block_sparse_moe.experts.e.{w1,w3}.weight
@@ -73,8 +73,9 @@ FAMILIES = {
     "vaultgemma": (tf.VaultGemmaConfig, tf.VaultGemmaForCausalLM),
     "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),
     "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
+    "flex_olmo": (tf.FlexOlmoConfig, tf.FlexOlmoForCausalLM),
 }
-MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe"}
+MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe", "flex_olmo"}
 # ERNIE 4.5 MoE's router selection bias: a frozen parameter in memory, its own name in the file
 ERNIE_BIAS_MEM = "mlp.gate.moe_statics.e_score_correction_bias"
 GEMMA = {"gemma", "gemma2", "gemma3_text", "vaultgemma"}  # RMSNorm by (1 + w)
@@ -193,6 +194,32 @@ CASES = [
         rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
         seed=14,
         keys=("num_experts", "intermediate_size", "norm_topk_prob", "tie_word_embeddings", "rope_parameters")),
+    # ------------------------------------------------------------------ flex_olmo
+    # OLMo2's post-norm layer (post_attention_layernorm / post_feedforward_layernorm on each
+    # branch's output before its residual add, no pre-norms) around OLMoE's sparse block in
+    # every layer: experts intermediate_size (24) wide, softmax top-k not renormalised
+    # (FlexOlmoConfig's default), attention biases, the aux loss in the loss; head_dim 16 of
+    # hidden 32 / 4 heads (q_norm spans 4 x 16 = 64, k_norm 2 x 16 = 32); pad 1 (the default
+    # 100277 is outside the tiny vocabulary)
+    Case("flex_olmo_aux_hd16", "flex_olmo", dict(
+        head_dim=16, intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        attention_bias=True, output_router_logits=True, router_aux_loss_coef=0.05, pad_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=21,
+        keys=("num_experts", "num_experts_per_tok", "intermediate_size", "norm_topk_prob", "attention_bias",
+              "output_router_logits", "router_aux_loss_coef", "head_dim", "pad_token_id", "rms_norm_eps")),
+    # renormalised top-k, 4 layers (ZBVZeroBubble's four stages), tied embeddings, no aux
+    # loss: the layouts (FSDP, EP, TP, PP) and LoRA run on this one. The renormalisation divides a token's branch by one
+    # number, which post_feedforward_layernorm cancels up to its eps: rms_norm_eps 1e-3 (the
+    # branch's mean square is about 2e-3 here) makes norm_topk_prob move the logits by 0.7
+    # (test_families_flex_olmo), where FlexOlmoConfig's 1e-6 leaves 1e-3
+    Case("flex_olmo_norm_topk_tied", "flex_olmo", dict(
+        num_hidden_layers=4, intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        rms_norm_eps=1e-3, tie_word_embeddings=True, output_router_logits=False, pad_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+        seed=31,
+        keys=("num_experts", "intermediate_size", "norm_topk_prob", "rms_norm_eps", "tie_word_embeddings",
+              "rope_parameters")),
     # ------------------------------------------------------------------ granitemoe
     # Granite's four scalars around every-layer-sparse experts (intermediate_size 24), stored
     # fused (input_linear [E, 2I, H]: each expert's gate rows, then up); the softmax of the
@@ -524,6 +551,7 @@ PARTIAL_DEFAULT_CASES = [
     _partial_default("granite", "granite_default_partial05_ignored", 0.5, top_level=True),
     _partial_default("smollm3", "smollm3_default_partial05_ignored", 0.5, top_level=False),
     _partial_default("ministral", "ministral_default_partial05_ignored", 0.5, top_level=True),
+    _partial_default("flex_olmo", "flex_olmo_default_partial05_ignored", 0.5, top_level=False),
 ]
 CASE.update({c.id: c for c in PARTIAL_DEFAULT_CASES})
 
@@ -565,6 +593,11 @@ REFUSALS = [
     Refusal("ernie4_5_moe_norm_min", "ernie4_5_moe", dict(moe_norm_min=0.9), "moe_norm_min", ("0.9",)),
     # q_norm spans hidden_size: a head_dim with heads x head_dim != hidden fails in transformers
     Refusal("olmoe_head_dim", "olmoe", dict(head_dim=16), "head_dim", ("olmoe",)),
+    Refusal("flex_olmo_attention_dropout", "flex_olmo", dict(attention_dropout=0.1), "attention_dropout"),
+    Refusal("flex_olmo_yarn_partial_rotary", "flex_olmo", dict(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor", ("0.5", "flex_olmo", "yarn")),
     Refusal("phi3_resid_pdrop", "phi3", dict(resid_pdrop=0.1), "resid_pdrop"),
     # partial_rotary_factor with a scaled RoPE type outside phi3: the type's init function
     # (modeling_rope_utils) reads the factor and returns inv_freq for int(head_dim * factor)
@@ -810,7 +843,7 @@ def ctitan_view(family: str, files: dict) -> dict[str, np.ndarray]:
 def to_file_names(family: str, named: dict) -> dict[str, np.ndarray]:
     """{transformers in-memory name: tensor} -> {safetensors file (= ctitan) name: ndarray}
     (GraniteMoE: ctitan's names, ctitan_view of the file's)."""
-    if family in ("qwen3_moe", "qwen2_moe", "olmoe"):
+    if family in ("qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo"):
         return oracle_moe.per_expert(named)
     if family == "ernie4_5_moe":  # the frozen router bias is no parameter of ctitan's
         return oracle_moe.per_expert({n: t for n, t in named.items() if not n.endswith(ERNIE_BIAS_MEM)})

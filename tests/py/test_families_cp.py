@@ -143,6 +143,26 @@ FAMILY_LAYOUTS = {
     "olmoe_pp2": ("olmoe_norm_topk_tied", 2, ["--parallelism.pipeline_parallel_degree=2",
                                              "--parallelism.pipeline_parallel_microbatch_size=1",
                                              "--training.local_batch_size=1"]),
+    # FlexOlmo's post-normed sparse branch across a stage boundary, recomputed under full AC
+    "flex_olmo_pp2_ac": ("flex_olmo_norm_topk_tied", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                                         "--parallelism.pipeline_parallel_microbatch_size=1",
+                                                         "--training.local_batch_size=1",
+                                                         "--activation_checkpoint.mode=full"]),
+    # ZBVZeroBubble's split backward: the experts' weight gradients deferred to W read the
+    # branch's gradient through its norm (copied when recorded)
+    "flex_olmo_pp2_zbv": ("flex_olmo_norm_topk_tied", 2, ["--parallelism.pipeline_parallel_degree=2",
+                                                          "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble",
+                                                          "--parallelism.pipeline_parallel_microbatch_size=1",
+                                                          "--training.local_batch_size=1"]),
+    # EP 2 under full AC: the recomputation rebuilds the branch (the dispatch's rows sent back)
+    "flex_olmo_ep2_ac": ("flex_olmo_norm_topk_tied", 2, ["--parallelism.data_parallel_shard_degree=2",
+                                                         "--parallelism.expert_parallel_degree=2",
+                                                         "--activation_checkpoint.mode=full"]),
+    # ... and at op level under TP 2 (the branch's mo kept, its norm's rstd rerun), aux loss on
+    "flex_olmo_tp2_ac_op": ("flex_olmo_aux_hd16", 2, ["--parallelism.data_parallel_shard_degree=1",
+                                                      "--parallelism.tensor_parallel_degree=2",
+                                                      "--activation_checkpoint.mode=selective",
+                                                      "--activation_checkpoint.selective_ac_option=op"]),
     "granitemoe_aux_pp2_ac": ("granitemoe_aux", 2, ["--parallelism.pipeline_parallel_degree=2",
                                                     "--parallelism.pipeline_parallel_microbatch_size=1",
                                                     "--training.local_batch_size=1",

@@ -54,6 +54,11 @@ CASES = {
     "olmo3_swa5_yarn": {"fsdp2": FSDP2, "tp2": TP2},
     # olmoe: every layer sparse with whole-projection q/k norms (summed over the TP ranks' heads)
     "olmoe_norm_topk_tied": {"ep2": EP2, "tp2": TP2},
+    # flex_olmo: the sparse branch's post-norm (post_feedforward_layernorm) on the branch summed
+    # over the TP ranks' expert slices (this rank's rows under SP), over each EP rank's
+    # returned rows, and on FSDP's shards; the aux case (not linear in the batch) under TP only
+    "flex_olmo_norm_topk_tied": {"fsdp2": FSDP2, "ep2": EP2, "tp2": TP2},
+    "flex_olmo_aux_hd16": {"tp2": TP2, "tp2_nosp": TP2_NOSP},
     # granitemoe: the files' fused experts split per expert (TP cuts each expert's gate and up
     # rows as qwen3_moe's); residual_multiplier on the sparse branch after the TP sum, with the
     # aux loss (not linear in the batch: TP only)
@@ -121,11 +126,16 @@ CASES = {
 # vaultgemma_caps_bias (Gemma 2's caps and zero-centred (1 + w) norms) under FSDP 2 with eps 1e-8:
 # losses and gradient norms equal, final layer 0 q_proj.bias 1.18e-5 apart; with eps 1e-5 (as gemma2)
 # within 1e-5.
+# flex_olmo_norm_topk_tied under TP 2 with eps 1e-8: losses equal to 1e-6 every step, step 1's
+# gradient norm to 6e-8, yet the final layer 2 q_proj 1.3e-4 apart (the post-norms on both
+# branches and the whole-projection q/k norms leave directions with no gradient, only rounding
+# noise, as exaone4's); eps 1e-6: 8.2e-6 (k_proj); eps 1e-4: 8.8e-7.
 EPS = {"llama_mlpbias_tied": ["--optimizer.eps=1e-6"], "gemma2": ["--optimizer.eps=1e-5"],
        "gemma_gelu_attnbias": ["--optimizer.eps=1e-6"], "olmo3_swa5_yarn": ["--optimizer.eps=1e-4"],
        "smollm3_nope_swa5": ["--optimizer.eps=1e-6"], "smollm3_kinds": ["--optimizer.eps=1e-4"],
        "glm_bias_partial05": ["--optimizer.eps=1e-6"], "ministral_types_swa5": ["--optimizer.eps=1e-6"],
-       "exaone4_swa5_nope_tied": ["--optimizer.eps=1e-4"], "vaultgemma_caps_bias": ["--optimizer.eps=1e-5"]}
+       "exaone4_swa5_nope_tied": ["--optimizer.eps=1e-4"], "vaultgemma_caps_bias": ["--optimizer.eps=1e-5"],
+       "flex_olmo_norm_topk_tied": ["--optimizer.eps=1e-4"], "flex_olmo_aux_hd16": ["--optimizer.eps=1e-4"]}
 
 
 def assert_same(out, ref, what, steps=range(1, STEPS + 1)):

@@ -71,6 +71,10 @@ CASES = {  # case id: target modules
     # (mlp.shared_experts) of every sparse layer, q/k adapters through the interleaved RoPE
     "ernie4_5_moe_shared3_untied": OL.ALL7,
     "ernie4_5_moe_noshared_end1": OL.ALL7,
+    # FlexOlmo maps to qwen2_moe's conversion as olmoe: gate_proj + up_proj / down_proj rewritten
+    # into the fused experts' target_parameters; o_proj's and the experts' adapters feed the
+    # branches' post-norms, q_proj's / k_proj's the whole-projection q/k norms
+    "flex_olmo_norm_topk_tied": OL.ALL7,
 }
 
 

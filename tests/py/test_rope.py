@@ -59,6 +59,7 @@ ROTARY = {
     "helium": ("helium", "HeliumRotaryEmbedding"),
     "vaultgemma": ("vaultgemma", "VaultGemmaRotaryEmbedding"),
     "hunyuan_v1_dense": ("hunyuan_v1_dense", "HunYuanDenseV1RotaryEmbedding"),
+    "flex_olmo": ("flex_olmo", "FlexOlmoRotaryEmbedding"),
 }
 
 
@@ -376,6 +377,9 @@ CASES = [
     ("olmoe-legacy-yarn", {**LLAMA, "model_type": "olmoe", "rope_theta": 5e5, "rope_scaling": {
         "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}}, None, [16], "yarn"),
     ("granitemoe-defaults", {**LLAMA, "model_type": "granitemoe"}, None, [16], "default"),
+    # FlexOlmoConfig: default_theta 5e5 when config.json gives none; a legacy theta read as Llama's
+    ("flex_olmo-defaults", {**LLAMA, "model_type": "flex_olmo"}, None, [16], "default"),
+    ("flex_olmo-legacy-theta", {**LLAMA, "model_type": "flex_olmo", "rope_theta": 2e4}, None, [16], "default"),
     # HeliumConfig: default_theta 1e5 when absent; a legacy theta and yarn read as for Llama
     ("helium-theta-absent", {**GLM, "model_type": "helium", "head_dim": 128}, None, [16], "default"),
     ("helium-legacy-yarn", {**GLM, "model_type": "helium", "head_dim": 128, "rope_theta": 2e4, "rope_scaling": {
