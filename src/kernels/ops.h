@@ -61,6 +61,11 @@ void op_rmsnorm_fwd(float *out, float *rstd, const float *inp, const float *w, i
 /* dinp[N,C] += ..., dw[C] += ... (dw may be NULL) */
 void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                     const float *rstd, int N, int C);
+/* Its weight-gradient half alone: dw[C] += sum_n dout (inp rstd). A zero-bubble
+ * split backward (model/lm.h, lm_wstore) runs op_rmsnorm_bwd with dw NULL in I
+ * and this in W; every implementation's bwd takes its dw from its own bwd_w, so
+ * the two halves give the fused call's bits by construction. */
+void op_rmsnorm_bwd_w(float *dw, const float *dout, const float *inp, const float *rstd, int N, int C);
 
 /* RMSNorm whose rows are split over ranks (OLMo2's q/k norm over the whole
  * projection under tensor parallelism: each rank holds C of the row's Cw
@@ -70,7 +75,8 @@ void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp,
 void op_rmsnorm_sumsq(float *ss, const float *inp, int N, int C);
 void op_rmsnorm_scale(float *out, const float *inp, const float *w, const float *rstd, int N, int C);
 /* Backward: dot[N] = sum_c dout * w * inp, then (after the sum)
- * dinp += r w dout - (r^3 / Cw) inp dot, dw[C] += sum_n dout inp r (dw may be NULL). */
+ * dinp += r w dout - (r^3 / Cw) inp dot, dw[C] += sum_n dout inp r (dw may be NULL:
+ * op_rmsnorm_bwd_w's sum, which it calls). */
 void op_rmsnorm_bwd_dot(float *dot, const float *dout, const float *inp, const float *w, int N, int C);
 void op_rmsnorm_bwd_given(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                           const float *rstd, const float *dot, int N, int C, int Cw);
@@ -101,6 +107,14 @@ void op_qknorm_rope_fwd(float *out, float *rstd, const float *x, const float *w,
  * op_rmsnorm_bwd. */
 void op_qknorm_rope_bwd(float *dx, float *dw, const float *dout, const float *x, const float *w, const float *rstd,
                         const float *cos, const float *sin, int B, int T, int nh, int hd, int acc);
+/* Its weight-gradient half alone (a split backward's W, as op_rmsnorm_bwd_w):
+ * dw[hd] += sum over rows of (R^T dout) (x rstd). An implementation's bwd must
+ * give its own bwd_w's bits for dw: the reference calls it, the fused kernels
+ * repeat its arithmetic inside their one pass over the rows (a second pass for
+ * dw re-read dout and x: 1.4 ms where 0.7-1.0 ms, avx512 at Qwen3's q), and
+ * `kernels check` compares I then W with the fused call bit for bit. */
+void op_qknorm_rope_bwd_w(float *dw, const float *dout, const float *x, const float *rstd, const float *cos,
+                          const float *sin, int B, int T, int nh, int hd);
 
 /* What a model family changes in attention (model/lm.h). Passed as the last
  * argument of every attention implementation; NULL (or all fields 0) is

@@ -62,27 +62,30 @@ static const kern_impl registry[] = {
     {KERN_OP_EMBEDDING, "ref", "cpu", 0, 0, "kernels/ref", .fn.embedding = {op_embedding_fwd, op_embedding_bwd}},
 #if defined(__x86_64__)
     {KERN_OP_RMSNORM, "avx512", "cpu", KERN_FEAT_AVX512, 0, "zmm rows; dw by column chunks",
-     .fn.rmsnorm = {kern_rmsnorm_fwd_avx512, kern_rmsnorm_bwd_avx512}},
+     .fn.rmsnorm = {kern_rmsnorm_fwd_avx512, kern_rmsnorm_bwd_avx512, kern_rmsnorm_bwd_w_avx512}},
     {KERN_OP_RMSNORM, "avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, 0, "ymm rows; dw by column chunks",
-     .fn.rmsnorm = {kern_rmsnorm_fwd_avx2, kern_rmsnorm_bwd_avx2}},
+     .fn.rmsnorm = {kern_rmsnorm_fwd_avx2, kern_rmsnorm_bwd_avx2, kern_rmsnorm_bwd_w_avx2}},
 #elif defined(__aarch64__)
     {KERN_OP_RMSNORM, "neon", "cpu", KERN_FEAT_NEON, 0, "NEON rows; dw by column chunks",
-     .fn.rmsnorm = {kern_rmsnorm_fwd_neon, kern_rmsnorm_bwd_neon}},
+     .fn.rmsnorm = {kern_rmsnorm_fwd_neon, kern_rmsnorm_bwd_neon, kern_rmsnorm_bwd_w_neon}},
 #endif
-    {KERN_OP_RMSNORM, "ref", "cpu", 0, 0, "kernels/ref", .fn.rmsnorm = {op_rmsnorm_fwd, op_rmsnorm_bwd}},
+    {KERN_OP_RMSNORM, "ref", "cpu", 0, 0, "kernels/ref",
+     .fn.rmsnorm = {op_rmsnorm_fwd, op_rmsnorm_bwd, op_rmsnorm_bwd_w}},
 #if defined(__x86_64__)
     {KERN_OP_ROPE, "avx512", "cpu", KERN_FEAT_AVX512, 0, "zmm pairs; q/k norm + RoPE fused in one pass per head",
      .fn.rope = {kern_rope_fwd_avx512, kern_rope_bwd_avx512, kern_qknorm_rope_fwd_avx512,
-                 kern_qknorm_rope_bwd_avx512}},
+                 kern_qknorm_rope_bwd_avx512, kern_qknorm_rope_bwd_w_avx512}},
     {KERN_OP_ROPE, "avx2", "cpu", KERN_FEAT_AVX2 | KERN_FEAT_FMA, 0,
      "ymm pairs; q/k norm + RoPE fused in one pass per head",
-     .fn.rope = {kern_rope_fwd_avx2, kern_rope_bwd_avx2, kern_qknorm_rope_fwd_avx2, kern_qknorm_rope_bwd_avx2}},
+     .fn.rope = {kern_rope_fwd_avx2, kern_rope_bwd_avx2, kern_qknorm_rope_fwd_avx2, kern_qknorm_rope_bwd_avx2,
+                 kern_qknorm_rope_bwd_w_avx2}},
 #elif defined(__aarch64__)
     {KERN_OP_ROPE, "neon", "cpu", KERN_FEAT_NEON, 0, "NEON pairs; q/k norm + RoPE fused in one pass per head",
-     .fn.rope = {kern_rope_fwd_neon, kern_rope_bwd_neon, kern_qknorm_rope_fwd_neon, kern_qknorm_rope_bwd_neon}},
+     .fn.rope = {kern_rope_fwd_neon, kern_rope_bwd_neon, kern_qknorm_rope_fwd_neon, kern_qknorm_rope_bwd_neon,
+                 kern_qknorm_rope_bwd_w_neon}},
 #endif
     {KERN_OP_ROPE, "ref", "cpu", 0, 0, "kernels/ref; q/k norm + RoPE as rmsnorm then rope",
-     .fn.rope = {op_rope_fwd, op_rope_bwd, op_qknorm_rope_fwd, op_qknorm_rope_bwd}},
+     .fn.rope = {op_rope_fwd, op_rope_bwd, op_qknorm_rope_fwd, op_qknorm_rope_bwd, op_qknorm_rope_bwd_w}},
 #if defined(__x86_64__)
     {KERN_OP_ATTENTION, "blocked_avx512bf16", "cpu", KERN_FEAT_AVX512 | KERN_FEAT_AVX512BF16, 0,
      "blocked_avx512 with vdpbf16ps products under bf16 mixed precision (scores, and the whole backward)",
@@ -452,12 +455,17 @@ static void install(kern_ops *k, const kern_impl *entry) {
         k->matmul_dinp_wbf16 = im->fn.matmul.dinp_wbf16;
         break;
     case KERN_OP_EMBEDDING: k->embedding_fwd = im->fn.embedding.fwd; k->embedding_bwd = im->fn.embedding.bwd; break;
-    case KERN_OP_RMSNORM: k->rmsnorm_fwd = im->fn.rmsnorm.fwd; k->rmsnorm_bwd = im->fn.rmsnorm.bwd; break;
+    case KERN_OP_RMSNORM:
+        k->rmsnorm_fwd = im->fn.rmsnorm.fwd;
+        k->rmsnorm_bwd = im->fn.rmsnorm.bwd;
+        k->rmsnorm_bwd_w = im->fn.rmsnorm.bwd_w;
+        break;
     case KERN_OP_ROPE:
         k->rope_fwd = im->fn.rope.fwd;
         k->rope_bwd = im->fn.rope.bwd;
         k->qknorm_rope_fwd = im->fn.rope.qknorm_fwd;
         k->qknorm_rope_bwd = im->fn.rope.qknorm_bwd;
+        k->qknorm_rope_bwd_w = im->fn.rope.qknorm_bwd_w;
         break;
     case KERN_OP_ATTENTION:
         k->attention_fwd = im->fn.attention.fwd;

@@ -68,6 +68,8 @@ typedef void (*kern_rmsnorm_fwd_fn)(float *out, float *rstd, const float *inp, c
                                     float eps);
 typedef void (*kern_rmsnorm_bwd_fn)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                                     const float *rstd, int N, int C);
+/* op_rmsnorm_bwd_w (ops.h): the weight-gradient half a backward with dw NULL left (zero-bubble W) */
+typedef void (*kern_rmsnorm_bwd_w_fn)(float *dw, const float *dout, const float *inp, const float *rstd, int N, int C);
 typedef void (*kern_rope_fn)(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
                              int hd, int rd);
 typedef void (*kern_qknorm_rope_fwd_fn)(float *out, float *rstd, const float *x, const float *w, const float *cos,
@@ -75,6 +77,9 @@ typedef void (*kern_qknorm_rope_fwd_fn)(float *out, float *rstd, const float *x,
 typedef void (*kern_qknorm_rope_bwd_fn)(float *dx, float *dw, const float *dout, const float *x, const float *w,
                                         const float *rstd, const float *cos, const float *sin, int B, int T, int nh,
                                         int hd, int acc);
+/* op_qknorm_rope_bwd_w (ops.h): its weight-gradient half alone */
+typedef void (*kern_qknorm_rope_bwd_w_fn)(float *dw, const float *dout, const float *x, const float *rstd,
+                                          const float *cos, const float *sin, int B, int T, int nh, int hd);
 /* opt: the family's attention variant (kernels/ops.h, kern_attn_opt); NULL: Qwen3's */
 typedef void (*kern_attention_fwd_fn)(float *out, float *lse, const float *q, const float *k, const float *v,
                                       int B, int T, int nh, int nkv, int hd, const kern_attn_opt *opt);
@@ -156,10 +161,13 @@ typedef struct {
             kern_matmul_fwd_wbf16_fn fwd_wbf16; kern_matmul_dinp_wbf16_fn dinp_wbf16;
         } matmul;
         struct { kern_embedding_fwd_fn fwd; kern_embedding_bwd_fn bwd; } embedding;
-        struct { kern_rmsnorm_fwd_fn fwd; kern_rmsnorm_bwd_fn bwd; } rmsnorm;
+        struct { /* bwd_w: bwd's dw alone (a split backward's W), which bwd's dw must be */
+            kern_rmsnorm_fwd_fn fwd; kern_rmsnorm_bwd_fn bwd; kern_rmsnorm_bwd_w_fn bwd_w;
+        } rmsnorm;
         struct { /* rope, and the fused per-head q/k RMSNorm + RoPE (op_qknorm_rope_*) */
             kern_rope_fn fwd; kern_rope_fn bwd;
             kern_qknorm_rope_fwd_fn qknorm_fwd; kern_qknorm_rope_bwd_fn qknorm_bwd;
+            kern_qknorm_rope_bwd_w_fn qknorm_bwd_w; /* qknorm_bwd's dw alone, as rmsnorm's bwd_w */
         } rope;
         struct { /* and the offset form (context parallel's chunks); NULL: kern_impl_complete's */
             kern_attention_fwd_fn fwd; kern_attention_bwd_fn bwd;
@@ -194,10 +202,12 @@ typedef struct {
     kern_embedding_bwd_fn embedding_bwd;
     kern_rmsnorm_fwd_fn rmsnorm_fwd;
     kern_rmsnorm_bwd_fn rmsnorm_bwd;
+    kern_rmsnorm_bwd_w_fn rmsnorm_bwd_w; /* a split backward's norm weight gradients (model/lm.h, lm_wstore) */
     kern_rope_fn rope_fwd;
     kern_rope_fn rope_bwd;
     kern_qknorm_rope_fwd_fn qknorm_rope_fwd; /* from the rope op's entry */
     kern_qknorm_rope_bwd_fn qknorm_rope_bwd;
+    kern_qknorm_rope_bwd_w_fn qknorm_rope_bwd_w;
     kern_attention_fwd_fn attention_fwd;
     kern_attention_bwd_fn attention_bwd;
     kern_attention_fwd_q0_fn attention_fwd_q0; /* from the attention op's entry (distributed/cp.c) */

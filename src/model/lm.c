@@ -1196,8 +1196,8 @@ static void mm_fwd(lm_model *m, float *out, const float *in, const float *w, int
 }
 
 /* I of a split backward (lm.h, lm_wstore): dw's product, recorded instead of run. */
-static void wdefer_put(lm_model *m, float *dw, const float *dout, const float *in, const float *w, int M, int K,
-                       int N) {
+static void wdefer_put(lm_model *m, float *dw, float *db, const float *dout, const float *in, const float *w, int M,
+                       int K, int N) {
     lm_wstore *s = m->wdefer;
     size_t nx = (size_t)M * K, ny = (size_t)M * N;
     /* past lm_wstore_reserve's room (a store not sized first): grown by doubling */
@@ -1208,7 +1208,8 @@ static void wdefer_put(lm_model *m, float *dw, const float *dout, const float *i
     if (last && last->layer == s->cur && s->xsrc == in && last->M == M && last->K == K) nx = 0;
     if (s->used + nx + ny > s->size) lm_wstore_reserve(s, 2 * (s->used + nx + ny), 0);
     size_t x = nx ? s->used : last ? last->x : 0;
-    s->rec[s->n++] = (lm_wrec){.layer = s->cur, .x = x, .dy = s->used + nx, .dw = dw, .w = w, .M = M, .K = K, .N = N};
+    s->rec[s->n++] = (lm_wrec){.layer = s->cur, .x = x, .dy = s->used + nx, .dw = dw, .db = db, .w = w, .M = M,
+                               .K = K, .N = N};
     if (nx) memcpy(s->data + s->used, in, nx * sizeof(float));
     memcpy(s->data + s->used + nx, dout, ny * sizeof(float));
     s->xsrc = in;
@@ -1240,7 +1241,7 @@ static void wdefer_experts(lm_model *m, float *dg, float *du, float *dd, const f
     const moe_route *r = &a->route;
     lm_wrec *w = &s->rec[s->n++];
     memset(w, 0, sizeof *w);
-    w->layer = s->cur, w->experts = 1, w->dw = dg, w->dwu = du, w->dwd = dd, w->M = BT, w->K = H, w->N = Im;
+    w->layer = s->cur, w->kind = LM_W_EXPERTS, w->dw = dg, w->dwu = du, w->dwd = dd, w->M = BT, w->K = H, w->N = Im;
     w->E = E, w->k = k;
     float *d = s->data;
     size_t o = s->used;
@@ -1267,19 +1268,52 @@ static void wdefer_experts(lm_model *m, float *dg, float *du, float *dd, const f
     s->n_experts++;
 }
 
+/* I of a split backward on an RMSNorm (lm.h, lm_wstore): its d(input) ran
+ * with dw NULL; recorded here, copies all, is what the weight gradient's
+ * half (kind: the op that adds it) reads: the norm's input x and d(output)
+ * dy [rows, C] and rstd [rows]. Copies, as the experts': x and rstd sit in the
+ * micro-batch's bank or checkpointing scratch, dy in the layer's gradient
+ * scratch, both refilled before W. x and rstd rather than the normalised x r
+ * (one float a row fewer, 1 / (2 C + 1) of the record): a copy, no arithmetic
+ * in I, and W's product is then the fused kernel's dy (x r) by construction. */
+static void wdefer_norm(lm_model *m, int kind, float *dw, const float *dy, const float *x, const float *rstd,
+                        int rows, int C) {
+    lm_wstore *s = m->wdefer;
+    size_t n = (size_t)rows * C, need = 2 * n + (size_t)rows;
+    if (s->n == s->cap) lm_wstore_reserve(s, 0, s->cap ? 2 * s->cap : 64);
+    if (s->used + need > s->size) lm_wstore_reserve(s, 2 * (s->used + need), 0);
+    lm_wrec *w = &s->rec[s->n++];
+    memset(w, 0, sizeof *w);
+    w->layer = s->cur, w->kind = kind, w->dw = dw, w->M = rows, w->K = C;
+    w->x = s->used, w->dy = s->used + n, w->rstd = s->used + 2 * n;
+    memcpy(s->data + w->x, x, n * sizeof(float));
+    memcpy(s->data + w->dy, dy, n * sizeof(float));
+    memcpy(s->data + w->rstd, rstd, (size_t)rows * sizeof(float));
+    s->used += need;
+    s->xsrc = NULL; /* a dense product after it copies its own input */
+    if (s->used > s->peak) s->peak = s->used;
+}
+
 /* matmul_bwd's din[M, K] (+)= dout[M, N] w[N, K] (acc 0: din's first product,
- * overwritten) and dw[N, K] += dout^T in[M, K]; a bf16-stored w is frozen, so
- * it has no dw (NULL) and only din runs, from the store. Under m->wdefer
- * (I of a split backward) dw's product is recorded, not run. */
-static void mm_bwd(lm_model *m, float *din, float *dw, const float *dout, const float *in, const float *w, int M, int K,
-                   int N, int acc) {
+ * overwritten) and dw[N, K] += dout^T in[M, K], and the bias's db[N] += the
+ * sum of dout's rows (NULL: none or frozen); a bf16-stored w is frozen, so it
+ * has no dw (NULL) and only din runs, from the store. Under m->wdefer (I of a
+ * split backward) dw's product is recorded, not run, and db's sum with it: it
+ * reads the d(output) the record copies, so W has it for no store. */
+static void mm_bwd_b(lm_model *m, float *din, float *dw, float *db, const float *dout, const float *in, const float *w,
+                     int M, int K, int N, int acc) {
     const uint16_t *h = frozen_bf16(m, w);
     if (!h && dw && m->wdefer) {
-        wdefer_put(m, dw, dout, in, w, M, K, N);
-        dw = NULL;
+        wdefer_put(m, dw, db, dout, in, w, M, K, N);
+        dw = db = NULL;
     }
+    if (db) op_bias_bwd(db, dout, M, N);
     if (!h) K(MATMUL, matmul_bwd, din, dw, dout, in, w, M, K, N, acc);
     else if (din) K(MATMUL, matmul_dinp_wbf16, din, dout, h, M, K, N, N, acc);
+}
+static void mm_bwd(lm_model *m, float *din, float *dw, const float *dout, const float *in, const float *w, int M, int K,
+                   int N, int acc) {
+    mm_bwd_b(m, din, dw, NULL, dout, in, w, M, K, N, acc);
 }
 
 /* The gradient scratch a layer's backward accumulates into (+=), zeroed at the
@@ -1918,6 +1952,7 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
 static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *x, const float *w, const float *rstd,
                    const float *cs, const float *sn, int B, int T, int nh, int hd) {
     int rd = lm_rotary_dim(&m->cfg);
+    int wd = dw && m->wdefer; /* I of a split backward: the norm's dw left to W (wdefer_norm) */
     if (!cs && m->cfg.qk_norm == LM_QK_NONE) { /* NoPE: the identity's gradient, added as rope_bwd adds */
         K(ADD, add, dx, dx, dout, (long)B * T * nh * hd);
         return;
@@ -1929,14 +1964,21 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
             float *t = ct_malloc(nrow * hd * sizeof(float)); /* [BT, nh, hd] R x, recomputed */
             K(ROPE, rope_fwd, t, x, cs, sn, B, T, nh, hd, rd);
             zero(dx, nrow * hd); /* rmsnorm_bwd adds: d(t) into dx, then R^T in place */
-            K(RMSNORM, rmsnorm_bwd, dx, dw, dout, t, nw(m, w, hd), rstd, (int)nrow, hd);
+            K(RMSNORM, rmsnorm_bwd, dx, wd ? NULL : dw, dout, t, nw(m, w, hd), rstd, (int)nrow, hd);
+            if (wd) wdefer_norm(m, LM_W_NORM, dw, dout, t, rstd, (int)nrow, hd);
             K(ROPE, rope_bwd, dx, dx, cs, sn, B, T, nh, hd, rd);
             free(t);
         } else if (cs) {
-            K(ROPE, qknorm_rope_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd, 0);
+            K(ROPE, qknorm_rope_bwd, dx, wd ? NULL : dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd, 0);
+            if (wd) { /* W's qknorm_bwd_w rotates dout back as the fused kernel does */
+                wdefer_norm(m, LM_W_QKNORM_ROPE, dw, dout, x, rstd, B * T * nh, hd);
+                lm_wrec *r = &m->wdefer->rec[m->wdefer->n - 1];
+                r->cs = cs, r->sn = sn, r->B = B, r->T = T, r->N = nh;
+            }
         } else { /* rmsnorm_bwd adds */
             zero(dx, (size_t)B * T * nh * hd);
-            K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, hd), rstd, B * T * nh, hd);
+            K(RMSNORM, rmsnorm_bwd, dx, wd ? NULL : dw, dout, x, nw(m, w, hd), rstd, B * T * nh, hd);
+            if (wd) wdefer_norm(m, LM_W_NORM, dw, dout, x, rstd, B * T * nh, hd);
         }
         break;
     case LM_QK_PROJ:
@@ -1946,10 +1988,12 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
             float *dot = ct_malloc((size_t)B * T * sizeof(float)); /* [BT] */
             op_rmsnorm_bwd_dot(dot, dout, x, nw(m, w, C), B * T, C);
             m->hooks->reduce_partial(m->hooks->ctx, dot, (size_t)B * T);
-            op_rmsnorm_bwd_given(dx, dw, dout, x, nw(m, w, C), rstd, dot, B * T, C, C * m->cfg.tp_degree);
+            op_rmsnorm_bwd_given(dx, wd ? NULL : dw, dout, x, nw(m, w, C), rstd, dot, B * T, C, C * m->cfg.tp_degree);
+            if (wd) wdefer_norm(m, LM_W_NORM_REF, dw, dout, x, rstd, B * T, C); /* its dw: op_rmsnorm_bwd_w */
             free(dot);
         } else {
-            K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, nh * hd), rstd, B * T, nh * hd);
+            K(RMSNORM, rmsnorm_bwd, dx, wd ? NULL : dw, dout, x, nw(m, w, nh * hd), rstd, B * T, nh * hd);
+            if (wd) wdefer_norm(m, LM_W_NORM, dw, dout, x, rstd, B * T, nh * hd);
         }
         break;
     default:
@@ -2927,6 +2971,12 @@ void lm_kv_forward(lm_model *m, lm_kv *kv, const int32_t *tokens, int p0, int n,
  * added. */
 static void norm_bwd(lm_model *m, float *dx, float *dw, const float *dout, const float *x, const float *w,
                      const float *rstd, int rows, int H) {
+    if (dw && m->wdefer) { /* I of a split backward: dw in W (norm_bwd_w, the same sum) */
+        K(RMSNORM, rmsnorm_bwd, dx, NULL, dout, x, nw(m, w, H), rstd, rows, H);
+        wdefer_norm(m, LM_W_NORM, dw, dout, x, rstd, rows, H);
+        m->wdefer->rec[m->wdefer->n - 1].sp = m->sp != NULL;
+        return;
+    }
     if (!m->sp || !dw) {
         K(RMSNORM, rmsnorm_bwd, dx, dw, dout, x, nw(m, w, H), rstd, rows, H);
         return;
@@ -2935,6 +2985,20 @@ static void norm_bwd(lm_model *m, float *dx, float *dw, const float *dout, const
     zero(pw, (size_t)H);
     K(RMSNORM, rmsnorm_bwd, dx, pw, dout, x, nw(m, w, H), rstd, rows, H);
     m->sp_norm_dw[m->sp_norm_n++] = dw;
+}
+
+/* W of norm_bwd's split: dw[H] += from the copies of r, as norm_bwd would
+ * have (under sequence parallel into the next pending block of sp_dw, summed
+ * over the group by the layer's post_backward or norm_flush). */
+static void norm_bwd_w(lm_model *m, const lm_wstore *s, const lm_wrec *r) {
+    const float *d = s->data;
+    float *dw = r->dw;
+    if (r->sp) {
+        dw = m->ws.sp_dw + (size_t)m->sp_norm_n * r->K;
+        zero(dw, (size_t)r->K);
+    }
+    K(RMSNORM, rmsnorm_bwd_w, dw, d + r->dy, d + r->x, d + r->rstd, r->M, r->K);
+    if (r->sp) m->sp_norm_dw[m->sp_norm_n++] = r->dw;
 }
 
 size_t lm_norm_partials(lm_model *m, float **buf) {
@@ -2968,10 +3032,8 @@ static void mlp_up_bwd(lm_model *m, int l, const lm_layer_w *w, lm_layer_w *g, c
     int H = m->cfg.hidden;
     if (m->cfg.act == LM_ACT_GELU_TANH) K(GEGLU, geglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, gate, up, BT * I, 0);
     else K(SWIGLU, swiglu_bwd, m->ws.d_gate, m->ws.d_up, m->ws.d_h, gate, up, BT * I, 0);
-    if (g->bg) op_bias_bwd(g->bg, m->ws.d_gate, BT, I);
-    if (g->bu) op_bias_bwd(g->bu, m->ws.d_up, BT, I);
-    mm_bwd(m, m->ws.d_ln, g->wg, m->ws.d_gate, x, w->wg, BT, H, I, acc);
-    mm_bwd(m, m->ws.d_ln, g->wu, m->ws.d_up, x, w->wu, BT, H, I, 1);
+    mm_bwd_b(m, m->ws.d_ln, g->wg, g->bg, m->ws.d_gate, x, w->wg, BT, H, I, acc);
+    mm_bwd_b(m, m->ws.d_ln, g->wu, g->bu, m->ws.d_up, x, w->wu, BT, H, I, 1);
     lora_bwd_n(m, l, m->ws.d_ln, x, BT, H, 2, (const int[]){LM_LORA_GATE, LM_LORA_UP},
                (const float *const[]){m->ws.d_gate, m->ws.d_up}, (const int[]){I, I});
 }
@@ -3110,9 +3172,8 @@ static void out_proj_bwd(lm_model *m, int l, int p, float *din, const float *in,
         dy = m->ws.d_ln;
     }
     dy = sp_gather(m, m->ws.sp_dy, dy, BT, H);
-    if (gb) op_bias_bwd(gb, dy, BT, H);
     /* din (d_h or d_att): this is its first product */
-    mm_bwd(m, din, gw, dy, in, w, BT, K, H, 0);
+    mm_bwd_b(m, din, gw, gb, dy, in, w, BT, K, H, 0);
     lora_bwd_n(m, l, din, in, BT, K, 1, &p, &dy, &H);
 }
 
@@ -3201,16 +3262,13 @@ static void layer_backward(lm_model *m, int l, int B, int T) {
      * d_q2, d_k2 (w.r.t. the projections' outputs) */
     qk_bwd(m, m->ws.d_q2, g->qn, m->ws.d_q, a->q, w->qn, a->q_rstd, qcs, qsn, B, T, nH, hd);
     qk_bwd(m, m->ws.d_k2, g->kn, m->ws.d_k, a->k, w->kn, a->k_rstd, cs, sn, B, T, nKV, hd);
-    if (g->bq) op_bias_bwd(g->bq, m->ws.d_q2, BT, qd);
-    if (g->bk) op_bias_bwd(g->bk, m->ws.d_k2, BT, kvd);
-    if (g->bv) op_bias_bwd(g->bv, m->ws.d_v, BT, kvd);
     /* the embedding and layer 0's input norm frozen: nothing below wants d(ln1) of
      * layer 0 (autograd skips these input-gradient products too) */
     float *dln = l > 0 || m->g.wte || m->g.emb_a || m->g.emb_b || g->ln1 ? m->ws.d_ln : NULL; /* [BT, H] */
     const float *xa = sp_gather(m, m->ws.sp_x, attn_in(m, a), BT, H);
-    mm_bwd(m, dln, g->wq, m->ws.d_q2, xa, w->wq, BT, H, qd, 0);
-    mm_bwd(m, dln, g->wk, m->ws.d_k2, xa, w->wk, BT, H, kvd, 1);
-    mm_bwd(m, dln, g->wv, m->ws.d_v, xa, w->wv, BT, H, kvd, 1);
+    mm_bwd_b(m, dln, g->wq, g->bq, m->ws.d_q2, xa, w->wq, BT, H, qd, 0);
+    mm_bwd_b(m, dln, g->wk, g->bk, m->ws.d_k2, xa, w->wk, BT, H, kvd, 1);
+    mm_bwd_b(m, dln, g->wv, g->bv, m->ws.d_v, xa, w->wv, BT, H, kvd, 1);
     lora_bwd_n(m, l, dln, xa, BT, H, 3, (const int[]){LM_LORA_Q, LM_LORA_K, LM_LORA_V},
                (const float *const[]){m->ws.d_q2, m->ws.d_k2, m->ws.d_v}, (const int[]){qd, kvd, kvd});
     if (dln) {
@@ -3302,6 +3360,7 @@ double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, con
     long count = 0;
     m->lora_train = 1;
     size_t ns = (size_t)sp_rows(m, BT) * H; /* d_out, d_in: all rows; d_res: this rank's (sp_gather) */
+    if (m->wdefer) m->wdefer->cur = L; /* the final norm's record: W replays it before the layers' */
     if (l1 == L) loss_sum = head_loss_bwd(m, labels, BT, grad_scale, &count);
     else memcpy(m->ws.d_res, d_out + sp_row0(m, BT) * H, ns * sizeof(float));
     if (n_valid) *n_valid = count;
@@ -3313,26 +3372,44 @@ double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, con
     return loss_sum;
 }
 
+/* Replays record r of store s (lm_stage_backward_weight). */
+static void wrec_replay(lm_model *m, const lm_wstore *s, const lm_wrec *r) {
+    const float *d = s->data;
+    switch (r->kind) {
+    case LM_W_PROJ:
+        if (r->db) op_bias_bwd(r->db, d + r->dy, r->M, r->N);
+        K(MATMUL, matmul_bwd, NULL, r->dw, d + r->dy, d + r->x, r->w, r->M, r->K, r->N, 0);
+        break;
+    case LM_W_EXPERTS: {
+        /* the experts' [E, ...] gradients, from I's copies (wdefer_experts), with
+         * the experts' scratch as the op's work (free between two layers' ops) */
+        const int32_t *perm = (const int32_t *)(d + r->route), *off = perm + (size_t)r->M * r->k;
+        const float *topw = d + r->route + (size_t)r->M * r->k + r->E + 1;
+        K(MOE, moe_bwd_w, r->dw, r->dwu, r->dwd, m->ws.moe_work, d + r->dy, d + r->x, d + r->h, d + r->dg,
+          d + r->du, perm, off, topw, r->M, r->K, r->N, r->E, r->k);
+        break;
+    }
+    case LM_W_NORM: norm_bwd_w(m, s, r); break;
+    case LM_W_NORM_REF: op_rmsnorm_bwd_w(r->dw, d + r->dy, d + r->x, d + r->rstd, r->M, r->K); break;
+    case LM_W_QKNORM_ROPE:
+        K(ROPE, qknorm_rope_bwd_w, r->dw, d + r->dy, d + r->x, d + r->rstd, r->cs, r->sn, r->B, r->T, r->N, r->K);
+        break;
+    default: abort();
+    }
+}
+
 void lm_stage_backward_weight(lm_model *m, lm_wstore *s, int l0, int l1) {
     int k = 0;
-    const lm_wrec *r;
+    /* the final norm's first, where the fused backward ran it: before the last
+     * layer's pre_backward (FSDP reduces the head's piece there) */
+    for (; k < s->n && s->rec[k].layer == m->cfg.n_layers; k++) wrec_replay(m, s, &s->rec[k]);
+    norm_flush(m); /* sequence parallel: its partial on its own, as head_loss_bwd's */
     /* each layer's inside its hooks, as the fused backward ran them */
     for (int l = l1 - 1; l >= l0; l--) {
         if (m->hooks) m->hooks->pre_backward(m->hooks->ctx, l);
-        for (; k < s->n && (r = &s->rec[k])->layer == l; k++) {
-            if (!r->experts) {
-                K(MATMUL, matmul_bwd, NULL, r->dw, s->data + r->dy, s->data + r->x, r->w, r->M, r->K, r->N, 0);
-                continue;
-            }
-            /* the experts' [E, ...] gradients, from I's copies (wdefer_experts), with
-             * the experts' scratch as the op's work (free between two layers' ops) */
-            const float *d = s->data;
-            const int32_t *perm = (const int32_t *)(d + r->route), *off = perm + (size_t)r->M * r->k;
-            const float *topw = d + r->route + (size_t)r->M * r->k + r->E + 1;
-            K(MOE, moe_bwd_w, r->dw, r->dwu, r->dwd, m->ws.moe_work, d + r->dy, d + r->x, d + r->h, d + r->dg,
-              d + r->du, perm, off, topw, r->M, r->K, r->N, r->E, r->k);
-        }
-        if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l);
+        for (; k < s->n && s->rec[k].layer == l; k++) wrec_replay(m, s, &s->rec[k]);
+        if (m->hooks) m->hooks->post_backward(m->hooks->ctx, l); /* tensor parallel's sums the norms' */
+        norm_flush(m);
     }
     s->n = 0;
     s->used = 0;
@@ -3362,8 +3439,35 @@ static size_t experts_store_floats(const lm_model *m, int l, size_t rows) {
            (size_t)c->n_experts + 1;
 }
 
+/* What wdefer_norm copies for a trained norm of C features over nrows rows:
+ * x and d(output) [nrows, C], rstd [nrows]. */
+static size_t norm_store_floats(size_t nrows, size_t C) { return nrows * (2 * C + 1); }
+
 size_t lm_wstore_floats(const lm_model *m, int l0, int l1, size_t rows) {
+    const lm_config *c = &m->cfg;
     size_t total = 0;
+    /* the norms: a layer's and the final one over the rows this rank holds (sequence
+     * parallel: its block), a q/k norm over all rows, per head or per token */
+    size_t ns = (size_t)sp_rows(m, (int)rows), H = (size_t)c->hidden;
+    if (!m->sp && c->tp_seq && c->tp_degree > 1) /* a table (the dry run): rank 0's block, the largest */
+        ns = (rows + (size_t)c->tp_degree - 1) / (size_t)c->tp_degree;
+    size_t qrows = c->qk_norm == LM_QK_HEAD ? rows * (size_t)c->n_heads : rows;
+    size_t krows = c->qk_norm == LM_QK_HEAD ? rows * (size_t)c->n_kv_heads : rows;
+    for (int i = 0; i < m->n_tensors; i++) {
+        const lm_tensor *t = &m->tensors[i];
+        if (t->frozen || t->lora) continue;
+        if (t->slot == LM_S_LNF && l1 == c->n_layers) total += norm_store_floats(ns, H);
+        if (t->layer < l0 || t->layer >= l1) continue;
+        switch (t->slot) {
+        case LM_S_LN_IN: case LM_S_LN_ATTN_OUT: case LM_S_LN_PRE_MLP: total += norm_store_floats(ns, H); break;
+        case LM_S_LN_MLP_OUT: /* the dense MLP's (a sparse layer's block has none) */
+            if (!lm_layer_is_moe(c, t->layer)) total += norm_store_floats(ns, H);
+            break;
+        case LM_S_QN: total += norm_store_floats(qrows, t->numel); break;
+        case LM_S_KN: total += norm_store_floats(krows, t->numel); break;
+        default: break;
+        }
+    }
     for (int l = l0; l < l1; l++) {
         /* per group (q/k/v, gate/up): whether a member records, and its inputs' width K */
         size_t qkv = 0, gu = 0;

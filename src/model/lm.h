@@ -831,17 +831,37 @@ double lm_stage_backward(lm_model *m, int l0, int l1, const int32_t *tokens, con
  * I). W (lm_stage_backward_weight) replays those records, dW += dy^T x with
  * the same GEMM call (the experts: op_moe_experts_bwd_w, the same grouped
  * GEMMs), layer by layer inside the hooks' pre/post_backward (FSDP
- * reduces each layer's gradients there), and empties the store. The rest
- * stays in I: the lm_head, norms, q/k norms, biases, the router, LoRA's
- * adapters and the embedding (they are small, or read state that the next
- * backward overwrites). I then W gives the fused backward's bits: the same
- * products on the same values, each dW's sum in the same order. */
+ * reduces each layer's gradients there), and empties the store. The
+ * RMSNorms' weight gradients are W's too, as torch's stage_backward_weight
+ * defers every parameter's: each trained norm (a layer's input, post-
+ * attention, pre- and post-feedforward norm, the q/k norms per head, fused
+ * with RoPE or not, or over the whole projection, and the final norm) runs
+ * its d(input) alone in I and records copies of its input and d(output)
+ * [rows, C] and rstd [rows] (wdefer_norm); W adds dw with the op's bwd_w,
+ * the function every implementation's fused backward takes its dw from
+ * (op_rmsnorm_bwd_w, op_qknorm_rope_bwd_w), the final norm's before the
+ * last layer's hooks, where the fused backward ran it. A projection's bias
+ * rides on its record: W sums it from the d(output) copy (no store). The
+ * rest stays in I: the lm_head, the router, LoRA's adapters and the
+ * embedding (they are small, or read state that the next backward
+ * overwrites), and a bias whose weight is frozen. I then W gives the fused
+ * backward's bits: the same products on the same values, each dW's sum in
+ * the same order. */
+/* What a W record replays: a dense projection's dW += dy^T x (the matmul op),
+ * a MoE layer's experts (op_moe_experts_bwd_w), or an RMSNorm's weight
+ * gradient: the rmsnorm op's bwd_w (the layers' norms, the final norm, the
+ * per-head q/k norm without RoPE or after it, the whole-projection one),
+ * op_rmsnorm_bwd_w itself (the whole-projection q/k norm split over tensor
+ * parallel ranks: op_rmsnorm_bwd_given's sum) or the rope op's qknorm_bwd_w
+ * (the per-head q/k norm fused with RoPE). */
+enum { LM_W_PROJ, LM_W_EXPERTS, LM_W_NORM, LM_W_NORM_REF, LM_W_QKNORM_ROPE };
 typedef struct {
-    int layer;         /* the layer whose backward recorded it */
-    int experts;       /* 0: a dense projection's dW += dy^T x; 1: a MoE layer's experts (op_moe_experts_bwd_w) */
+    int layer;         /* the layer whose backward recorded it; n_layers: the final norm */
+    int kind;          /* LM_W_* */
     size_t x, dy;      /* offsets into data of the input [M, K] and d(output) [M, N] copies (experts: x and
-                          dout [M, K], M tokens, K = H) */
+                          dout [M, K], M tokens, K = H; norms below) */
     float *dw;         /* [N, K], added to (experts: d gate_proj [E, N, K], NULL: frozen) */
+    float *db;         /* a projection's bias gradient [N], added to from the d(output) copy (NULL: none) */
     const float *w;    /* the weight: the kernel's argument, unread without d(input) (experts: NULL) */
     int M, K, N;       /* experts: tokens, hidden, moe_intermediate */
     /* experts only: d up_proj [E, N, K] and d down_proj [E, K, N] (NULL: frozen); offsets of the
@@ -849,6 +869,14 @@ typedef struct {
     float *dwu, *dwd;
     size_t h, dg, du, route;
     int E, k;
+    /* norms: x and dy are the norm's input and d(output) [M, K] (M rows of K features:
+     * the q/k norm + RoPE's dy is d of the rotated output), rstd [M] its offset; dw [K];
+     * sp: a layer's or the final norm's rows under sequence parallel, whose dw is a
+     * partial summed over the group as norm_bwd's (lm_norm_partials); the q/k norm +
+     * RoPE: cs, sn its [T, K/2] tables (the model's, a function of T), B T N heads */
+    size_t rstd;
+    int sp, B, T;
+    const float *cs, *sn;
 } lm_wrec;
 typedef struct lm_wstore {
     lm_wrec *rec;
@@ -868,7 +896,11 @@ void lm_wstore_free(lm_wstore *s);
  * layer's q/k/v, one for its gate/up (and a shared expert's gate beside
  * them), and a deferred experts record's copies (above): each token takes
  * exactly top_k experts, so its B T k permuted rows are known before the
- * forward and the figure is exact whatever the routing. pp.c sizes each
+ * forward and the figure is exact whatever the routing. Each trained norm of
+ * C features copies 2 C + 1 floats a row it normalises: rows for a layer's
+ * and the final norm (l1 the model's end) over the rows this rank holds
+ * (sequence parallel: its block; a table without m->sp, the dry run's, rank
+ * 0's, the largest), rows x heads for a per-head q/k norm. pp.c sizes each
  * store with it; the dry run prints it. */
 size_t lm_wstore_floats(const lm_model *m, int l0, int l1, size_t rows);
 /* Room for floats (and the records of layers l0 .. l1-1) before the first I,

@@ -127,14 +127,21 @@ def test_zero_bubble_dry_run_counts_the_stores(pp_models, tmp_path, sched):
     """The dry run adds each rank's weight-gradient stores to its total: per local stage the most
     I's torch's order has waiting for their W, each holding, per layer, a micro-batch's rows x
     (4 H + 2 (q + kv widths) + 3 intermediate) floats (the inputs and d(outputs) of the dense
-    projections, from transformers' config); the other schedules have none. With o_proj and
-    down_proj frozen (training.freeze) their 2 H + q width + intermediate leave the count."""
+    projections, from transformers' config) and the RMSNorms' weight-gradient operands, W's
+    too (torch's stage_backward_weight defers every parameter's): per norm its input and
+    d(output) and one rstd a row, Qwen3's input and post-attention norms over H and its q/k
+    norms per head over head_dim (2 (2 H + 1) + (heads + kv heads)(2 hd + 1) a row), the final
+    norm's 2 H + 1 a row on the stage ending the model; the other schedules have none. With
+    o_proj and down_proj frozen (training.freeze) their 2 H + q width + intermediate leave the
+    count."""
     from test_dry_run_pp import T
     from transformers import AutoConfig
     d, data = pp_models
     c = AutoConfig.from_pretrained(d / "untied")
     H, I = c.hidden_size, c.intermediate_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    norms = 2 * (2 * H + 1) + (c.num_attention_heads + c.num_key_value_heads) * (2 * c.head_dim + 1)
+    L = c.num_hidden_layers
     freeze = "--training.freeze=model.layers.*.self_attn.o_proj.weight,model.layers.*.mlp.down_proj.weight"
     for per_layer, extra in ((4 * H + 2 * (q + kv) + 3 * I, []), (2 * H + q + 2 * kv + 2 * I, [freeze])):
         p = ok(launch(0, pp_args(d / "untied", data, tmp_path, 2, f"{SCHED}={sched}", *extra, local=4, global_=0)
@@ -149,7 +156,8 @@ def test_zero_bubble_dry_run_counts_the_stores(pp_models, tmp_path, sched):
                 v, kind, _ = re.fullmatch(r"(\d+)([FIW])(\d+)", a).groups()
                 pending[int(v)] = pending.get(int(v), 0) + {"I": 1, "W": -1}.get(kind, 0)
                 most[int(v)] = max(most.get(int(v), 0), pending[int(v)])
-            want = sum(most[v] * 4 * rows * per_layer * (b - a) for v, (a, b) in zip(vs, st["ranges"]))
+            want = sum(most[v] * 4 * rows * ((per_layer + norms) * (b - a) + (2 * H + 1) * (b == L))
+                       for v, (a, b) in zip(vs, st["ranges"]))
             assert st["n_stores"] == sum(most.values()) and st["stores"] == want, (st, most, want)
             assert st["total"] == st["params"] + st["grad_opt"] + st["act"] + st["p2p"] + st["stores"], st
     p = ok(launch(0, pp_args(d / "untied", data, tmp_path, 2, f"{SCHED}=Interleaved1F1B", local=4, global_=0)
@@ -218,13 +226,18 @@ def test_zero_bubble_matches_one_process(setup, single, sched, name):
         assert abs(got[s] - want[s]) <= 1e-5 * want[s], f"{name}: step {s} grad_norm {got[s]!r} vs {want[s]!r}"
     if name == "pp2_mb1":
         # the store's size (model/lm.h): rank 0 holds one layer a stage; per layer B T x
-        # (4 H + 2 (q + kv widths) + 3 intermediate) floats, from transformers' config; the
-        # head's dW is never deferred (under the V rank 0 holds the head's stage too)
+        # (4 H + 2 (q + kv widths) + 3 intermediate) floats, from transformers' config, and the
+        # norms' input, d(output) and rstd (2 (2 H + 1) + (heads + kv heads)(2 hd + 1)); the
+        # head's dW is never deferred, the final norm's is (2 H + 1): under the V rank 0 holds
+        # the head's stage (3) too, whose store is the largest
         from transformers import AutoConfig
         c = AutoConfig.from_pretrained(setup[0] / model)
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        per = 4 * 16 * (4 * c.hidden_size + 2 * (q + kv) + 3 * c.intermediate_size)
-        assert f"rank 0 of 2: the weight-gradient stores held at most {per} bytes per" in p.stderr, p.stderr[-2000:]
+        H, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        norms = 2 * (2 * H + 1) + (c.num_attention_heads + c.num_key_value_heads) * (2 * c.head_dim + 1)
+        per = 4 * 16 * (4 * H + 2 * (q + kv) + 3 * c.intermediate_size + norms)
+        final = 4 * 16 * (2 * H + 1) if sched != "InterleavedZeroBubble" else 0
+        assert f"rank 0 of 2: the weight-gradient stores held at most {per + final} bytes per" in p.stderr, \
+            p.stderr[-2000:]
         # an I takes a store its stage's W gives back: rank 0 keeps, per stage, the most I's its
         # order (torch's, 8 micro-batches) ever has pending before their W, not one per micro-batch
         pending, most = {}, {}
@@ -235,8 +248,9 @@ def test_zero_bubble_matches_one_process(setup, single, sched, name):
         n = sum(most.values())
         assert n < 2 * GLOBAL_MB, f"test setup: {most}"
         # each store is sized to what it holds (lm_wstore_floats), not grown by doubling
-        assert f"rank 0 of 2: the weight-gradient stores held at most {per} bytes per (stage, micro-batch); " \
-               f"their {n} buffers take {n * per} bytes" in p.stderr, p.stderr[-2000:]
+        size = sum(k * (per + final * (st == "3")) for st, k in most.items())
+        assert f"rank 0 of 2: the weight-gradient stores held at most {per + final} bytes per (stage, " \
+               f"micro-batch); their {n} buffers take {size} bytes" in p.stderr, p.stderr[-2000:]
     if CLIP in args:
         assert all(g > 0.2 for g in want.values()), f"clipping never acted: {want}"
 

@@ -17,6 +17,10 @@ Per trained projection [N, K] a store holds d(output) [rows, N], plus its input 
 o_proj / down_proj and one input [rows, H] per layer for q/k/v and one for gate/up (with the
 shared gate); a sparse layer's routed experts their input and d(output) [rows, H], h, d gate and
 d up [rows top_k, Im], and the routing (topw, perm [rows top_k], offsets [E + 1]).
+The RMSNorms' weight gradients are W's too: per trained norm its input and d(output) [rows, H]
+and rstd [rows] (these families' input and post-attention norms, and the final norm on the stage
+ending the model), over the rows this rank holds: under sequence parallel its block (ceil(rows /
+tp) on rank 0), else all of them.
 Each local stage keeps the most I's its order has waiting for their W. A run
 checks that the dry run's bytes are what a run allocates (its `their N buffers take B bytes`)."""
 import re
@@ -34,10 +38,12 @@ SEQ = 16  # test_dist.train_args's seq_len
 M = 8     # micro-batches of 1: train_args's global batch 8
 TP2 = ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"]
 FREEZE_Q_V = "--training.freeze=model.layers.*.self_attn.q_proj.weight,model.layers.*.self_attn.v_proj.weight"
-# everything but the sparse layers' shared_expert_gate: layer 0 (rank 0's first stage) records nothing
+# everything but the sparse layers' shared_expert_gate (and the final norm): layer 0 (rank 0's first
+# stage) records nothing
 FREEZE_BUT_GATE = ("--training.freeze=model.layers.*.self_attn.*,model.layers.*.mlp.shared_expert.*,"
                    "model.layers.*.mlp.gate_proj.weight,model.layers.*.mlp.up_proj.weight,"
-                   "model.layers.*.mlp.down_proj.weight")
+                   "model.layers.*.mlp.down_proj.weight,model.layers.*.input_layernorm.weight,"
+                   "model.layers.*.post_attention_layernorm.weight")
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +58,18 @@ def models(tmp_path_factory):
     return d, data
 
 
+def norm_floats(cfg, layer, rows, tp, sp, frozen):
+    """The floats a store holds for layer's RMSNorms (input_layernorm, post_attention_layernorm: these
+    families have no q/k norms) and, on the last layer, the final norm's: input and d(output) [n, H],
+    rstd [n], n the rows this rank holds (sequence parallel: rank 0's block)."""
+    n = -(-rows // tp) if sp else rows
+    count = sum(name not in frozen for name in ("input_layernorm", "post_attention_layernorm"))
+    count += layer == cfg.num_hidden_layers - 1 and "norm" not in frozen
+    return count * n * (2 * cfg.hidden_size + 1)
+
+
 def layer_floats(cfg, layer, rows, tp, frozen):
-    """The floats one store holds for one layer, from transformers' config."""
+    """The floats one store holds for one layer's projections, from transformers' config."""
     H = cfg.hidden_size
     hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * hd // tp, cfg.num_key_value_heads * hd // tp
@@ -97,7 +113,8 @@ CASES = {  # name: (model, ranks of the run (0: dry run only), tp, cp, extra arg
     "qwen2_moe_k_only": ("qwen2_moe", 0, 1, 1, [FREEZE_Q_V], {"q_proj", "v_proj"}),
     "qwen2_moe_shared_gate_only": ("qwen2_moe", 2, 1, 1, [FREEZE_BUT_GATE],
                                    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                                    "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"}),
+                                    "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+                                    "input_layernorm", "post_attention_layernorm"}),
     "qwen2_moe_tp2": ("qwen2_moe", 4, 2, 1, TP2, set()),
     "phi3": ("phi3", 0, 1, 1, [], set()),
     "glm": ("glm", 0, 1, 1, [], set()),
@@ -122,7 +139,9 @@ def test_store_sizes(models, name):
     for r in (0, 1):
         most = most_pending(2, r)
         # under the V rank r holds stages r and 3 - r, one layer each (layer = stage)
-        per = {v: 4 * layer_floats(cfg, v, rows, tp, frozen) for v in (r, 3 - r)}
+        sp = tp > 1 and "--parallelism.sequence_parallel=false" not in extra
+        per = {v: 4 * (layer_floats(cfg, v, rows, tp, frozen) + norm_floats(cfg, v, rows, tp, sp, frozen))
+               for v in (r, 3 - r)}
         want = (sum(most[v] * per[v] for v in per), sum(most[v] for v in per if per[v]))
         assert got.get(r) == want, f"{name}: pipeline rank {r}: dry run {got.get(r)} vs {want} ({per}, {most})"
     if n:  # the run allocates what the dry run counts

@@ -605,6 +605,18 @@ static void case_rmsnorm(chk_case *c, const kern_impl *ref, const kern_impl *im,
     ref->fn.rmsnorm.bwd(di1, NULL, dout, x, w, rs1, N, C);
     im->fn.rmsnorm.bwd(di2, NULL, dout, x, w, rs1, N, C);
     part(c, "dw=NULL", rel_err(di2, di1, nc));
+    /* a zero-bubble pipeline's split backward: I (bwd with dw NULL) then W (bwd_w) gives
+     * the fused bwd's bits, from the same starting dw (model/lm.h, lm_wstore) */
+    float *fw = fbuf((size_t)C), *sw = fbuf((size_t)C);
+    fill(fw, (size_t)C, r, -1, 1);
+    memcpy(sw, fw, (size_t)C * sizeof(float));
+    memcpy(di1, di2, nc * sizeof(float));
+    im->fn.rmsnorm.bwd(di1, fw, dout, x, w, rs1, N, C);
+    im->fn.rmsnorm.bwd(di2, NULL, dout, x, w, rs1, N, C);
+    if (im->fn.rmsnorm.bwd_w) im->fn.rmsnorm.bwd_w(sw, dout, x, rs1, N, C);
+    part(c, "I then W dinp", bits_err(di2, di1, nc));
+    part(c, "I then W dw", im->fn.rmsnorm.bwd_w ? bits_err(sw, fw, (size_t)C) : INFINITY); /* none: a split fails */
+    free(fw), free(sw);
     free(x), free(w), free(dout), free(o1), free(o2), free(rs1), free(rs2), free(di1), free(dw1), free(di2),
         free(dw2);
 }
@@ -678,6 +690,14 @@ static void case_rope(chk_case *c, const kern_impl *ref, const kern_impl *im, co
     im->fn.rope.qknorm_bwd(d2, dw2, dout, x, w, rs1, cs, sn, B, T, nh, hd, 0);
     part(c, "qkn-dx=", bits_err(d2, d1, n));
     part(c, "qkn-dw", bits_err(dw2, dw1, (size_t)hd));
+    /* the split backward, as rmsnorm's: I (dw NULL) then W (qknorm_bwd_w) is the fused call */
+    memcpy(dw1, dw2, (size_t)hd * sizeof(float));
+    memcpy(d1, d2, n * sizeof(float));
+    im->fn.rope.qknorm_bwd(d1, dw1, dout, x, w, rs1, cs, sn, B, T, nh, hd, 1);
+    im->fn.rope.qknorm_bwd(d2, NULL, dout, x, w, rs1, cs, sn, B, T, nh, hd, 1);
+    if (im->fn.rope.qknorm_bwd_w) im->fn.rope.qknorm_bwd_w(dw2, dout, x, rs1, cs, sn, B, T, nh, hd);
+    part(c, "qkn I then W dx", bits_err(d2, d1, n));
+    part(c, "qkn I then W dw", im->fn.rope.qknorm_bwd_w ? bits_err(dw2, dw1, (size_t)hd) : INFINITY);
     free(cs), free(sn), free(x), free(dout), free(o1), free(o2), free(ip), free(d1), free(d2);
     free(w), free(rs1), free(rs2), free(dw1), free(dw2);
 }

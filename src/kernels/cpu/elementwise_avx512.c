@@ -168,9 +168,14 @@ EW512 void kern_rmsnorm_bwd_avx512(float *dinp, float *dw, const float *dout, co
         }
         KERN_TRACE_EXIT(kt_);
     }
-    if (!dw) return;
+    if (dw) kern_rmsnorm_bwd_w_avx512(dw, dout, inp, rstd, N, C);
+}
+
+EW512 void kern_rmsnorm_bwd_w_avx512(float *dw, const float *dout, const float *inp, const float *rstd, int N, int C) {
+    // dw[C] +=, dout[N,C], inp[N,C], rstd[N]
     // dw_j = sum_n dy_nj x_nj r_n: over rows, split by columns, n in order
     int nchunks = (C + EW_COLS - 1) / EW_COLS;
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
@@ -316,6 +321,8 @@ EW512 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, 
     // Per row: g = R^T dout (the RoPE backward), then the RMSNorm backward of g;
     // dw gets g x r. dw sums over every row: fixed blocks of EW_ROWBLK rows each
     // write a partial [hd] (one thread per block), summed in block order after.
+    // In the same pass as dx (one read of dout and x); kern_qknorm_rope_bwd_w_avx512,
+    // a split backward's W, repeats exactly this dw arithmetic (kernels check: I then W).
     int half = hd / 2;
     long rows = (long)B * T * nh;
     long nblk = (rows + EW_ROWBLK - 1) / EW_ROWBLK;
@@ -366,6 +373,53 @@ EW512 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, 
         KERN_TRACE_EXIT(kt_);
     }
     if (!dw) return;
+    for (int c = 0; c < hd; c += 16) {
+        __m512 a = _mm512_setzero_ps();
+        for (long blk = 0; blk < nblk; blk++) a = _mm512_add_ps(a, ew_load(part + (size_t)blk * hd + c, hd - c));
+        ew_store(dw + c, _mm512_add_ps(ew_load(dw + c, hd - c), a), hd - c);
+    }
+    free(part);
+}
+
+EW512 void kern_qknorm_rope_bwd_w_avx512(float *dw, const float *dout, const float *x, const float *rstd,
+                                         const float *cos, const float *sin, int B, int T, int nh, int hd) {
+    // dw[hd] +=, dout[B,T,nh,hd] (w.r.t. the rotated output), x[B,T,nh,hd], rstd[B*T*nh], cos/sin [T,hd/2]
+    // dw = sum over rows of g x r, g = R^T dout: fixed blocks of EW_ROWBLK rows
+    // each write a partial [hd] (one thread per block), summed in block order after.
+    int half = hd / 2;
+    long rows = (long)B * T * nh;
+    long nblk = (rows + EW_ROWBLK - 1) / EW_ROWBLK;
+    float *part = ct_malloc64((size_t)(nblk > 0 ? nblk : 1) * hd * sizeof(float)); // [nblk, hd]
+    kern_trace *kt_ = kern_trace_armed();
+#pragma omp parallel
+    {
+        KERN_TRACE_ENTER(kt_);
+#pragma omp for schedule(static) nowait
+        for (long blk = 0; blk < nblk; blk++) {
+            float *pw = part + (size_t)blk * hd;
+            memset(pw, 0, (size_t)hd * sizeof(float));
+            long r1 = (blk + 1) * EW_ROWBLK < rows ? (blk + 1) * EW_ROWBLK : rows;
+            for (long row = blk * EW_ROWBLK; row < r1; row++) {
+                long t = (row / nh) % T;
+                const float *c = cos + t * half, *s = sin + t * half;
+                const float *xr = x + (size_t)row * hd, *dy = dout + (size_t)row * hd;
+                __m512 vr = _mm512_set1_ps(rstd[row]);
+                for (int i = 0; i < half; i += 16) {
+                    long m = half - i;
+                    __m512 d1 = ew_load(dy + i, m), d2 = ew_load(dy + half + i, m);
+                    __m512 vc = ew_load(c + i, m), vs = ew_load(s + i, m);
+                    __m512 g[2] = {_mm512_add_ps(_mm512_mul_ps(d1, vc), _mm512_mul_ps(d2, vs)),
+                                   _mm512_sub_ps(_mm512_mul_ps(d2, vc), _mm512_mul_ps(d1, vs))};
+                    for (int j = 0; j < 2; j++) {
+                        int o = i + j * half;
+                        __m512 vx = ew_load(xr + o, m);
+                        ew_store(pw + o, _mm512_fmadd_ps(g[j], _mm512_mul_ps(vx, vr), ew_load(pw + o, m)), m);
+                    }
+                }
+            }
+        }
+        KERN_TRACE_EXIT(kt_);
+    }
     for (int c = 0; c < hd; c += 16) {
         __m512 a = _mm512_setzero_ps();
         for (long blk = 0; blk < nblk; blk++) a = _mm512_add_ps(a, ew_load(part + (size_t)blk * hd + c, hd - c));

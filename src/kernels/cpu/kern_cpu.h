@@ -332,6 +332,7 @@ void kern_embedding_bwd_avx512(float *dwte, const float *dout, const int32_t *to
 void kern_rmsnorm_fwd_avx512(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps);
 void kern_rmsnorm_bwd_avx512(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                              const float *rstd, int N, int C);
+void kern_rmsnorm_bwd_w_avx512(float *dw, const float *dout, const float *inp, const float *rstd, int N, int C);
 void kern_rope_fwd_avx512(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
                           int hd, int rd);
 void kern_rope_bwd_avx512(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh,
@@ -341,6 +342,8 @@ void kern_qknorm_rope_fwd_avx512(float *out, float *rstd, const float *x, const 
 void kern_qknorm_rope_bwd_avx512(float *dx, float *dw, const float *dout, const float *x, const float *w,
                                  const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd,
                                  int acc);
+void kern_qknorm_rope_bwd_w_avx512(float *dw, const float *dout, const float *x, const float *rstd, const float *cos,
+                                   const float *sin, int B, int T, int nh, int hd);
 void kern_swiglu_fwd_avx512(float *out, const float *gate, const float *up, int N);
 void kern_swiglu_bwd_avx512(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N,
                             int acc);
@@ -405,6 +408,7 @@ void kern_embedding_bwd_avx2(float *dwte, const float *dout, const int32_t *toke
 void kern_rmsnorm_fwd_avx2(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps);
 void kern_rmsnorm_bwd_avx2(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                            const float *rstd, int N, int C);
+void kern_rmsnorm_bwd_w_avx2(float *dw, const float *dout, const float *inp, const float *rstd, int N, int C);
 void kern_rope_fwd_avx2(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
                         int hd, int rd);
 void kern_rope_bwd_avx2(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh,
@@ -414,6 +418,8 @@ void kern_qknorm_rope_fwd_avx2(float *out, float *rstd, const float *x, const fl
 void kern_qknorm_rope_bwd_avx2(float *dx, float *dw, const float *dout, const float *x, const float *w,
                                const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd,
                                int acc);
+void kern_qknorm_rope_bwd_w_avx2(float *dw, const float *dout, const float *x, const float *rstd, const float *cos,
+                                   const float *sin, int B, int T, int nh, int hd);
 void kern_swiglu_fwd_avx2(float *out, const float *gate, const float *up, int N);
 void kern_swiglu_bwd_avx2(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N,
                           int acc);
@@ -488,6 +494,7 @@ void kern_embedding_bwd_neon(float *dwte, const float *dout, const int32_t *toke
 void kern_rmsnorm_fwd_neon(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps);
 void kern_rmsnorm_bwd_neon(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                            const float *rstd, int N, int C);
+void kern_rmsnorm_bwd_w_neon(float *dw, const float *dout, const float *inp, const float *rstd, int N, int C);
 void kern_rope_fwd_neon(float *out, const float *inp, const float *cos, const float *sin, int B, int T, int nh,
                         int hd, int rd);
 void kern_rope_bwd_neon(float *dinp, const float *dout, const float *cos, const float *sin, int B, int T, int nh,
@@ -497,6 +504,8 @@ void kern_qknorm_rope_fwd_neon(float *out, float *rstd, const float *x, const fl
 void kern_qknorm_rope_bwd_neon(float *dx, float *dw, const float *dout, const float *x, const float *w,
                                const float *rstd, const float *cos, const float *sin, int B, int T, int nh, int hd,
                                int acc);
+void kern_qknorm_rope_bwd_w_neon(float *dw, const float *dout, const float *x, const float *rstd, const float *cos,
+                                   const float *sin, int B, int T, int nh, int hd);
 void kern_swiglu_fwd_neon(float *out, const float *gate, const float *up, int N);
 void kern_swiglu_bwd_neon(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int N,
                           int acc);

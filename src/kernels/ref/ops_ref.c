@@ -151,9 +151,14 @@ void op_rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp,
         }
         KERN_TRACE_EXIT(kt_);
     }
-    if (!dw) return;
+    if (dw) op_rmsnorm_bwd_w(dw, dout, inp, rstd, N, C);
+}
+
+void op_rmsnorm_bwd_w(float *dw, const float *dout, const float *inp, const float *rstd, int N, int C) {
+    // dw[C] +=, dout[N,C], inp[N,C], rstd[N]
     // dw_j = sum_n dy_nj x_nj r_n: a reduction over rows, split by columns.
     int nchunks = (C + COL_CHUNK - 1) / COL_CHUNK;
+    kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
         KERN_TRACE_ENTER(kt_);
@@ -240,22 +245,7 @@ void op_rmsnorm_bwd_given(float *dinp, float *dw, const float *dout, const float
         }
         KERN_TRACE_EXIT(kt_);
     }
-    if (!dw) return;
-    int nchunks = (C + COL_CHUNK - 1) / COL_CHUNK; /* a reduction over rows, split by columns */
-#pragma omp parallel
-    {
-        KERN_TRACE_ENTER(kt_);
-#pragma omp for schedule(static) nowait
-        for (int ch = 0; ch < nchunks; ch++) {
-            int c0 = ch * COL_CHUNK, c1 = c0 + COL_CHUNK < C ? c0 + COL_CHUNK : C;
-            for (int n = 0; n < N; n++) {
-                const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
-                float r = rstd[n];
-                for (int c = c0; c < c1; c++) dw[c] += dy[c] * (x[c] * r);
-            }
-        }
-        KERN_TRACE_EXIT(kt_);
-    }
+    if (dw) op_rmsnorm_bwd_w(dw, dout, inp, rstd, N, C); /* the same sum as the whole row's */
 }
 
 /* -------------------------------------------------------------------- rope */

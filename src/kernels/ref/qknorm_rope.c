@@ -29,3 +29,13 @@ void op_qknorm_rope_bwd(float *dx, float *dw, const float *dout, const float *x,
     op_rmsnorm_bwd(dx, dw, g, x, w, rstd, B * T * nh, hd);
     free(g);
 }
+
+void op_qknorm_rope_bwd_w(float *dw, const float *dout, const float *x, const float *rstd, const float *cos,
+                          const float *sin, int B, int T, int nh, int hd) {
+    // dw[hd] +=, dout[B,T,nh,hd] (w.r.t. the rotated output), x[B,T,nh,hd], rstd[B*T*nh], cos/sin [T,hd/2]
+    size_t n = (size_t)B * T * nh * hd;
+    float *g = ct_calloc(n ? n : 1, sizeof(float)); // [B,T,nh,hd] R^T dout, as op_qknorm_rope_bwd's
+    op_rope_bwd(g, dout, cos, sin, B, T, nh, hd, hd);
+    op_rmsnorm_bwd_w(dw, g, x, rstd, B * T * nh, hd);
+    free(g);
+}

@@ -24,9 +24,20 @@ static const char *lm_tensor_at(const lm_model *m, size_t i) {
     return "?";
 }
 
+/* The norm layouts a split backward defers the weight gradients of (lm.h, LM_W_NORM ...). */
+enum {
+    FAM_QWEN3,    /* pre-norms, per-head q/k norms fused with RoPE (the rope op's qknorm_bwd_w) */
+    FAM_OLMO2,    /* post-norms on the attention and MLP outputs, q/k norms over the whole projection */
+    FAM_GEMMA,    /* four norms a layer, (1 + w), per-head q/k norms */
+    FAM_HUNYUAN,  /* per-head q/k norms on the rotated q and k (rmsnorm's bwd_w on R x) */
+    FAM_NOPE,     /* per-head q/k norms, layer 1 without RoPE (EXAONE 4's NoPE layers: no fused op) */
+    FAM_BIAS,     /* no q/k norms, biases on q/k/v, o and the MLP: W sums them from the projections' copies */
+    FAM_OLMOE,    /* pre-norms, q/k norms over the whole projection (MoE runs only with pre-norms) */
+};
+
 /* moe: 0 dense; 1 every other layer sparse (1 of 3: layer 1), 4 experts top 2; 2 the same with
  * qwen2_moe's shared expert beside the experts */
-static lm_config tiny(int tied, int moe) {
+static lm_config tiny_fam(int tied, int moe, int fam) {
     lm_config c;
     memset(&c, 0, sizeof c);
     c.vocab_size = 37, c.hidden = 16, c.intermediate = 24, c.n_layers = 3, c.n_heads = 4, c.n_kv_heads = 2;
@@ -36,9 +47,26 @@ static lm_config tiny(int tied, int moe) {
         c.n_experts = 4, c.top_k = 2, c.moe_intermediate = 12, c.norm_topk_prob = 1, c.decoder_sparse_step = 2;
         c.shared_intermediate = moe == 2 ? 20 : 0;
     }
+    if (fam == FAM_OLMO2) c.norm_place = LM_NORM_POST, c.qk_norm = LM_QK_PROJ;
+    if (fam == FAM_GEMMA) c.norm_place = LM_NORM_SANDWICH, c.norm_plus_one = 1;
+    if (fam == FAM_HUNYUAN) c.qk_norm_after_rope = 1;
+    if (fam == FAM_NOPE) c.layer_nope[1] = 1;
+    if (fam == FAM_OLMOE) c.qk_norm = LM_QK_PROJ;
+    if (fam == FAM_BIAS) c.qk_norm = LM_QK_NONE, c.qkv_bias = c.o_bias = c.mlp_bias = 1;
     snprintf(c.name, sizeof c.name, "tiny");
     c.lazy_buffers = 1;
     return c;
+}
+
+/* Whether W adds tensor t's gradient beside the projections' and experts': an RMSNorm's weight
+ * (a layer's, a q/k norm or the final norm) or a trained projection's bias. */
+static int is_small_w(const lm_tensor *t) {
+    switch (t->slot) {
+    case LM_S_LN_IN: case LM_S_LN_ATTN_OUT: case LM_S_LN_PRE_MLP: case LM_S_LN_MLP_OUT: case LM_S_QN:
+    case LM_S_KN: case LM_S_LNF: case LM_S_BQ: case LM_S_BK: case LM_S_BV: case LM_S_BO: case LM_S_BG:
+    case LM_S_BU: case LM_S_BD: return 1;
+    default: return 0;
+    }
 }
 
 /* Two micro-batches through layers [l0, l1): forward, then the backward
@@ -74,12 +102,15 @@ static void run(lm_model *m, int l0, int l1, int split, float *d_in, int skip_w,
 }
 
 /* kmode: the model's kernels, 0 the references (lm_create's), 1 the machine's default choice (the grouped
- * experts), 2 that under bf16 mixed precision (moe_experts_bf16) */
-static void check_split_k(int tied, int moe, int l0, int l1, int kmode) {
+ * experts, the vectorised norms), 2 that under bf16 mixed precision (moe_experts_bf16); fam: the norms'
+ * layout (FAM_*); ac: activation checkpointing, "full" (I reads the recomputed layer's scratch), a
+ * selective option ("op", "2") or NULL */
+static void check_split_f(int tied, int moe, int l0, int l1, int kmode, int fam, const char *ac) {
     lm_model m;
     ct_err e;
-    lm_config c = tiny(tied, moe);
-    CHECK(lm_create(&m, &c, B, T, &e) == 0, "%s", e.msg);
+    lm_config c = tiny_fam(tied, moe, fam);
+    const char *mode = !ac ? "none" : strcmp(ac, "full") ? "selective" : "full"; /* else ac is its option */
+    CHECK(lm_create_ac(&m, &c, B, T, mode, strcmp(mode, "selective") ? NULL : ac, &e) == 0, "%s", e.msg);
     if (kmode) CHECK(kern_select(&m.k, NULL, NULL, 0, &e) == 0, "kern_select: %s", e.msg);
     if (kmode == 2) kern_use_bf16_matmuls(&m.k);
     lm_init_random(&m, 7);
@@ -92,9 +123,9 @@ static void check_split_k(int tied, int moe, int l0, int l1, int kmode) {
     size_t bad = 0, first = 0;
     for (size_t i = 0; i < m.n_params; i++)
         if (memcmp(&g0[i], &m.grads[i], sizeof(float)) && !bad++) first = i;
-    CHECK(!bad, "kernels %d tied %d moe %d layers [%d, %d): I then W differs from the fused backward in %zu "
-          "gradients (first at %zu, %s: %g vs %g)", kmode, tied, moe, l0, l1, bad, first, bad ? lm_tensor_at(&m, first) : "", bad ?
-          m.grads[first] : 0.0, bad ? g0[first] : 0.0);
+    CHECK(!bad, "kernels %d fam %d ac %s tied %d moe %d layers [%d, %d): I then W differs from the fused backward "
+          "in %zu gradients (first at %zu, %s: %g vs %g)", kmode, fam, ac ? ac : "none", tied, moe, l0, l1, bad,
+          first, bad ? lm_tensor_at(&m, first) : "", bad ? m.grads[first] : 0.0, bad ? g0[first] : 0.0);
     if (l0 > 0)
         CHECK(!memcmp(d0, d1, n * sizeof(float)), "tied %d moe %d layers [%d, %d): d(input) differs", tied, moe, l0,
               l1);
@@ -113,12 +144,30 @@ static void check_split_k(int tied, int moe, int l0, int l1, int kmode) {
         for (size_t i = 0; t && i < t->numel; i++) s += fabs(m.grads[t->offset + i]), s0 += fabs(g0[t->offset + i]);
         CHECK(s == 0 && s0 > 0, "I alone: %s's gradient %g (fused %g)", deferred[d], s, s0);
     }
+    /* and every trained norm's weight and bias the stage holds (the final norm with the model's end) */
+    int n_norms = 0, n_bias = 0;
+    for (int i = 0; i < m.n_tensors; i++) {
+        const lm_tensor *t = &m.tensors[i];
+        if (!is_small_w(t) || (t->slot == LM_S_LNF ? l1 < c.n_layers : t->layer < l0 || t->layer >= l1)) continue;
+        double s = 0, s0 = 0;
+        for (size_t j = 0; j < t->numel; j++) s += fabs(m.grads[t->offset + j]), s0 += fabs(g0[t->offset + j]);
+        CHECK(s == 0 && s0 > 0, "fam %d I alone: %s's gradient %g (fused %g)", fam, t->name, s, s0);
+        n_norms++;
+        n_bias += (t->slot >= LM_S_BQ && t->slot <= LM_S_BV) || t->slot == LM_S_BO ||
+                  (t->slot >= LM_S_BG && t->slot <= LM_S_BD);
+    }
+    CHECK(n_norms - n_bias > (fam == FAM_BIAS ? 1 : 3) * (l1 - l0), "fam %d layers [%d, %d): only %d norms", fam,
+          l0, l1, n_norms - n_bias);
+    CHECK(fam != FAM_BIAS || n_bias == 7 * (l1 - l0), "fam %d layers [%d, %d): %d biases", fam, l0, l1, n_bias);
     free(g0);
     free(d0);
     free(d1);
     lm_free(&m);
 }
 
+static void check_split_k(int tied, int moe, int l0, int l1, int kmode) {
+    check_split_f(tied, moe, l0, l1, kmode, FAM_QWEN3, NULL);
+}
 static void check_split(int tied, int moe, int l0, int l1) { check_split_k(tied, moe, l0, l1, 0); }
 
 int main(void) {
@@ -137,5 +186,22 @@ int main(void) {
     check_split(0, 2, 1, 3);
     check_split_k(0, 2, 1, 3, 1); /* the grouped experts (op_moe_experts_bwd_w's own GEMMs) */
     check_split_k(0, 1, 0, 2, 2);
+    /* the norms' weight gradients in W, every layout, the references and this machine's kernels */
+    for (int fam = FAM_QWEN3; fam <= FAM_OLMOE; fam++)
+        for (int kmode = 0; kmode < 2; kmode++) {
+            check_split_f(0, 0, 0, 3, kmode, fam, NULL); /* the final norm and layer 0's too */
+            check_split_f(0, 0, 1, 2, kmode, fam, NULL);
+        }
+    /* activation checkpointing: the norms' inputs and rstd come from the recomputed scratch */
+    check_split_f(0, 0, 0, 3, 1, FAM_QWEN3, "full");
+    check_split_f(0, 0, 1, 3, 1, FAM_OLMO2, "full");
+    check_split_f(0, 1, 1, 3, 1, FAM_OLMOE, "full");
+    check_split_f(0, 2, 0, 3, 0, FAM_NOPE, "op");
+    check_split_f(0, 0, 0, 3, 1, FAM_GEMMA, "op");
+    check_split_f(0, 0, 0, 3, 0, FAM_HUNYUAN, "2");
+    /* bf16 mixed precision (the norms stay fp32; their d(output) comes from bf16 products) */
+    check_split_f(0, 0, 0, 3, 2, FAM_GEMMA, NULL);
+    check_split_f(0, 1, 0, 3, 2, FAM_OLMOE, "full");
+    check_split_f(0, 0, 0, 3, 2, FAM_OLMO2, NULL);
     return CHECK_DONE();
 }

@@ -12,7 +12,11 @@
  * exactly top_k experts whatever the router picks: x and dout [B T, H], h, d
  * gate, d up [B T k, Im], topw and perm [B T k], offsets [E + 1]. The router
  * stays in I. lm_wstore_floats, which pp.c and the dry run size stores with,
- * must be that run's peak exactly, for every micro-batch's routing. */
+ * must be that run's peak exactly, for every micro-batch's routing.
+ *
+ * The RMSNorms' weight gradients are W's too: each trained norm copies its
+ * input and d(output) [rows, C] and rstd [rows] (rows: B T for a layer's or
+ * the final norm, B T heads for a per-head q/k norm). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -40,7 +44,14 @@ static void check_store(int H, int I, int L, int B, int T, int l0, int l1, int E
     for (size_t i = 0; i < n; i++) x[i] = 0.01f * (float)(i % 13), dy[i] = 0.001f * (float)(i % 7);
     size_t qd = (size_t)c.n_heads * c.head_dim, kvd = (size_t)c.n_kv_heads * c.head_dim;
     size_t per = BT * (4 * (size_t)H + 2 * (qd + kvd) + 3 * (size_t)I), want = 0;
+    /* the norms' weight gradients (Qwen3's: input and post-attention norms [H], per-head
+     * q/k norms [hd] over nH and nKV rows a token): each copies its input and d(output)
+     * and one rstd a row; the final norm's with the model's end */
+    size_t norms = BT * 2 * (2 * (size_t)H + 1) +
+                   BT * (size_t)(c.n_heads + c.n_kv_heads) * (2 * (size_t)c.head_dim + 1);
+    if (l1 == L) want += BT * (2 * (size_t)H + 1);
     for (int l = l0; l < l1; l++) {
+        want += norms;
         if (!lm_layer_is_moe(&c, l)) {
             want += per;
             continue;
