@@ -122,7 +122,8 @@ static int hf_read_router_bias(const lm_model *m, const st_tensor *st, const cha
     int64_t E = m->cfg.n_experts;
     int shape_ok = (st->ndim == 2 && st->shape[0] == 1 && st->shape[1] == E) || (st->ndim == 1 && st->shape[0] == E);
     if (!shape_ok)
-        return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" must have shape [1, %lld]", file, st->name, (long long)E);
+        return ct_fail(e, CT_ERR_FORMAT, "%s: tensor \"%s\" must have shape [1, %lld] or [%lld]", file, st->name,
+                       (long long)E, (long long)E);
     int l = 0;
     char bn[LM_NAME_MAX];
     while (l < m->cfg.n_layers && !(lm_router_bias_name(&m->cfg, l, bn, sizeof bn) && !strcmp(bn, st->name))) l++;
@@ -258,6 +259,10 @@ int hf_load_each(const lm_model *m, const char *dir, const lm_sink *sink, float 
             rc = hf_check_tied_head(s, st, file ? file : dir, e);
             continue;
         }
+        int ml = -1, at = 0; /* GLM-4.5's MTP layers after the last: transformers' from_pretrained drops them */
+        if (m->cfg.mtp_layers > 0 && sscanf(st->name, "model.layers.%d.%n", &ml, &at) == 1 && at > 0 &&
+            ml >= m->cfg.n_layers && ml < m->cfg.n_layers + m->cfg.mtp_layers)
+            continue;
         rc = ct_fail(e, CT_ERR_FORMAT, "%s: unexpected tensor \"%s\" (not part of this model)", file ? file : dir,
                      st->name);
     }
@@ -293,10 +298,11 @@ int hf_file_tensors(const lm_model *m, ct_dtype dtype, st_wtensor *ts, char (*na
             w->ndim = fz.ndim;
             for (int d = 0; d < fz.ndim; d++) w->shape[d] = fz.shape[d];
         }
-        if (t->slot == LM_S_ROUTER && lm_router_bias_name(&m->cfg, t->layer, names[n], LM_NAME_MAX)) {
-            /* ERNIE 4.5 MoE's selection bias [1, E] after its router (hf_write_unit) */
-            ts[n] = (st_wtensor){.name = names[n], .dtype = dtype, .src_dtype = CT_F32, .ndim = 2,
-                                 .shape = {1, m->cfg.n_experts}};
+        int brank = t->slot == LM_S_ROUTER ? lm_router_bias_name(&m->cfg, t->layer, names[n], LM_NAME_MAX) : 0;
+        if (brank) {
+            /* the selection bias after its router (hf_write_unit): ERNIE 4.5 MoE's [1, E], GLM-4.5's [E] */
+            ts[n] = (st_wtensor){.name = names[n], .dtype = dtype, .src_dtype = CT_F32, .ndim = brank,
+                                 .shape = {brank == 2 ? 1 : m->cfg.n_experts, m->cfg.n_experts}};
             n++;
         }
     }

@@ -1908,7 +1908,7 @@ static void rope_pairs_scatter_add(float *dx, const float *d, long rows, int hd,
 static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const float *w, const float *cs,
                    const float *sn, int B, int T, int nh, int hd) {
     float eps = (float)m->cfg.rms_eps;
-    int rd = lm_rotary_dim(&m->cfg); /* the fused per-head op rotates whole heads: read_rope refuses rd < hd with it */
+    int rd = lm_rotary_dim(&m->cfg); /* the fused per-head op rotates whole heads: not taken where rd < hd */
     if (!cs && m->cfg.qk_norm == LM_QK_NONE) {
         if (out != x) memcpy(out, x, (size_t)B * T * nh * hd * sizeof(float));
         return;
@@ -1921,6 +1921,9 @@ static void qk_fwd(lm_model *m, float *out, float *rstd, const float *x, const f
             K(ROPE, rope_fwd, t, x, cs, sn, B, T, nh, hd, rd);
             K(RMSNORM, rmsnorm_fwd, out, rstd, t, nw(m, w, hd), (int)nrow, hd, eps);
             free(t);
+        } else if (cs && rd < hd) { /* GLM-4.5: the fused op rotates whole heads; norm, then RoPE in place */
+            K(RMSNORM, rmsnorm_fwd, out, rstd, x, nw(m, w, hd), B * T * nh, hd, eps);
+            K(ROPE, rope_fwd, out, out, cs, sn, B, T, nh, hd, rd);
         } else if (cs) K(ROPE, qknorm_rope_fwd, out, rstd, x, nw(m, w, hd), cs, sn, B, T, nh, hd, eps);
         else K(RMSNORM, rmsnorm_fwd, out, rstd, x, nw(m, w, hd), B * T * nh, hd, eps); /* EXAONE 4's NoPE layers */
         break;
@@ -1968,6 +1971,11 @@ static void qk_bwd(lm_model *m, float *dx, float *dw, float *dout, const float *
             if (wd) wdefer_norm(m, LM_W_NORM, dw, dout, t, rstd, (int)nrow, hd);
             K(ROPE, rope_bwd, dx, dx, cs, sn, B, T, nh, hd, rd);
             free(t);
+        } else if (cs && rd < hd) { /* out = R norm(x): d(norm) = R^T dout in place, then the norm's */
+            K(ROPE, rope_bwd, dout, dout, cs, sn, B, T, nh, hd, rd);
+            zero(dx, (size_t)B * T * nh * hd); /* rmsnorm_bwd adds */
+            K(RMSNORM, rmsnorm_bwd, dx, wd ? NULL : dw, dout, x, nw(m, w, hd), rstd, B * T * nh, hd);
+            if (wd) wdefer_norm(m, LM_W_NORM, dw, dout, x, rstd, B * T * nh, hd);
         } else if (cs) {
             K(ROPE, qknorm_rope_bwd, dx, wd ? NULL : dw, dout, x, nw(m, w, hd), rstd, cs, sn, B, T, nh, hd, 0);
             if (wd) { /* W's qknorm_bwd_w rotates dout back as the fused kernel does */
@@ -2183,8 +2191,9 @@ static void layer_forward_at(lm_model *m, lm_kv *kv, int l, lm_layer_acts *a, co
         moe_route *r = &a->route;
         int64_t rt0 = PROF_T0(m->prof);
         const float *wr = router_adapted(m, w);
-        moe_route_fwd(&m->k, r, xm, wr, wr == w->router ? frozen_bf16(m, w->router) : NULL,
-                      m->moe.bias + (size_t)l * E, BT, H, E, k, c->norm_topk_prob);
+        moe_router_opt ro = lm_router_opt(c);
+        moe_route_fwd_opt(&m->k, r, xm, wr, wr == w->router ? frozen_bf16(m, w->router) : NULL,
+                          m->moe.bias + (size_t)l * E, BT, H, E, k, &ro);
         if (m->prof) prof_model_op(m->prof, "moe_route_fwd", "moe_route", KERN_OP_MATMUL, rt0);
         /* Under tensor parallelism every expert holds this rank's slice of
          * moe_intermediate, so its output is a partial sum: it goes to a
@@ -2299,8 +2308,8 @@ static void moe_layer_stats(lm_model *m, int l, int BT) {
     char bn[LM_NAME_MAX];
     /* a family with a file selection bias: HF's loss counts the top k of the probabilities alone
      * (the chosen experts are those where the layer's bias is zero) */
-    int k_probs = 0;
-    for (int e = 0; e < E && lm_router_bias_name(&m->cfg, l, bn, sizeof bn); e++)
+    int k_probs = 0; /* (GLM-4.5's router has no such loss: its counts are the chosen experts') */
+    for (int e = 0; e < E && !m->cfg.router_sigmoid && lm_router_bias_name(&m->cfg, l, bn, sizeof bn); e++)
         k_probs = m->moe.bias[(size_t)l * E + e] != 0.0f ? m->cfg.top_k : k_probs;
     moe_route_stats(m->moe.count, m->moe.psum, r, BT, E, k_probs);
     if (m->moe.count_tokens)
@@ -3138,8 +3147,9 @@ static float *moe_layer_bwd(lm_model *m, int l, int BT) {
         dwr = m->ws.lora_drw;
         zero(dwr, (size_t)E * H);
     }
-    moe_route_bwd(&m->k, m->ws.d_ln, dwr, m->ws.moe_dprobs, m->ws.moe_dtopw, aux ? m->ws.moe_dprob_all : NULL, ag.ln2,
-                  wr, wr == w->router ? frozen_bf16(m, w->router) : NULL, r, BT, H, E, k, c->norm_topk_prob);
+    moe_router_opt ro = lm_router_opt(c);
+    moe_route_bwd_opt(&m->k, m->ws.d_ln, dwr, m->ws.moe_dprobs, m->ws.moe_dtopw, aux ? m->ws.moe_dprob_all : NULL,
+                      ag.ln2, wr, wr == w->router ? frozen_bf16(m, w->router) : NULL, r, BT, H, E, k, &ro);
     if (wr != w->router) {
         lora_experts_grad(&m->k, g->lora_ea[LM_LORA_EXP_R], g->lora_eb[LM_LORA_EXP_R], dwr, NULL,
                           w->lora_ea[LM_LORA_EXP_R], w->lora_eb[LM_LORA_EXP_R], 1, lm_lora_exp_rank(c, LM_LORA_EXP_R),
@@ -3459,9 +3469,9 @@ size_t lm_wstore_floats(const lm_model *m, int l0, int l1, size_t rows) {
         if (t->slot == LM_S_LNF && l1 == c->n_layers) total += norm_store_floats(ns, H);
         if (t->layer < l0 || t->layer >= l1) continue;
         switch (t->slot) {
-        case LM_S_LN_IN: case LM_S_LN_ATTN_OUT: case LM_S_LN_PRE_MLP: total += norm_store_floats(ns, H); break;
-        case LM_S_LN_MLP_OUT: /* the dense MLP's (a sparse layer's block has none) */
-            if (!lm_layer_is_moe(c, t->layer)) total += norm_store_floats(ns, H);
+        case LM_S_LN_IN: case LM_S_LN_ATTN_OUT: case LM_S_LN_PRE_MLP:
+        case LM_S_LN_MLP_OUT: /* the dense MLP's, or a sparse block's under post-norms (FlexOlmo) */
+            total += norm_store_floats(ns, H);
             break;
         case LM_S_QN: total += norm_store_floats(qrows, t->numel); break;
         case LM_S_KN: total += norm_store_floats(krows, t->numel); break;

@@ -127,6 +127,16 @@ typedef struct {
     int mlp_only_layers[LM_MAX_MLP_ONLY];
     int moe_layer_start, moe_layer_end; /* ernie4_5_moe's moe_layer_{start,end}_index (the export's keys;
                                            the rule itself is in mlp_only_layers) */
+    /* GLM-4.5's router (glm4_moe, Glm4MoeTopkRouter; zeros elsewhere): sigmoid scores, not a
+     * softmax; the choice limited to the experts of the topk_group of n_group equal groups whose
+     * two best biased scores sum highest; the chosen weights times routed_scaling (0: 1) */
+    int router_sigmoid;
+    int n_group, topk_group;  /* 0 or 1, 1: no groups */
+    double routed_scaling;    /* routed_scaling_factor */
+    int first_k_dense;        /* first_k_dense_replace (the export's key; the rule is in mlp_only_layers) */
+    int mtp_layers;           /* num_nextn_predict_layers: the files' layers n_layers .. n_layers + this - 1
+                                 are GLM-4.5's multi-token-prediction modules, skipped on load as
+                                 transformers skips them (not built, not exported) */
     int output_router_logits; /* add router_aux_loss_coef * HF's load-balancing loss to the loss */
     double router_aux_loss_coef;
     /* qwen2_moe's shared expert (shared_expert_intermediate_size; 0: none): every
@@ -309,8 +319,11 @@ typedef struct {
 int lm_fused_file_name(const lm_config *c, const lm_tensor *t, char *name, size_t n);
 /* ERNIE 4.5 MoE: a sparse layer's shared experts are one ungated MLP under mlp.shared_experts. */
 int lm_shared_experts_ungated(const lm_config *c);
+/* The router of c's sparse layers (model/moe.h): softmax or GLM-4.5's sigmoid, its groups and scale. */
+moe_router_opt lm_router_opt(const lm_config *c);
 /* The HF name of layer l's router selection bias (ERNIE 4.5 MoE's
- * mlp.moe_statics.e_score_correction_bias [1, E], a frozen buffer) into name[n]: 1, or 0
+ * mlp.moe_statics.e_score_correction_bias [1, E], a frozen buffer; GLM-4.5's
+ * mlp.gate.e_score_correction_bias [E]) into name[n]: the file tensor's rank (2 or 1), or 0
  * where the layer's files hold none. The loader puts it in lm_moe_state.bias (selection
  * only, as transformers routes), the HF writers write it back from there. */
 int lm_router_bias_name(const lm_config *c, int l, char *name, size_t n);

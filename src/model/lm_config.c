@@ -54,12 +54,25 @@ int lm_layer_is_moe(const lm_config *c, int l) {
     return (l + 1) % c->decoder_sparse_step == 0;
 }
 
-int lm_shared_experts_ungated(const lm_config *c) { return !strcmp(c->model_type, "ernie4_5_moe"); }
+int lm_shared_experts_ungated(const lm_config *c) {
+    return !strcmp(c->model_type, "ernie4_5_moe") || !strcmp(c->model_type, "glm4_moe");
+}
+
+moe_router_opt lm_router_opt(const lm_config *c) {
+    moe_router_opt o = {c->norm_topk_prob, c->router_sigmoid, c->n_group > 1 ? c->n_group : 1,
+                        c->topk_group > 1 ? c->topk_group : 1, c->routed_scaling > 0 ? (float)c->routed_scaling : 1.0f};
+    return o;
+}
 
 int lm_router_bias_name(const lm_config *c, int l, char *name, size_t n) {
-    if (strcmp(c->model_type, "ernie4_5_moe") || !lm_layer_is_moe(c, l)) return 0;
+    if (!lm_layer_is_moe(c, l)) return 0;
+    if (!strcmp(c->model_type, "glm4_moe")) { /* Glm4MoeTopkRouter's buffer [E] */
+        snprintf(name, n, "model.layers.%d.mlp.gate.e_score_correction_bias", l);
+        return 1;
+    }
+    if (strcmp(c->model_type, "ernie4_5_moe")) return 0;
     snprintf(name, n, "model.layers.%d.mlp.moe_statics.e_score_correction_bias", l);
-    return 1;
+    return 2;
 }
 
 int lm_fused_file_name(const lm_config *c, const lm_tensor *t, char *name, size_t n) {
@@ -400,6 +413,65 @@ static int ernie_moe_from_json(lm_config *c, const cJSON *root, const char *path
     return 0;
 }
 
+/* Glm4MoeConfig's MoE keys and defaults (128 routed experts, 8 per token, 1408 wide, 1
+ * shared expert, n_group = topk_group = 1, routed_scaling_factor 1, norm_topk_prob true,
+ * first_k_dense_replace 1). Glm4MoeDecoderLayer is sparse from layer first_k_dense_replace
+ * on: the layers before it are held as mlp_only_layers. Glm4MoeForCausalLM adds no
+ * load-balancing loss whatever output_router_logits says (its forward returns the CE
+ * alone), so ctitan adds none either: the key is taken and left off. */
+static int glm4_moe_from_json(lm_config *c, const cJSON *root, const char *path, ct_err *e) {
+    int rc, n_shared = 1, first = 1, norm = 1, qk = 0, mtp = 1, orl = 0;
+    double scale = 1.0;
+    c->n_experts = 128, c->top_k = 8, c->moe_intermediate = 1408, c->n_group = 1, c->topk_group = 1;
+    c->n_mlp_only = 0, c->decoder_sparse_step = 1;
+    if ((rc = json_int(root, "n_routed_experts", &c->n_experts, 0, path, e)) ||
+        (rc = json_int(root, "num_local_experts", &c->n_experts, 0, path, e)) || /* attribute_map's alias */
+        (rc = json_int(root, "num_experts_per_tok", &c->top_k, 0, path, e)) ||
+        (rc = json_int(root, "moe_intermediate_size", &c->moe_intermediate, 0, path, e)) ||
+        (rc = json_int(root, "n_shared_experts", &n_shared, 0, path, e)) ||
+        (rc = json_int(root, "n_group", &c->n_group, 0, path, e)) ||
+        (rc = json_int(root, "topk_group", &c->topk_group, 0, path, e)) ||
+        (rc = json_int(root, "first_k_dense_replace", &first, 0, path, e)) ||
+        (rc = json_int(root, "num_nextn_predict_layers", &mtp, 0, path, e)) ||
+        (rc = json_float(root, "routed_scaling_factor", &scale, path, e)) ||
+        (rc = json_bool(root, "norm_topk_prob", &norm, path, e)) ||
+        (rc = json_bool(root, "output_router_logits", &orl, path, e)) ||
+        (rc = json_bool(root, "use_qk_norm", &qk, path, e)))
+        return rc;
+    (void)orl;
+    if (mtp < 0 || mtp > LM_MAX_LAYERS)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"num_nextn_predict_layers\" = %d is out of range", path, mtp);
+    c->mtp_layers = mtp;
+    c->output_router_logits = 0, c->router_aux_loss_coef = 0;
+    if (c->moe_intermediate < 1 || c->n_experts < 1 || c->top_k < 1 || c->top_k > c->n_experts)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"num_experts_per_tok\" = %d, \"n_routed_experts\" = %d, "
+                       "\"moe_intermediate_size\" = %d: need 1 <= num_experts_per_tok <= n_routed_experts and a "
+                       "positive width", path, c->top_k, c->n_experts, c->moe_intermediate);
+    if (n_shared < 0 || (long long)n_shared * c->moe_intermediate > INT_MAX)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"n_shared_experts\" = %d is out of range", path, n_shared);
+    /* the router views the scores as [N, n_group, E / n_group] and sums each group's top 2 */
+    if (c->n_group < 1 || c->n_group > MOE_MAX_GROUPS || c->n_experts % c->n_group ||
+        c->n_experts / c->n_group < 2)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"n_group\" = %d with n_routed_experts %d is not supported (it must "
+                       "divide the experts into groups of 2 or more, at most %d groups)", path, c->n_group,
+                       c->n_experts, MOE_MAX_GROUPS);
+    if (c->topk_group < 1 || c->topk_group > c->n_group ||
+        (long long)c->topk_group * (c->n_experts / c->n_group) < c->top_k)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"topk_group\" = %d is not supported with n_group %d, "
+                       "num_experts_per_tok %d (the kept groups must hold num_experts_per_tok experts)", path,
+                       c->topk_group, c->n_group, c->top_k);
+    if (!(isfinite(scale) && scale > 0))
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"routed_scaling_factor\" must be positive, got %g", path, scale);
+    if (first < 0 || first > LM_MAX_MLP_ONLY)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"first_k_dense_replace\" = %d is out of range [0, %d]", path, first,
+                       LM_MAX_MLP_ONLY);
+    c->router_sigmoid = 1, c->routed_scaling = scale, c->norm_topk_prob = norm, c->first_k_dense = first;
+    c->shared_intermediate = n_shared * c->moe_intermediate;
+    c->qk_norm = qk ? LM_QK_HEAD : LM_QK_NONE;
+    for (int l = 0; l < first && l < c->n_layers; l++) c->mlp_only_layers[c->n_mlp_only++] = l;
+    return 0;
+}
+
 /* ------------------------------------------------------------ families
  *
  * One row per HF model_type: what its decoder layer computes and the
@@ -464,6 +536,7 @@ typedef struct {
     int qk_after_rope;  /* HunYuan: the per-head q/k norms (query_layernorm, key_layernorm) after RoPE */
     int ernie_moe;      /* ERNIE 4.5 MoE: moe_* keys, sparse layers from moe_layer_{start,end}_index and
                            moe_layer_interval, ungated shared experts (moe_num_shared_experts) */
+    int glm4_moe;       /* GLM-4.5: Glm4MoeConfig's keys (glm4_moe_from_json), use_qk_norm */
 } lm_family;
 
 static const lm_family families[] = {
@@ -606,6 +679,14 @@ static const lm_family families[] = {
     {.type = "ernie4_5_moe", .arch = "Ernie4_5_MoeForCausalLM", .moe = 1 + LM_MOE_KEYS_QWEN, .qk_norm = LM_QK_NONE,
      .interleaved = 1, .use_bias = 1, .kv_default = 4, .eps = 1e-5, .tied = 1, .max_pos = 131072, .pad = 0,
      .act_key = "hidden_act", .theta = 5e5, .ernie_moe = 1},
+    /* GLM-4.5 / GLM-4.5-Air (glm4_moe): Llama's layer with q/k/v biases (attention_bias), optional
+     * per-head q/k norms (use_qk_norm) and Phi3's partial RoPE (rotate-half of the first
+     * partial_rotary_factor of each head, 0.5 by default), dense layers before
+     * first_k_dense_replace, then a sigmoid group-limited router with a selection bias
+     * (e_score_correction_bias) and ungated shared experts */
+    {.type = "glm4_moe", .arch = "Glm4MoeForCausalLM", .moe = 1 + LM_MOE_KEYS_QWEN, .qk_norm = LM_QK_NONE,
+     .has_attn_bias = 1, .attn_bias_qkv = 2, .kv_default = 8, .eps = 1e-5, .max_pos = 131072, .pad = -1,
+     .act_key = "hidden_act", .theta = 1e4, .rope_style = ROPE_STYLE_GLM, .glm4_moe = 1},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -830,12 +911,12 @@ static int read_rope(lm_config *c, const lm_family *f, const cJSON *root, const 
     for (int i = 0; i < 2; i++)
         if (rope_rotary_dim(ps[i], c->head_dim) != c->head_dim &&
             ((f->rope_style != ROPE_STYLE_PHI3 && f->rope_style != ROPE_STYLE_GLM) || gemma ||
-             c->qk_norm == LM_QK_HEAD))
+             (c->qk_norm == LM_QK_HEAD && !f->glm4_moe)))
             return ct_fail(e, CT_ERR_CONFIG,
                            "%s: \"partial_rotary_factor\" = %g with rope_type \"%s\" is not supported for model_type %s: "
                            "it rotates %d of head_dim %d, and transformers' %s attention rotates whole heads (its "
-                           "forward fails); partial RoPE is supported for model_type phi3 (default, longrope), glm "
-                           "and glm4, and the default RoPE of the other families ignores the factor",
+                           "forward fails); partial RoPE is supported for model_type phi3 (default, longrope), glm, "
+                           "glm4 and glm4_moe, and the default RoPE of the other families ignores the factor",
                            path, ps[i]->partial_rotary_factor, rope_type_name(ps[i]->type), f->type,
                            rope_rotary_dim(ps[i], c->head_dim), c->head_dim, f->type);
     c->has_rope = 1;
@@ -1042,6 +1123,7 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     if (f->moe && (rc = moe_config_from_json(c, root, mixlike, f->shared_expert, f->olmoe, f->type, path, e)))
         goto done;
     if (f->ernie_moe && (rc = ernie_moe_from_json(c, root, path, e))) goto done;
+    if (f->glm4_moe && (rc = glm4_moe_from_json(c, root, path, e))) goto done;
     if (f->olmoe) {
         /* OlmoeSparseMoeBlock in every layer, its experts intermediate_size wide: OlmoeConfig
          * has no moe_intermediate_size, decoder_sparse_step nor mlp_only_layers */
@@ -1309,6 +1391,18 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         add_float(o, "moe_norm_min", 1e-12);
         cJSON_AddBoolToObject(o, "output_router_logits", c->output_router_logits);
         add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
+    } else if (moe && f->glm4_moe) {
+        cJSON_AddNumberToObject(o, "n_routed_experts", c->n_experts);
+        cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);
+        cJSON_AddNumberToObject(o, "moe_intermediate_size", c->moe_intermediate);
+        cJSON_AddNumberToObject(o, "n_shared_experts", c->shared_intermediate / c->moe_intermediate);
+        cJSON_AddNumberToObject(o, "n_group", c->n_group);
+        cJSON_AddNumberToObject(o, "topk_group", c->topk_group);
+        add_float(o, "routed_scaling_factor", c->routed_scaling);
+        cJSON_AddNumberToObject(o, "first_k_dense_replace", c->first_k_dense);
+        cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk_prob);
+        cJSON_AddBoolToObject(o, "use_qk_norm", c->qk_norm == LM_QK_HEAD);
+        cJSON_AddNumberToObject(o, "num_nextn_predict_layers", 0); /* none written */
     } else if (moe && f->olmoe) { /* the experts' width is intermediate_size, every layer sparse */
         cJSON_AddNumberToObject(o, "num_experts", c->n_experts);
         cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);

@@ -35,7 +35,37 @@ void moe_route_bind(moe_route *r, float *mem, int N, int E, int k) {
 
 void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const float *wr, const uint16_t *wrh,
                    const float *bias, int N, int H, int E, int k, int norm) {
-    /* logits [N, E], softmaxed in place */
+    moe_router_opt o = {norm, 0, 1, 1, 1.0f};
+    moe_route_fwd_opt(kops, r, x, wr, wrh, bias, N, H, E, k, &o);
+}
+
+/* GLM-4.5's group limit: keep[g] = 1 for the topk_group groups of p + bias (E / G
+ * experts each) whose two largest scores sum highest (ties: the lower group). */
+static void moe_groups_keep(unsigned char *keep, const float *p, const float *bias, int E, int G, int topk_group) {
+    float gs[MOE_MAX_GROUPS];
+    int per = E / G;
+    for (int g = 0; g < G; g++) {
+        float a = -INFINITY, b = -INFINITY; /* the largest and the second */
+        for (int e = g * per; e < (g + 1) * per; e++) {
+            float s = bias ? p[e] + bias[e] : p[e];
+            if (s > a) b = a, a = s;
+            else if (s > b) b = s;
+        }
+        gs[g] = a + b;
+        keep[g] = 0;
+    }
+    for (int j = 0; j < topk_group; j++) {
+        int best = -1;
+        for (int g = 0; g < G; g++)
+            if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        keep[best] = 1;
+    }
+}
+
+void moe_route_fwd_opt(const kern_ops *kops, moe_route *r, const float *x, const float *wr, const uint16_t *wrh,
+                       const float *bias, int N, int H, int E, int k, const moe_router_opt *o) {
+    int norm = o->norm, G = o->n_group > 1 ? o->n_group : 1, per = E / G;
+    /* logits [N, E], turned into scores (softmax or sigmoid) in place */
     if (wrh) kops->matmul_fwd_wbf16(r->probs, x, wrh, N, H, E, 0);
     else kops->matmul_fwd(r->probs, x, wr, N, H, E, 0);
     kern_trace *kt_ = kern_trace_armed();
@@ -45,18 +75,24 @@ void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const flo
 #pragma omp for schedule(static) nowait
         for (int t = 0; t < N; t++) {
             float *p = r->probs + (size_t)t * E;
-            float mx = p[0];
-            for (int e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
-            float sum = 0;
-            for (int e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
-            for (int e = 0; e < E; e++) p[e] /= sum;
+            if (o->sigmoid) {
+                for (int e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-p[e]));
+            } else {
+                float mx = p[0];
+                for (int e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+                float sum = 0;
+                for (int e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+                for (int e = 0; e < E; e++) p[e] /= sum;
+            }
+            unsigned char keep[MOE_MAX_GROUPS] = {1}; /* [G] the groups the choice may take */
+            if (G > 1) moe_groups_keep(keep, p, bias, E, G, o->topk_group);
             float *w = r->topw + (size_t)t * k;
             int32_t *ix = r->topi + (size_t)t * k;
             float wsum = 0;
             for (int j = 0; j < k; j++) {
                 int best = -1;
                 for (int e = 0; e < E; e++) {
-                    int taken = 0;
+                    int taken = !keep[e / per];
                     for (int i = 0; i < j; i++) taken |= ix[i] == e;
                     if (!taken && (best < 0 || (bias ? p[e] + bias[e] > p[best] + bias[best] : p[e] > p[best])))
                         best = e;
@@ -65,8 +101,11 @@ void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const flo
                 w[j] = p[best];
                 wsum += p[best];
             }
+            if (norm && o->sigmoid) wsum += 1e-20f; /* Glm4MoeTopkRouter's denominator */
             if (norm)
                 for (int j = 0; j < k; j++) w[j] /= wsum;
+            if (o->sigmoid && o->scale != 1.0f) /* (moe_route_bwd's softmax path takes no scale) */
+                for (int j = 0; j < k; j++) w[j] *= o->scale;
         }
         KERN_TRACE_EXIT(kt_);
     }
@@ -88,6 +127,14 @@ void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const flo
 void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, const float *dtopw,
                    const float *dprob_all, const float *x, const float *wr, const uint16_t *wrh, const moe_route *r,
                    int N, int H, int E, int k, int norm) {
+    moe_router_opt o = {norm, 0, 1, 1, 1.0f};
+    moe_route_bwd_opt(kops, dx, dwr, dprobs, dtopw, dprob_all, x, wr, wrh, r, N, H, E, k, &o);
+}
+
+void moe_route_bwd_opt(const kern_ops *kops, float *dx, float *dwr, float *dprobs, const float *dtopw,
+                       const float *dprob_all, const float *x, const float *wr, const uint16_t *wrh,
+                       const moe_route *r, int N, int H, int E, int k, const moe_router_opt *o) {
+    int norm = o->norm;
     kern_trace *kt_ = kern_trace_armed();
 #pragma omp parallel
     {
@@ -98,6 +145,16 @@ void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, c
             const int32_t *ix = r->topi + (size_t)t * k;
             float *dp = dprobs + (size_t)t * E;
             for (int e = 0; e < E; e++) dp[e] = dprob_all ? dprob_all[e] : 0.0f;
+            if (o->sigmoid) {
+                /* w_j = c s_j / S (S = sum_i s_i + 1e-20 when norm, else w_j = c s_j): ds_j =
+                 * c (dw_j - sum_i dw_i s_i / S) / S, and dlogit = ds s (1 - s) */
+                float S = 1e-20f, dot = 0;
+                for (int j = 0; j < k; j++) S += p[ix[j]];
+                for (int j = 0; j < k; j++) dot += dw[j] * (p[ix[j]] / S);
+                for (int j = 0; j < k; j++) dp[ix[j]] += norm ? o->scale * (dw[j] - dot) / S : o->scale * dw[j];
+                for (int e = 0; e < E; e++) dp[e] *= p[e] * (1.0f - p[e]);
+                continue;
+            }
             if (norm) {
                 /* w_j = v_j / sum v: dv_j = (dw_j - sum_i dw_i w_i) / sum v, and sum v = v_j / w_j */
                 float vsum = 0, dot = 0;

@@ -33,6 +33,21 @@ size_t moe_route_floats(int N, int E, int k);
 /* Points r's arrays into mem (moe_route_floats(N, E, k) floats). */
 void moe_route_bind(moe_route *r, float *mem, int N, int E, int k);
 
+/* How a router turns its logits into choices and weights. moe_route_fwd and
+ * moe_route_bwd are {norm_topk_prob, 0, 1, 1, 1}: a softmax, no groups, no scale.
+ * GLM-4.5 (Glm4MoeTopkRouter): sigmoid scores s (fp32); the choice by s + bias,
+ * limited to the experts of the topk_group groups (of n_group equal groups of
+ * consecutive experts) whose two largest s + bias sum highest; the weights the
+ * unbiased s of the chosen, renormalised to sum 1 (norm: over sum + 1e-20) and
+ * times scale (routed_scaling_factor). */
+#define MOE_MAX_GROUPS 64
+typedef struct {
+    int norm;              /* norm_topk_prob */
+    int sigmoid;           /* scores sigmoid(logits), not softmax(logits) */
+    int n_group, topk_group; /* 1 <= topk_group <= n_group <= MOE_MAX_GROUPS, n_group | E */
+    float scale;           /* the weights' multiplier */
+} moe_router_opt;
+
 /* Router forward: probs from x[N,H] and wr[E,H] (through k->matmul_fwd, or
  * k->matmul_fwd_wbf16 on wrh, wr's bf16 store when it is a frozen one: the
  * same bits; NULL: wr is fp32), top-k, weights, and the metadata (a stable
@@ -41,6 +56,9 @@ void moe_route_bind(moe_route *r, float *mem, int N, int E, int k);
  * probabilities. */
 void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const float *wr, const uint16_t *wrh,
                    const float *bias, int N, int H, int E, int k, int norm_topk_prob);
+/* The same with any router of moe_router_opt (r->probs then holds its scores: sigmoid or softmax). */
+void moe_route_fwd_opt(const kern_ops *kops, moe_route *r, const float *x, const float *wr, const uint16_t *wrh,
+                       const float *bias, int N, int H, int E, int k, const moe_router_opt *o);
 
 /* Router backward: from dtopw[N*k] (d loss / d topw, the experts kernel's
  * output) and an optional per-expert term dprob_all[E] added to d probs of
@@ -51,6 +69,10 @@ void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const flo
 void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, const float *dtopw,
                    const float *dprob_all, const float *x, const float *wr, const uint16_t *wrh, const moe_route *r,
                    int N, int H, int E, int k, int norm_topk_prob);
+/* The same with any router of moe_router_opt (dprob_all: d of its scores). */
+void moe_route_bwd_opt(const kern_ops *kops, float *dx, float *dwr, float *dprobs, const float *dtopw,
+                       const float *dprob_all, const float *x, const float *wr, const uint16_t *wrh,
+                       const moe_route *r, int N, int H, int E, int k, const moe_router_opt *o);
 
 /* Load-balancing statistics of one layer, accumulated over the MoE layers of
  * a forward: count[e] += tokens routed to e, psum[e] += sum over tokens of

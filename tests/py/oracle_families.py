@@ -74,10 +74,15 @@ FAMILIES = {
     "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, tf.HunYuanDenseV1ForCausalLM),
     "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
     "flex_olmo": (tf.FlexOlmoConfig, tf.FlexOlmoForCausalLM),
+    "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
 }
-MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe", "flex_olmo"}
+MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe", "flex_olmo",
+       "glm4_moe"}
 # ERNIE 4.5 MoE's router selection bias: a frozen parameter in memory, its own name in the file
 ERNIE_BIAS_MEM = "mlp.gate.moe_statics.e_score_correction_bias"
+# GLM-4.5's (glm4_moe): a buffer of Glm4MoeTopkRouter, under the same name in the file
+GLM_BIAS_MEM = "mlp.gate.e_score_correction_bias"
+BIAS_MEM = (ERNIE_BIAS_MEM, GLM_BIAS_MEM)
 GEMMA = {"gemma", "gemma2", "gemma3_text", "vaultgemma"}  # RMSNorm by (1 + w)
 
 # sizes every case shares unless it overrides them
@@ -104,7 +109,7 @@ class Case:
     seed: int = 11                 # weights
     # config attributes that the export must carry back (compared on the reloaded config)
     keys: tuple = ()
-    # ERNIE 4.5 MoE: std of a random e_score_correction_bias per sparse layer (0: zero, as built)
+    # ERNIE 4.5 MoE, GLM-4.5: std of a random e_score_correction_bias per sparse layer (0: zero, as built)
     score_bias: float = 0.0
 
     @property
@@ -276,6 +281,32 @@ CASES = [
         rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
         seed=27, score_bias=0.3,
         keys=("moe_num_experts", "moe_k", "moe_layer_start_index", "router_aux_loss_coef")),
+    # ------------------------------------------------------------------ glm4_moe
+    # every GLM-4.5 feature on: layer 0 dense (first_k_dense_replace 1), layers 1-2 sparse with
+    # a sigmoid router over 8 experts in 4 groups (topk_group 2: half the experts taken out per
+    # token), top 2 renormalised then x 2.5 (routed_scaling_factor), a random
+    # e_score_correction_bias that moves the choice, 2 shared experts (width 2 x 8), q/k/v
+    # biases, per-head q/k norms, partial RoPE (the default factor 0.5 of head_dim 16)
+    Case("glm4_moe_groups_bias_qknorm", "glm4_moe", dict(
+        num_hidden_layers=3, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
+        n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=54, score_bias=0.1,
+        keys=("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",
+              "topk_group", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob", "use_qk_norm",
+              "attention_bias", "head_dim")),
+    # the other settings: no groups, weights not renormalised (x 0.5), every layer sparse, no q/k
+    # norms nor biases, partial_rotary_factor 0.75, tied, no selection bias: the layouts with
+    # data parallelism (FSDP, EP, TP) and LoRA run on this one and the first
+    Case("glm4_moe_plain_tied", "glm4_moe", dict(
+        num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        n_shared_experts=1, routed_scaling_factor=0.5, first_k_dense_replace=0, norm_topk_prob=False,
+        use_qk_norm=False, attention_bias=False, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}),
+        seed=50,
+        keys=("n_routed_experts", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob",
+              "tie_word_embeddings", "use_qk_norm")),
     # ------------------------------------------------------------------ granitemoeshared
     # granitemoe plus an ungated shared MLP (shared_intermediate_size 40, wider than the
     # experts' 24) in every layer, its gate and up rows fused in shared_mlp.input_linear
@@ -591,6 +622,11 @@ REFUSALS = [
     # renormalisation floor above moe_k / moe_num_experts (it would bind: ctitan divides by the sum)
     Refusal("ernie4_5_moe_use_bias", "ernie4_5_moe", dict(use_bias=True), "use_bias", ("ernie4_5_moe",)),
     Refusal("ernie4_5_moe_norm_min", "ernie4_5_moe", dict(moe_norm_min=0.9), "moe_norm_min", ("0.9",)),
+    # GLM-4.5's group limit: groups that do not split the experts evenly (Glm4MoeTopkRouter's view
+    # fails), and kept groups holding fewer experts than num_experts_per_tok (its top k would
+    # take masked ones)
+    Refusal("glm4_moe_n_group_uneven", "glm4_moe", dict(n_group=3), "n_group", ("3",)),
+    Refusal("glm4_moe_topk_group_small", "glm4_moe", dict(num_experts_per_tok=5), "topk_group", ("5",)),
     # q_norm spans hidden_size: a head_dim with heads x head_dim != hidden fails in transformers
     Refusal("olmoe_head_dim", "olmoe", dict(head_dim=16), "head_dim", ("olmoe",)),
     Refusal("flex_olmo_attention_dropout", "flex_olmo", dict(attention_dropout=0.1), "attention_dropout"),
@@ -743,8 +779,8 @@ def build(case: Case, seed: int | None = None):
     if case.score_bias:
         g = torch.Generator().manual_seed(1000 + case.seed)
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(ERNIE_BIAS_MEM):
+            for name, p in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(BIAS_MEM):
                     p.copy_(case.score_bias * torch.randn(p.shape, generator=g))
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -833,8 +869,8 @@ _GRANITE_FILE = {"block_sparse_moe.input_linear.weight": "gate_up", "block_spars
 def ctitan_view(family: str, files: dict) -> dict[str, np.ndarray]:
     """{safetensors file name: ndarray} -> {ctitan tensor name: ndarray}: the same but for
     GraniteMoE, whose files fuse what ctitan holds per expert."""
-    if family == "ernie4_5_moe":  # the router bias the file holds is no ctitan tensor (router_biases)
-        bias = {n for n in files if n.endswith("mlp.moe_statics.e_score_correction_bias")}
+    if family in ("ernie4_5_moe", "glm4_moe"):  # the router bias the file holds is no ctitan tensor (router_biases)
+        bias = {n for n in files if n.endswith(("mlp.moe_statics.e_score_correction_bias", GLM_BIAS_MEM))}
         assert bias, sorted(files)
         return {n: a for n, a in files.items() if n not in bias}
     return _granite_split(files, _GRANITE_FILE) if family in GRANITE_MOE else files
@@ -845,8 +881,8 @@ def to_file_names(family: str, named: dict) -> dict[str, np.ndarray]:
     (GraniteMoE: ctitan's names, ctitan_view of the file's)."""
     if family in ("qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo"):
         return oracle_moe.per_expert(named)
-    if family == "ernie4_5_moe":  # the frozen router bias is no parameter of ctitan's
-        return oracle_moe.per_expert({n: t for n, t in named.items() if not n.endswith(ERNIE_BIAS_MEM)})
+    if family in ("ernie4_5_moe", "glm4_moe"):  # the frozen router bias is no parameter of ctitan's
+        return oracle_moe.per_expert({n: t for n, t in named.items() if not n.endswith(BIAS_MEM)})
     if family == "mixtral":
         return _mixtral_files(named)
     if family in GRANITE_MOE:
@@ -902,9 +938,30 @@ def forward(model, family, tokens, labels):
 
 
 def router_biases(model) -> list:
-    """ERNIE 4.5 MoE's e_score_correction_bias [E] of each sparse layer in order (the routers'
-    order in router_logits); [] for a family without one."""
-    return [p.detach().reshape(-1).float() for n, p in model.named_parameters() if n.endswith(ERNIE_BIAS_MEM)]
+    """ERNIE 4.5 MoE's (GLM-4.5's) e_score_correction_bias [E] of each sparse layer in order (the
+    routers' order in router_logits); [] for a family without one."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [p.detach().reshape(-1).float() for n, p in named if n.endswith(BIAS_MEM)]
+
+
+def glm_router_gap(router, biases, cfg):
+    """GLM-4.5's router (Glm4MoeTopkRouter): the smallest gap, over its tokens, between the
+    topk_group-th and the next group score (the sum of a group's two best biased sigmoid scores)
+    and between the k-th and (k+1)-th biased score among the kept groups' experts."""
+    gaps = []
+    G, kg, k = cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
+    for rl, b in zip(router, biases):
+        sc = torch.sigmoid(rl.detach().float()) + b
+        gs = sc.view(sc.shape[0], G, -1).topk(2, dim=-1).values.sum(-1)
+        top = gs.sort(dim=-1, descending=True).values
+        if kg < G:
+            gaps.append(float((top[:, kg - 1] - top[:, kg]).min()))
+        keep = torch.zeros_like(gs).scatter_(1, gs.topk(kg, dim=-1).indices, 1.0)
+        masked = sc.masked_fill(~keep.repeat_interleave(sc.shape[1] // G, dim=1).bool(), float("-inf"))
+        t = masked.sort(dim=-1, descending=True).values
+        if torch.isfinite(t[:, k]).all():
+            gaps.append(float((t[:, k - 1] - t[:, k]).min()))
+    return min(gaps) if gaps else 1.0
 
 
 def _router_stats(router, k, biases=()):
@@ -921,6 +978,12 @@ def _router_stats(router, k, biases=()):
     return min(gaps) if gaps else 1.0
 
 
+def _gap(model, family, router):
+    if family == "glm4_moe":
+        return glm_router_gap(router, router_biases(model), model.config)
+    return _router_stats(router, model.config.num_experts_per_tok, router_biases(model)) if family in MOE else 1.0
+
+
 def loss_and_grads(model, family, tokens, labels):
     """As the family's ForCausalLM.forward adds it: mean CE (+ router_aux_loss_coef * aux when
     output_router_logits is on), its gradient for every parameter in file names, the CE alone,
@@ -933,7 +996,7 @@ def loss_and_grads(model, family, tokens, labels):
     grads = to_file_names(family, {n: p.grad for n, p in model.named_parameters()})
     grads = {n: g.copy() for n, g in grads.items()}
     model.zero_grad(set_to_none=True)
-    gap = _router_stats(router, model.config.num_experts_per_tok, router_biases(model)) if family in MOE else 1.0
+    gap = _gap(model, family, router)
     return {"loss": loss.item(), "ce": ce_mean.item(), "aux": None if aux is None else float(aux.detach()),
             "logits": logits.detach().numpy(), "grads": grads, "min_gap": gap}
 
@@ -971,7 +1034,7 @@ def reference_steps(model, family, mbs, *, accum, steps, run_steps, lr, betas, e
             loss.backward()
             ce_sum += ce.item()
             if family in MOE:
-                gaps.append(_router_stats(router, model.config.num_experts_per_tok, router_biases(model)))
+                gaps.append(_gap(model, family, router))
         gn = torch.nn.utils.clip_grad_norm_(params, max_norm)
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
@@ -1006,7 +1069,7 @@ def scaled_copy(model, factor):
     m = copy.deepcopy(model)
     with torch.no_grad():
         for n, p in m.named_parameters():
-            if not n.endswith(ERNIE_BIAS_MEM):
+            if not n.endswith(BIAS_MEM):
                 p.mul_(factor)
     return m
 

@@ -75,6 +75,10 @@ CASES = {  # case id: target modules
     # into the fused experts' target_parameters; o_proj's and the experts' adapters feed the
     # branches' post-norms, q_proj's / k_proj's the whole-projection q/k norms
     "flex_olmo_norm_topk_tied": OL.ALL7,
+    # GLM-4.5: q_proj / k_proj adapters through the per-head q/k norms and the partial RoPE, with
+    # the biased sigmoid group-limited router; and without q/k norms, tied
+    "glm4_moe_groups_bias_qknorm": OL.ATTN,
+    "glm4_moe_plain_tied": OL.ATTN,
 }
 
 

@@ -17,6 +17,8 @@ Interleaved1F1B's bit for bit, on the norm layouts ctitan has:
   there);
 - Qwen3: pre-norms and per-head q/k norms fused with RoPE, with full activation checkpointing
   (the norms' inputs live in the recomputation's scratch, so I copies them);
+- GLM-4.5 MoE: per-head q/k norms before a partial RoPE (the norm, then RoPE in place), and
+  FlexOlmo: the post-norm on a sparse block's summed output;
 - HunYuan dense: per-head q/k norms after RoPE (W's rmsnorm bwd_w on I's copy of R x) and
   biases on q, k, v and o, which W sums from the d(output) copies their projections' records
   already hold (model/lm.c mm_bwd_b).
@@ -38,6 +40,11 @@ CASES = {  # name: (model, ranks, data-parallel degree, extra)
     "gemma3_fsdp2": ("gemma3_text", 4, 2, ["--parallelism.data_parallel_shard_degree=2"]),
     "qwen3_ac_full": ("qwen3", 2, 1, ["--activation_checkpoint.mode=full"]),
     "hunyuan_bias": ("hunyuan_qknorm_after_rope_bias", 2, 1, []),
+    # GLM-4.5: per-head q/k norms then partial RoPE (not the fused op: norm, then RoPE in place),
+    # a dense layer 0 and sparse ones behind the sigmoid router
+    "glm4_moe": ("glm4_moe_groups_bias_qknorm", 2, 1, []),
+    # FlexOlmo: the sparse block's post-norm (post_feedforward_layernorm on the summed branch)
+    "flex_olmo": ("flex_olmo_norm_topk_tied", 2, 1, []),
 }
 
 
@@ -45,12 +52,13 @@ CASES = {  # name: (model, ranks, data-parallel degree, extra)
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("zb_norms")
     # 4 layers: PP 2 x 2 local stages, one layer a stage
-    for cid in ("olmo2", "gemma3_text", "hunyuan_qknorm_after_rope_bias"):
+    for cid in ("olmo2", "gemma3_text", "hunyuan_qknorm_after_rope_bias", "glm4_moe_groups_bias_qknorm",
+                "flex_olmo_norm_topk_tied"):
         case = of.CASE[cid]
         kw = {**case.kw, "num_hidden_layers": 4}
         if cid == "gemma3_text":
             kw["layer_types"] = ["sliding_attention", "full_attention"] * 2
-        of.save(of.build(of.Case(cid, case.family, kw, seed=case.seed)), d / cid)
+        of.save(of.build(of.Case(cid, case.family, kw, seed=case.seed, score_bias=case.score_bias)), d / cid)
     oracle.save_model(oracle.build_model(oracle.tiny_config(vocab=128, hidden=32, inter=48, layers=4, heads=4,
                                                             kv_heads=2, head_dim=8), seed=3), d / "qwen3")
     data = oracle.write_bin(d / "tokens.bin", oracle.learnable_stream(600 * 17, 128, seed=7))

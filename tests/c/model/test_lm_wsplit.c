@@ -32,7 +32,9 @@ enum {
     FAM_HUNYUAN,  /* per-head q/k norms on the rotated q and k (rmsnorm's bwd_w on R x) */
     FAM_NOPE,     /* per-head q/k norms, layer 1 without RoPE (EXAONE 4's NoPE layers: no fused op) */
     FAM_BIAS,     /* no q/k norms, biases on q/k/v, o and the MLP: W sums them from the projections' copies */
-    FAM_OLMOE,    /* pre-norms, q/k norms over the whole projection (MoE runs only with pre-norms) */
+    FAM_OLMOE,    /* pre-norms, q/k norms over the whole projection */
+    FAM_PARTIAL,  /* per-head q/k norms, then RoPE on half of each head (GLM-4.5: not the fused op) */
+    FAM_FLEX,     /* OLMo2's post-norms, with FlexOlmo's on a sparse block's output */
 };
 
 /* moe: 0 dense; 1 every other layer sparse (1 of 3: layer 1), 4 experts top 2; 2 the same with
@@ -52,6 +54,11 @@ static lm_config tiny_fam(int tied, int moe, int fam) {
     if (fam == FAM_HUNYUAN) c.qk_norm_after_rope = 1;
     if (fam == FAM_NOPE) c.layer_nope[1] = 1;
     if (fam == FAM_OLMOE) c.qk_norm = LM_QK_PROJ;
+    if (fam == FAM_PARTIAL) { /* default RoPE of factor 0.5 (lm.c rope_default's fields otherwise) */
+        c.has_rope = 1, c.rope.type = ROPE_DEFAULT, c.rope.theta = c.rope_theta, c.rope.partial_rotary_factor = 0.5;
+        c.rope_local = c.rope;
+    }
+    if (fam == FAM_FLEX) c.norm_place = LM_NORM_POST, c.qk_norm = LM_QK_PROJ;
     if (fam == FAM_BIAS) c.qk_norm = LM_QK_NONE, c.qkv_bias = c.o_bias = c.mlp_bias = 1;
     snprintf(c.name, sizeof c.name, "tiny");
     c.lazy_buffers = 1;
@@ -187,7 +194,7 @@ int main(void) {
     check_split_k(0, 2, 1, 3, 1); /* the grouped experts (op_moe_experts_bwd_w's own GEMMs) */
     check_split_k(0, 1, 0, 2, 2);
     /* the norms' weight gradients in W, every layout, the references and this machine's kernels */
-    for (int fam = FAM_QWEN3; fam <= FAM_OLMOE; fam++)
+    for (int fam = FAM_QWEN3; fam <= FAM_FLEX; fam++)
         for (int kmode = 0; kmode < 2; kmode++) {
             check_split_f(0, 0, 0, 3, kmode, fam, NULL); /* the final norm and layer 0's too */
             check_split_f(0, 0, 1, 2, kmode, fam, NULL);
@@ -199,6 +206,8 @@ int main(void) {
     check_split_f(0, 2, 0, 3, 0, FAM_NOPE, "op");
     check_split_f(0, 0, 0, 3, 1, FAM_GEMMA, "op");
     check_split_f(0, 0, 0, 3, 0, FAM_HUNYUAN, "2");
+    check_split_f(0, 1, 0, 3, 1, FAM_PARTIAL, "full");
+    check_split_f(0, 1, 0, 3, 1, FAM_FLEX, "op");
     /* bf16 mixed precision (the norms stay fp32; their d(output) comes from bf16 products) */
     check_split_f(0, 0, 0, 3, 2, FAM_GEMMA, NULL);
     check_split_f(0, 1, 0, 3, 2, FAM_OLMOE, "full");

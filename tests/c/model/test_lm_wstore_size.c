@@ -23,7 +23,9 @@
 #include "check.h"
 #include "model/lm.h"
 
-static void check_store(int H, int I, int L, int B, int T, int l0, int l1, int E, int k) {
+/* post: OLMo2's post-norms (FlexOlmo's on a sparse block's output too): two norms a layer as
+ * the pre-norms' input and post-attention ones, each over H */
+static void check_store(int H, int I, int L, int B, int T, int l0, int l1, int E, int k, int post) {
     lm_config c;
     memset(&c, 0, sizeof c);
     c.vocab_size = 29, c.hidden = H, c.intermediate = I, c.n_layers = L, c.n_heads = 2, c.n_kv_heads = 1;
@@ -31,6 +33,7 @@ static void check_store(int H, int I, int L, int B, int T, int l0, int l1, int E
     c.lazy_buffers = 1;
     if (E) c.n_experts = E, c.top_k = k, c.moe_intermediate = I / 2 + 4, c.norm_topk_prob = 1;
     if (E) c.decoder_sparse_step = 2;
+    if (post) c.norm_place = LM_NORM_POST;
     snprintf(c.name, sizeof c.name, "tiny");
     lm_model m;
     ct_err e;
@@ -68,10 +71,10 @@ static void check_store(int H, int I, int L, int B, int T, int l0, int l1, int E
         m.wdefer = &st;
         lm_stage_backward(&m, l0, l1, tok, lab, l1 == L ? NULL : dy, din, B, T, 1.0f / 32, NULL);
         m.wdefer = NULL;
-        CHECK(st.used == want, "H %d I %d E %d BT %zu layers [%d, %d): I recorded %zu floats, the layers' inputs "
-              "and d(outputs) are %zu", H, I, E, BT, l0, l1, st.used, want);
-        CHECK(st.peak == lm_wstore_floats(&m, l0, l1, BT), "H %d I %d E %d BT %zu layers [%d, %d): peak %zu floats, "
-              "lm_wstore_floats %zu", H, I, E, BT, l0, l1, st.peak, lm_wstore_floats(&m, l0, l1, BT));
+        CHECK(st.used == want, "H %d I %d E %d BT %zu layers [%d, %d) post %d: I recorded %zu floats, the layers' "
+              "inputs and d(outputs) are %zu", H, I, E, BT, l0, l1, post, st.used, want);
+        CHECK(st.peak == lm_wstore_floats(&m, l0, l1, BT), "H %d I %d E %d BT %zu layers [%d, %d) post %d: peak %zu "
+              "floats, lm_wstore_floats %zu", H, I, E, BT, l0, l1, post, st.peak, lm_wstore_floats(&m, l0, l1, BT));
         int sparse = 0;
         for (int l = l0; l < l1; l++) sparse += lm_layer_is_moe(&c, l);
         CHECK(st.n_experts == sparse, "E %d layers [%d, %d): %d experts records, %d sparse layers", E, l0, l1,
@@ -89,10 +92,12 @@ int main(void) {
     static const int shapes[][4] = {{16, 24, 2, 8}, {16, 40, 1, 5}, {24, 24, 2, 3}, {24, 56, 3, 7}, {32, 16, 1, 9}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int *q = shapes[s];
-        check_store(q[0], q[1], 4, q[2], q[3], 1, 3, 0, 0); /* a middle stage of two layers */
-        check_store(q[0], q[1], 4, q[2], q[3], 0, 4, 0, 0); /* the whole model: the head's dW stays in I */
-        check_store(q[0], q[1], 4, q[2], q[3], 1, 4, 4 + (int)s, 1 + (int)s % 3); /* MoE: layers 1 and 3 sparse */
-        check_store(q[0], q[1], 4, q[2], q[3], 0, 4, 8, 2);
+        for (int post = 0; post < 2; post++) {
+            check_store(q[0], q[1], 4, q[2], q[3], 1, 3, 0, 0, post); /* a middle stage of two layers */
+            check_store(q[0], q[1], 4, q[2], q[3], 0, 4, 0, 0, post); /* the whole model: the head's dW in I */
+            check_store(q[0], q[1], 4, q[2], q[3], 1, 4, 4 + (int)s, 1 + (int)s % 3, post); /* layers 1, 3 sparse */
+            check_store(q[0], q[1], 4, q[2], q[3], 0, 4, 8, 2, post);
+        }
     }
     return CHECK_DONE();
 }
