@@ -1012,6 +1012,9 @@ static void write_exit_event(trainer *t, int rc, const ct_err *e) {
     }
     cJSON_AddNumberToObject(o, "wall_s", ev_wall_time() - t->t_launch);
     cJSON_AddNumberToObject(o, "cpu_s", ev_cpu_seconds());
+    /* what the checkpoints held the step loop up (async_mode: the stage, then the waits) */
+    cJSON_AddNumberToObject(o, "ckpt_save_s", t->ckpt_save_s);
+    cJSON_AddNumberToObject(o, "ckpt_wait_s", t->ckpt_wait_s);
     double j = ev_energy_since(&t->energy);
     if (j >= 0) cJSON_AddNumberToObject(o, "energy_j", j);
     else cJSON_AddStringToObject(o, "energy_unavailable", t->energy.why);

@@ -65,6 +65,9 @@ typedef struct {
         int pending;
         int step; /* the step it saves */
     } async_save;
+    /* the seconds this rank's step loop spent in checkpoint saves, for events.jsonl's exit line: */
+    double ckpt_save_s; /* saving (a synchronous save, gather and write) or staging (async_mode) */
+    double ckpt_wait_s; /* waiting for the save a background thread writes (trainer_save_wait) */
 } trainer;
 
 /* Takes ownership of *cfg (the caller must not free it). Builds the model from

@@ -1253,7 +1253,11 @@ static int save_checkpoint(trainer *t, const ds *data, int model_only, trainer_c
 
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     int rc = trainer_save_wait(t, 1, e); /* one save at a time: the one in the background first */
-    return rc ? rc : save_checkpoint(t, data, model_only, NULL, e);
+    if (rc) return rc;
+    double t0 = ct_now();
+    rc = save_checkpoint(t, data, model_only, NULL, e);
+    t->ckpt_save_s += ct_now() - t0;
+    return rc;
 }
 
 static int async_on(const ct_config *c) { return c->ckpt_async_mode && strcmp(c->ckpt_async_mode, "disabled"); }
@@ -1266,6 +1270,7 @@ int trainer_save_async(trainer *t, const ds *data, ct_err *e) {
     trainer_ckpt_job *j = ct_calloc(1, sizeof *j);
     rc = save_checkpoint(t, data, 0, j, e);
     if (rc || t->world->rank != 0) { /* only rank 0 writes; every rank waits for it at the same points */
+        t->ckpt_save_s += ct_now() - t0;
         job_free(j);
         if (!rc) t->async_save.pending = 1, t->async_save.step = t->step;
         return rc;
@@ -1302,11 +1307,11 @@ int trainer_save_async(trainer *t, const ds *data, ct_err *e) {
     t->async_save.job = j;
     t->async_save.pending = 1;
     t->async_save.step = t->step;
+    t->ckpt_save_s += ct_now() - t0; /* the stage and the thread's start */
     return 0;
 }
 
-int trainer_save_wait(trainer *t, int collective, ct_err *e) {
-    if (!t->async_save.pending) return 0;
+static int save_wait(trainer *t, int collective, ct_err *e) {
     trainer_ckpt_job *j = t->async_save.job;
     int step = t->async_save.step, rc = 0;
     t->async_save.job = NULL;
@@ -1336,6 +1341,14 @@ int trainer_save_wait(trainer *t, int collective, ct_err *e) {
         rc = ct_fail(e, CT_ERR_IO, "checkpoint step %d (written in the background): rank 0 could not write it (its "
                      "error says why)", step);
     }
+    return rc;
+}
+
+int trainer_save_wait(trainer *t, int collective, ct_err *e) {
+    if (!t->async_save.pending) return 0;
+    double t0 = ct_now(); /* the join on rank 0, the outcome's all-reduce on every rank */
+    int rc = save_wait(t, collective, e);
+    t->ckpt_wait_s += ct_now() - t0;
     return rc;
 }
 
