@@ -127,7 +127,7 @@ int cli_train(int argc, char **argv) {
      * disk: one may fail alone (a broken copy of the file, a kernel its CPU lacks),
      * and a config error is rank 0's to print. Agreed here, so that no rank goes on
      * into the trainer's collectives without the others, and rank 0 prints it. */
-    rc = trainer_agree_world(&world, rc, "check its config, kernels and data", &e);
+    rc = comm_agree(&world, rc, "check its config, kernels and data", &e);
     if (rc) {
         cfg_free(&cfg);
         return finish(&world, err, rc, &e);

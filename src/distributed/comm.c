@@ -141,6 +141,30 @@ void comm_range_i64(ct_comm *c, const int64_t *x, int64_t *lo, int64_t *hi, size
     free(r);
 }
 
+int comm_agree(ct_comm *w, int rc, const char *what, ct_err *e) {
+    if (w->size <= 1) return rc;
+    int32_t r[2] = {rc, rc ? -w->rank : INT32_MIN}; /* MAX: any failure, and the lowest failing rank */
+    comm_allreduce(w, r, 2, COMM_I32, COMM_MAX);
+    if (!r[0]) return 0;
+    int first = -r[1];
+    int32_t why[1 + sizeof e->msg / sizeof(int32_t)] = {0}; /* its code and message */
+    _Static_assert(sizeof e->msg % sizeof(int32_t) == 0, "the message travels as whole int32s");
+    if (w->rank == first) {
+        why[0] = rc;
+        memcpy(why + 1, e->msg, sizeof e->msg);
+    }
+    comm_broadcast(w, why, sizeof why / sizeof why[0], COMM_I32, first);
+    char msg[sizeof e->msg];
+    memcpy(msg, why + 1, sizeof msg);
+    msg[sizeof msg - 1] = 0;
+    if (w->rank == 0 && first != 0)
+        rc = ct_fail(e, why[0], "rank %d of %d failed to %s: %s", first, w->size, what, msg);
+    else if (!rc)
+        rc = ct_fail(e, why[0], "rank %d failed to %s (rank 0 prints its error)", first, what);
+    e->all_ranks = 1;
+    return rc;
+}
+
 static size_t sum_counts(const ct_comm *c, const size_t *counts) {
     size_t n = 0;
     for (int r = 0; r < c->size; r++) n += counts[r];

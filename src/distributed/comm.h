@@ -107,6 +107,13 @@ void comm_all_to_all(ct_comm *c, void *out, const void *in, size_t n, comm_dtype
  * lo[i] == hi[i]. For the ranks to check they agree on what each read for
  * itself (a config, a checkpoint, a data file); no x[i] may be INT64_MIN. */
 void comm_range_i64(ct_comm *c, const int64_t *x, int64_t *lo, int64_t *hi, size_t n);
+/* Every rank learns whether any failed (rc != 0) at a point every rank reaches
+ * (what: "open its data", "plan its pipeline"), so that none waits in the next
+ * collective; every rank calls it, a failed one too. The lowest failing rank's
+ * error reaches rank 0, whose message is the one printed; the failure becomes
+ * a verdict every rank has (e->all_ranks). Returns the code to end with: this
+ * rank's own, or the relayed error's (train/trainer.h trainer_agree). */
+int comm_agree(ct_comm *w, int rc, const char *what, ct_err *e);
 /* Counts and displacements in elements, [size] each. */
 void comm_all_to_allv(ct_comm *c, void *out, const size_t *rcounts, const size_t *rdispls, const void *in,
                       const size_t *scounts, const size_t *sdispls, comm_dtype t);

@@ -49,7 +49,24 @@ int plan_local_model(ct_plan *p, lm_config *mc, int grad_accum, int val_batch, i
         if ((rc = plan_check_pipeline(c, val_batch, where, e))) return rc;
         p->pp = ct_calloc(1, sizeof *p->pp);
         int M = grad_accum * (c->local_batch_size / c->pp_microbatch);
-        if ((rc = pp_plan(p->pp, c, mc, p->mesh.pp, p->mesh.pp_rank, M, where, e))) return rc;
+        rc = pp_plan(p->pp, c, mc, p->mesh.pp, p->mesh.pp_rank, M, where, e);
+        /* each rank reads its own copy of pipeline_parallel_schedule_csv: one missing or refused
+         * on one machine alone left the others waiting in comm_split below (rank 0 prints the
+         * lowest failing rank's error), and copies read to other orders ran rows that their
+         * neighbours did not expect (hung, or took one micro-batch's gradient for another's,
+         * at exit 0): the ranks compare every rank's order (pp_sched.digest) */
+        if (p->mesh.world && (rc = comm_agree(p->mesh.world, rc, "plan its pipeline", e))) return rc;
+        if (rc) return rc;
+        int64_t v = (int64_t)(p->pp->digest >> 2), lo, hi; /* 62 bits: its negation fits */
+        if (p->mesh.world) comm_range_i64(p->mesh.world, &v, &lo, &hi, 1);
+        else lo = hi = v;
+        if (lo != hi) {
+            ct_fail(e, CT_ERR_CONFIG, "%s: parallelism.pipeline_parallel_schedule_csv: the ranks read different "
+                    "orders from their copies of the file (\"%s\" on this rank): every machine must hold the same "
+                    "file", cfg_origin(c, "parallelism.pipeline_parallel_schedule_csv"), c->pp_csv);
+            e->all_ranks = 1; /* every rank knows it from the all-reduce */
+            return CT_ERR_CONFIG;
+        }
         pp_hold(p->pp, mc);
         *batch = c->pp_microbatch;
         /* the ranks of the first and last stages: a tied embedding's two copies (one rank under the V) */

@@ -837,6 +837,15 @@ int pp_plan(pp_sched *p, const ct_config *c, const lm_config *mc, int P, int ran
         free(stuck);
         return CT_ERR_CONFIG;
     }
+    /* every rank's order, hashed: each reads its own copy of a CSV, and one read other orders
+     * (its rows misrouted the gradients or hung the pipeline); plan_local_model compares it */
+    p->digest = 14695981039346656037ull;
+    for (int r = 0; r < P; r++)
+        for (int k = -1; k < len[r]; k++) {
+            int w[3] = {len[r], r, 0};
+            if (k >= 0) w[0] = ord[r][k].kind, w[1] = ord[r][k].stage, w[2] = ord[r][k].mb;
+            for (int j = 0; j < 3; j++) p->digest = (p->digest ^ (uint32_t)w[j]) * 1099511628211ull;
+        }
     p->n_act = len[rank];
     p->act = ord[rank]; /* this rank's, kept */
     send_orders(p, ord, len);

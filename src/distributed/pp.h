@@ -126,6 +126,7 @@ typedef struct {
                             rank's order: the order its messages leave in (a receiver posts in it) */
     double bubble;       /* simulated share of idle rank-time in a step */
     int max_banks;       /* most forwards of this rank in flight at once (activation banks) */
+    uint64_t digest;     /* every rank's order hashed (the CSV's or the name's): the ranks compare it */
     /* run time (pp_bind) */
     ct_comm *comm;       /* one pipeline: rank v % P holds virtual stage v */
     fsdp *fsdp;          /* the stage's FSDP (NULL: none): each action is one of its micro-batches */

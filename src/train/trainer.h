@@ -116,13 +116,6 @@ int trainer_model_config(const ct_config *cfg, lm_config *mc, ct_err *e);
 int trainer_check_kernels(const ct_config *c, ct_err *e);
 /* Warns (stderr) when training.seq_len exceeds the model's positions (lm_position_limit). */
 void trainer_warn_positions(const ct_config *c, const lm_config *mc);
-/* Every rank of w calls it at the same point with its own rc (0 or an error):
- * each learns whether any failed, and rank 0's error becomes the lowest failing
- * rank's ("rank R of N failed to WHAT: ..."), marked all_ranks, so that an error
- * one rank meets alone (its own copy of a file, its own CPU) is printed once and
- * ends every rank without an abort. cli/cmd_train.c's checks, before any trainer
- * exists, and the trainer's own agreement points (trainer_agree). */
-int trainer_agree_world(ct_comm *w, int rc, const char *what, ct_err *e);
 /* model.hf_assets_path and checkpoint.initial_load_path as local directories into
  * cfg->hf_assets_dir / initial_load_dir: a directory as it is, a Hugging Face Hub id
  * (at model.hf_revision) as its snapshot in the Hub cache, fetched when missing: config.json

@@ -602,31 +602,8 @@ static int pick_newest(trainer *t, resume_pick *p, shared_verify *sv, const int 
  * folder or a data file on each machine's disk, another run's or another model's
  * on one of them) was otherwise printed nowhere. Returns the code to end with:
  * this rank's own, or the relayed error's. */
-int trainer_agree(trainer *t, int rc, const char *what, ct_err *e) { return trainer_agree_world(t->world, rc, what, e); }
+int trainer_agree(trainer *t, int rc, const char *what, ct_err *e) { return comm_agree(t->world, rc, what, e); }
 
-int trainer_agree_world(ct_comm *w, int rc, const char *what, ct_err *e) {
-    if (w->size <= 1) return rc;
-    int32_t r[2] = {rc, rc ? -w->rank : INT32_MIN}; /* MAX: any failure, and the lowest failing rank */
-    comm_allreduce(w, r, 2, COMM_I32, COMM_MAX);
-    if (!r[0]) return 0;
-    int first = -r[1];
-    int32_t why[1 + sizeof e->msg / sizeof(int32_t)] = {0}; /* its code and message */
-    _Static_assert(sizeof e->msg % sizeof(int32_t) == 0, "the message travels as whole int32s");
-    if (w->rank == first) {
-        why[0] = rc;
-        memcpy(why + 1, e->msg, sizeof e->msg);
-    }
-    comm_broadcast(w, why, sizeof why / sizeof why[0], COMM_I32, first);
-    char msg[sizeof e->msg];
-    memcpy(msg, why + 1, sizeof msg);
-    msg[sizeof msg - 1] = 0;
-    if (w->rank == 0 && first != 0)
-        rc = ct_fail(e, why[0], "rank %d of %d failed to %s: %s", first, w->size, what, msg);
-    else if (!rc)
-        rc = ct_fail(e, why[0], "rank %d failed to %s (rank 0 prints its error)", first, what);
-    e->all_ranks = 1;
-    return rc;
-}
 
 /* Every rank reads its own copy of --config and its own command line (mpirun's
  * MPMD form gives each machine its own): a rank given another recipe (a batch
