@@ -1348,6 +1348,7 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
     CKPT_SAME(n_group, "n_group")
     CKPT_SAME(topk_group, "topk_group")
     CKPT_SAME(routed_scaling, "routed_scaling_factor")
+    CKPT_SAME(moe_norm_min, "moe_norm_min")
     CKPT_SAME(decoder_sparse_step, emoe ? "moe_layer_interval" : "decoder_sparse_step")
     CKPT_SAME(shared_intermediate, emoe ? "the shared experts' width (moe_num_shared_experts x moe_intermediate_size)"
                                    : !strcmp(now, "glm4_moe") ? "the shared experts' width (n_shared_experts x "

@@ -133,6 +133,8 @@ typedef struct {
     int router_sigmoid;
     int n_group, topk_group;  /* 0 or 1, 1: no groups */
     double routed_scaling;    /* routed_scaling_factor */
+    double moe_norm_min;      /* ernie4_5_moe's moe_norm_min: the renormalising sum clamped to at least
+                                 this (0 elsewhere: divided by the sum itself) */
     int first_k_dense;        /* first_k_dense_replace (the export's key; the rule is in mlp_only_layers) */
     int mtp_layers;           /* num_nextn_predict_layers: the files' layers n_layers .. n_layers + this - 1
                                  are GLM-4.5's multi-token-prediction modules, skipped on load as

@@ -6,6 +6,7 @@
  * (attention bias, sliding windows, RoPE scaling): silently training a
  * different model than the checkpoint describes is the worst failure. RoPE
  * theta is always taken from the file, never from a flavor. */
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -60,7 +61,8 @@ int lm_shared_experts_ungated(const lm_config *c) {
 
 moe_router_opt lm_router_opt(const lm_config *c) {
     moe_router_opt o = {c->norm_topk_prob, c->router_sigmoid, c->n_group > 1 ? c->n_group : 1,
-                        c->topk_group > 1 ? c->topk_group : 1, c->routed_scaling > 0 ? (float)c->routed_scaling : 1.0f};
+                        c->topk_group > 1 ? c->topk_group : 1, c->routed_scaling > 0 ? (float)c->routed_scaling : 1.0f,
+                        (float)c->moe_norm_min};
     return o;
 }
 
@@ -394,11 +396,11 @@ static int ernie_moe_from_json(lm_config *c, const cJSON *root, const char *path
         return ct_fail(e, CT_ERR_CONFIG, "%s: \"moe_num_shared_experts\" = %d is out of range", path, n_shared);
     if (interval < 1)
         return ct_fail(e, CT_ERR_CONFIG, "%s: \"moe_layer_interval\" must be >= 1, got %d", path, interval);
-    /* the top k of a softmax sum to at least k / E, so a smaller floor never binds */
-    if (!(norm_min >= 0) || norm_min > (double)c->top_k / c->n_experts)
-        return ct_fail(e, CT_ERR_CONFIG, "%s: \"moe_norm_min\" = %g is not supported (a floor above moe_k / "
-                       "moe_num_experts = %g would bind; ctitan renormalises by the sum itself)", path, norm_min,
-                       (double)c->top_k / c->n_experts);
+    /* torch.clamp(sum, min=moe_norm_min): a negative or NaN floor is no floor transformers means */
+    if (!(norm_min >= 0) || norm_min > FLT_MAX)
+        return ct_fail(e, CT_ERR_CONFIG, "%s: \"moe_norm_min\" = %g is not supported (need a finite floor >= 0)",
+                       path, norm_min);
+    c->moe_norm_min = norm_min;
     c->shared_intermediate = n_shared * c->moe_intermediate;
     c->decoder_sparse_step = interval;
     c->moe_layer_start = start;
@@ -1388,7 +1390,7 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         cJSON_AddNumberToObject(o, "moe_layer_start_index", c->moe_layer_start);
         cJSON_AddNumberToObject(o, "moe_layer_end_index", c->moe_layer_end);
         cJSON_AddNumberToObject(o, "moe_layer_interval", c->decoder_sparse_step);
-        add_float(o, "moe_norm_min", 1e-12);
+        add_float(o, "moe_norm_min", c->moe_norm_min);
         cJSON_AddBoolToObject(o, "output_router_logits", c->output_router_logits);
         add_float(o, "router_aux_loss_coef", c->router_aux_loss_coef);
     } else if (moe && f->glm4_moe) {

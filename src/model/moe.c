@@ -35,7 +35,7 @@ void moe_route_bind(moe_route *r, float *mem, int N, int E, int k) {
 
 void moe_route_fwd(const kern_ops *kops, moe_route *r, const float *x, const float *wr, const uint16_t *wrh,
                    const float *bias, int N, int H, int E, int k, int norm) {
-    moe_router_opt o = {norm, 0, 1, 1, 1.0f};
+    moe_router_opt o = {norm, 0, 1, 1, 1.0f, 0.0f};
     moe_route_fwd_opt(kops, r, x, wr, wrh, bias, N, H, E, k, &o);
 }
 
@@ -102,6 +102,7 @@ void moe_route_fwd_opt(const kern_ops *kops, moe_route *r, const float *x, const
                 wsum += p[best];
             }
             if (norm && o->sigmoid) wsum += 1e-20f; /* Glm4MoeTopkRouter's denominator */
+            if (norm && !o->sigmoid && wsum < o->norm_min) wsum = o->norm_min; /* Ernie4_5_MoeTopKRouter's clamp */
             if (norm)
                 for (int j = 0; j < k; j++) w[j] /= wsum;
             if (o->sigmoid && o->scale != 1.0f) /* (moe_route_bwd's softmax path takes no scale) */
@@ -127,7 +128,7 @@ void moe_route_fwd_opt(const kern_ops *kops, moe_route *r, const float *x, const
 void moe_route_bwd(const kern_ops *kops, float *dx, float *dwr, float *dprobs, const float *dtopw,
                    const float *dprob_all, const float *x, const float *wr, const uint16_t *wrh, const moe_route *r,
                    int N, int H, int E, int k, int norm) {
-    moe_router_opt o = {norm, 0, 1, 1, 1.0f};
+    moe_router_opt o = {norm, 0, 1, 1, 1.0f, 0.0f};
     moe_route_bwd_opt(kops, dx, dwr, dprobs, dtopw, dprob_all, x, wr, wrh, r, N, H, E, k, &o);
 }
 
@@ -162,7 +163,11 @@ void moe_route_bwd_opt(const kern_ops *kops, float *dx, float *dwr, float *dprob
                     vsum += p[ix[j]];
                     dot += dw[j] * w[j];
                 }
-                for (int j = 0; j < k; j++) dp[ix[j]] += (dw[j] - dot) / vsum;
+                /* under ERNIE's clamp (sum v < norm_min) w_j = v_j / norm_min, a constant: dv_j = dw_j / norm_min */
+                if (vsum < o->norm_min)
+                    for (int j = 0; j < k; j++) dp[ix[j]] += dw[j] / o->norm_min;
+                else
+                    for (int j = 0; j < k; j++) dp[ix[j]] += (dw[j] - dot) / vsum;
             } else {
                 for (int j = 0; j < k; j++) dp[ix[j]] += dw[j];
             }

@@ -34,7 +34,7 @@ size_t moe_route_floats(int N, int E, int k);
 void moe_route_bind(moe_route *r, float *mem, int N, int E, int k);
 
 /* How a router turns its logits into choices and weights. moe_route_fwd and
- * moe_route_bwd are {norm_topk_prob, 0, 1, 1, 1}: a softmax, no groups, no scale.
+ * moe_route_bwd are {norm_topk_prob, 0, 1, 1, 1, 0}: a softmax, no groups, no scale, no floor.
  * GLM-4.5 (Glm4MoeTopkRouter): sigmoid scores s (fp32); the choice by s + bias,
  * limited to the experts of the topk_group groups (of n_group equal groups of
  * consecutive experts) whose two largest s + bias sum highest; the weights the
@@ -46,6 +46,7 @@ typedef struct {
     int sigmoid;           /* scores sigmoid(logits), not softmax(logits) */
     int n_group, topk_group; /* 1 <= topk_group <= n_group <= MOE_MAX_GROUPS, n_group | E */
     float scale;           /* the weights' multiplier */
+    float norm_min;        /* softmax with norm: weights / max(sum, norm_min) (ERNIE 4.5 MoE's moe_norm_min) */
 } moe_router_opt;
 
 /* Router forward: probs from x[N,H] and wr[E,H] (through k->matmul_fwd, or

@@ -281,6 +281,15 @@ CASES = [
         rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
         seed=27, score_bias=0.3,
         keys=("moe_num_experts", "moe_k", "moe_layer_start_index", "router_aux_loss_coef")),
+    # the same with moe_norm_min 0.6 (above k / E = 0.5): Ernie4_5_MoeTopKRouter divides the
+    # chosen probabilities by max(sum, 0.6), which binds on many tokens (their top 2, or the
+    # biased choice, sum under 0.6) and not on others (test_families_ernie4_5_moe counts them)
+    Case("ernie4_5_moe_norm_min_binds", "ernie4_5_moe", dict(
+        num_hidden_layers=2, moe_num_experts=4, moe_k=2, moe_intermediate_size=8, moe_num_shared_experts=3,
+        moe_layer_start_index=0, output_router_logits=True, router_aux_loss_coef=0.05, tie_word_embeddings=False,
+        moe_norm_min=0.6, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=27, score_bias=0.3,
+        keys=("moe_norm_min", "moe_num_experts", "moe_k")),
     # ------------------------------------------------------------------ glm4_moe
     # every GLM-4.5 feature on: layer 0 dense (first_k_dense_replace 1), layers 1-2 sparse with
     # a sigmoid router over 8 experts in 4 groups (topk_group 2: half the experts taken out per
@@ -296,6 +305,20 @@ CASES = [
         keys=("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",
               "topk_group", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob", "use_qk_norm",
               "attention_bias", "head_dim")),
+    # the first case's router, q/k norms and biases under a yarn RoPE on the rotated half of each
+    # head (Glm4MoeRotaryEmbedding's yarn init reads partial_rotary_factor 0.5: 8 of head_dim 16,
+    # 4 frequencies; theta 1e3 and original_max_position_embeddings 64 put them across yarn's
+    # ramp: the fastest kept, the next half interpolated, the two slowest / 4) and yarn's
+    # attention factor (0.1 ln 4 + 1) on cos / sin, the 8 passed features unscaled
+    Case("glm4_moe_yarn_groups_qknorm", "glm4_moe", dict(
+        num_hidden_layers=3, head_dim=16, max_position_embeddings=256, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e3, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5}),
+        seed=55, score_bias=0.1,
+        keys=("rope_parameters", "use_qk_norm", "head_dim", "n_group", "topk_group")),
     # the other settings: no groups, weights not renormalised (x 0.5), every layer sparse, no q/k
     # norms nor biases, partial_rotary_factor 0.75, tied, no selection bias: the layouts with
     # data parallelism (FSDP, EP, TP) and LoRA run on this one and the first
@@ -619,9 +642,9 @@ REFUSALS = [
     # clip_qkv clamps q, k and v (test_families_olmoe shows it moves transformers' output)
     Refusal("olmoe_clip_qkv", "olmoe", dict(clip_qkv=0.05), "clip_qkv", ("0.05",)),
     # ERNIE 4.5 MoE: biases on every Linear (its shared experts' and lm_head's too), and a
-    # renormalisation floor above moe_k / moe_num_experts (it would bind: ctitan divides by the sum)
+    # negative renormalisation floor (torch.clamp's min below any sum: no floor a file means)
     Refusal("ernie4_5_moe_use_bias", "ernie4_5_moe", dict(use_bias=True), "use_bias", ("ernie4_5_moe",)),
-    Refusal("ernie4_5_moe_norm_min", "ernie4_5_moe", dict(moe_norm_min=0.9), "moe_norm_min", ("0.9",)),
+    Refusal("ernie4_5_moe_norm_min_negative", "ernie4_5_moe", dict(moe_norm_min=-0.5), "moe_norm_min", ("-0.5",)),
     # GLM-4.5's group limit: groups that do not split the experts evenly (Glm4MoeTopkRouter's view
     # fails), and kept groups holding fewer experts than num_experts_per_tok (its top k would
     # take masked ones)

@@ -257,3 +257,83 @@ def test_new_families_more_layouts(data, name):
     run(n, train_args(m, tokens, out, *extra, *eps, dp=dp), timeout=300)
     assert_same(out, ref, name)
     assert_same_norms(out, ref, name)
+
+
+# ERNIE 4.5 MoE and GLM-4.5 with the e_score_correction_bias on, loaded from transformers'
+# files (ctitan's own init has no bias to route by): each CP rank routes its chunks' tokens
+# by every sparse layer's bias, the aux loss (ERNIE's cases) sums the ranks' chunks; under
+# PP each stage reads its layers' biases, and zero-bubble W takes the experts' and the norms'
+# deferred weight gradients. (case, its changes (score_bias, config kwargs), ranks, args)
+PP2 = ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_microbatch_size=1",
+       "--training.local_batch_size=1"]
+# headtail: the all-gather (the default rotate method) with the default head-tail balancer;
+# ring: the all-to-all ring, balanced head-tail and (nolb) not
+BIAS03 = {"score_bias": 0.3}
+BIASED_MOE_LAYOUTS = {
+    "ernie4_5_moe_bias_cp2_headtail": ("ernie4_5_moe_score_bias", {}, 2, CP2),
+    "ernie4_5_moe_bias_cp2_ring": ("ernie4_5_moe_score_bias", {}, 2, CP2 + [A2A]),
+    "ernie4_5_moe_bias_cp2_ring_nolb": ("ernie4_5_moe_score_bias", {}, 2, CP2 + [A2A, NOLB]),
+    "ernie4_5_moe_bias_pp2": ("ernie4_5_moe_score_bias", {}, 2, PP2),
+    # 4 layers (dense, sparse, dense, sparse): ZBVZeroBubble's four stages of a layer each
+    "ernie4_5_moe_interval2_bias_pp2_zbv": ("ernie4_5_moe_interval2_aux", BIAS03, 2,
+                                            PP2 + ["--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"]),
+    "ernie4_5_moe_interval2_bias_pp2_izb": ("ernie4_5_moe_interval2_aux", BIAS03, 2,
+                                            PP2 + ["--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble"]),
+    "ernie4_5_moe_interval2_bias_pp2_cp2": ("ernie4_5_moe_interval2_aux", BIAS03, 4, PP2 + CP2 + [A2A]),
+    # moe_norm_min 0.6 binding on many tokens (test_families_ernie4_5_moe), each rank's chunks clamped
+    "ernie4_5_moe_norm_min_cp2_ring": ("ernie4_5_moe_norm_min_binds", {}, 2, CP2 + [A2A]),
+    "ernie4_5_moe_norm_min_pp2": ("ernie4_5_moe_norm_min_binds", {}, 2, PP2),
+    "glm4_moe_bias_cp2_headtail": ("glm4_moe_groups_bias_qknorm", {}, 2, CP2),
+    "glm4_moe_bias_cp2_ring": ("glm4_moe_groups_bias_qknorm", {}, 2, CP2 + [A2A]),
+    "glm4_moe_bias_cp2_ring_nolb": ("glm4_moe_groups_bias_qknorm", {}, 2, CP2 + [A2A, NOLB]),
+    # 3 layers: refused (test_biased_moe_zbv_three_layers_refused); 4: dense, sparse x 3
+    "glm4_moe_l4_bias_pp2_zbv": ("glm4_moe_groups_bias_qknorm", {"num_hidden_layers": 4}, 2,
+                                 PP2 + ["--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"]),
+}
+
+
+def _biased_model(d, cid, change):
+    """The case's transformers model with its changes, saved under d once: (its dir, a tag)."""
+    import dataclasses
+    import oracle_families as fam
+    case = fam.CASE[cid]
+    kw = {k: v for k, v in change.items() if k != "score_bias"}
+    case = dataclasses.replace(case, kw={**case.kw, **kw}, score_bias=change.get("score_bias", case.score_bias))
+    tag = cid + "".join(f"_{k}{v}" for k, v in sorted(change.items()))
+    hf = d / f"hf_{tag}"
+    if not hf.exists():
+        m = fam.build(case)
+        biases = fam.router_biases(m)
+        assert biases and all(b.abs().max() > 0.05 for b in biases), f"test setup: {cid} has no bias to route by"
+        fam.save(m, hf)
+    return hf, tag
+
+
+@pytest.mark.parametrize("name", list(BIASED_MOE_LAYOUTS))
+def test_biased_moe_layouts_match_one_rank(data, name):
+    d, tokens = data
+    cid, change, n, extra = BIASED_MOE_LAYOUTS[name]
+    hf, tag = _biased_model(d, cid, change)
+    load = [f"--checkpoint.initial_load_path={hf}", "--checkpoint.initial_load_in_hf"]
+    eps = EPS.get(cid, [])
+    lb1 = [a for a in extra if a == "--training.local_batch_size=1"]
+    ref = d / f"{tag}_single_{len(lb1)}"
+    if not (ref / "metrics.jsonl").exists():
+        run(1, train_args(hf, tokens, ref, *load, *eps, *lb1), timeout=300)
+    out = d / f"biased_{name}"
+    run(n, train_args(hf, tokens, out, *load, *extra, *eps), timeout=300)
+    assert_same(out, ref, name)
+    assert_same_norms(out, ref, name)
+
+
+def test_biased_moe_zbv_three_layers_refused(data):
+    """ZBVZeroBubble over 2 pipeline ranks needs 4 stages of a layer at least: the 3-layer
+    GLM-4.5 case is refused before training, naming the schedule and the layer count."""
+    d, tokens = data
+    hf, _ = _biased_model(d, "glm4_moe_groups_bias_qknorm", {})
+    p = run(2, train_args(hf, tokens, d / "biased_glm4_moe_zbv_l3", f"--checkpoint.initial_load_path={hf}",
+                          "--checkpoint.initial_load_in_hf", *PP2,
+                          "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"), check=False, timeout=120)
+    assert p.returncode != 0
+    assert "ZBVZeroBubble" in p.stderr and "needs 4 stages" in p.stderr and "the model has 3 layers" in p.stderr, \
+        p.stderr[-3000:]

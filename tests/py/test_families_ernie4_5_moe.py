@@ -73,7 +73,7 @@ def _gated_shared(m):
 def test_oracle_ernie4_5_moe_rules_change_the_model():
     """In transformers itself, on the 4-layer case (layers 1 and 3 sparse): dropping the shared
     experts, skipping the top-k renormalisation, a non-zero e_score_correction_bias, a
-    moe_norm_min floor above k / E (refused) and moe_k 3 each move the logits by far
+    moe_norm_min floor above k / E and moe_k 3 each move the logits by far
     more than the tolerance; router_aux_loss_coef moves the loss."""
     case = of.CASE["ernie4_5_moe_interval2_aux"]
     want = _logits_with(case, lambda m: None)
@@ -167,6 +167,43 @@ def test_oracle_ernie4_5_moe_correction_bias_changes_the_choice():
         out = m(input_ids=torch.as_tensor(tokens, dtype=torch.long), output_router_logits=True)
         E, k = case.kw["moe_num_experts"], case.kw["moe_k"]
         assert float(me.load_balancing_loss_func(out.router_logits, E, k)) == float(out.aux_loss)
+
+
+CLAMPED = "ernie4_5_moe_norm_min_binds"
+
+
+def test_oracle_ernie4_5_moe_norm_min_binds():
+    """In transformers itself, on the moe_norm_min 0.6 case (test_families.py runs it through
+    ctitan's logits, gradients, AdamW steps, export and recomputation): in every sparse layer
+    the chosen probabilities of some tokens sum under 0.6 (divided by 0.6) and of others above
+    (divided by their sum), so both branches of the clamp are taken; its gap to 0.6 is far from
+    rounding. The default floor 1e-12 instead moves the logits by far more than the tolerance."""
+    case = of.CASE[CLAMPED]
+    m = of.build(case)
+    tokens, _ = of.batch(m, B, case.T, seed=5)
+    for layer in range(len(m.model.layers)):
+        seen = {}
+        gate = m.model.layers[layer].mlp.gate
+
+        def keep(mod, inp, out, seen=seen):
+            seen.setdefault("x", inp[0])  # returns None: the output stays the router's
+        h = gate.register_forward_hook(keep)
+        with torch.no_grad():
+            m(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long))
+            h.remove()
+            x = seen["x"].reshape(-1, seen["x"].shape[-1])
+            p = torch.softmax(torch.nn.functional.linear(x.float(), gate.weight.float()), dim=-1)
+            idx = gate(x)[2]
+            s = torch.gather(p, -1, idx).sum(dim=-1)
+        below = int((s < 0.6).sum())
+        assert 4 <= below <= s.numel() - 4, f"layer {layer}: {below} of {s.numel()} sums under moe_norm_min"
+        assert float((s - 0.6).abs().min()) > 1e-4, "a sum within rounding of moe_norm_min: change the seed"
+
+    def floor(mm):
+        for mlp in _sparse(mm):
+            mlp.gate.norm_min = 1e-12
+    err = oracle.rel_err(_logits_with(case, floor), of.logits(m, FAMILY, tokens))
+    assert err > 100 * TOL, f"the clamp moves the logits by only {err:.3g}"
 
 
 def test_ernie4_5_moe_correction_bias_loads_routes_and_exports(tmp_path, open_session):
@@ -373,10 +410,11 @@ def test_ernie4_5_moe_bf16_like_emulation(tmp_path, open_session):
 
 
 @pytest.mark.parametrize("key,value", [("moe_k", 3), ("moe_layer_interval", 1), ("moe_num_shared_experts", 1),
-                                       ("moe_layer_start_index", 2), ("moe_num_experts", 5)])
+                                       ("moe_layer_start_index", 2), ("moe_num_experts", 5), ("moe_norm_min", 0.6)])
 def test_ernie4_5_moe_resume_with_other_moe_keys_names_them(key, value, tmp_path, run_ctitan):
     """A checkpoint of the 4-layer case resumed with another moe_k (same tensors, other
-    routing), sparse-layer rule, shared-expert count or expert count is refused, naming the
+    routing), sparse-layer rule, shared-expert count, expert count or renormalising floor
+    (moe_norm_min, 1e-12 -> 0.6: binds on some tokens) is refused, naming the
     ERNIE key (not qwen's num_experts_per_tok, decoder_sparse_step, ...)."""
     err = of.resume_with_other_config(tmp_path, run_ctitan, FAMILY, of.CASE["ernie4_5_moe_interval2_aux"].kw,
                                       **{key: value})

@@ -426,3 +426,51 @@ def test_glm4_moe_peft_rewrites_the_mlp_names(targets, tmp_path, open_session):
     ref = OL.loss_logits_grads(pm, params, tokens, labels)
     s = open_session(hf_session_args(hf_dir, batch=B, seq_len=case.T, extra=lora_args(t, ad)))
     session_matches_peft(s, params, tokens, labels, ref, loaded, out)
+
+
+# Glm4MoeRotaryEmbedding takes every type of ROPE_INIT_FUNCTIONS, each reading
+# partial_rotary_factor (0.5 here: 8 of head_dim 16); oracle_families' yarn case runs the whole
+# test_families battery. The others on the full case: linear (positions / 4), dynamic (NTK, at
+# these lengths under max_position_embeddings: the default frequencies), llama3 (theta 1e3,
+# original 64: one frequency kept, one smoothed, two / 8) and longrope (original 8 < the 16
+# positions: the long factors, and its attention factor on cos / sin)
+SCALED_ROPE = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 8,
+                 "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.0, 2.0, 4.0, 8.0]},
+}
+
+SCALED_SEED = 55  # weights whose router top-k gaps stay >= 1e-4 under all four (54: linear 9.7e-5)
+
+
+@pytest.mark.parametrize("kind", list(SCALED_ROPE))
+def test_glm4_moe_scaled_rope_types(kind, tmp_path, open_session):
+    """Each scaled RoPE on the rotated half of each head, after the per-head q/k norms: ctitan's
+    logits, loss and gradients equal transformers'; the same model with the default RoPE's
+    logits differ (linear, llama3, longrope: the type changes the model here) by far more."""
+    base = of.CASE[FULL]
+    rope = {"rope_theta": 1e3, "partial_rotary_factor": 0.5, **SCALED_ROPE[kind]}
+    case = dataclasses.replace(base, kw={**base.kw, "rope_parameters": rope})
+    m = of.build(case, seed=SCALED_SEED)
+    d = of.save(m, tmp_path / "hf")
+    tokens, labels = of.batch(m, B, case.T, seed=5)
+    ref = of.loss_and_grads(m, FAMILY, tokens, labels)
+    assert ref["min_gap"] > 1e-4, f"near-tie in a router's top-k ({ref['min_gap']:.2g})"
+    if kind != "dynamic":
+        plain = dataclasses.replace(base, kw={**base.kw, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 1e3, "partial_rotary_factor": 0.5}})
+        err = oracle.rel_err(of.logits(of.build(plain, seed=SCALED_SEED), FAMILY, tokens), ref["logits"])
+        assert err > 100 * TOL, f"{kind} moves transformers' logits by only {err:.3g}"
+    s = open_session(hf_session_args(d, batch=B, seq_len=case.T))
+    err = oracle.rel_err(s.logits(tokens), ref["logits"])
+    assert err <= TOL, f"logits rel err {err:.3g}"
+    s.zero_grad()
+    nv = oracle.n_valid(labels)
+    loss = s.forward_backward(tokens, labels, nv) / nv
+    assert abs(loss - ref["loss"]) <= TOL * ref["loss"], f"loss {loss} vs HF {ref['loss']}"
+    bad = [f"{n}: {oracle.rel_err(s.get_grad(n), g):.3g}" for n, g in ref["grads"].items()
+           if not oracle.rel_err(s.get_grad(n), g) <= TOL]
+    assert not bad, "gradients differ from torch autograd:\n" + "\n".join(bad)
