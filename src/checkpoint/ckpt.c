@@ -1339,7 +1339,7 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
     /* Ministral 3's q scale by position (both keys change the model) */
     CKPT_SAME(q_scale_beta, "rope_parameters.llama_4_scaling_beta")
     CKPT_SAME(q_scale_len, "rope_parameters.original_max_position_embeddings (the q scale's length)")
-    CKPT_SAME(n_experts, emoe ? "moe_num_experts" : !strcmp(now, "glm4_moe") ? "n_routed_experts" : "num_experts")
+    CKPT_SAME(n_experts, emoe ? "moe_num_experts" : mc->router_sigmoid ? "n_routed_experts" : "num_experts")
     CKPT_SAME(top_k, emoe ? "moe_k" : "num_experts_per_tok")
     CKPT_SAME(moe_intermediate, "moe_intermediate_size")
     CKPT_SAME(norm_topk_prob, "norm_topk_prob")
@@ -1351,8 +1351,8 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
     CKPT_SAME(moe_norm_min, "moe_norm_min")
     CKPT_SAME(decoder_sparse_step, emoe ? "moe_layer_interval" : "decoder_sparse_step")
     CKPT_SAME(shared_intermediate, emoe ? "the shared experts' width (moe_num_shared_experts x moe_intermediate_size)"
-                                   : !strcmp(now, "glm4_moe") ? "the shared experts' width (n_shared_experts x "
-                                                                "moe_intermediate_size)"
+                                   : mc->router_sigmoid ? "the shared experts' width (n_shared_experts x "
+                                                          "moe_intermediate_size)"
                                    : strcmp(now, "granitemoeshared") ? "shared_expert_intermediate_size"
                                                                       : "shared_intermediate_size")
     for (int l = 0; l < c.n_layers; l++)
@@ -1361,7 +1361,7 @@ static int ckpt_check_config(const char *dir, const lm_config *mc, ct_err *e) {
                            "(%s)", p, l, lm_layer_is_moe(&c, l) ? "sparse" : "dense",
                            lm_layer_is_moe(mc, l) ? "sparse" : "dense",
                            emoe ? "moe_layer_start_index, moe_layer_end_index"
-                           : !strcmp(now, "glm4_moe") ? "first_k_dense_replace" : "mlp_only_layers");
+                           : mc->router_sigmoid ? "first_k_dense_replace" : "mlp_only_layers");
     for (int l = 0; l < c.n_layers; l++)
         if (c.layer_nope[l] != mc->layer_nope[l])
             return ct_fail(e, CT_ERR_CONFIG, "%s: layer %d %s RoPE there but %s in the model being trained "

@@ -46,7 +46,8 @@ static const cli_opt imp_options[] = {
                 "Hugging Face model directory (config.json + *.safetensors) of any family ctitan reads (qwen3, "
                 "qwen3_moe, qwen2_moe, olmoe, llama, mistral, ministral, qwen2, mixtral, olmo2, phi3, gemma, gemma2, "
                 "gemma3_text, granite, granitemoe, granitemoeshared, smollm3, olmo3, glm, glm4, ernie4_5, seed_oss, "
-                "exaone4, ministral3, helium, vaultgemma, hunyuan_v1_dense, ernie4_5_moe, flex_olmo, glm4_moe: "
+                "exaone4, ministral3, helium, vaultgemma, hunyuan_v1_dense, ernie4_5_moe, flex_olmo, glm4_moe, "
+                "dots1: "
                 "docs/families.md), or a Hub id (Qwen/Qwen3-0.6B)",
                 CLI_VALUE},
     [IMP_OUT] = {"--out", "FOLDER", "(required)", "checkpoint folder; the checkpoint is FOLDER/step-N", CLI_VALUE},

@@ -319,13 +319,14 @@ typedef struct {
  * under its own name. checkpoint/hf.c places the piece; training.freeze
  * matches either name. */
 int lm_fused_file_name(const lm_config *c, const lm_tensor *t, char *name, size_t n);
-/* ERNIE 4.5 MoE: a sparse layer's shared experts are one ungated MLP under mlp.shared_experts. */
+/* ERNIE 4.5 MoE and the sigmoid routers' families (router_sigmoid: glm4_moe, dots1): a sparse
+ * layer's shared experts are one ungated MLP under mlp.shared_experts. */
 int lm_shared_experts_ungated(const lm_config *c);
 /* The router of c's sparse layers (model/moe.h): softmax or GLM-4.5's sigmoid, its groups and scale. */
 moe_router_opt lm_router_opt(const lm_config *c);
 /* The HF name of layer l's router selection bias (ERNIE 4.5 MoE's
- * mlp.moe_statics.e_score_correction_bias [1, E], a frozen buffer; GLM-4.5's
- * mlp.gate.e_score_correction_bias [E]) into name[n]: the file tensor's rank (2 or 1), or 0
+ * mlp.moe_statics.e_score_correction_bias [1, E], a frozen buffer; GLM-4.5's and
+ * dots.llm1's mlp.gate.e_score_correction_bias [E]) into name[n]: the file tensor's rank (2 or 1), or 0
  * where the layer's files hold none. The loader puts it in lm_moe_state.bias (selection
  * only, as transformers routes), the HF writers write it back from there. */
 int lm_router_bias_name(const lm_config *c, int l, char *name, size_t n);

@@ -55,8 +55,10 @@ int lm_layer_is_moe(const lm_config *c, int l) {
     return (l + 1) % c->decoder_sparse_step == 0;
 }
 
+/* router_sigmoid marks DeepSeek-V3's router (glm4_moe, dots1): its ungated shared experts and its
+ * selection bias under mlp.gate go with it */
 int lm_shared_experts_ungated(const lm_config *c) {
-    return !strcmp(c->model_type, "ernie4_5_moe") || !strcmp(c->model_type, "glm4_moe");
+    return !strcmp(c->model_type, "ernie4_5_moe") || c->router_sigmoid;
 }
 
 moe_router_opt lm_router_opt(const lm_config *c) {
@@ -68,7 +70,7 @@ moe_router_opt lm_router_opt(const lm_config *c) {
 
 int lm_router_bias_name(const lm_config *c, int l, char *name, size_t n) {
     if (!lm_layer_is_moe(c, l)) return 0;
-    if (!strcmp(c->model_type, "glm4_moe")) { /* Glm4MoeTopkRouter's buffer [E] */
+    if (c->router_sigmoid) { /* Glm4MoeTopkRouter's (Dots1TopkRouter's) buffer [E] */
         snprintf(name, n, "model.layers.%d.mlp.gate.e_score_correction_bias", l);
         return 1;
     }
@@ -421,24 +423,29 @@ static int ernie_moe_from_json(lm_config *c, const cJSON *root, const char *path
  * on: the layers before it are held as mlp_only_layers. Glm4MoeForCausalLM adds no
  * load-balancing loss whatever output_router_logits says (its forward returns the CE
  * alone), so ctitan adds none either: the key is taken and left off. */
-static int glm4_moe_from_json(lm_config *c, const cJSON *root, const char *path, ct_err *e) {
-    int rc, n_shared = 1, first = 1, norm = 1, qk = 0, mtp = 1, orl = 0;
+static int glm4_moe_from_json(lm_config *c, const cJSON *root, int dots, const char *path, ct_err *e) {
+    /* dots1 (Dots1Config): n_routed_experts, num_experts_per_tok and n_shared_experts default
+     * to None (Dots1TopkRouter / Dots1MoE fail on it), so they are required; first_k_dense_replace
+     * 0, norm_topk_prob false; no MTP layers and no use_qk_norm key (its q/k norms are always on) */
+    int rc, n_shared = 1, first = dots ? 0 : 1, norm = !dots, qk = 0, mtp = dots ? 0 : 1, orl = 0;
     double scale = 1.0;
     c->n_experts = 128, c->top_k = 8, c->moe_intermediate = 1408, c->n_group = 1, c->topk_group = 1;
     c->n_mlp_only = 0, c->decoder_sparse_step = 1;
-    if ((rc = json_int(root, "n_routed_experts", &c->n_experts, 0, path, e)) ||
+    const cJSON *alias = cJSON_GetObjectItemCaseSensitive(root, "num_local_experts");
+    int need_e = dots && (!alias || cJSON_IsNull(alias)); /* either key gives dots1's expert count */
+    if ((rc = json_int(root, "n_routed_experts", &c->n_experts, need_e, path, e)) ||
         (rc = json_int(root, "num_local_experts", &c->n_experts, 0, path, e)) || /* attribute_map's alias */
-        (rc = json_int(root, "num_experts_per_tok", &c->top_k, 0, path, e)) ||
+        (rc = json_int(root, "num_experts_per_tok", &c->top_k, dots, path, e)) ||
         (rc = json_int(root, "moe_intermediate_size", &c->moe_intermediate, 0, path, e)) ||
-        (rc = json_int(root, "n_shared_experts", &n_shared, 0, path, e)) ||
+        (rc = json_int(root, "n_shared_experts", &n_shared, dots, path, e)) ||
         (rc = json_int(root, "n_group", &c->n_group, 0, path, e)) ||
         (rc = json_int(root, "topk_group", &c->topk_group, 0, path, e)) ||
         (rc = json_int(root, "first_k_dense_replace", &first, 0, path, e)) ||
-        (rc = json_int(root, "num_nextn_predict_layers", &mtp, 0, path, e)) ||
+        (!dots && (rc = json_int(root, "num_nextn_predict_layers", &mtp, 0, path, e))) ||
         (rc = json_float(root, "routed_scaling_factor", &scale, path, e)) ||
         (rc = json_bool(root, "norm_topk_prob", &norm, path, e)) ||
         (rc = json_bool(root, "output_router_logits", &orl, path, e)) ||
-        (rc = json_bool(root, "use_qk_norm", &qk, path, e)))
+        (!dots && (rc = json_bool(root, "use_qk_norm", &qk, path, e))))
         return rc;
     (void)orl;
     if (mtp < 0 || mtp > LM_MAX_LAYERS)
@@ -469,7 +476,7 @@ static int glm4_moe_from_json(lm_config *c, const cJSON *root, const char *path,
                        LM_MAX_MLP_ONLY);
     c->router_sigmoid = 1, c->routed_scaling = scale, c->norm_topk_prob = norm, c->first_k_dense = first;
     c->shared_intermediate = n_shared * c->moe_intermediate;
-    c->qk_norm = qk ? LM_QK_HEAD : LM_QK_NONE;
+    c->qk_norm = qk || dots ? LM_QK_HEAD : LM_QK_NONE;
     for (int l = 0; l < first && l < c->n_layers; l++) c->mlp_only_layers[c->n_mlp_only++] = l;
     return 0;
 }
@@ -498,6 +505,10 @@ enum { HEADS_ANY,
 
 /* The projections a family's files fuse: Phi3's qkv_proj and gate_up_proj, GLM's gate_up_proj only. */
 enum { FUSED_NONE, FUSED_QKV_GATE_UP, FUSED_GATE_UP };
+
+/* The families with DeepSeek-V3's sigmoid, group-limited router: Glm4MoeConfig's keys and
+ * defaults (use_qk_norm, num_nextn_predict_layers), Dots1Config's (q/k norms always, no MTP). */
+enum { GLM_MOE_NONE, GLM_MOE_GLM4, GLM_MOE_DOTS1 };
 
 typedef struct {
     const char *type, *arch;
@@ -538,7 +549,8 @@ typedef struct {
     int qk_after_rope;  /* HunYuan: the per-head q/k norms (query_layernorm, key_layernorm) after RoPE */
     int ernie_moe;      /* ERNIE 4.5 MoE: moe_* keys, sparse layers from moe_layer_{start,end}_index and
                            moe_layer_interval, ungated shared experts (moe_num_shared_experts) */
-    int glm4_moe;       /* GLM-4.5: Glm4MoeConfig's keys (glm4_moe_from_json), use_qk_norm */
+    int glm4_moe;       /* DeepSeek-V3's router (glm4_moe_from_json): GLM_MOE_* */
+    int mw_default;     /* max_window_layers when absent (WIN_TYPES); 0: 28 (Qwen2Config, Qwen3Config) */
 } lm_family;
 
 static const lm_family families[] = {
@@ -688,7 +700,14 @@ static const lm_family families[] = {
      * (e_score_correction_bias) and ungated shared experts */
     {.type = "glm4_moe", .arch = "Glm4MoeForCausalLM", .moe = 1 + LM_MOE_KEYS_QWEN, .qk_norm = LM_QK_NONE,
      .has_attn_bias = 1, .attn_bias_qkv = 2, .kv_default = 8, .eps = 1e-5, .max_pos = 131072, .pad = -1,
-     .act_key = "hidden_act", .theta = 1e4, .rope_style = ROPE_STYLE_GLM, .glm4_moe = 1},
+     .act_key = "hidden_act", .theta = 1e4, .rope_style = ROPE_STYLE_GLM, .glm4_moe = GLM_MOE_GLM4},
+    /* rednote's dots.llm1 (dots1): Qwen3's attention (per-head q/k norms always, whole-head RoPE)
+     * with q/k/v/o biases by attention_bias, Qwen2's sliding layers (from max_window_layers, 62 by
+     * default, with no use_sliding_window gate), and GLM-4.5's router, ungated shared experts and
+     * first_k_dense_replace (default 0); no MTP layers */
+    {.type = "dots1", .arch = "Dots1ForCausalLM", .moe = 1 + LM_MOE_KEYS_QWEN, .has_attn_bias = 1, .kv_default = 32,
+     .eps = 1e-6, .max_pos = 2048, .pad = -1, .win = WIN_TYPES, .win_default = 4096, .mw_default = 62,
+     .act_key = "hidden_act", .theta = 1e4, .glm4_moe = GLM_MOE_DOTS1},
 };
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
@@ -830,7 +849,7 @@ static int read_windows(lm_config *c, const lm_family *f, const cJSON *root, con
         if ((rc = json_int(root, "max_window_layers", &mw, 0, path, e))) return rc;
         for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = win > 0 && (l + 1) % 2 && l < mw;
     } else { /* Qwen: layers from max_window_layers on slide, when a window exists */
-        int mw = 28;
+        int mw = f->mw_default ? f->mw_default : 28;
         if ((rc = json_int(root, "max_window_layers", &mw, 0, path, e))) return rc;
         for (int l = 0; l < c->n_layers; l++) c->layer_sliding[l] = win > 0 && l >= mw;
     }
@@ -1125,7 +1144,7 @@ int lm_config_from_hf(lm_config *c, const char *dir, ct_err *e) {
     if (f->moe && (rc = moe_config_from_json(c, root, mixlike, f->shared_expert, f->olmoe, f->type, path, e)))
         goto done;
     if (f->ernie_moe && (rc = ernie_moe_from_json(c, root, path, e))) goto done;
-    if (f->glm4_moe && (rc = glm4_moe_from_json(c, root, path, e))) goto done;
+    if (f->glm4_moe && (rc = glm4_moe_from_json(c, root, f->glm4_moe == GLM_MOE_DOTS1, path, e))) goto done;
     if (f->olmoe) {
         /* OlmoeSparseMoeBlock in every layer, its experts intermediate_size wide: OlmoeConfig
          * has no moe_intermediate_size, decoder_sparse_step nor mlp_only_layers */
@@ -1403,8 +1422,10 @@ char *lm_config_hf_json(const lm_config *c, const char *dtype_name) {
         add_float(o, "routed_scaling_factor", c->routed_scaling);
         cJSON_AddNumberToObject(o, "first_k_dense_replace", c->first_k_dense);
         cJSON_AddBoolToObject(o, "norm_topk_prob", c->norm_topk_prob);
-        cJSON_AddBoolToObject(o, "use_qk_norm", c->qk_norm == LM_QK_HEAD);
-        cJSON_AddNumberToObject(o, "num_nextn_predict_layers", 0); /* none written */
+        if (f->glm4_moe == GLM_MOE_GLM4) { /* Dots1Config has neither key */
+            cJSON_AddBoolToObject(o, "use_qk_norm", c->qk_norm == LM_QK_HEAD);
+            cJSON_AddNumberToObject(o, "num_nextn_predict_layers", 0); /* none written */
+        }
     } else if (moe && f->olmoe) { /* the experts' width is intermediate_size, every layer sparse */
         cJSON_AddNumberToObject(o, "num_experts", c->n_experts);
         cJSON_AddNumberToObject(o, "num_experts_per_tok", c->top_k);

@@ -75,9 +75,12 @@ FAMILIES = {
     "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
     "flex_olmo": (tf.FlexOlmoConfig, tf.FlexOlmoForCausalLM),
     "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+    "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
 }
 MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared", "ernie4_5_moe", "flex_olmo",
-       "glm4_moe"}
+       "glm4_moe", "dots1"}
+# DeepSeek-V3's sigmoid, group-limited router with e_score_correction_bias under mlp.gate
+SIGMOID_ROUTER = ("glm4_moe", "dots1")
 # ERNIE 4.5 MoE's router selection bias: a frozen parameter in memory, its own name in the file
 ERNIE_BIAS_MEM = "mlp.gate.moe_statics.e_score_correction_bias"
 # GLM-4.5's (glm4_moe): a buffer of Glm4MoeTopkRouter, under the same name in the file
@@ -330,6 +333,30 @@ CASES = [
         seed=50,
         keys=("n_routed_experts", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob",
               "tie_word_embeddings", "use_qk_norm")),
+    # ------------------------------------------------------------------ dots1
+    # every dots.llm1 feature on: layer 0 dense (first_k_dense_replace 1), layers 1-2 sparse with
+    # GLM-4.5's router (8 experts in 4 groups, topk_group 2, top 2 renormalised, x 2.5, a random
+    # e_score_correction_bias), 2 ungated shared experts, q/k/v and o biases, the always-on
+    # per-head q/k norms before whole-head RoPE, layer 2 sliding over 5 keys (max_window_layers 2:
+    # Dots1Config derives layer_types itself, with no use_sliding_window gate)
+    Case("dots1_groups_bias_swa5", "dots1", dict(
+        num_hidden_layers=3, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
+        n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        norm_topk_prob=True, attention_bias=True, sliding_window=5, max_window_layers=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=69, score_bias=0.1,
+        keys=("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",
+              "topk_group", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob", "attention_bias",
+              "head_dim", "sliding_window", "layer_types")),
+    # Dots1Config's other defaults: every layer sparse, no renormalisation (x 0.5), no groups, no
+    # biases, no window, tied, no selection bias
+    Case("dots1_plain_tied", "dots1", dict(
+        num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        n_shared_experts=1, routed_scaling_factor=0.5, attention_bias=False, tie_word_embeddings=True,
+        sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+        seed=62,
+        keys=("n_routed_experts", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob",
+              "tie_word_embeddings", "layer_types")),
     # ------------------------------------------------------------------ granitemoeshared
     # granitemoe plus an ungated shared MLP (shared_intermediate_size 40, wider than the
     # experts' 24) in every layer, its gate and up rows fused in shared_mlp.input_linear
@@ -606,6 +633,7 @@ PARTIAL_DEFAULT_CASES = [
     _partial_default("smollm3", "smollm3_default_partial05_ignored", 0.5, top_level=False),
     _partial_default("ministral", "ministral_default_partial05_ignored", 0.5, top_level=True),
     _partial_default("flex_olmo", "flex_olmo_default_partial05_ignored", 0.5, top_level=False),
+    _partial_default("dots1", "dots1_default_partial05_ignored", 0.5, top_level=True),
 ]
 CASE.update({c.id: c for c in PARTIAL_DEFAULT_CASES})
 
@@ -650,6 +678,12 @@ REFUSALS = [
     # take masked ones)
     Refusal("glm4_moe_n_group_uneven", "glm4_moe", dict(n_group=3), "n_group", ("3",)),
     Refusal("glm4_moe_topk_group_small", "glm4_moe", dict(num_experts_per_tok=5), "topk_group", ("5",)),
+    Refusal("dots1_n_group_uneven", "dots1", dict(n_group=3), "n_group", ("3",)),
+    # a scaled RoPE type reads the factor and Dots1Attention then fails (whole heads rotate)
+    Refusal("dots1_yarn_partial_rotary", "dots1", dict(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor", ("0.5", "dots1", "yarn")),
     # q_norm spans hidden_size: a head_dim with heads x head_dim != hidden fails in transformers
     Refusal("olmoe_head_dim", "olmoe", dict(head_dim=16), "head_dim", ("olmoe",)),
     Refusal("flex_olmo_attention_dropout", "flex_olmo", dict(attention_dropout=0.1), "attention_dropout"),
@@ -892,7 +926,7 @@ _GRANITE_FILE = {"block_sparse_moe.input_linear.weight": "gate_up", "block_spars
 def ctitan_view(family: str, files: dict) -> dict[str, np.ndarray]:
     """{safetensors file name: ndarray} -> {ctitan tensor name: ndarray}: the same but for
     GraniteMoE, whose files fuse what ctitan holds per expert."""
-    if family in ("ernie4_5_moe", "glm4_moe"):  # the router bias the file holds is no ctitan tensor (router_biases)
+    if family in ("ernie4_5_moe", *SIGMOID_ROUTER):  # the file's router bias is no ctitan tensor (router_biases)
         bias = {n for n in files if n.endswith(("mlp.moe_statics.e_score_correction_bias", GLM_BIAS_MEM))}
         assert bias, sorted(files)
         return {n: a for n, a in files.items() if n not in bias}
@@ -904,7 +938,7 @@ def to_file_names(family: str, named: dict) -> dict[str, np.ndarray]:
     (GraniteMoE: ctitan's names, ctitan_view of the file's)."""
     if family in ("qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo"):
         return oracle_moe.per_expert(named)
-    if family in ("ernie4_5_moe", "glm4_moe"):  # the frozen router bias is no parameter of ctitan's
+    if family in ("ernie4_5_moe", *SIGMOID_ROUTER):  # the frozen router bias is no parameter of ctitan's
         return oracle_moe.per_expert({n: t for n, t in named.items() if not n.endswith(BIAS_MEM)})
     if family == "mixtral":
         return _mixtral_files(named)
@@ -1002,7 +1036,7 @@ def _router_stats(router, k, biases=()):
 
 
 def _gap(model, family, router):
-    if family == "glm4_moe":
+    if family in SIGMOID_ROUTER:
         return glm_router_gap(router, router_biases(model), model.config)
     return _router_stats(router, model.config.num_experts_per_tok, router_biases(model)) if family in MOE else 1.0
 

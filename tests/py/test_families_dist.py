@@ -100,6 +100,9 @@ CASES = {
     # q/k norms with the partial RoPE on each rank's heads, a dense first layer (the biased
     # router's layouts: test_families_glm4_moe.py)
     "glm4_moe_groups_bias_qknorm": {"ep2": EP2, "fsdp2": FSDP2, "tp2": TP2},
+    # dots1: the same router with o_proj biases (whole on every TP rank: rowwise), the per-head
+    # q/k norms before whole-head RoPE and a sliding layer on a sparse layer
+    "dots1_groups_bias_swa5": {"ep2": EP2, "fsdp2": FSDP2, "tp2": TP2},
 }
 # AdamW's eps per case where 1e-8 lets rounding noise decide the test (test_dist_debugmodel.py
 # says why): llama_mlpbias_tied's mlp biases have gradients near zero, so a last-bit
@@ -138,13 +141,15 @@ CASES = {
 # glm4_moe_groups_bias_qknorm under TP 2 (losses and gradient norms equal every step) with eps 1e-8:
 # layer 2's expert 5 down_proj (an expert few tokens reach) 2.0e-5 apart; with eps 1e-6 layer 0's
 # q_proj.bias 3.3e-5 (the per-head q norm, as EXAONE 4's); with eps 1e-4 within 1e-5.
+# dots1_groups_bias_swa5 under TP 2 (losses and validation equal every step) with eps 1e-8: layer 1's
+# k_proj.weight 1.1e-5 apart (through the per-head k norm, as glm4_moe's); with eps 1e-6 within 1e-5.
 EPS = {"llama_mlpbias_tied": ["--optimizer.eps=1e-6"], "gemma2": ["--optimizer.eps=1e-5"],
        "gemma_gelu_attnbias": ["--optimizer.eps=1e-6"], "olmo3_swa5_yarn": ["--optimizer.eps=1e-4"],
        "smollm3_nope_swa5": ["--optimizer.eps=1e-6"], "smollm3_kinds": ["--optimizer.eps=1e-4"],
        "glm_bias_partial05": ["--optimizer.eps=1e-6"], "ministral_types_swa5": ["--optimizer.eps=1e-6"],
        "exaone4_swa5_nope_tied": ["--optimizer.eps=1e-4"], "vaultgemma_caps_bias": ["--optimizer.eps=1e-5"],
        "flex_olmo_norm_topk_tied": ["--optimizer.eps=1e-4"], "flex_olmo_aux_hd16": ["--optimizer.eps=1e-4"],
-       "glm4_moe_groups_bias_qknorm": ["--optimizer.eps=1e-4"]}
+       "glm4_moe_groups_bias_qknorm": ["--optimizer.eps=1e-4"], "dots1_groups_bias_swa5": ["--optimizer.eps=1e-6"]}
 
 
 def assert_same(out, ref, what, steps=range(1, STEPS + 1)):

@@ -26,7 +26,8 @@ IDS = ["llama_rope3_attnbias_hd16", "llama_mlpbias_tied", "mistral_swa5", "qwen2
        "ernie4_5_bias_tied", "seed_oss_outbias_mlpbias", "ministral_types_swa5",
        "exaone4_swa5_nope_tied", "ministral3_yarn_qscale", "helium_bias_interleaved", "vaultgemma_caps_bias",
        "hunyuan_qknorm_after_rope_bias", "ernie4_5_moe_interval2_aux", "ernie4_5_moe_noshared_end1",
-       "flex_olmo_aux_hd16", "flex_olmo_norm_topk_tied", "glm4_moe_groups_bias_qknorm", "glm4_moe_plain_tied"]
+       "flex_olmo_aux_hd16", "flex_olmo_norm_topk_tied", "glm4_moe_groups_bias_qknorm", "glm4_moe_plain_tied",
+       "dots1_groups_bias_swa5", "dots1_plain_tied"]
 PIECES = [70, 1, 1, 5, 1, 1]  # prefill (two chunks), decode, a warm 5-row prefill, decode
 
 
@@ -57,7 +58,7 @@ GREEDY = {"gemma2": 7, "gemma_gelu_attnbias": 3, "granite": 3, "qwen2_moe_step2_
           "olmo3_swa5_yarn": 3, "olmoe_aux_bias": 13, "granitemoe_aux": 5, "glm4_partial075_tied": 3,
           "helium_bias_interleaved": 3, "vaultgemma_caps_bias": 7,
           "hunyuan_qknorm_after_rope_bias": 3, "ernie4_5_moe_interval2_aux": 4, "flex_olmo_aux_hd16": 21,
-          "glm4_moe_groups_bias_qknorm": 3}
+          "glm4_moe_groups_bias_qknorm": 3, "dots1_groups_bias_swa5": 3}
 
 
 @pytest.mark.parametrize("cid", list(GREEDY))

@@ -79,6 +79,10 @@ CASES = {  # case id: target modules
     # the biased sigmoid group-limited router; and without q/k norms, tied
     "glm4_moe_groups_bias_qknorm": OL.ATTN,
     "glm4_moe_plain_tied": OL.ATTN,
+    # dots1: q/k/v/o adapters beside their biases, q/k through the always-on per-head norms, a
+    # sliding layer, the biased group-limited router; and the plain tied case
+    "dots1_groups_bias_swa5": OL.ATTN,
+    "dots1_plain_tied": OL.ATTN,
 }
 
 
