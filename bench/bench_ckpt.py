@@ -16,6 +16,8 @@ both AdamW moments) on random tokens, one process on every core, and reports:
   wall      the whole process, launch to exit (startup, the loop, the final save)
   written   bytes of checkpoint files written over the run (ctitan: its checkpoint lines'
             MiB; PyTorch: each save's directory, measured before it is pruned)
+  stage     ctitan async: the median (and the largest) of the run's stages, the log's
+            "staged checkpoint ... in X s" (the first stage allocates the staging copy)
 The last save of a run is synchronous in every mode (ctitan and torchtitan alike: the run ends
 there); keep_latest_k = 2 bounds the disk. On a CPU the background writer shares the cores the
 steps run on (a GPU trainer's writer does not), so part of what async saves in blocked time
@@ -69,9 +71,12 @@ def ctitan_run(a, tmp, model, data, cores, mode):
     ex = [e for e in ev if e["event"] == "exit"][-1]
     saves = [e for e in ev if e["event"] == "checkpoint"]
     loop = ex["wall_s"] - start["startup_s"]
+    # async: each stage's seconds, from the log's "staged checkpoint step-N (... MiB of tensors) in X s"
+    staged = [float(ln.split(" in ")[1].split()[0]) for ln in p.stderr.splitlines() if "staged checkpoint" in ln]
     return dict(name=f"ctitan {mode}", steps_s=a.steps / loop, loop_s=loop, save_s=ex["ckpt_save_s"],
                 wait_s=ex["ckpt_wait_s"], wall_s=wall, bytes=sum(e.get("mib", 0) for e in saves) * 2**20,
-                saves=len(saves))
+                saves=len(saves), stage_s=statistics.median(staged) if staged else 0,
+                stage_max_s=max(staged) if staged else 0)
 
 
 # ------------------------------------------------------------------ PyTorch side (child)
@@ -167,12 +172,13 @@ def torch_run(a, tmp, model, data, cores, mode):
 
 
 HEAD = (f"{'run':22s} {'steps/s':>8s} {'loop s':>7s} {'blocked s':>9s} {'(save':>7s} {'wait)':>6s} "
-        f"{'wall s':>7s} {'saves':>5s} {'written MB':>10s}")
+        f"{'wall s':>7s} {'saves':>5s} {'written MB':>10s} {'stage s':>7s} {'(max)':>6s}")
 
 
 def row(g):
     return (f"{g['name']:22s} {g['steps_s']:8.3f} {g['loop_s']:7.2f} {g['save_s'] + g['wait_s']:9.2f} "
-            f"{g['save_s']:7.2f} {g['wait_s']:6.2f} {g['wall_s']:7.2f} {int(g['saves']):5d} {g['bytes'] / 1e6:10.1f}")
+            f"{g['save_s']:7.2f} {g['wait_s']:6.2f} {g['wall_s']:7.2f} {int(g['saves']):5d} {g['bytes'] / 1e6:10.1f} "
+            f"{g.get('stage_s', 0):7.3f} {g.get('stage_max_s', 0):6.3f}")
 
 
 def main():

@@ -752,6 +752,7 @@ void trainer_free(trainer *t) {
     ct_err we = {0};
     if (trainer_save_wait(t, 0, &we)) /* trainer_run waits; this is for a caller that did not run it out */
         fprintf(stderr, "ctitan: error: the checkpoint in the background failed: %s\n", we.msg);
+    trainer_stage_free(t);
     ds_close(t->val);
     ds_close(t->data);
     tok_free(t->tk);
@@ -1450,6 +1451,7 @@ int trainer_run(trainer *t, ct_err *e) {
         }
     }
     if ((rc = trainer_save_wait(t, 1, e))) goto out; /* a save still in the background ends with the run */
+    trainer_stage_free(t); /* before the HF save: its peak is the synchronous run's */
     if (pf) prof_summary(pf, stderr); /* on the ranks CTITAN_LOG_RANKS shows */
     if (t->world->size > 1) /* on the ranks CTITAN_LOG_RANKS shows: what each one needed */
         fprintf(stderr, "ctitan: rank %d of %d: peak memory %.3f GiB\n", t->world->rank, t->world->size,
@@ -1463,6 +1465,7 @@ out:
         if (wrc && !rc) rc = wrc, *e = we;
         else if (wrc) fprintf(stderr, "ctitan: error: the checkpoint in the background failed too: %s\n", we.msg);
     }
+    trainer_stage_free(t);
     write_exit_event(t, rc, e);
     if (ev_close(t->events)) fprintf(stderr, "ctitan: warning: %s/events.jsonl: write failed\n", c->dump_folder);
     t->events = NULL;

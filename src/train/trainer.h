@@ -63,7 +63,9 @@ typedef struct {
     struct {
         struct trainer_ckpt_job *job;
         int pending;
-        int step; /* the step it saves */
+        int step;     /* the step it saves */
+        float *stage; /* [stage_n] rank 0: the staging copy, kept from one save to the next (trainer_stage_free) */
+        size_t stage_n;
     } async_save;
     /* the seconds this rank's step loop spent in checkpoint saves, for events.jsonl's exit line: */
     double ckpt_save_s; /* saving (a synchronous save, gather and write) or staging (async_mode) */

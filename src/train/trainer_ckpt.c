@@ -909,11 +909,24 @@ typedef struct {
     size_t at, cap;
 } save_sink;
 
+/* dst[0..n) = src[0..n), in 2 MB chunks over the run's threads: a staged
+ * unit is up to a whole embedding's floats (and its two moments), which one
+ * core's memcpy copies at a fraction of the memory bandwidth. */
+static void stage_copy(float *dst, const float *src, size_t n) {
+    enum { CHUNK = (1 << 21) / sizeof(float) };
+    long nc = (long)((n + CHUNK - 1) / CHUNK);
+#pragma omp parallel for schedule(static) if (nc > 1)
+    for (long i = 0; i < nc; i++) {
+        size_t lo = (size_t)i * CHUNK, len = n - lo < CHUNK ? n - lo : CHUNK;
+        memcpy(dst + lo, src + lo, len * sizeof(float));
+    }
+}
+
 static int sink_put(save_sink *k, const float *x, size_t n, ct_err *e) {
     if (!k->stage) return ckpt_stream_put(k->s, x, n, e);
     if (n > k->cap - k->at)
         return ct_fail(e, CT_ERR_IO, "checkpoint staging: %zu floats more than a checkpoint of this model holds", n);
-    memcpy(k->stage + k->at, x, n * sizeof(float));
+    stage_copy(k->stage + k->at, x, n);
     k->at += n;
     return 0;
 }
@@ -1012,13 +1025,38 @@ static int save_parts(trainer *t, const lm_model *tab, const int *idx, int model
  * a kill at any moment leaves no step-N that is not complete. */
 static int put_adapter(void *ctx, const lm_model *fm, int i0, int i1, const float *x, size_t n, ct_err *e);
 
+/* The staging copy for n floats: the one the previous async save used, kept
+ * (the run waits for that save's thread before it stages the next: nothing
+ * reads it any more), else a new one. A new buffer's pages fault in as the
+ * stage first writes them, which took most of the stage's time when every
+ * save had its own (docs/benchmarks.md, "Asynchronous checkpoints"). Plain
+ * 4 KB pages: advised for huge ones (ct_alloc_huge) the first stage took
+ * 0.5-2 s instead of 0.2-0.3 s there, the kernel compacting memory to find
+ * them (THP defrag "madvise"), for a buffer that is then never faulted again. */
+static float *stage_buffer(trainer *t, size_t n, int *reused) {
+    *reused = t->async_save.stage && t->async_save.stage_n >= n;
+    if (*reused) return t->async_save.stage;
+    trainer_stage_free(t);
+    t->async_save.stage_n = n ? n : 1;
+    return t->async_save.stage = ct_malloc(t->async_save.stage_n * sizeof(float));
+}
+
+void trainer_stage_free(trainer *t) {
+    if (t->async_save.job) return; /* its thread may still read it (never the case after trainer_save_wait) */
+    free(t->async_save.stage);
+    t->async_save.stage = NULL;
+    t->async_save.stage_n = 0;
+}
+
 typedef struct trainer_ckpt_job {
     pthread_t th;
     int joinable;             /* th runs (else the job ran on the main thread: no thread could start) */
     char folder[4096];        /* the checkpoint folder */
     int step;
     lm_model tab;             /* the files' tensors (table_copy: config and tensors, no buffers) */
-    float *stage;             /* [n]: parameters, exp_avg, exp_avg_sq of tab, in the stream's order */
+    const float *stage;       /* [n]: parameters, exp_avg, exp_avg_sq of tab, in the stream's order; the
+                               * trainer's staging copy (t->async_save.stage), which the job borrows */
+    int reused;               /* stage held an earlier save's floats (stage_buffer) */
     size_t n;
     char *state, *toml;       /* state.json, config.toml as the step left them */
     char *id_src[2];          /* where config.json's token ids come from (ckpt_stream_token_ids) */
@@ -1051,8 +1089,7 @@ static void table_copy(lm_model *dst, const lm_model *src) {
 
 static void job_free(trainer_ckpt_job *j) {
     if (!j) return;
-    free(j->tab.tensors);
-    free(j->stage);
+    free(j->tab.tensors); /* not j->stage: the trainer's, kept for the next save (trainer_stage_free) */
     free(j->state);
     free(j->toml);
     for (int i = 0; i < 2; i++) free(j->id_src[i]);
@@ -1167,7 +1204,8 @@ static int save_checkpoint(trainer *t, const ds *data, int model_only, trainer_c
         if (rank0 && job) { /* the staging copy: one more of what the checkpoint holds */
             table_copy(&job->tab, files);
             sk.cap = files->n_params * (model_only ? 1 : 3);
-            sk.stage = job->stage = ct_malloc((sk.cap ? sk.cap : 1) * sizeof(float));
+            sk.stage = stage_buffer(t, sk.cap, &job->reused);
+            job->stage = sk.stage;
         } else if (rank0) {
             rc = ckpt_stream_begin(&s, t->ckpt_folder, t->step, files, model_only, e);
         }
@@ -1230,6 +1268,7 @@ static int save_checkpoint(trainer *t, const ds *data, int model_only, trainer_c
 
 int trainer_save(trainer *t, const ds *data, int model_only, ct_err *e) {
     int rc = trainer_save_wait(t, 1, e); /* one save at a time: the one in the background first */
+    trainer_stage_free(t); /* a synchronous save (the run's last, a stop's) streams: the staging copy goes */
     if (rc) return rc;
     double t0 = ct_now();
     rc = save_checkpoint(t, data, model_only, NULL, e);
@@ -1264,8 +1303,9 @@ int trainer_save_async(trainer *t, const ds *data, ct_err *e) {
     const char *sl = getenv("CTITAN_CKPT_ASYNC_TEST_SLEEP"); /* test-only (docs/checkpoints.md) */
     j->sleep_s = sl && *sl ? atof(sl) : 0;
     j->staged_s = ct_now() - t0;
-    fprintf(stderr, "ctitan: staged checkpoint step-%d (%.1f MiB of tensors) in %.2f s; writing it in the "
-                    "background\n", j->step, (double)j->n * sizeof(float) / 1048576.0, j->staged_s);
+    fprintf(stderr, "ctitan: staged checkpoint step-%d (%.1f MiB of tensors) in %.2f s (%s staging copy); writing it "
+                    "in the background\n", j->step, (double)j->n * sizeof(float) / 1048576.0, j->staged_s,
+            j->reused ? "the previous save's" : "a new");
     /* the stop signals go to the step loop's thread (trainer.c's handler), never interrupt the writer */
     sigset_t stop, was;
     sigemptyset(&stop);

@@ -54,6 +54,9 @@ int trainer_save_async(trainer *t, const ds *data, ct_err *e);
  * learns whether rank 0's write failed (its error on rank 0); else (an error or exit path, or trainer_free)
  * this rank alone waits, and a failure is its error. No-op when none is pending. */
 int trainer_save_wait(trainer *t, int collective, ct_err *e);
+/* Frees the staging copy the async saves keep from one to the next (async_save.stage): at a synchronous save
+ * and the run's end, after trainer_save_wait. A no-op while a save is in flight (its thread reads it). */
+void trainer_stage_free(trainer *t);
 /* events.jsonl's "checkpoint" line for a save of the current step (rank 0's
  * log; nothing elsewhere): kind full, model_only, hf or adapter; mib < 0 when
  * the save does not count its bytes. */
