@@ -1171,3 +1171,45 @@ def resume_with_other_config(tmp_path, run_ctitan, family, kw, **change):
     rc, _, err = run_ctitan(args + [f"--model.hf_assets_path={tmp_path / 'b'}"], check=False)
     assert rc != 0, f"resumed with {change}"
     return err
+
+
+def assert_moe_bf16_like_emulation(tmp_path, open_session, case: Case, B: int, seed: int | None = None,
+                                   drop_idle: bool = False):
+    """training.mixed_precision_param = bfloat16 on a MoE case, against test_moe's emulation of
+    ctitan's bf16 semantics (every linear, the experts', the router's and the shared experts'
+    alike, rounds x, w and d(out) to bf16; bf16 attention), with test_bf16.assert_like_emulation's
+    bounds: the weights of `seed` (None: the case's) saved, one batch of B, ctitan's bf16 and fp32
+    runs against transformers' fp32 and its bf16 emulation (float32 and float64 twins). The
+    emulation patches F.linear, which takes no bias: cases without attention biases.
+    drop_idle: leave out the tensors transformers' fp32 gives no gradient (an expert no token of
+    the batch chose, under a group-limited router), after checking ctitan's runs give none too:
+    there is no bf16 effect to point anywhere."""
+    from conftest import hf_session_args
+    from test_bf16 import BF16, assert_like_emulation, with_float64_twin
+    from test_moe import _Bf16Emulation
+
+    model = build(case, seed=seed)
+    save(model, tmp_path / "hf")
+    tokens, labels = batch(model, B, case.T, seed=5)
+    r32 = loss_and_grads(build(case, seed=seed), case.family, tokens, labels)
+    emus = []
+    for m in with_float64_twin(lambda: build(case, seed=seed)):
+        with _Bf16Emulation(m, experts=True):
+            r = loss_and_grads(m, case.family, tokens, labels)
+        emus.append((r["ce"], r["logits"], r["grads"]))
+
+    def run(extra):
+        s = open_session(hf_session_args(tmp_path / "hf", batch=B, seq_len=case.T, extra=extra))
+        logits = s.logits(tokens)
+        s.zero_grad()
+        nv = oracle.n_valid(labels)
+        loss = s.forward_backward(tokens, labels, nv) / nv
+        return loss, logits, {n: s.get_grad(n) for n in s.names()}
+
+    loss, logits, grads = run([BF16])
+    c32 = run([])[2]
+    idle = [n for n, g in r32["grads"].items() if not g.any()] if drop_idle else []
+    assert all(not grads[n].any() and not c32[n].any() for n in idle), idle
+    keep = lambda d: {n: g for n, g in d.items() if n not in idle}  # noqa: E731
+    emus = [(le, lg, keep(ge)) for le, lg, ge in emus]
+    assert_like_emulation(loss, logits, keep(grads), keep(c32), r32["ce"], emus, keep(r32["grads"]))

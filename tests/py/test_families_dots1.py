@@ -275,35 +275,7 @@ def test_dots1_bf16_like_emulation(tmp_path, open_session):
     falls below the bound's 0.85 (62: 0.79, layer 0's expert 0 gate_proj) while the median stays
     >= 0.95: the sigmoid scores sit close, so a bf16 rounding flips a token's expert, in ctitan
     and the emulation at different tokens (test_families_glm4_moe's bf16 test found the same)."""
-    from test_bf16 import BF16, assert_like_emulation, with_float64_twin
-    from test_moe import _Bf16Emulation
-
-    case = of.CASE[PLAIN]
-    seed = 2
-    model = of.build(case, seed=seed)
-    of.save(model, tmp_path / "hf")
-    tokens, labels = of.batch(model, B, case.T, seed=5)
-    r32 = of.loss_and_grads(of.build(case, seed=seed), FAMILY, tokens, labels)
-    emus = []
-    for m in with_float64_twin(lambda: of.build(case, seed=seed)):
-        with _Bf16Emulation(m, experts=True):
-            r = of.loss_and_grads(m, FAMILY, tokens, labels)
-        emus.append((r["ce"], r["logits"], r["grads"]))
-
-    def run(extra):
-        s = open_session(hf_session_args(tmp_path / "hf", batch=B, seq_len=case.T, extra=extra))
-        logits = s.logits(tokens)
-        s.zero_grad()
-        nv = oracle.n_valid(labels)
-        loss = s.forward_backward(tokens, labels, nv) / nv
-        return loss, logits, {n: s.get_grad(n) for n in s.names()}
-
-    loss, logits, grads = run([BF16])
-    c32 = run([])[2]
-    idle = [n for n, g in r32["grads"].items() if not g.any()]
-    keep = lambda d: {n: g for n, g in d.items() if n not in idle}  # noqa: E731
-    emus = [(le, lg, keep(ge)) for le, lg, ge in emus]
-    assert_like_emulation(loss, logits, keep(grads), keep(c32), r32["ce"], emus, keep(r32["grads"]))
+    of.assert_moe_bf16_like_emulation(tmp_path, open_session, of.CASE[PLAIN], B, seed=2, drop_idle=True)
 
 
 def test_dots1_ignores_glm4_moe_keys(tmp_path, open_session):

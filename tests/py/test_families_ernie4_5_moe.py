@@ -382,31 +382,7 @@ def test_ernie4_5_moe_bf16_like_emulation(tmp_path, open_session):
     measured) one tensor's bf16-effect cosine falls to 0.70-0.83 against the bound's 0.85,
     so the bound is seed-sensitive on these tiny MoE models."""
     cid, seed = "ernie4_5_moe_shared3_untied", 7
-    from test_bf16 import BF16, assert_like_emulation, with_float64_twin
-    from test_moe import _Bf16Emulation
-
-    case = of.CASE[cid]
-    model = of.build(case, seed=seed)
-    of.save(model, tmp_path / "hf")
-    tokens, labels = of.batch(model, B, case.T, seed=5)
-    r32 = of.loss_and_grads(of.build(case, seed=seed), FAMILY, tokens, labels)
-    emus = []
-    for m in with_float64_twin(lambda: of.build(case, seed=seed)):
-        with _Bf16Emulation(m, experts=True):
-            r = of.loss_and_grads(m, FAMILY, tokens, labels)
-        emus.append((r["ce"], r["logits"], r["grads"]))
-
-    def run(extra):
-        s = open_session(hf_session_args(tmp_path / "hf", batch=B, seq_len=case.T, extra=extra))
-        logits = s.logits(tokens)
-        s.zero_grad()
-        nv = oracle.n_valid(labels)
-        loss = s.forward_backward(tokens, labels, nv) / nv
-        return loss, logits, {n: s.get_grad(n) for n in s.names()}
-
-    loss, logits, grads = run([BF16])
-    c32 = run([])[2]
-    assert_like_emulation(loss, logits, grads, c32, r32["ce"], emus, r32["grads"])
+    of.assert_moe_bf16_like_emulation(tmp_path, open_session, of.CASE[cid], B, seed=seed)
 
 
 @pytest.mark.parametrize("key,value", [("moe_k", 3), ("moe_layer_interval", 1), ("moe_num_shared_experts", 1),

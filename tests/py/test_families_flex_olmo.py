@@ -226,30 +226,7 @@ def test_flex_olmo_bf16_like_emulation(tmp_path, open_session):
     test_moe's emulation of ctitan's bf16 semantics (every linear, the experts' and the
     router's alike, rounds x, w and d(out) to bf16; bf16 attention), with
     test_bf16.assert_like_emulation's bounds."""
-    from test_bf16 import BF16, assert_like_emulation, with_float64_twin
-    from test_moe import _Bf16Emulation
-
     # the aux case without its attention biases (test_moe's emulation rounds bias-free linears);
     # the tied case's layer 2 leaves an expert without tokens in this batch (no gradient to compare)
     case = dataclasses.replace(of.CASE[AUX], kw={**of.CASE[AUX].kw, "attention_bias": False})
-    model = of.build(case)
-    of.save(model, tmp_path / "hf")
-    tokens, labels = of.batch(model, B, case.T, seed=5)
-    r32 = of.loss_and_grads(of.build(case), FAMILY, tokens, labels)
-    emus = []
-    for m in with_float64_twin(lambda: of.build(case)):
-        with _Bf16Emulation(m, experts=True):
-            r = of.loss_and_grads(m, FAMILY, tokens, labels)
-        emus.append((r["ce"], r["logits"], r["grads"]))
-
-    def run(extra):
-        s = open_session(hf_session_args(tmp_path / "hf", batch=B, seq_len=case.T, extra=extra))
-        logits = s.logits(tokens)
-        s.zero_grad()
-        nv = oracle.n_valid(labels)
-        loss = s.forward_backward(tokens, labels, nv) / nv
-        return loss, logits, {n: s.get_grad(n) for n in s.names()}
-
-    loss, logits, grads = run([BF16])
-    c32 = run([])[2]
-    assert_like_emulation(loss, logits, grads, c32, r32["ce"], emus, r32["grads"])
+    of.assert_moe_bf16_like_emulation(tmp_path, open_session, case, B)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -102,31 +101,7 @@ def test_bf16_like_emulation(tmp_path, open_session):
     test_moe's emulation of ctitan's bf16 semantics (every linear, the experts', the router's,
     the shared experts' and their gates' alike, rounds x, w and d(out) to bf16; bf16
     attention), with test_bf16.assert_like_emulation's bounds."""
-    from test_bf16 import BF16, assert_like_emulation, with_float64_twin
-    from test_moe import _Bf16Emulation
-
-    case = of.CASE["qwen2_moe_mlponly_norm_nobias"]
-    model = of.build(case)
-    of.save(model, tmp_path / "hf")
-    tokens, labels = of.batch(model, 2, case.T, seed=5)
-    r32 = of.loss_and_grads(of.build(case), case.family, tokens, labels)
-    emus = []
-    for m in with_float64_twin(lambda: of.build(case)):
-        with _Bf16Emulation(m, experts=True):
-            r = of.loss_and_grads(m, case.family, tokens, labels)
-        emus.append((r["ce"], r["logits"], r["grads"]))
-
-    def run(extra):
-        s = open_session(hf_session_args(tmp_path / "hf", batch=2, seq_len=case.T, extra=extra))
-        logits = s.logits(tokens)
-        s.zero_grad()
-        nv = oracle.n_valid(labels)
-        loss = s.forward_backward(tokens, labels, nv) / nv
-        return loss, logits, {n: s.get_grad(n) for n in s.names()}
-
-    loss, logits, grads = run([BF16])
-    c32 = run([])[2]
-    assert_like_emulation(loss, logits, grads, c32, r32["ce"], emus, r32["grads"])
+    of.assert_moe_bf16_like_emulation(tmp_path, open_session, of.CASE["qwen2_moe_mlponly_norm_nobias"], 2)
 
 
 def test_tp_degree_must_divide_the_shared_expert(tmp_path, run_ctitan):
