@@ -313,28 +313,16 @@ def test_dots1_peft_rewrites_the_mlp_names(targets, tmp_path, open_session):
     first layer's MLP gets an adapter. ctitan given PEFT's adapter has its logits, loss and
     adapter gradients (through the biased group-limited router, the o_proj biases and the sliding
     layer); its saved adapter loads in PEFT."""
-    import re
-
     import oracle_lora as OL
-    from test_families_lora import ALPHA, R, lora_args, session_matches_peft
+    from test_families_lora import experts_rewrite_matches_peft
     case = of.CASE[FULL]
     base = of.build(case)
     hf_dir = of.save(base, tmp_path / "hf")
 
     def loaded():
         return of.prepare_loaded(of.load(hf_dir, FAMILY), FAMILY)
-    t = OL.MLP if targets == "mlp" else targets
-    ad, out = tmp_path / "adapter", tmp_path / "saved"
-    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=t, seed=5)
-    pm.save_pretrained(str(ad))
-    params = OL.trainable(pm)
-    assert any(".mlp.experts." in n for n in params), f"test setup: PEFT trains {sorted(params)}"
-    assert not any("shared_experts" in n or re.search(r"layers\.0\.mlp\.", n) for n in params), sorted(params)
-    assert any(".mlp.gate." in n for n in params) == (targets == "all-linear"), sorted(params)
-    tokens, labels = of.batch(base, B, case.T, seed=5)
-    ref = OL.loss_logits_grads(pm, params, tokens, labels)
-    s = open_session(hf_session_args(hf_dir, batch=B, seq_len=case.T, extra=lora_args(t, ad)))
-    session_matches_peft(s, params, tokens, labels, ref, loaded, out)
+    experts_rewrite_matches_peft(tmp_path, open_session, case, base, hf_dir, loaded,
+                                 OL.MLP if targets == "mlp" else targets, r"layers\.0\.mlp\.", B)
 
 
 def test_dots1_biased_layouts_and_resume(tmp_path):

@@ -341,19 +341,9 @@ def test_ernie4_5_moe_peft_rewrites_the_mlp_names(targets, tmp_path, open_sessio
     the sparse layers' mlp.experts target_parameters (all-linear adds the router, gate.weight),
     and neither the shared experts nor the dense layers' MLPs get an adapter. ctitan given PEFT's
     adapter has its logits, loss and adapter gradients; its saved adapter loads in PEFT."""
-    from test_families_lora import R, ALPHA, lora_args, session_matches_peft
+    from test_families_lora import experts_rewrite_matches_peft
     case, base, hf_dir, loaded = _saved_no_aux("ernie4_5_moe_interval2_aux", tmp_path)
-    ad, out = tmp_path / "adapter", tmp_path / "saved"
-    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=targets, seed=5)
-    pm.save_pretrained(str(ad))
-    params = OL.trainable(pm)
-    assert any(".mlp.experts." in n for n in params), f"test setup: PEFT trains {sorted(params)}"
-    assert not any("shared_experts" in n or re.search(r"layers\.[02]\.mlp\.", n) for n in params), sorted(params)
-    assert any(".mlp.gate." in n for n in params) == (targets == "all-linear"), sorted(params)
-    tokens, labels = of.batch(base, B, case.T, seed=5)
-    ref = OL.loss_logits_grads(pm, params, tokens, labels)
-    s = open_session(hf_session_args(hf_dir, batch=B, seq_len=case.T, extra=lora_args(targets, ad)))
-    session_matches_peft(s, params, tokens, labels, ref, loaded, out)
+    experts_rewrite_matches_peft(tmp_path, open_session, case, base, hf_dir, loaded, targets, r"layers\.[02]\.mlp\.", B)
 
 
 def test_ernie4_5_moe_planted_mistakes_are_caught(tmp_path, open_session):

@@ -215,6 +215,26 @@ def saved_case(cid, tmp_path):
     return case, base, hf_dir, lambda: fam.prepare_loaded(fam.load(hf_dir, case.family), case.family)
 
 
+def experts_rewrite_matches_peft(tmp_path, open_session, case, base, hf_dir, loaded, targets, dense_mlp, B):
+    """PEFT's MoE conversion of MLP targets (ernie4_5_moe, glm4_moe, dots1): gate_proj + up_proj /
+    down_proj become the sparse layers' mlp.experts target_parameters (all-linear adds the
+    router, gate.weight), and neither the shared experts nor the dense layers' MLPs (dense_mlp:
+    a regex of their names) get an adapter; ctitan given PEFT's adapter (at targets) then has
+    its logits, loss and adapter gradients, and its saved adapter loads in PEFT."""
+    import re
+    ad, out = tmp_path / "adapter", tmp_path / "saved"
+    pm = OL.make_peft(loaded(), r=R, alpha=ALPHA, targets=targets, seed=5)
+    pm.save_pretrained(str(ad))
+    params = OL.trainable(pm)
+    assert any(".mlp.experts." in n for n in params), f"test setup: PEFT trains {sorted(params)}"
+    assert not any("shared_experts" in n or re.search(dense_mlp, n) for n in params), sorted(params)
+    assert any(".mlp.gate." in n for n in params) == (targets == "all-linear"), sorted(params)
+    tokens, labels = fam.batch(base, B, case.T, seed=5)
+    ref = OL.loss_logits_grads(pm, params, tokens, labels)
+    s = open_session(hf_session_args(hf_dir, batch=B, seq_len=case.T, extra=lora_args(targets, ad)))
+    session_matches_peft(s, params, tokens, labels, ref, loaded, out)
+
+
 def session_matches_peft(s, params, tokens, labels, ref, loaded, out, load=OL.load_adapter_strict):
     """Session s holds PEFT's adapter: its adapter tensors are PEFT's trainable ones, and its
     logits, loss and every adapter gradient are PEFT's (ref = loss, logits, grads); the
