@@ -168,6 +168,61 @@ def assert_same(out, ref, what, steps=range(1, STEPS + 1)):
         assert err <= 1e-5, f"{what}: final {k} differs from one rank by {err:.3g} norm-wise"
 
 
+PP2 = (2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.pipeline_parallel_degree=2",
+             "--parallelism.pipeline_parallel_microbatch_size=1"], 1)
+
+
+def biased_moe_layouts_and_resume(tmp_path, m, m0, family, layouts, zero_moves=False):
+    """A MoE model m whose selection biases (ERNIE 4.5 MoE's, GLM-4.5's, dots1's
+    e_score_correction_bias) come from its files (the generic layout tests start from ctitan's
+    own init, whose biases are zero): loaded from them, it trains 10 steps on one process and
+    under each of layouts (name: (ranks, args, dp)) with the same losses and weights; stopped at
+    step 4 under EP 2 and resumed on one process (the biases from the checkpoint's state.json),
+    it continues the same run. zero_moves: the same weights with the biases zeroed (the planted
+    "bias ignored") move the first loss, and the step-N checkpoint exports m0's biases (m0: a
+    second build of m's weights, kept as built)."""
+    import subprocess
+
+    import torch
+
+    from test_dist import BIN, ENV, losses
+    hf = fam.save(m, tmp_path / "hf")
+    data = oracle.write_bin(tmp_path / "tokens.bin", oracle.learnable_stream(600 * 17, 128, seed=7))
+    load = [f"--checkpoint.initial_load_path={hf}", "--checkpoint.initial_load_in_hf"]
+    ref = tmp_path / "single"
+    run(1, train_args(hf, data, ref, *load), timeout=300)
+    assert len(losses(ref)) >= 10
+    if zero_moves:
+        zero = tmp_path / "hf0"
+        with torch.no_grad():
+            for n, p in [*m.named_parameters(), *m.named_buffers()]:
+                if n.endswith(fam.BIAS_MEM):
+                    p.zero_()
+        fam.save(m, zero)
+        run(1, train_args(zero, data, tmp_path / "zero", f"--checkpoint.initial_load_path={zero}",
+                          "--checkpoint.initial_load_in_hf", "--training.steps=2"), timeout=300)
+        a, b = losses(tmp_path / "zero"), losses(ref)
+        assert abs(a[1] - b[1]) > 1e-4 * abs(b[1]), f"the bias leaves the first loss as it was: {a[1]} vs {b[1]}"
+    for name, (n, extra, dp) in layouts.items():
+        out = tmp_path / name
+        run(n, train_args(hf, data, out, *load, *extra, dp=dp), timeout=300)
+        assert_same(out, ref, name)
+    n, extra, dp = EP2
+    out = tmp_path / "resume"
+    p = run(n, train_args(hf, data, out, *load, *extra, "--training.stop_at_step=4",
+                          "--checkpoint.last_save_model_only=false", dp=dp), check=False, timeout=300)
+    assert p.returncode == 75, p.stderr[-3000:]
+    run(1, train_args(hf, data, out, *load, "--checkpoint.last_save_model_only=false"), timeout=300)
+    assert_same(out, ref, "ep2 -> 1 rank", steps=range(5, 11))
+    if zero_moves:
+        step = ref / "checkpoint" / f"step-{STEPS}"
+        p = subprocess.run([str(BIN), "export", "--checkpoint", str(step), "--out", str(tmp_path / "exported"),
+                            "--tokenizer", str(hf)], env=ENV, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+        back = fam.load(tmp_path / "exported", family)
+        assert all(torch.equal(a, b) for a, b in zip(fam.router_biases(back), fam.router_biases(m0)))
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("fam_dist")

@@ -330,25 +330,7 @@ def test_dots1_biased_layouts_and_resume(tmp_path):
     whose selection biases are zero) trains 10 steps on one process, under EP 2, FSDP 2, TP 2 and
     PP 2 with the same losses and weights; stopped at step 4 under EP 2 and resumed on one process
     (the biases from the checkpoint's state.json), it continues the same run."""
-    from test_dist import losses, run, train_args
-    from test_families_dist import EP2, FSDP2, TP2, assert_same
+    from test_families_dist import EP2, FSDP2, PP2, TP2, biased_moe_layouts_and_resume
     case = of.CASE[FULL]
-    hf = of.save(of.build(case), tmp_path / "hf")
-    data = oracle.write_bin(tmp_path / "tokens.bin", oracle.learnable_stream(600 * 17, 128, seed=7))
-    load = [f"--checkpoint.initial_load_path={hf}", "--checkpoint.initial_load_in_hf"]
-    ref = tmp_path / "single"
-    run(1, train_args(hf, data, ref, *load), timeout=300)
-    assert len(losses(ref)) >= 10
-    pp2 = (2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.pipeline_parallel_degree=2",
-               "--parallelism.pipeline_parallel_microbatch_size=1"], 1)
-    for name, (n, extra, dp) in (("ep2", EP2), ("fsdp2", FSDP2), ("tp2", TP2), ("pp2", pp2)):
-        out = tmp_path / name
-        run(n, train_args(hf, data, out, *load, *extra, dp=dp), timeout=300)
-        assert_same(out, ref, name)
-    n, extra, dp = EP2
-    out = tmp_path / "resume"
-    p = run(n, train_args(hf, data, out, *load, *extra, "--training.stop_at_step=4",
-                          "--checkpoint.last_save_model_only=false", dp=dp), check=False, timeout=300)
-    assert p.returncode == 75, p.stderr[-3000:]
-    run(1, train_args(hf, data, out, *load, "--checkpoint.last_save_model_only=false"), timeout=300)
-    assert_same(out, ref, "ep2 -> 1 rank", steps=range(5, 11))
+    biased_moe_layouts_and_resume(tmp_path, of.build(case), of.build(case), FAMILY,
+                                  {"ep2": EP2, "fsdp2": FSDP2, "tp2": TP2, "pp2": PP2})

@@ -263,46 +263,10 @@ def test_glm4_moe_biased_layouts_and_resume(tmp_path):
     checkpoint's state.json), it continues the same run; the step-N checkpoint exports the
     file's biases. The same weights with the biases zeroed (the planted "bias ignored") move
     the first loss."""
-    import subprocess
-
-    from test_dist import BIN, ENV, STEPS, losses, run, train_args
-    from test_families_dist import EP2, FSDP2, TP2, assert_same
+    from test_families_dist import EP2, FSDP2, PP2, TP2, biased_moe_layouts_and_resume
     case = of.CASE[FULL]
-    m = of.build(case)
-    m0 = of.build(case)
-    hf = of.save(m, tmp_path / "hf")
-    data = oracle.write_bin(tmp_path / "tokens.bin", oracle.learnable_stream(600 * 17, 128, seed=7))
-    load = [f"--checkpoint.initial_load_path={hf}", "--checkpoint.initial_load_in_hf"]
-    ref = tmp_path / "single"
-    run(1, train_args(hf, data, ref, *load), timeout=300)
-    zero = tmp_path / "hf0"
-    with torch.no_grad():
-        for mlp in _sparse(m):
-            mlp.gate.e_score_correction_bias.zero_()
-    of.save(m, zero)
-    run(1, train_args(zero, data, tmp_path / "zero", f"--checkpoint.initial_load_path={zero}",
-                      "--checkpoint.initial_load_in_hf", "--training.steps=2"), timeout=300)
-    a, b = losses(tmp_path / "zero"), losses(ref)
-    assert abs(a[1] - b[1]) > 1e-4 * abs(b[1]), f"the bias leaves the first loss as it was: {a[1]} vs {b[1]}"
-    pp2 = (2, ["--parallelism.data_parallel_shard_degree=1", "--parallelism.pipeline_parallel_degree=2",
-               "--parallelism.pipeline_parallel_microbatch_size=1"], 1)
-    for name, (n, extra, dp) in (("ep2", EP2), ("fsdp2", FSDP2), ("tp2", TP2), ("pp2", pp2)):
-        out = tmp_path / name
-        run(n, train_args(hf, data, out, *load, *extra, dp=dp), timeout=300)
-        assert_same(out, ref, name)
-    n, extra, dp = EP2
-    out = tmp_path / "resume"
-    p = run(n, train_args(hf, data, out, *load, *extra, "--training.stop_at_step=4",
-                          "--checkpoint.last_save_model_only=false", dp=dp), check=False, timeout=300)
-    assert p.returncode == 75, p.stderr[-3000:]
-    run(1, train_args(hf, data, out, *load, "--checkpoint.last_save_model_only=false"), timeout=300)
-    assert_same(out, ref, "ep2 -> 1 rank", steps=range(5, 11))
-    step = ref / "checkpoint" / f"step-{STEPS}"
-    p = subprocess.run([str(BIN), "export", "--checkpoint", str(step), "--out", str(tmp_path / "exported"),
-                        "--tokenizer", str(hf)], env=ENV, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    back = of.load(tmp_path / "exported", FAMILY)
-    assert all(torch.equal(a, b) for a, b in zip(of.router_biases(back), of.router_biases(m0)))
+    biased_moe_layouts_and_resume(tmp_path, of.build(case), of.build(case), FAMILY,
+                                  {"ep2": EP2, "fsdp2": FSDP2, "tp2": TP2, "pp2": PP2}, zero_moves=True)
 
 
 def test_glm4_moe_defaults(tmp_path, open_session, run_ctitan):
